@@ -1,0 +1,1 @@
+"""``kazma.adapters``: the bus contract and the platform adapters."""

@@ -1,0 +1,1 @@
+"""``kazma.approvals``: approval requests, the one-decision store, cards and the safety policy."""

@@ -1,0 +1,1 @@
+"""``kazma.bot``: the composition root, the CLI and inbound routing."""

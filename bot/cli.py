@@ -1,0 +1,102 @@
+"""The ``kazma`` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import click
+import structlog
+
+from kazma.bot.doctor import Level, run_checks
+from kazma.bot.logging import LEVELS, configure_logging
+from kazma.config import ConfigError, LoadedConfig, __version__, load_config, platform_statuses
+
+log = structlog.get_logger("kazma.cli")
+
+EXIT_CONFIG = 2
+EXIT_CHECK_FAILED = 1
+
+
+class Context:
+    def __init__(self, config_path: Path | None) -> None:
+        self.config_path = config_path
+
+    def load(self, path: Path | None = None) -> LoadedConfig:
+        """Load the configuration or exit with one line per problem."""
+        try:
+            return load_config(path or self.config_path)
+        except ConfigError as exc:
+            for line in exc.lines:
+                click.echo(line, err=True)
+            sys.exit(EXIT_CONFIG)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="kazma")
+@click.option(
+    "--config",
+    "-c",
+    "config_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    envvar="KAZMA_CONFIG",
+    default=None,
+    help="Path to kazma.yaml (default: ./kazma.yaml, or $KAZMA_CONFIG).",
+)
+@click.option("--log-level", type=click.Choice(LEVELS), default="info", show_default=True, envvar="KAZMA_LOG_LEVEL")
+@click.option(
+    "--log-format",
+    type=click.Choice(["auto", "console", "json"]),
+    default="auto",
+    show_default=True,
+    help="auto: readable on a terminal, JSON lines otherwise.",
+)
+@click.pass_context
+def main(ctx: click.Context, config_path: Path | None, log_level: str, log_format: str) -> None:
+    """Kazma: a chat-platform bot bus for AI agent teams."""
+    configure_logging(log_level, log_format)  # type: ignore[arg-type]
+    ctx.obj = Context(config_path)
+
+
+@main.group()
+def config() -> None:
+    """Inspect and validate kazma.yaml."""
+
+
+@config.command("check")
+@click.argument("path", required=False, type=click.Path(path_type=Path, dir_okay=True))
+@click.pass_obj
+def config_check(obj: Context, path: Path | None) -> None:
+    """Validate PATH (default: the --config file) and say which platforms would start."""
+    loaded = obj.load(path)
+    source = loaded.source or Path("kazma.yaml")
+    click.echo(f"{source}: valid")
+    for status in platform_statuses(loaded):
+        state = "on " if status.enabled else "off"
+        click.echo(f"  {status.name:<9} {state}  {status.reason}")
+        for warning in status.warnings:
+            click.echo(f"  {'':<9} warn {warning}")
+    if not any(s.enabled for s in platform_statuses(loaded)):
+        click.echo("  every platform is off: `kazma run` will serve the web console alone")
+
+
+@main.command()
+@click.option("--model-timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the model.")
+@click.pass_obj
+def doctor(obj: Context, model_timeout: float) -> None:
+    """Check the configuration, the store and the model endpoint."""
+    loaded = obj.load()
+    checks = asyncio.run(run_checks(loaded, model_timeout=model_timeout))
+    for check in checks:
+        click.echo(f"{check.level.value.upper():<4}  {check.name:<17} {check.detail}")
+    failed = [c for c in checks if c.level is Level.FAIL]
+    warned = [c for c in checks if c.level is Level.WARN]
+    click.echo(f"{len(failed)} failed, {len(warned)} warnings")
+    log.info("doctor.finished", failed=len(failed), warnings=len(warned))
+    if failed:
+        sys.exit(EXIT_CHECK_FAILED)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,80 @@
+"""``kazma doctor``: check what a running bus would depend on and say what is wrong."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import httpx
+
+from kazma.bot.store import open_store
+from kazma.config import LoadedConfig, platform_statuses
+from kazma.config.database import schema_versions, transaction
+
+
+class Level(StrEnum):
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    level: Level
+    detail: str
+
+
+async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0) -> list[Check]:
+    checks = [Check("config", Level.OK, f"{loaded.source or 'kazma.yaml'} is valid")]
+    for status in platform_statuses(loaded):
+        if status.enabled:
+            checks.append(Check(f"platform.{status.name}", Level.OK, f"on ({status.reason})"))
+        else:
+            checks.append(Check(f"platform.{status.name}", Level.OK, f"off: {status.reason}"))
+        checks.extend(Check(f"platform.{status.name}", Level.WARN, w) for w in status.warnings)
+    checks.append(await check_store(loaded))
+    checks.append(await check_model(loaded, wait_seconds=model_timeout))
+    return checks
+
+
+async def check_store(loaded: LoadedConfig) -> Check:
+    path = loaded.config.store.path
+    try:
+        conn = await open_store(loaded.config)
+    except Exception as exc:
+        return Check("store", Level.FAIL, f"{path}: cannot open: {exc}")
+    try:
+        async with transaction(conn):  # takes the write lock: proves the file is writable now
+            versions = await schema_versions(conn)
+    except Exception as exc:
+        return Check("store", Level.FAIL, f"{path}: not writable: {exc}")
+    finally:
+        await conn.close()
+    schema = ", ".join(f"{k} v{v}" for k, v in sorted(versions.items())) or "no tables yet"
+    return Check("store", Level.OK, f"{path}: writable ({schema})")
+
+
+async def check_model(loaded: LoadedConfig, *, wait_seconds: float) -> Check:
+    model = loaded.config.model
+    url = model.base_url.rstrip("/") + "/models"
+    headers = {"Authorization": f"Bearer {model.api_key}"} if model.api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=wait_seconds) as client:
+            response = await client.get(url, headers=headers)
+    except httpx.TimeoutException:
+        return Check("model", Level.FAIL, f"{url}: no answer within {wait_seconds:g} s")
+    except httpx.HTTPError as exc:
+        return Check("model", Level.FAIL, f"{url}: unreachable ({type(exc).__name__}: {exc})")
+    if response.status_code in (401, 403):
+        return Check("model", Level.FAIL, f"{url}: the server rejected the API key (HTTP {response.status_code})")
+    if response.status_code >= 400:
+        return Check("model", Level.FAIL, f"{url}: HTTP {response.status_code}")
+    try:
+        names = {str(item.get("id")) for item in response.json().get("data", []) if isinstance(item, dict)}
+    except ValueError:
+        return Check("model", Level.FAIL, f"{url}: answered, but not with JSON")
+    if names and model.name not in names:
+        listed = ", ".join(sorted(names)[:5])
+        return Check("model", Level.WARN, f"{url}: reachable, but model {model.name!r} is not listed ({listed})")
+    return Check("model", Level.OK, f"{url}: reachable, model {model.name!r}")

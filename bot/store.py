@@ -1,0 +1,23 @@
+"""The composition root's view of the store: every layer's migrations, applied at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiosqlite
+
+from kazma.config import KazmaConfig
+from kazma.config.database import Migration, open_database
+
+
+def all_migrations() -> list[Migration]:
+    """Every layer's schema, in the order layers depend on each other."""
+    return []
+
+
+async def open_store(config: KazmaConfig, path: Path | None = None) -> aiosqlite.Connection:
+    return await open_database(
+        path or config.store.path,
+        busy_timeout_ms=config.store.busy_timeout_ms,
+        migrations=all_migrations(),
+    )

@@ -1,0 +1,137 @@
+"""The embedded SQLite store: opening it safely and applying additive migrations.
+
+Every layer that keeps state (approvals, the outbox, tasks) owns its own
+migrations and hands them to :func:`open_database`; this module only knows
+how to apply them once, in order, even when two processes start together.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiosqlite
+import structlog
+
+log = structlog.get_logger("kazma.store")
+
+# Only additive changes: a later release must still read an older file and an
+# older release must not trip over a newer one.
+_ADDITIVE = re.compile(
+    r"^\s*(CREATE\s+(TABLE|INDEX|UNIQUE\s+INDEX|VIEW|TRIGGER)\s+IF\s+NOT\s+EXISTS|ALTER\s+TABLE\s+\S+\s+ADD\s+COLUMN)\b",
+    re.IGNORECASE,
+)
+
+
+class MigrationError(Exception):
+    """A migration is not additive, or its versions are not in order."""
+
+
+@dataclass(frozen=True)
+class Migration:
+    component: str
+    version: int
+    statements: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        for statement in self.statements:
+            if not _ADDITIVE.match(statement):
+                first = statement.strip().splitlines()[0] if statement.strip() else "(empty)"
+                raise MigrationError(
+                    f"{self.component} v{self.version}: only CREATE ... IF NOT EXISTS and "
+                    f"ALTER TABLE ... ADD COLUMN are allowed, got: {first}"
+                )
+
+
+_SCHEMA_TABLE = """
+CREATE TABLE IF NOT EXISTS kazma_schema (
+    component TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    applied_at REAL NOT NULL,
+    PRIMARY KEY (component, version)
+)
+"""
+
+
+async def connect(path: Path | str, *, busy_timeout_ms: int = 5000) -> aiosqlite.Connection:
+    """Open ``path`` with WAL, ``busy_timeout`` and ``synchronous=FULL``; autocommit mode."""
+    target = Path(path)
+    if str(target) != ":memory:":
+        target.parent.mkdir(parents=True, exist_ok=True)
+    conn = await aiosqlite.connect(str(target), isolation_level=None, timeout=busy_timeout_ms / 1000)
+    try:
+        # busy_timeout first: switching to WAL takes a lock another process may hold.
+        await conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        await conn.execute("PRAGMA journal_mode = WAL")
+        await conn.execute("PRAGMA synchronous = FULL")
+        await conn.execute("PRAGMA foreign_keys = ON")
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
+async def apply_migrations(conn: aiosqlite.Connection, migrations: Iterable[Migration]) -> list[Migration]:
+    """Apply every migration not yet recorded; return the ones applied now."""
+    ordered = _check_order(list(migrations))
+    applied: list[Migration] = []
+    await conn.execute(_SCHEMA_TABLE)
+    async with transaction(conn):
+        cursor = await conn.execute("SELECT component, version FROM kazma_schema")
+        done = {(str(row[0]), int(row[1])) for row in await cursor.fetchall()}
+        for migration in ordered:
+            if (migration.component, migration.version) in done:
+                continue
+            for statement in migration.statements:
+                await conn.execute(statement)
+            await conn.execute(
+                "INSERT INTO kazma_schema (component, version, applied_at) VALUES (?, ?, ?)",
+                (migration.component, migration.version, time.time()),
+            )
+            applied.append(migration)
+    for migration in applied:
+        log.info("store.migration_applied", component=migration.component, version=migration.version)
+    return applied
+
+
+def _check_order(migrations: Sequence[Migration]) -> list[Migration]:
+    by_component: dict[str, list[int]] = {}
+    for migration in migrations:
+        by_component.setdefault(migration.component, []).append(migration.version)
+    for component, versions in by_component.items():
+        if versions != sorted(set(versions)) or versions[0] < 1:
+            raise MigrationError(f"{component}: versions must be unique, ascending and start at 1, got {versions}")
+    return list(migrations)
+
+
+async def open_database(
+    path: Path | str, *, busy_timeout_ms: int = 5000, migrations: Iterable[Migration] = ()
+) -> aiosqlite.Connection:
+    conn = await connect(path, busy_timeout_ms=busy_timeout_ms)
+    try:
+        await apply_migrations(conn, migrations)
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
+@asynccontextmanager
+async def transaction(conn: aiosqlite.Connection) -> AsyncIterator[aiosqlite.Connection]:
+    """``BEGIN IMMEDIATE`` … ``COMMIT``: takes the write lock up front so two writers queue, not deadlock."""
+    await conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        await conn.execute("ROLLBACK")
+        raise
+    await conn.execute("COMMIT")
+
+
+async def schema_versions(conn: aiosqlite.Connection) -> dict[str, int]:
+    cursor = await conn.execute("SELECT component, MAX(version) FROM kazma_schema GROUP BY component")
+    return {str(row[0]): int(row[1]) for row in await cursor.fetchall()}

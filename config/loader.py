@@ -1,0 +1,227 @@
+"""Read ``kazma.yaml``: parse, substitute the environment, validate, explain."""
+
+from __future__ import annotations
+
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
+
+from kazma.config.env import format_path, substitute
+from kazma.config.errors import ConfigError, Problem
+from kazma.config.models import KazmaConfig
+
+DEFAULT_PATH = Path("kazma.yaml")
+CONFIG_ENV = "KAZMA_CONFIG"
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A validated configuration and where it came from."""
+
+    config: KazmaConfig
+    source: Path | None
+    # key path -> environment variables it referenced, to explain why a platform is off
+    references: dict[str, list[str]] = field(default_factory=dict)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys instead of keeping the last silently."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", mark)
+        seen[key] = loader.construct_object(value_node, deep=deep)
+    return seen
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def resolve_path(path: str | Path | None) -> Path:
+    if path is not None:
+        return Path(path)
+    return Path(os.environ.get(CONFIG_ENV, str(DEFAULT_PATH)))
+
+
+def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> LoadedConfig:
+    """Load and validate a configuration file; raise :class:`ConfigError` on any problem."""
+    source = resolve_path(path)
+    name = str(source)
+    try:
+        text = source.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(name, [Problem("", "file not found (create one from the README's example)")]) from None
+    except IsADirectoryError:
+        raise ConfigError(name, [Problem("", "is a directory, expected a YAML file")]) from None
+    except PermissionError:
+        raise ConfigError(name, [Problem("", "cannot be read: permission denied")]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(name, [Problem("", f"is not UTF-8 text ({exc.reason} at byte {exc.start})")]) from None
+    return load_config_text(text, name=name, environ=environ, source=source)
+
+
+def load_config_text(
+    text: str,
+    *,
+    name: str = "kazma.yaml",
+    environ: Mapping[str, str] | None = None,
+    source: Path | None = None,
+) -> LoadedConfig:
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = exc.problem or exc.context or "unreadable"
+        raise ConfigError(name, [Problem("", f"{where}invalid YAML: {problem}")]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(name, [Problem("", f"invalid YAML: {exc}")]) from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(name, [Problem("", f"expected a mapping of settings at the top, got {_kind(raw)}")])
+
+    subst = substitute(raw, os.environ if environ is None else environ)
+    if subst.missing:
+        problems = [
+            Problem(where, f"environment variable {var} is not set (write ${{{var}:-}} to make it optional)")
+            for where, var in subst.missing
+        ]
+        raise ConfigError(name, problems)
+    try:
+        config = KazmaConfig.model_validate(subst.tree)
+    except ValidationError as exc:
+        raise ConfigError(name, [_problem(err) for err in exc.errors()]) from None
+    return LoadedConfig(config=config, source=source, references=subst.references)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return f"the text {_show(value)}"
+    return f"{type(value).__name__} {_show(value)}"
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_PLAIN = {
+    "missing": "required key is missing",
+    "int_parsing": "expected an integer",
+    "int_type": "expected an integer",
+    "int_from_float": "expected an integer",
+    "float_parsing": "expected a number",
+    "float_type": "expected a number",
+    "bool_parsing": "expected true or false",
+    "bool_type": "expected true or false",
+    "string_type": "expected text",
+    "list_type": "expected a list",
+    "dict_type": "expected a mapping",
+    "model_type": "expected a mapping",
+    "model_attributes_type": "expected a mapping",
+    "finite_number": "expected a finite number",
+}
+
+_BOUNDS = {
+    "greater_than": ("must be greater than", "gt"),
+    "greater_than_equal": ("must be at least", "ge"),
+    "less_than": ("must be less than", "lt"),
+    "less_than_equal": ("must be at most", "le"),
+    "string_too_short": ("must have at least {} characters", "min_length"),
+    "string_too_long": ("must have at most {} characters", "max_length"),
+}
+
+
+def _problem(err: ErrorDetails) -> Problem:
+    loc = tuple(err.get("loc", ()))
+    ctx = dict(err.get("ctx") or {})
+    subpath = ctx.pop("subpath", None)
+    parts: tuple[str | int, ...] = tuple(p if isinstance(p, int) else str(p) for p in loc)
+    # pydantic puts custom errors raised inside an ``Annotated`` validator under
+    # a synthetic segment naming the function; it means nothing to a person.
+    parts = tuple(p for p in parts if not (isinstance(p, str) and p.startswith("function-")))
+    path = format_path(parts)
+    if subpath:
+        path = f"{path}.{subpath}" if path else str(subpath)
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(parts[:-1])
+        hint = f" (expected one of: {', '.join(allowed)})" if allowed else ""
+        return Problem(path, f"unknown key{hint}")
+    if kind in _PLAIN:
+        message = _PLAIN[kind]
+        if kind != "missing":
+            message += f", got {_kind(value)}"
+        return Problem(path, message)
+    if kind in _BOUNDS:
+        words, key = _BOUNDS[kind]
+        limit = ctx.get(key)
+        if "{}" in words:
+            return Problem(path, f"{words.format(limit)}, got {_show(value)}")
+        return Problem(path, f"{words} {limit}, got {_show(value)}")
+    if kind == "literal_error":
+        return Problem(path, f"expected one of {ctx.get('expected')}, got {_show(value)}")
+    if kind == "enum":
+        return Problem(path, f"expected one of {ctx.get('expected')}, got {_show(value)}")
+    message = str(err.get("msg", "invalid value"))
+    if kind.startswith("kazma_"):
+        return Problem(path, message)
+    return Problem(path, f"{message[:1].lower()}{message[1:]}, got {_show(value)}")
+
+
+def _allowed_keys(parts: tuple[str | int, ...]) -> list[str]:
+    """The keys a model accepts at ``parts``, for an 'unknown key' hint."""
+    model: Any = KazmaConfig
+    skip_key = False
+    for part in parts:
+        if skip_key:  # the user's own key inside a dict of models (agents.workers.<name>)
+            skip_key = False
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return []
+        info = model.model_fields.get(str(part))
+        if info is None:
+            return []
+        model = _model_of(info.annotation)
+        if model is None:
+            return []
+        if isinstance(model, tuple):
+            model, skip_key = model[0], True
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return sorted(model.model_fields)
+    return []
+
+
+def _model_of(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    origin = typing.get_origin(annotation)
+    if origin in (dict,):
+        value = typing.get_args(annotation)[1]
+        if isinstance(value, type) and issubclass(value, BaseModel):
+            return (value,)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _model_of(arg)
+            if found is not None:
+                return found
+    return None

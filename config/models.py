@@ -1,0 +1,434 @@
+"""Pydantic models of ``kazma.yaml``.
+
+Every model forbids unknown keys so that a typo is an error naming its path
+rather than a setting silently ignored. Validators raise ``PydanticCustomError``
+with a message written for a person; :mod:`kazma.config.loader` turns those
+into one line per problem.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+APPROVER_PLATFORMS = ("telegram", "slack", "discord", "web", "cli")
+_WORKER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+_SLACK_CHANNEL = re.compile(r"^[CGD][A-Z0-9]{2,}$")
+_SLACK_USER = re.compile(r"^[UW][A-Z0-9]{2,}$")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _strict_int(kind: str) -> Any:
+    """A before-validator accepting ints and integer strings (env values are strings)."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise PydanticCustomError("kazma_int", "expected {kind}, got {got}", {"kind": kind, "got": repr(value)})
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
+            return int(value)
+        raise PydanticCustomError("kazma_int", "expected {kind}, got {got}", {"kind": kind, "got": repr(value)})
+
+    return BeforeValidator(check)
+
+
+TelegramChatId = Annotated[int, _strict_int("an integer chat id")]
+TelegramUserId = Annotated[int, _strict_int("an integer user id")]
+DiscordSnowflake = Annotated[int, _strict_int("a numeric Discord id")]
+
+
+def _optional_int(kind: str) -> Any:
+    inner = _strict_int(kind).func
+
+    def check(value: Any) -> Any:
+        if value is None or value == "":
+            return None
+        return inner(value)
+
+    return BeforeValidator(check)
+
+
+OptionalTelegramChatId = Annotated[int | None, _optional_int("an integer chat id")]
+OptionalDiscordSnowflake = Annotated[int | None, _optional_int("a numeric Discord id")]
+
+
+def _http_url(value: Any) -> Any:
+    if not isinstance(value, str) or not re.match(r"^https?://[^\s/]+", value):
+        raise PydanticCustomError("kazma_url", "expected an http(s) URL, got {got}", {"got": repr(value)})
+    return value
+
+
+HttpUrl = Annotated[str, BeforeValidator(_http_url)]
+
+
+def _ws_url(value: Any) -> Any:
+    if value in ("", None):
+        return ""
+    if not isinstance(value, str) or not re.match(r"^wss?://[^\s/]+", value):
+        raise PydanticCustomError(
+            "kazma_url", "expected a ws(s) URL or empty for the default, got {got}", {"got": repr(value)}
+        )
+    return value
+
+
+class DangerLevel(StrEnum):
+    """How much a tool can change. Unlisted tools are treated as ``dangerous``."""
+
+    READ = "read"
+    WRITE = "write"
+    DANGEROUS = "dangerous"
+
+
+class StoreConfig(Strict):
+    path: Path = Path(".kazma/kazma.db")
+    busy_timeout_ms: int = Field(default=5000, ge=0, le=600_000)
+
+
+class WebConfig(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8765, ge=1, le=65535)
+    public_url: HttpUrl = "http://127.0.0.1:8765"
+
+    @field_validator("public_url")
+    @classmethod
+    def _strip_slash(cls, value: str) -> str:
+        return value.rstrip("/")
+
+
+class ModelConfig(Strict):
+    base_url: HttpUrl = "http://127.0.0.1:11434/v1"
+    api_key: str = ""
+    name: str = Field(default="llama3.1", min_length=1)
+    timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+    max_retries: int = Field(default=3, ge=0, le=10)
+
+
+class LeadAgentConfig(Strict):
+    name: str = "kazma"
+    system_prompt: str = (
+        "You are the lead agent of a small team. Plan multi-step work as a plan and "
+        "hand each step to the sub-agent best suited to it."
+    )
+    tools: list[str] = Field(default_factory=list)
+    model: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _check_agent_name(value)
+
+
+class WorkerConfig(Strict):
+    system_prompt: str
+    tools: list[str] = Field(default_factory=list)
+    model: str | None = None
+    expertise: list[str] = Field(default_factory=list)
+
+
+def _check_agent_name(value: str) -> str:
+    if not _WORKER_NAME.match(value):
+        raise PydanticCustomError(
+            "kazma_name",
+            "expected a lowercase name of letters, digits, '-' or '_' (at most 32), got {got}",
+            {"got": repr(value)},
+        )
+    return value
+
+
+def _default_workers() -> dict[str, WorkerConfig]:
+    return {
+        "researcher": WorkerConfig(
+            system_prompt="You research the task, gather facts and sources, and summarise them briefly.",
+            tools=["http_get", "read_file"],
+            expertise=["research", "search", "sources", "facts"],
+        ),
+        "refiner": WorkerConfig(
+            system_prompt="You turn research into a precise, buildable specification.",
+            tools=["read_file"],
+            expertise=["specification", "requirements", "design"],
+        ),
+        "builder": WorkerConfig(
+            system_prompt="You build what the specification asks for in the workspace.",
+            tools=["shell", "write_file", "read_file"],
+            expertise=["code", "build", "implement", "script"],
+        ),
+        "validator": WorkerConfig(
+            system_prompt="You check the result against the request and report what is missing.",
+            tools=["read_file", "shell"],
+            expertise=["test", "review", "validate", "check"],
+        ),
+    }
+
+
+class AgentsConfig(Strict):
+    lead: LeadAgentConfig = Field(default_factory=LeadAgentConfig)
+    workers: dict[str, WorkerConfig] = Field(default_factory=_default_workers)
+
+    @field_validator("workers")
+    @classmethod
+    def _worker_names(cls, value: dict[str, WorkerConfig]) -> dict[str, WorkerConfig]:
+        for name in value:
+            _check_agent_name(name)
+        return value
+
+    @model_validator(mode="after")
+    def _lead_not_worker(self) -> AgentsConfig:
+        if self.lead.name in self.workers:
+            raise PydanticCustomError(
+                "kazma_name",
+                "the lead agent's name {name} is also a worker's name",
+                {"name": repr(self.lead.name), "subpath": "lead.name"},
+            )
+        return self
+
+
+def _approver(value: Any) -> Any:
+    if not isinstance(value, str) or ":" not in value:
+        raise PydanticCustomError(
+            "kazma_approver",
+            "expected '<platform>:<user id>' (platform one of {platforms}), got {got}",
+            {"platforms": ", ".join(APPROVER_PLATFORMS), "got": repr(value)},
+        )
+    platform, _, user = value.partition(":")
+    if platform not in APPROVER_PLATFORMS or not user.strip():
+        raise PydanticCustomError(
+            "kazma_approver",
+            "expected '<platform>:<user id>' (platform one of {platforms}), got {got}",
+            {"platforms": ", ".join(APPROVER_PLATFORMS), "got": repr(value)},
+        )
+    return value
+
+
+Approver = Annotated[str, BeforeValidator(_approver)]
+
+
+class ApprovalsConfig(Strict):
+    deadline_seconds: int = Field(default=600, gt=0, le=7 * 24 * 3600)
+    approvers: list[Approver] = Field(default_factory=list)
+    value_limit: int = Field(default=500, ge=16, le=4000)
+
+
+class TelegramWebhookConfig(Strict):
+    url: str = ""
+    secret_token: str = ""
+    listen: str = "127.0.0.1"
+    port: int = Field(default=8443, ge=1, le=65535)
+    path: str = "/telegram"
+
+
+class TelegramConfig(Strict):
+    token: str = ""
+    api_base_url: HttpUrl = "https://api.telegram.org"
+    mode: Literal["polling", "webhook"] = "polling"
+    webhook: TelegramWebhookConfig = Field(default_factory=TelegramWebhookConfig)
+    chats: list[TelegramChatId] = Field(default_factory=list)
+    home_chat: OptionalTelegramChatId = None
+    admins: list[TelegramUserId] = Field(default_factory=list)
+
+    @field_validator("api_base_url")
+    @classmethod
+    def _strip(cls, value: str) -> str:
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _webhook_needs_secret(self) -> TelegramConfig:
+        if self.token and self.mode == "webhook":
+            if not self.webhook.url:
+                raise PydanticCustomError(
+                    "kazma_webhook", "required when mode is 'webhook'", {"subpath": "webhook.url"}
+                )
+            if not self.webhook.secret_token:
+                raise PydanticCustomError(
+                    "kazma_webhook", "required when mode is 'webhook'", {"subpath": "webhook.secret_token"}
+                )
+        return self
+
+
+class SlackHttpConfig(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=3000, ge=1, le=65535)
+    path: str = "/slack/events"
+
+
+def _slack_channel(value: Any) -> Any:
+    if value in (None, ""):
+        return ""
+    if not isinstance(value, str) or not _SLACK_CHANNEL.match(value):
+        raise PydanticCustomError(
+            "kazma_slack_channel", "expected a Slack channel id like C0123456789, got {got}", {"got": repr(value)}
+        )
+    return value
+
+
+def _slack_user(value: Any) -> Any:
+    if not isinstance(value, str) or not _SLACK_USER.match(value):
+        raise PydanticCustomError(
+            "kazma_slack_user", "expected a Slack user id like U0123456789, got {got}", {"got": repr(value)}
+        )
+    return value
+
+
+SlackChannel = Annotated[str, BeforeValidator(_slack_channel)]
+SlackUser = Annotated[str, BeforeValidator(_slack_user)]
+
+
+class SlackConfig(Strict):
+    bot_token: str = ""
+    app_token: str = ""
+    signing_secret: str = ""
+    api_base_url: HttpUrl = "https://slack.com/api/"
+    http: SlackHttpConfig = Field(default_factory=SlackHttpConfig)
+    channels: list[SlackChannel] = Field(default_factory=list)
+    home_channel: SlackChannel = ""
+    admins: list[SlackUser] = Field(default_factory=list)
+
+    @field_validator("api_base_url")
+    @classmethod
+    def _trailing_slash(cls, value: str) -> str:
+        # slack-sdk joins method names with urljoin: without the slash the last
+        # path segment would be replaced.
+        return value if value.endswith("/") else value + "/"
+
+    @model_validator(mode="after")
+    def _http_needs_secret(self) -> SlackConfig:
+        if self.bot_token and not self.app_token and not self.signing_secret:
+            raise PydanticCustomError(
+                "kazma_slack_mode",
+                "required for HTTP events (or set app_token to use Socket Mode)",
+                {"subpath": "signing_secret"},
+            )
+        if self.app_token and not self.app_token.startswith("xapp-"):
+            raise PydanticCustomError(
+                "kazma_slack_mode", "expected an app-level token starting with 'xapp-'", {"subpath": "app_token"}
+            )
+        return self
+
+
+class DiscordConfig(Strict):
+    token: str = ""
+    api_base_url: HttpUrl = "https://discord.com/api/v10"
+    gateway_url: Annotated[str, BeforeValidator(_ws_url)] = ""
+    channels: list[DiscordSnowflake] = Field(default_factory=list)
+    home_channel: OptionalDiscordSnowflake = None
+    admins: list[DiscordSnowflake] = Field(default_factory=list)
+
+    @field_validator("api_base_url")
+    @classmethod
+    def _strip(cls, value: str) -> str:
+        return value.rstrip("/")
+
+
+class PlatformsConfig(Strict):
+    telegram: TelegramConfig = Field(default_factory=TelegramConfig)
+    slack: SlackConfig = Field(default_factory=SlackConfig)
+    discord: DiscordConfig = Field(default_factory=DiscordConfig)
+
+
+class SwarmConfig(Strict):
+    step_timeout_seconds: int = Field(default=300, ge=1, le=3600)
+    max_parallel: int = Field(default=8, ge=1, le=64)
+    max_workers: int = Field(default=32, ge=1, le=32)
+    max_paused_pipelines: int = Field(default=100, ge=0, le=100)
+    retention_days: int = Field(default=30, ge=1, le=3650)
+    allow_shared_operators: bool = False
+
+
+def _default_tools() -> dict[str, DangerLevel]:
+    return {
+        "read_file": DangerLevel.READ,
+        "http_get": DangerLevel.READ,
+        "write_file": DangerLevel.DANGEROUS,
+        "shell": DangerLevel.DANGEROUS,
+    }
+
+
+def _default_pipelines() -> dict[str, list[str]]:
+    return {
+        "standard": ["researcher", "refiner", "builder", "validator"],
+        "quick": ["researcher", "builder"],
+    }
+
+
+class KazmaConfig(Strict):
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    web: WebConfig = Field(default_factory=WebConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    agents: AgentsConfig = Field(default_factory=AgentsConfig)
+    tools: dict[str, DangerLevel] = Field(default_factory=_default_tools)
+    approvals: ApprovalsConfig = Field(default_factory=ApprovalsConfig)
+    platforms: PlatformsConfig = Field(default_factory=PlatformsConfig)
+    pipelines: dict[str, list[str]] = Field(default_factory=_default_pipelines)
+    swarm: SwarmConfig = Field(default_factory=SwarmConfig)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tool_levels(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        levels = [level.value for level in DangerLevel]
+        for tool, level in value.items():
+            if level not in levels:
+                raise PydanticCustomError(
+                    "kazma_tool_level",
+                    "expected one of {levels}, got {got}",
+                    {"subpath": str(tool), "levels": ", ".join(levels), "got": repr(level)},
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _pipelines_name_workers(self) -> KazmaConfig:
+        known = sorted(self.agents.workers)
+        for name, stages in self.pipelines.items():
+            if not stages:
+                raise PydanticCustomError(
+                    "kazma_pipeline", "a pipeline needs at least one worker", {"subpath": f"pipelines.{name}"}
+                )
+            for position, worker in enumerate(stages):
+                if worker not in self.agents.workers:
+                    raise PydanticCustomError(
+                        "kazma_pipeline",
+                        "unknown worker {worker} (workers: {known})",
+                        {
+                            "subpath": f"pipelines.{name}[{position}]",
+                            "worker": repr(worker),
+                            "known": ", ".join(known) or "none configured",
+                        },
+                    )
+        if len(self.agents.workers) > self.swarm.max_workers:
+            raise PydanticCustomError(
+                "kazma_workers",
+                "{count} workers configured, swarm.max_workers allows {limit}",
+                {"subpath": "agents.workers", "count": len(self.agents.workers), "limit": self.swarm.max_workers},
+            )
+        return self
+
+    def approvers_for(self, platform: str) -> frozenset[str]:
+        """Every actor (``platform:user``) allowed to decide approvals from ``platform``."""
+        actors = {a for a in self.approvals.approvers if a.split(":", 1)[0] == platform}
+        if platform == "telegram":
+            actors |= {f"telegram:{uid}" for uid in self.platforms.telegram.admins}
+        elif platform == "slack":
+            actors |= {f"slack:{uid}" for uid in self.platforms.slack.admins}
+        elif platform == "discord":
+            actors |= {f"discord:{uid}" for uid in self.platforms.discord.admins}
+        return frozenset(actors)
+
+    def danger_level(self, tool: str) -> DangerLevel:
+        """The configured level; anything unclassified is dangerous (the floor)."""
+        return self.tools.get(tool, DangerLevel.DANGEROUS)

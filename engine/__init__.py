@@ -1,0 +1,1 @@
+"""``kazma.engine``: agents, model providers, tools, plans and the swarm."""

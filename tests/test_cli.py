@@ -1,0 +1,181 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kazma.bot.cli import main
+from kazma.config import __version__
+
+REPO = Path(__file__).resolve().parent.parent
+CLEAN_ENV = {
+    k: v for k, v in os.environ.items() if not k.endswith(("_TOKEN", "_SECRET")) and not k.startswith("KAZMA_")
+}
+
+
+def run(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kazma.bot.cli", *args],
+        cwd=cwd,
+        env={**CLEAN_ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_version() -> None:
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0
+    assert result.output.strip() == f"kazma, version {__version__}"
+
+
+def test_config_check_committed_default_reports_every_platform_off(tmp_path: Path) -> None:
+    result = run(["config", "check", str(REPO / "kazma.yaml")], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith("kazma.yaml: valid")
+    assert "telegram  off  token is empty (set TELEGRAM_BOT_TOKEN)" in result.stdout
+    assert "slack     off  bot_token is empty (set SLACK_BOT_TOKEN)" in result.stdout
+    assert "discord   off  token is empty (set DISCORD_BOT_TOKEN)" in result.stdout
+    assert "web console alone" in result.stdout
+
+
+def test_config_check_with_a_token_reports_platform_on_and_warnings(tmp_path: Path) -> None:
+    result = run(["config", "check", str(REPO / "kazma.yaml")], cwd=tmp_path, env={"DISCORD_BOT_TOKEN": "x"})
+    assert result.returncode == 0, result.stderr
+    assert "discord   on   gateway" in result.stdout
+    assert "no approvers for discord" in result.stdout
+    assert "home_channel is not set" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("platforms: {telegram: {home_chat: general}}", "platforms.telegram.home_chat: expected an integer chat id"),
+        ("approvals: {deadline_seconds: -1}", "approvals.deadline_seconds: must be greater than 0, got -1"),
+        ("tools: {shell: yes-please}", "tools.shell: expected one of read, write, dangerous"),
+        ("web: [1, 2", "invalid YAML"),
+    ],
+)
+def test_config_check_malformed_exits_2_with_one_line(tmp_path: Path, text: str, line: str) -> None:
+    path = tmp_path / "kazma.yaml"
+    path.write_text(text)
+    result = run(["config", "check", str(path)], cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    problems = result.stderr.strip().splitlines()
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{path}: ")
+    assert line in problems[0]
+
+
+def test_config_flag_and_env_variable_pick_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "other.yaml"
+    path.write_text("web: {port: 9999}\n")
+    assert run(["-c", str(path), "config", "check"], cwd=tmp_path).returncode == 0
+    assert run(["config", "check"], cwd=tmp_path, env={"KAZMA_CONFIG": str(path)}).returncode == 0
+    missing = run(["config", "check"], cwd=tmp_path)
+    assert missing.returncode == 2
+    assert "kazma.yaml: file not found" in missing.stderr
+
+
+class _Models(BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self) -> None:
+        body = json.dumps({"object": "list", "data": [{"id": "llama3.1"}]}).encode()
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+
+class _Rejecting(_Models):
+    status = 401
+
+
+@pytest.fixture
+def model_server(request: pytest.FixtureRequest) -> Iterator[str]:
+    handler = getattr(request, "param", _Models)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+def test_doctor_all_good(tmp_path: Path, model_server: str) -> None:
+    config = tmp_path / "kazma.yaml"
+    config.write_text(f"store: {{path: {tmp_path}/db/kazma.db}}\nmodel: {{base_url: '{model_server}'}}\n")
+    result = run(["-c", str(config), "doctor"], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK    store" in result.stdout
+    assert "OK    model" in result.stdout
+    assert result.stdout.strip().endswith("0 failed, 0 warnings")
+    assert (tmp_path / "db" / "kazma.db").exists()
+
+
+@pytest.mark.parametrize("model_server", [_Rejecting], indirect=True)
+def test_doctor_names_a_rejected_key(tmp_path: Path, model_server: str) -> None:
+    config = tmp_path / "kazma.yaml"
+    config.write_text(f"store: {{path: {tmp_path}/kazma.db}}\nmodel: {{base_url: '{model_server}'}}\n")
+    result = run(["-c", str(config), "doctor"], cwd=tmp_path)
+    assert result.returncode == 1
+    assert "the server rejected the API key (HTTP 401)" in result.stdout
+
+
+def test_doctor_unreachable_model_and_unwritable_store(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    config = tmp_path / "kazma.yaml"
+    # port 9 on loopback: nothing listens there
+    config.write_text(f"store: {{path: {blocker}/kazma.db}}\nmodel: {{base_url: 'http://127.0.0.1:9/v1'}}\n")
+    result = run(["-c", str(config), "doctor", "--model-timeout", "2"], cwd=tmp_path)
+    assert result.returncode == 1
+    assert "FAIL  store" in result.stdout
+    assert "FAIL  model" in result.stdout
+    assert "unreachable" in result.stdout
+    assert result.stdout.strip().endswith("2 failed, 0 warnings")
+
+
+def test_doctor_warns_when_a_platform_has_no_approvers(tmp_path: Path, model_server: str) -> None:
+    config = tmp_path / "kazma.yaml"
+    config.write_text(
+        f"store: {{path: {tmp_path}/kazma.db}}\nmodel: {{base_url: '{model_server}'}}\n"
+        "platforms: {discord: {token: abc, home_channel: 1}}\n"
+    )
+    result = run(["-c", str(config), "doctor"], cwd=tmp_path)
+    assert result.returncode == 0
+    assert "WARN  platform.discord  no approvers for discord" in result.stdout
+
+
+def test_json_logs_when_not_a_terminal_and_console_on_request(tmp_path: Path) -> None:
+    config = tmp_path / "kazma.yaml"
+    config.write_text(f"store: {{path: {tmp_path}/kazma.db}}\nmodel: {{base_url: 'http://127.0.0.1:9/v1'}}\n")
+    result = run(["-c", str(config), "doctor", "--model-timeout", "1"], cwd=tmp_path)
+    events = [json.loads(line) for line in result.stderr.splitlines()]
+    finished = [e for e in events if e["event"] == "doctor.finished"]
+    assert len(finished) == 1
+    assert finished[0]["failed"] == 1
+    assert finished[0]["level"] == "info"
+    assert "timestamp" in finished[0]
+    quiet = run(["-c", str(config), "--log-level", "warning", "doctor", "--model-timeout", "1"], cwd=tmp_path)
+    assert "doctor.finished" not in quiet.stderr
+    console = run(["-c", str(config), "--log-format", "console", "doctor", "--model-timeout", "1"], cwd=tmp_path)
+    assert "doctor.finished" in console.stderr
+    assert not console.stderr.lstrip().startswith("{")

@@ -1,0 +1,263 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kazma.config import ConfigError, DangerLevel, enabled_platforms, load_config, load_config_text, platform_statuses
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_committed_default_is_valid_with_no_tokens() -> None:
+    loaded = load_config(REPO / "kazma.yaml", environ={})
+    assert enabled_platforms(loaded) == []
+    reasons = {s.name: s.reason for s in platform_statuses(loaded)}
+    assert reasons == {
+        "telegram": "token is empty (set TELEGRAM_BOT_TOKEN)",
+        "slack": "bot_token is empty (set SLACK_BOT_TOKEN)",
+        "discord": "token is empty (set DISCORD_BOT_TOKEN)",
+    }
+    cfg = loaded.config
+    assert cfg.pipelines["standard"] == ["researcher", "refiner", "builder", "validator"]
+    assert cfg.pipelines["quick"] == ["researcher", "builder"]
+
+
+def test_empty_file_gives_documented_defaults() -> None:
+    cfg = load_config_text("").config
+    committed = load_config(REPO / "kazma.yaml", environ={}).config
+    assert cfg == committed
+
+
+def test_env_substitution_turns_platform_on() -> None:
+    text = (REPO / "kazma.yaml").read_text()
+    loaded = load_config_text(text, environ={"TELEGRAM_BOT_TOKEN": "123:abc", "KAZMA_MODEL": "qwen"})
+    assert loaded.config.platforms.telegram.token == "123:abc"
+    assert loaded.config.model.name == "qwen"
+    assert enabled_platforms(loaded) == ["telegram"]
+
+
+def test_default_used_when_variable_empty_and_literal_dollar() -> None:
+    text = "model: {name: '${M:-fallback}', api_key: 'pa$$word'}"
+    cfg = load_config_text(text, environ={"M": ""}).config
+    assert cfg.model.name == "fallback"
+    assert cfg.model.api_key == "pa$word"
+
+
+def test_environment_cannot_change_structure() -> None:
+    cfg = load_config_text("model: {name: '${M}'}", environ={"M": "x\nstore: {path: /etc/passwd}"}).config
+    assert cfg.model.name == "x\nstore: {path: /etc/passwd}"
+    assert str(cfg.store.path) == ".kazma/kazma.db"
+
+
+def test_numbers_from_environment_are_parsed() -> None:
+    text = "platforms: {telegram: {token: t, home_chat: '${CHAT}', chats: ['${CHAT}']}}"
+    cfg = load_config_text(text, environ={"CHAT": "-1001234567890"}).config
+    assert cfg.platforms.telegram.home_chat == -1001234567890
+    assert cfg.platforms.telegram.chats == [-1001234567890]
+
+
+def test_unlisted_tool_is_dangerous() -> None:
+    cfg = load_config_text("tools: {read_file: read}").config
+    assert cfg.danger_level("read_file") is DangerLevel.READ
+    assert cfg.danger_level("rm_rf") is DangerLevel.DANGEROUS
+
+
+def test_approvers_include_platform_admins() -> None:
+    text = """
+approvals: {approvers: ["telegram:1", "web:admin", "slack:U9"]}
+platforms: {telegram: {admins: [2]}, discord: {admins: [3]}}
+"""
+    cfg = load_config_text(text).config
+    assert cfg.approvers_for("telegram") == {"telegram:1", "telegram:2"}
+    assert cfg.approvers_for("discord") == {"discord:3"}
+    assert cfg.approvers_for("web") == {"web:admin"}
+    assert cfg.approvers_for("slack") == {"slack:U9"}
+
+
+def test_slack_base_url_gets_trailing_slash() -> None:
+    cfg = load_config_text("platforms: {slack: {api_base_url: 'http://127.0.0.1:9/api'}}").config
+    assert cfg.platforms.slack.api_base_url == "http://127.0.0.1:9/api/"
+
+
+# Each malformed configuration must be refused with exactly the problem lines
+# given, each naming the key path.
+MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
+    (
+        "bad chat id",
+        "platforms: {telegram: {home_chat: general}}",
+        {},
+        ["kazma.yaml: platforms.telegram.home_chat: expected an integer chat id, got 'general'"],
+    ),
+    (
+        "unknown key",
+        "platforms: {telegram: {hom_chat: 1}}",
+        {},
+        [
+            "kazma.yaml: platforms.telegram.hom_chat: unknown key (expected one of: admins, api_base_url, chats, "
+            "home_chat, mode, token, webhook)"
+        ],
+    ),
+    (
+        "unknown top-level key",
+        "modle: {name: x}",
+        {},
+        [
+            "kazma.yaml: modle: unknown key (expected one of: agents, approvals, model, pipelines, platforms, "
+            "store, swarm, tools, web)"
+        ],
+    ),
+    (
+        "unknown key inside a worker",
+        "agents: {workers: {researcher: {system_prompt: x, tool: [a]}}}\npipelines: {}",
+        {},
+        [
+            "kazma.yaml: agents.workers.researcher.tool: unknown key (expected one of: expertise, model, "
+            "system_prompt, tools)"
+        ],
+    ),
+    (
+        "wrong type",
+        "web: {port: eighty}",
+        {},
+        ["kazma.yaml: web.port: expected an integer, got the text 'eighty'"],
+    ),
+    (
+        "port out of range",
+        "web: {port: 70000}",
+        {},
+        ["kazma.yaml: web.port: must be at most 65535, got 70000"],
+    ),
+    (
+        "missing token variable",
+        "platforms: {telegram: {token: '${TELEGRAM_BOT_TOKEN}'}}",
+        {},
+        [
+            "kazma.yaml: platforms.telegram.token: environment variable TELEGRAM_BOT_TOKEN is not set "
+            "(write ${TELEGRAM_BOT_TOKEN:-} to make it optional)"
+        ],
+    ),
+    (
+        "unknown tool level",
+        "tools: {shell: danger}",
+        {},
+        ["kazma.yaml: tools.shell: expected one of read, write, dangerous, got 'danger'"],
+    ),
+    (
+        "pipeline naming an unknown worker",
+        "pipelines: {quick: [researcher, bilder]}",
+        {},
+        ["kazma.yaml: pipelines.quick[1]: unknown worker 'bilder' (workers: builder, refiner, researcher, validator)"],
+    ),
+    (
+        "negative deadline",
+        "approvals: {deadline_seconds: -5}",
+        {},
+        ["kazma.yaml: approvals.deadline_seconds: must be greater than 0, got -5"],
+    ),
+    (
+        "unreadable YAML",
+        "store:\n  path: [unclosed\n",
+        {},
+        ["kazma.yaml: line 3, column 1: invalid YAML: expected ',' or ']', but got '<stream end>'"],
+    ),
+    (
+        "duplicate key",
+        "web: {port: 1}\nweb: {port: 2}\n",
+        {},
+        ["kazma.yaml: line 2, column 1: invalid YAML: duplicate key 'web'"],
+    ),
+    (
+        "top level is a list",
+        "- a\n- b\n",
+        {},
+        ["kazma.yaml: expected a mapping of settings at the top, got a list"],
+    ),
+    (
+        "approver without platform",
+        "approvals: {approvers: ['111']}",
+        {},
+        [
+            "kazma.yaml: approvals.approvers[0]: expected '<platform>:<user id>' (platform one of telegram, "
+            "slack, discord, web, cli), got '111'"
+        ],
+    ),
+    (
+        "slack HTTP mode without signing secret",
+        "platforms: {slack: {bot_token: xoxb-1}}",
+        {},
+        ["kazma.yaml: platforms.slack.signing_secret: required for HTTP events (or set app_token to use Socket Mode)"],
+    ),
+    (
+        "bad slack channel",
+        "platforms: {slack: {home_channel: general}}",
+        {},
+        ["kazma.yaml: platforms.slack.home_channel: expected a Slack channel id like C0123456789, got 'general'"],
+    ),
+    (
+        "discord id is text",
+        "platforms: {discord: {admins: [me]}}",
+        {},
+        ["kazma.yaml: platforms.discord.admins[0]: expected a numeric Discord id, got 'me'"],
+    ),
+    (
+        "bad mode literal",
+        "platforms: {telegram: {mode: push}}",
+        {},
+        ["kazma.yaml: platforms.telegram.mode: expected one of 'polling' or 'webhook', got 'push'"],
+    ),
+    (
+        "webhook without secret",
+        "platforms: {telegram: {token: t, mode: webhook, webhook: {url: 'https://x.example/tg'}}}",
+        {},
+        ["kazma.yaml: platforms.telegram.webhook.secret_token: required when mode is 'webhook'"],
+    ),
+    (
+        "section is not a mapping",
+        "store: .kazma/db",
+        {},
+        ["kazma.yaml: store: expected a mapping, got the text '.kazma/db'"],
+    ),
+    (
+        "boolean where a chat id belongs",
+        "platforms: {telegram: {chats: [true]}}",
+        {},
+        ["kazma.yaml: platforms.telegram.chats[0]: expected an integer chat id, got True"],
+    ),
+    (
+        "lead shares a worker's name",
+        "agents: {lead: {name: builder}}",
+        {},
+        ["kazma.yaml: agents.lead.name: the lead agent's name 'builder' is also a worker's name"],
+    ),
+    (
+        "two problems, two lines",
+        "web: {port: 0}\nswarm: {max_parallel: 65}",
+        {},
+        [
+            "kazma.yaml: web.port: must be at least 1, got 0",
+            "kazma.yaml: swarm.max_parallel: must be at most 64, got 65",
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "environ", "expected"), [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED])
+def test_malformed_configuration_is_refused_with_its_path(
+    text: str, environ: dict[str, str], expected: list[str]
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config_text(text, environ=environ)
+    assert caught.value.lines == expected
+    assert all("\n" not in line for line in caught.value.lines)
+
+
+def test_missing_and_unreadable_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"nope\.yaml: file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(binary)

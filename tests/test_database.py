@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kazma.config.database import Migration, MigrationError, apply_migrations, connect, open_database, schema_versions
+
+NOTES_V1 = Migration("notes", 1, ("CREATE TABLE IF NOT EXISTS notes (id INTEGER PRIMARY KEY, body TEXT NOT NULL)",))
+NOTES_V2 = Migration("notes", 2, ("ALTER TABLE notes ADD COLUMN author TEXT",))
+
+
+async def test_pragmas(tmp_path: Path) -> None:
+    conn = await connect(tmp_path / "a" / "k.db", busy_timeout_ms=1234)
+    try:
+        assert (await (await conn.execute("PRAGMA journal_mode")).fetchone()) == ("wal",)
+        assert (await (await conn.execute("PRAGMA synchronous")).fetchone()) == (2,)  # FULL
+        assert (await (await conn.execute("PRAGMA busy_timeout")).fetchone()) == (1234,)
+    finally:
+        await conn.close()
+
+
+async def test_migrations_apply_once_and_in_order(tmp_path: Path) -> None:
+    path = tmp_path / "k.db"
+    conn = await open_database(path, migrations=[NOTES_V1])
+    await conn.execute("INSERT INTO notes (body) VALUES ('kept')")
+    await conn.close()
+
+    conn = await connect(path)
+    try:
+        applied = await apply_migrations(conn, [NOTES_V1, NOTES_V2])
+        assert applied == [NOTES_V2]
+        assert await apply_migrations(conn, [NOTES_V1, NOTES_V2]) == []
+        assert await schema_versions(conn) == {"notes": 2}
+        rows = await (await conn.execute("SELECT body, author FROM notes")).fetchall()
+        assert [tuple(r) for r in rows] == [("kept", None)]
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize(
+    "statement",
+    ["DROP TABLE notes", "ALTER TABLE notes RENAME TO old", "CREATE TABLE notes (id INTEGER)", "DELETE FROM notes"],
+)
+def test_non_additive_migrations_are_refused(statement: str) -> None:
+    with pytest.raises(MigrationError, match=r"only CREATE \.\.\. IF NOT EXISTS"):
+        Migration("notes", 3, (statement,))
+
+
+async def test_versions_out_of_order_are_refused(tmp_path: Path) -> None:
+    conn = await connect(tmp_path / "k.db")
+    try:
+        with pytest.raises(MigrationError, match="ascending"):
+            await apply_migrations(conn, [NOTES_V2, NOTES_V1])
+    finally:
+        await conn.close()
+
+
+async def test_failed_migration_leaves_nothing_half_applied(tmp_path: Path) -> None:
+    broken = Migration("notes", 2, ("ALTER TABLE missing_table ADD COLUMN x TEXT",))
+    conn = await connect(tmp_path / "k.db")
+    try:
+        with pytest.raises(Exception, match="no such table"):
+            await apply_migrations(conn, [NOTES_V1, broken])
+        assert await schema_versions(conn) == {}
+        tables = await (await conn.execute("SELECT name FROM sqlite_master WHERE name='notes'")).fetchall()
+        assert tables == []
+    finally:
+        await conn.close()
+
+
+_OPENER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from kazma.config.database import Migration, open_database
+
+    MIGRATIONS = [
+        Migration("notes", 1, ("CREATE TABLE IF NOT EXISTS notes (id INTEGER PRIMARY KEY, body TEXT NOT NULL)",)),
+        Migration("notes", 2, ("ALTER TABLE notes ADD COLUMN author TEXT",)),
+    ]
+
+    async def main(path: str, who: str) -> None:
+        sys.stdin.readline()  # both processes start, then go together
+        conn = await open_database(path, migrations=MIGRATIONS)
+        for i in range(200):
+            await conn.execute("INSERT INTO notes (body, author) VALUES (?, ?)", (str(i), who))
+        await conn.close()
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+def test_two_processes_open_and_migrate_the_same_new_file(tmp_path: Path) -> None:
+    path = tmp_path / "shared.db"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _OPENER, str(path), who], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for who in ("a", "b")
+    ]
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    for proc in procs:
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+
+    async def count() -> list[tuple[str, int]]:
+        conn = await connect(path)
+        try:
+            rows = await (
+                await conn.execute("SELECT author, COUNT(*) FROM notes GROUP BY author ORDER BY 1")
+            ).fetchall()
+            versions = await schema_versions(conn)
+        finally:
+            await conn.close()
+        assert versions == {"notes": 2}
+        return [(str(r[0]), int(r[1])) for r in rows]
+
+    assert asyncio.run(count()) == [("a", 200), ("b", 200)]

@@ -1,0 +1,60 @@
+"""The README's configuration reference must list exactly the keys the model accepts."""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from kazma.config import KazmaConfig
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def model_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
+    keys: set[str] = set()
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        sub = _submodel(info.annotation)
+        origin = typing.get_origin(info.annotation)
+        if sub is not None:
+            keys |= model_keys(sub, path + ".")
+        elif origin is dict:
+            value = typing.get_args(info.annotation)[1]
+            if isinstance(value, type) and issubclass(value, BaseModel):
+                keys |= model_keys(value, path + ".<name>.")
+            else:
+                keys.add(path + ".<name>")
+        else:
+            keys.add(path)
+    return keys
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def documented_keys() -> set[str]:
+    text = README.read_text()
+    section = text.split("### Keys", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([a-z_.<>]+)` \|", section, flags=re.MULTILINE))
+
+
+def test_every_key_is_documented_and_nothing_else() -> None:
+    expected = model_keys(KazmaConfig)
+    documented = documented_keys()
+    assert sorted(expected - documented) == [], "keys missing from the README"
+    assert sorted(documented - expected) == [], "README documents keys the model does not accept"
+
+
+def test_readme_names_the_test_command_that_ci_runs() -> None:
+    readme = README.read_text()
+    ci = (README.parent / ".ci" / "run").read_text()
+    command = re.search(r"## Test\s+```sh\n(.+?)\n```", readme, flags=re.DOTALL)
+    assert command is not None
+    assert command.group(1).strip() in ci
