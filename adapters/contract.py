@@ -1,0 +1,95 @@
+"""The bus contract every platform adapter satisfies.
+
+Adapters never import the engine: inbound messages and button presses leave an
+adapter through two callables that the composition root injects at start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from kazma.approvals.card import ApprovalCard
+from kazma.approvals.model import Outcome, PressResult
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """A message normalised away from its platform."""
+
+    platform: str  # "telegram" | "slack" | "discord" | "web"
+    chat: str  # platform chat/channel id as text
+    message_id: str
+    author: str  # "<platform>:<user id>", the form approvers are written in
+    author_name: str
+    text: str  # for a command: the text after the command word
+    thread: str | None = None
+    mentions: tuple[str, ...] = ()  # lowercase names mentioned with @, without the @
+    from_bot: bool = False  # posted by a bot (our own dispatches included)
+    command: str | None = None  # "swarm" for `/swarm …`; None for plain messages
+    is_admin: bool = False  # the author is in this platform's configured admins
+
+
+@dataclass(frozen=True)
+class CardRef:
+    """Where one card of a request was posted, so it can be edited later."""
+
+    platform: str
+    chat: str
+    message_id: str
+
+
+class PlatformError(Exception):
+    """A platform call failed. ``retryable`` tells the outbox whether trying again may help."""
+
+    def __init__(
+        self, platform: str, site: str, message: str, *, retryable: bool, retry_after: float | None = None
+    ) -> None:
+        super().__init__(f"{platform} {site}: {message}")
+        self.platform = platform
+        self.site = site
+        self.retryable = retryable
+        self.retry_after = retry_after
+
+
+InboundHandler = Callable[[Inbound], Awaitable[None]]
+# (button data, actor "<platform>:<user id>", platform) -> what the press achieved
+PressHandler = Callable[[str, str, str], Awaitable[PressResult]]
+
+
+@dataclass
+class Handlers:
+    on_inbound: InboundHandler
+    on_press: PressHandler
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+@runtime_checkable
+class PlatformAdapter(Protocol):
+    """One chat platform on its real client library."""
+
+    name: str
+
+    @property
+    def home_chat(self) -> str | None:
+        """Where approval cards, reports and alerts go; None when unset."""
+        ...
+
+    async def start(self, handlers: Handlers) -> None:
+        """Connect and begin delivering inbound messages and presses to ``handlers``."""
+        ...
+
+    async def stop(self) -> None: ...
+
+    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
+        """Post ``text`` (escaped, never pinging anyone) as ``agent``; return the message id."""
+        ...
+
+    async def post_card(self, card: ApprovalCard) -> CardRef:
+        """Post the approval card with Approve/Deny buttons into the home chat."""
+        ...
+
+    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
+        """Edit a posted card to show ``outcome`` and remove its buttons. Idempotent."""
+        ...

@@ -1,0 +1,59 @@
+"""Canonical JSON of tool arguments and its SHA-256: what a card shows and an execution re-checks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+
+class UnrenderableArguments(ValueError):
+    """The arguments cannot be shown faithfully, so the call must not run."""
+
+
+def _check(value: Any, path: str) -> None:
+    if value is None or isinstance(value, bool | str):
+        return
+    if isinstance(value, int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise UnrenderableArguments(f"{path}: {value!r} is not a finite number")
+        return
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _check(item, f"{path}[{index}]")
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise UnrenderableArguments(f"{path}: key {key!r} is not text")
+            _check(item, f"{path}.{key}")
+        return
+    raise UnrenderableArguments(f"{path}: a {type(value).__name__} is not JSON data")
+
+
+def check_arguments(args: Mapping[str, Any]) -> None:
+    """Refuse anything that JSON cannot carry exactly (non-finite numbers, objects, non-text keys)."""
+    if not isinstance(args, Mapping):
+        raise UnrenderableArguments(f"arguments must be a mapping, got {type(args).__name__}")
+    for key, value in args.items():
+        if not isinstance(key, str):
+            raise UnrenderableArguments(f"argument name {key!r} is not text")
+        _check(value, key)
+    try:
+        canonical_json(args).encode("utf-8")
+    except UnicodeEncodeError as exc:  # lone surrogates cannot be shown or hashed
+        raise UnrenderableArguments(f"arguments contain text that is not valid Unicode ({exc.reason})") from None
+
+
+def canonical_json(value: Any) -> str:
+    """Sorted keys, compact separators, no ASCII escaping; NaN and infinities refused."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def args_hash(args: Mapping[str, Any]) -> str:
+    """SHA-256 (hex) of the canonical JSON of ``args`` encoded as UTF-8."""
+    return hashlib.sha256(canonical_json(args).encode("utf-8")).hexdigest()

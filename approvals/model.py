@@ -1,0 +1,127 @@
+"""Approval requests, their outcomes and the answers a press gets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+
+class Status(StrEnum):
+    PENDING = "pending"
+    APPROVED = "approved"
+    DENIED = "denied"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        return self is not Status.PENDING
+
+    @property
+    def human(self) -> bool:
+        """Only approve and deny are decisions a person made."""
+        return self in (Status.APPROVED, Status.DENIED)
+
+
+class Decision(StrEnum):
+    APPROVE = "approve"
+    DENY = "deny"
+
+    @property
+    def status(self) -> Status:
+        return Status.APPROVED if self is Decision.APPROVE else Status.DENIED
+
+    @property
+    def code(self) -> str:
+        return "a" if self is Decision.APPROVE else "d"
+
+
+@dataclass(frozen=True)
+class ApprovalRequest:
+    id: str
+    tool: str
+    args: dict[str, Any]
+    args_json: str
+    args_hash: str
+    requested_by: str
+    conversation: str
+    created_at: datetime
+    deadline: datetime
+    status: Status
+    task_id: str | None = None
+    decided_by: str | None = None
+    decided_via: str | None = None
+    decided_at: datetime | None = None
+    reason: str | None = None
+
+    def outcome(self) -> Outcome | None:
+        if not self.status.final:
+            return None
+        return Outcome(
+            request_id=self.id,
+            status=self.status,
+            decided_by=self.decided_by,
+            decided_via=self.decided_via,
+            decided_at=self.decided_at or self.deadline,
+            reason=self.reason,
+        )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a request ended. ``decided_by`` is a human only for approved/denied."""
+
+    request_id: str
+    status: Status
+    decided_by: str | None
+    decided_via: str | None
+    decided_at: datetime
+    reason: str | None = None
+
+    @property
+    def approved(self) -> bool:
+        return self.status is Status.APPROVED
+
+    def summary(self) -> str:
+        """One line for cards and notices, e.g. ``approved by slack:U123 via slack at 12:03:04 UTC``."""
+        when = self.decided_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        if self.status.human:
+            return f"{self.status.value} by {self.decided_by} via {self.decided_via} at {when}"
+        if self.status is Status.TIMEOUT:
+            return f"timed out at {when}: no decision before the deadline (not a denial)"
+        return f"cancelled at {when}: {self.reason or 'the waiter stopped'} (not a denial)"
+
+    def for_agent(self) -> str:
+        """What the agent is told; a timeout or cancellation is never reported as a denial."""
+        if self.status is Status.APPROVED:
+            return f"Approved by {self.decided_by}."
+        if self.status is Status.DENIED:
+            reason = f": {self.reason}" if self.reason else ""
+            return f"Denied by {self.decided_by}{reason}. Do not retry this call."
+        if self.status is Status.TIMEOUT:
+            return "No decision before the approval deadline; the call did not run. It was not denied."
+        return "The approval wait was cancelled; the call did not run. It was not denied."
+
+
+class PressVerdict(StrEnum):
+    WON = "won"  # this press decided the request
+    LOST = "lost"  # someone decided first; ``outcome`` is what stands
+    REFUSED = "refused"  # nothing changed: bad data, unknown id, not an approver, store down
+
+
+@dataclass(frozen=True)
+class PressResult:
+    verdict: PressVerdict
+    message: str
+    outcome: Outcome | None = None
+    request_id: str | None = None
+
+    @property
+    def won(self) -> bool:
+        return self.verdict is PressVerdict.WON
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)

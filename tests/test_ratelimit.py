@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import asyncio
+
+from kazma.adapters.ratelimit import ChatRateLimiter
+
+
+class FakeTime:
+    """A clock that moves only when the limiter sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+async def test_min_interval_per_chat_and_chats_are_independent() -> None:
+    t = FakeTime()
+    limiter = ChatRateLimiter(min_interval=1.0, clock=t.clock, sleep=t.sleep)
+    assert await limiter.acquire("a") == 0.0
+    assert await limiter.acquire("b") == 0.0
+    assert await limiter.acquire("a") == 1.0
+    t.now += 0.25
+    assert await limiter.acquire("a") == 0.75
+
+
+async def test_window_cap() -> None:
+    t = FakeTime()
+    limiter = ChatRateLimiter(min_interval=1.0, per_window=20, window=60.0, clock=t.clock, sleep=t.sleep)
+    start = t.now
+    for _ in range(20):
+        await limiter.acquire("group")
+    assert t.now - start == 19.0
+    waited = await limiter.acquire("group")
+    # the 21st send waits until the first one leaves the 60 s window
+    assert t.now == start + 60.0
+    assert waited == 41.0
+
+
+async def test_block_after_429_delays_next_send() -> None:
+    t = FakeTime()
+    limiter = ChatRateLimiter(min_interval=0.0, clock=t.clock, sleep=t.sleep)
+    await limiter.acquire("c")
+    limiter.block("c", 7.0)
+    assert limiter.delay_for("c") == 7.0
+    assert await limiter.acquire("c") == 7.0
+
+
+async def test_concurrent_senders_are_serialised_in_one_chat() -> None:
+    t = FakeTime()
+    limiter = ChatRateLimiter(min_interval=1.0, clock=t.clock, sleep=t.sleep)
+    stamps: list[float] = []
+
+    async def send() -> None:
+        await limiter.acquire("x")
+        stamps.append(t.now)
+
+    await asyncio.gather(*(send() for _ in range(5)))
+    assert stamps == [1000.0, 1001.0, 1002.0, 1003.0, 1004.0]
