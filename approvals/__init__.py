@@ -1,1 +1,42 @@
 """``kazma.approvals``: approval requests, the one-decision store, cards and the safety policy."""
+
+from kazma.approvals.card import ApprovalCard, CardArgument, build_card, button_data
+from kazma.approvals.hashing import UnrenderableArguments, args_hash, canonical_json
+from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
+from kazma.approvals.policy import PolicyVerdict, SafetyPolicy
+from kazma.approvals.schema import MIGRATIONS
+from kazma.approvals.service import (
+    ApprovalRefused,
+    ApprovalService,
+    ButtonError,
+    CardPublisher,
+    ExecutionMismatch,
+    parse_button,
+)
+from kazma.approvals.store import ApprovalStore
+
+__all__ = [
+    "MIGRATIONS",
+    "ApprovalCard",
+    "ApprovalRefused",
+    "ApprovalRequest",
+    "ApprovalService",
+    "ApprovalStore",
+    "ButtonError",
+    "CardArgument",
+    "CardPublisher",
+    "Decision",
+    "ExecutionMismatch",
+    "Outcome",
+    "PolicyVerdict",
+    "PressResult",
+    "PressVerdict",
+    "SafetyPolicy",
+    "Status",
+    "UnrenderableArguments",
+    "args_hash",
+    "build_card",
+    "button_data",
+    "canonical_json",
+    "parse_button",
+]

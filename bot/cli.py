@@ -9,28 +9,15 @@ from pathlib import Path
 import click
 import structlog
 
+from kazma.bot.approvals_cli import approvals
+from kazma.bot.context import Context
 from kazma.bot.doctor import Level, run_checks
 from kazma.bot.logging import LEVELS, configure_logging
-from kazma.config import ConfigError, LoadedConfig, __version__, load_config, platform_statuses
+from kazma.config import __version__, platform_statuses
 
 log = structlog.get_logger("kazma.cli")
 
-EXIT_CONFIG = 2
 EXIT_CHECK_FAILED = 1
-
-
-class Context:
-    def __init__(self, config_path: Path | None) -> None:
-        self.config_path = config_path
-
-    def load(self, path: Path | None = None) -> LoadedConfig:
-        """Load the configuration or exit with one line per problem."""
-        try:
-            return load_config(path or self.config_path)
-        except ConfigError as exc:
-            for line in exc.lines:
-                click.echo(line, err=True)
-            sys.exit(EXIT_CONFIG)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -97,6 +84,8 @@ def doctor(obj: Context, model_timeout: float) -> None:
     if failed:
         sys.exit(EXIT_CHECK_FAILED)
 
+
+main.add_command(approvals)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

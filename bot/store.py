@@ -6,13 +6,14 @@ from pathlib import Path
 
 import aiosqlite
 
+from kazma.approvals.schema import MIGRATIONS as APPROVALS
 from kazma.config import KazmaConfig
 from kazma.config.database import Migration, open_database
 
 
 def all_migrations() -> list[Migration]:
     """Every layer's schema, in the order layers depend on each other."""
-    return []
+    return [*APPROVALS]
 
 
 async def open_store(config: KazmaConfig, path: Path | None = None) -> aiosqlite.Connection:

@@ -15,3 +15,22 @@ os.environ.setdefault("no_proxy", "127.0.0.1,localhost")
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+def _route_structlog_to_logging() -> None:
+    """Send structlog events through stdlib logging so pytest captures them per test."""
+    import structlog
+
+    structlog.configure(
+        processors=[
+            structlog.stdlib.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.stdlib.render_to_log_kwargs,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+
+
+_route_structlog_to_logging()

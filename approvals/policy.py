@@ -1,0 +1,75 @@
+"""The safety policy: which tool calls may run now, and which need a human first."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from kazma.approvals.model import Outcome
+from kazma.approvals.service import ApprovalRefused, ApprovalService, ExecutionMismatch
+from kazma.config.metrics import count_failure
+from kazma.config.models import DangerLevel
+
+log = structlog.get_logger("kazma.approvals.policy")
+
+
+@dataclass(frozen=True)
+class PolicyVerdict:
+    allowed: bool
+    reason: str
+    request_id: str | None = None
+    outcome: Outcome | None = None
+
+
+class SafetyPolicy:
+    """``check(tool, args)`` answers allowed, or opens a request and waits for its outcome.
+
+    Tools not classified in ``tools:`` are dangerous (the floor). With no
+    platform able to show a card, dangerous calls are denied at once (fail closed).
+    """
+
+    def __init__(self, service: ApprovalService) -> None:
+        self.service = service
+
+    def level(self, tool: str) -> DangerLevel:
+        return self.service.config.danger_level(tool)
+
+    async def check(
+        self,
+        tool: str,
+        args: Mapping[str, Any],
+        *,
+        requested_by: str,
+        conversation: str,
+        task_id: str | None = None,
+        deadline: float | None = None,
+    ) -> PolicyVerdict:
+        level = self.level(tool)
+        if level is not DangerLevel.DANGEROUS:
+            return PolicyVerdict(True, f"{tool} is classified {level.value}")
+        publisher = self.service.publisher
+        if publisher is None or not publisher.can_show_cards():
+            count_failure("approval_fail_closed")
+            log.warning("approvals.fail_closed", tool=tool, requested_by=requested_by)
+            return PolicyVerdict(
+                False,
+                f"{tool} needs approval, but no platform can show an approval card "
+                "(none is configured or connected), so it was refused.",
+            )
+        try:
+            request = await self.service.open(
+                tool, args, requested_by, conversation, deadline=deadline, task_id=task_id
+            )
+        except ApprovalRefused as exc:
+            return PolicyVerdict(False, str(exc))
+        outcome = await self.service.wait(request.id)
+        if not outcome.approved:
+            return PolicyVerdict(False, outcome.for_agent(), request.id, outcome)
+        try:
+            await self.service.verify_execution(request.id, tool, args)
+        except ExecutionMismatch as exc:
+            return PolicyVerdict(False, f"Refused: {exc}", request.id, outcome)
+        return PolicyVerdict(True, outcome.for_agent(), request.id, outcome)

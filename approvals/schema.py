@@ -1,0 +1,76 @@
+"""Tables of the approvals store. Additive only; triggers keep decisions final and the audit append-only."""
+
+from __future__ import annotations
+
+from kazma.config.database import Migration
+
+MIGRATIONS = [
+    Migration(
+        "approvals",
+        1,
+        (
+            """
+            CREATE TABLE IF NOT EXISTS approval_requests (
+                id TEXT PRIMARY KEY,
+                tool TEXT NOT NULL,
+                args_json TEXT NOT NULL,
+                args_hash TEXT NOT NULL,
+                requested_by TEXT NOT NULL,
+                conversation TEXT NOT NULL,
+                task_id TEXT,
+                created_at REAL NOT NULL,
+                deadline REAL NOT NULL,
+                status TEXT NOT NULL DEFAULT 'pending'
+                    CHECK (status IN ('pending', 'approved', 'denied', 'timeout', 'cancelled')),
+                decided_by TEXT,
+                decided_via TEXT,
+                decided_at REAL,
+                reason TEXT
+            )
+            """,
+            "CREATE INDEX IF NOT EXISTS approval_requests_pending ON approval_requests (status, deadline)",
+            """
+            CREATE TABLE IF NOT EXISTS approval_events (
+                seq INTEGER PRIMARY KEY AUTOINCREMENT,
+                request_id TEXT,
+                event TEXT NOT NULL,
+                actor TEXT,
+                platform TEXT,
+                at REAL NOT NULL,
+                args_hash TEXT,
+                detail TEXT
+            )
+            """,
+            "CREATE INDEX IF NOT EXISTS approval_events_request ON approval_events (request_id, seq)",
+            """
+            CREATE TRIGGER IF NOT EXISTS approval_events_append_only_update
+            BEFORE UPDATE ON approval_events
+            BEGIN SELECT RAISE(ABORT, 'approval_events is append-only'); END
+            """,
+            """
+            CREATE TRIGGER IF NOT EXISTS approval_events_append_only_delete
+            BEFORE DELETE ON approval_events
+            BEGIN SELECT RAISE(ABORT, 'approval_events is append-only'); END
+            """,
+            """
+            CREATE TRIGGER IF NOT EXISTS approval_requests_final
+            BEFORE UPDATE OF status, decided_by, decided_via, decided_at ON approval_requests
+            WHEN OLD.status != 'pending'
+            BEGIN SELECT RAISE(ABORT, 'approval outcomes are final'); END
+            """,
+            """
+            CREATE TABLE IF NOT EXISTS approval_cards (
+                request_id TEXT NOT NULL REFERENCES approval_requests (id),
+                platform TEXT NOT NULL,
+                chat TEXT NOT NULL,
+                message_id TEXT NOT NULL,
+                posted_at REAL NOT NULL,
+                settled_at REAL,
+                settled_status TEXT,
+                PRIMARY KEY (request_id, platform, chat, message_id)
+            )
+            """,
+            "CREATE INDEX IF NOT EXISTS approval_cards_unsettled ON approval_cards (settled_at, request_id)",
+        ),
+    ),
+]

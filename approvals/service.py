@@ -1,0 +1,339 @@
+"""Approval requests end to end: open, show, decide once, wait, settle.
+
+The service owns the rules; :class:`ApprovalStore` owns the rows. Platform
+adapters never decide anything themselves: they forward a press here with
+:meth:`ApprovalService.decide_from_button` and show what it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import sqlite3
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from kazma.approvals.card import BUTTON_PREFIX, ApprovalCard, build_card, check_names
+from kazma.approvals.hashing import args_hash, canonical_json, check_arguments
+from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
+from kazma.approvals.store import ApprovalStore, Clock
+from kazma.config.metrics import count_failure
+from kazma.config.models import KazmaConfig
+
+log = structlog.get_logger("kazma.approvals")
+
+_BUTTON = re.compile(r"^(?P<version>kz\d+):(?P<id>[A-Za-z0-9_-]{16,64}):(?P<code>[a-z])$")
+_CODES = {"a": Decision.APPROVE, "d": Decision.DENY}
+STORE_SITE = "approval_resolve"
+
+
+class CardPublisher(Protocol):
+    """What the approvals need from a bus: show cards, and settle them once a request ends."""
+
+    def can_show_cards(self) -> bool: ...
+
+    async def publish(self, card: ApprovalCard) -> None:
+        """Show ``card`` on every platform. Must not raise; failures are the bus's to retry."""
+        ...
+
+    async def settle(self, request_id: str) -> None:
+        """A request of ours reached an outcome: edit its cards. Must not raise."""
+        ...
+
+
+class ApprovalRefused(Exception):
+    """The call cannot be put to a human (unrenderable arguments); it must not run."""
+
+
+class ExecutionMismatch(Exception):
+    """The arguments about to run are not the ones that were approved."""
+
+
+@dataclass(frozen=True)
+class ParsedButton:
+    request_id: str
+    decision: Decision
+
+
+class ButtonError(ValueError):
+    pass
+
+
+def parse_button(data: str) -> ParsedButton:
+    """Validate ``kz1:<id>:a|d`` strictly; anything else is refused with the reason."""
+    if not isinstance(data, str) or len(data) > 100:
+        raise ButtonError("garbled button data")
+    match = _BUTTON.fullmatch(data)
+    if match is None:
+        raise ButtonError("garbled button data")
+    if match["version"] != BUTTON_PREFIX:
+        raise ButtonError(f"unsupported button version {match['version']!r}")
+    decision = _CODES.get(match["code"])
+    if decision is None:
+        raise ButtonError(f"unknown decision code {match['code']!r}")
+    return ParsedButton(match["id"], decision)
+
+
+class ApprovalService:
+    def __init__(
+        self,
+        store: ApprovalStore,
+        config: KazmaConfig,
+        *,
+        publisher: CardPublisher | None = None,
+        clock: Clock = time.time,
+        poll_interval: float = 0.5,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.publisher = publisher
+        self.clock = clock
+        self.poll_interval = poll_interval
+        self._decided: dict[str, asyncio.Event] = {}
+
+    # -- opening ---------------------------------------------------------------------------------
+
+    async def open(
+        self,
+        tool: str,
+        args: Mapping[str, Any],
+        requested_by: str,
+        conversation: str,
+        deadline: float | None = None,
+        task_id: str | None = None,
+    ) -> ApprovalRequest:
+        """Record a new request and put its card on every platform.
+
+        ``deadline`` is in seconds from now (default ``approvals.deadline_seconds``).
+        Raises :class:`ApprovalRefused` when the arguments cannot be shown faithfully.
+        """
+        try:
+            check_arguments(args)
+            check_names(dict(args))
+        except ValueError as exc:
+            log.warning("approvals.refused_unrenderable", tool=tool, requested_by=requested_by, reason=str(exc))
+            raise ApprovalRefused(
+                f"the call to {tool!r} cannot be shown faithfully, so it will not run: {exc}"
+            ) from None
+        seconds = self.config.approvals.deadline_seconds if deadline is None else deadline
+        if seconds <= 0:
+            raise ValueError(f"deadline must be positive, got {seconds}")
+        request = await self.store.insert(
+            tool=tool,
+            args_json=canonical_json(dict(args)),
+            args_hash=args_hash(args),
+            requested_by=requested_by,
+            conversation=conversation,
+            deadline=self.clock() + seconds,
+            task_id=task_id,
+        )
+        log.info(
+            "approvals.opened", request_id=request.id, tool=tool, requested_by=requested_by, hash=request.args_hash
+        )
+        if self.publisher is not None:
+            await self.publisher.publish(self.card(request))
+        return request
+
+    def card(self, request: ApprovalRequest) -> ApprovalCard:
+        return build_card(request, value_limit=self.config.approvals.value_limit, public_url=self.config.web.public_url)
+
+    # -- deciding --------------------------------------------------------------------------------
+
+    def is_approver(self, actor: str, platform: str) -> bool:
+        return actor.split(":", 1)[0] == platform and actor in self.config.approvers_for(platform)
+
+    async def decide_from_button(self, data: str, *, actor: str, platform: str) -> PressResult:
+        """A button press from any platform: validate, authorise, then compare-and-set."""
+        try:
+            parsed = parse_button(data)
+        except ButtonError as exc:
+            await self._refused(None, actor, platform, f"{exc}: {data[:100]!r}")
+            return PressResult(PressVerdict.REFUSED, "This button is not valid; nothing was recorded.")
+        if not self.is_approver(actor, platform):
+            await self._refused(parsed.request_id, actor, platform, "not an approver")
+            return PressResult(
+                PressVerdict.REFUSED,
+                f"You ({actor}) are not an approver here; nothing was recorded.",
+                request_id=parsed.request_id,
+            )
+        return await self.decide(parsed.request_id, parsed.decision, actor=actor, platform=platform, authorised=True)
+
+    async def decide(
+        self,
+        request_id: str,
+        decision: Decision,
+        *,
+        actor: str,
+        platform: str,
+        reason: str | None = None,
+        authorised: bool = False,
+    ) -> PressResult:
+        """Decide ``request_id`` once. Reports whether this call won and, if not, what stands."""
+        if not authorised and not self.is_approver(actor, platform):
+            await self._refused(request_id, actor, platform, "not an approver")
+            return PressResult(
+                PressVerdict.REFUSED,
+                f"You ({actor}) are not an approver here; nothing was recorded.",
+                request_id=request_id,
+            )
+        try:
+            won, request = await self.store.finish(
+                request_id,
+                decision.status,
+                actor=actor,
+                platform=platform,
+                reason=reason,
+                require_before_deadline=True,
+                lost_event="press_lost",
+            )
+        except (sqlite3.Error, OSError) as exc:
+            count_failure(STORE_SITE)
+            log.warning(
+                "approvals.store_unavailable",
+                site=STORE_SITE,
+                actor=actor,
+                platform=platform,
+                request_id=request_id,
+                decision=decision.value,
+                error=str(exc),
+            )
+            return PressResult(
+                PressVerdict.REFUSED,
+                "Your decision could not be recorded (the approvals store is unavailable). "
+                "The request is still pending; please press again.",
+                request_id=request_id,
+            )
+        if request is None:
+            await self._refused(request_id, actor, platform, "unknown request id")
+            return PressResult(PressVerdict.REFUSED, "Unknown approval request; nothing was recorded.")
+        if won:
+            outcome = request.outcome()
+            assert outcome is not None
+            log.info(
+                "approvals.decided",
+                request_id=request_id,
+                status=outcome.status.value,
+                actor=actor,
+                platform=platform,
+                hash=request.args_hash,
+            )
+            await self._ended(request_id)
+            verb = "Approved" if decision is Decision.APPROVE else "Denied"
+            return PressResult(PressVerdict.WON, f"{verb}. Recorded as {actor}.", outcome, request_id)
+        # still pending but the compare-and-set failed: the deadline has passed
+        outcome = request.outcome() or await self._expire(request_id)
+        return PressResult(PressVerdict.LOST, f"Already {outcome.summary()}.", outcome, request_id)
+
+    async def _refused(self, request_id: str | None, actor: str, platform: str, why: str) -> None:
+        log.warning("approvals.press_refused", request_id=request_id, actor=actor, platform=platform, reason=why)
+        await self._audit_safely(request_id, "press_refused", actor, platform, why)
+
+    async def _audit_safely(
+        self, request_id: str | None, event: str, actor: str | None, platform: str | None, detail: str
+    ) -> None:
+        try:
+            await self.store.audit(request_id, event, actor=actor, platform=platform, detail=detail)
+        except (sqlite3.Error, OSError) as exc:
+            count_failure("approval_audit")
+            log.warning("approvals.audit_failed", request_id=request_id, audit_event=event, actor=actor, error=str(exc))
+
+    # -- waiting ---------------------------------------------------------------------------------
+
+    async def wait(self, request_id: str) -> Outcome:
+        """Return the outcome as soon as there is one.
+
+        At the request's deadline the outcome is ``timeout``; if this waiter is
+        cancelled, the request ends ``cancelled``. Neither is a denial. A decision
+        by another process sharing the file is seen within ``poll_interval``.
+        """
+        event = self._decided.setdefault(request_id, asyncio.Event())
+        deadline: float | None = None
+        try:
+            while True:
+                try:
+                    request = await self.store.get(request_id)
+                except (sqlite3.Error, OSError) as exc:
+                    # a passing lock must not end the wait; the next poll tries again
+                    count_failure("approval_wait")
+                    log.warning("approvals.wait_read_failed", request_id=request_id, error=str(exc))
+                    request = None
+                    if deadline is None:
+                        raise
+                else:
+                    if request is None:
+                        raise KeyError(f"unknown approval request {request_id!r}")
+                    outcome = request.outcome()
+                    if outcome is not None:
+                        return outcome
+                    deadline = request.deadline.timestamp()
+                assert deadline is not None
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    return await self._expire(request_id)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), timeout=min(self.poll_interval, remaining))
+        except asyncio.CancelledError:
+            await asyncio.shield(self._cancel(request_id))
+            raise
+        finally:
+            self._decided.pop(request_id, None)
+
+    async def _cancel(self, request_id: str) -> None:
+        try:
+            won, _ = await self.store.finish(
+                request_id, Status.CANCELLED, actor=None, platform=None, reason="the waiting call was cancelled"
+            )
+            if won:
+                log.info("approvals.cancelled", request_id=request_id)
+                await self._ended(request_id)
+        except (sqlite3.Error, OSError) as exc:
+            count_failure(STORE_SITE)
+            log.warning("approvals.store_unavailable", site=STORE_SITE, request_id=request_id, error=str(exc))
+
+    async def _expire(self, request_id: str) -> Outcome:
+        won, request = await self.store.finish(
+            request_id, Status.TIMEOUT, actor=None, platform=None, reason="no decision before the deadline"
+        )
+        if won:
+            log.info("approvals.timeout", request_id=request_id)
+            await self._ended(request_id)
+        assert request is not None
+        outcome = request.outcome()
+        assert outcome is not None
+        return outcome
+
+    async def expire_overdue(self) -> list[Outcome]:
+        """End every request past its deadline (requests whose waiter died with a process)."""
+        return [await self._expire(request_id) for request_id in await self.store.overdue()]
+
+    async def _ended(self, request_id: str) -> None:
+        waiter = self._decided.get(request_id)
+        if waiter is not None:
+            waiter.set()
+        if self.publisher is not None:
+            await self.publisher.settle(request_id)
+
+    # -- executing -------------------------------------------------------------------------------
+
+    async def verify_execution(self, request_id: str, tool: str, args: Mapping[str, Any]) -> None:
+        """Refuse to run anything but the exact call that was approved."""
+        request = await self.store.get(request_id)
+        if request is None or request.status is not Status.APPROVED:
+            state = "unknown" if request is None else request.status.value
+            raise ExecutionMismatch(f"request {request_id} is {state}, not approved")
+        if request.tool != tool:
+            raise ExecutionMismatch(f"request {request_id} approved {request.tool!r}, not {tool!r}")
+        actual = args_hash(args)
+        if actual != request.args_hash:
+            await self._audit_safely(request_id, "execution_refused", None, None, f"hash {actual} != approved")
+            log.warning(
+                "approvals.execution_mismatch", request_id=request_id, approved=request.args_hash, actual=actual
+            )
+            raise ExecutionMismatch(
+                f"the arguments changed after approval (approved {request.args_hash[:12]}…, now {actual[:12]}…)"
+            )

@@ -1,0 +1,331 @@
+"""The one-decision store: rows of approval requests, their audit trail and their posted cards.
+
+Every outcome is written by one compare-and-set (``UPDATE … WHERE status =
+'pending'``); whoever's statement changes the row decided it, and a trigger
+refuses any later change. The audit trail is append-only (triggers again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import aiosqlite
+
+from kazma.approvals.model import ApprovalRequest, Status
+
+Clock = Callable[[], float]
+
+_COLUMNS = (
+    "id, tool, args_json, args_hash, requested_by, conversation, task_id, created_at, deadline, "
+    "status, decided_by, decided_via, decided_at, reason"
+)
+
+
+_CAS = (
+    "UPDATE approval_requests SET status = ?, decided_by = ?, decided_via = ?, decided_at = ?, reason = ?"
+    " WHERE id = ? AND status = 'pending'"
+)
+_CAS_BEFORE_DEADLINE = _CAS + " AND deadline > ?"
+
+
+def new_request_id() -> str:
+    """144 random bits, URL-safe, 24 characters: ``kz1:<id>:a`` is 30 bytes."""
+    return secrets.token_urlsafe(18)
+
+
+def ts(value: float | None) -> datetime | None:
+    return None if value is None else datetime.fromtimestamp(value, UTC)
+
+
+def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
+    (
+        rid,
+        tool,
+        args_json,
+        args_hash,
+        requested_by,
+        conversation,
+        task_id,
+        created,
+        deadline,
+        status,
+        by,
+        via,
+        at,
+        why,
+    ) = tuple(row)
+    return ApprovalRequest(
+        id=rid,
+        tool=tool,
+        args=json.loads(args_json),
+        args_json=args_json,
+        args_hash=args_hash,
+        requested_by=requested_by,
+        conversation=conversation,
+        created_at=datetime.fromtimestamp(created, UTC),
+        deadline=datetime.fromtimestamp(deadline, UTC),
+        status=Status(status),
+        task_id=task_id,
+        decided_by=by,
+        decided_via=via,
+        decided_at=ts(at),
+        reason=why,
+    )
+
+
+@dataclass(frozen=True)
+class AuditEvent:
+    seq: int
+    request_id: str | None
+    event: str
+    actor: str | None
+    platform: str | None
+    at: datetime
+    args_hash: str | None
+    detail: str | None
+
+
+@dataclass(frozen=True)
+class PostedCard:
+    request_id: str
+    platform: str
+    chat: str
+    message_id: str
+    posted_at: datetime
+    settled_at: datetime | None
+    settled_status: str | None
+
+
+class ApprovalStore:
+    """Data access for approvals on one aiosqlite connection.
+
+    The connection is shared by every coroutine of the process, so writes that
+    span statements take an asyncio lock as well as SQLite's own write lock.
+    """
+
+    def __init__(self, conn: aiosqlite.Connection, *, clock: Clock = time.time) -> None:
+        self.conn = conn
+        self.clock = clock
+        self._lock = asyncio.Lock()
+
+    @asynccontextmanager
+    async def _write(self) -> AsyncIterator[aiosqlite.Connection]:
+        async with self._lock:
+            await self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.conn
+            except BaseException:
+                await self.conn.execute("ROLLBACK")
+                raise
+            await self.conn.execute("COMMIT")
+
+    async def _one(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        # Reads take the lock too: a SELECT still open when another coroutine's
+        # BEGIN IMMEDIATE runs on this shared connection pins an old WAL snapshot,
+        # and SQLite then refuses the write with SQLITE_BUSY without waiting.
+        async with self._lock, self.conn.execute(sql, tuple(params)) as cursor:
+            return await cursor.fetchone()
+
+    async def _all(self, sql: str, params: Iterable[Any] = ()) -> list[Any]:
+        async with self._lock, self.conn.execute(sql, tuple(params)) as cursor:
+            return list(await cursor.fetchall())
+
+    async def _hash_of(self, conn: aiosqlite.Connection, request_id: str) -> str | None:
+        async with conn.execute("SELECT args_hash FROM approval_requests WHERE id = ?", (request_id,)) as cursor:
+            row = await cursor.fetchone()
+        return None if row is None else str(row[0])
+
+    async def insert(
+        self,
+        *,
+        tool: str,
+        args_json: str,
+        args_hash: str,
+        requested_by: str,
+        conversation: str,
+        deadline: float,
+        task_id: str | None,
+    ) -> ApprovalRequest:
+        request_id = new_request_id()
+        now = self.clock()
+        async with self._write() as conn:
+            await conn.execute(
+                "INSERT INTO approval_requests (id, tool, args_json, args_hash, requested_by, conversation, task_id,"
+                " created_at, deadline, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending')",
+                (request_id, tool, args_json, args_hash, requested_by, conversation, task_id, now, deadline),
+            )
+            await self._event(conn, request_id, "opened", requested_by, None, args_hash, f"tool={tool}")
+        found = await self.get(request_id)
+        assert found is not None
+        return found
+
+    async def get(self, request_id: str) -> ApprovalRequest | None:
+        row = await self._one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
+        return None if row is None else _row_to_request(row)
+
+    async def requests(self, *, pending_only: bool = False, limit: int = 100) -> list[ApprovalRequest]:
+        where = "WHERE status = 'pending'" if pending_only else ""
+        rows = await self._all(
+            f"SELECT {_COLUMNS} FROM approval_requests {where} ORDER BY created_at DESC LIMIT ?",  # noqa: S608
+            (limit,),
+        )
+        return [_row_to_request(row) for row in rows]
+
+    async def finish(
+        self,
+        request_id: str,
+        status: Status,
+        *,
+        actor: str | None,
+        platform: str | None,
+        reason: str | None = None,
+        require_before_deadline: bool = False,
+        lost_event: str | None = None,
+    ) -> tuple[bool, ApprovalRequest | None]:
+        """The compare-and-set, in one transaction with its audit row.
+
+        Returns whether this call moved the row out of ``pending``, and the row as
+        it stands after the call (None for an unknown id). With ``lost_event``, a
+        call that did not win is audited under that name in the same transaction.
+        """
+        now = self.clock()
+        params: tuple[Any, ...] = (status.value, actor, platform, now, reason, request_id)
+        sql = _CAS
+        if require_before_deadline:
+            sql, params = _CAS_BEFORE_DEADLINE, (*params, now)
+        async with self._write() as conn:
+            cursor = await conn.execute(sql, params)
+            won = cursor.rowcount == 1
+            await cursor.close()
+            async with conn.execute(
+                f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?",  # noqa: S608
+                (request_id,),
+            ) as read:
+                row = await read.fetchone()
+            request = None if row is None else _row_to_request(row)
+            args_hash = None if request is None else request.args_hash
+            if won:
+                event = "decided" if status.human else status.value
+                await self._event(conn, request_id, event, actor, platform, args_hash, reason)
+            elif lost_event is not None and request is not None:
+                standing = request.status.value if request.status.final else "pending past its deadline"
+                await self._event(conn, request_id, lost_event, actor, platform, args_hash, f"standing: {standing}")
+        return won, request
+
+    async def audit(
+        self,
+        request_id: str | None,
+        event: str,
+        *,
+        actor: str | None = None,
+        platform: str | None = None,
+        detail: str | None = None,
+    ) -> None:
+        async with self._write() as conn:
+            args_hash = None if request_id is None else await self._hash_of(conn, request_id)
+            await self._event(conn, request_id, event, actor, platform, args_hash, detail)
+
+    async def _event(
+        self,
+        conn: aiosqlite.Connection,
+        request_id: str | None,
+        event: str,
+        actor: str | None,
+        platform: str | None,
+        args_hash: str | None,
+        detail: str | None,
+    ) -> None:
+        await conn.execute(
+            "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (request_id, event, actor, platform, self.clock(), args_hash, detail),
+        )
+
+    async def events(self, request_id: str | None = None, *, event: str | None = None) -> list[AuditEvent]:
+        clauses, params = [], []
+        if request_id is not None:
+            clauses.append("request_id = ?")
+            params.append(request_id)
+        if event is not None:
+            clauses.append("event = ?")
+            params.append(event)
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        rows = await self._all(
+            "SELECT seq, request_id, event, actor, platform, at, args_hash, detail FROM approval_events "  # noqa: S608
+            f"{where} ORDER BY seq",
+            params,
+        )
+        return [AuditEvent(r[0], r[1], r[2], r[3], r[4], datetime.fromtimestamp(r[5], UTC), r[6], r[7]) for r in rows]
+
+    async def overdue(self) -> list[str]:
+        rows = await self._all(
+            "SELECT id FROM approval_requests WHERE status = 'pending' AND deadline <= ?", (self.clock(),)
+        )
+        return [str(r[0]) for r in rows]
+
+    async def record_card(self, request_id: str, platform: str, chat: str, message_id: str) -> None:
+        async with self._write() as conn:
+            await conn.execute(
+                "INSERT OR IGNORE INTO approval_cards (request_id, platform, chat, message_id, posted_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (request_id, platform, chat, message_id, self.clock()),
+            )
+            await self._event(
+                conn,
+                request_id,
+                "card_posted",
+                None,
+                platform,
+                await self._hash_of(conn, request_id),
+                f"{chat}/{message_id}",
+            )
+
+    async def cards(self, request_id: str) -> list[PostedCard]:
+        rows = await self._all(
+            "SELECT request_id, platform, chat, message_id, posted_at, settled_at, settled_status"
+            " FROM approval_cards WHERE request_id = ? ORDER BY posted_at",
+            (request_id,),
+        )
+        return [_card(r) for r in rows]
+
+    async def unsettled_cards(self) -> list[PostedCard]:
+        """Cards of requests that have an outcome but still show buttons."""
+        rows = await self._all(
+            "SELECT c.request_id, c.platform, c.chat, c.message_id, c.posted_at, c.settled_at, c.settled_status"
+            " FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
+            " WHERE c.settled_at IS NULL AND r.status != 'pending' ORDER BY r.decided_at"
+        )
+        return [_card(r) for r in rows]
+
+    async def mark_card_settled(self, card: PostedCard, status: Status) -> None:
+        async with self._write() as conn:
+            cursor = await conn.execute(
+                "UPDATE approval_cards SET settled_at = ?, settled_status = ?"
+                " WHERE request_id = ? AND platform = ? AND chat = ? AND message_id = ? AND settled_at IS NULL",
+                (self.clock(), status.value, card.request_id, card.platform, card.chat, card.message_id),
+            )
+            settled = cursor.rowcount == 1
+            await cursor.close()
+            if settled:
+                await self._event(
+                    conn,
+                    card.request_id,
+                    "card_settled",
+                    None,
+                    card.platform,
+                    await self._hash_of(conn, card.request_id),
+                    f"{card.chat}/{card.message_id} -> {status.value}",
+                )
+
+
+def _card(row: Iterable[Any]) -> PostedCard:
+    request_id, platform, chat, message_id, posted, settled, status = tuple(row)
+    return PostedCard(request_id, platform, chat, message_id, datetime.fromtimestamp(posted, UTC), ts(settled), status)

@@ -1,0 +1,26 @@
+"""What every ``kazma`` subcommand receives: where the configuration is, and how to load it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from kazma.config import ConfigError, LoadedConfig, load_config
+
+EXIT_CONFIG = 2
+
+
+class Context:
+    def __init__(self, config_path: Path | None) -> None:
+        self.config_path = config_path
+
+    def load(self, path: Path | None = None) -> LoadedConfig:
+        """Load the configuration or exit 2 with one line per problem."""
+        try:
+            return load_config(path or self.config_path)
+        except ConfigError as exc:
+            for line in exc.lines:
+                click.echo(line, err=True)
+            sys.exit(EXIT_CONFIG)

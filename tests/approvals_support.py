@@ -1,0 +1,79 @@
+"""Shared set-up for approvals tests: a real store on a temporary file, a controllable clock."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from kazma.approvals import MIGRATIONS, ApprovalCard, ApprovalService, ApprovalStore
+from kazma.config import KazmaConfig, load_config_text
+from kazma.config.database import open_database
+
+APPROVERS_YAML = """
+approvals:
+  deadline_seconds: 600
+  approvers: ["telegram:111", "slack:U111", "discord:222", "web:admin", "cli:ops"]
+platforms:
+  telegram: {admins: [112]}
+"""
+
+
+def approvals_config(extra: str = "") -> KazmaConfig:
+    return load_config_text(APPROVERS_YAML + extra).config
+
+
+class ManualClock:
+    """Time that moves only when a test says so."""
+
+    def __init__(self, start: float = 1_800_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class RecordingPublisher:
+    """A CardPublisher that keeps what it was asked to do (the real bus is tested with the adapters)."""
+
+    def __init__(self, available: bool = True) -> None:
+        self.available = available
+        self.published: list[ApprovalCard] = []
+        self.settled: list[str] = []
+
+    def can_show_cards(self) -> bool:
+        return self.available
+
+    async def publish(self, card: ApprovalCard) -> None:
+        self.published.append(card)
+
+    async def settle(self, request_id: str) -> None:
+        self.settled.append(request_id)
+
+
+@asynccontextmanager
+async def approval_service(
+    path: Path,
+    *,
+    config: KazmaConfig | None = None,
+    clock: ManualClock | None = None,
+    publisher: RecordingPublisher | None = None,
+    busy_timeout_ms: int = 5000,
+    poll_interval: float = 0.5,
+) -> AsyncIterator[ApprovalService]:
+    conn = await open_database(path, busy_timeout_ms=busy_timeout_ms, migrations=MIGRATIONS)
+    try:
+        kwargs = {"clock": clock} if clock is not None else {}
+        store = ApprovalStore(conn, **kwargs)
+        yield ApprovalService(
+            store,
+            config or approvals_config(),
+            publisher=publisher,
+            poll_interval=poll_interval,
+            **kwargs,
+        )
+    finally:
+        await conn.close()

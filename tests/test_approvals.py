@@ -1,0 +1,347 @@
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import sqlite3
+from pathlib import Path
+
+import aiosqlite
+import pytest
+from structlog.testing import capture_logs
+
+from kazma.approvals import (
+    ApprovalRefused,
+    Decision,
+    ExecutionMismatch,
+    PressVerdict,
+    Status,
+    args_hash,
+    button_data,
+    parse_button,
+)
+from kazma.approvals.service import ButtonError
+from kazma.config.metrics import failure_count
+from tests.approvals_support import ManualClock, RecordingPublisher, approval_service
+
+ARGS = {"command": "rm -rf build/", "timeout_s": 30}
+
+
+async def test_open_records_the_whole_call_with_a_fresh_id(tmp_path: Path) -> None:
+    publisher = RecordingPublisher()
+    async with approval_service(tmp_path / "k.db", publisher=publisher) as service:
+        first = await service.open("shell", ARGS, "agent:builder", "telegram:-100", task_id="t1")
+        second = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        assert first.id != second.id  # two identical calls are two requests
+        for request in (first, second):
+            assert re.fullmatch(r"[A-Za-z0-9_-]{24}", request.id)  # 144 bits, URL-safe
+            assert len(button_data(request.id, Decision.APPROVE).encode()) <= 64
+        stored = await service.store.get(first.id)
+        assert stored is not None
+        assert stored.args == ARGS
+        assert stored.args_json == '{"command":"rm -rf build/","timeout_s":30}'
+        assert stored.args_hash == hashlib.sha256(stored.args_json.encode()).hexdigest()
+        assert (stored.status, stored.task_id, stored.requested_by) == (Status.PENDING, "t1", "agent:builder")
+        assert stored.deadline.timestamp() - stored.created_at.timestamp() == pytest.approx(600, abs=1)
+        assert [c.request_id for c in publisher.published] == [first.id, second.id]
+        events = await service.store.events(first.id)
+        assert [(e.event, e.actor, e.args_hash) for e in events] == [("opened", "agent:builder", first.args_hash)]
+
+
+def test_hash_is_sha256_of_canonical_json() -> None:
+    args = {"b": [1, 2.5, None], "a": "é ✓", "c": {"z": True, "y": "x"}}
+    canonical = '{"a":"é ✓","b":[1,2.5,null],"c":{"y":"x","z":true}}'
+    assert args_hash(args) == hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        ({"x": float("nan")}, "not a finite number"),
+        ({"x": float("inf")}, "not a finite number"),
+        ({"x": {1, 2}}, "is not JSON data"),
+        ({"x": object()}, "is not JSON data"),
+        ({"x": {1: "a"}}, "is not text"),
+        ({"x": "\ud800"}, "not valid Unicode"),
+        ({"a" * 101: 1}, "longer than 100"),
+        ({"": 1}, "empty or has control characters"),
+        ({"bad\nname": 1}, "empty or has control characters"),
+    ],
+)
+async def test_unrenderable_arguments_are_refused_and_nothing_is_opened(
+    tmp_path: Path, args: dict[object, object], why: str
+) -> None:
+    publisher = RecordingPublisher()
+    async with approval_service(tmp_path / "k.db", publisher=publisher) as service:
+        with pytest.raises(ApprovalRefused, match=why):
+            await service.open("shell", args, "agent:x", "web:c")  # type: ignore[arg-type]
+        assert await service.store.requests() == []
+        assert publisher.published == []
+
+
+async def test_decision_is_final_and_losers_are_told_what_stands(tmp_path: Path) -> None:
+    publisher = RecordingPublisher()
+    async with approval_service(tmp_path / "k.db", publisher=publisher) as service:
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        won = await service.decide_from_button(
+            button_data(request.id, Decision.APPROVE), actor="slack:U111", platform="slack"
+        )
+        assert won.verdict is PressVerdict.WON
+        lost = await service.decide_from_button(
+            button_data(request.id, Decision.DENY), actor="telegram:111", platform="telegram"
+        )
+        assert lost.verdict is PressVerdict.LOST
+        assert lost.outcome is not None
+        assert (lost.outcome.status, lost.outcome.decided_by, lost.outcome.decided_via) == (
+            Status.APPROVED,
+            "slack:U111",
+            "slack",
+        )
+        assert lost.message.startswith("Already approved by slack:U111 via slack at ")
+        row = await service.store.get(request.id)
+        assert row is not None
+        assert (row.status, row.decided_by) == (Status.APPROVED, "slack:U111")
+        assert publisher.settled == [request.id]
+        # the database itself refuses to change a final row
+        with pytest.raises(sqlite3.IntegrityError, match="final"):
+            await service.store.conn.execute(
+                "UPDATE approval_requests SET status = 'denied' WHERE id = ?", (request.id,)
+            )
+        events = [(e.event, e.actor) for e in await service.store.events(request.id)]
+        assert events == [("opened", "agent:builder"), ("decided", "slack:U111"), ("press_lost", "telegram:111")]
+
+
+async def test_audit_trail_is_append_only(tmp_path: Path) -> None:
+    async with approval_service(tmp_path / "k.db") as service:
+        await service.open("shell", ARGS, "agent:builder", "web:c")
+        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+            await service.store.conn.execute("DELETE FROM approval_events")
+        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+            await service.store.conn.execute("UPDATE approval_events SET actor = 'someone else'")
+
+
+@pytest.mark.slow
+async def test_thousand_requests_three_simultaneous_presses_each(tmp_path: Path) -> None:
+    async with approval_service(tmp_path / "k.db") as service:
+        requests = [await service.open("shell", {"n": i}, "agent:b", "web:c") for i in range(1000)]
+        presses = []
+        for i, request in enumerate(requests):
+            for j, (actor, platform) in enumerate(
+                (("telegram:111", "telegram"), ("slack:U111", "slack"), ("discord:222", "discord"))
+            ):
+                decision = Decision.APPROVE if (i + j) % 2 == 0 else Decision.DENY
+                presses.append((request.id, actor, platform, button_data(request.id, decision)))
+        results = await asyncio.gather(
+            *(service.decide_from_button(data, actor=actor, platform=platform) for _, actor, platform, data in presses)
+        )
+        winners: dict[str, list[str]] = {}
+        for (request_id, actor, _, _), result in zip(presses, results, strict=True):
+            assert result.verdict in (PressVerdict.WON, PressVerdict.LOST)
+            if result.won:
+                winners.setdefault(request_id, []).append(actor)
+        assert len(winners) == 1000
+        assert all(len(actors) == 1 for actors in winners.values())
+        rows = {r.id: r for r in await service.store.requests(limit=2000)}
+        for (request_id, _, _, _), result in zip(presses, results, strict=True):
+            row = rows[request_id]
+            assert row.decided_by == winners[request_id][0]
+            assert result.outcome is not None
+            assert (result.outcome.status, result.outcome.decided_by) == (row.status, row.decided_by)
+        decided = await service.store.events(event="decided")
+        assert len(decided) == 1000
+
+
+async def test_deadline_passes_to_timeout_not_denial(tmp_path: Path) -> None:
+    clock = ManualClock()
+    publisher = RecordingPublisher()
+    async with approval_service(tmp_path / "k.db", clock=clock, publisher=publisher, poll_interval=0.01) as service:
+        request = await service.open("shell", ARGS, "agent:b", "web:c", deadline=60)
+        waiter = asyncio.create_task(service.wait(request.id))
+        clock.advance(61)
+        outcome = await asyncio.wait_for(waiter, timeout=10)
+        assert outcome.status is Status.TIMEOUT
+        assert outcome.decided_by is None
+        assert "not denied" in outcome.for_agent()
+        assert not outcome.for_agent().lower().startswith("denied")
+        row = await service.store.get(request.id)
+        assert row is not None
+        assert row.status is Status.TIMEOUT
+        assert row.decided_by is None
+        events = [e.event for e in await service.store.events(request.id)]
+        assert events == ["opened", "timeout"]
+        assert publisher.settled == [request.id]
+        # a press after the deadline cannot turn the timeout into a decision
+        late = await service.decide(request.id, Decision.APPROVE, actor="web:admin", platform="web")
+        assert late.verdict is PressVerdict.LOST
+        assert late.outcome is not None
+        assert late.outcome.status is Status.TIMEOUT
+
+
+async def test_press_after_deadline_before_any_sweep_is_a_timeout(tmp_path: Path) -> None:
+    clock = ManualClock()
+    async with approval_service(tmp_path / "k.db", clock=clock) as service:
+        request = await service.open("shell", ARGS, "agent:b", "web:c", deadline=5)
+        clock.advance(5)
+        result = await service.decide(request.id, Decision.APPROVE, actor="web:admin", platform="web")
+        assert result.verdict is PressVerdict.LOST
+        assert result.outcome is not None
+        assert result.outcome.status is Status.TIMEOUT
+
+
+async def test_overdue_requests_of_dead_waiters_are_expired(tmp_path: Path) -> None:
+    clock = ManualClock()
+    async with approval_service(tmp_path / "k.db", clock=clock) as service:
+        old = await service.open("shell", ARGS, "agent:b", "web:c", deadline=5)
+        fresh = await service.open("shell", ARGS, "agent:b", "web:c", deadline=500)
+        clock.advance(10)
+        outcomes = await service.expire_overdue()
+        assert [(o.request_id, o.status) for o in outcomes] == [(old.id, Status.TIMEOUT)]
+        still = await service.store.get(fresh.id)
+        assert still is not None
+        assert still.status is Status.PENDING
+
+
+async def test_cancelled_waiter_ends_cancelled_not_denied(tmp_path: Path) -> None:
+    publisher = RecordingPublisher()
+    async with approval_service(tmp_path / "k.db", publisher=publisher) as service:
+        request = await service.open("shell", ARGS, "agent:b", "web:c")
+        waiter = asyncio.create_task(service.wait(request.id))
+        while request.id not in service._decided:  # the waiter has started waiting
+            await asyncio.sleep(0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        row = await service.store.get(request.id)
+        assert row is not None
+        assert row.status is Status.CANCELLED
+        assert row.decided_by is None
+        outcome = row.outcome()
+        assert outcome is not None
+        assert "not denied" in outcome.for_agent()
+        assert [e.event for e in await service.store.events(request.id)] == ["opened", "cancelled"]
+        assert publisher.settled == [request.id]
+
+
+async def test_waiter_wakes_at_once_on_an_in_process_decision(tmp_path: Path) -> None:
+    # a long poll interval proves the wake-up comes from the decision, not the poll
+    async with approval_service(tmp_path / "k.db", poll_interval=3600) as service:
+        request = await service.open("shell", ARGS, "agent:b", "web:c")
+        waiter = asyncio.create_task(service.wait(request.id))
+        while request.id not in service._decided:
+            await asyncio.sleep(0)
+        await service.decide(request.id, Decision.DENY, actor="web:admin", platform="web", reason="too broad")
+        outcome = await asyncio.wait_for(waiter, timeout=10)
+        assert (outcome.status, outcome.decided_by, outcome.reason) == (Status.DENIED, "web:admin", "too broad")
+        assert outcome.for_agent() == "Denied by web:admin: too broad. Do not retry this call."
+
+
+@pytest.mark.parametrize(
+    ("data", "actor", "platform", "message", "detail"),
+    [
+        ("{id}:a", "telegram:999", "telegram", "not an approver here", "not an approver"),
+        ("{id}:a", "slack:U111", "telegram", "not an approver here", "not an approver"),  # right user, wrong place
+        ("{id}:a", "telegram:111", "slack", "not an approver here", "not an approver"),
+        ("kz1:{rid}:x", "telegram:111", "telegram", "not valid", "unknown decision code"),
+        ("kz2:{rid}:a", "telegram:111", "telegram", "not valid", "unsupported button version"),
+        ("kz1:{rid}", "telegram:111", "telegram", "not valid", "garbled"),
+        ("kz1:../../etc:a", "telegram:111", "telegram", "not valid", "garbled"),
+        ("", "telegram:111", "telegram", "not valid", "garbled"),
+        ("kz1:AAAAAAAAAAAAAAAAAAAAAAAA:a", "telegram:111", "telegram", "Unknown approval request", "unknown request"),
+    ],
+)
+async def test_refused_presses_change_nothing_and_are_audited(
+    tmp_path: Path, data: str, actor: str, platform: str, message: str, detail: str
+) -> None:
+    async with approval_service(tmp_path / "k.db") as service:
+        request = await service.open("shell", ARGS, "agent:b", "web:c")
+        press = data.format(id=f"kz1:{request.id}", rid=request.id)
+        result = await service.decide_from_button(press, actor=actor, platform=platform)
+        assert result.verdict is PressVerdict.REFUSED
+        assert message in result.message
+        row = await service.store.get(request.id)
+        assert row is not None
+        assert row.status is Status.PENDING
+        refused = await service.store.events(event="press_refused")
+        assert len(refused) == 1
+        assert refused[0].actor == actor
+        assert refused[0].detail is not None
+        assert detail in refused[0].detail
+        # and the request is still decidable by a real approver
+        ok = await service.decide_from_button(f"kz1:{request.id}:a", actor="telegram:111", platform="telegram")
+        assert ok.won
+
+
+async def test_platform_admins_are_approvers_there(tmp_path: Path) -> None:
+    async with approval_service(tmp_path / "k.db") as service:
+        request = await service.open("shell", ARGS, "agent:b", "web:c")
+        result = await service.decide_from_button(f"kz1:{request.id}:d", actor="telegram:112", platform="telegram")
+        assert result.won
+
+
+def test_parse_button() -> None:
+    parsed = parse_button("kz1:AbC_-0123456789abcdefgh:a")
+    assert (parsed.request_id, parsed.decision) == ("AbC_-0123456789abcdefgh", Decision.APPROVE)
+    with pytest.raises(ButtonError):
+        parse_button("kz1:AbC_-0123456789abcdefgh:a\n")
+    with pytest.raises(ButtonError):
+        parse_button("x" * 500)
+
+
+async def test_store_locked_during_press_warns_counts_and_keeps_pending(tmp_path: Path) -> None:
+    path = tmp_path / "k.db"
+    async with approval_service(path, busy_timeout_ms=50) as service:
+        request = await service.open("shell", ARGS, "agent:b", "web:c")
+        blocker = await aiosqlite.connect(str(path), isolation_level=None)
+        before = failure_count("approval_resolve")
+        try:
+            await blocker.execute("BEGIN EXCLUSIVE")
+            with capture_logs() as logs:
+                result = await service.decide_from_button(
+                    f"kz1:{request.id}:a", actor="discord:222", platform="discord"
+                )
+            assert result.verdict is PressVerdict.REFUSED
+            assert "still pending" in result.message
+            warnings = [e for e in logs if e["event"] == "approvals.store_unavailable"]
+            assert len(warnings) == 1
+            assert warnings[0]["log_level"] == "warning"
+            assert warnings[0]["actor"] == "discord:222"
+            assert failure_count("approval_resolve") == before + 1
+        finally:
+            await blocker.execute("ROLLBACK")
+            await blocker.close()
+        row = await service.store.get(request.id)
+        assert row is not None
+        assert row.status is Status.PENDING
+        retry = await service.decide_from_button(f"kz1:{request.id}:a", actor="discord:222", platform="discord")
+        assert retry.won
+
+
+async def test_execution_refuses_changed_arguments(tmp_path: Path) -> None:
+    async with approval_service(tmp_path / "k.db") as service:
+        request = await service.open("shell", ARGS, "agent:b", "web:c")
+        with pytest.raises(ExecutionMismatch, match="pending, not approved"):
+            await service.verify_execution(request.id, "shell", ARGS)
+        await service.decide(request.id, Decision.APPROVE, actor="web:admin", platform="web")
+        await service.verify_execution(request.id, "shell", dict(ARGS))
+        with pytest.raises(ExecutionMismatch, match="arguments changed after approval"):
+            await service.verify_execution(request.id, "shell", {**ARGS, "command": "rm -rf /"})
+        with pytest.raises(ExecutionMismatch, match="approved 'shell', not 'write_file'"):
+            await service.verify_execution(request.id, "write_file", ARGS)
+        assert [e.event for e in await service.store.events(request.id)][-1] == "execution_refused"
+
+
+async def test_failed_audit_write_is_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    path = tmp_path / "k.db"
+    async with approval_service(path, busy_timeout_ms=50) as service:
+        blocker = await aiosqlite.connect(str(path), isolation_level=None)
+        before = failure_count("approval_audit")
+        try:
+            await blocker.execute("BEGIN EXCLUSIVE")
+            result = await service.decide_from_button("garbage", actor="telegram:5", platform="telegram")
+        finally:
+            await blocker.execute("ROLLBACK")
+            await blocker.close()
+        assert result.verdict is PressVerdict.REFUSED
+        assert failure_count("approval_audit") == before + 1

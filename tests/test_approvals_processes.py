@@ -1,0 +1,159 @@
+"""Two OS processes deciding against one database file, and the CLI deciding from outside."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kazma.approvals import Decision, PressVerdict, Status
+from tests.approvals_support import APPROVERS_YAML, approval_service
+
+PRESSER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from kazma.approvals import Decision, button_data
+    from tests.approvals_support import approval_service
+
+    async def main(path, actor, platform, flip):
+        ids = json.loads(sys.stdin.readline())
+        sys.stdin.readline()  # go
+        async with approval_service(path) as service:
+            presses = [
+                button_data(rid, Decision.APPROVE if (i + flip) % 2 == 0 else Decision.DENY)
+                for i, rid in enumerate(ids)
+            ]
+            results = await asyncio.gather(
+                *(service.decide_from_button(p, actor=actor, platform=platform) for p in presses)
+            )
+        out = []
+        for rid, r in zip(ids, results):
+            o = r.outcome
+            out.append([rid, r.verdict.value, o.status.value if o else None, o.decided_by if o else None])
+        print(json.dumps(out))
+
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    """
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+async def test_two_processes_press_every_request_exactly_one_winner(tmp_path: Path) -> None:
+    path = tmp_path / "k.db"
+    async with approval_service(path) as service:
+        ids = [(await service.open("shell", {"n": i}, "agent:b", "web:c")).id for i in range(1000)]
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            PRESSER,
+            str(path),
+            actor,
+            platform,
+            str(flip),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            cwd=REPO,
+        )
+        for actor, platform, flip in (("telegram:111", "telegram", 0), ("slack:U111", "slack", 1))
+    ]
+    payload = (json.dumps(ids) + "\n").encode()
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(payload)
+        await proc.stdin.drain()
+    for proc in procs:  # release both only once both have their ids
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        await proc.stdin.drain()
+    outputs = await asyncio.gather(*(asyncio.wait_for(p.communicate(), timeout=300) for p in procs))
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err.decode()[-3000:]
+    results = [json.loads(out.decode().strip().splitlines()[-1]) for out, _ in outputs]
+
+    async with approval_service(path) as service:
+        rows = {r.id: r for r in await service.store.requests(limit=5000)}
+        decided_events = await service.store.events(event="decided")
+    assert len(decided_events) == 1000
+    wins = {rid: 0 for rid in ids}
+    for per_process in results:
+        for rid, verdict, status, decided_by in per_process:
+            row = rows[rid]
+            assert row.status in (Status.APPROVED, Status.DENIED)
+            assert (status, decided_by) == (row.status.value, row.decided_by)  # losers told what stands
+            if verdict == PressVerdict.WON.value:
+                wins[rid] += 1
+            else:
+                assert verdict == PressVerdict.LOST.value
+    assert set(wins.values()) == {1}
+
+
+def _cli(args: list[str], config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kazma.bot.cli", "-c", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+async def test_cli_decision_in_another_process_wakes_the_waiter(tmp_path: Path) -> None:
+    db = tmp_path / "k.db"
+    config = tmp_path / "kazma.yaml"
+    config.write_text(APPROVERS_YAML + f"store: {{path: {db}}}\n")
+    async with approval_service(db, poll_interval=0.2) as service:
+        request = await service.open("shell", {"command": "make deploy"}, "agent:builder", "slack:C1")
+        waiter = asyncio.create_task(service.wait(request.id))
+
+        listed = await asyncio.to_thread(_cli, ["approvals", "list", "--pending"], config)
+        assert listed.returncode == 0
+        assert request.id in listed.stdout
+        assert "pending" in listed.stdout
+
+        refused = await asyncio.to_thread(_cli, ["approvals", "approve", request.id, "--as", "mallory"], config)
+        assert refused.returncode == 1
+        assert "not an approver" in refused.stdout
+        assert "add 'cli:mallory' to approvals.approvers" in refused.stderr
+
+        approved = await asyncio.to_thread(_cli, ["approvals", "approve", request.id, "--as", "ops"], config)
+        assert approved.returncode == 0, approved.stderr
+        assert approved.stdout.strip() == "Approved. Recorded as cli:ops."
+
+        outcome = await asyncio.wait_for(waiter, timeout=30)
+        assert (outcome.status, outcome.decided_by, outcome.decided_via) == (Status.APPROVED, "cli:ops", "cli")
+
+        again = await asyncio.to_thread(_cli, ["approvals", "deny", request.id, "--as", "ops"], config)
+        assert again.returncode == 1
+        assert again.stdout.startswith("Already approved by cli:ops via cli at ")
+
+    shown = await asyncio.to_thread(_cli, ["approvals", "show", request.id], config)
+    assert shown.returncode == 0
+    assert '{"command":"make deploy"}' in shown.stdout
+    assert request.args_hash in shown.stdout
+    for event in ("opened agent:builder", "press_refused cli:mallory via cli", "decided cli:ops via cli", "press_lost"):
+        assert event in shown.stdout
+    missing = await asyncio.to_thread(_cli, ["approvals", "show", "nope"], config)
+    assert missing.returncode == 1
+    assert "no approval request 'nope'" in missing.stderr
+
+
+async def test_cli_list_empty(tmp_path: Path) -> None:
+    config = tmp_path / "kazma.yaml"
+    config.write_text(f"store: {{path: {tmp_path / 'k.db'}}}\n")
+    result = await asyncio.to_thread(_cli, ["approvals", "list"], config)
+    assert result.returncode == 0
+    assert result.stdout.strip() == "no approval requests"
+    assert Decision.APPROVE.code == "a"
