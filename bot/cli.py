@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 from pathlib import Path
 
 import click
 import structlog
 
+from kazma.bot.app import build_app
 from kazma.bot.approvals_cli import approvals
 from kazma.bot.context import Context
 from kazma.bot.doctor import Level, run_checks
 from kazma.bot.logging import LEVELS, configure_logging
-from kazma.config import __version__, platform_statuses
+from kazma.config import LoadedConfig, __version__, platform_statuses
 
 log = structlog.get_logger("kazma.cli")
 
@@ -83,6 +85,30 @@ def doctor(obj: Context, model_timeout: float) -> None:
     log.info("doctor.finished", failed=len(failed), warnings=len(warned))
     if failed:
         sys.exit(EXIT_CHECK_FAILED)
+
+
+@main.command()
+@click.option("--poll-interval", type=click.FloatRange(0.05, 60), default=1.0, show_default=True, hidden=True)
+@click.pass_obj
+def run(obj: Context, poll_interval: float) -> None:
+    """Start every configured platform and serve until SIGINT or SIGTERM."""
+    loaded = obj.load()
+    asyncio.run(_serve(loaded, poll_interval))
+
+
+async def _serve(loaded: LoadedConfig, poll_interval: float) -> None:
+    app = await build_app(loaded, poll_interval=poll_interval)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await app.start()
+        click.echo("kazma is running; press Ctrl-C to stop", err=True)
+        await stop.wait()
+        log.info("app.stopping")
+    finally:
+        await app.stop()
 
 
 main.add_command(approvals)

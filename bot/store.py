@@ -6,6 +6,7 @@ from pathlib import Path
 
 import aiosqlite
 
+from kazma.adapters.outbox import MIGRATIONS as OUTBOX
 from kazma.approvals.schema import MIGRATIONS as APPROVALS
 from kazma.config import KazmaConfig
 from kazma.config.database import Migration, open_database
@@ -13,7 +14,7 @@ from kazma.config.database import Migration, open_database
 
 def all_migrations() -> list[Migration]:
     """Every layer's schema, in the order layers depend on each other."""
-    return [*APPROVALS]
+    return [*APPROVALS, *OUTBOX]
 
 
 async def open_store(config: KazmaConfig, path: Path | None = None) -> aiosqlite.Connection:

@@ -1,0 +1,306 @@
+"""The bus: every connected platform behind one object.
+
+``FanOutBus`` puts each approval card on every platform and settles every
+card when the request ends. Each platform has its own worker, so a slow or
+failing platform never delays the others; posts go through durable outbox
+rows and edits are derived from recorded cards, so both survive a restart.
+``NullBus`` stands in when no platform is configured: it cannot show cards,
+so dangerous tools are refused (fail closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from kazma.adapters.contract import CardRef, Handlers, PlatformAdapter, PlatformError
+from kazma.adapters.outbox import Outbox, PostJob
+from kazma.approvals.card import ApprovalCard, build_card
+from kazma.approvals.model import ApprovalRequest, Status
+from kazma.approvals.store import ApprovalStore, PostedCard
+from kazma.config.metrics import count_failure
+from kazma.config.models import KazmaConfig
+
+log = structlog.get_logger("kazma.bus")
+
+MAX_BACKOFF = 60.0
+
+
+def backoff(attempts: int, retry_after: float | None = None) -> float:
+    """Exponential with jitter, capped; a platform's own ``retry_after`` wins when longer."""
+    base = min(MAX_BACKOFF, 0.5 * (2 ** min(attempts, 10)))
+    delay = base * (0.5 + random.random() / 2)
+    return float(max(delay, retry_after or 0.0))
+
+
+@dataclass
+class _Worker:
+    adapter: PlatformAdapter
+    kick: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    settle_attempts: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    settle_not_before: dict[tuple[str, str, str], float] = field(default_factory=dict)
+
+
+class FanOutBus:
+    """One or more platforms. Satisfies the approvals' ``CardPublisher``."""
+
+    def __init__(
+        self,
+        adapters: Sequence[PlatformAdapter],
+        *,
+        store: ApprovalStore,
+        outbox: Outbox,
+        config: KazmaConfig,
+        platform_timeout: float = 10.0,
+        poll_interval: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not adapters:
+            raise ValueError("FanOutBus needs at least one platform; use NullBus for none")
+        self.adapters = {a.name: a for a in adapters}
+        self.store = store
+        self.outbox = outbox
+        self.config = config
+        self.platform_timeout = platform_timeout
+        self.poll_interval = poll_interval
+        self.clock = clock
+        self._workers = {name: _Worker(adapter) for name, adapter in self.adapters.items()}
+        self._started: set[str] = set()
+        self._stopping = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self, handlers: Handlers) -> None:
+        """Connect every platform concurrently; one that fails to start is logged, the rest serve."""
+        names = list(self.adapters)
+        results = await asyncio.gather(
+            *(self._start_one(self.adapters[n], handlers) for n in names), return_exceptions=True
+        )
+        for name, result in zip(names, results, strict=True):
+            if isinstance(result, BaseException):
+                count_failure("platform_start", name)
+                log.error("bus.platform_start_failed", platform=name, error=str(result))
+            else:
+                self._started.add(name)
+        for name, worker in self._workers.items():
+            worker.task = asyncio.create_task(self._run(worker), name=f"kazma-bus-{name}")
+            worker.kick.set()  # resume what a previous run left: unposted cards, unsettled edits
+
+    async def _start_one(self, adapter: PlatformAdapter, handlers: Handlers) -> None:
+        await adapter.start(handlers)
+        log.info("bus.platform_started", platform=adapter.name, home_chat=adapter.home_chat)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for worker in self._workers.values():
+            worker.kick.set()
+            if worker.task is not None:
+                worker.task.cancel()
+        for worker in self._workers.values():
+            if worker.task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await worker.task
+        await asyncio.gather(*(self._stop_one(a) for a in self.adapters.values()))
+
+    async def _stop_one(self, adapter: PlatformAdapter) -> None:
+        try:
+            await asyncio.wait_for(adapter.stop(), timeout=self.platform_timeout)
+        except Exception as exc:
+            log.warning("bus.platform_stop_failed", platform=adapter.name, error=str(exc))
+
+    # -- CardPublisher ---------------------------------------------------------------------------
+
+    def can_show_cards(self) -> bool:
+        return any(a.home_chat for a in self.adapters.values())
+
+    async def publish(self, card: ApprovalCard) -> None:
+        targets = [name for name, a in self.adapters.items() if a.home_chat]
+        try:
+            await self.outbox.enqueue(card.request_id, targets)
+        except Exception as exc:
+            # The request stays pending and visible in the CLI and dashboard; its
+            # deadline still applies, so nothing runs unapproved.
+            count_failure("card_enqueue")
+            log.error("bus.card_enqueue_failed", request_id=card.request_id, error=str(exc))
+            return
+        for name in targets:
+            self._workers[name].kick.set()
+
+    async def settle(self, request_id: str) -> None:
+        for worker in self._workers.values():
+            worker.kick.set()
+
+    # -- messages --------------------------------------------------------------------------------
+
+    async def send_text(
+        self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
+    ) -> str | None:
+        """Post into one conversation; failures are logged and counted, never raised."""
+        adapter = self.adapters.get(platform)
+        if adapter is None:
+            log.warning("bus.unknown_platform", platform=platform)
+            return None
+        try:
+            return await asyncio.wait_for(
+                adapter.send_text(chat, text, agent=agent, thread=thread), timeout=self.platform_timeout
+            )
+        except (PlatformError, TimeoutError) as exc:
+            count_failure("send", platform)
+            log.warning("bus.send_failed", platform=platform, chat=chat, error=str(exc))
+            return None
+
+    async def broadcast(self, text: str, *, agent: str | None = None) -> dict[str, str | None]:
+        """Report or alert into every platform's home chat at once."""
+        targets = [(n, a.home_chat) for n, a in self.adapters.items() if a.home_chat]
+        results = await asyncio.gather(*(self.send_text(n, chat, text, agent=agent) for n, chat in targets if chat))
+        return {n: r for (n, _), r in zip(targets, results, strict=True)}
+
+    # -- workers ---------------------------------------------------------------------------------
+
+    async def _run(self, worker: _Worker) -> None:
+        name = worker.adapter.name
+        while not self._stopping:
+            worker.kick.clear()
+            try:
+                await self._drain_posts(worker)
+                await self._drain_settles(worker)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the store hiccuped: keep the worker alive and try again
+                count_failure("bus_worker", name)
+                log.error("bus.worker_error", platform=name, error=str(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(worker.kick.wait(), timeout=self.poll_interval)
+
+    async def _drain_posts(self, worker: _Worker) -> None:
+        adapter = worker.adapter
+        for job in await self.outbox.due(adapter.name):
+            if self._stopping:
+                return
+            await self._post(adapter, job)
+
+    async def _post(self, adapter: PlatformAdapter, job: PostJob) -> None:
+        request = await self.store.get(job.request_id)
+        if request is None:
+            await self.outbox.done(job, "dropped", "unknown request")
+            return
+        if request.status is not Status.PENDING:
+            await self.outbox.done(job, "skipped", f"request already {request.status.value}")
+            return
+        card = self._card_for(request)
+        try:
+            ref = await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
+        except (PlatformError, TimeoutError) as exc:
+            retryable = isinstance(exc, TimeoutError) or exc.retryable
+            retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
+            count_failure("card_post", adapter.name)
+            if retryable:
+                delay = backoff(job.attempts, retry_after)
+                log.warning(
+                    "bus.card_post_failed",
+                    platform=adapter.name,
+                    request_id=job.request_id,
+                    attempt=job.attempts + 1,
+                    retry_in=round(delay, 2),
+                    error=str(exc) or type(exc).__name__,
+                )
+                await self.outbox.retry_later(job, delay, str(exc) or type(exc).__name__)
+            else:
+                log.error("bus.card_post_gave_up", platform=adapter.name, request_id=job.request_id, error=str(exc))
+                await self.outbox.done(job, "failed", str(exc))
+            return
+        await self.store.record_card(request.id, ref.platform, ref.chat, ref.message_id)
+        await self.outbox.done(job, "posted")
+        log.info("bus.card_posted", platform=adapter.name, request_id=request.id, chat=ref.chat, message=ref.message_id)
+
+    def _card_for(self, request: ApprovalRequest) -> ApprovalCard:
+        return build_card(request, value_limit=self.config.approvals.value_limit, public_url=self.config.web.public_url)
+
+    async def _drain_settles(self, worker: _Worker) -> None:
+        adapter = worker.adapter
+        now = self.clock()
+        for posted in await self.store.unsettled_cards():
+            if posted.platform != adapter.name or self._stopping:
+                continue
+            key = (posted.request_id, posted.chat, posted.message_id)
+            if worker.settle_not_before.get(key, 0.0) > now:
+                continue
+            await self._settle_one(worker, posted, key)
+
+    async def _settle_one(self, worker: _Worker, posted: PostedCard, key: tuple[str, str, str]) -> None:
+        adapter = worker.adapter
+        request = await self.store.get(posted.request_id)
+        if request is None:
+            return
+        outcome = request.outcome()
+        if outcome is None:
+            return
+        card = self._card_for(request)
+        ref = CardRef(posted.platform, posted.chat, posted.message_id)
+        try:
+            await asyncio.wait_for(adapter.settle_card(ref, card, outcome), timeout=self.platform_timeout)
+        except (PlatformError, TimeoutError) as exc:
+            retryable = isinstance(exc, TimeoutError) or exc.retryable
+            retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
+            count_failure("card_settle", adapter.name)
+            attempts = worker.settle_attempts.get(key, 0) + 1
+            worker.settle_attempts[key] = attempts
+            if not retryable:
+                # The card cannot be edited any more (deleted, or not ours): record that
+                # it is as settled as it will ever be, so the worker stops trying.
+                log.error("bus.card_settle_gave_up", platform=adapter.name, request_id=request.id, error=str(exc))
+                await self.store.mark_card_settled(posted, request.status)
+                return
+            delay = backoff(attempts, retry_after)
+            worker.settle_not_before[key] = self.clock() + delay
+            log.warning(
+                "bus.card_settle_failed",
+                platform=adapter.name,
+                request_id=request.id,
+                attempt=attempts,
+                retry_in=round(delay, 2),
+                error=str(exc) or type(exc).__name__,
+            )
+            return
+        await self.store.mark_card_settled(posted, request.status)
+        worker.settle_attempts.pop(key, None)
+        worker.settle_not_before.pop(key, None)
+        log.info("bus.card_settled", platform=adapter.name, request_id=request.id, status=request.status.value)
+
+
+class NullBus:
+    """No platform configured: nothing can show a card, so dangerous tools are refused."""
+
+    adapters: dict[str, PlatformAdapter] = {}  # noqa: RUF012 - never mutated
+
+    async def start(self, handlers: Handlers) -> None:
+        log.warning("bus.no_platforms", detail="no chat platform is configured; dangerous tools will be refused")
+
+    async def stop(self) -> None:
+        return
+
+    def can_show_cards(self) -> bool:
+        return False
+
+    async def publish(self, card: ApprovalCard) -> None:
+        count_failure("card_post", "none")
+        log.error("bus.card_dropped", request_id=card.request_id, reason="no platform configured")
+
+    async def settle(self, request_id: str) -> None:
+        return
+
+    async def send_text(
+        self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
+    ) -> str | None:
+        log.info("bus.message_dropped", platform=platform, chat=chat, reason="no platform configured")
+        return None
+
+    async def broadcast(self, text: str, *, agent: str | None = None) -> dict[str, str | None]:
+        return {}
