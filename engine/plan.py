@@ -1,0 +1,194 @@
+"""Plans: what the lead agent writes (intent) and what the executor tracks (run state).
+
+The model owns ``PlanSpec``; only the executor writes a step's status,
+summary, files and failure reason (invariant 9).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+USER = "user"
+_REFERENCE = re.compile(r"\{\{\s*step_(\d+)\.output_summary\s*\}\}")
+
+
+class StepStatus(StrEnum):
+    PENDING = "pending"
+    IN_PROGRESS = "in_progress"
+    DONE = "done"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    BLOCKED = "blocked"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (StepStatus.DONE, StepStatus.FAILED, StepStatus.SKIPPED, StepStatus.BLOCKED)
+
+    @property
+    def satisfies(self) -> bool:
+        """A dependency in this state lets dependents run."""
+        return self in (StepStatus.DONE, StepStatus.SKIPPED)
+
+
+class OnFailure(StrEnum):
+    ABORT_PLAN = "abort_plan"
+    CONTINUE = "continue"
+    ASK_LEAD = "ask_lead"
+
+
+class StepSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=1, description="1-based position; stable for the life of the plan")
+    title: str = Field(min_length=1, max_length=200)
+    assignee: str = Field(min_length=1, description="'user', the lead agent, or a sub-agent's name")
+    input: str = Field(default="", max_length=16_000, description="May reference {{step_N.output_summary}}")
+    wait_for: list[int] | None = Field(default=None, description="Steps that must finish first; default: previous")
+    on_failure: OnFailure = OnFailure.ASK_LEAD
+
+
+class PlanSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    goal: str = Field(min_length=1, max_length=2000)
+    steps: list[StepSpec] = Field(min_length=1, max_length=50)
+
+
+class PlanError(ValueError):
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def dependencies(spec: StepSpec) -> list[int]:
+    if spec.wait_for is None:
+        return [] if spec.index == 1 else [spec.index - 1]
+    return sorted(set(spec.wait_for))
+
+
+def references(spec: StepSpec) -> list[int]:
+    return sorted({int(n) for n in _REFERENCE.findall(spec.input)})
+
+
+def validate_plan(plan: PlanSpec, assignees: set[str]) -> None:
+    """Raise :class:`PlanError` listing every problem: indices, references, cycles, assignees."""
+    problems: list[str] = []
+    indices = [s.index for s in plan.steps]
+    if sorted(indices) != list(range(1, len(indices) + 1)):
+        problems.append(f"step indices must be 1..{len(indices)} without gaps or repeats, got {indices}")
+    known = set(indices)
+    graph: dict[int, list[int]] = {}
+    for step in plan.steps:
+        deps = dependencies(step)
+        graph[step.index] = deps
+        for dep in deps:
+            if dep == step.index:
+                problems.append(f"step {step.index} waits for itself")
+            elif dep not in known:
+                problems.append(f"step {step.index} waits for step {dep}, which does not exist")
+        if step.assignee not in assignees and step.assignee != USER:
+            problems.append(
+                f"step {step.index} is assigned to unknown {step.assignee!r} "
+                f"(known: {', '.join(sorted(assignees | {USER}))})"
+            )
+    cycle = _find_cycle(graph)
+    if cycle:
+        problems.append("steps wait for each other in a cycle: " + " -> ".join(str(i) for i in cycle))
+    elif not problems:
+        for step in plan.steps:
+            upstream = _ancestors(step.index, graph)
+            for ref in references(step):
+                if ref not in upstream:
+                    problems.append(
+                        f"step {step.index} uses {{{{step_{ref}.output_summary}}}} but does not wait for step {ref}"
+                    )
+    if problems:
+        raise PlanError(problems)
+
+
+def _find_cycle(graph: dict[int, list[int]]) -> list[int]:
+    state: dict[int, int] = {}
+    stack: list[int] = []
+
+    def visit(node: int) -> list[int]:
+        state[node] = 1
+        stack.append(node)
+        for dep in graph.get(node, []):
+            if dep not in graph:
+                continue
+            if state.get(dep) == 1:
+                return [*stack[stack.index(dep) :], dep]
+            if state.get(dep) is None and (found := visit(dep)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if state.get(node) is None and (found := visit(node)):
+            return found
+    return []
+
+
+def _ancestors(index: int, graph: dict[int, list[int]]) -> set[int]:
+    seen: set[int] = set()
+    todo = list(graph.get(index, []))
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, []))
+    return seen
+
+
+@dataclass
+class Step:
+    """A step and its run state. Only the executor changes the run-state fields."""
+
+    spec: StepSpec
+    status: StepStatus = StepStatus.PENDING
+    output_summary: str = ""
+    output_files: list[str] = field(default_factory=list)
+    failure_reason: str = ""
+    attempts: int = 0
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+
+@dataclass
+class Plan:
+    id: str
+    conversation: str
+    goal: str
+    steps: dict[int, Step]
+
+    def ready(self) -> list[Step]:
+        """Pending steps whose every dependency is done or skipped, lowest index first."""
+        return [
+            step
+            for index, step in sorted(self.steps.items())
+            if step.status is StepStatus.PENDING
+            and all(self.steps[d].status.satisfies for d in dependencies(step.spec))
+        ]
+
+    def in_progress(self) -> list[Step]:
+        return [s for s in self.steps.values() if s.status is StepStatus.IN_PROGRESS]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.terminal for s in self.steps.values())
+
+    def render_input(self, step: Step) -> str:
+        """The step's input with earlier steps' summaries filled in (summaries, never transcripts)."""
+
+        def fill(match: re.Match[str]) -> str:
+            ref = self.steps.get(int(match.group(1)))
+            return ref.output_summary if ref is not None and ref.output_summary else "(no summary)"
+
+        return _REFERENCE.sub(fill, step.spec.input)

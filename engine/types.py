@@ -1,0 +1,78 @@
+"""Shapes shared by the model providers, the tools and the agents."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+# An OpenAI-compatible chat message: {"role": ..., "content": ..., "tool_calls": ..., "tool_call_id": ...}
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool as a model sees it: OpenAI "function" tool definition."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments object
+
+    def as_openai(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call the model asked for. ``error`` is set when its arguments were not a JSON object."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+    raw_arguments: str = ""
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.prompt_tokens + other.prompt_tokens, self.completion_tokens + other.completion_tokens)
+
+
+@dataclass(frozen=True)
+class ModelReply:
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+    usage: Usage = field(default_factory=Usage)
+    model: str = ""
+    finish_reason: str | None = None
+
+
+class ModelError(Exception):
+    """The model could not answer. ``permanent`` errors (bad key, unknown model) are not worth retrying."""
+
+    def __init__(self, message: str, *, permanent: bool, status: int | None = None) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+        self.status = status
+
+
+class ModelProvider(Protocol):
+    @property
+    def label(self) -> str:
+        """Shown wherever the provider runs, e.g. ``openai-compatible llama3.1 at http://…`` or ``scripted (demo)``."""
+        ...
+
+    async def complete(
+        self, messages: Sequence[Message], tools: Sequence[ToolSpec] = (), *, model: str | None = None
+    ) -> ModelReply: ...
