@@ -1,0 +1,778 @@
+"""The Slack adapter on the real Bolt AsyncApp and slack-sdk AsyncWebClient, against the wire-level fake."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from kazma.adapters import text as wording
+from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError
+from kazma.adapters.ratelimit import ChatRateLimiter
+from kazma.adapters.slack import APPROVE_ACTION, DENY_ACTION, SlackAdapter
+from kazma.approvals.card import ApprovalCard, build_card
+from kazma.approvals.hashing import args_hash, canonical_json
+from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
+from kazma.config.metrics import failure_count
+from kazma.config.models import SlackConfig, SlackHttpConfig
+from tests.fakes.slack import FakeSlack, StoredMessage
+
+HOME = "CHOME0001"
+OTHER = "CWORK0002"
+UNSERVED = "CELSE0003"
+ADMIN = "UADMIN001"
+PERSON = "UPERSON01"
+WAIT = 5.0
+
+
+class Signal:
+    """Wake waiters whenever something they watch may have changed."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float = WAIT) -> None:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                self._event.clear()
+                await self._event.wait()
+
+
+class Recorder:
+    """The handlers the bot would inject: records everything, optionally holds until released."""
+
+    def __init__(self) -> None:
+        self.inbound: list[Inbound] = []
+        self.presses: list[tuple[str, str, str]] = []
+        self.press_result: PressResult | Exception = PressResult(PressVerdict.WON, "Approved.", request_id="r")
+        self.hold = asyncio.Event()
+        self.hold.set()
+        self.signal = Signal()
+
+    async def on_inbound(self, message: Inbound) -> None:
+        self.inbound.append(message)
+        self.signal.notify()
+        await self.hold.wait()
+
+    async def on_press(self, data: str, actor: str, platform: str) -> PressResult:
+        self.presses.append((data, actor, platform))
+        self.signal.notify()
+        await self.hold.wait()
+        if isinstance(self.press_result, Exception):
+            raise self.press_result
+        return self.press_result
+
+    def handlers(self) -> Handlers:
+        return Handlers(on_inbound=self.on_inbound, on_press=self.on_press)
+
+
+class LogWatch(logging.Handler):
+    """The adapter's structlog events, as the test configuration routes them through stdlib logging."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self.signal = Signal()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self.signal.notify()
+
+    def matching(self, event: str, **fields: str) -> list[logging.LogRecord]:
+        found = []
+        for record in self.records:
+            message = record.getMessage()
+            if event not in message:
+                continue
+            if all(getattr(record, k, None) == v or f"{k}={v}" in message for k, v in fields.items()):
+                found.append(record)
+        return found
+
+    async def wait_for(self, event: str, **fields: str) -> None:
+        await self.signal.wait_until(lambda: bool(self.matching(event, **fields)))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def slack_config(fake: FakeSlack, **overrides: Any) -> SlackConfig:
+    values: dict[str, Any] = {
+        "bot_token": fake.bot_token,
+        "signing_secret": fake.signing_secret,
+        "api_base_url": fake.api_url,
+        "http": SlackHttpConfig(host="127.0.0.1", port=free_port(), path="/slack/events"),
+        "channels": [HOME, OTHER],
+        "home_channel": HOME,
+        "admins": [ADMIN],
+    }
+    values.update(overrides)
+    return SlackConfig(**values)
+
+
+StartAdapter = Callable[..., Awaitable[SlackAdapter]]
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeSlack]:
+    server = FakeSlack()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def logs() -> Iterator[LogWatch]:
+    watch = LogWatch()
+    logger = logging.getLogger("kazma.adapters.slack")
+    previous = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(watch)
+    yield watch
+    logger.removeHandler(watch)
+    logger.setLevel(previous)
+
+
+@pytest.fixture
+async def start_adapter(fake: FakeSlack, recorder: Recorder) -> AsyncIterator[StartAdapter]:
+    started: list[SlackAdapter] = []
+
+    async def start(*, config: SlackConfig | None = None, **kwargs: Any) -> SlackAdapter:
+        kwargs.setdefault("limiter", ChatRateLimiter(min_interval=0.0))
+        kwargs.setdefault("request_timeout", 1)
+        adapter = SlackAdapter(config or slack_config(fake), **kwargs)
+        await adapter.start(recorder.handlers())
+        started.append(adapter)
+        return adapter
+
+    yield start
+    recorder.hold.set()
+    for adapter in started:
+        await adapter.stop()
+
+
+@pytest.fixture
+async def adapter(start_adapter: StartAdapter) -> SlackAdapter:
+    return await start_adapter()
+
+
+def events_url(adapter: SlackAdapter) -> str:
+    assert adapter.events_url is not None
+    return adapter.events_url
+
+
+def request_for(args: dict[str, Any], *, tool: str = "shell", requester: str = "builder") -> ApprovalRequest:
+    now = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
+    return ApprovalRequest(
+        id="Rq7xK2mP9vL4nB8cT1wZ5aY3",
+        tool=tool,
+        args=args,
+        args_json=canonical_json(args),
+        args_hash=args_hash(args),
+        requested_by=requester,
+        conversation=f"slack:{HOME}",
+        created_at=now,
+        deadline=now + timedelta(minutes=10),
+        status=Status.PENDING,
+    )
+
+
+def make_card(args: dict[str, Any], *, value_limit: int = 500, **kwargs: Any) -> ApprovalCard:
+    return build_card(request_for(args, **kwargs), value_limit=value_limit, public_url="http://127.0.0.1:8765")
+
+
+def outcome_for(card: ApprovalCard, status: Status = Status.APPROVED) -> Outcome:
+    return Outcome(
+        request_id=card.request_id,
+        status=status,
+        decided_by=f"slack:{ADMIN}" if status.human else None,
+        decided_via="slack" if status.human else None,
+        decided_at=datetime(2030, 1, 2, 3, 6, 0, tzinfo=UTC),
+    )
+
+
+def section_texts(msg: StoredMessage) -> list[str]:
+    return [b["text"]["text"] for b in msg.blocks if b.get("type") == "section"]
+
+
+def buttons(msg: StoredMessage) -> list[dict[str, Any]]:
+    return [e for b in msg.blocks if b.get("type") == "actions" for e in b["elements"]]
+
+
+def assert_inert(texts: list[str]) -> None:
+    for text in texts:
+        assert "<!" not in text, text
+        assert "<@" not in text, text
+        # Any remaining '<' may only open the dashboard link we made ourselves.
+        for match in re.finditer("<", text):
+            assert text.startswith("<http://127.0.0.1:8765/", match.start()), text
+
+
+def test_the_adapter_satisfies_the_contract(fake: FakeSlack) -> None:
+    adapter = SlackAdapter(slack_config(fake))
+    assert isinstance(adapter, PlatformAdapter)
+    assert adapter.name == "slack"
+    assert adapter.home_chat == HOME
+    assert SlackAdapter(slack_config(fake, home_channel="")).home_chat is None
+
+
+# -- inbound -----------------------------------------------------------------
+
+
+async def test_message_and_app_mention_of_one_post_are_delivered_once(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, logs: LogWatch
+) -> None:
+    url = events_url(adapter)
+    ts = fake.next_ts()
+    text = f"<@{fake.bot_user_id}> ask @Builder to fix a &lt;b&gt; &amp; tag, cc <@{PERSON}|person>"
+    mention = fake.message_event(
+        channel=HOME, user=ADMIN, text=text, ts=ts, thread_ts="1700.000001", kind="app_mention"
+    )
+    plain = fake.message_event(channel=HOME, user=ADMIN, text=text, ts=ts, thread_ts="1700.000001")
+    assert (await fake.post_event(url, mention)).status == 200
+    assert (await fake.post_event(url, plain)).status == 200
+
+    await logs.wait_for("slack.inbound_duplicate", ts=ts)
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) >= 1)
+    (got,) = recorder.inbound
+    assert got == Inbound(
+        platform="slack",
+        chat=HOME,
+        message_id=ts,
+        author=f"slack:{ADMIN}",
+        author_name=ADMIN,
+        text=f"<@{fake.bot_user_id}> ask @Builder to fix a <b> & tag, cc <@{PERSON}|person>",
+        thread="1700.000001",
+        mentions=(fake.bot_user_id.lower(), PERSON.lower(), "builder"),
+        from_bot=False,
+        command=None,
+        is_admin=True,
+    )
+
+
+async def test_other_bots_posts_arrive_marked_and_edits_do_not(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, logs: LogWatch
+) -> None:
+    url = events_url(adapter)
+    bot_post = fake.message_event(channel=OTHER, user="UOTHERBOT", text="@researcher go", bot_id="BOTHER001")
+    edit = fake.message_event(channel=OTHER, user=PERSON, text="edited", subtype="message_changed")
+    await fake.post_event(url, edit)
+    await fake.post_event(url, bot_post)
+    await logs.wait_for("slack.inbound_ignored", ts=edit["ts"])
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) >= 1)
+    (got,) = recorder.inbound
+    assert (got.chat, got.from_bot, got.is_admin, got.mentions) == (OTHER, True, False, ("researcher",))
+
+
+async def test_our_own_posts_do_not_come_back(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, logs: LogWatch
+) -> None:
+    url = events_url(adapter)
+    own = fake.message_event(channel=HOME, user=fake.bot_user_id, text="@builder step 1", bot_id=fake.bot_id)
+    other = fake.message_event(channel=HOME, user=PERSON, text="after")
+    await fake.post_event(url, own)
+    await fake.post_event(url, other)
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) >= 1)
+    assert [m.message_id for m in recorder.inbound] == [other["ts"]]
+    # Bolt drops its own bot's events before any listener runs.
+    assert not logs.matching("slack.inbound", ts=own["ts"])
+
+
+async def test_unserved_channel_is_ignored(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, logs: LogWatch
+) -> None:
+    event = fake.message_event(channel=UNSERVED, user=ADMIN, text="hello")
+    assert (await fake.post_event(events_url(adapter), event)).status == 200
+    await logs.wait_for("slack.inbound_ignored", ts=event["ts"], channel=UNSERVED)
+    assert recorder.inbound == []
+
+
+async def test_every_channel_is_served_when_none_are_listed(
+    fake: FakeSlack, start_adapter: StartAdapter, recorder: Recorder
+) -> None:
+    adapter = await start_adapter(config=slack_config(fake, channels=[]))
+    await fake.post_event(events_url(adapter), fake.message_event(channel=UNSERVED, user=PERSON, text="hi"))
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) == 1)
+    assert recorder.inbound[0].chat == UNSERVED
+
+
+async def test_forged_signatures_are_rejected_and_nothing_is_delivered(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    url = events_url(adapter)
+    forged = await fake.post_event(url, fake.message_event(channel=HOME, user=ADMIN, text="forged"), bad_signature=True)
+    forged_press = await fake.post_block_action(
+        url, action_id=APPROVE_ACTION, value="kz1:abc:a", user=ADMIN, channel=HOME, message_ts="1.1", bad_signature=True
+    )
+    forged_command = await fake.post_command(url, text="stop", channel=HOME, user=ADMIN, bad_signature=True)
+    stale = await fake.post_signed(
+        url, '{"type":"event_callback","event":{"type":"message"}}', "application/json", timestamp=1_000_000_000
+    )
+    assert [forged.status, forged_press.status, forged_command.status, stale.status] == [401, 401, 401, 401]
+
+    genuine = fake.message_event(channel=HOME, user=ADMIN, text="genuine")
+    assert (await fake.post_event(url, genuine)).status == 200
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) >= 1)
+    assert [m.text for m in recorder.inbound] == ["genuine"]
+    assert recorder.presses == []
+
+
+async def test_url_verification_is_answered(fake: FakeSlack, adapter: SlackAdapter) -> None:
+    body = '{"token":"t","challenge":"kazma-challenge","type":"url_verification"}'
+    response = await fake.post_signed(events_url(adapter), body, "application/json")
+    assert response.status == 200
+    assert "kazma-challenge" in response.body
+
+
+async def test_swarm_command_is_acknowledged_before_it_is_handled(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    recorder.hold.clear()  # the handler will not finish until the test says so
+    response = await fake.post_command(
+        events_url(adapter), text="  run quick build a &lt;b&gt; &amp; CLI ", channel=OTHER, user=ADMIN, user_name="ada"
+    )
+    # The answer came back while the handler is still held: the ack did not wait for the work.
+    assert response.status == 200
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) == 1)
+    recorder.hold.set()
+    (got,) = recorder.inbound
+    assert got.command == "swarm"
+    assert got.text == "run quick build a <b> & CLI"  # Slack's entities undone, as for messages
+    assert (got.chat, got.author, got.author_name, got.is_admin) == (OTHER, f"slack:{ADMIN}", "ada", True)
+    assert "trigger" in got.message_id  # Slack's trigger_id names the command
+
+
+async def test_swarm_command_in_an_unserved_channel_is_refused_politely(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    response = await fake.post_command(events_url(adapter), text="status", channel=UNSERVED, user=ADMIN)
+    assert response.status == 200
+    assert "does not serve this channel" in response.body
+    assert recorder.inbound == []
+
+
+# -- cards ---------------------------------------------------------------------
+
+
+async def test_card_shows_the_whole_call(fake: FakeSlack, adapter: SlackAdapter) -> None:
+    long_value = "echo harmless; " + "x" * 9_969 + "; rm -rf / # END"
+    assert len(long_value) == 10_000
+    args = {"command": long_value, "cwd": "/srv/app", "env": {"A": "1"}, "timeout": 30}
+    card = make_card(args)
+    ref = await adapter.post_card(card)
+    assert ref == CardRef(platform="slack", chat=HOME, message_id=ref.message_id)
+
+    msg = fake.message(HOME, ref.message_id)
+    sections = "\n".join(section_texts(msg))
+    for name in args:
+        assert f"*{name}*" in sections
+    command = next(t for t in section_texts(msg) if t.startswith("*command*"))
+    cut = card.arguments[0]
+    assert cut.name == "command"
+    assert cut.cut
+    assert f"```{cut.head}```" in command
+    assert f"```{cut.tail}```" in command
+    assert command.endswith("; rm -rf / # END```")
+    assert f"_{wording.cut_marker(cut)}_" in command
+    assert f"{len(long_value):,}" in command
+    assert "```/srv/app```" in sections
+    assert '```{"A":"1"}```' in sections
+
+    assert len(card.args_hash) == 64
+    assert card.args_hash in sections
+    assert f"<{card.link}|" in sections
+    header = msg.block("kazma_title")
+    assert header is not None
+    assert header["text"]["text"] == "Approval needed: shell"
+    assert [(b["action_id"], b["value"], b["style"], b["text"]["text"]) for b in buttons(msg)] == [
+        (APPROVE_ACTION, f"kz1:{card.request_id}:a", "primary", "Approve"),
+        (DENY_ACTION, f"kz1:{card.request_id}:d", "danger", "Deny"),
+    ]
+    assert card.request_id in msg.text
+    assert card.args_hash in msg.text
+    (call,) = fake.calls_to("chat.postMessage")
+    assert "link_names" not in call.params
+
+
+async def test_markup_in_a_card_is_inert(fake: FakeSlack, adapter: SlackAdapter) -> None:
+    args = {
+        "channel_ping": "<!channel> deploy now",
+        "here_ping": "<!here>",
+        "everyone": "<!everyone> and @everyone and @here",
+        "user_ping": "ask <@U123> or <@U123|bob>",
+        "html": "<b>bold</b> <script>x</script>",
+        "fence": "```\n*bold* _it_ ~st~ ``` `tick`",
+        "amp": "a & b &amp; c &lt;!channel&gt;",
+        "link": "<https://evil.example|click me>",
+        "<@U999> name": "x",
+    }
+    card = make_card(args, tool="deploy<!here>", requester="builder <!channel>")
+    ref = await adapter.post_card(card)
+    msg = fake.message(HOME, ref.message_id)
+
+    assert_inert(msg.texts())
+    joined = "\n".join(msg.texts())
+    for escaped in ("&lt;!channel&gt;", "&lt;!here&gt;", "&lt;!everyone&gt;", "&lt;@U123&gt;", "&lt;@U123|bob&gt;"):
+        assert escaped in joined
+    assert "&lt;b&gt;bold&lt;/b&gt;" in joined
+    assert "a &amp; b &amp;amp; c &amp;lt;!channel&amp;gt;" in joined
+    assert "&lt;https://evil.example|click me&gt;" in joined
+    assert "*&lt;@U999&gt; name*" in joined
+    assert "@everyone and @here" in joined  # plain words: Slack only pings through <!…> markup
+    assert "&lt;!here&gt;" in msg.block("kazma_title")["text"]["text"]  # type: ignore[index]
+
+    fence = next(t for t in section_texts(msg) if t.startswith("*fence*"))
+    assert fence.count("```") == 2  # the value cannot close our code block early
+    assert fence.replace("\u200b", "") == "*fence*\n``````\n*bold* _it_ ~st~ ``` `tick````"
+    for text_object in (b["text"] for b in msg.blocks if b.get("type") == "section"):
+        assert text_object["verbatim"] is True
+
+
+async def test_sixty_long_arguments_fit_slack_limits_and_every_name_shows(
+    fake: FakeSlack, adapter: SlackAdapter
+) -> None:
+    args = {f"arg_{i:02d}": f"{i:02d}<&>" + "v" * 1_990 + f"END{i:02d}" for i in range(60)}
+    card = make_card(args, value_limit=2_000)
+    ref = await adapter.post_card(card)
+    msg = fake.message(HOME, ref.message_id)
+
+    assert len(msg.blocks) <= 50
+    assert all(len(t) <= 3000 for t in section_texts(msg))
+    joined = "\n".join(section_texts(msg))
+    for name in args:
+        assert f"*{name}*" in joined
+    shown = sum(1 for t in section_texts(msg) if t.startswith("*arg_"))
+    assert 0 < shown < 60
+    notice = wording.overflow_notice(card, shown)
+    assert notice.replace("&", "&amp;") in joined
+    assert card.link in joined
+    for name, text in zip(args, (t for t in section_texts(msg) if t.startswith("*arg_")), strict=False):
+        # Each shown value is whole: 2,000 characters fit a section even after escaping.
+        assert text == f"*{name}*\n```{args[name].replace('&', '&amp;').replace('<', '&lt;').replace('>', '&gt;')}```"
+    assert len(buttons(msg)) == 2
+
+    await adapter.settle_card(ref, card, outcome_for(card))
+    assert len(fake.message(HOME, ref.message_id).blocks) <= 50
+
+
+async def test_a_value_that_grows_when_escaped_is_shrunk_keeping_head_and_tail(
+    fake: FakeSlack, adapter: SlackAdapter
+) -> None:
+    value = "HEAD" + "&" * 3_000 + "<TAIL>"
+    card = make_card({"payload": value}, value_limit=4_000)
+    assert not card.arguments[0].cut  # whole in the card model, too large only once escaped
+    ref = await adapter.post_card(card)
+    (text,) = [t for t in section_texts(fake.message(HOME, ref.message_id)) if t.startswith("*payload*")]
+    assert len(text) <= 3000
+    assert text.startswith("*payload*\n```HEAD&amp;")
+    assert text.endswith("&amp;&lt;TAIL&gt;```")
+    shown = re.search(r"_\[cut: ([\d,]+) of ([\d,]+) characters not shown\]_", text)
+    assert shown is not None
+    assert shown.group(2) == f"{len(value):,}"
+    head, tail = text.split("_[cut:")[0], text.split("characters not shown]_")[1]
+    visible = (head + tail).count("&amp;") + 4 + 6
+    assert int(shown.group(1).replace(",", "")) == len(value) - visible
+
+
+async def test_settle_replaces_buttons_with_the_outcome_and_repeats_cleanly(
+    fake: FakeSlack, adapter: SlackAdapter
+) -> None:
+    card = make_card({"path": "/etc/hosts", "content": "127.0.0.1 example"})
+    ref = await adapter.post_card(card)
+    before = fake.message(HOME, ref.message_id).blocks
+    outcome = outcome_for(card, Status.DENIED)
+
+    await adapter.settle_card(ref, card, outcome)
+    settled = fake.message(HOME, ref.message_id)
+    assert "actions" not in settled.block_types()
+    assert settled.blocks[0]["block_id"] == "kazma_outcome"
+    assert wording.outcome_line(outcome) in settled.blocks[0]["text"]["text"]
+    assert settled.blocks[1:] == [b for b in before if b["type"] != "actions"]
+    assert wording.outcome_line(outcome) in settled.text
+
+    await adapter.settle_card(ref, card, outcome)
+    assert fake.message(HOME, ref.message_id).blocks == settled.blocks
+    assert fake.message(HOME, ref.message_id).edits == 2
+
+
+async def test_timeout_outcome_is_not_shown_as_a_denial(fake: FakeSlack, adapter: SlackAdapter) -> None:
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    await adapter.settle_card(ref, card, outcome_for(card, Status.TIMEOUT))
+    first = fake.message(HOME, ref.message_id).blocks[0]["text"]["text"]
+    assert "timed out" in first
+    assert "not a denial" in first
+    assert "denied" not in first
+
+
+async def test_settling_a_missing_or_foreign_message_is_not_retryable(fake: FakeSlack, adapter: SlackAdapter) -> None:
+    card = make_card({"x": 1})
+    with pytest.raises(PlatformError) as missing:
+        await adapter.settle_card(CardRef("slack", HOME, "1.000999"), card, outcome_for(card))
+    assert (missing.value.retryable, "message_not_found" in str(missing.value)) == (False, True)
+    human = fake.add_user_message(HOME, "a person's message")
+    with pytest.raises(PlatformError) as foreign:
+        await adapter.settle_card(CardRef("slack", HOME, human.ts), card, outcome_for(card))
+    assert (foreign.value.retryable, "cant_update_message" in str(foreign.value)) == (False, True)
+
+
+async def test_card_needs_a_home_channel(fake: FakeSlack, start_adapter: StartAdapter) -> None:
+    adapter = await start_adapter(config=slack_config(fake, home_channel=""))
+    with pytest.raises(PlatformError) as info:
+        await adapter.post_card(make_card({"x": 1}))
+    assert info.value.retryable is False
+
+
+# -- presses ---------------------------------------------------------------------
+
+
+async def test_press_is_acknowledged_first_then_handed_to_the_approvals_layer(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, logs: LogWatch
+) -> None:
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    recorder.hold.clear()
+    response = await fake.post_block_action(
+        events_url(adapter),
+        action_id=APPROVE_ACTION,
+        value=card.button_data(Decision.APPROVE),
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    # Answered while on_press is still held: the ack did not wait for the decision.
+    assert response.status == 200
+    await recorder.signal.wait_until(lambda: len(recorder.presses) == 1)
+    assert recorder.presses == [(f"kz1:{card.request_id}:a", f"slack:{ADMIN}", "slack")]
+    recorder.hold.set()
+    await logs.wait_for("slack.press", verdict="won")
+    assert fake.ephemerals == []  # a winning press is answered by the edited card
+
+
+@pytest.mark.parametrize("verdict", [PressVerdict.LOST, PressVerdict.REFUSED])
+async def test_losing_or_refused_press_is_told_privately(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, verdict: PressVerdict
+) -> None:
+    recorder.press_result = PressResult(verdict, "Already approved by slack:U111 <!channel> & co.")
+    response = await fake.post_block_action(
+        events_url(adapter), action_id=DENY_ACTION, value="kz1:abc:d", user=PERSON, channel=HOME, message_ts="1.1"
+    )
+    assert response.status == 200
+    await fake.wait_for(lambda: len(fake.ephemerals) == 1)
+    (notice,) = fake.ephemerals
+    assert (notice.channel, notice.user) == (HOME, PERSON)
+    assert notice.text == "Already approved by slack:U111 &lt;!channel&gt; &amp; co."
+    assert recorder.presses == [("kz1:abc:d", f"slack:{PERSON}", "slack")]
+
+
+async def test_press_handler_failure_is_reported_to_the_presser_and_counted(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    recorder.press_result = RuntimeError("store exploded")
+    before = failure_count("press", "slack")
+    await fake.post_block_action(
+        events_url(adapter), action_id=APPROVE_ACTION, value="kz1:abc:a", user=ADMIN, channel=HOME, message_ts="1.1"
+    )
+    await fake.wait_for(lambda: len(fake.ephemerals) == 1)
+    assert "could not record your press" in fake.ephemerals[0].text
+    assert fake.ephemerals[0].user == ADMIN
+    assert failure_count("press", "slack") == before + 1
+
+
+# -- sending text ------------------------------------------------------------------
+
+
+async def test_agent_posts_under_its_own_name_with_text_escaped(fake: FakeSlack, adapter: SlackAdapter) -> None:
+    ts = await adapter.send_text(OTHER, "@builder please check <!here> & <@U123>", agent="kazma", thread="1700.1")
+    msg = fake.message(OTHER, ts)
+    assert (msg.username, msg.icon_emoji, msg.thread_ts) == ("kazma", ":robot_face:", "1700.1")
+    assert msg.text == "@builder please check &lt;!here&gt; &amp; &lt;@U123&gt;"
+    assert "link_names" not in fake.calls_to("chat.postMessage")[0].params
+
+
+async def test_agent_name_falls_back_to_a_prefix_without_the_customize_scope(
+    fake: FakeSlack, adapter: SlackAdapter
+) -> None:
+    fake.allow_customize = False
+    first = await adapter.send_text(OTHER, "one <b>", agent="builder")
+    second = await adapter.send_text(OTHER, "two", agent="builder")
+    assert fake.message(OTHER, first).text == "[builder] one &lt;b&gt;"
+    assert fake.message(OTHER, second).text == "[builder] two"
+    assert fake.message(OTHER, first).username is None
+    # After the first refusal the adapter stops asking for an identity it does not have.
+    assert [c.error for c in fake.calls_to("chat.postMessage")] == ["missing_scope", None, None]
+
+
+async def test_long_text_is_split_and_the_first_id_returned(fake: FakeSlack, adapter: SlackAdapter) -> None:
+    lines = [f"line {i:04d} " + "<&>" * 30 for i in range(300)]
+    text = "\n".join(lines)
+    first = await adapter.send_text(HOME, text)
+    posted = fake.channel(HOME)
+    assert len(posted) > 1
+    assert posted[0].ts == first
+    assert all(len(m.text) <= 3900 for m in posted)
+    unescaped = "".join(m.text.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&") for m in posted)
+    assert unescaped == text
+    assert all(m.text.endswith("\n") for m in posted[:-1])  # split between lines
+
+
+async def test_empty_text_is_refused(adapter: SlackAdapter) -> None:
+    with pytest.raises(PlatformError) as info:
+        await adapter.send_text(HOME, "   ")
+    assert info.value.retryable is False
+
+
+async def test_sends_into_one_channel_are_paced(fake: FakeSlack, start_adapter: StartAdapter) -> None:
+    now = [1000.0]
+    sleeps: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        now[0] += seconds
+
+    limiter = ChatRateLimiter(min_interval=1.0, clock=lambda: now[0], sleep=sleep)
+    adapter = await start_adapter(limiter=limiter)
+    await adapter.send_text(HOME, "a")
+    await adapter.send_text(OTHER, "b")
+    await adapter.send_text(HOME, "c")
+    await adapter.post_card(make_card({"x": 1}))
+    assert sleeps == [1.0, 1.0]
+    assert len(fake.channel(HOME)) == 3
+
+
+# -- failures ----------------------------------------------------------------------
+
+
+async def test_rate_limit_is_retried_by_the_sdk_and_delivered(fake: FakeSlack, adapter: SlackAdapter) -> None:
+    fake.fail("chat.postMessage", "429", retry_after=0)
+    ts = await adapter.send_text(HOME, "eventually")
+    assert fake.message(HOME, ts).text == "eventually"
+    assert [c.status for c in fake.calls_to("chat.postMessage")] == [429, 200]
+
+
+async def test_rate_limit_surviving_retries_blocks_the_channel(fake: FakeSlack, start_adapter: StartAdapter) -> None:
+    limiter = ChatRateLimiter(min_interval=0.0, clock=lambda: 5000.0)
+    adapter = await start_adapter(limiter=limiter, rate_limit_retries=0)
+    fake.fail("chat.postMessage", "429", retry_after=7)
+    before = failure_count("send", "slack")
+    with pytest.raises(PlatformError) as info:
+        await adapter.send_text(HOME, "too fast")
+    assert (info.value.retryable, info.value.retry_after) == (True, 7.0)
+    assert limiter.delay_for(HOME) == 7.0
+    assert limiter.delay_for(OTHER) == 0.0
+    assert failure_count("send", "slack") == before + 1
+
+    card = make_card({"x": 1})
+    ref = CardRef("slack", OTHER, fake.add_user_message(OTHER, "x").ts)
+    fake.fail("chat.update", "429", retry_after=3)
+    with pytest.raises(PlatformError) as update:
+        await adapter.settle_card(ref, card, outcome_for(card))
+    assert (update.value.retryable, update.value.retry_after) == (True, 3.0)
+    # chat.update is limited per method, not per channel: new posts there are not held.
+    assert limiter.delay_for(OTHER) == 0.0
+
+
+@pytest.mark.parametrize("site", ["send", "card_post", "card_settle"])
+async def test_server_errors_are_retryable(fake: FakeSlack, adapter: SlackAdapter, site: str) -> None:
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    before = failure_count(site, "slack")
+    operations: dict[str, tuple[str, Callable[[], Awaitable[object]]]] = {
+        "send": ("chat.postMessage", lambda: adapter.send_text(HOME, "x")),
+        "card_post": ("chat.postMessage", lambda: adapter.post_card(card)),
+        "card_settle": ("chat.update", lambda: adapter.settle_card(ref, card, outcome_for(card))),
+    }
+    method, operation = operations[site]
+    fake.fail(method, "500")
+    with pytest.raises(PlatformError) as info:
+        await operation()
+    assert (info.value.retryable, info.value.site) == (True, site)
+    assert failure_count(site, "slack") == before + 1
+
+
+async def test_a_hanging_slack_is_a_retryable_timeout(fake: FakeSlack, adapter: SlackAdapter) -> None:
+    fake.fail("chat.postMessage", "hang")
+    with pytest.raises(PlatformError) as info:
+        await adapter.send_text(HOME, "anyone there?")
+    assert info.value.retryable is True
+    assert fake.calls_to("chat.postMessage")[0].error == "hang"
+
+
+async def test_other_api_errors_are_not_retryable(fake: FakeSlack, adapter: SlackAdapter) -> None:
+    fake.fail("chat.postMessage", "error", error="channel_not_found")
+    with pytest.raises(PlatformError) as info:
+        await adapter.send_text(HOME, "x")
+    assert info.value.retryable is False
+    assert "channel_not_found" in str(info.value)
+
+
+async def test_a_bad_token_fails_start(fake: FakeSlack, recorder: Recorder) -> None:
+    adapter = SlackAdapter(slack_config(fake, bot_token="xoxb-not-the-token"))
+    with pytest.raises(PlatformError) as info:
+        await adapter.start(recorder.handlers())
+    assert info.value.retryable is False
+    assert "invalid_auth" in str(info.value)
+    await adapter.stop()
+
+
+# -- Socket Mode -------------------------------------------------------------------
+
+
+async def test_socket_mode_delivers_events_commands_and_presses(
+    fake: FakeSlack, start_adapter: StartAdapter, recorder: Recorder
+) -> None:
+    config = slack_config(fake, app_token=fake.app_token, signing_secret="")
+    adapter = await start_adapter(config=config)
+    assert adapter.events_url is None  # no HTTP server in Socket Mode
+    assert fake.socket_connected
+    assert [c.token for c in fake.calls_to("apps.connections.open")] == [fake.app_token]
+
+    event = fake.message_event(channel=HOME, user=ADMIN, text="over the socket")
+    assert await fake.socket_send("events_api", fake.event_envelope(event)) is None
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) == 1)
+    assert (recorder.inbound[0].message_id, recorder.inbound[0].text) == (event["ts"], "over the socket")
+
+    recorder.hold.clear()
+    form = fake.command_form(text="status", channel=HOME, user=ADMIN)
+    # Acknowledged while the handler is still held.
+    assert not await fake.socket_send("slash_commands", form)
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) == 2)
+    recorder.hold.set()
+    assert recorder.inbound[1].command == "swarm"
+
+    recorder.press_result = PressResult(PressVerdict.LOST, "Already denied.")
+    payload = fake.block_action_payload(
+        action_id=DENY_ACTION, value="kz1:abc:d", user=PERSON, channel=HOME, message_ts="1.1"
+    )
+    await fake.socket_send("interactive", payload)
+    await fake.wait_for(lambda: len(fake.ephemerals) == 1)
+    assert recorder.presses == [("kz1:abc:d", f"slack:{PERSON}", "slack")]
+    assert (fake.ephemerals[0].user, fake.ephemerals[0].text) == (PERSON, "Already denied.")
+
+    await adapter.stop()
+    await fake.wait_for(lambda: not fake.socket_connected)
+
+
+async def test_socket_mode_with_a_bad_app_token_fails_start(fake: FakeSlack, recorder: Recorder) -> None:
+    adapter = SlackAdapter(slack_config(fake, app_token="xapp-1-wrong", signing_secret=""), request_timeout=1)
+    with pytest.raises(PlatformError) as info:
+        await adapter.start(recorder.handlers())
+    assert info.value.retryable is False
+    assert "invalid_auth" in str(info.value)
+    assert not fake.socket_connected
