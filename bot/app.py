@@ -1,10 +1,11 @@
-"""The composition root: store, approvals, platforms and the bus, wired together."""
+"""The composition root: store, approvals, platforms, bus, agents and the plan executor, wired together."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiosqlite
 import structlog
@@ -13,10 +14,18 @@ from kazma.adapters.bus import FanOutBus, NullBus
 from kazma.adapters.contract import Handlers, Inbound, PlatformAdapter
 from kazma.adapters.outbox import Outbox
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
+from kazma.bot.conversation import Conversations
 from kazma.bot.store import open_store
 from kazma.config import LoadedConfig, enabled_platforms
 from kazma.config.database import connect
 from kazma.config.metrics import count_failure
+from kazma.engine.agent import AgentRunner, agents_from_config
+from kazma.engine.executor import PlanExecutor
+from kazma.engine.history import HistoryStore
+from kazma.engine.model import OpenAIProvider
+from kazma.engine.plan_store import PlanStore
+from kazma.engine.tools import ToolRegistry, default_registry
+from kazma.engine.types import ModelProvider
 
 log = structlog.get_logger("kazma.app")
 
@@ -44,11 +53,13 @@ def build_adapters(loaded: LoadedConfig) -> list[PlatformAdapter]:
 @dataclass
 class App:
     loaded: LoadedConfig
-    conn: aiosqlite.Connection
-    outbox_conn: aiosqlite.Connection
+    connections: list[aiosqlite.Connection]
     service: ApprovalService
     policy: SafetyPolicy
     bus: FanOutBus | NullBus
+    conversations: Conversations
+    executor: PlanExecutor
+    provider: ModelProvider
     sweep_interval: float = 5.0
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -56,19 +67,13 @@ class App:
         return await self.service.decide_from_button(data, actor=actor, platform=platform)
 
     async def on_inbound(self, message: Inbound) -> None:
-        # The lead agent and the /swarm surface plug in here (their own issues);
-        # until then every message is logged so operators can see what arrives.
-        log.info(
-            "inbound.message",
-            platform=message.platform,
-            chat=message.chat,
-            author=message.author,
-            command=message.command,
-            from_bot=message.from_bot,
-            length=len(message.text),
-        )
+        await self.conversations.on_inbound(message)
 
     async def start(self) -> None:
+        log.info("app.model", provider=self.provider.label)
+        interrupted = await self.executor.recover()
+        if interrupted:
+            log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
         await self.bus.start(Handlers(on_inbound=self.on_inbound, on_press=self.on_press))
         self._tasks.append(asyncio.create_task(self._sweep(), name="kazma-approvals-sweep"))
         log.info("app.started", platforms=sorted(self.bus.adapters), store=str(self.loaded.config.store.path))
@@ -91,21 +96,56 @@ class App:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.bus.stop()
-        await self.outbox_conn.close()
-        await self.conn.close()
+        closer = getattr(self.provider, "aclose", None)
+        if closer is not None:
+            await closer()
+        for conn in self.connections:
+            await conn.close()
         log.info("app.stopped")
 
 
-async def build_app(loaded: LoadedConfig, *, poll_interval: float = 1.0) -> App:
+async def build_app(
+    loaded: LoadedConfig,
+    *,
+    poll_interval: float = 1.0,
+    provider: ModelProvider | None = None,
+    adapters: list[PlatformAdapter] | None = None,
+    registry: ToolRegistry | None = None,
+    workspace_root: Path | None = None,
+) -> App:
     config = loaded.config
     conn = await open_store(config)
+    # Separate connections: SQLite serialises writers across them, so one
+    # component's open statement can never pin another's transaction.
     outbox_conn = await connect(config.store.path, busy_timeout_ms=config.store.busy_timeout_ms)
+    plans_conn = await connect(config.store.path, busy_timeout_ms=config.store.busy_timeout_ms)
+    history_conn = await connect(config.store.path, busy_timeout_ms=config.store.busy_timeout_ms)
     store = ApprovalStore(conn)
-    adapters = build_adapters(loaded)
+    platform_adapters = build_adapters(loaded) if adapters is None else adapters
     bus: FanOutBus | NullBus
-    if adapters:
-        bus = FanOutBus(adapters, store=store, outbox=Outbox(outbox_conn), config=config, poll_interval=poll_interval)
+    if platform_adapters:
+        bus = FanOutBus(
+            platform_adapters, store=store, outbox=Outbox(outbox_conn), config=config, poll_interval=poll_interval
+        )
     else:
         bus = NullBus()
     service = ApprovalService(store, config, publisher=bus)
-    return App(loaded, conn, outbox_conn, service, SafetyPolicy(service), bus)
+    policy = SafetyPolicy(service)
+    model = provider or OpenAIProvider(config.model)
+    runner = AgentRunner(
+        model,
+        registry or default_registry(),
+        policy,
+        HistoryStore(history_conn),
+        workspace_root=workspace_root or config.store.path.parent / "workspaces",
+    )
+    agents = agents_from_config(config)
+    lead = agents[config.agents.lead.name]
+    conversations = Conversations(bus, runner, agents, lead)
+    executor = PlanExecutor(
+        PlanStore(plans_conn), conversations, lead_name=lead.name, assignees=set(config.agents.workers)
+    )
+    conversations.attach(executor)
+    return App(
+        loaded, [conn, outbox_conn, plans_conn, history_conn], service, policy, bus, conversations, executor, model
+    )

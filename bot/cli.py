@@ -10,9 +10,11 @@ from pathlib import Path
 import click
 import structlog
 
+from kazma.approvals.model import Decision
 from kazma.bot.app import build_app
 from kazma.bot.approvals_cli import approvals
 from kazma.bot.context import Context
+from kazma.bot.demo import run_demo
 from kazma.bot.doctor import Level, run_checks
 from kazma.bot.logging import LEVELS, configure_logging
 from kazma.config import LoadedConfig, __version__, platform_statuses
@@ -109,6 +111,17 @@ async def _serve(loaded: LoadedConfig, poll_interval: float) -> None:
         log.info("app.stopping")
     finally:
         await app.stop()
+
+
+@main.command()
+@click.option(
+    "--deny", is_flag=True, help="Without a terminal to type into, press Deny instead of Approve on the card."
+)
+def demo(deny: bool) -> None:
+    """Play a scripted scenario end to end in this terminal: no tokens, no model."""
+    decision = Decision.DENY if deny else Decision.APPROVE
+    ok = asyncio.run(run_demo(out=sys.stdout, decision=decision))
+    sys.exit(0 if ok else 1)
 
 
 main.add_command(approvals)

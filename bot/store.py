@@ -10,11 +10,13 @@ from kazma.adapters.outbox import MIGRATIONS as OUTBOX
 from kazma.approvals.schema import MIGRATIONS as APPROVALS
 from kazma.config import KazmaConfig
 from kazma.config.database import Migration, open_database
+from kazma.engine.history import MIGRATIONS as HISTORY
+from kazma.engine.plan_store import MIGRATIONS as PLANS
 
 
 def all_migrations() -> list[Migration]:
     """Every layer's schema, in the order layers depend on each other."""
-    return [*APPROVALS, *OUTBOX]
+    return [*APPROVALS, *OUTBOX, *PLANS, *HISTORY]
 
 
 async def open_store(config: KazmaConfig, path: Path | None = None) -> aiosqlite.Connection:

@@ -185,10 +185,17 @@ class Plan:
         return all(s.status.terminal for s in self.steps.values())
 
     def render_input(self, step: Step) -> str:
-        """The step's input with earlier steps' summaries filled in (summaries, never transcripts)."""
+        """The step's input with earlier steps' summaries filled in (summaries, never transcripts).
+
+        A summary is another agent's output, so it is fenced as untrusted data:
+        the next agent reads it as information, not as instructions.
+        """
+        from kazma.engine.tools import fence_untrusted
 
         def fill(match: re.Match[str]) -> str:
             ref = self.steps.get(int(match.group(1)))
-            return ref.output_summary if ref is not None and ref.output_summary else "(no summary)"
+            if ref is None or not ref.output_summary:
+                return "(no summary)"
+            return "\n" + fence_untrusted(ref.output_summary, source=f"step {ref.index} ({ref.spec.assignee})")
 
         return _REFERENCE.sub(fill, step.spec.input)

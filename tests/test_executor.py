@@ -102,7 +102,9 @@ async def test_linear_plan_renders_summaries_into_later_inputs(tmp_path: Path) -
         assert [(a.kind, a.text) for a in d.actions] == [(ActionKind.DISPATCH, "find sources")]
         await ex.complete(plan.id, 1, StepResult(ok=True, summary="three good sources"))
         assert last_kind(d) is ActionKind.DISPATCH
-        assert d.actions[-1].text == "build from: three good sources"
+        rendered = d.actions[-1].text
+        assert rendered.startswith("build from: \n[Untrusted data from step 1 (researcher)")
+        assert "\nthree good sources\n" in rendered
         await ex.complete(plan.id, 2, StepResult(ok=True, summary="built"))
         assert last_kind(d) is ActionKind.FINISHED
         assert await ex.store.plan_status(plan.id) == "finished"

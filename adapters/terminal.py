@@ -1,0 +1,92 @@
+"""A platform that is a terminal: messages and cards are printed, presses are typed (or made for you).
+
+Used by ``kazma demo`` so the whole loop can be seen with no chat platform at
+all. Presses are recorded as ``cli:<login>``, so the login must be an approver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+import textwrap
+from typing import IO
+
+from kazma.adapters.contract import CardRef, Handlers
+from kazma.adapters.text import cut_marker, deadline_text
+from kazma.approvals.card import ApprovalCard
+from kazma.approvals.model import Decision, Outcome
+
+
+class TerminalAdapter:
+    name = "cli"
+
+    def __init__(
+        self,
+        *,
+        login: str = "demo",
+        out: IO[str] | None = None,
+        interactive: bool | None = None,
+        auto: Decision = Decision.APPROVE,
+        chat: str = "terminal",
+    ) -> None:
+        self.login = login
+        self.out = out or sys.stdout
+        self.interactive = sys.stdin.isatty() if interactive is None else interactive
+        self.auto = auto
+        self.chat = chat
+        self._ids = itertools.count(1)
+        self._handlers: Handlers | None = None
+        self._presses: set[asyncio.Task[None]] = set()
+
+    @property
+    def home_chat(self) -> str | None:
+        return self.chat
+
+    async def start(self, handlers: Handlers) -> None:
+        self._handlers = handlers
+
+    async def stop(self) -> None:
+        for task in list(self._presses):
+            task.cancel()
+
+    def _print(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
+        message_id = str(next(self._ids))
+        who = agent or "kazma"
+        body = textwrap.indent(text, " " * (len(who) + 3)).lstrip()
+        self._print(f"[{who}] {body}")
+        return message_id
+
+    async def post_card(self, card: ApprovalCard) -> CardRef:
+        message_id = str(next(self._ids))
+        lines = [
+            f"┌─ {card.title} ─ request {card.request_id}",
+            f"│ requested by {card.requester} in {card.origin}; decide before {deadline_text(card)}",
+        ]
+        for arg in card.arguments:
+            value = arg.head if not arg.cut else f"{arg.head} {cut_marker(arg)} {arg.tail}"
+            lines.append(f"│ {arg.name} = {value}")
+        lines += [f"│ sha256 {card.args_hash}", f"│ full call: {card.link}", "└─ [a]pprove  [d]eny"]
+        self._print("\n".join(lines))
+        task = asyncio.create_task(self._press(card))
+        self._presses.add(task)
+        task.add_done_callback(self._presses.discard)
+        return CardRef(self.name, self.chat, message_id)
+
+    async def _press(self, card: ApprovalCard) -> None:
+        if self.interactive:
+            answer = await asyncio.to_thread(input, f"approve or deny {card.tool}? [a/d] ")
+            decision = Decision.DENY if answer.strip().lower().startswith("d") else Decision.APPROVE
+        else:
+            decision = self.auto
+            self._print(f"(no terminal attached: pressing {decision.value} as cli:{self.login})")
+        assert self._handlers is not None
+        result = await self._handlers.on_press(card.button_data(decision), f"cli:{self.login}", self.name)
+        self._print(f"  → {result.message}")
+
+    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
+        self._print(f"[card {card.request_id}] {outcome.summary()}; its buttons are gone")

@@ -1,0 +1,151 @@
+"""``kazma demo``: the whole loop in a terminal, with no tokens and no model.
+
+A scripted scenario (labelled as such) plays the lead and two sub-agents: a
+request, a plan, visible ``@`` dispatches, a dangerous ``shell`` call with its
+approval card, a press, and the outcome. Everything else — store, approvals,
+executor, tools, the bus — is the real thing, in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+from kazma.adapters.contract import Inbound
+from kazma.adapters.terminal import TerminalAdapter
+from kazma.approvals import ApprovalStore
+from kazma.approvals.model import Decision
+from kazma.bot.app import build_app
+from kazma.config import LoadedConfig, load_config_text
+from kazma.engine.executor import ActionKind
+from kazma.engine.model import ScriptStep
+from kazma.engine.scenario import DEMO_LABEL, PerAgentScript
+from kazma.engine.types import Message, ModelReply, ToolCall
+
+REQUEST = "@kazma please write a tiny hello-world script and check that it runs"
+SHELL_COMMAND = "echo 'echo hello, world' > hello.sh && sh hello.sh"
+
+PLAN = {
+    "goal": "a hello-world script that runs",
+    "steps": [
+        {
+            "index": 1,
+            "title": "Find the simplest portable way",
+            "assignee": "researcher",
+            "input": "Find the simplest portable way to print 'hello, world' from a shell script.",
+        },
+        {
+            "index": 2,
+            "title": "Write and run it",
+            "assignee": "builder",
+            "input": "Write hello.sh as the research says and run it once:{{step_1.output_summary}}",
+        },
+    ],
+}
+
+
+def _last(messages: Sequence[Message], role: str) -> str:
+    for message in reversed(messages):
+        if message.get("role") == role:
+            return str(message.get("content") or "")
+    return ""
+
+
+def _builder_report(messages: Sequence[Message]) -> ModelReply:
+    result = _last(messages, "tool")
+    if result.startswith("Not run:"):
+        return ModelReply(content=f"I did not write the script: {result.removeprefix('Not run: ')}")
+    printed = "hello, world" if "hello, world" in result else "something unexpected (see the tool output)"
+    return ModelReply(content=f"hello.sh is written and ran once; it printed: {printed}")
+
+
+def _lead_report(messages: Sequence[Message]) -> ModelReply:
+    report = _last(messages, "user")
+    worked = "printed: hello, world" in report
+    verdict = "The script works." if worked else "The plan ended without a working script; see above."
+    return ModelReply(content=f"Done: the researcher and the builder finished their steps. {verdict}")
+
+
+def scenario(prompts: dict[str, str]) -> PerAgentScript:
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [
+            ModelReply(content=None, tool_calls=(ToolCall("plan-1", "write_plan", PLAN, json.dumps(PLAN)),)),
+            ModelReply(content="Plan made: @researcher looks up the portable way, then @builder writes and runs it."),
+            _lead_report,
+        ],
+        "researcher": [
+            ModelReply(content="A POSIX sh script with a single `echo 'hello, world'` line is the most portable."),
+        ],
+        "builder": [
+            ModelReply(
+                content=None,
+                tool_calls=(
+                    ToolCall("shell-1", "shell", {"command": SHELL_COMMAND}, json.dumps({"command": SHELL_COMMAND})),
+                ),
+            ),
+            _builder_report,
+        ],
+    }
+    return PerAgentScript(scripts, prompts, label=DEMO_LABEL)
+
+
+def demo_config(root: Path) -> LoadedConfig:
+    return load_config_text(
+        f"store: {{path: '{root / 'kazma.db'}'}}\napprovals: {{approvers: ['cli:demo'], deadline_seconds: 300}}\n",
+        environ={},
+    )
+
+
+async def run_demo(*, out: IO[str], interactive: bool | None = None, decision: Decision = Decision.APPROVE) -> bool:
+    """Play the scenario; True when the plan finished and the lead reported."""
+    with tempfile.TemporaryDirectory(prefix="kazma-demo-") as tmp:
+        root = Path(tmp)
+        loaded = demo_config(root)
+        lead = loaded.config.agents.lead
+        prompts = {
+            lead.name: lead.system_prompt,
+            **{n: w.system_prompt for n, w in loaded.config.agents.workers.items()},
+        }
+        provider = scenario(prompts)
+        terminal = TerminalAdapter(out=out, interactive=interactive, auto=decision)
+        app = await build_app(loaded, provider=provider, adapters=[terminal], poll_interval=0.1)
+        out.write(f"kazma demo — model: {provider.label}\n")
+        out.write(f"store: {root / 'kazma.db'} (temporary)\n\n[you] {REQUEST}\n")
+        finished = asyncio.Event()
+        app.conversations.listeners.append(
+            lambda action: finished.set() if action.kind is ActionKind.FINISHED else None
+        )
+        await app.start()
+        try:
+            await app.on_inbound(
+                Inbound(
+                    platform="cli",
+                    chat=terminal.chat,
+                    message_id="you-1",
+                    author="cli:you",
+                    author_name="you",
+                    text=REQUEST,
+                    mentions=("kazma",),
+                )
+            )
+            await asyncio.wait_for(finished.wait(), timeout=600)
+            await app.conversations.drain()
+            for request in await app.service.store.requests():
+                await _wait_settled(app.service.store, request.id)
+            return True
+        finally:
+            await app.stop()
+
+
+async def _wait_settled(store: ApprovalStore, request_id: str) -> None:
+    """Every card of the request shows its outcome (a condition, polled with a deadline)."""
+    async with asyncio.timeout(30):
+        while True:
+            cards = await store.cards(request_id)
+            if cards and all(c.settled_at is not None for c in cards):
+                return
+            await asyncio.sleep(0.05)

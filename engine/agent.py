@@ -1,0 +1,226 @@
+"""Agents and the bounded turn loop: model → tool calls → safety policy → execute → repeat."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from kazma.approvals.policy import SafetyPolicy
+from kazma.config.metrics import count_failure
+from kazma.config.models import KazmaConfig
+from kazma.engine.history import HistoryStore
+from kazma.engine.tools import ToolContext, ToolRegistry, ToolResult, fence_untrusted
+from kazma.engine.types import Message, ModelError, ModelProvider, ToolCall, ToolSpec, Usage
+
+log = structlog.get_logger("kazma.agent")
+
+MAX_TOOL_OUTPUT_TO_MODEL = 16_000
+_SAFE_SEGMENT = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    name: str
+    system_prompt: str
+    tools: tuple[str, ...] = ()
+    model: str | None = None
+    is_lead: bool = False
+
+
+def agents_from_config(config: KazmaConfig) -> dict[str, AgentSpec]:
+    lead = config.agents.lead
+    agents = {
+        lead.name: AgentSpec(lead.name, lead.system_prompt, tuple(lead.tools), lead.model, is_lead=True),
+    }
+    for name, worker in config.agents.workers.items():
+        agents[name] = AgentSpec(name, worker.system_prompt, tuple(worker.tools), worker.model)
+    return agents
+
+
+# An internal tool is part of Kazma itself (the lead's plan tool): it changes no
+# state outside Kazma and goes through no approval.
+InternalHandler = Callable[[Mapping[str, Any], "TurnContext"], Awaitable[ToolResult]]
+
+
+@dataclass(frozen=True)
+class InternalTool:
+    spec: ToolSpec
+    handler: InternalHandler
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    conversation: str
+    agent: AgentSpec
+    requested_by: str
+    task_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolRun:
+    name: str
+    arguments: dict[str, Any]
+    ok: bool
+    summary: str
+    refused: bool = False
+    changed_state: bool = False
+
+
+@dataclass
+class TurnResult:
+    text: str
+    tool_runs: list[ToolRun] = field(default_factory=list)
+    usage: Usage = field(default_factory=Usage)
+    error: str | None = None
+    transient: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def changed_state(self) -> bool:
+        return any(run.changed_state for run in self.tool_runs)
+
+
+def workspace_for(root: Path, conversation: str) -> Path:
+    """One directory per conversation, named so that no conversation id can escape ``root``."""
+    safe = _SAFE_SEGMENT.sub("_", conversation).strip("._") or "conversation"
+    return root / safe[:100]
+
+
+class AgentRunner:
+    def __init__(
+        self,
+        provider: ModelProvider,
+        registry: ToolRegistry,
+        policy: SafetyPolicy,
+        history: HistoryStore,
+        *,
+        workspace_root: Path,
+        max_steps: int = 8,
+    ) -> None:
+        self.provider = provider
+        self.registry = registry
+        self.policy = policy
+        self.history = history
+        self.workspace_root = workspace_root
+        self.max_steps = max_steps
+        self.internal: dict[str, dict[str, InternalTool]] = {}  # agent name -> its internal tools
+
+    def add_internal_tool(self, agent: str, tool: InternalTool) -> None:
+        self.internal.setdefault(agent, {})[tool.spec.name] = tool
+
+    def _specs(self, agent: AgentSpec) -> list[ToolSpec]:
+        specs = [t.spec for t in self.internal.get(agent.name, {}).values()]
+        usable = [name for name in agent.tools if name in self.registry]
+        for name in agent.tools:
+            if name not in self.registry:
+                log.warning("agent.unknown_tool", agent=agent.name, tool=name)
+        return specs + self.registry.specs(usable)
+
+    async def run(
+        self, agent: AgentSpec, conversation: str, text: str, *, requested_by: str, task_id: str | None = None
+    ) -> TurnResult:
+        """One turn: the agent answers ``text``, calling tools as it goes, at most ``max_steps`` model calls."""
+        ctx = TurnContext(conversation, agent, requested_by, task_id)
+        messages: list[Message] = [
+            {"role": "system", "content": agent.system_prompt},
+            *await self.history.recent(conversation, agent.name),
+            {"role": "user", "content": text},
+        ]
+        result = TurnResult(text="")
+        specs = self._specs(agent)
+        for _ in range(self.max_steps):
+            try:
+                reply = await self.provider.complete(messages, specs, model=agent.model)
+            except ModelError as exc:
+                count_failure("model")
+                log.warning("agent.model_error", agent=agent.name, error=str(exc), permanent=exc.permanent)
+                result.error = f"the model could not answer: {exc}"
+                result.transient = not exc.permanent and not result.changed_state
+                return result
+            result.usage = result.usage + reply.usage
+            if not reply.tool_calls:
+                result.text = (reply.content or "").strip()
+                await self._remember(conversation, agent.name, text, result)
+                return result
+            messages.append(_assistant_message(reply.content, reply.tool_calls))
+            for call in reply.tool_calls:
+                content = await self._call(call, ctx, result)
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+        result.error = f"stopped after {self.max_steps} model calls without a final answer"
+        log.warning("agent.turn_limit", agent=agent.name, conversation=conversation)
+        return result
+
+    async def _remember(self, conversation: str, agent: str, text: str, result: TurnResult) -> None:
+        await self.history.append(conversation, agent, "user", text)
+        await self.history.append(
+            conversation,
+            agent,
+            "assistant",
+            result.text,
+            prompt_tokens=result.usage.prompt_tokens,
+            completion_tokens=result.usage.completion_tokens,
+        )
+
+    async def _call(self, call: ToolCall, ctx: TurnContext, result: TurnResult) -> str:
+        """Run one tool call; whatever happens, the model gets an answer it can act on."""
+        if call.error is not None:
+            result.tool_runs.append(ToolRun(call.name, {}, False, call.error))
+            return f"Error: the arguments of {call.name} could not be read ({call.error}). Send a JSON object."
+        internal = self.internal.get(ctx.agent.name, {}).get(call.name)
+        if internal is not None:
+            outcome = await internal.handler(call.arguments, ctx)
+            result.tool_runs.append(
+                ToolRun(call.name, call.arguments, outcome.ok, outcome.output or outcome.error or "")
+            )
+            return outcome.output if outcome.ok else f"Error: {outcome.error}"
+        if call.name not in ctx.agent.tools or call.name not in self.registry:
+            allowed = ", ".join([*self.internal.get(ctx.agent.name, {}), *ctx.agent.tools]) or "none"
+            result.tool_runs.append(ToolRun(call.name, call.arguments, False, "not available", refused=True))
+            return f"Error: {call.name} is not one of your tools (yours: {allowed})."
+        verdict = await self.policy.check(
+            call.name,
+            call.arguments,
+            requested_by=f"agent:{ctx.agent.name}",
+            conversation=ctx.conversation,
+            task_id=ctx.task_id,
+        )
+        if not verdict.allowed:
+            result.tool_runs.append(ToolRun(call.name, call.arguments, False, verdict.reason, refused=True))
+            return f"Not run: {verdict.reason}"
+        tool_ctx = ToolContext(
+            workspace=workspace_for(self.workspace_root, ctx.conversation), conversation=ctx.conversation
+        )
+        outcome = await self.registry.execute(call.name, call.arguments, tool_ctx)
+        summary = outcome.output if outcome.ok else (outcome.error or "failed")
+        result.tool_runs.append(
+            ToolRun(call.name, call.arguments, outcome.ok, summary[:500], changed_state=outcome.changed_state)
+        )
+        log.info("agent.tool_ran", agent=ctx.agent.name, tool=call.name, ok=outcome.ok)
+        body = outcome.output[:MAX_TOOL_OUTPUT_TO_MODEL]
+        if not outcome.ok:
+            body = f"{outcome.error or 'failed'}\n{body}"
+        return fence_untrusted(body, source=f"the {call.name} tool")
+
+
+def _assistant_message(content: str | None, calls: tuple[ToolCall, ...]) -> Message:
+    return {
+        "role": "assistant",
+        "content": content or "",
+        "tool_calls": [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.raw_arguments or json.dumps(call.arguments)},
+            }
+            for call in calls
+        ],
+    }

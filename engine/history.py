@@ -1,0 +1,96 @@
+"""Conversation history per (conversation, agent): persisted, bounded, with a marker where it was cut."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import aiosqlite
+
+from kazma.config.database import Migration
+from kazma.engine.types import Message
+
+MIGRATIONS = [
+    Migration(
+        "history",
+        1,
+        (
+            """
+            CREATE TABLE IF NOT EXISTS agent_history (
+                seq INTEGER PRIMARY KEY AUTOINCREMENT,
+                conversation TEXT NOT NULL,
+                agent TEXT NOT NULL,
+                role TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
+                content TEXT NOT NULL,
+                prompt_tokens INTEGER NOT NULL DEFAULT 0,
+                completion_tokens INTEGER NOT NULL DEFAULT 0,
+                created_at REAL NOT NULL
+            )
+            """,
+            "CREATE INDEX IF NOT EXISTS agent_history_lookup ON agent_history (conversation, agent, seq)",
+        ),
+    )
+]
+
+
+class HistoryStore:
+    """Only the text of finished exchanges is kept: tool calls stay inside their turn."""
+
+    def __init__(
+        self, conn: aiosqlite.Connection, *, max_messages: int = 40, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.conn = conn
+        self.max_messages = max_messages
+        self.clock = clock
+        self._lock = asyncio.Lock()
+
+    async def append(
+        self,
+        conversation: str,
+        agent: str,
+        role: str,
+        content: str,
+        *,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+    ) -> None:
+        async with self._lock:
+            await self.conn.execute(
+                "INSERT INTO agent_history (conversation, agent, role, content, prompt_tokens, completion_tokens,"
+                " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (conversation, agent, role, content, prompt_tokens, completion_tokens, self.clock()),
+            )
+
+    async def recent(self, conversation: str, agent: str) -> list[Message]:
+        """The newest messages, oldest first; if older ones were left out, a marker says how many."""
+        async with self._lock:
+            async with self.conn.execute(
+                "SELECT COUNT(*) FROM agent_history WHERE conversation = ? AND agent = ?", (conversation, agent)
+            ) as cur:
+                row = await cur.fetchone()
+            total = int(row[0]) if row else 0
+            async with self.conn.execute(
+                "SELECT role, content FROM agent_history WHERE conversation = ? AND agent = ?"
+                " ORDER BY seq DESC LIMIT ?",
+                (conversation, agent, self.max_messages),
+            ) as cur:
+                rows = list(await cur.fetchall())
+        messages: list[Message] = [{"role": str(r[0]), "content": str(r[1])} for r in reversed(rows)]
+        dropped = total - len(rows)
+        if dropped > 0:
+            marker = f"[{dropped} earlier messages of this conversation were dropped to keep the history bounded]"
+            messages.insert(0, {"role": "user", "content": marker})
+        return messages
+
+    async def usage(self, conversation: str) -> tuple[int, int]:
+        async with (
+            self._lock,
+            self.conn.execute(
+                "SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0)"
+                " FROM agent_history WHERE conversation = ?",
+                (conversation,),
+            ) as cur,
+        ):
+            row = await cur.fetchone()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
