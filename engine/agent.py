@@ -21,7 +21,7 @@ from kazma.engine.types import Message, ModelError, ModelProvider, ToolCall, Too
 log = structlog.get_logger("kazma.agent")
 
 MAX_TOOL_OUTPUT_TO_MODEL = 16_000
-_SAFE_SEGMENT = re.compile(r"[^A-Za-z0-9_.-]+")
+_SAFE_SEGMENT = re.compile(r"[^A-Za-z0-9_-]+")
 
 
 @dataclass(frozen=True)
