@@ -1,0 +1,641 @@
+"""The Telegram adapter, on the real python-telegram-bot, against the wire-level fake Bot API."""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import secrets
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError
+from kazma.adapters.ratelimit import ChatRateLimiter
+from kazma.adapters.telegram import (
+    CARD_BUDGET,
+    MAX_ENTITIES,
+    PRESS_PENDING_TEXT,
+    TEXT_LIMIT,
+    CardTooLarge,
+    TelegramAdapter,
+    render_card,
+    split_text,
+    utf16_len,
+)
+from kazma.adapters.text import outcome_line, overflow_notice
+from kazma.approvals.card import ApprovalCard, build_card
+from kazma.approvals.hashing import args_hash, canonical_json
+from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
+from kazma.config.metrics import failure_count
+from kazma.config.models import TelegramConfig, TelegramWebhookConfig
+from tests.fakes.telegram import FakeTelegram, Fault
+
+GROUP = -1001234567890
+OTHER_GROUP = -1009876543210
+ADMIN = 111
+MEMBER = 222
+WAIT = 5.0
+
+# PTB itself reads RetryAfter.retry_after while building the exception; that warning is PTB's own.
+pytestmark = pytest.mark.filterwarnings("ignore:.*retry_after.*:telegram.warnings.PTBDeprecationWarning")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class FakeTime:
+    """A limiter clock that moves only when the limiter sleeps; each sleep notes how many sends preceded it."""
+
+    def __init__(self, fake: FakeTelegram) -> None:
+        self.fake = fake
+        self.now = 1000.0
+        self.sleeps: list[tuple[float, int]] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append((seconds, len(self.fake.calls_to("sendMessage"))))
+        self.now += seconds
+
+    def limiter(self) -> ChatRateLimiter:
+        return ChatRateLimiter(min_interval=1.0, per_window=20, window=60.0, clock=self.clock, sleep=self.sleep)
+
+
+class Recorder:
+    """The handlers the composition root would inject, recording what reaches them."""
+
+    def __init__(self) -> None:
+        self.inbound: asyncio.Queue[Inbound] = asyncio.Queue()
+        self.presses: list[tuple[str, str, str]] = []
+        self.result: PressResult | Exception = PressResult(PressVerdict.WON, "Approved: the call runs now.")
+        self.hold: asyncio.Event | None = None  # when set, presses wait for it
+        self.press_finished = asyncio.Event()
+
+    async def on_inbound(self, inbound: Inbound) -> None:
+        await self.inbound.put(inbound)
+
+    async def on_press(self, data: str, actor: str, platform: str) -> PressResult:
+        self.presses.append((data, actor, platform))
+        try:
+            if self.hold is not None:
+                await self.hold.wait()
+            if isinstance(self.result, Exception):
+                raise self.result
+            return self.result
+        finally:
+            self.press_finished.set()
+
+    def handlers(self) -> Handlers:
+        return Handlers(on_inbound=self.on_inbound, on_press=self.on_press)
+
+    async def next_inbound(self) -> Inbound:
+        return await asyncio.wait_for(self.inbound.get(), WAIT)
+
+
+def make_card(
+    args: dict[str, Any],
+    *,
+    value_limit: int = 500,
+    tool: str = "shell",
+    requester: str = "agent:builder",
+    public_url: str = "http://127.0.0.1:8765",
+) -> ApprovalCard:
+    now = datetime.now(UTC)
+    request = ApprovalRequest(
+        id=secrets.token_hex(16),
+        tool=tool,
+        args=args,
+        args_json=canonical_json(args),
+        args_hash=args_hash(args),
+        requested_by=requester,
+        conversation=f"telegram:{GROUP}",
+        created_at=now,
+        deadline=now + timedelta(minutes=10),
+        status=Status.PENDING,
+    )
+    return build_card(request, value_limit=value_limit, public_url=public_url)
+
+
+def approved_by_admin(card: ApprovalCard) -> Outcome:
+    return Outcome(
+        request_id=card.request_id,
+        status=Status.APPROVED,
+        decided_by=f"telegram:{ADMIN}",
+        decided_via="telegram",
+        decided_at=datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC),
+    )
+
+
+Factory = Callable[..., Awaitable[tuple[TelegramAdapter, Recorder]]]
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeTelegram]:
+    server = FakeTelegram()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def make_adapter(fake: FakeTelegram) -> AsyncIterator[Factory]:
+    started: list[TelegramAdapter] = []
+
+    async def factory(
+        *,
+        limiter: ChatRateLimiter | str | None = "fake-time",
+        config: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> tuple[TelegramAdapter, Recorder]:
+        settings: dict[str, Any] = {
+            "token": fake.token,
+            "api_base_url": fake.base_url,
+            "chats": [GROUP],
+            "home_chat": GROUP,
+            "admins": [ADMIN],
+        }
+        settings.update(config or {})
+        chosen = FakeTime(fake).limiter() if limiter == "fake-time" else limiter
+        assert chosen is None or isinstance(chosen, ChatRateLimiter)
+        options.setdefault("poll_timeout", 2.0)
+        options.setdefault("request_timeout", 5.0)
+        adapter = TelegramAdapter(TelegramConfig(**settings), limiter=chosen, **options)
+        recorder = Recorder()
+        await adapter.start(recorder.handlers())
+        started.append(adapter)
+        return adapter, recorder
+
+    yield factory
+    for adapter in reversed(started):
+        await adapter.stop()
+
+
+@pytest.fixture
+async def adapter(make_adapter: Factory) -> tuple[TelegramAdapter, Recorder]:
+    return await make_adapter()
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+async def test_is_a_platform_adapter_and_starts_on_the_real_library(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
+    bot, _ = adapter
+    assert isinstance(bot, PlatformAdapter)
+    assert bot.name == "telegram"
+    assert bot.home_chat == str(GROUP)
+    assert bot.bot_username == "kazma_bot"
+    assert [c.method for c in fake.calls[:2]] == ["getMe", "setMyCommands"]
+    assert fake.commands == [{"command": "swarm", "description": "Drive the agent swarm"}]
+    await fake.wait_for_call("getUpdates", answered=False)
+    assert fake.calls_to("deleteWebhook"), "polling must clear a webhook first"
+
+
+async def test_home_chat_unset(fake: FakeTelegram) -> None:
+    config = TelegramConfig(token=fake.token, api_base_url=fake.base_url)
+    assert TelegramAdapter(config).home_chat is None
+
+
+async def test_a_bad_token_fails_start_with_a_platform_error(fake: FakeTelegram) -> None:
+    config = TelegramConfig(token="1:wrong", api_base_url=fake.base_url)
+    adapter = TelegramAdapter(config)
+    with pytest.raises(PlatformError) as caught:
+        await adapter.start(Recorder().handlers())
+    assert caught.value.retryable is False
+    assert "1:wrong" not in str(caught.value)  # PTB quotes the token; we must not pass it on
+    with pytest.raises(PlatformError, match="not started"):
+        await adapter.send_text(str(GROUP), "hello")
+
+
+# --------------------------------------------------------------------------- inbound
+
+
+async def test_group_message_is_normalised(fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]) -> None:
+    _, recorder = adapter
+    message_id = fake.push_message(
+        GROUP, ADMIN, "please @Builder ask @researcher too", username="alice", first_name="Alice"
+    )
+    inbound = await recorder.next_inbound()
+    assert inbound == Inbound(
+        platform="telegram",
+        chat=str(GROUP),
+        message_id=str(message_id),
+        author=f"telegram:{ADMIN}",
+        author_name="Alice",
+        text="please @Builder ask @researcher too",
+        thread=None,
+        mentions=("builder", "researcher"),
+        from_bot=False,
+        command=None,
+        is_admin=True,
+    )
+    fake.push_message(GROUP, MEMBER, "me too", is_bot=True, thread_id=7)
+    other = await recorder.next_inbound()
+    assert (other.is_admin, other.from_bot, other.thread, other.author) == (False, True, "7", f"telegram:{MEMBER}")
+
+
+async def test_swarm_command(fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]) -> None:
+    _, recorder = adapter
+    fake.push_message(GROUP, ADMIN, "/swarm plan build a release")
+    fake.push_message(GROUP, ADMIN, "/swarm@Kazma_Bot  status  ")
+    fake.push_message(GROUP, ADMIN, "/swarm@other_bot status")  # another bot's command: not ours
+    fake.push_message(GROUP, ADMIN, "/start hello")
+    first, second, third = [await recorder.next_inbound() for _ in range(3)]
+    assert (first.command, first.text) == ("swarm", "plan build a release")
+    assert (second.command, second.text) == ("swarm", "status")
+    assert (third.command, third.text) == (None, "/start hello")
+    assert recorder.inbound.empty()
+
+
+async def test_messages_from_unserved_chats_are_ignored(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
+    _, recorder = adapter
+    fake.push_message(OTHER_GROUP, ADMIN, "/swarm stop everything")
+    fake.push_message(ADMIN, ADMIN, "a private message")
+    fake.push_message(GROUP, MEMBER, "served")
+    # PTB handles updates in order, so by the time "served" arrives the others were judged.
+    assert (await recorder.next_inbound()).text == "served"
+    assert recorder.inbound.empty()
+
+
+async def test_without_configured_chats_any_group_is_served_but_not_private_chats(
+    fake: FakeTelegram, make_adapter: Factory
+) -> None:
+    _, recorder = await make_adapter(config={"chats": []})
+    fake.push_message(MEMBER, MEMBER, "private")
+    fake.push_message(OTHER_GROUP, MEMBER, "some group")
+    inbound = await recorder.next_inbound()
+    assert (inbound.chat, inbound.text) == (str(OTHER_GROUP), "some group")
+    assert recorder.inbound.empty()
+
+
+# --------------------------------------------------------------------------- cards
+
+
+async def test_card_shows_the_whole_call(fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]) -> None:
+    bot, _ = adapter
+    long_value = "HEAD-echo harmless " + "x" * 9_950 + " ; rm -rf / TAIL"
+    long_value = long_value[:5_000] + long_value[-5_000:]
+    assert len(long_value) == 10_000
+    card = make_card({"command": long_value, "cwd": "/srv/app", "timeout": 30}, value_limit=500)
+    ref = await bot.post_card(card)
+    assert (ref.platform, ref.chat) == ("telegram", str(GROUP))
+    message = fake.message(GROUP, ref.message_id)
+    text = message.text
+    for name in ("command", "cwd", "timeout"):
+        assert name in text
+    assert "HEAD-echo harmless" in text
+    assert "rm -rf / TAIL" in text  # the tail of a cut value is shown, not only its head
+    assert "[cut: 9,500 of 10,000 characters not shown]" in text
+    assert card.args_hash in text
+    assert len(card.args_hash) == 64
+    assert card.link in text
+    assert card.deadline.strftime("%Y-%m-%d %H:%M:%S UTC") in text
+    assert [b["text"] for b in message.buttons] == ["Approve", "Deny"]
+    assert [b["callback_data"] for b in message.buttons] == [
+        card.button_data(Decision.APPROVE),
+        card.button_data(Decision.DENY),
+    ]
+    assert all(b["callback_data"].startswith("kz1:") for b in message.buttons)
+    assert message.parse_mode == "HTML"
+    cut_marker = next(e for e in message.entities if e["type"] == "italic")
+    assert (
+        text.encode("utf-16-le")[cut_marker["offset"] * 2 : (cut_marker["offset"] + cut_marker["length"]) * 2]
+        .decode("utf-16-le")
+        .startswith("[cut:")
+    )
+
+
+HOSTILE = {
+    "everyone": "@everyone @here look",
+    "bold": "<b>not bold</b>",
+    "slack": "<!channel> <!here>",
+    "user": "<@U123> <@&456>",
+    "ticks": "```code``` `x`",
+    "amp": "a & b &amp; &lt;",
+    "attr": '"><img src=x onerror=x>',
+    "multi": "line one\n</pre><b>line two</b>",
+}
+
+
+async def test_card_escapes_everything_from_the_call(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
+    bot, _ = adapter
+    card = make_card(
+        HOSTILE, tool="shell<i>", requester="agent:<b>x</b>&", public_url="http://kazma.test/a?team=1&x=<y>"
+    )
+    ref = await bot.post_card(card)
+    [sent] = fake.calls_to("sendMessage")
+    assert sent.status == 200  # Telegram's HTML parser accepted it
+    message = fake.message(GROUP, ref.message_id)
+    for name, value in HOSTILE.items():
+        assert name in message.text
+        assert value in message.text  # shown literally
+    assert "shell<i>" in message.text
+    assert "agent:<b>x</b>&" in message.text
+    assert card.link in message.text
+    for raw in ("<img", "<b>not", "<!channel>", "<@U123>", "</pre><b>"):
+        assert raw not in message.source
+    assert html.escape("<b>not bold</b>") in message.source
+    assert message.dropped_entities == 0
+    # Only our own formatting became entities: nothing from the arguments did.
+    assert {e["type"] for e in message.entities} <= {"bold", "italic", "code", "pre"}
+
+
+async def test_sixty_long_arguments_still_fit_with_every_name(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
+    bot, _ = adapter
+    args = {f"argument_{i:02d}": f"start{i:02d}-" + "v" * 1_985 + f"-end{i:02d}" for i in range(60)}
+    card = make_card(args, value_limit=2_000)
+    assert not card.any_cut  # the model kept them whole: only the platform cannot
+    ref = await bot.post_card(card)
+    message = fake.message(GROUP, ref.message_id)
+    assert utf16_len(message.text) <= TEXT_LIMIT
+    for name in args:
+        assert name in message.text
+    rendered = render_card(card)
+    assert rendered.names_only > 0
+    assert rendered.with_values + rendered.names_only == 60
+    assert overflow_notice(card, rendered.with_values) in message.text
+    assert message.dropped_entities == 0  # no formatting silently lost past Telegram's cap
+    assert card.link in message.text
+    # Arguments shown with a value show both of its ends and mark the cut.
+    assert "start00-" in message.text
+    assert "-end00" in message.text
+    assert "[cut: " in message.text
+
+
+def test_rendering_shrinks_values_evenly_before_listing_names() -> None:
+    args = {f"a{i}": "y" * 1_000 for i in range(8)}
+    card = make_card(args, value_limit=1_000)
+    rendered = render_card(card)
+    assert rendered.names_only == 0
+    assert rendered.visible_length <= CARD_BUDGET
+    assert rendered.html.count("[cut: ") == 8
+
+
+def test_many_short_arguments_drop_bold_names_before_any_value() -> None:
+    card = make_card({f"flag_{i:02d}": i for i in range(70)})
+    rendered = render_card(card)
+    assert rendered.names_only == 0
+    assert rendered.entities <= MAX_ENTITIES
+    assert "<b>flag_00</b>" not in rendered.html
+    assert "<code>0</code>" in rendered.html
+    few = render_card(make_card({"a": 1, "b": 2}))
+    assert "<b>a</b>" in few.html
+
+
+def test_a_card_whose_names_alone_do_not_fit_is_refused() -> None:
+    card = make_card({f"{i:03d}" + "n" * 97: i for i in range(60)})
+    with pytest.raises(CardTooLarge):
+        render_card(card)
+
+
+async def test_a_card_that_cannot_be_shown_is_not_posted(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
+    bot, _ = adapter
+    before = failure_count("card_post", "telegram")
+    with pytest.raises(PlatformError) as caught:
+        await bot.post_card(make_card({f"{i:03d}" + "n" * 97: i for i in range(60)}))
+    assert caught.value.retryable is False
+    assert fake.calls_to("sendMessage") == []
+    assert failure_count("card_post", "telegram") == before + 1
+
+
+# --------------------------------------------------------------------------- presses
+
+
+async def test_press_reaches_the_handler_and_is_answered_with_its_result(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
+    bot, recorder = adapter
+    card = make_card({"path": "/tmp/x"})
+    ref = await bot.post_card(card)
+    query = fake.push_callback(GROUP, ref.message_id, ADMIN, card.button_data(Decision.APPROVE))
+    answer = await fake.wait_for_answer(query)
+    assert recorder.presses == [(f"kz1:{card.request_id}:a", f"telegram:{ADMIN}", "telegram")]
+    assert answer["text"] == "Approved: the call runs now."
+    assert answer["show_alert"] is False
+
+
+@pytest.mark.parametrize("verdict", [PressVerdict.LOST, PressVerdict.REFUSED])
+async def test_lost_and_refused_presses_are_answered_with_an_alert(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder], verdict: PressVerdict
+) -> None:
+    _, recorder = adapter
+    recorder.result = PressResult(verdict, "x" * 300)
+    query = fake.push_callback(GROUP, 1, MEMBER, "kz1:abc:d")
+    answer = await fake.wait_for_answer(query)
+    assert answer["show_alert"] is True
+    assert answer["text"].startswith("xxx")
+    assert len(answer["text"]) <= 200
+
+
+async def test_a_failing_press_handler_still_answers_the_query(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
+    _, recorder = adapter
+    recorder.result = RuntimeError("store is locked")
+    before = failure_count("press", "telegram")
+    query = fake.push_callback(GROUP, 1, ADMIN, "kz1:abc:a")
+    answer = await fake.wait_for_answer(query)
+    assert answer["text"] == "Could not record your press: store is locked"
+    assert answer["show_alert"] is True
+    assert failure_count("press", "telegram") == before + 1
+
+
+async def test_a_slow_press_is_answered_at_once_and_keeps_running(fake: FakeTelegram, make_adapter: Factory) -> None:
+    _, recorder = await make_adapter(press_timeout=0.2)
+    recorder.hold = asyncio.Event()
+    query = fake.push_callback(GROUP, 1, ADMIN, "kz1:abc:a")
+    answer = await fake.wait_for_answer(query)
+    assert answer["text"] == PRESS_PENDING_TEXT
+    assert not recorder.press_finished.is_set()  # the decision was not cut short by the answer
+    recorder.hold.set()
+    await asyncio.wait_for(recorder.press_finished.wait(), WAIT)
+
+
+# --------------------------------------------------------------------------- settling
+
+
+async def test_settle_shows_the_outcome_and_removes_the_buttons(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
+    bot, _ = adapter
+    card = make_card({"path": "/etc/passwd", "mode": "w"})
+    ref = await bot.post_card(card)
+    outcome = approved_by_admin(card)
+    await bot.settle_card(ref, card, outcome)
+    message = fake.message(GROUP, ref.message_id)
+    assert message.text.splitlines()[0] == outcome_line(outcome)
+    assert message.buttons == []
+    assert "/etc/passwd" in message.text
+    assert card.args_hash in message.text
+    # Settling again is a no-op that Telegram answers with "message is not modified".
+    await bot.settle_card(ref, card, outcome)
+    edits = fake.calls_to("editMessageText")
+    assert [c.status for c in edits] == [200, 400]
+    assert edits[1].response is not None
+    assert "not modified" in edits[1].response["description"]
+    assert message.edits == 1
+
+
+async def test_settling_a_vanished_card_is_not_retryable(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
+    bot, _ = adapter
+    card = make_card({"a": 1})
+    before = failure_count("card_settle", "telegram")
+    with pytest.raises(PlatformError) as caught:
+        await bot.settle_card(CardRef("telegram", str(GROUP), "424242"), card, approved_by_admin(card))
+    assert caught.value.retryable is False
+    assert "not found" in str(caught.value).lower()
+    assert failure_count("card_settle", "telegram") == before + 1
+    with pytest.raises(PlatformError) as caught:
+        await bot.settle_card(CardRef("slack", "C123", "1.2"), card, approved_by_admin(card))
+    assert caught.value.retryable is False
+    assert fake.calls_to("editMessageText")[-1].params["message_id"] == 424242  # the Slack card never reached Telegram
+
+
+# --------------------------------------------------------------------------- rate limits and faults
+
+
+async def test_429_blocks_the_chat_for_retry_after_then_succeeds(fake: FakeTelegram, make_adapter: Factory) -> None:
+    time = FakeTime(fake)
+    bot, _ = await make_adapter(limiter=time.limiter())
+    fake.script("sendMessage", Fault.too_many_requests(7))
+    message_id = await bot.send_text(str(GROUP), "hello")
+    calls = fake.calls_to("sendMessage")
+    assert [c.status for c in calls] == [429, 200]
+    assert fake.message(GROUP, message_id).text == "hello"
+    # The limiter waited out retry_after after the refused send and before the retry.
+    assert any(seconds >= 7.0 and sends_before == 1 for seconds, sends_before in time.sleeps)
+
+
+async def test_429_with_the_default_limiter(fake: FakeTelegram, make_adapter: Factory) -> None:
+    bot, _ = await make_adapter(limiter=None)
+    assert bot.limiter_for(GROUP).per_window == 20
+    assert bot.limiter_for(GROUP).min_interval == 1.0
+    assert bot.limiter_for(ADMIN).per_window is None
+    fake.script("sendMessage", Fault.too_many_requests(1))
+    ref = await bot.post_card(make_card({"a": 1}))
+    assert [c.status for c in fake.calls_to("sendMessage")] == [429, 200]
+    assert fake.message(GROUP, ref.message_id).buttons
+
+
+async def test_429_without_end_gives_up_retryable(fake: FakeTelegram, make_adapter: Factory) -> None:
+    bot, _ = await make_adapter(max_attempts=3)
+    fake.script("sendMessage", *[Fault.too_many_requests(2)] * 3)
+    before = failure_count("send", "telegram")
+    with pytest.raises(PlatformError) as caught:
+        await bot.send_text(str(GROUP), "hello")
+    assert caught.value.retryable is True
+    assert caught.value.retry_after == 2.0
+    assert len(fake.calls_to("sendMessage")) == 3
+    assert failure_count("send", "telegram") == before + 1
+
+
+async def test_server_error_is_retryable(fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]) -> None:
+    bot, _ = adapter
+    fake.script("sendMessage", Fault.server_error(500))
+    before = failure_count("card_post", "telegram")
+    with pytest.raises(PlatformError) as caught:
+        await bot.post_card(make_card({"a": 1}))
+    assert caught.value.retryable is True
+    assert (caught.value.platform, caught.value.site) == ("telegram", "card_post")
+    assert len(fake.calls_to("sendMessage")) == 1  # a send that may have landed is not repeated here
+    assert failure_count("card_post", "telegram") == before + 1
+
+
+async def test_bad_request_is_not_retryable(fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]) -> None:
+    bot, _ = adapter
+    fake.script("sendMessage", Fault.server_error(400, "Bad Request: chat not found"))
+    with pytest.raises(PlatformError) as caught:
+        await bot.send_text(str(GROUP), "hello")
+    assert caught.value.retryable is False
+    with pytest.raises(PlatformError) as caught:
+        await bot.send_text("general", "hello")
+    assert caught.value.retryable is False
+
+
+async def test_a_hung_server_times_out_retryable(fake: FakeTelegram, make_adapter: Factory) -> None:
+    bot, _ = await make_adapter(request_timeout=1.0)
+    fake.script("sendMessage", Fault.hang())
+    with pytest.raises(PlatformError) as caught:
+        await bot.post_card(make_card({"a": 1}))
+    assert caught.value.retryable is True
+    assert "TimedOut" in str(caught.value)
+    assert fake.calls_to("sendMessage")[0].status is None  # the fake never answered
+
+
+# --------------------------------------------------------------------------- plain text
+
+
+async def test_send_text_prefixes_the_agent_and_is_plain_text(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
+    bot, _ = adapter
+    message_id = await bot.send_text(str(GROUP), "done <b>& @everyone", agent="builder")
+    message = fake.message(GROUP, message_id)
+    assert message.text == "[builder] done <b>& @everyone"
+    assert message.parse_mode is None
+    assert message.entities == []
+    threaded = await bot.send_text(str(GROUP), "in a topic", thread="7")
+    assert fake.message(GROUP, threaded).thread_id == 7
+
+
+async def test_long_text_is_split_in_order(fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]) -> None:
+    bot, _ = adapter
+    lines = [f"line {i:04d} " + "😀" * 20 for i in range(300)]  # emoji: two UTF-16 units each
+    text = "\n".join(lines)
+    assert utf16_len(text) > 3 * TEXT_LIMIT
+    first_id = await bot.send_text(str(GROUP), text, agent="lead")
+    parts = fake.bot_messages(GROUP)
+    assert len(parts) >= 4
+    assert str(parts[0].message_id) == first_id
+    assert all(utf16_len(p.text) <= TEXT_LIMIT and p.text.startswith("[lead] ") for p in parts)
+    rejoined = "\n".join(p.text.removeprefix("[lead] ") for p in parts)
+    assert rejoined == text  # nothing lost, nothing reordered; breaks fell on line ends
+
+
+def test_split_text_edges() -> None:
+    assert split_text("") == []
+    assert split_text("   ") == []
+    assert split_text("abc", 10) == ["abc"]
+    assert split_text("a" * 25, 10) == ["a" * 10, "a" * 10, "a" * 5]
+    assert split_text("😀" * 6, 5) == ["😀😀", "😀😀", "😀😀"]
+    assert split_text("aaaa bbbb cccc", 10) == ["aaaa bbbb", "cccc"]
+
+
+# --------------------------------------------------------------------------- webhook mode
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+async def test_webhook_mode_receives_updates_with_the_secret(fake: FakeTelegram, make_adapter: Factory) -> None:
+    pytest.importorskip("tornado", reason="webhook mode needs python-telegram-bot[webhooks]")
+    port = _free_port()
+    hook = TelegramWebhookConfig(
+        url=f"http://127.0.0.1:{port}/telegram", secret_token="s3cret-token", listen="127.0.0.1", port=port
+    )
+    _, recorder = await make_adapter(config={"mode": "webhook", "webhook": hook})
+    assert fake.webhook_url == hook.url
+    assert fake.calls_to("setWebhook")[0].params["secret_token"] == "s3cret-token"
+    fake.push_message(GROUP, ADMIN, "/swarm status")
+    inbound = await recorder.next_inbound()
+    assert (inbound.command, inbound.text) == ("swarm", "status")
+    assert fake.calls_to("getUpdates") == []
