@@ -262,7 +262,7 @@ class TelegramConfig(Strict):
 
 class SlackHttpConfig(Strict):
     host: str = "127.0.0.1"
-    port: int = Field(default=3000, ge=1, le=65535)
+    port: int = Field(default=3000, ge=0, le=65535)  # 0: any free port
     path: str = "/slack/events"
 
 

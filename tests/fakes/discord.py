@@ -1,0 +1,1103 @@
+"""A wire-level fake of Discord: REST under ``/api/v10`` and the gateway websocket, on 127.0.0.1.
+
+It speaks what discord.py 2.7 actually sends and parses (see
+``/work/shared/PLATFORM_NOTES.md``): zlib-stream gateway frames from one
+compressor per connection, ``Content-Type`` exactly ``application/json``,
+optional fields absent rather than null, and Discord's real error codes for
+the limits the adapter must respect. Tests drive it by injecting gateway
+events (messages, button presses, slash commands), scripting faults per
+route, and reading back every REST call and the current state of every
+message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import secrets
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal, TypeVar
+
+from aiohttp import WSMsgType, web
+from aiohttp.typedefs import Handler
+
+T = TypeVar("T")
+Json = dict[str, Any]
+
+API_PREFIX = "/api/v10"
+FAKE_TOKEN = "fake-discord-token"
+
+GUILD_ID = 1_100_000_000_000_000_001
+HOME_CHANNEL_ID = 1_100_000_000_000_000_101
+OTHER_CHANNEL_ID = 1_100_000_000_000_000_102
+UNSERVED_CHANNEL_ID = 1_100_000_000_000_000_103
+BOT_ID = 1_100_000_000_000_000_201
+APP_ID = BOT_ID  # Discord gives a bot's application the bot user's id
+ALICE_ID = 1_100_000_000_000_000_301
+BOB_ID = 1_100_000_000_000_000_302
+HELPER_BOT_ID = 1_100_000_000_000_000_401
+BOT_ROLE_ID = 1_100_000_000_000_000_501
+
+# Permission bits (https://discord.com/developers/docs/topics/permissions).
+VIEW_CHANNEL = 1 << 10
+SEND_MESSAGES = 1 << 11
+EMBED_LINKS = 1 << 14
+READ_MESSAGE_HISTORY = 1 << 16
+MANAGE_WEBHOOKS = 1 << 29
+USE_APPLICATION_COMMANDS = 1 << 31
+BASE_PERMISSIONS = VIEW_CHANNEL | SEND_MESSAGES | EMBED_LINKS | READ_MESSAGE_HISTORY | USE_APPLICATION_COMMANDS
+
+EPHEMERAL = 1 << 6
+LOADING = 1 << 7
+
+FaultKind = Literal["500", "503", "429", "429-no-via", "hang"]
+
+SYNC_FLUSH_SUFFIX = b"\x00\x00\xff\xff"
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+@dataclass(frozen=True)
+class FakeUser:
+    id: int
+    username: str
+    bot: bool = False
+    global_name: str | None = None
+
+    def payload(self) -> Json:
+        data: Json = {
+            "id": str(self.id),
+            "username": self.username,
+            "discriminator": "0",
+            "global_name": self.global_name,
+            "avatar": None,
+            "public_flags": 0,
+        }
+        if self.bot:
+            data["bot"] = True
+        return data
+
+
+@dataclass
+class RecordedCall:
+    """One REST request as the fake saw it; ``status`` is filled in when it is answered."""
+
+    method: str
+    path: str  # below /api/v10
+    query: dict[str, str]
+    body: Any
+    status: int | None = None
+
+    @property
+    def json(self) -> Json:
+        return self.body if isinstance(self.body, dict) else {}
+
+
+@dataclass
+class FakeInteraction:
+    id: int
+    token: str
+    type: int  # 2 application command, 3 component
+    channel_id: int
+    user: FakeUser
+    custom_id: str | None = None
+    message_id: int | None = None
+    callback_type: int | None = None  # set when acknowledged
+    original_message_id: int | None = None
+    followup_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Fault:
+    method: str
+    pattern: re.Pattern[str]
+    kind: FaultKind
+    remaining: int
+    retry_after: float
+
+
+class _Gateway:
+    """One gateway connection: a single zlib compressor for its whole life, as Discord does."""
+
+    def __init__(self, ws: web.WebSocketResponse, *, compress: bool) -> None:
+        self.ws = ws
+        self.compressor = zlib.compressobj() if compress else None
+        self.lock = asyncio.Lock()
+        self.seq = 0
+        self.session_id: str | None = None
+        self.frames: list[bytes] = []
+
+    async def send(self, payload: Json) -> None:
+        async with self.lock:
+            await self._send(payload)
+
+    async def dispatch(self, event: str, data: Json) -> None:
+        async with self.lock:  # sequence numbers leave in order
+            self.seq += 1
+            await self._send({"op": 0, "t": event, "s": self.seq, "d": data})
+
+    async def _send(self, payload: Json) -> None:
+        data = json.dumps(payload).encode()
+        if self.compressor is None:
+            await self.ws.send_str(data.decode())
+            return
+        # Frames must leave in the order they were compressed: the client has one shared inflater.
+        frame = self.compressor.compress(data) + self.compressor.flush(zlib.Z_SYNC_FLUSH)
+        self.frames.append(frame)
+        await self.ws.send_bytes(frame)
+
+
+def _field_error(code: str, message: str) -> Json:
+    return {"_errors": [{"code": code, "message": message}]}
+
+
+def _max_length(limit: int) -> Json:
+    return _field_error("BASE_TYPE_MAX_LENGTH", f"Must be {limit} or fewer in length.")
+
+
+class FakeDiscord:
+    """Start with ``await fake.start()``; point discord.py at ``api_base`` and ``gateway_url``."""
+
+    def __init__(
+        self,
+        *,
+        token: str = FAKE_TOKEN,
+        manage_webhooks: bool = True,
+        echo: bool = True,
+        heartbeat_interval_ms: int = 41_250,
+    ) -> None:
+        self.token = token
+        self.manage_webhooks = manage_webhooks
+        self.echo = echo  # real Discord sends the bot its own messages over the gateway too
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.bot = FakeUser(BOT_ID, "kazma", bot=True)
+        self.alice = FakeUser(ALICE_ID, "alice", global_name="Alice")
+        self.bob = FakeUser(BOB_ID, "bob")
+        self.helper_bot = FakeUser(HELPER_BOT_ID, "helper", bot=True)
+        self.users = {u.id: u for u in (self.bot, self.alice, self.bob, self.helper_bot)}
+        self.channels: dict[int, str] = {
+            HOME_CHANNEL_ID: "kazma-home",
+            OTHER_CHANNEL_ID: "kazma-other",
+            UNSERVED_CHANNEL_ID: "random",
+        }
+        self.calls: list[RecordedCall] = []
+        self.messages: dict[int, Json] = {}
+        self.webhooks: dict[int, Json] = {}
+        self.commands: list[Json] = []
+        self.interactions: dict[str, FakeInteraction] = {}
+        self.identifies: list[Json] = []
+        self.heartbeats = 0
+        self._faults: list[_Fault] = []
+        self._gateways: list[_Gateway] = []
+        self._ids = itertools.count(1_200_000_000_000_000_000)
+        self._changed = asyncio.Condition()
+        self._release = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+        self._port = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        app = web.Application(middlewares=[self._middleware])
+        api = API_PREFIX
+        app.router.add_get("/", self._gateway)
+        app.router.add_get(f"{api}/users/@me", self._get_me)
+        app.router.add_get(f"{api}/oauth2/applications/@me", self._get_application)
+        app.router.add_get(f"{api}/gateway", self._get_gateway)
+        app.router.add_get(f"{api}/gateway/bot", self._get_gateway_bot)
+        app.router.add_put(f"{api}/applications/{{app}}/commands", self._put_commands)
+        app.router.add_get(f"{api}/applications/{{app}}/commands", self._get_commands)
+        app.router.add_post(f"{api}/channels/{{channel}}/messages", self._post_message)
+        app.router.add_get(f"{api}/channels/{{channel}}/messages/{{message}}", self._get_message)
+        app.router.add_patch(f"{api}/channels/{{channel}}/messages/{{message}}", self._patch_message)
+        app.router.add_delete(f"{api}/channels/{{channel}}/messages/{{message}}", self._delete_message)
+        app.router.add_get(f"{api}/channels/{{channel}}/webhooks", self._get_webhooks)
+        app.router.add_post(f"{api}/channels/{{channel}}/webhooks", self._post_webhook)
+        app.router.add_post(f"{api}/interactions/{{id}}/{{token}}/callback", self._interaction_callback)
+        app.router.add_post(f"{api}/webhooks/{{id}}/{{token}}", self._execute_webhook)
+        app.router.add_get(f"{api}/webhooks/{{id}}/{{token}}/messages/{{message}}", self._get_webhook_message)
+        app.router.add_patch(f"{api}/webhooks/{{id}}/{{token}}/messages/{{message}}", self._patch_webhook_message)
+        # A short shutdown grace and handler cancellation: a "hang" must never hold up teardown.
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        address = self._runner.addresses[0]
+        self._port = int(address[1])
+
+    async def stop(self) -> None:
+        self._release.set()
+        for gateway in list(self._gateways):
+            await gateway.ws.close(code=1001)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def api_base(self) -> str:
+        return f"http://127.0.0.1:{self._port}{API_PREFIX}"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"ws://127.0.0.1:{self._port}/"
+
+    # ------------------------------------------------------------------ test helpers
+
+    def inject_fault(
+        self, method: str, path: str, kind: FaultKind, *, times: int = 1, retry_after: float = 0.02
+    ) -> None:
+        """Answer the next ``times`` requests matching ``method`` and ``path`` (a regex on the path below
+        /api/v10, matched whole) with ``kind``: a 500 or 503, a 429 (with or without Discord's ``Via``
+        header), or no answer until the fake stops."""
+        self._faults.append(_Fault(method.upper(), re.compile(path), kind, times, retry_after))
+
+    def calls_to(self, method: str, path: str) -> list[RecordedCall]:
+        pattern = re.compile(path)
+        return [c for c in self.calls if c.method == method.upper() and pattern.fullmatch(c.path)]
+
+    def message_calls(self) -> list[RecordedCall]:
+        """Every request that creates or edits message content."""
+        patterns = (
+            ("POST", r"/channels/\d+/messages"),
+            ("PATCH", r"/channels/\d+/messages/\d+"),
+            ("POST", r"/webhooks/\d+/[^/]+"),
+            ("PATCH", r"/webhooks/\d+/[^/]+/messages/[^/]+"),
+        )
+        found = [c for method, path in patterns for c in self.calls_to(method, path)]
+        found += [
+            c
+            for c in self.calls_to("POST", r"/interactions/\d+/[^/]+/callback")
+            if c.json.get("type") in (4, 7) and "data" in c.json
+        ]
+        return found
+
+    def channel_messages(self, channel_id: int) -> list[Json]:
+        return [m for m in self.messages.values() if int(m["channel_id"]) == channel_id]
+
+    async def wait_until(self, predicate: Callable[[], T], *, timeout: float = 5.0) -> T:
+        """Wait until ``predicate()`` is truthy (re-checked on every change the fake sees) and return it."""
+        async with asyncio.timeout(timeout), self._changed:
+            while True:
+                value = predicate()
+                if value:
+                    return value
+                await self._changed.wait()
+
+    async def wait_for_call(
+        self,
+        method: str,
+        path: str,
+        *,
+        where: Callable[[RecordedCall], bool] | None = None,
+        answered: bool = True,
+        timeout: float = 5.0,
+    ) -> RecordedCall:
+        def find() -> RecordedCall | None:
+            for call in self.calls_to(method, path):
+                if (where is None or where(call)) and (not answered or call.status is not None):
+                    return call
+            return None
+
+        found = await self.wait_until(find, timeout=timeout)
+        assert found is not None
+        return found
+
+    async def notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------------ gateway injection
+
+    async def dispatch(self, event: str, data: Json) -> None:
+        """Send a DISPATCH to every identified gateway session."""
+        sessions = [g for g in self._gateways if g.session_id is not None and not g.ws.closed]
+        if not sessions:
+            raise RuntimeError(f"no identified gateway session to receive {event}")
+        for gateway in sessions:
+            await gateway.dispatch(event, data)
+
+    async def user_message(
+        self,
+        channel_id: int,
+        content: str,
+        *,
+        author: FakeUser | None = None,
+        mentions: Sequence[FakeUser] = (),
+        mention_roles: Sequence[int] = (),
+        mention_everyone: bool = False,
+    ) -> Json:
+        """A member (human or another bot) posts ``content``: stored and dispatched as MESSAGE_CREATE."""
+        author = author or self.alice
+        message = self._new_message(
+            channel_id,
+            author.payload(),
+            {"content": content},
+            mentions=[{**u.payload(), "member": self._member(u, with_user=False)} for u in mentions],
+            mention_roles=[str(r) for r in mention_roles],
+            mention_everyone=mention_everyone,
+        )
+        await self.dispatch("MESSAGE_CREATE", self._gateway_message(message, member=self._member(author)))
+        await self.notify()
+        return message
+
+    async def press_button(self, message_id: int, custom_id: str, *, user: FakeUser | None = None) -> FakeInteraction:
+        """``user`` presses the button ``custom_id`` on a message that really shows it."""
+        user = user or self.alice
+        message = self.messages.get(message_id)
+        if message is None:
+            raise LookupError(f"no message {message_id}")
+        shown = [c.get("custom_id") for row in message.get("components", []) for c in row.get("components", [])]
+        if custom_id not in shown:
+            raise LookupError(f"message {message_id} shows no button {custom_id!r} (it shows {shown})")
+        interaction = self._new_interaction(3, int(message["channel_id"]), user)
+        interaction.custom_id = custom_id
+        interaction.message_id = message_id
+        payload = self._interaction_payload(interaction)
+        payload["data"] = {"custom_id": custom_id, "component_type": 2}
+        payload["message"] = message
+        await self.dispatch("INTERACTION_CREATE", payload)
+        await self.notify()
+        return interaction
+
+    async def slash_command(
+        self,
+        channel_id: int,
+        *,
+        user: FakeUser | None = None,
+        name: str = "swarm",
+        options: Mapping[str, str] | None = None,
+    ) -> FakeInteraction:
+        """``user`` runs ``/name`` with string options; the command must have been registered."""
+        user = user or self.alice
+        command = next((c for c in self.commands if c["name"] == name), None)
+        if command is None:
+            raise LookupError(f"no application command {name!r} registered (have {[c['name'] for c in self.commands]})")
+        interaction = self._new_interaction(2, channel_id, user)
+        payload = self._interaction_payload(interaction)
+        data: Json = {"id": command["id"], "name": name, "type": 1}
+        if options:
+            data["options"] = [{"name": k, "type": 3, "value": v} for k, v in options.items()]
+        payload["data"] = data
+        await self.dispatch("INTERACTION_CREATE", payload)
+        await self.notify()
+        return interaction
+
+    # ------------------------------------------------------------------ payload builders
+
+    def _snowflake(self) -> int:
+        return next(self._ids)
+
+    def _member(self, user: FakeUser, *, with_user: bool = True) -> Json:
+        roles = [str(BOT_ROLE_ID)] if user.id == BOT_ID else []
+        member: Json = {"roles": roles, "joined_at": _now(), "deaf": False, "mute": False, "flags": 0}
+        if with_user:
+            member["user"] = user.payload()
+        return member
+
+    def _role_permissions(self) -> tuple[int, int]:
+        bot = BASE_PERMISSIONS | (MANAGE_WEBHOOKS if self.manage_webhooks else 0)
+        return BASE_PERMISSIONS, bot
+
+    def _channel_payload(self, channel_id: int) -> Json:
+        return {
+            "id": str(channel_id),
+            "type": 0,
+            "guild_id": str(GUILD_ID),
+            "name": self.channels[channel_id],
+            "position": list(self.channels).index(channel_id),
+            "permission_overwrites": [],
+            "nsfw": False,
+            "rate_limit_per_user": 0,
+            "flags": 0,
+        }
+
+    def _guild_payload(self) -> Json:
+        everyone, bot = self._role_permissions()
+
+        def role(role_id: int, name: str, permissions: int, position: int) -> Json:
+            return {
+                "id": str(role_id),
+                "name": name,
+                "color": 0,
+                "colors": {"primary_color": 0, "secondary_color": None, "tertiary_color": None},
+                "hoist": False,
+                "position": position,
+                "permissions": str(permissions),
+                "managed": False,
+                "mentionable": False,
+                "flags": 0,
+            }
+
+        members = [self._member(u) for u in self.users.values()]
+        return {
+            "id": str(GUILD_ID),
+            "name": "Kazma test guild",
+            "icon": None,
+            "owner_id": str(ALICE_ID),
+            "afk_timeout": 300,
+            "verification_level": 0,
+            "default_message_notifications": 1,
+            "explicit_content_filter": 0,
+            "roles": [role(GUILD_ID, "@everyone", everyone, 0), role(BOT_ROLE_ID, "kazma", bot, 1)],
+            "emojis": [],
+            "stickers": [],
+            "features": [],
+            "mfa_level": 0,
+            "system_channel_flags": 0,
+            "premium_tier": 0,
+            "preferred_locale": "en-US",
+            "nsfw_level": 0,
+            "premium_progress_bar_enabled": False,
+            "joined_at": _now(),
+            "large": False,
+            "unavailable": False,
+            "member_count": len(members),
+            "voice_states": [],
+            "members": members,
+            "channels": [self._channel_payload(c) for c in self.channels],
+            "threads": [],
+            "presences": [],
+            "stage_instances": [],
+            "guild_scheduled_events": [],
+            "soundboard_sounds": [],
+        }
+
+    def _new_message(
+        self,
+        channel_id: int,
+        author: Json,
+        body: Json,
+        *,
+        webhook_id: int | None = None,
+        message_type: int = 0,
+        mentions: list[Json] | None = None,
+        mention_roles: list[str] | None = None,
+        mention_everyone: bool = False,
+    ) -> Json:
+        message: Json = {
+            "id": str(self._snowflake()),
+            "channel_id": str(channel_id),
+            "author": author,
+            "content": body.get("content") or "",
+            "timestamp": _now(),
+            "edited_timestamp": None,
+            "tts": False,
+            "mention_everyone": mention_everyone,
+            "mentions": mentions or [],
+            "mention_roles": mention_roles or [],
+            "attachments": [],
+            "embeds": [{**e, "type": "rich"} for e in body.get("embeds") or []],
+            "components": body.get("components") or [],
+            "pinned": False,
+            "type": message_type,
+            "flags": int(body.get("flags") or 0),
+        }
+        if webhook_id is not None:
+            message["webhook_id"] = str(webhook_id)
+        if author.get("id") == str(BOT_ID) or webhook_id == APP_ID:
+            message["application_id"] = str(APP_ID)
+        self.messages[int(message["id"])] = message
+        return message
+
+    def _gateway_message(self, message: Json, *, member: Json | None = None) -> Json:
+        data = {**message, "guild_id": str(GUILD_ID)}
+        if member is not None:
+            data["member"] = {k: v for k, v in member.items() if k != "user"}
+        return data
+
+    async def _echo(self, message: Json, event: str = "MESSAGE_CREATE") -> None:
+        if not self.echo or int(message.get("flags", 0)) & EPHEMERAL:
+            return
+        member = None if "webhook_id" in message else self._member(self.bot)
+        sessions = [g for g in self._gateways if g.session_id is not None and not g.ws.closed]
+        for gateway in sessions:
+            await gateway.dispatch(event, self._gateway_message(message, member=member))
+
+    def _new_interaction(self, kind: int, channel_id: int, user: FakeUser) -> FakeInteraction:
+        interaction = FakeInteraction(
+            id=self._snowflake(),
+            token=f"itoken-{secrets.token_hex(16)}",
+            type=kind,
+            channel_id=channel_id,
+            user=user,
+        )
+        self.interactions[interaction.token] = interaction
+        return interaction
+
+    def _interaction_payload(self, interaction: FakeInteraction) -> Json:
+        everyone, bot = self._role_permissions()
+        member = self._member(interaction.user)
+        member["permissions"] = str(everyone)
+        member["pending"] = False
+        return {
+            "id": str(interaction.id),
+            "application_id": str(APP_ID),
+            "type": interaction.type,
+            "guild_id": str(GUILD_ID),
+            "guild": {"id": str(GUILD_ID), "locale": "en-US", "features": []},
+            "channel_id": str(interaction.channel_id),
+            "channel": self._channel_payload(interaction.channel_id),
+            "member": member,
+            "token": interaction.token,
+            "version": 1,
+            "app_permissions": str(bot),
+            "locale": "en-US",
+            "guild_locale": "en-US",
+            "entitlements": [],
+            "authorizing_integration_owners": {"0": str(GUILD_ID)},
+            "context": 0,
+            "attachment_size_limit": 10 * 1024 * 1024,
+        }
+
+    # ------------------------------------------------------------------ HTTP plumbing
+
+    @staticmethod
+    def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+        # Exactly "application/json": discord.py does not parse "application/json; charset=utf-8".
+        all_headers = {"Content-Type": "application/json", **(headers or {})}
+        return web.Response(body=json.dumps(data).encode(), status=status, headers=all_headers)
+
+    @classmethod
+    def _error(cls, status: int, code: int, message: str, errors: Json | None = None) -> web.Response:
+        body: Json = {"message": message, "code": code}
+        if errors is not None:
+            body["errors"] = errors
+        return cls._json(body, status)
+
+    @classmethod
+    def _not_found(cls, code: int, what: str) -> web.Response:
+        return cls._error(404, code, f"Unknown {what}")
+
+    def _take_fault(self, method: str, path: str) -> _Fault | None:
+        for fault in self._faults:
+            if fault.remaining > 0 and fault.method == method and fault.pattern.fullmatch(path):
+                fault.remaining -= 1
+                return fault
+        return None
+
+    async def _fault_response(self, fault: _Fault) -> web.Response:
+        if fault.kind == "hang":
+            await self._release.wait()
+            return self._error(503, 0, "released at shutdown")
+        if fault.kind in ("429", "429-no-via"):
+            headers = {"Retry-After": str(max(1, round(fault.retry_after)))}
+            if fault.kind == "429":
+                headers["Via"] = "1.1 google"
+            body = {"message": "You are being rate limited.", "retry_after": fault.retry_after, "global": False}
+            return self._json(body, 429, headers)
+        return self._error(int(fault.kind), 0, "Internal Server Error" if fault.kind == "500" else "Unavailable")
+
+    def _authorised(self, request: web.Request, path: str) -> bool:
+        # Interaction and webhook-token routes carry their credentials in the path.
+        if path.startswith(("/interactions/", "/webhooks/")):
+            return True
+        return request.headers.get("Authorization") == f"Bot {self.token}"
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.path.startswith(API_PREFIX):
+            return await handler(request)
+        path = request.path[len(API_PREFIX) :]
+        raw = await request.read()
+        body: Any = None
+        if raw and request.content_type == "application/json":
+            body = json.loads(raw)
+        call = RecordedCall(request.method, path, dict(request.query), body)
+        self.calls.append(call)
+        await self.notify()
+        fault = self._take_fault(request.method, path)
+        try:
+            if fault is not None:
+                response: web.StreamResponse = await self._fault_response(fault)
+            elif not self._authorised(request, path):
+                response = self._error(401, 0, "401: Unauthorized")
+            else:
+                try:
+                    response = await handler(request)
+                except web.HTTPNotFound:
+                    response = self._error(404, 0, "404: Not Found")
+                except web.HTTPMethodNotAllowed:
+                    response = self._error(405, 0, "405: Method Not Allowed")
+            call.status = response.status
+            return response
+        finally:
+            await self.notify()
+
+    @staticmethod
+    async def _body(request: web.Request) -> Json:
+        raw = await request.read()
+        if not raw:
+            return {}
+        data = json.loads(raw)
+        return data if isinstance(data, dict) else {"_": data}
+
+    # ------------------------------------------------------------------ limits
+
+    @staticmethod
+    def _form_errors(payload: Json) -> Json:
+        """Discord's 50035 checks for message content, embeds and components."""
+        errors: Json = {}
+        content = payload.get("content")
+        if isinstance(content, str) and len(content) > 2000:
+            errors["content"] = _max_length(2000)
+        embeds = payload.get("embeds") or []
+        embed_errors: Json = {}
+        if len(embeds) > 10:
+            embed_errors["_errors"] = _max_length(10)["_errors"]
+        total = 0
+        for index, embed in enumerate(embeds):
+            this: Json = {}
+            title = embed.get("title") or ""
+            description = embed.get("description") or ""
+            fields = embed.get("fields") or []
+            footer = (embed.get("footer") or {}).get("text") or ""
+            author = (embed.get("author") or {}).get("name") or ""
+            if len(title) > 256:
+                this["title"] = _max_length(256)
+            if len(description) > 4096:
+                this["description"] = _max_length(4096)
+            if len(footer) > 2048:
+                this["footer"] = {"text": _max_length(2048)}
+            if len(author) > 256:
+                this["author"] = {"name": _max_length(256)}
+            if len(fields) > 25:
+                this["fields"] = _max_length(25)
+            field_errors: Json = {}
+            for position, item in enumerate(fields):
+                name, value = item.get("name") or "", item.get("value") or ""
+                problems: Json = {}
+                if not name.strip():
+                    problems["name"] = _field_error("BASE_TYPE_REQUIRED", "This field is required")
+                elif len(name) > 256:
+                    problems["name"] = _max_length(256)
+                if not value.strip():
+                    problems["value"] = _field_error("BASE_TYPE_REQUIRED", "This field is required")
+                elif len(value) > 1024:
+                    problems["value"] = _max_length(1024)
+                if problems:
+                    field_errors[str(position)] = problems
+                total += len(name) + len(value)
+            if field_errors and "fields" not in this:
+                this["fields"] = field_errors
+            total += len(title) + len(description) + len(footer) + len(author)
+            if this:
+                embed_errors[str(index)] = this
+        if total > 6000:
+            embed_errors["_errors"] = [
+                {"code": "MAX_EMBED_SIZE_EXCEEDED", "message": "Embed size exceeds maximum size of 6000"}
+            ]
+        if embed_errors:
+            errors["embeds"] = embed_errors
+        rows = payload.get("components") or []
+        component_errors: Json = {}
+        if len(rows) > 5:
+            component_errors["_errors"] = _max_length(5)["_errors"]
+        seen: set[str] = set()
+        for row_index, row in enumerate(rows):
+            items = row.get("components") or []
+            row_errors: Json = {}
+            if len(items) > 5:
+                row_errors["components"] = _max_length(5)
+            for item_index, item in enumerate(items):
+                custom_id = item.get("custom_id")
+                problems = {}
+                if item.get("type") == 2 and item.get("style") != 5:
+                    if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= 100:
+                        problems["custom_id"] = _max_length(100)
+                    elif custom_id in seen:
+                        problems["custom_id"] = _field_error(
+                            "COMPONENT_CUSTOM_ID_DUPLICATED", "Component custom id cannot be duplicated"
+                        )
+                    else:
+                        seen.add(custom_id)
+                if len(item.get("label") or "") > 80:
+                    problems["label"] = _max_length(80)
+                if problems:
+                    row_errors.setdefault("components", {})[str(item_index)] = problems
+            if row_errors:
+                component_errors[str(row_index)] = row_errors
+        if component_errors:
+            errors["components"] = component_errors
+        return errors
+
+    @classmethod
+    def _check_message(cls, payload: Json) -> web.Response | None:
+        errors = cls._form_errors(payload)
+        if errors:
+            return cls._error(400, 50035, "Invalid Form Body", errors)
+        if not (payload.get("content") or "").strip() and not payload.get("embeds") and not payload.get("components"):
+            return cls._error(400, 50006, "Cannot send an empty message")
+        return None
+
+    # ------------------------------------------------------------------ REST: identity and commands
+
+    async def _get_me(self, request: web.Request) -> web.Response:
+        return self._json({**self.bot.payload(), "verified": True, "mfa_enabled": False, "flags": 0})
+
+    async def _get_application(self, request: web.Request) -> web.Response:
+        return self._json(
+            {
+                "id": str(APP_ID),
+                "name": "Kazma",
+                "icon": None,
+                "description": "",
+                "summary": "",
+                "bot_public": False,
+                "bot_require_code_grant": False,
+                "verify_key": "0" * 64,
+                "owner": self.alice.payload(),
+                "flags": 0,
+                "bot": self.bot.payload(),
+            }
+        )
+
+    async def _get_gateway(self, request: web.Request) -> web.Response:
+        return self._json({"url": self.gateway_url})
+
+    async def _get_gateway_bot(self, request: web.Request) -> web.Response:
+        limit = {"total": 1000, "remaining": 999, "reset_after": 0, "max_concurrency": 1}
+        return self._json({"url": self.gateway_url, "shards": 1, "session_start_limit": limit})
+
+    async def _put_commands(self, request: web.Request) -> web.Response:
+        if request.match_info["app"] != str(APP_ID):
+            return self._not_found(10002, "Application")
+        payload = json.loads(await request.read() or b"[]")
+        if not isinstance(payload, list):
+            return self._error(400, 50035, "Invalid Form Body", {"_errors": [{"code": "LIST", "message": "list"}]})
+        commands = []
+        for item in payload:
+            name = item.get("name", "")
+            if not re.fullmatch(r"[-_\w]{1,32}", name) or name != name.lower():
+                return self._error(400, 50035, "Invalid Form Body", {"name": _field_error("INVALID", "bad name")})
+            commands.append(
+                {
+                    **{k: v for k, v in item.items() if v is not None},
+                    "id": str(self._snowflake()),
+                    "application_id": str(APP_ID),
+                    "version": str(self._snowflake()),
+                    "type": item.get("type", 1),
+                }
+            )
+        self.commands = commands
+        return self._json(commands)
+
+    async def _get_commands(self, request: web.Request) -> web.Response:
+        return self._json(self.commands)
+
+    # ------------------------------------------------------------------ REST: channel messages
+
+    def _channel_or_404(self, request: web.Request) -> int | web.Response:
+        try:
+            channel_id = int(request.match_info["channel"])
+        except ValueError:
+            return self._not_found(10003, "Channel")
+        return channel_id if channel_id in self.channels else self._not_found(10003, "Channel")
+
+    async def _post_message(self, request: web.Request) -> web.Response:
+        channel = self._channel_or_404(request)
+        if isinstance(channel, web.Response):
+            return channel
+        payload = await self._body(request)
+        problem = self._check_message(payload)
+        if problem is not None:
+            return problem
+        message = self._new_message(channel, self.bot.payload(), payload)
+        await self._echo(message)
+        return self._json(message)
+
+    def _message_or_404(self, request: web.Request) -> Json | web.Response:
+        channel = self._channel_or_404(request)
+        if isinstance(channel, web.Response):
+            return channel
+        try:
+            message = self.messages.get(int(request.match_info["message"]))
+        except ValueError:
+            message = None
+        if message is None or int(message["channel_id"]) != channel:
+            return self._not_found(10008, "Message")
+        return message
+
+    async def _get_message(self, request: web.Request) -> web.Response:
+        message = self._message_or_404(request)
+        return message if isinstance(message, web.Response) else self._json(message)
+
+    def _apply_edit(self, message: Json, payload: Json) -> web.Response | None:
+        merged = {
+            "content": payload.get("content", message["content"]),
+            "embeds": payload.get("embeds", message["embeds"]),
+            "components": payload.get("components", message["components"]),
+        }
+        problem = self._check_message(merged)
+        if problem is not None:
+            return problem
+        message["content"] = merged["content"] or ""
+        message["embeds"] = [{**e, "type": "rich"} for e in merged["embeds"] or []]
+        message["components"] = merged["components"] or []
+        if "flags" in payload and payload["flags"] is not None:
+            message["flags"] = int(payload["flags"]) & ~LOADING
+        else:
+            message["flags"] = int(message.get("flags", 0)) & ~LOADING
+        message["edited_timestamp"] = _now()
+        return None
+
+    async def _patch_message(self, request: web.Request) -> web.Response:
+        message = self._message_or_404(request)
+        if isinstance(message, web.Response):
+            return message
+        if message["author"]["id"] != str(BOT_ID) or "webhook_id" in message:
+            return self._error(403, 50005, "Cannot edit a message authored by another user")
+        problem = self._apply_edit(message, await self._body(request))
+        if problem is not None:
+            return problem
+        await self._echo(message, "MESSAGE_UPDATE")
+        return self._json(message)
+
+    async def _delete_message(self, request: web.Request) -> web.Response:
+        message = self._message_or_404(request)
+        if isinstance(message, web.Response):
+            return message
+        del self.messages[int(message["id"])]
+        return web.Response(status=204)
+
+    # ------------------------------------------------------------------ REST: channel webhooks
+
+    def _webhook_payload(self, hook: Json) -> Json:
+        return {**hook, "user": self.bot.payload()}
+
+    async def _get_webhooks(self, request: web.Request) -> web.Response:
+        channel = self._channel_or_404(request)
+        if isinstance(channel, web.Response):
+            return channel
+        if not self.manage_webhooks:
+            return self._error(403, 50013, "Missing Permissions")
+        return self._json([self._webhook_payload(h) for h in self.webhooks.values() if h["channel_id"] == str(channel)])
+
+    @staticmethod
+    def _bad_webhook_name(name: object) -> bool:
+        if not isinstance(name, str) or not 1 <= len(name) <= 80:
+            return True
+        lowered = name.lower()
+        return "discord" in lowered or "clyde" in lowered
+
+    async def _post_webhook(self, request: web.Request) -> web.Response:
+        channel = self._channel_or_404(request)
+        if isinstance(channel, web.Response):
+            return channel
+        if not self.manage_webhooks:
+            return self._error(403, 50013, "Missing Permissions")
+        payload = await self._body(request)
+        if self._bad_webhook_name(payload.get("name")):
+            return self._error(400, 50035, "Invalid Form Body", {"name": _field_error("BASE_TYPE_BAD_NAME", "bad")})
+        hook = {
+            "id": str(self._snowflake()),
+            "type": 1,
+            "guild_id": str(GUILD_ID),
+            "channel_id": str(channel),
+            "name": payload["name"],
+            "avatar": None,
+            "token": f"wtoken-{secrets.token_hex(16)}",
+            "application_id": str(APP_ID),
+        }
+        self.webhooks[int(hook["id"])] = hook
+        return self._json(self._webhook_payload(hook))
+
+    # ------------------------------------------------------------------ REST: interactions
+
+    async def _interaction_callback(self, request: web.Request) -> web.Response:
+        interaction = self.interactions.get(request.match_info["token"])
+        if interaction is None or str(interaction.id) != request.match_info["id"]:
+            return self._not_found(10062, "interaction")
+        if interaction.callback_type is not None:
+            return self._error(400, 40060, "Interaction has already been acknowledged.")
+        payload = await self._body(request)
+        kind = payload.get("type")
+        data = payload.get("data") or {}
+        message: Json | None = None
+        if kind == 4:
+            problem = self._check_message(data)
+            if problem is not None:
+                return problem
+            message = self._interaction_message(interaction, data)
+            interaction.original_message_id = int(message["id"])
+        elif kind == 5:
+            message = self._interaction_message(
+                interaction, {"content": "", "flags": (int(data.get("flags") or 0) & EPHEMERAL) | LOADING}
+            )
+            interaction.original_message_id = int(message["id"])
+        elif kind == 7:
+            if interaction.message_id is None or interaction.message_id not in self.messages:
+                return self._error(400, 50035, "Invalid Form Body", {"type": _field_error("INVALID", "no message")})
+            message = self.messages[interaction.message_id]
+            problem = self._apply_edit(message, data)
+            if problem is not None:
+                return problem
+        elif kind not in (1, 6, 9):
+            return self._error(400, 50035, "Invalid Form Body", {"type": _field_error("INVALID", f"type {kind}")})
+        interaction.callback_type = kind
+        if message is not None and kind in (4, 5):
+            await self._echo(message)
+        if "with_response" not in request.query:
+            return web.Response(status=204)
+        summary: Json = {"id": str(interaction.id), "type": interaction.type}
+        resource: Json = {"type": kind}
+        if message is not None:
+            summary["response_message_id"] = message["id"]
+            summary["response_message_loading"] = kind == 5
+            summary["response_message_ephemeral"] = bool(int(message["flags"]) & EPHEMERAL)
+            resource["message"] = message
+        return self._json({"interaction": summary, "resource": resource})
+
+    def _interaction_message(self, interaction: FakeInteraction, body: Json) -> Json:
+        return self._new_message(
+            interaction.channel_id,
+            self.bot.payload(),
+            body,
+            webhook_id=APP_ID,
+            message_type=20 if interaction.type == 2 else 0,
+        )
+
+    # ------------------------------------------------------------------ REST: webhook execution
+
+    async def _execute_webhook(self, request: web.Request) -> web.Response:
+        hook_id, token = request.match_info["id"], request.match_info["token"]
+        payload = await self._body(request)
+        interaction = self.interactions.get(token)
+        if hook_id == str(APP_ID) and interaction is not None:
+            if interaction.callback_type is None:
+                return self._not_found(10015, "Webhook")
+            problem = self._check_message(payload)
+            if problem is not None:
+                return problem
+            original = self.messages.get(interaction.original_message_id or 0)
+            if interaction.callback_type == 5 and original is not None and int(original["flags"]) & LOADING:
+                # The first followup after a "thinking" defer replaces the loading message.
+                problem = self._apply_edit(original, payload)
+                if problem is not None:
+                    return problem
+                message = original
+                await self._echo(message, "MESSAGE_UPDATE")
+            else:
+                message = self._interaction_message(interaction, payload)
+                await self._echo(message)
+            interaction.followup_ids.append(int(message["id"]))
+        else:
+            hook = self.webhooks.get(int(hook_id)) if hook_id.isdigit() else None
+            if hook is None or hook["token"] != token:
+                return self._not_found(10015, "Webhook")
+            problem = self._check_message(payload)
+            if problem is not None:
+                return problem
+            username = payload.get("username") or hook["name"]
+            if self._bad_webhook_name(username):
+                errors = {"username": _field_error("USERNAME_INVALID", "Username cannot contain 'discord'")}
+                return self._error(400, 50035, "Invalid Form Body", errors)
+            channel = int(request.query.get("thread_id") or hook["channel_id"])
+            author = {"id": hook["id"], "username": username, "discriminator": "0000", "avatar": None, "bot": True}
+            message = self._new_message(channel, author, payload, webhook_id=int(hook["id"]))
+            await self._echo(message)
+        if request.query.get("wait") in ("true", "True", "1"):
+            return self._json(message)
+        return web.Response(status=204)
+
+    def _webhook_message_or_404(self, request: web.Request) -> Json | web.Response:
+        interaction = self.interactions.get(request.match_info["token"])
+        if interaction is None or request.match_info["id"] != str(APP_ID):
+            return self._not_found(10015, "Webhook")
+        wanted = request.match_info["message"]
+        message_id = interaction.original_message_id if wanted == "@original" else int(wanted)
+        message = self.messages.get(message_id or 0)
+        return message if message is not None else self._not_found(10008, "Message")
+
+    async def _get_webhook_message(self, request: web.Request) -> web.Response:
+        message = self._webhook_message_or_404(request)
+        return message if isinstance(message, web.Response) else self._json(message)
+
+    async def _patch_webhook_message(self, request: web.Request) -> web.Response:
+        message = self._webhook_message_or_404(request)
+        if isinstance(message, web.Response):
+            return message
+        problem = self._apply_edit(message, await self._body(request))
+        if problem is not None:
+            return problem
+        await self._echo(message, "MESSAGE_UPDATE")
+        return self._json(message)
+
+    # ------------------------------------------------------------------ gateway
+
+    async def _gateway(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        compress = request.query.get("compress")
+        if compress not in (None, "zlib-stream"):
+            await ws.close(code=4000, message=b"unsupported compression")
+            return ws
+        gateway = _Gateway(ws, compress=compress == "zlib-stream")
+        self._gateways.append(gateway)
+        try:
+            await gateway.send({"op": 10, "d": {"heartbeat_interval": self.heartbeat_interval_ms}})
+            async for msg in ws:
+                if msg.type != WSMsgType.TEXT:
+                    continue
+                await self._on_gateway_message(gateway, json.loads(msg.data))
+        finally:
+            self._gateways.remove(gateway)
+            await self.notify()
+        return ws
+
+    async def _on_gateway_message(self, gateway: _Gateway, message: Json) -> None:
+        op = message.get("op")
+        data = message.get("d")
+        if op == 1:
+            self.heartbeats += 1
+            await gateway.send({"op": 11})
+        elif op == 2:
+            if not isinstance(data, dict) or data.get("token") != self.token:
+                self.identifies.append({"rejected": data})
+                await gateway.ws.close(code=4004, message=b"Authentication failed.")
+                return
+            self.identifies.append(data)
+            gateway.session_id = secrets.token_hex(16)
+            await gateway.dispatch("READY", self._ready_payload(gateway, data))
+            await gateway.dispatch("GUILD_CREATE", self._guild_payload())
+        elif op == 6:
+            if isinstance(data, dict) and data.get("token") == self.token and data.get("session_id"):
+                gateway.session_id = str(data["session_id"])
+                await gateway.dispatch("RESUMED", {})
+            else:
+                await gateway.send({"op": 9, "d": False})
+        await self.notify()
+
+    def _ready_payload(self, gateway: _Gateway, identify: Json) -> Json:
+        ready: Json = {
+            "v": 10,
+            "user": {**self.bot.payload(), "verified": True, "mfa_enabled": False, "flags": 0},
+            "guilds": [{"id": str(GUILD_ID), "unavailable": True}],
+            "session_id": gateway.session_id,
+            "session_type": "normal",
+            "resume_gateway_url": self.gateway_url,
+            "application": {"id": str(APP_ID), "flags": 0},
+            "private_channels": [],
+            "relationships": [],
+            "presences": [],
+            "guild_join_requests": [],
+            "geo_ordered_rtc_regions": [],
+            "user_settings": {},
+        }
+        if "shard" in identify:
+            ready["shard"] = identify["shard"]
+        return ready
+
+    @property
+    def identified(self) -> bool:
+        return any(g.session_id is not None and not g.ws.closed for g in self._gateways)
+
+    @property
+    def gateway_frames(self) -> list[bytes]:
+        return [frame for g in self._gateways for frame in g.frames]

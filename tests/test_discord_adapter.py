@@ -1,0 +1,682 @@
+"""The Discord adapter on the real discord.py, against the wire-level fake in tests/fakes/discord.py."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+import discord
+import pytest
+import yarl
+
+from kazma.adapters import text
+from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError
+from kazma.adapters.discord import ZWSP, DiscordAdapter, render_card
+from kazma.approvals.card import ApprovalCard, build_card
+from kazma.approvals.hashing import args_hash, canonical_json
+from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
+from kazma.config.models import DiscordConfig
+from tests.fakes.discord import (
+    ALICE_ID,
+    APP_ID,
+    HELPER_BOT_ID,
+    HOME_CHANNEL_ID,
+    OTHER_CHANNEL_ID,
+    UNSERVED_CHANNEL_ID,
+    FakeDiscord,
+    Json,
+    RecordedCall,
+)
+
+T = TypeVar("T")
+PressFn = Callable[[str, str, str], Awaitable[PressResult]]
+CALLBACK = r"/interactions/\d+/[^/]+/callback"
+CHANNEL_POST = r"/channels/\d+/messages"
+CHANNEL_PATCH = r"/channels/\d+/messages/\d+"
+LIVE_MENTION = re.compile(r"@(everyone|here)|<[@#!/]")
+
+
+class Recorder:
+    """The bus side of the adapter: records what arrives, answers presses as a test scripts."""
+
+    def __init__(self) -> None:
+        self.inbound: list[Inbound] = []
+        self.presses: list[tuple[str, str, str]] = []
+        self.press: PressFn = self.won
+        self.inbound_hook: Callable[[Inbound], None] | None = None
+        self._changed = asyncio.Condition()
+
+    @staticmethod
+    async def won(data: str, actor: str, platform: str) -> PressResult:
+        return PressResult(PressVerdict.WON, "Approved.")
+
+    def handlers(self) -> Handlers:
+        return Handlers(on_inbound=self.on_inbound, on_press=self.on_press)
+
+    async def on_inbound(self, inbound: Inbound) -> None:
+        if self.inbound_hook is not None:
+            self.inbound_hook(inbound)
+        self.inbound.append(inbound)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def on_press(self, data: str, actor: str, platform: str) -> PressResult:
+        self.presses.append((data, actor, platform))
+        async with self._changed:
+            self._changed.notify_all()
+        return await self.press(data, actor, platform)
+
+    async def wait_until(self, predicate: Callable[[], T], timeout: float = 5.0) -> T:
+        async with asyncio.timeout(timeout), self._changed:
+            while not (value := predicate()):
+                await self._changed.wait()
+            return value
+
+    async def inbound_where(self, predicate: Callable[[Inbound], bool]) -> Inbound:
+        found = await self.wait_until(lambda: [i for i in self.inbound if predicate(i)])
+        return found[0]
+
+
+@dataclass
+class Running:
+    fake: FakeDiscord
+    adapter: DiscordAdapter
+    recorder: Recorder
+
+
+def make_config(fake: FakeDiscord, **overrides: Any) -> DiscordConfig:
+    values: dict[str, Any] = {
+        "token": fake.token,
+        "api_base_url": fake.api_base,
+        "gateway_url": fake.gateway_url,
+        "channels": [HOME_CHANNEL_ID, OTHER_CHANNEL_ID],
+        "home_channel": HOME_CHANNEL_ID,
+        "admins": [ALICE_ID],
+    }
+    values.update(overrides)
+    return DiscordConfig(**values)
+
+
+def make_adapter(fake: FakeDiscord, **config: Any) -> DiscordAdapter:
+    return DiscordAdapter(make_config(fake, **config), guild_ready_timeout=0.05, request_timeout=1.0)
+
+
+@pytest.fixture
+def library_endpoints() -> Iterator[tuple[str, yarl.URL]]:
+    """discord.py's endpoints are process-wide class attributes: put them back whatever a test did."""
+    saved = (discord.http.Route.BASE, discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY)
+    yield saved
+    discord.http.Route.BASE, discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY = saved
+
+
+async def started_fake(**options: Any) -> FakeDiscord:
+    server = FakeDiscord(**options)
+    await server.start()
+    return server
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeDiscord]:
+    server = await started_fake()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def running(fake: FakeDiscord, library_endpoints: tuple[str, yarl.URL]) -> AsyncIterator[Running]:
+    adapter = make_adapter(fake)
+    recorder = Recorder()
+    await adapter.start(recorder.handlers())
+    yield Running(fake, adapter, recorder)
+    await adapter.stop()
+
+
+def make_card(
+    args: dict[str, Any], *, value_limit: int = 500, requester: str = "kazma", origin: str = ""
+) -> ApprovalCard:
+    now = datetime.now(UTC)
+    request = ApprovalRequest(
+        id=secrets.token_hex(16),
+        tool="shell",
+        args=args,
+        args_json=canonical_json(args),
+        args_hash=args_hash(args),
+        requested_by=requester,
+        conversation=origin or f"discord:{HOME_CHANNEL_ID}",
+        created_at=now,
+        deadline=now + timedelta(minutes=10),
+        status=Status.PENDING,
+    )
+    return build_card(request, value_limit=value_limit, public_url="http://127.0.0.1:8765")
+
+
+def outcome_of(card: ApprovalCard, status: Status, by: str | None = f"discord:{ALICE_ID}") -> Outcome:
+    human = status in (Status.APPROVED, Status.DENIED)
+    return Outcome(
+        request_id=card.request_id,
+        status=status,
+        decided_by=by if human else None,
+        decided_via="discord" if human else None,
+        decided_at=datetime.now(UTC),
+    )
+
+
+def shown(value: str) -> str:
+    """What a reader sees: markdown escapes resolved, zero-width spaces invisible."""
+    return re.sub(r"\\(.)", r"\1", value).replace(ZWSP, "")
+
+
+def code_blocks(value: str) -> list[str]:
+    """The contents of the ``` blocks in a field value (as rendered: zero-width spaces removed)."""
+    parts = value.split("```")
+    assert len(parts) % 2 == 1, f"unbalanced code fences in {value!r}"
+    return [p.removeprefix("\n").removesuffix("\n").replace(ZWSP, "") for p in parts[1::2]]
+
+
+def card_embed(fake: FakeDiscord, ref: CardRef) -> Json:
+    embed: Json = fake.messages[int(ref.message_id)]["embeds"][0]
+    return embed
+
+
+def texts_of(embed: Json) -> list[str]:
+    fields = embed.get("fields", [])
+    return [
+        embed.get("title", ""),
+        embed.get("description", ""),
+        embed["footer"]["text"],
+        *(f["name"] for f in fields),
+        *(f["value"] for f in fields),
+    ]
+
+
+def names_on(fake: FakeDiscord, embed: Json, before: int) -> list[str]:
+    """Every argument name a reader can find: field names, the description's list, and name messages."""
+    names = [shown(f["name"]) for f in embed.get("fields", [])]
+    lines = embed["description"].splitlines()
+    for message in fake.channel_messages(HOME_CHANNEL_ID):
+        if int(message["id"]) < before and message["content"].startswith("Argument names of approval request"):
+            lines += message["content"].splitlines()[1:]
+    names += [shown(line.removeprefix("• ")) for line in lines if line.startswith("• ")]
+    return names
+
+
+def assert_no_mentions_allowed(calls: list[RecordedCall]) -> None:
+    assert calls
+    for call in calls:
+        body = call.json.get("data", call.json) if "/interactions/" in call.path else call.json
+        assert body.get("allowed_mentions") == {"parse": []}, (call.method, call.path, body)
+
+
+# --------------------------------------------------------------------------- connecting
+
+
+async def test_start_returns_after_ready_with_intents_and_swarm_command(
+    fake: FakeDiscord, library_endpoints: tuple[str, yarl.URL]
+) -> None:
+    adapter = make_adapter(fake)
+    assert isinstance(adapter, PlatformAdapter)
+    assert adapter.name == "discord"
+    assert adapter.home_chat == str(HOME_CHANNEL_ID)
+    await adapter.start(Recorder().handlers())
+    try:
+        assert fake.api_base == discord.http.Route.BASE
+        assert fake.identified
+        (identify,) = fake.identifies
+        intents = discord.Intents._from_value(identify["intents"])
+        assert intents.guilds
+        assert intents.guild_messages
+        assert intents.message_content
+        assert not intents.members
+        assert not intents.presences
+        (command,) = fake.commands
+        assert command["name"] == "swarm"
+        assert [(o["name"], o["type"], o.get("required", False)) for o in command["options"]] == [("args", 3, False)]
+    finally:
+        await adapter.stop()
+    assert library_endpoints == (discord.http.Route.BASE, discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY)
+
+
+async def test_bad_token_is_a_non_retryable_platform_error(
+    fake: FakeDiscord, library_endpoints: tuple[str, yarl.URL]
+) -> None:
+    adapter = make_adapter(fake, token="not-the-token")
+    with pytest.raises(PlatformError) as caught:
+        await adapter.start(Recorder().handlers())
+    assert caught.value.retryable is False
+    assert caught.value.platform == "discord"
+    assert [(c.path, c.status) for c in fake.calls] == [("/users/@me", 401)]
+    assert library_endpoints[0] == discord.http.Route.BASE
+
+
+async def test_calls_before_start_are_retryable_platform_errors(fake: FakeDiscord) -> None:
+    adapter = make_adapter(fake)
+    with pytest.raises(PlatformError) as caught:
+        await adapter.send_text(str(HOME_CHANNEL_ID), "hello")
+    assert caught.value.retryable is True
+    assert fake.calls == []
+
+
+# --------------------------------------------------------------------------- inbound
+
+
+async def test_messages_from_users_and_bots_are_delivered_with_from_bot(running: Running) -> None:
+    fake, recorder = running.fake, running.recorder
+    await fake.user_message(
+        HOME_CHANNEL_ID, "@researcher look at this, <@1> and @everyone", author=fake.alice, mentions=[fake.bot]
+    )
+    await fake.user_message(OTHER_CHANNEL_ID, "@builder build it", author=fake.helper_bot)
+    human = await recorder.inbound_where(lambda i: i.author == f"discord:{ALICE_ID}")
+    bot = await recorder.inbound_where(lambda i: i.author == f"discord:{HELPER_BOT_ID}")
+    assert human.platform == "discord"
+    assert human.chat == str(HOME_CHANNEL_ID)
+    assert human.text == "@researcher look at this, <@1> and @everyone"
+    assert human.author_name == "Alice"
+    assert human.is_admin
+    assert not human.from_bot
+    assert human.mentions == ("kazma", "researcher")
+    assert human.command is None
+    assert human.thread is None
+    assert human.message_id.isdigit()
+    assert bot.chat == str(OTHER_CHANNEL_ID)
+    assert bot.from_bot
+    assert not bot.is_admin
+    assert bot.mentions == ("builder",)
+
+
+async def test_unserved_channel_is_ignored(running: Running) -> None:
+    fake, recorder = running.fake, running.recorder
+    await fake.user_message(UNSERVED_CHANNEL_ID, "not for us")
+    # Events are handled in order and the channel check never waits, so once the
+    # second message is in, the first one has been decided.
+    await fake.user_message(HOME_CHANNEL_ID, "for us")
+    await recorder.inbound_where(lambda i: i.text == "for us")
+    assert [i.text for i in recorder.inbound] == ["for us"]
+
+
+async def test_swarm_command_is_acknowledged_then_delivered_then_answered(running: Running) -> None:
+    fake, recorder = running.fake, running.recorder
+    acks_at_delivery: list[list[tuple[Any, int | None]]] = []
+    recorder.inbound_hook = lambda _: acks_at_delivery.append(
+        [(c.json.get("type"), c.status) for c in fake.calls_to("POST", CALLBACK)]
+    )
+    interaction = await fake.slash_command(
+        HOME_CHANNEL_ID, user=fake.bob, options={"args": "run standard <@&456> @here"}
+    )
+    inbound = await recorder.inbound_where(lambda i: i.command == "swarm")
+    assert inbound.text == "run standard <@&456> @here"
+    assert inbound.author == f"discord:{fake.bob.id}"
+    assert not inbound.is_admin
+    assert inbound.chat == str(HOME_CHANNEL_ID)
+    assert inbound.message_id == str(interaction.id)
+    assert acks_at_delivery == [[(5, 200)]]  # "thinking" defer answered before the bus saw the command
+    followup = await fake.wait_for_call("POST", rf"/webhooks/{APP_ID}/{interaction.token}")
+    assert followup.status == 200
+    assert shown(followup.json["content"]) == "Received /swarm run standard <@&456> @here"
+    assert not LIVE_MENTION.search(followup.json["content"])
+    assert_no_mentions_allowed([followup])
+
+
+async def test_swarm_command_in_unserved_channel_is_refused_privately(running: Running) -> None:
+    fake, recorder = running.fake, running.recorder
+    interaction = await fake.slash_command(UNSERVED_CHANNEL_ID, options={"args": "status"})
+    call = await fake.wait_for_call("POST", rf"/interactions/{interaction.id}/[^/]+/callback")
+    assert call.json["type"] == 4
+    assert call.json["data"]["flags"] == 64
+    assert recorder.inbound == []
+
+
+# --------------------------------------------------------------------------- cards
+
+
+async def test_card_shows_every_name_a_marked_cut_the_hash_link_and_buttons(running: Running) -> None:
+    fake = running.fake
+    long_value = "HEAD:" + "x" * 9_990 + ":TAIL"
+    args = {"command": "ls -la", "script": long_value, "count": 3, "options": {"force": True}}
+    card = make_card(args)
+    ref = await running.adapter.post_card(card)
+    assert ref == CardRef("discord", str(HOME_CHANNEL_ID), ref.message_id)
+    message = fake.messages[int(ref.message_id)]
+    embed = message["embeds"][0]
+    assert [shown(f["name"]) for f in embed["fields"]] == sorted(args)
+    values = {shown(f["name"]): f["value"] for f in embed["fields"]}
+    assert code_blocks(values["command"]) == ["ls -la"]
+    assert code_blocks(values["count"]) == ["3"]
+    assert code_blocks(values["options"]) == ['{"force":true}']
+    script = next(a for a in card.arguments if a.name == "script")
+    assert script.cut
+    head, tail = code_blocks(values["script"])
+    assert (head, tail) == (script.head, script.tail)
+    assert head.startswith("HEAD:")
+    assert tail.endswith(":TAIL")
+    assert f"*{text.cut_marker(script)}*" in values["script"]
+    assert "of 10,000 characters not shown" in values["script"]
+    assert card.args_hash in embed["footer"]["text"]
+    assert len(card.args_hash) == 64
+    assert card.link in embed["description"]
+    assert "url" not in embed
+    (row,) = message["components"]
+    buttons = [(b["style"], b["label"], b["custom_id"]) for b in row["components"]]
+    assert buttons == [
+        (discord.ButtonStyle.success.value, "Approve", f"kz1:{card.request_id}:a"),
+        (discord.ButtonStyle.danger.value, "Deny", f"kz1:{card.request_id}:d"),
+    ]
+    assert_no_mentions_allowed(fake.message_calls())
+
+
+async def test_long_values_are_cut_again_with_an_honest_marker(running: Running) -> None:
+    value = "".join(f"{i:05d}" for i in range(2_000))  # 10,000 distinct characters
+    card = make_card({"blob": value}, value_limit=4_000)
+    ref = await running.adapter.post_card(card)
+    (field,) = card_embed(running.fake, ref)["fields"]
+    assert len(field["value"]) <= 1024
+    head, tail = code_blocks(field["value"])
+    assert value.startswith(head)
+    assert value.endswith(tail)
+    assert tail
+    omitted = 10_000 - len(head) - len(tail)
+    assert f"[cut: {omitted:,} of 10,000 characters not shown]" in field["value"]
+
+
+HOSTILE = (
+    "@everyone @here <@123> <@&456> <#789> <!channel> <b>bold</b> a & b ``` `x` ||spoiler|| **loud** [x](http://e.vil)"
+)
+
+
+async def test_card_escapes_markdown_and_mentions_everywhere(running: Running) -> None:
+    fake = running.fake
+    args = {
+        "cmd": HOSTILE,
+        "@everyone": "fence breakout ```\n@here\n``` after",
+        "<@&456>": "`",
+        "name`with```ticks": "trailing backtick`",
+    }
+    card = make_card(args, requester="<@123> @everyone", origin="<!channel> @here **x**")
+    ref = await running.adapter.post_card(card)
+    embed = card_embed(fake, ref)
+    for piece in texts_of(embed):
+        assert not LIVE_MENTION.search(piece), piece
+    values = {shown(f["name"]): f["value"] for f in embed["fields"]}
+    assert sorted(values) == sorted(args)  # names escaped, yet read back exactly
+    for name, value in args.items():
+        assert code_blocks(values[name]) == [value]  # one block each, content exact: nothing broke out
+    assert "a & b" in values["cmd"]
+    assert "&amp;" not in values["cmd"]
+    assert "<b>bold</b>" in shown(values["cmd"])
+    description = embed["description"]
+    assert "\\*\\*x\\*\\*" in description
+    assert shown(description).count("<!channel> @here **x**") == 1
+    assert_no_mentions_allowed(fake.message_calls())
+
+
+async def test_sixty_long_arguments_fit_the_embed_with_every_name_and_the_notice(running: Running) -> None:
+    fake = running.fake
+    args = {f"arg_{i:02d}": f"start-{i:02d}-" + "v" * 1_984 + f"-end-{i:02d}" for i in range(60)}
+    card = make_card(args)
+    ref = await running.adapter.post_card(card)
+    (post,) = fake.calls_to("POST", CHANNEL_POST)
+    assert post.status == 200  # the fake enforces every embed limit
+    embed = card_embed(fake, ref)
+    fields = embed["fields"]
+    assert 0 < len(fields) <= 25
+    assert len(embed["description"]) <= 4096
+    assert len(discord.Embed.from_dict(embed)) <= 6000
+    assert sorted(names_on(fake, embed, int(ref.message_id))) == sorted(args)
+    assert shown(text.overflow_notice(card, len(fields))) in shown(embed["description"])
+    for item in fields:
+        i = shown(item["name"])[-2:]
+        head, tail = code_blocks(item["value"])
+        assert head.startswith(f"start-{i}-")
+        assert tail.endswith(f"-end-{i}")
+        assert "characters not shown]*" in item["value"]
+
+
+async def test_names_that_cannot_fit_on_the_card_are_posted_just_before_it(running: Running) -> None:
+    fake = running.fake
+    args = {f"{i:03d}-" + "n" * 96: "v" for i in range(120)}
+    card = make_card(args)
+    ref = await running.adapter.post_card(card)
+    posts = fake.calls_to("POST", CHANNEL_POST)
+    assert len(posts) > 1
+    assert all(p.status == 200 for p in posts)
+    embed = card_embed(fake, ref)
+    assert sorted(names_on(fake, embed, int(ref.message_id))) == sorted(args)
+    assert all(len(p.json.get("content") or "") <= 2000 for p in posts)
+    assert_no_mentions_allowed(fake.message_calls())
+
+
+def test_rendering_keeps_limits_for_many_shapes() -> None:
+    shapes: list[dict[str, Any]] = [
+        {},
+        {"a": ""},
+        {f"k{i}": "`" * 500 for i in range(30)},
+        {f"{i:02d}" + "_" * 98: "@everyone" * 60 for i in range(40)},
+        {"x" * 100: "y" * 500},
+    ]
+    for args in shapes:
+        card = make_card(args)
+        for outcome in (None, outcome_of(card, Status.DENIED), outcome_of(card, Status.TIMEOUT)):
+            rendered = render_card(card, outcome)
+            embed = rendered.embed
+            assert len(embed) <= 6000
+            assert len(embed.fields) <= 25
+            assert len(embed.description or "") <= 4096
+            assert len(embed.title or "") <= 256
+            assert all(len(f.name or "") <= 256 and 0 < len(f.value or "") <= 1024 for f in embed.fields)
+            assert all(len(m) <= 2000 for m in rendered.name_messages)
+
+
+# --------------------------------------------------------------------------- presses
+
+
+async def test_press_is_deferred_before_on_press_and_a_lost_press_gets_an_ephemeral_answer(running: Running) -> None:
+    fake, recorder = running.fake, running.recorder
+    card = make_card({"command": "rm -rf /tmp/x"})
+    ref = await running.adapter.post_card(card)
+    acks_at_press: list[list[tuple[Any, int | None]]] = []
+
+    async def lost(data: str, actor: str, platform: str) -> PressResult:
+        acks_at_press.append([(c.json.get("type"), c.status) for c in fake.calls_to("POST", CALLBACK)])
+        return PressResult(PressVerdict.LOST, "Already denied by <@123> @everyone.", request_id=card.request_id)
+
+    recorder.press = lost
+    interaction = await fake.press_button(int(ref.message_id), card.button_data(Decision.APPROVE), user=fake.bob)
+    followup = await fake.wait_for_call("POST", rf"/webhooks/{APP_ID}/{interaction.token}")
+    assert recorder.presses == [(f"kz1:{card.request_id}:a", f"discord:{fake.bob.id}", "discord")]
+    assert acks_at_press == [[(6, 200)]]
+    assert followup.json["flags"] == 64
+    assert shown(followup.json["content"]) == "Already denied by <@123> @everyone."
+    assert not LIVE_MENTION.search(followup.json["content"])
+    assert_no_mentions_allowed([followup])
+
+
+async def test_a_won_press_gets_no_followup_and_a_failing_handler_gets_an_apology(running: Running) -> None:
+    fake, recorder = running.fake, running.recorder
+    card = make_card({"command": "deploy"})
+    ref = await running.adapter.post_card(card)
+    won = await fake.press_button(int(ref.message_id), card.button_data(Decision.DENY))
+    await recorder.wait_until(lambda: recorder.presses)
+
+    async def broken(data: str, actor: str, platform: str) -> PressResult:
+        raise RuntimeError("store is down")
+
+    recorder.press = broken
+    failed = await fake.press_button(int(ref.message_id), card.button_data(Decision.APPROVE), user=fake.bob)
+    apology = await fake.wait_for_call("POST", rf"/webhooks/{APP_ID}/{failed.token}")
+    assert apology.json["flags"] == 64
+    assert "could not record your press" in apology.json["content"]
+    assert fake.calls_to("POST", rf"/webhooks/{APP_ID}/{won.token}") == []
+    assert won.callback_type == 6
+    assert failed.callback_type == 6
+
+
+async def test_buttons_of_a_card_posted_before_a_restart_still_work(
+    fake: FakeDiscord, library_endpoints: tuple[str, yarl.URL]
+) -> None:
+    card = make_card({"command": "restart me"})
+    first = make_adapter(fake)
+    await first.start(Recorder().handlers())
+    ref = await first.post_card(card)
+    await first.stop()
+    recorder = Recorder()
+    second = make_adapter(fake)
+    await second.start(recorder.handlers())
+    try:
+        await fake.press_button(int(ref.message_id), card.button_data(Decision.APPROVE))
+        await recorder.wait_until(lambda: recorder.presses)
+        assert recorder.presses == [(card.button_data(Decision.APPROVE), f"discord:{ALICE_ID}", "discord")]
+    finally:
+        await second.stop()
+
+
+# --------------------------------------------------------------------------- settling
+
+
+async def test_settle_shows_the_outcome_removes_buttons_and_is_idempotent(running: Running) -> None:
+    fake, adapter = running.fake, running.adapter
+    card = make_card({"command": "deploy @everyone"})
+    ref = await adapter.post_card(card)
+    outcome = outcome_of(card, Status.APPROVED)
+    await adapter.settle_card(ref, card, outcome)
+    message = fake.messages[int(ref.message_id)]
+    embed = message["embeds"][0]
+    assert message["components"] == []
+    assert embed["title"].startswith("✅ APPROVED")
+    assert embed["color"] == discord.Colour.green().value
+    assert shown(text.outcome_line(outcome)) in shown(embed["description"])
+    assert [shown(f["name"]) for f in embed["fields"]] == ["command"]
+    with pytest.raises(LookupError):
+        await fake.press_button(int(ref.message_id), card.button_data(Decision.DENY))
+    await adapter.settle_card(ref, card, outcome)
+    patches = fake.calls_to("PATCH", CHANNEL_PATCH)
+    assert [p.status for p in patches] == [200, 200]
+    assert all(p.json["components"] == [] for p in patches)
+    assert_no_mentions_allowed(fake.message_calls())
+
+
+async def test_settle_says_a_timeout_is_not_a_denial(running: Running) -> None:
+    card = make_card({"command": "x"})
+    ref = await running.adapter.post_card(card)
+    await running.adapter.settle_card(ref, card, outcome_of(card, Status.TIMEOUT))
+    embed = card_embed(running.fake, ref)
+    assert embed["title"].startswith("⌛ TIMED OUT")
+    assert "DENIED" not in embed["title"]
+    assert "not a denial" in embed["description"]
+
+
+async def test_settling_an_unknown_message_is_not_retryable(running: Running) -> None:
+    card = make_card({"command": "x"})
+    ref = CardRef("discord", str(HOME_CHANNEL_ID), "1234567890123456789")
+    with pytest.raises(PlatformError) as caught:
+        await running.adapter.settle_card(ref, card, outcome_of(card, Status.DENIED))
+    assert caught.value.retryable is False
+    assert "10008" in str(caught.value)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+async def test_server_errors_are_retryable(running: Running) -> None:
+    fake, adapter = running.fake, running.adapter
+    fake.inject_fault("POST", CHANNEL_POST, "503")
+    with pytest.raises(PlatformError) as caught:
+        await adapter.post_card(make_card({"a": 1}))
+    assert caught.value.retryable is True
+    assert caught.value.site == "card_post"
+    # discord.py retries a 500 itself (after 1 s, 3 s, …); the request timeout ends the wait.
+    fake.inject_fault("POST", CHANNEL_POST, "500", times=10)
+    with pytest.raises(PlatformError) as caught:
+        await adapter.send_text(str(HOME_CHANNEL_ID), "hello")
+    assert caught.value.retryable is True
+    assert [c.status for c in fake.calls_to("POST", CHANNEL_POST)][:2] == [503, 500]
+
+
+async def test_rate_limit_with_via_is_retried_by_discord_py_and_delivered(running: Running) -> None:
+    fake = running.fake
+    fake.inject_fault("POST", CHANNEL_POST, "429", retry_after=0.05)
+    message_id = await running.adapter.send_text(str(HOME_CHANNEL_ID), "after the limit")
+    assert [c.status for c in fake.calls_to("POST", CHANNEL_POST)] == [429, 200]
+    assert fake.messages[int(message_id)]["content"] == "after the limit"
+
+
+async def test_rate_limit_without_via_is_a_retryable_error(running: Running) -> None:
+    running.fake.inject_fault("POST", CHANNEL_POST, "429-no-via")
+    with pytest.raises(PlatformError) as caught:
+        await running.adapter.send_text(str(HOME_CHANNEL_ID), "blocked")
+    assert caught.value.retryable is True
+
+
+async def test_a_hanging_server_becomes_a_retryable_error_and_the_next_call_works(running: Running) -> None:
+    fake, adapter = running.fake, running.adapter
+    card = make_card({"command": "x"})
+    ref = await adapter.post_card(card)
+    fake.inject_fault("PATCH", CHANNEL_PATCH, "hang")
+    with pytest.raises(PlatformError) as caught:
+        await adapter.settle_card(ref, card, outcome_of(card, Status.DENIED))
+    assert caught.value.retryable is True
+    assert "no answer within 1 s" in str(caught.value)
+    await adapter.settle_card(ref, card, outcome_of(card, Status.DENIED))
+    assert fake.messages[int(ref.message_id)]["components"] == []
+
+
+async def test_client_errors_are_not_retryable(running: Running) -> None:
+    with pytest.raises(PlatformError) as caught:
+        await running.adapter.send_text("42", "to a channel that does not exist")
+    assert caught.value.retryable is False
+    with pytest.raises(PlatformError) as caught:
+        await running.adapter.send_text(str(HOME_CHANNEL_ID), " \n ")
+    assert caught.value.retryable is False
+    with pytest.raises(PlatformError):
+        await running.adapter.send_text("general", "not an id")
+
+
+# --------------------------------------------------------------------------- agent identity
+
+
+async def test_agents_post_through_one_channel_webhook_under_their_name(running: Running) -> None:
+    fake, adapter, recorder = running.fake, running.adapter, running.recorder
+    first = await adapter.send_text(str(HOME_CHANNEL_ID), "@builder please <@123> @everyone", agent="researcher")
+    await adapter.send_text(str(HOME_CHANNEL_ID), "done", agent="builder")
+    assert len(fake.calls_to("POST", r"/channels/\d+/webhooks")) == 1
+    executes = fake.calls_to("POST", r"/webhooks/\d+/[^/]+")
+    assert [c.json["username"] for c in executes] == ["researcher", "builder"]
+    assert not LIVE_MENTION.search(executes[0].json["content"])
+    assert_no_mentions_allowed(executes)
+    echo = await recorder.inbound_where(lambda i: i.message_id == first)
+    assert echo.author_name == "researcher"
+    assert echo.from_bot
+    assert echo.mentions == ("builder",)
+
+
+async def test_without_manage_webhooks_agents_are_named_by_prefix_and_long_text_is_split(
+    library_endpoints: tuple[str, yarl.URL],
+) -> None:
+    fake = await started_fake(manage_webhooks=False)
+    adapter = make_adapter(fake)
+    await adapter.start(Recorder().handlers())
+    try:
+        body = "\n".join(f"line {i:04d} " + "w" * 40 for i in range(100))  # ~5,000 characters
+        first = await adapter.send_text(str(HOME_CHANNEL_ID), body, agent="validator")
+        posts = fake.calls_to("POST", CHANNEL_POST)
+        assert len(posts) == 3
+        assert fake.calls_to("GET", r"/channels/\d+/webhooks") == []
+        contents = [p.json["content"] for p in posts]
+        assert all(c.startswith("[validator] ") and len(c) <= 2000 for c in contents)
+        assert "\n".join(c.removeprefix("[validator] ") for c in contents) == body
+        assert fake.messages[int(first)]["content"] == contents[0]
+        assert_no_mentions_allowed(posts)
+    finally:
+        await adapter.stop()
+        await fake.stop()
+
+
+async def test_a_name_discord_refuses_for_a_webhook_falls_back_to_the_prefix(running: Running) -> None:
+    fake = running.fake
+    message_id = await running.adapter.send_text(str(HOME_CHANNEL_ID), "hi", agent="discord-helper")
+    (refused,) = fake.calls_to("POST", r"/webhooks/\d+/[^/]+")
+    assert refused.status == 400
+    assert fake.messages[int(message_id)]["content"] == "[discord-helper] hi"
