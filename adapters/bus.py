@@ -175,7 +175,7 @@ class FanOutBus:
                 raise
             except Exception as exc:  # the store hiccuped: keep the worker alive and try again
                 count_failure("bus_worker", name)
-                log.error("bus.worker_error", platform=name, error=str(exc))
+                log.error("bus.worker_error", platform=name, error=repr(exc), exc_info=True)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(worker.kick.wait(), timeout=self.poll_interval)
 
