@@ -1,0 +1,140 @@
+"""Approval cards across Telegram, Slack and Discord at once, on the real libraries against wire fakes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kazma.approvals.model import Decision, Status
+from tests.fakes.slack import FakeSlack
+from tests.fakes.telegram import Fault
+from tests.platforms_support import DISCORD_ADMIN, PLATFORMS, SLACK_CHANNEL, Fakes, kazma_on, three_fakes
+
+ARGS = {"command": "rm -rf build/ && make release", "timeout_s": 120}
+
+
+async def test_card_everywhere_and_a_discord_press_settles_every_card(tmp_path: Path) -> None:
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+        await fakes.wait(lambda: all(fakes.posted(p) and fakes.has_buttons(p) for p in PLATFORMS))
+        for platform in PLATFORMS:
+            text = fakes.card_text(platform)
+            assert "command" in text, platform
+            assert "timeout_s" in text, platform
+            assert "make release" in text, platform
+            assert request.args_hash in text, platform
+        await fakes.press("discord", Decision.APPROVE)
+        outcome = await asyncio.wait_for(app.service.wait(request.id), timeout=20)
+        assert (outcome.status, outcome.decided_by) == (Status.APPROVED, f"discord:{DISCORD_ADMIN}")
+        await fakes.wait(lambda: not any(fakes.has_buttons(p) for p in PLATFORMS))
+        for platform in PLATFORMS:
+            assert f"approved by discord:{DISCORD_ADMIN}" in fakes.card_text(platform), platform
+        cards = await app.service.store.cards(request.id)
+        assert sorted(c.platform for c in cards) == sorted(PLATFORMS)
+        assert all(c.settled_status == "approved" for c in cards)
+
+
+async def test_simultaneous_presses_on_three_platforms_one_outcome_everywhere(tmp_path: Path) -> None:
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        request = await app.service.open("shell", ARGS, "agent:builder", "slack:C0HOME0001")
+        await fakes.wait(lambda: all(fakes.has_buttons(p) for p in PLATFORMS))
+        await asyncio.gather(
+            fakes.press("telegram", Decision.APPROVE),
+            fakes.press("slack", Decision.DENY),
+            fakes.press("discord", Decision.APPROVE),
+        )
+        outcome = await asyncio.wait_for(app.service.wait(request.id), timeout=20)
+        await fakes.wait(lambda: not any(fakes.has_buttons(p) for p in PLATFORMS))
+        standing = f"{outcome.status.value} by {outcome.decided_by}"
+        for platform in PLATFORMS:
+            assert standing in fakes.card_text(platform), platform
+        decided = await app.service.store.events(request.id, event="decided")
+        lost = await app.service.store.events(request.id, event="press_lost")
+        assert len(decided) == 1
+        assert len(lost) == 2
+        winner = outcome.decided_via
+        # each loser was told privately what stands
+        notices: dict[str, str] = {}
+        await fakes.wait(lambda: _notices(fakes, notices) >= 2)
+        for platform in PLATFORMS:
+            if platform != winner:
+                assert notices[platform].startswith(f"Already {standing}"), (platform, notices)
+
+
+def _notices(fakes: Fakes, found: dict[str, str]) -> int:
+    answers = [a.get("text", "") for a in fakes.telegram.callback_answers.values()]
+    if any(str(a).startswith("Already") for a in answers):
+        found["telegram"] = next(str(a) for a in answers if str(a).startswith("Already"))
+    ephemeral = [e.text for e in fakes.slack.ephemerals if e.text.startswith("Already")]
+    if ephemeral:
+        found["slack"] = ephemeral[0]
+    followups = [
+        c.json.get("content", "")
+        for c in fakes.discord.calls
+        if c.method == "POST" and "/webhooks/" in c.path and c.json.get("flags") == 64
+    ]
+    if any(str(f).startswith("Already") for f in followups):
+        found["discord"] = next(str(f) for f in followups if str(f).startswith("Already"))
+    return len(found)
+
+
+@pytest.mark.parametrize("fault", ["500", "429", "hang"])
+async def test_one_failing_platform_does_not_hold_back_the_others(tmp_path: Path, fault: str) -> None:
+    async with three_fakes() as fakes:
+        slack: FakeSlack = fakes.slack
+        if fault == "hang":
+            slack.fail("chat.postMessage", "hang")
+        elif fault == "429":
+            slack.fail("chat.postMessage", "429", times=3, retry_after=1)
+        else:
+            slack.fail("chat.postMessage", "500", times=2)
+        async with kazma_on(fakes, tmp_path / "k.db", request_timeout=1.0) as app:
+            await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+            await fakes.wait(lambda: fakes.posted("telegram") and fakes.posted("discord"))
+            if fault == "hang":
+                assert not fakes.posted("slack")  # still hung while the others are up
+                slack.release_hangs()
+            await fakes.wait(lambda: fakes.posted("slack"), timeout=30)
+            assert len([m for m in slack.channel(SLACK_CHANNEL) if m.blocks]) == 1
+            attempts = len(slack.calls_to("chat.postMessage"))
+            assert attempts >= 2
+
+
+async def test_telegram_429_is_waited_out_then_posted(tmp_path: Path) -> None:
+    async with three_fakes() as fakes:
+        fakes.telegram.script("sendMessage", Fault("retry_after", retry_after=1))
+        async with kazma_on(fakes, tmp_path / "k.db") as app:
+            await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+            await fakes.wait(lambda: all(fakes.posted(p) for p in PLATFORMS))
+            statuses = [c.status for c in fakes.telegram.calls_to("sendMessage")]
+            assert statuses[:2] == [429, 200]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+async def test_unauthorised_and_forged_presses_change_nothing(tmp_path: Path, platform: str) -> None:
+    stranger = {"telegram": 999, "slack": "U0STRANGER", "discord": 1_100_000_000_000_000_302}[platform]
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+        await fakes.wait(lambda: all(fakes.has_buttons(p) for p in PLATFORMS))
+        await fakes.press(platform, Decision.APPROVE, user=stranger)
+        async with asyncio.timeout(20):
+            while not await app.service.store.events(request.id, event="press_refused"):
+                await asyncio.sleep(0.02)
+        row = await app.service.store.get(request.id)
+        assert row is not None
+        assert row.status is Status.PENDING
+        assert all(fakes.has_buttons(p) for p in PLATFORMS)
+        refused = await app.service.store.events(request.id, event="press_refused")
+        assert refused[0].actor == f"{platform}:{stranger}"
+        assert refused[0].detail == "not an approver"
+        # forged button data reaches the same path an adapter uses; even an admin's forged press is refused
+        admin = {"telegram": "telegram:111", "slack": "slack:U0ADMIN01", "discord": f"discord:{DISCORD_ADMIN}"}
+        forged = await app.on_press("kz1:AAAAAAAAAAAAAAAAAAAAAAAA:a", admin[platform], platform)
+        assert forged.message == "Unknown approval request; nothing was recorded."
+        garbled = await app.on_press("kz1:<script>:a", admin[platform], platform)
+        assert garbled.message == "This button is not valid; nothing was recorded."
+        row = await app.service.store.get(request.id)
+        assert row is not None
+        assert row.status is Status.PENDING
