@@ -53,7 +53,7 @@ def configure_logging(level: str = "info", fmt: LogFormat = "auto", stream: obje
     numeric = getattr(logging, level.upper())
     root.setLevel(numeric)
     for name in _NOISY:
-        logging.getLogger(name).setLevel(logging.DEBUG if numeric <= logging.DEBUG else logging.WARNING)
+        logging.getLogger(name).setLevel(logging.DEBUG if numeric <= logging.DEBUG else max(numeric, logging.WARNING))
 
 
 def _identity(logger: object, method: str, event: structlog.types.EventDict) -> structlog.types.EventDict:

@@ -176,6 +176,7 @@ class FakeDiscord:
         self.token = token
         self.manage_webhooks = manage_webhooks
         self.echo = echo  # real Discord sends the bot its own messages over the gateway too
+        self.latency = 0.0  # seconds added before every REST answer (benchmarks)
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.bot = FakeUser(BOT_ID, "kazma", bot=True)
         self.alice = FakeUser(ALICE_ID, "alice", global_name="Alice")
@@ -604,6 +605,8 @@ class FakeDiscord:
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if not request.path.startswith(API_PREFIX):
             return await handler(request)
+        if self.latency:
+            await asyncio.sleep(self.latency)
         path = request.path[len(API_PREFIX) :]
         raw = await request.read()
         body: Any = None

@@ -234,6 +234,7 @@ class FakeSlack:
         self.bot_id = bot_id
         self.app_id = app_id
         self.allow_customize = allow_customize
+        self.latency = 0.0  # seconds added before every Web API answer (benchmarks)
         self.calls: list[ApiCall] = []
         self.messages: dict[str, dict[str, StoredMessage]] = {}
         self.ephemerals: list[Ephemeral] = []
@@ -365,6 +366,8 @@ class FakeSlack:
 
     async def _api(self, request: web.Request) -> web.StreamResponse:
         method = request.match_info["method"]
+        if self.latency:
+            await asyncio.sleep(self.latency)
         params = await self._params(request)
         token = self._token(request, params)
 
