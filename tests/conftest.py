@@ -24,8 +24,9 @@ def _route_structlog_to_logging() -> None:
     structlog.configure(
         processors=[
             structlog.stdlib.add_log_level,
-            structlog.processors.format_exc_info,
-            structlog.processors.KeyValueRenderer(key_order=["event"], drop_missing=True),
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            # fields become LogRecord attributes, so tests can read them from caplog records
+            structlog.stdlib.render_to_log_kwargs,
         ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,

@@ -114,7 +114,8 @@ async def test_telegram_429_is_waited_out_then_posted(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 async def test_unauthorised_and_forged_presses_change_nothing(tmp_path: Path, platform: str) -> None:
-    stranger = {"telegram": 999, "slack": "U0STRANGER", "discord": 1_100_000_000_000_000_302}[platform]
+    strangers: dict[str, str | int] = {"telegram": 999, "slack": "U0STRANGER", "discord": 1_100_000_000_000_000_302}
+    stranger = strangers[platform]
     async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
         request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
         await fakes.wait(lambda: all(fakes.has_buttons(p) for p in PLATFORMS))

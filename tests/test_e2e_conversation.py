@@ -56,7 +56,10 @@ def _report(messages: Sequence[Message]) -> ModelReply:
 
 def script(config: LoadedConfig) -> PerAgentScript:
     c = config.config
-    prompts = {c.agents.lead.name: c.agents.lead.system_prompt, **{n: w.system_prompt for n, w in c.agents.workers.items()}}
+    prompts = {
+        c.agents.lead.name: c.agents.lead.system_prompt,
+        **{n: w.system_prompt for n, w in c.agents.workers.items()},
+    }
     steps: dict[str, list[ScriptStep]] = {
         "kazma": [
             ModelReply(content=None, tool_calls=(ToolCall("p", "write_plan", PLAN, json.dumps(PLAN)),)),
@@ -122,7 +125,9 @@ class SlackSide:
         return [m.text for m in self.fake.channel(self.channel)]
 
     def card_texts(self) -> list[str]:
-        return [" ".join(m.texts()) for m in self.fake.channel(self.channel) if "Approval needed" in " ".join(m.texts())]
+        return [
+            " ".join(m.texts()) for m in self.fake.channel(self.channel) if "Approval needed" in " ".join(m.texts())
+        ]
 
     async def press_approve(self) -> None:
         assert self.adapter.events_url is not None
@@ -148,8 +153,9 @@ async def running(
     tmp_path: Path, yaml: str, adapter: PlatformAdapter, config: LoadedConfig | None = None
 ) -> AsyncIterator[App]:
     loaded = config or load_config_text(yaml, environ={})
-    app = await build_app(loaded, provider=script(loaded), adapters=[adapter], poll_interval=0.05,
-                          workspace_root=tmp_path / "ws")
+    app = await build_app(
+        loaded, provider=script(loaded), adapters=[adapter], poll_interval=0.05, workspace_root=tmp_path / "ws"
+    )
     await app.start()
     try:
         yield app
@@ -165,8 +171,8 @@ async def telegram(tmp_path: Path) -> AsyncIterator[tuple[Platform, App]]:
     try:
         yaml = (
             f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
-            "platforms: {telegram: {token: '%s', api_base_url: '%s', chats: [-1001], home_chat: -1001, admins: [111]}}\n"
-            % (fake.token, fake.base_url)
+            f"platforms: {{telegram: {{token: '{fake.token}', api_base_url: '{fake.base_url}',"
+            " chats: [-1001], home_chat: -1001, admins: [111]}}\n"
         )
         loaded = load_config_text(yaml, environ={})
         adapter = TelegramAdapter(loaded.config.platforms.telegram, poll_timeout=1)
@@ -183,9 +189,9 @@ async def slack(tmp_path: Path) -> AsyncIterator[tuple[Platform, App]]:
     try:
         yaml = (
             f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
-            "platforms: {slack: {bot_token: '%s', signing_secret: '%s', api_base_url: '%s',"
-            " http: {port: 0}, channels: [C0HOME0001], home_channel: C0HOME0001, admins: [U0ADMIN01]}}\n"
-            % (FAKE_BOT_TOKEN, FAKE_SIGNING_SECRET, fake.api_url)
+            f"platforms: {{slack: {{bot_token: '{FAKE_BOT_TOKEN}', signing_secret: '{FAKE_SIGNING_SECRET}',"
+            f" api_base_url: '{fake.api_url}', http: {{port: 0}}, channels: [C0HOME0001],"
+            " home_channel: C0HOME0001, admins: [U0ADMIN01]}}\n"
         )
         loaded = load_config_text(yaml, environ={})
         adapter = SlackAdapter(loaded.config.platforms.slack)
