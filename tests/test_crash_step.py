@@ -1,0 +1,105 @@
+"""SIGKILL while a sub-agent's step runs: after a restart the step is interrupted, never run twice.
+
+`kazma run` runs as a real process with the real OpenAI-compatible provider
+(pointed at a fake model server) and the real Telegram adapter (pointed at a
+fake Bot API). The researcher's model call hangs, the process is killed,
+and the restarted process must report the step as interrupted with an unknown
+outcome and ask the lead — without dispatching it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from kazma.config import load_config
+from kazma.config.database import connect
+from kazma.engine.executor import INTERRUPTED
+from kazma.engine.plan import StepStatus
+from kazma.engine.plan_store import PlanStore
+from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall, Hang
+from tests.fakes.telegram import FakeTelegram
+
+REPO = Path(__file__).resolve().parent.parent
+CHAT = -1001
+PLAN = {
+    "goal": "collect sources",
+    "steps": [{"index": 1, "title": "research", "assignee": "researcher", "input": "Find three sources."}],
+}
+
+
+async def run_kazma(config: Path, log: Path) -> asyncio.subprocess.Process:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost"}
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kazma.bot.cli", "-c", str(config), "--log-format", "json", "run",
+        "--poll-interval", "0.1",
+        stdout=asyncio.subprocess.DEVNULL, stderr=log.open("ab"), env=env,
+    )  # fmt: skip
+
+
+def bot_texts(fake: FakeTelegram) -> list[str]:
+    return [m.text for m in fake.bot_messages(CHAT)]
+
+
+def researcher_requests(model: FakeOpenAI, prompt: str) -> int:
+    return sum(1 for r in model.completions if r.body["messages"][0]["content"] == prompt)
+
+
+@pytest.mark.slow
+async def test_sigkill_during_a_step_then_restart_reports_it_interrupted(tmp_path: Path) -> None:
+    telegram = FakeTelegram()
+    model = FakeOpenAI(models=("llama3.1",))
+    await telegram.start()
+    await model.start()
+    config = tmp_path / "kazma.yaml"
+    log = tmp_path / "kazma.log"
+    store = tmp_path / "k.db"
+    config.write_text(
+        f"store: {{path: '{store}'}}\n"
+        f"model: {{base_url: '{model.base_url}', name: llama3.1, timeout_seconds: 600, max_retries: 0}}\n"
+        f"platforms: {{telegram: {{token: '{telegram.token}', api_base_url: '{telegram.base_url}',"
+        f" chats: [{CHAT}], home_chat: {CHAT}, admins: [111]}}}}\n"
+    )
+    researcher_prompt = load_config(config, environ={}).config.agents.workers["researcher"].system_prompt
+    model.script(
+        Completion(tool_calls=(FakeToolCall("write_plan", json.dumps(PLAN)),)),  # the lead plans
+        Hang(),  # the lead's closing words and the researcher's step: both in flight when the process dies
+        Hang(),
+        Completion(content="Step 1 was interrupted; I will ask the researcher again only if you want."),
+    )
+    first = await run_kazma(config, log)
+    try:
+        await telegram.wait_until(lambda: len(telegram.calls_to("getUpdates")) > 0, timeout=60)
+        telegram.push_message(CHAT, 42, "@kazma find three sources", username="alice")
+        await telegram.wait_until(lambda: any("@researcher" in t for t in bot_texts(telegram)), timeout=60)
+        await model.wait_for(lambda: researcher_requests(model, researcher_prompt) == 1, timeout=60)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        await first.wait()
+
+    conn = await connect(store)
+    plans = PlanStore(conn)
+    ((plan_id, index),) = await plans.with_steps_in(StepStatus.IN_PROGRESS)  # on disk before it ran
+    second = await run_kazma(config, log)
+    try:
+        await telegram.wait_until(lambda: any("Step 1 was interrupted" in t for t in bot_texts(telegram)), timeout=60)
+        plan = await plans.load(plan_id)
+        assert plan is not None
+        assert plan.steps[index].status is StepStatus.FAILED
+        assert plan.steps[index].failure_reason == INTERRUPTED
+        assert await plans.with_steps_in(StepStatus.IN_PROGRESS) == []
+    finally:
+        second.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(second.wait(), timeout=60)
+        await conn.close()
+        await model.stop()
+        await telegram.stop()
+    assert second.returncode == 0, log.read_text()[-3000:]
+    assert sum("@researcher" in t for t in bot_texts(telegram)) == 1  # dispatched once, never again
+    assert researcher_requests(model, researcher_prompt) == 1
