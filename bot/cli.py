@@ -17,6 +17,7 @@ from kazma.bot.context import Context
 from kazma.bot.demo import run_demo
 from kazma.bot.doctor import Level, run_checks
 from kazma.bot.logging import LEVELS, configure_logging
+from kazma.bot.swarm_cli import swarm
 from kazma.config import LoadedConfig, __version__, platform_statuses
 
 log = structlog.get_logger("kazma.cli")
@@ -125,6 +126,7 @@ def demo(deny: bool) -> None:
 
 
 main.add_command(approvals)
+main.add_command(swarm)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -18,6 +18,7 @@ import structlog
 from pydantic import ValidationError
 
 from kazma.adapters.contract import Inbound
+from kazma.bot.swarm_commands import SwarmCommands
 from kazma.config.metrics import count_failure
 from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, TurnContext, TurnResult
 from kazma.engine.executor import Action, ActionKind, DispatchFailed, PlanExecutor, StepResult
@@ -28,7 +29,7 @@ from kazma.engine.types import ToolSpec
 log = structlog.get_logger("kazma.conversation")
 
 SUMMARY_LIMIT = 1500
-SWARM_UNAVAILABLE = "The /swarm commands are not available in this version of Kazma yet."
+SWARM_UNAVAILABLE = "The /swarm commands are not available here: this process runs without the swarm engine."
 
 
 class MessageSink(Protocol):
@@ -51,6 +52,7 @@ class Conversations:
     agents: Mapping[str, AgentSpec]
     lead: AgentSpec
     executor: PlanExecutor | None = None
+    swarm: SwarmCommands | None = None
     _dispatches: dict[tuple[str, str, str], _Dispatch] = field(default_factory=dict)
     _waiting_user: dict[str, _Dispatch] = field(default_factory=dict)  # conversation -> user step
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -89,7 +91,17 @@ class Conversations:
         key = (message.platform, message.chat, message.message_id)
         dispatch = self._dispatches.pop(key, None)
         if message.command == "swarm":
-            await self.sink.send_text(message.platform, message.chat, SWARM_UNAVAILABLE, agent=self.lead.name)
+            if self.swarm is None:
+                reply = SWARM_UNAVAILABLE
+            else:
+                reply = await self.swarm.run(
+                    message.text,
+                    actor=message.author,
+                    platform=message.platform,
+                    chat=message.chat,
+                    is_admin=message.is_admin,
+                )
+            await self.sink.send_text(message.platform, message.chat, reply, agent="swarm", thread=message.thread)
             return
         if message.from_bot and dispatch is None:
             # our own posts echoed back by the platform, or another bot: not addressed to us

@@ -12,11 +12,12 @@ from kazma.config import KazmaConfig
 from kazma.config.database import Migration, open_database
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.plan_store import MIGRATIONS as PLANS
+from kazma.engine.swarm_store import MIGRATIONS as SWARM
 
 
 def all_migrations() -> list[Migration]:
     """Every layer's schema, in the order layers depend on each other."""
-    return [*APPROVALS, *OUTBOX, *PLANS, *HISTORY]
+    return [*APPROVALS, *OUTBOX, *PLANS, *HISTORY, *SWARM]
 
 
 async def open_store(config: KazmaConfig, path: Path | None = None) -> aiosqlite.Connection:

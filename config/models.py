@@ -347,6 +347,7 @@ class SwarmConfig(Strict):
     max_paused_pipelines: int = Field(default=100, ge=0, le=100)
     retention_days: int = Field(default=30, ge=1, le=3650)
     allow_shared_operators: bool = False
+    checkpoints: dict[str, list[int]] = Field(default_factory=dict)
 
 
 def _default_tools() -> dict[str, DangerLevel]:
@@ -409,6 +410,21 @@ class KazmaConfig(Strict):
                             "worker": repr(worker),
                             "known": ", ".join(known) or "none configured",
                         },
+                    )
+        for name, after in self.swarm.checkpoints.items():
+            if name not in self.pipelines:
+                raise PydanticCustomError(
+                    "kazma_checkpoint",
+                    "unknown pipeline {name} (pipelines: {known})",
+                    {"subpath": f"swarm.checkpoints.{name}", "name": repr(name), "known": ", ".join(self.pipelines)},
+                )
+            stages = self.pipelines[name]
+            for position, stage in enumerate(after):
+                if not 1 <= stage < len(stages):
+                    raise PydanticCustomError(
+                        "kazma_checkpoint",
+                        "a checkpoint pauses after a stage that has a next one: expected 1..{last}, got {got}",
+                        {"subpath": f"swarm.checkpoints.{name}[{position}]", "last": len(stages) - 1, "got": stage},
                     )
         if len(self.agents.workers) > self.swarm.max_workers:
             raise PydanticCustomError(

@@ -1,0 +1,150 @@
+"""``kazma swarm …``: the ``/swarm`` grammar from a terminal.
+
+Every subcommand rebuilds the text a chat user would type and hands it to the
+same :func:`~kazma.bot.swarm_grammar.parse`, so the CLI can never accept
+something chat refuses, or the other way round.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+
+import click
+
+from kazma.bot.context import Context
+from kazma.bot.swarm_grammar import ROUTE_PLATFORMS, USAGES, GrammarError, parse
+
+EXIT_USAGE = 2
+_PENDING = "Prints the parsed command as one JSON line; execution arrives with the swarm engine."
+
+
+def _context() -> Context:
+    found = click.get_current_context().find_object(Context)
+    # Standalone (not under `kazma`), fall back to the default config lookup.
+    return found if found is not None else Context(None)
+
+
+def _run(verb: str, *words: str, to: str | None = None) -> None:
+    text = " ".join([verb, *words])
+    if to is not None:
+        text = f"{text} -> {to}"
+    loaded = _context().load()
+    try:
+        command = parse(text, workers=loaded.config.agents.workers, pipelines=loaded.config.pipelines)
+    except GrammarError as exc:
+        click.echo(exc.message, err=True)
+        sys.exit(EXIT_USAGE)
+    click.echo(json.dumps(command.to_json(), ensure_ascii=False))
+
+
+def _word(value: str) -> str:
+    """Chat splits on whitespace, so one CLI argument must stay one word there too."""
+    if not value or value != "".join(value.split()):
+        raise click.BadParameter(f"{value!r} must be one word without spaces")
+    return value
+
+
+def _word_callback(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    return None if value is None else _word(value)
+
+
+def _route_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    value = _word_callback(ctx, param, value)
+    # Without this, a --to that is not a route would silently become task text.
+    if value is not None and value.partition(":")[0].lower() not in ROUTE_PLATFORMS:
+        raise click.BadParameter(f"expected PLATFORM:CHAT with platform one of {', '.join(ROUTE_PLATFORMS)}")
+    return value
+
+
+_to_option = click.option(
+    "--to",
+    metavar="PLATFORM:CHAT",
+    default=None,
+    callback=_route_callback,
+    help="Post the result in another chat (telegram, slack, discord or web); admin only.",
+)
+
+
+def _help(verb: str) -> str:
+    usage = USAGES[verb]
+    return f"{usage.summary[0].upper()}{usage.summary[1:]} ({usage.line}). {_PENDING}"
+
+
+@click.group()
+def swarm() -> None:
+    """Drive the swarm with the same grammar as /swarm in chat.
+
+    Prints the parsed command as one JSON line; execution arrives with the swarm engine.
+    """
+
+
+def _no_argument_command(verb: str) -> Callable[[str | None], None]:
+    def command(to: str | None) -> None:
+        _run(verb, to=to)
+
+    return command
+
+
+for _verb in ("help", "list", "history", "workers", "config"):
+    swarm.command(_verb, help=_help(_verb))(_to_option(_no_argument_command(_verb)))
+
+
+@swarm.command("status", help=_help("status"))
+@click.argument("task_id", required=False, callback=_word_callback)
+@_to_option
+def status(task_id: str | None, to: str | None) -> None:
+    _run("status", *([task_id] if task_id else []), to=to)
+
+
+@swarm.command("dispatch", help=_help("dispatch"))
+@click.argument("worker", callback=_word_callback)
+@click.argument("task", nargs=-1, required=True)
+@_to_option
+def dispatch(worker: str, task: tuple[str, ...], to: str | None) -> None:
+    _run("dispatch", worker, *task, to=to)
+
+
+@swarm.command("broadcast", help=_help("broadcast"))
+@click.argument("task", nargs=-1, required=True)
+@_to_option
+def broadcast(task: tuple[str, ...], to: str | None) -> None:
+    _run("broadcast", *task, to=to)
+
+
+@swarm.command("pipeline", help=_help("pipeline"))
+@click.argument("stages", metavar="PRESET|W1,W2,…", callback=_word_callback)
+@click.argument("task", nargs=-1, required=True)
+@_to_option
+def pipeline(stages: str, task: tuple[str, ...], to: str | None) -> None:
+    _run("pipeline", stages, *task, to=to)
+
+
+@swarm.command("fanout", help=_help("fanout"))
+@click.argument("workers", metavar="W1,W2,…", callback=_word_callback)
+@click.argument("task", nargs=-1, required=True)
+@_to_option
+def fanout(workers: str, task: tuple[str, ...], to: str | None) -> None:
+    _run("fanout", workers, *task, to=to)
+
+
+@swarm.command("consult", help=_help("consult"))
+@click.argument("workers", metavar="W1,W2,…", callback=_word_callback)
+@click.argument("question", nargs=-1, required=True)
+@_to_option
+def consult(workers: str, question: tuple[str, ...], to: str | None) -> None:
+    _run("consult", workers, *question, to=to)
+
+
+def _task_command(verb: str) -> Callable[[str, str | None], None]:
+    def command(task_id: str, to: str | None) -> None:
+        _run(verb, task_id, to=to)
+
+    return command
+
+
+for _verb in ("cancel", "approve", "reject", "retry"):
+    swarm.command(_verb, help=_help(_verb))(
+        click.argument("task_id", callback=_word_callback)(_to_option(_task_command(_verb)))
+    )

@@ -1,0 +1,174 @@
+"""Carry out `/swarm …` commands: parse, authorise, run against the swarm service, answer in words."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from kazma.approvals.model import Decision
+from kazma.bot.swarm_grammar import (
+    ApproveCommand,
+    BroadcastCommand,
+    CancelCommand,
+    ConfigCommand,
+    ConsultCommand,
+    DispatchCommand,
+    FanOutCommand,
+    GrammarError,
+    HelpCommand,
+    HistoryCommand,
+    ListCommand,
+    PipelineCommand,
+    RejectCommand,
+    RetryCommand,
+    StatusCommand,
+    SwarmCommand,
+    WorkersCommand,
+    help_text,
+    parse,
+)
+from kazma.bot.swarm_roles import authorize
+from kazma.config.models import KazmaConfig
+from kazma.engine.swarm_service import SwarmRefused, SwarmRequest, SwarmService, request_from
+from kazma.engine.swarm_store import TaskRecord
+from kazma.engine.swarm_types import Pattern, TaskStatus
+
+log = structlog.get_logger("kazma.swarm.commands")
+
+CONFIRM_WINDOW = 300.0
+
+
+@dataclass
+class SwarmCommands:
+    service: SwarmService
+    config: KazmaConfig
+    _confirm: dict[tuple[str, str], float] = field(default_factory=dict)  # (actor, task) -> asked at
+
+    def _now(self) -> float:
+        return time.monotonic()
+
+    async def run(self, text: str, *, actor: str, platform: str, chat: str, is_admin: bool) -> str:
+        """The answer to one `/swarm` command, always a sentence a person can act on."""
+        try:
+            command = parse(text, workers=self.config.agents.workers, pipelines=self.config.pipelines)
+        except GrammarError as exc:
+            return str(exc)
+        refusal = authorize(command, actor=actor, platform=platform, is_admin=is_admin, config=self.config)
+        if refusal is not None:
+            log.info("swarm.command_refused", verb=command.verb, actor=actor, platform=platform)
+            return refusal.message
+        log.info("swarm.command", verb=command.verb, actor=actor, platform=platform)
+        try:
+            return await self._execute(command, actor=actor, platform=platform, chat=chat)
+        except SwarmRefused as exc:
+            return f"Not started: {exc}"
+
+    async def _execute(self, command: SwarmCommand, *, actor: str, platform: str, chat: str) -> str:
+        service = self.service
+        route = f"{command.route.platform}:{command.route.chat}" if command.route is not None else None
+        origin = f"{platform}:{chat}"
+        if isinstance(command, HelpCommand):
+            return help_text()
+        if isinstance(command, StatusCommand):
+            if command.task_id is None:
+                running = await service.store.count(TaskStatus.RUNNING)
+                paused = await service.store.count(TaskStatus.PAUSED)
+                return f"swarm: {running} running, {paused} paused, {len(service.workers)} workers"
+            record = await service.store.get(command.task_id)
+            return _describe(record, command.task_id)
+        if isinstance(command, ListCommand):
+            records = [
+                *await service.store.list(TaskStatus.RUNNING, limit=20),
+                *await service.store.list(TaskStatus.PAUSED, limit=20),
+            ]
+            return "\n".join(_line(r) for r in records) or "no running or paused swarm tasks"
+        if isinstance(command, HistoryCommand):
+            return "\n".join(_line(r) for r in await service.store.history(limit=20)) or "no swarm tasks yet"
+        if isinstance(command, WorkersCommand):
+            return "\n".join(service.worker_lines()) or "no workers configured"
+        if isinstance(command, ConfigCommand):
+            swarm = self.config.swarm
+            presets = "; ".join(f"{n}: {', '.join(s)}" for n, s in self.config.pipelines.items())
+            return (
+                f"step timeout {swarm.step_timeout_seconds} s, {swarm.max_parallel} parallel, "
+                f"retention {swarm.retention_days} days, checkpoints {swarm.checkpoints or 'none'}; "
+                f"pipelines: {presets}"
+            )
+        if isinstance(command, CancelCommand):
+            return await service.cancel(command.task_id, actor=actor)
+        if isinstance(command, ApproveCommand | RejectCommand):
+            decision = Decision.APPROVE if isinstance(command, ApproveCommand) else Decision.DENY
+            return await service.decide_checkpoint(command.task_id, decision, actor=actor, platform=platform)
+        if isinstance(command, RetryCommand):
+            return await self._retry(command.task_id, actor=actor, origin=origin, route=route)
+        request = _request(command, owner=actor, origin=origin, route=route)
+        task_id = await service.submit(request)
+        where = f"; the result goes to {route}" if route else ""
+        return f"swarm task {task_id} started ({request.pattern.value}){where}. Check it with /swarm status {task_id}"
+
+    async def _retry(self, task_id: str, *, actor: str, origin: str, route: str | None) -> str:
+        record = await self.service.store.get(task_id)
+        if record is None:
+            return f"no swarm task {task_id!r}"
+        if not record.status.terminal:
+            return f"swarm task {task_id} is still {record.status.value}; cancel it first"
+        if record.status is TaskStatus.INTERRUPTED:
+            key = (actor, task_id)
+            asked = self._confirm.get(key)
+            if asked is None or self._now() - asked > CONFIRM_WINDOW:
+                self._confirm[key] = self._now()
+                return (
+                    f"swarm task {task_id} was interrupted ({record.error}); it may have done part of its work. "
+                    f"Send /swarm retry {task_id} again within 5 minutes to run it anew."
+                )
+            del self._confirm[key]
+        earlier = request_from(record)
+        request = SwarmRequest(
+            pattern=earlier.pattern,
+            workers=earlier.workers,
+            prompt=earlier.prompt,
+            owner=actor,
+            route=route or earlier.route,
+            aggregation=earlier.aggregation,
+            preset=earlier.preset,
+            conversation=origin,
+        )
+        new_id = await self.service.submit(request)
+        return f"swarm task {task_id} retried as {new_id}"
+
+
+def _request(command: SwarmCommand, *, owner: str, origin: str, route: str | None) -> SwarmRequest:
+    if isinstance(command, DispatchCommand):
+        workers = (command.worker,) if command.worker else ("auto",)
+        return SwarmRequest(Pattern.DISPATCH, workers, command.prompt, owner, route, conversation=origin)
+    if isinstance(command, BroadcastCommand):
+        return SwarmRequest(Pattern.BROADCAST, (), command.prompt, owner, route, conversation=origin)
+    if isinstance(command, PipelineCommand):
+        return SwarmRequest(
+            Pattern.PIPELINE, command.workers, command.prompt, owner, route, preset=command.preset, conversation=origin
+        )
+    if isinstance(command, FanOutCommand):
+        return SwarmRequest(Pattern.FAN_OUT, command.workers, command.prompt, owner, route, conversation=origin)
+    if isinstance(command, ConsultCommand):
+        return SwarmRequest(Pattern.CONSULT, command.workers, command.question, owner, route, conversation=origin)
+    raise SwarmRefused(f"/swarm {command.verb} does not start work")
+
+
+def _line(record: TaskRecord) -> str:
+    when = record.created_at.strftime("%Y-%m-%d %H:%M")
+    return f"{record.id}  {record.status.value:<11} {record.pattern.value:<9} {when}  {record.current_step}"
+
+
+def _describe(record: TaskRecord | None, task_id: str) -> str:
+    if record is None:
+        return f"no swarm task {task_id!r}"
+    lines = [f"swarm task {record.id}: {record.status.value} ({record.pattern.value}, by {record.owner})"]
+    if record.current_step:
+        lines.append(f"step: {record.current_step}")
+    if record.error:
+        lines.append(f"error: {record.error}")
+    if record.result and record.result.get("output"):
+        lines.append(f"result: {str(record.result['output'])[:1500]}")
+    return "\n".join(lines)

@@ -1,0 +1,542 @@
+"""The ``/swarm`` command grammar, shared by Telegram, Discord, Slack, the web console and ``kazma swarm``.
+
+Parsing is pure: it needs only the configured worker names and pipeline presets,
+so every surface that accepts a ``/swarm`` command refuses exactly the same
+input with exactly the same words. Who may run a parsed command is decided
+separately in :mod:`kazma.bot.swarm_roles`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from typing import ClassVar
+
+from kazma.engine.swarm_types import Pattern
+
+MAX_PROMPT_BYTES = 64 * 1024
+MAX_LIST_WORKERS = 32
+ROUTE_PLATFORMS = ("telegram", "slack", "discord", "web")
+AUTO = "auto"
+
+_TASK_ID = re.compile(r"[A-Za-z0-9_-]{4,32}")
+_TELEGRAM_CHAT = re.compile(r"-?[1-9][0-9]{0,18}")
+_SLACK_CHANNEL = re.compile(r"[CG][A-Z0-9]{2,31}")
+_DISCORD_CHANNEL = re.compile(r"[1-9][0-9]{0,19}")
+_WEB_CHAT = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_INT64_MAX = 2**63 - 1
+_UINT64_MAX = 2**64 - 1
+# A near miss of a platform name after "->" is far more likely a typo in a route
+# than task text, so it is refused with a suggestion instead of being dispatched.
+_PLATFORM_TYPO_CUTOFF = 0.75
+
+
+class Access(StrEnum):
+    """What running a subcommand does, which decides who may run it."""
+
+    READ = "read"  # looks at the swarm: anyone allowed in the chat
+    STEER = "steer"  # starts, changes or steers work: an admin
+    ADMIN = "admin"  # shows the swarm's configuration: an admin
+
+
+class GrammarError(ValueError):
+    """Input that is not a ``/swarm`` command.
+
+    ``message`` is complete on its own and written for the person who typed the
+    command; ``usage`` is the relevant usage line (or the whole help text) for
+    surfaces that render it separately, e.g. in a code block.
+    """
+
+    def __init__(self, message: str, usage: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.usage = usage
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where the result goes instead of the chat the command came from."""
+
+    platform: str
+    chat: str
+
+    def __str__(self) -> str:
+        return f"{self.platform}:{self.chat}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwarmCommand:
+    """A parsed ``/swarm`` command; each subcommand is a subclass."""
+
+    verb: ClassVar[str]
+    access: ClassVar[Access]
+    route: Route | None = None
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-ready mapping: ``verb``, the subcommand's fields, then ``route``."""
+        data: dict[str, object] = {"verb": self.verb}
+        for f in fields(self):
+            if f.name == "route":
+                continue
+            value = getattr(self, f.name)
+            data[f.name] = list(value) if isinstance(value, tuple) else value
+        data["route"] = None if self.route is None else {"platform": self.route.platform, "chat": self.route.chat}
+        return data
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartCommand(SwarmCommand):
+    """A command that starts new work with one of the swarm's patterns."""
+
+    pattern: ClassVar[Pattern]
+
+
+@dataclass(frozen=True)
+class HelpCommand(SwarmCommand):
+    verb: ClassVar[str] = "help"
+    access: ClassVar[Access] = Access.READ
+
+
+@dataclass(frozen=True)
+class StatusCommand(SwarmCommand):
+    verb: ClassVar[str] = "status"
+    access: ClassVar[Access] = Access.READ
+    task_id: str | None = None  # None: an overview of the swarm
+
+
+@dataclass(frozen=True)
+class ListCommand(SwarmCommand):
+    verb: ClassVar[str] = "list"
+    access: ClassVar[Access] = Access.READ
+
+
+@dataclass(frozen=True)
+class HistoryCommand(SwarmCommand):
+    verb: ClassVar[str] = "history"
+    access: ClassVar[Access] = Access.READ
+
+
+@dataclass(frozen=True)
+class WorkersCommand(SwarmCommand):
+    verb: ClassVar[str] = "workers"
+    access: ClassVar[Access] = Access.READ
+
+
+@dataclass(frozen=True)
+class DispatchCommand(StartCommand):
+    verb: ClassVar[str] = "dispatch"
+    access: ClassVar[Access] = Access.STEER
+    pattern: ClassVar[Pattern] = Pattern.DISPATCH
+    worker: str | None  # None: "auto", the engine picks the worker whose expertise fits
+    prompt: str
+
+
+@dataclass(frozen=True)
+class BroadcastCommand(StartCommand):
+    verb: ClassVar[str] = "broadcast"
+    access: ClassVar[Access] = Access.STEER
+    pattern: ClassVar[Pattern] = Pattern.BROADCAST
+    prompt: str
+
+
+@dataclass(frozen=True)
+class PipelineCommand(StartCommand):
+    verb: ClassVar[str] = "pipeline"
+    access: ClassVar[Access] = Access.STEER
+    pattern: ClassVar[Pattern] = Pattern.PIPELINE
+    workers: tuple[str, ...]  # the stages in order, resolved from the preset when one was named
+    prompt: str
+    preset: str | None = None
+
+
+@dataclass(frozen=True)
+class FanOutCommand(StartCommand):
+    verb: ClassVar[str] = "fanout"
+    access: ClassVar[Access] = Access.STEER
+    pattern: ClassVar[Pattern] = Pattern.FAN_OUT
+    workers: tuple[str, ...]
+    prompt: str
+
+
+@dataclass(frozen=True)
+class ConsultCommand(StartCommand):
+    verb: ClassVar[str] = "consult"
+    access: ClassVar[Access] = Access.STEER
+    pattern: ClassVar[Pattern] = Pattern.CONSULT
+    workers: tuple[str, ...]
+    question: str
+
+
+@dataclass(frozen=True)
+class CancelCommand(SwarmCommand):
+    verb: ClassVar[str] = "cancel"
+    access: ClassVar[Access] = Access.STEER
+    task_id: str
+
+
+@dataclass(frozen=True)
+class ApproveCommand(SwarmCommand):
+    """Resume a pipeline paused at a checkpoint."""
+
+    verb: ClassVar[str] = "approve"
+    access: ClassVar[Access] = Access.STEER
+    task_id: str
+
+
+@dataclass(frozen=True)
+class RejectCommand(SwarmCommand):
+    """Stop a pipeline paused at a checkpoint."""
+
+    verb: ClassVar[str] = "reject"
+    access: ClassVar[Access] = Access.STEER
+    task_id: str
+
+
+@dataclass(frozen=True)
+class RetryCommand(SwarmCommand):
+    verb: ClassVar[str] = "retry"
+    access: ClassVar[Access] = Access.STEER
+    task_id: str
+
+
+@dataclass(frozen=True)
+class ConfigCommand(SwarmCommand):
+    verb: ClassVar[str] = "config"
+    access: ClassVar[Access] = Access.ADMIN
+
+
+AnySwarmCommand = (
+    HelpCommand
+    | StatusCommand
+    | ListCommand
+    | HistoryCommand
+    | WorkersCommand
+    | DispatchCommand
+    | BroadcastCommand
+    | PipelineCommand
+    | FanOutCommand
+    | ConsultCommand
+    | CancelCommand
+    | ApproveCommand
+    | RejectCommand
+    | RetryCommand
+    | ConfigCommand
+)
+
+
+@dataclass(frozen=True)
+class Usage:
+    verb: str
+    arguments: str  # after the verb, e.g. "<worker|auto> <task>"
+    needs: str  # what the subcommand cannot do without, for error messages
+    summary: str
+    access: Access
+
+    @property
+    def line(self) -> str:
+        return f"/swarm {self.verb} {self.arguments}".rstrip()
+
+
+USAGES: Mapping[str, Usage] = {
+    u.verb: u
+    for u in (
+        Usage("help", "", "nothing", "the subcommands and who may run them", Access.READ),
+        Usage("status", "[task-id]", "at most one task id", "the swarm at a glance, or one task", Access.READ),
+        Usage("list", "", "nothing", "running and paused tasks", Access.READ),
+        Usage("history", "", "nothing", "recently finished tasks", Access.READ),
+        Usage("workers", "", "nothing", "the workers and what they are good at", Access.READ),
+        Usage(
+            "dispatch",
+            "<worker|auto> <task>",
+            "a worker and a task",
+            "hand a task to one worker (auto: the best fit)",
+            Access.STEER,
+        ),
+        Usage("broadcast", "<task>", "a task", "give the same task to every worker", Access.STEER),
+        Usage(
+            "pipeline",
+            "<preset|w1,w2,…> <task>",
+            "a preset or workers, and a task",
+            "pass a task through workers in turn",
+            Access.STEER,
+        ),
+        Usage(
+            "fanout", "<w1,w2,…> <task>", "workers and a task", "run a task on several workers at once", Access.STEER
+        ),
+        Usage(
+            "consult",
+            "<w1,w2,…> <question>",
+            "workers and a question",
+            "ask several workers and compare their answers",
+            Access.STEER,
+        ),
+        Usage("cancel", "<task-id>", "a task id", "stop a running task", Access.STEER),
+        Usage("approve", "<task-id>", "a task id", "continue a pipeline paused at a checkpoint", Access.STEER),
+        Usage("reject", "<task-id>", "a task id", "stop a pipeline paused at a checkpoint", Access.STEER),
+        Usage("retry", "<task-id>", "a task id", "run a failed or interrupted task again", Access.STEER),
+        Usage("config", "", "nothing", "the swarm's settings", Access.ADMIN),
+    )
+}
+VERBS: tuple[str, ...] = tuple(USAGES)
+
+_ACCESS_LABEL = {
+    Access.READ: "reading, anyone",
+    Access.STEER: "steering, admin",
+    Access.ADMIN: "admin",
+}
+ROUTE_USAGE = "/swarm <subcommand> … -> <platform>:<chat>"
+
+
+def help_text() -> str:
+    """One line per subcommand: usage, who may run it, what it does; then the routing suffix."""
+    width = max(len(u.line) for u in USAGES.values())
+    lines = [f"{u.line:<{width}}  ({_ACCESS_LABEL[u.access]}) {u.summary}" for u in USAGES.values()]
+    lines.append(
+        f"End any command with -> <platform>:<chat> ({', '.join(ROUTE_PLATFORMS)}) "
+        "to post the result in another chat (admin)."
+    )
+    return "\n".join(lines)
+
+
+def parse(text: str, *, workers: Collection[str], pipelines: Mapping[str, Sequence[str]]) -> SwarmCommand:
+    """Parse the text after ``/swarm`` (or the words after ``kazma swarm``).
+
+    Empty text is ``help``. Raises :class:`GrammarError` for anything else that
+    is not a well-formed command.
+    """
+    body, route = _split_route(text.strip())
+    if not body:
+        if route is not None:
+            raise GrammarError(f"a route needs a command before it: {ROUTE_USAGE}", ROUTE_USAGE)
+        return HelpCommand()
+    head, rest = _first_word(body)
+    verb = head.lower()
+    usage = USAGES.get(verb)
+    if usage is None:
+        raise _unknown_subcommand(head)
+    p = _Parser(usage, workers, pipelines)
+    match verb:
+        case "help":
+            p.no_arguments(rest)
+            return HelpCommand(route=route)
+        case "status":
+            return StatusCommand(p.optional_task_id(rest), route=route)
+        case "list":
+            p.no_arguments(rest)
+            return ListCommand(route=route)
+        case "history":
+            p.no_arguments(rest)
+            return HistoryCommand(route=route)
+        case "workers":
+            p.no_arguments(rest)
+            return WorkersCommand(route=route)
+        case "config":
+            p.no_arguments(rest)
+            return ConfigCommand(route=route)
+        case "dispatch":
+            token, prompt = p.word_and_prompt(rest)
+            return DispatchCommand(p.dispatch_worker(token), prompt, route=route)
+        case "broadcast":
+            return BroadcastCommand(p.prompt(rest), route=route)
+        case "pipeline":
+            token, prompt = p.word_and_prompt(rest)
+            preset, stages = p.pipeline_stages(token)
+            return PipelineCommand(stages, prompt, preset=preset, route=route)
+        case "fanout":
+            token, prompt = p.word_and_prompt(rest)
+            return FanOutCommand(p.worker_list(token), prompt, route=route)
+        case "consult":
+            token, prompt = p.word_and_prompt(rest)
+            return ConsultCommand(p.worker_list(token), prompt, route=route)
+        case "cancel":
+            return CancelCommand(p.task_id(rest), route=route)
+        case "approve":
+            return ApproveCommand(p.task_id(rest), route=route)
+        case "reject":
+            return RejectCommand(p.task_id(rest), route=route)
+        case "retry":
+            return RetryCommand(p.task_id(rest), route=route)
+    raise AssertionError(f"USAGES names {verb!r} but parse does not handle it")  # pragma: no cover
+
+
+def _first_word(text: str) -> tuple[str, str]:
+    parts = text.split(None, 1)
+    return parts[0], (parts[1] if len(parts) == 2 else "")
+
+
+def _split_route(text: str) -> tuple[str, Route | None]:
+    """Take a final ``-> platform:chat`` token pair off ``text``; anything earlier is task text."""
+    parts = text.rsplit(None, 2)
+    if len(parts) < 2 or parts[-2] != "->":
+        return text, None
+    platform, colon, chat = parts[-1].partition(":")
+    if not colon:
+        return text, None
+    platform = platform.lower()
+    if platform not in ROUTE_PLATFORMS:
+        near = difflib.get_close_matches(platform, ROUTE_PLATFORMS, n=1, cutoff=_PLATFORM_TYPO_CUTOFF)
+        if not near:
+            return text, None
+        raise GrammarError(
+            f"unknown platform {platform!r} in the route; did you mean {near[0]!r}? "
+            f"Routes look like {ROUTE_USAGE} with platform one of {', '.join(ROUTE_PLATFORMS)}",
+            ROUTE_USAGE,
+        )
+    route = Route(platform, _route_chat(platform, chat))
+    body = parts[0] if len(parts) == 3 else ""
+    return body, route
+
+
+def _route_chat(platform: str, chat: str) -> str:
+    problem: str | None = None
+    if platform == "telegram":
+        if not _TELEGRAM_CHAT.fullmatch(chat) or abs(int(chat)) > _INT64_MAX:
+            problem = "a Telegram chat id is a non-zero integer, negative for groups, e.g. -1001234567890"
+    elif platform == "slack":
+        if not _SLACK_CHANNEL.fullmatch(chat):
+            problem = "a Slack channel id is C or G followed by capital letters and digits, e.g. C0123ABCD"
+    elif platform == "discord":
+        if not _DISCORD_CHANNEL.fullmatch(chat) or int(chat) > _UINT64_MAX:
+            problem = "a Discord channel id is a positive number, e.g. 123456789012345678"
+    elif not _WEB_CHAT.fullmatch(chat):
+        problem = "a web console chat is 1 to 64 letters, digits, '-' or '_'"
+    if problem is not None:
+        raise GrammarError(
+            f"cannot route to {_shown(f'{platform}:{chat}', 60)}: {problem}; routes look like {ROUTE_USAGE}",
+            ROUTE_USAGE,
+        )
+    return chat
+
+
+def _unknown_subcommand(word: str) -> GrammarError:
+    near = difflib.get_close_matches(word.lower(), VERBS, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return GrammarError(f"unknown subcommand {_shown(word)}{hint}\n{help_text()}", help_text())
+
+
+def _shown(value: str, limit: int = 40) -> str:
+    return repr(value if len(value) <= limit else value[:limit] + "…")
+
+
+class _Parser:
+    """Argument checks for one subcommand, so every error names its usage."""
+
+    def __init__(self, usage: Usage, workers: Collection[str], pipelines: Mapping[str, Sequence[str]]) -> None:
+        self.usage = usage
+        self.workers = workers
+        self.pipelines = pipelines
+
+    def fail(self, message: str) -> GrammarError:
+        return GrammarError(f"{message}: {self.usage.line}", self.usage.line)
+
+    def missing(self) -> GrammarError:
+        return self.fail(f"{self.usage.verb} needs {self.usage.needs}")
+
+    def no_arguments(self, rest: str) -> None:
+        if rest:
+            raise self.fail(f"{self.usage.verb} takes no arguments")
+
+    def task_id(self, rest: str) -> str:
+        if not rest:
+            raise self.missing()
+        token, extra = _first_word(rest)
+        if extra:
+            raise self.fail(f"{self.usage.verb} takes one task id")
+        return self._check_task_id(token)
+
+    def optional_task_id(self, rest: str) -> str | None:
+        if not rest:
+            return None
+        token, extra = _first_word(rest)
+        if extra:
+            raise self.fail(f"{self.usage.verb} takes at most one task id")
+        return self._check_task_id(token)
+
+    def _check_task_id(self, token: str) -> str:
+        if not _TASK_ID.fullmatch(token):
+            raise self.fail(f"{_shown(token)} is not a task id (4 to 32 letters, digits, '-' or '_')")
+        return token
+
+    def word_and_prompt(self, rest: str) -> tuple[str, str]:
+        token, prompt = _first_word(rest) if rest else ("", "")
+        if not prompt:
+            raise self.missing()
+        return token, self.prompt(prompt)
+
+    def prompt(self, text: str) -> str:
+        if not text:
+            raise self.missing()
+        size = len(text.encode("utf-8", errors="surrogatepass"))
+        if size > MAX_PROMPT_BYTES:
+            raise self.fail(
+                f"the {self._prompt_word()} is {size:,} bytes; the limit is {MAX_PROMPT_BYTES:,} bytes (64 KiB) "
+                "of UTF-8 — shorten it or point to a file instead"
+            )
+        return text
+
+    def _prompt_word(self) -> str:
+        return "question" if self.usage.verb == "consult" else "task"
+
+    def dispatch_worker(self, token: str) -> str | None:
+        name = token.lower()
+        if name == AUTO:
+            return None
+        self._check_worker(name)
+        return name
+
+    def pipeline_stages(self, token: str) -> tuple[str | None, tuple[str, ...]]:
+        if token in self.pipelines:
+            stages = tuple(self.pipelines[token])
+            for stage in stages:
+                if stage not in self.workers:
+                    raise self.fail(f"pipeline preset {token!r} names unknown worker {stage!r}")
+            return token, stages
+        if "," in token or token.lower() in self.workers:
+            return None, self.worker_list(token)
+        if token.lower() == AUTO:
+            raise self._auto_refused()
+        candidates = [*self.pipelines, *self.workers]
+        near = difflib.get_close_matches(token.lower(), candidates, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        presets = ", ".join(sorted(self.pipelines)) or "none configured"
+        raise self.fail(
+            f"unknown pipeline preset or worker {_shown(token)}{hint} (presets: {presets}; workers: {self._known()})"
+        )
+
+    def worker_list(self, token: str) -> tuple[str, ...]:
+        names = token.split(",")
+        if len(names) > MAX_LIST_WORKERS:
+            raise self.fail(f"{len(names)} workers listed; at most {MAX_LIST_WORKERS} may take part in one task")
+        if any(not name for name in names):
+            raise self.fail(
+                f"the worker list {_shown(token)} has an empty name; "
+                "separate worker names with commas and no spaces, e.g. researcher,builder"
+            )
+        lowered = [name.lower() for name in names]
+        seen: set[str] = set()
+        for name in lowered:
+            if name == AUTO:
+                raise self._auto_refused()
+            self._check_worker(name)
+            if name in seen:
+                raise self.fail(f"worker {name!r} is listed twice")
+            seen.add(name)
+        return tuple(lowered)
+
+    def _check_worker(self, name: str) -> None:
+        if name in self.workers:
+            return
+        near = difflib.get_close_matches(name, list(self.workers), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise self.fail(f"unknown worker {_shown(name)}{hint} (workers: {self._known()})")
+
+    def _auto_refused(self) -> GrammarError:
+        return self.fail(
+            f"'auto' picks a single worker and only works with dispatch; name the {self.usage.verb} workers"
+        )
+
+    def _known(self) -> str:
+        return ", ".join(sorted(self.workers)) or "none configured"

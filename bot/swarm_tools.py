@@ -1,0 +1,85 @@
+"""The lead agent's swarm tools: ``dispatch_swarm`` (approval unless configured otherwise), ``check_swarm_task``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kazma.approvals.policy import SafetyPolicy
+from kazma.engine.agent import InternalTool, TurnContext
+from kazma.engine.swarm_service import CHECK_DEFAULT_WAIT, CHECK_MAX_WAIT, SwarmRefused, SwarmRequest, SwarmService
+from kazma.engine.swarm_types import Pattern
+from kazma.engine.tools import ToolResult
+from kazma.engine.types import ToolSpec
+
+
+class DispatchSwarmArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pattern: Literal["dispatch", "broadcast", "pipeline", "fan_out", "consult"]
+    task: str = Field(min_length=1)
+    workers: list[str] = Field(default_factory=list, description="worker names, or ['auto'] with dispatch")
+    preset: str | None = Field(default=None, description="a pipeline preset from kazma.yaml")
+    aggregation: str = "collect"
+
+
+class CheckSwarmArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    task_id: str
+    wait_seconds: float = Field(default=CHECK_DEFAULT_WAIT, ge=0, le=CHECK_MAX_WAIT)
+
+
+def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalTool]:
+    async def dispatch(arguments: Mapping[str, Any], ctx: TurnContext) -> ToolResult:
+        try:
+            args = DispatchSwarmArgs.model_validate(dict(arguments))
+        except ValidationError as exc:
+            return ToolResult(ok=False, output="", error=f"invalid arguments: {exc.errors()[0]['msg']}")
+        # starting swarm work is itself a call the policy sees: dangerous unless tools.dispatch_swarm says otherwise
+        verdict = await policy.check(
+            "dispatch_swarm", dict(arguments), requested_by=f"agent:{ctx.agent.name}", conversation=ctx.conversation
+        )
+        if not verdict.allowed:
+            return ToolResult(ok=False, output="", error=f"not started: {verdict.reason}")
+        request = SwarmRequest(
+            pattern=Pattern(args.pattern),
+            workers=tuple(args.workers),
+            prompt=args.task,
+            owner=f"agent:{ctx.agent.name}",
+            aggregation=args.aggregation,
+            preset=args.preset,
+            conversation=ctx.conversation,
+        )
+        try:
+            task_id = await service.submit(request)
+        except SwarmRefused as exc:
+            return ToolResult(ok=False, output="", error=str(exc))
+        return ToolResult(ok=True, output=f"swarm task {task_id} started; check it with check_swarm_task")
+
+    async def check(arguments: Mapping[str, Any], ctx: TurnContext) -> ToolResult:
+        try:
+            args = CheckSwarmArgs.model_validate(dict(arguments))
+        except ValidationError as exc:
+            return ToolResult(ok=False, output="", error=f"invalid arguments: {exc.errors()[0]['msg']}")
+        record = await service.wait(args.task_id, args.wait_seconds)
+        if record is None:
+            return ToolResult(ok=False, output="", error=f"no swarm task {args.task_id!r}")
+        output = record.result.get("output", "") if record.result else ""
+        text = f"status: {record.status.value}; step: {record.current_step}; error: {record.error or '-'}\n{output}"
+        return ToolResult(ok=True, output=text)
+
+    return [
+        InternalTool(
+            ToolSpec("dispatch_swarm", "Start work on the swarm of workers.", DispatchSwarmArgs.model_json_schema()),
+            dispatch,
+        ),
+        InternalTool(
+            ToolSpec(
+                "check_swarm_task",
+                "Wait up to wait_seconds (default 60, at most 90) for a swarm task; answers as soon as it ends.",
+                CheckSwarmArgs.model_json_schema(),
+            ),
+            check,
+        ),
+    ]

@@ -1,0 +1,501 @@
+"""What stands between the swarm and a flaky worker: breakers, retries, timeouts, validation, fallbacks, limits.
+
+Two rules run through all of it. A result whose ``changed_state`` is set is
+never repeated — not by a retry and not on a fallback worker — because a
+state-changing tool already ran. And only TRANSIENT and TIMEOUT failures are
+retried; PERMANENT ones (auth, not found, quota, bad input) fail at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import re
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any, TypeVar
+
+import httpx
+import pydantic
+import structlog
+
+from kazma.engine.swarm_types import ErrorKind, Worker, WorkerResult
+from kazma.engine.types import ModelError
+
+log = structlog.get_logger("kazma.swarm")
+
+T = TypeVar("T")
+
+# -- error classification ---------------------------------------------------------------
+
+_PERMANENT_WORDS = re.compile(
+    r"invalid[ _-]?api[ _-]?key|unauthori[sz]ed|forbidden|not[ _]found|insufficient[ _]quota|quota|"
+    r"authentication|permission denied|\b(?:401|403|404)\b",
+    re.IGNORECASE,
+)
+_TIMEOUT_WORDS = re.compile(r"timed? ?out|timeout|deadline exceeded", re.IGNORECASE)
+_TRANSIENT_WORDS = re.compile(
+    r"\b5\d\d\b|\b429\b|\b408\b|rate[ _-]?limit|too many requests|connection|connect|temporar|unavailable|"
+    r"overloaded|bad gateway|server error|reset by peer|try again",
+    re.IGNORECASE,
+)
+
+
+def _from_status(status: int, text: str) -> ErrorKind:
+    if status == 429:
+        # a spent quota answers 429 too, and waiting a few seconds will not refill it
+        return ErrorKind.PERMANENT if "quota" in text.lower() else ErrorKind.TRANSIENT
+    if status == 408:
+        return ErrorKind.TIMEOUT
+    if status >= 500:
+        return ErrorKind.TRANSIENT
+    return ErrorKind.PERMANENT
+
+
+def classify_error(error: BaseException | str) -> ErrorKind:
+    """Sort a failure into TRANSIENT, TIMEOUT or PERMANENT.
+
+    Auth (401/403, "invalid api key", "unauthorized"), not found (404) and quota
+    ("quota", "insufficient_quota", a 429 that mentions quota) are PERMANENT;
+    timeouts are TIMEOUT; 5xx, other 429s and connection failures are TRANSIENT.
+    Anything unrecognised is PERMANENT: retrying an error nobody understands
+    repeats whatever it did.
+    """
+    if isinstance(error, str):
+        text = error
+    else:
+        text = f"{type(error).__name__}: {error}"
+        if isinstance(error, TimeoutError | httpx.TimeoutException):
+            return ErrorKind.TIMEOUT
+        status = _status_of(error)
+        if status is not None:
+            return _from_status(status, text)
+        if isinstance(error, ModelError):
+            if error.permanent:
+                return ErrorKind.PERMANENT
+            return ErrorKind.TIMEOUT if _TIMEOUT_WORDS.search(text) else ErrorKind.TRANSIENT
+        if isinstance(error, httpx.TransportError | ConnectionError):
+            return ErrorKind.TRANSIENT
+    if _PERMANENT_WORDS.search(text):
+        return ErrorKind.PERMANENT
+    if _TIMEOUT_WORDS.search(text):
+        return ErrorKind.TIMEOUT
+    if _TRANSIENT_WORDS.search(text):
+        return ErrorKind.TRANSIENT
+    return ErrorKind.PERMANENT
+
+
+def _status_of(error: BaseException) -> int | None:
+    if isinstance(error, httpx.HTTPStatusError):
+        return error.response.status_code
+    for name in ("status_code", "status"):
+        value = getattr(error, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value <= 599:
+            return value
+    return None
+
+
+def _kind(result: WorkerResult) -> ErrorKind:
+    return result.error_kind if result.error_kind is not None else classify_error(result.error)
+
+
+def _failed(worker: str, exc: Exception) -> WorkerResult:
+    return WorkerResult(worker, False, error=f"{type(exc).__name__}: {exc}", error_kind=classify_error(exc))
+
+
+# -- circuit breaker ----------------------------------------------------------------------
+
+
+class BreakerState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Leave to make one call; report its outcome with :meth:`CircuitBreaker.record`."""
+
+    worker: str
+    generation: int
+    probe: bool = False
+
+
+class CircuitBreaker:
+    """Per-worker breaker: closed → open after consecutive failures → one half-open probe → closed or open.
+
+    Every state change starts a new ``generation``; an outcome reported with a
+    ticket from an older generation is ignored, so a slow call admitted before
+    the breaker opened cannot close it, and a stale probe cannot reopen it.
+
+    A probe that never reports (its caller was cancelled) would wedge the breaker
+    half-open, so a probe's lease runs out after ``cooldown``: the next admit then
+    gets a fresh probe under a new generation and the old probe's outcome is stale.
+    Report each ticket once.
+    """
+
+    def __init__(
+        self,
+        worker: str,
+        *,
+        failure_threshold: int = 5,
+        cooldown: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if failure_threshold < 1:
+            raise ValueError("failure_threshold must be at least 1")
+        self.worker = worker
+        self.failure_threshold = failure_threshold
+        self.cooldown = cooldown
+        self.clock = clock
+        self.generation = 0
+        self.failures = 0
+        self._state = BreakerState.CLOSED
+        self._since = clock()  # when OPEN began, or when the outstanding probe was handed out
+
+    @property
+    def state(self) -> BreakerState:
+        return self._state
+
+    def _move(self, state: BreakerState) -> None:
+        previous = self._state
+        self._state = state
+        self.generation += 1
+        self._since = self.clock()
+        self.failures = 0
+        log.info(
+            "swarm.breaker", worker=self.worker, state=state.value, previous=previous.value, generation=self.generation
+        )
+
+    def retry_in(self) -> float:
+        """Seconds until a probe may run (0 when closed or when one may run now)."""
+        if self._state is BreakerState.CLOSED:
+            return 0.0
+        return max(0.0, self._since + self.cooldown - self.clock())
+
+    def admit(self) -> Ticket | None:
+        """A ticket to call the worker, or None while the breaker refuses."""
+        if self._state is BreakerState.CLOSED:
+            return Ticket(self.worker, self.generation)
+        if self.retry_in() > 0:
+            return None
+        # OPEN past its cooldown, or HALF_OPEN whose probe's lease ran out: exactly one new probe
+        self._move(BreakerState.HALF_OPEN)
+        return Ticket(self.worker, self.generation, probe=True)
+
+    def record(self, ticket: Ticket, ok: bool) -> bool:
+        """Report a ticket's outcome; False when it was stale and therefore ignored."""
+        if ticket.worker != self.worker or ticket.generation != self.generation:
+            log.info(
+                "swarm.breaker_stale_outcome",
+                worker=self.worker,
+                ticket_generation=ticket.generation,
+                generation=self.generation,
+                ok=ok,
+            )
+            return False
+        if self._state is BreakerState.HALF_OPEN:
+            self._move(BreakerState.CLOSED if ok else BreakerState.OPEN)
+            return True
+        if ok:
+            self.failures = 0
+            return True
+        self.failures += 1
+        if self.failures >= self.failure_threshold:
+            self._move(BreakerState.OPEN)
+        return True
+
+
+# -- retries and timeouts ---------------------------------------------------------------
+
+
+class RetryPolicy:
+    """Retry TRANSIENT and TIMEOUT failures with capped exponential backoff and jitter.
+
+    The delay before retry ``n`` (1-based) is ``min(cap, base * 2**(n-1))``, scaled
+    into ``[delay/2, delay]`` by ``rng`` when ``jitter`` is on so callers that failed
+    together do not retry together. PERMANENT failures and any result with
+    ``changed_state`` are returned after one attempt.
+    """
+
+    def __init__(
+        self,
+        max_attempts: int = 3,
+        base: float = 0.5,
+        cap: float = 30.0,
+        jitter: bool = True,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rng: Callable[[], float] = random.random,
+    ) -> None:
+        self.max_attempts = max(1, max_attempts)
+        self.base = base
+        self.cap = cap
+        self.jitter = jitter
+        self.sleep = sleep
+        self.rng = rng
+
+    def delay(self, retry: int) -> float:
+        ceiling = min(self.cap, self.base * 2.0 ** (retry - 1))
+        if not self.jitter:
+            return ceiling
+        return ceiling * (0.5 + 0.5 * min(1.0, max(0.0, self.rng())))
+
+    async def run(self, call: Callable[[], Awaitable[WorkerResult]], *, worker: str = "") -> WorkerResult:
+        """Call until ok, PERMANENT, changed state, or ``max_attempts``; exceptions become failed results.
+
+        ``worker`` names the worker in results made from exceptions.
+        """
+        result = WorkerResult(worker, False, error="not attempted", error_kind=ErrorKind.PERMANENT)
+        for attempt in range(1, self.max_attempts + 1):
+            if attempt > 1:
+                await self.sleep(self.delay(attempt - 1))
+            try:
+                result = await call()
+            except Exception as exc:
+                result = _failed(worker, exc)
+            if result.ok or result.changed_state:
+                return result
+            kind = _kind(result)
+            if kind is ErrorKind.PERMANENT:
+                return result
+            log.info(
+                "swarm.retry", worker=result.worker or worker, attempt=attempt, kind=kind.value, error=result.error
+            )
+        return result
+
+
+async def with_timeout(
+    call: Callable[[], Awaitable[WorkerResult]], seconds: float, *, worker: str = ""
+) -> WorkerResult:
+    """Run ``call`` for at most ``seconds``; running out becomes a TIMEOUT result, not an exception.
+
+    The call is cancelled, so whether a tool inside it had already changed
+    something is unknown; workers that change state must report it before then.
+    """
+    deadline = asyncio.timeout(seconds)
+    try:
+        async with deadline:
+            return await call()
+    except TimeoutError:
+        if not deadline.expired():
+            raise  # the call's own timeout, not ours: RetryPolicy.run classifies it
+        return WorkerResult(worker, False, error=f"timed out after {seconds:g} s", error_kind=ErrorKind.TIMEOUT)
+
+
+async def run_with_fallback(
+    workers: Sequence[Worker],
+    prompt: str,
+    *,
+    context: str = "",
+    breakers: Mapping[str, CircuitBreaker],
+    policy: RetryPolicy,
+    timeout: float,  # noqa: ASYNC109 - a per-attempt limit, applied inside each retry
+) -> WorkerResult:
+    """Try ``workers`` in order until one answers ok.
+
+    A worker whose breaker refuses is skipped; a worker without a breaker is
+    always tried. A result that changed state is returned as it is, ok or not,
+    and no other worker is tried. When every worker fails or is skipped the last
+    failure comes back with every worker's reason in ``error``.
+    """
+    reasons: list[str] = []
+    last: WorkerResult | None = None
+    for worker in workers:
+        name = worker.name
+        breaker = breakers.get(name)
+        ticket = breaker.admit() if breaker is not None else None
+        if breaker is not None and ticket is None:
+            reasons.append(f"{name}: circuit open (retry in {math.ceil(breaker.retry_in())} s)")
+            continue
+
+        def attempt(w: Worker = worker, n: str = name) -> Awaitable[WorkerResult]:
+            return with_timeout(lambda: w.run(prompt, context=context), timeout, worker=n)
+
+        result = await policy.run(attempt, worker=name)
+        if breaker is not None and ticket is not None:
+            breaker.record(ticket, result.ok)
+        if result.ok or result.changed_state:
+            return result
+        reasons.append(f"{name}: {result.error}")
+        last = result
+    summary = "; ".join(reasons) or "no workers to try"
+    if last is None:
+        return WorkerResult("", False, error=f"no worker could be tried: {summary}", error_kind=ErrorKind.TRANSIENT)
+    return replace(last, error=f"every worker failed: {summary}")
+
+
+# -- concurrency -----------------------------------------------------------------------------
+
+GLOBAL_CAP = 64
+_global_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+
+def global_gate() -> asyncio.Semaphore:
+    """The process-wide cap on concurrent worker calls (one per event loop: a semaphore cannot cross loops)."""
+    loop = asyncio.get_running_loop()
+    gate = _global_gates.get(loop)
+    if gate is None:
+        gate = _global_gates[loop] = asyncio.Semaphore(GLOBAL_CAP)
+    return gate
+
+
+class ConcurrencyLimiter:
+    """At most ``per_call`` calls of one swarm task at a time, and at most the global cap across all tasks.
+
+    A call takes its own task's slot before a global one, so a task waiting on
+    its own limit never holds a global slot. Do not nest limiters that share a
+    global gate: outer calls holding every global slot would wait forever on inner ones.
+    """
+
+    def __init__(self, per_call: int, global_cap: asyncio.Semaphore | None = None) -> None:
+        self.per_call = max(1, min(GLOBAL_CAP, per_call))
+        self._local = asyncio.Semaphore(self.per_call)
+        self._global = global_cap
+
+    async def run(self, call: Callable[[], Awaitable[T]]) -> T:
+        gate = self._global if self._global is not None else global_gate()
+        async with self._local, gate:
+            return await call()
+
+    async def map(self, calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
+        """Run every call under the limits; results in the order given."""
+        return list(await asyncio.gather(*(self.run(c) for c in calls)))
+
+
+# -- output validation -------------------------------------------------------------------
+
+_FENCE = re.compile(r"^\s*```[a-zA-Z0-9_-]*\s*\n(.*?)\n?```\s*$", re.DOTALL)
+
+# jsonschema is not installed in this project, so schemas are checked against this
+# documented subset; any other keyword is refused when the validator is built
+# rather than silently ignored (an ignored keyword would accept bad output).
+SUPPORTED_KEYWORDS = frozenset(
+    {
+        "type",
+        "required",
+        "properties",
+        "items",
+        "enum",
+        "minimum",
+        "maximum",
+        "minLength",
+        "maxLength",
+        "additionalProperties",
+    }
+)
+_ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "default", "examples", "$comment"})
+_TYPES: dict[str, Callable[[Any], bool]] = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer()),
+}
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    if not isinstance(schema, dict):
+        raise ValueError(f"schema at {where} must be an object")
+    unknown = set(schema) - SUPPORTED_KEYWORDS - _ANNOTATIONS
+    if unknown:
+        raise ValueError(
+            f"schema at {where} uses unsupported keywords {sorted(unknown)}; supported: {sorted(SUPPORTED_KEYWORDS)}"
+        )
+    types = schema.get("type")
+    for name in [types] if isinstance(types, str) else (types or []):
+        if name not in _TYPES:
+            raise ValueError(f"schema at {where}: unknown type {name!r}")
+    for key, sub in (schema.get("properties") or {}).items():
+        _check_schema(sub, f"{where}.{key}")
+    if "items" in schema:
+        _check_schema(schema["items"], f"{where}[]")
+    extra = schema.get("additionalProperties")
+    if isinstance(extra, dict):
+        _check_schema(extra, f"{where}.*")
+
+
+def _errors(value: Any, schema: Mapping[str, Any], where: str) -> list[str]:
+    types = schema.get("type")
+    if types is not None:
+        names = [types] if isinstance(types, str) else list(types)
+        if not any(_TYPES[n](value) for n in names):
+            return [f"{where}: expected {' or '.join(names)}, got {type(value).__name__}"]
+    problems: list[str] = []
+    if "enum" in schema and value not in schema["enum"]:
+        problems.append(f"{where}: {value!r} is not one of {schema['enum']!r}")
+    if _TYPES["number"](value):
+        if "minimum" in schema and value < schema["minimum"]:
+            problems.append(f"{where}: {value} is less than {schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            problems.append(f"{where}: {value} is more than {schema['maximum']}")
+    if isinstance(value, str):
+        if "minLength" in schema and len(value) < schema["minLength"]:
+            problems.append(f"{where}: shorter than {schema['minLength']} characters")
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            problems.append(f"{where}: longer than {schema['maxLength']} characters")
+    if isinstance(value, dict):
+        properties: Mapping[str, Any] = schema.get("properties") or {}
+        problems.extend(f"{where}: missing required {key!r}" for key in schema.get("required", []) if key not in value)
+        extra = schema.get("additionalProperties", True)
+        for key, item in value.items():
+            if key in properties:
+                problems.extend(_errors(item, properties[key], f"{where}.{key}"))
+            elif extra is False:
+                problems.append(f"{where}: unexpected property {key!r}")
+            elif isinstance(extra, dict):
+                problems.extend(_errors(item, extra, f"{where}.{key}"))
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            problems.extend(_errors(item, schema["items"], f"{where}[{i}]"))
+    return problems
+
+
+class OutputValidator:
+    """Checks that a worker's output is JSON matching a pydantic model or a JSON schema.
+
+    A single surrounding Markdown code fence (```json … ```) is removed first,
+    since models often wrap JSON in one. JSON schemas are checked against
+    :data:`SUPPORTED_KEYWORDS` only (jsonschema is not a dependency); a schema
+    using anything else is refused here with a ``ValueError``.
+    """
+
+    def __init__(self, spec: type[pydantic.BaseModel] | Mapping[str, Any]) -> None:
+        self._model: type[pydantic.BaseModel] | None = None
+        self._schema: Mapping[str, Any] | None = None
+        if isinstance(spec, type) and issubclass(spec, pydantic.BaseModel):
+            self._model = spec
+        elif isinstance(spec, Mapping):
+            _check_schema(dict(spec), "$")
+            self._schema = spec
+        else:
+            raise TypeError("OutputValidator takes a pydantic model class or a JSON schema dict")
+
+    def validate(self, output: str) -> tuple[bool, str]:
+        """``(True, "")`` when valid, else ``(False, reason)``."""
+        fenced = _FENCE.match(output)
+        text = fenced.group(1) if fenced else output
+        if self._model is not None:
+            try:
+                self._model.model_validate_json(text)
+            except pydantic.ValidationError as exc:
+                problems = "; ".join(
+                    f"{'.'.join(str(p) for p in e['loc']) or '$'}: {e['msg']}" for e in exc.errors()[:10]
+                )
+                return False, f"output does not match {self._model.__name__}: {problems}"
+            return True, ""
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            return False, f"output is not JSON: {exc}"
+        assert self._schema is not None
+        problems_list = _errors(value, self._schema, "$")
+        if problems_list:
+            return False, "output does not match the schema: " + "; ".join(problems_list[:10])
+        return True, ""

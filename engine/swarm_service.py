@@ -1,0 +1,449 @@
+"""The swarm service: admission, running patterns reliably, checkpoints, progress and recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from kazma.approvals.model import Decision, PressResult, Status
+from kazma.approvals.service import ApprovalRefused, ApprovalService
+from kazma.config.metrics import count_failure
+from kazma.config.models import KazmaConfig
+from kazma.engine import swarm
+from kazma.engine.reliability import CircuitBreaker, RetryPolicy, with_timeout
+from kazma.engine.swarm_store import AtCapacity, StoreUnavailable, SwarmTaskStore, TaskRecord, TaskRun
+from kazma.engine.swarm_types import ErrorKind, Pattern, TaskStatus, Worker, WorkerResult
+
+log = structlog.get_logger("kazma.swarm")
+
+MAX_PROMPT_BYTES = 64 * 1024
+MAX_CONTEXT_BYTES = 256 * 1024
+MAX_WORKERS = 32
+CHECK_DEFAULT_WAIT = 60.0
+CHECK_MAX_WAIT = 90.0
+CHECKPOINT_TOOL = "pipeline_checkpoint"
+
+Report = Callable[[str], Awaitable[None]]
+
+
+class SwarmRefused(ValueError):
+    """The request is out of bounds or names what does not exist; nothing ran."""
+
+
+@dataclass(frozen=True)
+class SwarmRequest:
+    pattern: Pattern
+    workers: tuple[str, ...]  # ("auto",) lets dispatch route by expertise
+    prompt: str
+    owner: str
+    route: str | None = None
+    aggregation: str = "collect"
+    preset: str | None = None
+    conversation: str = "swarm"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "workers": list(self.workers),
+            "prompt": self.prompt,
+            "aggregation": self.aggregation,
+            "preset": self.preset,
+            "conversation": self.conversation,
+        }
+
+
+class CoalescingReporter:
+    """Progress lines are gathered and sent at most once per ``interval``, so a busy swarm stays inside rate limits."""
+
+    def __init__(self, send: Report, *, interval: float = 3.0) -> None:
+        self.send = send
+        self.interval = interval
+        self._lines: list[str] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, line: str) -> None:
+        self._lines.append(line)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._flush_later())
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(self.interval)
+        await self.flush()
+
+    async def flush(self) -> None:
+        lines, self._lines = self._lines, []
+        if lines:
+            try:
+                await self.send("\n".join(lines))
+            except Exception as exc:
+                count_failure("swarm_report")
+                log.warning("swarm.report_failed", error=str(exc))
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.flush()
+
+
+@dataclass
+class SwarmService:
+    store: SwarmTaskStore
+    workers: Mapping[str, Worker]
+    config: KazmaConfig
+    approvals: ApprovalService | None = None
+    reporter: CoalescingReporter | None = None
+    synthesizer: swarm.Synthesizer | None = None
+    # posts a task's result into a conversation ("platform:chat"): the route if one was given, else its origin
+    deliver: Callable[[str, str], Awaitable[None]] | None = None
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
+    clock: Callable[[], float] = time.monotonic
+    breakers: dict[str, CircuitBreaker] = field(default_factory=dict)
+    _running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _finished: dict[str, asyncio.Event] = field(default_factory=dict)
+    _gate: asyncio.Semaphore | None = None
+    _waiters: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        for name in self.workers:
+            self.breakers.setdefault(name, CircuitBreaker(name))
+        self._gate = asyncio.Semaphore(self.config.swarm.max_parallel)
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def check(self, request: SwarmRequest) -> list[Worker]:
+        """Every limit before anything runs; returns the workers in order."""
+        size = len(request.prompt.encode("utf-8"))
+        if not request.prompt.strip():
+            raise SwarmRefused("the task is empty")
+        if size > MAX_PROMPT_BYTES:
+            raise SwarmRefused(f"the task is {size:,} bytes; at most {MAX_PROMPT_BYTES:,} are accepted")
+        names = list(request.workers)
+        if request.preset is not None:
+            stages = self.config.pipelines.get(request.preset)
+            if stages is None:
+                raise SwarmRefused(f"unknown pipeline preset {request.preset!r} ({', '.join(self.config.pipelines)})")
+            names = list(stages)
+        if request.pattern is Pattern.BROADCAST and not names:
+            names = list(self.workers)
+        if len(names) > MAX_WORKERS:
+            raise SwarmRefused(f"{len(names)} workers requested; at most {MAX_WORKERS}")
+        if names == ["auto"]:
+            if request.pattern is not Pattern.DISPATCH:
+                raise SwarmRefused("workers=auto works with dispatch only")
+            try:
+                return [swarm.route_auto(request.prompt, list(self.workers.values()))]
+            except swarm.NoCapableWorker as exc:
+                raise SwarmRefused(str(exc)) from None
+        unknown = [n for n in names if n not in self.workers]
+        if unknown:
+            raise SwarmRefused(f"unknown worker(s): {', '.join(unknown)} (workers: {', '.join(self.workers)})")
+        if not names:
+            raise SwarmRefused("no workers given")
+        try:
+            swarm.parse_aggregation(request.aggregation)
+        except ValueError as exc:
+            raise SwarmRefused(str(exc)) from None
+        return [self.workers[n] for n in names]
+
+    async def submit(self, request: SwarmRequest) -> str:
+        """Admit the task (RUNNING on disk first) and start it; returns its id at once."""
+        workers = self.check(request)
+        try:
+            run = await self.store.admit(
+                request.pattern,
+                {**request.as_json(), "resolved": [w.name for w in workers]},
+                owner=request.owner,
+                route=request.route,
+                max_running=self.config.swarm.max_parallel,
+            )
+        except AtCapacity as exc:
+            raise SwarmRefused(f"at capacity, retry in {exc.retry_in} s") from None
+        self._report(
+            f"swarm task {run.task_id} started: {request.pattern.value} with {', '.join(w.name for w in workers)}"
+        )
+        self._spawn(run, request, workers)
+        return run.task_id
+
+    def _spawn(
+        self, run: TaskRun, request: SwarmRequest, workers: Sequence[Worker], *, done: Sequence[WorkerResult] = ()
+    ) -> None:
+        self._finished.setdefault(run.task_id, asyncio.Event())
+        task = asyncio.create_task(self._run(run, request, list(workers), list(done)), name=f"swarm-{run.task_id}")
+        self._running[run.task_id] = task
+
+    # -- running ---------------------------------------------------------------------------------
+
+    async def _call(self, worker: Worker, prompt: str, context: str) -> WorkerResult:
+        if len(context.encode("utf-8")) > MAX_CONTEXT_BYTES:
+            context = context.encode("utf-8")[-MAX_CONTEXT_BYTES:].decode("utf-8", "ignore")
+        breaker = self.breakers.setdefault(worker.name, CircuitBreaker(worker.name))
+        ticket = breaker.admit()
+        if ticket is None:
+            return WorkerResult(
+                worker.name,
+                False,
+                error=f"{worker.name} is resting after repeated failures"
+                f" (circuit open; retry in {breaker.retry_in():.0f} s)",
+                error_kind=ErrorKind.TRANSIENT,
+            )
+        assert self._gate is not None
+        async with self._gate:
+            result = await self.policy.run(
+                lambda: with_timeout(
+                    lambda: worker.run(prompt, context=context),
+                    self.config.swarm.step_timeout_seconds,
+                    worker=worker.name,
+                ),
+                worker=worker.name,
+            )
+        breaker.record(ticket, result.ok)
+        return result
+
+    async def _run(self, run: TaskRun, request: SwarmRequest, workers: list[Worker], done: list[WorkerResult]) -> None:
+        try:
+            outcome = await self._pattern(run, request, workers, done)
+            if outcome.status is TaskStatus.PAUSED:
+                return  # the checkpoint keeps the task; a decision resumes or ends it
+            result = {
+                "output": outcome.output,
+                "details": outcome.details,
+                "workers": [{"worker": r.worker, "ok": r.ok, "error": r.error} for r in outcome.results],
+            }
+            stored = await self.store.finish(
+                run,
+                outcome.status,
+                result=result,
+                error=None if outcome.status is not TaskStatus.FAILED else outcome.output,
+            )
+            if stored:
+                self._report(f"swarm task {run.task_id} {outcome.status.value}: {_short(outcome.output)}")
+                await self._deliver(request, f"swarm task {run.task_id} {outcome.status.value}:\n{outcome.output}")
+        except StoreUnavailable as exc:
+            count_failure("swarm_finish")
+            log.error("swarm.finish_unrecorded", task_id=run.task_id, error=str(exc))
+            self._report(f"swarm task {run.task_id} failed: its result could not be stored ({exc})")
+        except asyncio.CancelledError:
+            self._report(f"swarm task {run.task_id} cancelled")
+            raise
+        except Exception as exc:
+            count_failure("swarm_run")
+            log.exception("swarm.run_crashed", task_id=run.task_id)
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.finish(run, TaskStatus.FAILED, result=None, error=f"{type(exc).__name__}: {exc}")
+            self._report(f"swarm task {run.task_id} failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._running.pop(run.task_id, None)
+            event = self._finished.get(run.task_id)
+            if event is not None:
+                event.set()
+
+    async def _pattern(
+        self, run: TaskRun, request: SwarmRequest, workers: list[Worker], done: list[WorkerResult]
+    ) -> swarm.SwarmOutcome:
+        call = self._call
+        concurrency = self.config.swarm.max_parallel
+        if request.pattern is Pattern.DISPATCH:
+            await self.store.step(run, workers[0].name)
+            return await swarm.dispatch(call, workers[0], request.prompt, fallbacks=workers[1:], by_name=self.workers)
+        if request.pattern is Pattern.BROADCAST:
+            await self.store.step(run, "broadcast")
+            return await swarm.broadcast(call, workers, request.prompt, concurrency=concurrency)
+        if request.pattern is Pattern.FAN_OUT:
+            await self.store.step(run, "fan_out")
+            return await swarm.fan_out(
+                call,
+                workers,
+                request.prompt,
+                aggregation=swarm.parse_aggregation(request.aggregation),
+                concurrency=concurrency,
+                synthesizer=self.synthesizer,
+            )
+        if request.pattern is Pattern.CONSULT:
+            await self.store.step(run, "consult")
+            return await swarm.consult(
+                call, workers, request.prompt, synthesizer=self.synthesizer, concurrency=concurrency
+            )
+        if request.pattern is Pattern.PIPELINE:
+            return await self._pipeline(run, request, workers, done)
+        raise SwarmRefused(f"the {request.pattern.value} pattern is not available from commands")
+
+    async def _pipeline(
+        self, run: TaskRun, request: SwarmRequest, workers: list[Worker], done: list[WorkerResult]
+    ) -> swarm.SwarmOutcome:
+        checkpoints = set(self.config.swarm.checkpoints.get(request.preset or "", []))
+        current = run
+
+        async def call(worker: Worker, prompt: str, context: str) -> WorkerResult:
+            await self.store.step(current, f"stage {len(done) + 1} ({worker.name})")
+            return await self._call(worker, prompt, context)
+
+        async def journal(index: int, result: WorkerResult) -> None:
+            done.append(result)
+            await self.store.journal(current, index, result.worker, result)
+
+        async def checkpoint(index: int, result: WorkerResult) -> bool:
+            nonlocal current
+            if index + 1 not in checkpoints:
+                return True
+            decided = await self._checkpoint(current, request, index, result)
+            if decided is None:
+                return False
+            current = decided
+            return True
+
+        return await swarm.pipeline(
+            call, workers, request.prompt, done=list(done), journal=journal, checkpoint=checkpoint
+        )
+
+    async def _checkpoint(
+        self, run: TaskRun, request: SwarmRequest, index: int, result: WorkerResult
+    ) -> TaskRun | None:
+        """Pause after stage ``index + 1``: an approval card everywhere; approve resumes, reject or deadline ends."""
+        if self.approvals is None:
+            raise RuntimeError("a checkpoint needs the approvals service")
+        args = {"task": run.task_id, "after_stage": index + 1, "worker": result.worker, "output": result.output[:2000]}
+        try:
+            approval = await self.approvals.open(
+                CHECKPOINT_TOOL, args, f"swarm:{run.task_id}", request.conversation, task_id=run.task_id
+            )
+        except ApprovalRefused as exc:
+            await self.store.finish(run, TaskStatus.FAILED, result=None, error=str(exc))
+            return None
+        await self.store.pause(run, f"checkpoint {approval.id} after stage {index + 1} ({result.worker})")
+        self._report(f"swarm task {run.task_id} paused after stage {index + 1}: approve or reject it")
+        return await self._await_checkpoint(run.task_id, approval.id)
+
+    async def _await_checkpoint(self, task_id: str, approval_id: str) -> TaskRun | None:
+        assert self.approvals is not None
+        outcome = await self.approvals.wait(approval_id)
+        if outcome.status is Status.APPROVED:
+            resumed = await self.store.resume(task_id)
+            self._report(f"swarm task {task_id} resumed ({outcome.summary()})")
+            return resumed
+        why = "rejected" if outcome.status is Status.DENIED else outcome.status.value
+        await self.store.cancel(task_id, actor=outcome.decided_by or "the checkpoint deadline")
+        self._report(f"swarm task {task_id} ended at its checkpoint: {why} ({outcome.summary()})")
+        return None
+
+    async def _deliver(self, request: SwarmRequest, text: str) -> None:
+        target = request.route or request.conversation
+        if self.deliver is None or ":" not in target:
+            return
+        try:
+            await self.deliver(target, text)
+        except Exception as exc:
+            count_failure("swarm_deliver")
+            log.warning("swarm.deliver_failed", target=target, error=str(exc))
+
+    def _report(self, line: str) -> None:
+        log.info("swarm.progress", line=line)
+        if self.reporter is not None:
+            self.reporter.add(line)
+
+    # -- operators -------------------------------------------------------------------------------
+
+    async def wait(self, task_id: str, wait_seconds: float = CHECK_DEFAULT_WAIT) -> TaskRecord | None:
+        """Answer as soon as the task ends, or after ``wait_seconds`` (at most 90 s) with where it is."""
+        limit = max(0.0, min(wait_seconds, CHECK_MAX_WAIT))
+        event = self._finished.get(task_id)
+        if event is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout=limit)
+        return await self.store.get(task_id)
+
+    async def cancel(self, task_id: str, *, actor: str) -> str:
+        record = await self.store.get(task_id)
+        if record is None:
+            return f"no swarm task {task_id!r}"
+        if record.status.terminal:
+            return f"swarm task {task_id} already ended: {record.status.value}"
+        changed = await self.store.cancel(task_id, actor=actor)
+        task = self._running.get(task_id)
+        if task is not None:
+            task.cancel()
+        return (
+            f"swarm task {task_id} cancelled by {actor}" if changed else f"swarm task {task_id} could not be cancelled"
+        )
+
+    async def decide_checkpoint(self, task_id: str, decision: Decision, *, actor: str, platform: str) -> str:
+        if self.approvals is None:
+            return "checkpoints need the approvals service"
+        record = await self.store.get(task_id)
+        if record is None or record.status is not TaskStatus.PAUSED:
+            return f"swarm task {task_id} is not waiting at a checkpoint"
+        approval_id = _checkpoint_id(record.current_step)
+        if approval_id is None:
+            return f"swarm task {task_id} has no open checkpoint"
+        result: PressResult = await self.approvals.decide(approval_id, decision, actor=actor, platform=platform)
+        return result.message
+
+    async def recover(self) -> list[str]:
+        """Rows left RUNNING are reported interrupted (never re-run); paused pipelines wait again."""
+        lines = []
+        for item in await self.store.recover():
+            line = f"swarm task {item.task_id} was interrupted in {item.step}; its outcome is unknown. Nothing re-ran."
+            lines.append(line)
+            self._report(line)
+        for record in await self.store.list(TaskStatus.PAUSED, limit=self.config.swarm.max_paused_pipelines):
+            approval_id = _checkpoint_id(record.current_step)
+            if approval_id is not None:
+                self._finished.setdefault(record.id, asyncio.Event())
+                waiter = asyncio.create_task(self._resume_after_restart(record, approval_id))
+                self._waiters.add(waiter)
+                waiter.add_done_callback(self._waiters.discard)
+        return lines
+
+    async def _resume_after_restart(self, record: TaskRecord, approval_id: str) -> None:
+        resumed = await self._await_checkpoint(record.id, approval_id)
+        if resumed is None:
+            event = self._finished.get(record.id)
+            if event is not None:
+                event.set()
+            return
+        request = request_from(record)
+        workers = [self.workers[n] for n in record.request.get("resolved", []) if n in self.workers]
+        done = [step.to_result() for step in await self.store.journaled(record.id)]
+        self._spawn(resumed, request, workers, done=done)
+
+    def worker_lines(self) -> list[str]:
+        return [f"{name}: breaker {self.breakers[name].state}" for name in self.workers]
+
+    async def close(self) -> None:
+        for task in [*self._running.values(), *self._waiters]:
+            task.cancel()
+        for task in [*self._running.values(), *self._waiters]:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.reporter is not None:
+            await self.reporter.close()
+
+
+def _checkpoint_id(step: str) -> str | None:
+    parts = step.split()
+    return parts[1] if len(parts) > 1 and parts[0] == "checkpoint" else None
+
+
+def request_from(record: TaskRecord) -> SwarmRequest:
+    data = record.request
+    return SwarmRequest(
+        pattern=record.pattern,
+        workers=tuple(data.get("workers", [])),
+        prompt=str(data.get("prompt", "")),
+        owner=record.owner,
+        route=record.route,
+        aggregation=str(data.get("aggregation", "collect")),
+        preset=data.get("preset"),
+        conversation=str(data.get("conversation", "swarm")),
+    )
+
+
+def _short(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

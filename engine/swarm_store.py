@@ -1,0 +1,809 @@
+"""Swarm tasks on disk: every run is a RUNNING row before its first worker call.
+
+A task row carries a ``generation`` and a random ``run_id``. Every write a run
+makes (its current step, a journal entry, pause, finish) is a compare-and-set
+on ``(id, generation, run_id, status)``, so a run that was cancelled, resumed
+as a newer generation or marked interrupted after a restart can no longer
+touch the row. A refused write is logged, counted and kept in
+``swarm_rejected_writes`` as evidence rather than silently dropped.
+
+After a crash :meth:`SwarmTaskStore.recover` turns rows left RUNNING into
+INTERRUPTED with an unknown outcome. Nothing here ever re-runs a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import json
+import secrets
+import sqlite3
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import aiosqlite
+import structlog
+
+from kazma.config.database import Migration
+from kazma.config.metrics import count_failure
+from kazma.engine.swarm_types import ErrorKind, Pattern, TaskStatus, WorkerResult
+
+log = structlog.get_logger("kazma.swarm")
+
+T = TypeVar("T")
+
+MIGRATIONS = [
+    Migration(
+        "swarm",
+        1,
+        (
+            """
+            CREATE TABLE IF NOT EXISTS swarm_tasks (
+                id TEXT PRIMARY KEY,
+                pattern TEXT NOT NULL,
+                status TEXT NOT NULL,
+                generation INTEGER NOT NULL,
+                run_id TEXT NOT NULL,
+                request_json TEXT NOT NULL,
+                result_json TEXT,
+                error TEXT,
+                current_step TEXT NOT NULL DEFAULT '',
+                owner TEXT NOT NULL,
+                route TEXT,
+                parent_id TEXT,
+                created_at REAL NOT NULL,
+                updated_at REAL NOT NULL,
+                finished_at REAL
+            )
+            """,
+            "CREATE INDEX IF NOT EXISTS swarm_tasks_status ON swarm_tasks (status)",
+            "CREATE INDEX IF NOT EXISTS swarm_tasks_created ON swarm_tasks (created_at)",
+            "CREATE INDEX IF NOT EXISTS swarm_tasks_finished ON swarm_tasks (finished_at)",
+            # One row per step position: the index is the step's place in the task,
+            # shared by every generation, so a resumed pipeline cannot record a step twice.
+            """
+            CREATE TABLE IF NOT EXISTS swarm_steps (
+                task_id TEXT NOT NULL,
+                generation INTEGER NOT NULL,
+                idx INTEGER NOT NULL,
+                worker TEXT NOT NULL,
+                ok INTEGER NOT NULL,
+                output TEXT NOT NULL,
+                error TEXT NOT NULL,
+                error_kind TEXT,
+                changed_state INTEGER NOT NULL DEFAULT 0,
+                at REAL NOT NULL,
+                PRIMARY KEY (task_id, idx)
+            )
+            """,
+            """
+            CREATE TABLE IF NOT EXISTS swarm_rejected_writes (
+                id INTEGER PRIMARY KEY AUTOINCREMENT,
+                task_id TEXT NOT NULL,
+                generation INTEGER NOT NULL,
+                run_id TEXT NOT NULL,
+                attempted_status TEXT NOT NULL,
+                reason TEXT NOT NULL,
+                payload TEXT NOT NULL,
+                at REAL NOT NULL
+            )
+            """,
+            "CREATE INDEX IF NOT EXISTS swarm_rejected_task ON swarm_rejected_writes (task_id)",
+        ),
+    )
+]
+
+# Terminal states are never left, and there is no pending state to return to:
+# a task is RUNNING from the moment it exists.
+TRANSITIONS: dict[TaskStatus, frozenset[TaskStatus]] = {
+    TaskStatus.RUNNING: frozenset(
+        {
+            TaskStatus.PAUSED,
+            TaskStatus.SUCCEEDED,
+            TaskStatus.PARTIAL,
+            TaskStatus.FAILED,
+            TaskStatus.CANCELLED,
+            TaskStatus.INTERRUPTED,
+        }
+    ),
+    TaskStatus.PAUSED: frozenset({TaskStatus.RUNNING, TaskStatus.FAILED, TaskStatus.CANCELLED, TaskStatus.INTERRUPTED}),
+    TaskStatus.SUCCEEDED: frozenset(),
+    TaskStatus.PARTIAL: frozenset(),
+    TaskStatus.FAILED: frozenset(),
+    TaskStatus.CANCELLED: frozenset(),
+    TaskStatus.INTERRUPTED: frozenset(),
+}
+
+
+def allowed_from(target: TaskStatus) -> frozenset[TaskStatus]:
+    """The states from which ``target`` may be reached."""
+    return frozenset(source for source, targets in TRANSITIONS.items() if target in targets)
+
+
+class AtCapacity(Exception):
+    """``max_running`` tasks already run; nothing was written."""
+
+    def __init__(self, retry_in: int) -> None:
+        super().__init__(f"the swarm is at capacity; try again in about {retry_in} s")
+        self.retry_in = retry_in
+
+
+class StoreUnavailable(Exception):
+    """The store kept failing with transient errors after every retry."""
+
+    def __init__(self, operation: str, reason: str) -> None:
+        super().__init__(f"the task store is unavailable ({operation}): {reason}")
+        self.operation = operation
+        self.reason = reason
+
+
+class UnknownTask(LookupError):
+    def __init__(self, task_id: str) -> None:
+        super().__init__(f"no swarm task {task_id!r}")
+        self.task_id = task_id
+
+
+class IllegalTransition(Exception):
+    """An operator action (resume) asked for a transition the task's current state does not allow."""
+
+
+@dataclass(frozen=True)
+class TaskRun:
+    """The capability to write to one run of a task; stale once the task moves on."""
+
+    task_id: str
+    generation: int
+    run_id: str
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    id: str
+    pattern: Pattern
+    status: TaskStatus
+    generation: int
+    run_id: str
+    request: dict[str, Any]
+    result: dict[str, Any] | None
+    error: str | None
+    current_step: str
+    owner: str
+    route: str | None
+    parent_id: str | None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    task_id: str
+    generation: int
+    idx: int
+    worker: str
+    ok: bool
+    output: str
+    error: str
+    error_kind: ErrorKind | None
+    changed_state: bool
+    at: datetime
+
+    def to_result(self) -> WorkerResult:
+        """The journaled result as the pipeline saw it (usage is not kept)."""
+        return WorkerResult(
+            self.worker,
+            self.ok,
+            output=self.output,
+            error=self.error,
+            error_kind=self.error_kind,
+            changed_state=self.changed_state,
+        )
+
+
+@dataclass(frozen=True)
+class InterruptedTask:
+    task_id: str
+    pattern: Pattern
+    generation: int
+    step: str
+    owner: str
+    route: str | None
+    error: str
+
+
+@dataclass(frozen=True)
+class RejectedWrite:
+    task_id: str
+    generation: int
+    run_id: str
+    attempted_status: str
+    reason: str
+    payload: dict[str, Any]
+    at: datetime
+
+
+_TASK_COLUMNS = (
+    "id, pattern, status, generation, run_id, request_json, result_json, error, current_step, owner, route,"
+    " parent_id, created_at, updated_at, finished_at"
+)
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, sqlite3.OperationalError):
+        text = str(exc).lower()
+        return any(marker in text for marker in ("locked", "busy", "disk i/o", "unable to open"))
+    return isinstance(exc, OSError)
+
+
+def _utc(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, tz=UTC)
+
+
+def interrupted_reason(step: str) -> str:
+    if step:
+        return f"interrupted: the process stopped in {step}; its outcome is unknown"
+    return "interrupted: the process stopped before its first step; its outcome is unknown"
+
+
+class SwarmTaskStore:
+    """Swarm task rows, their step journal and the evidence of refused writes.
+
+    Give it its own connection (:func:`kazma.config.database.connect` with
+    :data:`MIGRATIONS` applied). Every statement, reads included, runs under
+    one lock: a read cursor left open on a shared connection pins an old WAL
+    snapshot and a later ``BEGIN IMMEDIATE`` on it fails with SQLITE_BUSY.
+    """
+
+    def __init__(
+        self,
+        conn: aiosqlite.Connection,
+        *,
+        clock: Callable[[], float] = time.time,
+        retries: int = 3,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        capacity_retry_in: int = 10,
+    ) -> None:
+        self.conn = conn
+        self.clock = clock
+        self.retries = max(0, retries)
+        self.sleep = sleep
+        self.capacity_retry_in = capacity_retry_in
+        self._lock = asyncio.Lock()
+
+    # -- plumbing ---------------------------------------------------------------
+
+    async def _attempt(self, operation: str, body: Callable[[], Awaitable[T]]) -> T:
+        """Run ``body`` under the lock, retrying transient store errors with backoff.
+
+        The lock is released between attempts so a slow retry does not hold up readers.
+        """
+        reason = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await self.sleep(min(2.0, 0.05 * 2.0 ** (attempt - 1)))
+            try:
+                async with self._lock:
+                    return await body()
+            except Exception as exc:
+                if not _transient(exc):
+                    raise
+                reason = f"{type(exc).__name__}: {exc}"
+                log.warning("swarm.store_retry", operation=operation, attempt=attempt + 1, reason=reason)
+        count_failure("swarm_store_unavailable")
+        log.error("swarm.store_unavailable", operation=operation, reason=reason)
+        raise StoreUnavailable(operation, reason)
+
+    async def _in_transaction(self, body: Callable[[], Awaitable[T]]) -> T:
+        """``BEGIN IMMEDIATE`` … ``COMMIT``; rolls back on any failure, a failed COMMIT included."""
+        await self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            value = await body()
+            await self.conn.execute("COMMIT")
+        except BaseException:
+            if self.conn.in_transaction:
+                try:
+                    await self.conn.execute("ROLLBACK")
+                except Exception as exc:  # the original error matters more than a failed rollback
+                    log.warning("swarm.rollback_failed", reason=f"{type(exc).__name__}: {exc}")
+            raise
+        return value
+
+    async def _fetchall(self, sql: str, params: Iterable[Any] = ()) -> builtins.list[Any]:
+        async with self.conn.execute(sql, tuple(params)) as cursor:
+            return builtins.list(await cursor.fetchall())
+
+    async def _fetchone(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        async with self.conn.execute(sql, tuple(params)) as cursor:
+            return await cursor.fetchone()
+
+    async def _write(self, sql: str, params: Iterable[Any] = ()) -> int:
+        cursor = await self.conn.execute(sql, tuple(params))
+        changed = cursor.rowcount
+        await cursor.close()
+        return int(changed)
+
+    async def _guarded(
+        self,
+        operation: str,
+        run: TaskRun,
+        attempted: TaskStatus,
+        sources: Iterable[TaskStatus],
+        write: Callable[[], Awaitable[int]],
+        payload: dict[str, Any],
+    ) -> bool:
+        """Run one compare-and-set ``write``; when it changes nothing, keep the evidence of why."""
+        source_set = frozenset(sources)
+
+        async def body() -> str | None:
+            if await write() == 1:
+                return None
+            row = await self._fetchone(
+                "SELECT status, generation, run_id FROM swarm_tasks WHERE id = ?", (run.task_id,)
+            )
+            reason = _why_rejected(row, run, attempted, source_set, operation)
+            await self._write(
+                "INSERT INTO swarm_rejected_writes (task_id, generation, run_id, attempted_status, reason, payload, at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    run.task_id,
+                    run.generation,
+                    run.run_id,
+                    attempted.value,
+                    reason,
+                    json.dumps({"operation": operation, **payload}, default=str),
+                    self.clock(),
+                ),
+            )
+            return reason
+
+        reason = await self._attempt(operation, lambda: self._in_transaction(body))
+        if reason is None:
+            return True
+        log.warning(
+            "swarm.write_rejected",
+            task_id=run.task_id,
+            generation=run.generation,
+            run_id=run.run_id,
+            operation=operation,
+            attempted_status=attempted.value,
+            reason=reason,
+        )
+        count_failure("swarm_stale_write")
+        return False
+
+    # -- admission and a run's writes -----------------------------------------------
+
+    async def admit(
+        self,
+        pattern: Pattern,
+        request: dict[str, Any],
+        *,
+        owner: str,
+        route: str | None = None,
+        parent_id: str | None = None,
+        max_running: int | None = None,
+    ) -> TaskRun:
+        """Write the task RUNNING (generation 1, fresh run id) before any of its work starts.
+
+        With ``max_running`` the count of RUNNING tasks and the insert happen in one
+        ``BEGIN IMMEDIATE`` transaction, so two processes cannot both take the last slot;
+        a full swarm raises :class:`AtCapacity` and writes nothing. Raises
+        :class:`StoreUnavailable` when the row could not be written: the work must not start.
+        """
+        body_json = json.dumps({"pattern": Pattern(pattern).value, **request}, sort_keys=True)
+        run = TaskRun(secrets.token_urlsafe(9), 1, secrets.token_urlsafe(12))
+        now = self.clock()
+
+        async def body() -> None:
+            inserted = await self._write(
+                f"INSERT INTO swarm_tasks ({_TASK_COLUMNS})"  # noqa: S608 - constant column list
+                " SELECT ?, ?, ?, ?, ?, ?, NULL, NULL, '', ?, ?, ?, ?, ?, NULL"
+                " WHERE ? IS NULL OR (SELECT COUNT(*) FROM swarm_tasks WHERE status = ?) < ?",
+                (
+                    run.task_id,
+                    Pattern(pattern).value,
+                    TaskStatus.RUNNING.value,
+                    run.generation,
+                    run.run_id,
+                    body_json,
+                    owner,
+                    route,
+                    parent_id,
+                    now,
+                    now,
+                    max_running,
+                    TaskStatus.RUNNING.value,
+                    max_running,
+                ),
+            )
+            if inserted != 1:
+                raise AtCapacity(self.capacity_retry_in)
+
+        await self._attempt("admit", lambda: self._in_transaction(body))
+        log.info("swarm.admitted", task_id=run.task_id, pattern=Pattern(pattern).value, owner=owner, route=route)
+        return run
+
+    async def step(self, run: TaskRun, name: str) -> bool:
+        """Record which step or worker the run is in now; refused unless ``run`` is current and RUNNING."""
+        return await self._guarded(
+            "step",
+            run,
+            TaskStatus.RUNNING,
+            {TaskStatus.RUNNING},
+            lambda: self._write(
+                "UPDATE swarm_tasks SET current_step = ?, updated_at = ?"
+                " WHERE id = ? AND generation = ? AND run_id = ? AND status = ?",
+                (name, self.clock(), run.task_id, run.generation, run.run_id, TaskStatus.RUNNING.value),
+            ),
+            {"step": name},
+        )
+
+    async def journal(self, run: TaskRun, idx: int, worker: str, result: WorkerResult) -> bool:
+        """Append step ``idx`` to the journal; refused for a stale run, a task not RUNNING, or an ``idx`` already kept.
+
+        ``idx`` is the step's position in the whole task, not within a generation.
+        """
+        return await self._guarded(
+            "journal",
+            run,
+            TaskStatus.RUNNING,
+            {TaskStatus.RUNNING},
+            lambda: self._write(
+                "INSERT OR IGNORE INTO swarm_steps"
+                " (task_id, generation, idx, worker, ok, output, error, error_kind, changed_state, at)"
+                " SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM swarm_tasks"
+                " WHERE id = ? AND generation = ? AND run_id = ? AND status = ?)",
+                (
+                    run.task_id,
+                    run.generation,
+                    idx,
+                    worker,
+                    int(result.ok),
+                    result.output,
+                    result.error,
+                    None if result.error_kind is None else result.error_kind.value,
+                    int(result.changed_state),
+                    self.clock(),
+                    run.task_id,
+                    run.generation,
+                    run.run_id,
+                    TaskStatus.RUNNING.value,
+                ),
+            ),
+            {"idx": idx, "worker": worker, "ok": result.ok, "error": result.error},
+        )
+
+    async def journaled(self, task_id: str) -> builtins.list[StepRecord]:
+        """Every journaled step of the task, across all generations, in step order.
+
+        A resumed pipeline continues after the last of these; ``generation`` tells
+        which run recorded each one.
+        """
+
+        async def body() -> builtins.list[Any]:
+            return await self._fetchall(
+                "SELECT task_id, generation, idx, worker, ok, output, error, error_kind, changed_state, at"
+                " FROM swarm_steps WHERE task_id = ? ORDER BY idx",
+                (task_id,),
+            )
+
+        rows = await self._attempt("journaled", body)
+        return [
+            StepRecord(
+                str(r[0]),
+                int(r[1]),
+                int(r[2]),
+                str(r[3]),
+                bool(r[4]),
+                str(r[5]),
+                str(r[6]),
+                None if r[7] is None else ErrorKind(r[7]),
+                bool(r[8]),
+                _utc(float(r[9])),
+            )
+            for r in rows
+        ]
+
+    async def pause(self, run: TaskRun, step: str) -> bool:
+        """RUNNING → PAUSED at ``step`` (a checkpoint waits). The run keeps its generation until :meth:`resume`."""
+        return await self._guarded(
+            "pause",
+            run,
+            TaskStatus.PAUSED,
+            allowed_from(TaskStatus.PAUSED),
+            lambda: self._write(
+                "UPDATE swarm_tasks SET status = ?, current_step = ?, updated_at = ?"
+                " WHERE id = ? AND generation = ? AND run_id = ? AND status = ?",
+                (
+                    TaskStatus.PAUSED.value,
+                    step,
+                    self.clock(),
+                    run.task_id,
+                    run.generation,
+                    run.run_id,
+                    TaskStatus.RUNNING.value,
+                ),
+            ),
+            {"step": step},
+        )
+
+    async def resume(self, task_id: str, *, max_running: int | None = None) -> TaskRun:
+        """PAUSED → RUNNING as a new generation with a new run id; the journal keeps the earlier steps.
+
+        Every write of the paused run is stale from here on. Raises :class:`UnknownTask`,
+        :class:`IllegalTransition` when the task is not paused (two resumers: one wins),
+        or :class:`AtCapacity` when ``max_running`` tasks already run.
+        """
+        new_run_id = secrets.token_urlsafe(12)
+
+        async def body() -> int:
+            row = await self._fetchone("SELECT status, generation FROM swarm_tasks WHERE id = ?", (task_id,))
+            if row is None:
+                raise UnknownTask(task_id)
+            if TaskStatus(row[0]) is not TaskStatus.PAUSED:
+                raise IllegalTransition(f"task {task_id} is {row[0]}, not paused: it cannot be resumed")
+            if max_running is not None:
+                running = await self._fetchone(
+                    "SELECT COUNT(*) FROM swarm_tasks WHERE status = ?", (TaskStatus.RUNNING.value,)
+                )
+                if int(running[0]) >= max_running:
+                    raise AtCapacity(self.capacity_retry_in)
+            generation = int(row[1]) + 1
+            await self._write(
+                "UPDATE swarm_tasks SET status = ?, generation = ?, run_id = ?, updated_at = ?"
+                " WHERE id = ? AND status = ?",
+                (TaskStatus.RUNNING.value, generation, new_run_id, self.clock(), task_id, TaskStatus.PAUSED.value),
+            )
+            return generation
+
+        generation = await self._attempt("resume", lambda: self._in_transaction(body))
+        log.info("swarm.resumed", task_id=task_id, generation=generation)
+        return TaskRun(task_id, generation, new_run_id)
+
+    async def finish(
+        self,
+        run: TaskRun,
+        status: TaskStatus,
+        *,
+        result: dict[str, Any] | None,
+        error: str | None,
+    ) -> bool:
+        """Move the run's task to the terminal ``status`` by compare-and-set.
+
+        Returns False when the write is refused — ``run`` is an older generation or
+        run, or the task's state does not allow ``status`` (it was cancelled, say);
+        the refusal is logged as ``swarm.write_rejected``, counted and kept in
+        ``swarm_rejected_writes``.
+
+        Transient store errors are retried with backoff. When they persist this
+        raises :class:`StoreUnavailable`: the caller must report the run as failed
+        with that reason, never as stored work, because nothing was recorded.
+        """
+        if not status.terminal:
+            raise ValueError(f"finish() takes a terminal status, not {status.value}; use pause() or resume()")
+        result_json = None if result is None else json.dumps(result, sort_keys=True, default=str)
+        sources = allowed_from(status)
+        marks = ", ".join("?" for _ in sources)
+
+        def write() -> Awaitable[int]:
+            now = self.clock()
+            return self._write(
+                "UPDATE swarm_tasks SET status = ?, result_json = ?, error = ?, updated_at = ?, finished_at = ?"  # noqa: S608
+                f" WHERE id = ? AND generation = ? AND run_id = ? AND status IN ({marks})",
+                (
+                    status.value,
+                    result_json,
+                    error,
+                    now,
+                    now,
+                    run.task_id,
+                    run.generation,
+                    run.run_id,
+                    *sorted(s.value for s in sources),
+                ),
+            )
+
+        done = await self._guarded("finish", run, status, sources, write, {"result": result, "error": error})
+        if done:
+            log.info("swarm.finished", task_id=run.task_id, generation=run.generation, status=status.value)
+        return done
+
+    # -- operators and restart ------------------------------------------------------
+
+    async def cancel(self, task_id: str, *, actor: str) -> bool:
+        """An operator cancels a RUNNING or PAUSED task, whatever its generation.
+
+        False when the task already ended. Later writes of its run are refused as
+        stale; stopping the coroutine itself is the caller's job. Raises :class:`UnknownTask`.
+        """
+        sources = sorted(s.value for s in allowed_from(TaskStatus.CANCELLED))
+
+        async def body() -> int:
+            now = self.clock()
+            changed = await self._write(
+                "UPDATE swarm_tasks SET status = ?, error = ?, updated_at = ?, finished_at = ?"  # noqa: S608
+                f" WHERE id = ? AND status IN ({', '.join('?' for _ in sources)})",
+                (TaskStatus.CANCELLED.value, f"cancelled by {actor}", now, now, task_id, *sources),
+            )
+            if changed == 0 and await self._fetchone("SELECT 1 FROM swarm_tasks WHERE id = ?", (task_id,)) is None:
+                raise UnknownTask(task_id)
+            return changed
+
+        changed = await self._attempt("cancel", lambda: self._in_transaction(body))
+        if changed:
+            log.info("swarm.cancelled", task_id=task_id, actor=actor)
+        return changed == 1
+
+    async def recover(self) -> builtins.list[InterruptedTask]:
+        """At start, mark every RUNNING row INTERRUPTED (outcome unknown, naming its step); never re-run it.
+
+        PAUSED rows stay paused: their pipeline can be resumed after the restart.
+        Call it once at start, before this process admits work, and only when no
+        other live process shares the file — it cannot tell their runs from dead ones.
+        """
+
+        async def body() -> builtins.list[InterruptedTask]:
+            rows = await self._fetchall(
+                "SELECT id, pattern, generation, current_step, owner, route FROM swarm_tasks WHERE status = ?",
+                (TaskStatus.RUNNING.value,),
+            )
+            now = self.clock()
+            changed: builtins.list[InterruptedTask] = []
+            for task_id, pattern, generation, step, owner, route in rows:
+                reason = interrupted_reason(str(step))
+                if await self._write(
+                    "UPDATE swarm_tasks SET status = ?, error = ?, updated_at = ?, finished_at = ?"
+                    " WHERE id = ? AND generation = ? AND status = ?",
+                    (TaskStatus.INTERRUPTED.value, reason, now, now, task_id, generation, TaskStatus.RUNNING.value),
+                ):
+                    changed.append(
+                        InterruptedTask(
+                            str(task_id),
+                            Pattern(pattern),
+                            int(generation),
+                            str(step),
+                            str(owner),
+                            None if route is None else str(route),
+                            reason,
+                        )
+                    )
+            return changed
+
+        interrupted = await self._attempt("recover", lambda: self._in_transaction(body))
+        for task in interrupted:
+            log.warning("swarm.interrupted", task_id=task.task_id, step=task.step, owner=task.owner)
+        return interrupted
+
+    # -- reads ------------------------------------------------------------------------
+
+    async def _tasks(self, operation: str, sql: str, params: tuple[Any, ...]) -> builtins.list[TaskRecord]:
+        async def body() -> builtins.list[Any]:
+            return await self._fetchall(sql, params)
+
+        return [_record(r) for r in await self._attempt(operation, body)]
+
+    async def get(self, task_id: str) -> TaskRecord | None:
+        rows = await self._tasks("get", f"SELECT {_TASK_COLUMNS} FROM swarm_tasks WHERE id = ?", (task_id,))  # noqa: S608
+        return rows[0] if rows else None
+
+    async def list(self, status: TaskStatus | None = None, limit: int = 50) -> builtins.list[TaskRecord]:
+        """Tasks newest first, optionally only those in ``status``."""
+        if status is None:
+            return await self._tasks(
+                "list",
+                f"SELECT {_TASK_COLUMNS} FROM swarm_tasks ORDER BY created_at DESC, rowid DESC LIMIT ?",  # noqa: S608
+                (limit,),
+            )
+        return await self._tasks(
+            "list",
+            f"SELECT {_TASK_COLUMNS} FROM swarm_tasks WHERE status = ?"  # noqa: S608
+            " ORDER BY created_at DESC, rowid DESC LIMIT ?",
+            (status.value, limit),
+        )
+
+    async def history(self, limit: int = 20) -> builtins.list[TaskRecord]:
+        """Finished tasks, most recently finished first."""
+        return await self._tasks(
+            "history",
+            f"SELECT {_TASK_COLUMNS} FROM swarm_tasks WHERE finished_at IS NOT NULL"  # noqa: S608
+            " ORDER BY finished_at DESC, rowid DESC LIMIT ?",
+            (limit,),
+        )
+
+    async def count(self, status: TaskStatus) -> int:
+        async def body() -> Any:
+            return await self._fetchone("SELECT COUNT(*) FROM swarm_tasks WHERE status = ?", (status.value,))
+
+        row = await self._attempt("count", body)
+        return int(row[0])
+
+    async def rejected_writes(self, task_id: str) -> builtins.list[RejectedWrite]:
+        async def body() -> builtins.list[Any]:
+            return await self._fetchall(
+                "SELECT task_id, generation, run_id, attempted_status, reason, payload, at"
+                " FROM swarm_rejected_writes WHERE task_id = ? ORDER BY id",
+                (task_id,),
+            )
+
+        return [
+            RejectedWrite(str(r[0]), int(r[1]), str(r[2]), str(r[3]), str(r[4]), json.loads(r[5]), _utc(float(r[6])))
+            for r in await self._attempt("rejected_writes", body)
+        ]
+
+    async def prune(self, older_than_days: int) -> int:
+        """Delete tasks that finished more than ``older_than_days`` ago, with their journal and rejected-write rows.
+
+        RUNNING and PAUSED tasks are never pruned. Returns how many tasks went.
+        """
+        cutoff = self.clock() - older_than_days * 86400.0
+        terminal = sorted(s.value for s in TaskStatus if s.terminal)
+        marks = ", ".join("?" for _ in terminal)
+        doomed = f"SELECT id FROM swarm_tasks WHERE finished_at IS NOT NULL AND finished_at < ? AND status IN ({marks})"  # noqa: S608
+
+        async def body() -> int:
+            params = (cutoff, *terminal)
+            await self._write(f"DELETE FROM swarm_steps WHERE task_id IN ({doomed})", params)  # noqa: S608
+            await self._write(f"DELETE FROM swarm_rejected_writes WHERE task_id IN ({doomed})", params)  # noqa: S608
+            return await self._write(f"DELETE FROM swarm_tasks WHERE id IN ({doomed})", params)  # noqa: S608
+
+        pruned = await self._attempt("prune", lambda: self._in_transaction(body))
+        if pruned:
+            log.info("swarm.pruned", tasks=pruned, older_than_days=older_than_days)
+        return pruned
+
+
+def _why_rejected(row: Any, run: TaskRun, attempted: TaskStatus, sources: frozenset[TaskStatus], operation: str) -> str:
+    if row is None:
+        return "unknown task"
+    status, generation, run_id = TaskStatus(row[0]), int(row[1]), str(row[2])
+    if generation != run.generation:
+        return f"stale generation {run.generation}: the task is at generation {generation} ({status.value})"
+    if run_id != run.run_id:
+        return f"stale run: the task's current run is another one ({status.value})"
+    if status not in sources:
+        if operation in ("step", "journal"):
+            return f"the task is {status.value}, not running"
+        return f"illegal transition {status.value} -> {attempted.value}"
+    if operation == "journal":
+        return "this step index is already journaled"
+    return "the row changed underneath the write"
+
+
+def _record(row: Any) -> TaskRecord:
+    (
+        task_id,
+        pattern,
+        status,
+        generation,
+        run_id,
+        request_json,
+        result_json,
+        error,
+        current_step,
+        owner,
+        route,
+        parent_id,
+        created_at,
+        updated_at,
+        finished_at,
+    ) = row
+    return TaskRecord(
+        id=str(task_id),
+        pattern=Pattern(pattern),
+        status=TaskStatus(status),
+        generation=int(generation),
+        run_id=str(run_id),
+        request=json.loads(request_json),
+        result=None if result_json is None else json.loads(result_json),
+        error=None if error is None else str(error),
+        current_step=str(current_step),
+        owner=str(owner),
+        route=None if route is None else str(route),
+        parent_id=None if parent_id is None else str(parent_id),
+        created_at=_utc(float(created_at)),
+        updated_at=_utc(float(updated_at)),
+        finished_at=None if finished_at is None else _utc(float(finished_at)),
+    )
