@@ -244,12 +244,15 @@ class ApprovalService:
 
     # -- waiting ---------------------------------------------------------------------------------
 
-    async def wait(self, request_id: str) -> Outcome:
+    async def wait(self, request_id: str, *, cancel_with_waiter: bool = True) -> Outcome:
         """Return the outcome as soon as there is one.
 
         At the request's deadline the outcome is ``timeout``; if this waiter is
-        cancelled, the request ends ``cancelled``. Neither is a denial. A decision
-        by another process sharing the file is seen within ``poll_interval``.
+        cancelled, the request ends ``cancelled`` — unless ``cancel_with_waiter``
+        is False, for requests that outlive the process waiting on them (a paused
+        pipeline's checkpoint is picked up again after a restart). Neither is a
+        denial. A decision by another process sharing the file is seen within
+        ``poll_interval``.
         """
         event = self._decided.setdefault(request_id, asyncio.Event())
         deadline: float | None = None
@@ -278,7 +281,8 @@ class ApprovalService:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), timeout=min(self.poll_interval, remaining))
         except asyncio.CancelledError:
-            await asyncio.shield(self._cancel(request_id))
+            if cancel_with_waiter:
+                await asyncio.shield(self._cancel(request_id))
             raise
         finally:
             self._decided.pop(request_id, None)

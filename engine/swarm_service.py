@@ -109,6 +109,7 @@ class SwarmService:
     _finished: dict[str, asyncio.Event] = field(default_factory=dict)
     _gate: asyncio.Semaphore | None = None
     _waiters: set[asyncio.Task[None]] = field(default_factory=set)
+    _current: dict[str, TaskRun] = field(default_factory=dict)  # a checkpoint resume moves a task to a new run
 
     def __post_init__(self) -> None:
         for name in self.workers:
@@ -207,8 +208,10 @@ class SwarmService:
         return result
 
     async def _run(self, run: TaskRun, request: SwarmRequest, workers: list[Worker], done: list[WorkerResult]) -> None:
+        self._current[run.task_id] = run
         try:
             outcome = await self._pattern(run, request, workers, done)
+            run = self._current.get(run.task_id, run)
             if outcome.status is TaskStatus.PAUSED:
                 return  # the checkpoint keeps the task; a decision resumes or ends it
             result = {
@@ -240,6 +243,7 @@ class SwarmService:
             self._report(f"swarm task {run.task_id} failed: {type(exc).__name__}: {exc}")
         finally:
             self._running.pop(run.task_id, None)
+            self._current.pop(run.task_id, None)
             event = self._finished.get(run.task_id)
             if event is not None:
                 event.set()
@@ -295,7 +299,7 @@ class SwarmService:
             decided = await self._checkpoint(current, request, index, result)
             if decided is None:
                 return False
-            current = decided
+            current = self._current[run.task_id] = decided
             return True
 
         return await swarm.pipeline(
@@ -322,7 +326,7 @@ class SwarmService:
 
     async def _await_checkpoint(self, task_id: str, approval_id: str) -> TaskRun | None:
         assert self.approvals is not None
-        outcome = await self.approvals.wait(approval_id)
+        outcome = await self.approvals.wait(approval_id, cancel_with_waiter=False)
         if outcome.status is Status.APPROVED:
             resumed = await self.store.resume(task_id)
             self._report(f"swarm task {task_id} resumed ({outcome.summary()})")

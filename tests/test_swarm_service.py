@@ -1,0 +1,312 @@
+"""The swarm service end to end with scripted workers: patterns, limits, checkpoints, restarts, commands."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kazma.approvals import ApprovalService
+from kazma.approvals.model import Decision
+from kazma.bot.swarm_commands import SwarmCommands
+from kazma.config import KazmaConfig, load_config_text
+from kazma.config.database import open_database
+from kazma.engine.reliability import RetryPolicy
+from kazma.engine.swarm_service import CoalescingReporter, SwarmRefused, SwarmRequest, SwarmService
+from kazma.engine.swarm_store import MIGRATIONS, SwarmTaskStore
+from kazma.engine.swarm_types import ErrorKind, Pattern, TaskStatus, WorkerResult
+from tests.approvals_support import ManualClock, RecordingPublisher, approval_service
+from tests.swarm_support import ScriptedWorker
+
+CONFIG = """
+approvals: {approvers: ["telegram:111"], deadline_seconds: 600}
+platforms: {telegram: {admins: [111]}}
+swarm: {checkpoints: {standard: [1]}, max_parallel: 4}
+"""
+
+
+@dataclass
+class Rig:
+    service: SwarmService
+    approvals: ApprovalService
+    publisher: RecordingPublisher
+    workers: dict[str, ScriptedWorker]
+    reports: list[str]
+    delivered: list[tuple[str, str]]
+
+
+def scripted_workers() -> dict[str, ScriptedWorker]:
+    return {
+        "researcher": ScriptedWorker("researcher", expertise=("research", "sources")),
+        "refiner": ScriptedWorker("refiner", expertise=("specification",)),
+        "builder": ScriptedWorker("builder", expertise=("code", "build", "script")),
+        "validator": ScriptedWorker("validator", expertise=("test", "review")),
+    }
+
+
+@asynccontextmanager
+async def rig(
+    path: Path,
+    *,
+    workers: dict[str, ScriptedWorker] | None = None,
+    config: KazmaConfig | None = None,
+    clock: ManualClock | None = None,
+) -> AsyncIterator[Rig]:
+    cfg = config or load_config_text(CONFIG).config
+    publisher = RecordingPublisher()
+    reports: list[str] = []
+    delivered: list[tuple[str, str]] = []
+    conn = await open_database(path.with_suffix(".swarm.db"), migrations=MIGRATIONS)
+
+    async def report(text: str) -> None:
+        reports.append(text)
+
+    async def deliver(target: str, text: str) -> None:
+        delivered.append((target, text))
+
+    async def no_sleep(_: float) -> None:
+        return
+
+    async with approval_service(path, config=cfg, publisher=publisher, clock=clock, poll_interval=0.01) as approvals:
+        scripted = workers or scripted_workers()
+        service = SwarmService(
+            SwarmTaskStore(conn),
+            scripted,
+            cfg,
+            approvals=approvals,
+            reporter=CoalescingReporter(report, interval=0.01),
+            deliver=deliver,
+            policy=RetryPolicy(sleep=no_sleep),
+        )
+        try:
+            yield Rig(service, approvals, publisher, scripted, reports, delivered)
+        finally:
+            await service.close()
+            await conn.close()
+
+
+def request(pattern: Pattern, workers: Sequence[str], prompt: str = "do it", **kw: object) -> SwarmRequest:
+    return SwarmRequest(pattern, tuple(workers), prompt, "telegram:111", conversation="telegram:-1001", **kw)  # type: ignore[arg-type]
+
+
+async def finished(service: SwarmService, task_id: str) -> TaskStatus:
+    record = await service.wait(task_id, 30)
+    assert record is not None
+    return record.status
+
+
+async def test_dispatch_broadcast_fanout_consult_and_pipeline_end_to_end(tmp_path: Path) -> None:
+    async with rig(tmp_path / "a.db") as r:
+        task = await r.service.submit(request(Pattern.DISPATCH, ["builder"]))
+        assert await finished(r.service, task) is TaskStatus.SUCCEEDED
+        task = await r.service.submit(request(Pattern.DISPATCH, ["auto"], "write a build script"))
+        record = await r.service.wait(task, 30)
+        assert record is not None
+        assert record.result is not None
+        assert record.result["output"] == "builder ok"
+        task = await r.service.submit(request(Pattern.BROADCAST, []))
+        assert await finished(r.service, task) is TaskStatus.SUCCEEDED
+        assert all(w.seen for w in r.workers.values())
+        task = await r.service.submit(request(Pattern.FAN_OUT, ["researcher", "builder"], aggregation="vote"))
+        assert await finished(r.service, task) is TaskStatus.SUCCEEDED
+        task = await r.service.submit(request(Pattern.CONSULT, ["researcher", "validator"]))
+        assert await finished(r.service, task) is TaskStatus.SUCCEEDED
+        task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "builder"]))
+        assert await finished(r.service, task) is TaskStatus.SUCCEEDED
+        assert "Untrusted data from stage 1 (researcher)" in r.workers["builder"].seen[-1][1]
+        assert (await r.service.store.journaled(task))[0].worker == "researcher"
+        assert r.delivered[-1][0] == "telegram:-1001"
+
+
+@pytest.mark.parametrize(
+    ("replies", "status"),
+    [
+        ({"researcher": [WorkerResult("researcher", True, output="x")]}, TaskStatus.SUCCEEDED),
+        ({"builder": [WorkerResult("builder", False, error="bad key (401)", error_kind=ErrorKind.PERMANENT)]},
+         TaskStatus.PARTIAL),
+        ({n: [WorkerResult(n, False, error="401", error_kind=ErrorKind.PERMANENT)] for n in ("researcher", "builder")},
+         TaskStatus.FAILED),
+    ],
+)  # fmt: skip
+async def test_fan_out_partial_and_failed(
+    tmp_path: Path, replies: dict[str, list[WorkerResult]], status: TaskStatus
+) -> None:
+    workers = scripted_workers()
+    for name, script in replies.items():
+        workers[name].replies = list(script)
+    async with rig(tmp_path / "a.db", workers=workers) as r:
+        task = await r.service.submit(request(Pattern.FAN_OUT, ["researcher", "builder"]))
+        assert await finished(r.service, task) is status
+
+
+@pytest.mark.parametrize(
+    ("req", "message"),
+    [
+        (request(Pattern.DISPATCH, ["nobody"]), "unknown worker(s): nobody"),
+        (request(Pattern.DISPATCH, ["auto"], "bake a cake"), "no worker's expertise matches"),
+        (request(Pattern.FAN_OUT, ["builder"] * 33), "33 workers requested; at most 32"),
+        (request(Pattern.FAN_OUT, ["builder"], "x" * (64 * 1024 + 1)), "at most 65,536 are accepted"),
+        (request(Pattern.FAN_OUT, ["builder"], aggregation="average"), "unknown aggregation strategy 'average'"),
+        (request(Pattern.FAN_OUT, ["builder"], "   "), "the task is empty"),
+    ],
+)
+async def test_out_of_range_requests_are_refused_before_anything_runs(
+    tmp_path: Path, req: SwarmRequest, message: str
+) -> None:
+    async with rig(tmp_path / "a.db") as r:
+        with pytest.raises(SwarmRefused, match=message.replace("(", r"\(").replace(")", r"\)")):
+            await r.service.submit(req)
+        assert await r.service.store.history() == []
+
+
+async def test_at_capacity_says_when_to_retry(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    workers = scripted_workers()
+    workers["builder"].gate = gate
+    cfg = load_config_text(CONFIG.replace("max_parallel: 4", "max_parallel: 1")).config
+    async with rig(tmp_path / "a.db", workers=workers, config=cfg) as r:
+        first = await r.service.submit(request(Pattern.DISPATCH, ["builder"]))
+        with pytest.raises(SwarmRefused, match=r"at capacity, retry in \d+ s"):
+            await r.service.submit(request(Pattern.DISPATCH, ["builder"]))
+        gate.set()
+        assert await finished(r.service, first) is TaskStatus.SUCCEEDED
+
+
+async def test_checkpoint_approved_by_a_press_resumes_after_the_journal(tmp_path: Path) -> None:
+    async with rig(tmp_path / "a.db") as r:
+        task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        async with asyncio.timeout(20):
+            while not r.publisher.published:
+                await asyncio.sleep(0.01)
+        record = await r.service.store.get(task)
+        assert record is not None
+        assert record.status is TaskStatus.PAUSED
+        card = r.publisher.published[0]
+        assert card.tool == "pipeline_checkpoint"
+        press = await r.approvals.decide_from_button(card.button_data(Decision.APPROVE), actor="telegram:111",
+                                                     platform="telegram")  # fmt: skip
+        assert press.won
+        assert await finished(r.service, task) is TaskStatus.SUCCEEDED
+        assert len(r.workers["researcher"].seen) == 1  # the journaled stage did not run again
+        assert len(r.workers["validator"].seen) == 1
+
+
+async def test_checkpoint_rejected_ends_the_task(tmp_path: Path) -> None:
+    async with rig(tmp_path / "a.db") as r:
+        commands = SwarmCommands(r.service, r.service.config)
+        task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        async with asyncio.timeout(20):
+            while (rec := await r.service.store.get(task)) is None or rec.status is not TaskStatus.PAUSED:
+                await asyncio.sleep(0.01)
+        answer = await commands.run(f"reject {task}", actor="telegram:111", platform="telegram", chat="-1001",
+                                    is_admin=True)  # fmt: skip
+        assert answer.startswith("Denied.")
+        assert await finished(r.service, task) is TaskStatus.CANCELLED
+        assert r.workers["refiner"].seen == []
+
+
+async def test_checkpoint_deadline_auto_rejects(tmp_path: Path) -> None:
+    clock = ManualClock()
+    async with rig(tmp_path / "a.db", clock=clock) as r:
+        task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        async with asyncio.timeout(20):
+            while not r.publisher.published:
+                await asyncio.sleep(0.01)
+        clock.advance(601)
+        assert await finished(r.service, task) is TaskStatus.CANCELLED
+        assert r.workers["refiner"].seen == []
+
+
+async def test_paused_pipeline_survives_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    async with rig(path) as r:
+        task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        async with asyncio.timeout(20):
+            while not r.publisher.published:
+                await asyncio.sleep(0.01)
+        card = r.publisher.published[0]
+    async with rig(path) as r:  # a new process on the same files
+        assert await r.service.recover() == []
+        await r.approvals.decide_from_button(card.button_data(Decision.APPROVE), actor="telegram:111",
+                                             platform="telegram")  # fmt: skip
+        assert await finished(r.service, task) is TaskStatus.SUCCEEDED
+        assert r.workers["researcher"].seen == []  # stage 1 came from the journal
+        assert [w for w in ("refiner", "builder", "validator") if r.workers[w].seen] == ["refiner", "builder",
+                                                                                            "validator"]  # fmt: skip
+
+
+async def test_state_changing_failure_is_never_retried(tmp_path: Path) -> None:
+    workers = scripted_workers()
+    workers["builder"].replies = [
+        WorkerResult(
+            "builder", False, error="timeout after writing", error_kind=ErrorKind.TRANSIENT, changed_state=True
+        )
+    ]
+    async with rig(tmp_path / "a.db", workers=workers) as r:
+        task = await r.service.submit(request(Pattern.DISPATCH, ["builder"]))
+        assert await finished(r.service, task) is TaskStatus.FAILED
+        assert len(workers["builder"].seen) == 1
+
+
+async def test_transient_failure_is_retried(tmp_path: Path) -> None:
+    workers = scripted_workers()
+    workers["builder"].replies = [WorkerResult("builder", False, error="503", error_kind=ErrorKind.TRANSIENT)]
+    async with rig(tmp_path / "a.db", workers=workers) as r:
+        task = await r.service.submit(request(Pattern.DISPATCH, ["builder"]))
+        assert await finished(r.service, task) is TaskStatus.SUCCEEDED
+        assert len(workers["builder"].seen) == 2
+
+
+async def test_commands_start_report_cancel_and_confirm_retry_of_unknown_outcomes(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    workers = scripted_workers()
+    workers["builder"].gate = gate
+    async with rig(tmp_path / "a.db", workers=workers) as r:
+        commands = SwarmCommands(r.service, r.service.config)
+
+        async def say(text: str, actor: str = "telegram:111") -> str:
+            return await commands.run(text, actor=actor, platform="telegram", chat="-1001", is_admin=False)
+
+        started = await say("dispatch builder make the thing")
+        assert started.startswith("swarm task ")
+        task = started.split()[2]
+        assert "running" in await say(f"status {task}")
+        assert task in await say("list")
+        assert "builder: breaker closed" in await say("workers")
+        refused = await say("dispatch builder again", actor="telegram:222")
+        assert refused.startswith("/swarm dispatch starts, changes or steers work")
+        assert "running" in await say(f"status {task}", actor="telegram:222")  # reading is for anyone
+        assert "did you mean 'dispatch'" in await say("dispach builder x")
+        assert await say(f"cancel {task}") == f"swarm task {task} cancelled by telegram:111"
+        assert await finished(r.service, task) is TaskStatus.CANCELLED
+        gate.set()
+
+        # a task interrupted by a crash: retry asks first, runs on the second ask
+        record = await r.service.store.get(task)
+        assert record is not None
+        run = await r.service.store.admit(Pattern.DISPATCH, record.request, owner="telegram:111")
+        await r.service.store.step(run, "builder")
+        assert [i.task_id for i in await r.service.store.recover()] == [run.task_id]
+        ask = await say(f"retry {run.task_id}")
+        assert "may have done part of its work" in ask
+        again = await say(f"retry {run.task_id}")
+        assert again.startswith(f"swarm task {run.task_id} retried as ")
+
+
+async def test_progress_is_coalesced() -> None:
+    sent: list[str] = []
+
+    async def send(text: str) -> None:
+        sent.append(text)
+
+    reporter = CoalescingReporter(send, interval=3600)
+    for i in range(50):
+        reporter.add(f"step {i}")
+    assert sent == []
+    await reporter.close()
+    assert len(sent) == 1
+    assert sent[0].count("\n") == 49
