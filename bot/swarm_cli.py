@@ -7,17 +7,22 @@ something chat refuses, or the other way round.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import sys
 from collections.abc import Callable
 
 import click
 
+from kazma.bot.app import build_app
 from kazma.bot.context import Context
 from kazma.bot.swarm_grammar import ROUTE_PLATFORMS, USAGES, GrammarError, parse
+from kazma.config import LoadedConfig
 
 EXIT_USAGE = 2
-_PENDING = "Prints the parsed command as one JSON line; execution arrives with the swarm engine."
+_OPTIONS = "kazma.swarm.options"
+_PENDING = "Runs in this process against the shared store; started work is waited for and its result printed."
 
 
 def _context() -> Context:
@@ -36,7 +41,45 @@ def _run(verb: str, *words: str, to: str | None = None) -> None:
     except GrammarError as exc:
         click.echo(exc.message, err=True)
         sys.exit(EXIT_USAGE)
-    click.echo(json.dumps(command.to_json(), ensure_ascii=False))
+    found = click.get_current_context().meta.get(_OPTIONS)
+    state = found if isinstance(found, _Options) else None
+    if state is not None and state.parse_only:
+        click.echo(json.dumps(command.to_json(), ensure_ascii=False))
+        return
+    login = state.login if state is not None else _default_login()
+    sys.exit(asyncio.run(_execute(loaded, text, login)))
+
+
+async def _execute(loaded: LoadedConfig, text: str, login: str) -> int:
+    """Carry the command out like chat does, as ``cli:<login>``; wait for work it starts."""
+    # No platform is started from the CLI: results are printed here, cards need `kazma run`.
+    app = await build_app(loaded, adapters=[])
+    try:
+        answer = await app.conversations.swarm.run(  # type: ignore[union-attr]
+            text, actor=f"cli:{login}", platform="cli", chat="terminal", is_admin=False
+        )
+        click.echo(answer)
+        if answer.startswith("swarm task ") and " started " in answer:
+            task_id = answer.split()[2]
+            while (record := await app.swarm.wait(task_id, 90)) is not None and not record.status.terminal:
+                click.echo(f"… {record.status.value}: {record.current_step}", err=True)
+            if record is not None:
+                output = record.result.get("output", "") if record.result else ""
+                click.echo(f"{record.status.value}: {output or record.error or ''}")
+                return 0 if record.status.value in ("succeeded", "partial") else 1
+        return 0
+    finally:
+        await app.stop()
+
+
+def _default_login() -> str:
+    return os.environ.get("USER") or os.environ.get("LOGNAME") or "operator"
+
+
+class _Options:
+    def __init__(self, login: str, parse_only: bool) -> None:
+        self.login = login
+        self.parse_only = parse_only
 
 
 def _word(value: str) -> str:
@@ -73,11 +116,16 @@ def _help(verb: str) -> str:
 
 
 @click.group()
-def swarm() -> None:
+@click.option("--as", "login", default=None, help="Your login, recorded as cli:<login> (default: $USER).")
+@click.option("--parse-only", is_flag=True, help="Print the parsed command as one JSON line and stop.")
+@click.pass_context
+def swarm(ctx: click.Context, login: str | None, parse_only: bool) -> None:
     """Drive the swarm with the same grammar as /swarm in chat.
 
-    Prints the parsed command as one JSON line; execution arrives with the swarm engine.
+    Steering commands need cli:<login> in approvals.approvers. Work started here
+    runs in this process; its result is printed when it ends.
     """
+    ctx.meta[_OPTIONS] = _Options(login or _default_login(), parse_only)
 
 
 def _no_argument_command(verb: str) -> Callable[[str | None], None]:

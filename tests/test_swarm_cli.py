@@ -1,0 +1,50 @@
+"""`kazma swarm …` carries commands out for real: against the store, with the real model provider."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.fakes.openai import Completion, FakeOpenAI
+
+
+def kazma(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kazma.bot.cli", "--log-level", "warning", "-c", str(config), "swarm", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+async def test_swarm_cli_reads_refuses_and_runs(tmp_path: Path) -> None:
+    model = FakeOpenAI(models=("llama3.1",))
+    await model.start()
+    try:
+        config = tmp_path / "kazma.yaml"
+        config.write_text(
+            f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
+            f"model: {{base_url: '{model.base_url}', max_retries: 0}}\n"
+            "approvals: {approvers: ['cli:ops']}\n"
+        )
+        status = await asyncio.to_thread(kazma, config, "status")
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.strip() == "swarm: 0 running, 0 paused, 4 workers"
+
+        refused = await asyncio.to_thread(kazma, config, "--as", "mallory", "dispatch", "builder", "make", "it")
+        assert refused.stdout.startswith("/swarm dispatch starts, changes or steers work")
+
+        model.script(Completion(content="built it"))
+        ran = await asyncio.to_thread(kazma, config, "--as", "ops", "dispatch", "builder", "make", "it")
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        lines = ran.stdout.strip().splitlines()
+        assert lines[0].startswith("swarm task ")
+        assert lines[-1] == "succeeded: built it"
+        history = await asyncio.to_thread(kazma, config, "history")
+        assert "succeeded" in history.stdout
+        assert "dispatch" in history.stdout
+    finally:
+        await model.stop()
