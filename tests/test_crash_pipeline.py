@@ -1,0 +1,91 @@
+"""SIGKILL in the middle of a /swarm pipeline: after a restart the task is interrupted, naming its step.
+
+`kazma run` is a real process here, with the real Telegram adapter (fake Bot
+API) and the real model provider (fake OpenAI-compatible server). The second
+stage's model call hangs; the process is killed there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from kazma.config import load_config
+from kazma.config.database import connect
+from kazma.engine.swarm_store import SwarmTaskStore
+from kazma.engine.swarm_types import TaskStatus
+from tests.fakes.openai import Completion, FakeOpenAI, Hang
+from tests.fakes.telegram import FakeTelegram
+
+REPO = Path(__file__).resolve().parent.parent
+CHAT = -1001
+
+
+async def run_kazma(config: Path, log: Path) -> asyncio.subprocess.Process:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost"}
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kazma.bot.cli", "-c", str(config), "--log-format", "json", "run",
+        "--poll-interval", "0.1",
+        stdout=asyncio.subprocess.DEVNULL, stderr=log.open("ab"), env=env,
+    )  # fmt: skip
+
+
+def asked(model: FakeOpenAI, prompt: str) -> int:
+    return sum(1 for r in model.completions if r.body["messages"][0]["content"] == prompt)
+
+
+@pytest.mark.slow
+async def test_sigkill_mid_pipeline_then_restart_reports_the_step(tmp_path: Path) -> None:
+    telegram, model = FakeTelegram(), FakeOpenAI(models=("llama3.1",))
+    await telegram.start()
+    await model.start()
+    config, log, store = tmp_path / "kazma.yaml", tmp_path / "kazma.log", tmp_path / "k.db"
+    config.write_text(
+        f"store: {{path: '{store}'}}\n"
+        f"model: {{base_url: '{model.base_url}', timeout_seconds: 600, max_retries: 0}}\n"
+        f"platforms: {{telegram: {{token: '{telegram.token}', api_base_url: '{telegram.base_url}',"
+        f" chats: [{CHAT}], home_chat: {CHAT}, admins: [111]}}}}\n"
+    )
+    workers = load_config(config, environ={}).config.agents.workers
+    researcher, builder = workers["researcher"].system_prompt, workers["builder"].system_prompt
+    model.script(Completion(content="facts: the sky is blue"), Hang())
+    first = await run_kazma(config, log)
+    try:
+        await telegram.wait_until(lambda: len(telegram.calls_to("getUpdates")) > 0, timeout=60)
+        telegram.push_message(CHAT, 111, "/swarm pipeline quick collect facts", username="ops")
+        await model.wait_for(lambda: asked(model, builder) == 1, timeout=60)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        await first.wait()
+
+    conn = await connect(store)
+    tasks = SwarmTaskStore(conn)
+    try:
+        (running,) = await tasks.list(TaskStatus.RUNNING)  # on disk, RUNNING, when the process died
+        second = await run_kazma(config, log)
+        try:
+            await telegram.wait_until(
+                lambda: any("was interrupted in" in m.text for m in telegram.bot_messages(CHAT)), timeout=60
+            )
+            record = await tasks.get(running.id)
+            assert record is not None
+            assert record.status is TaskStatus.INTERRUPTED
+            assert "stage 2 (builder)" in (record.error or "")
+            assert "outcome is unknown" in (record.error or "")
+            journal = await tasks.journaled(running.id)
+            assert [(s.idx, s.worker, s.ok) for s in journal] == [(0, "researcher", True)]
+        finally:
+            second.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(second.wait(), timeout=60)
+        assert second.returncode == 0, log.read_text()[-3000:]
+    finally:
+        await conn.close()
+        await model.stop()
+        await telegram.stop()
+    assert asked(model, researcher) == 1  # no step ran twice
+    assert asked(model, builder) == 1
