@@ -79,11 +79,17 @@ class App:
 
     async def start(self) -> None:
         log.info("app.model", provider=self.provider.label)
-        interrupted = await self.executor.recover()
+        # Recover before any platform can start new work: a task or step started by
+        # this process must never be mistaken for one a dead process left running.
+        interrupted, tell_lead = await self.executor.mark_interrupted()
         if interrupted:
             log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
-        await self.swarm.recover()
+        await self.swarm.recover()  # its reports are coalesced and sent once the platforms are up
+        pruned = await self.swarm.store.prune(self.loaded.config.swarm.retention_days)
+        if pruned:
+            log.info("swarm.pruned", tasks=pruned, older_than_days=self.loaded.config.swarm.retention_days)
         await self.bus.start(Handlers(on_inbound=self.on_inbound, on_press=self.on_press))
+        await self.executor.perform(tell_lead)
         self._tasks.append(asyncio.create_task(self._sweep(), name="kazma-approvals-sweep"))
         log.info("app.started", platforms=sorted(self.bus.adapters), store=str(self.loaded.config.store.path))
 

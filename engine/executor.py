@@ -99,7 +99,19 @@ class PlanExecutor:
 
     async def recover(self) -> list[tuple[str, int]]:
         """After a restart: steps left running are failed as interrupted, never dispatched again."""
+        interrupted, actions = await self.mark_interrupted()
+        await self.perform(actions)
+        return interrupted
+
+    async def mark_interrupted(self) -> tuple[list[tuple[str, int]], list[Action]]:
+        """The store half of :meth:`recover`: fail interrupted steps, return what to tell the lead.
+
+        Run it before any new work can start (a step started by this process must
+        not be mistaken for one a dead process left behind); perform the actions
+        once the platforms are up.
+        """
         interrupted = await self.store.with_steps_in(StepStatus.IN_PROGRESS)
+        actions: list[Action] = []
         for plan_id, index in interrupted:
             log.warning("plan.step_interrupted", plan_id=plan_id, step=index)
             count_failure("step_interrupted")
@@ -110,9 +122,11 @@ class PlanExecutor:
                 await self.store.set_status(
                     plan_id, index, StepStatus.IN_PROGRESS, StepStatus.FAILED, failure_reason=INTERRUPTED
                 )
-                actions = await self._after_failure(plan_id, index, OnFailure.ASK_LEAD, INTERRUPTED)
-            await self._perform(actions)
-        return interrupted
+                actions += await self._after_failure(plan_id, index, OnFailure.ASK_LEAD, INTERRUPTED)
+        return interrupted, actions
+
+    async def perform(self, actions: list[Action]) -> None:
+        await self._perform(actions)
 
     async def _reconcile(self, plan_id: str) -> None:
         plan = await self.store.load(plan_id)

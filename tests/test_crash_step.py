@@ -78,7 +78,9 @@ async def test_sigkill_during_a_step_then_restart_reports_it_interrupted(tmp_pat
         await telegram.wait_until(lambda: len(telegram.calls_to("getUpdates")) > 0, timeout=60)
         telegram.push_message(CHAT, 42, "@kazma find three sources", username="alice")
         await telegram.wait_until(lambda: any("@researcher" in t for t in bot_texts(telegram)), timeout=60)
-        await model.wait_for(lambda: researcher_requests(model, researcher_prompt) == 1, timeout=60)
+        # both hung calls (the lead's closing words, the researcher's step) have arrived
+        await model.wait_for(lambda: len(model.completions) == 3, timeout=60)
+        assert researcher_requests(model, researcher_prompt) == 1
     finally:
         first.send_signal(signal.SIGKILL)
         await first.wait()
