@@ -14,6 +14,7 @@ import structlog
 from kazma.adapters.bus import FanOutBus, NullBus
 from kazma.adapters.contract import Handlers, Inbound, PlatformAdapter
 from kazma.adapters.outbox import Outbox
+from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
 from kazma.bot.conversation import Conversations
 from kazma.bot.store import open_store
@@ -128,6 +129,7 @@ async def build_app(
     adapters: list[PlatformAdapter] | None = None,
     registry: ToolRegistry | None = None,
     workspace_root: Path | None = None,
+    web: WebAdapter | None = None,
 ) -> App:
     config = loaded.config
     conn = await open_store(config)
@@ -138,7 +140,9 @@ async def build_app(
     history_conn = await connect(config.store.path, busy_timeout_ms=config.store.busy_timeout_ms)
     swarm_conn = await connect(config.store.path, busy_timeout_ms=config.store.busy_timeout_ms)
     store = ApprovalStore(conn)
-    platform_adapters = build_adapters(loaded) if adapters is None else adapters
+    platform_adapters = build_adapters(loaded) if adapters is None else list(adapters)
+    if web is not None:
+        platform_adapters.append(web)
     bus: FanOutBus | NullBus
     if platform_adapters:
         bus = FanOutBus(

@@ -1,0 +1,191 @@
+"""The web console as a platform: conversations, cards and presses behind the same bus contract.
+
+The adapter holds the console's state (messages, cards) and pushes every change
+to subscribers; the web server in ``kazma.bot`` renders it and forwards what a
+logged-in person does. Decisions made here are recorded as ``web:<login>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError
+from kazma.approvals.card import ApprovalCard
+from kazma.approvals.model import Decision, Outcome, PressResult
+
+log = structlog.get_logger("kazma.adapters.web")
+
+CONSOLE = "console"
+
+
+@dataclass
+class WebMessage:
+    id: str
+    chat: str
+    author: str  # "agent:<name>" or "web:<login>"
+    name: str
+    text: str
+    at: float
+    card: ApprovalCard | None = None
+    outcome: Outcome | None = None
+
+    def as_event(self) -> dict[str, Any]:
+        event: dict[str, Any] = {
+            "id": self.id,
+            "chat": self.chat,
+            "author": self.author,
+            "name": self.name,
+            "text": self.text,
+            "at": self.at,
+        }
+        if self.card is not None:
+            event["card"] = {
+                "request_id": self.card.request_id,
+                "title": self.card.title,
+                "tool": self.card.tool,
+                "requester": self.card.requester,
+                "origin": self.card.origin,
+                "hash": self.card.args_hash,
+                "link": self.card.link,
+                "deadline": self.card.deadline.isoformat(),
+                "arguments": [
+                    {
+                        "name": a.name,
+                        "head": a.head,
+                        "tail": a.tail,
+                        "cut": a.cut,
+                        "original_length": a.original_length,
+                    }
+                    for a in self.card.arguments
+                ],
+                "outcome": None if self.outcome is None else self.outcome.summary(),
+                "status": None if self.outcome is None else self.outcome.status.value,
+            }
+        return event
+
+
+@dataclass
+class WebAdapter:
+    """Platform ``web``. Keeps the newest ``history`` messages per process (the store keeps the audit)."""
+
+    history: int = 500
+    name: str = "web"
+    _messages: deque[WebMessage] = field(default_factory=deque)
+    _by_id: dict[str, WebMessage] = field(default_factory=dict)
+    _subscribers: set[asyncio.Queue[dict[str, Any]]] = field(default_factory=set)
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    _handlers: Handlers | None = None
+
+    @property
+    def home_chat(self) -> str | None:
+        return CONSOLE
+
+    @property
+    def started(self) -> bool:
+        return self._handlers is not None
+
+    async def start(self, handlers: Handlers) -> None:
+        self._handlers = handlers
+
+    async def stop(self) -> None:
+        self._handlers = None
+        for queue in list(self._subscribers):
+            queue.put_nowait({"type": "closed"})
+
+    # -- what the server shows -------------------------------------------------------------------
+
+    def messages(self, chat: str = CONSOLE) -> list[WebMessage]:
+        return [m for m in self._messages if m.chat == chat]
+
+    def card_message(self, request_id: str) -> WebMessage | None:
+        return next((m for m in self._messages if m.card and m.card.request_id == request_id), None)
+
+    async def subscribe(self) -> AsyncIterator[dict[str, Any]]:
+        """Every change from now on, as events; ends when the adapter stops."""
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=1000)
+        self._subscribers.add(queue)
+        try:
+            while True:
+                event = await queue.get()
+                if event.get("type") == "closed":
+                    return
+                yield event
+        finally:
+            self._subscribers.discard(queue)
+
+    def _publish(self, kind: str, message: WebMessage) -> None:
+        event = {"type": kind, "message": message.as_event()}
+        for queue in list(self._subscribers):
+            try:
+                queue.put_nowait(event)
+            except asyncio.QueueFull:  # a stalled browser loses live updates, not the page
+                log.warning("web.subscriber_dropped")
+                self._subscribers.discard(queue)
+
+    def _add(self, message: WebMessage) -> None:
+        self._messages.append(message)
+        self._by_id[message.id] = message
+        while len(self._messages) > self.history:
+            old = self._messages.popleft()
+            self._by_id.pop(old.id, None)
+        self._publish("message", message)
+
+    # -- what a person does ----------------------------------------------------------------------
+
+    async def say(self, login: str, text: str, *, chat: str = CONSOLE, mentions: tuple[str, ...] = ()) -> str:
+        """A logged-in person writes into the console; it reaches the agents like any platform message."""
+        if self._handlers is None:
+            raise PlatformError("web", "inbound", "the web console is not started", retryable=True)
+        message = WebMessage(str(next(self._ids)), chat, f"web:{login}", login, text, time.time())
+        self._add(message)
+        await self._handlers.on_inbound(
+            Inbound(
+                platform="web",
+                chat=chat,
+                message_id=message.id,
+                author=f"web:{login}",
+                author_name=login,
+                text=text,
+                mentions=mentions,
+            )
+        )
+        return message.id
+
+    async def press(self, request_id: str, decision: Decision, login: str) -> PressResult:
+        """Approve or Deny on a web card: the same path as every platform's buttons."""
+        if self._handlers is None:
+            raise PlatformError("web", "press", "the web console is not started", retryable=True)
+        data = f"kz1:{request_id}:{decision.code}"
+        return await self._handlers.on_press(data, f"web:{login}", "web")
+
+    # -- PlatformAdapter -------------------------------------------------------------------------
+
+    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
+        message = WebMessage(
+            str(next(self._ids)), chat, f"agent:{agent or 'kazma'}", agent or "kazma", text, time.time()
+        )
+        self._add(message)
+        return message.id
+
+    async def post_card(self, card: ApprovalCard) -> CardRef:
+        message = WebMessage(
+            str(next(self._ids)), CONSOLE, f"agent:{card.requester}", card.requester, card.title, time.time(), card
+        )
+        self._add(message)
+        return CardRef(self.name, CONSOLE, message.id)
+
+    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
+        message = self._by_id.get(ref.message_id)
+        if message is None:
+            # restarted since the card was posted: the console starts empty, nothing left to edit
+            return
+        message.outcome = outcome
+        self._publish("settled", message)
