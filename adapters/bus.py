@@ -24,7 +24,7 @@ from kazma.adapters.outbox import Outbox, PostJob
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.model import ApprovalRequest, Status
 from kazma.approvals.store import ApprovalStore, PostedCard
-from kazma.config.metrics import count_failure
+from kazma.config.metrics import DECISION_TO_SETTLED, count_failure
 from kazma.config.models import KazmaConfig
 
 log = structlog.get_logger("kazma.bus")
@@ -272,6 +272,8 @@ class FanOutBus:
         await self.store.mark_card_settled(posted, request.status)
         worker.settle_attempts.pop(key, None)
         worker.settle_not_before.pop(key, None)
+        if request.decided_at is not None and all(c.settled_at for c in await self.store.cards(request.id)):
+            DECISION_TO_SETTLED.observe(max(0.0, time.time() - request.decided_at.timestamp()))
         log.info("bus.card_settled", platform=adapter.name, request_id=request.id, status=request.status.value)
 
 

@@ -22,7 +22,7 @@ from kazma.approvals.card import BUTTON_PREFIX, ApprovalCard, build_card, check_
 from kazma.approvals.hashing import args_hash, canonical_json, check_arguments
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
 from kazma.approvals.store import ApprovalStore, Clock
-from kazma.config.metrics import count_failure
+from kazma.config.metrics import APPROVALS_DECIDED, APPROVALS_OPENED, PRESS_TO_DECISION, count_failure
 from kazma.config.models import KazmaConfig
 
 log = structlog.get_logger("kazma.approvals")
@@ -135,6 +135,7 @@ class ApprovalService:
         log.info(
             "approvals.opened", request_id=request.id, tool=tool, requested_by=requested_by, hash=request.args_hash
         )
+        APPROVALS_OPENED.labels(tool=tool).inc()
         if self.publisher is not None:
             await self.publisher.publish(self.card(request))
         return request
@@ -149,6 +150,10 @@ class ApprovalService:
 
     async def decide_from_button(self, data: str, *, actor: str, platform: str) -> PressResult:
         """A button press from any platform: validate, authorise, then compare-and-set."""
+        with PRESS_TO_DECISION.time():
+            return await self._press(data, actor=actor, platform=platform)
+
+    async def _press(self, data: str, *, actor: str, platform: str) -> PressResult:
         try:
             parsed = parse_button(data)
         except ButtonError as exc:
@@ -222,6 +227,7 @@ class ApprovalService:
                 platform=platform,
                 hash=request.args_hash,
             )
+            APPROVALS_DECIDED.labels(outcome=outcome.status.value, platform=platform).inc()
             await self._ended(request_id)
             verb = "Approved" if decision is Decision.APPROVE else "Denied"
             return PressResult(PressVerdict.WON, f"{verb}. Recorded as {actor}.", outcome, request_id)
@@ -294,6 +300,7 @@ class ApprovalService:
             )
             if won:
                 log.info("approvals.cancelled", request_id=request_id)
+                APPROVALS_DECIDED.labels(outcome="cancelled", platform="").inc()
                 await self._ended(request_id)
         except (sqlite3.Error, OSError) as exc:
             count_failure(STORE_SITE)
@@ -305,6 +312,7 @@ class ApprovalService:
         )
         if won:
             log.info("approvals.timeout", request_id=request_id)
+            APPROVALS_DECIDED.labels(outcome="timeout", platform="").inc()
             await self._ended(request_id)
         assert request is not None
         outcome = request.outcome()

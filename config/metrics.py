@@ -6,7 +6,7 @@ count here because this module sits at the bottom of the import graph.
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, Counter
+from prometheus_client import REGISTRY, Counter, Histogram
 
 FAILURES = Counter(
     "kazma_failures",
@@ -15,8 +15,31 @@ FAILURES = Counter(
 )
 
 
+SWARM_FAILURES = Counter("kazma_swarm_failures", "Failures in the swarm engine, by site.", ["site"])
+
+APPROVALS_OPENED = Counter("kazma_approvals_opened", "Approval requests opened, by tool.", ["tool"])
+APPROVALS_DECIDED = Counter(
+    "kazma_approvals_decided",
+    "Approval requests that reached an outcome, by outcome and platform.",
+    ["outcome", "platform"],
+)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PRESS_TO_DECISION = Histogram(
+    "kazma_press_to_decision_seconds",
+    "From a press reaching Kazma to its decision being stored.",
+    buckets=_LATENCY_BUCKETS,
+)
+DECISION_TO_SETTLED = Histogram(
+    "kazma_decision_to_settled_seconds",
+    "From a request's outcome to the last of its cards showing it.",
+    buckets=_LATENCY_BUCKETS,
+)
+
+
 def count_failure(site: str, platform: str = "") -> None:
     FAILURES.labels(site=site, platform=platform).inc()
+    if site.startswith("swarm"):
+        SWARM_FAILURES.labels(site=site).inc()
 
 
 def failure_count(site: str, platform: str = "") -> float:

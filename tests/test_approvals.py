@@ -345,3 +345,20 @@ async def test_failed_audit_write_is_counted(tmp_path: Path, caplog: pytest.LogC
             await blocker.close()
         assert result.verdict is PressVerdict.REFUSED
         assert failure_count("approval_audit") == before + 1
+
+
+async def test_metrics_count_opened_decided_and_time_presses(tmp_path: Path) -> None:
+    from prometheus_client import REGISTRY
+
+    def sample(name: str, labels: dict[str, str]) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    opened = sample("kazma_approvals_opened_total", {"tool": "metrics_probe"})
+    decided = sample("kazma_approvals_decided_total", {"outcome": "denied", "platform": "slack"})
+    presses = sample("kazma_press_to_decision_seconds_count", {})
+    async with approval_service(tmp_path / "k.db") as service:
+        request = await service.open("metrics_probe", ARGS, "agent:b", "web:c")
+        await service.decide_from_button(f"kz1:{request.id}:d", actor="slack:U111", platform="slack")
+    assert sample("kazma_approvals_opened_total", {"tool": "metrics_probe"}) == opened + 1
+    assert sample("kazma_approvals_decided_total", {"outcome": "denied", "platform": "slack"}) == decided + 1
+    assert sample("kazma_press_to_decision_seconds_count", {}) == presses + 1
