@@ -8,9 +8,7 @@ stage's model call hangs; the process is killed there.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,18 +19,9 @@ from kazma.engine.swarm_store import SwarmTaskStore
 from kazma.engine.swarm_types import TaskStatus
 from tests.fakes.openai import Completion, FakeOpenAI, Hang
 from tests.fakes.telegram import FakeTelegram
+from tests.process_support import run_kazma
 
-REPO = Path(__file__).resolve().parent.parent
 CHAT = -1001
-
-
-async def run_kazma(config: Path, log: Path) -> asyncio.subprocess.Process:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost"}
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kazma.bot.cli", "-c", str(config), "--log-format", "json", "run",
-        "--poll-interval", "0.1",
-        stdout=asyncio.subprocess.DEVNULL, stderr=log.open("ab"), env=env,
-    )  # fmt: skip
 
 
 def asked(model: FakeOpenAI, prompt: str) -> int:

@@ -9,9 +9,7 @@ the edits from what the store recorded.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,27 +22,7 @@ from kazma.config import load_config
 from kazma.config.database import connect
 from tests.fakes.telegram import Fault
 from tests.platforms_support import DISCORD_ADMIN, PLATFORMS, Fakes, three_fakes
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-async def start_kazma(config: Path, log: Path) -> asyncio.subprocess.Process:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost"}
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "kazma.bot.cli",
-        "-c",
-        str(config),
-        "--log-format",
-        "json",
-        "run",
-        "--poll-interval",
-        "0.1",
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=log.open("ab"),
-        env=env,
-    )
+from tests.process_support import run_kazma
 
 
 async def wait_connected(fakes: Fakes, since_identifies: int) -> None:
@@ -61,7 +39,7 @@ async def test_sigkill_after_decision_before_edits_then_restart_settles_every_ca
     async with three_fakes() as fakes:
         config.write_text(fakes.config_yaml(store_path))
         loaded = load_config(config, environ={})
-        first = await start_kazma(config, log)
+        first = await run_kazma(config, log)
         try:
             await wait_connected(fakes, 0)
 
@@ -92,7 +70,7 @@ async def test_sigkill_after_decision_before_edits_then_restart_settles_every_ca
         assert all(fakes.has_buttons(p) for p in PLATFORMS)  # the kill left every card live
 
         identifies = len(fakes.discord.identifies)
-        second = await start_kazma(config, log)
+        second = await run_kazma(config, log)
         try:
             await fakes.wait(lambda: not any(fakes.has_buttons(p) for p in PLATFORMS), timeout=60)
             for platform in PLATFORMS:

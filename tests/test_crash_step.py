@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,22 +23,13 @@ from kazma.engine.plan import StepStatus
 from kazma.engine.plan_store import PlanStore
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall, Hang
 from tests.fakes.telegram import FakeTelegram
+from tests.process_support import run_kazma
 
-REPO = Path(__file__).resolve().parent.parent
 CHAT = -1001
 PLAN = {
     "goal": "collect sources",
     "steps": [{"index": 1, "title": "research", "assignee": "researcher", "input": "Find three sources."}],
 }
-
-
-async def run_kazma(config: Path, log: Path) -> asyncio.subprocess.Process:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost"}
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kazma.bot.cli", "-c", str(config), "--log-format", "json", "run",
-        "--poll-interval", "0.1",
-        stdout=asyncio.subprocess.DEVNULL, stderr=log.open("ab"), env=env,
-    )  # fmt: skip
 
 
 def bot_texts(fake: FakeTelegram) -> list[str]:
