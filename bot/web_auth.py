@@ -1,0 +1,303 @@
+"""Who may use the web console: tokens, sessions, roles and CSRF.
+
+Two shared secrets exist: the operator token (read, decide approvals, steer the
+swarm) and the reader token (read only). A person logs in with one of them and
+a name; the name becomes their identity ``web:<name>`` in every record, and the
+approvals service still checks that identity against ``approvals.approvers``
+before any decision counts. The token proves the role; the name is what the
+holder of the token says they are, so hand tokens only to people you trust to
+name themselves honestly.
+
+Sessions live in this process only (a restart logs everybody out): the cookie
+holds a random id and nothing else. Every POST made with a session must carry
+that session's CSRF token (form field ``csrf`` or header ``X-CSRF-Token``).
+
+The login POST has no session yet, so it is protected twice: the session cookie
+is ``SameSite=Strict`` (a cross-site page cannot ride on it anyway), and the
+login form uses a double-submit pair — ``GET /login`` sets a random
+``kazma_login_csrf`` cookie and puts the same value in a hidden field, and the
+POST must present both, equal. A cross-site form can send the field but cannot
+read or set our cookie, so it cannot log a victim into the attacker's session
+(login CSRF).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+
+from kazma.bot.web_pages import login_page, message_page
+
+log = structlog.get_logger("kazma.web.auth")
+
+SESSION_COOKIE = "kazma_session"
+LOGIN_CSRF_COOKIE = "kazma_login_csrf"
+CSRF_HEADER = "X-CSRF-Token"
+SESSION_SECONDS = 12 * 3600
+MAX_SESSIONS = 1000
+NAME = re.compile(r"[a-z0-9_.-]{1,32}")
+CSRF_REFUSED = "missing or wrong CSRF token"
+OPERATORS_ONLY = "operators only"
+
+
+class Role(StrEnum):
+    OPERATOR = "operator"
+    READER = "reader"
+
+
+@dataclass
+class Session:
+    id: str
+    login: str
+    role: Role
+    csrf: str
+    expires: float
+    flash: list[str]
+
+    @property
+    def is_operator(self) -> bool:
+        return self.role is Role.OPERATOR
+
+    @property
+    def actor(self) -> str:
+        return f"web:{self.login}"
+
+    def take_flash(self) -> list[str]:
+        lines, self.flash = self.flash, []
+        return lines
+
+
+@dataclass(frozen=True)
+class Tokens:
+    operator: str
+    reader: str
+    generated: tuple[str, ...]  # which of them were made just now ("operator", "reader")
+
+
+def reader_token_path(token_path: Path) -> Path:
+    return token_path.with_name(token_path.name + ".reader")
+
+
+def _read_or_create(path: Path) -> tuple[str, bool]:
+    """The token stored at ``path``, or a new one written there (0600). True when new."""
+    try:
+        # tighten a file someone loosened: it is a password
+        if path.stat().st_mode & 0o077:
+            log.warning("web.token_file_permissions_tightened", path=str(path))
+            path.chmod(0o600)
+        value = path.read_text(encoding="utf-8").strip()
+        if value:
+            return value, False
+        path.unlink()  # an empty file would be a login with an empty token: replace it
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_urlsafe(24)
+    # O_EXCL with the mode at creation: the secret is never readable by others, not even briefly
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(value + "\n")
+    return value, True
+
+
+def load_tokens(token_path: Path, *, operator_token: str | None = None, reader_token: str | None = None) -> Tokens:
+    """Tokens given by the caller win; otherwise they are read from, or created at, ``token_path`` (+ ``.reader``)."""
+    generated: list[str] = []
+    if operator_token:
+        operator = operator_token
+    else:
+        operator, new = _read_or_create(token_path)
+        if new:
+            generated.append("operator")
+    if reader_token:
+        reader = reader_token
+    else:
+        reader, new = _read_or_create(reader_token_path(token_path))
+        if new:
+            generated.append("reader")
+    if hmac.compare_digest(operator.encode(), reader.encode()):
+        raise ValueError("the operator and reader tokens must differ")
+    return Tokens(operator, reader, tuple(generated))
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode("utf-8"), b.encode("utf-8"))
+
+
+def safe_next(value: str | None, default: str) -> str:
+    """A local path to go back to after a POST; anything else (another site, a scheme) falls back to ``default``.
+
+    The pages send ``Referrer-Policy: no-referrer``, so forms say where they came from in a field instead.
+    """
+    if not value or not value.startswith("/") or value.startswith("//") or "\\" in value:
+        return default
+    if any(ord(c) < 0x20 or c == "\x7f" for c in value):
+        return default
+    return value
+
+
+def html_response(body: str, *, status: int = 200) -> web.Response:
+    return web.Response(text=body, status=status, content_type="text/html", charset="utf-8")
+
+
+class WebAuth:
+    def __init__(self, tokens: Tokens, *, secure: bool, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tokens = tokens
+        self.secure = secure
+        self.clock = clock
+        self.sessions: dict[str, Session] = {}
+
+    # -- tokens and sessions ---------------------------------------------------------------------
+
+    def role_for(self, token: str) -> Role | None:
+        # both compared every time, so the answer's timing says nothing about which one was close
+        operator = _same(token, self.tokens.operator)
+        reader = _same(token, self.tokens.reader)
+        if operator:
+            return Role.OPERATOR
+        return Role.READER if reader else None
+
+    def _prune(self) -> None:
+        now = self.clock()
+        for sid in [sid for sid, s in self.sessions.items() if s.expires <= now]:
+            del self.sessions[sid]
+        while len(self.sessions) >= MAX_SESSIONS:
+            oldest = min(self.sessions.values(), key=lambda s: s.expires)
+            del self.sessions[oldest.id]
+
+    def open_session(self, login: str, role: Role) -> Session:
+        self._prune()
+        session = Session(
+            id=secrets.token_urlsafe(32),
+            login=login,
+            role=role,
+            csrf=secrets.token_urlsafe(32),
+            expires=self.clock() + SESSION_SECONDS,
+            flash=[],
+        )
+        self.sessions[session.id] = session
+        return session
+
+    def session(self, request: web.Request) -> Session | None:
+        sid = request.cookies.get(SESSION_COOKIE)
+        if not sid:
+            return None
+        session = self.sessions.get(sid)
+        if session is None:
+            return None
+        if session.expires <= self.clock():
+            del self.sessions[sid]
+            return None
+        return session
+
+    # -- guards ----------------------------------------------------------------------------------
+
+    def page_reader(self, request: web.Request) -> Session:
+        """A logged-in person for an HTML page; otherwise off to the login form."""
+        session = self.session(request)
+        if session is None:
+            raise web.HTTPFound("/login")
+        return session
+
+    def api_reader(self, request: web.Request) -> Session:
+        """A logged-in person for the event stream and other machine routes; otherwise 401 JSON."""
+        session = self.session(request)
+        if session is None:
+            raise web.HTTPUnauthorized(text=json.dumps({"error": "login required"}), content_type="application/json")
+        return session
+
+    async def post(self, request: web.Request, *, operator: bool) -> tuple[Session, dict[str, str]]:
+        """The guard for every state-changing request: a session, its CSRF token, and the role.
+
+        Raises before anything is read into the application, so a refused request changes nothing.
+        """
+        session = self.session(request)
+        if session is None:
+            raise web.HTTPUnauthorized(
+                text=message_page("Login required", "Your session has ended; log in again.", link=("/login", "Log in")),
+                content_type="text/html",
+            )
+        data = await request.post()
+        fields: dict[str, str] = {}
+        for key, value in data.items():
+            if isinstance(value, str):  # uploads are never expected; they are ignored
+                fields.setdefault(key, value)
+        supplied = request.headers.get(CSRF_HEADER) or fields.get("csrf") or ""
+        if not supplied or not _same(supplied, session.csrf):
+            log.warning("web.csrf_refused", login=session.login, path=request.path)
+            raise web.HTTPForbidden(
+                text=message_page("Refused", CSRF_REFUSED, viewer=session), content_type="text/html"
+            )
+        if operator and not session.is_operator:
+            log.warning("web.reader_refused", login=session.login, path=request.path)
+            raise web.HTTPForbidden(
+                text=message_page("Refused", f"{OPERATORS_ONLY}: web:{session.login} is a reader", viewer=session),
+                content_type="text/html",
+            )
+        return session, fields
+
+    # -- routes ----------------------------------------------------------------------------------
+
+    async def login_form(self, request: web.Request) -> web.Response:
+        value = secrets.token_urlsafe(24)
+        response = html_response(login_page(value))
+        response.set_cookie(
+            LOGIN_CSRF_COOKIE, value, httponly=True, samesite="Strict", path="/login", secure=self.secure, max_age=3600
+        )
+        return response
+
+    async def login(self, request: web.Request) -> web.Response:
+        data = await request.post()
+        field = data.get("csrf")
+        cookie = request.cookies.get(LOGIN_CSRF_COOKIE, "")
+        if not isinstance(field, str) or not field or not cookie or not _same(field, cookie):
+            raise web.HTTPForbidden(
+                text=message_page("Refused", CSRF_REFUSED, link=("/login", "Log in")), content_type="text/html"
+            )
+        raw_name = data.get("name")
+        name = raw_name.strip().lower() if isinstance(raw_name, str) else ""
+        token = data.get("token")
+        if not NAME.fullmatch(name):
+            return html_response(
+                login_page(field, error="The name must be 1–32 of a–z, 0–9, '_', '.', '-'."), status=400
+            )
+        role = self.role_for(token) if isinstance(token, str) and token else None
+        if role is None:
+            log.warning("web.login_refused", login=name, remote=request.remote)
+            return html_response(login_page(field, error="wrong token", name=name), status=401)
+        previous = request.cookies.get(SESSION_COOKIE)
+        if previous:
+            self.sessions.pop(previous, None)  # a fresh id at every login: no session fixation
+        session = self.open_session(name, role)
+        log.info("web.login", login=name, role=role.value)
+        response = web.HTTPSeeOther("/")
+        response.set_cookie(
+            SESSION_COOKIE,
+            session.id,
+            httponly=True,
+            samesite="Strict",
+            path="/",
+            secure=self.secure,
+            max_age=SESSION_SECONDS,
+        )
+        response.del_cookie(LOGIN_CSRF_COOKIE, path="/login")
+        raise response
+
+    async def logout(self, request: web.Request) -> web.Response:
+        session, _ = await self.post(request, operator=False)
+        self.sessions.pop(session.id, None)
+        log.info("web.logout", login=session.login)
+        response = web.HTTPSeeOther("/login")
+        response.del_cookie(SESSION_COOKIE, path="/")
+        raise response

@@ -1,0 +1,334 @@
+"""The web console server: the conversation, approval pages, the swarm dashboard, live events and metrics.
+
+It is a thin HTTP face over what the rest of Kazma already does. Messages go
+in through :meth:`WebAdapter.say`, decisions through
+:meth:`ApprovalService.decide` (the same compare-and-set every platform uses),
+swarm work through the same ``/swarm`` grammar and rules as chat commands.
+
+``/metrics`` and ``/healthz`` need no login: they carry counts and no secrets
+(no arguments, ids or names), and a Prometheus scraper has no session. Put the
+console behind a proxy that restricts ``/metrics`` if even counts are private.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, generate_latest
+
+from kazma.adapters.web import CONSOLE, WebAdapter
+from kazma.approvals.model import Decision
+from kazma.bot.app import App
+from kazma.bot.swarm_grammar import GrammarError, parse
+from kazma.bot.swarm_roles import Role as SwarmRole
+from kazma.bot.swarm_roles import required_role
+from kazma.bot.web_auth import OPERATORS_ONLY, Session, WebAuth, html_response, load_tokens, safe_next
+from kazma.bot.web_pages import approval_href, approval_page, console_page, dashboard_page, message_page
+from kazma.bot.web_static import CONSOLE_JS
+from kazma.config.metrics import count_failure
+from kazma.engine.swarm_types import TaskStatus
+
+log = structlog.get_logger("kazma.web")
+
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self'; "
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
+)
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+}
+SWARM_TASKS = Gauge("kazma_swarm_tasks", "Swarm tasks in the store, by status (refreshed at scrape).", ["status"])
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
+_TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_MENTION = re.compile(r"(?<![\w@])@([A-Za-z0-9_-]{1,32})")
+TASK_ACTIONS = ("cancel", "retry", "approve", "reject")
+MAX_TEXT = 8000
+
+
+def mentions_of(text: str) -> tuple[str, ...]:
+    """Lowercase ``@word`` names, once each, in order: how people address agents in the console."""
+    return tuple(dict.fromkeys(m.lower() for m in _MENTION.findall(text)))
+
+
+def _not_found(text: str, session: Session | None = None) -> web.HTTPNotFound:
+    return web.HTTPNotFound(text=message_page("Not found", text, viewer=session), content_type="text/html")
+
+
+async def _add_security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    # on_response_prepare runs for every response, errors and streams included, before headers go out
+    for name, value in SECURITY_HEADERS.items():
+        response.headers[name] = value
+    if not request.path.startswith("/static/"):
+        response.headers.setdefault("Cache-Control", "no-store")
+
+
+class WebServer:
+    def __init__(
+        self,
+        app: App,
+        web_adapter: WebAdapter,
+        *,
+        host: str,
+        port: int,
+        token_path: Path,
+        operator_token: str | None = None,
+        reader_token: str | None = None,
+        heartbeat: float = 15.0,
+        shutdown_timeout: float = 2.0,
+    ) -> None:
+        self.app = app
+        self.web = web_adapter
+        self.host = host
+        self.port = port
+        self.token_path = token_path
+        self.heartbeat = heartbeat
+        self.shutdown_timeout = shutdown_timeout
+        self._operator_token = operator_token
+        self._reader_token = reader_token
+        self._runner: web.AppRunner | None = None
+        self._closing = asyncio.Event()
+        self._first_message: str | None = None
+        self.auth: WebAuth | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The bound address, e.g. ``http://127.0.0.1:54321`` (the real port when 0 was asked for)."""
+        if self._runner is None or not self._runner.addresses:
+            raise RuntimeError("the web server is not started")
+        host, port = self._runner.addresses[0][:2]
+        return f"http://{host}:{port}"
+
+    async def start(self) -> None:
+        tokens = load_tokens(self.token_path, operator_token=self._operator_token, reader_token=self._reader_token)
+        public_url = str(self.app.loaded.config.web.public_url)
+        self.auth = WebAuth(tokens, secure=public_url.startswith("https://"))
+        application = web.Application(client_max_size=256 * 1024)
+        application.on_response_prepare.append(_add_security_headers)
+        auth = self.auth
+        application.add_routes(
+            [
+                web.get("/login", auth.login_form),
+                web.post("/login", auth.login),
+                web.post("/logout", auth.logout),
+                web.get("/", self.console),
+                web.post("/console/send", self.send),
+                web.get("/events", self.events),
+                web.post("/approvals/{id}/decide", self.decide),
+                web.get("/swarm", self.swarm),
+                web.post("/swarm/tasks/{id}/{action}", self.task_action),
+                web.post("/swarm/command", self.swarm_command),
+                web.get("/metrics", self.metrics),
+                web.get("/healthz", self.healthz),
+                web.get("/static/console.js", self.script),
+            ]
+        )
+        self._closing.clear()
+        runner = web.AppRunner(application, shutdown_timeout=self.shutdown_timeout, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        if tokens.generated:
+            lines = [f"Kazma web console: {self.url}/"]
+            if "operator" in tokens.generated:
+                lines.append(f"  operator token: {tokens.operator}  (saved to {self.token_path}, mode 0600)")
+            if "reader" in tokens.generated:
+                lines.append(f"  reader token:   {tokens.reader}  (read-only; saved beside it)")
+            lines.append("  These are shown once. Log in at /login with a name and one of them.")
+            self._first_message = "\n".join(lines)
+        log.info("web.started", url=self.url)
+
+    def first_start_message(self) -> str | None:
+        """The URL and the tokens made at this start, for the caller to print; None afterwards or if none were made."""
+        message, self._first_message = self._first_message, None
+        return message
+
+    async def stop(self) -> None:
+        self._closing.set()  # event streams end now rather than waiting out the shutdown timeout
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+            log.info("web.stopped")
+
+    def _auth(self) -> WebAuth:
+        if self.auth is None:
+            raise RuntimeError("the web server is not started")
+        return self.auth
+
+    # -- the console -----------------------------------------------------------------------------
+
+    async def console(self, request: web.Request) -> web.Response:
+        session = self._auth().page_reader(request)
+        return html_response(console_page(session, self.web.messages(), flash=session.take_flash()))
+
+    async def send(self, request: web.Request) -> web.Response:
+        session, fields = await self._auth().post(request, operator=False)
+        text = fields.get("text", "").strip()
+        if not text:
+            session.flash.append("Nothing to send.")
+        elif len(text) > MAX_TEXT:
+            session.flash.append(f"The message is {len(text):,} characters; at most {MAX_TEXT:,} are accepted.")
+        elif text == "/swarm" or text.startswith("/swarm "):
+            session.flash.append(await self._swarm_text(session, text.removeprefix("/swarm")))
+        else:
+            await self.web.say(session.login, text, chat=CONSOLE, mentions=mentions_of(text))
+        raise web.HTTPSeeOther("/")
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        """Server-Sent Events: every console change as one JSON ``data:`` line, and a heartbeat comment."""
+        self._auth().api_reader(request)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        )
+        await response.prepare(request)
+        stream = self.web.subscribe()
+
+        async def following() -> dict[str, Any]:
+            return await anext(stream)
+
+        closing = asyncio.create_task(self._closing.wait())
+        pending = asyncio.create_task(following())
+        try:
+            # one loop turn lets the subscription register, so nothing said after "ready" can be missed
+            await asyncio.sleep(0)
+            await response.write(b"retry: 3000\n: ready\n\n")
+            while True:
+                done, _ = await asyncio.wait({pending, closing}, timeout=self.heartbeat, return_when="FIRST_COMPLETED")
+                if closing in done:
+                    break
+                if pending not in done:
+                    await response.write(b": heartbeat\n\n")
+                    continue
+                try:
+                    event = pending.result()
+                except StopAsyncIteration:  # the adapter stopped
+                    break
+                await response.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+                pending = asyncio.create_task(following())
+        except ConnectionResetError:
+            pass  # the browser went away
+        finally:
+            for task in (pending, closing):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await task
+            closer = getattr(stream, "aclose", None)  # an async generator: release its queue now
+            if closer is not None:
+                await closer()
+        return response
+
+    # -- approvals -------------------------------------------------------------------------------
+
+    async def decide(self, request: web.Request) -> web.Response:
+        session, fields = await self._auth().post(request, operator=True)
+        request_id = request.match_info["id"]
+        if not _REQUEST_ID.fullmatch(request_id):
+            raise _not_found("No such approval request.", session)
+        try:
+            decision = Decision(fields.get("decision", ""))
+        except ValueError:
+            raise web.HTTPBadRequest(
+                text=message_page("Bad request", "decision must be approve or deny", viewer=session),
+                content_type="text/html",
+            ) from None
+        result = await self.app.service.decide(request_id, decision, actor=session.actor, platform="web")
+        log.info("web.decide", request_id=request_id, actor=session.actor, verdict=result.verdict.value)
+        session.flash.append(result.message)
+        raise web.HTTPSeeOther(safe_next(fields.get("next"), approval_href(request_id)))
+
+    async def swarm(self, request: web.Request) -> web.Response:
+        session = self._auth().page_reader(request)
+        approval = request.query.get("approval")
+        if approval is not None:
+            return await self._approval(session, approval)
+        store = self.app.swarm.store
+        tasks = await store.list(limit=50)
+        counts = {status.value: await store.count(status) for status in TaskStatus}
+        approvals = await self.app.service.store.requests(limit=20)
+        page = dashboard_page(
+            session, tasks, self.app.swarm.worker_lines(), approvals, counts, flash=session.take_flash()
+        )
+        return html_response(page)
+
+    async def _approval(self, session: Session, request_id: str) -> web.Response:
+        store = self.app.service.store
+        row = await store.get(request_id) if _REQUEST_ID.fullmatch(request_id) else None
+        if row is None:
+            raise _not_found("No such approval request.", session)
+        events = await store.events(request_id)
+        cards = await store.cards(request_id)
+        return html_response(approval_page(session, row, events, cards, flash=session.take_flash()))
+
+    # -- swarm work ------------------------------------------------------------------------------
+
+    async def _swarm_text(self, session: Session, text: str) -> str:
+        """Run a ``/swarm`` command for a console person: operators count as admins, readers may only read."""
+        commands = self.app.conversations.swarm
+        if commands is None:
+            return "The /swarm commands are not available: this process runs without the swarm engine."
+        if not session.is_operator:
+            config = self.app.loaded.config
+            try:
+                command = parse(text, workers=config.agents.workers, pipelines=config.pipelines)
+            except GrammarError as exc:
+                return str(exc)
+            # a reader may have named themselves after an approver: the role, not the name, decides here
+            if required_role(command) is not SwarmRole.READER:
+                return f"{OPERATORS_ONLY}: /swarm {command.verb} needs the operator token"
+        return await commands.run(text, actor=session.actor, platform="web", chat=CONSOLE, is_admin=session.is_operator)
+
+    async def task_action(self, request: web.Request) -> web.Response:
+        session, _ = await self._auth().post(request, operator=True)
+        task_id, action = request.match_info["id"], request.match_info["action"]
+        if action not in TASK_ACTIONS or not _TASK_ID.fullmatch(task_id):
+            raise _not_found("No such task action.", session)
+        session.flash.append(await self._swarm_text(session, f"{action} {task_id}"))
+        raise web.HTTPSeeOther("/swarm")
+
+    async def swarm_command(self, request: web.Request) -> web.Response:
+        session, fields = await self._auth().post(request, operator=True)
+        text = fields.get("text", "").strip().removeprefix("/swarm").strip()
+        if len(text) > MAX_TEXT:
+            session.flash.append(f"The command is {len(text):,} characters; at most {MAX_TEXT:,} are accepted.")
+        else:
+            session.flash.append(await self._swarm_text(session, text))
+        raise web.HTTPSeeOther("/swarm")
+
+    # -- machines --------------------------------------------------------------------------------
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        try:
+            for status in TaskStatus:
+                SWARM_TASKS.labels(status=status.value).set(await self.app.swarm.store.count(status))
+        except Exception as exc:  # the rest of the metrics are still worth serving
+            count_failure("metrics_swarm")
+            log.warning("web.metrics_swarm_failed", error=str(exc))
+        return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def script(self, request: web.Request) -> web.Response:
+        return web.Response(
+            text=CONSOLE_JS,
+            content_type="application/javascript",
+            charset="utf-8",
+            headers={"Cache-Control": "no-cache"},
+        )
