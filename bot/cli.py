@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import click
 import structlog
 
+from kazma.adapters.web import WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import build_app
 from kazma.bot.approvals_cli import approvals
@@ -18,6 +20,7 @@ from kazma.bot.demo import run_demo
 from kazma.bot.doctor import Level, run_checks
 from kazma.bot.logging import LEVELS, configure_logging
 from kazma.bot.swarm_cli import swarm
+from kazma.bot.web_server import WebServer
 from kazma.config import LoadedConfig, __version__, platform_statuses
 
 log = structlog.get_logger("kazma.cli")
@@ -100,17 +103,32 @@ def run(obj: Context, poll_interval: float) -> None:
 
 
 async def _serve(loaded: LoadedConfig, poll_interval: float) -> None:
-    app = await build_app(loaded, poll_interval=poll_interval)
+    config = loaded.config
+    web = WebAdapter()
+    app = await build_app(loaded, poll_interval=poll_interval, web=web)
+    server = WebServer(
+        app,
+        web,
+        host=config.web.host,
+        port=config.web.port,
+        token_path=config.store.path.parent / "web-token",
+        operator_token=os.environ.get("KAZMA_WEB_TOKEN") or None,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         await app.start()
-        click.echo("kazma is running; press Ctrl-C to stop", err=True)
+        await server.start()
+        message = server.first_start_message()
+        if message:
+            click.echo(message, err=True)
+        click.echo(f"kazma is running; web console at {server.url}; press Ctrl-C to stop", err=True)
         await stop.wait()
         log.info("app.stopping")
     finally:
+        await server.stop()
         await app.stop()
 
 

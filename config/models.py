@@ -102,7 +102,7 @@ class StoreConfig(Strict):
 
 class WebConfig(Strict):
     host: str = "127.0.0.1"
-    port: int = Field(default=8765, ge=1, le=65535)
+    port: int = Field(default=8765, ge=0, le=65535)  # 0: any free port
     public_url: HttpUrl = "http://127.0.0.1:8765"
 
     @field_validator("public_url")

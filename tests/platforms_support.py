@@ -40,6 +40,7 @@ class Fakes:
     def config_yaml(self, store: Path, *, deadline: int = 600) -> str:
         return f"""
 store: {{path: '{store}'}}
+web: {{port: 0}}
 approvals: {{deadline_seconds: {deadline}}}
 platforms:
   telegram:

@@ -35,7 +35,7 @@ async def test_sigkill_mid_pipeline_then_restart_reports_the_step(tmp_path: Path
     await model.start()
     config, log, store = tmp_path / "kazma.yaml", tmp_path / "kazma.log", tmp_path / "k.db"
     config.write_text(
-        f"store: {{path: '{store}'}}\n"
+        f"store: {{path: '{store}'}}\nweb: {{port: 0}}\n"
         f"model: {{base_url: '{model.base_url}', timeout_seconds: 600, max_retries: 0}}\n"
         f"platforms: {{telegram: {{token: '{telegram.token}', api_base_url: '{telegram.base_url}',"
         f" chats: [{CHAT}], home_chat: {CHAT}, admins: [111]}}}}\n"

@@ -50,7 +50,7 @@ async def test_sigkill_during_a_step_then_restart_reports_it_interrupted(tmp_pat
     log = tmp_path / "kazma.log"
     store = tmp_path / "k.db"
     config.write_text(
-        f"store: {{path: '{store}'}}\n"
+        f"store: {{path: '{store}'}}\nweb: {{port: 0}}\n"
         f"model: {{base_url: '{model.base_url}', name: llama3.1, timeout_seconds: 600, max_retries: 0}}\n"
         f"platforms: {{telegram: {{token: '{telegram.token}', api_base_url: '{telegram.base_url}',"
         f" chats: [{CHAT}], home_chat: {CHAT}, admins: [111]}}}}\n"
