@@ -177,7 +177,7 @@ class WebAdapter:
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
         message = WebMessage(
-            str(next(self._ids)), CONSOLE, f"agent:{card.requester}", card.requester, card.title, time.time(), card
+            str(next(self._ids)), CONSOLE, card.requester, card.requester, card.title, time.time(), card
         )
         self._add(message)
         return CardRef(self.name, CONSOLE, message.id)

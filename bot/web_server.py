@@ -209,6 +209,14 @@ class WebServer:
             # one loop turn lets the subscription register, so nothing said after "ready" can be missed
             await asyncio.sleep(0)
             await response.write(b"retry: 3000\n: ready\n\n")
+            # What the page may have missed between rendering and connecting (or a reconnect):
+            # the current state of every message. Duplicates are harmless, the script keys by id.
+            for message in self.web.messages():
+                snapshot = [{"type": "message", "message": message.as_event()}]
+                if message.outcome is not None:
+                    snapshot.append({"type": "settled", "message": message.as_event()})
+                for item in snapshot:
+                    await response.write(f"data: {json.dumps(item, ensure_ascii=False)}\n\n".encode())
             while True:
                 done, _ = await asyncio.wait({pending, closing}, timeout=self.heartbeat, return_when="FIRST_COMPLETED")
                 if closing in done:
