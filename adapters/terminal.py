@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import sys
 import textwrap
+import threading
 from typing import IO
 
 from kazma.adapters.contract import CardRef, Handlers
@@ -27,7 +28,7 @@ class TerminalAdapter:
         login: str = "demo",
         out: IO[str] | None = None,
         interactive: bool | None = None,
-        auto: Decision = Decision.APPROVE,
+        auto: Decision | None = Decision.APPROVE,
         chat: str = "terminal",
     ) -> None:
         self.login = login
@@ -79,14 +80,39 @@ class TerminalAdapter:
 
     async def _press(self, card: ApprovalCard) -> None:
         if self.interactive:
-            answer = await asyncio.to_thread(input, f"approve or deny {card.tool}? [a/d] ")
+            answer = await _read_line(f"approve or deny {card.tool}? [a/d] ")
             decision = Decision.DENY if answer.strip().lower().startswith("d") else Decision.APPROVE
-        else:
+        elif self.auto is not None:
             decision = self.auto
             self._print(f"(no terminal attached: pressing {decision.value} as cli:{self.login})")
+        else:
+            return  # someone presses elsewhere (the web console)
         assert self._handlers is not None
         result = await self._handlers.on_press(card.button_data(decision), f"cli:{self.login}", self.name)
         self._print(f"  → {result.message}")
 
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
+        for task in list(self._presses):  # decided elsewhere: stop waiting for a keypress
+            task.cancel()
         self._print(f"[card {card.request_id}] {outcome.summary()}; its buttons are gone")
+
+
+async def _read_line(prompt: str) -> str:
+    """``input()`` on a daemon thread: a decision made elsewhere must not leave the process waiting for Enter."""
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future[str] = loop.create_future()
+
+    def read() -> None:
+        try:
+            line = input(prompt)
+        except EOFError:
+            line = ""
+        loop.call_soon_threadsafe(_resolve, answer, line)
+
+    threading.Thread(target=read, name="kazma-terminal-press", daemon=True).start()
+    return await answer
+
+
+def _resolve(future: asyncio.Future[str], value: str) -> None:
+    if not future.done():  # cancelled when the card was decided elsewhere
+        future.set_result(value)

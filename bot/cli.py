@@ -136,10 +136,32 @@ async def _serve(loaded: LoadedConfig, poll_interval: float) -> None:
 @click.option(
     "--deny", is_flag=True, help="Without a terminal to type into, press Deny instead of Approve on the card."
 )
-def demo(deny: bool) -> None:
-    """Play a scripted scenario end to end in this terminal: no tokens, no model."""
+@click.option(
+    "--terminal",
+    "terminal_only",
+    is_flag=True,
+    help="Play it in this terminal only (the default when no terminal is attached).",
+)
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True, help="Web console port.")
+@click.option("--no-browser", is_flag=True, help="Do not try to open a browser.")
+def demo(deny: bool, terminal_only: bool, port: int, no_browser: bool) -> None:
+    """Play a scripted scenario end to end: no tokens, no model.
+
+    On a terminal it serves the web console (URL and token printed, a browser
+    opened when there is one) and the card can be pressed there or here; without
+    one it plays in this terminal and presses the card itself.
+    """
     decision = Decision.DENY if deny else Decision.APPROVE
-    ok = asyncio.run(run_demo(out=sys.stdout, decision=decision))
+    web = not terminal_only and sys.stdin.isatty()
+    try:
+        ok = asyncio.run(
+            run_demo(
+                out=sys.stdout, decision=decision, web=web, web_port=port, open_browser=web and not no_browser,
+                linger=web,
+            )
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        ok = True
     sys.exit(0 if ok else 1)
 
 

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
+import socket
 import tempfile
+import webbrowser
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
 from kazma.adapters.contract import Inbound
 from kazma.adapters.terminal import TerminalAdapter
+from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalStore
 from kazma.approvals.model import Decision
 from kazma.bot.app import build_app
+from kazma.bot.web_server import WebServer
 from kazma.config import LoadedConfig, load_config_text
 from kazma.engine.executor import ActionKind
 from kazma.engine.model import ScriptStep
@@ -93,51 +98,101 @@ def scenario(prompts: dict[str, str]) -> PerAgentScript:
     return PerAgentScript(scripts, prompts, label=DEMO_LABEL)
 
 
-def demo_config(root: Path) -> LoadedConfig:
+def demo_config(root: Path, web_port: int = 8765) -> LoadedConfig:
     return load_config_text(
-        f"store: {{path: '{root / 'kazma.db'}'}}\napprovals: {{approvers: ['cli:demo'], deadline_seconds: 300}}\n",
+        f"store: {{path: '{root / 'kazma.db'}'}}\n"
+        f"web: {{port: {web_port}, public_url: 'http://127.0.0.1:{web_port}'}}\n"
+        "approvals: {approvers: ['cli:demo', 'web:demo'], deadline_seconds: 300}\n",
         environ={},
     )
 
 
-async def run_demo(*, out: IO[str], interactive: bool | None = None, decision: Decision = Decision.APPROVE) -> bool:
-    """Play the scenario; True when the plan finished and the lead reported."""
+def _free_port() -> int:
+    """A port to print in card links before the server binds it (port 0 would be unknown until then)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def run_demo(
+    *,
+    out: IO[str],
+    interactive: bool | None = None,
+    decision: Decision = Decision.APPROVE,
+    web: bool = False,
+    web_port: int = 8765,
+    open_browser: bool = False,
+    linger: bool = False,
+) -> bool:
+    """Play the scenario; True when the plan finished, the lead reported and every card settled.
+
+    With ``web`` the conversation runs in the web console (printed URL and token)
+    and the card shows in the browser and in this terminal; the first press on
+    either decides. ``linger`` keeps the console up afterwards until Ctrl-C.
+    """
     with tempfile.TemporaryDirectory(prefix="kazma-demo-") as tmp:
         root = Path(tmp)
-        loaded = demo_config(root)
+        web_port = web_port or _free_port()
+        loaded = demo_config(root, web_port)
         lead = loaded.config.agents.lead
         prompts = {
             lead.name: lead.system_prompt,
             **{n: w.system_prompt for n, w in loaded.config.agents.workers.items()},
         }
         provider = scenario(prompts)
-        terminal = TerminalAdapter(out=out, interactive=interactive, auto=decision)
-        app = await build_app(loaded, provider=provider, adapters=[terminal], poll_interval=0.1)
+        console = WebAdapter() if web else None
+        terminal = TerminalAdapter(out=out, interactive=interactive, auto=None if web else decision)
+        app = await build_app(loaded, provider=provider, adapters=[terminal], poll_interval=0.1, web=console)
+        server = None
+        if console is not None:
+            server = WebServer(
+                app, console, host="127.0.0.1", port=web_port, token_path=root / "web-token",
+                operator_token=secrets.token_urlsafe(12),
+            )  # fmt: skip
         out.write(f"kazma demo — model: {provider.label}\n")
-        out.write(f"store: {root / 'kazma.db'} (temporary)\n\n[you] {REQUEST}\n")
+        out.write(f"store: {root / 'kazma.db'} (temporary)\n")
         finished = asyncio.Event()
         app.conversations.listeners.append(
             lambda action: finished.set() if action.kind is ActionKind.FINISHED else None
         )
         await app.start()
         try:
-            await app.on_inbound(
-                Inbound(
-                    platform="cli",
-                    chat=terminal.chat,
-                    message_id="you-1",
-                    author="cli:you",
-                    author_name="you",
-                    text=REQUEST,
-                    mentions=("kazma",),
+            if server is not None and console is not None:
+                await server.start()
+                assert server.auth is not None
+                out.write(
+                    f"\nweb console: {server.url}/login — log in as 'demo' with token {server.auth.tokens.operator}\n"
+                    "approve the card there (or type a/d here when asked)\n\n"
                 )
-            )
+                out.flush()
+                if open_browser:
+                    webbrowser.open(f"{server.url}/login")
+                await console.say("demo", REQUEST, mentions=("kazma",))
+            else:
+                out.write(f"\n[you] {REQUEST}\n")
+                await app.on_inbound(
+                    Inbound(
+                        platform="cli",
+                        chat=terminal.chat,
+                        message_id="you-1",
+                        author="cli:you",
+                        author_name="you",
+                        text=REQUEST,
+                        mentions=("kazma",),
+                    )
+                )
             await asyncio.wait_for(finished.wait(), timeout=600)
             await app.conversations.drain()
             for request in await app.service.store.requests():
                 await _wait_settled(app.service.store, request.id)
+            if linger and server is not None:
+                out.write(f"\nthe demo is done; the console stays up at {server.url} — press Ctrl-C to leave\n")
+                out.flush()
+                await asyncio.Event().wait()
             return True
         finally:
+            if server is not None:
+                await server.stop()
             await app.stop()
 
 

@@ -57,3 +57,42 @@ def test_kazma_demo_command_runs_with_no_tokens_and_no_model(tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr[-2000:]
     assert "it printed: hello, world" in result.stdout
     assert not (tmp_path / ".kazma").exists()  # the demo keeps to its temporary directory
+
+
+async def test_web_demo_serves_the_console_and_a_browser_press_decides() -> None:
+    import asyncio
+    import re
+
+    import aiohttp
+
+    out = io.StringIO()
+    demo = asyncio.create_task(run_demo(out=out, interactive=False, web=True, web_port=0))
+    async with asyncio.timeout(60):
+        while "web console: " not in out.getvalue():
+            await asyncio.sleep(0.05)
+    found = re.search(r"web console: (\S+)/login — log in as 'demo' with token (\S+)", out.getvalue())
+    assert found is not None
+    url, token = found.groups()
+    jar = aiohttp.CookieJar(unsafe=True)
+    async with aiohttp.ClientSession(cookie_jar=jar) as http:
+        page = await (await http.get(f"{url}/login")).text()
+        login_csrf = re.search(r'name="csrf" value="([^"]+)"', page)
+        assert login_csrf is not None
+        await http.post(f"{url}/login", data={"name": "demo", "token": token, "csrf": login_csrf.group(1)})
+        async with asyncio.timeout(60):
+            while True:
+                console = await (await http.get(f"{url}/")).text()
+                if "/decide" in console:
+                    break
+                await asyncio.sleep(0.1)
+        csrf = re.search(r'name="kazma-csrf" content="([^"]+)"', console)
+        request = re.search(r"/approvals/([A-Za-z0-9_-]+)/decide", console)
+        assert csrf is not None
+        assert request is not None
+        await http.post(
+            f"{url}/approvals/{request.group(1)}/decide",
+            data={"decision": "approve", "csrf": csrf.group(1), "next": "/"},
+        )
+    assert await asyncio.wait_for(demo, timeout=60)
+    text = out.getvalue()
+    assert "approved by web:demo via web" in text  # the terminal's copy of the card settled too
