@@ -7,7 +7,9 @@ how to apply them once, in order, even when two processes start together.
 
 from __future__ import annotations
 
+import asyncio
 import re
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -66,13 +68,30 @@ async def connect(path: Path | str, *, busy_timeout_ms: int = 5000) -> aiosqlite
     try:
         # busy_timeout first: switching to WAL takes a lock another process may hold.
         await conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-        await conn.execute("PRAGMA journal_mode = WAL")
+        await _switch_to_wal(conn, busy_timeout_ms / 1000)
         await conn.execute("PRAGMA synchronous = FULL")
         await conn.execute("PRAGMA foreign_keys = ON")
     except BaseException:
         await conn.close()
         raise
     return conn
+
+
+async def _switch_to_wal(conn: aiosqlite.Connection, patience: float) -> None:
+    """Two processes creating the same file race for this switch, and SQLite answers the
+    loser "database is locked" at once instead of waiting: retry within ``patience``."""
+    deadline = time.monotonic() + max(patience, 0.5)
+    while True:
+        try:
+            async with conn.execute("PRAGMA journal_mode = WAL") as cursor:
+                row = await cursor.fetchone()
+            if row is not None and str(row[0]).lower() == "wal":
+                return
+            raise sqlite3.OperationalError(f"journal_mode stayed {row[0] if row else 'unknown'!r}, expected 'wal'")
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.02)
 
 
 async def apply_migrations(conn: aiosqlite.Connection, migrations: Iterable[Migration]) -> list[Migration]:
