@@ -79,7 +79,13 @@ def approval_href(request_id: str) -> str:
 
 
 def layout(
-    title: str, body: str, *, viewer: Viewer | None = None, flash: Sequence[str] = (), live: bool = False
+    title: str,
+    body: str,
+    *,
+    viewer: Viewer | None = None,
+    flash: Sequence[str] = (),
+    live: bool = False,
+    refresh: int | None = None,
 ) -> str:
     nav = ""
     meta = ""
@@ -93,6 +99,9 @@ def layout(
         )
     flashes = "".join(f'<div class="flash" role="status">{e(line)}</div>' for line in flash)
     script = '<script src="/static/console.js" defer></script>' if live else ""
+    if refresh is not None:  # the dashboard follows the swarm by reloading; no script needed
+        meta += f'<meta http-equiv="refresh" content="{int(refresh)}">'
+
     return (
         "<!doctype html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
@@ -303,11 +312,13 @@ def dashboard_page(
     for t in tasks:
         workers = t.request.get("resolved") or t.request.get("workers") or []
         output = (t.result or {}).get("output", "")
+        tokens = (t.result or {}).get("tokens") or {}
+        used = f"{int(tokens.get('prompt', 0))} + {int(tokens.get('completion', 0))}" if tokens else ""
         task_rows.append(
             f"<tr><td><code>{e(t.id)}</code></td><td>{e(t.status.value)}</td><td>{e(t.pattern.value)}</td>"
             f"<td>{e(', '.join(str(w) for w in workers))}</td><td>{e(t.current_step)}</td>"
             f"<td>{e(when(t.created_at))}</td><td>{e(when(t.finished_at))}</td>"
-            f"<td>{e(_excerpt(output)) if output else ''}</td><td>{e(t.error or '')}</td>"
+            f"<td>{e(_excerpt(output)) if output else ''}</td><td>{e(used)}</td><td>{e(t.error or '')}</td>"
             f"<td>{_task_actions(viewer, t)}</td></tr>"
         )
     summary = ", ".join(f"{n} {e(s)}" for s, n in counts.items() if n) or "no tasks"
@@ -331,10 +342,11 @@ def dashboard_page(
     body = (
         f"<h1>Swarm</h1><p>{summary}</p>{command}"
         "<h2>Tasks</h2><table><tr><th>id</th><th>status</th><th>pattern</th><th>workers</th><th>step</th>"
-        "<th>created</th><th>finished</th><th>result</th><th>error</th><th></th></tr>"
+        "<th>created</th><th>finished</th><th>result</th><th>tokens (prompt + completion)</th><th>error</th>"
+        "<th></th></tr>"
         f"{''.join(task_rows)}</table>"
         f"<h2>Workers</h2><ul>{workers}</ul>"
         "<h2>Recent approvals</h2><table><tr><th>id</th><th>tool</th><th>status</th><th>requested by</th>"
         f"<th>when</th><th>decided by</th></tr>{approval_rows}</table>"
     )
-    return layout("Swarm", body, viewer=viewer, flash=flash)
+    return layout("Swarm", body, viewer=viewer, flash=flash, refresh=5)

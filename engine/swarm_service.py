@@ -218,6 +218,10 @@ class SwarmService:
                 "output": outcome.output,
                 "details": outcome.details,
                 "workers": [{"worker": r.worker, "ok": r.ok, "error": r.error} for r in outcome.results],
+                "tokens": {
+                    "prompt": sum(r.usage.prompt_tokens for r in outcome.results),
+                    "completion": sum(r.usage.completion_tokens for r in outcome.results),
+                },
             }
             stored = await self.store.finish(
                 run,
@@ -285,7 +289,9 @@ class SwarmService:
         current = run
 
         async def call(worker: Worker, prompt: str, context: str) -> WorkerResult:
-            await self.store.step(current, f"stage {len(done) + 1} ({worker.name})")
+            step = f"stage {len(done) + 1} ({worker.name})"
+            await self.store.step(current, step)
+            self._report(f"swarm task {run.task_id}: {step} started")
             return await self._call(worker, prompt, context)
 
         async def journal(index: int, result: WorkerResult) -> None:
@@ -312,6 +318,12 @@ class SwarmService:
         """Pause after stage ``index + 1``: an approval card everywhere; approve resumes, reject or deadline ends."""
         if self.approvals is None:
             raise RuntimeError("a checkpoint needs the approvals service")
+        limit = self.config.swarm.max_paused_pipelines
+        if await self.store.count(TaskStatus.PAUSED) >= limit:
+            error = f"{limit} pipelines are already paused at checkpoints; approve or reject some first"
+            await self.store.finish(run, TaskStatus.FAILED, result=None, error=error)
+            self._report(f"swarm task {run.task_id} failed: {error}")
+            return None
         args = {"task": run.task_id, "after_stage": index + 1, "worker": result.worker, "output": result.output[:2000]}
         try:
             approval = await self.approvals.open(

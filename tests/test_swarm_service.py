@@ -19,6 +19,7 @@ from kazma.engine.reliability import RetryPolicy
 from kazma.engine.swarm_service import CoalescingReporter, SwarmRefused, SwarmRequest, SwarmService
 from kazma.engine.swarm_store import MIGRATIONS, SwarmTaskStore
 from kazma.engine.swarm_types import ErrorKind, Pattern, TaskStatus, WorkerResult
+from kazma.engine.types import Usage
 from tests.approvals_support import ManualClock, RecordingPublisher, approval_service
 from tests.swarm_support import ScriptedWorker
 
@@ -310,3 +311,58 @@ async def test_progress_is_coalesced() -> None:
     await reporter.close()
     assert len(sent) == 1
     assert sent[0].count("\n") == 49
+
+
+async def test_result_goes_to_the_route_and_tokens_are_recorded(tmp_path: Path) -> None:
+    workers = scripted_workers()
+    workers["builder"].replies = [WorkerResult("builder", True, output="done", usage=Usage(120, 30))]
+    async with rig(tmp_path / "a.db", workers=workers) as r:
+        task = await r.service.submit(request(Pattern.DISPATCH, ["builder"], route="slack:C0OTHER01"))
+        assert await finished(r.service, task) is TaskStatus.SUCCEEDED
+        assert r.delivered == [("slack:C0OTHER01", f"swarm task {task} succeeded:\ndone")]
+        record = await r.service.store.get(task)
+        assert record is not None
+        assert record.result is not None
+        assert record.result["tokens"] == {"prompt": 120, "completion": 30}
+
+
+async def test_paused_pipelines_are_capped(tmp_path: Path) -> None:
+    cfg = load_config_text(CONFIG.replace("max_parallel: 4", "max_parallel: 4, max_paused_pipelines: 1")).config
+    async with rig(tmp_path / "a.db", config=cfg) as r:
+        first = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        async with asyncio.timeout(20):
+            while (rec := await r.service.store.get(first)) is None or rec.status is not TaskStatus.PAUSED:
+                await asyncio.sleep(0.01)
+        second = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        assert await finished(r.service, second) is TaskStatus.FAILED
+        record = await r.service.store.get(second)
+        assert record is not None
+        assert "1 pipelines are already paused" in (record.error or "")
+
+
+async def test_lead_swarm_tools_need_approval_then_start_and_check(tmp_path: Path) -> None:
+    from kazma.approvals import SafetyPolicy
+    from kazma.bot.swarm_tools import swarm_tools
+    from kazma.engine.agent import AgentSpec, TurnContext
+
+    async with rig(tmp_path / "a.db") as r:
+        dispatch, check = swarm_tools(r.service, SafetyPolicy(r.approvals))
+        ctx = TurnContext("telegram:-1001", AgentSpec("kazma", "lead", is_lead=True), "telegram:111")
+        started = asyncio.ensure_future(
+            dispatch.handler({"pattern": "dispatch", "task": "build it", "workers": ["builder"]}, ctx)
+        )
+        async with asyncio.timeout(20):
+            while not r.publisher.published:  # dangerous by default: an approval card first
+                await asyncio.sleep(0.01)
+        assert r.publisher.published[0].tool == "dispatch_swarm"
+        await r.approvals.decide_from_button(
+            r.publisher.published[0].button_data(Decision.APPROVE), actor="telegram:111", platform="telegram"
+        )
+        result = await asyncio.wait_for(started, timeout=20)
+        assert result.ok, result.error
+        task_id = result.output.split()[2]
+        checked = await check.handler({"task_id": task_id, "wait_seconds": 30}, ctx)
+        assert checked.ok
+        assert checked.output.startswith("status: succeeded")
+        too_long = await check.handler({"task_id": task_id, "wait_seconds": 91}, ctx)
+        assert not too_long.ok
