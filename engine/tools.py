@@ -15,6 +15,7 @@ import asyncio
 import codecs
 import contextlib
 import errno
+import ipaddress
 import os
 import re
 import secrets
@@ -617,6 +618,25 @@ class HttpGetArgs(ToolArgs):
     url: str = Field(description="An http:// or https:// URL to fetch with GET.")
 
 
+class PrivateAddress(Exception):
+    """The URL's host is (or resolves to) an address inside this machine or its network."""
+
+
+async def _refuse_private(request: httpx.Request) -> None:
+    host = request.url.host
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, request.url.port or 0)
+    except OSError:
+        return  # not resolvable: the connection itself fails with a clear error
+    for info in infos:
+        address = ipaddress.ip_address(info[4][0])
+        if address.is_private or address.is_loopback or address.is_link_local or address.is_reserved:
+            raise PrivateAddress(
+                f"refused to fetch {request.url}: {host} is {address}, an address inside this machine or its "
+                "network (http_get reaches public addresses only)"
+            )
+
+
 class HttpGetTool(Tool[HttpGetArgs]):
     name = "http_get"
     description = (
@@ -626,10 +646,15 @@ class HttpGetTool(Tool[HttpGetArgs]):
     default_level = DangerLevel.READ
     Args = HttpGetArgs
 
-    def __init__(self, *, timeout_s: float = 20.0, max_bytes: int = MIB, max_redirects: int = 5) -> None:
+    def __init__(
+        self, *, timeout_s: float = 20.0, max_bytes: int = MIB, max_redirects: int = 5, allow_private: bool = False
+    ) -> None:
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
         self.max_redirects = max_redirects
+        # A "read" tool runs without approval, so by default it must not become a way
+        # into the bus's own network: loopback, private, link-local (cloud metadata) …
+        self.allow_private = allow_private
 
     async def run(self, args: HttpGetArgs, ctx: ToolContext) -> ToolResult:
         try:
@@ -651,6 +676,8 @@ class HttpGetTool(Tool[HttpGetArgs]):
             return ToolResult(
                 ok=False, output="", error=f"could not connect to {url.host}: {exc or type(exc).__name__}"
             )
+        except PrivateAddress as exc:
+            return ToolResult(ok=False, output="", error=str(exc))
         except httpx.TooManyRedirects:
             return ToolResult(ok=False, output="", error=f"more than {self.max_redirects} redirects fetching {url}")
         except httpx.HTTPError as exc:
@@ -663,6 +690,8 @@ class HttpGetTool(Tool[HttpGetArgs]):
                 follow_redirects=True,
                 max_redirects=self.max_redirects,
                 headers={"User-Agent": f"kazma/{__version__}"},
+                # checked for every request, redirects included
+                event_hooks={"request": [] if self.allow_private else [_refuse_private]},
             ) as client,
             client.stream("GET", url) as response,
         ):

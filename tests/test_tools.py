@@ -49,7 +49,10 @@ def ctx(ws: Path) -> ToolContext:
 
 @pytest.fixture
 def registry() -> ToolRegistry:
-    return default_registry()
+    # the built-ins, with http_get allowed to reach this test's own server on 127.0.0.1
+    builtins = default_registry()
+    kept = [tool for name in builtins.names() if name != "http_get" and (tool := builtins.get(name)) is not None]
+    return ToolRegistry([*kept, HttpGetTool(allow_private=True)])
 
 
 def _wait_exited(pid: int, bound_s: float = 30.0) -> bool:
@@ -629,7 +632,7 @@ async def test_http_get_404_is_an_error_result(registry: ToolRegistry, ctx: Tool
 
 
 async def test_http_get_body_over_the_cap_is_cut(ctx: ToolContext, server: Server) -> None:
-    registry = ToolRegistry([HttpGetTool(max_bytes=1500)])
+    registry = ToolRegistry([HttpGetTool(max_bytes=1500, allow_private=True)])
     result = await registry.execute("http_get", {"url": f"{server.url}/big"}, ctx)
     assert result.ok
     assert result.truncated
@@ -638,7 +641,7 @@ async def test_http_get_body_over_the_cap_is_cut(ctx: ToolContext, server: Serve
 
 
 async def test_http_get_times_out(ctx: ToolContext, server: Server) -> None:
-    registry = ToolRegistry([HttpGetTool(timeout_s=0.3)])
+    registry = ToolRegistry([HttpGetTool(timeout_s=0.3, allow_private=True)])
     result = await registry.execute("http_get", {"url": f"{server.url}/hang"}, ctx)
     assert not result.ok
     assert result.error is not None
@@ -721,3 +724,13 @@ def test_fence_source_cannot_break_the_header_line() -> None:
 def test_fence_empty_content() -> None:
     _, content = _unfence(fence_untrusted("", source="shell"))
     assert content == ""
+
+
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:9/", "http://localhost/", "http://169.254.169.254/latest/meta-data/"]
+)
+async def test_http_get_refuses_private_addresses_by_default(ctx: ToolContext, url: str) -> None:
+    result = await default_registry().execute("http_get", {"url": url}, ctx)
+    assert not result.ok
+    assert result.error is not None
+    assert "an address inside this machine or its network" in result.error
