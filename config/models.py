@@ -185,6 +185,10 @@ class AgentsConfig(Strict):
     def _worker_names(cls, value: dict[str, WorkerConfig]) -> dict[str, WorkerConfig]:
         for name in value:
             _check_agent_name(name)
+            if name == "auto":
+                raise PydanticCustomError(
+                    "kazma_name", "'auto' is reserved: /swarm dispatch auto picks a worker", {"subpath": name}
+                )
         return value
 
     @model_validator(mode="after")

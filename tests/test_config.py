@@ -231,6 +231,12 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         ["kazma.yaml: agents.lead.name: the lead agent's name 'builder' is also a worker's name"],
     ),
     (
+        "worker named auto",
+        "agents: {workers: {auto: {system_prompt: x}}}\npipelines: {}",
+        {},
+        ["kazma.yaml: agents.workers.auto: 'auto' is reserved: /swarm dispatch auto picks a worker"],
+    ),
+    (
         "two problems, two lines",
         "web: {port: -1}\nswarm: {max_parallel: 65}",
         {},
