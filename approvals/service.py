@@ -159,14 +159,7 @@ class ApprovalService:
         except ButtonError as exc:
             await self._refused(None, actor, platform, f"{exc}: {data[:100]!r}")
             return PressResult(PressVerdict.REFUSED, "This button is not valid; nothing was recorded.")
-        if not self.is_approver(actor, platform):
-            await self._refused(parsed.request_id, actor, platform, "not an approver")
-            return PressResult(
-                PressVerdict.REFUSED,
-                f"You ({actor}) are not an approver here; nothing was recorded.",
-                request_id=parsed.request_id,
-            )
-        return await self.decide(parsed.request_id, parsed.decision, actor=actor, platform=platform, authorised=True)
+        return await self.decide(parsed.request_id, parsed.decision, actor=actor, platform=platform)
 
     async def decide(
         self,
@@ -176,10 +169,9 @@ class ApprovalService:
         actor: str,
         platform: str,
         reason: str | None = None,
-        authorised: bool = False,
     ) -> PressResult:
-        """Decide ``request_id`` once. Reports whether this call won and, if not, what stands."""
-        if not authorised and not self.is_approver(actor, platform):
+        """Authorise ``actor``, then decide ``request_id`` once: whether this call won and, if not, what stands."""
+        if not self.is_approver(actor, platform):
             await self._refused(request_id, actor, platform, "not an approver")
             return PressResult(
                 PressVerdict.REFUSED,

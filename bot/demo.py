@@ -28,7 +28,7 @@ from kazma.bot.web_server import WebServer
 from kazma.config import LoadedConfig, load_config_text
 from kazma.engine.executor import ActionKind
 from kazma.engine.model import ScriptStep
-from kazma.engine.scenario import DEMO_LABEL, PerAgentScript
+from kazma.engine.scenario import DEMO_LABEL, PerAgentScript, agent_prompts
 from kazma.engine.types import Message, ModelReply, ToolCall
 
 REQUEST = "@kazma please write a tiny hello-world script and check that it runs"
@@ -134,11 +134,7 @@ async def run_demo(
         root = Path(tmp)
         web_port = web_port or _free_port()
         loaded = demo_config(root, web_port)
-        lead = loaded.config.agents.lead
-        prompts = {
-            lead.name: lead.system_prompt,
-            **{n: w.system_prompt for n, w in loaded.config.agents.workers.items()},
-        }
+        prompts = agent_prompts(loaded.config)
         provider = scenario(prompts)
         console = WebAdapter() if web else None
         terminal = TerminalAdapter(out=out, interactive=interactive, auto=None if web else decision)

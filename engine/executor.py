@@ -94,7 +94,7 @@ class PlanExecutor:
             recorded, actions = await self._record(plan_id, index, result, attempt)
             if recorded:
                 actions += await self._next_actions(plan_id)
-        await self._perform(actions)
+        await self.perform(actions)
         return recorded
 
     async def recover(self) -> list[tuple[str, int]]:
@@ -125,16 +125,13 @@ class PlanExecutor:
                 actions += await self._after_failure(plan_id, index, OnFailure.ASK_LEAD, INTERRUPTED)
         return interrupted, actions
 
-    async def perform(self, actions: list[Action]) -> None:
-        await self._perform(actions)
-
     async def _reconcile(self, plan_id: str) -> None:
         plan = await self.store.load(plan_id)
         if plan is None:
             return
         async with self._locks[plan.conversation]:
             actions = await self._next_actions(plan_id)
-        await self._perform(actions)
+        await self.perform(actions)
 
     async def _record(
         self, plan_id: str, index: int, result: StepResult, attempt: int | None
@@ -241,7 +238,7 @@ class PlanExecutor:
         log.info("plan.step_started", plan_id=plan_id, step=step.index, assignee=step.spec.assignee, kind=kind.value)
         return [Action(kind, plan, step, text)]
 
-    async def _perform(self, actions: list[Action]) -> None:
+    async def perform(self, actions: list[Action]) -> None:
         for action in actions:
             try:
                 await self.dispatcher.perform(action)

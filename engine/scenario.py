@@ -9,10 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kazma.config.models import KazmaConfig
+from kazma.engine.agent import agents_from_config
 from kazma.engine.model import ScriptedProvider, ScriptStep
 from kazma.engine.types import Message, ModelError, ModelReply, ToolSpec
 
 DEMO_LABEL = "scripted (demo — no model is called)"
+
+
+def agent_prompts(config: KazmaConfig) -> dict[str, str]:
+    """Each agent's system prompt by name: what routes a scripted request to its agent."""
+    return {name: spec.system_prompt for name, spec in agents_from_config(config).items()}
 
 
 class PerAgentScript:

@@ -286,26 +286,25 @@ class SwarmService:
         self, run: TaskRun, request: SwarmRequest, workers: list[Worker], done: list[WorkerResult]
     ) -> swarm.SwarmOutcome:
         checkpoints = set(self.config.swarm.checkpoints.get(request.preset or "", []))
-        current = run
+        task_id = run.task_id  # a checkpoint resume moves the task to a new run: always write as self._current's
 
         async def call(worker: Worker, prompt: str, context: str) -> WorkerResult:
             step = f"stage {len(done) + 1} ({worker.name})"
-            await self.store.step(current, step)
+            await self.store.step(self._current[task_id], step)
             self._report(f"swarm task {run.task_id}: {step} started")
             return await self._call(worker, prompt, context)
 
         async def journal(index: int, result: WorkerResult) -> None:
             done.append(result)
-            await self.store.journal(current, index, result.worker, result)
+            await self.store.journal(self._current[task_id], index, result.worker, result)
 
         async def checkpoint(index: int, result: WorkerResult) -> bool:
-            nonlocal current
             if index + 1 not in checkpoints:
                 return True
-            decided = await self._checkpoint(current, request, index, result)
+            decided = await self._checkpoint(self._current[task_id], request, index, result)
             if decided is None:
                 return False
-            current = self._current[run.task_id] = decided
+            self._current[task_id] = decided
             return True
 
         return await swarm.pipeline(

@@ -23,6 +23,7 @@ from kazma.bot.app import App, build_app
 from kazma.bot.demo import REQUEST, scenario
 from kazma.bot.web_server import WebServer
 from kazma.config import load_config_text
+from kazma.engine.scenario import agent_prompts
 from tests.fakes.telegram import FakeTelegram
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -53,10 +54,7 @@ async def kazma_with_console(tmp_path: Path) -> AsyncIterator[Running]:
         environ={},
     )
     c = loaded.config
-    prompts = {
-        c.agents.lead.name: c.agents.lead.system_prompt,
-        **{n: w.system_prompt for n, w in c.agents.workers.items()},
-    }
+    prompts = agent_prompts(c)
     web = WebAdapter()
     app = await build_app(
         loaded,

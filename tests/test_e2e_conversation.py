@@ -23,7 +23,7 @@ from kazma.adapters.telegram import TelegramAdapter
 from kazma.bot.app import App, build_app
 from kazma.config import LoadedConfig, load_config_text
 from kazma.engine.model import ScriptStep
-from kazma.engine.scenario import PerAgentScript
+from kazma.engine.scenario import PerAgentScript, agent_prompts
 from kazma.engine.types import Message, ModelReply, ToolCall
 from tests.fakes.slack import FAKE_BOT_TOKEN, FAKE_SIGNING_SECRET, FakeSlack
 from tests.fakes.telegram import FakeTelegram
@@ -56,10 +56,7 @@ def _report(messages: Sequence[Message]) -> ModelReply:
 
 def script(config: LoadedConfig) -> PerAgentScript:
     c = config.config
-    prompts = {
-        c.agents.lead.name: c.agents.lead.system_prompt,
-        **{n: w.system_prompt for n, w in c.agents.workers.items()},
-    }
+    prompts = agent_prompts(c)
     steps: dict[str, list[ScriptStep]] = {
         "kazma": [
             ModelReply(content=None, tool_calls=(ToolCall("p", "write_plan", PLAN, json.dumps(PLAN)),)),

@@ -25,7 +25,7 @@ from kazma.bot.web_server import CSP, WebServer
 from kazma.config import load_config_text
 from kazma.config.metrics import count_failure
 from kazma.engine.model import ScriptStep
-from kazma.engine.scenario import PerAgentScript
+from kazma.engine.scenario import PerAgentScript, agent_prompts
 from kazma.engine.swarm_types import TaskStatus
 from kazma.engine.types import Message, ModelReply, ToolSpec
 
@@ -132,10 +132,7 @@ async def console(
     yaml = f"store: {{path: '{tmp_path / 'k.db'}'}}\napprovals: {{approvers: ['web:alice']}}\n"
     loaded = load_config_text(yaml, environ={})
     c = loaded.config
-    prompts = {
-        c.agents.lead.name: c.agents.lead.system_prompt,
-        **{n: w.system_prompt for n, w in c.agents.workers.items()},
-    }
+    prompts = agent_prompts(c)
     gate = asyncio.Event()
     provider = GatedProvider(PerAgentScript(dict(scripts or {}), prompts), prompts.get(gated or ""), gate)
     web = WebAdapter()
