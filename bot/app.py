@@ -16,22 +16,22 @@ from kazma.adapters.contract import Handlers, Inbound, PlatformAdapter
 from kazma.adapters.outbox import Outbox
 from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
-from kazma.bot.conversation import Conversations
 from kazma.bot.store import open_store
-from kazma.bot.swarm_commands import SwarmCommands
-from kazma.bot.swarm_tools import swarm_tools
 from kazma.config import LoadedConfig, enabled_platforms
 from kazma.config.database import connect
 from kazma.config.metrics import count_failure
 from kazma.engine.agent import AgentRunner, agents_from_config
+from kazma.engine.conversation import Conversations
 from kazma.engine.executor import PlanExecutor
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import OpenAIProvider
 from kazma.engine.plan_store import PlanStore
-from kazma.engine.swarm_service import CoalescingReporter, SwarmService
-from kazma.engine.swarm_store import SwarmTaskStore
-from kazma.engine.swarm_types import WorkerResult
-from kazma.engine.swarm_workers import AgentWorker
+from kazma.engine.swarm.commands import SwarmCommands
+from kazma.engine.swarm.lead_tools import swarm_tools
+from kazma.engine.swarm.service import CoalescingReporter, SwarmService
+from kazma.engine.swarm.store import SwarmTaskStore
+from kazma.engine.swarm.types import WorkerResult
+from kazma.engine.swarm.workers import AgentWorker
 from kazma.engine.tools import ToolRegistry, default_registry, fence_untrusted
 from kazma.engine.types import ModelProvider
 

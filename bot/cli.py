@@ -15,12 +15,12 @@ from kazma.adapters.web import WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import build_app
 from kazma.bot.approvals_cli import approvals
+from kazma.bot.console.server import WebServer
 from kazma.bot.context import Context
 from kazma.bot.demo import run_demo
 from kazma.bot.doctor import Level, run_checks
 from kazma.bot.logging import LEVELS, configure_logging
 from kazma.bot.swarm_cli import swarm
-from kazma.bot.web_server import WebServer
 from kazma.config import LoadedConfig, __version__, platform_statuses
 
 log = structlog.get_logger("kazma.cli")

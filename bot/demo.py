@@ -24,7 +24,7 @@ from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalStore
 from kazma.approvals.model import Decision
 from kazma.bot.app import build_app
-from kazma.bot.web_server import WebServer
+from kazma.bot.console.server import WebServer
 from kazma.config import LoadedConfig, load_config_text
 from kazma.engine.executor import ActionKind
 from kazma.engine.model import ScriptStep

@@ -12,7 +12,7 @@ from kazma.config import KazmaConfig
 from kazma.config.database import Migration, open_database
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.plan_store import MIGRATIONS as PLANS
-from kazma.engine.swarm_store import MIGRATIONS as SWARM
+from kazma.engine.swarm.store import MIGRATIONS as SWARM
 
 
 def all_migrations() -> list[Migration]:

@@ -1,7 +1,7 @@
 """``kazma swarm …``: the ``/swarm`` grammar from a terminal.
 
 Every subcommand rebuilds the text a chat user would type and hands it to the
-same :func:`~kazma.bot.swarm_grammar.parse`, so the CLI can never accept
+same :func:`~kazma.engine.swarm.grammar.parse`, so the CLI can never accept
 something chat refuses, or the other way round.
 """
 
@@ -17,8 +17,8 @@ import click
 
 from kazma.bot.app import build_app
 from kazma.bot.context import Context
-from kazma.bot.swarm_grammar import ROUTE_PLATFORMS, USAGES, GrammarError, parse
 from kazma.config import LoadedConfig
+from kazma.engine.swarm.grammar import ROUTE_PLATFORMS, USAGES, GrammarError, parse
 
 EXIT_USAGE = 2
 _OPTIONS = "kazma.swarm.options"

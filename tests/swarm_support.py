@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kazma.engine.swarm_types import WorkerResult
+from kazma.engine.swarm.types import WorkerResult
 
 Reply = WorkerResult | Callable[[str, str], WorkerResult]
 

@@ -20,8 +20,8 @@ from playwright.async_api import Page, async_playwright
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.web import WebAdapter
 from kazma.bot.app import App, build_app
+from kazma.bot.console.server import WebServer
 from kazma.bot.demo import REQUEST, scenario
-from kazma.bot.web_server import WebServer
 from kazma.config import load_config_text
 from kazma.engine.scenario import agent_prompts
 from tests.fakes.telegram import FakeTelegram

@@ -15,8 +15,8 @@ import pytest
 
 from kazma.config import load_config
 from kazma.config.database import connect
-from kazma.engine.swarm_store import SwarmTaskStore
-from kazma.engine.swarm_types import TaskStatus
+from kazma.engine.swarm.store import SwarmTaskStore
+from kazma.engine.swarm.types import TaskStatus
 from tests.fakes.openai import Completion, FakeOpenAI, Hang
 from tests.fakes.telegram import FakeTelegram
 from tests.process_support import run_kazma

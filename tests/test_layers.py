@@ -1,10 +1,13 @@
-"""The layers contract is real: it passes on the tree and fails when a lower layer imports a higher one."""
+"""The layers contract is real: it passes on the tree, fails when a lower layer imports a higher one, and
+every link in it is used (a layer that never imports the one below it would make the contract say nothing)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,21 +25,34 @@ def _tree(tmp_path: Path) -> Path:
     return root
 
 
-def _lint(root: Path) -> subprocess.CompletedProcess[str]:
-    exe = shutil.which("lint-imports")
-    if exe is None:
+def _lint_imports() -> str:
+    # Next to the running interpreter: a venv's scripts need not be on PATH.
+    beside = Path(sys.executable).parent / "lint-imports"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("lint-imports")
+    if found is None:
         pytest.fail("lint-imports is not installed (pip install -e '.[dev]')")
+    return found
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(root)}
-    return subprocess.run([exe], cwd=root, env=env, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [_lint_imports()], cwd=root, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def test_contract_holds_on_the_tree(tmp_path: Path) -> None:
     result = _lint(_tree(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "1 kept, 0 broken" in result.stdout
+    assert "2 kept, 0 broken" in result.stdout
 
 
-@pytest.mark.parametrize(("lower", "higher"), [("config", "bot"), ("approvals", "adapters"), ("adapters", "engine")])
+@pytest.mark.parametrize(
+    ("lower", "higher"),
+    [("config", "bot"), ("approvals", "adapters"), ("adapters", "engine"), ("engine", "bot")],
+)
 def test_contract_breaks_when_a_lower_layer_imports_a_higher_one(tmp_path: Path, lower: str, higher: str) -> None:
     root = _tree(tmp_path)
     (root / "kazma" / lower / "sneaky.py").write_text(f"import kazma.{higher}\n")
@@ -44,3 +60,72 @@ def test_contract_breaks_when_a_lower_layer_imports_a_higher_one(tmp_path: Path,
     assert result.returncode != 0
     assert "BROKEN" in result.stdout
     assert f"kazma.{lower}.sneaky -> kazma.{higher}" in result.stdout
+
+
+def test_contract_breaks_when_the_engine_imports_the_swarm(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    agent = root / "kazma" / "engine" / "agent.py"
+    agent.write_text(agent.read_text() + "\nimport kazma.engine.swarm.service  # noqa\n")
+    result = _lint(root)
+    assert result.returncode != 0
+    assert "kazma.engine.agent -> kazma.engine.swarm.service" in result.stdout
+
+
+def test_a_new_engine_module_must_be_placed_in_the_swarm_contract(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    (root / "kazma" / "engine" / "unplaced.py").write_text("X = 1\n")
+    result = _lint(root)
+    assert result.returncode != 0
+    assert "unplaced" in result.stdout + result.stderr
+
+
+_EDGES = """
+import json, grimp
+graph = grimp.build_graph("kazma", cache_dir=None)
+print(json.dumps({m: sorted(graph.find_modules_directly_imported_by(m)) for m in graph.modules}))
+"""
+
+
+def _graph(tmp_path: Path) -> dict[str, list[str]]:
+    """Every module of the tree and what it imports directly, read by grimp (import-linter's own engine)."""
+    root = _tree(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    result = subprocess.run(
+        [sys.executable, "-c", _EDGES], cwd=root, env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    edges: dict[str, list[str]] = json.loads(result.stdout)
+    assert len(edges) > 50, "grimp found too few modules: the tree was not read"
+    return edges
+
+
+@pytest.mark.parametrize(
+    ("higher", "lower"),
+    [
+        ("kazma.bot", "kazma.engine"),
+        ("kazma.engine", "kazma.adapters"),
+        ("kazma.adapters", "kazma.approvals"),
+        ("kazma.approvals", "kazma.config"),
+    ],
+)
+def test_every_link_of_the_layers_is_real(tmp_path: Path, higher: str, lower: str) -> None:
+    graph = _graph(tmp_path)
+    importers = {
+        module
+        for module, imports in graph.items()
+        if module.startswith(higher + ".") and not module.startswith("kazma.engine.swarm")
+        for imported in imports
+        if imported == lower or imported.startswith(lower + ".")
+    }
+    assert importers, f"nothing in {higher} (outside the swarm) imports {lower}: the link is empty"
+
+
+def test_the_swarm_link_is_real(tmp_path: Path) -> None:
+    graph = _graph(tmp_path)
+    below = {
+        imported
+        for module, imports in graph.items()
+        if module.startswith("kazma.engine.swarm")
+        for imported in imports
+        if imported.startswith("kazma.engine.") and not imported.startswith("kazma.engine.swarm")
+    }
+    assert below, "the swarm imports nothing from the rest of the engine"

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kazma.engine.reliability import (
+from kazma.engine.swarm.reliability import (
     GLOBAL_CAP,
     BreakerState,
     CircuitBreaker,
@@ -23,7 +23,7 @@ from kazma.engine.reliability import (
     run_with_fallback,
     with_timeout,
 )
-from kazma.engine.swarm_types import ErrorKind, WorkerResult
+from kazma.engine.swarm.types import ErrorKind, WorkerResult
 from kazma.engine.types import ModelError
 
 

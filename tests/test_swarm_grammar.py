@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from kazma.bot.context import Context
 from kazma.bot.swarm_cli import swarm
-from kazma.bot.swarm_grammar import (
+from kazma.config.models import KazmaConfig
+from kazma.engine.swarm.grammar import (
     MAX_LIST_WORKERS,
     MAX_PROMPT_BYTES,
     USAGES,
@@ -38,7 +39,7 @@ from kazma.bot.swarm_grammar import (
     help_text,
     parse,
 )
-from kazma.bot.swarm_roles import (
+from kazma.engine.swarm.roles import (
     SHARED_OPERATORS_HINT,
     RefusalReason,
     Role,
@@ -46,8 +47,7 @@ from kazma.bot.swarm_roles import (
     human_operators,
     required_role,
 )
-from kazma.config.models import KazmaConfig
-from kazma.engine.swarm_types import Pattern
+from kazma.engine.swarm.types import Pattern
 
 WORKERS = ("researcher", "refiner", "builder", "validator")
 PIPELINES = {"standard": ["researcher", "refiner", "builder", "validator"], "quick": ["researcher", "builder"]}

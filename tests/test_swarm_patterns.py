@@ -5,7 +5,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from kazma.engine.swarm import (
+from kazma.engine.swarm.patterns import (
     MAX_HANDOFF_DEPTH,
     Aggregation,
     NoCapableWorker,
@@ -19,7 +19,7 @@ from kazma.engine.swarm import (
     pipeline,
     route_auto,
 )
-from kazma.engine.swarm_types import ErrorKind, TaskStatus, Worker, WorkerResult
+from kazma.engine.swarm.types import ErrorKind, TaskStatus, Worker, WorkerResult
 from tests.swarm_support import ScriptedWorker
 
 

@@ -12,13 +12,13 @@ import pytest
 
 from kazma.approvals import ApprovalService
 from kazma.approvals.model import Decision
-from kazma.bot.swarm_commands import SwarmCommands
 from kazma.config import KazmaConfig, load_config_text
 from kazma.config.database import open_database
-from kazma.engine.reliability import RetryPolicy
-from kazma.engine.swarm_service import CoalescingReporter, SwarmRefused, SwarmRequest, SwarmService
-from kazma.engine.swarm_store import MIGRATIONS, SwarmTaskStore
-from kazma.engine.swarm_types import ErrorKind, Pattern, TaskStatus, WorkerResult
+from kazma.engine.swarm.commands import SwarmCommands
+from kazma.engine.swarm.reliability import RetryPolicy
+from kazma.engine.swarm.service import CoalescingReporter, SwarmRefused, SwarmRequest, SwarmService
+from kazma.engine.swarm.store import MIGRATIONS, SwarmTaskStore
+from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
 from kazma.engine.types import Usage
 from tests.approvals_support import ManualClock, RecordingPublisher, approval_service
 from tests.swarm_support import ScriptedWorker
@@ -342,8 +342,8 @@ async def test_paused_pipelines_are_capped(tmp_path: Path) -> None:
 
 async def test_lead_swarm_tools_need_approval_then_start_and_check(tmp_path: Path) -> None:
     from kazma.approvals import SafetyPolicy
-    from kazma.bot.swarm_tools import swarm_tools
     from kazma.engine.agent import AgentSpec, TurnContext
+    from kazma.engine.swarm.lead_tools import swarm_tools
 
     async with rig(tmp_path / "a.db") as r:
         dispatch, check = swarm_tools(r.service, SafetyPolicy(r.approvals))

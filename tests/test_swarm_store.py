@@ -18,7 +18,7 @@ import pytest
 
 from kazma.config.database import apply_migrations, connect, open_database
 from kazma.config.metrics import failure_count
-from kazma.engine.swarm_store import (
+from kazma.engine.swarm.store import (
     MIGRATIONS,
     TRANSITIONS,
     AtCapacity,
@@ -28,7 +28,7 @@ from kazma.engine.swarm_store import (
     TaskRun,
     UnknownTask,
 )
-from kazma.engine.swarm_types import ErrorKind, Pattern, TaskStatus, WorkerResult
+from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
 
 REPO = Path(__file__).resolve().parent.parent
 REQUEST = {"workers": ["researcher", "builder"], "prompt": "write the report", "options": {"aggregation": "collect"}}
@@ -344,8 +344,8 @@ ADMITTER = textwrap.dedent(
     """
     import asyncio, sys
     from kazma.config.database import open_database
-    from kazma.engine.swarm_store import MIGRATIONS, AtCapacity, SwarmTaskStore
-    from kazma.engine.swarm_types import Pattern
+    from kazma.engine.swarm.store import MIGRATIONS, AtCapacity, SwarmTaskStore
+    from kazma.engine.swarm.types import Pattern
 
     async def main(path):
         conn = await open_database(path, migrations=MIGRATIONS)

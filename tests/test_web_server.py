@@ -21,12 +21,12 @@ from yarl import URL
 from kazma.adapters.web import WebAdapter
 from kazma.approvals.model import ApprovalRequest, Status
 from kazma.bot.app import App, build_app
-from kazma.bot.web_server import CSP, WebServer
+from kazma.bot.console.server import CSP, WebServer
 from kazma.config import load_config_text
 from kazma.config.metrics import count_failure
 from kazma.engine.model import ScriptStep
 from kazma.engine.scenario import PerAgentScript, agent_prompts
-from kazma.engine.swarm_types import TaskStatus
+from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.types import Message, ModelReply, ToolSpec
 
 OPERATOR = "operator-token-for-tests-0123456789"

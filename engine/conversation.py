@@ -18,7 +18,6 @@ import structlog
 from pydantic import ValidationError
 
 from kazma.adapters.contract import Inbound
-from kazma.bot.swarm_commands import SwarmCommands
 from kazma.config.metrics import count_failure
 from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, TurnContext, TurnResult
 from kazma.engine.executor import Action, ActionKind, DispatchFailed, PlanExecutor, StepResult
@@ -30,6 +29,12 @@ log = structlog.get_logger("kazma.conversation")
 
 SUMMARY_LIMIT = 1500
 SWARM_UNAVAILABLE = "The /swarm commands are not available here: this process runs without the swarm engine."
+
+
+class CommandRunner(Protocol):
+    """Carries out a ``/swarm …`` command and answers in words (the swarm's commands, injected by ``bot``)."""
+
+    async def run(self, text: str, *, actor: str, platform: str, chat: str, is_admin: bool) -> str: ...
 
 
 class MessageSink(Protocol):
@@ -52,7 +57,7 @@ class Conversations:
     agents: Mapping[str, AgentSpec]
     lead: AgentSpec
     executor: PlanExecutor | None = None
-    swarm: SwarmCommands | None = None
+    swarm: CommandRunner | None = None
     _dispatches: dict[tuple[str, str, str], _Dispatch] = field(default_factory=dict)
     _waiting_user: dict[str, _Dispatch] = field(default_factory=dict)  # conversation -> user step
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from kazma.approvals.model import Decision
-from kazma.bot.swarm_grammar import (
+from kazma.config.models import KazmaConfig
+from kazma.engine.swarm.grammar import (
     ApproveCommand,
     BroadcastCommand,
     CancelCommand,
@@ -29,11 +30,10 @@ from kazma.bot.swarm_grammar import (
     help_text,
     parse,
 )
-from kazma.bot.swarm_roles import authorize
-from kazma.config.models import KazmaConfig
-from kazma.engine.swarm_service import SwarmRefused, SwarmRequest, SwarmService, request_from
-from kazma.engine.swarm_store import TaskRecord
-from kazma.engine.swarm_types import Pattern, TaskStatus
+from kazma.engine.swarm.roles import authorize
+from kazma.engine.swarm.service import SwarmRefused, SwarmRequest, SwarmService, request_from
+from kazma.engine.swarm.store import TaskRecord
+from kazma.engine.swarm.types import Pattern, TaskStatus
 
 log = structlog.get_logger("kazma.swarm.commands")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from kazma.engine.swarm_types import ErrorKind, TaskStatus, Worker, WorkerResult
+from kazma.engine.swarm.types import ErrorKind, TaskStatus, Worker, WorkerResult
 from kazma.engine.tools import fence_untrusted
 
 log = structlog.get_logger("kazma.swarm")

@@ -26,14 +26,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, generate_lat
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import App
-from kazma.bot.swarm_grammar import GrammarError, parse
-from kazma.bot.swarm_roles import Role as SwarmRole
-from kazma.bot.swarm_roles import required_role
-from kazma.bot.web_auth import OPERATORS_ONLY, Session, WebAuth, html_response, load_tokens, safe_next
-from kazma.bot.web_pages import approval_href, approval_page, console_page, dashboard_page, message_page
-from kazma.bot.web_static import CONSOLE_JS
+from kazma.bot.console.auth import OPERATORS_ONLY, Session, WebAuth, html_response, load_tokens, safe_next
+from kazma.bot.console.pages import approval_href, approval_page, console_page, dashboard_page, message_page
+from kazma.bot.console.static import CONSOLE_JS
 from kazma.config.metrics import count_failure
-from kazma.engine.swarm_types import TaskStatus
+from kazma.engine.swarm.grammar import GrammarError, parse
+from kazma.engine.swarm.roles import Role as SwarmRole
+from kazma.engine.swarm.roles import required_role
+from kazma.engine.swarm.types import TaskStatus
 
 log = structlog.get_logger("kazma.web")
 

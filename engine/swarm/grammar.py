@@ -3,7 +3,7 @@
 Parsing is pure: it needs only the configured worker names and pipeline presets,
 so every surface that accepts a ``/swarm`` command refuses exactly the same
 input with exactly the same words. Who may run a parsed command is decided
-separately in :mod:`kazma.bot.swarm_roles`.
+separately in :mod:`kazma.engine.swarm.roles`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import ClassVar
 
-from kazma.engine.swarm_types import Pattern
+from kazma.engine.swarm.types import Pattern
 
 MAX_PROMPT_BYTES = 64 * 1024
 MAX_LIST_WORKERS = 32

@@ -37,7 +37,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from kazma.bot.web_pages import login_page, message_page
+from kazma.bot.console.pages import login_page, message_page
 
 log = structlog.get_logger("kazma.web.auth")
 

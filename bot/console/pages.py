@@ -18,8 +18,8 @@ from kazma.adapters.web import WebMessage
 from kazma.approvals.card import ApprovalCard, render_value
 from kazma.approvals.model import ApprovalRequest, Outcome, Status
 from kazma.approvals.store import AuditEvent, PostedCard
-from kazma.engine.swarm_store import TaskRecord
-from kazma.engine.swarm_types import TaskStatus
+from kazma.engine.swarm.store import TaskRecord
+from kazma.engine.swarm.types import TaskStatus
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 0; color: #1d1d1f; background: #f6f6f7; }

@@ -9,8 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kazma.approvals.policy import SafetyPolicy
 from kazma.engine.agent import InternalTool, TurnContext
-from kazma.engine.swarm_service import CHECK_DEFAULT_WAIT, CHECK_MAX_WAIT, SwarmRefused, SwarmRequest, SwarmService
-from kazma.engine.swarm_types import Pattern
+from kazma.engine.swarm.service import CHECK_DEFAULT_WAIT, CHECK_MAX_WAIT, SwarmRefused, SwarmRequest, SwarmService
+from kazma.engine.swarm.types import Pattern
 from kazma.engine.tools import ToolResult
 from kazma.engine.types import ToolSpec
 

@@ -24,7 +24,7 @@ import httpx
 import pydantic
 import structlog
 
-from kazma.engine.swarm_types import ErrorKind, Worker, WorkerResult
+from kazma.engine.swarm.types import ErrorKind, Worker, WorkerResult
 from kazma.engine.types import ModelError
 
 log = structlog.get_logger("kazma.swarm")

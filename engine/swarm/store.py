@@ -29,7 +29,7 @@ import structlog
 
 from kazma.config.database import Migration
 from kazma.config.metrics import count_failure
-from kazma.engine.swarm_types import ErrorKind, Pattern, TaskStatus, WorkerResult
+from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
 
 log = structlog.get_logger("kazma.swarm")
 

@@ -15,10 +15,10 @@ from kazma.approvals.model import Decision, PressResult, Status
 from kazma.approvals.service import ApprovalRefused, ApprovalService
 from kazma.config.metrics import count_failure
 from kazma.config.models import KazmaConfig
-from kazma.engine import swarm
-from kazma.engine.reliability import CircuitBreaker, RetryPolicy, with_timeout
-from kazma.engine.swarm_store import AtCapacity, StoreUnavailable, SwarmTaskStore, TaskRecord, TaskRun
-from kazma.engine.swarm_types import ErrorKind, Pattern, TaskStatus, Worker, WorkerResult
+from kazma.engine.swarm import patterns
+from kazma.engine.swarm.reliability import CircuitBreaker, RetryPolicy, with_timeout
+from kazma.engine.swarm.store import AtCapacity, StoreUnavailable, SwarmTaskStore, TaskRecord, TaskRun
+from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, Worker, WorkerResult
 
 log = structlog.get_logger("kazma.swarm")
 
@@ -99,7 +99,7 @@ class SwarmService:
     config: KazmaConfig
     approvals: ApprovalService | None = None
     reporter: CoalescingReporter | None = None
-    synthesizer: swarm.Synthesizer | None = None
+    synthesizer: patterns.Synthesizer | None = None
     # posts a task's result into a conversation ("platform:chat"): the route if one was given, else its origin
     deliver: Callable[[str, str], Awaitable[None]] | None = None
     policy: RetryPolicy = field(default_factory=RetryPolicy)
@@ -139,8 +139,8 @@ class SwarmService:
             if request.pattern is not Pattern.DISPATCH:
                 raise SwarmRefused("workers=auto works with dispatch only")
             try:
-                return [swarm.route_auto(request.prompt, list(self.workers.values()))]
-            except swarm.NoCapableWorker as exc:
+                return [patterns.route_auto(request.prompt, list(self.workers.values()))]
+            except patterns.NoCapableWorker as exc:
                 raise SwarmRefused(str(exc)) from None
         unknown = [n for n in names if n not in self.workers]
         if unknown:
@@ -148,7 +148,7 @@ class SwarmService:
         if not names:
             raise SwarmRefused("no workers given")
         try:
-            swarm.parse_aggregation(request.aggregation)
+            patterns.parse_aggregation(request.aggregation)
         except ValueError as exc:
             raise SwarmRefused(str(exc)) from None
         return [self.workers[n] for n in names]
@@ -254,28 +254,30 @@ class SwarmService:
 
     async def _pattern(
         self, run: TaskRun, request: SwarmRequest, workers: list[Worker], done: list[WorkerResult]
-    ) -> swarm.SwarmOutcome:
+    ) -> patterns.SwarmOutcome:
         call = self._call
         concurrency = self.config.swarm.max_parallel
         if request.pattern is Pattern.DISPATCH:
             await self.store.step(run, workers[0].name)
-            return await swarm.dispatch(call, workers[0], request.prompt, fallbacks=workers[1:], by_name=self.workers)
+            return await patterns.dispatch(
+                call, workers[0], request.prompt, fallbacks=workers[1:], by_name=self.workers
+            )
         if request.pattern is Pattern.BROADCAST:
             await self.store.step(run, "broadcast")
-            return await swarm.broadcast(call, workers, request.prompt, concurrency=concurrency)
+            return await patterns.broadcast(call, workers, request.prompt, concurrency=concurrency)
         if request.pattern is Pattern.FAN_OUT:
             await self.store.step(run, "fan_out")
-            return await swarm.fan_out(
+            return await patterns.fan_out(
                 call,
                 workers,
                 request.prompt,
-                aggregation=swarm.parse_aggregation(request.aggregation),
+                aggregation=patterns.parse_aggregation(request.aggregation),
                 concurrency=concurrency,
                 synthesizer=self.synthesizer,
             )
         if request.pattern is Pattern.CONSULT:
             await self.store.step(run, "consult")
-            return await swarm.consult(
+            return await patterns.consult(
                 call, workers, request.prompt, synthesizer=self.synthesizer, concurrency=concurrency
             )
         if request.pattern is Pattern.PIPELINE:
@@ -284,7 +286,7 @@ class SwarmService:
 
     async def _pipeline(
         self, run: TaskRun, request: SwarmRequest, workers: list[Worker], done: list[WorkerResult]
-    ) -> swarm.SwarmOutcome:
+    ) -> patterns.SwarmOutcome:
         checkpoints = set(self.config.swarm.checkpoints.get(request.preset or "", []))
         task_id = run.task_id  # a checkpoint resume moves the task to a new run: always write as self._current's
 
@@ -307,7 +309,7 @@ class SwarmService:
             self._current[task_id] = decided
             return True
 
-        return await swarm.pipeline(
+        return await patterns.pipeline(
             call, workers, request.prompt, done=list(done), journal=journal, checkpoint=checkpoint
         )
 

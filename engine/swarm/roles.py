@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kazma.bot.swarm_grammar import Access, SwarmCommand
 from kazma.config.models import KazmaConfig
+from kazma.engine.swarm.grammar import Access, SwarmCommand
 
 # The platforms whose admins are listed under platforms.<name>.admins; cli and
 # web have no such list, so their operators are the approvers written for them.

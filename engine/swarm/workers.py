@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kazma.engine.agent import AgentRunner, AgentSpec
-from kazma.engine.swarm_types import ErrorKind, WorkerResult
+from kazma.engine.swarm.types import ErrorKind, WorkerResult
 
 _PERMANENT_WORDS = ("401", "403", "404", "api key", "not found", "quota", "unknown model")
 

@@ -1,0 +1,1 @@
+"""``kazma.bot.console``: the web server — console, approval pages, dashboard, metrics."""
