@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,19 +23,14 @@ from kazma.adapters.outbox import Outbox, PostJob
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.model import ApprovalRequest, Status
 from kazma.approvals.store import ApprovalStore, PostedCard
+from kazma.config.backoff import Backoff
 from kazma.config.metrics import DECISION_TO_SETTLED, count_failure
 from kazma.config.models import KazmaConfig
 
 log = structlog.get_logger("kazma.bus")
 
-MAX_BACKOFF = 60.0
-
-
-def backoff(attempts: int, retry_after: float | None = None) -> float:
-    """Exponential with jitter, capped; a platform's own ``retry_after`` wins when longer."""
-    base = min(MAX_BACKOFF, 0.5 * (2 ** min(attempts, 10)))
-    delay = base * (0.5 + random.random() / 2)
-    return float(max(delay, retry_after or 0.0))
+# Card posts and edits: from half a second up to a minute; a platform's own retry_after wins when longer.
+RETRY = Backoff(base=0.5, cap=60.0)
 
 
 @dataclass
@@ -202,7 +196,7 @@ class FanOutBus:
             retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
             count_failure("card_post", adapter.name)
             if retryable:
-                delay = backoff(job.attempts, retry_after)
+                delay = RETRY.delay(job.attempts, retry_after=retry_after)
                 log.warning(
                     "bus.card_post_failed",
                     platform=adapter.name,
@@ -258,7 +252,7 @@ class FanOutBus:
                 log.error("bus.card_settle_gave_up", platform=adapter.name, request_id=request.id, error=str(exc))
                 await self.store.mark_card_settled(posted, request.status)
                 return
-            delay = backoff(attempts, retry_after)
+            delay = RETRY.delay(attempts, retry_after=retry_after)
             worker.settle_not_before[key] = self.clock() + delay
             log.warning(
                 "bus.card_settle_failed",

@@ -7,14 +7,13 @@ between a decision and its edits leaves exactly the work still to do.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiosqlite
 
-from kazma.config.database import Migration
+from kazma.config.database import Migration, Tables
 
 MIGRATIONS = [
     Migration(
@@ -53,60 +52,44 @@ class Outbox:
     def __init__(self, conn: aiosqlite.Connection, *, clock: Callable[[], float] = time.time) -> None:
         self.conn = conn
         self.clock = clock
-        # shares the connection with the approvals store; see ApprovalStore for why reads lock too
-        self._lock = asyncio.Lock()
+        self.tables = Tables.of(conn)
 
     async def enqueue(self, request_id: str, platforms: list[str]) -> None:
         now = self.clock()
-        async with self._lock:
-            await self.conn.executemany(
-                "INSERT OR IGNORE INTO card_outbox (request_id, platform, created_at, next_at) VALUES (?, ?, ?, ?)",
-                [(request_id, platform, now, now) for platform in platforms],
-            )
+        await self.tables.run_many(
+            "INSERT OR IGNORE INTO card_outbox (request_id, platform, created_at, next_at) VALUES (?, ?, ?, ?)",
+            [(request_id, platform, now, now) for platform in platforms],
+        )
 
     async def due(self, platform: str, limit: int = 20) -> list[PostJob]:
-        async with (
-            self._lock,
-            self.conn.execute(
-                "SELECT id, request_id, platform, attempts FROM card_outbox"
-                " WHERE platform = ? AND done_at IS NULL AND next_at <= ? ORDER BY id LIMIT ?",
-                (platform, self.clock(), limit),
-            ) as cursor,
-        ):
-            rows = await cursor.fetchall()
+        rows = await self.tables.all(
+            "SELECT id, request_id, platform, attempts FROM card_outbox"
+            " WHERE platform = ? AND done_at IS NULL AND next_at <= ? ORDER BY id LIMIT ?",
+            (platform, self.clock(), limit),
+        )
         return [PostJob(int(r[0]), str(r[1]), str(r[2]), int(r[3])) for r in rows]
 
     async def next_due_at(self, platform: str) -> float | None:
-        async with (
-            self._lock,
-            self.conn.execute(
-                "SELECT MIN(next_at) FROM card_outbox WHERE platform = ? AND done_at IS NULL", (platform,)
-            ) as cursor,
-        ):
-            row = await cursor.fetchone()
+        row = await self.tables.one(
+            "SELECT MIN(next_at) FROM card_outbox WHERE platform = ? AND done_at IS NULL", (platform,)
+        )
         return None if row is None or row[0] is None else float(row[0])
 
     async def done(self, job: PostJob, outcome: str, error: str | None = None) -> None:
-        async with self._lock:
-            await self.conn.execute(
-                "UPDATE card_outbox SET done_at = ?, outcome = ?, last_error = ?, attempts = attempts + 1 WHERE id = ?",
-                (self.clock(), outcome, error, job.id),
-            )
+        await self.tables.run(
+            "UPDATE card_outbox SET done_at = ?, outcome = ?, last_error = ?, attempts = attempts + 1 WHERE id = ?",
+            (self.clock(), outcome, error, job.id),
+        )
 
     async def retry_later(self, job: PostJob, delay: float, error: str) -> None:
-        async with self._lock:
-            await self.conn.execute(
-                "UPDATE card_outbox SET attempts = attempts + 1, next_at = ?, last_error = ? WHERE id = ?",
-                (self.clock() + delay, error, job.id),
-            )
+        await self.tables.run(
+            "UPDATE card_outbox SET attempts = attempts + 1, next_at = ?, last_error = ? WHERE id = ?",
+            (self.clock() + delay, error, job.id),
+        )
 
     async def pending(self) -> list[tuple[str, str, int, str | None]]:
         """(request, platform, attempts, last error) of every unfinished post, for doctor and tests."""
-        async with (
-            self._lock,
-            self.conn.execute(
-                "SELECT request_id, platform, attempts, last_error FROM card_outbox WHERE done_at IS NULL ORDER BY id"
-            ) as cursor,
-        ):
-            rows = await cursor.fetchall()
+        rows = await self.tables.all(
+            "SELECT request_id, platform, attempts, last_error FROM card_outbox WHERE done_at IS NULL ORDER BY id"
+        )
         return [(str(r[0]), str(r[1]), int(r[2]), r[3]) for r in rows]

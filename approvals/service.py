@@ -146,7 +146,7 @@ class ApprovalService:
     # -- deciding --------------------------------------------------------------------------------
 
     def is_approver(self, actor: str, platform: str) -> bool:
-        return actor.split(":", 1)[0] == platform and actor in self.config.approvers_for(platform)
+        return self.config.roster.is_approver(actor, platform)
 
     async def decide_from_button(self, data: str, *, actor: str, platform: str) -> PressResult:
         """A button press from any platform: validate, authorise, then compare-and-set."""

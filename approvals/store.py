@@ -7,12 +7,10 @@ refuses any later change. The audit trail is append-only (triggers again).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -20,6 +18,7 @@ from typing import Any
 import aiosqlite
 
 from kazma.approvals.model import ApprovalRequest, Status
+from kazma.config.database import Statements, Tables
 
 Clock = Callable[[], float]
 
@@ -107,40 +106,18 @@ class PostedCard:
 class ApprovalStore:
     """Data access for approvals on one aiosqlite connection.
 
-    The connection is shared by every coroutine of the process, so writes that
-    span statements take an asyncio lock as well as SQLite's own write lock.
+    The connection is shared by every coroutine of the process, so every
+    statement goes through :class:`~kazma.config.database.Tables`.
     """
 
     def __init__(self, conn: aiosqlite.Connection, *, clock: Clock = time.time) -> None:
         self.conn = conn
         self.clock = clock
-        self._lock = asyncio.Lock()
+        self.tables = Tables.of(conn)
 
-    @asynccontextmanager
-    async def _write(self) -> AsyncIterator[aiosqlite.Connection]:
-        async with self._lock:
-            await self.conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield self.conn
-            except BaseException:
-                await self.conn.execute("ROLLBACK")
-                raise
-            await self.conn.execute("COMMIT")
-
-    async def _one(self, sql: str, params: Iterable[Any] = ()) -> Any:
-        # Reads take the lock too: a SELECT still open when another coroutine's
-        # BEGIN IMMEDIATE runs on this shared connection pins an old WAL snapshot,
-        # and SQLite then refuses the write with SQLITE_BUSY without waiting.
-        async with self._lock, self.conn.execute(sql, tuple(params)) as cursor:
-            return await cursor.fetchone()
-
-    async def _all(self, sql: str, params: Iterable[Any] = ()) -> list[Any]:
-        async with self._lock, self.conn.execute(sql, tuple(params)) as cursor:
-            return list(await cursor.fetchall())
-
-    async def _hash_of(self, conn: aiosqlite.Connection, request_id: str) -> str | None:
-        async with conn.execute("SELECT args_hash FROM approval_requests WHERE id = ?", (request_id,)) as cursor:
-            row = await cursor.fetchone()
+    @staticmethod
+    async def _hash_of(tx: Statements, request_id: str) -> str | None:
+        row = await tx.one("SELECT args_hash FROM approval_requests WHERE id = ?", (request_id,))
         return None if row is None else str(row[0])
 
     async def insert(
@@ -156,24 +133,24 @@ class ApprovalStore:
     ) -> ApprovalRequest:
         request_id = new_request_id()
         now = self.clock()
-        async with self._write() as conn:
-            await conn.execute(
+        async with self.tables.transaction() as tx:
+            await tx.run(
                 "INSERT INTO approval_requests (id, tool, args_json, args_hash, requested_by, conversation, task_id,"
                 " created_at, deadline, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending')",
                 (request_id, tool, args_json, args_hash, requested_by, conversation, task_id, now, deadline),
             )
-            await self._event(conn, request_id, "opened", requested_by, None, args_hash, f"tool={tool}")
+            await self._event(tx, request_id, "opened", requested_by, None, args_hash, f"tool={tool}")
         found = await self.get(request_id)
         assert found is not None
         return found
 
     async def get(self, request_id: str) -> ApprovalRequest | None:
-        row = await self._one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
+        row = await self.tables.one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
         return None if row is None else _row_to_request(row)
 
     async def requests(self, *, pending_only: bool = False, limit: int = 100) -> list[ApprovalRequest]:
         where = "WHERE status = 'pending'" if pending_only else ""
-        rows = await self._all(
+        rows = await self.tables.all(
             f"SELECT {_COLUMNS} FROM approval_requests {where} ORDER BY created_at DESC LIMIT ?",  # noqa: S608
             (limit,),
         )
@@ -201,23 +178,17 @@ class ApprovalStore:
         sql = _CAS
         if require_before_deadline:
             sql, params = _CAS_BEFORE_DEADLINE, (*params, now)
-        async with self._write() as conn:
-            cursor = await conn.execute(sql, params)
-            won = cursor.rowcount == 1
-            await cursor.close()
-            async with conn.execute(
-                f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?",  # noqa: S608
-                (request_id,),
-            ) as read:
-                row = await read.fetchone()
+        async with self.tables.transaction() as tx:
+            won = await tx.run(sql, params) == 1
+            row = await tx.one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
             request = None if row is None else _row_to_request(row)
             args_hash = None if request is None else request.args_hash
             if won:
                 event = "decided" if status.human else status.value
-                await self._event(conn, request_id, event, actor, platform, args_hash, reason)
+                await self._event(tx, request_id, event, actor, platform, args_hash, reason)
             elif lost_event is not None and request is not None:
                 standing = request.status.value if request.status.final else "pending past its deadline"
-                await self._event(conn, request_id, lost_event, actor, platform, args_hash, f"standing: {standing}")
+                await self._event(tx, request_id, lost_event, actor, platform, args_hash, f"standing: {standing}")
         return won, request
 
     async def audit(
@@ -229,13 +200,13 @@ class ApprovalStore:
         platform: str | None = None,
         detail: str | None = None,
     ) -> None:
-        async with self._write() as conn:
-            args_hash = None if request_id is None else await self._hash_of(conn, request_id)
-            await self._event(conn, request_id, event, actor, platform, args_hash, detail)
+        async with self.tables.transaction() as tx:
+            args_hash = None if request_id is None else await self._hash_of(tx, request_id)
+            await self._event(tx, request_id, event, actor, platform, args_hash, detail)
 
     async def _event(
         self,
-        conn: aiosqlite.Connection,
+        tx: Statements,
         request_id: str | None,
         event: str,
         actor: str | None,
@@ -243,7 +214,7 @@ class ApprovalStore:
         args_hash: str | None,
         detail: str | None,
     ) -> None:
-        await conn.execute(
+        await tx.run(
             "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
             " VALUES (?, ?, ?, ?, ?, ?, ?)",
             (request_id, event, actor, platform, self.clock(), args_hash, detail),
@@ -258,7 +229,7 @@ class ApprovalStore:
             clauses.append("event = ?")
             params.append(event)
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
-        rows = await self._all(
+        rows = await self.tables.all(
             "SELECT seq, request_id, event, actor, platform, at, args_hash, detail FROM approval_events "  # noqa: S608
             f"{where} ORDER BY seq",
             params,
@@ -266,30 +237,30 @@ class ApprovalStore:
         return [AuditEvent(r[0], r[1], r[2], r[3], r[4], datetime.fromtimestamp(r[5], UTC), r[6], r[7]) for r in rows]
 
     async def overdue(self) -> list[str]:
-        rows = await self._all(
+        rows = await self.tables.all(
             "SELECT id FROM approval_requests WHERE status = 'pending' AND deadline <= ?", (self.clock(),)
         )
         return [str(r[0]) for r in rows]
 
     async def record_card(self, request_id: str, platform: str, chat: str, message_id: str) -> None:
-        async with self._write() as conn:
-            await conn.execute(
+        async with self.tables.transaction() as tx:
+            await tx.run(
                 "INSERT OR IGNORE INTO approval_cards (request_id, platform, chat, message_id, posted_at)"
                 " VALUES (?, ?, ?, ?, ?)",
                 (request_id, platform, chat, message_id, self.clock()),
             )
             await self._event(
-                conn,
+                tx,
                 request_id,
                 "card_posted",
                 None,
                 platform,
-                await self._hash_of(conn, request_id),
+                await self._hash_of(tx, request_id),
                 f"{chat}/{message_id}",
             )
 
     async def cards(self, request_id: str) -> list[PostedCard]:
-        rows = await self._all(
+        rows = await self.tables.all(
             "SELECT request_id, platform, chat, message_id, posted_at, settled_at, settled_status"
             " FROM approval_cards WHERE request_id = ? ORDER BY posted_at",
             (request_id,),
@@ -298,7 +269,7 @@ class ApprovalStore:
 
     async def unsettled_cards(self) -> list[PostedCard]:
         """Cards of requests that have an outcome but still show buttons."""
-        rows = await self._all(
+        rows = await self.tables.all(
             "SELECT c.request_id, c.platform, c.chat, c.message_id, c.posted_at, c.settled_at, c.settled_status"
             " FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
             " WHERE c.settled_at IS NULL AND r.status != 'pending' ORDER BY r.decided_at"
@@ -306,22 +277,23 @@ class ApprovalStore:
         return [_card(r) for r in rows]
 
     async def mark_card_settled(self, card: PostedCard, status: Status) -> None:
-        async with self._write() as conn:
-            cursor = await conn.execute(
-                "UPDATE approval_cards SET settled_at = ?, settled_status = ?"
-                " WHERE request_id = ? AND platform = ? AND chat = ? AND message_id = ? AND settled_at IS NULL",
-                (self.clock(), status.value, card.request_id, card.platform, card.chat, card.message_id),
+        async with self.tables.transaction() as tx:
+            settled = (
+                await tx.run(
+                    "UPDATE approval_cards SET settled_at = ?, settled_status = ?"
+                    " WHERE request_id = ? AND platform = ? AND chat = ? AND message_id = ? AND settled_at IS NULL",
+                    (self.clock(), status.value, card.request_id, card.platform, card.chat, card.message_id),
+                )
+                == 1
             )
-            settled = cursor.rowcount == 1
-            await cursor.close()
             if settled:
                 await self._event(
-                    conn,
+                    tx,
                     card.request_id,
                     "card_settled",
                     None,
                     card.platform,
-                    await self._hash_of(conn, card.request_id),
+                    await self._hash_of(tx, card.request_id),
                     f"{card.chat}/{card.message_id} -> {status.value}",
                 )
 

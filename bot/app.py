@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from kazma.bot.store import open_store
 from kazma.config import LoadedConfig, enabled_platforms
 from kazma.config.database import connect
 from kazma.config.metrics import count_failure
+from kazma.config.registry import CHAT_PLATFORMS
 from kazma.engine.agent import AgentRunner, agents_from_config
 from kazma.engine.conversation import Conversations
 from kazma.engine.executor import PlanExecutor
@@ -39,22 +41,14 @@ log = structlog.get_logger("kazma.app")
 
 
 def build_adapters(loaded: LoadedConfig) -> list[PlatformAdapter]:
-    """One adapter per platform with a token. Imported lazily: each library is heavy."""
+    """One adapter per platform with a token, built from the registry. Imported lazily: each library is heavy."""
     platforms = loaded.config.platforms
     adapters: list[PlatformAdapter] = []
     for name in enabled_platforms(loaded):
-        if name == "telegram":
-            from kazma.adapters.telegram import TelegramAdapter
-
-            adapters.append(TelegramAdapter(platforms.telegram))
-        elif name == "slack":
-            from kazma.adapters.slack import SlackAdapter
-
-            adapters.append(SlackAdapter(platforms.slack))
-        elif name == "discord":
-            from kazma.adapters.discord import DiscordAdapter
-
-            adapters.append(DiscordAdapter(platforms.discord))
+        spec = CHAT_PLATFORMS[name]
+        module, _, attribute = spec.adapter.partition(":")
+        factory = getattr(importlib.import_module(module), attribute)
+        adapters.append(factory(spec.section(platforms)))
     return adapters
 
 

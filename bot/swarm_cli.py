@@ -18,7 +18,8 @@ import click
 from kazma.bot.app import build_app
 from kazma.bot.context import Context
 from kazma.config import LoadedConfig
-from kazma.engine.swarm.grammar import ROUTE_PLATFORMS, USAGES, GrammarError, parse
+from kazma.config.registry import ROUTE_PLATFORMS
+from kazma.engine.swarm.grammar import USAGES, GrammarError, parse
 
 EXIT_USAGE = 2
 _OPTIONS = "kazma.swarm.options"

@@ -11,10 +11,12 @@ import asyncio
 import re
 import sqlite3
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 import aiosqlite
 import structlog
@@ -154,3 +156,92 @@ async def transaction(conn: aiosqlite.Connection) -> AsyncIterator[aiosqlite.Con
 async def schema_versions(conn: aiosqlite.Connection) -> dict[str, int]:
     cursor = await conn.execute("SELECT component, MAX(version) FROM kazma_schema GROUP BY component")
     return {str(row[0]): int(row[1]) for row in await cursor.fetchall()}
+
+
+class Statements:
+    """Statements on one connection, run by whoever already holds its :class:`Tables` lock."""
+
+    def __init__(self, conn: aiosqlite.Connection) -> None:
+        self.conn = conn
+
+    async def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        async with self.conn.execute(sql, tuple(params)) as cursor:
+            return await cursor.fetchone()
+
+    async def all(self, sql: str, params: Iterable[Any] = ()) -> list[Any]:
+        async with self.conn.execute(sql, tuple(params)) as cursor:
+            return list(await cursor.fetchall())
+
+    async def run(self, sql: str, params: Iterable[Any] = ()) -> int:
+        """One statement; the number of rows it changed."""
+        cursor = await self.conn.execute(sql, tuple(params))
+        changed = cursor.rowcount
+        await cursor.close()
+        return int(changed)
+
+    async def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
+        await self.conn.executemany(sql, [tuple(row) for row in rows])
+
+
+class Tables:
+    """A component's access to its tables: every store in Kazma reads and writes through one of these.
+
+    Every statement — reads included — runs under one asyncio lock per
+    connection: a read cursor still open on a shared connection pins an old WAL
+    snapshot, and a later ``BEGIN IMMEDIATE`` on it then fails with SQLITE_BUSY
+    without waiting. A transaction holds the lock for its whole body.
+    """
+
+    _shared: ClassVar[weakref.WeakKeyDictionary[aiosqlite.Connection, Tables]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, conn: aiosqlite.Connection) -> None:
+        self.conn = conn
+        self._lock = asyncio.Lock()
+        self._statements = Statements(conn)
+
+    @classmethod
+    def of(cls, conn: aiosqlite.Connection) -> Tables:
+        """The one ``Tables`` of ``conn``: two stores sharing a connection must share its lock too."""
+        tables = cls._shared.get(conn)
+        if tables is None:
+            tables = cls._shared[conn] = cls(conn)
+        return tables
+
+    async def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        async with self._lock:
+            return await self._statements.one(sql, params)
+
+    async def all(self, sql: str, params: Iterable[Any] = ()) -> list[Any]:
+        async with self._lock:
+            return await self._statements.all(sql, params)
+
+    async def run(self, sql: str, params: Iterable[Any] = ()) -> int:
+        """One statement in its own (autocommit) transaction; the number of rows it changed."""
+        async with self._lock:
+            return await self._statements.run(sql, params)
+
+    async def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
+        async with self._lock:
+            await self._statements.run_many(sql, rows)
+
+    @asynccontextmanager
+    async def locked(self) -> AsyncIterator[Statements]:
+        """Several statements with nobody else's in between, outside a transaction (reads)."""
+        async with self._lock:
+            yield self._statements
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Statements]:
+        """``BEGIN IMMEDIATE`` … ``COMMIT``; rolled back on any failure, a failed ``COMMIT`` included."""
+        async with self._lock:
+            await self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._statements
+                await self.conn.execute("COMMIT")
+            except BaseException:
+                if self.conn.in_transaction:
+                    try:
+                        await self.conn.execute("ROLLBACK")
+                    except Exception as exc:  # the original error matters more than a failed rollback
+                        log.warning("store.rollback_failed", error=f"{type(exc).__name__}: {exc}")
+                raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -23,7 +24,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-APPROVER_PLATFORMS = ("telegram", "slack", "discord", "web", "cli")
+from kazma.config.identity import Roster
+from kazma.config.registry import ACTOR_PLATFORMS
+
+APPROVER_PLATFORMS = ACTOR_PLATFORMS
 _WORKER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 _SLACK_CHANNEL = re.compile(r"^[CGD][A-Z0-9]{2,}$")
 _SLACK_USER = re.compile(r"^[UW][A-Z0-9]{2,}$")
@@ -438,16 +442,10 @@ class KazmaConfig(Strict):
             )
         return self
 
-    def approvers_for(self, platform: str) -> frozenset[str]:
-        """Every actor (``platform:user``) allowed to decide approvals from ``platform``."""
-        actors = {a for a in self.approvals.approvers if a.split(":", 1)[0] == platform}
-        if platform == "telegram":
-            actors |= {f"telegram:{uid}" for uid in self.platforms.telegram.admins}
-        elif platform == "slack":
-            actors |= {f"slack:{uid}" for uid in self.platforms.slack.admins}
-        elif platform == "discord":
-            actors |= {f"discord:{uid}" for uid in self.platforms.discord.admins}
-        return frozenset(actors)
+    @cached_property
+    def roster(self) -> Roster:
+        """Approvers and operators per platform (see :class:`kazma.config.identity.Roster`)."""
+        return Roster(self)
 
     def danger_level(self, tool: str) -> DangerLevel:
         """The configured level; anything unclassified is dangerous (the floor)."""

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 
 import aiosqlite
 
-from kazma.config.database import Migration
+from kazma.config.database import Migration, Tables
 from kazma.engine.types import Message
 
 MIGRATIONS = [
@@ -43,7 +42,7 @@ class HistoryStore:
         self.conn = conn
         self.max_messages = max_messages
         self.clock = clock
-        self._lock = asyncio.Lock()
+        self.tables = Tables.of(conn)
 
     async def append(
         self,
@@ -55,27 +54,24 @@ class HistoryStore:
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
     ) -> None:
-        async with self._lock:
-            await self.conn.execute(
-                "INSERT INTO agent_history (conversation, agent, role, content, prompt_tokens, completion_tokens,"
-                " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (conversation, agent, role, content, prompt_tokens, completion_tokens, self.clock()),
-            )
+        await self.tables.run(
+            "INSERT INTO agent_history (conversation, agent, role, content, prompt_tokens, completion_tokens,"
+            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (conversation, agent, role, content, prompt_tokens, completion_tokens, self.clock()),
+        )
 
     async def recent(self, conversation: str, agent: str) -> list[Message]:
         """The newest messages, oldest first; if older ones were left out, a marker says how many."""
-        async with self._lock:
-            async with self.conn.execute(
+        async with self.tables.locked() as db:
+            row = await db.one(
                 "SELECT COUNT(*) FROM agent_history WHERE conversation = ? AND agent = ?", (conversation, agent)
-            ) as cur:
-                row = await cur.fetchone()
+            )
             total = int(row[0]) if row else 0
-            async with self.conn.execute(
+            rows = await db.all(
                 "SELECT role, content FROM agent_history WHERE conversation = ? AND agent = ?"
                 " ORDER BY seq DESC LIMIT ?",
                 (conversation, agent, self.max_messages),
-            ) as cur:
-                rows = list(await cur.fetchall())
+            )
         messages: list[Message] = [{"role": str(r[0]), "content": str(r[1])} for r in reversed(rows)]
         dropped = total - len(rows)
         if dropped > 0:
@@ -84,13 +80,9 @@ class HistoryStore:
         return messages
 
     async def usage(self, conversation: str) -> tuple[int, int]:
-        async with (
-            self._lock,
-            self.conn.execute(
-                "SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0)"
-                " FROM agent_history WHERE conversation = ?",
-                (conversation,),
-            ) as cur,
-        ):
-            row = await cur.fetchone()
+        row = await self.tables.one(
+            "SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0)"
+            " FROM agent_history WHERE conversation = ?",
+            (conversation,),
+        )
         return (int(row[0]), int(row[1])) if row else (0, 0)

@@ -17,7 +17,6 @@ import asyncio
 import copy
 import email.utils
 import json
-import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 import structlog
 
+from kazma.config.backoff import Backoff
 from kazma.config.models import ModelConfig
 from kazma.engine.types import Message, ModelError, ModelReply, ToolCall, ToolSpec, Usage
 
@@ -40,8 +40,7 @@ log = structlog.get_logger("kazma.engine.model")
 
 Sleep = Callable[[float], Awaitable[None]]
 
-_BACKOFF_BASE_SECONDS = 0.5
-_BACKOFF_CAP_SECONDS = 30.0
+_BACKOFF = Backoff(base=0.5, cap=30.0)
 # A server asking for a longer pause than this is better reported than waited
 # for inside a chat turn: the person can retry when the quota resets.
 _MAX_RETRY_AFTER_SECONDS = 120.0
@@ -52,12 +51,6 @@ _USER_AGENT = "kazma/0.1 (+openai-compatible chat completions)"
 def _truncate(text: str, limit: int = _SERVER_TEXT_LIMIT) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _backoff_delay(retry_index: int) -> float:
-    """Exponential backoff with "equal jitter": at least half the nominal delay, so waits still grow."""
-    nominal = min(_BACKOFF_CAP_SECONDS, _BACKOFF_BASE_SECONDS * 2.0**retry_index)
-    return nominal / 2 + random.uniform(0, nominal / 2)
 
 
 def _retry_after_seconds(value: str | None) -> float | None:
@@ -289,7 +282,7 @@ class OpenAIProvider:
                         retry_after=failure.retry_after,
                     )
                     raise ModelError(message, permanent=False, status=failure.status) from None
-                delay = failure.retry_after if failure.retry_after is not None else _backoff_delay(attempt - 1)
+                delay = failure.retry_after if failure.retry_after is not None else _BACKOFF.delay(attempt - 1)
                 log.warning(
                     "model.retry",
                     model=name,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import time
@@ -11,7 +10,7 @@ from typing import Any
 
 import aiosqlite
 
-from kazma.config.database import Migration
+from kazma.config.database import Migration, Tables
 from kazma.engine.plan import OnFailure, Plan, PlanSpec, Step, StepSpec, StepStatus
 
 MIGRATIONS = [
@@ -70,55 +69,47 @@ class PlanStore:
     def __init__(self, conn: aiosqlite.Connection, *, clock: Callable[[], float] = time.time) -> None:
         self.conn = conn
         self.clock = clock
-        self._lock = asyncio.Lock()
+        self.tables = Tables.of(conn)
 
     async def create(self, conversation: str, spec: PlanSpec) -> Plan:
         plan_id = secrets.token_urlsafe(9)
         now = self.clock()
-        async with self._lock:
-            await self.conn.execute("BEGIN IMMEDIATE")
-            try:
-                await self.conn.execute(
-                    "INSERT INTO plans (id, conversation, goal, created_at) VALUES (?, ?, ?, ?)",
-                    (plan_id, conversation, spec.goal, now),
-                )
-                await self.conn.executemany(
-                    "INSERT INTO plan_steps (plan_id, idx, title, assignee, input, wait_for, on_failure, updated_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [
-                        (
-                            plan_id,
-                            s.index,
-                            s.title,
-                            s.assignee,
-                            s.input,
-                            None if s.wait_for is None else json.dumps(s.wait_for),
-                            s.on_failure.value,
-                            now,
-                        )
-                        for s in spec.steps
-                    ],
-                )
-            except BaseException:
-                await self.conn.execute("ROLLBACK")
-                raise
-            await self.conn.execute("COMMIT")
+        async with self.tables.transaction() as tx:
+            await tx.run(
+                "INSERT INTO plans (id, conversation, goal, created_at) VALUES (?, ?, ?, ?)",
+                (plan_id, conversation, spec.goal, now),
+            )
+            await tx.run_many(
+                "INSERT INTO plan_steps (plan_id, idx, title, assignee, input, wait_for, on_failure, updated_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (
+                        plan_id,
+                        s.index,
+                        s.title,
+                        s.assignee,
+                        s.input,
+                        None if s.wait_for is None else json.dumps(s.wait_for),
+                        s.on_failure.value,
+                        now,
+                    )
+                    for s in spec.steps
+                ],
+            )
         plan = await self.load(plan_id)
         assert plan is not None
         return plan
 
     async def load(self, plan_id: str) -> Plan | None:
-        async with self._lock:
-            async with self.conn.execute("SELECT conversation, goal FROM plans WHERE id = ?", (plan_id,)) as cur:
-                head = await cur.fetchone()
+        async with self.tables.locked() as db:
+            head = await db.one("SELECT conversation, goal FROM plans WHERE id = ?", (plan_id,))
             if head is None:
                 return None
-            async with self.conn.execute(
+            rows = await db.all(
                 "SELECT idx, title, assignee, input, wait_for, on_failure, status, output_summary, output_files,"
                 " failure_reason, attempts FROM plan_steps WHERE plan_id = ? ORDER BY idx",
                 (plan_id,),
-            ) as cur:
-                rows = await cur.fetchall()
+            )
         steps = {int(r[0]): _step(r) for r in rows}
         return Plan(plan_id, str(head[0]), str(head[1]), steps)
 
@@ -145,43 +136,30 @@ class PlanStore:
         if fields.get("count_attempt"):
             sets.append("attempts = attempts + 1")
         params.extend([plan_id, index, expected.value])
-        async with self._lock:
-            cursor = await self.conn.execute(
-                f"UPDATE plan_steps SET {', '.join(sets)} WHERE plan_id = ? AND idx = ? AND status = ?",  # noqa: S608
-                params,
-            )
-            changed = cursor.rowcount == 1
-            await cursor.close()
-        return changed
+        changed = await self.tables.run(
+            f"UPDATE plan_steps SET {', '.join(sets)} WHERE plan_id = ? AND idx = ? AND status = ?",  # noqa: S608
+            params,
+        )
+        return changed == 1
 
     async def set_plan_status(self, plan_id: str, status: str) -> None:
-        async with self._lock:
-            await self.conn.execute("UPDATE plans SET status = ? WHERE id = ?", (status, plan_id))
+        await self.tables.run("UPDATE plans SET status = ? WHERE id = ?", (status, plan_id))
 
     async def plan_status(self, plan_id: str) -> str | None:
-        async with self._lock, self.conn.execute("SELECT status FROM plans WHERE id = ?", (plan_id,)) as cur:
-            row = await cur.fetchone()
+        row = await self.tables.one("SELECT status FROM plans WHERE id = ?", (plan_id,))
         return None if row is None else str(row[0])
 
     async def with_steps_in(self, status: StepStatus) -> list[tuple[str, int]]:
-        async with (
-            self._lock,
-            self.conn.execute(
-                "SELECT plan_id, idx FROM plan_steps WHERE status = ? ORDER BY plan_id, idx", (status.value,)
-            ) as cur,
-        ):
-            rows = await cur.fetchall()
+        rows = await self.tables.all(
+            "SELECT plan_id, idx FROM plan_steps WHERE status = ? ORDER BY plan_id, idx", (status.value,)
+        )
         return [(str(r[0]), int(r[1])) for r in rows]
 
     async def active_plan(self, conversation: str) -> str | None:
-        async with (
-            self._lock,
-            self.conn.execute(
-                "SELECT id FROM plans WHERE conversation = ? AND status = 'active' ORDER BY created_at DESC LIMIT 1",
-                (conversation,),
-            ) as cur,
-        ):
-            row = await cur.fetchone()
+        row = await self.tables.one(
+            "SELECT id FROM plans WHERE conversation = ? AND status = 'active' ORDER BY created_at DESC LIMIT 1",
+            (conversation,),
+        )
         return None if row is None else str(row[0])
 
 

@@ -69,10 +69,10 @@ approvals: {approvers: ["telegram:1", "web:admin", "slack:U9"]}
 platforms: {telegram: {admins: [2]}, discord: {admins: [3]}}
 """
     cfg = load_config_text(text).config
-    assert cfg.approvers_for("telegram") == {"telegram:1", "telegram:2"}
-    assert cfg.approvers_for("discord") == {"discord:3"}
-    assert cfg.approvers_for("web") == {"web:admin"}
-    assert cfg.approvers_for("slack") == {"slack:U9"}
+    assert cfg.roster.approvers_for("telegram") == {"telegram:1", "telegram:2"}
+    assert cfg.roster.approvers_for("discord") == {"discord:3"}
+    assert cfg.roster.approvers_for("web") == {"web:admin"}
+    assert cfg.roster.approvers_for("slack") == {"slack:U9"}
 
 
 def test_slack_base_url_gets_trailing_slash() -> None:

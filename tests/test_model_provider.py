@@ -17,7 +17,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from kazma.config.models import ModelConfig
-from kazma.engine.model import OpenAIProvider, ScriptedProvider, _backoff_delay
+from kazma.engine.model import _BACKOFF, OpenAIProvider, ScriptedProvider
 from kazma.engine.types import Message, ModelError, ModelProvider, ModelReply, ToolCall, ToolSpec, Usage
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall, Garbage, Hang, HttpError
 
@@ -309,10 +309,10 @@ async def test_500_forever_gives_up_after_max_retries_plus_one(
 def test_backoff_grows_with_jitter() -> None:
     for retry in range(6):
         nominal = min(30.0, 0.5 * 2**retry)
-        samples = {_backoff_delay(retry) for _ in range(200)}
+        samples = {_BACKOFF.delay(retry) for _ in range(200)}
         assert all(nominal / 2 <= delay <= nominal for delay in samples)
         assert len(samples) > 1  # jittered: concurrent agents do not retry in lockstep
-    assert max(_backoff_delay(20) for _ in range(50)) <= 30.0
+    assert max(_BACKOFF.delay(20) for _ in range(50)) <= 30.0
 
 
 async def test_connection_refused_is_retried_then_reported(refused_port: int, sleeps: RecordingSleep) -> None:

@@ -102,6 +102,8 @@ WELL_FORMED: list[tuple[str, SwarmCommand]] = [
     ("status -> telegram:-1001234567890", StatusCommand(route=TG)),
     ("list -> telegram:42", ListCommand(route=Route("telegram", "42"))),
     ("dispatch builder go -> slack:C0123ABCD", DispatchCommand("builder", "go", route=Route("slack", "C0123ABCD"))),
+    # a direct-message channel is a Slack chat too (the configuration has always accepted D… home channels)
+    ("status -> slack:D0123ABCD", StatusCommand(None, route=Route("slack", "D0123ABCD"))),
     ("broadcast go -> slack:G0123ABCD", BroadcastCommand("go", route=Route("slack", "G0123ABCD"))),
     (
         "fanout builder,refiner go -> discord:123456789012345678",
@@ -240,9 +242,8 @@ MALFORMED: list[tuple[str, str]] = [
     ("status -> telegram:99999999999999999999", "a Telegram chat id is a non-zero integer"),
     ("status -> telegram:", "a Telegram chat id is a non-zero integer"),
     ("status -> telegram:C0123ABCD", "a Telegram chat id"),
-    ("status -> slack:c0123abcd", "a Slack channel id is C or G followed by capital letters and digits"),
+    ("status -> slack:c0123abcd", "a Slack channel id is C, G or D followed by capital letters and digits"),
     ("status -> slack:U0123ABCD", "a Slack channel id"),
-    ("status -> slack:D0123ABCD", "a Slack channel id"),
     ("status -> slack:123", "a Slack channel id"),
     ("status -> discord:-123456789012345678", "a Discord channel id is a positive number"),
     ("status -> discord:C0123ABCD", "a Discord channel id is a positive number"),

@@ -15,20 +15,14 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import ClassVar
 
+from kazma.config.registry import ROUTE_PLATFORMS, chat_id_problem
 from kazma.engine.swarm.types import Pattern
 
 MAX_PROMPT_BYTES = 64 * 1024
 MAX_LIST_WORKERS = 32
-ROUTE_PLATFORMS = ("telegram", "slack", "discord", "web")
 AUTO = "auto"
 
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{4,32}")
-_TELEGRAM_CHAT = re.compile(r"-?[1-9][0-9]{0,18}")
-_SLACK_CHANNEL = re.compile(r"[CG][A-Z0-9]{2,31}")
-_DISCORD_CHANNEL = re.compile(r"[1-9][0-9]{0,19}")
-_WEB_CHAT = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_INT64_MAX = 2**63 - 1
-_UINT64_MAX = 2**64 - 1
 # A near miss of a platform name after "->" is far more likely a typo in a route
 # than task text, so it is refused with a suggestion instead of being dispatched.
 _PLATFORM_TYPO_CUTOFF = 0.75
@@ -391,18 +385,7 @@ def _split_route(text: str) -> tuple[str, Route | None]:
 
 
 def _route_chat(platform: str, chat: str) -> str:
-    problem: str | None = None
-    if platform == "telegram":
-        if not _TELEGRAM_CHAT.fullmatch(chat) or abs(int(chat)) > _INT64_MAX:
-            problem = "a Telegram chat id is a non-zero integer, negative for groups, e.g. -1001234567890"
-    elif platform == "slack":
-        if not _SLACK_CHANNEL.fullmatch(chat):
-            problem = "a Slack channel id is C or G followed by capital letters and digits, e.g. C0123ABCD"
-    elif platform == "discord":
-        if not _DISCORD_CHANNEL.fullmatch(chat) or int(chat) > _UINT64_MAX:
-            problem = "a Discord channel id is a positive number, e.g. 123456789012345678"
-    elif not _WEB_CHAT.fullmatch(chat):
-        problem = "a web console chat is 1 to 64 letters, digits, '-' or '_'"
+    problem = chat_id_problem(platform, chat)
     if problem is not None:
         raise GrammarError(
             f"cannot route to {_shown(f'{platform}:{chat}', 60)}: {problem}; routes look like {ROUTE_USAGE}",

@@ -24,6 +24,7 @@ import httpx
 import pydantic
 import structlog
 
+from kazma.config.backoff import Backoff
 from kazma.engine.swarm.types import ErrorKind, Worker, WorkerResult
 from kazma.engine.types import ModelError
 
@@ -233,17 +234,11 @@ class RetryPolicy:
         rng: Callable[[], float] = random.random,
     ) -> None:
         self.max_attempts = max(1, max_attempts)
-        self.base = base
-        self.cap = cap
-        self.jitter = jitter
+        self.backoff = Backoff(base=base, cap=cap, jitter=jitter, rng=rng)
         self.sleep = sleep
-        self.rng = rng
 
     def delay(self, retry: int) -> float:
-        ceiling = min(self.cap, self.base * 2.0 ** (retry - 1))
-        if not self.jitter:
-            return ceiling
-        return ceiling * (0.5 + 0.5 * min(1.0, max(0.0, self.rng())))
+        return self.backoff.delay(retry - 1)
 
     async def run(self, call: Callable[[], Awaitable[WorkerResult]], *, worker: str = "") -> WorkerResult:
         """Call until ok, PERMANENT, changed state, or ``max_attempts``; exceptions become failed results.

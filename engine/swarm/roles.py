@@ -12,11 +12,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kazma.config.models import KazmaConfig
+from kazma.config.registry import CHAT_PLATFORMS
 from kazma.engine.swarm.grammar import Access, SwarmCommand
-
-# The platforms whose admins are listed under platforms.<name>.admins; cli and
-# web have no such list, so their operators are the approvers written for them.
-_ADMIN_PLATFORMS = ("telegram", "slack", "discord")
 
 SHARED_OPERATORS_HINT = "tasks are not separated per user; set swarm.allow_shared_operators: true to allow it"
 
@@ -49,36 +46,16 @@ def required_role(command: SwarmCommand) -> Role:
 
 def platform_operators(config: KazmaConfig, platform: str) -> frozenset[str]:
     """Actors (``platform:user``) who are operators on ``platform`` by configuration."""
-    if platform == "telegram":
-        return frozenset(f"telegram:{uid}" for uid in config.platforms.telegram.admins)
-    if platform == "slack":
-        return frozenset(f"slack:{uid}" for uid in config.platforms.slack.admins)
-    if platform == "discord":
-        return frozenset(f"discord:{uid}" for uid in config.platforms.discord.admins)
-    # Approvers for other platforms must not leak in: approvers_for filters by prefix.
-    return config.approvers_for(platform)
+    return config.roster.operators_for(platform)
 
 
 def human_operators(config: KazmaConfig) -> frozenset[str]:
-    """Every configured operator identity: platform admins and approvers.
-
-    Identities are ``platform:user`` strings and nothing links two of them, so a
-    person who is an admin on Telegram and on Slack counts as two operators.
-    Erring towards "more than one" only makes the shared-operator refusal
-    stricter, never looser.
-    """
-    people = set(config.approvals.approvers)
-    for platform in _ADMIN_PLATFORMS:
-        people |= platform_operators(config, platform)
-    return frozenset(people)
+    """Every configured operator identity (see :meth:`Roster.human_operators`)."""
+    return config.roster.human_operators()
 
 
 def is_operator(*, actor: str, platform: str, is_admin: bool, config: KazmaConfig) -> bool:
-    if is_admin:
-        return True
-    # An actor is an operator only on the platform its id belongs to: a Slack
-    # admin id typed into the CLI proves nothing.
-    return actor.split(":", 1)[0] == platform and actor in platform_operators(config, platform)
+    return config.roster.is_operator(actor, platform, is_admin=is_admin)
 
 
 def authorize(
@@ -108,7 +85,7 @@ def _not_operator_message(command: SwarmCommand, actor: str, platform: str) -> s
         what = f"/swarm {command.verb} shows the swarm's settings, so it"
     else:
         what = f"sending the result of /swarm {command.verb} to {command.route}"
-    if platform in _ADMIN_PLATFORMS:
+    if platform in CHAT_PLATFORMS:
         who, where = f"a {platform} admin", f"platforms.{platform}.admins"
     else:
         who, where = f"an approver for {platform}", "approvals.approvers"

@@ -27,13 +27,16 @@ from typing import Any, TypeVar
 import aiosqlite
 import structlog
 
-from kazma.config.database import Migration
+from kazma.config.backoff import Backoff
+from kazma.config.database import Migration, Statements, Tables
 from kazma.config.metrics import count_failure
 from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
 
 log = structlog.get_logger("kazma.swarm")
 
 T = TypeVar("T")
+# Transient store errors (another process holding the write lock) clear in milliseconds.
+_RETRY = Backoff(base=0.05, cap=2.0, jitter=False)
 
 MIGRATIONS = [
     Migration(
@@ -271,21 +274,22 @@ class SwarmTaskStore:
         self.retries = max(0, retries)
         self.sleep = sleep
         self.capacity_retry_in = capacity_retry_in
-        self._lock = asyncio.Lock()
+        self.tables = Tables.of(conn)
+        self._db = Statements(conn)  # used only inside _attempt, which holds the tables
 
     # -- plumbing ---------------------------------------------------------------
 
-    async def _attempt(self, operation: str, body: Callable[[], Awaitable[T]]) -> T:
-        """Run ``body`` under the lock, retrying transient store errors with backoff.
+    async def _attempt(self, operation: str, body: Callable[[], Awaitable[T]], *, transaction: bool = False) -> T:
+        """Run ``body`` holding the tables (in a transaction when it writes), retrying transient errors.
 
-        The lock is released between attempts so a slow retry does not hold up readers.
+        The tables are released between attempts so a slow retry does not hold up readers.
         """
         reason = ""
         for attempt in range(self.retries + 1):
             if attempt:
-                await self.sleep(min(2.0, 0.05 * 2.0 ** (attempt - 1)))
+                await self.sleep(_RETRY.delay(attempt - 1))
             try:
-                async with self._lock:
+                async with self.tables.transaction() if transaction else self.tables.locked():
                     return await body()
             except Exception as exc:
                 if not _transient(exc):
@@ -296,34 +300,14 @@ class SwarmTaskStore:
         log.error("swarm.store_unavailable", operation=operation, reason=reason)
         raise StoreUnavailable(operation, reason)
 
-    async def _in_transaction(self, body: Callable[[], Awaitable[T]]) -> T:
-        """``BEGIN IMMEDIATE`` … ``COMMIT``; rolls back on any failure, a failed COMMIT included."""
-        await self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            value = await body()
-            await self.conn.execute("COMMIT")
-        except BaseException:
-            if self.conn.in_transaction:
-                try:
-                    await self.conn.execute("ROLLBACK")
-                except Exception as exc:  # the original error matters more than a failed rollback
-                    log.warning("swarm.rollback_failed", reason=f"{type(exc).__name__}: {exc}")
-            raise
-        return value
-
     async def _fetchall(self, sql: str, params: Iterable[Any] = ()) -> builtins.list[Any]:
-        async with self.conn.execute(sql, tuple(params)) as cursor:
-            return builtins.list(await cursor.fetchall())
+        return await self._db.all(sql, params)
 
     async def _fetchone(self, sql: str, params: Iterable[Any] = ()) -> Any:
-        async with self.conn.execute(sql, tuple(params)) as cursor:
-            return await cursor.fetchone()
+        return await self._db.one(sql, params)
 
     async def _write(self, sql: str, params: Iterable[Any] = ()) -> int:
-        cursor = await self.conn.execute(sql, tuple(params))
-        changed = cursor.rowcount
-        await cursor.close()
-        return int(changed)
+        return await self._db.run(sql, params)
 
     async def _guarded(
         self,
@@ -359,7 +343,7 @@ class SwarmTaskStore:
             )
             return reason
 
-        reason = await self._attempt(operation, lambda: self._in_transaction(body))
+        reason = await self._attempt(operation, body, transaction=True)
         if reason is None:
             return True
         log.warning(
@@ -422,7 +406,7 @@ class SwarmTaskStore:
             if inserted != 1:
                 raise AtCapacity(self.capacity_retry_in)
 
-        await self._attempt("admit", lambda: self._in_transaction(body))
+        await self._attempt("admit", body, transaction=True)
         log.info("swarm.admitted", task_id=run.task_id, pattern=Pattern(pattern).value, owner=owner, route=route)
         return run
 
@@ -559,7 +543,7 @@ class SwarmTaskStore:
             )
             return generation
 
-        generation = await self._attempt("resume", lambda: self._in_transaction(body))
+        generation = await self._attempt("resume", body, transaction=True)
         log.info("swarm.resumed", task_id=task_id, generation=generation)
         return TaskRun(task_id, generation, new_run_id)
 
@@ -632,7 +616,7 @@ class SwarmTaskStore:
                 raise UnknownTask(task_id)
             return changed
 
-        changed = await self._attempt("cancel", lambda: self._in_transaction(body))
+        changed = await self._attempt("cancel", body, transaction=True)
         if changed:
             log.info("swarm.cancelled", task_id=task_id, actor=actor)
         return changed == 1
@@ -672,7 +656,7 @@ class SwarmTaskStore:
                     )
             return changed
 
-        interrupted = await self._attempt("recover", lambda: self._in_transaction(body))
+        interrupted = await self._attempt("recover", body, transaction=True)
         for task in interrupted:
             log.warning("swarm.interrupted", task_id=task.task_id, step=task.step, owner=task.owner)
         return interrupted
@@ -749,7 +733,7 @@ class SwarmTaskStore:
             await self._write(f"DELETE FROM swarm_rejected_writes WHERE task_id IN ({doomed})", params)  # noqa: S608
             return await self._write(f"DELETE FROM swarm_tasks WHERE id IN ({doomed})", params)  # noqa: S608
 
-        pruned = await self._attempt("prune", lambda: self._in_transaction(body))
+        pruned = await self._attempt("prune", body, transaction=True)
         if pruned:
             log.info("swarm.pruned", tasks=pruned, older_than_days=older_than_days)
         return pruned

@@ -1,0 +1,109 @@
+"""Who someone is, and what the configuration lets them do.
+
+An actor is ``<platform>:<user id>`` (``telegram:111``, ``slack:U0123``,
+``web:alice``, ``cli:ops``): the form approvers are written in and the form the
+audit trail records. Nothing links two actors, so the same person on two
+platforms is two actors. The :class:`Roster` answers the only two questions the
+rest of Kazma asks — may this actor decide approvals here, may this actor
+steer the swarm here — in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS
+
+if TYPE_CHECKING:
+    from kazma.config.models import KazmaConfig
+
+
+class ActorError(ValueError):
+    """Text that is not ``<platform>:<user id>``."""
+
+
+@dataclass(frozen=True, order=True)
+class Actor:
+    platform: str
+    user: str
+
+    @classmethod
+    def parse(cls, text: str) -> Actor:
+        platform, sep, user = text.partition(":")
+        if not sep or platform not in ACTOR_PLATFORMS or not user.strip():
+            raise ActorError(
+                f"expected '<platform>:<user id>' (platform one of {', '.join(ACTOR_PLATFORMS)}), got {text!r}"
+            )
+        return cls(platform, user)
+
+    def __str__(self) -> str:
+        return f"{self.platform}:{self.user}"
+
+
+def platform_of(actor: str) -> str:
+    """The platform part of an actor string ('' when it has none)."""
+    platform, sep, _ = actor.partition(":")
+    return platform if sep else ""
+
+
+class Roster:
+    """Approvers and operators, per platform, as the configuration names them.
+
+    - Approvers on a chat platform: the ``approvals.approvers`` written for it
+      plus that platform's ``admins``. On ``web`` and ``cli`` (which have no
+      admin lists): the approvers written for them.
+    - Operators (who may steer the swarm): a chat platform's ``admins``; on
+      ``web`` and ``cli``, the approvers written for them.
+
+    An actor only counts on its own platform: a Slack admin id typed into the
+    CLI or the console proves nothing.
+    """
+
+    def __init__(self, config: KazmaConfig) -> None:
+        self._config = config
+        written: dict[str, set[str]] = {}
+        for actor in config.approvals.approvers:
+            written.setdefault(platform_of(actor), set()).add(actor)
+        self._admins = {name: spec.admins(config.platforms) for name, spec in CHAT_PLATFORMS.items()}
+        self._approvers = {
+            platform: frozenset(written.get(platform, set()) | self._admins.get(platform, frozenset()))
+            for platform in ACTOR_PLATFORMS
+        }
+        self._operators = {
+            platform: self._admins[platform] if platform in self._admins else self._approvers[platform]
+            for platform in ACTOR_PLATFORMS
+        }
+
+    def approvers_for(self, platform: str) -> frozenset[str]:
+        return self._approvers.get(platform, frozenset())
+
+    def operators_for(self, platform: str) -> frozenset[str]:
+        return self._operators.get(platform, frozenset())
+
+    def admins_for(self, platform: str) -> frozenset[str]:
+        """A chat platform's configured admins (empty for web and cli)."""
+        return self._admins.get(platform, frozenset())
+
+    def is_approver(self, actor: str, platform: str) -> bool:
+        return platform_of(actor) == platform and actor in self.approvers_for(platform)
+
+    def is_admin(self, actor: str, platform: str) -> bool:
+        return platform_of(actor) == platform and actor in self.admins_for(platform)
+
+    def is_operator(self, actor: str, platform: str, *, is_admin: bool = False) -> bool:
+        """``is_admin``: the platform itself said the author is an admin (set by the adapter from the roster)."""
+        if is_admin:
+            return True
+        return platform_of(actor) == platform and actor in self.operators_for(platform)
+
+    def human_operators(self) -> frozenset[str]:
+        """Every configured operator identity: approvers and platform admins, each counted once per platform.
+
+        Erring towards "more than one" only makes the shared-operator refusal
+        stricter, never looser.
+        """
+        people: set[str] = set(self._config.approvals.approvers)
+        for admins in self._admins.values():
+            people |= admins
+        return frozenset(people)
