@@ -210,7 +210,7 @@ class FanOutBus:
                 log.error("bus.card_post_gave_up", platform=adapter.name, request_id=job.request_id, error=str(exc))
                 await self.outbox.done(job, "failed", str(exc))
             return
-        await self.store.record_card(request.id, ref.platform, ref.chat, ref.message_id)
+        await self.store.record_card(request.id, ref.platform, ref.chat, ref.message_id, whole=ref.whole)
         await self.outbox.done(job, "posted")
         log.info("bus.card_posted", platform=adapter.name, request_id=request.id, chat=ref.chat, message=ref.message_id)
 

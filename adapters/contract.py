@@ -38,6 +38,7 @@ class CardRef:
     platform: str
     chat: str
     message_id: str
+    whole: bool = True  # the card showed the whole call (every name, every value uncut)
 
 
 class PlatformError(Exception):
@@ -53,9 +54,19 @@ class PlatformError(Exception):
         self.retry_after = retry_after
 
 
+@dataclass(frozen=True)
+class Press:
+    """A button press, as every platform reports it."""
+
+    platform: str
+    data: str  # the button's data, untrusted: ``kz1:<id>:<a|d>`` when genuine
+    actor: str  # "<platform>:<user id>" of the person who pressed
+    chat: str | None = None  # where the pressed card is, when the platform says
+    message_id: str | None = None  # which message the pressed card is, when the platform says
+
+
 InboundHandler = Callable[[Inbound], Awaitable[None]]
-# (button data, actor "<platform>:<user id>", platform) -> what the press achieved
-PressHandler = Callable[[str, str, str], Awaitable[PressResult]]
+PressHandler = Callable[[Press], Awaitable[PressResult]]
 
 
 @dataclass
@@ -69,7 +80,10 @@ class Handlers:
 class PlatformAdapter(Protocol):
     """One chat platform on its real client library."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The platform's registry name: the prefix of its actors and conversations."""
+        ...
 
     @property
     def home_chat(self) -> str | None:

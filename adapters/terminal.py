@@ -13,8 +13,8 @@ import textwrap
 import threading
 from typing import IO
 
-from kazma.adapters.contract import CardRef, Handlers
-from kazma.adapters.text import cut_marker, deadline_text
+from kazma.adapters.card_layout import PlainWriter, lay_out
+from kazma.adapters.contract import CardRef, Handlers, Press
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Decision, Outcome
 
@@ -64,31 +64,32 @@ class TerminalAdapter:
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
         message_id = str(next(self._ids))
-        lines = [
-            f"┌─ {card.title} ─ request {card.request_id}",
-            f"│ requested by {card.requester} in {card.origin}; decide before {deadline_text(card)}",
-        ]
-        for arg in card.arguments:
-            value = arg.head if not arg.cut else f"{arg.head} {cut_marker(arg)} {arg.tail}"
-            lines.append(f"│ {arg.name} = {value}")
-        lines += [f"│ sha256 {card.args_hash}", f"│ full call: {card.link}", "└─ [a]pprove  [d]eny"]
-        self._print("\n".join(lines))
-        task = asyncio.create_task(self._press(card))
+        laid = lay_out(card, PlainWriter(frame="│ "))
+        self._print(f"┌─ request {card.request_id}\n{laid.written}\n└─")
+        task = asyncio.create_task(self._press(card, approve_here=laid.whole))
         self._presses.add(task)
         task.add_done_callback(self._presses.discard)
-        return CardRef(self.name, self.chat, message_id)
+        return CardRef(self.name, self.chat, message_id, whole=laid.whole)
 
-    async def _press(self, card: ApprovalCard) -> None:
+    async def _press(self, card: ApprovalCard, *, approve_here: bool) -> None:
         if self.interactive:
-            answer = await _read_line(f"approve or deny {card.tool}? [a/d] ")
-            decision = Decision.DENY if answer.strip().lower().startswith("d") else Decision.APPROVE
+            if approve_here:
+                answer = await _read_line(f"approve or deny {card.tool}? [a/d] ")
+                decision = Decision.DENY if answer.strip().lower().startswith("d") else Decision.APPROVE
+            else:
+                answer = await _read_line(f"deny {card.tool} here, or approve it on its page? [d] ")
+                if not answer.strip().lower().startswith("d"):
+                    return
+                decision = Decision.DENY
         elif self.auto is not None:
             decision = self.auto
             self._print(f"(no terminal attached: pressing {decision.value} as cli:{self.login})")
         else:
             return  # someone presses elsewhere (the web console)
         assert self._handlers is not None
-        result = await self._handlers.on_press(card.button_data(decision), f"cli:{self.login}", self.name)
+        result = await self._handlers.on_press(
+            Press(self.name, card.button_data(decision), f"cli:{self.login}", self.chat, None)
+        )
         self._print(f"  → {result.message}")
 
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:

@@ -73,4 +73,10 @@ MIGRATIONS = [
             "CREATE INDEX IF NOT EXISTS approval_cards_unsettled ON approval_cards (settled_at, request_id)",
         ),
     ),
+    Migration(
+        "approvals",
+        2,
+        # Whether the posted card showed the whole call: an Approve pressed on a card that did not is refused.
+        ("ALTER TABLE approval_cards ADD COLUMN whole INTEGER NOT NULL DEFAULT 1",),
+    ),
 ]

@@ -242,12 +242,14 @@ class ApprovalStore:
         )
         return [str(r[0]) for r in rows]
 
-    async def record_card(self, request_id: str, platform: str, chat: str, message_id: str) -> None:
+    async def record_card(
+        self, request_id: str, platform: str, chat: str, message_id: str, *, whole: bool = True
+    ) -> None:
         async with self.tables.transaction() as tx:
             await tx.run(
-                "INSERT OR IGNORE INTO approval_cards (request_id, platform, chat, message_id, posted_at)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (request_id, platform, chat, message_id, self.clock()),
+                "INSERT OR IGNORE INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (request_id, platform, chat, message_id, self.clock(), int(whole)),
             )
             await self._event(
                 tx,
@@ -256,7 +258,7 @@ class ApprovalStore:
                 None,
                 platform,
                 await self._hash_of(tx, request_id),
-                f"{chat}/{message_id}",
+                f"{chat}/{message_id}" + ("" if whole else " (not the whole call)"),
             )
 
     async def cards(self, request_id: str) -> list[PostedCard]:

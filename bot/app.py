@@ -13,7 +13,7 @@ import aiosqlite
 import structlog
 
 from kazma.adapters.bus import FanOutBus, NullBus
-from kazma.adapters.contract import Handlers, Inbound, PlatformAdapter
+from kazma.adapters.contract import Handlers, Inbound, PlatformAdapter, Press
 from kazma.adapters.outbox import Outbox
 from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
@@ -48,7 +48,7 @@ def build_adapters(loaded: LoadedConfig) -> list[PlatformAdapter]:
         spec = CHAT_PLATFORMS[name]
         module, _, attribute = spec.adapter.partition(":")
         factory = getattr(importlib.import_module(module), attribute)
-        adapters.append(factory(spec.section(platforms)))
+        adapters.append(factory(spec.section(platforms), approve_partial=loaded.config.approvals.approve_cut_in_chat))
     return adapters
 
 
@@ -66,8 +66,8 @@ class App:
     sweep_interval: float = 5.0
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
-    async def on_press(self, data: str, actor: str, platform: str) -> PressResult:
-        return await self.service.decide_from_button(data, actor=actor, platform=platform)
+    async def on_press(self, press: Press) -> PressResult:
+        return await self.service.decide_from_button(press.data, actor=press.actor, platform=press.platform)
 
     async def on_inbound(self, message: Inbound) -> None:
         await self.conversations.on_inbound(message)

@@ -68,6 +68,21 @@ def _optional_int(kind: str) -> Any:
     return BeforeValidator(check)
 
 
+def _or_every(kind: str) -> Any:
+    """A chat id, or ``"*"``: serve every chat the bot is in (an explicit choice, never the default)."""
+    inner = _strict_int(kind).func
+
+    def check(value: Any) -> Any:
+        if value == EVERY_CHAT:
+            return value
+        return inner(value)
+
+    return BeforeValidator(check)
+
+
+EVERY_CHAT = "*"
+TelegramChat = Annotated[int | Literal["*"], _or_every("an integer chat id or '*' for every chat")]
+DiscordChannel = Annotated[int | Literal["*"], _or_every("a numeric Discord id or '*' for every channel")]
 OptionalTelegramChatId = Annotated[int | None, _optional_int("an integer chat id")]
 OptionalDiscordSnowflake = Annotated[int | None, _optional_int("a numeric Discord id")]
 
@@ -230,6 +245,9 @@ class ApprovalsConfig(Strict):
     deadline_seconds: int = Field(default=600, gt=0, le=7 * 24 * 3600)
     approvers: list[Approver] = Field(default_factory=list)
     value_limit: int = Field(default=500, ge=16, le=4000)
+    # Approve in chat even when a card shows less than the whole call (a value cut, names only): off,
+    # because what a person approves must be what they could see. Such calls are approved on their page.
+    approve_cut_in_chat: bool = False
 
 
 class TelegramWebhookConfig(Strict):
@@ -245,7 +263,7 @@ class TelegramConfig(Strict):
     api_base_url: HttpUrl = "https://api.telegram.org"
     mode: Literal["polling", "webhook"] = "polling"
     webhook: TelegramWebhookConfig = Field(default_factory=TelegramWebhookConfig)
-    chats: list[TelegramChatId] = Field(default_factory=list)
+    chats: list[TelegramChat] = Field(default_factory=list)
     home_chat: OptionalTelegramChatId = None
     admins: list[TelegramUserId] = Field(default_factory=list)
 
@@ -292,7 +310,12 @@ def _slack_user(value: Any) -> Any:
     return value
 
 
+def _slack_channel_or_every(value: Any) -> Any:
+    return value if value == EVERY_CHAT else _slack_channel(value)
+
+
 SlackChannel = Annotated[str, BeforeValidator(_slack_channel)]
+SlackChannelOrEvery = Annotated[str, BeforeValidator(_slack_channel_or_every)]
 SlackUser = Annotated[str, BeforeValidator(_slack_user)]
 
 
@@ -302,7 +325,7 @@ class SlackConfig(Strict):
     signing_secret: str = ""
     api_base_url: HttpUrl = "https://slack.com/api/"
     http: SlackHttpConfig = Field(default_factory=SlackHttpConfig)
-    channels: list[SlackChannel] = Field(default_factory=list)
+    channels: list[SlackChannelOrEvery] = Field(default_factory=list)
     home_channel: SlackChannel = ""
     admins: list[SlackUser] = Field(default_factory=list)
 
@@ -332,7 +355,7 @@ class DiscordConfig(Strict):
     token: str = ""
     api_base_url: HttpUrl = "https://discord.com/api/v10"
     gateway_url: Annotated[str, BeforeValidator(_ws_url)] = ""
-    channels: list[DiscordSnowflake] = Field(default_factory=list)
+    channels: list[DiscordChannel] = Field(default_factory=list)
     home_channel: OptionalDiscordSnowflake = None
     admins: list[DiscordSnowflake] = Field(default_factory=list)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kazma.adapters.bus import FanOutBus, NullBus
-from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError
+from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press
 from kazma.adapters.outbox import MIGRATIONS as OUTBOX
 from kazma.adapters.outbox import Outbox
 from kazma.approvals import MIGRATIONS as APPROVALS
@@ -91,8 +91,8 @@ async def rig(path: Path, platforms: list[MemoryPlatform], *, timeout: float = 5
     )
     service = ApprovalService(store, config, publisher=bus)
 
-    async def on_press(data: str, actor: str, platform: str) -> PressResult:
-        return await service.decide_from_button(data, actor=actor, platform=platform)
+    async def on_press(press: Press) -> PressResult:
+        return await service.decide_from_button(press.data, actor=press.actor, platform=press.platform)
 
     await bus.start(Handlers(on_inbound=_noop_inbound, on_press=on_press))
     try:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kazma.adapters.contract import Press
 from kazma.approvals.model import Decision, Status
 from tests.fakes.slack import FakeSlack
 from tests.fakes.telegram import Fault
@@ -132,9 +133,9 @@ async def test_unauthorised_and_forged_presses_change_nothing(tmp_path: Path, pl
         assert refused[0].detail == "not an approver"
         # forged button data reaches the same path an adapter uses; even an admin's forged press is refused
         admin = {"telegram": "telegram:111", "slack": "slack:U0ADMIN01", "discord": f"discord:{DISCORD_ADMIN}"}
-        forged = await app.on_press("kz1:AAAAAAAAAAAAAAAAAAAAAAAA:a", admin[platform], platform)
+        forged = await app.on_press(Press(platform, "kz1:AAAAAAAAAAAAAAAAAAAAAAAA:a", admin[platform]))
         assert forged.message == "Unknown approval request; nothing was recorded."
-        garbled = await app.on_press("kz1:<script>:a", admin[platform], platform)
+        garbled = await app.on_press(Press(platform, "kz1:<script>:a", admin[platform]))
         assert garbled.message == "This button is not valid; nothing was recorded."
         row = await app.service.store.get(request.id)
         assert row is not None

@@ -222,7 +222,7 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         "boolean where a chat id belongs",
         "platforms: {telegram: {chats: [true]}}",
         {},
-        ["kazma.yaml: platforms.telegram.chats[0]: expected an integer chat id, got True"],
+        ["kazma.yaml: platforms.telegram.chats[0]: expected an integer chat id or '*' for every chat, got True"],
     ),
     (
         "lead shares a worker's name",

@@ -20,7 +20,7 @@ async def test_demo_plays_the_whole_loop_and_approves() -> None:
         "[kazma] @researcher Find the simplest portable way",
         "[researcher] A POSIX sh script",
         "[kazma] @builder Write hello.sh",
-        "┌─ Approval needed: shell",
+        "│ Approval needed: shell",
         "  → Approved. Recorded as cli:demo.",
         "approved by cli:demo via cli",
         "[builder] hello.sh is written and ran once; it printed: hello, world",
@@ -30,7 +30,7 @@ async def test_demo_plays_the_whole_loop_and_approves() -> None:
     assert positions == sorted(positions), positions
     # the researcher's output reaches the builder fenced as data, not instructions
     assert "[Untrusted data from step 1 (researcher)" in text
-    assert "│ sha256 " in text
+    assert "│ Arguments SHA-256: " in text
 
 
 async def test_demo_deny_means_the_command_does_not_run() -> None:

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from kazma.adapters import text as wording
-from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError
-from kazma.adapters.ratelimit import ChatRateLimiter
-from kazma.adapters.slack import APPROVE_ACTION, DENY_ACTION, SlackAdapter
+from kazma.adapters.card_layout import cut_marker, outcome_line
+from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
+from kazma.adapters.pacing import ChatRateLimiter
+from kazma.adapters.slack import SlackAdapter
+from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
@@ -52,7 +53,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.inbound: list[Inbound] = []
-        self.presses: list[tuple[str, str, str]] = []
+        self.presses: list[Press] = []
         self.press_result: PressResult | Exception = PressResult(PressVerdict.WON, "Approved.", request_id="r")
         self.hold = asyncio.Event()
         self.hold.set()
@@ -63,8 +64,8 @@ class Recorder:
         self.signal.notify()
         await self.hold.wait()
 
-    async def on_press(self, data: str, actor: str, platform: str) -> PressResult:
-        self.presses.append((data, actor, platform))
+    async def on_press(self, press: Press) -> PressResult:
+        self.presses.append(press)
         self.signal.notify()
         await self.hold.wait()
         if isinstance(self.press_result, Exception):
@@ -140,7 +141,7 @@ def recorder() -> Recorder:
 @pytest.fixture
 def logs() -> Iterator[LogWatch]:
     watch = LogWatch()
-    logger = logging.getLogger("kazma.adapters.slack")
+    logger = logging.getLogger("kazma.adapters")  # the kit's events and the Slack adapter's own
     previous = logger.level
     logger.setLevel(logging.DEBUG)
     logger.addHandler(watch)
@@ -208,7 +209,13 @@ def outcome_for(card: ApprovalCard, status: Status = Status.APPROVED) -> Outcome
 
 
 def section_texts(msg: StoredMessage) -> list[str]:
-    return [b["text"]["text"] for b in msg.blocks if b.get("type") == "section"]
+    texts = []
+    for block in msg.blocks:
+        if block.get("type") == "section":
+            if "text" in block:
+                texts.append(block["text"]["text"])
+            texts += [field["text"] for field in block.get("fields", [])]
+    return texts
 
 
 def buttons(msg: StoredMessage) -> list[dict[str, Any]]:
@@ -294,24 +301,6 @@ async def test_our_own_posts_do_not_come_back(
     assert not logs.matching("slack.inbound", ts=own["ts"])
 
 
-async def test_unserved_channel_is_ignored(
-    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, logs: LogWatch
-) -> None:
-    event = fake.message_event(channel=UNSERVED, user=ADMIN, text="hello")
-    assert (await fake.post_event(events_url(adapter), event)).status == 200
-    await logs.wait_for("slack.inbound_ignored", ts=event["ts"], channel=UNSERVED)
-    assert recorder.inbound == []
-
-
-async def test_every_channel_is_served_when_none_are_listed(
-    fake: FakeSlack, start_adapter: StartAdapter, recorder: Recorder
-) -> None:
-    adapter = await start_adapter(config=slack_config(fake, channels=[]))
-    await fake.post_event(events_url(adapter), fake.message_event(channel=UNSERVED, user=PERSON, text="hi"))
-    await recorder.signal.wait_until(lambda: len(recorder.inbound) == 1)
-    assert recorder.inbound[0].chat == UNSERVED
-
-
 async def test_forged_signatures_are_rejected_and_nothing_is_delivered(
     fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
 ) -> None:
@@ -363,7 +352,7 @@ async def test_swarm_command_in_an_unserved_channel_is_refused_politely(
 ) -> None:
     response = await fake.post_command(events_url(adapter), text="status", channel=UNSERVED, user=ADMIN)
     assert response.status == 200
-    assert "does not serve this channel" in response.body
+    assert "does not serve this chat" in response.body
     assert recorder.inbound == []
 
 
@@ -376,7 +365,7 @@ async def test_card_shows_the_whole_call(fake: FakeSlack, adapter: SlackAdapter)
     args = {"command": long_value, "cwd": "/srv/app", "env": {"A": "1"}, "timeout": 30}
     card = make_card(args)
     ref = await adapter.post_card(card)
-    assert ref == CardRef(platform="slack", chat=HOME, message_id=ref.message_id)
+    assert ref == CardRef(platform="slack", chat=HOME, message_id=ref.message_id, whole=False)
 
     msg = fake.message(HOME, ref.message_id)
     sections = "\n".join(section_texts(msg))
@@ -389,7 +378,7 @@ async def test_card_shows_the_whole_call(fake: FakeSlack, adapter: SlackAdapter)
     assert f"```{cut.head}```" in command
     assert f"```{cut.tail}```" in command
     assert command.endswith("; rm -rf / # END```")
-    assert f"_{wording.cut_marker(cut)}_" in command
+    assert f"_{cut_marker(cut.original_length, cut.omitted)}_" in command
     assert f"{len(long_value):,}" in command
     assert "```/srv/app```" in sections
     assert '```{"A":"1"}```' in sections
@@ -400,14 +389,18 @@ async def test_card_shows_the_whole_call(fake: FakeSlack, adapter: SlackAdapter)
     header = msg.block("kazma_title")
     assert header is not None
     assert header["text"]["text"] == "Approval needed: shell"
+    # a value is cut, so the card is decided on the approval page: Deny only here
     assert [(b["action_id"], b["value"], b["style"], b["text"]["text"]) for b in buttons(msg)] == [
-        (APPROVE_ACTION, f"kz1:{card.request_id}:a", "primary", "Approve"),
         (DENY_ACTION, f"kz1:{card.request_id}:d", "danger", "Deny"),
+    ]
+    whole = await adapter.post_card(make_card({"cwd": "/srv/app"}))
+    assert [(b["action_id"], b["style"]) for b in buttons(fake.message(HOME, whole.message_id))] == [
+        (APPROVE_ACTION, "primary"),
+        (DENY_ACTION, "danger"),
     ]
     assert card.request_id in msg.text
     assert card.args_hash in msg.text
-    (call,) = fake.calls_to("chat.postMessage")
-    assert "link_names" not in call.params
+    assert all("link_names" not in call.params for call in fake.calls_to("chat.postMessage"))
 
 
 async def test_markup_in_a_card_is_inert(fake: FakeSlack, adapter: SlackAdapter) -> None:
@@ -440,8 +433,10 @@ async def test_markup_in_a_card_is_inert(fake: FakeSlack, adapter: SlackAdapter)
     fence = next(t for t in section_texts(msg) if t.startswith("*fence*"))
     assert fence.count("```") == 2  # the value cannot close our code block early
     assert fence.replace("\u200b", "") == "*fence*\n``````\n*bold* _it_ ~st~ ``` `tick````"
-    for text_object in (b["text"] for b in msg.blocks if b.get("type") == "section"):
-        assert text_object["verbatim"] is True
+    for block in msg.blocks:
+        if block.get("type") == "section":
+            for text_object in [*([block["text"]] if "text" in block else []), *block.get("fields", [])]:
+                assert text_object["verbatim"] is True
 
 
 async def test_sixty_long_arguments_fit_slack_limits_and_every_name_shows(
@@ -459,13 +454,13 @@ async def test_sixty_long_arguments_fit_slack_limits_and_every_name_shows(
         assert f"*{name}*" in joined
     shown = sum(1 for t in section_texts(msg) if t.startswith("*arg_"))
     assert 0 < shown < 60
-    notice = wording.overflow_notice(card, shown)
-    assert notice.replace("&", "&amp;") in joined
+    assert "Part of this call is not shown here" in joined
+    assert f"*Listed by name only ({60 - shown})*" in joined
     assert card.link in joined
     for name, text in zip(args, (t for t in section_texts(msg) if t.startswith("*arg_")), strict=False):
         # Each shown value is whole: 2,000 characters fit a section even after escaping.
         assert text == f"*{name}*\n```{args[name].replace('&', '&amp;').replace('<', '&lt;').replace('>', '&gt;')}```"
-    assert len(buttons(msg)) == 2
+    assert [b["text"]["text"] for b in buttons(msg)] == ["Deny"]  # not the whole call: approved on its page
 
     await adapter.settle_card(ref, card, outcome_for(card))
     assert len(fake.message(HOME, ref.message_id).blocks) <= 50
@@ -502,23 +497,13 @@ async def test_settle_replaces_buttons_with_the_outcome_and_repeats_cleanly(
     settled = fake.message(HOME, ref.message_id)
     assert "actions" not in settled.block_types()
     assert settled.blocks[0]["block_id"] == "kazma_outcome"
-    assert wording.outcome_line(outcome) in settled.blocks[0]["text"]["text"]
+    assert outcome_line(outcome) in settled.blocks[0]["text"]["text"]
     assert settled.blocks[1:] == [b for b in before if b["type"] != "actions"]
-    assert wording.outcome_line(outcome) in settled.text
+    assert outcome_line(outcome) in settled.text
 
     await adapter.settle_card(ref, card, outcome)
     assert fake.message(HOME, ref.message_id).blocks == settled.blocks
     assert fake.message(HOME, ref.message_id).edits == 2
-
-
-async def test_timeout_outcome_is_not_shown_as_a_denial(fake: FakeSlack, adapter: SlackAdapter) -> None:
-    card = make_card({"x": 1})
-    ref = await adapter.post_card(card)
-    await adapter.settle_card(ref, card, outcome_for(card, Status.TIMEOUT))
-    first = fake.message(HOME, ref.message_id).blocks[0]["text"]["text"]
-    assert "timed out" in first
-    assert "not a denial" in first
-    assert "denied" not in first
 
 
 async def test_settling_a_missing_or_foreign_message_is_not_retryable(fake: FakeSlack, adapter: SlackAdapter) -> None:
@@ -530,13 +515,6 @@ async def test_settling_a_missing_or_foreign_message_is_not_retryable(fake: Fake
     with pytest.raises(PlatformError) as foreign:
         await adapter.settle_card(CardRef("slack", HOME, human.ts), card, outcome_for(card))
     assert (foreign.value.retryable, "cant_update_message" in str(foreign.value)) == (False, True)
-
-
-async def test_card_needs_a_home_channel(fake: FakeSlack, start_adapter: StartAdapter) -> None:
-    adapter = await start_adapter(config=slack_config(fake, home_channel=""))
-    with pytest.raises(PlatformError) as info:
-        await adapter.post_card(make_card({"x": 1}))
-    assert info.value.retryable is False
 
 
 # -- presses ---------------------------------------------------------------------
@@ -559,40 +537,12 @@ async def test_press_is_acknowledged_first_then_handed_to_the_approvals_layer(
     # Answered while on_press is still held: the ack did not wait for the decision.
     assert response.status == 200
     await recorder.signal.wait_until(lambda: len(recorder.presses) == 1)
-    assert recorder.presses == [(f"kz1:{card.request_id}:a", f"slack:{ADMIN}", "slack")]
+    assert [(p.data, p.actor, p.chat, p.message_id) for p in recorder.presses] == [
+        (f"kz1:{card.request_id}:a", f"slack:{ADMIN}", HOME, ref.message_id)
+    ]
     recorder.hold.set()
-    await logs.wait_for("slack.press", verdict="won")
+    await logs.wait_for("slack.press_result", verdict="won")
     assert fake.ephemerals == []  # a winning press is answered by the edited card
-
-
-@pytest.mark.parametrize("verdict", [PressVerdict.LOST, PressVerdict.REFUSED])
-async def test_losing_or_refused_press_is_told_privately(
-    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, verdict: PressVerdict
-) -> None:
-    recorder.press_result = PressResult(verdict, "Already approved by slack:U111 <!channel> & co.")
-    response = await fake.post_block_action(
-        events_url(adapter), action_id=DENY_ACTION, value="kz1:abc:d", user=PERSON, channel=HOME, message_ts="1.1"
-    )
-    assert response.status == 200
-    await fake.wait_for(lambda: len(fake.ephemerals) == 1)
-    (notice,) = fake.ephemerals
-    assert (notice.channel, notice.user) == (HOME, PERSON)
-    assert notice.text == "Already approved by slack:U111 &lt;!channel&gt; &amp; co."
-    assert recorder.presses == [("kz1:abc:d", f"slack:{PERSON}", "slack")]
-
-
-async def test_press_handler_failure_is_reported_to_the_presser_and_counted(
-    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
-) -> None:
-    recorder.press_result = RuntimeError("store exploded")
-    before = failure_count("press", "slack")
-    await fake.post_block_action(
-        events_url(adapter), action_id=APPROVE_ACTION, value="kz1:abc:a", user=ADMIN, channel=HOME, message_ts="1.1"
-    )
-    await fake.wait_for(lambda: len(fake.ephemerals) == 1)
-    assert "could not record your press" in fake.ephemerals[0].text
-    assert fake.ephemerals[0].user == ADMIN
-    assert failure_count("press", "slack") == before + 1
 
 
 # -- sending text ------------------------------------------------------------------
@@ -619,25 +569,6 @@ async def test_agent_name_falls_back_to_a_prefix_without_the_customize_scope(
     assert [c.error for c in fake.calls_to("chat.postMessage")] == ["missing_scope", None, None]
 
 
-async def test_long_text_is_split_and_the_first_id_returned(fake: FakeSlack, adapter: SlackAdapter) -> None:
-    lines = [f"line {i:04d} " + "<&>" * 30 for i in range(300)]
-    text = "\n".join(lines)
-    first = await adapter.send_text(HOME, text)
-    posted = fake.channel(HOME)
-    assert len(posted) > 1
-    assert posted[0].ts == first
-    assert all(len(m.text) <= 3900 for m in posted)
-    unescaped = "".join(m.text.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&") for m in posted)
-    assert unescaped == text
-    assert all(m.text.endswith("\n") for m in posted[:-1])  # split between lines
-
-
-async def test_empty_text_is_refused(adapter: SlackAdapter) -> None:
-    with pytest.raises(PlatformError) as info:
-        await adapter.send_text(HOME, "   ")
-    assert info.value.retryable is False
-
-
 async def test_sends_into_one_channel_are_paced(fake: FakeSlack, start_adapter: StartAdapter) -> None:
     now = [1000.0]
     sleeps: list[float] = []
@@ -659,7 +590,7 @@ async def test_sends_into_one_channel_are_paced(fake: FakeSlack, start_adapter: 
 # -- failures ----------------------------------------------------------------------
 
 
-async def test_rate_limit_is_retried_by_the_sdk_and_delivered(fake: FakeSlack, adapter: SlackAdapter) -> None:
+async def test_rate_limit_is_waited_out_by_the_kit_and_delivered(fake: FakeSlack, adapter: SlackAdapter) -> None:
     fake.fail("chat.postMessage", "429", retry_after=0)
     ts = await adapter.send_text(HOME, "eventually")
     assert fake.message(HOME, ts).text == "eventually"
@@ -668,7 +599,7 @@ async def test_rate_limit_is_retried_by_the_sdk_and_delivered(fake: FakeSlack, a
 
 async def test_rate_limit_surviving_retries_blocks_the_channel(fake: FakeSlack, start_adapter: StartAdapter) -> None:
     limiter = ChatRateLimiter(min_interval=0.0, clock=lambda: 5000.0)
-    adapter = await start_adapter(limiter=limiter, rate_limit_retries=0)
+    adapter = await start_adapter(limiter=limiter, max_attempts=1)
     fake.fail("chat.postMessage", "429", retry_after=7)
     before = failure_count("send", "slack")
     with pytest.raises(PlatformError) as info:
@@ -762,7 +693,7 @@ async def test_socket_mode_delivers_events_commands_and_presses(
     )
     await fake.socket_send("interactive", payload)
     await fake.wait_for(lambda: len(fake.ephemerals) == 1)
-    assert recorder.presses == [("kz1:abc:d", f"slack:{PERSON}", "slack")]
+    assert [(p.data, p.actor) for p in recorder.presses] == [("kz1:abc:d", f"slack:{PERSON}")]
     assert (fake.ephemerals[0].user, fake.ephemerals[0].text) == (PERSON, "Already denied.")
 
     await adapter.stop()

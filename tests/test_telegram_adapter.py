@@ -12,20 +12,12 @@ from typing import Any
 
 import pytest
 
-from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError
-from kazma.adapters.ratelimit import ChatRateLimiter
-from kazma.adapters.telegram import (
-    CARD_BUDGET,
-    MAX_ENTITIES,
-    PRESS_PENDING_TEXT,
-    TEXT_LIMIT,
-    CardTooLarge,
-    TelegramAdapter,
-    render_card,
-    split_text,
-    utf16_len,
-)
-from kazma.adapters.text import outcome_line, overflow_notice
+from kazma.adapters.card_layout import CardTooLarge, lay_out, outcome_line
+from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
+from kazma.adapters.kit import PRESS_PENDING
+from kazma.adapters.pacing import ChatRateLimiter
+from kazma.adapters.telegram import TelegramAdapter
+from kazma.adapters.telegram.render import CARD_BUDGET, MAX_ENTITIES, TEXT_LIMIT, TelegramWriter, render_card, utf16_len
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
@@ -70,7 +62,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.inbound: asyncio.Queue[Inbound] = asyncio.Queue()
-        self.presses: list[tuple[str, str, str]] = []
+        self.presses: list[Press] = []
         self.result: PressResult | Exception = PressResult(PressVerdict.WON, "Approved: the call runs now.")
         self.hold: asyncio.Event | None = None  # when set, presses wait for it
         self.press_finished = asyncio.Event()
@@ -78,8 +70,8 @@ class Recorder:
     async def on_inbound(self, inbound: Inbound) -> None:
         await self.inbound.put(inbound)
 
-    async def on_press(self, data: str, actor: str, platform: str) -> PressResult:
-        self.presses.append((data, actor, platform))
+    async def on_press(self, press: Press) -> PressResult:
+        self.presses.append(press)
         try:
             if self.hold is not None:
                 await self.hold.wait()
@@ -212,14 +204,14 @@ async def test_a_bad_token_fails_start_with_a_platform_error(fake: FakeTelegram)
         await adapter.send_text(str(GROUP), "hello")
 
 
-# --------------------------------------------------------------------------- inbound
+# --------------------------------------------------------------------------- inbound (dialect)
 
 
-async def test_group_message_is_normalised(fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]) -> None:
+async def test_topics_bots_and_admins_are_read_from_telegrams_fields(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
     _, recorder = adapter
-    message_id = fake.push_message(
-        GROUP, ADMIN, "please @Builder ask @researcher too", username="alice", first_name="Alice"
-    )
+    message_id = fake.push_message(GROUP, ADMIN, "please @Builder look", username="alice", first_name="Alice")
     inbound = await recorder.next_inbound()
     assert inbound == Inbound(
         platform="telegram",
@@ -227,9 +219,9 @@ async def test_group_message_is_normalised(fake: FakeTelegram, adapter: tuple[Te
         message_id=str(message_id),
         author=f"telegram:{ADMIN}",
         author_name="Alice",
-        text="please @Builder ask @researcher too",
+        text="please @Builder look",
         thread=None,
-        mentions=("builder", "researcher"),
+        mentions=("builder",),
         from_bot=False,
         command=None,
         is_admin=True,
@@ -239,117 +231,68 @@ async def test_group_message_is_normalised(fake: FakeTelegram, adapter: tuple[Te
     assert (other.is_admin, other.from_bot, other.thread, other.author) == (False, True, "7", f"telegram:{MEMBER}")
 
 
+async def test_short_agent_names_are_mentions_even_where_telegram_makes_no_entity(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
+    _, recorder = adapter
+    # Telegram only marks @names of 5+ characters as mentions; an agent called "dev" is addressed all the same.
+    fake.push_message(GROUP, ADMIN, "@dev fix it", entities=[])
+    assert (await recorder.next_inbound()).mentions == ("dev",)
+
+
 async def test_swarm_command(fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]) -> None:
     _, recorder = adapter
     fake.push_message(GROUP, ADMIN, "/swarm plan build a release")
     fake.push_message(GROUP, ADMIN, "/swarm@Kazma_Bot  status  ")
     fake.push_message(GROUP, ADMIN, "/swarm@other_bot status")  # another bot's command: not ours
     fake.push_message(GROUP, ADMIN, "/start hello")
-    first, second, third = [await recorder.next_inbound() for _ in range(3)]
-    assert (first.command, first.text) == ("swarm", "plan build a release")
-    assert (second.command, second.text) == ("swarm", "status")
-    assert (third.command, third.text) == (None, "/start hello")
+    received = [await recorder.next_inbound() for _ in range(3)]
+    by_text = {i.text: i.command for i in received}
+    assert by_text == {"plan build a release": "swarm", "status": "swarm", "/start hello": None}
+    await bot_settled(adapter[0])
     assert recorder.inbound.empty()
 
 
-async def test_messages_from_unserved_chats_are_ignored(
+async def bot_settled(bot: TelegramAdapter) -> None:
+    await bot.quiesce()
+
+
+# --------------------------------------------------------------------------- cards (dialect)
+
+
+async def test_card_is_telegram_html_with_the_cut_marked_in_italics(
     fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
 ) -> None:
-    _, recorder = adapter
-    fake.push_message(OTHER_GROUP, ADMIN, "/swarm stop everything")
-    fake.push_message(ADMIN, ADMIN, "a private message")
-    fake.push_message(GROUP, MEMBER, "served")
-    # PTB handles updates in order, so by the time "served" arrives the others were judged.
-    assert (await recorder.next_inbound()).text == "served"
-    assert recorder.inbound.empty()
-
-
-async def test_without_configured_chats_any_group_is_served_but_not_private_chats(
-    fake: FakeTelegram, make_adapter: Factory
-) -> None:
-    _, recorder = await make_adapter(config={"chats": []})
-    fake.push_message(MEMBER, MEMBER, "private")
-    fake.push_message(OTHER_GROUP, MEMBER, "some group")
-    inbound = await recorder.next_inbound()
-    assert (inbound.chat, inbound.text) == (str(OTHER_GROUP), "some group")
-    assert recorder.inbound.empty()
-
-
-# --------------------------------------------------------------------------- cards
-
-
-async def test_card_shows_the_whole_call(fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]) -> None:
     bot, _ = adapter
     long_value = "HEAD-echo harmless " + "x" * 9_950 + " ; rm -rf / TAIL"
-    long_value = long_value[:5_000] + long_value[-5_000:]
-    assert len(long_value) == 10_000
-    card = make_card({"command": long_value, "cwd": "/srv/app", "timeout": 30}, value_limit=500)
+    card = make_card({"command": long_value, "cwd": "/srv/app"}, value_limit=500)
     ref = await bot.post_card(card)
-    assert (ref.platform, ref.chat) == ("telegram", str(GROUP))
     message = fake.message(GROUP, ref.message_id)
-    text = message.text
-    for name in ("command", "cwd", "timeout"):
-        assert name in text
-    assert "HEAD-echo harmless" in text
-    assert "rm -rf / TAIL" in text  # the tail of a cut value is shown, not only its head
-    assert "[cut: 9,500 of 10,000 characters not shown]" in text
-    assert card.args_hash in text
-    assert len(card.args_hash) == 64
-    assert card.link in text
-    assert card.deadline.strftime("%Y-%m-%d %H:%M:%S UTC") in text
-    assert [b["text"] for b in message.buttons] == ["Approve", "Deny"]
-    assert [b["callback_data"] for b in message.buttons] == [
-        card.button_data(Decision.APPROVE),
-        card.button_data(Decision.DENY),
-    ]
-    assert all(b["callback_data"].startswith("kz1:") for b in message.buttons)
     assert message.parse_mode == "HTML"
+    assert [c.status for c in fake.calls_to("sendMessage")] == [200]  # Telegram's HTML parser accepted it
     cut_marker = next(e for e in message.entities if e["type"] == "italic")
-    assert (
-        text.encode("utf-16-le")[cut_marker["offset"] * 2 : (cut_marker["offset"] + cut_marker["length"]) * 2]
-        .decode("utf-16-le")
-        .startswith("[cut:")
-    )
+    marked = message.text.encode("utf-16-le")[
+        cut_marker["offset"] * 2 : (cut_marker["offset"] + cut_marker["length"]) * 2
+    ]
+    assert marked.decode("utf-16-le").startswith("[cut:")
+    assert [b["callback_data"] for b in message.buttons] == [card.button_data(Decision.DENY)]
+    assert all(len(b["callback_data"].encode()) <= 64 for b in message.buttons)
 
 
-HOSTILE = {
-    "everyone": "@everyone @here look",
-    "bold": "<b>not bold</b>",
-    "slack": "<!channel> <!here>",
-    "user": "<@U123> <@&456>",
-    "ticks": "```code``` `x`",
-    "amp": "a & b &amp; &lt;",
-    "attr": '"><img src=x onerror=x>',
-    "multi": "line one\n</pre><b>line two</b>",
-}
-
-
-async def test_card_escapes_everything_from_the_call(
+async def test_markup_in_a_value_is_escaped_in_the_html(
     fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
 ) -> None:
     bot, _ = adapter
-    card = make_card(
-        HOSTILE, tool="shell<i>", requester="agent:<b>x</b>&", public_url="http://kazma.test/a?team=1&x=<y>"
-    )
+    card = make_card({"bold": "<b>not bold</b>", "attr": '"><img src=x onerror=x>', "multi": "a\n</pre><b>b</b>"})
     ref = await bot.post_card(card)
-    [sent] = fake.calls_to("sendMessage")
-    assert sent.status == 200  # Telegram's HTML parser accepted it
     message = fake.message(GROUP, ref.message_id)
-    for name, value in HOSTILE.items():
-        assert name in message.text
-        assert value in message.text  # shown literally
-    assert "shell<i>" in message.text
-    assert "agent:<b>x</b>&" in message.text
-    assert card.link in message.text
-    for raw in ("<img", "<b>not", "<!channel>", "<@U123>", "</pre><b>"):
+    for raw in ("<img", "<b>not", "</pre><b>"):
         assert raw not in message.source
     assert html.escape("<b>not bold</b>") in message.source
     assert message.dropped_entities == 0
-    # Only our own formatting became entities: nothing from the arguments did.
-    assert {e["type"] for e in message.entities} <= {"bold", "italic", "code", "pre"}
 
 
-async def test_sixty_long_arguments_still_fit_with_every_name(
+async def test_sixty_long_arguments_fit_telegrams_budget_with_every_name(
     fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
 ) -> None:
     bot, _ = adapter
@@ -361,60 +304,49 @@ async def test_sixty_long_arguments_still_fit_with_every_name(
     assert utf16_len(message.text) <= TEXT_LIMIT
     for name in args:
         assert name in message.text
-    rendered = render_card(card)
-    assert rendered.names_only > 0
-    assert rendered.with_values + rendered.names_only == 60
-    assert overflow_notice(card, rendered.with_values) in message.text
+    laid = render_card(card)
+    assert laid.view.names_only
+    assert len(laid.view.arguments) + len(laid.view.names_only) == 60
     assert message.dropped_entities == 0  # no formatting silently lost past Telegram's cap
-    assert card.link in message.text
-    # Arguments shown with a value show both of its ends and mark the cut.
     assert "start00-" in message.text
     assert "-end00" in message.text
-    assert "[cut: " in message.text
+    assert ref.whole is False
+    assert [b["text"] for b in message.buttons] == ["Deny"]
 
 
 def test_rendering_shrinks_values_evenly_before_listing_names() -> None:
-    args = {f"a{i}": "y" * 1_000 for i in range(8)}
-    card = make_card(args, value_limit=1_000)
-    rendered = render_card(card)
-    assert rendered.names_only == 0
-    assert rendered.visible_length <= CARD_BUDGET
-    assert rendered.html.count("[cut: ") == 8
+    card = make_card({f"a{i}": "y" * 1_000 for i in range(8)}, value_limit=1_000)
+    laid = render_card(card)
+    assert laid.view.names_only == ()
+    assert laid.written.visible_length <= CARD_BUDGET
+    assert laid.written.html.count("[cut: ") == 8
 
 
 def test_many_short_arguments_drop_bold_names_before_any_value() -> None:
-    card = make_card({f"flag_{i:02d}": i for i in range(70)})
-    rendered = render_card(card)
-    assert rendered.names_only == 0
-    assert rendered.entities <= MAX_ENTITIES
-    assert "<b>flag_00</b>" not in rendered.html
-    assert "<code>0</code>" in rendered.html
-    few = render_card(make_card({"a": 1, "b": 2}))
-    assert "<b>a</b>" in few.html
+    laid = render_card(make_card({f"flag_{i:02d}": i for i in range(70)}))
+    assert laid.view.names_only == ()
+    assert laid.written.entities <= MAX_ENTITIES
+    assert "<b>flag_00</b>" not in laid.written.html
+    assert "<code>0</code>" in laid.written.html
+    assert "<b>a</b>" in render_card(make_card({"a": 1, "b": 2})).written.html
 
 
-def test_a_card_whose_names_alone_do_not_fit_is_refused() -> None:
-    card = make_card({f"{i:03d}" + "n" * 97: i for i in range(60)})
+def test_names_that_do_not_fit_are_counted_and_the_card_offers_only_deny() -> None:
+    laid = render_card(make_card({f"{i:03d}" + "n" * 97: i for i in range(60)}))
+    assert laid.view.names_hidden > 0
+    assert f"{laid.view.names_hidden} of 60 argument names do not fit here" in laid.written.html
+    assert [b.label for b in laid.view.buttons] == ["Deny"]
+
+
+def test_a_card_whose_frame_cannot_fit_is_refused() -> None:
     with pytest.raises(CardTooLarge):
-        render_card(card)
+        lay_out(make_card({"a": 1}), TelegramWriter(budget=40))
 
 
-async def test_a_card_that_cannot_be_shown_is_not_posted(
-    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
-) -> None:
-    bot, _ = adapter
-    before = failure_count("card_post", "telegram")
-    with pytest.raises(PlatformError) as caught:
-        await bot.post_card(make_card({f"{i:03d}" + "n" * 97: i for i in range(60)}))
-    assert caught.value.retryable is False
-    assert fake.calls_to("sendMessage") == []
-    assert failure_count("card_post", "telegram") == before + 1
+# --------------------------------------------------------------------------- presses (dialect)
 
 
-# --------------------------------------------------------------------------- presses
-
-
-async def test_press_reaches_the_handler_and_is_answered_with_its_result(
+async def test_a_won_press_is_answered_with_a_quiet_toast(
     fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
 ) -> None:
     bot, recorder = adapter
@@ -422,35 +354,19 @@ async def test_press_reaches_the_handler_and_is_answered_with_its_result(
     ref = await bot.post_card(card)
     query = fake.push_callback(GROUP, ref.message_id, ADMIN, card.button_data(Decision.APPROVE))
     answer = await fake.wait_for_answer(query)
-    assert recorder.presses == [(f"kz1:{card.request_id}:a", f"telegram:{ADMIN}", "telegram")]
-    assert answer["text"] == "Approved: the call runs now."
-    assert answer["show_alert"] is False
+    assert answer == {**answer, "text": "Approved: the call runs now.", "show_alert": False}
+    assert recorder.presses[0].actor == f"telegram:{ADMIN}"
 
 
-@pytest.mark.parametrize("verdict", [PressVerdict.LOST, PressVerdict.REFUSED])
-async def test_lost_and_refused_presses_are_answered_with_an_alert(
-    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder], verdict: PressVerdict
-) -> None:
-    _, recorder = adapter
-    recorder.result = PressResult(verdict, "x" * 300)
-    query = fake.push_callback(GROUP, 1, MEMBER, "kz1:abc:d")
-    answer = await fake.wait_for_answer(query)
-    assert answer["show_alert"] is True
-    assert answer["text"].startswith("xxx")
-    assert len(answer["text"]) <= 200
-
-
-async def test_a_failing_press_handler_still_answers_the_query(
+async def test_answers_are_clipped_to_telegrams_200_characters(
     fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
 ) -> None:
     _, recorder = adapter
-    recorder.result = RuntimeError("store is locked")
-    before = failure_count("press", "telegram")
-    query = fake.push_callback(GROUP, 1, ADMIN, "kz1:abc:a")
+    recorder.result = PressResult(PressVerdict.LOST, "x" * 300)
+    query = fake.push_callback(GROUP, 1, MEMBER, "kz1:abc:d")
     answer = await fake.wait_for_answer(query)
-    assert answer["text"] == "Could not record your press: store is locked"
     assert answer["show_alert"] is True
-    assert failure_count("press", "telegram") == before + 1
+    assert len(answer["text"]) <= 200
 
 
 async def test_a_slow_press_is_answered_at_once_and_keeps_running(fake: FakeTelegram, make_adapter: Factory) -> None:
@@ -458,16 +374,16 @@ async def test_a_slow_press_is_answered_at_once_and_keeps_running(fake: FakeTele
     recorder.hold = asyncio.Event()
     query = fake.push_callback(GROUP, 1, ADMIN, "kz1:abc:a")
     answer = await fake.wait_for_answer(query)
-    assert answer["text"] == PRESS_PENDING_TEXT
+    assert answer["text"] == PRESS_PENDING
     assert not recorder.press_finished.is_set()  # the decision was not cut short by the answer
     recorder.hold.set()
     await asyncio.wait_for(recorder.press_finished.wait(), WAIT)
 
 
-# --------------------------------------------------------------------------- settling
+# --------------------------------------------------------------------------- settling (dialect)
 
 
-async def test_settle_shows_the_outcome_and_removes_the_buttons(
+async def test_settling_twice_is_telegrams_message_is_not_modified_and_counts_as_done(
     fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
 ) -> None:
     bot, _ = adapter
@@ -476,11 +392,7 @@ async def test_settle_shows_the_outcome_and_removes_the_buttons(
     outcome = approved_by_admin(card)
     await bot.settle_card(ref, card, outcome)
     message = fake.message(GROUP, ref.message_id)
-    assert message.text.splitlines()[0] == outcome_line(outcome)
-    assert message.buttons == []
-    assert "/etc/passwd" in message.text
-    assert card.args_hash in message.text
-    # Settling again is a no-op that Telegram answers with "message is not modified".
+    assert outcome_line(outcome) in message.text.splitlines()[0]
     await bot.settle_card(ref, card, outcome)
     edits = fake.calls_to("editMessageText")
     assert [c.status for c in edits] == [200, 400]
@@ -506,7 +418,7 @@ async def test_settling_a_vanished_card_is_not_retryable(
     assert fake.calls_to("editMessageText")[-1].params["message_id"] == 424242  # the Slack card never reached Telegram
 
 
-# --------------------------------------------------------------------------- rate limits and faults
+# --------------------------------------------------------------------------- flood control (dialect)
 
 
 async def test_429_blocks_the_chat_for_retry_after_then_succeeds(fake: FakeTelegram, make_adapter: Factory) -> None:
@@ -517,15 +429,20 @@ async def test_429_blocks_the_chat_for_retry_after_then_succeeds(fake: FakeTeleg
     calls = fake.calls_to("sendMessage")
     assert [c.status for c in calls] == [429, 200]
     assert fake.message(GROUP, message_id).text == "hello"
-    # The limiter waited out retry_after after the refused send and before the retry.
+    # PTB's rate-limit hook (our pacing) waited out retry_after after the refused send and before the retry.
     assert any(seconds >= 7.0 and sends_before == 1 for seconds, sends_before in time.sleeps)
 
 
-async def test_429_with_the_default_limiter(fake: FakeTelegram, make_adapter: Factory) -> None:
+async def test_the_default_pacing_caps_groups_per_minute_but_not_private_chats(
+    fake: FakeTelegram, make_adapter: Factory
+) -> None:
     bot, _ = await make_adapter(limiter=None)
-    assert bot.limiter_for(GROUP).per_window == 20
-    assert bot.limiter_for(GROUP).min_interval == 1.0
-    assert bot.limiter_for(ADMIN).per_window is None
+    limiter = bot.pacing.limiter
+    assert limiter is not None
+    assert (limiter.min_interval, limiter.per_window) == (1.0, 20)
+    assert limiter.windowed is not None
+    assert limiter.windowed(str(GROUP)) is True
+    assert limiter.windowed(str(ADMIN)) is False
     fake.script("sendMessage", Fault.too_many_requests(1))
     ref = await bot.post_card(make_card({"a": 1}))
     assert [c.status for c in fake.calls_to("sendMessage")] == [429, 200]
@@ -542,18 +459,6 @@ async def test_429_without_end_gives_up_retryable(fake: FakeTelegram, make_adapt
     assert caught.value.retry_after == 2.0
     assert len(fake.calls_to("sendMessage")) == 3
     assert failure_count("send", "telegram") == before + 1
-
-
-async def test_server_error_is_retryable(fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]) -> None:
-    bot, _ = adapter
-    fake.script("sendMessage", Fault.server_error(500))
-    before = failure_count("card_post", "telegram")
-    with pytest.raises(PlatformError) as caught:
-        await bot.post_card(make_card({"a": 1}))
-    assert caught.value.retryable is True
-    assert (caught.value.platform, caught.value.site) == ("telegram", "card_post")
-    assert len(fake.calls_to("sendMessage")) == 1  # a send that may have landed is not repeated here
-    assert failure_count("card_post", "telegram") == before + 1
 
 
 async def test_bad_request_is_not_retryable(fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]) -> None:
@@ -577,10 +482,10 @@ async def test_a_hung_server_times_out_retryable(fake: FakeTelegram, make_adapte
     assert fake.calls_to("sendMessage")[0].status is None  # the fake never answered
 
 
-# --------------------------------------------------------------------------- plain text
+# --------------------------------------------------------------------------- plain text (dialect)
 
 
-async def test_send_text_prefixes_the_agent_and_is_plain_text(
+async def test_text_is_sent_without_a_parse_mode_and_into_topics(
     fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
 ) -> None:
     bot, _ = adapter
@@ -591,29 +496,6 @@ async def test_send_text_prefixes_the_agent_and_is_plain_text(
     assert message.entities == []
     threaded = await bot.send_text(str(GROUP), "in a topic", thread="7")
     assert fake.message(GROUP, threaded).thread_id == 7
-
-
-async def test_long_text_is_split_in_order(fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]) -> None:
-    bot, _ = adapter
-    lines = [f"line {i:04d} " + "😀" * 20 for i in range(300)]  # emoji: two UTF-16 units each
-    text = "\n".join(lines)
-    assert utf16_len(text) > 3 * TEXT_LIMIT
-    first_id = await bot.send_text(str(GROUP), text, agent="lead")
-    parts = fake.bot_messages(GROUP)
-    assert len(parts) >= 4
-    assert str(parts[0].message_id) == first_id
-    assert all(utf16_len(p.text) <= TEXT_LIMIT and p.text.startswith("[lead] ") for p in parts)
-    rejoined = "\n".join(p.text.removeprefix("[lead] ") for p in parts)
-    assert rejoined == text  # nothing lost, nothing reordered; breaks fell on line ends
-
-
-def test_split_text_edges() -> None:
-    assert split_text("") == []
-    assert split_text("   ") == []
-    assert split_text("abc", 10) == ["abc"]
-    assert split_text("a" * 25, 10) == ["a" * 10, "a" * 10, "a" * 5]
-    assert split_text("😀" * 6, 5) == ["😀😀", "😀😀", "😀😀"]
-    assert split_text("aaaa bbbb cccc", 10) == ["aaaa bbbb", "cccc"]
 
 
 # --------------------------------------------------------------------------- webhook mode

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import html
+import json
 import re
 import stat
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -333,7 +334,7 @@ async def test_operator_approves_once_and_every_card_settles(tmp_path: Path) -> 
         await until(con.web, lambda: (m := con.web.card_message(request.id)) is not None and m.outcome is not None)
         page = await (await client.get(f"{con.base}/")).text()
         assert "Approved. Recorded as web:alice." in page  # the flash
-        assert "Outcome: approved by web:alice via web" in page
+        assert "APPROVED: approved by web:alice via web" in page
         assert f"/approvals/{request.id}/decide" not in page
         # the losing press is told what stands, and nothing changes
         again = await client.post(f"{con.base}/approvals/{request.id}/decide", data={"csrf": csrf, "decision": "deny"})
@@ -423,11 +424,16 @@ async def test_events_stream_what_people_and_agents_say(tmp_path: Path) -> None:
         assert "@Researcher find it" in mine
         reply = await _next_data(events)
         assert '"author": "agent:researcher"' in reply  # the @mention reached the worker, lowercased
-        assert "found <b>it</b>" in reply  # JSON data; the script places it with textContent
+        data = json.loads(reply.removeprefix("data: "))
+        assert data["message"]["text"] == "found <b>it</b>"  # the data as said…
+        assert "found &lt;b&gt;it&lt;/b&gt;" in data["message"]["html"]  # …and escaped in the fragment the page places
+        assert "<b>it</b>" not in data["message"]["html"]
         events.close()
         script = await (await client.get(f"{con.base}/static/console.js")).text()
-        assert "innerHTML" not in script
+        # fragments go into an inert <template> (its scripts never run) and nothing is evaluated
+        assert 'createElement("template")' in script
         assert "eval(" not in script
+        assert "document.write" not in script
 
 
 async def test_events_send_heartbeats_and_end_when_the_server_stops(tmp_path: Path) -> None:

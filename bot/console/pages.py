@@ -14,12 +14,16 @@ from datetime import UTC, datetime
 from typing import Protocol
 from urllib.parse import quote
 
-from kazma.adapters.web import WebMessage
-from kazma.approvals.card import ApprovalCard, render_value
+from kazma.adapters.card_layout import APPROVE_LABEL, DENY_LABEL, ButtonKind, CardView
+from kazma.adapters.web import WebMessage, render
+from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.model import ApprovalRequest, Outcome, Status
 from kazma.approvals.store import AuditEvent, PostedCard
 from kazma.engine.swarm.store import TaskRecord
 from kazma.engine.swarm.types import TaskStatus
+
+# The approval page shows every value whole: no argument is long enough to be cut at this limit.
+WHOLE = 2**62
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 0; color: #1d1d1f; background: #f6f6f7; }
@@ -37,6 +41,8 @@ th, td { border: 1px solid #ccc; padding: .25em .5em; text-align: left; vertical
 .when, .meta { color: #666; font-weight: normal; font-size: .85em; }
 .card { border: 2px solid #c77d00; padding: .5em; border-radius: 4px; }
 .cut { color: #b00020; font-weight: bold; }
+.warning { background: #ffe3e3; border: 1px solid #d66; padding: .3em; font-weight: bold; }
+.notice { color: #8a5a00; font-style: italic; }
 .hash { font-family: ui-monospace, monospace; font-size: .85em; }
 .outcome { font-weight: bold; }
 form.inline { display: inline; }
@@ -124,15 +130,13 @@ def form(action: str, viewer: Viewer, fields: Mapping[str, str], label: str, *, 
     )
 
 
-def decide_buttons(viewer: Viewer, request_id: str, next_path: str) -> str:
+def decide_buttons(viewer: Viewer, request_id: str, next_path: str, *, approve: bool = True) -> str:
     action = f"/approvals/{quote(request_id, safe='')}/decide"
-    return (
-        f'<div class="buttons" id="b-{e(request_id)}">'
-        + form(action, viewer, {"decision": "approve", "next": next_path}, "Approve", button_class="approve")
-        + " "
-        + form(action, viewer, {"decision": "deny", "next": next_path}, "Deny", button_class="deny")
-        + "</div>"
-    )
+    deny = form(action, viewer, {"decision": "deny", "next": next_path}, DENY_LABEL, button_class="deny")
+    if approve:
+        fields = {"decision": "approve", "next": next_path}
+        deny = form(action, viewer, fields, APPROVE_LABEL, button_class="approve") + " " + deny
+    return f'<div class="buttons" id="b-{e(request_id)}">{deny}</div>'
 
 
 def message_page(title: str, text: str, *, viewer: Viewer | None = None, link: tuple[str, str] | None = None) -> str:
@@ -159,27 +163,15 @@ def login_page(login_csrf: str, *, error: str | None = None, name: str = "") -> 
 
 
 def card_html(card: ApprovalCard, outcome: Outcome | None, viewer: Viewer) -> str:
-    rows = []
-    for arg in card.arguments:
-        value = f"<pre>{e(arg.head)}</pre>"
-        if arg.cut:
-            value += (
-                f'<div class="cut">[cut: {arg.omitted:,} of {arg.original_length:,} characters not shown]</div>'
-                f"<pre>{e(arg.tail)}</pre>"
-            )
-        rows.append(f"<tr><th>{e(arg.name)}</th><td>{value}</td></tr>")
-    decided = f"Outcome: {outcome.summary()}" if outcome is not None else ""
-    buttons = decide_buttons(viewer, card.request_id, "/") if outcome is None and viewer.is_operator else ""
-    return (
-        '<div class="card">'
-        f'<div class="card-title">{e(card.title)}</div>'
-        f'<div class="meta">requested by {e(card.requester)} in {e(card.origin)};'
-        f" deadline {e(when(card.deadline))}</div>"
-        f'<table class="args">{"".join(rows)}</table>'
-        f'<div class="hash">SHA-256 {e(card.args_hash)}</div>'
-        f'<a href="{e(approval_href(card.request_id))}">full call and audit trail</a>'
-        f'<div class="outcome" id="o-{e(card.request_id)}">{e(decided)}</div>{buttons}</div>'
-    )
+    """A console card: the one card layout, with Approve/Deny forms for operators."""
+
+    def buttons(view: CardView) -> str:
+        if not viewer.is_operator:
+            return ""
+        approve = any(b.kind is ButtonKind.APPROVE for b in view.buttons)
+        return decide_buttons(viewer, card.request_id, "/", approve=approve)
+
+    return render.card_html(card, outcome=outcome, buttons=buttons).written
 
 
 def message_html(message: WebMessage, viewer: Viewer) -> str:
@@ -218,12 +210,11 @@ def approval_page(
     events: Sequence[AuditEvent],
     cards: Sequence[PostedCard],
     *,
+    public_url: str,
     flash: Sequence[str] = (),
 ) -> str:
-    args = "".join(
-        f"<tr><th>{e(name)}</th><td><pre>{e(render_value(request.args[name]))}</pre></td></tr>"
-        for name in sorted(request.args)
-    )
+    whole = build_card(request, value_limit=WHOLE, public_url=public_url)
+    args = render.card_html(whole).written
     pretty = json.dumps(request.args, indent=2, sort_keys=True, ensure_ascii=False)
     if request.status is Status.PENDING:
         decided = "not yet"
@@ -266,7 +257,7 @@ def approval_page(
         f"<h1>Approval {e(request.id)}</h1>"
         f"<table>{fact_rows}</table>{buttons}"
         "<h2>The whole call</h2><p>Every argument, uncut, exactly as stored with the request.</p>"
-        f"<table>{args}</table>"
+        f"{args}"
         f"<h3>Arguments as JSON</h3><pre>{e(pretty)}</pre>"
         f"<h3>Canonical JSON (what the hash covers)</h3><pre>{e(request.args_json)}</pre>"
         "<h2>Audit trail</h2><table><tr><th>#</th><th>when</th><th>event</th><th>actor</th><th>platform</th>"

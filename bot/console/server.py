@@ -27,7 +27,14 @@ from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import App
 from kazma.bot.console.auth import OPERATORS_ONLY, Session, WebAuth, html_response, load_tokens, safe_next
-from kazma.bot.console.pages import approval_href, approval_page, console_page, dashboard_page, message_page
+from kazma.bot.console.pages import (
+    approval_href,
+    approval_page,
+    console_page,
+    dashboard_page,
+    message_html,
+    message_page,
+)
 from kazma.bot.console.static import CONSOLE_JS
 from kazma.config.metrics import count_failure
 from kazma.engine.swarm.grammar import GrammarError, parse
@@ -193,7 +200,7 @@ class WebServer:
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         """Server-Sent Events: every console change as one JSON ``data:`` line, and a heartbeat comment."""
-        self._auth().api_reader(request)
+        session = self._auth().api_reader(request)
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
         )
@@ -212,11 +219,8 @@ class WebServer:
             # What the page may have missed between rendering and connecting (or a reconnect):
             # the current state of every message. Duplicates are harmless, the script keys by id.
             for message in self.web.messages():
-                snapshot = [{"type": "message", "message": message.as_event()}]
-                if message.outcome is not None:
-                    snapshot.append({"type": "settled", "message": message.as_event()})
-                for item in snapshot:
-                    await response.write(f"data: {json.dumps(item, ensure_ascii=False)}\n\n".encode())
+                item = {"type": "message", "message": self._event_message(message.id, session)}
+                await response.write(f"data: {json.dumps(item, ensure_ascii=False)}\n\n".encode())
             while True:
                 done, _ = await asyncio.wait({pending, closing}, timeout=self.heartbeat, return_when="FIRST_COMPLETED")
                 if closing in done:
@@ -228,6 +232,8 @@ class WebServer:
                     event = pending.result()
                 except StopAsyncIteration:  # the adapter stopped
                     break
+                message_id = str((event.get("message") or {}).get("id", ""))
+                event = {**event, "message": self._event_message(message_id, session)}
                 await response.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
                 pending = asyncio.create_task(following())
         except ConnectionResetError:
@@ -241,6 +247,13 @@ class WebServer:
             if closer is not None:
                 await closer()
         return response
+
+    def _event_message(self, message_id: str, session: Session) -> dict[str, Any]:
+        """A console message as the live view needs it: its data and its HTML, rendered for this viewer."""
+        message = self.web.message(message_id)
+        if message is None:
+            return {"id": message_id}
+        return {**message.as_event(), "html": message_html(message, session)}
 
     # -- approvals -------------------------------------------------------------------------------
 
@@ -282,7 +295,16 @@ class WebServer:
             raise _not_found("No such approval request.", session)
         events = await store.events(request_id)
         cards = await store.cards(request_id)
-        return html_response(approval_page(session, row, events, cards, flash=session.take_flash()))
+        return html_response(
+            approval_page(
+                session,
+                row,
+                events,
+                cards,
+                public_url=self.app.loaded.config.web.public_url,
+                flash=session.take_flash(),
+            )
+        )
 
     # -- swarm work ------------------------------------------------------------------------------
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import structlog
 
-from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError
-from kazma.approvals.card import ApprovalCard
+from kazma.adapters.card_layout import view_of
+from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press
+from kazma.approvals.card import ApprovalCard, button_data
 from kazma.approvals.model import Decision, Outcome, PressResult
 
 log = structlog.get_logger("kazma.adapters.web")
@@ -105,6 +106,9 @@ class WebAdapter:
     def messages(self, chat: str = CONSOLE) -> list[WebMessage]:
         return [m for m in self._messages if m.chat == chat]
 
+    def message(self, message_id: str) -> WebMessage | None:
+        return self._by_id.get(message_id)
+
     def card_message(self, request_id: str) -> WebMessage | None:
         return next((m for m in self._messages if m.card and m.card.request_id == request_id), None)
 
@@ -163,8 +167,16 @@ class WebAdapter:
         """Approve or Deny on a web card: the same path as every platform's buttons."""
         if self._handlers is None:
             raise PlatformError("web", "press", "the web console is not started", retryable=True)
-        data = f"kz1:{request_id}:{decision.code}"
-        return await self._handlers.on_press(data, f"web:{login}", "web")
+        card = self.card_message(request_id)
+        return await self._handlers.on_press(
+            Press(
+                platform=self.name,
+                data=button_data(request_id, decision),
+                actor=f"web:{login}",
+                chat=card.chat if card is not None else None,
+                message_id=card.id if card is not None else None,
+            )
+        )
 
     # -- PlatformAdapter -------------------------------------------------------------------------
 
@@ -180,7 +192,7 @@ class WebAdapter:
             str(next(self._ids)), CONSOLE, card.requester, card.requester, card.title, time.time(), card
         )
         self._add(message)
-        return CardRef(self.name, CONSOLE, message.id)
+        return CardRef(self.name, CONSOLE, message.id, whole=view_of(card).whole)
 
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
         message = self._by_id.get(ref.message_id)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kazma.adapters.ratelimit import ChatRateLimiter
+from kazma.adapters.pacing import ChatRateLimiter
 
 
 class FakeTime:

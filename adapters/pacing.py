@@ -1,4 +1,4 @@
-"""Per-chat send pacing: a minimum gap between sends and a cap per rolling window.
+"""Pacing: a minimum gap between sends into one chat, a cap per rolling window, and 429s waited out.
 
 Platforms punish bursts into one chat (Telegram: about 1 message a second per
 chat and 20 a minute per group; Slack: about 1 a second per channel). Waiting
@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
@@ -35,9 +36,12 @@ class ChatRateLimiter:
         window: float = 60.0,
         clock: Clock = time.monotonic,
         sleep: Sleep = asyncio.sleep,
+        windowed: Callable[[str], bool] | None = None,
     ) -> None:
         self.min_interval = min_interval
         self.per_window = per_window
+        # Which chats the per-window cap applies to (Telegram caps groups, not private chats); None: all.
+        self.windowed = windowed
         self.window = window
         self._clock = clock
         self._sleep = sleep
@@ -56,7 +60,7 @@ class ChatRateLimiter:
         waits = [state.blocked_until - now]
         if state.sent:
             waits.append(state.sent[-1] + self.min_interval - now)
-        if self.per_window is not None:
+        if self.per_window is not None and (self.windowed is None or self.windowed(chat)):
             while state.sent and state.sent[0] <= now - self.window:
                 state.sent.popleft()
             if len(state.sent) >= self.per_window:
@@ -81,3 +85,61 @@ class ChatRateLimiter:
         """The platform said 429 with ``retry_after``: hold every send into ``chat`` that long."""
         state = self._state(chat)
         state.blocked_until = max(state.blocked_until, self._clock() + seconds)
+
+
+T = TypeVar("T")
+RetryAfterOf = Callable[[BaseException], "float | None"]
+
+
+class Pacing:
+    """Per-chat pacing and the platform's "slow down" answers, as one object every transport calls.
+
+    ``run(chat, call)`` waits for the chat's turn, makes the call, and when the
+    platform answers 429 with a ``retry_after`` it holds every send into that
+    chat that long and tries again — at most ``max_attempts`` times, and never
+    for a wait longer than ``max_wait`` (then the error goes up with its
+    ``retry_after``, and the durable outbox retries later instead of a caller
+    hanging). Which exceptions mean 429 is the platform's to say
+    (``retry_after_of``); every other exception passes straight through.
+    """
+
+    def __init__(
+        self,
+        limiter: ChatRateLimiter | None = None,
+        *,
+        max_attempts: int = 5,
+        max_wait: float = 30.0,
+    ) -> None:
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        self.limiter = limiter
+        self.max_attempts = max_attempts
+        self.max_wait = max_wait
+
+    async def run(
+        self,
+        chat: str | None,
+        call: Callable[[], Awaitable[T]],
+        *,
+        retry_after_of: RetryAfterOf,
+        on_rate_limited: Callable[[float, int], None] | None = None,
+    ) -> T:
+        attempt = 1
+        while True:
+            if self.limiter is not None and chat is not None:
+                await self.limiter.acquire(chat)
+            try:
+                return await call()
+            except Exception as exc:
+                wait = retry_after_of(exc)
+                if wait is None:
+                    raise
+                if self.limiter is not None and chat is not None:
+                    self.limiter.block(chat, wait)
+                if on_rate_limited is not None:
+                    on_rate_limited(wait, attempt)
+                if attempt >= self.max_attempts or wait > self.max_wait:
+                    raise
+                if self.limiter is None or chat is None:
+                    await asyncio.sleep(wait)  # nothing else will hold this call back
+                attempt += 1

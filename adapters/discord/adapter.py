@@ -1,0 +1,475 @@
+"""The Discord adapter, on discord.py's plain ``Client``: transport and lifecycle only.
+
+Why a plain ``Client`` and not ``discord.ext.commands.Bot``: the commands
+extension drops messages whose author is a bot, and our own sub-agent
+dispatches are bot messages that must reach the router. Every message in a
+served channel is delivered with ``from_bot`` set; the router decides.
+
+Buttons are not tracked by per-message ``View`` objects. A card's buttons carry
+``kz1:<id>:a|d`` and every press is taken from the raw ``on_interaction``
+event, so a card posted before a restart still works after it and memory does
+not grow with every card.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, Final, TypeVar
+
+import discord
+import structlog
+import yarl
+from discord import app_commands
+
+from kazma.adapters.card_layout import agent_prefix
+from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
+from kazma.adapters.discord.errors import PLATFORM, classify, describe
+from kazma.adapters.discord.render import CONTENT_MAX, NO_MENTIONS, clip, escape_text, neutralise_mentions, render_card
+from kazma.adapters.kit import NOT_SERVED, PlatformBase, Served, plain_mentions, split_text
+from kazma.adapters.pacing import Pacing
+from kazma.approvals.card import BUTTON_PREFIX, ApprovalCard
+from kazma.approvals.model import Outcome
+from kazma.config.models import DiscordConfig
+
+log = structlog.get_logger("kazma.adapters.discord")
+
+T = TypeVar("T")
+
+# What discord.py ships with; an empty ``gateway_url`` means "the platform's default".
+DEFAULT_API_BASE: Final = "https://discord.com/api/v10"
+DEFAULT_GATEWAY: Final = "wss://gateway.discord.gg/"
+WEBHOOK_NAME: Final = "Kazma"
+
+
+class _Client(discord.Client):
+    """discord.py calls ``on_<event>`` methods; each forwards to the adapter."""
+
+    def __init__(self, adapter: DiscordAdapter, *, guild_ready_timeout: float) -> None:
+        intents = discord.Intents.none()
+        intents.guilds = True
+        intents.guild_messages = True
+        intents.message_content = True
+        super().__init__(
+            intents=intents,
+            allowed_mentions=NO_MENTIONS,
+            guild_ready_timeout=guild_ready_timeout,
+            # Longer waits raise RateLimited (with retry_after) instead of sleeping inside a call.
+            max_ratelimit_timeout=30.0,
+        )
+        self.adapter = adapter
+        self.tree: app_commands.CommandTree[_Client] = app_commands.CommandTree(self)
+        adapter._register_commands(self.tree)
+
+    async def setup_hook(self) -> None:
+        await self.adapter._sync_commands(self.tree)
+
+    async def on_ready(self) -> None:
+        self.adapter._ready.set()
+
+    async def on_message(self, message: discord.Message) -> None:
+        await self.adapter._on_message(message)
+
+    async def on_interaction(self, interaction: discord.Interaction[_Client]) -> None:
+        await self.adapter._on_interaction(interaction)
+
+
+class _FollowupReply:
+    """A press on Discord was deferred already (type 6); the card edit answers the winner, others hear privately."""
+
+    def __init__(self, adapter: DiscordAdapter, interaction: discord.Interaction[_Client]) -> None:
+        self.adapter = adapter
+        self.interaction = interaction
+
+    async def acknowledge(self, text: str) -> None:
+        return None  # the card, edited for everyone within moments, says it
+
+    async def notify(self, text: str) -> None:
+        await self.adapter.call(
+            "press_reply",
+            None,
+            lambda: self.interaction.followup.send(
+                clip(neutralise_mentions(text), CONTENT_MAX), ephemeral=True, allowed_mentions=NO_MENTIONS
+            ),
+            timeout=self.adapter.request_timeout,
+        )
+
+
+class DiscordAdapter(PlatformBase):
+    """``PlatformAdapter`` for Discord: a gateway bot plus REST, on discord.py."""
+
+    name = PLATFORM
+
+    def __init__(
+        self,
+        config: DiscordConfig,
+        *,
+        guild_ready_timeout: float = 2.0,
+        request_timeout: float = 10.0,
+        start_timeout: float = 60.0,
+        sync_commands: bool = True,
+        press_timeout: float = 2.0,
+        stop_grace: float = 5.0,
+        approve_partial: bool = False,
+    ) -> None:
+        super().__init__(
+            served=Served.of(config.channels, config.home_channel),
+            admins=config.admins,
+            # discord.py keeps Discord's per-route buckets itself; Kazma only waits out a 429 it gives up on.
+            pacing=Pacing(None),
+            press_timeout=press_timeout,
+            stop_grace=stop_grace,
+        )
+        self._config = config
+        self._guild_ready_timeout = guild_ready_timeout
+        self.request_timeout = request_timeout
+        self._start_timeout = start_timeout
+        self._sync_commands_enabled = sync_commands
+        self.approve_partial = approve_partial
+        self._client: _Client | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+        self._webhooks: dict[int, discord.Webhook | None] = {}
+        self._webhook_locks: dict[int, asyncio.Lock] = {}
+        self._saved_endpoints: tuple[str, yarl.URL] | None = None
+
+    def classify(self, site: str, exc: BaseException) -> PlatformError:
+        return classify(site, exc, timeout=self.request_timeout)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def _connect(self) -> None:
+        if not self._config.token:
+            raise PlatformError(PLATFORM, "start", "no bot token configured", retryable=False)
+        self._ready = asyncio.Event()
+        self._point_library_at_config()
+        client = _Client(self, guild_ready_timeout=self._guild_ready_timeout)
+        self._client = client
+        self._task = asyncio.create_task(client.start(self._config.token), name="kazma-discord-client")
+        ready = asyncio.create_task(self._ready.wait(), name="kazma-discord-ready")
+        done, _ = await asyncio.wait(
+            {self._task, ready}, timeout=self._start_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        if ready in done:
+            user = client.user
+            log.info("discord.ready", user_id=user.id if user else None, guilds=len(client.guilds))
+            return
+        ready.cancel()
+        task = self._task
+        failure = task.exception() if task in done and not task.cancelled() else None
+        if failure is not None:
+            raise self.classify("start", failure)
+        if task in done:
+            raise PlatformError(PLATFORM, "start", "the client stopped before READY", retryable=True)
+        raise PlatformError(PLATFORM, "start", f"no READY within {self._start_timeout:g} s", retryable=True)
+
+    async def _stop_receiving(self) -> None:
+        client, task = self._client, self._task
+        self._client = None
+        self._task = None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.close()
+        if task is not None:
+            try:
+                async with asyncio.timeout(5.0):
+                    await task
+            except TimeoutError:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            except Exception as exc:  # the client's own failure was reported by start() or its logs
+                log.debug("discord.client_ended", error=describe(exc))
+
+    async def _disconnect(self) -> None:
+        self._webhooks.clear()
+        self._webhook_locks.clear()
+        self._restore_library_endpoints()
+
+    def _point_library_at_config(self) -> None:
+        """Aim discord.py at the configured REST base and gateway.
+
+        discord.py has no constructor option for either: every REST, interaction
+        and webhook route is built from the class attribute ``Route.BASE`` and
+        the first gateway connection uses ``DiscordWebSocket.DEFAULT_GATEWAY``.
+        Both are process-wide, which is fine because a process runs one Discord
+        bot; the previous values are restored on stop.
+        """
+        gateway_cls = discord.gateway.DiscordWebSocket
+        if self._saved_endpoints is None:
+            self._saved_endpoints = (discord.http.Route.BASE, gateway_cls.DEFAULT_GATEWAY)
+        discord.http.Route.BASE = self._config.api_base_url.rstrip("/") or DEFAULT_API_BASE
+        gateway_cls.DEFAULT_GATEWAY = yarl.URL(self._config.gateway_url or DEFAULT_GATEWAY)
+
+    def _restore_library_endpoints(self) -> None:
+        if self._saved_endpoints is not None:
+            discord.http.Route.BASE, discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY = self._saved_endpoints
+            self._saved_endpoints = None
+
+    # ----------------------------------------------------------------- commands
+
+    def _register_commands(self, tree: app_commands.CommandTree[_Client]) -> None:
+        adapter = self
+
+        @tree.command(name="swarm", description="Drive the Kazma swarm: /swarm <command> …")
+        @app_commands.describe(args="The command and its arguments, e.g. 'status' or 'pipeline quick <task>'")
+        async def swarm(interaction: discord.Interaction[_Client], args: str = "") -> None:
+            await adapter._on_swarm(interaction, args)
+
+    async def _sync_commands(self, tree: app_commands.CommandTree[_Client]) -> None:
+        if not self._sync_commands_enabled:
+            return
+        # A failed sync must not stop the bot: messages and buttons work without it.
+        with contextlib.suppress(PlatformError):
+            commands = await self.call("commands", None, tree.sync, timeout=self.request_timeout)
+            log.info("discord.commands_synced", commands=[c.name for c in commands])
+
+    async def _on_swarm(self, interaction: discord.Interaction[_Client], args: str) -> None:
+        with self.tracking():
+            chat, thread = self._interaction_chat(interaction)
+            if not self.started or chat is None or not self.serves(str(chat)):
+                with contextlib.suppress(PlatformError):
+                    await self._rest(
+                        "command",
+                        lambda: interaction.response.send_message(
+                            NOT_SERVED, ephemeral=True, allowed_mentions=NO_MENTIONS
+                        ),
+                    )
+                return
+            try:
+                # Acknowledge before any work: Discord gives an interaction three seconds.
+                await self._rest("command", lambda: interaction.response.defer(thinking=True))
+            except PlatformError:
+                return  # the user was shown a failure; running the command anyway would surprise them
+            user = interaction.user
+            await self.deliver(
+                Inbound(
+                    platform=PLATFORM,
+                    chat=str(chat),
+                    thread=str(thread) if thread is not None else None,
+                    message_id=str(interaction.id),
+                    author=self.actor(user.id),
+                    author_name=user.display_name,
+                    text=args,
+                    command="swarm",
+                    from_bot=user.bot,
+                    is_admin=self.is_admin(user.id),
+                )
+            )
+            reply = clip(f"Received /swarm {escape_text(args)}".rstrip(), CONTENT_MAX)
+            with contextlib.suppress(PlatformError):
+                await self._rest("command", lambda: interaction.followup.send(reply, allowed_mentions=NO_MENTIONS))
+
+    # ----------------------------------------------------------------- inbound
+
+    @staticmethod
+    def _channel_chat(channel: object, channel_id: int) -> tuple[int, int | None]:
+        """(chat, thread): a thread belongs to its parent channel's conversation."""
+        if isinstance(channel, discord.Thread):
+            return channel.parent_id, channel.id
+        return channel_id, None
+
+    def _interaction_chat(self, interaction: discord.Interaction[_Client]) -> tuple[int | None, int | None]:
+        if interaction.channel_id is None:
+            return None, None
+        return self._channel_chat(interaction.channel, interaction.channel_id)
+
+    async def _on_message(self, message: discord.Message) -> None:
+        if message.type not in (discord.MessageType.default, discord.MessageType.reply):
+            return
+        chat, thread = self._channel_chat(message.channel, message.channel.id)
+        names = [u.name.lower() for u in message.mentions] + list(plain_mentions(message.content))
+        author = message.author
+        with self.tracking():
+            await self.deliver(
+                Inbound(
+                    platform=PLATFORM,
+                    chat=str(chat),
+                    thread=str(thread) if thread is not None else None,
+                    message_id=str(message.id),
+                    author=self.actor(author.id),
+                    author_name=author.display_name,
+                    text=message.content,
+                    mentions=tuple(dict.fromkeys(names)),
+                    from_bot=author.bot,
+                    is_admin=self.is_admin(author.id),
+                )
+            )
+
+    async def _on_interaction(self, interaction: discord.Interaction[_Client]) -> None:
+        if interaction.type is not discord.InteractionType.component or not interaction.data:
+            return
+        custom_id = interaction.data.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id.startswith(BUTTON_PREFIX + ":"):
+            return
+        with self.tracking():
+            # Acknowledge first (type 6, deferred update): a slow store must not cost the 3 s window.
+            # The press is real even if the acknowledgement failed, so it is still decided.
+            with contextlib.suppress(PlatformError):
+                await self._rest("press", lambda: interaction.response.defer())
+            chat, _ = self._interaction_chat(interaction)
+            message = interaction.message
+            press = Press(
+                platform=PLATFORM,
+                data=custom_id,
+                actor=self.actor(interaction.user.id),
+                chat=str(chat) if chat is not None else None,
+                message_id=str(message.id) if message is not None else None,
+            )
+            await self.press(press, _FollowupReply(self, interaction))
+
+    # ----------------------------------------------------------------- outbound
+
+    async def _rest(self, site: str, call: Any) -> Any:
+        """One REST call through the kit: bounded in time, every failure a logged, counted PlatformError."""
+        return await self.call(site, None, call, timeout=self.request_timeout)
+
+    def _connected(self, site: str) -> _Client:
+        client = self._client
+        if client is None or not self._ready.is_set():
+            raise self.refuse(site, "not connected", retryable=True)
+        return client
+
+    def _snowflake(self, site: str, value: str) -> int:
+        try:
+            return int(value)
+        except ValueError:
+            raise self.refuse(site, f"{value!r} is not a Discord id") from None
+
+    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
+        site = "send"
+        client = self._connected(site)
+        channel_id = self._snowflake(site, chat)
+        thread_id = self._snowflake(site, thread) if thread is not None else None
+        safe = neutralise_mentions(text)
+        if not safe.strip():
+            raise self.refuse(site, "nothing to send: the text is empty", chat=chat)
+        webhook = await self._webhook_for(channel_id) if agent else None
+        if webhook is not None and agent:
+            sent = await self._send_as_webhook(webhook, channel_id, safe, agent=agent, thread_id=thread_id)
+            if sent is not None:
+                return sent
+        target = client.get_partial_messageable(thread_id or channel_id)
+        prefix = agent_prefix(agent)
+        first: str | None = None
+        for chunk in split_text(safe, CONTENT_MAX - len(prefix)):
+            message = await self._rest(
+                site, lambda chunk=chunk: target.send(prefix + chunk, allowed_mentions=NO_MENTIONS)
+            )
+            first = first or str(message.id)
+        log.info("discord.sent", chat=chat, agent=agent, message_id=first, via="bot")
+        assert first is not None  # split_text of non-blank text has at least one chunk
+        return first
+
+    async def _send_as_webhook(
+        self, webhook: discord.Webhook, channel_id: int, safe: str, *, agent: str, thread_id: int | None
+    ) -> str | None:
+        """Post as ``agent`` through the channel webhook; None means "use the bot instead".
+
+        Only a definite refusal of the first chunk falls back (e.g. a deleted
+        webhook or a name Discord does not allow); after a timeout or 5xx the
+        message may have been posted, so the error is raised rather than risk a
+        duplicate.
+        """
+        first: str | None = None
+        thread = discord.Object(thread_id) if thread_id is not None else discord.utils.MISSING
+        for chunk in split_text(safe, CONTENT_MAX):
+            try:
+                message = await self._rest(
+                    "send",
+                    lambda chunk=chunk: webhook.send(
+                        chunk, username=agent, allowed_mentions=NO_MENTIONS, wait=True, thread=thread
+                    ),
+                )
+            except PlatformError as exc:
+                if first is not None or exc.retryable:
+                    raise
+                log.warning("discord.webhook_unavailable", channel=channel_id, error=str(exc))
+                self._webhooks.pop(channel_id, None)
+                return None
+            first = first or str(message.id)
+        log.info("discord.sent", chat=str(channel_id), agent=agent, message_id=first, via="webhook")
+        return first
+
+    async def _webhook_for(self, channel_id: int) -> discord.Webhook | None:
+        """The bot's own webhook in this channel, found or created once; None when not allowed."""
+        if channel_id in self._webhooks:
+            return self._webhooks[channel_id]
+        lock = self._webhook_locks.setdefault(channel_id, asyncio.Lock())
+        async with lock:
+            if channel_id in self._webhooks:
+                return self._webhooks[channel_id]
+            client = self._client
+            channel = client.get_channel(channel_id) if client else None
+            me = channel.guild.me if isinstance(channel, discord.TextChannel) else None
+            hook: discord.Webhook | None = None
+            if isinstance(channel, discord.TextChannel) and me is not None and client and client.user:
+                if not channel.permissions_for(me).manage_webhooks:
+                    self._webhooks[channel_id] = None
+                    return None
+                try:
+                    # Reuse our webhook across restarts: a channel holds at most 15.
+                    existing = await self._rest("webhook", channel.webhooks)
+                    bot_id = client.user.id
+                    hook = next(
+                        (h for h in existing if h.token and h.user and h.user.id == bot_id and h.name == WEBHOOK_NAME),
+                        None,
+                    )
+                    if hook is None:
+                        hook = await self._rest(
+                            "webhook",
+                            lambda: channel.create_webhook(name=WEBHOOK_NAME, reason="Kazma agent identities"),
+                        )
+                except PlatformError as exc:
+                    if exc.retryable:
+                        return None  # not cached: try again next time
+                    hook = None
+            self._webhooks[channel_id] = hook
+            return hook
+
+    async def post_card(self, card: ApprovalCard) -> CardRef:
+        site = "card_post"
+        client = self._connected(site)
+        home = self.home_chat
+        if home is None:
+            raise self.refuse(site, "no home_channel configured")
+        channel = client.get_partial_messageable(self._snowflake(site, home))
+        try:
+            laid = render_card(card, approve_partial=self.approve_partial)
+        except ValueError as exc:
+            raise self.refuse(site, str(exc), chat=home) from exc
+        written = laid.written
+        sending: dict[str, Any] = {"embed": written.embed, "allowed_mentions": NO_MENTIONS}
+        if written.view is not None:
+            sending["view"] = written.view
+        message = await self._rest(site, lambda: channel.send(**sending))
+        log.info(
+            "discord.card_posted",
+            request_id=card.request_id,
+            chat=home,
+            message_id=message.id,
+            fields=len(laid.view.arguments),
+            whole=laid.whole,
+        )
+        return CardRef(platform=PLATFORM, chat=home, message_id=str(message.id), whole=laid.whole)
+
+    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
+        site = "card_settle"
+        if ref.platform != PLATFORM:
+            raise self.refuse(site, f"not a Discord card: {ref.platform}", chat=ref.chat)
+        client = self._connected(site)
+        channel = client.get_partial_messageable(self._snowflake(site, ref.chat))
+        message = channel.get_partial_message(self._snowflake(site, ref.message_id))
+        try:
+            written = render_card(card, outcome=outcome, approve_partial=self.approve_partial).written
+        except ValueError as exc:
+            raise self.refuse(site, str(exc), chat=ref.chat) from exc
+        # An identical re-edit succeeds on Discord, so settling twice is harmless.
+        await self._rest(site, lambda: message.edit(embed=written.embed, view=None, allowed_mentions=NO_MENTIONS))
+        log.info(
+            "discord.card_settled",
+            request_id=card.request_id,
+            chat=ref.chat,
+            message_id=ref.message_id,
+            status=outcome.status.value,
+        )

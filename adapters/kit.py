@@ -1,0 +1,439 @@
+"""What every chat platform shares, written once: a platform adapter is only its dialect.
+
+:class:`PlatformBase` owns the start/stop skeleton (the subclass connects and
+disconnects; work in flight is drained on stop), the one inbound door (the
+served-chat check, the admin flag, delivery that counts failures and never
+raises), the one press policy (decide, then a quiet acknowledgement for the
+winner and a private notice for losers and refusals, with one apology that
+never shows exception text), and the one outbound call wrapper (pacing, the
+platform's ``retry_after``, classification into :class:`PlatformError`,
+counting, logging). :func:`split_text` splits long messages by the platform's
+own length rule, and :func:`plain_mentions` finds the ``@name`` words agents
+are addressed with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final, Protocol, TypeVar
+
+import structlog
+
+from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press
+from kazma.adapters.pacing import Pacing
+from kazma.approvals.card import ApprovalCard
+from kazma.approvals.model import Outcome, PressResult, PressVerdict
+from kazma.config.metrics import count_failure
+from kazma.config.models import EVERY_CHAT
+
+log = structlog.get_logger("kazma.adapters")
+
+T = TypeVar("T")
+
+# -- wording every platform uses for a press ------------------------------------------------------
+
+PRESS_APOLOGY: Final = "Kazma could not record your press, so nothing changed. Please press again."
+PRESS_PENDING: Final = "Recorded, updating…"
+PRESS_INACTIVE: Final = "This button is not active right now; nothing was recorded."
+NOT_SERVED: Final = "Kazma does not serve this chat."
+
+
+# -- text ---------------------------------------------------------------------------------------
+
+
+def split_text(text: str, limit: int, units: Callable[[str], int] | None = None) -> list[str]:
+    """Cut ``text`` into parts of at most ``limit`` units, preferring a line break, then a space, in the
+    second half of each part; the break itself is dropped. ``units`` measures one character the way the
+    platform does (Telegram: UTF-16 code units; Slack: its length once escaped; default: one).
+
+    Whitespace-only parts are dropped: platforms trim messages and refuse empty ones.
+    """
+    if limit < 1:
+        raise ValueError("limit must be positive")
+    measure = units or (lambda _char: 1)
+    parts: list[str] = []
+    rest = text
+    while rest:
+        size = 0
+        end = 0
+        for char in rest:
+            size += measure(char)
+            if size > limit:
+                break
+            end += 1
+        else:
+            parts.append(rest)
+            break
+        end = max(end, 1)  # a limit narrower than one character still makes progress
+        window = rest[:end]
+        cut = window.rfind("\n")
+        if cut < end // 2:
+            cut = max(window.rfind(" "), window.rfind("\t"))
+        if cut >= end // 2 and cut > 0:
+            parts.append(window[:cut])
+            rest = rest[cut + 1 :]
+        else:
+            parts.append(window)
+            rest = rest[end:]
+    return [part for part in parts if part.strip()]
+
+
+# ``@name`` where a name starts with a letter, not inside a word, an address or a code span, and not a
+# mass mention. Agents have no platform accounts, so this is how a dispatch (or a person) addresses one.
+_MENTION: Final = re.compile(r"(?<![\w.@<`\u200b])@([A-Za-z][A-Za-z0-9_-]{0,31})")
+_MASS: Final = frozenset({"everyone", "here", "channel"})
+
+
+def plain_mentions(text: str) -> tuple[str, ...]:
+    """Lowercase ``@name`` words, once each, in order."""
+    found = (m.lower() for m in _MENTION.findall(text))
+    return tuple(dict.fromkeys(name for name in found if name not in _MASS))
+
+
+# -- presses ------------------------------------------------------------------------------------
+
+
+class PressReply(Protocol):
+    """How a platform answers the person who pressed (the press itself was acknowledged already)."""
+
+    async def acknowledge(self, text: str) -> None:
+        """Quietly, to the presser: their press decided the request (the card edit is the public record)."""
+        ...
+
+    async def notify(self, text: str) -> None:
+        """Privately and prominently: the press lost, was refused, or could not be recorded."""
+        ...
+
+
+# -- the base -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Served:
+    """The chats a platform serves: the listed ones and the home chat, or every chat when ``every``."""
+
+    chats: frozenset[str]
+    home: str | None
+    every: bool = False
+
+    def __contains__(self, chat: object) -> bool:
+        return self.every or chat == self.home or chat in self.chats
+
+    @classmethod
+    def of(cls, chats: Iterable[object], home: object | None) -> Served:
+        """From a platform's configuration: its listed chats (``"*"``: every chat) and its home chat."""
+        listed = list(chats)
+        return cls(
+            frozenset(str(chat) for chat in listed if chat != EVERY_CHAT),
+            None if home in (None, "") else str(home),
+            every=EVERY_CHAT in listed,
+        )
+
+
+ErrorClassifier = Callable[[str, BaseException], PlatformError]
+
+
+class PlatformBase(ABC):
+    """The shared half of every platform adapter; subclasses are their platform's transport and dialect."""
+
+    name: ClassVar[str]
+
+    def __init__(
+        self,
+        *,
+        served: Served,
+        admins: Iterable[object],
+        pacing: Pacing | None = None,
+        press_timeout: float = 2.0,
+        stop_grace: float = 5.0,
+    ) -> None:
+        self.served = served
+        self.admins = frozenset(str(a) for a in admins)  # user ids on this platform
+        self.pacing = pacing or Pacing()
+        self.press_timeout = press_timeout
+        self.stop_grace = stop_grace
+        self._handlers: Handlers | None = None
+        self._inflight: set[asyncio.Future[Any]] = set()
+        self._stopping = False
+
+    # -- what subclasses provide -----------------------------------------------------------------
+
+    @abstractmethod
+    async def _connect(self) -> None:
+        """Connect to the platform and begin receiving; raise :class:`PlatformError` when that fails."""
+
+    @abstractmethod
+    async def _stop_receiving(self) -> None:
+        """Stop taking new events (close the poller, the socket, the HTTP listener)."""
+
+    @abstractmethod
+    async def _disconnect(self) -> None:
+        """Release the platform's clients once in-flight work has finished (it may still send until then)."""
+
+    @abstractmethod
+    def classify(self, site: str, exc: BaseException) -> PlatformError:
+        """The platform's failure as a :class:`PlatformError`: retryable or not, with ``retry_after``."""
+
+    @abstractmethod
+    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
+        """Post ``text`` (split by the platform's measure, never pinging anyone) as ``agent``; the first id."""
+
+    @abstractmethod
+    async def post_card(self, card: ApprovalCard) -> CardRef:
+        """Post the approval card (the one layout, in this platform's dialect) into the home chat."""
+
+    @abstractmethod
+    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
+        """Edit a posted card to show ``outcome`` and remove its buttons. Idempotent."""
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    @property
+    def home_chat(self) -> str | None:
+        return self.served.home
+
+    @property
+    def started(self) -> bool:
+        return self._handlers is not None
+
+    async def start(self, handlers: Handlers) -> None:
+        if self._handlers is not None:
+            raise PlatformError(self.name, "start", "already started", retryable=False)
+        self._handlers = handlers
+        self._stopping = False
+        try:
+            await self._connect()
+        except BaseException as exc:
+            self._handlers = None
+            with contextlib.suppress(Exception):
+                await self._stop_receiving()
+            with contextlib.suppress(Exception):
+                await self._disconnect()
+            if isinstance(exc, Exception):
+                error = exc if isinstance(exc, PlatformError) else self.classify("start", exc)
+                count_failure("start", self.name)
+                log.error(f"{self.name}.start_failed", platform=self.name, error=str(error))
+                raise error from exc
+            raise
+        log.info(f"{self.name}.started", platform=self.name, home_chat=self.home_chat)
+
+    async def stop(self) -> None:
+        if self._handlers is None or self._stopping:
+            return
+        self._stopping = True
+        try:
+            with contextlib.suppress(Exception):
+                await self._stop_receiving()
+            await self._drain()
+            await self._disconnect()
+        finally:
+            self._handlers = None
+            self._stopping = False
+        log.info(f"{self.name}.stopped", platform=self.name)
+
+    async def _drain(self) -> None:
+        """Let acknowledged work (presses, commands, deliveries) finish within the grace, then cancel the rest."""
+        pending = {task for task in self._inflight if task is not asyncio.current_task()}
+        if not pending:
+            return
+        _, late = await asyncio.wait(pending, timeout=self.stop_grace)
+        for task in late:
+            task.cancel()
+        if late:
+            log.warning(f"{self.name}.stop_cancelled_work", platform=self.name, tasks=len(late))
+            await asyncio.wait(late, timeout=self.stop_grace)
+
+    async def quiesce(self) -> None:
+        """Wait until no tracked work is left (tests, and a clean hand-over before stopping)."""
+        while pending := {task for task in self._inflight if task is not asyncio.current_task()}:
+            await asyncio.wait(pending)
+
+    def spawn(self, work: Awaitable[T], *, name: str) -> asyncio.Future[T]:
+        """Run ``work`` as tracked work: ``stop`` lets it finish (within the grace) before disconnecting."""
+        task = asyncio.ensure_future(work)
+        if isinstance(task, asyncio.Task):
+            task.set_name(name)
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        return task
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[None]:
+        """Track the current task (a library's listener task) as in-flight work while the block runs."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._inflight.add(task)
+        try:
+            yield
+        finally:
+            if task is not None:
+                self._inflight.discard(task)
+
+    # -- inbound ---------------------------------------------------------------------------------
+
+    def serves(self, chat: str) -> bool:
+        return chat in self.served
+
+    def is_admin(self, user_id: object) -> bool:
+        return str(user_id) in self.admins
+
+    def actor(self, user_id: object) -> str:
+        return f"{self.name}:{user_id}"
+
+    async def deliver(self, inbound: Inbound) -> None:
+        """The one inbound door: only served chats pass; a failing handler is counted and logged, never raised."""
+        if not self.serves(inbound.chat):
+            log.info(f"{self.name}.inbound_ignored", platform=self.name, chat=inbound.chat, reason="chat_not_served")
+            return
+        handlers = self._handlers
+        if handlers is None:
+            return
+        log.info(
+            f"{self.name}.inbound",
+            platform=self.name,
+            chat=inbound.chat,
+            message_id=inbound.message_id,
+            author=inbound.author,
+            from_bot=inbound.from_bot,
+            command=inbound.command,
+        )
+        try:
+            await handlers.on_inbound(inbound)
+        except Exception:
+            count_failure("inbound", self.name)
+            log.exception(f"{self.name}.inbound_failed", platform=self.name, chat=inbound.chat)
+
+    # -- presses ---------------------------------------------------------------------------------
+
+    async def press(self, press: Press, reply: PressReply) -> None:
+        """The one press policy. The platform acknowledged the press itself before calling this."""
+        handlers = self._handlers
+        log.info(f"{self.name}.press", platform=self.name, actor=press.actor, chat=press.chat, data=press.data[:80])
+        if handlers is None or not press.data:
+            await self._reply(reply.notify, PRESS_INACTIVE)
+            return
+        decision = self.spawn(handlers.on_press(press), name=f"{self.name}-press")
+        try:
+            # Shielded: a slow decision keeps running after we answer; only our wait ends.
+            result = await asyncio.wait_for(asyncio.shield(decision), timeout=self.press_timeout)
+        except TimeoutError:
+            log.info(f"{self.name}.press_pending", platform=self.name, actor=press.actor)
+            await self._reply(reply.acknowledge, PRESS_PENDING)
+            decision.add_done_callback(lambda done: self.spawn(self._late(done, press, reply), name="press-late"))
+            return
+        except Exception:
+            count_failure("press", self.name)
+            log.exception(f"{self.name}.press_failed", platform=self.name, actor=press.actor)
+            await self._reply(reply.notify, PRESS_APOLOGY)
+            return
+        await self._answer(result, press, reply)
+
+    async def _late(self, decision: asyncio.Future[PressResult], press: Press, reply: PressReply) -> None:
+        if decision.cancelled():
+            return
+        error = decision.exception()
+        if error is not None:
+            count_failure("press", self.name)
+            log.error(f"{self.name}.press_failed", platform=self.name, actor=press.actor, error=repr(error))
+            await self._reply(reply.notify, PRESS_APOLOGY)
+            return
+        await self._answer(decision.result(), press, reply)
+
+    async def _answer(self, result: PressResult, press: Press, reply: PressReply) -> None:
+        log.info(
+            f"{self.name}.press_result",
+            platform=self.name,
+            actor=press.actor,
+            verdict=result.verdict.value,
+            request_id=result.request_id,
+        )
+        if result.verdict is PressVerdict.WON:
+            await self._reply(reply.acknowledge, result.message)
+        else:
+            await self._reply(reply.notify, result.message)
+
+    async def _reply(self, say: Callable[[str], Awaitable[None]], text: str) -> None:
+        try:
+            await say(text)
+        except Exception as exc:
+            count_failure("press_reply", self.name)
+            error = exc if isinstance(exc, PlatformError) else self.classify("press_reply", exc)
+            log.warning(f"{self.name}.press_reply_failed", platform=self.name, error=str(error))
+
+    # -- outbound --------------------------------------------------------------------------------
+
+    async def call(
+        self,
+        site: str,
+        chat: str | None,
+        operation: Callable[[], Awaitable[T]],
+        *,
+        paced: bool = True,
+        wait_out_429: bool = True,
+        timeout: float | None = None,  # noqa: ASYNC109 - per attempt, never around the pacing wait
+    ) -> T:
+        """One platform call: paced per chat (``paced``), 429s waited out (``wait_out_429``), bounded in
+        time, and every failure a counted, logged :class:`PlatformError`.
+
+        A transport that already runs every request through :attr:`pacing` (Telegram's rate-limit hook)
+        passes both flags off, so nothing is paced or retried twice.
+        """
+
+        async def attempt() -> T:
+            if timeout is None:
+                return await operation()
+            async with asyncio.timeout(timeout):
+                return await operation()
+
+        def rate_limited(wait: float, attempt_no: int) -> None:
+            log.warning(
+                f"{self.name}.rate_limited",
+                platform=self.name,
+                site=site,
+                chat=chat,
+                retry_after=wait,
+                attempt=attempt_no,
+            )
+
+        try:
+            if wait_out_429:
+                return await self.pacing.run(
+                    chat if paced else None,
+                    attempt,
+                    retry_after_of=self._retry_after_of(site),
+                    on_rate_limited=rate_limited,
+                )
+            return await attempt()
+        except Exception as exc:
+            error = exc if isinstance(exc, PlatformError) else self.classify(site, exc)
+            self.failed(site, chat, error)
+            raise error from exc
+
+    def _retry_after_of(self, site: str) -> Callable[[BaseException], float | None]:
+        def retry_after(exc: BaseException) -> float | None:
+            error = exc if isinstance(exc, PlatformError) else self.classify(site, exc)
+            return error.retry_after
+
+        return retry_after
+
+    def failed(self, site: str, chat: str | None, error: PlatformError) -> None:
+        count_failure(site, self.name)
+        log.warning(
+            f"{self.name}.{site}_failed",
+            platform=self.name,
+            chat=chat,
+            error=str(error),
+            retryable=error.retryable,
+            retry_after=error.retry_after,
+        )
+
+    def refuse(self, site: str, message: str, *, chat: str | None = None, retryable: bool = False) -> PlatformError:
+        """A failure decided before any call (no home chat, empty text, a malformed id): counted and logged."""
+        error = PlatformError(self.name, site, message, retryable=retryable)
+        self.failed(site, chat, error)
+        return error

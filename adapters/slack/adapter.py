@@ -1,0 +1,428 @@
+"""Slack on slack-bolt's ``AsyncApp`` and slack-sdk's ``AsyncWebClient``: transport and lifecycle only.
+
+HTTP events mode serves Bolt from an aiohttp runner this adapter owns (Bolt
+verifies every request's signature); Socket Mode is used when an app-level
+token is configured. Cards are ``render.py``; failures are ``errors.py``; the
+inbound door, the press policy, pacing and 429 handling are the kit's (so
+slack-sdk's own rate-limit retry handler is left off: one rule, not two).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import OrderedDict
+from typing import Any, Final
+from urllib.parse import urlsplit
+from urllib.request import proxy_bypass
+
+import aiohttp
+import structlog
+from aiohttp import web
+from slack_bolt.adapter.aiohttp import to_aiohttp_response, to_bolt_request
+from slack_bolt.adapter.socket_mode.async_handler import AsyncSocketModeHandler
+from slack_bolt.async_app import AsyncApp
+from slack_bolt.context.ack.async_ack import AsyncAck
+from slack_sdk.http_retry.builtin_async_handlers import AsyncConnectionErrorRetryHandler
+from slack_sdk.web.async_client import AsyncWebClient
+
+from kazma.adapters.card_layout import agent_prefix
+from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
+from kazma.adapters.kit import NOT_SERVED, PlatformBase, Served, plain_mentions, split_text
+from kazma.adapters.pacing import ChatRateLimiter, Pacing
+from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, error_code
+from kazma.adapters.slack.render import (
+    APPROVE_ACTION,
+    DENY_ACTION,
+    MAX_MESSAGE_TEXT,
+    escape,
+    escaped_units,
+    render_card,
+    strip_user_mentions,
+    unescape,
+    user_mentions,
+)
+from kazma.approvals.card import ApprovalCard
+from kazma.approvals.model import Outcome
+from kazma.config.models import SlackConfig
+
+log = structlog.get_logger("kazma.adapters.slack")
+
+AGENT_ICON: Final = ":robot_face:"
+# Only ordinary posts are conversation; edits, joins, deletions and the like are not.
+_MESSAGE_SUBTYPES: Final = frozenset({None, "bot_message", "thread_broadcast", "file_share", "me_message"})
+_SEEN_LIMIT: Final = 4096
+
+
+class _Seen:
+    """A bounded memory of (channel, ts) keys: app_mention and message both fire for one post."""
+
+    def __init__(self, limit: int = _SEEN_LIMIT) -> None:
+        self._keys: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._limit = limit
+
+    def first_time(self, key: tuple[str, str]) -> bool:
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            return False
+        self._keys[key] = None
+        while len(self._keys) > self._limit:
+            self._keys.popitem(last=False)
+        return True
+
+
+def mentions_in(text: str) -> tuple[str, ...]:
+    """``<@U…>`` user ids and plain ``@name`` words (how agents address each other), lowercased, once each."""
+    return tuple(dict.fromkeys([*user_mentions(text), *plain_mentions(unescape(strip_user_mentions(text)))]))
+
+
+class _EphemeralReply:
+    """A press on Slack was acknowledged already; the card edit is the winner's answer, others hear privately."""
+
+    def __init__(self, adapter: SlackAdapter, channel: str, user: str) -> None:
+        self.adapter = adapter
+        self.channel = channel
+        self.user = user
+
+    async def acknowledge(self, text: str) -> None:
+        return None  # the card, edited for everyone within moments, says it
+
+    async def notify(self, text: str) -> None:
+        if not self.channel or not self.user:
+            return
+        await self.adapter.call(
+            "press_reply",
+            self.channel,
+            lambda: self.adapter.client.chat_postEphemeral(channel=self.channel, user=self.user, text=escape(text)),
+            paced=False,
+        )
+
+
+class _FallBack(Exception):
+    """Slack refused an optional feature of a call; the caller retries without it."""
+
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class SlackAdapter(PlatformBase):
+    """A :class:`~kazma.adapters.contract.PlatformAdapter` for one Slack workspace."""
+
+    name = PLATFORM
+
+    def __init__(
+        self,
+        config: SlackConfig,
+        *,
+        limiter: ChatRateLimiter | None = None,
+        request_timeout: int = 30,
+        shutdown_timeout: float = 1.0,
+        press_timeout: float = 2.0,
+        stop_grace: float = 5.0,
+        max_attempts: int = 5,
+        approve_partial: bool = False,
+    ) -> None:
+        super().__init__(
+            served=Served.of(config.channels, config.home_channel),
+            admins=config.admins,
+            pacing=Pacing(limiter or ChatRateLimiter(min_interval=1.0), max_attempts=max_attempts),
+            press_timeout=press_timeout,
+            stop_grace=stop_grace,
+        )
+        self._config = config
+        self._timeout = request_timeout
+        self._shutdown_timeout = shutdown_timeout
+        self.approve_partial = approve_partial
+        self.client = AsyncWebClient(
+            token=config.bot_token,
+            base_url=config.api_base_url,
+            timeout=request_timeout,
+            retry_handlers=[AsyncConnectionErrorRetryHandler()],
+        )
+        # slack-sdk reads HTTP(S)_PROXY but ignores NO_PROXY; honour it.
+        host = urlsplit(config.api_base_url).hostname or ""
+        if self.client.proxy and host and proxy_bypass(host):
+            self.client.proxy = None
+        self.app = AsyncApp(
+            client=self.client,
+            signing_secret=config.signing_secret,
+            name="kazma",
+            # Our own posts (cards, agent messages) must not come back as inbound.
+            ignoring_self_events_enabled=True,
+        )
+        self._seen = _Seen()
+        self._customize = True  # chat:write.customize granted until Slack says otherwise
+        self._runner: web.AppRunner | None = None
+        self._socket: AsyncSocketModeHandler | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._events_url: str | None = None
+        self.bot_user_id: str | None = None
+        self._register()
+
+    @property
+    def events_url(self) -> str | None:
+        """Where the HTTP events server listens (after ``start`` in HTTP mode)."""
+        return self._events_url
+
+    def classify(self, site: str, exc: BaseException) -> PlatformError:
+        return classify(site, exc, timeout=self._timeout)
+
+    # -- lifecycle --------------------------------------------------------
+
+    async def _connect(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout))
+        self.client.session = self._session
+        auth = await self.client.auth_test()
+        self.bot_user_id = str(auth.get("user_id") or "") or None
+        if self._config.app_token:
+            await self._start_socket_mode()
+        else:
+            await self._start_http()
+        log.info(
+            "slack.connected",
+            mode="socket" if self._config.app_token else "http",
+            events_url=self._events_url,
+            bot_user_id=self.bot_user_id,
+        )
+
+    async def _stop_receiving(self) -> None:
+        if self._socket is not None:
+            socket, self._socket = self._socket, None
+            await socket.close_async()  # type: ignore[no-untyped-call]  # Bolt leaves it unannotated
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            self._events_url = None
+            await runner.cleanup()
+
+    async def _disconnect(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            self.client.session = None
+            await session.close()
+
+    async def _start_http(self) -> None:
+        http = self._config.http
+        web_app = web.Application()
+        web_app.router.add_post(http.path, self._handle_http)
+        runner = web.AppRunner(web_app, shutdown_timeout=self._shutdown_timeout, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, http.host, http.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise PlatformError(
+                PLATFORM, "start", f"cannot listen on {http.host}:{http.port}: {exc}", retryable=False
+            ) from exc
+        self._runner = runner
+        host, port = self._bound_address(runner, http.host, http.port)
+        self._events_url = f"http://{host}:{port}{http.path}"
+
+    @staticmethod
+    def _bound_address(runner: web.AppRunner, host: str, port: int) -> tuple[str, int]:
+        for address in runner.addresses:
+            if isinstance(address, tuple) and len(address) >= 2:
+                return (f"[{address[0]}]" if ":" in str(address[0]) else str(address[0])), int(address[1])
+        return host, port
+
+    async def _handle_http(self, request: web.Request) -> web.Response:
+        bolt_request = await to_bolt_request(request)
+        bolt_response = await self.app.async_dispatch(bolt_request)
+        return await to_aiohttp_response(bolt_response)
+
+    async def _start_socket_mode(self) -> None:
+        # slack-sdk retries a failed connect forever, so a bad app token would hang
+        # start; asking for the socket URL first turns it into a clear error.
+        opened = await self.client.apps_connections_open(app_token=self._config.app_token)
+        handler = AsyncSocketModeHandler(self.app, self._config.app_token, web_client=self.client)
+        handler.client.wss_uri = str(opened["url"])
+        try:
+            await asyncio.wait_for(handler.connect_async(), timeout=max(self._timeout, 1))  # type: ignore[no-untyped-call]
+        except BaseException:
+            await handler.close_async()  # type: ignore[no-untyped-call]
+            raise
+        self._socket = handler
+
+    # -- listeners --------------------------------------------------------
+
+    def _register(self) -> None:
+        self.app.event("message")(self._on_message)
+        self.app.event("app_mention")(self._on_message)
+        self.app.command("/swarm")(self._on_command)
+        self.app.action(APPROVE_ACTION)(self._on_action)
+        self.app.action(DENY_ACTION)(self._on_action)
+
+    async def _on_message(self, event: dict[str, Any]) -> None:
+        with self.tracking():
+            kind = str(event.get("type", ""))
+            channel = str(event.get("channel", ""))
+            ts = str(event.get("ts", ""))
+            subtype = event.get("subtype")
+            if subtype not in _MESSAGE_SUBTYPES:
+                log.debug("slack.inbound_ignored", reason="subtype", subtype=subtype, channel=channel, ts=ts)
+                return
+            if not self._seen.first_time((channel, ts)):
+                log.debug("slack.inbound_duplicate", channel=channel, ts=ts, kind=kind)
+                return
+            user = str(event.get("user") or event.get("bot_id") or "")
+            raw = str(event.get("text") or "")
+            profile = event.get("user_profile")
+            name = ""
+            if isinstance(profile, dict):
+                name = str(profile.get("display_name") or profile.get("real_name") or profile.get("name") or "")
+            await self.deliver(
+                Inbound(
+                    platform=PLATFORM,
+                    chat=channel,
+                    message_id=ts,
+                    author=self.actor(user),
+                    author_name=name or str(event.get("username") or user),
+                    text=unescape(raw),
+                    thread=str(event["thread_ts"]) if event.get("thread_ts") else None,
+                    mentions=mentions_in(raw),
+                    from_bot=bool(event.get("bot_id")) or subtype == "bot_message",
+                    is_admin=self.is_admin(user),
+                )
+            )
+
+    async def _on_command(self, ack: AsyncAck, command: dict[str, Any]) -> None:
+        channel = str(command.get("channel_id", ""))
+        if not self.serves(channel):
+            await ack(text=NOT_SERVED)
+            log.info("slack.command_ignored", reason="chat_not_served", channel=channel)
+            return
+        # Slack gives a slash command 3 seconds; the swarm's work starts after the ack.
+        await ack()
+        with self.tracking():
+            user = str(command.get("user_id", ""))
+            raw = str(command.get("text") or "")
+            await self.deliver(
+                Inbound(
+                    platform=PLATFORM,
+                    chat=channel,
+                    message_id=str(command.get("trigger_id") or f"cmd-{uuid.uuid4().hex}"),
+                    author=self.actor(user),
+                    author_name=str(command.get("user_name") or user),
+                    text=unescape(raw).strip(),
+                    mentions=mentions_in(raw),
+                    command="swarm",
+                    is_admin=self.is_admin(user),
+                )
+            )
+
+    async def _on_action(self, ack: AsyncAck, body: dict[str, Any], action: dict[str, Any]) -> None:
+        # Acknowledge before any work: a slow decision must not cost the 3-second window.
+        await ack()
+        with self.tracking():
+            user = str((body.get("user") or {}).get("id", ""))
+            channel = str(
+                (body.get("channel") or {}).get("id") or (body.get("container") or {}).get("channel_id") or ""
+            )
+            message_ts = (body.get("container") or {}).get("message_ts") or (body.get("message") or {}).get("ts")
+            press = Press(
+                platform=PLATFORM,
+                data=str(action.get("value") or ""),
+                actor=self.actor(user),
+                chat=channel or None,
+                message_id=str(message_ts) if message_ts else None,
+            )
+            await self.press(press, _EphemeralReply(self, channel, user))
+
+    # -- outbound ---------------------------------------------------------
+
+    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
+        if not text.strip():
+            raise self.refuse("send", "nothing to send: the text is empty", chat=chat)
+        first: str | None = None
+        prefix_units = len(escape(agent_prefix(agent)))
+        for part in split_text(text, MAX_MESSAGE_TEXT - prefix_units, escaped_units):
+            ts = await self._post_text(chat, part, agent=agent, thread=thread)
+            first = first or ts
+        if first is None:
+            raise self.refuse("send", "nothing to send: the text is empty", chat=chat)
+        return first
+
+    async def _post_text(self, chat: str, part: str, *, agent: str | None, thread: str | None) -> str:
+        if agent and self._customize:
+            try:
+                response = await self.call(
+                    "send",
+                    chat,
+                    lambda: self._optional(
+                        self.client.chat_postMessage(
+                            channel=chat, text=escape(part), thread_ts=thread, username=agent, icon_emoji=AGENT_ICON
+                        )
+                    ),
+                )
+                return str(response.get("ts"))
+            except PlatformError as exc:
+                if not isinstance(exc.__cause__, _FallBack):
+                    raise
+                # Without chat:write.customize the agent is named in the text instead.
+                self._customize = False
+                log.warning("slack.identity_unavailable", channel=chat, agent=agent, error=exc.__cause__.code)
+        body = escape(agent_prefix(agent) + part)
+        response = await self.call(
+            "send", chat, lambda: self.client.chat_postMessage(channel=chat, text=body, thread_ts=thread)
+        )
+        return str(response.get("ts"))
+
+    @staticmethod
+    async def _optional(call: Any) -> Any:
+        try:
+            return await call
+        except Exception as exc:
+            if (code := error_code(exc)) in NO_CUSTOM_IDENTITY:
+                raise _FallBack(code) from exc
+            raise
+
+    async def post_card(self, card: ApprovalCard) -> CardRef:
+        site = "card_post"
+        channel = self.home_chat
+        if channel is None:
+            raise self.refuse(site, "no home_channel is configured")
+        try:
+            laid = render_card(card, approve_partial=self.approve_partial)
+        except ValueError as exc:
+            raise self.refuse(site, str(exc), chat=channel) from exc
+        written = laid.written
+        response = await self.call(
+            site,
+            channel,
+            lambda: self.client.chat_postMessage(
+                channel=channel, text=written.text, blocks=written.blocks, unfurl_links=False, unfurl_media=False
+            ),
+        )
+        ts = str(response.get("ts"))
+        log.info(
+            "slack.card_posted",
+            request_id=card.request_id,
+            channel=channel,
+            ts=ts,
+            blocks=len(written.blocks),
+            whole=laid.whole,
+        )
+        return CardRef(platform=PLATFORM, chat=channel, message_id=ts, whole=laid.whole)
+
+    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
+        site = "card_settle"
+        try:
+            written = render_card(card, outcome=outcome, approve_partial=self.approve_partial).written
+        except ValueError as exc:
+            raise self.refuse(site, str(exc), chat=ref.chat) from exc
+        await self.call(
+            site,
+            ref.chat,
+            lambda: self.client.chat_update(
+                channel=ref.chat, ts=ref.message_id, text=written.text, blocks=written.blocks
+            ),
+            paced=False,  # chat.update is not limited per channel like chat.postMessage
+        )
+        log.info(
+            "slack.card_settled",
+            request_id=card.request_id,
+            channel=ref.chat,
+            ts=ref.message_id,
+            status=outcome.status.value,
+        )

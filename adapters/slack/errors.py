@@ -1,0 +1,74 @@
+"""Slack's failures as the bus's one error type: retryable or not, and Slack's ``Retry-After``."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import aiohttp
+from slack_sdk.errors import SlackApiError, SlackClientError
+
+from kazma.adapters.contract import PlatformError
+
+PLATFORM: Final = "slack"
+RETRYABLE_CODES: Final = frozenset(
+    {"ratelimited", "internal_error", "fatal_error", "service_unavailable", "request_timeout"}
+)
+# What Slack answers when the token lacks chat:write.customize (username/icon_emoji).
+NO_CUSTOM_IDENTITY: Final = frozenset({"missing_scope", "not_allowed_token_type"})
+
+
+def response_status(exc: SlackApiError) -> int | None:
+    response = exc.response
+    for attr in ("status_code", "status"):
+        value = getattr(response, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def response_field(exc: SlackApiError, field: str) -> str:
+    response = exc.response
+    try:
+        value = response.get(field) if response is not None else None
+    except (AttributeError, ValueError):
+        return ""
+    return str(value) if value is not None else ""
+
+
+def retry_after(exc: SlackApiError) -> float:
+    headers = getattr(exc.response, "headers", None)
+    raw = headers.get("Retry-After") if headers is not None else None
+    if isinstance(raw, list):
+        raw = raw[0] if raw else None
+    try:
+        return max(float(raw), 0.0) if raw is not None else 1.0
+    except (TypeError, ValueError):
+        return 1.0
+
+
+def error_code(exc: BaseException) -> str:
+    return response_field(exc, "error") if isinstance(exc, SlackApiError) else ""
+
+
+def classify(site: str, exc: BaseException, *, timeout: float | None = None) -> PlatformError:
+    if isinstance(exc, PlatformError):
+        return exc
+    if isinstance(exc, SlackApiError):
+        status = response_status(exc)
+        code = response_field(exc, "error") or f"HTTP {status}"
+        needed = response_field(exc, "needed")
+        detail = f"{code} (needs {needed})" if needed else code
+        if status == 429 or code == "ratelimited":
+            return PlatformError(
+                PLATFORM, site, f"rate limited: {detail}", retryable=True, retry_after=retry_after(exc)
+            )
+        if (status is not None and status >= 500) or code in RETRYABLE_CODES:
+            return PlatformError(PLATFORM, site, detail, retryable=True)
+        return PlatformError(PLATFORM, site, detail, retryable=False)
+    if isinstance(exc, TimeoutError):
+        return PlatformError(PLATFORM, site, f"no answer within {timeout or 0:g} s", retryable=True)
+    if isinstance(exc, aiohttp.ClientError | OSError):
+        return PlatformError(PLATFORM, site, f"{type(exc).__name__}: {exc}", retryable=True)
+    if isinstance(exc, SlackClientError):
+        return PlatformError(PLATFORM, site, str(exc), retryable=False)
+    return PlatformError(PLATFORM, site, f"unexpected {type(exc).__name__}: {exc}", retryable=False)

@@ -1,0 +1,229 @@
+"""Slack's dialect: the card as Block Kit blocks in mrkdwn, escaped so nothing in it can ping or link.
+
+Slack parses ``<!channel>``, ``<@U…>`` and links only inside ``<…>``; escaping
+``& < >`` neutralises all of them, and every text object is ``verbatim`` so
+Slack auto-links nothing. Sizes are checked after escaping, since escaping
+only ever grows text.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kazma.adapters.card_layout import (
+    EMPTY_VALUE,
+    HASH_LABEL,
+    REQUESTED_BY_LABEL,
+    ButtonKind,
+    CardView,
+    LaidOut,
+    lay_out,
+)
+from kazma.approvals.card import ApprovalCard
+from kazma.approvals.model import Outcome, Status
+
+APPROVE_ACTION: Final = "kazma_approve"
+DENY_ACTION: Final = "kazma_deny"
+ACTIONS_BLOCK_ID: Final = "kazma_actions"
+
+# Slack's Block Kit limits (https://docs.slack.dev/reference/block-kit).
+MAX_BLOCKS: Final = 50
+MAX_SECTION_TEXT: Final = 3000
+MAX_HEADER_TEXT: Final = 150
+MAX_FIELDS: Final = 10
+MAX_FIELD_TEXT: Final = 2000
+# Slack refuses text over 40,000 characters but folds long messages well before
+# that; 3,900 keeps every part readable and clear of the hard limit.
+MAX_MESSAGE_TEXT: Final = 3900
+
+_STATUS_EMOJI: Final = {
+    Status.APPROVED: ":white_check_mark:",
+    Status.DENIED: ":no_entry:",
+    Status.TIMEOUT: ":hourglass:",
+    Status.CANCELLED: ":heavy_minus_sign:",
+}
+_USER_MENTION: Final = re.compile(r"<@([UW][A-Z0-9]+)(?:\|[^>]*)?>")
+
+
+def escape(text: str) -> str:
+    """Neutralise Slack's control sequences: ``<!channel>``, ``<@U…>`` and links all need ``<``."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def unescape(text: str) -> str:
+    return text.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+
+
+def escaped_units(char: str) -> int:
+    """How many characters ``char`` takes once escaped (Slack's limits count the escaped text)."""
+    return len(escape(char))
+
+
+def user_mentions(text: str) -> list[str]:
+    """Slack user ids mentioned as ``<@U…>`` in raw (escaped) event text, lowercased."""
+    return [m.lower() for m in _USER_MENTION.findall(text)]
+
+
+def strip_user_mentions(text: str) -> str:
+    return _USER_MENTION.sub(" ", text)
+
+
+def _defang_backticks(text: str) -> str:
+    # A value cannot close our code fence (or merge with it) when no backtick
+    # touches another; zero-width spaces keep what a reader sees unchanged.
+    return text.replace("`", "\u200b`\u200b")
+
+
+def _code(value: str) -> str:
+    return f"```{escape(_defang_backticks(value))}```"
+
+
+def _mrkdwn(text: str) -> dict[str, Any]:
+    # verbatim: Slack must not auto-link or auto-parse anything in what we show.
+    return {"type": "mrkdwn", "text": text, "verbatim": True}
+
+
+def _plain(text: str) -> dict[str, Any]:
+    return {"type": "plain_text", "text": text, "emoji": False}
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _link(url: str, label: str) -> str:
+    # Inside <url|label> a '|' or '>' would end the URL early.
+    return f"<{escape(url).replace('|', '%7C')}|{escape(label)}>"
+
+
+def _chunk_lines(first: str, lines: list[str], limit: int) -> list[str]:
+    """Pack ``first`` then ``lines`` into texts of at most ``limit`` characters, never splitting a line."""
+    chunks: list[str] = []
+    current = first
+    for line in lines:
+        candidate = f"{current}\n{line}" if current else line
+        if len(candidate) <= limit or not current:
+            current = candidate
+            continue
+        chunks.append(current)
+        current = line
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+@dataclass(frozen=True)
+class SlackCard:
+    blocks: list[dict[str, Any]]
+    text: str  # the notification / fallback text
+
+
+class SlackWriter:
+    """Writes a :class:`CardView` as blocks; fits within Slack's block, section and header limits."""
+
+    def write(self, view: CardView) -> SlackCard:
+        blocks: list[dict[str, Any]] = []
+        if view.outcome is not None:
+            emoji = _STATUS_EMOJI.get(view.outcome.status, ":information_source:")
+            blocks.append(
+                {
+                    "type": "section",
+                    "block_id": "kazma_outcome",
+                    "text": _mrkdwn(f"{emoji} *{escape(view.outcome_text)}*"),
+                }
+            )
+        title = escape(view.title)  # plain text is not parsed, but nothing from a tool reaches Slack unescaped
+        blocks.append({"type": "header", "block_id": "kazma_title", "text": _plain(_clip(title, MAX_HEADER_TEXT))})
+        for index, warning in enumerate(view.warnings):
+            blocks.append(
+                {
+                    "type": "section",
+                    "block_id": f"kazma_warning_{index}",
+                    "text": _mrkdwn(f":warning: *{escape(warning)}*"),
+                }
+            )
+        blocks.append(
+            {
+                "type": "section",
+                "block_id": "kazma_facts",
+                "fields": [_mrkdwn(f"*{escape(label)}*\n`{escape(value)}`") for label, value in view.facts],
+            }
+        )
+        blocks.append(
+            {"type": "section", "block_id": "kazma_arguments", "text": _mrkdwn(f"*{escape(view.arguments_heading)}*")}
+        )
+        for index, arg in enumerate(view.arguments):
+            name = f"*{escape(arg.name)}*"
+            if arg.cut:
+                text = f"{name}\n{_code(arg.head)}\n_{escape(arg.marker)}_\n{_code(arg.tail)}"
+            elif arg.empty:
+                text = f"{name}\n_{escape(EMPTY_VALUE)}_"
+            else:
+                text = f"{name}\n{_code(arg.head)}"
+            blocks.append({"type": "section", "block_id": f"kazma_arg_{index}", "text": _mrkdwn(text)})
+        if view.names_only:
+            names = [f"• *{escape(name)}*" for name in view.names_only]
+            for index, chunk in enumerate(_chunk_lines(f"*{escape(view.names_heading)}*", names, MAX_SECTION_TEXT)):
+                blocks.append({"type": "section", "block_id": f"kazma_more_{index}", "text": _mrkdwn(chunk)})
+        if view.notice:
+            blocks.append(
+                {"type": "section", "block_id": "kazma_notice", "text": _mrkdwn(f":warning: _{escape(view.notice)}_")}
+            )
+        blocks.append(
+            {
+                "type": "section",
+                "block_id": "kazma_link",
+                "text": _mrkdwn(f"*{escape(view.link_label)}:* {_link(view.link, view.link)}"),
+            }
+        )
+        if view.buttons:
+            blocks.append(
+                {
+                    "type": "actions",
+                    "block_id": ACTIONS_BLOCK_ID,
+                    "elements": [
+                        {
+                            "type": "button",
+                            "action_id": APPROVE_ACTION if button.kind is ButtonKind.APPROVE else DENY_ACTION,
+                            "text": _plain(button.label),
+                            "style": "primary" if button.kind is ButtonKind.APPROVE else "danger",
+                            "value": button.data,
+                        }
+                        for button in view.buttons
+                    ],
+                }
+            )
+        return SlackCard(blocks, self._fallback(view))
+
+    @staticmethod
+    def _fallback(view: CardView) -> str:
+        facts = dict(view.facts)
+        parts = [view.title, *(f"{label} {facts[label]}" for label in (REQUESTED_BY_LABEL, HASH_LABEL))]
+        if view.outcome is not None:
+            parts.insert(0, view.outcome_text)
+        return _clip(escape(" — ".join(parts) + f". {view.link_label}: {view.link}"), MAX_SECTION_TEXT)
+
+    def fits(self, written: SlackCard) -> bool:
+        # One block stays free on a pending card for the outcome a settle puts in place of the buttons.
+        room = MAX_BLOCKS - (1 if any(b["type"] == "actions" for b in written.blocks) else 0)
+        if len(written.blocks) > room:
+            return False
+        for block in written.blocks:
+            if block["type"] == "section":
+                if "text" in block and len(block["text"]["text"]) > MAX_SECTION_TEXT:
+                    return False
+                fields = block.get("fields", [])
+                if len(fields) > MAX_FIELDS or any(len(f["text"]) > MAX_FIELD_TEXT for f in fields):
+                    return False
+        return True
+
+
+_WRITER: Final = SlackWriter()
+
+
+def render_card(
+    card: ApprovalCard, *, outcome: Outcome | None = None, approve_partial: bool = False
+) -> LaidOut[SlackCard]:
+    return lay_out(card, _WRITER, outcome=outcome, approve_partial=approve_partial)

@@ -1,0 +1,449 @@
+"""The Telegram adapter on python-telegram-bot: transport and lifecycle only.
+
+PTB's ``Application`` and ``Updater`` run inside our own event loop (no
+``run_polling``), so start and stop are ordinary awaits the bus controls.
+Pacing is PTB's own hook: a :class:`BaseRateLimiter` that hands every send and
+edit to the shared :class:`~kazma.adapters.pacing.Pacing`, so per-chat limits
+and Telegram's ``retry_after`` hold for every call the bot makes. What a card
+looks like is ``render.py``; what a failure means is ``errors.py``; the
+inbound door and the press policy are the kit's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Coroutine
+from datetime import timedelta
+from typing import Any, Final
+
+import structlog
+from telegram import BotCommand, CallbackQuery, LinkPreviewOptions, Message, Update
+from telegram.constants import MessageEntityType, ParseMode
+from telegram.error import RetryAfter, TelegramError
+from telegram.ext import (
+    Application,
+    ApplicationBuilder,
+    BaseRateLimiter,
+    CallbackQueryHandler,
+    ContextTypes,
+    MessageHandler,
+    filters,
+)
+from telegram.request import HTTPXRequest
+
+from kazma.adapters.card_layout import agent_prefix
+from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
+from kazma.adapters.kit import PlatformBase, Served, plain_mentions, split_text
+from kazma.adapters.pacing import ChatRateLimiter, Pacing
+from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified, retry_after_seconds
+from kazma.adapters.telegram.render import (
+    ANSWER_LIMIT,
+    TEXT_LIMIT,
+    button_data_fits,
+    render_card,
+    utf16_len,
+    utf16_units,
+)
+from kazma.approvals.card import ApprovalCard
+from kazma.approvals.model import Outcome
+from kazma.config.models import TelegramConfig
+
+SWARM_COMMAND: Final = "swarm"
+_NO_PREVIEW: Final = LinkPreviewOptions(is_disabled=True)
+# Calls that post into a chat: these share the chat's send budget. Answers to button presses must be quick
+# and getUpdates is never limited by PTB.
+_PACED_ENDPOINTS: Final = frozenset({"sendMessage", "editMessageText", "sendDocument", "sendPhoto", "sendChatAction"})
+
+log = structlog.get_logger("kazma.adapters.telegram")
+
+AnyApplication = Application[Any, Any, Any, Any, Any, Any]
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _retry_after_of(exc: BaseException) -> float | None:
+    return retry_after_seconds(exc) if isinstance(exc, RetryAfter) else None
+
+
+class _KazmaPacing(BaseRateLimiter[None]):
+    """PTB's rate-limit hook, backed by the shared pacing: every send and edit waits its chat's turn."""
+
+    def __init__(self, pacing: Pacing, on_rate_limited: Callable[[str, float, int], None]) -> None:
+        self.pacing = pacing
+        self.on_rate_limited = on_rate_limited
+
+    async def initialize(self) -> None:
+        return None
+
+    async def shutdown(self) -> None:
+        return None
+
+    async def process_request(
+        self,
+        callback: Callable[..., Coroutine[Any, Any, bool | dict[str, Any] | list[dict[str, Any]]]],
+        args: Any,
+        kwargs: dict[str, Any],
+        endpoint: str,
+        data: dict[str, Any],
+        rate_limit_args: None,
+    ) -> bool | dict[str, Any] | list[dict[str, Any]]:
+        chat = data.get("chat_id")
+        if endpoint not in _PACED_ENDPOINTS or chat is None:
+            return await callback(*args, **kwargs)
+        return await self.pacing.run(
+            str(chat),
+            lambda: callback(*args, **kwargs),
+            retry_after_of=_retry_after_of,
+            on_rate_limited=lambda wait, attempt: self.on_rate_limited(str(chat), wait, attempt),
+        )
+
+
+class _QueryReply:
+    """A press on Telegram is answered exactly once (``answerCallbackQuery``): the first reply wins."""
+
+    def __init__(self, query: CallbackQuery) -> None:
+        self.query = query
+        self.answered = False
+
+    async def acknowledge(self, text: str) -> None:
+        await self._answer(text, alert=False)
+
+    async def notify(self, text: str) -> None:
+        await self._answer(text, alert=True)
+
+    async def _answer(self, text: str, *, alert: bool) -> None:
+        if self.answered:
+            log.info("telegram.press_reply_dropped", query=self.query.id, reason="already answered")
+            return
+        self.answered = True
+        await self.query.answer(text=_clip(text, ANSWER_LIMIT), show_alert=alert)
+
+
+class TelegramAdapter(PlatformBase):
+    """Telegram on python-telegram-bot, long polling by default or a webhook when configured."""
+
+    name = PLATFORM
+
+    def __init__(
+        self,
+        config: TelegramConfig,
+        *,
+        limiter: ChatRateLimiter | None = None,
+        request_timeout: float = 10.0,
+        connect_timeout: float = 5.0,
+        poll_timeout: float = 10.0,
+        press_timeout: float = 2.0,
+        max_attempts: int = 5,
+        stop_grace: float = 5.0,
+        approve_partial: bool = False,
+    ) -> None:
+        # Telegram allows about one message a second in any chat and twenty a minute in a group.
+        chosen = limiter or ChatRateLimiter(
+            min_interval=1.0, per_window=20, window=60.0, windowed=lambda chat: chat.startswith("-")
+        )
+        super().__init__(
+            served=Served.of(config.chats, config.home_chat),
+            admins=config.admins,
+            pacing=Pacing(chosen, max_attempts=max_attempts),
+            press_timeout=press_timeout,
+            stop_grace=stop_grace,
+        )
+        self.config = config
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.poll_timeout = poll_timeout
+        self.approve_partial = approve_partial
+        self._app: AnyApplication | None = None
+        self._bot_username = ""
+        self._requests: tuple[HTTPXRequest, ...] = ()
+
+    @property
+    def bot_username(self) -> str:
+        """The bot's username (lowercase) once started; empty before."""
+        return self._bot_username
+
+    def classify(self, site: str, exc: BaseException) -> PlatformError:
+        return classify(site, exc, token=self.config.token)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def _build_application(self) -> AnyApplication:
+        # We own the HTTP clients so that a start that fails half-way (PTB then considers itself
+        # not initialised and its shutdown does nothing) can still close them.
+        self._requests = tuple(
+            HTTPXRequest(
+                connection_pool_size=size,
+                connect_timeout=self.connect_timeout,
+                read_timeout=self.request_timeout,  # for getUpdates PTB adds the long-poll timeout on top
+                write_timeout=self.request_timeout,
+                pool_timeout=self.request_timeout,
+            )
+            for size in (64, 1)
+        )
+        general, polling = self._requests
+        base = self.config.api_base_url
+        return (
+            ApplicationBuilder()
+            .token(self.config.token)
+            .base_url(f"{base}/bot")
+            .base_file_url(f"{base}/file/bot")
+            .request(general)
+            .get_updates_request(polling)
+            .rate_limiter(_KazmaPacing(self.pacing, self._rate_limited))
+            .build()
+        )
+
+    def _rate_limited(self, chat: str, wait: float, attempt: int) -> None:
+        log.warning("telegram.rate_limited", platform=PLATFORM, chat=chat, retry_after=wait, attempt=attempt)
+
+    async def _connect(self) -> None:
+        app = self._build_application()
+        app.add_handler(MessageHandler(filters.UpdateType.MESSAGE & (filters.TEXT | filters.CAPTION), self._on_message))
+        app.add_handler(CallbackQueryHandler(self._on_callback_query))
+        app.add_error_handler(self._on_error)
+        await app.initialize()  # getMe: a bad token or an unreachable server stops us here
+        self._bot_username = (app.bot.username or "").lower()
+        self._app = app  # from here a handler reacting to the first update can already reply
+        await self._register_commands(app)
+        await app.start()
+        updater = app.updater
+        if updater is None:  # pragma: no cover - ApplicationBuilder always makes one
+            raise RuntimeError("python-telegram-bot built no updater")
+        allowed = [Update.MESSAGE, Update.CALLBACK_QUERY]
+        if self.config.mode == "webhook":
+            hook = self.config.webhook
+            await updater.start_webhook(
+                listen=hook.listen,
+                port=hook.port,
+                url_path=hook.path,
+                webhook_url=hook.url,
+                secret_token=hook.secret_token,
+                allowed_updates=allowed,
+            )
+        else:
+            await updater.start_polling(
+                timeout=timedelta(seconds=int(self.poll_timeout)),
+                allowed_updates=allowed,
+                error_callback=self._on_poll_error,
+            )
+        log.info("telegram.connected", mode=self.config.mode, bot=self._bot_username, chats=sorted(self.served.chats))
+
+    async def _register_commands(self, app: AnyApplication) -> None:
+        # Only a convenience (the command menu): a failure here must not keep the bus down.
+        try:
+            await app.bot.set_my_commands([BotCommand(SWARM_COMMAND, "Drive the agent swarm")])
+        except TelegramError as exc:
+            log.warning("telegram.commands_not_set", error=self._redact(str(exc)))
+
+    async def _stop_receiving(self) -> None:
+        app = self._app
+        if app is None:
+            return
+        with contextlib.suppress(Exception):
+            if app.updater is not None and app.updater.running:
+                await app.updater.stop()
+        with contextlib.suppress(Exception):
+            if app.running:
+                await app.stop()  # no update callback runs after this
+
+    async def _disconnect(self) -> None:
+        app, self._app = self._app, None
+        if app is not None:
+            with contextlib.suppress(Exception):
+                await app.shutdown()
+        requests, self._requests = self._requests, ()
+        for request in requests:
+            with contextlib.suppress(Exception):
+                await request.shutdown()
+
+    def _bot_app(self, site: str) -> AnyApplication:
+        if self._app is None:
+            raise self.refuse(site, "the adapter is not started", retryable=True)
+        return self._app
+
+    # ----------------------------------------------------------------- inbound
+
+    def normalise(self, message: Message) -> Inbound | None:
+        """The neutral form of ``message``, or None when it is a command for another bot."""
+        chat = message.chat
+        text = message.text if message.text is not None else (message.caption or "")
+        entities = message.parse_entities() if message.text is not None else message.parse_caption_entities()
+        command: str | None = None
+        body = text
+        for entity, value in entities.items():
+            if entity.type != MessageEntityType.BOT_COMMAND or entity.offset != 0:
+                continue
+            word, _, target = value.removeprefix("/").partition("@")
+            if word.lower() != SWARM_COMMAND:
+                continue
+            if target and target.lower() != self._bot_username:
+                log.debug("telegram.command_for_other_bot", chat=chat.id, target=target)
+                return None
+            command = SWARM_COMMAND
+            body = text[len(value) :].strip()
+        user = message.from_user
+        if user is not None:
+            author, author_name = self.actor(user.id), user.full_name or (user.username or str(user.id))
+            from_bot, is_admin = user.is_bot, self.is_admin(user.id)
+        else:  # posted as a channel or anonymously: nobody we can authorise
+            sender = message.sender_chat
+            author = self.actor(sender.id if sender else "unknown")
+            author_name = (sender.title or "") if sender else ""
+            from_bot, is_admin = False, False
+        thread = str(message.message_thread_id) if message.is_topic_message and message.message_thread_id else None
+        return Inbound(
+            platform=PLATFORM,
+            chat=str(chat.id),
+            message_id=str(message.message_id),
+            author=author,
+            author_name=author_name,
+            text=body,
+            thread=thread,
+            mentions=plain_mentions(body if command is None else text),
+            from_bot=from_bot,
+            command=command,
+            is_admin=is_admin,
+        )
+
+    async def _on_message(self, update: Update, _context: ContextTypes.DEFAULT_TYPE) -> None:
+        message = update.message
+        if message is None:
+            return
+        inbound = self.normalise(message)
+        if inbound is not None:
+            # PTB handles updates one at a time: hand the delivery off so a slow turn never holds the poller.
+            self.spawn(self.deliver(inbound), name=f"telegram-inbound-{inbound.chat}-{inbound.message_id}")
+
+    async def _on_callback_query(self, update: Update, _context: ContextTypes.DEFAULT_TYPE) -> None:
+        query = update.callback_query
+        if query is None:
+            return
+        message = query.message
+        press = Press(
+            platform=PLATFORM,
+            data=query.data or "",
+            actor=self.actor(query.from_user.id),
+            chat=str(message.chat.id) if message is not None else None,
+            message_id=str(message.message_id) if message is not None else None,
+        )
+        self.spawn(self.press(press, _QueryReply(query)), name=f"telegram-press-{query.id}")
+
+    async def _on_error(self, update: object, context: ContextTypes.DEFAULT_TYPE) -> None:
+        log.error("telegram.update_failed", error=self._redact(repr(context.error)))
+
+    def _on_poll_error(self, exc: TelegramError) -> None:
+        self.failed("poll", None, self.classify("poll", exc))
+
+    def _redact(self, text: str) -> str:
+        token = self.config.token
+        return text.replace(token, "<token>") if token else text
+
+    # ----------------------------------------------------------------- outbound
+
+    def _chat_id(self, site: str, chat: str) -> int:
+        try:
+            return int(chat)
+        except ValueError:
+            raise self.refuse(site, f"not a Telegram chat id: {chat!r}", chat=chat) from None
+
+    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
+        site = "send"
+        app = self._bot_app(site)
+        chat_id = self._chat_id(site, chat)
+        thread_id = self._chat_id(site, thread) if thread else None
+        prefix = agent_prefix(agent)
+        # Plain text (no parse mode): nothing in it is markup, so nothing needs escaping or can format.
+        parts = split_text(text, TEXT_LIMIT - utf16_len(prefix), utf16_units)
+        if not parts:
+            raise self.refuse(site, "nothing to send: the text is empty", chat=chat)
+        first: str | None = None
+        for part in parts:
+            message: Message = await self.call(
+                site,
+                chat,
+                lambda part=part: app.bot.send_message(  # type: ignore[misc]
+                    chat_id=chat_id, text=prefix + part, message_thread_id=thread_id, link_preview_options=_NO_PREVIEW
+                ),
+                paced=False,  # PTB's rate-limit hook paces every send and waits out 429s
+                wait_out_429=False,
+            )
+            first = first or str(message.message_id)
+        assert first is not None
+        return first
+
+    async def post_card(self, card: ApprovalCard) -> CardRef:
+        site = "card_post"
+        app = self._bot_app(site)
+        home = self.home_chat
+        if home is None:
+            raise self.refuse(site, "no home_chat configured for approval cards")
+        chat_id = self._chat_id(site, home)
+        laid = self._render(site, card, None, home)
+        if not button_data_fits(laid.view):
+            raise self.refuse(site, "button data does not fit Telegram's 1-64 bytes", chat=home)
+        written = laid.written
+        message: Message = await self.call(
+            site,
+            home,
+            lambda: app.bot.send_message(
+                chat_id=chat_id,
+                text=written.html,
+                parse_mode=ParseMode.HTML,
+                reply_markup=written.keyboard,
+                link_preview_options=_NO_PREVIEW,
+            ),
+            paced=False,
+            wait_out_429=False,
+        )
+        log.info(
+            "telegram.card_posted",
+            request=card.request_id,
+            chat=home,
+            message_id=message.message_id,
+            length=written.visible_length,
+            whole=laid.whole,
+        )
+        return CardRef(platform=PLATFORM, chat=home, message_id=str(message.message_id), whole=laid.whole)
+
+    def _render(self, site: str, card: ApprovalCard, outcome: Outcome | None, chat: str) -> Any:
+        try:
+            return render_card(card, outcome=outcome, approve_partial=self.approve_partial)
+        except ValueError as exc:
+            raise self.refuse(site, str(exc), chat=chat) from exc
+
+    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
+        site = "card_settle"
+        app = self._bot_app(site)
+        if ref.platform != PLATFORM:
+            raise self.refuse(site, f"not a Telegram card: {ref.platform}", chat=ref.chat)
+        chat_id = self._chat_id(site, ref.chat)
+        message_id = self._chat_id(site, ref.message_id)
+        written = self._render(site, card, outcome, ref.chat).written
+
+        async def edit() -> bool:
+            try:
+                # No reply_markup: Telegram drops the inline keyboard, so the buttons cannot be pressed again.
+                await app.bot.edit_message_text(
+                    text=written.html,
+                    chat_id=chat_id,
+                    message_id=message_id,
+                    parse_mode=ParseMode.HTML,
+                    link_preview_options=_NO_PREVIEW,
+                )
+            except Exception as exc:
+                if not_modified(exc):
+                    return False  # already shows this outcome: settling is idempotent
+                raise
+            return True
+
+        changed = await self.call(site, ref.chat, edit, paced=False, wait_out_429=False)
+        log.info(
+            "telegram.card_settled",
+            request=card.request_id,
+            chat=ref.chat,
+            message_id=ref.message_id,
+            status=outcome.status.value,
+            changed=changed,
+        )

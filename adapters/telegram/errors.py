@@ -1,0 +1,67 @@
+"""Telegram's failures as the bus's one error type: retryable or not, and how long Telegram asked us to wait."""
+
+from __future__ import annotations
+
+import warnings
+from datetime import timedelta
+from typing import Final
+
+from telegram.error import (
+    BadRequest,
+    ChatMigrated,
+    Conflict,
+    Forbidden,
+    InvalidToken,
+    NetworkError,
+    RetryAfter,
+    TelegramError,
+    TimedOut,
+)
+
+from kazma.adapters.contract import PlatformError
+
+PLATFORM: Final = "telegram"
+
+
+def retry_after_seconds(exc: RetryAfter) -> float:
+    # PTB 22 warns on every read of ``retry_after`` until PTB_TIMEDELTA is set; the value is what we need.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        value = exc.retry_after
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+def not_modified(exc: BaseException) -> bool:
+    """Telegram refuses an edit that changes nothing; for an idempotent settle that is success."""
+    return isinstance(exc, BadRequest) and "message is not modified" in str(exc).lower()
+
+
+def classify(site: str, exc: BaseException, *, token: str = "") -> PlatformError:
+    error = _classify(site, exc)
+    # PTB puts the token into some messages ("The token `…` was rejected"); it must not reach logs.
+    if token and token in str(error):
+        text = str(error).removeprefix(f"{PLATFORM} {site}: ").replace(token, "<token>")
+        error = PlatformError(PLATFORM, site, text, retryable=error.retryable, retry_after=error.retry_after)
+    return error
+
+
+def _classify(site: str, exc: BaseException) -> PlatformError:
+    if isinstance(exc, PlatformError):
+        return exc
+    if isinstance(exc, RetryAfter):
+        seconds = retry_after_seconds(exc)
+        return PlatformError(PLATFORM, site, f"flood control: {exc}", retryable=True, retry_after=seconds)
+    if isinstance(exc, ChatMigrated):
+        return PlatformError(
+            PLATFORM, site, f"chat migrated to {exc.new_chat_id}: update the configuration", retryable=False
+        )
+    # BadRequest is a NetworkError subclass in PTB: the request was refused, sending it again changes nothing.
+    if isinstance(exc, BadRequest | Forbidden | InvalidToken):
+        return PlatformError(PLATFORM, site, f"{type(exc).__name__}: {exc}", retryable=False)
+    if isinstance(exc, TimedOut | NetworkError | Conflict | TimeoutError):
+        return PlatformError(PLATFORM, site, f"{type(exc).__name__}: {exc}", retryable=True)
+    if isinstance(exc, TelegramError):
+        return PlatformError(PLATFORM, site, f"{type(exc).__name__}: {exc}", retryable=False)
+    # PTB raises RuntimeError when its HTTP client is closed under us (a stop racing a send).
+    retryable = isinstance(exc, RuntimeError)
+    return PlatformError(PLATFORM, site, f"{type(exc).__name__}: {exc}", retryable=retryable)

@@ -1,0 +1,173 @@
+"""Telegram's dialect: the card as HTML (parse mode HTML), measured the way Telegram measures it.
+
+Everything a card shows comes from tools and models, so every piece is escaped
+for HTML and the whole message is measured in UTF-16 units of its *visible*
+text — what Telegram counts after parsing — before it is sent.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import Final
+
+from telegram import InlineKeyboardButton, InlineKeyboardMarkup
+
+from kazma.adapters.card_layout import EMPTY_VALUE, ButtonKind, CardView, CardWriter, LaidOut, lay_out
+from kazma.approvals.card import ApprovalCard
+from kazma.approvals.model import Outcome
+
+TEXT_LIMIT: Final = 4096  # UTF-16 units of visible text, as Telegram counts after parsing
+CARD_BUDGET: Final = 4000  # below TEXT_LIMIT so a rounding difference on Telegram's side cannot reject a card
+CALLBACK_DATA_LIMIT: Final = 64  # bytes
+ANSWER_LIMIT: Final = 200  # characters of an answerCallbackQuery text
+MAX_ENTITIES: Final = 100  # Telegram silently drops formatting past the 100th entity of a message
+INLINE_VALUE_MAX: Final = 60  # longer values (or any with a newline) go in a <pre> block
+
+
+def utf16_len(text: str) -> int:
+    """Length as Telegram counts it: UTF-16 code units."""
+    return len(text.encode("utf-16-le")) // 2
+
+
+def utf16_units(char: str) -> int:
+    return 2 if ord(char) > 0xFFFF else 1
+
+
+@dataclass(frozen=True)
+class TelegramCard:
+    html: str
+    visible_length: int  # UTF-16 units after Telegram parses the HTML
+    entities: int  # formatting entities Telegram will create
+    keyboard: InlineKeyboardMarkup | None
+
+
+class _Html:
+    """HTML for Telegram, built from escaped pieces, counting the visible text and entities as it goes."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+        self.visible = 0
+        self.entities = 0
+
+    def text(self, value: str) -> None:
+        self._parts.append(html.escape(value))
+        self.visible += utf16_len(value)
+
+    def tag(self, tag: str, value: str) -> None:
+        self._parts.append(f"<{tag}>{html.escape(value)}</{tag}>")
+        self.visible += utf16_len(value)
+        self.entities += 1
+
+    @property
+    def markup(self) -> str:
+        return "".join(self._parts)
+
+
+def keyboard(view: CardView) -> InlineKeyboardMarkup | None:
+    if not view.buttons:
+        return None  # an edit without reply_markup drops the keyboard: decided cards cannot be pressed
+    return InlineKeyboardMarkup(
+        [[InlineKeyboardButton(button.label, callback_data=button.data) for button in view.buttons]]
+    )
+
+
+_OUTCOME_MARK: Final = {"approved": "✅", "denied": "⛔", "timeout": "⌛", "cancelled": "⏹"}
+
+
+class TelegramWriter:
+    """Writes a :class:`CardView` as Telegram HTML; fits within the card budget and the entity cap."""
+
+    def __init__(self, *, budget: int = CARD_BUDGET, max_entities: int = MAX_ENTITIES) -> None:
+        self.budget = budget
+        self.max_entities = max_entities
+
+    def write(self, view: CardView) -> TelegramCard:
+        out = self._write(view, lean=False)
+        if out.entities > self.max_entities:
+            # Names lose their bold before any argument loses its value to the entity cap.
+            out = self._write(view, lean=True)
+        return TelegramCard(out.markup, out.visible, out.entities, keyboard(view))
+
+    def fits(self, written: TelegramCard) -> bool:
+        return written.visible_length <= self.budget and written.entities <= self.max_entities
+
+    def _write(self, view: CardView, *, lean: bool) -> _Html:
+        out = _Html()
+        if view.outcome is not None:
+            out.text(_OUTCOME_MARK.get(view.outcome.status.value, "") + " ")
+            out.tag("b", view.outcome_text)
+            out.text("\n\n")
+        out.tag("b", view.title)
+        for warning in view.warnings:
+            out.text("\n⚠️ ")
+            out.tag("b", warning)
+        for label, value in view.facts:
+            out.text(f"\n{label}: ")
+            out.tag("code", value)
+        out.text(f"\n\n{view.arguments_heading}:")
+        for arg in view.arguments:
+            out.text("\n• ")
+            if lean:
+                out.text(arg.name)
+            else:
+                out.tag("b", arg.name)
+            if arg.cut:
+                # The tail is shown as prominently as the head: a harmless start must not hide a destructive end.
+                out.text(":\n")
+                out.tag("pre", arg.head)
+                out.text("\n")
+                out.tag("i", arg.marker)
+                out.text("\n")
+                out.tag("pre", arg.tail)
+            elif arg.empty:
+                out.text(": ")
+                out.tag("i", EMPTY_VALUE)
+            elif "\n" in arg.head or len(arg.head) > INLINE_VALUE_MAX:
+                out.text(":\n")
+                out.tag("pre", arg.head)
+            else:
+                out.text(": ")
+                out.tag("code", arg.head)
+        if view.names_only:
+            out.text(f"\n\n{view.names_heading}:")
+            for name in view.names_only:
+                out.text(f"\n• {name}")  # names have no line breaks (checked when the card is built)
+        if view.notice:
+            out.text("\n\n")
+            out.tag("i", view.notice)
+        out.text(f"\n\n{view.link_label}: {view.link}")
+        return out
+
+
+_WRITER: CardWriter[TelegramCard] = TelegramWriter()
+
+
+def render_card(
+    card: ApprovalCard,
+    *,
+    outcome: Outcome | None = None,
+    approve_partial: bool = False,
+    writer: TelegramWriter | None = None,
+) -> LaidOut[TelegramCard]:
+    return lay_out(card, writer or _WRITER, outcome=outcome, approve_partial=approve_partial)
+
+
+def button_data_fits(view: CardView) -> bool:
+    return all(1 <= len(b.data.encode("utf-8")) <= CALLBACK_DATA_LIMIT for b in view.buttons)
+
+
+__all__ = [
+    "ANSWER_LIMIT",
+    "CARD_BUDGET",
+    "MAX_ENTITIES",
+    "TEXT_LIMIT",
+    "ButtonKind",
+    "TelegramCard",
+    "TelegramWriter",
+    "button_data_fits",
+    "keyboard",
+    "render_card",
+    "utf16_len",
+    "utf16_units",
+]

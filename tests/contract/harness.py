@@ -1,0 +1,463 @@
+"""One harness per platform: the real adapter on its real library, against that platform's wire-level fake.
+
+The contract suite speaks only this interface — a person says something in a
+chat, a card is read as a person would see it, a button is pressed, a private
+notice is read back, the platform is made to answer 429 or 500 — so every case
+runs unchanged on Telegram, Slack and Discord. A new platform joins the suite
+by adding a harness here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, TypeVar
+
+import discord
+
+from kazma.adapters.contract import CardRef, Handlers, Inbound, Press
+from kazma.adapters.discord import DiscordAdapter
+from kazma.adapters.discord.render import ZWSP
+from kazma.adapters.kit import PlatformBase
+from kazma.adapters.pacing import ChatRateLimiter
+from kazma.adapters.slack import SlackAdapter
+from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION
+from kazma.adapters.telegram import TelegramAdapter
+from kazma.adapters.telegram.render import utf16_units
+from kazma.approvals.card import ApprovalCard, build_card
+from kazma.approvals.hashing import args_hash, canonical_json
+from kazma.approvals.model import ApprovalRequest, Outcome, PressResult, PressVerdict, Status
+from kazma.config.models import DiscordConfig, SlackConfig, SlackHttpConfig, TelegramConfig
+from tests.fakes.discord import (
+    ALICE_ID,
+    BOB_ID,
+    EPHEMERAL,
+    HOME_CHANNEL_ID,
+    OTHER_CHANNEL_ID,
+    UNSERVED_CHANNEL_ID,
+    FakeDiscord,
+    FakeInteraction,
+    FakeUser,
+)
+from tests.fakes.slack import FakeSlack
+from tests.fakes.telegram import FakeTelegram, Fault
+
+T = TypeVar("T")
+WAIT = 10.0
+Site = Literal["send", "card_post"]
+FaultKind = Literal["429", "500"]
+
+
+class Recorder:
+    """The handlers the composition root would inject, recording what reaches them."""
+
+    def __init__(self) -> None:
+        self.inbound: list[Inbound] = []
+        self.presses: list[Press] = []
+        self.result: PressResult | Exception = PressResult(PressVerdict.WON, "Approved. Recorded.", request_id="r")
+        self.hold: asyncio.Event | None = None  # when set, presses wait for it
+        self.finished = 0
+        self._changed = asyncio.Condition()
+
+    async def on_inbound(self, inbound: Inbound) -> None:
+        self.inbound.append(inbound)
+        await self._notify()
+
+    async def on_press(self, press: Press) -> PressResult:
+        self.presses.append(press)
+        await self._notify()
+        try:
+            if self.hold is not None:
+                await self.hold.wait()
+            if isinstance(self.result, Exception):
+                raise self.result
+            return self.result
+        finally:
+            self.finished += 1
+            await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def handlers(self) -> Handlers:
+        return Handlers(on_inbound=self.on_inbound, on_press=self.on_press)
+
+    async def wait_until(self, predicate: Callable[[], T], timeout: float = WAIT) -> T:
+        async with asyncio.timeout(timeout), self._changed:
+            while not (value := predicate()):
+                await self._changed.wait()
+            return value
+
+
+def make_card(
+    args: dict[str, Any], *, value_limit: int = 500, tool: str = "shell", requester: str = "agent:builder"
+) -> ApprovalCard:
+    now = datetime.now(UTC)
+    request = ApprovalRequest(
+        id="Rq7xK2mP9vL4nB8cT1wZ5aY3",
+        tool=tool,
+        args=args,
+        args_json=canonical_json(args),
+        args_hash=args_hash(args),
+        requested_by=requester,
+        conversation="telegram:-1001",
+        created_at=now,
+        deadline=now + timedelta(minutes=10),
+        status=Status.PENDING,
+    )
+    return build_card(request, value_limit=value_limit, public_url="http://127.0.0.1:8765")
+
+
+def outcome_of(card: ApprovalCard, status: Status = Status.APPROVED, by: str = "telegram:111") -> Outcome:
+    return Outcome(
+        request_id=card.request_id,
+        status=status,
+        decided_by=by if status.human else None,
+        decided_via=by.partition(":")[0] if status.human else None,
+        decided_at=datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC),
+    )
+
+
+@dataclass
+class WireCard:
+    """A posted card as a person sees it."""
+
+    text: str  # every visible piece of text, markup resolved
+    buttons: list[str]  # button labels, in order
+    data: list[str] = field(default_factory=list)  # button data, in order
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Harness(ABC):
+    platform: str
+    home: str
+    other: str  # a second served chat
+    unserved: str
+    admin: str  # user ids, as the platform writes them
+    member: str
+    text_limit: int  # what one message may hold, measured by ``units``
+    units: Callable[[str], int] = staticmethod(lambda _char: 1)
+
+    def __init__(self) -> None:
+        self.recorder = Recorder()
+        self._adapter: PlatformBase | None = None
+
+    @property
+    def adapter(self) -> PlatformBase:
+        assert self._adapter is not None, "start the harness first"
+        return self._adapter
+
+    @abstractmethod
+    async def open(self) -> None:
+        """Start the fake."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop the adapter (if running) and the fake."""
+
+    @abstractmethod
+    async def start(self, *, chats: list[Any] | None = None, **options: Any) -> PlatformBase:
+        """Start the adapter serving ``chats`` (default: home and other) with the recorder's handlers."""
+
+    @abstractmethod
+    async def say(self, chat: str, user: str, text: str) -> None:
+        """A person writes ``text`` in ``chat``."""
+
+    @abstractmethod
+    def bot_texts(self, chat: str) -> list[str]:
+        """What the bot posted in ``chat`` (text messages, not cards), in order, as a person reads it."""
+
+    def sender_names(self, chat: str) -> list[str | None]:
+        """For each bot text in ``chat``: the name it was posted under when the platform shows one."""
+        return [None for _ in self.bot_texts(chat)]
+
+    @abstractmethod
+    def card(self, ref: CardRef) -> WireCard: ...
+
+    @abstractmethod
+    async def press(self, ref: CardRef, data: str, user: str) -> None:
+        """``user`` presses the button carrying ``data`` on the card at ``ref``."""
+
+    @abstractmethod
+    def notices(self, user: str) -> list[str]:
+        """Private, prominent notices the presser ``user`` has been shown so far."""
+
+    @abstractmethod
+    def fault(self, site: Site, kind: FaultKind, *, times: int = 1, retry_after: int = 1) -> None:
+        """The platform answers the next ``times`` calls of ``site`` with ``kind``."""
+
+    @abstractmethod
+    def attempts(self, site: Site) -> int:
+        """How many calls of ``site`` reached the platform."""
+
+    async def wait_for_notices(self, user: str, count: int) -> list[str]:
+        async with asyncio.timeout(WAIT):
+            while len(found := self.notices(user)) < count:
+                await asyncio.sleep(0.01)  # polled: the fakes keep notices in plain lists
+        return found
+
+    async def settled(self) -> None:
+        """Every press and delivery the adapter accepted has finished."""
+        await self.adapter.quiesce()
+
+
+# --------------------------------------------------------------------------- Telegram
+
+
+class TelegramHarness(Harness):
+    platform = "telegram"
+    home, other, unserved = "-1001234567890", "-1001234567891", "-1009876543210"
+    admin, member = "111", "222"
+    text_limit = 4096
+    units = staticmethod(utf16_units)
+
+    async def open(self) -> None:
+        self.fake = FakeTelegram()
+        await self.fake.start()
+        self.queries: dict[str, list[str]] = {}
+
+    async def close(self) -> None:
+        if self._adapter is not None:
+            await self._adapter.stop()
+        await self.fake.stop()
+
+    async def start(self, *, chats: list[Any] | None = None, **options: Any) -> PlatformBase:
+        config = TelegramConfig(
+            token=self.fake.token,
+            api_base_url=self.fake.base_url,
+            chats=[int(self.home), int(self.other)] if chats is None else chats,
+            home_chat=int(self.home),
+            admins=[int(self.admin)],
+        )
+        options.setdefault("poll_timeout", 1.0)
+        options.setdefault("request_timeout", 5.0)
+        options.setdefault("limiter", ChatRateLimiter(min_interval=0.0))
+        adapter = TelegramAdapter(config, **options)
+        await adapter.start(self.recorder.handlers())
+        self._adapter = adapter
+        return adapter
+
+    async def say(self, chat: str, user: str, text: str) -> None:
+        self.fake.push_message(int(chat), int(user), text)
+
+    def bot_texts(self, chat: str) -> list[str]:
+        return [m.text for m in self.fake.bot_messages(int(chat)) if not m.buttons and "Arguments (" not in m.text]
+
+    def card(self, ref: CardRef) -> WireCard:
+        message = self.fake.message(int(ref.chat), ref.message_id)
+        return WireCard(
+            message.text, [b["text"] for b in message.buttons], [str(b["callback_data"]) for b in message.buttons]
+        )
+
+    async def press(self, ref: CardRef, data: str, user: str) -> None:
+        query = self.fake.push_callback(int(ref.chat), ref.message_id, int(user), data)
+        self.queries.setdefault(user, []).append(query)
+        await self.fake.wait_for_answer(query, timeout=WAIT)  # Telegram needs every press answered
+
+    def notices(self, user: str) -> list[str]:
+        answers = [self.fake.callback_answers.get(q) for q in self.queries.get(user, [])]
+        return [str(a["text"]) for a in answers if a is not None and a.get("show_alert")]
+
+    def fault(self, site: Site, kind: FaultKind, *, times: int = 1, retry_after: int = 1) -> None:
+        made = Fault.too_many_requests(retry_after) if kind == "429" else Fault.server_error(500)
+        self.fake.script("sendMessage", *[made] * times)
+
+    def attempts(self, site: Site) -> int:
+        return len(self.fake.calls_to("sendMessage"))
+
+
+# --------------------------------------------------------------------------- Slack
+
+
+def _slack_visible(text: str) -> str:
+    """What Slack shows for mrkdwn we wrote: entities resolved, our own <url|label> links as their label."""
+    text = re.sub(r"<(https?://[^|>]+)\|([^>]*)>", r"\2", text)
+    return text.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&").replace("\u200b", "")
+
+
+class SlackHarness(Harness):
+    platform = "slack"
+    home, other, unserved = "CHOME0001", "CWORK0002", "CELSE0003"
+    admin, member = "UADMIN001", "UPERSON01"
+    text_limit = 3900
+
+    @staticmethod
+    def units(char: str) -> int:
+        return len(char.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;"))
+
+    async def open(self) -> None:
+        self.fake = FakeSlack()
+        await self.fake.start()
+
+    async def close(self) -> None:
+        if self._adapter is not None:
+            await self._adapter.stop()
+        await self.fake.stop()
+
+    async def start(self, *, chats: list[Any] | None = None, **options: Any) -> PlatformBase:
+        config = SlackConfig(
+            bot_token=self.fake.bot_token,
+            signing_secret=self.fake.signing_secret,
+            api_base_url=self.fake.api_url,
+            http=SlackHttpConfig(host="127.0.0.1", port=free_port(), path="/slack/events"),
+            channels=[self.home, self.other] if chats is None else chats,
+            home_channel=self.home,
+            admins=[self.admin],
+        )
+        options.setdefault("limiter", ChatRateLimiter(min_interval=0.0))
+        options.setdefault("request_timeout", 5)
+        adapter = SlackAdapter(config, **options)
+        await adapter.start(self.recorder.handlers())
+        self._adapter = adapter
+        return adapter
+
+    @property
+    def events_url(self) -> str:
+        assert isinstance(self._adapter, SlackAdapter)
+        url = self._adapter.events_url
+        assert url is not None
+        return url
+
+    async def say(self, chat: str, user: str, text: str) -> None:
+        raw = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        response = await self.fake.post_event(
+            self.events_url, self.fake.message_event(channel=chat, user=user, text=raw)
+        )
+        assert response.status == 200, response.body
+
+    def bot_texts(self, chat: str) -> list[str]:
+        return [_slack_visible(m.text) for m in self.fake.channel(chat) if m.bot_id and not m.blocks]
+
+    def sender_names(self, chat: str) -> list[str | None]:
+        return [m.username for m in self.fake.channel(chat) if m.bot_id and not m.blocks]
+
+    def card(self, ref: CardRef) -> WireCard:
+        message = self.fake.message(ref.chat, ref.message_id)
+        buttons = [e for b in message.blocks if b.get("type") == "actions" for e in b["elements"]]
+        shown = [t for t in message.texts()[1:]]  # the blocks, not the notification fallback
+        return WireCard(
+            _slack_visible("\n".join(shown)),
+            [str(b["text"]["text"]) for b in buttons],
+            [str(b["value"]) for b in buttons],
+        )
+
+    async def press(self, ref: CardRef, data: str, user: str) -> None:
+        action = APPROVE_ACTION if data.endswith(":a") else DENY_ACTION
+        response = await self.fake.post_block_action(
+            self.events_url, action_id=action, value=data, user=user, channel=ref.chat, message_ts=ref.message_id
+        )
+        assert response.status == 200, response.body
+
+    def notices(self, user: str) -> list[str]:
+        return [_slack_visible(e.text) for e in self.fake.ephemerals if e.user == user]
+
+    def fault(self, site: Site, kind: FaultKind, *, times: int = 1, retry_after: int = 1) -> None:
+        self.fake.fail("chat.postMessage", kind, times=times, retry_after=retry_after)
+
+    def attempts(self, site: Site) -> int:
+        return len(self.fake.calls_to("chat.postMessage"))
+
+
+# --------------------------------------------------------------------------- Discord
+
+
+def _discord_visible(value: str) -> str:
+    """What a reader sees: markdown escapes resolved, zero-width spaces invisible."""
+    parts = value.split("```")
+    for index in range(0, len(parts), 2):  # outside code fences: our own bold/italics go, escapes resolve
+        parts[index] = re.sub(r"\\(.)", r"\1", re.sub(r"(?<!\\)\*", "", parts[index]))
+    return "```".join(parts).replace(ZWSP, "")
+
+
+class DiscordHarness(Harness):
+    platform = "discord"
+    home, other, unserved = str(HOME_CHANNEL_ID), str(OTHER_CHANNEL_ID), str(UNSERVED_CHANNEL_ID)
+    admin, member = str(ALICE_ID), str(BOB_ID)
+    text_limit = 2000
+
+    async def open(self) -> None:
+        self.saved = (discord.http.Route.BASE, discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY)
+        self.fake = FakeDiscord(manage_webhooks=False)
+        await self.fake.start()
+        self.interactions: dict[str, list[FakeInteraction]] = {}
+
+    async def close(self) -> None:
+        if self._adapter is not None:
+            await self._adapter.stop()
+        await self.fake.stop()
+        discord.http.Route.BASE, discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY = self.saved
+
+    async def start(self, *, chats: list[Any] | None = None, **options: Any) -> PlatformBase:
+        config = DiscordConfig(
+            token=self.fake.token,
+            api_base_url=self.fake.api_base,
+            gateway_url=self.fake.gateway_url,
+            channels=[int(self.home), int(self.other)] if chats is None else chats,
+            home_channel=int(self.home),
+            admins=[int(self.admin)],
+        )
+        options.setdefault("guild_ready_timeout", 0.05)
+        options.setdefault("request_timeout", 5.0)
+        adapter = DiscordAdapter(config, **options)
+        await adapter.start(self.recorder.handlers())
+        self._adapter = adapter
+        return adapter
+
+    def _user(self, user: str) -> FakeUser:
+        return self.fake.users.get(int(user)) or FakeUser(int(user), f"user{user}")
+
+    async def say(self, chat: str, user: str, text: str) -> None:
+        await self.fake.user_message(int(chat), text, author=self._user(user))
+
+    def bot_texts(self, chat: str) -> list[str]:
+        return [
+            _discord_visible(str(m["content"]))
+            for m in self.fake.channel_messages(int(chat))
+            if m["author"]["id"] == str(self.fake.bot.id) and not m.get("embeds") and m.get("content")
+        ]
+
+    def card(self, ref: CardRef) -> WireCard:
+        message = self.fake.messages[int(ref.message_id)]
+        parts: list[str] = []
+        for embed in message.get("embeds", []):
+            parts += [str(embed.get("title", "")), str(embed.get("description", ""))]
+            parts += [f"{f.get('name', '')}\n{f.get('value', '')}" for f in embed.get("fields", [])]
+        buttons = [c for row in message.get("components", []) for c in row["components"]]
+        return WireCard(
+            _discord_visible("\n".join(parts)),
+            [str(b["label"]) for b in buttons],
+            [str(b["custom_id"]) for b in buttons],
+        )
+
+    async def press(self, ref: CardRef, data: str, user: str) -> None:
+        interaction = await self.fake.press_button(int(ref.message_id), data, user=self._user(user))
+        self.interactions.setdefault(user, []).append(interaction)
+
+    def notices(self, user: str) -> list[str]:
+        found = []
+        for interaction in self.interactions.get(user, []):
+            for message_id in interaction.followup_ids:
+                message = self.fake.messages[message_id]
+                if int(message["flags"]) & EPHEMERAL:
+                    found.append(_discord_visible(str(message["content"])))
+        return found
+
+    def fault(self, site: Site, kind: FaultKind, *, times: int = 1, retry_after: int = 1) -> None:
+        self.fake.inject_fault("POST", r"/channels/\d+/messages", kind, times=times, retry_after=retry_after)
+
+    def attempts(self, site: Site) -> int:
+        return len(self.fake.calls_to("POST", r"/channels/\d+/messages"))
+
+
+HARNESSES: dict[str, type[Harness]] = {h.platform: h for h in (TelegramHarness, SlackHarness, DiscordHarness)}

@@ -1,0 +1,159 @@
+"""One card layout: the same facts, in the same order, with the same labels, on every platform and page."""
+
+from __future__ import annotations
+
+import html
+import re
+from typing import Any
+
+import pytest
+
+from kazma.adapters.card_layout import (
+    DEADLINE_LABEL,
+    FROM_LABEL,
+    FULL_CALL_LABEL,
+    HASH_LABEL,
+    MIN_EXCERPT,
+    REQUESTED_BY_LABEL,
+    TOOL_LABEL,
+    ButtonKind,
+    CardTooLarge,
+    CardView,
+    CardWriter,
+    PlainWriter,
+    lay_out,
+    outcome_line,
+    view_of,
+)
+from kazma.adapters.discord.render import DiscordWriter
+from kazma.adapters.slack.render import SlackWriter
+from kazma.adapters.telegram.render import TelegramWriter
+from kazma.adapters.web.render import HtmlWriter
+from kazma.approvals.model import Status
+from tests.contract.harness import make_card, outcome_of
+
+
+def visible(written: Any) -> str:
+    """Whatever a writer wrote, as the text a person would read (markup stripped, escapes resolved)."""
+    if isinstance(written, str):
+        if written.lstrip().startswith("<div"):
+            return html.unescape(re.sub(r"<[^>]+>", "\n", written))
+        return written
+    if hasattr(written, "html"):
+        return html.unescape(re.sub(r"<[^>]+>", "", written.html))
+    if hasattr(written, "blocks"):
+        texts: list[str] = []
+        for block in written.blocks:
+            for key in ("text",):
+                if key in block:
+                    texts.append(block[key]["text"])
+            texts += [f["text"] for f in block.get("fields", [])]
+        joined = "\n".join(texts)
+        return joined.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+    embed = written.embed
+    parts = [embed.title or "", embed.description or ""] + [f"{f.name}\n{f.value}" for f in embed.fields]
+    return re.sub(r"\\(.)", r"\1", "\n".join(parts).replace("*", ""))
+
+
+WRITERS: dict[str, CardWriter[Any]] = {
+    "telegram": TelegramWriter(),
+    "slack": SlackWriter(),
+    "discord": DiscordWriter(),
+    "terminal": PlainWriter(),
+    "web": HtmlWriter(),
+}
+ORDER = [TOOL_LABEL, REQUESTED_BY_LABEL, FROM_LABEL, DEADLINE_LABEL, HASH_LABEL, "Arguments (2)", FULL_CALL_LABEL]
+
+
+@pytest.mark.parametrize("where", sorted(WRITERS))
+def test_every_writer_shows_the_same_labels_in_the_same_order(where: str) -> None:
+    card = make_card({"command": "ls", "cwd": "/srv"})
+    text = visible(lay_out(card, WRITERS[where]).written)
+    positions = [text.find(label) for label in [card.title, *ORDER]]
+    assert -1 not in positions, (where, text)
+    assert positions == sorted(positions), (where, text)
+    for value in ("ls", "/srv", card.args_hash, card.link):
+        assert value in text, where
+
+
+@pytest.mark.parametrize("where", sorted(WRITERS))
+def test_every_writer_puts_the_outcome_first_once_decided(where: str) -> None:
+    card = make_card({"command": "ls"})
+    outcome = outcome_of(card, Status.TIMEOUT)
+    laid = lay_out(card, WRITERS[where], outcome=outcome)
+    text = visible(laid.written)
+    assert text.index(outcome_line(outcome)) < text.index(TOOL_LABEL)
+    assert laid.view.buttons == ()
+
+
+@pytest.mark.parametrize("where", sorted(WRITERS))
+def test_every_writer_marks_a_cut_the_same_way(where: str) -> None:
+    card = make_card({"command": "A" * 300 + "Z" * 700}, value_limit=100)
+    text = visible(lay_out(card, WRITERS[where]).written)
+    assert "[cut: 900 of 1,000 characters not shown]" in text, where
+    assert "AAAA" in text
+    assert "ZZZZ" in text
+
+
+def test_a_whole_card_offers_approve_and_deny() -> None:
+    view = view_of(make_card({"a": 1}))
+    assert view.whole
+    assert [b.kind for b in view.buttons] == [ButtonKind.APPROVE, ButtonKind.DENY]
+    assert view.notice == ""
+
+
+def test_a_cut_value_takes_approve_away_unless_the_team_opted_in() -> None:
+    card = make_card({"a": "x" * 2_000}, value_limit=100)
+    refused = view_of(card)
+    assert not refused.whole
+    assert [b.kind for b in refused.buttons] == [ButtonKind.DENY]
+    assert "cannot be approved here" in refused.notice
+    allowed = view_of(card, approve_partial=True)
+    assert [b.kind for b in allowed.buttons] == [ButtonKind.APPROVE, ButtonKind.DENY]
+    assert "Review the whole call before deciding" in allowed.notice
+
+
+class Budget:
+    """A writer that fits while the plain text stays within ``limit`` characters."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.plain = PlainWriter()
+
+    def write(self, view: CardView) -> str:
+        return self.plain.write(view)
+
+    def fits(self, written: str) -> bool:
+        return len(written) <= self.limit
+
+
+def test_values_shrink_evenly_keeping_both_ends_before_any_becomes_a_name() -> None:
+    card = make_card({f"a{i}": f"<{i}" + "y" * 996 + f"{i}>" for i in range(4)}, value_limit=1_000)
+    laid = lay_out(card, Budget(2_000))
+    assert laid.view.names_only == ()
+    lengths = {len(a.head) + len(a.tail) for a in laid.view.arguments}
+    assert len(lengths) == 1  # every value got the same excerpt
+    assert all(a.head.startswith(f"<{i}") and a.tail.endswith(f"{i}>") for i, a in enumerate(laid.view.arguments))
+    assert len(laid.written) <= 2_000
+
+
+def test_when_excerpts_cannot_shrink_further_later_arguments_become_names() -> None:
+    card = make_card({f"arg{i:02d}": "v" * 500 for i in range(30)})
+    laid = lay_out(card, Budget(2_500))
+    assert laid.view.arguments
+    assert laid.view.names_only
+    assert len(laid.view.arguments) + len(laid.view.names_only) == 30
+    assert all(len(a.head) + len(a.tail) >= MIN_EXCERPT for a in laid.view.arguments)
+    assert not laid.whole
+
+
+def test_when_not_even_the_names_fit_they_are_counted() -> None:
+    card = make_card({f"argument_{i:03d}": i for i in range(300)})
+    laid = lay_out(card, Budget(1_500))
+    assert laid.view.names_hidden == 300
+    assert "300 of 300 argument names do not fit here" in laid.written
+
+
+def test_a_frame_that_cannot_fit_is_refused() -> None:
+    with pytest.raises(CardTooLarge):
+        lay_out(make_card({"a": 1}), Budget(50))
