@@ -15,15 +15,15 @@ import asyncio
 import codecs
 import contextlib
 import errno
-import ipaddress
 import os
 import re
 import secrets
 import signal
+import ssl
 import stat
 import subprocess
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
@@ -34,6 +34,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kazma.config.models import DangerLevel
 from kazma.config.version import __version__
+from kazma.engine.netguard import (
+    AddressPolicy,
+    AddressRefused,
+    IPAddress,
+    IPNetwork,
+    Resolver,
+    is_ip_literal,
+    resolve_checked,
+    system_resolver,
+)
 from kazma.engine.types import ToolSpec
 
 __all__ = [
@@ -423,6 +433,47 @@ class PathRefused(Exception):
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def _workspace_root(ctx: ToolContext) -> Path:
+    """The workspace's real path, created when missing; refused when the workspace itself is a symbolic link.
+
+    Paths are confined to the real path of the root, so a root that is a link
+    would confine them to wherever the link points (and whoever can replace
+    the link chooses that). It is checked before it is created or used.
+    """
+
+    def check() -> None:
+        info = os.lstat(ctx.workspace)
+        if stat.S_ISLNK(info.st_mode):
+            raise PathRefused("the workspace directory is a symbolic link; refused (it must be a real directory)")
+        if not stat.S_ISDIR(info.st_mode):
+            raise PathRefused("the workspace is not a directory; refused")
+
+    try:
+        try:
+            check()
+        except FileNotFoundError:
+            ctx.workspace.mkdir(parents=True, exist_ok=True)
+            check()
+        return ctx.workspace.resolve(strict=True)
+    except OSError as exc:
+        raise PathRefused(f"the workspace directory cannot be used: {exc.strerror or exc}") from exc
+
+
+def _refuse_hard_links(shown: str, info: os.stat_result) -> str | None:
+    """Why a file with several names is refused, or None when it has one.
+
+    A shell call can hard-link a file from outside the workspace into it
+    (``ln /elsewhere/file ws/x``); the link is a regular file, not a symlink,
+    so only the link count shows that the same file has another name.
+    """
+    if info.st_nlink <= 1:
+        return None
+    return (
+        f"{shown!r} has {info.st_nlink} hard links (other names for the same file, possibly outside the "
+        "workspace); refused"
+    )
+
+
 def _inside(root: Path, raw: str) -> tuple[str, ...]:
     """The components, relative to ``root``, of the real path ``raw`` names; refused if it leaves ``root``."""
     if not raw or "\x00" in raw:
@@ -494,8 +545,8 @@ class ReadFileTool(Tool[ReadFileArgs]):
         return await asyncio.to_thread(self._read, ctx, args.path)
 
     def _read(self, ctx: ToolContext, raw: str) -> ToolResult:
-        root = ctx.ensure_workspace()
         try:
+            root = _workspace_root(ctx)
             parts = _inside(root, raw)
             parent, _ = _open_parent(root, parts, create=False)
         except PathRefused as exc:
@@ -519,6 +570,10 @@ class ReadFileTool(Tool[ReadFileArgs]):
                 return ToolResult(ok=False, output="", error=f"{shown!r} is a directory, not a file")
             if not stat.S_ISREG(info.st_mode):
                 return ToolResult(ok=False, output="", error=f"{shown!r} is not a regular file")
+            # Counted on the open file itself: what is read below is the file whose names were counted.
+            refused = _refuse_hard_links(shown, info)
+            if refused is not None:
+                return ToolResult(ok=False, output="", error=refused)
             data = handle.read(self.max_bytes + 1)
         truncated = len(data) > self.max_bytes
         data = data[: self.max_bytes]
@@ -561,8 +616,8 @@ class WriteFileTool(Tool[WriteFileArgs]):
             return ToolResult(
                 ok=False, output="", error=f"content is {len(data)} bytes; the limit is {self.max_bytes} bytes"
             )
-        root = ctx.ensure_workspace()
         try:
+            root = _workspace_root(ctx)
             parts = _inside(root, raw)
             parent, created = _open_parent(root, parts, create=True)
         except PathRefused as exc:
@@ -586,6 +641,11 @@ class WriteFileTool(Tool[WriteFileArgs]):
                         error=f"{shown!r} exists and is not a regular file; refused",
                         changed_state=created,
                     )
+                # The rename below only replaces this name, so a link made after this check
+                # still never has its other name written through.
+                refused = _refuse_hard_links(shown, existing)
+                if refused is not None:
+                    return ToolResult(ok=False, output="", error=refused, changed_state=created)
                 mode = stat.S_IMODE(existing.st_mode)
             # Write a temporary sibling and rename it over the target: readers see
             # the old file or the new one, never a half-written one.
@@ -618,26 +678,28 @@ class HttpGetArgs(ToolArgs):
     url: str = Field(description="An http:// or https:// URL to fetch with GET.")
 
 
-class PrivateAddress(Exception):
-    """The URL's host is (or resolves to) an address inside this machine or its network."""
+_REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
 
 
-async def _refuse_private(request: httpx.Request) -> None:
-    host = request.url.host
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, request.url.port or 0)
-    except OSError:
-        return  # not resolvable: the connection itself fails with a clear error
-    for info in infos:
-        address = ipaddress.ip_address(info[4][0])
-        if address.is_private or address.is_loopback or address.is_link_local or address.is_reserved:
-            raise PrivateAddress(
-                f"refused to fetch {request.url}: {host} is {address}, an address inside this machine or its "
-                "network (http_get reaches public addresses only)"
-            )
+class _FetchFailed(Exception):
+    """A fetch that stopped for a reason the message explains to the model."""
+
+
+class _Unreachable(_FetchFailed):
+    """No checked address of a host accepted a connection."""
 
 
 class HttpGetTool(Tool[HttpGetArgs]):
+    """GET a URL from the public internet, following redirects itself so that every hop is checked.
+
+    For each hop the host is resolved once (``resolver``), every answer must
+    pass the address policy (:mod:`kazma.engine.netguard`), and the connection
+    goes to one of those checked addresses while the ``Host`` header and TLS
+    (SNI and certificate check) still use the name. Proxy variables from the
+    environment are ignored: a proxy would resolve and connect on its own.
+    ``allow_private`` and ``also_allow`` widen the policy, never the path.
+    """
+
     name = "http_get"
     description = (
         "Fetch a URL with HTTP GET and return the status, the content type and the body as text "
@@ -647,21 +709,31 @@ class HttpGetTool(Tool[HttpGetArgs]):
     Args = HttpGetArgs
 
     def __init__(
-        self, *, timeout_s: float = 20.0, max_bytes: int = MIB, max_redirects: int = 5, allow_private: bool = False
+        self,
+        *,
+        timeout_s: float = 20.0,
+        max_bytes: int = MIB,
+        max_redirects: int = 5,
+        allow_private: bool = False,
+        also_allow: Iterable[IPNetwork | str] = (),
+        resolver: Resolver = system_resolver,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
         self.max_redirects = max_redirects
         # A "read" tool runs without approval, so by default it must not become a way
         # into the bus's own network: loopback, private, link-local (cloud metadata) …
-        self.allow_private = allow_private
+        self.policy = AddressPolicy.of(allow_private=allow_private, also_allow=also_allow)
+        self.resolver = resolver
+        self.ssl_context = ssl_context
 
     async def run(self, args: HttpGetArgs, ctx: ToolContext) -> ToolResult:
         try:
             url = httpx.URL(args.url)
         except httpx.InvalidURL as exc:
             return ToolResult(ok=False, output="", error=f"invalid URL {args.url!r}: {exc}")
-        if url.scheme not in ("http", "https") or not url.host:
+        if not _fetchable(url):
             return ToolResult(
                 ok=False, output="", error=f"only http:// and https:// URLs are fetched, not {args.url!r}"
             )
@@ -672,48 +744,112 @@ class HttpGetTool(Tool[HttpGetArgs]):
                 return await self._fetch(url)
         except (TimeoutError, httpx.TimeoutException):
             return ToolResult(ok=False, output="", error=f"timed out after {self.timeout_s:g} s fetching {url}")
-        except httpx.ConnectError as exc:
-            return ToolResult(
-                ok=False, output="", error=f"could not connect to {url.host}: {exc or type(exc).__name__}"
-            )
-        except PrivateAddress as exc:
+        except (AddressRefused, _FetchFailed) as exc:
             return ToolResult(ok=False, output="", error=str(exc))
-        except httpx.TooManyRedirects:
-            return ToolResult(ok=False, output="", error=f"more than {self.max_redirects} redirects fetching {url}")
         except httpx.HTTPError as exc:
             return ToolResult(ok=False, output="", error=f"fetching {url} failed: {type(exc).__name__}: {exc}")
 
     async def _fetch(self, url: httpx.URL) -> ToolResult:
-        async with (
-            httpx.AsyncClient(
-                timeout=self.timeout_s,
-                follow_redirects=True,
-                max_redirects=self.max_redirects,
-                headers={"User-Agent": f"kazma/{__version__}"},
-                # checked for every request, redirects included
-                event_hooks={"request": [] if self.allow_private else [_refuse_private]},
-            ) as client,
-            client.stream("GET", url) as response,
-        ):
-            body = bytearray()
-            truncated = False
-            async for chunk in response.aiter_bytes():
-                body += chunk
-                if len(body) > self.max_bytes:
-                    del body[self.max_bytes :]
-                    truncated = True
-                    break
+        current = url
+        for _ in range(self.max_redirects + 1):
+            # raw_host is the ASCII (IDNA) form, the same name TLS is given below.
+            host = current.raw_host.decode("ascii")
+            addresses = await resolve_checked(host, resolver=self.resolver, policy=self.policy)
+            # A client per hop: a pooled connection is never reused for a
+            # different name than the one its certificate was checked for.
+            async with self._client() as client:
+                response = await self._connect(client, current, addresses)
+                try:
+                    target = _redirect_target(current, response)
+                    if target is None:
+                        return await self._result(url, current, response)
+                finally:
+                    await response.aclose()
+            current = target
+        return ToolResult(ok=False, output="", error=f"more than {self.max_redirects} redirects fetching {url}")
+
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            timeout=self.timeout_s,
+            follow_redirects=False,  # followed in _fetch, each hop resolved and checked
+            trust_env=False,  # no HTTP(S)_PROXY / ALL_PROXY, no .netrc
+            verify=self.ssl_context if self.ssl_context is not None else True,
+            headers={"User-Agent": f"kazma/{__version__}"},
+        )
+
+    async def _connect(
+        self, client: httpx.AsyncClient, url: httpx.URL, addresses: Sequence[IPAddress]
+    ) -> httpx.Response:
+        """Send the GET to the first checked address that accepts a connection."""
+        failures: list[str] = []
+        for address in addresses:
+            request = _pinned_request(client, url, address)
             try:
-                text = bytes(body).decode(response.encoding or "utf-8", errors="replace")
-            except LookupError:  # a charset Python does not know
-                text = bytes(body).decode("utf-8", errors="replace")
-            status = f"{response.http_version} {response.status_code} {response.reason_phrase}".rstrip()
-            lines = [status, f"content-type: {response.headers.get('content-type', '(none)')}"]
-            if response.url != url:
-                lines.append(f"url: {response.url}")
-            output = "\n".join(lines) + "\n\n" + text
-            if truncated:
-                output += f"\n[… body cut at {self.max_bytes} bytes …]"
-            ok = response.is_success
-            error = None if ok else f"HTTP {response.status_code} {response.reason_phrase}".rstrip()
-            return ToolResult(ok=ok, output=output, error=error, truncated=truncated)
+                return await client.send(request, stream=True)
+            except httpx.ConnectError as exc:
+                failures.append(f"{address}: {exc or type(exc).__name__}")
+        raise _Unreachable(f"could not connect to {url.host}: " + "; ".join(failures))
+
+    async def _result(self, url: httpx.URL, final: httpx.URL, response: httpx.Response) -> ToolResult:
+        body = bytearray()
+        truncated = False
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) > self.max_bytes:
+                del body[self.max_bytes :]
+                truncated = True
+                break
+        try:
+            text = bytes(body).decode(response.encoding or "utf-8", errors="replace")
+        except LookupError:  # a charset Python does not know
+            text = bytes(body).decode("utf-8", errors="replace")
+        status = f"{response.http_version} {response.status_code} {response.reason_phrase}".rstrip()
+        lines = [status, f"content-type: {response.headers.get('content-type', '(none)')}"]
+        if final != url:
+            lines.append(f"url: {final}")
+        output = "\n".join(lines) + "\n\n" + text
+        if truncated:
+            output += f"\n[… body cut at {self.max_bytes} bytes …]"
+        ok = response.is_success
+        error = None if ok else f"HTTP {response.status_code} {response.reason_phrase}".rstrip()
+        return ToolResult(ok=ok, output=output, error=error, truncated=truncated)
+
+
+def _fetchable(url: httpx.URL) -> bool:
+    return url.scheme in ("http", "https") and bool(url.host)
+
+
+def _pinned_request(client: httpx.AsyncClient, url: httpx.URL, address: IPAddress) -> httpx.Request:
+    """A GET for ``url`` that connects to ``address`` but still speaks to the name.
+
+    The URL's host becomes the checked address, so nothing resolves the name
+    again. ``Host`` is set to what httpx would have sent for the name
+    (``url.netloc``), and the ``sni_hostname`` request extension makes httpcore
+    pass the name as ``server_hostname`` to TLS, which both sends it as SNI and
+    checks the certificate against it (httpcore 1.0.9, ``_async/connection.py``:
+    ``"server_hostname": sni_hostname or self._origin.host``).
+    """
+    if is_ip_literal(url.raw_host.decode("ascii")):
+        return client.build_request("GET", url)  # checked as it is; there is no name to resolve or keep
+    return client.build_request(
+        "GET",
+        url.copy_with(host=str(address)),
+        headers={"Host": url.netloc.decode("ascii")},
+        extensions={"sni_hostname": url.raw_host.decode("ascii")},
+    )
+
+
+def _redirect_target(current: httpx.URL, response: httpx.Response) -> httpx.URL | None:
+    """Where a redirect response points (resolved against ``current``), or None when it is no redirect."""
+    if response.status_code not in _REDIRECT_CODES or "Location" not in response.headers:
+        return None
+    location = response.headers["Location"]
+    try:
+        target = current.join(location)
+    except httpx.InvalidURL as exc:
+        raise _FetchFailed(f"refused to follow a redirect from {current} to {location!r}: {exc}") from exc
+    if not _fetchable(target):
+        raise _FetchFailed(
+            f"refused to follow a redirect from {current} to {location!r}: only http:// and https:// URLs are fetched"
+        )
+    return target

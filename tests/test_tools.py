@@ -457,20 +457,21 @@ async def test_write_replaces_atomically(registry: ToolRegistry, ctx: ToolContex
     target = ws / "config.txt"
     target.write_text("old content")
     target.chmod(0o600)
-    # A hard link keeps the old inode: a rename-over leaves it untouched,
-    # an in-place rewrite would change it as well.
-    os.link(target, ws / "snapshot")
-    before = target.stat().st_ino
+    # An open descriptor keeps the old inode: a rename-over leaves it untouched,
+    # an in-place rewrite would change it as well. (A second hard link would show
+    # the same, but write_file refuses files with several links.)
+    with target.open("rb") as old:
+        before = os.fstat(old.fileno()).st_ino
 
-    result = await registry.execute("write_file", {"path": "config.txt", "content": "new content"}, ctx)
-    assert result.ok
-    assert result.changed_state
-    assert result.output == "wrote 11 bytes to config.txt"
-    assert target.read_text() == "new content"
-    assert (ws / "snapshot").read_text() == "old content"
+        result = await registry.execute("write_file", {"path": "config.txt", "content": "new content"}, ctx)
+        assert result.ok, result
+        assert result.changed_state
+        assert result.output == "wrote 11 bytes to config.txt"
+        assert target.read_text() == "new content"
+        assert old.read() == b"old content"
     assert target.stat().st_ino != before
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
-    assert sorted(p.name for p in ws.iterdir()) == ["config.txt", "snapshot"]  # no temporary file left
+    assert sorted(p.name for p in ws.iterdir()) == ["config.txt"]  # no temporary file left
 
 
 async def test_write_onto_a_directory_is_refused(registry: ToolRegistry, ctx: ToolContext, ws: Path) -> None:
@@ -536,6 +537,73 @@ async def test_read_missing_directory_and_fifo(registry: ToolRegistry, ctx: Tool
     fifo = await registry.execute("read_file", {"path": "pipe"}, ctx)  # must not wait for a writer
     assert fifo.error is not None
     assert "not a regular file" in fifo.error
+
+
+async def test_hard_links_to_files_outside_are_refused(
+    registry: ToolRegistry, ctx: ToolContext, ws: Path, tmp_path: Path
+) -> None:
+    outside = tmp_path / "outside.txt"
+    outside.write_text("outside secret")
+    ws.mkdir(parents=True)
+    os.link(outside, ws / "linked.txt")  # what `ln ../../outside.txt linked.txt` in a shell call makes
+
+    read = await registry.execute("read_file", {"path": "linked.txt"}, ctx)
+    assert not read.ok
+    assert read.error == (
+        "'linked.txt' has 2 hard links (other names for the same file, possibly outside the workspace); refused"
+    )
+    assert read.output == ""
+
+    written = await registry.execute("write_file", {"path": "linked.txt", "content": "pwned"}, ctx)
+    assert not written.ok
+    assert written.error == read.error
+    assert not written.changed_state
+    assert outside.read_text() == "outside secret"
+    assert os.path.samefile(outside, ws / "linked.txt")
+    assert sorted(p.name for p in ws.iterdir()) == ["linked.txt"]
+
+
+async def test_hard_links_inside_the_workspace_are_refused_too(
+    registry: ToolRegistry, ctx: ToolContext, ws: Path
+) -> None:
+    # Where the other name lives is not known without searching the whole file system.
+    ws.mkdir(parents=True)
+    (ws / "a.txt").write_text("one file")
+    os.link(ws / "a.txt", ws / "b.txt")
+    for name in ("a.txt", "b.txt"):
+        read = await registry.execute("read_file", {"path": name}, ctx)
+        assert read.error is not None
+        assert "has 2 hard links" in read.error
+    (ws / "b.txt").unlink()
+    read = await registry.execute("read_file", {"path": "a.txt"}, ctx)
+    assert read == ToolResult(ok=True, output="one file")
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+async def test_a_workspace_that_is_a_symbolic_link_is_refused(
+    registry: ToolRegistry, ctx: ToolContext, ws: Path, tmp_path: Path, dangling: bool
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    if not dangling:
+        elsewhere.mkdir()
+        (elsewhere / "f.txt").write_text("elsewhere")
+    ws.parent.mkdir(parents=True)
+    ws.symlink_to(elsewhere, target_is_directory=True)
+    message = "the workspace directory is a symbolic link; refused (it must be a real directory)"
+
+    read = await registry.execute("read_file", {"path": "f.txt"}, ctx)
+    assert not read.ok
+    assert read.error == message
+    assert read.output == ""
+    written = await registry.execute("write_file", {"path": "new/g.txt", "content": "x"}, ctx)
+    assert not written.ok
+    assert written.error == message
+    assert not written.changed_state
+    assert ws.is_symlink()
+    if dangling:
+        assert not elsewhere.exists()
+    else:
+        assert sorted(p.name for p in elsewhere.iterdir()) == ["f.txt"]
 
 
 # --------------------------------------------------------------------------- http_get
