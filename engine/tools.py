@@ -44,6 +44,7 @@ from kazma.engine.netguard import (
     resolve_checked,
     system_resolver,
 )
+from kazma.engine.sandbox import Sandbox, SandboxRefused, resolve_sandbox
 from kazma.engine.types import ToolSpec
 
 __all__ = [
@@ -315,14 +316,22 @@ _ENV_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 
 
 class ShellTool(Tool[ShellArgs]):
-    """Runs ``/bin/sh -c`` in the workspace.
+    """Runs ``/bin/sh -c`` in the workspace, inside the bubblewrap sandbox when there is one.
 
-    The command does not inherit the bus's environment (which holds platform
-    tokens and the model key): it gets PATH and locale variables, with HOME set
-    to the workspace, unless ``env`` is given. When the shell exits, anything
-    it left running in its process group is killed too, so no command outlives
-    its call (a process that moves itself into a new session escapes this;
-    only a container or cgroup can contain that).
+    Sandboxed (see :mod:`kazma.engine.sandbox`), the command sees the system
+    directories, its workspace and nothing of Kazma: not the state directory,
+    not Kazma's processes or environment, and — with ``network=False`` — no
+    network. When its shell exits, its PID namespace ends and the kernel kills
+    everything it started, also processes that left the session.
+
+    Unsandboxed (``mode: none``, or ``auto`` where bubblewrap does not work),
+    the command does not inherit the bus's environment either (it gets PATH and
+    locale variables, with HOME set to the workspace, unless ``env`` is given),
+    and anything left in its process group is killed when the shell exits; a
+    process that moves itself into a new session escapes that, and the command
+    can read whatever Kazma's user can. :attr:`isolation` says which applies.
+
+    With ``mode: bwrap`` and no working bubblewrap every call is refused.
     """
 
     name = "shell"
@@ -335,39 +344,75 @@ class ShellTool(Tool[ShellArgs]):
     Args = ShellArgs
 
     def __init__(
-        self, *, output_cap: int = 64 * KIB, env: Mapping[str, str] | None = None, drain_grace_s: float = 5.0
+        self,
+        *,
+        output_cap: int = 64 * KIB,
+        env: Mapping[str, str] | None = None,
+        drain_grace_s: float = 5.0,
+        sandbox: Sandbox | None = None,
+        network: bool = True,
+        hidden_paths: Iterable[Path | str] = (),
     ) -> None:
+        """``sandbox`` defaults to ``resolve_sandbox("auto")``; ``network`` only matters sandboxed;
+        ``hidden_paths`` (Kazma's state directory, its configuration file) stay invisible to sandboxed commands."""
         if output_cap < 2:
             raise ValueError("output_cap must be at least 2 bytes")
         self.output_cap = output_cap
         self.env = dict(env) if env is not None else None
         self.drain_grace_s = drain_grace_s
+        self.sandbox = sandbox if sandbox is not None else resolve_sandbox("auto")
+        self.network = network
+        self.hidden_paths = tuple(Path(path) for path in hidden_paths)
+
+    @property
+    def isolation(self) -> str:
+        """How commands run here, in one line for approval cards and ``kazma doctor``."""
+        if self.sandbox.active:
+            return f"sandboxed (bubblewrap, network {'on' if self.network else 'off'})"
+        return self.sandbox.describe()
 
     def _environment(self, workspace: Path) -> dict[str, str]:
         if self.env is not None:
             return dict(self.env)
+        if self.sandbox.active:
+            return self.sandbox.environment(workspace)
         env = {key: os.environ[key] for key in _ENV_PASSTHROUGH if key in os.environ}
         env.setdefault("PATH", os.defpath)
         env["HOME"] = str(workspace)
         return env
 
-    async def _spawn(self, command: str, workspace: Path) -> tuple[asyncio.SubprocessTransport, _Capture]:
+    def _prepare(self, command: str, ctx: ToolContext) -> tuple[Path, list[str], dict[str, str]]:
+        """The workspace (created), the argv and the environment of one call; may raise SandboxRefused."""
+        workspace = ctx.ensure_workspace()
+        env = self._environment(workspace)
+        argv = ["/bin/sh", "-c", command]
+        if self.sandbox.active:
+            argv = self.sandbox.wrap(argv, workspace=workspace, network=self.network, env=env, hidden=self.hidden_paths)
+        return workspace, argv, env
+
+    async def _spawn(
+        self, argv: list[str], workspace: Path, env: dict[str, str]
+    ) -> tuple[asyncio.SubprocessTransport, _Capture]:
         loop = asyncio.get_running_loop()
+        # Sandboxed, ``env`` is also bwrap's own environment: inside, /proc/1 is
+        # bwrap and shows the environment it was started with.
         return await loop.subprocess_exec(
             lambda: _Capture(loop, self.output_cap),
-            "/bin/sh",
-            "-c",
-            command,
+            *argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             cwd=workspace,
-            env=self._environment(workspace),
+            env=env,
             start_new_session=True,
         )
 
     async def _stop(self, transport: asyncio.SubprocessTransport, capture: _Capture) -> None:
-        """Kill the command's process group, reap the shell and collect the last output."""
+        """Kill the command's process group, reap the shell and collect the last output.
+
+        Sandboxed, the group is bwrap's: killing it kills bwrap, whose sandbox
+        dies with it (--die-with-parent) and takes its PID namespace along.
+        """
         _kill_group(transport.get_pid())
         if transport.get_returncode() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -378,11 +423,19 @@ class ShellTool(Tool[ShellArgs]):
         transport.close()
 
     async def run(self, args: ShellArgs, ctx: ToolContext) -> ToolResult:
-        workspace = await asyncio.to_thread(ctx.ensure_workspace)
+        refusal = self.sandbox.refusal
+        if refusal is not None:
+            log.warning("sandbox.refused", tool=self.name, conversation=ctx.conversation, problem=self.sandbox.problem)
+            return ToolResult(ok=False, output="", error=refusal)
+        try:
+            workspace, argv, env = await asyncio.to_thread(self._prepare, args.command, ctx)
+        except SandboxRefused as exc:
+            log.warning("sandbox.refused", tool=self.name, conversation=ctx.conversation, problem=str(exc))
+            return ToolResult(ok=False, output="", error=f"refused to run: {exc}")
         # Cancelled while the process is starting, asyncio would kill the shell
         # alone and leave its children running; shielded, the start completes
         # and the whole group is stopped below.
-        spawn = asyncio.ensure_future(self._spawn(args.command, workspace))
+        spawn = asyncio.ensure_future(self._spawn(argv, workspace, env))
         try:
             transport, capture = await asyncio.shield(spawn)
         except asyncio.CancelledError:
@@ -391,7 +444,7 @@ class ShellTool(Tool[ShellArgs]):
                 await self._stop(transport, capture)
             raise
         except OSError as exc:
-            return ToolResult(ok=False, output="", error=f"could not start /bin/sh: {exc}")
+            return ToolResult(ok=False, output="", error=f"could not start {argv[0]}: {exc}")
         timed_out = False
         try:
             done, _ = await asyncio.wait({capture.exited}, timeout=args.timeout_s)
@@ -404,16 +457,14 @@ class ShellTool(Tool[ShellArgs]):
         if text and not text.endswith("\n"):
             text += "\n"
         if timed_out:
-            message = f"timed out after {args.timeout_s} s (process group killed)"
+            killed = "sandbox killed" if self.sandbox.active else "process group killed"
+            message = f"timed out after {args.timeout_s} s ({killed})"
             return ToolResult(
                 ok=False, output=f"{text}[{message}]", error=message, changed_state=True, truncated=truncated
             )
         code = transport.get_returncode()
         assert code is not None  # process_exited has fired
-        status = f"exit code {code}"
-        if code < 0:
-            with contextlib.suppress(ValueError):
-                status += f" (killed by {signal.Signals(-code).name})"
+        status = f"exit code {code}" + self._signal_note(code)
         return ToolResult(
             ok=code == 0,
             output=f"{text}[{status}]",
@@ -421,6 +472,17 @@ class ShellTool(Tool[ShellArgs]):
             changed_state=True,
             truncated=truncated,
         )
+
+    def _signal_note(self, code: int) -> str:
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f" (killed by {signal.Signals(-code).name})"
+        elif self.sandbox.active and code > 128:
+            # bwrap reports a shell killed by signal N as exit code 128 + N, as
+            # shells do; a command can also exit with that code itself.
+            with contextlib.suppress(ValueError):
+                return f" (likely killed by {signal.Signals(code - 128).name})"
+        return ""
 
 
 # --------------------------------------------------------------------------- files

@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from kazma.config.models import DangerLevel
+from kazma.engine.sandbox import Sandbox, SandboxMode, resolve_sandbox
 from kazma.engine.tools import (
     HttpGetTool,
     ReadFileTool,
@@ -238,9 +239,32 @@ def test_specs_are_json_schema_objects(name: str, required: set[str], optional: 
 
 # --------------------------------------------------------------------------- shell
 
+# The sandboxed shell's own attacks and guarantees (pid namespace, hidden store,
+# network) are in test_sandbox.py; here the common behaviour runs in both modes.
 
-async def test_shell_success_reports_exit_code(registry: ToolRegistry, ctx: ToolContext) -> None:
-    result = await registry.execute("shell", {"command": "echo hello"}, ctx)
+
+@pytest.fixture(params=["none", "bwrap"])
+def sandbox(request: pytest.FixtureRequest) -> Sandbox:
+    mode: SandboxMode = request.param
+    resolved = resolve_sandbox(mode)
+    if resolved.refuses:
+        pytest.skip(f"bubblewrap is not usable here ({resolved.problem}); scripts/install-test-deps installs it")
+    return resolved
+
+
+@pytest.fixture
+def shell(sandbox: Sandbox) -> ToolRegistry:
+    return ToolRegistry([ShellTool(sandbox=sandbox)])
+
+
+@pytest.fixture
+def unsandboxed() -> ToolRegistry:
+    """For the process-group tests: they follow the command's pids, which a PID namespace renumbers."""
+    return ToolRegistry([ShellTool(sandbox=resolve_sandbox("none"))])
+
+
+async def test_shell_success_reports_exit_code(shell: ToolRegistry, ctx: ToolContext) -> None:
+    result = await shell.execute("shell", {"command": "echo hello"}, ctx)
     assert result.ok
     assert result.error is None
     assert result.output == "hello\n[exit code 0]"
@@ -248,27 +272,30 @@ async def test_shell_success_reports_exit_code(registry: ToolRegistry, ctx: Tool
     assert not result.truncated
 
 
-async def test_shell_nonzero_exit_is_an_error_with_output(registry: ToolRegistry, ctx: ToolContext) -> None:
-    result = await registry.execute("shell", {"command": "echo before; echo oops >&2; exit 3"}, ctx)
+async def test_shell_nonzero_exit_is_an_error_with_output(shell: ToolRegistry, ctx: ToolContext) -> None:
+    result = await shell.execute("shell", {"command": "echo before; echo oops >&2; exit 3"}, ctx)
     assert not result.ok
     assert result.error == "exit code 3"
     assert result.output == "before\noops\n[exit code 3]"
     assert result.changed_state
 
 
-async def test_shell_killed_by_a_signal(registry: ToolRegistry, ctx: ToolContext) -> None:
-    result = await registry.execute("shell", {"command": "kill -TERM $$"}, ctx)
+async def test_shell_killed_by_a_signal(shell: ToolRegistry, ctx: ToolContext, sandbox: Sandbox) -> None:
+    result = await shell.execute("shell", {"command": "kill -TERM $$"}, ctx)
     assert not result.ok
-    assert result.error == "exit code -15 (killed by SIGTERM)"
+    if sandbox.active:  # bwrap passes a signal death on as 128 + N, like a shell
+        assert result.error == "exit code 143 (likely killed by SIGTERM)"
+    else:
+        assert result.error == "exit code -15 (killed by SIGTERM)"
 
 
-async def test_shell_interleaves_stdout_and_stderr(registry: ToolRegistry, ctx: ToolContext) -> None:
-    result = await registry.execute("shell", {"command": "echo one; echo two >&2; echo three"}, ctx)
+async def test_shell_interleaves_stdout_and_stderr(shell: ToolRegistry, ctx: ToolContext) -> None:
+    result = await shell.execute("shell", {"command": "echo one; echo two >&2; echo three"}, ctx)
     assert result.output.splitlines()[:3] == ["one", "two", "three"]
 
 
-async def test_shell_output_cap_keeps_head_and_tail(ctx: ToolContext) -> None:
-    registry = ToolRegistry([ShellTool(output_cap=1000)])
+async def test_shell_output_cap_keeps_head_and_tail(ctx: ToolContext, sandbox: Sandbox) -> None:
+    registry = ToolRegistry([ShellTool(output_cap=1000, sandbox=sandbox)])
     command = r"printf HEAD; head -c 5000 /dev/zero | tr '\0' x; printf TAIL"
     result = await registry.execute("shell", {"command": command}, ctx)
     assert result.ok
@@ -280,40 +307,40 @@ async def test_shell_output_cap_keeps_head_and_tail(ctx: ToolContext) -> None:
     assert tail == "x" * 496 + "TAIL\n[exit code 0]"
 
 
-async def test_shell_output_at_the_cap_is_not_cut(ctx: ToolContext) -> None:
-    registry = ToolRegistry([ShellTool(output_cap=1000)])
+async def test_shell_output_at_the_cap_is_not_cut(ctx: ToolContext, sandbox: Sandbox) -> None:
+    registry = ToolRegistry([ShellTool(output_cap=1000, sandbox=sandbox)])
     result = await registry.execute("shell", {"command": r"head -c 1000 /dev/zero | tr '\0' y"}, ctx)
     assert not result.truncated
     assert result.output == "y" * 1000 + "\n[exit code 0]"
 
 
-async def test_shell_runs_in_the_workspace_which_it_creates(registry: ToolRegistry, ctx: ToolContext, ws: Path) -> None:
+async def test_shell_runs_in_the_workspace_which_it_creates(shell: ToolRegistry, ctx: ToolContext, ws: Path) -> None:
     assert not ws.exists()
-    result = await registry.execute("shell", {"command": "pwd; touch made-here"}, ctx)
+    result = await shell.execute("shell", {"command": "pwd; touch made-here"}, ctx)
     assert result.ok, result
     assert result.output.splitlines()[0] == str(ws.resolve())
     assert (ws / "made-here").is_file()
 
 
-async def test_shell_stdin_is_closed(registry: ToolRegistry, ctx: ToolContext) -> None:
-    result = await registry.execute("shell", {"command": "cat; read line; echo read-status=$?", "timeout_s": 30}, ctx)
+async def test_shell_stdin_is_closed(shell: ToolRegistry, ctx: ToolContext) -> None:
+    result = await shell.execute("shell", {"command": "cat; read line; echo read-status=$?", "timeout_s": 30}, ctx)
     assert result.ok, result
     assert "read-status=1" in result.output
 
 
 async def test_shell_does_not_leak_the_bus_environment(
-    registry: ToolRegistry, ctx: ToolContext, ws: Path, monkeypatch: pytest.MonkeyPatch
+    shell: ToolRegistry, ctx: ToolContext, ws: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KAZMA_TEST_SECRET_TOKEN", "s3cr3t-value")
-    result = await registry.execute("shell", {"command": "env; echo home=$HOME"}, ctx)
+    result = await shell.execute("shell", {"command": "env; echo home=$HOME"}, ctx)
     assert result.ok
     assert "s3cr3t-value" not in result.output
     assert f"home={ws.resolve()}" in result.output
 
 
-async def test_shell_timeout_kills_the_whole_process_group(registry: ToolRegistry, ctx: ToolContext) -> None:
+async def test_shell_timeout_kills_the_whole_process_group(unsandboxed: ToolRegistry, ctx: ToolContext) -> None:
     command = 'sleep 300 & echo "pids $$ $!"; sleep 300'
-    result = await registry.execute("shell", {"command": command, "timeout_s": 1}, ctx)
+    result = await unsandboxed.execute("shell", {"command": command, "timeout_s": 1}, ctx)
     assert not result.ok
     assert result.error == "timed out after 1 s (process group killed)"
     assert result.changed_state
@@ -321,8 +348,8 @@ async def test_shell_timeout_kills_the_whole_process_group(registry: ToolRegistr
     _assert_group_gone(shell_pid, shell_pid, background_pid)
 
 
-async def test_shell_background_processes_do_not_outlive_the_call(registry: ToolRegistry, ctx: ToolContext) -> None:
-    result = await registry.execute("shell", {"command": 'sleep 300 & echo "pids $$ $!"'}, ctx)
+async def test_shell_background_processes_do_not_outlive_the_call(unsandboxed: ToolRegistry, ctx: ToolContext) -> None:
+    result = await unsandboxed.execute("shell", {"command": 'sleep 300 & echo "pids $$ $!"'}, ctx)
     assert result.ok, result
     shell_pid, background_pid = _pids(result.output)
     _assert_group_gone(shell_pid, shell_pid, background_pid)
@@ -356,14 +383,14 @@ async def _cancel_once_running(registry: ToolRegistry, ctx: ToolContext, fifo: P
 
 
 async def test_cancelling_a_shell_call_kills_its_process_group(
-    registry: ToolRegistry, ctx: ToolContext, ws: Path
+    unsandboxed: ToolRegistry, ctx: ToolContext, ws: Path
 ) -> None:
     ws.mkdir(parents=True)
     # The command reports its pids so early that the cancellation lands sometimes
     # while asyncio is still starting the process and sometimes once it runs;
     # several rounds exercise both.
     for round_ in range(8):
-        shell_pid, background_pid = await _cancel_once_running(registry, ctx, ws / f"ready-{round_}")
+        shell_pid, background_pid = await _cancel_once_running(unsandboxed, ctx, ws / f"ready-{round_}")
         _assert_group_gone(shell_pid, shell_pid, background_pid)
 
 
