@@ -1,7 +1,9 @@
 """``kazma.approvals``: approval requests, the one-decision store, cards and the safety policy."""
 
-from kazma.approvals.card import ApprovalCard, CardArgument, build_card, button_data
+from kazma.approvals.card import ApprovalCard, CardArgument, CardIntegrityError, build_card, button_data
 from kazma.approvals.hashing import UnrenderableArguments, args_hash, canonical_json
+from kazma.approvals.honesty import Findings, Hidden, HiddenFinding, examine, reveal, unreveal, warnings_for
+from kazma.approvals.lookalikes import LookAlike, LookAlikeKind
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
 from kazma.approvals.policy import PolicyVerdict, SafetyPolicy
 from kazma.approvals.schema import MIGRATIONS
@@ -24,9 +26,15 @@ __all__ = [
     "ApprovalStore",
     "ButtonError",
     "CardArgument",
+    "CardIntegrityError",
     "CardPublisher",
     "Decision",
     "ExecutionMismatch",
+    "Findings",
+    "Hidden",
+    "HiddenFinding",
+    "LookAlike",
+    "LookAlikeKind",
     "Outcome",
     "PolicyVerdict",
     "PressResult",
@@ -38,5 +46,9 @@ __all__ = [
     "build_card",
     "button_data",
     "canonical_json",
+    "examine",
     "parse_button",
+    "reveal",
+    "unreveal",
+    "warnings_for",
 ]

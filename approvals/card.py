@@ -1,9 +1,19 @@
-"""The platform-neutral approval card: the whole call, bounded, with cuts marked in the model.
+"""The platform-neutral approval card: the whole call, bounded and honest, with cuts and findings in the model.
 
 A cut is a flag with the value's true length, not text inside the value, so a
 renderer can show it distinctly and an argument cannot pretend to be cut (or
 complete). A long value keeps its head *and* its tail: a harmless prefix must
 not hide a destructive end.
+
+Every text on a card is *shown* text (:mod:`kazma.approvals.honesty`):
+hidden, direction-changing and control characters are escaped as
+``⟨U+XXXX NAME⟩`` before anything is bounded, so a renderer that writes
+``name``, ``head`` and ``tail`` as they are shows what runs. Cuts fall between
+escapes, never inside one. What was found rides on each argument
+(``findings``, ``name_findings``) and as plain sentences on the card
+(``warnings``), computed over the *whole* value, cut part included. A card is
+built only for a request whose stored arguments still hash to the hash it
+shows.
 """
 
 from __future__ import annotations
@@ -13,21 +23,58 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from kazma.approvals.hashing import UnrenderableArguments, canonical_json
+from kazma.approvals.hashing import UnrenderableArguments, args_hash, canonical_json, text_hash
+from kazma.approvals.honesty import (
+    ESCAPE_OPEN,
+    MAX_ESCAPE_LENGTH,
+    NO_FINDINGS,
+    Findings,
+    examine,
+    reveal,
+    safe_prefix,
+    safe_suffix,
+    warnings_for,
+)
 from kazma.approvals.model import ApprovalRequest, Decision
 
 BUTTON_PREFIX = "kz1"
 MAX_NAME_LENGTH = 100
-_NAME_OK = re.compile(r"^[^\x00-\x1f\x7f]+$")
+MIN_VALUE_LIMIT = MAX_ESCAPE_LENGTH  # a cut value must be able to show its last escape whole
+MAX_CARD_WARNINGS = 6
+MAX_QUOTED_NAME = 40
+# C0, DEL and C1: a name with a control character is refused, not escaped (a name is chosen by a tool's
+# schema; a control character in one is never legitimate). Other hidden characters in names are escaped.
+_NAME_OK = re.compile(r"^[^\x00-\x1f\x7f-\x9f]+$")
+
+
+class CardIntegrityError(Exception):
+    """The stored arguments do not hash to the hash the card would show: no card is built, the call must not run."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id}: {reason}; no card is shown for it")
+        self.request_id = request_id
+        self.reason = reason
 
 
 @dataclass(frozen=True)
 class CardArgument:
+    """One argument as a person must see it.
+
+    ``name``, ``head`` and ``tail`` are shown text (escaped). ``original_length``
+    counts *shown* characters of the whole value, in the same unit as ``head``
+    and ``tail``, so ``omitted`` is what the cut hides of the shown value;
+    ``value_length`` counts characters of the value as it runs (None when a
+    renderer rebuilt the argument without carrying it over).
+    """
+
     name: str
-    head: str  # the whole value when not cut
-    tail: str  # the last characters of a cut value; empty when not cut
+    head: str  # the whole shown value when not cut
+    tail: str  # the last shown characters of a cut value; empty when not cut
     cut: bool
-    original_length: int  # characters in the full rendered value
+    original_length: int  # shown characters in the full value
+    findings: Findings = NO_FINDINGS  # of the whole value, as it runs
+    name_findings: Findings = NO_FINDINGS
+    value_length: int | None = None  # characters in the full value as it runs
 
     @property
     def omitted(self) -> int:
@@ -35,8 +82,13 @@ class CardArgument:
 
     @property
     def full(self) -> str | None:
-        """The complete value, or None when it was cut."""
+        """The complete shown value, or None when it was cut."""
         return None if self.cut else self.head
+
+    @property
+    def flagged(self) -> bool:
+        """True when the name or value holds something a person must be warned about."""
+        return self.findings.warns or self.name_findings.warns
 
 
 @dataclass(frozen=True)
@@ -50,6 +102,7 @@ class ApprovalCard:
     args_hash: str
     deadline: datetime
     link: str
+    warnings: tuple[str, ...] = ()  # plain sentences to show prominently; empty when nothing was found
 
     def button_data(self, decision: Decision) -> str:
         return button_data(self.request_id, decision)
@@ -58,6 +111,10 @@ class ApprovalCard:
     def any_cut(self) -> bool:
         return any(a.cut for a in self.arguments)
 
+    @property
+    def has_warnings(self) -> bool:
+        return bool(self.warnings)
+
 
 def button_data(request_id: str, decision: Decision) -> str:
     """``kz1:<id>:a|d``: fits Telegram's 64-byte ``callback_data``."""
@@ -65,17 +122,31 @@ def button_data(request_id: str, decision: Decision) -> str:
 
 
 def render_value(value: Any) -> str:
-    """Text as itself; everything else as compact canonical JSON."""
+    """Text as itself; everything else as compact canonical JSON (the value as it runs, before escaping)."""
     return value if isinstance(value, str) else canonical_json(value)
 
 
 def bound_value(name: str, value: Any, limit: int) -> CardArgument:
+    """The argument ``name`` = ``value`` escaped, then bounded to ``limit`` shown characters."""
+    if limit < MIN_VALUE_LIMIT:
+        raise ValueError(f"value limit {limit} is below {MIN_VALUE_LIMIT}: an escape could not be shown whole")
     text = render_value(value)
-    if len(text) <= limit:
-        return CardArgument(name=name, head=text, tail="", cut=False, original_length=len(text))
-    tail_len = max(limit // 4, 1)
-    head_len = limit - tail_len
-    return CardArgument(name=name, head=text[:head_len], tail=text[-tail_len:], cut=True, original_length=len(text))
+    shown = reveal(text)
+    head, tail, cut = shown, "", False
+    if len(shown) > limit:
+        # When the last characters fall inside the final escape, show that escape whole.
+        tail = safe_suffix(shown, max(limit // 4, 1)) or shown[shown.rfind(ESCAPE_OPEN) :]
+        head, cut = safe_prefix(shown, limit - len(tail)), True
+    return CardArgument(
+        name=reveal(name),
+        head=head,
+        tail=tail,
+        cut=cut,
+        original_length=len(shown),
+        findings=examine(text),
+        name_findings=examine(name),
+        value_length=len(text),
+    )
 
 
 def check_names(args: dict[str, Any]) -> None:
@@ -88,17 +159,64 @@ def check_names(args: dict[str, Any]) -> None:
             raise UnrenderableArguments(f"argument name {name!r} is empty or has control characters")
 
 
+def verify_integrity(request: ApprovalRequest) -> None:
+    """Refuse a request whose stored arguments (text or parsed) do not hash to ``request.args_hash``."""
+    try:
+        stored = text_hash(request.args_json)
+        parsed = args_hash(request.args)
+    except (ValueError, TypeError) as exc:
+        raise CardIntegrityError(request.id, f"the stored arguments cannot be hashed ({exc})") from None
+    if stored != request.args_hash:
+        raise CardIntegrityError(
+            request.id, f"the stored arguments hash to {stored[:12]}…, not to the card's {request.args_hash[:12]}…"
+        )
+    if parsed != request.args_hash:
+        raise CardIntegrityError(
+            request.id,
+            f"the arguments to show hash to {parsed[:12]}…, not to the card's {request.args_hash[:12]}…",
+        )
+
+
+def _quoted(shown: str) -> str:
+    short = shown if len(shown) <= MAX_QUOTED_NAME else safe_prefix(shown, MAX_QUOTED_NAME - 1) + "…"
+    return f"'{short}'"
+
+
+def card_warnings(places: list[tuple[str, Findings]]) -> tuple[str, ...]:
+    """Every place's warning sentences, in order, at most :data:`MAX_CARD_WARNINGS` of them."""
+    sentences = [s for where, findings in places for s in warnings_for(findings, where)]
+    if len(sentences) <= MAX_CARD_WARNINGS:
+        return tuple(sentences)
+    rest = len(sentences) - MAX_CARD_WARNINGS + 1
+    return (
+        *sentences[: MAX_CARD_WARNINGS - 1],
+        f"{rest} more warnings of hidden or look-alike characters: review the whole call on its approval page.",
+    )
+
+
 def build_card(request: ApprovalRequest, *, value_limit: int, public_url: str) -> ApprovalCard:
+    """The card for ``request``; raises :class:`CardIntegrityError` or :class:`UnrenderableArguments`."""
+    verify_integrity(request)
     check_names(request.args)
     arguments = tuple(bound_value(name, request.args[name], value_limit) for name in sorted(request.args))
+    places = [
+        ("the tool name", examine(request.tool)),
+        ("the requester", examine(request.requested_by)),
+        ("the origin", examine(request.conversation)),
+    ]
+    for arg in arguments:
+        places.append((f"the name of argument {_quoted(arg.name)}", arg.name_findings))
+        places.append((f"argument {_quoted(arg.name)}", arg.findings))
+    tool = reveal(request.tool)
     return ApprovalCard(
         request_id=request.id,
-        title=f"Approval needed: {request.tool}",
-        tool=request.tool,
-        requester=request.requested_by,
-        origin=request.conversation,
+        title=f"Approval needed: {tool}",
+        tool=tool,
+        requester=reveal(request.requested_by),
+        origin=reveal(request.conversation),
         arguments=arguments,
         args_hash=request.args_hash,
         deadline=request.deadline,
         link=f"{public_url.rstrip('/')}/swarm?approval={request.id}",
+        warnings=card_warnings(places),
     )

@@ -56,4 +56,9 @@ def canonical_json(value: Any) -> str:
 
 def args_hash(args: Mapping[str, Any]) -> str:
     """SHA-256 (hex) of the canonical JSON of ``args`` encoded as UTF-8."""
-    return hashlib.sha256(canonical_json(args).encode("utf-8")).hexdigest()
+    return text_hash(canonical_json(args))
+
+
+def text_hash(args_json: str) -> str:
+    """SHA-256 (hex) of already-canonical JSON text, e.g. a stored ``args_json``."""
+    return hashlib.sha256(args_json.encode("utf-8")).hexdigest()
