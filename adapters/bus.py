@@ -20,7 +20,7 @@ import structlog
 
 from kazma.adapters.contract import CardRef, Handlers, PlatformAdapter, PlatformError
 from kazma.adapters.outbox import Outbox, PostJob
-from kazma.approvals.card import ApprovalCard, build_card
+from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.model import ApprovalRequest, Status
 from kazma.approvals.store import ApprovalStore, PostedCard
 from kazma.config.backoff import Backoff
@@ -112,7 +112,8 @@ class FanOutBus:
     # -- CardPublisher ---------------------------------------------------------------------------
 
     def can_show_cards(self) -> bool:
-        return any(a.home_chat for a in self.adapters.values())
+        """A platform that has a home chat *and started* can show a card; configured is not enough."""
+        return any(a.home_chat and name in self._started for name, a in self.adapters.items())
 
     async def publish(self, card: ApprovalCard) -> None:
         targets = [name for name, a in self.adapters.items() if a.home_chat]
@@ -188,7 +189,12 @@ class FanOutBus:
         if request.status is not Status.PENDING:
             await self.outbox.done(job, "skipped", f"request already {request.status.value}")
             return
-        card = self._card_for(request)
+        try:
+            card = self._card_for(request)
+        except CardIntegrityError as exc:
+            await self._refuse_tampered(request, exc)
+            await self.outbox.done(job, "refused", exc.reason)
+            return
         try:
             ref = await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
         except (PlatformError, TimeoutError) as exc:
@@ -214,6 +220,20 @@ class FanOutBus:
         await self.outbox.done(job, "posted")
         log.info("bus.card_posted", platform=adapter.name, request_id=request.id, chat=ref.chat, message=ref.message_id)
 
+    async def _refuse_tampered(self, request: ApprovalRequest, exc: CardIntegrityError) -> None:
+        """A request whose stored call does not hash to its hash: no card, and it ends now, never to run."""
+        count_failure("card_integrity")
+        log.error("bus.card_refused", request_id=request.id, reason=exc.reason)
+        await self.store.audit(request.id, "card_refused", detail=exc.reason)
+        await self.store.finish(
+            request.id,
+            Status.CANCELLED,
+            actor=None,
+            platform=None,
+            reason=f"its stored call was changed outside Kazma ({exc.reason}); nothing ran",
+        )
+        await self.settle(request.id)
+
     def _card_for(self, request: ApprovalRequest) -> ApprovalCard:
         return build_card(request, value_limit=self.config.approvals.value_limit, public_url=self.config.web.public_url)
 
@@ -236,7 +256,11 @@ class FanOutBus:
         outcome = request.outcome()
         if outcome is None:
             return
-        card = self._card_for(request)
+        try:
+            card = self._card_for(request)
+        except CardIntegrityError:
+            # Settled all the same (the buttons must go), but showing no value from the changed row.
+            card = integrity_card(request, public_url=self.config.web.public_url)
         ref = CardRef(posted.platform, posted.chat, posted.message_id)
         try:
             await asyncio.wait_for(adapter.settle_card(ref, card, outcome), timeout=self.platform_timeout)

@@ -28,6 +28,7 @@ from enum import StrEnum
 from typing import Final, Generic, Protocol, TypeVar
 
 from kazma.approvals.card import ApprovalCard, CardArgument
+from kazma.approvals.honesty import safe_prefix, safe_suffix
 from kazma.approvals.model import Decision, Outcome, Status
 
 # -- wording: every label a card shows, once ----------------------------------------------------
@@ -180,16 +181,19 @@ class CardTooLarge(ValueError):
 
 
 def _shown(arg: CardArgument, limit: int | None) -> ShownArgument:
-    """``arg`` with at most ``limit`` characters of value (None: as the card model holds it), both ends kept."""
+    """``arg`` with at most ``limit`` characters of value (None: as the card model holds it), both ends kept.
+
+    The text is the card model's *shown* text, so a cut falls between ``⟨U+…⟩`` escapes, never inside one.
+    """
     head, tail, cut = arg.head, arg.tail, arg.cut
     if limit is not None and len(head) + len(tail) > limit:
         keep_tail = max(limit // 3, 1)
         if not cut:  # both excerpts come from the whole value
-            tail = head[len(head) - keep_tail :]
-            head = head[: limit - keep_tail]
+            tail = safe_suffix(head, keep_tail)
+            head = safe_prefix(head, limit - keep_tail)
         else:
-            tail = tail[len(tail) - min(len(tail), keep_tail) :]
-            head = head[: max(limit - len(tail), 0)]
+            tail = safe_suffix(tail, min(len(tail), keep_tail))
+            head = safe_prefix(head, max(limit - len(tail), 0))
         cut = True
     if not cut:
         return ShownArgument(arg.name, head, "", False, "")
@@ -261,8 +265,8 @@ def view_of(
 
 
 def card_warnings(card: ApprovalCard) -> list[str]:
-    """Warnings a person must read before deciding, as the card model carries them."""
-    return list(getattr(card, "warnings", ()))
+    """Warnings a person must read before deciding (hidden characters, look-alikes, how the call would run)."""
+    return list(card.warnings)
 
 
 def lay_out(

@@ -29,6 +29,7 @@ class Inbound:
     from_bot: bool = False  # posted by a bot (our own dispatches included)
     command: str | None = None  # "swarm" for `/swarm …`; None for plain messages
     is_admin: bool = False  # the author is in this platform's configured admins
+    direct: bool = False  # a direct message to the bot, not a group conversation
 
 
 @dataclass(frozen=True)

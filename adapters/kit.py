@@ -276,7 +276,11 @@ class PlatformBase(ABC):
 
     # -- inbound ---------------------------------------------------------------------------------
 
-    def serves(self, chat: str) -> bool:
+    def serves(self, chat: str, *, direct: bool = False) -> bool:
+        """Listed chats and the home chat; every group chat with ``"*"``. A direct message is served only
+        when its chat is listed: ``"*"`` means every group the bot is in, never every person who writes to it."""
+        if direct:
+            return chat in self.served.chats or chat == self.served.home
         return chat in self.served
 
     def is_admin(self, user_id: object) -> bool:
@@ -287,7 +291,7 @@ class PlatformBase(ABC):
 
     async def deliver(self, inbound: Inbound) -> None:
         """The one inbound door: only served chats pass; a failing handler is counted and logged, never raised."""
-        if not self.serves(inbound.chat):
+        if not self.serves(inbound.chat, direct=inbound.direct):
             log.info(f"{self.name}.inbound_ignored", platform=self.name, chat=inbound.chat, reason="chat_not_served")
             return
         handlers = self._handlers

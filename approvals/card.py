@@ -218,5 +218,29 @@ def build_card(request: ApprovalRequest, *, value_limit: int, public_url: str) -
         args_hash=request.args_hash,
         deadline=request.deadline,
         link=f"{public_url.rstrip('/')}/swarm?approval={request.id}",
-        warnings=card_warnings(places),
+        # How the call would run (e.g. "runs unsandboxed on this host") comes first: it is about every value.
+        warnings=tuple(reveal(note) for note in request.notes) + card_warnings(places),
+    )
+
+
+INTEGRITY_WARNING = (
+    "The stored call no longer matches the hash it was opened with: it was changed outside Kazma. "
+    "Nothing from it will run."
+)
+
+
+def integrity_card(request: ApprovalRequest, *, public_url: str) -> ApprovalCard:
+    """What a card shows for a request whose stored arguments fail :func:`verify_integrity`: no values at all."""
+    tool = reveal(request.tool)
+    return ApprovalCard(
+        request_id=request.id,
+        title=f"Approval refused: {tool}",
+        tool=tool,
+        requester=reveal(request.requested_by),
+        origin=reveal(request.conversation),
+        arguments=(),
+        args_hash=request.args_hash,
+        deadline=request.deadline,
+        link=f"{public_url.rstrip('/')}/swarm?approval={request.id}",
+        warnings=(INTEGRITY_WARNING,),
     )

@@ -55,6 +55,8 @@ class ApprovalRequest:
     decided_via: str | None = None
     decided_at: datetime | None = None
     reason: str | None = None
+    notes: tuple[str, ...] = ()  # how the call would run, said on every card (e.g. "runs unsandboxed on this host")
+    durable: bool = False  # its waiter survives a restart (a paused pipeline's checkpoint): never an orphan
 
     def outcome(self) -> Outcome | None:
         if not self.status.final:

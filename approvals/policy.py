@@ -46,7 +46,9 @@ class SafetyPolicy:
         conversation: str,
         task_id: str | None = None,
         deadline: float | None = None,
+        notes: tuple[str, ...] = (),
     ) -> PolicyVerdict:
+        """``notes``: how the call would run, said on its card (e.g. "runs unsandboxed on this host")."""
         level = self.level(tool)
         if level is not DangerLevel.DANGEROUS:
             return PolicyVerdict(True, f"{tool} is classified {level.value}")
@@ -61,7 +63,7 @@ class SafetyPolicy:
             )
         try:
             request = await self.service.open(
-                tool, args, requested_by, conversation, deadline=deadline, task_id=task_id
+                tool, args, requested_by, conversation, deadline=deadline, task_id=task_id, notes=notes
             )
         except ApprovalRefused as exc:
             return PolicyVerdict(False, str(exc))

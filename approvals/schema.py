@@ -79,4 +79,14 @@ MIGRATIONS = [
         # Whether the posted card showed the whole call: an Approve pressed on a card that did not is refused.
         ("ALTER TABLE approval_cards ADD COLUMN whole INTEGER NOT NULL DEFAULT 1",),
     ),
+    Migration(
+        "approvals",
+        3,
+        (
+            # How the call would run, said on its cards; JSON list of sentences.
+            "ALTER TABLE approval_requests ADD COLUMN notes TEXT NOT NULL DEFAULT '[]'",
+            # 1: its waiter survives a restart (a paused pipeline's checkpoint), so it is never an orphan.
+            "ALTER TABLE approval_requests ADD COLUMN durable INTEGER NOT NULL DEFAULT 0",
+        ),
+    ),
 ]

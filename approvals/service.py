@@ -30,6 +30,7 @@ log = structlog.get_logger("kazma.approvals")
 _BUTTON = re.compile(r"^(?P<version>kz\d+):(?P<id>[A-Za-z0-9_-]{16,64}):(?P<code>[a-z])$")
 _CODES = {"a": Decision.APPROVE, "d": Decision.DENY}
 STORE_SITE = "approval_resolve"
+_RECORD_GRACE = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)  # seconds, about 1.6 in all
 
 
 class CardPublisher(Protocol):
@@ -44,6 +45,62 @@ class CardPublisher(Protocol):
     async def settle(self, request_id: str) -> None:
         """A request of ours reached an outcome: edit its cards. Must not raise."""
         ...
+
+
+@dataclass(frozen=True)
+class CardLocation:
+    """Where a pressed card is, as far as the platform says (None: it does not say)."""
+
+    chat: str | None
+    message_id: str | None
+
+
+class RefusalWindow:
+    """At most one audited refusal per actor per window: presses refused over and over cannot fill the store."""
+
+    def __init__(self, *, window: float = 60.0, clock: Clock = time.time, limit: int = 10_000) -> None:
+        self.window = window
+        self.clock = clock
+        self.limit = limit
+        self._last: dict[str, float] = {}
+
+    def first_in_window(self, actor: str) -> bool:
+        now = self.clock()
+        last = self._last.get(actor)
+        if last is not None and now - last < self.window:
+            return False
+        if len(self._last) >= self.limit:  # bounded memory: forget the stalest half
+            for stale in sorted(self._last, key=self._last.__getitem__)[: self.limit // 2]:
+                del self._last[stale]
+        self._last[actor] = now
+        return True
+
+
+RESTARTED = "Kazma restarted before a decision; nothing ran"
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What start-up found: requests it cancelled as orphans, approved calls that never ran."""
+
+    cancelled: list[ApprovalRequest]
+    never_ran: list[ApprovalRequest]
+
+    def messages(self) -> list[tuple[str, str]]:
+        """(conversation, what to tell it), one per request."""
+        told = [
+            (r.conversation, f"The approval request for {r.tool} ({r.id}) was cancelled: {RESTARTED}.")
+            for r in self.cancelled
+        ]
+        told += [
+            (
+                r.conversation,
+                f"{r.tool} ({r.id}) was approved by {r.decided_by}, but Kazma stopped before it ran; "
+                "it did not run and will not run on its own. Ask again if it is still wanted.",
+            )
+            for r in self.never_ran
+        ]
+        return told
 
 
 class ApprovalRefused(Exception):
@@ -95,6 +152,14 @@ class ApprovalService:
         self.clock = clock
         self.poll_interval = poll_interval
         self._decided: dict[str, asyncio.Event] = {}
+        self._refusals = RefusalWindow(clock=clock)
+        self.halted: str | None = None  # why no decision is taken right now (the store vanished), or None
+
+    def halt(self, reason: str) -> None:
+        """Stop deciding: every press and decision is refused with ``reason`` until the process restarts."""
+        if self.halted is None:
+            self.halted = reason
+            log.error("approvals.halted", reason=reason)
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -106,8 +171,15 @@ class ApprovalService:
         conversation: str,
         deadline: float | None = None,
         task_id: str | None = None,
+        *,
+        notes: tuple[str, ...] = (),
+        durable: bool = False,
     ) -> ApprovalRequest:
         """Record a new request and put its card on every platform.
+
+        ``notes`` say how the call would run (shown on every card); ``durable``
+        marks a request whose waiter survives a restart (a paused pipeline's
+        checkpoint), so start-up never cancels it as an orphan.
 
         ``deadline`` is in seconds from now (default ``approvals.deadline_seconds``).
         Raises :class:`ApprovalRefused` when the arguments cannot be shown faithfully.
@@ -131,6 +203,8 @@ class ApprovalService:
             conversation=conversation,
             deadline=self.clock() + seconds,
             task_id=task_id,
+            notes=notes,
+            durable=durable,
         )
         log.info(
             "approvals.opened", request_id=request.id, tool=tool, requested_by=requested_by, hash=request.args_hash
@@ -140,6 +214,10 @@ class ApprovalService:
             await self.publisher.publish(self.card(request))
         return request
 
+    def link(self, request_id: str) -> str:
+        """The request's approval page, where the whole call is shown and can be decided."""
+        return f"{self.config.web.public_url.rstrip('/')}/swarm?approval={request_id}"
+
     def card(self, request: ApprovalRequest) -> ApprovalCard:
         return build_card(request, value_limit=self.config.approvals.value_limit, public_url=self.config.web.public_url)
 
@@ -148,18 +226,34 @@ class ApprovalService:
     def is_approver(self, actor: str, platform: str) -> bool:
         return self.config.roster.is_approver(actor, platform)
 
-    async def decide_from_button(self, data: str, *, actor: str, platform: str) -> PressResult:
-        """A button press from any platform: validate, authorise, then compare-and-set."""
-        with PRESS_TO_DECISION.time():
-            return await self._press(data, actor=actor, platform=platform)
+    async def decide_from_button(
+        self,
+        data: str,
+        *,
+        actor: str,
+        platform: str,
+        chat: str | None = None,
+        message_id: str | None = None,
+    ) -> PressResult:
+        """A button press from any platform: validate, authorise, check the card it came from, then compare-and-set.
 
-    async def _press(self, data: str, *, actor: str, platform: str) -> PressResult:
-        try:
-            parsed = parse_button(data)
-        except ButtonError as exc:
-            await self._refused(None, actor, platform, f"{exc}: {data[:100]!r}")
-            return PressResult(PressVerdict.REFUSED, "This button is not valid; nothing was recorded.")
-        return await self.decide(parsed.request_id, parsed.decision, actor=actor, platform=platform)
+        ``chat`` and ``message_id`` say where the pressed card is, when the
+        platform says: a press counts only from a card of that request posted
+        there, and Approve only from a card that showed the whole call.
+        """
+        with PRESS_TO_DECISION.time():
+            try:
+                parsed = parse_button(data)
+            except ButtonError as exc:
+                await self._refused(None, actor, platform, f"{exc}: {data[:100]!r}")
+                return PressResult(PressVerdict.REFUSED, "This button is not valid; nothing was recorded.")
+            return await self.decide(
+                parsed.request_id,
+                parsed.decision,
+                actor=actor,
+                platform=platform,
+                card=CardLocation(chat, message_id),
+            )
 
     async def decide(
         self,
@@ -169,8 +263,22 @@ class ApprovalService:
         actor: str,
         platform: str,
         reason: str | None = None,
+        card: CardLocation | None = None,
     ) -> PressResult:
-        """Authorise ``actor``, then decide ``request_id`` once: whether this call won and, if not, what stands."""
+        """Authorise ``actor``, then decide ``request_id`` once: whether this call won and, if not, what stands.
+
+        ``card``: the decision came from a button on a posted card (chat
+        platforms); None for the approval page and the CLI, where the whole
+        call is shown.
+        """
+        if self.halted is not None:
+            count_failure(STORE_SITE)
+            log.warning("approvals.decision_halted", request_id=request_id, actor=actor, reason=self.halted)
+            return PressResult(
+                PressVerdict.REFUSED,
+                f"Kazma is not deciding right now: {self.halted}. Nothing was recorded.",
+                request_id=request_id,
+            )
         if not self.is_approver(actor, platform):
             await self._refused(request_id, actor, platform, "not an approver")
             return PressResult(
@@ -178,6 +286,12 @@ class ApprovalService:
                 f"You ({actor}) are not an approver here; nothing was recorded.",
                 request_id=request_id,
             )
+        if card is not None:
+            problem = await self._card_problem(request_id, decision, platform, card)
+            if problem is not None:
+                why, message = problem
+                await self._refused(request_id, actor, platform, why)
+                return PressResult(PressVerdict.REFUSED, message, request_id=request_id)
         try:
             won, request = await self.store.finish(
                 request_id,
@@ -227,8 +341,58 @@ class ApprovalService:
         outcome = request.outcome() or await self._expire(request_id)
         return PressResult(PressVerdict.LOST, f"Already {outcome.summary()}.", outcome, request_id)
 
+    async def _card_problem(
+        self, request_id: str, decision: Decision, platform: str, where: CardLocation
+    ) -> tuple[str, str] | None:
+        """Why a press from ``where`` must not count: (what the audit says, what the presser is told)."""
+        try:
+            cards = [c for c in await self.store.cards(request_id) if c.platform == platform]
+            # A press can land between a card's post and the bus recording it (a person is not that fast,
+            # a script is): give the record a moment before judging the press by it.
+            for pause in _RECORD_GRACE if not cards and (where.chat or where.message_id) else ():
+                await asyncio.sleep(pause)
+                cards = [c for c in await self.store.cards(request_id) if c.platform == platform]
+                if cards:
+                    break
+        except (sqlite3.Error, OSError):
+            return None  # the compare-and-set below meets the same store and answers for it
+        if not cards and where.chat is None and where.message_id is None:
+            return None  # the platform says nothing of where the press was, and no card here to hold it to
+        if not cards:
+            request = await self.store.get(request_id)
+            if request is None:
+                return None  # the compare-and-set reports the unknown id
+            return ("no card of this request was posted here", "This button is not on a card of that request.")
+        here = [
+            c
+            for c in cards
+            if (where.chat is None or c.chat == where.chat)
+            and (where.message_id is None or c.message_id == where.message_id)
+        ]
+        if not here:
+            return (
+                f"pressed in {where.chat}/{where.message_id}, where no card of this request was posted",
+                "This button is not on a card of that request.",
+            )
+        if (
+            decision is Decision.APPROVE
+            and not self.config.approvals.approve_cut_in_chat
+            and not all(c.whole for c in here)
+        ):
+            return (
+                "approve pressed on a card that does not show the whole call",
+                f"This card does not show the whole call, so it cannot be approved here. Review it and approve it "
+                f"on its page: {self.link(request_id)}",
+            )
+        return None
+
     async def _refused(self, request_id: str | None, actor: str, platform: str, why: str) -> None:
         log.warning("approvals.press_refused", request_id=request_id, actor=actor, platform=platform, reason=why)
+        if not self._refusals.first_in_window(actor):
+            # Someone pressing over and over: the first refusal in the window is audited, the rest only counted,
+            # so refused presses cannot fill the store.
+            count_failure("press_refused_unaudited", platform)
+            return
         await self._audit_safely(request_id, "press_refused", actor, platform, why)
 
     async def _audit_safely(
@@ -311,6 +475,35 @@ class ApprovalService:
         assert outcome is not None
         return outcome
 
+    async def recover(self) -> Recovery:
+        """At start, before any platform: end what the process that died left hanging, and say so.
+
+        Every pending request whose waiter died with that process ends
+        ``cancelled`` ("Kazma restarted before a decision; nothing ran"); its
+        cards settle to that outcome as the bus comes up. Requests owned by a
+        durable waiter (a paused pipeline's checkpoint) stay pending. Every
+        approved call that never started running is reported once, never
+        silently dropped.
+        """
+        cancelled: list[ApprovalRequest] = []
+        for request in await self.store.requests(pending_only=True, limit=1_000_000):
+            if request.durable:
+                continue
+            won, after = await self.store.finish(
+                request.id, Status.CANCELLED, actor=None, platform=None, reason=RESTARTED
+            )
+            if won and after is not None:
+                APPROVALS_DECIDED.labels(outcome="cancelled", platform="").inc()
+                log.warning("approvals.orphan_cancelled", request_id=request.id, tool=request.tool)
+                cancelled.append(after)
+        never_ran: list[ApprovalRequest] = []
+        for request in await self.store.approved_not_started():
+            await self._audit_safely(request.id, "execution_lost", None, None, "approved, but Kazma stopped first")
+            count_failure("approval_never_ran")
+            log.warning("approvals.approved_never_ran", request_id=request.id, tool=request.tool)
+            never_ran.append(request)
+        return Recovery(cancelled, never_ran)
+
     async def expire_overdue(self) -> list[Outcome]:
         """End every request past its deadline (requests whose waiter died with a process)."""
         return [await self._expire(request_id) for request_id in await self.store.overdue()]
@@ -325,11 +518,29 @@ class ApprovalService:
     # -- executing -------------------------------------------------------------------------------
 
     async def verify_execution(self, request_id: str, tool: str, args: Mapping[str, Any]) -> None:
-        """Refuse to run anything but the exact call that was approved."""
+        """Refuse to run anything but the exact call that was approved, by a person, on the record.
+
+        An ``approved`` row counts only with the ``decided`` audit row the
+        compare-and-set wrote in the same transaction (same actor, same hash):
+        a row changed behind Kazma's back does not run, and is reported.
+        """
         request = await self.store.get(request_id)
         if request is None or request.status is not Status.APPROVED:
             state = "unknown" if request is None else request.status.value
             raise ExecutionMismatch(f"request {request_id} is {state}, not approved")
+        decided = [
+            e
+            for e in await self.store.events(request_id, event="decided")
+            if e.actor == request.decided_by and e.args_hash == request.args_hash
+        ]
+        if not decided or not self.config.roster.is_approver(request.decided_by or "", request.decided_via or ""):
+            count_failure("approval_forged")
+            detail = "approved without its decided audit row" if not decided else "approved by someone who may not"
+            await self._audit_safely(request_id, "execution_refused", None, None, detail)
+            log.error("approvals.forged_approval", request_id=request_id, detail=detail, decided_by=request.decided_by)
+            raise ExecutionMismatch(
+                f"request {request_id} is marked approved, but {detail}: it was changed outside Kazma and will not run"
+            )
         if request.tool != tool:
             raise ExecutionMismatch(f"request {request_id} approved {request.tool!r}, not {tool!r}")
         actual = args_hash(args)
@@ -341,3 +552,4 @@ class ApprovalService:
             raise ExecutionMismatch(
                 f"the arguments changed after approval (approved {request.args_hash[:12]}…, now {actual[:12]}…)"
             )
+        await self._audit_safely(request_id, "execution_started", None, None, f"tool={tool}")

@@ -24,7 +24,7 @@ Clock = Callable[[], float]
 
 _COLUMNS = (
     "id, tool, args_json, args_hash, requested_by, conversation, task_id, created_at, deadline, "
-    "status, decided_by, decided_via, decided_at, reason"
+    "status, decided_by, decided_via, decided_at, reason, notes, durable"
 )
 
 
@@ -60,6 +60,8 @@ def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
         via,
         at,
         why,
+        notes,
+        durable,
     ) = tuple(row)
     return ApprovalRequest(
         id=rid,
@@ -77,6 +79,8 @@ def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
         decided_via=via,
         decided_at=ts(at),
         reason=why,
+        notes=tuple(str(n) for n in json.loads(notes or "[]")),
+        durable=bool(durable),
     )
 
 
@@ -101,6 +105,7 @@ class PostedCard:
     posted_at: datetime
     settled_at: datetime | None
     settled_status: str | None
+    whole: bool = True  # the card showed the whole call
 
 
 class ApprovalStore:
@@ -130,14 +135,28 @@ class ApprovalStore:
         conversation: str,
         deadline: float,
         task_id: str | None,
+        notes: tuple[str, ...] = (),
+        durable: bool = False,
     ) -> ApprovalRequest:
         request_id = new_request_id()
         now = self.clock()
         async with self.tables.transaction() as tx:
             await tx.run(
                 "INSERT INTO approval_requests (id, tool, args_json, args_hash, requested_by, conversation, task_id,"
-                " created_at, deadline, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending')",
-                (request_id, tool, args_json, args_hash, requested_by, conversation, task_id, now, deadline),
+                " created_at, deadline, status, notes, durable) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+                (
+                    request_id,
+                    tool,
+                    args_json,
+                    args_hash,
+                    requested_by,
+                    conversation,
+                    task_id,
+                    now,
+                    deadline,
+                    json.dumps(list(notes)),
+                    int(durable),
+                ),
             )
             await self._event(tx, request_id, "opened", requested_by, None, args_hash, f"tool={tool}")
         found = await self.get(request_id)
@@ -236,6 +255,20 @@ class ApprovalStore:
         )
         return [AuditEvent(r[0], r[1], r[2], r[3], r[4], datetime.fromtimestamp(r[5], UTC), r[6], r[7]) for r in rows]
 
+    async def approved_not_started(self) -> list[ApprovalRequest]:
+        """Approved requests with no ``execution_started`` (nor an ``execution_lost`` already reported)."""
+        # Only requests decided since executions are recorded (approvals schema v3): older ones ran, or not,
+        # before anyone wrote it down, and must not all be reported after an upgrade.
+        rows = await self.tables.all(
+            f"SELECT {_COLUMNS} FROM approval_requests r WHERE r.status = 'approved' AND r.durable = 0"  # noqa: S608
+            " AND r.decided_at >= COALESCE((SELECT applied_at FROM kazma_schema"
+            " WHERE component = 'approvals' AND version = 3), 0)"
+            " AND NOT EXISTS (SELECT 1 FROM approval_events e WHERE e.request_id = r.id"
+            " AND e.event IN ('execution_started', 'execution_lost', 'execution_refused'))"
+            " ORDER BY r.decided_at"
+        )
+        return [_row_to_request(row) for row in rows]
+
     async def overdue(self) -> list[str]:
         rows = await self.tables.all(
             "SELECT id FROM approval_requests WHERE status = 'pending' AND deadline <= ?", (self.clock(),)
@@ -263,7 +296,7 @@ class ApprovalStore:
 
     async def cards(self, request_id: str) -> list[PostedCard]:
         rows = await self.tables.all(
-            "SELECT request_id, platform, chat, message_id, posted_at, settled_at, settled_status"
+            "SELECT request_id, platform, chat, message_id, posted_at, settled_at, settled_status, whole"
             " FROM approval_cards WHERE request_id = ? ORDER BY posted_at",
             (request_id,),
         )
@@ -272,7 +305,8 @@ class ApprovalStore:
     async def unsettled_cards(self) -> list[PostedCard]:
         """Cards of requests that have an outcome but still show buttons."""
         rows = await self.tables.all(
-            "SELECT c.request_id, c.platform, c.chat, c.message_id, c.posted_at, c.settled_at, c.settled_status"
+            "SELECT c.request_id, c.platform, c.chat, c.message_id, c.posted_at, c.settled_at, c.settled_status,"
+            " c.whole"
             " FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
             " WHERE c.settled_at IS NULL AND r.status != 'pending' ORDER BY r.decided_at"
         )
@@ -301,5 +335,7 @@ class ApprovalStore:
 
 
 def _card(row: Iterable[Any]) -> PostedCard:
-    request_id, platform, chat, message_id, posted, settled, status = tuple(row)
-    return PostedCard(request_id, platform, chat, message_id, datetime.fromtimestamp(posted, UTC), ts(settled), status)
+    request_id, platform, chat, message_id, posted, settled, status, whole = tuple(row)
+    return PostedCard(
+        request_id, platform, chat, message_id, datetime.fromtimestamp(posted, UTC), ts(settled), status, bool(whole)
+    )

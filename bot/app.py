@@ -17,7 +17,7 @@ from kazma.adapters.contract import Handlers, Inbound, PlatformAdapter, Press
 from kazma.adapters.outbox import Outbox
 from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
-from kazma.bot.store import open_store
+from kazma.bot.store import StoreWatch, open_store
 from kazma.config import LoadedConfig, enabled_platforms
 from kazma.config.database import connect
 from kazma.config.metrics import count_failure
@@ -28,6 +28,7 @@ from kazma.engine.executor import PlanExecutor
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import OpenAIProvider
 from kazma.engine.plan_store import PlanStore
+from kazma.engine.sandbox import resolve_sandbox
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.lead_tools import swarm_tools
 from kazma.engine.swarm.service import CoalescingReporter, SwarmService
@@ -64,10 +65,13 @@ class App:
     provider: ModelProvider
     swarm: SwarmService
     sweep_interval: float = 5.0
+    store_watch: StoreWatch | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def on_press(self, press: Press) -> PressResult:
-        return await self.service.decide_from_button(press.data, actor=press.actor, platform=press.platform)
+        return await self.service.decide_from_button(
+            press.data, actor=press.actor, platform=press.platform, chat=press.chat, message_id=press.message_id
+        )
 
     async def on_inbound(self, message: Inbound) -> None:
         await self.conversations.on_inbound(message)
@@ -80,13 +84,29 @@ class App:
         if interrupted:
             log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
         await self.swarm.recover()  # its reports are coalesced and sent once the platforms are up
+        recovery = await self.service.recover()  # orphans end before anyone can press their stale buttons
         pruned = await self.swarm.store.prune(self.loaded.config.swarm.retention_days)
         if pruned:
             log.info("swarm.pruned", tasks=pruned, older_than_days=self.loaded.config.swarm.retention_days)
         await self.bus.start(Handlers(on_inbound=self.on_inbound, on_press=self.on_press))
+        for conversation, text in recovery.messages():
+            platform, _, chat = conversation.partition(":")
+            await self.bus.send_text(platform, chat, text, agent=self.conversations.lead.name)
         await self.executor.perform(tell_lead)
         self._tasks.append(asyncio.create_task(self._sweep(), name="kazma-approvals-sweep"))
+        store_path = self.loaded.config.store.path
+        if str(store_path) != ":memory:" and store_path.exists():
+            self.store_watch = StoreWatch(store_path, self._store_lost)
+            self._tasks.append(asyncio.create_task(self.store_watch.run(), name="kazma-store-watch"))
         log.info("app.started", platforms=sorted(self.bus.adapters), store=str(self.loaded.config.store.path))
+
+    async def _store_lost(self, reason: str) -> None:
+        """Stop deciding, and say why wherever people are: a decision now would be written nowhere."""
+        self.service.halt(reason)
+        await self.bus.broadcast(
+            f"Kazma has stopped deciding approvals: {reason}. Restart Kazma with its store in place.",
+            agent=self.conversations.lead.name,
+        )
 
     async def _sweep(self) -> None:
         """End requests whose waiter died with an earlier process, so their cards settle too."""
@@ -147,12 +167,18 @@ async def build_app(
     service = ApprovalService(store, config, publisher=bus)
     policy = SafetyPolicy(service)
     model = provider or OpenAIProvider(config.model)
+    state = config.store.path.parent
+    tools = registry or default_registry(
+        sandbox=resolve_sandbox(config.tools.sandbox),
+        shell_network=config.tools.shell_network,
+        hidden=[state.resolve()],  # the store, the tokens, the sessions: never visible to a command
+    )
     runner = AgentRunner(
         model,
-        registry or default_registry(),
+        tools,
         policy,
         HistoryStore(history_conn),
-        workspace_root=workspace_root or config.store.path.parent / "workspaces",
+        workspace_root=workspace_root or config.tools.workspaces(config.store.path),
     )
     agents = agents_from_config(config)
     lead = agents[config.agents.lead.name]

@@ -74,6 +74,8 @@ def config_check(obj: Context, path: Path | None) -> None:
             click.echo(f"  {'':<9} warn {warning}")
     if not any(s.enabled for s in platform_statuses(loaded)):
         click.echo("  every platform is off: `kazma run` will serve the web console alone")
+    for warning in loaded.config.warnings():
+        click.echo(f"  warning: {warning}")
 
 
 @main.command()

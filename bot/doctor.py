@@ -10,6 +10,7 @@ import httpx
 from kazma.bot.store import open_store
 from kazma.config import LoadedConfig, platform_statuses
 from kazma.config.database import schema_versions, transaction
+from kazma.engine.sandbox import resolve_sandbox
 
 
 class Level(StrEnum):
@@ -33,9 +34,27 @@ async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0) -> lis
         else:
             checks.append(Check(f"platform.{status.name}", Level.OK, f"off: {status.reason}"))
         checks.extend(Check(f"platform.{status.name}", Level.WARN, w) for w in status.warnings)
+    checks.extend(Check("config", Level.WARN, warning) for warning in loaded.config.warnings())
+    checks.append(check_sandbox(loaded))
     checks.append(await check_store(loaded))
     checks.append(await check_model(loaded, wait_seconds=model_timeout))
     return checks
+
+
+def check_sandbox(loaded: LoadedConfig) -> Check:
+    """How ``shell`` would run here: sandboxed, unsandboxed (a warning), or refused (a failure)."""
+    sandbox = resolve_sandbox(loaded.config.tools.sandbox)
+    if sandbox.refuses:
+        return Check("sandbox", Level.FAIL, sandbox.refusal or sandbox.describe())
+    if not sandbox.active:
+        return Check(
+            "sandbox",
+            Level.WARN,
+            "shell commands run unsandboxed on this host (every shell card says so): install bubblewrap "
+            "(apt-get install bubblewrap) or set tools.sandbox: none to accept it",
+        )
+    network = "on" if loaded.config.tools.shell_network else "off"
+    return Check("sandbox", Level.OK, f"shell commands run in bubblewrap (network {network})")
 
 
 async def check_store(loaded: LoadedConfig) -> Check:

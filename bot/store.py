@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiosqlite
+import structlog
 
 from kazma.adapters.outbox import MIGRATIONS as OUTBOX
 from kazma.approvals.schema import MIGRATIONS as APPROVALS
 from kazma.config import KazmaConfig
 from kazma.config.database import Migration, open_database
+from kazma.config.metrics import count_failure
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.plan_store import MIGRATIONS as PLANS
 from kazma.engine.swarm.store import MIGRATIONS as SWARM
+
+log = structlog.get_logger("kazma.store")
 
 
 def all_migrations() -> list[Migration]:
@@ -20,9 +28,77 @@ def all_migrations() -> list[Migration]:
     return [*APPROVALS, *OUTBOX, *PLANS, *HISTORY, *SWARM]
 
 
+def prepare_state_dir(store_path: Path) -> Path:
+    """The store's folder, private to Kazma's user (0700): it holds the store, the console tokens, the sessions."""
+    state = store_path.parent
+    if not state.exists():
+        state.mkdir(parents=True, mode=0o700)
+    elif state.stat().st_uid == os.getuid() and state.stat().st_mode & 0o077:
+        os.chmod(state, 0o700)  # created before this rule, or by hand: tighten what is ours
+    return state
+
+
+def private_files(store_path: Path) -> None:
+    """The store and its WAL files readable by Kazma's user only (0600)."""
+    for path in (
+        store_path,
+        store_path.with_name(store_path.name + "-wal"),
+        store_path.with_name(store_path.name + "-shm"),
+    ):
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_uid == os.getuid():
+                os.chmod(path, 0o600)
+
+
 async def open_store(config: KazmaConfig, path: Path | None = None) -> aiosqlite.Connection:
-    return await open_database(
-        path or config.store.path,
+    store_path = path or config.store.path
+    if str(store_path) != ":memory:":
+        prepare_state_dir(store_path)
+    conn = await open_database(
+        store_path,
         busy_timeout_ms=config.store.busy_timeout_ms,
         migrations=all_migrations(),
     )
+    if str(store_path) != ":memory:":
+        private_files(store_path)
+    return conn
+
+
+class StoreWatch:
+    """Notices the store file vanishing or being replaced under a running Kazma.
+
+    SQLite keeps writing to the file it opened, even after it was deleted or
+    swapped for another: decisions would land in a file nobody will ever read.
+    The watch compares the path's inode with the one opened, every
+    ``interval`` seconds, and calls ``on_lost`` once with the reason.
+    """
+
+    def __init__(self, path: Path, on_lost: Callable[[str], Awaitable[None]], *, interval: float = 2.0) -> None:
+        self.path = path
+        self.on_lost = on_lost
+        self.interval = interval
+        info = path.stat()
+        self._identity = (info.st_dev, info.st_ino)
+        self.lost: str | None = None
+
+    def check(self) -> str | None:
+        """Why the store is not the file Kazma opened any more, or None when it still is."""
+        try:
+            info = self.path.stat()
+        except FileNotFoundError:
+            return f"the store file {self.path} was deleted while Kazma was running"
+        except OSError as exc:
+            return f"the store file {self.path} cannot be reached: {exc}"
+        if (info.st_dev, info.st_ino) != self._identity:
+            return f"the store file {self.path} was replaced by another file while Kazma was running"
+        return None
+
+    async def run(self) -> None:
+        while self.lost is None:
+            await asyncio.sleep(self.interval)
+            reason = self.check()
+            if reason is not None:
+                self.lost = reason
+                count_failure("store_lost")
+                log.error("store.lost", path=str(self.path), reason=reason)
+                await self.on_lost(reason)

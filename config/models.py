@@ -25,7 +25,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from kazma.config.identity import Roster
-from kazma.config.registry import ACTOR_PLATFORMS
+from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS
 
 APPROVER_PLATFORMS = ACTOR_PLATFORMS
 _WORKER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -119,15 +119,33 @@ class StoreConfig(Strict):
     busy_timeout_ms: int = Field(default=5000, ge=0, le=600_000)
 
 
+_LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+
 class WebConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8765, ge=0, le=65535)  # 0: any free port
     public_url: HttpUrl = "http://127.0.0.1:8765"
+    # Serve the console on a non-loopback address over plain HTTP (tokens and sessions in the clear).
+    allow_insecure_http: bool = False
 
     @field_validator("public_url")
     @classmethod
     def _strip_slash(cls, value: str) -> str:
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _tls_off_loopback(self) -> WebConfig:
+        exposed = self.host not in _LOOPBACK_HOSTS and not self.host.startswith("127.")
+        if exposed and self.public_url.startswith("http://") and not self.allow_insecure_http:
+            raise PydanticCustomError(
+                "kazma_web",
+                "the console listens on {host} but public_url is http://: logins and sessions would cross the "
+                "network in the clear. Put it behind HTTPS (public_url: https://…), listen on 127.0.0.1, or set "
+                "web.allow_insecure_http: true",
+                {"subpath": "public_url", "host": self.host},
+            )
+        return self
 
 
 class ModelConfig(Strict):
@@ -356,6 +374,7 @@ class DiscordConfig(Strict):
     api_base_url: HttpUrl = "https://discord.com/api/v10"
     gateway_url: Annotated[str, BeforeValidator(_ws_url)] = ""
     channels: list[DiscordChannel] = Field(default_factory=list)
+    guilds: list[DiscordSnowflake] = Field(default_factory=list)  # empty: the served channels' own servers
     home_channel: OptionalDiscordSnowflake = None
     admins: list[DiscordSnowflake] = Field(default_factory=list)
 
@@ -381,13 +400,41 @@ class SwarmConfig(Strict):
     checkpoints: dict[str, list[int]] = Field(default_factory=dict)
 
 
-def _default_tools() -> dict[str, DangerLevel]:
-    return {
-        "read_file": DangerLevel.READ,
-        "http_get": DangerLevel.READ,
-        "write_file": DangerLevel.DANGEROUS,
-        "shell": DangerLevel.DANGEROUS,
-    }
+# The built-in tools and the level each has unless ``tools:`` says otherwise. Tools that change or run
+# things on this host are dangerous, and lowering them needs ``tools.allow_unapproved`` (see below).
+BUILTIN_TOOLS: dict[str, DangerLevel] = {
+    "read_file": DangerLevel.READ,
+    "http_get": DangerLevel.READ,
+    "write_file": DangerLevel.DANGEROUS,
+    "shell": DangerLevel.DANGEROUS,
+}
+# Tools Kazma adds to agents itself (never listed under agents.*.tools).
+INTERNAL_TOOLS = ("write_plan", "dispatch_swarm", "check_swarm_task")
+_TOOL_SETTINGS = ("sandbox", "shell_network", "workspace_root", "allow_unapproved")
+
+
+def _on_off(value: Any) -> Any:
+    """YAML reads on/off as booleans; a quoted "on"/"off" means the same."""
+    if isinstance(value, str) and value.strip().lower() in ("on", "off"):
+        return value.strip().lower() == "on"
+    return value
+
+
+class ToolsConfig(Strict):
+    """``tools:``: danger levels by tool name, plus how the built-in tools run."""
+
+    levels: dict[str, DangerLevel] = Field(default_factory=lambda: dict(BUILTIN_TOOLS))
+    sandbox: Literal["auto", "bwrap", "none"] = "auto"
+    shell_network: Annotated[bool, BeforeValidator(_on_off)] = False
+    workspace_root: Path | None = None
+    allow_unapproved: list[str] = Field(default_factory=list)
+
+    def workspaces(self, store_path: Path) -> Path:
+        """Where conversations' workspaces live: ``workspace_root``, or a sibling of the store's folder."""
+        if self.workspace_root is not None:
+            return self.workspace_root
+        state = store_path.parent
+        return state.parent / f"{state.name or 'kazma'}-workspaces"
 
 
 def _default_pipelines() -> dict[str, list[str]]:
@@ -402,7 +449,7 @@ class KazmaConfig(Strict):
     web: WebConfig = Field(default_factory=WebConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     agents: AgentsConfig = Field(default_factory=AgentsConfig)
-    tools: dict[str, DangerLevel] = Field(default_factory=_default_tools)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
     approvals: ApprovalsConfig = Field(default_factory=ApprovalsConfig)
     platforms: PlatformsConfig = Field(default_factory=PlatformsConfig)
     pipelines: dict[str, list[str]] = Field(default_factory=_default_pipelines)
@@ -411,17 +458,24 @@ class KazmaConfig(Strict):
     @field_validator("tools", mode="before")
     @classmethod
     def _tool_levels(cls, value: Any) -> Any:
+        """``tools:`` mixes two kinds of key: settings, and tool names with their level (over the defaults)."""
         if not isinstance(value, dict):
             return value
-        levels = [level.value for level in DangerLevel]
-        for tool, level in value.items():
-            if level not in levels:
+        names = [level.value for level in DangerLevel]
+        levels = dict(BUILTIN_TOOLS)
+        settings = {}
+        for key, item in value.items():
+            if key in _TOOL_SETTINGS:
+                settings[key] = item
+                continue
+            if item not in names:
                 raise PydanticCustomError(
                     "kazma_tool_level",
                     "expected one of {levels}, got {got}",
-                    {"subpath": str(tool), "levels": ", ".join(levels), "got": repr(level)},
+                    {"subpath": str(key), "levels": ", ".join(names), "got": repr(item)},
                 )
-        return value
+            levels[str(key)] = DangerLevel(item)
+        return {**settings, "levels": levels}
 
     @model_validator(mode="after")
     def _pipelines_name_workers(self) -> KazmaConfig:
@@ -457,6 +511,7 @@ class KazmaConfig(Strict):
                         "a checkpoint pauses after a stage that has a next one: expected 1..{last}, got {got}",
                         {"subpath": f"swarm.checkpoints.{name}[{position}]", "last": len(stages) - 1, "got": stage},
                     )
+        self._check_tools()
         if len(self.agents.workers) > self.swarm.max_workers:
             raise PydanticCustomError(
                 "kazma_workers",
@@ -465,6 +520,73 @@ class KazmaConfig(Strict):
             )
         return self
 
+    def _check_tools(self) -> None:
+        known = sorted({*BUILTIN_TOOLS, *self.tools.levels} - set(INTERNAL_TOOLS))
+        agents = [("agents.lead.tools", self.agents.lead.tools)] + [
+            (f"agents.workers.{name}.tools", worker.tools) for name, worker in self.agents.workers.items()
+        ]
+        for where, tools in agents:
+            for position, tool in enumerate(tools):
+                if tool in INTERNAL_TOOLS:
+                    raise PydanticCustomError(
+                        "kazma_tool",
+                        "{tool} is one of Kazma's own tools and is given to the lead by Kazma itself: remove it",
+                        {"subpath": f"{where}[{position}]", "tool": repr(tool)},
+                    )
+                if tool not in BUILTIN_TOOLS and tool not in self.tools.levels:
+                    raise PydanticCustomError(
+                        "kazma_tool",
+                        "unknown tool {tool} (known tools: {known})",
+                        {"subpath": f"{where}[{position}]", "tool": repr(tool), "known": ", ".join(known)},
+                    )
+        for position, tool in enumerate(self.tools.allow_unapproved):
+            if tool not in BUILTIN_TOOLS:
+                raise PydanticCustomError(
+                    "kazma_tool",
+                    "{tool} is not a built-in tool (allow_unapproved names built-in dangerous tools: {builtin})",
+                    {
+                        "subpath": f"tools.allow_unapproved[{position}]",
+                        "tool": repr(tool),
+                        "builtin": ", ".join(t for t, level in BUILTIN_TOOLS.items() if level is DangerLevel.DANGEROUS),
+                    },
+                )
+        for tool, floor in BUILTIN_TOOLS.items():
+            level = self.tools.levels.get(tool, floor)
+            lowered = floor is DangerLevel.DANGEROUS and level is not DangerLevel.DANGEROUS
+            if lowered and tool not in self.tools.allow_unapproved:
+                raise PydanticCustomError(
+                    "kazma_tool",
+                    "{tool} runs on this host without anyone approving it at level {level}; to accept that, "
+                    "also list it in tools.allow_unapproved",
+                    {"subpath": f"tools.{tool}", "tool": tool, "level": level.value},
+                )
+        if self.tools.workspace_root is not None:
+            state = self.store.path.parent.resolve()
+            root = self.tools.workspace_root.resolve()
+            if root == state or root.is_relative_to(state):
+                raise PydanticCustomError(
+                    "kazma_workspace",
+                    "the workspaces must be outside the store's folder {state}: a tool could reach the store",
+                    {"subpath": "tools.workspace_root", "state": str(self.store.path.parent)},
+                )
+
+    def warnings(self) -> list[str]:
+        """Settings that are allowed but risky, for ``kazma config check`` and ``kazma doctor``."""
+        found = [
+            f"tools.{tool} is {self.tools.levels[tool].value}: it runs on this host without approval "
+            "(tools.allow_unapproved)"
+            for tool in self.tools.allow_unapproved
+            if self.tools.levels.get(tool) is not DangerLevel.DANGEROUS
+        ]
+        for name, spec in CHAT_PLATFORMS.items():
+            section = spec.section(self.platforms)
+            if spec.token(self.platforms) and EVERY_CHAT in getattr(section, spec.chats_key):
+                found.append(
+                    f"platforms.{name}.{spec.chats_key} has '*': every chat the bot is added to is served, "
+                    "by anyone in it"
+                )
+        return found
+
     @cached_property
     def roster(self) -> Roster:
         """Approvers and operators per platform (see :class:`kazma.config.identity.Roster`)."""
@@ -472,4 +594,4 @@ class KazmaConfig(Strict):
 
     def danger_level(self, tool: str) -> DangerLevel:
         """The configured level; anything unclassified is dangerous (the floor)."""
-        return self.tools.get(tool, DangerLevel.DANGEROUS)
+        return self.tools.levels.get(tool, DangerLevel.DANGEROUS)

@@ -21,6 +21,7 @@ from kazma.engine.types import Message, ModelError, ModelProvider, ToolCall, Too
 log = structlog.get_logger("kazma.agent")
 
 MAX_TOOL_OUTPUT_TO_MODEL = 16_000
+MAX_ARGUMENT_DEPTH = 32  # no real tool needs more; deeper values are a way to break renderers and hashers
 _SAFE_SEGMENT = re.compile(r"[^A-Za-z0-9_-]+")
 
 
@@ -87,6 +88,25 @@ class TurnResult:
     @property
     def changed_state(self) -> bool:
         return any(run.changed_state for run in self.tool_runs)
+
+
+def nesting_depth(value: Any) -> int:
+    """How deeply ``value`` nests lists and objects, counted without recursion (so no depth can crash it)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        if deepest > MAX_ARGUMENT_DEPTH:
+            return deepest  # enough to refuse; no need to walk the rest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def workspace_for(root: Path, conversation: str) -> Path:
@@ -175,6 +195,11 @@ class AgentRunner:
         if call.error is not None:
             result.tool_runs.append(ToolRun(call.name, {}, False, call.error))
             return f"Error: the arguments of {call.name} could not be read ({call.error}). Send a JSON object."
+        depth = nesting_depth(call.arguments)
+        if depth > MAX_ARGUMENT_DEPTH:
+            problem = f"arguments nested {depth} levels deep (at most {MAX_ARGUMENT_DEPTH})"
+            result.tool_runs.append(ToolRun(call.name, {}, False, problem, refused=True))
+            return f"Error: the call to {call.name} was not run: its {problem}. Send flatter arguments."
         internal = self.internal.get(ctx.agent.name, {}).get(call.name)
         if internal is not None:
             outcome = await internal.handler(call.arguments, ctx)
@@ -186,12 +211,17 @@ class AgentRunner:
             allowed = ", ".join([*self.internal.get(ctx.agent.name, {}), *ctx.agent.tools]) or "none"
             result.tool_runs.append(ToolRun(call.name, call.arguments, False, "not available", refused=True))
             return f"Error: {call.name} is not one of your tools (yours: {allowed})."
+        refusal = self.registry.refusal(call.name)
+        if refusal is not None:
+            result.tool_runs.append(ToolRun(call.name, call.arguments, False, refusal, refused=True))
+            return f"Not run: {refusal}"
         verdict = await self.policy.check(
             call.name,
             call.arguments,
             requested_by=f"agent:{ctx.agent.name}",
             conversation=ctx.conversation,
             task_id=ctx.task_id,
+            notes=self.registry.notes(call.name),
         )
         if not verdict.allowed:
             result.tool_runs.append(ToolRun(call.name, call.arguments, False, verdict.reason, refused=True))

@@ -126,6 +126,8 @@ def _parse_arguments(raw: Any) -> tuple[dict[str, Any], str, str | None]:
         value = json.loads(raw)
     except json.JSONDecodeError as exc:
         return {}, raw, f"arguments are not a JSON object: invalid JSON ({exc.msg} at position {exc.pos})"
+    except RecursionError:
+        return {}, _truncate(raw, 200), "arguments are nested too deeply to read; send a flat JSON object"
     if not isinstance(value, dict):
         kind = "array" if isinstance(value, list) else type(value).__name__
         return {}, raw, f"arguments are not a JSON object: got a JSON {kind}"

@@ -91,9 +91,8 @@ class ToolContext:
     conversation: str
 
     def ensure_workspace(self) -> Path:
-        """Create the workspace if needed and return its real (symlink-free) path."""
-        self.workspace.mkdir(parents=True, exist_ok=True)
-        return self.workspace.resolve(strict=True)
+        """Create the workspace if needed and return its real path; :class:`PathRefused` when it is a symlink."""
+        return _workspace_root(self)
 
 
 class ToolArgs(BaseModel):
@@ -124,6 +123,14 @@ class Tool(ABC, Generic[ArgsT]):
 
     def spec(self) -> ToolSpec:
         return ToolSpec(name=self.name, description=self.description, parameters=self.Args.model_json_schema())
+
+    def notes(self) -> tuple[str, ...]:
+        """What every approval card of this tool must say about how the call would run (empty: nothing)."""
+        return ()
+
+    def refusal(self) -> str | None:
+        """Why every call of this tool is refused before anyone is asked (None: calls may run)."""
+        return None
 
 
 class UnknownToolError(LookupError):
@@ -166,6 +173,14 @@ class ToolRegistry:
     def default_level(self, name: str) -> DangerLevel:
         return self._require(name).default_level
 
+    def notes(self, name: str) -> tuple[str, ...]:
+        tool = self._tools.get(name)
+        return () if tool is None else tool.notes()
+
+    def refusal(self, name: str) -> str | None:
+        tool = self._tools.get(name)
+        return None if tool is None else tool.refusal()
+
     async def execute(self, name: str, arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
         """Validate and run one call. Problems with the call or inside the tool become error results."""
         tool = self._tools.get(name)
@@ -200,9 +215,15 @@ def _describe_validation(exc: Exception) -> list[str]:
     return problems
 
 
-def default_registry() -> ToolRegistry:
-    """A registry holding the four built-in tools with their default limits."""
-    return ToolRegistry([ShellTool(), ReadFileTool(), WriteFileTool(), HttpGetTool()])
+def default_registry(
+    *, sandbox: Sandbox | None = None, shell_network: bool = False, hidden: Iterable[Path] = ()
+) -> ToolRegistry:
+    """The built-in tools with their default limits; ``shell`` in ``sandbox`` (default: bubblewrap when it works).
+
+    ``hidden``: paths a sandboxed command must never see (Kazma's state directory).
+    """
+    shell = ShellTool(sandbox=sandbox, network=shell_network, hidden_paths=hidden)
+    return ToolRegistry([shell, ReadFileTool(), WriteFileTool(), HttpGetTool()])
 
 
 # --------------------------------------------------------------------------- fencing
@@ -364,6 +385,12 @@ class ShellTool(Tool[ShellArgs]):
         self.network = network
         self.hidden_paths = tuple(Path(path) for path in hidden_paths)
 
+    def notes(self) -> tuple[str, ...]:
+        return () if self.sandbox.active else ("This command runs unsandboxed on this host.",)
+
+    def refusal(self) -> str | None:
+        return self.sandbox.refusal if self.sandbox.refuses else None
+
     @property
     def isolation(self) -> str:
         """How commands run here, in one line for approval cards and ``kazma doctor``."""
@@ -432,6 +459,8 @@ class ShellTool(Tool[ShellArgs]):
         except SandboxRefused as exc:
             log.warning("sandbox.refused", tool=self.name, conversation=ctx.conversation, problem=str(exc))
             return ToolResult(ok=False, output="", error=f"refused to run: {exc}")
+        except PathRefused as exc:
+            return ToolResult(ok=False, output="", error=str(exc))
         # Cancelled while the process is starting, asyncio would kill the shell
         # alone and leave its children running; shielded, the start completes
         # and the whole group is stopped below.

@@ -28,7 +28,7 @@ from tests.fakes.telegram import FakeTelegram
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-TOKEN = "operator-secret-for-tests"
+TOKEN = "operator-secret-for-the-browser-tests"
 CHAT = -1001
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (scripts/install-test-deps)")

@@ -46,7 +46,8 @@ def documented_keys() -> set[str]:
 
 
 def test_every_key_is_documented_and_nothing_else() -> None:
-    expected = model_keys(KazmaConfig)
+    # tools.<name> levels sit beside the tools.* settings in kazma.yaml; the model keeps them in `levels`
+    expected = {k.replace("tools.levels.<name>", "tools.<name>") for k in model_keys(KazmaConfig)}
     documented = documented_keys()
     assert sorted(expected - documented) == [], "keys missing from the README"
     assert sorted(documented - expected) == [], "README documents keys the model does not accept"

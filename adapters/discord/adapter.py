@@ -227,7 +227,8 @@ class DiscordAdapter(PlatformBase):
     async def _on_swarm(self, interaction: discord.Interaction[_Client], args: str) -> None:
         with self.tracking():
             chat, thread = self._interaction_chat(interaction)
-            if not self.started or chat is None or not self.serves(str(chat)):
+            served = chat is not None and self.serves(str(chat), direct=interaction.guild_id is None)
+            if not self.started or not served or not self._guild_served(interaction.guild_id):
                 with contextlib.suppress(PlatformError):
                     await self._rest(
                         "command",
@@ -274,8 +275,18 @@ class DiscordAdapter(PlatformBase):
             return None, None
         return self._channel_chat(interaction.channel, interaction.channel_id)
 
+    def _guild_served(self, guild_id: int | None) -> bool:
+        """``guilds`` narrows every served channel, ``"*"`` included, to those servers."""
+        guilds = self._config.guilds
+        return guild_id is None or not guilds or guild_id in guilds
+
     async def _on_message(self, message: discord.Message) -> None:
         if message.type not in (discord.MessageType.default, discord.MessageType.reply):
+            return
+        if not self._guild_served(message.guild.id if message.guild else None):
+            log.info(
+                "discord.inbound_ignored", reason="guild_not_served", guild=message.guild.id if message.guild else None
+            )
             return
         chat, thread = self._channel_chat(message.channel, message.channel.id)
         names = [u.name.lower() for u in message.mentions] + list(plain_mentions(message.content))
@@ -293,6 +304,7 @@ class DiscordAdapter(PlatformBase):
                     mentions=tuple(dict.fromkeys(names)),
                     from_bot=author.bot,
                     is_admin=self.is_admin(author.id),
+                    direct=message.guild is None,
                 )
             )
 

@@ -10,8 +10,10 @@ slack-sdk's own rate-limit retry handler is left off: one rule, not two).
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 from urllib.parse import urlsplit
 from urllib.request import proxy_bypass
@@ -23,6 +25,8 @@ from slack_bolt.adapter.aiohttp import to_aiohttp_response, to_bolt_request
 from slack_bolt.adapter.socket_mode.async_handler import AsyncSocketModeHandler
 from slack_bolt.async_app import AsyncApp
 from slack_bolt.context.ack.async_ack import AsyncAck
+from slack_bolt.request.async_request import AsyncBoltRequest
+from slack_bolt.response import BoltResponse
 from slack_sdk.http_retry.builtin_async_handlers import AsyncConnectionErrorRetryHandler
 from slack_sdk.web.async_client import AsyncWebClient
 
@@ -44,6 +48,7 @@ from kazma.adapters.slack.render import (
 )
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
+from kazma.config.metrics import count_failure
 from kazma.config.models import SlackConfig
 
 log = structlog.get_logger("kazma.adapters.slack")
@@ -52,6 +57,44 @@ AGENT_ICON: Final = ":robot_face:"
 # Only ordinary posts are conversation; edits, joins, deletions and the like are not.
 _MESSAGE_SUBTYPES: Final = frozenset({None, "bot_message", "thread_broadcast", "file_share", "me_message"})
 _SEEN_LIMIT: Final = 4096
+REPLAY_WINDOW: Final = 300.0  # Slack refuses signatures older than five minutes; Bolt checks that
+
+
+class _Replays:
+    """Signed requests seen in the last five minutes: Slack's signature window, so a replay inside it is dropped.
+
+    Keyed by what makes a request unique: its signature (an exact replay), its
+    event id (Slack's own retries of one event) and its trigger id (one slash
+    command or one press).
+    """
+
+    def __init__(self, *, window: float = REPLAY_WINDOW, limit: int = 50_000, clock: Any = time.monotonic) -> None:
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self.window = window
+        self.limit = limit
+        self.clock = clock
+
+    def first_time(self, keys: list[str]) -> bool:
+        now = self.clock()
+        while self._seen and (next(iter(self._seen.values())) <= now - self.window or len(self._seen) > self.limit):
+            self._seen.popitem(last=False)
+        if any(key in self._seen for key in keys):
+            return False
+        for key in keys:
+            self._seen[key] = now
+        return True
+
+
+def replay_keys(request: AsyncBoltRequest, body: dict[str, Any]) -> list[str]:
+    keys: list[str] = []
+    signature = request.headers.get("x-slack-signature")
+    if signature:
+        keys.append(f"sig:{signature[0]}")
+    if body.get("event_id"):
+        keys.append(f"event:{body['event_id']}")
+    if body.get("trigger_id"):
+        keys.append(f"trigger:{body['trigger_id']}")
+    return keys
 
 
 class _Seen:
@@ -152,6 +195,7 @@ class SlackAdapter(PlatformBase):
             ignoring_self_events_enabled=True,
         )
         self._seen = _Seen()
+        self._replays = _Replays()
         self._customize = True  # chat:write.customize granted until Slack says otherwise
         self._runner: web.AppRunner | None = None
         self._socket: AsyncSocketModeHandler | None = None
@@ -247,11 +291,23 @@ class SlackAdapter(PlatformBase):
     # -- listeners --------------------------------------------------------
 
     def _register(self) -> None:
+        # After Bolt's own signature check (its middleware runs first), before any listener.
+        self.app.middleware(self._drop_replays)
         self.app.event("message")(self._on_message)
         self.app.event("app_mention")(self._on_message)
         self.app.command("/swarm")(self._on_command)
         self.app.action(APPROVE_ACTION)(self._on_action)
         self.app.action(DENY_ACTION)(self._on_action)
+
+    async def _drop_replays(
+        self, req: AsyncBoltRequest, body: dict[str, Any], next: Callable[[], Awaitable[BoltResponse]]
+    ) -> BoltResponse:
+        keys = replay_keys(req, body)
+        if keys and not self._replays.first_time(keys):
+            count_failure("replay_dropped", PLATFORM)
+            log.warning("slack.replay_dropped", keys=[k.split(":", 1)[0] for k in keys])
+            return BoltResponse(status=200, body="")  # acknowledged, so Slack does not retry; nothing runs
+        return await next()
 
     async def _on_message(self, event: dict[str, Any]) -> None:
         with self.tracking():
@@ -283,6 +339,7 @@ class SlackAdapter(PlatformBase):
                     mentions=mentions_in(raw),
                     from_bot=bool(event.get("bot_id")) or subtype == "bot_message",
                     is_admin=self.is_admin(user),
+                    direct=event.get("channel_type") == "im" or channel.startswith("D"),
                 )
             )
 

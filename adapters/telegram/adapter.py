@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import structlog
 from telegram import BotCommand, CallbackQuery, LinkPreviewOptions, Message, Update
-from telegram.constants import MessageEntityType, ParseMode
+from telegram.constants import ChatType, MessageEntityType, ParseMode
 from telegram.error import RetryAfter, TelegramError
 from telegram.ext import (
     Application,
@@ -305,6 +305,7 @@ class TelegramAdapter(PlatformBase):
             from_bot=from_bot,
             command=command,
             is_admin=is_admin,
+            direct=chat.type == ChatType.PRIVATE,
         )
 
     async def _on_message(self, update: Update, _context: ContextTypes.DEFAULT_TYPE) -> None:

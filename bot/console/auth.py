@@ -23,12 +23,14 @@ read or set our cookie, so it cannot log a victim into the attacker's session
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
 import re
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -48,7 +50,14 @@ SESSION_SECONDS = 12 * 3600
 MAX_SESSIONS = 1000
 NAME = re.compile(r"[a-z0-9_.-]{1,32}")
 CSRF_REFUSED = "missing or wrong CSRF token"
+ORIGIN_REFUSED = "this form was sent from another site"
 OPERATORS_ONLY = "operators only"
+MIN_TOKEN_LENGTH = 32
+# Wrong logins allowed per client address in a window before its attempts wait; the right token is never slowed
+# by someone else's guessing.
+LOGIN_FAILURES = 5
+LOGIN_WINDOW = 60.0
+TOKEN_RECHECK = 1.0  # seconds between looks at the token files, to end sessions of a rotated token
 
 
 class Role(StrEnum):
@@ -64,6 +73,7 @@ class Session:
     csrf: str
     expires: float
     flash: list[str]
+    token_digest: str = ""  # of the token this session was opened with: a rotated token ends it
 
     @property
     def is_operator(self) -> bool:
@@ -126,9 +136,50 @@ def load_tokens(token_path: Path, *, operator_token: str | None = None, reader_t
         reader, new = _read_or_create(reader_token_path(token_path))
         if new:
             generated.append("reader")
+    for role, value in (("operator", operator), ("reader", reader)):
+        if len(value) < MIN_TOKEN_LENGTH:
+            raise ValueError(
+                f"the {role} token is {len(value)} characters; at least {MIN_TOKEN_LENGTH} are required "
+                "(a generated one has 32: delete the token file, or set a longer KAZMA_WEB_TOKEN)"
+            )
     if hmac.compare_digest(operator.encode(), reader.encode()):
         raise ValueError("the operator and reader tokens must differ")
     return Tokens(operator, reader, tuple(generated))
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+class LoginThrottle:
+    """Wrong logins per client address: after a few in a window, that address waits out the window."""
+
+    def __init__(
+        self, *, failures: int = LOGIN_FAILURES, window: float = LOGIN_WINDOW, clock: Callable[[], float]
+    ) -> None:
+        self.failures = failures
+        self.window = window
+        self.clock = clock
+        self._seen: dict[str, deque[float]] = {}
+
+    def wait_for(self, client: str) -> float:
+        """Seconds ``client`` must wait before its next attempt is even checked (0: go ahead)."""
+        recent = self._recent(client)
+        if len(recent) < self.failures:
+            return 0.0
+        return max(0.0, recent[0] + self.window - self.clock())
+
+    def failed(self, client: str) -> None:
+        self._recent(client).append(self.clock())
+        if len(self._seen) > 10_000:  # bounded memory under a spray of addresses
+            for stale in [c for c, times in self._seen.items() if not times][:5_000]:
+                del self._seen[stale]
+
+    def _recent(self, client: str) -> deque[float]:
+        times = self._seen.setdefault(client, deque())
+        while times and times[0] <= self.clock() - self.window:
+            times.popleft()
+        return times
 
 
 def _same(a: str, b: str) -> bool:
@@ -152,11 +203,32 @@ def html_response(body: str, *, status: int = 200) -> web.Response:
 
 
 class WebAuth:
-    def __init__(self, tokens: Tokens, *, secure: bool, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        tokens: Tokens,
+        *,
+        secure: bool,
+        clock: Callable[[], float] = time.monotonic,
+        reload: Callable[[], Tokens] | None = None,
+        origins: tuple[str, ...] = (),
+    ) -> None:
         self.tokens = tokens
         self.secure = secure
         self.clock = clock
         self.sessions: dict[str, Session] = {}
+        self.throttle = LoginThrottle(clock=clock)
+        self._reload = reload  # re-reads the token files, so a rotated token ends the sessions made with it
+        self._checked = clock()
+        self.origins = origins  # the console's own origins (its public URL); a POST from elsewhere is refused
+
+    def _current_digest(self, role: Role) -> str:
+        if self._reload is not None and self.clock() - self._checked >= TOKEN_RECHECK:
+            self._checked = self.clock()
+            try:
+                self.tokens = self._reload()
+            except (OSError, ValueError) as exc:
+                log.warning("web.token_reload_failed", error=str(exc))
+        return token_digest(self.tokens.operator if role is Role.OPERATOR else self.tokens.reader)
 
     # -- tokens and sessions ---------------------------------------------------------------------
 
@@ -185,6 +257,7 @@ class WebAuth:
             csrf=secrets.token_urlsafe(32),
             expires=self.clock() + SESSION_SECONDS,
             flash=[],
+            token_digest=self._current_digest(role),
         )
         self.sessions[session.id] = session
         return session
@@ -199,7 +272,29 @@ class WebAuth:
         if session.expires <= self.clock():
             del self.sessions[sid]
             return None
+        if not _same(session.token_digest, self._current_digest(session.role)):
+            del self.sessions[sid]
+            log.info("web.session_ended", login=session.login, reason="token rotated")
+            return None
         return session
+
+    def check_origin(self, request: web.Request) -> None:
+        """A state-changing request must come from the console itself, when the browser says where it comes from.
+
+        Browsers say so in ``Sec-Fetch-Site`` whatever the referrer policy; with ``Referrer-Policy:
+        no-referrer`` (ours) they send ``Origin: null`` even for the console's own forms.
+        """
+        site = request.headers.get("Sec-Fetch-Site")
+        origin = request.headers.get("Origin")
+        own = {*self.origins, str(request.url.origin())}
+        if site is not None and site not in ("same-origin", "none"):
+            refused = f"{origin or ''} ({site})".strip()
+        elif origin is None or origin == "null" or origin in own:
+            return  # the browser vouches for it, or did not say: the CSRF token still has to match
+        else:
+            refused = origin
+        log.warning("web.origin_refused", origin=refused[:200], expected=sorted(own), path=request.path)
+        raise web.HTTPForbidden(text=message_page("Refused", ORIGIN_REFUSED), content_type="text/html")
 
     # -- guards ----------------------------------------------------------------------------------
 
@@ -222,6 +317,7 @@ class WebAuth:
 
         Raises before anything is read into the application, so a refused request changes nothing.
         """
+        self.check_origin(request)
         session = self.session(request)
         if session is None:
             raise web.HTTPUnauthorized(
@@ -258,6 +354,20 @@ class WebAuth:
         return response
 
     async def login(self, request: web.Request) -> web.Response:
+        self.check_origin(request)
+        client = request.remote or "unknown"
+        wait = self.throttle.wait_for(client)
+        if wait > 0:
+            log.warning("web.login_throttled", remote=client, retry_after=round(wait, 1))
+            raise web.HTTPTooManyRequests(
+                text=message_page(
+                    "Too many attempts",
+                    f"Too many wrong logins from here; try again in {int(wait) + 1} s.",
+                    link=("/login", "Log in"),
+                ),
+                content_type="text/html",
+                headers={"Retry-After": str(int(wait) + 1)},
+            )
         data = await request.post()
         field = data.get("csrf")
         cookie = request.cookies.get(LOGIN_CSRF_COOKIE, "")
@@ -274,6 +384,7 @@ class WebAuth:
             )
         role = self.role_for(token) if isinstance(token, str) and token else None
         if role is None:
+            self.throttle.failed(client)
             log.warning("web.login_refused", login=name, remote=request.remote)
             return html_response(login_page(field, error="wrong token", name=name), status=401)
         previous = request.cookies.get(SESSION_COOKIE)

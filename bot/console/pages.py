@@ -17,6 +17,7 @@ from urllib.parse import quote
 from kazma.adapters.card_layout import APPROVE_LABEL, DENY_LABEL, ButtonKind, CardView
 from kazma.adapters.web import WebMessage, render
 from kazma.approvals.card import ApprovalCard, build_card
+from kazma.approvals.honesty import reveal
 from kazma.approvals.model import ApprovalRequest, Outcome, Status
 from kazma.approvals.store import AuditEvent, PostedCard
 from kazma.engine.swarm.store import TaskRecord
@@ -235,7 +236,7 @@ def approval_page(
         ("Deadline", when(request.deadline)),
         ("Decided", decided),
     ]
-    fact_rows = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in facts)
+    fact_rows = "".join(f"<tr><th>{e(k)}</th><td>{e(reveal(v))}</td></tr>" for k, v in facts)
     audit = "".join(
         f"<tr><td>{ev.seq}</td><td>{e(when(ev.at))}</td><td>{e(ev.event)}</td><td>{e(ev.actor or '')}</td>"
         f"<td>{e(ev.platform or '')}</td><td>{e(ev.detail or '')}</td></tr>"
@@ -258,8 +259,10 @@ def approval_page(
         f"<table>{fact_rows}</table>{buttons}"
         "<h2>The whole call</h2><p>Every argument, uncut, exactly as stored with the request.</p>"
         f"{args}"
-        f"<h3>Arguments as JSON</h3><pre>{e(pretty)}</pre>"
-        f"<h3>Canonical JSON (what the hash covers)</h3><pre>{e(request.args_json)}</pre>"
+        f"<h3>Arguments as JSON</h3><pre>{e(reveal(pretty))}</pre>"
+        f"<h3>Canonical JSON (what the hash covers)</h3><pre>{e(reveal(request.args_json))}</pre>"
+        "<p>Hidden, direction-changing and control characters are shown escaped as ⟨U+…⟩ everywhere on this"
+        " page, so what you read is what runs.</p>"
         "<h2>Audit trail</h2><table><tr><th>#</th><th>when</th><th>event</th><th>actor</th><th>platform</th>"
         f"<th>detail</th></tr>{audit}</table>"
         "<h2>Cards posted</h2><table><tr><th>platform</th><th>chat</th><th>message</th><th>posted</th>"

@@ -22,11 +22,12 @@ from typing import Any
 import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, generate_latest
+from yarl import URL
 
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import App
-from kazma.bot.console.auth import OPERATORS_ONLY, Session, WebAuth, html_response, load_tokens, safe_next
+from kazma.bot.console.auth import OPERATORS_ONLY, Session, Tokens, WebAuth, html_response, load_tokens, safe_next
 from kazma.bot.console.pages import (
     approval_href,
     approval_page,
@@ -119,9 +120,17 @@ class WebServer:
         return f"http://{host}:{port}"
 
     async def start(self) -> None:
-        tokens = load_tokens(self.token_path, operator_token=self._operator_token, reader_token=self._reader_token)
+        def read_tokens() -> Tokens:
+            return load_tokens(self.token_path, operator_token=self._operator_token, reader_token=self._reader_token)
+
+        tokens = read_tokens()
         public_url = str(self.app.loaded.config.web.public_url)
-        self.auth = WebAuth(tokens, secure=public_url.startswith("https://"))
+        self.auth = WebAuth(
+            tokens,
+            secure=public_url.startswith("https://"),
+            reload=read_tokens,
+            origins=(str(URL(public_url).origin()),),
+        )
         application = web.Application(client_max_size=256 * 1024)
         application.on_response_prepare.append(_add_security_headers)
         auth = self.auth
@@ -188,6 +197,14 @@ class WebServer:
     async def send(self, request: web.Request) -> web.Response:
         session, fields = await self._auth().post(request, operator=False)
         text = fields.get("text", "").strip()
+        is_command = text == "/swarm" or text.startswith("/swarm ")
+        if text and not is_command and not session.is_operator:
+            # Readers read (and may ask /swarm for status); only operators talk to the agents.
+            log.warning("web.reader_refused", login=session.login, path=request.path)
+            raise web.HTTPForbidden(
+                text=message_page("Refused", f"{OPERATORS_ONLY}: web:{session.login} is a reader", viewer=session),
+                content_type="text/html",
+            )
         if not text:
             session.flash.append("Nothing to send.")
         elif len(text) > MAX_TEXT:
@@ -353,6 +370,9 @@ class WebServer:
         return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: web.Request) -> web.Response:
+        halted = self.app.service.halted
+        if halted is not None:
+            return web.Response(text=f"not deciding: {halted}", status=503)
         return web.Response(text="ok")
 
     async def script(self, request: web.Request) -> web.Response:

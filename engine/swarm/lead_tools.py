@@ -9,9 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kazma.approvals.policy import SafetyPolicy
 from kazma.engine.agent import InternalTool, TurnContext
+from kazma.engine.swarm.roles import SHARED_OPERATORS_HINT
 from kazma.engine.swarm.service import CHECK_DEFAULT_WAIT, CHECK_MAX_WAIT, SwarmRefused, SwarmRequest, SwarmService
 from kazma.engine.swarm.types import Pattern
-from kazma.engine.tools import ToolResult
+from kazma.engine.tools import ToolResult, fence_untrusted
 from kazma.engine.types import ToolSpec
 
 
@@ -36,6 +37,15 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             args = DispatchSwarmArgs.model_validate(dict(arguments))
         except ValidationError as exc:
             return ToolResult(ok=False, output="", error=f"invalid arguments: {exc.errors()[0]['msg']}")
+        config = service.config
+        operators = config.roster.human_operators()
+        if len(operators) > 1 and not config.swarm.allow_shared_operators:
+            # The same rule as /swarm: one task list serves everyone, so a second operator could steer this work.
+            return ToolResult(
+                ok=False,
+                output="",
+                error=f"not started: {len(operators)} human operators are configured and {SHARED_OPERATORS_HINT}",
+            )
         # starting swarm work is itself a call the policy sees: dangerous unless tools.dispatch_swarm says otherwise
         verdict = await policy.check(
             "dispatch_swarm", dict(arguments), requested_by=f"agent:{ctx.agent.name}", conversation=ctx.conversation
@@ -66,7 +76,10 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
         if record is None:
             return ToolResult(ok=False, output="", error=f"no swarm task {args.task_id!r}")
         output = record.result.get("output", "") if record.result else ""
-        text = f"status: {record.status.value}; step: {record.current_step}; error: {record.error or '-'}\n{output}"
+        text = f"status: {record.status.value}; step: {record.current_step}; error: {record.error or '-'}"
+        if output:
+            # Workers' answers were written by models reading whatever their tools fetched: data, not orders.
+            text += "\n" + fence_untrusted(str(output), source=f"swarm task {record.id}")
         return ToolResult(ok=True, output=text)
 
     return [

@@ -328,7 +328,12 @@ class SwarmService:
         args = {"task": run.task_id, "after_stage": index + 1, "worker": result.worker, "output": result.output[:2000]}
         try:
             approval = await self.approvals.open(
-                CHECKPOINT_TOOL, args, f"swarm:{run.task_id}", request.conversation, task_id=run.task_id
+                CHECKPOINT_TOOL,
+                args,
+                f"swarm:{run.task_id}",
+                request.conversation,
+                task_id=run.task_id,
+                durable=True,  # the paused pipeline picks it up again after a restart: not an orphan
             )
         except ApprovalRefused as exc:
             await self.store.finish(run, TaskStatus.FAILED, result=None, error=str(exc))
