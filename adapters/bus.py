@@ -187,6 +187,12 @@ class FanOutBus:
             await self.outbox.done(job, "dropped", "unknown request")
             return
         if request.status is not Status.PENDING:
+            if job.attempts and not any(c.platform == adapter.name for c in await self.store.cards(request.id)):
+                # A post was under way when a process stopped: it may have landed without being recorded, and
+                # such a card cannot be edited. Its buttons are refused (no card of the request is recorded
+                # there), but it still shows them: say so.
+                count_failure("card_maybe_unsettled", adapter.name)
+                log.warning("bus.card_maybe_unsettled", platform=adapter.name, request_id=request.id)
             await self.outbox.done(job, "skipped", f"request already {request.status.value}")
             return
         try:
@@ -195,6 +201,7 @@ class FanOutBus:
             await self._refuse_tampered(request, exc)
             await self.outbox.done(job, "refused", exc.reason)
             return
+        await self.outbox.started(job)
         try:
             ref = await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
         except (PlatformError, TimeoutError) as exc:

@@ -75,15 +75,19 @@ class Outbox:
         )
         return None if row is None or row[0] is None else float(row[0])
 
+    async def started(self, job: PostJob) -> None:
+        """A post is about to be attempted: counted first, so a crash mid-post leaves a trace of it."""
+        await self.tables.run("UPDATE card_outbox SET attempts = attempts + 1 WHERE id = ?", (job.id,))
+
     async def done(self, job: PostJob, outcome: str, error: str | None = None) -> None:
         await self.tables.run(
-            "UPDATE card_outbox SET done_at = ?, outcome = ?, last_error = ?, attempts = attempts + 1 WHERE id = ?",
+            "UPDATE card_outbox SET done_at = ?, outcome = ?, last_error = ? WHERE id = ?",
             (self.clock(), outcome, error, job.id),
         )
 
     async def retry_later(self, job: PostJob, delay: float, error: str) -> None:
         await self.tables.run(
-            "UPDATE card_outbox SET attempts = attempts + 1, next_at = ?, last_error = ? WHERE id = ?",
+            "UPDATE card_outbox SET next_at = ?, last_error = ? WHERE id = ?",
             (self.clock() + delay, error, job.id),
         )
 

@@ -157,3 +157,22 @@ def test_when_not_even_the_names_fit_they_are_counted() -> None:
 def test_a_frame_that_cannot_fit_is_refused() -> None:
     with pytest.raises(CardTooLarge):
         lay_out(make_card({"a": 1}), Budget(50))
+
+
+@pytest.mark.parametrize("where", sorted(WRITERS))
+def test_every_writer_shows_hidden_characters_escaped_with_the_warning(where: str) -> None:
+    card = make_card({"command": "echo hi; true # \u202e ; rm -rf ~\r\x1b[1A"})
+    text = visible(lay_out(card, WRITERS[where]).written)
+    assert "\u202e" not in text
+    assert "\x1b" not in text
+    assert "⟨U+202E" in text
+    assert "⟨U+000D" in text
+    assert "Hidden or control characters" in text
+    assert text.index("Hidden or control characters") < text.index(TOOL_LABEL)  # prominent: before the facts
+
+
+@pytest.mark.parametrize("where", sorted(WRITERS))
+def test_a_long_escaped_value_is_never_cut_inside_an_escape(where: str) -> None:
+    card = make_card({"blob": "\u202e" * 400}, value_limit=500)
+    text = visible(lay_out(card, WRITERS[where]).written)
+    assert re.search(r"⟨U\+202E[^⟩]*$", text, flags=re.MULTILINE) is None  # every escape that starts, ends

@@ -23,6 +23,7 @@ from kazma.adapters.card_layout import (
 )
 from kazma.adapters.contract import CardRef, PlatformAdapter, PlatformError
 from kazma.adapters.kit import PRESS_APOLOGY, split_text
+from kazma.approvals.hashing import args_hash
 from kazma.approvals.model import Decision, PressResult, PressVerdict, Status
 from kazma.config.metrics import failure_count
 from tests.contract.harness import Harness, make_card, outcome_of
@@ -325,3 +326,24 @@ async def test_a_500_on_a_card_is_a_retryable_counted_error(harness: Harness) ->
     assert caught.value.retryable is True
     assert (caught.value.platform, caught.value.site) == (harness.platform, "card_post")
     assert failure_count("card_post", harness.platform) == before + 1
+
+
+# --------------------------------------------------------------------------- honesty
+
+
+async def test_hidden_characters_are_shown_escaped_with_a_warning_and_the_hash_of_what_runs(harness: Harness) -> None:
+    adapter = await harness.start()
+    # Trojan Source: reads as a comment, runs as a command
+    command = "echo hi; true # \u202e ; rm -rf ~ \u2066\u200b\x1b[2K"
+    card = make_card({"command": command, "url": "https://gіthub.com/x"})  # a Cyrillic і
+    ref = await adapter.post_card(card)
+    shown = harness.card(ref).text
+    for raw in ("\u202e", "\u2066", "\u200b", "\x1b"):
+        assert raw not in shown
+    for escape in ("⟨U+202E", "⟨U+2066", "⟨U+200B", "⟨U+001B"):
+        assert escape in shown
+    assert "Hidden or control characters" in shown
+    assert "Look-alike characters" in shown
+    # what runs is the raw value, and the hash on the card is the hash of exactly that
+    assert card.args_hash == args_hash({"command": command, "url": "https://gіthub.com/x"})
+    assert card.args_hash in shown

@@ -1,0 +1,142 @@
+"""The approvals side of the trust boundary, attacked: forged rows, presses from elsewhere, cut cards, orphans."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from kazma.approvals import Decision, ExecutionMismatch, PressVerdict, SafetyPolicy, Status, button_data
+from kazma.approvals.service import RESTARTED
+from kazma.config.metrics import failure_count
+from tests.approvals_support import RecordingPublisher, approval_service
+
+ARGS = {"command": "deploy --prod"}
+
+
+async def test_a_row_forged_to_approved_without_its_audit_does_not_run(tmp_path: Path) -> None:
+    async with approval_service(tmp_path / "k.db") as service:
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        # What one approved shell command could do to the file if it could reach it: approve in SQL.
+        with sqlite3.connect(tmp_path / "k.db") as raw:
+            raw.execute(
+                "UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:111',"
+                " decided_via = 'telegram', decided_at = 1 WHERE id = ?",
+                (request.id,),
+            )
+        before = failure_count("approval_forged")
+        with pytest.raises(ExecutionMismatch, match="changed outside Kazma"):
+            await service.verify_execution(request.id, "shell", ARGS)
+        assert failure_count("approval_forged") == before + 1
+        assert [e.event for e in await service.store.events(request.id)][-1] == "execution_refused"
+
+
+async def test_the_policy_refuses_a_forged_approval_a_waiter_sees(tmp_path: Path) -> None:
+    publisher = RecordingPublisher()
+    async with approval_service(tmp_path / "k.db", publisher=publisher, poll_interval=0.01) as service:
+        policy = SafetyPolicy(service)
+        check = asyncio.create_task(policy.check("shell", ARGS, requested_by="agent:b", conversation="telegram:-1"))
+        while not publisher.published:
+            await asyncio.sleep(0)
+        with sqlite3.connect(tmp_path / "k.db") as raw:
+            raw.execute(
+                "UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:111',"
+                " decided_via = 'telegram', decided_at = 1 WHERE id = ?",
+                (publisher.published[0].request_id,),
+            )
+        verdict = await asyncio.wait_for(check, timeout=10)
+        assert not verdict.allowed
+        assert "changed outside Kazma" in verdict.reason
+
+
+async def test_a_genuine_approval_runs_and_is_recorded_as_started(tmp_path: Path) -> None:
+    async with approval_service(tmp_path / "k.db") as service:
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        result = await service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
+        assert result.verdict is PressVerdict.WON
+        await service.verify_execution(request.id, "shell", ARGS)
+        assert "execution_started" in [e.event for e in await service.store.events(request.id)]
+
+
+async def test_approve_is_refused_from_a_card_that_did_not_show_the_whole_call(tmp_path: Path) -> None:
+    async with approval_service(tmp_path / "k.db") as service:
+        request = await service.open("shell", {"command": "x" * 20_000}, "agent:builder", "telegram:-100")
+        await service.store.record_card(request.id, "telegram", "-100", "7", whole=False)
+        data = button_data(request.id, Decision.APPROVE)
+        refused = await service.decide_from_button(
+            data, actor="telegram:111", platform="telegram", chat="-100", message_id="7"
+        )
+        assert refused.verdict is PressVerdict.REFUSED
+        assert "cannot be approved here" in refused.message
+        assert service.link(request.id) in refused.message
+        still = await service.store.get(request.id)
+        assert still is not None
+        assert still.status is Status.PENDING
+        # Deny is fine from there; but first: the approval page (no card) can approve the whole call.
+        page = await service.decide(request.id, Decision.APPROVE, actor="web:admin", platform="web")
+        assert page.verdict is PressVerdict.WON
+
+
+async def test_deny_is_taken_from_a_cut_card(tmp_path: Path) -> None:
+    async with approval_service(tmp_path / "k.db") as service:
+        request = await service.open("shell", {"command": "x" * 20_000}, "agent:builder", "telegram:-100")
+        await service.store.record_card(request.id, "telegram", "-100", "7", whole=False)
+        result = await service.decide_from_button(
+            button_data(request.id, Decision.DENY),
+            actor="telegram:111",
+            platform="telegram",
+            chat="-100",
+            message_id="7",
+        )
+        assert result.verdict is PressVerdict.WON
+
+
+async def test_a_press_counts_only_from_the_cards_own_chat_and_message(tmp_path: Path) -> None:
+    async with approval_service(tmp_path / "k.db") as service:
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        await service.store.record_card(request.id, "telegram", "-100", "7")
+        data = button_data(request.id, Decision.APPROVE)
+        elsewhere = await service.decide_from_button(
+            data, actor="telegram:111", platform="telegram", chat="-999", message_id="7"
+        )
+        other_message = await service.decide_from_button(
+            data, actor="telegram:111", platform="telegram", chat="-100", message_id="8"
+        )
+        for result in (elsewhere, other_message):
+            assert result.verdict is PressVerdict.REFUSED
+            assert result.message == "This button is not on a card of that request."
+        events = [e for e in await service.store.events(request.id) if e.event == "press_refused"]
+        assert events  # audited (the first in the window)
+        here = await service.decide_from_button(
+            data, actor="telegram:111", platform="telegram", chat="-100", message_id="7"
+        )
+        assert here.verdict is PressVerdict.WON
+
+
+async def test_start_up_cancels_orphans_keeps_durable_waiters_and_reports_approved_calls_that_never_ran(
+    tmp_path: Path,
+) -> None:
+    async with approval_service(tmp_path / "k.db") as service:
+        orphan = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        checkpoint = await service.open("swarm_checkpoint", {"task": "t"}, "swarm:t", "slack:C1", durable=True)
+        approved = await service.open("write_file", {"path": "a"}, "agent:builder", "discord:5")
+        await service.decide(approved.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
+
+    async with approval_service(tmp_path / "k.db") as restarted:  # the process that opened them is gone
+        recovery = await restarted.recover()
+        assert [r.id for r in recovery.cancelled] == [orphan.id]
+        assert [r.id for r in recovery.never_ran] == [approved.id]
+        ended = await restarted.store.get(orphan.id)
+        assert ended is not None
+        assert (ended.status, ended.reason) == (Status.CANCELLED, RESTARTED)
+        kept = await restarted.store.get(checkpoint.id)
+        assert kept is not None
+        assert kept.status is Status.PENDING
+        told = dict(recovery.messages())
+        assert RESTARTED in told["telegram:-100"]
+        assert "did not run" in told["discord:5"]
+        # reported once, not at every start
+        again = await restarted.recover()
+        assert (again.cancelled, again.never_ran) == ([], [])
