@@ -151,6 +151,30 @@ class FanOutBus:
             log.warning("bus.send_failed", platform=platform, chat=chat, error=str(exc))
             return None
 
+    async def send_choices(
+        self,
+        platform: str,
+        chat: str,
+        text: str,
+        choices: Sequence[tuple[str, str]],
+        *,
+        agent: str | None = None,
+        thread: str | None = None,
+    ) -> str | None:
+        """Post a question with choice buttons into one conversation; failures are logged and counted."""
+        adapter = self.adapters.get(platform)
+        if adapter is None:
+            log.warning("bus.unknown_platform", platform=platform)
+            return None
+        try:
+            return await asyncio.wait_for(
+                adapter.send_choices(chat, text, choices, agent=agent, thread=thread), timeout=self.platform_timeout
+            )
+        except (PlatformError, TimeoutError) as exc:
+            count_failure("send", platform)
+            log.warning("bus.send_failed", platform=platform, chat=chat, error=str(exc))
+            return None
+
     async def broadcast(self, text: str, *, agent: str | None = None) -> dict[str, str | None]:
         """Report or alert into every platform's home chat at once."""
         targets = [(n, a.home_chat) for n, a in self.adapters.items() if a.home_chat]
@@ -325,6 +349,19 @@ class NullBus:
 
     async def send_text(
         self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
+    ) -> str | None:
+        log.info("bus.message_dropped", platform=platform, chat=chat, reason="no platform configured")
+        return None
+
+    async def send_choices(
+        self,
+        platform: str,
+        chat: str,
+        text: str,
+        choices: Sequence[tuple[str, str]],
+        *,
+        agent: str | None = None,
+        thread: str | None = None,
     ) -> str | None:
         log.info("bus.message_dropped", platform=platform, chat=chat, reason="no platform configured")
         return None

@@ -6,7 +6,7 @@ adapter through two callables that the composition root injects at start.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -30,6 +30,7 @@ class Inbound:
     command: str | None = None  # "swarm" for `/swarm …`; None for plain messages
     is_admin: bool = False  # the author is in this platform's configured admins
     direct: bool = False  # a direct message to the bot, not a group conversation
+    reply_to: str | None = None  # the message this one replies to, when the platform says (answers to questions)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Press:
     actor: str  # "<platform>:<user id>" of the person who pressed
     chat: str | None = None  # where the pressed card is, when the platform says
     message_id: str | None = None  # which message the pressed card is, when the platform says
+    is_admin: bool = False  # the presser is one of this platform's configured admins
 
 
 InboundHandler = Callable[[Inbound], Awaitable[None]]
@@ -99,6 +101,18 @@ class PlatformAdapter(Protocol):
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         """Post ``text`` (escaped, never pinging anyone) as ``agent``; return the message id."""
+        ...
+
+    async def send_choices(
+        self,
+        chat: str,
+        text: str,
+        choices: Sequence[tuple[str, str]],
+        *,
+        agent: str | None = None,
+        thread: str | None = None,
+    ) -> str:
+        """Post ``text`` with one button per ``(label, data)``; a press arrives like a card's. The message id."""
         ...
 
     async def post_card(self, card: ApprovalCard) -> CardRef:

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Protocol, TypeVar
 
@@ -182,6 +182,18 @@ class PlatformBase(ABC):
     @abstractmethod
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         """Post ``text`` (split by the platform's measure, never pinging anyone) as ``agent``; the first id."""
+
+    @abstractmethod
+    async def send_choices(
+        self,
+        chat: str,
+        text: str,
+        choices: Sequence[tuple[str, str]],
+        *,
+        agent: str | None = None,
+        thread: str | None = None,
+    ) -> str:
+        """Post ``text`` (plain, escaped) with one button per ``(label, data)``; the message id."""
 
     @abstractmethod
     async def post_card(self, card: ApprovalCard) -> CardRef:

@@ -11,6 +11,7 @@ import itertools
 import sys
 import textwrap
 import threading
+from collections.abc import Sequence
 from typing import IO
 
 from kazma.adapters.card_layout import PlainWriter, lay_out
@@ -61,6 +62,18 @@ class TerminalAdapter:
         body = textwrap.indent(text, " " * (len(who) + 3)).lstrip()
         self._print(f"[{who}] {body}")
         return message_id
+
+    async def send_choices(
+        self,
+        chat: str,
+        text: str,
+        choices: Sequence[tuple[str, str]],
+        *,
+        agent: str | None = None,
+        thread: str | None = None,
+    ) -> str:
+        labels = "  ".join(f"[{label}]" for label, _ in choices)
+        return await self.send_text(chat, f"{text}\n{labels}", agent=agent, thread=thread)
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
         message_id = str(next(self._ids))

@@ -23,7 +23,7 @@ from kazma.config.database import connect
 from kazma.config.metrics import count_failure
 from kazma.config.registry import CHAT_PLATFORMS
 from kazma.engine.agent import AgentRunner, agents_from_config
-from kazma.engine.conversation import Conversations
+from kazma.engine.conversation import Conversations, is_question_button
 from kazma.engine.executor import PlanExecutor
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import OpenAIProvider
@@ -69,6 +69,8 @@ class App:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def on_press(self, press: Press) -> PressResult:
+        if is_question_button(press.data):
+            return await self.conversations.answer_press(press, is_admin=press.is_admin)
         return await self.service.decide_from_button(
             press.data, actor=press.actor, platform=press.platform, chat=press.chat, message_id=press.message_id
         )

@@ -56,11 +56,22 @@ class InternalTool:
 
 
 @dataclass(frozen=True)
+class StepRef:
+    """The plan step a turn works on: which plan, which step, which attempt of it."""
+
+    plan_id: str
+    index: int
+    attempt: int
+
+
+@dataclass(frozen=True)
 class TurnContext:
     conversation: str
     agent: AgentSpec
     requested_by: str
     task_id: str | None = None
+    request_text: str = ""  # what the turn was asked (a plan written in it remembers it)
+    step: StepRef | None = None  # the plan step this turn works on, if any
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,12 @@ class TurnResult:
     @property
     def changed_state(self) -> bool:
         return any(run.changed_state for run in self.tool_runs)
+
+    @property
+    def files_written(self) -> tuple[str, ...]:
+        """Workspace paths this turn wrote, in order, once each: a step's output files."""
+        paths = [str(run.arguments.get("path")) for run in self.tool_runs if run.name == "write_file" and run.ok]
+        return tuple(dict.fromkeys(p for p in paths if p and p != "None"))
 
 
 def nesting_depth(value: Any) -> int:
@@ -146,10 +163,17 @@ class AgentRunner:
         return specs + self.registry.specs(usable)
 
     async def run(
-        self, agent: AgentSpec, conversation: str, text: str, *, requested_by: str, task_id: str | None = None
+        self,
+        agent: AgentSpec,
+        conversation: str,
+        text: str,
+        *,
+        requested_by: str,
+        task_id: str | None = None,
+        step: StepRef | None = None,
     ) -> TurnResult:
         """One turn: the agent answers ``text``, calling tools as it goes, at most ``max_steps`` model calls."""
-        ctx = TurnContext(conversation, agent, requested_by, task_id)
+        ctx = TurnContext(conversation, agent, requested_by, task_id, request_text=text, step=step)
         messages: list[Message] = [
             {"role": "system", "content": agent.system_prompt},
             *await self.history.recent(conversation, agent.name),

@@ -5,30 +5,38 @@ executor's dispatches are posted into the group *as the lead agent* and the
 very same message is then handed to the addressed sub-agent through
 :meth:`Conversations.on_inbound` — the path a human @-mention takes. There is
 no second channel: the post is the record, and the record is the delivery.
+
+Questions to people (a user step, or a sub-agent's ``ask_user``) are posted
+in the conversation naming who may answer; a reply to that message (or a press
+of one of its choices) from that person — or a platform admin — answers it.
+Nobody else's message does, and neither does whatever is said next.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import structlog
-from pydantic import ValidationError
 
-from kazma.adapters.contract import Inbound
+from kazma.adapters.contract import Inbound, Press
+from kazma.approvals.model import PressResult, PressVerdict
 from kazma.config.metrics import count_failure
-from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, TurnContext, TurnResult
-from kazma.engine.executor import Action, ActionKind, DispatchFailed, PlanExecutor, StepResult
-from kazma.engine.plan import PlanError, PlanSpec
-from kazma.engine.tools import ToolResult, fence_untrusted
-from kazma.engine.types import ToolSpec
+from kazma.engine.agent import AgentRunner, AgentSpec, StepRef, TurnResult
+from kazma.engine.executor import Action, ActionKind, AnswerVerdict, DispatchFailed, PlanExecutor, StepResult
+from kazma.engine.plan_store import Question
+from kazma.engine.plan_tools import ask_user_tool, lead_plan_tools
+from kazma.engine.tools import fence_untrusted
 
 log = structlog.get_logger("kazma.conversation")
 
 SUMMARY_LIMIT = 1500
 SWARM_UNAVAILABLE = "The /swarm commands are not available here: this process runs without the swarm engine."
+QUESTION_PREFIX: Final = "kq1"
+_QUESTION_BUTTON: Final = re.compile(r"^kq1:(?P<id>[A-Za-z0-9_-]{8,32}):(?P<choice>\d{1,2})$")
 
 
 class CommandRunner(Protocol):
@@ -41,6 +49,26 @@ class MessageSink(Protocol):
     async def send_text(
         self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
     ) -> str | None: ...
+
+    async def send_choices(
+        self,
+        platform: str,
+        chat: str,
+        text: str,
+        choices: Sequence[tuple[str, str]],
+        *,
+        agent: str | None = None,
+        thread: str | None = None,
+    ) -> str | None: ...
+
+
+def question_button(question_id: str, choice: int) -> str:
+    """``kq1:<question id>:<choice>``: a choice's button data, within Telegram's 64 bytes."""
+    return f"{QUESTION_PREFIX}:{question_id}:{choice}"
+
+
+def is_question_button(data: str) -> bool:
+    return data.startswith(QUESTION_PREFIX + ":")
 
 
 @dataclass(frozen=True)
@@ -59,14 +87,18 @@ class Conversations:
     executor: PlanExecutor | None = None
     swarm: CommandRunner | None = None
     _dispatches: dict[tuple[str, str, str], _Dispatch] = field(default_factory=dict)
-    _waiting_user: dict[str, _Dispatch] = field(default_factory=dict)  # conversation -> user step
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     # told of every executor action after it is carried out (the demo and tests watch plans end)
     listeners: list[Callable[[Action], None]] = field(default_factory=list)
 
     def attach(self, executor: PlanExecutor) -> None:
         self.executor = executor
-        self.runner.add_internal_tool(self.lead.name, InternalTool(PLAN_TOOL, self._write_plan))
+        for tool in lead_plan_tools(executor):
+            self.runner.add_internal_tool(self.lead.name, tool)
+        asking = ask_user_tool(executor)
+        for name, agent in self.agents.items():
+            if not agent.is_lead:
+                self.runner.add_internal_tool(name, asking)
 
     # -- inbound ---------------------------------------------------------------------------------
 
@@ -108,59 +140,96 @@ class Conversations:
                 )
             await self.sink.send_text(message.platform, message.chat, reply, agent="swarm", thread=message.thread)
             return
+        if message.command == "plan":
+            await self.sink.send_text(
+                message.platform, message.chat, await self.describe(conversation), agent=self.lead.name
+            )
+            return
         if message.from_bot and dispatch is None:
             # our own posts echoed back by the platform, or another bot: not addressed to us
+            return
+        if message.reply_to is not None and await self._answer_by_reply(conversation, message):
             return
         worker = next((self.agents[m] for m in message.mentions if m in self.agents and m != self.lead.name), None)
         if dispatch is not None and worker is not None:
             await self._run_step(worker, conversation, message, dispatch)
-            return
-        waiting = self._waiting_user.pop(conversation, None)
-        if waiting is not None and self.executor is not None:
-            await self.executor.complete(
-                waiting.plan_id,
-                waiting.index,
-                StepResult(ok=True, summary=message.text[:SUMMARY_LIMIT]),
-                attempt=waiting.attempt,
-            )
             return
         agent = worker or self.lead
         log.info("inbound.routed", conversation=conversation, agent=agent.name, author=message.author)
         result = await self.runner.run(agent, conversation, message.text, requested_by=message.author)
         await self._post_result(message, agent, result)
 
+    async def describe(self, conversation: str) -> str:
+        if self.executor is None:
+            return "Plans are not available here."
+        return await self.executor.describe(conversation)
+
     async def _run_step(self, worker: AgentSpec, conversation: str, message: Inbound, dispatch: _Dispatch) -> None:
-        result = await self.runner.run(worker, conversation, message.text, requested_by=message.author)
+        step = StepRef(dispatch.plan_id, dispatch.index, dispatch.attempt)
+        result = await self.runner.run(worker, conversation, message.text, requested_by=message.author, step=step)
         await self._post_result(message, worker, result)
         if self.executor is None:
             return
-        step = StepResult(
+        outcome = StepResult(
             ok=result.ok,
             summary=result.text[:SUMMARY_LIMIT],
+            files=result.files_written,
             error=result.error or "",
             transient=result.transient and not result.changed_state,
         )
-        await self.executor.complete(dispatch.plan_id, dispatch.index, step, attempt=dispatch.attempt)
+        # When the turn asked a person (ask_user), the step waits and this completion is stale: ignored.
+        await self.executor.complete(dispatch.plan_id, dispatch.index, outcome, attempt=dispatch.attempt)
 
     async def _post_result(self, message: Inbound, agent: AgentSpec, result: TurnResult) -> None:
         text = result.text if result.ok else f"I could not finish: {result.error}"
         if text:
             await self.sink.send_text(message.platform, message.chat, text, agent=agent.name, thread=message.thread)
 
-    # -- the lead's plan tool --------------------------------------------------------------------
+    # -- answers to questions --------------------------------------------------------------------
 
-    async def _write_plan(self, arguments: Mapping[str, Any], ctx: TurnContext) -> ToolResult:
-        assert self.executor is not None
-        try:
-            spec = PlanSpec.model_validate(dict(arguments))
-            plan = await self.executor.start(ctx.conversation, spec)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-            return ToolResult(ok=False, output="", error=f"the plan is malformed: {problems}")
-        except PlanError as exc:
-            return ToolResult(ok=False, output="", error=f"the plan was refused: {exc}")
-        steps = ", ".join(f"{s.index}. {s.spec.title} ({s.spec.assignee})" for s in plan.steps.values())
-        return ToolResult(ok=True, output=f"Plan {plan.id} started with {len(plan.steps)} steps: {steps}")
+    async def _answer_by_reply(self, conversation: str, message: Inbound) -> bool:
+        """A reply to an open question's message answers it — if it comes from who may answer. True: handled."""
+        if self.executor is None:
+            return False
+        question = next(
+            (q for q in await self.executor.open_questions(conversation) if q.message_id == message.reply_to),
+            None,
+        )
+        if question is None:
+            return False
+        if question.choices and message.text.strip() not in question.choices:
+            await self.sink.send_text(
+                message.platform,
+                message.chat,
+                f"Please answer with one of: {', '.join(question.choices)} (or press its button).",
+                agent=self.lead.name,
+            )
+            return True
+        result = await self.executor.answer(question.id, message.text, actor=message.author, is_admin=message.is_admin)
+        if result.verdict is AnswerVerdict.REFUSED:
+            # Someone else replying to the question is talk, not an answer: ignored, and said nowhere in chat.
+            log.info("plan.reply_ignored", question=question.id, author=message.author)
+            return True
+        if result.verdict is AnswerVerdict.LOST:
+            await self.sink.send_text(message.platform, message.chat, result.message, agent=self.lead.name)
+        return True
+
+    async def answer_press(self, press: Press, *, is_admin: bool = False) -> PressResult:
+        """A press of one of a question's choice buttons."""
+        match = _QUESTION_BUTTON.fullmatch(press.data)
+        if match is None or self.executor is None:
+            return PressResult(PressVerdict.REFUSED, "This button is not valid; nothing was recorded.")
+        question = await self.executor.store.question(match["id"])
+        choice = int(match["choice"])
+        if question is None or choice >= len(question.choices):
+            return PressResult(PressVerdict.REFUSED, "This button is not valid; nothing was recorded.")
+        result = await self.executor.answer(question.id, question.choices[choice], actor=press.actor, is_admin=is_admin)
+        verdict = {
+            AnswerVerdict.TAKEN: PressVerdict.WON,
+            AnswerVerdict.LOST: PressVerdict.LOST,
+            AnswerVerdict.REFUSED: PressVerdict.REFUSED,
+        }[result.verdict]
+        return PressResult(verdict, result.message)
 
     # -- Dispatcher (the executor's hands) --------------------------------------------------------
 
@@ -172,35 +241,26 @@ class Conversations:
     async def _perform(self, action: Action) -> None:
         platform, _, chat = action.plan.conversation.partition(":")
         step = action.step
-        if action.kind is ActionKind.DISPATCH:
+        if action.kind in (ActionKind.DISPATCH, ActionKind.RESUME):
             assert step is not None
-            text = f"@{step.spec.assignee} {action.text}".rstrip()
-            message_id = await self.sink.send_text(platform, chat, text, agent=self.lead.name)
-            if message_id is None:
-                raise DispatchFailed(f"the dispatch to @{step.spec.assignee} could not be posted", transient=True)
-            self._dispatches[(platform, chat, message_id)] = _Dispatch(action.plan.id, step.index, step.attempts)
-            inbound = Inbound(
-                platform=platform,
-                chat=chat,
-                message_id=message_id,
-                author=f"agent:{self.lead.name}",
-                author_name=self.lead.name,
-                text=text,
-                mentions=(step.spec.assignee,),
-                from_bot=True,
-            )
-            log.info("plan.dispatched", plan_id=action.plan.id, step=step.index, to=step.spec.assignee)
-            await self.on_inbound(inbound)  # the same message, through the same inbound path
+            await self._dispatch(action, step.spec.assignee, step.index, step.attempts)
         elif action.kind is ActionKind.ASK_USER:
-            assert step is not None
-            await self.sink.send_text(platform, chat, action.text or step.spec.title, agent=self.lead.name)
-            self._waiting_user[action.plan.conversation] = _Dispatch(action.plan.id, step.index, step.attempts)
+            assert action.question is not None
+            await self._ask(platform, chat, action.question)
+        elif action.kind is ActionKind.NOTICE:
+            await self.sink.send_text(platform, chat, action.text, agent=self.lead.name)
         elif action.kind is ActionKind.RUN_LEAD:
             assert step is not None
             self._spawn(self._lead_step(action), name=f"lead-step-{action.plan.id}-{step.index}")
         elif action.kind is ActionKind.ASK_LEAD:
-            prompt = f"{action.text}\nDecide what to do next and tell the team."
-            self._spawn(self._lead_says(action.plan.conversation, prompt), name=f"ask-lead-{action.plan.id}")
+            assert step is not None
+            prompt = (
+                f"{action.text}\nDecide what to do next and tell the team: retry_step (optionally with new input), "
+                "replace_steps, skip_step or abort_plan. If you do none of them, the steps that need this one are "
+                "dropped and the rest of the plan goes on."
+            )
+            self._spawn(self._ask_lead(action.plan.id, step.index, action.plan.conversation, prompt),
+                        name=f"ask-lead-{action.plan.id}")  # fmt: skip
         elif action.kind is ActionKind.FINISHED:
             summaries = "\n".join(
                 f"Step {s.index} ({s.spec.assignee}, {s.status.value}): "
@@ -210,18 +270,71 @@ class Conversations:
             prompt = f"The plan for '{action.plan.goal}' has finished. Report the result to the team.\n{summaries}"
             self._spawn(self._lead_says(action.plan.conversation, prompt), name=f"finish-{action.plan.id}")
 
+    async def _dispatch(self, action: Action, assignee: str, index: int, attempt: int) -> None:
+        platform, _, chat = action.plan.conversation.partition(":")
+        text = f"@{assignee} {action.text}".rstrip()
+        message_id = await self.sink.send_text(platform, chat, text, agent=self.lead.name)
+        if message_id is None:
+            raise DispatchFailed(f"the dispatch to @{assignee} could not be posted", transient=True)
+        self._dispatches[(platform, chat, message_id)] = _Dispatch(action.plan.id, index, attempt)
+        inbound = Inbound(
+            platform=platform,
+            chat=chat,
+            message_id=message_id,
+            author=f"agent:{self.lead.name}",
+            author_name=self.lead.name,
+            text=text,
+            mentions=(assignee,),
+            from_bot=True,
+        )
+        log.info("plan.dispatched", plan_id=action.plan.id, step=index, to=assignee, kind=action.kind.value)
+        await self.on_inbound(inbound)  # the same message, through the same inbound path
+
+    async def _ask(self, platform: str, chat: str, question: Question) -> None:
+        assert self.executor is not None
+        who = question.answerer.removesuffix(":admins")
+        if question.choices:
+            how = "Press one of the buttons, or reply to this message with one of the choices."
+        else:
+            how = "Reply to this message to answer."
+        text = f"Question from @{question.asked_by} for {who} (or an admin):\n{question.question}\n{how}"
+        choices = [(label, question_button(question.id, i)) for i, label in enumerate(question.choices)]
+        message_id = await self.sink.send_choices(platform, chat, text, choices, agent=self.lead.name)
+        if message_id is None:
+            count_failure("question_post")
+            log.warning("plan.question_not_posted", question=question.id, conversation=question.conversation)
+            return
+        await self.executor.question_posted(question.id, message_id)
+
     async def _lead_step(self, action: Action) -> None:
         assert action.step is not None
         assert self.executor is not None
+        step = StepRef(action.plan.id, action.step.index, action.step.attempts)
         result = await self.runner.run(
-            self.lead, action.plan.conversation, action.text or action.step.spec.title, requested_by="executor"
+            self.lead,
+            action.plan.conversation,
+            action.text or action.step.spec.title,
+            requested_by="executor",
+            step=step,
         )
         await self.executor.complete(
             action.plan.id,
             action.step.index,
-            StepResult(ok=result.ok, summary=result.text[:SUMMARY_LIMIT], error=result.error or ""),
+            StepResult(
+                ok=result.ok,
+                summary=result.text[:SUMMARY_LIMIT],
+                files=result.files_written,
+                error=result.error or "",
+            ),
             attempt=action.step.attempts,
         )
+
+    async def _ask_lead(self, plan_id: str, index: int, conversation: str, prompt: str) -> None:
+        try:
+            await self._lead_says(conversation, prompt)
+        finally:
+            if self.executor is not None:
+                await self.executor.lead_decided(plan_id, index)
 
     async def _lead_says(self, conversation: str, prompt: str) -> None:
         platform, _, chat = conversation.partition(":")
@@ -229,13 +342,3 @@ class Conversations:
         text = result.text if result.ok else f"I could not finish: {result.error}"
         if text:
             await self.sink.send_text(platform, chat, text, agent=self.lead.name)
-
-
-PLAN_TOOL = ToolSpec(
-    name="write_plan",
-    description=(
-        "Write a plan for multi-step work. Each step goes to 'user', the lead, or a sub-agent; it starts when "
-        "the steps it waits for are done. A step's input may use {{step_N.output_summary}} of a step it waits for."
-    ),
-    parameters=PlanSpec.model_json_schema(),
-)

@@ -5,25 +5,51 @@ record the outcome, find ready steps, dispatch the lowest-index one. The
 step is marked ``in_progress`` on disk (compare-and-set) *before* the
 dispatch message is posted, and the dispatch happens after the lock is
 released so a sub-agent that answers at once cannot deadlock the executor.
+
+The executor owns run state; the model owns intent (invariant 9). The lead
+repairs a plan only through the repair methods here (retry, replace, skip,
+abort), each validated against the graph and applied under the same lock,
+recorded in the plan's history and said in the conversation in one line.
+A person is asked through questions that survive a restart and are answered
+by the person who made the request (or a platform admin), never by whoever
+speaks next.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
+from pydantic import ValidationError
 
+from kazma.config.identity import platform_of
 from kazma.config.metrics import count_failure
-from kazma.engine.plan import USER, OnFailure, Plan, PlanSpec, Step, StepStatus, dependencies, validate_plan
-from kazma.engine.plan_store import PlanStore
+from kazma.engine.plan import (
+    USER,
+    OnFailure,
+    Plan,
+    PlanError,
+    PlanOrigin,
+    PlanSpec,
+    Step,
+    StepSpec,
+    StepStatus,
+    dependencies,
+    validate_plan,
+)
+from kazma.engine.plan_store import PlanStore, Question
 
 log = structlog.get_logger("kazma.executor")
 
 INTERRUPTED = "interrupted: the process stopped while this step ran; its outcome is unknown"
+ANSWER_LIMIT = 4_000  # characters of a person's answer kept as a step's summary
+MAX_CHOICES = 8
 
 
 @dataclass(frozen=True)
@@ -37,9 +63,11 @@ class StepResult:
 
 class ActionKind(StrEnum):
     DISPATCH = "dispatch"  # post "@<sub-agent> <input>" as the lead
-    ASK_USER = "ask_user"  # post the question; the plan waits for a human answer
+    RESUME = "resume"  # a person answered a sub-agent's question: its step goes on, with the answer
+    ASK_USER = "ask_user"  # post a question to a person; the step (and the plan) waits for the answer
     RUN_LEAD = "run_lead"  # a lead turn, no extra visible message
     ASK_LEAD = "ask_lead"  # a step failed: ask the lead what next
+    NOTICE = "notice"  # one line in the conversation: a repair, an answer taken
     FINISHED = "finished"
 
 
@@ -49,6 +77,7 @@ class Action:
     plan: Plan
     step: Step | None = None
     text: str = ""
+    question: Question | None = None
 
 
 class Dispatcher(Protocol):
@@ -63,6 +92,27 @@ class DispatchFailed(Exception):
         self.transient = transient
 
 
+class RepairRefused(Exception):
+    """A repair the lead asked for does not fit the plan as it stands; the message says why, for the model."""
+
+
+class AnswerVerdict(StrEnum):
+    TAKEN = "taken"
+    LOST = "lost"  # answered (or cancelled) already
+    REFUSED = "refused"  # not theirs to answer, or no such question
+
+
+@dataclass(frozen=True)
+class AnswerResult:
+    verdict: AnswerVerdict
+    message: str  # for the person who answered
+
+
+def answerer_of(origin: PlanOrigin, conversation: str) -> str:
+    """Who may answer a plan's questions: the person who asked for the plan (admins always may)."""
+    return origin.requested_by or f"{platform_of(conversation)}:admins"
+
+
 @dataclass
 class PlanExecutor:
     store: PlanStore
@@ -72,10 +122,12 @@ class PlanExecutor:
     max_attempts: int = 3
     _locks: defaultdict[str, asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
 
-    async def start(self, conversation: str, spec: PlanSpec) -> Plan:
+    # -- starting and completing -----------------------------------------------------------------
+
+    async def start(self, conversation: str, spec: PlanSpec, origin: PlanOrigin | None = None) -> Plan:
         """Validate and persist a plan, then dispatch its first ready step."""
         validate_plan(spec, self.assignees | {self.lead_name})
-        plan = await self.store.create(conversation, spec)
+        plan = await self.store.create(conversation, spec, origin)
         log.info("plan.created", plan_id=plan.id, conversation=conversation, steps=len(plan.steps))
         await self._reconcile(plan.id)
         return plan
@@ -104,11 +156,12 @@ class PlanExecutor:
         return interrupted
 
     async def mark_interrupted(self) -> tuple[list[tuple[str, int]], list[Action]]:
-        """The store half of :meth:`recover`: fail interrupted steps, return what to tell the lead.
+        """The store half of :meth:`recover`: fail interrupted steps, return what to tell the lead and people.
 
         Run it before any new work can start (a step started by this process must
         not be mistaken for one a dead process left behind); perform the actions
-        once the platforms are up.
+        once the platforms are up. A step waiting for a person is not
+        interrupted: its question is shown again.
         """
         interrupted = await self.store.with_steps_in(StepStatus.IN_PROGRESS)
         actions: list[Action] = []
@@ -123,6 +176,11 @@ class PlanExecutor:
                     plan_id, index, StepStatus.IN_PROGRESS, StepStatus.FAILED, failure_reason=INTERRUPTED
                 )
                 actions += await self._after_failure(plan_id, index, OnFailure.ASK_LEAD, INTERRUPTED)
+        for question in await self.store.open_questions():
+            plan = await self.store.load(question.plan_id)
+            if plan is not None:
+                log.info("plan.question_shown_again", plan_id=plan.id, question=question.id)
+                actions.append(Action(ActionKind.ASK_USER, plan, plan.steps.get(question.step), question=question))
         return interrupted, actions
 
     async def _reconcile(self, plan_id: str) -> None:
@@ -144,7 +202,8 @@ class PlanExecutor:
             log.info("plan.stale_completion", plan_id=plan_id, step=index, attempt=attempt, current=step.attempts)
             return False, []
         if step.status is not StepStatus.IN_PROGRESS:
-            # a duplicate or stale completion: the executor only reacts to what is really running
+            # a duplicate or stale completion (or the end of a turn that asked a person and now waits):
+            # the executor only reacts to what is really running
             log.info("plan.stale_completion", plan_id=plan_id, step=index, status=step.status.value)
             return False, []
         if result.ok:
@@ -157,7 +216,7 @@ class PlanExecutor:
                 output_files=list(result.files),
             )
             if changed:
-                log.info("plan.step_done", plan_id=plan_id, step=index)
+                log.info("plan.step_done", plan_id=plan_id, step=index, files=len(result.files))
             return changed, []
         if result.transient and step.attempts < self.max_attempts:
             changed = await self.store.set_status(
@@ -183,44 +242,28 @@ class PlanExecutor:
         if policy is OnFailure.CONTINUE:
             return []
         if policy is OnFailure.ABORT_PLAN:
-            for step in plan.steps.values():
-                if step.status is StepStatus.PENDING:
-                    await self.store.set_status(
-                        plan_id,
-                        step.index,
-                        StepStatus.PENDING,
-                        StepStatus.SKIPPED,
-                        failure_reason=f"plan aborted: step {index} failed",
-                    )
-            await self.store.set_plan_status(plan_id, "aborted")
+            await self._abort(plan, f"plan aborted: step {index} failed")
             return []
-        # ask_lead: everything that depends on the failed step cannot run now
-        for dependent in _dependents(plan, index):
-            await self.store.set_status(
-                plan_id,
-                dependent,
-                StepStatus.PENDING,
-                StepStatus.BLOCKED,
-                failure_reason=f"blocked: step {index} failed",
-            )
-        plan = await self.store.load(plan_id)
-        assert plan is not None
+        # ask_lead: the steps that depend on the failed one wait (pending) while the lead decides; they are
+        # blocked only when the lead gives up (see lead_decided) or the plan is aborted
         return [Action(ActionKind.ASK_LEAD, plan, plan.steps[index], f"Step {index} failed: {reason}")]
 
     async def _next_actions(self, plan_id: str) -> list[Action]:
         plan = await self.store.load(plan_id)
-        if plan is None or await self.store.plan_status(plan_id) != "active":
+        if plan is None or plan.status != "active":
             return []
         if plan.finished:
             await self.store.set_plan_status(plan_id, "finished")
             log.info("plan.finished", plan_id=plan_id)
             return [Action(ActionKind.FINISHED, plan)]
-        if plan.in_progress():
-            return []  # one at a time
+        if plan.in_progress() or any(s.status is StepStatus.WAITING_FOR_USER for s in plan.steps.values()):
+            return []  # one at a time; a question to a person pauses the plan
         ready = plan.ready()
         if not ready:
             return []
         step = ready[0]
+        if step.spec.assignee == USER:
+            return await self._ask_for_user_step(plan, step)
         if not await self.store.set_status(
             plan_id, step.index, StepStatus.PENDING, StepStatus.IN_PROGRESS, count_attempt=True
         ):
@@ -229,14 +272,32 @@ class PlanExecutor:
         assert plan is not None
         step = plan.steps[step.index]
         text = plan.render_input(step)
-        if step.spec.assignee == USER:
-            kind = ActionKind.ASK_USER
-        elif step.spec.assignee == self.lead_name:
-            kind = ActionKind.RUN_LEAD
-        else:
-            kind = ActionKind.DISPATCH
+        kind = ActionKind.RUN_LEAD if step.spec.assignee == self.lead_name else ActionKind.DISPATCH
         log.info("plan.step_started", plan_id=plan_id, step=step.index, assignee=step.spec.assignee, kind=kind.value)
         return [Action(kind, plan, step, text)]
+
+    async def _ask_for_user_step(self, plan: Plan, step: Step) -> list[Action]:
+        if not await self.store.set_status(
+            plan.id, step.index, StepStatus.PENDING, StepStatus.WAITING_FOR_USER, count_attempt=True
+        ):
+            return []
+        text = plan.render_input(step, context=False) or step.spec.title
+        question = await self.store.ask(
+            plan_id=plan.id,
+            step=step.index,
+            attempt=step.attempts + 1,
+            kind="user_step",
+            conversation=plan.conversation,
+            asked_by=self.lead_name,
+            question=text,
+            choices=(),
+            answerer=answerer_of(plan.origin, plan.conversation),
+        )
+        await self.store.record(plan.id, "asked", step=step.index, actor=self.lead_name, detail=text[:500])
+        loaded = await self.store.load(plan.id)
+        assert loaded is not None
+        log.info("plan.step_started", plan_id=plan.id, step=step.index, assignee=USER, kind="ask_user")
+        return [Action(ActionKind.ASK_USER, loaded, loaded.steps[step.index], text, question)]
 
     async def perform(self, actions: list[Action]) -> None:
         for action in actions:
@@ -245,7 +306,7 @@ class PlanExecutor:
             except DispatchFailed as exc:
                 count_failure("dispatch")
                 log.warning("plan.dispatch_failed", plan_id=action.plan.id, error=str(exc), transient=exc.transient)
-                if action.step is not None:
+                if action.step is not None and action.kind in (ActionKind.DISPATCH, ActionKind.RESUME):
                     await self.complete(
                         action.plan.id,
                         action.step.index,
@@ -253,9 +314,292 @@ class PlanExecutor:
                         attempt=action.step.attempts,
                     )
 
+    # -- questions to people ---------------------------------------------------------------------
 
-def _dependents(plan: Plan, index: int) -> list[int]:
-    """Every pending step that waits, directly or not, for ``index``."""
+    async def ask_user(
+        self,
+        plan_id: str,
+        index: int,
+        attempt: int,
+        question: str,
+        choices: Sequence[str] = (),
+        *,
+        asked_by: str,
+    ) -> Question:
+        """A sub-agent in the middle of its step asks a person: the step waits, the plan pauses.
+
+        Raises :class:`RepairRefused` (with a message for the model) when the step is not its running attempt.
+        """
+        text = question.strip()
+        options = tuple(dict.fromkeys(c.strip() for c in choices if c.strip()))
+        if not text:
+            raise RepairRefused("the question is empty")
+        if len(options) > MAX_CHOICES or any(len(c) > 60 for c in options):
+            raise RepairRefused(f"give at most {MAX_CHOICES} choices of at most 60 characters each")
+        plan = await self.store.load(plan_id)
+        if plan is None or index not in plan.steps:
+            raise RepairRefused("this step is not part of a plan any more")
+        async with self._locks[plan.conversation]:
+            plan = await self.store.load(plan_id)
+            assert plan is not None
+            step = plan.steps[index]
+            if step.status is not StepStatus.IN_PROGRESS or step.attempts != attempt:
+                raise RepairRefused(f"step {index} is {step.status.value}, not running: no question was asked")
+            await self.store.set_status(plan_id, index, StepStatus.IN_PROGRESS, StepStatus.WAITING_FOR_USER)
+            asked = await self.store.ask(
+                plan_id=plan_id,
+                step=index,
+                attempt=attempt,
+                kind="ask_user",
+                conversation=plan.conversation,
+                asked_by=asked_by,
+                question=text,
+                choices=options,
+                answerer=answerer_of(plan.origin, plan.conversation),
+            )
+            await self.store.record(plan_id, "asked", step=index, actor=asked_by, detail=text[:500])
+            loaded = await self.store.load(plan_id)
+            assert loaded is not None
+        log.info("plan.question_asked", plan_id=plan_id, step=index, question=asked.id, by=asked_by)
+        await self.perform([Action(ActionKind.ASK_USER, loaded, loaded.steps[index], text, asked)])
+        return asked
+
+    async def answer(self, question_id: str, text: str, *, actor: str, is_admin: bool = False) -> AnswerResult:
+        """A person answers a question (a reply to it, or a press of one of its choices): decided once."""
+        question = await self.store.question(question_id)
+        if question is None:
+            return AnswerResult(AnswerVerdict.REFUSED, "That question is not known; nothing was recorded.")
+        if question.status != "pending":
+            by = f" by {question.answered_by}" if question.answered_by else ""
+            return AnswerResult(AnswerVerdict.LOST, f"That question was {question.status}{by} already.")
+        same_platform = platform_of(actor) == platform_of(question.conversation)
+        if not (actor == question.answerer or (is_admin and same_platform)):
+            log.info("plan.answer_refused", question=question_id, actor=actor, answerer=question.answerer)
+            return AnswerResult(
+                AnswerVerdict.REFUSED, f"Only {question.answerer} (or an admin) may answer this question."
+            )
+        if question.choices and text not in question.choices:
+            return AnswerResult(AnswerVerdict.REFUSED, f"Choose one of: {', '.join(question.choices)}.")
+        plan = await self.store.load(question.plan_id)
+        if plan is None:
+            return AnswerResult(AnswerVerdict.REFUSED, "That question's plan is gone; nothing was recorded.")
+        answer = text.strip()[:ANSWER_LIMIT]
+        async with self._locks[plan.conversation]:
+            if not await self.store.settle_question(question_id, "answered", answer=answer, actor=actor):
+                again = await self.store.question(question_id)
+                by = f" by {again.answered_by}" if again is not None and again.answered_by else ""
+                return AnswerResult(AnswerVerdict.LOST, f"That question was answered{by} already.")
+            await self.store.record(plan.id, "answered", step=question.step, actor=actor, detail=answer[:500])
+            actions = await self._take_answer(plan.id, question, answer, actor)
+        await self.perform(actions)
+        log.info("plan.question_answered", plan_id=plan.id, step=question.step, question=question_id, by=actor)
+        return AnswerResult(AnswerVerdict.TAKEN, "Answer recorded; the plan goes on.")
+
+    async def _take_answer(self, plan_id: str, question: Question, answer: str, actor: str) -> list[Action]:
+        plan = await self.store.load(plan_id)
+        assert plan is not None
+        step = plan.steps.get(question.step)
+        if step is None or step.status is not StepStatus.WAITING_FOR_USER:
+            return []  # skipped or aborted while it waited: the answer is on record, nothing resumes
+        if question.kind == "user_step":
+            await self.store.set_status(
+                plan_id, step.index, StepStatus.WAITING_FOR_USER, StepStatus.DONE, output_summary=answer
+            )
+            return await self._next_actions(plan_id)
+        await self.store.set_status(plan_id, step.index, StepStatus.WAITING_FOR_USER, StepStatus.IN_PROGRESS)
+        from kazma.engine.tools import fence_untrusted
+
+        reply = fence_untrusted(f"Q: {question.question}\nA: {answer}", source=f"the answer from {actor}")
+        text = f"Your question was answered. Go on with your step from where you stopped.\n{reply}"
+        loaded = await self.store.load(plan_id)
+        assert loaded is not None
+        return [Action(ActionKind.RESUME, loaded, loaded.steps[step.index], text)]
+
+    async def question_posted(self, question_id: str, message_id: str) -> None:
+        await self.store.question_posted(question_id, message_id)
+
+    async def open_questions(self, conversation: str) -> list[Question]:
+        return await self.store.open_questions(conversation)
+
+    # -- repairs by the lead ---------------------------------------------------------------------
+
+    async def _active(self, conversation: str) -> Plan:
+        plan_id = await self.store.active_plan(conversation)
+        plan = await self.store.load(plan_id) if plan_id else None
+        if plan is None:
+            raise RepairRefused("there is no active plan in this conversation")
+        return plan
+
+    async def retry_step(self, conversation: str, index: int, new_input: str | None, *, by: str) -> str:
+        """A failed or interrupted step back to pending, optionally with new input."""
+        plan = await self._active(conversation)
+        async with self._locks[conversation]:
+            plan = await self._active(conversation)
+            step = plan.steps.get(index)
+            if step is None:
+                raise RepairRefused(f"there is no step {index} (steps 1..{len(plan.steps)})")
+            if step.status is not StepStatus.FAILED:
+                raise RepairRefused(f"step {index} is {step.status.value}; only a failed step can be retried")
+            if new_input is not None:
+                candidate = step.spec.model_copy(update={"input": new_input})
+                self._validate([candidate if s.index == index else s.spec for s in plan.steps.values()], plan.goal)
+                await self.store.set_input(plan.id, index, new_input)
+            await self.store.set_status(plan.id, index, StepStatus.FAILED, StepStatus.PENDING, failure_reason="")
+            for dependent in _dependents(plan, index, StepStatus.BLOCKED):
+                await self.store.set_status(plan.id, dependent, StepStatus.BLOCKED, StepStatus.PENDING)
+            detail = "with new input" if new_input is not None else "as it was"
+            await self.store.record(plan.id, "retried", step=index, actor=by, detail=detail)
+            line = f"Plan: step {index} ({step.spec.title}) runs again, {detail}."
+            actions = [Action(ActionKind.NOTICE, plan, step, line), *await self._next_actions(plan.id)]
+        log.info("plan.repaired", plan_id=plan.id, repair="retry_step", step=index, by=by)
+        await self.perform(actions)
+        return line
+
+    async def replace_steps(self, conversation: str, from_index: int, steps: Sequence[dict[str, Any]], *,
+                            by: str) -> str:  # fmt: skip
+        """Every not-yet-started step from ``from_index`` on is replaced by ``steps`` (indices from_index, …)."""
+        try:
+            new = [StepSpec.model_validate(s) for s in steps]
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise RepairRefused(f"the new steps are malformed: {problems}") from None
+        if not new:
+            raise RepairRefused("give at least one new step")
+        async with self._locks[conversation]:
+            plan = await self._active(conversation)
+            if from_index < 1 or from_index > len(plan.steps) + 1:
+                raise RepairRefused(f"from_index must be 1..{len(plan.steps) + 1}")
+            started = [
+                s.index
+                for s in plan.steps.values()
+                if s.index >= from_index and s.status not in (StepStatus.PENDING, StepStatus.BLOCKED)
+            ]
+            if started:
+                raise RepairRefused(f"step {started[0]} has already run or is running; replace from a later step")
+            expected = list(range(from_index, from_index + len(new)))
+            if [s.index for s in new] != expected:
+                raise RepairRefused(f"the new steps must be numbered {expected}")
+            kept = [s.spec for s in plan.steps.values() if s.index < from_index]
+            self._validate([*kept, *new], plan.goal)
+            old = [s.spec.model_dump(mode="json") for s in plan.steps.values() if s.index >= from_index]
+            if not await self.store.replace_pending(plan.id, from_index, new):
+                raise RepairRefused("a step to replace started meanwhile; look at the plan again")
+            await self.store.record(
+                plan.id, "replaced", step=from_index, actor=by, detail=json.dumps({"old": old}, ensure_ascii=False)
+            )
+            line = f"Plan: steps from {from_index} on replaced by {len(new)} new step{'s' * (len(new) != 1)}."
+            reloaded = await self.store.load(plan.id)
+            assert reloaded is not None
+            actions = [Action(ActionKind.NOTICE, reloaded, None, line), *await self._next_actions(plan.id)]
+        log.info("plan.repaired", plan_id=plan.id, repair="replace_steps", step=from_index, by=by)
+        await self.perform(actions)
+        return line
+
+    async def skip_step(self, conversation: str, index: int, reason: str, *, by: str) -> str:
+        """A step that has not run, or failed, counts as skipped: steps waiting for it go on."""
+        async with self._locks[conversation]:
+            plan = await self._active(conversation)
+            step = plan.steps.get(index)
+            if step is None:
+                raise RepairRefused(f"there is no step {index} (steps 1..{len(plan.steps)})")
+            skippable = (StepStatus.PENDING, StepStatus.BLOCKED, StepStatus.FAILED, StepStatus.WAITING_FOR_USER)
+            if step.status not in skippable:
+                raise RepairRefused(f"step {index} is {step.status.value} and cannot be skipped")
+            await self.store.set_status(
+                plan.id, index, step.status, StepStatus.SKIPPED, failure_reason=f"skipped by {by}: {reason}"
+            )
+            if step.status is StepStatus.WAITING_FOR_USER:
+                await self._cancel_questions(plan.id, index)
+            for dependent in _dependents(plan, index, StepStatus.BLOCKED):
+                await self.store.set_status(plan.id, dependent, StepStatus.BLOCKED, StepStatus.PENDING)
+            await self.store.record(plan.id, "skipped", step=index, actor=by, detail=reason)
+            line = f"Plan: step {index} ({step.spec.title}) skipped: {reason}"
+            actions = [Action(ActionKind.NOTICE, plan, step, line), *await self._next_actions(plan.id)]
+        log.info("plan.repaired", plan_id=plan.id, repair="skip_step", step=index, by=by)
+        await self.perform(actions)
+        return line
+
+    async def abort_plan(self, conversation: str, reason: str, *, by: str) -> str:
+        """Nothing more of the plan runs: every step that has not run is skipped, questions are withdrawn."""
+        async with self._locks[conversation]:
+            plan = await self._active(conversation)
+            await self._abort(plan, f"plan aborted by {by}: {reason}")
+            await self.store.record(plan.id, "aborted", actor=by, detail=reason)
+            line = f"Plan aborted: {reason}"
+            actions = [Action(ActionKind.NOTICE, plan, None, line)]
+        log.info("plan.repaired", plan_id=plan.id, repair="abort_plan", by=by)
+        await self.perform(actions)
+        return line
+
+    async def lead_decided(self, plan_id: str, index: int) -> None:
+        """The lead's turn about a failed step ended. If it did not repair the step, it gave up on it:
+        the steps that depend on it are blocked, and the plan goes on (or finishes) without them."""
+        plan = await self.store.load(plan_id)
+        if plan is None:
+            return
+        async with self._locks[plan.conversation]:
+            plan = await self.store.load(plan_id)
+            assert plan is not None
+            step = plan.steps.get(index)
+            if plan.status != "active" or step is None or step.status is not StepStatus.FAILED:
+                return  # repaired (retried, skipped) or the plan ended meanwhile
+            blocked = _dependents(plan, index, StepStatus.PENDING)
+            for dependent in blocked:
+                await self.store.set_status(
+                    plan_id,
+                    dependent,
+                    StepStatus.PENDING,
+                    StepStatus.BLOCKED,
+                    failure_reason=f"blocked: step {index} failed",
+                )
+            await self.store.record(plan_id, "gave_up", step=index, actor=self.lead_name, detail=str(blocked))
+            actions = await self._next_actions(plan_id)
+        await self.perform(actions)
+
+    async def _abort(self, plan: Plan, reason: str) -> None:
+        for step in plan.steps.values():
+            if step.status in (StepStatus.PENDING, StepStatus.BLOCKED, StepStatus.WAITING_FOR_USER):
+                await self.store.set_status(plan.id, step.index, step.status, StepStatus.SKIPPED, failure_reason=reason)
+                if step.status is StepStatus.WAITING_FOR_USER:
+                    await self._cancel_questions(plan.id, step.index)
+        await self.store.set_plan_status(plan.id, "aborted")
+
+    async def _cancel_questions(self, plan_id: str, index: int) -> None:
+        for question in await self.store.open_questions():
+            if question.plan_id == plan_id and question.step == index:
+                await self.store.settle_question(question.id, "cancelled", answer=None, actor=None)
+
+    def _validate(self, steps: list[StepSpec], goal: str) -> None:
+        try:
+            validate_plan(PlanSpec(goal=goal, steps=steps), self.assignees | {self.lead_name})
+        except (PlanError, ValidationError) as exc:
+            raise RepairRefused(f"the repaired plan would be invalid: {exc}") from None
+
+    # -- seeing the plan -------------------------------------------------------------------------
+
+    async def describe(self, conversation: str) -> str:
+        """The conversation's current (or last) plan, a line per step: status, assignee, summary or reason."""
+        plan_id = await self.store.active_plan(conversation) or await self.store.last_plan(conversation)
+        plan = await self.store.load(plan_id) if plan_id else None
+        if plan is None:
+            return "There is no plan in this conversation yet."
+        lines = [f"Plan {plan.id} ({plan.status}): {plan.goal}"]
+        for step in plan.steps.values():
+            detail = step.output_summary or step.failure_reason
+            line = f"{step.index}. [{step.status.value}] {step.spec.title} — @{step.spec.assignee}"
+            if detail:
+                line += f": {' '.join(detail.split())[:200]}"
+            if step.output_files:
+                line += f" (files: {', '.join(step.output_files)})"
+            lines.append(line)
+        for question in await self.store.open_questions(conversation):
+            if question.plan_id == plan.id:
+                lines.append(f"Waiting for {question.answerer} to answer: {question.question[:200]}")
+        return "\n".join(lines)
+
+
+def _dependents(plan: Plan, index: int, status: StepStatus) -> list[int]:
+    """Every step in ``status`` that waits, directly or not, for ``index``."""
     found: set[int] = set()
     frontier = {index}
     while frontier:
@@ -266,4 +610,4 @@ def _dependents(plan: Plan, index: int) -> list[int]:
         }
         found |= nxt
         frontier = nxt
-    return sorted(i for i in found if plan.steps[i].status is StepStatus.PENDING)
+    return sorted(i for i in found if plan.steps[i].status is status)

@@ -13,7 +13,8 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field
 
 USER = "user"
-_REFERENCE = re.compile(r"\{\{\s*step_(\d+)\.output_summary\s*\}\}")
+_REFERENCE = re.compile(r"\{\{\s*step_(\d+)\.(output_summary|output_files)\s*\}\}")
+CONTEXT_LIMIT = 4_000  # characters of the original request carried to every step (head and tail, cut marked)
 
 
 class StepStatus(StrEnum):
@@ -23,6 +24,7 @@ class StepStatus(StrEnum):
     FAILED = "failed"
     SKIPPED = "skipped"
     BLOCKED = "blocked"
+    WAITING_FOR_USER = "waiting_for_user"  # paused on a question to a person; resumes with the answer
 
     @property
     def terminal(self) -> bool:
@@ -46,7 +48,11 @@ class StepSpec(BaseModel):
     index: int = Field(ge=1, description="1-based position; stable for the life of the plan")
     title: str = Field(min_length=1, max_length=200)
     assignee: str = Field(min_length=1, description="'user', the lead agent, or a sub-agent's name")
-    input: str = Field(default="", max_length=16_000, description="May reference {{step_N.output_summary}}")
+    input: str = Field(
+        default="",
+        max_length=16_000,
+        description="May reference {{step_N.output_summary}} and {{step_N.output_files}} of steps it waits for",
+    )
     wait_for: list[int] | None = Field(default=None, description="Steps that must finish first; default: previous")
     on_failure: OnFailure = OnFailure.ASK_LEAD
 
@@ -71,7 +77,7 @@ def dependencies(spec: StepSpec) -> list[int]:
 
 
 def references(spec: StepSpec) -> list[int]:
-    return sorted({int(n) for n in _REFERENCE.findall(spec.input)})
+    return sorted({int(n) for n, _ in _REFERENCE.findall(spec.input)})
 
 
 def validate_plan(plan: PlanSpec, assignees: set[str]) -> None:
@@ -103,9 +109,7 @@ def validate_plan(plan: PlanSpec, assignees: set[str]) -> None:
             upstream = _ancestors(step.index, graph)
             for ref in references(step):
                 if ref not in upstream:
-                    problems.append(
-                        f"step {step.index} uses {{{{step_{ref}.output_summary}}}} but does not wait for step {ref}"
-                    )
+                    problems.append(f"step {step.index} uses the output of step {ref} but does not wait for step {ref}")
     if problems:
         raise PlanError(problems)
 
@@ -161,12 +165,31 @@ class Step:
         return self.spec.index
 
 
+@dataclass(frozen=True)
+class PlanOrigin:
+    """What started a plan: the request as a person wrote it, who wrote it, and what they attached."""
+
+    text: str = ""
+    requested_by: str = ""  # the actor ("telegram:111") who may answer the plan's questions, with admins
+    files: tuple[str, ...] = ()  # workspace paths of attachments
+
+
+def _bounded(text: str, limit: int = CONTEXT_LIMIT) -> str:
+    if len(text) <= limit:
+        return text
+    tail = limit // 4
+    cut = len(text) - (limit - tail) - tail
+    return f"{text[: limit - tail]}\n[cut: {cut:,} of {len(text):,} characters not shown]\n{text[-tail:]}"
+
+
 @dataclass
 class Plan:
     id: str
     conversation: str
     goal: str
     steps: dict[int, Step]
+    origin: PlanOrigin = field(default_factory=PlanOrigin)
+    status: str = "active"
 
     def ready(self) -> list[Step]:
         """Pending steps whose every dependency is done or skipped, lowest index first."""
@@ -184,18 +207,36 @@ class Plan:
     def finished(self) -> bool:
         return all(s.status.terminal for s in self.steps.values())
 
-    def render_input(self, step: Step) -> str:
-        """The step's input with earlier steps' summaries filled in (summaries, never transcripts).
+    def render_input(self, step: Step, *, context: bool = True) -> str:
+        """The step's input with earlier steps' outputs filled in (summaries and files, never transcripts),
+        followed by the plan's goal and the request that started it.
 
-        A summary is another agent's output, so it is fenced as untrusted data:
-        the next agent reads it as information, not as instructions.
+        Every one of those was written by someone other than the lead — another
+        agent, a person — so each is fenced as untrusted data: the next agent
+        reads it as information, not as instructions. The request is bounded,
+        its cut marked, like every other context.
         """
         from kazma.engine.tools import fence_untrusted
 
         def fill(match: re.Match[str]) -> str:
             ref = self.steps.get(int(match.group(1)))
+            source = f"step {ref.index} ({ref.spec.assignee})" if ref else "a step"
+            if match.group(2) == "output_files":
+                if ref is None or not ref.output_files:
+                    return "(no files)"
+                return "\n" + fence_untrusted("\n".join(ref.output_files), source=f"files of {source}")
             if ref is None or not ref.output_summary:
                 return "(no summary)"
-            return "\n" + fence_untrusted(ref.output_summary, source=f"step {ref.index} ({ref.spec.assignee})")
+            return "\n" + fence_untrusted(ref.output_summary, source=source)
 
-        return _REFERENCE.sub(fill, step.spec.input)
+        text = _REFERENCE.sub(fill, step.spec.input)
+        if not context:
+            return text
+        lines = [f"Plan goal: {self.goal}"]
+        if self.origin.text:
+            who = f" by {self.origin.requested_by}" if self.origin.requested_by else ""
+            lines.append(f"The request that started it{who}:\n{_bounded(self.origin.text)}")
+        if self.origin.files:
+            lines.append("Attached files (in the workspace): " + ", ".join(self.origin.files))
+        block = fence_untrusted("\n".join(lines), source="the plan's goal and original request")
+        return f"{text}\n\n{block}" if text else block

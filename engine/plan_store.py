@@ -6,12 +6,13 @@ import json
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiosqlite
 
 from kazma.config.database import Migration, Tables
-from kazma.engine.plan import OnFailure, Plan, PlanSpec, Step, StepSpec, StepStatus
+from kazma.engine.plan import OnFailure, Plan, PlanOrigin, PlanSpec, Step, StepSpec, StepStatus
 
 MIGRATIONS = [
     Migration(
@@ -47,18 +48,128 @@ MIGRATIONS = [
             """,
             "CREATE INDEX IF NOT EXISTS plan_steps_status ON plan_steps (status)",
         ),
-    )
+    ),
+    Migration(
+        "plans",
+        2,
+        (
+            # What started the plan, so every step can see it (and who may answer its questions).
+            "ALTER TABLE plans ADD COLUMN request_text TEXT NOT NULL DEFAULT ''",
+            "ALTER TABLE plans ADD COLUMN requested_by TEXT NOT NULL DEFAULT ''",
+            "ALTER TABLE plans ADD COLUMN request_files TEXT NOT NULL DEFAULT '[]'",
+            # Every repair and every question, in order: the plan's history.
+            """
+            CREATE TABLE IF NOT EXISTS plan_events (
+                seq INTEGER PRIMARY KEY,
+                plan_id TEXT NOT NULL REFERENCES plans (id),
+                at REAL NOT NULL,
+                kind TEXT NOT NULL,
+                step INTEGER,
+                actor TEXT,
+                detail TEXT NOT NULL DEFAULT ''
+            )
+            """,
+            "CREATE INDEX IF NOT EXISTS plan_events_plan ON plan_events (plan_id, seq)",
+            # Questions to people: a user step, or a sub-agent's ask_user. Decided once, like a card.
+            """
+            CREATE TABLE IF NOT EXISTS plan_questions (
+                id TEXT PRIMARY KEY,
+                plan_id TEXT NOT NULL REFERENCES plans (id),
+                step INTEGER NOT NULL,
+                attempt INTEGER NOT NULL,
+                kind TEXT NOT NULL,
+                conversation TEXT NOT NULL,
+                asked_by TEXT NOT NULL,
+                question TEXT NOT NULL,
+                choices TEXT NOT NULL DEFAULT '[]',
+                answerer TEXT NOT NULL,
+                status TEXT NOT NULL DEFAULT 'pending',
+                message_id TEXT,
+                answer TEXT,
+                answered_by TEXT,
+                created_at REAL NOT NULL,
+                answered_at REAL
+            )
+            """,
+            "CREATE INDEX IF NOT EXISTS plan_questions_open ON plan_questions (conversation, status)",
+        ),
+    ),
 ]
 
-# Terminal states are never left; nothing returns to pending except a transient retry.
+# Done and skipped are never left. A failed or blocked step returns to pending only by a repair the lead
+# asked for (retry_step, replace_steps); a running one returns to pending only for a transient retry.
 TRANSITIONS: dict[StepStatus, set[StepStatus]] = {
-    StepStatus.PENDING: {StepStatus.IN_PROGRESS, StepStatus.SKIPPED, StepStatus.BLOCKED},
-    StepStatus.IN_PROGRESS: {StepStatus.DONE, StepStatus.FAILED, StepStatus.SKIPPED, StepStatus.PENDING},
+    StepStatus.PENDING: {StepStatus.IN_PROGRESS, StepStatus.SKIPPED, StepStatus.BLOCKED, StepStatus.WAITING_FOR_USER},
+    StepStatus.IN_PROGRESS: {
+        StepStatus.DONE,
+        StepStatus.FAILED,
+        StepStatus.SKIPPED,
+        StepStatus.PENDING,
+        StepStatus.WAITING_FOR_USER,
+    },
+    StepStatus.WAITING_FOR_USER: {StepStatus.IN_PROGRESS, StepStatus.DONE, StepStatus.SKIPPED, StepStatus.FAILED},
     StepStatus.DONE: set(),
-    StepStatus.FAILED: set(),
+    StepStatus.FAILED: {StepStatus.PENDING, StepStatus.SKIPPED},
     StepStatus.SKIPPED: set(),
-    StepStatus.BLOCKED: set(),
+    StepStatus.BLOCKED: {StepStatus.PENDING, StepStatus.SKIPPED},
 }
+
+
+@dataclass(frozen=True)
+class Question:
+    """A question to a person, asked by a user step or by a sub-agent in the middle of its step."""
+
+    id: str
+    plan_id: str
+    step: int
+    attempt: int
+    kind: str  # "user_step" | "ask_user"
+    conversation: str
+    asked_by: str  # the agent (or "plan") that asks
+    question: str
+    choices: tuple[str, ...]
+    answerer: str  # the actor who may answer (besides the platform's admins)
+    status: str  # "pending" | "answered" | "cancelled"
+    message_id: str | None  # where it was posted, so a reply to it can be recognised
+    answer: str | None
+    answered_by: str | None
+
+
+@dataclass(frozen=True)
+class PlanEvent:
+    seq: int
+    at: float
+    kind: str
+    step: int | None
+    actor: str | None
+    detail: str
+
+
+_QUESTION_COLUMNS = (
+    "id, plan_id, step, attempt, kind, conversation, asked_by, question, choices, answerer, status, message_id,"
+    " answer, answered_by"
+)
+
+
+def _question(row: Any) -> Question:
+    (qid, plan_id, step, attempt, kind, conversation, asked_by, question, choices, answerer, status, message_id,
+     answer, answered_by) = row  # fmt: skip
+    return Question(
+        str(qid),
+        str(plan_id),
+        int(step),
+        int(attempt),
+        str(kind),
+        str(conversation),
+        str(asked_by),
+        str(question),
+        tuple(str(c) for c in json.loads(choices)),
+        str(answerer),
+        str(status),
+        None if message_id is None else str(message_id),
+        answer,
+        answered_by,
+    )
 
 
 class TransitionError(Exception):
@@ -71,38 +182,127 @@ class PlanStore:
         self.clock = clock
         self.tables = Tables.of(conn)
 
-    async def create(self, conversation: str, spec: PlanSpec) -> Plan:
+    async def create(self, conversation: str, spec: PlanSpec, origin: PlanOrigin | None = None) -> Plan:
         plan_id = secrets.token_urlsafe(9)
         now = self.clock()
+        origin = origin or PlanOrigin()
         async with self.tables.transaction() as tx:
             await tx.run(
-                "INSERT INTO plans (id, conversation, goal, created_at) VALUES (?, ?, ?, ?)",
-                (plan_id, conversation, spec.goal, now),
+                "INSERT INTO plans (id, conversation, goal, created_at, request_text, requested_by, request_files)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    plan_id,
+                    conversation,
+                    spec.goal,
+                    now,
+                    origin.text,
+                    origin.requested_by,
+                    json.dumps(list(origin.files)),
+                ),
             )
-            await tx.run_many(
-                "INSERT INTO plan_steps (plan_id, idx, title, assignee, input, wait_for, on_failure, updated_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (
-                        plan_id,
-                        s.index,
-                        s.title,
-                        s.assignee,
-                        s.input,
-                        None if s.wait_for is None else json.dumps(s.wait_for),
-                        s.on_failure.value,
-                        now,
-                    )
-                    for s in spec.steps
-                ],
-            )
+            await tx.run_many(_INSERT_STEP, [_step_row(plan_id, s, now) for s in spec.steps])
         plan = await self.load(plan_id)
         assert plan is not None
         return plan
 
+    async def replace_pending(self, plan_id: str, from_index: int, steps: list[StepSpec]) -> bool:
+        """Put ``steps`` in place of every step from ``from_index`` on, all of which must not have started.
+
+        One transaction: the old steps are gone (the plan's history keeps them) and the new ones are pending.
+        False when a step from ``from_index`` on started meanwhile.
+        """
+        now = self.clock()
+        async with self.tables.transaction() as tx:
+            rows = await tx.all(
+                "SELECT idx, status FROM plan_steps WHERE plan_id = ? AND idx >= ?", (plan_id, from_index)
+            )
+            replaceable = (StepStatus.PENDING.value, StepStatus.BLOCKED.value)
+            if any(str(status) not in replaceable for _, status in rows):
+                return False
+            await tx.run("DELETE FROM plan_steps WHERE plan_id = ? AND idx >= ?", (plan_id, from_index))
+            await tx.run_many(_INSERT_STEP, [_step_row(plan_id, s, now) for s in steps])
+        return True
+
+    async def set_input(self, plan_id: str, index: int, text: str) -> None:
+        await self.tables.run(
+            "UPDATE plan_steps SET input = ?, updated_at = ? WHERE plan_id = ? AND idx = ?",
+            (text, self.clock(), plan_id, index),
+        )
+
+    # -- history ---------------------------------------------------------------------------------
+
+    async def record(self, plan_id: str, kind: str, *, step: int | None = None, actor: str | None = None,
+                     detail: str = "") -> None:  # fmt: skip
+        await self.tables.run(
+            "INSERT INTO plan_events (plan_id, at, kind, step, actor, detail) VALUES (?, ?, ?, ?, ?, ?)",
+            (plan_id, self.clock(), kind, step, actor, detail),
+        )
+
+    async def events(self, plan_id: str) -> list[PlanEvent]:
+        rows = await self.tables.all(
+            "SELECT seq, at, kind, step, actor, detail FROM plan_events WHERE plan_id = ? ORDER BY seq", (plan_id,)
+        )
+        return [PlanEvent(int(r[0]), float(r[1]), str(r[2]), r[3], r[4], str(r[5])) for r in rows]
+
+    # -- questions -------------------------------------------------------------------------------
+
+    async def ask(
+        self,
+        *,
+        plan_id: str,
+        step: int,
+        attempt: int,
+        kind: str,
+        conversation: str,
+        asked_by: str,
+        question: str,
+        choices: tuple[str, ...],
+        answerer: str,
+    ) -> Question:
+        qid = secrets.token_urlsafe(12)
+        await self.tables.run(
+            "INSERT INTO plan_questions (id, plan_id, step, attempt, kind, conversation, asked_by, question, choices,"
+            " answerer, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (qid, plan_id, step, attempt, kind, conversation, asked_by, question, json.dumps(list(choices)),
+             answerer, self.clock()),
+        )  # fmt: skip
+        found = await self.question(qid)
+        assert found is not None
+        return found
+
+    async def question(self, question_id: str) -> Question | None:
+        row = await self.tables.one(
+            f"SELECT {_QUESTION_COLUMNS} FROM plan_questions WHERE id = ?",  # noqa: S608 - fixed columns
+            (question_id,),
+        )
+        return None if row is None else _question(row)
+
+    async def open_questions(self, conversation: str | None = None) -> list[Question]:
+        where = "status = 'pending'" + (" AND conversation = ?" if conversation is not None else "")
+        rows = await self.tables.all(
+            f"SELECT {_QUESTION_COLUMNS} FROM plan_questions WHERE {where} ORDER BY created_at",  # noqa: S608
+            () if conversation is None else (conversation,),
+        )
+        return [_question(r) for r in rows]
+
+    async def question_posted(self, question_id: str, message_id: str) -> None:
+        await self.tables.run("UPDATE plan_questions SET message_id = ? WHERE id = ?", (message_id, question_id))
+
+    async def settle_question(self, question_id: str, status: str, *, answer: str | None, actor: str | None) -> bool:
+        """Compare-and-set: the first answer (or cancellation) wins; False when it was settled already."""
+        changed = await self.tables.run(
+            "UPDATE plan_questions SET status = ?, answer = ?, answered_by = ?, answered_at = ?"
+            " WHERE id = ? AND status = 'pending'",
+            (status, answer, actor, self.clock(), question_id),
+        )
+        return changed == 1
+
     async def load(self, plan_id: str) -> Plan | None:
         async with self.tables.locked() as db:
-            head = await db.one("SELECT conversation, goal FROM plans WHERE id = ?", (plan_id,))
+            head = await db.one(
+                "SELECT conversation, goal, request_text, requested_by, request_files, status FROM plans WHERE id = ?",
+                (plan_id,),
+            )
             if head is None:
                 return None
             rows = await db.all(
@@ -111,7 +311,8 @@ class PlanStore:
                 (plan_id,),
             )
         steps = {int(r[0]): _step(r) for r in rows}
-        return Plan(plan_id, str(head[0]), str(head[1]), steps)
+        origin = PlanOrigin(str(head[2]), str(head[3]), tuple(str(f) for f in json.loads(head[4])))
+        return Plan(plan_id, str(head[0]), str(head[1]), steps, origin, str(head[5]))
 
     async def set_status(
         self,
@@ -155,12 +356,29 @@ class PlanStore:
         )
         return [(str(r[0]), int(r[1])) for r in rows]
 
+    async def last_plan(self, conversation: str) -> str | None:
+        row = await self.tables.one(
+            "SELECT id FROM plans WHERE conversation = ? ORDER BY created_at DESC LIMIT 1", (conversation,)
+        )
+        return None if row is None else str(row[0])
+
     async def active_plan(self, conversation: str) -> str | None:
         row = await self.tables.one(
             "SELECT id FROM plans WHERE conversation = ? AND status = 'active' ORDER BY created_at DESC LIMIT 1",
             (conversation,),
         )
         return None if row is None else str(row[0])
+
+
+_INSERT_STEP = (
+    "INSERT INTO plan_steps (plan_id, idx, title, assignee, input, wait_for, on_failure, updated_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def _step_row(plan_id: str, spec: StepSpec, now: float) -> tuple[Any, ...]:
+    wait_for = None if spec.wait_for is None else json.dumps(spec.wait_for)
+    return (plan_id, spec.index, spec.title, spec.assignee, spec.input, wait_for, spec.on_failure.value, now)
 
 
 def _step(row: Any) -> Step:

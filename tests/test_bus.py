@@ -9,7 +9,7 @@ the real client libraries and wire-level fakes are in test_bus_platforms.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +52,17 @@ class MemoryPlatform:
             raise self.failures.pop(0)
         self.texts.append((chat, text, agent))
         return str(len(self.texts))
+
+    async def send_choices(
+        self,
+        chat: str,
+        text: str,
+        choices: Sequence[tuple[str, str]],
+        *,
+        agent: str | None = None,
+        thread: str | None = None,
+    ) -> str:
+        return await self.send_text(chat, text, agent=agent, thread=thread)
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
         if self.hang is not None:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,11 +12,31 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kazma.config.database import open_database
-from kazma.engine.executor import INTERRUPTED, Action, ActionKind, DispatchFailed, PlanExecutor, StepResult
-from kazma.engine.plan import OnFailure, PlanError, PlanSpec, StepSpec, StepStatus, dependencies, validate_plan
+from kazma.engine.executor import (
+    INTERRUPTED,
+    Action,
+    ActionKind,
+    AnswerVerdict,
+    DispatchFailed,
+    PlanExecutor,
+    RepairRefused,
+    StepResult,
+)
+from kazma.engine.plan import (
+    OnFailure,
+    PlanError,
+    PlanOrigin,
+    PlanSpec,
+    StepSpec,
+    StepStatus,
+    dependencies,
+    validate_plan,
+)
 from kazma.engine.plan_store import MIGRATIONS, PlanStore, TransitionError
 
 WORKERS = {"researcher", "builder", "validator"}
+REQUESTER = "telegram:111"
+RUNS = (ActionKind.DISPATCH, ActionKind.RUN_LEAD, ActionKind.RESUME)
 
 
 @dataclass
@@ -24,12 +44,20 @@ class RecordingDispatcher:
     store: PlanStore
     actions: list[Action] = field(default_factory=list)
     outstanding: list[tuple[str, int, int]] = field(default_factory=list)
+    questions: list[str] = field(default_factory=list)
+    asked_lead: list[tuple[str, int]] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     fail_next: DispatchFailed | None = None
 
     async def perform(self, action: Action) -> None:
         self.actions.append(action)
-        if action.kind in (ActionKind.DISPATCH, ActionKind.RUN_LEAD, ActionKind.ASK_USER):
+        if action.kind is ActionKind.ASK_USER:
+            assert action.question is not None
+            self.questions.append(action.question.id)
+        if action.kind is ActionKind.ASK_LEAD:
+            assert action.step is not None
+            self.asked_lead.append((action.plan.id, action.step.index))
+        if action.kind in RUNS:
             assert action.step is not None
             if self.fail_next is not None:
                 failure, self.fail_next = self.fail_next, None
@@ -47,7 +75,7 @@ class RecordingDispatcher:
         return [
             (a.plan.id, a.step.index)
             for a in self.actions
-            if a.step is not None and a.kind in (ActionKind.DISPATCH, ActionKind.RUN_LEAD, ActionKind.ASK_USER)
+            if a.step is not None and a.kind in (ActionKind.DISPATCH, ActionKind.RUN_LEAD)
         ]
 
 
@@ -99,7 +127,8 @@ async def test_linear_plan_renders_summaries_into_later_inputs(tmp_path: Path) -
                 step(2, "builder", input="build from: {{step_1.output_summary}}"),
             ),
         )
-        assert [(a.kind, a.text) for a in d.actions] == [(ActionKind.DISPATCH, "find sources")]
+        assert [a.kind for a in d.actions] == [ActionKind.DISPATCH]
+        assert d.actions[0].text.startswith("find sources\n\n[Untrusted data from the plan's goal")
         await ex.complete(plan.id, 1, StepResult(ok=True, summary="three good sources"))
         assert last_kind(d) is ActionKind.DISPATCH
         rendered = d.actions[-1].text
@@ -112,10 +141,20 @@ async def test_linear_plan_renders_summaries_into_later_inputs(tmp_path: Path) -
 
 async def test_user_and_lead_steps(tmp_path: Path) -> None:
     async with executor(tmp_path / "p.db") as (ex, d):
-        plan = await ex.start("web:c", spec(step(1, "user", input="which region?"), step(2, "kazma")))
+        origin = PlanOrigin("ship it to the right region", REQUESTER)
+        plan = await ex.start("telegram:-1", spec(step(1, "user", input="which region?"), step(2, "kazma")), origin)
         assert last_kind(d) is ActionKind.ASK_USER
-        await ex.complete(plan.id, 1, StepResult(ok=True, summary="eu-west"))
+        [question] = await ex.open_questions("telegram:-1")
+        assert (question.question, question.answerer, question.kind) == ("which region?", REQUESTER, "user_step")
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.steps[1].status is StepStatus.WAITING_FOR_USER
+        result = await ex.answer(question.id, "eu-west", actor=REQUESTER)
+        assert result.verdict is AnswerVerdict.TAKEN
         assert last_kind(d) is ActionKind.RUN_LEAD
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.steps[1].output_summary == "eu-west"
 
 
 async def test_failure_policies(tmp_path: Path) -> None:
@@ -138,11 +177,15 @@ async def test_failure_policies(tmp_path: Path) -> None:
         loaded = await ex.store.load(asking.id)
         assert loaded is not None
         assert loaded.steps[1].status is StepStatus.FAILED
-        assert loaded.steps[2].status is StepStatus.BLOCKED
+        assert loaded.steps[2].status is StepStatus.PENDING  # waits while the lead decides
         assert loaded.steps[3].status is StepStatus.IN_PROGRESS  # independent work goes on
         ask = [a for a in d.actions if a.kind is ActionKind.ASK_LEAD]
         assert len(ask) == 1
         assert ask[0].text == "Step 1 failed: no access"
+        await ex.lead_decided(asking.id, 1)  # the lead's turn ended without a repair: it gave up on step 1
+        loaded = await ex.store.load(asking.id)
+        assert loaded is not None
+        assert loaded.steps[2].status is StepStatus.BLOCKED
 
 
 async def test_transient_failures_retry_up_to_the_cap(tmp_path: Path) -> None:
@@ -208,7 +251,7 @@ async def test_restart_reports_running_step_interrupted_and_never_redispatches(t
         assert loaded is not None
         assert loaded.steps[1].status is StepStatus.FAILED
         assert loaded.steps[1].failure_reason == INTERRUPTED
-        assert loaded.steps[2].status is StepStatus.BLOCKED
+        assert loaded.steps[2].status is StepStatus.PENDING  # waits for the lead's decision
         assert d.dispatched() == []
         assert [a.kind for a in d.actions] == [ActionKind.ASK_LEAD]
         assert await ex.complete(plan.id, 1, StepResult(ok=True)) is False  # a late answer changes nothing
@@ -234,13 +277,13 @@ def plans(draw: st.DrawFn) -> tuple[PlanSpec, dict[int, str]]:
                 on_failure=draw(st.sampled_from(list(OnFailure))),
             )
         )
-        outcomes[index] = draw(st.sampled_from(["ok", "ok", "ok", "fail", "transient"]))
+        outcomes[index] = draw(st.sampled_from(["ok", "ok", "fail", "fail", "transient", "ask"]))
     return PlanSpec(goal="g", steps=steps), outcomes
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(drawn=st.lists(plans(), min_size=1, max_size=3), seed=st.integers(0, 2**32 - 1))
-def test_random_plans_random_orders_never_dispatch_twice_or_early(
+def test_random_plans_failures_repairs_and_questions_never_dispatch_twice_or_early(
     tmp_path_factory: pytest.TempPathFactory, drawn: list[tuple[PlanSpec, dict[int, str]]], seed: int
 ) -> None:
     asyncio.run(_drive(tmp_path_factory.mktemp("prop") / "p.db", drawn, random.Random(seed)))
@@ -249,36 +292,219 @@ def test_random_plans_random_orders_never_dispatch_twice_or_early(
 async def _drive(path: Path, drawn: list[tuple[PlanSpec, dict[int, str]]], rng: random.Random) -> None:
     async with executor(path) as (ex, d):
         conversations = ["c1", "c1", "c2"]  # two plans may share a conversation (and its lock)
-        started = await asyncio.gather(*(ex.start(conversations[i], p) for i, (p, _) in enumerate(drawn)))
-        outcome_of = {plan.id: outcomes for plan, (_, outcomes) in zip(started, drawn, strict=True)}
+        origin = PlanOrigin("the request", REQUESTER)
+        started = []
+        for i, (plan_spec, _) in enumerate(drawn):
+            # one active plan per conversation at a time for repairs; a second one in c1 starts when the first ends
+            started.append(await ex.start(conversations[i] if i != 1 else "c3", plan_spec, origin))
+        conversation_of = {plan.id: plan.conversation for plan in started}
+        outcome_of = {plan.id: dict(outcomes) for plan, (_, outcomes) in zip(started, drawn, strict=True)}
         transient_budget = {(plan.id, i): 1 for plan in started for i in plan.steps}
-        for _ in range(500):
-            if not d.outstanding:
+        asked: set[tuple[str, int]] = set()
+        retried: set[tuple[str, int]] = set()
+        replaced_titles: dict[str, set[str]] = {plan.id: set() for plan in started}
+        decided = 0
+        for _ in range(2_000):
+            calls: list[Awaitable[object]] = []
+            if d.outstanding:
+                rng.shuffle(d.outstanding)
+                batch, d.outstanding[:] = d.outstanding[:2], d.outstanding[2:]
+                for plan_id, index, attempt in batch:
+                    kind = outcome_of[plan_id].get(index, "ok")
+                    loaded = await ex.store.load(plan_id)
+                    assert loaded is not None
+                    is_worker = loaded.steps[index].spec.assignee in WORKERS
+                    if kind == "ask" and is_worker and (plan_id, index) not in asked:
+                        asked.add((plan_id, index))
+                        calls.append(ex.ask_user(plan_id, index, attempt, "which one?", ["a", "b"], asked_by="w"))
+                        continue
+                    if kind == "transient" and transient_budget[(plan_id, index)] > 0:
+                        transient_budget[(plan_id, index)] -= 1
+                        result = StepResult(ok=False, error="timeout", transient=True)
+                    elif kind == "fail":
+                        result = StepResult(ok=False, error="boom")
+                    else:
+                        result = StepResult(ok=True, summary=f"done {index}")
+                    # the same answer twice at once, as a duplicate delivery would give
+                    calls += [ex.complete(plan_id, index, result, attempt=attempt) for _ in range(2)]
+            elif d.questions:
+                question_id = d.questions.pop(rng.randrange(len(d.questions)))
+                # a stranger first (refused), then the requester; two answers race, one is taken
+                assert (await ex.answer(question_id, "a", actor="telegram:999")).verdict is AnswerVerdict.REFUSED
+                calls += [ex.answer(question_id, "a", actor=REQUESTER), ex.answer(question_id, "b", actor=REQUESTER)]
+            elif d.asked_lead:
+                plan_id, index = d.asked_lead.pop(rng.randrange(len(d.asked_lead)))
+                conversation = conversation_of[plan_id]
+                choice = rng.choice(["retry", "skip", "abort", "replace", "give_up"])
+                decided += 1
+                try:
+                    if choice == "retry" and (plan_id, index) not in retried:
+                        retried.add((plan_id, index))
+                        outcome_of[plan_id][index] = "ok"
+                        await ex.retry_step(conversation, index, None, by="agent:kazma")
+                    elif choice == "skip":
+                        await ex.skip_step(conversation, index, "not needed", by="agent:kazma")
+                    elif choice == "abort":
+                        await ex.abort_plan(conversation, "enough", by="agent:kazma")
+                    elif choice == "replace":
+                        loaded = await ex.store.load(plan_id)
+                        assert loaded is not None
+                        start_at = index + 1
+                        if start_at <= len(loaded.steps):
+                            old = {s.spec.title for s in loaded.steps.values() if s.index >= start_at}
+                            new = [{"index": start_at, "title": f"r{start_at}", "assignee": "builder", "wait_for": []}]
+                            await ex.replace_steps(conversation, start_at, new, by="agent:kazma")
+                            replaced_titles[plan_id] |= old
+                            outcome_of[plan_id][start_at] = "ok"
+                    await ex.lead_decided(plan_id, index)
+                except RepairRefused:
+                    await ex.lead_decided(plan_id, index)
+            else:
                 break
-            rng.shuffle(d.outstanding)
-            batch, d.outstanding[:] = d.outstanding[:2], d.outstanding[2:]
-            calls = []
-            for plan_id, index, attempt in batch:
-                kind = outcome_of[plan_id][index]
-                if kind == "transient" and transient_budget[(plan_id, index)] > 0:
-                    transient_budget[(plan_id, index)] -= 1
-                    result = StepResult(ok=False, error="timeout", transient=True)
-                elif kind == "fail":
-                    result = StepResult(ok=False, error="boom")
-                else:
-                    result = StepResult(ok=True, summary=f"done {index}")
-                # the same answer twice at once, as a duplicate delivery would give
-                calls += [ex.complete(plan_id, index, result, attempt=attempt) for _ in range(2)]
             await asyncio.gather(*calls)
         assert d.outstanding == []
+        assert d.questions == []
+        assert d.asked_lead == []
         assert d.violations == []
-        counts: dict[tuple[str, int], int] = {}
-        for key in d.dispatched():
-            counts[key] = counts.get(key, 0) + 1
-        for (plan_id, index), count in counts.items():
-            allowed = 2 if outcome_of[plan_id][index] == "transient" else 1
-            assert count <= allowed, f"step {index} of {plan_id} dispatched {count} times"
+        runs = [
+            (a.plan.id, a.step.index, a.step.attempts, a.step.spec.title)
+            for a in d.actions
+            if a.step is not None and a.kind in (ActionKind.DISPATCH, ActionKind.RUN_LEAD)
+        ]
+        assert len(runs) == len(set(runs)), "a step attempt was dispatched twice"
+        for plan_id, _, _, title in runs:
+            # a replaced step had not started, and never does after: its title was only ever seen before
+            if title in replaced_titles[plan_id]:
+                later = [a for a in d.actions if a.plan.id == plan_id and a.kind is ActionKind.NOTICE]
+                assert later, "a replaced step ran without any repair recorded"
         for plan in started:
             loaded = await ex.store.load(plan.id)
             assert loaded is not None
             assert all(s.status.terminal for s in loaded.steps.values()), {i: s.status for i, s in loaded.steps.items()}
+            assert await ex.open_questions(plan.conversation) == []
+
+
+async def test_a_retried_step_runs_again_with_new_input_and_its_dependents_go_on(tmp_path: Path) -> None:
+    async with executor(tmp_path / "p.db") as (ex, d):
+        plan = await ex.start("c", spec(step(1), step(2), step(3), step(4)))
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"))
+        await ex.complete(plan.id, 2, StepResult(ok=False, error="wrong source"))
+        assert d.asked_lead == [(plan.id, 2)]
+        line = await ex.retry_step("c", 2, "use the mirror instead", by="agent:kazma")
+        assert line == "Plan: step 2 (step 2) runs again, with new input."
+        assert d.actions[-1].kind is ActionKind.DISPATCH
+        assert d.actions[-1].text.startswith("use the mirror instead")
+        await ex.lead_decided(plan.id, 2)  # the turn that retried ends: nothing is blocked
+        await ex.complete(plan.id, 2, StepResult(ok=True, summary="two"), attempt=2)
+        await ex.complete(plan.id, 3, StepResult(ok=True, summary="three"))
+        await ex.complete(plan.id, 4, StepResult(ok=True, summary="four"))
+        assert d.dispatched() == [(plan.id, 1), (plan.id, 2), (plan.id, 2), (plan.id, 3), (plan.id, 4)]
+        assert [e.kind for e in await ex.store.events(plan.id)] == ["retried"]
+        assert last_kind(d) is ActionKind.FINISHED
+
+
+async def test_replaced_steps_never_run_and_the_new_ones_do(tmp_path: Path) -> None:
+    async with executor(tmp_path / "p.db") as (ex, d):
+        plan = await ex.start("c", spec(step(1), step(2), step(3), step(4)))
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"))
+        await ex.complete(plan.id, 2, StepResult(ok=False, error="cannot"))
+        with pytest.raises(RepairRefused, match="step 2 has already run"):
+            await ex.replace_steps("c", 2, [{"index": 2, "title": "x", "assignee": "builder"}], by="agent:kazma")
+        with pytest.raises(RepairRefused, match="numbered"):
+            await ex.replace_steps("c", 3, [{"index": 5, "title": "x", "assignee": "builder"}], by="agent:kazma")
+        with pytest.raises(RepairRefused, match="invalid"):
+            await ex.replace_steps("c", 3, [{"index": 3, "title": "x", "assignee": "nobody"}], by="agent:kazma")
+        new = [
+            {"index": 3, "title": "new three", "assignee": "builder", "wait_for": [1]},
+            {"index": 4, "title": "new four", "assignee": "validator"},
+            {"index": 5, "title": "new five", "assignee": "validator"},
+        ]
+        await ex.replace_steps("c", 3, new, by="agent:kazma")
+        await ex.skip_step("c", 2, "covered by the new steps", by="agent:kazma")
+        for index in (3, 4, 5):
+            await ex.complete(plan.id, index, StepResult(ok=True, summary=f"n{index}"))
+        titles = [a.step.spec.title for a in d.actions if a.kind is ActionKind.DISPATCH and a.step is not None]
+        assert titles == ["step 1", "step 2", "new three", "new four", "new five"]
+        events = await ex.store.events(plan.id)
+        assert [e.kind for e in events] == ["replaced", "skipped"]
+        assert '"step 3"' in events[0].detail  # the old steps are kept in the plan's history
+
+
+async def test_asking_a_person_mid_step_pauses_the_plan_and_resumes_with_the_answer(tmp_path: Path) -> None:
+    async with executor(tmp_path / "p.db") as (ex, d):
+        plan = await ex.start("telegram:-1", spec(step(1), step(2, wait_for=[])), PlanOrigin("go", REQUESTER))
+        question = await ex.ask_user(plan.id, 1, 1, "prod or staging?", ["prod", "staging"], asked_by="researcher")
+        assert last_kind(d) is ActionKind.ASK_USER
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.steps[1].status is StepStatus.WAITING_FOR_USER
+        assert loaded.steps[2].status is StepStatus.PENDING  # the plan pauses: nothing else starts
+        assert not await ex.complete(plan.id, 1, StepResult(ok=True, summary="the turn that asked ends"), attempt=1)
+        stranger = await ex.answer(question.id, "prod", actor="telegram:999")
+        assert stranger.verdict is AnswerVerdict.REFUSED
+        assert (await ex.answer(question.id, "maybe", actor=REQUESTER)).verdict is AnswerVerdict.REFUSED
+        taken = await ex.answer(question.id, "staging", actor=REQUESTER)
+        assert taken.verdict is AnswerVerdict.TAKEN
+        assert (await ex.answer(question.id, "prod", actor=REQUESTER)).verdict is AnswerVerdict.LOST
+        resume = d.actions[-1]
+        assert resume.kind is ActionKind.RESUME
+        assert "staging" in resume.text
+        assert "prod or staging?" in resume.text
+        assert await ex.complete(plan.id, 1, StepResult(ok=True, summary="deployed to staging"), attempt=1)
+        assert d.dispatched() == [(plan.id, 1), (plan.id, 2)]
+
+
+async def test_an_admin_may_answer_and_a_restart_shows_open_questions_again(tmp_path: Path) -> None:
+    path = tmp_path / "p.db"
+    async with executor(path) as (ex, d):
+        plan = await ex.start("telegram:-1", spec(step(1, "user", input="budget?")), PlanOrigin("go", REQUESTER))
+        [question] = d.questions
+    async with executor(path) as (ex, d):  # a new process
+        assert await ex.recover() == []  # a question is not an interrupted step
+        assert [a.kind for a in d.actions] == [ActionKind.ASK_USER]
+        assert d.actions[0].question is not None
+        assert d.actions[0].question.id == question
+        wrong_platform = await ex.answer(question, "10k", actor="slack:U1", is_admin=True)
+        assert wrong_platform.verdict is AnswerVerdict.REFUSED
+        admin = await ex.answer(question, "10k", actor="telegram:5", is_admin=True)
+        assert admin.verdict is AnswerVerdict.TAKEN
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.steps[1].status is StepStatus.DONE
+
+
+async def test_every_step_sees_the_original_request_and_the_goal_fenced(tmp_path: Path) -> None:
+    async with executor(tmp_path / "p.db") as (ex, d):
+        origin = PlanOrigin("Please name the release 'Zanzibar' and ship it", REQUESTER)
+        plan = await ex.start("c", spec(step(1), step(2), step(3, input="write the notes")), origin)
+        await ex.complete(plan.id, 1, StepResult(ok=True))
+        await ex.complete(plan.id, 2, StepResult(ok=True))
+        third = d.actions[-1].text
+        assert third.startswith("write the notes")
+        assert "Zanzibar" in third
+        assert "[Untrusted data from the plan's goal and original request" in third
+        assert f"by {REQUESTER}" in third
+        assert plan.id
+
+
+async def test_a_long_request_is_bounded_with_its_cut_marked(tmp_path: Path) -> None:
+    async with executor(tmp_path / "p.db") as (ex, d):
+        origin = PlanOrigin("HEAD " + "x" * 20_000 + " TAIL", REQUESTER)
+        await ex.start("c", spec(step(1)), origin)
+        text = d.actions[-1].text
+        assert "HEAD" in text
+        assert "TAIL" in text
+        assert "characters not shown]" in text
+        assert len(text) < 6_000
+
+
+async def test_output_files_reach_later_steps_and_the_plan_view(tmp_path: Path) -> None:
+    async with executor(tmp_path / "p.db") as (ex, d):
+        plan = await ex.start(
+            "c", spec(step(1), step(2, input="check {{step_1.output_files}}")), PlanOrigin("go", REQUESTER)
+        )
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="built", files=("dist/app.tar", "NOTES.md")))
+        assert "dist/app.tar\nNOTES.md" in d.actions[-1].text
+        view = await ex.describe("c")
+        assert "files: dist/app.tar, NOTES.md" in view
+        assert "[in_progress] step 2" in view

@@ -270,6 +270,7 @@ async def test_message_and_app_mention_of_one_post_are_delivered_once(
         from_bot=False,
         command=None,
         is_admin=True,
+        reply_to="1700.000001",  # a reply in a thread answers the thread's first message
     )
 
 

@@ -183,7 +183,10 @@ async def test_is_a_platform_adapter_and_starts_on_the_real_library(
     assert bot.home_chat == str(GROUP)
     assert bot.bot_username == "kazma_bot"
     assert [c.method for c in fake.calls[:2]] == ["getMe", "setMyCommands"]
-    assert fake.commands == [{"command": "swarm", "description": "Drive the agent swarm"}]
+    assert fake.commands == [
+        {"command": "swarm", "description": "Drive the agent swarm"},
+        {"command": "plan", "description": "Show the current plan"},
+    ]
     await fake.wait_for_call("getUpdates", answered=False)
     assert fake.calls_to("deleteWebhook"), "polling must clear a webhook first"
 

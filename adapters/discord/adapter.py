@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from typing import Any, Final, TypeVar
 
 import discord
@@ -33,6 +34,9 @@ from kazma.approvals.model import Outcome
 from kazma.config.models import DiscordConfig
 
 log = structlog.get_logger("kazma.adapters.discord")
+
+# Button data Kazma acts on: approval cards (kz1:) and questions' choices (kq1:).
+PRESS_PREFIXES: Final = (BUTTON_PREFIX + ":", "kq1:")
 
 T = TypeVar("T")
 
@@ -214,7 +218,11 @@ class DiscordAdapter(PlatformBase):
         @tree.command(name="swarm", description="Drive the Kazma swarm: /swarm <command> …")
         @app_commands.describe(args="The command and its arguments, e.g. 'status' or 'pipeline quick <task>'")
         async def swarm(interaction: discord.Interaction[_Client], args: str = "") -> None:
-            await adapter._on_swarm(interaction, args)
+            await adapter._on_command(interaction, "swarm", args)
+
+        @tree.command(name="plan", description="Show this channel's current plan")
+        async def plan(interaction: discord.Interaction[_Client]) -> None:
+            await adapter._on_command(interaction, "plan", "")
 
     async def _sync_commands(self, tree: app_commands.CommandTree[_Client]) -> None:
         if not self._sync_commands_enabled:
@@ -224,7 +232,7 @@ class DiscordAdapter(PlatformBase):
             commands = await self.call("commands", None, tree.sync, timeout=self.request_timeout)
             log.info("discord.commands_synced", commands=[c.name for c in commands])
 
-    async def _on_swarm(self, interaction: discord.Interaction[_Client], args: str) -> None:
+    async def _on_command(self, interaction: discord.Interaction[_Client], name: str, args: str) -> None:
         with self.tracking():
             chat, thread = self._interaction_chat(interaction)
             served = chat is not None and self.serves(str(chat), direct=interaction.guild_id is None)
@@ -252,12 +260,12 @@ class DiscordAdapter(PlatformBase):
                     author=self.actor(user.id),
                     author_name=user.display_name,
                     text=args,
-                    command="swarm",
+                    command=name,
                     from_bot=user.bot,
                     is_admin=self.is_admin(user.id),
                 )
             )
-            reply = clip(f"Received /swarm {escape_text(args)}".rstrip(), CONTENT_MAX)
+            reply = clip(f"Received /{name} {escape_text(args)}".rstrip(), CONTENT_MAX)
             with contextlib.suppress(PlatformError):
                 await self._rest("command", lambda: interaction.followup.send(reply, allowed_mentions=NO_MENTIONS))
 
@@ -305,6 +313,9 @@ class DiscordAdapter(PlatformBase):
                     from_bot=author.bot,
                     is_admin=self.is_admin(author.id),
                     direct=message.guild is None,
+                    reply_to=str(message.reference.message_id)
+                    if message.reference is not None and message.reference.message_id
+                    else None,
                 )
             )
 
@@ -312,7 +323,7 @@ class DiscordAdapter(PlatformBase):
         if interaction.type is not discord.InteractionType.component or not interaction.data:
             return
         custom_id = interaction.data.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id.startswith(BUTTON_PREFIX + ":"):
+        if not isinstance(custom_id, str) or not custom_id.startswith(PRESS_PREFIXES):
             return
         with self.tracking():
             # Acknowledge first (type 6, deferred update): a slow store must not cost the 3 s window.
@@ -327,6 +338,7 @@ class DiscordAdapter(PlatformBase):
                 actor=self.actor(interaction.user.id),
                 chat=str(chat) if chat is not None else None,
                 message_id=str(message.id) if message is not None else None,
+                is_admin=self.is_admin(interaction.user.id),
             )
             await self.press(press, _FollowupReply(self, interaction))
 
@@ -438,6 +450,33 @@ class DiscordAdapter(PlatformBase):
                     hook = None
             self._webhooks[channel_id] = hook
             return hook
+
+    async def send_choices(
+        self,
+        chat: str,
+        text: str,
+        choices: Sequence[tuple[str, str]],
+        *,
+        agent: str | None = None,
+        thread: str | None = None,
+    ) -> str:
+        site = "send"
+        client = self._connected(site)
+        target = client.get_partial_messageable(
+            self._snowflake(site, thread) if thread else self._snowflake(site, chat)
+        )
+        body = neutralise_mentions(agent_prefix(agent) + text)
+        if not text.strip() or len(body) > CONTENT_MAX:
+            raise self.refuse(site, f"a question must be 1 to {CONTENT_MAX} characters", chat=chat)
+        sending: dict[str, Any] = {"allowed_mentions": NO_MENTIONS}
+        if choices:
+            view = discord.ui.View(timeout=None)
+            for label, data in choices:
+                view.add_item(discord.ui.Button(style=discord.ButtonStyle.primary, label=label[:80], custom_id=data))
+            view.stop()  # presses are taken from on_interaction, like a card's
+            sending["view"] = view
+        message = await self._rest(site, lambda: target.send(body, **sending))
+        return str(message.id)
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
         site = "card_post"

@@ -13,7 +13,7 @@ import asyncio
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 from urllib.parse import urlsplit
 from urllib.request import proxy_bypass
@@ -37,8 +37,11 @@ from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, error_code
 from kazma.adapters.slack.render import (
     APPROVE_ACTION,
+    CHOICE_ACTION,
     DENY_ACTION,
     MAX_MESSAGE_TEXT,
+    MAX_SECTION_TEXT,
+    choice_blocks,
     escape,
     escaped_units,
     render_card,
@@ -296,8 +299,10 @@ class SlackAdapter(PlatformBase):
         self.app.event("message")(self._on_message)
         self.app.event("app_mention")(self._on_message)
         self.app.command("/swarm")(self._on_command)
+        self.app.command("/plan")(self._on_command)
         self.app.action(APPROVE_ACTION)(self._on_action)
         self.app.action(DENY_ACTION)(self._on_action)
+        self.app.action(CHOICE_ACTION)(self._on_action)
 
     async def _drop_replays(
         self, req: AsyncBoltRequest, body: dict[str, Any], next: Callable[[], Awaitable[BoltResponse]]
@@ -340,6 +345,8 @@ class SlackAdapter(PlatformBase):
                     from_bot=bool(event.get("bot_id")) or subtype == "bot_message",
                     is_admin=self.is_admin(user),
                     direct=event.get("channel_type") == "im" or channel.startswith("D"),
+                    # a reply in a thread answers the thread's first message (a question, say)
+                    reply_to=str(event["thread_ts"]) if event.get("thread_ts") and event["thread_ts"] != ts else None,
                 )
             )
 
@@ -363,7 +370,7 @@ class SlackAdapter(PlatformBase):
                     author_name=str(command.get("user_name") or user),
                     text=unescape(raw).strip(),
                     mentions=mentions_in(raw),
-                    command="swarm",
+                    command=str(command.get("command") or "/swarm").removeprefix("/"),
                     is_admin=self.is_admin(user),
                 )
             )
@@ -383,6 +390,7 @@ class SlackAdapter(PlatformBase):
                 actor=self.actor(user),
                 chat=channel or None,
                 message_id=str(message_ts) if message_ts else None,
+                is_admin=self.is_admin(user),
             )
             await self.press(press, _EphemeralReply(self, channel, user))
 
@@ -433,6 +441,24 @@ class SlackAdapter(PlatformBase):
             if (code := error_code(exc)) in NO_CUSTOM_IDENTITY:
                 raise _FallBack(code) from exc
             raise
+
+    async def send_choices(
+        self,
+        chat: str,
+        text: str,
+        choices: Sequence[tuple[str, str]],
+        *,
+        agent: str | None = None,
+        thread: str | None = None,
+    ) -> str:
+        body = escape(agent_prefix(agent) + text)
+        if not text.strip() or len(body) > MAX_SECTION_TEXT:
+            raise self.refuse("send", f"a question must be 1 to {MAX_SECTION_TEXT} characters once escaped", chat=chat)
+        blocks = choice_blocks(body, choices)
+        response = await self.call(
+            "send", chat, lambda: self.client.chat_postMessage(channel=chat, text=body, blocks=blocks, thread_ts=thread)
+        )
+        return str(response.get("ts"))
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
         site = "card_post"

@@ -9,6 +9,7 @@ only ever grows text.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -26,6 +27,7 @@ from kazma.approvals.model import Outcome, Status
 
 APPROVE_ACTION: Final = "kazma_approve"
 DENY_ACTION: Final = "kazma_deny"
+CHOICE_ACTION: Final = re.compile(r"^kazma_choice_\d+$")  # one per choice of a question
 ACTIONS_BLOCK_ID: Final = "kazma_actions"
 
 # Slack's Block Kit limits (https://docs.slack.dev/reference/block-kit).
@@ -112,6 +114,24 @@ def _chunk_lines(first: str, lines: list[str], limit: int) -> list[str]:
     if current:
         chunks.append(current)
     return chunks
+
+
+def choice_blocks(escaped_text: str, choices: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
+    """A question: its (already escaped) text, then one button per choice."""
+    question: list[dict[str, Any]] = [{"type": "section", "block_id": "kazma_question", "text": _mrkdwn(escaped_text)}]
+    if not choices:
+        return question
+    return [
+        *question,
+        {
+            "type": "actions",
+            "block_id": "kazma_choices",
+            "elements": [
+                {"type": "button", "action_id": f"kazma_choice_{i}", "text": _plain(label[:75]), "value": data}
+                for i, (label, data) in enumerate(choices)
+            ],
+        },
+    ]
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,20 @@ inbound door and the press policy are the kit's.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import Any, Final
 
 import structlog
-from telegram import BotCommand, CallbackQuery, LinkPreviewOptions, Message, Update
+from telegram import (
+    BotCommand,
+    CallbackQuery,
+    InlineKeyboardButton,
+    InlineKeyboardMarkup,
+    LinkPreviewOptions,
+    Message,
+    Update,
+)
 from telegram.constants import ChatType, MessageEntityType, ParseMode
 from telegram.error import RetryAfter, TelegramError
 from telegram.ext import (
@@ -38,6 +46,7 @@ from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified, retry_after_seconds
 from kazma.adapters.telegram.render import (
     ANSWER_LIMIT,
+    CALLBACK_DATA_LIMIT,
     TEXT_LIMIT,
     button_data_fits,
     render_card,
@@ -49,6 +58,8 @@ from kazma.approvals.model import Outcome
 from kazma.config.models import TelegramConfig
 
 SWARM_COMMAND: Final = "swarm"
+PLAN_COMMAND: Final = "plan"
+COMMANDS: Final = (SWARM_COMMAND, PLAN_COMMAND)
 _NO_PREVIEW: Final = LinkPreviewOptions(is_disabled=True)
 # Calls that post into a chat: these share the chat's send budget. Answers to button presses must be quick
 # and getUpdates is never limited by PTB.
@@ -233,7 +244,12 @@ class TelegramAdapter(PlatformBase):
     async def _register_commands(self, app: AnyApplication) -> None:
         # Only a convenience (the command menu): a failure here must not keep the bus down.
         try:
-            await app.bot.set_my_commands([BotCommand(SWARM_COMMAND, "Drive the agent swarm")])
+            await app.bot.set_my_commands(
+                [
+                    BotCommand(SWARM_COMMAND, "Drive the agent swarm"),
+                    BotCommand(PLAN_COMMAND, "Show the current plan"),
+                ]
+            )
         except TelegramError as exc:
             log.warning("telegram.commands_not_set", error=self._redact(str(exc)))
 
@@ -276,12 +292,12 @@ class TelegramAdapter(PlatformBase):
             if entity.type != MessageEntityType.BOT_COMMAND or entity.offset != 0:
                 continue
             word, _, target = value.removeprefix("/").partition("@")
-            if word.lower() != SWARM_COMMAND:
+            if word.lower() not in COMMANDS:
                 continue
             if target and target.lower() != self._bot_username:
                 log.debug("telegram.command_for_other_bot", chat=chat.id, target=target)
                 return None
-            command = SWARM_COMMAND
+            command = word.lower()
             body = text[len(value) :].strip()
         user = message.from_user
         if user is not None:
@@ -306,6 +322,7 @@ class TelegramAdapter(PlatformBase):
             command=command,
             is_admin=is_admin,
             direct=chat.type == ChatType.PRIVATE,
+            reply_to=str(message.reply_to_message.message_id) if message.reply_to_message else None,
         )
 
     async def _on_message(self, update: Update, _context: ContextTypes.DEFAULT_TYPE) -> None:
@@ -328,6 +345,7 @@ class TelegramAdapter(PlatformBase):
             actor=self.actor(query.from_user.id),
             chat=str(message.chat.id) if message is not None else None,
             message_id=str(message.message_id) if message is not None else None,
+            is_admin=self.is_admin(query.from_user.id),
         )
         self.spawn(self.press(press, _QueryReply(query)), name=f"telegram-press-{query.id}")
 
@@ -373,6 +391,44 @@ class TelegramAdapter(PlatformBase):
             first = first or str(message.message_id)
         assert first is not None
         return first
+
+    async def send_choices(
+        self,
+        chat: str,
+        text: str,
+        choices: Sequence[tuple[str, str]],
+        *,
+        agent: str | None = None,
+        thread: str | None = None,
+    ) -> str:
+        site = "send"
+        app = self._bot_app(site)
+        chat_id = self._chat_id(site, chat)
+        thread_id = self._chat_id(site, thread) if thread else None
+        body = agent_prefix(agent) + text
+        if not body.strip() or utf16_len(body) > TEXT_LIMIT:
+            raise self.refuse(site, "a question must be 1 to 4096 characters", chat=chat)
+        if any(not 1 <= len(data.encode()) <= CALLBACK_DATA_LIMIT for _, data in choices):
+            raise self.refuse(site, "every choice needs button data of 1 to 64 bytes", chat=chat)
+        keyboard = (
+            InlineKeyboardMarkup([[InlineKeyboardButton(label[:64], callback_data=data)] for label, data in choices])
+            if choices
+            else None
+        )
+        message: Message = await self.call(
+            site,
+            chat,
+            lambda: app.bot.send_message(
+                chat_id=chat_id,
+                text=body,
+                message_thread_id=thread_id,
+                reply_markup=keyboard,
+                link_preview_options=_NO_PREVIEW,
+            ),
+            paced=False,
+            wait_out_429=False,
+        )
+        return str(message.message_id)
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
         site = "card_post"

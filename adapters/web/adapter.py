@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,9 @@ class WebMessage:
     at: float
     card: ApprovalCard | None = None
     outcome: Outcome | None = None
+    choices: tuple[tuple[str, str], ...] = ()  # a question's (label, button data)
+    question: bool = False  # a question to a person: answered by a reply (or a choice)
+    reply_to: str | None = None
 
     def as_event(self) -> dict[str, Any]:
         event: dict[str, Any] = {
@@ -46,6 +49,9 @@ class WebMessage:
             "name": self.name,
             "text": self.text,
             "at": self.at,
+            "choices": [label for label, _ in self.choices],
+            "question": self.question,
+            "reply_to": self.reply_to,
         }
         if self.card is not None:
             event["card"] = {
@@ -144,11 +150,20 @@ class WebAdapter:
 
     # -- what a person does ----------------------------------------------------------------------
 
-    async def say(self, login: str, text: str, *, chat: str = CONSOLE, mentions: tuple[str, ...] = ()) -> str:
+    async def say(
+        self,
+        login: str,
+        text: str,
+        *,
+        chat: str = CONSOLE,
+        mentions: tuple[str, ...] = (),
+        reply_to: str | None = None,
+        is_admin: bool = False,
+    ) -> str:
         """A logged-in person writes into the console; it reaches the agents like any platform message."""
         if self._handlers is None:
             raise PlatformError("web", "inbound", "the web console is not started", retryable=True)
-        message = WebMessage(str(next(self._ids)), chat, f"web:{login}", login, text, time.time())
+        message = WebMessage(str(next(self._ids)), chat, f"web:{login}", login, text, time.time(), reply_to=reply_to)
         self._add(message)
         await self._handlers.on_inbound(
             Inbound(
@@ -159,6 +174,8 @@ class WebAdapter:
                 author_name=login,
                 text=text,
                 mentions=mentions,
+                reply_to=reply_to,
+                is_admin=is_admin,
             )
         )
         return message.id
@@ -186,6 +203,39 @@ class WebAdapter:
         )
         self._add(message)
         return message.id
+
+    async def send_choices(
+        self,
+        chat: str,
+        text: str,
+        choices: Sequence[tuple[str, str]],
+        *,
+        agent: str | None = None,
+        thread: str | None = None,
+    ) -> str:
+        message = WebMessage(
+            str(next(self._ids)),
+            chat,
+            f"agent:{agent or 'kazma'}",
+            agent or "kazma",
+            text,
+            time.time(),
+            choices=tuple(choices),
+            question=True,
+        )
+        self._add(message)
+        return message.id
+
+    async def choose(self, message_id: str, choice: int, login: str, *, is_admin: bool = False) -> PressResult:
+        """A person presses one of a question's choices in the console."""
+        if self._handlers is None:
+            raise PlatformError("web", "press", "the web console is not started", retryable=True)
+        message = self._by_id.get(message_id)
+        if message is None or not 0 <= choice < len(message.choices):
+            raise PlatformError("web", "press", "no such choice", retryable=False)
+        return await self._handlers.on_press(
+            Press(self.name, message.choices[choice][1], f"web:{login}", message.chat, message.id, is_admin)
+        )
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
         message = WebMessage(

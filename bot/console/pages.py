@@ -175,12 +175,29 @@ def card_html(card: ApprovalCard, outcome: Outcome | None, viewer: Viewer) -> st
     return render.card_html(card, outcome=outcome, buttons=buttons).written
 
 
-def message_html(message: WebMessage, viewer: Viewer) -> str:
-    content = (
-        card_html(message.card, message.outcome, viewer)
-        if message.card is not None
-        else f'<pre class="text">{e(message.text)}</pre>'
+def question_forms(message: WebMessage, viewer: Viewer) -> str:
+    """A question's choices as buttons and a reply box; who may answer is the executor's to decide."""
+    choices = "".join(
+        form("/console/choose", viewer, {"message": message.id, "choice": str(i)}, label, button_class="choice")
+        for i, (label, _) in enumerate(message.choices)
     )
+    reply = (
+        f'<form class="reply" method="post" action="/console/send">'
+        f'<input type="hidden" name="csrf" value="{e(viewer.csrf)}">'
+        f'<input type="hidden" name="reply_to" value="{e(message.id)}">'
+        '<input name="text" maxlength="4000" required placeholder="Reply to answer">'
+        '<button type="submit">Answer</button></form>'
+    )
+    return f'<div class="question">{choices}{reply}</div>'
+
+
+def message_html(message: WebMessage, viewer: Viewer) -> str:
+    if message.card is not None:
+        content = card_html(message.card, message.outcome, viewer)
+    else:
+        content = f'<pre class="text">{e(message.text)}</pre>'
+        if message.question:
+            content += question_forms(message, viewer)
     return (
         f'<li class="message" id="m-{e(message.id)}">'
         f'<div class="speaker">{e(message.author)}<span class="when"> {e(when(message.at))}</span></div>'

@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, generate_latest
 from yarl import URL
 
+from kazma.adapters.contract import PlatformError
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import App
@@ -141,6 +142,7 @@ class WebServer:
                 web.post("/logout", auth.logout),
                 web.get("/", self.console),
                 web.post("/console/send", self.send),
+                web.post("/console/choose", self.choose),
                 web.get("/events", self.events),
                 web.post("/approvals/{id}/decide", self.decide),
                 web.get("/swarm", self.swarm),
@@ -197,7 +199,11 @@ class WebServer:
     async def send(self, request: web.Request) -> web.Response:
         session, fields = await self._auth().post(request, operator=False)
         text = fields.get("text", "").strip()
-        is_command = text == "/swarm" or text.startswith("/swarm ")
+        reply_to = fields.get("reply_to") or None
+        is_command = text in ("/swarm", "/plan") or text.startswith("/swarm ")
+        if reply_to is not None:
+            # an answer to a question: who may give it is the plan's to decide (the requester, or an operator)
+            is_command = True
         if text and not is_command and not session.is_operator:
             # Readers read (and may ask /swarm for status); only operators talk to the agents.
             log.warning("web.reader_refused", login=session.login, path=request.path)
@@ -211,8 +217,31 @@ class WebServer:
             session.flash.append(f"The message is {len(text):,} characters; at most {MAX_TEXT:,} are accepted.")
         elif text == "/swarm" or text.startswith("/swarm "):
             session.flash.append(await self._swarm_text(session, text.removeprefix("/swarm")))
+        elif text == "/plan":
+            session.flash.append(await self.app.conversations.describe(f"web:{CONSOLE}"))
         else:
-            await self.web.say(session.login, text, chat=CONSOLE, mentions=mentions_of(text))
+            await self.web.say(
+                session.login,
+                text,
+                chat=CONSOLE,
+                mentions=mentions_of(text),
+                reply_to=reply_to,
+                # an operator may answer any question in the console, as a platform admin may in a chat
+                is_admin=session.is_operator and reply_to is not None,
+            )
+        raise web.HTTPSeeOther("/")
+
+    async def choose(self, request: web.Request) -> web.Response:
+        """A press of a question's choice in the console: the same path as every platform's buttons."""
+        session, fields = await self._auth().post(request, operator=False)
+        try:
+            choice = int(fields.get("choice", ""))
+            result = await self.web.choose(
+                fields.get("message", ""), choice, session.login, is_admin=session.is_operator
+            )
+        except (ValueError, PlatformError):
+            raise _not_found("No such choice.", session) from None
+        session.flash.append(result.message)
         raise web.HTTPSeeOther("/")
 
     async def events(self, request: web.Request) -> web.StreamResponse:
