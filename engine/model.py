@@ -75,7 +75,7 @@ def _server_message(response: httpx.Response) -> str:
     """The human part of an error answer, whichever of the common shapes the server uses."""
     try:
         body = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # a body nested deeper than Python's parser goes is not JSON to us
         return _truncate(response.text) if response.text.strip() else ""
     if isinstance(body, dict):
         error = body.get("error")
@@ -113,7 +113,10 @@ def _parse_arguments(raw: Any) -> tuple[dict[str, Any], str, str | None]:
     """(arguments, raw text, error). A model's arguments are untrusted text; never raise on them."""
     if isinstance(raw, dict):
         # A few servers (older Ollama builds) send the object itself instead of its JSON text.
-        return raw, json.dumps(raw, ensure_ascii=False), None
+        try:
+            return raw, json.dumps(raw, ensure_ascii=False), None
+        except RecursionError:
+            return {}, "", "arguments are nested too deeply to read; send a flat JSON object"
     if raw is None:
         return {}, "", None
     if not isinstance(raw, str):
@@ -407,6 +410,9 @@ class OpenAIProvider:
         except ValueError:
             start = _truncate(response.text, 80)
             raise broken(f"the body is not JSON (it starts {start!r})" if start else "the body is empty") from None
+        except RecursionError:
+            # e.g. tool-call arguments sent as an object thousands of levels deep: an answer, not a crash
+            raise broken("the body is nested too deeply to read") from None
         if not isinstance(body, dict):
             raise broken(f"the body is a JSON {type(body).__name__}, not an object with 'choices'")
         choices = body.get("choices")

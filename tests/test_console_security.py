@@ -1,0 +1,269 @@
+"""The web console's trust boundary over real HTTP: readers only read, guessing is slowed, weak or rotated tokens
+end, forms from other sites are refused, the console is not exposed in the clear, and hidden characters show."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import aiohttp
+import pytest
+from yarl import URL
+
+from kazma.approvals.model import Status
+from kazma.bot.console.auth import load_tokens
+from kazma.bot.console.server import WebServer
+from kazma.config import ConfigError, load_config_text
+from tests.test_web_server import OPERATOR, READER, Console, _field, console
+
+RLO = "\u202e"  # RIGHT-TO-LEFT OVERRIDE: shows "exe.txt" as "txt.exe"
+
+
+async def _flash_page(client: aiohttp.ClientSession, con: Console) -> str:
+    return await (await client.get(f"{con.base}/")).text()
+
+
+async def _login_attempt(
+    client: aiohttp.ClientSession, con: Console, token: str, *, csrf: str, name: str = "mallory"
+) -> aiohttp.ClientResponse:
+    return await client.post(
+        f"{con.base}/login", data={"csrf": csrf, "name": name, "token": token}, allow_redirects=False
+    )
+
+
+# -- readers read ---------------------------------------------------------------------------------
+
+
+async def test_a_reader_cannot_talk_to_the_agents_but_may_ask_for_swarm_status(tmp_path: Path) -> None:
+    async with console(tmp_path) as con, con.client() as client:
+        csrf = await con.login(client, "rita", READER)
+        refused = await client.post(
+            f"{con.base}/console/send", data={"csrf": csrf, "text": "@builder delete the repo"}, allow_redirects=False
+        )
+        assert refused.status == 403
+        assert "operators only: web:rita is a reader" in await refused.text()
+        await con.app.conversations.drain()
+        assert con.web.messages() == []  # nothing was said in the conversation, so no agent heard it
+
+        status = await client.post(
+            f"{con.base}/console/send", data={"csrf": csrf, "text": "/swarm status"}, allow_redirects=False
+        )
+        assert (status.status, status.headers["Location"]) == (303, "/")
+        page = await _flash_page(client, con)
+        assert re.search(r"swarm: 0 running, 0 paused, \d+ workers", page), page
+        assert con.web.messages() == []  # a command is answered to the reader, never posted to the agents
+
+
+# -- logins are throttled ------------------------------------------------------------------------
+
+
+async def test_guessing_the_token_is_slowed_per_client_address(tmp_path: Path) -> None:
+    async with console(tmp_path) as con, con.client() as client:
+        csrf = _field(await (await client.get(f"{con.base}/login")).text(), "csrf")
+        statuses: list[int] = []
+        retry_after: list[int] = []
+        for attempt in range(100):
+            response = await _login_attempt(client, con, f"guess-{attempt:04d}-padding-to-look-like-a-token", csrf=csrf)
+            statuses.append(response.status)
+            if response.status == 429:
+                retry_after.append(int(response.headers["Retry-After"]))
+        wrong = statuses.count(401)
+        assert 1 <= wrong <= 10, statuses  # a few honest typos are answered…
+        assert statuses[:wrong] == [401] * wrong
+        assert statuses[wrong:] == [429] * (100 - wrong)  # …then every attempt waits, guess or not
+        assert all(0 < seconds <= 60 for seconds in retry_after)
+
+        # During the wait nothing is even read: the right token is refused like a guess (accepting it would tell
+        # the guesser which guess was right, so guessing would not be slowed at all), and so is a bad CSRF field.
+        right = await _login_attempt(client, con, OPERATOR, csrf=csrf, name="alice")
+        assert right.status == 429
+        assert "Retry-After" in right.headers
+        no_csrf = await _login_attempt(client, con, OPERATOR, csrf="not-the-cookie", name="alice")
+        assert no_csrf.status == 429
+        # A header the client writes itself does not make it another client.
+        spoofed = await client.post(
+            f"{con.base}/login",
+            data={"csrf": csrf, "name": "alice", "token": OPERATOR},
+            headers={"X-Forwarded-For": "203.0.113.9", "X-Real-IP": "203.0.113.9"},
+            allow_redirects=False,
+        )
+        assert spoofed.status == 429
+        assert "kazma_session" not in client.cookie_jar.filter_cookies(URL(con.base))
+
+        # Another address (the loopback net is all ours: 127.0.0.2 reaches the server on 127.0.0.1) is not held up.
+        other = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0)), cookie_jar=aiohttp.CookieJar(unsafe=True)
+        )
+        async with other:
+            await con.login(other, "alice", OPERATOR)
+            assert (await other.get(f"{con.base}/", allow_redirects=False)).status == 200
+
+
+# -- tokens --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["operator", "reader"])
+async def test_a_token_shorter_than_32_characters_is_refused_at_start(tmp_path: Path, role: str) -> None:
+    short = "x" * 31
+    given = {"operator_token": OPERATOR, "reader_token": READER, f"{role}_token": short}
+    with pytest.raises(ValueError, match=rf"the {role} token is 31 characters; at least 32 are required"):
+        load_tokens(tmp_path / "web-token", **given)
+
+    # The same from a token file someone wrote by hand, when the server starts.
+    token_file = tmp_path / "hand-written"
+    files = {"operator": token_file, "reader": tmp_path / "hand-written.reader"}
+    for name, path in files.items():
+        path.write_text((short if name == role else name * 8) + "\n")
+    async with console(tmp_path) as con:
+        weak = WebServer(con.app, con.web, host="127.0.0.1", port=0, token_path=token_file)
+        with pytest.raises(ValueError, match=rf"the {role} token is 31 characters"):
+            await weak.start()
+        with pytest.raises(RuntimeError, match="not started"):
+            _ = weak.url  # nothing was bound
+
+
+async def test_rotating_the_token_file_ends_the_sessions_of_the_old_token(tmp_path: Path) -> None:
+    async with console(tmp_path, tokens=False) as con, con.client() as operator, con.client() as reader:
+        token_file = tmp_path / "web-token"
+        old = token_file.read_text().strip()
+        reader_token = (tmp_path / "web-token.reader").read_text().strip()
+        await con.login(operator, "alice", old)
+        await con.login(reader, "rita", reader_token)
+        assert (await operator.get(f"{con.base}/", allow_redirects=False)).status == 200
+
+        new = "rotated-operator-token-" + "9" * 20
+        token_file.write_text(new + "\n")
+        # The server looks at the files at most once a second: wait for the old session to end, bounded.
+        async with asyncio.timeout(5):
+            while (await operator.get(f"{con.base}/", allow_redirects=False)).status != 302:
+                await asyncio.sleep(0.05)
+        assert (await operator.get(f"{con.base}/events")).status == 401
+        # Only the rotated token's sessions end: the reader's token did not change.
+        assert (await reader.get(f"{con.base}/", allow_redirects=False)).status == 200
+
+        async with con.client() as again:
+            csrf = _field(await (await again.get(f"{con.base}/login")).text(), "csrf")
+            assert (await _login_attempt(again, con, old, csrf=csrf, name="alice")).status == 401
+            await con.login(again, "alice", new)
+
+
+# -- where a form comes from ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Origin": "https://evil.example"},
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Origin": "https://evil.example", "Sec-Fetch-Site": "cross-site"},
+        {"Origin": "null", "Sec-Fetch-Site": "same-site"},  # a sibling subdomain is another site too
+    ],
+)
+async def test_a_post_from_another_site_is_refused_even_with_session_and_csrf(
+    tmp_path: Path, headers: dict[str, str]
+) -> None:
+    async with console(tmp_path) as con, con.client() as client:
+        request = await con.open_approval({"command": "ls"})
+        csrf = await con.login(client, "alice", OPERATOR)
+        response = await client.post(
+            f"{con.base}/approvals/{request.id}/decide",
+            data={"csrf": csrf, "decision": "approve"},
+            headers=headers,
+            allow_redirects=False,
+        )
+        assert response.status == 403
+        assert "this form was sent from another site" in await response.text()
+        row = await con.app.service.store.get(request.id)
+        assert row is not None
+        assert row.status is Status.PENDING
+        said = await client.post(
+            f"{con.base}/console/send", data={"csrf": csrf, "text": "hello"}, headers=headers, allow_redirects=False
+        )
+        assert said.status == 403
+        assert all(m.author != "web:alice" for m in con.web.messages())
+        # nor may another site log a browser in (login CSRF), whatever the token
+        form = await client.get(f"{con.base}/login")
+        login = await client.post(
+            f"{con.base}/login",
+            data={"csrf": _field(await form.text(), "csrf"), "name": "mallory", "token": OPERATOR},
+            headers=headers,
+            allow_redirects=False,
+        )
+        assert login.status == 403
+
+
+async def test_the_consoles_own_forms_are_accepted_with_origin_null(tmp_path: Path) -> None:
+    # Referrer-Policy: no-referrer makes browsers send "Origin: null" for the console's own forms.
+    async with console(tmp_path) as con, con.client() as client:
+        request = await con.open_approval({"command": "ls"})
+        csrf = await con.login(client, "alice", OPERATOR)
+        response = await client.post(
+            f"{con.base}/approvals/{request.id}/decide",
+            data={"csrf": csrf, "decision": "approve"},
+            headers={"Origin": "null", "Sec-Fetch-Site": "same-origin"},
+            allow_redirects=False,
+        )
+        assert response.status == 303
+        row = await con.app.service.store.get(request.id)
+        assert row is not None
+        assert (row.status, row.decided_by) == (Status.APPROVED, "web:alice")
+        # its own origin, spelled out, is accepted too; a look-alike of it is not
+        own = {"Origin": con.base, "Sec-Fetch-Site": "same-origin"}
+        sent = await client.post(
+            f"{con.base}/console/send", data={"csrf": csrf, "text": "hi"}, headers=own, allow_redirects=False
+        )
+        assert sent.status == 303
+        lookalike = {"Origin": con.base + ".evil.example"}
+        refused = await client.post(
+            f"{con.base}/console/send", data={"csrf": csrf, "text": "hi"}, headers=lookalike, allow_redirects=False
+        )
+        assert refused.status == 403
+
+
+# -- not in the clear ----------------------------------------------------------------------------
+
+
+def test_an_exposed_console_over_plain_http_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config_text("web: {host: 0.0.0.0, public_url: 'http://example.com'}", environ={})
+    (line,) = caught.value.lines
+    assert "web.public_url" in line
+    assert "https" in line.lower()
+    assert "allow_insecure_http" in line
+
+    accepted = load_config_text(
+        "web: {host: 0.0.0.0, public_url: 'http://example.com', allow_insecure_http: true}", environ={}
+    )
+    assert accepted.config.web.allow_insecure_http is True
+    secure = load_config_text("web: {host: 0.0.0.0, public_url: 'https://example.com'}", environ={})
+    assert secure.config.web.public_url == "https://example.com"
+    loopback = load_config_text("web: {host: 127.0.0.1, public_url: 'http://127.0.0.1:8765'}", environ={})
+    assert loopback.config.web.allow_insecure_http is False
+
+
+# -- what a person reads is what runs ------------------------------------------------------------
+
+
+async def test_the_approval_page_shows_a_direction_override_escaped_everywhere(tmp_path: Path) -> None:
+    async with console(tmp_path) as con, con.client() as client:
+        args = {"command": f"cat notes{RLO}txt.sh", f"name{RLO}": "value"}
+        request = await con.open_approval(args)
+        await con.login(client, "alice", OPERATOR)
+        response = await client.get(f"{con.base}/swarm?approval={request.id}")
+        assert response.status == 200
+        page = await response.text()
+        assert RLO not in page  # nowhere on the page, not even in an attribute or the audit trail
+
+        def section(title: str, end: str) -> str:
+            found = re.search(re.escape(title) + "(.*?)" + re.escape(end), page, re.S)
+            assert found is not None, title
+            return found.group(1)
+
+        whole = section("<h2>The whole call</h2>", "<h3>Arguments as JSON</h3>")
+        pretty = section("<h3>Arguments as JSON</h3>", "<h3>Canonical JSON")
+        canonical = section("<h3>Canonical JSON (what the hash covers)</h3>", "</pre>")
+        for part in (whole, pretty, canonical):
+            assert "notes⟨U+202E" in part
+            assert "name⟨U+202E" in part
+        assert request.args_hash in page  # the hash still covers the real characters
