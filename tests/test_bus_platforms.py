@@ -33,7 +33,10 @@ async def test_card_everywhere_and_a_discord_press_settles_every_card(tmp_path: 
         await fakes.wait(lambda: not any(fakes.has_buttons(p) for p in PLATFORMS))
         for platform in PLATFORMS:
             assert f"approved by discord:{DISCORD_ADMIN}" in fakes.card_text(platform), platform
-        cards = await app.service.store.cards(request.id)
+        # the edits are on the wire; their records follow the platform's answer: wait for those, bounded
+        async with asyncio.timeout(20):
+            while any(c.settled_at is None for c in (cards := await app.service.store.cards(request.id))):
+                await asyncio.sleep(0.02)
         assert sorted(c.platform for c in cards) == sorted(PLATFORMS)
         assert all(c.settled_status == "approved" for c in cards)
 
