@@ -35,8 +35,10 @@ async def test_card_everywhere_and_a_discord_press_settles_every_card(tmp_path: 
             assert f"approved by discord:{DISCORD_ADMIN}" in fakes.card_text(platform), platform
         # the edits are on the wire; their records follow the platform's answer: wait for those, bounded
         async with asyncio.timeout(20):
-            while any(c.settled_at is None for c in (cards := await app.service.store.cards(request.id))):
+            cards = await app.service.store.cards(request.id)
+            while any(c.settled_at is None for c in cards):
                 await asyncio.sleep(0.02)
+                cards = await app.service.store.cards(request.id)
         assert sorted(c.platform for c in cards) == sorted(PLATFORMS)
         assert all(c.settled_status == "approved" for c in cards)
 

@@ -86,6 +86,9 @@ class FakeOpenAI:
         self.requests: list[RecordedRequest] = []
         self.fallback: FakeResponse | None = None
         self._queue: deque[FakeResponse] = deque()
+        # per agent: requests whose system message is one of these prompts answer from its own queue, so
+        # agents running at once (the lead finishing while a sub-agent starts) cannot take each other's replies
+        self._by_prompt: dict[str, deque[FakeResponse]] = {}
         self._ids = itertools.count(1)
         self._stopped = asyncio.Event()
         self._changed = asyncio.Condition()
@@ -130,6 +133,10 @@ class FakeOpenAI:
     def script(self, *responses: FakeResponse) -> None:
         """Queue ``responses`` for the next chat completions, in order."""
         self._queue.extend(responses)
+
+    def script_agent(self, system_prompt: str, *responses: FakeResponse) -> None:
+        """Queue ``responses`` for requests whose first (system) message is ``system_prompt``, in order."""
+        self._by_prompt.setdefault(system_prompt, deque()).extend(responses)
 
     @property
     def pending(self) -> int:
@@ -214,7 +221,12 @@ class FakeOpenAI:
                 recorded,
                 _error(404, f"The model `{model}` does not exist", "invalid_request_error", code="model_not_found"),
             )
-        scripted = self._queue.popleft() if self._queue else self.fallback
+        first = messages[0].get("content") if isinstance(messages[0], dict) else None
+        own = self._by_prompt.get(first) if isinstance(first, str) else None
+        if own is not None:
+            scripted = own.popleft() if own else self.fallback
+        else:
+            scripted = self._queue.popleft() if self._queue else self.fallback
         if scripted is None:
             return await self._answer(recorded, _error(500, "the fake has no scripted response left", "server_error"))
         if isinstance(scripted, Hang):

@@ -264,6 +264,7 @@ class FakeMessage:
     thread_id: int | None = None
     edits: int = 0
     dropped_entities: int = 0  # formatting past Telegram's cap of 100, lost without an error
+    reply_to: int | None = None  # the message this one replies to
 
     @property
     def from_bot(self) -> bool:
@@ -441,8 +442,9 @@ class FakeTelegram:
         is_bot: bool = False,
         thread_id: int | None = None,
         entities: list[JsonDict] | None = None,
+        reply_to: int | str | None = None,
     ) -> int:
-        """A user's message arrives in ``chat_id``; returns its message id."""
+        """A user's message arrives in ``chat_id`` (a reply to ``reply_to`` when given); returns its message id."""
         user: JsonDict = {"id": user_id, "is_bot": is_bot, "first_name": first_name or f"User {user_id}"}
         if username:
             user["username"] = username
@@ -457,6 +459,7 @@ class FakeTelegram:
             sender=user,
             date=int(time.time()),
             thread_id=thread_id,
+            reply_to=None if reply_to is None else int(reply_to),
         )
         self._store(message)
         self._push_update({"message": self._message_json(message)})
@@ -542,6 +545,10 @@ class FakeTelegram:
             body["is_topic_message"] = True
         if message.edits:
             body["edit_date"] = int(time.time())
+        if message.reply_to is not None:
+            replied = self._chats.get(message.chat_id, {}).get(message.reply_to)
+            if replied is not None:
+                body["reply_to_message"] = self._message_json(replied)
         return body
 
     async def _handle(self, request: web.Request) -> web.Response:

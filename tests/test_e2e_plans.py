@@ -1,0 +1,158 @@
+"""Plans that recover, end to end on the real Telegram library against the wire-level fake Bot API.
+
+Only the model is scripted (per agent). What is checked is what people and
+agents really see: the dispatches, the question, who may answer it, and what
+reaches the sub-agent when it goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from kazma.adapters.pacing import ChatRateLimiter
+from kazma.adapters.telegram import TelegramAdapter
+from kazma.bot.app import App, build_app
+from kazma.config import load_config_text
+from kazma.engine.model import ScriptStep
+from kazma.engine.plan import StepStatus
+from kazma.engine.scenario import PerAgentScript, agent_prompts
+from kazma.engine.types import Message, ModelReply, ToolCall
+from tests.fakes.telegram import FakeTelegram
+
+CHAT = -1001
+ALICE = 42
+STRANGER = 77
+
+
+def call(name: str, arguments: Mapping[str, object]) -> ModelReply:
+    return ModelReply(content=None, tool_calls=(ToolCall(name, name, dict(arguments), json.dumps(arguments)),))
+
+
+@asynccontextmanager
+async def kazma(tmp_path: Path, scripts: dict[str, list[ScriptStep]]) -> AsyncIterator[tuple[App, FakeTelegram]]:
+    fake = FakeTelegram()
+    await fake.start()
+    loaded = load_config_text(
+        f"""
+store: {{path: '{tmp_path / "k.db"}'}}
+web: {{port: 0}}
+platforms:
+  telegram:
+    token: '{fake.token}'
+    api_base_url: '{fake.base_url}'
+    chats: [{CHAT}]
+    home_chat: {CHAT}
+    admins: [111]
+""",
+        environ={},
+    )
+    provider = PerAgentScript(scripts, agent_prompts(loaded.config))
+    # no per-chat pacing: the fake does not rate-limit, and the test should not wait a second a message
+    adapter = TelegramAdapter(loaded.config.platforms.telegram, poll_timeout=1, limiter=ChatRateLimiter(min_interval=0))
+    app = await build_app(loaded, provider=provider, adapters=[adapter], poll_interval=0.05)
+    await app.start()
+    try:
+        yield app, fake
+    finally:
+        await app.conversations.drain()
+        await app.stop()
+        await fake.stop()
+
+
+def texts(fake: FakeTelegram) -> list[str]:
+    return [m.text for m in fake.bot_messages(CHAT)]
+
+
+async def said(fake: FakeTelegram, needle: str) -> None:
+    await fake.wait_until(lambda: any(needle in t for t in texts(fake)), timeout=20)
+
+
+async def test_a_step_three_hops_down_sees_the_users_original_words(tmp_path: Path) -> None:
+    plan = {
+        "goal": "prepare the release",
+        "steps": [
+            {"index": 1, "title": "research", "assignee": "researcher", "input": "What goes into a release?"},
+            {"index": 2, "title": "spec", "assignee": "refiner", "input": "Write the checklist."},
+            {"index": 3, "title": "notes", "assignee": "builder", "input": "Write the release notes' title line."},
+        ],
+    }
+
+    def title_line(messages: Sequence[Message]) -> ModelReply:
+        # the builder only has what reached it: its own input and the fenced context
+        quoted = re.findall(r"'([A-Z][a-z]+)'", str(messages[-1]["content"]))
+        return ModelReply(content=f"Release notes: {quoted[0] if quoted else 'UNNAMED'}")
+
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [call("write_plan", plan), ModelReply(content="Planned."), ModelReply(content="All done.")],
+        "researcher": [ModelReply(content="Changes, tests, notes.")],
+        "refiner": [ModelReply(content="1. changes 2. tests 3. notes")],
+        "builder": [title_line],
+    }
+    async with kazma(tmp_path, scripts) as (app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma please prepare the release we call 'Zanzibar'", username="alice")
+        await said(fake, "[builder] Release notes:")
+        assert any(t == "[builder] Release notes: Zanzibar" for t in texts(fake)), texts(fake)
+        await said(fake, "All done.")
+        view = await app.executor.describe(f"telegram:{CHAT}")
+        assert "[done] notes" in view
+
+
+async def test_a_sub_agent_asks_the_requester_a_strangers_reply_is_ignored_and_the_answer_resumes_it(
+    tmp_path: Path,
+) -> None:
+    plan = {
+        "goal": "deploy",
+        "steps": [
+            {"index": 1, "title": "deploy", "assignee": "builder", "input": "Deploy the service."},
+            {"index": 2, "title": "check", "assignee": "validator", "input": "Check it is up."},
+        ],
+    }
+
+    def resumed(messages: Sequence[Message]) -> ModelReply:
+        last = str(messages[-1]["content"])
+        region = "eu-west" if "A: eu-west" in last else "UNKNOWN"
+        return ModelReply(content=f"Deployed to {region}.")
+
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [
+            call("write_plan", plan),
+            ModelReply(content="Planned."),
+            ModelReply(content="Noted; the builder waits for alice."),
+            ModelReply(content="Deployed and checked."),
+        ],
+        "builder": [
+            call("ask_user", {"question": "Which region should I deploy to?"}),
+            ModelReply(content="Waiting to hear the region."),
+            resumed,
+        ],
+        "validator": [ModelReply(content="It is up.")],
+    }
+    async with kazma(tmp_path, scripts) as (app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma deploy it please", username="alice")
+        await said(fake, "Which region should I deploy to?")
+        question = next(m for m in fake.bot_messages(CHAT) if "Which region" in m.text)
+        assert f"for telegram:{ALICE}" in question.text
+        plan_id = await app.executor.store.active_plan(f"telegram:{CHAT}")
+        assert plan_id is not None
+
+        # a stranger answers first: ignored (no resume, nothing said), the step still waits
+        fake.push_message(CHAT, STRANGER, "us-east", reply_to=question.message_id)
+        # somebody speaks without replying: that is talk to the lead, not an answer
+        fake.push_message(CHAT, STRANGER, "@kazma eu-west")
+        await said(fake, "Noted; the builder waits for alice.")
+        loaded = await app.executor.store.load(plan_id)
+        assert loaded is not None
+        assert loaded.steps[1].status is StepStatus.WAITING_FOR_USER
+
+        fake.push_message(CHAT, ALICE, "eu-west", reply_to=question.message_id)
+        await said(fake, "[builder] Deployed to eu-west.")
+        await said(fake, "Deployed and checked.")
+        loaded = await app.executor.store.load(plan_id)
+        assert loaded is not None
+        assert [s.status for s in loaded.steps.values()] == [StepStatus.DONE, StepStatus.DONE]
+        kinds = [e.kind for e in await app.executor.store.events(plan_id)]
+        assert kinds == ["asked", "answered"]
