@@ -20,7 +20,7 @@ from kazma.config import load_config_text
 from kazma.engine.model import ScriptStep
 from kazma.engine.plan import StepStatus
 from kazma.engine.scenario import PerAgentScript, agent_prompts
-from kazma.engine.types import Message, ModelReply, ToolCall
+from kazma.engine.types import Message, ModelError, ModelReply, ToolCall
 from tests.fakes.telegram import FakeTelegram
 
 CHAT = -1001
@@ -156,3 +156,49 @@ async def test_a_sub_agent_asks_the_requester_a_strangers_reply_is_ignored_and_t
         assert [s.status for s in loaded.steps.values()] == [StepStatus.DONE, StepStatus.DONE]
         kinds = [e.kind for e in await app.executor.store.events(plan_id)]
         assert kinds == ["asked", "answered"]
+
+
+async def test_the_lead_repairs_a_failed_step_with_new_input_and_the_plan_goes_on(tmp_path: Path) -> None:
+    plan = {
+        "goal": "ship",
+        "steps": [
+            {"index": 1, "title": "research", "assignee": "researcher", "input": "Find the sources."},
+            {"index": 2, "title": "fetch", "assignee": "refiner", "input": "Fetch from the main server."},
+            {"index": 3, "title": "build", "assignee": "builder", "input": "Build it."},
+            {"index": 4, "title": "check", "assignee": "validator", "input": "Check it."},
+        ],
+    }
+
+    def unreachable(messages: Sequence[Message]) -> ModelReply:
+        raise ModelError("the main server is unreachable", permanent=True)
+
+    def fetched(messages: Sequence[Message]) -> ModelReply:
+        return ModelReply(content="Fetched from the mirror." if "use the mirror" in str(messages[-1]) else "??")
+
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [
+            call("write_plan", plan),
+            ModelReply(content="Planned."),
+            call("retry_step", {"index": 2, "input": "Fetch it, but use the mirror."}),  # asked about step 2
+            ModelReply(content="Retrying step 2 from the mirror."),
+            ModelReply(content="Shipped."),
+        ],
+        "researcher": [ModelReply(content="Two sources.")],
+        "refiner": [unreachable, fetched],
+        "builder": [ModelReply(content="Built.")],
+        "validator": [ModelReply(content="Checked.")],
+    }
+    async with kazma(tmp_path, scripts) as (app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma ship it", username="alice")
+        await said(fake, "Plan: step 2 (fetch) runs again, with new input.")
+        await said(fake, "[refiner] Fetched from the mirror.")
+        await said(fake, "Shipped.")
+        plan_id = await app.executor.store.last_plan(f"telegram:{CHAT}")
+        assert plan_id is not None
+        loaded = await app.executor.store.load(plan_id)
+        assert loaded is not None
+        assert [s.status for s in loaded.steps.values()] == [StepStatus.DONE] * 4
+        assert loaded.steps[2].attempts == 2
+        dispatches = [t for t in texts(fake) if t.startswith("[kazma] @")]
+        assert [d.split()[1] for d in dispatches] == ["@researcher", "@refiner", "@refiner", "@builder", "@validator"]
+        assert [e.kind for e in await app.executor.store.events(plan_id)] == ["retried"]
