@@ -6,7 +6,9 @@ import asyncio
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import click
 import structlog
@@ -19,13 +21,69 @@ from kazma.bot.console.server import WebServer
 from kazma.bot.context import Context
 from kazma.bot.demo import run_demo
 from kazma.bot.doctor import Level, run_checks
-from kazma.bot.logging import LEVELS, configure_logging
+from kazma.bot.logging import FORMATS, LEVELS, LogFormat, configure_logging, redact_secret
 from kazma.bot.swarm_cli import swarm
 from kazma.config import LoadedConfig, __version__, platform_statuses
 
 log = structlog.get_logger("kazma.cli")
 
 EXIT_CHECK_FAILED = 1
+_LOG_SETTINGS = "kazma.log"
+
+
+@dataclass
+class _LogSettings:
+    """How this process logs. ``--log-level``/``--log-format`` may come before or after the subcommand
+    (``kazma --log-level debug run`` and ``kazma run --log-level debug`` are the same); the last one given wins."""
+
+    level: str = "info"
+    fmt: LogFormat = "auto"
+    level_given: bool = False
+
+    def apply(self) -> None:
+        configure_logging(self.level, self.fmt)
+
+
+def _log_settings(ctx: click.Context) -> _LogSettings:
+    settings = ctx.meta.get(_LOG_SETTINGS)  # meta is one dict shared by a command and its subcommands
+    if not isinstance(settings, _LogSettings):
+        settings = ctx.meta[_LOG_SETTINGS] = _LogSettings()
+    return settings
+
+
+def _set_log(ctx: click.Context, *, level: str | None = None, fmt: str | None = None) -> None:
+    if level is None and fmt is None:
+        return
+    settings = _log_settings(ctx)
+    if level is not None:
+        settings.level, settings.level_given = level, True
+    if fmt is not None:
+        settings.fmt = cast(LogFormat, fmt)
+    if ctx.parent is not None:  # the root applies its own once parsed; a subcommand's take effect at once
+        settings.apply()
+
+
+def _with_log_options(command: click.Command) -> None:
+    """Give ``command`` and every command under it the two log options, so they may follow the subcommand."""
+    command.params += [
+        click.Option(
+            ["--log-level"],
+            type=click.Choice(LEVELS),
+            expose_value=False,
+            callback=lambda ctx, _param, value: _set_log(ctx, level=value),
+            help="debug, info, warning or error (as before the subcommand).",
+        ),
+        click.Option(
+            ["--log-format"],
+            type=click.Choice(FORMATS),
+            expose_value=False,
+            callback=lambda ctx, _param, value: _set_log(ctx, fmt=value),
+            help="auto, console or json (as before the subcommand).",
+        ),
+    ]
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _with_log_options(sub)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -39,18 +97,27 @@ EXIT_CHECK_FAILED = 1
     default=None,
     help="Path to kazma.yaml (default: ./kazma.yaml, or $KAZMA_CONFIG).",
 )
-@click.option("--log-level", type=click.Choice(LEVELS), default="info", show_default=True, envvar="KAZMA_LOG_LEVEL")
+@click.option(
+    "--log-level",
+    type=click.Choice(LEVELS),
+    default=None,
+    envvar="KAZMA_LOG_LEVEL",
+    expose_value=False,
+    callback=lambda ctx, _param, value: _set_log(ctx, level=value),
+    help="debug, info (the default), warning or error; `kazma demo` defaults to warning. Also after a subcommand.",
+)
 @click.option(
     "--log-format",
-    type=click.Choice(["auto", "console", "json"]),
-    default="auto",
-    show_default=True,
-    help="auto: readable on a terminal, JSON lines otherwise.",
+    type=click.Choice(FORMATS),
+    default=None,
+    expose_value=False,
+    callback=lambda ctx, _param, value: _set_log(ctx, fmt=value),
+    help="auto (the default): readable on a terminal, JSON lines otherwise. Also after a subcommand.",
 )
 @click.pass_context
-def main(ctx: click.Context, config_path: Path | None, log_level: str, log_format: str) -> None:
+def main(ctx: click.Context, config_path: Path | None) -> None:
     """Kazma: a chat-platform bot bus for AI agent teams."""
-    configure_logging(log_level, log_format)  # type: ignore[arg-type]
+    _log_settings(ctx).apply()
     ctx.obj = Context(config_path)
 
 
@@ -123,7 +190,12 @@ async def _serve(loaded: LoadedConfig, poll_interval: float) -> None:
     try:
         await app.start()
         await server.start()
-        message = server.first_start_message()
+        if server.auth is not None:
+            redact_secret(server.auth.tokens.operator)
+            redact_secret(server.auth.tokens.reader)
+        # Generated tokens go to their 0600 files, and to the screen only when there is one: stderr is also
+        # where the log goes, and a redirected stderr is a log file or the journal.
+        message = server.first_start_message(show_tokens=sys.stderr.isatty())
         if message:
             click.echo(message, err=True)
         click.echo(f"kazma is running; web console at {server.url}; press Ctrl-C to stop", err=True)
@@ -146,13 +218,18 @@ async def _serve(loaded: LoadedConfig, poll_interval: float) -> None:
 )
 @click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True, help="Web console port.")
 @click.option("--no-browser", is_flag=True, help="Do not try to open a browser.")
-def demo(deny: bool, terminal_only: bool, port: int, no_browser: bool) -> None:
+@click.pass_context
+def demo(ctx: click.Context, deny: bool, terminal_only: bool, port: int, no_browser: bool) -> None:
     """Play a scripted scenario end to end: no tokens, no model.
 
     On a terminal it serves the web console (URL and token printed, a browser
     opened when there is one) and the card can be pressed there or here; without
     one it plays in this terminal and presses the card itself.
     """
+    settings = _log_settings(ctx)
+    if not settings.level_given:  # the transcript is the point: only problems are logged unless asked
+        settings.level = "warning"
+        settings.apply()
     decision = Decision.DENY if deny else Decision.APPROVE
     web = not terminal_only and sys.stdin.isatty()
     try:
@@ -169,6 +246,8 @@ def demo(deny: bool, terminal_only: bool, port: int, no_browser: bool) -> None:
 
 main.add_command(approvals)
 main.add_command(swarm)
+for _command in main.commands.values():
+    _with_log_options(_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()
