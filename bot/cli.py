@@ -22,8 +22,10 @@ from kazma.bot.context import Context
 from kazma.bot.demo import run_demo
 from kazma.bot.doctor import Level, run_checks
 from kazma.bot.logging import FORMATS, LEVELS, LogFormat, configure_logging, redact_secret
+from kazma.bot.setup_cli import setup
 from kazma.bot.swarm_cli import swarm
 from kazma.config import LoadedConfig, __version__, platform_statuses
+from kazma.config.platforms import console_warnings
 
 log = structlog.get_logger("kazma.cli")
 
@@ -139,6 +141,10 @@ def config_check(obj: Context, path: Path | None) -> None:
         click.echo(f"  {status.name:<9} {state}  {status.reason}")
         for warning in status.warnings:
             click.echo(f"  {'':<9} warn {warning}")
+    web = loaded.config.web
+    click.echo(f"  {'web':<9} on   console on {web.host}:{web.port}, linked as {web.public_url}")
+    for warning in console_warnings(loaded.config):
+        click.echo(f"  {'':<9} warn {warning}")
     if not any(s.enabled for s in platform_statuses(loaded)):
         click.echo("  every platform is off: `kazma run` will serve the web console alone")
     for warning in loaded.config.warnings():
@@ -147,11 +153,14 @@ def config_check(obj: Context, path: Path | None) -> None:
 
 @main.command()
 @click.option("--model-timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the model.")
+@click.option(
+    "--platform-timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for each platform's API."
+)
 @click.pass_obj
-def doctor(obj: Context, model_timeout: float) -> None:
-    """Check the configuration, the store and the model endpoint."""
+def doctor(obj: Context, model_timeout: float, platform_timeout: float) -> None:
+    """Check the configuration, each platform's tokens with the platform, the store and the model endpoint."""
     loaded = obj.load()
-    checks = asyncio.run(run_checks(loaded, model_timeout=model_timeout))
+    checks = asyncio.run(run_checks(loaded, model_timeout=model_timeout, platform_timeout=platform_timeout))
     for check in checks:
         click.echo(f"{check.level.value.upper():<4}  {check.name:<17} {check.detail}")
     failed = [c for c in checks if c.level is Level.FAIL]
@@ -246,6 +255,7 @@ def demo(ctx: click.Context, deny: bool, terminal_only: bool, port: int, no_brow
 
 main.add_command(approvals)
 main.add_command(swarm)
+main.add_command(setup)
 for _command in main.commands.values():
     _with_log_options(_command)
 
