@@ -21,6 +21,7 @@ from kazma.bot.console.server import WebServer
 from kazma.bot.context import Context
 from kazma.bot.demo import run_demo
 from kazma.bot.doctor import Level, run_checks
+from kazma.bot.init_cli import init
 from kazma.bot.logging import FORMATS, LEVELS, LogFormat, configure_logging, redact_secret
 from kazma.bot.setup_cli import setup
 from kazma.bot.swarm_cli import swarm
@@ -253,6 +254,7 @@ def demo(ctx: click.Context, deny: bool, terminal_only: bool, port: int, no_brow
     sys.exit(0 if ok else 1)
 
 
+main.add_command(init)
 main.add_command(approvals)
 main.add_command(swarm)
 main.add_command(setup)
