@@ -216,7 +216,18 @@ class WebServer:
 
     async def console(self, request: web.Request) -> web.Response:
         session = self._auth().page_reader(request)
-        return html_response(console_page(session, self.web.messages(), flash=session.take_flash()))
+        flash = [*self._cannot_decide(session), *session.take_flash()]
+        return html_response(console_page(session, self.web.messages(), flash=flash))
+
+    def _cannot_decide(self, session: Session) -> list[str]:
+        """An operator whose presses would all be refused is told so before pressing, with the fix."""
+        if not session.is_operator or self.app.loaded.config.roster.is_approver(session.actor, "web"):
+            return []
+        return [
+            f"You are {session.actor}, an operator but not an approver: Approve and Deny pressed here are refused. "
+            f"To decide here, add '{session.actor}' to approvals.approvers in kazma.yaml and restart Kazma "
+            "(or log in with the name that is listed there)."
+        ]
 
     async def send(self, request: web.Request) -> web.Response:
         session, fields = await self._auth().post(request, operator=False)
