@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 TEMPLATES = ("kazma.yaml.in", "telegram.yaml.in", "slack.yaml.in", "discord.yaml.in")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("fresh-machine")
     context = build_context(root / "context")
@@ -60,6 +60,16 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         check=True,
         timeout=900,
     )
+    # what runs from here is the installed wheel, not this checkout
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import kazma.bot; print(kazma.bot.__file__)"],
+        cwd=root,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert where.stdout.strip().startswith(str(venv))
     return venv
 
 
@@ -74,26 +84,13 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def test_the_installed_kazma_is_the_wheel_not_this_checkout(fresh_venv: Path, tmp_path: Path) -> None:
-    where = subprocess.run(
-        [str(fresh_venv / "bin" / "python"), "-c", "import kazma.bot; print(kazma.bot.__file__)"],
-        cwd=tmp_path,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert where.stdout.strip().startswith(str(fresh_venv))
-
-
-def test_the_images_entrypoint_plays_the_demo_in_the_fresh_install(fresh_venv: Path, tmp_path: Path) -> None:
+def _entrypoint_plays_the_demo(venv: Path, cwd: Path) -> None:
     """`docker run kazma demo --terminal`, without Docker: the image's ENTRYPOINT with those arguments."""
     (entrypoint,) = [i.exec_form() for i in stages()[-1] if i.keyword == "ENTRYPOINT"]
     assert entrypoint is not None
-    program = fresh_venv / "bin" / entrypoint[0]
     result = subprocess.run(
-        [str(program), *entrypoint[1:], "demo", "--terminal"],
-        cwd=tmp_path,
+        [str(venv / "bin" / entrypoint[0]), *entrypoint[1:], "demo", "--terminal"],
+        cwd=cwd,
         env=clean_env(),
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -133,6 +130,7 @@ async def test_wheel_init_doctor_run_and_the_first_press_in_the_console_is_decid
     kazma = str(fresh_venv / "bin" / "kazma")
     team = tmp_path / "team"
     team.mkdir()
+    _entrypoint_plays_the_demo(fresh_venv, tmp_path)  # one wheel, one install: the image's command first
     async with three_fakes() as fakes, FakeOpenAI(models=("fake-model",)) as model:
         init = subprocess.run(
             [
