@@ -6,9 +6,7 @@ import asyncio
 import os
 import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 import click
 import structlog
@@ -22,7 +20,8 @@ from kazma.bot.context import Context
 from kazma.bot.demo import run_demo
 from kazma.bot.doctor import Level, run_checks
 from kazma.bot.init_cli import init
-from kazma.bot.logging import FORMATS, LEVELS, LogFormat, configure_logging, redact_secret
+from kazma.bot.log_options import log_settings, set_log, with_log_options
+from kazma.bot.logging import FORMATS, LEVELS, redact_secret
 from kazma.bot.setup_cli import setup
 from kazma.bot.swarm_cli import swarm
 from kazma.config import LoadedConfig, __version__, platform_statuses
@@ -31,62 +30,6 @@ from kazma.config.platforms import console_warnings
 log = structlog.get_logger("kazma.cli")
 
 EXIT_CHECK_FAILED = 1
-_LOG_SETTINGS = "kazma.log"
-
-
-@dataclass
-class _LogSettings:
-    """How this process logs. ``--log-level``/``--log-format`` may come before or after the subcommand
-    (``kazma --log-level debug run`` and ``kazma run --log-level debug`` are the same); the last one given wins."""
-
-    level: str = "info"
-    fmt: LogFormat = "auto"
-    level_given: bool = False
-
-    def apply(self) -> None:
-        configure_logging(self.level, self.fmt)
-
-
-def _log_settings(ctx: click.Context) -> _LogSettings:
-    settings = ctx.meta.get(_LOG_SETTINGS)  # meta is one dict shared by a command and its subcommands
-    if not isinstance(settings, _LogSettings):
-        settings = ctx.meta[_LOG_SETTINGS] = _LogSettings()
-    return settings
-
-
-def _set_log(ctx: click.Context, *, level: str | None = None, fmt: str | None = None) -> None:
-    if level is None and fmt is None:
-        return
-    settings = _log_settings(ctx)
-    if level is not None:
-        settings.level, settings.level_given = level, True
-    if fmt is not None:
-        settings.fmt = cast(LogFormat, fmt)
-    if ctx.parent is not None:  # the root applies its own once parsed; a subcommand's take effect at once
-        settings.apply()
-
-
-def _with_log_options(command: click.Command) -> None:
-    """Give ``command`` and every command under it the two log options, so they may follow the subcommand."""
-    command.params += [
-        click.Option(
-            ["--log-level"],
-            type=click.Choice(LEVELS),
-            expose_value=False,
-            callback=lambda ctx, _param, value: _set_log(ctx, level=value),
-            help="debug, info, warning or error (as before the subcommand).",
-        ),
-        click.Option(
-            ["--log-format"],
-            type=click.Choice(FORMATS),
-            expose_value=False,
-            callback=lambda ctx, _param, value: _set_log(ctx, fmt=value),
-            help="auto, console or json (as before the subcommand).",
-        ),
-    ]
-    if isinstance(command, click.Group):
-        for sub in command.commands.values():
-            _with_log_options(sub)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -106,7 +49,7 @@ def _with_log_options(command: click.Command) -> None:
     default=None,
     envvar="KAZMA_LOG_LEVEL",
     expose_value=False,
-    callback=lambda ctx, _param, value: _set_log(ctx, level=value),
+    callback=lambda ctx, _param, value: set_log(ctx, level=value),
     help="debug, info (the default), warning or error; `kazma demo` defaults to warning. Also after a subcommand.",
 )
 @click.option(
@@ -114,13 +57,13 @@ def _with_log_options(command: click.Command) -> None:
     type=click.Choice(FORMATS),
     default=None,
     expose_value=False,
-    callback=lambda ctx, _param, value: _set_log(ctx, fmt=value),
+    callback=lambda ctx, _param, value: set_log(ctx, fmt=value),
     help="auto (the default): readable on a terminal, JSON lines otherwise. Also after a subcommand.",
 )
 @click.pass_context
 def main(ctx: click.Context, config_path: Path | None) -> None:
     """Kazma: a chat-platform bot bus for AI agent teams."""
-    _log_settings(ctx).apply()
+    log_settings(ctx).apply()
     ctx.obj = Context(config_path)
 
 
@@ -236,7 +179,7 @@ def demo(ctx: click.Context, deny: bool, terminal_only: bool, port: int, no_brow
     opened when there is one) and the card can be pressed there or here; without
     one it plays in this terminal and presses the card itself.
     """
-    settings = _log_settings(ctx)
+    settings = log_settings(ctx)
     if not settings.level_given:  # the transcript is the point: only problems are logged unless asked
         settings.level = "warning"
         settings.apply()
@@ -259,7 +202,7 @@ main.add_command(approvals)
 main.add_command(swarm)
 main.add_command(setup)
 for _command in main.commands.values():
-    _with_log_options(_command)
+    with_log_options(_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()
