@@ -92,3 +92,16 @@ def apt_packages(path: Path = DOCKERFILE) -> list[str]:
             if words[:2] == ["apt-get", "install"]:
                 packages += [word for word in words[2:] if not word.startswith("-")]
     return packages
+
+
+def run_commands(stage: list[Instruction]) -> list[str]:
+    """The programs a stage's RUN lines call (the first word of each ``&&``/``;`` part)."""
+    programs: list[str] = []
+    for instruction in stage:
+        if instruction.keyword != "RUN":
+            continue
+        for command in re.split(r"&&|;", instruction.args):
+            words = shlex.split(command)
+            if words:
+                programs.append(words[0])
+    return programs

@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from kazma.config.models import WebConfig
-from tests.deploy_support import DOCKERFILE, REPO, Instruction, apt_packages, copied_sources, stages
+from tests.deploy_support import (
+    DOCKERFILE,
+    REPO,
+    Instruction,
+    apt_packages,
+    copied_sources,
+    run_commands,
+    stages,
+)
 
 README = REPO / "README.md"
 UNIT = REPO / "deploy" / "kazma.service"
@@ -90,6 +98,30 @@ def test_the_packages_the_image_installs_exist_in_its_debian_release() -> None:
         )
         assert shown.returncode == 0, f"{package}: {shown.stderr}"
         assert f"Package: {package}" in shown.stdout
+
+
+def test_the_programs_the_image_runs_come_with_its_base(tmp_path: Path) -> None:
+    """Without a daemon to build with: every program a RUN line calls is in a Debian package of priority
+    "required" (so in every Debian base image), or is Python's own (pip, from the python image)."""
+    image = stages()[-1]
+    codename = image[0].args.split()[0].rsplit("-", 1)[-1]
+    if shutil.which("dpkg") is None or shutil.which("apt-cache") is None or _debian_codename() != codename:
+        pytest.skip(f"needs dpkg and apt-cache on Debian {codename} (no Docker daemon to build with)")
+    for program in sorted(set(run_commands(image)) - {"pip"}):
+        found = shutil.which(program)
+        assert found is not None, program
+        # merged /usr: dpkg may know the file under /bin or /sbin rather than where PATH finds it
+        places = [str(Path(found).resolve())] + [f"{folder}/{program}" for folder in ("/bin", "/sbin", "/usr/sbin")]
+        for place in places:
+            owner = subprocess.run(["dpkg", "-S", place], capture_output=True, text=True, check=False)
+            if owner.returncode == 0:
+                break
+        assert owner.returncode == 0, f"{program}: {owner.stderr}"
+        package = owner.stdout.split(":", 1)[0].split(",")[0].strip()
+        shown = subprocess.run(
+            ["apt-cache", "show", "--no-all-versions", package], capture_output=True, text=True, check=True
+        )
+        assert "Priority: required" in shown.stdout, f"{program} comes from {package}, not a required package"
 
 
 def test_the_systemd_unit_verifies_and_runs_kazma_as_its_own_user(tmp_path: Path) -> None:
