@@ -68,8 +68,20 @@ class Press:
     is_admin: bool = False  # the presser is one of this platform's configured admins
 
 
+@dataclass(frozen=True)
+class ChatMove:
+    """A chat got a new id on its platform (a Telegram group upgraded to a supergroup), old → new."""
+
+    platform: str
+    old: str
+    new: str
+    was_home: bool = False  # the moved chat was the platform's home chat
+    was_listed: bool = False  # the moved chat was listed among the served chats
+
+
 InboundHandler = Callable[[Inbound], Awaitable[None]]
 PressHandler = Callable[[Press], Awaitable[PressResult]]
+ChatMoveHandler = Callable[[ChatMove], Awaitable[None]]
 
 
 @dataclass
@@ -77,6 +89,8 @@ class Handlers:
     on_inbound: InboundHandler
     on_press: PressHandler
     extra: dict[str, object] = field(default_factory=dict)
+    # told once the adapter already serves the new id: record it, say it, tell people what to change
+    on_chat_moved: ChatMoveHandler | None = None
 
 
 @runtime_checkable

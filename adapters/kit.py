@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Final, Protocol, TypeVar
 
 import structlog
 
-from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press
+from kazma.adapters.contract import CardRef, ChatMove, Handlers, Inbound, PlatformError, Press
 from kazma.adapters.pacing import Pacing
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome, PressResult, PressVerdict
@@ -124,6 +124,11 @@ class Served:
     def __contains__(self, chat: object) -> bool:
         return self.every or chat == self.home or chat in self.chats
 
+    def moved(self, old: str, new: str) -> Served:
+        """The same chats with ``old`` replaced by ``new`` (listed, home, or both)."""
+        chats = frozenset(new if chat == old else chat for chat in self.chats)
+        return Served(chats, new if self.home == old else self.home, every=self.every)
+
     @classmethod
     def of(cls, chats: Iterable[object], home: object | None) -> Served:
         """From a platform's configuration: its listed chats (``"*"``: every chat) and its home chat."""
@@ -160,6 +165,7 @@ class PlatformBase(ABC):
         self._handlers: Handlers | None = None
         self._inflight: set[asyncio.Future[Any]] = set()
         self._stopping = False
+        self._moves: dict[str, str] = {}  # chat ids that changed on the platform, old → new
 
     # -- what subclasses provide -----------------------------------------------------------------
 
@@ -297,6 +303,47 @@ class PlatformBase(ABC):
 
     def is_admin(self, user_id: object) -> bool:
         return str(user_id) in self.admins
+
+    # -- chats that change their id ----------------------------------------------------------------
+
+    def follow_move(self, old: str, new: str) -> ChatMove | None:
+        """Serve ``new`` wherever ``old`` was served (listed, home) and send to it instead of ``old``.
+
+        Returns the move when ``old`` was served here (None otherwise: nothing of ours moved). Applied
+        again at every start from the store, before anything is received, so it is quiet.
+        """
+        if old == new or old not in self.served:  # listed, home, or any chat under "*"
+            return None
+        move = ChatMove(self.name, old, new, was_home=old == self.served.home, was_listed=old in self.served.chats)
+        self.served = self.served.moved(old, new)
+        self._moves[old] = new
+        for earlier, later in list(self._moves.items()):  # a chat that moved twice: old ids lead to the newest
+            if later == old:
+                self._moves[earlier] = new
+        return move
+
+    def moved_to(self, chat: str) -> str:
+        """Where a message for ``chat`` goes now: its new id if it moved, else itself."""
+        return self._moves.get(chat, chat)
+
+    async def chat_moved(self, old: str, new: str) -> None:
+        """The platform said ``old`` is now ``new``: follow it at once, then let the composition root record
+        and announce it. Told twice (Telegram sends a notice in both chats), the second is a no-op."""
+        if self._moves.get(old) == new:
+            return
+        move = self.follow_move(old, new)
+        if move is None:
+            log.info(f"{self.name}.chat_moved_ignored", platform=self.name, old=old, new=new, reason="not served")
+            return
+        log.warning(f"{self.name}.chat_moved", platform=self.name, old=old, new=new, home=move.was_home)
+        handlers = self._handlers
+        if handlers is None or handlers.on_chat_moved is None:
+            return
+        try:
+            await handlers.on_chat_moved(move)
+        except Exception:
+            count_failure("chat_moved", self.name)
+            log.exception(f"{self.name}.chat_moved_failed", platform=self.name, old=old, new=new)
 
     def actor(self, user_id: object) -> str:
         return f"{self.name}:{user_id}"

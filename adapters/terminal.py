@@ -7,6 +7,7 @@ all. Presses are recorded as ``cli:<login>``, so the login must be an approver.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import sys
 import textwrap
@@ -31,8 +32,10 @@ class TerminalAdapter:
         interactive: bool | None = None,
         auto: Decision | None = Decision.APPROVE,
         chat: str = "terminal",
+        link_note: str | None = None,
     ) -> None:
         self.login = login
+        self.link_note = link_note  # shown instead of the card's link when no console serves it
         self.out = out or sys.stdout
         self.interactive = sys.stdin.isatty() if interactive is None else interactive
         self.auto = auto
@@ -77,7 +80,8 @@ class TerminalAdapter:
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
         message_id = str(next(self._ids))
-        laid = lay_out(card, PlainWriter(frame="│ "))
+        shown = card if self.link_note is None else dataclasses.replace(card, link=self.link_note)
+        laid = lay_out(shown, PlainWriter(frame="│ "))
         self._print(f"┌─ request {card.request_id}\n{laid.written}\n└─")
         task = asyncio.create_task(self._press(card, approve_here=laid.whole))
         self._presses.add(task)

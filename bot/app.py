@@ -13,10 +13,11 @@ import aiosqlite
 import structlog
 
 from kazma.adapters.bus import FanOutBus, NullBus
-from kazma.adapters.contract import Handlers, Inbound, PlatformAdapter, Press
+from kazma.adapters.contract import ChatMove, Handlers, Inbound, PlatformAdapter, Press
 from kazma.adapters.outbox import Outbox
 from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
+from kazma.bot.chat_moves import ChatMoves
 from kazma.bot.store import StoreWatch, open_store
 from kazma.config import LoadedConfig, enabled_platforms
 from kazma.config.database import connect
@@ -64,6 +65,7 @@ class App:
     executor: PlanExecutor
     provider: ModelProvider
     swarm: SwarmService
+    chat_moves: ChatMoves
     sweep_interval: float = 5.0
     store_watch: StoreWatch | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -90,7 +92,10 @@ class App:
         pruned = await self.swarm.store.prune(self.loaded.config.swarm.retention_days)
         if pruned:
             log.info("swarm.pruned", tasks=pruned, older_than_days=self.loaded.config.swarm.retention_days)
-        await self.bus.start(Handlers(on_inbound=self.on_inbound, on_press=self.on_press))
+        await self._follow_chat_moves()
+        await self.bus.start(
+            Handlers(on_inbound=self.on_inbound, on_press=self.on_press, on_chat_moved=self.on_chat_moved)
+        )
         for conversation, text in recovery.messages():
             platform, _, chat = conversation.partition(":")
             await self.bus.send_text(platform, chat, text, agent=self.conversations.lead.name)
@@ -101,6 +106,37 @@ class App:
             self.store_watch = StoreWatch(store_path, self._store_lost)
             self._tasks.append(asyncio.create_task(self.store_watch.run(), name="kazma-store-watch"))
         log.info("app.started", platforms=sorted(self.bus.adapters), store=str(self.loaded.config.store.path))
+
+    async def _follow_chat_moves(self) -> None:
+        """Chats that moved before this start (kazma.yaml may still name the old id): serve the new one."""
+        adapters: dict[str, object] = getattr(self.bus, "adapters", {})
+        for move in await self.chat_moves.all():
+            follow = getattr(adapters.get(move.platform), "follow_move", None)
+            if follow is not None and follow(move.old, move.new) is not None:
+                log.warning("chat.move_followed", platform=move.platform, old=move.old, new=move.new)
+
+    async def on_chat_moved(self, move: ChatMove) -> None:
+        """A platform moved a served chat (a Telegram group became a supergroup): keep it, and say what to edit."""
+        if not await self.chat_moves.record(move):
+            return
+        lines = config_lines_for_move(self.loaded, move)
+        log.warning(
+            "chat.moved",
+            platform=move.platform,
+            old=move.old,
+            new=move.new,
+            update_config=lines,
+            detail="followed now and after restarts; update kazma.yaml",
+        )
+        where = " and ".join(f"`{line}`" for line in lines) or "nothing (it was served as one of every chat)"
+        text = (
+            f"This chat's {move.platform.title()} id changed from {move.old} to {move.new} (the group became a "
+            f"supergroup). Kazma follows it, also after a restart. In kazma.yaml, set {where}."
+        )
+        try:
+            await self.bus.send_text(move.platform, move.new, text, agent=self.conversations.lead.name)
+        except Exception as exc:  # recorded and logged already; a chat that refuses the notice changes nothing
+            log.warning("chat.move_not_announced", platform=move.platform, chat=move.new, error=str(exc))
 
     async def _store_lost(self, reason: str) -> None:
         """Stop deciding, and say why wherever people are: a decision now would be written nowhere."""
@@ -224,4 +260,20 @@ async def build_app(
     for tool in swarm_tools(swarm, policy):
         runner.add_internal_tool(lead.name, tool)
     connections = [conn, outbox_conn, plans_conn, history_conn, swarm_conn]
-    return App(loaded, connections, service, policy, bus, conversations, executor, model, swarm)
+    return App(loaded, connections, service, policy, bus, conversations, executor, model, swarm, ChatMoves(conn))
+
+
+def config_lines_for_move(loaded: LoadedConfig, move: ChatMove) -> list[str]:
+    """The ``kazma.yaml`` lines that still name the old id, written as they should read now."""
+    spec = CHAT_PLATFORMS.get(move.platform)
+    if spec is None:
+        return []
+    section = spec.section(loaded.config.platforms)
+    lines: list[str] = []
+    listed = [str(chat) for chat in getattr(section, spec.chats_key)]
+    if move.old in listed:
+        now = ", ".join(move.new if chat == move.old else chat for chat in listed)
+        lines.append(f"platforms.{move.platform}.{spec.chats_key}: [{now}]")
+    if spec.home(loaded.config.platforms) == move.old:
+        lines.append(f"platforms.{move.platform}.{spec.home_key}: {move.new}")
+    return lines

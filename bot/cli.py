@@ -19,9 +19,13 @@ from kazma.bot.console.server import WebServer
 from kazma.bot.context import Context
 from kazma.bot.demo import run_demo
 from kazma.bot.doctor import Level, run_checks
-from kazma.bot.logging import LEVELS, configure_logging
+from kazma.bot.init_cli import init
+from kazma.bot.log_options import log_settings, set_log, with_log_options
+from kazma.bot.logging import FORMATS, LEVELS, redact_secret
+from kazma.bot.setup_cli import setup
 from kazma.bot.swarm_cli import swarm
 from kazma.config import LoadedConfig, __version__, platform_statuses
+from kazma.config.platforms import console_warnings
 
 log = structlog.get_logger("kazma.cli")
 
@@ -39,18 +43,27 @@ EXIT_CHECK_FAILED = 1
     default=None,
     help="Path to kazma.yaml (default: ./kazma.yaml, or $KAZMA_CONFIG).",
 )
-@click.option("--log-level", type=click.Choice(LEVELS), default="info", show_default=True, envvar="KAZMA_LOG_LEVEL")
+@click.option(
+    "--log-level",
+    type=click.Choice(LEVELS),
+    default=None,
+    envvar="KAZMA_LOG_LEVEL",
+    expose_value=False,
+    callback=lambda ctx, _param, value: set_log(ctx, level=value),
+    help="debug, info (the default), warning or error; `kazma demo` defaults to warning. Also after a subcommand.",
+)
 @click.option(
     "--log-format",
-    type=click.Choice(["auto", "console", "json"]),
-    default="auto",
-    show_default=True,
-    help="auto: readable on a terminal, JSON lines otherwise.",
+    type=click.Choice(FORMATS),
+    default=None,
+    expose_value=False,
+    callback=lambda ctx, _param, value: set_log(ctx, fmt=value),
+    help="auto (the default): readable on a terminal, JSON lines otherwise. Also after a subcommand.",
 )
 @click.pass_context
-def main(ctx: click.Context, config_path: Path | None, log_level: str, log_format: str) -> None:
+def main(ctx: click.Context, config_path: Path | None) -> None:
     """Kazma: a chat-platform bot bus for AI agent teams."""
-    configure_logging(log_level, log_format)  # type: ignore[arg-type]
+    log_settings(ctx).apply()
     ctx.obj = Context(config_path)
 
 
@@ -72,6 +85,10 @@ def config_check(obj: Context, path: Path | None) -> None:
         click.echo(f"  {status.name:<9} {state}  {status.reason}")
         for warning in status.warnings:
             click.echo(f"  {'':<9} warn {warning}")
+    web = loaded.config.web
+    click.echo(f"  {'web':<9} on   console on {web.host}:{web.port}, linked as {web.public_url}")
+    for warning in console_warnings(loaded.config):
+        click.echo(f"  {'':<9} warn {warning}")
     if not any(s.enabled for s in platform_statuses(loaded)):
         click.echo("  every platform is off: `kazma run` will serve the web console alone")
     for warning in loaded.config.warnings():
@@ -80,11 +97,14 @@ def config_check(obj: Context, path: Path | None) -> None:
 
 @main.command()
 @click.option("--model-timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the model.")
+@click.option(
+    "--platform-timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for each platform's API."
+)
 @click.pass_obj
-def doctor(obj: Context, model_timeout: float) -> None:
-    """Check the configuration, the store and the model endpoint."""
+def doctor(obj: Context, model_timeout: float, platform_timeout: float) -> None:
+    """Check the configuration, each platform's tokens with the platform, the store and the model endpoint."""
     loaded = obj.load()
-    checks = asyncio.run(run_checks(loaded, model_timeout=model_timeout))
+    checks = asyncio.run(run_checks(loaded, model_timeout=model_timeout, platform_timeout=platform_timeout))
     for check in checks:
         click.echo(f"{check.level.value.upper():<4}  {check.name:<17} {check.detail}")
     failed = [c for c in checks if c.level is Level.FAIL]
@@ -123,7 +143,12 @@ async def _serve(loaded: LoadedConfig, poll_interval: float) -> None:
     try:
         await app.start()
         await server.start()
-        message = server.first_start_message()
+        if server.auth is not None:
+            redact_secret(server.auth.tokens.operator)
+            redact_secret(server.auth.tokens.reader)
+        # Generated tokens go to their 0600 files, and to the screen only when there is one: stderr is also
+        # where the log goes, and a redirected stderr is a log file or the journal.
+        message = server.first_start_message(show_tokens=sys.stderr.isatty())
         if message:
             click.echo(message, err=True)
         click.echo(f"kazma is running; web console at {server.url}; press Ctrl-C to stop", err=True)
@@ -146,13 +171,18 @@ async def _serve(loaded: LoadedConfig, poll_interval: float) -> None:
 )
 @click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True, help="Web console port.")
 @click.option("--no-browser", is_flag=True, help="Do not try to open a browser.")
-def demo(deny: bool, terminal_only: bool, port: int, no_browser: bool) -> None:
+@click.pass_context
+def demo(ctx: click.Context, deny: bool, terminal_only: bool, port: int, no_browser: bool) -> None:
     """Play a scripted scenario end to end: no tokens, no model.
 
     On a terminal it serves the web console (URL and token printed, a browser
     opened when there is one) and the card can be pressed there or here; without
     one it plays in this terminal and presses the card itself.
     """
+    settings = log_settings(ctx)
+    if not settings.level_given:  # the transcript is the point: only problems are logged unless asked
+        settings.level = "warning"
+        settings.apply()
     decision = Decision.DENY if deny else Decision.APPROVE
     web = not terminal_only and sys.stdin.isatty()
     try:
@@ -167,8 +197,12 @@ def demo(deny: bool, terminal_only: bool, port: int, no_browser: bool) -> None:
     sys.exit(0 if ok else 1)
 
 
+main.add_command(init)
 main.add_command(approvals)
 main.add_command(swarm)
+main.add_command(setup)
+for _command in main.commands.values():
+    with_log_options(_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

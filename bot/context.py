@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from kazma.bot.logging import redact_config_secrets
 from kazma.config import ConfigError, LoadedConfig, load_config
 
 EXIT_CONFIG = 2
@@ -19,8 +20,10 @@ class Context:
     def load(self, path: Path | None = None) -> LoadedConfig:
         """Load the configuration or exit 2 with one line per problem."""
         try:
-            return load_config(path or self.config_path)
+            loaded = load_config(path or self.config_path)
         except ConfigError as exc:
             for line in exc.lines:
                 click.echo(line, err=True)
             sys.exit(EXIT_CONFIG)
+        redact_config_secrets(loaded.config)  # whatever a library logs later, these never reach the log
+        return loaded

@@ -14,7 +14,7 @@ import secrets
 import socket
 import tempfile
 import webbrowser
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -75,6 +75,44 @@ def _lead_report(messages: Sequence[Message]) -> ModelReply:
     return ModelReply(content=f"Done: the researcher and the builder finished their steps. {verdict}")
 
 
+# What the lead says once its script is done, to whatever it is asked: how to leave the demo for a real model.
+CONNECT_A_MODEL = (
+    "That was the scripted demo: no model is connected, so I have nothing more to say. To work with a real "
+    "model, run `kazma init` (it writes kazma.yaml with you as the approver), point model.base_url at an "
+    "OpenAI-compatible server (Ollama: http://127.0.0.1:11434/v1; OpenAI, vLLM, LM Studio and OpenRouter work "
+    "too) and set KAZMA_MODEL and KAZMA_MODEL_API_KEY if it needs them, then `kazma doctor` and `kazma run`. "
+    "Meanwhile the swarm commands still run on the scripted workers: try `/swarm help`, or "
+    "`/swarm pipeline quick write a haiku`."
+)
+# The demo's workers after the scenario: one scripted line each, about the task they were given.
+_WORKER_LINES = {
+    "researcher": "Notes on “{task}”: two sources agree on the simplest way.",
+    "refiner": "A specification for “{task}”: one input, one output, and a check that it worked.",
+    "builder": "Built “{task}” in the workspace.",
+    "validator": "Checked “{task}” against the request: nothing is missing.",
+}
+
+
+def _task_of(messages: Sequence[Message]) -> str:
+    """The first line of the task a worker was handed, short enough to quote."""
+    text = _last(messages, "user").strip().splitlines()
+    first = text[0] if text else "the task"
+    return first if len(first) <= 60 else first[:59] + "…"
+
+
+def _worker_reply(name: str) -> Callable[[Sequence[Message]], ModelReply]:
+    line = _WORKER_LINES.get(name, "Did “{task}” (scripted).")
+
+    def reply(messages: Sequence[Message]) -> ModelReply:
+        return ModelReply(content=f"{line.format(task=_task_of(messages))} (scripted {name}; no model was called)")
+
+    return reply
+
+
+def _synthesis(messages: Sequence[Message]) -> ModelReply:
+    return ModelReply(content="The workers agree (a scripted synthesis: no model was called).")
+
+
 def scenario(prompts: dict[str, str]) -> PerAgentScript:
     scripts: dict[str, list[ScriptStep]] = {
         "kazma": [
@@ -95,14 +133,20 @@ def scenario(prompts: dict[str, str]) -> PerAgentScript:
             _builder_report,
         ],
     }
-    return PerAgentScript(scripts, prompts, label=DEMO_LABEL)
+    after = {name: _worker_reply(name) for name in prompts if name != "kazma"}
+    after["kazma"] = lambda _messages: ModelReply(content=CONNECT_A_MODEL)
+    return PerAgentScript(scripts, prompts, label=DEMO_LABEL, after=after, otherwise=_synthesis)
 
 
-def demo_config(root: Path, web_port: int = 8765) -> LoadedConfig:
+def demo_config(root: Path, web_port: int = 8765, *, web: bool = True) -> LoadedConfig:
+    """One demo operator: ``cli:demo`` at this terminal and, with the console, ``web:demo`` in the browser —
+    one person at two doors, so the swarm's steering commands are not refused as shared between people."""
+    approvers = "['cli:demo', 'web:demo']" if web else "['cli:demo']"
     return load_config_text(
         f"store: {{path: '{root / 'kazma.db'}'}}\n"
         f"web: {{port: {web_port}, public_url: 'http://127.0.0.1:{web_port}'}}\n"
-        "approvals: {approvers: ['cli:demo', 'web:demo'], deadline_seconds: 300}\n",
+        f"approvals: {{approvers: {approvers}, deadline_seconds: 300}}\n"
+        f"swarm: {{allow_shared_operators: {'true' if web else 'false'}}}\n",
         environ={},
     )
 
@@ -133,11 +177,17 @@ async def run_demo(
     with tempfile.TemporaryDirectory(prefix="kazma-demo-") as tmp:
         root = Path(tmp)
         web_port = web_port or _free_port()
-        loaded = demo_config(root, web_port)
+        loaded = demo_config(root, web_port, web=web)
         prompts = agent_prompts(loaded.config)
         provider = scenario(prompts)
         console = WebAdapter() if web else None
-        terminal = TerminalAdapter(out=out, interactive=interactive, auto=None if web else decision)
+        terminal = TerminalAdapter(
+            out=out,
+            interactive=interactive,
+            auto=None if web else decision,
+            # no console is served in terminal mode: the card says so instead of linking nowhere
+            link_note=None if web else "not served by `kazma demo --terminal` (the whole call is shown above)",
+        )
         app = await build_app(loaded, provider=provider, adapters=[terminal], poll_interval=0.1, web=console)
         server = None
         if console is not None:

@@ -2,38 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import StrEnum
-
 import httpx
 
+from kazma.bot.checks import Check, Level
+from kazma.bot.platform_checks import check_platforms, console_checks
 from kazma.bot.store import open_store
 from kazma.config import LoadedConfig, platform_statuses
 from kazma.config.database import schema_versions, transaction
 from kazma.engine.sandbox import resolve_sandbox
 
-
-class Level(StrEnum):
-    OK = "ok"
-    WARN = "warn"
-    FAIL = "fail"
+__all__ = ["Check", "Level", "run_checks"]
 
 
-@dataclass(frozen=True)
-class Check:
-    name: str
-    level: Level
-    detail: str
-
-
-async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0) -> list[Check]:
+async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0, platform_timeout: float = 5.0) -> list[Check]:
     checks = [Check("config", Level.OK, f"{loaded.source or 'kazma.yaml'} is valid")]
+    answers = await check_platforms(loaded, timeout=platform_timeout)  # every platform asked at once
     for status in platform_statuses(loaded):
         if status.enabled:
             checks.append(Check(f"platform.{status.name}", Level.OK, f"on ({status.reason})"))
         else:
             checks.append(Check(f"platform.{status.name}", Level.OK, f"off: {status.reason}"))
+        checks.extend(answers.get(status.name, []))
         checks.extend(Check(f"platform.{status.name}", Level.WARN, w) for w in status.warnings)
+    checks.extend(console_checks(loaded))
     checks.extend(Check("config", Level.WARN, warning) for warning in loaded.config.warnings())
     checks.append(check_sandbox(loaded))
     checks.append(await check_store(loaded))

@@ -1,22 +1,79 @@
 """structlog setup: readable on a terminal, JSON lines otherwise.
 
 Library loggers (python-telegram-bot, discord.py, slack-bolt, httpx) go
-through the same formatter so one process writes one format.
+through the same formatter so one process writes one format. Every line is
+redacted on the way out: a platform token inside a URL a library logs (the
+Telegram Bot API puts the token in the path) never reaches the log stream.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 
+from kazma.config import KazmaConfig
+
 LogFormat = Literal["auto", "console", "json"]
 LEVELS = ("debug", "info", "warning", "error")
+FORMATS = ("auto", "console", "json")
 
 # Chatty per-request loggers stay at WARNING unless debugging.
 _NOISY = ("httpx", "httpcore", "aiosqlite", "discord.gateway", "discord.client", "telegram.ext.Updater")
+
+
+# Token shapes that libraries may log inside URLs or error texts: Telegram's "bot<id>:<secret>" path segment,
+# Slack's xox?-/xapp- tokens. Secrets with no recognisable shape (Discord, model keys) are added at start
+# with :func:`redact_secret`.
+_TOKEN_SHAPES = re.compile(r"(?<=/bot)[0-9]+:[A-Za-z0-9_-]+|\b(?:xox[abpers]|xapp)-[A-Za-z0-9-]+")
+_REDACTED = "<redacted>"
+_secrets: set[str] = set()
+
+
+def redact_secret(value: str) -> None:
+    """Never write ``value`` to the log (a token whose shape the patterns do not know). Short values are ignored:
+    replacing a three-letter word everywhere would garble the log and protect nothing."""
+    if len(value) >= 8:
+        _secrets.add(value)
+
+
+def redact_config_secrets(config: KazmaConfig) -> None:
+    """Every secret a configuration holds, whatever its shape: tokens, signing secrets, the model's key."""
+    platforms = config.platforms
+    for value in (
+        platforms.telegram.token,
+        platforms.telegram.webhook.secret_token,
+        platforms.slack.bot_token,
+        platforms.slack.app_token,
+        platforms.slack.signing_secret,
+        platforms.discord.token,
+        config.model.api_key,
+    ):
+        if value:
+            redact_secret(value)
+
+
+def redact(text: str) -> str:
+    for secret in _secrets:
+        text = text.replace(secret, _REDACTED)
+    return _TOKEN_SHAPES.sub(_REDACTED, text)
+
+
+def _redact_event(logger: object, method: str, event: structlog.types.EventDict) -> structlog.types.EventDict:
+    return {key: _redacted(value) for key, value in event.items()}
+
+
+def _redacted(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if type(value) in (list, tuple):
+        return type(value)(_redacted(item) for item in value)
+    if type(value) is dict:
+        return {key: _redacted(item) for key, item in value.items()}
+    return value
 
 
 def configure_logging(level: str = "info", fmt: LogFormat = "auto", stream: object = None) -> None:
@@ -42,7 +99,9 @@ def configure_logging(level: str = "info", fmt: LogFormat = "auto", stream: obje
         foreign_pre_chain=shared,
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            structlog.processors.format_exc_info if use_json else _identity,
+            # tracebacks become text before redaction: an exception's message may carry a URL with a token
+            structlog.processors.format_exc_info,
+            _redact_event,
             renderer,
         ],
     )
@@ -54,7 +113,3 @@ def configure_logging(level: str = "info", fmt: LogFormat = "auto", stream: obje
     root.setLevel(numeric)
     for name in _NOISY:
         logging.getLogger(name).setLevel(logging.DEBUG if numeric <= logging.DEBUG else max(numeric, logging.WARNING))
-
-
-def _identity(logger: object, method: str, event: structlog.types.EventDict) -> structlog.types.EventDict:
-    return event

@@ -13,6 +13,7 @@ import structlog
 
 from kazma.adapters.outbox import MIGRATIONS as OUTBOX
 from kazma.approvals.schema import MIGRATIONS as APPROVALS
+from kazma.bot.chat_moves import MIGRATIONS as CHAT_MOVES
 from kazma.config import KazmaConfig
 from kazma.config.database import Migration, open_database
 from kazma.config.metrics import count_failure
@@ -25,7 +26,7 @@ log = structlog.get_logger("kazma.store")
 
 def all_migrations() -> list[Migration]:
     """Every layer's schema, in the order layers depend on each other."""
-    return [*APPROVALS, *OUTBOX, *PLANS, *HISTORY, *SWARM]
+    return [*APPROVALS, *OUTBOX, *PLANS, *HISTORY, *SWARM, *CHAT_MOVES]
 
 
 def prepare_state_dir(store_path: Path) -> Path:

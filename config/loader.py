@@ -63,7 +63,7 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
     try:
         text = source.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(name, [Problem("", "file not found (create one from the README's example)")]) from None
+        raise ConfigError(name, [Problem("", "file not found (`kazma init` writes one)")]) from None
     except IsADirectoryError:
         raise ConfigError(name, [Problem("", "is a directory, expected a YAML file")]) from None
     except PermissionError:

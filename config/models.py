@@ -26,6 +26,7 @@ from pydantic_core import PydanticCustomError
 
 from kazma.config.identity import Roster
 from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS
+from kazma.config.tokens import slack_app_token_problem, slack_bot_token_problem
 
 APPROVER_PLATFORMS = ACTOR_PLATFORMS
 _WORKER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -356,6 +357,12 @@ class SlackConfig(Strict):
 
     @model_validator(mode="after")
     def _http_needs_secret(self) -> SlackConfig:
+        if self.bot_token.startswith("xapp-"):  # the one mix-up that can never work: say so before anything else
+            raise PydanticCustomError(
+                "kazma_slack_token",
+                "{problem}",
+                {"subpath": "bot_token", "problem": slack_bot_token_problem(self.bot_token)},
+            )
         if self.bot_token and not self.app_token and not self.signing_secret:
             raise PydanticCustomError(
                 "kazma_slack_mode",
@@ -364,7 +371,9 @@ class SlackConfig(Strict):
             )
         if self.app_token and not self.app_token.startswith("xapp-"):
             raise PydanticCustomError(
-                "kazma_slack_mode", "expected an app-level token starting with 'xapp-'", {"subpath": "app_token"}
+                "kazma_slack_mode",
+                "{problem}",
+                {"subpath": "app_token", "problem": slack_app_token_problem(self.app_token)},
             )
         return self
 

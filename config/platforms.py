@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from kazma.config.loader import LoadedConfig
-from kazma.config.registry import CHAT_PLATFORMS
+from kazma.config.models import KazmaConfig
+from kazma.config.registry import CHAT_PLATFORMS, WEB
 
 PLATFORMS = tuple(CHAT_PLATFORMS)
 
@@ -51,3 +53,31 @@ def platform_status(loaded: LoadedConfig, name: str) -> PlatformStatus:
     if spec.home(cfg.platforms) is None:
         warnings.append(f"{spec.home_key} is not set: approval cards and reports have nowhere to go")
     return PlatformStatus(name, True, _transport(loaded, name), warnings)
+
+
+def is_loopback(url: str) -> bool:
+    """The URL's host is this machine's loopback (nobody else can open it)."""
+    host = (urlsplit(url).hostname or "").lower()
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _listed(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def console_warnings(config: KazmaConfig) -> list[str]:
+    """The web console is served by every ``kazma run``: can anyone decide there, and can chats link to it?"""
+    found: list[str] = []
+    if not config.roster.approvers_for(WEB):
+        found.append(
+            "no web approvers: every Approve or Deny pressed in the console is refused "
+            "(add 'web:<login>', the name you log in with, to approvals.approvers)"
+        )
+    on = [spec.title for spec in CHAT_PLATFORMS.values() if spec.token(config.platforms)]
+    if on and is_loopback(config.web.public_url):
+        found.append(
+            f"web.public_url is {config.web.public_url} while {_listed(on)} {'is' if len(on) == 1 else 'are'} "
+            "on: the links on chat cards point at this machine's loopback, which nobody in a chat can open "
+            "(set web.public_url to the https:// address people reach the console at; README: Running in production)"
+        )
+    return found

@@ -7,7 +7,7 @@ by the agent's system prompt to that agent's own :class:`ScriptedProvider`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kazma.config.models import KazmaConfig
 from kazma.engine.agent import agents_from_config
@@ -24,11 +24,26 @@ def agent_prompts(config: KazmaConfig) -> dict[str, str]:
 
 class PerAgentScript:
     def __init__(
-        self, scripts: Mapping[str, Sequence[ScriptStep]], prompts: Mapping[str, str], *, label: str = DEMO_LABEL
+        self,
+        scripts: Mapping[str, Sequence[ScriptStep]],
+        prompts: Mapping[str, str],
+        *,
+        label: str = DEMO_LABEL,
+        after: Mapping[str, Callable[[Sequence[Message]], ModelReply]] | None = None,
+        otherwise: Callable[[Sequence[Message]], ModelReply] | None = None,
     ):
-        """``scripts`` and ``prompts`` are keyed by agent name; prompts identify who is asking."""
-        self._by_prompt = {prompts[name]: ScriptedProvider(steps, label=label) for name, steps in scripts.items()}
-        self._names = {prompts[name]: name for name in scripts}
+        """``scripts`` and ``prompts`` are keyed by agent name; prompts identify who is asking.
+
+        ``after`` answers an agent once its script is used up, as often as it is asked (the demo's
+        workers keep working for ``/swarm``, its lead says how to connect a real model); ``otherwise``
+        answers a request from no known agent (a swarm synthesis). Without them, running out is an error.
+        """
+        after = after or {}
+        names = [*scripts, *(name for name in after if name not in scripts)]
+        self._by_prompt = {prompts[name]: ScriptedProvider(scripts.get(name, ()), label=label) for name in names}
+        self._names = {prompts[name]: name for name in names}
+        self._after = {prompts[name]: reply for name, reply in after.items()}
+        self._otherwise = otherwise
         self._label = label
 
     @property
@@ -44,5 +59,10 @@ class PerAgentScript:
         prompt = str(messages[0].get("content", "")) if messages else ""
         provider = self._by_prompt.get(prompt)
         if provider is None:
+            if self._otherwise is not None:
+                return self._otherwise(messages)
             raise ModelError("the scripted scenario has no replies for this agent", permanent=True)
+        after = self._after.get(prompt)
+        if after is not None and provider.remaining == 0:
+            return after(messages)
         return await provider.complete(messages, tools, model=model)

@@ -8,6 +8,10 @@ standing outcome when pressed. Screenshots go to test-artifacts/.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import io
+import re
 import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,7 +25,7 @@ from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.web import WebAdapter
 from kazma.bot.app import App, build_app
 from kazma.bot.console.server import WebServer
-from kazma.bot.demo import REQUEST, scenario
+from kazma.bot.demo import REQUEST, run_demo, scenario
 from kazma.config import load_config_text
 from kazma.engine.scenario import agent_prompts
 from tests.fakes.telegram import FakeTelegram
@@ -140,3 +144,67 @@ async def test_console_loop_in_a_real_browser(tmp_path: Path) -> None:
             assert [e.actor for e in lost] == ["web:alice"]
         finally:
             await browser.close()
+
+
+async def test_the_demo_swarm_page_runs_a_pipeline_on_the_scripted_workers() -> None:
+    """`kazma demo` in the browser: the card, the lead's last word on connecting a model, /swarm help as a
+    table, and a pipeline run by the demo operator on the scripted workers."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    out = io.StringIO()
+    demo = asyncio.create_task(run_demo(out=out, interactive=False, web=True, web_port=0, linger=True))
+    try:
+        async with asyncio.timeout(60):
+            while "web console: " not in out.getvalue():
+                await asyncio.sleep(0.05)
+        found = re.search(r"web console: (\S+)/login — log in as 'demo' with token (\S+)", out.getvalue())
+        assert found is not None
+        url, token = found.groups()
+        async with async_playwright() as pw:
+            browser = await pw.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                      "--disable-component-update", "--disable-sync", "--no-first-run"],
+            )  # fmt: skip
+            try:
+                page = await (await browser.new_context(viewport={"width": 1280, "height": 1000})).new_page()
+                await page.goto(f"{url}/login")
+                await page.fill("input[name=name]", "demo")
+                await page.fill("input[name=token]", token)
+                await page.click("button[type=submit]")
+                await page.wait_for_url(f"{url}/")
+
+                await page.locator(".card button.approve").first.click(timeout=30_000)
+                await page.locator("text=The script works.").first.wait_for(timeout=30_000)
+                await page.fill("textarea[name=text]", "@kazma what now?")
+                await page.click("form[action='/console/send'] button")
+                await page.locator("text=That was the scripted demo").first.wait_for(timeout=30_000)
+                last = await page.locator("text=That was the scripted demo").first.inner_text()
+                assert "kazma init" in last
+                assert "model.base_url" in last
+
+                await page.goto(f"{url}/swarm")
+                await page.fill("input[name=text]", "help")
+                await page.click("form[action='/swarm/command'] button")
+                table = page.locator(".flash pre")
+                await table.first.wait_for(timeout=10_000)
+                rows = (await table.first.inner_text()).splitlines()
+                assert len(rows) >= 15  # one line per subcommand, not one paragraph
+                assert any(row.startswith("/swarm pipeline <preset|w1,w2,…> <task>") for row in rows)
+                await page.screenshot(path=str(ARTIFACTS / "demo-swarm-help.png"), full_page=True)
+
+                await page.fill("input[name=text]", "pipeline quick write a haiku about queues")
+                await page.click("form[action='/swarm/command'] button")
+                flash = await page.locator(".flash").first.inner_text()
+                assert "refused" not in flash.lower(), flash
+                done = page.locator("tr", has_text="succeeded").filter(has_text="pipeline")
+                await done.first.wait_for(timeout=30_000)  # the page reloads itself every 5 s
+                row = await done.first.inner_text()
+                assert "researcher, builder" in row
+                assert "Built “write a haiku about queues”" in row
+                await page.screenshot(path=str(ARTIFACTS / "demo-swarm-pipeline.png"), full_page=True)
+            finally:
+                await browser.close()
+    finally:
+        demo.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await demo

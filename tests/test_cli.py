@@ -121,7 +121,10 @@ def model_server(request: pytest.FixtureRequest) -> Iterator[str]:
 
 def test_doctor_all_good(tmp_path: Path, model_server: str) -> None:
     config = tmp_path / "kazma.yaml"
-    config.write_text(f"store: {{path: {tmp_path}/db/kazma.db}}\nmodel: {{base_url: '{model_server}'}}\n")
+    config.write_text(
+        f"store: {{path: {tmp_path}/db/kazma.db}}\nmodel: {{base_url: '{model_server}'}}\n"
+        "approvals: {approvers: ['web:alice']}\n"
+    )
     result = run(["-c", str(config), "doctor"], cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK    store" in result.stdout
@@ -150,18 +153,20 @@ def test_doctor_unreachable_model_and_unwritable_store(tmp_path: Path) -> None:
     assert "FAIL  store" in result.stdout
     assert "FAIL  model" in result.stdout
     assert "unreachable" in result.stdout
-    assert result.stdout.strip().endswith("2 failed, 0 warnings")
+    assert result.stdout.strip().endswith("2 failed, 1 warnings")  # and nobody can decide in the console
 
 
 def test_doctor_warns_when_a_platform_has_no_approvers(tmp_path: Path, model_server: str) -> None:
     config = tmp_path / "kazma.yaml"
     config.write_text(
         f"store: {{path: {tmp_path}/kazma.db}}\nmodel: {{base_url: '{model_server}'}}\n"
-        "platforms: {discord: {token: abc, home_channel: 1}}\n"
+        # port 9 on loopback: doctor asks Discord there (and finds nobody), never on the internet
+        "platforms: {discord: {token: abc, home_channel: 1, api_base_url: 'http://127.0.0.1:9/api/v10'}}\n"
     )
     result = run(["-c", str(config), "doctor"], cwd=tmp_path)
-    assert result.returncode == 0
+    assert result.returncode == 1
     assert "WARN  platform.discord  no approvers for discord" in result.stdout
+    assert "FAIL  platform.discord  unreachable (ConnectError" in result.stdout
 
 
 def test_json_logs_when_not_a_terminal_and_console_on_request(tmp_path: Path) -> None:

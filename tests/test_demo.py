@@ -96,3 +96,68 @@ async def test_web_demo_serves_the_console_and_a_browser_press_decides() -> None
     assert await asyncio.wait_for(demo, timeout=60)
     text = out.getvalue()
     assert "approved by web:demo via web" in text  # the terminal's copy of the card settled too
+
+
+def test_terminal_mode_links_to_nothing_it_does_not_serve(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kazma.bot.cli", "demo", "--terminal"],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "NO_PROXY": "127.0.0.1"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "http://" not in result.stdout  # no console runs in this mode: nothing may point at one
+    assert "│ Full call: not served by `kazma demo --terminal` (the whole call is shown above)" in result.stdout
+
+
+async def test_after_the_script_the_demo_operator_steers_the_scripted_swarm(tmp_path: Path) -> None:
+    import asyncio
+
+    from kazma.adapters.contract import Inbound
+    from kazma.adapters.terminal import TerminalAdapter
+    from kazma.adapters.web import WebAdapter
+    from kazma.bot.app import build_app
+    from kazma.bot.demo import CONNECT_A_MODEL, REQUEST, demo_config, scenario
+    from kazma.engine.executor import ActionKind
+    from kazma.engine.scenario import agent_prompts
+    from kazma.engine.swarm.types import TaskStatus
+
+    loaded = demo_config(tmp_path, 0, web=True)  # the console's demo: cli:demo and web:demo, one person
+    terminal = TerminalAdapter(out=io.StringIO(), interactive=False, auto=Decision.APPROVE)
+    app = await build_app(
+        loaded,
+        provider=scenario(agent_prompts(loaded.config)),
+        adapters=[terminal],
+        web=WebAdapter(),
+        poll_interval=0.05,
+        workspace_root=tmp_path / "ws",
+    )
+    finished = asyncio.Event()
+    app.conversations.listeners.append(lambda action: finished.set() if action.kind is ActionKind.FINISHED else None)
+    await app.start()
+    try:
+        await app.on_inbound(Inbound("cli", terminal.chat, "you-1", "cli:you", "you", REQUEST, mentions=("kazma",)))
+        await asyncio.wait_for(finished.wait(), timeout=60)  # the scripted scenario played out
+        await app.conversations.drain()
+        commands = app.conversations.swarm
+        assert commands is not None
+        answer = await commands.run(
+            "pipeline quick write a haiku", actor="web:demo", platform="web", chat="console", is_admin=True
+        )
+        assert "operators are configured" not in answer, answer
+        (task,) = await app.swarm.store.list(limit=5)
+        done = await app.swarm.wait(task.id, 30)
+        assert done is not None
+        assert done.status is TaskStatus.SUCCEEDED, done
+        assert "Built “write a haiku” in the workspace." in str((done.result or {}).get("output"))
+        # the lead, its script used up, says how to connect a real model, as often as it is asked
+        lead = app.conversations.lead
+        for _ in range(2):
+            reply = await app.provider.complete([{"role": "system", "content": lead.system_prompt}])
+            assert reply.content == CONNECT_A_MODEL
+    finally:
+        await app.stop()

@@ -63,7 +63,8 @@ def test_serving_every_chat_is_warned_about_in_config_check_and_doctor(tmp_path:
     path.write_text(
         f"store: {{path: '{tmp_path / 'state' / 'k.db'}'}}\n"
         "model: {base_url: 'http://127.0.0.1:9/v1'}\n"  # nothing listens there: the model check fails fast
-        "platforms: {telegram: {token: '1:abc', chats: ['*'], home_chat: -1001, admins: [111]}}\n"
+        "platforms: {telegram: {token: '1:abc', chats: ['*'], home_chat: -1001, admins: [111],"
+        " api_base_url: 'http://127.0.0.1:9'}}\n"  # doctor asks Telegram on loopback, never on the internet
     )
     warning = "platforms.telegram.chats has '*': every chat the bot is added to is served, by anyone in it"
     checked = run(["config", "check", str(path)], cwd=tmp_path)

@@ -27,7 +27,7 @@ from telegram import (
     Update,
 )
 from telegram.constants import ChatType, MessageEntityType, ParseMode
-from telegram.error import RetryAfter, TelegramError
+from telegram.error import ChatMigrated, RetryAfter, TelegramError
 from telegram.ext import (
     Application,
     ApplicationBuilder,
@@ -213,6 +213,7 @@ class TelegramAdapter(PlatformBase):
         app = self._build_application()
         app.add_handler(MessageHandler(filters.UpdateType.MESSAGE & (filters.TEXT | filters.CAPTION), self._on_message))
         app.add_handler(CallbackQueryHandler(self._on_callback_query))
+        app.add_handler(MessageHandler(filters.StatusUpdate.MIGRATE, self._on_migrate))
         app.add_error_handler(self._on_error)
         await app.initialize()  # getMe: a bad token or an unreachable server stops us here
         self._bot_username = (app.bot.username or "").lower()
@@ -334,6 +335,19 @@ class TelegramAdapter(PlatformBase):
             # PTB handles updates one at a time: hand the delivery off so a slow turn never holds the poller.
             self.spawn(self.deliver(inbound), name=f"telegram-inbound-{inbound.chat}-{inbound.message_id}")
 
+    async def _on_migrate(self, update: Update, _context: ContextTypes.DEFAULT_TYPE) -> None:
+        """A group became a supergroup (a new chat id): Telegram says so in the old chat and in the new one."""
+        message = update.message
+        if message is None:
+            return
+        if message.migrate_to_chat_id:
+            old, new = message.chat.id, message.migrate_to_chat_id
+        elif message.migrate_from_chat_id:
+            old, new = message.migrate_from_chat_id, message.chat.id
+        else:  # pragma: no cover - the filter lets only these two through
+            return
+        self.spawn(self.chat_moved(str(old), str(new)), name=f"telegram-chat-moved-{old}")
+
     async def _on_callback_query(self, update: Update, _context: ContextTypes.DEFAULT_TYPE) -> None:
         query = update.callback_query
         if query is None:
@@ -370,7 +384,8 @@ class TelegramAdapter(PlatformBase):
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         site = "send"
         app = self._bot_app(site)
-        chat_id = self._chat_id(site, chat)
+        chat = self.moved_to(chat)
+        self._chat_id(site, chat)
         thread_id = self._chat_id(site, thread) if thread else None
         prefix = agent_prefix(agent)
         # Plain text (no parse mode): nothing in it is markup, so nothing needs escaping or can format.
@@ -379,15 +394,14 @@ class TelegramAdapter(PlatformBase):
             raise self.refuse(site, "nothing to send: the text is empty", chat=chat)
         first: str | None = None
         for part in parts:
-            message: Message = await self.call(
+            message = await self._send(
                 site,
                 chat,
-                lambda part=part: app.bot.send_message(  # type: ignore[misc]
+                lambda chat_id, part=part: app.bot.send_message(  # type: ignore[misc]
                     chat_id=chat_id, text=prefix + part, message_thread_id=thread_id, link_preview_options=_NO_PREVIEW
                 ),
-                paced=False,  # PTB's rate-limit hook paces every send and waits out 429s
-                wait_out_429=False,
             )
+            chat = str(message.chat_id)  # the rest follows a chat that moved under the first part
             first = first or str(message.message_id)
         assert first is not None
         return first
@@ -403,7 +417,8 @@ class TelegramAdapter(PlatformBase):
     ) -> str:
         site = "send"
         app = self._bot_app(site)
-        chat_id = self._chat_id(site, chat)
+        chat = self.moved_to(chat)
+        self._chat_id(site, chat)
         thread_id = self._chat_id(site, thread) if thread else None
         body = agent_prefix(agent) + text
         if not body.strip() or utf16_len(body) > TEXT_LIMIT:
@@ -415,20 +430,33 @@ class TelegramAdapter(PlatformBase):
             if choices
             else None
         )
-        message: Message = await self.call(
+        message = await self._send(
             site,
             chat,
-            lambda: app.bot.send_message(
+            lambda chat_id: app.bot.send_message(
                 chat_id=chat_id,
                 text=body,
                 message_thread_id=thread_id,
                 reply_markup=keyboard,
                 link_preview_options=_NO_PREVIEW,
             ),
-            paced=False,
-            wait_out_429=False,
         )
         return str(message.message_id)
+
+    async def _send(self, site: str, chat: str, send: Callable[[int], Coroutine[Any, Any, Message]]) -> Message:
+        """One send into ``chat``; when Telegram says the group became a supergroup, follow it and send there.
+
+        Paced and retried by PTB's rate-limit hook, so neither is done again here.
+        """
+        try:
+            return await self.call(site, chat, lambda: send(int(chat)), paced=False, wait_out_429=False)
+        except PlatformError as error:
+            migrated = error.__cause__
+            if not isinstance(migrated, ChatMigrated):
+                raise
+            new = str(migrated.new_chat_id)
+            await self.chat_moved(chat, new)
+            return await self.call(site, new, lambda: send(int(new)), paced=False, wait_out_429=False)
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
         site = "card_post"
@@ -436,24 +464,23 @@ class TelegramAdapter(PlatformBase):
         home = self.home_chat
         if home is None:
             raise self.refuse(site, "no home_chat configured for approval cards")
-        chat_id = self._chat_id(site, home)
+        self._chat_id(site, home)
         laid = self._render(site, card, None, home)
         if not button_data_fits(laid.view):
             raise self.refuse(site, "button data does not fit Telegram's 1-64 bytes", chat=home)
         written = laid.written
-        message: Message = await self.call(
+        message = await self._send(
             site,
             home,
-            lambda: app.bot.send_message(
+            lambda chat_id: app.bot.send_message(
                 chat_id=chat_id,
                 text=written.html,
                 parse_mode=ParseMode.HTML,
                 reply_markup=written.keyboard,
                 link_preview_options=_NO_PREVIEW,
             ),
-            paced=False,
-            wait_out_429=False,
         )
+        home = str(message.chat_id)  # the card is where it landed, in a chat that moved included
         log.info(
             "telegram.card_posted",
             request=card.request_id,

@@ -36,6 +36,7 @@ pre { white-space: pre-wrap; word-break: break-word; margin: .2em 0; font-family
 table { border-collapse: collapse; margin: .4em 0; }
 th, td { border: 1px solid #ccc; padding: .25em .5em; text-align: left; vertical-align: top; }
 .flash { background: #fff5d6; border: 1px solid #e0c060; padding: .5em; margin-bottom: 1em; }
+.flash pre { white-space: pre; overflow-x: auto; }
 .error { background: #ffe3e3; border: 1px solid #d66; padding: .5em; }
 .message { list-style: none; background: #fff; margin: .4em 0; padding: .5em; border-radius: 4px; }
 .speaker { font-weight: bold; }
@@ -104,7 +105,13 @@ def layout(
             f'<span class="who">web:{e(viewer.login)} ({e(viewer.role)}) '
             f"{form('/logout', viewer, {}, 'Log out')}</span>"
         )
-    flashes = "".join(f'<div class="flash" role="status">{e(line)}</div>' for line in flash)
+    # A multi-line answer (/swarm help is a table) keeps its lines and columns.
+    flashes = "".join(
+        f'<div class="flash" role="status"><pre>{e(line)}</pre></div>'
+        if "\n" in line
+        else f'<div class="flash" role="status">{e(line)}</div>'
+        for line in flash
+    )
     script = '<script src="/static/console.js" defer></script>' if live else ""
     if refresh is not None:  # the dashboard follows the swarm by reloading; no script needed
         meta += f'<meta http-equiv="refresh" content="{int(refresh)}">'

@@ -28,7 +28,16 @@ from kazma.adapters.contract import PlatformError
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import App
-from kazma.bot.console.auth import OPERATORS_ONLY, Session, Tokens, WebAuth, html_response, load_tokens, safe_next
+from kazma.bot.console.auth import (
+    OPERATORS_ONLY,
+    Session,
+    Tokens,
+    WebAuth,
+    html_response,
+    load_tokens,
+    reader_token_path,
+    safe_next,
+)
 from kazma.bot.console.pages import (
     approval_href,
     approval_page,
@@ -107,7 +116,7 @@ class WebServer:
         self._reader_token = reader_token
         self._runner: web.AppRunner | None = None
         self._closing = asyncio.Event()
-        self._first_message: str | None = None
+        self._generated: Tokens | None = None
         self.auth: WebAuth | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -163,20 +172,33 @@ class WebServer:
             await runner.cleanup()
             raise
         self._runner = runner
-        if tokens.generated:
-            lines = [f"Kazma web console: {self.url}/"]
-            if "operator" in tokens.generated:
-                lines.append(f"  operator token: {tokens.operator}  (saved to {self.token_path}, mode 0600)")
-            if "reader" in tokens.generated:
-                lines.append(f"  reader token:   {tokens.reader}  (read-only; saved beside it)")
-            lines.append("  These are shown once. Log in at /login with a name and one of them.")
-            self._first_message = "\n".join(lines)
-        log.info("web.started", url=self.url)
+        self._generated = tokens if tokens.generated else None
+        log.info("web.started", url=self.url, tokens_generated=list(tokens.generated))
 
-    def first_start_message(self) -> str | None:
-        """The URL and the tokens made at this start, for the caller to print; None afterwards or if none were made."""
-        message, self._first_message = self._first_message, None
-        return message
+    def first_start_message(self, *, show_tokens: bool = True) -> str | None:
+        """The URL and the tokens made at this start, for the caller to print; None afterwards or if none were made.
+
+        ``show_tokens=False`` names the files instead: the caller's output is not a screen (a log file, the
+        journal), and a token written there is a password at rest in a place nobody chose for it.
+        """
+        tokens, self._generated = self._generated, None
+        if tokens is None:
+            return None
+        reader_path = reader_token_path(self.token_path)
+        lines = [f"Kazma web console: {self.url}/"]
+        if not show_tokens:
+            made = [str(self.token_path) if role == "operator" else str(reader_path) for role in tokens.generated]
+            lines.append(
+                f"  new console tokens were saved to {' and '.join(made)} (mode 0600, this user only); they are not "
+                "printed because this output is not a terminal. Read them there, or set KAZMA_WEB_TOKEN."
+            )
+            return "\n".join(lines)
+        if "operator" in tokens.generated:
+            lines.append(f"  operator token: {tokens.operator}  (saved to {self.token_path}, mode 0600)")
+        if "reader" in tokens.generated:
+            lines.append(f"  reader token:   {tokens.reader}  (read-only; saved to {reader_path})")
+        lines.append("  These are shown once. Log in at /login with a name and one of them.")
+        return "\n".join(lines)
 
     async def stop(self) -> None:
         self._closing.set()  # event streams end now rather than waiting out the shutdown timeout
@@ -194,7 +216,18 @@ class WebServer:
 
     async def console(self, request: web.Request) -> web.Response:
         session = self._auth().page_reader(request)
-        return html_response(console_page(session, self.web.messages(), flash=session.take_flash()))
+        flash = [*self._cannot_decide(session), *session.take_flash()]
+        return html_response(console_page(session, self.web.messages(), flash=flash))
+
+    def _cannot_decide(self, session: Session) -> list[str]:
+        """An operator whose presses would all be refused is told so before pressing, with the fix."""
+        if not session.is_operator or self.app.loaded.config.roster.is_approver(session.actor, "web"):
+            return []
+        return [
+            f"You are {session.actor}, an operator but not an approver: Approve and Deny pressed here are refused. "
+            f"To decide here, add '{session.actor}' to approvals.approvers in kazma.yaml and restart Kazma "
+            "(or log in with the name that is listed there)."
+        ]
 
     async def send(self, request: web.Request) -> web.Response:
         session, fields = await self._auth().post(request, operator=False)

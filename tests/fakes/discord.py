@@ -52,6 +52,8 @@ MANAGE_WEBHOOKS = 1 << 29
 USE_APPLICATION_COMMANDS = 1 << 31
 BASE_PERMISSIONS = VIEW_CHANNEL | SEND_MESSAGES | EMBED_LINKS | READ_MESSAGE_HISTORY | USE_APPLICATION_COMMANDS
 
+MESSAGE_CONTENT_INTENT = 1 << 15  # the gateway intent bit identify asks for
+GATEWAY_MESSAGE_CONTENT_LIMITED = 1 << 19  # application flag: the intent is on (an app in under 100 servers)
 EPHEMERAL = 1 << 6
 LOADING = 1 << 7
 
@@ -172,8 +174,11 @@ class FakeDiscord:
         manage_webhooks: bool = True,
         echo: bool = True,
         heartbeat_interval_ms: int = 41_250,
+        message_content_intent: bool = True,
     ) -> None:
         self.token = token
+        # the Bot page's "Message Content Intent" toggle, as the application's flags report it
+        self.message_content_intent = message_content_intent
         self.manage_webhooks = manage_webhooks
         self.echo = echo  # real Discord sends the bot its own messages over the gateway too
         self.latency = 0.0  # seconds added before every REST answer (benchmarks)
@@ -756,7 +761,7 @@ class FakeDiscord:
                 "bot_require_code_grant": False,
                 "verify_key": "0" * 64,
                 "owner": self.alice.payload(),
-                "flags": 0,
+                "flags": GATEWAY_MESSAGE_CONTENT_LIMITED if self.message_content_intent else 0,
                 "bot": self.bot.payload(),
             }
         )
@@ -1064,6 +1069,10 @@ class FakeDiscord:
             if not isinstance(data, dict) or data.get("token") != self.token:
                 self.identifies.append({"rejected": data})
                 await gateway.ws.close(code=4004, message=b"Authentication failed.")
+                return
+            if int(data.get("intents") or 0) & MESSAGE_CONTENT_INTENT and not self.message_content_intent:
+                self.identifies.append({"rejected": data})
+                await gateway.ws.close(code=4014, message=b"Disallowed intent(s).")
                 return
             self.identifies.append(data)
             gateway.session_id = secrets.token_hex(16)

@@ -41,6 +41,22 @@ _BLOCK_TYPES = frozenset({"section", "header", "context", "actions", "divider", 
 FAKE_BOT_TOKEN = "xoxb-kazma-fake-token"
 FAKE_SIGNING_SECRET = "kazma-fake-signing-secret"
 FAKE_APP_TOKEN = "xapp-1-AKAZMAAPP1-kazma-fake"
+# What a bot token of an app installed with the README's scopes is granted; Slack names them in the
+# x-oauth-scopes header of every Web API answer.
+DEFAULT_SCOPES = (
+    "app_mentions:read",
+    "channels:history",
+    "chat:write",
+    "chat:write.customize",
+    "commands",
+    "groups:history",
+)
+# The scope each method needs (Slack answers missing_scope, with needed and provided, without it).
+METHOD_SCOPES = {
+    "chat.postMessage": "chat:write",
+    "chat.update": "chat:write",
+    "chat.postEphemeral": "chat:write",
+}
 
 FaultKind = Literal["500", "429", "hang", "error"]
 
@@ -226,6 +242,7 @@ class FakeSlack:
         app_id: str = "AKAZMAAPP1",
         app_token: str = FAKE_APP_TOKEN,
         allow_customize: bool = True,
+        scopes: tuple[str, ...] = DEFAULT_SCOPES,
     ) -> None:
         self.bot_token = bot_token
         self.signing_secret = signing_secret
@@ -234,6 +251,7 @@ class FakeSlack:
         self.bot_id = bot_id
         self.app_id = app_id
         self.allow_customize = allow_customize
+        self.scopes = scopes  # granted to the bot token
         self.latency = 0.0  # seconds added before every Web API answer (benchmarks)
         self.calls: list[ApiCall] = []
         self.messages: dict[str, dict[str, StoredMessage]] = {}
@@ -382,9 +400,15 @@ class FakeSlack:
         if token != expected:
             record(error="invalid_auth")
             return web.json_response({"ok": False, "error": "invalid_auth"})
+        granted = {"x-oauth-scopes": ",".join(self.scopes)} if token == self.bot_token else {}
         fault = self._take_fault(method)
         if fault is not None:
             return await self._fault(fault, record)
+        needed = METHOD_SCOPES.get(method)
+        if token == self.bot_token and needed is not None and needed not in self.scopes:
+            record(error="missing_scope")
+            body = {"ok": False, "error": "missing_scope", "needed": needed, "provided": ",".join(self.scopes)}
+            return web.json_response(body, headers=granted)
         handler = getattr(self, "_m_" + method.replace(".", "_"), None)
         if handler is None:
             record(error="unknown_method")
@@ -393,9 +417,9 @@ class FakeSlack:
             result: dict[str, Any] = handler(params)
         except SlackApiRefusal as refusal:
             record(error=refusal.error)
-            return web.json_response({"ok": False, "error": refusal.error, **refusal.extra})
+            return web.json_response({"ok": False, "error": refusal.error, **refusal.extra}, headers=granted)
         record()
-        return web.json_response({"ok": True, **result})
+        return web.json_response({"ok": True, **result}, headers=granted)
 
     async def _fault(self, fault: Fault, record: Callable[[int, str | None], None]) -> web.StreamResponse:
         if fault.kind == "500":

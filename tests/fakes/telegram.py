@@ -337,6 +337,7 @@ class FakeTelegram:
         self._chats: dict[int, dict[int, FakeMessage]] = {}
         self._next_message_id: dict[int, int] = {}
         self._open_queries: set[str] = set()
+        self.migrated: dict[int, int] = {}  # a group upgraded to a supergroup: old chat id → new one
         self._faults: dict[str, deque[Fault]] = {}
         self._waiters: list[asyncio.Future[None]] = []
         self._poll_generation = 0
@@ -465,6 +466,39 @@ class FakeTelegram:
         self._push_update({"message": self._message_json(message)})
         return message.message_id
 
+    def migrate_chat(self, old: int, new: int, *, user_id: int = 111) -> None:
+        """The group ``old`` becomes the supergroup ``new`` (as when the bot is made an admin in it).
+
+        As on Telegram: a service message with ``migrate_to_chat_id`` arrives in the old chat and one with
+        ``migrate_from_chat_id`` in the new one, and from then on sending to the old id is refused with
+        400 "group chat was upgraded to a supergroup chat" carrying ``parameters.migrate_to_chat_id``.
+        """
+        self.migrated[old] = new
+        user: JsonDict = {"id": user_id, "is_bot": False, "first_name": f"User {user_id}"}
+        now = int(time.time())
+        self._push_update(
+            {
+                "message": {
+                    "message_id": self._new_message_id(old),
+                    "date": now,
+                    "chat": self._chat_json(old, kind="group"),
+                    "from": user,
+                    "migrate_to_chat_id": new,
+                }
+            }
+        )
+        self._push_update(
+            {
+                "message": {
+                    "message_id": self._new_message_id(new),
+                    "date": now,
+                    "chat": self._chat_json(new, kind="supergroup"),
+                    "from": user,
+                    "migrate_from_chat_id": old,
+                }
+            }
+        )
+
     def push_callback(
         self, chat_id: int, message_id: int | str, user_id: int, data: str, *, username: str | None = None
     ) -> str:
@@ -519,11 +553,19 @@ class FakeTelegram:
         self._notify()
 
     @staticmethod
-    def _chat_json(chat_id: int) -> JsonDict:
+    def _chat_json(chat_id: int, *, kind: str | None = None) -> JsonDict:
         if chat_id > 0:
             return {"id": chat_id, "type": "private", "first_name": f"User {chat_id}"}
-        kind = "supergroup" if str(chat_id).startswith("-100") else "group"
+        kind = kind or ("supergroup" if str(chat_id).startswith("-100") else "group")
         return {"id": chat_id, "type": kind, "title": f"Group {chat_id}"}
+
+    def _not_migrated(self, chat_id: int) -> int:
+        new = self.migrated.get(chat_id)
+        if new is not None:
+            raise ApiError(
+                400, "Bad Request: group chat was upgraded to a supergroup chat", {"migrate_to_chat_id": new}
+            )
+        return chat_id
 
     def _bot_user(self) -> JsonDict:
         return {"id": self.bot_id, "is_bot": True, "first_name": self.bot_name, "username": self.bot_username}
@@ -739,7 +781,7 @@ class FakeTelegram:
         return True
 
     async def _send_message(self, params: JsonDict) -> JsonDict:
-        chat_id = _chat_id(params)
+        chat_id = self._not_migrated(_chat_id(params))
         text, entities, dropped = _message_text(params)
         markup = _reply_markup(params.get("reply_markup"))
         thread = params.get("message_thread_id")
@@ -762,7 +804,7 @@ class FakeTelegram:
     def _editable(self, params: JsonDict) -> FakeMessage:
         if params.get("inline_message_id"):
             raise ApiError(400, "Bad Request: MESSAGE_ID_INVALID")
-        chat_id = _chat_id(params)
+        chat_id = self._not_migrated(_chat_id(params))
         try:
             message_id = int(params.get("message_id") or 0)
         except (TypeError, ValueError):

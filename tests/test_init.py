@@ -1,0 +1,178 @@
+"""`kazma init`: a first kazma.yaml in which the operator is an approver everywhere, from flags or answers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kazma.bot.init_config import InitAnswers, Presence, render
+from kazma.config import ConfigError, load_config, load_config_text
+from kazma.config.platforms import console_warnings
+from tests.test_cli import CLEAN_ENV, run
+
+TOKENS = {
+    "TELEGRAM_BOT_TOKEN": "123456:abcdefghijklmnop",
+    "SLACK_BOT_TOKEN": "xoxb-1-2-abc",
+    "SLACK_APP_TOKEN": "xapp-1-A1-abc",
+    "SLACK_SIGNING_SECRET": "0123456789abcdef",
+    "DISCORD_BOT_TOKEN": "MTEw.abc.def",
+}
+EVERYWHERE = [
+    "--platform", "telegram", "--telegram-user", "111", "--telegram-chat", "-1001234567890",
+    "--platform", "slack", "--slack-user", "U0111AAAA", "--slack-channel", "C0HOME0001",
+    "--platform", "discord", "--discord-user", "222", "--discord-channel", "333",
+    "--web-login", "alice", "--public-url", "https://kazma.example.org/", "--no-input",
+]  # fmt: skip
+
+
+def test_flags_write_a_file_where_the_operator_is_an_approver_everywhere(tmp_path: Path) -> None:
+    result = run(["init", *EVERYWHERE], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    written = tmp_path / "kazma.yaml"
+    text = written.read_text()
+    # secrets are references, never values; and nothing starts without them
+    for name in ("TELEGRAM_BOT_TOKEN", "SLACK_BOT_TOKEN", "SLACK_APP_TOKEN", "DISCORD_BOT_TOKEN"):
+        assert f"${{{name}}}" in text
+    with pytest.raises(ConfigError) as missing:
+        load_config(written, environ={})
+    assert "environment variable TELEGRAM_BOT_TOKEN is not set" in "\n".join(missing.value.lines)
+
+    config = load_config(written, environ=TOKENS).config
+    roster = config.roster
+    for actor, platform in [
+        ("web:alice", "web"),
+        ("telegram:111", "telegram"),
+        ("slack:U0111AAAA", "slack"),
+        ("discord:222", "discord"),
+    ]:
+        assert roster.is_approver(actor, platform), actor
+        assert roster.is_operator(actor, platform), actor
+    # one person with four identities may steer the swarm (and the file says why it allows that)
+    assert config.swarm.allow_shared_operators is True
+    assert "You are the only operator" in text
+    # chats are explicit: the home chat and nothing else
+    assert config.platforms.telegram.chats == [-1001234567890]
+    assert config.platforms.telegram.home_chat == -1001234567890
+    assert config.platforms.slack.channels == ["C0HOME0001"]
+    assert config.platforms.discord.channels == [333]
+    assert config.platforms.slack.app_token == TOKENS["SLACK_APP_TOKEN"]  # Socket Mode unless asked otherwise
+    assert config.web.public_url == "https://kazma.example.org"
+    assert console_warnings(config) == []
+    assert text.count("\n#") + text.count("  # ") > 20  # it is commented
+
+    lines = result.stdout.splitlines()
+    assert lines[0] == (
+        f"Wrote {Path('kazma.yaml')}: you are an approver as web:alice, telegram:111, slack:U0111AAAA, discord:222."
+    )
+    assert lines[1] == "Next:"
+    commands = [line.split("#")[0].strip() for line in lines[2:]]
+    assert commands == [
+        "export TELEGRAM_BOT_TOKEN=… SLACK_BOT_TOKEN=… DISCORD_BOT_TOKEN=… SLACK_APP_TOKEN=…",
+        "kazma doctor",
+        "kazma run",
+    ]
+    assert "log in at https://kazma.example.org/login as alice" in lines[4]
+
+
+def test_config_check_of_the_written_file_has_no_warning(tmp_path: Path) -> None:
+    assert run(["init", *EVERYWHERE], cwd=tmp_path).returncode == 0
+    checked = run(["config", "check"], cwd=tmp_path, env=TOKENS)
+    assert checked.returncode == 0, checked.stderr
+    assert "warn" not in checked.stdout
+    assert "telegram  on" in checked.stdout
+    assert "slack     on   Socket Mode" in checked.stdout
+
+
+def test_it_never_overwrites_without_force(tmp_path: Path) -> None:
+    mine = tmp_path / "kazma.yaml"
+    mine.write_text("# my own configuration\n")
+    refused = run(["init", "--web-login", "bob", "--no-input"], cwd=tmp_path)
+    assert refused.returncode == 1
+    assert "kazma.yaml already exists; nothing was written (--force overwrites it)" in refused.stderr
+    assert mine.read_text() == "# my own configuration\n"
+    other = tmp_path / "elsewhere.yaml"
+    other.write_text("# another\n")
+    assert run(["-c", str(other), "init", "--no-input"], cwd=tmp_path).returncode == 1
+    assert other.read_text() == "# another\n"
+    forced = run(["init", "--web-login", "bob", "--no-input", "--force"], cwd=tmp_path)
+    assert forced.returncode == 0, forced.stderr
+    config = load_config(mine, environ={}).config
+    assert config.approvals.approvers == ["web:bob"]
+    assert config.swarm.allow_shared_operators is False  # one identity: nothing to share
+    commands = [line.split("#")[0].strip() for line in forced.stdout.splitlines()[2:]]
+    assert commands == ["kazma config check", "kazma doctor", "kazma run"]
+
+
+def test_a_path_argument_and_a_config_flag_show_up_in_the_next_commands(tmp_path: Path) -> None:
+    result = run(["init", str(tmp_path / "conf" / "team.yaml"), "--web-login", "ops", "--no-input"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "conf" / "team.yaml").exists()
+    assert f"kazma -c {tmp_path / 'conf' / 'team.yaml'} doctor" in result.stdout
+
+
+def test_bad_flags_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    bad_user = run(["init", "--platform", "telegram", "--telegram-user", "alice", "--no-input"], cwd=tmp_path)
+    assert bad_user.returncode == 2
+    assert "--telegram-user: a Telegram user id is a number" in bad_user.stderr
+    missing = run(["init", "--platform", "discord", "--no-input"], cwd=tmp_path)
+    assert missing.returncode == 2
+    assert "--discord-user is required here (or run `kazma init` on a terminal to be asked)" in missing.stderr
+    bad_chat = run(
+        ["init", "--platform", "slack", "--slack-user", "U0111AAAA", "--slack-channel", "general", "--no-input"],
+        cwd=tmp_path,
+    )
+    assert bad_chat.returncode == 2
+    assert "a Slack channel id is C, G or D" in bad_chat.stderr
+    assert not (tmp_path / "kazma.yaml").exists()
+
+
+def test_on_a_terminal_it_asks_and_asks_again_after_a_wrong_answer(tmp_path: Path) -> None:
+    answers = "\n".join(
+        [
+            "telegram, slack",  # platforms
+            "carol",  # console login
+            "not-a-number",  # Telegram user id: refused, asked again
+            "111",
+            "",  # the Telegram chat: not known yet
+            "U0CAROL01",  # Slack member id
+            "C0HOME0001",  # Slack channel
+            "http",  # Slack transport
+            "https://kazma.example.org",  # public URL
+            "",  # model server: the default
+        ]
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "kazma.bot.cli", "init", "--interactive"],
+        cwd=tmp_path,
+        input=answers + "\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=CLEAN_ENV,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Error: a Telegram user id is a number" in result.stdout  # said, then asked again
+    config = load_config(tmp_path / "kazma.yaml", environ=TOKENS).config
+    assert config.approvals.approvers == ["web:carol", "telegram:111", "slack:U0CAROL01"]
+    assert config.platforms.telegram.home_chat is None  # not known yet, and the file says how to find it
+    assert "the telegram.inbound_ignored log event shows its id" in (tmp_path / "kazma.yaml").read_text()
+    assert config.platforms.slack.signing_secret == TOKENS["SLACK_SIGNING_SECRET"]  # HTTP events
+    assert config.platforms.slack.app_token == ""
+    assert config.model.base_url == "http://127.0.0.1:11434/v1"
+
+
+def test_render_refuses_a_login_the_console_would_not_accept() -> None:
+    with pytest.raises(ValueError, match="a console login is 1 to 32"):
+        render(InitAnswers("alice smith"))
+
+
+def test_rendered_ids_are_read_back_exactly() -> None:
+    text = render(InitAnswers("a.b-c_d", discord=Presence("1100000000000000301", "1100000000000000101")))
+    config = load_config_text(text, environ=TOKENS).config
+    assert config.platforms.discord.admins == [1100000000000000301]
+    assert config.platforms.discord.home_channel == 1100000000000000101
+    assert config.approvals.approvers == ["web:a.b-c_d", "discord:1100000000000000301"]
