@@ -18,11 +18,16 @@ from kazma.engine.types import ToolSpec
 
 class DispatchSwarmArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    pattern: Literal["dispatch", "broadcast", "pipeline", "fan_out", "consult"]
+    pattern: Literal["dispatch", "broadcast", "pipeline", "fan_out", "consult", "conditional"]
     task: str = Field(min_length=1)
-    workers: list[str] = Field(default_factory=list, description="worker names, or ['auto'] with dispatch")
+    workers: list[str] = Field(
+        default_factory=list, description="worker names, or ['auto'] with dispatch; conditional: [router]"
+    )
     preset: str | None = Field(default=None, description="a pipeline preset from kazma.yaml")
-    aggregation: str = "collect"
+    aggregation: Literal["collect", "merge_all", "vote", "best", "synthesize", "first_valid"] = "collect"
+    routes: dict[str, str] = Field(default_factory=dict, description="conditional: branch name -> worker")
+    expect: str | None = Field(default=None, description="'json' or a schema name: every answer must match")
+    deadline_seconds: int | None = Field(default=None, ge=1, le=86400)
 
 
 class CheckSwarmArgs(BaseModel):
@@ -60,6 +65,9 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             aggregation=args.aggregation,
             preset=args.preset,
             conversation=ctx.conversation,
+            routes=tuple(args.routes.items()),
+            expect=args.expect,
+            deadline_seconds=args.deadline_seconds,
         )
         try:
             task_id = await service.submit(request)
