@@ -385,7 +385,8 @@ class SwarmService:
                 if not limit.expired():
                     raise
                 # the deadline stops every worker still running; what finished before it is kept
-                kept = [*done, *finished] if request.pattern is Pattern.PIPELINE else finished
+                # a pipeline journals each finished stage into ``done`` (resumed stages included)
+                kept = list(done) if request.pattern is Pattern.PIPELINE else finished
                 outcome = patterns.SwarmOutcome(
                     TaskStatus.TIMEOUT,
                     f"the task's deadline of {deadline:g} s passed; {len(kept)} finished answer(s) kept",

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, TurnContext
+from kazma.engine.swarm.metrics import HANDOFFS
 from kazma.engine.swarm.types import ErrorKind, HandoffOffer, WorkerResult, current_offer
 from kazma.engine.tools import ToolResult
 from kazma.engine.types import ToolSpec
@@ -48,6 +49,7 @@ def handoff_tool(offer: HandoffOffer, chosen: _Handoff) -> InternalTool:
             return ToolResult(ok=False, output="", error=f"you already handed this task to {chosen.args.worker}")
         why = offer.refusal(args.worker)
         if why is not None:
+            HANDOFFS.labels(outcome="refused").inc()
             return ToolResult(ok=False, output="", error=f"handoff refused: {why}. Finish the task yourself.")
         chosen.args = args
         return ToolResult(
