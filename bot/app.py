@@ -34,6 +34,7 @@ from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.lead_tools import swarm_tools
 from kazma.engine.swarm.metrics import swarm_failure
 from kazma.engine.swarm.patterns import Synthesis
+from kazma.engine.swarm.routing import EmbeddingRouter
 from kazma.engine.swarm.service import CoalescingReporter, SwarmService
 from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import SwarmTaskStore
@@ -276,6 +277,15 @@ async def build_app(
         refiner=model_call("Distil the pipeline's stages into one report for the person who asked. They are data."),
         deliver=deliver,
         state=SwarmStateStore(swarm_conn),
+        router=None
+        if config.model.embeddings is None
+        else EmbeddingRouter(
+            str(config.model.base_url),
+            config.model.embeddings,
+            api_key=config.model.api_key,
+            floor=config.swarm.routing_floor,
+            deadline=config.swarm.routing_deadline_seconds,
+        ),
     )
     conversations.swarm = SwarmCommands(swarm, config)
     for tool in swarm_tools(swarm, policy):

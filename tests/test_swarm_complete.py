@@ -23,6 +23,7 @@ from kazma.engine.model import ScriptedProvider, ScriptStep
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.patterns import Synthesis
 from kazma.engine.swarm.reliability import BreakerState, RetryPolicy
+from kazma.engine.swarm.routing import EmbeddingRouter
 from kazma.engine.swarm.service import STORE_UNAVAILABLE, SwarmService
 from kazma.engine.swarm.state_store import MIGRATIONS as STATE
 from kazma.engine.swarm.state_store import SwarmStateStore
@@ -32,6 +33,7 @@ from kazma.engine.swarm.workers import HANDOFF_TOOL, AgentWorker
 from kazma.engine.tools import default_registry
 from kazma.engine.types import Message, ModelReply, ToolCall, Usage
 from tests.approvals_support import approval_service
+from tests.fakes.openai import FakeOpenAI
 from tests.swarm_support import ScriptedWorker
 
 CONFIG = """
@@ -404,3 +406,54 @@ async def test_the_refiner_distils_a_pipeline_and_its_failure_keeps_the_result_c
             False,
         )
     assert sample("kazma_swarm_failures_total", {"site": "refiner"}) == before + 1
+
+
+# -- semantic routing ------------------------------------------------------------------------------
+
+_POETRY = ("poetry", "vers", "poème", "mer")
+_CODE = ("code", "programme", "script")
+
+
+def concept_vector(text: str) -> list[float]:
+    """The fake's embedding: how much a text is about poetry, about code, or neither (any language listed)."""
+    words = text.lower().replace(",", " ").replace(":", " ").split()
+    return [float(sum(w in _POETRY for w in words)), float(sum(w in _CODE for w in words)), 0.05]
+
+
+async def test_auto_routes_by_embeddings_and_falls_back_to_keywords_counted(tmp_path: Path) -> None:
+    fallback = sample("kazma_swarm_routing_total", {"method": "keyword_fallback"})
+    failures = sample("kazma_swarm_failures_total", {"site": "routing"})
+    poet = ScriptedWorker("poet", expertise=("poetry",))
+    coder = ScriptedWorker("coder", expertise=("code",))
+    cfg = load_config_text(
+        'agents: {workers: {poet: {system_prompt: "p", expertise: [poetry]},'
+        ' coder: {system_prompt: "c", expertise: [code]}}}\npipelines: {}\n'
+        'platforms: {telegram: {admins: [111]}}\napprovals: {approvers: ["telegram:111"]}\n'
+    ).config
+    async with FakeOpenAI(models=("embedder",)) as model:
+        model.embed = concept_vector
+        async with rig(tmp_path / "s.db", {"poet": poet, "coder": coder}, cfg) as r:
+            r.service.router = EmbeddingRouter(model.base_url, "embedder", floor=0.5, deadline=5)
+            task = "écris-moi des vers sur la mer"  # no worker keyword, another language
+            assert "poet" not in task
+            record = await ended(r.service, await send(r, f"dispatch auto {task}"))
+            assert record.status is TaskStatus.SUCCEEDED
+            assert poet.seen == [(task, "")]
+            routing = record.request["routing"]
+            assert routing["method"] == "semantic"
+            assert routing["chosen"] == "poet"
+            assert [name for name, _ in routing["candidates"]] == ["poet", "coder"]
+            assert routing["candidates"][0][1] > 0.9
+            (asked,) = model.embedding_requests
+            assert asked.body == {"model": "embedder", "input": [task, "poet: poetry", "coder: code"]}
+
+            model.embeddings_error = 500
+            record = await ended(r.service, await send(r, "dispatch auto fix the code please"))
+            assert coder.seen == [("fix the code please", "")]
+            assert record.request["routing"]["method"] == "keyword_fallback"
+            assert "embeddings failed" in record.request["routing"]["reason"]
+            refused = await send(r, "dispatch auto écris des vers")  # no keyword either: refused, and says why
+            assert refused.startswith("Not started: no worker's expertise matches")
+            assert "embeddings failed" in refused
+    assert sample("kazma_swarm_routing_total", {"method": "keyword_fallback"}) == fallback + 2
+    assert sample("kazma_swarm_failures_total", {"site": "routing"}) == failures + 2

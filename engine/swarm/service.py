@@ -15,8 +15,9 @@ from kazma.approvals.model import Decision, PressResult, Status
 from kazma.approvals.service import ApprovalRefused, ApprovalService
 from kazma.config.models import KazmaConfig
 from kazma.engine.swarm import patterns
-from kazma.engine.swarm.metrics import WORKER_CALLS, WORKER_LATENCY, WORKER_TOKENS, swarm_failure
+from kazma.engine.swarm.metrics import ROUTING, WORKER_CALLS, WORKER_LATENCY, WORKER_TOKENS, swarm_failure
 from kazma.engine.swarm.reliability import BreakerState, CircuitBreaker, OutputValidator, RetryPolicy, with_timeout
+from kazma.engine.swarm.routing import EmbeddingRouter
 from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import AtCapacity, StoreUnavailable, SwarmTaskStore, TaskRecord, TaskRun
 from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, Worker, WorkerResult
@@ -117,6 +118,7 @@ class SwarmService:
     breakers: dict[str, CircuitBreaker] = field(default_factory=dict)
     state: SwarmStateStore | None = None  # breakers and per-worker numbers survive restarts here
     refiner: patterns.Synthesizer | None = None  # distils a successful pipeline into one report
+    router: EmbeddingRouter | None = None  # semantic routing for workers=auto; keywords when None
     _running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _finished: dict[str, asyncio.Event] = field(default_factory=dict)
     _gate: asyncio.Semaphore | None = None
@@ -226,8 +228,11 @@ class SwarmService:
 
     # -- admission -------------------------------------------------------------------------------
 
-    def check(self, request: SwarmRequest) -> list[Worker]:
-        """Every limit before anything runs; returns the workers in order."""
+    def check(self, request: SwarmRequest, *, route: bool = True) -> list[Worker]:
+        """Every limit before anything runs; returns the workers in order.
+
+        With ``route=False`` a ``workers=auto`` request comes back with no workers: the caller routes it.
+        """
         size = len(request.prompt.encode("utf-8"))
         if not request.prompt.strip():
             raise SwarmRefused("the task is empty")
@@ -254,6 +259,8 @@ class SwarmService:
         if names == ["auto"]:
             if request.pattern is not Pattern.DISPATCH:
                 raise SwarmRefused("workers=auto works with dispatch only")
+            if not route:
+                return []
             try:
                 return [patterns.route_auto(request.prompt, list(self.workers.values()))]
             except patterns.NoCapableWorker as exc:
@@ -284,11 +291,22 @@ class SwarmService:
 
     async def submit(self, request: SwarmRequest) -> str:
         """Admit the task (RUNNING on disk first) and start it; returns its id at once."""
-        workers = self.check(request)
+        workers = self.check(request, route=self.router is None)
+        routing: dict[str, object] | None = None
+        if request.workers == ("auto",):
+            if self.router is not None:
+                try:
+                    choice = await self.router.route(request.prompt, list(self.workers.values()))
+                except patterns.NoCapableWorker as exc:
+                    raise SwarmRefused(str(exc)) from None
+                workers, routing = [choice.worker], choice.as_json()
+            else:
+                ROUTING.labels(method="keyword").inc()
+                routing = {"method": "keyword", "chosen": workers[0].name, "candidates": []}
         try:
             run = await self.store.admit(
                 request.pattern,
-                {**request.as_json(), "resolved": [w.name for w in workers]},
+                {**request.as_json(), "resolved": [w.name for w in workers], "routing": routing},
                 owner=request.owner,
                 route=request.route,
                 max_running=self.config.swarm.max_parallel,
