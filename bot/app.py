@@ -32,7 +32,6 @@ from kazma.engine.plan_store import PlanStore
 from kazma.engine.sandbox import resolve_sandbox
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.lead_tools import swarm_tools
-from kazma.engine.swarm.metrics import swarm_failure
 from kazma.engine.swarm.patterns import Synthesis
 from kazma.engine.swarm.routing import EmbeddingRouter
 from kazma.engine.swarm.service import CoalescingReporter, SwarmService
@@ -161,15 +160,9 @@ class App:
 
     async def _retention(self) -> None:
         """Swarm tasks older than ``swarm.retention_days`` go at start and then every sweep (0 keeps all)."""
-        swarm = self.loaded.config.swarm
         while True:
-            if swarm.retention_days:
-                try:
-                    await self.swarm.store.prune(swarm.retention_days)
-                except Exception as exc:
-                    swarm_failure("retention")
-                    log.warning("swarm.retention_failed", error=str(exc))
-            await asyncio.sleep(swarm.retention_sweep_seconds)
+            await self.swarm.sweep_retention()
+            await asyncio.sleep(self.loaded.config.swarm.retention_sweep_seconds)
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -424,8 +424,8 @@ class SwarmConfig(Strict):
     schemas: dict[str, dict[str, Any]] = Field(default_factory=dict)  # named output schemas for --expect
     routing_floor: float = Field(default=0.3, ge=-1, le=1)  # least cosine similarity semantic routing accepts
     routing_deadline_seconds: float = Field(default=5.0, gt=0, le=120)
-    cost_per_1k_prompt_tokens: float = Field(default=0.0, ge=0)
-    cost_per_1k_completion_tokens: float = Field(default=0.0, ge=0)
+    prompt_price_per_thousand: float = Field(default=0.0, ge=0)
+    completion_price_per_thousand: float = Field(default=0.0, ge=0)
     allow_shared_operators: bool = False
     checkpoints: dict[str, list[int]] = Field(default_factory=dict)
 

@@ -16,11 +16,12 @@ from kazma.approvals import SafetyPolicy
 from kazma.bot.console.pages import dashboard_page
 from kazma.config import KazmaConfig, load_config_text
 from kazma.config.database import connect, open_database
-from kazma.engine.agent import AgentRunner, AgentSpec
+from kazma.engine.agent import AgentRunner, AgentSpec, TurnContext
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import ScriptedProvider, ScriptStep
 from kazma.engine.swarm.commands import SwarmCommands
+from kazma.engine.swarm.lead_tools import swarm_tools
 from kazma.engine.swarm.patterns import Synthesis
 from kazma.engine.swarm.reliability import BreakerState, RetryPolicy
 from kazma.engine.swarm.routing import EmbeddingRouter
@@ -52,7 +53,7 @@ swarm:
   max_parallel: 4
   schemas: {verdict: {type: object, required: [ok], properties: {ok: {type: boolean}}}}
   workers: {b: {breaker_threshold: 1, breaker_cooldown_seconds: 600, retries: 0}}
-  cost_per_1k_prompt_tokens: 1.0
+  prompt_price_per_thousand: 1.0
 """
 
 
@@ -457,3 +458,62 @@ async def test_auto_routes_by_embeddings_and_falls_back_to_keywords_counted(tmp_
             assert "embeddings failed" in refused
     assert sample("kazma_swarm_routing_total", {"method": "keyword_fallback"}) == fallback + 2
     assert sample("kazma_swarm_failures_total", {"site": "routing"}) == failures + 2
+
+
+# -- the lead's tool, synthesis tokens, retention --------------------------------------------------
+
+
+async def test_the_leads_tool_answers_when_the_store_cannot_admit(tmp_path: Path) -> None:
+    workers = {"a": answers("a", "done")}
+    cfg = config("tools: {dispatch_swarm: read}\n")
+    async with rig(tmp_path / "s.db", workers, cfg) as r, approval_service(tmp_path / "ap.db", config=cfg) as ap:
+        dispatch, _ = swarm_tools(r.service, SafetyPolicy(ap))
+        ctx = TurnContext("telegram:-1001", AgentSpec("kazma", "lead", is_lead=True), "telegram:111")
+        locker = await connect(tmp_path / "s.db", busy_timeout_ms=10)
+        try:
+            await locker.execute("BEGIN IMMEDIATE")
+            answer = await dispatch.handler({"pattern": "dispatch", "task": "x", "workers": ["a"]}, ctx)
+            await locker.execute("ROLLBACK")
+        finally:
+            await locker.close()
+        assert not answer.ok
+        assert answer.error == STORE_UNAVAILABLE
+        assert await r.service.store.list() == []
+        again = await dispatch.handler(
+            {"pattern": "conditional", "task": "x", "workers": ["a"], "routes": {"y": "a"}}, ctx
+        )
+        assert again.ok, again.error
+
+
+async def test_synthesis_tokens_count_and_a_failed_synthesis_is_counted(tmp_path: Path) -> None:
+    before = sample("kazma_swarm_failures_total", {"site": "synthesis"})
+
+    async def synthesize(question: str, results: Sequence[WorkerResult]) -> Synthesis:
+        if question == "broken":
+            raise RuntimeError("model down")
+        return Synthesis("combined", Usage(100, 20))
+
+    workers = {"a": answers("a", "x", "x"), "b": answers("b", "y", "y")}
+    async with rig(tmp_path / "s.db", workers) as r:
+        r.service.synthesizer = synthesize
+        record = await ended(r.service, await send(r, "consult a,b what now"))
+        assert record.result is not None
+        assert record.result["output"] == "combined"
+        assert record.result["tokens"] == {"prompt": 5 + 5 + 100, "completion": 5 + 5 + 20}
+        fallback = await ended(r.service, await send(r, "fanout a,b --strategy synthesize broken"))
+        assert fallback.result is not None
+        assert fallback.result["output"] == "[a] x\n\n[b] y"
+    assert sample("kazma_swarm_failures_total", {"site": "synthesis"}) == before + 1
+
+
+async def test_retention_sweeps_old_tasks_and_zero_keeps_everything(tmp_path: Path) -> None:
+    now = [1_800_000_000.0]
+    async with rig(tmp_path / "s.db", {"a": answers("a", "done")}, config("  retention_days: 0\n")) as r:
+        r.service.store.clock = lambda: now[0]
+        await ended(r.service, await send(r, "dispatch a go"))
+        now[0] += 400 * 86400.0
+        assert await r.service.sweep_retention() == 0
+        assert len(await r.service.store.list()) == 1
+        r.service.config = config("  retention_days: 30\n")
+        assert await r.service.sweep_retention() == 1
+        assert await r.service.store.list() == []

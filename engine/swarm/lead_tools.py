@@ -11,6 +11,7 @@ from kazma.approvals.policy import SafetyPolicy
 from kazma.engine.agent import InternalTool, TurnContext
 from kazma.engine.swarm.roles import SHARED_OPERATORS_HINT
 from kazma.engine.swarm.service import CHECK_DEFAULT_WAIT, CHECK_MAX_WAIT, SwarmRefused, SwarmRequest, SwarmService
+from kazma.engine.swarm.store import StoreUnavailable
 from kazma.engine.swarm.types import Pattern
 from kazma.engine.tools import ToolResult, fence_untrusted
 from kazma.engine.types import ToolSpec
@@ -80,7 +81,10 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             args = CheckSwarmArgs.model_validate(dict(arguments))
         except ValidationError as exc:
             return ToolResult(ok=False, output="", error=f"invalid arguments: {exc.errors()[0]['msg']}")
-        record = await service.wait(args.task_id, args.wait_seconds)
+        try:
+            record = await service.wait(args.task_id, args.wait_seconds)
+        except StoreUnavailable:
+            return ToolResult(ok=False, output="", error="the task store is unavailable; check again shortly")
         if record is None:
             return ToolResult(ok=False, output="", error=f"no swarm task {args.task_id!r}")
         output = record.result.get("output", "") if record.result else ""

@@ -179,6 +179,18 @@ class SwarmService:
             swarm_failure("breaker_row")
             log.warning("swarm.breaker_unsaved", worker=breaker.worker, error=str(exc))
 
+    async def sweep_retention(self) -> int:
+        """Prune finished tasks older than ``swarm.retention_days`` (0 keeps everything); failures are counted."""
+        days = self.config.swarm.retention_days
+        if not days:
+            return 0
+        try:
+            return await self.store.prune(days)
+        except Exception as exc:
+            swarm_failure("retention")
+            log.warning("swarm.retention_failed", error=str(exc))
+            return 0
+
     async def reset_breaker(self, worker: str, *, actor: str) -> str:
         breaker = self.breakers.get(worker)
         if breaker is None:
@@ -198,8 +210,8 @@ class SwarmService:
             return
         swarm = self.config.swarm
         cost = (
-            result.usage.prompt_tokens * swarm.cost_per_1k_prompt_tokens
-            + result.usage.completion_tokens * swarm.cost_per_1k_completion_tokens
+            result.usage.prompt_tokens * swarm.prompt_price_per_thousand
+            + result.usage.completion_tokens * swarm.completion_price_per_thousand
         ) / 1000.0
         try:
             await self.state.record_call(
