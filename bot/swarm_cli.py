@@ -68,7 +68,7 @@ async def _execute(loaded: LoadedConfig, text: str, login: str) -> int:
                 output = record.result.get("output", "") if record.result else ""
                 click.echo(f"{record.status.value}: {output or record.error or ''}")
                 return 0 if record.status.value in ("succeeded", "partial") else 1
-        return 0
+        return 1 if answer.startswith("Not started:") else 0
     finally:
         await app.stop()
 

@@ -187,6 +187,7 @@ async def test_a_b_a_b_is_allowed_then_a_third_visit_is_refused_to_the_model(tmp
         assert answer == "Error: handoff refused: a already had this task 2 times. Finish the task yourself."
         page = dashboard_page(Looker(), [record], [], [], {"succeeded": 1})
         assert "handoffs: a → b → a → b" in page
+        assert "handoffs: a → b → a → b" in await send(r, f"status {record.id}")
         assert "b knows beta" in page
     assert sample("kazma_swarm_handoffs_total", {"outcome": "accepted"}) == accepted + 3
     assert sample("kazma_swarm_handoffs_total", {"outcome": "refused"}) == refused + 1

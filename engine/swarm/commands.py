@@ -196,6 +196,10 @@ def _describe(record: TaskRecord | None, task_id: str) -> str:
         lines.append(f"step: {record.current_step}")
     if record.error:
         lines.append(f"error: {record.error}")
+    details = (record.result or {}).get("details") or {}
+    chain = details.get("handoffs") if isinstance(details, dict) else None
+    if isinstance(chain, list) and chain:
+        lines.append("handoffs: " + " → ".join([str(chain[0].get("from")), *(str(h.get("to")) for h in chain)]))
     if record.result and record.result.get("output"):
         lines.append(f"result: {str(record.result['output'])[:1500]}")
     return "\n".join(lines)
