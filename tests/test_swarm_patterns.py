@@ -242,3 +242,23 @@ def test_auto_routing_by_expertise() -> None:
     assert route_auto("find sources on X", workers).name == "researcher"
     with pytest.raises(NoCapableWorker, match="no worker's expertise matches"):
         route_auto("bake a cake", workers)
+
+
+async def test_best_takes_the_answer_the_model_names_and_falls_back_to_the_first_valid() -> None:
+    results = [fail("a"), ok("b", "short"), ok("c", "the careful one")]
+
+    async def choose(prompt: str, rs: Sequence[WorkerResult]) -> str:
+        assert [r.worker for r in rs] == ["b", "c"]  # only answers that succeeded are judged
+        return " C "
+
+    assert await aggregate(Aggregation.BEST, "q", results, chooser=choose) == "the careful one"
+
+    async def broken(prompt: str, rs: Sequence[WorkerResult]) -> str:
+        raise TimeoutError("model down")
+
+    async def nonsense(prompt: str, rs: Sequence[WorkerResult]) -> str:
+        return "nobody"
+
+    assert await aggregate(Aggregation.BEST, "q", results, chooser=broken) == "short"
+    assert await aggregate(Aggregation.BEST, "q", results, chooser=nonsense) == "short"
+    assert parse_aggregation("best") is Aggregation.BEST
