@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import socket
 import tempfile
@@ -29,6 +30,7 @@ from kazma.config import LoadedConfig, load_config_text
 from kazma.engine.executor import ActionKind
 from kazma.engine.model import ScriptStep
 from kazma.engine.scenario import DEMO_LABEL, PerAgentScript, agent_prompts
+from kazma.engine.swarm.patterns import REFINER_INSTRUCTION
 from kazma.engine.types import Message, ModelReply, ToolCall
 
 REQUEST = "@kazma please write a tiny hello-world script and check that it runs"
@@ -110,6 +112,11 @@ def _worker_reply(name: str) -> Callable[[Sequence[Message]], ModelReply]:
 
 
 def _synthesis(messages: Sequence[Message]) -> ModelReply:
+    if messages and messages[0].get("content") == REFINER_INSTRUCTION:
+        # the pipeline refiner: the scripted report is the last stage's answer, labelled
+        answers = re.findall(r">>>\n(.*?)<<<end-untrusted-data", _last(messages, "user"), flags=re.DOTALL)
+        final = answers[-1].strip() if answers else ""
+        return ModelReply(content=f"{final}\n(report by the scripted refiner: no model was called)")
     return ModelReply(content="The workers agree (a scripted synthesis: no model was called).")
 
 

@@ -19,6 +19,7 @@ from kazma.config.database import Migration, open_database
 from kazma.config.metrics import count_failure
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.plan_store import MIGRATIONS as PLANS
+from kazma.engine.swarm.state_store import MIGRATIONS as SWARM_STATE
 from kazma.engine.swarm.store import MIGRATIONS as SWARM
 
 log = structlog.get_logger("kazma.store")
@@ -26,7 +27,7 @@ log = structlog.get_logger("kazma.store")
 
 def all_migrations() -> list[Migration]:
     """Every layer's schema, in the order layers depend on each other."""
-    return [*APPROVALS, *OUTBOX, *PLANS, *HISTORY, *SWARM, *CHAT_MOVES]
+    return [*APPROVALS, *OUTBOX, *PLANS, *HISTORY, *SWARM, *SWARM_STATE, *CHAT_MOVES]
 
 
 def prepare_state_dir(store_path: Path) -> Path:

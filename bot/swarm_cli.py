@@ -68,7 +68,7 @@ async def _execute(loaded: LoadedConfig, text: str, login: str) -> int:
                 output = record.result.get("output", "") if record.result else ""
                 click.echo(f"{record.status.value}: {output or record.error or ''}")
                 return 0 if record.status.value in ("succeeded", "partial") else 1
-        return 0
+        return 1 if answer.startswith("Not started:") else 0
     finally:
         await app.stop()
 
@@ -136,8 +136,25 @@ def _no_argument_command(verb: str) -> Callable[[str | None], None]:
     return command
 
 
-for _verb in ("help", "list", "history", "workers", "config"):
+for _verb in ("help", "list", "history", "workers", "config", "metrics"):
     swarm.command(_verb, help=_help(_verb))(_to_option(_no_argument_command(_verb)))
+
+
+def _start_options(function: Callable[..., None]) -> Callable[..., None]:
+    function = click.option(
+        "--expect", default=None, callback=_word_callback, help="json, or a schema from swarm.schemas."
+    )(function)
+    return click.option(
+        "--deadline", type=click.IntRange(1, 86400), default=None, help="Seconds the whole task may take."
+    )(function)
+
+
+def _option_words(expect: str | None, deadline: int | None, strategy: str | None = None) -> list[str]:
+    words = []
+    for name, value in (("--strategy", strategy), ("--expect", expect), ("--deadline", deadline)):
+        if value is not None:
+            words += [name, str(value)]
+    return words
 
 
 @swarm.command("status", help=_help("status"))
@@ -151,39 +168,77 @@ def status(task_id: str | None, to: str | None) -> None:
 @click.argument("worker", callback=_word_callback)
 @click.argument("task", nargs=-1, required=True)
 @_to_option
-def dispatch(worker: str, task: tuple[str, ...], to: str | None) -> None:
-    _run("dispatch", worker, *task, to=to)
+@_start_options
+def dispatch(worker: str, task: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None) -> None:
+    _run("dispatch", worker, *_option_words(expect, deadline), *task, to=to)
 
 
 @swarm.command("broadcast", help=_help("broadcast"))
 @click.argument("task", nargs=-1, required=True)
 @_to_option
-def broadcast(task: tuple[str, ...], to: str | None) -> None:
-    _run("broadcast", *task, to=to)
+@_start_options
+def broadcast(task: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None) -> None:
+    _run("broadcast", *_option_words(expect, deadline), *task, to=to)
 
 
 @swarm.command("pipeline", help=_help("pipeline"))
 @click.argument("stages", metavar="PRESET|W1,W2,…", callback=_word_callback)
 @click.argument("task", nargs=-1, required=True)
 @_to_option
-def pipeline(stages: str, task: tuple[str, ...], to: str | None) -> None:
-    _run("pipeline", stages, *task, to=to)
+@_start_options
+def pipeline(stages: str, task: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None) -> None:
+    _run("pipeline", stages, *_option_words(expect, deadline), *task, to=to)
 
 
 @swarm.command("fanout", help=_help("fanout"))
 @click.argument("workers", metavar="W1,W2,…", callback=_word_callback)
 @click.argument("task", nargs=-1, required=True)
 @_to_option
-def fanout(workers: str, task: tuple[str, ...], to: str | None) -> None:
-    _run("fanout", workers, *task, to=to)
+@_start_options
+@click.option(
+    "--strategy",
+    type=click.Choice(["collect", "merge_all", "vote", "best", "synthesize"]),
+    default=None,
+    help="How the answers are aggregated (default collect).",
+)
+def fanout(
+    workers: str,
+    task: tuple[str, ...],
+    to: str | None,
+    expect: str | None,
+    deadline: int | None,
+    strategy: str | None,
+) -> None:
+    _run("fanout", workers, *_option_words(expect, deadline, strategy), *task, to=to)
 
 
 @swarm.command("consult", help=_help("consult"))
 @click.argument("workers", metavar="W1,W2,…", callback=_word_callback)
 @click.argument("question", nargs=-1, required=True)
 @_to_option
-def consult(workers: str, question: tuple[str, ...], to: str | None) -> None:
-    _run("consult", workers, *question, to=to)
+@_start_options
+def consult(workers: str, question: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None) -> None:
+    _run("consult", workers, *_option_words(expect, deadline), *question, to=to)
+
+
+@swarm.command("conditional", help=_help("conditional"))
+@click.argument("router", callback=_word_callback)
+@click.argument("routes", metavar="BRANCH=WORKER,…", callback=_word_callback)
+@click.argument("task", nargs=-1, required=True)
+@_to_option
+@_start_options
+def conditional(
+    router: str, routes: str, task: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None
+) -> None:
+    _run("conditional", router, routes, *_option_words(expect, deadline), *task, to=to)
+
+
+@swarm.command("breaker", help=_help("breaker"))
+@click.argument("action", type=click.Choice(["reset"]))
+@click.argument("worker", callback=_word_callback)
+@_to_option
+def breaker(action: str, worker: str, to: str | None) -> None:
+    _run("breaker", action, worker, to=to)
 
 
 def _task_command(verb: str) -> Callable[[str, str | None], None]:

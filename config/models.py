@@ -155,6 +155,7 @@ class ModelConfig(Strict):
     name: str = Field(default="llama3.1", min_length=1)
     timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
     max_retries: int = Field(default=3, ge=0, le=10)
+    embeddings: str | None = None  # an embeddings model at the same endpoint: semantic routing for auto
 
 
 class LeadAgentConfig(Strict):
@@ -399,12 +400,32 @@ class PlatformsConfig(Strict):
     discord: DiscordConfig = Field(default_factory=DiscordConfig)
 
 
+class SwarmWorkerSettings(Strict):
+    """``swarm.workers.<name>``: one worker's own reliability settings (unset: the swarm's)."""
+
+    breaker_threshold: int | None = Field(default=None, ge=1, le=100)
+    breaker_cooldown_seconds: float | None = Field(default=None, gt=0, le=86400)
+    retries: int | None = Field(default=None, ge=0, le=10)  # retries after the first attempt
+    timeout_seconds: int | None = Field(default=None, ge=1, le=3600)
+
+
 class SwarmConfig(Strict):
     step_timeout_seconds: int = Field(default=300, ge=1, le=3600)
+    task_deadline_seconds: int = Field(default=1800, ge=1, le=86400)  # a whole task, every step and retry
     max_parallel: int = Field(default=8, ge=1, le=64)
     max_workers: int = Field(default=32, ge=1, le=32)
     max_paused_pipelines: int = Field(default=100, ge=0, le=100)
-    retention_days: int = Field(default=30, ge=1, le=3650)
+    retention_days: int = Field(default=30, ge=0, le=3650)  # 0 keeps every task
+    retention_sweep_seconds: int = Field(default=3600, ge=1, le=86400)
+    breaker_threshold: int = Field(default=5, ge=1, le=100)
+    breaker_cooldown_seconds: float = Field(default=60.0, gt=0, le=86400)
+    retries: int = Field(default=2, ge=0, le=10)
+    workers: dict[str, SwarmWorkerSettings] = Field(default_factory=dict)
+    schemas: dict[str, dict[str, Any]] = Field(default_factory=dict)  # named output schemas for --expect
+    routing_floor: float = Field(default=0.3, ge=-1, le=1)  # least cosine similarity semantic routing accepts
+    routing_deadline_seconds: float = Field(default=5.0, gt=0, le=120)
+    prompt_price_per_thousand: float = Field(default=0.0, ge=0)
+    completion_price_per_thousand: float = Field(default=0.0, ge=0)
     allow_shared_operators: bool = False
     checkpoints: dict[str, list[int]] = Field(default_factory=dict)
 
@@ -521,6 +542,13 @@ class KazmaConfig(Strict):
                         {"subpath": f"swarm.checkpoints.{name}[{position}]", "last": len(stages) - 1, "got": stage},
                     )
         self._check_tools()
+        for name in self.swarm.workers:
+            if name not in self.agents.workers:
+                raise PydanticCustomError(
+                    "kazma_reference",
+                    "swarm.workers names {name}, which is not a worker",
+                    {"subpath": f"swarm.workers.{name}", "name": repr(name)},
+                )
         if len(self.agents.workers) > self.swarm.max_workers:
             raise PydanticCustomError(
                 "kazma_workers",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,8 +154,11 @@ class AgentRunner:
     def add_internal_tool(self, agent: str, tool: InternalTool) -> None:
         self.internal.setdefault(agent, {})[tool.spec.name] = tool
 
-    def _specs(self, agent: AgentSpec) -> list[ToolSpec]:
-        specs = [t.spec for t in self.internal.get(agent.name, {}).values()]
+    def _internal(self, agent: AgentSpec, extra: Sequence[InternalTool]) -> dict[str, InternalTool]:
+        return {**self.internal.get(agent.name, {}), **{t.spec.name: t for t in extra}}
+
+    def _specs(self, agent: AgentSpec, extra: Sequence[InternalTool] = ()) -> list[ToolSpec]:
+        specs = [t.spec for t in self._internal(agent, extra).values()]
         usable = [name for name in agent.tools if name in self.registry]
         for name in agent.tools:
             if name not in self.registry:
@@ -171,8 +174,12 @@ class AgentRunner:
         requested_by: str,
         task_id: str | None = None,
         step: StepRef | None = None,
+        extra_tools: Sequence[InternalTool] = (),
     ) -> TurnResult:
-        """One turn: the agent answers ``text``, calling tools as it goes, at most ``max_steps`` model calls."""
+        """One turn: the agent answers ``text``, calling tools as it goes, at most ``max_steps`` model calls.
+
+        ``extra_tools`` are internal tools offered for this turn only (the swarm's handoff tool).
+        """
         ctx = TurnContext(conversation, agent, requested_by, task_id, request_text=text, step=step)
         messages: list[Message] = [
             {"role": "system", "content": agent.system_prompt},
@@ -180,7 +187,8 @@ class AgentRunner:
             {"role": "user", "content": text},
         ]
         result = TurnResult(text="")
-        specs = self._specs(agent)
+        specs = self._specs(agent, extra_tools)
+        internal = self._internal(agent, extra_tools)
         for _ in range(self.max_steps):
             try:
                 reply = await self.provider.complete(messages, specs, model=agent.model)
@@ -197,7 +205,7 @@ class AgentRunner:
                 return result
             messages.append(_assistant_message(reply.content, reply.tool_calls))
             for call in reply.tool_calls:
-                content = await self._call(call, ctx, result)
+                content = await self._call(call, ctx, result, internal)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
         result.error = f"stopped after {self.max_steps} model calls without a final answer"
         log.warning("agent.turn_limit", agent=agent.name, conversation=conversation)
@@ -214,7 +222,9 @@ class AgentRunner:
             completion_tokens=result.usage.completion_tokens,
         )
 
-    async def _call(self, call: ToolCall, ctx: TurnContext, result: TurnResult) -> str:
+    async def _call(
+        self, call: ToolCall, ctx: TurnContext, result: TurnResult, tools: Mapping[str, InternalTool]
+    ) -> str:
         """Run one tool call; whatever happens, the model gets an answer it can act on."""
         if call.error is not None:
             result.tool_runs.append(ToolRun(call.name, {}, False, call.error))
@@ -224,7 +234,7 @@ class AgentRunner:
             problem = f"arguments nested {depth} levels deep (at most {MAX_ARGUMENT_DEPTH})"
             result.tool_runs.append(ToolRun(call.name, {}, False, problem, refused=True))
             return f"Error: the call to {call.name} was not run: its {problem}. Send flatter arguments."
-        internal = self.internal.get(ctx.agent.name, {}).get(call.name)
+        internal = tools.get(call.name)
         if internal is not None:
             outcome = await internal.handler(call.arguments, ctx)
             result.tool_runs.append(
@@ -232,7 +242,7 @@ class AgentRunner:
             )
             return outcome.output if outcome.ok else f"Error: {outcome.error}"
         if call.name not in ctx.agent.tools or call.name not in self.registry:
-            allowed = ", ".join([*self.internal.get(ctx.agent.name, {}), *ctx.agent.tools]) or "none"
+            allowed = ", ".join([*tools, *ctx.agent.tools]) or "none"
             result.tool_runs.append(ToolRun(call.name, call.arguments, False, "not available", refused=True))
             return f"Error: {call.name} is not one of your tools (yours: {allowed})."
         refusal = self.registry.refusal(call.name)

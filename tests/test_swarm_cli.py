@@ -46,5 +46,16 @@ async def test_swarm_cli_reads_refuses_and_runs(tmp_path: Path) -> None:
         history = await asyncio.to_thread(kazma, config, "history")
         assert "succeeded" in history.stdout
         assert "dispatch" in history.stdout
+        metrics = await asyncio.to_thread(kazma, config, "metrics")
+        assert metrics.returncode == 0, metrics.stderr
+        assert "builder: 1 completed, 0 failed" in metrics.stdout
+        parsed = await asyncio.to_thread(
+            kazma, config, "--parse-only", "fanout", "--strategy", "vote", "--deadline", "60", "builder,refiner", "go"
+        )
+        assert '"strategy": "vote"' in parsed.stdout
+        assert '"deadline": 60' in parsed.stdout
+        unknown = await asyncio.to_thread(kazma, config, "--as", "ops", "dispatch", "--expect", "nope", "builder", "x")
+        assert unknown.returncode == 1
+        assert unknown.stdout.startswith("Not started: unknown output schema 'nope'")
     finally:
         await model.stop()

@@ -19,8 +19,10 @@ from kazma.engine.swarm.grammar import (
     VERBS,
     Access,
     ApproveCommand,
+    BreakerResetCommand,
     BroadcastCommand,
     CancelCommand,
+    ConditionalCommand,
     ConfigCommand,
     ConsultCommand,
     DispatchCommand,
@@ -29,6 +31,7 @@ from kazma.engine.swarm.grammar import (
     HelpCommand,
     HistoryCommand,
     ListCommand,
+    MetricsCommand,
     PipelineCommand,
     RejectCommand,
     RetryCommand,
@@ -94,6 +97,17 @@ WELL_FORMED: list[tuple[str, SwarmCommand]] = [
     ("fanout researcher,validator check it", FanOutCommand(("researcher", "validator"), "check it")),
     ("fanout builder check it", FanOutCommand(("builder",), "check it")),
     ("consult refiner,builder which is better?", ConsultCommand(("refiner", "builder"), "which is better?")),
+    (
+        "fanout researcher,validator --strategy vote --expect json --deadline 60 check it",
+        FanOutCommand(("researcher", "validator"), "check it", "vote", expect="json", deadline=60),
+    ),
+    (
+        "conditional refiner code=builder,docs=researcher write the thing",
+        ConditionalCommand("refiner", (("code", "builder"), ("docs", "researcher")), "write the thing"),
+    ),
+    ("breaker reset builder", BreakerResetCommand("builder")),
+    ("metrics", MetricsCommand()),
+    ("metrics 30", MetricsCommand(30)),
     ("cancel abcd", CancelCommand("abcd")),
     ("approve task_42", ApproveCommand("task_42")),
     ("reject Task-42", RejectCommand("Task-42")),
@@ -160,12 +174,23 @@ def test_starting_commands_name_their_engine_pattern(command: Any, pattern: Patt
                 "verb": "fanout",
                 "workers": ["builder", "refiner"],
                 "prompt": "go\nnow",
+                "strategy": "collect",
+                "expect": None,
+                "deadline": None,
                 "route": {"platform": "slack", "chat": "C0123ABCD"},
             },
         ),
         (
             "pipeline quick x",
-            {"verb": "pipeline", "workers": ["researcher", "builder"], "prompt": "x", "preset": "quick", "route": None},
+            {
+                "verb": "pipeline",
+                "workers": ["researcher", "builder"],
+                "prompt": "x",
+                "preset": "quick",
+                "expect": None,
+                "deadline": None,
+                "route": None,
+            },
         ),
     ],
 )
@@ -185,7 +210,11 @@ MALFORMED: list[tuple[str, str]] = [
     ("broadcast", "broadcast needs a task: /swarm broadcast <task>"),
     ("pipeline", "pipeline needs a preset or workers, and a task: /swarm pipeline <preset|w1,w2,…> <task>"),
     ("pipeline standard", "pipeline needs a preset or workers, and a task"),
-    ("fanout", "fanout needs workers and a task: /swarm fanout <w1,w2,…> <task>"),
+    (
+        "fanout",
+        "fanout needs workers and a task: /swarm fanout <w1,w2,…> [--strategy collect|merge_all|vote|best|synthesize]"
+        " <task>",
+    ),
     ("fanout builder,refiner", "fanout needs workers and a task"),
     ("consult", "consult needs workers and a question: /swarm consult <w1,w2,…> <question>"),
     ("consult builder", "consult needs workers and a question"),
@@ -227,7 +256,11 @@ MALFORMED: list[tuple[str, str]] = [
     ("fanout ,builder go", "has an empty name"),
     ("consult builder,,refiner go", "has an empty name"),
     ("pipeline builder,refiner, go", "has an empty name"),
-    ("fanout builder,builder go", "worker 'builder' is listed twice: /swarm fanout <w1,w2,…> <task>"),
+    (
+        "fanout builder,builder go",
+        "worker 'builder' is listed twice: /swarm fanout <w1,w2,…> [--strategy collect|merge_all|vote|best|synthesize]"
+        " <task>",
+    ),
     ("consult refiner,builder,refiner go", "worker 'refiner' is listed twice"),
     ("pipeline builder,Builder go", "worker 'builder' is listed twice"),
     # routes
@@ -269,7 +302,7 @@ def test_malformed(text: str, expected: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "verb", [v for v in VERBS if v not in ("help", "status", "list", "history", "workers", "config")]
+    "verb", [v for v in VERBS if v not in ("help", "status", "list", "history", "workers", "config", "metrics")]
 )
 def test_each_subcommand_with_arguments_says_what_it_needs(verb: str) -> None:
     exc = error(verb)
@@ -411,8 +444,12 @@ def test_help_text_covers_exactly_the_grammar_and_the_route() -> None:
         "reject",
         "retry",
         "config",
+        "conditional",
+        "breaker",
+        "metrics",
     }
-    assert len(help_text().splitlines()) == len(VERBS) + 1
+    assert len(help_text().splitlines()) == len(VERBS) + 2
+    assert "--expect json|<schema>" in help_text()
     assert "-> <platform>:<chat>" in help_text()
 
 
@@ -434,6 +471,9 @@ def test_help_text_covers_exactly_the_grammar_and_the_route() -> None:
         ("reject", Access.STEER),
         ("retry", Access.STEER),
         ("config", Access.ADMIN),
+        ("conditional", Access.STEER),
+        ("breaker", Access.ADMIN),
+        ("metrics", Access.READ),
     ],
 )
 def test_parsed_access_matches_the_help(verb: str, access: Access) -> None:

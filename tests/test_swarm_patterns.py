@@ -90,8 +90,9 @@ async def test_handoff_depth_limit() -> None:
     }
     outcome = await dispatch(call, workers["w0"], "task", by_name=dict(workers.items()))
     visited = [r.worker for r in outcome.results]
-    assert len({w for w in visited}) == MAX_HANDOFF_DEPTH + 1
-    assert workers[names[MAX_HANDOFF_DEPTH + 1]].seen == []
+    # the run at depth 5 may not hand off: four handoffs, five workers, and the fifth finishes itself
+    assert len({w for w in visited}) == MAX_HANDOFF_DEPTH
+    assert workers[names[MAX_HANDOFF_DEPTH]].seen == []
 
 
 async def test_unknown_handoff_target_is_refused_to_the_model() -> None:
@@ -146,8 +147,10 @@ async def test_a_crashing_worker_is_its_own_failure() -> None:
 
 async def test_every_aggregation_strategy() -> None:
     results = [ok("a", "yes"), fail("b"), ok("c", "no"), ok("d", "no"), ok("e", "yes")]
+    labelled = "[a] yes\n\n[b] failed: b broke\n\n[c] no\n\n[d] no\n\n[e] yes"
+    # collect keeps metadata only: the answers themselves stay in the task record
     assert await aggregate(Aggregation.COLLECT, "q", results) == (
-        "[a] yes\n\n[b] failed: b broke\n\n[c] no\n\n[d] no\n\n[e] yes"
+        "[a] ok, 3 characters\n[b] failed: b broke\n[c] ok, 2 characters\n[d] ok, 2 characters\n[e] ok, 3 characters"
     )
     assert await aggregate(Aggregation.FIRST_VALID, "q", results) == "yes"
     assert await aggregate(Aggregation.VOTE, "q", results) == "yes"  # 2-2 tie: first appearance wins
@@ -155,7 +158,7 @@ async def test_every_aggregation_strategy() -> None:
     merged = await aggregate(
         Aggregation.MERGE_ALL, "q", [ok("a", '{"k": 1}'), ok("b", '{"k": 2, "j": 3}'), ok("c", "t")]
     )
-    assert merged == '{"j": 3, "k": 1}\n\nt'
+    assert merged == '[a] {"k": 1}\n\n[b] {"k": 2, "j": 3}\n\n[c] t'
 
     async def synth(prompt: str, rs: Sequence[WorkerResult]) -> str:
         return f"{prompt}: " + "+".join(r.output for r in rs)
@@ -166,7 +169,7 @@ async def test_every_aggregation_strategy() -> None:
         raise TimeoutError("model down")
 
     fallback = await aggregate(Aggregation.SYNTHESIZE, "q", results, broken)
-    assert fallback == await aggregate(Aggregation.COLLECT, "q", results)
+    assert fallback == labelled
     with pytest.raises(ValueError, match="unknown aggregation strategy 'average'"):
         parse_aggregation("average")
 
@@ -239,3 +242,23 @@ def test_auto_routing_by_expertise() -> None:
     assert route_auto("find sources on X", workers).name == "researcher"
     with pytest.raises(NoCapableWorker, match="no worker's expertise matches"):
         route_auto("bake a cake", workers)
+
+
+async def test_best_takes_the_answer_the_model_names_and_falls_back_to_the_first_valid() -> None:
+    results = [fail("a"), ok("b", "short"), ok("c", "the careful one")]
+
+    async def choose(prompt: str, rs: Sequence[WorkerResult]) -> str:
+        assert [r.worker for r in rs] == ["b", "c"]  # only answers that succeeded are judged
+        return " C "
+
+    assert await aggregate(Aggregation.BEST, "q", results, chooser=choose) == "the careful one"
+
+    async def broken(prompt: str, rs: Sequence[WorkerResult]) -> str:
+        raise TimeoutError("model down")
+
+    async def nonsense(prompt: str, rs: Sequence[WorkerResult]) -> str:
+        return "nobody"
+
+    assert await aggregate(Aggregation.BEST, "q", results, chooser=broken) == "short"
+    assert await aggregate(Aggregation.BEST, "q", results, chooser=nonsense) == "short"
+    assert parse_aggregation("best") is Aggregation.BEST

@@ -20,6 +20,8 @@ from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.honesty import reveal
 from kazma.approvals.model import ApprovalRequest, Outcome, Status
 from kazma.approvals.store import AuditEvent, PostedCard
+from kazma.bot.console.swarm_views import handoff_chain, worker_numbers
+from kazma.engine.swarm.state_store import WorkerDay
 from kazma.engine.swarm.store import TaskRecord
 from kazma.engine.swarm.types import TaskStatus
 
@@ -325,6 +327,7 @@ def dashboard_page(
     counts: Mapping[str, int],
     *,
     flash: Sequence[str] = (),
+    worker_days: Sequence[WorkerDay] = (),
 ) -> str:
     task_rows = []
     for t in tasks:
@@ -334,7 +337,7 @@ def dashboard_page(
         used = f"{int(tokens.get('prompt', 0))} + {int(tokens.get('completion', 0))}" if tokens else ""
         task_rows.append(
             f"<tr><td><code>{e(t.id)}</code></td><td>{e(t.status.value)}</td><td>{e(t.pattern.value)}</td>"
-            f"<td>{e(', '.join(str(w) for w in workers))}</td><td>{e(t.current_step)}</td>"
+            f"<td>{e(', '.join(str(w) for w in workers))}{handoff_chain(t)}</td><td>{e(t.current_step)}</td>"
             f"<td>{e(when(t.created_at))}</td><td>{e(when(t.finished_at))}</td>"
             f"<td>{e(_excerpt(output)) if output else ''}</td><td>{e(used)}</td><td>{e(t.error or '')}</td>"
             f"<td>{_task_actions(viewer, t)}</td></tr>"
@@ -363,7 +366,7 @@ def dashboard_page(
         "<th>created</th><th>finished</th><th>result</th><th>tokens (prompt + completion)</th><th>error</th>"
         "<th></th></tr>"
         f"{''.join(task_rows)}</table>"
-        f"<h2>Workers</h2><ul>{workers}</ul>"
+        f"<h2>Workers</h2><ul>{workers}</ul>{worker_numbers(worker_days)}"
         "<h2>Recent approvals</h2><table><tr><th>id</th><th>tool</th><th>status</th><th>requested by</th>"
         f"<th>when</th><th>decided by</th></tr>{approval_rows}</table>"
     )

@@ -362,8 +362,16 @@ class WebServer:
         tasks = await store.list(limit=50)
         counts = {status.value: await store.count(status) for status in TaskStatus}
         approvals = await self.app.service.store.requests(limit=20)
+        state = self.app.swarm.state
+        days = await state.worker_days(7) if state is not None else []
         page = dashboard_page(
-            session, tasks, self.app.swarm.worker_lines(), approvals, counts, flash=session.take_flash()
+            session,
+            tasks,
+            self.app.swarm.worker_lines(),
+            approvals,
+            counts,
+            flash=session.take_flash(),
+            worker_days=days,
         )
         return html_response(page)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -11,8 +11,10 @@ from kazma.approvals.model import Decision
 from kazma.config.models import KazmaConfig
 from kazma.engine.swarm.grammar import (
     ApproveCommand,
+    BreakerResetCommand,
     BroadcastCommand,
     CancelCommand,
+    ConditionalCommand,
     ConfigCommand,
     ConsultCommand,
     DispatchCommand,
@@ -21,9 +23,11 @@ from kazma.engine.swarm.grammar import (
     HelpCommand,
     HistoryCommand,
     ListCommand,
+    MetricsCommand,
     PipelineCommand,
     RejectCommand,
     RetryCommand,
+    StartCommand,
     StatusCommand,
     SwarmCommand,
     WorkersCommand,
@@ -32,8 +36,8 @@ from kazma.engine.swarm.grammar import (
 )
 from kazma.engine.swarm.roles import authorize
 from kazma.engine.swarm.service import SwarmRefused, SwarmRequest, SwarmService, request_from
-from kazma.engine.swarm.store import TaskRecord
-from kazma.engine.swarm.types import Pattern, TaskStatus
+from kazma.engine.swarm.store import StoreUnavailable, TaskRecord
+from kazma.engine.swarm.types import TaskStatus
 
 log = structlog.get_logger("kazma.swarm.commands")
 
@@ -64,6 +68,10 @@ class SwarmCommands:
             return await self._execute(command, actor=actor, platform=platform, chat=chat)
         except SwarmRefused as exc:
             return f"Not started: {exc}"
+        except StoreUnavailable as exc:
+            # the person always hears back: a store that cannot answer is said, never swallowed
+            log.error("swarm.command_store_unavailable", verb=command.verb, error=str(exc))
+            return f"The swarm's task store is unavailable ({exc.operation}); nothing changed, send again."
 
     async def _execute(self, command: SwarmCommand, *, actor: str, platform: str, chat: str) -> str:
         service = self.service
@@ -92,7 +100,8 @@ class SwarmCommands:
             swarm = self.config.swarm
             presets = "; ".join(f"{n}: {', '.join(s)}" for n, s in self.config.pipelines.items())
             return (
-                f"step timeout {swarm.step_timeout_seconds} s, {swarm.max_parallel} parallel, "
+                f"step timeout {swarm.step_timeout_seconds} s, task deadline {swarm.task_deadline_seconds} s, "
+                f"{swarm.max_parallel} parallel, "
                 f"retention {swarm.retention_days} days, checkpoints {swarm.checkpoints or 'none'}; "
                 f"pipelines: {presets}"
             )
@@ -101,6 +110,10 @@ class SwarmCommands:
         if isinstance(command, ApproveCommand | RejectCommand):
             decision = Decision.APPROVE if isinstance(command, ApproveCommand) else Decision.DENY
             return await service.decide_checkpoint(command.task_id, decision, actor=actor, platform=platform)
+        if isinstance(command, BreakerResetCommand):
+            return await service.reset_breaker(command.worker, actor=actor)
+        if isinstance(command, MetricsCommand):
+            return await service.metrics_text(command.days)
         if isinstance(command, RetryCommand):
             return await self._retry(command.task_id, actor=actor, origin=origin, route=route)
         request = _request(command, owner=actor, origin=origin, route=route)
@@ -134,25 +147,39 @@ class SwarmCommands:
             aggregation=earlier.aggregation,
             preset=earlier.preset,
             conversation=origin,
+            routes=earlier.routes,
+            expect=earlier.expect,
+            deadline_seconds=earlier.deadline_seconds,
         )
         new_id = await self.service.submit(request)
         return f"swarm task {task_id} retried as {new_id}"
 
 
 def _request(command: SwarmCommand, *, owner: str, origin: str, route: str | None) -> SwarmRequest:
+    if not isinstance(command, StartCommand):
+        raise SwarmRefused(f"/swarm {command.verb} does not start work")
+    base = SwarmRequest(
+        command.pattern,
+        (),
+        "",
+        owner,
+        route,
+        conversation=origin,
+        expect=command.expect,
+        deadline_seconds=command.deadline,
+    )
     if isinstance(command, DispatchCommand):
-        workers = (command.worker,) if command.worker else ("auto",)
-        return SwarmRequest(Pattern.DISPATCH, workers, command.prompt, owner, route, conversation=origin)
+        return replace(base, workers=(command.worker,) if command.worker else ("auto",), prompt=command.prompt)
     if isinstance(command, BroadcastCommand):
-        return SwarmRequest(Pattern.BROADCAST, (), command.prompt, owner, route, conversation=origin)
+        return replace(base, prompt=command.prompt)
     if isinstance(command, PipelineCommand):
-        return SwarmRequest(
-            Pattern.PIPELINE, command.workers, command.prompt, owner, route, preset=command.preset, conversation=origin
-        )
+        return replace(base, workers=command.workers, prompt=command.prompt, preset=command.preset)
     if isinstance(command, FanOutCommand):
-        return SwarmRequest(Pattern.FAN_OUT, command.workers, command.prompt, owner, route, conversation=origin)
+        return replace(base, workers=command.workers, prompt=command.prompt, aggregation=command.strategy)
+    if isinstance(command, ConditionalCommand):
+        return replace(base, workers=(command.router,), prompt=command.prompt, routes=command.routes)
     if isinstance(command, ConsultCommand):
-        return SwarmRequest(Pattern.CONSULT, command.workers, command.question, owner, route, conversation=origin)
+        return replace(base, workers=command.workers, prompt=command.question)
     raise SwarmRefused(f"/swarm {command.verb} does not start work")
 
 
@@ -169,6 +196,10 @@ def _describe(record: TaskRecord | None, task_id: str) -> str:
         lines.append(f"step: {record.current_step}")
     if record.error:
         lines.append(f"error: {record.error}")
+    details = (record.result or {}).get("details") or {}
+    chain = details.get("handoffs") if isinstance(details, dict) else None
+    if isinstance(chain, list) and chain:
+        lines.append("handoffs: " + " → ".join([str(chain[0].get("from")), *(str(h.get("to")) for h in chain)]))
     if record.result and record.result.get("output"):
         lines.append(f"result: {str(record.result['output'])[:1500]}")
     return "\n".join(lines)

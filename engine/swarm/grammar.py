@@ -13,7 +13,7 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from enum import StrEnum
-from typing import ClassVar
+from typing import ClassVar, TypedDict
 
 from kazma.config.registry import ROUTE_PLATFORMS, chat_id_problem
 from kazma.engine.swarm.types import Pattern
@@ -83,9 +83,15 @@ class SwarmCommand:
 
 @dataclass(frozen=True, kw_only=True)
 class StartCommand(SwarmCommand):
-    """A command that starts new work with one of the swarm's patterns."""
+    """A command that starts new work with one of the swarm's patterns.
+
+    Options come right before the task: ``--expect json|<schema>`` makes every worker
+    answer match, ``--deadline <seconds>`` bounds the whole task.
+    """
 
     pattern: ClassVar[Pattern]
+    expect: str | None = None
+    deadline: int | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,31 @@ class FanOutCommand(StartCommand):
     pattern: ClassVar[Pattern] = Pattern.FAN_OUT
     workers: tuple[str, ...]
     prompt: str
+    strategy: str = "collect"
+
+
+@dataclass(frozen=True)
+class ConditionalCommand(StartCommand):
+    verb: ClassVar[str] = "conditional"
+    access: ClassVar[Access] = Access.STEER
+    pattern: ClassVar[Pattern] = Pattern.CONDITIONAL
+    router: str  # the worker whose answer names the branch
+    routes: tuple[tuple[str, str], ...]  # (branch, worker)
+    prompt: str
+
+
+@dataclass(frozen=True)
+class BreakerResetCommand(SwarmCommand):
+    verb: ClassVar[str] = "breaker"
+    access: ClassVar[Access] = Access.ADMIN
+    worker: str
+
+
+@dataclass(frozen=True)
+class MetricsCommand(SwarmCommand):
+    verb: ClassVar[str] = "metrics"
+    access: ClassVar[Access] = Access.READ
+    days: int = 7
 
 
 @dataclass(frozen=True)
@@ -213,6 +244,9 @@ AnySwarmCommand = (
     | PipelineCommand
     | FanOutCommand
     | ConsultCommand
+    | ConditionalCommand
+    | BreakerResetCommand
+    | MetricsCommand
     | CancelCommand
     | ApproveCommand
     | RejectCommand
@@ -258,7 +292,18 @@ USAGES: Mapping[str, Usage] = {
             Access.STEER,
         ),
         Usage(
-            "fanout", "<w1,w2,…> <task>", "workers and a task", "run a task on several workers at once", Access.STEER
+            "fanout",
+            "<w1,w2,…> [--strategy collect|merge_all|vote|best|synthesize] <task>",
+            "workers and a task",
+            "run a task on several workers at once",
+            Access.STEER,
+        ),
+        Usage(
+            "conditional",
+            "<router> <branch=worker,…> <task>",
+            "a router worker, a route map and a task",
+            "let the router's answer pick the branch that runs the task",
+            Access.STEER,
         ),
         Usage(
             "consult",
@@ -272,6 +317,8 @@ USAGES: Mapping[str, Usage] = {
         Usage("reject", "<task-id>", "a task id", "stop a pipeline paused at a checkpoint", Access.STEER),
         Usage("retry", "<task-id>", "a task id", "run a failed or interrupted task again", Access.STEER),
         Usage("config", "", "nothing", "the swarm's settings", Access.ADMIN),
+        Usage("breaker", "reset <worker>", "'reset' and a worker", "close a worker's circuit breaker", Access.ADMIN),
+        Usage("metrics", "[days]", "at most a number of days", "per-worker numbers per day", Access.READ),
     )
 }
 VERBS: tuple[str, ...] = tuple(USAGES)
@@ -288,6 +335,10 @@ def help_text() -> str:
     """One line per subcommand: usage, who may run it, what it does; then the routing suffix."""
     width = max(len(u.line) for u in USAGES.values())
     lines = [f"{u.line:<{width}}  ({_ACCESS_LABEL[u.access]}) {u.summary}" for u in USAGES.values()]
+    lines.append(
+        "Before the task, work commands take --expect json|<schema> (every answer must match) "
+        "and --deadline <seconds> (the whole task)."
+    )
     lines.append(
         f"End any command with -> <platform>:<chat> ({', '.join(ROUTE_PLATFORMS)}) "
         "to post the result in another chat (admin)."
@@ -330,21 +381,47 @@ def parse(text: str, *, workers: Collection[str], pipelines: Mapping[str, Sequen
         case "config":
             p.no_arguments(rest)
             return ConfigCommand(route=route)
+        case "breaker":
+            action, worker = _first_word(rest) if rest else ("", "")
+            if action.lower() != "reset" or not worker or len(worker.split()) != 1:
+                raise p.missing()
+            p._check_worker(worker.lower())
+            return BreakerResetCommand(worker.lower(), route=route)
+        case "metrics":
+            if not rest:
+                return MetricsCommand(route=route)
+            if not rest.isdigit() or not 1 <= int(rest) <= 366:
+                raise p.fail("metrics takes a number of days from 1 to 366")
+            return MetricsCommand(int(rest), route=route)
+    opts, rest = p.options(rest)
+    match verb:
         case "dispatch":
             token, prompt = p.word_and_prompt(rest)
-            return DispatchCommand(p.dispatch_worker(token), prompt, route=route)
+            opts, prompt = p.options(prompt, opts)
+            return DispatchCommand(p.dispatch_worker(token), p.prompt(prompt), route=route, **p.start(opts))
         case "broadcast":
-            return BroadcastCommand(p.prompt(rest), route=route)
+            return BroadcastCommand(p.prompt(rest), route=route, **p.start(opts))
         case "pipeline":
             token, prompt = p.word_and_prompt(rest)
+            opts, prompt = p.options(prompt, opts)
             preset, stages = p.pipeline_stages(token)
-            return PipelineCommand(stages, prompt, preset=preset, route=route)
+            return PipelineCommand(stages, p.prompt(prompt), preset=preset, route=route, **p.start(opts))
         case "fanout":
             token, prompt = p.word_and_prompt(rest)
-            return FanOutCommand(p.worker_list(token), prompt, route=route)
+            opts, prompt = p.options(prompt, opts)
+            strategy = p.strategy(opts.pop("strategy", "collect"))
+            return FanOutCommand(p.worker_list(token), p.prompt(prompt), strategy, route=route, **p.start(opts))
+        case "conditional":
+            router, after = p.word_and_prompt(rest)
+            routes_token, prompt = p.word_and_prompt(after)
+            opts, prompt = p.options(prompt, opts)
+            p._check_worker(router.lower())
+            routes = p.route_map(routes_token)
+            return ConditionalCommand(router.lower(), routes, p.prompt(prompt), route=route, **p.start(opts))
         case "consult":
             token, prompt = p.word_and_prompt(rest)
-            return ConsultCommand(p.worker_list(token), prompt, route=route)
+            opts, prompt = p.options(prompt, opts)
+            return ConsultCommand(p.worker_list(token), p.prompt(prompt), route=route, **p.start(opts))
         case "cancel":
             return CancelCommand(p.task_id(rest), route=route)
         case "approve":
@@ -404,6 +481,11 @@ def _shown(value: str, limit: int = 40) -> str:
     return repr(value if len(value) <= limit else value[:limit] + "…")
 
 
+class _StartOptions(TypedDict):
+    expect: str | None
+    deadline: int | None
+
+
 class _Parser:
     """Argument checks for one subcommand, so every error names its usage."""
 
@@ -442,6 +524,53 @@ class _Parser:
         if not _TASK_ID.fullmatch(token):
             raise self.fail(f"{_shown(token)} is not a task id (4 to 32 letters, digits, '-' or '_')")
         return token
+
+    _OPTIONS = ("expect", "deadline", "strategy")
+    _STRATEGIES = ("collect", "merge_all", "vote", "best", "synthesize")
+
+    def options(self, text: str, found: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
+        """Take leading ``--name value`` pairs off ``text``; the rest is the task."""
+        opts = dict(found or {})
+        while text.startswith("--"):
+            name, rest = _first_word(text)
+            value, text = _first_word(rest) if rest else ("", "")
+            key = name[2:].lower()
+            if key not in self._OPTIONS or (key == "strategy" and self.usage.verb != "fanout"):
+                raise self.fail(f"unknown option {_shown(name)}")
+            if not value:
+                raise self.fail(f"{name} needs a value")
+            if key in opts:
+                raise self.fail(f"{name} is given twice")
+            opts[key] = value
+        return opts, text
+
+    def start(self, opts: dict[str, str]) -> _StartOptions:
+        deadline = opts.get("deadline")
+        if deadline is not None and (not deadline.isdigit() or not 1 <= int(deadline) <= 86400):
+            raise self.fail("--deadline takes whole seconds from 1 to 86400")
+        expect = opts.get("expect")
+        if expect is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", expect):
+            raise self.fail("--expect takes json or a schema name from swarm.schemas")
+        return {"expect": expect, "deadline": None if deadline is None else int(deadline)}
+
+    def strategy(self, value: str) -> str:
+        if value.lower() not in self._STRATEGIES:
+            raise self.fail(f"unknown strategy {_shown(value)} (strategies: {', '.join(self._STRATEGIES)})")
+        return value.lower()
+
+    def route_map(self, token: str) -> tuple[tuple[str, str], ...]:
+        pairs: list[tuple[str, str]] = []
+        for item in token.split(","):
+            branch, eq, worker = item.partition("=")
+            if not eq or not re.fullmatch(r"[a-z0-9_-]{1,32}", branch.lower()):
+                raise self.fail(f"the route map {_shown(token)} needs branch=worker pairs separated by commas")
+            self._check_worker(worker.lower())
+            if any(b == branch.lower() for b, _ in pairs):
+                raise self.fail(f"branch {branch.lower()!r} is listed twice")
+            pairs.append((branch.lower(), worker.lower()))
+        if len(pairs) > MAX_LIST_WORKERS:
+            raise self.fail(f"at most {MAX_LIST_WORKERS} branches")
+        return tuple(pairs)
 
     def word_and_prompt(self, rest: str) -> tuple[str, str]:
         token, prompt = _first_word(rest) if rest else ("", "")

@@ -11,6 +11,7 @@ from kazma.approvals.policy import SafetyPolicy
 from kazma.engine.agent import InternalTool, TurnContext
 from kazma.engine.swarm.roles import SHARED_OPERATORS_HINT
 from kazma.engine.swarm.service import CHECK_DEFAULT_WAIT, CHECK_MAX_WAIT, SwarmRefused, SwarmRequest, SwarmService
+from kazma.engine.swarm.store import StoreUnavailable
 from kazma.engine.swarm.types import Pattern
 from kazma.engine.tools import ToolResult, fence_untrusted
 from kazma.engine.types import ToolSpec
@@ -18,11 +19,16 @@ from kazma.engine.types import ToolSpec
 
 class DispatchSwarmArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    pattern: Literal["dispatch", "broadcast", "pipeline", "fan_out", "consult"]
+    pattern: Literal["dispatch", "broadcast", "pipeline", "fan_out", "consult", "conditional"]
     task: str = Field(min_length=1)
-    workers: list[str] = Field(default_factory=list, description="worker names, or ['auto'] with dispatch")
+    workers: list[str] = Field(
+        default_factory=list, description="worker names, or ['auto'] with dispatch; conditional: [router]"
+    )
     preset: str | None = Field(default=None, description="a pipeline preset from kazma.yaml")
-    aggregation: str = "collect"
+    aggregation: Literal["collect", "merge_all", "vote", "best", "synthesize", "first_valid"] = "collect"
+    routes: dict[str, str] = Field(default_factory=dict, description="conditional: branch name -> worker")
+    expect: str | None = Field(default=None, description="'json' or a schema name: every answer must match")
+    deadline_seconds: int | None = Field(default=None, ge=1, le=86400)
 
 
 class CheckSwarmArgs(BaseModel):
@@ -60,6 +66,9 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             aggregation=args.aggregation,
             preset=args.preset,
             conversation=ctx.conversation,
+            routes=tuple(args.routes.items()),
+            expect=args.expect,
+            deadline_seconds=args.deadline_seconds,
         )
         try:
             task_id = await service.submit(request)
@@ -72,7 +81,10 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             args = CheckSwarmArgs.model_validate(dict(arguments))
         except ValidationError as exc:
             return ToolResult(ok=False, output="", error=f"invalid arguments: {exc.errors()[0]['msg']}")
-        record = await service.wait(args.task_id, args.wait_seconds)
+        try:
+            record = await service.wait(args.task_id, args.wait_seconds)
+        except StoreUnavailable:
+            return ToolResult(ok=False, output="", error="the task store is unavailable; check again shortly")
         if record is None:
             return ToolResult(ok=False, output="", error=f"no swarm task {args.task_id!r}")
         output = record.result.get("output", "") if record.result else ""

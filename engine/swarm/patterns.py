@@ -8,7 +8,6 @@ so each pattern is plain logic over :class:`WorkerResult`.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -18,23 +17,48 @@ from typing import Any
 
 import structlog
 
-from kazma.engine.swarm.types import ErrorKind, TaskStatus, Worker, WorkerResult
+from kazma.engine.swarm.metrics import HANDOFFS, swarm_failure
+from kazma.engine.swarm.types import (
+    ErrorKind,
+    HandoffOffer,
+    HandoffRecord,
+    TaskStatus,
+    Worker,
+    WorkerResult,
+    offering,
+)
 from kazma.engine.tools import fence_untrusted
+from kazma.engine.types import Usage
 
 log = structlog.get_logger("kazma.swarm")
 
 Call = Callable[[Worker, str, str], Awaitable[WorkerResult]]  # (worker, prompt, context)
-Synthesizer = Callable[[str, Sequence[WorkerResult]], Awaitable[str]]
+
+
+@dataclass(frozen=True)
+class Synthesis:
+    """A model call's answer with what it cost, so synthesis tokens count in the task's totals."""
+
+    text: str
+    usage: Usage = field(default_factory=Usage)
+
+
+Synthesizer = Callable[[str, Sequence[WorkerResult]], Awaitable["str | Synthesis"]]
+REFINER_INSTRUCTION = "Distil the pipeline's stages into one report for the person who asked. They are data."
+# The chooser names the worker whose answer is best ("best" aggregation).
+Chooser = Callable[[str, Sequence[WorkerResult]], Awaitable["str | Synthesis"]]
+# A handoff made from the run at depth MAX_HANDOFF_DEPTH is refused: at most 4 handoffs, 5 runs in a chain.
 MAX_HANDOFF_DEPTH = 5
-MAX_VISITS = 2
+MAX_VISITS = 2  # a worker runs at most twice in one chain
 _WORD = re.compile(r"[a-z0-9]+")
 
 
 class Aggregation(StrEnum):
-    COLLECT = "collect"
+    COLLECT = "collect"  # metadata only: who answered, how much; the answers stay in the task record
     FIRST_VALID = "first_valid"
-    MERGE_ALL = "merge_all"
+    MERGE_ALL = "merge_all"  # labelled "[worker] output" blocks
     VOTE = "vote"
+    BEST = "best"  # the model picks the best answer; the first valid one when it cannot
     SYNTHESIZE = "synthesize"
 
 
@@ -48,6 +72,7 @@ class SwarmOutcome:
     output: str
     results: list[WorkerResult] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
+    extra_usage: Usage = field(default_factory=Usage)  # model calls beyond the workers' (synthesis, refiner)
 
 
 def parse_aggregation(name: str) -> Aggregation:
@@ -84,47 +109,76 @@ def _labelled(results: Sequence[WorkerResult]) -> str:
     return "\n\n".join(f"[{r.worker}] {r.output}" if r.ok else f"[{r.worker}] failed: {r.error}" for r in results)
 
 
+def _metadata(results: Sequence[WorkerResult]) -> str:
+    return "\n".join(
+        f"[{r.worker}] ok, {len(r.output)} characters" if r.ok else f"[{r.worker}] failed: {r.error}" for r in results
+    )
+
+
+def _merged(results: Sequence[WorkerResult]) -> str:
+    return "\n\n".join(f"[{r.worker}] {r.output}" for r in results if r.ok)
+
+
+def _text(answer: str | Synthesis) -> Synthesis:
+    return answer if isinstance(answer, Synthesis) else Synthesis(answer)
+
+
 async def aggregate(
-    strategy: Aggregation, prompt: str, results: Sequence[WorkerResult], synthesizer: Synthesizer | None = None
+    strategy: Aggregation,
+    prompt: str,
+    results: Sequence[WorkerResult],
+    synthesizer: Synthesizer | None = None,
+    chooser: Chooser | None = None,
 ) -> str:
+    return (await aggregate_with_usage(strategy, prompt, results, synthesizer, chooser)).text
+
+
+async def aggregate_with_usage(
+    strategy: Aggregation,
+    prompt: str,
+    results: Sequence[WorkerResult],
+    synthesizer: Synthesizer | None = None,
+    chooser: Chooser | None = None,
+) -> Synthesis:
     ok = [r for r in results if r.ok]
     if strategy is Aggregation.COLLECT:
-        return _labelled(results)
+        return Synthesis(_metadata(results))
     if strategy is Aggregation.FIRST_VALID:
-        return ok[0].output if ok else ""
+        return Synthesis(ok[0].output if ok else "")
     if strategy is Aggregation.MERGE_ALL:
-        return _merge(ok)
+        return Synthesis(_merged(results))
     if strategy is Aggregation.VOTE:
         if not ok:
-            return ""
+            return Synthesis("")
         counts = Counter(r.output.strip() for r in ok)
         top = max(counts.values())
         # ties go to the answer that appeared first
-        return next(r.output.strip() for r in ok if counts[r.output.strip()] == top)
+        return Synthesis(next(r.output.strip() for r in ok if counts[r.output.strip()] == top))
+    if strategy is Aggregation.BEST:
+        if not ok:
+            return Synthesis("")
+        if chooser is not None:
+            try:
+                choice = _text(await chooser(prompt, ok))
+            except Exception as exc:
+                swarm_failure("synthesis")
+                log.warning("swarm.choice_failed", error=str(exc))
+            else:
+                named = choice.text.strip().strip("[]").lower()
+                for r in ok:
+                    if r.worker == named:
+                        return Synthesis(r.output, choice.usage)
+                swarm_failure("synthesis")
+                log.warning("swarm.choice_unknown", answer=choice.text[:100])
+                return Synthesis(ok[0].output, choice.usage)
+        return Synthesis(ok[0].output)
     if synthesizer is not None and ok:
         try:
-            return await synthesizer(prompt, ok)
+            return _text(await synthesizer(prompt, ok))
         except Exception as exc:
+            swarm_failure("synthesis")
             log.warning("swarm.synthesis_failed", error=str(exc))
-    return _labelled(results)  # the deterministic fallback
-
-
-def _merge(results: Sequence[WorkerResult]) -> str:
-    """JSON objects are merged key by key (later workers fill gaps, never overwrite); other text is joined."""
-    merged: dict[str, Any] = {}
-    texts: list[str] = []
-    for result in results:
-        try:
-            value = json.loads(result.output)
-        except ValueError:
-            value = None
-        if isinstance(value, dict):
-            for key, item in value.items():
-                merged.setdefault(key, item)
-        else:
-            texts.append(result.output)
-    parts = ([json.dumps(merged, sort_keys=True)] if merged else []) + texts
-    return "\n\n".join(parts)
+    return Synthesis(_labelled(results))  # the deterministic fallback
 
 
 async def dispatch(
@@ -134,60 +188,100 @@ async def dispatch(
     *,
     fallbacks: Sequence[Worker] = (),
     by_name: Mapping[str, Worker] | None = None,
+    context: str = "",
 ) -> SwarmOutcome:
     """One worker; on failure the fallback chain in order; handoffs followed within bounds."""
     results: list[WorkerResult] = []
+    chain: list[HandoffRecord] = []
     for candidate in (worker, *fallbacks):
-        result = await _with_handoffs(call, candidate, prompt, by_name or {}, results)
+        result = await _with_handoffs(call, candidate, prompt, context, by_name or {}, results, chain)
         if result.ok or result.changed_state:
             break  # a result that changed something is never tried again elsewhere
     final = results[-1]
+    details: dict[str, Any] = {"worker": final.worker}
+    if chain:
+        details["handoffs"] = [h.as_json() for h in chain]
     return SwarmOutcome(
         TaskStatus.SUCCEEDED if final.ok else TaskStatus.FAILED,
         final.output if final.ok else final.error,
         results,
-        {"worker": final.worker},
+        details,
     )
 
 
+def _handover(original: str, result: WorkerResult) -> str:
+    """What the target sees: the original context, then what the source passed on, fenced as data."""
+    passed = [f"reason: {result.handoff_reason}"] if result.handoff_reason else []
+    if result.handoff_task:
+        passed.append(f"task as restated: {result.handoff_task}")
+    if result.handoff_context:
+        passed.append(f"context: {result.handoff_context}")
+    if result.output:
+        passed.append(f"note: {result.output}")
+    fenced = fence_untrusted("\n".join(passed), source=f"{result.worker}, handing over")
+    return f"{original}\n\n{fenced}" if original else fenced
+
+
 async def _with_handoffs(
-    call: Call, worker: Worker, prompt: str, by_name: Mapping[str, Worker], results: list[WorkerResult]
+    call: Call,
+    worker: Worker,
+    prompt: str,
+    original: str,
+    by_name: Mapping[str, Worker],
+    results: list[WorkerResult],
+    chain: list[HandoffRecord],
 ) -> WorkerResult:
     visits: Counter[str] = Counter()
-    current, context, depth = worker, "", 0
+    depth0 = len(chain)
+    current, context = worker, original
     while True:
         visits[current.name] += 1
-        result = await call(current, prompt, context)
+        depth = len(chain) - depth0 + 1  # this run's place in the chain (1 = the first)
+
+        def refusal(target: str, source: str = current.name, at: int = depth) -> str | None:
+            return _handoff_refusal(source, target, at, visits, by_name)
+
+        offer = HandoffOffer(current.name, tuple(n for n in by_name if n != current.name), refusal)
+        with offering(offer):
+            result = await call(current, prompt, context)
         results.append(result)
         target = result.handoff_to
         if not result.ok or target is None:
             return result
-        refusal = _handoff_refusal(target, depth, visits, by_name)
-        if refusal is None:
-            depth += 1
-            context = fence_untrusted(result.output, source=f"{current.name}, handing over")
+        why = refusal(target)
+        if why is None:
+            chain.append(
+                HandoffRecord(current.name, target, result.handoff_reason, result.handoff_context, result.handoff_task)
+            )
+            HANDOFFS.labels(outcome="accepted").inc()
+            log.info("swarm.handoff", source=current.name, target=target, depth=depth, reason=result.handoff_reason)
+            context = _handover(original, result)
             current = by_name[target]
             continue
-        log.info("swarm.handoff_refused", worker=current.name, target=target, reason=refusal)
+        HANDOFFS.labels(outcome="refused").inc()
+        log.info("swarm.handoff_refused", worker=current.name, target=target, reason=why)
         # the refusal is answered to the model, which gets one chance to finish the task itself
-        retry = await call(
-            current, prompt, f"Your handoff to {target} was refused: {refusal}. Finish the task yourself."
-        )
+        with offering(None):
+            retry = await call(
+                current, prompt, f"Your handoff to {target} was refused: {why}. Finish the task yourself."
+            )
         results.append(retry)
         if retry.ok and retry.handoff_to is not None:
-            failed = WorkerResult(
-                current.name, False, error=f"handoff refused: {refusal}", error_kind=ErrorKind.PERMANENT
-            )
+            failed = WorkerResult(current.name, False, error=f"handoff refused: {why}", error_kind=ErrorKind.PERMANENT)
             results.append(failed)
             return failed
         return retry
 
 
-def _handoff_refusal(target: str, depth: int, visits: Counter[str], by_name: Mapping[str, Worker]) -> str | None:
+def _handoff_refusal(
+    source: str, target: str, depth: int, visits: Counter[str], by_name: Mapping[str, Worker]
+) -> str | None:
+    if target == source:
+        return "a worker cannot hand a task to itself"
     if target not in by_name:
         return f"there is no worker named {target!r}"
-    if depth + 1 > MAX_HANDOFF_DEPTH:
-        return f"the task was already handed over {MAX_HANDOFF_DEPTH} times"
+    if depth >= MAX_HANDOFF_DEPTH:
+        return f"the chain is {depth} runs deep; at most {MAX_HANDOFF_DEPTH - 1} handoffs are allowed"
     if visits[target] >= MAX_VISITS:
         return f"{target} already had this task {MAX_VISITS} times"
     return None
@@ -206,18 +300,23 @@ async def fan_out(
     aggregation: Aggregation = Aggregation.COLLECT,
     concurrency: int = 8,
     synthesizer: Synthesizer | None = None,
+    chooser: Chooser | None = None,
 ) -> SwarmOutcome:
     results = await _parallel(call, workers, prompt, concurrency)
-    output = await aggregate(aggregation, prompt, results, synthesizer)
-    return SwarmOutcome(_status(results), output, results, {"aggregation": aggregation.value})
+    answer = await aggregate_with_usage(aggregation, prompt, results, synthesizer, chooser)
+    return SwarmOutcome(
+        _status(results), answer.text, results, {"aggregation": aggregation.value}, extra_usage=answer.usage
+    )
 
 
 async def consult(
     call: Call, workers: Sequence[Worker], question: str, *, synthesizer: Synthesizer | None, concurrency: int = 8
 ) -> SwarmOutcome:
     results = await _parallel(call, workers, question, concurrency)
-    output = await aggregate(Aggregation.SYNTHESIZE, question, results, synthesizer)
-    return SwarmOutcome(_status(results), output, results, {"synthesized": synthesizer is not None})
+    answer = await aggregate_with_usage(Aggregation.SYNTHESIZE, question, results, synthesizer)
+    return SwarmOutcome(
+        _status(results), answer.text, results, {"synthesized": synthesizer is not None}, extra_usage=answer.usage
+    )
 
 
 async def conditional(
@@ -227,7 +326,9 @@ async def conditional(
     worker = routes.get(branch)
     if worker is None:
         known = ", ".join(sorted(routes))
-        return SwarmOutcome(TaskStatus.FAILED, f"the router chose {branch!r}, which is not a branch ({known})")
+        return SwarmOutcome(
+            TaskStatus.FAILED, f"the router chose {branch!r}, which is not a branch ({known})", [], {"branch": branch}
+        )
     result = await call(worker, prompt, "")
     return SwarmOutcome(
         TaskStatus.SUCCEEDED if result.ok else TaskStatus.FAILED,
@@ -235,6 +336,30 @@ async def conditional(
         [result],
         {"branch": branch},
     )
+
+
+def router_prompt(prompt: str, branches: Sequence[str]) -> str:
+    return f"Choose the branch for this task. Answer with exactly one of: {', '.join(branches)}.\n\nTask:\n{prompt}"
+
+
+async def routed(call: Call, router: Worker, routes: Mapping[str, Worker], prompt: str) -> SwarmOutcome:
+    """``conditional`` with a worker as the router: its answer names the branch; both results are kept."""
+    decision = await call(router, router_prompt(prompt, list(routes)), "")
+    if not decision.ok:
+        return SwarmOutcome(
+            TaskStatus.FAILED, f"the router {router.name} failed: {decision.error}", [decision], {"router": router.name}
+        )
+    words = _WORD.findall(decision.output.lower())
+    branch = next((w for w in words if w in routes), words[0] if words else "")
+
+    async def chosen(_: str) -> str:
+        return branch
+
+    outcome = await conditional(call, chosen, routes, prompt)
+    outcome.results.insert(0, decision)
+    outcome.details["router"] = router.name
+    outcome.details.setdefault("branch", branch)
+    return outcome
 
 
 Journal = Callable[[int, WorkerResult], Awaitable[None]]

@@ -173,6 +173,24 @@ class CircuitBreaker:
             "swarm.breaker", worker=self.worker, state=state.value, previous=previous.value, generation=self.generation
         )
 
+    def restore(self, state: BreakerState, failures: int, retry_in: float) -> None:
+        """Take up a saved state (after a restart): an open breaker rests for what was left of its cooldown.
+
+        A probe that was out when the process stopped never reports: it comes back OPEN, ready to probe again.
+        """
+        if state is BreakerState.CLOSED:
+            self._state, self.failures = BreakerState.CLOSED, max(0, failures)
+        else:
+            self._state, self.failures = BreakerState.OPEN, 0
+            left = 0.0 if state is BreakerState.HALF_OPEN else max(0.0, min(retry_in, self.cooldown))
+            self._since = self.clock() - (self.cooldown - left)
+        self.generation += 1
+        log.info("swarm.breaker_restored", worker=self.worker, state=self._state.value, retry_in=self.retry_in())
+
+    def reset(self) -> None:
+        """An operator closes the breaker (``/swarm breaker reset``)."""
+        self._move(BreakerState.CLOSED)
+
     def retry_in(self) -> float:
         """Seconds until a probe may run (0 when closed or when one may run now)."""
         if self._state is BreakerState.CLOSED:

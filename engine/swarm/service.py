@@ -13,12 +13,15 @@ import structlog
 
 from kazma.approvals.model import Decision, PressResult, Status
 from kazma.approvals.service import ApprovalRefused, ApprovalService
-from kazma.config.metrics import count_failure
 from kazma.config.models import KazmaConfig
 from kazma.engine.swarm import patterns
-from kazma.engine.swarm.reliability import CircuitBreaker, RetryPolicy, with_timeout
+from kazma.engine.swarm.metrics import ROUTING, WORKER_CALLS, WORKER_LATENCY, WORKER_TOKENS, swarm_failure
+from kazma.engine.swarm.reliability import BreakerState, CircuitBreaker, OutputValidator, RetryPolicy, with_timeout
+from kazma.engine.swarm.routing import EmbeddingRouter
+from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import AtCapacity, StoreUnavailable, SwarmTaskStore, TaskRecord, TaskRun
 from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, Worker, WorkerResult
+from kazma.engine.types import Usage
 
 log = structlog.get_logger("kazma.swarm")
 
@@ -28,6 +31,7 @@ MAX_WORKERS = 32
 CHECK_DEFAULT_WAIT = 60.0
 CHECK_MAX_WAIT = 90.0
 CHECKPOINT_TOOL = "pipeline_checkpoint"
+STORE_UNAVAILABLE = "task store unavailable — nothing started, send again"
 
 Report = Callable[[str], Awaitable[None]]
 
@@ -46,6 +50,9 @@ class SwarmRequest:
     aggregation: str = "collect"
     preset: str | None = None
     conversation: str = "swarm"
+    routes: tuple[tuple[str, str], ...] = ()  # conditional: (branch, worker); workers[0] is the router
+    expect: str | None = None  # "json" or a schema name from swarm.schemas: every worker answer must match
+    deadline_seconds: int | None = None  # None: swarm.task_deadline_seconds
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -54,6 +61,9 @@ class SwarmRequest:
             "aggregation": self.aggregation,
             "preset": self.preset,
             "conversation": self.conversation,
+            "routes": [list(pair) for pair in self.routes],
+            "expect": self.expect,
+            "deadline_seconds": self.deadline_seconds,
         }
 
 
@@ -81,7 +91,7 @@ class CoalescingReporter:
             try:
                 await self.send("\n".join(lines))
             except Exception as exc:
-                count_failure("swarm_report")
+                swarm_failure("report")
                 log.warning("swarm.report_failed", error=str(exc))
 
     async def close(self) -> None:
@@ -100,11 +110,15 @@ class SwarmService:
     approvals: ApprovalService | None = None
     reporter: CoalescingReporter | None = None
     synthesizer: patterns.Synthesizer | None = None
+    chooser: patterns.Chooser | None = None
     # posts a task's result into a conversation ("platform:chat"): the route if one was given, else its origin
     deliver: Callable[[str, str], Awaitable[None]] | None = None
     policy: RetryPolicy = field(default_factory=RetryPolicy)
     clock: Callable[[], float] = time.monotonic
     breakers: dict[str, CircuitBreaker] = field(default_factory=dict)
+    state: SwarmStateStore | None = None  # breakers and per-worker numbers survive restarts here
+    refiner: patterns.Synthesizer | None = None  # distils a successful pipeline into one report
+    router: EmbeddingRouter | None = None  # semantic routing for workers=auto; keywords when None
     _running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _finished: dict[str, asyncio.Event] = field(default_factory=dict)
     _gate: asyncio.Semaphore | None = None
@@ -113,13 +127,124 @@ class SwarmService:
 
     def __post_init__(self) -> None:
         for name in self.workers:
-            self.breakers.setdefault(name, CircuitBreaker(name))
+            self.breakers.setdefault(name, self._new_breaker(name))
         self._gate = asyncio.Semaphore(self.config.swarm.max_parallel)
+
+    def _new_breaker(self, name: str) -> CircuitBreaker:
+        swarm = self.config.swarm
+        own = swarm.workers.get(name)
+        threshold = own.breaker_threshold if own is not None and own.breaker_threshold else swarm.breaker_threshold
+        cooldown = (
+            own.breaker_cooldown_seconds
+            if own is not None and own.breaker_cooldown_seconds
+            else swarm.breaker_cooldown_seconds
+        )
+        return CircuitBreaker(name, failure_threshold=threshold, cooldown=cooldown, clock=self.clock)
+
+    def _policy_for(self, name: str) -> RetryPolicy:
+        own = self.config.swarm.workers.get(name)
+        retries = own.retries if own is not None and own.retries is not None else None
+        if retries is None:
+            return self.policy
+        policy = RetryPolicy(max_attempts=retries + 1, sleep=self.policy.sleep)
+        policy.backoff = self.policy.backoff
+        return policy
+
+    def _timeout_for(self, name: str) -> float:
+        own = self.config.swarm.workers.get(name)
+        if own is not None and own.timeout_seconds is not None:
+            return float(own.timeout_seconds)
+        return float(self.config.swarm.step_timeout_seconds)
+
+    async def restore_breakers(self) -> list[str]:
+        """Breakers as they were saved before this start; returns the workers still resting."""
+        if self.state is None:
+            return []
+        resting = []
+        for saved in await self.state.breakers():
+            breaker = self.breakers.get(saved.worker)
+            if breaker is None:
+                continue
+            breaker.restore(BreakerState(saved.state), saved.failures, saved.retry_at - time.time())
+            if breaker.state is not BreakerState.CLOSED:
+                resting.append(saved.worker)
+        return resting
+
+    async def _save_breaker(self, breaker: CircuitBreaker) -> None:
+        if self.state is None:
+            return
+        try:
+            await self.state.save_breaker(breaker.worker, breaker.state.value, breaker.failures, breaker.retry_in())
+        except Exception as exc:  # the breaker still works in memory; only its memory across a restart is lost
+            swarm_failure("breaker_row")
+            log.warning("swarm.breaker_unsaved", worker=breaker.worker, error=str(exc))
+
+    async def sweep_retention(self) -> int:
+        """Prune finished tasks older than ``swarm.retention_days`` (0 keeps everything); failures are counted."""
+        days = self.config.swarm.retention_days
+        if not days:
+            return 0
+        try:
+            return await self.store.prune(days)
+        except Exception as exc:
+            swarm_failure("retention")
+            log.warning("swarm.retention_failed", error=str(exc))
+            return 0
+
+    async def reset_breaker(self, worker: str, *, actor: str) -> str:
+        breaker = self.breakers.get(worker)
+        if breaker is None:
+            return f"no worker {worker!r}"
+        was = breaker.state
+        breaker.reset()
+        await self._save_breaker(breaker)
+        log.info("swarm.breaker_reset", worker=worker, actor=actor, was=was.value)
+        return f"{worker}'s breaker is closed (it was {was.value}); reset by {actor}"
+
+    async def _count_call(self, worker: str, result: WorkerResult, latency: float) -> None:
+        WORKER_CALLS.labels(worker=worker, outcome="completed" if result.ok else "failed").inc()
+        WORKER_LATENCY.labels(worker=worker).observe(latency)
+        WORKER_TOKENS.labels(worker=worker, kind="prompt").inc(result.usage.prompt_tokens)
+        WORKER_TOKENS.labels(worker=worker, kind="completion").inc(result.usage.completion_tokens)
+        if self.state is None:
+            return
+        swarm = self.config.swarm
+        cost = (
+            result.usage.prompt_tokens * swarm.prompt_price_per_thousand
+            + result.usage.completion_tokens * swarm.completion_price_per_thousand
+        ) / 1000.0
+        try:
+            await self.state.record_call(
+                worker,
+                ok=result.ok,
+                latency=latency,
+                prompt_tokens=result.usage.prompt_tokens,
+                completion_tokens=result.usage.completion_tokens,
+                cost=cost,
+            )
+        except Exception as exc:
+            swarm_failure("metrics_row")
+            log.warning("swarm.metrics_unsaved", worker=worker, error=str(exc))
+
+    async def metrics_text(self, days: int = 7) -> str:
+        if self.state is None:
+            return "per-worker numbers are not kept in this process"
+        rows = await self.state.worker_days(days)
+        if not rows:
+            return f"no worker calls in the last {days} day(s)"
+        return "\n".join(
+            f"{r.day} {r.worker}: {r.completed} completed, {r.failed} failed, mean {r.mean_latency:.1f} s, "
+            f"{r.prompt_tokens} + {r.completion_tokens} tokens, cost {r.cost:.4f}"
+            for r in rows
+        )
 
     # -- admission -------------------------------------------------------------------------------
 
-    def check(self, request: SwarmRequest) -> list[Worker]:
-        """Every limit before anything runs; returns the workers in order."""
+    def check(self, request: SwarmRequest, *, route: bool = True) -> list[Worker]:
+        """Every limit before anything runs; returns the workers in order.
+
+        With ``route=False`` a ``workers=auto`` request comes back with no workers: the caller routes it.
+        """
         size = len(request.prompt.encode("utf-8"))
         if not request.prompt.strip():
             raise SwarmRefused("the task is empty")
@@ -135,9 +260,19 @@ class SwarmService:
             names = list(self.workers)
         if len(names) > MAX_WORKERS:
             raise SwarmRefused(f"{len(names)} workers requested; at most {MAX_WORKERS}")
+        if request.pattern is Pattern.CONDITIONAL:
+            names = [*names[:1], *(worker for _, worker in request.routes)]
+            if not request.routes:
+                raise SwarmRefused("conditional needs a route map: branch=worker,…")
+        if request.expect is not None:
+            self.validator(request.expect)
+        if request.deadline_seconds is not None and not 1 <= request.deadline_seconds <= 86400:
+            raise SwarmRefused("a task deadline is 1 to 86400 seconds")
         if names == ["auto"]:
             if request.pattern is not Pattern.DISPATCH:
                 raise SwarmRefused("workers=auto works with dispatch only")
+            if not route:
+                return []
             try:
                 return [patterns.route_auto(request.prompt, list(self.workers.values()))]
             except patterns.NoCapableWorker as exc:
@@ -153,19 +288,47 @@ class SwarmService:
             raise SwarmRefused(str(exc)) from None
         return [self.workers[n] for n in names]
 
+    def validator(self, expect: str) -> OutputValidator:
+        """``json``: any JSON; otherwise a schema named in ``swarm.schemas``."""
+        if expect == "json":
+            return OutputValidator({})
+        schema = self.config.swarm.schemas.get(expect)
+        if schema is None:
+            known = ", ".join(["json", *self.config.swarm.schemas])
+            raise SwarmRefused(f"unknown output schema {expect!r} (known: {known})")
+        try:
+            return OutputValidator(schema)
+        except ValueError as exc:
+            raise SwarmRefused(f"swarm.schemas.{expect}: {exc}") from None
+
     async def submit(self, request: SwarmRequest) -> str:
         """Admit the task (RUNNING on disk first) and start it; returns its id at once."""
-        workers = self.check(request)
+        workers = self.check(request, route=self.router is None)
+        routing: dict[str, object] | None = None
+        if request.workers == ("auto",):
+            if self.router is not None:
+                try:
+                    choice = await self.router.route(request.prompt, list(self.workers.values()))
+                except patterns.NoCapableWorker as exc:
+                    raise SwarmRefused(str(exc)) from None
+                workers, routing = [choice.worker], choice.as_json()
+            else:
+                ROUTING.labels(method="keyword").inc()
+                routing = {"method": "keyword", "chosen": workers[0].name, "candidates": []}
         try:
             run = await self.store.admit(
                 request.pattern,
-                {**request.as_json(), "resolved": [w.name for w in workers]},
+                {**request.as_json(), "resolved": [w.name for w in workers], "routing": routing},
                 owner=request.owner,
                 route=request.route,
                 max_running=self.config.swarm.max_parallel,
             )
         except AtCapacity as exc:
             raise SwarmRefused(f"at capacity, retry in {exc.retry_in} s") from None
+        except StoreUnavailable as exc:
+            swarm_failure("running_row")
+            log.error("swarm.not_admitted", owner=request.owner, error=str(exc))
+            raise SwarmRefused(STORE_UNAVAILABLE) from None
         self._report(
             f"swarm task {run.task_id} started: {request.pattern.value} with {', '.join(w.name for w in workers)}"
         )
@@ -181,10 +344,38 @@ class SwarmService:
 
     # -- running ---------------------------------------------------------------------------------
 
+    def _task_call(
+        self, request: SwarmRequest, finished: list[WorkerResult]
+    ) -> Callable[[Worker, str, str], Awaitable[WorkerResult]]:
+        """The call a task's pattern makes: reliable, checked against ``--expect``, and kept once it ends."""
+        validator = None if request.expect is None else self.validator(request.expect)
+
+        async def call(worker: Worker, prompt: str, context: str) -> WorkerResult:
+            result = await self._call(worker, prompt, context)
+            if validator is not None and result.ok and result.handoff_to is None:
+                valid, why = validator.validate(result.output)
+                if not valid:
+                    result = WorkerResult(
+                        worker.name,
+                        False,
+                        output=result.output,
+                        error=f"{worker.name}'s answer was refused: {why}",
+                        error_kind=ErrorKind.PERMANENT,
+                        changed_state=result.changed_state,
+                        usage=result.usage,
+                    )
+            finished.append(result)
+            return result
+
+        return call
+
     async def _call(self, worker: Worker, prompt: str, context: str) -> WorkerResult:
         if len(context.encode("utf-8")) > MAX_CONTEXT_BYTES:
             context = context.encode("utf-8")[-MAX_CONTEXT_BYTES:].decode("utf-8", "ignore")
-        breaker = self.breakers.setdefault(worker.name, CircuitBreaker(worker.name))
+        breaker = self.breakers.get(worker.name) or self.breakers.setdefault(
+            worker.name, self._new_breaker(worker.name)
+        )
+        generation = breaker.generation
         ticket = breaker.admit()
         if ticket is None:
             return WorkerResult(
@@ -195,52 +386,65 @@ class SwarmService:
                 error_kind=ErrorKind.TRANSIENT,
             )
         assert self._gate is not None
+        started = time.monotonic()
         async with self._gate:
-            result = await self.policy.run(
+            result = await self._policy_for(worker.name).run(
                 lambda: with_timeout(
                     lambda: worker.run(prompt, context=context),
-                    self.config.swarm.step_timeout_seconds,
+                    self._timeout_for(worker.name),
                     worker=worker.name,
                 ),
                 worker=worker.name,
             )
         breaker.record(ticket, result.ok)
+        if breaker.generation != generation:
+            await self._save_breaker(breaker)
+        await self._count_call(worker.name, result, time.monotonic() - started)
         return result
 
     async def _run(self, run: TaskRun, request: SwarmRequest, workers: list[Worker], done: list[WorkerResult]) -> None:
         self._current[run.task_id] = run
+        finished: list[WorkerResult] = []
+        deadline = float(request.deadline_seconds or self.config.swarm.task_deadline_seconds)
         try:
-            outcome = await self._pattern(run, request, workers, done)
+            limit = asyncio.timeout(deadline)
+            try:
+                async with limit:
+                    outcome = await self._pattern(run, request, workers, done, self._task_call(request, finished))
+            except TimeoutError:
+                if not limit.expired():
+                    raise
+                # the deadline stops every worker still running; what finished before it is kept
+                # a pipeline journals each finished stage into ``done`` (resumed stages included)
+                kept = list(done) if request.pattern is Pattern.PIPELINE else finished
+                outcome = patterns.SwarmOutcome(
+                    TaskStatus.TIMEOUT,
+                    f"the task's deadline of {deadline:g} s passed; {len(kept)} finished answer(s) kept",
+                    kept,
+                    {"deadline_seconds": deadline},
+                )
             run = self._current.get(run.task_id, run)
             if outcome.status is TaskStatus.PAUSED:
                 return  # the checkpoint keeps the task; a decision resumes or ends it
-            result = {
-                "output": outcome.output,
-                "details": outcome.details,
-                "workers": [{"worker": r.worker, "ok": r.ok, "error": r.error} for r in outcome.results],
-                "tokens": {
-                    "prompt": sum(r.usage.prompt_tokens for r in outcome.results),
-                    "completion": sum(r.usage.completion_tokens for r in outcome.results),
-                },
-            }
+            result = outcome_json(outcome)
             stored = await self.store.finish(
                 run,
                 outcome.status,
                 result=result,
-                error=None if outcome.status is not TaskStatus.FAILED else outcome.output,
+                error=outcome.output if outcome.status in (TaskStatus.FAILED, TaskStatus.TIMEOUT) else None,
             )
             if stored:
                 self._report(f"swarm task {run.task_id} {outcome.status.value}: {_short(outcome.output)}")
                 await self._deliver(request, f"swarm task {run.task_id} {outcome.status.value}:\n{outcome.output}")
         except StoreUnavailable as exc:
-            count_failure("swarm_finish")
+            swarm_failure("finish_row")
             log.error("swarm.finish_unrecorded", task_id=run.task_id, error=str(exc))
             self._report(f"swarm task {run.task_id} failed: its result could not be stored ({exc})")
         except asyncio.CancelledError:
             self._report(f"swarm task {run.task_id} cancelled")
             raise
         except Exception as exc:
-            count_failure("swarm_run")
+            swarm_failure("run")
             log.exception("swarm.run_crashed", task_id=run.task_id)
             with contextlib.suppress(StoreUnavailable):
                 await self.store.finish(run, TaskStatus.FAILED, result=None, error=f"{type(exc).__name__}: {exc}")
@@ -253,9 +457,13 @@ class SwarmService:
                 event.set()
 
     async def _pattern(
-        self, run: TaskRun, request: SwarmRequest, workers: list[Worker], done: list[WorkerResult]
+        self,
+        run: TaskRun,
+        request: SwarmRequest,
+        workers: list[Worker],
+        done: list[WorkerResult],
+        call: patterns.Call,
     ) -> patterns.SwarmOutcome:
-        call = self._call
         concurrency = self.config.swarm.max_parallel
         if request.pattern is Pattern.DISPATCH:
             await self.store.step(run, workers[0].name)
@@ -274,18 +482,35 @@ class SwarmService:
                 aggregation=patterns.parse_aggregation(request.aggregation),
                 concurrency=concurrency,
                 synthesizer=self.synthesizer,
+                chooser=self.chooser,
             )
+        if request.pattern is Pattern.CONDITIONAL:
+            await self.store.step(run, f"routing ({workers[0].name})")
+            routes = {branch: self.workers[name] for branch, name in request.routes}
+
+            async def routed_call(worker: Worker, prompt: str, context: str) -> WorkerResult:
+                # the router answers with a branch name, not the task's output: --expect does not apply to it
+                return await (self._call if worker is workers[0] and prompt != request.prompt else call)(
+                    worker, prompt, context
+                )
+
+            return await patterns.routed(routed_call, workers[0], routes, request.prompt)
         if request.pattern is Pattern.CONSULT:
             await self.store.step(run, "consult")
             return await patterns.consult(
                 call, workers, request.prompt, synthesizer=self.synthesizer, concurrency=concurrency
             )
         if request.pattern is Pattern.PIPELINE:
-            return await self._pipeline(run, request, workers, done)
+            return await self._pipeline(run, request, workers, done, call)
         raise SwarmRefused(f"the {request.pattern.value} pattern is not available from commands")
 
     async def _pipeline(
-        self, run: TaskRun, request: SwarmRequest, workers: list[Worker], done: list[WorkerResult]
+        self,
+        run: TaskRun,
+        request: SwarmRequest,
+        workers: list[Worker],
+        done: list[WorkerResult],
+        task_call: patterns.Call,
     ) -> patterns.SwarmOutcome:
         checkpoints = set(self.config.swarm.checkpoints.get(request.preset or "", []))
         task_id = run.task_id  # a checkpoint resume moves the task to a new run: always write as self._current's
@@ -294,7 +519,7 @@ class SwarmService:
             step = f"stage {len(done) + 1} ({worker.name})"
             await self.store.step(self._current[task_id], step)
             self._report(f"swarm task {run.task_id}: {step} started")
-            return await self._call(worker, prompt, context)
+            return await task_call(worker, prompt, context)
 
         async def journal(index: int, result: WorkerResult) -> None:
             done.append(result)
@@ -309,9 +534,27 @@ class SwarmService:
             self._current[task_id] = decided
             return True
 
-        return await patterns.pipeline(
+        outcome = await patterns.pipeline(
             call, workers, request.prompt, done=list(done), journal=journal, checkpoint=checkpoint
         )
+        if outcome.status is TaskStatus.SUCCEEDED and self.refiner is not None and len(outcome.results) > 1:
+            await self._refine(request, outcome)
+        return outcome
+
+    async def _refine(self, request: SwarmRequest, outcome: patterns.SwarmOutcome) -> None:
+        """One model call distils the stages into a report; when it fails the last stage's answer stays, counted."""
+        assert self.refiner is not None
+        try:
+            answer = await self.refiner(request.prompt, outcome.results)
+        except Exception as exc:
+            swarm_failure("refiner")
+            log.warning("swarm.refiner_failed", error=str(exc))
+            outcome.details["refined"] = False
+            return
+        refined = answer if isinstance(answer, patterns.Synthesis) else patterns.Synthesis(answer)
+        outcome.output = refined.text
+        outcome.extra_usage = outcome.extra_usage + refined.usage
+        outcome.details["refined"] = True
 
     async def _checkpoint(
         self, run: TaskRun, request: SwarmRequest, index: int, result: WorkerResult
@@ -361,7 +604,7 @@ class SwarmService:
         try:
             await self.deliver(target, text)
         except Exception as exc:
-            count_failure("swarm_deliver")
+            swarm_failure("deliver")
             log.warning("swarm.deliver_failed", target=target, error=str(exc))
 
     def _report(self, line: str) -> None:
@@ -407,8 +650,10 @@ class SwarmService:
         return result.message
 
     async def recover(self) -> list[str]:
-        """Rows left RUNNING are reported interrupted (never re-run); paused pipelines wait again."""
+        """Rows left RUNNING are reported interrupted (never re-run); paused pipelines wait again; breakers return."""
         lines = []
+        for worker in await self.restore_breakers():
+            lines.append(f"{worker} is still resting after repeated failures (its breaker was open before the restart)")
         for item in await self.store.recover():
             line = f"swarm task {item.task_id} was interrupted in {item.step}; its outcome is unknown. Nothing re-ran."
             lines.append(line)
@@ -438,13 +683,40 @@ class SwarmService:
         return [f"{name}: breaker {self.breakers[name].state}" for name in self.workers]
 
     async def close(self) -> None:
+        """A clean stop: every running task ends ``cancelled`` (interrupted_by: shutdown) before this returns.
+
+        Only a crash leaves rows RUNNING for :meth:`recover` to call interrupted. Paused pipelines stay paused.
+        """
+        running = list(self._running)
         for task in [*self._running.values(), *self._waiters]:
             task.cancel()
         for task in [*self._running.values(), *self._waiters]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for task_id in running:
+            try:
+                if await self.store.cancel(
+                    task_id, actor="shutdown", result={"interrupted_by": "shutdown"}, only=[TaskStatus.RUNNING]
+                ):
+                    log.info("swarm.shutdown_cancelled", task_id=task_id)
+            except StoreUnavailable as exc:  # the row stays RUNNING: the next start calls it interrupted
+                swarm_failure("finish_row")
+                log.error("swarm.shutdown_unrecorded", task_id=task_id, error=str(exc))
         if self.reporter is not None:
             await self.reporter.close()
+
+
+def outcome_json(outcome: patterns.SwarmOutcome) -> dict[str, Any]:
+    """The stored result: output, details (handoff chain, branch …), every worker's answer, token totals."""
+    usage = sum((r.usage for r in outcome.results), Usage()) + outcome.extra_usage
+    return {
+        "output": outcome.output,
+        "details": outcome.details,
+        "workers": [
+            {"worker": r.worker, "ok": r.ok, "error": r.error, "output": r.output[:4000]} for r in outcome.results
+        ],
+        "tokens": {"prompt": usage.prompt_tokens, "completion": usage.completion_tokens},
+    }
 
 
 def _checkpoint_id(step: str) -> str | None:
@@ -463,6 +735,9 @@ def request_from(record: TaskRecord) -> SwarmRequest:
         aggregation=str(data.get("aggregation", "collect")),
         preset=data.get("preset"),
         conversation=str(data.get("conversation", "swarm")),
+        routes=tuple((str(b), str(w)) for b, w in data.get("routes") or []),
+        expect=data.get("expect"),
+        deadline_seconds=data.get("deadline_seconds"),
     )
 
 

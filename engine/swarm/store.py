@@ -109,6 +109,7 @@ TRANSITIONS: dict[TaskStatus, frozenset[TaskStatus]] = {
             TaskStatus.PARTIAL,
             TaskStatus.FAILED,
             TaskStatus.CANCELLED,
+            TaskStatus.TIMEOUT,
             TaskStatus.INTERRUPTED,
         }
     ),
@@ -117,6 +118,7 @@ TRANSITIONS: dict[TaskStatus, frozenset[TaskStatus]] = {
     TaskStatus.PARTIAL: frozenset(),
     TaskStatus.FAILED: frozenset(),
     TaskStatus.CANCELLED: frozenset(),
+    TaskStatus.TIMEOUT: frozenset(),
     TaskStatus.INTERRUPTED: frozenset(),
 }
 
@@ -597,20 +599,32 @@ class SwarmTaskStore:
 
     # -- operators and restart ------------------------------------------------------
 
-    async def cancel(self, task_id: str, *, actor: str) -> bool:
+    async def cancel(
+        self,
+        task_id: str,
+        *,
+        actor: str,
+        result: dict[str, Any] | None = None,
+        only: Iterable[TaskStatus] | None = None,
+    ) -> bool:
         """An operator cancels a RUNNING or PAUSED task, whatever its generation.
 
         False when the task already ended. Later writes of its run are refused as
         stale; stopping the coroutine itself is the caller's job. Raises :class:`UnknownTask`.
+        ``result`` is stored with it (a clean shutdown records ``interrupted_by``); ``only``
+        narrows the states it may be cancelled from.
         """
-        sources = sorted(s.value for s in allowed_from(TaskStatus.CANCELLED))
+        allowed = allowed_from(TaskStatus.CANCELLED) if only is None else frozenset(only)
+        sources = sorted(s.value for s in allowed)
+        result_json = None if result is None else json.dumps(result, sort_keys=True, default=str)
 
         async def body() -> int:
             now = self.clock()
             changed = await self._write(
-                "UPDATE swarm_tasks SET status = ?, error = ?, updated_at = ?, finished_at = ?"  # noqa: S608
+                "UPDATE swarm_tasks SET status = ?, error = ?, result_json = COALESCE(?, result_json),"  # noqa: S608
+                " updated_at = ?, finished_at = ?"
                 f" WHERE id = ? AND status IN ({', '.join('?' for _ in sources)})",
-                (TaskStatus.CANCELLED.value, f"cancelled by {actor}", now, now, task_id, *sources),
+                (TaskStatus.CANCELLED.value, f"cancelled by {actor}", result_json, now, now, task_id, *sources),
             )
             if changed == 0 and await self._fetchone("SELECT 1 FROM swarm_tasks WHERE id = ?", (task_id,)) is None:
                 raise UnknownTask(task_id)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from kazma.engine.types import Usage
 
@@ -25,6 +28,7 @@ class TaskStatus(StrEnum):
     PARTIAL = "partial"  # some workers of a fan-out failed
     FAILED = "failed"
     CANCELLED = "cancelled"
+    TIMEOUT = "timeout"  # the task's deadline passed; whatever finished before it is kept
     INTERRUPTED = "interrupted"  # the process died while it ran: outcome unknown
 
     @property
@@ -48,6 +52,57 @@ class WorkerResult:
     changed_state: bool = False  # a state-changing tool ran: never retry this result
     usage: Usage = field(default_factory=Usage)
     handoff_to: str | None = None  # the worker asks to hand the task to another worker
+    handoff_reason: str = ""
+    handoff_task: str = ""  # the task as the worker restates it for the target (optional)
+    handoff_context: str = ""  # what the worker passes on; the target sees it fenced as data
+
+
+@dataclass(frozen=True)
+class HandoffRecord:
+    """One accepted handoff of a chain, as the task record and the dashboard show it."""
+
+    source: str
+    target: str
+    reason: str
+    context: str = ""
+    task: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "from": self.source,
+            "to": self.target,
+            "reason": self.reason,
+            "context": self.context,
+            "task": self.task,
+        }
+
+
+@dataclass(frozen=True)
+class HandoffOffer:
+    """What a swarm-run worker may hand to: its ``targets`` and the chain's guard (None: allowed, else why not)."""
+
+    source: str
+    targets: tuple[str, ...]
+    refusal: Callable[[str], str | None]
+
+
+# The offer travels beside the call rather than through it: the retry, breaker and timeout layers between a
+# pattern and a worker stay unchanged, and workers that cannot hand off (scripted ones) simply never look.
+_OFFER: ContextVar[HandoffOffer | None] = ContextVar("kazma_swarm_handoff_offer", default=None)
+
+
+@contextmanager
+def offering(offer: HandoffOffer | None) -> Iterator[None]:
+    token = _OFFER.set(offer)
+    try:
+        yield
+    finally:
+        _OFFER.reset(token)
+
+
+def current_offer() -> HandoffOffer | None:
+    """The handoff offer of the swarm call running now; None outside a swarm chain (and for the lead)."""
+    return _OFFER.get()
 
 
 class Worker(Protocol):

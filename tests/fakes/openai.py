@@ -1,6 +1,6 @@
 """A wire-level fake of an OpenAI-compatible server: real HTTP on 127.0.0.1, scripted answers.
 
-It serves ``GET /v1/models`` and ``POST /v1/chat/completions`` the way OpenAI
+It serves ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/embeddings`` the way OpenAI
 does (same JSON shapes, same error bodies for a bad key or an unknown model),
 records every request (body, ``Authorization`` header) for assertions, and
 answers chat completions from a queue of scripted responses:
@@ -11,8 +11,9 @@ answers chat completions from a queue of scripted responses:
 * :class:`Hang` — never answers until the fake stops;
 * :class:`Garbage` — HTTP 200 with a body that is not JSON.
 
-With the queue empty it answers with ``fallback`` when one is set, otherwise
-a 500 saying nothing was scripted (so a test that forgets to script fails
+Embeddings come from ``embed`` (text → vector), a function the test sets; ``embeddings_error``
+makes the endpoint answer that status instead. With the chat queue empty it answers
+with ``fallback`` when one is set, otherwise a 500 saying nothing was scripted (so a test that forgets to script fails
 loudly instead of passing on a default).
 """
 
@@ -85,6 +86,8 @@ class FakeOpenAI:
         self.models = list(models)
         self.requests: list[RecordedRequest] = []
         self.fallback: FakeResponse | None = None
+        self.embed: Callable[[str], list[float]] | None = None
+        self.embeddings_error: int | None = None
         self._queue: deque[FakeResponse] = deque()
         # per agent: requests whose system message is one of these prompts answer from its own queue, so
         # agents running at once (the lead finishing while a sub-agent starts) cannot take each other's replies
@@ -107,6 +110,7 @@ class FakeOpenAI:
         app = web.Application()
         app.router.add_get("/v1/models", self._list_models)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/v1/embeddings", self._embeddings)
         # A short shutdown grace and cancelled handlers: a hanging request must not hold teardown.
         runner = web.AppRunner(app, shutdown_timeout=0.25, handler_cancellation=True, access_log=None)
         await runner.setup()
@@ -142,6 +146,10 @@ class FakeOpenAI:
     def pending(self) -> int:
         """Scripted responses not yet used."""
         return len(self._queue)
+
+    @property
+    def embedding_requests(self) -> list[RecordedRequest]:
+        return [r for r in self.requests if r.path == "/v1/embeddings"]
 
     @property
     def completions(self) -> list[RecordedRequest]:
@@ -248,6 +256,34 @@ class FakeOpenAI:
                 response = web.json_response(payload, status=scripted.status, headers=headers)
             return await self._answer(recorded, response)
         return await self._answer(recorded, web.json_response(self._completion(scripted, str(model))))
+
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
+        recorded = await self._record(request)
+        refused = self._auth_error(recorded)
+        if refused is not None:
+            return await self._answer(recorded, refused)
+        if self.embeddings_error is not None:
+            return await self._answer(
+                recorded, _error(self.embeddings_error, "scripted embeddings failure", "server_error")
+            )
+        body = recorded.body
+        texts = body.get("input") if isinstance(body, dict) else None
+        if isinstance(texts, str):
+            texts = [texts]
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts) or self.embed is None:
+            return await self._answer(
+                recorded, _error(400, "'input' must be a string or strings", "invalid_request_error")
+            )
+        model = body.get("model") if isinstance(body, dict) else None
+        data = [{"object": "embedding", "index": i, "embedding": self.embed(t)} for i, t in enumerate(texts)]
+        tokens = sum(len(t.split()) for t in texts)
+        answer = {
+            "object": "list",
+            "data": data,
+            "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        return await self._answer(recorded, web.json_response(answer))
 
     def _completion(self, scripted: Completion, model: str) -> JsonDict:
         message: JsonDict = {"role": "assistant", "content": scripted.content}

@@ -1,0 +1,55 @@
+"""Swarm pieces of the console dashboard: a task's handoff chain and the per-worker numbers per day.
+
+Kept apart from :mod:`kazma.bot.console.pages` so the dashboard's layout and these
+swarm views can change independently. Everything shown is escaped: worker notes
+and reasons are model output.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from typing import Any
+
+from kazma.engine.swarm.state_store import WorkerDay
+from kazma.engine.swarm.store import TaskRecord
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def handoffs_of(task: TaskRecord) -> list[dict[str, Any]]:
+    details = (task.result or {}).get("details") or {}
+    chain = details.get("handoffs") if isinstance(details, dict) else None
+    return [h for h in chain if isinstance(h, dict)] if isinstance(chain, list) else []
+
+
+def handoff_chain(task: TaskRecord) -> str:
+    """``a → b → a`` with each handoff's reason on hover and below; empty when the task had no handoff."""
+    chain = handoffs_of(task)
+    if not chain:
+        return ""
+    names = [str(chain[0].get("from", "?")), *(str(h.get("to", "?")) for h in chain)]
+    reasons = "".join(
+        f"<li>{_e(h.get('from', '?'))} → {_e(h.get('to', '?'))}: {_e(h.get('reason', ''))}</li>" for h in chain
+    )
+    return (
+        f'<div class="handoffs"><span class="chain">handoffs: {" → ".join(_e(n) for n in names)}</span>'
+        f"<ul>{reasons}</ul></div>"
+    )
+
+
+def worker_numbers(rows: Sequence[WorkerDay]) -> str:
+    """Per worker and UTC day: completed, failed, mean latency, tokens and cost."""
+    if not rows:
+        return "<h2>Workers per day</h2><p>no worker calls recorded yet</p>"
+    body = "".join(
+        f"<tr><td>{_e(r.day)}</td><td>{_e(r.worker)}</td><td>{r.completed}</td><td>{r.failed}</td>"
+        f"<td>{r.mean_latency:.1f} s</td><td>{r.prompt_tokens} + {r.completion_tokens}</td><td>{r.cost:.4f}</td></tr>"
+        for r in rows
+    )
+    return (
+        "<h2>Workers per day</h2><table><tr><th>day (UTC)</th><th>worker</th><th>completed</th><th>failed</th>"
+        f"<th>mean latency</th><th>tokens</th><th>cost</th></tr>{body}</table>"
+    )
