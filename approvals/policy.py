@@ -22,6 +22,7 @@ class PolicyVerdict:
     reason: str
     request_id: str | None = None
     outcome: Outcome | None = None
+    args_hash: str | None = None  # what a person approved (None when no approval was needed)
 
 
 class SafetyPolicy:
@@ -74,4 +75,4 @@ class SafetyPolicy:
             await self.service.verify_execution(request.id, tool, args)
         except ExecutionMismatch as exc:
             return PolicyVerdict(False, f"Refused: {exc}", request.id, outcome)
-        return PolicyVerdict(True, outcome.for_agent(), request.id, outcome)
+        return PolicyVerdict(True, outcome.for_agent(), request.id, outcome, args_hash=request.args_hash)

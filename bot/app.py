@@ -27,6 +27,7 @@ from kazma.engine.agent import AgentRunner, agents_from_config
 from kazma.engine.conversation import Conversations, is_question_button
 from kazma.engine.executor import PlanExecutor
 from kazma.engine.history import HistoryStore
+from kazma.engine.mcp_tools import MCPSources
 from kazma.engine.model import OpenAIProvider
 from kazma.engine.plan_store import PlanStore
 from kazma.engine.sandbox import resolve_sandbox
@@ -68,6 +69,7 @@ class App:
     chat_moves: ChatMoves
     sweep_interval: float = 5.0
     store_watch: StoreWatch | None = None
+    mcp: MCPSources | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def on_press(self, press: Press) -> PressResult:
@@ -93,6 +95,8 @@ class App:
         if pruned:
             log.info("swarm.pruned", tasks=pruned, older_than_days=self.loaded.config.swarm.retention_days)
         await self._follow_chat_moves()
+        if self.mcp is not None:  # tools listed before the first turn when the servers are quick; later otherwise
+            await self.mcp.start(wait=10.0)
         await self.bus.start(
             Handlers(on_inbound=self.on_inbound, on_press=self.on_press, on_chat_moved=self.on_chat_moved)
         )
@@ -164,6 +168,8 @@ class App:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.swarm.close()
+        if self.mcp is not None:
+            await self.mcp.stop()
         await self.bus.stop()
         closer = getattr(self.provider, "aclose", None)
         if closer is not None:
@@ -218,6 +224,7 @@ async def build_app(
         HistoryStore(history_conn),
         workspace_root=workspace_root or config.tools.workspaces(config.store.path),
     )
+    mcp = MCPSources(config.mcp_servers, tools, config.danger_level) if config.mcp_servers else None
     agents = agents_from_config(config)
     lead = agents[config.agents.lead.name]
     conversations = Conversations(bus, runner, agents, lead)
@@ -260,7 +267,9 @@ async def build_app(
     for tool in swarm_tools(swarm, policy):
         runner.add_internal_tool(lead.name, tool)
     connections = [conn, outbox_conn, plans_conn, history_conn, swarm_conn]
-    return App(loaded, connections, service, policy, bus, conversations, executor, model, swarm, ChatMoves(conn))
+    return App(
+        loaded, connections, service, policy, bus, conversations, executor, model, swarm, ChatMoves(conn), mcp=mcp
+    )
 
 
 def config_lines_for_move(loaded: LoadedConfig, move: ChatMove) -> list[str]:
