@@ -449,6 +449,15 @@ class ApprovalService:
         finally:
             self._decided.pop(request_id, None)
 
+    async def cancel(self, request_id: str, *, reason: str) -> Outcome | None:
+        """End a pending request ``cancelled`` (its requester withdrew it); the outcome that stands, None if unknown."""
+        won, request = await self.store.finish(request_id, Status.CANCELLED, actor=None, platform=None, reason=reason)
+        if won:
+            log.info("approvals.cancelled", request_id=request_id, reason=reason)
+            APPROVALS_DECIDED.labels(outcome="cancelled", platform="").inc()
+            await self._ended(request_id)
+        return None if request is None else request.outcome()
+
     async def _cancel(self, request_id: str) -> None:
         try:
             won, _ = await self.store.finish(

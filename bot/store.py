@@ -13,6 +13,7 @@ import structlog
 
 from kazma.adapters.outbox import MIGRATIONS as OUTBOX
 from kazma.approvals.schema import MIGRATIONS as APPROVALS
+from kazma.bot.api_store import MIGRATIONS as API_IDEMPOTENCY
 from kazma.bot.chat_moves import MIGRATIONS as CHAT_MOVES
 from kazma.config import KazmaConfig
 from kazma.config.database import Migration, open_database
@@ -26,7 +27,7 @@ log = structlog.get_logger("kazma.store")
 
 def all_migrations() -> list[Migration]:
     """Every layer's schema, in the order layers depend on each other."""
-    return [*APPROVALS, *OUTBOX, *PLANS, *HISTORY, *SWARM, *CHAT_MOVES]
+    return [*APPROVALS, *OUTBOX, *PLANS, *HISTORY, *SWARM, *CHAT_MOVES, *API_IDEMPOTENCY]
 
 
 def prepare_state_dir(store_path: Path) -> Path:
