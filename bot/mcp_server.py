@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
-
 from mcp.server.mcpserver import Context, MCPServer
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""The approvals API and ``kazma approvals request``: the same card, the same one decision, for callers Kazma does not run."""
+"""The approvals API and `kazma approvals request`: one card, one decision, for callers Kazma does not run."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.api_support import (
     kazma_door,
 )
 
-DEPLOY = {"tool": "deploy", "arguments": {"env": "prod", "version": 42}, "reason": "release 42"}
+DEPLOY: dict[str, Any] = {"tool": "deploy", "arguments": {"env": "prod", "version": 42}, "reason": "release 42"}
 
 
 def client(door: Door, token: str | None = REQUESTER_TOKEN) -> httpx.AsyncClient:
@@ -37,7 +37,10 @@ async def test_a_request_shows_a_card_and_a_press_decides_it(tmp_path: Path) -> 
         assert body["hash"] == args_hash(DEPLOY["arguments"])
         await door.telegram.wait_until(lambda: bool(cards(door.telegram)), timeout=20)
         card = cards(door.telegram)[-1]
-        assert "deploy" in card and body["hash"] in card and "release 42" in card and "api:ci" in card
+        assert "deploy" in card
+        assert body["hash"] in card
+        assert "release 42" in card
+        assert "api:ci" in card
         waiting = asyncio.create_task(http.get(f"/api/v1/approvals/{body['id']}", params={"wait": "20"}))
         await door.press("a")
         decided = (await waiting).json()
@@ -119,7 +122,8 @@ async def test_cli_wait_exits_0_approved_1_denied(tmp_path: Path, code: str, sta
     async with kazma_door(tmp_path) as door:
         returncode, out = await _cli(door, then=lambda: door.press(code))
         assert returncode == {"approved": 0, "denied": 1}[status]
-        assert status in out and "request " in out
+        assert status in out
+        assert "request " in out
 
 
 async def test_cli_wait_exits_2_on_timeout(tmp_path: Path) -> None:

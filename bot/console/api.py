@@ -56,9 +56,7 @@ class ApiCaller:
         return f"api:{self.name}"
 
 
-def _error(
-    status: type[web.HTTPException], message: str, headers: dict[str, str] | None = None
-) -> web.HTTPException:
+def _error(status: type[web.HTTPException], message: str, headers: dict[str, str] | None = None) -> web.HTTPException:
     return status(text=json.dumps({"error": message}), content_type="application/json", headers=headers)
 
 
