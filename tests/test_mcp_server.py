@@ -16,7 +16,7 @@ from mcp.client.streamable_http import streamable_http_client
 from kazma.approvals.hashing import args_hash
 from tests.api_support import OPERATOR_TOKEN, REPO, REQUESTER_TOKEN, VIEWER_TOKEN, Door, kazma_door
 
-ASK = {"tool": "git_push", "arguments": {"branch": "main", "force": True}, "reason": "hotfix"}
+ASK: dict[str, Any] = {"tool": "git_push", "arguments": {"branch": "main", "force": True}, "reason": "hotfix"}
 
 
 def _payload(result: Any) -> dict[str, Any]:
