@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, overload
 
 __all__ = [
     "ApprovalCancelled",
@@ -148,6 +148,30 @@ def _check(found: dict[str, Any], asked_hash: str) -> None:
     error = {"denied": ApprovalDenied, "timeout": ApprovalTimeout}.get(str(status), ApprovalCancelled)
     who = f" by {found.get('decided_by')}" if found.get("decided_by") else ""
     raise error(f"{found.get('tool')}: {status}{who}; it did not run", found)
+
+
+@overload
+def require_approval(
+    func: F,
+    *,
+    tool: str | None = None,
+    reason: str | None = None,
+    deadline: float | None = None,
+    url: str | None = None,
+    token: str | None = None,
+) -> F: ...
+
+
+@overload
+def require_approval(
+    func: None = None,
+    *,
+    tool: str | None = None,
+    reason: str | None = None,
+    deadline: float | None = None,
+    url: str | None = None,
+    token: str | None = None,
+) -> Callable[[F], F]: ...
 
 
 def require_approval(

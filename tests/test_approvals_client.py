@@ -1,4 +1,4 @@
-"""``@require_approval`` in another process: it runs only after a press, exactly once, and never after a deny or timeout."""
+"""`@require_approval` in another process: it runs only after a press, once, and never after a deny or timeout."""
 
 from __future__ import annotations
 
