@@ -28,7 +28,7 @@ from kazma.engine.conversation import Conversations, is_question_button
 from kazma.engine.executor import PlanExecutor
 from kazma.engine.history import HistoryStore
 from kazma.engine.mcp_tools import MCPSources
-from kazma.engine.model import OpenAIProvider
+from kazma.engine.model_router import provider_for
 from kazma.engine.plan_store import PlanStore
 from kazma.engine.sandbox import resolve_sandbox
 from kazma.engine.swarm.commands import SwarmCommands
@@ -210,7 +210,7 @@ async def build_app(
         bus = NullBus()
     service = ApprovalService(store, config, publisher=bus)
     policy = SafetyPolicy(service)
-    model = provider or OpenAIProvider(config.model)
+    model = provider or provider_for(config)
     state = config.store.path.parent
     tools = registry or default_registry(
         sandbox=resolve_sandbox(config.tools.sandbox),
