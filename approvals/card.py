@@ -103,6 +103,12 @@ class ApprovalCard:
     deadline: datetime
     link: str
     warnings: tuple[str, ...] = ()  # plain sentences to show prominently; empty when nothing was found
+    remember_seconds: int | None = None  # offer "Approve for …" (remembered approvals); None: not offered
+
+    @property
+    def remember_data(self) -> str:
+        """``kz1:<id>:r``: approve, and remember the identical call in this conversation for a while."""
+        return f"{BUTTON_PREFIX}:{self.request_id}:r"
 
     def button_data(self, decision: Decision) -> str:
         return button_data(self.request_id, decision)

@@ -53,6 +53,14 @@ class SafetyPolicy:
         level = self.level(tool)
         if level is not DangerLevel.DANGEROUS:
             return PolicyVerdict(True, f"{tool} is classified {level.value}")
+        rule = await self.service.remembered(tool, args, conversation)
+        if rule is not None:
+            return PolicyVerdict(
+                True,
+                f"Ran under remembered approval {rule.id} made by {rule.created_by} (no card).",
+                rule.request_id,
+                args_hash=rule.args_hash,
+            )
         publisher = self.service.publisher
         if publisher is None or not publisher.can_show_cards():
             count_failure("approval_fail_closed")

@@ -17,6 +17,7 @@ from kazma.adapters.contract import ChatMove, Handlers, Inbound, PlatformAdapter
 from kazma.adapters.outbox import Outbox
 from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
+from kazma.approvals.rules import RuleStore
 from kazma.bot.chat_moves import ChatMoves
 from kazma.bot.store import StoreWatch, open_store
 from kazma.config import LoadedConfig, enabled_platforms
@@ -208,7 +209,7 @@ async def build_app(
         )
     else:
         bus = NullBus()
-    service = ApprovalService(store, config, publisher=bus)
+    service = ApprovalService(store, config, publisher=bus, rules=RuleStore(conn))
     policy = SafetyPolicy(service)
     model = provider or provider_for(config)
     state = config.store.path.parent

@@ -343,6 +343,13 @@ def _approver(value: Any) -> Any:
 Approver = Annotated[str, BeforeValidator(_approver)]
 
 
+class RememberConfig(Strict):
+    """The "Approve for 1 h" button: a rule that lets the identical call run again in its conversation."""
+
+    enabled: bool = False
+    max_seconds: int = Field(default=3600, ge=60, le=24 * 3600)
+
+
 class ApprovalsConfig(Strict):
     deadline_seconds: int = Field(default=600, gt=0, le=7 * 24 * 3600)
     approvers: list[Approver] = Field(default_factory=list)
@@ -350,6 +357,7 @@ class ApprovalsConfig(Strict):
     # Approve in chat even when a card shows less than the whole call (a value cut, names only): off,
     # because what a person approves must be what they could see. Such calls are approved on their page.
     approve_cut_in_chat: bool = False
+    remember: RememberConfig = Field(default_factory=RememberConfig)
 
 
 class TelegramWebhookConfig(Strict):
