@@ -214,8 +214,8 @@ def _buttons(card: ApprovalCard, *, approve: bool, whole: bool) -> tuple[Button,
     if not approve:
         return (deny,)
     buttons = [Button(ButtonKind.APPROVE, APPROVE_LABEL, card.button_data(Decision.APPROVE)), deny]
-    # Never on a card that is cut or warns: a standing rule needs the whole, plain call in view.
-    if card.remember_seconds and whole and not card.has_warnings:
+    # Never on a cut card (``remember_seconds`` is None on a card that warns): a rule needs the whole call in view.
+    if card.remember_seconds and whole:
         buttons.insert(1, Button(ButtonKind.REMEMBER, remember_label(card.remember_seconds), card.remember_data))
     return tuple(buttons)
 

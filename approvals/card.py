@@ -200,8 +200,13 @@ def card_warnings(places: list[tuple[str, Findings]]) -> tuple[str, ...]:
     )
 
 
-def build_card(request: ApprovalRequest, *, value_limit: int, public_url: str) -> ApprovalCard:
-    """The card for ``request``; raises :class:`CardIntegrityError` or :class:`UnrenderableArguments`."""
+def build_card(
+    request: ApprovalRequest, *, value_limit: int, public_url: str, remember_seconds: int | None = None
+) -> ApprovalCard:
+    """The card for ``request``; raises :class:`CardIntegrityError` or :class:`UnrenderableArguments`.
+
+    ``remember_seconds``: offer "Approve for …" (approvals.remember) — never when anything was found in the call.
+    """
     verify_integrity(request)
     check_names(request.args)
     arguments = tuple(bound_value(name, request.args[name], value_limit) for name in sorted(request.args))
@@ -214,6 +219,7 @@ def build_card(request: ApprovalRequest, *, value_limit: int, public_url: str) -
         places.append((f"the name of argument {_quoted(arg.name)}", arg.name_findings))
         places.append((f"argument {_quoted(arg.name)}", arg.findings))
     tool = reveal(request.tool)
+    findings = card_warnings(places)
     return ApprovalCard(
         request_id=request.id,
         title=f"Approval needed: {tool}",
@@ -225,7 +231,8 @@ def build_card(request: ApprovalRequest, *, value_limit: int, public_url: str) -
         deadline=request.deadline,
         link=f"{public_url.rstrip('/')}/swarm?approval={request.id}",
         # How the call would run (e.g. "runs unsandboxed on this host") comes first: it is about every value.
-        warnings=tuple(reveal(note) for note in request.notes) + card_warnings(places),
+        warnings=tuple(reveal(note) for note in request.notes) + findings,
+        remember_seconds=None if findings else remember_seconds,
     )
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import re
 import sqlite3
 import time
@@ -225,11 +224,13 @@ class ApprovalService:
         return f"{self.config.web.public_url.rstrip('/')}/swarm?approval={request_id}"
 
     def card(self, request: ApprovalRequest) -> ApprovalCard:
-        card = build_card(request, value_limit=self.config.approvals.value_limit, public_url=self.config.web.public_url)
         remember = self.config.approvals.remember
-        if remember.enabled and self.rules is not None and not card.has_warnings:
-            card = dataclasses.replace(card, remember_seconds=remember.max_seconds)
-        return card
+        return build_card(
+            request,
+            value_limit=self.config.approvals.value_limit,
+            public_url=self.config.web.public_url,
+            remember_seconds=remember.max_seconds if remember.enabled and self.rules is not None else None,
+        )
 
     async def remembered(self, tool: str, args: Mapping[str, Any], conversation: str) -> Rule | None:
         """The standing rule that lets exactly this call run here without a card (audited and said), or None."""

@@ -24,6 +24,7 @@ from kazma.bot.init_cli import init
 from kazma.bot.log_options import log_settings, set_log, with_log_options
 from kazma.bot.logging import FORMATS, LEVELS, redact_secret
 from kazma.bot.mcp_cli import mcp
+from kazma.bot.rules_cli import rules
 from kazma.bot.setup_cli import setup
 from kazma.bot.swarm_cli import swarm
 from kazma.config import LoadedConfig, __version__, platform_statuses
@@ -205,6 +206,7 @@ main.add_command(swarm)
 main.add_command(setup)
 main.add_command(mcp)
 approvals.add_command(approvals_request)
+approvals.add_command(rules)
 for _command in main.commands.values():
     with_log_options(_command)
 

@@ -89,7 +89,13 @@ def server_yaml(log: Path, *, url: str | None = None, call_timeout: float = 30) 
 
 @asynccontextmanager
 async def kazma_with_tracker(
-    tmp: Path, lead_steps: list[ScriptStep], *, url: str | None = None, extra: str = "", call_timeout: float = 30
+    tmp: Path,
+    lead_steps: list[ScriptStep],
+    *,
+    url: str | None = None,
+    extra: str = "",
+    call_timeout: float = 30,
+    remember: bool = False,
 ) -> AsyncIterator[tuple[App, FakeTelegram, Path]]:
     log = tmp / "tracker.log"
     telegram = FakeTelegram()
@@ -97,7 +103,7 @@ async def kazma_with_tracker(
     text = f"""
 store: {{path: '{tmp / "state" / "kazma.db"}'}}
 web: {{port: 0}}
-approvals: {{deadline_seconds: 60, approvers: ["telegram:{TG_ADMIN}"]}}
+approvals: {{deadline_seconds: 60, approvers: ["telegram:{TG_ADMIN}"], remember: {{enabled: {str(remember).lower()}}}}}
 agents:
   lead: {{name: kazma, tools: ["tracker/*"]}}
 mcp_servers:
