@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,6 +19,7 @@ from kazma.approvals.rules import RuleStore
 from kazma.config import load_config_text
 from kazma.config.database import open_database
 from kazma.engine.model import ScriptStep
+from tests.api_support import REPO
 from tests.approvals_support import ManualClock, RecordingPublisher
 from tests.mcp_support import TG_CHAT, Seen, call, calls_logged, cards, kazma_with_tracker, press
 
@@ -178,9 +181,6 @@ async def test_on_telegram_a_remembered_mcp_call_runs_again_and_says_so(tmp_path
 
 
 async def test_rules_cli_lists_and_revokes(tmp_path: Path) -> None:
-    from click.testing import CliRunner
-
-    from kazma.bot.cli import main
     from kazma.bot.store import open_store
 
     config_file = tmp_path / "kazma.yaml"
@@ -194,14 +194,24 @@ async def test_rules_cli_lists_and_revokes(tmp_path: Path) -> None:
         )  # fmt: skip
     finally:
         await conn.close()
-    runner = CliRunner()
-    listed = await asyncio.to_thread(runner.invoke, main, ["-c", str(config_file), "approvals", "rules", "list"])
-    assert rule.id in listed.output
-    assert "telegram:111" in listed.output
-    args = ["-c", str(config_file), "approvals", "rules", "revoke", rule.id, "--as", "ops"]
-    revoked = await asyncio.to_thread(runner.invoke, main, args)
-    assert revoked.exit_code == 0, revoked.output
-    after = await asyncio.to_thread(runner.invoke, main, ["-c", str(config_file), "approvals", "rules", "list"])
-    assert rule.id not in after.output
-    again = await asyncio.to_thread(runner.invoke, main, args)
-    assert again.exit_code == 1
+
+    async def kazma(*args: str) -> tuple[int, str]:
+        # a child process: the CLI configures logging for its whole process
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kazma.bot.cli", "-c", str(config_file), "approvals", "rules", *args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode()
+
+    _, listed = await kazma("list")
+    assert rule.id in listed
+    assert "telegram:111" in listed
+    code, revoked = await kazma("revoke", rule.id, "--as", "ops")
+    assert code == 0, revoked
+    _, after = await kazma("list")
+    assert rule.id not in after
+    again, _ = await kazma("revoke", rule.id, "--as", "ops")
+    assert again == 1
