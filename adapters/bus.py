@@ -266,7 +266,13 @@ class FanOutBus:
         await self.settle(request.id)
 
     def _card_for(self, request: ApprovalRequest) -> ApprovalCard:
-        return build_card(request, value_limit=self.config.approvals.value_limit, public_url=self.config.web.public_url)
+        remember = self.config.approvals.remember  # "Approve for …" where a team enabled it (build_card decides)
+        return build_card(
+            request,
+            value_limit=self.config.approvals.value_limit,
+            public_url=self.config.web.public_url,
+            remember_seconds=remember.max_seconds if remember.enabled else None,
+        )
 
     async def _drain_settles(self, worker: _Worker) -> None:
         adapter = worker.adapter

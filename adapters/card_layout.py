@@ -94,6 +94,7 @@ def _notice_partial(approve_here: bool) -> str:
 class ButtonKind(StrEnum):
     APPROVE = "approve"
     DENY = "deny"
+    REMEMBER = "remember"  # approve, and let the identical call run again here until the rule expires
 
 
 @dataclass(frozen=True)
@@ -204,11 +205,19 @@ def _shown(arg: CardArgument, limit: int | None) -> ShownArgument:
 # -- the layout ---------------------------------------------------------------------------------
 
 
-def _buttons(card: ApprovalCard, *, approve: bool) -> tuple[Button, ...]:
+def remember_label(seconds: int) -> str:
+    return f"Approve for {seconds // 3600} h" if seconds % 3600 == 0 else f"Approve for {seconds // 60} min"
+
+
+def _buttons(card: ApprovalCard, *, approve: bool, whole: bool) -> tuple[Button, ...]:
     deny = Button(ButtonKind.DENY, DENY_LABEL, card.button_data(Decision.DENY))
     if not approve:
         return (deny,)
-    return (Button(ButtonKind.APPROVE, APPROVE_LABEL, card.button_data(Decision.APPROVE)), deny)
+    buttons = [Button(ButtonKind.APPROVE, APPROVE_LABEL, card.button_data(Decision.APPROVE)), deny]
+    # Never on a cut card (``remember_seconds`` is None on a card that warns): a rule needs the whole call in view.
+    if card.remember_seconds and whole:
+        buttons.insert(1, Button(ButtonKind.REMEMBER, remember_label(card.remember_seconds), card.remember_data))
+    return tuple(buttons)
 
 
 def view_of(
@@ -260,7 +269,7 @@ def view_of(
         notice=notice,
         link_label=FULL_CALL_LABEL,
         link=card.link,
-        buttons=() if outcome is not None else _buttons(card, approve=approve_here),
+        buttons=() if outcome is not None else _buttons(card, approve=approve_here, whole=whole),
     )
 
 

@@ -103,6 +103,12 @@ class ApprovalCard:
     deadline: datetime
     link: str
     warnings: tuple[str, ...] = ()  # plain sentences to show prominently; empty when nothing was found
+    remember_seconds: int | None = None  # offer "Approve for …" (remembered approvals); None: not offered
+
+    @property
+    def remember_data(self) -> str:
+        """``kz1:<id>:r``: approve, and remember the identical call in this conversation for a while."""
+        return f"{BUTTON_PREFIX}:{self.request_id}:r"
 
     def button_data(self, decision: Decision) -> str:
         return button_data(self.request_id, decision)
@@ -194,8 +200,13 @@ def card_warnings(places: list[tuple[str, Findings]]) -> tuple[str, ...]:
     )
 
 
-def build_card(request: ApprovalRequest, *, value_limit: int, public_url: str) -> ApprovalCard:
-    """The card for ``request``; raises :class:`CardIntegrityError` or :class:`UnrenderableArguments`."""
+def build_card(
+    request: ApprovalRequest, *, value_limit: int, public_url: str, remember_seconds: int | None = None
+) -> ApprovalCard:
+    """The card for ``request``; raises :class:`CardIntegrityError` or :class:`UnrenderableArguments`.
+
+    ``remember_seconds``: offer "Approve for …" (approvals.remember) — never when anything was found in the call.
+    """
     verify_integrity(request)
     check_names(request.args)
     arguments = tuple(bound_value(name, request.args[name], value_limit) for name in sorted(request.args))
@@ -208,6 +219,7 @@ def build_card(request: ApprovalRequest, *, value_limit: int, public_url: str) -
         places.append((f"the name of argument {_quoted(arg.name)}", arg.name_findings))
         places.append((f"argument {_quoted(arg.name)}", arg.findings))
     tool = reveal(request.tool)
+    findings = card_warnings(places)
     return ApprovalCard(
         request_id=request.id,
         title=f"Approval needed: {tool}",
@@ -219,7 +231,8 @@ def build_card(request: ApprovalRequest, *, value_limit: int, public_url: str) -
         deadline=request.deadline,
         link=f"{public_url.rstrip('/')}/swarm?approval={request.id}",
         # How the call would run (e.g. "runs unsandboxed on this host") comes first: it is about every value.
-        warnings=tuple(reveal(note) for note in request.notes) + card_warnings(places),
+        warnings=tuple(reveal(note) for note in request.notes) + findings,
+        remember_seconds=None if findings else remember_seconds,
     )
 
 

@@ -22,6 +22,7 @@ class PolicyVerdict:
     reason: str
     request_id: str | None = None
     outcome: Outcome | None = None
+    args_hash: str | None = None  # what a person approved (None when no approval was needed)
 
 
 class SafetyPolicy:
@@ -52,6 +53,14 @@ class SafetyPolicy:
         level = self.level(tool)
         if level is not DangerLevel.DANGEROUS:
             return PolicyVerdict(True, f"{tool} is classified {level.value}")
+        rule = await self.service.remembered(tool, args, conversation)
+        if rule is not None:
+            return PolicyVerdict(
+                True,
+                f"Ran under remembered approval {rule.id} made by {rule.created_by} (no card).",
+                rule.request_id,
+                args_hash=rule.args_hash,
+            )
         publisher = self.service.publisher
         if publisher is None or not publisher.can_show_cards():
             count_failure("approval_fail_closed")
@@ -74,4 +83,4 @@ class SafetyPolicy:
             await self.service.verify_execution(request.id, tool, args)
         except ExecutionMismatch as exc:
             return PolicyVerdict(False, f"Refused: {exc}", request.id, outcome)
-        return PolicyVerdict(True, outcome.for_agent(), request.id, outcome)
+        return PolicyVerdict(True, outcome.for_agent(), request.id, outcome, args_hash=request.args_hash)

@@ -21,6 +21,7 @@ import structlog
 from kazma.approvals.card import BUTTON_PREFIX, ApprovalCard, build_card, check_names
 from kazma.approvals.hashing import args_hash, canonical_json, check_arguments
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
+from kazma.approvals.rules import Rule, RuleStore
 from kazma.approvals.store import ApprovalStore, Clock
 from kazma.config.metrics import APPROVALS_DECIDED, APPROVALS_OPENED, PRESS_TO_DECISION, count_failure
 from kazma.config.models import KazmaConfig
@@ -28,7 +29,8 @@ from kazma.config.models import KazmaConfig
 log = structlog.get_logger("kazma.approvals")
 
 _BUTTON = re.compile(r"^(?P<version>kz\d+):(?P<id>[A-Za-z0-9_-]{16,64}):(?P<code>[a-z])$")
-_CODES = {"a": Decision.APPROVE, "d": Decision.DENY}
+_CODES = {"a": Decision.APPROVE, "d": Decision.DENY, "r": Decision.APPROVE}
+REMEMBER_CODE = "r"  # approve, and remember the identical call in its conversation (approvals.remember)
 STORE_SITE = "approval_resolve"
 _RECORD_GRACE = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)  # seconds, about 1.6 in all
 
@@ -115,6 +117,7 @@ class ExecutionMismatch(Exception):
 class ParsedButton:
     request_id: str
     decision: Decision
+    remember: bool = False
 
 
 class ButtonError(ValueError):
@@ -133,7 +136,7 @@ def parse_button(data: str) -> ParsedButton:
     decision = _CODES.get(match["code"])
     if decision is None:
         raise ButtonError(f"unknown decision code {match['code']!r}")
-    return ParsedButton(match["id"], decision)
+    return ParsedButton(match["id"], decision, remember=match["code"] == REMEMBER_CODE)
 
 
 class ApprovalService:
@@ -145,7 +148,9 @@ class ApprovalService:
         publisher: CardPublisher | None = None,
         clock: Clock = time.time,
         poll_interval: float = 0.5,
+        rules: RuleStore | None = None,
     ) -> None:
+        self.rules = rules  # remembered approvals (approvals.remember); None: never offered
         self.store = store
         self.config = config
         self.publisher = publisher
@@ -219,7 +224,40 @@ class ApprovalService:
         return f"{self.config.web.public_url.rstrip('/')}/swarm?approval={request_id}"
 
     def card(self, request: ApprovalRequest) -> ApprovalCard:
-        return build_card(request, value_limit=self.config.approvals.value_limit, public_url=self.config.web.public_url)
+        remember = self.config.approvals.remember
+        return build_card(
+            request,
+            value_limit=self.config.approvals.value_limit,
+            public_url=self.config.web.public_url,
+            remember_seconds=remember.max_seconds if remember.enabled and self.rules is not None else None,
+        )
+
+    async def remembered(self, tool: str, args: Mapping[str, Any], conversation: str) -> Rule | None:
+        """The standing rule that lets exactly this call run here without a card (audited and said), or None."""
+        if self.rules is None or not self.config.approvals.remember.enabled:
+            return None
+        try:
+            check_arguments(args)
+            digest = args_hash(args)
+        except ValueError:
+            return None
+        rule = await self.rules.match(tool, digest, conversation)
+        if rule is None:
+            return None
+        detail = f"{rule.id} ({tool} {digest[:12]}… in {conversation}; made by {rule.created_by})"
+        await self._audit_safely(rule.request_id, "rule_used", rule.created_by, rule.created_via, detail)
+        log.info("approvals.rule_used", rule=rule.id, tool=tool, conversation=conversation, hash=digest)
+        until = time.strftime("%H:%M:%S UTC", time.gmtime(rule.expires_at))
+        say = getattr(self.publisher, "send_text", None)
+        platform, _, chat = conversation.partition(":")
+        if say is not None and chat:
+            await say(
+                platform,
+                chat,
+                f"{tool} ran without a card under remembered approval {rule.id}, made by {rule.created_by} "
+                f"(request {rule.request_id}); it covers this exact call here until {until}.",
+            )
+        return rule
 
     # -- deciding --------------------------------------------------------------------------------
 
@@ -253,6 +291,7 @@ class ApprovalService:
                 actor=actor,
                 platform=platform,
                 card=CardLocation(chat, message_id),
+                remember=parsed.remember,
             )
 
     async def decide(
@@ -264,6 +303,7 @@ class ApprovalService:
         platform: str,
         reason: str | None = None,
         card: CardLocation | None = None,
+        remember: bool = False,
     ) -> PressResult:
         """Authorise ``actor``, then decide ``request_id`` once: whether this call won and, if not, what stands.
 
@@ -286,6 +326,13 @@ class ApprovalService:
                 f"You ({actor}) are not an approver here; nothing was recorded.",
                 request_id=request_id,
             )
+        if remember:
+            unremembered = await self._remember_problem(request_id, card)
+            if unremembered is not None:
+                await self._refused(request_id, actor, platform, unremembered)
+                return PressResult(
+                    PressVerdict.REFUSED, f"{unremembered}; nothing was recorded.", request_id=request_id
+                )
         if card is not None:
             problem = await self._card_problem(request_id, decision, platform, card)
             if problem is not None:
@@ -334,12 +381,42 @@ class ApprovalService:
                 hash=request.args_hash,
             )
             APPROVALS_DECIDED.labels(outcome=outcome.status.value, platform=platform).inc()
+            if remember and self.rules is not None and outcome.approved:
+                rule = await self.rules.add(
+                    tool=request.tool,
+                    args_hash=request.args_hash,
+                    conversation=request.conversation,
+                    created_by=actor,
+                    created_via=platform,
+                    request_id=request_id,
+                    seconds=self.config.approvals.remember.max_seconds,
+                )
+                await self._audit_safely(
+                    request_id, "rule_created", actor, platform, f"{rule.id} until {rule.expires_at:.0f}"
+                )
+                log.info("approvals.rule_created", rule=rule.id, request_id=request_id, actor=actor)
             await self._ended(request_id)
             verb = "Approved" if decision is Decision.APPROVE else "Denied"
             return PressResult(PressVerdict.WON, f"{verb}. Recorded as {actor}.", outcome, request_id)
         # still pending but the compare-and-set failed: the deadline has passed
         outcome = request.outcome() or await self._expire(request_id)
         return PressResult(PressVerdict.LOST, f"Already {outcome.summary()}.", outcome, request_id)
+
+    async def _remember_problem(self, request_id: str, where: CardLocation | None) -> str | None:
+        """Why "Approve for …" must not count here: only from a button on a whole card without warnings."""
+        if self.rules is None or not self.config.approvals.remember.enabled:
+            return "Remembered approvals are off here"
+        if where is None:
+            return "A remembered approval is made only with its button on a card"
+        request = await self.store.get(request_id)
+        if request is None:
+            return None  # the compare-and-set reports the unknown id
+        if self.card(request).remember_seconds is None:
+            return "This call cannot be remembered: its card warns about what it holds"
+        cards = await self.store.cards(request_id)
+        if any(not c.whole for c in cards if where.chat is None or c.chat == where.chat):
+            return "This call cannot be remembered: its card does not show the whole call"
+        return None
 
     async def _card_problem(
         self, request_id: str, decision: Decision, platform: str, where: CardLocation
@@ -448,6 +525,15 @@ class ApprovalService:
             raise
         finally:
             self._decided.pop(request_id, None)
+
+    async def cancel(self, request_id: str, *, reason: str) -> Outcome | None:
+        """End a pending request ``cancelled`` (its requester withdrew it); the outcome that stands, None if unknown."""
+        won, request = await self.store.finish(request_id, Status.CANCELLED, actor=None, platform=None, reason=reason)
+        if won:
+            log.info("approvals.cancelled", request_id=request_id, reason=reason)
+            APPROVALS_DECIDED.labels(outcome="cancelled", platform="").inc()
+            await self._ended(request_id)
+        return None if request is None else request.outcome()
 
     async def _cancel(self, request_id: str) -> None:
         try:

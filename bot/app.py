@@ -17,6 +17,7 @@ from kazma.adapters.contract import ChatMove, Handlers, Inbound, PlatformAdapter
 from kazma.adapters.outbox import Outbox
 from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
+from kazma.approvals.rules import RuleStore
 from kazma.bot.chat_moves import ChatMoves
 from kazma.bot.store import StoreWatch, open_store
 from kazma.config import LoadedConfig, enabled_platforms
@@ -27,7 +28,8 @@ from kazma.engine.agent import AgentRunner, agents_from_config
 from kazma.engine.conversation import Conversations, is_question_button
 from kazma.engine.executor import PlanExecutor
 from kazma.engine.history import HistoryStore
-from kazma.engine.model import OpenAIProvider
+from kazma.engine.mcp_tools import MCPSources
+from kazma.engine.model_router import provider_for
 from kazma.engine.plan_store import PlanStore
 from kazma.engine.sandbox import resolve_sandbox
 from kazma.engine.swarm.commands import SwarmCommands
@@ -71,6 +73,7 @@ class App:
     chat_moves: ChatMoves
     sweep_interval: float = 5.0
     store_watch: StoreWatch | None = None
+    mcp: MCPSources | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def on_press(self, press: Press) -> PressResult:
@@ -94,6 +97,8 @@ class App:
         recovery = await self.service.recover()  # orphans end before anyone can press their stale buttons
         self._tasks.append(asyncio.create_task(self._retention(), name="kazma-swarm-retention"))
         await self._follow_chat_moves()
+        if self.mcp is not None:  # tools listed before the first turn when the servers are quick; later otherwise
+            await self.mcp.start(wait=10.0)
         await self.bus.start(
             Handlers(on_inbound=self.on_inbound, on_press=self.on_press, on_chat_moved=self.on_chat_moved)
         )
@@ -171,6 +176,8 @@ class App:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.swarm.close()
+        if self.mcp is not None:
+            await self.mcp.stop()
         await self.bus.stop()
         closer = getattr(self.provider, "aclose", None)
         if closer is not None:
@@ -209,9 +216,9 @@ async def build_app(
         )
     else:
         bus = NullBus()
-    service = ApprovalService(store, config, publisher=bus)
+    service = ApprovalService(store, config, publisher=bus, rules=RuleStore(conn))
     policy = SafetyPolicy(service)
-    model = provider or OpenAIProvider(config.model)
+    model = provider or provider_for(config)
     state = config.store.path.parent
     tools = registry or default_registry(
         sandbox=resolve_sandbox(config.tools.sandbox),
@@ -225,6 +232,7 @@ async def build_app(
         HistoryStore(history_conn),
         workspace_root=workspace_root or config.tools.workspaces(config.store.path),
     )
+    mcp = MCPSources(config.mcp_servers, tools, config.danger_level) if config.mcp_servers else None
     agents = agents_from_config(config)
     lead = agents[config.agents.lead.name]
     conversations = Conversations(bus, runner, agents, lead)
@@ -284,7 +292,9 @@ async def build_app(
     for tool in swarm_tools(swarm, policy):
         runner.add_internal_tool(lead.name, tool)
     connections = [conn, outbox_conn, plans_conn, history_conn, swarm_conn]
-    return App(loaded, connections, service, policy, bus, conversations, executor, model, swarm, ChatMoves(conn))
+    return App(
+        loaded, connections, service, policy, bus, conversations, executor, model, swarm, ChatMoves(conn), mcp=mcp
+    )
 
 
 def config_lines_for_move(loaded: LoadedConfig, move: ChatMove) -> list[str]:

@@ -15,6 +15,7 @@ from kazma.adapters.web import WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import build_app
 from kazma.bot.approvals_cli import approvals
+from kazma.bot.approvals_request import request as approvals_request
 from kazma.bot.console.server import WebServer
 from kazma.bot.context import Context
 from kazma.bot.demo import run_demo
@@ -22,6 +23,8 @@ from kazma.bot.doctor import Level, run_checks
 from kazma.bot.init_cli import init
 from kazma.bot.log_options import log_settings, set_log, with_log_options
 from kazma.bot.logging import FORMATS, LEVELS, redact_secret
+from kazma.bot.mcp_cli import mcp
+from kazma.bot.rules_cli import rules
 from kazma.bot.setup_cli import setup
 from kazma.bot.swarm_cli import swarm
 from kazma.config import LoadedConfig, __version__, platform_statuses
@@ -201,6 +204,9 @@ main.add_command(init)
 main.add_command(approvals)
 main.add_command(swarm)
 main.add_command(setup)
+main.add_command(mcp)
+approvals.add_command(approvals_request)
+approvals.add_command(rules)
 for _command in main.commands.values():
     with_log_options(_command)
 

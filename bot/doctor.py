@@ -9,6 +9,8 @@ from kazma.bot.platform_checks import check_platforms, console_checks
 from kazma.bot.store import open_store
 from kazma.config import LoadedConfig, platform_statuses
 from kazma.config.database import schema_versions, transaction
+from kazma.config.models import MCPServerConfig, ModelConfig
+from kazma.engine.mcp_tools import list_server_tools
 from kazma.engine.sandbox import resolve_sandbox
 
 __all__ = ["Check", "Level", "run_checks"]
@@ -29,7 +31,28 @@ async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0, platfo
     checks.append(check_sandbox(loaded))
     checks.append(await check_store(loaded))
     checks.append(await check_model(loaded, wait_seconds=model_timeout))
+    for name, model in loaded.config.models.items():
+        checks.append(await check_endpoint(model, f"model.{name}", wait_seconds=model_timeout))
+    for name, server in loaded.config.mcp_servers.items():
+        checks.append(await check_mcp_server(name, server))
     return checks
+
+
+async def check_mcp_server(name: str, server: MCPServerConfig) -> Check:
+    """Start the server, list its tools, stop it."""
+    where = server.url or " ".join([server.command, *server.args])
+    try:
+        tools = await list_server_tools(name, server)
+    except Exception as exc:
+        return Check(f"mcp.{name}", Level.FAIL, f"{where[:200]}: could not list its tools ({_reason(exc)})")
+    listed = ", ".join(f"{name}/{tool}" for tool in sorted(tools)) or "no tools"
+    return Check(f"mcp.{name}", Level.OK, f"{len(tools)} tools: {listed}")
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        return _reason(exc.exceptions[0])
+    return f"{type(exc).__name__}: {exc}"[:300]
 
 
 def check_sandbox(loaded: LoadedConfig) -> Check:
@@ -66,25 +89,28 @@ async def check_store(loaded: LoadedConfig) -> Check:
 
 
 async def check_model(loaded: LoadedConfig, *, wait_seconds: float) -> Check:
-    model = loaded.config.model
+    return await check_endpoint(loaded.config.model, "model", wait_seconds=wait_seconds)
+
+
+async def check_endpoint(model: ModelConfig, label: str, *, wait_seconds: float) -> Check:
     url = model.base_url.rstrip("/") + "/models"
     headers = {"Authorization": f"Bearer {model.api_key}"} if model.api_key else {}
     try:
         async with httpx.AsyncClient(timeout=wait_seconds) as client:
             response = await client.get(url, headers=headers)
     except httpx.TimeoutException:
-        return Check("model", Level.FAIL, f"{url}: no answer within {wait_seconds:g} s")
+        return Check(label, Level.FAIL, f"{url}: no answer within {wait_seconds:g} s")
     except httpx.HTTPError as exc:
-        return Check("model", Level.FAIL, f"{url}: unreachable ({type(exc).__name__}: {exc})")
+        return Check(label, Level.FAIL, f"{url}: unreachable ({type(exc).__name__}: {exc})")
     if response.status_code in (401, 403):
-        return Check("model", Level.FAIL, f"{url}: the server rejected the API key (HTTP {response.status_code})")
+        return Check(label, Level.FAIL, f"{url}: the server rejected the API key (HTTP {response.status_code})")
     if response.status_code >= 400:
-        return Check("model", Level.FAIL, f"{url}: HTTP {response.status_code}")
+        return Check(label, Level.FAIL, f"{url}: HTTP {response.status_code}")
     try:
         names = {str(item.get("id")) for item in response.json().get("data", []) if isinstance(item, dict)}
     except ValueError:
-        return Check("model", Level.FAIL, f"{url}: answered, but not with JSON")
+        return Check(label, Level.FAIL, f"{url}: answered, but not with JSON")
     if names and model.name not in names:
         listed = ", ".join(sorted(names)[:5])
-        return Check("model", Level.WARN, f"{url}: reachable, but model {model.name!r} is not listed ({listed})")
-    return Check("model", Level.OK, f"{url}: reachable, model {model.name!r}")
+        return Check(label, Level.WARN, f"{url}: reachable, but model {model.name!r} is not listed ({listed})")
+    return Check(label, Level.OK, f"{url}: reachable, model {model.name!r}")

@@ -12,7 +12,9 @@ import aiosqlite
 import structlog
 
 from kazma.adapters.outbox import MIGRATIONS as OUTBOX
+from kazma.approvals.rules import MIGRATIONS as RULES
 from kazma.approvals.schema import MIGRATIONS as APPROVALS
+from kazma.bot.api_store import MIGRATIONS as API_IDEMPOTENCY
 from kazma.bot.chat_moves import MIGRATIONS as CHAT_MOVES
 from kazma.config import KazmaConfig
 from kazma.config.database import Migration, open_database
@@ -27,7 +29,7 @@ log = structlog.get_logger("kazma.store")
 
 def all_migrations() -> list[Migration]:
     """Every layer's schema, in the order layers depend on each other."""
-    return [*APPROVALS, *OUTBOX, *PLANS, *HISTORY, *SWARM, *SWARM_STATE, *CHAT_MOVES]
+    return [*APPROVALS, *OUTBOX, *PLANS, *HISTORY, *SWARM, *SWARM_STATE, *CHAT_MOVES, *API_IDEMPOTENCY, *RULES]
 
 
 def prepare_state_dir(store_path: Path) -> Path:

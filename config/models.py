@@ -158,6 +158,89 @@ class ModelConfig(Strict):
     embeddings: str | None = None  # an embeddings model at the same endpoint: semantic routing for auto
 
 
+_VARIABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_HEADER = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+
+
+def _variable_name(value: Any) -> Any:
+    if not isinstance(value, str) or not _VARIABLE.match(value):
+        raise PydanticCustomError(
+            "kazma_variable", "expected the name of an environment variable, got {got}", {"got": repr(value)}
+        )
+    return value
+
+
+VariableName = Annotated[str, BeforeValidator(_variable_name)]
+
+
+class MCPServerConfig(Strict):
+    """One MCP tool source: a stdio command, or a streamable-HTTP URL. Secrets only by variable name."""
+
+    command: str = ""
+    args: list[str] = Field(default_factory=list)
+    env: list[VariableName] = Field(default_factory=list)  # passed from Kazma's environment, by name only
+    url: str = ""
+    headers: dict[str, VariableName] = Field(default_factory=dict)  # header name -> variable holding its value
+    call_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+    start_timeout_seconds: float = Field(default=30.0, gt=0, le=600)
+    max_output_chars: int = Field(default=16_000, ge=256, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> MCPServerConfig:
+        if bool(self.command) == bool(self.url):
+            raise PydanticCustomError("kazma_mcp", "give exactly one of command (stdio) or url (streamable HTTP)", {})
+        if self.url and not re.match(r"^https?://[^\s/]+", self.url):
+            raise PydanticCustomError(
+                "kazma_url", "expected an http(s) URL, got {got}", {"subpath": "url", "got": repr(self.url)}
+            )
+        for header in self.headers:
+            if not _HEADER.match(header):
+                raise PydanticCustomError(
+                    "kazma_mcp", "not a header name: {got}", {"subpath": "headers", "got": repr(header)}
+                )
+        if self.url and (self.args or self.env):
+            raise PydanticCustomError("kazma_mcp", "args and env are for stdio servers (command)", {})
+        if self.command and self.headers:
+            raise PydanticCustomError("kazma_mcp", "headers are for HTTP servers (url)", {"subpath": "headers"})
+        return self
+
+
+API_ROLES = ("approval_requester", "approval_viewer")
+ApiRole = Literal["approval_requester", "approval_viewer"]
+
+
+class ApiTokenConfig(Strict):
+    """A machine's token for ``/api/v1`` and ``/mcp``: never a console login."""
+
+    token: str
+    roles: list[ApiRole] = Field(default_factory=lambda: list[ApiRole](["approval_requester"]))
+
+    @field_validator("token")
+    @classmethod
+    def _long(cls, value: str) -> str:
+        if len(value) < 32:
+            raise PydanticCustomError(
+                "kazma_token", "an API token needs at least 32 characters, got {got}", {"got": len(value)}
+            )
+        return value
+
+
+class ApiConfig(Strict):
+    tokens: dict[str, ApiTokenConfig] = Field(default_factory=dict)
+
+    @field_validator("tokens")
+    @classmethod
+    def _names(cls, value: dict[str, ApiTokenConfig]) -> dict[str, ApiTokenConfig]:
+        for name in value:
+            _check_agent_name(name)
+        seen: set[str] = set()
+        for name, item in value.items():
+            if item.token in seen:
+                raise PydanticCustomError("kazma_token", "two API tokens are the same", {"subpath": name})
+            seen.add(item.token)
+        return value
+
+
 class LeadAgentConfig(Strict):
     name: str = "kazma"
     system_prompt: str = (
@@ -261,6 +344,13 @@ def _approver(value: Any) -> Any:
 Approver = Annotated[str, BeforeValidator(_approver)]
 
 
+class RememberConfig(Strict):
+    """The "Approve for 1 h" button: a rule that lets the identical call run again in its conversation."""
+
+    enabled: bool = False
+    max_seconds: int = Field(default=3600, ge=60, le=24 * 3600)
+
+
 class ApprovalsConfig(Strict):
     deadline_seconds: int = Field(default=600, gt=0, le=7 * 24 * 3600)
     approvers: list[Approver] = Field(default_factory=list)
@@ -268,6 +358,7 @@ class ApprovalsConfig(Strict):
     # Approve in chat even when a card shows less than the whole call (a value cut, names only): off,
     # because what a person approves must be what they could see. Such calls are approved on their page.
     approve_cut_in_chat: bool = False
+    remember: RememberConfig = Field(default_factory=RememberConfig)
 
 
 class TelegramWebhookConfig(Strict):
@@ -484,6 +575,23 @@ class KazmaConfig(Strict):
     platforms: PlatformsConfig = Field(default_factory=PlatformsConfig)
     pipelines: dict[str, list[str]] = Field(default_factory=_default_pipelines)
     swarm: SwarmConfig = Field(default_factory=SwarmConfig)
+    mcp_servers: dict[str, MCPServerConfig] = Field(default_factory=dict)
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
+    api: ApiConfig = Field(default_factory=ApiConfig)
+
+    @field_validator("mcp_servers")
+    @classmethod
+    def _server_names(cls, value: dict[str, MCPServerConfig]) -> dict[str, MCPServerConfig]:
+        for name in value:
+            _check_agent_name(name)
+        return value
+
+    @field_validator("models")
+    @classmethod
+    def _model_names(cls, value: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
+        for name in value:
+            _check_agent_name(name)
+        return value
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -558,7 +666,10 @@ class KazmaConfig(Strict):
         return self
 
     def _check_tools(self) -> None:
-        known = sorted({*BUILTIN_TOOLS, *self.tools.levels} - set(INTERNAL_TOOLS))
+        known = sorted({*BUILTIN_TOOLS, *self.tools.levels} - set(INTERNAL_TOOLS)) + [
+            f"{server}/*" for server in self.mcp_servers
+        ]
+        self._check_models()
         agents = [("agents.lead.tools", self.agents.lead.tools)] + [
             (f"agents.workers.{name}.tools", worker.tools) for name, worker in self.agents.workers.items()
         ]
@@ -570,6 +681,9 @@ class KazmaConfig(Strict):
                         "{tool} is one of Kazma's own tools and is given to the lead by Kazma itself: remove it",
                         {"subpath": f"{where}[{position}]", "tool": repr(tool)},
                     )
+                server, slash, _ = tool.partition("/")
+                if slash and server in self.mcp_servers:
+                    continue  # an MCP tool (or server/*): its tools are known only once the server answers
                 if tool not in BUILTIN_TOOLS and tool not in self.tools.levels:
                     raise PydanticCustomError(
                         "kazma_tool",
@@ -605,6 +719,20 @@ class KazmaConfig(Strict):
                     "kazma_workspace",
                     "the workspaces must be outside the store's folder {state}: a tool could reach the store",
                     {"subpath": "tools.workspace_root", "state": str(self.store.path.parent)},
+                )
+
+    def _check_models(self) -> None:
+        if not self.models:
+            return
+        agents = [("agents.lead.model", self.agents.lead.model)] + [
+            (f"agents.workers.{name}.model", worker.model) for name, worker in self.agents.workers.items()
+        ]
+        for where, model in agents:
+            if model is not None and model not in self.models:
+                raise PydanticCustomError(
+                    "kazma_model",
+                    "unknown model {model} (models: {known})",
+                    {"subpath": where, "model": repr(model), "known": ", ".join(self.models)},
                 )
 
     def warnings(self) -> list[str]:

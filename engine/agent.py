@@ -126,6 +126,11 @@ def nesting_depth(value: Any) -> int:
     return deepest
 
 
+def offers(patterns: tuple[str, ...], name: str) -> bool:
+    """Whether an agent's ``tools`` (names, or ``server/*`` for every tool of an MCP server) include ``name``."""
+    return any(p == name or (p.endswith("/*") and name.startswith(p[:-1])) for p in patterns)
+
+
 def workspace_for(root: Path, conversation: str) -> Path:
     """One directory per conversation, named so that no conversation id can escape ``root``."""
     safe = _SAFE_SEGMENT.sub("_", conversation).strip("._") or "conversation"
@@ -159,10 +164,12 @@ class AgentRunner:
 
     def _specs(self, agent: AgentSpec, extra: Sequence[InternalTool] = ()) -> list[ToolSpec]:
         specs = [t.spec for t in self._internal(agent, extra).values()]
-        usable = [name for name in agent.tools if name in self.registry]
-        for name in agent.tools:
-            if name not in self.registry:
-                log.warning("agent.unknown_tool", agent=agent.name, tool=name)
+        usable: list[str] = []
+        for pattern in agent.tools:
+            found = self.registry.matching(pattern)
+            if not found:
+                log.warning("agent.unknown_tool", agent=agent.name, tool=pattern)
+            usable += [name for name in found if name not in usable]
         return specs + self.registry.specs(usable)
 
     async def run(
@@ -226,6 +233,9 @@ class AgentRunner:
         self, call: ToolCall, ctx: TurnContext, result: TurnResult, tools: Mapping[str, InternalTool]
     ) -> str:
         """Run one tool call; whatever happens, the model gets an answer it can act on."""
+        name = self.registry.canonical(call.name)
+        if name != call.name:  # a model-safe alias (``server__tool``): the card and the record say ``server/tool``
+            call = ToolCall(call.id, name, call.arguments, call.raw_arguments, call.error)
         if call.error is not None:
             result.tool_runs.append(ToolRun(call.name, {}, False, call.error))
             return f"Error: the arguments of {call.name} could not be read ({call.error}). Send a JSON object."
@@ -241,7 +251,7 @@ class AgentRunner:
                 ToolRun(call.name, call.arguments, outcome.ok, outcome.output or outcome.error or "")
             )
             return outcome.output if outcome.ok else f"Error: {outcome.error}"
-        if call.name not in ctx.agent.tools or call.name not in self.registry:
+        if not offers(ctx.agent.tools, call.name) or call.name not in self.registry:
             allowed = ", ".join([*tools, *ctx.agent.tools]) or "none"
             result.tool_runs.append(ToolRun(call.name, call.arguments, False, "not available", refused=True))
             return f"Error: {call.name} is not one of your tools (yours: {allowed})."
@@ -261,7 +271,9 @@ class AgentRunner:
             result.tool_runs.append(ToolRun(call.name, call.arguments, False, verdict.reason, refused=True))
             return f"Not run: {verdict.reason}"
         tool_ctx = ToolContext(
-            workspace=workspace_for(self.workspace_root, ctx.conversation), conversation=ctx.conversation
+            workspace=workspace_for(self.workspace_root, ctx.conversation),
+            conversation=ctx.conversation,
+            approved_hash=verdict.args_hash,
         )
         outcome = await self.registry.execute(call.name, call.arguments, tool_ctx)
         summary = outcome.output if outcome.ok else (outcome.error or "failed")

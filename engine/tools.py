@@ -85,10 +85,15 @@ class ToolResult:
 
 @dataclass(frozen=True)
 class ToolContext:
-    """Where a call runs: ``workspace`` is the conversation's own directory, created on first use."""
+    """Where a call runs: ``workspace`` is the conversation's own directory, created on first use.
+
+    ``approved_hash``: the argument hash a person approved for this call (None when it needed no approval);
+    a tool that sends its arguments elsewhere re-hashes what it sends against it.
+    """
 
     workspace: Path
     conversation: str
+    approved_hash: str | None = None
 
     def ensure_workspace(self) -> Path:
         """Create the workspace if needed and return its real path; :class:`PathRefused` when it is a symlink."""
@@ -140,13 +145,37 @@ class UnknownToolError(LookupError):
 class ToolRegistry:
     def __init__(self, tools: Iterable[Tool[Any]] = ()) -> None:
         self._tools: dict[str, Tool[Any]] = {}
+        self._aliases: dict[str, str] = {}
         for tool in tools:
             self.register(tool)
 
     def register(self, tool: Tool[Any]) -> None:
         if tool.name in self._tools:
             raise ValueError(f"a tool named {tool.name!r} is already registered")
+        self.put(tool)
+
+    def put(self, tool: Tool[Any]) -> None:
+        """Add or replace ``tool`` (tools of an MCP server change when it says its list changed)."""
         self._tools[tool.name] = tool
+        spec_name = tool.spec().name
+        if spec_name != tool.name:
+            self._aliases[spec_name] = tool.name
+
+    def remove(self, name: str) -> None:
+        tool = self._tools.pop(name, None)
+        if tool is not None:
+            self._aliases.pop(tool.spec().name, None)
+
+    def canonical(self, name: str) -> str:
+        """The registered name for what a model called (models see ``server__tool`` for ``server/tool``)."""
+        return self._aliases.get(name, name)
+
+    def matching(self, pattern: str) -> list[str]:
+        """``pattern`` itself, or every registered ``server/…`` tool for ``server/*``."""
+        if pattern.endswith("/*"):
+            prefix = pattern[:-1]
+            return [name for name in self.names() if name.startswith(prefix)]
+        return [pattern] if pattern in self._tools else []
 
     def get(self, name: str) -> Tool[Any] | None:
         return self._tools.get(name)

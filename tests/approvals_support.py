@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from kazma.approvals import MIGRATIONS, ApprovalCard, ApprovalService, ApprovalStore
 from kazma.config import KazmaConfig, load_config_text
@@ -66,7 +67,7 @@ async def approval_service(
 ) -> AsyncIterator[ApprovalService]:
     conn = await open_database(path, busy_timeout_ms=busy_timeout_ms, migrations=MIGRATIONS)
     try:
-        kwargs = {"clock": clock} if clock is not None else {}
+        kwargs: dict[str, Any] = {"clock": clock} if clock is not None else {}
         store = ApprovalStore(conn, **kwargs)
         yield ApprovalService(
             store,

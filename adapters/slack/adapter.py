@@ -41,6 +41,7 @@ from kazma.adapters.slack.render import (
     DENY_ACTION,
     MAX_MESSAGE_TEXT,
     MAX_SECTION_TEXT,
+    REMEMBER_ACTION,
     choice_blocks,
     escape,
     escaped_units,
@@ -302,6 +303,7 @@ class SlackAdapter(PlatformBase):
         self.app.command("/plan")(self._on_command)
         self.app.action(APPROVE_ACTION)(self._on_action)
         self.app.action(DENY_ACTION)(self._on_action)
+        self.app.action(REMEMBER_ACTION)(self._on_action)
         self.app.action(CHOICE_ACTION)(self._on_action)
 
     async def _drop_replays(

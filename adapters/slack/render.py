@@ -27,6 +27,12 @@ from kazma.approvals.model import Outcome, Status
 
 APPROVE_ACTION: Final = "kazma_approve"
 DENY_ACTION: Final = "kazma_deny"
+REMEMBER_ACTION: Final = "kazma_remember"
+_ACTIONS: Final = {
+    ButtonKind.APPROVE: APPROVE_ACTION,
+    ButtonKind.DENY: DENY_ACTION,
+    ButtonKind.REMEMBER: REMEMBER_ACTION,
+}
 CHOICE_ACTION: Final = re.compile(r"^kazma_choice_\d+$")  # one per choice of a question
 ACTIONS_BLOCK_ID: Final = "kazma_actions"
 
@@ -206,9 +212,9 @@ class SlackWriter:
                     "elements": [
                         {
                             "type": "button",
-                            "action_id": APPROVE_ACTION if button.kind is ButtonKind.APPROVE else DENY_ACTION,
+                            "action_id": _ACTIONS[button.kind],
                             "text": _plain(button.label),
-                            "style": "primary" if button.kind is ButtonKind.APPROVE else "danger",
+                            "style": "danger" if button.kind is ButtonKind.DENY else "primary",
                             "value": button.data,
                         }
                         for button in view.buttons

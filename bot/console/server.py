@@ -28,6 +28,7 @@ from kazma.adapters.contract import PlatformError
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import App
+from kazma.bot.console.api import register as register_api
 from kazma.bot.console.auth import (
     OPERATORS_ONLY,
     Session,
@@ -162,6 +163,7 @@ class WebServer:
                 web.get("/static/console.js", self.script),
             ]
         )
+        register_api(application, self.app)  # /api/v1 (API tokens, not console logins) and /mcp
         self._closing.clear()
         runner = web.AppRunner(application, shutdown_timeout=self.shutdown_timeout, access_log=None)
         await runner.setup()

@@ -1,0 +1,117 @@
+"""Remembered approvals: "Approve for 1 h" records a rule that lets the identical call run again without a card.
+
+A rule is bound to one tool, one argument hash and one conversation, and ends
+at ``expires_at`` or when revoked. It is made only by a person's press that won
+the compare-and-set on a whole, warning-free card (see the service), and every
+use of it is audited and said in the conversation. A call differing in one
+byte has another hash and gets a card; so does the same call elsewhere.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Final
+
+import aiosqlite
+
+from kazma.config.database import Migration, Tables
+
+MIGRATIONS: Final = [
+    Migration(
+        "approval_rules",
+        1,
+        (
+            """CREATE TABLE IF NOT EXISTS approval_rules (
+                id TEXT PRIMARY KEY,
+                tool TEXT NOT NULL,
+                args_hash TEXT NOT NULL,
+                conversation TEXT NOT NULL,
+                created_by TEXT NOT NULL,
+                created_via TEXT NOT NULL,
+                request_id TEXT NOT NULL,
+                created_at REAL NOT NULL,
+                expires_at REAL NOT NULL,
+                revoked_at REAL,
+                revoked_by TEXT
+            )""",
+            "CREATE INDEX IF NOT EXISTS approval_rules_call ON approval_rules (tool, args_hash, conversation)",
+        ),
+    )
+]
+_COLUMNS = "id, tool, args_hash, conversation, created_by, created_via, request_id, created_at, expires_at, revoked_at"
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    tool: str
+    args_hash: str
+    conversation: str
+    created_by: str
+    created_via: str
+    request_id: str
+    created_at: float
+    expires_at: float
+    revoked_at: float | None
+
+    def active(self, now: float) -> bool:
+        return self.revoked_at is None and now < self.expires_at
+
+
+def _rule(row: tuple[object, ...]) -> Rule:
+    revoked = row[9]
+    return Rule(
+        str(row[0]), str(row[1]), str(row[2]), str(row[3]), str(row[4]), str(row[5]), str(row[6]),
+        float(str(row[7])), float(str(row[8])), None if revoked is None else float(str(revoked)),
+    )  # fmt: skip
+
+
+class RuleStore:
+    def __init__(self, conn: aiosqlite.Connection, *, clock: object = time.time) -> None:
+        self.tables = Tables.of(conn)
+        self.clock = clock
+
+    def _now(self) -> float:
+        return float(self.clock())  # type: ignore[operator]
+
+    async def add(
+        self, *, tool: str, args_hash: str, conversation: str, created_by: str, created_via: str, request_id: str,
+        seconds: float,
+    ) -> Rule:  # fmt: skip
+        now = self._now()
+        rule = Rule(
+            "rule_" + secrets.token_urlsafe(12), tool, args_hash, conversation, created_by, created_via, request_id,
+            now, now + seconds, None,
+        )  # fmt: skip
+        await self.tables.run(
+            f"INSERT INTO approval_rules ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",  # noqa: S608
+            (rule.id, tool, args_hash, conversation, created_by, created_via, request_id, now, rule.expires_at, None),
+        )
+        return rule
+
+    async def match(self, tool: str, args_hash: str, conversation: str) -> Rule | None:
+        """The active rule for exactly this call in exactly this conversation, or None."""
+        row = await self.tables.one(
+            f"SELECT {_COLUMNS} FROM approval_rules WHERE tool = ? AND args_hash = ? AND conversation = ?"  # noqa: S608
+            " AND revoked_at IS NULL AND expires_at > ? ORDER BY expires_at DESC LIMIT 1",
+            (tool, args_hash, conversation, self._now()),
+        )
+        return None if row is None else _rule(tuple(row))
+
+    async def list(self, *, active_only: bool = True, limit: int = 100) -> list[Rule]:
+        where = " WHERE revoked_at IS NULL AND expires_at > ?" if active_only else ""
+        params: tuple[object, ...] = (self._now(),) if active_only else ()
+        rows = await self.tables.all(
+            f"SELECT {_COLUMNS} FROM approval_rules{where} ORDER BY created_at DESC LIMIT {int(limit)}",  # noqa: S608
+            params,
+        )
+        return [_rule(tuple(row)) for row in rows]
+
+    async def revoke(self, rule_id: str, *, actor: str) -> bool:
+        changed = await self.tables.run(
+            "UPDATE approval_rules SET revoked_at = ?, revoked_by = ? WHERE id = ? AND revoked_at IS NULL",
+            (self._now(), actor, rule_id),
+        )
+        return changed == 1

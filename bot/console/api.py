@@ -1,0 +1,333 @@
+"""The approvals API: ``/api/v1/approvals`` for scripts, CI jobs and agents Kazma does not run.
+
+Machines authenticate with API tokens (``api.tokens`` in ``kazma.yaml``), sent
+as ``Authorization: Bearer …``. They are a separate kind of credential from the
+console's logins: a console token is refused here, and an API token cannot log
+in to the console (the console only knows its own two tokens). A token's roles
+say what it may do: ``approval_requester`` opens requests and follows its own,
+``approval_viewer`` only follows its own. Every request opened, replayed or
+refused is audited with the token's name (``api:<name>``).
+
+A request opened here is the same kind of request an agent's tool call opens:
+the same card on every platform, the same compare-and-set, the same hash. Kazma
+runs nothing for it; the caller does, after ``approved`` — and should hash what
+it runs against the ``hash`` returned (the Python client does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from kazma.approvals.hashing import canonical_json, text_hash
+from kazma.approvals.model import ApprovalRequest
+from kazma.approvals.service import ApprovalRefused, ApprovalService
+from kazma.bot.api_store import IdempotencyKeys
+from kazma.bot.app import App
+from kazma.config.models import KazmaConfig
+
+log = structlog.get_logger("kazma.api")
+
+REQUESTER = "approval_requester"
+VIEWER = "approval_viewer"
+MAX_WAIT = 60.0
+MAX_TOOL = 100
+MAX_REASON = 1000
+MAX_REQUESTER = 100
+_KEY = re.compile(r"[\x21-\x7e]{1,200}")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
+
+
+@dataclass(frozen=True)
+class ApiCaller:
+    name: str
+    roles: tuple[str, ...]
+
+    @property
+    def actor(self) -> str:
+        return f"api:{self.name}"
+
+
+def _error(status: type[web.HTTPException], message: str, headers: dict[str, str] | None = None) -> web.HTTPException:
+    return status(text=json.dumps({"error": message}), content_type="application/json", headers=headers)
+
+
+def caller_of(config: KazmaConfig, request: web.Request) -> ApiCaller:
+    """The API token's owner, or 401. Every configured token is compared, so timing says nothing."""
+    header = request.headers.get("Authorization", "")
+    scheme, _, supplied = header.partition(" ")
+    found: ApiCaller | None = None
+    if scheme.lower() == "bearer" and supplied:
+        for name, token in config.api.tokens.items():
+            if hmac.compare_digest(supplied.strip().encode(), token.token.encode()):
+                found = ApiCaller(name, tuple(token.roles))
+    if found is None:
+        log.warning("api.unauthorised", path=request.path, remote=request.remote)
+        raise _error(web.HTTPUnauthorized, "an API token is required", headers={"WWW-Authenticate": "Bearer"})
+    return found
+
+
+def describe(service: ApprovalService, request: ApprovalRequest) -> dict[str, Any]:
+    outcome = request.outcome()
+    return {
+        "id": request.id,
+        "status": request.status.value,
+        "tool": request.tool,
+        "arguments": request.args,
+        "hash": request.args_hash,
+        "requested_by": request.requested_by,
+        "deadline": request.deadline.isoformat(),
+        "decided_by": None if outcome is None or not outcome.status.human else outcome.decided_by,
+        "decided_at": None if outcome is None else outcome.decided_at.isoformat(),
+        "reason": None if outcome is None else outcome.reason,
+        "link": service.link(request.id),
+    }
+
+
+class ApprovalsApi:
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.service = app.service
+        self.keys = IdempotencyKeys(app.connections[0])
+        self._opening = asyncio.Lock()  # one idempotent open at a time in this process: a key maps to one request
+
+    @property
+    def config(self) -> KazmaConfig:
+        return self.app.loaded.config
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/api/v1/approvals", self.create),
+            web.get("/api/v1/approvals/{id}", self.read),
+            web.delete("/api/v1/approvals/{id}", self.withdraw),
+            web.get("/api/v1/openapi.json", self.openapi),
+        ]
+
+    async def _audit(self, request_id: str | None, event: str, caller: ApiCaller, detail: str) -> None:
+        with contextlib.suppress(Exception):  # the service logs a failed audit itself; refusing is what matters
+            await self.service.store.audit(request_id, event, actor=caller.actor, platform="api", detail=detail)
+
+    async def create(self, request: web.Request) -> web.Response:
+        caller = caller_of(self.config, request)
+        body = await _json_object(request)
+        opened, created = await self.open_for(caller, body, request.headers.get("Idempotency-Key"))
+        return web.json_response(describe(self.service, opened), status=201 if created else 200)
+
+    async def open_for(self, caller: ApiCaller, body: dict[str, Any], key: str | None) -> tuple[ApprovalRequest, bool]:
+        """Open (or, for a known ``key``, find) the request ``body`` asks for; raises JSON HTTP errors."""
+        if REQUESTER not in caller.roles:
+            await self._audit(None, "api_refused", caller, "asked for an approval without the requester role")
+            raise _error(web.HTTPForbidden, f"the token {caller.name!r} does not have the {REQUESTER} role")
+        tool, arguments, note_lines, deadline = _validated(body, caller, self.config)
+        if key is not None and not _KEY.fullmatch(key):
+            raise _error(web.HTTPBadRequest, "Idempotency-Key must be 1-200 visible ASCII characters")
+        body_hash = text_hash(canonical_json(body))
+        async with self._opening:
+            if key is not None:
+                known = await self.keys.find(caller.name, key)
+                if known is not None:
+                    return await self._replayed(caller, known, body_hash), False
+            publisher = self.service.publisher
+            if publisher is None or not publisher.can_show_cards():
+                raise _error(web.HTTPServiceUnavailable, "no platform can show an approval card now")
+            try:
+                opened = await self.service.open(
+                    tool,
+                    arguments,
+                    caller.actor,
+                    caller.actor,
+                    deadline=deadline,
+                    notes=note_lines,
+                    durable=True,  # its waiter is the caller, not this process: a restart must not end it
+                )
+            except ApprovalRefused as exc:
+                await self._audit(None, "api_refused", caller, str(exc)[:300])
+                raise _error(web.HTTPUnprocessableEntity, str(exc)) from None
+            if key is not None:
+                await self.keys.keep(caller.name, key, body_hash, opened.id)
+        await self._audit(opened.id, "api_opened", caller, f"tool={tool}")
+        log.info("api.opened", request_id=opened.id, token=caller.name, tool=tool)
+        return opened, True
+
+    async def outcome_of(self, request_id: str) -> ApprovalRequest:
+        """Wait until ``request_id`` ends (at the latest at its deadline) and return it."""
+        while True:
+            await self.service.wait(request_id, cancel_with_waiter=False)
+            found = await self.service.store.get(request_id)
+            if found is not None and found.status.final:
+                return found
+
+    async def _replayed(self, caller: ApiCaller, known: tuple[str, str], body_hash: str) -> ApprovalRequest:
+        request_id, first_hash = known
+        if first_hash != body_hash:
+            await self._audit(request_id, "api_refused", caller, "idempotency key reused with another body")
+            raise _error(web.HTTPUnprocessableEntity, "this Idempotency-Key was used for a different request")
+        existing = await self.service.store.get(request_id)
+        if existing is None:
+            raise _error(web.HTTPNotFound, "the request of this Idempotency-Key is gone")
+        await self._audit(request_id, "api_replayed", caller, "same Idempotency-Key")
+        return existing
+
+    async def _own(self, request: web.Request, caller: ApiCaller) -> ApprovalRequest:
+        request_id = request.match_info["id"]
+        found = await self.service.store.get(request_id) if _REQUEST_ID.fullmatch(request_id) else None
+        # A token sees only what it opened: an id learnt elsewhere (a card, a log) reads as unknown.
+        if found is None or found.requested_by != caller.actor:
+            raise _error(web.HTTPNotFound, "no such approval request for this token")
+        return found
+
+    async def read(self, request: web.Request) -> web.Response:
+        caller = caller_of(self.config, request)
+        if REQUESTER not in caller.roles and VIEWER not in caller.roles:
+            raise _error(web.HTTPForbidden, f"the token {caller.name!r} has no approvals role")
+        found = await self._own(request, caller)
+        try:
+            wait = min(MAX_WAIT, max(0.0, float(request.query.get("wait", "0"))))
+        except ValueError:
+            raise _error(web.HTTPBadRequest, "wait must be a number of seconds") from None
+        if wait > 0 and not found.status.final:
+            # cancel_with_waiter=False: a client that stops polling withdraws nothing
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.service.wait(found.id, cancel_with_waiter=False), timeout=wait)
+            found = await self.service.store.get(found.id) or found
+        return web.json_response(describe(self.service, found))
+
+    async def withdraw(self, request: web.Request) -> web.Response:
+        caller = caller_of(self.config, request)
+        if REQUESTER not in caller.roles:
+            raise _error(web.HTTPForbidden, f"the token {caller.name!r} does not have the {REQUESTER} role")
+        found = await self._own(request, caller)
+        await self.service.cancel(found.id, reason=f"withdrawn by {caller.actor}")
+        await self._audit(found.id, "api_withdrawn", caller, "DELETE")
+        after = await self.service.store.get(found.id) or found
+        return web.json_response(describe(self.service, after))
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(OPENAPI)
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise _error(web.HTTPBadRequest, "the body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise _error(web.HTTPBadRequest, "the body must be a JSON object")
+    return body
+
+
+def _validated(
+    body: dict[str, Any], caller: ApiCaller, config: KazmaConfig
+) -> tuple[str, dict[str, Any], tuple[str, ...], float | None]:
+    unknown = sorted(set(body) - {"tool", "arguments", "reason", "requester", "deadline_seconds"})
+    if unknown:
+        raise _error(web.HTTPBadRequest, f"unknown fields: {', '.join(unknown)}")
+    tool = body.get("tool")
+    if not isinstance(tool, str) or not 0 < len(tool) <= MAX_TOOL:
+        raise _error(web.HTTPBadRequest, f"tool must be a name of 1-{MAX_TOOL} characters")
+    arguments = body.get("arguments", {})
+    if not isinstance(arguments, dict):
+        raise _error(web.HTTPBadRequest, "arguments must be a JSON object")
+    notes: list[str] = [f"Asked through the approvals API by {caller.actor}; Kazma does not run it, the caller does."]
+    for field, limit, label in (("requester", MAX_REQUESTER, "On behalf of"), ("reason", MAX_REASON, "Reason given")):
+        value = body.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, str) or len(value) > limit:
+            raise _error(web.HTTPBadRequest, f"{field} must be text of at most {limit} characters")
+        notes.append(f"{label}: {value}")
+    deadline = body.get("deadline_seconds")
+    if deadline is not None and (
+        isinstance(deadline, bool) or not isinstance(deadline, int | float) or not 0 < deadline <= 7 * 24 * 3600
+    ):
+        raise _error(web.HTTPBadRequest, "deadline_seconds must be a number of seconds, up to 7 days")
+    return tool, arguments, tuple(notes), None if deadline is None else float(deadline)
+
+
+_REQUEST_SCHEMA = {
+    "type": "object",
+    "required": ["tool"],
+    "additionalProperties": False,
+    "properties": {
+        "tool": {"type": "string", "maxLength": MAX_TOOL},
+        "arguments": {"type": "object"},
+        "reason": {"type": "string", "maxLength": MAX_REASON},
+        "requester": {"type": "string", "maxLength": MAX_REQUESTER},
+        "deadline_seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": 604800},
+    },
+}
+_APPROVAL = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"},
+        "status": {"type": "string", "enum": ["pending", "approved", "denied", "timeout", "cancelled"]},
+        "tool": {"type": "string"},
+        "arguments": {"type": "object"},
+        "hash": {"type": "string", "description": "SHA-256 of the canonical JSON of the arguments"},
+        "requested_by": {"type": "string"},
+        "deadline": {"type": "string", "format": "date-time"},
+        "decided_by": {"type": ["string", "null"]},
+        "decided_at": {"type": ["string", "null"], "format": "date-time"},
+        "reason": {"type": ["string", "null"]},
+        "link": {"type": "string"},
+    },
+}
+_OK = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Approval"}}}}
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.1.0",
+    "info": {"title": "Kazma approvals API", "version": "1"},
+    "components": {
+        "securitySchemes": {"token": {"type": "http", "scheme": "bearer"}},
+        "schemas": {"Approval": _APPROVAL, "NewApproval": _REQUEST_SCHEMA},
+    },
+    "security": [{"token": []}],
+    "paths": {
+        "/api/v1/approvals": {
+            "post": {
+                "summary": "Ask for a human's approval of one call (a card on every platform)",
+                "parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"}}],
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/NewApproval"}}},
+                },
+                "responses": {
+                    "201": {"description": "opened", **_OK},
+                    "200": {"description": "the request this Idempotency-Key already opened", **_OK},
+                    "401": {"description": "no valid API token"},
+                    "403": {"description": "the token lacks the approval_requester role"},
+                    "422": {"description": "the call cannot be shown faithfully, or the key was reused"},
+                },
+            }
+        },
+        "/api/v1/approvals/{id}": {
+            "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "get": {
+                "summary": "The request and its outcome; ?wait=<s> (at most 60) waits for one",
+                "parameters": [{"name": "wait", "in": "query", "schema": {"type": "number", "maximum": MAX_WAIT}}],
+                "responses": {"200": {"description": "the request", **_OK}, "404": {"description": "not yours"}},
+            },
+            "delete": {
+                "summary": "Withdraw a pending request (it ends cancelled)",
+                "responses": {"200": {"description": "the request", **_OK}},
+            },
+        },
+    },
+}
+
+
+def register(application: web.Application, app: App) -> ApprovalsApi:
+    """Add the approvals API (and the ``/mcp`` endpoint) to the web server's application."""
+    api = ApprovalsApi(app)
+    application.add_routes(api.routes())
+    from kazma.bot.mcp_server import register_http
+
+    register_http(application, api)
+    return api

@@ -1,0 +1,96 @@
+"""Kazma with its web server (approvals API, /mcp) and the Telegram fake: the doors for agents Kazma does not run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from kazma.adapters.telegram import TelegramAdapter
+from kazma.adapters.web import WebAdapter
+from kazma.bot.app import App, build_app
+from kazma.bot.console.server import WebServer
+from kazma.config import load_config_text
+from kazma.engine.model import ScriptedProvider
+from tests.fakes.telegram import FakeTelegram
+from tests.mcp_support import TG_ADMIN, TG_CHAT, cards, press
+
+REPO = Path(__file__).resolve().parent.parent
+REQUESTER_TOKEN = "req-" + "r" * 40
+VIEWER_TOKEN = "view-" + "v" * 40
+OTHER_TOKEN = "other-" + "o" * 40
+OPERATOR_TOKEN = "op-" + "p" * 40
+
+__all__ = ["TG_CHAT", "Door", "cards", "kazma_door", "press"]
+
+
+@dataclass
+class Door:
+    app: App
+    server: WebServer
+    telegram: FakeTelegram
+    url: str
+
+    def auth(self, token: str = REQUESTER_TOKEN) -> dict[str, str]:
+        return {"Authorization": f"Bearer {token}"}
+
+    async def run_cli(self, *args: str, token: str = REQUESTER_TOKEN) -> asyncio.subprocess.Process:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "KAZMA_API_TOKEN": token, "NO_PROXY": "127.0.0.1"}
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kazma.bot.cli", *args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+
+    async def press(self, code: str) -> None:
+        await self.telegram.wait_until(lambda: bool(cards(self.telegram)), timeout=30)
+        await press(self.telegram, code)
+
+
+@asynccontextmanager
+async def kazma_door(tmp: Path, *, extra: str = "") -> AsyncIterator[Door]:
+    telegram = FakeTelegram()
+    await telegram.start()
+    text = f"""
+store: {{path: '{tmp / "state" / "kazma.db"}'}}
+web: {{port: 0}}
+approvals: {{deadline_seconds: 60, approvers: ["telegram:{TG_ADMIN}"]}}
+api:
+  tokens:
+    ci: {{token: '{REQUESTER_TOKEN}', roles: [approval_requester]}}
+    dashboard: {{token: '{VIEWER_TOKEN}', roles: [approval_viewer]}}
+    other: {{token: '{OTHER_TOKEN}'}}
+{extra}
+platforms:
+  telegram:
+    token: '{telegram.token}'
+    api_base_url: '{telegram.base_url}'
+    chats: [{TG_CHAT}]
+    home_chat: {TG_CHAT}
+    admins: [{TG_ADMIN}]
+"""
+    loaded = load_config_text(text, environ={})
+    web = WebAdapter()
+    adapter = TelegramAdapter(loaded.config.platforms.telegram, poll_timeout=1, request_timeout=2)
+    app = await build_app(
+        loaded,
+        adapters=[adapter],
+        web=web,
+        provider=ScriptedProvider([]),
+        poll_interval=0.05,
+        workspace_root=tmp / "ws",
+    )
+    await app.start()
+    server = WebServer(
+        app, web, host="127.0.0.1", port=0, token_path=tmp / "state" / "web-token", operator_token=OPERATOR_TOKEN
+    )
+    await server.start()
+    try:
+        yield Door(app, server, telegram, server.url)
+    finally:
+        await server.stop()
+        await app.stop()
+        await telegram.stop()

@@ -1,0 +1,90 @@
+"""Kazma as an MCP server: the SDK's own client calls request_approval over stdio and over /mcp."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx2
+from mcp import ClientSession, StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+
+from kazma.approvals.hashing import args_hash
+from tests.api_support import OPERATOR_TOKEN, REPO, REQUESTER_TOKEN, VIEWER_TOKEN, Door, kazma_door
+
+ASK: dict[str, Any] = {"tool": "git_push", "arguments": {"branch": "main", "force": True}, "reason": "hotfix"}
+
+
+def _payload(result: Any) -> dict[str, Any]:
+    if result.structured_content:
+        found = result.structured_content
+        return dict(found.get("result", found))
+    text = "".join(getattr(item, "text", "") for item in result.content)
+    return dict(json.loads(text))
+
+
+async def _ask_and_press(door: Door, session: ClientSession, code: str) -> dict[str, Any]:
+    await session.initialize()
+    tools = await session.list_tools()
+    assert [tool.name for tool in tools.tools] == ["request_approval"]
+    call = asyncio.create_task(session.call_tool("request_approval", ASK))
+    await door.press(code)
+    result = await asyncio.wait_for(call, 30)
+    assert not result.is_error, result
+    return _payload(result)
+
+
+async def test_sdk_client_over_stdio_gets_the_outcome_and_hash(tmp_path: Path) -> None:
+    async with kazma_door(tmp_path) as door:
+        params = StdioServerParameters(
+            command=sys.executable,
+            args=["-m", "kazma.bot.cli", "mcp", "serve", "--url", door.url],
+            env={"PYTHONPATH": str(REPO), "KAZMA_API_TOKEN": REQUESTER_TOKEN, "PATH": os.environ.get("PATH", "")},
+        )
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+            answer = await _ask_and_press(door, session, "a")
+        assert answer["outcome"] == "approved"
+        assert answer["decided_by"] == "telegram:111"
+        assert answer["hash"] == args_hash(ASK["arguments"])
+        stored = await door.app.service.store.get(answer["request_id"])
+        assert stored is not None
+        assert stored.requested_by == "api:ci"
+
+
+async def test_sdk_client_over_streamable_http_gets_the_outcome_and_hash(tmp_path: Path) -> None:
+    async with kazma_door(tmp_path) as door:
+        headers = {"Authorization": f"Bearer {REQUESTER_TOKEN}"}
+        async with (
+            httpx2.AsyncClient(headers=headers, timeout=60, trust_env=False) as http,
+            streamable_http_client(f"{door.url}/mcp", http_client=http) as streams,
+            ClientSession(streams[0], streams[1]) as session,
+        ):
+            answer = await _ask_and_press(door, session, "d")
+        assert answer["outcome"] == "denied"
+        assert answer["hash"] == args_hash(ASK["arguments"])
+
+
+async def test_attack_mcp_endpoint_refuses_console_and_viewer_tokens(tmp_path: Path) -> None:
+    async with kazma_door(tmp_path) as door:
+        async with httpx2.AsyncClient(trust_env=False) as http:
+            for token in (OPERATOR_TOKEN, "x" * 40):
+                refused = await http.post(
+                    f"{door.url}/mcp",
+                    json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+                    headers={"Authorization": f"Bearer {token}", "Accept": "application/json, text/event-stream"},
+                )
+                assert refused.status_code == 401
+        headers = {"Authorization": f"Bearer {VIEWER_TOKEN}"}
+        async with (
+            httpx2.AsyncClient(headers=headers, timeout=60, trust_env=False) as http,
+            streamable_http_client(f"{door.url}/mcp", http_client=http) as streams,
+            ClientSession(streams[0], streams[1]) as session,
+        ):
+            await session.initialize()
+            result = await session.call_tool("request_approval", ASK)
+            assert result.is_error
+        assert await door.app.service.store.requests(limit=5) == []

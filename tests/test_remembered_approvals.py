@@ -1,0 +1,217 @@
+"""Remembered approvals: "Approve for 1 h" lets exactly the same call run again in the same conversation only."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from kazma.adapters.card_layout import ButtonKind, view_of
+from kazma.approvals import MIGRATIONS, ApprovalService, ApprovalStore, Decision, PressVerdict, SafetyPolicy
+from kazma.approvals.policy import PolicyVerdict
+from kazma.approvals.rules import MIGRATIONS as RULES
+from kazma.approvals.rules import RuleStore
+from kazma.config import load_config_text
+from kazma.config.database import open_database
+from kazma.engine.model import ScriptStep
+from tests.api_support import REPO
+from tests.approvals_support import ManualClock, RecordingPublisher
+from tests.mcp_support import TG_CHAT, Seen, call, calls_logged, cards, kazma_with_tracker, press
+
+CONFIG = """
+approvals:
+  approvers: ["telegram:111"]
+  remember: {enabled: true, max_seconds: 3600}
+"""
+HERE = "telegram:-1001"
+ARGS = {"env": "prod", "version": 42}
+
+
+@asynccontextmanager
+async def remembering(tmp: Path, clock: ManualClock) -> AsyncIterator[tuple[SafetyPolicy, RecordingPublisher]]:
+    conn = await open_database(tmp / "kazma.db", busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
+    publisher = RecordingPublisher()
+    service = ApprovalService(
+        ApprovalStore(conn, clock=clock),
+        load_config_text(CONFIG, environ={}).config,
+        publisher=publisher,
+        clock=clock,
+        poll_interval=0.02,
+        rules=RuleStore(conn, clock=clock),
+    )
+    try:
+        yield SafetyPolicy(service), publisher
+    finally:
+        await conn.close()
+
+
+async def _asks_for_a_card(policy: SafetyPolicy, publisher: RecordingPublisher, args: Any, where: str) -> bool:
+    """Whether this call gets a card (then it is denied, so nothing is left pending)."""
+    before = len(publisher.published)
+    task = asyncio.create_task(policy.check("deploy", args, requested_by="agent:kazma", conversation=where))
+    async with asyncio.timeout(10):
+        while len(publisher.published) == before and not task.done():
+            await asyncio.sleep(0.01)
+    if task.done():
+        return False
+    card = publisher.published[-1]
+    await policy.service.decide_from_button(card.button_data(Decision.DENY), actor="telegram:111", platform="telegram")
+    verdict = await task
+    assert not verdict.allowed
+    return True
+
+
+async def _remember(policy: SafetyPolicy, publisher: RecordingPublisher) -> PolicyVerdict:
+    task = asyncio.create_task(policy.check("deploy", ARGS, requested_by="agent:kazma", conversation=HERE))
+    async with asyncio.timeout(10):
+        while not publisher.published:
+            await asyncio.sleep(0.01)
+    card = publisher.published[-1]
+    assert card.remember_seconds == 3600
+    result = await policy.service.decide_from_button(card.remember_data, actor="telegram:111", platform="telegram")
+    assert result.verdict is PressVerdict.WON
+    return await task
+
+
+async def test_the_identical_call_runs_again_without_a_card_and_nothing_else_does(tmp_path: Path) -> None:
+    clock = ManualClock()
+    async with remembering(tmp_path, clock) as (policy, publisher):
+        first = await _remember(policy, publisher)
+        assert first.allowed
+        [rule] = await policy.service.rules.list()  # type: ignore[union-attr]
+        assert rule.created_by == "telegram:111"
+        again = await policy.check("deploy", dict(ARGS), requested_by="agent:kazma", conversation=HERE)
+        assert again.allowed
+        assert rule.id in again.reason
+        assert "telegram:111" in again.reason
+        assert len(publisher.published) == 1  # no second card
+        events = [e.event for e in await policy.service.store.events(rule.request_id)]
+        assert "rule_created" in events
+        assert "rule_used" in events
+        # one byte different: a card
+        assert await _asks_for_a_card(policy, publisher, {"env": "prod", "version": 43}, HERE)
+        # attack: the same call in another conversation is not covered
+        assert await _asks_for_a_card(policy, publisher, ARGS, "telegram:-1002")
+
+
+async def test_after_expiry_the_call_gets_a_card(tmp_path: Path) -> None:
+    clock = ManualClock()
+    async with remembering(tmp_path, clock) as (policy, publisher):
+        await _remember(policy, publisher)
+        clock.advance(3601)
+        assert await _asks_for_a_card(policy, publisher, ARGS, HERE)
+
+
+async def test_after_revoke_the_call_gets_a_card(tmp_path: Path) -> None:
+    async with remembering(tmp_path, ManualClock()) as (policy, publisher):
+        await _remember(policy, publisher)
+        rules = policy.service.rules
+        assert rules is not None
+        [rule] = await rules.list()
+        assert await rules.revoke(rule.id, actor="cli:ops")
+        assert await _asks_for_a_card(policy, publisher, ARGS, HERE)
+
+
+async def test_a_warned_or_cut_card_has_no_such_button_and_refuses_the_press(tmp_path: Path) -> None:
+    clock = ManualClock()
+    async with remembering(tmp_path, clock) as (policy, publisher):
+        task = asyncio.create_task(
+            policy.check("deploy", {"env": "pro\u200bd"}, requested_by="agent:kazma", conversation=HERE)
+        )
+        async with asyncio.timeout(10):
+            while not publisher.published:
+                await asyncio.sleep(0.01)
+        warned = publisher.published[-1]
+        assert warned.has_warnings
+        assert warned.remember_seconds is None
+        assert ButtonKind.REMEMBER not in {b.kind for b in view_of(warned).buttons}
+        forged = await policy.service.decide_from_button(
+            warned.remember_data, actor="telegram:111", platform="telegram"
+        )
+        assert forged.verdict is PressVerdict.REFUSED
+        assert await policy.service.rules.list() == []  # type: ignore[union-attr]
+        await _stop(task)
+        plain = await _remember_card(policy, publisher, {"env": "prod"})
+        assert ButtonKind.REMEMBER in {b.kind for b in view_of(plain).buttons}
+        long = await _remember_card(policy, publisher, {"script": "x" * 5000})
+        assert ButtonKind.REMEMBER not in {b.kind for b in view_of(long, limit=100).buttons}
+
+
+async def _remember_card(policy: SafetyPolicy, publisher: RecordingPublisher, args: dict[str, Any]) -> Any:
+    before = len(publisher.published)
+    task = asyncio.create_task(policy.check("deploy", args, requested_by="agent:kazma", conversation=HERE))
+    async with asyncio.timeout(10):
+        while len(publisher.published) == before:
+            await asyncio.sleep(0.01)
+    await _stop(task)
+    return publisher.published[-1]
+
+
+async def _stop(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def test_on_telegram_a_remembered_mcp_call_runs_again_and_says_so(tmp_path: Path) -> None:
+    first, second = Seen(), Seen()
+    issue = {"title": "Bug", "body": "b"}
+    steps: list[ScriptStep] = [
+        call("tracker__create_issue", issue),
+        first.answer,
+        call("tracker__create_issue", issue),
+        second.answer,
+    ]
+    async with kazma_with_tracker(tmp_path, steps, remember=True) as (_app, telegram, log):
+        telegram.push_message(TG_CHAT, 42, "file it", username="alice")
+        await telegram.wait_until(lambda: bool(cards(telegram)), timeout=20)
+        await press(telegram, "r")
+        await telegram.wait_until(lambda: bool(first.tool_messages), timeout=20)
+        telegram.push_message(TG_CHAT, 42, "file it again", username="alice")
+        await telegram.wait_until(lambda: bool(second.tool_messages), timeout=20)
+        assert len(cards(telegram)) == 1
+        assert len(calls_logged(log)) == 2
+        texts = [m.text for m in telegram.bot_messages(TG_CHAT)]
+        assert any("remembered approval rule_" in t and "telegram:111" in t for t in texts)
+
+
+async def test_rules_cli_lists_and_revokes(tmp_path: Path) -> None:
+    from kazma.bot.store import open_store
+
+    config_file = tmp_path / "kazma.yaml"
+    config_file.write_text(f"store: {{path: '{tmp_path / 'state' / 'kazma.db'}'}}\n", encoding="utf-8")
+    config = load_config_text(config_file.read_text(), environ={}).config
+    conn = await open_store(config)
+    try:
+        rule = await RuleStore(conn).add(
+            tool="deploy", args_hash="ab" * 32, conversation=HERE, created_by="telegram:111",
+            created_via="telegram", request_id="r" * 22, seconds=3600,
+        )  # fmt: skip
+    finally:
+        await conn.close()
+
+    async def kazma(*args: str) -> tuple[int, str]:
+        # a child process: the CLI configures logging for its whole process
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kazma.bot.cli", "-c", str(config_file), "approvals", "rules", *args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode()
+
+    _, listed = await kazma("list")
+    assert rule.id in listed
+    assert "telegram:111" in listed
+    code, revoked = await kazma("revoke", rule.id, "--as", "ops")
+    assert code == 0, revoked
+    _, after = await kazma("list")
+    assert rule.id not in after
+    again, _ = await kazma("revoke", rule.id, "--as", "ops")
+    assert again == 1
