@@ -445,7 +445,7 @@ class PlanExecutor:
                 self._validate([candidate if s.index == index else s.spec for s in plan.steps.values()], plan.goal)
                 await self.store.set_input(plan.id, index, new_input)
             await self.store.set_status(plan.id, index, StepStatus.FAILED, StepStatus.PENDING, failure_reason="")
-            for dependent in _dependents(plan, index, StepStatus.BLOCKED):
+            for dependent in _unblocked(plan, index):
                 await self.store.set_status(plan.id, dependent, StepStatus.BLOCKED, StepStatus.PENDING)
             detail = "with new input" if new_input is not None else "as it was"
             await self.store.record(plan.id, "retried", step=index, actor=by, detail=detail)
@@ -510,7 +510,7 @@ class PlanExecutor:
             )
             if step.status is StepStatus.WAITING_FOR_USER:
                 await self._cancel_questions(plan.id, index)
-            for dependent in _dependents(plan, index, StepStatus.BLOCKED):
+            for dependent in _unblocked(plan, index):
                 await self.store.set_status(plan.id, dependent, StepStatus.BLOCKED, StepStatus.PENDING)
             await self.store.record(plan.id, "skipped", step=index, actor=by, detail=reason)
             line = f"Plan: step {index} ({step.spec.title}) skipped: {reason}"
@@ -596,6 +596,31 @@ class PlanExecutor:
             if question.plan_id == plan.id:
                 lines.append(f"Waiting for {question.answerer} to answer: {question.question[:200]}")
         return "\n".join(lines)
+
+
+def _unblocked(plan: Plan, index: int) -> list[int]:
+    """The blocked steps that may wait again once ``index`` is repaired (retried or skipped).
+
+    A blocked step waits again only when nothing else it depends on has failed
+    for good or stays blocked: a step waiting on two failures is not freed by
+    repairing one of them, or it would wait forever.
+    """
+    status = {i: s.status for i, s in plan.steps.items()}
+    status[index] = StepStatus.PENDING  # repaired: it will run, or counts as skipped
+    freed: list[int] = []
+    candidates = _dependents(plan, index, StepStatus.BLOCKED)
+    changed = True
+    while changed:
+        changed = False
+        for i in candidates:
+            if i in freed:
+                continue
+            deps = dependencies(plan.steps[i].spec)
+            if all(status.get(d) not in (StepStatus.FAILED, StepStatus.BLOCKED) for d in deps):
+                status[i] = StepStatus.PENDING
+                freed.append(i)
+                changed = True
+    return sorted(freed)
 
 
 def _dependents(plan: Plan, index: int, status: StepStatus) -> list[int]:

@@ -508,3 +508,25 @@ async def test_output_files_reach_later_steps_and_the_plan_view(tmp_path: Path) 
         view = await ex.describe("c")
         assert "files: dist/app.tar, NOTES.md" in view
         assert "[in_progress] step 2" in view
+
+
+async def test_repairing_one_of_two_failed_dependencies_leaves_the_step_blocked(tmp_path: Path) -> None:
+    # Found by the property test: skipping step 1 used to free step 3, which still waited on the
+    # given-up step 2, so the plan never finished.
+    async with executor(tmp_path / "p.db") as (ex, _d):
+        plan = await ex.start("c", spec(step(1), step(2, wait_for=[]), step(3, wait_for=[1, 2]), step(4, wait_for=[])))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="one"))
+        await ex.complete(plan.id, 2, StepResult(ok=False, error="two"))  # step 4 runs meanwhile
+        await ex.lead_decided(plan.id, 2)  # the lead gave up on step 2: step 3 is blocked
+        await ex.skip_step("c", 1, "not needed", by="agent:kazma")
+        await ex.lead_decided(plan.id, 1)
+        await ex.complete(plan.id, 4, StepResult(ok=True, summary="four"))
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert {i: s.status for i, s in loaded.steps.items()} == {
+            1: StepStatus.SKIPPED,
+            2: StepStatus.FAILED,
+            3: StepStatus.BLOCKED,
+            4: StepStatus.DONE,
+        }
+        assert loaded.status == "finished"
