@@ -1,42 +1,67 @@
-"""The ``kazma`` command line."""
+"""The ``kazma`` command line.
+
+Only what ``kazma --version`` and ``kazma --help`` print is imported here;
+each command's module (and the platform libraries, the store, the app behind
+it) is imported when that command runs. Starting the whole application to
+print a version took half a second.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import sys
+import importlib
 from pathlib import Path
 
 import click
-import structlog
 
-from kazma.adapters.web import WebAdapter
-from kazma.approvals.model import Decision
-from kazma.bot.app import build_app
-from kazma.bot.approvals_cli import approvals
-from kazma.bot.approvals_request import request as approvals_request
-from kazma.bot.console.server import WebServer
-from kazma.bot.context import Context
-from kazma.bot.demo import run_demo
-from kazma.bot.doctor import Level, run_checks
-from kazma.bot.init_cli import init
-from kazma.bot.log_options import log_settings, set_log, with_log_options
-from kazma.bot.logging import FORMATS, LEVELS, redact_secret
-from kazma.bot.mcp_cli import mcp
-from kazma.bot.rules_cli import rules
-from kazma.bot.setup_cli import setup
-from kazma.bot.swarm_cli import swarm
-from kazma.config import LoadedConfig, __version__, platform_statuses
-from kazma.config.platforms import console_warnings
+from kazma.bot.log_options import FORMATS, LEVELS, log_settings, set_log, with_log_options
 
-log = structlog.get_logger("kazma.cli")
-
-EXIT_CHECK_FAILED = 1
+# name: (module, attribute, the one line `kazma --help` shows). test_cli checks each line against the command's own.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "approvals": ("kazma.bot.approvals_cli", "approvals", "List, inspect and decide approval requests."),
+    "config": ("kazma.bot.core_cli", "config", "Inspect and validate kazma.yaml."),
+    "demo": ("kazma.bot.core_cli", "demo", "Play a scripted scenario end to end: no tokens, no model."),
+    "doctor": ("kazma.bot.core_cli", "doctor", "Check the configuration, each platform's tokens with the platform,..."),
+    "init": ("kazma.bot.init_cli", "init", "Write a commented kazma.yaml in which you are an approver..."),
+    "mcp": ("kazma.bot.mcp_cli", "mcp", "Kazma as an MCP server (request_approval)."),
+    "run": ("kazma.bot.core_cli", "run", "Start every configured platform and serve until SIGINT or SIGTERM."),
+    "setup": ("kazma.bot.setup_cli", "setup", "Platform app settings: a Slack app manifest, a Discord invite URL."),
+    "swarm": ("kazma.bot.swarm_cli", "swarm", "Drive the swarm with the same grammar as /swarm in chat."),
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", "-V", prog_name="kazma")
+def load_command(name: str) -> click.Command:
+    module, attribute, _ = COMMANDS[name]
+    command: object = getattr(importlib.import_module(module), attribute)
+    assert isinstance(command, click.Command)
+    if name == "approvals" and isinstance(command, click.Group) and "request" not in command.commands:
+        from kazma.bot.approvals_request import request
+        from kazma.bot.rules_cli import rules
+
+        command.add_command(request)
+        command.add_command(rules)
+    with_log_options(command)
+    return command
+
+
+class LazyGroup(click.Group):
+    """Commands by name; a command's module is imported only when it runs (or its own help is asked)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        return load_command(cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(None, "--version", "-V", package_name="kazma", prog_name="kazma")
 @click.option(
     "--config",
     "-c",
@@ -66,149 +91,11 @@ EXIT_CHECK_FAILED = 1
 @click.pass_context
 def main(ctx: click.Context, config_path: Path | None) -> None:
     """Kazma: a chat-platform bot bus for AI agent teams."""
+    from kazma.bot.context import Context
+
     log_settings(ctx).apply()
     ctx.obj = Context(config_path)
 
-
-@main.group()
-def config() -> None:
-    """Inspect and validate kazma.yaml."""
-
-
-@config.command("check")
-@click.argument("path", required=False, type=click.Path(path_type=Path, dir_okay=True))
-@click.pass_obj
-def config_check(obj: Context, path: Path | None) -> None:
-    """Validate PATH (default: the --config file) and say which platforms would start."""
-    loaded = obj.load(path)
-    source = loaded.source or Path("kazma.yaml")
-    click.echo(f"{source}: valid")
-    for status in platform_statuses(loaded):
-        state = "on " if status.enabled else "off"
-        click.echo(f"  {status.name:<9} {state}  {status.reason}")
-        for warning in status.warnings:
-            click.echo(f"  {'':<9} warn {warning}")
-    web = loaded.config.web
-    click.echo(f"  {'web':<9} on   console on {web.host}:{web.port}, linked as {web.public_url}")
-    for warning in console_warnings(loaded.config):
-        click.echo(f"  {'':<9} warn {warning}")
-    if not any(s.enabled for s in platform_statuses(loaded)):
-        click.echo("  every platform is off: `kazma run` will serve the web console alone")
-    for warning in loaded.config.warnings():
-        click.echo(f"  warning: {warning}")
-
-
-@main.command()
-@click.option("--model-timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the model.")
-@click.option(
-    "--platform-timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for each platform's API."
-)
-@click.pass_obj
-def doctor(obj: Context, model_timeout: float, platform_timeout: float) -> None:
-    """Check the configuration, each platform's tokens with the platform, the store and the model endpoint."""
-    loaded = obj.load()
-    checks = asyncio.run(run_checks(loaded, model_timeout=model_timeout, platform_timeout=platform_timeout))
-    for check in checks:
-        click.echo(f"{check.level.value.upper():<4}  {check.name:<17} {check.detail}")
-    failed = [c for c in checks if c.level is Level.FAIL]
-    warned = [c for c in checks if c.level is Level.WARN]
-    click.echo(f"{len(failed)} failed, {len(warned)} warnings")
-    log.info("doctor.finished", failed=len(failed), warnings=len(warned))
-    if failed:
-        sys.exit(EXIT_CHECK_FAILED)
-
-
-@main.command()
-@click.option("--poll-interval", type=click.FloatRange(0.05, 60), default=1.0, show_default=True, hidden=True)
-@click.pass_obj
-def run(obj: Context, poll_interval: float) -> None:
-    """Start every configured platform and serve until SIGINT or SIGTERM."""
-    loaded = obj.load()
-    asyncio.run(_serve(loaded, poll_interval))
-
-
-async def _serve(loaded: LoadedConfig, poll_interval: float) -> None:
-    config = loaded.config
-    web = WebAdapter()
-    app = await build_app(loaded, poll_interval=poll_interval, web=web)
-    server = WebServer(
-        app,
-        web,
-        host=config.web.host,
-        port=config.web.port,
-        token_path=config.store.path.parent / "web-token",
-        operator_token=os.environ.get("KAZMA_WEB_TOKEN") or None,
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await app.start()
-        await server.start()
-        if server.auth is not None:
-            redact_secret(server.auth.tokens.operator)
-            redact_secret(server.auth.tokens.reader)
-        # Generated tokens go to their 0600 files, and to the screen only when there is one: stderr is also
-        # where the log goes, and a redirected stderr is a log file or the journal.
-        message = server.first_start_message(show_tokens=sys.stderr.isatty())
-        if message:
-            click.echo(message, err=True)
-        click.echo(f"kazma is running; web console at {server.url}; press Ctrl-C to stop", err=True)
-        await stop.wait()
-        log.info("app.stopping")
-    finally:
-        await server.stop()
-        await app.stop()
-
-
-@main.command()
-@click.option(
-    "--deny", is_flag=True, help="Without a terminal to type into, press Deny instead of Approve on the card."
-)
-@click.option(
-    "--terminal",
-    "terminal_only",
-    is_flag=True,
-    help="Play it in this terminal only (the default when no terminal is attached).",
-)
-@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True, help="Web console port.")
-@click.option("--no-browser", is_flag=True, help="Do not try to open a browser.")
-@click.pass_context
-def demo(ctx: click.Context, deny: bool, terminal_only: bool, port: int, no_browser: bool) -> None:
-    """Play a scripted scenario end to end: no tokens, no model.
-
-    On a terminal it serves the web console (URL and token printed, a browser
-    opened when there is one) and the card can be pressed there or here; without
-    one it plays in this terminal and presses the card itself.
-    """
-    settings = log_settings(ctx)
-    if not settings.level_given:  # the transcript is the point: only problems are logged unless asked
-        settings.level = "warning"
-        settings.apply()
-    decision = Decision.DENY if deny else Decision.APPROVE
-    web = not terminal_only and sys.stdin.isatty()
-    try:
-        ok = asyncio.run(
-            run_demo(
-                out=sys.stdout, decision=decision, web=web, web_port=port, open_browser=web and not no_browser,
-                linger=web,
-            )
-        )  # fmt: skip
-    except KeyboardInterrupt:
-        ok = True
-    sys.exit(0 if ok else 1)
-
-
-main.add_command(init)
-main.add_command(approvals)
-main.add_command(swarm)
-main.add_command(setup)
-main.add_command(mcp)
-approvals.add_command(approvals_request)
-approvals.add_command(rules)
-for _command in main.commands.values():
-    with_log_options(_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

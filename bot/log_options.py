@@ -7,11 +7,14 @@ The settings live in the click context's ``meta``, one dict shared by a command 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import Literal, cast
 
 import click
 
-from kazma.bot.logging import FORMATS, LEVELS, LogFormat, configure_logging
+# The choices live here, not in kazma.bot.logging: `kazma --version` and `--help` must not import structlog.
+LogFormat = Literal["auto", "console", "json"]
+LEVELS = ("debug", "info", "warning", "error")
+FORMATS = ("auto", "console", "json")
 
 LOG_SETTINGS = "kazma.log"
 
@@ -26,6 +29,8 @@ class LogSettings:
     level_given: bool = False
 
     def apply(self) -> None:
+        from kazma.bot.logging import configure_logging
+
         configure_logging(self.level, self.fmt)
 
 
@@ -50,6 +55,8 @@ def set_log(ctx: click.Context, *, level: str | None = None, fmt: str | None = N
 
 def with_log_options(command: click.Command) -> None:
     """Give ``command`` and every command under it the two log options, so they may follow the subcommand."""
+    if any(p.name == "log_level" for p in command.params):
+        return  # a command loaded twice (its help, then its run) gets them once
     command.params += [
         click.Option(
             ["--log-level"],

@@ -11,15 +11,15 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from kazma.config import KazmaConfig
+from kazma.bot.log_options import LogFormat
 
-LogFormat = Literal["auto", "console", "json"]
-LEVELS = ("debug", "info", "warning", "error")
-FORMATS = ("auto", "console", "json")
+if TYPE_CHECKING:
+    from kazma.config import KazmaConfig
+
 
 # Chatty per-request loggers stay at WARNING unless debugging.
 _NOISY = ("httpx", "httpcore", "aiosqlite", "discord.gateway", "discord.client", "telegram.ext.Updater")

@@ -1,10 +1,34 @@
-"""``kazma.config``: the ``kazma.yaml`` models, loading and validation, and the store bootstrap."""
+"""``kazma.config``: the ``kazma.yaml`` models, loading and validation, and the store bootstrap.
 
-from kazma.config.errors import ConfigError, Problem
-from kazma.config.loader import LoadedConfig, load_config, load_config_text
-from kazma.config.models import DangerLevel, KazmaConfig
-from kazma.config.platforms import PlatformStatus, enabled_platforms, platform_statuses
+The names below are imported on first use (PEP 562): ``kazma --version`` reads
+``kazma.config.version`` without paying for pydantic and the models.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kazma.config.version import __version__
+
+if TYPE_CHECKING:
+    from kazma.config.errors import ConfigError, Problem
+    from kazma.config.loader import LoadedConfig, load_config, load_config_text
+    from kazma.config.models import DangerLevel, KazmaConfig
+    from kazma.config.platforms import PlatformStatus, enabled_platforms, platform_statuses
+
+_HOME = {
+    "ConfigError": "errors",
+    "Problem": "errors",
+    "LoadedConfig": "loader",
+    "load_config": "loader",
+    "load_config_text": "loader",
+    "DangerLevel": "models",
+    "KazmaConfig": "models",
+    "PlatformStatus": "platforms",
+    "enabled_platforms": "platforms",
+    "platform_statuses": "platforms",
+}
 
 __all__ = [
     "ConfigError",
@@ -19,3 +43,12 @@ __all__ = [
     "load_config_text",
     "platform_statuses",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'kazma.config' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"kazma.config.{home}"), name)
+    globals()[name] = value
+    return value

@@ -25,7 +25,10 @@ REPO = Path(__file__).resolve().parent.parent
 def _commands(command: click.Command, path: str = "kazma") -> list[tuple[str, click.Command]]:
     found = [(path, command)]
     if isinstance(command, click.Group):
-        for name, sub in command.commands.items():
+        ctx = click.Context(command)  # through click's own lookup: the top level loads its commands lazily
+        for name in command.list_commands(ctx):
+            sub = command.get_command(ctx, name)
+            assert sub is not None
             found += _commands(sub, f"{path} {name}")
     return found
 
