@@ -269,6 +269,18 @@ class ApprovalsConfig(Strict):
     approve_cut_in_chat: bool = False
 
 
+# Who may talk to the lead in a direct message: nobody ("off"), the platform's approvers ("approvers": the
+# approvals.approvers written for it and its admins), or the listed actors ("telegram:111", …).
+DmPolicy = Literal["off", "approvers"] | list[Approver]
+
+
+class FilesConfig(Strict):
+    """``files:``: what Kazma accepts as attachments (over either bound: a reply, nothing saved)."""
+
+    max_bytes: int = Field(default=10 * 1024 * 1024, ge=1, le=2 * 1024 * 1024 * 1024)
+    max_count: int = Field(default=5, ge=0, le=100)
+
+
 class TelegramWebhookConfig(Strict):
     url: str = ""
     secret_token: str = ""
@@ -285,6 +297,7 @@ class TelegramConfig(Strict):
     chats: list[TelegramChat] = Field(default_factory=list)
     home_chat: OptionalTelegramChatId = None
     admins: list[TelegramUserId] = Field(default_factory=list)
+    dm_policy: DmPolicy = "off"
 
     @field_validator("api_base_url")
     @classmethod
@@ -347,6 +360,7 @@ class SlackConfig(Strict):
     channels: list[SlackChannelOrEvery] = Field(default_factory=list)
     home_channel: SlackChannel = ""
     admins: list[SlackUser] = Field(default_factory=list)
+    dm_policy: DmPolicy = "off"
 
     @field_validator("api_base_url")
     @classmethod
@@ -386,6 +400,7 @@ class DiscordConfig(Strict):
     guilds: list[DiscordSnowflake] = Field(default_factory=list)  # empty: the served channels' own servers
     home_channel: OptionalDiscordSnowflake = None
     admins: list[DiscordSnowflake] = Field(default_factory=list)
+    dm_policy: DmPolicy = "off"
 
     @field_validator("api_base_url")
     @classmethod
@@ -416,6 +431,7 @@ BUILTIN_TOOLS: dict[str, DangerLevel] = {
     "http_get": DangerLevel.READ,
     "write_file": DangerLevel.DANGEROUS,
     "shell": DangerLevel.DANGEROUS,
+    "send_file": DangerLevel.WRITE,
 }
 # Tools Kazma adds to agents itself (never listed under agents.*.tools).
 INTERNAL_TOOLS = ("write_plan", "dispatch_swarm", "check_swarm_task")
@@ -463,6 +479,7 @@ class KazmaConfig(Strict):
     platforms: PlatformsConfig = Field(default_factory=PlatformsConfig)
     pipelines: dict[str, list[str]] = Field(default_factory=_default_pipelines)
     swarm: SwarmConfig = Field(default_factory=SwarmConfig)
+    files: FilesConfig = Field(default_factory=FilesConfig)
 
     @field_validator("tools", mode="before")
     @classmethod
