@@ -251,7 +251,9 @@ class AgentRunner:
             result.tool_runs.append(ToolRun(call.name, call.arguments, False, verdict.reason, refused=True))
             return f"Not run: {verdict.reason}"
         tool_ctx = ToolContext(
-            workspace=workspace_for(self.workspace_root, ctx.conversation), conversation=ctx.conversation
+            workspace=workspace_for(self.workspace_root, ctx.conversation),
+            conversation=ctx.conversation,
+            agent=ctx.agent.name,
         )
         outcome = await self.registry.execute(call.name, call.arguments, tool_ctx)
         summary = outcome.output if outcome.ok else (outcome.error or "failed")

@@ -330,9 +330,7 @@ class DiscordAdapter(PlatformBase):
                     reply_to=str(message.reference.message_id)
                     if message.reference is not None and message.reference.message_id
                     else None,
-                    attachments=tuple(
-                        Attachment(a.filename, a.size, self._fetcher(a)) for a in message.attachments
-                    ),
+                    attachments=tuple(Attachment(a.filename, a.size, self._fetcher(a)) for a in message.attachments),
                 )
             )
 

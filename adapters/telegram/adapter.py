@@ -220,10 +220,12 @@ class TelegramAdapter(PlatformBase):
 
     async def _connect(self) -> None:
         app = self._build_application()
-        app.add_handler(MessageHandler(
+        app.add_handler(
+            MessageHandler(
                 filters.UpdateType.MESSAGE & (filters.TEXT | filters.CAPTION | filters.Document.ALL | filters.PHOTO),
                 self._on_message,
-            ))
+            )
+        )
         app.add_handler(CallbackQueryHandler(self._on_callback_query))
         app.add_handler(MessageHandler(filters.StatusUpdate.MIGRATE, self._on_migrate))
         app.add_error_handler(self._on_error)

@@ -297,7 +297,9 @@ class TelegramHarness(Harness):
             self.fake.push_file(int(chat), int(user), name, content, caption=text, declared_size=declared)
 
     def files_posted(self, chat: str) -> list[tuple[str, bytes, str]]:
-        return [(str(m.document["file_name"]), data, m.text) for m, data in self.fake.documents(int(chat)) if m.document]
+        return [
+            (str(m.document["file_name"]), data, m.text) for m, data in self.fake.documents(int(chat)) if m.document
+        ]
 
     def working_signs(self, chat: str) -> int | None:
         return sum(1 for a in self.fake.chat_actions if a["chat_id"] == int(chat) and a["action"] == "typing")

@@ -556,9 +556,7 @@ class FakeSlack:
 
     def shared_files(self, channel: str) -> list[tuple[StoredMessage, bytes]]:
         """Files the bot shared into ``channel``, with their content."""
-        return [
-            (m, self.files[f["id"]]["content"]) for m in self.channel(channel) if m.bot_id for f in m.files
-        ]
+        return [(m, self.files[f["id"]]["content"]) for m in self.channel(channel) if m.bot_id for f in m.files]
 
     def _m_files_getUploadURLExternal(self, params: dict[str, Any]) -> dict[str, Any]:
         name = str(params.get("filename") or "")
