@@ -95,7 +95,7 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         {},
         [
             "kazma.yaml: platforms.telegram.hom_chat: unknown key (expected one of: admins, api_base_url, chats, "
-            "home_chat, mode, token, webhook)"
+            "dm_policy, home_chat, mode, token, webhook)"
         ],
     ),
     (
@@ -103,7 +103,7 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         "modle: {name: x}",
         {},
         [
-            "kazma.yaml: modle: unknown key (expected one of: agents, approvals, model, pipelines, platforms, "
+            "kazma.yaml: modle: unknown key (expected one of: agents, approvals, files, model, pipelines, platforms, "
             "store, swarm, tools, web)"
         ],
     ),

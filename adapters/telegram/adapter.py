@@ -63,8 +63,9 @@ COMMANDS: Final = (SWARM_COMMAND, PLAN_COMMAND)
 _NO_PREVIEW: Final = LinkPreviewOptions(is_disabled=True)
 CAPTION_LIMIT: Final = 1024  # a document's caption, in UTF-16 units after parsing
 # Calls that post into a chat: these share the chat's send budget. Answers to button presses must be quick
-# and getUpdates is never limited by PTB.
-_PACED_ENDPOINTS: Final = frozenset({"sendMessage", "editMessageText", "sendDocument", "sendPhoto", "sendChatAction"})
+# and getUpdates is never limited by PTB. A chat action posts nothing: it must not spend the group's 20
+# messages a minute (the kit already shows it at most once per few seconds per chat).
+_PACED_ENDPOINTS: Final = frozenset({"sendMessage", "editMessageText", "sendDocument", "sendPhoto"})
 
 log = structlog.get_logger("kazma.adapters.telegram")
 
