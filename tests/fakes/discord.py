@@ -909,7 +909,8 @@ class FakeDiscord:
         files: list[tuple[str, bytes]] = []
         for part in parsed.iter_parts():
             name = part.get_param("name", header="content-disposition")
-            content = part.get_payload(decode=True) or b""
+            decoded = part.get_payload(decode=True)
+            content = decoded if isinstance(decoded, bytes) else b""
             if name == "payload_json":
                 payload = json.loads(content)
             elif isinstance(name, str) and name.startswith("files["):

@@ -1031,8 +1031,10 @@ async def _read_params(request: web.Request) -> JsonDict:
         for key, value in form.items():
             if isinstance(value, str):
                 params[key] = _convert(key, value)
-            else:  # an uploaded file: its name and its bytes
-                params[key] = {"filename": getattr(value, "filename", None), "content": value.file.read()}
+            elif isinstance(value, web.FileField):  # an uploaded file: its name and its bytes
+                params[key] = {"filename": value.filename, "content": value.file.read()}
+            else:
+                params[key] = {"filename": None, "content": bytes(value)}
     return params
 
 
