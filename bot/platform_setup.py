@@ -18,19 +18,10 @@ from kazma.config.models import KazmaConfig
 
 # Bot token scopes Kazma cannot work without: post and edit its messages (cards included) and private
 # notices, see @-mentions, read the served public and private channels, and take /swarm and /plan.
-# DMs (dm_policy) need im:history; files in and out need files:read and files:write.
-SLACK_BOT_SCOPES: Final = (
-    "app_mentions:read",
-    "channels:history",
-    "chat:write",
-    "commands",
-    "groups:history",
-    "im:history",
-    "files:read",
-    "files:write",
-)
+SLACK_BOT_SCOPES: Final = ("app_mentions:read", "channels:history", "chat:write", "commands", "groups:history")
 # Optional: agents post under their own names; without it their messages carry an "[agent]" prefix.
-SLACK_OPTIONAL_SCOPES: Final = ("chat:write.customize",)
+# Also optional: DMs with the lead (dm_policy) need im:history; files in and out need files:read, files:write.
+SLACK_OPTIONAL_SCOPES: Final = ("chat:write.customize", "im:history", "files:read", "files:write")
 SLACK_BOT_EVENTS: Final = ("app_mention", "message.channels", "message.groups", "message.im")
 SLACK_COMMANDS: Final = (
     ("/swarm", "Drive the agent swarm", "help | status | pipeline quick <task>"),
