@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from kazma.adapters.contract import CardRef, Handlers, PlatformAdapter, PlatformError
+from kazma.adapters.contract import CardRef, FileAdapter, Handlers, PlatformAdapter, PlatformError
 from kazma.adapters.outbox import Outbox, PostJob
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.model import ApprovalRequest, Status
@@ -174,6 +174,33 @@ class FanOutBus:
             count_failure("send", platform)
             log.warning("bus.send_failed", platform=platform, chat=chat, error=str(exc))
             return None
+
+    async def send_file(
+        self, platform: str, chat: str, name: str, data: bytes, *, agent: str | None = None, thread: str | None = None
+    ) -> str | None:
+        """Post a file into one conversation; failures are logged and counted, never raised."""
+        adapter: object = self.adapters.get(platform)
+        if not isinstance(adapter, FileAdapter):
+            log.warning("bus.unknown_platform", platform=platform, site="send_file")
+            return None
+        try:
+            return await asyncio.wait_for(
+                adapter.send_file(chat, name, data, agent=agent, thread=thread), timeout=self.platform_timeout * 4
+            )
+        except (PlatformError, TimeoutError) as exc:
+            count_failure("send_file", platform)
+            log.warning("bus.send_file_failed", platform=platform, chat=chat, error=str(exc))
+            return None
+
+    async def working(self, platform: str, chat: str, *, thread: str | None = None) -> bool:
+        """Show that an agent is working in one conversation (the adapter rate-limits it; never raises)."""
+        adapter: object = self.adapters.get(platform)
+        if not isinstance(adapter, FileAdapter):
+            return False
+        try:
+            return await asyncio.wait_for(adapter.working(chat, thread=thread), timeout=self.platform_timeout)
+        except TimeoutError:
+            return False
 
     async def broadcast(self, text: str, *, agent: str | None = None) -> dict[str, str | None]:
         """Report or alert into every platform's home chat at once."""
@@ -371,6 +398,15 @@ class NullBus:
     ) -> str | None:
         log.info("bus.message_dropped", platform=platform, chat=chat, reason="no platform configured")
         return None
+
+    async def send_file(
+        self, platform: str, chat: str, name: str, data: bytes, *, agent: str | None = None, thread: str | None = None
+    ) -> str | None:
+        log.info("bus.file_dropped", platform=platform, chat=chat, reason="no platform configured")
+        return None
+
+    async def working(self, platform: str, chat: str, *, thread: str | None = None) -> bool:
+        return False
 
     async def broadcast(self, text: str, *, agent: str | None = None) -> dict[str, str | None]:
         return {}

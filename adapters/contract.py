@@ -13,6 +13,20 @@ from typing import Protocol, runtime_checkable
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome, PressResult
 
+AttachmentFetch = Callable[[], Awaitable[bytes]]
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """A file someone sent with a message: its name, the size the platform declares, and how to fetch it.
+
+    Adapters never save files (they do not know workspaces): the engine fetches what the kit let through.
+    """
+
+    name: str
+    size: int | None  # bytes, as the platform declares them; None: unknown until fetched
+    fetch: AttachmentFetch = field(compare=False, repr=False)
+
 
 @dataclass(frozen=True)
 class Inbound:
@@ -31,6 +45,7 @@ class Inbound:
     is_admin: bool = False  # the author is in this platform's configured admins
     direct: bool = False  # a direct message to the bot, not a group conversation
     reply_to: str | None = None  # the message this one replies to, when the platform says (answers to questions)
+    attachments: tuple[Attachment, ...] = ()  # files sent with the message, within the configured bounds
 
 
 @dataclass(frozen=True)
@@ -135,4 +150,19 @@ class PlatformAdapter(Protocol):
 
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
         """Edit a posted card to show ``outcome`` and remove its buttons. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class FileAdapter(Protocol):
+    """A platform that can post files and show that an agent is working (every chat platform and the console)."""
+
+    async def send_file(
+        self, chat: str, name: str, data: bytes, *, agent: str | None = None, thread: str | None = None
+    ) -> str:
+        """Post ``data`` as a file called ``name``; return the message id."""
+        ...
+
+    async def working(self, chat: str, *, thread: str | None = None) -> bool:
+        """Show that an agent is working in ``chat`` (rate-limited: False when skipped or failed)."""
         ...

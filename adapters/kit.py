@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from typing import Any, ClassVar, Final, Protocol, TypeVar
 
 import structlog
 
-from kazma.adapters.contract import CardRef, ChatMove, Handlers, Inbound, PlatformError, Press
+from kazma.adapters.contract import Attachment, CardRef, ChatMove, Handlers, Inbound, PlatformError, Press
 from kazma.adapters.pacing import Pacing
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome, PressResult, PressVerdict
@@ -41,6 +43,7 @@ PRESS_APOLOGY: Final = "Kazma could not record your press, so nothing changed. P
 PRESS_PENDING: Final = "Recorded, updating…"
 PRESS_INACTIVE: Final = "This button is not active right now; nothing was recorded."
 NOT_SERVED: Final = "Kazma does not serve this chat."
+TYPING_INTERVAL: Final = 4.0  # Telegram's chat action shows for 5 s, Discord's typing for 10 s
 
 
 # -- text ---------------------------------------------------------------------------------------
@@ -140,6 +143,76 @@ class Served:
         )
 
 
+@dataclass(frozen=True)
+class DirectPolicy:
+    """Who may talk to the lead in a direct message (``dm_policy``): nobody, or the actors in ``actors``."""
+
+    actors: frozenset[str] = frozenset()
+
+    def allows(self, actor: str) -> bool:
+        return actor in self.actors
+
+    @classmethod
+    def of(cls, setting: object, approvers: Iterable[str]) -> DirectPolicy:
+        """``"off"`` (nobody), ``"approvers"`` (``approvers``: this platform's approvers), or a list of actors."""
+        if setting == "approvers":
+            return cls(frozenset(approvers))
+        if isinstance(setting, list | tuple | frozenset | set):
+            return cls(frozenset(str(actor) for actor in setting))
+        return cls()
+
+
+def _size(size: int) -> str:
+    if size < 1024:
+        return f"{size} bytes"
+    if size < 1024 * 1024:
+        return f"{size / 1024:.1f} KB"
+    return f"{size / (1024 * 1024):.1f} MB"
+
+
+class FileTooLarge(Exception):
+    """A file turned out larger than the bound once fetched (its platform did not declare its size)."""
+
+
+@dataclass(frozen=True)
+class FileBounds:
+    """How many files one message may carry and how large each may be (``files:``)."""
+
+    max_bytes: int = 10 * 1024 * 1024
+    max_count: int = 5
+
+    def problem(self, attachments: Sequence[Attachment]) -> str | None:
+        """Why these files are refused (a reply for the sender), or None when they are within the bounds."""
+        if len(attachments) > self.max_count:
+            if self.max_count == 0:
+                return "Kazma does not accept files here (files.max_count is 0); nothing was saved."
+            return (
+                f"Not saved: {len(attachments)} files were sent with one message; Kazma accepts at most "
+                f"{self.max_count} (files.max_count). Nothing was saved."
+            )
+        for attachment in attachments:
+            if attachment.size is not None and attachment.size > self.max_bytes:
+                return (
+                    f"Not saved: {attachment.name} is {_size(attachment.size)}; Kazma accepts files up to "
+                    f"{_size(self.max_bytes)} (files.max_bytes). Nothing was saved."
+                )
+        return None
+
+    def bounded(self, attachment: Attachment) -> Attachment:
+        """The same file, whose fetch refuses more than ``max_bytes`` (a size declared wrongly, or not at all)."""
+        limit = self.max_bytes
+
+        async def fetch() -> bytes:
+            data = await attachment.fetch()
+            if len(data) > limit:
+                raise FileTooLarge(
+                    f"Not saved: {attachment.name} is {_size(len(data))}; Kazma accepts files up to {_size(limit)}."
+                )
+            return data
+
+        return Attachment(attachment.name, attachment.size, fetch)
+
+
 ErrorClassifier = Callable[[str, BaseException], PlatformError]
 
 
@@ -156,8 +229,17 @@ class PlatformBase(ABC):
         pacing: Pacing | None = None,
         press_timeout: float = 2.0,
         stop_grace: float = 5.0,
+        direct: DirectPolicy | None = None,
+        files: FileBounds | None = None,
+        typing_interval: float = TYPING_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.served = served
+        self.direct = direct or DirectPolicy()
+        self.files = files or FileBounds()
+        self.typing_interval = typing_interval
+        self._clock = clock
+        self._typing_at: dict[str, float] = {}  # chat -> when the working indicator was last shown
         self.admins = frozenset(str(a) for a in admins)  # user ids on this platform
         self.pacing = pacing or Pacing()
         self.press_timeout = press_timeout
@@ -200,6 +282,14 @@ class PlatformBase(ABC):
         thread: str | None = None,
     ) -> str:
         """Post ``text`` (plain, escaped) with one button per ``(label, data)``; the message id."""
+
+    @abstractmethod
+    async def _post_file(self, chat: str, name: str, data: bytes, *, caption: str, thread: str | None) -> str:
+        """Post ``data`` as a file named ``name`` with ``caption``; the message id."""
+
+    @abstractmethod
+    async def _show_working(self, chat: str, thread: str | None) -> None:
+        """Show the platform's own "working" sign in ``chat`` once (it fades by itself)."""
 
     @abstractmethod
     async def post_card(self, card: ApprovalCard) -> CardRef:
@@ -294,11 +384,13 @@ class PlatformBase(ABC):
 
     # -- inbound ---------------------------------------------------------------------------------
 
-    def serves(self, chat: str, *, direct: bool = False) -> bool:
-        """Listed chats and the home chat; every group chat with ``"*"``. A direct message is served only
-        when its chat is listed: ``"*"`` means every group the bot is in, never every person who writes to it."""
+    def serves(self, chat: str, *, direct: bool = False, author: str | None = None) -> bool:
+        """Listed chats and the home chat; every group chat with ``"*"``. A direct message is served when its
+        chat is listed or ``dm_policy`` allows its author: ``"*"`` means every group the bot is in, never every
+        person who writes to it."""
         if direct:
-            return chat in self.served.chats or chat == self.served.home
+            listed = chat in self.served.chats or chat == self.served.home
+            return listed or (author is not None and self.direct.allows(author))
         return chat in self.served
 
     def is_admin(self, user_id: object) -> bool:
@@ -350,12 +442,23 @@ class PlatformBase(ABC):
 
     async def deliver(self, inbound: Inbound) -> None:
         """The one inbound door: only served chats pass; a failing handler is counted and logged, never raised."""
-        if not self.serves(inbound.chat, direct=inbound.direct):
-            log.info(f"{self.name}.inbound_ignored", platform=self.name, chat=inbound.chat, reason="chat_not_served")
+        if not self.serves(inbound.chat, direct=inbound.direct, author=inbound.author):
+            reason = "direct_not_allowed" if inbound.direct else "chat_not_served"
+            log.info(f"{self.name}.inbound_ignored", platform=self.name, chat=inbound.chat, reason=reason)
             return
         handlers = self._handlers
         if handlers is None:
             return
+        if inbound.attachments and not inbound.from_bot:
+            problem = self.files.problem(inbound.attachments)
+            if problem is not None:
+                # Refused whole: an agent must not act on a message whose files it cannot see.
+                log.info(f"{self.name}.files_refused", platform=self.name, chat=inbound.chat, problem=problem)
+                with contextlib.suppress(PlatformError):
+                    await self.send_text(inbound.chat, problem, thread=inbound.thread)
+                return
+            bounded = tuple(self.files.bounded(a) for a in inbound.attachments)
+            inbound = dataclasses.replace(inbound, attachments=bounded)
         log.info(
             f"{self.name}.inbound",
             platform=self.name,
@@ -476,6 +579,32 @@ class PlatformBase(ABC):
             error = exc if isinstance(exc, PlatformError) else self.classify(site, exc)
             self.failed(site, chat, error)
             raise error from exc
+
+    async def send_file(
+        self, chat: str, name: str, data: bytes, *, agent: str | None = None, thread: str | None = None
+    ) -> str:
+        """Post a file an agent produced, named by who posts it; the message id."""
+        if not name.strip() or not data:
+            raise self.refuse("send_file", "nothing to send: the file is empty or unnamed", chat=chat)
+        caption = f"{agent}: {name}" if agent else name
+        message_id = await self._post_file(self.moved_to(chat), name, data, caption=caption, thread=thread)
+        log.info(f"{self.name}.file_sent", platform=self.name, chat=chat, name=name, size=len(data), agent=agent)
+        return message_id
+
+    async def working(self, chat: str, *, thread: str | None = None) -> bool:
+        """Show that an agent is working, at most once per ``typing_interval`` per chat; never raises."""
+        now = self._clock()
+        last = self._typing_at.get(chat)
+        if last is not None and now - last < self.typing_interval:
+            return False
+        self._typing_at[chat] = now
+        try:
+            await self._show_working(self.moved_to(chat), thread)
+        except Exception as exc:  # a sign of life is a courtesy: its failure changes nothing else
+            error = exc if isinstance(exc, PlatformError) else self.classify("working", exc)
+            self.failed("working", chat, error)
+            return False
+        return True
 
     def _retry_after_of(self, site: str) -> Callable[[BaseException], float | None]:
         def retry_after(exc: BaseException) -> float | None:

@@ -14,6 +14,7 @@ import structlog
 
 from kazma.adapters.bus import FanOutBus, NullBus
 from kazma.adapters.contract import ChatMove, Handlers, Inbound, PlatformAdapter, Press
+from kazma.adapters.kit import DirectPolicy, FileBounds
 from kazma.adapters.outbox import Outbox
 from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
@@ -32,6 +33,7 @@ from kazma.engine.mcp_tools import MCPSources
 from kazma.engine.model_router import provider_for
 from kazma.engine.plan_store import PlanStore
 from kazma.engine.sandbox import resolve_sandbox
+from kazma.engine.send_file import SendFileTool
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.lead_tools import swarm_tools
 from kazma.engine.swarm.patterns import REFINER_INSTRUCTION, Synthesis
@@ -42,6 +44,7 @@ from kazma.engine.swarm.store import SwarmTaskStore
 from kazma.engine.swarm.types import WorkerResult
 from kazma.engine.swarm.workers import AgentWorker
 from kazma.engine.tools import ToolRegistry, default_registry, fence_untrusted
+from kazma.engine.transcript import RecordingSink, TranscriptStore
 from kazma.engine.types import ModelProvider
 
 log = structlog.get_logger("kazma.app")
@@ -49,13 +52,20 @@ log = structlog.get_logger("kazma.app")
 
 def build_adapters(loaded: LoadedConfig) -> list[PlatformAdapter]:
     """One adapter per platform with a token, built from the registry. Imported lazily: each library is heavy."""
-    platforms = loaded.config.platforms
+    config = loaded.config
+    platforms = config.platforms
+    files = FileBounds(max_bytes=config.files.max_bytes, max_count=config.files.max_count)
     adapters: list[PlatformAdapter] = []
     for name in enabled_platforms(loaded):
         spec = CHAT_PLATFORMS[name]
         module, _, attribute = spec.adapter.partition(":")
         factory = getattr(importlib.import_module(module), attribute)
-        adapters.append(factory(spec.section(platforms), approve_partial=loaded.config.approvals.approve_cut_in_chat))
+        section = spec.section(platforms)
+        # "approvers" in dm_policy: the approvers written for this platform and its admins, as for cards
+        direct = DirectPolicy.of(getattr(section, "dm_policy", "off"), config.roster.approvers_for(name))
+        adapters.append(
+            factory(section, approve_partial=config.approvals.approve_cut_in_chat, direct=direct, files=files)
+        )
     return adapters
 
 
@@ -71,6 +81,7 @@ class App:
     provider: ModelProvider
     swarm: SwarmService
     chat_moves: ChatMoves
+    transcript: TranscriptStore
     sweep_interval: float = 5.0
     store_watch: StoreWatch | None = None
     mcp: MCPSources | None = None
@@ -84,7 +95,30 @@ class App:
         )
 
     async def on_inbound(self, message: Inbound) -> None:
+        if not message.from_bot:  # our own posts come back on some platforms; they were kept when sent
+            await self._keep(message)
         await self.conversations.on_inbound(message)
+
+    async def _keep(self, message: Inbound) -> None:
+        """What people say, kept for the console (commands and files included) before it is handled."""
+        text = f"/{message.command} {message.text}".rstrip() if message.command else message.text
+        if message.attachments:
+            names = ", ".join(a.name for a in message.attachments)
+            text = f"{text}\n[files: {names}]" if text else f"[files: {names}]"
+        try:
+            await self.transcript.record(
+                message.platform,
+                message.chat,
+                author=message.author,
+                name=message.author_name or message.author,
+                text=text,
+                direction="in",
+                message_id=message.message_id,
+                direct=message.direct,
+            )
+        except Exception as exc:
+            count_failure("transcript")
+            log.warning("transcript.record_failed", platform=message.platform, chat=message.chat, error=str(exc))
 
     async def start(self) -> None:
         log.info("app.model", provider=self.provider.label)
@@ -205,6 +239,7 @@ async def build_app(
     plans_conn = await connect(config.store.path, busy_timeout_ms=config.store.busy_timeout_ms)
     history_conn = await connect(config.store.path, busy_timeout_ms=config.store.busy_timeout_ms)
     swarm_conn = await connect(config.store.path, busy_timeout_ms=config.store.busy_timeout_ms)
+    transcript_conn = await connect(config.store.path, busy_timeout_ms=config.store.busy_timeout_ms)
     store = ApprovalStore(conn)
     platform_adapters = build_adapters(loaded) if adapters is None else list(adapters)
     if web is not None:
@@ -225,6 +260,13 @@ async def build_app(
         shell_network=config.tools.shell_network,
         hidden=[state.resolve()],  # the store, the tokens, the sessions: never visible to a command
     )
+    if "send_file" not in tools:
+
+        async def post_file(conversation: str, name: str, data: bytes, agent: str) -> str | None:
+            platform, _, chat = conversation.partition(":")
+            return await sink.send_file(platform, chat, name, data, agent=agent or None)
+
+        tools.register(SendFileTool(post_file, max_bytes=config.files.max_bytes))
     runner = AgentRunner(
         model,
         tools,
@@ -235,7 +277,9 @@ async def build_app(
     mcp = MCPSources(config.mcp_servers, tools, config.danger_level) if config.mcp_servers else None
     agents = agents_from_config(config)
     lead = agents[config.agents.lead.name]
-    conversations = Conversations(bus, runner, agents, lead)
+    transcript = TranscriptStore(transcript_conn)
+    sink = RecordingSink(bus, transcript)
+    conversations = Conversations(sink, runner, agents, lead)
     executor = PlanExecutor(
         PlanStore(plans_conn), conversations, lead_name=lead.name, assignees=set(config.agents.workers)
     )
@@ -243,7 +287,7 @@ async def build_app(
 
     async def deliver(target: str, text: str) -> None:
         platform, _, chat = target.partition(":")
-        await bus.send_text(platform, chat, text, agent="swarm")
+        await sink.send_text(platform, chat, text, agent="swarm")
 
     async def report(text: str) -> None:
         await bus.broadcast(text, agent="swarm")
@@ -291,9 +335,20 @@ async def build_app(
     conversations.swarm = SwarmCommands(swarm, config)
     for tool in swarm_tools(swarm, policy):
         runner.add_internal_tool(lead.name, tool)
-    connections = [conn, outbox_conn, plans_conn, history_conn, swarm_conn]
+    connections = [conn, outbox_conn, plans_conn, history_conn, swarm_conn, transcript_conn]
     return App(
-        loaded, connections, service, policy, bus, conversations, executor, model, swarm, ChatMoves(conn), mcp=mcp
+        loaded,
+        connections,
+        service,
+        policy,
+        bus,
+        conversations,
+        executor,
+        model,
+        swarm,
+        ChatMoves(conn),
+        transcript,
+        mcp=mcp,
     )
 
 

@@ -20,8 +20,9 @@ from kazma.config.models import KazmaConfig
 # notices, see @-mentions, read the served public and private channels, and take /swarm and /plan.
 SLACK_BOT_SCOPES: Final = ("app_mentions:read", "channels:history", "chat:write", "commands", "groups:history")
 # Optional: agents post under their own names; without it their messages carry an "[agent]" prefix.
-SLACK_OPTIONAL_SCOPES: Final = ("chat:write.customize",)
-SLACK_BOT_EVENTS: Final = ("app_mention", "message.channels", "message.groups")
+# Also optional: DMs with the lead (dm_policy) need im:history; files in and out need files:read, files:write.
+SLACK_OPTIONAL_SCOPES: Final = ("chat:write.customize", "im:history", "files:read", "files:write")
+SLACK_BOT_EVENTS: Final = ("app_mention", "message.channels", "message.groups", "message.im")
 SLACK_COMMANDS: Final = (
     ("/swarm", "Drive the agent swarm", "help | status | pipeline quick <task>"),
     ("/plan", "Show this channel's current plan", ""),

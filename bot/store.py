@@ -23,13 +23,25 @@ from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.plan_store import MIGRATIONS as PLANS
 from kazma.engine.swarm.state_store import MIGRATIONS as SWARM_STATE
 from kazma.engine.swarm.store import MIGRATIONS as SWARM
+from kazma.engine.transcript import MIGRATIONS as TRANSCRIPT
 
 log = structlog.get_logger("kazma.store")
 
 
 def all_migrations() -> list[Migration]:
     """Every layer's schema, in the order layers depend on each other."""
-    return [*APPROVALS, *OUTBOX, *PLANS, *HISTORY, *SWARM, *SWARM_STATE, *CHAT_MOVES, *API_IDEMPOTENCY, *RULES]
+    return [
+        *APPROVALS,
+        *OUTBOX,
+        *PLANS,
+        *HISTORY,
+        *SWARM,
+        *SWARM_STATE,
+        *CHAT_MOVES,
+        *API_IDEMPOTENCY,
+        *RULES,
+        *TRANSCRIPT,
+    ]
 
 
 def prepare_state_dir(store_path: Path) -> Path:

@@ -361,6 +361,18 @@ class ApprovalsConfig(Strict):
     remember: RememberConfig = Field(default_factory=RememberConfig)
 
 
+# Who may talk to the lead in a direct message: nobody ("off"), the platform's approvers ("approvers": the
+# approvals.approvers written for it and its admins), or the listed actors ("telegram:111", …).
+DmPolicy = Literal["off", "approvers"] | list[Approver]
+
+
+class FilesConfig(Strict):
+    """``files:``: what Kazma accepts as attachments (over either bound: a reply, nothing saved)."""
+
+    max_bytes: int = Field(default=10 * 1024 * 1024, ge=1, le=2 * 1024 * 1024 * 1024)
+    max_count: int = Field(default=5, ge=0, le=100)
+
+
 class TelegramWebhookConfig(Strict):
     url: str = ""
     secret_token: str = ""
@@ -377,6 +389,7 @@ class TelegramConfig(Strict):
     chats: list[TelegramChat] = Field(default_factory=list)
     home_chat: OptionalTelegramChatId = None
     admins: list[TelegramUserId] = Field(default_factory=list)
+    dm_policy: DmPolicy = "off"
 
     @field_validator("api_base_url")
     @classmethod
@@ -439,6 +452,7 @@ class SlackConfig(Strict):
     channels: list[SlackChannelOrEvery] = Field(default_factory=list)
     home_channel: SlackChannel = ""
     admins: list[SlackUser] = Field(default_factory=list)
+    dm_policy: DmPolicy = "off"
 
     @field_validator("api_base_url")
     @classmethod
@@ -478,6 +492,7 @@ class DiscordConfig(Strict):
     guilds: list[DiscordSnowflake] = Field(default_factory=list)  # empty: the served channels' own servers
     home_channel: OptionalDiscordSnowflake = None
     admins: list[DiscordSnowflake] = Field(default_factory=list)
+    dm_policy: DmPolicy = "off"
 
     @field_validator("api_base_url")
     @classmethod
@@ -528,6 +543,7 @@ BUILTIN_TOOLS: dict[str, DangerLevel] = {
     "http_get": DangerLevel.READ,
     "write_file": DangerLevel.DANGEROUS,
     "shell": DangerLevel.DANGEROUS,
+    "send_file": DangerLevel.WRITE,
 }
 # Tools Kazma adds to agents itself (never listed under agents.*.tools).
 INTERNAL_TOOLS = ("write_plan", "dispatch_swarm", "check_swarm_task")
@@ -578,6 +594,7 @@ class KazmaConfig(Strict):
     mcp_servers: dict[str, MCPServerConfig] = Field(default_factory=dict)
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     api: ApiConfig = Field(default_factory=ApiConfig)
+    files: FilesConfig = Field(default_factory=FilesConfig)
 
     @field_validator("mcp_servers")
     @classmethod

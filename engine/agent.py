@@ -274,6 +274,7 @@ class AgentRunner:
             workspace=workspace_for(self.workspace_root, ctx.conversation),
             conversation=ctx.conversation,
             approved_hash=verdict.args_hash,
+            agent=ctx.agent.name,
         )
         outcome = await self.registry.execute(call.name, call.arguments, tool_ctx)
         summary = outcome.output if outcome.ok else (outcome.error or "failed")

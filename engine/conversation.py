@@ -15,17 +15,21 @@ Nobody else's message does, and neither does whatever is said next.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 import structlog
 
-from kazma.adapters.contract import Inbound, Press
+from kazma.adapters.contract import Inbound, PlatformError, Press
+from kazma.adapters.human_text import for_humans
+from kazma.adapters.kit import FileTooLarge
 from kazma.approvals.model import PressResult, PressVerdict
 from kazma.config.metrics import count_failure
-from kazma.engine.agent import AgentRunner, AgentSpec, StepRef, TurnResult
+from kazma.engine.agent import AgentRunner, AgentSpec, StepRef, TurnResult, workspace_for
+from kazma.engine.attachments import describe, save_attachments
 from kazma.engine.executor import Action, ActionKind, AnswerVerdict, DispatchFailed, PlanExecutor, StepResult
 from kazma.engine.plan_store import Question
 from kazma.engine.plan_tools import ask_user_tool, lead_plan_tools
@@ -36,6 +40,7 @@ log = structlog.get_logger("kazma.conversation")
 SUMMARY_LIMIT = 1500
 SWARM_UNAVAILABLE = "The /swarm commands are not available here: this process runs without the swarm engine."
 QUESTION_PREFIX: Final = "kq1"
+WORKING_EVERY: Final = 4.0  # how often the working sign is renewed while a turn runs (adapters rate-limit it)
 _QUESTION_BUTTON: Final = re.compile(r"^kq1:(?P<id>[A-Za-z0-9_-]{8,32}):(?P<choice>\d{1,2})$")
 
 
@@ -90,6 +95,37 @@ class Conversations:
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     # told of every executor action after it is carried out (the demo and tests watch plans end)
     listeners: list[Callable[[Action], None]] = field(default_factory=list)
+    working_every: float = WORKING_EVERY
+
+    # -- what people see ---------------------------------------------------------------------------
+
+    async def _say(
+        self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
+    ) -> str | None:
+        """Post to people: fences meant for models become a quiet "from @agent" label first."""
+        return await self.sink.send_text(platform, chat, for_humans(text), agent=agent, thread=thread)
+
+    @contextlib.asynccontextmanager
+    async def working(self, platform: str, chat: str, thread: str | None = None) -> AsyncIterator[None]:
+        """While the block runs, the platform shows that an agent is working (when the sink can)."""
+        show = getattr(self.sink, "working", None)
+        if show is None:
+            yield
+            return
+
+        async def keep_showing() -> None:
+            while True:
+                with contextlib.suppress(Exception):
+                    await show(platform, chat, thread=thread)
+                await asyncio.sleep(self.working_every)
+
+        task = asyncio.create_task(keep_showing(), name=f"working-{platform}-{chat}")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     def attach(self, executor: PlanExecutor) -> None:
         self.executor = executor
@@ -138,12 +174,10 @@ class Conversations:
                     chat=message.chat,
                     is_admin=message.is_admin,
                 )
-            await self.sink.send_text(message.platform, message.chat, reply, agent="swarm", thread=message.thread)
+            await self._say(message.platform, message.chat, reply, agent="swarm", thread=message.thread)
             return
         if message.command == "plan":
-            await self.sink.send_text(
-                message.platform, message.chat, await self.describe(conversation), agent=self.lead.name
-            )
+            await self._say(message.platform, message.chat, await self.describe(conversation), agent=self.lead.name)
             return
         if message.from_bot and dispatch is None:
             # our own posts echoed back by the platform, or another bot: not addressed to us
@@ -155,9 +189,38 @@ class Conversations:
             await self._run_step(worker, conversation, message, dispatch)
             return
         agent = worker or self.lead
+        text = message.text
+        if message.attachments and not message.from_bot:
+            note = await self._save_files(conversation, message)
+            if note is None:
+                return
+            text = f"{text}\n\n{note}" if text else note
         log.info("inbound.routed", conversation=conversation, agent=agent.name, author=message.author)
-        result = await self.runner.run(agent, conversation, message.text, requested_by=message.author)
+        async with self.working(message.platform, message.chat, message.thread):
+            result = await self.runner.run(agent, conversation, text, requested_by=message.author)
         await self._post_result(message, agent, result)
+
+    async def _save_files(self, conversation: str, message: Inbound) -> str | None:
+        """Save the message's files into the conversation's workspace; the note for the agent, or None when
+        they could not be saved (the sender is told why, and the agent does not run on half a message)."""
+        workspace = workspace_for(self.runner.workspace_root, conversation)
+        try:
+            saved = await save_attachments(workspace, message.attachments)
+        except FileTooLarge as exc:
+            await self._say(message.platform, message.chat, str(exc), thread=message.thread)
+            return None
+        except (PlatformError, OSError) as exc:
+            count_failure("attachment_save", message.platform)
+            log.warning("attachments.failed", conversation=conversation, error=str(exc))
+            await self._say(
+                message.platform,
+                message.chat,
+                "Kazma could not save the files sent with that message, so nothing was passed on. Please send them "
+                "again.",
+                thread=message.thread,
+            )
+            return None
+        return describe(saved)
 
     async def describe(self, conversation: str) -> str:
         if self.executor is None:
@@ -166,7 +229,8 @@ class Conversations:
 
     async def _run_step(self, worker: AgentSpec, conversation: str, message: Inbound, dispatch: _Dispatch) -> None:
         step = StepRef(dispatch.plan_id, dispatch.index, dispatch.attempt)
-        result = await self.runner.run(worker, conversation, message.text, requested_by=message.author, step=step)
+        async with self.working(message.platform, message.chat, message.thread):
+            result = await self.runner.run(worker, conversation, message.text, requested_by=message.author, step=step)
         await self._post_result(message, worker, result)
         if self.executor is None:
             return
@@ -183,7 +247,7 @@ class Conversations:
     async def _post_result(self, message: Inbound, agent: AgentSpec, result: TurnResult) -> None:
         text = result.text if result.ok else f"I could not finish: {result.error}"
         if text:
-            await self.sink.send_text(message.platform, message.chat, text, agent=agent.name, thread=message.thread)
+            await self._say(message.platform, message.chat, text, agent=agent.name, thread=message.thread)
 
     # -- answers to questions --------------------------------------------------------------------
 
@@ -198,7 +262,7 @@ class Conversations:
         if question is None:
             return False
         if question.choices and message.text.strip() not in question.choices:
-            await self.sink.send_text(
+            await self._say(
                 message.platform,
                 message.chat,
                 f"Please answer with one of: {', '.join(question.choices)} (or press its button).",
@@ -211,7 +275,7 @@ class Conversations:
             log.info("plan.reply_ignored", question=question.id, author=message.author)
             return True
         if result.verdict is AnswerVerdict.LOST:
-            await self.sink.send_text(message.platform, message.chat, result.message, agent=self.lead.name)
+            await self._say(message.platform, message.chat, result.message, agent=self.lead.name)
         return True
 
     async def answer_press(self, press: Press, *, is_admin: bool = False) -> PressResult:
@@ -248,7 +312,7 @@ class Conversations:
             assert action.question is not None
             await self._ask(platform, chat, action.question)
         elif action.kind is ActionKind.NOTICE:
-            await self.sink.send_text(platform, chat, action.text, agent=self.lead.name)
+            await self._say(platform, chat, action.text, agent=self.lead.name)
         elif action.kind is ActionKind.RUN_LEAD:
             assert step is not None
             self._spawn(self._lead_step(action), name=f"lead-step-{action.plan.id}-{step.index}")
@@ -273,7 +337,7 @@ class Conversations:
     async def _dispatch(self, action: Action, assignee: str, index: int, attempt: int) -> None:
         platform, _, chat = action.plan.conversation.partition(":")
         text = f"@{assignee} {action.text}".rstrip()
-        message_id = await self.sink.send_text(platform, chat, text, agent=self.lead.name)
+        message_id = await self._say(platform, chat, text, agent=self.lead.name)
         if message_id is None:
             raise DispatchFailed(f"the dispatch to @{assignee} could not be posted", transient=True)
         self._dispatches[(platform, chat, message_id)] = _Dispatch(action.plan.id, index, attempt)
@@ -299,7 +363,7 @@ class Conversations:
             how = "Reply to this message to answer."
         text = f"Question from @{question.asked_by} for {who} (or an admin):\n{question.question}\n{how}"
         choices = [(label, question_button(question.id, i)) for i, label in enumerate(question.choices)]
-        message_id = await self.sink.send_choices(platform, chat, text, choices, agent=self.lead.name)
+        message_id = await self.sink.send_choices(platform, chat, for_humans(text), choices, agent=self.lead.name)
         if message_id is None:
             count_failure("question_post")
             log.warning("plan.question_not_posted", question=question.id, conversation=question.conversation)
@@ -338,7 +402,8 @@ class Conversations:
 
     async def _lead_says(self, conversation: str, prompt: str) -> None:
         platform, _, chat = conversation.partition(":")
-        result = await self.runner.run(self.lead, conversation, prompt, requested_by="executor")
+        async with self.working(platform, chat):
+            result = await self.runner.run(self.lead, conversation, prompt, requested_by="executor")
         text = result.text if result.ok else f"I could not finish: {result.error}"
         if text:
-            await self.sink.send_text(platform, chat, text, agent=self.lead.name)
+            await self._say(platform, chat, text, agent=self.lead.name)

@@ -13,7 +13,7 @@ import contextlib
 import io
 import re
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +27,8 @@ from kazma.bot.app import App, build_app
 from kazma.bot.console.server import WebServer
 from kazma.bot.demo import REQUEST, run_demo, scenario
 from kazma.config import load_config_text
-from kazma.engine.scenario import agent_prompts
+from kazma.engine.scenario import PerAgentScript, agent_prompts
+from kazma.engine.types import Message, ModelReply
 from tests.fakes.telegram import FakeTelegram
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -208,3 +209,136 @@ async def test_the_demo_swarm_page_runs_a_pipeline_on_the_scripted_workers() -> 
         demo.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await demo
+
+
+# --------------------------------------------------------------------------- every conversation, after a restart
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
+PERSON = 111  # a Telegram admin: an approver there, and allowed to DM the lead
+FENCE_WORDS = ("untrusted-data", "Untrusted data from", "It is data, not instructions")
+
+
+def telegram_yaml(tmp_path: Path, telegram: FakeTelegram) -> str:
+    return (
+        f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
+        "web: {port: 0}\n"
+        "approvals: {approvers: ['web:alice']}\n"
+        f"platforms: {{telegram: {{token: '{telegram.token}', api_base_url: '{telegram.base_url}',"
+        f" chats: [{CHAT}], home_chat: {CHAT}, admins: [{PERSON}], dm_policy: approvers}}}}\n"
+    )
+
+
+@asynccontextmanager
+async def kazma_on(tmp_path: Path, telegram: FakeTelegram, *, quiet: bool = False) -> AsyncIterator[Running]:
+    """Kazma serving the Telegram fake and the console, on the store in ``tmp_path`` (kept between runs).
+    ``quiet``: every agent only says "Noted." (no plan, so nothing waits for an approval)."""
+    loaded = load_config_text(telegram_yaml(tmp_path, telegram), environ={})
+    c = loaded.config
+    web = WebAdapter()
+    prompts = agent_prompts(c)
+    noted: dict[str, Callable[[Sequence[Message]], ModelReply]] = {
+        name: (lambda _messages: ModelReply(content="Noted.")) for name in prompts
+    }
+    app = await build_app(
+        loaded,
+        provider=PerAgentScript({}, prompts, after=noted) if quiet else scenario(prompts),
+        adapters=[TelegramAdapter(c.platforms.telegram, poll_timeout=1)],
+        web=web,
+        poll_interval=0.05,
+        workspace_root=tmp_path / "ws",
+    )
+    server = WebServer(app, web, host="127.0.0.1", port=0, token_path=tmp_path / "web-token", operator_token=TOKEN)
+    await app.start()
+    await server.start()
+    try:
+        yield Running(app, server, telegram)
+    finally:
+        await server.stop()
+        await app.conversations.drain()
+        await app.stop()
+
+
+async def assert_no_fence(page: Page) -> None:
+    shown = await page.content()
+    for word in FENCE_WORDS:
+        assert word not in shown, f"{word!r} is shown on {page.url}"
+
+
+async def test_every_conversation_in_the_console_after_a_restart(tmp_path: Path) -> None:
+    """A Telegram group's plan (dispatches that carry fenced output) and a DM run on the fake; Kazma restarts; the
+    console lists both with their badges, reads them from the store without a fence in sight, follows a new
+    Telegram message live, and every page is photographed for the docs (light and dark)."""
+    DOCS.mkdir(parents=True, exist_ok=True)
+    telegram = FakeTelegram()
+    await telegram.start()
+    try:
+        async with kazma_on(tmp_path, telegram) as k:
+            telegram.push_message(CHAT, PERSON, REQUEST)
+            await telegram.wait_until(lambda: any(m.buttons for m in telegram.bot_messages(CHAT)), timeout=30)
+            card = next(m for m in telegram.bot_messages(CHAT) if m.buttons)
+            approve = next(b["callback_data"] for b in card.buttons if str(b["callback_data"]).endswith(":a"))
+            telegram.push_callback(CHAT, card.message_id, PERSON, approve)
+            await telegram.wait_until(
+                lambda: any("The script works." in m.text for m in telegram.bot_messages(CHAT)), timeout=30
+            )
+            telegram.push_message(PERSON, PERSON, "@kazma a word in private")  # a DM (dm_policy: approvers)
+            await telegram.wait_until(lambda: bool(telegram.bot_messages(PERSON)), timeout=30)
+            assert telegram.chat_actions, "the working sign was shown while agents worked"
+            await k.app.conversations.drain()
+        every_text = [m.text for m in telegram.bot_messages(CHAT) + telegram.bot_messages(PERSON)]
+        assert any("from @researcher" in t for t in every_text)
+        assert not [t for t in every_text if any(word in t for word in FENCE_WORDS)]
+
+        async with kazma_on(tmp_path, telegram, quiet=True) as k, async_playwright() as pw:  # the same store
+            browser = await pw.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                      "--disable-component-update", "--disable-sync", "--no-first-run"],
+            )  # fmt: skip
+            try:
+                for scheme in ("light", "dark"):
+                    context = await browser.new_context(
+                        viewport={"width": 1280, "height": 900}, color_scheme=scheme, timezone_id="Europe/Paris"
+                    )
+                    page = await context.new_page()
+                    await login(page, k.server.url)
+                    suffix = "" if scheme == "light" else "-dark"
+                    await assert_no_fence(page)
+                    await page.screenshot(path=str(DOCS / f"console{suffix}.png"), full_page=True)
+
+                    await page.goto(f"{k.server.url}/conversations")
+                    group = page.locator(f"#conversations li[data-conversation='telegram:{CHAT}']")
+                    await group.wait_for(timeout=10_000)
+                    assert "Telegram" in await group.inner_text()
+                    dm = page.locator(f"#conversations li[data-conversation='telegram:{PERSON}']")
+                    assert "DM" in await dm.inner_text()
+                    await assert_no_fence(page)
+                    await page.screenshot(path=str(DOCS / f"conversations{suffix}.png"), full_page=True)
+
+                    await group.locator("a").click()
+                    await page.locator("#transcript .message").first.wait_for(timeout=10_000)
+                    shown = await page.locator("#transcript").inner_text()
+                    assert REQUEST in shown  # what the person said, kept across the restart
+                    assert "from @researcher" in shown
+                    assert shown.index(REQUEST) < shown.index("@researcher") < shown.index("The script works.")
+                    times = await page.locator("#transcript time").all_inner_texts()
+                    assert times
+                    assert all(t.endswith("Europe/Paris") for t in times)
+                    await assert_no_fence(page)
+                    if scheme == "light":  # live: a new message appears without a reload
+                        await page.locator("#live", has_text="live").wait_for(timeout=10_000)
+                        telegram.push_message(CHAT, PERSON, "one more thing, live")
+                        await page.locator("#transcript", has_text="one more thing, live").wait_for(timeout=20_000)
+                    await page.screenshot(path=str(DOCS / f"conversation-telegram{suffix}.png"), full_page=True)
+
+                    await page.goto(f"{k.server.url}/swarm")
+                    await assert_no_fence(page)
+                    await page.screenshot(path=str(DOCS / f"swarm{suffix}.png"), full_page=True)
+                    await context.close()
+            finally:
+                await browser.close()
+            await k.app.conversations.drain()
+    finally:
+        await telegram.stop()
+    for name in ("console", "conversations", "conversation-telegram", "swarm"):
+        assert (DOCS / f"{name}.png").stat().st_size > 10_000

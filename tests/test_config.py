@@ -95,7 +95,7 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         {},
         [
             "kazma.yaml: platforms.telegram.hom_chat: unknown key (expected one of: admins, api_base_url, chats, "
-            "home_chat, mode, token, webhook)"
+            "dm_policy, home_chat, mode, token, webhook)"
         ],
     ),
     (
@@ -103,8 +103,8 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         "modle: {name: x}",
         {},
         [
-            "kazma.yaml: modle: unknown key (expected one of: agents, api, approvals, mcp_servers, model, models, "
-            "pipelines, platforms, store, swarm, tools, web)"
+            "kazma.yaml: modle: unknown key (expected one of: agents, api, approvals, files, mcp_servers, model, "
+            "models, pipelines, platforms, store, swarm, tools, web)"
         ],
     ),
     (

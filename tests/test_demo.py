@@ -29,7 +29,8 @@ async def test_demo_plays_the_whole_loop_and_approves() -> None:
     positions = [next(i for i, line in enumerate(lines) if needle in line) for needle in order]
     assert positions == sorted(positions), positions
     # the researcher's output reaches the builder fenced as data, not instructions
-    assert "[Untrusted data from step 1 (researcher)" in text
+    assert "from @researcher" in text  # the dispatch carries the step's output under a quiet label
+    assert "Untrusted data" not in text
     assert "│ Arguments SHA-256: " in text
 
 

@@ -206,10 +206,12 @@ async def test_request_plan_dispatch_approval_and_report(tmp_path: Path, platfor
         await side.wait("@researcher How should we count runs?")
         await side.wait("@builder Count one run")
         await side.wait("Approval needed")
-        # the researcher's summary is inside the builder's dispatch, fenced as data
+        # the researcher's summary is inside the builder's dispatch: fenced as data for the model, and shown
+        # to people with a quiet label instead of the fence
         dispatch = next(t for t in side.bot_texts() if "@builder" in t)
         assert RESEARCH in dispatch
-        assert "Untrusted data from step 1 (researcher)" in dispatch
+        assert "from @researcher" in dispatch
+        assert all("untrusted-data" not in t and "Untrusted data" not in t for t in side.bot_texts())
         card = side.card_texts()[0]
         assert "command" in card
         assert "runs.log" in card

@@ -22,7 +22,7 @@ def test_an_agent_listing_a_tool_that_does_not_exist_is_an_error_naming_it() -> 
     line = problem("pipelines: {}\nagents: {workers: {builder: {system_prompt: b, tools: [shell, shel]}}}")
     assert line == (
         "kazma.yaml: agents.workers.builder.tools[1]: unknown tool 'shel' "
-        "(known tools: http_get, read_file, shell, write_file)"
+        "(known tools: http_get, read_file, send_file, shell, write_file)"
     )
     lead = problem("agents: {lead: {tools: [read_file, rm_rf]}}")
     assert lead.startswith("kazma.yaml: agents.lead.tools[1]: unknown tool 'rm_rf' (known tools: ")

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+import io
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, TypeVar
 
 import discord
@@ -24,10 +25,18 @@ import yarl
 from discord import app_commands
 
 from kazma.adapters.card_layout import agent_prefix
-from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
+from kazma.adapters.contract import Attachment, CardRef, Inbound, PlatformError, Press
 from kazma.adapters.discord.errors import PLATFORM, classify, describe
 from kazma.adapters.discord.render import CONTENT_MAX, NO_MENTIONS, clip, escape_text, neutralise_mentions, render_card
-from kazma.adapters.kit import NOT_SERVED, PlatformBase, Served, plain_mentions, split_text
+from kazma.adapters.kit import (
+    NOT_SERVED,
+    DirectPolicy,
+    FileBounds,
+    PlatformBase,
+    Served,
+    plain_mentions,
+    split_text,
+)
 from kazma.adapters.pacing import Pacing
 from kazma.approvals.card import BUTTON_PREFIX, ApprovalCard
 from kazma.approvals.model import Outcome
@@ -54,6 +63,7 @@ class _Client(discord.Client):
         intents.guilds = True
         intents.guild_messages = True
         intents.message_content = True
+        intents.dm_messages = True  # direct messages with the lead (served only as dm_policy allows)
         super().__init__(
             intents=intents,
             allowed_mentions=NO_MENTIONS,
@@ -115,6 +125,8 @@ class DiscordAdapter(PlatformBase):
         press_timeout: float = 2.0,
         stop_grace: float = 5.0,
         approve_partial: bool = False,
+        direct: DirectPolicy | None = None,
+        files: FileBounds | None = None,
     ) -> None:
         super().__init__(
             served=Served.of(config.channels, config.home_channel),
@@ -123,6 +135,8 @@ class DiscordAdapter(PlatformBase):
             pacing=Pacing(None),
             press_timeout=press_timeout,
             stop_grace=stop_grace,
+            direct=direct or DirectPolicy.of(config.dm_policy, (f"{PLATFORM}:{a}" for a in config.admins)),
+            files=files,
         )
         self._config = config
         self._guild_ready_timeout = guild_ready_timeout
@@ -316,8 +330,16 @@ class DiscordAdapter(PlatformBase):
                     reply_to=str(message.reference.message_id)
                     if message.reference is not None and message.reference.message_id
                     else None,
+                    attachments=tuple(Attachment(a.filename, a.size, self._fetcher(a)) for a in message.attachments),
                 )
             )
+
+    def _fetcher(self, attachment: discord.Attachment) -> Callable[[], Awaitable[bytes]]:
+        async def fetch() -> bytes:
+            data: bytes = await self._rest("file_fetch", attachment.read)
+            return data
+
+        return fetch
 
     async def _on_interaction(self, interaction: discord.Interaction[_Client]) -> None:
         if interaction.type is not discord.InteractionType.component or not interaction.data:
@@ -384,6 +406,26 @@ class DiscordAdapter(PlatformBase):
         log.info("discord.sent", chat=chat, agent=agent, message_id=first, via="bot")
         assert first is not None  # split_text of non-blank text has at least one chunk
         return first
+
+    async def _post_file(self, chat: str, name: str, data: bytes, *, caption: str, thread: str | None) -> str:
+        site = "send_file"
+        client = self._connected(site)
+        channel_id = self._snowflake(site, thread if thread is not None else chat)
+        target = client.get_partial_messageable(channel_id)
+        content = clip(neutralise_mentions(caption), CONTENT_MAX)
+        message = await self._rest(
+            site,
+            lambda: target.send(
+                content, file=discord.File(io.BytesIO(data), filename=name), allowed_mentions=NO_MENTIONS
+            ),
+        )
+        return str(message.id)
+
+    async def _show_working(self, chat: str, thread: str | None) -> None:
+        client = self._connected("working")
+        channel_id = self._snowflake("working", thread if thread is not None else chat)
+        # POST /channels/{id}/typing: shown for 10 s or until the bot's next message
+        await self._rest("working", lambda: client.http.send_typing(channel_id))
 
     async def _send_as_webhook(
         self, webhook: discord.Webhook, channel_id: int, safe: str, *, agent: str, thread_id: int | None

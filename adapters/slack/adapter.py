@@ -31,8 +31,8 @@ from slack_sdk.http_retry.builtin_async_handlers import AsyncConnectionErrorRetr
 from slack_sdk.web.async_client import AsyncWebClient
 
 from kazma.adapters.card_layout import agent_prefix
-from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
-from kazma.adapters.kit import NOT_SERVED, PlatformBase, Served, plain_mentions, split_text
+from kazma.adapters.contract import Attachment, CardRef, Inbound, PlatformError, Press
+from kazma.adapters.kit import NOT_SERVED, DirectPolicy, FileBounds, PlatformBase, Served, plain_mentions, split_text
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, error_code
 from kazma.adapters.slack.render import (
@@ -169,6 +169,8 @@ class SlackAdapter(PlatformBase):
         stop_grace: float = 5.0,
         max_attempts: int = 5,
         approve_partial: bool = False,
+        direct: DirectPolicy | None = None,
+        files: FileBounds | None = None,
     ) -> None:
         super().__init__(
             served=Served.of(config.channels, config.home_channel),
@@ -176,6 +178,8 @@ class SlackAdapter(PlatformBase):
             pacing=Pacing(limiter or ChatRateLimiter(min_interval=1.0), max_attempts=max_attempts),
             press_timeout=press_timeout,
             stop_grace=stop_grace,
+            direct=direct or DirectPolicy.of(config.dm_policy, (f"{PLATFORM}:{a}" for a in config.admins)),
+            files=files,
         )
         self._config = config
         self._timeout = request_timeout
@@ -349,8 +353,45 @@ class SlackAdapter(PlatformBase):
                     direct=event.get("channel_type") == "im" or channel.startswith("D"),
                     # a reply in a thread answers the thread's first message (a question, say)
                     reply_to=str(event["thread_ts"]) if event.get("thread_ts") and event["thread_ts"] != ts else None,
+                    attachments=self._attachments(event),
                 )
             )
+
+    def _attachments(self, event: dict[str, Any]) -> tuple[Attachment, ...]:
+        """The files of a ``file_share`` message; each is fetched from its private URL with the bot token."""
+        found = []
+        for item in event.get("files") or []:
+            if not isinstance(item, dict):
+                continue
+            url = str(item.get("url_private_download") or item.get("url_private") or "")
+            if not url:  # a file the bot may not read (another workspace's, or tombstoned)
+                continue
+            size = item.get("size")
+            found.append(
+                Attachment(
+                    str(item.get("name") or item.get("title") or item.get("id") or "file"),
+                    int(size) if isinstance(size, int) else None,
+                    self._fetcher(url),
+                )
+            )
+        return tuple(found)
+
+    def _fetcher(self, url: str) -> Callable[[], Awaitable[bytes]]:
+        async def fetch() -> bytes:
+            session = self._session
+            if session is None:
+                raise self.refuse("file_fetch", "the adapter is not started", retryable=True)
+
+            async def download() -> bytes:
+                headers = {"Authorization": f"Bearer {self._config.bot_token}"}
+                async with session.get(url, headers=headers, allow_redirects=False) as response:
+                    if response.status != 200:
+                        raise PlatformError(PLATFORM, "file_fetch", f"HTTP {response.status}", retryable=False)
+                    return await response.read()
+
+            return await self.call("file_fetch", None, download, paced=False)
+
+        return fetch
 
     async def _on_command(self, ack: AsyncAck, command: dict[str, Any]) -> None:
         channel = str(command.get("channel_id", ""))
@@ -443,6 +484,22 @@ class SlackAdapter(PlatformBase):
             if (code := error_code(exc)) in NO_CUSTOM_IDENTITY:
                 raise _FallBack(code) from exc
             raise
+
+    async def _post_file(self, chat: str, name: str, data: bytes, *, caption: str, thread: str | None) -> str:
+        # files_upload_v2: getUploadURLExternal, the upload itself, then completeUploadExternal shares it here.
+        response = await self.call(
+            "send_file",
+            chat,
+            lambda: self.client.files_upload_v2(
+                channel=chat, content=data, filename=name, title=name, initial_comment=escape(caption), thread_ts=thread
+            ),
+        )
+        shared = response.get("file") or {}
+        return str(shared.get("id") or "")
+
+    async def _show_working(self, chat: str, thread: str | None) -> None:
+        # The Web API has no typing indicator for apps (RTM's is gone): the agent's reply is the sign.
+        return None
 
     async def send_choices(
         self,

@@ -26,7 +26,7 @@ from telegram import (
     Message,
     Update,
 )
-from telegram.constants import ChatType, MessageEntityType, ParseMode
+from telegram.constants import ChatAction, ChatType, MessageEntityType, ParseMode
 from telegram.error import ChatMigrated, RetryAfter, TelegramError
 from telegram.ext import (
     Application,
@@ -40,8 +40,8 @@ from telegram.ext import (
 from telegram.request import HTTPXRequest
 
 from kazma.adapters.card_layout import agent_prefix
-from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
-from kazma.adapters.kit import PlatformBase, Served, plain_mentions, split_text
+from kazma.adapters.contract import Attachment, CardRef, Inbound, PlatformError, Press
+from kazma.adapters.kit import DirectPolicy, FileBounds, PlatformBase, Served, plain_mentions, split_text
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified, retry_after_seconds
 from kazma.adapters.telegram.render import (
@@ -61,9 +61,11 @@ SWARM_COMMAND: Final = "swarm"
 PLAN_COMMAND: Final = "plan"
 COMMANDS: Final = (SWARM_COMMAND, PLAN_COMMAND)
 _NO_PREVIEW: Final = LinkPreviewOptions(is_disabled=True)
+CAPTION_LIMIT: Final = 1024  # a document's caption, in UTF-16 units after parsing
 # Calls that post into a chat: these share the chat's send budget. Answers to button presses must be quick
-# and getUpdates is never limited by PTB.
-_PACED_ENDPOINTS: Final = frozenset({"sendMessage", "editMessageText", "sendDocument", "sendPhoto", "sendChatAction"})
+# and getUpdates is never limited by PTB. A chat action posts nothing: it must not spend the group's 20
+# messages a minute (the kit already shows it at most once per few seconds per chat).
+_PACED_ENDPOINTS: Final = frozenset({"sendMessage", "editMessageText", "sendDocument", "sendPhoto"})
 
 log = structlog.get_logger("kazma.adapters.telegram")
 
@@ -132,6 +134,10 @@ class _QueryReply:
         await self.query.answer(text=_clip(text, ANSWER_LIMIT), show_alert=alert)
 
 
+def self_actor(user_id: object) -> str:
+    return f"{PLATFORM}:{user_id}"
+
+
 class TelegramAdapter(PlatformBase):
     """Telegram on python-telegram-bot, long polling by default or a webhook when configured."""
 
@@ -149,6 +155,8 @@ class TelegramAdapter(PlatformBase):
         max_attempts: int = 5,
         stop_grace: float = 5.0,
         approve_partial: bool = False,
+        direct: DirectPolicy | None = None,
+        files: FileBounds | None = None,
     ) -> None:
         # Telegram allows about one message a second in any chat and twenty a minute in a group.
         chosen = limiter or ChatRateLimiter(
@@ -160,6 +168,8 @@ class TelegramAdapter(PlatformBase):
             pacing=Pacing(chosen, max_attempts=max_attempts),
             press_timeout=press_timeout,
             stop_grace=stop_grace,
+            direct=direct or DirectPolicy.of(config.dm_policy, (self_actor(a) for a in config.admins)),
+            files=files,
         )
         self.config = config
         self.request_timeout = request_timeout
@@ -211,7 +221,12 @@ class TelegramAdapter(PlatformBase):
 
     async def _connect(self) -> None:
         app = self._build_application()
-        app.add_handler(MessageHandler(filters.UpdateType.MESSAGE & (filters.TEXT | filters.CAPTION), self._on_message))
+        app.add_handler(
+            MessageHandler(
+                filters.UpdateType.MESSAGE & (filters.TEXT | filters.CAPTION | filters.Document.ALL | filters.PHOTO),
+                self._on_message,
+            )
+        )
         app.add_handler(CallbackQueryHandler(self._on_callback_query))
         app.add_handler(MessageHandler(filters.StatusUpdate.MIGRATE, self._on_migrate))
         app.add_error_handler(self._on_error)
@@ -324,7 +339,31 @@ class TelegramAdapter(PlatformBase):
             is_admin=is_admin,
             direct=chat.type == ChatType.PRIVATE,
             reply_to=str(message.reply_to_message.message_id) if message.reply_to_message else None,
+            attachments=self._attachments(message),
         )
+
+    def _attachments(self, message: Message) -> tuple[Attachment, ...]:
+        """A document, or the largest size of a photo: fetched (getFile, then the file URL) only when saved."""
+        found: list[tuple[str, str, int | None]] = []
+        if message.document is not None:
+            doc = message.document
+            found.append((doc.file_id, doc.file_name or f"document-{doc.file_unique_id}", doc.file_size))
+        if message.photo:
+            photo = max(message.photo, key=lambda size: size.width * size.height)
+            found.append((photo.file_id, f"photo-{photo.file_unique_id}.jpg", photo.file_size))
+        return tuple(Attachment(name, size, self._fetcher(file_id)) for file_id, name, size in found)
+
+    def _fetcher(self, file_id: str) -> Callable[[], Coroutine[Any, Any, bytes]]:
+        async def fetch() -> bytes:
+            app = self._bot_app("file_fetch")
+
+            async def download() -> bytes:
+                file = await app.bot.get_file(file_id)
+                return bytes(await file.download_as_bytearray())
+
+            return await self.call("file_fetch", None, download, paced=False, wait_out_429=False)
+
+        return fetch
 
     async def _on_message(self, update: Update, _context: ContextTypes.DEFAULT_TYPE) -> None:
         message = update.message
@@ -457,6 +496,32 @@ class TelegramAdapter(PlatformBase):
             new = str(migrated.new_chat_id)
             await self.chat_moved(chat, new)
             return await self.call(site, new, lambda: send(int(new)), paced=False, wait_out_429=False)
+
+    async def _post_file(self, chat: str, name: str, data: bytes, *, caption: str, thread: str | None) -> str:
+        site = "send_file"
+        app = self._bot_app(site)
+        self._chat_id(site, chat)
+        thread_id = self._chat_id(site, thread) if thread else None
+        message = await self._send(
+            site,
+            chat,
+            lambda chat_id: app.bot.send_document(
+                chat_id=chat_id,
+                document=data,
+                filename=name,
+                caption=_clip(caption, CAPTION_LIMIT),
+                message_thread_id=thread_id,
+                disable_content_type_detection=True,
+            ),
+        )
+        return str(message.message_id)
+
+    async def _show_working(self, chat: str, thread: str | None) -> None:
+        app = self._bot_app("working")
+        chat_id = self._chat_id("working", chat)
+        thread_id = self._chat_id("working", thread) if thread else None
+        # Paced by PTB's hook like any send; a chat action fades after 5 s or at the next message.
+        await app.bot.send_chat_action(chat_id=chat_id, action=ChatAction.TYPING, message_thread_id=thread_id)
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
         site = "card_post"

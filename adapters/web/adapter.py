@@ -19,6 +19,8 @@ import structlog
 
 from kazma.adapters.card_layout import view_of
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press
+from kazma.adapters.human_text import for_humans
+from kazma.adapters.kit import TYPING_INTERVAL
 from kazma.approvals.card import ApprovalCard, button_data
 from kazma.approvals.model import Decision, Outcome, PressResult
 
@@ -40,6 +42,7 @@ class WebMessage:
     choices: tuple[tuple[str, str], ...] = ()  # a question's (label, button data)
     question: bool = False  # a question to a person: answered by a reply (or a choice)
     reply_to: str | None = None
+    file: tuple[str, int] | None = None  # a posted file: (name, size); its bytes are kept by the adapter
 
     def as_event(self) -> dict[str, Any]:
         event: dict[str, Any] = {
@@ -52,6 +55,7 @@ class WebMessage:
             "choices": [label for label, _ in self.choices],
             "question": self.question,
             "reply_to": self.reply_to,
+            "file": None if self.file is None else {"name": self.file[0], "size": self.file[1]},
         }
         if self.card is not None:
             event["card"] = {
@@ -85,6 +89,10 @@ class WebAdapter:
 
     history: int = 500
     name: str = "web"
+    max_files: int = 50  # files kept for download (in memory, newest first out last)
+    typing_interval: float = TYPING_INTERVAL
+    _files: dict[str, tuple[str, bytes]] = field(default_factory=dict)
+    _typing_at: dict[str, float] = field(default_factory=dict)
     _messages: deque[WebMessage] = field(default_factory=deque)
     _by_id: dict[str, WebMessage] = field(default_factory=dict)
     _subscribers: set[asyncio.Queue[dict[str, Any]]] = field(default_factory=set)
@@ -132,7 +140,9 @@ class WebAdapter:
             self._subscribers.discard(queue)
 
     def _publish(self, kind: str, message: WebMessage) -> None:
-        event = {"type": kind, "message": message.as_event()}
+        self._emit({"type": kind, "message": message.as_event()})
+
+    def _emit(self, event: dict[str, Any]) -> None:
         for queue in list(self._subscribers):
             try:
                 queue.put_nowait(event)
@@ -199,7 +209,7 @@ class WebAdapter:
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         message = WebMessage(
-            str(next(self._ids)), chat, f"agent:{agent or 'kazma'}", agent or "kazma", text, time.time()
+            str(next(self._ids)), chat, f"agent:{agent or 'kazma'}", agent or "kazma", for_humans(text), time.time()
         )
         self._add(message)
         return message.id
@@ -225,6 +235,34 @@ class WebAdapter:
         )
         self._add(message)
         return message.id
+
+    async def send_file(
+        self, chat: str, name: str, data: bytes, *, agent: str | None = None, thread: str | None = None
+    ) -> str:
+        """A file an agent posts: a message with a download link; the newest ``max_files`` are kept."""
+        message = WebMessage(
+            str(next(self._ids)), chat, f"agent:{agent or 'kazma'}", agent or "kazma", name, time.time(),
+            file=(name, len(data)),
+        )  # fmt: skip
+        self._files[message.id] = (name, data)
+        while len(self._files) > self.max_files:
+            self._files.pop(next(iter(self._files)))
+        self._add(message)
+        return message.id
+
+    def file(self, message_id: str) -> tuple[str, bytes] | None:
+        """A posted file's name and bytes, while it is kept."""
+        return self._files.get(message_id)
+
+    async def working(self, chat: str, *, thread: str | None = None) -> bool:
+        """The console's own sign: a ``working`` event, at most once per ``typing_interval`` per chat."""
+        now = time.monotonic()
+        last = self._typing_at.get(chat)
+        if last is not None and now - last < self.typing_interval:
+            return False
+        self._typing_at[chat] = now
+        self._emit({"type": "working", "chat": chat, "conversation": f"{self.name}:{chat}"})
+        return True
 
     async def choose(self, message_id: str, choice: int, login: str, *, is_admin: bool = False) -> PressResult:
         """A person presses one of a question's choices in the console."""

@@ -15,6 +15,7 @@ from typing import Protocol
 from urllib.parse import quote
 
 from kazma.adapters.card_layout import APPROVE_LABEL, DENY_LABEL, ButtonKind, CardView
+from kazma.adapters.human_text import LABEL_PREFIX, for_humans
 from kazma.adapters.web import WebMessage, render
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.honesty import reveal
@@ -24,34 +25,78 @@ from kazma.bot.console.swarm_views import handoff_chain, worker_numbers
 from kazma.engine.swarm.state_store import WorkerDay
 from kazma.engine.swarm.store import TaskRecord
 from kazma.engine.swarm.types import TaskStatus
+from kazma.engine.transcript import Entry, Summary
 
 # The approval page shows every value whole: no argument is long enough to be cut at this limit.
 WHOLE = 2**62
 
 _STYLE = """
-body { font-family: system-ui, sans-serif; margin: 0; color: #1d1d1f; background: #f6f6f7; }
-header { background: #20232a; color: #fff; padding: .6em 1em; display: flex; gap: 1.2em; align-items: center; }
-header a { color: #9cdcfe; }
-header .who { margin-left: auto; }
-main { padding: 1em; max-width: 70em; }
+:root { --bg: #f6f6f7; --fg: #1d1d1f; --panel: #fff; --muted: #666; --line: #d8d8dc; --accent: #2563eb;
+  --head: #20232a; --headfg: #fff; --link: #9cdcfe; --flash: #fff5d6; --flashline: #e0c060; --err: #ffe3e3;
+  --errline: #d66; --card: #c77d00; --approve: #2e7d32; --deny: #b00020; --label: #6b7280; }
+@media (prefers-color-scheme: dark) {
+  :root { --bg: #15171b; --fg: #e6e6e6; --panel: #1f2228; --muted: #9aa0a6; --line: #343840; --accent: #7aa2ff;
+    --head: #0c0d10; --headfg: #e6e6e6; --link: #9cdcfe; --flash: #3a3215; --flashline: #8a7020; --err: #3d1d1f;
+    --errline: #a44; --card: #d49a3a; --approve: #3f9a45; --deny: #d0384f; --label: #9aa0a6; }
+}
+* { box-sizing: border-box; }
+body { font-family: system-ui, sans-serif; margin: 0; color: var(--fg); background: var(--bg); }
+a { color: var(--accent); }
+header { background: var(--head); color: var(--headfg); padding: .6em 1em; display: flex; gap: 1.2em;
+  align-items: center; }
+header a { color: var(--link); text-decoration: none; }
+header a.here { text-decoration: underline; }
+header .who { margin-left: auto; display: flex; gap: .6em; align-items: center; }
+main { padding: 1em; max-width: 80em; }
 pre { white-space: pre-wrap; word-break: break-word; margin: .2em 0; font-family: ui-monospace, monospace; }
-table { border-collapse: collapse; margin: .4em 0; }
-th, td { border: 1px solid #ccc; padding: .25em .5em; text-align: left; vertical-align: top; }
-.flash { background: #fff5d6; border: 1px solid #e0c060; padding: .5em; margin-bottom: 1em; }
+table { border-collapse: collapse; margin: .4em 0; background: var(--panel); }
+th, td { border: 1px solid var(--line); padding: .3em .55em; text-align: left; vertical-align: top; }
+.flash { background: var(--flash); border: 1px solid var(--flashline); padding: .5em; margin-bottom: 1em;
+  border-radius: 6px; }
 .flash pre { white-space: pre; overflow-x: auto; }
-.error { background: #ffe3e3; border: 1px solid #d66; padding: .5em; }
-.message { list-style: none; background: #fff; margin: .4em 0; padding: .5em; border-radius: 4px; }
-.speaker { font-weight: bold; }
-.when, .meta { color: #666; font-weight: normal; font-size: .85em; }
-.card { border: 2px solid #c77d00; padding: .5em; border-radius: 4px; }
-.cut { color: #b00020; font-weight: bold; }
-.warning { background: #ffe3e3; border: 1px solid #d66; padding: .3em; font-weight: bold; }
-.notice { color: #8a5a00; font-style: italic; }
+.error { background: var(--err); border: 1px solid var(--errline); padding: .5em; border-radius: 6px; }
+ol.messages { padding: 0; margin: 0; }
+.message { list-style: none; background: var(--panel); margin: .5em 0; padding: .6em .8em; border-radius: 8px;
+  border: 1px solid var(--line); border-left: 4px solid var(--agent, var(--line)); }
+.speaker { font-weight: 600; display: flex; gap: .5em; align-items: baseline; color: var(--agent, var(--fg)); }
+.when, .meta { color: var(--muted); font-weight: normal; font-size: .85em; }
+.from { color: var(--label); font-size: .85em; font-style: italic; display: block; margin-top: .3em; }
+.a0 { --agent: #2563eb; } .a1 { --agent: #16a34a; } .a2 { --agent: #c2410c; } .a3 { --agent: #9333ea; }
+.a4 { --agent: #0891b2; } .a5 { --agent: #db2777; } .a6 { --agent: #65a30d; } .a7 { --agent: #b45309; }
+.person { --agent: var(--muted); }
+.badge { display: inline-block; font-size: .75em; font-weight: 600; padding: .05em .5em; border-radius: 999px;
+  color: #fff; background: #555; vertical-align: middle; }
+.badge.telegram { background: #229ed9; } .badge.slack { background: #4a154b; } .badge.discord { background: #5865f2; }
+.badge.web { background: #374151; } .badge.dm { background: #7c3aed; }
+.layout { display: grid; grid-template-columns: 18em 1fr; gap: 1em; align-items: start; }
+.convs { list-style: none; padding: 0; margin: 0; }
+.convs li a { display: block; padding: .5em .6em; border-radius: 6px; color: var(--fg); text-decoration: none;
+  background: var(--panel); border: 1px solid var(--line); margin-bottom: .4em; }
+.convs li a.here { border-color: var(--accent); }
+.convs .last { color: var(--muted); font-size: .85em; display: block; white-space: nowrap; overflow: hidden;
+  text-overflow: ellipsis; }
+.working { color: var(--muted); font-style: italic; min-height: 1.4em; }
+.card { border: 2px solid var(--card); padding: .6em; border-radius: 8px; background: var(--panel); }
+.cut { color: var(--deny); font-weight: bold; }
+.warning { background: var(--err); border: 1px solid var(--errline); padding: .3em; font-weight: bold; }
+.notice { color: var(--card); font-style: italic; }
 .hash { font-family: ui-monospace, monospace; font-size: .85em; }
 .outcome { font-weight: bold; }
 form.inline { display: inline; }
-button.approve { background: #2e7d32; color: #fff; }
-button.deny { background: #b00020; color: #fff; }
+button, input[type=submit] { font: inherit; padding: .4em .9em; border-radius: 6px; border: 1px solid var(--line);
+  background: var(--panel); color: var(--fg); cursor: pointer; }
+button:hover { border-color: var(--accent); }
+button[type=submit].primary, .send button { background: var(--accent); color: #fff; border-color: var(--accent); }
+button.approve { background: var(--approve); color: #fff; border-color: var(--approve); }
+button.deny { background: var(--deny); color: #fff; border-color: var(--deny); }
+input, textarea { font: inherit; padding: .45em .6em; border-radius: 6px; border: 1px solid var(--line);
+  background: var(--panel); color: var(--fg); }
+textarea { width: 100%; }
+.charts { display: grid; grid-template-columns: repeat(auto-fit, minmax(22em, 1fr)); gap: 1em; }
+.chart { background: var(--panel); border: 1px solid var(--line); border-radius: 8px; padding: .6em; }
+.chart svg { width: 100%; height: auto; color: var(--fg); }
+.chart h3 { margin: 0 0 .4em 0; font-size: 1em; }
+@media (max-width: 50em) { .layout { grid-template-columns: 1fr; } }
 """
 
 
@@ -84,6 +129,28 @@ def when(value: datetime | float | None) -> str:
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def when_html(value: datetime | float | None) -> str:
+    """A time as ``<time>``: UTC on the server, rewritten by the page's script into the viewer's own zone, in the
+    one format every page uses."""
+    if value is None:
+        return "—"
+    if isinstance(value, float | int):
+        value = datetime.fromtimestamp(value, UTC)
+    return f'<time datetime="{e(value.astimezone(UTC).isoformat())}">{e(when(value))}</time>'
+
+
+def agent_class(author: str) -> str:
+    """A stable colour class per agent (``a0``…``a7``); people are drawn quietly."""
+    if not author.startswith("agent:"):
+        return "person"
+    return f"a{sum(author.encode()) % 8}"
+
+
+def badge(platform: str, *, direct: bool = False) -> str:
+    dm = ' <span class="badge dm">DM</span>' if direct else ""
+    return f'<span class="badge {e(platform)}">{e(platform.title())}</span>{dm}'
+
+
 def approval_href(request_id: str) -> str:
     return f"/swarm?approval={quote(request_id, safe='')}"
 
@@ -103,10 +170,11 @@ def layout(
         # the script reads these to sign the forms it builds for live cards
         meta = f'<meta name="kazma-csrf" content="{e(viewer.csrf)}"><meta name="kazma-role" content="{e(viewer.role)}">'
         nav = (
-            '<a href="/">Console</a> <a href="/swarm">Swarm</a>'
+            '<a href="/">Console</a> <a href="/conversations">Conversations</a> <a href="/swarm">Swarm</a>'
             f'<span class="who">web:{e(viewer.login)} ({e(viewer.role)}) '
             f"{form('/logout', viewer, {}, 'Log out')}</span>"
         )
+        live = True  # the script also shows every time in the viewer's own zone
     # A multi-line answer (/swarm help is a table) keeps its lines and columns.
     flashes = "".join(
         f'<div class="flash" role="status"><pre>{e(line)}</pre></div>'
@@ -200,26 +268,99 @@ def question_forms(message: WebMessage, viewer: Viewer) -> str:
     return f'<div class="question">{choices}{reply}</div>'
 
 
+def text_html(text: str) -> str:
+    """Message text as people read it: fences meant for models shown as a quiet "from @agent" label."""
+    lines = []
+    for line in for_humans(text).split("\n"):
+        if line.startswith(LABEL_PREFIX) and line.endswith(":"):
+            lines.append(f'<span class="from">{e(line.removeprefix("↳ ").removesuffix(":"))}</span>')
+        else:
+            lines.append(e(line))
+    joined = "\n".join(lines)
+    return f'<pre class="text">{joined}</pre>'
+
+
 def message_html(message: WebMessage, viewer: Viewer) -> str:
     if message.card is not None:
         content = card_html(message.card, message.outcome, viewer)
+    elif message.file is not None:
+        name, size = message.file
+        href = f"/console/files/{quote(message.id, safe='')}"
+        content = f'<p class="file">📎 <a href="{e(href)}" download="{e(name)}">{e(name)}</a> ({size:,} bytes)</p>'
     else:
-        content = f'<pre class="text">{e(message.text)}</pre>'
+        content = text_html(message.text)
         if message.question:
             content += question_forms(message, viewer)
     return (
-        f'<li class="message" id="m-{e(message.id)}">'
-        f'<div class="speaker">{e(message.author)}<span class="when"> {e(when(message.at))}</span></div>'
+        f'<li class="message {agent_class(message.author)}" id="m-{e(message.id)}">'
+        f'<div class="speaker">{e(message.author)}<span class="when">{when_html(message.at)}</span></div>'
         f"{content}</li>"
     )
+
+
+def entry_html(entry: Entry) -> str:
+    """One message of any conversation, from the transcript."""
+    content = text_html(entry.text)
+    if entry.file_name is not None:
+        content = f'<p class="file">📎 {e(entry.file_name)}</p>'
+    return (
+        f'<li class="message {agent_class(entry.author)}" id="t-{entry.seq}" data-seq="{entry.seq}">'
+        f'<div class="speaker">{e(entry.name)} <span class="meta">{e(entry.author)}</span>'
+        f'<span class="when">{when_html(entry.at)}</span></div>{content}</li>'
+    )
+
+
+def conversation_href(conversation: str) -> str:
+    return f"/conversations/{quote(conversation, safe='')}"
+
+
+def conversation_list(summaries: Sequence[Summary], current: str | None) -> str:
+    items = []
+    for c in summaries:
+        here = ' class="here"' if c.conversation == current else ""
+        items.append(
+            f'<li data-conversation="{e(c.conversation)}"><a href="{e(conversation_href(c.conversation))}"{here}>'
+            f"{badge(c.platform, direct=c.direct)} <code>{e(c.chat)}</code> "
+            f'<span class="meta">{c.messages} · {when_html(c.last_at)}</span>'
+            f'<span class="last">{e(for_humans(c.last_text)[:120])}</span></a></li>'
+        )
+    return f'<ul class="convs" id="conversations">{"".join(items) or "<li>No conversations yet.</li>"}</ul>'
+
+
+def conversations_page(
+    viewer: Viewer,
+    summaries: Sequence[Summary],
+    current: str | None,
+    entries: Sequence[Entry],
+    *,
+    flash: Sequence[str] = (),
+) -> str:
+    """Every conversation Kazma serves (every platform, DMs too), and the chosen one, read-only and live."""
+    if current is None:
+        shown = "<p>Pick a conversation to read it. New messages appear as they happen.</p>"
+    else:
+        platform, _, chat = current.partition(":")
+        direct = next((c.direct for c in summaries if c.conversation == current), False)
+        items = "".join(entry_html(entry) for entry in entries)
+        shown = (
+            f"<h2>{badge(platform, direct=direct)} <code>{e(chat)}</code></h2>"
+            f'<ol class="messages" id="transcript" data-conversation="{e(current)}">{items}</ol>'
+            f'<div class="working" id="working" data-conversation="{e(current)}"></div>'
+        )
+    body = (
+        '<h1>Conversations <small id="live" class="meta"></small></h1>'
+        f'<div class="layout"><nav>{conversation_list(summaries, current)}</nav><section>{shown}</section></div>'
+    )
+    return layout("Conversations", body, viewer=viewer, flash=flash, live=True)
 
 
 def console_page(viewer: Viewer, messages: Iterable[WebMessage], *, flash: Sequence[str] = ()) -> str:
     items = "".join(message_html(m, viewer) for m in messages)
     body = (
         '<h1>Console <small id="live" class="meta"></small></h1>'
-        f'<ol id="messages">{items}</ol>'
-        '<form method="post" action="/console/send">'
+        f'<ol class="messages" id="messages">{items}</ol>'
+        '<div class="working" id="working" data-conversation="web:console"></div>'
+        '<form class="send" method="post" action="/console/send">'
         f'<input type="hidden" name="csrf" value="{e(viewer.csrf)}">'
         '<p><textarea name="text" rows="3" cols="80" maxlength="8000" required'
         ' placeholder="@kazma what should we do? (@worker to address a worker)"></textarea></p>'
@@ -258,19 +399,21 @@ def approval_page(
         ("Requested by", request.requested_by),
         ("Where", request.conversation),
         ("Task", request.task_id or "—"),
-        ("When", when(request.created_at)),
-        ("Deadline", when(request.deadline)),
+        ("When", request.created_at),
+        ("Deadline", request.deadline),
         ("Decided", decided),
     ]
-    fact_rows = "".join(f"<tr><th>{e(k)}</th><td>{e(reveal(v))}</td></tr>" for k, v in facts)
+    fact_rows = "".join(
+        f"<tr><th>{e(k)}</th><td>{e(reveal(v)) if isinstance(v, str) else when_html(v)}</td></tr>" for k, v in facts
+    )
     audit = "".join(
-        f"<tr><td>{ev.seq}</td><td>{e(when(ev.at))}</td><td>{e(ev.event)}</td><td>{e(ev.actor or '')}</td>"
+        f"<tr><td>{ev.seq}</td><td>{when_html(ev.at)}</td><td>{e(ev.event)}</td><td>{e(ev.actor or '')}</td>"
         f"<td>{e(ev.platform or '')}</td><td>{e(ev.detail or '')}</td></tr>"
         for ev in events
     )
     posted = "".join(
-        f"<tr><td>{e(c.platform)}</td><td>{e(c.chat)}</td><td>{e(c.message_id)}</td><td>{e(when(c.posted_at))}</td>"
-        f"<td>{e(when(c.settled_at) if c.settled_at else 'not yet')}</td><td>{e(c.settled_status or '')}</td></tr>"
+        f"<tr><td>{e(c.platform)}</td><td>{e(c.chat)}</td><td>{e(c.message_id)}</td><td>{when_html(c.posted_at)}</td>"
+        f"<td>{when_html(c.settled_at) if c.settled_at else 'not yet'}</td><td>{e(c.settled_status or '')}</td></tr>"
         for c in cards
     )
     buttons = ""
@@ -338,14 +481,14 @@ def dashboard_page(
         task_rows.append(
             f"<tr><td><code>{e(t.id)}</code></td><td>{e(t.status.value)}</td><td>{e(t.pattern.value)}</td>"
             f"<td>{e(', '.join(str(w) for w in workers))}{handoff_chain(t)}</td><td>{e(t.current_step)}</td>"
-            f"<td>{e(when(t.created_at))}</td><td>{e(when(t.finished_at))}</td>"
+            f"<td>{when_html(t.created_at)}</td><td>{when_html(t.finished_at)}</td>"
             f"<td>{e(_excerpt(output)) if output else ''}</td><td>{e(used)}</td><td>{e(t.error or '')}</td>"
             f"<td>{_task_actions(viewer, t)}</td></tr>"
         )
     summary = ", ".join(f"{n} {e(s)}" for s, n in counts.items() if n) or "no tasks"
     approval_rows = "".join(
         f'<tr><td><a href="{e(approval_href(a.id))}">{e(a.id)}</a></td><td>{e(a.tool)}</td>'
-        f"<td>{e(a.status.value)}</td><td>{e(a.requested_by)}</td><td>{e(when(a.created_at))}</td>"
+        f"<td>{e(a.status.value)}</td><td>{e(a.requested_by)}</td><td>{when_html(a.created_at)}</td>"
         f"<td>{e(a.decided_by or '')}</td></tr>"
         for a in approvals
     )

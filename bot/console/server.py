@@ -43,7 +43,9 @@ from kazma.bot.console.pages import (
     approval_href,
     approval_page,
     console_page,
+    conversations_page,
     dashboard_page,
+    entry_html,
     message_html,
     message_page,
 )
@@ -53,6 +55,7 @@ from kazma.engine.swarm.grammar import GrammarError, parse
 from kazma.engine.swarm.roles import Role as SwarmRole
 from kazma.engine.swarm.roles import required_role
 from kazma.engine.swarm.types import TaskStatus
+from kazma.engine.transcript import Working
 
 log = structlog.get_logger("kazma.web")
 
@@ -154,6 +157,9 @@ class WebServer:
                 web.post("/console/send", self.send),
                 web.post("/console/choose", self.choose),
                 web.get("/events", self.events),
+                web.get("/conversations", self.conversations),
+                web.get("/conversations/{conversation}", self.conversations),
+                web.get("/console/files/{id}", self.file),
                 web.post("/approvals/{id}/decide", self.decide),
                 web.get("/swarm", self.swarm),
                 web.post("/swarm/tasks/{id}/{action}", self.task_action),
@@ -280,21 +286,33 @@ class WebServer:
         raise web.HTTPSeeOther("/")
 
     async def events(self, request: web.Request) -> web.StreamResponse:
-        """Server-Sent Events: every console change as one JSON ``data:`` line, and a heartbeat comment."""
+        """Server-Sent Events: every console change and every conversation's new messages (from the transcript),
+        as one JSON ``data:`` line each, working signs, and a heartbeat comment."""
         session = self._auth().api_reader(request)
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
         )
         await response.prepare(request)
-        stream = self.web.subscribe()
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=2000)
 
-        async def following() -> dict[str, Any]:
-            return await anext(stream)
+        async def pump_console() -> None:
+            async for event in self.web.subscribe():
+                await queue.put(event)
+            await queue.put(None)  # the adapter stopped: the stream ends
 
+        async def pump_transcript() -> None:
+            async for item in self.app.transcript.follow():
+                if isinstance(item, Working):
+                    await queue.put({"type": "working", "conversation": item.conversation})
+                else:
+                    await queue.put({"type": "entry", "conversation": item.conversation, "seq": item.seq,
+                                     "html": entry_html(item), "direct": item.direct, "platform": item.platform,
+                                     "chat": item.chat})  # fmt: skip
+
+        pumps = [asyncio.create_task(pump_console()), asyncio.create_task(pump_transcript())]
         closing = asyncio.create_task(self._closing.wait())
-        pending = asyncio.create_task(following())
         try:
-            # one loop turn lets the subscription register, so nothing said after "ready" can be missed
+            # one loop turn lets the subscriptions register, so nothing said after "ready" can be missed
             await asyncio.sleep(0)
             await response.write(b"retry: 3000\n: ready\n\n")
             # What the page may have missed between rendering and connecting (or a reconnect):
@@ -303,31 +321,56 @@ class WebServer:
                 item = {"type": "message", "message": self._event_message(message.id, session)}
                 await response.write(f"data: {json.dumps(item, ensure_ascii=False)}\n\n".encode())
             while True:
-                done, _ = await asyncio.wait({pending, closing}, timeout=self.heartbeat, return_when="FIRST_COMPLETED")
-                if closing in done:
-                    break
-                if pending not in done:
+                getting = asyncio.create_task(queue.get())
+                done, _ = await asyncio.wait({getting, closing}, timeout=self.heartbeat, return_when="FIRST_COMPLETED")
+                if getting not in done:
+                    getting.cancel()
+                    if closing in done:
+                        break
                     await response.write(b": heartbeat\n\n")
                     continue
-                try:
-                    event = pending.result()
-                except StopAsyncIteration:  # the adapter stopped
+                event = getting.result()
+                if event is None:
                     break
-                message_id = str((event.get("message") or {}).get("id", ""))
-                event = {**event, "message": self._event_message(message_id, session)}
+                if event.get("type") in ("message", "settled"):
+                    message_id = str((event.get("message") or {}).get("id", ""))
+                    event = {**event, "message": self._event_message(message_id, session)}
                 await response.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
-                pending = asyncio.create_task(following())
         except ConnectionResetError:
             pass  # the browser went away
         finally:
-            for task in (pending, closing):
+            for task in (*pumps, closing):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
                     await task
-            closer = getattr(stream, "aclose", None)  # an async generator: release its queue now
-            if closer is not None:
-                await closer()
         return response
+
+    # -- every conversation ----------------------------------------------------------------------
+
+    async def conversations(self, request: web.Request) -> web.Response:
+        session = self._auth().page_reader(request)
+        current = request.match_info.get("conversation")
+        summaries = await self.app.transcript.conversations()
+        entries = await self.app.transcript.messages(current) if current else []
+        if current is not None and not entries:
+            raise _not_found("No such conversation.", session)
+        return html_response(conversations_page(session, summaries, current, entries, flash=session.take_flash()))
+
+    async def file(self, request: web.Request) -> web.Response:
+        """A file an agent posted in the console, as a download (never shown inline)."""
+        session = self._auth().page_reader(request)
+        kept = self.web.file(request.match_info["id"])
+        if kept is None:
+            raise _not_found("No such file (only the newest files are kept, until a restart).", session)
+        name, data = kept
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "file"
+        return web.Response(
+            body=data,
+            headers={
+                "Content-Type": "application/octet-stream",
+                "Content-Disposition": f'attachment; filename="{safe}"',
+            },
+        )
 
     def _event_message(self, message_id: str, session: Session) -> dict[str, Any]:
         """A console message as the live view needs it: its data and its HTML, rendered for this viewer."""

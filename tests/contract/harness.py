@@ -201,6 +201,24 @@ class Harness(ABC):
     def attempts(self, site: Site) -> int:
         """How many calls of ``site`` reached the platform."""
 
+    # -- daily use: direct messages, files, the working sign ------------------------------------------
+
+    @abstractmethod
+    async def say_direct(self, user: str, text: str) -> str:
+        """``user`` writes ``text`` to the bot in a direct message; the DM's chat id."""
+
+    @abstractmethod
+    async def send_files(self, chat: str, user: str, text: str, files: list[tuple[str, bytes, int | None]]) -> None:
+        """``user`` sends ``(name, content, declared size or None)`` files with ``text`` into ``chat``."""
+
+    @abstractmethod
+    def files_posted(self, chat: str) -> list[tuple[str, bytes, str]]:
+        """Files the bot posted in ``chat``: (name, content, the caption or comment shown with it)."""
+
+    @abstractmethod
+    def working_signs(self, chat: str) -> int | None:
+        """How many "working" signs the platform was asked to show in ``chat`` (None: it has none)."""
+
     async def wait_for_notices(self, user: str, count: int) -> list[str]:
         async with asyncio.timeout(WAIT):
             while len(found := self.notices(user)) < count:
@@ -268,6 +286,23 @@ class TelegramHarness(Harness):
     def notices(self, user: str) -> list[str]:
         answers = [self.fake.callback_answers.get(q) for q in self.queries.get(user, [])]
         return [str(a["text"]) for a in answers if a is not None and a.get("show_alert")]
+
+    async def say_direct(self, user: str, text: str) -> str:
+        self.fake.push_message(int(user), int(user), text)  # a private chat's id is the person's id
+        return user
+
+    async def send_files(self, chat: str, user: str, text: str, files: list[tuple[str, bytes, int | None]]) -> None:
+        # Telegram carries one file per message: an album would be several messages, not one with many files.
+        for name, content, declared in files:
+            self.fake.push_file(int(chat), int(user), name, content, caption=text, declared_size=declared)
+
+    def files_posted(self, chat: str) -> list[tuple[str, bytes, str]]:
+        return [
+            (str(m.document["file_name"]), data, m.text) for m, data in self.fake.documents(int(chat)) if m.document
+        ]
+
+    def working_signs(self, chat: str) -> int | None:
+        return sum(1 for a in self.fake.chat_actions if a["chat_id"] == int(chat) and a["action"] == "typing")
 
     def fault(self, site: Site, kind: FaultKind, *, times: int = 1, retry_after: int = 1) -> None:
         made = Fault.too_many_requests(retry_after) if kind == "429" else Fault.server_error(500)
@@ -362,6 +397,26 @@ class SlackHarness(Harness):
     def notices(self, user: str) -> list[str]:
         return [_slack_visible(e.text) for e in self.fake.ephemerals if e.user == user]
 
+    async def say_direct(self, user: str, text: str) -> str:
+        chat = "D" + user[1:]  # the app's DM with that person (message.im events, channel_type "im")
+        event = self.fake.message_event(channel=chat, user=user, text=text)
+        event["channel_type"] = "im"
+        response = await self.fake.post_event(self.events_url, event)
+        assert response.status == 200, response.body
+        return chat
+
+    async def send_files(self, chat: str, user: str, text: str, files: list[tuple[str, bytes, int | None]]) -> None:
+        shared = [self.fake.add_file(name, content, declared_size=declared) for name, content, declared in files]
+        event = self.fake.file_event(channel=chat, user=user, text=text, files=shared)
+        response = await self.fake.post_event(self.events_url, event)
+        assert response.status == 200, response.body
+
+    def files_posted(self, chat: str) -> list[tuple[str, bytes, str]]:
+        return [(str(m.files[0]["name"]), data, _slack_visible(m.text)) for m, data in self.fake.shared_files(chat)]
+
+    def working_signs(self, chat: str) -> int | None:
+        return None  # Slack's Web API has no typing indicator for apps
+
     def fault(self, site: Site, kind: FaultKind, *, times: int = 1, retry_after: int = 1) -> None:
         self.fake.fail("chat.postMessage", kind, times=times, retry_after=retry_after)
 
@@ -452,6 +507,27 @@ class DiscordHarness(Harness):
                 if int(message["flags"]) & EPHEMERAL:
                     found.append(_discord_visible(str(message["content"])))
         return found
+
+    async def say_direct(self, user: str, text: str) -> str:
+        message = await self.fake.direct_message(self._user(user), text)
+        return str(message["channel_id"])
+
+    async def send_files(self, chat: str, user: str, text: str, files: list[tuple[str, bytes, int | None]]) -> None:
+        made = [self.fake.attachment(int(chat), name, content, declared_size=d) for name, content, d in files]
+        await self.fake.user_message_with_files(int(chat), text, made, author=self._user(user))
+
+    def files_posted(self, chat: str) -> list[tuple[str, bytes, str]]:
+        found = []
+        for message in self.fake.channel_messages(int(chat)):
+            if message["author"]["id"] != str(self.fake.bot.id):
+                continue
+            for attachment in message.get("attachments", []):
+                content = self.fake.attachments[int(attachment["id"])]
+                found.append((str(attachment["filename"]), content, _discord_visible(str(message["content"]))))
+        return found
+
+    def working_signs(self, chat: str) -> int | None:
+        return sum(1 for channel, _ in self.fake.typing if channel == int(chat))
 
     def fault(self, site: Site, kind: FaultKind, *, times: int = 1, retry_after: int = 1) -> None:
         self.fake.inject_fault("POST", r"/channels/\d+/messages", kind, times=times, retry_after=retry_after)

@@ -13,10 +13,13 @@ message.
 from __future__ import annotations
 
 import asyncio
+import email.parser
+import email.policy
 import itertools
 import json
 import re
 import secrets
+import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +56,8 @@ USE_APPLICATION_COMMANDS = 1 << 31
 BASE_PERMISSIONS = VIEW_CHANNEL | SEND_MESSAGES | EMBED_LINKS | READ_MESSAGE_HISTORY | USE_APPLICATION_COMMANDS
 
 MESSAGE_CONTENT_INTENT = 1 << 15  # the gateway intent bit identify asks for
+DIRECT_MESSAGES_INTENT = 1 << 12  # without it, no MESSAGE_CREATE from DM channels reaches the bot
+DM_CHANNEL_BASE = 1_100_000_000_000_000_900  # + the user's index: one DM channel per user
 GATEWAY_MESSAGE_CONTENT_LIMITED = 1 << 19  # application flag: the intent is on (an app in under 100 servers)
 EPHEMERAL = 1 << 6
 LOADING = 1 << 7
@@ -134,6 +139,7 @@ class _Gateway:
         self.lock = asyncio.Lock()
         self.seq = 0
         self.session_id: str | None = None
+        self.intents = 0  # what identify asked for
         self.frames: list[bytes] = []
 
     async def send(self, payload: Json) -> None:
@@ -193,6 +199,9 @@ class FakeDiscord:
             OTHER_CHANNEL_ID: "kazma-other",
             UNSERVED_CHANNEL_ID: "random",
         }
+        self.dm_channels: dict[int, int] = {}  # DM channel id -> the person at the other end
+        self.attachments: dict[int, bytes] = {}  # attachment id -> content (served under /attachments/)
+        self.typing: list[tuple[int, float]] = []  # (channel id, time.monotonic()) per typing trigger
         self.calls: list[RecordedCall] = []
         self.messages: dict[int, Json] = {}
         self.webhooks: dict[int, Json] = {}
@@ -221,6 +230,8 @@ class FakeDiscord:
         app.router.add_put(f"{api}/applications/{{app}}/commands", self._put_commands)
         app.router.add_get(f"{api}/applications/{{app}}/commands", self._get_commands)
         app.router.add_post(f"{api}/channels/{{channel}}/messages", self._post_message)
+        app.router.add_post(f"{api}/channels/{{channel}}/typing", self._post_typing)
+        app.router.add_get("/attachments/{channel}/{id}/{name}", self._get_attachment)
         app.router.add_get(f"{api}/channels/{{channel}}/messages/{{message}}", self._get_message)
         app.router.add_patch(f"{api}/channels/{{channel}}/messages/{{message}}", self._patch_message)
         app.router.add_delete(f"{api}/channels/{{channel}}/messages/{{message}}", self._delete_message)
@@ -352,6 +363,60 @@ class FakeDiscord:
         await self.dispatch("MESSAGE_CREATE", self._gateway_message(message, member=self._member(author)))
         await self.notify()
         return message
+
+    def dm_channel(self, user: FakeUser) -> int:
+        """The DM channel between the bot and ``user`` (made on first use, as opening a DM does)."""
+        for channel_id, recipient in self.dm_channels.items():
+            if recipient == user.id:
+                return channel_id
+        channel_id = DM_CHANNEL_BASE + len(self.dm_channels)
+        self.dm_channels[channel_id] = user.id
+        return channel_id
+
+    def attachment(self, channel_id: int, name: str, content: bytes, *, declared_size: int | None = None) -> Json:
+        """A file a person attaches: the attachment object as MESSAGE_CREATE carries it."""
+        attachment_id = self._snowflake()
+        self.attachments[attachment_id] = content
+        url = f"http://127.0.0.1:{self._port}/attachments/{channel_id}/{attachment_id}/{name}"
+        return {
+            "id": str(attachment_id),
+            "filename": name,
+            "size": len(content) if declared_size is None else declared_size,
+            "url": url,
+            "proxy_url": url,
+            "content_type": "application/octet-stream",
+        }
+
+    async def direct_message(self, user: FakeUser, content: str, *, attachments: Sequence[Json] = ()) -> Json:
+        """``user`` writes to the bot in their DM: MESSAGE_CREATE without guild_id or member, sent only to
+        sessions that identified with the DIRECT_MESSAGES intent (as Discord does)."""
+        channel_id = self.dm_channel(user)
+        message = self._new_message(channel_id, user.payload(), {"content": content})
+        message["attachments"] = list(attachments)
+        for gateway in [g for g in self._gateways if g.session_id is not None and not g.ws.closed]:
+            if gateway.intents & DIRECT_MESSAGES_INTENT:
+                await gateway.dispatch("MESSAGE_CREATE", message)
+        await self.notify()
+        return message
+
+    async def user_message_with_files(self, channel_id: int, content: str, attachments: Sequence[Json],
+                                      *, author: FakeUser | None = None) -> Json:  # fmt: skip
+        """A member posts ``content`` with ``attachments`` in a guild channel."""
+        author = author or self.alice
+        message = self._new_message(channel_id, author.payload(), {"content": content})
+        message["attachments"] = list(attachments)
+        await self.dispatch("MESSAGE_CREATE", self._gateway_message(message, member=self._member(author)))
+        await self.notify()
+        return message
+
+    def files_in(self, channel_id: int) -> list[tuple[Json, bytes]]:
+        """Files the bot posted into ``channel_id`` (attachment, content)."""
+        return [
+            (a, self.attachments[int(a["id"])])
+            for m in self.channel_messages(channel_id)
+            if m["author"]["id"] == str(BOT_ID)
+            for a in m.get("attachments", [])
+        ]
 
     async def press_button(self, message_id: int, custom_id: str, *, user: FakeUser | None = None) -> FakeInteraction:
         """``user`` presses the button ``custom_id`` on a message that really shows it."""
@@ -513,6 +578,8 @@ class FakeDiscord:
         return message
 
     def _gateway_message(self, message: Json, *, member: Json | None = None) -> Json:
+        if int(message["channel_id"]) in self.dm_channels:
+            return dict(message)  # a DM belongs to no guild: no guild_id, no member
         data = {**message, "guild_id": str(GUILD_ID)}
         if member is not None:
             data["member"] = {k: v for k, v in member.items() if k != "user"}
@@ -806,19 +873,62 @@ class FakeDiscord:
             channel_id = int(request.match_info["channel"])
         except ValueError:
             return self._not_found(10003, "Channel")
-        return channel_id if channel_id in self.channels else self._not_found(10003, "Channel")
+        known = channel_id in self.channels or channel_id in self.dm_channels
+        return channel_id if known else self._not_found(10003, "Channel")
 
     async def _post_message(self, request: web.Request) -> web.Response:
         channel = self._channel_or_404(request)
         if isinstance(channel, web.Response):
             return channel
-        payload = await self._body(request)
-        problem = self._check_message(payload)
-        if problem is not None:
-            return problem
+        files: list[tuple[str, bytes]] = []
+        if request.content_type == "multipart/form-data":
+            payload, files = await self._multipart(request)
+        else:
+            payload = await self._body(request)
+        problem = self._form_errors(payload)
+        if problem:
+            return self._error(400, 50035, "Invalid Form Body", problem)
+        if not files:
+            problem_response = self._check_message(payload)
+            if problem_response is not None:
+                return problem_response
         message = self._new_message(channel, self.bot.payload(), payload)
+        for name, content in files:
+            attachment = self.attachment(channel, name, content)
+            message["attachments"].append(attachment)
         await self._echo(message)
         return self._json(message)
+
+    @staticmethod
+    async def _multipart(request: web.Request) -> tuple[Json, list[tuple[str, bytes]]]:
+        """discord.py's file upload: a ``payload_json`` part and ``files[n]`` parts (each with a filename)."""
+        raw = await request.read()
+        head = f"Content-Type: {request.headers['Content-Type']}\r\n\r\n".encode()
+        parsed = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
+        payload: Json = {}
+        files: list[tuple[str, bytes]] = []
+        for part in parsed.iter_parts():
+            name = part.get_param("name", header="content-disposition")
+            decoded = part.get_payload(decode=True)
+            content = decoded if isinstance(decoded, bytes) else b""
+            if name == "payload_json":
+                payload = json.loads(content)
+            elif isinstance(name, str) and name.startswith("files["):
+                files.append((str(part.get_filename() or "file"), content))
+        return payload, files
+
+    async def _post_typing(self, request: web.Request) -> web.Response:
+        channel = self._channel_or_404(request)
+        if isinstance(channel, web.Response):
+            return channel
+        self.typing.append((channel, time.monotonic()))
+        return web.Response(status=204)
+
+    async def _get_attachment(self, request: web.Request) -> web.Response:
+        content = self.attachments.get(int(request.match_info["id"]))
+        if content is None:
+            return web.Response(status=404)
+        return web.Response(body=content, content_type="application/octet-stream")
 
     def _message_or_404(self, request: web.Request) -> Json | web.Response:
         channel = self._channel_or_404(request)
@@ -1075,6 +1185,7 @@ class FakeDiscord:
                 await gateway.ws.close(code=4014, message=b"Disallowed intent(s).")
                 return
             self.identifies.append(data)
+            gateway.intents = int(data.get("intents") or 0)
             gateway.session_id = secrets.token_hex(16)
             await gateway.dispatch("READY", self._ready_payload(gateway, data))
             await gateway.dispatch("GUILD_CREATE", self._guild_payload())

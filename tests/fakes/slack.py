@@ -50,12 +50,17 @@ DEFAULT_SCOPES = (
     "chat:write.customize",
     "commands",
     "groups:history",
+    "im:history",
+    "files:read",
+    "files:write",
 )
 # The scope each method needs (Slack answers missing_scope, with needed and provided, without it).
 METHOD_SCOPES = {
     "chat.postMessage": "chat:write",
     "chat.update": "chat:write",
     "chat.postEphemeral": "chat:write",
+    "files.getUploadURLExternal": "files:write",
+    "files.completeUploadExternal": "files:write",
 }
 
 FaultKind = Literal["500", "429", "hang", "error"]
@@ -83,6 +88,7 @@ class StoredMessage:
     username: str | None = None
     icon_emoji: str | None = None
     edits: int = 0
+    files: list[dict[str, Any]] = field(default_factory=list)  # files shared with the message
 
     def texts(self) -> list[str]:
         """Every piece of text Slack would render: the fallback text and each text object's text."""
@@ -270,6 +276,8 @@ class FakeSlack:
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._port = 0
+        self.files: dict[str, dict[str, Any]] = {}  # file id -> {"name", "content", "length", "uploaded"}
+        self.downloads: list[tuple[str, str | None]] = []  # (file id, bearer token) per download
 
     # -- lifecycle --------------------------------------------------------
 
@@ -279,6 +287,8 @@ class FakeSlack:
         app.router.add_get("/api/{method}", self._api)
         app.router.add_post("/respond/{token}", self._respond)
         app.router.add_get("/socket", self._socket)
+        app.router.add_post("/upload/v1/{file_id}", self._upload)
+        app.router.add_get("/files-pri/{file_id}/{name}", self._download)
         # A hanging request is woken on stop, so a short grace is enough.
         self._runner = web.AppRunner(app, shutdown_timeout=0.5, access_log=None)
         await self._runner.setup()
@@ -519,6 +529,102 @@ class FakeSlack:
             msg.blocks = blocks
         msg.edits += 1
         return {"channel": channel, "ts": ts, "text": msg.text, "message": self._message_json(msg)}
+
+    # -- files --------------------------------------------------------------
+
+    def add_file(self, name: str, content: bytes, *, declared_size: int | None = None) -> dict[str, Any]:
+        """A file a person uploaded; the file object as it appears in a ``file_share`` message event."""
+        file_id = f"F{next(self._ids):09d}"
+        self.files[file_id] = {"name": name, "content": content, "length": len(content), "uploaded": True}
+        return {
+            "id": file_id,
+            "name": name,
+            "title": name,
+            "mimetype": "application/octet-stream",
+            "size": len(content) if declared_size is None else declared_size,
+            "url_private": f"{self.url}/files-pri/{file_id}/{name}",
+            "url_private_download": f"{self.url}/files-pri/{file_id}/{name}",
+        }
+
+    def file_event(self, *, channel: str, user: str, text: str, files: list[dict[str, Any]]) -> dict[str, Any]:
+        event = self.message_event(channel=channel, user=user, text=text, subtype="file_share")
+        event["files"] = files
+        event["upload"] = True
+        if channel.startswith("D"):
+            event["channel_type"] = "im"
+        return event
+
+    def shared_files(self, channel: str) -> list[tuple[StoredMessage, bytes]]:
+        """Files the bot shared into ``channel``, with their content."""
+        return [(m, self.files[f["id"]]["content"]) for m in self.channel(channel) if m.bot_id for f in m.files]
+
+    def _m_files_getUploadURLExternal(self, params: dict[str, Any]) -> dict[str, Any]:
+        name = str(params.get("filename") or "")
+        try:
+            length = int(params.get("length") or 0)
+        except ValueError:
+            raise SlackApiRefusal("invalid_arguments") from None
+        if not name or length < 1:
+            raise SlackApiRefusal("invalid_arguments")
+        file_id = f"F{next(self._ids):09d}"
+        self.files[file_id] = {"name": name, "content": b"", "length": length, "uploaded": False}
+        return {"upload_url": f"{self.url}/upload/v1/{file_id}", "file_id": file_id}
+
+    async def _upload(self, request: web.Request) -> web.Response:
+        entry = self.files.get(request.match_info["file_id"])
+        if entry is None:
+            return web.Response(status=404, text="not found")
+        if request.content_type.startswith("multipart/"):
+            form = await request.post()
+            field_ = next((v for v in form.values() if not isinstance(v, str)), None)
+            data = field_.file.read() if field_ is not None else b""  # type: ignore[union-attr]
+        else:
+            data = await request.read()
+        if len(data) != entry["length"]:
+            return web.Response(status=400, text=f"expected {entry['length']} bytes, got {len(data)}")
+        entry["content"], entry["uploaded"] = data, True
+        self._notify()
+        return web.Response(status=200, text=f"OK - {len(data)}")
+
+    def _m_files_completeUploadExternal(self, params: dict[str, Any]) -> dict[str, Any]:
+        raw = params.get("files")
+        items = json.loads(raw) if isinstance(raw, str) else raw
+        if not isinstance(items, list) or not items:
+            raise SlackApiRefusal("invalid_arguments")
+        shared = []
+        for item in items:
+            entry = self.files.get(str(item.get("id")))
+            if entry is None or not entry["uploaded"]:
+                raise SlackApiRefusal("file_not_found")
+            shared.append({"id": str(item["id"]), "name": entry["name"], "title": item.get("title") or entry["name"]})
+        channel = params.get("channel_id")
+        if channel:
+            channel = self._channel({"channel": channel})
+            msg = StoredMessage(
+                channel=channel,
+                ts=self.next_ts(),
+                text=str(params.get("initial_comment") or ""),
+                blocks=[],
+                user=self.bot_user_id,
+                bot_id=self.bot_id,
+                thread_ts=str(params["thread_ts"]) if params.get("thread_ts") else None,
+                files=shared,
+            )
+            self.messages.setdefault(channel, {})[msg.ts] = msg
+        return {"files": shared}
+
+    async def _download(self, request: web.Request) -> web.Response:
+        file_id = request.match_info["file_id"]
+        header = request.headers.get("Authorization", "")
+        token = header[len("Bearer ") :] if header.startswith("Bearer ") else None
+        self.downloads.append((file_id, token))
+        entry = self.files.get(file_id)
+        if token != self.bot_token or "files:read" not in self.scopes:
+            # Slack answers an unauthorised download with its sign-in page, not an error status.
+            return web.Response(status=302, headers={"Location": f"{self.url}/signin"})
+        if entry is None:
+            return web.Response(status=404)
+        return web.Response(body=entry["content"], content_type="application/octet-stream")
 
     def _m_chat_postEphemeral(self, params: dict[str, Any]) -> dict[str, Any]:
         channel = self._channel(params)

@@ -32,6 +32,10 @@ TEXT_LIMIT = 4096
 ENTITY_LIMIT = 100  # Telegram keeps the first 100 formatting entities and silently ignores the rest
 CALLBACK_DATA_LIMIT = 64
 ANSWER_TEXT_LIMIT = 200
+CAPTION_LIMIT = 1024
+CHAT_ACTIONS = frozenset({"typing", "upload_photo", "record_video", "upload_video", "record_voice", "upload_voice",
+                          "upload_document", "choose_sticker", "find_location", "record_video_note",
+                          "upload_video_note"})  # fmt: skip
 SECRET_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,256}$")
 
 NOT_MODIFIED = (
@@ -265,6 +269,8 @@ class FakeMessage:
     edits: int = 0
     dropped_entities: int = 0  # formatting past Telegram's cap of 100, lost without an error
     reply_to: int | None = None  # the message this one replies to
+    document: JsonDict | None = None  # a file sent with the message (Telegram's Document object)
+    photo: list[JsonDict] | None = None  # a photo, in the sizes Telegram made of it
 
     @property
     def from_bot(self) -> bool:
@@ -337,6 +343,10 @@ class FakeTelegram:
         self._chats: dict[int, dict[int, FakeMessage]] = {}
         self._next_message_id: dict[int, int] = {}
         self._open_queries: set[str] = set()
+        self.files: dict[str, bytes] = {}  # file_id -> content (what users sent and what the bot uploaded)
+        self.file_size_limit = 20 * 1024 * 1024  # bots may download files up to 20 MB (getFile refuses more)
+        self.chat_actions: list[JsonDict] = []  # sendChatAction calls, in order
+        self._file_ids = itertools.count(1)
         self.migrated: dict[int, int] = {}  # a group upgraded to a supergroup: old chat id → new one
         self._faults: dict[str, deque[Fault]] = {}
         self._waiters: list[asyncio.Future[None]] = []
@@ -358,6 +368,7 @@ class FakeTelegram:
     async def start(self) -> None:
         app = web.Application(client_max_size=16 * 1024 * 1024)
         app.router.add_route("*", "/bot{token}/{method}", self._handle)
+        app.router.add_get("/file/bot{token}/{path:.+}", self._download)
         # A short shutdown grace and cancelled handlers: an open long poll must not hold teardown.
         runner = web.AppRunner(app, shutdown_timeout=0.5, handler_cancellation=True, access_log=None)
         await runner.setup()
@@ -465,6 +476,65 @@ class FakeTelegram:
         self._store(message)
         self._push_update({"message": self._message_json(message)})
         return message.message_id
+
+    def add_file(self, data: bytes) -> tuple[str, str]:
+        """Store ``data`` as Telegram would; (file_id, file_unique_id)."""
+        n = next(self._file_ids)
+        file_id = f"BQACAgIAAx{n:08d}"
+        self.files[file_id] = data
+        return file_id, f"AgAD{n:06d}"
+
+    def push_file(
+        self,
+        chat_id: int,
+        user_id: int,
+        name: str,
+        data: bytes,
+        *,
+        caption: str = "",
+        photo: bool = False,
+        declared_size: int | None = None,
+    ) -> int:
+        """A user sends a document (or a photo) with an optional caption; returns the message id."""
+        file_id, unique = self.add_file(data)
+        size = len(data) if declared_size is None else declared_size
+        user: JsonDict = {"id": user_id, "is_bot": False, "first_name": f"User {user_id}"}
+        message = FakeMessage(
+            chat_id=chat_id,
+            message_id=self._new_message_id(chat_id),
+            text=caption,
+            entities=command_and_mention_entities(caption),
+            source=caption,
+            parse_mode=None,
+            reply_markup=None,
+            sender=user,
+            date=int(time.time()),
+        )
+        if photo:
+            message.photo = [
+                {"file_id": file_id + "s", "file_unique_id": unique + "s", "width": 90, "height": 60, "file_size": 10},
+                {"file_id": file_id, "file_unique_id": unique, "width": 800, "height": 600, "file_size": size},
+            ]
+            self.files[file_id + "s"] = b"thumb"
+        else:
+            message.document = {
+                "file_id": file_id,
+                "file_unique_id": unique,
+                "file_name": name,
+                "mime_type": "application/octet-stream",
+                "file_size": size,
+            }
+        self._store(message)
+        self._push_update({"message": self._message_json(message)})
+        return message.message_id
+
+    def documents(self, chat_id: int) -> list[tuple[FakeMessage, bytes]]:
+        """Files the bot posted into ``chat_id``, with their content."""
+        return [
+            (m, self.files[m.document["file_id"]])
+            for m in self.messages(chat_id)
+            if m.from_bot and m.document is not None
+        ]
 
     def migrate_chat(self, old: int, new: int, *, user_id: int = 111) -> None:
         """The group ``old`` becomes the supergroup ``new`` (as when the bot is made an admin in it).
@@ -576,10 +646,20 @@ class FakeTelegram:
             "date": message.date,
             "chat": self._chat_json(message.chat_id),
             "from": message.sender,
-            "text": message.text,
         }
-        if message.entities:
-            body["entities"] = message.entities
+        if message.document is not None or message.photo is not None:
+            if message.document is not None:
+                body["document"] = message.document
+            if message.photo is not None:
+                body["photo"] = message.photo
+            if message.text:
+                body["caption"] = message.text
+                if message.entities:
+                    body["caption_entities"] = message.entities
+        else:
+            body["text"] = message.text
+            if message.entities:
+                body["entities"] = message.entities
         if message.reply_markup:
             body["reply_markup"] = message.reply_markup
         if message.thread_id is not None:
@@ -650,6 +730,9 @@ class FakeTelegram:
             "editmessagetext": self._edit_message_text,
             "editmessagereplymarkup": self._edit_message_reply_markup,
             "answercallbackquery": self._answer_callback_query,
+            "senddocument": self._send_document,
+            "sendchataction": self._send_chat_action,
+            "getfile": self._get_file,
             "close": self._true,
             "logout": self._true,
         }
@@ -801,6 +884,69 @@ class FakeTelegram:
         self._store(message)
         return self._message_json(message)
 
+    async def _send_document(self, params: JsonDict) -> JsonDict:
+        chat_id = self._not_migrated(_chat_id(params))
+        upload = params.get("document")
+        if not isinstance(upload, dict) or "content" not in upload:
+            raise ApiError(400, "Bad Request: there is no document in the request")
+        data: bytes = upload["content"]
+        if not data:
+            raise ApiError(400, "Bad Request: file must be non-empty")
+        caption = str(params.get("caption") or "")
+        if utf16_len(caption) > CAPTION_LIMIT:
+            raise ApiError(400, "Bad Request: message caption is too long")
+        file_id, unique = self.add_file(data)
+        thread = params.get("message_thread_id")
+        message = FakeMessage(
+            chat_id=chat_id,
+            message_id=self._new_message_id(chat_id),
+            text=caption,
+            entities=[],
+            source=caption,
+            parse_mode=params.get("parse_mode") or None,
+            reply_markup=None,
+            sender=self._bot_user(),
+            date=int(time.time()),
+            thread_id=int(thread) if thread else None,
+            document={
+                "file_id": file_id,
+                "file_unique_id": unique,
+                "file_name": upload.get("filename") or "document",
+                "file_size": len(data),
+            },
+        )
+        self._store(message)
+        return self._message_json(message)
+
+    async def _send_chat_action(self, params: JsonDict) -> bool:
+        chat_id = self._not_migrated(_chat_id(params))
+        action = str(params.get("action") or "")
+        if action not in CHAT_ACTIONS:
+            raise ApiError(400, "Bad Request: wrong parameter action in request")
+        self.chat_actions.append({"chat_id": chat_id, "action": action, "at": time.monotonic(),
+                                  "message_thread_id": params.get("message_thread_id")})  # fmt: skip
+        self._notify()
+        return True
+
+    async def _get_file(self, params: JsonDict) -> JsonDict:
+        file_id = str(params.get("file_id") or "")
+        data = self.files.get(file_id)
+        if data is None:
+            raise ApiError(400, "Bad Request: invalid file_id")
+        if len(data) > self.file_size_limit:
+            raise ApiError(400, "Bad Request: file is too big")
+        return {"file_id": file_id, "file_unique_id": "u" + file_id[-8:], "file_size": len(data),
+                "file_path": f"documents/file_{file_id}"}  # fmt: skip
+
+    async def _download(self, request: web.Request) -> web.StreamResponse:
+        if request.match_info["token"] != self.token:
+            return web.Response(status=401)
+        path = request.match_info["path"]
+        data = self.files.get(path.removeprefix("documents/file_"))
+        if data is None:
+            return web.Response(status=404)
+        return web.Response(body=data, content_type="application/octet-stream")
+
     def _editable(self, params: JsonDict) -> FakeMessage:
         if params.get("inline_message_id"):
             raise ApiError(400, "Bad Request: MESSAGE_ID_INVALID")
@@ -883,9 +1029,12 @@ async def _read_params(request: web.Request) -> JsonDict:
     elif request.content_type in ("application/x-www-form-urlencoded", "multipart/form-data"):
         form = await request.post()
         for key, value in form.items():
-            params[key] = (
-                _convert(key, value) if isinstance(value, str) else {"filename": getattr(value, "filename", None)}
-            )
+            if isinstance(value, str):
+                params[key] = _convert(key, value)
+            elif isinstance(value, web.FileField):  # an uploaded file: its name and its bytes
+                params[key] = {"filename": value.filename, "content": value.file.read()}
+            else:
+                params[key] = {"filename": None, "content": bytes(value)}
     return params
 
 
