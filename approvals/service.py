@@ -232,6 +232,17 @@ class ApprovalService:
             remember_seconds=remember.max_seconds if remember.enabled and self.rules is not None else None,
         )
 
+    async def revoke_rule(self, rule_id: str, *, actor: str, platform: str) -> Rule | None:
+        """End a remembered approval now (the next identical call gets a card again); audited. None: not in force."""
+        if self.rules is None:
+            return None
+        found = [r for r in await self.rules.list(active_only=True, limit=100_000) if r.id == rule_id]
+        if not found or not await self.rules.revoke(rule_id, actor=actor):
+            return None
+        await self._audit_safely(found[0].request_id, "rule_revoked", actor, platform, rule_id)
+        log.info("approvals.rule_revoked", rule=rule_id, actor=actor, platform=platform)
+        return found[0]
+
     async def remembered(self, tool: str, args: Mapping[str, Any], conversation: str) -> Rule | None:
         """The standing rule that lets exactly this call run here without a card (audited and said), or None."""
         if self.rules is None or not self.config.approvals.remember.enabled:

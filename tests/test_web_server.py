@@ -8,6 +8,7 @@ import html
 import json
 import re
 import stat
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -574,3 +575,36 @@ async def test_readers_cannot_steer_the_swarm_from_the_console(tmp_path: Path, t
         page = await (await client.post(f"{con.base}/console/send", data={"csrf": csrf, "text": text})).text()
         assert "operators only" in page
         assert await con.app.swarm.store.list() == []
+
+
+async def test_remembered_approvals_are_listed_and_revoked_in_the_console(tmp_path: Path) -> None:
+    async with console(tmp_path) as con, con.client() as op, con.client() as rd:
+        rules = con.app.service.rules
+        assert rules is not None
+        request = await con.app.service.store.insert(
+            tool="shell", args_json='{"command":"make"}', args_hash="ab" * 32, requested_by="agent:builder",
+            conversation="web:console", deadline=time.time() + 60, task_id=None,
+        )  # fmt: skip
+        rule = await rules.add(
+            tool="shell", args_hash="ab" * 32, conversation="web:console", created_by="web:alice",
+            created_via="web", request_id=request.id, seconds=3600,
+        )  # fmt: skip
+        csrf = await con.login(op, "alice", OPERATOR)
+        reader_csrf = await con.login(rd, "rita", READER)
+        seen = await (await rd.get(f"{con.base}/swarm")).text()
+        assert rule.id in seen
+        assert f"/approvals/rules/{rule.id}/revoke" not in seen  # readers get no forms
+        refused = await rd.post(
+            f"{con.base}/approvals/rules/{rule.id}/revoke", data={"csrf": reader_csrf}, allow_redirects=False
+        )
+        assert refused.status == 403
+        assert await rules.match("shell", "ab" * 32, "web:console") is not None
+        assert f"/approvals/rules/{rule.id}/revoke" in await (await op.get(f"{con.base}/swarm")).text()
+        page = await (await op.post(f"{con.base}/approvals/rules/{rule.id}/revoke", data={"csrf": csrf})).text()
+        assert f"Remembered approval {rule.id} revoked by web:alice" in page
+        assert await rules.match("shell", "ab" * 32, "web:console") is None
+        events = await con.app.service.store.events(request.id, event="rule_revoked")
+        assert [(ev.actor, ev.platform, ev.detail) for ev in events] == [("web:alice", "web", rule.id)]
+        again = await (await op.post(f"{con.base}/approvals/rules/{rule.id}/revoke", data={"csrf": csrf})).text()
+        assert f"No remembered approval {rule.id} is in force" in again
+        assert "None in force." in again

@@ -20,6 +20,7 @@ from kazma.adapters.web import WebMessage, render
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.honesty import reveal
 from kazma.approvals.model import ApprovalRequest, Outcome, Status
+from kazma.approvals.rules import Rule
 from kazma.approvals.store import AuditEvent, PostedCard
 from kazma.bot.console.swarm_views import handoff_chain, worker_numbers
 from kazma.engine.swarm.state_store import WorkerDay
@@ -471,6 +472,7 @@ def dashboard_page(
     *,
     flash: Sequence[str] = (),
     worker_days: Sequence[WorkerDay] = (),
+    rules: Sequence[Rule] = (),
 ) -> str:
     task_rows = []
     for t in tasks:
@@ -512,5 +514,27 @@ def dashboard_page(
         f"<h2>Workers</h2><ul>{workers}</ul>{worker_numbers(worker_days)}"
         "<h2>Recent approvals</h2><table><tr><th>id</th><th>tool</th><th>status</th><th>requested by</th>"
         f"<th>when</th><th>decided by</th></tr>{approval_rows}</table>"
+        f"{rules_section(viewer, rules)}"
     )
     return layout("Swarm", body, viewer=viewer, flash=flash, refresh=5)
+
+
+def rules_section(viewer: Viewer, rules: Sequence[Rule]) -> str:
+    """Remembered approvals in force ("Approve for 1 h"): each lets one exact call run again without a card."""
+    if not rules:
+        return "<h2>Remembered approvals</h2><p>None in force.</p>"
+    rows = []
+    for r in rules:
+        revoke = (
+            form(f"/approvals/rules/{quote(r.id, safe='')}/revoke", viewer, {}, "Revoke") if viewer.is_operator else ""
+        )
+        rows.append(
+            f"<tr><td><code>{e(r.id)}</code></td><td>{e(r.tool)}</td><td><code>{e(r.args_hash[:16])}…</code></td>"
+            f"<td>{e(r.conversation)}</td><td>{e(r.created_by)}</td>"
+            f"<td>{when_html(datetime.fromtimestamp(r.expires_at, UTC))}</td><td>{revoke}</td></tr>"
+        )
+    return (
+        "<h2>Remembered approvals</h2><p>Each lets the identical call (same tool, same argument hash) run again "
+        "in its conversation without a card until it ends.</p><table><tr><th>rule</th><th>tool</th><th>sha256</th>"
+        f"<th>conversation</th><th>made by</th><th>until</th><th></th></tr>{''.join(rows)}</table>"
+    )

@@ -164,6 +164,7 @@ class WebServer:
                 web.get("/swarm", self.swarm),
                 web.post("/swarm/tasks/{id}/{action}", self.task_action),
                 web.post("/swarm/command", self.swarm_command),
+                web.post("/approvals/rules/{id}/revoke", self.revoke_rule),
                 web.get("/metrics", self.metrics),
                 web.get("/healthz", self.healthz),
                 web.get("/static/console.js", self.script),
@@ -417,6 +418,7 @@ class WebServer:
             counts,
             flash=session.take_flash(),
             worker_days=days,
+            rules=await self.app.service.rules.list() if self.app.service.rules is not None else (),
         )
         return html_response(page)
 
@@ -462,6 +464,17 @@ class WebServer:
         if action not in TASK_ACTIONS or not _TASK_ID.fullmatch(task_id):
             raise _not_found("No such task action.", session)
         session.flash.append(await self._swarm_text(session, f"{action} {task_id}"))
+        raise web.HTTPSeeOther("/swarm")
+
+    async def revoke_rule(self, request: web.Request) -> web.Response:
+        session, _ = await self._auth().post(request, operator=True)
+        rule_id = request.match_info["id"]
+        revoked = await self.app.service.revoke_rule(rule_id, actor=session.actor, platform="web")
+        session.flash.append(
+            f"Remembered approval {rule_id} revoked by {session.actor}: the next identical call gets a card."
+            if revoked is not None
+            else f"No remembered approval {rule_id} is in force; nothing changed."
+        )
         raise web.HTTPSeeOther("/swarm")
 
     async def swarm_command(self, request: web.Request) -> web.Response:
