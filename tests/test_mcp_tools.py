@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
 import pytest
@@ -192,7 +193,7 @@ async def _until(predicate: object) -> None:
 async def test_doctor_lists_a_servers_tools(tmp_path: Path) -> None:
     config = MCPServerConfig(command=__import__("sys").executable, args=[str(TRACKER), str(tmp_path / "log")])
     names = await list_server_tools("tracker", config)
-    assert sorted(names) == ["crash", "create_issue", "hang", "lookup"]
+    assert sorted(names) == ["crash", "create_issue", "grow", "hang", "lookup"]
 
 
 @pytest.mark.parametrize(
@@ -209,3 +210,18 @@ def test_config_refuses_bad_servers(yaml: str, problem: str) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config_text(yaml, environ={})
     assert problem in str(caught.value)
+
+
+async def test_a_list_changed_notice_relists_the_servers_tools(tmp_path: Path) -> None:
+    config = MCPServerConfig(command=sys.executable, args=[str(TRACKER), str(tmp_path / "calls.log")])
+    connection = MCPConnection("tracker", config)
+    connection.start()
+    try:
+        await asyncio.wait_for(_until(lambda: "grow" in connection.tools), 20)
+        assert "triage" not in connection.tools
+        result = await connection.call("grow", {"name": "triage"})
+        assert result.ok, result.error
+        await asyncio.wait_for(_until(lambda: "triage" in connection.tools), 20)
+        assert {"create_issue", "lookup", "grow", "triage"} <= set(connection.tools)
+    finally:
+        await connection.stop()

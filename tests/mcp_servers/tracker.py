@@ -2,7 +2,8 @@
 
 ``python tracker.py LOG`` serves over stdio; ``python tracker.py LOG http PORT`` over streamable HTTP at /mcp.
 Every call of ``create_issue`` appends one line to LOG, so a test can count what really ran.
-``hang`` never answers; ``crash`` ends the process mid-call. ``lookup`` says it is read-only.
+``hang`` never answers; ``crash`` ends the process mid-call. ``lookup`` says it is read-only;
+``grow`` adds a tool and sends list-changed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import sys
 import time
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ToolAnnotations
 
 LOG = sys.argv[1]
@@ -50,6 +51,18 @@ def hang(seconds: float) -> str:
     """Answer only after ``seconds``."""
     time.sleep(seconds)
     return "late"
+
+
+@server.tool()
+async def grow(name: str, ctx: Context) -> str:
+    """Add a tool called ``name`` and tell the client the list changed."""
+
+    def added(text: str) -> str:
+        return text
+
+    server.add_tool(added, name=name, description="A tool added while the server runs.")
+    await ctx.session.send_tool_list_changed()  # the plain notification, as servers of earlier SDKs send it
+    return f"added {name}"
 
 
 if __name__ == "__main__":
