@@ -20,6 +20,7 @@ import structlog
 from kazma.adapters.human_text import for_humans
 from kazma.config.database import Migration, Tables
 from kazma.config.metrics import count_failure
+from kazma.engine.conversation import MessageSink
 
 log = structlog.get_logger("kazma.transcript")
 
@@ -174,23 +175,8 @@ class TranscriptStore:
             self._listeners.discard(queue)
 
 
-class Bus(Protocol):
-    """What the recording sink forwards to (the fan-out bus, or the null bus)."""
-
-    async def send_text(
-        self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
-    ) -> str | None: ...
-
-    async def send_choices(
-        self,
-        platform: str,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
-    ) -> str | None: ...
+class Bus(MessageSink, Protocol):
+    """What the recording sink forwards to (the fan-out bus, or the null bus): messages, files, the working sign."""
 
     async def send_file(
         self, platform: str, chat: str, name: str, data: bytes, *, agent: str | None = None, thread: str | None = None
