@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from kazma.adapters.contract import CardRef, FileAdapter, Handlers, PlatformAdapter, PlatformError
+from kazma.adapters.contract import CardRef, FileAdapter, Handlers, PlatformAdapter, PlatformError, UrgentEdits
 from kazma.adapters.outbox import Outbox, PostJob
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.model import ApprovalRequest, Status
@@ -33,13 +33,19 @@ log = structlog.get_logger("kazma.bus")
 RETRY = Backoff(base=0.5, cap=60.0)
 
 
+# The full scan for unsettled cards (requests decided by another process, a missed kick): this often.
+SAFETY_SCAN_SECONDS = 120.0
+
+
 @dataclass
 class _Worker:
     adapter: PlatformAdapter
     kick: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
-    settle_attempts: dict[tuple[str, str, str], int] = field(default_factory=dict)
-    settle_not_before: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    # Requests decided here whose cards on this platform are still to be edited, oldest first.
+    to_settle: dict[str, None] = field(default_factory=dict)
+    scan_at: float = 0.0  # when the next full scan is due (0: at once, as at start)
+    retry_at: float | None = None  # the earliest card edit waiting out a failure, when one is
 
 
 class FanOutBus:
@@ -53,7 +59,7 @@ class FanOutBus:
         outbox: Outbox,
         config: KazmaConfig,
         platform_timeout: float = 10.0,
-        poll_interval: float = 1.0,
+        poll_interval: float = SAFETY_SCAN_SECONDS,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not adapters:
@@ -63,6 +69,8 @@ class FanOutBus:
         self.outbox = outbox
         self.config = config
         self.platform_timeout = platform_timeout
+        # The slow safety net: every worker rescans the store this often. Decisions made here reach the
+        # workers at once (:meth:`settle`), failed posts and edits wake them when they are due.
         self.poll_interval = poll_interval
         self.clock = clock
         self._workers = {name: _Worker(adapter) for name, adapter in self.adapters.items()}
@@ -129,7 +137,13 @@ class FanOutBus:
             self._workers[name].kick.set()
 
     async def settle(self, request_id: str) -> None:
+        """``request_id`` has its outcome: every platform edits its cards now, ahead of queued posts."""
         for worker in self._workers.values():
+            adapter = worker.adapter
+            if isinstance(adapter, UrgentEdits) and adapter.home_chat and request_id not in worker.to_settle:
+                # Before the decision's waiter runs: the agent's reply to it must not take the card's turn.
+                adapter.expect_edit(adapter.home_chat)
+            worker.to_settle[request_id] = None
             worker.kick.set()
 
     # -- messages --------------------------------------------------------------------------------
@@ -214,22 +228,40 @@ class FanOutBus:
         name = worker.adapter.name
         while not self._stopping:
             worker.kick.clear()
+            wake_at: float | None = None
             try:
+                await self._settle_requested(worker)
                 await self._drain_posts(worker)
-                await self._drain_settles(worker)
+                if self.clock() >= worker.scan_at or (worker.retry_at is not None and self.clock() >= worker.retry_at):
+                    await self._scan_settles(worker)
+                wake_at = await self._next_due(worker)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the store hiccuped: keep the worker alive and try again
                 count_failure("bus_worker", name)
                 log.error("bus.worker_error", platform=name, error=repr(exc), exc_info=True)
+                wake_at = self.clock() + RETRY.delay(0)
+            # Asleep until kicked or until the next thing falls due: an idle bus reads nothing.
+            timeout = None if wake_at is None else max(0.0, wake_at - self.clock())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(worker.kick.wait(), timeout=self.poll_interval)
+                await asyncio.wait_for(worker.kick.wait(), timeout=timeout)
+
+    async def _next_due(self, worker: _Worker) -> float:
+        due = [worker.scan_at]
+        if worker.retry_at is not None:
+            due.append(worker.retry_at)
+        next_post = await self.outbox.next_due_at(worker.adapter.name)
+        if next_post is not None:
+            due.append(next_post)
+        return min(due)
 
     async def _drain_posts(self, worker: _Worker) -> None:
         adapter = worker.adapter
         for job in await self.outbox.due(adapter.name):
             if self._stopping:
                 return
+            if worker.to_settle:  # a decision came in: its edits go before the next post
+                await self._settle_requested(worker)
             await self._post(adapter, job)
 
     async def _post(self, adapter: PlatformAdapter, job: PostJob) -> None:
@@ -301,18 +333,33 @@ class FanOutBus:
             remember_seconds=remember.max_seconds if remember.enabled else None,
         )
 
-    async def _drain_settles(self, worker: _Worker) -> None:
+    async def _settle_requested(self, worker: _Worker) -> None:
+        """Edit the cards of every request decided here, by request id: no scan."""
+        adapter = worker.adapter
+        while worker.to_settle and not self._stopping:
+            request_id = next(iter(worker.to_settle))
+            try:
+                for posted in await self.store.cards_to_settle(request_id, adapter.name):
+                    if posted.settled_at is None and not self._stopping:
+                        await self._settle_one(worker, posted)
+            finally:
+                del worker.to_settle[request_id]
+                if isinstance(adapter, UrgentEdits) and adapter.home_chat:
+                    adapter.edit_done(adapter.home_chat)
+
+    async def _scan_settles(self, worker: _Worker) -> None:
+        """Every card on this platform still to be edited, found in the store: at start, when an edit that
+        failed is due again, and every :attr:`poll_interval` as a safety net."""
         adapter = worker.adapter
         now = self.clock()
-        for posted in await self.store.unsettled_cards():
-            if posted.platform != adapter.name or self._stopping:
-                continue
-            key = (posted.request_id, posted.chat, posted.message_id)
-            if worker.settle_not_before.get(key, 0.0) > now:
-                continue
-            await self._settle_one(worker, posted, key)
+        worker.scan_at = now + self.poll_interval
+        for posted in await self.store.unsettled_cards(adapter.name, due_by=now):
+            if self._stopping:
+                return
+            await self._settle_one(worker, posted)
+        worker.retry_at = await self.store.next_settle_retry(adapter.name)
 
-    async def _settle_one(self, worker: _Worker, posted: PostedCard, key: tuple[str, str, str]) -> None:
+    async def _settle_one(self, worker: _Worker, posted: PostedCard) -> None:
         adapter = worker.adapter
         request = await self.store.get(posted.request_id)
         if request is None:
@@ -332,28 +379,28 @@ class FanOutBus:
             retryable = isinstance(exc, TimeoutError) or exc.retryable
             retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
             count_failure("card_settle", adapter.name)
-            attempts = worker.settle_attempts.get(key, 0) + 1
-            worker.settle_attempts[key] = attempts
             if not retryable:
                 # The card cannot be edited any more (deleted, or not ours): record that
                 # it is as settled as it will ever be, so the worker stops trying.
                 log.error("bus.card_settle_gave_up", platform=adapter.name, request_id=request.id, error=str(exc))
                 await self.store.mark_card_settled(posted, request.status)
                 return
-            delay = RETRY.delay(attempts, retry_after=retry_after)
-            worker.settle_not_before[key] = self.clock() + delay
+            attempts = await self.store.settle_attempts(posted)
+            delay = RETRY.delay(attempts + 1, retry_after=retry_after)
+            # The retry time lives in the card's row: a scan before then does not even read it.
+            await self.store.settle_failed(posted, delay)
+            due = self.clock() + delay
+            worker.retry_at = due if worker.retry_at is None else min(worker.retry_at, due)
             log.warning(
                 "bus.card_settle_failed",
                 platform=adapter.name,
                 request_id=request.id,
-                attempt=attempts,
+                attempt=attempts + 1,
                 retry_in=round(delay, 2),
                 error=str(exc) or type(exc).__name__,
             )
             return
         await self.store.mark_card_settled(posted, request.status)
-        worker.settle_attempts.pop(key, None)
-        worker.settle_not_before.pop(key, None)
         if request.decided_at is not None and all(c.settled_at for c in await self.store.cards(request.id)):
             DECISION_TO_SETTLED.observe(max(0.0, time.time() - request.decided_at.timestamp()))
         log.info("bus.card_settled", platform=adapter.name, request_id=request.id, status=request.status.value)

@@ -154,6 +154,19 @@ class PlatformAdapter(Protocol):
 
 
 @runtime_checkable
+class UrgentEdits(Protocol):
+    """A platform that paces sends per chat and can put a card edit ahead of what is queued there."""
+
+    def expect_edit(self, chat: str) -> None:
+        """A card edit into ``chat`` is coming: hold other sends there until it went (or a short while)."""
+        ...
+
+    def edit_done(self, chat: str) -> None:
+        """The expected edit went, or will not come: release what :meth:`expect_edit` held."""
+        ...
+
+
+@runtime_checkable
 class FileAdapter(Protocol):
     """A platform that can post files and show that an agent is working (every chat platform and the console)."""
 

@@ -37,6 +37,9 @@ log = structlog.get_logger("kazma.adapters")
 
 T = TypeVar("T")
 
+# Calls that edit a card people are waiting on: they take the chat's next slot, ahead of queued posts.
+URGENT_SITES = frozenset({"card_settle"})
+
 # -- wording every platform uses for a press ------------------------------------------------------
 
 PRESS_APOLOGY: Final = "Kazma could not record your press, so nothing changed. Please press again."
@@ -304,6 +307,16 @@ class PlatformBase(ABC):
     @property
     def home_chat(self) -> str | None:
         return self.served.home
+
+    # -- card edits first (UrgentEdits) ------------------------------------------------------------
+
+    def expect_edit(self, chat: str) -> None:
+        if self.pacing.limiter is not None:
+            self.pacing.limiter.expect(self.moved_to(chat))
+
+    def edit_done(self, chat: str) -> None:
+        if self.pacing.limiter is not None:
+            self.pacing.limiter.expected_done(self.moved_to(chat))
 
     @property
     def started(self) -> bool:
@@ -573,6 +586,7 @@ class PlatformBase(ABC):
                     attempt,
                     retry_after_of=self._retry_after_of(site),
                     on_rate_limited=rate_limited,
+                    urgent=site in URGENT_SITES,
                 )
             return await attempt()
         except Exception as exc:

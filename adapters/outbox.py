@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiosqlite
 
@@ -54,10 +55,16 @@ class Outbox:
         self.clock = clock
         self.tables = Tables.of(conn)
 
+    async def _write(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        """Through the store's group-committing writer (see :mod:`kazma.config.writer`)."""
+        writer = await self.tables.writer()
+        await writer.submit(lambda tx: tx.run_many(sql, rows))
+
     async def enqueue(self, request_id: str, platforms: list[str]) -> None:
         now = self.clock()
-        await self.tables.run_many(
-            "INSERT OR IGNORE INTO card_outbox (request_id, platform, created_at, next_at) VALUES (?, ?, ?, ?)",
+        await self._write(
+            "INSERT INTO card_outbox (request_id, platform, created_at, next_at) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT DO NOTHING",
             [(request_id, platform, now, now) for platform in platforms],
         )
 
@@ -77,18 +84,18 @@ class Outbox:
 
     async def started(self, job: PostJob) -> None:
         """A post is about to be attempted: counted first, so a crash mid-post leaves a trace of it."""
-        await self.tables.run("UPDATE card_outbox SET attempts = attempts + 1 WHERE id = ?", (job.id,))
+        await self._write("UPDATE card_outbox SET attempts = attempts + 1 WHERE id = ?", [(job.id,)])
 
     async def done(self, job: PostJob, outcome: str, error: str | None = None) -> None:
-        await self.tables.run(
+        await self._write(
             "UPDATE card_outbox SET done_at = ?, outcome = ?, last_error = ? WHERE id = ?",
-            (self.clock(), outcome, error, job.id),
+            [(self.clock(), outcome, error, job.id)],
         )
 
     async def retry_later(self, job: PostJob, delay: float, error: str) -> None:
-        await self.tables.run(
+        await self._write(
             "UPDATE card_outbox SET next_at = ?, last_error = ? WHERE id = ?",
-            (self.clock() + delay, error, job.id),
+            [(self.clock() + delay, error, job.id)],
         )
 
     async def pending(self) -> list[tuple[str, str, int, str | None]]:

@@ -8,6 +8,7 @@ here is cheaper than a 429 and keeps every chat's order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -23,10 +24,30 @@ class _ChatState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sent: deque[float] = field(default_factory=deque)
     blocked_until: float = 0.0
+    # Card edits announced and not yet sent: until when each holds ordinary sends back.
+    expected: list[float] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def expecting(self, now: float) -> float | None:
+        """Until when ordinary sends wait for an announced edit, or None when none is due."""
+        self.expected = [until for until in self.expected if until > now]
+        return max(self.expected) if self.expected else None
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
 
 
 class ChatRateLimiter:
-    """``await limiter.acquire(chat)`` before each send into ``chat``."""
+    """``await limiter.acquire(chat)`` before each send into ``chat``.
+
+    Ordinary sends take turns in arrival order. An urgent send (a card edit:
+    a decision people are waiting to see) skips that queue and takes the
+    chat's next slot; :meth:`expect` announces one before it is made, so a
+    reply racing it (the agent answering that very decision) waits for it —
+    for at most ``expect_seconds``, so an edit that never comes holds nobody.
+    The chat's limits hold for every send alike.
+    """
 
     def __init__(
         self,
@@ -37,8 +58,10 @@ class ChatRateLimiter:
         clock: Clock = time.monotonic,
         sleep: Sleep = asyncio.sleep,
         windowed: Callable[[str], bool] | None = None,
+        expect_seconds: float = 5.0,
     ) -> None:
         self.min_interval = min_interval
+        self.expect_seconds = expect_seconds
         self.per_window = per_window
         # Which chats the per-window cap applies to (Telegram caps groups, not private chats); None: all.
         self.windowed = windowed
@@ -67,19 +90,50 @@ class ChatRateLimiter:
                 waits.append(state.sent[0] + self.window - now)
         return max(0.0, *waits)
 
-    async def acquire(self, chat: str) -> float:
+    async def acquire(self, chat: str, *, urgent: bool = False) -> float:
         """Wait until a send into ``chat`` is allowed, record it, return how long it waited."""
         state = self._state(chat)
         waited = 0.0
-        async with state.lock:
+        if urgent:
             while (delay := self.delay_for(chat)) > 0:
                 await self._sleep(delay)
                 waited += delay
-            state.sent.append(self._clock())
-            keep = self.per_window or 1
-            while len(state.sent) > keep:
-                state.sent.popleft()
+            self._record(state)
+            return waited
+        async with state.lock:
+            while True:
+                started = self._clock()
+                until = state.expecting(started)
+                if until is not None:
+                    # An announced edit goes first; woken when it went, or when the announcement lapses.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(state.changed.wait(), timeout=until - started)
+                    waited += self._clock() - started
+                    continue
+                delay = self.delay_for(chat)
+                if delay <= 0:
+                    break
+                await self._sleep(delay)
+                waited += delay
+            self._record(state)
         return waited
+
+    def _record(self, state: _ChatState) -> None:
+        state.sent.append(self._clock())
+        keep = self.per_window or 1
+        while len(state.sent) > keep:
+            state.sent.popleft()
+
+    def expect(self, chat: str) -> None:
+        """An urgent send into ``chat`` is coming: ordinary sends there wait for it."""
+        self._state(chat).expected.append(self._clock() + self.expect_seconds)
+
+    def expected_done(self, chat: str) -> None:
+        """The announced send went, or will not come: stop holding ordinary sends for it."""
+        state = self._state(chat)
+        if state.expected:
+            state.expected.pop(0)
+            state.notify()
 
     def block(self, chat: str, seconds: float) -> None:
         """The platform said 429 with ``retry_after``: hold every send into ``chat`` that long."""
@@ -123,11 +177,12 @@ class Pacing:
         *,
         retry_after_of: RetryAfterOf,
         on_rate_limited: Callable[[float, int], None] | None = None,
+        urgent: bool = False,
     ) -> T:
         attempt = 1
         while True:
             if self.limiter is not None and chat is not None:
-                await self.limiter.acquire(chat)
+                await self.limiter.acquire(chat, urgent=urgent)
             try:
                 return await call()
             except Exception as exc:

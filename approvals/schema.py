@@ -89,4 +89,18 @@ MIGRATIONS = [
             "ALTER TABLE approval_requests ADD COLUMN durable INTEGER NOT NULL DEFAULT 0",
         ),
     ),
+    Migration(
+        "approvals",
+        4,
+        (
+            # A card edit that failed waits in its row until retry_at, so a scan need not even read it.
+            "ALTER TABLE approval_cards ADD COLUMN retry_at REAL",
+            "ALTER TABLE approval_cards ADD COLUMN settle_attempts INTEGER NOT NULL DEFAULT 0",
+            # Only cards still showing buttons, per platform: the settle scan's index, small as work is done.
+            "CREATE INDEX IF NOT EXISTS approval_cards_to_settle ON approval_cards (platform, retry_at)"
+            " WHERE settled_at IS NULL",
+            # Replaced by the one above; its (settled_at, request_id) entries grew with every card ever posted.
+            "DROP INDEX IF EXISTS approval_cards_unsettled",
+        ),
+    ),
 ]

@@ -22,7 +22,7 @@ from kazma.approvals.card import BUTTON_PREFIX, ApprovalCard, build_card, check_
 from kazma.approvals.hashing import args_hash, canonical_json, check_arguments
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
 from kazma.approvals.rules import Rule, RuleStore
-from kazma.approvals.store import ApprovalStore, Clock
+from kazma.approvals.store import ApprovalStore, CardCheck, CardProblem, Clock
 from kazma.config.metrics import APPROVALS_DECIDED, APPROVALS_OPENED, PRESS_TO_DECISION, count_failure
 from kazma.config.models import KazmaConfig
 
@@ -344,22 +344,23 @@ class ApprovalService:
                 return PressResult(
                     PressVerdict.REFUSED, f"{unremembered}; nothing was recorded.", request_id=request_id
                 )
+        check = None
         if card is not None:
-            problem = await self._card_problem(request_id, decision, platform, card)
-            if problem is not None:
-                why, message = problem
-                await self._refused(request_id, actor, platform, why)
-                return PressResult(PressVerdict.REFUSED, message, request_id=request_id)
+            needs_whole = decision is Decision.APPROVE and not self.config.approvals.approve_cut_in_chat
+            check = CardCheck(platform, card.chat, card.message_id, needs_whole)
         try:
-            won, request = await self.store.finish(
-                request_id,
-                decision.status,
-                actor=actor,
-                platform=platform,
-                reason=reason,
-                require_before_deadline=True,
-                lost_event="press_lost",
+            pressed = await self.store.press(
+                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check
             )
+            # A press can land between a card's post and the bus recording it (a person is not that fast,
+            # a script is): give the record a moment before judging the press by it.
+            for pause in _RECORD_GRACE if pressed.problem == CardProblem.NOT_RECORDED else ():
+                await asyncio.sleep(pause)
+                pressed = await self.store.press(
+                    request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check
+                )
+                if pressed.problem != CardProblem.NOT_RECORDED:
+                    break
         except (sqlite3.Error, OSError) as exc:
             count_failure(STORE_SITE)
             log.warning(
@@ -377,6 +378,16 @@ class ApprovalService:
                 "The request is still pending; please press again.",
                 request_id=request_id,
             )
+        if pressed.problem is not None:
+            refusal = await self._card_refusal(request_id, pressed.problem, card)
+            if refusal is not None:
+                why, message = refusal
+                await self._refused(request_id, actor, platform, why)
+                return PressResult(PressVerdict.REFUSED, message, request_id=request_id)
+            pressed = await self.store.press(
+                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=None
+            )
+        won, request = pressed.won, pressed.request
         if request is None:
             await self._refused(request_id, actor, platform, "unknown request id")
             return PressResult(PressVerdict.REFUSED, "Unknown approval request; nothing was recorded.")
@@ -429,50 +440,24 @@ class ApprovalService:
             return "This call cannot be remembered: its card does not show the whole call"
         return None
 
-    async def _card_problem(
-        self, request_id: str, decision: Decision, platform: str, where: CardLocation
-    ) -> tuple[str, str] | None:
-        """Why a press from ``where`` must not count: (what the audit says, what the presser is told)."""
-        try:
-            cards = [c for c in await self.store.cards(request_id) if c.platform == platform]
-            # A press can land between a card's post and the bus recording it (a person is not that fast,
-            # a script is): give the record a moment before judging the press by it.
-            for pause in _RECORD_GRACE if not cards and (where.chat or where.message_id) else ():
-                await asyncio.sleep(pause)
-                cards = [c for c in await self.store.cards(request_id) if c.platform == platform]
-                if cards:
-                    break
-        except (sqlite3.Error, OSError):
-            return None  # the compare-and-set below meets the same store and answers for it
-        if not cards and where.chat is None and where.message_id is None:
-            return None  # the platform says nothing of where the press was, and no card here to hold it to
-        if not cards:
-            request = await self.store.get(request_id)
-            if request is None:
-                return None  # the compare-and-set reports the unknown id
+    async def _card_refusal(self, request_id: str, problem: str, where: CardLocation | None) -> tuple[str, str] | None:
+        """What the audit says and what the presser is told for a card problem; None: let the
+        compare-and-set answer (the request is unknown)."""
+        if problem == CardProblem.NOT_RECORDED:
+            if await self.store.get(request_id) is None:
+                return None
             return ("no card of this request was posted here", "This button is not on a card of that request.")
-        here = [
-            c
-            for c in cards
-            if (where.chat is None or c.chat == where.chat)
-            and (where.message_id is None or c.message_id == where.message_id)
-        ]
-        if not here:
+        if problem == CardProblem.NOT_HERE:
             return (
-                f"pressed in {where.chat}/{where.message_id}, where no card of this request was posted",
+                f"pressed in {where.chat if where else None}/{where.message_id if where else None}, "
+                "where no card of this request was posted",
                 "This button is not on a card of that request.",
             )
-        if (
-            decision is Decision.APPROVE
-            and not self.config.approvals.approve_cut_in_chat
-            and not all(c.whole for c in here)
-        ):
-            return (
-                "approve pressed on a card that does not show the whole call",
-                f"This card does not show the whole call, so it cannot be approved here. Review it and approve it "
-                f"on its page: {self.link(request_id)}",
-            )
-        return None
+        return (
+            "approve pressed on a card that does not show the whole call",
+            f"This card does not show the whole call, so it cannot be approved here. Review it and approve it "
+            f"on its page: {self.link(request_id)}",
+        )
 
     async def _refused(self, request_id: str | None, actor: str, platform: str, why: str) -> None:
         log.warning("approvals.press_refused", request_id=request_id, actor=actor, platform=platform, reason=why)

@@ -13,14 +13,16 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import aiosqlite
 
 from kazma.approvals.model import ApprovalRequest, Status
-from kazma.config.database import Statements, Tables
+from kazma.config.database import Tables
+from kazma.config.writer import StoreWriter, Tx
 
 Clock = Callable[[], float]
+T = TypeVar("T")
 
 _COLUMNS = (
     "id, tool, args_json, args_hash, requested_by, conversation, task_id, created_at, deadline, "
@@ -33,6 +35,17 @@ _CAS = (
     " WHERE id = ? AND status = 'pending'"
 )
 _CAS_BEFORE_DEADLINE = _CAS + " AND deadline > ?"
+_RETURNING = f" RETURNING {_COLUMNS}"
+_EVENT = (
+    "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+# The same row, its hash read from the request in the statement itself.
+_EVENT_HASHED = (
+    "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
+    " VALUES (?, ?, ?, ?, ?, (SELECT args_hash FROM approval_requests WHERE id = ?), ?)"
+)
+_CARD_COLUMNS = "request_id, platform, chat, message_id, posted_at, settled_at, settled_status, whole"
 
 
 def new_request_id() -> str:
@@ -108,6 +121,33 @@ class PostedCard:
     whole: bool = True  # the card showed the whole call
 
 
+@dataclass(frozen=True)
+class CardCheck:
+    """Where a press came from, held against the cards recorded for its request (in the press's transaction)."""
+
+    platform: str
+    chat: str | None
+    message_id: str | None
+    needs_whole: bool  # an Approve where cut cards may not approve
+
+
+class CardProblem:
+    """Why a press was not held to be from a card of its request (:attr:`Pressed.problem`)."""
+
+    NOT_RECORDED = "not_recorded"  # no card of the request recorded on that platform (yet)
+    NOT_HERE = "not_here"  # cards are recorded there, but not at the place pressed
+    CUT = "cut"  # an Approve on a card that did not show the whole call
+
+
+@dataclass(frozen=True)
+class Pressed:
+    """What a press did: a card problem (nothing written), or the compare-and-set's result."""
+
+    problem: str | None
+    won: bool
+    request: ApprovalRequest | None
+
+
 class ApprovalStore:
     """Data access for approvals on one aiosqlite connection.
 
@@ -120,10 +160,10 @@ class ApprovalStore:
         self.clock = clock
         self.tables = Tables.of(conn)
 
-    @staticmethod
-    async def _hash_of(tx: Statements, request_id: str) -> str | None:
-        row = await tx.one("SELECT args_hash FROM approval_requests WHERE id = ?", (request_id,))
-        return None if row is None else str(row[0])
+    async def _write(self, op: Callable[[Tx], T]) -> T:
+        """Every write: one operation in the file's next group commit (see :mod:`kazma.config.writer`)."""
+        writer: StoreWriter = await self.tables.writer()
+        return await writer.submit(op)
 
     async def insert(
         self,
@@ -140,28 +180,31 @@ class ApprovalStore:
     ) -> ApprovalRequest:
         request_id = new_request_id()
         now = self.clock()
-        async with self.tables.transaction() as tx:
-            await tx.run(
-                "INSERT INTO approval_requests (id, tool, args_json, args_hash, requested_by, conversation, task_id,"
-                " created_at, deadline, status, notes, durable) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
-                (
-                    request_id,
-                    tool,
-                    args_json,
-                    args_hash,
-                    requested_by,
-                    conversation,
-                    task_id,
-                    now,
-                    deadline,
-                    json.dumps(list(notes)),
-                    int(durable),
-                ),
-            )
-            await self._event(tx, request_id, "opened", requested_by, None, args_hash, f"tool={tool}")
-        found = await self.get(request_id)
-        assert found is not None
-        return found
+        row = (
+            request_id,
+            tool,
+            args_json,
+            args_hash,
+            requested_by,
+            conversation,
+            task_id,
+            now,
+            deadline,
+            "pending",
+            None,
+            None,
+            None,
+            None,
+            json.dumps(list(notes)),
+            int(durable),
+        )
+
+        def op(tx: Tx) -> None:
+            tx.run(f"INSERT INTO approval_requests ({_COLUMNS}) VALUES ({', '.join('?' * len(row))})", row)  # noqa: S608
+            tx.run(_EVENT, (request_id, "opened", requested_by, None, now, args_hash, f"tool={tool}"))
+
+        await self._write(op)
+        return _row_to_request(row)
 
     async def get(self, request_id: str) -> ApprovalRequest | None:
         row = await self.tables.one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
@@ -192,22 +235,105 @@ class ApprovalStore:
         it stands after the call (None for an unknown id). With ``lost_event``, a
         call that did not win is audited under that name in the same transaction.
         """
+        return await self._write(
+            lambda tx: self._finish(
+                tx,
+                request_id,
+                status,
+                actor=actor,
+                platform=platform,
+                reason=reason,
+                require_before_deadline=require_before_deadline,
+                lost_event=lost_event,
+            )
+        )
+
+    async def press(
+        self,
+        request_id: str,
+        status: Status,
+        *,
+        actor: str,
+        platform: str,
+        reason: str | None,
+        card: CardCheck | None,
+    ) -> Pressed:
+        """A person's decision: the card it came from checked, the compare-and-set and its audit row, as one write.
+
+        A press that loses is audited ``press_lost`` in the same group commit; one with a card problem
+        writes nothing (the caller decides what to audit, and whether to look again).
+        """
+
+        def op(tx: Tx) -> Pressed:
+            if card is not None:
+                problem = self._card_problem(tx, request_id, card)
+                if problem is not None:
+                    return Pressed(problem, False, None)
+            won, request = self._finish(
+                tx,
+                request_id,
+                status,
+                actor=actor,
+                platform=platform,
+                reason=reason,
+                require_before_deadline=True,
+                lost_event="press_lost",
+            )
+            return Pressed(None, won, request)
+
+        return await self._write(op)
+
+    @staticmethod
+    def _card_problem(tx: Tx, request_id: str, check: CardCheck) -> str | None:
+        rows = tx.all(
+            "SELECT chat, message_id, whole FROM approval_cards WHERE request_id = ? AND platform = ?",
+            (request_id, check.platform),
+        )
+        if not rows:
+            # Only a press that says where it was is held to a card; the platform may say nothing.
+            located = check.chat is not None or check.message_id is not None
+            return CardProblem.NOT_RECORDED if located else None
+        here = [
+            r
+            for r in rows
+            if (check.chat is None or r[0] == check.chat) and (check.message_id is None or r[1] == check.message_id)
+        ]
+        if not here:
+            return CardProblem.NOT_HERE
+        if check.needs_whole and not all(r[2] for r in here):
+            return CardProblem.CUT
+        return None
+
+    def _finish(
+        self,
+        tx: Tx,
+        request_id: str,
+        status: Status,
+        *,
+        actor: str | None,
+        platform: str | None,
+        reason: str | None,
+        require_before_deadline: bool,
+        lost_event: str | None,
+    ) -> tuple[bool, ApprovalRequest | None]:
         now = self.clock()
         params: tuple[Any, ...] = (status.value, actor, platform, now, reason, request_id)
         sql = _CAS
         if require_before_deadline:
             sql, params = _CAS_BEFORE_DEADLINE, (*params, now)
-        async with self.tables.transaction() as tx:
-            won = await tx.run(sql, params) == 1
-            row = await tx.one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
-            request = None if row is None else _row_to_request(row)
-            args_hash = None if request is None else request.args_hash
-            if won:
-                event = "decided" if status.human else status.value
-                await self._event(tx, request_id, event, actor, platform, args_hash, reason)
-            elif lost_event is not None and request is not None:
-                standing = request.status.value if request.status.final else "pending past its deadline"
-                await self._event(tx, request_id, lost_event, actor, platform, args_hash, f"standing: {standing}")
+        row = tx.one(sql + _RETURNING, params)
+        won = row is not None
+        if not won:
+            row = tx.one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
+        request = None if row is None else _row_to_request(row)
+        if request is None:
+            return False, None
+        if won:
+            event = "decided" if status.human else status.value
+            tx.run(_EVENT, (request_id, event, actor, platform, now, request.args_hash, reason))
+        elif lost_event is not None:
+            standing = request.status.value if request.status.final else "pending past its deadline"
+            tx.run(_EVENT, (request_id, lost_event, actor, platform, now, request.args_hash, f"standing: {standing}"))
         return won, request
 
     async def audit(
@@ -219,24 +345,9 @@ class ApprovalStore:
         platform: str | None = None,
         detail: str | None = None,
     ) -> None:
-        async with self.tables.transaction() as tx:
-            args_hash = None if request_id is None else await self._hash_of(tx, request_id)
-            await self._event(tx, request_id, event, actor, platform, args_hash, detail)
-
-    async def _event(
-        self,
-        tx: Statements,
-        request_id: str | None,
-        event: str,
-        actor: str | None,
-        platform: str | None,
-        args_hash: str | None,
-        detail: str | None,
-    ) -> None:
-        await tx.run(
-            "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (request_id, event, actor, platform, self.clock(), args_hash, detail),
+        at = self.clock()
+        await self._write(
+            lambda tx: tx.run(_EVENT_HASHED, (request_id, event, actor, platform, at, request_id, detail))
         )
 
     async def events(self, request_id: str | None = None, *, event: str | None = None) -> list[AuditEvent]:
@@ -278,60 +389,103 @@ class ApprovalStore:
     async def record_card(
         self, request_id: str, platform: str, chat: str, message_id: str, *, whole: bool = True
     ) -> None:
-        async with self.tables.transaction() as tx:
-            await tx.run(
-                "INSERT OR IGNORE INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (request_id, platform, chat, message_id, self.clock(), int(whole)),
+        now = self.clock()
+        detail = f"{chat}/{message_id}" + ("" if whole else " (not the whole call)")
+
+        def op(tx: Tx) -> None:
+            tx.run(
+                "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                (request_id, platform, chat, message_id, now, int(whole)),
             )
-            await self._event(
-                tx,
-                request_id,
-                "card_posted",
-                None,
-                platform,
-                await self._hash_of(tx, request_id),
-                f"{chat}/{message_id}" + ("" if whole else " (not the whole call)"),
-            )
+            tx.run(_EVENT_HASHED, (request_id, "card_posted", None, platform, now, request_id, detail))
+
+        await self._write(op)
 
     async def cards(self, request_id: str) -> list[PostedCard]:
         rows = await self.tables.all(
-            "SELECT request_id, platform, chat, message_id, posted_at, settled_at, settled_status, whole"
-            " FROM approval_cards WHERE request_id = ? ORDER BY posted_at",
+            f"SELECT {_CARD_COLUMNS} FROM approval_cards WHERE request_id = ? ORDER BY posted_at",  # noqa: S608
             (request_id,),
         )
         return [_card(r) for r in rows]
 
-    async def unsettled_cards(self) -> list[PostedCard]:
-        """Cards of requests that have an outcome but still show buttons."""
+    async def cards_to_settle(self, request_id: str, platform: str) -> list[PostedCard]:
+        """``request_id``'s cards on ``platform`` that still show buttons although it has an outcome."""
         rows = await self.tables.all(
             "SELECT c.request_id, c.platform, c.chat, c.message_id, c.posted_at, c.settled_at, c.settled_status,"
-            " c.whole"
-            " FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
-            " WHERE c.settled_at IS NULL AND r.status != 'pending' ORDER BY r.decided_at"
+            " c.whole FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
+            " WHERE c.request_id = ? AND c.platform = ? AND c.settled_at IS NULL AND r.status != 'pending'"
+            " ORDER BY c.posted_at",
+            (request_id, platform),
         )
         return [_card(r) for r in rows]
 
-    async def mark_card_settled(self, card: PostedCard, status: Status) -> None:
-        async with self.tables.transaction() as tx:
-            settled = (
-                await tx.run(
-                    "UPDATE approval_cards SET settled_at = ?, settled_status = ?"
-                    " WHERE request_id = ? AND platform = ? AND chat = ? AND message_id = ? AND settled_at IS NULL",
-                    (self.clock(), status.value, card.request_id, card.platform, card.chat, card.message_id),
-                )
-                == 1
+    async def unsettled_cards(self, platform: str | None = None, *, due_by: float | None = None) -> list[PostedCard]:
+        """Cards of requests that have an outcome but still show buttons: on ``platform`` (None: every
+        platform), and with ``due_by`` only those whose retry time, if any, has come by then."""
+        clauses = ["c.settled_at IS NULL", "r.status != 'pending'"]
+        params: list[Any] = []
+        if platform is not None:
+            clauses.append("c.platform = ?")
+            params.append(platform)
+        if due_by is not None:
+            clauses.append("(c.retry_at IS NULL OR c.retry_at <= ?)")
+            params.append(due_by)
+        rows = await self.tables.all(
+            "SELECT c.request_id, c.platform, c.chat, c.message_id, c.posted_at, c.settled_at, c.settled_status,"  # noqa: S608
+            " c.whole FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
+            f" WHERE {' AND '.join(clauses)} ORDER BY r.decided_at",
+            params,
+        )
+        return [_card(r) for r in rows]
+
+    async def next_settle_retry(self, platform: str) -> float | None:
+        """When the earliest card edit waiting out a failure on ``platform`` is due again, or None."""
+        row = await self.tables.one(
+            "SELECT MIN(retry_at) FROM approval_cards WHERE settled_at IS NULL AND platform = ?"
+            " AND retry_at IS NOT NULL",
+            (platform,),
+        )
+        return None if row is None or row[0] is None else float(row[0])
+
+    async def settle_failed(self, card: PostedCard, retry_in: float) -> int:
+        """A card edit failed and is tried again in ``retry_in`` seconds; how many times it has failed now."""
+        retry_at = self.clock() + retry_in
+
+        def op(tx: Tx) -> int:
+            row = tx.one(
+                "UPDATE approval_cards SET settle_attempts = settle_attempts + 1, retry_at = ?"
+                " WHERE request_id = ? AND platform = ? AND chat = ? AND message_id = ? RETURNING settle_attempts",
+                (retry_at, card.request_id, card.platform, card.chat, card.message_id),
             )
-            if settled:
-                await self._event(
-                    tx,
-                    card.request_id,
-                    "card_settled",
-                    None,
-                    card.platform,
-                    await self._hash_of(tx, card.request_id),
-                    f"{card.chat}/{card.message_id} -> {status.value}",
+            return 0 if row is None else int(row[0])
+
+        return await self._write(op)
+
+    async def settle_attempts(self, card: PostedCard) -> int:
+        row = await self.tables.one(
+            "SELECT settle_attempts FROM approval_cards WHERE request_id = ? AND platform = ? AND chat = ?"
+            " AND message_id = ?",
+            (card.request_id, card.platform, card.chat, card.message_id),
+        )
+        return 0 if row is None else int(row[0])
+
+    async def mark_card_settled(self, card: PostedCard, status: Status) -> None:
+        now = self.clock()
+        detail = f"{card.chat}/{card.message_id} -> {status.value}"
+
+        def op(tx: Tx) -> None:
+            settled = tx.run(
+                "UPDATE approval_cards SET settled_at = ?, settled_status = ?, retry_at = NULL"
+                " WHERE request_id = ? AND platform = ? AND chat = ? AND message_id = ? AND settled_at IS NULL",
+                (now, status.value, card.request_id, card.platform, card.chat, card.message_id),
+            )
+            if settled == 1:
+                tx.run(
+                    _EVENT_HASHED, (card.request_id, "card_settled", None, card.platform, now, card.request_id, detail)
                 )
+
+        await self._write(op)
 
 
 def _card(row: Iterable[Any]) -> PostedCard:

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiosqlite
 import structlog
 
-from kazma.adapters.bus import FanOutBus, NullBus
+from kazma.adapters.bus import SAFETY_SCAN_SECONDS, FanOutBus, NullBus
 from kazma.adapters.contract import ChatMove, Handlers, Inbound, PlatformAdapter, Press
 from kazma.adapters.kit import DirectPolicy, FileBounds
 from kazma.adapters.outbox import Outbox
@@ -22,9 +22,10 @@ from kazma.approvals.rules import RuleStore
 from kazma.bot.chat_moves import ChatMoves
 from kazma.bot.store import StoreWatch, open_store
 from kazma.config import LoadedConfig, enabled_platforms
-from kazma.config.database import connect
+from kazma.config.database import Tables, connect
 from kazma.config.metrics import count_failure
 from kazma.config.registry import CHAT_PLATFORMS
+from kazma.config.writer import StoreWriter
 from kazma.engine.agent import AgentRunner, agents_from_config
 from kazma.engine.conversation import Conversations, is_question_button
 from kazma.engine.executor import PlanExecutor
@@ -73,6 +74,7 @@ def build_adapters(loaded: LoadedConfig) -> list[PlatformAdapter]:
 class App:
     loaded: LoadedConfig
     connections: list[aiosqlite.Connection]
+    writer: StoreWriter
     service: ApprovalService
     policy: SafetyPolicy
     bus: FanOutBus | NullBus
@@ -216,6 +218,7 @@ class App:
         closer = getattr(self.provider, "aclose", None)
         if closer is not None:
             await closer()
+        await self.writer.close()
         for conn in self.connections:
             await conn.close()
         log.info("app.stopped")
@@ -224,7 +227,7 @@ class App:
 async def build_app(
     loaded: LoadedConfig,
     *,
-    poll_interval: float = 1.0,
+    poll_interval: float = SAFETY_SCAN_SECONDS,
     provider: ModelProvider | None = None,
     adapters: list[PlatformAdapter] | None = None,
     registry: ToolRegistry | None = None,
@@ -240,6 +243,10 @@ async def build_app(
     history_conn = await connect(config.store.path, busy_timeout_ms=config.store.busy_timeout_ms)
     swarm_conn = await connect(config.store.path, busy_timeout_ms=config.store.busy_timeout_ms)
     transcript_conn = await connect(config.store.path, busy_timeout_ms=config.store.busy_timeout_ms)
+    # One writer for the file: approvals and card posts commit together, in groups (kazma.config.writer).
+    writer = StoreWriter(config.store.path, busy_timeout_ms=config.store.busy_timeout_ms)
+    Tables.of(conn).use_writer(writer)
+    Tables.of(outbox_conn).use_writer(writer)
     store = ApprovalStore(conn)
     platform_adapters = build_adapters(loaded) if adapters is None else list(adapters)
     if web is not None:
@@ -339,6 +346,7 @@ async def build_app(
     return App(
         loaded,
         connections,
+        writer,
         service,
         policy,
         bus,

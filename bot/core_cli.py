@@ -73,14 +73,14 @@ def doctor(obj: Context, model_timeout: float, platform_timeout: float) -> None:
         click.echo(f"{check.level.value.upper():<4}  {check.name:<17} {check.detail}")
     failed = [c for c in checks if c.level is Level.FAIL]
     warned = [c for c in checks if c.level is Level.WARN]
-    click.echo(f"{len(failed)} failed, {len(warned)} warnings")
+    click.echo(f"{len(failed)} failed, {len(warned)} {'warning' if len(warned) == 1 else 'warnings'}")
     log.info("doctor.finished", failed=len(failed), warnings=len(warned))
     if failed:
         sys.exit(EXIT_CHECK_FAILED)
 
 
 @click.command()
-@click.option("--poll-interval", type=click.FloatRange(0.05, 60), default=1.0, show_default=True, hidden=True)
+@click.option("--poll-interval", type=click.FloatRange(0.05, 3600), default=120.0, show_default=True, hidden=True)
 @click.pass_obj
 def run(obj: Context, poll_interval: float) -> None:
     """Start every configured platform and serve until SIGINT or SIGTERM."""

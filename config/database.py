@@ -21,12 +21,16 @@ from typing import Any, ClassVar
 import aiosqlite
 import structlog
 
+from kazma.config.writer import StoreWriter
+
 log = structlog.get_logger("kazma.store")
 
 # Only additive changes: a later release must still read an older file and an
 # older release must not trip over a newer one.
+# Dropping an index is allowed too: an index holds no data, and an older release reads the file without it.
 _ADDITIVE = re.compile(
-    r"^\s*(CREATE\s+(TABLE|INDEX|UNIQUE\s+INDEX|VIEW|TRIGGER)\s+IF\s+NOT\s+EXISTS|ALTER\s+TABLE\s+\S+\s+ADD\s+COLUMN)\b",
+    r"^\s*(CREATE\s+(TABLE|INDEX|UNIQUE\s+INDEX|VIEW|TRIGGER)\s+IF\s+NOT\s+EXISTS"
+    r"|ALTER\s+TABLE\s+\S+\s+ADD\s+COLUMN|DROP\s+INDEX\s+IF\s+EXISTS)\b",
     re.IGNORECASE,
 )
 
@@ -46,8 +50,8 @@ class Migration:
             if not _ADDITIVE.match(statement):
                 first = statement.strip().splitlines()[0] if statement.strip() else "(empty)"
                 raise MigrationError(
-                    f"{self.component} v{self.version}: only CREATE ... IF NOT EXISTS and "
-                    f"ALTER TABLE ... ADD COLUMN are allowed, got: {first}"
+                    f"{self.component} v{self.version}: only CREATE ... IF NOT EXISTS, "
+                    f"ALTER TABLE ... ADD COLUMN and DROP INDEX IF EXISTS are allowed, got: {first}"
                 )
 
 
@@ -164,13 +168,15 @@ class Statements:
     def __init__(self, conn: aiosqlite.Connection) -> None:
         self.conn = conn
 
+    # Reads run and finish in the connection's thread in one call: a cursor left open by a caller
+    # cancelled mid-read would pin an old snapshot, and this connection would stop seeing the
+    # writer's commits.
     async def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
-        async with self.conn.execute(sql, tuple(params)) as cursor:
-            return await cursor.fetchone()
+        rows = list(await self.conn.execute_fetchall(sql, tuple(params)))
+        return rows[0] if rows else None
 
     async def all(self, sql: str, params: Iterable[Any] = ()) -> list[Any]:
-        async with self.conn.execute(sql, tuple(params)) as cursor:
-            return list(await cursor.fetchall())
+        return list(await self.conn.execute_fetchall(sql, tuple(params)))
 
     async def run(self, sql: str, params: Iterable[Any] = ()) -> int:
         """One statement; the number of rows it changed."""
@@ -198,6 +204,20 @@ class Tables:
         self.conn = conn
         self._lock = asyncio.Lock()
         self._statements = Statements(conn)
+        self._writer: StoreWriter | None = None
+
+    def use_writer(self, writer: StoreWriter) -> None:
+        """Group this connection's writes with others': one writer per store file is the point."""
+        self._writer = writer
+
+    async def writer(self) -> StoreWriter:
+        """The group-committing writer for this connection's file (one is made on first use)."""
+        if self._writer is None:
+            rows = await self.all("PRAGMA database_list")
+            path = next((str(row[2]) for row in rows if row[1] == "main"), "")
+            if self._writer is None:  # another caller may have made it while this one read the path
+                self._writer = StoreWriter(path or ":memory:")
+        return self._writer
 
     @classmethod
     def of(cls, conn: aiosqlite.Connection) -> Tables:
@@ -207,11 +227,17 @@ class Tables:
             tables = cls._shared[conn] = cls(conn)
         return tables
 
+    # A read waits for the writes this process submitted before it: whoever wrote and then reads, or
+    # reads what another task just wrote, sees it — as when both went through one connection.
     async def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        if self._writer is not None:
+            await self._writer.caught_up()
         async with self._lock:
             return await self._statements.one(sql, params)
 
     async def all(self, sql: str, params: Iterable[Any] = ()) -> list[Any]:
+        if self._writer is not None:
+            await self._writer.caught_up()
         async with self._lock:
             return await self._statements.all(sql, params)
 

@@ -153,7 +153,7 @@ def test_doctor_unreachable_model_and_unwritable_store(tmp_path: Path) -> None:
     assert "FAIL  store" in result.stdout
     assert "FAIL  model" in result.stdout
     assert "unreachable" in result.stdout
-    assert result.stdout.strip().endswith("2 failed, 1 warnings")  # and nobody can decide in the console
+    assert result.stdout.strip().endswith("2 failed, 1 warning")  # and nobody can decide in the console
 
 
 def test_doctor_warns_when_a_platform_has_no_approvers(tmp_path: Path, model_server: str) -> None:

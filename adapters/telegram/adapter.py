@@ -66,6 +66,7 @@ CAPTION_LIMIT: Final = 1024  # a document's caption, in UTF-16 units after parsi
 # and getUpdates is never limited by PTB. A chat action posts nothing: it must not spend the group's 20
 # messages a minute (the kit already shows it at most once per few seconds per chat).
 _PACED_ENDPOINTS: Final = frozenset({"sendMessage", "editMessageText", "sendDocument", "sendPhoto"})
+_URGENT_ENDPOINTS: Final = frozenset({"editMessageText"})
 
 log = structlog.get_logger("kazma.adapters.telegram")
 
@@ -110,6 +111,7 @@ class _KazmaPacing(BaseRateLimiter[None]):
             lambda: callback(*args, **kwargs),
             retry_after_of=_retry_after_of,
             on_rate_limited=lambda wait, attempt: self.on_rate_limited(str(chat), wait, attempt),
+            urgent=endpoint in _URGENT_ENDPOINTS,  # Kazma edits only cards, which people wait to see settle
         )
 
 
