@@ -22,8 +22,11 @@ from kazma.approvals.honesty import reveal
 from kazma.approvals.model import ApprovalRequest, Outcome, Status
 from kazma.approvals.rules import Rule
 from kazma.approvals.store import AuditEvent, PostedCard
+from kazma.bot.console.charts import CHART_STYLE
+from kazma.bot.console.dashboard_charts import charts_html
+from kazma.bot.console.dashboard_data import DashboardData
 from kazma.bot.console.swarm_views import handoff_chain, worker_numbers
-from kazma.engine.swarm.state_store import WorkerDay
+from kazma.bot.console.times import when, when_html
 from kazma.engine.swarm.store import TaskRecord
 from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.transcript import Entry, Summary
@@ -122,24 +125,6 @@ def e(value: object) -> str:
     return html.escape("" if value is None else str(value), quote=True)
 
 
-def when(value: datetime | float | None) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, float | int):
-        value = datetime.fromtimestamp(value, UTC)
-    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def when_html(value: datetime | float | None) -> str:
-    """A time as ``<time>``: UTC on the server, rewritten by the page's script into the viewer's own zone, in the
-    one format every page uses."""
-    if value is None:
-        return "—"
-    if isinstance(value, float | int):
-        value = datetime.fromtimestamp(value, UTC)
-    return f'<time datetime="{e(value.astimezone(UTC).isoformat())}">{e(when(value))}</time>'
-
-
 def agent_class(author: str) -> str:
     """A stable colour class per agent (``a0``…``a7``); people are drawn quietly."""
     if not author.startswith("agent:"):
@@ -163,7 +148,6 @@ def layout(
     viewer: Viewer | None = None,
     flash: Sequence[str] = (),
     live: bool = False,
-    refresh: int | None = None,
 ) -> str:
     nav = ""
     meta = ""
@@ -184,14 +168,12 @@ def layout(
         for line in flash
     )
     script = '<script src="/static/console.js" defer></script>' if live else ""
-    if refresh is not None:  # the dashboard follows the swarm by reloading; no script needed
-        meta += f'<meta http-equiv="refresh" content="{int(refresh)}">'
 
     return (
         "<!doctype html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{e(title)} · Kazma</title>{meta}<style>{_STYLE}</style>{script}</head>"
+        f"<title>{e(title)} · Kazma</title>{meta}<style>{_STYLE}{CHART_STYLE}</style>{script}</head>"
         f"<body><header><strong>Kazma</strong>{nav}</header><main>{flashes}{body}</main></body></html>\n"
     )
 
@@ -463,19 +445,28 @@ def _task_actions(viewer: Viewer, task: TaskRecord) -> str:
     return " ".join(form(f"{base}/{action}", viewer, {}, label) for action, label in actions)
 
 
-def dashboard_page(
-    viewer: Viewer,
-    tasks: Sequence[TaskRecord],
-    worker_lines: Sequence[str],
-    approvals: Sequence[ApprovalRequest],
-    counts: Mapping[str, int],
-    *,
-    flash: Sequence[str] = (),
-    worker_days: Sequence[WorkerDay] = (),
-    rules: Sequence[Rule] = (),
-) -> str:
+def dashboard_page(viewer: Viewer, data: DashboardData, *, flash: Sequence[str] = ()) -> str:
+    """The swarm dashboard: the command form, then :func:`dashboard_html`, which the event stream replaces live."""
+    command = ""
+    if viewer.is_operator:
+        # outside the live part: a fresh fragment must never wipe what an operator is typing
+        command = (
+            "<h2>Start work</h2>"
+            '<form method="post" action="/swarm/command">'
+            f'<input type="hidden" name="csrf" value="{e(viewer.csrf)}">'
+            '<p>/swarm <input name="text" size="80" maxlength="8000" required'
+            ' placeholder="dispatch researcher find the flaky test"></p>'
+            '<p><button type="submit">Run</button></p></form>'
+        )
+    body = f'<h1>Swarm <small id="live" class="meta"></small></h1>{command}{dashboard_html(viewer, data)}'
+    return layout("Swarm", body, viewer=viewer, flash=flash, live=True)
+
+
+def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
+    """Everything on the dashboard that follows the swarm: one ``<div id="dashboard">``, rendered for ``viewer``
+    (its forms carry the viewer's CSRF token), sent again over the event stream whenever what it shows changes."""
     task_rows = []
-    for t in tasks:
+    for t in data.tasks:
         workers = t.request.get("resolved") or t.request.get("workers") or []
         output = (t.result or {}).get("output", "")
         tokens = (t.result or {}).get("tokens") or {}
@@ -487,36 +478,28 @@ def dashboard_page(
             f"<td>{e(_excerpt(output)) if output else ''}</td><td>{e(used)}</td><td>{e(t.error or '')}</td>"
             f"<td>{_task_actions(viewer, t)}</td></tr>"
         )
-    summary = ", ".join(f"{n} {e(s)}" for s, n in counts.items() if n) or "no tasks"
+    summary = ", ".join(f"{n} {e(s)}" for s, n in data.counts.items() if n) or "no tasks"
     approval_rows = "".join(
         f'<tr><td><a href="{e(approval_href(a.id))}">{e(a.id)}</a></td><td>{e(a.tool)}</td>'
         f"<td>{e(a.status.value)}</td><td>{e(a.requested_by)}</td><td>{when_html(a.created_at)}</td>"
         f"<td>{e(a.decided_by or '')}</td></tr>"
-        for a in approvals
+        for a in data.approvals
     )
-    command = ""
-    if viewer.is_operator:
-        command = (
-            "<h2>Start work</h2>"
-            '<form method="post" action="/swarm/command">'
-            f'<input type="hidden" name="csrf" value="{e(viewer.csrf)}">'
-            '<p>/swarm <input name="text" size="80" maxlength="8000" required'
-            ' placeholder="dispatch researcher find the flaky test"></p>'
-            '<p><button type="submit">Run</button></p></form>'
-        )
-    workers = "".join(f"<li>{e(line)}</li>" for line in worker_lines) or "<li>no workers configured</li>"
-    body = (
-        f"<h1>Swarm</h1><p>{summary}</p>{command}"
+    workers = "".join(f"<li>{e(line)}</li>" for line in data.worker_lines) or "<li>no workers configured</li>"
+    taken = f" · as of {when_html(data.taken_at)}" if data.taken_at else ""
+    return (
+        f'<div id="dashboard" data-version="{data.version}">'
+        f'<p class="summary">{summary}<span class="meta">{taken}</span></p>'
+        f"{charts_html(data)}"
         "<h2>Tasks</h2><table><tr><th>id</th><th>status</th><th>pattern</th><th>workers</th><th>step</th>"
         "<th>created</th><th>finished</th><th>result</th><th>tokens (prompt + completion)</th><th>error</th>"
         "<th></th></tr>"
         f"{''.join(task_rows)}</table>"
-        f"<h2>Workers</h2><ul>{workers}</ul>{worker_numbers(worker_days)}"
+        f"<h2>Workers</h2><ul>{workers}</ul>{worker_numbers(data.worker_days)}"
         "<h2>Recent approvals</h2><table><tr><th>id</th><th>tool</th><th>status</th><th>requested by</th>"
         f"<th>when</th><th>decided by</th></tr>{approval_rows}</table>"
-        f"{rules_section(viewer, rules)}"
+        f"{rules_section(viewer, data.rules)}</div>"
     )
-    return layout("Swarm", body, viewer=viewer, flash=flash, refresh=5)
 
 
 def rules_section(viewer: Viewer, rules: Sequence[Rule]) -> str:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,14 @@ from kazma.bot.console.auth import (
     reader_token_path,
     safe_next,
 )
+from kazma.bot.console.dashboard_data import DashboardData, DashboardQueries
+from kazma.bot.console.feed import ChangeFeed
 from kazma.bot.console.pages import (
     approval_href,
     approval_page,
     console_page,
     conversations_page,
+    dashboard_html,
     dashboard_page,
     entry_html,
     message_html,
@@ -108,6 +112,7 @@ class WebServer:
         reader_token: str | None = None,
         heartbeat: float = 15.0,
         shutdown_timeout: float = 2.0,
+        dashboard_interval: float = 1.0,
     ) -> None:
         self.app = app
         self.web = web_adapter
@@ -122,6 +127,8 @@ class WebServer:
         self._closing = asyncio.Event()
         self._generated: Tokens | None = None
         self.auth: WebAuth | None = None
+        self.dashboard_interval = dashboard_interval
+        self.feed: ChangeFeed[DashboardData] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -182,6 +189,7 @@ class WebServer:
             raise
         self._runner = runner
         self._generated = tokens if tokens.generated else None
+        self._follow_changes()
         log.info("web.started", url=self.url, tokens_generated=list(tokens.generated))
 
     def first_start_message(self, *, show_tokens: bool = True) -> str | None:
@@ -209,8 +217,28 @@ class WebServer:
         lines.append("  These are shown once. Log in at /login with a name and one of them.")
         return "\n".join(lines)
 
+    def _follow_changes(self) -> None:
+        """One feed for every open dashboard, woken by what this process does (see :mod:`~kazma.bot.console.feed`)."""
+        feed = ChangeFeed(self._dashboard_data, min_interval=self.dashboard_interval)
+        feed.watch(self.web.subscribe(), lambda event: isinstance(event, dict) and event.get("type") != "working")
+        feed.watch(self.app.transcript.follow(), lambda item: not isinstance(item, Working))
+        self.app.swarm.listeners.append(feed.touch)
+        self.app.conversations.listeners.append(feed.touch)
+        self.feed = feed
+
+    async def _forget_changes(self) -> None:
+        feed, self.feed = self.feed, None
+        if feed is None:
+            return
+        with contextlib.suppress(ValueError):
+            self.app.swarm.listeners.remove(feed.touch)
+        with contextlib.suppress(ValueError):
+            self.app.conversations.listeners.remove(feed.touch)
+        await feed.close()
+
     async def stop(self) -> None:
         self._closing.set()  # event streams end now rather than waiting out the shutdown timeout
+        await self._forget_changes()
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
@@ -310,7 +338,16 @@ class WebServer:
                                      "html": entry_html(item), "direct": item.direct, "platform": item.platform,
                                      "chat": item.chat})  # fmt: skip
 
+        async def pump_dashboard(feed: ChangeFeed[DashboardData], since: int) -> None:
+            async for data in feed.follow(since=since):
+                await queue.put({"type": "dashboard", "version": data.version, "html": dashboard_html(session, data)})
+
         pumps = [asyncio.create_task(pump_console()), asyncio.create_task(pump_transcript())]
+        since = request.query.get("dashboard")
+        if since is not None and self.feed is not None:
+            # a dashboard page: it says which version it shows, so a change it missed is sent at once
+            version = int(since) if since.isdecimal() else -1
+            pumps.append(asyncio.create_task(pump_dashboard(self.feed, version)))
         closing = asyncio.create_task(self._closing.wait())
         try:
             # one loop turn lets the subscriptions register, so nothing said after "ready" can be missed
@@ -404,23 +441,31 @@ class WebServer:
         approval = request.query.get("approval")
         if approval is not None:
             return await self._approval(session, approval)
+        # a page is always read fresh (after a form's redirect it must show what the form did)
+        return html_response(dashboard_page(session, await self._dashboard_data(), flash=session.take_flash()))
+
+    async def _dashboard_data(self) -> DashboardData:
+        version = self.feed.version if self.feed is not None else 0  # read first: a change during the load is newer
         store = self.app.swarm.store
         tasks = await store.list(limit=50)
         counts = {status.value: await store.count(status) for status in TaskStatus}
         approvals = await self.app.service.store.requests(limit=20)
         state = self.app.swarm.state
         days = await state.worker_days(7) if state is not None else []
-        page = dashboard_page(
-            session,
+        hours, waits, steps = await DashboardQueries(self.app.service.store.conn).charts()
+        return DashboardData(
             tasks,
             self.app.swarm.worker_lines(),
             approvals,
             counts,
-            flash=session.take_flash(),
             worker_days=days,
             rules=await self.app.service.rules.list() if self.app.service.rules is not None else (),
+            hours=hours,
+            waits=waits,
+            plan_steps=steps,
+            taken_at=time.time(),
+            version=version,
         )
-        return html_response(page)
 
     async def _approval(self, session: Session, request_id: str) -> web.Response:
         store = self.app.service.store

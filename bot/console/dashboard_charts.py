@@ -1,0 +1,107 @@
+"""The dashboard's four charts, from one :class:`~kazma.bot.console.dashboard_data.DashboardData` snapshot."""
+
+from __future__ import annotations
+
+from kazma.bot.console.charts import Bar, Chart, Series, bars, columns
+from kazma.bot.console.dashboard_data import (
+    OUTCOMES,
+    DashboardData,
+    latency_histogram,
+    percentile,
+    tokens_per_worker,
+)
+from kazma.bot.console.times import when
+
+
+def duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def approvals_chart(data: DashboardData) -> str:
+    series = [Series(key, label) for key, label in OUTCOMES]
+    columns_ = [Bar(when(h.start), h.counts, at=h.start) for h in data.hours]
+    totals = {key: sum(h.counts.get(key, 0) for h in data.hours) for key, _ in OUTCOMES}
+    decided = sum(totals.values())
+    summary = (
+        f"{decided} approval requests got an outcome in the last 24 hours: "
+        + ", ".join(f"{totals[key]} {label}" for key, label in OUTCOMES)
+        + ". One column per hour, oldest on the left."
+        if decided
+        else "No approval request got an outcome in the last 24 hours."
+    )
+    chart = Chart("chart-approvals", "Approvals per hour by outcome", summary, series, columns_, unit="per hour")
+    last = len(columns_) - 1
+    return columns(chart, axis_labels={0: "24 h ago", last // 2: "12 h ago", last: "now"} if columns_ else None)
+
+
+def latency_chart(data: DashboardData) -> str:
+    waits = data.waits
+    histogram = latency_histogram(waits)
+    summary = (
+        f"{len(waits)} human decisions in the last 24 hours; from the card to the deciding press: "
+        f"median {duration(percentile(waits, 50))}, 95th percentile {duration(percentile(waits, 95))}."
+        if waits
+        else "No approval was decided by a person in the last 24 hours."
+    )
+    chart = Chart(
+        "chart-latency",
+        "Press → decision: how long calls waited for a person",
+        summary,
+        [Series("count", "decisions")],
+        [Bar(label, {"count": n}) for label, n in histogram],
+        unit="decisions",
+    )
+    return bars(chart)
+
+
+def tasks_chart(data: DashboardData) -> str:
+    statuses = [
+        s for s in dict.fromkeys([*data.counts, *data.plan_steps]) if data.counts.get(s) or data.plan_steps.get(s)
+    ]
+    swarm, steps = sum(data.counts.values()), sum(data.plan_steps.values())
+    summary = (
+        f"{swarm} swarm tasks and {steps} plan steps: "
+        + ", ".join(f"{s} {data.counts.get(s, 0)} + {data.plan_steps.get(s, 0)}" for s in statuses)
+        + " (swarm + plan)."
+        if statuses
+        else "No swarm task or plan step yet."
+    )
+    chart = Chart(
+        "chart-tasks",
+        "Tasks by status",
+        summary,
+        [Series("swarm", "swarm tasks"), Series("plan", "plan steps")],
+        [Bar(s, {"swarm": data.counts.get(s, 0), "plan": data.plan_steps.get(s, 0)}) for s in statuses],
+        unit="tasks",
+    )
+    return bars(chart)
+
+
+def tokens_chart(data: DashboardData) -> str:
+    rows = tokens_per_worker(data.worker_days)
+    summary = (
+        "Tokens used by each worker in the last 7 days (prompt + completion): "
+        + ", ".join(f"{w} {p:,} + {c:,}" for w, p, c in rows)
+        + "."
+        if rows
+        else "No worker call recorded in the last 7 days."
+    )
+    chart = Chart(
+        "chart-tokens",
+        "Tokens per worker (7 days)",
+        summary,
+        [Series("prompt", "prompt"), Series("completion", "completion")],
+        [Bar(w, {"prompt": p, "completion": c}) for w, p, c in rows],
+        unit="tokens",
+    )
+    return bars(chart)
+
+
+def charts_html(data: DashboardData) -> str:
+    return (
+        f'<div class="charts">{approvals_chart(data)}{latency_chart(data)}{tasks_chart(data)}{tokens_chart(data)}</div>'
+    )
