@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import math
 import re
 import xml.etree.ElementTree as ET
 from datetime import UTC, datetime
+
+from prometheus_client import Histogram
 
 from kazma.bot.console.charts import Bar, Chart, Series, bars, columns
 from kazma.bot.console.dashboard_charts import approvals_chart, charts_html, latency_chart, tasks_chart, tokens_chart
 from kazma.bot.console.dashboard_data import (
     HOUR,
+    PRESS_EDGES,
     DashboardData,
+    Latencies,
     bucket_hours,
-    latency_histogram,
+    latencies_of,
     percentile,
     tokens_per_worker,
 )
@@ -62,8 +67,8 @@ def test_bars_are_stacked_left_to_right_and_proportional() -> None:
     )
     drawn = rects(bars(chart))
     widths = [float(r["width"]) for r in drawn]
-    assert widths == [75.0, 225.0, 150.0]  # the bar area is 300 units; the peak (40) fills it
-    assert float(drawn[1]["x"]) == float(drawn[0]["x"]) + 75.0  # completion starts where prompt ends
+    assert widths == [47.5, 142.5, 95.0]  # the bar area is 190 units; the peak (40) fills it
+    assert float(drawn[1]["x"]) == float(drawn[0]["x"]) + 47.5  # completion starts where prompt ends
     assert len({r["y"] for r in drawn}) == 2  # one row per worker
 
 
@@ -115,14 +120,20 @@ def test_hours_percentiles_histogram_and_tokens() -> None:
     assert percentile([5, 1, 4, 2, 3], 50) == 3
     assert percentile([float(i) for i in range(1, 101)], 95) == 95
     assert percentile([], 95) == 0.0
-    assert dict(latency_histogram([1, 9, 30, 400, 7200])) == {
-        "< 10 s": 2,
-        "10 s – 1 min": 1,
-        "1 – 5 min": 0,
-        "5 – 15 min": 1,
-        "15 – 60 min": 0,
-        "≥ 1 h": 1,
-    }
+    histogram = Histogram("test_press_seconds", "a test", buckets=(0.01, 0.05, 1.0, 10.0), registry=None)
+    for seconds in (0.002, 0.003, 0.03, 0.5, 20.0):
+        histogram.observe(seconds)
+    latencies = latencies_of(histogram, (0.01, 1.0, math.inf))
+    assert latencies.counts == (2, 2, 1)  # regrouped from the metric's finer buckets, not cumulative
+    assert latencies.total == 5
+    assert latencies.percentile(50) == 1.0  # the 3rd of 5 is in the (0.01, 1] bucket
+    assert latencies.percentile(95) == math.inf
+    assert (
+        latencies_of(Histogram("test_none_seconds", "none", buckets=(1.0,), registry=None), (1.0, math.inf)).percentile(
+            50
+        )
+        is None
+    )
     days = [WorkerDay("a", "2026-12-01", 1, 0, 1.0, 10, 5, 0.0), WorkerDay("b", "2026-12-01", 1, 0, 1.0, 100, 1, 0.0),
             WorkerDay("a", "2026-11-30", 1, 0, 1.0, 10, 5, 0.0)]  # fmt: skip
     assert tokens_per_worker(days) == [("b", 100, 1), ("a", 20, 10)]
@@ -139,13 +150,20 @@ def test_the_dashboard_charts_name_their_numbers() -> None:
         hours=bucket_hours([("approved", now), ("approved", now), ("denied", now), ("timeout", now)], now),
         waits=[4.0, 20.0, 90.0],
         plan_steps={"done": 3, "in_progress": 1},
+        press=Latencies(PRESS_EDGES, (0, 3, 1, 0, 0, 0, 0, 0, 0, 0)),
     )
     assert "4 approval requests got an outcome in the last 24 hours: 2 approved, 1 denied, 1 expired, 0 cancelled" in (
         approvals_chart(data)
     )
     assert len(rects(approvals_chart(data))) == 3  # one column, three outcomes
-    assert "3 human decisions in the last 24 hours" in latency_chart(data)
-    assert "median 20 s, 95th percentile 1.5 min" in latency_chart(data)
+    latency = latency_chart(data)
+    assert "4 presses decided since Kazma started" in latency
+    assert "median at most 50 ms, 95th percentile at most 100 ms" in latency
+    assert [float(r["width"]) for r in rects(latency)] == [190.0, 63.33]  # 3 and 1 presses: ≤ 50 ms, ≤ 100 ms
+    assert (
+        "Calls waited for a person (opened → deciding press, 24 h): 3 decisions, median 20 s, 95th percentile 1.5 min"
+        in latency
+    )
     tasks = tasks_chart(data)
     assert "3 swarm tasks and 4 plan steps" in tasks
     assert [r["data-series"] for r in rects(tasks)] == ["swarm", "swarm", "plan", "plan"]  # failed: 0 + 0, not drawn

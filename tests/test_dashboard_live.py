@@ -10,7 +10,6 @@ from pathlib import Path
 
 import aiohttp
 
-from kazma.approvals.model import Decision
 from kazma.bot.console.feed import ChangeFeed
 from tests.test_web_server import OPERATOR, READER, assert_security_headers, console
 
@@ -70,7 +69,7 @@ async def _ready(events: aiohttp.ClientResponse) -> None:
 
 async def test_a_decision_reaches_an_open_dashboard_over_the_event_stream(tmp_path: Path) -> None:
     async with console(tmp_path) as con, con.client() as op, con.client() as rd:
-        await con.login(op, "alice", OPERATOR)
+        csrf = await con.login(op, "alice", OPERATOR)
         await con.login(rd, "rita", READER)
         request = await con.open_approval({"command": "ls"})
         page = await (await rd.get(f"{con.base}/swarm")).text()
@@ -82,13 +81,16 @@ async def test_a_decision_reaches_an_open_dashboard_over_the_event_stream(tmp_pa
         assert_security_headers(events)
         await _ready(events)
 
-        result = await con.app.service.decide(request.id, Decision.APPROVE, actor="web:alice", platform="web")
-        assert result.message == "Approved. Recorded as web:alice."
+        pressed = await op.post(
+            f"{con.base}/approvals/{request.id}/decide", data={"csrf": csrf, "decision": "approve"}
+        )  # a press in another browser
+        assert "Approved. Recorded as web:alice." in await pressed.text()
         pushed = await _dashboard_event(events, "1 approved")
         fragment = str(pushed["html"])
         assert fragment.startswith('<div id="dashboard"')
         assert "1 approval requests got an outcome in the last 24 hours: 1 approved, 0 denied" in fragment
-        assert "1 human decisions in the last 24 hours" in fragment
+        assert "Calls waited for a person (opened → deciding press, 24 h): 1 decisions" in fragment
+        assert "presses decided since Kazma started; from a press reaching Kazma to its decision" in fragment
         assert "<td>approved</td><td>agent:builder</td>" in fragment  # the recent approvals table too
         assert "/decide" not in fragment  # rendered for a reader: no forms
         assert "/revoke" not in fragment

@@ -19,14 +19,15 @@ from datetime import datetime
 from kazma.bot.console.times import when_html
 
 # Drawing area in SVG user units; the SVG scales to its box (width 100%).
-WIDTH = 480
+WIDTH = 320
 PLOT_HEIGHT = 120
 BAR_HEIGHT = 16
 BAR_GAP = 6
-LABEL_WIDTH = 120
+LABEL_WIDTH = 90
 AXIS = 18  # room for the axis labels under the columns
 
 CHART_STYLE = """
+figure.chart { margin: 0; }
 .chart svg text { fill: currentColor; font-size: 11px; }
 .chart .axis { stroke: var(--line); }
 .chart .k-approved { fill: var(--approve); } .chart .k-denied { fill: var(--deny); }
@@ -182,7 +183,7 @@ def bars(chart: Chart) -> str:
     peak = chart.peak
     if not chart.bars or peak <= 0:
         return _empty(chart)
-    room = WIDTH - LABEL_WIDTH - 60  # the bar area, with space after it for the total
+    room = WIDTH - LABEL_WIDTH - 40  # the bar area, with space after it for the total
     parts = []
     for i, bar in enumerate(chart.bars):
         y = i * (BAR_HEIGHT + BAR_GAP)
@@ -205,5 +206,5 @@ def bars(chart: Chart) -> str:
     return _frame(chart, WIDTH, height, "".join(parts))
 
 
-def _short(label: str, limit: int = 18) -> str:
+def _short(label: str, limit: int = 14) -> str:
     return label if len(label) <= limit else label[: limit - 1] + "…"

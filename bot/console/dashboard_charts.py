@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kazma.bot.console.charts import Bar, Chart, Series, bars, columns
 from kazma.bot.console.dashboard_data import (
     OUTCOMES,
+    PRESS_EDGES,
     DashboardData,
-    latency_histogram,
+    Latencies,
     percentile,
     tokens_per_worker,
 )
@@ -39,23 +42,40 @@ def approvals_chart(data: DashboardData) -> str:
 
 
 def latency_chart(data: DashboardData) -> str:
-    waits = data.waits
-    histogram = latency_histogram(waits)
+    press = data.press or Latencies(PRESS_EDGES, (0,) * len(PRESS_EDGES))
+    p50, p95 = press.percentile(50), press.percentile(95)
     summary = (
-        f"{len(waits)} human decisions in the last 24 hours; from the card to the deciding press: "
-        f"median {duration(percentile(waits, 50))}, 95th percentile {duration(percentile(waits, 95))}."
-        if waits
-        else "No approval was decided by a person in the last 24 hours."
+        f"{press.total} presses decided since Kazma started; from a press reaching Kazma to its decision being "
+        f"stored: median at most {edge_label(p50)}, 95th percentile at most {edge_label(p95)}."
+        if p50 is not None and p95 is not None
+        else "No press has been decided since Kazma started."
     )
+    notes = [f"Calls waited for a person (opened → deciding press, 24 h): {wait_summary(data.waits)}."]
+    lower = (0.0, *press.edges[:-1])
     chart = Chart(
         "chart-latency",
-        "Press → decision: how long calls waited for a person",
+        "Press → decision latency",
         summary,
-        [Series("count", "decisions")],
-        [Bar(label, {"count": n}) for label, n in histogram],
-        unit="decisions",
+        [Series("count", "presses")],
+        [
+            Bar(f"≤ {edge_label(edge)}" if edge != float("inf") else f"> {edge_label(low)}", {"count": n})
+            for low, edge, n in zip(lower, press.edges, press.counts, strict=True)
+        ],
+        unit="presses",
+        notes=notes if data.waits else (),
     )
     return bars(chart)
+
+
+def edge_label(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:g} s"
+
+
+def wait_summary(waits: Sequence[float]) -> str:
+    median, p95 = duration(percentile(waits, 50)), duration(percentile(waits, 95))
+    return f"{len(waits)} decisions, median {median}, 95th percentile {p95}"
 
 
 def tasks_chart(data: DashboardData) -> str:

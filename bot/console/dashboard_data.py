@@ -1,13 +1,14 @@
 """What the dashboard shows, read in one go, and the numbers its charts draw.
 
-Everything is read through the stores' public methods, plus three small read-only queries of its own over
+Everything is read through the stores' public methods, plus small read-only queries of its own over
 ``Tables.of(conn)`` (approvals per hour by outcome, time to decide, plan steps by status). They are plain SQL
 that ports to PostgreSQL (no SQLite functions: hours are bucketed here, in Python) and they never write.
 
-Kazma stamps no separate "press" time: the compare-and-set runs when the button is pressed, so a request's
-``decided_at`` (the same moment as its ``decided`` audit row) *is* the press that decided it. Press → decision
-latency is therefore measured from the moment the request was opened (its card shown, the ``opened`` audit row)
-to the deciding press: how long a call waited for a person.
+Press → decision latency is not in the approvals audit: the compare-and-set runs at the press, so a request's
+``decided_at`` (its ``decided`` audit row) is the one time stored. Kazma measures it where it happens, in the
+``kazma_press_to_decision_seconds`` histogram (a press reaching Kazma → its decision stored, every platform's
+buttons and the console's own); the chart reads that histogram, so it covers this process since it started.
+How long calls waited for a person (opened → the deciding press) comes from the store and covers 24 hours.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import aiosqlite
+from prometheus_client import Histogram
 
 from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.rules import Rule
 from kazma.config.database import Tables
+from kazma.config.metrics import PRESS_TO_DECISION
 from kazma.engine.swarm.state_store import WorkerDay
 from kazma.engine.swarm.store import TaskRecord
 
@@ -31,15 +34,46 @@ HOURS = 24
 HOUR = 3600.0
 # The outcomes a chart of decisions shows, in stacking order, with the word people read.
 OUTCOMES = (("approved", "approved"), ("denied", "denied"), ("timeout", "expired"), ("cancelled", "cancelled"))
-# Time-to-decide buckets: (upper bound in seconds, label).
-LATENCY_BUCKETS = (
-    (10.0, "< 10 s"),
-    (60.0, "10 s – 1 min"),
-    (300.0, "1 – 5 min"),
-    (900.0, "5 – 15 min"),
-    (3600.0, "15 – 60 min"),
-    (math.inf, "≥ 1 h"),
-)
+# Press → decision buckets drawn: edges of the metric's own buckets, so regrouping its counts is exact.
+PRESS_EDGES = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0, math.inf)
+
+
+@dataclass(frozen=True)
+class Latencies:
+    """A latency histogram: how many observations fell at or under each edge (not cumulative), and the total."""
+
+    edges: tuple[float, ...]
+    counts: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def percentile(self, q: float) -> float | None:
+        """The edge of the bucket holding the ``q``-th percentile (an upper bound); None without observations."""
+        if not self.total:
+            return None
+        rank, seen = max(1, math.ceil(q / 100.0 * self.total)), 0
+        for edge, count in zip(self.edges, self.counts, strict=True):
+            seen += count
+            if seen >= rank:
+                return edge
+        return self.edges[-1]
+
+
+def latencies_of(histogram: Histogram, edges: tuple[float, ...] = PRESS_EDGES) -> Latencies:
+    """A Prometheus histogram's observations, regrouped under ``edges`` (each must be one of its bucket bounds)."""
+    cumulative: dict[float, float] = {}
+    for metric in histogram.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_bucket"):
+                cumulative[float(sample.labels["le"])] = sample.value
+    below = [int(cumulative.get(edge, 0)) for edge in edges]
+    return Latencies(edges, tuple(b - a for a, b in zip([0, *below[:-1]], below, strict=True)))
+
+
+def press_latencies() -> Latencies:
+    return latencies_of(PRESS_TO_DECISION)
 
 
 @dataclass(frozen=True)
@@ -61,6 +95,7 @@ class DashboardData:
     hours: Sequence[HourOutcomes] = ()
     waits: Sequence[float] = ()  # seconds from open to the deciding press, human decisions of the last 24 h
     plan_steps: dict[str, int] = field(default_factory=dict)
+    press: Latencies | None = None  # press → decision stored, this process since it started
     taken_at: float = 0.0
     version: int = 0  # the change feed's version this snapshot reflects (the page hands it to the event stream)
 
@@ -87,13 +122,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     rank = max(1, math.ceil(q / 100.0 * len(ordered)))
     return ordered[rank - 1]
-
-
-def latency_histogram(waits: Sequence[float]) -> list[tuple[str, int]]:
-    counts = [0] * len(LATENCY_BUCKETS)
-    for wait in waits:
-        counts[next(i for i, (bound, _) in enumerate(LATENCY_BUCKETS) if wait < bound)] += 1
-    return [(label, counts[i]) for i, (_, label) in enumerate(LATENCY_BUCKETS)]
 
 
 def tokens_per_worker(days: Sequence[WorkerDay]) -> list[tuple[str, int, int]]:

@@ -1,9 +1,9 @@
 """The live dashboard: one snapshot per change, shared by every open dashboard, at most one push a second each.
 
 Nothing polls. Whatever the dashboard shows changes only through something this process notices: an approval
-card posted or settled (the console is one of the bus's platforms, so its adapter sees every card and every
-outcome), a message in any conversation (plan dispatches and step results are messages), an executor action,
-a swarm task's report or a worker call's tokens (the swarm service's listeners). Each such signal bumps a version
+opened, ended or a remembered one revoked (the approval service's listeners), a console card posted or settled,
+a message in any conversation (plan dispatches and step results are messages), an executor action, a swarm
+task's report or a worker call's tokens (the swarm service's listeners). Each such signal bumps a version
 and wakes the followers. A follower waits out the rest of its one-second window (changes meanwhile fold into one
 push), then takes the snapshot for the current version: the first follower to ask loads it, the others share it.
 

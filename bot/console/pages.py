@@ -96,7 +96,7 @@ button.deny { background: var(--deny); color: #fff; border-color: var(--deny); }
 input, textarea { font: inherit; padding: .45em .6em; border-radius: 6px; border: 1px solid var(--line);
   background: var(--panel); color: var(--fg); }
 textarea { width: 100%; }
-.charts { display: grid; grid-template-columns: repeat(auto-fit, minmax(22em, 1fr)); gap: 1em; }
+.charts { display: grid; grid-template-columns: repeat(auto-fit, minmax(20em, 1fr)); gap: 1em; margin: 1em 0; }
 .chart { background: var(--panel); border: 1px solid var(--line); border-radius: 8px; padding: .6em; }
 .chart svg { width: 100%; height: auto; color: var(--fg); }
 .chart h3 { margin: 0 0 .4em 0; font-size: 1em; }

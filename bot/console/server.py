@@ -40,7 +40,7 @@ from kazma.bot.console.auth import (
     reader_token_path,
     safe_next,
 )
-from kazma.bot.console.dashboard_data import DashboardData, DashboardQueries
+from kazma.bot.console.dashboard_data import DashboardData, DashboardQueries, press_latencies
 from kazma.bot.console.feed import ChangeFeed
 from kazma.bot.console.pages import (
     approval_href,
@@ -54,7 +54,7 @@ from kazma.bot.console.pages import (
     message_page,
 )
 from kazma.bot.console.static import CONSOLE_JS
-from kazma.config.metrics import count_failure
+from kazma.config.metrics import PRESS_TO_DECISION, count_failure
 from kazma.engine.swarm.grammar import GrammarError, parse
 from kazma.engine.swarm.roles import Role as SwarmRole
 from kazma.engine.swarm.roles import required_role
@@ -222,6 +222,7 @@ class WebServer:
         feed = ChangeFeed(self._dashboard_data, min_interval=self.dashboard_interval)
         feed.watch(self.web.subscribe(), lambda event: isinstance(event, dict) and event.get("type") != "working")
         feed.watch(self.app.transcript.follow(), lambda item: not isinstance(item, Working))
+        self.app.service.listeners.append(feed.touch)
         self.app.swarm.listeners.append(feed.touch)
         self.app.conversations.listeners.append(feed.touch)
         self.feed = feed
@@ -230,6 +231,8 @@ class WebServer:
         feed, self.feed = self.feed, None
         if feed is None:
             return
+        with contextlib.suppress(ValueError):
+            self.app.service.listeners.remove(feed.touch)
         with contextlib.suppress(ValueError):
             self.app.swarm.listeners.remove(feed.touch)
         with contextlib.suppress(ValueError):
@@ -431,7 +434,8 @@ class WebServer:
                 text=message_page("Bad request", "decision must be approve or deny", viewer=session),
                 content_type="text/html",
             ) from None
-        result = await self.app.service.decide(request_id, decision, actor=session.actor, platform="web")
+        with PRESS_TO_DECISION.time():  # a press in the console, timed like every platform's buttons
+            result = await self.app.service.decide(request_id, decision, actor=session.actor, platform="web")
         log.info("web.decide", request_id=request_id, actor=session.actor, verdict=result.verdict.value)
         session.flash.append(result.message)
         raise web.HTTPSeeOther(safe_next(fields.get("next"), approval_href(request_id)))
@@ -463,6 +467,7 @@ class WebServer:
             hours=hours,
             waits=waits,
             plan_steps=steps,
+            press=press_latencies(),
             taken_at=time.time(),
             version=version,
         )
