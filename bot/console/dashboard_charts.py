@@ -13,7 +13,6 @@ from kazma.bot.console.dashboard_data import (
     percentile,
     tokens_per_worker,
 )
-from kazma.bot.console.times import when
 
 
 def duration(seconds: float) -> str:
@@ -26,7 +25,12 @@ def duration(seconds: float) -> str:
 
 def approvals_chart(data: DashboardData) -> str:
     series = [Series(key, label) for key, label in OUTCOMES]
-    columns_ = [Bar(when(h.start), h.counts, at=h.start) for h in data.hours]
+    # tooltips cannot hold a <time> the script localises: they say how long ago; the table gives the hours
+    last = len(data.hours) - 1
+    columns_ = [
+        Bar("this hour" if i == last else f"the hour {last - i} h before this one", h.counts, at=h.start)
+        for i, h in enumerate(data.hours)
+    ]
     totals = {key: sum(h.counts.get(key, 0) for h in data.hours) for key, _ in OUTCOMES}
     decided = sum(totals.values())
     summary = (
@@ -37,7 +41,6 @@ def approvals_chart(data: DashboardData) -> str:
         else "No approval request got an outcome in the last 24 hours."
     )
     chart = Chart("chart-approvals", "Approvals per hour by outcome", summary, series, columns_, unit="per hour")
-    last = len(columns_) - 1
     return columns(chart, axis_labels={0: "24 h ago", last // 2: "12 h ago", last: "now"} if columns_ else None)
 
 

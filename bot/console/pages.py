@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Protocol
@@ -26,10 +27,13 @@ from kazma.bot.console.charts import CHART_STYLE
 from kazma.bot.console.dashboard_charts import charts_html
 from kazma.bot.console.dashboard_data import DashboardData
 from kazma.bot.console.swarm_views import handoff_chain, worker_numbers
-from kazma.bot.console.times import when, when_html
+from kazma.bot.console.times import times_in, when_html
 from kazma.engine.swarm.store import TaskRecord
 from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.transcript import Entry, Summary
+
+_OUTCOME = re.compile(r'(<div class="outcome [a-z]+" id="o-[A-Za-z0-9_-]+">)([^<]*)(</div>)')
+_DEADLINE = re.compile(r"(<tr><th>Deadline</th><td><code>)([^<]*)(</code>)")
 
 # The approval page shows every value whole: no argument is long enough to be cut at this limit.
 WHOLE = 2**62
@@ -162,9 +166,9 @@ def layout(
         live = True  # the script also shows every time in the viewer's own zone
     # A multi-line answer (/swarm help is a table) keeps its lines and columns.
     flashes = "".join(
-        f'<div class="flash" role="status"><pre>{e(line)}</pre></div>'
+        f'<div class="flash" role="status"><pre>{times_in(e(line))}</pre></div>'
         if "\n" in line
-        else f'<div class="flash" role="status">{e(line)}</div>'
+        else f'<div class="flash" role="status">{times_in(e(line))}</div>'
         for line in flash
     )
     script = '<script src="/static/console.js" defer></script>' if live else ""
@@ -232,7 +236,15 @@ def card_html(card: ApprovalCard, outcome: Outcome | None, viewer: Viewer) -> st
         approve = any(b.kind is ButtonKind.APPROVE for b in view.buttons)
         return decide_buttons(viewer, card.request_id, "/", approve=approve)
 
-    return render.card_html(card, outcome=outcome, buttons=buttons).written
+    return card_times(render.card_html(card, outcome=outcome, buttons=buttons).written)
+
+
+def card_times(written: str) -> str:
+    """A card's outcome line and deadline (Kazma's own words, both before any argument) with their times as
+    ``<time>``, like every page. Only the first match of each is touched: argument values are never rewritten."""
+    for pattern in (_OUTCOME, _DEADLINE):
+        written = pattern.sub(lambda m: m.group(1) + times_in(m.group(2)) + m.group(3), written, count=1)
+    return written
 
 
 def question_forms(message: WebMessage, viewer: Viewer) -> str:
@@ -365,33 +377,35 @@ def approval_page(
     flash: Sequence[str] = (),
 ) -> str:
     whole = build_card(request, value_limit=WHOLE, public_url=public_url)
-    args = render.card_html(whole).written
+    args = card_times(render.card_html(whole).written)
     pretty = json.dumps(request.args, indent=2, sort_keys=True, ensure_ascii=False)
     if request.status is Status.PENDING:
         decided = "not yet"
     elif request.status.human:
         decided = (
-            f"{request.status.value} by {request.decided_by} via {request.decided_via} at {when(request.decided_at)}"
+            f"{e(request.status.value)} by {e(reveal(request.decided_by or ''))} via {e(request.decided_via or '')} "
+            f"at {when_html(request.decided_at)}"
         )
     else:
-        decided = f"{request.status.value} at {when(request.decided_at)} (not a denial): {request.reason or ''}"
-    facts = [
-        ("Tool", request.tool),
-        ("Status", request.status.value),
-        ("SHA-256 of the canonical arguments", request.args_hash),
-        ("Requested by", request.requested_by),
-        ("Where", request.conversation),
-        ("Task", request.task_id or "—"),
-        ("When", request.created_at),
-        ("Deadline", request.deadline),
+        decided = (
+            f"{e(request.status.value)} at {when_html(request.decided_at)} (not a denial): "
+            f"{e(reveal(request.reason or ''))}"
+        )
+    facts: list[tuple[str, str]] = [
+        ("Tool", e(reveal(request.tool))),
+        ("Status", e(request.status.value)),
+        ("SHA-256 of the canonical arguments", e(request.args_hash)),
+        ("Requested by", e(reveal(request.requested_by))),
+        ("Where", e(reveal(request.conversation))),
+        ("Task", e(reveal(request.task_id or "—"))),
+        ("When", when_html(request.created_at)),
+        ("Deadline", when_html(request.deadline)),
         ("Decided", decided),
     ]
-    fact_rows = "".join(
-        f"<tr><th>{e(k)}</th><td>{e(reveal(v)) if isinstance(v, str) else when_html(v)}</td></tr>" for k, v in facts
-    )
+    fact_rows = "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in facts)
     audit = "".join(
         f"<tr><td>{ev.seq}</td><td>{when_html(ev.at)}</td><td>{e(ev.event)}</td><td>{e(ev.actor or '')}</td>"
-        f"<td>{e(ev.platform or '')}</td><td>{e(ev.detail or '')}</td></tr>"
+        f"<td>{e(ev.platform or '')}</td><td>{times_in(e(ev.detail or ''))}</td></tr>"
         for ev in events
     )
     posted = "".join(

@@ -9,9 +9,14 @@ through :func:`when_html` too, never through a format of its own.
 from __future__ import annotations
 
 import html
+import re
 from datetime import UTC, datetime
 
 FORMAT = "%Y-%m-%d %H:%M:%S UTC"
+# A time said in that format inside Kazma's own text (a /swarm answer), or as epoch seconds after "until " in an
+# audit detail (a remembered approval's end): both become <time> so they read like every other time on the page.
+_SAID = re.compile(r"\b(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}) UTC\b")
+_UNTIL_EPOCH = re.compile(r"\buntil (\d{9,11})(?:\.\d+)?\b")
 
 
 def as_datetime(value: datetime | float) -> datetime:
@@ -31,3 +36,16 @@ def when_html(value: datetime | float | None) -> str:
         return "—"
     at = as_datetime(value)
     return f'<time datetime="{html.escape(at.isoformat(), quote=True)}">{html.escape(at.strftime(FORMAT))}</time>'
+
+
+def times_in(escaped: str) -> str:
+    """Already escaped text with each time it states (see ``_SAID``) written as ``<time>``: Kazma's own answers
+    (a ``/swarm list`` in a flash, an audit detail), never agent output, which is shown as said."""
+
+    def said(match: re.Match[str]) -> str:
+        return when_html(datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC))
+
+    def epoch(match: re.Match[str]) -> str:
+        return f"until {when_html(float(match.group(1)))}"
+
+    return _UNTIL_EPOCH.sub(epoch, _SAID.sub(said, escaped))
