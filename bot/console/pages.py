@@ -17,6 +17,7 @@ from urllib.parse import quote
 
 from kazma.adapters.card_layout import APPROVE_LABEL, DENY_LABEL, ButtonKind, CardView
 from kazma.adapters.human_text import LABEL_PREFIX, for_humans
+from kazma.adapters.kit import FileBounds
 from kazma.adapters.web import WebMessage, render
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.honesty import reveal
@@ -349,7 +350,34 @@ def conversations_page(
     return layout("Conversations", body, viewer=viewer, flash=flash, live=True)
 
 
-def console_page(viewer: Viewer, messages: Iterable[WebMessage], *, flash: Sequence[str] = ()) -> str:
+def human_size(size: int) -> str:
+    """Bytes as people read them, the way the platforms' refusals say it (``10.0 MB``, ``1.5 KB``, ``100 bytes``)."""
+    if size < 1024:
+        return f"{size} bytes"
+    if size < 1024 * 1024:
+        return f"{size / 1024:.1f} KB"
+    return f"{size / (1024 * 1024):.1f} MB"
+
+
+def upload_form(viewer: Viewer, files: FileBounds) -> str:
+    """Files for the agents (operators only), saved into the console's workspace like any platform's attachments."""
+    if not viewer.is_operator or files.max_count <= 0:
+        return ""
+    size = human_size(files.max_bytes)
+    return (
+        '<form class="upload" method="post" action="/console/upload" enctype="multipart/form-data">'
+        f'<input type="hidden" name="csrf" value="{e(viewer.csrf)}">'
+        '<p><label>Files <input type="file" name="files" multiple required></label> '
+        '<input name="text" size="50" maxlength="8000" placeholder="@kazma what should be done with them?"> '
+        '<button type="submit">Send files</button></p>'
+        f'<p class="meta">Up to {files.max_count} files of at most {size} each (files.max_count, files.max_bytes); '
+        "they are saved in the conversation's workspace under incoming/.</p></form>"
+    )
+
+
+def console_page(
+    viewer: Viewer, messages: Iterable[WebMessage], *, flash: Sequence[str] = (), files: FileBounds | None = None
+) -> str:
     items = "".join(message_html(m, viewer) for m in messages)
     body = (
         '<h1>Console <small id="live" class="meta"></small></h1>'
@@ -360,6 +388,7 @@ def console_page(viewer: Viewer, messages: Iterable[WebMessage], *, flash: Seque
         '<p><textarea name="text" rows="3" cols="80" maxlength="8000" required'
         ' placeholder="@kazma what should we do? (@worker to address a worker)"></textarea></p>'
         '<p><button type="submit">Send</button></p></form>'
+        f"{upload_form(viewer, files or FileBounds())}"
     )
     return layout("Console", body, viewer=viewer, flash=flash, live=True)
 

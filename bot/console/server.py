@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, generate_lat
 from yarl import URL
 
 from kazma.adapters.contract import PlatformError
+from kazma.adapters.kit import FileBounds
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import App
@@ -54,6 +55,7 @@ from kazma.bot.console.pages import (
     message_page,
 )
 from kazma.bot.console.static import CONSOLE_JS
+from kazma.bot.console.upload import UploadRefused, read_upload
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure
 from kazma.engine.swarm.grammar import GrammarError, parse
 from kazma.engine.swarm.roles import Role as SwarmRole
@@ -163,6 +165,7 @@ class WebServer:
                 web.get("/", self.console),
                 web.post("/console/send", self.send),
                 web.post("/console/choose", self.choose),
+                web.post("/console/upload", self.upload),
                 web.get("/events", self.events),
                 web.get("/conversations", self.conversations),
                 web.get("/conversations/{conversation}", self.conversations),
@@ -257,7 +260,32 @@ class WebServer:
     async def console(self, request: web.Request) -> web.Response:
         session = self._auth().page_reader(request)
         flash = [*self._cannot_decide(session), *session.take_flash()]
-        return html_response(console_page(session, self.web.messages(), flash=flash))
+        return html_response(console_page(session, self.web.messages(), flash=flash, files=self._file_bounds()))
+
+    def _file_bounds(self) -> FileBounds:
+        files = self.app.loaded.config.files
+        return FileBounds(max_bytes=files.max_bytes, max_count=files.max_count)
+
+    async def upload(self, request: web.Request) -> web.Response:
+        """Files from the console (with an optional message): within ``files:``, then to the agents like any
+        platform's attachments; over a bound, the sender is told and nothing is saved."""
+        try:
+            session, sent = await read_upload(request, self._auth(), self._file_bounds())
+        except UploadRefused as exc:
+            session = self._auth().page_reader(request)
+            log.info("web.upload_refused", login=session.login, reason=str(exc))
+            session.flash.append(str(exc))
+            raise web.HTTPSeeOther("/") from None
+        if not sent.files:
+            session.flash.append("No file was chosen; nothing was sent.")
+        elif len(sent.text) > MAX_TEXT:
+            session.flash.append(f"The message is {len(sent.text):,} characters; at most {MAX_TEXT:,} are accepted.")
+        else:
+            log.info("web.upload", login=session.login, files=len(sent.files), size=sum(len(d) for _, d in sent.files))
+            await self.web.say(
+                session.login, sent.text, chat=CONSOLE, mentions=mentions_of(sent.text), attachments=sent.attachments()
+            )
+        raise web.HTTPSeeOther("/")
 
     def _cannot_decide(self, session: Session) -> list[str]:
         """An operator whose presses would all be refused is told so before pressing, with the fix."""
