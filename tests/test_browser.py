@@ -304,6 +304,18 @@ async def test_every_conversation_in_the_console_after_a_restart(tmp_path: Path)
                     page = await context.new_page()
                     await login(page, k.server.url)
                     suffix = "" if scheme == "light" else "-dark"
+                    if scheme == "light":  # a file from the console reaches the workspace, and the agent answers
+                        await page.locator("#live", has_text="live").wait_for(timeout=10_000)
+                        await page.set_input_files(
+                            "form.upload input[type=file]",
+                            files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"release notes\n"}],
+                        )
+                        await page.fill("form.upload input[name=text]", "@kazma the notes")
+                        await page.click("form.upload button")
+                        await page.locator("#messages", has_text="📎 notes.txt (14 bytes)").wait_for(timeout=20_000)
+                        await page.locator("#messages", has_text="Noted.").wait_for(timeout=20_000)
+                        saved = tmp_path / "ws"
+                        assert [p.read_bytes() for p in saved.rglob("incoming/notes.txt")] == [b"release notes\n"]
                     await assert_no_fence(page)
                     await page.screenshot(path=str(DOCS / f"console{suffix}.png"), full_page=True)
 
