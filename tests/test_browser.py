@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from playwright.async_api import Page, async_playwright
+from playwright.async_api import FilePayload, Page, async_playwright
 
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.web import WebAdapter
@@ -308,7 +308,7 @@ async def test_every_conversation_in_the_console_after_a_restart(tmp_path: Path)
                         await page.locator("#live", has_text="live").wait_for(timeout=10_000)
                         await page.set_input_files(
                             "form.upload input[type=file]",
-                            files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"release notes\n"}],
+                            files=[FilePayload(name="notes.txt", mimeType="text/plain", buffer=b"release notes\n")],
                         )
                         await page.fill("form.upload input[name=text]", "@kazma the notes")
                         await page.click("form.upload button")
