@@ -12,7 +12,7 @@ import contextlib
 import re
 import sqlite3
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -159,6 +159,16 @@ class ApprovalService:
         self._decided: dict[str, asyncio.Event] = {}
         self._refusals = RefusalWindow(clock=clock)
         self.halted: str | None = None  # why no decision is taken right now (the store vanished), or None
+        # told the request id whenever a request opens or ends, or a remembered approval is revoked (the live
+        # dashboard); a listener must be quick and must not raise (one that does is logged and skipped)
+        self.listeners: list[Callable[[str], None]] = []
+
+    def _tell(self, request_id: str) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(request_id)
+            except Exception as exc:  # a watcher's fault must never stop a decision
+                log.warning("approvals.listener_failed", request_id=request_id, error=str(exc))
 
     def halt(self, reason: str) -> None:
         """Stop deciding: every press and decision is refused with ``reason`` until the process restarts."""
@@ -215,6 +225,7 @@ class ApprovalService:
             "approvals.opened", request_id=request.id, tool=tool, requested_by=requested_by, hash=request.args_hash
         )
         APPROVALS_OPENED.labels(tool=tool).inc()
+        self._tell(request.id)
         if self.publisher is not None:
             await self.publisher.publish(self.card(request))
         return request
@@ -241,6 +252,7 @@ class ApprovalService:
             return None
         await self._audit_safely(found[0].request_id, "rule_revoked", actor, platform, rule_id)
         log.info("approvals.rule_revoked", rule=rule_id, actor=actor, platform=platform)
+        self._tell(found[0].request_id)
         return found[0]
 
     async def remembered(self, tool: str, args: Mapping[str, Any], conversation: str) -> Rule | None:
@@ -594,6 +606,7 @@ class ApprovalService:
         waiter = self._decided.get(request_id)
         if waiter is not None:
             waiter.set()
+        self._tell(request_id)
         if self.publisher is not None:
             await self.publisher.settle(request_id)
 

@@ -196,9 +196,16 @@ class Conversations:
                 return
             text = f"{text}\n\n{note}" if text else note
         log.info("inbound.routed", conversation=conversation, agent=agent.name, author=message.author)
-        async with self.working(message.platform, message.chat, message.thread):
-            result = await self.runner.run(agent, conversation, text, requested_by=message.author)
-        await self._post_result(message, agent, result)
+        async with self._announcing(agent, conversation):
+            async with self.working(message.platform, message.chat, message.thread):
+                result = await self.runner.run(agent, conversation, text, requested_by=message.author)
+            await self._post_result(message, agent, result)
+
+    def _announcing(self, agent: AgentSpec, conversation: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """A lead turn: a plan it writes is dispatched only after its reply (which announces the plan) is posted."""
+        if agent is not self.lead or self.executor is None:
+            return contextlib.nullcontext()
+        return self.executor.announcing(conversation)
 
     async def _save_files(self, conversation: str, message: Inbound) -> str | None:
         """Save the message's files into the conversation's workspace; the note for the agent, or None when
@@ -402,8 +409,9 @@ class Conversations:
 
     async def _lead_says(self, conversation: str, prompt: str) -> None:
         platform, _, chat = conversation.partition(":")
-        async with self.working(platform, chat):
-            result = await self.runner.run(self.lead, conversation, prompt, requested_by="executor")
-        text = result.text if result.ok else f"I could not finish: {result.error}"
-        if text:
-            await self._say(platform, chat, text, agent=self.lead.name)
+        async with self._announcing(self.lead, conversation):
+            async with self.working(platform, chat):
+                result = await self.runner.run(self.lead, conversation, prompt, requested_by="executor")
+            text = result.text if result.ok else f"I could not finish: {result.error}"
+            if text:
+                await self._say(platform, chat, text, agent=self.lead.name)

@@ -18,9 +18,10 @@ speaks next.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -121,16 +122,45 @@ class PlanExecutor:
     assignees: set[str]
     max_attempts: int = 3
     _locks: defaultdict[str, asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
+    # Conversations where the lead is speaking (how many turns), and the plans it wrote meanwhile.
+    _speaking: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    _written: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
 
     # -- starting and completing -----------------------------------------------------------------
 
     async def start(self, conversation: str, spec: PlanSpec, origin: PlanOrigin | None = None) -> Plan:
-        """Validate and persist a plan, then dispatch its first ready step."""
+        """Validate and persist a plan, then dispatch its first ready step.
+
+        While the lead is speaking in the conversation (:meth:`announcing`) the first dispatch waits for the end
+        of its turn: the lead's reply announces the plan, and people read the announcement before the first
+        ``@sub-agent`` message, in the order the plan was meant.
+        """
         validate_plan(spec, self.assignees | {self.lead_name})
         plan = await self.store.create(conversation, spec, origin)
         log.info("plan.created", plan_id=plan.id, conversation=conversation, steps=len(plan.steps))
-        await self._reconcile(plan.id)
+        if self._speaking[conversation]:
+            self._written[conversation].append(plan.id)
+        else:
+            self._speaking.pop(conversation, None)
+            await self._reconcile(plan.id)
         return plan
+
+    @contextlib.asynccontextmanager
+    async def announcing(self, conversation: str) -> AsyncIterator[None]:
+        """The lead's turn and the posting of its reply: plans written in it are dispatched when it ends.
+
+        The plan is on disk (its steps pending) from the moment it is written; only the first dispatch waits.
+        Whatever ends the block (a reply, an error, a cancellation), the written plans are started.
+        """
+        self._speaking[conversation] += 1
+        try:
+            yield
+        finally:
+            self._speaking[conversation] -= 1
+            if not self._speaking[conversation]:
+                del self._speaking[conversation]
+                for plan_id in self._written.pop(conversation, []):
+                    await self._reconcile(plan_id)
 
     async def complete(self, plan_id: str, index: int, result: StepResult, *, attempt: int | None = None) -> bool:
         """Record a step's real outcome and move the plan on.

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from playwright.async_api import Page, async_playwright
+from playwright.async_api import FilePayload, Page, async_playwright
 
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.web import WebAdapter
+from kazma.approvals.model import Decision
 from kazma.bot.app import App, build_app
 from kazma.bot.console.server import WebServer
 from kazma.bot.demo import REQUEST, run_demo, scenario
@@ -198,7 +199,7 @@ async def test_the_demo_swarm_page_runs_a_pipeline_on_the_scripted_workers() -> 
                 flash = await page.locator(".flash").first.inner_text()
                 assert "refused" not in flash.lower(), flash
                 done = page.locator("tr", has_text="succeeded").filter(has_text="pipeline")
-                await done.first.wait_for(timeout=30_000)  # the page reloads itself every 5 s
+                await done.first.wait_for(timeout=30_000)  # the dashboard follows the swarm live
                 row = await done.first.inner_text()
                 assert "researcher, builder" in row
                 assert "Built “write a haiku about queues”" in row
@@ -303,6 +304,18 @@ async def test_every_conversation_in_the_console_after_a_restart(tmp_path: Path)
                     page = await context.new_page()
                     await login(page, k.server.url)
                     suffix = "" if scheme == "light" else "-dark"
+                    if scheme == "light":  # a file from the console reaches the workspace, and the agent answers
+                        await page.locator("#live", has_text="live").wait_for(timeout=10_000)
+                        await page.set_input_files(
+                            "form.upload input[type=file]",
+                            files=[FilePayload(name="notes.txt", mimeType="text/plain", buffer=b"release notes\n")],
+                        )
+                        await page.fill("form.upload input[name=text]", "@kazma the notes")
+                        await page.click("form.upload button")
+                        await page.locator("#messages", has_text="📎 notes.txt (14 bytes)").wait_for(timeout=20_000)
+                        await page.locator("#messages", has_text="Noted.").wait_for(timeout=20_000)
+                        saved = tmp_path / "ws"
+                        assert [p.read_bytes() for p in saved.rglob("incoming/notes.txt")] == [b"release notes\n"]
                     await assert_no_fence(page)
                     await page.screenshot(path=str(DOCS / f"console{suffix}.png"), full_page=True)
 
@@ -333,6 +346,25 @@ async def test_every_conversation_in_the_console_after_a_restart(tmp_path: Path)
 
                     await page.goto(f"{k.server.url}/swarm")
                     await assert_no_fence(page)
+                    dashboard = page.locator("#dashboard")
+                    assert await page.locator("#dashboard figure.chart").count() == 4
+                    assert await page.locator("#dashboard figure.chart svg[role=img]").count() >= 2
+                    if scheme == "light":  # live: a decision shows up without a reload
+                        await page.locator("#live", has_text="live").wait_for(timeout=10_000)
+                        await page.evaluate("window.kazmaNotReloaded = true")
+                        summary = page.locator("#chart-approvals desc")  # the chart's text equivalent
+                        assert "1 approved, 0 denied" in (await summary.text_content() or "")
+                        request = await k.app.service.open(
+                            "shell", {"command": "ls"}, "agent:builder", f"telegram:{CHAT}"
+                        )
+                        await k.app.service.decide(request.id, Decision.DENY, actor="web:alice", platform="web")
+                        denied = dashboard.locator("tr", has_text="denied").filter(has_text="agent:builder")
+                        await denied.first.wait_for(timeout=20_000)  # the recent approvals table, pushed
+                        assert "1 approved, 1 denied" in (await summary.text_content() or "")  # and the chart
+                        assert await page.evaluate("window.kazmaNotReloaded === true")
+                    times = await page.locator("#dashboard time").all_text_contents()
+                    assert times
+                    assert all(t.endswith("Europe/Paris") for t in times), times
                     await page.screenshot(path=str(DOCS / f"swarm{suffix}.png"), full_page=True)
                     await context.close()
             finally:

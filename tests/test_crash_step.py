@@ -58,8 +58,8 @@ async def test_sigkill_during_a_step_then_restart_reports_it_interrupted(tmp_pat
     researcher_prompt = load_config(config, environ={}).config.agents.workers["researcher"].system_prompt
     model.script(
         Completion(tool_calls=(FakeToolCall("write_plan", json.dumps(PLAN)),)),  # the lead plans
-        Hang(),  # the lead's closing words and the researcher's step: both in flight when the process dies
-        Hang(),
+        Completion(content="Plan made."),  # and announces it: the first dispatch follows this reply
+        Hang(),  # the researcher's step: in flight when the process dies
         Completion(content="Step 1 was interrupted; I will ask the researcher again only if you want."),
     )
     first = await run_kazma(config, log)
@@ -67,7 +67,7 @@ async def test_sigkill_during_a_step_then_restart_reports_it_interrupted(tmp_pat
         await telegram.wait_until(lambda: len(telegram.calls_to("getUpdates")) > 0, timeout=60)
         telegram.push_message(CHAT, 42, "@kazma find three sources", username="alice")
         await telegram.wait_until(lambda: any("@researcher" in t for t in bot_texts(telegram)), timeout=60)
-        # both hung calls (the lead's closing words, the researcher's step) have arrived
+        # the researcher's step has arrived and hangs
         await model.wait_for(lambda: len(model.completions) == 3, timeout=60)
         assert researcher_requests(model, researcher_prompt) == 1
     finally:

@@ -13,6 +13,7 @@ import aiosqlite
 from prometheus_client import REGISTRY
 
 from kazma.approvals import SafetyPolicy
+from kazma.bot.console.dashboard_data import DashboardData
 from kazma.bot.console.pages import dashboard_page
 from kazma.config import KazmaConfig, load_config_text
 from kazma.config.database import connect, open_database
@@ -185,7 +186,7 @@ async def test_a_b_a_b_is_allowed_then_a_third_visit_is_refused_to_the_model(tmp
         # the refusal was answered to the model, which then finished itself
         (answer,) = tool_answers(provider.requests[7].messages)
         assert answer == "Error: handoff refused: a already had this task 2 times. Finish the task yourself."
-        page = dashboard_page(Looker(), [record], [], [], {"succeeded": 1})
+        page = dashboard_page(Looker(), DashboardData([record], [], [], {"succeeded": 1}))
         assert "handoffs: a → b → a → b" in page
         assert "handoffs: a → b → a → b" in await send(r, f"status {record.id}")
         assert "b knows beta" in page
@@ -377,7 +378,7 @@ async def test_per_worker_numbers_are_stored_shown_and_exported(tmp_path: Path) 
         text = await send(r, "metrics")
         assert "a: 2 completed, 0 failed" in text
         assert "b: 0 completed, 1 failed" in text
-        page = dashboard_page(Looker(), [], [], [], {}, worker_days=list(rows.values()))
+        page = dashboard_page(Looker(), DashboardData([], [], [], {}, worker_days=list(rows.values())))
         assert "<h2>Workers per day</h2>" in page
         assert "<td>a</td><td>2</td><td>0</td>" in page
     assert sample("kazma_swarm_worker_calls_total", {"worker": "a", "outcome": "completed"}) == completed + 2

@@ -130,8 +130,9 @@ async def console(
     scripts: Mapping[str, list[ScriptStep]] | None = None,
     gated: str | None = None,
     tokens: bool = True,
+    extra: str = "",
 ) -> AsyncIterator[Console]:
-    yaml = f"store: {{path: '{tmp_path / 'k.db'}'}}\napprovals: {{approvers: ['web:alice']}}\n"
+    yaml = f"store: {{path: '{tmp_path / 'k.db'}'}}\napprovals: {{approvers: ['web:alice']}}\n{extra}"
     loaded = load_config_text(yaml, environ={})
     c = loaded.config
     prompts = agent_prompts(c)

@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 
 from kazma.adapters.card_layout import view_of
-from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press
+from kazma.adapters.contract import Attachment, CardRef, Handlers, Inbound, PlatformError, Press
 from kazma.adapters.human_text import for_humans
 from kazma.adapters.kit import TYPING_INTERVAL
 from kazma.approvals.card import ApprovalCard, button_data
@@ -169,11 +169,17 @@ class WebAdapter:
         mentions: tuple[str, ...] = (),
         reply_to: str | None = None,
         is_admin: bool = False,
+        attachments: tuple[Attachment, ...] = (),
     ) -> str:
-        """A logged-in person writes into the console; it reaches the agents like any platform message."""
+        """A logged-in person writes into the console; it reaches the agents like any platform message.
+
+        ``attachments``: files sent with it (already within ``files:``'s bounds); the engine saves them into the
+        conversation's workspace, as it does for every platform. The console shows their names under the text.
+        """
         if self._handlers is None:
             raise PlatformError("web", "inbound", "the web console is not started", retryable=True)
-        message = WebMessage(str(next(self._ids)), chat, f"web:{login}", login, text, time.time(), reply_to=reply_to)
+        shown = "\n".join([text, *(f"📎 {a.name} ({a.size or 0:,} bytes)" for a in attachments)]).strip()
+        message = WebMessage(str(next(self._ids)), chat, f"web:{login}", login, shown, time.time(), reply_to=reply_to)
         self._add(message)
         await self._handlers.on_inbound(
             Inbound(
@@ -186,6 +192,7 @@ class WebAdapter:
                 mentions=mentions,
                 reply_to=reply_to,
                 is_admin=is_admin,
+                attachments=attachments,
             )
         )
         return message.id

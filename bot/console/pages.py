@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Protocol
@@ -16,17 +17,24 @@ from urllib.parse import quote
 
 from kazma.adapters.card_layout import APPROVE_LABEL, DENY_LABEL, ButtonKind, CardView
 from kazma.adapters.human_text import LABEL_PREFIX, for_humans
+from kazma.adapters.kit import FileBounds
 from kazma.adapters.web import WebMessage, render
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.honesty import reveal
 from kazma.approvals.model import ApprovalRequest, Outcome, Status
 from kazma.approvals.rules import Rule
 from kazma.approvals.store import AuditEvent, PostedCard
+from kazma.bot.console.charts import CHART_STYLE
+from kazma.bot.console.dashboard_charts import charts_html
+from kazma.bot.console.dashboard_data import DashboardData
 from kazma.bot.console.swarm_views import handoff_chain, worker_numbers
-from kazma.engine.swarm.state_store import WorkerDay
+from kazma.bot.console.times import times_in, when_html
 from kazma.engine.swarm.store import TaskRecord
 from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.transcript import Entry, Summary
+
+_OUTCOME = re.compile(r'(<div class="outcome [a-z]+" id="o-[A-Za-z0-9_-]+">)([^<]*)(</div>)')
+_DEADLINE = re.compile(r"(<tr><th>Deadline</th><td><code>)([^<]*)(</code>)")
 
 # The approval page shows every value whole: no argument is long enough to be cut at this limit.
 WHOLE = 2**62
@@ -93,7 +101,7 @@ button.deny { background: var(--deny); color: #fff; border-color: var(--deny); }
 input, textarea { font: inherit; padding: .45em .6em; border-radius: 6px; border: 1px solid var(--line);
   background: var(--panel); color: var(--fg); }
 textarea { width: 100%; }
-.charts { display: grid; grid-template-columns: repeat(auto-fit, minmax(22em, 1fr)); gap: 1em; }
+.charts { display: grid; grid-template-columns: repeat(auto-fit, minmax(20em, 1fr)); gap: 1em; margin: 1em 0; }
 .chart { background: var(--panel); border: 1px solid var(--line); border-radius: 8px; padding: .6em; }
 .chart svg { width: 100%; height: auto; color: var(--fg); }
 .chart h3 { margin: 0 0 .4em 0; font-size: 1em; }
@@ -122,24 +130,6 @@ def e(value: object) -> str:
     return html.escape("" if value is None else str(value), quote=True)
 
 
-def when(value: datetime | float | None) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, float | int):
-        value = datetime.fromtimestamp(value, UTC)
-    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def when_html(value: datetime | float | None) -> str:
-    """A time as ``<time>``: UTC on the server, rewritten by the page's script into the viewer's own zone, in the
-    one format every page uses."""
-    if value is None:
-        return "—"
-    if isinstance(value, float | int):
-        value = datetime.fromtimestamp(value, UTC)
-    return f'<time datetime="{e(value.astimezone(UTC).isoformat())}">{e(when(value))}</time>'
-
-
 def agent_class(author: str) -> str:
     """A stable colour class per agent (``a0``…``a7``); people are drawn quietly."""
     if not author.startswith("agent:"):
@@ -163,7 +153,6 @@ def layout(
     viewer: Viewer | None = None,
     flash: Sequence[str] = (),
     live: bool = False,
-    refresh: int | None = None,
 ) -> str:
     nav = ""
     meta = ""
@@ -178,20 +167,18 @@ def layout(
         live = True  # the script also shows every time in the viewer's own zone
     # A multi-line answer (/swarm help is a table) keeps its lines and columns.
     flashes = "".join(
-        f'<div class="flash" role="status"><pre>{e(line)}</pre></div>'
+        f'<div class="flash" role="status"><pre>{times_in(e(line))}</pre></div>'
         if "\n" in line
-        else f'<div class="flash" role="status">{e(line)}</div>'
+        else f'<div class="flash" role="status">{times_in(e(line))}</div>'
         for line in flash
     )
     script = '<script src="/static/console.js" defer></script>' if live else ""
-    if refresh is not None:  # the dashboard follows the swarm by reloading; no script needed
-        meta += f'<meta http-equiv="refresh" content="{int(refresh)}">'
 
     return (
         "<!doctype html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{e(title)} · Kazma</title>{meta}<style>{_STYLE}</style>{script}</head>"
+        f"<title>{e(title)} · Kazma</title>{meta}<style>{_STYLE}{CHART_STYLE}</style>{script}</head>"
         f"<body><header><strong>Kazma</strong>{nav}</header><main>{flashes}{body}</main></body></html>\n"
     )
 
@@ -250,7 +237,15 @@ def card_html(card: ApprovalCard, outcome: Outcome | None, viewer: Viewer) -> st
         approve = any(b.kind is ButtonKind.APPROVE for b in view.buttons)
         return decide_buttons(viewer, card.request_id, "/", approve=approve)
 
-    return render.card_html(card, outcome=outcome, buttons=buttons).written
+    return card_times(render.card_html(card, outcome=outcome, buttons=buttons).written)
+
+
+def card_times(written: str) -> str:
+    """A card's outcome line and deadline (Kazma's own words, both before any argument) with their times as
+    ``<time>``, like every page. Only the first match of each is touched: argument values are never rewritten."""
+    for pattern in (_OUTCOME, _DEADLINE):
+        written = pattern.sub(lambda m: m.group(1) + times_in(m.group(2)) + m.group(3), written, count=1)
+    return written
 
 
 def question_forms(message: WebMessage, viewer: Viewer) -> str:
@@ -355,7 +350,34 @@ def conversations_page(
     return layout("Conversations", body, viewer=viewer, flash=flash, live=True)
 
 
-def console_page(viewer: Viewer, messages: Iterable[WebMessage], *, flash: Sequence[str] = ()) -> str:
+def human_size(size: int) -> str:
+    """Bytes as people read them, the way the platforms' refusals say it (``10.0 MB``, ``1.5 KB``, ``100 bytes``)."""
+    if size < 1024:
+        return f"{size} bytes"
+    if size < 1024 * 1024:
+        return f"{size / 1024:.1f} KB"
+    return f"{size / (1024 * 1024):.1f} MB"
+
+
+def upload_form(viewer: Viewer, files: FileBounds) -> str:
+    """Files for the agents (operators only), saved into the console's workspace like any platform's attachments."""
+    if not viewer.is_operator or files.max_count <= 0:
+        return ""
+    size = human_size(files.max_bytes)
+    return (
+        '<form class="upload" method="post" action="/console/upload" enctype="multipart/form-data">'
+        f'<input type="hidden" name="csrf" value="{e(viewer.csrf)}">'
+        '<p><label>Files <input type="file" name="files" multiple required></label> '
+        '<input name="text" size="50" maxlength="8000" placeholder="@kazma what should be done with them?"> '
+        '<button type="submit">Send files</button></p>'
+        f'<p class="meta">Up to {files.max_count} files of at most {size} each (files.max_count, files.max_bytes); '
+        "they are saved in the conversation's workspace under incoming/.</p></form>"
+    )
+
+
+def console_page(
+    viewer: Viewer, messages: Iterable[WebMessage], *, flash: Sequence[str] = (), files: FileBounds | None = None
+) -> str:
     items = "".join(message_html(m, viewer) for m in messages)
     body = (
         '<h1>Console <small id="live" class="meta"></small></h1>'
@@ -366,6 +388,7 @@ def console_page(viewer: Viewer, messages: Iterable[WebMessage], *, flash: Seque
         '<p><textarea name="text" rows="3" cols="80" maxlength="8000" required'
         ' placeholder="@kazma what should we do? (@worker to address a worker)"></textarea></p>'
         '<p><button type="submit">Send</button></p></form>'
+        f"{upload_form(viewer, files or FileBounds())}"
     )
     return layout("Console", body, viewer=viewer, flash=flash, live=True)
 
@@ -383,33 +406,35 @@ def approval_page(
     flash: Sequence[str] = (),
 ) -> str:
     whole = build_card(request, value_limit=WHOLE, public_url=public_url)
-    args = render.card_html(whole).written
+    args = card_times(render.card_html(whole).written)
     pretty = json.dumps(request.args, indent=2, sort_keys=True, ensure_ascii=False)
     if request.status is Status.PENDING:
         decided = "not yet"
     elif request.status.human:
         decided = (
-            f"{request.status.value} by {request.decided_by} via {request.decided_via} at {when(request.decided_at)}"
+            f"{e(request.status.value)} by {e(reveal(request.decided_by or ''))} via {e(request.decided_via or '')} "
+            f"at {when_html(request.decided_at)}"
         )
     else:
-        decided = f"{request.status.value} at {when(request.decided_at)} (not a denial): {request.reason or ''}"
-    facts = [
-        ("Tool", request.tool),
-        ("Status", request.status.value),
-        ("SHA-256 of the canonical arguments", request.args_hash),
-        ("Requested by", request.requested_by),
-        ("Where", request.conversation),
-        ("Task", request.task_id or "—"),
-        ("When", request.created_at),
-        ("Deadline", request.deadline),
+        decided = (
+            f"{e(request.status.value)} at {when_html(request.decided_at)} (not a denial): "
+            f"{e(reveal(request.reason or ''))}"
+        )
+    facts: list[tuple[str, str]] = [
+        ("Tool", e(reveal(request.tool))),
+        ("Status", e(request.status.value)),
+        ("SHA-256 of the canonical arguments", e(request.args_hash)),
+        ("Requested by", e(reveal(request.requested_by))),
+        ("Where", e(reveal(request.conversation))),
+        ("Task", e(reveal(request.task_id or "—"))),
+        ("When", when_html(request.created_at)),
+        ("Deadline", when_html(request.deadline)),
         ("Decided", decided),
     ]
-    fact_rows = "".join(
-        f"<tr><th>{e(k)}</th><td>{e(reveal(v)) if isinstance(v, str) else when_html(v)}</td></tr>" for k, v in facts
-    )
+    fact_rows = "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in facts)
     audit = "".join(
         f"<tr><td>{ev.seq}</td><td>{when_html(ev.at)}</td><td>{e(ev.event)}</td><td>{e(ev.actor or '')}</td>"
-        f"<td>{e(ev.platform or '')}</td><td>{e(ev.detail or '')}</td></tr>"
+        f"<td>{e(ev.platform or '')}</td><td>{times_in(e(ev.detail or ''))}</td></tr>"
         for ev in events
     )
     posted = "".join(
@@ -463,19 +488,28 @@ def _task_actions(viewer: Viewer, task: TaskRecord) -> str:
     return " ".join(form(f"{base}/{action}", viewer, {}, label) for action, label in actions)
 
 
-def dashboard_page(
-    viewer: Viewer,
-    tasks: Sequence[TaskRecord],
-    worker_lines: Sequence[str],
-    approvals: Sequence[ApprovalRequest],
-    counts: Mapping[str, int],
-    *,
-    flash: Sequence[str] = (),
-    worker_days: Sequence[WorkerDay] = (),
-    rules: Sequence[Rule] = (),
-) -> str:
+def dashboard_page(viewer: Viewer, data: DashboardData, *, flash: Sequence[str] = ()) -> str:
+    """The swarm dashboard: the command form, then :func:`dashboard_html`, which the event stream replaces live."""
+    command = ""
+    if viewer.is_operator:
+        # outside the live part: a fresh fragment must never wipe what an operator is typing
+        command = (
+            "<h2>Start work</h2>"
+            '<form method="post" action="/swarm/command">'
+            f'<input type="hidden" name="csrf" value="{e(viewer.csrf)}">'
+            '<p>/swarm <input name="text" size="80" maxlength="8000" required'
+            ' placeholder="dispatch researcher find the flaky test"></p>'
+            '<p><button type="submit">Run</button></p></form>'
+        )
+    body = f'<h1>Swarm <small id="live" class="meta"></small></h1>{command}{dashboard_html(viewer, data)}'
+    return layout("Swarm", body, viewer=viewer, flash=flash, live=True)
+
+
+def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
+    """Everything on the dashboard that follows the swarm: one ``<div id="dashboard">``, rendered for ``viewer``
+    (its forms carry the viewer's CSRF token), sent again over the event stream whenever what it shows changes."""
     task_rows = []
-    for t in tasks:
+    for t in data.tasks:
         workers = t.request.get("resolved") or t.request.get("workers") or []
         output = (t.result or {}).get("output", "")
         tokens = (t.result or {}).get("tokens") or {}
@@ -487,36 +521,28 @@ def dashboard_page(
             f"<td>{e(_excerpt(output)) if output else ''}</td><td>{e(used)}</td><td>{e(t.error or '')}</td>"
             f"<td>{_task_actions(viewer, t)}</td></tr>"
         )
-    summary = ", ".join(f"{n} {e(s)}" for s, n in counts.items() if n) or "no tasks"
+    summary = ", ".join(f"{n} {e(s)}" for s, n in data.counts.items() if n) or "no tasks"
     approval_rows = "".join(
         f'<tr><td><a href="{e(approval_href(a.id))}">{e(a.id)}</a></td><td>{e(a.tool)}</td>'
         f"<td>{e(a.status.value)}</td><td>{e(a.requested_by)}</td><td>{when_html(a.created_at)}</td>"
         f"<td>{e(a.decided_by or '')}</td></tr>"
-        for a in approvals
+        for a in data.approvals
     )
-    command = ""
-    if viewer.is_operator:
-        command = (
-            "<h2>Start work</h2>"
-            '<form method="post" action="/swarm/command">'
-            f'<input type="hidden" name="csrf" value="{e(viewer.csrf)}">'
-            '<p>/swarm <input name="text" size="80" maxlength="8000" required'
-            ' placeholder="dispatch researcher find the flaky test"></p>'
-            '<p><button type="submit">Run</button></p></form>'
-        )
-    workers = "".join(f"<li>{e(line)}</li>" for line in worker_lines) or "<li>no workers configured</li>"
-    body = (
-        f"<h1>Swarm</h1><p>{summary}</p>{command}"
+    workers = "".join(f"<li>{e(line)}</li>" for line in data.worker_lines) or "<li>no workers configured</li>"
+    taken = f" · as of {when_html(data.taken_at)}" if data.taken_at else ""
+    return (
+        f'<div id="dashboard" data-version="{data.version}">'
+        f'<p class="summary">{summary}<span class="meta">{taken}</span></p>'
+        f"{charts_html(data)}"
         "<h2>Tasks</h2><table><tr><th>id</th><th>status</th><th>pattern</th><th>workers</th><th>step</th>"
         "<th>created</th><th>finished</th><th>result</th><th>tokens (prompt + completion)</th><th>error</th>"
         "<th></th></tr>"
         f"{''.join(task_rows)}</table>"
-        f"<h2>Workers</h2><ul>{workers}</ul>{worker_numbers(worker_days)}"
+        f"<h2>Workers</h2><ul>{workers}</ul>{worker_numbers(data.worker_days)}"
         "<h2>Recent approvals</h2><table><tr><th>id</th><th>tool</th><th>status</th><th>requested by</th>"
         f"<th>when</th><th>decided by</th></tr>{approval_rows}</table>"
-        f"{rules_section(viewer, rules)}"
+        f"{rules_section(viewer, data.rules)}</div>"
     )
-    return layout("Swarm", body, viewer=viewer, flash=flash, refresh=5)
 
 
 def rules_section(viewer: Viewer, rules: Sequence[Rule]) -> str:

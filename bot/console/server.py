@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, generate_lat
 from yarl import URL
 
 from kazma.adapters.contract import PlatformError
+from kazma.adapters.kit import FileBounds
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import App
@@ -39,18 +41,22 @@ from kazma.bot.console.auth import (
     reader_token_path,
     safe_next,
 )
+from kazma.bot.console.dashboard_data import DashboardData, DashboardQueries, press_latencies
+from kazma.bot.console.feed import ChangeFeed
 from kazma.bot.console.pages import (
     approval_href,
     approval_page,
     console_page,
     conversations_page,
+    dashboard_html,
     dashboard_page,
     entry_html,
     message_html,
     message_page,
 )
 from kazma.bot.console.static import CONSOLE_JS
-from kazma.config.metrics import count_failure
+from kazma.bot.console.upload import UploadRefused, read_upload
+from kazma.config.metrics import PRESS_TO_DECISION, count_failure
 from kazma.engine.swarm.grammar import GrammarError, parse
 from kazma.engine.swarm.roles import Role as SwarmRole
 from kazma.engine.swarm.roles import required_role
@@ -108,6 +114,7 @@ class WebServer:
         reader_token: str | None = None,
         heartbeat: float = 15.0,
         shutdown_timeout: float = 2.0,
+        dashboard_interval: float = 1.0,
     ) -> None:
         self.app = app
         self.web = web_adapter
@@ -122,6 +129,8 @@ class WebServer:
         self._closing = asyncio.Event()
         self._generated: Tokens | None = None
         self.auth: WebAuth | None = None
+        self.dashboard_interval = dashboard_interval
+        self.feed: ChangeFeed[DashboardData] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -156,6 +165,7 @@ class WebServer:
                 web.get("/", self.console),
                 web.post("/console/send", self.send),
                 web.post("/console/choose", self.choose),
+                web.post("/console/upload", self.upload),
                 web.get("/events", self.events),
                 web.get("/conversations", self.conversations),
                 web.get("/conversations/{conversation}", self.conversations),
@@ -182,6 +192,7 @@ class WebServer:
             raise
         self._runner = runner
         self._generated = tokens if tokens.generated else None
+        self._follow_changes()
         log.info("web.started", url=self.url, tokens_generated=list(tokens.generated))
 
     def first_start_message(self, *, show_tokens: bool = True) -> str | None:
@@ -209,8 +220,31 @@ class WebServer:
         lines.append("  These are shown once. Log in at /login with a name and one of them.")
         return "\n".join(lines)
 
+    def _follow_changes(self) -> None:
+        """One feed for every open dashboard, woken by what this process does (see :mod:`~kazma.bot.console.feed`)."""
+        feed = ChangeFeed(self._dashboard_data, min_interval=self.dashboard_interval)
+        feed.watch(self.web.subscribe(), lambda event: isinstance(event, dict) and event.get("type") != "working")
+        feed.watch(self.app.transcript.follow(), lambda item: not isinstance(item, Working))
+        self.app.service.listeners.append(feed.touch)
+        self.app.swarm.listeners.append(feed.touch)
+        self.app.conversations.listeners.append(feed.touch)
+        self.feed = feed
+
+    async def _forget_changes(self) -> None:
+        feed, self.feed = self.feed, None
+        if feed is None:
+            return
+        with contextlib.suppress(ValueError):
+            self.app.service.listeners.remove(feed.touch)
+        with contextlib.suppress(ValueError):
+            self.app.swarm.listeners.remove(feed.touch)
+        with contextlib.suppress(ValueError):
+            self.app.conversations.listeners.remove(feed.touch)
+        await feed.close()
+
     async def stop(self) -> None:
         self._closing.set()  # event streams end now rather than waiting out the shutdown timeout
+        await self._forget_changes()
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
@@ -226,7 +260,32 @@ class WebServer:
     async def console(self, request: web.Request) -> web.Response:
         session = self._auth().page_reader(request)
         flash = [*self._cannot_decide(session), *session.take_flash()]
-        return html_response(console_page(session, self.web.messages(), flash=flash))
+        return html_response(console_page(session, self.web.messages(), flash=flash, files=self._file_bounds()))
+
+    def _file_bounds(self) -> FileBounds:
+        files = self.app.loaded.config.files
+        return FileBounds(max_bytes=files.max_bytes, max_count=files.max_count)
+
+    async def upload(self, request: web.Request) -> web.Response:
+        """Files from the console (with an optional message): within ``files:``, then to the agents like any
+        platform's attachments; over a bound, the sender is told and nothing is saved."""
+        try:
+            session, sent = await read_upload(request, self._auth(), self._file_bounds())
+        except UploadRefused as exc:
+            session = self._auth().page_reader(request)
+            log.info("web.upload_refused", login=session.login, reason=str(exc))
+            session.flash.append(str(exc))
+            raise web.HTTPSeeOther("/") from None
+        if not sent.files:
+            session.flash.append("No file was chosen; nothing was sent.")
+        elif len(sent.text) > MAX_TEXT:
+            session.flash.append(f"The message is {len(sent.text):,} characters; at most {MAX_TEXT:,} are accepted.")
+        else:
+            log.info("web.upload", login=session.login, files=len(sent.files), size=sum(len(d) for _, d in sent.files))
+            await self.web.say(
+                session.login, sent.text, chat=CONSOLE, mentions=mentions_of(sent.text), attachments=sent.attachments()
+            )
+        raise web.HTTPSeeOther("/")
 
     def _cannot_decide(self, session: Session) -> list[str]:
         """An operator whose presses would all be refused is told so before pressing, with the fix."""
@@ -310,7 +369,16 @@ class WebServer:
                                      "html": entry_html(item), "direct": item.direct, "platform": item.platform,
                                      "chat": item.chat})  # fmt: skip
 
+        async def pump_dashboard(feed: ChangeFeed[DashboardData], since: int) -> None:
+            async for data in feed.follow(since=since):
+                await queue.put({"type": "dashboard", "version": data.version, "html": dashboard_html(session, data)})
+
         pumps = [asyncio.create_task(pump_console()), asyncio.create_task(pump_transcript())]
+        since = request.query.get("dashboard")
+        if since is not None and self.feed is not None:
+            # a dashboard page: it says which version it shows, so a change it missed is sent at once
+            version = int(since) if since.isdecimal() else -1
+            pumps.append(asyncio.create_task(pump_dashboard(self.feed, version)))
         closing = asyncio.create_task(self._closing.wait())
         try:
             # one loop turn lets the subscriptions register, so nothing said after "ready" can be missed
@@ -394,7 +462,8 @@ class WebServer:
                 text=message_page("Bad request", "decision must be approve or deny", viewer=session),
                 content_type="text/html",
             ) from None
-        result = await self.app.service.decide(request_id, decision, actor=session.actor, platform="web")
+        with PRESS_TO_DECISION.time():  # a press in the console, timed like every platform's buttons
+            result = await self.app.service.decide(request_id, decision, actor=session.actor, platform="web")
         log.info("web.decide", request_id=request_id, actor=session.actor, verdict=result.verdict.value)
         session.flash.append(result.message)
         raise web.HTTPSeeOther(safe_next(fields.get("next"), approval_href(request_id)))
@@ -404,23 +473,32 @@ class WebServer:
         approval = request.query.get("approval")
         if approval is not None:
             return await self._approval(session, approval)
+        # a page is always read fresh (after a form's redirect it must show what the form did)
+        return html_response(dashboard_page(session, await self._dashboard_data(), flash=session.take_flash()))
+
+    async def _dashboard_data(self) -> DashboardData:
+        version = self.feed.version if self.feed is not None else 0  # read first: a change during the load is newer
         store = self.app.swarm.store
         tasks = await store.list(limit=50)
         counts = {status.value: await store.count(status) for status in TaskStatus}
         approvals = await self.app.service.store.requests(limit=20)
         state = self.app.swarm.state
         days = await state.worker_days(7) if state is not None else []
-        page = dashboard_page(
-            session,
+        hours, waits, steps = await DashboardQueries(self.app.service.store.conn).charts()
+        return DashboardData(
             tasks,
             self.app.swarm.worker_lines(),
             approvals,
             counts,
-            flash=session.take_flash(),
             worker_days=days,
             rules=await self.app.service.rules.list() if self.app.service.rules is not None else (),
+            hours=hours,
+            waits=waits,
+            plan_steps=steps,
+            press=press_latencies(),
+            taken_at=time.time(),
+            version=version,
         )
-        return html_response(page)
 
     async def _approval(self, session: Session, request_id: str) -> web.Response:
         store = self.app.service.store

@@ -84,7 +84,9 @@ CONSOLE_JS = r"""
     else { conversations.setAttribute("data-stale", "1"); }
   }
 
-  var source = new EventSource("/events");
+  // a dashboard says which version it shows: the server sends a fresh one at once if it has changed since
+  var source = new EventSource(dashboard ?
+    "/events?dashboard=" + encodeURIComponent(dashboard.getAttribute("data-version") || "0") : "/events");
   source.onopen = function () { if (status) { status.textContent = "live"; } };
   source.onerror = function () { if (status) { status.textContent = "reconnecting…"; } };
   source.onmessage = function (event) {

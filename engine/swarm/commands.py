@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from datetime import UTC
 
 import structlog
 
@@ -184,7 +185,7 @@ def _request(command: SwarmCommand, *, owner: str, origin: str, route: str | Non
 
 
 def _line(record: TaskRecord) -> str:
-    when = record.created_at.strftime("%Y-%m-%d %H:%M")
+    when = record.created_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")  # the console shows it in local time
     return f"{record.id}  {record.status.value:<11} {record.pattern.value:<9} {when}  {record.current_step}"
 
 

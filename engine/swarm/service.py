@@ -124,6 +124,8 @@ class SwarmService:
     _gate: asyncio.Semaphore | None = None
     _waiters: set[asyncio.Task[None]] = field(default_factory=set)
     _current: dict[str, TaskRun] = field(default_factory=dict)  # a checkpoint resume moves a task to a new run
+    # told (no arguments) whenever a task's state or a worker's numbers may have changed: the live dashboard
+    listeners: list[Callable[[], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in self.workers:
@@ -225,6 +227,7 @@ class SwarmService:
         except Exception as exc:
             swarm_failure("metrics_row")
             log.warning("swarm.metrics_unsaved", worker=worker, error=str(exc))
+        self._changed()
 
     async def metrics_text(self, days: int = 7) -> str:
         if self.state is None:
@@ -611,6 +614,14 @@ class SwarmService:
         log.info("swarm.progress", line=line)
         if self.reporter is not None:
             self.reporter.add(line)
+        self._changed()
+
+    def _changed(self) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener()
+            except Exception as exc:  # a watcher's fault must never stop the swarm
+                log.warning("swarm.listener_failed", error=str(exc))
 
     # -- operators -------------------------------------------------------------------------------
 
@@ -630,6 +641,8 @@ class SwarmService:
         if record.status.terminal:
             return f"swarm task {task_id} already ended: {record.status.value}"
         changed = await self.store.cancel(task_id, actor=actor)
+        if changed:
+            self._changed()
         task = self._running.get(task_id)
         if task is not None:
             task.cancel()

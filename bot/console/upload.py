@@ -1,0 +1,136 @@
+"""Files sent from the console: read as a stream within ``files.max_bytes`` / ``files.max_count``, then handed to
+the agents like any platform's attachments (saved under ``incoming/`` in the conversation's workspace).
+
+The body is read part by part (``request.multipart()``), never whole: the console's small request bound stays as
+it is for every other form, and an oversized file is refused as soon as it crosses the bound, before the rest of
+it is kept anywhere. The CSRF token must come first (it is the form's first field; a header works too), so
+nothing of a forged request is read beyond it. Over a bound: a clear message for the sender, nothing saved.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+from aiohttp import BodyPartReader, web
+
+from kazma.adapters.contract import Attachment
+from kazma.adapters.kit import FileBounds
+from kazma.bot.console.auth import CSRF_HEADER, CSRF_REFUSED, OPERATORS_ONLY, Session, WebAuth
+from kazma.bot.console.pages import human_size, message_page
+
+log = structlog.get_logger("kazma.web")
+
+CHUNK = 64 * 1024
+MAX_FIELD = 64 * 1024  # a text field (the message said with the files); the send form's own bound applies too
+# After a refusal the rest of the body is read and dropped, up to this many bytes, so the browser gets the answer
+# rather than a reset connection; a larger rest is cut off.
+DRAIN_LIMIT = 64 * 1024 * 1024
+
+
+class UploadRefused(Exception):
+    """Why the files were not taken, for the sender."""
+
+
+@dataclass(frozen=True)
+class Upload:
+    text: str
+    files: tuple[tuple[str, bytes], ...]
+
+    def attachments(self) -> tuple[Attachment, ...]:
+        def fetcher(data: bytes) -> Callable[[], Awaitable[bytes]]:
+            async def fetch() -> bytes:
+                return data
+
+            return fetch
+
+        return tuple(Attachment(name, len(data), fetcher(data)) for name, data in self.files)
+
+
+async def _field(part: BodyPartReader) -> str:
+    data = bytearray()
+    while chunk := await part.read_chunk(CHUNK):
+        data += chunk
+        if len(data) > MAX_FIELD:
+            raise UploadRefused(f"The field {part.name} is longer than {MAX_FIELD:,} bytes; nothing was saved.")
+    return data.decode("utf-8", errors="replace")
+
+
+async def _file(part: BodyPartReader, name: str, bounds: FileBounds) -> bytes:
+    data = bytearray()
+    while chunk := await part.read_chunk(CHUNK):
+        data += chunk
+        if len(data) > bounds.max_bytes:
+            raise UploadRefused(
+                f"Not saved: {name} is larger than {human_size(bounds.max_bytes)}; Kazma accepts files up to "
+                f"{human_size(bounds.max_bytes)} (files.max_bytes). Nothing was saved."
+            )
+    return bytes(data)
+
+
+async def read_upload(request: web.Request, auth: WebAuth, bounds: FileBounds) -> tuple[Session, Upload]:
+    """The guard of :meth:`WebAuth.post` (origin, session, CSRF, operator), then the files within the bounds.
+
+    Raises the same HTTP errors as the guard, and :class:`UploadRefused` (with the session) over a bound.
+    """
+    auth.check_origin(request)
+    session = auth.session(request)
+    if session is None:
+        raise web.HTTPUnauthorized(
+            text=message_page("Login required", "Your session has ended; log in again.", link=("/login", "Log in")),
+            content_type="text/html",
+        )
+    if not request.content_type.startswith("multipart/"):
+        raise web.HTTPBadRequest(
+            text=message_page("Bad request", "Files are sent as multipart/form-data.", viewer=session),
+            content_type="text/html",
+        )
+    reader = await request.multipart()
+    supplied = request.headers.get(CSRF_HEADER, "")
+    if not supplied:
+        first = await reader.next()
+        if isinstance(first, BodyPartReader) and first.name == "csrf" and first.filename is None:
+            supplied = (await _field(first)).strip()
+    if not supplied or not hmac.compare_digest(supplied.encode(), session.csrf.encode()):
+        log.warning("web.csrf_refused", login=session.login, path=request.path)
+        raise web.HTTPForbidden(text=message_page("Refused", CSRF_REFUSED, viewer=session), content_type="text/html")
+    if not session.is_operator:
+        log.warning("web.reader_refused", login=session.login, path=request.path)
+        raise web.HTTPForbidden(
+            text=message_page("Refused", f"{OPERATORS_ONLY}: web:{session.login} is a reader", viewer=session),
+            content_type="text/html",
+        )
+    text, files = "", list[tuple[str, bytes]]()
+    try:
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                raise UploadRefused("Nested multipart bodies are not accepted; nothing was saved.")
+            if part.filename is None:
+                value = await _field(part)
+                if part.name == "text":
+                    text = value.strip()
+                continue
+            if not part.filename:
+                await part.release()  # the browser's empty file input: no file chosen
+                continue
+            if len(files) >= bounds.max_count:
+                raise UploadRefused(
+                    "Kazma does not accept files here (files.max_count is 0); nothing was saved."
+                    if bounds.max_count == 0
+                    else f"Not saved: more than {bounds.max_count} files were sent at once; Kazma accepts at most "
+                    f"{bounds.max_count} (files.max_count). Nothing was saved."
+                )
+            files.append((part.filename, await _file(part, part.filename, bounds)))
+    except UploadRefused:
+        await _drain(request)
+        raise
+    return session, Upload(text, tuple(files))
+
+
+async def _drain(request: web.Request) -> None:
+    """Read and drop what the browser is still sending (bounded), so it reads the answer instead of a reset."""
+    dropped = 0
+    while dropped < DRAIN_LIMIT and (chunk := await request.content.read(CHUNK)):
+        dropped += len(chunk)
