@@ -46,6 +46,7 @@ class _Worker:
     to_settle: dict[str, None] = field(default_factory=dict)
     scan_at: float = 0.0  # when the next full scan is due (0: at once, as at start)
     retry_at: float | None = None  # the earliest card edit waiting out a failure, when one is
+    asleep_until: float | None = None  # while waiting for a kick: when it wakes by itself (None: awake)
 
 
 class FanOutBus:
@@ -243,8 +244,10 @@ class FanOutBus:
                 wake_at = self.clock() + RETRY.delay(0)
             # Asleep until kicked or until the next thing falls due: an idle bus reads nothing.
             timeout = None if wake_at is None else max(0.0, wake_at - self.clock())
+            worker.asleep_until = wake_at
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(worker.kick.wait(), timeout=timeout)
+            worker.asleep_until = None
 
     async def _next_due(self, worker: _Worker) -> float:
         due = [worker.scan_at]

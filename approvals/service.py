@@ -157,6 +157,7 @@ class ApprovalService:
         self.clock = clock
         self.poll_interval = poll_interval
         self._decided: dict[str, asyncio.Event] = {}
+        self._ended_here: dict[str, None] = {}  # requests this process ended (and told the bus), newest last
         self._refusals = RefusalWindow(clock=clock)
         self.halted: str | None = None  # why no decision is taken right now (the store vanished), or None
         # told the request id whenever a request opens or ends, or a remembered approval is revoked (the live
@@ -519,6 +520,10 @@ class ApprovalService:
                         raise KeyError(f"unknown approval request {request_id!r}")
                     outcome = request.outcome()
                     if outcome is not None:
+                        if request_id not in self._ended_here and self.publisher is not None:
+                            # Decided by another process (the CLI, another replica): this process's cards
+                            # settle now, not at the bus's slow safety scan.
+                            await self.publisher.settle(request_id)
                         return outcome
                     deadline = request.deadline.timestamp()
                 assert deadline is not None
@@ -603,12 +608,16 @@ class ApprovalService:
         return [await self._expire(request_id) for request_id in await self.store.overdue()]
 
     async def _ended(self, request_id: str) -> None:
+        self._ended_here[request_id] = None
+        while len(self._ended_here) > 10_000:  # bounded: only a waiter's recent request is looked up
+            del self._ended_here[next(iter(self._ended_here))]
+        if self.publisher is not None:
+            # Before the waiter wakes: the bus puts the card edits ahead of the reply to this decision.
+            await self.publisher.settle(request_id)
         waiter = self._decided.get(request_id)
         if waiter is not None:
             waiter.set()
         self._tell(request_id)
-        if self.publisher is not None:
-            await self.publisher.settle(request_id)
 
     # -- executing -------------------------------------------------------------------------------
 

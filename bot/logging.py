@@ -90,7 +90,9 @@ def configure_logging(level: str = "info", fmt: LogFormat = "auto", stream: obje
         structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
     )
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        # Below the level, an event is dropped before any processor runs: a decision must not pay for
+        # a log line nobody will read.
+        processors=[structlog.stdlib.filter_by_level, *shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=False,

@@ -63,3 +63,32 @@ async def test_concurrent_senders_are_serialised_in_one_chat() -> None:
 
     await asyncio.gather(*(send() for _ in range(5)))
     assert stamps == [1000.0, 1001.0, 1002.0, 1003.0, 1004.0]
+
+
+async def test_an_announced_card_edit_goes_before_a_send_queued_ahead_of_it() -> None:
+    # Real time, short gaps: the order of the two sends is what is checked, not how long they took.
+    limiter = ChatRateLimiter(min_interval=0.05)
+    order: list[str] = []
+    await limiter.acquire("group")  # the card's post took the chat's slot
+
+    async def send(name: str, *, urgent: bool = False) -> None:
+        await limiter.acquire("group", urgent=urgent)
+        order.append(name)
+        if urgent:
+            limiter.expected_done("group")
+
+    reply = asyncio.create_task(send("reply"))  # the agent answers the decision first...
+    await asyncio.sleep(0)
+    limiter.expect("group")  # ...but the decision announced its card edit
+    edit = asyncio.create_task(send("edit", urgent=True))
+    await asyncio.wait_for(asyncio.gather(reply, edit), timeout=10)
+    assert order == ["edit", "reply"]
+
+
+async def test_an_announced_edit_that_never_comes_holds_sends_only_briefly() -> None:
+    limiter = ChatRateLimiter(min_interval=0.0, expect_seconds=0.05)
+    limiter.expect("group")
+    await asyncio.wait_for(limiter.acquire("group"), timeout=10)  # the announcement lapsed; the send went
+    limiter.expect("group")
+    limiter.expected_done("group")
+    assert await asyncio.wait_for(limiter.acquire("group"), timeout=10) == 0.0  # released: no wait at all

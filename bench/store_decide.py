@@ -1,0 +1,209 @@
+"""Decisions per second: the approvals service against raw compare-and-set loops, interleaved.
+
+For each case, the same number of requests is decided three ways, in one
+process, alternating every ``--chunk`` requests so disk noise hits all alike:
+
+* product: ``ApprovalService.decide_from_button`` (authorisation, the card check,
+  the compare-and-set with ``RETURNING``, audit rows, group commit);
+* raw sqlite3: ``UPDATE r SET status=? WHERE id=? AND status='pending'`` and a
+  commit per press, stdlib ``sqlite3`` on the loop thread;
+* raw aiosqlite: the same statement and commit through aiosqlite.
+
+Every file is WAL with ``synchronous=FULL``. The cases: one press per request,
+one request at a time; three presses per request (one winner, two losers), one
+request at a time; three presses per request with ``--in-flight`` requests at
+once. Ratios are product ÷ raw. Prints numbers; asserts nothing.
+
+    python bench/store_decide.py [--requests 2000] [--dir PATH] [--tmpfs /dev/shm] [--runs 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sqlite3
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiosqlite
+
+from kazma.approvals import MIGRATIONS, ApprovalService, ApprovalStore, Decision, button_data
+from kazma.bot.logging import configure_logging
+from kazma.config import load_config_text
+from kazma.config.database import connect, open_database
+
+CONFIG = load_config_text('approvals: {approvers: ["telegram:1", "slack:U1", "discord:2"]}').config
+PRESSERS = (("telegram:1", "telegram"), ("slack:U1", "slack"), ("discord:2", "discord"))
+RAW_CAS = "UPDATE r SET status = ?, decided_by = ? WHERE id = ? AND status = 'pending'"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    presses: int
+    in_flight: int
+    goal: float
+
+
+CASES = (
+    Case("1 press per request, one at a time", 1, 1, 0.8),
+    Case("3 presses per request (1 winner, 2 losers)", 3, 1, 0.5),
+    Case("3 presses, 60 requests in flight", 3, 60, 0.5),
+)
+
+
+@dataclass
+class Tally:
+    seconds: float = 0.0
+    decisions: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.decisions / self.seconds if self.seconds else 0.0
+
+
+Chunk = Callable[[list[int]], Awaitable[int]]
+
+
+async def product_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Callable[[], Awaitable[None]]]:
+    conn = await open_database(path, migrations=MIGRATIONS)
+    service = ApprovalService(ApprovalStore(conn), CONFIG)
+    ids = [(await service.open("shell", {"n": i}, "bench", "bench")).id for i in range(requests)]
+
+    async def decide(rid: str) -> int:
+        presses = [
+            service.decide_from_button(button_data(rid, Decision.APPROVE), actor=actor, platform=platform)
+            for actor, platform in PRESSERS[: case.presses]
+        ]
+        results = await asyncio.gather(*presses) if len(presses) > 1 else [await presses[0]]
+        return sum(r.won for r in results)
+
+    async def chunk(numbers: list[int]) -> int:
+        won = 0
+        for start in range(0, len(numbers), case.in_flight):
+            batch = numbers[start : start + case.in_flight]
+            won += sum(await asyncio.gather(*(decide(ids[n]) for n in batch)))
+        return won
+
+    async def close() -> None:
+        writer = await service.store.tables.writer()
+        await writer.close()
+        await conn.close()
+
+    return chunk, close
+
+
+def raw_table(conn: sqlite3.Connection, requests: int) -> None:
+    conn.execute("CREATE TABLE IF NOT EXISTS r (id TEXT PRIMARY KEY, status TEXT NOT NULL, decided_by TEXT)")
+    conn.executemany("INSERT INTO r VALUES (?, 'pending', NULL)", [(f"r{i}",) for i in range(requests)])
+
+
+async def sqlite3_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Callable[[], Awaitable[None]]]:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = FULL")
+    raw_table(conn, requests)
+
+    async def chunk(numbers: list[int]) -> int:
+        won = 0
+        for n in numbers:
+            for actor, _ in PRESSERS[: case.presses]:
+                conn.execute("BEGIN IMMEDIATE")
+                won += conn.execute(RAW_CAS, ("approved", actor, f"r{n}")).rowcount
+                conn.execute("COMMIT")
+        return won
+
+    async def close() -> None:
+        conn.close()
+
+    return chunk, close
+
+
+async def aiosqlite_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Callable[[], Awaitable[None]]]:
+    conn: aiosqlite.Connection = await connect(path)
+    await conn.execute("CREATE TABLE IF NOT EXISTS r (id TEXT PRIMARY KEY, status TEXT NOT NULL, decided_by TEXT)")
+    await conn.executemany("INSERT INTO r VALUES (?, 'pending', NULL)", [(f"r{i}",) for i in range(requests)])
+    lock = asyncio.Lock()
+
+    async def press(n: int, actor: str) -> int:
+        async with lock:
+            await conn.execute("BEGIN IMMEDIATE")
+            cursor = await conn.execute(RAW_CAS, ("approved", actor, f"r{n}"))
+            won = cursor.rowcount
+            await cursor.close()
+            await conn.execute("COMMIT")
+        return won
+
+    async def chunk(numbers: list[int]) -> int:
+        won = 0
+        for start in range(0, len(numbers), case.in_flight):
+            batch = numbers[start : start + case.in_flight]
+            won += sum(await asyncio.gather(*(press(n, a) for n in batch for a, _ in PRESSERS[: case.presses])))
+        return won
+
+    async def close() -> None:
+        await conn.close()
+
+    return chunk, close
+
+
+async def run_case(folder: Path, case: Case, requests: int, chunk_size: int) -> dict[str, Tally]:
+    sides = {
+        "product": await product_side(folder / "product.db", requests, case),
+        "raw sqlite3": await sqlite3_side(folder / "sqlite3.db", requests, case),
+        "raw aiosqlite": await aiosqlite_side(folder / "aiosqlite.db", requests, case),
+    }
+    tallies = {name: Tally() for name in sides}
+    size = max(chunk_size, case.in_flight)
+    try:
+        for start in range(0, requests, size):
+            numbers = list(range(start, min(start + size, requests)))
+            for name, (chunk, _) in sides.items():
+                began = time.perf_counter()
+                won = await chunk(numbers)
+                tallies[name].seconds += time.perf_counter() - began
+                tallies[name].decisions += won
+    finally:
+        for _, close in sides.values():
+            await close()
+    return tallies
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description="decisions per second, product vs raw, interleaved")
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--chunk", type=int, default=20, help="requests per side before switching sides")
+    parser.add_argument("--dir", type=Path, default=None, help="where the files go (default: a temp dir here)")
+    parser.add_argument("--tmpfs", type=Path, default=None, help="also run on this tmpfs folder, e.g. /dev/shm")
+    parser.add_argument("--runs", type=int, default=1)
+    args = parser.parse_args()
+    configure_logging("warning")  # measure the store, not the log sink
+    places = [("store dir", args.dir or Path.cwd())]
+    if args.tmpfs is not None:
+        places.append(("tmpfs", args.tmpfs))
+    for run in range(1, args.runs + 1):
+        print(f"run {run}: {args.requests} requests per case, sides interleaved every {args.chunk} requests")
+        header = f"{'where':<10}{'case':<46}{'product/s':>11}{'sqlite3/s':>11}{'aiosql/s':>10}"
+        print(header + f"{'÷sqlite3':>10}{'÷aiosql':>9}{'goal':>7}")
+        for label, folder in places:
+            for case in CASES:
+                with tempfile.TemporaryDirectory(dir=folder) as tmp:
+                    tallies = await run_case(Path(tmp), case, args.requests, args.chunk)
+                product, raw, aio = (tallies[k].rate for k in ("product", "raw sqlite3", "raw aiosqlite"))
+                goal = case.goal if label == "store dir" else 0.25
+                print(
+                    f"{label:<10}{case.name:<46}{product:>11,.0f}{raw:>11,.0f}{aio:>10,.0f}"
+                    f"{product / raw:>10.2f}{product / aio:>9.2f}{'≥' + str(goal):>7}"
+                )
+                for name, tally in tallies.items():
+                    if tally.decisions != args.requests:
+                        print(f"  !! {name} decided {tally.decisions} of {args.requests}")
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())

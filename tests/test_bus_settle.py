@@ -1,0 +1,167 @@
+"""Settling by request: a decision edits its own cards without scanning the store, edits go before queued
+posts, failed edits wait in their rows, and an idle bus reads nothing until its slow safety scan."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kazma.adapters.bus import SAFETY_SCAN_SECONDS, FanOutBus
+from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press
+from kazma.adapters.outbox import MIGRATIONS as OUTBOX
+from kazma.adapters.outbox import Outbox
+from kazma.approvals import MIGRATIONS as APPROVALS
+from kazma.approvals import ApprovalCard, ApprovalService, ApprovalStore, Decision, Outcome, PressResult, Status
+from kazma.approvals.store import PostedCard
+from kazma.config.database import connect, open_database
+from tests.approvals_support import approvals_config
+from tests.test_bus import MemoryPlatform
+
+
+class CountingStore(ApprovalStore):
+    """The real store, counting its full scans for unsettled cards."""
+
+    scans = 0
+
+    async def unsettled_cards(self, platform: str | None = None, *, due_by: float | None = None) -> list[PostedCard]:
+        self.scans += 1
+        return await super().unsettled_cards(platform, due_by=due_by)
+
+
+@dataclass
+class GatedPlatform(MemoryPlatform):
+    """Each post waits for a ticket, so a test decides what happens between posts; logs posts and edits."""
+
+    tickets: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
+    log: list[tuple[str, str]] = field(default_factory=list)
+
+    async def post_card(self, card: ApprovalCard) -> CardRef:
+        await self.tickets.acquire()
+        ref = await super().post_card(card)
+        self.log.append(("post", card.request_id))
+        return ref
+
+    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
+        await super().settle_card(ref, card, outcome)
+        self.log.append(("settle", card.request_id))
+
+
+@dataclass
+class Rig:
+    bus: FanOutBus
+    service: ApprovalService
+    store: CountingStore
+
+
+async def _noop_inbound(message: Inbound) -> None:
+    return
+
+
+@asynccontextmanager
+async def rig(path: Path, platform: MemoryPlatform, *, poll_interval: float = 3600.0) -> AsyncIterator[Rig]:
+    conn = await open_database(path, migrations=[*APPROVALS, *OUTBOX])
+    outbox_conn = await connect(path)
+    config = approvals_config()
+    store = CountingStore(conn)
+    bus = FanOutBus([platform], store=store, outbox=Outbox(outbox_conn), config=config, poll_interval=poll_interval)
+    service = ApprovalService(store, config, publisher=bus)
+
+    async def on_press(press: Press) -> PressResult:
+        return await service.decide_from_button(press.data, actor=press.actor, platform=press.platform)
+
+    await bus.start(Handlers(on_inbound=_noop_inbound, on_press=on_press))
+    try:
+        yield Rig(bus, service, store)
+    finally:
+        await bus.stop()
+        await outbox_conn.close()
+        await conn.close()
+
+
+async def until(condition: object, timeout: float = 20.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():  # type: ignore[operator]
+            await asyncio.sleep(0.005)
+
+
+async def seed_unsettled(store: ApprovalStore, count: int, platform: str) -> None:
+    """``count`` decided requests whose cards on ``platform`` still show buttons (another platform's work)."""
+    for n in range(count):
+        request = await store.insert(
+            tool="shell",
+            args_json=f'{{"n": {n}}}',
+            args_hash=f"{n:064x}",
+            requested_by="agent:b",
+            conversation="web:c",
+            deadline=time.time() + 3600,
+            task_id=None,
+        )
+        await store.record_card(request.id, platform, "elsewhere", str(n))
+        await store.finish(request.id, Status.DENIED, actor="slack:U111", platform="slack")
+
+
+async def test_a_decision_settles_its_cards_without_scanning_the_store(tmp_path: Path) -> None:
+    platform = MemoryPlatform("telegram")
+    async with rig(tmp_path / "k.db", platform) as r:
+        await seed_unsettled(r.store, 200, "discord")  # not this worker's: never read by it
+        await until(lambda: r.bus._workers["telegram"].asleep_until is not None)
+        scans_at_start = r.store.scans
+        assert scans_at_start == 1  # the start-up scan, and nothing since
+        request = await r.service.open("shell", {"command": "ls"}, "agent:b", "web:c")
+        await asyncio.wait_for(platform.posted.wait(), timeout=20)
+        result = await r.service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
+        assert result.won
+        await asyncio.wait_for(platform.settled_event.wait(), timeout=20)
+        assert [ref.message_id for ref, _ in platform.settled] == ["1"]
+        assert r.store.scans == scans_at_start  # settled by its id, not found by a scan
+        cards = await r.store.cards(request.id)
+        assert [c.settled_status for c in cards] == ["approved"]
+
+
+async def test_an_idle_bus_sleeps_until_its_slow_safety_scan(tmp_path: Path) -> None:
+    platform = MemoryPlatform("telegram")
+    async with rig(tmp_path / "k.db", platform, poll_interval=SAFETY_SCAN_SECONDS) as r:
+        await seed_unsettled(r.store, 50, "telegram")  # in the store before the worker's next look
+        worker = r.bus._workers["telegram"]
+        await until(lambda: worker.asleep_until is not None)
+        asleep_until = worker.asleep_until
+        assert asleep_until is not None
+        assert asleep_until - time.time() > SAFETY_SCAN_SECONDS / 2  # no per-second look at the store
+        assert SAFETY_SCAN_SECONDS >= 60
+
+
+async def test_a_failed_edit_waits_in_its_row_and_is_retried_when_due(tmp_path: Path) -> None:
+    platform = MemoryPlatform("telegram")
+    async with rig(tmp_path / "k.db", platform) as r:
+        request = await r.service.open("shell", {"command": "ls"}, "agent:b", "web:c")
+        await asyncio.wait_for(platform.posted.wait(), timeout=20)
+        platform.failures.append(PlatformError("telegram", "card_settle", "server error", retryable=True))
+        await r.service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")
+        await until(lambda: r.bus._workers["telegram"].retry_at is not None)
+        (card,) = await r.store.cards(request.id)
+        assert await r.store.settle_attempts(card) == 1
+        due = await r.store.next_settle_retry("telegram")
+        assert due is not None
+        assert await r.store.unsettled_cards("telegram", due_by=due - 0.01) == []  # in backoff: not even read
+        await asyncio.wait_for(platform.settled_event.wait(), timeout=30)  # the worker woke when it was due
+        (card,) = await r.store.cards(request.id)
+        assert card.settled_status == "denied"
+
+
+async def test_a_card_edit_goes_before_the_posts_queued_on_its_platform(tmp_path: Path) -> None:
+    platform = GatedPlatform("telegram")
+    async with rig(tmp_path / "k.db", platform) as r:
+        first = await r.service.open("shell", {"command": "first"}, "agent:b", "web:c")
+        burst = [await r.service.open("shell", {"command": f"burst {n}"}, "agent:b", "web:c") for n in range(10)]
+        platform.tickets.release()  # the first card goes up; the burst waits behind it
+        await asyncio.wait_for(platform.posted.wait(), timeout=20)
+        await r.service.decide(first.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
+        for _ in burst:
+            platform.tickets.release()
+        await until(lambda: len(platform.log) == 12)
+        edit_at = platform.log.index(("settle", first.id))
+        assert edit_at <= 2, platform.log  # at most the one post already under way went before it

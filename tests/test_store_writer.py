@@ -1,0 +1,140 @@
+"""The group-committing store writer: one transaction per group, failures kept apart, nobody answered early."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from kazma.config.database import Tables, connect
+from kazma.config.writer import StoreWriter, Tx
+
+
+@pytest.fixture
+async def writer(tmp_path: Path) -> AsyncIterator[StoreWriter]:
+    path = tmp_path / "w.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("CREATE TABLE t (k TEXT PRIMARY KEY, v INTEGER NOT NULL)")
+    conn.execute(
+        "CREATE TABLE child (k TEXT REFERENCES t (k) DEFERRABLE INITIALLY DEFERRED)"
+    )  # a violation shows only at COMMIT
+    conn.close()
+    w = StoreWriter(path)
+    yield w
+    await w.close()
+
+
+def rows(path: str) -> dict[str, int]:
+    conn = sqlite3.connect(path)
+    try:
+        return {str(k): int(v) for k, v in conn.execute("SELECT k, v FROM t")}
+    finally:
+        conn.close()
+
+
+def put(key: str, value: int) -> Callable[[Tx], int]:
+    def op(tx: Tx) -> int:
+        return tx.run("INSERT INTO t (k, v) VALUES (?, ?)", (key, value))
+
+    return op
+
+
+async def test_operations_submitted_together_commit_as_one_group(writer: StoreWriter) -> None:
+    results = await asyncio.gather(*(writer.submit(put(f"k{i}", i)) for i in range(50)))
+    assert results == [1] * 50
+    assert writer.groups == 1  # fifty callers, one transaction, one fsync
+    assert rows(writer.path) == {f"k{i}": i for i in range(50)}
+
+
+async def test_a_failing_operation_loses_only_its_own_writes(writer: StoreWriter) -> None:
+    def broken(tx: Tx) -> None:
+        tx.run("INSERT INTO t (k, v) VALUES ('half', 1)")
+        raise ValueError("this operation changed its mind")
+
+    outcomes = await asyncio.gather(
+        writer.submit(put("a", 1)),
+        writer.submit(broken),
+        writer.submit(put("b", 2)),
+        return_exceptions=True,
+    )
+    assert outcomes[0] == 1
+    assert outcomes[2] == 1
+    assert isinstance(outcomes[1], ValueError)
+    assert rows(writer.path) == {"a": 1, "b": 2}  # nothing of "half"
+
+
+async def test_a_failed_commit_fails_every_caller_and_keeps_nothing(writer: StoreWriter) -> None:
+    def orphan(tx: Tx) -> None:
+        tx.run("INSERT INTO child (k) VALUES ('nobody')")  # the deferred foreign key fails the COMMIT
+
+    outcomes = await asyncio.gather(
+        writer.submit(put("a", 1)),
+        writer.submit(orphan),
+        writer.submit(put("b", 2)),
+        return_exceptions=True,
+    )
+    assert all(isinstance(o, sqlite3.IntegrityError) for o in outcomes), outcomes
+    assert rows(writer.path) == {}
+    assert await writer.submit(put("c", 3)) == 1  # and the writer goes on
+    assert rows(writer.path) == {"c": 3}
+
+
+async def test_a_lock_held_by_another_process_is_waited_for_off_the_loop(writer: StoreWriter) -> None:
+    other = sqlite3.connect(writer.path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    other.execute("INSERT INTO t (k, v) VALUES ('theirs', 0)")
+    pending = asyncio.create_task(writer.submit(put("mine", 1)))
+    async with asyncio.timeout(10):
+        while not writer._in_flight:  # the loop thread met the lock and handed the group to the thread
+            await asyncio.sleep(0)
+    ticks = 0
+    while ticks < 50:  # the loop is free while the writer waits: other coroutines keep running
+        await asyncio.sleep(0)
+        ticks += 1
+    assert not pending.done()
+    other.execute("COMMIT")
+    other.close()
+    assert await asyncio.wait_for(pending, timeout=10) == 1
+    assert rows(writer.path) == {"theirs": 0, "mine": 1}
+
+
+async def test_a_read_after_a_write_sees_it(tmp_path: Path, writer: StoreWriter) -> None:
+    conn = await connect(writer.path)
+    other = sqlite3.connect(writer.path, isolation_level=None, check_same_thread=False)
+    try:
+        tables = Tables.of(conn)
+        tables.use_writer(writer)
+        other.execute("BEGIN IMMEDIATE")  # the write cannot commit yet
+        write = asyncio.create_task(writer.submit(put("seen", 7)))
+        async with asyncio.timeout(10):
+            while not writer._in_flight:
+                await asyncio.sleep(0)
+        read = asyncio.create_task(tables.one("SELECT v FROM t WHERE k = 'seen'"))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not read.done()  # the read waits for the write submitted before it
+        other.execute("COMMIT")
+        assert await asyncio.wait_for(read, timeout=10) == (7,)
+        await write
+    finally:
+        other.close()
+        await conn.close()
+
+
+async def test_close_commits_what_is_queued_and_refuses_more(writer: StoreWriter) -> None:
+    queued = [asyncio.create_task(writer.submit(put(f"q{i}", i))) for i in range(5)]
+    await asyncio.sleep(0)
+    await writer.close()
+    assert [t.result() for t in queued] == [1] * 5
+    assert len(rows(writer.path)) == 5
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+        await writer.submit(put("late", 1))
+
+
+def test_an_in_memory_database_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs a file"):
+        StoreWriter(":memory:")
