@@ -33,6 +33,12 @@ log = structlog.get_logger("kazma.bus")
 RETRY = Backoff(base=0.5, cap=60.0)
 
 
+@dataclass(frozen=True)
+class _Decided:
+    request: ApprovalRequest | None
+    cards: list[PostedCard]
+
+
 # The full scan for unsettled cards (requests decided by another process, a missed kick): this often.
 SAFETY_SCAN_SECONDS = 120.0
 
@@ -43,7 +49,8 @@ class _Worker:
     kick: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     # Requests decided here whose cards on this platform are still to be edited, oldest first.
-    to_settle: dict[str, None] = field(default_factory=dict)
+    # Each maps to one read of the request and its cards, shared by every platform's worker.
+    to_settle: dict[str, asyncio.Future[_Decided]] = field(default_factory=dict)
     scan_at: float = 0.0  # when the next full scan is due (0: at once, as at start)
     retry_at: float | None = None  # the earliest card edit waiting out a failure, when one is
     asleep_until: float | None = None  # while waiting for a kick: when it wakes by itself (None: awake)
@@ -139,13 +146,18 @@ class FanOutBus:
 
     async def settle(self, request_id: str) -> None:
         """``request_id`` has its outcome: every platform edits its cards now, ahead of queued posts."""
+        loaded: asyncio.Future[_Decided] = asyncio.ensure_future(self._decided(request_id))
         for worker in self._workers.values():
             adapter = worker.adapter
             if isinstance(adapter, UrgentEdits) and adapter.home_chat and request_id not in worker.to_settle:
                 # Before the decision's waiter runs: the agent's reply to it must not take the card's turn.
                 adapter.expect_edit(adapter.home_chat)
-            worker.to_settle[request_id] = None
+            worker.to_settle[request_id] = loaded
             worker.kick.set()
+
+    async def _decided(self, request_id: str) -> _Decided:
+        """The request and its cards, read once for every platform."""
+        return _Decided(await self.store.get(request_id), await self.store.cards(request_id))
 
     # -- messages --------------------------------------------------------------------------------
 
@@ -340,11 +352,12 @@ class FanOutBus:
         """Edit the cards of every request decided here, by request id: no scan."""
         adapter = worker.adapter
         while worker.to_settle and not self._stopping:
-            request_id = next(iter(worker.to_settle))
+            request_id, loaded = next(iter(worker.to_settle.items()))
             try:
-                for posted in await self.store.cards_to_settle(request_id, adapter.name):
-                    if posted.settled_at is None and not self._stopping:
-                        await self._settle_one(worker, posted)
+                decided = await loaded
+                for posted in decided.cards:
+                    if posted.platform == adapter.name and posted.settled_at is None and not self._stopping:
+                        await self._settle_one(worker, posted, decided.request)
             finally:
                 del worker.to_settle[request_id]
                 if isinstance(adapter, UrgentEdits) and adapter.home_chat:
@@ -362,9 +375,10 @@ class FanOutBus:
             await self._settle_one(worker, posted)
         worker.retry_at = await self.store.next_settle_retry(adapter.name)
 
-    async def _settle_one(self, worker: _Worker, posted: PostedCard) -> None:
+    async def _settle_one(self, worker: _Worker, posted: PostedCard, request: ApprovalRequest | None = None) -> None:
         adapter = worker.adapter
-        request = await self.store.get(posted.request_id)
+        if request is None or request.id != posted.request_id:
+            request = await self.store.get(posted.request_id)
         if request is None:
             return
         outcome = request.outcome()

@@ -125,8 +125,6 @@ class StoreWriter:
         if self._closed:
             raise sqlite3.ProgrammingError("the store writer is closed")
         loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop = loop
         future: asyncio.Future[T] = loop.create_future()
         self._pending.append(_Job(op, future))
         self._unanswered.add(future)
@@ -157,6 +155,7 @@ class StoreWriter:
                 return
             group = _Group(jobs)  # another process holds the write lock: wait for it on the thread
         self._in_flight = True
+        self._loop = asyncio.get_running_loop()  # the thread answers on the loop that handed it the group
         with self._lock:
             self._queue.put(group)
             if self._thread is None:
@@ -240,6 +239,9 @@ class StoreWriter:
             try:
                 loop.call_soon_threadsafe(self._returned_all, groups)
             except RuntimeError:  # the loop is gone: nobody is waiting any more
+                with self._lock:
+                    self._thread = None
+                    self._close_connection()
                 return
 
     def _returned_all(self, groups: Sequence[_Group]) -> None:

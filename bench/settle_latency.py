@@ -1,0 +1,167 @@
+"""Press → every card settled, and what an idle Kazma costs, as the store fills with open approvals.
+
+Runs Kazma's real adapters against the Telegram, Slack and Discord wire-level
+fakes from tests/fakes (in this process), with ``N`` open approvals already in
+the store (0, 1,000, 10,000 by default: pending requests whose cards are up
+on all three platforms). For each N it measures:
+
+* press → settled: a press on Slack, then every platform's card polled every
+  1 ms until none shows buttons; and the Telegram card alone, while a reply to
+  that very decision races the card edit for the chat's send slot (as the
+  lead's answer does), p50 / p95 / worst;
+* bus overhead: from the decision (the bus told to settle) until the last
+  platform's edit call starts — what Kazma adds before the platforms' own
+  time (the client libraries and the fakes, in this process, are the rest);
+* idle: CPU seconds this process spends per wall second with nothing to do
+  (the fakes' own idle work included), over ``--idle`` seconds.
+
+With ``--latency`` the fakes answer every API call after a fixed delay
+(Telegram 50 ms, Slack 150 ms, Discord 300 ms) instead of at once. Prints
+numbers; asserts nothing.
+
+    PYTHONPATH=. python bench/settle_latency.py [--rounds 20] [--open 0,1000,10000] [--idle 10] [--latency]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kazma.approvals.model import Decision
+from kazma.approvals.store import ApprovalStore
+from kazma.bot.app import App, build_app
+from kazma.bot.logging import configure_logging
+from kazma.config import load_config_text
+from tests.fakes.discord import HOME_CHANNEL_ID
+from tests.platforms_support import PLATFORMS, SLACK_CHANNEL, TG_CHAT, Fakes, adapters_for, three_fakes
+
+LATENCY = {"telegram": 0.05, "slack": 0.15, "discord": 0.30}
+CHATS = {"telegram": str(TG_CHAT), "slack": SLACK_CHANNEL, "discord": str(HOME_CHANNEL_ID)}
+
+
+async def seed_open(store: ApprovalStore, count: int) -> None:
+    """``count`` pending requests with a card recorded on every platform (durable: a restart keeps them open)."""
+    for n in range(count):
+        request = await store.insert(
+            tool="shell",
+            args_json=f'{{"n": {n}}}',
+            args_hash=f"{n:064x}",
+            requested_by="agent:bench",
+            conversation="web:bench",
+            deadline=time.time() + 86_400,
+            task_id=None,
+            durable=True,
+        )
+        for platform in PLATFORMS:
+            await store.record_card(request.id, platform, CHATS[platform], f"seed-{n}")
+
+
+async def until(predicate: Callable[[], bool], *, every: float = 0.001, limit: float = 60.0) -> None:
+    """Poll ``predicate`` every ``every`` seconds: the fakes change state in their own handlers."""
+    async with asyncio.timeout(limit):
+        while not predicate():  # noqa: ASYNC110 - the resolution of the measurement is this poll
+            await asyncio.sleep(every)
+
+
+async def measure(fakes: Fakes, store_path: Path, seeded: int, rounds: int, idle: float) -> dict[str, list[float]]:
+    loaded = load_config_text(fakes.config_yaml(store_path), environ={})
+    app: App = await build_app(loaded, adapters=adapters_for(loaded), workspace_root=store_path.parent / "ws")
+    await seed_open(app.service.store, seeded)
+    await app.start()
+    fakes.slack_events_url = app.bus.adapters["slack"].events_url  # type: ignore[attr-defined]
+    results: dict[str, list[float]] = {
+        "all settled": [],
+        "telegram, reply racing": [],
+        "bus overhead": [],
+        "idle cpu %": [],
+    }
+    reply_to: list[str] = []
+    marks: dict[str, float] = {}
+    # Timestamps only: the bench wraps Kazma's own bus and adapters, never a client library.
+    settle = app.bus.settle
+
+    async def timed_settle(request_id: str) -> None:
+        marks.setdefault("decided", time.perf_counter())
+        await settle(request_id)
+
+    app.bus.settle = timed_settle  # type: ignore[method-assign]
+    for adapter in app.bus.adapters.values():
+        edit = adapter.settle_card
+
+        async def timed_edit(ref: Any, card: Any, outcome: Any, *, edit: Any = edit, name: str = adapter.name) -> None:
+            marks.setdefault(name, time.perf_counter())
+            await edit(ref, card, outcome)
+
+        adapter.settle_card = timed_edit  # type: ignore[method-assign]
+
+    def reply(request_id: str) -> None:
+        # The lead answers the decision in the same Telegram chat, at once.
+        if request_id in reply_to:
+            asyncio.get_running_loop().create_task(app.bus.send_text("telegram", str(TG_CHAT), "On it."))
+
+    app.service.listeners.append(reply)
+    try:
+        for n in range(rounds):
+            request = await app.service.open("shell", {"command": f"make release-{n}"}, "bench", "bench")
+            await until(lambda: all(fakes.has_buttons(p) for p in PLATFORMS), every=0.01)
+            await asyncio.sleep(1.2)  # a person takes longer than the 1 s per-chat pacing to press
+            reply_to.append(request.id)
+            marks.clear()
+            start = time.perf_counter()
+            # The press's own HTTP answer is not waited for: what counts is what people see change.
+            press = asyncio.create_task(fakes.press("slack", Decision.APPROVE))
+            await until(lambda: not fakes.has_buttons("telegram"))
+            results["telegram, reply racing"].append(time.perf_counter() - start)
+            await until(lambda: not any(fakes.has_buttons(p) for p in PLATFORMS))
+            results["all settled"].append(time.perf_counter() - start)
+            await press
+            results["bus overhead"].append(max(marks[p] for p in PLATFORMS) - marks["decided"])
+            await asyncio.sleep(1.2)
+        cpu, wall = time.process_time(), time.perf_counter()
+        await asyncio.sleep(idle)  # nothing to do: what does waiting cost?
+        results["idle cpu %"].append(100 * (time.process_time() - cpu) / (time.perf_counter() - wall))
+    finally:
+        await app.stop()
+    return results
+
+
+def ms(values: list[float]) -> str:
+    ordered = sorted(v * 1000 for v in values)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return f"{statistics.median(ordered):>8.1f}{p95:>8.1f}{ordered[-1]:>8.1f}"
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description="press -> settled latency and idle cost vs open approvals")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--open", default="0,1000,10000", help="open approvals in the store, comma-separated")
+    parser.add_argument("--idle", type=float, default=10.0, help="seconds of idling measured per case")
+    parser.add_argument("--latency", action="store_true", help="fixed per-call latency on the fakes")
+    args = parser.parse_args()
+    configure_logging("error")
+    where = "fixed-latency fakes (" if args.latency else "zero-latency fakes"
+    if args.latency:
+        where += ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in LATENCY.items()) + ")"
+    print(f"{where}; {args.rounds} presses per case; press on Slack")
+    print(f"{'open approvals':<16}{'measure':<26}{'p50 ms':>8}{'p95 ms':>8}{'max ms':>8}")
+    for seeded in (int(n) for n in args.open.split(",")):
+        async with three_fakes() as fakes:
+            if args.latency:
+                fakes.telegram.latency = LATENCY["telegram"]
+                fakes.slack.latency = LATENCY["slack"]
+                fakes.discord.latency = LATENCY["discord"]
+            with tempfile.TemporaryDirectory() as tmp:
+                results = await measure(fakes, Path(tmp) / "k.db", seeded, args.rounds, args.idle)
+        for name in ("all settled", "telegram, reply racing", "bus overhead"):
+            print(f"{seeded:<16,}{name:<26}{ms(results[name])}")
+        print(f"{seeded:<16,}{'idle CPU':<26}{results['idle cpu %'][0]:>7.2f}%")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
