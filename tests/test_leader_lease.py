@@ -120,6 +120,38 @@ async def test_one_leader_and_a_terminated_backend_hands_over(
     assert [e for r, e, _, _ in seen.events] == ["acquired", "lost", "acquired", "acquired"]
 
 
+async def test_slow_or_failing_callbacks_neither_delay_the_checks_nor_end_the_lease(
+    pg_server: PostgresServer, pg_database: PgDatabase
+) -> None:
+    release = asyncio.Event()
+    calls: list[str] = []
+
+    async def acquired() -> None:
+        calls.append("acquired")
+        await release.wait()  # the owner's start-up work, taking its time
+
+    async def lost(reason: str) -> None:
+        calls.append("lost")
+        raise RuntimeError("the owner failed to stop its work")
+
+    failed_before = failure_count("leader_callback")
+    async with LeaderLease(pg_database.dsn, replica="slow", on_acquired=acquired, on_lost=lost) as lease:
+        await asyncio.wait_for(lease.wait_leader(), WAIT)
+        await until(lambda: calls == ["acquired"])
+        held_since = time.monotonic()
+        # Time passing is what is tested: past two graces, only checks made meanwhile keep it leader.
+        await until(lambda: time.monotonic() > held_since + 2 * lease.timing.grace)
+        assert lease.is_leader
+        assert await asyncio.to_thread(pg_server.terminate_client, lease.application_name) == 1
+        await until(lambda: not lease.is_leader)
+        assert calls == ["acquired"]  # on_lost waits its turn: callbacks run in order
+        release.set()
+        await until(lambda: calls[:2] == ["acquired", "lost"])
+        await asyncio.wait_for(lease.wait_leader(), WAIT)  # the failed callback did not end the lease
+        await until(lambda: calls == ["acquired", "lost", "acquired"])
+        assert failure_count("leader_callback") == failed_before + 1
+
+
 async def test_lease_waits_for_the_database_and_leads_once_it_answers(pg_server: PostgresServer) -> None:
     with pg_server.database() as db:
         name = db.name
