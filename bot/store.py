@@ -16,6 +16,7 @@ from kazma.approvals.rules import MIGRATIONS as RULES
 from kazma.approvals.schema import MIGRATIONS as APPROVALS
 from kazma.bot.api_store import MIGRATIONS as API_IDEMPOTENCY
 from kazma.bot.chat_moves import MIGRATIONS as CHAT_MOVES
+from kazma.bot.console.sessions import MIGRATIONS as SESSIONS
 from kazma.config import KazmaConfig
 from kazma.config.database import Migration, open_database
 from kazma.config.metrics import count_failure
@@ -41,6 +42,7 @@ def all_migrations() -> list[Migration]:
         *API_IDEMPOTENCY,
         *RULES,
         *TRANSCRIPT,
+        *SESSIONS,
     ]
 
 

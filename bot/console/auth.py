@@ -8,9 +8,11 @@ before any decision counts. The token proves the role; the name is what the
 holder of the token says they are, so hand tokens only to people you trust to
 name themselves honestly.
 
-Sessions live in this process only (a restart logs everybody out): the cookie
-holds a random id and nothing else. Every POST made with a session must carry
-that session's CSRF token (form field ``csrf`` or header ``X-CSRF-Token``).
+Sessions live in the store (:mod:`~kazma.bot.console.sessions`), so a restart
+logs nobody out and any replica serves a logged-in user: the cookie holds a
+random session token and nothing else, the store only its SHA-256. Every POST
+made with a session must carry that session's CSRF token (form field ``csrf``
+or header ``X-CSRF-Token``), derived from the session token and never stored.
 
 The login POST has no session yet, so it is protected twice: the session cookie
 is ``SameSite=Strict`` (a cross-site page cannot ride on it anyway), and the
@@ -31,7 +33,8 @@ import re
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -40,8 +43,12 @@ import structlog
 from aiohttp import web
 
 from kazma.bot.console.pages import login_page, message_page
+from kazma.bot.console.sessions import SessionStore
+from kazma.config.metrics import count_failure
 
 log = structlog.get_logger("kazma.web.auth")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 SESSION_COOKIE = "kazma_session"
 LOGIN_CSRF_COOKIE = "kazma_login_csrf"
@@ -58,6 +65,8 @@ MIN_TOKEN_LENGTH = 32
 LOGIN_FAILURES = 5
 LOGIN_WINDOW = 60.0
 TOKEN_RECHECK = 1.0  # seconds between looks at the token files, to end sessions of a rotated token
+SEEN_EVERY = 60.0  # a session's last-seen time is written at most this often: not one write per request
+_MAX_COOKIE = 128  # a session token is 43 characters; anything much longer is not one of ours
 
 
 class Role(StrEnum):
@@ -67,13 +76,13 @@ class Role(StrEnum):
 
 @dataclass
 class Session:
-    id: str
+    id: str  # the cookie's session token: held for this request only, never stored
     login: str
     role: Role
     csrf: str
-    expires: float
+    expires: float  # epoch seconds
     flash: list[str]
-    token_digest: str = ""  # of the token this session was opened with: a rotated token ends it
+    kept_flash: tuple[str, ...] = ()  # the lines the store holds: only a change is written back
 
     @property
     def is_operator(self) -> bool:
@@ -86,6 +95,11 @@ class Session:
     def take_flash(self) -> list[str]:
         lines, self.flash = self.flash, []
         return lines
+
+
+# The session the current request was served with, for the flash middleware: set per request (each runs
+# in its own task, so its own context). aiohttp's typed request keys need a newer aiohttp than we require.
+_SERVED: ContextVar[list[Session] | None] = ContextVar("kazma_served_session", default=None)
 
 
 @dataclass(frozen=True)
@@ -151,6 +165,22 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
+def session_hash(session_token: str) -> str:
+    """What the store keeps of a session token: its SHA-256 (the token is 256 random bits; no salt needed)."""
+    return token_digest(session_token)
+
+
+def session_csrf(session_token: str) -> str:
+    """The session's CSRF token, derived from the session token, so that it need not be stored."""
+    return hmac.new(session_token.encode("utf-8"), b"kazma csrf", hashlib.sha256).hexdigest()
+
+
+def session_binding(session_token: str, console_token_digest: str) -> str:
+    """Ties a session to the console token it was opened with (a rotated token ends it). Keyed by the
+    session token, so the store holds nothing a stolen copy could test console-token guesses against."""
+    return hmac.new(session_token.encode("utf-8"), console_token_digest.encode("ascii"), hashlib.sha256).hexdigest()
+
+
 class LoginThrottle:
     """Wrong logins per client address: after a few in a window, that address waits out the window."""
 
@@ -207,6 +237,7 @@ class WebAuth:
         self,
         tokens: Tokens,
         *,
+        store: SessionStore,
         secure: bool,
         clock: Callable[[], float] = time.monotonic,
         reload: Callable[[], Tokens] | None = None,
@@ -215,7 +246,7 @@ class WebAuth:
         self.tokens = tokens
         self.secure = secure
         self.clock = clock
-        self.sessions: dict[str, Session] = {}
+        self.store = store
         self.throttle = LoginThrottle(clock=clock)
         self._reload = reload  # re-reads the token files, so a rotated token ends the sessions made with it
         self._checked = clock()
@@ -240,43 +271,71 @@ class WebAuth:
             return Role.OPERATOR
         return Role.READER if reader else None
 
-    def _prune(self) -> None:
-        now = self.clock()
-        for sid in [sid for sid, s in self.sessions.items() if s.expires <= now]:
-            del self.sessions[sid]
-        while len(self.sessions) >= MAX_SESSIONS:
-            oldest = min(self.sessions.values(), key=lambda s: s.expires)
-            del self.sessions[oldest.id]
-
-    def open_session(self, login: str, role: Role) -> Session:
-        self._prune()
-        session = Session(
-            id=secrets.token_urlsafe(32),
+    async def open_session(self, login: str, role: Role) -> Session:
+        sid = secrets.token_urlsafe(32)
+        expires = await self.store.open(
+            session_hash(sid),
             login=login,
-            role=role,
-            csrf=secrets.token_urlsafe(32),
-            expires=self.clock() + SESSION_SECONDS,
-            flash=[],
-            token_digest=self._current_digest(role),
+            role=role.value,
+            binding=session_binding(sid, self._current_digest(role)),
+            lifetime=SESSION_SECONDS,
+            max_sessions=MAX_SESSIONS,
         )
-        self.sessions[session.id] = session
+        return Session(id=sid, login=login, role=role, csrf=session_csrf(sid), expires=expires, flash=[])
+
+    async def session(self, request: web.Request) -> Session | None:
+        """The request's live session, or None: unknown, forged, expired (deleted now) or of a rotated token."""
+        served = _SERVED.get()
+        if served:
+            return served[0]
+        sid = request.cookies.get(SESSION_COOKIE)
+        if not sid or len(sid) > _MAX_COOKIE:
+            return None
+        key = session_hash(sid)
+        stored = await self.store.find(key)
+        if stored is None:
+            return None
+        try:
+            role = Role(stored.role)
+        except ValueError:
+            await self.store.end(key)
+            return None
+        if not _same(stored.binding, session_binding(sid, self._current_digest(role))):
+            await self.store.end(key)
+            log.info("web.session_ended", login=stored.login, reason="token rotated")
+            return None
+        if self.store.clock() - stored.last_seen >= SEEN_EVERY:
+            await self.store.seen(key)
+        session = Session(
+            id=sid,
+            login=stored.login,
+            role=role,
+            csrf=session_csrf(sid),
+            expires=stored.expires_at,
+            flash=list(stored.flash),
+            kept_flash=stored.flash,
+        )
+        if served is not None:
+            served.append(session)
         return session
 
-    def session(self, request: web.Request) -> Session | None:
-        sid = request.cookies.get(SESSION_COOKIE)
-        if not sid:
-            return None
-        session = self.sessions.get(sid)
-        if session is None:
-            return None
-        if session.expires <= self.clock():
-            del self.sessions[sid]
-            return None
-        if not _same(session.token_digest, self._current_digest(session.role)):
-            del self.sessions[sid]
-            log.info("web.session_ended", login=session.login, reason="token rotated")
-            return None
-        return session
+    @web.middleware
+    async def keep_flash(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """After each request, write back the session's flash lines if the handler changed them, so the
+        next page shows them whichever replica serves it."""
+        served: list[Session] = []
+        reset = _SERVED.set(served)
+        try:
+            return await handler(request)
+        finally:
+            _SERVED.reset(reset)
+            session = served[0] if served else None
+            if session is not None and tuple(session.flash) != session.kept_flash:
+                try:
+                    await self.store.keep_flash(session_hash(session.id), session.flash)
+                except Exception as exc:  # the answer matters more than a message for the next page
+                    count_failure("web_session")
+                    log.warning("web.flash_not_kept", login=session.login, error=f"{type(exc).__name__}: {exc}")
 
     def check_origin(self, request: web.Request) -> None:
         """A state-changing request must come from the console itself, when the browser says where it comes from.
@@ -298,16 +357,16 @@ class WebAuth:
 
     # -- guards ----------------------------------------------------------------------------------
 
-    def page_reader(self, request: web.Request) -> Session:
+    async def page_reader(self, request: web.Request) -> Session:
         """A logged-in person for an HTML page; otherwise off to the login form."""
-        session = self.session(request)
+        session = await self.session(request)
         if session is None:
             raise web.HTTPFound("/login")
         return session
 
-    def api_reader(self, request: web.Request) -> Session:
+    async def api_reader(self, request: web.Request) -> Session:
         """A logged-in person for the event stream and other machine routes; otherwise 401 JSON."""
-        session = self.session(request)
+        session = await self.session(request)
         if session is None:
             raise web.HTTPUnauthorized(text=json.dumps({"error": "login required"}), content_type="application/json")
         return session
@@ -318,7 +377,7 @@ class WebAuth:
         Raises before anything is read into the application, so a refused request changes nothing.
         """
         self.check_origin(request)
-        session = self.session(request)
+        session = await self.session(request)
         if session is None:
             raise web.HTTPUnauthorized(
                 text=message_page("Login required", "Your session has ended; log in again.", link=("/login", "Log in")),
@@ -388,9 +447,9 @@ class WebAuth:
             log.warning("web.login_refused", login=name, remote=request.remote)
             return html_response(login_page(field, error="wrong token", name=name), status=401)
         previous = request.cookies.get(SESSION_COOKIE)
-        if previous:
-            self.sessions.pop(previous, None)  # a fresh id at every login: no session fixation
-        session = self.open_session(name, role)
+        if previous and len(previous) <= _MAX_COOKIE:
+            await self.store.end(session_hash(previous))  # a fresh token at every login: no session fixation
+        session = await self.open_session(name, role)
         log.info("web.login", login=name, role=role.value)
         response = web.HTTPSeeOther("/")
         response.set_cookie(
@@ -407,7 +466,7 @@ class WebAuth:
 
     async def logout(self, request: web.Request) -> web.Response:
         session, _ = await self.post(request, operator=False)
-        self.sessions.pop(session.id, None)
+        await self.store.end(session_hash(session.id))
         log.info("web.logout", login=session.login)
         response = web.HTTPSeeOther("/login")
         response.del_cookie(SESSION_COOKIE, path="/")

@@ -54,6 +54,7 @@ from kazma.bot.console.pages import (
     message_html,
     message_page,
 )
+from kazma.bot.console.sessions import SessionStore
 from kazma.bot.console.static import CONSOLE_JS
 from kazma.bot.console.upload import UploadRefused, read_upload
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure
@@ -150,13 +151,14 @@ class WebServer:
         public_url = str(self.app.loaded.config.web.public_url)
         self.auth = WebAuth(
             tokens,
+            store=SessionStore(self.app.connections[0]),
             secure=public_url.startswith("https://"),
             reload=read_tokens,
             origins=(str(URL(public_url).origin()),),
         )
-        application = web.Application(client_max_size=256 * 1024)
-        application.on_response_prepare.append(_add_security_headers)
         auth = self.auth
+        application = web.Application(client_max_size=256 * 1024, middlewares=[auth.keep_flash])
+        application.on_response_prepare.append(_add_security_headers)
         application.add_routes(
             [
                 web.get("/login", auth.login_form),
@@ -258,7 +260,7 @@ class WebServer:
     # -- the console -----------------------------------------------------------------------------
 
     async def console(self, request: web.Request) -> web.Response:
-        session = self._auth().page_reader(request)
+        session = await self._auth().page_reader(request)
         flash = [*self._cannot_decide(session), *session.take_flash()]
         return html_response(console_page(session, self.web.messages(), flash=flash, files=self._file_bounds()))
 
@@ -272,7 +274,7 @@ class WebServer:
         try:
             session, sent = await read_upload(request, self._auth(), self._file_bounds())
         except UploadRefused as exc:
-            session = self._auth().page_reader(request)
+            session = await self._auth().page_reader(request)
             log.info("web.upload_refused", login=session.login, reason=str(exc))
             session.flash.append(str(exc))
             raise web.HTTPSeeOther("/") from None
@@ -348,7 +350,7 @@ class WebServer:
     async def events(self, request: web.Request) -> web.StreamResponse:
         """Server-Sent Events: every console change and every conversation's new messages (from the transcript),
         as one JSON ``data:`` line each, working signs, and a heartbeat comment."""
-        session = self._auth().api_reader(request)
+        session = await self._auth().api_reader(request)
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
         )
@@ -417,7 +419,7 @@ class WebServer:
     # -- every conversation ----------------------------------------------------------------------
 
     async def conversations(self, request: web.Request) -> web.Response:
-        session = self._auth().page_reader(request)
+        session = await self._auth().page_reader(request)
         current = request.match_info.get("conversation")
         summaries = await self.app.transcript.conversations()
         entries = await self.app.transcript.messages(current) if current else []
@@ -427,7 +429,7 @@ class WebServer:
 
     async def file(self, request: web.Request) -> web.Response:
         """A file an agent posted in the console, as a download (never shown inline)."""
-        session = self._auth().page_reader(request)
+        session = await self._auth().page_reader(request)
         kept = self.web.file(request.match_info["id"])
         if kept is None:
             raise _not_found("No such file (only the newest files are kept, until a restart).", session)
@@ -469,7 +471,7 @@ class WebServer:
         raise web.HTTPSeeOther(safe_next(fields.get("next"), approval_href(request_id)))
 
     async def swarm(self, request: web.Request) -> web.Response:
-        session = self._auth().page_reader(request)
+        session = await self._auth().page_reader(request)
         approval = request.query.get("approval")
         if approval is not None:
             return await self._approval(session, approval)

@@ -76,7 +76,7 @@ async def read_upload(request: web.Request, auth: WebAuth, bounds: FileBounds) -
     Raises the same HTTP errors as the guard, and :class:`UploadRefused` (with the session) over a bound.
     """
     auth.check_origin(request)
-    session = auth.session(request)
+    session = await auth.session(request)
     if session is None:
         raise web.HTTPUnauthorized(
             text=message_page("Login required", "Your session has ended; log in again.", link=("/login", "Log in")),

@@ -1,0 +1,127 @@
+"""Web console sessions, kept in the store: a restart logs nobody out, and any replica serves a logged-in user.
+
+The cookie carries a random session token; the table keeps only its SHA-256 (``token_hash``), so a copy
+of the store opens no session. Each row also keeps a *binding*: an HMAC, keyed by the session token, of
+the digest of the console token the session was opened with. It lets a rotated console token end the
+sessions made with the old one, without the store holding anything a stolen copy could test token
+guesses against. Expired rows are refused and deleted when met, and swept at each login.
+
+One table, its own migration component, SQL that runs on SQLite and PostgreSQL alike.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import aiosqlite
+
+from kazma.config.database import Migration, Tables
+
+MIGRATIONS: Final = [
+    Migration(
+        "sessions",
+        1,
+        (
+            """CREATE TABLE IF NOT EXISTS web_sessions (
+                token_hash TEXT PRIMARY KEY,
+                login TEXT NOT NULL,
+                role TEXT NOT NULL,
+                binding TEXT NOT NULL,
+                flash TEXT NOT NULL,
+                created_at REAL NOT NULL,
+                last_seen REAL NOT NULL,
+                expires_at REAL NOT NULL
+            )""",
+            "CREATE INDEX IF NOT EXISTS web_sessions_expiry ON web_sessions (expires_at)",
+        ),
+    )
+]
+
+MAX_FLASH = 20  # lines kept for the next page; a flood of them is cut, oldest first
+
+
+@dataclass(frozen=True)
+class StoredSession:
+    token_hash: str
+    login: str
+    role: str
+    binding: str
+    flash: tuple[str, ...]
+    created_at: float
+    last_seen: float
+    expires_at: float
+
+
+class SessionStore:
+    def __init__(self, conn: aiosqlite.Connection, *, clock: Callable[[], float] = time.time) -> None:
+        self.tables = Tables.of(conn)
+        self.clock = clock  # epoch seconds: rows outlive the process
+
+    async def open(
+        self, token_hash: str, *, login: str, role: str, binding: str, lifetime: float, max_sessions: int
+    ) -> float:
+        """Keep a new session; returns its expiry. Sweeps expired rows and, past ``max_sessions``, the
+        sessions closest to expiring."""
+        now = self.clock()
+        await self.tables.run("DELETE FROM web_sessions WHERE expires_at <= ?", (now,))
+        row = await self.tables.one("SELECT COUNT(*) FROM web_sessions")
+        over = int(row[0]) - max_sessions + 1 if row else 0
+        if over > 0:
+            await self.tables.run(
+                "DELETE FROM web_sessions WHERE token_hash IN"
+                " (SELECT token_hash FROM web_sessions ORDER BY expires_at, created_at LIMIT ?)",
+                (over,),
+            )
+        expires = now + lifetime
+        await self.tables.run(
+            "INSERT INTO web_sessions (token_hash, login, role, binding, flash, created_at, last_seen, expires_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (token_hash, login, role, binding, "[]", now, now, expires),
+        )
+        return expires
+
+    async def find(self, token_hash: str) -> StoredSession | None:
+        """The live session with this hash; an expired one is deleted and not returned."""
+        row = await self.tables.one(
+            "SELECT token_hash, login, role, binding, flash, created_at, last_seen, expires_at"
+            " FROM web_sessions WHERE token_hash = ?",
+            (token_hash,),
+        )
+        if row is None:
+            return None
+        session = StoredSession(
+            str(row[0]), str(row[1]), str(row[2]), str(row[3]), _lines(str(row[4])),
+            float(row[5]), float(row[6]), float(row[7]),
+        )  # fmt: skip
+        if session.expires_at <= self.clock():
+            await self.end(token_hash)
+            return None
+        return session
+
+    async def seen(self, token_hash: str) -> None:
+        await self.tables.run("UPDATE web_sessions SET last_seen = ? WHERE token_hash = ?", (self.clock(), token_hash))
+
+    async def keep_flash(self, token_hash: str, lines: list[str]) -> None:
+        await self.tables.run(
+            "UPDATE web_sessions SET flash = ? WHERE token_hash = ?", (json.dumps(lines[-MAX_FLASH:]), token_hash)
+        )
+
+    async def end(self, token_hash: str) -> bool:
+        """Delete the session; False when there was none."""
+        return await self.tables.run("DELETE FROM web_sessions WHERE token_hash = ?", (token_hash,)) == 1
+
+    async def count(self) -> int:
+        row = await self.tables.one("SELECT COUNT(*) FROM web_sessions")
+        return int(row[0]) if row else 0
+
+
+def _lines(text: str) -> tuple[str, ...]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return ()
+    return tuple(str(line) for line in value) if isinstance(value, list) else ()
