@@ -195,7 +195,7 @@ async def run_demo(
             # no console is served in terminal mode: the card says so instead of linking nowhere
             link_note=None if web else "not served by `kazma demo --terminal` (the whole call is shown above)",
         )
-        app = await build_app(loaded, provider=provider, adapters=[terminal], poll_interval=0.1, web=console)
+        app = await build_app(loaded, provider=provider, adapters=[terminal], web=console)
         server = None
         if console is not None:
             server = WebServer(
