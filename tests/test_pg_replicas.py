@@ -66,24 +66,32 @@ async def test_three_replicas_press_every_request_exactly_one_winner(request: py
     backend = await open_pg_store(dsn, migrations=pg_migrations())
     try:
         service = ApprovalService(ApprovalStore(backend), approvals_config())
-        opened = await asyncio.gather(
-            *(service.open("shell", {"n": i}, "agent:b", "web:c") for i in range(REQUESTS))
-        )
+        opened = await asyncio.gather(*(service.open("shell", {"n": i}, "agent:b", "web:c") for i in range(REQUESTS)))
         ids = [r.id for r in opened]
 
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         procs = [
             await asyncio.create_subprocess_exec(
-                sys.executable, "-c", PRESSER, dsn, actor, platform, str(flip),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                env=env, cwd=REPO,
-            )  # fmt: skip
+                sys.executable,
+                "-c",
+                PRESSER,
+                dsn,
+                actor,
+                platform,
+                str(flip),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                cwd=REPO,
+            )
             for actor, platform, flip in REPLICAS
         ]
         try:
             payload = (json.dumps(ids) + "\n").encode()
             for proc in procs:
-                assert proc.stdin is not None and proc.stdout is not None
+                assert proc.stdin is not None
+                assert proc.stdout is not None
                 proc.stdin.write(payload)
                 await proc.stdin.drain()
             for proc in procs:  # every replica connected and ready before any presses

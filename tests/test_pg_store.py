@@ -123,17 +123,22 @@ async def test_finish_is_one_compare_and_set(backend: Backend) -> None:
     store = ApprovalStore(backend.store, clock=clock)
     request_id = await _open(store, clock)
     won, row = await store.finish(request_id, Status.APPROVED, actor="slack:U1", platform="slack")
-    assert won and row is not None and row.status is Status.APPROVED
+    assert won
+    assert row is not None
+    assert row.status is Status.APPROVED
     lost, standing = await store.finish(
         request_id, Status.DENIED, actor="telegram:1", platform="telegram", lost_event="press_lost"
     )
     assert not lost
-    assert standing is not None and (standing.status, standing.decided_by) == (Status.APPROVED, "slack:U1")
+    assert standing is not None
+    assert (standing.status, standing.decided_by) == (Status.APPROVED, "slack:U1")
     assert await store.finish("nope", Status.DENIED, actor=None, platform=None) == (False, None)
     late = await _open(store, clock, 1, deadline_in=5)
     clock.advance(10)
     won, row = await store.finish(late, Status.APPROVED, actor="a", platform="web", require_before_deadline=True)
-    assert not won and row is not None and row.status is Status.PENDING
+    assert not won
+    assert row is not None
+    assert row.status is Status.PENDING
     assert await store.overdue() == [late]
     events = [(e.event, e.actor, e.detail) for e in await store.events(request_id)]
     assert events == [
@@ -175,7 +180,8 @@ async def test_audit_rows_carry_the_request_hash(backend: Backend) -> None:
     loose = await store.events(event="store_checked")
     assert [(e.request_id, e.args_hash, e.platform) for e in loose] == [(None, None, "cli")]
     seqs = [e.seq for e in await store.events()]
-    assert seqs == sorted(seqs) and len(set(seqs)) == 3
+    assert seqs == sorted(seqs)
+    assert len(set(seqs)) == 3
 
 
 async def test_cards_recorded_retried_and_settled_once(backend: Backend) -> None:
@@ -244,7 +250,8 @@ async def test_decided_rows_and_the_audit_are_final_in_the_database(backend: Bac
         with pytest.raises(psycopg.IntegrityError, match="append-only"):
             backend.raw("TRUNCATE approval_events")
     row = await store.get(request_id)
-    assert row is not None and (row.status, row.decided_by) == (Status.APPROVED, "slack:U1")
+    assert row is not None
+    assert (row.status, row.decided_by) == (Status.APPROVED, "slack:U1")
     assert len(await store.events()) == 3
 
 
@@ -258,9 +265,7 @@ async def test_a_failing_operation_leaves_the_rest_of_its_group(backend: Backend
         tx.run("INSERT INTO approval_events (request_id, event, at) VALUES (?, ?, ?)", ("x", "half", 1.0))
         tx.run("INSERT INTO no_such_table VALUES (1)")
 
-    presses = [
-        store.finish(rid, Status.APPROVED, actor=f"a{n}", platform="web") for n, rid in enumerate(ids)
-    ]
+    presses = [store.finish(rid, Status.APPROVED, actor=f"a{n}", platform="web") for n, rid in enumerate(ids)]
     results = await asyncio.gather(*presses[:3], writer.submit(broken), *presses[3:], return_exceptions=True)
     assert isinstance(results[3], sqlite3.OperationalError | psycopg.errors.UndefinedTable)
     assert [r[0] for r in results if isinstance(r, tuple)] == [True] * 6
@@ -280,7 +285,8 @@ async def test_many_presses_in_one_process_have_one_winner_each(backend: Backend
     results = await asyncio.gather(*presses)
     winners: dict[str, int] = {}
     for pressed in results:
-        assert pressed.request is not None and pressed.request.status is not Status.PENDING
+        assert pressed.request is not None
+        assert pressed.request.status is not Status.PENDING
         winners[pressed.request.id] = winners.get(pressed.request.id, 0) + pressed.won
     assert winners == dict.fromkeys(ids, 1)
     assert len(await store.events(event="decided")) == 100
@@ -346,7 +352,9 @@ async def test_a_lost_connection_fails_the_group_and_the_next_one_reconnects(pg_
         with pytest.raises(psycopg.OperationalError):
             await approvals.finish(request_id, Status.APPROVED, actor="web:a", platform="web")
         won, row = await approvals.finish(request_id, Status.DENIED, actor="web:b", platform="web")
-        assert won and row is not None and row.decided_by == "web:b"
+        assert won
+        assert row is not None
+        assert row.decided_by == "web:b"
     finally:
         await store.close()
 
