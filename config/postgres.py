@@ -226,7 +226,11 @@ class PgWriter:
             jobs = self._queue.get()
             if jobs is None:
                 return
-            error = self._commit(jobs)
+            try:
+                error = self._commit(jobs)
+            except BaseException as exc:  # a bug here must fail the group, not leave its callers waiting forever
+                log.exception("store.writer_failed", backend="postgresql")
+                error = exc
             loop = self._loop
             assert loop is not None
             try:
