@@ -38,6 +38,14 @@ class Writer(Protocol):
         """Run ``op`` in the next group commit; its result once that commit is durable."""
         ...
 
+    async def caught_up(self) -> None:
+        """Return once every write submitted so far is answered."""
+        ...
+
+    async def close(self) -> None:
+        """Commit what is queued, then stop."""
+        ...
+
 
 class StoreBackend(Protocol):
     async def one(self, sql: str, params: Iterable[Any] = ()) -> Any: ...
