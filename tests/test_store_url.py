@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from kazma.bot.cli import main
 from kazma.config import load_config_text
 from kazma.config.errors import ConfigError
 
@@ -49,11 +50,20 @@ def test_other_urls_are_config_errors(yaml: str, message: str) -> None:
     assert "hunter2" not in str(caught.value)  # a URL's password never reaches the message
 
 
-def test_kazma_run_refuses_postgresql_naming_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)  # the default store.path is relative: nothing may appear here
+def test_kazma_run_refuses_postgresql_naming_what_is_missing(tmp_path: Path) -> None:
+    # In a process of its own: the CLI configures logging for the whole process.
     (tmp_path / "kazma.yaml").write_text("store: {url: 'postgresql://kazma:${KAZMA_PG_PASSWORD}@127.0.0.1:1/kazma'}\n")
-    result = CliRunner().invoke(main, ["-c", "kazma.yaml", "run"], env={"KAZMA_PG_PASSWORD": "pw"})
-    assert result.exit_code == 2
-    assert "store.url: `kazma run` does not run on PostgreSQL yet" in result.output
-    assert "plans, history, swarm tasks" in result.output
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAZMA_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "kazma.bot.cli", "-c", "kazma.yaml", "run"],
+        cwd=tmp_path,  # the default store.path is relative: nothing may appear here
+        env={**env, "KAZMA_PG_PASSWORD": "pw"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "store.url: `kazma run` does not run on PostgreSQL yet" in result.stderr
+    assert "plans, history, swarm tasks" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kazma.yaml"]  # nothing started or created
