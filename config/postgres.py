@@ -23,8 +23,8 @@ is the same as running it once). Operations only wait for row locks other
 replicas hold while those replicas commit; inside a group of several that wait
 is bounded (``lock_timeout``), so two replicas' groups that lock rows in
 opposite orders cannot deadlock for long: the one that times out lets the
-operation go, commits the rest, then runs that operation in a transaction of
-its own, where it may wait as long as it takes.
+operation go, commits and answers the rest, then runs that operation in a
+transaction of its own, where it may wait as long as it takes.
 """
 
 from __future__ import annotations
@@ -185,10 +185,18 @@ class PgWriter:
             self._thread.start()
         self._queue.put(jobs)
 
-    def _returned(self, jobs: Sequence[_Job[Any]], error: BaseException | None) -> None:
+    def _returned(self, jobs: Sequence[_Job[Any]], error: BaseException | None, last: bool) -> None:
+        if not last:
+            self._answer(jobs, error)
+            return
         self._in_flight = False
-        if error is None:
-            self.groups += 1
+        self._answer(jobs, error)
+        if self._pending and not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    @staticmethod
+    def _answer(jobs: Sequence[_Job[Any]], error: BaseException | None) -> None:
         for job in jobs:
             if job.future.done():
                 continue  # its caller was cancelled; the write stands all the same
@@ -197,9 +205,6 @@ class PgWriter:
                 job.future.set_exception(failure)
             else:
                 job.future.set_result(job.result)
-        if self._pending and not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
 
     async def caught_up(self) -> None:
         """Return once every write submitted so far is answered: a read after this sees them all."""
@@ -226,17 +231,33 @@ class PgWriter:
             jobs = self._queue.get()
             if jobs is None:
                 return
+            alone: list[_Job[Any]] = []
             try:
-                error = self._commit(jobs)
+                error = self._commit(jobs, alone)
             except BaseException as exc:  # a bug here must fail the group, not leave its callers waiting forever
                 log.exception("store.writer_failed", backend="postgresql")
-                error = exc
-            loop = self._loop
-            assert loop is not None
-            try:
-                loop.call_soon_threadsafe(self._returned, jobs, error)
-            except RuntimeError:  # the loop is gone: nobody is waiting any more
+                error, alone = exc, []
+            # The group's committed operations are answered now; those left to run alone after it.
+            waiting = {id(job) for job in alone}
+            if not self._hand_back([j for j in jobs if id(j) not in waiting], error, last=not alone):
                 return
+            if alone:
+                try:
+                    error = self._commit_alone(alone)
+                except BaseException as exc:
+                    log.exception("store.writer_failed", backend="postgresql")
+                    error = exc
+                if not self._hand_back(alone, error, last=True):
+                    return
+
+    def _hand_back(self, jobs: Sequence[_Job[Any]], error: BaseException | None, *, last: bool) -> bool:
+        loop = self._loop
+        assert loop is not None
+        try:
+            loop.call_soon_threadsafe(self._returned, jobs, error, last)
+        except RuntimeError:  # the loop is gone: nobody is waiting any more
+            return False
+        return True
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed or self._conn.broken:
@@ -251,33 +272,49 @@ class PgWriter:
             )
         return self._conn
 
-    def _commit(self, jobs: list[_Job[Any]]) -> BaseException | None:
-        """Run ``jobs`` to a commit; the error that failed all of them, or None (each job may have its own)."""
+    def _commit(self, jobs: list[_Job[Any]], alone: list[_Job[Any]]) -> BaseException | None:
+        """Run ``jobs`` to a commit; the error that failed all of them, or None (each job may have its own).
+
+        Jobs that waited too long for another replica's row lock are put in ``alone``, not run.
+        """
         try:
             conn = self._connection()
             todo = list(jobs)
-            alone: list[_Job[Any]] = []
             while todo:
                 failed = self._attempt(conn, todo, bounded=len(todo) > 1)
                 if failed is None:
                     break
                 job, exc = failed
-                todo.remove(job)
+                todo = [j for j in todo if j is not job]
                 if len(jobs) > 1 and _sqlstate(exc) in _RUN_ALONE:
                     alone.append(job)
                 else:
                     job.error = exc
-            for job in alone:
+            self.groups += 1
+            return None
+        except psycopg.Error as exc:
+            alone.clear()
+            return self._failed(exc, len(jobs))
+
+    def _commit_alone(self, jobs: list[_Job[Any]]) -> BaseException | None:
+        """Each job in a transaction of its own, waiting for locks as long as it takes."""
+        try:
+            conn = self._connection()
+            for job in jobs:
                 self.run_alone += 1
                 self._run_alone(conn, job)
             return None
-        except psycopg.Error as exc:  # the connection or a COMMIT failed: nobody's write is known to be kept
-            count_failure("store_commit")
-            log.error("store.commit_failed", backend="postgresql", operations=len(jobs), error=str(exc))
-            if self._conn is not None and (self._conn.broken or self._conn.closed):
-                self._conn.close()
-                self._conn = None
-            return exc
+        except psycopg.Error as exc:
+            return self._failed(exc, len(jobs))
+
+    def _failed(self, exc: psycopg.Error, operations: int) -> psycopg.Error:
+        """The connection or a COMMIT failed: nobody's write is known to be kept."""
+        count_failure("store_commit")
+        log.error("store.commit_failed", backend="postgresql", operations=operations, error=str(exc))
+        if self._conn is not None and (self._conn.broken or self._conn.closed):
+            self._conn.close()
+            self._conn = None
+        return exc
 
     def _run_alone(self, conn: psycopg.Connection[Any], job: _Job[Any]) -> None:
         for attempt in range(1, ALONE_ATTEMPTS + 1):

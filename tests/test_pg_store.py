@@ -375,3 +375,33 @@ async def test_an_approvals_store_on_postgresql_has_no_sqlite_connection(pg_url:
             _ = Outbox(store).conn
     finally:
         await store.close()
+
+
+async def test_an_operation_held_up_by_another_replicas_lock_lets_its_group_commit(pg_url: str) -> None:
+    """A row locked by another transaction: the rest of the group is answered at once, that press once it is free."""
+    store = await open_pg_store(pg_url, migrations=pg_migrations(), application_name="kazma-held")
+    holder = await psycopg.AsyncConnection.connect(pg_url)  # not autocommit: its lock stays until it commits
+    try:
+        clock = ManualClock()
+        approvals = ApprovalStore(store, clock=clock)
+        held = await _open(approvals, clock, 0)
+        free = [await _open(approvals, clock, n) for n in range(1, 4)]
+        await holder.execute("UPDATE approval_requests SET reason = 'held by another replica' WHERE id = %s", (held,))
+        writer = await store.writer()
+        # Submitted in one turn of the loop: one group, the held row first.
+        held_press = asyncio.ensure_future(approvals.finish(held, Status.APPROVED, actor="web:a", platform="web"))
+        free_presses = [
+            asyncio.ensure_future(approvals.finish(rid, Status.DENIED, actor="web:a", platform="web")) for rid in free
+        ]
+        answered = await asyncio.wait_for(asyncio.gather(*free_presses), timeout=10)
+        assert [won for won, _ in answered] == [True, True, True]
+        assert not held_press.done()  # still waiting for the other transaction, on its own
+        await holder.commit()
+        won, row = await asyncio.wait_for(held_press, timeout=10)
+        assert won
+        assert row is not None
+        assert (row.status, row.reason) == (Status.APPROVED, None)
+        assert writer.run_alone == 1
+    finally:
+        await holder.close()
+        await store.close()
