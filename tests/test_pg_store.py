@@ -405,3 +405,23 @@ async def test_an_operation_held_up_by_another_replicas_lock_lets_its_group_comm
     finally:
         await holder.close()
         await store.close()
+
+
+async def test_the_compare_and_set_finds_its_row_by_primary_key_before_any_statistics(pg_url: str) -> None:
+    """Many pending rows on a table PostgreSQL has not analysed yet: one press must not scan them all."""
+    store = await open_pg_store(pg_url, migrations=pg_migrations())
+    await store.close()
+    now = 1_800_000_000.0
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.cursor().executemany(
+            "INSERT INTO approval_requests (id, tool, args_json, args_hash, requested_by, conversation,"
+            " created_at, deadline) VALUES (%s, 'shell', '{}', 'h', 'agent:b', 'web:c', %s, %s)",
+            [(f"r{i}", now, now + 600) for i in range(3000)],
+        )
+        plan = conn.execute(
+            "EXPLAIN UPDATE approval_requests SET status = 'approved' WHERE id = %s AND status = 'pending'"
+            " AND deadline > %s",
+            ("r7", now),
+        ).fetchall()
+    text = "\n".join(str(row[0]) for row in plan)
+    assert "approval_requests_pkey" in text, text
