@@ -22,9 +22,9 @@ transaction (they are pure functions of the transaction, so running one again
 is the same as running it once). Operations only wait for row locks other
 replicas hold while those replicas commit; inside a group of several that wait
 is bounded (``lock_timeout``), so two replicas' groups that lock rows in
-opposite orders cannot deadlock for long: the one that times out lets the
-operation go, commits and answers the rest, then runs that operation in a
-transaction of its own, where it may wait as long as it takes.
+opposite orders cannot deadlock for long: the one that times out rolls back,
+letting the other commit, and runs its operations one per transaction (the
+held-up one last), where each may wait as long as it takes.
 """
 
 from __future__ import annotations
@@ -152,9 +152,9 @@ class PgWriter:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: queue.SimpleQueue[list[_Job[Any]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._conn: psycopg.Connection[Any] | None = None  # the writer thread's alone
+        self._conn: psycopg.Connection[Any] | None = None  # the writer thread's own
         self.groups = 0  # committed groups, for tests and benchmarks
-        self.run_alone = 0  # operations that waited out another replica's lock on their own
+        self.run_alone = 0  # operations run one per transaction after a group met another replica's lock
 
     # -- the loop side ---------------------------------------------------------------------------
 
@@ -237,17 +237,17 @@ class PgWriter:
             except BaseException as exc:  # a bug here must fail the group, not leave its callers waiting forever
                 log.exception("store.writer_failed", backend="postgresql")
                 error, alone = exc, []
-            # The group's committed operations are answered now; those left to run alone after it.
+            # The group's committed operations are answered now; each one left to run alone once it ran.
             waiting = {id(job) for job in alone}
             if not self._hand_back([j for j in jobs if id(j) not in waiting], error, last=not alone):
                 return
-            if alone:
+            for index, job in enumerate(alone):
                 try:
-                    error = self._commit_alone(alone)
+                    error = self._commit_alone(job)
                 except BaseException as exc:
                     log.exception("store.writer_failed", backend="postgresql")
                     error = exc
-                if not self._hand_back(alone, error, last=True):
+                if not self._hand_back([job], error, last=index == len(alone) - 1):
                     return
 
     def _hand_back(self, jobs: Sequence[_Job[Any]], error: BaseException | None, *, last: bool) -> bool:
@@ -275,7 +275,8 @@ class PgWriter:
     def _commit(self, jobs: list[_Job[Any]], alone: list[_Job[Any]]) -> BaseException | None:
         """Run ``jobs`` to a commit; the error that failed all of them, or None (each job may have its own).
 
-        Jobs that waited too long for another replica's row lock are put in ``alone``, not run.
+        When one waits too long for another replica's row lock, it and the jobs not yet committed are put
+        in ``alone`` (it last), to run one per transaction.
         """
         try:
             conn = self._connection()
@@ -287,25 +288,26 @@ class PgWriter:
                 job, exc = failed
                 todo = [j for j in todo if j is not job]
                 if len(jobs) > 1 and _sqlstate(exc) in _RUN_ALONE:
-                    alone.append(job)
-                else:
-                    job.error = exc
+                    # Another replica holds a row this group wants, and may be waiting for one of ours: let
+                    # it go on, and take the rest one operation per transaction (the one held up last), as
+                    # a group tried again could meet the same cycle once per operation.
+                    alone.extend([*todo, job])
+                    return None
+                job.error = exc
             self.groups += 1
             return None
         except psycopg.Error as exc:
             alone.clear()
             return self._failed(exc, len(jobs))
 
-    def _commit_alone(self, jobs: list[_Job[Any]]) -> BaseException | None:
-        """Each job in a transaction of its own, waiting for locks as long as it takes."""
+    def _commit_alone(self, job: _Job[Any]) -> BaseException | None:
+        """``job`` in a transaction of its own, waiting for locks as long as it takes."""
         try:
-            conn = self._connection()
-            for job in jobs:
-                self.run_alone += 1
-                self._run_alone(conn, job)
+            self.run_alone += 1
+            self._run_alone(self._connection(), job)
             return None
         except psycopg.Error as exc:
-            return self._failed(exc, len(jobs))
+            return self._failed(exc, 1)
 
     def _failed(self, exc: psycopg.Error, operations: int) -> psycopg.Error:
         """The connection or a COMMIT failed: nobody's write is known to be kept."""
