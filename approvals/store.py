@@ -1,5 +1,9 @@
 """The one-decision store: rows of approval requests, their audit trail and their posted cards.
 
+On SQLite or PostgreSQL: the store talks only to a
+:class:`~kazma.config.store_backend.StoreBackend` (reads, and a writer of
+operations), with SQL both engines run alike.
+
 Every outcome is written by one compare-and-set (``UPDATE … WHERE status =
 'pending'``); whoever's statement changes the row decided it, and a trigger
 refuses any later change. The audit trail is append-only (triggers again).
@@ -18,8 +22,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from kazma.approvals.model import ApprovalRequest, Status
-from kazma.config.database import Tables
-from kazma.config.writer import StoreWriter, Tx
+from kazma.config.store_backend import StoreBackend, Tx, Writer, backend_of
 
 Clock = Callable[[], float]
 T = TypeVar("T")
@@ -149,20 +152,27 @@ class Pressed:
 
 
 class ApprovalStore:
-    """Data access for approvals on one aiosqlite connection.
+    """Data access for approvals on one aiosqlite connection, or on another backend (PostgreSQL).
 
-    The connection is shared by every coroutine of the process, so every
-    statement goes through :class:`~kazma.config.database.Tables`.
+    A SQLite connection is shared by every coroutine of the process, so every
+    statement goes through its :class:`~kazma.config.database.Tables`.
     """
 
-    def __init__(self, conn: aiosqlite.Connection, *, clock: Clock = time.time) -> None:
-        self.conn = conn
+    def __init__(self, conn: aiosqlite.Connection | StoreBackend, *, clock: Clock = time.time) -> None:
+        self._conn = conn if isinstance(conn, aiosqlite.Connection) else None
         self.clock = clock
-        self.tables = Tables.of(conn)
+        self.tables = backend_of(conn)
+
+    @property
+    def conn(self) -> aiosqlite.Connection:
+        """The SQLite connection (the console's dashboard reads it directly); a PostgreSQL store has none."""
+        if self._conn is None:
+            raise RuntimeError("this approvals store is not on SQLite: it has no SQLite connection")
+        return self._conn
 
     async def _write(self, op: Callable[[Tx], T]) -> T:
-        """Every write: one operation in the file's next group commit (see :mod:`kazma.config.writer`)."""
-        writer: StoreWriter = await self.tables.writer()
+        """Every write: one operation in the store's next group commit (see :mod:`kazma.config.writer`)."""
+        writer: Writer = await self.tables.writer()
         return await writer.submit(op)
 
     async def insert(

@@ -18,12 +18,14 @@ from kazma.adapters.web import WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import build_app
 from kazma.bot.console.server import WebServer
-from kazma.bot.context import Context
+from kazma.bot.context import EXIT_CONFIG, Context
 from kazma.bot.demo import run_demo
 from kazma.bot.doctor import Level, run_checks
 from kazma.bot.log_options import log_settings
 from kazma.bot.logging import redact_secret
+from kazma.bot.store import require_sqlite
 from kazma.config import LoadedConfig, platform_statuses
+from kazma.config.errors import ConfigError
 from kazma.config.platforms import console_warnings
 
 log = structlog.get_logger("kazma.cli")
@@ -85,6 +87,12 @@ def doctor(obj: Context, model_timeout: float, platform_timeout: float) -> None:
 def run(obj: Context, poll_interval: float) -> None:
     """Start every configured platform and serve until SIGINT or SIGTERM."""
     loaded = obj.load()
+    try:
+        require_sqlite(loaded.config, "`kazma run`", str(loaded.source or "kazma.yaml"))
+    except ConfigError as exc:
+        for line in exc.lines:
+            click.echo(line, err=True)
+        sys.exit(EXIT_CONFIG)
     asyncio.run(_serve(loaded, poll_interval))
 
 

@@ -51,6 +51,7 @@ def redact_config_secrets(config: KazmaConfig) -> None:
         platforms.slack.signing_secret,
         platforms.discord.token,
         config.model.api_key,
+        config.store.secret,  # the password inside a postgresql:// store.url
     ):
         if value:
             redact_secret(value)

@@ -7,18 +7,22 @@ import contextlib
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiosqlite
 import structlog
 
 from kazma.adapters.outbox import MIGRATIONS as OUTBOX
+from kazma.adapters.outbox import PG_MIGRATIONS as OUTBOX_PG
 from kazma.approvals.rules import MIGRATIONS as RULES
 from kazma.approvals.schema import MIGRATIONS as APPROVALS
+from kazma.approvals.schema import PG_MIGRATIONS as APPROVALS_PG
 from kazma.bot.api_store import MIGRATIONS as API_IDEMPOTENCY
 from kazma.bot.chat_moves import MIGRATIONS as CHAT_MOVES
 from kazma.bot.console.sessions import MIGRATIONS as SESSIONS
 from kazma.config import KazmaConfig
 from kazma.config.database import Migration, open_database
+from kazma.config.errors import ConfigError, Problem
 from kazma.config.metrics import count_failure
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.plan_store import MIGRATIONS as PLANS
@@ -26,7 +30,16 @@ from kazma.engine.swarm.state_store import MIGRATIONS as SWARM_STATE
 from kazma.engine.swarm.store import MIGRATIONS as SWARM
 from kazma.engine.transcript import MIGRATIONS as TRANSCRIPT
 
+if TYPE_CHECKING:
+    from kazma.config.postgres import PgStore
+
 log = structlog.get_logger("kazma.store")
+
+# What a postgresql:// store.url does not cover yet (issue 12 continues): said whenever it is refused.
+POSTGRES_NOT_YET = (
+    "only the approvals store and the card outbox run on PostgreSQL so far; plans, history, swarm tasks, "
+    "web sessions, LISTEN/NOTIFY wake-ups and the leader lease for several replicas are not there yet"
+)
 
 
 def all_migrations() -> list[Migration]:
@@ -44,6 +57,36 @@ def all_migrations() -> list[Migration]:
         *TRANSCRIPT,
         *SESSIONS,
     ]
+
+
+def pg_migrations() -> list[Migration]:
+    """The schemas that have a PostgreSQL form so far, in dependency order."""
+    return [*APPROVALS_PG, *OUTBOX_PG]
+
+
+def require_sqlite(config: KazmaConfig, what: str, source: str = "kazma.yaml") -> None:
+    """Refuse, naming what is missing, to run ``what`` on a store that is not SQLite."""
+    if config.store.backend != "sqlite":
+        raise ConfigError(
+            source,
+            [
+                Problem(
+                    "store.url",
+                    f"{what} does not run on PostgreSQL yet: {POSTGRES_NOT_YET}. "
+                    "Use store.path (or a sqlite:/// store.url) for now",
+                )
+            ],
+        )
+
+
+async def open_pg_store(config: KazmaConfig, *, application_name: str = "kazma") -> PgStore:
+    """The approvals store's and the outbox's backend on the configured PostgreSQL database, migrated."""
+    url = config.store.postgres_url
+    if url is None:
+        raise ValueError("store.url is not a postgresql:// URL")
+    from kazma.config.postgres import open_pg_store as open_pg  # psycopg only when PostgreSQL is used
+
+    return await open_pg(url, migrations=pg_migrations(), application_name=application_name)
 
 
 def prepare_state_dir(store_path: Path) -> Path:
@@ -69,6 +112,9 @@ def private_files(store_path: Path) -> None:
 
 
 async def open_store(config: KazmaConfig, path: Path | None = None) -> aiosqlite.Connection:
+    """The SQLite store, migrated; refused (:class:`ConfigError`) when store.url names PostgreSQL."""
+    if path is None:
+        require_sqlite(config, "this command")
     store_path = path or config.store.path
     if str(store_path) != ":memory:":
         prepare_state_dir(store_path)

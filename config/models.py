@@ -115,9 +115,69 @@ class DangerLevel(StrEnum):
     DANGEROUS = "dangerous"
 
 
+_POSTGRES_SCHEMES = ("postgresql", "postgres")
+
+
 class StoreConfig(Strict):
     path: Path = Path(".kazma/kazma.db")
+    # sqlite:///relative/path, sqlite:////absolute/path (stored as ``path``) or postgresql://user:pw@host/db.
+    url: str | None = None
     busy_timeout_ms: int = Field(default=5000, ge=0, le=600_000)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_url(cls, data: Any) -> Any:
+        # Messages name the scheme only: the rest of a URL may hold a password.
+        if not isinstance(data, dict) or data.get("url") in (None, ""):
+            return data
+        url = str(data["url"])
+        scheme, sep, rest = url.partition("://")
+        scheme = scheme.lower()
+        if sep and scheme == "sqlite":
+            if "path" in data:
+                raise PydanticCustomError(
+                    "kazma_store", "give store.path or a sqlite:/// store.url, not both", {"subpath": "url"}
+                )
+            if not rest.startswith("/") or len(rest) < 2:
+                raise PydanticCustomError(
+                    "kazma_store",
+                    "a SQLite store.url is sqlite:///relative/path or sqlite:////absolute/path",
+                    {"subpath": "url"},
+                )
+            return {**data, "path": rest[1:]}
+        if sep and scheme in _POSTGRES_SCHEMES:
+            if "path" in data:
+                raise PydanticCustomError(
+                    "kazma_store",
+                    "store.path is the SQLite file: leave it out with a postgresql:// store.url",
+                    {"subpath": "path"},
+                )
+            return data
+        raise PydanticCustomError(
+            "kazma_store",
+            "expected sqlite:///path or postgresql://…, got {what}",
+            {"subpath": "url", "what": f"a {scheme}:// URL" if sep else "no scheme"},
+        )
+
+    @property
+    def backend(self) -> Literal["sqlite", "postgresql"]:
+        if self.url is not None and self.url.partition("://")[0].lower() in _POSTGRES_SCHEMES:
+            return "postgresql"
+        return "sqlite"
+
+    @property
+    def postgres_url(self) -> str | None:
+        """The PostgreSQL connection URL, or None for a SQLite store."""
+        return self.url if self.backend == "postgresql" else None
+
+    @property
+    def secret(self) -> str:
+        """The password inside a PostgreSQL URL (for log redaction); empty when there is none."""
+        url = self.postgres_url
+        if url is None:
+            return ""
+        userinfo = url.partition("://")[2].rpartition("@")
+        return userinfo[0].partition(":")[2] if userinfo[1] else ""
 
 
 _LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
