@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -53,6 +54,19 @@ class LazyGroup(click.Group):
         if cmd_name not in COMMANDS:
             return None
         return load_command(cmd_name)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """A configuration problem met inside any command (a store it cannot open yet, a bad value)
+        ends the command with one line per problem and exit code 2, never a traceback."""
+        from kazma.bot.context import EXIT_CONFIG
+        from kazma.config.errors import ConfigError
+
+        try:
+            return super().invoke(ctx)
+        except ConfigError as exc:
+            for line in exc.lines:
+                click.echo(line, err=True)
+            ctx.exit(EXIT_CONFIG)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]

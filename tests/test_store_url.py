@@ -67,3 +67,23 @@ def test_kazma_run_refuses_postgresql_naming_what_is_missing(tmp_path: Path) -> 
     assert "store.url: `kazma run` does not run on PostgreSQL yet" in result.stderr
     assert "plans, history, swarm tasks" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kazma.yaml"]  # nothing started or created
+
+
+@pytest.mark.parametrize("command", [["approvals", "list"], ["doctor"]])
+def test_commands_that_open_the_store_refuse_postgresql_in_one_line(tmp_path: Path, command: list[str]) -> None:
+    (tmp_path / "kazma.yaml").write_text(
+        "store: {url: 'postgresql://kazma:pw@127.0.0.1:1/kazma'}\napprovals: {approvers: ['cli:alice']}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAZMA_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "kazma.bot.cli", "-c", "kazma.yaml", *command],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "does not run on PostgreSQL yet" in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.returncode != 0
