@@ -1,0 +1,53 @@
+"""The approvals store's hot statements use the indexes meant for them (SQLite's query plans)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from kazma.approvals import MIGRATIONS
+from kazma.approvals.store import _CAS_BEFORE_DEADLINE
+from kazma.config.database import open_database
+
+
+async def plans(path: Path, statements: list[tuple[str, tuple[object, ...]]]) -> list[str]:
+    conn = await open_database(path, migrations=MIGRATIONS)
+    await conn.close()
+    raw = sqlite3.connect(path)
+    try:
+        return [
+            " ".join(str(row[3]) for row in raw.execute("EXPLAIN QUERY PLAN " + sql, args)) for sql, args in statements
+        ]
+    finally:
+        raw.close()
+
+
+async def test_a_decision_goes_by_primary_key_and_the_sweeps_by_the_pending_rows_only(tmp_path: Path) -> None:
+    cas, overdue, unsettled = await plans(
+        tmp_path / "k.db",
+        [
+            (_CAS_BEFORE_DEADLINE, ("approved", "a", "telegram", 1.0, None, "id", 1.0)),
+            ("SELECT id FROM approval_requests WHERE status = 'pending' AND deadline <= ?", (1.0,)),
+            (
+                "SELECT request_id FROM approval_cards WHERE settled_at IS NULL AND platform = ?"
+                " AND (retry_at IS NULL OR retry_at <= ?)",
+                ("telegram", 1.0),
+            ),
+        ],
+    )
+    assert "sqlite_autoindex_approval_requests_1 (id=?)" in cas
+    assert "approval_requests_open" in overdue  # a partial index: decided requests are not in it
+    assert "approval_cards_to_settle" in unsettled
+
+
+async def test_no_index_holds_every_request_ever_decided(tmp_path: Path) -> None:
+    conn = await open_database(tmp_path / "k.db", migrations=MIGRATIONS)
+    try:
+        rows = await conn.execute_fetchall(
+            "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'approval_requests'"
+            " AND sql IS NOT NULL"
+        )
+    finally:
+        await conn.close()
+    assert {str(name) for name, _ in rows} == {"approval_requests_open"}
+    assert all("WHERE status = 'pending'" in str(sql) for _, sql in rows)
