@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
-from kazma.approvals.model import ApprovalRequest, Status
+from kazma.approvals.model import ApprovalRequest, Outcome, Status
 from kazma.config.store_backend import StoreBackend, Tx, Writer, backend_of
 
 Clock = Callable[[], float]
@@ -143,12 +143,50 @@ class CardProblem:
 
 
 @dataclass(frozen=True)
+class Standing:
+    """What a press needs to know of its request: how it stands, without its arguments (never parsed on
+    this path: nothing here renders or runs the call)."""
+
+    id: str
+    tool: str
+    args_hash: str
+    conversation: str
+    deadline: datetime
+    status: Status
+    decided_by: str | None
+    decided_via: str | None
+    decided_at: datetime | None
+    reason: str | None
+
+    def outcome(self) -> Outcome | None:
+        if not self.status.final:
+            return None
+        return Outcome(
+            request_id=self.id,
+            status=self.status,
+            decided_by=self.decided_by,
+            decided_via=self.decided_via,
+            decided_at=self.decided_at or self.deadline,
+            reason=self.reason,
+        )
+
+
+_STANDING = "id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at, reason"
+
+
+def _standing(row: Iterable[Any]) -> Standing:
+    rid, tool, digest, conversation, deadline, status, by, via, at, why = tuple(row)
+    deadline_at = datetime.fromtimestamp(deadline, UTC)
+    return Standing(rid, tool, digest, conversation, deadline_at, Status(status), by, via, ts(at), why)
+
+
+@dataclass(frozen=True)
 class Pressed:
     """What a press did: a card problem (nothing written), or the compare-and-set's result."""
 
     problem: str | None
     won: bool
-    request: ApprovalRequest | None
+    request: Standing | None
 
 
 class ApprovalStore:
@@ -279,16 +317,21 @@ class ApprovalStore:
                 problem = self._card_problem(tx, request_id, card)
                 if problem is not None:
                     return Pressed(problem, False, None)
-            won, request = self._finish(
-                tx,
-                request_id,
-                status,
-                actor=actor,
-                platform=platform,
-                reason=reason,
-                require_before_deadline=True,
-                lost_event="press_lost",
-            )
+            now = self.clock()
+            params = (status.value, actor, platform, now, reason, request_id, now)
+            row = tx.one(f"{_CAS_BEFORE_DEADLINE} RETURNING {_STANDING}", params)
+            won = row is not None
+            if not won:
+                row = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
+            if row is None:
+                return Pressed(None, False, None)
+            request = _standing(row)
+            if won:
+                tx.run(_EVENT, (request_id, "decided", actor, platform, now, request.args_hash, reason))
+            else:
+                standing = request.status.value if request.status.final else "pending past its deadline"
+                detail = f"standing: {standing}"
+                tx.run(_EVENT, (request_id, "press_lost", actor, platform, now, request.args_hash, detail))
             return Pressed(None, won, request)
 
         return await self._write(op)

@@ -3,10 +3,12 @@
 A press, a card record, an audit row: each is a function of a :class:`Tx` that
 runs a few statements and returns a value. Callers ``await writer.submit(op)``.
 Operations submitted in the same turn of the event loop (or while a commit is
-on its way to the disk) form one group: one ``BEGIN IMMEDIATE``, a
-``SAVEPOINT`` per operation (one failing operation does not undo the others),
-one ``COMMIT``, one fsync — and every caller is answered only after that
-``COMMIT`` returned, so nobody is told about a write that is not on disk.
+on its way to the disk) form one group: one ``BEGIN IMMEDIATE``, every
+operation, one ``COMMIT``, one fsync — and every caller is answered only after
+that ``COMMIT`` returned, so nobody is told about a write that is not on disk.
+An operation that raises loses only its own writes: the group is run again
+with a ``SAVEPOINT`` around each operation (operations rarely fail, so the
+first pass goes without them).
 
 Where the group runs: a writer thread with its own ``sqlite3`` connection,
 so the event loop never waits for the disk. A lone operation on a disk whose
@@ -276,12 +278,20 @@ class StoreWriter:
         """
         group.inline = inline
         patience = time.monotonic() + self.busy_timeout_ms / 1000
+        careful = False
         while True:
             for job in group.jobs:
                 job.result, job.error = None, None
             try:
-                self._attempt(group)
+                self._attempt(group, careful=careful)
                 return
+            except _OpFailed:
+                # Optimistic pass: no savepoints, since operations rarely fail. One did: the whole
+                # transaction is undone and the group runs again, each operation in a savepoint.
+                if self._conn is not None:
+                    self._rollback(self._conn)
+                careful = True
+                continue
             except sqlite3.OperationalError as exc:
                 if self._conn is not None:
                     self._rollback(self._conn)
@@ -301,7 +311,7 @@ class StoreWriter:
                 return
             time.sleep(LOCK_RETRY_SECONDS)
 
-    def _attempt(self, group: _Group) -> None:
+    def _attempt(self, group: _Group, *, careful: bool) -> None:
         conn = self._connection()
         conn.execute("BEGIN IMMEDIATE")
         tx = Tx(conn)
@@ -315,6 +325,14 @@ class StoreWriter:
                 job.error = exc
                 self._rollback(conn)
                 return
+        elif not careful:
+            for job in group.jobs:
+                try:
+                    job.result = job.op(tx)
+                except Exception as exc:
+                    if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
+                        raise
+                    raise _OpFailed from exc
         else:
             for job in group.jobs:
                 conn.execute("SAVEPOINT op")
@@ -346,3 +364,7 @@ class StoreWriter:
 
 def _is_locked(exc: sqlite3.OperationalError) -> bool:
     return "locked" in str(exc) or "busy" in str(exc)
+
+
+class _OpFailed(Exception):
+    """An operation raised during a group's optimistic pass (see :meth:`StoreWriter._run_group`)."""
