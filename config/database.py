@@ -242,11 +242,19 @@ class Tables:
             return await self._statements.all(sql, params)
 
     async def run(self, sql: str, params: Iterable[Any] = ()) -> int:
-        """One statement in its own (autocommit) transaction; the number of rows it changed."""
+        """One statement in its own transaction; the number of rows it changed. With a writer attached
+        (:meth:`use_writer`) it rides in the file's next group commit."""
+        if self._writer is not None:
+            values = tuple(params)
+            return await self._writer.submit(lambda tx: tx.run(sql, values))
         async with self._lock:
             return await self._statements.run(sql, params)
 
     async def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
+        if self._writer is not None:
+            values = [tuple(row) for row in rows]
+            await self._writer.submit(lambda tx: tx.run_many(sql, values))
+            return
         async with self._lock:
             await self._statements.run_many(sql, rows)
 
