@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 
 class Status(StrEnum):
@@ -59,16 +59,7 @@ class ApprovalRequest:
     durable: bool = False  # its waiter survives a restart (a paused pipeline's checkpoint): never an orphan
 
     def outcome(self) -> Outcome | None:
-        if not self.status.final:
-            return None
-        return Outcome(
-            request_id=self.id,
-            status=self.status,
-            decided_by=self.decided_by,
-            decided_via=self.decided_via,
-            decided_at=self.decided_at or self.deadline,
-            reason=self.reason,
-        )
+        return outcome_of(self)
 
 
 @dataclass(frozen=True)
@@ -127,3 +118,34 @@ class PressResult:
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+class _Decidable(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def status(self) -> Status: ...
+    @property
+    def decided_by(self) -> str | None: ...
+    @property
+    def decided_via(self) -> str | None: ...
+    @property
+    def decided_at(self) -> datetime | None: ...
+    @property
+    def deadline(self) -> datetime: ...
+    @property
+    def reason(self) -> str | None: ...
+
+
+def outcome_of(request: _Decidable) -> Outcome | None:
+    """How a request ended (None while pending): the one reading of a request row's outcome columns."""
+    if not request.status.final:
+        return None
+    return Outcome(
+        request_id=request.id,
+        status=request.status,
+        decided_by=request.decided_by,
+        decided_via=request.decided_via,
+        decided_at=request.decided_at or request.deadline,
+        reason=request.reason,
+    )

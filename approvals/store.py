@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
-from kazma.approvals.model import ApprovalRequest, Outcome, Status
+from kazma.approvals.model import ApprovalRequest, Outcome, Status, outcome_of
 from kazma.config.store_backend import StoreBackend, Tx, Writer, backend_of
 
 Clock = Callable[[], float]
@@ -159,16 +159,7 @@ class Standing:
     reason: str | None
 
     def outcome(self) -> Outcome | None:
-        if not self.status.final:
-            return None
-        return Outcome(
-            request_id=self.id,
-            status=self.status,
-            decided_by=self.decided_by,
-            decided_via=self.decided_via,
-            decided_at=self.decided_at or self.deadline,
-            reason=self.reason,
-        )
+        return outcome_of(self)
 
 
 _STANDING = "id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at, reason"

@@ -34,9 +34,8 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
 
 import psycopg
 import structlog
@@ -44,8 +43,8 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from kazma.config.database import Migration, _check_order
+from kazma.config.group_commit import GroupQueue, Job
 from kazma.config.metrics import count_failure
-from kazma.config.store_backend import Tx
 
 log = structlog.get_logger("kazma.store")
 
@@ -115,19 +114,11 @@ class PgTx:
         self._cursor.executemany(pyformat(sql), [tuple(row) for row in rows])
 
 
-@dataclass
-class _Job(Generic[T]):
-    op: Callable[[Tx], T]
-    future: asyncio.Future[T]
-    result: Any = None
-    error: BaseException | None = None
-
-
 class _SwallowedError(psycopg.Error):
     """An operation caught a database error and returned: its transaction is aborted, so it failed."""
 
 
-class PgWriter:
+class PgWriter(GroupQueue):
     """Group-committing writer for one PostgreSQL database. Create it on the event loop that will use it."""
 
     def __init__(
@@ -144,13 +135,9 @@ class PgWriter:
         self.lock_timeout_ms = lock_timeout_ms
         self.max_group = max_group
         self.connect_timeout = connect_timeout
-        self._pending: list[_Job[Any]] = []
-        self._unanswered: set[asyncio.Future[Any]] = set()
-        self._flush_scheduled = False
-        self._in_flight = False
-        self._closed = False
+        super().__init__()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: queue.SimpleQueue[list[_Job[Any]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[Job[Any]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection[Any] | None = None  # the writer thread's own
         self.groups = 0  # committed groups, for tests and benchmarks
@@ -158,21 +145,8 @@ class PgWriter:
 
     # -- the loop side ---------------------------------------------------------------------------
 
-    async def submit(self, op: Callable[[Tx], T]) -> T:
-        """Run ``op`` in the next group commit; its result once that commit returned."""
-        if self._closed:
-            raise psycopg.InterfaceError("the store writer is closed")
-        loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop = loop
-        future: asyncio.Future[T] = loop.create_future()
-        self._pending.append(_Job(op, future))
-        self._unanswered.add(future)
-        future.add_done_callback(self._unanswered.discard)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop.call_soon(self._flush)
-        return await future
+    def _closed_error(self) -> Exception:
+        return psycopg.InterfaceError("the store writer is closed")
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -180,42 +154,20 @@ class PgWriter:
             return  # the group on its way collects these when it is back
         jobs, self._pending = self._pending[: self.max_group], self._pending[self.max_group :]
         self._in_flight = True
+        self._loop = asyncio.get_running_loop()  # the thread answers on the loop that handed it the group
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="kazma-pg-writer", daemon=True)
             self._thread.start()
         self._queue.put(jobs)
 
-    def _returned(self, jobs: Sequence[_Job[Any]], error: BaseException | None, last: bool) -> None:
-        if not last:
-            self._answer(jobs, error)
-            return
-        self._in_flight = False
-        self._answer(jobs, error)
-        if self._pending and not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    @staticmethod
-    def _answer(jobs: Sequence[_Job[Any]], error: BaseException | None) -> None:
-        for job in jobs:
-            if job.future.done():
-                continue  # its caller was cancelled; the write stands all the same
-            failure = error or job.error
-            if failure is not None:
-                job.future.set_exception(failure)
-            else:
-                job.future.set_result(job.result)
-
-    async def caught_up(self) -> None:
-        """Return once every write submitted so far is answered: a read after this sees them all."""
-        if self._unanswered:
-            await asyncio.gather(*list(self._unanswered), return_exceptions=True)
+    def _returned(self, jobs: Sequence[Job[Any]], error: BaseException | None, last: bool) -> None:
+        self._answer_jobs(jobs, error)
+        if last:
+            self._group_returned()
 
     async def close(self) -> None:
         """Commit what is queued, then end the thread and close the connection."""
-        self._closed = True
-        while self._unanswered:
-            await asyncio.gather(*self._unanswered, return_exceptions=True)
+        await self._drain()
         thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
@@ -231,7 +183,7 @@ class PgWriter:
             jobs = self._queue.get()
             if jobs is None:
                 return
-            alone: list[_Job[Any]] = []
+            alone: list[Job[Any]] = []
             try:
                 error = self._commit(jobs, alone)
             except BaseException as exc:  # a bug here must fail the group, not leave its callers waiting forever
@@ -250,7 +202,7 @@ class PgWriter:
                 if not self._hand_back([job], error, last=index == len(alone) - 1):
                     return
 
-    def _hand_back(self, jobs: Sequence[_Job[Any]], error: BaseException | None, *, last: bool) -> bool:
+    def _hand_back(self, jobs: Sequence[Job[Any]], error: BaseException | None, *, last: bool) -> bool:
         loop = self._loop
         assert loop is not None
         try:
@@ -272,7 +224,7 @@ class PgWriter:
             )
         return self._conn
 
-    def _commit(self, jobs: list[_Job[Any]], alone: list[_Job[Any]]) -> BaseException | None:
+    def _commit(self, jobs: list[Job[Any]], alone: list[Job[Any]]) -> BaseException | None:
         """Run ``jobs`` to a commit; the error that failed all of them, or None (each job may have its own).
 
         When one waits too long for another replica's row lock, it and the jobs not yet committed are put
@@ -300,7 +252,7 @@ class PgWriter:
             alone.clear()
             return self._failed(exc, len(jobs))
 
-    def _commit_alone(self, job: _Job[Any]) -> BaseException | None:
+    def _commit_alone(self, job: Job[Any]) -> BaseException | None:
         """``job`` in a transaction of its own, waiting for locks as long as it takes."""
         try:
             self.run_alone += 1
@@ -318,7 +270,7 @@ class PgWriter:
             self._conn = None
         return exc
 
-    def _run_alone(self, conn: psycopg.Connection[Any], job: _Job[Any]) -> None:
+    def _run_alone(self, conn: psycopg.Connection[Any], job: Job[Any]) -> None:
         for attempt in range(1, ALONE_ATTEMPTS + 1):
             failed = self._attempt(conn, [job], bounded=False)
             if failed is None:
@@ -329,8 +281,8 @@ class PgWriter:
                 return
 
     def _attempt(
-        self, conn: psycopg.Connection[Any], jobs: Sequence[_Job[Any]], *, bounded: bool
-    ) -> tuple[_Job[Any], Exception] | None:
+        self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool
+    ) -> tuple[Job[Any], Exception] | None:
         """One transaction for ``jobs``: None once committed, or the job that failed (all rolled back).
 
         Raises when the connection itself fails, or the ``COMMIT`` does.

@@ -28,10 +28,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import structlog
 
+from kazma.config.group_commit import GroupQueue, Job
 from kazma.config.metrics import count_failure
 
 log = structlog.get_logger("kazma.store")
@@ -72,23 +73,15 @@ Op = Callable[[Tx], T]
 
 
 @dataclass
-class _Job(Generic[T]):
-    op: Op[T]
-    future: asyncio.Future[T]
-    result: Any = None
-    error: BaseException | None = None
-
-
-@dataclass
 class _Group:
-    jobs: list[_Job[Any]]
+    jobs: list[Job[Any]]
     committed_in: float = 0.0
     error: BaseException | None = None
     inline: bool = False
     busy: bool = field(default=False)  # the loop thread met another process's write lock: go to the thread
 
 
-class StoreWriter:
+class StoreWriter(GroupQueue):
     """Group-committing writer for one SQLite file. Create it on the event loop that will use it."""
 
     def __init__(
@@ -105,11 +98,7 @@ class StoreWriter:
         self.busy_timeout_ms = busy_timeout_ms
         self.inline_commit_seconds = inline_commit_seconds
         self.idle_seconds = idle_seconds
-        self._pending: list[_Job[Any]] = []
-        self._unanswered: set[asyncio.Future[Any]] = set()
-        self._flush_scheduled = False
-        self._in_flight = False
-        self._closed = False
+        super().__init__()
         self._loop: asyncio.AbstractEventLoop | None = None
         # Shared with the thread: the connection, and whether a thread is alive to serve the queue.
         self._lock = threading.Lock()
@@ -122,20 +111,8 @@ class StoreWriter:
 
     # -- the loop side ---------------------------------------------------------------------------
 
-    async def submit(self, op: Op[T]) -> T:
-        """Run ``op`` in the next group commit; its result once that commit is on disk."""
-        if self._closed:
-            raise sqlite3.ProgrammingError("the store writer is closed")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        self._pending.append(_Job(op, future))
-        self._unanswered.add(future)
-        future.add_done_callback(self._unanswered.discard)
-        if not self._flush_scheduled:
-            # Everything submitted during this turn of the loop joins the same group.
-            self._flush_scheduled = True
-            loop.call_soon(self._flush)
-        return await future
+    def _closed_error(self) -> Exception:
+        return sqlite3.ProgrammingError("the store writer is closed")
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -168,32 +145,15 @@ class StoreWriter:
         self.groups += 1
         self.inline_groups += group.inline
         self._commit_ewma = 0.8 * self._commit_ewma + 0.2 * group.committed_in
-        for job in group.jobs:
-            if job.future.done():
-                continue  # its caller was cancelled; the write stands all the same
-            error = group.error or job.error
-            if error is not None:
-                job.future.set_exception(error)
-            else:
-                job.future.set_result(job.result)
+        self._answer_jobs(group.jobs, group.error)
 
     def _returned(self, group: _Group) -> None:
-        self._in_flight = False
         self._answer(group)
-        if self._pending and not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    async def caught_up(self) -> None:
-        """Return once every write submitted so far is answered: a read after this sees them all."""
-        if self._unanswered:
-            await asyncio.gather(*list(self._unanswered), return_exceptions=True)
+        self._group_returned()
 
     async def close(self) -> None:
         """Commit what is queued, then end the thread and close the connection."""
-        self._closed = True
-        while self._unanswered:
-            await asyncio.gather(*self._unanswered, return_exceptions=True)
+        await self._drain()
         with self._lock:
             thread = self._thread
             if thread is not None:

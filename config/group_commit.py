@@ -1,0 +1,89 @@
+"""The event-loop side every group-committing store writer shares (SQLite's and PostgreSQL's).
+
+Callers ``await writer.submit(op)``; operations submitted in the same turn of
+the loop, or while a group is on its way, wait in :attr:`GroupQueue._pending`
+for the next group. A backend says how a group runs (:meth:`_flush`) and hands
+the answers back with :meth:`_answer_jobs` and :meth:`_group_returned`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass
+class Job(Generic[T]):
+    """One submitted operation, its caller's future, and what running it gave."""
+
+    op: Callable[[Any], T]
+    future: asyncio.Future[T]
+    result: Any = None
+    error: BaseException | None = None
+
+
+class GroupQueue:
+    """Collects operations into groups, one group on its way at a time, and answers their callers."""
+
+    def __init__(self) -> None:
+        self._pending: list[Job[Any]] = []
+        self._unanswered: set[asyncio.Future[Any]] = set()
+        self._flush_scheduled = False
+        self._in_flight = False
+        self._closed = False
+
+    def _closed_error(self) -> Exception:
+        """What a submit after :meth:`close` raises (the backend's own error type)."""
+        raise NotImplementedError
+
+    def _flush(self) -> None:
+        """Take pending jobs and run them as a group (or hand them to a thread)."""
+        raise NotImplementedError
+
+    async def submit(self, op: Callable[[Any], T]) -> T:
+        """Run ``op`` in the next group commit; its result once that commit returned."""
+        if self._closed:
+            raise self._closed_error()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._pending.append(Job(op, future))
+        self._unanswered.add(future)
+        future.add_done_callback(self._unanswered.discard)
+        if not self._flush_scheduled:
+            # Everything submitted during this turn of the loop joins the same group.
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        return await future
+
+    @staticmethod
+    def _answer_jobs(jobs: Sequence[Job[Any]], error: BaseException | None) -> None:
+        for job in jobs:
+            if job.future.done():
+                continue  # its caller was cancelled; the write stands all the same
+            failure = error or job.error
+            if failure is not None:
+                job.future.set_exception(failure)
+            else:
+                job.future.set_result(job.result)
+
+    def _group_returned(self) -> None:
+        """The group on its way is back (and answered): the next one may go."""
+        self._in_flight = False
+        if self._pending and not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    async def caught_up(self) -> None:
+        """Return once every write submitted so far is answered: a read after this sees them all."""
+        if self._unanswered:
+            await asyncio.gather(*list(self._unanswered), return_exceptions=True)
+
+    async def _drain(self) -> None:
+        """Refuse new operations and wait until every submitted one is answered (the start of a close)."""
+        self._closed = True
+        while self._unanswered:
+            await asyncio.gather(*self._unanswered, return_exceptions=True)
