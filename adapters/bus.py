@@ -69,6 +69,8 @@ class FanOutBus:
         platform_timeout: float = 10.0,
         poll_interval: float = SAFETY_SCAN_SECONDS,
         clock: Callable[[], float] = time.time,
+        shared: bool = False,
+        claim_seconds: float | None = None,
     ) -> None:
         if not adapters:
             raise ValueError("FanOutBus needs at least one platform; use NullBus for none")
@@ -81,6 +83,13 @@ class FanOutBus:
         # workers at once (:meth:`settle`), failed posts and edits wake them when they are due.
         self.poll_interval = poll_interval
         self.clock = clock
+        # Several replicas share the store: each card edit is claimed first, so one replica makes it. A single
+        # process on its own SQLite file has nobody to race and skips that write. Posts are always claimed:
+        # the claim is the attempt count written before each post anyway.
+        self.shared = shared
+        # How long a claim keeps the others off: longer than a post or an edit can take (each is bounded by
+        # platform_timeout), so only a replica that died leaves one to run out.
+        self.claim_seconds = claim_seconds if claim_seconds is not None else 2 * platform_timeout + 10
         self._workers = {name: _Worker(adapter) for name, adapter in self.adapters.items()}
         self._started: set[str] = set()
         self._stopping = False
@@ -89,6 +98,11 @@ class FanOutBus:
 
     async def start(self, handlers: Handlers) -> None:
         """Connect every platform concurrently; one that fails to start is logged, the rest serve."""
+        if not self.shared:
+            # The only process on the store: a claim still held was taken by the process before this one.
+            released = await self.outbox.release_claims()
+            if released:
+                log.warning("bus.post_claims_released", posts=released, detail="left by the previous process")
         names = list(self.adapters)
         results = await asyncio.gather(
             *(self._start_one(self.adapters[n], handlers) for n in names), return_exceptions=True
@@ -153,6 +167,18 @@ class FanOutBus:
                 # Before the decision's waiter runs: the agent's reply to it must not take the card's turn.
                 adapter.expect_edit(adapter.home_chat)
             worker.to_settle[request_id] = loaded
+            worker.kick.set()
+
+    def posts_waiting(self, platforms: Sequence[str] | None = None) -> None:
+        """Another replica queued card posts: the workers of ``platforms`` (None: all) look for them now."""
+        for name, worker in self._workers.items():
+            if platforms is None or name in platforms:
+                worker.kick.set()
+
+    def rescan(self) -> None:
+        """Scan the store for unposted and unsettled cards now (notifications may have been missed)."""
+        for worker in self._workers.values():
+            worker.scan_at = 0.0
             worker.kick.set()
 
     async def _decided(self, request_id: str) -> _Decided:
@@ -299,7 +325,9 @@ class FanOutBus:
             await self._refuse_tampered(request, exc)
             await self.outbox.done(job, "refused", exc.reason)
             return
-        await self.outbox.started(job)
+        if not await self.outbox.claim(job, self.claim_seconds):
+            log.debug("bus.card_post_claimed_elsewhere", platform=adapter.name, request_id=job.request_id)
+            return
         try:
             ref = await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
         except (PlatformError, TimeoutError) as exc:
@@ -389,6 +417,11 @@ class FanOutBus:
         except CardIntegrityError:
             # Settled all the same (the buttons must go), but showing no value from the changed row.
             card = integrity_card(request, public_url=self.config.web.public_url)
+        if self.shared and not await self.store.claim_settle(posted, self.claim_seconds):
+            # Another replica edits it (or it waits out a failed edit): look again when that claim has run out.
+            due = self.clock() + self.claim_seconds
+            worker.retry_at = due if worker.retry_at is None else min(worker.retry_at, due)
+            return
         ref = CardRef(posted.platform, posted.chat, posted.message_id)
         try:
             await asyncio.wait_for(adapter.settle_card(ref, card, outcome), timeout=self.platform_timeout)

@@ -8,7 +8,7 @@ between a decision and its edits leaves exactly the work still to do.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,12 @@ import aiosqlite
 
 from kazma.config.database import Migration
 from kazma.config.pg_schema import PgMigration
-from kazma.config.store_backend import StoreBackend, backend_of
+from kazma.config.store_backend import StoreBackend, Tx, backend_of
+
+# Who claims when no replica name is given: the only process on its store.
+LOCAL = "local"
+# Told at every enqueue: every replica's bus workers look for posts to claim (PostgreSQL NOTIFY).
+CARDS_CHANNEL = "kazma_cards"
 
 MIGRATIONS = [
     Migration(
@@ -39,7 +44,9 @@ MIGRATIONS = [
             """,
             "CREATE INDEX IF NOT EXISTS card_outbox_due ON card_outbox (platform, done_at, next_at)",
         ),
-    )
+    ),
+    # Who holds a post's claim (see Outbox.claim): a replica that is gone has its claims released at once.
+    Migration("outbox", 2, ("ALTER TABLE card_outbox ADD COLUMN claimed_by TEXT",)),
 ]
 
 # The same table on PostgreSQL: an identity column for AUTOINCREMENT, double precision for REAL.
@@ -64,7 +71,8 @@ PG_MIGRATIONS = [
             """,
             "CREATE INDEX IF NOT EXISTS card_outbox_due ON card_outbox (platform, done_at, next_at)",
         ),
-    )
+    ),
+    PgMigration("outbox", 2, ("ALTER TABLE card_outbox ADD COLUMN claimed_by text",)),
 ]
 
 
@@ -77,9 +85,16 @@ class PostJob:
 
 
 class Outbox:
-    def __init__(self, conn: aiosqlite.Connection | StoreBackend, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        conn: aiosqlite.Connection | StoreBackend,
+        *,
+        clock: Callable[[], float] = time.time,
+        replica: str = LOCAL,
+    ) -> None:
         self._conn = conn if isinstance(conn, aiosqlite.Connection) else None
         self.clock = clock
+        self.replica = replica  # written into each claim this process takes
         self.tables = backend_of(conn)
 
     @property
@@ -96,11 +111,18 @@ class Outbox:
 
     async def enqueue(self, request_id: str, platforms: list[str]) -> None:
         now = self.clock()
-        await self._write(
-            "INSERT INTO card_outbox (request_id, platform, created_at, next_at) VALUES (?, ?, ?, ?)"
-            " ON CONFLICT DO NOTHING",
-            [(request_id, platform, now, now) for platform in platforms],
-        )
+        rows = [(request_id, platform, now, now) for platform in platforms]
+
+        def op(tx: Tx) -> None:
+            tx.run_many(
+                "INSERT INTO card_outbox (request_id, platform, created_at, next_at) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT DO NOTHING",
+                rows,
+            )
+            tx.notify(CARDS_CHANNEL, ",".join(platforms))  # every replica's workers look at once
+
+        writer = await self.tables.writer()
+        await writer.submit(op)
 
     async def due(self, platform: str, limit: int = 20) -> list[PostJob]:
         rows = await self.tables.all(
@@ -116,21 +138,55 @@ class Outbox:
         )
         return None if row is None or row[0] is None else float(row[0])
 
-    async def started(self, job: PostJob) -> None:
-        """A post is about to be attempted: counted first, so a crash mid-post leaves a trace of it."""
-        await self._write("UPDATE card_outbox SET attempts = attempts + 1 WHERE id = ?", [(job.id,)])
+    async def claim(self, job: PostJob, lease: float) -> bool:
+        """Take ``job`` for one attempt: True when this process may post it now.
+
+        The claim is the row's ``next_at`` moved ``lease`` seconds ahead, so no other replica lists the job
+        while it is being posted, and one that dies mid-post leaves it due again when the lease runs out.
+        It counts the attempt first, so a crash mid-post leaves a trace of it. False: another replica took
+        it first, or it is done.
+        """
+        now = self.clock()
+
+        def op(tx: Tx) -> int:
+            return tx.run(
+                "UPDATE card_outbox SET attempts = attempts + 1, next_at = ?, claimed_by = ?"
+                " WHERE id = ? AND done_at IS NULL AND next_at <= ?",
+                (now + lease, self.replica, job.id, now),
+            )
+
+        writer = await self.tables.writer()
+        return await writer.submit(op) == 1
 
     async def done(self, job: PostJob, outcome: str, error: str | None = None) -> None:
         await self._write(
-            "UPDATE card_outbox SET done_at = ?, outcome = ?, last_error = ? WHERE id = ?",
+            "UPDATE card_outbox SET done_at = ?, outcome = ?, last_error = ?, claimed_by = NULL"
+            " WHERE id = ? AND done_at IS NULL",
             [(self.clock(), outcome, error, job.id)],
         )
 
     async def retry_later(self, job: PostJob, delay: float, error: str) -> None:
         await self._write(
-            "UPDATE card_outbox SET next_at = ?, last_error = ? WHERE id = ?",
+            "UPDATE card_outbox SET next_at = ?, last_error = ?, claimed_by = NULL WHERE id = ?",
             [(self.clock() + delay, error, job.id)],
         )
+
+    async def release_claims(self, live: Collection[str] | None = None) -> int:
+        """Posts claimed by a process that is gone are due now: every claim (``live`` None, at the start of
+        the only process on the store), or those of replicas not in ``live``. How many were released."""
+        now = self.clock()
+        sql, params = "claimed_by IS NOT NULL", [now]
+        if live:
+            sql, params = f"{sql} AND claimed_by NOT IN ({', '.join('?' * len(live))})", [now, *live]
+
+        def op(tx: Tx) -> int:
+            return tx.run(
+                f"UPDATE card_outbox SET next_at = ?, claimed_by = NULL WHERE done_at IS NULL AND {sql}",  # noqa: S608
+                params,
+            )
+
+        writer = await self.tables.writer()
+        return await writer.submit(op)
 
     async def pending(self) -> list[tuple[str, str, int, str | None]]:
         """(request, platform, attempts, last error) of every unfinished post, for doctor and tests."""

@@ -117,6 +117,17 @@ MIGRATIONS = [
             "DROP INDEX IF EXISTS approval_requests_pending",
         ),
     ),
+    Migration(
+        "approvals",
+        6,
+        # The replica whose call waits for the request. With several replicas on one database, a pending
+        # request is an orphan only when that replica is gone; NULL (one process) is an orphan at start.
+        (
+            "ALTER TABLE approval_requests ADD COLUMN owner TEXT",
+            # Who holds a card edit's claim (ApprovalStore.claim_settle): released at once when it is gone.
+            "ALTER TABLE approval_cards ADD COLUMN settle_claimed_by TEXT",
+        ),
+    ),
 ]
 
 # The same tables on PostgreSQL, version for version: REAL is double precision there (its REAL has 6
@@ -242,6 +253,14 @@ PG_MIGRATIONS = [
         (
             "CREATE INDEX IF NOT EXISTS approval_requests_pending ON approval_requests (created_at)"
             " WHERE status = 'pending'",
+        ),
+    ),
+    PgMigration(
+        "approvals",
+        6,
+        (
+            "ALTER TABLE approval_requests ADD COLUMN owner text",
+            "ALTER TABLE approval_cards ADD COLUMN settle_claimed_by text",
         ),
     ),
 ]

@@ -12,7 +12,7 @@ import contextlib
 import re
 import sqlite3
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -79,6 +79,7 @@ class RefusalWindow:
 
 
 RESTARTED = "Kazma restarted before a decision; nothing ran"
+REPLICA_GONE = "the Kazma replica waiting for it stopped before a decision; nothing ran"
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class Recovery:
     def messages(self) -> list[tuple[str, str]]:
         """(conversation, what to tell it), one per request."""
         told = [
-            (r.conversation, f"The approval request for {r.tool} ({r.id}) was cancelled: {RESTARTED}.")
+            (r.conversation, f"The approval request for {r.tool} ({r.id}) was cancelled: {r.reason or RESTARTED}.")
             for r in self.cancelled
         ]
         told += [
@@ -574,7 +575,7 @@ class ApprovalService:
         assert outcome is not None
         return outcome
 
-    async def recover(self) -> Recovery:
+    async def recover(self, live: Collection[str] | None = None) -> Recovery:
         """At start, before any platform: end what the process that died left hanging, and say so.
 
         Every pending request whose waiter died with that process ends
@@ -583,20 +584,20 @@ class ApprovalService:
         durable waiter (a paused pipeline's checkpoint) stay pending. Every
         approved call that never started running is reported once, never
         silently dropped.
+
+        With several replicas on one database (``live``: the replicas alive now), only what a replica that
+        is gone left behind: the leader runs this when it takes the lease and at every sweep.
         """
         cancelled: list[ApprovalRequest] = []
-        for request in await self.store.requests(pending_only=True, limit=1_000_000):
-            if request.durable:
-                continue
-            won, after = await self.store.finish(
-                request.id, Status.CANCELLED, actor=None, platform=None, reason=RESTARTED
-            )
+        reason = RESTARTED if live is None else REPLICA_GONE
+        for request in await self.store.orphans(live):
+            won, after = await self.store.finish(request.id, Status.CANCELLED, actor=None, platform=None, reason=reason)
             if won and after is not None:
                 APPROVALS_DECIDED.labels(outcome="cancelled", platform="").inc()
                 log.warning("approvals.orphan_cancelled", request_id=request.id, tool=request.tool)
                 cancelled.append(after)
         never_ran: list[ApprovalRequest] = []
-        for request in await self.store.approved_not_started():
+        for request in await self.store.approved_not_started(live):
             await self._audit_safely(request.id, "execution_lost", None, None, "approved, but Kazma stopped first")
             count_failure("approval_never_ran")
             log.warning("approvals.approved_never_ran", request_id=request.id, tool=request.tool)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -48,6 +48,10 @@ _EVENT_HASHED = (
     "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
     " VALUES (?, ?, ?, ?, ?, (SELECT args_hash FROM approval_requests WHERE id = ?), ?)"
 )
+# The claimer's name when no replica name is given: the only process on its store.
+LOCAL = "local"
+# Told at every decision: each replica wakes the call waiting for it and settles the cards (PostgreSQL NOTIFY).
+DECIDED_CHANNEL = "kazma_decided"
 _CARD_COLUMNS = "request_id, platform, chat, message_id, posted_at, settled_at, settled_status, whole"
 
 
@@ -187,9 +191,13 @@ class ApprovalStore:
     statement goes through its :class:`~kazma.config.database.Tables`.
     """
 
-    def __init__(self, conn: aiosqlite.Connection | StoreBackend, *, clock: Clock = time.time) -> None:
+    def __init__(
+        self, conn: aiosqlite.Connection | StoreBackend, *, clock: Clock = time.time, replica: str | None = None
+    ) -> None:
         self._conn = conn if isinstance(conn, aiosqlite.Connection) else None
         self.clock = clock
+        # Written as the owner of every request this process opens (None: the only process on the store).
+        self.replica = replica
         self.tables = backend_of(conn)
 
     @property
@@ -239,7 +247,10 @@ class ApprovalStore:
         )
 
         def op(tx: Tx) -> None:
-            tx.run(f"INSERT INTO approval_requests ({_COLUMNS}) VALUES ({', '.join('?' * len(row))})", row)  # noqa: S608
+            tx.run(
+                f"INSERT INTO approval_requests ({_COLUMNS}, owner) VALUES ({', '.join('?' * (len(row) + 1))})",  # noqa: S608
+                (*row, self.replica),
+            )
             tx.run(_EVENT, (request_id, "opened", requested_by, None, now, args_hash, f"tool={tool}"))
 
         await self._write(op)
@@ -319,6 +330,7 @@ class ApprovalStore:
             request = _standing(row)
             if won:
                 tx.run(_EVENT, (request_id, "decided", actor, platform, now, request.args_hash, reason))
+                tx.notify(DECIDED_CHANNEL, request_id)
             else:
                 standing = request.status.value if request.status.final else "pending past its deadline"
                 detail = f"standing: {standing}"
@@ -375,6 +387,7 @@ class ApprovalStore:
         if won:
             event = "decided" if status.human else status.value
             tx.run(_EVENT, (request_id, event, actor, platform, now, request.args_hash, reason))
+            tx.notify(DECIDED_CHANNEL, request_id)
         elif lost_event is not None:
             standing = request.status.value if request.status.final else "pending past its deadline"
             tx.run(_EVENT, (request_id, lost_event, actor, platform, now, request.args_hash, f"standing: {standing}"))
@@ -410,19 +423,29 @@ class ApprovalStore:
         )
         return [AuditEvent(r[0], r[1], r[2], r[3], r[4], datetime.fromtimestamp(r[5], UTC), r[6], r[7]) for r in rows]
 
-    async def approved_not_started(self) -> list[ApprovalRequest]:
-        """Approved requests with no ``execution_started`` (nor an ``execution_lost`` already reported)."""
+    async def approved_not_started(self, live: Collection[str] | None = None) -> list[ApprovalRequest]:
+        """Approved requests with no ``execution_started`` (nor an ``execution_lost`` already reported); with
+        ``live``, only those whose owner is not a live replica (a live one may be about to start its call)."""
         # Only requests decided since executions are recorded (approvals schema v3): older ones ran, or not,
         # before anyone wrote it down, and must not all be reported after an upgrade.
         rows = await self.tables.all(
-            f"SELECT {_COLUMNS} FROM approval_requests r WHERE r.status = 'approved' AND r.durable = 0"  # noqa: S608
+            f"SELECT {_COLUMNS}, owner FROM approval_requests r WHERE r.status = 'approved' AND r.durable = 0"  # noqa: S608
             " AND r.decided_at >= COALESCE((SELECT applied_at FROM kazma_schema"
             " WHERE component = 'approvals' AND version = 3), 0)"
             " AND NOT EXISTS (SELECT 1 FROM approval_events e WHERE e.request_id = r.id"
             " AND e.event IN ('execution_started', 'execution_lost', 'execution_refused'))"
             " ORDER BY r.decided_at"
         )
-        return [_row_to_request(row) for row in rows]
+        return [_row_to_request(row[:-1]) for row in rows if live is None or row[-1] not in live]
+
+    async def orphans(self, live: Collection[str] | None) -> list[ApprovalRequest]:
+        """Pending requests whose waiter is gone: every non-durable one (``live`` None: this is the only
+        process), or those whose owner is not a live replica."""
+        rows = await self.tables.all(
+            f"SELECT {_COLUMNS}, owner FROM approval_requests WHERE status = 'pending' AND durable = 0"  # noqa: S608
+            " ORDER BY created_at"
+        )
+        return [_row_to_request(row[:-1]) for row in rows if live is None or row[-1] not in live]
 
     async def overdue(self) -> list[str]:
         rows = await self.tables.all(
@@ -498,11 +521,43 @@ class ApprovalStore:
 
         def op(tx: Tx) -> int:
             row = tx.one(
-                "UPDATE approval_cards SET settle_attempts = settle_attempts + 1, retry_at = ?"
-                " WHERE request_id = ? AND platform = ? AND chat = ? AND message_id = ? RETURNING settle_attempts",
+                "UPDATE approval_cards SET settle_attempts = settle_attempts + 1, retry_at = ?,"
+                " settle_claimed_by = NULL WHERE request_id = ? AND platform = ? AND chat = ? AND message_id = ?"
+                " RETURNING settle_attempts",
                 (retry_at, card.request_id, card.platform, card.chat, card.message_id),
             )
             return 0 if row is None else int(row[0])
+
+        return await self._write(op)
+
+    async def claim_settle(self, card: PostedCard, lease: float) -> bool:
+        """Take ``card``'s edit for ``lease`` seconds: True when this process may edit it now.
+
+        The claim is the row's ``retry_at`` moved ahead, so the other replicas neither edit it nor list it
+        in a scan until the lease runs out (the edit's outcome replaces it: settled, or a backoff). False:
+        settled already, claimed by another replica, or waiting out a failed edit.
+        """
+        now = self.clock()
+
+        def op(tx: Tx) -> int:
+            return tx.run(
+                "UPDATE approval_cards SET retry_at = ?, settle_claimed_by = ? WHERE request_id = ? AND platform = ?"
+                " AND chat = ? AND message_id = ? AND settled_at IS NULL AND (retry_at IS NULL OR retry_at <= ?)",
+                (now + lease, self.replica or LOCAL, card.request_id, card.platform, card.chat, card.message_id, now),
+            )
+
+        return await self._write(op) == 1
+
+    async def release_settle_claims(self, live: Collection[str]) -> int:
+        """Card edits claimed by replicas not in ``live`` are due now; how many were released."""
+        alive = f" AND settle_claimed_by NOT IN ({', '.join('?' * len(live))})" if live else ""
+
+        def op(tx: Tx) -> int:
+            return tx.run(
+                "UPDATE approval_cards SET retry_at = NULL, settle_claimed_by = NULL WHERE settled_at IS NULL"  # noqa: S608
+                f" AND settle_claimed_by IS NOT NULL{alive}",
+                tuple(live),
+            )
 
         return await self._write(op)
 
@@ -520,8 +575,9 @@ class ApprovalStore:
 
         def op(tx: Tx) -> None:
             settled = tx.run(
-                "UPDATE approval_cards SET settled_at = ?, settled_status = ?, retry_at = NULL"
-                " WHERE request_id = ? AND platform = ? AND chat = ? AND message_id = ? AND settled_at IS NULL",
+                "UPDATE approval_cards SET settled_at = ?, settled_status = ?, retry_at = NULL,"
+                " settle_claimed_by = NULL WHERE request_id = ? AND platform = ? AND chat = ? AND message_id = ?"
+                " AND settled_at IS NULL",
                 (now, status.value, card.request_id, card.platform, card.chat, card.message_id),
             )
             if settled == 1:

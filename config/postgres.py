@@ -113,6 +113,10 @@ class PgTx:
     def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
         self._cursor.executemany(pyformat(sql), [tuple(row) for row in rows])
 
+    def notify(self, channel: str, payload: str = "") -> None:
+        """``NOTIFY``, delivered to every listening replica when (and only if) this transaction commits."""
+        self._cursor.execute("SELECT pg_notify(%s, %s)", (channel, payload))
+
 
 class _SwallowedError(psycopg.Error):
     """An operation caught a database error and returned: its transaction is aborted, so it failed."""

@@ -32,6 +32,10 @@ class Tx(Protocol):
 
     def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None: ...
 
+    def notify(self, channel: str, payload: str = "") -> None:
+        """Tell every other replica once the transaction commits (a no-op where there are none)."""
+        ...
+
 
 class Writer(Protocol):
     async def submit(self, op: Callable[[Tx], T]) -> T:

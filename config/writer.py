@@ -68,6 +68,10 @@ class Tx:
     def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
         self._conn.executemany(sql, [tuple(row) for row in rows])
 
+    def notify(self, channel: str, payload: str = "") -> None:
+        """Tell other processes at commit (PostgreSQL's NOTIFY). One SQLite file has one ``kazma run``, which
+        learns of its own writes directly; other processes on the file see them at their next read."""
+
 
 Op = Callable[[Tx], T]
 

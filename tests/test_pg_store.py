@@ -219,7 +219,9 @@ async def test_outbox_enqueue_due_retry_done(backend: Backend) -> None:
     await outbox.enqueue("r1", ["telegram"])  # once per (request, platform)
     [job] = await outbox.due("telegram")
     assert (job.request_id, job.platform, job.attempts) == ("r1", "telegram", 0)
-    await outbox.started(job)
+    assert await outbox.claim(job, lease=30)
+    assert not await outbox.claim(job, lease=30)  # held: nobody else posts it meanwhile
+    assert await outbox.due("telegram") == []
     await outbox.retry_later(job, 20, "429")
     assert await outbox.due("telegram") == []
     assert await outbox.next_due_at("telegram") == pytest.approx(clock.now + 20)
@@ -229,6 +231,54 @@ async def test_outbox_enqueue_due_retry_done(backend: Backend) -> None:
     await outbox.done(again, "posted")
     assert await outbox.next_due_at("telegram") is None
     assert await outbox.pending() == [("r1", "slack", 0, None)]
+
+
+async def test_a_post_claimed_by_a_replica_that_died_is_due_again_after_its_lease(backend: Backend) -> None:
+    clock = ManualClock()
+    outbox = Outbox(backend.store, clock=clock)
+    await outbox.enqueue("r1", ["telegram"])
+    [job] = await outbox.due("telegram")
+    assert await outbox.claim(job, lease=30)  # ... and the claimer dies mid-post
+    clock.advance(29)
+    assert await outbox.due("telegram") == []
+    assert await outbox.next_due_at("telegram") == pytest.approx(clock.now + 1)
+    clock.advance(1)
+    [again] = await outbox.due("telegram")
+    assert again.attempts == 1  # the dead replica's attempt is on record
+    assert await outbox.claim(again, lease=30)
+    assert await outbox.release_claims(live={"local"}) == 0
+    assert await outbox.release_claims(live=set()) == 1  # its claimer is gone: due at once
+    [third] = await outbox.due("telegram")
+    assert third.attempts == 2
+
+
+async def test_many_claims_of_one_post_at_once_have_one_winner(backend: Backend) -> None:
+    outbox = Outbox(backend.store, clock=ManualClock())
+    await outbox.enqueue("r1", ["telegram"])
+    [job] = await outbox.due("telegram")
+    wins = await asyncio.gather(*(outbox.claim(job, lease=30) for _ in range(20)))
+    assert wins.count(True) == 1
+
+
+async def test_a_card_edit_is_claimed_once_and_a_dead_claim_runs_out(backend: Backend) -> None:
+    clock = ManualClock()
+    store = ApprovalStore(backend.store, clock=clock)
+    request_id = await _open(store, clock)
+    await store.record_card(request_id, "telegram", "-100", "7")
+    await store.finish(request_id, Status.DENIED, actor="telegram:1", platform="telegram", reason=None)
+    [card] = await store.unsettled_cards("telegram", due_by=clock.now)
+    wins = await asyncio.gather(*(store.claim_settle(card, lease=15) for _ in range(10)))
+    assert wins.count(True) == 1
+    assert await store.unsettled_cards("telegram", due_by=clock.now) == []  # a scan skips the claimed edit
+    clock.advance(15)
+    [again] = await store.unsettled_cards("telegram", due_by=clock.now)  # its claimer never came back
+    assert await store.claim_settle(again, lease=15)
+    assert await store.release_settle_claims(live={"local"}) == 0  # its claimer is alive
+    assert await store.release_settle_claims(live={"another"}) == 1  # ... and now it is gone
+    assert await store.claim_settle(again, lease=15)
+    await store.mark_card_settled(again, Status.DENIED)
+    clock.advance(60)
+    assert not await store.claim_settle(again, lease=15)  # settled: nothing left to claim
 
 
 async def test_decided_rows_and_the_audit_are_final_in_the_database(backend: Backend) -> None:
@@ -308,7 +358,7 @@ async def test_replicas_starting_together_migrate_once(pg_url: str) -> None:
     assert sorted(len(a) for a in applied) == [0, 0, len(pg_migrations())]
     with psycopg.connect(pg_url) as conn:
         rows = conn.execute("SELECT component, version FROM kazma_schema ORDER BY 1, 2").fetchall()
-    assert rows == [*(("approvals", v) for v in range(1, 6)), ("outbox", 1)]
+    assert rows == [*(("approvals", v) for v in range(1, 7)), ("outbox", 1), ("outbox", 2)]
     assert await apply_pg_migrations(pg_url, pg_migrations()) == []
 
 
