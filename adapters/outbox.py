@@ -175,7 +175,8 @@ class Outbox:
         """Posts claimed by a process that is gone are due now: every claim (``live`` None, at the start of
         the only process on the store), or those of replicas not in ``live``. How many were released."""
         now = self.clock()
-        sql, params: tuple[object, ...] = "claimed_by IS NOT NULL", (now,)
+        sql = "claimed_by IS NOT NULL"
+        params: tuple[object, ...] = (now,)
         if live:
             sql, params = f"{sql} AND claimed_by NOT IN ({', '.join('?' * len(live))})", (now, *live)
 
