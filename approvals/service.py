@@ -533,12 +533,24 @@ class ApprovalService:
                     return await self._expire(request_id)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), timeout=min(self.poll_interval, remaining))
+                event.clear()  # a wake-up is read once: a request still pending waits again
         except asyncio.CancelledError:
             if cancel_with_waiter:
                 await asyncio.shield(self._cancel(request_id))
             raise
         finally:
             self._decided.pop(request_id, None)
+
+    def wake(self, request_id: str) -> None:
+        """Another replica decided ``request_id``: its waiter here, if any, reads the outcome now."""
+        waiter = self._decided.get(request_id)
+        if waiter is not None:
+            waiter.set()
+
+    def wake_all(self) -> None:
+        """Every waiter reads its request again (wake-ups may have been missed while disconnected)."""
+        for waiter in self._decided.values():
+            waiter.set()
 
     async def cancel(self, request_id: str, *, reason: str) -> Outcome | None:
         """End a pending request ``cancelled`` (its requester withdrew it); the outcome that stands, None if unknown."""

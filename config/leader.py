@@ -118,6 +118,8 @@ class LeaderLease:
     drop the session). ``is_leader`` is already true (or false) when its callback starts.
     """
 
+    APPLICATION_PREFIX = "kazma-lease "
+
     def __init__(
         self,
         dsn: str,
@@ -163,8 +165,9 @@ class LeaderLease:
 
     @property
     def application_name(self) -> str:
-        """How the lease connection shows in ``pg_stat_activity``."""
-        return f"kazma-lease {self.replica}".encode()[:_MAX_APPLICATION_NAME].decode(errors="ignore")
+        """How the lease connection shows in ``pg_stat_activity``: the other replicas read who is alive there."""
+        name = f"{self.APPLICATION_PREFIX}{self.replica}"
+        return name.encode()[:_MAX_APPLICATION_NAME].decode(errors="ignore")
 
     async def wait_leader(self) -> None:
         """Return once this replica is the leader (at once if it is)."""

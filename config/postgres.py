@@ -146,6 +146,9 @@ class PgWriter(GroupQueue):
         self._conn: psycopg.Connection[Any] | None = None  # the writer thread's own
         self.groups = 0  # committed groups, for tests and benchmarks
         self.run_alone = 0  # operations run one per transaction after a group met another replica's lock
+        # The server process of the writer's connection: a NOTIFY this process sent carries it, so the
+        # replica's listener can tell its own notifications from the others'.
+        self.backend_pid: int | None = None
 
     # -- the loop side ---------------------------------------------------------------------------
 
@@ -226,6 +229,7 @@ class PgWriter(GroupQueue):
                 application_name=self.application_name,
                 connect_timeout=max(1, int(self.connect_timeout)),
             )
+            self.backend_pid = self._conn.info.backend_pid
         return self._conn
 
     def _commit(self, jobs: list[Job[Any]], alone: list[Job[Any]]) -> BaseException | None:
@@ -336,6 +340,11 @@ class PgStore:
 
     async def writer(self) -> PgWriter:
         return self._writer
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The server process of the writer's connection (NOTIFYs this process sends carry it)."""
+        return self._writer.backend_pid
 
     async def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
         await self._writer.caught_up()

@@ -1,0 +1,191 @@
+"""This replica among the others on one PostgreSQL database: its lease, its wake-ups, what it knows of the rest.
+
+Every replica serves HTTP ingress, posts and edits cards (each claimed once in the
+store) and runs the calls its agents make. What only one process may do — the
+platform connections only one client may hold, recovery of what a dead replica
+left, the sweeps — runs on the replica holding the leader lease
+(:class:`~kazma.config.leader.LeaderLease`); the app hands those duties in as
+``lead`` and ``follow``. Decisions and queued cards reach every replica at once
+through ``LISTEN``/``NOTIFY`` (:class:`~kazma.config.pg_listen.PgListener`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from kazma.adapters.bus import FanOutBus, NullBus
+from kazma.adapters.outbox import CARDS_CHANNEL, Outbox
+from kazma.approvals import ApprovalService
+from kazma.approvals.service import Recovery
+from kazma.approvals.store import DECIDED_CHANNEL
+from kazma.config.leader import LeaderLease, LeaseTiming
+from kazma.config.metrics import count_failure
+from kazma.config.pg_listen import PgListener
+from kazma.config.postgres import PgStore
+from kazma.config.replicas import lease_holder, live_replicas
+
+log = structlog.get_logger("kazma.replicas")
+
+# How long /healthz waits for the database before it says the store is unreachable.
+HEALTH_TIMEOUT = 2.0
+
+
+@dataclass(frozen=True)
+class ReplicaHealth:
+    replica: str
+    leader: bool
+    holder: str | None  # the replica holding the lease, as the database says; None: nobody, or unknown
+    store_reachable: bool
+    listening: bool
+    problem: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.store_reachable
+
+    def lines(self) -> list[str]:
+        lines = [
+            f"replica {self.replica}: {'leader' if self.leader else 'follower'}",
+            f"lease held by {self.holder or 'nobody'}",
+            f"store {'reachable' if self.store_reachable else 'unreachable'}",
+            f"wake-ups {'on' if self.listening else 'off (the safety scan covers them)'}",
+        ]
+        if self.problem:
+            lines.append(f"problem: {self.problem}")
+        return lines
+
+
+class Replication:
+    def __init__(
+        self,
+        *,
+        conninfo: str,
+        store: PgStore,
+        replica: str,
+        service: ApprovalService,
+        bus: FanOutBus | NullBus,
+        outbox: Outbox | None,
+        lead: Callable[[], Awaitable[None]],
+        follow: Callable[[str], Awaitable[None]],
+        timing: LeaseTiming | None = None,
+    ) -> None:
+        self.store = store
+        self.replica = replica
+        self.service = service
+        self.bus = bus
+        self.outbox = outbox
+        self._lead = lead
+        self._follow = follow
+        self.lease = LeaderLease(
+            conninfo, name="kazma", replica=replica, on_acquired=self._acquired, on_lost=self._lost, timing=timing
+        )
+        self.listener = PgListener(
+            conninfo,
+            (DECIDED_CHANNEL, CARDS_CHANNEL),
+            self._notified,
+            self._resync,
+            application_name=f"kazma-listen {replica}"[:63],
+        )
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.lease.is_leader
+
+    async def start(self) -> None:
+        """Listen first (a decision made meanwhile is not missed), then ask for the lease."""
+        self.listener.start()
+        if not await self.listener.wait_connected(10.0):
+            log.warning("replica.listen_late", replica=self.replica, problem=self.listener.problem)
+        self.lease.start()
+        log.info("replica.started", replica=self.replica)
+
+    async def stop(self) -> None:
+        await self.lease.stop()  # the lock goes with the connection: another replica leads at once
+        await self.listener.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def live(self) -> set[str]:
+        """The replicas alive now (this one included, even while its lease connection reconnects)."""
+        return {*await live_replicas(self.store.pool), self.replica}
+
+    async def recover_gone(self) -> Recovery:
+        """The leader's part of recovery: what replicas that are gone left behind.
+
+        Their pending requests end cancelled (nobody waits for them any more; nothing ran), approved
+        calls they never started are reported, and the posts and edits they had claimed are due at once
+        instead of when the claims run out.
+        """
+        live = await self.live()
+        recovery = await self.service.recover(live)
+        released = 0
+        if self.outbox is not None:
+            released += await self.outbox.release_claims(live)
+        released += await self.service.store.release_settle_claims(live)
+        if released:
+            log.warning("replica.claims_released", posts_and_edits=released, live=sorted(live))
+        if (released or recovery.cancelled) and isinstance(self.bus, FanOutBus):
+            self.bus.rescan()
+        return recovery
+
+    async def health(self) -> ReplicaHealth:
+        holder: str | None = None
+        problem: str | None = None
+        reachable = True
+        try:
+            holder = await asyncio.wait_for(lease_holder(self.store.pool, self.lease.key), HEALTH_TIMEOUT)
+        except Exception as exc:
+            reachable, problem = False, str(exc).strip() or type(exc).__name__
+        if problem is None and not self.listener.connected:
+            problem = self.listener.problem
+        return ReplicaHealth(self.replica, self.is_leader, holder, reachable, self.listener.connected, problem)
+
+    # -- the lease's callbacks (run one at a time, in order) ------------------------------------
+
+    async def _acquired(self) -> None:
+        log.warning("replica.leading", replica=self.replica)
+        try:
+            await self._lead()
+        except Exception as exc:
+            count_failure("leader_duties")
+            log.exception("replica.lead_failed", replica=self.replica, error=str(exc))
+
+    async def _lost(self, reason: str) -> None:
+        log.warning("replica.following", replica=self.replica, reason=reason)
+        try:
+            await self._follow(reason)
+        except Exception as exc:
+            count_failure("leader_duties")
+            log.exception("replica.follow_failed", replica=self.replica, error=str(exc))
+
+    # -- wake-ups --------------------------------------------------------------------------------
+
+    def _notified(self, channel: str, payload: str, pid: int) -> None:
+        if pid == self.store.writer_pid:
+            return  # this replica's own write: it acted on it already
+        if channel == DECIDED_CHANNEL and payload:
+            self.service.wake(payload)  # a call waiting here goes on at once
+            self._spawn(self.bus.settle(payload))  # the edits are claimed: one replica makes each
+        elif channel == CARDS_CHANNEL and isinstance(self.bus, FanOutBus):
+            self.bus.posts_waiting([p for p in payload.split(",") if p] or None)
+
+    async def _resync(self) -> None:
+        """After a (re)connect: what was told while nobody listened is looked for once."""
+        if isinstance(self.bus, FanOutBus):
+            self.bus.rescan()
+        self.service.wake_all()
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,138 @@
+"""Wake-ups between replicas: PostgreSQL ``LISTEN``/``NOTIFY`` on one dedicated connection per replica.
+
+A decision or a queued card is told with ``NOTIFY`` inside the transaction that
+writes it (``Tx.notify``), so the other replicas hear of it the moment it is
+committed, and never of a write that rolled back. Notifications sent while a
+listener is disconnected are lost: after every (re)connect the listener calls
+``on_resync``, which looks at the store once (the bus rescans, waiters re-read).
+That and the bus's slow safety scan are the only polling left.
+
+A silent network can leave a connection that looks open: the listener asks
+the server a trivial question whenever no notification came for
+``check_every`` seconds, so a dead link is noticed and replaced within about
+``check_every + connect_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import psycopg
+import structlog
+from psycopg import sql
+
+from kazma.config.backoff import Backoff
+from kazma.config.metrics import count_failure
+
+log = structlog.get_logger("kazma.store")
+
+# (channel, payload, the server process that sent it): called in order, on the loop, never awaited twice at once.
+OnNotify = Callable[[str, str, int], None]
+
+
+class PgListener:
+    """Listens on ``channels`` until stopped, reconnecting with backoff; ``connected`` says whether it hears now."""
+
+    def __init__(
+        self,
+        conninfo: str,
+        channels: Sequence[str],
+        on_notify: OnNotify,
+        on_resync: Callable[[], Awaitable[None]],
+        *,
+        application_name: str = "kazma-listen",
+        check_every: float = 5.0,
+        connect_timeout: int = 5,
+    ) -> None:
+        self.conninfo = conninfo
+        self.channels = tuple(channels)
+        self.on_notify = on_notify
+        self.on_resync = on_resync
+        self.application_name = application_name
+        self.check_every = check_every
+        self.connect_timeout = connect_timeout
+        self.connected = False
+        self.connects = 0  # successful (re)connections, for tests and /healthz
+        self.problem: str | None = None  # why it does not hear now, when it does not
+        self._task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+        self._backoff = Backoff(base=0.5, cap=10.0)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="kazma-pg-listen")
+
+    async def wait_connected(self, within: float) -> bool:
+        """Whether it is listening within ``within`` seconds (a replica starts serving either way)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), within)
+        return self.connected
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.connected = False
+
+    async def _run(self) -> None:
+        failures = 0
+        while True:
+            conn: psycopg.AsyncConnection[Any] | None = None
+            try:
+                conn = await psycopg.AsyncConnection.connect(
+                    self.conninfo,
+                    autocommit=True,
+                    application_name=self.application_name,
+                    connect_timeout=self.connect_timeout,
+                )
+                for channel in self.channels:
+                    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                self.connected, self.problem = True, None
+                self.connects += 1
+                self._ready.set()
+                if failures:
+                    log.info("store.listen_resumed", channels=list(self.channels))
+                failures = 0
+                await self._resync()
+                await self._hear(conn)
+            except asyncio.CancelledError:
+                raise
+            except (psycopg.Error, OSError) as exc:
+                self.connected = False
+                self.problem = str(exc).strip() or type(exc).__name__
+                if failures == 0:  # once per outage, not once per attempt
+                    count_failure("store_listen")
+                    log.warning("store.listen_lost", error=self.problem, detail="the safety scan covers the gap")
+                failures += 1
+            finally:
+                self.connected = False
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        await conn.close()
+            await asyncio.sleep(self._backoff.delay(max(0, failures - 1)))
+
+    async def _hear(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        while True:
+            heard = False
+            async for notify in conn.notifies(timeout=self.check_every):
+                heard = True
+                try:
+                    self.on_notify(notify.channel, notify.payload, notify.pid)
+                except Exception:  # one bad handler must not deafen the replica
+                    count_failure("store_listen_handler")
+                    log.exception("store.listen_handler_failed", channel=notify.channel)
+            if not heard:
+                # Nothing for a while: prove the link (a dead one raises here, and the loop reconnects).
+                await asyncio.wait_for(conn.execute("SELECT 1"), timeout=self.connect_timeout)
+
+    async def _resync(self) -> None:
+        try:
+            await self.on_resync()
+        except Exception as exc:
+            count_failure("store_listen_resync")
+            log.warning("store.listen_resync_failed", error=str(exc))

@@ -1,0 +1,200 @@
+"""Two replicas on one PostgreSQL: wake-ups by NOTIFY, posts and edits claimed once, the leader's recovery.
+
+Each "replica" here is a full approvals service and bus with its own PostgreSQL
+connections, lease and listener, in one test process; the platforms are shared
+in-memory stand-ins (one object per platform, as there is one Telegram), so a
+card posted twice or edited twice would show as two entries. Waiters poll the
+store only once a minute here: a decision made on the other replica can reach
+them within the test's bounds only through NOTIFY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+
+from kazma.adapters.bus import FanOutBus
+from kazma.adapters.contract import Handlers, Inbound, Press
+from kazma.adapters.outbox import Outbox
+from kazma.approvals import ApprovalService, ApprovalStore, Decision, PressResult, Status
+from kazma.approvals.service import REPLICA_GONE
+from kazma.bot.replication import Replication
+from kazma.bot.store import pg_migrations
+from kazma.config.leader import LeaseTiming
+from kazma.config.postgres import PgStore, open_pg_store
+from tests.approvals_support import approvals_config
+from tests.test_bus import MemoryPlatform
+
+FAST = LeaseTiming(check_interval=0.3, check_timeout=0.3, retry_interval=0.1, server_drop_after=1.0)
+
+
+@dataclass
+class Replica:
+    name: str
+    store: PgStore
+    approvals: ApprovalStore
+    outbox: Outbox
+    bus: FanOutBus
+    service: ApprovalService
+    replication: Replication
+    led: asyncio.Event
+
+
+async def _noop(message: Inbound) -> None:
+    return
+
+
+@asynccontextmanager
+async def replica(
+    dsn: str, name: str, platforms: list[MemoryPlatform], *, lead: Callable[[Replica], Awaitable[None]] | None = None
+) -> AsyncIterator[Replica]:
+    store = await open_pg_store(dsn, migrations=pg_migrations(), application_name=f"kazma {name}")
+    config = approvals_config()
+    approvals = ApprovalStore(store, replica=name)
+    outbox = Outbox(store, replica=name)
+    bus = FanOutBus(platforms, store=approvals, outbox=outbox, config=config, shared=True, claim_seconds=30)
+    service = ApprovalService(approvals, config, publisher=bus, poll_interval=60)
+    led = asyncio.Event()
+    holder: list[Replica] = []
+
+    async def on_lead() -> None:
+        if lead is not None:
+            await lead(holder[0])
+        led.set()
+
+    async def on_follow(reason: str) -> None:
+        led.clear()
+
+    replication = Replication(
+        conninfo=dsn,
+        store=store,
+        replica=name,
+        service=service,
+        bus=bus,
+        outbox=outbox,
+        lead=on_lead,
+        follow=on_follow,
+        timing=FAST,
+    )
+    me = Replica(name, store, approvals, outbox, bus, service, replication, led)
+    holder.append(me)
+
+    async def on_press(press: Press) -> PressResult:
+        return await service.decide_from_button(press.data, actor=press.actor, platform=press.platform)
+
+    await replication.start()
+    await bus.start(Handlers(on_inbound=_noop, on_press=on_press))
+    try:
+        yield me
+    finally:
+        await bus.stop()
+        await replication.stop()
+        await store.close()
+
+
+async def until(condition: Callable[[], Awaitable[bool]], timeout: float = 15.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not await condition():
+            await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def dsn(pg_dsn: str) -> str:
+    return pg_dsn
+
+
+async def test_a_decision_on_one_replica_wakes_the_call_waiting_on_another_and_settles_each_card_once(
+    dsn: str,
+) -> None:
+    platforms = [MemoryPlatform("telegram"), MemoryPlatform("slack")]
+    async with replica(dsn, "a", platforms) as a, replica(dsn, "b", platforms) as b:
+        requests = [await a.service.open("shell", {"command": f"ls {n}"}, "agent:b", "web:c") for n in range(10)]
+
+        async def all_posted() -> bool:
+            return not await a.outbox.pending() and all(len(p.posts) >= len(requests) for p in platforms)
+
+        await until(all_posted)
+        waiters = [asyncio.create_task(a.service.wait(r.id)) for r in requests]
+        for r in requests:
+            result = await b.service.decide(r.id, Decision.DENY, actor="telegram:111", platform="telegram")
+            assert result.won
+        outcomes = await asyncio.wait_for(asyncio.gather(*waiters), timeout=15)  # poll_interval is 60 s
+        assert {o.status for o in outcomes} == {Status.DENIED}
+
+        async def all_settled() -> bool:
+            return not await a.approvals.unsettled_cards() and all(len(p.settled) >= len(requests) for p in platforms)
+
+        await until(all_settled)
+        for platform in platforms:
+            assert len(platform.posts) == len(requests)  # each card posted once, whichever replica did it
+            refs = [ref for ref, _ in platform.settled]
+            assert len(refs) == len(set(refs)) == len(requests)  # ... and edited once
+            assert all(summary.startswith("denied by telegram:111") for _, summary in platform.settled)
+
+
+async def test_cards_queued_on_one_replica_are_posted_by_the_other_when_it_is_the_only_one_able(dsn: str) -> None:
+    hung = asyncio.Event()  # never set: replica a's telegram never answers a post
+    stuck = MemoryPlatform("telegram", hang=hung)
+    shared = MemoryPlatform("telegram")
+    async with replica(dsn, "b", [shared]) as b:
+        async with replica(dsn, "a", [stuck]) as a:
+            request = await a.service.open("shell", {"command": "ls"}, "agent:b", "web:c")
+            await until(lambda: _claimed(a.store))  # one of them holds the post's claim
+        # a stopped with its claim (if it had it): released by the leader's recovery, or run out
+        recovery = await b.replication.recover_gone()
+        assert [r.id for r in recovery.cancelled] == [request.id]  # a's waiter is gone with it
+        assert recovery.cancelled[0].reason == REPLICA_GONE
+        await until(lambda: _settled_or_skipped(b, request.id))
+    assert len(shared.posts) <= 1
+
+
+async def _claimed(store: PgStore) -> bool:
+    row = await store.one("SELECT count(*) FROM card_outbox WHERE claimed_by IS NOT NULL OR done_at IS NOT NULL")
+    return bool(row[0])
+
+
+async def _settled_or_skipped(r: Replica, request_id: str) -> bool:
+    rows = await r.outbox.pending()
+    return not rows and not await r.approvals.unsettled_cards()
+
+
+async def test_exactly_one_replica_leads_and_the_other_takes_over_when_it_stops(dsn: str) -> None:
+    platforms = [MemoryPlatform("telegram")]
+    async with replica(dsn, "a", platforms) as a:
+        await asyncio.wait_for(a.led.wait(), timeout=10)
+        async with replica(dsn, "b", platforms) as b:
+            health = await b.replication.health()
+            assert (health.leader, health.holder, health.store_reachable) == (False, "a", True)
+            assert await b.replication.live() == {"a", "b"}
+            await a.replication.stop()  # the lease goes with its connection
+            await asyncio.wait_for(b.led.wait(), timeout=10)
+            health = await b.replication.health()
+            assert (health.leader, health.holder) == (True, "b")
+            assert await b.replication.live() == {"b"}
+
+
+async def test_a_replica_whose_wake_ups_are_cut_finds_the_decision_when_it_reconnects(dsn: str) -> None:
+    platforms = [MemoryPlatform("telegram")]
+    async with replica(dsn, "a", platforms) as a, replica(dsn, "b", platforms) as b:
+        request = await a.service.open("shell", {"command": "ls"}, "agent:b", "web:c")
+        waiter = asyncio.create_task(a.service.wait(request.id))
+        connects = a.replication.listener.connects
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE application_name = %s",
+                ("kazma-listen a",),
+            )
+        result = await b.service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
+        assert result.won
+        outcome = await asyncio.wait_for(waiter, timeout=15)  # told, or found at the resync after reconnecting
+        assert outcome.status is Status.APPROVED
+        await until(lambda: _reconnected(a.replication, connects))
+
+
+async def _reconnected(replication: Replication, before: int) -> bool:
+    return replication.listener.connects > before and replication.listener.connected
