@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine
+import os
+import re
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +26,39 @@ from kazma.adapters.outbox import CARDS_CHANNEL, Outbox
 from kazma.approvals import ApprovalService
 from kazma.approvals.service import Recovery
 from kazma.approvals.store import DECIDED_CHANNEL
-from kazma.config.leader import LeaderLease, LeaseTiming
+from kazma.config.errors import ConfigError, Problem
+from kazma.config.leader import LeaderLease, LeaseTiming, default_replica
 from kazma.config.metrics import count_failure
 from kazma.config.pg_listen import PgListener
 from kazma.config.postgres import PgStore
 from kazma.config.replicas import lease_holder, live_replicas
 
 log = structlog.get_logger("kazma.replicas")
+
+# A replica's name is kept in the store (who owns a request, who claimed a post) and in pg_stat_activity,
+# which keeps 63 bytes of a session's application_name, "kazma-lease " included.
+MAX_REPLICA_NAME = 48
+_REPLICA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")
+
+
+def replica_name(environ: Mapping[str, str] | None = None) -> str:
+    """``KAZMA_REPLICA`` when set, else ``<host>:<pid>``: unique among the replicas alive at once."""
+    env = os.environ if environ is None else environ
+    given = env.get("KAZMA_REPLICA", "").strip()
+    if not given:
+        return default_replica()[:MAX_REPLICA_NAME]
+    if len(given) > MAX_REPLICA_NAME or not _REPLICA_NAME.match(given):
+        raise ConfigError(
+            "KAZMA_REPLICA",
+            [
+                Problem(
+                    "KAZMA_REPLICA",
+                    f"a replica name is up to {MAX_REPLICA_NAME} letters, digits and . _ : @ -, got {given!r}",
+                )
+            ],
+        )
+    return given
+
 
 # How long /healthz waits for the database before it says the store is unreachable.
 HEALTH_TIMEOUT = 2.0

@@ -46,3 +46,20 @@ def failure_count(site: str, platform: str = "") -> float:
     """Current value of one failure counter (for ``kazma doctor`` and tests)."""
     value = REGISTRY.get_sample_value("kazma_failures_total", {"site": site, "platform": platform})
     return value or 0.0
+
+
+def with_label(exposition: bytes, name: str, value: str) -> bytes:
+    """Every sample of a Prometheus text exposition with one more label (``replica="b"``): several replicas
+    serve the same series names, and a scrape through a load balancer must still say whose each one is."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    pair = f'{name}="{escaped}"'
+    out: list[str] = []
+    for line in exposition.decode().splitlines():
+        brace, space = line.find("{"), line.find(" ")
+        if not line or line.startswith("#") or space < 0:
+            out.append(line)
+        elif 0 <= brace < space:  # name{labels} value: the first label may hold spaces, the name cannot
+            out.append(f"{line[: brace + 1]}{pair},{line[brace + 1 :]}")
+        else:
+            out.append(f"{line[:space]}{{{pair}}}{line[space:]}")
+    return ("\n".join(out) + "\n").encode()

@@ -342,6 +342,10 @@ class PgStore:
         return self._writer
 
     @property
+    def conninfo(self) -> str:
+        return self._writer.conninfo
+
+    @property
     def writer_pid(self) -> int | None:
         """The server process of the writer's connection (NOTIFYs this process sends carry it)."""
         return self._writer.backend_pid

@@ -36,7 +36,7 @@ Row = tuple[str, str, str, float, float, float]
 
 async def rows(con: Console) -> list[Row]:
     """(token hash, login, role, created, last seen, expires) of every stored session."""
-    found = await Tables.of(con.app.connections[0]).all(
+    found = await Tables.of(con.app.stores.connections[0]).all(
         "SELECT token_hash, login, role, created_at, last_seen, expires_at FROM web_sessions"
     )
     return [(str(h), str(login), str(role), float(c), float(s), float(e)) for h, login, role, c, s, e in found]
@@ -83,7 +83,7 @@ async def test_only_a_hash_of_the_session_token_is_stored(tmp_path: Path) -> Non
             assert secret.encode() not in raw
 
         # Last seen is written when it is a minute old, not at every request.
-        tables = Tables.of(con.app.connections[0])
+        tables = Tables.of(con.app.stores.connections[0])
         await tables.run("UPDATE web_sessions SET last_seen = ?", (seen - 30,))
         assert await status_with(con, sid) == 200
         assert (await rows(con))[0][4] == seen - 30
@@ -103,7 +103,7 @@ async def test_a_forged_or_expired_cookie_is_refused(tmp_path: Path) -> None:
             assert await status_with(con, forged, "/events") == 401
         assert await status_with(con, sid) == 200
 
-        await Tables.of(con.app.connections[0]).run(
+        await Tables.of(con.app.stores.connections[0]).run(
             "UPDATE web_sessions SET expires_at = ? WHERE token_hash = ?", (time.time() - 1, token_hash)
         )
         assert await status_with(con, sid) == 302

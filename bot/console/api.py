@@ -96,7 +96,7 @@ class ApprovalsApi:
     def __init__(self, app: App) -> None:
         self.app = app
         self.service = app.service
-        self.keys = IdempotencyKeys(app.connections[0])
+        self.keys = IdempotencyKeys(app.stores.primary)
         self._opening = asyncio.Lock()  # one idempotent open at a time in this process: a key maps to one request
 
     @property

@@ -57,7 +57,7 @@ from kazma.bot.console.pages import (
 from kazma.bot.console.sessions import SessionStore
 from kazma.bot.console.static import CONSOLE_JS
 from kazma.bot.console.upload import UploadRefused, read_upload
-from kazma.config.metrics import PRESS_TO_DECISION, count_failure
+from kazma.config.metrics import PRESS_TO_DECISION, count_failure, with_label
 from kazma.engine.swarm.grammar import GrammarError, parse
 from kazma.engine.swarm.roles import Role as SwarmRole
 from kazma.engine.swarm.roles import required_role
@@ -151,7 +151,7 @@ class WebServer:
         public_url = str(self.app.loaded.config.web.public_url)
         self.auth = WebAuth(
             tokens,
-            store=SessionStore(self.app.connections[0]),
+            store=SessionStore(self.app.stores.primary),
             secure=public_url.startswith("https://"),
             reload=read_tokens,
             origins=(str(URL(public_url).origin()),),
@@ -575,13 +575,21 @@ class WebServer:
         except Exception as exc:  # the rest of the metrics are still worth serving
             count_failure("metrics_swarm")
             log.warning("web.metrics_swarm_failed", error=str(exc))
-        return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        body = generate_latest(REGISTRY)
+        if self.app.replication is not None:  # several replicas behind one scrape job: say whose series these are
+            body = with_label(body, "replica", self.app.replica)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: web.Request) -> web.Response:
+        """``ok`` (200) or why not (503); among replicas also who leads and whether the store answers."""
         halted = self.app.service.halted
         if halted is not None:
             return web.Response(text=f"not deciding: {halted}", status=503)
-        return web.Response(text="ok")
+        if self.app.replication is None:
+            return web.Response(text="ok")
+        health = await self.app.replication.health()
+        text = "\n".join(["ok" if health.ok else "not deciding: the store cannot be reached", *health.lines()])
+        return web.Response(text=text + "\n", status=200 if health.ok else 503)
 
     async def script(self, request: web.Request) -> web.Response:
         return web.Response(
