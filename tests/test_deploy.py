@@ -181,3 +181,39 @@ def test_healthz_and_the_proxy_paths_are_documented() -> None:
         assert path in text
     assert "`Secure`" in text
     assert DOCKERFILE.name in text
+
+
+COMPOSE = REPO / "deploy" / "compose.yaml"
+
+
+def test_the_compose_file_runs_two_named_replicas_of_one_image_on_postgresql_behind_one_proxy() -> None:
+    import yaml
+
+    from kazma.config.loader import load_config_text
+
+    compose = yaml.safe_load(COMPOSE.read_text())
+    services = compose["services"]
+    replicas = {name: s for name, s in services.items() if s.get("image") == "kazma"}
+    assert len(replicas) == 2
+    names = {s["environment"]["KAZMA_REPLICA"] for s in replicas.values()}
+    assert names == set(replicas)  # each replica named, and named apart
+    for service in replicas.values():
+        assert service["depends_on"]["postgres"]["condition"] == "service_healthy"
+        assert "./kazma.yaml:/etc/kazma/kazma.yaml:ro" in service["volumes"]
+        assert service["env_file"] == "kazma.env"
+    assert len({v for s in replicas.values() for v in s["volumes"] if "state" in v}) == 2  # workspaces apart
+    assert services["postgres"]["image"].startswith("postgres:")
+    # The proxy sends every HTTP path to every replica, on the ports kazma.yaml gives them.
+    proxy_conf = (REPO / "deploy" / "nginx-replicas.conf").read_text()
+    mounted = [v.split(":")[0] for v in services["proxy"]["volumes"]]
+    assert "./deploy/nginx-replicas.conf" in mounted
+    example = (REPO / "deploy" / "kazma.replicas.yaml").read_text()
+    config = load_config_text(example.replace("${KAZMA_PG_PASSWORD}", "secret")).config
+    assert config.store.backend == "postgresql"
+    assert config.store.postgres_url is not None and "@postgres:5432/" in config.store.postgres_url
+    ports = {config.web.port, config.platforms.slack.http.port, config.platforms.telegram.webhook.port}
+    for name in replicas:
+        for port in ports:
+            assert f"server {name}:{port} " in proxy_conf
+    env_example = (REPO / "deploy" / "kazma.env.example").read_text()
+    assert "KAZMA_WEB_TOKEN=" in env_example and "KAZMA_PG_PASSWORD=" in env_example
