@@ -542,10 +542,12 @@ class ApprovalService:
             self._decided.pop(request_id, None)
 
     def wake(self, request_id: str) -> None:
-        """Another replica decided ``request_id``: its waiter here, if any, reads the outcome now."""
+        """Another replica decided ``request_id``: its waiter here, if any, reads the outcome now, and what
+        watches this service (the live dashboard) hears of it as of a decision made here."""
         waiter = self._decided.get(request_id)
         if waiter is not None:
             waiter.set()
+        self._tell(request_id)
 
     def wake_all(self) -> None:
         """Every waiter reads its request again (wake-ups may have been missed while disconnected)."""

@@ -7,7 +7,9 @@ task's report or a worker call's tokens (the swarm service's listeners). Each su
 and wakes the followers. A follower waits out the rest of its one-second window (changes meanwhile fold into one
 push), then takes the snapshot for the current version: the first follower to ask loads it, the others share it.
 
-Limitation: changes made by another process (a second replica, ``kazma approvals decide`` on the CLI) are seen
+Among replicas on PostgreSQL, a decision made by another replica reaches this one's dashboards at once (its
+NOTIFY wakes the approval service, which tells its listeners). Limitation: other changes made by another process
+(a request opened or a message kept by another replica, ``kazma approvals decide`` on a SQLite store) are seen
 only when something in this process changes next.
 """
 
