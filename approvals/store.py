@@ -436,16 +436,18 @@ class ApprovalStore:
             " AND e.event IN ('execution_started', 'execution_lost', 'execution_refused'))"
             " ORDER BY r.decided_at"
         )
-        return [_row_to_request(row[:-1]) for row in rows if live is None or row[-1] not in live]
+        return [_row_to_request(row[:-1]) for row in rows if _gone(row[-1], live)]
 
     async def orphans(self, live: Collection[str] | None) -> list[ApprovalRequest]:
         """Pending requests whose waiter is gone: every non-durable one (``live`` None: this is the only
-        process), or those whose owner is not a live replica."""
+        process), or those whose owner is a replica not in ``live``. A request with no owner was opened by a
+        process that is no replica (a CLI command, an older release): nobody can tell whether it still waits,
+        so among replicas only its deadline ends it."""
         rows = await self.tables.all(
             f"SELECT {_COLUMNS}, owner FROM approval_requests WHERE status = 'pending' AND durable = 0"  # noqa: S608
             " ORDER BY created_at"
         )
-        return [_row_to_request(row[:-1]) for row in rows if live is None or row[-1] not in live]
+        return [_row_to_request(row[:-1]) for row in rows if _gone(row[-1], live)]
 
     async def overdue(self) -> list[str]:
         rows = await self.tables.all(
@@ -586,6 +588,11 @@ class ApprovalStore:
                 )
 
         await self._write(op)
+
+
+def _gone(owner: str | None, live: Collection[str] | None) -> bool:
+    """Whether a request's waiter is gone: the only process restarted (``live`` None), or its replica left."""
+    return live is None or (owner is not None and owner not in live)
 
 
 def _card(row: Iterable[Any]) -> PostedCard:

@@ -160,6 +160,7 @@ class App:
 
     async def _start_replica(self, replication: Replication) -> None:
         """One of several replicas: serve at once; recovery and the sweeps wait for the lease (:meth:`_lead`)."""
+        self.service.store.replica = self.replica  # its lease session says whether it is alive
         await self._follow_chat_moves()
         if self.mcp is not None:
             await self.mcp.start(wait=10.0)
@@ -293,7 +294,9 @@ async def build_app(
 
         replica = replica_name()
     stores = await open_handles(config, replica=replica)
-    store = ApprovalStore(stores.primary, replica=replica if shared else None)
+    # The owner of the requests it opens once it serves as a replica (App.start): a command that only builds
+    # the app (`kazma swarm`) holds no lease, so nobody could tell whether it is alive.
+    store = ApprovalStore(stores.primary)
     platform_adapters = build_adapters(loaded) if adapters is None else list(adapters)
     if web is not None:
         platform_adapters.append(web)

@@ -12,7 +12,7 @@ import click
 from kazma.approvals import ApprovalService, ApprovalStore, Decision, PressVerdict
 from kazma.approvals.model import ApprovalRequest
 from kazma.bot.context import Context
-from kazma.bot.store import open_store
+from kazma.bot.store import store_for_command
 from kazma.config import LoadedConfig
 
 T = TypeVar("T")
@@ -20,11 +20,8 @@ T = TypeVar("T")
 
 def _with_service(loaded: LoadedConfig, work: Callable[[ApprovalService], Awaitable[T]]) -> T:
     async def run() -> T:
-        conn = await open_store(loaded.config)
-        try:
-            return await work(ApprovalService(ApprovalStore(conn), loaded.config))
-        finally:
-            await conn.close()
+        async with store_for_command(loaded.config) as store:
+            return await work(ApprovalService(ApprovalStore(store), loaded.config))
 
     return asyncio.run(run())
 

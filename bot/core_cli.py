@@ -18,14 +18,13 @@ from kazma.adapters.web import WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import build_app
 from kazma.bot.console.server import WebServer
-from kazma.bot.context import EXIT_CONFIG, Context
+from kazma.bot.context import Context
 from kazma.bot.demo import run_demo
 from kazma.bot.doctor import Level, run_checks
 from kazma.bot.log_options import log_settings
 from kazma.bot.logging import redact_secret
-from kazma.bot.store import require_sqlite
 from kazma.config import LoadedConfig, platform_statuses
-from kazma.config.errors import ConfigError
+from kazma.config.errors import ConfigError, Problem
 from kazma.config.platforms import console_warnings
 
 log = structlog.get_logger("kazma.cli")
@@ -87,17 +86,13 @@ def doctor(obj: Context, model_timeout: float, platform_timeout: float) -> None:
 def run(obj: Context, poll_interval: float) -> None:
     """Start every configured platform and serve until SIGINT or SIGTERM."""
     loaded = obj.load()
-    try:
-        require_sqlite(loaded.config, "`kazma run`", str(loaded.source or "kazma.yaml"))
-    except ConfigError as exc:
-        for line in exc.lines:
-            click.echo(line, err=True)
-        sys.exit(EXIT_CONFIG)
     asyncio.run(_serve(loaded, poll_interval))
 
 
 async def _serve(loaded: LoadedConfig, poll_interval: float) -> None:
     config = loaded.config
+    if config.store.backend == "postgresql":
+        _require_shared_console_tokens(loaded)
     web = WebAdapter()
     app = await build_app(loaded, poll_interval=poll_interval, web=web)
     server = WebServer(
@@ -107,6 +102,7 @@ async def _serve(loaded: LoadedConfig, poll_interval: float) -> None:
         port=config.web.port,
         token_path=config.store.path.parent / "web-token",
         operator_token=os.environ.get("KAZMA_WEB_TOKEN") or None,
+        reader_token=os.environ.get("KAZMA_WEB_READER_TOKEN") or None,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -129,6 +125,23 @@ async def _serve(loaded: LoadedConfig, poll_interval: float) -> None:
     finally:
         await server.stop()
         await app.stop()
+
+
+def _require_shared_console_tokens(loaded: LoadedConfig) -> None:
+    """Replicas must accept the same console tokens: a session opened on one is bound to the token it was
+    opened with, and every other replica checks that binding. Tokens generated per replica would differ."""
+    missing = [name for name in ("KAZMA_WEB_TOKEN", "KAZMA_WEB_READER_TOKEN") if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(
+            str(loaded.source or "kazma.yaml"),
+            [
+                Problem(
+                    "store.url",
+                    "with a PostgreSQL store every replica must share the console's tokens: set "
+                    f"{' and '.join(missing)} to the same values on every replica (e.g. `openssl rand -hex 32`)",
+                )
+            ],
+        )
 
 
 @click.command()

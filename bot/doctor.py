@@ -6,7 +6,7 @@ import httpx
 
 from kazma.bot.checks import Check, Level
 from kazma.bot.platform_checks import check_platforms, console_checks
-from kazma.bot.store import open_store
+from kazma.bot.store import open_store, store_for_command
 from kazma.config import LoadedConfig, platform_statuses
 from kazma.config.database import schema_versions, transaction
 from kazma.config.models import MCPServerConfig, ModelConfig
@@ -72,6 +72,8 @@ def check_sandbox(loaded: LoadedConfig) -> Check:
 
 
 async def check_store(loaded: LoadedConfig) -> Check:
+    if loaded.config.store.backend == "postgresql":
+        return await check_pg_store(loaded)
     path = loaded.config.store.path
     try:
         conn = await open_store(loaded.config)
@@ -86,6 +88,27 @@ async def check_store(loaded: LoadedConfig) -> Check:
         await conn.close()
     schema = ", ".join(f"{k} v{v}" for k, v in sorted(versions.items())) or "no tables yet"
     return Check("store", Level.OK, f"{path}: writable ({schema})")
+
+
+async def check_pg_store(loaded: LoadedConfig) -> Check:
+    """Reachable, migrated, and writable by this user on a primary (not a read-only standby)."""
+    where = loaded.config.store.redacted_url
+    try:
+        async with store_for_command(loaded.config) as store:
+            rows = await store.all("SELECT component, MAX(version) FROM kazma_schema GROUP BY component")
+            row = await store.one(
+                "SELECT pg_is_in_recovery(), has_table_privilege('approval_requests', 'UPDATE'),"
+                " current_setting('server_version')"
+            )
+    except Exception as exc:
+        return Check("store", Level.FAIL, f"{where}: cannot open: {str(exc).strip() or type(exc).__name__}")
+    standby, may_update, version = bool(row[0]), bool(row[1]), str(row[2])
+    if standby:
+        return Check("store", Level.FAIL, f"{where}: a read-only standby; point store.url at the primary")
+    if not may_update:
+        return Check("store", Level.FAIL, f"{where}: this user may not update approval_requests")
+    schema = ", ".join(f"{k} v{v}" for k, v in sorted((str(r[0]), int(r[1])) for r in rows)) or "no tables yet"
+    return Check("store", Level.OK, f"{where}: PostgreSQL {version}, writable ({schema})")
 
 
 async def check_model(loaded: LoadedConfig, *, wait_seconds: float) -> Check:

@@ -11,7 +11,7 @@ import click
 from kazma.approvals import ApprovalStore
 from kazma.approvals.rules import RuleStore
 from kazma.bot.context import Context
-from kazma.bot.store import open_store
+from kazma.bot.store import store_for_command
 
 
 @click.group()
@@ -31,11 +31,8 @@ def list_rules(obj: Context, everything: bool) -> None:
     config = obj.load().config
 
     async def run() -> None:
-        conn = await open_store(config)
-        try:
-            found = await RuleStore(conn).list(active_only=not everything, limit=1000)
-        finally:
-            await conn.close()
+        async with store_for_command(config) as store:
+            found = await RuleStore(store).list(active_only=not everything, limit=1000)
         if not found:
             click.echo("no remembered approvals in force" if not everything else "no remembered approvals")
         now = time.time()
@@ -59,17 +56,14 @@ def revoke(obj: Context, rule_id: str, login: str) -> None:
     actor = f"cli:{login}"
 
     async def run() -> bool:
-        conn = await open_store(config)
-        try:
-            rules_store = RuleStore(conn)
+        async with store_for_command(config) as store:
+            rules_store = RuleStore(store)
             match = [r for r in await rules_store.list(active_only=False, limit=100_000) if r.id == rule_id]
             done = await rules_store.revoke(rule_id, actor=actor)
             if done and match:
-                await ApprovalStore(conn).audit(match[0].request_id, "rule_revoked", actor=actor, platform="cli",
-                                                detail=rule_id)  # fmt: skip
+                await ApprovalStore(store).audit(match[0].request_id, "rule_revoked", actor=actor, platform="cli",
+                                                 detail=rule_id)  # fmt: skip
             return done
-        finally:
-            await conn.close()
 
     if not asyncio.run(run()):
         click.echo(f"no rule {rule_id!r} in force", err=True)

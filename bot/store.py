@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,14 +79,49 @@ def require_sqlite(config: KazmaConfig, what: str, source: str = "kazma.yaml") -
         )
 
 
-async def open_pg_store(config: KazmaConfig, *, application_name: str = "kazma") -> PgStore:
-    """The approvals store's and the outbox's backend on the configured PostgreSQL database, migrated."""
+async def open_pg_store(
+    config: KazmaConfig, *, application_name: str = "kazma", source: str = "kazma.yaml", connect_timeout: float = 10.0
+) -> PgStore:
+    """Every component's backend on the configured PostgreSQL database, migrated.
+
+    A server that cannot be reached (or refuses the login) is a :class:`ConfigError` naming ``store.url``
+    without its password: the CLI says it in one line instead of a traceback.
+    """
     url = config.store.postgres_url
     if url is None:
         raise ValueError("store.url is not a postgresql:// URL")
-    from kazma.config.postgres import open_pg_store as open_pg  # psycopg only when PostgreSQL is used
+    import psycopg  # only when PostgreSQL is used
 
-    return await open_pg(url, migrations=pg_migrations(), application_name=application_name)
+    from kazma.config.postgres import open_pg_store as open_pg
+
+    try:
+        return await open_pg(
+            url, migrations=pg_migrations(), application_name=application_name, connect_timeout=connect_timeout
+        )
+    except (psycopg.OperationalError, psycopg.errors.InsufficientPrivilege, TimeoutError) as exc:
+        said = " ".join((str(exc).strip() or type(exc).__name__).split())
+        if config.store.secret:
+            said = said.replace(config.store.secret, "***")
+        raise ConfigError(
+            source, [Problem("store.url", f"cannot use PostgreSQL at {config.store.redacted_url}: {said}")]
+        ) from None
+
+
+@contextlib.asynccontextmanager
+async def store_for_command(config: KazmaConfig) -> AsyncIterator[aiosqlite.Connection | PgStore]:
+    """The configured store, migrated, for one CLI command: a SQLite connection or the PostgreSQL store."""
+    if config.store.backend == "postgresql":
+        pg = await open_pg_store(config, application_name="kazma-cli")
+        try:
+            yield pg
+        finally:
+            await pg.close()
+        return
+    conn = await open_store(config)
+    try:
+        yield conn
+    finally:
+        await conn.close()
 
 
 def prepare_state_dir(store_path: Path) -> Path:

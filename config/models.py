@@ -171,6 +171,14 @@ class StoreConfig(Strict):
         return self.url if self.backend == "postgresql" else None
 
     @property
+    def redacted_url(self) -> str:
+        """Where the store is, for people to read: the path, or the URL with its password as ``***``."""
+        url = self.postgres_url
+        if url is None:
+            return str(self.path)
+        return url.replace(f":{self.secret}@", ":***@", 1) if self.secret else url
+
+    @property
     def secret(self) -> str:
         """The password inside a PostgreSQL URL (for log redaction); empty when there is none."""
         url = self.postgres_url
