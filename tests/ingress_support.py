@@ -22,13 +22,13 @@ Claim = Callable[[str, str], Awaitable[bool]]
 class Replica:
     """One replica's handlers: what reached it, and every claim it asked for with the answer it got."""
 
-    def __init__(self, name: str, claim: Claim | None = None) -> None:
+    def __init__(self, name: str, claim: Claim | None = None, *, changed: asyncio.Condition | None = None) -> None:
         self.name = name
         self.inbound: list[Inbound] = []
         self.presses: list[Press] = []
         self.claims: list[tuple[str, str, bool]] = []  # (platform, key, claimed)
         self._claim = claim
-        self._changed = asyncio.Condition()
+        self._changed = changed or asyncio.Condition()  # shared: one replica may wait on what another saw
 
     async def _notify(self) -> None:
         async with self._changed:
