@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import urlencode
@@ -22,6 +23,7 @@ from kazma.adapters.slack.render import APPROVE_ACTION
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.bot.inbound_claims import MIGRATIONS, InboundClaims
 from kazma.config.database import open_database
+from kazma.config.metrics import failure_count
 from kazma.config.models import SlackConfig, SlackHttpConfig, TelegramConfig
 from tests.contract.harness import free_port
 from tests.fakes.slack import FakeSlack
@@ -215,3 +217,22 @@ async def test_slack_events_retried_or_doubled_across_replicas_are_handled_once(
     assert [p.data for p in a.presses + b.presses] == ["kz1:abc:a"]
     assert len(won(a) + won(b)) == 4
     assert sorted(refused(a) + refused(b)) == sorted(won(a) + won(b))  # each event: one yes, one no
+
+
+async def test_a_claim_the_store_cannot_record_is_handled_here_rather_than_lost(slack: FakeSlack) -> None:
+    async def broken(platform: str, key: str) -> bool:
+        raise sqlite3.OperationalError("database is locked")
+
+    replica = Replica("a", broken)
+    adapter = slack_replica(slack)
+    failures = failure_count("inbound_claim", "slack")
+    await adapter.start(replica.handlers())
+    try:
+        assert adapter.events_url is not None
+        event = slack.message_event(channel=CHANNEL, user=SLACK_ADMIN, text="still heard")
+        assert (await slack.post_event(adapter.events_url, event)).status == 200
+        await replica.wait_until(lambda: replica.texts() == ["still heard"])
+    finally:
+        await adapter.stop()
+    # Slack was told it arrived, so dropping it would lose it: handled, and the failure counted.
+    assert failure_count("inbound_claim", "slack") == failures + 1
