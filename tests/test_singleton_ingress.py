@@ -8,6 +8,7 @@ session and no Socket Mode connection; ``start_ingress`` then delivers messages 
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import discord
 import pytest
 
-from kazma.adapters.contract import CardRef, SingletonIngress, singleton_ingress
+from kazma.adapters.contract import CardRef, Handlers, Inbound, SingletonIngress, singleton_ingress
 from kazma.adapters.discord import DiscordAdapter
 from kazma.adapters.kit import PlatformBase
 from kazma.adapters.pacing import ChatRateLimiter
@@ -29,11 +30,13 @@ from kazma.config.models import DiscordConfig, SlackConfig, SlackHttpConfig, Tel
 from tests.contract.harness import free_port
 from tests.fakes.discord import ALICE_ID, HOME_CHANNEL_ID, FakeDiscord
 from tests.fakes.slack import FakeSlack
-from tests.fakes.telegram import FakeTelegram
+from tests.fakes.telegram import FakeCall, FakeTelegram
 from tests.ingress_support import WAIT, Replica, approved, make_card
 
 # PTB itself reads RetryAfter.retry_after while building the exception; that warning is PTB's own.
 pytestmark = pytest.mark.filterwarnings("ignore:.*retry_after.*:telegram.warnings.PTBDeprecationWarning")
+
+GROUP = -1001234567890
 
 
 class Rig(ABC):
@@ -364,3 +367,54 @@ async def test_http_ingress_is_not_singleton_and_runs_on_every_replica() -> None
     assert singleton_ingress(TelegramAdapter(TelegramConfig(token="1:x"))) is not None
     assert singleton_ingress(WebAdapter()) is None
     assert singleton_ingress(TerminalAdapter(interactive=False)) is None
+
+
+def confirming(call: FakeCall) -> bool:
+    """PTB's last poll on the way out: no long poll, only the offset that confirms what it took."""
+    return call.status == 200 and float(call.params.get("timeout") or 0) == 0
+
+
+@pytest.mark.parametrize("grace", [5.0, 0.2])
+async def test_stop_ingress_lets_what_was_taken_finish_and_never_cancels_it(grace: float) -> None:
+    """A Telegram update taken before the poller stopped is confirmed to Telegram, so it is this replica's to
+    finish: stop_ingress waits for it (up to the grace) and, past the grace, leaves it running."""
+    rig = TelegramRig()
+    await rig.open()
+    entered, release = asyncio.Event(), asyncio.Event()
+    finished: list[str] = []
+
+    async def slow(inbound: Inbound) -> None:
+        entered.set()
+        await release.wait()
+        finished.append(inbound.text)
+
+    adapter = TelegramAdapter(
+        TelegramConfig(token=rig.fake.token, api_base_url=rig.fake.base_url, chats=[GROUP], home_chat=GROUP),
+        poll_timeout=1.0,
+        request_timeout=5.0,
+        stop_grace=grace,
+    )
+    await adapter.start(Handlers(on_inbound=slow, on_press=Replica("a").on_press))
+    try:
+        rig.fake.push_message(GROUP, 111, "taken before the stop")
+        await asyncio.wait_for(entered.wait(), WAIT)
+        stopping = asyncio.create_task(adapter.stop_ingress())
+        if grace > 1:
+            # The poller is closed and its last poll confirmed the update, yet stop_ingress waits for the work.
+            await rig.fake.wait_until(lambda: any(confirming(c) for c in rig.fake.calls_to("getUpdates")))
+            assert rig.fake.pending_updates == 0
+            assert not receiving(adapter)
+            assert not stopping.done()
+            release.set()
+            await asyncio.wait_for(stopping, WAIT)
+        else:
+            await asyncio.wait_for(stopping, WAIT)  # the grace ran out: it returns with the work still going
+            assert finished == []
+            release.set()
+            await asyncio.wait_for(adapter.quiesce(), WAIT)
+        assert finished == ["taken before the stop"]
+        assert rig.fake.pending_updates == 0
+    finally:
+        release.set()
+        await adapter.stop()
+        await rig.close()
