@@ -2,14 +2,15 @@
 
 :class:`PlatformBase` owns the start/stop skeleton (the subclass connects and
 disconnects; work in flight is drained on stop), the singleton ingress that
-only the leader replica runs (started and stopped apart from the adapter, see
+only the leader replica runs (opened and closed apart from the adapter, see
 :class:`~kazma.adapters.contract.SingletonIngress`), the one inbound door (the
 served-chat check, the claim across replicas, the admin flag, delivery that
-counts failures and never raises), the one press policy (decide, then a quiet acknowledgement for the
-winner and a private notice for losers and refusals, with one apology that
-never shows exception text), and the one outbound call wrapper (pacing, the
-platform's ``retry_after``, classification into :class:`PlatformError`,
-counting, logging). :func:`split_text` splits long messages by the platform's
+counts failures and never raises), the one press policy (a claim across
+replicas, decide, then a quiet acknowledgement for the winner and a private
+notice for losers and refusals, with one apology that never shows exception
+text), and the one outbound call wrapper (pacing, the platform's
+``retry_after``, classification into :class:`PlatformError`, counting,
+logging). :func:`split_text` splits long messages by the platform's
 own length rule, and :func:`plain_mentions` finds the ``@name`` words agents
 are addressed with.
 """
@@ -541,7 +542,7 @@ class PlatformBase(ABC):
     def actor(self, user_id: object) -> str:
         return f"{self.name}:{user_id}"
 
-    async def claim(self, key: str | None) -> bool:
+    async def _claim(self, key: str | None) -> bool:
         """Whether this replica handles the inbound event ``key`` (True without a key or a claim handler).
 
         A claim that cannot be recorded is handled here anyway: the platform has been told the event
@@ -570,7 +571,7 @@ class PlatformBase(ABC):
             log.info(f"{self.name}.inbound_ignored", platform=self.name, chat=inbound.chat, reason=reason)
             return False
         handlers = self._handlers
-        if handlers is None or not await self.claim(key):
+        if handlers is None or not await self._claim(key):
             return False
         if inbound.attachments and not inbound.from_bot:
             problem = self.files.problem(inbound.attachments)
@@ -609,7 +610,7 @@ class PlatformBase(ABC):
         if handlers is None or not press.data:
             await self._reply(reply.notify, PRESS_INACTIVE)
             return
-        if not await self.claim(key):
+        if not await self._claim(key):
             return
         decision = self.spawn(handlers.on_press(press), name=f"{self.name}-press")
         try:
