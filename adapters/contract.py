@@ -97,6 +97,8 @@ class ChatMove:
 InboundHandler = Callable[[Inbound], Awaitable[None]]
 PressHandler = Callable[[Press], Awaitable[PressResult]]
 ChatMoveHandler = Callable[[ChatMove], Awaitable[None]]
+# (platform, event key) -> True when this replica may handle the event (it was the first to claim it)
+InboundClaim = Callable[[str, str], Awaitable[bool]]
 
 
 @dataclass
@@ -106,6 +108,12 @@ class Handlers:
     extra: dict[str, object] = field(default_factory=dict)
     # told once the adapter already serves the new id: record it, say it, tell people what to change
     on_chat_moved: ChatMoveHandler | None = None
+    # Several replicas on one store: asked once per inbound event (a message, a command, a press) before it is
+    # delivered, with the platform's own key for it (a Telegram update id, a Slack message or trigger id, a
+    # Discord message or interaction id); False means another replica has it, so it is dropped here. A
+    # platform delivers an event again when leadership moves before it was confirmed (Telegram) or when its
+    # acknowledgement was late (Slack retries). None: every event is handled, as with one process.
+    claim_inbound: InboundClaim | None = None
 
 
 @runtime_checkable
@@ -151,6 +159,50 @@ class PlatformAdapter(Protocol):
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
         """Edit a posted card to show ``outcome`` and remove its buttons. Idempotent."""
         ...
+
+
+@runtime_checkable
+class SingletonIngress(Protocol):
+    """A platform whose inbound connection only one process may hold at a time.
+
+    Telegram long polling (a second ``getUpdates`` ends the first with 409), the Discord gateway and Slack
+    Socket Mode each deliver every event to whoever is connected, so with several replicas only the leader
+    runs them. Every replica still posts, edits and sends over the platform's HTTP API, and serves HTTP
+    ingress (webhooks, Slack's HTTP events), which is not singleton. ``start(handlers, ingress=False)``
+    connects for sending only; :meth:`start_ingress` and :meth:`stop_ingress` may follow any number of times.
+    """
+
+    @property
+    def has_singleton_ingress(self) -> bool:
+        """True when this adapter's inbound path is one only a single process may run (by its configuration)."""
+        ...
+
+    @property
+    def ingress_running(self) -> bool:
+        """Whether inbound events reach this adapter now (always, once started, without singleton ingress)."""
+        ...
+
+    async def start(self, handlers: Handlers, *, ingress: bool = True) -> None:
+        """Connect; with ``ingress=False`` the singleton ingress stays closed until :meth:`start_ingress`."""
+        ...
+
+    async def start_ingress(self) -> None:
+        """Open the singleton ingress (started adapters only); a no-op when it runs or there is none."""
+        ...
+
+    async def stop_ingress(self) -> None:
+        """Close the singleton ingress: no new events are taken, and what was taken is handled here first.
+
+        Sending and editing keep working. A no-op when it is not running or there is none.
+        """
+        ...
+
+
+def singleton_ingress(adapter: object) -> SingletonIngress | None:
+    """``adapter`` when it has an ingress only the leader may run (start it with ``ingress=``), else None."""
+    if isinstance(adapter, SingletonIngress) and adapter.has_singleton_ingress:
+        return adapter
+    return None
 
 
 @runtime_checkable

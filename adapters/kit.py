@@ -1,13 +1,16 @@
 """What every chat platform shares, written once: a platform adapter is only its dialect.
 
 :class:`PlatformBase` owns the start/stop skeleton (the subclass connects and
-disconnects; work in flight is drained on stop), the one inbound door (the
-served-chat check, the admin flag, delivery that counts failures and never
-raises), the one press policy (decide, then a quiet acknowledgement for the
-winner and a private notice for losers and refusals, with one apology that
-never shows exception text), and the one outbound call wrapper (pacing, the
-platform's ``retry_after``, classification into :class:`PlatformError`,
-counting, logging). :func:`split_text` splits long messages by the platform's
+disconnects; work in flight is drained on stop), the singleton ingress that
+only the leader replica runs (opened and closed apart from the adapter, see
+:class:`~kazma.adapters.contract.SingletonIngress`), the one inbound door (the
+served-chat check, the claim across replicas, the admin flag, delivery that
+counts failures and never raises), the one press policy (a claim across
+replicas, decide, then a quiet acknowledgement for the winner and a private
+notice for losers and refusals, with one apology that never shows exception
+text), and the one outbound call wrapper (pacing, the platform's
+``retry_after``, classification into :class:`PlatformError`, counting,
+logging). :func:`split_text` splits long messages by the platform's
 own length rule, and :func:`plain_mentions` finds the ``@name`` words agents
 are addressed with.
 """
@@ -250,6 +253,8 @@ class PlatformBase(ABC):
         self._handlers: Handlers | None = None
         self._inflight: set[asyncio.Future[Any]] = set()
         self._stopping = False
+        self._ingress = False  # the singleton ingress is open
+        self._ingress_lock = asyncio.Lock()  # one open or close at a time: leadership may flap
         self._moves: dict[str, str] = {}  # chat ids that changed on the platform, old → new
 
     # -- what subclasses provide -----------------------------------------------------------------
@@ -261,6 +266,21 @@ class PlatformBase(ABC):
     @abstractmethod
     async def _stop_receiving(self) -> None:
         """Stop taking new events (close the poller, the socket, the HTTP listener)."""
+
+    @property
+    def has_singleton_ingress(self) -> bool:
+        """True when inbound events come over a connection only one process may hold (see ``_open_ingress``)."""
+        return False
+
+    @abstractmethod
+    async def _open_ingress(self) -> None:
+        """Open the singleton ingress (the poller, the gateway, the socket) on a connected adapter; raise
+        :class:`PlatformError` when that fails. Called only when :attr:`has_singleton_ingress`."""
+
+    @abstractmethod
+    async def _close_ingress(self) -> None:
+        """Close the singleton ingress so that no new event is taken; events already taken from the platform
+        (and confirmed to it) must have reached the kit's doors when this returns. Sending keeps working."""
 
     @abstractmethod
     async def _disconnect(self) -> None:
@@ -322,15 +342,24 @@ class PlatformBase(ABC):
     def started(self) -> bool:
         return self._handlers is not None
 
-    async def start(self, handlers: Handlers) -> None:
+    async def start(self, handlers: Handlers, *, ingress: bool = True) -> None:
+        """Connect and serve. ``ingress=False`` leaves the singleton ingress closed (a replica that is not the
+        leader): the adapter posts, edits and sends, and serves HTTP ingress, until :meth:`start_ingress`."""
         if self._handlers is not None:
             raise PlatformError(self.name, "start", "already started", retryable=False)
         self._handlers = handlers
         self._stopping = False
         try:
             await self._connect()
+            if ingress and self.has_singleton_ingress:
+                async with self._ingress_lock:
+                    self._ingress = True  # before opening: a failure half-way still gets closed below
+                    await self._open_ingress()
         except BaseException as exc:
             self._handlers = None
+            self._ingress = False
+            with contextlib.suppress(Exception):
+                await self._close_ingress()
             with contextlib.suppress(Exception):
                 await self._stop_receiving()
             with contextlib.suppress(Exception):
@@ -341,13 +370,18 @@ class PlatformBase(ABC):
                 log.error(f"{self.name}.start_failed", platform=self.name, error=str(error))
                 raise error from exc
             raise
-        log.info(f"{self.name}.started", platform=self.name, home_chat=self.home_chat)
+        log.info(f"{self.name}.started", platform=self.name, home_chat=self.home_chat, ingress=self.ingress_running)
 
     async def stop(self) -> None:
         if self._handlers is None or self._stopping:
             return
         self._stopping = True
         try:
+            async with self._ingress_lock:
+                if self._ingress:
+                    self._ingress = False
+                    with contextlib.suppress(Exception):
+                        await self._close_ingress()
             with contextlib.suppress(Exception):
                 await self._stop_receiving()
             await self._drain()
@@ -356,6 +390,61 @@ class PlatformBase(ABC):
             self._handlers = None
             self._stopping = False
         log.info(f"{self.name}.stopped", platform=self.name)
+
+    # -- the singleton ingress (SingletonIngress) ---------------------------------------------------
+
+    @property
+    def ingress_running(self) -> bool:
+        if not self.started or self._stopping:
+            return False
+        return self._ingress or not self.has_singleton_ingress
+
+    async def start_ingress(self) -> None:
+        """Open the singleton ingress of a started adapter (this replica became the leader)."""
+        if not self.has_singleton_ingress:
+            return
+        async with self._ingress_lock:
+            if self._handlers is None or self._stopping:
+                raise self.refuse("ingress_start", "the adapter is not started", retryable=True)
+            if self._ingress:
+                return
+            self._ingress = True
+            try:
+                await self._open_ingress()
+            except BaseException as exc:
+                self._ingress = False
+                with contextlib.suppress(Exception):
+                    await self._close_ingress()
+                if isinstance(exc, Exception):
+                    error = exc if isinstance(exc, PlatformError) else self.classify("ingress_start", exc)
+                    count_failure("ingress_start", self.name)
+                    log.error(f"{self.name}.ingress_start_failed", platform=self.name, error=str(error))
+                    raise error from exc
+                raise
+        log.info(f"{self.name}.ingress_started", platform=self.name)
+
+    async def stop_ingress(self) -> None:
+        """Close the singleton ingress (this replica is no longer the leader); the adapter keeps sending.
+
+        Events already taken are handled here: the platform was told they arrived, so no other replica
+        will get them. Their work is awaited within the stop grace and never cancelled (it was claimed
+        here; cancelling it would lose it), only reported when it outlives the grace.
+        """
+        async with self._ingress_lock:
+            if not self._ingress:
+                return
+            self._ingress = False
+            try:
+                await self._close_ingress()
+            except Exception as exc:
+                error = exc if isinstance(exc, PlatformError) else self.classify("ingress_stop", exc)
+                self.failed("ingress_stop", None, error)
+        pending = {task for task in self._inflight if task is not asyncio.current_task()}
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=self.stop_grace)
+            if late:
+                log.warning(f"{self.name}.ingress_work_outlives_stop", platform=self.name, tasks=len(late))
+        log.info(f"{self.name}.ingress_stopped", platform=self.name)
 
     async def _drain(self) -> None:
         """Let acknowledged work (presses, commands, deliveries) finish within the grace, then cancel the rest."""
@@ -453,15 +542,37 @@ class PlatformBase(ABC):
     def actor(self, user_id: object) -> str:
         return f"{self.name}:{user_id}"
 
-    async def deliver(self, inbound: Inbound) -> None:
-        """The one inbound door: only served chats pass; a failing handler is counted and logged, never raised."""
+    async def _claim(self, key: str | None) -> bool:
+        """Whether this replica handles the inbound event ``key`` (True without a key or a claim handler).
+
+        A claim that cannot be recorded is handled here anyway: the platform has been told the event
+        arrived, so dropping it would lose it for good, while a rare second handling is harmless where it
+        matters (a decision is one compare-and-set).
+        """
+        handlers = self._handlers
+        if key is None or handlers is None or handlers.claim_inbound is None:
+            return True
+        try:
+            claimed = await handlers.claim_inbound(self.name, key)
+        except Exception:
+            count_failure("inbound_claim", self.name)
+            log.exception(f"{self.name}.inbound_claim_failed", platform=self.name, key=key)
+            return True
+        if not claimed:
+            log.info(f"{self.name}.inbound_claimed_elsewhere", platform=self.name, key=key)
+        return claimed
+
+    async def deliver(self, inbound: Inbound, *, key: str | None = None) -> bool:
+        """The one inbound door: only served chats pass, and only events this replica claims (``key``: the
+        platform's id of the event); a failing handler is counted and logged, never raised. True when the
+        message was handed to the handler."""
         if not self.serves(inbound.chat, direct=inbound.direct, author=inbound.author):
             reason = "direct_not_allowed" if inbound.direct else "chat_not_served"
             log.info(f"{self.name}.inbound_ignored", platform=self.name, chat=inbound.chat, reason=reason)
-            return
+            return False
         handlers = self._handlers
-        if handlers is None:
-            return
+        if handlers is None or not await self._claim(key):
+            return False
         if inbound.attachments and not inbound.from_bot:
             problem = self.files.problem(inbound.attachments)
             if problem is not None:
@@ -469,7 +580,7 @@ class PlatformBase(ABC):
                 log.info(f"{self.name}.files_refused", platform=self.name, chat=inbound.chat, problem=problem)
                 with contextlib.suppress(PlatformError):
                     await self.send_text(inbound.chat, problem, thread=inbound.thread)
-                return
+                return False
             bounded = tuple(self.files.bounded(a) for a in inbound.attachments)
             inbound = dataclasses.replace(inbound, attachments=bounded)
         log.info(
@@ -486,15 +597,20 @@ class PlatformBase(ABC):
         except Exception:
             count_failure("inbound", self.name)
             log.exception(f"{self.name}.inbound_failed", platform=self.name, chat=inbound.chat)
+        return True
 
     # -- presses ---------------------------------------------------------------------------------
 
-    async def press(self, press: Press, reply: PressReply) -> None:
-        """The one press policy. The platform acknowledged the press itself before calling this."""
+    async def press(self, press: Press, reply: PressReply, *, key: str | None = None) -> None:
+        """The one press policy. The platform acknowledged the press itself before calling this. ``key``: the
+        platform's id of the press, claimed across replicas; a press another replica claimed gets no answer
+        here (that replica answers it)."""
         handlers = self._handlers
         log.info(f"{self.name}.press", platform=self.name, actor=press.actor, chat=press.chat, data=press.data[:80])
         if handlers is None or not press.data:
             await self._reply(reply.notify, PRESS_INACTIVE)
+            return
+        if not await self._claim(key):
             return
         decision = self.spawn(handlers.on_press(press), name=f"{self.name}-press")
         try:

@@ -20,6 +20,8 @@ from kazma.approvals.schema import PG_MIGRATIONS as APPROVALS_PG
 from kazma.bot.api_store import MIGRATIONS as API_IDEMPOTENCY
 from kazma.bot.chat_moves import MIGRATIONS as CHAT_MOVES
 from kazma.bot.console.sessions import MIGRATIONS as SESSIONS
+from kazma.bot.inbound_claims import MIGRATIONS as INBOUND_CLAIMS
+from kazma.bot.inbound_claims import PG_MIGRATIONS as INBOUND_CLAIMS_PG
 from kazma.config import KazmaConfig
 from kazma.config.database import Migration, open_database
 from kazma.config.errors import ConfigError, Problem
@@ -56,12 +58,13 @@ def all_migrations() -> list[Migration]:
         *RULES,
         *TRANSCRIPT,
         *SESSIONS,
+        *INBOUND_CLAIMS,
     ]
 
 
 def pg_migrations() -> list[Migration]:
     """The schemas that have a PostgreSQL form so far, in dependency order."""
-    return [*APPROVALS_PG, *OUTBOX_PG]
+    return [*APPROVALS_PG, *OUTBOX_PG, *INBOUND_CLAIMS_PG]
 
 
 def require_sqlite(config: KazmaConfig, what: str, source: str = "kazma.yaml") -> None:

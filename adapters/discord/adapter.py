@@ -9,6 +9,13 @@ Buttons are not tracked by per-message ``View`` objects. A card's buttons carry
 ``kz1:<id>:a|d`` and every press is taken from the raw ``on_interaction``
 event, so a card posted before a restart still works after it and memory does
 not grow with every card.
+
+The gateway is the singleton ingress: messages and presses reach only the
+replica connected to it (the leader), while every replica logs in over REST
+(``Client.login``) and posts, edits and sends through partial messageables,
+which need no gateway cache. Opening the ingress runs ``Client.connect`` as a
+task until READY; closing it cancels that task and closes the websocket, and
+the REST client stays logged in.
 """
 
 from __future__ import annotations
@@ -156,21 +163,40 @@ class DiscordAdapter(PlatformBase):
 
     # ----------------------------------------------------------------- lifecycle
 
+    @property
+    def has_singleton_ingress(self) -> bool:
+        return True  # Discord has no HTTP ingress here: everything inbound comes over the gateway
+
     async def _connect(self) -> None:
+        """Log in over REST (the bot user, the application, the command sync): enough to post and edit."""
         if not self._config.token:
             raise PlatformError(PLATFORM, "start", "no bot token configured", retryable=False)
         self._ready = asyncio.Event()
         self._point_library_at_config()
         client = _Client(self, guild_ready_timeout=self._guild_ready_timeout)
         self._client = client
-        self._task = asyncio.create_task(client.start(self._config.token), name="kazma-discord-client")
+        try:
+            async with asyncio.timeout(self._start_timeout):
+                await client.login(self._config.token)
+        except TimeoutError as exc:
+            message = f"no login within {self._start_timeout:g} s"
+            raise PlatformError(PLATFORM, "start", message, retryable=True) from exc
+        user = client.user
+        log.info("discord.logged_in", user_id=user.id if user else None)
+
+    async def _open_ingress(self) -> None:
+        """The gateway, until READY (the guilds and channels cached, the bot's webhooks usable)."""
+        client = self._client
+        if client is None:
+            raise self.refuse("ingress_start", "not logged in", retryable=True)
+        self._ready = asyncio.Event()
+        self._task = asyncio.create_task(client.connect(reconnect=True), name="kazma-discord-gateway")
         ready = asyncio.create_task(self._ready.wait(), name="kazma-discord-ready")
         done, _ = await asyncio.wait(
             {self._task, ready}, timeout=self._start_timeout, return_when=asyncio.FIRST_COMPLETED
         )
         if ready in done:
-            user = client.user
-            log.info("discord.ready", user_id=user.id if user else None, guilds=len(client.guilds))
+            log.info("discord.ready", user_id=client.user.id if client.user else None, guilds=len(client.guilds))
             return
         ready.cancel()
         task = self._task
@@ -178,8 +204,27 @@ class DiscordAdapter(PlatformBase):
         if failure is not None:
             raise self.classify("start", failure)
         if task in done:
-            raise PlatformError(PLATFORM, "start", "the client stopped before READY", retryable=True)
+            raise PlatformError(PLATFORM, "start", "the gateway closed before READY", retryable=True)
         raise PlatformError(PLATFORM, "start", f"no READY within {self._start_timeout:g} s", retryable=True)
+
+    async def _close_ingress(self) -> None:
+        """Cancel the gateway loop (so it does not reconnect) and close its websocket; REST stays logged in."""
+        task, self._task = self._task, None
+        self._ready.clear()
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            except Exception as exc:  # the gateway's own failure was reported by start_ingress or its logs
+                log.debug("discord.gateway_ended", error=describe(exc))
+        client = self._client
+        if client is not None and client.ws is not None and client.ws.open:
+            await client.ws.close(code=1000)
+        # Events dispatched just before the close run as tasks of their own: let them reach the kit's
+        # tracking (each takes it on its first step) before the caller waits for tracked work.
+        await asyncio.sleep(0)
 
     async def _stop_receiving(self) -> None:
         client, task = self._client, self._task
@@ -265,7 +310,7 @@ class DiscordAdapter(PlatformBase):
             except PlatformError:
                 return  # the user was shown a failure; running the command anyway would surprise them
             user = interaction.user
-            await self.deliver(
+            delivered = await self.deliver(
                 Inbound(
                     platform=PLATFORM,
                     chat=str(chat),
@@ -277,8 +322,11 @@ class DiscordAdapter(PlatformBase):
                     command=name,
                     from_bot=user.bot,
                     is_admin=self.is_admin(user.id),
-                )
+                ),
+                key=f"interaction:{interaction.id}",
             )
+            if not delivered:
+                return
             reply = clip(f"Received /{name} {escape_text(args)}".rstrip(), CONTENT_MAX)
             with contextlib.suppress(PlatformError):
                 await self._rest("command", lambda: interaction.followup.send(reply, allowed_mentions=NO_MENTIONS))
@@ -331,7 +379,8 @@ class DiscordAdapter(PlatformBase):
                     if message.reference is not None and message.reference.message_id
                     else None,
                     attachments=tuple(Attachment(a.filename, a.size, self._fetcher(a)) for a in message.attachments),
-                )
+                ),
+                key=f"message:{message.id}",
             )
 
     def _fetcher(self, attachment: discord.Attachment) -> Callable[[], Awaitable[bytes]]:
@@ -362,7 +411,7 @@ class DiscordAdapter(PlatformBase):
                 message_id=str(message.id) if message is not None else None,
                 is_admin=self.is_admin(interaction.user.id),
             )
-            await self.press(press, _FollowupReply(self, interaction))
+            await self.press(press, _FollowupReply(self, interaction), key=f"interaction:{interaction.id}")
 
     # ----------------------------------------------------------------- outbound
 
@@ -371,8 +420,9 @@ class DiscordAdapter(PlatformBase):
         return await self.call(site, None, call, timeout=self.request_timeout)
 
     def _connected(self, site: str) -> _Client:
+        """The logged-in client: REST works with or without the gateway."""
         client = self._client
-        if client is None or not self._ready.is_set():
+        if client is None or client.user is None:
             raise self.refuse(site, "not connected", retryable=True)
         return client
 
@@ -467,10 +517,18 @@ class DiscordAdapter(PlatformBase):
                 return self._webhooks[channel_id]
             client = self._client
             channel = client.get_channel(channel_id) if client else None
+            if channel is None and client is not None:
+                # No gateway cache (a replica that is not the leader): the channel over REST. Without its
+                # guild's members the permission is not known; a refusal below says it instead.
+                try:
+                    channel = await self._rest("webhook", lambda: client.fetch_channel(channel_id))
+                except PlatformError as exc:
+                    if exc.retryable:
+                        return None  # not cached: try again next time
             me = channel.guild.me if isinstance(channel, discord.TextChannel) else None
             hook: discord.Webhook | None = None
-            if isinstance(channel, discord.TextChannel) and me is not None and client and client.user:
-                if not channel.permissions_for(me).manage_webhooks:
+            if isinstance(channel, discord.TextChannel) and client and client.user:
+                if me is not None and not channel.permissions_for(me).manage_webhooks:
                     self._webhooks[channel_id] = None
                     return None
                 try:

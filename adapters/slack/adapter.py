@@ -5,6 +5,14 @@ verifies every request's signature); Socket Mode is used when an app-level
 token is configured. Cards are ``render.py``; failures are ``errors.py``; the
 inbound door, the press policy, pacing and 429 handling are the kit's (so
 slack-sdk's own rate-limit retry handler is left off: one rule, not two).
+
+Socket Mode is the singleton ingress (Slack spreads events over every open
+socket of an app, so only the leader replica opens one); every replica keeps
+the Web API client. HTTP events mode is served by every replica behind the
+load balancer: Slack retries an event whose acknowledgement was late, maybe to
+another replica, so every message, command and press is claimed across
+replicas before it is handled (messages by channel and ``ts``, which also
+folds the ``message`` and ``app_mention`` events of one post into one).
 """
 
 from __future__ import annotations
@@ -99,6 +107,15 @@ def replay_keys(request: AsyncBoltRequest, body: dict[str, Any]) -> list[str]:
     if body.get("trigger_id"):
         keys.append(f"trigger:{body['trigger_id']}")
     return keys
+
+
+def interaction_key(body: dict[str, Any], action: dict[str, Any]) -> str | None:
+    """One press: its trigger id, else who pressed what when (``action_ts`` is unique per press)."""
+    if body.get("trigger_id"):
+        return f"action:{body['trigger_id']}"
+    action_ts = action.get("action_ts")
+    user = (body.get("user") or {}).get("id")
+    return f"action:{user}:{action.get('action_id')}:{action_ts}" if action_ts else None
 
 
 class _Seen:
@@ -220,6 +237,10 @@ class SlackAdapter(PlatformBase):
     def classify(self, site: str, exc: BaseException) -> PlatformError:
         return classify(site, exc, timeout=self._timeout)
 
+    @property
+    def has_singleton_ingress(self) -> bool:
+        return bool(self._config.app_token)  # Socket Mode; HTTP events are served by every replica
+
     # -- lifecycle --------------------------------------------------------
 
     async def _connect(self) -> None:
@@ -227,9 +248,7 @@ class SlackAdapter(PlatformBase):
         self.client.session = self._session
         auth = await self.client.auth_test()
         self.bot_user_id = str(auth.get("user_id") or "") or None
-        if self._config.app_token:
-            await self._start_socket_mode()
-        else:
+        if not self._config.app_token:
             await self._start_http()
         log.info(
             "slack.connected",
@@ -237,6 +256,17 @@ class SlackAdapter(PlatformBase):
             events_url=self._events_url,
             bot_user_id=self.bot_user_id,
         )
+
+    async def _open_ingress(self) -> None:
+        await self._start_socket_mode()
+        log.info("slack.socket_opened", bot_user_id=self.bot_user_id)
+
+    async def _close_ingress(self) -> None:
+        """Close the socket (its own session); acknowledged envelopes run on as tracked work."""
+        if self._socket is not None:
+            socket, self._socket = self._socket, None
+            await socket.close_async()  # type: ignore[no-untyped-call]  # Bolt leaves it unannotated
+            log.info("slack.socket_closed")
 
     async def _stop_receiving(self) -> None:
         if self._socket is not None:
@@ -354,7 +384,9 @@ class SlackAdapter(PlatformBase):
                     # a reply in a thread answers the thread's first message (a question, say)
                     reply_to=str(event["thread_ts"]) if event.get("thread_ts") and event["thread_ts"] != ts else None,
                     attachments=self._attachments(event),
-                )
+                ),
+                # One post, however many events and retries carry it: a ts is unique within its channel.
+                key=f"message:{channel}:{ts}",
             )
 
     def _attachments(self, event: dict[str, Any]) -> tuple[Attachment, ...]:
@@ -404,6 +436,7 @@ class SlackAdapter(PlatformBase):
         with self.tracking():
             user = str(command.get("user_id", ""))
             raw = str(command.get("text") or "")
+            trigger = command.get("trigger_id")
             await self.deliver(
                 Inbound(
                     platform=PLATFORM,
@@ -415,7 +448,8 @@ class SlackAdapter(PlatformBase):
                     mentions=mentions_in(raw),
                     command=str(command.get("command") or "/swarm").removeprefix("/"),
                     is_admin=self.is_admin(user),
-                )
+                ),
+                key=f"command:{trigger}" if trigger else None,
             )
 
     async def _on_action(self, ack: AsyncAck, body: dict[str, Any], action: dict[str, Any]) -> None:
@@ -435,7 +469,7 @@ class SlackAdapter(PlatformBase):
                 message_id=str(message_ts) if message_ts else None,
                 is_admin=self.is_admin(user),
             )
-            await self.press(press, _EphemeralReply(self, channel, user))
+            await self.press(press, _EphemeralReply(self, channel, user), key=interaction_key(body, action))
 
     # -- outbound ---------------------------------------------------------
 

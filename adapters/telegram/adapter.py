@@ -7,6 +7,15 @@ edit to the shared :class:`~kazma.adapters.pacing.Pacing`, so per-chat limits
 and Telegram's ``retry_after`` hold for every call the bot makes. What a card
 looks like is ``render.py``; what a failure means is ``errors.py``; the
 inbound door and the press policy are the kit's.
+
+Long polling is the singleton ingress (one ``getUpdates`` per bot: a second
+ends the first with 409): a replica that is not the leader initializes the bot
+for sending and never polls. Stopping the poller lets PTB confirm what it
+fetched (one last ``getUpdates`` with the next offset) and lets the
+application hand every fetched update to the kit before it returns; an update
+fetched but never confirmed (a replica killed) comes again to the next leader,
+where its claim (the bot id and the update id) keeps it from being handled
+twice. A webhook is HTTP ingress, served by every replica.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from telegram.ext import (
     CallbackQueryHandler,
     ContextTypes,
     MessageHandler,
+    Updater,
     filters,
 )
 from telegram.request import HTTPXRequest
@@ -67,6 +77,7 @@ CAPTION_LIMIT: Final = 1024  # a document's caption, in UTF-16 units after parsi
 # messages a minute (the kit already shows it at most once per few seconds per chat).
 _PACED_ENDPOINTS: Final = frozenset({"sendMessage", "editMessageText", "sendDocument", "sendPhoto"})
 _URGENT_ENDPOINTS: Final = frozenset({"editMessageText"})
+_ALLOWED_UPDATES: Final = [Update.MESSAGE, Update.CALLBACK_QUERY]
 
 log = structlog.get_logger("kazma.adapters.telegram")
 
@@ -180,6 +191,7 @@ class TelegramAdapter(PlatformBase):
         self.approve_partial = approve_partial
         self._app: AnyApplication | None = None
         self._bot_username = ""
+        self._bot_id = ""
         self._requests: tuple[HTTPXRequest, ...] = ()
 
     @property
@@ -189,6 +201,10 @@ class TelegramAdapter(PlatformBase):
 
     def classify(self, site: str, exc: BaseException) -> PlatformError:
         return classify(site, exc, token=self.config.token)
+
+    @property
+    def has_singleton_ingress(self) -> bool:
+        return self.config.mode != "webhook"
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -234,30 +250,53 @@ class TelegramAdapter(PlatformBase):
         app.add_error_handler(self._on_error)
         await app.initialize()  # getMe: a bad token or an unreachable server stops us here
         self._bot_username = (app.bot.username or "").lower()
+        self._bot_id = str(app.bot.id)
         self._app = app  # from here a handler reacting to the first update can already reply
         await self._register_commands(app)
-        await app.start()
-        updater = app.updater
-        if updater is None:  # pragma: no cover - ApplicationBuilder always makes one
-            raise RuntimeError("python-telegram-bot built no updater")
-        allowed = [Update.MESSAGE, Update.CALLBACK_QUERY]
         if self.config.mode == "webhook":
             hook = self.config.webhook
-            await updater.start_webhook(
+            await app.start()
+            await self._updater(app).start_webhook(
                 listen=hook.listen,
                 port=hook.port,
                 url_path=hook.path,
                 webhook_url=hook.url,
                 secret_token=hook.secret_token,
-                allowed_updates=allowed,
-            )
-        else:
-            await updater.start_polling(
-                timeout=timedelta(seconds=int(self.poll_timeout)),
-                allowed_updates=allowed,
-                error_callback=self._on_poll_error,
+                allowed_updates=_ALLOWED_UPDATES,
             )
         log.info("telegram.connected", mode=self.config.mode, bot=self._bot_username, chats=sorted(self.served.chats))
+
+    @staticmethod
+    def _updater(app: AnyApplication) -> Updater:
+        if app.updater is None:  # pragma: no cover - ApplicationBuilder always makes one
+            raise RuntimeError("python-telegram-bot built no updater")
+        return app.updater
+
+    async def _open_ingress(self) -> None:
+        """Long polling: the application's update processing, then the poller feeding it."""
+        app = self._bot_app("ingress_start")
+        if not app.running:
+            await app.start()
+        await self._updater(app).start_polling(
+            timeout=timedelta(seconds=int(self.poll_timeout)),
+            allowed_updates=_ALLOWED_UPDATES,
+            error_callback=self._on_poll_error,
+        )
+        log.info("telegram.polling", bot=self._bot_username)
+
+    async def _close_ingress(self) -> None:
+        """The poller first (PTB confirms what it fetched), then the application, which hands every update
+        still queued to the kit before it stops; the bot keeps sending."""
+        app = self._app
+        if app is None:
+            return
+        try:
+            if app.updater is not None and app.updater.running:
+                await app.updater.stop()
+        finally:
+            if app.running:
+                await app.stop()
+        log.info("telegram.polling_stopped", bot=self._bot_username)
 
     async def _register_commands(self, app: AnyApplication) -> None:
         # Only a convenience (the command menu): a failure here must not keep the bus down.
@@ -367,6 +406,10 @@ class TelegramAdapter(PlatformBase):
 
         return fetch
 
+    def update_key(self, update: Update) -> str:
+        """An update's claim key: update ids are counted per bot, so the bot's id comes with them."""
+        return f"{self._bot_id}:{update.update_id}"
+
     async def _on_message(self, update: Update, _context: ContextTypes.DEFAULT_TYPE) -> None:
         message = update.message
         if message is None:
@@ -374,7 +417,10 @@ class TelegramAdapter(PlatformBase):
         inbound = self.normalise(message)
         if inbound is not None:
             # PTB handles updates one at a time: hand the delivery off so a slow turn never holds the poller.
-            self.spawn(self.deliver(inbound), name=f"telegram-inbound-{inbound.chat}-{inbound.message_id}")
+            self.spawn(
+                self.deliver(inbound, key=self.update_key(update)),
+                name=f"telegram-inbound-{inbound.chat}-{inbound.message_id}",
+            )
 
     async def _on_migrate(self, update: Update, _context: ContextTypes.DEFAULT_TYPE) -> None:
         """A group became a supergroup (a new chat id): Telegram says so in the old chat and in the new one."""
@@ -402,7 +448,9 @@ class TelegramAdapter(PlatformBase):
             message_id=str(message.message_id) if message is not None else None,
             is_admin=self.is_admin(query.from_user.id),
         )
-        self.spawn(self.press(press, _QueryReply(query)), name=f"telegram-press-{query.id}")
+        self.spawn(
+            self.press(press, _QueryReply(query), key=self.update_key(update)), name=f"telegram-press-{query.id}"
+        )
 
     async def _on_error(self, update: object, context: ContextTypes.DEFAULT_TYPE) -> None:
         log.error("telegram.update_failed", error=self._redact(repr(context.error)))

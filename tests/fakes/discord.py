@@ -229,6 +229,7 @@ class FakeDiscord:
         app.router.add_get(f"{api}/gateway/bot", self._get_gateway_bot)
         app.router.add_put(f"{api}/applications/{{app}}/commands", self._put_commands)
         app.router.add_get(f"{api}/applications/{{app}}/commands", self._get_commands)
+        app.router.add_get(f"{api}/channels/{{channel}}", self._get_channel)
         app.router.add_post(f"{api}/channels/{{channel}}/messages", self._post_message)
         app.router.add_post(f"{api}/channels/{{channel}}/typing", self._post_typing)
         app.router.add_get("/attachments/{channel}/{id}/{name}", self._get_attachment)
@@ -875,6 +876,15 @@ class FakeDiscord:
             return self._not_found(10003, "Channel")
         known = channel_id in self.channels or channel_id in self.dm_channels
         return channel_id if known else self._not_found(10003, "Channel")
+
+    async def _get_channel(self, request: web.Request) -> web.Response:
+        channel = self._channel_or_404(request)
+        if isinstance(channel, web.Response):
+            return channel
+        if channel in self.dm_channels:
+            recipient = self.users.get(self.dm_channels[channel]) or FakeUser(self.dm_channels[channel], "someone")
+            return self._json({"id": str(channel), "type": 1, "recipients": [recipient.payload()]})
+        return self._json(self._channel_payload(channel))
 
     async def _post_message(self, request: web.Request) -> web.Response:
         channel = self._channel_or_404(request)

@@ -1,0 +1,106 @@
+"""Inbound events claimed once across replicas: the store side of ``Handlers.claim_inbound``.
+
+A platform may deliver one event twice, to different replicas: Telegram hands
+an update that was fetched but not confirmed to whoever polls next (a new
+leader after the old one died), and Slack retries an event whose
+acknowledgement was late, through the load balancer to any replica. Before an
+adapter delivers an event it inserts the event's key here; the insert that
+wins handles it, every later one is told no. The insert is one statement
+(``ON CONFLICT DO NOTHING``) on either backend, so two replicas racing for one
+key get one winner from the database itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Final
+
+import aiosqlite
+
+from kazma.config.database import Migration
+from kazma.config.pg_schema import PgMigration
+from kazma.config.store_backend import StoreBackend, backend_of
+
+# How long a claim is kept. A day covers every redelivery: Telegram keeps an unconfirmed update for
+# 24 hours at most, Slack retries an event three times within minutes, and a Discord interaction
+# token lives 15 minutes. A key older than that cannot come back, so its claim can go.
+RETENTION_SECONDS: Final = 24 * 60 * 60
+
+MIGRATIONS: Final = [
+    Migration(
+        "inbound_claims",
+        1,
+        (
+            """CREATE TABLE IF NOT EXISTS inbound_claims (
+                platform TEXT NOT NULL,
+                event_key TEXT NOT NULL,
+                claimed_at REAL NOT NULL,
+                replica TEXT NOT NULL,
+                PRIMARY KEY (platform, event_key)
+            )""",
+            # retention deletes by age
+            "CREATE INDEX IF NOT EXISTS inbound_claims_age ON inbound_claims (claimed_at)",
+        ),
+    )
+]
+
+PG_MIGRATIONS: Final = [
+    PgMigration(
+        "inbound_claims",
+        1,
+        (
+            """CREATE TABLE IF NOT EXISTS inbound_claims (
+                platform text NOT NULL,
+                event_key text NOT NULL,
+                claimed_at double precision NOT NULL,
+                replica text NOT NULL,
+                PRIMARY KEY (platform, event_key)
+            )""",
+            "CREATE INDEX IF NOT EXISTS inbound_claims_age ON inbound_claims (claimed_at)",
+        ),
+    )
+]
+
+_CLAIM: Final = (
+    "INSERT INTO inbound_claims (platform, event_key, claimed_at, replica) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING"
+)
+
+
+class InboundClaims:
+    """Claims of one replica (``replica`` names it in the rows, for whoever reads them after an incident)."""
+
+    def __init__(
+        self,
+        conn: aiosqlite.Connection | StoreBackend,
+        *,
+        replica: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.tables = backend_of(conn)
+        self.replica = replica
+        self.clock = clock
+
+    async def claim(self, platform: str, key: str) -> bool:
+        """True when this call recorded the claim (handle the event here); False when it was claimed before.
+
+        Through the store's group-committing writer (what ``Tables.run`` does with a writer attached), on
+        either backend: answered once the commit holding the claim is durable.
+        """
+        row = (platform, key, self.clock(), self.replica)
+        writer = await self.tables.writer()
+        inserted = await writer.submit(lambda tx: tx.run(_CLAIM, row))
+        return inserted == 1
+
+    async def forget_older_than(self, seconds: float = RETENTION_SECONDS) -> int:
+        """Drop claims older than ``seconds`` (a day by default, see :data:`RETENTION_SECONDS`); how many."""
+        cutoff = self.clock() - seconds
+        writer = await self.tables.writer()
+        return await writer.submit(lambda tx: tx.run("DELETE FROM inbound_claims WHERE claimed_at < ?", (cutoff,)))
+
+    async def holder(self, platform: str, key: str) -> str | None:
+        """The replica that claimed ``key``, or None when nobody has (doctor, tests)."""
+        row = await self.tables.one(
+            "SELECT replica FROM inbound_claims WHERE platform = ? AND event_key = ?", (platform, key)
+        )
+        return None if row is None else str(row[0])

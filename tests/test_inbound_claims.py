@@ -1,0 +1,106 @@
+"""Inbound claims on both backends: one winner per (platform, key), also between replicas racing for it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import pytest
+
+from kazma.bot.inbound_claims import MIGRATIONS, RETENTION_SECONDS, InboundClaims
+from kazma.bot.store import pg_migrations
+from kazma.config.database import open_database
+from tests.pg_support import find_bindir
+
+NO_SERVER = "PostgreSQL server binaries (initdb, pg_ctl, postgres) are not installed: run scripts/install-test-deps"
+
+Replicas = Callable[[str, "Clock"], Awaitable[InboundClaims]]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """(engine, where): a SQLite file path or a PostgreSQL DSN of an empty database."""
+    if request.param == "sqlite":
+        yield "sqlite", str(tmp_path / "k.db")
+        return
+    if find_bindir() is None:
+        pytest.skip(NO_SERVER)
+    yield "postgresql", str(request.getfixturevalue("pg_dsn"))
+
+
+@pytest.fixture
+async def replicas(engine: tuple[str, str]) -> AsyncIterator[Replicas]:
+    """Open the claims of one more replica: its own connection (SQLite) or its own pool and writer (PostgreSQL)."""
+    name, where = engine
+    async with AsyncExitStack() as stack:
+
+        async def open_replica(replica: str, clock: Clock) -> InboundClaims:
+            if name == "sqlite":
+                conn = await open_database(where, migrations=MIGRATIONS)
+                stack.push_async_callback(conn.close)
+                return InboundClaims(conn, replica=replica, clock=clock)
+            from kazma.config.postgres import open_pg_store
+
+            store = await open_pg_store(where, migrations=pg_migrations(), application_name=f"claims-{replica}")
+            stack.push_async_callback(store.close)
+            return InboundClaims(store, replica=replica, clock=clock)
+
+        yield open_replica
+
+
+async def test_the_first_claim_wins_and_later_ones_are_told_no(
+    replicas: Replicas,
+) -> None:
+    clock = Clock()
+    claims = await replicas("a", clock)
+    assert await claims.claim("telegram", "123456:1000") is True
+    assert await claims.claim("telegram", "123456:1000") is False
+    # the key is the platform's: the same text on another platform is another event
+    assert await claims.claim("slack", "123456:1000") is True
+    assert await claims.holder("telegram", "123456:1000") == "a"
+    assert await claims.holder("telegram", "123456:1001") is None
+
+
+async def test_two_replicas_racing_for_the_same_events_get_one_winner_each(
+    replicas: Replicas,
+) -> None:
+    clock = Clock()
+    first, second = await replicas("a", clock), await replicas("b", clock)
+    keys = [f"Ev{n:08d}" for n in range(60)]
+    results = await asyncio.gather(
+        *(claims.claim("slack", key) for key in keys for claims in (first, second)),
+    )
+    won = dict.fromkeys(keys, 0)
+    for index, result in enumerate(results):
+        won[keys[index // 2]] += int(result)
+    assert won == dict.fromkeys(keys, 1)
+    holders = {await first.holder("slack", key) for key in keys}
+    assert holders <= {"a", "b"}
+    assert await second.claim("slack", keys[0]) is False  # seen by the other replica's connection too
+
+
+async def test_old_claims_are_forgotten_and_recent_ones_kept(
+    replicas: Replicas,
+) -> None:
+    clock = Clock()
+    claims = await replicas("a", clock)
+    assert await claims.claim("discord", "message:1")
+    clock.now += RETENTION_SECONDS - 60
+    assert await claims.claim("discord", "message:2")
+    clock.now += 120  # message:1 is a day and a minute old, message:2 a minute
+    assert await claims.forget_older_than() == 1
+    assert await claims.holder("discord", "message:1") is None
+    assert await claims.holder("discord", "message:2") == "a"
+    assert await claims.claim("discord", "message:2") is False
+    assert await claims.forget_older_than(30) == 1
+    assert await claims.holder("discord", "message:2") is None

@@ -1,0 +1,238 @@
+"""Inbound events handled once across replicas, with the claims in one store and the real adapters on the fakes.
+
+Telegram: leadership moves between two replicas of one bot while updates are left unconfirmed (the
+old leader's confirmations fail, as when it dies), so Telegram hands them to the new leader again;
+every update is still handled exactly once. Slack: an event retried to another replica, the two
+events of one post, and one press reaching two replicas are each handled once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+from urllib.parse import urlencode
+
+import pytest
+
+from kazma.adapters.pacing import ChatRateLimiter
+from kazma.adapters.slack import SlackAdapter
+from kazma.adapters.slack.render import APPROVE_ACTION
+from kazma.adapters.telegram import TelegramAdapter
+from kazma.bot.inbound_claims import MIGRATIONS, InboundClaims
+from kazma.config.database import open_database
+from kazma.config.metrics import failure_count
+from kazma.config.models import SlackConfig, SlackHttpConfig, TelegramConfig
+from tests.contract.harness import free_port
+from tests.fakes.slack import FakeSlack
+from tests.fakes.telegram import FakeTelegram, Fault
+from tests.ingress_support import Replica
+
+# PTB itself reads RetryAfter.retry_after while building the exception; that warning is PTB's own.
+pytestmark = pytest.mark.filterwarnings("ignore:.*retry_after.*:telegram.warnings.PTBDeprecationWarning")
+
+GROUP = -1001234567890
+ADMIN = 111
+CHANNEL = "CHOME0001"
+SLACK_ADMIN = "UADMIN001"
+
+
+@pytest.fixture
+async def replicas(tmp_path: Path) -> AsyncIterator[tuple[Replica, Replica]]:
+    """Two replicas' handlers, each claiming through its own connection to one store."""
+    path = tmp_path / "kazma.db"
+    first = await open_database(path, migrations=MIGRATIONS)
+    second = await open_database(path, migrations=MIGRATIONS)
+    changed = asyncio.Condition()
+    try:
+        yield (
+            Replica("a", InboundClaims(first, replica="a").claim, changed=changed),
+            Replica("b", InboundClaims(second, replica="b").claim, changed=changed),
+        )
+    finally:
+        await first.close()
+        await second.close()
+
+
+def won(replica: Replica) -> list[str]:
+    return [key for _, key, claimed in replica.claims if claimed]
+
+
+def refused(replica: Replica) -> list[str]:
+    return [key for _, key, claimed in replica.claims if not claimed]
+
+
+# --------------------------------------------------------------------------- Telegram
+
+
+@pytest.fixture
+async def telegram() -> AsyncIterator[FakeTelegram]:
+    fake = FakeTelegram()
+    await fake.start()
+    yield fake
+    await fake.stop()
+
+
+def telegram_replica(fake: FakeTelegram) -> TelegramAdapter:
+    config = TelegramConfig(
+        token=fake.token, api_base_url=fake.base_url, chats=[GROUP], home_chat=GROUP, admins=[ADMIN]
+    )
+    return TelegramAdapter(config, poll_timeout=1.0, request_timeout=5.0, limiter=ChatRateLimiter(min_interval=0))
+
+
+async def test_telegram_updates_left_unconfirmed_by_a_leader_are_handled_once_after_the_handover(
+    telegram: FakeTelegram, replicas: tuple[Replica, Replica]
+) -> None:
+    fake = telegram
+    a, b = replicas
+    leader, follower = telegram_replica(fake), telegram_replica(fake)
+    await leader.start(a.handlers())
+    await follower.start(b.handlers(), ingress=False)
+    restarted: TelegramAdapter | None = None
+    try:
+        fake.push_message(GROUP, ADMIN, "one")
+        await a.wait_until(lambda: a.texts() == ["one"])
+
+        # From the leader's next answered poll on, Telegram hears no confirmation from it: the poll after
+        # that hangs, and the last confirmation it tries on the way out fails.
+        await fake.wait_until(lambda: fake.calls_to("getUpdates")[-1].status is None)
+        polls = len(fake.calls_to("getUpdates"))
+        fake.script("getUpdates", Fault.hang(), Fault.server_error())
+        fake.push_message(GROUP, ADMIN, "two")
+        fake.push_message(GROUP, ADMIN, "three")
+        fake.push_callback(GROUP, 1, ADMIN, "kz1:abc:a")
+        await a.wait_until(lambda: a.texts() == ["one", "two", "three"] and len(a.presses) == 1)
+        await fake.wait_until(lambda: len(fake.calls_to("getUpdates")) > polls)  # the hanging poll
+        fake.push_message(GROUP, ADMIN, "four")  # nobody receives it while that poll hangs
+
+        await leader.stop()  # the leader goes away with four updates unconfirmed
+        assert fake.pending_updates == 4
+
+        # The follower takes over: Telegram gives it all four; three were handled already.
+        await follower.start_ingress()
+        fake.push_message(GROUP, ADMIN, "five")
+        await b.wait_until(lambda: b.texts() == ["four", "five"] and len(refused(b)) == 3)
+        await fake.wait_until(lambda: fake.pending_updates == 0)  # its own polls confirmed them all
+        await follower.quiesce()
+        assert b.presses == []
+        assert sorted(refused(b)) == sorted(won(a)[1:])  # "two", "three" and the press, as the first leader had them
+
+        # Leadership moves back, gracefully this time: the poller confirms what it took before it stops.
+        restarted = telegram_replica(fake)
+        await restarted.start(a.handlers(), ingress=False)
+        await follower.stop_ingress()
+        await restarted.start_ingress()
+        fake.push_message(GROUP, ADMIN, "six")
+        await a.wait_until(lambda: "six" in a.texts())
+        await restarted.quiesce()
+        await follower.quiesce()
+    finally:
+        for adapter in (leader, follower, restarted):
+            if adapter is not None:
+                await adapter.stop()
+
+    assert a.texts() == ["one", "two", "three", "six"]
+    assert b.texts() == ["four", "five"]
+    assert [p.data for p in a.presses] == ["kz1:abc:a"]
+    handled = won(a) + won(b)
+    assert len(handled) == len(set(handled)) == 7  # six messages and a press, each handled by one replica once
+    assert refused(a) == []  # nothing came back to the first replica after the graceful hand-back
+
+
+# --------------------------------------------------------------------------- Slack
+
+
+@pytest.fixture
+async def slack() -> AsyncIterator[FakeSlack]:
+    fake = FakeSlack()
+    await fake.start()
+    yield fake
+    await fake.stop()
+
+
+def slack_replica(fake: FakeSlack) -> SlackAdapter:
+    config = SlackConfig(
+        bot_token=fake.bot_token,
+        signing_secret=fake.signing_secret,
+        api_base_url=fake.api_url,
+        http=SlackHttpConfig(host="127.0.0.1", port=free_port(), path="/slack/events"),
+        channels=[CHANNEL],
+        home_channel=CHANNEL,
+        admins=[SLACK_ADMIN],
+    )
+    return SlackAdapter(config, limiter=ChatRateLimiter(min_interval=0), request_timeout=5)
+
+
+async def test_slack_events_retried_or_doubled_across_replicas_are_handled_once(
+    slack: FakeSlack, replicas: tuple[Replica, Replica]
+) -> None:
+    fake = slack
+    a, b = replicas
+    first, second = slack_replica(fake), slack_replica(fake)
+    # HTTP events are not singleton: both replicas serve them, as behind a load balancer.
+    await first.start(a.handlers(), ingress=False)
+    await second.start(b.handlers(), ingress=False)
+    try:
+        assert first.events_url is not None
+        assert second.events_url is not None
+        replicas_urls = (first.events_url, second.events_url)
+
+        # Slack retries an event (same event_id) whose acknowledgement it missed; the retry lands elsewhere.
+        envelope = fake.event_envelope(fake.message_event(channel=CHANNEL, user=SLACK_ADMIN, text="deploy it"))
+        for url in replicas_urls:
+            assert (await fake.post_signed(url, json.dumps(envelope), "application/json")).status == 200
+
+        # One post mentioning the app comes as two events (message, app_mention), one to each replica.
+        post = fake.message_event(channel=CHANNEL, user=SLACK_ADMIN, text="<@UBOT> status")
+        mention = {**post, "type": "app_mention"}
+        mention.pop("channel_type")
+        for url, event in zip(replicas_urls, (post, mention), strict=True):
+            assert (await fake.post_event(url, event)).status == 200
+
+        # One press delivered to both replicas (the same interaction payload).
+        payload = fake.block_action_payload(
+            action_id=APPROVE_ACTION, value="kz1:abc:a", user=SLACK_ADMIN, channel=CHANNEL, message_ts="1.1"
+        )
+        body = urlencode({"payload": json.dumps(payload)})
+        for url in replicas_urls:
+            signed = await fake.post_signed(url, body, "application/x-www-form-urlencoded")
+            assert signed.status == 200
+
+        # One slash command delivered to both.
+        form = urlencode(fake.command_form(text="status", channel=CHANNEL, user=SLACK_ADMIN))
+        for url in replicas_urls:
+            assert (await fake.post_signed(url, form, "application/x-www-form-urlencoded")).status == 200
+
+        await a.wait_until(lambda: len(a.claims) + len(b.claims) == 8, timeout=10)
+        await first.quiesce()
+        await second.quiesce()
+    finally:
+        await first.stop()
+        await second.stop()
+
+    texts = sorted(a.texts() + b.texts())
+    assert texts == ["<@UBOT> status", "deploy it", "status"]
+    assert [p.data for p in a.presses + b.presses] == ["kz1:abc:a"]
+    assert len(won(a) + won(b)) == 4
+    assert sorted(refused(a) + refused(b)) == sorted(won(a) + won(b))  # each event: one yes, one no
+
+
+async def test_a_claim_the_store_cannot_record_is_handled_here_rather_than_lost(slack: FakeSlack) -> None:
+    async def broken(platform: str, key: str) -> bool:
+        raise sqlite3.OperationalError("database is locked")
+
+    replica = Replica("a", broken)
+    adapter = slack_replica(slack)
+    failures = failure_count("inbound_claim", "slack")
+    await adapter.start(replica.handlers())
+    try:
+        assert adapter.events_url is not None
+        event = slack.message_event(channel=CHANNEL, user=SLACK_ADMIN, text="still heard")
+        assert (await slack.post_event(adapter.events_url, event)).status == 200
+        await replica.wait_until(lambda: replica.texts() == ["still heard"])
+    finally:
+        await adapter.stop()
+    # Slack was told it arrived, so dropping it would lose it: handled, and the failure counted.
+    assert failure_count("inbound_claim", "slack") == failures + 1
