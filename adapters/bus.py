@@ -18,7 +18,16 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from kazma.adapters.contract import CardRef, FileAdapter, Handlers, PlatformAdapter, PlatformError, UrgentEdits
+from kazma.adapters.contract import (
+    CardRef,
+    FileAdapter,
+    Handlers,
+    PlatformAdapter,
+    PlatformError,
+    SingletonIngress,
+    UrgentEdits,
+    singleton_ingress,
+)
 from kazma.adapters.outbox import Outbox, PostJob
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.model import ApprovalRequest, Status
@@ -96,8 +105,12 @@ class FanOutBus:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    async def start(self, handlers: Handlers) -> None:
-        """Connect every platform concurrently; one that fails to start is logged, the rest serve."""
+    async def start(self, handlers: Handlers, *, ingress: bool = True) -> None:
+        """Connect every platform concurrently; one that fails to start is logged, the rest serve.
+
+        ``ingress=False``: the connections only one process may hold (Telegram polling, the Discord gateway,
+        Slack Socket Mode) stay closed until :meth:`start_ingress` — a replica that does not lead.
+        """
         if not self.shared:
             # The only process on the store: a claim still held was taken by the process before this one.
             released = await self.outbox.release_claims()
@@ -105,7 +118,7 @@ class FanOutBus:
                 log.warning("bus.post_claims_released", posts=released, detail="left by the previous process")
         names = list(self.adapters)
         results = await asyncio.gather(
-            *(self._start_one(self.adapters[n], handlers) for n in names), return_exceptions=True
+            *(self._start_one(self.adapters[n], handlers, ingress) for n in names), return_exceptions=True
         )
         for name, result in zip(names, results, strict=True):
             if isinstance(result, BaseException):
@@ -117,9 +130,34 @@ class FanOutBus:
             worker.task = asyncio.create_task(self._run(worker), name=f"kazma-bus-{name}")
             worker.kick.set()  # resume what a previous run left: unposted cards, unsettled edits
 
-    async def _start_one(self, adapter: PlatformAdapter, handlers: Handlers) -> None:
-        await adapter.start(handlers)
-        log.info("bus.platform_started", platform=adapter.name, home_chat=adapter.home_chat)
+    async def _start_one(self, adapter: PlatformAdapter, handlers: Handlers, ingress: bool) -> None:
+        single = singleton_ingress(adapter)
+        if single is not None:
+            await single.start(handlers, ingress=ingress)
+        else:
+            await adapter.start(handlers)
+        log.info("bus.platform_started", platform=adapter.name, home_chat=adapter.home_chat, ingress=ingress)
+
+    async def start_ingress(self) -> None:
+        """This replica leads now: open every singleton ingress (one that fails is logged and counted)."""
+        await self._each_ingress("start_ingress")
+
+    async def stop_ingress(self) -> None:
+        """This replica no longer leads: close every singleton ingress, finishing what it took."""
+        await self._each_ingress("stop_ingress")
+
+    async def _each_ingress(self, what: str) -> None:
+        targets = [(n, s) for n, a in self.adapters.items() if n in self._started and (s := singleton_ingress(a))]
+
+        async def one(name: str, single: SingletonIngress) -> None:
+            try:
+                await (single.start_ingress() if what == "start_ingress" else single.stop_ingress())
+                log.info(f"bus.{what}", platform=name)
+            except Exception as exc:  # the other platforms' ingress must not depend on this one
+                count_failure(what, name)
+                log.error(f"bus.{what}_failed", platform=name, error=str(exc))
+
+        await asyncio.gather(*(one(name, single) for name, single in targets))
 
     async def stop(self) -> None:
         self._stopping = True
@@ -461,7 +499,7 @@ class NullBus:
 
     adapters: dict[str, PlatformAdapter] = {}  # noqa: RUF012 - never mutated
 
-    async def start(self, handlers: Handlers) -> None:
+    async def start(self, handlers: Handlers, *, ingress: bool = True) -> None:
         log.warning("bus.no_platforms", detail="no chat platform is configured; dangerous tools will be refused")
 
     async def stop(self) -> None:

@@ -21,6 +21,7 @@ from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyP
 from kazma.approvals.rules import RuleStore
 from kazma.approvals.service import Recovery
 from kazma.bot.chat_moves import ChatMoves
+from kazma.bot.inbound_claims import InboundClaims
 from kazma.bot.store import StoreWatch
 from kazma.bot.store_handles import StoreHandles, open_handles
 from kazma.config import LoadedConfig, enabled_platforms
@@ -90,6 +91,7 @@ class App:
     store_watch: StoreWatch | None = None
     mcp: MCPSources | None = None
     replica: str = "local"
+    inbound_claims: InboundClaims | None = None
     # Several replicas on one PostgreSQL database: this one's lease and wake-ups (None on SQLite).
     replication: Replication | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -130,7 +132,14 @@ class App:
 
     @property
     def handlers(self) -> Handlers:
-        return Handlers(on_inbound=self.on_inbound, on_press=self.on_press, on_chat_moved=self.on_chat_moved)
+        return Handlers(
+            on_inbound=self.on_inbound,
+            on_press=self.on_press,
+            on_chat_moved=self.on_chat_moved,
+            # Among replicas, each inbound event is handled by the first to claim it (a new leader is sent
+            # again what the old one fetched but never confirmed). One process on SQLite has nobody to race.
+            claim_inbound=None if self.inbound_claims is None else self.inbound_claims.claim,
+        )
 
     async def start(self) -> None:
         log.info("app.model", provider=self.provider.label)
@@ -164,7 +173,7 @@ class App:
         await self._follow_chat_moves()
         if self.mcp is not None:
             await self.mcp.start(wait=10.0)
-        await self.bus.start(self.handlers)
+        await self.bus.start(self.handlers, ingress=False)  # the leader's own, opened with the lease
         await replication.start()
         log.info("app.started", platforms=sorted(self.bus.adapters), store="postgresql", replica=self.replica)
 
@@ -182,6 +191,8 @@ class App:
         await self._tell(await replication.recover_gone())
         self._leader_tasks.append(asyncio.create_task(self._sweep(), name="kazma-approvals-sweep"))
         self._leader_tasks.append(asyncio.create_task(self._retention(), name="kazma-swarm-retention"))
+        if isinstance(self.bus, FanOutBus):
+            await self.bus.start_ingress()
 
     async def _follow(self, reason: str) -> None:
         """The lease is gone (another replica leads, or the database cannot be reached): stop the sweeps."""
@@ -191,6 +202,8 @@ class App:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.replication is not None and isinstance(self.bus, FanOutBus):
+            await self.bus.stop_ingress()  # another replica may be opening them already
 
     async def _tell(self, recovery: Recovery) -> None:
         for conversation, text in recovery.messages():
@@ -251,9 +264,15 @@ class App:
             await asyncio.sleep(self.sweep_interval)
 
     async def _retention(self) -> None:
-        """Swarm tasks older than ``swarm.retention_days`` go at start and then every sweep (0 keeps all)."""
+        """Swarm tasks older than ``swarm.retention_days`` go at start and then every sweep (0 keeps all);
+        inbound claims older than a day too (no platform delivers an event again after that)."""
         while True:
             await self.swarm.sweep_retention()
+            if self.inbound_claims is not None:
+                try:
+                    await self.inbound_claims.forget_older_than()
+                except Exception as exc:
+                    log.warning("inbound.claims_sweep_failed", error=str(exc))
             await asyncio.sleep(self.loaded.config.swarm.retention_sweep_seconds)
 
     async def stop(self) -> None:
@@ -412,6 +431,8 @@ async def build_app(
     )
     if stores.pg is not None:
         from kazma.bot.replication import Replication
+
+        app.inbound_claims = InboundClaims(stores.pg, replica=replica)
 
         app.replication = Replication(
             conninfo=stores.pg.conninfo,

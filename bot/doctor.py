@@ -10,6 +10,7 @@ from kazma.bot.store import open_store, store_for_command
 from kazma.config import LoadedConfig, platform_statuses
 from kazma.config.database import schema_versions, transaction
 from kazma.config.models import MCPServerConfig, ModelConfig
+from kazma.config.store_backend import backend_of
 from kazma.engine.mcp_tools import list_server_tools
 from kazma.engine.sandbox import resolve_sandbox
 
@@ -94,7 +95,8 @@ async def check_pg_store(loaded: LoadedConfig) -> Check:
     """Reachable, migrated, and writable by this user on a primary (not a read-only standby)."""
     where = loaded.config.store.redacted_url
     try:
-        async with store_for_command(loaded.config) as store:
+        async with store_for_command(loaded.config) as opened:
+            store = backend_of(opened)
             rows = await store.all("SELECT component, MAX(version) FROM kazma_schema GROUP BY component")
             row = await store.one(
                 "SELECT pg_is_in_recovery(), has_table_privilege('approval_requests', 'UPDATE'),"

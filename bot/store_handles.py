@@ -51,8 +51,17 @@ async def open_handles(config: KazmaConfig, *, replica: str) -> StoreHandles:
         return StoreHandles(pg, pg, pg, pg, pg, pg, pg=pg)
     conn = await open_store(config)
     path, busy = config.store.path, config.store.busy_timeout_ms
-    others = [await connect(path, busy_timeout_ms=busy) for _ in range(5)]
+    outbox, plans, history, swarm, transcript = [await connect(path, busy_timeout_ms=busy) for _ in range(5)]
     writer = StoreWriter(path, busy_timeout_ms=busy)
     Tables.of(conn).use_writer(writer)
-    Tables.of(others[0]).use_writer(writer)  # the outbox: card posts commit with the approvals
-    return StoreHandles(conn, *others, writer=writer, connections=[conn, *others])
+    Tables.of(outbox).use_writer(writer)  # card posts commit with the approvals
+    return StoreHandles(
+        conn,
+        outbox,
+        plans,
+        history,
+        swarm,
+        transcript,
+        writer=writer,
+        connections=[conn, outbox, plans, history, swarm, transcript],
+    )
