@@ -206,10 +206,10 @@ def test_every_metric_sample_says_which_replica_served_it() -> None:
 
     from kazma.config.metrics import count_failure, with_label
 
-    count_failure("store_listen", 'odd "platform" name')  # a label value with quotes and spaces
+    count_failure("test_replica_label", 'odd "platform" name')  # a label value with quotes and spaces
     labelled = with_label(generate_latest(REGISTRY), "replica", 'b:1 "x"').decode()
     samples = [s for family in text_string_to_metric_families(labelled) for s in family.samples]
     assert samples
     assert all(s.labels.get("replica") == 'b:1 "x"' for s in samples)
-    failures = [s for s in samples if s.name == "kazma_failures_total" and s.labels["site"] == "store_listen"]
+    failures = [s for s in samples if s.name == "kazma_failures_total" and s.labels["site"] == "test_replica_label"]
     assert [s.labels["platform"] for s in failures] == ['odd "platform" name']
