@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from kazma.adapters.bus import SAFETY_SCAN_SECONDS, FanOutBus, NullBus
 from kazma.adapters.contract import ChatMove, Handlers, Inbound, PlatformAdapter, Press
 from kazma.adapters.kit import DirectPolicy, FileBounds
 from kazma.adapters.outbox import Outbox
+from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
 from kazma.approvals.rules import RuleStore
@@ -55,8 +57,12 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kazma.app")
 
 
-def build_adapters(loaded: LoadedConfig) -> list[PlatformAdapter]:
-    """One adapter per platform with a token, built from the registry. Imported lazily: each library is heavy."""
+def build_adapters(loaded: LoadedConfig, *, paced: bool = True) -> list[PlatformAdapter]:
+    """One adapter per platform with a token, built from the registry. Imported lazily: each library is heavy.
+
+    ``paced=False`` (``kazma run --no-pacing``, for wire-level fakes that enforce no limits): no per-chat
+    gaps between sends, so a test can post a hundred cards into one chat in seconds. Never against a platform.
+    """
     config = loaded.config
     platforms = config.platforms
     files = FileBounds(max_bytes=config.files.max_bytes, max_count=config.files.max_count)
@@ -68,8 +74,11 @@ def build_adapters(loaded: LoadedConfig) -> list[PlatformAdapter]:
         section = spec.section(platforms)
         # "approvers" in dm_policy: the approvers written for this platform and its admins, as for cards
         direct = DirectPolicy.of(getattr(section, "dm_policy", "off"), config.roster.approvers_for(name))
+        extra: dict[str, object] = {}
+        if not paced and "limiter" in inspect.signature(factory).parameters:
+            extra["limiter"] = ChatRateLimiter(min_interval=0.0)
         adapters.append(
-            factory(section, approve_partial=config.approvals.approve_cut_in_chat, direct=direct, files=files)
+            factory(section, approve_partial=config.approvals.approve_cut_in_chat, direct=direct, files=files, **extra)
         )
     return adapters
 
@@ -304,6 +313,7 @@ async def build_app(
     registry: ToolRegistry | None = None,
     workspace_root: Path | None = None,
     web: WebAdapter | None = None,
+    paced: bool = True,
 ) -> App:
     config = loaded.config
     shared = config.store.backend == "postgresql"
@@ -316,7 +326,7 @@ async def build_app(
     # The owner of the requests it opens once it serves as a replica (App.start): a command that only builds
     # the app (`kazma swarm`) holds no lease, so nobody could tell whether it is alive.
     store = ApprovalStore(stores.primary)
-    platform_adapters = build_adapters(loaded) if adapters is None else list(adapters)
+    platform_adapters = build_adapters(loaded, paced=paced) if adapters is None else list(adapters)
     if web is not None:
         platform_adapters.append(web)
     bus: FanOutBus | NullBus

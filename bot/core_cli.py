@@ -82,19 +82,21 @@ def doctor(obj: Context, model_timeout: float, platform_timeout: float) -> None:
 
 @click.command()
 @click.option("--poll-interval", type=click.FloatRange(0.05, 3600), default=120.0, show_default=True, hidden=True)
+# For wire-level fakes only (tests, benchmarks): a real platform punishes unpaced bursts.
+@click.option("--no-pacing", is_flag=True, hidden=True)
 @click.pass_obj
-def run(obj: Context, poll_interval: float) -> None:
+def run(obj: Context, poll_interval: float, no_pacing: bool) -> None:
     """Start every configured platform and serve until SIGINT or SIGTERM."""
     loaded = obj.load()
-    asyncio.run(_serve(loaded, poll_interval))
+    asyncio.run(_serve(loaded, poll_interval, paced=not no_pacing))
 
 
-async def _serve(loaded: LoadedConfig, poll_interval: float) -> None:
+async def _serve(loaded: LoadedConfig, poll_interval: float, *, paced: bool = True) -> None:
     config = loaded.config
     if config.store.backend == "postgresql":
         _require_shared_console_tokens(loaded)
     web = WebAdapter()
-    app = await build_app(loaded, poll_interval=poll_interval, web=web)
+    app = await build_app(loaded, poll_interval=poll_interval, web=web, paced=paced)
     server = WebServer(
         app,
         web,

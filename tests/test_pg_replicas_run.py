@@ -1,0 +1,274 @@
+"""Two `kazma run` replicas on one PostgreSQL against the three wire-level platform fakes.
+
+A hundred requests are opened; each card appears once per platform, whichever
+replica posts it. Presses arrive at either replica (Slack's HTTP posts go to
+the follower, Telegram and Discord presses reach whoever holds their single
+connection). The leader is SIGKILLed in the middle, with Telegram presses it
+fetched and may not have confirmed: the follower leads within 10 s (its
+/healthz says so), opens Telegram polling and the Discord gateway, and the
+rest of the presses decide. In the end every request is decided once, every
+card shows its outcome, no card was posted twice, and no Telegram press was
+answered twice.
+
+The replicas run with ``--no-pacing`` (the fakes enforce no rate limits; a
+hundred paced cards would take Telegram's group limit five minutes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kazma.adapters.outbox import Outbox
+from kazma.approvals import ApprovalService, ApprovalStore, Status
+from kazma.bot.store import pg_migrations
+from kazma.config import load_config_text
+from kazma.config.postgres import PgStore, open_pg_store
+from tests.fakes.discord import HOME_CHANNEL_ID
+from tests.platforms_support import PLATFORMS, SLACK_ADMIN, SLACK_CHANNEL, TG_ADMIN, TG_CHAT, Fakes, three_fakes
+from tests.process_support import REPO
+
+REQUESTS = 100
+TOKEN = "o" * 40
+READER = "r" * 40
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Replica:
+    def __init__(self, name: str, fakes: Fakes, dsn: str, folder: Path) -> None:
+        self.name = name
+        self.web_port, self.slack_port = free_port(), free_port()
+        self.config = folder / f"{name}.yaml"
+        self.log = folder / f"{name}.log"
+        text = fakes.config_yaml(folder / f"{name}.db")
+        text = text.replace(f"store: {{path: '{folder / f'{name}.db'}'}}", f"store: {{url: '{dsn}'}}")
+        text = text.replace("web: {port: 0}", f"web: {{port: {self.web_port}}}")
+        text = text.replace("http: {port: 0}", f"http: {{port: {self.slack_port}}}")
+        assert dsn in text and str(self.web_port) in text and str(self.slack_port) in text
+        self.config.write_text(text)
+        self.process: asyncio.subprocess.Process | None = None
+
+    @property
+    def events_url(self) -> str:
+        return f"http://127.0.0.1:{self.slack_port}/slack/events"
+
+    async def start(self) -> None:
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "NO_PROXY": "127.0.0.1,localhost",
+            "KAZMA_REPLICA": self.name,
+            "KAZMA_WEB_TOKEN": TOKEN,
+            "KAZMA_WEB_READER_TOKEN": READER,
+        }
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kazma.bot.cli", "-c", str(self.config), "--log-format", "json", "run",
+            "--poll-interval", "2", "--no-pacing",
+            stdout=asyncio.subprocess.DEVNULL, stderr=self.log.open("ab"), env=env, cwd=self.config.parent,
+        )  # fmt: skip
+
+    async def health(self) -> str:
+        async with httpx.AsyncClient(timeout=2) as client:
+            try:
+                return (await client.get(f"http://127.0.0.1:{self.web_port}/healthz")).text
+            except httpx.HTTPError:
+                return ""
+
+    async def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        if self.process is None or self.process.returncode is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(sig)
+        return await asyncio.wait_for(self.process.wait(), timeout=60)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
+
+
+async def until(predicate_async: object, timeout: float, what: str, *replicas: Replica) -> None:
+    """Wait for ``predicate_async()`` (sync or async) to be true; on timeout say what and show the logs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate_async()  # type: ignore[operator]
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {r.name}\n{r.tail()}" for r in replicas)
+            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def opener(dsn: str) -> AsyncIterator[tuple[ApprovalService, Outbox, PgStore]]:
+    """The test's own door to the store: it opens the requests a replica's agents would have opened. It is no
+    replica, so its requests have no owner and no leader cancels them as orphans."""
+    store = await open_pg_store(dsn, migrations=pg_migrations(), application_name="kazma-test")
+    config = load_config_text("approvals: {approvers: ['cli:ops']}").config
+    try:
+        yield ApprovalService(ApprovalStore(store), config), Outbox(store), store
+    finally:
+        await store.close()
+
+
+def telegram_card(fakes: Fakes, request_id: str) -> tuple[int, str] | None:
+    for message in fakes.telegram.bot_messages(TG_CHAT):
+        for button in message.buttons:
+            data = str(button.get("callback_data", ""))
+            if request_id in data and data.endswith(":a"):
+                return message.message_id, data
+    return None
+
+
+def cards_of(fakes: Fakes, platform: str, request_id: str) -> int:
+    """How many cards of ``request_id`` were ever posted on ``platform`` (buttons or not)."""
+    if platform == "telegram":
+        return sum(request_id in m.text for m in fakes.telegram.bot_messages(TG_CHAT))
+    if platform == "slack":
+        return sum(request_id in " ".join(m.texts()) for m in fakes.slack.channel(SLACK_CHANNEL) if m.blocks)
+    return sum(request_id in str(m.get("embeds")) for m in fakes.discord.channel_messages(HOME_CHANNEL_ID))
+
+
+def live_buttons(fakes: Fakes) -> int:
+    telegram = sum(bool(m.buttons) for m in fakes.telegram.bot_messages(TG_CHAT))
+    slack = sum(m.block("kazma_actions") is not None for m in fakes.slack.channel(SLACK_CHANNEL))
+    discord = sum(bool(m.get("components")) for m in fakes.discord.channel_messages(HOME_CHANNEL_ID))
+    return telegram + slack + discord
+
+
+async def press_slack(fakes: Fakes, replica: Replica, request_id: str) -> None:
+    message = next(
+        m
+        for m in fakes.slack.channel(SLACK_CHANNEL)
+        if (block := m.block("kazma_actions")) is not None and any(request_id in str(e["value"]) for e in block["elements"])
+    )
+    block = message.block("kazma_actions")
+    assert block is not None
+    value = next(str(e["value"]) for e in block["elements"] if e["action_id"] == "kazma_approve")
+    await fakes.slack.post_block_action(
+        replica.events_url, action_id="kazma_approve", value=value, user=SLACK_ADMIN, channel=SLACK_CHANNEL,
+        message_ts=message.ts,
+    )  # fmt: skip
+
+
+async def test_two_replicas_post_once_decide_once_and_survive_the_leader_being_killed(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    async with three_fakes() as fakes, opener(pg_dsn) as (service, outbox, store):
+        a, b = Replica("rep-a", fakes, pg_dsn, tmp_path), Replica("rep-b", fakes, pg_dsn, tmp_path)
+        try:
+            await a.start()
+            await until(lambda: a.health(), 60, "rep-a serving", a)
+            await until(lambda: _says(a, "replica rep-a: leader"), 30, "rep-a leading", a)
+            await b.start()
+            await until(lambda: _says(b, "replica rep-b: follower", "lease held by rep-a"), 60, "rep-b following", a, b)
+            identifies = len(fakes.discord.identifies)
+
+            requests = [
+                await service.open("shell", {"command": f"deploy {n}"}, "agent:builder", f"telegram:{TG_CHAT}")
+                for n in range(REQUESTS)
+            ]
+            for request in requests:
+                await outbox.enqueue(request.id, list(PLATFORMS))  # NOTIFY: both replicas' workers race to claim
+            await until(lambda: live_buttons(fakes) == 3 * REQUESTS, 120, "every card posted", a, b)
+
+            first, second = requests[: REQUESTS // 2], requests[REQUESTS // 2 :]
+            # The first half: Slack presses to the follower, Telegram presses through the leader's polling.
+            for n, request in enumerate(first):
+                if n % 2:
+                    await press_slack(fakes, b, request.id)
+                else:
+                    found = telegram_card(fakes, request.id)
+                    assert found is not None
+                    fakes.telegram.push_callback(TG_CHAT, found[0], TG_ADMIN, found[1])
+            # Telegram presses the leader may fetch and never confirm: it dies now.
+            for request in second[:10]:
+                found = telegram_card(fakes, request.id)
+                assert found is not None
+                fakes.telegram.push_callback(TG_CHAT, found[0], TG_ADMIN, found[1])
+            killed_at = time.monotonic()
+            assert await a.stop(signal.SIGKILL) == -signal.SIGKILL
+
+            await until(lambda: _says(b, "replica rep-b: leader"), 10, "rep-b leading within 10 s", b)
+            took = time.monotonic() - killed_at
+            assert took <= 10.0
+            await until(lambda: len(fakes.discord.identifies) > identifies, 30, "rep-b on the gateway", b)
+
+            # The rest: Discord presses through the new leader's gateway, Slack through it too.
+            for n, request in enumerate(second[10:]):
+                if n % 2:
+                    await press_slack(fakes, b, request.id)
+                else:
+                    message = next(
+                        m
+                        for m in fakes.discord.channel_messages(HOME_CHANNEL_ID)
+                        if m.get("components") and request.id in str(m["components"])
+                    )
+                    custom = next(
+                        str(c["custom_id"])
+                        for row in message["components"]
+                        for c in row["components"]
+                        if str(c["custom_id"]).endswith(":a")
+                    )
+                    await fakes.discord.press_button(int(message["id"]), custom)
+
+            async def all_decided() -> bool:
+                pending = [r for r in await service.store.requests(pending_only=True, limit=1000)]
+                # A press the dead leader claimed and never handled is lost with it (claims come before
+                # handling, never twice): the person presses again, as they would on a card still live.
+                for request in pending:
+                    found = telegram_card(fakes, request.id)
+                    if found is not None and request.id in {r.id for r in second[:10]}:
+                        fakes.telegram.push_callback(TG_CHAT, found[0], TG_ADMIN, found[1])
+                return not pending
+
+            await until(all_decided, 120, "every request decided", b)
+            await until(lambda: live_buttons(fakes) == 0, 120, "every card settled", b)
+
+            for request in requests:
+                after = await service.store.get(request.id)
+                assert after is not None and after.status is Status.APPROVED, request.id
+                assert len(await service.store.events(request.id, event="decided")) == 1
+                for platform in PLATFORMS:
+                    assert cards_of(fakes, platform, request.id) == 1, (platform, request.id)  # posted once
+            # Each card edited once by whoever claimed it; only a card whose edit the dead leader may have made
+            # before it could record it is edited again.
+            after_kill = {r.id for r in second[10:]}
+            edits = {
+                request_id: m.edits
+                for m in fakes.telegram.bot_messages(TG_CHAT)
+                for request_id in after_kill
+                if request_id in m.text
+            }
+            assert len(edits) == len(after_kill) and set(edits.values()) == {1}, edits
+            answered = [c.params.get("callback_query_id") for c in fakes.telegram.calls_to("answerCallbackQuery")]
+            assert len(answered) == len(set(answered))  # no Telegram press handled twice
+            assert await outbox.pending() == []
+            assert not await service.store.unsettled_cards()
+            assert await b.stop() == 0, b.tail()
+        finally:
+            for replica in (a, b):
+                with contextlib.suppress(Exception):
+                    await replica.stop(signal.SIGKILL)
+
+
+async def _says(replica: Replica, *lines: str) -> bool:
+    text = await replica.health()
+    return all(line in text for line in lines)
+
