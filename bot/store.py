@@ -15,20 +15,29 @@ import structlog
 from kazma.adapters.outbox import MIGRATIONS as OUTBOX
 from kazma.adapters.outbox import PG_MIGRATIONS as OUTBOX_PG
 from kazma.approvals.rules import MIGRATIONS as RULES
+from kazma.approvals.rules import PG_MIGRATIONS as RULES_PG
 from kazma.approvals.schema import MIGRATIONS as APPROVALS
 from kazma.approvals.schema import PG_MIGRATIONS as APPROVALS_PG
 from kazma.bot.api_store import MIGRATIONS as API_IDEMPOTENCY
+from kazma.bot.api_store import PG_MIGRATIONS as API_IDEMPOTENCY_PG
 from kazma.bot.chat_moves import MIGRATIONS as CHAT_MOVES
+from kazma.bot.chat_moves import PG_MIGRATIONS as CHAT_MOVES_PG
 from kazma.bot.console.sessions import MIGRATIONS as SESSIONS
+from kazma.bot.console.sessions import PG_MIGRATIONS as SESSIONS_PG
 from kazma.config import KazmaConfig
 from kazma.config.database import Migration, open_database
 from kazma.config.errors import ConfigError, Problem
 from kazma.config.metrics import count_failure
 from kazma.engine.history import MIGRATIONS as HISTORY
+from kazma.engine.history import PG_MIGRATIONS as HISTORY_PG
 from kazma.engine.plan_store import MIGRATIONS as PLANS
+from kazma.engine.plan_store import PG_MIGRATIONS as PLANS_PG
 from kazma.engine.swarm.state_store import MIGRATIONS as SWARM_STATE
+from kazma.engine.swarm.state_store import PG_MIGRATIONS as SWARM_STATE_PG
 from kazma.engine.swarm.store import MIGRATIONS as SWARM
+from kazma.engine.swarm.store import PG_MIGRATIONS as SWARM_PG
 from kazma.engine.transcript import MIGRATIONS as TRANSCRIPT
+from kazma.engine.transcript import PG_MIGRATIONS as TRANSCRIPT_PG
 
 if TYPE_CHECKING:
     from kazma.config.postgres import PgStore
@@ -60,8 +69,20 @@ def all_migrations() -> list[Migration]:
 
 
 def pg_migrations() -> list[Migration]:
-    """The schemas that have a PostgreSQL form so far, in dependency order."""
-    return [*APPROVALS_PG, *OUTBOX_PG]
+    """Every layer's schema on PostgreSQL: the components and versions of :func:`all_migrations`, in its order."""
+    return [
+        *APPROVALS_PG,
+        *OUTBOX_PG,
+        *PLANS_PG,
+        *HISTORY_PG,
+        *SWARM_PG,
+        *SWARM_STATE_PG,
+        *CHAT_MOVES_PG,
+        *API_IDEMPOTENCY_PG,
+        *RULES_PG,
+        *TRANSCRIPT_PG,
+        *SESSIONS_PG,
+    ]
 
 
 def require_sqlite(config: KazmaConfig, what: str, source: str = "kazma.yaml") -> None:

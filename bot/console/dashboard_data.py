@@ -20,13 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-import aiosqlite
 from prometheus_client import Histogram
 
 from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.rules import Rule
-from kazma.config.database import Tables
 from kazma.config.metrics import PRESS_TO_DECISION
+from kazma.config.store_backend import StoreConnection, tables_of
 from kazma.engine.swarm.state_store import WorkerDay
 from kazma.engine.swarm.store import TaskRecord
 
@@ -138,8 +137,8 @@ def tokens_per_worker(days: Sequence[WorkerDay]) -> list[tuple[str, int, int]]:
 class DashboardQueries:
     """The dashboard's own read queries (read-only; through ``Tables.of``, like every store)."""
 
-    def __init__(self, conn: aiosqlite.Connection, *, clock: Callable[[], float] = time.time) -> None:
-        self.tables = Tables.of(conn)
+    def __init__(self, conn: StoreConnection, *, clock: Callable[[], float] = time.time) -> None:
+        self.tables = tables_of(conn)
         self.clock = clock
 
     async def decisions_since(self, since: float) -> list[tuple[str, float]]:
