@@ -443,27 +443,17 @@ class SwarmTaskStore:
         run = TaskRun(secrets.token_urlsafe(9), 1, secrets.token_urlsafe(12))
         now = self.clock()
 
+        values = (run.task_id, Pattern(pattern).value, TaskStatus.RUNNING.value, run.generation, run.run_id,
+                  body_json, owner, route, parent_id, now, now)  # fmt: skip
+        # The cap is a condition of the insert itself (no parameter compared with NULL: PostgreSQL cannot type it).
+        capped = "" if max_running is None else " WHERE (SELECT COUNT(*) FROM swarm_tasks WHERE status = ?) < ?"
+        cap = () if max_running is None else (TaskStatus.RUNNING.value, max_running)
+
         async def body(db: SqlStatements) -> None:
             inserted = await db.run(
-                f"INSERT INTO swarm_tasks ({_TASK_COLUMNS})"  # noqa: S608 - constant column list
-                " SELECT ?, ?, ?, ?, ?, ?, NULL, NULL, '', ?, ?, ?, ?, ?, NULL"
-                " WHERE ? IS NULL OR (SELECT COUNT(*) FROM swarm_tasks WHERE status = ?) < ?",
-                (
-                    run.task_id,
-                    Pattern(pattern).value,
-                    TaskStatus.RUNNING.value,
-                    run.generation,
-                    run.run_id,
-                    body_json,
-                    owner,
-                    route,
-                    parent_id,
-                    now,
-                    now,
-                    max_running,
-                    TaskStatus.RUNNING.value,
-                    max_running,
-                ),
+                f"INSERT INTO swarm_tasks ({_TASK_COLUMNS})"
+                f" SELECT ?, ?, ?, ?, ?, ?, NULL, NULL, '', ?, ?, ?, ?, ?, NULL{capped}",
+                (*values, *cap),
             )
             if inserted != 1:
                 raise AtCapacity(self.capacity_retry_in)
