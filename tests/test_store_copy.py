@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sqlite3
 from pathlib import Path
 
 import psycopg
@@ -24,7 +25,7 @@ from kazma.bot.chat_moves import ChatMoves
 from kazma.bot.cli import main
 from kazma.bot.console.sessions import SessionStore
 from kazma.bot.store import all_migrations, pg_migrations
-from kazma.bot.store_copy import CopyError, copy_store, expand_url, redact, table_hash, tables_in
+from kazma.bot.store_copy import CopyError, CopyReport, TableCopy, copy_store, expand_url, redact, table_hash, tables_in
 from kazma.config.database import open_database
 from kazma.config.postgres import PgStore, open_pg_store
 from kazma.engine.history import HistoryStore
@@ -290,3 +291,34 @@ def test_url_helpers() -> None:
     assert table_hash([(1, 2.0, "a")], ["int", "float", "text"]) != table_hash(
         [(1, 2.5, "a")], ["int", "float", "text"]
     )
+
+
+async def test_identities_go_past_ids_sqlite_used_and_deleted(source: Path, pg_dsn: str) -> None:
+    """AUTOINCREMENT never hands an id out twice: neither does the identity after the copy."""
+    await _populate(source)
+    raw = sqlite3.connect(source)
+    try:
+        raw.execute("DELETE FROM agent_history WHERE seq = 2")
+        raw.commit()
+    finally:
+        raw.close()
+    assert (await copy_store(source, pg_dsn)).ok
+    store = await open_pg_store(pg_dsn, migrations=pg_migrations())
+    try:
+        await HistoryStore(store).append("web:c", "kazma", "user", "after the move")
+        assert [int(r[0]) for r in await store.all("SELECT seq FROM agent_history ORDER BY seq")] == [1, 3]
+    finally:
+        await store.close()
+
+
+def test_a_mismatch_is_named_in_the_summary() -> None:
+    report = CopyReport(
+        "k.db",
+        "postgresql://k@h/d",
+        (TableCopy("plans", 2, 2, "a" * 64, "a" * 64), TableCopy("plan_steps", 3, 2, "b" * 64, "c" * 64)),
+    )
+    assert not report.ok
+    lines = report.lines()
+    assert lines[2].endswith("ok")
+    assert lines[3].endswith(f"MISMATCH: target has 2 rows, sha256 {'c' * 16}")
+    assert lines[-1] == "verification failed for plan_steps"

@@ -34,6 +34,7 @@ from kazma.engine.swarm.store import (
     UnknownTask,
 )
 from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
+from tests.pg_support import PostgresServer
 from tests.store_backends import Engine, open_store, raw_rows
 
 REPO = Path(__file__).resolve().parent.parent
@@ -522,3 +523,22 @@ async def test_list_history_and_count(store_engine: Engine) -> None:
         assert await store.count(TaskStatus.RUNNING) == 2
         assert await store.count(TaskStatus.PARTIAL) == 1
         assert await store.get("missing") is None
+
+
+async def test_a_lost_postgresql_connection_is_retried(pg_server: PostgresServer, pg_dsn: str) -> None:
+    """The server ends the store's read connections (a failover, a restart): the next read retries on a new one."""
+    delays: list[float] = []
+
+    async def record_only(delay: float) -> None:
+        delays.append(delay)
+
+    engine = Engine("postgresql", pg_dsn)
+    async with open_store(engine, migrations=PG_MIGRATIONS, application_name="kazma-swarm-lost") as conn:
+        store = SwarmTaskStore(conn, clock=Clock(), sleep=record_only)
+        run = await admit(store)
+        assert await store.get(run.task_id) is not None  # the pool's connection is open and used
+        assert pg_server.terminate_client("kazma-swarm-lost-read") >= 1
+        record = await store.get(run.task_id)
+        assert record is not None
+        assert record.status is TaskStatus.RUNNING
+        assert len(delays) == 1

@@ -1,7 +1,7 @@
 """What the dashboard shows, read in one go, and the numbers its charts draw.
 
 Everything is read through the stores' public methods, plus small read-only queries of its own over
-``Tables.of(conn)`` (approvals per hour by outcome, time to decide, plan steps by status). They are plain SQL
+``tables_of(conn)`` (approvals per hour by outcome, time to decide, plan steps by status). They are plain SQL
 that ports to PostgreSQL (no SQLite functions: hours are bucketed here, in Python) and they never write.
 
 Press → decision latency is not in the approvals audit: the compare-and-set runs at the press, so a request's
@@ -135,7 +135,7 @@ def tokens_per_worker(days: Sequence[WorkerDay]) -> list[tuple[str, int, int]]:
 
 
 class DashboardQueries:
-    """The dashboard's own read queries (read-only; through ``Tables.of``, like every store)."""
+    """The dashboard's own read queries (read-only; through ``tables_of``, like every store, on either engine)."""
 
     def __init__(self, conn: StoreConnection, *, clock: Callable[[], float] = time.time) -> None:
         self.tables = tables_of(conn)
