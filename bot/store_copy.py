@@ -3,7 +3,8 @@
 The target must hold no Kazma rows (a database never used, or one migrated by Kazma and left empty). The
 PostgreSQL migrations are applied first (their own transaction: a copy that fails leaves an empty, migrated
 database, fit for the next attempt); then every table of :func:`~kazma.bot.store.all_migrations` is copied
-with ``COPY … FROM STDIN`` in one transaction, identity sequences are moved past the copied ids, and each
+with ``COPY … FROM STDIN`` in one transaction, identity sequences are moved past the copied ids (and past
+SQLite's AUTOINCREMENT high-water marks), the migrations keep the times the source applied them, and each
 table is read back from both sides: the row count and a content hash computed the same way on both (each
 value read as the PostgreSQL column's kind, each row hashed, the sorted row hashes hashed) must match.
 
@@ -273,6 +274,17 @@ async def _advance_identities(conn: psycopg.AsyncConnection[Any], source: sqlite
         await conn.execute("SELECT setval(%s::regclass, %s, %s)", (sequence, max(last, 1), last > 0))
 
 
+async def _keep_migration_times(conn: psycopg.AsyncConnection[Any], source: sqlite3.Connection) -> None:
+    """When each migration was applied, as the source says: a component may read it (the approvals store
+    reports approved calls that never ran only for requests decided since its v3), and the copy is the
+    same store, not a new one."""
+    for component, version, applied_at in source.execute("SELECT component, version, applied_at FROM kazma_schema"):
+        await conn.execute(
+            "UPDATE kazma_schema SET applied_at = %s WHERE component = %s AND version = %s",
+            (float(applied_at), str(component), int(version)),
+        )
+
+
 async def _target_hash(conn: psycopg.AsyncConnection[Any], table: _Table) -> tuple[int, str]:
     cursor = await conn.execute(
         sql.SQL("SELECT {} FROM {}").format(
@@ -321,6 +333,7 @@ async def copy_store(
                 for table in tables:
                     await _copy_table(conn, source, table)
                     await _advance_identities(conn, source, table)
+                await _keep_migration_times(conn, source)
             copies = []
             for table in tables:
                 rows, digest = table_hash(source.execute(table.source_select), table.kinds)

@@ -6,14 +6,17 @@ same stores' public methods on PostgreSQL.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import socket
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import psycopg
 import pytest
-from click.testing import CliRunner
 
 from kazma.adapters.contract import ChatMove
 from kazma.adapters.outbox import Outbox
@@ -22,7 +25,6 @@ from kazma.approvals.rules import RuleStore
 from kazma.approvals.store import ApprovalStore
 from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.chat_moves import ChatMoves
-from kazma.bot.cli import main
 from kazma.bot.console.sessions import SessionStore
 from kazma.bot.store import all_migrations, pg_migrations
 from kazma.bot.store_copy import CopyError, CopyReport, TableCopy, copy_store, expand_url, redact, table_hash, tables_in
@@ -40,6 +42,13 @@ from tests.pg_support import find_bindir
 T0 = 1_700_000_000.125
 
 pytestmark = pytest.mark.skipif(find_bindir() is None, reason="PostgreSQL server binaries are not installed")
+
+
+def kazma(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The real command line in a process of its own (it sets up logging for the whole process)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KAZMA_")}
+    return subprocess.run([sys.executable, "-m", "kazma.bot.cli", *args], env={**clean, **(env or {})},
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
 
 
 class Clock:
@@ -178,6 +187,14 @@ async def test_a_populated_store_is_copied_whole_and_reads_back_the_same(source:
     assert by_table["card_outbox"].target_rows == 2
     assert all(t.source_hash == t.target_hash for t in report.tables)
     assert report.lines()[-1] == f"{len(report.tables)} tables, {report.rows} rows: every count and hash matches"
+    applied = "SELECT component, version, applied_at FROM kazma_schema ORDER BY component, version"
+    raw = sqlite3.connect(source)
+    try:
+        in_sqlite = raw.execute(applied).fetchall()
+    finally:
+        raw.close()
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute(applied).fetchall() == in_sqlite  # the same store, migrated when it was
 
     store = await open_pg_store(pg_dsn, migrations=pg_migrations())
     try:
@@ -220,43 +237,35 @@ def _closed_port() -> int:
 
 
 def test_the_command_copies_the_configured_store_and_prints_a_summary(tmp_path: Path, pg_dsn: str) -> None:
-    import asyncio
-
     store_path = tmp_path / "state" / "kazma.db"
     asyncio.run(_populate(store_path))
     config = tmp_path / "kazma.yaml"
     config.write_text(f"store: {{path: {store_path}}}\n")
     user, _, rest = pg_dsn.partition("@")
     env = {"KAZMA_TEST_PG_USER": user.rpartition("/")[2]}
-    result = CliRunner().invoke(
-        main, ["-c", str(config), "store", "copy", "--to", "postgresql://${KAZMA_TEST_PG_USER}@" + rest], env=env
-    )
-    assert result.exit_code == 0, result.output
+    result = kazma(["-c", str(config), "store", "copy", "--to", "postgresql://${KAZMA_TEST_PG_USER}@" + rest], env)
+    assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == f"copied {store_path} -> {pg_dsn}"
     assert any(line.startswith("approval_events") and line.endswith("ok") for line in lines)
     assert lines[-1].endswith("every count and hash matches")
 
-    again = CliRunner().invoke(main, ["-c", str(config), "store", "copy", "--to", pg_dsn])
-    assert again.exit_code == 1
+    again = kazma(["-c", str(config), "store", "copy", "--to", pg_dsn])
+    assert again.returncode == 1
     [line] = again.stderr.splitlines()
     assert line.startswith("kazma store copy: the target ")
     assert "already holds Kazma data" in line
 
 
 def test_an_unreachable_server_is_one_line_without_the_password(tmp_path: Path) -> None:
-    import asyncio
-
     store_path = tmp_path / "kazma.db"
     asyncio.run(_populate(store_path))
     url = f"postgresql://kazma:s3cret-pw@127.0.0.1:{_closed_port()}/kazma"
-    result = CliRunner().invoke(
-        main, ["store", "copy", "--from", str(store_path), "--to", url, "--connect-timeout", "2"]
-    )
-    assert result.exit_code == 1
+    result = kazma(["store", "copy", "--from", str(store_path), "--to", url, "--connect-timeout", "2"])
+    assert result.returncode == 1
     [line] = result.stderr.splitlines()
     assert line.startswith("kazma store copy: cannot reach postgresql://kazma:***@127.0.0.1:")
-    assert "s3cret-pw" not in result.output
+    assert "s3cret-pw" not in result.stdout + result.stderr
 
 
 def test_bad_urls_and_missing_variables_are_one_line(tmp_path: Path) -> None:
@@ -265,15 +274,11 @@ def test_bad_urls_and_missing_variables_are_one_line(tmp_path: Path) -> None:
         (["--to", "mysql://x@y/z"], "kazma store copy: --to must be a postgresql:// URL"),
         (["--to", "postgresql://kazma:${KAZMA_NOT_SET_PW}@h/db"],
          "kazma store copy: --to names ${KAZMA_NOT_SET_PW}, which is not set in the environment"),
+        (["--to", "postgresql://k@h/db"], f"kazma store copy: no SQLite store at {store_path}"),
     ]:  # fmt: skip
-        result = CliRunner().invoke(
-            main, ["store", "copy", "--from", str(store_path), *argv], env={"KAZMA_NOT_SET_PW": None}
-        )
-        assert result.exit_code == 1
+        result = kazma(["store", "copy", "--from", str(store_path), *argv])
+        assert result.returncode == 1
         assert result.stderr.splitlines() == [expected]
-    missing = CliRunner().invoke(main, ["store", "copy", "--from", str(store_path), "--to", "postgresql://k@h/db"])
-    assert missing.exit_code == 1
-    assert missing.stderr.splitlines() == [f"kazma store copy: no SQLite store at {store_path}"]
 
 
 def test_url_helpers() -> None:
