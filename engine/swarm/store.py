@@ -327,9 +327,12 @@ class SwarmTaskStore:
     """Swarm task rows, their step journal and the evidence of refused writes.
 
     Give it its own connection (:func:`kazma.config.database.connect` with
-    :data:`MIGRATIONS` applied). Every statement, reads included, runs under
-    one lock: a read cursor left open on a shared connection pins an old WAL
-    snapshot and a later ``BEGIN IMMEDIATE`` on it fails with SQLITE_BUSY.
+    :data:`MIGRATIONS` applied), or the PostgreSQL backend (:data:`PG_MIGRATIONS`).
+    On SQLite every statement, reads included, runs under one lock: a read cursor
+    left open on a shared connection pins an old WAL snapshot and a later
+    ``BEGIN IMMEDIATE`` on it fails with SQLITE_BUSY. On PostgreSQL the writes'
+    transactions run one after another under an advisory lock
+    (:class:`~kazma.config.pg_tables.PgTables`), across replicas too.
     """
 
     def __init__(
