@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Final
 
-import aiosqlite
-
-from kazma.config.database import Migration, Tables
+from kazma.config.database import Migration
+from kazma.config.pg_schema import PgMigration
+from kazma.config.store_backend import StoreConnection, tables_of
 
 MIGRATIONS: Final = [
     Migration(
@@ -35,6 +35,28 @@ MIGRATIONS: Final = [
                 expires_at REAL NOT NULL,
                 revoked_at REAL,
                 revoked_by TEXT
+            )""",
+            "CREATE INDEX IF NOT EXISTS approval_rules_call ON approval_rules (tool, args_hash, conversation)",
+        ),
+    )
+]
+PG_MIGRATIONS: Final = [
+    PgMigration(
+        "approval_rules",
+        1,
+        (
+            """CREATE TABLE IF NOT EXISTS approval_rules (
+                id text PRIMARY KEY,
+                tool text NOT NULL,
+                args_hash text NOT NULL,
+                conversation text NOT NULL,
+                created_by text NOT NULL,
+                created_via text NOT NULL,
+                request_id text NOT NULL,
+                created_at double precision NOT NULL,
+                expires_at double precision NOT NULL,
+                revoked_at double precision,
+                revoked_by text
             )""",
             "CREATE INDEX IF NOT EXISTS approval_rules_call ON approval_rules (tool, args_hash, conversation)",
         ),
@@ -69,8 +91,8 @@ def _rule(row: tuple[object, ...]) -> Rule:
 
 
 class RuleStore:
-    def __init__(self, conn: aiosqlite.Connection, *, clock: object = time.time) -> None:
-        self.tables = Tables.of(conn)
+    def __init__(self, conn: StoreConnection, *, clock: object = time.time) -> None:
+        self.tables = tables_of(conn)
         self.clock = clock
 
     def _now(self) -> float:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 from typing import Final
 
-import aiosqlite
-
-from kazma.config.database import Migration, Tables
+from kazma.config.database import Migration
+from kazma.config.pg_schema import PgMigration
+from kazma.config.store_backend import StoreConnection, tables_of
 
 MIGRATIONS: Final = [
     Migration(
@@ -29,10 +29,27 @@ MIGRATIONS: Final = [
     )
 ]
 
+PG_MIGRATIONS: Final = [
+    PgMigration(
+        "api_idempotency",
+        1,
+        (
+            """CREATE TABLE IF NOT EXISTS api_idempotency (
+                token_name text NOT NULL,
+                idem_key text NOT NULL,
+                body_hash text NOT NULL,
+                request_id text NOT NULL,
+                created_at double precision NOT NULL,
+                PRIMARY KEY (token_name, idem_key)
+            )""",
+        ),
+    )
+]
+
 
 class IdempotencyKeys:
-    def __init__(self, conn: aiosqlite.Connection) -> None:
-        self.tables = Tables.of(conn)
+    def __init__(self, conn: StoreConnection) -> None:
+        self.tables = tables_of(conn)
 
     async def find(self, token_name: str, key: str) -> tuple[str, str] | None:
         """(request id, body hash) already made with ``key`` by this token, or None."""

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "mcp": ("kazma.bot.mcp_cli", "mcp", "Kazma as an MCP server (request_approval)."),
     "run": ("kazma.bot.core_cli", "run", "Start every configured platform and serve until SIGINT or SIGTERM."),
     "setup": ("kazma.bot.setup_cli", "setup", "Platform app settings: a Slack app manifest, a Discord invite URL."),
+    "store": ("kazma.bot.store_cli", "store", "The store itself: copy a SQLite store into PostgreSQL."),
     "swarm": ("kazma.bot.swarm_cli", "swarm", "Drive the swarm with the same grammar as /swarm in chat."),
 }
 

@@ -15,11 +15,15 @@ import structlog
 from kazma.adapters.outbox import MIGRATIONS as OUTBOX
 from kazma.adapters.outbox import PG_MIGRATIONS as OUTBOX_PG
 from kazma.approvals.rules import MIGRATIONS as RULES
+from kazma.approvals.rules import PG_MIGRATIONS as RULES_PG
 from kazma.approvals.schema import MIGRATIONS as APPROVALS
 from kazma.approvals.schema import PG_MIGRATIONS as APPROVALS_PG
 from kazma.bot.api_store import MIGRATIONS as API_IDEMPOTENCY
+from kazma.bot.api_store import PG_MIGRATIONS as API_IDEMPOTENCY_PG
 from kazma.bot.chat_moves import MIGRATIONS as CHAT_MOVES
+from kazma.bot.chat_moves import PG_MIGRATIONS as CHAT_MOVES_PG
 from kazma.bot.console.sessions import MIGRATIONS as SESSIONS
+from kazma.bot.console.sessions import PG_MIGRATIONS as SESSIONS_PG
 from kazma.bot.inbound_claims import MIGRATIONS as INBOUND_CLAIMS
 from kazma.bot.inbound_claims import PG_MIGRATIONS as INBOUND_CLAIMS_PG
 from kazma.config import KazmaConfig
@@ -27,21 +31,20 @@ from kazma.config.database import Migration, open_database
 from kazma.config.errors import ConfigError, Problem
 from kazma.config.metrics import count_failure
 from kazma.engine.history import MIGRATIONS as HISTORY
+from kazma.engine.history import PG_MIGRATIONS as HISTORY_PG
 from kazma.engine.plan_store import MIGRATIONS as PLANS
+from kazma.engine.plan_store import PG_MIGRATIONS as PLANS_PG
 from kazma.engine.swarm.state_store import MIGRATIONS as SWARM_STATE
+from kazma.engine.swarm.state_store import PG_MIGRATIONS as SWARM_STATE_PG
 from kazma.engine.swarm.store import MIGRATIONS as SWARM
+from kazma.engine.swarm.store import PG_MIGRATIONS as SWARM_PG
 from kazma.engine.transcript import MIGRATIONS as TRANSCRIPT
+from kazma.engine.transcript import PG_MIGRATIONS as TRANSCRIPT_PG
 
 if TYPE_CHECKING:
     from kazma.config.postgres import PgStore
 
 log = structlog.get_logger("kazma.store")
-
-# What a postgresql:// store.url does not cover yet (issue 12 continues): said whenever it is refused.
-POSTGRES_NOT_YET = (
-    "only the approvals store and the card outbox run on PostgreSQL so far; plans, history, swarm tasks, "
-    "web sessions, LISTEN/NOTIFY wake-ups and the leader lease for several replicas are not there yet"
-)
 
 
 def all_migrations() -> list[Migration]:
@@ -63,23 +66,21 @@ def all_migrations() -> list[Migration]:
 
 
 def pg_migrations() -> list[Migration]:
-    """The schemas that have a PostgreSQL form so far, in dependency order."""
-    return [*APPROVALS_PG, *OUTBOX_PG, *INBOUND_CLAIMS_PG]
-
-
-def require_sqlite(config: KazmaConfig, what: str, source: str = "kazma.yaml") -> None:
-    """Refuse, naming what is missing, to run ``what`` on a store that is not SQLite."""
-    if config.store.backend != "sqlite":
-        raise ConfigError(
-            source,
-            [
-                Problem(
-                    "store.url",
-                    f"{what} does not run on PostgreSQL yet: {POSTGRES_NOT_YET}. "
-                    "Use store.path (or a sqlite:/// store.url) for now",
-                )
-            ],
-        )
+    """Every layer's schema on PostgreSQL: the components and versions of :func:`all_migrations`, in its order."""
+    return [
+        *APPROVALS_PG,
+        *OUTBOX_PG,
+        *PLANS_PG,
+        *HISTORY_PG,
+        *SWARM_PG,
+        *SWARM_STATE_PG,
+        *CHAT_MOVES_PG,
+        *API_IDEMPOTENCY_PG,
+        *RULES_PG,
+        *TRANSCRIPT_PG,
+        *SESSIONS_PG,
+        *INBOUND_CLAIMS_PG,
+    ]
 
 
 async def open_pg_store(
@@ -150,9 +151,9 @@ def private_files(store_path: Path) -> None:
 
 
 async def open_store(config: KazmaConfig, path: Path | None = None) -> aiosqlite.Connection:
-    """The SQLite store, migrated; refused (:class:`ConfigError`) when store.url names PostgreSQL."""
-    if path is None:
-        require_sqlite(config, "this command")
+    """The SQLite store, migrated (a PostgreSQL store is opened with :func:`open_pg_store`)."""
+    if path is None and config.store.backend != "sqlite":
+        raise ValueError("store.url names PostgreSQL: open it with open_pg_store")
     store_path = path or config.store.path
     if str(store_path) != ":memory:":
         prepare_state_dir(store_path)

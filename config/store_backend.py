@@ -12,11 +12,15 @@ placeholders, in the dialect both engines share.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol, TypeVar
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 
 import aiosqlite
 
 from kazma.config.database import Tables
+
+if TYPE_CHECKING:
+    from kazma.config.postgres import PgStore
 
 T = TypeVar("T")
 
@@ -64,3 +68,44 @@ def backend_of(conn: aiosqlite.Connection | StoreBackend) -> StoreBackend:
     if isinstance(conn, aiosqlite.Connection):
         return Tables.of(conn)
     return conn
+
+
+# What every store's constructor takes: the SQLite connection, or the PostgreSQL backend.
+StoreConnection: TypeAlias = "aiosqlite.Connection | PgStore"
+
+
+class SqlStatements(Protocol):
+    """Statements a store runs: ``?`` placeholders, the SQL both engines share."""
+
+    async def one(self, sql: str, params: Iterable[Any] = ()) -> Any: ...
+
+    async def all(self, sql: str, params: Iterable[Any] = ()) -> list[Any]: ...
+
+    async def run(self, sql: str, params: Iterable[Any] = ()) -> int: ...
+
+    async def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None: ...
+
+
+class StoreTables(SqlStatements, Protocol):
+    """What a store needs of its tables: :class:`~kazma.config.database.Tables` (SQLite) or
+    :class:`~kazma.config.pg_tables.PgTables` (PostgreSQL).
+
+    ``run``/``run_many`` are single statements committed on their own (in a group commit when a writer is
+    attached); ``transaction()`` runs a body's statements atomically and one body after another;
+    ``locked()`` runs several reads with nobody's statements in between.
+    """
+
+    def locked(self) -> AbstractAsyncContextManager[SqlStatements]: ...
+
+    def transaction(self) -> AbstractAsyncContextManager[SqlStatements]: ...
+
+    async def writer(self) -> Writer: ...
+
+
+def tables_of(conn: StoreConnection) -> StoreTables:
+    """The one shared ``Tables`` of a SQLite connection, or the one ``PgTables`` of a PostgreSQL backend."""
+    if isinstance(conn, aiosqlite.Connection):
+        return Tables.of(conn)
+    from kazma.config.pg_tables import PgTables  # psycopg only when PostgreSQL is used
+
+    return PgTables.of(conn)

@@ -210,10 +210,12 @@ def test_the_compose_file_runs_two_named_replicas_of_one_image_on_postgresql_beh
     example = (REPO / "deploy" / "kazma.replicas.yaml").read_text()
     config = load_config_text(example.replace("${KAZMA_PG_PASSWORD}", "secret")).config
     assert config.store.backend == "postgresql"
-    assert config.store.postgres_url is not None and "@postgres:5432/" in config.store.postgres_url
+    assert config.store.postgres_url is not None
+    assert "@postgres:5432/" in config.store.postgres_url
     ports = {config.web.port, config.platforms.slack.http.port, config.platforms.telegram.webhook.port}
     for name in replicas:
         for port in ports:
             assert f"server {name}:{port} " in proxy_conf
     env_example = (REPO / "deploy" / "kazma.env.example").read_text()
-    assert "KAZMA_WEB_TOKEN=" in env_example and "KAZMA_PG_PASSWORD=" in env_example
+    assert "KAZMA_WEB_TOKEN=" in env_example
+    assert "KAZMA_PG_PASSWORD=" in env_example

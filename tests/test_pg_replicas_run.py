@@ -60,7 +60,9 @@ class Replica:
         text = text.replace(f"store: {{path: '{folder / f'{name}.db'}'}}", f"store: {{url: '{dsn}'}}")
         text = text.replace("web: {port: 0}", f"web: {{port: {self.web_port}}}")
         text = text.replace("http: {port: 0}", f"http: {{port: {self.slack_port}}}")
-        assert dsn in text and str(self.web_port) in text and str(self.slack_port) in text
+        assert dsn in text
+        assert f"port: {self.web_port}" in text
+        assert f"port: {self.slack_port}" in text
         self.config.write_text(text)
         self.process: asyncio.subprocess.Process | None = None
 
@@ -156,7 +158,8 @@ async def press_slack(fakes: Fakes, replica: Replica, request_id: str) -> None:
     message = next(
         m
         for m in fakes.slack.channel(SLACK_CHANNEL)
-        if (block := m.block("kazma_actions")) is not None and any(request_id in str(e["value"]) for e in block["elements"])
+        if (block := m.block("kazma_actions")) is not None
+        and any(request_id in str(e["value"]) for e in block["elements"])
     )
     block = message.block("kazma_actions")
     assert block is not None
@@ -170,7 +173,7 @@ async def press_slack(fakes: Fakes, replica: Replica, request_id: str) -> None:
 async def test_two_replicas_post_once_decide_once_and_survive_the_leader_being_killed(
     tmp_path: Path, pg_dsn: str
 ) -> None:
-    async with three_fakes() as fakes, opener(pg_dsn) as (service, outbox, store):
+    async with three_fakes() as fakes, opener(pg_dsn) as (service, outbox, _store):
         a, b = Replica("rep-a", fakes, pg_dsn, tmp_path), Replica("rep-b", fakes, pg_dsn, tmp_path)
         try:
             await a.start()
@@ -243,7 +246,8 @@ async def test_two_replicas_post_once_decide_once_and_survive_the_leader_being_k
 
             for request in requests:
                 after = await service.store.get(request.id)
-                assert after is not None and after.status is Status.APPROVED, request.id
+                assert after is not None
+                assert after.status is Status.APPROVED, request.id
                 assert len(await service.store.events(request.id, event="decided")) == 1
                 for platform in PLATFORMS:
                     assert cards_of(fakes, platform, request.id) == 1, (platform, request.id)  # posted once
@@ -256,7 +260,8 @@ async def test_two_replicas_post_once_decide_once_and_survive_the_leader_being_k
                 for request_id in after_kill
                 if request_id in m.text
             }
-            assert len(edits) == len(after_kill) and set(edits.values()) == {1}, edits
+            assert len(edits) == len(after_kill)
+            assert set(edits.values()) == {1}, edits
             answered = [c.params.get("callback_query_id") for c in fakes.telegram.calls_to("answerCallbackQuery")]
             assert len(answered) == len(set(answered))  # no Telegram press handled twice
             assert await outbox.pending() == []
@@ -271,4 +276,3 @@ async def test_two_replicas_post_once_decide_once_and_survive_the_leader_being_k
 async def _says(replica: Replica, *lines: str) -> bool:
     text = await replica.health()
     return all(line in text for line in lines)
-

@@ -358,7 +358,8 @@ async def test_replicas_starting_together_migrate_once(pg_url: str) -> None:
     assert sorted(len(a) for a in applied) == [0, 0, len(pg_migrations())]
     with psycopg.connect(pg_url) as conn:
         rows = conn.execute("SELECT component, version FROM kazma_schema ORDER BY 1, 2").fetchall()
-    assert rows == [*(("approvals", v) for v in range(1, 7)), ("inbound_claims", 1), ("outbox", 1), ("outbox", 2)]
+    assert rows == sorted((m.component, m.version) for m in pg_migrations())
+    assert ("approvals", 5) in rows
     assert await apply_pg_migrations(pg_url, pg_migrations()) == []
 
 

@@ -1,4 +1,8 @@
-"""The swarm task store: RUNNING before work, compare-and-set writes, evidence of refusals, recovery, admission."""
+"""The swarm task store: RUNNING before work, compare-and-set writes, evidence of refusals, recovery, admission.
+
+Tests taking ``store_engine`` run on SQLite and on PostgreSQL; the ones about SQLite's file locks and
+processes sharing one file stay on SQLite.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +20,11 @@ from pathlib import Path
 import aiosqlite
 import pytest
 
-from kazma.config.database import apply_migrations, connect, open_database
+from kazma.config.database import apply_migrations, connect
 from kazma.config.metrics import failure_count
 from kazma.engine.swarm.store import (
     MIGRATIONS,
+    PG_MIGRATIONS,
     TRANSITIONS,
     AtCapacity,
     IllegalTransition,
@@ -29,6 +34,8 @@ from kazma.engine.swarm.store import (
     UnknownTask,
 )
 from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
+from tests.pg_support import PostgresServer
+from tests.store_backends import Engine, open_store, raw_rows
 
 REPO = Path(__file__).resolve().parent.parent
 REQUEST = {"workers": ["researcher", "builder"], "prompt": "write the report", "options": {"aggregation": "collect"}}
@@ -45,21 +52,21 @@ class Clock:
 
 @asynccontextmanager
 async def opened(
-    path: Path,
+    engine: Engine | Path,
     *,
     clock: Callable[[], float] | None = None,
     busy_timeout_ms: int = 5000,
     retries: int = 3,
     sleep: Callable[[float], Awaitable[None]] | None = None,
 ) -> AsyncIterator[SwarmTaskStore]:
-    conn = await open_database(path, busy_timeout_ms=busy_timeout_ms, migrations=MIGRATIONS)
-    try:
+    if isinstance(engine, Path):
+        engine = Engine("sqlite", str(engine))
+    migrations = PG_MIGRATIONS if engine.postgres else MIGRATIONS
+    async with open_store(engine, migrations=migrations, busy_timeout_ms=busy_timeout_ms) as conn:
         if sleep is None:
             yield SwarmTaskStore(conn, clock=clock or Clock(), retries=retries)
         else:
             yield SwarmTaskStore(conn, clock=clock or Clock(), retries=retries, sleep=sleep)
-    finally:
-        await conn.close()
 
 
 async def admit(store: SwarmTaskStore, **kwargs: object) -> TaskRun:
@@ -70,13 +77,10 @@ def ok(worker: str, output: str = "done") -> WorkerResult:
     return WorkerResult(worker, True, output=output)
 
 
-async def status_on_disk(path: Path, task_id: str) -> str | None:
+def status_on_disk(engine: Engine, task_id: str) -> str | None:
     """Read through a separate connection: only committed rows are visible there."""
-    async with aiosqlite.connect(str(path)) as other:
-        cursor = await other.execute("SELECT status FROM swarm_tasks WHERE id = ?", (task_id,))
-        row = await cursor.fetchone()
-        await cursor.close()
-    return None if row is None else str(row[0])
+    rows = raw_rows(engine, "SELECT status FROM swarm_tasks WHERE id = ?", (task_id,))
+    return None if not rows else str(rows[0][0])
 
 
 async def test_migrations_are_additive_and_apply_once(tmp_path: Path) -> None:
@@ -88,14 +92,13 @@ async def test_migrations_are_additive_and_apply_once(tmp_path: Path) -> None:
         await conn.close()
 
 
-async def test_the_row_is_running_on_disk_before_the_worker_is_called(tmp_path: Path) -> None:
-    path = tmp_path / "k.db"
+async def test_the_row_is_running_on_disk_before_the_worker_is_called(store_engine: Engine) -> None:
     seen: list[str | None] = []
 
-    async with opened(path) as store:
+    async with opened(store_engine) as store:
 
         async def worker(run: TaskRun) -> WorkerResult:
-            seen.append(await status_on_disk(path, run.task_id))
+            seen.append(status_on_disk(store_engine, run.task_id))
             return ok("researcher")
 
         run = await admit(store, route="telegram:-100", parent_id="abc")
@@ -115,8 +118,8 @@ async def test_the_row_is_running_on_disk_before_the_worker_is_called(tmp_path: 
         assert record.finished_at.tzinfo is UTC
 
 
-async def test_ids_are_server_made_and_distinct(tmp_path: Path) -> None:
-    async with opened(tmp_path / "k.db") as store:
+async def test_ids_are_server_made_and_distinct(store_engine: Engine) -> None:
+    async with opened(store_engine) as store:
         runs = [await admit(store) for _ in range(20)]
     assert len({r.task_id for r in runs}) == 20
     assert len({r.run_id for r in runs}) == 20
@@ -154,8 +157,8 @@ async def _attempt(store: SwarmTaskStore, run: TaskRun, target: TaskStatus) -> b
 
 @pytest.mark.parametrize("source", list(TaskStatus))
 @pytest.mark.parametrize("target", list(TaskStatus))
-async def test_every_transition_follows_the_table(tmp_path: Path, source: TaskStatus, target: TaskStatus) -> None:
-    async with opened(tmp_path / "k.db") as store:
+async def test_every_transition_follows_the_table(store_engine: Engine, source: TaskStatus, target: TaskStatus) -> None:
+    async with opened(store_engine) as store:
         run = await _put_in(store, source)
         accepted = await _attempt(store, run, target)
         record = await store.get(run.task_id)
@@ -164,18 +167,18 @@ async def test_every_transition_follows_the_table(tmp_path: Path, source: TaskSt
         assert record.status is (target if accepted else source)
 
 
-async def test_finish_refuses_a_non_terminal_status(tmp_path: Path) -> None:
-    async with opened(tmp_path / "k.db") as store:
+async def test_finish_refuses_a_non_terminal_status(store_engine: Engine) -> None:
+    async with opened(store_engine) as store:
         run = await admit(store)
         with pytest.raises(ValueError, match="terminal"):
             await store.finish(run, TaskStatus.PAUSED, result=None, error=None)
 
 
 async def test_stale_generation_writes_are_rejected_and_kept_as_evidence(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    store_engine: Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING)
-    async with opened(tmp_path / "k.db") as store:
+    async with opened(store_engine) as store:
         first = await admit(store)
         assert await store.journal(first, 0, "researcher", ok("researcher", "notes"))
         assert await store.pause(first, "checkpoint after stage 1")
@@ -215,8 +218,8 @@ async def test_stale_generation_writes_are_rejected_and_kept_as_evidence(
         assert await store.finish(second, TaskStatus.SUCCEEDED, result={"output": "new"}, error=None)
 
 
-async def test_writes_after_cancel_are_rejected_with_the_reason(tmp_path: Path) -> None:
-    async with opened(tmp_path / "k.db") as store:
+async def test_writes_after_cancel_are_rejected_with_the_reason(store_engine: Engine) -> None:
+    async with opened(store_engine) as store:
         run = await admit(store)
         assert await store.cancel(run.task_id, actor="web:admin")
         assert not await store.cancel(run.task_id, actor="web:admin")
@@ -232,8 +235,8 @@ async def test_writes_after_cancel_are_rejected_with_the_reason(tmp_path: Path) 
         assert [e.reason for e in await store.rejected_writes("nope")] == ["unknown task"]
 
 
-async def test_resume_bumps_the_generation_and_keeps_the_journal(tmp_path: Path) -> None:
-    async with opened(tmp_path / "k.db") as store:
+async def test_resume_bumps_the_generation_and_keeps_the_journal(store_engine: Engine) -> None:
+    async with opened(store_engine) as store:
         first = await admit(store)
         assert await store.step(first, "stage 1 (researcher)")
         assert await store.journal(
@@ -265,8 +268,8 @@ async def test_resume_bumps_the_generation_and_keeps_the_journal(tmp_path: Path)
         assert dup.reason == "this step index is already journaled"
 
 
-async def test_recover_marks_running_interrupted_naming_the_step_and_leaves_paused(tmp_path: Path) -> None:
-    path = tmp_path / "k.db"
+async def test_recover_marks_running_interrupted_naming_the_step_and_leaves_paused(store_engine: Engine) -> None:
+    path = store_engine
     async with opened(path) as store:
         busy = await admit(store, route="slack:C1")
         assert await store.step(busy, "stage 2 (builder)")
@@ -310,8 +313,8 @@ async def test_recover_marks_running_interrupted_naming_the_step_and_leaves_paus
         assert (await store.resume(waiting.task_id)).generation == 2
 
 
-async def test_admission_under_gather_never_exceeds_the_cap(tmp_path: Path) -> None:
-    path = tmp_path / "k.db"
+async def test_admission_under_gather_never_exceeds_the_cap(store_engine: Engine) -> None:
+    path = store_engine
     async with opened(path) as one, opened(path) as two:
 
         async def try_admit(store: SwarmTaskStore) -> TaskRun | AtCapacity:
@@ -477,9 +480,9 @@ async def test_a_non_transient_error_is_not_retried(tmp_path: Path) -> None:
     assert delays == []
 
 
-async def test_prune_deletes_old_finished_tasks_with_their_journal(tmp_path: Path) -> None:
+async def test_prune_deletes_old_finished_tasks_with_their_journal(store_engine: Engine) -> None:
     clock = Clock()
-    async with opened(tmp_path / "k.db", clock=clock) as store:
+    async with opened(store_engine, clock=clock) as store:
         old = await admit(store)
         assert await store.journal(old, 0, "researcher", ok("researcher"))
         assert await store.finish(old, TaskStatus.SUCCEEDED, result=None, error=None)
@@ -502,9 +505,9 @@ async def test_prune_deletes_old_finished_tasks_with_their_journal(tmp_path: Pat
         assert await store.prune(7) == 0
 
 
-async def test_list_history_and_count(tmp_path: Path) -> None:
+async def test_list_history_and_count(store_engine: Engine) -> None:
     clock = Clock()
-    async with opened(tmp_path / "k.db", clock=clock) as store:
+    async with opened(store_engine, clock=clock) as store:
         runs = []
         for _ in range(4):
             runs.append(await admit(store))
@@ -520,3 +523,22 @@ async def test_list_history_and_count(tmp_path: Path) -> None:
         assert await store.count(TaskStatus.RUNNING) == 2
         assert await store.count(TaskStatus.PARTIAL) == 1
         assert await store.get("missing") is None
+
+
+async def test_a_lost_postgresql_connection_is_retried(pg_server: PostgresServer, pg_dsn: str) -> None:
+    """The server ends the store's read connections (a failover, a restart): the next read retries on a new one."""
+    delays: list[float] = []
+
+    async def record_only(delay: float) -> None:
+        delays.append(delay)
+
+    engine = Engine("postgresql", pg_dsn)
+    async with open_store(engine, migrations=PG_MIGRATIONS, application_name="kazma-swarm-lost") as conn:
+        store = SwarmTaskStore(conn, clock=Clock(), sleep=record_only)
+        run = await admit(store)
+        assert await store.get(run.task_id) is not None  # the pool's connection is open and used
+        assert pg_server.terminate_client("kazma-swarm-lost-read") >= 1
+        record = await store.get(run.task_id)
+        assert record is not None
+        assert record.status is TaskStatus.RUNNING
+        assert len(delays) == 1

@@ -1,7 +1,7 @@
 """What the dashboard shows, read in one go, and the numbers its charts draw.
 
 Everything is read through the stores' public methods, plus small read-only queries of its own over
-``Tables.of(conn)`` (approvals per hour by outcome, time to decide, plan steps by status). They are plain SQL
+``tables_of(conn)`` (approvals per hour by outcome, time to decide, plan steps by status). They are plain SQL
 that ports to PostgreSQL (no SQLite functions: hours are bucketed here, in Python) and they never write.
 
 Press → decision latency is not in the approvals audit: the compare-and-set runs at the press, so a request's
@@ -20,13 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-import aiosqlite
 from prometheus_client import Histogram
 
 from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.rules import Rule
-from kazma.config.database import Tables
 from kazma.config.metrics import PRESS_TO_DECISION
+from kazma.config.store_backend import StoreConnection, tables_of
 from kazma.engine.swarm.state_store import WorkerDay
 from kazma.engine.swarm.store import TaskRecord
 
@@ -136,10 +135,10 @@ def tokens_per_worker(days: Sequence[WorkerDay]) -> list[tuple[str, int, int]]:
 
 
 class DashboardQueries:
-    """The dashboard's own read queries (read-only; through ``Tables.of``, like every store)."""
+    """The dashboard's own read queries (read-only; through ``tables_of``, like every store, on either engine)."""
 
-    def __init__(self, conn: aiosqlite.Connection, *, clock: Callable[[], float] = time.time) -> None:
-        self.tables = Tables.of(conn)
+    def __init__(self, conn: StoreConnection, *, clock: Callable[[], float] = time.time) -> None:
+        self.tables = tables_of(conn)
         self.clock = clock
 
     async def decisions_since(self, since: float) -> list[tuple[str, float]]:

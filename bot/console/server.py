@@ -486,7 +486,7 @@ class WebServer:
         approvals = await self.app.service.store.requests(limit=20)
         state = self.app.swarm.state
         days = await state.worker_days(7) if state is not None else []
-        hours, waits, steps = await DashboardQueries(self.app.service.store.conn).charts()
+        hours, waits, steps = await DashboardQueries(self.app.stores.primary).charts()
         return DashboardData(
             tasks,
             self.app.swarm.worker_lines(),

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-import aiosqlite
-
-from kazma.config.database import Migration, Tables
+from kazma.config.database import Migration
+from kazma.config.pg_schema import PgMigration
+from kazma.config.store_backend import StoreConnection, tables_of
 
 MIGRATIONS: Final = [
     Migration(
@@ -35,6 +35,26 @@ MIGRATIONS: Final = [
                 created_at REAL NOT NULL,
                 last_seen REAL NOT NULL,
                 expires_at REAL NOT NULL
+            )""",
+            "CREATE INDEX IF NOT EXISTS web_sessions_expiry ON web_sessions (expires_at)",
+        ),
+    )
+]
+
+PG_MIGRATIONS: Final = [
+    PgMigration(
+        "sessions",
+        1,
+        (
+            """CREATE TABLE IF NOT EXISTS web_sessions (
+                token_hash text PRIMARY KEY,
+                login text NOT NULL,
+                role text NOT NULL,
+                binding text NOT NULL,
+                flash text NOT NULL,
+                created_at double precision NOT NULL,
+                last_seen double precision NOT NULL,
+                expires_at double precision NOT NULL
             )""",
             "CREATE INDEX IF NOT EXISTS web_sessions_expiry ON web_sessions (expires_at)",
         ),
@@ -57,8 +77,8 @@ class StoredSession:
 
 
 class SessionStore:
-    def __init__(self, conn: aiosqlite.Connection, *, clock: Callable[[], float] = time.time) -> None:
-        self.tables = Tables.of(conn)
+    def __init__(self, conn: StoreConnection, *, clock: Callable[[], float] = time.time) -> None:
+        self.tables = tables_of(conn)
         self.clock = clock  # epoch seconds: rows outlive the process
 
     async def open(

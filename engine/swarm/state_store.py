@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-import aiosqlite
-
-from kazma.config.database import Migration, Tables
+from kazma.config.database import Migration
+from kazma.config.pg_schema import PgMigration
+from kazma.config.store_backend import StoreConnection, tables_of
 
 MIGRATIONS = [
     Migration(
@@ -40,6 +40,38 @@ MIGRATIONS = [
                 prompt_tokens INTEGER NOT NULL DEFAULT 0,
                 completion_tokens INTEGER NOT NULL DEFAULT 0,
                 cost REAL NOT NULL DEFAULT 0,
+                PRIMARY KEY (worker, day)
+            )
+            """,
+        ),
+    )
+]
+
+# The same tables on PostgreSQL (REAL is double precision there: epoch seconds need its 15 digits).
+PG_MIGRATIONS = [
+    PgMigration(
+        "swarm_state",
+        1,
+        (
+            """
+            CREATE TABLE IF NOT EXISTS swarm_breakers (
+                worker text PRIMARY KEY,
+                state text NOT NULL,
+                failures integer NOT NULL,
+                retry_at double precision NOT NULL,
+                updated_at double precision NOT NULL
+            )
+            """,
+            """
+            CREATE TABLE IF NOT EXISTS swarm_worker_days (
+                worker text NOT NULL,
+                day text NOT NULL,
+                completed integer NOT NULL DEFAULT 0,
+                failed integer NOT NULL DEFAULT 0,
+                latency_seconds double precision NOT NULL DEFAULT 0,
+                prompt_tokens bigint NOT NULL DEFAULT 0,
+                completion_tokens bigint NOT NULL DEFAULT 0,
+                cost double precision NOT NULL DEFAULT 0,
                 PRIMARY KEY (worker, day)
             )
             """,
@@ -81,8 +113,8 @@ def day_of(ts: float) -> str:
 
 
 class SwarmStateStore:
-    def __init__(self, conn: aiosqlite.Connection, *, clock: Callable[[], float] = time.time) -> None:
-        self.tables = Tables.of(conn)
+    def __init__(self, conn: StoreConnection, *, clock: Callable[[], float] = time.time) -> None:
+        self.tables = tables_of(conn)
         self.clock = clock
 
     async def save_breaker(self, worker: str, state: str, failures: int, retry_in: float) -> None:

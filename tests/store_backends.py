@@ -1,0 +1,85 @@
+"""Store-level tests on both engines: a SQLite file, or a fresh database on the suite's PostgreSQL server.
+
+``store_engine`` (a parametrised fixture) names the engine and where its data lives; :func:`open_store`
+opens what the stores take (an ``aiosqlite.Connection`` or a ``PgStore``) with every component's
+migrations, and :func:`raw_rows` reads around the stores, through a connection of its own, so a test sees
+only what was committed.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from kazma.bot.store import all_migrations, pg_migrations
+from kazma.config.database import Migration, open_database
+from kazma.config.postgres import open_pg_store, pyformat
+from kazma.config.store_backend import StoreConnection
+from tests.pg_support import find_bindir
+
+NO_SERVER = "PostgreSQL server binaries (initdb, pg_ctl, postgres) are not installed: run scripts/install-test-deps"
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str  # "sqlite" | "postgresql"
+    where: str  # a SQLite file's path, or a PostgreSQL DSN
+
+    @property
+    def postgres(self) -> bool:
+        return self.name == "postgresql"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+    if request.param == "sqlite":
+        yield Engine("sqlite", str(tmp_path / "k.db"))
+        return
+    if find_bindir() is None:
+        pytest.skip(NO_SERVER)
+    yield Engine("postgresql", str(request.getfixturevalue("pg_dsn")))
+
+
+@asynccontextmanager
+async def open_store(
+    engine: Engine,
+    *,
+    migrations: Iterable[Migration] | None = None,
+    busy_timeout_ms: int = 5000,
+    application_name: str = "kazma-test",
+) -> AsyncIterator[StoreConnection]:
+    """What the stores take, migrated (every component unless ``migrations`` says otherwise); closed after."""
+    if engine.postgres:
+        chosen = pg_migrations() if migrations is None else list(migrations)
+        store = await open_pg_store(engine.where, migrations=chosen, application_name=application_name)
+        try:
+            yield store
+        finally:
+            await store.close()
+        return
+    conn = await open_database(
+        engine.where, busy_timeout_ms=busy_timeout_ms, migrations=all_migrations() if migrations is None else migrations
+    )
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+def raw_rows(engine: Engine, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+    """Rows read through a connection of their own: only what is committed is there."""
+    if engine.postgres:
+        with psycopg.connect(engine.where, autocommit=True) as conn:
+            return [tuple(row) for row in conn.execute(pyformat(sql), tuple(params)).fetchall()]
+    raw = sqlite3.connect(engine.where)
+    try:
+        return [tuple(row) for row in raw.execute(sql, tuple(params)).fetchall()]
+    finally:
+        raw.close()
