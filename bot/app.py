@@ -105,6 +105,7 @@ class App:
     replication: Replication | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _leader_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _live: set[str] = field(default_factory=set)  # the replicas alive at the leader's last look
 
     async def on_press(self, press: Press) -> PressResult:
         if is_question_button(press.data):
@@ -177,8 +178,13 @@ class App:
         log.info("app.started", platforms=sorted(self.bus.adapters), store=str(self.loaded.config.store.path))
 
     async def _start_replica(self, replication: Replication) -> None:
-        """One of several replicas: serve at once; recovery and the sweeps wait for the lease (:meth:`_lead`)."""
-        self.service.store.replica = self.replica  # its lease session says whether it is alive
+        """One of several replicas: serve at once; the sweeps and the singleton ingress wait for the lease."""
+        # Its name goes on what it starts from now on: the others tell from its lease session whether it lives.
+        self.service.store.replica = self.replica
+        self.executor.store.replica = self.replica
+        self.swarm.store.replica = self.replica
+        # What this replica's previous life (same name) left: the others may never have seen it gone.
+        await self._recover_replicas(await replication.live() - {self.replica})
         await self._follow_chat_moves()
         if self.mcp is not None:
             await self.mcp.start(wait=10.0)
@@ -190,18 +196,28 @@ class App:
         """This replica took the lease: recover what gone replicas left, then run the sweeps."""
         replication = self.replication
         assert replication is not None
-        if await replication.live() == {self.replica}:
-            # Nobody else is alive: every step or swarm task still marked running was left by a dead process.
-            interrupted, tell_lead = await self.executor.mark_interrupted()
-            if interrupted:
-                log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
+        live = await replication.live()
+        if live == {self.replica}:
+            # Nobody else is alive: everything still marked running was left by a process that died, and its
+            # paused pipelines wait for a replica to pick them up again.
             await self.swarm.recover()
-            await self.executor.perform(tell_lead)
-        await self._tell(await replication.recover_gone())
+        await self._recover_replicas(live)
         self._leader_tasks.append(asyncio.create_task(self._sweep(), name="kazma-approvals-sweep"))
         self._leader_tasks.append(asyncio.create_task(self._retention(), name="kazma-swarm-retention"))
         if isinstance(self.bus, FanOutBus):
             await self.bus.start_ingress()
+
+    async def _recover_replicas(self, live: set[str]) -> None:
+        """End what replicas not in ``live`` left running: pending requests, plan steps, swarm tasks; say so."""
+        replication = self.replication
+        assert replication is not None
+        self._live = live
+        interrupted, tell_lead = await self.executor.mark_interrupted(live)
+        if interrupted:
+            log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted], live=sorted(live))
+        await self.swarm.recover_gone(live)
+        await self._tell(await replication.recover_gone(live))
+        await self.executor.perform(tell_lead)
 
     async def _follow(self, reason: str) -> None:
         """The lease is gone (another replica leads, or the database cannot be reached): stop the sweeps."""
@@ -266,7 +282,10 @@ class App:
                 for outcome in await self.service.expire_overdue():
                     log.info("approvals.swept", request_id=outcome.request_id, status=outcome.status.value)
                 if self.replication is not None:
-                    await self._tell(await self.replication.recover_gone())
+                    live = await self.replication.live()
+                    if self._live - live:  # a replica left since the last look: what it ran ends now
+                        await self._recover_replicas(live)
+                    self._live = live
             except Exception as exc:
                 count_failure("approval_sweep")
                 log.warning("approvals.sweep_failed", error=str(exc))

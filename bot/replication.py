@@ -147,14 +147,13 @@ class Replication:
         """The replicas alive now (this one included, even while its lease connection reconnects)."""
         return {*await live_replicas(self.store.pool), self.replica}
 
-    async def recover_gone(self) -> Recovery:
-        """The leader's part of recovery: what replicas that are gone left behind.
+    async def recover_gone(self, live: set[str]) -> Recovery:
+        """The approvals' part of recovery among replicas: what replicas not in ``live`` left behind.
 
-        Their pending requests end cancelled (nobody waits for them any more; nothing ran), approved
-        calls they never started are reported, and the posts and edits they had claimed are due at once
-        instead of when the claims run out.
+        Their pending requests end cancelled (nobody waits for them any more; nothing ran), approved calls
+        they never started are reported, and the posts and edits they had claimed are due at once instead
+        of when the claims run out.
         """
-        live = await self.live()
         recovery = await self.service.recover(live)
         released = 0
         if self.outbox is not None:

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -185,15 +185,18 @@ class PlanExecutor:
         await self.perform(actions)
         return interrupted
 
-    async def mark_interrupted(self) -> tuple[list[tuple[str, int]], list[Action]]:
+    async def mark_interrupted(self, live: Collection[str] | None = None) -> tuple[list[tuple[str, int]], list[Action]]:
         """The store half of :meth:`recover`: fail interrupted steps, return what to tell the lead and people.
 
         Run it before any new work can start (a step started by this process must
         not be mistaken for one a dead process left behind); perform the actions
         once the platforms are up. A step waiting for a person is not
         interrupted: its question is shown again.
+
+        Among replicas (``live``: the replicas alive now) only steps a replica that is gone started are
+        interrupted, and questions are not shown again (their replica, or the one before, showed them).
         """
-        interrupted = await self.store.with_steps_in(StepStatus.IN_PROGRESS)
+        interrupted = await self.store.with_steps_in(StepStatus.IN_PROGRESS, live=live)
         actions: list[Action] = []
         for plan_id, index in interrupted:
             log.warning("plan.step_interrupted", plan_id=plan_id, step=index)
@@ -206,7 +209,7 @@ class PlanExecutor:
                     plan_id, index, StepStatus.IN_PROGRESS, StepStatus.FAILED, failure_reason=INTERRUPTED
                 )
                 actions += await self._after_failure(plan_id, index, OnFailure.ASK_LEAD, INTERRUPTED)
-        for question in await self.store.open_questions():
+        for question in [] if live is not None else await self.store.open_questions():
             plan = await self.store.load(question.plan_id)
             if plan is not None:
                 log.info("plan.question_shown_again", plan_id=plan.id, question=question.id)

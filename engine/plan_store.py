@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +94,9 @@ MIGRATIONS = [
             "CREATE INDEX IF NOT EXISTS plan_questions_open ON plan_questions (conversation, status)",
         ),
     ),
+    # The replica running a step: among replicas on one database, the leader fails a step as interrupted only
+    # when the replica running it is gone. NULL: run by the only process on the store (or before this).
+    Migration("plans", 3, ("ALTER TABLE plan_steps ADD COLUMN replica TEXT",)),
 ]
 
 # The same tables on PostgreSQL, version for version: double precision for REAL, an identity column where
@@ -175,6 +178,7 @@ PG_MIGRATIONS = [
             "CREATE INDEX IF NOT EXISTS plan_questions_open ON plan_questions (conversation, status)",
         ),
     ),
+    PgMigration("plans", 3, ("ALTER TABLE plan_steps ADD COLUMN replica text",)),
 ]
 
 # Done and skipped are never left. A failed or blocked step returns to pending only by a repair the lead
@@ -262,10 +266,13 @@ class _StartedMeanwhile(Exception):
 
 
 class PlanStore:
-    def __init__(self, conn: StoreConnection, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, conn: StoreConnection, *, clock: Callable[[], float] = time.time, replica: str | None = None
+    ) -> None:
         self.conn = conn
         self.clock = clock
         self.tables = tables_of(conn)
+        self.replica = replica  # recorded on each step this process starts (None: the only process)
 
     async def create(self, conversation: str, spec: PlanSpec, origin: PlanOrigin | None = None) -> Plan:
         plan_id = secrets.token_urlsafe(9)
@@ -431,6 +438,9 @@ class PlanStore:
             params.append(json.dumps(list(fields["output_files"])))
         if fields.get("count_attempt"):
             sets.append("attempts = attempts + 1")
+        if new is StepStatus.IN_PROGRESS:
+            sets.append("replica = ?")
+            params.append(self.replica)
         params.extend([plan_id, index, expected.value])
         changed = await self.tables.run(
             f"UPDATE plan_steps SET {', '.join(sets)} WHERE plan_id = ? AND idx = ? AND status = ?",  # noqa: S608
@@ -445,11 +455,13 @@ class PlanStore:
         row = await self.tables.one("SELECT status FROM plans WHERE id = ?", (plan_id,))
         return None if row is None else str(row[0])
 
-    async def with_steps_in(self, status: StepStatus) -> list[tuple[str, int]]:
+    async def with_steps_in(self, status: StepStatus, *, live: Collection[str] | None = None) -> list[tuple[str, int]]:
+        """(plan, step) of every step in ``status``; with ``live`` (the replicas alive now), only those a
+        replica not among them started (a step with no replica recorded cannot be told dead and is left)."""
         rows = await self.tables.all(
-            "SELECT plan_id, idx FROM plan_steps WHERE status = ? ORDER BY plan_id, idx", (status.value,)
+            "SELECT plan_id, idx, replica FROM plan_steps WHERE status = ? ORDER BY plan_id, idx", (status.value,)
         )
-        return [(str(r[0]), int(r[1])) for r in rows]
+        return [(str(r[0]), int(r[1])) for r in rows if live is None or (r[2] is not None and r[2] not in live)]
 
     async def last_plan(self, conversation: str) -> str | None:
         row = await self.tables.one(

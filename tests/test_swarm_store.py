@@ -86,7 +86,7 @@ def status_on_disk(engine: Engine, task_id: str) -> str | None:
 async def test_migrations_are_additive_and_apply_once(tmp_path: Path) -> None:
     conn = await connect(tmp_path / "k.db")
     try:
-        assert [m.version for m in await apply_migrations(conn, MIGRATIONS)] == [1]
+        assert [m.version for m in await apply_migrations(conn, MIGRATIONS)] == [1, 2]
         assert await apply_migrations(conn, MIGRATIONS) == []
     finally:
         await conn.close()

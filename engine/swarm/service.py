@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -678,6 +678,18 @@ class SwarmService:
                 waiter = asyncio.create_task(self._resume_after_restart(record, approval_id))
                 self._waiters.add(waiter)
                 waiter.add_done_callback(self._waiters.discard)
+        return lines
+
+    async def recover_gone(self, live: Collection[str]) -> list[str]:
+        """Among replicas: tasks a replica not in ``live`` was running end interrupted (never re-run), reported."""
+        lines = []
+        for item in await self.store.recover(live):
+            line = (
+                f"swarm task {item.task_id} was interrupted in {item.step}: the Kazma replica running it stopped; "
+                "its outcome is unknown. Nothing re-ran."
+            )
+            lines.append(line)
+            self._report(line)
         return lines
 
     async def _resume_after_restart(self, record: TaskRecord, approval_id: str) -> None:

@@ -20,7 +20,7 @@ import secrets
 import sqlite3
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -98,7 +98,10 @@ MIGRATIONS = [
             """,
             "CREATE INDEX IF NOT EXISTS swarm_rejected_task ON swarm_rejected_writes (task_id)",
         ),
-    )
+    ),
+    # The replica running a task: among replicas on one database, the leader marks a RUNNING task interrupted
+    # only when the replica running it is gone. NULL: the only process on the store (or before this).
+    Migration("swarm", 2, ("ALTER TABLE swarm_tasks ADD COLUMN replica TEXT",)),
 ]
 
 # The same tables on PostgreSQL. ``rowid`` is SQLite's implicit row id made a real column: the lists order
@@ -161,7 +164,8 @@ PG_MIGRATIONS = [
             """,
             "CREATE INDEX IF NOT EXISTS swarm_rejected_task ON swarm_rejected_writes (task_id)",
         ),
-    )
+    ),
+    PgMigration("swarm", 2, ("ALTER TABLE swarm_tasks ADD COLUMN replica text",)),
 ]
 
 # Terminal states are never left, and there is no pending state to return to:
@@ -343,8 +347,10 @@ class SwarmTaskStore:
         retries: int = 3,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         capacity_retry_in: int = 10,
+        replica: str | None = None,
     ) -> None:
         self.conn = conn
+        self.replica = replica  # recorded on each task this process admits or resumes (None: the only process)
         self.clock = clock
         self.retries = max(0, retries)
         self.sleep = sleep
@@ -460,6 +466,8 @@ class SwarmTaskStore:
             )
             if inserted != 1:
                 raise AtCapacity(self.capacity_retry_in)
+            if self.replica is not None:
+                await db.run("UPDATE swarm_tasks SET replica = ? WHERE id = ?", (self.replica, run.task_id))
 
         await self._attempt("admit", body, transaction=True)
         log.info("swarm.admitted", task_id=run.task_id, pattern=Pattern(pattern).value, owner=owner, route=route)
@@ -590,9 +598,17 @@ class SwarmTaskStore:
                     raise AtCapacity(self.capacity_retry_in)
             generation = int(row[1]) + 1
             await db.run(
-                "UPDATE swarm_tasks SET status = ?, generation = ?, run_id = ?, updated_at = ?"
+                "UPDATE swarm_tasks SET status = ?, generation = ?, run_id = ?, updated_at = ?, replica = ?"
                 " WHERE id = ? AND status = ?",
-                (TaskStatus.RUNNING.value, generation, new_run_id, self.clock(), task_id, TaskStatus.PAUSED.value),
+                (
+                    TaskStatus.RUNNING.value,
+                    generation,
+                    new_run_id,
+                    self.clock(),
+                    self.replica,
+                    task_id,
+                    TaskStatus.PAUSED.value,
+                ),
             )
             return generation
 
@@ -686,22 +702,26 @@ class SwarmTaskStore:
             log.info("swarm.cancelled", task_id=task_id, actor=actor)
         return changed == 1
 
-    async def recover(self) -> builtins.list[InterruptedTask]:
+    async def recover(self, live: Collection[str] | None = None) -> builtins.list[InterruptedTask]:
         """At start, mark every RUNNING row INTERRUPTED (outcome unknown, naming its step); never re-run it.
 
         PAUSED rows stay paused: their pipeline can be resumed after the restart.
         Call it once at start, before this process admits work, and only when no
         other live process shares the file — it cannot tell their runs from dead ones.
+        Among replicas the leader passes ``live`` (the replicas alive now): only tasks a replica that is
+        gone was running are interrupted (a task with no replica recorded is left).
         """
 
         async def body(db: SqlStatements) -> builtins.list[InterruptedTask]:
             rows = await db.all(
-                "SELECT id, pattern, generation, current_step, owner, route FROM swarm_tasks WHERE status = ?",
+                "SELECT id, pattern, generation, current_step, owner, route, replica FROM swarm_tasks WHERE status = ?",
                 (TaskStatus.RUNNING.value,),
             )
             now = self.clock()
             changed: builtins.list[InterruptedTask] = []
-            for task_id, pattern, generation, step, owner, route in rows:
+            for task_id, pattern, generation, step, owner, route, replica in rows:
+                if live is not None and (replica is None or replica in live):
+                    continue
                 reason = interrupted_reason(str(step))
                 if await db.run(
                     "UPDATE swarm_tasks SET status = ?, error = ?, updated_at = ?, finished_at = ?"
