@@ -402,3 +402,29 @@ async def test_dashboard_queries_count_outcomes_waits_and_steps(store_engine: En
         assert sorted(waits) == [12.5, 12.5]  # human decisions only
         assert steps == {"in_progress": 1, "pending": 2}
         assert await queries.decisions_since(clock.now + 1) == []
+
+
+# -- what a replica that is gone left running -----------------------------------------------------
+
+
+async def test_only_steps_and_tasks_of_replicas_that_are_gone_count_as_interrupted(store_engine: Engine) -> None:
+    from kazma.engine.swarm.store import SwarmTaskStore
+    from kazma.engine.swarm.types import Pattern
+
+    async with open_store(store_engine) as conn:
+        on_a, on_b, alone = PlanStore(conn, replica="a"), PlanStore(conn, replica="b"), PlanStore(conn)
+        plans = [await store.create("c", _spec("one")) for store in (on_a, on_b, alone)]
+        for store, plan in zip((on_a, on_b, alone), plans, strict=True):
+            assert await store.set_status(plan.id, 1, StepStatus.PENDING, StepStatus.IN_PROGRESS, count_attempt=True)
+        running = StepStatus.IN_PROGRESS
+        assert await on_a.with_steps_in(running, live={"a", "b"}) == []
+        assert await on_a.with_steps_in(running, live={"b"}) == [(plans[0].id, 1)]  # a is gone
+        assert len(await on_a.with_steps_in(running)) == 3  # the only process restarted: every one
+
+        tasks_a, tasks_b = SwarmTaskStore(conn, replica="a"), SwarmTaskStore(conn, replica="b")
+        run_a = await tasks_a.admit(Pattern.DISPATCH, {"prompt": "p"}, owner="web:x")
+        run_b = await tasks_b.admit(Pattern.DISPATCH, {"prompt": "q"}, owner="web:y")
+        assert await tasks_b.recover(live={"a", "b"}) == []
+        [lost] = await tasks_b.recover(live={"b"})
+        assert lost.task_id == run_a.task_id
+        assert (await tasks_b.get(run_b.task_id)).status.value == "running"  # type: ignore[union-attr]
