@@ -35,6 +35,7 @@ from kazma.approvals.store import ApprovalStore, PostedCard
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import DECISION_TO_SETTLED, count_failure
 from kazma.config.models import KazmaConfig
+from kazma.config.store_errors import store_errors
 
 log = structlog.get_logger("kazma.bus")
 
@@ -316,7 +317,10 @@ class FanOutBus:
                 raise
             except Exception as exc:  # the store hiccuped: keep the worker alive and try again
                 count_failure("bus_worker", name)
-                log.error("bus.worker_error", platform=name, error=repr(exc), exc_info=True)
+                if isinstance(exc, store_errors()):  # an outage: one line per attempt, not a traceback each
+                    log.warning("bus.worker_store_unavailable", platform=name, error=str(exc).strip() or repr(exc))
+                else:
+                    log.error("bus.worker_error", platform=name, error=repr(exc), exc_info=True)
                 wake_at = self.clock() + RETRY.delay(0)
             # Asleep until kicked or until the next thing falls due: an idle bus reads nothing.
             timeout = None if wake_at is None else max(0.0, wake_at - self.clock())

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import sqlite3
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from kazma.approvals.rules import Rule, RuleStore
 from kazma.approvals.store import ApprovalStore, CardCheck, CardProblem, Clock
 from kazma.config.metrics import APPROVALS_DECIDED, APPROVALS_OPENED, PRESS_TO_DECISION, count_failure
 from kazma.config.models import KazmaConfig
+from kazma.config.store_errors import store_errors
 
 log = structlog.get_logger("kazma.approvals")
 
@@ -375,7 +375,7 @@ class ApprovalService:
                 )
                 if pressed.problem != CardProblem.NOT_RECORDED:
                     break
-        except (sqlite3.Error, OSError) as exc:
+        except store_errors() as exc:
             count_failure(STORE_SITE)
             log.warning(
                 "approvals.store_unavailable",
@@ -487,7 +487,7 @@ class ApprovalService:
     ) -> None:
         try:
             await self.store.audit(request_id, event, actor=actor, platform=platform, detail=detail)
-        except (sqlite3.Error, OSError) as exc:
+        except store_errors() as exc:
             count_failure("approval_audit")
             log.warning("approvals.audit_failed", request_id=request_id, audit_event=event, actor=actor, error=str(exc))
 
@@ -509,7 +509,7 @@ class ApprovalService:
             while True:
                 try:
                     request = await self.store.get(request_id)
-                except (sqlite3.Error, OSError) as exc:
+                except store_errors() as exc:
                     # a passing lock must not end the wait; the next poll tries again
                     count_failure("approval_wait")
                     log.warning("approvals.wait_read_failed", request_id=request_id, error=str(exc))
@@ -572,7 +572,7 @@ class ApprovalService:
                 log.info("approvals.cancelled", request_id=request_id)
                 APPROVALS_DECIDED.labels(outcome="cancelled", platform="").inc()
                 await self._ended(request_id)
-        except (sqlite3.Error, OSError) as exc:
+        except store_errors() as exc:
             count_failure(STORE_SITE)
             log.warning("approvals.store_unavailable", site=STORE_SITE, request_id=request_id, error=str(exc))
 

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
@@ -37,6 +38,7 @@ from kazma.config.postgres import PgStore, open_pg_store
 from tests.fakes.discord import HOME_CHANNEL_ID
 from tests.platforms_support import PLATFORMS, SLACK_ADMIN, SLACK_CHANNEL, TG_ADMIN, TG_CHAT, Fakes, three_fakes
 from tests.process_support import REPO
+from tests.tcp_proxy import CuttableProxy
 
 REQUESTS = 100
 TOKEN = "o" * 40
@@ -86,7 +88,7 @@ class Replica:
         )  # fmt: skip
 
     async def health(self) -> str:
-        async with httpx.AsyncClient(timeout=2) as client:
+        async with httpx.AsyncClient(timeout=5) as client:
             try:
                 return (await client.get(f"http://127.0.0.1:{self.web_port}/healthz")).text
             except httpx.HTTPError:
@@ -97,6 +99,10 @@ class Replica:
             return None if self.process is None else self.process.returncode
         self.process.send_signal(sig)
         return await asyncio.wait_for(self.process.wait(), timeout=60)
+
+    def said(self, event: str) -> bool:
+        """Whether the replica logged ``event`` (a stable event name) at all."""
+        return self.log.exists() and f'"event": "{event}"' in self.log.read_text(errors="replace")
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
@@ -282,3 +288,59 @@ async def test_two_replicas_post_once_decide_once_and_survive_the_leader_being_k
 async def _says(replica: Replica, *lines: str) -> bool:
     text = await replica.health()
     return all(line in text for line in lines)
+
+
+async def test_a_replica_cut_off_from_the_database_stops_leading_and_deciding_and_rejoins(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    url = urlsplit(pg_dsn)
+    proxy = CuttableProxy(url.hostname or "127.0.0.1", url.port or 5432)
+    await proxy.start()
+    proxied = urlunsplit(url._replace(netloc=f"{url.username}@127.0.0.1:{proxy.port}"))
+    async with three_fakes() as fakes, opener(pg_dsn) as (service, outbox, _store):
+        a, b = Replica("rep-a", fakes, proxied, tmp_path), Replica("rep-b", fakes, pg_dsn, tmp_path)
+        try:
+            await a.start()
+            await until(lambda: _says(a, "replica rep-a: leader"), 60, "rep-a leading", a)
+            await b.start()
+            await until(lambda: _says(b, "replica rep-b: follower", "lease held by rep-a"), 60, "rep-b following", a, b)
+            first = await service.open("shell", {"command": "deploy 1"}, "agent:builder", f"telegram:{TG_CHAT}")
+            await outbox.enqueue(first.id, list(PLATFORMS))
+            await until(lambda: live_buttons(fakes) == 3, 60, "the cards posted", a, b)
+
+            proxy.cut()  # rep-a's sessions end and it cannot open new ones
+            cut_at = time.monotonic()
+            await until(lambda: _says(b, "replica rep-b: leader"), 10, "rep-b leading within 10 s", a, b)
+            assert time.monotonic() - cut_at <= 10.0
+            health = await a.health()
+            assert health.startswith("not deciding: the store cannot be reached"), health
+            assert "replica rep-a: follower" in health  # it stopped believing it leads
+            await until(lambda: a.said("replica.following"), 10, "rep-a saying why it stopped leading", a)
+
+            # A press reaching the cut-off replica is not decided there (and says so); the request stays open.
+            await press_slack(fakes, a, first.id)
+            await until(lambda: a.said("approvals.store_unavailable"), 30, "rep-a refusing the press", a)
+            pending = await service.store.get(first.id)
+            assert pending is not None
+            assert pending.status is Status.PENDING
+            # The same press through the replica that can reach the store decides, and every card settles.
+            await press_slack(fakes, b, first.id)
+            await until(lambda: live_buttons(fakes) == 0, 60, "every card settled by rep-b", b)
+
+            proxy.restore()
+            await until(lambda: _says(a, "ok", "replica rep-a: follower", "lease held by rep-b"), 30, "rep-a back", a)
+            second = await service.open("shell", {"command": "deploy 2"}, "agent:builder", f"telegram:{TG_CHAT}")
+            await outbox.enqueue(second.id, list(PLATFORMS))
+            await until(lambda: live_buttons(fakes) == 3, 60, "the second request's cards", a, b)
+            await press_slack(fakes, a, second.id)  # rep-a decides again
+            await until(lambda: live_buttons(fakes) == 0, 60, "the second request settled", a, b)
+            decided = await service.store.get(second.id)
+            assert decided is not None
+            assert decided.status is Status.APPROVED
+            events = await service.store.events(first.id, event="decided")
+            assert [e.actor for e in events] == [f"slack:{SLACK_ADMIN}"]
+        finally:
+            for replica in (a, b):
+                with contextlib.suppress(Exception):
+                    await replica.stop(signal.SIGKILL)
+            await proxy.stop()
