@@ -1,4 +1,5 @@
-"""``store.url``: a SQLite path or a PostgreSQL URL, anything else refused; `kazma run` refuses PostgreSQL for now."""
+"""``store.url``: a SQLite path or a PostgreSQL URL, anything else refused; every command on either backend,
+and a PostgreSQL it cannot use said in one line."""
 
 from __future__ import annotations
 
@@ -50,40 +51,61 @@ def test_other_urls_are_config_errors(yaml: str, message: str) -> None:
     assert "hunter2" not in str(caught.value)  # a URL's password never reaches the message
 
 
-def test_kazma_run_refuses_postgresql_naming_what_is_missing(tmp_path: Path) -> None:
+def _kazma(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     # In a process of its own: the CLI configures logging for the whole process.
-    (tmp_path / "kazma.yaml").write_text("store: {url: 'postgresql://kazma:${KAZMA_PG_PASSWORD}@127.0.0.1:1/kazma'}\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KAZMA_")}
-    result = subprocess.run(
-        [sys.executable, "-m", "kazma.bot.cli", "-c", "kazma.yaml", "run"],
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KAZMA_")}
+    return subprocess.run(
+        [sys.executable, "-m", "kazma.bot.cli", "-c", "kazma.yaml", *args],
         cwd=tmp_path,  # the default store.path is relative: nothing may appear here
-        env={**env, "KAZMA_PG_PASSWORD": "pw"},
+        env={**clean, **env},
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
+
+
+UNREACHABLE = (
+    "store: {url: 'postgresql://kazma:${KAZMA_PG_PASSWORD}@127.0.0.1:1/kazma'}\napprovals: {approvers: ['cli:alice']}\n"
+)
+TOKENS = {"KAZMA_WEB_TOKEN": "o" * 40, "KAZMA_WEB_READER_TOKEN": "r" * 40}
+
+
+def test_kazma_run_on_a_postgresql_it_cannot_reach_says_so_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "kazma.yaml").write_text(UNREACHABLE)
+    result = _kazma(tmp_path, "run", KAZMA_PG_PASSWORD="hunter2", **TOKENS)
     assert result.returncode == 2, result.stderr
-    assert "store.url: `kazma run` does not run on PostgreSQL yet" in result.stderr
-    assert "plans, history, swarm tasks" in result.stderr
+    [line] = [line for line in result.stderr.splitlines() if "store.url" in line]
+    assert "cannot use PostgreSQL at postgresql://kazma:***@127.0.0.1:1/kazma" in line
+    assert "hunter2" not in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kazma.yaml"]  # nothing started or created
 
 
+def test_kazma_run_on_postgresql_needs_the_console_tokens_every_replica_shares(tmp_path: Path) -> None:
+    (tmp_path / "kazma.yaml").write_text(UNREACHABLE)
+    result = _kazma(tmp_path, "run", KAZMA_PG_PASSWORD="pw", KAZMA_WEB_TOKEN="o" * 40)
+    assert result.returncode == 2, result.stderr
+    assert "every replica must share the console's tokens: set KAZMA_WEB_READER_TOKEN" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("command", [["approvals", "list"], ["doctor"]])
-def test_commands_that_open_the_store_refuse_postgresql_in_one_line(tmp_path: Path, command: list[str]) -> None:
-    (tmp_path / "kazma.yaml").write_text(
-        "store: {url: 'postgresql://kazma:pw@127.0.0.1:1/kazma'}\napprovals: {approvers: ['cli:alice']}\n"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KAZMA_")}
-    result = subprocess.run(
-        [sys.executable, "-m", "kazma.bot.cli", "-c", "kazma.yaml", *command],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert "does not run on PostgreSQL yet" in result.stdout + result.stderr
+def test_commands_on_a_postgresql_they_cannot_reach_say_so_in_one_line(tmp_path: Path, command: list[str]) -> None:
+    (tmp_path / "kazma.yaml").write_text(UNREACHABLE)
+    result = _kazma(tmp_path, *command, KAZMA_PG_PASSWORD="hunter2")
+    assert "cannot use PostgreSQL at postgresql://kazma:***@127.0.0.1:1/kazma" in result.stdout + result.stderr
+    assert "hunter2" not in result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     assert result.returncode != 0
+
+
+def test_commands_run_on_a_postgresql_store(tmp_path: Path, pg_dsn: str) -> None:
+    (tmp_path / "kazma.yaml").write_text(f"store: {{url: '{pg_dsn}'}}\napprovals: {{approvers: ['cli:alice']}}\n")
+    listed = _kazma(tmp_path, "approvals", "list")
+    assert listed.returncode == 0, listed.stderr
+    doctor = _kazma(tmp_path, "doctor")
+    [store_line] = [line for line in doctor.stdout.splitlines() if " store " in f" {line} "]
+    assert store_line.startswith("OK"), doctor.stdout
+    assert "PostgreSQL" in store_line
+    assert "approvals v6" in store_line
