@@ -7,9 +7,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import aiosqlite
+
 from kazma.approvals import MIGRATIONS, ApprovalCard, ApprovalService, ApprovalStore
+from kazma.bot.store import pg_migrations
 from kazma.config import KazmaConfig, load_config_text
 from kazma.config.database import open_database
+from kazma.config.postgres import PgStore, open_pg_store
 
 APPROVERS_YAML = """
 approvals:
@@ -57,7 +61,7 @@ class RecordingPublisher:
 
 @asynccontextmanager
 async def approval_service(
-    path: Path,
+    path: Path | str,
     *,
     config: KazmaConfig | None = None,
     clock: ManualClock | None = None,
@@ -65,7 +69,11 @@ async def approval_service(
     busy_timeout_ms: int = 5000,
     poll_interval: float = 0.5,
 ) -> AsyncIterator[ApprovalService]:
-    conn = await open_database(path, busy_timeout_ms=busy_timeout_ms, migrations=MIGRATIONS)
+    conn: aiosqlite.Connection | PgStore
+    if isinstance(path, str) and path.startswith("postgresql://"):  # a test database on the suite's server
+        conn = await open_pg_store(path, migrations=pg_migrations(), application_name="kazma-test")
+    else:
+        conn = await open_database(path, busy_timeout_ms=busy_timeout_ms, migrations=MIGRATIONS)
     try:
         kwargs: dict[str, Any] = {"clock": clock} if clock is not None else {}
         store = ApprovalStore(conn, **kwargs)

@@ -8,11 +8,13 @@ import sqlite3
 from pathlib import Path
 
 import aiosqlite
+import psycopg
 import pytest
 from structlog.testing import capture_logs
 
 from kazma.approvals import (
     ApprovalRefused,
+    ApprovalService,
     Decision,
     ExecutionMismatch,
     PressVerdict,
@@ -22,15 +24,39 @@ from kazma.approvals import (
     parse_button,
 )
 from kazma.approvals.service import ButtonError
+from kazma.config.database import Tables
 from kazma.config.metrics import failure_count
+from kazma.config.postgres import PgStore, pyformat
 from tests.approvals_support import ManualClock, RecordingPublisher, approval_service
 
 ARGS = {"command": "rm -rf build/", "timeout_s": 30}
 
 
-async def test_open_records_the_whole_call_with_a_fresh_id(tmp_path: Path) -> None:
+@pytest.fixture(params=["sqlite", "postgresql"])
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
+    """Where the service keeps its store: a SQLite file, or a fresh database on the suite's PostgreSQL."""
+    if request.param == "sqlite":
+        return tmp_path / "k.db"
+    return str(request.getfixturevalue("pg_dsn"))
+
+
+async def raw(service: ApprovalService, sql: str, params: tuple[object, ...] = ()) -> None:
+    """A statement around the store, as someone with the database itself would run it."""
+    tables = service.store.tables
+    if isinstance(tables, Tables):
+        await tables.conn.execute(sql, params)
+        return
+    assert isinstance(tables, PgStore)
+    async with tables.pool.connection() as conn:
+        await conn.execute(pyformat(sql), params)
+
+
+INTEGRITY = (sqlite3.IntegrityError, psycopg.IntegrityError)
+
+
+async def test_open_records_the_whole_call_with_a_fresh_id(place: Path | str) -> None:
     publisher = RecordingPublisher()
-    async with approval_service(tmp_path / "k.db", publisher=publisher) as service:
+    async with approval_service(place, publisher=publisher) as service:
         first = await service.open("shell", ARGS, "agent:builder", "telegram:-100", task_id="t1")
         second = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         assert first.id != second.id  # two identical calls are two requests
@@ -70,19 +96,19 @@ def test_hash_is_sha256_of_canonical_json() -> None:
     ],
 )
 async def test_unrenderable_arguments_are_refused_and_nothing_is_opened(
-    tmp_path: Path, args: dict[object, object], why: str
+    place: Path | str, args: dict[object, object], why: str
 ) -> None:
     publisher = RecordingPublisher()
-    async with approval_service(tmp_path / "k.db", publisher=publisher) as service:
+    async with approval_service(place, publisher=publisher) as service:
         with pytest.raises(ApprovalRefused, match=why):
             await service.open("shell", args, "agent:x", "web:c")  # type: ignore[arg-type]
         assert await service.store.requests() == []
         assert publisher.published == []
 
 
-async def test_decision_is_final_and_losers_are_told_what_stands(tmp_path: Path) -> None:
+async def test_decision_is_final_and_losers_are_told_what_stands(place: Path | str) -> None:
     publisher = RecordingPublisher()
-    async with approval_service(tmp_path / "k.db", publisher=publisher) as service:
+    async with approval_service(place, publisher=publisher) as service:
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         won = await service.decide_from_button(
             button_data(request.id, Decision.APPROVE), actor="slack:U111", platform="slack"
@@ -104,26 +130,24 @@ async def test_decision_is_final_and_losers_are_told_what_stands(tmp_path: Path)
         assert (row.status, row.decided_by) == (Status.APPROVED, "slack:U111")
         assert publisher.settled == [request.id]
         # the database itself refuses to change a final row
-        with pytest.raises(sqlite3.IntegrityError, match="final"):
-            await service.store.conn.execute(
-                "UPDATE approval_requests SET status = 'denied' WHERE id = ?", (request.id,)
-            )
+        with pytest.raises(INTEGRITY, match="final"):
+            await raw(service, "UPDATE approval_requests SET status = 'denied' WHERE id = ?", (request.id,))
         events = [(e.event, e.actor) for e in await service.store.events(request.id)]
         assert events == [("opened", "agent:builder"), ("decided", "slack:U111"), ("press_lost", "telegram:111")]
 
 
-async def test_audit_trail_is_append_only(tmp_path: Path) -> None:
-    async with approval_service(tmp_path / "k.db") as service:
+async def test_audit_trail_is_append_only(place: Path | str) -> None:
+    async with approval_service(place) as service:
         await service.open("shell", ARGS, "agent:builder", "web:c")
-        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
-            await service.store.conn.execute("DELETE FROM approval_events")
-        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
-            await service.store.conn.execute("UPDATE approval_events SET actor = 'someone else'")
+        with pytest.raises(INTEGRITY, match="append-only"):
+            await raw(service, "DELETE FROM approval_events")
+        with pytest.raises(INTEGRITY, match="append-only"):
+            await raw(service, "UPDATE approval_events SET actor = 'someone else'")
 
 
 @pytest.mark.slow
-async def test_thousand_requests_three_simultaneous_presses_each(tmp_path: Path) -> None:
-    async with approval_service(tmp_path / "k.db") as service:
+async def test_thousand_requests_three_simultaneous_presses_each(place: Path | str) -> None:
+    async with approval_service(place) as service:
         requests = [await service.open("shell", {"n": i}, "agent:b", "web:c") for i in range(1000)]
         presses = []
         for i, request in enumerate(requests):
@@ -152,10 +176,10 @@ async def test_thousand_requests_three_simultaneous_presses_each(tmp_path: Path)
         assert len(decided) == 1000
 
 
-async def test_deadline_passes_to_timeout_not_denial(tmp_path: Path) -> None:
+async def test_deadline_passes_to_timeout_not_denial(place: Path | str) -> None:
     clock = ManualClock()
     publisher = RecordingPublisher()
-    async with approval_service(tmp_path / "k.db", clock=clock, publisher=publisher, poll_interval=0.01) as service:
+    async with approval_service(place, clock=clock, publisher=publisher, poll_interval=0.01) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c", deadline=60)
         waiter = asyncio.create_task(service.wait(request.id))
         clock.advance(61)
@@ -178,9 +202,9 @@ async def test_deadline_passes_to_timeout_not_denial(tmp_path: Path) -> None:
         assert late.outcome.status is Status.TIMEOUT
 
 
-async def test_press_after_deadline_before_any_sweep_is_a_timeout(tmp_path: Path) -> None:
+async def test_press_after_deadline_before_any_sweep_is_a_timeout(place: Path | str) -> None:
     clock = ManualClock()
-    async with approval_service(tmp_path / "k.db", clock=clock) as service:
+    async with approval_service(place, clock=clock) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c", deadline=5)
         clock.advance(5)
         result = await service.decide(request.id, Decision.APPROVE, actor="web:admin", platform="web")
@@ -189,9 +213,9 @@ async def test_press_after_deadline_before_any_sweep_is_a_timeout(tmp_path: Path
         assert result.outcome.status is Status.TIMEOUT
 
 
-async def test_overdue_requests_of_dead_waiters_are_expired(tmp_path: Path) -> None:
+async def test_overdue_requests_of_dead_waiters_are_expired(place: Path | str) -> None:
     clock = ManualClock()
-    async with approval_service(tmp_path / "k.db", clock=clock) as service:
+    async with approval_service(place, clock=clock) as service:
         old = await service.open("shell", ARGS, "agent:b", "web:c", deadline=5)
         fresh = await service.open("shell", ARGS, "agent:b", "web:c", deadline=500)
         clock.advance(10)
@@ -202,9 +226,9 @@ async def test_overdue_requests_of_dead_waiters_are_expired(tmp_path: Path) -> N
         assert still.status is Status.PENDING
 
 
-async def test_cancelled_waiter_ends_cancelled_not_denied(tmp_path: Path) -> None:
+async def test_cancelled_waiter_ends_cancelled_not_denied(place: Path | str) -> None:
     publisher = RecordingPublisher()
-    async with approval_service(tmp_path / "k.db", publisher=publisher) as service:
+    async with approval_service(place, publisher=publisher) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c")
         waiter = asyncio.create_task(service.wait(request.id))
         while request.id not in service._decided:  # the waiter has started waiting
@@ -223,9 +247,9 @@ async def test_cancelled_waiter_ends_cancelled_not_denied(tmp_path: Path) -> Non
         assert publisher.settled == [request.id]
 
 
-async def test_waiter_wakes_at_once_on_an_in_process_decision(tmp_path: Path) -> None:
+async def test_waiter_wakes_at_once_on_an_in_process_decision(place: Path | str) -> None:
     # a long poll interval proves the wake-up comes from the decision, not the poll
-    async with approval_service(tmp_path / "k.db", poll_interval=3600) as service:
+    async with approval_service(place, poll_interval=3600) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c")
         waiter = asyncio.create_task(service.wait(request.id))
         while request.id not in service._decided:
@@ -251,9 +275,9 @@ async def test_waiter_wakes_at_once_on_an_in_process_decision(tmp_path: Path) ->
     ],
 )
 async def test_refused_presses_change_nothing_and_are_audited(
-    tmp_path: Path, data: str, actor: str, platform: str, message: str, detail: str
+    place: Path | str, data: str, actor: str, platform: str, message: str, detail: str
 ) -> None:
-    async with approval_service(tmp_path / "k.db") as service:
+    async with approval_service(place) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c")
         press = data.format(id=f"kz1:{request.id}", rid=request.id)
         result = await service.decide_from_button(press, actor=actor, platform=platform)
@@ -272,8 +296,8 @@ async def test_refused_presses_change_nothing_and_are_audited(
         assert ok.won
 
 
-async def test_platform_admins_are_approvers_there(tmp_path: Path) -> None:
-    async with approval_service(tmp_path / "k.db") as service:
+async def test_platform_admins_are_approvers_there(place: Path | str) -> None:
+    async with approval_service(place) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c")
         result = await service.decide_from_button(f"kz1:{request.id}:d", actor="telegram:112", platform="telegram")
         assert result.won
@@ -317,8 +341,8 @@ async def test_store_locked_during_press_warns_counts_and_keeps_pending(tmp_path
         assert retry.won
 
 
-async def test_execution_refuses_changed_arguments(tmp_path: Path) -> None:
-    async with approval_service(tmp_path / "k.db") as service:
+async def test_execution_refuses_changed_arguments(place: Path | str) -> None:
+    async with approval_service(place) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c")
         with pytest.raises(ExecutionMismatch, match="pending, not approved"):
             await service.verify_execution(request.id, "shell", ARGS)
@@ -347,7 +371,7 @@ async def test_failed_audit_write_is_counted(tmp_path: Path, caplog: pytest.LogC
         assert failure_count("approval_audit") == before + 1
 
 
-async def test_metrics_count_opened_decided_and_time_presses(tmp_path: Path) -> None:
+async def test_metrics_count_opened_decided_and_time_presses(place: Path | str) -> None:
     from prometheus_client import REGISTRY
 
     def sample(name: str, labels: dict[str, str]) -> float:
@@ -356,7 +380,7 @@ async def test_metrics_count_opened_decided_and_time_presses(tmp_path: Path) -> 
     opened = sample("kazma_approvals_opened_total", {"tool": "metrics_probe"})
     decided = sample("kazma_approvals_decided_total", {"outcome": "denied", "platform": "slack"})
     presses = sample("kazma_press_to_decision_seconds_count", {})
-    async with approval_service(tmp_path / "k.db") as service:
+    async with approval_service(place) as service:
         request = await service.open("metrics_probe", ARGS, "agent:b", "web:c")
         await service.decide_from_button(f"kz1:{request.id}:d", actor="slack:U111", platform="slack")
     assert sample("kazma_approvals_opened_total", {"tool": "metrics_probe"}) == opened + 1
