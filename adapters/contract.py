@@ -99,6 +99,7 @@ PressHandler = Callable[[Press], Awaitable[PressResult]]
 ChatMoveHandler = Callable[[ChatMove], Awaitable[None]]
 # (platform, event key) -> True when this replica may handle the event (it was the first to claim it)
 InboundClaim = Callable[[str, str], Awaitable[bool]]
+InboundDone = Callable[[str, str], Awaitable[None]]
 
 
 @dataclass
@@ -114,6 +115,9 @@ class Handlers:
     # platform delivers an event again when leadership moves before it was confirmed (Telegram) or when its
     # acknowledgement was late (Slack retries). None: every event is handled, as with one process.
     claim_inbound: InboundClaim | None = None
+    # Told once a claimed event is taken in (a message handed to its handler, a press decided): until then a
+    # replica that claimed it and died has not handled it, and another may take the claim over.
+    inbound_done: InboundDone | None = None
 
 
 @runtime_checkable

@@ -562,6 +562,17 @@ class PlatformBase(ABC):
             log.info(f"{self.name}.inbound_claimed_elsewhere", platform=self.name, key=key)
         return claimed
 
+    async def _taken_in(self, key: str | None) -> None:
+        """Tell the claims that the event ``key`` is taken in here (never raises: the event is handled anyway)."""
+        handlers = self._handlers
+        if key is None or handlers is None or handlers.inbound_done is None:
+            return
+        try:
+            await handlers.inbound_done(self.name, key)
+        except Exception as exc:
+            count_failure("inbound_claim", self.name)
+            log.warning(f"{self.name}.inbound_done_failed", platform=self.name, key=key, error=str(exc))
+
     async def deliver(self, inbound: Inbound, *, key: str | None = None) -> bool:
         """The one inbound door: only served chats pass, and only events this replica claims (``key``: the
         platform's id of the event); a failing handler is counted and logged, never raised. True when the
@@ -592,6 +603,9 @@ class PlatformBase(ABC):
             from_bot=inbound.from_bot,
             command=inbound.command,
         )
+        # Taken in as it is handed over: the conversation's own recovery covers a turn cut short by a crash,
+        # and a message taken over again after that would run its turn twice.
+        await self._taken_in(key)
         try:
             await handlers.on_inbound(inbound)
         except Exception:
@@ -612,7 +626,7 @@ class PlatformBase(ABC):
             return
         if not await self._claim(key):
             return
-        decision = self.spawn(handlers.on_press(press), name=f"{self.name}-press")
+        decision = self.spawn(self._decide(handlers, press, key), name=f"{self.name}-press")
         try:
             # Shielded: a slow decision keeps running after we answer; only our wait ends.
             result = await asyncio.wait_for(asyncio.shield(decision), timeout=self.press_timeout)
@@ -627,6 +641,12 @@ class PlatformBase(ABC):
             await self._reply(reply.notify, PRESS_APOLOGY)
             return
         await self._answer(result, press, reply)
+
+    async def _decide(self, handlers: Handlers, press: Press, key: str | None) -> PressResult:
+        """The decision, then the press is taken in (a replica dying before that leaves it to another)."""
+        result = await handlers.on_press(press)
+        await self._taken_in(key)
+        return result
 
     async def _late(self, decision: asyncio.Future[PressResult], press: Press, reply: PressReply) -> None:
         if decision.cancelled():

@@ -149,6 +149,7 @@ class App:
             # Among replicas, each inbound event is handled by the first to claim it (a new leader is sent
             # again what the old one fetched but never confirmed). One process on SQLite has nobody to race.
             claim_inbound=None if self.inbound_claims is None else self.inbound_claims.claim,
+            inbound_done=None if self.inbound_claims is None else self.inbound_claims.done,
         )
 
     async def start(self) -> None:
@@ -461,8 +462,6 @@ async def build_app(
     if stores.pg is not None:
         from kazma.bot.replication import Replication
 
-        app.inbound_claims = InboundClaims(stores.pg, replica=replica)
-
         app.replication = Replication(
             conninfo=stores.pg.conninfo,
             store=stores.pg,
@@ -473,6 +472,7 @@ async def build_app(
             lead=app._lead,
             follow=app._follow,
         )
+        app.inbound_claims = InboundClaims(stores.pg, replica=replica, live=app.replication.live)
     return app
 
 

@@ -13,14 +13,17 @@ key get one winner from the database itself.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 import aiosqlite
+import structlog
 
 from kazma.config.database import Migration
 from kazma.config.pg_schema import PgMigration
 from kazma.config.store_backend import StoreBackend, backend_of
+
+log = structlog.get_logger("kazma.inbound")
 
 # How long a claim is kept. A day covers every redelivery: Telegram keeps an unconfirmed update for
 # 24 hours at most, Slack retries an event three times within minutes, and a Discord interaction
@@ -42,7 +45,10 @@ MIGRATIONS: Final = [
             # retention deletes by age
             "CREATE INDEX IF NOT EXISTS inbound_claims_age ON inbound_claims (claimed_at)",
         ),
-    )
+    ),
+    # When the claimer had taken the event in (a message handed to its conversation, a press decided): a
+    # claim without it, held by a replica that is gone, is taken over — the event would be lost otherwise.
+    Migration("inbound_claims", 2, ("ALTER TABLE inbound_claims ADD COLUMN done_at REAL",)),
 ]
 
 PG_MIGRATIONS: Final = [
@@ -59,7 +65,8 @@ PG_MIGRATIONS: Final = [
             )""",
             "CREATE INDEX IF NOT EXISTS inbound_claims_age ON inbound_claims (claimed_at)",
         ),
-    )
+    ),
+    PgMigration("inbound_claims", 2, ("ALTER TABLE inbound_claims ADD COLUMN done_at double precision",)),
 ]
 
 _CLAIM: Final = (
@@ -76,21 +83,56 @@ class InboundClaims:
         *,
         replica: str,
         clock: Callable[[], float] = time.time,
+        live: Callable[[], Awaitable[set[str]]] | None = None,
     ) -> None:
         self.tables = backend_of(conn)
         self.replica = replica
         self.clock = clock
+        # The replicas alive now: a claim a gone replica never finished is taken over (None: never).
+        self.live = live
 
     async def claim(self, platform: str, key: str) -> bool:
         """True when this call recorded the claim (handle the event here); False when it was claimed before.
 
         Through the store's group-committing writer (what ``Tables.run`` does with a writer attached), on
-        either backend: answered once the commit holding the claim is durable.
+        either backend: answered once the commit holding the claim is durable. A claim held by a replica
+        that is gone and that never took the event in (see :meth:`done`) is taken over: the platform
+        delivered the event again because that replica never confirmed it, and nobody else will handle it.
         """
         row = (platform, key, self.clock(), self.replica)
         writer = await self.tables.writer()
         inserted = await writer.submit(lambda tx: tx.run(_CLAIM, row))
-        return inserted == 1
+        if inserted == 1:
+            return True
+        if self.live is None:
+            return False
+        held = await self.tables.one(
+            "SELECT replica FROM inbound_claims WHERE platform = ? AND event_key = ? AND done_at IS NULL",
+            (platform, key),
+        )
+        if held is None or held[0] == self.replica or held[0] in await self.live():
+            return False
+        taken = await writer.submit(
+            lambda tx: tx.run(
+                "UPDATE inbound_claims SET replica = ?, claimed_at = ? WHERE platform = ? AND event_key = ?"
+                " AND replica = ? AND done_at IS NULL",
+                (self.replica, self.clock(), platform, key, held[0]),
+            )
+        )
+        if taken == 1:
+            log.warning("inbound.claim_taken_over", platform=platform, key=key, gone=held[0])
+        return taken == 1
+
+    async def done(self, platform: str, key: str) -> None:
+        """The event is taken in here (a message handed to its conversation, a press decided): no replica
+        takes the claim over any more, even once this one is gone."""
+        writer = await self.tables.writer()
+        await writer.submit(
+            lambda tx: tx.run(
+                "UPDATE inbound_claims SET done_at = ? WHERE platform = ? AND event_key = ? AND replica = ?",
+                (self.clock(), platform, key, self.replica),
+            )
+        )
 
     async def forget_older_than(self, seconds: float = RETENTION_SECONDS) -> int:
         """Drop claims older than ``seconds`` (a day by default, see :data:`RETENTION_SECONDS`); how many."""

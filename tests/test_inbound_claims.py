@@ -104,3 +104,25 @@ async def test_old_claims_are_forgotten_and_recent_ones_kept(
     assert await claims.claim("discord", "message:2") is False
     assert await claims.forget_older_than(30) == 1
     assert await claims.holder("discord", "message:2") is None
+
+
+async def test_a_claim_a_gone_replica_never_took_in_is_taken_over_once(replicas: Replicas) -> None:
+    clock = Clock()
+    alive = {"a", "b", "c"}
+
+    async def live() -> set[str]:
+        return set(alive)
+
+    a, b, c = [await replicas(name, clock) for name in ("a", "b", "c")]
+    for claims in (a, b, c):
+        claims.live = live
+    assert await a.claim("telegram", "bot:1")  # fetched by a, which then dies before taking it in
+    assert await a.claim("telegram", "bot:2")
+    await a.done("telegram", "bot:2")  # ... while this one it had taken in
+    assert not await b.claim("telegram", "bot:1")  # a is alive: it is a's
+    alive.discard("a")
+    wins = await asyncio.gather(b.claim("telegram", "bot:1"), c.claim("telegram", "bot:1"))
+    assert sorted(wins) == [False, True]  # one replica takes it over
+    assert await a.holder("telegram", "bot:1") in {"b", "c"}
+    assert not await b.claim("telegram", "bot:2")  # taken in before a died: never handled again
+    assert not await c.claim("telegram", "bot:2")
