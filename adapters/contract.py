@@ -102,6 +102,17 @@ InboundClaim = Callable[[str, str], Awaitable[bool]]
 InboundDone = Callable[[str, str], Awaitable[None]]
 
 
+@runtime_checkable
+class InboundInbox(Protocol):
+    async def fetched(self, platform: str, events: Sequence[tuple[str, str]]) -> None:
+        """Keep (key, payload) of each event fetched, before the platform is told it arrived."""
+        ...
+
+    async def unfinished(self, platform: str) -> list[str]:
+        """Payloads kept by a replica that is gone and never taken in, now this replica's to handle."""
+        ...
+
+
 @dataclass
 class Handlers:
     on_inbound: InboundHandler
@@ -118,6 +129,9 @@ class Handlers:
     # Told once a claimed event is taken in (a message handed to its handler, a press decided): until then a
     # replica that claimed it and died has not handled it, and another may take the claim over.
     inbound_done: InboundDone | None = None
+    # Several replicas and a poller that confirms what it fetched (Telegram): the events are kept here before
+    # they are confirmed, and a new leader takes in first what a gone one kept and never took in.
+    inbox: InboundInbox | None = None
 
 
 @runtime_checkable

@@ -580,6 +580,7 @@ class PlatformBase(ABC):
         if not self.serves(inbound.chat, direct=inbound.direct, author=inbound.author):
             reason = "direct_not_allowed" if inbound.direct else "chat_not_served"
             log.info(f"{self.name}.inbound_ignored", platform=self.name, chat=inbound.chat, reason=reason)
+            await self._taken_in(key)  # ignored is handled: no next leader takes it in again
             return False
         handlers = self._handlers
         if handlers is None or not await self._claim(key):

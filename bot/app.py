@@ -150,6 +150,7 @@ class App:
             # again what the old one fetched but never confirmed). One process on SQLite has nobody to race.
             claim_inbound=None if self.inbound_claims is None else self.inbound_claims.claim,
             inbound_done=None if self.inbound_claims is None else self.inbound_claims.done,
+            inbox=self.inbound_claims,
         )
 
     async def start(self) -> None:

@@ -13,7 +13,8 @@ key get one winner from the database itself.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
 import aiosqlite
@@ -24,6 +25,9 @@ from kazma.config.pg_schema import PgMigration
 from kazma.config.store_backend import StoreBackend, backend_of
 
 log = structlog.get_logger("kazma.inbound")
+
+# Keys of events this process let through, remembered so that one is never let through twice here.
+_HANDLING_LIMIT: Final = 50_000
 
 # How long a claim is kept. A day covers every redelivery: Telegram keeps an unconfirmed update for
 # 24 hours at most, Slack retries an event three times within minutes, and a Discord interaction
@@ -46,9 +50,18 @@ MIGRATIONS: Final = [
             "CREATE INDEX IF NOT EXISTS inbound_claims_age ON inbound_claims (claimed_at)",
         ),
     ),
-    # When the claimer had taken the event in (a message handed to its conversation, a press decided): a
-    # claim without it, held by a replica that is gone, is taken over — the event would be lost otherwise.
-    Migration("inbound_claims", 2, ("ALTER TABLE inbound_claims ADD COLUMN done_at REAL",)),
+    Migration(
+        "inbound_claims",
+        2,
+        (
+            # When the claimer had taken the event in (a message handed to its conversation, a press decided):
+            # a claim without it, held by a replica that is gone, is taken over; the event is lost otherwise.
+            "ALTER TABLE inbound_claims ADD COLUMN done_at REAL",
+            # The event itself, kept by a poller before it confirms the event to the platform (the inbox):
+            # an event confirmed and never taken in is handed to the next leader from here.
+            "ALTER TABLE inbound_claims ADD COLUMN payload TEXT",
+        ),
+    ),
 ]
 
 PG_MIGRATIONS: Final = [
@@ -66,7 +79,14 @@ PG_MIGRATIONS: Final = [
             "CREATE INDEX IF NOT EXISTS inbound_claims_age ON inbound_claims (claimed_at)",
         ),
     ),
-    PgMigration("inbound_claims", 2, ("ALTER TABLE inbound_claims ADD COLUMN done_at double precision",)),
+    PgMigration(
+        "inbound_claims",
+        2,
+        (
+            "ALTER TABLE inbound_claims ADD COLUMN done_at double precision",
+            "ALTER TABLE inbound_claims ADD COLUMN payload text",
+        ),
+    ),
 ]
 
 _CLAIM: Final = (
@@ -90,6 +110,8 @@ class InboundClaims:
         self.clock = clock
         # The replicas alive now: a claim a gone replica never finished is taken over (None: never).
         self.live = live
+        # Events this process has let through: one it fetched itself (its own claim) is let through once.
+        self._handling: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     async def claim(self, platform: str, key: str) -> bool:
         """True when this call recorded the claim (handle the event here); False when it was claimed before.
@@ -103,25 +125,79 @@ class InboundClaims:
         writer = await self.tables.writer()
         inserted = await writer.submit(lambda tx: tx.run(_CLAIM, row))
         if inserted == 1:
-            return True
-        if self.live is None:
-            return False
+            return self._let_through(platform, key)
         held = await self.tables.one(
             "SELECT replica FROM inbound_claims WHERE platform = ? AND event_key = ? AND done_at IS NULL",
             (platform, key),
         )
-        if held is None or held[0] == self.replica or held[0] in await self.live():
+        if held is None:
             return False
+        if held[0] == self.replica:  # this replica's poller kept it (see fetched): let it through once
+            return (platform, key) not in self._handling and self._let_through(platform, key)
+        if self.live is None or held[0] in await self.live():
+            return False
+        if await self._take_over(platform, key, str(held[0])):
+            return self._let_through(platform, key)
+        return False
+
+    def _let_through(self, platform: str, key: str) -> bool:
+        self._handling[(platform, key)] = None
+        while len(self._handling) > _HANDLING_LIMIT:
+            self._handling.popitem(last=False)
+        return True
+
+    async def _take_over(self, platform: str, key: str, gone: str) -> bool:
+        writer = await self.tables.writer()
         taken = await writer.submit(
             lambda tx: tx.run(
                 "UPDATE inbound_claims SET replica = ?, claimed_at = ? WHERE platform = ? AND event_key = ?"
                 " AND replica = ? AND done_at IS NULL",
-                (self.replica, self.clock(), platform, key, held[0]),
+                (self.replica, self.clock(), platform, key, gone),
             )
         )
         if taken == 1:
-            log.warning("inbound.claim_taken_over", platform=platform, key=key, gone=held[0])
+            log.warning("inbound.claim_taken_over", platform=platform, key=key, gone=gone)
         return taken == 1
+
+    async def fetched(self, platform: str, events: Sequence[tuple[str, str]]) -> None:
+        """Keep ``events`` ((key, payload) each) before the platform is told they arrived (the inbox).
+
+        A poller calls this with what it fetched, before it confirms it: an event confirmed and then lost
+        with this replica is handed to the next leader by :meth:`unfinished`. One another replica claimed
+        already keeps its claim (the kit's :meth:`claim` decides who handles it).
+        """
+        if not events:
+            return
+        now = self.clock()
+        rows = [(platform, key, now, self.replica, payload) for key, payload in events]
+        writer = await self.tables.writer()
+        await writer.submit(
+            lambda tx: tx.run_many(
+                "INSERT INTO inbound_claims (platform, event_key, claimed_at, replica, payload)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                rows,
+            )
+        )
+
+    async def unfinished(self, platform: str) -> list[str]:
+        """The payloads of events kept by a poller and never taken in, by a replica that is gone (or by this
+        one's previous life), now claimed by this one: a new leader hands them to its handlers first."""
+        rows = await self.tables.all(
+            "SELECT event_key, replica, payload FROM inbound_claims"
+            " WHERE platform = ? AND done_at IS NULL AND payload IS NOT NULL ORDER BY claimed_at",
+            (platform,),
+        )
+        if not rows:
+            return []
+        live = set() if self.live is None else await self.live()
+        found: list[str] = []
+        for key, holder, payload in rows:
+            if holder == self.replica:
+                if (platform, str(key)) not in self._handling:
+                    found.append(str(payload))
+            elif holder not in live and await self._take_over(platform, str(key), str(holder)):
+                found.append(str(payload))
+        return found
 
     async def done(self, platform: str, key: str) -> None:
         """The event is taken in here (a message handed to its conversation, a press decided): no replica

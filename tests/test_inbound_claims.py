@@ -126,3 +126,26 @@ async def test_a_claim_a_gone_replica_never_took_in_is_taken_over_once(replicas:
     assert await a.holder("telegram", "bot:1") in {"b", "c"}
     assert not await b.claim("telegram", "bot:2")  # taken in before a died: never handled again
     assert not await c.claim("telegram", "bot:2")
+
+
+async def test_the_inbox_hands_what_a_gone_replica_kept_and_never_took_in_to_the_next_one(replicas: Replicas) -> None:
+    clock = Clock()
+    alive = {"a", "b"}
+
+    async def live() -> set[str]:
+        return set(alive)
+
+    a, b = [await replicas(name, clock) for name in ("a", "b")]
+    a.live = b.live = live
+    await a.fetched("telegram", [("bot:1", '{"update_id": 1}'), ("bot:2", '{"update_id": 2}')])
+    assert await a.claim("telegram", "bot:1")  # its own poller kept it: let through once
+    assert not await a.claim("telegram", "bot:1")
+    await a.done("telegram", "bot:1")
+    assert await b.unfinished("telegram") == []  # a is alive: bot:2 is still a's
+    alive.discard("a")
+    assert await b.unfinished("telegram") == ['{"update_id": 2}']  # taken over: b handles it
+    assert await b.holder("telegram", "bot:2") == "b"
+    assert await b.claim("telegram", "bot:2")  # ... once
+    assert not await b.claim("telegram", "bot:2")
+    await b.fetched("telegram", [("bot:1", '{"update_id": 1}')])  # delivered again: a took it in already
+    assert not await b.claim("telegram", "bot:1")

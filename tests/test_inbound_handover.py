@@ -9,6 +9,7 @@ events of one post, and one press reaching two replicas are each handled once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sqlite3
 from collections.abc import AsyncIterator
@@ -236,3 +237,64 @@ async def test_a_claim_the_store_cannot_record_is_handled_here_rather_than_lost(
         await adapter.stop()
     # Slack was told it arrived, so dropping it would lose it: handled, and the failure counted.
     assert failure_count("inbound_claim", "slack") == failures + 1
+
+
+async def test_telegram_updates_a_leader_confirmed_and_never_took_in_reach_the_next_leader_from_the_inbox(
+    telegram: FakeTelegram, tmp_path: Path
+) -> None:
+    """python-telegram-bot confirms a batch with its next poll, before the updates are handled: a leader that
+    dies in between takes them with it unless they were kept first. Here the old leader keeps them, confirms
+    them, and never gets to claim them (its claims hang: it is as good as dead); the new leader finds them in
+    the store and handles each once."""
+    fake = telegram
+    path = tmp_path / "kazma.db"
+    first, second = await open_database(path, migrations=MIGRATIONS), await open_database(path, migrations=MIGRATIONS)
+    alive = {"a", "b"}
+
+    async def live() -> set[str]:
+        return set(alive)
+
+    kept_a = InboundClaims(first, replica="a", live=live)
+    kept_b = InboundClaims(second, replica="b", live=live)
+    dead = asyncio.Event()
+
+    async def never_claims(platform: str, key: str) -> bool:
+        await dead.wait()  # it died before it could claim
+        return False
+
+    a, b = Replica("a", never_claims), Replica("b", kept_b.claim)
+    leader = TelegramAdapter(
+        TelegramConfig(token=fake.token, api_base_url=fake.base_url, chats=[GROUP], home_chat=GROUP, admins=[ADMIN]),
+        poll_timeout=1.0,
+        request_timeout=5.0,
+        limiter=ChatRateLimiter(min_interval=0),
+        stop_grace=0.2,
+    )
+    follower = telegram_replica(fake)
+    await leader.start(dataclasses.replace(a.handlers(), inbox=kept_a, inbound_done=kept_a.done))
+    await follower.start(dataclasses.replace(b.handlers(), inbox=kept_b, inbound_done=kept_b.done), ingress=False)
+    try:
+        fake.push_message(GROUP, ADMIN, "one")
+        fake.push_message(GROUP, ADMIN, "two")
+        fake.push_callback(GROUP, 1, ADMIN, "kz1:abc:a")
+        async with asyncio.timeout(10):  # it kept them all in the store...
+            while (await kept_b.tables.one("SELECT COUNT(*) FROM inbound_claims WHERE payload IS NOT NULL"))[0] < 3:
+                await asyncio.sleep(0.02)
+        await fake.wait_until(lambda: fake.pending_updates == 0)  # ... and Telegram will not give them again
+        assert a.inbound == []
+        assert a.presses == []
+
+        alive.discard("a")
+        await leader.stop_ingress()  # gives up waiting for its claims after its stop grace
+        await follower.start_ingress()
+        fake.push_message(GROUP, ADMIN, "three")
+        await b.wait_until(lambda: b.texts() == ["one", "two", "three"] and len(b.presses) == 1)
+        await follower.quiesce()
+        assert [p.data for p in b.presses] == ["kz1:abc:a"]
+        assert sorted(won(b)) == sorted(set(won(b)))  # each once
+    finally:
+        dead.set()
+        await leader.stop()
+        await follower.stop()
+        await first.close()
+        await second.close()

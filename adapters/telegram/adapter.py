@@ -21,7 +21,8 @@ twice. A webhook is HTTP ingress, served by every replica.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Coroutine, Sequence
+import json
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import Any, Final
 
@@ -36,7 +37,7 @@ from telegram import (
     Update,
 )
 from telegram.constants import ChatAction, ChatType, MessageEntityType, ParseMode
-from telegram.error import ChatMigrated, RetryAfter, TelegramError
+from telegram.error import ChatMigrated, NetworkError, RetryAfter, TelegramError
 from telegram.ext import (
     Application,
     ApplicationBuilder,
@@ -65,6 +66,7 @@ from kazma.adapters.telegram.render import (
 )
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
+from kazma.config.metrics import count_failure
 from kazma.config.models import TelegramConfig
 
 SWARM_COMMAND: Final = "swarm"
@@ -90,6 +92,30 @@ def _clip(text: str, limit: int) -> str:
 
 def _retry_after_of(exc: BaseException) -> float | None:
     return retry_after_seconds(exc) if isinstance(exc, RetryAfter) else None
+
+
+class _InboxRequest(HTTPXRequest):
+    """The poller's HTTP client: what ``getUpdates`` returns is kept in the inbox before PTB sees it.
+
+    PTB confirms a batch with its next ``getUpdates`` (the offset), which it sends as soon as it has queued
+    this one, before the updates are handled. Kept here first, an update confirmed and then lost with this
+    replica reaches the next leader from the store. When the store cannot keep them, the poll fails as a
+    network error and PTB asks again with the same offset: nothing is confirmed that is not kept.
+    """
+
+    keep: Callable[[bytes], Awaitable[None]] | None = None
+
+    async def do_request(self, url: str, method: str, *args: Any, **kwargs: Any) -> tuple[int, bytes]:
+        status, body = await super().do_request(url, method, *args, **kwargs)
+        keep = self.keep
+        if keep is not None and status == 200 and url.endswith("/getUpdates"):
+            try:
+                await keep(body)
+            except Exception as exc:
+                count_failure("inbound_inbox", PLATFORM)
+                log.warning("telegram.inbox_failed", error=str(exc) or type(exc).__name__)
+                raise NetworkError("the fetched updates could not be kept; asking again") from exc
+        return status, body
 
 
 class _KazmaPacing(BaseRateLimiter[None]):
@@ -212,16 +238,18 @@ class TelegramAdapter(PlatformBase):
         # We own the HTTP clients so that a start that fails half-way (PTB then considers itself
         # not initialised and its shutdown does nothing) can still close them.
         self._requests = tuple(
-            HTTPXRequest(
+            kind(
                 connection_pool_size=size,
                 connect_timeout=self.connect_timeout,
                 read_timeout=self.request_timeout,  # for getUpdates PTB adds the long-poll timeout on top
                 write_timeout=self.request_timeout,
                 pool_timeout=self.request_timeout,
             )
-            for size in (64, 1)
+            for kind, size in ((HTTPXRequest, 64), (_InboxRequest, 1))
         )
         general, polling = self._requests
+        if isinstance(polling, _InboxRequest):
+            polling.keep = self._keep_fetched
         base = self.config.api_base_url
         return (
             ApplicationBuilder()
@@ -273,10 +301,18 @@ class TelegramAdapter(PlatformBase):
         return app.updater
 
     async def _open_ingress(self) -> None:
-        """Long polling: the application's update processing, then the poller feeding it."""
+        """Long polling: the application's update processing, what a gone leader kept and never took in,
+        then the poller feeding it."""
         app = self._bot_app("ingress_start")
         if not app.running:
             await app.start()
+        inbox = None if self._handlers is None else self._handlers.inbox
+        if inbox is not None:
+            for payload in await inbox.unfinished(PLATFORM):
+                update = Update.de_json(json.loads(payload), app.bot)
+                if update is not None:
+                    log.warning("telegram.update_taken_over", update_id=update.update_id)
+                    await app.update_queue.put(update)
         await self._updater(app).start_polling(
             timeout=timedelta(seconds=int(self.poll_timeout)),
             allowed_updates=_ALLOWED_UPDATES,
@@ -405,6 +441,18 @@ class TelegramAdapter(PlatformBase):
             return await self.call("file_fetch", None, download, paced=False, wait_out_429=False)
 
         return fetch
+
+    async def _keep_fetched(self, body: bytes) -> None:
+        """Keep what one ``getUpdates`` returned in the inbox, keyed as the kit claims them."""
+        inbox = None if self._handlers is None else self._handlers.inbox
+        if inbox is None or not self._bot_id:
+            return
+        answer = json.loads(body)
+        updates = answer.get("result") if isinstance(answer, dict) and answer.get("ok") else None
+        if not isinstance(updates, list) or not updates:
+            return
+        events = [(f"{self._bot_id}:{u['update_id']}", json.dumps(u)) for u in updates if isinstance(u, dict)]
+        await inbox.fetched(PLATFORM, events)
 
     def update_key(self, update: Update) -> str:
         """An update's claim key: update ids are counted per bot, so the bot's id comes with them."""
