@@ -186,6 +186,7 @@ class App:
         self.executor.store.replica = self.replica
         self.swarm.store.replica = self.replica
         # What this replica's previous life (same name) left: the others may never have seen it gone.
+        await self.swarm.restore_breakers()
         await self._recover_replicas(await replication.live() - {self.replica})
         await self._follow_chat_moves()
         if self.mcp is not None:
@@ -198,12 +199,7 @@ class App:
         """This replica took the lease: recover what gone replicas left, then run the sweeps."""
         replication = self.replication
         assert replication is not None
-        live = await replication.live()
-        if live == {self.replica}:
-            # Nobody else is alive: everything still marked running was left by a process that died, and its
-            # paused pipelines wait for a replica to pick them up again.
-            await self.swarm.recover()
-        await self._recover_replicas(live)
+        await self._recover_replicas(await replication.live())
         self._leader_tasks.append(asyncio.create_task(self._sweep(), name="kazma-approvals-sweep"))
         self._leader_tasks.append(asyncio.create_task(self._retention(), name="kazma-swarm-retention"))
         if isinstance(self.bus, FanOutBus):

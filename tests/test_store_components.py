@@ -428,3 +428,17 @@ async def test_only_steps_and_tasks_of_replicas_that_are_gone_count_as_interrupt
         [lost] = await tasks_b.recover(live={"b"})
         assert lost.task_id == run_a.task_id
         assert (await tasks_b.get(run_b.task_id)).status.value == "running"  # type: ignore[union-attr]
+
+
+async def test_a_paused_pipeline_of_a_gone_replica_is_adopted_by_exactly_one(store_engine: Engine) -> None:
+    from kazma.engine.swarm.store import SwarmTaskStore
+    from kazma.engine.swarm.types import Pattern
+
+    async with open_store(store_engine) as conn:
+        a, b, c = (SwarmTaskStore(conn, replica=name) for name in ("a", "b", "c"))
+        run = await a.admit(Pattern.PIPELINE, {"prompt": "p"}, owner="web:x")
+        assert await a.pause(run, "checkpoint:req1")
+        assert await b.adopt_paused(live={"a", "b", "c"}) == []  # its replica waits for it
+        adopted = await asyncio.gather(b.adopt_paused(live={"b", "c"}), c.adopt_paused(live={"b", "c"}))
+        assert sorted(adopted, key=len) == [[], [run.task_id]]
+        assert await b.adopt_paused(live={"b", "c"}) == []  # adopted once

@@ -672,16 +672,22 @@ class SwarmService:
             lines.append(line)
             self._report(line)
         for record in await self.store.list(TaskStatus.PAUSED, limit=self.config.swarm.max_paused_pipelines):
-            approval_id = _checkpoint_id(record.current_step)
-            if approval_id is not None:
-                self._finished.setdefault(record.id, asyncio.Event())
-                waiter = asyncio.create_task(self._resume_after_restart(record, approval_id))
-                self._waiters.add(waiter)
-                waiter.add_done_callback(self._waiters.discard)
+            self._wait_again(record)
         return lines
 
+    def _wait_again(self, record: TaskRecord) -> None:
+        """A paused pipeline whose waiter is gone (a restart, a replica that died) waits for its checkpoint here."""
+        approval_id = _checkpoint_id(record.current_step)
+        if approval_id is None or record.id in self._finished:
+            return  # no checkpoint to wait for, or this process waits for it already
+        self._finished[record.id] = asyncio.Event()
+        waiter = asyncio.create_task(self._resume_after_restart(record, approval_id))
+        self._waiters.add(waiter)
+        waiter.add_done_callback(self._waiters.discard)
+
     async def recover_gone(self, live: Collection[str]) -> list[str]:
-        """Among replicas: tasks a replica not in ``live`` was running end interrupted (never re-run), reported."""
+        """Among replicas: tasks a replica not in ``live`` was running end interrupted (never re-run), reported;
+        pipelines it had paused at a checkpoint wait here now (adopted once, by one replica)."""
         lines = []
         for item in await self.store.recover(live):
             line = (
@@ -690,6 +696,10 @@ class SwarmService:
             )
             lines.append(line)
             self._report(line)
+        for task_id in await self.store.adopt_paused(live):
+            record = await self.store.get(task_id)
+            if record is not None and record.status is TaskStatus.PAUSED:
+                self._wait_again(record)
         return lines
 
     async def _resume_after_restart(self, record: TaskRecord, approval_id: str) -> None:

@@ -746,6 +746,27 @@ class SwarmTaskStore:
             log.warning("swarm.interrupted", task_id=task.task_id, step=task.step, owner=task.owner)
         return interrupted
 
+    async def adopt_paused(self, live: Collection[str]) -> builtins.list[str]:
+        """Among replicas: PAUSED tasks whose waiting replica is not in ``live`` (or none is recorded) become this
+        replica's, one compare-and-set each, so exactly one replica waits for each checkpoint again. This
+        replica's own count when it is left out of ``live`` (at its start: what its previous life paused)."""
+        rows = await self.tables.all(
+            "SELECT id, replica FROM swarm_tasks WHERE status = ? ORDER BY created_at", (TaskStatus.PAUSED.value,)
+        )
+        adopted: builtins.list[str] = []
+        for task_id, replica in rows:
+            if replica is not None and replica in live:
+                continue
+            held = "replica IS NULL" if replica is None else "replica = ?"
+            params = (self.replica, task_id, TaskStatus.PAUSED.value, *(() if replica is None else (replica,)))
+            if await self.tables.run(
+                f"UPDATE swarm_tasks SET replica = ? WHERE id = ? AND status = ? AND {held}",  # noqa: S608
+                params,
+            ):
+                log.warning("swarm.paused_adopted", task_id=task_id, gone=replica, replica=self.replica)
+                adopted.append(str(task_id))
+        return adopted
+
     # -- reads ------------------------------------------------------------------------
 
     async def _tasks(self, operation: str, sql: str, params: tuple[Any, ...]) -> builtins.list[TaskRecord]:
