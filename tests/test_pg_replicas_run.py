@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import sys
@@ -189,6 +190,19 @@ async def test_two_replicas_post_once_decide_once_and_survive_the_leader_being_k
             await b.start()
             await until(lambda: _says(b, "replica rep-b: follower", "lease held by rep-a"), 60, "rep-b following", a, b)
             identifies = len(fakes.discord.identifies)
+            # A console session opened on one replica is served by the other (sessions live in the store).
+            async with httpx.AsyncClient(timeout=10) as browser:
+                form = await browser.get(f"http://127.0.0.1:{a.web_port}/login")
+                login_csrf = re.search(r'name="csrf" value="([^"]+)"', form.text)
+                assert login_csrf is not None
+                logged_in = await browser.post(
+                    f"http://127.0.0.1:{a.web_port}/login",
+                    data={"csrf": login_csrf.group(1), "name": "alice", "token": TOKEN},
+                )
+                assert logged_in.status_code == 303, logged_in.text
+                elsewhere = await browser.get(f"http://127.0.0.1:{b.web_port}/")
+                assert elsewhere.status_code == 200  # not sent to /login: b knows the session a opened
+                assert "alice" in elsewhere.text
 
             requests = [
                 await service.open("shell", {"command": f"deploy {n}"}, "agent:builder", f"telegram:{TG_CHAT}")
