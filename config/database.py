@@ -8,6 +8,7 @@ how to apply them once, in order, even when two processes start together.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import sqlite3
 import time
@@ -264,11 +265,28 @@ class Tables:
         async with self._lock:
             yield self._statements
 
+    async def _begin(self) -> None:
+        """``BEGIN IMMEDIATE`` that a cancellation cannot leave half done.
+
+        The statement runs in the connection's thread: a caller cancelled while it waits has left, but the
+        BEGIN still runs, and the connection would stay inside a transaction nobody ends (every later
+        transaction on it then fails). So the wait is shielded, and a cancelled caller ends what it began.
+        """
+        begin = asyncio.ensure_future(self.conn.execute("BEGIN IMMEDIATE"))
+        try:
+            await asyncio.shield(begin)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await begin
+                if self.conn.in_transaction:
+                    await self.conn.execute("ROLLBACK")
+            raise
+
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Statements]:
         """``BEGIN IMMEDIATE`` … ``COMMIT``; rolled back on any failure, a failed ``COMMIT`` included."""
         async with self._lock:
-            await self.conn.execute("BEGIN IMMEDIATE")
+            await self._begin()
             try:
                 yield self._statements
                 await self.conn.execute("COMMIT")

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from kazma.config.database import Migration, MigrationError, apply_migrations, connect, open_database, schema_versions
+from kazma.config.database import (
+    Migration,
+    MigrationError,
+    Tables,
+    apply_migrations,
+    connect,
+    open_database,
+    schema_versions,
+)
 
 NOTES_V1 = Migration("notes", 1, ("CREATE TABLE IF NOT EXISTS notes (id INTEGER PRIMARY KEY, body TEXT NOT NULL)",))
 NOTES_V2 = Migration("notes", 2, ("ALTER TABLE notes ADD COLUMN author TEXT",))
@@ -124,3 +132,34 @@ def test_two_processes_open_and_migrate_the_same_new_file(tmp_path: Path) -> Non
         return [(str(r[0]), int(r[1])) for r in rows]
 
     assert asyncio.run(count()) == [("a", 200), ("b", 200)]
+
+
+async def test_a_transaction_cancelled_while_its_begin_waits_leaves_the_connection_usable(tmp_path: Path) -> None:
+    conn = await open_database(tmp_path / "k.db")
+    tables = Tables.of(conn)
+    try:
+        # The connection's thread is busy, so the BEGIN below waits in its queue when the caller is cancelled.
+        busy = asyncio.ensure_future(
+            conn.execute_fetchall(
+                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2000000)"
+                " SELECT COUNT(*) FROM n"
+            )
+        )
+
+        async def write() -> None:
+            async with tables.transaction() as tx:
+                await tx.run("CREATE TABLE IF NOT EXISTS t (x INTEGER)")
+
+        writer = asyncio.create_task(write())
+        async with asyncio.timeout(5):
+            while not tables._lock.locked():  # the writer holds the lock: its BEGIN is queued behind the count
+                await asyncio.sleep(0)
+        writer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writer
+        await busy
+        assert not conn.in_transaction  # the BEGIN that ran after the cancel was rolled back
+        async with tables.transaction() as tx:  # and the next transaction starts
+            await tx.run("CREATE TABLE IF NOT EXISTS t (x INTEGER)")
+    finally:
+        await conn.close()
