@@ -147,6 +147,14 @@ class FanOutBus:
         """This replica no longer leads: close every singleton ingress, finishing what it took."""
         await self._each_ingress("stop_ingress")
 
+    def ingress_missing(self) -> list[str]:
+        """The started platforms whose singleton ingress is not open (after a failed start_ingress)."""
+        return [
+            name
+            for name, adapter in self.adapters.items()
+            if name in self._started and (single := singleton_ingress(adapter)) and not single.ingress_running
+        ]
+
     async def _each_ingress(self, what: str) -> None:
         targets = [(n, s) for n, a in self.adapters.items() if n in self._started and (s := singleton_ingress(a))]
 

@@ -112,6 +112,10 @@ class InboundInbox(Protocol):
         """Payloads kept by a replica that is gone and never taken in, now this replica's to handle."""
         ...
 
+    async def release_unhandled(self, platform: str) -> int:
+        """This replica stops polling: forget what it kept and never let through (the platform sends it again)."""
+        ...
+
 
 @dataclass
 class Handlers:

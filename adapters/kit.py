@@ -590,6 +590,7 @@ class PlatformBase(ABC):
             if problem is not None:
                 # Refused whole: an agent must not act on a message whose files it cannot see.
                 log.info(f"{self.name}.files_refused", platform=self.name, chat=inbound.chat, problem=problem)
+                await self._taken_in(key)  # refused is handled: no next leader refuses it again
                 with contextlib.suppress(PlatformError):
                     await self.send_text(inbound.chat, problem, thread=inbound.thread)
                 return False

@@ -6,10 +6,10 @@ import asyncio
 import contextlib
 import importlib
 import inspect
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -27,11 +27,12 @@ from kazma.bot.inbound_claims import InboundClaims
 from kazma.bot.store import StoreWatch
 from kazma.bot.store_handles import StoreHandles, open_handles
 from kazma.config import LoadedConfig, enabled_platforms
+from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
 from kazma.config.registry import CHAT_PLATFORMS
 from kazma.engine.agent import AgentRunner, agents_from_config
 from kazma.engine.conversation import Conversations, is_question_button
-from kazma.engine.executor import PlanExecutor
+from kazma.engine.executor import Action, PlanExecutor
 from kazma.engine.history import HistoryStore
 from kazma.engine.mcp_tools import MCPSources
 from kazma.engine.model_router import provider_for
@@ -55,6 +56,10 @@ if TYPE_CHECKING:
     from kazma.bot.replication import Replication
 
 log = structlog.get_logger("kazma.app")
+
+# A leader's singleton ingress that failed to open is tried again this often; an open one is checked this often.
+INGRESS_RETRY = Backoff(base=1.0, cap=30.0)
+INGRESS_CHECK_SECONDS = 10.0
 
 
 def build_adapters(loaded: LoadedConfig, *, paced: bool = True) -> list[PlatformAdapter]:
@@ -106,6 +111,8 @@ class App:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _leader_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _live: set[str] = field(default_factory=set)  # the replicas alive at the leader's last look
+    _recovery_due: bool = False  # the leader has yet to judge what gone replicas left
+    _serving: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def on_press(self, press: Press) -> PressResult:
         if is_question_button(press.data):
@@ -180,42 +187,76 @@ class App:
         log.info("app.started", platforms=sorted(self.bus.adapters), store=str(self.loaded.config.store.path))
 
     async def _start_replica(self, replication: Replication) -> None:
-        """One of several replicas: serve at once; the sweeps and the singleton ingress wait for the lease."""
+        """One of several replicas: visible to the others first, then what its previous life left, then serve.
+        The sweeps and the singleton ingress wait for the lease (:meth:`_lead`)."""
+        from kazma.bot.replication import AllBut
+
         # Its name goes on what it starts from now on: the others tell from its lease session whether it lives.
         self.service.store.replica = self.replica
         self.executor.store.replica = self.replica
         self.swarm.store.replica = self.replica
+        await replication.start()  # its lease session is up: no leader takes what it starts for a dead one's
         # What this replica's previous life (same name) left: the others may never have seen it gone.
         await self.swarm.restore_breakers()
-        await self._recover_replicas(await replication.live() - {self.replica})
+        told = await self._recover_replicas(AllBut(self.replica), claims=False)
         await self._follow_chat_moves()
         if self.mcp is not None:
             await self.mcp.start(wait=10.0)
         await self.bus.start(self.handlers, ingress=False)  # the leader's own, opened with the lease
-        await replication.start()
+        self._serving.set()
+        self._spawn(self._say(*told), "kazma-recovery-notices")
         log.info("app.started", platforms=sorted(self.bus.adapters), store="postgresql", replica=self.replica)
 
     async def _lead(self) -> None:
-        """This replica took the lease: recover what gone replicas left, then run the sweeps."""
-        replication = self.replication
-        assert replication is not None
-        await self._recover_replicas(await replication.live())
+        """This replica took the lease: open the singleton ingress and run the sweeps at once; the sweep judges
+        what gone replicas left (once they have been missing long enough to be sure) and retries until done."""
+        await self._serving.wait()  # the lease may come before this replica serves
+        self._recovery_due = True
+        self._leader_tasks.append(asyncio.create_task(self._keep_ingress(), name="kazma-leader-ingress"))
         self._leader_tasks.append(asyncio.create_task(self._sweep(), name="kazma-approvals-sweep"))
         self._leader_tasks.append(asyncio.create_task(self._retention(), name="kazma-swarm-retention"))
-        if isinstance(self.bus, FanOutBus):
-            await self.bus.start_ingress()
 
-    async def _recover_replicas(self, live: set[str]) -> None:
-        """End what replicas not in ``live`` left running: pending requests, plan steps, swarm tasks; say so."""
+    async def _keep_ingress(self) -> None:
+        """While leading: every singleton ingress open, one that failed to open tried again with backoff."""
+        if not isinstance(self.bus, FanOutBus):
+            return
+        failures = 0
+        while True:
+            await self.bus.start_ingress()
+            missing = self.bus.ingress_missing()
+            failures = failures + 1 if missing else 0
+            if missing:
+                log.warning("app.ingress_retry", platforms=missing, attempt=failures)
+            await asyncio.sleep(INGRESS_RETRY.delay(failures - 1) if missing else INGRESS_CHECK_SECONDS)
+
+    async def _recover_replicas(self, live: Collection[str], *, claims: bool = True) -> tuple[Recovery, list[Action]]:
+        """End what replicas not in ``live`` left running: pending requests, plan steps, swarm tasks (and
+        release their post and edit claims); what to tell people and the lead is returned, not said."""
         replication = self.replication
         assert replication is not None
-        self._live = live
         interrupted, tell_lead = await self.executor.mark_interrupted(live)
         if interrupted:
-            log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted], live=sorted(live))
+            log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
         await self.swarm.recover_gone(live)
-        await self._tell(await replication.recover_gone(live))
-        await self.executor.perform(tell_lead)
+        if claims:
+            recovery = await replication.recover_gone(set(live))
+        else:
+            recovery = await self.service.recover(live)
+        return recovery, tell_lead
+
+    async def _say(self, recovery: Recovery, tell_lead: list[Action]) -> None:
+        """Recovery's notices, in the background: a paced platform must not hold up the sweeps or the ingress."""
+        try:
+            await self._tell(recovery)
+            await self.executor.perform(tell_lead)
+        except Exception as exc:
+            count_failure("recovery_notice")
+            log.warning("app.recovery_notice_failed", error=str(exc))
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.append(task)
+        task.add_done_callback(lambda done: self._tasks.remove(done) if done in self._tasks else None)
 
     async def _follow(self, reason: str) -> None:
         """The lease is gone (another replica leads, or the database cannot be reached): stop the sweeps."""
@@ -280,14 +321,21 @@ class App:
                 for outcome in await self.service.expire_overdue():
                     log.info("approvals.swept", request_id=outcome.request_id, status=outcome.status.value)
                 if self.replication is not None:
-                    live = await self.replication.live()
-                    if self._live - live:  # a replica left since the last look: what it ran ends now
-                        await self._recover_replicas(live)
-                    self._live = live
+                    await self._judge_replicas(self.replication)
             except Exception as exc:
                 count_failure("approval_sweep")
                 log.warning("approvals.sweep_failed", error=str(exc))
             await asyncio.sleep(self.sweep_interval)
+
+    async def _judge_replicas(self, replication: Replication) -> None:
+        """What a replica that left ran ends now: at takeover, when one goes missing for good, after a failure."""
+        live = await replication.settled_live()
+        if live is None:
+            return  # looked for too short a time: one missing now may only be reconnecting
+        if self._recovery_due or self._live - live:
+            self._spawn(self._say(*await self._recover_replicas(live)), "kazma-recovery-notices")
+            self._recovery_due = False  # done: only now (a failure above leaves it due for the next sweep)
+        self._live = live
 
     async def _retention(self) -> None:
         """Swarm tasks older than ``swarm.retention_days`` go at start and then every sweep (0 keeps all);

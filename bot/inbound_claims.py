@@ -179,6 +179,31 @@ class InboundClaims:
             )
         )
 
+    async def release_unhandled(self, platform: str) -> int:
+        """This replica stops polling: what its poller kept and never let through goes back to the platform.
+
+        The platform delivers those again to whoever polls next (it was never confirmed, or it was fetched by
+        the poller's last call and dropped by the library on its way out); a claim left here, held by a
+        replica that is alive, would refuse it there. How many were released.
+        """
+        rows = await self.tables.all(
+            "SELECT event_key FROM inbound_claims WHERE platform = ? AND replica = ? AND done_at IS NULL"
+            " AND payload IS NOT NULL",
+            (platform, self.replica),
+        )
+        keys = [str(r[0]) for r in rows if (platform, str(r[0])) not in self._handling]
+        if not keys:
+            return 0
+        writer = await self.tables.writer()
+        await writer.submit(
+            lambda tx: tx.run_many(
+                "DELETE FROM inbound_claims WHERE platform = ? AND event_key = ? AND replica = ? AND done_at IS NULL",
+                [(platform, key, self.replica) for key in keys],
+            )
+        )
+        log.info("inbound.unhandled_released", platform=platform, events=len(keys))
+        return len(keys)
+
     async def unfinished(self, platform: str) -> list[str]:
         """The payloads of events kept by a poller and never taken in, by a replica that is gone (or by this
         one's previous life), now claimed by this one: a new leader hands them to its handlers first."""

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import re
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,21 @@ log = structlog.get_logger("kazma.replicas")
 # which keeps 63 bytes of a session's application_name, "kazma-lease " included.
 MAX_REPLICA_NAME = 48
 _REPLICA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")
+
+
+class AllBut(frozenset[str]):
+    """Every replica counts as alive but one: what a replica's previous life (same name) left, judged at its
+    own start. Only membership is asked of it (``x in live``), never its elements."""
+
+    def __new__(cls, gone: str) -> AllBut:
+        made = super().__new__(cls)
+        made.gone = gone
+        return made
+
+    gone: str
+
+    def __contains__(self, name: object) -> bool:
+        return name != self.gone
 
 
 def replica_name(environ: Mapping[str, str] | None = None) -> str:
@@ -121,17 +137,24 @@ class Replication:
             application_name=f"kazma-listen {replica}"[:63],
         )
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.absence = self.lease.timing.takeover_bound  # missing this long: gone (see settled_live)
+        self._first_look: float | None = None
+        self._seen: dict[str, float] = {}
 
     @property
     def is_leader(self) -> bool:
         return self.lease.is_leader
 
     async def start(self) -> None:
-        """Listen first (a decision made meanwhile is not missed), then ask for the lease."""
+        """Listen first (a decision made meanwhile is not missed), then take part in the lease, and return once
+        the lease session shows this replica alive to the others (before it serves, so that no leader takes
+        what it starts for a dead replica's)."""
         self.listener.start()
         if not await self.listener.wait_connected(10.0):
             log.warning("replica.listen_late", replica=self.replica, problem=self.listener.problem)
         self.lease.start()
+        if not await self.lease.wait_session(10.0):
+            log.warning("replica.lease_late", replica=self.replica)
         log.info("replica.started", replica=self.replica)
 
     async def stop(self) -> None:
@@ -145,7 +168,27 @@ class Replication:
 
     async def live(self) -> set[str]:
         """The replicas alive now (this one included, even while its lease connection reconnects)."""
-        return {*await live_replicas(self.store.pool), self.replica}
+        current = {*await live_replicas(self.store.pool), self.replica}
+        now = time.monotonic()
+        if self._first_look is None:
+            self._first_look = now
+        for name in current:
+            self._seen[name] = now
+        return current
+
+    async def settled_live(self) -> set[str] | None:
+        """The replicas to count as alive when judging what others left behind; None: too early to judge.
+
+        A lease session drops and comes back in the ordinary course (a slow check, a server restart), so a
+        replica missing from one look may only be reconnecting. It counts as gone once it has been missing
+        for longer than the lease's own takeover bound — and not before this replica has looked that long.
+        """
+        current = await self.live()
+        now = time.monotonic()
+        assert self._first_look is not None
+        if now - self._first_look < self.absence:
+            return None
+        return current | {name for name, seen in self._seen.items() if now - seen <= self.absence}
 
     async def recover_gone(self, live: set[str]) -> Recovery:
         """The approvals' part of recovery among replicas: what replicas not in ``live`` left behind.

@@ -144,6 +144,7 @@ class LeaderLease:
         self._calls: asyncio.Queue[tuple[str, Callable[[], Awaitable[None]]]] = asyncio.Queue()
         self._caller: asyncio.Task[None] | None = None
         self._backend_pid: int | None = None
+        self._session_up = asyncio.Event()  # set once a lease session has been open (the others see this replica)
         self._server_said = ""
         self._abandoned: set[asyncio.Task[Any]] = set()  # checks given up on, still unwinding
         self._closing: set[asyncio.Task[None]] = set()
@@ -168,6 +169,12 @@ class LeaderLease:
         """How the lease connection shows in ``pg_stat_activity``: the other replicas read who is alive there."""
         name = f"{self.APPLICATION_PREFIX}{self.replica}"
         return name.encode()[:_MAX_APPLICATION_NAME].decode(errors="ignore")
+
+    async def wait_session(self, within: float) -> bool:
+        """Whether a lease session was open within ``within`` seconds (from then on the others see this replica)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._session_up.wait(), within)
+        return self._session_up.is_set()
 
     async def wait_leader(self) -> None:
         """Return once this replica is the leader (at once if it is)."""
@@ -265,6 +272,7 @@ class LeaderLease:
         conn.add_notice_handler(self._notice)
         try:
             self._backend_pid = await self._bounded(_backend_pid(conn), t.check_timeout, "no answer from PostgreSQL")
+            self._session_up.set()
         except BaseException:
             self._discard(conn)
             raise

@@ -198,23 +198,28 @@ class PlanExecutor:
         """
         interrupted = await self.store.with_steps_in(StepStatus.IN_PROGRESS, live=live)
         actions: list[Action] = []
+        failed: list[tuple[str, int]] = []
         for plan_id, index in interrupted:
-            log.warning("plan.step_interrupted", plan_id=plan_id, step=index)
-            count_failure("step_interrupted")
             plan = await self.store.load(plan_id)
             if plan is None:
                 continue
             async with self._locks[plan.conversation]:
-                await self.store.set_status(
+                # Compare-and-set: another recoverer (a replica, the leader's sweep) or the step's own result
+                # may have got there first, and the lead is asked about a failure once.
+                if not await self.store.set_status(
                     plan_id, index, StepStatus.IN_PROGRESS, StepStatus.FAILED, failure_reason=INTERRUPTED
-                )
+                ):
+                    continue
+                log.warning("plan.step_interrupted", plan_id=plan_id, step=index)
+                count_failure("step_interrupted")
+                failed.append((plan_id, index))
                 actions += await self._after_failure(plan_id, index, OnFailure.ASK_LEAD, INTERRUPTED)
         for question in [] if live is not None else await self.store.open_questions():
             plan = await self.store.load(question.plan_id)
             if plan is not None:
                 log.info("plan.question_shown_again", plan_id=plan.id, question=question.id)
                 actions.append(Action(ActionKind.ASK_USER, plan, plan.steps.get(question.step), question=question))
-        return interrupted, actions
+        return failed, actions
 
     async def _reconcile(self, plan_id: str) -> None:
         plan = await self.store.load(plan_id)

@@ -149,3 +149,13 @@ async def test_the_inbox_hands_what_a_gone_replica_kept_and_never_took_in_to_the
     assert not await b.claim("telegram", "bot:2")
     await b.fetched("telegram", [("bot:1", '{"update_id": 1}')])  # delivered again: a took it in already
     assert not await b.claim("telegram", "bot:1")
+
+
+async def test_a_poller_that_stops_gives_back_what_it_kept_and_never_let_through(replicas: Replicas) -> None:
+    clock = Clock()
+    a, b = [await replicas(name, clock) for name in ("a", "b")]
+    await a.fetched("telegram", [("bot:1", '{"update_id": 1}'), ("bot:2", '{"update_id": 2}')])
+    assert await a.claim("telegram", "bot:1")  # handled here
+    assert await a.release_unhandled("telegram") == 1  # bot:2 was only kept: Telegram sends it again
+    assert await b.claim("telegram", "bot:2")  # ... to the next poller, which handles it
+    assert not await b.claim("telegram", "bot:1")

@@ -213,3 +213,23 @@ def test_every_metric_sample_says_which_replica_served_it() -> None:
     assert all(s.labels.get("replica") == 'b:1 "x"' for s in samples)
     failures = [s for s in samples if s.name == "kazma_failures_total" and s.labels["site"] == "test_replica_label"]
     assert [s.labels["platform"] for s in failures] == ['odd "platform" name']
+
+
+async def test_a_replica_counts_as_gone_only_after_missing_longer_than_the_lease_takeover(dsn: str) -> None:
+    platforms = [MemoryPlatform("telegram")]
+    async with replica(dsn, "a", platforms) as a:
+        async with replica(dsn, "b", platforms):
+            assert await a.replication.settled_live() is None  # too early to judge anyone
+            await until(lambda: _settled(a.replication, {"a", "b"}), timeout=15)
+        # b has left: for a takeover bound it may only be reconnecting, then it is gone
+        await until(lambda: _live_now(a.replication, {"a"}), timeout=5)
+        assert await a.replication.settled_live() == {"a", "b"}
+        await until(lambda: _settled(a.replication, {"a"}), timeout=15)
+
+
+async def _settled(replication: Replication, expected: set[str]) -> bool:
+    return await replication.settled_live() == expected
+
+
+async def _live_now(replication: Replication, expected: set[str]) -> bool:
+    return await replication.live() == expected

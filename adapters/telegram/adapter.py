@@ -332,6 +332,15 @@ class TelegramAdapter(PlatformBase):
         finally:
             if app.running:
                 await app.stop()
+        # Everything queued was handed to the kit above: what the poller kept and nothing let through (its
+        # last fetch, which PTB drops on the way out) goes back to Telegram for the next leader.
+        inbox = None if self._handlers is None else self._handlers.inbox
+        if inbox is not None:
+            try:
+                await inbox.release_unhandled(PLATFORM)
+            except Exception as exc:
+                count_failure("inbound_inbox", PLATFORM)
+                log.warning("telegram.inbox_release_failed", error=str(exc) or type(exc).__name__)
         log.info("telegram.polling_stopped", bot=self._bot_username)
 
     async def _register_commands(self, app: AnyApplication) -> None:
