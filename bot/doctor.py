@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import aiosqlite
 import httpx
 
 from kazma.bot.checks import Check, Level
@@ -31,6 +32,8 @@ async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0, platfo
     checks.extend(Check("config", Level.WARN, warning) for warning in loaded.config.warnings())
     checks.append(check_sandbox(loaded))
     checks.append(await check_store(loaded))
+    if loaded.config.store.backend == "postgresql":
+        checks.append(await check_replicas(loaded))
     checks.append(await check_model(loaded, wait_seconds=model_timeout))
     for name, model in loaded.config.models.items():
         checks.append(await check_endpoint(model, f"model.{name}", wait_seconds=model_timeout))
@@ -111,6 +114,26 @@ async def check_pg_store(loaded: LoadedConfig) -> Check:
         return Check("store", Level.FAIL, f"{where}: this user may not update approval_requests")
     schema = ", ".join(f"{k} v{v}" for k, v in sorted((str(r[0]), int(r[1])) for r in rows)) or "no tables yet"
     return Check("store", Level.OK, f"{where}: PostgreSQL {version}, writable ({schema})")
+
+
+async def check_replicas(loaded: LoadedConfig) -> Check:
+    """Which `kazma run` replicas share the database now, and which one leads (as the server says)."""
+    from kazma.config.leader import lock_key
+    from kazma.config.replicas import lease_holder, live_replicas
+
+    try:
+        async with store_for_command(loaded.config) as opened:
+            assert not isinstance(opened, aiosqlite.Connection)
+            alive = sorted(await live_replicas(opened.pool))
+            leader = await lease_holder(opened.pool, lock_key("kazma"))
+    except Exception as exc:
+        return Check("replicas", Level.FAIL, f"cannot ask the database: {str(exc).strip() or type(exc).__name__}")
+    if not alive:
+        return Check("replicas", Level.OK, "none running")
+    named = ", ".join(f"{name} (leader)" if name == leader else name for name in alive)
+    if leader is None:
+        return Check("replicas", Level.WARN, f"{named}: none holds the lease yet (one takes it within seconds)")
+    return Check("replicas", Level.OK, named)
 
 
 async def check_model(loaded: LoadedConfig, *, wait_seconds: float) -> Check:

@@ -233,3 +233,17 @@ async def _settled(replication: Replication, expected: set[str]) -> bool:
 
 async def _live_now(replication: Replication, expected: set[str]) -> bool:
     return await replication.live() == expected
+
+
+async def test_doctor_names_the_replicas_and_the_leader(dsn: str) -> None:
+    from kazma.bot.checks import Level
+    from kazma.bot.doctor import check_replicas
+    from kazma.config import load_config_text
+
+    loaded = load_config_text(f"store: {{url: '{dsn}'}}")
+    platforms = [MemoryPlatform("telegram")]
+    async with replica(dsn, "a", platforms) as a:
+        await asyncio.wait_for(a.led.wait(), timeout=10)
+        async with replica(dsn, "b", platforms):
+            check = await check_replicas(loaded)
+            assert (check.level, check.detail) == (Level.OK, "a (leader), b")

@@ -109,3 +109,5 @@ def test_commands_run_on_a_postgresql_store(tmp_path: Path, pg_dsn: str) -> None
     assert store_line.startswith("OK"), doctor.stdout
     assert "PostgreSQL" in store_line
     assert "approvals v6" in store_line
+    [replicas_line] = [line for line in doctor.stdout.splitlines() if " replicas " in f" {line} "]
+    assert replicas_line.split() == ["OK", "replicas", "none", "running"]
