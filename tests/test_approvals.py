@@ -28,16 +28,9 @@ from kazma.config.database import Tables
 from kazma.config.metrics import failure_count
 from kazma.config.postgres import PgStore, pyformat
 from tests.approvals_support import ManualClock, RecordingPublisher, approval_service
+from tests.store_backends import Engine
 
 ARGS = {"command": "rm -rf build/", "timeout_s": 30}
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def place(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
-    """Where the service keeps its store: a SQLite file, or a fresh database on the suite's PostgreSQL."""
-    if request.param == "sqlite":
-        return tmp_path / "k.db"
-    return str(request.getfixturevalue("pg_dsn"))
 
 
 async def raw(service: ApprovalService, sql: str, params: tuple[object, ...] = ()) -> None:
@@ -54,9 +47,9 @@ async def raw(service: ApprovalService, sql: str, params: tuple[object, ...] = (
 INTEGRITY = (sqlite3.IntegrityError, psycopg.IntegrityError)
 
 
-async def test_open_records_the_whole_call_with_a_fresh_id(place: Path | str) -> None:
+async def test_open_records_the_whole_call_with_a_fresh_id(store_engine: Engine) -> None:
     publisher = RecordingPublisher()
-    async with approval_service(place, publisher=publisher) as service:
+    async with approval_service(store_engine.where, publisher=publisher) as service:
         first = await service.open("shell", ARGS, "agent:builder", "telegram:-100", task_id="t1")
         second = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         assert first.id != second.id  # two identical calls are two requests
@@ -96,19 +89,19 @@ def test_hash_is_sha256_of_canonical_json() -> None:
     ],
 )
 async def test_unrenderable_arguments_are_refused_and_nothing_is_opened(
-    place: Path | str, args: dict[object, object], why: str
+    store_engine: Engine, args: dict[object, object], why: str
 ) -> None:
     publisher = RecordingPublisher()
-    async with approval_service(place, publisher=publisher) as service:
+    async with approval_service(store_engine.where, publisher=publisher) as service:
         with pytest.raises(ApprovalRefused, match=why):
             await service.open("shell", args, "agent:x", "web:c")  # type: ignore[arg-type]
         assert await service.store.requests() == []
         assert publisher.published == []
 
 
-async def test_decision_is_final_and_losers_are_told_what_stands(place: Path | str) -> None:
+async def test_decision_is_final_and_losers_are_told_what_stands(store_engine: Engine) -> None:
     publisher = RecordingPublisher()
-    async with approval_service(place, publisher=publisher) as service:
+    async with approval_service(store_engine.where, publisher=publisher) as service:
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         won = await service.decide_from_button(
             button_data(request.id, Decision.APPROVE), actor="slack:U111", platform="slack"
@@ -136,8 +129,8 @@ async def test_decision_is_final_and_losers_are_told_what_stands(place: Path | s
         assert events == [("opened", "agent:builder"), ("decided", "slack:U111"), ("press_lost", "telegram:111")]
 
 
-async def test_audit_trail_is_append_only(place: Path | str) -> None:
-    async with approval_service(place) as service:
+async def test_audit_trail_is_append_only(store_engine: Engine) -> None:
+    async with approval_service(store_engine.where) as service:
         await service.open("shell", ARGS, "agent:builder", "web:c")
         with pytest.raises(INTEGRITY, match="append-only"):
             await raw(service, "DELETE FROM approval_events")
@@ -146,8 +139,8 @@ async def test_audit_trail_is_append_only(place: Path | str) -> None:
 
 
 @pytest.mark.slow
-async def test_thousand_requests_three_simultaneous_presses_each(place: Path | str) -> None:
-    async with approval_service(place) as service:
+async def test_thousand_requests_three_simultaneous_presses_each(store_engine: Engine) -> None:
+    async with approval_service(store_engine.where) as service:
         requests = [await service.open("shell", {"n": i}, "agent:b", "web:c") for i in range(1000)]
         presses = []
         for i, request in enumerate(requests):
@@ -176,10 +169,10 @@ async def test_thousand_requests_three_simultaneous_presses_each(place: Path | s
         assert len(decided) == 1000
 
 
-async def test_deadline_passes_to_timeout_not_denial(place: Path | str) -> None:
+async def test_deadline_passes_to_timeout_not_denial(store_engine: Engine) -> None:
     clock = ManualClock()
     publisher = RecordingPublisher()
-    async with approval_service(place, clock=clock, publisher=publisher, poll_interval=0.01) as service:
+    async with approval_service(store_engine.where, clock=clock, publisher=publisher, poll_interval=0.01) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c", deadline=60)
         waiter = asyncio.create_task(service.wait(request.id))
         clock.advance(61)
@@ -202,9 +195,9 @@ async def test_deadline_passes_to_timeout_not_denial(place: Path | str) -> None:
         assert late.outcome.status is Status.TIMEOUT
 
 
-async def test_press_after_deadline_before_any_sweep_is_a_timeout(place: Path | str) -> None:
+async def test_press_after_deadline_before_any_sweep_is_a_timeout(store_engine: Engine) -> None:
     clock = ManualClock()
-    async with approval_service(place, clock=clock) as service:
+    async with approval_service(store_engine.where, clock=clock) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c", deadline=5)
         clock.advance(5)
         result = await service.decide(request.id, Decision.APPROVE, actor="web:admin", platform="web")
@@ -213,9 +206,9 @@ async def test_press_after_deadline_before_any_sweep_is_a_timeout(place: Path | 
         assert result.outcome.status is Status.TIMEOUT
 
 
-async def test_overdue_requests_of_dead_waiters_are_expired(place: Path | str) -> None:
+async def test_overdue_requests_of_dead_waiters_are_expired(store_engine: Engine) -> None:
     clock = ManualClock()
-    async with approval_service(place, clock=clock) as service:
+    async with approval_service(store_engine.where, clock=clock) as service:
         old = await service.open("shell", ARGS, "agent:b", "web:c", deadline=5)
         fresh = await service.open("shell", ARGS, "agent:b", "web:c", deadline=500)
         clock.advance(10)
@@ -226,9 +219,9 @@ async def test_overdue_requests_of_dead_waiters_are_expired(place: Path | str) -
         assert still.status is Status.PENDING
 
 
-async def test_cancelled_waiter_ends_cancelled_not_denied(place: Path | str) -> None:
+async def test_cancelled_waiter_ends_cancelled_not_denied(store_engine: Engine) -> None:
     publisher = RecordingPublisher()
-    async with approval_service(place, publisher=publisher) as service:
+    async with approval_service(store_engine.where, publisher=publisher) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c")
         waiter = asyncio.create_task(service.wait(request.id))
         while request.id not in service._decided:  # the waiter has started waiting
@@ -247,9 +240,9 @@ async def test_cancelled_waiter_ends_cancelled_not_denied(place: Path | str) -> 
         assert publisher.settled == [request.id]
 
 
-async def test_waiter_wakes_at_once_on_an_in_process_decision(place: Path | str) -> None:
+async def test_waiter_wakes_at_once_on_an_in_process_decision(store_engine: Engine) -> None:
     # a long poll interval proves the wake-up comes from the decision, not the poll
-    async with approval_service(place, poll_interval=3600) as service:
+    async with approval_service(store_engine.where, poll_interval=3600) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c")
         waiter = asyncio.create_task(service.wait(request.id))
         while request.id not in service._decided:
@@ -275,9 +268,9 @@ async def test_waiter_wakes_at_once_on_an_in_process_decision(place: Path | str)
     ],
 )
 async def test_refused_presses_change_nothing_and_are_audited(
-    place: Path | str, data: str, actor: str, platform: str, message: str, detail: str
+    store_engine: Engine, data: str, actor: str, platform: str, message: str, detail: str
 ) -> None:
-    async with approval_service(place) as service:
+    async with approval_service(store_engine.where) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c")
         press = data.format(id=f"kz1:{request.id}", rid=request.id)
         result = await service.decide_from_button(press, actor=actor, platform=platform)
@@ -296,8 +289,8 @@ async def test_refused_presses_change_nothing_and_are_audited(
         assert ok.won
 
 
-async def test_platform_admins_are_approvers_there(place: Path | str) -> None:
-    async with approval_service(place) as service:
+async def test_platform_admins_are_approvers_there(store_engine: Engine) -> None:
+    async with approval_service(store_engine.where) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c")
         result = await service.decide_from_button(f"kz1:{request.id}:d", actor="telegram:112", platform="telegram")
         assert result.won
@@ -341,8 +334,8 @@ async def test_store_locked_during_press_warns_counts_and_keeps_pending(tmp_path
         assert retry.won
 
 
-async def test_execution_refuses_changed_arguments(place: Path | str) -> None:
-    async with approval_service(place) as service:
+async def test_execution_refuses_changed_arguments(store_engine: Engine) -> None:
+    async with approval_service(store_engine.where) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c")
         with pytest.raises(ExecutionMismatch, match="pending, not approved"):
             await service.verify_execution(request.id, "shell", ARGS)
@@ -371,7 +364,7 @@ async def test_failed_audit_write_is_counted(tmp_path: Path, caplog: pytest.LogC
         assert failure_count("approval_audit") == before + 1
 
 
-async def test_metrics_count_opened_decided_and_time_presses(place: Path | str) -> None:
+async def test_metrics_count_opened_decided_and_time_presses(store_engine: Engine) -> None:
     from prometheus_client import REGISTRY
 
     def sample(name: str, labels: dict[str, str]) -> float:
@@ -380,7 +373,7 @@ async def test_metrics_count_opened_decided_and_time_presses(place: Path | str) 
     opened = sample("kazma_approvals_opened_total", {"tool": "metrics_probe"})
     decided = sample("kazma_approvals_decided_total", {"outcome": "denied", "platform": "slack"})
     presses = sample("kazma_press_to_decision_seconds_count", {})
-    async with approval_service(place) as service:
+    async with approval_service(store_engine.where) as service:
         request = await service.open("metrics_probe", ARGS, "agent:b", "web:c")
         await service.decide_from_button(f"kz1:{request.id}:d", actor="slack:U111", platform="slack")
     assert sample("kazma_approvals_opened_total", {"tool": "metrics_probe"}) == opened + 1

@@ -35,6 +35,7 @@ from kazma.engine.plan import (
     validate_plan,
 )
 from kazma.engine.plan_store import MIGRATIONS, PG_MIGRATIONS, PlanStore, TransitionError
+from tests.store_backends import Engine
 
 WORKERS = {"researcher", "builder", "validator"}
 REQUESTER = "telegram:111"
@@ -85,19 +86,11 @@ def last_kind(d: RecordingDispatcher) -> ActionKind:
     return d.actions[-1].kind
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def place(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
-    """Where the plans are kept: a SQLite file, or a fresh database on the suite's PostgreSQL."""
-    if request.param == "sqlite":
-        return tmp_path / "p.db"
-    return str(request.getfixturevalue("pg_dsn"))
-
-
 @asynccontextmanager
 async def executor(path: Path | str) -> AsyncIterator[tuple[PlanExecutor, RecordingDispatcher]]:
     conn: StoreConnection
-    if isinstance(path, str):
-        conn = await open_pg_store(path, migrations=PG_MIGRATIONS, application_name="kazma-test")
+    if str(path).startswith("postgresql://"):  # a test database on the suite's PostgreSQL
+        conn = await open_pg_store(str(path), migrations=PG_MIGRATIONS, application_name="kazma-test")
     else:
         conn = await open_database(path, migrations=MIGRATIONS)
     store = PlanStore(conn)
@@ -132,8 +125,8 @@ def test_invalid_plans_are_refused(plan: PlanSpec, problem: str) -> None:
         validate_plan(plan, WORKERS | {"kazma"})
 
 
-async def test_linear_plan_renders_summaries_into_later_inputs(place: Path | str) -> None:
-    async with executor(place) as (ex, d):
+async def test_linear_plan_renders_summaries_into_later_inputs(store_engine: Engine) -> None:
+    async with executor(store_engine.where) as (ex, d):
         plan = await ex.start(
             "telegram:-1",
             spec(
@@ -153,8 +146,8 @@ async def test_linear_plan_renders_summaries_into_later_inputs(place: Path | str
         assert await ex.store.plan_status(plan.id) == "finished"
 
 
-async def test_user_and_lead_steps(place: Path | str) -> None:
-    async with executor(place) as (ex, d):
+async def test_user_and_lead_steps(store_engine: Engine) -> None:
+    async with executor(store_engine.where) as (ex, d):
         origin = PlanOrigin("ship it to the right region", REQUESTER)
         plan = await ex.start("telegram:-1", spec(step(1, "user", input="which region?"), step(2, "kazma")), origin)
         assert last_kind(d) is ActionKind.ASK_USER
@@ -171,8 +164,8 @@ async def test_user_and_lead_steps(place: Path | str) -> None:
         assert loaded.steps[1].output_summary == "eu-west"
 
 
-async def test_failure_policies(place: Path | str) -> None:
-    async with executor(place) as (ex, d):
+async def test_failure_policies(store_engine: Engine) -> None:
+    async with executor(store_engine.where) as (ex, d):
         aborting = await ex.start("c1", spec(step(1, on_failure=OnFailure.ABORT_PLAN), step(2), step(3)))
         await ex.complete(aborting.id, 1, StepResult(ok=False, error="boom"))
         loaded = await ex.store.load(aborting.id)
@@ -202,8 +195,8 @@ async def test_failure_policies(place: Path | str) -> None:
         assert loaded.steps[2].status is StepStatus.BLOCKED
 
 
-async def test_transient_failures_retry_up_to_the_cap(place: Path | str) -> None:
-    async with executor(place) as (ex, d):
+async def test_transient_failures_retry_up_to_the_cap(store_engine: Engine) -> None:
+    async with executor(store_engine.where) as (ex, d):
         plan = await ex.start("c", spec(step(1)))
         for _ in range(3):
             await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 503", transient=True))
@@ -214,8 +207,8 @@ async def test_transient_failures_retry_up_to_the_cap(place: Path | str) -> None
         assert d.dispatched() == [(plan.id, 1)] * 3
 
 
-async def test_dispatch_that_cannot_be_posted_is_a_failure_not_a_hang(place: Path | str) -> None:
-    async with executor(place) as (ex, d):
+async def test_dispatch_that_cannot_be_posted_is_a_failure_not_a_hang(store_engine: Engine) -> None:
+    async with executor(store_engine.where) as (ex, d):
         d.fail_next = DispatchFailed("telegram answered 403", transient=False)
         plan = await ex.start("c", spec(step(1)))
         loaded = await ex.store.load(plan.id)
@@ -224,8 +217,8 @@ async def test_dispatch_that_cannot_be_posted_is_a_failure_not_a_hang(place: Pat
         assert "dispatch failed: telegram answered 403" in loaded.steps[1].failure_reason
 
 
-async def test_stale_and_duplicate_completions_change_nothing(place: Path | str) -> None:
-    async with executor(place) as (ex, d):
+async def test_stale_and_duplicate_completions_change_nothing(store_engine: Engine) -> None:
+    async with executor(store_engine.where) as (ex, d):
         plan = await ex.start("c", spec(step(1), step(2)))
         assert not await ex.complete(plan.id, 2, StepResult(ok=True, summary="I did step 2 early"))
         results = await asyncio.gather(*(ex.complete(plan.id, 1, StepResult(ok=True, summary="x")) for _ in range(5)))
@@ -233,8 +226,8 @@ async def test_stale_and_duplicate_completions_change_nothing(place: Path | str)
         assert d.dispatched() == [(plan.id, 1), (plan.id, 2)]
 
 
-async def test_answer_from_an_earlier_attempt_is_stale(place: Path | str) -> None:
-    async with executor(place) as (ex, d):
+async def test_answer_from_an_earlier_attempt_is_stale(store_engine: Engine) -> None:
+    async with executor(store_engine.where) as (ex, d):
         plan = await ex.start("c", spec(step(1)))
         assert await ex.complete(plan.id, 1, StepResult(ok=False, error="503", transient=True), attempt=1)
         assert d.actions[-1].step is not None
@@ -246,8 +239,8 @@ async def test_answer_from_an_earlier_attempt_is_stale(place: Path | str) -> Non
         assert loaded.steps[1].output_summary == "attempt 2"
 
 
-async def test_terminal_states_are_never_left(place: Path | str) -> None:
-    async with executor(place) as (ex, _):
+async def test_terminal_states_are_never_left(store_engine: Engine) -> None:
+    async with executor(store_engine.where) as (ex, _):
         plan = await ex.start("c", spec(step(1)))
         await ex.complete(plan.id, 1, StepResult(ok=True))
         with pytest.raises(TransitionError):
@@ -398,8 +391,8 @@ async def _drive(path: Path, drawn: list[tuple[PlanSpec, dict[int, str]]], rng: 
             assert await ex.open_questions(plan.conversation) == []
 
 
-async def test_a_retried_step_runs_again_with_new_input_and_its_dependents_go_on(place: Path | str) -> None:
-    async with executor(place) as (ex, d):
+async def test_a_retried_step_runs_again_with_new_input_and_its_dependents_go_on(store_engine: Engine) -> None:
+    async with executor(store_engine.where) as (ex, d):
         plan = await ex.start("c", spec(step(1), step(2), step(3), step(4)))
         await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"))
         await ex.complete(plan.id, 2, StepResult(ok=False, error="wrong source"))
@@ -417,8 +410,8 @@ async def test_a_retried_step_runs_again_with_new_input_and_its_dependents_go_on
         assert last_kind(d) is ActionKind.FINISHED
 
 
-async def test_replaced_steps_never_run_and_the_new_ones_do(place: Path | str) -> None:
-    async with executor(place) as (ex, d):
+async def test_replaced_steps_never_run_and_the_new_ones_do(store_engine: Engine) -> None:
+    async with executor(store_engine.where) as (ex, d):
         plan = await ex.start("c", spec(step(1), step(2), step(3), step(4)))
         await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"))
         await ex.complete(plan.id, 2, StepResult(ok=False, error="cannot"))
@@ -444,8 +437,8 @@ async def test_replaced_steps_never_run_and_the_new_ones_do(place: Path | str) -
         assert '"step 3"' in events[0].detail  # the old steps are kept in the plan's history
 
 
-async def test_asking_a_person_mid_step_pauses_the_plan_and_resumes_with_the_answer(place: Path | str) -> None:
-    async with executor(place) as (ex, d):
+async def test_asking_a_person_mid_step_pauses_the_plan_and_resumes_with_the_answer(store_engine: Engine) -> None:
+    async with executor(store_engine.where) as (ex, d):
         plan = await ex.start("telegram:-1", spec(step(1), step(2, wait_for=[])), PlanOrigin("go", REQUESTER))
         question = await ex.ask_user(plan.id, 1, 1, "prod or staging?", ["prod", "staging"], asked_by="researcher")
         assert last_kind(d) is ActionKind.ASK_USER
@@ -487,8 +480,8 @@ async def test_an_admin_may_answer_and_a_restart_shows_open_questions_again(tmp_
         assert loaded.steps[1].status is StepStatus.DONE
 
 
-async def test_every_step_sees_the_original_request_and_the_goal_fenced(place: Path | str) -> None:
-    async with executor(place) as (ex, d):
+async def test_every_step_sees_the_original_request_and_the_goal_fenced(store_engine: Engine) -> None:
+    async with executor(store_engine.where) as (ex, d):
         origin = PlanOrigin("Please name the release 'Zanzibar' and ship it", REQUESTER)
         plan = await ex.start("c", spec(step(1), step(2), step(3, input="write the notes")), origin)
         await ex.complete(plan.id, 1, StepResult(ok=True))
@@ -501,8 +494,8 @@ async def test_every_step_sees_the_original_request_and_the_goal_fenced(place: P
         assert plan.id
 
 
-async def test_a_long_request_is_bounded_with_its_cut_marked(place: Path | str) -> None:
-    async with executor(place) as (ex, d):
+async def test_a_long_request_is_bounded_with_its_cut_marked(store_engine: Engine) -> None:
+    async with executor(store_engine.where) as (ex, d):
         origin = PlanOrigin("HEAD " + "x" * 20_000 + " TAIL", REQUESTER)
         await ex.start("c", spec(step(1)), origin)
         text = d.actions[-1].text
@@ -512,8 +505,8 @@ async def test_a_long_request_is_bounded_with_its_cut_marked(place: Path | str) 
         assert len(text) < 6_000
 
 
-async def test_output_files_reach_later_steps_and_the_plan_view(place: Path | str) -> None:
-    async with executor(place) as (ex, d):
+async def test_output_files_reach_later_steps_and_the_plan_view(store_engine: Engine) -> None:
+    async with executor(store_engine.where) as (ex, d):
         plan = await ex.start(
             "c", spec(step(1), step(2, input="check {{step_1.output_files}}")), PlanOrigin("go", REQUESTER)
         )
@@ -524,10 +517,10 @@ async def test_output_files_reach_later_steps_and_the_plan_view(place: Path | st
         assert "[in_progress] step 2" in view
 
 
-async def test_repairing_one_of_two_failed_dependencies_leaves_the_step_blocked(place: Path | str) -> None:
+async def test_repairing_one_of_two_failed_dependencies_leaves_the_step_blocked(store_engine: Engine) -> None:
     # Found by the property test: skipping step 1 used to free step 3, which still waited on the
     # given-up step 2, so the plan never finished.
-    async with executor(place) as (ex, _d):
+    async with executor(store_engine.where) as (ex, _d):
         plan = await ex.start("c", spec(step(1), step(2, wait_for=[]), step(3, wait_for=[1, 2]), step(4, wait_for=[])))
         await ex.complete(plan.id, 1, StepResult(ok=False, error="one"))
         await ex.complete(plan.id, 2, StepResult(ok=False, error="two"))  # step 4 runs meanwhile

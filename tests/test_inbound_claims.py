@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
-from pathlib import Path
 
 import pytest
 
 from kazma.bot.inbound_claims import MIGRATIONS, RETENTION_SECONDS, InboundClaims
 from kazma.bot.store import pg_migrations
 from kazma.config.database import open_database
-from tests.pg_support import find_bindir
-
-NO_SERVER = "PostgreSQL server binaries (initdb, pg_ctl, postgres) are not installed: run scripts/install-test-deps"
+from tests.store_backends import Engine
 
 Replicas = Callable[[str, "Clock"], Awaitable[InboundClaims]]
 
@@ -27,21 +24,10 @@ class Clock:
         return self.now
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """(engine, where): a SQLite file path or a PostgreSQL DSN of an empty database."""
-    if request.param == "sqlite":
-        yield "sqlite", str(tmp_path / "k.db")
-        return
-    if find_bindir() is None:
-        pytest.skip(NO_SERVER)
-    yield "postgresql", str(request.getfixturevalue("pg_dsn"))
-
-
 @pytest.fixture
-async def replicas(engine: tuple[str, str]) -> AsyncIterator[Replicas]:
+async def replicas(store_engine: Engine) -> AsyncIterator[Replicas]:
     """Open the claims of one more replica: its own connection (SQLite) or its own pool and writer (PostgreSQL)."""
-    name, where = engine
+    name, where = store_engine.name, store_engine.where
     async with AsyncExitStack() as stack:
 
         async def open_replica(replica: str, clock: Clock) -> InboundClaims:

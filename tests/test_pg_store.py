@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -26,8 +25,7 @@ from kazma.config.postgres import PgStore, apply_pg_migrations, open_pg_store, p
 from kazma.config.store_backend import StoreBackend, Tx
 from tests.approvals_support import ManualClock
 from tests.pg_support import find_bindir
-
-NO_SERVER = "PostgreSQL server binaries (initdb, pg_ctl, postgres) are not installed: run scripts/install-test-deps"
+from tests.store_backends import NO_SERVER, Engine
 
 
 @dataclass
@@ -49,20 +47,9 @@ class Backend:
             conn.execute(pyformat(sql), params)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """(engine, where): a SQLite file path or a PostgreSQL DSN of an empty database."""
-    if request.param == "sqlite":
-        yield "sqlite", str(tmp_path / "k.db")
-        return
-    if find_bindir() is None:
-        pytest.skip(NO_SERVER)
-    yield "postgresql", str(request.getfixturevalue("pg_dsn"))
-
-
 @pytest.fixture
-async def backend(engine: tuple[str, str]) -> AsyncIterator[Backend]:
-    name, where = engine
+async def backend(store_engine: Engine) -> AsyncIterator[Backend]:
+    name, where = store_engine.name, store_engine.where
     if name == "sqlite":
         conn = await open_database(where, migrations=[*APPROVALS, *OUTBOX])
         raw = sqlite3.connect(where, isolation_level=None)
