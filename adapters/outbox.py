@@ -16,7 +16,7 @@ import aiosqlite
 
 from kazma.config.database import Migration
 from kazma.config.pg_schema import PgMigration
-from kazma.config.store_backend import StoreBackend, Tx, backend_of
+from kazma.config.store_backend import StoreBackend, Tx, backend_of, held_by_gone
 
 # Who claims when no replica name is given: the only process on its store.
 LOCAL = "local"
@@ -175,15 +175,12 @@ class Outbox:
         """Posts claimed by a process that is gone are due now: every claim (``live`` None, at the start of
         the only process on the store), or those of replicas not in ``live``. How many were released."""
         now = self.clock()
-        sql = "claimed_by IS NOT NULL"
-        params: tuple[object, ...] = (now,)
-        if live:
-            sql, params = f"{sql} AND claimed_by NOT IN ({', '.join('?' * len(live))})", (now, *live)
+        gone, names = held_by_gone("claimed_by", live)
 
         def op(tx: Tx) -> int:
             return tx.run(
-                f"UPDATE card_outbox SET next_at = ?, claimed_by = NULL WHERE done_at IS NULL AND {sql}",  # noqa: S608
-                params,
+                f"UPDATE card_outbox SET next_at = ?, claimed_by = NULL WHERE done_at IS NULL AND {gone}",  # noqa: S608
+                (now, *names),
             )
 
         writer = await self.tables.writer()

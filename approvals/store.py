@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from kazma.approvals.model import ApprovalRequest, Outcome, Status, outcome_of
-from kazma.config.store_backend import StoreBackend, Tx, Writer, backend_of
+from kazma.config.store_backend import StoreBackend, Tx, Writer, backend_of, held_by_gone
 
 Clock = Callable[[], float]
 T = TypeVar("T")
@@ -552,13 +552,13 @@ class ApprovalStore:
 
     async def release_settle_claims(self, live: Collection[str]) -> int:
         """Card edits claimed by replicas not in ``live`` are due now; how many were released."""
-        alive = f" AND settle_claimed_by NOT IN ({', '.join('?' * len(live))})" if live else ""
+        gone, names = held_by_gone("settle_claimed_by", live)
 
         def op(tx: Tx) -> int:
             return tx.run(
-                "UPDATE approval_cards SET retry_at = NULL, settle_claimed_by = NULL WHERE settled_at IS NULL"  # noqa: S608
-                f" AND settle_claimed_by IS NOT NULL{alive}",
-                tuple(live),
+                "UPDATE approval_cards SET retry_at = NULL, settle_claimed_by = NULL"  # noqa: S608
+                f" WHERE settled_at IS NULL AND {gone}",
+                names,
             )
 
         return await self._write(op)

@@ -11,7 +11,7 @@ placeholders, in the dialect both engines share.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 
@@ -109,3 +109,12 @@ def tables_of(conn: StoreConnection) -> StoreTables:
     from kazma.config.pg_tables import PgTables  # psycopg only when PostgreSQL is used
 
     return PgTables.of(conn)
+
+
+def held_by_gone(column: str, live: Collection[str] | None) -> tuple[str, tuple[str, ...]]:
+    """A condition (and its parameters) for rows whose holder in ``column`` is a process that is gone: every
+    held row when ``live`` is empty or None (the only process, restarted), else those held outside ``live``."""
+    if not live:
+        return f"{column} IS NOT NULL", ()
+    names = tuple(live)
+    return f"{column} IS NOT NULL AND {column} NOT IN ({', '.join('?' * len(names))})", names

@@ -22,7 +22,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +36,7 @@ from kazma.approvals import ApprovalService, ApprovalStore, Status
 from kazma.bot.store import pg_migrations
 from kazma.config import load_config_text
 from kazma.config.postgres import PgStore, open_pg_store
+from tests.contract.harness import free_port
 from tests.fakes.discord import HOME_CHANNEL_ID
 from tests.platforms_support import PLATFORMS, SLACK_ADMIN, SLACK_CHANNEL, TG_ADMIN, TG_CHAT, Fakes, three_fakes
 from tests.process_support import REPO
@@ -46,12 +46,6 @@ REQUESTS = 100
 TOKEN = "o" * 40
 READER = "r" * 40
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Replica:
