@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiosqlite
 
-from kazma.approvals import MIGRATIONS, ApprovalCard, ApprovalService, ApprovalStore
+from kazma.approvals import (
+    MIGRATIONS,
+    ApprovalCard,
+    ApprovalRequest,
+    ApprovalService,
+    ApprovalStore,
+    PressVerdict,
+    Status,
+)
 from kazma.bot.store import pg_migrations
 from kazma.config import KazmaConfig, load_config_text
 from kazma.config.database import open_database
@@ -86,3 +94,21 @@ async def approval_service(
         )
     finally:
         await conn.close()
+
+
+def assert_one_winner_each(
+    ids: Iterable[str], rows: Mapping[str, ApprovalRequest], presses: Iterable[Sequence[Sequence[str]]]
+) -> None:
+    """Presses made by several processes, each (request id, verdict, status, decided by): every request
+    decided, exactly one press won it, and every losing press was told the outcome that stands."""
+    wins = dict.fromkeys(ids, 0)
+    for per_process in presses:
+        for rid, verdict, status, decided_by in per_process:
+            row = rows[rid]
+            assert row.status in (Status.APPROVED, Status.DENIED)
+            assert (status, decided_by) == (row.status.value, row.decided_by)  # losers told what stands
+            if verdict == PressVerdict.WON.value:
+                wins[rid] += 1
+            else:
+                assert verdict == PressVerdict.LOST.value
+    assert set(wins.values()) == {1}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kazma.approvals import Decision, PressVerdict, Status
-from tests.approvals_support import APPROVERS_YAML, approval_service
+from kazma.approvals import Decision, Status
+from tests.approvals_support import APPROVERS_YAML, approval_service, assert_one_winner_each
 
 PRESSER = textwrap.dedent(
     """
@@ -87,17 +87,7 @@ async def test_two_processes_press_every_request_exactly_one_winner(tmp_path: Pa
         rows = {r.id: r for r in await service.store.requests(limit=5000)}
         decided_events = await service.store.events(event="decided")
     assert len(decided_events) == 1000
-    wins = {rid: 0 for rid in ids}
-    for per_process in results:
-        for rid, verdict, status, decided_by in per_process:
-            row = rows[rid]
-            assert row.status in (Status.APPROVED, Status.DENIED)
-            assert (status, decided_by) == (row.status.value, row.decided_by)  # losers told what stands
-            if verdict == PressVerdict.WON.value:
-                wins[rid] += 1
-            else:
-                assert verdict == PressVerdict.LOST.value
-    assert set(wins.values()) == {1}
+    assert_one_winner_each(ids, rows, results)
 
 
 def _cli(args: list[str], config: Path) -> subprocess.CompletedProcess[str]:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kazma.approvals import ApprovalService, ApprovalStore, PressVerdict, Status
+from kazma.approvals import ApprovalService, ApprovalStore
 from kazma.bot.store import pg_migrations
 from kazma.config.postgres import open_pg_store
-from tests.approvals_support import approvals_config
+from tests.approvals_support import approvals_config, assert_one_winner_each
 from tests.pg_support import find_bindir
 
 REQUESTS = 1000
@@ -27,7 +27,7 @@ PRESSER = textwrap.dedent(
     from kazma.approvals import ApprovalService, ApprovalStore, Decision, button_data
     from kazma.bot.store import pg_migrations
     from kazma.config.postgres import open_pg_store
-    from tests.approvals_support import approvals_config
+    from tests.approvals_support import approvals_config, assert_one_winner_each
 
     async def main(dsn, actor, platform, flip):
         ids = json.loads(sys.stdin.readline())
@@ -113,18 +113,8 @@ async def test_three_replicas_press_every_request_exactly_one_winner(request: py
         results = [json.loads(out.decode().strip().splitlines()[-1]) for out, _ in outputs]
 
         rows = {r.id: r for r in await service.store.requests(limit=REQUESTS * 2)}
-        wins = dict.fromkeys(ids, 0)
-        for per_replica in results:
-            assert len(per_replica) == REQUESTS
-            for rid, verdict, status, decided_by in per_replica:
-                row = rows[rid]
-                assert row.status in (Status.APPROVED, Status.DENIED)
-                assert (status, decided_by) == (row.status.value, row.decided_by)  # losers told what stands
-                if verdict == PressVerdict.WON.value:
-                    wins[rid] += 1
-                else:
-                    assert verdict == PressVerdict.LOST.value
-        assert set(wins.values()) == {1}
+        assert [len(per_replica) for per_replica in results] == [REQUESTS] * len(results)
+        assert_one_winner_each(ids, rows, results)
         assert len(await service.store.events(event="decided")) == REQUESTS
         assert len(await service.store.events(event="press_lost")) == REQUESTS * (len(REPLICAS) - 1)
     finally:
