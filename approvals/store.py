@@ -313,6 +313,25 @@ class ApprovalStore:
         A press that loses is audited ``press_lost`` in the same group commit; one with a card problem
         writes nothing (the caller decides what to audit, and whether to look again).
         """
+        return await self._write(
+            self.press_op(request_id, status, actor=actor, platform=platform, reason=reason, card=card)
+        )
+
+    def press_op(
+        self,
+        request_id: str,
+        status: Status,
+        *,
+        actor: str,
+        platform: str,
+        reason: str | None,
+        card: CardCheck | None,
+    ) -> Callable[[Tx], Pressed]:
+        """The statements of :meth:`press`, as the writer runs them inside its transaction.
+
+        Public so ``bench/store_decide.py`` can run exactly these statements with no service, writer or
+        event loop around them: the most any code around them could reach.
+        """
 
         def op(tx: Tx) -> Pressed:
             if card is not None:
@@ -337,7 +356,7 @@ class ApprovalStore:
                 tx.run(_EVENT, (request_id, "press_lost", actor, platform, now, request.args_hash, detail))
             return Pressed(None, won, request)
 
-        return await self._write(op)
+        return op
 
     @staticmethod
     def _card_problem(tx: Tx, request_id: str, check: CardCheck) -> str | None:

@@ -7,7 +7,14 @@ process, alternating every ``--chunk`` requests so disk noise hits all alike:
   the compare-and-set with ``RETURNING``, audit rows, group commit);
 * raw sqlite3: ``UPDATE r SET status=? WHERE id=? AND status='pending'`` and a
   commit per press, stdlib ``sqlite3`` on the loop thread;
-* raw aiosqlite: the same statement and commit through aiosqlite.
+* raw aiosqlite: the same statement and commit through aiosqlite;
+* product op alone: the very statements a press runs in the product
+  (``ApprovalStore.press_op``: the card check, the compare-and-set with
+  ``RETURNING``, the audit row), one transaction per request (as group
+  commit gives a request's simultaneous presses), from stdlib
+  ``sqlite3`` on the loop thread with no service, writer or event loop around
+  them. ``ceiling`` is its rate ÷ raw sqlite3: what the product's schema and
+  audit allow before any of its own code runs.
 
 Every file is WAL with ``synchronous=FULL``. The cases: one press per request,
 one request at a time; three presses per request (one winner, two losers), one
@@ -31,10 +38,12 @@ from pathlib import Path
 
 import aiosqlite
 
-from kazma.approvals import MIGRATIONS, ApprovalService, ApprovalStore, Decision, button_data
+from kazma.approvals import MIGRATIONS, ApprovalService, ApprovalStore, Decision, Status, button_data
+from kazma.approvals.store import CardCheck
 from kazma.bot.logging import configure_logging
 from kazma.config import load_config_text
 from kazma.config.database import connect, open_database
+from kazma.config.writer import Tx
 
 CONFIG = load_config_text('approvals: {approvers: ["telegram:1", "slack:U1", "discord:2"]}').config
 PRESSERS = (("telegram:1", "telegram"), ("slack:U1", "slack"), ("discord:2", "discord"))
@@ -123,6 +132,34 @@ async def sqlite3_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Ca
     return chunk, close
 
 
+async def op_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Callable[[], Awaitable[None]]]:
+    opened = await open_database(path, migrations=MIGRATIONS)
+    store = ApprovalStore(opened)
+    ids = [(await ApprovalService(store, CONFIG).open("shell", {"n": i}, "bench", "bench")).id for i in range(requests)]
+    writer = await store.tables.writer()
+    await writer.close()
+    await opened.close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA synchronous = FULL")
+    tx = Tx(conn)
+
+    async def chunk(numbers: list[int]) -> int:
+        won = 0
+        for n in numbers:
+            conn.execute("BEGIN IMMEDIATE")
+            for actor, platform in PRESSERS[: case.presses]:
+                check = CardCheck(platform, None, None, needs_whole=True)
+                op = store.press_op(ids[n], Status.APPROVED, actor=actor, platform=platform, reason=None, card=check)
+                won += op(tx).won
+            conn.execute("COMMIT")
+        return won
+
+    async def close() -> None:
+        conn.close()
+
+    return chunk, close
+
+
 async def aiosqlite_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Callable[[], Awaitable[None]]]:
     conn: aiosqlite.Connection = await connect(path)
     await conn.execute("CREATE TABLE IF NOT EXISTS r (id TEXT PRIMARY KEY, status TEXT NOT NULL, decided_by TEXT)")
@@ -156,6 +193,7 @@ async def run_case(folder: Path, case: Case, requests: int, chunk_size: int) -> 
         "product": await product_side(folder / "product.db", requests, case),
         "raw sqlite3": await sqlite3_side(folder / "sqlite3.db", requests, case),
         "raw aiosqlite": await aiosqlite_side(folder / "aiosqlite.db", requests, case),
+        "op alone": await op_side(folder / "op.db", requests, case),
     }
     tallies = {name: Tally() for name in sides}
     size = max(chunk_size, case.in_flight)
@@ -187,17 +225,19 @@ async def main() -> None:
         places.append(("tmpfs", args.tmpfs))
     for run in range(1, args.runs + 1):
         print(f"run {run}: {args.requests} requests per case, sides interleaved every {args.chunk} requests")
-        header = f"{'where':<10}{'case':<46}{'product/s':>11}{'sqlite3/s':>11}{'aiosql/s':>10}"
-        print(header + f"{'÷sqlite3':>10}{'÷aiosql':>9}{'goal':>7}")
+        header = f"{'where':<10}{'case':<46}{'product/s':>11}{'sqlite3/s':>11}{'aiosql/s':>10}{'op/s':>9}"
+        print(header + f"{'÷sqlite3':>10}{'÷aiosql':>9}{'goal':>7}{'ceiling':>9}")
         for label, folder in places:
             for case in CASES:
                 with tempfile.TemporaryDirectory(dir=folder) as tmp:
                     tallies = await run_case(Path(tmp), case, args.requests, args.chunk)
-                product, raw, aio = (tallies[k].rate for k in ("product", "raw sqlite3", "raw aiosqlite"))
+                product, raw, aio, alone = (
+                    tallies[k].rate for k in ("product", "raw sqlite3", "raw aiosqlite", "op alone")
+                )
                 goal = case.goal if label == "store dir" else 0.25
                 print(
-                    f"{label:<10}{case.name:<46}{product:>11,.0f}{raw:>11,.0f}{aio:>10,.0f}"
-                    f"{product / raw:>10.2f}{product / aio:>9.2f}{'≥' + str(goal):>7}"
+                    f"{label:<10}{case.name:<46}{product:>11,.0f}{raw:>11,.0f}{aio:>10,.0f}{alone:>9,.0f}"
+                    f"{product / raw:>10.2f}{product / aio:>9.2f}{'≥' + str(goal):>7}{alone / raw:>9.2f}"
                 )
                 for name, tally in tallies.items():
                     if tally.decisions != args.requests:
