@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import io
 import re
 from typing import Any
 
@@ -28,6 +29,7 @@ from kazma.adapters.card_layout import (
 from kazma.adapters.discord.render import DiscordWriter
 from kazma.adapters.slack.render import SlackWriter
 from kazma.adapters.telegram.render import TelegramWriter
+from kazma.adapters.terminal import TerminalAdapter
 from kazma.adapters.web.render import HtmlWriter
 from kazma.approvals.model import Status
 from tests.contract.harness import make_card, outcome_of
@@ -176,3 +178,18 @@ def test_a_long_escaped_value_is_never_cut_inside_an_escape(where: str) -> None:
     card = make_card({"blob": "\u202e" * 400}, value_limit=500)
     text = visible(lay_out(card, WRITERS[where]).written)
     assert re.search(r"⟨U\+202E[^⟩]*$", text, flags=re.MULTILINE) is None  # every escape that starts, ends
+
+
+async def test_the_terminal_prints_no_control_character_of_a_value() -> None:
+    # An ANSI sequence in a value could move the cursor and overwrite the card's own lines on a terminal.
+    out = io.StringIO()
+    terminal = TerminalAdapter(out=out, interactive=False, auto=None)
+    card = make_card({"command": "rm -rf ~ \x1b[1A\x1b[2K\recho harmless \u202e"})
+    ref = await terminal.post_card(card)
+    printed = out.getvalue()
+    assert not any(char in printed for char in "\x1b\r\u202e")
+    for escape in ("⟨U+001B", "⟨U+000D", "⟨U+202E"):
+        assert escape in printed
+    assert "Hidden or control characters" in printed
+    assert card.args_hash in printed
+    assert ref.whole
