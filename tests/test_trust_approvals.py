@@ -35,6 +35,26 @@ async def test_a_row_forged_to_approved_without_its_audit_does_not_run(tmp_path:
         assert [e.event for e in await service.store.events(request.id)][-1] == "execution_refused"
 
 
+async def test_a_forged_approval_with_a_forged_audit_row_by_a_non_approver_does_not_run(tmp_path: Path) -> None:
+    async with approval_service(tmp_path / "k.db") as service:
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        with sqlite3.connect(tmp_path / "k.db") as raw:  # the row and an audit row, both written by hand
+            raw.execute(
+                "UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:999',"
+                " decided_via = 'telegram', decided_at = 1 WHERE id = ?",
+                (request.id,),
+            )
+            raw.execute(
+                "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash)"
+                " VALUES (?, 'decided', 'telegram:999', 'telegram', 1, ?)",
+                (request.id, request.args_hash),
+            )
+        before = failure_count("approval_forged")
+        with pytest.raises(ExecutionMismatch, match="approved by someone who may not"):
+            await service.verify_execution(request.id, "shell", ARGS)
+        assert failure_count("approval_forged") == before + 1
+
+
 async def test_the_policy_refuses_a_forged_approval_a_waiter_sees(tmp_path: Path) -> None:
     publisher = RecordingPublisher()
     async with approval_service(tmp_path / "k.db", publisher=publisher, poll_interval=0.01) as service:
