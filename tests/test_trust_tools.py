@@ -93,7 +93,9 @@ async def test_without_a_sandbox_every_shell_card_says_so_and_doctor_warns(tmp_p
         await app.stop()
     doctor = check_sandbox(loaded)
     assert doctor.level is Level.WARN
-    assert "unsandboxed" in doctor.detail
+    assert doctor.detail == (
+        "shell commands run unsandboxed on this host (every shell card says so): tools.sandbox is none"
+    )
 
 
 async def test_tools_sandbox_bwrap_without_bubblewrap_refuses_before_anyone_is_asked(
@@ -125,7 +127,10 @@ async def test_auto_without_bubblewrap_says_unsandboxed_on_the_card_and_in_docto
         await app.stop()
     doctor = check_sandbox(loaded)
     assert doctor.level is Level.WARN
-    assert "unsandboxed" in doctor.detail
+    assert doctor.detail == (
+        "shell commands run unsandboxed on this host (every shell card says so) ('bwrap' was not found on PATH): "
+        "install bubblewrap (apt-get install bubblewrap) or set tools.sandbox: none to accept it"
+    )
 
 
 @needs_bwrap
