@@ -31,8 +31,10 @@ from kazma.adapters.slack.render import SlackWriter
 from kazma.adapters.telegram.render import TelegramWriter
 from kazma.adapters.terminal import TerminalAdapter
 from kazma.adapters.web.render import HtmlWriter
+from kazma.approvals import Hidden
 from kazma.approvals.model import Status
 from tests.contract.harness import make_card, outcome_of
+from tests.test_honesty import CASES
 
 
 def visible(written: Any) -> str:
@@ -171,6 +173,22 @@ def test_every_writer_shows_hidden_characters_escaped_with_the_warning(where: st
     assert "⟨U+000D" in text
     assert "Hidden or control characters" in text
     assert text.index("Hidden or control characters") < text.index(TOOL_LABEL)  # prominent: before the facts
+
+
+@pytest.mark.parametrize("where", sorted(WRITERS))
+@pytest.mark.parametrize(("value", "char", "kind", "shown"), CASES, ids=[f"U+{ord(c[1]):04X}" for c in CASES])
+def test_every_writer_shows_every_hidden_class_escaped_under_its_warning(
+    where: str, value: str, char: str, kind: Hidden, shown: str
+) -> None:
+    card = make_card({"command": value})
+    text = visible(lay_out(card, WRITERS[where]).written)
+    assert shown in text
+    facts = text[text.index(TOOL_LABEL) :]  # (the warning line is Kazma's own: its ⚠️ holds U+FE0F)
+    assert char not in facts.replace(shown, "")  # the character is gone (for ⟨: but where an escape starts)
+    warning = next(line for line in text.splitlines() if kind.label in line)
+    assert f"U+{ord(char):04X}" in warning
+    assert text.index(warning) < text.index(TOOL_LABEL)
+    assert card.args_hash in text  # the hash of the raw call, which runs unchanged
 
 
 @pytest.mark.parametrize("where", sorted(WRITERS))
