@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sqlite3
 from pathlib import Path
 
 import aiohttp
 import pytest
 from yarl import URL
 
-from kazma.approvals.model import Status
+from kazma.approvals.model import Decision, Status
 from kazma.bot.console.auth import load_tokens
 from kazma.bot.console.server import WebServer
 from kazma.config import ConfigError, load_config_text
@@ -301,3 +302,32 @@ async def test_a_20000_character_call_is_approved_on_its_page_not_from_the_conso
         assert row is not None
         assert (row.status, row.decided_by, row.decided_via) == (Status.APPROVED, "web:alice", "web")
         await until(con.web, lambda: (m := con.web.card_message(request.id)) is not None and m.outcome is not None)
+
+
+async def test_the_approval_page_of_a_changed_call_shows_none_of_it_and_offers_no_approve(tmp_path: Path) -> None:
+    async with console(tmp_path) as con, con.client() as client:
+        request = await con.open_approval({"command": "rm -rf /srv/data"})
+        with sqlite3.connect(tmp_path / "k.db") as raw:  # the text a person would read, changed; the hash kept
+            raw.execute(
+                "UPDATE approval_requests SET args_json = ? WHERE id = ?", ('{"command":"echo harmless"}', request.id)
+            )
+        await con.login(client, "alice", OPERATOR)
+        response = await client.get(f"{con.base}/swarm?approval={request.id}")
+        assert response.status == 200
+        page = await response.text()
+        assert "changed outside Kazma" in page
+        assert "echo harmless" not in page  # nothing of the changed call is shown as if it were the call
+        assert '<input type="hidden" name="decision" value="approve">' not in page
+        assert '<input type="hidden" name="decision" value="deny">' in page
+
+
+async def test_the_audit_trail_on_the_approval_page_is_escaped_too(tmp_path: Path) -> None:
+    async with console(tmp_path) as con, con.client() as client:
+        request = await con.open_approval({"command": "ls"})
+        await con.app.service.decide(
+            request.id, Decision.DENY, actor="web:alice", platform="web", reason=f"fine{RLO} but no"
+        )
+        await con.login(client, "alice", OPERATOR)
+        page = await (await client.get(f"{con.base}/swarm?approval={request.id}")).text()
+        assert RLO not in page
+        assert "fine⟨U+202E RLO⟩ but no" in page

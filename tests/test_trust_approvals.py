@@ -55,6 +55,26 @@ async def test_a_forged_approval_with_a_forged_audit_row_by_a_non_approver_does_
         assert failure_count("approval_forged") == before + 1
 
 
+async def test_an_approval_of_a_stored_call_changed_after_it_was_opened_does_not_run(tmp_path: Path) -> None:
+    # The person read the stored call (approval page, `kazma approvals show`) and approved; the call the waiter
+    # holds still hashes to the approved hash, but what the person read was not it.
+    async with approval_service(tmp_path / "k.db") as service:
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        with sqlite3.connect(tmp_path / "k.db") as raw:
+            raw.execute(
+                "UPDATE approval_requests SET args_json = ? WHERE id = ?", ('{"command":"echo harmless"}', request.id)
+            )
+        won = await service.decide(request.id, Decision.APPROVE, actor="cli:ops", platform="cli")
+        assert won.verdict is PressVerdict.WON
+        before = failure_count("approval_forged")
+        with pytest.raises(ExecutionMismatch, match="its stored call was changed"):
+            await service.verify_execution(request.id, "shell", ARGS)
+        assert failure_count("approval_forged") == before + 1
+        refused = (await service.store.events(request.id, event="execution_refused"))[-1]
+        assert refused.detail is not None
+        assert refused.detail.startswith("its stored call was changed (the stored arguments hash to ")
+
+
 async def test_the_policy_refuses_a_forged_approval_a_waiter_sees(tmp_path: Path) -> None:
     publisher = RecordingPublisher()
     async with approval_service(tmp_path / "k.db", publisher=publisher, poll_interval=0.01) as service:
