@@ -331,3 +331,15 @@ async def test_the_audit_trail_on_the_approval_page_is_escaped_too(tmp_path: Pat
         page = await (await client.get(f"{con.base}/swarm?approval={request.id}")).text()
         assert RLO not in page
         assert "fine⟨U+202E RLO⟩ but no" in page
+
+
+async def test_the_dashboard_lists_a_tool_name_from_the_approvals_api_escaped(tmp_path: Path) -> None:
+    # Agents Kazma does not run name their own tool and requester (the approvals API, /mcp).
+    async with console(tmp_path) as con, con.client() as client:
+        request = await con.app.service.open(f"deploy{RLO}", {"to": "prod"}, f"api:bot{RLO}", "web:console")
+        await con.login(client, "alice", OPERATOR)
+        page = await (await client.get(f"{con.base}/swarm")).text()
+        assert request.id in page
+        assert RLO not in page
+        assert "deploy⟨U+202E RLO⟩" in page
+        assert "api:bot⟨U+202E RLO⟩" in page

@@ -535,9 +535,9 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
         )
     summary = ", ".join(f"{n} {e(s)}" for s, n in data.counts.items() if n) or "no tasks"
     approval_rows = "".join(
-        f'<tr><td><a href="{e(approval_href(a.id))}">{e(a.id)}</a></td><td>{e(a.tool)}</td>'
-        f"<td>{e(a.status.value)}</td><td>{e(a.requested_by)}</td><td>{when_html(a.created_at)}</td>"
-        f"<td>{e(a.decided_by or '')}</td></tr>"
+        f'<tr><td><a href="{e(approval_href(a.id))}">{e(a.id)}</a></td><td>{e(reveal(a.tool))}</td>'
+        f"<td>{e(a.status.value)}</td><td>{e(reveal(a.requested_by))}</td><td>{when_html(a.created_at)}</td>"
+        f"<td>{e(reveal(a.decided_by or ''))}</td></tr>"
         for a in data.approvals
     )
     workers = "".join(f"<li>{e(line)}</li>" for line in data.worker_lines) or "<li>no workers configured</li>"
@@ -567,7 +567,7 @@ def rules_section(viewer: Viewer, rules: Sequence[Rule]) -> str:
             form(f"/approvals/rules/{quote(r.id, safe='')}/revoke", viewer, {}, "Revoke") if viewer.is_operator else ""
         )
         rows.append(
-            f"<tr><td><code>{e(r.id)}</code></td><td>{e(r.tool)}</td><td><code>{e(r.args_hash[:16])}…</code></td>"
+            f"<tr><td><code>{e(r.id)}</code></td><td>{e(reveal(r.tool))}</td><td><code>{e(r.args_hash[:16])}…</code></td>"
             f"<td>{e(r.conversation)}</td><td>{e(r.created_by)}</td>"
             f"<td>{when_html(datetime.fromtimestamp(r.expires_at, UTC))}</td><td>{revoke}</td></tr>"
         )
