@@ -211,3 +211,16 @@ async def test_the_terminal_prints_no_control_character_of_a_value() -> None:
     assert "Hidden or control characters" in printed
     assert card.args_hash in printed
     assert ref.whole
+
+
+async def test_the_terminal_prints_no_control_character_of_an_agents_message() -> None:
+    # Printed after a card, "\x1b[8A\x1b[2K" would move up and rewrite the card's arguments in place.
+    out = io.StringIO()
+    terminal = TerminalAdapter(out=out, interactive=False, auto=None)
+    await terminal.send_text("terminal", "done\x1b[8A\x1b[2K│ command: ls\nnext line", agent="builder\u202e")
+    printed = out.getvalue()
+    assert "\x1b" not in printed
+    assert "\u202e" not in printed
+    assert "done⟨U+001B ESC⟩[8A⟨U+001B ESC⟩[2K│ command: ls" in printed
+    assert "[builder⟨U+202E RLO⟩]" in printed
+    assert "\n" in printed.strip()  # a newline stays a newline
