@@ -18,6 +18,7 @@ from typing import IO
 from kazma.adapters.card_layout import PlainWriter, lay_out
 from kazma.adapters.contract import CardRef, Handlers, Press
 from kazma.approvals.card import ApprovalCard
+from kazma.approvals.honesty import reveal
 from kazma.approvals.model import Decision, Outcome
 
 
@@ -61,8 +62,10 @@ class TerminalAdapter:
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         message_id = str(next(self._ids))
-        who = agent or "kazma"
-        body = textwrap.indent(text, " " * (len(who) + 3)).lstrip()
+        who = reveal(agent or "kazma")
+        # Escaped like a card's values: an ANSI sequence in an agent's words could move the cursor up and rewrite
+        # a card already printed above.
+        body = textwrap.indent(reveal(text), " " * (len(who) + 3)).lstrip()
         self._print(f"[{who}] {body}")
         return message_id
 

@@ -17,7 +17,14 @@ from typing import Any, Protocol
 
 import structlog
 
-from kazma.approvals.card import BUTTON_PREFIX, ApprovalCard, build_card, check_names
+from kazma.approvals.card import (
+    BUTTON_PREFIX,
+    ApprovalCard,
+    CardIntegrityError,
+    build_card,
+    check_names,
+    verify_integrity,
+)
 from kazma.approvals.hashing import args_hash, canonical_json, check_arguments
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
 from kazma.approvals.rules import Rule, RuleStore
@@ -138,6 +145,16 @@ def parse_button(data: str) -> ParsedButton:
     if decision is None:
         raise ButtonError(f"unknown decision code {match['code']!r}")
     return ParsedButton(match["id"], decision, remember=match["code"] == REMEMBER_CODE)
+
+
+def _integrity_problem(request: ApprovalRequest) -> str | None:
+    """Why ``request``'s stored call no longer hashes to its hash, or None. The stored call is what the approval
+    page and ``kazma approvals show`` put before a person: changed, they may have approved other text."""
+    try:
+        verify_integrity(request)
+    except CardIntegrityError as exc:
+        return exc.reason
+    return None
 
 
 class ApprovalService:
@@ -640,8 +657,9 @@ class ApprovalService:
         """Refuse to run anything but the exact call that was approved, by a person, on the record.
 
         An ``approved`` row counts only with the ``decided`` audit row the
-        compare-and-set wrote in the same transaction (same actor, same hash):
-        a row changed behind Kazma's back does not run, and is reported.
+        compare-and-set wrote in the same transaction (same actor, same hash),
+        and only while its stored call still hashes to that hash: a row changed
+        behind Kazma's back does not run, and is reported.
         """
         request = await self.store.get(request_id)
         if request is None or request.status is not Status.APPROVED:
@@ -652,9 +670,19 @@ class ApprovalService:
             for e in await self.store.events(request_id, event="decided")
             if e.actor == request.decided_by and e.args_hash == request.args_hash
         ]
-        if not decided or not self.config.roster.is_approver(request.decided_by or "", request.decided_via or ""):
+        changed = _integrity_problem(request)
+        if (
+            changed is not None
+            or not decided
+            or not self.config.roster.is_approver(request.decided_by or "", request.decided_via or "")
+        ):
             count_failure("approval_forged")
-            detail = "approved without its decided audit row" if not decided else "approved by someone who may not"
+            if changed is not None:
+                detail = f"its stored call was changed ({changed})"
+            elif not decided:
+                detail = "approved without its decided audit row"
+            else:
+                detail = "approved by someone who may not"
             await self._audit_safely(request_id, "execution_refused", None, None, detail)
             log.error("approvals.forged_approval", request_id=request_id, detail=detail, decided_by=request.decided_by)
             raise ExecutionMismatch(

@@ -9,7 +9,17 @@ from typing import TypeVar
 
 import click
 
-from kazma.approvals import ApprovalService, ApprovalStore, Decision, PressVerdict
+from kazma.approvals import (
+    ApprovalService,
+    ApprovalStore,
+    CardIntegrityError,
+    Decision,
+    PressVerdict,
+    UnrenderableArguments,
+    build_card,
+    reveal,
+)
+from kazma.approvals.card import INTEGRITY_WARNING
 from kazma.approvals.model import ApprovalRequest
 from kazma.bot.context import Context
 from kazma.bot.store import store_for_command
@@ -30,6 +40,19 @@ def _when(request: ApprovalRequest) -> str:
     return request.created_at.strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _warnings(request: ApprovalRequest, public_url: str) -> tuple[str, ...]:
+    """What the request's cards warn about (hidden or look-alike characters, how it would run), or that its
+    stored call was changed outside Kazma. ``show`` is where a cut call is read whole before approving it from
+    here, so it must warn exactly as the cards do."""
+    try:
+        card = build_card(request, value_limit=len(request.args_json) + 1000, public_url=public_url)
+    except CardIntegrityError as exc:
+        return (f"{INTEGRITY_WARNING} ({reveal(exc.reason)})",)
+    except UnrenderableArguments as exc:
+        return (f"These arguments cannot be shown faithfully: {reveal(str(exc))}",)
+    return card.warnings  # already escaped where they quote the call
+
+
 @click.group()
 def approvals() -> None:
     """List, inspect and decide approval requests."""
@@ -48,7 +71,10 @@ def list_requests(obj: Context, pending: bool, limit: int) -> None:
         return
     for r in rows:
         decided = f" by {r.decided_by}" if r.decided_by else ""
-        click.echo(f"{r.id}  {r.status.value:<9} {_when(r)}  {r.tool:<12} from {r.requested_by}{decided}")
+        # Everything shown escaped as on the cards: a terminal obeys control characters, and bidi controls
+        # reorder what it shows.
+        line = f"{r.id}  {r.status.value:<9} {_when(r)}  {r.tool:<12} from {r.requested_by}{decided}"
+        click.echo(reveal(line))
 
 
 @approvals.command("show")
@@ -63,24 +89,30 @@ def show(obj: Context, request_id: str) -> None:
         if request is None:
             click.echo(f"no approval request {request_id!r}", err=True)
             sys.exit(1)
-        click.echo(f"request    {request.id}")
-        click.echo(f"tool       {request.tool}")
-        click.echo(f"status     {request.status.value}")
-        click.echo(f"requested  by {request.requested_by} in {request.conversation} at {_when(request)} UTC")
-        click.echo(f"deadline   {request.deadline.strftime('%Y-%m-%d %H:%M:%S')} UTC")
+        # Every stored text is shown escaped (⟨U+202E RLO⟩, ⟨U+001B ESC⟩), under the cards' warnings: this is
+        # where a call too long for a chat card is read whole before `approve`.
+        for warning in _warnings(request, service.config.web.public_url):
+            click.echo(f"warning    {warning}")
+        lines = [
+            f"request    {request.id}",
+            f"tool       {request.tool}",
+            f"status     {request.status.value}",
+            f"requested  by {request.requested_by} in {request.conversation} at {_when(request)} UTC",
+            f"deadline   {request.deadline.strftime('%Y-%m-%d %H:%M:%S')} UTC",
+        ]
         if request.task_id:
-            click.echo(f"task       {request.task_id}")
+            lines.append(f"task       {request.task_id}")
         outcome = request.outcome()
         if outcome is not None:
-            click.echo(f"outcome    {outcome.summary()}")
-        click.echo(f"sha256     {request.args_hash}")
-        click.echo(f"arguments  {request.args_json}")
-        click.echo("audit")
+            lines.append(f"outcome    {outcome.summary()}")
+        lines += [f"sha256     {request.args_hash}", f"arguments  {request.args_json}", "audit"]
         for event in await service.store.events(request.id):
             who = f" {event.actor}" if event.actor else ""
             where = f" via {event.platform}" if event.platform else ""
             detail = f"  {event.detail}" if event.detail else ""
-            click.echo(f"  {event.at.strftime('%Y-%m-%d %H:%M:%S')}  {event.event}{who}{where}{detail}")
+            lines.append(f"  {event.at.strftime('%Y-%m-%d %H:%M:%S')}  {event.event}{who}{where}{detail}")
+        for line in lines:
+            click.echo(reveal(line))
 
     _with_service(loaded, work)
 

@@ -65,11 +65,15 @@ def check_sandbox(loaded: LoadedConfig) -> Check:
     if sandbox.refuses:
         return Check("sandbox", Level.FAIL, sandbox.refusal or sandbox.describe())
     if not sandbox.active:
+        unsandboxed = "shell commands run unsandboxed on this host (every shell card says so)"
+        if loaded.config.tools.sandbox == "none":  # chosen: say so, without telling to choose it again
+            return Check("sandbox", Level.WARN, f"{unsandboxed}: tools.sandbox is none")
+        why = f" ({sandbox.problem})" if sandbox.problem else ""
         return Check(
             "sandbox",
             Level.WARN,
-            "shell commands run unsandboxed on this host (every shell card says so): install bubblewrap "
-            "(apt-get install bubblewrap) or set tools.sandbox: none to accept it",
+            f"{unsandboxed}{why}: install bubblewrap (apt-get install bubblewrap) "
+            "or set tools.sandbox: none to accept it",
         )
     network = "on" if loaded.config.tools.shell_network else "off"
     return Check("sandbox", Level.OK, f"shell commands run in bubblewrap (network {network})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -147,3 +148,40 @@ async def test_cli_list_empty(tmp_path: Path) -> None:
     assert result.returncode == 0
     assert result.stdout.strip() == "no approval requests"
     assert Decision.APPROVE.code == "a"
+
+
+TROJAN = "echo hi; true \u202e # ; rm -rf ~ \x9b2K\x85 git\u200bhub \x7f"
+
+
+async def test_cli_show_escapes_what_a_terminal_would_obey_and_warns_as_the_cards_do(tmp_path: Path) -> None:
+    # `show` is where a call too long for a chat card is read whole before `approve`.
+    db = tmp_path / "k.db"
+    config = tmp_path / "kazma.yaml"
+    config.write_text(APPROVERS_YAML + f"store: {{path: {db}}}\n")
+    async with approval_service(db) as service:
+        request = await service.open("shell\u202e", {"command": TROJAN}, "agent:builder\u200b", "slack:C1")
+        changed = await service.open("shell", {"command": "rm -rf /srv"}, "agent:builder", "slack:C1")
+    with sqlite3.connect(db) as raw:
+        raw.execute("UPDATE approval_requests SET args_json = ? WHERE id = ?", ('{"command":"ls"}', changed.id))
+
+    shown = await asyncio.to_thread(_cli, ["approvals", "show", request.id], config)
+    assert shown.returncode == 0, shown.stderr
+    for raw_char in ("\u202e", "\x9b", "\x85", "\u200b", "\x7f"):
+        assert raw_char not in shown.stdout, repr(raw_char)
+    for escape in ("⟨U+202E RLO⟩", "⟨U+009B CSI⟩", "⟨U+0085 NEL⟩", "⟨U+200B ZWSP⟩", "⟨U+007F DEL⟩"):
+        assert escape in shown.stdout
+    first = shown.stdout.splitlines()[0]
+    assert first.startswith("warning    Hidden or control characters in the tool name")
+    assert "warning    Hidden or control characters in argument 'command'" in shown.stdout
+    assert "tool       shell⟨U+202E RLO⟩" in shown.stdout
+    assert request.args_hash in shown.stdout
+
+    listed = await asyncio.to_thread(_cli, ["approvals", "list"], config)
+    assert listed.returncode == 0, listed.stderr
+    assert "\u202e" not in listed.stdout
+    assert "\u200b" not in listed.stdout
+    assert "shell⟨U+202E RLO⟩" in listed.stdout
+
+    tampered = await asyncio.to_thread(_cli, ["approvals", "show", changed.id], config)
+    assert tampered.returncode == 0, tampered.stderr
+    assert tampered.stdout.startswith("warning    The stored call no longer matches the hash it was opened with")

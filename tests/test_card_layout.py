@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import io
 import re
 from typing import Any
 
@@ -28,9 +29,12 @@ from kazma.adapters.card_layout import (
 from kazma.adapters.discord.render import DiscordWriter
 from kazma.adapters.slack.render import SlackWriter
 from kazma.adapters.telegram.render import TelegramWriter
+from kazma.adapters.terminal import TerminalAdapter
 from kazma.adapters.web.render import HtmlWriter
+from kazma.approvals import Hidden
 from kazma.approvals.model import Status
 from tests.contract.harness import make_card, outcome_of
+from tests.test_honesty import CASES
 
 
 def visible(written: Any) -> str:
@@ -172,7 +176,51 @@ def test_every_writer_shows_hidden_characters_escaped_with_the_warning(where: st
 
 
 @pytest.mark.parametrize("where", sorted(WRITERS))
+@pytest.mark.parametrize(("value", "char", "kind", "shown"), CASES, ids=[f"U+{ord(c[1]):04X}" for c in CASES])
+def test_every_writer_shows_every_hidden_class_escaped_under_its_warning(
+    where: str, value: str, char: str, kind: Hidden, shown: str
+) -> None:
+    card = make_card({"command": value})
+    text = visible(lay_out(card, WRITERS[where]).written)
+    assert shown in text
+    facts = text[text.index(TOOL_LABEL) :]  # (the warning line is Kazma's own: its ⚠️ holds U+FE0F)
+    assert char not in facts.replace(shown, "")  # the character is gone (for ⟨: but where an escape starts)
+    warning = next(line for line in text.splitlines() if kind.label in line)
+    assert f"U+{ord(char):04X}" in warning
+    assert text.index(warning) < text.index(TOOL_LABEL)
+    assert card.args_hash in text  # the hash of the raw call, which runs unchanged
+
+
+@pytest.mark.parametrize("where", sorted(WRITERS))
 def test_a_long_escaped_value_is_never_cut_inside_an_escape(where: str) -> None:
     card = make_card({"blob": "\u202e" * 400}, value_limit=500)
     text = visible(lay_out(card, WRITERS[where]).written)
     assert re.search(r"⟨U\+202E[^⟩]*$", text, flags=re.MULTILINE) is None  # every escape that starts, ends
+
+
+async def test_the_terminal_prints_no_control_character_of_a_value() -> None:
+    # An ANSI sequence in a value could move the cursor and overwrite the card's own lines on a terminal.
+    out = io.StringIO()
+    terminal = TerminalAdapter(out=out, interactive=False, auto=None)
+    card = make_card({"command": "rm -rf ~ \x1b[1A\x1b[2K\recho harmless \u202e"})
+    ref = await terminal.post_card(card)
+    printed = out.getvalue()
+    assert not any(char in printed for char in "\x1b\r\u202e")
+    for escape in ("⟨U+001B", "⟨U+000D", "⟨U+202E"):
+        assert escape in printed
+    assert "Hidden or control characters" in printed
+    assert card.args_hash in printed
+    assert ref.whole
+
+
+async def test_the_terminal_prints_no_control_character_of_an_agents_message() -> None:
+    # Printed after a card, "\x1b[8A\x1b[2K" would move up and rewrite the card's arguments in place.
+    out = io.StringIO()
+    terminal = TerminalAdapter(out=out, interactive=False, auto=None)
+    await terminal.send_text("terminal", "done\x1b[8A\x1b[2K│ command: ls\nnext line", agent="builder\u202e")
+    printed = out.getvalue()
+    assert "\x1b" not in printed
+    assert "\u202e" not in printed
+    assert "done⟨U+001B ESC⟩[8A⟨U+001B ESC⟩[2K│ command: ls" in printed
+    assert "[builder⟨U+202E RLO⟩]" in printed
+    assert "\n" in printed.strip()  # a newline stays a newline

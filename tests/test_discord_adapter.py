@@ -25,6 +25,7 @@ from kazma.config.models import DiscordConfig
 from tests.fakes.discord import (
     ALICE_ID,
     APP_ID,
+    GUILD_ID,
     HELPER_BOT_ID,
     HOME_CHANNEL_ID,
     OTHER_CHANNEL_ID,
@@ -319,6 +320,34 @@ async def test_swarm_command_in_unserved_channel_is_refused_privately(running: R
     assert call.json["type"] == 4
     assert call.json["data"]["flags"] == 64
     assert recorder.inbound == []
+
+
+def _delivered(recorder: Recorder, count: int) -> Callable[[], bool]:
+    return lambda: len(recorder.inbound) == count
+
+
+@pytest.mark.parametrize("channels", [[HOME_CHANNEL_ID], ["*"]])
+async def test_guilds_narrow_every_served_channel_to_those_servers(
+    fake: FakeDiscord, library_endpoints: tuple[str, yarl.URL], channels: list[Any]
+) -> None:
+    # The fake's one server is GUILD_ID; Kazma is told to serve another one only.
+    for guilds, served in (([GUILD_ID + 1], False), ([GUILD_ID], True)):
+        adapter = make_adapter(fake, channels=channels, guilds=guilds)
+        recorder = Recorder()
+        await adapter.start(recorder.handlers())
+        try:
+            await fake.user_message(HOME_CHANNEL_ID, f"@kazma hello ({served})", author=fake.alice)
+            interaction = await fake.slash_command(HOME_CHANNEL_ID, user=fake.alice, options={"args": "history"})
+            answer = await fake.wait_for_call("POST", rf"/interactions/{interaction.id}/[^/]+/callback")
+            if served:
+                assert answer.json["type"] == 5  # deferred: the command is taken
+                await recorder.wait_until(_delivered(recorder, 2))
+            else:
+                assert (answer.json["type"], answer.json["data"]["flags"]) == (4, 64)  # refused, privately
+                await adapter.quiesce()  # the message came first on the gateway: it was handled by now
+                assert recorder.inbound == []
+        finally:
+            await adapter.stop()
 
 
 # --------------------------------------------------------------------------- cards

@@ -464,6 +464,24 @@ async def test_proxy_variables_are_ignored(servers: Servers, proxy: list[str], c
     assert proxy == []
 
 
+async def test_a_proxy_variable_does_not_carry_a_refused_address(
+    servers: Servers, proxy: list[str], ctx: ToolContext
+) -> None:
+    # A proxy would fetch 127.0.0.1 on the tool's behalf: the address is refused, and the proxy never asked.
+    registry = ToolRegistry([HttpGetTool()])
+    for url in (f"http://127.0.0.1:{servers.port}/text", f"http://localhost:{servers.port}/text"):
+        result = await _get(registry, ctx, url)
+        assert not result.ok
+        assert result.error is not None
+        assert "an address inside this machine or its network" in result.error
+    public = await _get(
+        _tool(ScriptedResolver({"public.test": [["127.0.0.2"]]})), ctx, f"http://public.test:{servers.port}/text"
+    )
+    assert public.ok, public  # and a public address is fetched directly
+    assert servers.log == [Seen("127.0.0.2", "/text", f"public.test:{servers.port}")]
+    assert proxy == []
+
+
 # --------------------------------------------------------------------------- TLS to a name, connected by address
 
 

@@ -61,13 +61,13 @@ async def test_two_hundred_refused_presses_leave_one_audit_row_and_a_count(tmp_p
 
 
 @asynccontextmanager
-async def telegram_only(tmp_path: Path, fake: FakeTelegram, token: str) -> AsyncIterator[App]:
+async def telegram_only(tmp_path: Path, fake: FakeTelegram, token: str, chats: str = "[-1001]") -> AsyncIterator[App]:
     """An app whose one platform is Telegram, with a home chat, pointed at ``fake`` with ``token``."""
     yaml = f"""
 store: {{path: '{tmp_path / "k.db"}'}}
 approvals: {{deadline_seconds: 600}}
 platforms:
-  telegram: {{token: '{token}', api_base_url: '{fake.base_url}', chats: [-1001], home_chat: -1001, admins: [111]}}
+  telegram: {{token: '{token}', api_base_url: '{fake.base_url}', chats: {chats}, home_chat: -1001, admins: [111]}}
 """
     loaded = load_config_text(yaml, environ={})
     adapter = TelegramAdapter(loaded.config.platforms.telegram, poll_timeout=1, request_timeout=2)
@@ -115,5 +115,29 @@ async def test_a_dangerous_call_is_refused_at_once_when_the_only_card_platform_f
             assert not verdict.allowed
             assert verdict.request_id == request.id
             assert NO_CARD not in verdict.reason
+    finally:
+        await fake.stop()
+
+
+# -- who is served -------------------------------------------------------------------------------
+
+
+async def test_with_no_chats_listed_a_strangers_group_gets_no_answer_and_no_swarm_history(tmp_path: Path) -> None:
+    stranger_group, stranger = -2002, 999
+    fake = FakeTelegram()
+    await fake.start()
+    try:
+        async with telegram_only(tmp_path, fake, fake.token, chats="[]") as app:
+            fake.push_message(stranger_group, stranger, "/swarm history")
+            fake.push_message(stranger_group, stranger, "@kazma what is in your workspace?")
+            fake.push_message(-1001, 111, "/swarm history")  # the home chat, after them: answered
+            await fake.wait_until(lambda: bool(fake.bot_messages(-1001)), timeout=10)
+            await app.conversations.drain()
+            assert isinstance(app.bus, FanOutBus)
+            adapter = app.bus.adapters["telegram"]
+            assert isinstance(adapter, TelegramAdapter)
+            await adapter.quiesce()
+            assert fake.bot_messages(stranger_group) == []
+            assert all(str(call.params.get("chat_id")) != str(stranger_group) for call in fake.calls)  # not even a sign
     finally:
         await fake.stop()

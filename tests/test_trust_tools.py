@@ -93,7 +93,9 @@ async def test_without_a_sandbox_every_shell_card_says_so_and_doctor_warns(tmp_p
         await app.stop()
     doctor = check_sandbox(loaded)
     assert doctor.level is Level.WARN
-    assert "unsandboxed" in doctor.detail
+    assert doctor.detail == (
+        "shell commands run unsandboxed on this host (every shell card says so): tools.sandbox is none"
+    )
 
 
 async def test_tools_sandbox_bwrap_without_bubblewrap_refuses_before_anyone_is_asked(
@@ -104,3 +106,41 @@ async def test_tools_sandbox_bwrap_without_bubblewrap_refuses_before_anyone_is_a
     doctor = check_sandbox(loaded)
     assert doctor.level is Level.FAIL
     assert "bubblewrap" in doctor.detail
+
+
+async def test_auto_without_bubblewrap_says_unsandboxed_on_the_card_and_in_doctor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # the default mode, on a host without bwrap
+    loaded = load_config_text(config_text(tmp_path / "state", "auto"), environ={})
+    assert loaded.config.tools.sandbox == "auto"
+    app = await build_app(loaded, provider=ScriptedProvider([]), adapters=[])
+    try:
+        shell = app.conversations.runner.registry
+        assert shell.notes("shell") == ("This command runs unsandboxed on this host.",)
+        request = await app.service.open(
+            "shell", {"command": "ls"}, "agent:b", "web:console", notes=shell.notes("shell")
+        )
+        card = build_card(request, value_limit=500, public_url="http://127.0.0.1:8765")
+        assert card.warnings[0] == "This command runs unsandboxed on this host."
+    finally:
+        await app.stop()
+    doctor = check_sandbox(loaded)
+    assert doctor.level is Level.WARN
+    assert doctor.detail == (
+        "shell commands run unsandboxed on this host (every shell card says so) ('bwrap' was not found on PATH): "
+        "install bubblewrap (apt-get install bubblewrap) or set tools.sandbox: none to accept it"
+    )
+
+
+@needs_bwrap
+async def test_auto_with_bubblewrap_runs_sandboxed_and_the_card_says_nothing_of_it(tmp_path: Path) -> None:
+    loaded = load_config_text(config_text(tmp_path / "state", "auto"), environ={})
+    app = await build_app(loaded, provider=ScriptedProvider([]), adapters=[])
+    try:
+        assert app.conversations.runner.registry.notes("shell") == ()
+    finally:
+        await app.stop()
+    doctor = check_sandbox(loaded)
+    assert doctor.level is Level.OK
+    assert doctor.detail == "shell commands run in bubblewrap (network off)"

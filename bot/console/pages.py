@@ -19,7 +19,7 @@ from kazma.adapters.card_layout import APPROVE_LABEL, DENY_LABEL, ButtonKind, Ca
 from kazma.adapters.human_text import LABEL_PREFIX, for_humans
 from kazma.adapters.kit import FileBounds
 from kazma.adapters.web import WebMessage, render
-from kazma.approvals.card import ApprovalCard, build_card
+from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.honesty import reveal
 from kazma.approvals.model import ApprovalRequest, Outcome, Status
 from kazma.approvals.rules import Rule
@@ -396,6 +396,13 @@ def console_page(
 # -- one approval --------------------------------------------------------------------------------
 
 
+def _call_json(pretty: str, canonical: str) -> str:
+    return (
+        f"<h3>Arguments as JSON</h3><pre>{e(reveal(pretty))}</pre>"
+        f"<h3>Canonical JSON (what the hash covers)</h3><pre>{e(reveal(canonical))}</pre>"
+    )
+
+
 def approval_page(
     viewer: Viewer,
     request: ApprovalRequest,
@@ -405,7 +412,13 @@ def approval_page(
     public_url: str,
     flash: Sequence[str] = (),
 ) -> str:
-    whole = build_card(request, value_limit=WHOLE, public_url=public_url)
+    try:
+        whole = build_card(request, value_limit=WHOLE, public_url=public_url)
+        changed = False
+    except CardIntegrityError:
+        # Changed outside Kazma: no value of it is shown (as on every card), and it cannot be approved here.
+        whole = integrity_card(request, public_url=public_url)
+        changed = True
     args = card_times(render.card_html(whole).written)
     pretty = json.dumps(request.args, indent=2, sort_keys=True, ensure_ascii=False)
     if request.status is Status.PENDING:
@@ -433,8 +446,8 @@ def approval_page(
     ]
     fact_rows = "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in facts)
     audit = "".join(
-        f"<tr><td>{ev.seq}</td><td>{when_html(ev.at)}</td><td>{e(ev.event)}</td><td>{e(ev.actor or '')}</td>"
-        f"<td>{e(ev.platform or '')}</td><td>{times_in(e(ev.detail or ''))}</td></tr>"
+        f"<tr><td>{ev.seq}</td><td>{when_html(ev.at)}</td><td>{e(ev.event)}</td><td>{e(reveal(ev.actor or ''))}</td>"
+        f"<td>{e(ev.platform or '')}</td><td>{times_in(e(reveal(ev.detail or '')))}</td></tr>"
         for ev in events
     )
     posted = "".join(
@@ -445,7 +458,7 @@ def approval_page(
     buttons = ""
     if request.status is Status.PENDING:
         buttons = (
-            decide_buttons(viewer, request.id, approval_href(request.id))
+            decide_buttons(viewer, request.id, approval_href(request.id), approve=not changed)
             if viewer.is_operator
             else "<p>Pending. Only operators can decide.</p>"
         )
@@ -454,8 +467,7 @@ def approval_page(
         f"<table>{fact_rows}</table>{buttons}"
         "<h2>The whole call</h2><p>Every argument, uncut, exactly as stored with the request.</p>"
         f"{args}"
-        f"<h3>Arguments as JSON</h3><pre>{e(reveal(pretty))}</pre>"
-        f"<h3>Canonical JSON (what the hash covers)</h3><pre>{e(reveal(request.args_json))}</pre>"
+        f"{'' if changed else _call_json(pretty, request.args_json)}"
         "<p>Hidden, direction-changing and control characters are shown escaped as ⟨U+…⟩ everywhere on this"
         " page, so what you read is what runs.</p>"
         "<h2>Audit trail</h2><table><tr><th>#</th><th>when</th><th>event</th><th>actor</th><th>platform</th>"
@@ -523,9 +535,9 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
         )
     summary = ", ".join(f"{n} {e(s)}" for s, n in data.counts.items() if n) or "no tasks"
     approval_rows = "".join(
-        f'<tr><td><a href="{e(approval_href(a.id))}">{e(a.id)}</a></td><td>{e(a.tool)}</td>'
-        f"<td>{e(a.status.value)}</td><td>{e(a.requested_by)}</td><td>{when_html(a.created_at)}</td>"
-        f"<td>{e(a.decided_by or '')}</td></tr>"
+        f'<tr><td><a href="{e(approval_href(a.id))}">{e(a.id)}</a></td><td>{e(reveal(a.tool))}</td>'
+        f"<td>{e(a.status.value)}</td><td>{e(reveal(a.requested_by))}</td><td>{when_html(a.created_at)}</td>"
+        f"<td>{e(reveal(a.decided_by or ''))}</td></tr>"
         for a in data.approvals
     )
     workers = "".join(f"<li>{e(line)}</li>" for line in data.worker_lines) or "<li>no workers configured</li>"
@@ -555,7 +567,7 @@ def rules_section(viewer: Viewer, rules: Sequence[Rule]) -> str:
             form(f"/approvals/rules/{quote(r.id, safe='')}/revoke", viewer, {}, "Revoke") if viewer.is_operator else ""
         )
         rows.append(
-            f"<tr><td><code>{e(r.id)}</code></td><td>{e(r.tool)}</td><td><code>{e(r.args_hash[:16])}…</code></td>"
+            f"<tr><td><code>{e(r.id)}</code></td><td>{e(reveal(r.tool))}</td><td><code>{e(r.args_hash[:16])}…</code></td>"
             f"<td>{e(r.conversation)}</td><td>{e(r.created_by)}</td>"
             f"<td>{when_html(datetime.fromtimestamp(r.expires_at, UTC))}</td><td>{revoke}</td></tr>"
         )
