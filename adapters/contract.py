@@ -100,6 +100,7 @@ ChatMoveHandler = Callable[[ChatMove], Awaitable[None]]
 # (platform, event key) -> True when this replica may handle the event (it was the first to claim it)
 InboundClaim = Callable[[str, str], Awaitable[bool]]
 InboundDone = Callable[[str, str], Awaitable[None]]
+SignedCheck = Callable[[str, Sequence[str]], Awaitable[bool]]
 
 
 @runtime_checkable
@@ -136,6 +137,10 @@ class Handlers:
     # Several replicas and a poller that confirms what it fetched (Telegram): the events are kept here before
     # they are confirmed, and a new leader takes in first what a gone one kept and never took in.
     inbox: InboundInbox | None = None
+    # Signed requests (Slack): True the first time any of these keys (signature, event id, trigger id) is seen,
+    # remembered in the store, so a captured request posted again after a restart, or to another replica, is
+    # dropped inside its signature window too. None: the adapter's own memory alone (it ends with the process).
+    first_signed: SignedCheck | None = None
 
 
 @runtime_checkable

@@ -106,6 +106,8 @@ class App:
     mcp: MCPSources | None = None
     replica: str = "local"
     inbound_claims: InboundClaims | None = None
+    # Signed requests seen (Slack's replay guard), in the store on either backend; the claims table holds them.
+    signed_requests: InboundClaims | None = None
     # Several replicas on one PostgreSQL database: this one's lease and wake-ups (None on SQLite).
     replication: Replication | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -158,6 +160,7 @@ class App:
             claim_inbound=None if self.inbound_claims is None else self.inbound_claims.claim,
             inbound_done=None if self.inbound_claims is None else self.inbound_claims.done,
             inbox=self.inbound_claims,
+            first_signed=None if self.signed_requests is None else self.signed_requests.first_signed,
         )
 
     async def start(self) -> None:
@@ -339,12 +342,13 @@ class App:
 
     async def _retention(self) -> None:
         """Swarm tasks older than ``swarm.retention_days`` go at start and then every sweep (0 keeps all);
-        inbound claims older than a day too (no platform delivers an event again after that)."""
+        inbound claims and signed requests older than a day too (no platform delivers an event again after
+        that, and Slack refuses a signature after five minutes)."""
         while True:
             await self.swarm.sweep_retention()
-            if self.inbound_claims is not None:
+            if self.signed_requests is not None:  # the same table as the replicas' inbound claims
                 try:
-                    await self.inbound_claims.forget_older_than()
+                    await self.signed_requests.forget_older_than()
                 except Exception as exc:
                     log.warning("inbound.claims_sweep_failed", error=str(exc))
             await asyncio.sleep(self.loaded.config.swarm.retention_sweep_seconds)
@@ -518,6 +522,7 @@ async def build_app(
             follow=app._follow,
         )
         app.inbound_claims = InboundClaims(stores.pg, replica=replica, live=app.replication.live)
+    app.signed_requests = app.inbound_claims or InboundClaims(stores.primary, replica=replica)
     return app
 
 

@@ -22,7 +22,7 @@ import structlog
 
 from kazma.config.database import Migration
 from kazma.config.pg_schema import PgMigration
-from kazma.config.store_backend import StoreBackend, backend_of
+from kazma.config.store_backend import StoreBackend, Tx, backend_of
 
 log = structlog.get_logger("kazma.inbound")
 
@@ -89,6 +89,10 @@ PG_MIGRATIONS: Final = [
     ),
 ]
 
+_SIGNED: Final = (
+    "INSERT INTO inbound_claims (platform, event_key, claimed_at, replica, done_at) VALUES (?, ?, ?, ?, ?)"
+    " ON CONFLICT DO NOTHING"
+)
 _CLAIM: Final = (
     "INSERT INTO inbound_claims (platform, event_key, claimed_at, replica) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING"
 )
@@ -234,6 +238,21 @@ class InboundClaims:
                 (self.clock(), platform, key, self.replica),
             )
         )
+
+    async def first_signed(self, platform: str, keys: Sequence[str]) -> bool:
+        """True when none of ``keys`` of one signed request was recorded before (each is recorded now).
+
+        Kept as claims of ``<platform>:signed``, already taken in: never an inbox entry, never taken over,
+        and gone with the day's retention like every claim (a signature is refused after five minutes).
+        """
+        now = self.clock()
+        rows = [(f"{platform}:signed", key, now, self.replica, now) for key in keys]
+
+        def op(tx: Tx) -> int:
+            return sum(tx.run(_SIGNED, row) for row in rows)
+
+        writer = await self.tables.writer()
+        return await writer.submit(op) == len(rows)
 
     async def forget_older_than(self, seconds: float = RETENTION_SECONDS) -> int:
         """Drop claims older than ``seconds`` (a day by default, see :data:`RETENTION_SECONDS`); how many."""

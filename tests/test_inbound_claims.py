@@ -145,3 +145,24 @@ async def test_a_poller_that_stops_gives_back_what_it_kept_and_never_let_through
     assert await a.release_unhandled("telegram") == 1  # bot:2 was only kept: Telegram sends it again
     assert await b.claim("telegram", "bot:2")  # ... to the next poller, which handles it
     assert not await b.claim("telegram", "bot:1")
+
+
+async def test_a_signed_request_is_first_once_for_every_replica_and_stays_out_of_claims_and_the_inbox(
+    replicas: Replicas,
+) -> None:
+    clock = Clock()
+    a, b = await replicas("a", clock), await replicas("b", clock)
+    keys = ["sig:v0=abc", "trigger:T1"]
+    assert await a.first_signed("slack", keys) is True
+    assert await a.first_signed("slack", keys) is False  # the same request again
+    assert await b.first_signed("slack", keys) is False  # ... posted to another replica
+    # One key seen is enough: Slack's retry of an event has a new signature and the same event id.
+    assert await b.first_signed("slack", ["sig:v0=new", "trigger:T1"]) is False
+    assert await b.first_signed("slack", ["sig:v0=other", "trigger:T2"]) is True
+    # Kept apart from the platform's own claims, and already taken in: nothing to hand over or give back.
+    assert await a.claim("slack", "trigger:T1") is True
+    assert await a.unfinished("slack") == []
+    assert await a.release_unhandled("slack") == 0
+    clock.now += RETENTION_SECONDS + 1
+    assert await a.forget_older_than() == 6  # five signed keys and the claim
+    assert await a.first_signed("slack", keys) is True

@@ -1,12 +1,14 @@
 """Replayed Slack requests are dropped: a captured signed request posted again inside Slack's five-minute
-signature window, and Slack's own retries of one event, reach Kazma once. Real Bolt, the wire-level fake."""
+signature window, and Slack's own retries of one event, reach Kazma once, also across a restart (the store
+remembers signed requests). Real Bolt, the wire-level fake."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
 from urllib.parse import urlencode
 
 import aiohttp
@@ -15,6 +17,9 @@ import pytest
 from kazma.adapters.slack import SlackAdapter
 from kazma.adapters.slack.render import APPROVE_ACTION
 from kazma.approvals.model import Decision
+from kazma.bot.inbound_claims import MIGRATIONS as CLAIMS
+from kazma.bot.inbound_claims import InboundClaims
+from kazma.config.database import open_database
 from kazma.config.metrics import failure_count
 from tests.fakes.slack import FakeSlack, sign
 from tests.test_slack_adapter import ADMIN, HOME, OTHER, Recorder, events_url, make_card, slack_config
@@ -147,3 +152,50 @@ async def test_slacks_own_retry_of_an_event_is_handled_once(
     await recorder.signal.wait_until(lambda: len(recorder.inbound) >= 2)
     assert [m.text for m in recorder.inbound] == ["@builder ship it", "and test it"]
     assert dropped() == before + 1
+
+
+async def test_a_request_replayed_after_a_restart_is_dropped_by_the_stores_memory(
+    fake: FakeSlack, tmp_path: Path
+) -> None:
+    conn = await open_database(tmp_path / "kazma.db", migrations=CLAIMS)
+    store = InboundClaims(conn, replica="local")
+    command = signed(fake, urlencode(fake.command_form(text="cancel all", channel=HOME, user=ADMIN)), FORM)
+    before = dropped()
+    runs = [Recorder(), Recorder()]  # one process, then the next one on the same store
+    try:
+        for recorder in runs:
+            adapter = SlackAdapter(slack_config(fake), request_timeout=1)
+            await adapter.start(replace(recorder.handlers(), first_signed=store.first_signed))
+            try:
+                assert await post(events_url(adapter), command) == 200
+                if recorder is runs[0]:
+                    await recorder.signal.wait_until(lambda r=recorder: len(r.inbound) >= 1)
+            finally:
+                recorder.hold.set()
+                await adapter.stop()
+    finally:
+        await conn.close()
+    assert [(m.command, m.text) for m in runs[0].inbound] == [("swarm", "cancel all")]
+    assert runs[1].inbound == []  # the new process had never seen it; the store had
+    assert dropped() == before + 1
+
+
+async def test_a_store_that_cannot_answer_lets_a_first_request_through_and_counts_it(
+    fake: FakeSlack, recorder: Recorder
+) -> None:
+    async def broken(platform: str, keys: Sequence[str]) -> bool:
+        raise OSError("disk I/O error")
+
+    adapter = SlackAdapter(slack_config(fake), request_timeout=1)
+    await adapter.start(replace(recorder.handlers(), first_signed=broken))
+    before = failure_count("replay_check", "slack")
+    try:
+        command = signed(fake, urlencode(fake.command_form(text="status", channel=HOME, user=ADMIN)), FORM)
+        assert await post(events_url(adapter), command) == 200
+        await recorder.signal.wait_until(lambda: len(recorder.inbound) >= 1)
+        assert await post(events_url(adapter), command) == 200  # this process's own memory still drops a copy
+    finally:
+        recorder.hold.set()
+        await adapter.stop()
+    assert [m.text for m in recorder.inbound] == ["status"]
+    assert failure_count("replay_check", "slack") == before + 1

@@ -344,11 +344,24 @@ class SlackAdapter(PlatformBase):
         self, req: AsyncBoltRequest, body: dict[str, Any], next: Callable[[], Awaitable[BoltResponse]]
     ) -> BoltResponse:
         keys = replay_keys(req, body)
-        if keys and not self._replays.first_time(keys):
+        if keys and not (self._replays.first_time(keys) and await self._first_in_store(keys)):
             count_failure("replay_dropped", PLATFORM)
             log.warning("slack.replay_dropped", keys=[k.split(":", 1)[0] for k in keys])
             return BoltResponse(status=200, body="")  # acknowledged, so Slack does not retry; nothing runs
         return await next()
+
+    async def _first_in_store(self, keys: list[str]) -> bool:
+        """The store's memory of signed requests (across restarts and replicas). One it cannot ask lets the
+        request through, counted: Bolt checked its signature and age, and this process had not seen it."""
+        handlers = self._handlers
+        if handlers is None or handlers.first_signed is None:
+            return True
+        try:
+            return await handlers.first_signed(PLATFORM, keys)
+        except Exception as exc:
+            count_failure("replay_check", PLATFORM)
+            log.warning("slack.replay_check_failed", error=str(exc))
+            return True
 
     async def _on_message(self, event: dict[str, Any]) -> None:
         with self.tracking():
