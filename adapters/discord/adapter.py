@@ -31,19 +31,13 @@ import structlog
 import yarl
 from discord import app_commands
 
+from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import agent_prefix
+from kazma.adapters.chat_text import plain_mentions, split_text
 from kazma.adapters.contract import Attachment, CardRef, Inbound, PlatformError, Press
 from kazma.adapters.discord.errors import PLATFORM, classify, describe
 from kazma.adapters.discord.render import CONTENT_MAX, NO_MENTIONS, clip, escape_text, neutralise_mentions, render_card
-from kazma.adapters.kit import (
-    NOT_SERVED,
-    DirectPolicy,
-    FileBounds,
-    PlatformBase,
-    Served,
-    plain_mentions,
-    split_text,
-)
+from kazma.adapters.kit import NOT_SERVED, PlatformBase
 from kazma.adapters.pacing import Pacing
 from kazma.approvals.card import BUTTON_PREFIX, ApprovalCard
 from kazma.approvals.model import Outcome

@@ -38,9 +38,11 @@ from slack_bolt.response import BoltResponse
 from slack_sdk.http_retry.builtin_async_handlers import AsyncConnectionErrorRetryHandler
 from slack_sdk.web.async_client import AsyncWebClient
 
+from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import agent_prefix
+from kazma.adapters.chat_text import plain_mentions, split_text
 from kazma.adapters.contract import Attachment, CardRef, Inbound, PlatformError, Press
-from kazma.adapters.kit import NOT_SERVED, DirectPolicy, FileBounds, PlatformBase, Served, plain_mentions, split_text
+from kazma.adapters.kit import NOT_SERVED, PlatformBase
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, error_code
 from kazma.adapters.slack.render import (

@@ -50,9 +50,11 @@ from telegram.ext import (
 )
 from telegram.request import HTTPXRequest
 
+from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import agent_prefix
+from kazma.adapters.chat_text import plain_mentions, split_text
 from kazma.adapters.contract import Attachment, CardRef, Inbound, PlatformError, Press
-from kazma.adapters.kit import DirectPolicy, FileBounds, PlatformBase, Served, plain_mentions, split_text
+from kazma.adapters.kit import PlatformBase
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified, retry_after_seconds
 from kazma.adapters.telegram.render import (

@@ -15,9 +15,9 @@ from datetime import UTC, datetime
 from typing import Protocol
 from urllib.parse import quote
 
+from kazma.adapters.admission import FileBounds
 from kazma.adapters.card_layout import APPROVE_LABEL, DENY_LABEL, ButtonKind, CardView
 from kazma.adapters.human_text import LABEL_PREFIX, for_humans
-from kazma.adapters.kit import FileBounds
 from kazma.adapters.web import WebMessage, render
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.honesty import reveal

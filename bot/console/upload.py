@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import structlog
 from aiohttp import BodyPartReader, web
 
+from kazma.adapters.admission import FileBounds
 from kazma.adapters.contract import Attachment
-from kazma.adapters.kit import FileBounds
 from kazma.bot.console.auth import CSRF_HEADER, CSRF_REFUSED, OPERATORS_ONLY, Session, WebAuth
 from kazma.bot.console.pages import human_size, message_page
 

@@ -21,8 +21,9 @@ from kazma.adapters.card_layout import (
     TOOL_LABEL,
     outcome_line,
 )
+from kazma.adapters.chat_text import split_text
 from kazma.adapters.contract import CardRef, PlatformAdapter, PlatformError
-from kazma.adapters.kit import PRESS_APOLOGY, split_text
+from kazma.adapters.press_policy import PRESS_APOLOGY
 from kazma.approvals.hashing import args_hash
 from kazma.approvals.model import Decision, PressResult, PressVerdict, Status
 from kazma.config.metrics import failure_count
