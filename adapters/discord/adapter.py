@@ -33,20 +33,19 @@ from discord import app_commands
 
 from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import agent_prefix
-from kazma.adapters.chat_text import plain_mentions, split_text
-from kazma.adapters.contract import Attachment, CardRef, Inbound, PlatformError, Press
+from kazma.adapters.chat_text import split_text
+from kazma.adapters.contract import CardRef, PlatformError, Press
 from kazma.adapters.discord.errors import PLATFORM, classify, describe
+from kazma.adapters.discord.inbound import PRESS_PREFIXES, channel_chat, command_inbound, message_inbound
 from kazma.adapters.discord.render import CONTENT_MAX, NO_MENTIONS, clip, escape_text, neutralise_mentions, render_card
 from kazma.adapters.kit import NOT_SERVED, PlatformBase
 from kazma.adapters.pacing import Pacing
-from kazma.approvals.card import BUTTON_PREFIX, ApprovalCard
+from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
 from kazma.config.models import DiscordConfig
 
 log = structlog.get_logger("kazma.adapters.discord")
 
-# Button data Kazma acts on: approval cards (kz1:) and questions' choices (kq1:).
-PRESS_PREFIXES: Final = (BUTTON_PREFIX + ":", "kq1:")
 
 T = TypeVar("T")
 
@@ -303,20 +302,8 @@ class DiscordAdapter(PlatformBase):
                 await self._rest("command", lambda: interaction.response.defer(thinking=True))
             except PlatformError:
                 return  # the user was shown a failure; running the command anyway would surprise them
-            user = interaction.user
             delivered = await self.deliver(
-                Inbound(
-                    platform=PLATFORM,
-                    chat=str(chat),
-                    thread=str(thread) if thread is not None else None,
-                    message_id=str(interaction.id),
-                    author=self.actor(user.id),
-                    author_name=user.display_name,
-                    text=args,
-                    command=name,
-                    from_bot=user.bot,
-                    is_admin=self.is_admin(user.id),
-                ),
+                command_inbound(interaction, chat, thread, name, args, actor=self.actor, is_admin=self.is_admin),
                 key=f"interaction:{interaction.id}",
             )
             if not delivered:
@@ -327,17 +314,10 @@ class DiscordAdapter(PlatformBase):
 
     # ----------------------------------------------------------------- inbound
 
-    @staticmethod
-    def _channel_chat(channel: object, channel_id: int) -> tuple[int, int | None]:
-        """(chat, thread): a thread belongs to its parent channel's conversation."""
-        if isinstance(channel, discord.Thread):
-            return channel.parent_id, channel.id
-        return channel_id, None
-
     def _interaction_chat(self, interaction: discord.Interaction[_Client]) -> tuple[int | None, int | None]:
         if interaction.channel_id is None:
             return None, None
-        return self._channel_chat(interaction.channel, interaction.channel_id)
+        return channel_chat(interaction.channel, interaction.channel_id)
 
     def _guild_served(self, guild_id: int | None) -> bool:
         """``guilds`` narrows every served channel, ``"*"`` included, to those servers."""
@@ -352,28 +332,9 @@ class DiscordAdapter(PlatformBase):
                 "discord.inbound_ignored", reason="guild_not_served", guild=message.guild.id if message.guild else None
             )
             return
-        chat, thread = self._channel_chat(message.channel, message.channel.id)
-        names = [u.name.lower() for u in message.mentions] + list(plain_mentions(message.content))
-        author = message.author
         with self.tracking():
             await self.deliver(
-                Inbound(
-                    platform=PLATFORM,
-                    chat=str(chat),
-                    thread=str(thread) if thread is not None else None,
-                    message_id=str(message.id),
-                    author=self.actor(author.id),
-                    author_name=author.display_name,
-                    text=message.content,
-                    mentions=tuple(dict.fromkeys(names)),
-                    from_bot=author.bot,
-                    is_admin=self.is_admin(author.id),
-                    direct=message.guild is None,
-                    reply_to=str(message.reference.message_id)
-                    if message.reference is not None and message.reference.message_id
-                    else None,
-                    attachments=tuple(Attachment(a.filename, a.size, self._fetcher(a)) for a in message.attachments),
-                ),
+                message_inbound(message, actor=self.actor, is_admin=self.is_admin, fetcher=self._fetcher),
                 key=f"message:{message.id}",
             )
 
