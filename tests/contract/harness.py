@@ -33,6 +33,7 @@ from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import ApprovalRequest, Outcome, PressResult, PressVerdict, Status
 from kazma.config.models import DiscordConfig, SlackConfig, SlackHttpConfig, TelegramConfig
+from kazma.engine.conversation import QUESTION_PREFIX
 from tests.fakes.discord import (
     ALICE_ID,
     BOB_ID,
@@ -388,7 +389,10 @@ class SlackHarness(Harness):
         )
 
     async def press(self, ref: CardRef, data: str, user: str) -> None:
-        action = APPROVE_ACTION if data.endswith(":a") else DENY_ACTION
+        if data.startswith(f"{QUESTION_PREFIX}:"):  # a question's choice: its own action id, as Slack sends it
+            action = f"kazma_choice_{data.rsplit(':', 1)[1]}"
+        else:
+            action = APPROVE_ACTION if data.endswith(":a") else DENY_ACTION
         response = await self.fake.post_block_action(
             self.events_url, action_id=action, value=data, user=user, channel=ref.chat, message_ts=ref.message_id
         )
