@@ -144,3 +144,41 @@ async def test_a_questions_buttons_are_pressed_once_by_the_requester_and_plan_sh
 
         fake.push_message(CHAT, ALICE, "/plan")
         await said(fake, "[done] deploy")
+
+
+async def test_files_a_step_writes_reach_the_next_step_with_the_requests_own_file(tmp_path: Path) -> None:
+    plan = {
+        "goal": "write the notes",
+        "steps": [
+            {"index": 1, "title": "write", "assignee": "builder", "input": "Write the notes."},
+            {"index": 2, "title": "check", "assignee": "validator", "input": "Check {{step_1.output_files}}."},
+        ],
+    }
+
+    def check(messages: Sequence[Message]) -> ModelReply:
+        # the validator has only what reached it: its input and the fenced context of the request
+        seen = str(messages[-1]["content"])
+        found = [name for name in ("out/notes.md", "brief.txt") if name in seen]
+        return ModelReply(content=f"Checked: {', '.join(found) or 'NOTHING'}.")
+
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [call("write_plan", plan), ModelReply(content="Planned."), ModelReply(content="Notes checked.")],
+        "builder": [
+            call("write_file", {"path": "out/notes.md", "content": "# Notes\n"}),
+            ModelReply(content="Wrote the notes."),
+        ],
+        "validator": [check],
+    }
+    async with kazma(tmp_path, scripts, extra="tools: {write_file: write, allow_unapproved: [write_file]}\n") as (
+        app,
+        fake,
+    ):
+        fake.push_file(CHAT, ALICE, "brief.txt", b"what the notes must say", caption="@kazma write the notes")
+        await said(fake, "Notes checked.")
+        assert "[validator] Checked: out/notes.md, brief.txt." in texts(fake), texts(fake)
+        plan_id = await app.executor.store.last_plan(f"telegram:{CHAT}")
+        assert plan_id is not None
+        loaded = await app.executor.store.load(plan_id)
+        assert loaded is not None
+        assert loaded.steps[1].output_files == ["out/notes.md"]
+        assert "(files: out/notes.md)" in await app.executor.describe(f"telegram:{CHAT}")

@@ -33,7 +33,9 @@ def call(name: str, arguments: Mapping[str, object]) -> ModelReply:
 
 
 @asynccontextmanager
-async def kazma(tmp_path: Path, scripts: dict[str, list[ScriptStep]]) -> AsyncIterator[tuple[App, FakeTelegram]]:
+async def kazma(
+    tmp_path: Path, scripts: dict[str, list[ScriptStep]], *, extra: str = ""
+) -> AsyncIterator[tuple[App, FakeTelegram]]:
     fake = FakeTelegram()
     await fake.start()
     loaded = load_config_text(
@@ -47,7 +49,7 @@ platforms:
     chats: [{CHAT}]
     home_chat: {CHAT}
     admins: [111]
-""",
+{extra}""",
         environ={},
     )
     provider = PerAgentScript(scripts, agent_prompts(loaded.config))
