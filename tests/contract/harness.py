@@ -176,6 +176,10 @@ class Harness(ABC):
         """A person writes ``text`` in ``chat``."""
 
     @abstractmethod
+    async def command(self, chat: str, user: str, name: str, args: str = "") -> None:
+        """``user`` runs the platform's ``/name`` command (``swarm``, ``plan``) with ``args`` in ``chat``."""
+
+    @abstractmethod
     def bot_texts(self, chat: str) -> list[str]:
         """What the bot posted in ``chat`` (text messages, not cards), in order, as a person reads it."""
 
@@ -269,6 +273,9 @@ class TelegramHarness(Harness):
 
     async def say(self, chat: str, user: str, text: str) -> None:
         self.fake.push_message(int(chat), int(user), text)
+
+    async def command(self, chat: str, user: str, name: str, args: str = "") -> None:
+        self.fake.push_message(int(chat), int(user), f"/{name} {args}".rstrip())  # Telegram marks the /command
 
     def bot_texts(self, chat: str) -> list[str]:
         return [m.text for m in self.fake.bot_messages(int(chat)) if not m.buttons and "Arguments (" not in m.text]
@@ -370,6 +377,10 @@ class SlackHarness(Harness):
         response = await self.fake.post_event(
             self.events_url, self.fake.message_event(channel=chat, user=user, text=raw)
         )
+        assert response.status == 200, response.body
+
+    async def command(self, chat: str, user: str, name: str, args: str = "") -> None:
+        response = await self.fake.post_command(self.events_url, text=args, channel=chat, user=user, command=f"/{name}")
         assert response.status == 200, response.body
 
     def bot_texts(self, chat: str) -> list[str]:
@@ -478,6 +489,10 @@ class DiscordHarness(Harness):
 
     async def say(self, chat: str, user: str, text: str) -> None:
         await self.fake.user_message(int(chat), text, author=self._user(user))
+
+    async def command(self, chat: str, user: str, name: str, args: str = "") -> None:
+        options = {"args": args} if args else None
+        await self.fake.slash_command(int(chat), user=self._user(user), name=name, options=options)
 
     def bot_texts(self, chat: str) -> list[str]:
         return [

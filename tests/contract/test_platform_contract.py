@@ -237,6 +237,15 @@ async def test_messages_from_served_chats_arrive_normalised(harness: Harness) ->
     assert (second[0].chat, second[0].is_admin) == (harness.other, False)
 
 
+@pytest.mark.parametrize(("name", "args"), [("plan", ""), ("swarm", "status")])
+async def test_the_plan_and_swarm_commands_arrive_as_commands(harness: Harness, name: str, args: str) -> None:
+    await harness.start()
+    await harness.command(harness.home, harness.admin, name, args)
+    [inbound] = await harness.recorder.wait_until(lambda: harness.recorder.inbound)
+    assert (inbound.command, inbound.text, inbound.chat) == (name, args, harness.home)
+    assert (inbound.author, inbound.is_admin) == (f"{harness.platform}:{harness.admin}", True)
+
+
 async def test_an_unserved_chat_is_ignored(harness: Harness) -> None:
     await harness.start()
     await harness.say(harness.unserved, harness.admin, "/swarm stop everything")
