@@ -57,7 +57,8 @@ class DirectPolicy:
         return cls()
 
 
-def _size(size: int) -> str:
+def human_size(size: int) -> str:
+    """Bytes as people read them (``10.0 MB``, ``1.5 KB``, ``100 bytes``): every refusal of a file says it so."""
     if size < 1024:
         return f"{size} bytes"
     if size < 1024 * 1024:
@@ -88,8 +89,8 @@ class FileBounds:
         for attachment in attachments:
             if attachment.size is not None and attachment.size > self.max_bytes:
                 return (
-                    f"Not saved: {attachment.name} is {_size(attachment.size)}; Kazma accepts files up to "
-                    f"{_size(self.max_bytes)} (files.max_bytes). Nothing was saved."
+                    f"Not saved: {attachment.name} is {human_size(attachment.size)}; Kazma accepts files up to "
+                    f"{human_size(self.max_bytes)} (files.max_bytes). Nothing was saved."
                 )
         return None
 
@@ -101,7 +102,8 @@ class FileBounds:
             data = await attachment.fetch()
             if len(data) > limit:
                 raise FileTooLarge(
-                    f"Not saved: {attachment.name} is {_size(len(data))}; Kazma accepts files up to {_size(limit)}."
+                    f"Not saved: {attachment.name} is {human_size(len(data))}; "
+                    f"Kazma accepts files up to {human_size(limit)}."
                 )
             return data
 

@@ -13,7 +13,7 @@ from kazma.engine.model import ScriptStep
 from kazma.engine.plan import StepStatus
 from kazma.engine.types import Message, ModelError, ModelReply
 from tests.fakes.telegram import FakeTelegram
-from tests.test_e2e_plans import ALICE, CHAT, STRANGER, call, kazma, said, texts
+from tests.test_e2e_plans import ALICE, CHAT, STRANGER, call, kazma, last_plan, said, texts
 
 
 async def press(fake: FakeTelegram, message_id: int, user: int, data: str) -> dict[str, object]:
@@ -69,10 +69,8 @@ async def test_the_lead_replaces_the_steps_after_a_failure_and_only_the_new_ones
         fake.push_message(CHAT, ALICE, "@kazma ship it", username="alice")
         await said(fake, "Plan: steps from 3 on replaced by 2 new steps.")
         await said(fake, "Shipped from the mirror.")
-        plan_id = await app.executor.store.last_plan(f"telegram:{CHAT}")
-        assert plan_id is not None
-        loaded = await app.executor.store.load(plan_id)
-        assert loaded is not None
+        loaded = await last_plan(app)
+        plan_id = loaded.id
         assert [(s.spec.title, s.status) for s in loaded.steps.values()] == [
             ("research", StepStatus.DONE),
             ("fetch", StepStatus.FAILED),
@@ -176,9 +174,6 @@ async def test_files_a_step_writes_reach_the_next_step_with_the_requests_own_fil
         fake.push_file(CHAT, ALICE, "brief.txt", b"what the notes must say", caption="@kazma write the notes")
         await said(fake, "Notes checked.")
         assert "[validator] Checked: out/notes.md, brief.txt." in texts(fake), texts(fake)
-        plan_id = await app.executor.store.last_plan(f"telegram:{CHAT}")
-        assert plan_id is not None
-        loaded = await app.executor.store.load(plan_id)
-        assert loaded is not None
+        loaded = await last_plan(app)
         assert loaded.steps[1].output_files == ["out/notes.md"]
         assert "(files: out/notes.md)" in await app.executor.describe(f"telegram:{CHAT}")
