@@ -201,6 +201,21 @@ async def test_a_failing_press_gets_one_apology_without_the_exception_text(harne
     assert failure_count("press", harness.platform) == before + 1
 
 
+async def test_a_slow_decision_is_answered_at_once_and_still_decided(harness: Harness) -> None:
+    adapter = await harness.start(press_timeout=0.05)
+    harness.recorder.hold = asyncio.Event()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    # returns once the platform has its answer (Telegram: "Recorded, updating…"; Slack, Discord: the ack)
+    await harness.press(ref, card.button_data(Decision.APPROVE), harness.admin)
+    await harness.recorder.wait_until(lambda: harness.recorder.presses)
+    assert harness.recorder.finished == 0  # answered while the decision still runs
+    harness.recorder.hold.set()
+    await harness.recorder.wait_until(lambda: harness.recorder.finished == 1)
+    await harness.settled()
+    assert harness.notices(harness.admin) == []  # a winning press is never alarmed, however slow
+
+
 async def test_stop_lets_a_press_in_flight_finish(harness: Harness) -> None:
     adapter = await harness.start(stop_grace=10.0)
     harness.recorder.hold = asyncio.Event()
