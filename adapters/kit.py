@@ -8,11 +8,12 @@ served-chat check, the claim across replicas, the admin flag, delivery that
 counts failures and never raises), the one press policy (a claim across
 replicas, decide, then a quiet acknowledgement for the winner and a private
 notice for losers and refusals, with one apology that never shows exception
-text), and the one outbound call wrapper (pacing, the platform's
-``retry_after``, classification into :class:`PlatformError`, counting,
-logging). :func:`split_text` splits long messages by the platform's
-own length rule, and :func:`plain_mentions` finds the ``@name`` words agents
-are addressed with.
+text; written in ``press_policy.py``), and the one outbound call wrapper
+(pacing, the platform's ``retry_after``, classification into
+:class:`PlatformError`, counting, logging). What the door lets in (served
+chats, direct messages, file bounds) is ``admission.py``; how long text is
+split by the platform's own length rule and how agents are addressed is
+``chat_text.py``.
 """
 
 from __future__ import annotations
@@ -20,21 +21,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import re
 import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Final, Protocol, TypeVar
+from typing import Any, ClassVar, Final, TypeVar
 
 import structlog
 
-from kazma.adapters.contract import Attachment, CardRef, ChatMove, Handlers, Inbound, PlatformError, Press
+from kazma.adapters.admission import DirectPolicy, FileBounds, Served
+from kazma.adapters.contract import CardRef, ChatMove, Handlers, Inbound, PlatformError
 from kazma.adapters.pacing import Pacing
+from kazma.adapters.press_policy import PressPolicy
 from kazma.approvals.card import ApprovalCard
-from kazma.approvals.model import Outcome, PressResult, PressVerdict
+from kazma.approvals.model import Outcome
 from kazma.config.metrics import count_failure
-from kazma.config.models import EVERY_CHAT
 
 log = structlog.get_logger("kazma.adapters")
 
@@ -43,186 +43,17 @@ T = TypeVar("T")
 # Calls that edit a card people are waiting on: they take the chat's next slot, ahead of queued posts.
 URGENT_SITES = frozenset({"card_settle"})
 
-# -- wording every platform uses for a press ------------------------------------------------------
-
-PRESS_APOLOGY: Final = "Kazma could not record your press, so nothing changed. Please press again."
-PRESS_PENDING: Final = "Recorded, updating…"
-PRESS_INACTIVE: Final = "This button is not active right now; nothing was recorded."
 NOT_SERVED: Final = "Kazma does not serve this chat."
 TYPING_INTERVAL: Final = 4.0  # Telegram's chat action shows for 5 s, Discord's typing for 10 s
-
-
-# -- text ---------------------------------------------------------------------------------------
-
-
-def split_text(text: str, limit: int, units: Callable[[str], int] | None = None) -> list[str]:
-    """Cut ``text`` into parts of at most ``limit`` units, preferring a line break, then a space, in the
-    second half of each part; the break itself is dropped. ``units`` measures one character the way the
-    platform does (Telegram: UTF-16 code units; Slack: its length once escaped; default: one).
-
-    Whitespace-only parts are dropped: platforms trim messages and refuse empty ones.
-    """
-    if limit < 1:
-        raise ValueError("limit must be positive")
-    measure = units or (lambda _char: 1)
-    parts: list[str] = []
-    rest = text
-    while rest:
-        size = 0
-        end = 0
-        for char in rest:
-            size += measure(char)
-            if size > limit:
-                break
-            end += 1
-        else:
-            parts.append(rest)
-            break
-        end = max(end, 1)  # a limit narrower than one character still makes progress
-        window = rest[:end]
-        cut = window.rfind("\n")
-        if cut < end // 2:
-            cut = max(window.rfind(" "), window.rfind("\t"))
-        if cut >= end // 2 and cut > 0:
-            parts.append(window[:cut])
-            rest = rest[cut + 1 :]
-        else:
-            parts.append(window)
-            rest = rest[end:]
-    return [part for part in parts if part.strip()]
-
-
-# ``@name`` where a name starts with a letter, not inside a word, an address or a code span, and not a
-# mass mention. Agents have no platform accounts, so this is how a dispatch (or a person) addresses one.
-_MENTION: Final = re.compile(r"(?<![\w.@<`\u200b])@([A-Za-z][A-Za-z0-9_-]{0,31})")
-_MASS: Final = frozenset({"everyone", "here", "channel"})
-
-
-def plain_mentions(text: str) -> tuple[str, ...]:
-    """Lowercase ``@name`` words, once each, in order."""
-    found = (m.lower() for m in _MENTION.findall(text))
-    return tuple(dict.fromkeys(name for name in found if name not in _MASS))
-
-
-# -- presses ------------------------------------------------------------------------------------
-
-
-class PressReply(Protocol):
-    """How a platform answers the person who pressed (the press itself was acknowledged already)."""
-
-    async def acknowledge(self, text: str) -> None:
-        """Quietly, to the presser: their press decided the request (the card edit is the public record)."""
-        ...
-
-    async def notify(self, text: str) -> None:
-        """Privately and prominently: the press lost, was refused, or could not be recorded."""
-        ...
 
 
 # -- the base -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Served:
-    """The chats a platform serves: the listed ones and the home chat, or every chat when ``every``."""
-
-    chats: frozenset[str]
-    home: str | None
-    every: bool = False
-
-    def __contains__(self, chat: object) -> bool:
-        return self.every or chat == self.home or chat in self.chats
-
-    def moved(self, old: str, new: str) -> Served:
-        """The same chats with ``old`` replaced by ``new`` (listed, home, or both)."""
-        chats = frozenset(new if chat == old else chat for chat in self.chats)
-        return Served(chats, new if self.home == old else self.home, every=self.every)
-
-    @classmethod
-    def of(cls, chats: Iterable[object], home: object | None) -> Served:
-        """From a platform's configuration: its listed chats (``"*"``: every chat) and its home chat."""
-        listed = list(chats)
-        return cls(
-            frozenset(str(chat) for chat in listed if chat != EVERY_CHAT),
-            None if home in (None, "") else str(home),
-            every=EVERY_CHAT in listed,
-        )
-
-
-@dataclass(frozen=True)
-class DirectPolicy:
-    """Who may talk to the lead in a direct message (``dm_policy``): nobody, or the actors in ``actors``."""
-
-    actors: frozenset[str] = frozenset()
-
-    def allows(self, actor: str) -> bool:
-        return actor in self.actors
-
-    @classmethod
-    def of(cls, setting: object, approvers: Iterable[str]) -> DirectPolicy:
-        """``"off"`` (nobody), ``"approvers"`` (``approvers``: this platform's approvers), or a list of actors."""
-        if setting == "approvers":
-            return cls(frozenset(approvers))
-        if isinstance(setting, list | tuple | frozenset | set):
-            return cls(frozenset(str(actor) for actor in setting))
-        return cls()
-
-
-def _size(size: int) -> str:
-    if size < 1024:
-        return f"{size} bytes"
-    if size < 1024 * 1024:
-        return f"{size / 1024:.1f} KB"
-    return f"{size / (1024 * 1024):.1f} MB"
-
-
-class FileTooLarge(Exception):
-    """A file turned out larger than the bound once fetched (its platform did not declare its size)."""
-
-
-@dataclass(frozen=True)
-class FileBounds:
-    """How many files one message may carry and how large each may be (``files:``)."""
-
-    max_bytes: int = 10 * 1024 * 1024
-    max_count: int = 5
-
-    def problem(self, attachments: Sequence[Attachment]) -> str | None:
-        """Why these files are refused (a reply for the sender), or None when they are within the bounds."""
-        if len(attachments) > self.max_count:
-            if self.max_count == 0:
-                return "Kazma does not accept files here (files.max_count is 0); nothing was saved."
-            return (
-                f"Not saved: {len(attachments)} files were sent with one message; Kazma accepts at most "
-                f"{self.max_count} (files.max_count). Nothing was saved."
-            )
-        for attachment in attachments:
-            if attachment.size is not None and attachment.size > self.max_bytes:
-                return (
-                    f"Not saved: {attachment.name} is {_size(attachment.size)}; Kazma accepts files up to "
-                    f"{_size(self.max_bytes)} (files.max_bytes). Nothing was saved."
-                )
-        return None
-
-    def bounded(self, attachment: Attachment) -> Attachment:
-        """The same file, whose fetch refuses more than ``max_bytes`` (a size declared wrongly, or not at all)."""
-        limit = self.max_bytes
-
-        async def fetch() -> bytes:
-            data = await attachment.fetch()
-            if len(data) > limit:
-                raise FileTooLarge(
-                    f"Not saved: {attachment.name} is {_size(len(data))}; Kazma accepts files up to {_size(limit)}."
-                )
-            return data
-
-        return Attachment(attachment.name, attachment.size, fetch)
-
-
 ErrorClassifier = Callable[[str, BaseException], PlatformError]
 
 
-class PlatformBase(ABC):
+class PlatformBase(PressPolicy):
     """The shared half of every platform adapter; subclasses are their platform's transport and dialect."""
 
     name: ClassVar[str]
@@ -615,72 +446,7 @@ class PlatformBase(ABC):
             log.exception(f"{self.name}.inbound_failed", platform=self.name, chat=inbound.chat)
         return True
 
-    # -- presses ---------------------------------------------------------------------------------
-
-    async def press(self, press: Press, reply: PressReply, *, key: str | None = None) -> None:
-        """The one press policy. The platform acknowledged the press itself before calling this. ``key``: the
-        platform's id of the press, claimed across replicas; a press another replica claimed gets no answer
-        here (that replica answers it)."""
-        handlers = self._handlers
-        log.info(f"{self.name}.press", platform=self.name, actor=press.actor, chat=press.chat, data=press.data[:80])
-        if handlers is None or not press.data:
-            await self._reply(reply.notify, PRESS_INACTIVE)
-            return
-        if not await self._claim(key):
-            return
-        decision = self.spawn(self._decide(handlers, press, key), name=f"{self.name}-press")
-        try:
-            # Shielded: a slow decision keeps running after we answer; only our wait ends.
-            result = await asyncio.wait_for(asyncio.shield(decision), timeout=self.press_timeout)
-        except TimeoutError:
-            log.info(f"{self.name}.press_pending", platform=self.name, actor=press.actor)
-            await self._reply(reply.acknowledge, PRESS_PENDING)
-            decision.add_done_callback(lambda done: self.spawn(self._late(done, press, reply), name="press-late"))
-            return
-        except Exception:
-            count_failure("press", self.name)
-            log.exception(f"{self.name}.press_failed", platform=self.name, actor=press.actor)
-            await self._reply(reply.notify, PRESS_APOLOGY)
-            return
-        await self._answer(result, press, reply)
-
-    async def _decide(self, handlers: Handlers, press: Press, key: str | None) -> PressResult:
-        """The decision, then the press is taken in (a replica dying before that leaves it to another)."""
-        result = await handlers.on_press(press)
-        await self._taken_in(key)
-        return result
-
-    async def _late(self, decision: asyncio.Future[PressResult], press: Press, reply: PressReply) -> None:
-        if decision.cancelled():
-            return
-        error = decision.exception()
-        if error is not None:
-            count_failure("press", self.name)
-            log.error(f"{self.name}.press_failed", platform=self.name, actor=press.actor, error=repr(error))
-            await self._reply(reply.notify, PRESS_APOLOGY)
-            return
-        await self._answer(decision.result(), press, reply)
-
-    async def _answer(self, result: PressResult, press: Press, reply: PressReply) -> None:
-        log.info(
-            f"{self.name}.press_result",
-            platform=self.name,
-            actor=press.actor,
-            verdict=result.verdict.value,
-            request_id=result.request_id,
-        )
-        if result.verdict is PressVerdict.WON:
-            await self._reply(reply.acknowledge, result.message)
-        else:
-            await self._reply(reply.notify, result.message)
-
-    async def _reply(self, say: Callable[[str], Awaitable[None]], text: str) -> None:
-        try:
-            await say(text)
-        except Exception as exc:
-            count_failure("press_reply", self.name)
-            error = exc if isinstance(exc, PlatformError) else self.classify("press_reply", exc)
-            log.warning(f"{self.name}.press_reply_failed", platform=self.name, error=str(error))
+    # -- presses: PressPolicy.press ----------------------------------------------------------------
 
     # -- outbound --------------------------------------------------------------------------------
 

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from kazma.adapters.admission import DirectPolicy, FileBounds
 from kazma.adapters.bus import SAFETY_SCAN_SECONDS, FanOutBus, NullBus
 from kazma.adapters.contract import ChatMove, Handlers, Inbound, PlatformAdapter, Press
-from kazma.adapters.kit import DirectPolicy, FileBounds
 from kazma.adapters.outbox import Outbox
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.web import WebAdapter

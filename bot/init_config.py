@@ -16,6 +16,7 @@ from importlib import resources
 from typing import Final
 
 from kazma.config import ConfigError, load_config_text
+from kazma.config.registry import CHAT_PLATFORMS
 
 DEFAULT_PUBLIC_URL: Final = "http://127.0.0.1:8765"
 DEFAULT_MODEL_URL: Final = "http://127.0.0.1:11434/v1"
@@ -66,7 +67,7 @@ class InitAnswers:
     platforms: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        on = tuple(name for name in ("telegram", "slack", "discord") if getattr(self, name) is not None)
+        on = tuple(name for name in CHAT_PLATFORMS if getattr(self, name) is not None)
         object.__setattr__(self, "platforms", on)
 
     def presence(self, platform: str) -> Presence:
@@ -86,8 +87,7 @@ class InitAnswers:
     def approvers(self) -> list[tuple[str, str]]:
         """(actor, where) for every identity of the operator, the console first."""
         found = [(f"web:{self.web_login}", "the web console")]
-        titles = {"telegram": "Telegram", "slack": "Slack", "discord": "Discord"}
-        found += [(f"{p}:{self.presence(p).user}", titles[p]) for p in self.platforms]
+        found += [(f"{p}:{self.presence(p).user}", CHAT_PLATFORMS[p].title) for p in self.platforms]
         return found
 
 

@@ -23,9 +23,9 @@ from typing import Any, Final, Protocol
 
 import structlog
 
+from kazma.adapters.admission import FileTooLarge
 from kazma.adapters.contract import Inbound, PlatformError, Press
 from kazma.adapters.human_text import for_humans
-from kazma.adapters.kit import FileTooLarge
 from kazma.approvals.model import PressResult, PressVerdict
 from kazma.config.metrics import count_failure
 from kazma.engine.agent import AgentRunner, AgentSpec, StepRef, TurnResult, workspace_for

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kazma.adapters.admission import Served
 from kazma.adapters.contract import ChatMove
-from kazma.adapters.kit import Served
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.approvals.card import button_data
 from kazma.approvals.model import Decision, Status

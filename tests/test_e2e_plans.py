@@ -18,7 +18,7 @@ from kazma.adapters.telegram import TelegramAdapter
 from kazma.bot.app import App, build_app
 from kazma.config import load_config_text
 from kazma.engine.model import ScriptStep
-from kazma.engine.plan import StepStatus
+from kazma.engine.plan import Plan, StepStatus
 from kazma.engine.scenario import PerAgentScript, agent_prompts
 from kazma.engine.types import Message, ModelError, ModelReply, ToolCall
 from tests.fakes.telegram import FakeTelegram
@@ -33,7 +33,9 @@ def call(name: str, arguments: Mapping[str, object]) -> ModelReply:
 
 
 @asynccontextmanager
-async def kazma(tmp_path: Path, scripts: dict[str, list[ScriptStep]]) -> AsyncIterator[tuple[App, FakeTelegram]]:
+async def kazma(
+    tmp_path: Path, scripts: dict[str, list[ScriptStep]], *, extra: str = ""
+) -> AsyncIterator[tuple[App, FakeTelegram]]:
     fake = FakeTelegram()
     await fake.start()
     loaded = load_config_text(
@@ -47,7 +49,7 @@ platforms:
     chats: [{CHAT}]
     home_chat: {CHAT}
     admins: [111]
-""",
+{extra}""",
         environ={},
     )
     provider = PerAgentScript(scripts, agent_prompts(loaded.config))
@@ -69,6 +71,15 @@ def texts(fake: FakeTelegram) -> list[str]:
 
 async def said(fake: FakeTelegram, needle: str) -> None:
     await fake.wait_until(lambda: any(needle in t for t in texts(fake)), timeout=20)
+
+
+async def last_plan(app: App) -> Plan:
+    """The chat's current or last plan, as stored."""
+    plan_id = await app.executor.store.last_plan(f"telegram:{CHAT}")
+    assert plan_id is not None
+    loaded = await app.executor.store.load(plan_id)
+    assert loaded is not None
+    return loaded
 
 
 async def test_a_step_three_hops_down_sees_the_users_original_words(tmp_path: Path) -> None:
@@ -193,10 +204,8 @@ async def test_the_lead_repairs_a_failed_step_with_new_input_and_the_plan_goes_o
         await said(fake, "Plan: step 2 (fetch) runs again, with new input.")
         await said(fake, "[refiner] Fetched from the mirror.")
         await said(fake, "Shipped.")
-        plan_id = await app.executor.store.last_plan(f"telegram:{CHAT}")
-        assert plan_id is not None
-        loaded = await app.executor.store.load(plan_id)
-        assert loaded is not None
+        loaded = await last_plan(app)
+        plan_id = loaded.id
         assert [s.status for s in loaded.steps.values()] == [StepStatus.DONE] * 4
         assert loaded.steps[2].attempts == 2
         dispatches = [t for t in texts(fake) if t.startswith("[kazma] @")]

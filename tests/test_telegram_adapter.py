@@ -14,8 +14,8 @@ import pytest
 
 from kazma.adapters.card_layout import CardTooLarge, lay_out, outcome_line
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
-from kazma.adapters.kit import PRESS_PENDING
 from kazma.adapters.pacing import ChatRateLimiter
+from kazma.adapters.press_policy import PRESS_PENDING
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.telegram.render import CARD_BUDGET, MAX_ENTITIES, TEXT_LIMIT, TelegramWriter, render_card, utf16_len
 from kazma.approvals.card import ApprovalCard, build_card

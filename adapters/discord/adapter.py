@@ -31,35 +31,28 @@ import structlog
 import yarl
 from discord import app_commands
 
+from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import agent_prefix
-from kazma.adapters.contract import Attachment, CardRef, Inbound, PlatformError, Press
+from kazma.adapters.chat_text import split_text
+from kazma.adapters.contract import CardRef, PlatformError, Press
 from kazma.adapters.discord.errors import PLATFORM, classify, describe
+from kazma.adapters.discord.inbound import PRESS_PREFIXES, channel_chat, command_inbound, message_inbound
 from kazma.adapters.discord.render import CONTENT_MAX, NO_MENTIONS, clip, escape_text, neutralise_mentions, render_card
-from kazma.adapters.kit import (
-    NOT_SERVED,
-    DirectPolicy,
-    FileBounds,
-    PlatformBase,
-    Served,
-    plain_mentions,
-    split_text,
-)
+from kazma.adapters.discord.webhooks import AgentWebhooks
+from kazma.adapters.kit import NOT_SERVED, PlatformBase
 from kazma.adapters.pacing import Pacing
-from kazma.approvals.card import BUTTON_PREFIX, ApprovalCard
+from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
 from kazma.config.models import DiscordConfig
 
 log = structlog.get_logger("kazma.adapters.discord")
 
-# Button data Kazma acts on: approval cards (kz1:) and questions' choices (kq1:).
-PRESS_PREFIXES: Final = (BUTTON_PREFIX + ":", "kq1:")
 
 T = TypeVar("T")
 
 # What discord.py ships with; an empty ``gateway_url`` means "the platform's default".
 DEFAULT_API_BASE: Final = "https://discord.com/api/v10"
 DEFAULT_GATEWAY: Final = "wss://gateway.discord.gg/"
-WEBHOOK_NAME: Final = "Kazma"
 
 
 class _Client(discord.Client):
@@ -154,8 +147,7 @@ class DiscordAdapter(PlatformBase):
         self._client: _Client | None = None
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
-        self._webhooks: dict[int, discord.Webhook | None] = {}
-        self._webhook_locks: dict[int, asyncio.Lock] = {}
+        self._hooks = AgentWebhooks(self._rest)
         self._saved_endpoints: tuple[str, yarl.URL] | None = None
 
     def classify(self, site: str, exc: BaseException) -> PlatformError:
@@ -245,8 +237,7 @@ class DiscordAdapter(PlatformBase):
                 log.debug("discord.client_ended", error=describe(exc))
 
     async def _disconnect(self) -> None:
-        self._webhooks.clear()
-        self._webhook_locks.clear()
+        self._hooks.clear()
         self._restore_library_endpoints()
 
     def _point_library_at_config(self) -> None:
@@ -309,20 +300,8 @@ class DiscordAdapter(PlatformBase):
                 await self._rest("command", lambda: interaction.response.defer(thinking=True))
             except PlatformError:
                 return  # the user was shown a failure; running the command anyway would surprise them
-            user = interaction.user
             delivered = await self.deliver(
-                Inbound(
-                    platform=PLATFORM,
-                    chat=str(chat),
-                    thread=str(thread) if thread is not None else None,
-                    message_id=str(interaction.id),
-                    author=self.actor(user.id),
-                    author_name=user.display_name,
-                    text=args,
-                    command=name,
-                    from_bot=user.bot,
-                    is_admin=self.is_admin(user.id),
-                ),
+                command_inbound(interaction, chat, thread, name, args, actor=self.actor, is_admin=self.is_admin),
                 key=f"interaction:{interaction.id}",
             )
             if not delivered:
@@ -333,17 +312,10 @@ class DiscordAdapter(PlatformBase):
 
     # ----------------------------------------------------------------- inbound
 
-    @staticmethod
-    def _channel_chat(channel: object, channel_id: int) -> tuple[int, int | None]:
-        """(chat, thread): a thread belongs to its parent channel's conversation."""
-        if isinstance(channel, discord.Thread):
-            return channel.parent_id, channel.id
-        return channel_id, None
-
     def _interaction_chat(self, interaction: discord.Interaction[_Client]) -> tuple[int | None, int | None]:
         if interaction.channel_id is None:
             return None, None
-        return self._channel_chat(interaction.channel, interaction.channel_id)
+        return channel_chat(interaction.channel, interaction.channel_id)
 
     def _guild_served(self, guild_id: int | None) -> bool:
         """``guilds`` narrows every served channel, ``"*"`` included, to those servers."""
@@ -358,28 +330,9 @@ class DiscordAdapter(PlatformBase):
                 "discord.inbound_ignored", reason="guild_not_served", guild=message.guild.id if message.guild else None
             )
             return
-        chat, thread = self._channel_chat(message.channel, message.channel.id)
-        names = [u.name.lower() for u in message.mentions] + list(plain_mentions(message.content))
-        author = message.author
         with self.tracking():
             await self.deliver(
-                Inbound(
-                    platform=PLATFORM,
-                    chat=str(chat),
-                    thread=str(thread) if thread is not None else None,
-                    message_id=str(message.id),
-                    author=self.actor(author.id),
-                    author_name=author.display_name,
-                    text=message.content,
-                    mentions=tuple(dict.fromkeys(names)),
-                    from_bot=author.bot,
-                    is_admin=self.is_admin(author.id),
-                    direct=message.guild is None,
-                    reply_to=str(message.reference.message_id)
-                    if message.reference is not None and message.reference.message_id
-                    else None,
-                    attachments=tuple(Attachment(a.filename, a.size, self._fetcher(a)) for a in message.attachments),
-                ),
+                message_inbound(message, actor=self.actor, is_admin=self.is_admin, fetcher=self._fetcher),
                 key=f"message:{message.id}",
             )
 
@@ -440,9 +393,9 @@ class DiscordAdapter(PlatformBase):
         safe = neutralise_mentions(text)
         if not safe.strip():
             raise self.refuse(site, "nothing to send: the text is empty", chat=chat)
-        webhook = await self._webhook_for(channel_id) if agent else None
+        webhook = await self._hooks.for_channel(self._client, channel_id) if agent else None
         if webhook is not None and agent:
-            sent = await self._send_as_webhook(webhook, channel_id, safe, agent=agent, thread_id=thread_id)
+            sent = await self._hooks.send(webhook, channel_id, safe, agent=agent, thread_id=thread_id)
             if sent is not None:
                 return sent
         target = client.get_partial_messageable(thread_id or channel_id)
@@ -476,80 +429,6 @@ class DiscordAdapter(PlatformBase):
         channel_id = self._snowflake("working", thread if thread is not None else chat)
         # POST /channels/{id}/typing: shown for 10 s or until the bot's next message
         await self._rest("working", lambda: client.http.send_typing(channel_id))
-
-    async def _send_as_webhook(
-        self, webhook: discord.Webhook, channel_id: int, safe: str, *, agent: str, thread_id: int | None
-    ) -> str | None:
-        """Post as ``agent`` through the channel webhook; None means "use the bot instead".
-
-        Only a definite refusal of the first chunk falls back (e.g. a deleted
-        webhook or a name Discord does not allow); after a timeout or 5xx the
-        message may have been posted, so the error is raised rather than risk a
-        duplicate.
-        """
-        first: str | None = None
-        thread = discord.Object(thread_id) if thread_id is not None else discord.utils.MISSING
-        for chunk in split_text(safe, CONTENT_MAX):
-            try:
-                message = await self._rest(
-                    "send",
-                    lambda chunk=chunk: webhook.send(
-                        chunk, username=agent, allowed_mentions=NO_MENTIONS, wait=True, thread=thread
-                    ),
-                )
-            except PlatformError as exc:
-                if first is not None or exc.retryable:
-                    raise
-                log.warning("discord.webhook_unavailable", channel=channel_id, error=str(exc))
-                self._webhooks.pop(channel_id, None)
-                return None
-            first = first or str(message.id)
-        log.info("discord.sent", chat=str(channel_id), agent=agent, message_id=first, via="webhook")
-        return first
-
-    async def _webhook_for(self, channel_id: int) -> discord.Webhook | None:
-        """The bot's own webhook in this channel, found or created once; None when not allowed."""
-        if channel_id in self._webhooks:
-            return self._webhooks[channel_id]
-        lock = self._webhook_locks.setdefault(channel_id, asyncio.Lock())
-        async with lock:
-            if channel_id in self._webhooks:
-                return self._webhooks[channel_id]
-            client = self._client
-            channel = client.get_channel(channel_id) if client else None
-            if channel is None and client is not None:
-                # No gateway cache (a replica that is not the leader): the channel over REST. Without its
-                # guild's members the permission is not known; a refusal below says it instead.
-                try:
-                    channel = await self._rest("webhook", lambda: client.fetch_channel(channel_id))
-                except PlatformError as exc:
-                    if exc.retryable:
-                        return None  # not cached: try again next time
-            me = channel.guild.me if isinstance(channel, discord.TextChannel) else None
-            hook: discord.Webhook | None = None
-            if isinstance(channel, discord.TextChannel) and client and client.user:
-                if me is not None and not channel.permissions_for(me).manage_webhooks:
-                    self._webhooks[channel_id] = None
-                    return None
-                try:
-                    # Reuse our webhook across restarts: a channel holds at most 15.
-                    existing = await self._rest("webhook", channel.webhooks)
-                    bot_id = client.user.id
-                    hook = next(
-                        (h for h in existing if h.token and h.user and h.user.id == bot_id and h.name == WEBHOOK_NAME),
-                        None,
-                    )
-                    if hook is None:
-                        hook = await self._rest(
-                            "webhook",
-                            lambda: channel.create_webhook(name=WEBHOOK_NAME, reason="Kazma agent identities"),
-                        )
-                except PlatformError as exc:
-                    if exc.retryable:
-                        return None  # not cached: try again next time
-                    hook = None
-            self._webhooks[channel_id] = hook
-            return hook
 
     async def send_choices(
         self,

@@ -18,9 +18,7 @@ folds the ``message`` and ``app_mention`` events of one post into one).
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 from urllib.parse import urlsplit
@@ -38,11 +36,22 @@ from slack_bolt.response import BoltResponse
 from slack_sdk.http_retry.builtin_async_handlers import AsyncConnectionErrorRetryHandler
 from slack_sdk.web.async_client import AsyncWebClient
 
+from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import agent_prefix
-from kazma.adapters.contract import Attachment, CardRef, Inbound, PlatformError, Press
-from kazma.adapters.kit import NOT_SERVED, DirectPolicy, FileBounds, PlatformBase, Served, plain_mentions, split_text
+from kazma.adapters.chat_text import split_text
+from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
+from kazma.adapters.kit import NOT_SERVED, PlatformBase
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, error_code
+from kazma.adapters.slack.inbound import (
+    MESSAGE_SUBTYPES,
+    Replays,
+    Seen,
+    attachments,
+    interaction_key,
+    mentions_in,
+    replay_keys,
+)
 from kazma.adapters.slack.render import (
     APPROVE_ACTION,
     CHOICE_ACTION,
@@ -54,9 +63,7 @@ from kazma.adapters.slack.render import (
     escape,
     escaped_units,
     render_card,
-    strip_user_mentions,
     unescape,
-    user_mentions,
 )
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
@@ -66,78 +73,6 @@ from kazma.config.models import SlackConfig
 log = structlog.get_logger("kazma.adapters.slack")
 
 AGENT_ICON: Final = ":robot_face:"
-# Only ordinary posts are conversation; edits, joins, deletions and the like are not.
-_MESSAGE_SUBTYPES: Final = frozenset({None, "bot_message", "thread_broadcast", "file_share", "me_message"})
-_SEEN_LIMIT: Final = 4096
-REPLAY_WINDOW: Final = 300.0  # Slack refuses signatures older than five minutes; Bolt checks that
-
-
-class _Replays:
-    """Signed requests seen in the last five minutes: Slack's signature window, so a replay inside it is dropped.
-
-    Keyed by what makes a request unique: its signature (an exact replay), its
-    event id (Slack's own retries of one event) and its trigger id (one slash
-    command or one press).
-    """
-
-    def __init__(self, *, window: float = REPLAY_WINDOW, limit: int = 50_000, clock: Any = time.monotonic) -> None:
-        self._seen: OrderedDict[str, float] = OrderedDict()
-        self.window = window
-        self.limit = limit
-        self.clock = clock
-
-    def first_time(self, keys: list[str]) -> bool:
-        now = self.clock()
-        while self._seen and (next(iter(self._seen.values())) <= now - self.window or len(self._seen) > self.limit):
-            self._seen.popitem(last=False)
-        if any(key in self._seen for key in keys):
-            return False
-        for key in keys:
-            self._seen[key] = now
-        return True
-
-
-def replay_keys(request: AsyncBoltRequest, body: dict[str, Any]) -> list[str]:
-    keys: list[str] = []
-    signature = request.headers.get("x-slack-signature")
-    if signature:
-        keys.append(f"sig:{signature[0]}")
-    if body.get("event_id"):
-        keys.append(f"event:{body['event_id']}")
-    if body.get("trigger_id"):
-        keys.append(f"trigger:{body['trigger_id']}")
-    return keys
-
-
-def interaction_key(body: dict[str, Any], action: dict[str, Any]) -> str | None:
-    """One press: its trigger id, else who pressed what when (``action_ts`` is unique per press)."""
-    if body.get("trigger_id"):
-        return f"action:{body['trigger_id']}"
-    action_ts = action.get("action_ts")
-    user = (body.get("user") or {}).get("id")
-    return f"action:{user}:{action.get('action_id')}:{action_ts}" if action_ts else None
-
-
-class _Seen:
-    """A bounded memory of (channel, ts) keys: app_mention and message both fire for one post."""
-
-    def __init__(self, limit: int = _SEEN_LIMIT) -> None:
-        self._keys: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._limit = limit
-
-    def first_time(self, key: tuple[str, str]) -> bool:
-        if key in self._keys:
-            self._keys.move_to_end(key)
-            return False
-        self._keys[key] = None
-        while len(self._keys) > self._limit:
-            self._keys.popitem(last=False)
-        return True
-
-
-def mentions_in(text: str) -> tuple[str, ...]:
-    """``<@U…>`` user ids and plain ``@name`` words (how agents address each other), lowercased, once each."""
-    return tuple(dict.fromkeys([*user_mentions(text), *plain_mentions(unescape(strip_user_mentions(text)))]))
 
 
 class _EphemeralReply:
@@ -219,8 +154,8 @@ class SlackAdapter(PlatformBase):
             # Our own posts (cards, agent messages) must not come back as inbound.
             ignoring_self_events_enabled=True,
         )
-        self._seen = _Seen()
-        self._replays = _Replays()
+        self._seen = Seen()
+        self._replays = Replays()
         self._customize = True  # chat:write.customize granted until Slack says otherwise
         self._runner: web.AppRunner | None = None
         self._socket: AsyncSocketModeHandler | None = None
@@ -369,7 +304,7 @@ class SlackAdapter(PlatformBase):
             channel = str(event.get("channel", ""))
             ts = str(event.get("ts", ""))
             subtype = event.get("subtype")
-            if subtype not in _MESSAGE_SUBTYPES:
+            if subtype not in MESSAGE_SUBTYPES:
                 log.debug("slack.inbound_ignored", reason="subtype", subtype=subtype, channel=channel, ts=ts)
                 return
             if not self._seen.first_time((channel, ts)):
@@ -396,30 +331,11 @@ class SlackAdapter(PlatformBase):
                     direct=event.get("channel_type") == "im" or channel.startswith("D"),
                     # a reply in a thread answers the thread's first message (a question, say)
                     reply_to=str(event["thread_ts"]) if event.get("thread_ts") and event["thread_ts"] != ts else None,
-                    attachments=self._attachments(event),
+                    attachments=attachments(event, self._fetcher),
                 ),
                 # One post, however many events and retries carry it: a ts is unique within its channel.
                 key=f"message:{channel}:{ts}",
             )
-
-    def _attachments(self, event: dict[str, Any]) -> tuple[Attachment, ...]:
-        """The files of a ``file_share`` message; each is fetched from its private URL with the bot token."""
-        found = []
-        for item in event.get("files") or []:
-            if not isinstance(item, dict):
-                continue
-            url = str(item.get("url_private_download") or item.get("url_private") or "")
-            if not url:  # a file the bot may not read (another workspace's, or tombstoned)
-                continue
-            size = item.get("size")
-            found.append(
-                Attachment(
-                    str(item.get("name") or item.get("title") or item.get("id") or "file"),
-                    int(size) if isinstance(size, int) else None,
-                    self._fetcher(url),
-                )
-            )
-        return tuple(found)
 
     def _fetcher(self, url: str) -> Callable[[], Awaitable[bytes]]:
         async def fetch() -> bytes:

@@ -22,26 +22,24 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import Any, Final
 
 import structlog
 from telegram import (
     BotCommand,
-    CallbackQuery,
     InlineKeyboardButton,
     InlineKeyboardMarkup,
     LinkPreviewOptions,
     Message,
     Update,
 )
-from telegram.constants import ChatAction, ChatType, MessageEntityType, ParseMode
-from telegram.error import ChatMigrated, NetworkError, RetryAfter, TelegramError
+from telegram.constants import ChatAction, ParseMode
+from telegram.error import ChatMigrated, TelegramError
 from telegram.ext import (
     Application,
     ApplicationBuilder,
-    BaseRateLimiter,
     CallbackQueryHandler,
     ContextTypes,
     MessageHandler,
@@ -50,13 +48,16 @@ from telegram.ext import (
 )
 from telegram.request import HTTPXRequest
 
+from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import agent_prefix
-from kazma.adapters.contract import Attachment, CardRef, Inbound, PlatformError, Press
-from kazma.adapters.kit import DirectPolicy, FileBounds, PlatformBase, Served, plain_mentions, split_text
+from kazma.adapters.chat_text import split_text
+from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
+from kazma.adapters.kit import PlatformBase
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
-from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified, retry_after_seconds
+from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified
+from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip
+from kazma.adapters.telegram.inbound import PLAN_COMMAND, SWARM_COMMAND, normalise
 from kazma.adapters.telegram.render import (
-    ANSWER_LIMIT,
     CALLBACK_DATA_LIMIT,
     TEXT_LIMIT,
     button_data_fits,
@@ -69,108 +70,13 @@ from kazma.approvals.model import Outcome
 from kazma.config.metrics import count_failure
 from kazma.config.models import TelegramConfig
 
-SWARM_COMMAND: Final = "swarm"
-PLAN_COMMAND: Final = "plan"
-COMMANDS: Final = (SWARM_COMMAND, PLAN_COMMAND)
 _NO_PREVIEW: Final = LinkPreviewOptions(is_disabled=True)
 CAPTION_LIMIT: Final = 1024  # a document's caption, in UTF-16 units after parsing
-# Calls that post into a chat: these share the chat's send budget. Answers to button presses must be quick
-# and getUpdates is never limited by PTB. A chat action posts nothing: it must not spend the group's 20
-# messages a minute (the kit already shows it at most once per few seconds per chat).
-_PACED_ENDPOINTS: Final = frozenset({"sendMessage", "editMessageText", "sendDocument", "sendPhoto"})
-_URGENT_ENDPOINTS: Final = frozenset({"editMessageText"})
 _ALLOWED_UPDATES: Final = [Update.MESSAGE, Update.CALLBACK_QUERY]
 
 log = structlog.get_logger("kazma.adapters.telegram")
 
 AnyApplication = Application[Any, Any, Any, Any, Any, Any]
-
-
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _retry_after_of(exc: BaseException) -> float | None:
-    return retry_after_seconds(exc) if isinstance(exc, RetryAfter) else None
-
-
-class _InboxRequest(HTTPXRequest):
-    """The poller's HTTP client: what ``getUpdates`` returns is kept in the inbox before PTB sees it.
-
-    PTB confirms a batch with its next ``getUpdates`` (the offset), which it sends as soon as it has queued
-    this one, before the updates are handled. Kept here first, an update confirmed and then lost with this
-    replica reaches the next leader from the store. When the store cannot keep them, the poll fails as a
-    network error and PTB asks again with the same offset: nothing is confirmed that is not kept.
-    """
-
-    keep: Callable[[bytes], Awaitable[None]] | None = None
-
-    async def do_request(self, url: str, method: str, *args: Any, **kwargs: Any) -> tuple[int, bytes]:
-        status, body = await super().do_request(url, method, *args, **kwargs)
-        keep = self.keep
-        if keep is not None and status == 200 and url.endswith("/getUpdates"):
-            try:
-                await keep(body)
-            except Exception as exc:
-                count_failure("inbound_inbox", PLATFORM)
-                log.warning("telegram.inbox_failed", error=str(exc) or type(exc).__name__)
-                raise NetworkError("the fetched updates could not be kept; asking again") from exc
-        return status, body
-
-
-class _KazmaPacing(BaseRateLimiter[None]):
-    """PTB's rate-limit hook, backed by the shared pacing: every send and edit waits its chat's turn."""
-
-    def __init__(self, pacing: Pacing, on_rate_limited: Callable[[str, float, int], None]) -> None:
-        self.pacing = pacing
-        self.on_rate_limited = on_rate_limited
-
-    async def initialize(self) -> None:
-        return None
-
-    async def shutdown(self) -> None:
-        return None
-
-    async def process_request(
-        self,
-        callback: Callable[..., Coroutine[Any, Any, bool | dict[str, Any] | list[dict[str, Any]]]],
-        args: Any,
-        kwargs: dict[str, Any],
-        endpoint: str,
-        data: dict[str, Any],
-        rate_limit_args: None,
-    ) -> bool | dict[str, Any] | list[dict[str, Any]]:
-        chat = data.get("chat_id")
-        if endpoint not in _PACED_ENDPOINTS or chat is None:
-            return await callback(*args, **kwargs)
-        return await self.pacing.run(
-            str(chat),
-            lambda: callback(*args, **kwargs),
-            retry_after_of=_retry_after_of,
-            on_rate_limited=lambda wait, attempt: self.on_rate_limited(str(chat), wait, attempt),
-            urgent=endpoint in _URGENT_ENDPOINTS,  # Kazma edits only cards, which people wait to see settle
-        )
-
-
-class _QueryReply:
-    """A press on Telegram is answered exactly once (``answerCallbackQuery``): the first reply wins."""
-
-    def __init__(self, query: CallbackQuery) -> None:
-        self.query = query
-        self.answered = False
-
-    async def acknowledge(self, text: str) -> None:
-        await self._answer(text, alert=False)
-
-    async def notify(self, text: str) -> None:
-        await self._answer(text, alert=True)
-
-    async def _answer(self, text: str, *, alert: bool) -> None:
-        if self.answered:
-            log.info("telegram.press_reply_dropped", query=self.query.id, reason="already answered")
-            return
-        self.answered = True
-        await self.query.answer(text=_clip(text, ANSWER_LIMIT), show_alert=alert)
 
 
 def self_actor(user_id: object) -> str:
@@ -245,10 +151,10 @@ class TelegramAdapter(PlatformBase):
                 write_timeout=self.request_timeout,
                 pool_timeout=self.request_timeout,
             )
-            for kind, size in ((HTTPXRequest, 64), (_InboxRequest, 1))
+            for kind, size in ((HTTPXRequest, 64), (InboxRequest, 1))
         )
         general, polling = self._requests
-        if isinstance(polling, _InboxRequest):
+        if isinstance(polling, InboxRequest):
             polling.keep = self._keep_fetched
         base = self.config.api_base_url
         return (
@@ -258,7 +164,7 @@ class TelegramAdapter(PlatformBase):
             .base_file_url(f"{base}/file/bot")
             .request(general)
             .get_updates_request(polling)
-            .rate_limiter(_KazmaPacing(self.pacing, self._rate_limited))
+            .rate_limiter(KazmaPacing(self.pacing, self._rate_limited))
             .build()
         )
 
@@ -384,60 +290,10 @@ class TelegramAdapter(PlatformBase):
     # ----------------------------------------------------------------- inbound
 
     def normalise(self, message: Message) -> Inbound | None:
-        """The neutral form of ``message``, or None when it is a command for another bot."""
-        chat = message.chat
-        text = message.text if message.text is not None else (message.caption or "")
-        entities = message.parse_entities() if message.text is not None else message.parse_caption_entities()
-        command: str | None = None
-        body = text
-        for entity, value in entities.items():
-            if entity.type != MessageEntityType.BOT_COMMAND or entity.offset != 0:
-                continue
-            word, _, target = value.removeprefix("/").partition("@")
-            if word.lower() not in COMMANDS:
-                continue
-            if target and target.lower() != self._bot_username:
-                log.debug("telegram.command_for_other_bot", chat=chat.id, target=target)
-                return None
-            command = word.lower()
-            body = text[len(value) :].strip()
-        user = message.from_user
-        if user is not None:
-            author, author_name = self.actor(user.id), user.full_name or (user.username or str(user.id))
-            from_bot, is_admin = user.is_bot, self.is_admin(user.id)
-        else:  # posted as a channel or anonymously: nobody we can authorise
-            sender = message.sender_chat
-            author = self.actor(sender.id if sender else "unknown")
-            author_name = (sender.title or "") if sender else ""
-            from_bot, is_admin = False, False
-        thread = str(message.message_thread_id) if message.is_topic_message and message.message_thread_id else None
-        return Inbound(
-            platform=PLATFORM,
-            chat=str(chat.id),
-            message_id=str(message.message_id),
-            author=author,
-            author_name=author_name,
-            text=body,
-            thread=thread,
-            mentions=plain_mentions(body if command is None else text),
-            from_bot=from_bot,
-            command=command,
-            is_admin=is_admin,
-            direct=chat.type == ChatType.PRIVATE,
-            reply_to=str(message.reply_to_message.message_id) if message.reply_to_message else None,
-            attachments=self._attachments(message),
+        """The neutral form of ``message`` (:func:`~kazma.adapters.telegram.inbound.normalise`)."""
+        return normalise(
+            message, bot_username=self._bot_username, actor=self.actor, is_admin=self.is_admin, fetcher=self._fetcher
         )
-
-    def _attachments(self, message: Message) -> tuple[Attachment, ...]:
-        """A document, or the largest size of a photo: fetched (getFile, then the file URL) only when saved."""
-        found: list[tuple[str, str, int | None]] = []
-        if message.document is not None:
-            doc = message.document
-            found.append((doc.file_id, doc.file_name or f"document-{doc.file_unique_id}", doc.file_size))
-        if message.photo:
-            photo = max(message.photo, key=lambda size: size.width * size.height)
-            found.append((photo.file_id, f"photo-{photo.file_unique_id}.jpg", photo.file_size))
-        return tuple(Attachment(name, size, self._fetcher(file_id)) for file_id, name, size in found)
 
     def _fetcher(self, file_id: str) -> Callable[[], Coroutine[Any, Any, bytes]]:
         async def fetch() -> bytes:
@@ -505,9 +361,7 @@ class TelegramAdapter(PlatformBase):
             message_id=str(message.message_id) if message is not None else None,
             is_admin=self.is_admin(query.from_user.id),
         )
-        self.spawn(
-            self.press(press, _QueryReply(query), key=self.update_key(update)), name=f"telegram-press-{query.id}"
-        )
+        self.spawn(self.press(press, QueryReply(query), key=self.update_key(update)), name=f"telegram-press-{query.id}")
 
     async def _on_error(self, update: object, context: ContextTypes.DEFAULT_TYPE) -> None:
         log.error("telegram.update_failed", error=self._redact(repr(context.error)))
@@ -616,7 +470,7 @@ class TelegramAdapter(PlatformBase):
                 chat_id=chat_id,
                 document=data,
                 filename=name,
-                caption=_clip(caption, CAPTION_LIMIT),
+                caption=clip(caption, CAPTION_LIMIT),
                 message_thread_id=thread_id,
                 disable_content_type_detection=True,
             ),

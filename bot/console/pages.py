@@ -15,9 +15,9 @@ from datetime import UTC, datetime
 from typing import Protocol
 from urllib.parse import quote
 
+from kazma.adapters.admission import FileBounds, human_size
 from kazma.adapters.card_layout import APPROVE_LABEL, DENY_LABEL, ButtonKind, CardView
 from kazma.adapters.human_text import LABEL_PREFIX, for_humans
-from kazma.adapters.kit import FileBounds
 from kazma.adapters.web import WebMessage, render
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.honesty import reveal
@@ -348,15 +348,6 @@ def conversations_page(
         f'<div class="layout"><nav>{conversation_list(summaries, current)}</nav><section>{shown}</section></div>'
     )
     return layout("Conversations", body, viewer=viewer, flash=flash, live=True)
-
-
-def human_size(size: int) -> str:
-    """Bytes as people read them, the way the platforms' refusals say it (``10.0 MB``, ``1.5 KB``, ``100 bytes``)."""
-    if size < 1024:
-        return f"{size} bytes"
-    if size < 1024 * 1024:
-        return f"{size / 1024:.1f} KB"
-    return f"{size / (1024 * 1024):.1f} MB"
 
 
 def upload_form(viewer: Viewer, files: FileBounds) -> str:

@@ -25,8 +25,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, generate_latest
 from yarl import URL
 
+from kazma.adapters.admission import FileBounds
 from kazma.adapters.contract import PlatformError
-from kazma.adapters.kit import FileBounds
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import App

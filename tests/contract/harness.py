@@ -33,6 +33,7 @@ from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import ApprovalRequest, Outcome, PressResult, PressVerdict, Status
 from kazma.config.models import DiscordConfig, SlackConfig, SlackHttpConfig, TelegramConfig
+from kazma.engine.conversation import QUESTION_PREFIX
 from tests.fakes.discord import (
     ALICE_ID,
     BOB_ID,
@@ -175,6 +176,10 @@ class Harness(ABC):
         """A person writes ``text`` in ``chat``."""
 
     @abstractmethod
+    async def command(self, chat: str, user: str, name: str, args: str = "") -> None:
+        """``user`` runs the platform's ``/name`` command (``swarm``, ``plan``) with ``args`` in ``chat``."""
+
+    @abstractmethod
     def bot_texts(self, chat: str) -> list[str]:
         """What the bot posted in ``chat`` (text messages, not cards), in order, as a person reads it."""
 
@@ -268,6 +273,9 @@ class TelegramHarness(Harness):
 
     async def say(self, chat: str, user: str, text: str) -> None:
         self.fake.push_message(int(chat), int(user), text)
+
+    async def command(self, chat: str, user: str, name: str, args: str = "") -> None:
+        self.fake.push_message(int(chat), int(user), f"/{name} {args}".rstrip())  # Telegram marks the /command
 
     def bot_texts(self, chat: str) -> list[str]:
         return [m.text for m in self.fake.bot_messages(int(chat)) if not m.buttons and "Arguments (" not in m.text]
@@ -371,6 +379,10 @@ class SlackHarness(Harness):
         )
         assert response.status == 200, response.body
 
+    async def command(self, chat: str, user: str, name: str, args: str = "") -> None:
+        response = await self.fake.post_command(self.events_url, text=args, channel=chat, user=user, command=f"/{name}")
+        assert response.status == 200, response.body
+
     def bot_texts(self, chat: str) -> list[str]:
         return [_slack_visible(m.text) for m in self.fake.channel(chat) if m.bot_id and not m.blocks]
 
@@ -388,7 +400,10 @@ class SlackHarness(Harness):
         )
 
     async def press(self, ref: CardRef, data: str, user: str) -> None:
-        action = APPROVE_ACTION if data.endswith(":a") else DENY_ACTION
+        if data.startswith(f"{QUESTION_PREFIX}:"):  # a question's choice: its own action id, as Slack sends it
+            action = f"kazma_choice_{data.rsplit(':', 1)[1]}"
+        else:
+            action = APPROVE_ACTION if data.endswith(":a") else DENY_ACTION
         response = await self.fake.post_block_action(
             self.events_url, action_id=action, value=data, user=user, channel=ref.chat, message_ts=ref.message_id
         )
@@ -474,6 +489,10 @@ class DiscordHarness(Harness):
 
     async def say(self, chat: str, user: str, text: str) -> None:
         await self.fake.user_message(int(chat), text, author=self._user(user))
+
+    async def command(self, chat: str, user: str, name: str, args: str = "") -> None:
+        options = {"args": args} if args else None
+        await self.fake.slash_command(int(chat), user=self._user(user), name=name, options=options)
 
     def bot_texts(self, chat: str) -> list[str]:
         return [

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from kazma.adapters.admission import DirectPolicy, FileBounds, FileTooLarge
 from kazma.adapters.contract import FileAdapter
-from kazma.adapters.kit import DirectPolicy, FileBounds, FileTooLarge
 from tests.contract.harness import Harness
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*retry_after.*:telegram.warnings.PTBDeprecationWarning")

@@ -21,8 +21,9 @@ from kazma.adapters.card_layout import (
     TOOL_LABEL,
     outcome_line,
 )
+from kazma.adapters.chat_text import split_text
 from kazma.adapters.contract import CardRef, PlatformAdapter, PlatformError
-from kazma.adapters.kit import PRESS_APOLOGY, split_text
+from kazma.adapters.press_policy import PRESS_APOLOGY
 from kazma.approvals.hashing import args_hash
 from kazma.approvals.model import Decision, PressResult, PressVerdict, Status
 from kazma.config.metrics import failure_count
@@ -200,6 +201,21 @@ async def test_a_failing_press_gets_one_apology_without_the_exception_text(harne
     assert failure_count("press", harness.platform) == before + 1
 
 
+async def test_a_slow_decision_is_answered_at_once_and_still_decided(harness: Harness) -> None:
+    adapter = await harness.start(press_timeout=0.05)
+    harness.recorder.hold = asyncio.Event()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    # returns once the platform has its answer (Telegram: "Recorded, updating…"; Slack, Discord: the ack)
+    await harness.press(ref, card.button_data(Decision.APPROVE), harness.admin)
+    await harness.recorder.wait_until(lambda: harness.recorder.presses)
+    assert harness.recorder.finished == 0  # answered while the decision still runs
+    harness.recorder.hold.set()
+    await harness.recorder.wait_until(lambda: harness.recorder.finished == 1)
+    await harness.settled()
+    assert harness.notices(harness.admin) == []  # a winning press is never alarmed, however slow
+
+
 async def test_stop_lets_a_press_in_flight_finish(harness: Harness) -> None:
     adapter = await harness.start(stop_grace=10.0)
     harness.recorder.hold = asyncio.Event()
@@ -234,6 +250,15 @@ async def test_messages_from_served_chats_arrive_normalised(harness: Harness) ->
     await harness.say(harness.other, harness.member, "hello")
     second = await harness.recorder.wait_until(lambda: harness.recorder.inbound[1:])
     assert (second[0].chat, second[0].is_admin) == (harness.other, False)
+
+
+@pytest.mark.parametrize(("name", "args"), [("plan", ""), ("swarm", "status")])
+async def test_the_plan_and_swarm_commands_arrive_as_commands(harness: Harness, name: str, args: str) -> None:
+    await harness.start()
+    await harness.command(harness.home, harness.admin, name, args)
+    [inbound] = await harness.recorder.wait_until(lambda: harness.recorder.inbound)
+    assert (inbound.command, inbound.text, inbound.chat) == (name, args, harness.home)
+    assert (inbound.author, inbound.is_admin) == (f"{harness.platform}:{harness.admin}", True)
 
 
 async def test_an_unserved_chat_is_ignored(harness: Harness) -> None:

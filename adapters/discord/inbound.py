@@ -1,0 +1,83 @@
+"""Discord messages and slash commands in the bus's neutral form (:class:`~kazma.adapters.contract.Inbound`):
+payload translation only; the adapter receives, the kit's door decides what passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import discord
+
+from kazma.adapters.chat_text import plain_mentions
+from kazma.adapters.contract import Attachment, Inbound
+from kazma.adapters.discord.errors import PLATFORM
+from kazma.approvals.card import BUTTON_PREFIX
+
+# Button data Kazma acts on: approval cards (kz1:) and questions' choices (kq1:).
+PRESS_PREFIXES: Final = (BUTTON_PREFIX + ":", "kq1:")
+
+Actor = Callable[[object], str]
+IsAdmin = Callable[[object], bool]
+
+
+def channel_chat(channel: object, channel_id: int) -> tuple[int, int | None]:
+    """(chat, thread): a thread belongs to its parent channel's conversation."""
+    if isinstance(channel, discord.Thread):
+        return channel.parent_id, channel.id
+    return channel_id, None
+
+
+def message_inbound(
+    message: discord.Message,
+    *,
+    actor: Actor,
+    is_admin: IsAdmin,
+    fetcher: Callable[[discord.Attachment], Callable[[], Awaitable[bytes]]],
+) -> Inbound:
+    """A message: mentioned users by name and ``@name`` words (agents have no accounts) are its mentions."""
+    chat, thread = channel_chat(message.channel, message.channel.id)
+    names = [u.name.lower() for u in message.mentions] + list(plain_mentions(message.content))
+    author = message.author
+    reference = message.reference
+    return Inbound(
+        platform=PLATFORM,
+        chat=str(chat),
+        thread=str(thread) if thread is not None else None,
+        message_id=str(message.id),
+        author=actor(author.id),
+        author_name=author.display_name,
+        text=message.content,
+        mentions=tuple(dict.fromkeys(names)),
+        from_bot=author.bot,
+        is_admin=is_admin(author.id),
+        direct=message.guild is None,
+        reply_to=str(reference.message_id) if reference is not None and reference.message_id else None,
+        attachments=tuple(Attachment(a.filename, a.size, fetcher(a)) for a in message.attachments),
+    )
+
+
+def command_inbound(
+    interaction: discord.Interaction[Any],
+    chat: int | None,
+    thread: int | None,
+    name: str,
+    args: str,
+    *,
+    actor: Actor,
+    is_admin: IsAdmin,
+) -> Inbound:
+    """A slash command (``/swarm``, ``/plan``) with its arguments, in the channel it was used in."""
+    user = interaction.user
+    return Inbound(
+        platform=PLATFORM,
+        chat=str(chat),
+        thread=str(thread) if thread is not None else None,
+        message_id=str(interaction.id),
+        author=actor(user.id),
+        author_name=user.display_name,
+        text=args,
+        command=name,
+        from_bot=user.bot,
+        is_admin=is_admin(user.id),
+    )

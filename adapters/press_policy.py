@@ -1,0 +1,131 @@
+"""The one press policy every platform follows, and its wording.
+
+The platform acknowledges a press itself (each has its own deadline for that) and then hands it to
+:meth:`PressPolicy.press`: the press is claimed across replicas, decided, and answered — a quiet
+acknowledgement to the winner (the edited card is the public record), a private notice to a loser or a
+refused presser, and one apology that never shows exception text when the press could not be recorded.
+A decision slower than ``press_timeout`` is answered "recorded, updating" and goes on; its outcome still
+reaches the presser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from typing import ClassVar, Final, Protocol, TypeVar
+
+import structlog
+
+from kazma.adapters.contract import Handlers, PlatformError, Press
+from kazma.approvals.model import PressResult, PressVerdict
+from kazma.config.metrics import count_failure
+
+log = structlog.get_logger("kazma.adapters")
+
+T = TypeVar("T")
+
+PRESS_APOLOGY: Final = "Kazma could not record your press, so nothing changed. Please press again."
+PRESS_PENDING: Final = "Recorded, updating…"
+PRESS_INACTIVE: Final = "This button is not active right now; nothing was recorded."
+
+
+class PressReply(Protocol):
+    """How a platform answers the person who pressed (the press itself was acknowledged already)."""
+
+    async def acknowledge(self, text: str) -> None:
+        """Quietly, to the presser: their press decided the request (the card edit is the public record)."""
+        ...
+
+    async def notify(self, text: str) -> None:
+        """Privately and prominently: the press lost, was refused, or could not be recorded."""
+        ...
+
+
+class PressPolicy(ABC):
+    """The press half of :class:`~kazma.adapters.kit.PlatformBase` (which supplies what is declared here)."""
+
+    name: ClassVar[str]
+    press_timeout: float
+    _handlers: Handlers | None
+
+    @abstractmethod
+    def spawn(self, work: Awaitable[T], *, name: str) -> asyncio.Future[T]:
+        """Run ``work`` as tracked work (drained on stop)."""
+
+    @abstractmethod
+    async def _claim(self, key: str | None) -> bool:
+        """Whether this replica handles the event ``key``."""
+
+    @abstractmethod
+    async def _taken_in(self, key: str | None) -> None:
+        """Record that the event ``key`` is taken in here."""
+
+    @abstractmethod
+    def classify(self, site: str, exc: BaseException) -> PlatformError:
+        """The platform's failure as a :class:`PlatformError`."""
+
+    async def press(self, press: Press, reply: PressReply, *, key: str | None = None) -> None:
+        """The one press policy. The platform acknowledged the press itself before calling this. ``key``: the
+        platform's id of the press, claimed across replicas; a press another replica claimed gets no answer
+        here (that replica answers it)."""
+        handlers = self._handlers
+        log.info(f"{self.name}.press", platform=self.name, actor=press.actor, chat=press.chat, data=press.data[:80])
+        if handlers is None or not press.data:
+            await self._reply(reply.notify, PRESS_INACTIVE)
+            return
+        if not await self._claim(key):
+            return
+        decision = self.spawn(self._decide(handlers, press, key), name=f"{self.name}-press")
+        try:
+            # Shielded: a slow decision keeps running after we answer; only our wait ends.
+            result = await asyncio.wait_for(asyncio.shield(decision), timeout=self.press_timeout)
+        except TimeoutError:
+            log.info(f"{self.name}.press_pending", platform=self.name, actor=press.actor)
+            await self._reply(reply.acknowledge, PRESS_PENDING)
+            decision.add_done_callback(lambda done: self.spawn(self._late(done, press, reply), name="press-late"))
+            return
+        except Exception:
+            count_failure("press", self.name)
+            log.exception(f"{self.name}.press_failed", platform=self.name, actor=press.actor)
+            await self._reply(reply.notify, PRESS_APOLOGY)
+            return
+        await self._answer(result, press, reply)
+
+    async def _decide(self, handlers: Handlers, press: Press, key: str | None) -> PressResult:
+        """The decision, then the press is taken in (a replica dying before that leaves it to another)."""
+        result = await handlers.on_press(press)
+        await self._taken_in(key)
+        return result
+
+    async def _late(self, decision: asyncio.Future[PressResult], press: Press, reply: PressReply) -> None:
+        if decision.cancelled():
+            return
+        error = decision.exception()
+        if error is not None:
+            count_failure("press", self.name)
+            log.error(f"{self.name}.press_failed", platform=self.name, actor=press.actor, error=repr(error))
+            await self._reply(reply.notify, PRESS_APOLOGY)
+            return
+        await self._answer(decision.result(), press, reply)
+
+    async def _answer(self, result: PressResult, press: Press, reply: PressReply) -> None:
+        log.info(
+            f"{self.name}.press_result",
+            platform=self.name,
+            actor=press.actor,
+            verdict=result.verdict.value,
+            request_id=result.request_id,
+        )
+        if result.verdict is PressVerdict.WON:
+            await self._reply(reply.acknowledge, result.message)
+        else:
+            await self._reply(reply.notify, result.message)
+
+    async def _reply(self, say: Callable[[str], Awaitable[None]], text: str) -> None:
+        try:
+            await say(text)
+        except Exception as exc:
+            count_failure("press_reply", self.name)
+            error = exc if isinstance(exc, PlatformError) else self.classify("press_reply", exc)
+            log.warning(f"{self.name}.press_reply_failed", platform=self.name, error=str(error))

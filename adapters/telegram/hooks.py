@@ -1,0 +1,115 @@
+"""The python-telegram-bot extension points Kazma plugs into: the poller's HTTP client (keeps what
+``getUpdates`` returns before PTB confirms it), the rate-limiter hook (the shared pacing for every send and
+edit), and the one reply a press gets (``answerCallbackQuery``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Final
+
+import structlog
+from telegram import CallbackQuery
+from telegram.error import NetworkError, RetryAfter
+from telegram.ext import BaseRateLimiter
+from telegram.request import HTTPXRequest
+
+from kazma.adapters.pacing import Pacing
+from kazma.adapters.telegram.errors import PLATFORM, retry_after_seconds
+from kazma.adapters.telegram.render import ANSWER_LIMIT
+from kazma.config.metrics import count_failure
+
+# Calls that post into a chat: these share the chat's send budget. Answers to button presses must be quick
+# and getUpdates is never limited by PTB. A chat action posts nothing: it must not spend the group's 20
+# messages a minute (the kit already shows it at most once per few seconds per chat).
+_PACED_ENDPOINTS: Final = frozenset({"sendMessage", "editMessageText", "sendDocument", "sendPhoto"})
+_URGENT_ENDPOINTS: Final = frozenset({"editMessageText"})
+
+log = structlog.get_logger("kazma.adapters.telegram")
+
+
+def clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _retry_after_of(exc: BaseException) -> float | None:
+    return retry_after_seconds(exc) if isinstance(exc, RetryAfter) else None
+
+
+class InboxRequest(HTTPXRequest):
+    """The poller's HTTP client: what ``getUpdates`` returns is kept in the inbox before PTB sees it.
+
+    PTB confirms a batch with its next ``getUpdates`` (the offset), which it sends as soon as it has queued
+    this one, before the updates are handled. Kept here first, an update confirmed and then lost with this
+    replica reaches the next leader from the store. When the store cannot keep them, the poll fails as a
+    network error and PTB asks again with the same offset: nothing is confirmed that is not kept.
+    """
+
+    keep: Callable[[bytes], Awaitable[None]] | None = None
+
+    async def do_request(self, url: str, method: str, *args: Any, **kwargs: Any) -> tuple[int, bytes]:
+        status, body = await super().do_request(url, method, *args, **kwargs)
+        keep = self.keep
+        if keep is not None and status == 200 and url.endswith("/getUpdates"):
+            try:
+                await keep(body)
+            except Exception as exc:
+                count_failure("inbound_inbox", PLATFORM)
+                log.warning("telegram.inbox_failed", error=str(exc) or type(exc).__name__)
+                raise NetworkError("the fetched updates could not be kept; asking again") from exc
+        return status, body
+
+
+class KazmaPacing(BaseRateLimiter[None]):
+    """PTB's rate-limit hook, backed by the shared pacing: every send and edit waits its chat's turn."""
+
+    def __init__(self, pacing: Pacing, on_rate_limited: Callable[[str, float, int], None]) -> None:
+        self.pacing = pacing
+        self.on_rate_limited = on_rate_limited
+
+    async def initialize(self) -> None:
+        return None
+
+    async def shutdown(self) -> None:
+        return None
+
+    async def process_request(
+        self,
+        callback: Callable[..., Coroutine[Any, Any, bool | dict[str, Any] | list[dict[str, Any]]]],
+        args: Any,
+        kwargs: dict[str, Any],
+        endpoint: str,
+        data: dict[str, Any],
+        rate_limit_args: None,
+    ) -> bool | dict[str, Any] | list[dict[str, Any]]:
+        chat = data.get("chat_id")
+        if endpoint not in _PACED_ENDPOINTS or chat is None:
+            return await callback(*args, **kwargs)
+        return await self.pacing.run(
+            str(chat),
+            lambda: callback(*args, **kwargs),
+            retry_after_of=_retry_after_of,
+            on_rate_limited=lambda wait, attempt: self.on_rate_limited(str(chat), wait, attempt),
+            urgent=endpoint in _URGENT_ENDPOINTS,  # Kazma edits only cards, which people wait to see settle
+        )
+
+
+class QueryReply:
+    """A press on Telegram is answered exactly once (``answerCallbackQuery``): the first reply wins."""
+
+    def __init__(self, query: CallbackQuery) -> None:
+        self.query = query
+        self.answered = False
+
+    async def acknowledge(self, text: str) -> None:
+        await self._answer(text, alert=False)
+
+    async def notify(self, text: str) -> None:
+        await self._answer(text, alert=True)
+
+    async def _answer(self, text: str, *, alert: bool) -> None:
+        if self.answered:
+            log.info("telegram.press_reply_dropped", query=self.query.id, reason="already answered")
+            return
+        self.answered = True
+        await self.query.answer(text=clip(text, ANSWER_LIMIT), show_alert=alert)
