@@ -169,7 +169,7 @@ async def test_a_request_replayed_after_a_restart_is_dropped_by_the_stores_memor
             try:
                 assert await post(events_url(adapter), command) == 200
                 if recorder is runs[0]:
-                    await recorder.signal.wait_until(lambda r=recorder: len(r.inbound) >= 1)
+                    await recorder.signal.wait_until(lambda: len(runs[0].inbound) >= 1)
             finally:
                 recorder.hold.set()
                 await adapter.stop()
