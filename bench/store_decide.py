@@ -78,10 +78,21 @@ class Tally:
 Chunk = Callable[[list[int]], Awaitable[int]]
 
 
-async def product_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Callable[[], Awaitable[None]]]:
+async def opened(path: Path, requests: int) -> tuple[aiosqlite.Connection, ApprovalService, list[str]]:
+    """A product store at ``path`` with ``requests`` pending requests, and their ids."""
     conn = await open_database(path, migrations=MIGRATIONS)
     service = ApprovalService(ApprovalStore(conn), CONFIG)
-    ids = [(await service.open("shell", {"n": i}, "bench", "bench")).id for i in range(requests)]
+    return conn, service, [(await service.open("shell", {"n": i}, "bench", "bench")).id for i in range(requests)]
+
+
+async def close_product(conn: aiosqlite.Connection, service: ApprovalService) -> None:
+    writer = await service.store.tables.writer()
+    await writer.close()
+    await conn.close()
+
+
+async def product_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Callable[[], Awaitable[None]]]:
+    conn, service, ids = await opened(path, requests)
 
     async def decide(rid: str) -> int:
         presses = [
@@ -99,9 +110,7 @@ async def product_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Ca
         return won
 
     async def close() -> None:
-        writer = await service.store.tables.writer()
-        await writer.close()
-        await conn.close()
+        await close_product(conn, service)
 
     return chunk, close
 
@@ -133,12 +142,9 @@ async def sqlite3_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Ca
 
 
 async def op_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Callable[[], Awaitable[None]]]:
-    opened = await open_database(path, migrations=MIGRATIONS)
-    store = ApprovalStore(opened)
-    ids = [(await ApprovalService(store, CONFIG).open("shell", {"n": i}, "bench", "bench")).id for i in range(requests)]
-    writer = await store.tables.writer()
-    await writer.close()
-    await opened.close()
+    setup, service, ids = await opened(path, requests)
+    await close_product(setup, service)  # from here on, only stdlib sqlite3 touches the file
+    store = service.store
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA synchronous = FULL")
     tx = Tx(conn)
