@@ -24,6 +24,7 @@ from kazma.approvals import (
     parse_button,
 )
 from kazma.approvals.service import ButtonError
+from kazma.approvals.store import new_request_id
 from kazma.config.database import Tables
 from kazma.config.metrics import failure_count
 from kazma.config.postgres import PgStore, pyformat
@@ -45,6 +46,13 @@ async def raw(service: ApprovalService, sql: str, params: tuple[object, ...] = (
 
 
 INTEGRITY = (sqlite3.IntegrityError, psycopg.IntegrityError)
+
+
+def test_request_ids_never_start_with_a_dash_a_command_line_would_take_for_an_option() -> None:
+    ids = [new_request_id() for _ in range(5000)]  # drawn as before, (63/64)^5000 < 1e-34 to have none
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]{24}", i) for i in ids)
+    assert not [i for i in ids if i.startswith("-")]
+    assert len(set(ids)) == len(ids)
 
 
 async def test_open_records_the_whole_call_with_a_fresh_id(store_engine: Engine) -> None:
