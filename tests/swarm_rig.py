@@ -88,7 +88,7 @@ async def rig(
 ) -> AsyncIterator[Rig]:
     conn = await open_database(path, migrations=[*MIGRATIONS, *STATE], busy_timeout_ms=busy_timeout_ms)
     service = SwarmService(
-        SwarmTaskStore(conn),
+        SwarmTaskStore(conn, sleep=no_sleep),
         workers,
         cfg,
         approvals=approvals,
