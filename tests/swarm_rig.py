@@ -14,7 +14,7 @@ from kazma.approvals import ApprovalService
 from kazma.config import KazmaConfig, load_config_text
 from kazma.config.database import open_database
 from kazma.engine.swarm.commands import SwarmCommands
-from kazma.engine.swarm.service import SwarmService
+from kazma.engine.swarm.service import CoalescingReporter, SwarmService
 from kazma.engine.swarm.state_store import MIGRATIONS as STATE
 from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import MIGRATIONS, SwarmTaskStore, TaskRecord
@@ -53,6 +53,7 @@ class Rig:
     service: SwarmService
     commands: SwarmCommands
     path: Path
+    progress: list[str]  # every progress line the swarm reported, in order
 
     async def send(self, text: str, *, actor: str = "telegram:111", admin: bool = True) -> str:
         return await self.commands.run(text, actor=actor, platform="telegram", chat="-1001", is_admin=admin)
@@ -63,6 +64,13 @@ class Rig:
         assert record is not None
         assert record.status.terminal, record
         return record
+
+    async def said(self, words: str) -> str:
+        """Wait for a progress line containing ``words``."""
+        async with asyncio.timeout(20):
+            while not (found := [line for line in self.progress if words in line]):
+                await asyncio.sleep(0.01)
+        return found[0]
 
     async def status(self, task_id: str, wanted: TaskStatus) -> TaskRecord:
         async with asyncio.timeout(20):
@@ -87,17 +95,23 @@ async def rig(
     busy_timeout_ms: int = 50,
 ) -> AsyncIterator[Rig]:
     conn = await open_database(path, migrations=[*MIGRATIONS, *STATE], busy_timeout_ms=busy_timeout_ms)
+    progress: list[str] = []
+
+    async def report(lines: str) -> None:
+        progress.extend(lines.splitlines())
+
     service = SwarmService(
         SwarmTaskStore(conn, sleep=no_sleep),
         workers,
         cfg,
         approvals=approvals,
+        reporter=CoalescingReporter(report, interval=0),
         state=SwarmStateStore(conn),
         sleep=sleep,
         rng=rng,
     )
     try:
-        yield Rig(service, SwarmCommands(service, cfg), path)
+        yield Rig(service, SwarmCommands(service, cfg), path, progress)
     finally:
         await service.close()
         await conn.close()
