@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 from kazma.approvals import ApprovalService
 from kazma.config import KazmaConfig, load_config_text
 from kazma.config.database import open_database
+from kazma.config.store_backend import StoreConnection
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.service import CoalescingReporter, SwarmService
 from kazma.engine.swarm.state_store import MIGRATIONS as STATE
@@ -93,8 +94,14 @@ async def rig(
     rng: Callable[[], float] = lambda: 1.0,
     approvals: ApprovalService | None = None,
     busy_timeout_ms: int = 50,
+    store: StoreConnection | None = None,
 ) -> AsyncIterator[Rig]:
-    conn = await open_database(path, migrations=[*MIGRATIONS, *STATE], busy_timeout_ms=busy_timeout_ms)
+    """``store``: the swarm's tables on a store the caller opened (PostgreSQL); else a SQLite file at ``path``."""
+    conn: StoreConnection = (
+        store
+        if store is not None
+        else await open_database(path, migrations=[*MIGRATIONS, *STATE], busy_timeout_ms=busy_timeout_ms)
+    )
     progress: list[str] = []
 
     async def report(lines: str) -> None:
@@ -114,4 +121,5 @@ async def rig(
         yield Rig(service, SwarmCommands(service, cfg), path, progress)
     finally:
         await service.close()
-        await conn.close()
+        if store is None:
+            await conn.close()
