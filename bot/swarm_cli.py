@@ -191,7 +191,10 @@ def _context_file(_ctx: click.Context, _param: click.Parameter, value: Path | No
     """The file's text, refused over the context limit before anything is built (the limit named)."""
     if value is None:
         return ""
-    text = value.read_text(encoding="utf-8")
+    try:
+        text = value.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(f"{value.name} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
         check_context(text, what=f"context file {value.name}")
     except LimitExceeded as exc:

@@ -649,7 +649,7 @@ class PlanExecutor:
             if step.output_files:
                 line += f" (files: {', '.join(step.output_files)})"
             lines.append(line)
-            done = step.record.line()
+            done = step.record.line() if step.spec.assignee != USER else ""  # a person's answer has no model
             if done:
                 lines.append(f"   {done}")
         for question in await self.store.open_questions(conversation):
