@@ -75,13 +75,13 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "swarm/reliability.py:OutputValidator.validate:pydantic.ValidationError": "validation's answer is the reason",
     "swarm/reliability.py:OutputValidator.validate:ValueError": "validation's answer is the reason",
     "swarm/service.py:CoalescingReporter.close:suppress(asyncio.CancelledError)": _CANCELLED,
-    "swarm/service.py:SwarmService._await_checkpoint:suppress(UnknownTask)": "the task was pruned while it "
+    "swarm/checkpoints.py:Checkpoints.wait:suppress(UnknownTask)": "the task was pruned while it "
     "waited: there is nothing left to cancel",
-    "swarm/service.py:SwarmService._resume_when_room:(IllegalTransition, UnknownTask)": "the paused task was "
+    "swarm/checkpoints.py:Checkpoints._resume_when_room:(IllegalTransition, UnknownTask)": "the paused task was "
     "cancelled while its approval waited for room: nothing resumes, as its canceller was told",
-    "swarm/service.py:SwarmService._resume_when_room:AtCapacity": "the approved task waits for room and says so "
+    "swarm/checkpoints.py:Checkpoints._resume_when_room:AtCapacity": "the approved task waits for room and says so "
     "in the progress reports; the capacity check is the design's, not a failure",
-    "swarm/service.py:SwarmService._resume_when_room:suppress(TimeoutError)": "the wait for room is bounded so "
+    "swarm/checkpoints.py:Checkpoints._resume_when_room:suppress(TimeoutError)": "the wait for room is bounded so "
     "room freed by another process is seen too",
     "swarm/service.py:SwarmService.wait:suppress(TimeoutError)": "check_swarm_task answers with where the task is "
     "after its wait",
@@ -135,5 +135,5 @@ UNFENCED_TEXT: Mapping[str, str] = {
     "swarm/patterns.py:pipeline": _RECORD,
     "swarm/reliability.py:run_with_fallback": _RECORD,
     "swarm/service.py:SwarmService._run": "progress reports and the delivered result: " + _PEOPLE,
-    "swarm/service.py:SwarmService._await_checkpoint": _PEOPLE,
+    "swarm/checkpoints.py:Checkpoints.wait": _PEOPLE,
 }

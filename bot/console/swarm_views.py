@@ -11,9 +11,10 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
+from kazma.engine.swarm.call_records import CallRecord
 from kazma.engine.swarm.patterns import handoff_paths
 from kazma.engine.swarm.state_store import WorkerDay
-from kazma.engine.swarm.store import CallRecord, TaskRecord
+from kazma.engine.swarm.store import TaskRecord
 from kazma.engine.types import tools_line
 
 

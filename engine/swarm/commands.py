@@ -10,6 +10,7 @@ import structlog
 
 from kazma.approvals.model import Decision
 from kazma.config.models import KazmaConfig
+from kazma.engine.swarm.call_records import CallRecord
 from kazma.engine.swarm.grammar import (
     ApproveCommand,
     BreakerResetCommand,
@@ -39,7 +40,7 @@ from kazma.engine.swarm.grammar import (
 from kazma.engine.swarm.patterns import handoff_paths
 from kazma.engine.swarm.roles import authorize
 from kazma.engine.swarm.service import SwarmRefused, SwarmRequest, SwarmService, request_from
-from kazma.engine.swarm.store import CallRecord, StoreUnavailable, TaskRecord
+from kazma.engine.swarm.store import StoreUnavailable, TaskRecord
 from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.types import tools_line
 

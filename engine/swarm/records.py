@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kazma.engine.swarm.store import CallRecord, TaskRecord
+from kazma.engine.swarm.call_records import CallRecord
+from kazma.engine.swarm.store import TaskRecord
 
 
 def task_json(record: TaskRecord, calls: Sequence[CallRecord]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The swarm service: admission, running patterns reliably, checkpoints, progress and recovery."""
+"""The swarm service: admission, running patterns reliably, progress and recovery (checkpoints: checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from typing import Any
 
 import structlog
 
-from kazma.approvals.model import Decision, PressVerdict, Status
-from kazma.approvals.service import ApprovalRefused, ApprovalService
+from kazma.approvals.model import Decision
+from kazma.approvals.service import ApprovalService
 from kazma.config.models import KazmaConfig
 from kazma.engine.fence import NOTHING, Fenced, fence_untrusted, join_fenced
 from kazma.engine.swarm import patterns
 from kazma.engine.swarm.calls import TaskCalls, WorkerCalls
+from kazma.engine.swarm.checkpoints import Checkpoints, checkpoint_id
 from kazma.engine.swarm.limits import MAX_WORKERS, LimitExceeded, check_context, check_metadata, check_prompt
 from kazma.engine.swarm.metrics import ROUTING, swarm_failure
 from kazma.engine.swarm.reliability import CircuitBreaker, OutputValidator
@@ -25,12 +26,10 @@ from kazma.engine.swarm.routing import EmbeddingRouter
 from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import (
     AtCapacity,
-    IllegalTransition,
     StoreUnavailable,
     SwarmTaskStore,
     TaskRecord,
     TaskRun,
-    UnknownTask,
 )
 from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, Worker, WorkerResult
 from kazma.engine.types import Usage
@@ -39,7 +38,6 @@ log = structlog.get_logger("kazma.swarm")
 
 CHECK_DEFAULT_WAIT = 60.0
 CHECK_MAX_WAIT = 90.0
-CHECKPOINT_TOOL = "pipeline_checkpoint"
 STORE_UNAVAILABLE = "task store unavailable — nothing started, send again"
 
 Report = Callable[[str], Awaitable[None]]
@@ -154,6 +152,7 @@ class SwarmService:
         )
         for name in self.workers:
             self.calls.breaker(name)
+        self.checkpoints = Checkpoints(self.store, self.config, self.approvals, self._capacity, self._report)
 
     async def restore_breakers(self) -> list[str]:
         """Breakers as they were saved before this start; returns the workers still resting."""
@@ -489,7 +488,7 @@ class SwarmService:
         async def checkpoint(index: int, result: WorkerResult) -> bool:
             if index + 1 not in checkpoints:
                 return True
-            decided = await self._checkpoint(self._current[task_id], request, index, result)
+            decided = await self.checkpoints.pause(self._current[task_id], request.conversation, index, result)
             if decided is None:
                 return False
             self._current[task_id] = decided
@@ -523,155 +522,6 @@ class SwarmService:
         outcome.extra_usage = outcome.extra_usage + refined.usage
         outcome.details["refined"] = True
 
-    # -- checkpoints -----------------------------------------------------------------------------
-
-    async def _checkpoint(
-        self, run: TaskRun, request: SwarmRequest, index: int, result: WorkerResult
-    ) -> TaskRun | None:
-        """Pause after stage ``index + 1``: an approval card everywhere; approve resumes, reject or deadline ends."""
-        if self.approvals is None:
-            raise RuntimeError("a checkpoint needs the approvals service")
-        limit = self.config.swarm.max_paused_pipelines
-        if await self.store.count(TaskStatus.PAUSED) >= limit:
-            error = f"{limit} pipelines are already paused at checkpoints; approve or reject some first"
-            await self.store.finish(run, TaskStatus.FAILED, result=None, error=error)
-            self._report(f"swarm task {run.task_id} failed: {error}")
-            return None
-        args = {"task": run.task_id, "after_stage": index + 1, "worker": result.worker, "output": result.output[:2000]}
-        try:
-            approval = await self.approvals.open(
-                CHECKPOINT_TOOL,
-                args,
-                f"swarm:{run.task_id}",
-                request.conversation,
-                task_id=run.task_id,
-                durable=True,  # the paused pipeline picks it up again after a restart: not an orphan
-            )
-        except (ApprovalRefused, Exception) as exc:  # no gate, no pause: the task ends, saying why
-            swarm_failure("gate_register")
-            log.warning("swarm.checkpoint_unopened", task_id=run.task_id, error=f"{type(exc).__name__}: {exc}")
-            error = f"the checkpoint after stage {index + 1} could not be opened: {exc}"
-            await self.store.finish(run, TaskStatus.FAILED, result=None, error=error)
-            self._report(f"swarm task {run.task_id} failed: {error}")
-            return None
-        paused = f"checkpoint {approval.id} after stage {index + 1} ({result.worker})"
-        try:
-            recorded = await self.store.pause(run, paused)
-        except StoreUnavailable as exc:
-            swarm_failure("task_write")
-            log.warning("swarm.pause_unrecorded", task_id=run.task_id, error=str(exc))
-            recorded = False
-        if not recorded:  # cancelled meanwhile, or not written: nobody must approve a pause that is not there
-            await self._settle(approval.id, run.task_id, "the pipeline did not pause")
-            return None
-        self._report(f"swarm task {run.task_id} paused after stage {index + 1}: approve or reject it")
-        return await self._await_checkpoint(run.task_id, approval.id)
-
-    async def _settle(self, approval_id: str, task_id: str, why: str) -> None:
-        """Withdraw a checkpoint's approval request (its cards show it ended); a failure is counted."""
-        if self.approvals is None:
-            return
-        try:
-            await self.approvals.cancel(approval_id, reason=f"swarm task {task_id}: {why}")
-        except Exception as exc:  # the cards stay until the request's own deadline ends it
-            swarm_failure("gate_settle")
-            log.warning("swarm.checkpoint_unsettled", task_id=task_id, approval=approval_id, error=f"{exc}")
-
-    async def _await_checkpoint(self, task_id: str, approval_id: str) -> TaskRun | None:
-        assert self.approvals is not None
-        outcome = await self.approvals.wait(approval_id, cancel_with_waiter=False)
-        if outcome.status is Status.APPROVED:
-            resumed = await self._resume_when_room(task_id)
-            if resumed is not None:
-                self._report(f"swarm task {task_id} resumed ({outcome.summary()})")
-            return resumed
-        why = "rejected" if outcome.status is Status.DENIED else outcome.status.value
-        with contextlib.suppress(UnknownTask):
-            await self.store.cancel(task_id, actor=outcome.decided_by or "the checkpoint deadline")
-        self._report(f"swarm task {task_id} ended at its checkpoint: {why} ({outcome.summary()})")
-        return None
-
-    async def _resume_when_room(self, task_id: str) -> TaskRun | None:
-        """An approved checkpoint resumes through the same capacity check as a new task.
-
-        When the swarm is full (the approval came from a card while it filled up) the task stays paused and
-        resumes as soon as a running task ends; a resume the store cannot record is tried again. None: the
-        task was cancelled while it waited.
-        """
-        told: set[str] = set()
-        while True:
-            self._capacity.clear()
-            try:
-                return await self.store.resume(task_id, max_running=self.config.swarm.max_parallel)
-            except (IllegalTransition, UnknownTask):
-                return None
-            except AtCapacity as exc:
-                wait = float(exc.retry_in)
-                if "capacity" not in told:
-                    told.add("capacity")
-                    self._report(
-                        f"swarm task {task_id} was approved, but the swarm is at capacity: "
-                        "it resumes when a running task ends"
-                    )
-            except StoreUnavailable as exc:
-                swarm_failure("running_row")
-                log.warning("swarm.resume_unrecorded", task_id=task_id, error=str(exc))
-                wait = float(self.store.capacity_retry_in)
-                if "store" not in told:
-                    told.add("store")
-                    self._report(f"swarm task {task_id} was approved; its resume is not recorded yet, trying again")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._capacity.wait(), timeout=wait)
-
-    async def decide_checkpoint(self, task_id: str, decision: Decision, *, actor: str, platform: str) -> str:
-        """Approve or reject a paused pipeline: not pending, at capacity and not recorded are each said."""
-        if self.approvals is None:
-            return "checkpoints need the approvals service"
-        record = await self.store.get(task_id)
-        if record is None:
-            return f"no swarm task {task_id!r}"
-        if record.status is not TaskStatus.PAUSED:
-            return f"swarm task {task_id} is not waiting at a checkpoint (it is {record.status.value}); nothing changed"
-        approval_id = _checkpoint_id(record.current_step)
-        if approval_id is None:
-            return f"swarm task {task_id} has no open checkpoint"
-        if decision is Decision.APPROVE:
-            running = await self.store.count(TaskStatus.RUNNING)
-            limit = self.config.swarm.max_parallel
-            if running >= limit:
-                log.info("swarm.resume_refused_at_capacity", task_id=task_id, actor=actor, running=running)
-                return (
-                    f"Not approved: the swarm is at capacity ({running} of {limit} tasks running), so swarm task "
-                    f"{task_id} cannot resume now. Its checkpoint stays open: approve again in about "
-                    f"{self.store.capacity_retry_in} s."
-                )
-        result = await self.approvals.decide(approval_id, decision, actor=actor, platform=platform)
-        if (
-            result.verdict is PressVerdict.REFUSED
-            and self.approvals.is_approver(actor, platform)
-            and await self._still_pending(approval_id)
-        ):
-            swarm_failure("approval_resolve")
-            log.warning(
-                "swarm.checkpoint_decision_unrecorded",
-                task_id=task_id,
-                approval=approval_id,
-                actor=actor,
-                platform=platform,
-                decision=decision.value,
-                reason=result.message,
-            )
-        return result.message
-
-    async def _still_pending(self, approval_id: str) -> bool:
-        assert self.approvals is not None
-        try:
-            request = await self.approvals.store.get(approval_id)
-        except Exception as exc:  # cannot tell: the decision is certainly not known to be recorded
-            log.warning("swarm.checkpoint_unreadable", approval=approval_id, error=f"{exc}")
-            return True
-        return request is not None and request.outcome() is None
-
     async def _deliver(self, request: SwarmRequest, text: str) -> None:
         target = request.route or request.conversation
         if self.deliver is None or ":" not in target:
@@ -697,6 +547,10 @@ class SwarmService:
 
     # -- operators -------------------------------------------------------------------------------
 
+    async def decide_checkpoint(self, task_id: str, decision: Decision, *, actor: str, platform: str) -> str:
+        """Approve or reject a paused pipeline: not pending, at capacity and not recorded are each said."""
+        return await self.checkpoints.decide(task_id, decision, actor=actor, platform=platform)
+
     async def wait(self, task_id: str, wait_seconds: float = CHECK_DEFAULT_WAIT) -> TaskRecord | None:
         """Answer as soon as the task ends, or after ``wait_seconds`` (at most 90 s) with where it is."""
         limit = max(0.0, min(wait_seconds, CHECK_MAX_WAIT))
@@ -715,9 +569,9 @@ class SwarmService:
         changed = await self.store.cancel(task_id, actor=actor)
         if changed:
             self._changed()
-            approval_id = _checkpoint_id(record.current_step)
+            approval_id = checkpoint_id(record.current_step)
             if record.status is TaskStatus.PAUSED and approval_id is not None:
-                await self._settle(approval_id, task_id, f"cancelled by {actor}")
+                await self.checkpoints.settle(approval_id, task_id, f"cancelled by {actor}")
         task = self._running.get(task_id)
         if task is not None:
             task.cancel()
@@ -747,7 +601,7 @@ class SwarmService:
 
     def _wait_again(self, record: TaskRecord) -> None:
         """A paused pipeline whose waiter is gone (a restart, a replica that died) waits for its checkpoint here."""
-        approval_id = _checkpoint_id(record.current_step)
+        approval_id = checkpoint_id(record.current_step)
         if approval_id is None or record.id in self._finished:
             return  # no checkpoint to wait for, or this process waits for it already
         self._finished[record.id] = asyncio.Event()
@@ -780,7 +634,7 @@ class SwarmService:
         return lines
 
     async def _resume_after_restart(self, record: TaskRecord, approval_id: str) -> None:
-        resumed = await self._await_checkpoint(record.id, approval_id)
+        resumed = await self.checkpoints.wait(record.id, approval_id)
         if resumed is None:
             event = self._finished.get(record.id)
             if event is not None:
@@ -835,11 +689,6 @@ def outcome_json(outcome: patterns.SwarmOutcome) -> dict[str, Any]:
         "tokens": {"prompt": usage.prompt_tokens, "completion": usage.completion_tokens},
         "cost": usage.cost,
     }
-
-
-def _checkpoint_id(step: str) -> str | None:
-    parts = step.split()
-    return parts[1] if len(parts) > 1 and parts[0] == "checkpoint" else None
 
 
 def request_from(record: TaskRecord) -> SwarmRequest:

@@ -32,9 +32,9 @@ from kazma.config.database import Migration
 from kazma.config.metrics import count_failure
 from kazma.config.pg_schema import PgMigration
 from kazma.config.store_backend import SqlStatements, StoreConnection, tables_of
+from kazma.engine.swarm.call_records import TASK_WORKER, CallRecords
 from kazma.engine.swarm.metrics import swarm_failure
 from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
-from kazma.engine.types import ToolUse
 
 log = structlog.get_logger("kazma.swarm")
 
@@ -348,49 +348,6 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
-class CallRecord:
-    """One worker call of a task (one attempt): what ran it, what it called, when, what it cost, how it ended."""
-
-    task_id: str
-    seq: int  # the call's place in the task, from 1
-    generation: int
-    worker: str
-    step: str  # where in the task ("stage 2", "branch docs", "handoff from a"; "" for a plain dispatch)
-    attempt: int  # 1 for the first attempt, 2 for its first retry …
-    model: str
-    tools: tuple[ToolUse, ...]
-    started_at: datetime
-    finished_at: datetime | None  # None: still running, or the process stopped during it
-    ok: bool | None  # None while running
-    error: str
-    prompt_tokens: int
-    completion_tokens: int
-    cost: float | None  # what the model's server reported; None when it did not say
-
-    @property
-    def seconds(self) -> float | None:
-        return None if self.finished_at is None else (self.finished_at - self.started_at).total_seconds()
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "seq": self.seq,
-            "generation": self.generation,
-            "worker": self.worker,
-            "step": self.step,
-            "attempt": self.attempt,
-            "model": self.model,
-            "tools": [t.as_json() for t in self.tools],
-            "started_at": self.started_at.isoformat(),
-            "finished_at": None if self.finished_at is None else self.finished_at.isoformat(),
-            "seconds": self.seconds,
-            "ok": self.ok,
-            "error": self.error,
-            "tokens": {"prompt": self.prompt_tokens, "completion": self.completion_tokens},
-            "cost": self.cost,
-        }
-
-
-@dataclass(frozen=True)
 class InterruptedTask:
     task_id: str
     pattern: Pattern
@@ -411,11 +368,6 @@ class RejectedWrite:
     payload: dict[str, Any]
     at: datetime
 
-
-_CALL_COLUMNS = (
-    "task_id, seq, generation, worker, step, attempt, model, tools_json, started_at, finished_at, ok, error,"
-    " prompt_tokens, completion_tokens, cost"
-)
 
 _TASK_COLUMNS = (
     "id, pattern, status, generation, run_id, request_json, result_json, error, current_step, owner, route,"
@@ -445,7 +397,7 @@ def interrupted_reason(step: str) -> str:
     return "interrupted: the process stopped before its first step; its outcome is unknown"
 
 
-class SwarmTaskStore:
+class SwarmTaskStore(CallRecords):
     """Swarm task rows, their step journal and the evidence of refused writes.
 
     Give it its own connection (:func:`kazma.config.database.connect` with
@@ -600,7 +552,7 @@ class SwarmTaskStore:
                 raise AtCapacity(self.capacity_retry_in)
             if self.replica is not None:
                 await db.run("UPDATE swarm_tasks SET replica = ? WHERE id = ?", (self.replica, run.task_id))
-            await db.run_many(_TASK_WORKER, [(worker, run.task_id) for worker in sorted(set(workers))])
+            await db.run_many(TASK_WORKER, [(worker, run.task_id) for worker in sorted(set(workers))])
 
         await self._attempt("admit", body, transaction=True)
         log.info("swarm.admitted", task_id=run.task_id, pattern=Pattern(pattern).value, owner=owner, route=route)
@@ -686,80 +638,6 @@ class SwarmTaskStore:
             )
             for r in rows
         ]
-
-    async def start_call(self, run: TaskRun, worker: str, *, step: str, attempt: int) -> int:
-        """Record that a worker call starts (before it runs); returns its place in the task (``seq``).
-
-        Calls are recorded whatever the run's generation: a call that happened is evidence either way.
-        """
-        now = self.clock()
-
-        async def body(db: SqlStatements) -> int:
-            row = await db.one("SELECT COALESCE(MAX(seq), 0) FROM swarm_calls WHERE task_id = ?", (run.task_id,))
-            seq = int(row[0]) + 1
-            await db.run(
-                "INSERT INTO swarm_calls (task_id, seq, generation, worker, step, attempt, started_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (run.task_id, seq, run.generation, worker, step, attempt, now),
-            )
-            await db.run(_TASK_WORKER, (worker, run.task_id))
-            return seq
-
-        return await self._attempt("start_call", body, transaction=True)
-
-    async def finish_call(self, task_id: str, seq: int, result: WorkerResult) -> None:
-        """Record how call ``seq`` ended: model, tools with their approvals, tokens, cost, error."""
-        usage = result.usage
-
-        async def body(db: SqlStatements) -> None:
-            await db.run(
-                "UPDATE swarm_calls SET finished_at = ?, ok = ?, error = ?, model = ?, tools_json = ?,"
-                " prompt_tokens = ?, completion_tokens = ?, cost = ? WHERE task_id = ? AND seq = ?",
-                (
-                    self.clock(),
-                    int(result.ok),
-                    result.error,
-                    result.model,
-                    json.dumps([t.as_json() for t in result.tools]),
-                    usage.prompt_tokens,
-                    usage.completion_tokens,
-                    usage.cost,
-                    task_id,
-                    seq,
-                ),
-            )
-
-        await self._attempt("finish_call", body, transaction=True)
-
-    async def calls(self, task_id: str) -> builtins.list[CallRecord]:
-        """Every recorded worker call of the task, in the order they started."""
-
-        async def body(db: SqlStatements) -> builtins.list[Any]:
-            return await db.all(
-                f"SELECT {_CALL_COLUMNS} FROM swarm_calls WHERE task_id = ? ORDER BY seq",  # noqa: S608
-                (task_id,),
-            )
-
-        return [_call_record(r) for r in await self._attempt("calls", body)]
-
-    async def calls_of(self, task_ids: Collection[str]) -> dict[str, builtins.list[CallRecord]]:
-        """The recorded calls of several tasks at once (the dashboard's tasks), by task, each in order."""
-        ids = sorted(set(task_ids))
-        found: dict[str, builtins.list[CallRecord]] = {task_id: [] for task_id in ids}
-        if not ids:
-            return found
-
-        async def body(db: SqlStatements) -> builtins.list[Any]:
-            return await db.all(
-                f"SELECT {_CALL_COLUMNS} FROM swarm_calls WHERE task_id IN ({', '.join('?' for _ in ids)})"  # noqa: S608
-                " ORDER BY task_id, seq",
-                ids,
-            )
-
-        for row in await self._attempt("calls_of", body):
-            record = _call_record(row)
-            found[record.task_id].append(record)
-        return found
 
     async def tasks_of(self, worker: str, limit: int = 50) -> builtins.list[TaskRecord]:
         """Tasks that named ``worker`` or ran it (a handoff's target too), newest first; the name matches exactly."""
@@ -1114,29 +992,4 @@ def _record(row: Any) -> TaskRecord:
         created_at=_utc(float(created_at)),
         updated_at=_utc(float(updated_at)),
         finished_at=None if finished_at is None else _utc(float(finished_at)),
-    )
-
-
-_TASK_WORKER = "INSERT INTO swarm_task_workers (worker, task_id) VALUES (?, ?) ON CONFLICT DO NOTHING"
-
-
-def _call_record(row: Any) -> CallRecord:
-    (task_id, seq, generation, worker, step, attempt, model, tools_json, started_at, finished_at, ok, error,
-     prompt_tokens, completion_tokens, cost) = row  # fmt: skip
-    return CallRecord(
-        task_id=str(task_id),
-        seq=int(seq),
-        generation=int(generation),
-        worker=str(worker),
-        step=str(step),
-        attempt=int(attempt),
-        model=str(model),
-        tools=tuple(ToolUse.from_json(t) for t in json.loads(tools_json)),
-        started_at=_utc(float(started_at)),
-        finished_at=None if finished_at is None else _utc(float(finished_at)),
-        ok=None if ok is None else bool(ok),
-        error=str(error),
-        prompt_tokens=int(prompt_tokens),
-        completion_tokens=int(completion_tokens),
-        cost=None if cost is None else float(cost),
     )
