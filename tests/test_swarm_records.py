@@ -215,8 +215,9 @@ async def test_kazma_swarm_show_prints_the_task_and_its_steps_as_json(tmp_path: 
         assert ran.returncode == 0, ran.stdout + ran.stderr
         task_id = ran.stdout.split()[2]
         shown = await asyncio.to_thread(kazma, path, "show", task_id, "--json")
-        assert shown.returncode == 0, shown.stderr
+        assert shown.returncode == 0, shown.stdout + shown.stderr
         data = json.loads(shown.stdout)
+        assert data["steps"], shown.stdout + shown.stderr
         assert (data["id"], data["status"], data["pattern"]) == (task_id, "succeeded", "dispatch")
         (step,) = data["steps"]
         assert (step["worker"], step["model"], step["ok"], step["tools"]) == ("builder", "llama3.1", True, [])

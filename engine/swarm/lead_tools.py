@@ -90,7 +90,8 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
         if record is None:
             return ToolResult(ok=False, output="", error=f"no swarm task {args.task_id!r}")
         output = record.result.get("output", "") if record.result else ""
-        text = f"status: {record.status.value}; step: {record.current_step}; error: {'below' if record.error else '-'}"
+        error = "below" if record.error else "-"
+        text = f"status: {record.status.value}; step: {record.current_step}; error: {error}"
         # Workers' answers and errors were written by models reading whatever their tools fetched: data, not orders.
         if record.error:
             text += "\n" + fence_untrusted(record.error, source=f"swarm task {record.id}'s error")
