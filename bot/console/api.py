@@ -30,6 +30,7 @@ from aiohttp import web
 from kazma.approvals.hashing import canonical_json, text_hash
 from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.service import ApprovalRefused, ApprovalService
+from kazma.approvals.tool_names import TOOL_PATTERN, TOOL_RULE, ToolNameError, check_tool_name
 from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.app import App
 from kazma.config.models import KazmaConfig
@@ -233,6 +234,10 @@ def _validated(
     tool = body.get("tool")
     if not isinstance(tool, str) or not 0 < len(tool) <= MAX_TOOL:
         raise _error(web.HTTPBadRequest, f"tool must be a name of 1-{MAX_TOOL} characters")
+    try:
+        check_tool_name(tool)  # the card shows it after "Tool:": it can hold a name and nothing else
+    except ToolNameError as exc:
+        raise _error(web.HTTPBadRequest, str(exc)) from None
     arguments = body.get("arguments", {})
     if not isinstance(arguments, dict):
         raise _error(web.HTTPBadRequest, "arguments must be a JSON object")
@@ -257,7 +262,12 @@ _REQUEST_SCHEMA = {
     "required": ["tool"],
     "additionalProperties": False,
     "properties": {
-        "tool": {"type": "string", "maxLength": MAX_TOOL},
+        "tool": {
+            "type": "string",
+            "maxLength": MAX_TOOL,
+            "pattern": TOOL_PATTERN,
+            "description": TOOL_RULE,
+        },
         "arguments": {"type": "object"},
         "reason": {"type": "string", "maxLength": MAX_REASON},
         "requester": {"type": "string", "maxLength": MAX_REQUESTER},
