@@ -418,7 +418,8 @@ def padding_gaps(text: str) -> list[tuple[int, int]]:
     Spaces and line breaks are the only characters :func:`reveal` leaves blank, so the runs are the same in a
     text and in its shown form (at other offsets).
     """
-    if "  " not in text and LINE_FEED * 2 not in text:
+    # A run longer than MAX_GAP_WIDTH with at most MAX_GAP_LINES line breaks holds two spaces side by side.
+    if text.count(LINE_FEED) <= MAX_GAP_LINES and "  " not in text:
         return []
     gaps: list[tuple[int, int]] = []
     for run in _BLANKS.finditer(text):

@@ -543,7 +543,7 @@ def test_a_field_mixing_directions_is_flagged() -> None:
     )
 
 
-@pytest.mark.parametrize("padding", ["\n" * 300, "\n \n" * 150, " " * 250, "\n" * 9])
+@pytest.mark.parametrize("padding", ["\n" * 300, "\n \n" * 150, " \n" * 150, " " * 250, "\n" * 9])
 def test_padding_is_cut_out_of_the_card_so_approve_moves_to_the_page(padding: str) -> None:
     value = f"echo hello{padding}rm -rf ~"
     request, card = card_for(value)
