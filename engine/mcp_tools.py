@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import re
@@ -54,12 +55,33 @@ __all__ = ["MCPArgs", "MCPConnection", "MCPSources", "MCPTool", "list_server_too
 log = structlog.get_logger("kazma.engine.mcp")
 
 MAX_DESCRIPTION = 1000
+MAX_MODEL_NAME = 64  # what OpenAI-style function names allow, from [A-Za-z0-9_-]
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_AS_IS = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def model_name(server: str, tool: str) -> str:
-    """``server__tool`` with every other character made ``_``: OpenAI-style function names allow no ``/``."""
-    return (_UNSAFE.sub("_", server) + "__" + _UNSAFE.sub("_", tool))[:64]
+    """The name a model calls ``server/tool`` by: ``server__tool``, and never the same for two tools.
+
+    The server part never contains ``__`` nor ends with ``_``, so the first
+    ``__`` of a model name is where the server's name ends: tools of two
+    servers cannot meet (``a`` + ``x__y`` is ``a__x__y``; ``a__x`` + ``y`` is
+    ``a_x-<hash>__y``). A tool name that would be changed to fit (a character
+    outside ``[A-Za-z0-9_-]``, or too long) gets a hash of the whole name, so
+    ``x.y`` and ``x_y`` of one server stay apart too.
+    """
+    head = server
+    if "__" in server or server.endswith("_") or _UNSAFE.search(server) or not server:
+        head = (re.sub("_+", "_", _UNSAFE.sub("_", server)).strip("_") or "mcp") + "-" + _digest(server, 6)
+    name = f"{head}__{tool}"
+    if _AS_IS.fullmatch(tool) and len(name) <= MAX_MODEL_NAME:
+        return name
+    room = MAX_MODEL_NAME - len(head) - len("__") - len("_") - 8
+    return f"{head}__{_UNSAFE.sub('_', tool)[:room]}_{_digest(tool, 8)}"
+
+
+def _digest(text: str, size: int) -> str:
+    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:size]
 
 
 class MCPArgs(ToolArgs):
@@ -435,7 +457,11 @@ class MCPSources:
         for stale in [n for n in self.registry.names() if n.startswith(prefix) and n not in names]:
             self.registry.remove(stale)
         for tool in listed:
-            self.registry.put(MCPTool(connection, tool, self.level_of))
+            try:
+                self.registry.put(MCPTool(connection, tool, self.level_of))
+            except ValueError as exc:  # its model-facing name belongs to another tool: that one keeps it
+                count_failure("mcp_tool_name_taken", connection.name)
+                log.error("mcp.tool_name_taken", server=connection.name, tool=tool.name, problem=str(exc))
 
     async def start(self, *, wait: float = 0.0) -> None:
         """Start every server; wait up to ``wait`` seconds for them to list their tools (the rest come later)."""
