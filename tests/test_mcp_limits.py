@@ -70,11 +70,11 @@ async def test_a_10_mb_stdio_answer_is_cut_while_it_arrives(tmp_path: Path) -> N
     config = MCPServerConfig(command=sys.executable, args=[str(SPY)], call_timeout_seconds=120)
     async with _running(config) as connection:
         result, grown = await _flood_costs(connection)
+        assert grown < 40, f"the peak RSS grew by {grown:.0f} MB for a 10 MB answer"
         assert not result.ok
         assert result.truncated
         assert "longer than 4194304 bytes" in (result.error or ""), result.error
         assert "mcp_servers.spy.max_message_bytes" in (result.error or "")
-        assert grown < 40, f"the peak RSS grew by {grown:.0f} MB for a 10 MB answer"
         # the connection carries on: the next call is answered by the same server
         after = await connection.call("flood", {"size": 10})
         assert after.ok
@@ -108,9 +108,9 @@ async def _spy_over_http() -> AsyncIterator[str]:
 async def test_a_10_mb_http_answer_is_cut_while_it_arrives() -> None:
     async with _spy_over_http() as url, _running(MCPServerConfig(url=url, call_timeout_seconds=120)) as connection:
         result, grown = await _flood_costs(connection)
+        assert grown < 40, f"the peak RSS grew by {grown:.0f} MB for a 10 MB answer"
         assert not result.ok
         assert "longer than 4194304 bytes" in (result.error or ""), result.error
-        assert grown < 40, f"the peak RSS grew by {grown:.0f} MB for a 10 MB answer"
         after = await connection.call("flood", {"size": 10})
         assert after.ok
         assert after.output == "x" * 10
