@@ -227,12 +227,18 @@ def bwrap_argv(
     argv += ["--tmpfs", "/tmp"]  # noqa: S108 - a fresh, private tmpfs inside the sandbox
     # Writable before read-only: a later mount hides what was mounted below it, so a
     # read-only path inside a writable one stays read-only only when it comes after.
-    for path in extra_rw:
+    for path, _given in extra_rw:
         argv += ["--bind", str(path), str(path)]
-    for path in extra_ro:
+    for path, _given in extra_ro:
         if not any(path.is_relative_to(source) for source, _inside in binds):
             argv += ["--ro-bind", str(path), str(path)]
             binds.append((path, str(path)))
+    # Bound at their real place; a path given through a symbolic link gets the same link inside.
+    visible = [Path(inside) for _source, inside in binds] + [path for path, _given in extra_rw]
+    for path, given in dict.fromkeys([*extra_rw, *extra_ro]):
+        if given != path and not any(given.is_relative_to(place) for place in visible):
+            argv += ["--symlink", str(path), str(given)]
+            visible.append(given)
     for h in hidden_real:
         for source, inside in binds:
             if h != source and h.is_relative_to(source) and os.path.lexists(h):
@@ -248,10 +254,10 @@ def bwrap_argv(
     return [*argv, "--", *command]
 
 
-def _extra_binds(paths: Iterable[Path | str], hidden: Sequence[Path], *, writable: bool) -> list[Path]:
-    """``paths`` as real paths, each checked against ``hidden``: none may lie inside a hidden path."""
+def _extra_binds(paths: Iterable[Path | str], hidden: Sequence[Path], *, writable: bool) -> list[tuple[Path, Path]]:
+    """``paths`` as (real path, path as given), each checked against ``hidden``: none may lie inside a hidden path."""
     kind = "writable" if writable else "read-only"
-    found: list[Path] = []
+    found: list[tuple[Path, Path]] = []
     for raw in paths:
         path = _real(raw)
         if not path.exists():
@@ -262,8 +268,9 @@ def _extra_binds(paths: Iterable[Path | str], hidden: Sequence[Path], *, writabl
                     f"the {kind} path {raw} would show {h}, which must stay hidden from tools "
                     "(Kazma's state directory or configuration)"
                 )
-        if path not in found:
-            found.append(path)
+        given = Path(os.path.abspath(raw))
+        if (path, given) not in found:
+            found.append((path, given))
     return found
 
 

@@ -172,6 +172,18 @@ async def test_a_folder_given_to_a_server_does_not_show_the_state_inside_it(tmp_
 
 
 @needs_bwrap
+async def test_a_folder_given_through_a_link_is_read_where_it_was_named(tmp_path: Path) -> None:
+    (tmp_path / "data-v2").mkdir()
+    (tmp_path / "data-v2" / "notes.txt").write_text("the server's data")
+    (tmp_path / "data").symlink_to(tmp_path / "data-v2")
+    places = ServerPlaces(root=tmp_path / "ws" / ".mcp")
+    async with _running(_spy(read_only=[tmp_path / "data"]), places) as connection:
+        report = await _snoop(connection, [tmp_path / "data" / "notes.txt", tmp_path / "elsewhere"])
+    assert report["paths"][str(tmp_path / "data" / "notes.txt")] == "read: the server's data"
+    assert report["paths"][str(tmp_path / "elsewhere")].startswith("refused: FileNotFoundError")
+
+
+@needs_bwrap
 async def test_a_writable_folder_around_the_state_is_refused_before_the_server_starts(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
