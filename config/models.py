@@ -310,6 +310,14 @@ class MCPServerConfig(Strict):
                 "only for stdio servers (command), which Kazma runs itself: {keys}",
                 {"keys": ", ".join(sorted(stdio_only))},
             )
+        shaping = {"network", "read_only", "writable"} & self.model_fields_set
+        if self.sandbox == "none" and shaping:
+            raise PydanticCustomError(
+                "kazma_mcp",
+                "with sandbox: none there is no sandbox for {keys} to shape: the server reaches everything "
+                "Kazma's user can",
+                {"keys": ", ".join(sorted(shaping))},
+            )
         if self.command and self.headers:
             raise PydanticCustomError("kazma_mcp", "headers are for HTTP servers (url)", {"subpath": "headers"})
         return self

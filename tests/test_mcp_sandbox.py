@@ -319,6 +319,7 @@ def test_config_keys_for_the_sandbox() -> None:
         "mcp_servers: {x: {command: a, sandbox: auto}}": "expected bwrap or none, got 'auto'",
         "mcp_servers: {x: {url: 'http://h', network: true}}": "only for stdio servers (command)",
         "mcp_servers: {x: {command: a, read_only: [relative]}}": "expected an absolute path",
+        "mcp_servers: {x: {command: a, sandbox: none, network: false}}": "no sandbox for network to shape",
         "store: {path: /srv/k/state/kazma.db}\nmcp_servers: {x: {command: a, read_only: [/srv/k/state/x]}}": (
             "mcp_servers.x.read_only[0]: /srv/k/state/x would let the server reach the store's folder"
         ),
