@@ -117,6 +117,7 @@ def plan_launch(name: str, config: MCPServerConfig, places: ServerPlaces, sandbo
     workdir = places.workdir(name)
     try:
         workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        workdir = workdir.resolve(strict=True)  # its HOME: absolute, whatever folder Kazma was started in
     except OSError as exc:
         raise LaunchRefused(f"MCP server {name!r}: cannot make its working directory {workdir}: {exc}") from exc
     found = shutil.which(config.command)
