@@ -168,12 +168,10 @@ class MCPConnection:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the server's fault, whatever it is: say so and start again
-                said = stderr.last_line()
-                self.problem = f"MCP server {self.name!r} failed: {_describe(exc)}" + (
-                    f" (its last words: {said})" if said else ""
-                )
+                # Its stderr goes to the log only: the problem reaches models, and the server's words are not ours.
+                self.problem = f"MCP server {self.name!r} failed: {_describe(exc)}"
                 count_failure("mcp_server", self.name)
-                log.warning("mcp.server_failed", server=self.name, error=_describe(exc), stderr=said)
+                log.warning("mcp.server_failed", server=self.name, error=_describe(exc), stderr=stderr.last_line())
             finally:
                 self.session = None
                 self._ready.clear()
