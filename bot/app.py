@@ -34,6 +34,7 @@ from kazma.engine.agent import AgentRunner, agents_from_config
 from kazma.engine.conversation import Conversations, is_question_button
 from kazma.engine.executor import Action, PlanExecutor
 from kazma.engine.history import HistoryStore
+from kazma.engine.mcp_launch import places_for
 from kazma.engine.mcp_tools import MCPSources
 from kazma.engine.model_router import provider_for
 from kazma.engine.plan_store import PlanStore
@@ -432,7 +433,10 @@ async def build_app(
         HistoryStore(stores.history),
         workspace_root=workspace_root or config.tools.workspaces(config.store.path),
     )
-    mcp = MCPSources(config.mcp_servers, tools, config.danger_level) if config.mcp_servers else None
+    mcp = None
+    if config.mcp_servers:
+        places = places_for(config, config_file=loaded.source, workspace_root=workspace_root)
+        mcp = MCPSources(config.mcp_servers, tools, config.danger_level, places=places)
     agents = agents_from_config(config)
     lead = agents[config.agents.lead.name]
     transcript = TranscriptStore(stores.transcript)

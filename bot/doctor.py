@@ -12,6 +12,8 @@ from kazma.config import LoadedConfig, platform_statuses
 from kazma.config.database import schema_versions, transaction
 from kazma.config.models import MCPServerConfig, ModelConfig
 from kazma.config.store_backend import backend_of
+from kazma.engine.mcp_launch import LaunchRefused, ServerPlaces, places_for
+from kazma.engine.mcp_stdio import StderrTail
 from kazma.engine.mcp_tools import list_server_tools
 from kazma.engine.sandbox import resolve_sandbox
 
@@ -37,20 +39,45 @@ async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0, platfo
     checks.append(await check_model(loaded, wait_seconds=model_timeout))
     for name, model in loaded.config.models.items():
         checks.append(await check_endpoint(model, f"model.{name}", wait_seconds=model_timeout))
+    places = places_for(loaded.config, config_file=loaded.source)
     for name, server in loaded.config.mcp_servers.items():
-        checks.append(await check_mcp_server(name, server))
+        checks.append(await check_mcp_server(name, server, places=places))
     return checks
 
 
-async def check_mcp_server(name: str, server: MCPServerConfig) -> Check:
-    """Start the server, list its tools, stop it."""
+async def check_mcp_server(name: str, server: MCPServerConfig, *, places: ServerPlaces | None = None) -> Check:
+    """Say how the server runs (sandboxed, unsandboxed, refused), then start it as `kazma run` would and list
+    its tools."""
     where = server.url or " ".join([server.command, *server.args])
+    if server.url:
+        mode = "over HTTP (Kazma does not run it)"
+    elif server.sandbox == "none":
+        mode = f"runs unsandboxed on this host (mcp_servers.{name}.sandbox: none; every card of its tools says so)"
+    else:
+        mode = f"sandboxed (bubblewrap, network {'on' if server.network else 'off'})"
+    stderr = StderrTail()
     try:
-        tools = await list_server_tools(name, server)
+        tools = await list_server_tools(name, server, places=places, stderr=stderr)
+    except LaunchRefused as exc:
+        return Check(f"mcp.{name}", Level.FAIL, f"not started: {exc}")
     except Exception as exc:
-        return Check(f"mcp.{name}", Level.FAIL, f"{where[:200]}: could not list its tools ({_reason(exc)})")
+        said = stderr.last_line()
+        hint = (
+            f"; in its sandbox it sees only the system, its working directory and what it is given: list the "
+            f"folders it needs under mcp_servers.{name}.read_only or .writable"
+            if server.command and server.sandbox == "bwrap"
+            else ""
+        )
+        return Check(
+            f"mcp.{name}",
+            Level.FAIL,
+            f"{where[:200]}: {mode}, could not list its tools ({_reason(exc)})"
+            + (f"; its last words: {said}" if said else "")
+            + hint,
+        )
     listed = ", ".join(f"{name}/{tool}" for tool in sorted(tools)) or "no tools"
-    return Check(f"mcp.{name}", Level.OK, f"{len(tools)} tools: {listed}")
+    level = Level.WARN if server.command and server.sandbox == "none" else Level.OK
+    return Check(f"mcp.{name}", level, f"{mode}; {len(tools)} tools: {listed}")
 
 
 def _reason(exc: BaseException) -> str:
