@@ -332,6 +332,8 @@ class ApiTokenConfig(Strict):
 
     token: str
     roles: list[ApiRole] = Field(default_factory=lambda: list[ApiRole](["approval_requester"]))
+    # Requests of this token pending at once; one more is refused (429) until a person decides one or one ends.
+    max_pending: int = Field(default=10, ge=1, le=10_000)
 
     @field_validator("token")
     @classmethod
