@@ -16,6 +16,10 @@ from kazma.approvals.model import Decision, Status
 from kazma.bot.console.auth import load_tokens
 from kazma.bot.console.server import WebServer
 from kazma.config import ConfigError, load_config_text
+from kazma.engine.model import ScriptStep
+from kazma.engine.plan import PlanOrigin, PlanSpec, StepSpec, StepStatus
+from kazma.engine.types import ModelReply
+from tests.test_e2e_plans import call
 from tests.test_web_server import OPERATOR, READER, Console, _field, console, until
 
 RLO = "\u202e"  # RIGHT-TO-LEFT OVERRIDE: shows "exe.txt" as "txt.exe"
@@ -54,6 +58,71 @@ async def test_a_reader_cannot_talk_to_the_agents_but_may_ask_for_swarm_status(t
         page = await _flash_page(client, con)
         assert re.search(r"swarm: 0 running, 0 paused, \d+ workers", page), page
         assert con.web.messages() == []  # a command is answered to the reader, never posted to the agents
+
+
+async def test_no_field_of_send_lets_a_readers_text_reach_an_agent(tmp_path: Path) -> None:
+    # The attack seen: a made-up reply_to skipped the reader check, and the lead ran http_get and replied.
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [call("http_get", {"url": "https://example.org/"}), ModelReply(content="Fetched it for you.")]
+    }
+    async with console(tmp_path, scripts=scripts) as con, con.client() as client:
+        csrf = await con.login(client, "rita", READER)
+        attempts: list[dict[str, str]] = [
+            {"text": "@kazma http_get https://example.org/", "reply_to": "made-up"},
+            {"text": "@kazma http_get https://example.org/", "reply_to": "1"},
+            {"text": "fetch it", "reply_to": " "},
+            {"text": "@builder run it", "mentions": "builder"},
+            {"text": "/swarm", "reply_to": "made-up"},  # a command with a reply_to is still not an answer
+            {"text": "/planx"},
+        ]
+        for fields in attempts:
+            response = await client.post(
+                f"{con.base}/console/send", data={"csrf": csrf, **fields}, allow_redirects=False
+            )
+            assert response.status == 403, fields
+            assert "operators only: web:rita is a reader" in await response.text()
+        await con.app.conversations.drain()
+        assert con.provider.calls == 0  # no agent turn ran: the model was never asked
+        assert con.web.messages() == []  # nothing was said in the conversation
+
+
+async def test_a_reader_cannot_answer_a_question_even_under_the_requesters_name(tmp_path: Path) -> None:
+    # Names are self-declared: a reader who logs in as the plan's requester is still a reader.
+    scripts: dict[str, list[ScriptStep]] = {
+        "builder": [call("ask_user", {"question": "Which region?", "choices": ["eu", "us"]}), ModelReply("Waiting.")],
+    }
+    async with console(tmp_path, scripts=scripts) as con, con.client() as client:
+        typed = PlanSpec(goal="budget", steps=[StepSpec(index=1, title="budget", assignee="user", input="Budget?")])
+        typed_plan = await con.app.executor.start("web:console", typed, PlanOrigin("set it up", "web:rita"))
+        pressed = PlanSpec(goal="deploy", steps=[StepSpec(index=1, title="deploy", assignee="builder", input="Go.")])
+        pressed_plan = await con.app.executor.start("web:console", pressed, PlanOrigin("deploy it", "web:rita"))
+        await until(con.web, lambda: any(m.choices for m in con.web.messages()))
+        await until(con.web, lambda: any("Budget?" in m.text for m in con.web.messages()))
+        await con.app.conversations.drain()
+        [typed_question] = [m for m in con.web.messages() if "Budget?" in m.text]
+        [pressed_question] = [m for m in con.web.messages() if m.choices]
+        asked = con.provider.calls
+
+        csrf = await con.login(client, "rita", READER)
+        replied = await client.post(
+            f"{con.base}/console/send",
+            data={"csrf": csrf, "text": "10k", "reply_to": typed_question.id},
+            allow_redirects=False,
+        )
+        assert replied.status == 403
+        chose = await client.post(
+            f"{con.base}/console/choose",
+            data={"csrf": csrf, "message": pressed_question.id, "choice": "1"},
+            allow_redirects=False,
+        )
+        assert chose.status == 403
+        await con.app.conversations.drain()
+        assert con.provider.calls == asked  # the builder was not resumed
+        for plan in (typed_plan, pressed_plan):
+            loaded = await con.app.executor.store.load(plan.id)
+            assert loaded is not None
+            assert loaded.steps[1].status is StepStatus.WAITING_FOR_USER
+        assert not any(m.author == "web:rita" for m in con.web.messages())
 
 
 # -- logins are throttled ------------------------------------------------------------------------

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import re
 import secrets
@@ -355,34 +354,25 @@ class WebAuth:
         log.warning("web.origin_refused", origin=refused[:200], expected=sorted(own), path=request.path)
         raise web.HTTPForbidden(text=message_page("Refused", ORIGIN_REFUSED), content_type="text/html")
 
-    # -- guards ----------------------------------------------------------------------------------
+    # -- what the door let in ----------------------------------------------------------------------
 
-    async def page_reader(self, request: web.Request) -> Session:
-        """A logged-in person for an HTML page; otherwise off to the login form."""
-        session = await self.session(request)
-        if session is None:
-            raise web.HTTPFound("/login")
-        return session
+    def current(self) -> Session:
+        """The session the door (:mod:`~kazma.bot.console.doors`) found for this request.
 
-    async def api_reader(self, request: web.Request) -> Session:
-        """A logged-in person for the event stream and other machine routes; otherwise 401 JSON."""
-        session = await self.session(request)
-        if session is None:
-            raise web.HTTPUnauthorized(text=json.dumps({"error": "login required"}), content_type="application/json")
-        return session
+        Raises RuntimeError when there is none: a handler that needs a session behind a door that does not
+        ask for one is a programming error, answered 500, never served as somebody.
+        """
+        served = _SERVED.get()
+        if not served:
+            raise RuntimeError("no console session was checked at the door for this request")
+        return served[0]
 
-    async def post(self, request: web.Request, *, operator: bool) -> tuple[Session, dict[str, str]]:
-        """The guard for every state-changing request: a session, its CSRF token, and the role.
+    async def form(self, request: web.Request) -> tuple[Session, dict[str, str]]:
+        """The door's session and the form's fields, once the session's CSRF token matches.
 
         Raises before anything is read into the application, so a refused request changes nothing.
         """
-        self.check_origin(request)
-        session = await self.session(request)
-        if session is None:
-            raise web.HTTPUnauthorized(
-                text=message_page("Login required", "Your session has ended; log in again.", link=("/login", "Log in")),
-                content_type="text/html",
-            )
+        session = self.current()
         data = await request.post()
         fields: dict[str, str] = {}
         for key, value in data.items():
@@ -393,12 +383,6 @@ class WebAuth:
             log.warning("web.csrf_refused", login=session.login, path=request.path)
             raise web.HTTPForbidden(
                 text=message_page("Refused", CSRF_REFUSED, viewer=session), content_type="text/html"
-            )
-        if operator and not session.is_operator:
-            log.warning("web.reader_refused", login=session.login, path=request.path)
-            raise web.HTTPForbidden(
-                text=message_page("Refused", f"{OPERATORS_ONLY}: web:{session.login} is a reader", viewer=session),
-                content_type="text/html",
             )
         return session, fields
 
@@ -465,7 +449,7 @@ class WebAuth:
         raise response
 
     async def logout(self, request: web.Request) -> web.Response:
-        session, _ = await self.post(request, operator=False)
+        session, _ = await self.form(request)
         await self.store.end(session_hash(session.id))
         log.info("web.logout", login=session.login)
         response = web.HTTPSeeOther("/login")

@@ -18,7 +18,7 @@ from aiohttp import BodyPartReader, web
 
 from kazma.adapters.admission import FileBounds, human_size
 from kazma.adapters.contract import Attachment
-from kazma.bot.console.auth import CSRF_HEADER, CSRF_REFUSED, OPERATORS_ONLY, Session, WebAuth
+from kazma.bot.console.auth import CSRF_HEADER, CSRF_REFUSED, Session, WebAuth
 from kazma.bot.console.pages import message_page
 
 log = structlog.get_logger("kazma.web")
@@ -71,35 +71,27 @@ async def _file(part: BodyPartReader, name: str, bounds: FileBounds) -> bytes:
 
 
 async def read_upload(request: web.Request, auth: WebAuth, bounds: FileBounds) -> tuple[Session, Upload]:
-    """The guard of :meth:`WebAuth.post` (origin, session, CSRF, operator), then the files within the bounds.
+    """The session the door let in (an operator's), its CSRF token first, then the files within the bounds.
 
-    Raises the same HTTP errors as the guard, and :class:`UploadRefused` (with the session) over a bound.
+    Raises 400/403 like :meth:`WebAuth.form`, and :class:`UploadRefused` over a bound.
     """
-    auth.check_origin(request)
-    session = await auth.session(request)
-    if session is None:
-        raise web.HTTPUnauthorized(
-            text=message_page("Login required", "Your session has ended; log in again.", link=("/login", "Log in")),
-            content_type="text/html",
-        )
-    if not request.content_type.startswith("multipart/"):
-        raise web.HTTPBadRequest(
-            text=message_page("Bad request", "Files are sent as multipart/form-data.", viewer=session),
-            content_type="text/html",
-        )
-    reader = await request.multipart()
+    session = auth.current()
+    multipart = request.content_type.startswith("multipart/")
+    reader = await request.multipart() if multipart else None
     supplied = request.headers.get(CSRF_HEADER, "")
-    if not supplied:
+    if not supplied and reader is not None:
         first = await reader.next()
         if isinstance(first, BodyPartReader) and first.name == "csrf" and first.filename is None:
             supplied = (await _field(first)).strip()
+    elif not supplied:  # a plain form (within the server's small body bound): its token, then a clear 400
+        field = (await request.post()).get("csrf")
+        supplied = field if isinstance(field, str) else ""
     if not supplied or not hmac.compare_digest(supplied.encode(), session.csrf.encode()):
         log.warning("web.csrf_refused", login=session.login, path=request.path)
         raise web.HTTPForbidden(text=message_page("Refused", CSRF_REFUSED, viewer=session), content_type="text/html")
-    if not session.is_operator:
-        log.warning("web.reader_refused", login=session.login, path=request.path)
-        raise web.HTTPForbidden(
-            text=message_page("Refused", f"{OPERATORS_ONLY}: web:{session.login} is a reader", viewer=session),
+    if reader is None:
+        raise web.HTTPBadRequest(
+            text=message_page("Bad request", "Files are sent as multipart/form-data.", viewer=session),
             content_type="text/html",
         )
     text, files = "", list[tuple[str, bytes]]()
