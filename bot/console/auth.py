@@ -31,7 +31,6 @@ import os
 import re
 import secrets
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -41,6 +40,8 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
+from kazma.bot.console.forwarded import ClientAddresses
+from kazma.bot.console.login_throttle import LoginThrottle
 from kazma.bot.console.pages import login_page, message_page
 from kazma.bot.console.sessions import SessionStore
 from kazma.config.metrics import count_failure
@@ -59,10 +60,6 @@ CSRF_REFUSED = "missing or wrong CSRF token"
 ORIGIN_REFUSED = "this form was sent from another site"
 OPERATORS_ONLY = "operators only"
 MIN_TOKEN_LENGTH = 32
-# Wrong logins allowed per client address in a window before its attempts wait; the right token is never slowed
-# by someone else's guessing.
-LOGIN_FAILURES = 5
-LOGIN_WINDOW = 60.0
 TOKEN_RECHECK = 1.0  # seconds between looks at the token files, to end sessions of a rotated token
 SEEN_EVERY = 60.0  # a session's last-seen time is written at most this often: not one write per request
 _MAX_COOKIE = 128  # a session token is 43 characters; anything much longer is not one of ours
@@ -180,37 +177,6 @@ def session_binding(session_token: str, console_token_digest: str) -> str:
     return hmac.new(session_token.encode("utf-8"), console_token_digest.encode("ascii"), hashlib.sha256).hexdigest()
 
 
-class LoginThrottle:
-    """Wrong logins per client address: after a few in a window, that address waits out the window."""
-
-    def __init__(
-        self, *, failures: int = LOGIN_FAILURES, window: float = LOGIN_WINDOW, clock: Callable[[], float]
-    ) -> None:
-        self.failures = failures
-        self.window = window
-        self.clock = clock
-        self._seen: dict[str, deque[float]] = {}
-
-    def wait_for(self, client: str) -> float:
-        """Seconds ``client`` must wait before its next attempt is even checked (0: go ahead)."""
-        recent = self._recent(client)
-        if len(recent) < self.failures:
-            return 0.0
-        return max(0.0, recent[0] + self.window - self.clock())
-
-    def failed(self, client: str) -> None:
-        self._recent(client).append(self.clock())
-        if len(self._seen) > 10_000:  # bounded memory under a spray of addresses
-            for stale in [c for c, times in self._seen.items() if not times][:5_000]:
-                del self._seen[stale]
-
-    def _recent(self, client: str) -> deque[float]:
-        times = self._seen.setdefault(client, deque())
-        while times and times[0] <= self.clock() - self.window:
-            times.popleft()
-        return times
-
-
 def _same(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode("utf-8"), b.encode("utf-8"))
 
@@ -241,12 +207,14 @@ class WebAuth:
         clock: Callable[[], float] = time.monotonic,
         reload: Callable[[], Tokens] | None = None,
         origins: tuple[str, ...] = (),
+        clients: ClientAddresses | None = None,
     ) -> None:
         self.tokens = tokens
         self.secure = secure
         self.clock = clock
         self.store = store
         self.throttle = LoginThrottle(clock=clock)
+        self.clients = clients or ClientAddresses()  # who is asking, behind web.trusted_proxies
         self._reload = reload  # re-reads the token files, so a rotated token ends the sessions made with it
         self._checked = clock()
         self.origins = origins  # the console's own origins (its public URL); a POST from elsewhere is refused
@@ -261,6 +229,9 @@ class WebAuth:
         return token_digest(self.tokens.operator if role is Role.OPERATOR else self.tokens.reader)
 
     # -- tokens and sessions ---------------------------------------------------------------------
+
+    def _check(self, token: object) -> Role | None:
+        return self.role_for(token) if isinstance(token, str) and token else None
 
     def role_for(self, token: str) -> Role | None:
         # both compared every time, so the answer's timing says nothing about which one was close
@@ -397,20 +368,9 @@ class WebAuth:
         return response
 
     async def login(self, request: web.Request) -> web.Response:
+        """Sign in. Every attempt's token is checked; only wrong ones are slowed (see :mod:`.login_throttle`)."""
         self.check_origin(request)
-        client = request.remote or "unknown"
-        wait = self.throttle.wait_for(client)
-        if wait > 0:
-            log.warning("web.login_throttled", remote=client, retry_after=round(wait, 1))
-            raise web.HTTPTooManyRequests(
-                text=message_page(
-                    "Too many attempts",
-                    f"Too many wrong logins from here; try again in {int(wait) + 1} s.",
-                    link=("/login", "Log in"),
-                ),
-                content_type="text/html",
-                headers={"Retry-After": str(int(wait) + 1)},
-            )
+        client = self.clients.of(request)
         data = await request.post()
         field = data.get("csrf")
         cookie = request.cookies.get(LOGIN_CSRF_COOKIE, "")
@@ -425,11 +385,34 @@ class WebAuth:
             return html_response(
                 login_page(field, error="The name must be 1–32 of a–z, 0–9, '_', '.', '-'."), status=400
             )
-        role = self.role_for(token) if isinstance(token, str) and token else None
-        if role is None:
-            self.throttle.failed(client)
-            log.warning("web.login_refused", login=name, remote=request.remote)
-            return html_response(login_page(field, error="wrong token", name=name), status=401)
+        key = client.throttle_key
+        if self.throttle.slowed(key):
+            async with self.throttle.turn(key):
+                role = self._check(token)
+                if role is None:
+                    hold = self.throttle.failed(key)
+                    log.warning(
+                        "web.login_refused", login=name, remote=client.address, peer=client.peer, held=hold, slowed=True
+                    )
+                    await self.throttle.pause(hold)  # this client's next attempt waits meanwhile
+                    wait = int(self.throttle.retry_after(key)) + 1
+                    raise web.HTTPTooManyRequests(
+                        text=message_page(
+                            "Too many attempts",
+                            f"Too many wrong logins from here: each wrong token is now answered slowly, for {wait} s "
+                            "more. The right token is still accepted.",
+                            link=("/login", "Log in"),
+                        ),
+                        content_type="text/html",
+                        headers={"Retry-After": str(wait)},
+                    )
+            log.info("web.login_while_slowed", login=name, remote=client.address)
+        else:
+            role = self._check(token)
+            if role is None:
+                self.throttle.failed(key)
+                log.warning("web.login_refused", login=name, remote=client.address, peer=client.peer, slowed=False)
+                return html_response(login_page(field, error="wrong token", name=name), status=401)
         previous = request.cookies.get(SESSION_COOKIE)
         if previous and len(previous) <= _MAX_COOKIE:
             await self.store.end(session_hash(previous))  # a fresh token at every login: no session fixation

@@ -45,6 +45,7 @@ from kazma.bot.console.auth import (
 from kazma.bot.console.dashboard_data import DashboardData, DashboardQueries, press_latencies
 from kazma.bot.console.doors import Doors, add_routes, reader_refused, undeclared
 from kazma.bot.console.feed import ChangeFeed
+from kazma.bot.console.forwarded import ClientAddresses
 from kazma.bot.console.pages import (
     approval_href,
     approval_page,
@@ -163,6 +164,7 @@ class WebServer:
             secure=public_url.startswith("https://"),
             reload=read_tokens,
             origins=(str(URL(public_url).origin()),),
+            clients=ClientAddresses(self.app.loaded.config.web.trusted_proxies),
         )
         auth = self.auth
         config = self.app.loaded.config
