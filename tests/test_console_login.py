@@ -23,6 +23,8 @@ from yarl import URL
 from kazma.bot.console.forwarded import ClientAddresses
 from kazma.bot.console.login_throttle import FIRST_HOLD, LAST_HOLD, LOGIN_FAILURES, LoginThrottle
 from tests.forwarding_proxy import ForwardingProxy
+from tests.mcp_support import free_port
+from tests.nginx_support import SINGLE, certificate, main_config, nginx_or_skip, running, with_certificate
 from tests.test_web_server import OPERATOR, READER, Console, _field, console
 
 STRANGER, OPERATOR_DESK, OTHER = "127.0.0.2", "127.0.0.3", "127.0.0.4"
@@ -327,3 +329,51 @@ def test_the_doctor_warns_when_an_https_console_does_not_name_its_proxy() -> Non
     assert not any("trusted_proxies" in c.detail for c in console_checks(named))
     local = load_config_text("web: {public_url: 'http://127.0.0.1:8765'}", environ={})
     assert not any("trusted_proxies" in c.detail for c in console_checks(local))
+
+
+# -- behind the shipped nginx ----------------------------------------------------------------------
+
+
+async def test_behind_the_shipped_nginx_file_the_throttle_sees_each_client(tmp_path: Path) -> None:
+    """deploy/nginx.conf itself, run by Debian's nginx in front of a real console, TLS and all. Changed in the
+    copy run here: its certificate (one made now), where it listens (a free port on 127.0.0.1) and where it
+    forwards the console (the test console's port)."""
+    nginx = nginx_or_skip()
+    cert, key = certificate(tmp_path)
+    port = free_port()
+    async with console(tmp_path, extra=TRUST_LOOPBACK_PROXY) as con:
+        holds = Holds()
+        assert con.server.auth is not None
+        con.server.auth.throttle.pause = holds
+        site = with_certificate(SINGLE.read_text(), cert, key)
+        site = site.replace("listen 443 ssl;", f"listen 127.0.0.1:{port} ssl;")
+        site = site.replace("proxy_pass http://127.0.0.1:8765;", f"proxy_pass {con.base};")
+        assert site.count(con.base) == 2  # the console and its upload location
+        async with (
+            running(nginx, main_config(tmp_path / "nginx", site), port),
+            tls_client_from(STRANGER) as stranger_client,
+            tls_client_from(OPERATOR_DESK) as operator_client,
+        ):
+            front = f"https://127.0.0.1:{port}"
+            stranger = Door(stranger_client, front)
+            statuses = [(await stranger.attempt(guess(n))).status for n in range(20)]
+            assert statuses == [401] * LOGIN_FAILURES + [429] * (20 - LOGIN_FAILURES)
+            assert holds.seen == expected_holds(20 - LOGIN_FAILURES)
+
+            operator = Door(operator_client, front)
+            answer = await operator.attempt(OPERATOR, name="alice")
+            assert (answer.status, answer.headers["Location"]) == (303, "/")
+            # the operator's own typo is their own first wrong token: answered at once, nothing held
+            assert (await Door(operator_client, front).attempt("typo-" + OPERATOR, name="alice")).status == 401
+            assert len(holds.seen) == 20 - LOGIN_FAILURES
+            # logged in through nginx, the session works there (Host, cookies and redirects pass)
+            page = await operator_client.get(f"{front}/", allow_redirects=False)
+            assert page.status == 200
+            assert "web:alice (operator)" in await page.text()
+
+
+def tls_client_from(address: str) -> aiohttp.ClientSession:
+    """A client on ``address`` that accepts the test's self-signed certificate."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(local_addr=(address, 0), ssl=False), cookie_jar=aiohttp.CookieJar(unsafe=True)
+    )

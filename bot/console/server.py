@@ -111,6 +111,8 @@ async def _add_security_headers(request: web.Request, response: web.StreamRespon
 
 
 class WebServer:
+    BODY_LIMIT = 256 * 1024  # every request body but an upload's (read as a stream, within files:)
+
     def __init__(
         self,
         app: App,
@@ -170,7 +172,7 @@ class WebServer:
         config = self.app.loaded.config
         doors = Doors(auth, lambda request: caller_of(config, request))
         # keep_flash outside the door: it writes back the flash lines of the session the door found
-        application = web.Application(client_max_size=256 * 1024, middlewares=[auth.keep_flash, doors.guard])
+        application = web.Application(client_max_size=self.BODY_LIMIT, middlewares=[auth.keep_flash, doors.guard])
         application.on_response_prepare.append(_add_security_headers)
         add_routes(
             application,

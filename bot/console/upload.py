@@ -30,6 +30,19 @@ MAX_FIELD = 64 * 1024  # a text field (the message said with the files); the sen
 DRAIN_LIMIT = 64 * 1024 * 1024
 
 
+FORM_MARGIN = 1024 * 1024  # the message (at most MAX_FIELD), the CSRF token and every part's headers, with room
+
+
+def largest_upload(bounds: FileBounds) -> int:
+    """The largest body ``/console/upload`` takes whole: every file at its bound, and the form around them.
+
+    A proxy in front must let this much through, and need not let more: ``client_max_body_size`` in
+    deploy/nginx.conf and deploy/nginx-replicas.conf is this for the default ``files:`` (a test holds them
+    to it). Over it, the proxy answers 413 before Kazma could explain which file was too large.
+    """
+    return max(1, bounds.max_count) * bounds.max_bytes + FORM_MARGIN
+
+
 class UploadRefused(Exception):
     """Why the files were not taken, for the sender."""
 
