@@ -10,6 +10,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from prometheus_client import REGISTRY
 from yarl import URL
 
 from kazma.approvals.model import Decision, Status
@@ -139,6 +140,9 @@ async def test_guessing_the_token_is_slowed_per_client_but_the_right_token_is_ne
         assert con.server.auth is not None
         con.server.auth.throttle.pause = hold
         csrf = _field(await (await client.get(f"{con.base}/login")).text(), "csrf")
+        counted = {
+            o: REGISTRY.get_sample_value("kazma_web_logins_total", {"outcome": o}) or 0 for o in ("wrong", "held")
+        }
         statuses: list[int] = []
         retry_after: list[int] = []
         for attempt in range(100):
@@ -155,6 +159,8 @@ async def test_guessing_the_token_is_slowed_per_client_but_the_right_token_is_ne
         assert holds[-1] == max(holds) <= 30
         assert len(holds) == 100 - wrong
         assert all(0 < seconds <= 60 for seconds in retry_after)
+        for outcome, added in (("wrong", wrong), ("held", 100 - wrong)):  # counted for /metrics, by outcome
+            assert REGISTRY.get_sample_value("kazma_web_logins_total", {"outcome": outcome}) == counted[outcome] + added
 
         # a form without its CSRF pair is not a guess: refused before any token is looked at, nothing held
         no_csrf = await _login_attempt(client, con, OPERATOR, csrf="not-the-cookie", name="alice")

@@ -41,7 +41,7 @@ import structlog
 from aiohttp import web
 
 from kazma.bot.console.forwarded import ClientAddresses
-from kazma.bot.console.login_throttle import LoginThrottle
+from kazma.bot.console.login_throttle import LOGINS, LoginThrottle
 from kazma.bot.console.pages import login_page, message_page
 from kazma.bot.console.sessions import SessionStore
 from kazma.config.metrics import count_failure
@@ -391,6 +391,7 @@ class WebAuth:
                 role = self._check(token)
                 if role is None:
                     hold = self.throttle.failed(key)
+                    LOGINS.labels(outcome="held" if hold > 0 else "wrong").inc()
                     log.warning(
                         "web.login_refused", login=name, remote=client.address, peer=client.peer, held=hold, slowed=True
                     )
@@ -411,12 +412,14 @@ class WebAuth:
             role = self._check(token)
             if role is None:
                 self.throttle.failed(key)
+                LOGINS.labels(outcome="wrong").inc()
                 log.warning("web.login_refused", login=name, remote=client.address, peer=client.peer, slowed=False)
                 return html_response(login_page(field, error="wrong token", name=name), status=401)
         previous = request.cookies.get(SESSION_COOKIE)
         if previous and len(previous) <= _MAX_COOKIE:
             await self.store.end(session_hash(previous))  # a fresh token at every login: no session fixation
         session = await self.open_session(name, role)
+        LOGINS.labels(outcome="accepted").inc()
         log.info("web.login", login=name, role=role.value)
         response = web.HTTPSeeOther("/")
         response.set_cookie(

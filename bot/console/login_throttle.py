@@ -25,12 +25,17 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+from prometheus_client import Counter
+
 LOGIN_FAILURES = 5  # wrong logins per client in a window answered at once
 LOGIN_WINDOW = 60.0  # seconds a wrong login counts
 TEAM_FAILURES = 100  # wrong logins answered at once, from everyone in a window, before every client is slowed
 FIRST_HOLD = 1.0  # seconds a slowed client's first wrong login is held; each next one twice as long…
 LAST_HOLD = 30.0  # …up to this
 CHECKS_AT_ONCE = 4  # slowed attempts checked (or held) at the same time, all clients together
+LOGINS = Counter(
+    "kazma_web_logins", "Console logins by outcome: accepted, wrong (answered at once), held (slowed).", ["outcome"]
+)
 _MAX_CLIENTS = 10_000  # clients remembered; beyond, the quiet ones are forgotten (bounded memory under a spray)
 
 
