@@ -6,7 +6,10 @@ a name; the name becomes their identity ``web:<name>`` in every record, and the
 approvals service still checks that identity against ``approvals.approvers``
 before any decision counts. The token proves the role; the name is what the
 holder of the token says they are, so hand tokens only to people you trust to
-name themselves honestly.
+name themselves honestly. Which role each route needs is declared and enforced in
+:mod:`~kazma.bot.console.doors`; this module makes and finds the sessions it checks.
+Wrong tokens are slowed by :mod:`~kazma.bot.console.login_throttle`, per client as
+:mod:`~kazma.bot.console.forwarded` finds it behind ``web.trusted_proxies``.
 
 Sessions live in the store (:mod:`~kazma.bot.console.sessions`), so a restart
 logs nobody out and any replica serves a logged-in user: the cookie holds a
