@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from functools import cached_property
+from ipaddress import ip_network
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -197,11 +198,29 @@ class WebConfig(Strict):
     public_url: HttpUrl = "http://127.0.0.1:8765"
     # Serve the console on a non-loopback address over plain HTTP (tokens and sessions in the clear).
     allow_insecure_http: bool = False
+    # Reverse proxies whose X-Forwarded-For / Forwarded is believed (addresses or CIDRs); none: the socket's peer
+    # is the client.
+    trusted_proxies: list[str] = Field(default_factory=list)
 
     @field_validator("public_url")
     @classmethod
     def _strip_slash(cls, value: str) -> str:
         return value.rstrip("/")
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, values: list[str]) -> list[str]:
+        found: list[str] = []
+        for value in values:
+            try:
+                found.append(str(ip_network(value.strip(), strict=False)))
+            except ValueError:
+                raise PydanticCustomError(
+                    "kazma_web",
+                    "{got} is not an IP address or network (e.g. 10.0.0.5, 10.0.0.0/8, fd00::/8)",
+                    {"got": repr(value)},
+                ) from None
+        return found
 
     @model_validator(mode="after")
     def _tls_off_loopback(self) -> WebConfig:
