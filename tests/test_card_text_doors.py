@@ -35,6 +35,7 @@ from kazma.bot.doctor import check_mcp_server
 from kazma.config import load_config_text
 from kazma.config.metrics import failure_count
 from kazma.config.models import MCPServerConfig
+from kazma.engine.mcp_tools import model_name
 from kazma.engine.model import ScriptStep
 from kazma.engine.scenario import PerAgentScript, agent_prompts
 from tests.approvals_support import APPROVERS_YAML, approval_service
@@ -113,7 +114,7 @@ platforms:
 
 async def test_attack_an_mcp_tool_name_with_card_lines_is_refused_at_listing(tmp_path: Path) -> None:
     seen = Seen()
-    forged_model_name = "forger__report_Tool__github_list_issues_repo___docs"
+    forged_model_name = model_name("forger", FORGED)  # what a model would have called it, had it been listed
     lead: list[ScriptStep] = [
         call(forged_model_name, {"repo": "prod-secrets"}, "c1"),
         call("forger__list_issues", {"repo": "prod-secrets"}, "c2"),
