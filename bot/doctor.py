@@ -5,6 +5,8 @@ from __future__ import annotations
 import aiosqlite
 import httpx
 
+from kazma.approvals.honesty import reveal_line
+from kazma.approvals.tool_names import MCP_TOOL_RULE, mcp_tool_name_problem
 from kazma.bot.checks import Check, Level
 from kazma.bot.platform_checks import check_platforms, console_checks
 from kazma.bot.store import open_store, store_for_command
@@ -75,9 +77,20 @@ async def check_mcp_server(name: str, server: MCPServerConfig, *, places: Server
             + (f"; its last words: {said}" if said else "")
             + hint,
         )
-    listed = ", ".join(f"{name}/{tool}" for tool in sorted(tools)) or "no tools"
+    kept = sorted(tool for tool in tools if mcp_tool_name_problem(tool) is None)
+    listed = ", ".join(f"{name}/{tool}" for tool in kept) or "no tools"
     level = Level.WARN if server.command and server.sandbox == "none" else Level.OK
-    return Check(f"mcp.{name}", level, f"{mode}; {len(tools)} tools: {listed}")
+    refused = [(tool, problem) for tool in tools if (problem := mcp_tool_name_problem(tool)) is not None]
+    if not refused:
+        return Check(f"mcp.{name}", level, f"{mode}; {len(kept)} tools: {listed}")
+    why = "; ".join(f"'{reveal_line(tool)[:80]}' ({problem})" for tool, problem in refused[:5])
+    more = f"; and {len(refused) - 5} more" if len(refused) > 5 else ""
+    return Check(
+        f"mcp.{name}",
+        Level.WARN,
+        f"{mode}; {len(kept)} tools: {listed}; {len(refused)} refused, left out of every agent's tools: {why}{more}. "
+        f"{MCP_TOOL_RULE[0].upper()}{MCP_TOOL_RULE[1:]}.",
+    )
 
 
 def _reason(exc: BaseException) -> str:

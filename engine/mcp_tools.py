@@ -39,6 +39,8 @@ import structlog
 from pydantic import ConfigDict
 
 from kazma.approvals.hashing import args_hash, canonical_json
+from kazma.approvals.honesty import reveal_line
+from kazma.approvals.tool_names import MCP_TOOL_RULE, mcp_tool_name_problem
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
 from kazma.config.models import DangerLevel, MCPServerConfig
@@ -204,7 +206,7 @@ class MCPConnection:
 
     async def _list(self, session: ClientSession) -> None:
         async with asyncio.timeout(self.config.start_timeout_seconds):
-            listed = await _list_tools(session)
+            listed = admitted(self.name, await _list_tools(session))
         self.tools = {tool.name: tool for tool in listed}
         if self.on_tools is not None:
             self.on_tools(self, listed)
@@ -346,6 +348,25 @@ async def _list_tools(session: ClientSession) -> list[ListedTool]:
     return listed
 
 
+def admitted(server: str, listed: list[ListedTool]) -> list[ListedTool]:
+    """The tools whose names follow the tool-name grammar; the rest are left out, logged and counted.
+
+    A tool's name is shown on every card after ``Tool:``: a name with a line break or a space could lay out card
+    lines of its own (``Tool: github/list_issues`` above the real call), so it never becomes a tool.
+    """
+    kept: list[ListedTool] = []
+    for tool in listed:
+        problem = mcp_tool_name_problem(tool.name)
+        if problem is None:
+            kept.append(tool)
+            continue
+        count_failure("mcp_tool_refused", server)
+        log.warning(
+            "mcp.tool_refused", server=server, tool=reveal_line(tool.name)[:300], reason=problem, rule=MCP_TOOL_RULE
+        )
+    return kept
+
+
 def _result(server: str, tool: str, result: Any, limit: int) -> ToolResult:
     parts: list[str] = []
     for item in getattr(result, "content", None) or []:
@@ -475,7 +496,9 @@ class MCPSources:
 async def list_server_tools(
     name: str, config: MCPServerConfig, *, places: ServerPlaces | None = None, stderr: StderrTail | None = None
 ) -> list[str]:
-    """Start ``name`` as ``kazma run`` would, list its tools, stop it: for ``kazma doctor``. Raises what went wrong."""
+    """Start ``name`` as ``kazma run`` would, list its tools, stop it: for ``kazma doctor``, every name as listed
+    (refused ones too, so the doctor can say why, :func:`~kazma.approvals.tool_names.mcp_tool_name_problem`).
+    Raises what went wrong."""
     async with asyncio.timeout(config.start_timeout_seconds + 5):
         async with connect(name, config, places=places, stderr=stderr) as session:
             return [tool.name for tool in await _list_tools(session)]

@@ -386,7 +386,7 @@ async def test_approval_page_shows_every_argument_uncut_and_escaped(tmp_path: Pa
         assert html.escape(LONG).encode() in raw  # uncut: the destructive end is there
         assert request.args_hash.encode() in raw
         for name in ("command", "note", "target", "entity"):
-            assert f"<th>{name}</th>".encode() in raw
+            assert f"<th>• {name}</th>".encode() in raw
         # the console shows the bounded card, with the cut visible and the tail kept
         console_page = await (await client.get(f"{con.base}/")).read()
         assert f"of {len(LONG):,} characters not shown".encode() in console_page

@@ -40,6 +40,7 @@ from aiohttp import web
 from kazma.approvals.hashing import args_hash, canonical_json, text_hash
 from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest
 from kazma.approvals.service import ApprovalRefused, ApprovalService
+from kazma.approvals.tool_names import TOOL_PATTERN, TOOL_RULE, ToolNameError, check_tool_name
 from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, IdempotencyKeys, KeyReused, QuotaFull
 from kazma.bot.app import App
 from kazma.config.metrics import count_failure
@@ -361,6 +362,10 @@ def _validated(
     problem = _unrepresentable(body)
     if problem is not None:
         raise _error(web.HTTPBadRequest, f"{problem}; send it as JSON can carry it")
+    try:
+        check_tool_name(tool)  # the card shows it after "Tool:": it can hold a name and nothing else
+    except ToolNameError as exc:
+        raise _error(web.HTTPBadRequest, str(exc)) from None
     notes: list[str] = [f"Asked through the approvals API by {caller.actor}; Kazma does not run it, the caller does."]
     for field, limit, label in (("requester", MAX_REQUESTER, "On behalf of"), ("reason", MAX_REASON, "Reason given")):
         value = body.get(field)
@@ -382,7 +387,12 @@ _REQUEST_SCHEMA = {
     "required": ["tool"],
     "additionalProperties": False,
     "properties": {
-        "tool": {"type": "string", "maxLength": MAX_TOOL},
+        "tool": {
+            "type": "string",
+            "maxLength": MAX_TOOL,
+            "pattern": TOOL_PATTERN,
+            "description": TOOL_RULE,
+        },
         "arguments": {"type": "object"},
         "reason": {"type": "string", "maxLength": MAX_REASON},
         "requester": {"type": "string", "maxLength": MAX_REQUESTER},
