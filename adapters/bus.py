@@ -31,10 +31,12 @@ from kazma.adapters.contract import (
 from kazma.adapters.outbox import Outbox, PostJob
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.model import ApprovalRequest, Status
+from kazma.approvals.service import remember_offer
 from kazma.approvals.store import ApprovalStore, PostedCard
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import DECISION_TO_SETTLED, count_failure
 from kazma.config.models import KazmaConfig
+from kazma.config.store_backend import Tx
 from kazma.config.store_errors import store_errors
 
 log = structlog.get_logger("kazma.bus")
@@ -192,8 +194,22 @@ class FanOutBus:
         """A platform that has a home chat *and started* can show a card; configured is not enough."""
         return any(a.home_chat and name in self._started for name, a in self.adapters.items())
 
+    def _targets(self) -> list[str]:
+        return [name for name, a in self.adapters.items() if a.home_chat]
+
+    async def queue_statements(self, request_id: str) -> Callable[[Tx], object] | None:
+        """The card posts of ``request_id``, to commit with the request itself (approvals' ``QueuesCards``);
+        None when the outbox and the approvals do not share one writer, hence one transaction."""
+        if await self.outbox.tables.writer() is not await self.store.tables.writer():
+            return None
+        return self.outbox.enqueue_statements(request_id, self._targets())
+
+    def cards_queued(self, request_id: str) -> None:
+        for name in self._targets():
+            self._workers[name].kick.set()
+
     async def publish(self, card: ApprovalCard) -> None:
-        targets = [name for name, a in self.adapters.items() if a.home_chat]
+        targets = self._targets()
         try:
             await self.outbox.enqueue(card.request_id, targets)
         except Exception as exc:
@@ -348,11 +364,16 @@ class FanOutBus:
 
     async def _drain_posts(self, worker: _Worker) -> None:
         adapter = worker.adapter
-        for job in await self.outbox.due(adapter.name):
+        for index, job in enumerate(await self.outbox.due(adapter.name)):
             if self._stopping:
                 return
             if worker.to_settle:  # a decision came in: its edits go before the next post
                 await self._settle_requested(worker)
+            if index and worker.kick.is_set():
+                # Something new was queued: read the queue again, so new posts take their place in its order
+                # (an agent's card is not held behind a batch of API cards read before it came). At least one
+                # post per pass, so a stream of kicks cannot hold every post back.
+                return
             await self._post(adapter, job)
 
     async def _post(self, adapter: PlatformAdapter, job: PostJob) -> None:
@@ -418,12 +439,12 @@ class FanOutBus:
         await self.settle(request.id)
 
     def _card_for(self, request: ApprovalRequest) -> ApprovalCard:
-        remember = self.config.approvals.remember  # "Approve for …" where a team enabled it (build_card decides)
         return build_card(
             request,
             value_limit=self.config.approvals.value_limit,
             public_url=self.config.web.public_url,
-            remember_seconds=remember.max_seconds if remember.enabled else None,
+            # "Approve for …" where a team enabled it and a rule would ever be consulted (build_card decides the rest)
+            remember_seconds=remember_offer(self.config, request),
         )
 
     async def _settle_requested(self, worker: _Worker) -> None:

@@ -9,6 +9,13 @@ buttons — and the wording of every label. Each platform's ``render.py`` only
 Discord embed, plain text, HTML for the web pages) and says whether the result
 fits; :func:`lay_out` finds the most complete view that does.
 
+Lines: every text a card shows is one line except an argument's value (see
+:mod:`kazma.approvals.card`), and every writer shows a value's lines visibly
+inside the value — a code block, or an indented quote on plain text — so no
+value can write a line that looks like a label, an argument or an outcome.
+The outcome line is escaped the same way (a cancel reason or a decider is
+text too).
+
 Fitting: values shrink evenly (every value gets the same excerpt length, both
 ends kept, the cut marked with the true length) until the card fits. When even
 the shortest excerpts do not fit, as many arguments as fit keep an excerpt and
@@ -28,7 +35,7 @@ from enum import StrEnum
 from typing import Final, Generic, Protocol, TypeVar
 
 from kazma.approvals.card import ApprovalCard, CardArgument
-from kazma.approvals.honesty import safe_prefix, safe_suffix
+from kazma.approvals.honesty import reveal_line, safe_prefix, safe_suffix
 from kazma.approvals.model import Decision, Outcome, Status
 
 # -- wording: every label a card shows, once ----------------------------------------------------
@@ -70,7 +77,8 @@ def deadline_text(card: ApprovalCard) -> str:
 
 
 def outcome_line(outcome: Outcome) -> str:
-    return f"{OUTCOME_HEADLINES[outcome.status]}: {outcome.summary()}"
+    """The outcome as one line; its words (who decided, a cancel reason) escaped like every field."""
+    return reveal_line(f"{OUTCOME_HEADLINES[outcome.status]}: {outcome.summary()}")
 
 
 def agent_prefix(agent: str | None) -> str:
@@ -342,8 +350,20 @@ def settled_view(view: CardView, outcome: Outcome) -> CardView:
 # -- plain text (the terminal, logs, tests) -----------------------------------------------------
 
 
+VALUE_QUOTE: Final = "  ┆ "  # plain text's mark on every line of a multi-line value
+
+
+def quoted_lines(value: str) -> list[str]:
+    """A value's lines for plain text, each behind :data:`VALUE_QUOTE`: a line of a value never starts a line."""
+    return [f"{VALUE_QUOTE}{line}" for line in value.split("\n")] if value else []
+
+
 class PlainWriter:
-    """The card as plain lines of text; nothing to escape, nothing to fit."""
+    """The card as plain lines of text; nothing to escape, nothing to fit.
+
+    A value on one line follows its name (``• command: ls``); a longer one is quoted below it, every line behind
+    :data:`VALUE_QUOTE`, as a cut value's head and tail are.
+    """
 
     def __init__(self, *, frame: str = "") -> None:
         self.frame = frame  # a prefix for every line, e.g. "│ " on a terminal
@@ -358,7 +378,9 @@ class PlainWriter:
         lines.append(f"{view.arguments_heading}:")
         for arg in view.arguments:
             if arg.cut:
-                lines += [f"• {arg.name}:", arg.head, arg.marker, arg.tail]
+                lines += [f"• {arg.name}:", *quoted_lines(arg.head), f"  {arg.marker}", *quoted_lines(arg.tail)]
+            elif "\n" in arg.head:
+                lines += [f"• {arg.name}:", *quoted_lines(arg.head)]
             else:
                 lines.append(f"• {arg.name}: {arg.head if not arg.empty else EMPTY_VALUE}")
         if view.names_only:

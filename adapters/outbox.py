@@ -14,6 +14,7 @@ from typing import Any
 
 import aiosqlite
 
+from kazma.approvals.model import API_REQUESTER_PREFIX
 from kazma.config.database import Migration
 from kazma.config.pg_schema import PgMigration
 from kazma.config.store_backend import StoreBackend, Tx, backend_of, held_by_gone
@@ -110,6 +111,12 @@ class Outbox:
         await writer.submit(lambda tx: tx.run_many(sql, rows))
 
     async def enqueue(self, request_id: str, platforms: list[str]) -> None:
+        writer = await self.tables.writer()
+        await writer.submit(self.enqueue_statements(request_id, platforms))
+
+    def enqueue_statements(self, request_id: str, platforms: list[str]) -> Callable[[Tx], None]:
+        """What :meth:`enqueue` writes, for a transaction that opens the request itself (one commit: never a
+        pending request without its posts)."""
         now = self.clock()
         rows = [(request_id, platform, now, now) for platform in platforms]
 
@@ -121,14 +128,21 @@ class Outbox:
             )
             tx.notify(CARDS_CHANNEL, ",".join(platforms))  # every replica's workers look at once
 
-        writer = await self.tables.writer()
-        await writer.submit(op)
+        return op
 
     async def due(self, platform: str, limit: int = 20) -> list[PostJob]:
+        """The posts due on ``platform``, in the order they go: agents' cards first, oldest first; then the
+        cards of the approvals API's callers, taking turns (each token's oldest, then each one's next…), so no
+        API caller's burst holds an agent's card, or another caller's, behind it in the platform's pacing."""
         rows = await self.tables.all(
-            "SELECT id, request_id, platform, attempts FROM card_outbox"
-            " WHERE platform = ? AND done_at IS NULL AND next_at <= ? ORDER BY id LIMIT ?",
-            (platform, self.clock(), limit),
+            "SELECT id, request_id, platform, attempts FROM ("
+            " SELECT o.id, o.request_id, o.platform, o.attempts,"
+            " CASE WHEN r.requested_by LIKE ? THEN 1 ELSE 0 END AS door,"
+            " ROW_NUMBER() OVER (PARTITION BY r.requested_by ORDER BY o.id) AS turn"
+            " FROM card_outbox o LEFT JOIN approval_requests r ON r.id = o.request_id"
+            " WHERE o.platform = ? AND o.done_at IS NULL AND o.next_at <= ?"
+            ") due ORDER BY door, CASE WHEN door = 1 THEN turn ELSE 0 END, id LIMIT ?",
+            (f"{API_REQUESTER_PREFIX}%", platform, self.clock(), limit),
         )
         return [PostJob(int(r[0]), str(r[1]), str(r[2]), int(r[3])) for r in rows]
 

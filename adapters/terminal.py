@@ -18,7 +18,7 @@ from typing import IO
 from kazma.adapters.card_layout import PlainWriter, lay_out
 from kazma.adapters.contract import CardRef, Handlers, Press
 from kazma.approvals.card import ApprovalCard
-from kazma.approvals.honesty import reveal
+from kazma.approvals.honesty import reveal, reveal_line
 from kazma.approvals.model import Decision, Outcome
 
 
@@ -62,7 +62,7 @@ class TerminalAdapter:
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         message_id = str(next(self._ids))
-        who = reveal(agent or "kazma")
+        who = reveal_line(agent or "kazma")
         # Escaped like a card's values: an ANSI sequence in an agent's words could move the cursor up and rewrite
         # a card already printed above.
         body = textwrap.indent(reveal(text), " " * (len(who) + 3)).lstrip()
@@ -115,7 +115,7 @@ class TerminalAdapter:
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
         for task in list(self._presses):  # decided elsewhere: stop waiting for a keypress
             task.cancel()
-        self._print(f"[card {card.request_id}] {outcome.summary()}; its buttons are gone")
+        self._print(f"[card {card.request_id}] {reveal_line(outcome.summary())}; its buttons are gone")
 
 
 async def _read_line(prompt: str) -> str:

@@ -14,6 +14,17 @@ escapes, never inside one. What was found rides on each argument
 (``warnings``), computed over the *whole* value, cut part included. A card is
 built only for a request whose stored arguments still hash to the hash it
 shows.
+
+Only argument values keep real newlines. The tool name, the requester, the
+origin, every note and every argument name is a one-line *field*
+(:func:`~kazma.approvals.honesty.reveal_line`): a newline there is escaped and
+warned about like any control character, so nothing but Kazma's layout can
+start a card line.
+
+Padding (a run of blank lines or spaces that pushes the rest of a value out of
+view, :func:`~kazma.approvals.honesty.padding_gaps`) is cut out of the value
+as a cut is: the card shows what comes before the first such run and after the
+last, marked as cut, so it offers Approve only where the whole call is seen.
 """
 
 from __future__ import annotations
@@ -30,7 +41,10 @@ from kazma.approvals.honesty import (
     NO_FINDINGS,
     Findings,
     examine,
+    examine_line,
+    padding_gaps,
     reveal,
+    reveal_line,
     safe_prefix,
     safe_suffix,
     warnings_for,
@@ -132,25 +146,48 @@ def render_value(value: Any) -> str:
     return value if isinstance(value, str) else canonical_json(value)
 
 
-def bound_value(name: str, value: Any, limit: int) -> CardArgument:
-    """The argument ``name`` = ``value`` escaped, then bounded to ``limit`` shown characters."""
+def _tail_of(shown: str, limit: int) -> str:
+    # When the last characters fall inside the final escape, show that escape whole.
+    return safe_suffix(shown, max(limit // 4, 1)) or shown[shown.rfind(ESCAPE_OPEN) :]
+
+
+def _excerpts(shown: str, limit: int, *, cut_padding: bool) -> tuple[str, str, bool]:
+    """``(head, tail, cut)`` of a shown value: the whole of it, or both ends within ``limit``, never showing padding.
+
+    With padding, the head ends where the first padding run starts and the tail starts where the last one ends: a
+    person reads what follows the padding right below the cut marker instead of scrolling past a blank wall.
+    """
+    gaps = padding_gaps(shown) if cut_padding else []
+    if not gaps:
+        if len(shown) <= limit:
+            return shown, "", False
+        tail = _tail_of(shown, limit)
+        return safe_prefix(shown, limit - len(tail)), tail, True
+    before, after = shown[: gaps[0][0]], shown[gaps[-1][1] :]
+    if len(before) + len(after) <= limit:
+        return before, after, True
+    tail = after if len(after) <= max(limit // 4, 1) else _tail_of(after, limit)
+    return safe_prefix(before, limit - len(tail)), tail, True
+
+
+def bound_value(name: str, value: Any, limit: int, *, cut_padding: bool = True) -> CardArgument:
+    """The argument ``name`` = ``value`` escaped, then bounded to ``limit`` shown characters, padding cut out.
+
+    ``cut_padding=False`` keeps padding in (the whole-call doors: the approval page, ``kazma approvals show``).
+    """
     if limit < MIN_VALUE_LIMIT:
         raise ValueError(f"value limit {limit} is below {MIN_VALUE_LIMIT}: an escape could not be shown whole")
     text = render_value(value)
     shown = reveal(text)
-    head, tail, cut = shown, "", False
-    if len(shown) > limit:
-        # When the last characters fall inside the final escape, show that escape whole.
-        tail = safe_suffix(shown, max(limit // 4, 1)) or shown[shown.rfind(ESCAPE_OPEN) :]
-        head, cut = safe_prefix(shown, limit - len(tail)), True
+    head, tail, cut = _excerpts(shown, limit, cut_padding=cut_padding)
     return CardArgument(
-        name=reveal(name),
+        name=reveal_line(name),
         head=head,
         tail=tail,
         cut=cut,
         original_length=len(shown),
         findings=examine(text),
-        name_findings=examine(name),
+        name_findings=examine_line(name),
         value_length=len(text),
     )
 
@@ -201,37 +238,46 @@ def card_warnings(places: list[tuple[str, Findings]]) -> tuple[str, ...]:
 
 
 def build_card(
-    request: ApprovalRequest, *, value_limit: int, public_url: str, remember_seconds: int | None = None
+    request: ApprovalRequest,
+    *,
+    value_limit: int,
+    public_url: str,
+    remember_seconds: int | None = None,
+    cut_padding: bool = True,
 ) -> ApprovalCard:
     """The card for ``request``; raises :class:`CardIntegrityError` or :class:`UnrenderableArguments`.
 
     ``remember_seconds``: offer "Approve for …" (approvals.remember) — never when anything was found in the call.
+    ``cut_padding=False``: a whole-call door, where a value is shown with its padding (and its warning).
     """
     verify_integrity(request)
     check_names(request.args)
-    arguments = tuple(bound_value(name, request.args[name], value_limit) for name in sorted(request.args))
+    arguments = tuple(
+        bound_value(name, request.args[name], value_limit, cut_padding=cut_padding) for name in sorted(request.args)
+    )
     places = [
-        ("the tool name", examine(request.tool)),
-        ("the requester", examine(request.requested_by)),
-        ("the origin", examine(request.conversation)),
+        ("the tool name", examine_line(request.tool)),
+        ("the requester", examine_line(request.requested_by)),
+        ("the origin", examine_line(request.conversation)),
     ]
+    places += [(f"note {number} on the request", examine_line(note)) for number, note in enumerate(request.notes, 1)]
     for arg in arguments:
         places.append((f"the name of argument {_quoted(arg.name)}", arg.name_findings))
         places.append((f"argument {_quoted(arg.name)}", arg.findings))
-    tool = reveal(request.tool)
+    tool = reveal_line(request.tool)
     findings = card_warnings(places)
     return ApprovalCard(
         request_id=request.id,
         title=f"Approval needed: {tool}",
         tool=tool,
-        requester=reveal(request.requested_by),
-        origin=reveal(request.conversation),
+        requester=reveal_line(request.requested_by),
+        origin=reveal_line(request.conversation),
         arguments=arguments,
         args_hash=request.args_hash,
         deadline=request.deadline,
         link=f"{public_url.rstrip('/')}/swarm?approval={request.id}",
         # How the call would run (e.g. "runs unsandboxed on this host") comes first: it is about every value.
-        warnings=tuple(reveal(note) for note in request.notes) + findings,
+        warnings=tuple(reveal_line(note) for note in request.notes) + findings,
         remember_seconds=None if findings else remember_seconds,
     )
 
@@ -244,13 +290,13 @@ INTEGRITY_WARNING = (
 
 def integrity_card(request: ApprovalRequest, *, public_url: str) -> ApprovalCard:
     """What a card shows for a request whose stored arguments fail :func:`verify_integrity`: no values at all."""
-    tool = reveal(request.tool)
+    tool = reveal_line(request.tool)
     return ApprovalCard(
         request_id=request.id,
         title=f"Approval refused: {tool}",
         tool=tool,
-        requester=reveal(request.requested_by),
-        origin=reveal(request.conversation),
+        requester=reveal_line(request.requested_by),
+        origin=reveal_line(request.conversation),
         arguments=(),
         args_hash=request.args_hash,
         deadline=request.deadline,

@@ -9,14 +9,30 @@ value holds them, so every ``⟨`` in shown text starts a real escape and a valu
 cannot forge one: :func:`unreveal` inverts :func:`reveal` exactly, which is
 what lets tests prove that what is shown is what runs.
 
-Newline stays a real newline (multi-line commands are normal). Tab is escaped
-as ``⟨U+0009 TAB⟩``: every platform shows it as blank space of unknown width,
-terminals move the cursor over it without writing, and tab versus spaces
-changes meaning (Makefile recipes, ``<<-`` here-documents, TSV, patterns). It
-is reported but raises no warning: once escaped it cannot deceive.
+Two kinds of text. An argument *value* keeps its newlines as real newlines
+(multi-line commands are normal; every card writer shows a value's lines
+visibly inside the value: a code block, or an indented quote). Every other
+text on a card — the tool name, the requester, the origin, notes, argument
+names, an outcome's words — is a *field*: one line, always. :func:`reveal_line`
+and :func:`examine_line` escape and flag a newline in a field like any other
+control character (``⟨U+000A LF⟩``), so no field can start a line that looks
+like a card's own (``Tool:``, ``APPROVED: …``).
 
-Look-alikes are found per word; see :func:`examine` and the module
-:mod:`kazma.approvals.lookalikes` for what is and is not detected.
+Tab is escaped as ``⟨U+0009 TAB⟩``: every platform shows it as blank space of
+unknown width, terminals move the cursor over it without writing, and tab
+versus spaces changes meaning (Makefile recipes, ``<<-`` here-documents, TSV,
+patterns). It is reported but raises no warning: once escaped it cannot
+deceive. Every space but the ASCII one (no-break U+00A0, U+202F, ideographic
+U+3000, ogham U+1680, the typographic U+2000–U+200A) is escaped and flagged:
+it looks like a space and is not one to the program that runs.
+
+Also flagged, with the text shown as it is: look-alike words (see
+:mod:`kazma.approvals.lookalikes`); a line that holds both right-to-left and
+left-to-right letters (a display reorders such a line around the right-to-left
+run even with no control character in it, so ``rm -rf /tmp/x`` with Hebrew
+letters inside may not read in the order it runs); and *padding* in a value, a
+run of blank lines or spaces long enough to push the rest of the value out of
+view (:func:`padding_gaps`; a card cuts it out, see :mod:`kazma.approvals.card`).
 
 Pure functions, no I/O.
 """
@@ -26,11 +42,13 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import lru_cache
 
 from kazma.approvals.lookalikes import LookAlike, LookAlikeKind, find_lookalikes
+from kazma.approvals.unicode_data import ascii_lookalike
 
 ESCAPE_OPEN = "\u27e8"  # ⟨ MATHEMATICAL LEFT ANGLE BRACKET
 ESCAPE_CLOSE = "\u27e9"  # ⟩ MATHEMATICAL RIGHT ANGLE BRACKET
@@ -48,10 +66,10 @@ class Hidden(StrEnum):
     TAG = "tag"  # U+E0000–U+E007F
     VARIATION = "variation"  # U+FE00–U+FE0F, U+E0100–U+E01EF, U+180B–U+180D, U+180F
     FILLER = "filler"  # blank-looking letters and marks: U+115F, U+1160, U+3164, U+FFA0, U+2800, U+034F, …
-    SPACE = "space"  # typographic spaces U+2000–U+200A, U+205F (some nearly zero-width)
+    SPACE = "space"  # every space but U+0020 (Zs): U+00A0, U+1680, U+2000–U+200A, U+202F, U+205F, U+3000
     SEPARATOR = "separator"  # U+2028 LINE SEPARATOR, U+2029 PARAGRAPH SEPARATOR
     FORMAT = "format"  # every other format character (category Cf), e.g. U+00AD, U+2061, U+206A
-    CONTROL = "control"  # C0 U+0000–U+001F but LF and tab, DEL U+007F, C1 U+0080–U+009F
+    CONTROL = "control"  # C0 U+0000–U+001F but tab (and LF in a value), DEL U+007F, C1 U+0080–U+009F
     UNKNOWN = "unknown"  # unassigned (Cn), private-use (Co) and surrogate (Cs) code points
     BRACKET = "bracket"  # the escape's own bracket and its look-alikes: U+27E8, U+2329, U+3008, U+276C, U+29FC
     TAB = "tab"  # U+0009, escaped without a warning
@@ -85,7 +103,6 @@ _ZERO_WIDTH = {0x200B, 0x200C, 0x200D, 0x2060, 0xFEFF}
 _VARIATION = {*range(0xFE00, 0xFE10), *range(0xE0100, 0xE01F0), 0x180B, 0x180C, 0x180D, 0x180F}
 # Letters and marks that are assigned and "visible" by category yet draw nothing.
 _FILLERS = {0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x2800, 0x3164, 0xFFA0}
-_SPACES = {*range(0x2000, 0x200B), 0x205F}
 _BRACKETS = {0x27E8, 0x2329, 0x3008, 0x276C, 0x29FC}
 
 # fmt: off
@@ -102,7 +119,9 @@ _NAMES: dict[int, str] = {
     **dict(enumerate(_C0_NAMES)),
     **{0x80 + i: name for i, name in enumerate(_C1_NAMES)},
     0x7F: "DEL",
+    0x00A0: "NBSP",
     0x00AD: "SHY",
+    0x202F: "NNBSP",
     0x061C: "ALM",
     0x180E: "MVS",
     0x200B: "ZWSP",
@@ -135,6 +154,18 @@ _NAMES: dict[int, str] = {
 _ESCAPE = re.compile("\u27e8U\\+([0-9A-F]{4,6})(?: [^\u27e8\u27e9]+)?\u27e9")
 _SPAN = re.compile("\u27e8[^\u27e9]*\u27e9")
 _ASCII_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f]")
+_ASCII_CONTROL_LINE = re.compile("[\x00-\x1f\x7f]")
+LINE_FEED = "\n"
+
+# Padding: a run of blanks (spaces and line breaks, the only characters reveal leaves blank) that holds more than
+# MAX_GAP_LINES line breaks, or is longer than MAX_GAP_WIDTH, with something after it. Legitimate text has a few
+# blank lines in a row (two between functions, three at most in most styles); eight already push a phone screen's
+# worth of a card out of view.
+MAX_GAP_LINES = 8
+MAX_GAP_WIDTH = 200
+MAX_LISTED_LINES = 3  # line numbers named in a mixed-direction warning
+_BLANKS = re.compile("[ \n]+")
+_RTL = frozenset({"R", "AL"})
 
 
 @lru_cache(maxsize=8192)
@@ -158,7 +189,7 @@ def classify(ch: str) -> Hidden | None:
         return Hidden.VARIATION
     if cp in _FILLERS:
         return Hidden.FILLER
-    if cp in _SPACES:
+    if category == "Zs":  # U+0020 returned above
         return Hidden.SPACE
     if category in ("Zl", "Zp"):
         return Hidden.SEPARATOR
@@ -183,15 +214,38 @@ def code_point_label(code_point: int) -> str:
     return escape(code_point)[1:-1]
 
 
+def classify_in_field(ch: str) -> Hidden | None:
+    """:func:`classify` for a one-line field: a newline is a control character there."""
+    return Hidden.CONTROL if ch == LINE_FEED else classify(ch)
+
+
 def reveal(text: str) -> str:
-    """``text`` with every character of a :class:`Hidden` class replaced by its escape."""
+    """``text`` (an argument value) with every character of a :class:`Hidden` class replaced by its escape."""
     if text.isascii() and _ASCII_CONTROL.search(text) is None:
         return text
     return "".join(ch if classify(ch) is None else escape(ord(ch)) for ch in text)
 
 
+def reveal_line(text: str) -> str:
+    """``text`` as a one-line field: :func:`reveal`, and a newline escaped as ``⟨U+000A LF⟩`` too."""
+    if text.isascii() and _ASCII_CONTROL_LINE.search(text) is None:
+        return text
+    return "".join(ch if classify_in_field(ch) is None else escape(ord(ch)) for ch in text)
+
+
+def unreveal_line(shown: str) -> str:
+    """The text that :func:`reveal_line` turned into ``shown``; ValueError when ``shown`` is not such a text."""
+    if LINE_FEED in shown:
+        raise ValueError("a one-line field never shows a real newline")
+    return _unreveal(shown, classify_in_field)
+
+
 def unreveal(shown: str) -> str:
     """The text that :func:`reveal` turned into ``shown``; ValueError when ``shown`` is not such a text."""
+    return _unreveal(shown, classify)
+
+
+def _unreveal(shown: str, classes: Callable[[str], Hidden | None]) -> str:
     out: list[str] = []
     pos = 0
     while (start := shown.find(ESCAPE_OPEN, pos)) >= 0:
@@ -199,7 +253,7 @@ def unreveal(shown: str) -> str:
         if match is None:
             raise ValueError(f"malformed escape at {start}: {shown[start : start + MAX_ESCAPE_LENGTH]!r}")
         code_point = int(match[1], 16)
-        if code_point > 0x10FFFF or match[0] != escape(code_point) or classify(chr(code_point)) is None:
+        if code_point > 0x10FFFF or match[0] != escape(code_point) or classes(chr(code_point)) is None:
             raise ValueError(f"not an escape that reveal makes: {match[0]!r}")
         out += [shown[pos:start], chr(code_point)]
         pos = match.end()
@@ -266,21 +320,49 @@ class HiddenFinding:
 
 
 @dataclass(frozen=True)
+class Padding:
+    """Blank runs that push the rest of a text out of view (see :func:`padding_gaps`)."""
+
+    gaps: int  # how many such runs
+    breaks: int  # the most line breaks in one run
+    width: int  # the most characters in one run
+
+    def describe(self) -> str:
+        run = (
+            f"{self.breaks - 1:,} blank lines in a row"
+            if self.breaks > MAX_GAP_LINES
+            else f"a run of {self.width:,} blank characters"
+        )
+        more = f" ({self.gaps} such runs)" if self.gaps > 1 else ""
+        return f"{run}{more}"
+
+
+@dataclass(frozen=True)
 class Findings:
-    """What :func:`examine` found in one text. Empty means nothing to escape and no look-alikes."""
+    """What :func:`examine` found in one text. Empty means nothing to escape and nothing to flag."""
 
     hidden: tuple[HiddenFinding, ...] = ()  # in :class:`Hidden` order
     lookalikes: tuple[LookAlike, ...] = ()  # the first few flagged words
     lookalike_words: int = 0  # every flagged word, listed or not
+    mixed_lines: tuple[int, ...] = ()  # 1-based numbers of the first lines mixing right-to-left and left-to-right
+    mixed_line_count: int = 0  # every such line, listed or not
+    lines: int = 1  # lines in the text (a field is one line)
+    padding: Padding | None = None
+    field: bool = False  # the findings of a one-line field (:func:`examine_line`), not of a value
 
     @property
     def empty(self) -> bool:
-        return not self.hidden and not self.lookalike_words
+        return not self.hidden and not self.lookalike_words and not self.mixed_line_count and self.padding is None
 
     @property
     def warns(self) -> bool:
         """True when a person must be warned (anything but tabs)."""
-        return self.lookalike_words > 0 or any(h.kind.warns for h in self.hidden)
+        return (
+            self.lookalike_words > 0
+            or self.mixed_line_count > 0
+            or self.padding is not None
+            or any(h.kind.warns for h in self.hidden)
+        )
 
     @property
     def kinds(self) -> frozenset[Hidden]:
@@ -294,12 +376,88 @@ class Findings:
 NO_FINDINGS = Findings()
 
 
+@lru_cache(maxsize=8192)
+def _direction(ch: str) -> str:
+    return unicodedata.bidirectional(ch)
+
+
+def _mixes_directions(line: str) -> bool:
+    if line.isascii():
+        return False
+    ltr = rtl = False
+    for ch in line:
+        direction = _direction(ch)
+        if direction == "L":
+            ltr = True
+        elif direction in _RTL:
+            rtl = True
+        else:
+            continue
+        if ltr and rtl:
+            return True
+    return False
+
+
+def mixed_direction_lines(text: str, *, one_line: bool = False) -> list[int]:
+    """1-based numbers of the lines of ``text`` holding both strong right-to-left and strong left-to-right letters.
+
+    Such a line is laid out by the Unicode bidirectional algorithm, which moves
+    the left-to-right runs around the right-to-left ones: with no control
+    character at all, what a person reads may not be the order the line runs in.
+    """
+    if text.isascii():
+        return []
+    lines = [text] if one_line else text.split(LINE_FEED)
+    return [number for number, line in enumerate(lines, 1) if _mixes_directions(line)]
+
+
+def padding_gaps(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of every blank run in ``text`` that is padding: more than :data:`MAX_GAP_LINES` line breaks
+    or :data:`MAX_GAP_WIDTH` characters, with something after it (trailing blanks hide nothing).
+
+    Spaces and line breaks are the only characters :func:`reveal` leaves blank, so the runs are the same in a
+    text and in its shown form (at other offsets).
+    """
+    # A run longer than MAX_GAP_WIDTH with at most MAX_GAP_LINES line breaks holds two spaces side by side.
+    if text.count(LINE_FEED) <= MAX_GAP_LINES and "  " not in text:
+        return []
+    gaps: list[tuple[int, int]] = []
+    for run in _BLANKS.finditer(text):
+        if run.end() == len(text):
+            continue
+        blank = run.group()
+        if blank.count(LINE_FEED) > MAX_GAP_LINES or len(blank) > MAX_GAP_WIDTH:
+            gaps.append(run.span())
+    return gaps
+
+
+def _padding(text: str) -> Padding | None:
+    gaps = padding_gaps(text)
+    if not gaps:
+        return None
+    runs = [text[start:end] for start, end in gaps]
+    return Padding(
+        gaps=len(gaps), breaks=max(run.count(LINE_FEED) for run in runs), width=max(len(run) for run in runs)
+    )
+
+
 def examine(text: str) -> Findings:
-    """Count the escaped classes in ``text`` and find look-alike words (bounded lists)."""
-    counts: Counter[int] = Counter(ord(ch) for ch in text if classify(ch) is not None)
+    """Count the escaped classes in ``text`` (an argument value), find look-alike words, mixed-direction lines and
+    padding (bounded lists)."""
+    return _examine(text, one_line=False)
+
+
+def examine_line(text: str) -> Findings:
+    """:func:`examine` for a one-line field: a newline is a control character there (see :func:`reveal_line`)."""
+    return _examine(text, one_line=True)
+
+
+def _examine(text: str, *, one_line: bool) -> Findings:
+    classes = classify_in_field if one_line else classify
+    counts: Counter[int] = Counter(ord(ch) for ch in text if classes(ch) is not None)
     by_kind: dict[Hidden, Counter[int]] = {}
     for code_point, count in counts.items():
-        kind = classify(chr(code_point))
+        kind = classes(chr(code_point))
         assert kind is not None
         by_kind.setdefault(kind, Counter())[code_point] = count
     hidden = tuple(
@@ -313,9 +471,20 @@ def examine(text: str) -> Findings:
         if kind in by_kind
     )
     listed, total = find_lookalikes(text, show=_show_word)
-    if not hidden and not total:
+    mixed = mixed_direction_lines(text, one_line=one_line)
+    padding = _padding(text)
+    if not hidden and not total and not mixed and padding is None:
         return NO_FINDINGS
-    return Findings(hidden=hidden, lookalikes=listed, lookalike_words=total)
+    return Findings(
+        hidden=hidden,
+        lookalikes=listed,
+        lookalike_words=total,
+        mixed_lines=tuple(mixed[:MAX_LISTED_LINES]),
+        mixed_line_count=len(mixed),
+        lines=1 if one_line else text.count(LINE_FEED) + 1,
+        padding=padding,
+        field=one_line,
+    )
 
 
 def _show_word(word: str) -> str:
@@ -331,6 +500,11 @@ def _lookalike_phrase(found: LookAlike) -> str:
         return f"{word} mixes {found.scripts[0]} with {others} ({chars})"
     if found.kind is LookAlikeKind.WHOLE:
         return f"{word} spells a {found.scripts[1]} part with {found.scripts[0]} look-alikes ({chars})"
+    if found.kind is LookAlikeKind.LATIN:
+        stand_ins = ", ".join(
+            f"{reveal(chr(cp))} {code_point_label(cp)} for {ascii_lookalike(chr(cp))}" for cp in found.foreign
+        )
+        return f"{word} spells ASCII letters with other letters that look like them ({stand_ins})"
     return f"{word} mixes ordinary letters with fullwidth or compatibility forms ({chars})"
 
 
@@ -343,7 +517,8 @@ def _more(count: int, noun: str) -> str:
 def warnings_for(findings: Findings, where: str) -> tuple[str, ...]:
     """Short plain sentences for a card; ``where`` names the text, e.g. ``argument 'command'``.
 
-    Empty when nothing warrants a warning (no findings, or only tabs).
+    Empty when nothing warrants a warning (no findings, or only tabs). ``where`` is Kazma's own wording around
+    shown (escaped) names, so every sentence is one line.
     """
     sentences: list[str] = []
     warned = [h for h in findings.hidden if h.kind.warns]
@@ -358,4 +533,26 @@ def warnings_for(findings: Findings, where: str) -> tuple[str, ...]:
         parts = "; ".join(_lookalike_phrase(found) for found in findings.lookalikes)
         more = _more(findings.lookalike_words - len(findings.lookalikes), "word")
         sentences.append(f"Look-alike characters in {where}: {parts}{more}.")
+    if findings.mixed_line_count:
+        sentences.append(
+            f"Right-to-left and left-to-right letters share {_lines_phrase(findings)} in {where}: "
+            "a display reorders such a line, so it may not read in the order it runs."
+        )
+    if findings.padding is not None:
+        cut = (
+            ""
+            if findings.field
+            else " The card leaves the padding out, shown as a cut: the call is approved only where it is seen whole."
+        )
+        sentences.append(
+            f"Blank padding in {where} ({findings.padding.describe()}) pushes what follows out of view.{cut}"
+        )
     return tuple(sentences)
+
+
+def _lines_phrase(findings: Findings) -> str:
+    if findings.field or findings.lines <= 1:
+        return "one line"
+    numbers = ", ".join(str(n) for n in findings.mixed_lines)
+    more = ", …" if findings.mixed_line_count > len(findings.mixed_lines) else ""
+    return f"line {numbers}{more}" if findings.mixed_line_count == 1 else f"lines {numbers}{more}"

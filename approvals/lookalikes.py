@@ -1,30 +1,38 @@
-"""Look-alike words: scripts mixed inside a word, a Latin-looking part spelled in another script, fullwidth forms.
+"""Look-alike words: scripts mixed inside a word, a word spelled in look-alikes of ASCII, fullwidth forms.
 
 A *word* is a run of letters, marks and digits, joined across single ``.``,
 ``-`` and ``_`` (so ``gіthub.com`` and ``my-host_1`` are one word); each
-piece between joiners is a *label*. Three findings:
+piece between joiners is a *label*. Four findings:
 
 - ``mixed-script``: a label holds letters of two scripts from
-  :data:`CONFUSABLE_SCRIPTS` (``gіthub`` = Latin + Cyrillic ``і``).
+  :data:`CONFUSABLE_SCRIPTS` (``gіthub`` = Latin + Cyrillic ``і``), or Latin
+  letters beside letters of any other script that look like ASCII ones.
 - ``whole-script``: a word has an all-Latin label and another label written
-  entirely in Cyrillic, Greek or Armenian letters that look Latin
-  (``аррӏе.com``): the classic look-alike host name.
+  entirely in one other script whose every letter looks like an ASCII letter
+  (``аррӏе.com`` in Cyrillic, ``ᏚᎢᎬ.com`` in Cherokee): the classic look-alike
+  host name.
+- ``latin-lookalike``: a label written in Latin letters whose letters outside
+  ASCII all look like ASCII ones (``ɡithub`` with U+0261 SCRIPT G, ``gıthub``
+  with U+0131 DOTLESS I, ``gɪthub`` with U+026A SMALL CAPITAL I): one script,
+  so no mixed-script rule sees it.
 - ``compatibility``: a label that reads as Latin holds fullwidth or
   compatibility forms of ASCII letters or digits (``ｇ``, ``𝐠``, ``ﬁ``, ``K``
   KELVIN SIGN) beside ordinary ASCII ones (``ｇithub``).
 
-Python has no Unicode script property, so a letter's script is the first word
-of its Unicode name after NFKC (``CYRILLIC SMALL LETTER BYELORUSSIAN-UKRAINIAN
-I`` → Cyrillic); Latin-1 letters (``µ``, ``ª``) count as Latin. Digits, marks,
-modifier letters and punctuation have no script here (Common/Inherited). This
-is right for the alphabets look-alikes come from; for the rest it only needs
-to tell scripts apart. Limits: a whole word in one foreign script is flagged
-only beside a Latin label and only from the small table below; combining marks
-on Latin letters, modifier letters, and words written entirely in fullwidth or
-mathematical letters are not flagged; mixes of Latin with scripts that are not
-look-alike sources (Latin + Han/Kana/Hangul, Latin + Arabic) are not flagged,
-so Japanese, Chinese and Korean text stays quiet, as does a sentence in one
-script.
+Which letter looks like which, and a letter's script, come from Unicode's own
+data (UTS #39 ``confusables.txt`` and ``Scripts.txt``, see
+:mod:`kazma.approvals.unicode_data`), not from a hand list. Latin-1 letters
+(``é``, ``ß``, ``æ``, ``µ``, ``ª``) are ordinary Latin text and never flagged;
+a label holding any letter that looks like no ASCII one (``çalıştır``,
+``Straße``) is not an ASCII look-alike (a plain Turkish word with ``ı`` and
+otherwise ASCII letters, ``kapı``, is: it reads as ``kapi``). Digits, marks,
+modifier letters and punctuation have no script here (Common/Inherited).
+Limits: a whole word in one foreign script is flagged only beside a Latin
+label; combining marks on Latin letters, modifier letters, and words written
+entirely in fullwidth or mathematical letters are not flagged; mixes of Latin
+with scripts whose letters look like no ASCII letter (Latin + Han/Kana/Hangul,
+Latin + Hebrew) are not flagged, so Japanese, Chinese and Korean text stays
+quiet, as does a sentence in one script.
 """
 
 from __future__ import annotations
@@ -37,9 +45,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from functools import lru_cache
 
+from kazma.approvals.unicode_data import ascii_lookalike, script
+
 MAX_WORDS = 3  # look-alike words listed per text
 MAX_FOREIGN = 4  # foreign characters listed per word
 
+# Scripts whose letters are mixed into one another to spoof words (any two of them in one label are flagged).
 CONFUSABLE_SCRIPTS = frozenset(
     {
         "Latin",
@@ -50,22 +61,10 @@ CONFUSABLE_SCRIPTS = frozenset(
         "Coptic",
         "Georgian",
         "Lisu",
-        "Canadian Syllabics",
+        "Canadian Aboriginal",
         "Tifinagh",
         "Osage",
     }
-)
-_ALIASES = {"CJK": "Han", "CANADIAN": "Canadian Syllabics"}
-_WHOLE_SCRIPTS = frozenset({"Cyrillic", "Greek", "Armenian"})
-# Cyrillic, Greek and Armenian letters that read as Latin ones in common fonts (written as escapes: ruff and
-# editors rightly complain about the real characters in source).
-_LATIN_LOOKALIKES = frozenset(
-    "\u0405\u0406\u0408\u0410\u0412\u0415\u041a\u041c\u041d\u041e\u0420\u0421\u0422\u0423\u0425"
-    "\u0430\u0435\u043e\u0440\u0441\u0443\u0445\u0455\u0456\u0458\u04ae\u04af\u04ba\u04bb\u04c0\u04cf"
-    "\u0501\u051a\u051b\u051c\u051d"
-    "\u0391\u0392\u0395\u0396\u0397\u0399\u039a\u039c\u039d\u039f\u03a1\u03a4\u03a5\u03a7"
-    "\u03b1\u03b9\u03ba\u03bd\u03bf\u03c1\u03c5\u03f2\u03f3\u03f9"
-    "\u053c\u054d\u054f\u0555\u0561\u0566\u0570\u0578\u057d\u0581\u0585"
 )
 _LABEL_SPLIT = re.compile(r"[._-]+")
 _JOINERS = frozenset("._-")
@@ -74,6 +73,7 @@ _JOINERS = frozenset("._-")
 class LookAlikeKind(StrEnum):
     MIXED = "mixed-script"
     WHOLE = "whole-script"
+    LATIN = "latin-lookalike"
     COMPAT = "compatibility"
 
 
@@ -87,19 +87,18 @@ class LookAlike:
 
 @lru_cache(maxsize=8192)
 def script_of(ch: str) -> str | None:
-    """The script of a letter, from its Unicode name; None for digits, marks, punctuation, modifier letters."""
+    """The Unicode script of a letter; None for digits, marks, punctuation, modifier letters and Common letters."""
     category = unicodedata.category(ch)
     if category[0] != "L" or category == "Lm":
         return None
     if ord(ch) < 0x100:  # Latin-1 letters, µ and ª included, are ordinary Latin text
         return "Latin"
-    base = unicodedata.normalize("NFKC", ch)[:1] or ch
-    if ord(base) < 0x100:
-        return "Latin" if base.isalpha() else None
-    first = unicodedata.name(base, "").split(" ", 1)[0]
-    if not first:
-        return None
-    return _ALIASES.get(first, first.title())
+    return script(ch)
+
+
+def looks_ascii(ch: str) -> bool:
+    """``ch`` is outside Latin-1 and UTS #39 says it is confusable with ASCII letters or digits."""
+    return ord(ch) >= 0x100 and ascii_lookalike(ch) is not None
 
 
 @lru_cache(maxsize=8192)
@@ -138,12 +137,20 @@ def _distinct(chars: list[str]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ord(c) for c in chars))[:MAX_FOREIGN]
 
 
+def _mixes(scripts: list[tuple[str, str]]) -> bool:
+    names = {s for _, s in scripts}
+    if len(names & CONFUSABLE_SCRIPTS) >= 2:
+        return True
+    # Latin beside a script outside the list: flagged when a letter of that script looks like an ASCII one.
+    return "Latin" in names and any(s != "Latin" and looks_ascii(ch) for ch, s in scripts)
+
+
 def _mixed(labels: list[str]) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
     letters: list[tuple[str, str]] = []
     for label in labels:
-        scripts = [(ch, s) for ch in label if (s := script_of(ch)) in CONFUSABLE_SCRIPTS]
-        if len({s for _, s in scripts}) >= 2:
-            letters += scripts
+        scripts = [(ch, s) for ch in label if (s := script_of(ch)) is not None]
+        if _mixes(scripts):
+            letters += [(ch, s) for ch, s in scripts if s in CONFUSABLE_SCRIPTS or s == "Latin" or looks_ascii(ch)]
     if not letters:
         return None
     counts = Counter(s for _, s in letters)
@@ -157,12 +164,25 @@ def _whole(labels: list[str]) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
     if {"Latin"} not in scripts_of:
         return None
     for label, scripts in zip(labels, scripts_of, strict=True):
-        if len(scripts) != 1 or not scripts <= _WHOLE_SCRIPTS:
+        if len(scripts) != 1 or scripts == {"Latin"}:
             continue
         letters = [ch for ch in label if script_of(ch) is not None]
-        if all(ch in _LATIN_LOOKALIKES for ch in letters):
+        if all(looks_ascii(ch) for ch in letters):
             return ("Latin", *scripts), _distinct(letters)
     return None
+
+
+def _latin(labels: list[str]) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+    found: list[str] = []
+    for label in labels:
+        if any(script_of(ch) not in (None, "Latin") for ch in label):
+            continue
+        others = [ch for ch in label if not ch.isascii()]
+        # Compatibility forms are the compatibility finding's; a letter that looks like no ASCII one (ç, ş, ß)
+        # means the label does not read as an ASCII word.
+        if others and all(looks_ascii(ch) and not is_ascii_compat(ch) for ch in others):
+            found += others
+    return (("ASCII", "Latin"), _distinct(found)) if found else None
 
 
 def _compat(labels: list[str]) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
@@ -193,6 +213,7 @@ def find_lookalikes(text: str, *, show: Callable[[str], str]) -> tuple[tuple[Loo
         checks = (
             (LookAlikeKind.MIXED, _mixed(labels)),
             (LookAlikeKind.WHOLE, _whole(labels)),
+            (LookAlikeKind.LATIN, _latin(labels)),
             (LookAlikeKind.COMPAT, _compat(labels)),
         )
         for kind, found in checks:

@@ -7,6 +7,9 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
 
+# Who asked, for a request opened through the approvals API or ``/mcp``: ``api:<token name>``.
+API_REQUESTER_PREFIX = "api:"
+
 
 class Status(StrEnum):
     PENDING = "pending"

@@ -62,6 +62,17 @@ PG_MIGRATIONS: Final = [
         ),
     )
 ]
+# The requesters whose calls consult a remembered approval before asking: agents' tool calls (the safety
+# policy). Nothing else does (the approvals API and ``/mcp`` always ask; a checkpoint is never the same call).
+CONSULTING_REQUESTERS: Final = ("agent:",)
+
+
+def rules_consulted_for(requested_by: str) -> bool:
+    """Whether a rule made from a request of ``requested_by`` would ever let a later call run: only then may a
+    card offer "Approve for …"."""
+    return requested_by.startswith(CONSULTING_REQUESTERS)
+
+
 _COLUMNS = "id, tool, args_hash, conversation, created_by, created_via, request_id, created_at, expires_at, revoked_at"
 
 

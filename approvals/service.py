@@ -13,7 +13,7 @@ import re
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import structlog
 
@@ -27,10 +27,11 @@ from kazma.approvals.card import (
 )
 from kazma.approvals.hashing import args_hash, canonical_json, check_arguments
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
-from kazma.approvals.rules import Rule, RuleStore
-from kazma.approvals.store import ApprovalStore, CardCheck, CardProblem, Clock
+from kazma.approvals.rules import Rule, RuleStore, rules_consulted_for
+from kazma.approvals.store import ApprovalStore, CardCheck, CardProblem, Clock, NewRequest, new_request_id
 from kazma.config.metrics import APPROVALS_DECIDED, APPROVALS_OPENED, PRESS_TO_DECISION, count_failure
 from kazma.config.models import KazmaConfig
+from kazma.config.store_backend import Tx
 from kazma.config.store_errors import store_errors
 
 log = structlog.get_logger("kazma.approvals")
@@ -53,6 +54,35 @@ class CardPublisher(Protocol):
 
     async def settle(self, request_id: str) -> None:
         """A request of ours reached an outcome: edit its cards. Must not raise."""
+        ...
+
+
+@runtime_checkable
+class QueuesCards(Protocol):
+    """A publisher whose card posts can be queued in the very transaction that opens the request, so no
+    request is ever pending without them (a crash between two commits left exactly that)."""
+
+    async def queue_statements(self, request_id: str) -> Callable[[Tx], object] | None:
+        """The statements that queue ``request_id``'s posts, or None when they cannot share that transaction
+        (the publisher then gets :meth:`CardPublisher.publish` after it)."""
+        ...
+
+    def cards_queued(self, request_id: str) -> None:
+        """The transaction holding those statements committed: post the cards now."""
+        ...
+
+
+class OpenGate(Protocol):
+    """What a door adds to the transaction that opens a request (the approvals API: its idempotency key, its
+    token's quota and its audit rows), so they stand or fall with the request."""
+
+    def admit(self, tx: Tx, request_id: str) -> str | None:
+        """First: None lets ``request_id`` open; another request's id stands instead, and nothing is opened.
+        Raising refuses (the whole transaction is undone and the exception reaches the caller)."""
+        ...
+
+    def opened(self, tx: Tx, request_id: str) -> None:
+        """After the request's rows: the door's own rows of it."""
         ...
 
 
@@ -147,6 +177,16 @@ def parse_button(data: str) -> ParsedButton:
     return ParsedButton(match["id"], decision, remember=match["code"] == REMEMBER_CODE)
 
 
+def remember_offer(config: KazmaConfig, request: ApprovalRequest) -> int | None:
+    """How long "Approve for …" would remember ``request``'s call, or None where the button is not offered: the
+    team did not enable it, or no later call of this requester ever consults a rule (a request from the
+    approvals API or ``/mcp``: the button would promise something that never happens)."""
+    remember = config.approvals.remember
+    if not remember.enabled or not rules_consulted_for(request.requested_by):
+        return None
+    return remember.max_seconds
+
+
 def _integrity_problem(request: ApprovalRequest) -> str | None:
     """Why ``request``'s stored call no longer hashes to its hash, or None. The stored call is what the approval
     page and ``kazma approvals show`` put before a person: changed, they may have approved other text."""
@@ -218,6 +258,30 @@ class ApprovalService:
         ``deadline`` is in seconds from now (default ``approvals.deadline_seconds``).
         Raises :class:`ApprovalRefused` when the arguments cannot be shown faithfully.
         """
+        request, _ = await self.open_once(
+            tool, args, requested_by, conversation, deadline, task_id, notes=notes, durable=durable
+        )
+        return request
+
+    async def open_once(
+        self,
+        tool: str,
+        args: Mapping[str, Any],
+        requested_by: str,
+        conversation: str,
+        deadline: float | None = None,
+        task_id: str | None = None,
+        *,
+        notes: tuple[str, ...] = (),
+        durable: bool = False,
+        gate: OpenGate | None = None,
+    ) -> tuple[ApprovalRequest, bool]:
+        """:meth:`open`, with a door's ``gate`` in the opening transaction: the request and whether this call
+        opened it (False: the gate named the request that stands instead, and nothing was opened).
+
+        The request's row, its audit row, its card posts (when the publisher can queue them there) and the
+        gate's rows are one commit: whoever commits first opens, and a crash leaves all of them or none.
+        """
         try:
             check_arguments(args)
             check_names(dict(args))
@@ -229,37 +293,55 @@ class ApprovalService:
         seconds = self.config.approvals.deadline_seconds if deadline is None else deadline
         if seconds <= 0:
             raise ValueError(f"deadline must be positive, got {seconds}")
-        request = await self.store.insert(
-            tool=tool,
-            args_json=canonical_json(dict(args)),
-            args_hash=args_hash(args),
-            requested_by=requested_by,
-            conversation=conversation,
-            deadline=self.clock() + seconds,
-            task_id=task_id,
-            notes=notes,
-            durable=durable,
+        new = NewRequest(
+            new_request_id(),
+            tool,
+            canonical_json(dict(args)),
+            args_hash(args),
+            requested_by,
+            conversation,
+            self.clock() + seconds,
+            task_id,
         )
+        publisher: object = self.publisher  # (a protocol narrowed to another protocol reads as unreachable)
+        queuer = publisher if isinstance(publisher, QueuesCards) else None
+        queue = None if queuer is None else await queuer.queue_statements(new.id)
+        also: list[Callable[[Tx], object]] = [] if gate is None else [lambda tx: gate.opened(tx, new.id)]
+        if queue is not None:
+            also.append(queue)
+        request, opened = await self.store.insert_once(
+            new, notes=notes, durable=durable, guard=None if gate is None else gate.admit, also=also
+        )
+        if not opened:
+            return request, False
         log.info(
             "approvals.opened", request_id=request.id, tool=tool, requested_by=requested_by, hash=request.args_hash
         )
-        APPROVALS_OPENED.labels(tool=tool).inc()
+        APPROVALS_OPENED.labels(tool=self._tool_label(tool, requested_by)).inc()
         self._tell(request.id)
-        if self.publisher is not None:
+        if queuer is not None and queue is not None:
+            queuer.cards_queued(request.id)
+        elif self.publisher is not None:
             await self.publisher.publish(self.card(request))
-        return request
+        return request, True
+
+    def _tool_label(self, tool: str, requested_by: str) -> str:
+        """The metrics label of ``tool``: its name when the tools an agent may call or ``tools:`` bound it, or
+        "other" for a name a caller of a door made up (every name would be a series on ``/metrics``)."""
+        if requested_by.startswith(("agent:", "swarm:")) or tool in self.config.tools.levels:
+            return tool
+        return "other"
 
     def link(self, request_id: str) -> str:
         """The request's approval page, where the whole call is shown and can be decided."""
         return f"{self.config.web.public_url.rstrip('/')}/swarm?approval={request_id}"
 
     def card(self, request: ApprovalRequest) -> ApprovalCard:
-        remember = self.config.approvals.remember
         return build_card(
             request,
             value_limit=self.config.approvals.value_limit,
             public_url=self.config.web.public_url,
-            remember_seconds=remember.max_seconds if remember.enabled and self.rules is not None else None,
+            remember_seconds=remember_offer(self.config, request) if self.rules is not None else None,
         )
 
     async def revoke_rule(self, rule_id: str, *, actor: str, platform: str) -> Rule | None:
@@ -464,6 +546,8 @@ class ApprovalService:
         request = await self.store.get(request_id)
         if request is None:
             return None  # the compare-and-set reports the unknown id
+        if not rules_consulted_for(request.requested_by):
+            return "This call cannot be remembered: a remembered approval only ever lets an agent's tool call run"
         if self.card(request).remember_seconds is None:
             return "This call cannot be remembered: its card warns about what it holds"
         cards = await self.store.cards(request_id)

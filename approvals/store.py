@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -53,6 +53,40 @@ LOCAL = "local"
 # Told at every decision: each replica wakes the call waiting for it and settles the cards (PostgreSQL NOTIFY).
 DECIDED_CHANNEL = "kazma_decided"
 _CARD_COLUMNS = "request_id, platform, chat, message_id, posted_at, settled_at, settled_status, whole"
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """What opening a request writes, before it is written (its id is made first: a door may keep it)."""
+
+    id: str
+    tool: str
+    args_json: str
+    args_hash: str
+    requested_by: str
+    conversation: str
+    deadline: float  # epoch seconds
+    task_id: str | None = None
+
+
+# Run first in the transaction that opens a request (given its id): None lets it open; another request's id
+# stands instead, and nothing is written.
+Guard = Callable[[Tx, str], "str | None"]
+
+
+def write_event(
+    tx: Tx,
+    request_id: str | None,
+    event: str,
+    *,
+    actor: str | None,
+    at: float,
+    args_hash: str | None,
+    platform: str | None = None,
+    detail: str | None = None,
+) -> None:
+    """One audit row, inside a writer's transaction (a door's own rows commit with what they describe)."""
+    tx.run(_EVENT, (request_id, event, actor, platform, at, args_hash, detail))
 
 
 def new_request_id() -> str:
@@ -232,18 +266,39 @@ class ApprovalStore:
         notes: tuple[str, ...] = (),
         durable: bool = False,
     ) -> ApprovalRequest:
-        request_id = new_request_id()
+        request, _ = await self.insert_once(
+            NewRequest(new_request_id(), tool, args_json, args_hash, requested_by, conversation, deadline, task_id),
+            notes=notes,
+            durable=durable,
+        )
+        return request
+
+    async def insert_once(
+        self,
+        new: NewRequest,
+        *,
+        notes: tuple[str, ...] = (),
+        durable: bool = False,
+        guard: Guard | None = None,
+        also: Sequence[Callable[[Tx], object]] = (),
+    ) -> tuple[ApprovalRequest, bool]:
+        """The request's row and its ``opened`` audit row, and ``also``'s statements, in one transaction.
+
+        ``guard`` runs first in that transaction: when it names another request, that one is read and
+        returned (False) and nothing else is written; None lets this one open (True). Whatever ``guard`` or
+        ``also`` raises undoes the whole transaction and reaches the caller.
+        """
         now = self.clock()
         row = (
-            request_id,
-            tool,
-            args_json,
-            args_hash,
-            requested_by,
-            conversation,
-            task_id,
+            new.id,
+            new.tool,
+            new.args_json,
+            new.args_hash,
+            new.requested_by,
+            new.conversation,
+            new.task_id,
             now,
-            deadline,
+            new.deadline,
             "pending",
             None,
             None,
@@ -253,15 +308,24 @@ class ApprovalStore:
             int(durable),
         )
 
-        def op(tx: Tx) -> None:
+        def op(tx: Tx) -> tuple[ApprovalRequest, bool]:
+            standing = None if guard is None else guard(tx, new.id)
+            if standing is not None:
+                found = tx.one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (standing,))  # noqa: S608
+                if found is None:
+                    raise LookupError(f"approval request {standing} is gone")
+                return _row_to_request(found), False
             tx.run(
                 f"INSERT INTO approval_requests ({_COLUMNS}, owner) VALUES ({', '.join('?' * (len(row) + 1))})",  # noqa: S608
                 (*row, self.replica),
             )
-            tx.run(_EVENT, (request_id, "opened", requested_by, None, now, args_hash, f"tool={tool}"))
+            write_event(tx, new.id, "opened", actor=new.requested_by, at=now, args_hash=new.args_hash,
+                        detail=f"tool={new.tool}")  # fmt: skip
+            for statements in also:
+                statements(tx)
+            return _row_to_request(row), True
 
-        await self._write(op)
-        return _row_to_request(row)
+        return await self._write(op)
 
     async def get(self, request_id: str) -> ApprovalRequest | None:
         row = await self.tables.one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608

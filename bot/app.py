@@ -22,6 +22,7 @@ from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
 from kazma.approvals.rules import RuleStore
 from kazma.approvals.service import Recovery
+from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.chat_moves import ChatMoves
 from kazma.bot.inbound_claims import InboundClaims
 from kazma.bot.store import StoreWatch
@@ -34,6 +35,7 @@ from kazma.engine.agent import AgentRunner, agents_from_config
 from kazma.engine.conversation import Conversations, is_question_button
 from kazma.engine.executor import Action, PlanExecutor
 from kazma.engine.history import HistoryStore
+from kazma.engine.mcp_launch import places_for
 from kazma.engine.mcp_tools import MCPSources
 from kazma.engine.model_router import provider_for
 from kazma.engine.plan_store import PlanStore
@@ -109,6 +111,8 @@ class App:
     signed_requests: InboundClaims | None = None
     # Several replicas on one PostgreSQL database: this one's lease and wake-ups (None on SQLite).
     replication: Replication | None = None
+    # The approvals API's idempotency keys, swept with the other retention (None: not swept here).
+    api_keys: IdempotencyKeys | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _leader_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _live: set[str] = field(default_factory=set)  # the replicas alive at the leader's last look
@@ -342,7 +346,8 @@ class App:
     async def _retention(self) -> None:
         """Swarm tasks older than ``swarm.retention_days`` go at start and then every sweep (0 keeps all);
         inbound claims and signed requests older than a day too (no platform delivers an event again after
-        that, and Slack refuses a signature after five minutes)."""
+        that, and Slack refuses a signature after five minutes), and the approvals API's idempotency keys a
+        day past their request's deadline."""
         while True:
             await self.swarm.sweep_retention()
             if self.signed_requests is not None:  # the same table as the replicas' inbound claims
@@ -350,6 +355,13 @@ class App:
                     await self.signed_requests.forget_older_than()
                 except Exception as exc:
                     log.warning("inbound.claims_sweep_failed", error=str(exc))
+            if self.api_keys is not None:  # a day past their request's deadline (bot/api_store.py)
+                try:
+                    forgotten = await self.api_keys.forget_expired()
+                    if forgotten:
+                        log.info("api.keys_swept", keys=forgotten)
+                except Exception as exc:
+                    log.warning("api.keys_sweep_failed", error=str(exc))
             await asyncio.sleep(self.loaded.config.swarm.retention_sweep_seconds)
 
     async def stop(self) -> None:
@@ -431,7 +443,10 @@ async def build_app(
         HistoryStore(stores.history),
         workspace_root=workspace_root or config.tools.workspaces(config.store.path),
     )
-    mcp = MCPSources(config.mcp_servers, tools, config.danger_level) if config.mcp_servers else None
+    mcp = None
+    if config.mcp_servers:
+        places = places_for(config, config_file=loaded.source, workspace_root=workspace_root)
+        mcp = MCPSources(config.mcp_servers, tools, config.danger_level, places=places)
     agents = agents_from_config(config)
     lead = agents[config.agents.lead.name]
     transcript = TranscriptStore(stores.transcript)
@@ -491,6 +506,7 @@ async def build_app(
         transcript,
         mcp=mcp,
         replica=replica,
+        api_keys=IdempotencyKeys(stores.primary),
     )
     if stores.pg is not None:
         from kazma.bot.replication import Replication

@@ -17,9 +17,9 @@ from kazma.approvals import (
     PressVerdict,
     UnrenderableArguments,
     build_card,
-    reveal,
 )
 from kazma.approvals.card import INTEGRITY_WARNING
+from kazma.approvals.honesty import reveal_line
 from kazma.approvals.model import ApprovalRequest
 from kazma.bot.context import Context
 from kazma.bot.store import store_for_command
@@ -45,11 +45,11 @@ def _warnings(request: ApprovalRequest, public_url: str) -> tuple[str, ...]:
     stored call was changed outside Kazma. ``show`` is where a cut call is read whole before approving it from
     here, so it must warn exactly as the cards do."""
     try:
-        card = build_card(request, value_limit=len(request.args_json) + 1000, public_url=public_url)
+        card = build_card(request, value_limit=len(request.args_json) + 1000, public_url=public_url, cut_padding=False)
     except CardIntegrityError as exc:
-        return (f"{INTEGRITY_WARNING} ({reveal(exc.reason)})",)
+        return (f"{INTEGRITY_WARNING} ({reveal_line(exc.reason)})",)
     except UnrenderableArguments as exc:
-        return (f"These arguments cannot be shown faithfully: {reveal(str(exc))}",)
+        return (f"These arguments cannot be shown faithfully: {reveal_line(str(exc))}",)
     return card.warnings  # already escaped where they quote the call
 
 
@@ -72,9 +72,9 @@ def list_requests(obj: Context, pending: bool, limit: int) -> None:
     for r in rows:
         decided = f" by {r.decided_by}" if r.decided_by else ""
         # Everything shown escaped as on the cards: a terminal obeys control characters, and bidi controls
-        # reorder what it shows.
+        # reorder what it shows. One request, one line: a newline in a field is escaped too.
         line = f"{r.id}  {r.status.value:<9} {_when(r)}  {r.tool:<12} from {r.requested_by}{decided}"
-        click.echo(reveal(line))
+        click.echo(reveal_line(line))
 
 
 @approvals.command("show")
@@ -111,8 +111,8 @@ def show(obj: Context, request_id: str) -> None:
             where = f" via {event.platform}" if event.platform else ""
             detail = f"  {event.detail}" if event.detail else ""
             lines.append(f"  {event.at.strftime('%Y-%m-%d %H:%M:%S')}  {event.event}{who}{where}{detail}")
-        for line in lines:
-            click.echo(reveal(line))
+        for line in lines:  # each one line: a newline inside a stored text cannot start a line of its own
+            click.echo(reveal_line(line))
 
     _with_service(loaded, work)
 

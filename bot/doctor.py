@@ -5,6 +5,8 @@ from __future__ import annotations
 import aiosqlite
 import httpx
 
+from kazma.approvals.honesty import reveal_line
+from kazma.approvals.tool_names import MCP_TOOL_RULE, mcp_tool_name_problem
 from kazma.bot.checks import Check, Level
 from kazma.bot.platform_checks import check_platforms, console_checks
 from kazma.bot.store import open_store, store_for_command
@@ -12,6 +14,8 @@ from kazma.config import LoadedConfig, platform_statuses
 from kazma.config.database import schema_versions, transaction
 from kazma.config.models import MCPServerConfig, ModelConfig
 from kazma.config.store_backend import backend_of
+from kazma.engine.mcp_launch import LaunchRefused, ServerPlaces, places_for
+from kazma.engine.mcp_stdio import StderrTail
 from kazma.engine.mcp_tools import list_server_tools
 from kazma.engine.sandbox import resolve_sandbox
 
@@ -37,20 +41,56 @@ async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0, platfo
     checks.append(await check_model(loaded, wait_seconds=model_timeout))
     for name, model in loaded.config.models.items():
         checks.append(await check_endpoint(model, f"model.{name}", wait_seconds=model_timeout))
+    places = places_for(loaded.config, config_file=loaded.source)
     for name, server in loaded.config.mcp_servers.items():
-        checks.append(await check_mcp_server(name, server))
+        checks.append(await check_mcp_server(name, server, places=places))
     return checks
 
 
-async def check_mcp_server(name: str, server: MCPServerConfig) -> Check:
-    """Start the server, list its tools, stop it."""
+async def check_mcp_server(name: str, server: MCPServerConfig, *, places: ServerPlaces | None = None) -> Check:
+    """Say how the server runs (sandboxed, unsandboxed, refused), then start it as `kazma run` would and list
+    its tools."""
     where = server.url or " ".join([server.command, *server.args])
+    if server.url:
+        mode = "over HTTP (Kazma does not run it)"
+    elif server.sandbox == "none":
+        mode = f"runs unsandboxed on this host (mcp_servers.{name}.sandbox: none; every card of its tools says so)"
+    else:
+        mode = f"sandboxed (bubblewrap, network {'on' if server.network else 'off'})"
+    stderr = StderrTail()
     try:
-        tools = await list_server_tools(name, server)
+        tools = await list_server_tools(name, server, places=places, stderr=stderr)
+    except LaunchRefused as exc:
+        return Check(f"mcp.{name}", Level.FAIL, f"not started: {exc}")
     except Exception as exc:
-        return Check(f"mcp.{name}", Level.FAIL, f"{where[:200]}: could not list its tools ({_reason(exc)})")
-    listed = ", ".join(f"{name}/{tool}" for tool in sorted(tools)) or "no tools"
-    return Check(f"mcp.{name}", Level.OK, f"{len(tools)} tools: {listed}")
+        said = stderr.last_line()
+        hint = (
+            f"; in its sandbox it sees only the system, its working directory and what it is given: list the "
+            f"folders it needs under mcp_servers.{name}.read_only or .writable"
+            if server.command and server.sandbox == "bwrap"
+            else ""
+        )
+        return Check(
+            f"mcp.{name}",
+            Level.FAIL,
+            f"{where[:200]}: {mode}, could not list its tools ({_reason(exc)})"
+            + (f"; its last words: {said}" if said else "")
+            + hint,
+        )
+    kept = sorted(tool for tool in tools if mcp_tool_name_problem(tool) is None)
+    listed = ", ".join(f"{name}/{tool}" for tool in kept) or "no tools"
+    level = Level.WARN if server.command and server.sandbox == "none" else Level.OK
+    refused = [(tool, problem) for tool in tools if (problem := mcp_tool_name_problem(tool)) is not None]
+    if not refused:
+        return Check(f"mcp.{name}", level, f"{mode}; {len(kept)} tools: {listed}")
+    why = "; ".join(f"'{reveal_line(tool)[:80]}' ({problem})" for tool, problem in refused[:5])
+    more = f"; and {len(refused) - 5} more" if len(refused) > 5 else ""
+    return Check(
+        f"mcp.{name}",
+        Level.WARN,
+        f"{mode}; {len(kept)} tools: {listed}; {len(refused)} refused, left out of every agent's tools: {why}{more}. "
+        f"{MCP_TOOL_RULE[0].upper()}{MCP_TOOL_RULE[1:]}.",
+    )
 
 
 def _reason(exc: BaseException) -> str:

@@ -140,8 +140,16 @@ def render(answers: InitAnswers) -> str:
             "platforms: {}  # none yet: the web console is the whole product. To add one, see the README's\n"
             '               # "Platform setup", or run `kazma init --force` again.'
         )
+    proxies = ""
+    if answers.public_url.startswith("https://"):
+        proxies = (
+            "\n  # The TLS proxy on this machine: its X-Forwarded-For names who logs in (README: Behind a TLS\n"
+            "  # reverse proxy). A proxy elsewhere: its address instead.\n"
+            '  trusted_proxies: ["127.0.0.1", "::1"]'
+        )
     text = _template("kazma.yaml.in").substitute(
         public_url=_yaml_scalar(answers.public_url.rstrip("/")),
+        trusted_proxies=proxies,
         model_url=answers.model_url,
         model_name=answers.model_name,
         approvers=approvers,

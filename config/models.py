@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
+from ipaddress import ip_network
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -198,11 +199,29 @@ class WebConfig(Strict):
     public_url: HttpUrl = "http://127.0.0.1:8765"
     # Serve the console on a non-loopback address over plain HTTP (tokens and sessions in the clear).
     allow_insecure_http: bool = False
+    # Reverse proxies whose X-Forwarded-For / Forwarded is believed (addresses or CIDRs); none: the socket's peer
+    # is the client.
+    trusted_proxies: list[str] = Field(default_factory=list)
 
     @field_validator("public_url")
     @classmethod
     def _strip_slash(cls, value: str) -> str:
         return value.rstrip("/")
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, values: list[str]) -> list[str]:
+        found: list[str] = []
+        for value in values:
+            try:
+                found.append(str(ip_network(value.strip(), strict=False)))
+            except ValueError:
+                raise PydanticCustomError(
+                    "kazma_web",
+                    "{got} is not an IP address or network (e.g. 10.0.0.5, 10.0.0.0/8, fd00::/8)",
+                    {"got": repr(value)},
+                ) from None
+        return found
 
     @model_validator(mode="after")
     def _tls_off_loopback(self) -> WebConfig:
@@ -242,6 +261,13 @@ def _variable_name(value: Any) -> Any:
 VariableName = Annotated[str, BeforeValidator(_variable_name)]
 
 
+def _on_off(value: Any) -> Any:
+    """YAML reads on/off as booleans; a quoted "on"/"off" means the same."""
+    if isinstance(value, str) and value.strip().lower() in ("on", "off"):
+        return value.strip().lower() == "on"
+    return value
+
+
 class MCPServerConfig(Strict):
     """One MCP tool source: a stdio command, or a streamable-HTTP URL. Secrets only by variable name."""
 
@@ -253,6 +279,34 @@ class MCPServerConfig(Strict):
     call_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
     start_timeout_seconds: float = Field(default=30.0, gt=0, le=600)
     max_output_chars: int = Field(default=16_000, ge=256, le=1_000_000)
+    # The most Kazma reads of one message from the server; a longer answer is cut off unread.
+    max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=256 * 1024 * 1024)
+    # A stdio server runs in bubblewrap unless it says ``none``; there is no "auto": a server never
+    # falls back to running unsandboxed because bubblewrap is missing.
+    sandbox: Literal["bwrap", "none"] = "bwrap"
+    network: Annotated[bool, BeforeValidator(_on_off)] = False
+    read_only: list[Path] = Field(default_factory=list)  # more paths the sandboxed server may read
+    writable: list[Path] = Field(default_factory=list)  # paths it may also change
+
+    @field_validator("sandbox", mode="before")
+    @classmethod
+    def _no_auto(cls, value: Any) -> Any:
+        if value == "auto":
+            raise PydanticCustomError(
+                "kazma_mcp",
+                "expected bwrap or none, got 'auto': an MCP server never falls back to running unsandboxed; "
+                "say none to choose that for this server",
+                {},
+            )
+        return value
+
+    @field_validator("read_only", "writable")
+    @classmethod
+    def _absolute(cls, value: list[Path]) -> list[Path]:
+        for path in value:
+            if not path.is_absolute():
+                raise PydanticCustomError("kazma_mcp", "expected an absolute path, got {got}", {"got": str(path)})
+        return value
 
     @model_validator(mode="after")
     def _one_transport(self) -> MCPServerConfig:
@@ -269,6 +323,21 @@ class MCPServerConfig(Strict):
                 )
         if self.url and (self.args or self.env):
             raise PydanticCustomError("kazma_mcp", "args and env are for stdio servers (command)", {})
+        stdio_only = {"sandbox", "network", "read_only", "writable"} & self.model_fields_set
+        if self.url and stdio_only:
+            raise PydanticCustomError(
+                "kazma_mcp",
+                "only for stdio servers (command), which Kazma runs itself: {keys}",
+                {"keys": ", ".join(sorted(stdio_only))},
+            )
+        shaping = {"network", "read_only", "writable"} & self.model_fields_set
+        if self.sandbox == "none" and shaping:
+            raise PydanticCustomError(
+                "kazma_mcp",
+                "with sandbox: none there is no sandbox for {keys} to shape: the server reaches everything "
+                "Kazma's user can",
+                {"keys": ", ".join(sorted(shaping))},
+            )
         if self.command and self.headers:
             raise PydanticCustomError("kazma_mcp", "headers are for HTTP servers (url)", {"subpath": "headers"})
         return self
@@ -283,6 +352,8 @@ class ApiTokenConfig(Strict):
 
     token: str
     roles: list[ApiRole] = Field(default_factory=lambda: list[ApiRole](["approval_requester"]))
+    # Requests of this token pending at once; one more is refused (429) until a person decides one or one ends.
+    max_pending: int = Field(default=10, ge=1, le=10_000)
 
     @field_validator("token")
     @classmethod
@@ -697,13 +768,6 @@ INTERNAL_TOOLS = ("write_plan", "dispatch_swarm", "check_swarm_task")
 _TOOL_SETTINGS = ("sandbox", "shell_network", "workspace_root", "allow_unapproved")
 
 
-def _on_off(value: Any) -> Any:
-    """YAML reads on/off as booleans; a quoted "on"/"off" means the same."""
-    if isinstance(value, str) and value.strip().lower() in ("on", "off"):
-        return value.strip().lower() == "on"
-    return value
-
-
 class ToolsConfig(Strict):
     """``tools:``: danger levels by tool name, plus how the built-in tools run."""
 
@@ -884,6 +948,26 @@ class KazmaConfig(Strict):
                     "the workspaces must be outside the store's folder {state}: a tool could reach the store",
                     {"subpath": "tools.workspace_root", "state": str(self.store.path.parent)},
                 )
+        self._check_mcp_paths()
+
+    def _check_mcp_paths(self) -> None:
+        """A folder given to an MCP server never shows the store's folder (writable: not even around it)."""
+        state = self.store.path.parent.resolve()
+        for name, server in self.mcp_servers.items():
+            for key in ("read_only", "writable"):
+                for position, path in enumerate(getattr(server, key)):
+                    real = path.resolve()
+                    inside = real == state or real.is_relative_to(state)
+                    if inside or (key == "writable" and state.is_relative_to(real)):
+                        raise PydanticCustomError(
+                            "kazma_mcp",
+                            "{path} would let the server reach the store's folder {state}",
+                            {
+                                "subpath": f"mcp_servers.{name}.{key}[{position}]",
+                                "path": str(path),
+                                "state": str(self.store.path.parent),
+                            },
+                        )
 
     def _check_models(self) -> None:
         if not self.models:

@@ -66,7 +66,8 @@ def _listed(names: list[str]) -> str:
 
 
 def console_warnings(config: KazmaConfig) -> list[str]:
-    """The web console is served by every ``kazma run``: can anyone decide there, and can chats link to it?"""
+    """The web console is served by every ``kazma run``: can anyone decide there, can chats link to it, and does
+    it know who logs in behind its proxy?"""
     found: list[str] = []
     if not config.roster.approvers_for(WEB):
         found.append(
@@ -79,5 +80,12 @@ def console_warnings(config: KazmaConfig) -> list[str]:
             f"web.public_url is {config.web.public_url} while {_listed(on)} {'is' if len(on) == 1 else 'are'} "
             "on: the links on chat cards point at this machine's loopback, which nobody in a chat can open "
             "(set web.public_url to the https:// address people reach the console at; README: Running in production)"
+        )
+    if config.web.public_url.startswith("https://") and not config.web.trusted_proxies:
+        found.append(
+            "web.public_url is https:// (a TLS proxy stands in front of Kazma) but web.trusted_proxies is empty: "
+            "every login seems to come from the proxy's address, so one stranger's wrong tokens slow everyone's "
+            "wrong tokens and the log names the proxy instead of the person. Name the proxy's address in "
+            "web.trusted_proxies (README: Behind a TLS reverse proxy)"
         )
     return found

@@ -44,6 +44,32 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "model_router.py:ModelRouter.aclose:suppress(Exception)": "closing idle HTTP clients at shutdown: nothing is "
     "left to lose",
     "netguard.py:_literal:ValueError": _PARSE,
+    "netguard.py:_fib_local:suppress(ValueError)": _PARSE,
+    "netguard.py:_if_inet6:suppress(ValueError)": _PARSE,
+    "netguard.py:_read:OSError": "a /proc file this host does not have: the next source of its addresses is used",
+    "netguard.py:_read_host_networks:suppress(OSError)": "the host's own name does not resolve: the addresses read "
+    "so far are what the policy knows (loopback and the private ranges are refused anyway)",
+    "netguard.py:_read_host_networks:suppress(ValueError)": _PARSE,
+    "mcp_launch.py:_interpreter:OSError": "an unreadable #! line names no interpreter: the launch is judged by the "
+    "command itself",
+    "mcp_launch.py:_venv_home:OSError": "no readable pyvenv.cfg: not a virtualenv, nothing more to bind",
+    "mcp_stdio.py:Envelope.request_id:ValueError": _PARSE,
+    "mcp_stdio.py:_stop:suppress(OSError, anyio.ClosedResourceError, anyio.BrokenResourceError)": "closing the "
+    "stdin of a server that has already gone: stopping it goes on",
+    "mcp_stdio.py:_stop:suppress(ProcessLookupError, PermissionError)": "the server's process group is already gone",
+    "mcp_stdio.py:_stop:suppress(OSError)": "closing the pipes of a server that has exited (a server that will not "
+    "exit is logged, mcp.server_unkillable)",
+    "mcp_stdio.py:bounded_stdio_client.read_stdout:anyio.EndOfStream": "the server closed its stdout: the session "
+    "sees the stream end",
+    "mcp_stdio.py:bounded_stdio_client.read_stdout:suppress(anyio.ClosedResourceError, anyio.BrokenResourceError, "
+    "OSError)": "the pipe or the session's stream closed: the session sees the stream end and the connection's own "
+    "checks report the server",
+    "mcp_stdio.py:bounded_stdio_client.read_stderr:suppress(anyio.EndOfStream, anyio.ClosedResourceError, "
+    "anyio.BrokenResourceError, OSError)": "stderr is only kept as a bounded tail for error messages: its end is "
+    "the server's end",
+    "mcp_stdio.py:bounded_stdio_client.write_stdin:(anyio.ClosedResourceError, anyio.BrokenResourceError, OSError)": (
+        "the server stopped reading: the session's stream is closed so a waiting call ends instead of hanging"
+    ),
     "plan_store.py:PlanStore.replace_pending:_StartedMeanwhile": "rolls the replacement back and answers False: "
     "the lead is told a step started meanwhile",
     "plan_tools.py:lead_plan_tools.write_plan:ValidationError": _ANSWERED,

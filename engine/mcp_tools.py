@@ -23,21 +23,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hashlib
 import json
 import os
 import re
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import structlog
 from pydantic import ConfigDict
 
 from kazma.approvals.hashing import args_hash, canonical_json
+from kazma.approvals.honesty import reveal_line
+from kazma.approvals.tool_names import MCP_TOOL_RULE, mcp_tool_name_problem
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
 from kazma.config.models import DangerLevel, MCPServerConfig
+from kazma.engine.mcp_launch import ServerPlaces, plan_launch, server_sandbox, unsandboxed_note
+from kazma.engine.mcp_stdio import CUT_CODE, StderrTail, bounded_stdio_client
 from kazma.engine.tools import Tool, ToolArgs, ToolContext, ToolRegistry, ToolResult
 from kazma.engine.types import ToolSpec
 
@@ -49,12 +57,33 @@ __all__ = ["MCPArgs", "MCPConnection", "MCPSources", "MCPTool", "list_server_too
 log = structlog.get_logger("kazma.engine.mcp")
 
 MAX_DESCRIPTION = 1000
+MAX_MODEL_NAME = 64  # what OpenAI-style function names allow, from [A-Za-z0-9_-]
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_AS_IS = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def model_name(server: str, tool: str) -> str:
-    """``server__tool`` with every other character made ``_``: OpenAI-style function names allow no ``/``."""
-    return (_UNSAFE.sub("_", server) + "__" + _UNSAFE.sub("_", tool))[:64]
+    """The name a model calls ``server/tool`` by: ``server__tool``, and never the same for two tools.
+
+    The server part never contains ``__`` nor ends with ``_``, so the first
+    ``__`` of a model name is where the server's name ends: tools of two
+    servers cannot meet (``a`` + ``x__y`` is ``a__x__y``; ``a__x`` + ``y`` is
+    ``a_x-<hash>__y``). A tool name that would be changed to fit (a character
+    outside ``[A-Za-z0-9_-]``, or too long) gets a hash of the whole name, so
+    ``x.y`` and ``x_y`` of one server stay apart too.
+    """
+    head = server
+    if "__" in server or server.endswith("_") or _UNSAFE.search(server) or not server:
+        head = (re.sub("_+", "_", _UNSAFE.sub("_", server)).strip("_") or "mcp") + "-" + _digest(server, 6)
+    name = f"{head}__{tool}"
+    if _AS_IS.fullmatch(tool) and len(name) <= MAX_MODEL_NAME:
+        return name
+    room = MAX_MODEL_NAME - len(head) - len("__") - len("_") - 8
+    return f"{head}__{_UNSAFE.sub('_', tool)[:room]}_{_digest(tool, 8)}"
+
+
+def _digest(text: str, size: int) -> str:
+    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:size]
 
 
 class MCPArgs(ToolArgs):
@@ -87,9 +116,11 @@ class MCPConnection:
         on_tools: Callable[[MCPConnection, list[ListedTool]], None] | None = None,
         backoff: Backoff | None = None,
         ping_interval: float = 5.0,
+        places: ServerPlaces | None = None,
     ) -> None:
         self.name = name
         self.config = config
+        self.places = places or scratch_places()
         self.on_tools = on_tools
         self.backoff = backoff or Backoff(base=0.5, cap=30.0)
         self.ping_interval = ping_interval
@@ -124,8 +155,11 @@ class MCPConnection:
         failures = 0
         while True:
             self._broken.clear()
+            stderr = StderrTail()
             try:
-                async with connect(self.name, self.config, on_list_changed=self._relist.set) as session:
+                async with connect(
+                    self.name, self.config, on_list_changed=self._relist.set, places=self.places, stderr=stderr
+                ) as session:
                     await self._list(session)
                     self.session, self.problem = session, None
                     self.starts += 1
@@ -136,9 +170,10 @@ class MCPConnection:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the server's fault, whatever it is: say so and start again
+                # Its stderr goes to the log only: the problem reaches models, and the server's words are not ours.
                 self.problem = f"MCP server {self.name!r} failed: {_describe(exc)}"
                 count_failure("mcp_server", self.name)
-                log.warning("mcp.server_failed", server=self.name, error=_describe(exc))
+                log.warning("mcp.server_failed", server=self.name, error=_describe(exc), stderr=stderr.last_line())
             finally:
                 self.session = None
                 self._ready.clear()
@@ -171,7 +206,7 @@ class MCPConnection:
 
     async def _list(self, session: ClientSession) -> None:
         async with asyncio.timeout(self.config.start_timeout_seconds):
-            listed = await _list_tools(session)
+            listed = admitted(self.name, await _list_tools(session))
         self.tools = {tool.name: tool for tool in listed}
         if self.on_tools is not None:
             self.on_tools(self, listed)
@@ -197,6 +232,14 @@ class MCPConnection:
         except Exception as exc:
             from mcp import MCPError
 
+            if isinstance(exc, MCPError) and exc.code == CUT_CODE:
+                return ToolResult(
+                    ok=False,
+                    output="",
+                    error=f"{self.name}/{tool}: {exc.message}. The tool may have acted.",
+                    changed_state=True,
+                    truncated=True,
+                )
             if isinstance(exc, MCPError) and "closed" not in str(exc).lower():
                 # the server answered with a protocol error: it is alive, the call failed
                 return ToolResult(ok=False, output="", error=f"{self.name}/{tool} failed: {exc}", changed_state=True)
@@ -224,12 +267,23 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
+@functools.cache
+def scratch_places() -> ServerPlaces:
+    """Working directories for servers started without places of their own: private to this process."""
+    return ServerPlaces(root=Path(tempfile.mkdtemp(prefix="kazma-mcp-")))
+
+
 @asynccontextmanager
 async def connect(
-    name: str, config: MCPServerConfig, *, on_list_changed: Callable[[], None] | None = None
+    name: str,
+    config: MCPServerConfig,
+    *,
+    on_list_changed: Callable[[], None] | None = None,
+    places: ServerPlaces | None = None,
+    stderr: StderrTail | None = None,
 ) -> AsyncIterator[ClientSession]:
-    """A started, initialised session with ``config``'s server; secrets come from the named variables only."""
-    from mcp import ClientSession, StdioServerParameters, stdio_client
+    """A started, initialised session with ``config``'s server; a stdio one runs as :mod:`.mcp_launch` says."""
+    from mcp import ClientSession
     from mcp.types import ToolListChangedNotification
 
     async def on_message(message: Any) -> None:
@@ -238,19 +292,30 @@ async def connect(
 
     async with contextlib.AsyncExitStack() as stack:
         if config.command:
-            env = {var: os.environ[var] for var in config.env if var in os.environ}
-            params = StdioServerParameters(command=config.command, args=list(config.args), env=env)
-            devnull = stack.enter_context(open(os.devnull, "w"))  # noqa: SIM115, ASYNC230 - closed by the stack
-            read, write = await stack.enter_async_context(stdio_client(params, errlog=devnull))
+            sandbox = await asyncio.to_thread(server_sandbox, config)  # the first probe runs bwrap once
+            launch = await asyncio.to_thread(plan_launch, name, config, places or scratch_places(), sandbox)
+            log.info("mcp.starting", server=name, sandboxed=launch.sandboxed, network=config.network)
+            read, write = await stack.enter_async_context(
+                bounded_stdio_client(launch, server=name, max_message_bytes=config.max_message_bytes, stderr=stderr)
+            )
         else:
             import httpx2
             from mcp.client.streamable_http import streamable_http_client
 
+            from kazma.engine.mcp_http import bounded_http_transport
+
             headers = {header: os.environ.get(var, "") for header, var in config.headers.items()}
             http = await stack.enter_async_context(
-                httpx2.AsyncClient(headers=headers, timeout=config.call_timeout_seconds + 5, trust_env=False)
+                httpx2.AsyncClient(
+                    headers=headers,
+                    timeout=config.call_timeout_seconds + 5,
+                    trust_env=False,
+                    transport=bounded_http_transport(config.max_message_bytes),
+                )
             )
-            streams = await stack.enter_async_context(streamable_http_client(config.url, http_client=http))
+            streams = await stack.enter_async_context(
+                streamable_http_client(config.url, http_client=http, max_sse_event_size=config.max_message_bytes)
+            )
             read, write = streams[0], streams[1]
         session = await stack.enter_async_context(ClientSession(read, write, message_handler=on_message))
         async with asyncio.timeout(config.start_timeout_seconds):
@@ -281,6 +346,25 @@ async def _list_tools(session: ClientSession) -> list[ListedTool]:
         if not cursor:
             break
     return listed
+
+
+def admitted(server: str, listed: list[ListedTool]) -> list[ListedTool]:
+    """The tools whose names follow the tool-name grammar; the rest are left out, logged and counted.
+
+    A tool's name is shown on every card after ``Tool:``: a name with a line break or a space could lay out card
+    lines of its own (``Tool: github/list_issues`` above the real call), so it never becomes a tool.
+    """
+    kept: list[ListedTool] = []
+    for tool in listed:
+        problem = mcp_tool_name_problem(tool.name)
+        if problem is None:
+            kept.append(tool)
+            continue
+        count_failure("mcp_tool_refused", server)
+        log.warning(
+            "mcp.tool_refused", server=server, tool=reveal_line(tool.name)[:300], reason=problem, rule=MCP_TOOL_RULE
+        )
+    return kept
 
 
 def _result(server: str, tool: str, result: Any, limit: int) -> ToolResult:
@@ -325,14 +409,17 @@ class MCPTool(Tool[MCPArgs]):
         )
 
     def notes(self) -> tuple[str, ...]:
+        config = self.connection.config
+        unsandboxed = (unsandboxed_note(),) if config.command and config.sandbox == "none" else ()
         said = []
         if self.listed.read_only:
             said.append("read-only")
         if self.listed.destructive:
             said.append("destructive")
         if not said:
-            return (f"MCP tool from server {self.connection.name!r}.",)
+            return (*unsandboxed, f"MCP tool from server {self.connection.name!r}.")
         return (
+            *unsandboxed,
             f"MCP tool from server {self.connection.name!r}, which calls it {' and '.join(said)} "
             "(the server's own words; Kazma does not rely on them).",
         )
@@ -372,11 +459,14 @@ class MCPSources:
         *,
         backoff: Backoff | None = None,
         ping_interval: float = 5.0,
+        places: ServerPlaces | None = None,
     ) -> None:
         self.registry = registry
         self.level_of = level_of
         self.connections = {
-            name: MCPConnection(name, config, on_tools=self._tools_listed, backoff=backoff, ping_interval=ping_interval)
+            name: MCPConnection(
+                name, config, on_tools=self._tools_listed, backoff=backoff, ping_interval=ping_interval, places=places
+            )
             for name, config in servers.items()
         }
 
@@ -386,7 +476,11 @@ class MCPSources:
         for stale in [n for n in self.registry.names() if n.startswith(prefix) and n not in names]:
             self.registry.remove(stale)
         for tool in listed:
-            self.registry.put(MCPTool(connection, tool, self.level_of))
+            try:
+                self.registry.put(MCPTool(connection, tool, self.level_of))
+            except ValueError as exc:  # its model-facing name belongs to another tool: that one keeps it
+                count_failure("mcp_tool_name_taken", connection.name)
+                log.error("mcp.tool_name_taken", server=connection.name, tool=tool.name, problem=str(exc))
 
     async def start(self, *, wait: float = 0.0) -> None:
         """Start every server; wait up to ``wait`` seconds for them to list their tools (the rest come later)."""
@@ -399,8 +493,12 @@ class MCPSources:
         await asyncio.gather(*(c.stop() for c in self.connections.values()))
 
 
-async def list_server_tools(name: str, config: MCPServerConfig) -> list[str]:
-    """Start ``name``, list its tools, stop it: for ``kazma doctor``. Raises what went wrong."""
+async def list_server_tools(
+    name: str, config: MCPServerConfig, *, places: ServerPlaces | None = None, stderr: StderrTail | None = None
+) -> list[str]:
+    """Start ``name`` as ``kazma run`` would, list its tools, stop it: for ``kazma doctor``, every name as listed
+    (refused ones too, so the doctor can say why, :func:`~kazma.approvals.tool_names.mcp_tool_name_problem`).
+    Raises what went wrong."""
     async with asyncio.timeout(config.start_timeout_seconds + 5):
-        async with connect(name, config) as session:
+        async with connect(name, config, places=places, stderr=stderr) as session:
             return [tool.name for tool in await _list_tools(session)]

@@ -13,16 +13,26 @@ internal services). Two rules make that hold:
   server answer a public address to the check and 127.0.0.1 to the connect
   (DNS rebinding).
 
+A public address can still be this very machine's (a server's address on its
+own interface): a connection to it reaches every service listening on all
+interfaces, the console included. :func:`host_networks` reads the addresses
+the kernel holds as local (``/proc/net/fib_trie`` for IPv4 — assigned
+addresses and local routes, secondary ones included — and
+``/proc/net/if_inet6`` for IPv6), and the policy refuses them whatever else
+would let them through.
+
 This module holds no HTTP code: it decides about addresses only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 import structlog
@@ -34,6 +44,7 @@ __all__ = [
     "IPNetwork",
     "Resolver",
     "embedded_ipv4",
+    "host_networks",
     "is_ip_literal",
     "is_public_address",
     "resolve_checked",
@@ -139,23 +150,96 @@ def is_public_address(address: IPAddress) -> bool:
     )
 
 
+# --------------------------------------------------------------------------- this host's own addresses
+
+_HOST_TTL_S = 5.0  # addresses change rarely; a routing table can be large (a router's), so it is not read per call
+_host_cache: tuple[float, tuple[IPNetwork, ...]] | None = None
+
+
+def _fib_local(text: str) -> list[IPNetwork]:
+    """The LOCAL entries of ``/proc/net/fib_trie``: a ``|-- <address>`` line, then ``/<len> <scope> LOCAL``."""
+    found: list[IPNetwork] = []
+    last: str | None = None
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] == "|--":
+            last = words[1]
+        elif last is not None and len(words) >= 3 and words[0].startswith("/") and words[2] == "LOCAL":
+            with contextlib.suppress(ValueError):
+                found.append(ipaddress.ip_network(f"{last}{words[0]}", strict=False))
+    return found
+
+
+def _if_inet6(text: str) -> list[IPNetwork]:
+    """Every IPv6 address of ``/proc/net/if_inet6`` (32 hex digits first on each line)."""
+    found: list[IPNetwork] = []
+    for line in text.splitlines():
+        words = line.split()
+        if words and len(words[0]) == 32:
+            with contextlib.suppress(ValueError):
+                found.append(ipaddress.IPv6Network((int(words[0], 16), 128)))
+    return found
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
+def _read_host_networks() -> tuple[IPNetwork, ...]:
+    v4, v6 = _read("/proc/net/fib_trie"), _read("/proc/net/if_inet6")
+    found = (_fib_local(v4) if v4 else []) + (_if_inet6(v6) if v6 else [])
+    if v4 is None and v6 is None:  # not Linux: what the host's own name resolves to is the best there is
+        with contextlib.suppress(OSError):
+            for info in socket.getaddrinfo(socket.gethostname(), None):
+                with contextlib.suppress(ValueError):
+                    found.append(ipaddress.ip_network(str(info[4][0]).split("%", 1)[0]))
+    # Loopback is never public and only a deliberate widening (a test's) reaches it: left to the policy.
+    return tuple(dict.fromkeys(network for network in found if not network.is_loopback))
+
+
+def host_networks() -> tuple[IPNetwork, ...]:
+    """The addresses (and local routes) this host answers for on its own, loopback left out; read at most every
+    few seconds."""
+    global _host_cache
+    now = time.monotonic()
+    if _host_cache is None or now - _host_cache[0] > _HOST_TTL_S:
+        _host_cache = (now, _read_host_networks())
+    return _host_cache[1]
+
+
 @dataclass(frozen=True)
 class AddressPolicy:
-    """Public addresses, plus what an operator (or a test) lets through on purpose.
+    """Public addresses that are not this host's own, plus what an operator (or a test) lets through on purpose.
 
     ``allow_private`` lets everything through; ``also_allow`` lets through only
-    the listed networks.
+    the listed networks, never this host's own addresses (``host``: where they
+    are read from).
     """
 
     allow_private: bool = False
     also_allow: tuple[IPNetwork, ...] = ()
+    host: Callable[[], Sequence[IPNetwork]] = field(default=host_networks, compare=False)
 
     @classmethod
     def of(cls, *, allow_private: bool = False, also_allow: Iterable[IPNetwork | str] = ()) -> AddressPolicy:
         return cls(allow_private, tuple(ipaddress.ip_network(network) for network in also_allow))
 
+    def is_own(self, address: IPAddress) -> bool:
+        """Whether ``address``, or an IPv4 address it carries, is one this host answers for itself."""
+        inner: tuple[IPAddress, ...] = embedded_ipv4(address) if isinstance(address, ipaddress.IPv6Address) else ()
+        own = self.host()
+        return any(candidate in network for candidate in (address, *inner) for network in own)
+
     def allows(self, address: IPAddress) -> bool:
-        if self.allow_private or is_public_address(address):
+        if self.allow_private:
+            return True
+        if self.is_own(address):
+            return False
+        if is_public_address(address):
             return True
         # ip_network membership is False (not an error) across IP versions.
         return any(address in network for network in self.also_allow)
@@ -219,10 +303,9 @@ async def resolve_checked(host: str, *, resolver: Resolver, policy: AddressPolic
             raise AddressRefused(f"could not resolve {host}: the resolver returned no addresses")
     for address in addresses:
         if not policy.allows(address):
-            log.info("netguard.refused", host=host, address=str(address))
+            own = policy.is_own(address)
+            log.info("netguard.refused", host=host, address=str(address), own=own)
             what = f"{host} is {address}, an address" if literal is None else f"{address} is an address"
-            raise AddressRefused(
-                f"refused to contact {host}: {what} inside this machine or its network "
-                "(http_get reaches public addresses only)"
-            )
+            where = "of this machine itself" if own else "inside this machine or its network"
+            raise AddressRefused(f"refused to contact {host}: {what} {where} (http_get reaches public addresses only)")
     return addresses

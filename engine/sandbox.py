@@ -168,6 +168,8 @@ def bwrap_argv(
     network: bool,
     env: Mapping[str, str],
     hidden: Iterable[Path | str] = (),
+    read_only: Iterable[Path | str] = (),
+    writable: Iterable[Path | str] = (),
 ) -> list[str]:
     """The bwrap command line that runs ``command`` with ``workspace`` as its read-write cwd and HOME.
 
@@ -187,6 +189,11 @@ def bwrap_argv(
       layout) is allowed: only the workspace itself is bound, its parents
       inside the sandbox are empty directories.
 
+    ``read_only`` and ``writable`` are further existing paths bound at their
+    own place (a tool's interpreter and packages, folders a server was given).
+    Neither may lie inside a hidden path; a hidden path inside a read-only one
+    is covered as above, inside a writable one it is :class:`SandboxRefused`.
+
     ``env`` becomes the command's whole environment (after ``--clearenv``);
     start bwrap itself with the same ``env`` (see the module's note on /proc/1).
     """
@@ -198,6 +205,8 @@ def bwrap_argv(
                 f"the workspace {workspace} contains {h}, which must stay hidden from tools; "
                 "keep workspaces outside Kazma's state directory"
             )
+    extra_ro = _extra_binds(read_only, hidden_real, writable=False)
+    extra_rw = _extra_binds(writable, hidden_real, writable=True)
     argv = [binary, "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
     if not network:
         argv.append("--unshare-net")
@@ -214,6 +223,22 @@ def bwrap_argv(
         if os.path.exists(entry) and not _hidden_by(_real(entry), hidden_real):
             argv += ["--ro-bind-try", entry, entry]
             binds.append((_real(entry), entry))
+    argv += ["--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev"]
+    argv += ["--tmpfs", "/tmp"]  # noqa: S108 - a fresh, private tmpfs inside the sandbox
+    # Writable before read-only: a later mount hides what was mounted below it, so a
+    # read-only path inside a writable one stays read-only only when it comes after.
+    for path, _given in extra_rw:
+        argv += ["--bind", str(path), str(path)]
+    for path, _given in extra_ro:
+        if not any(path.is_relative_to(source) for source, _inside in binds):
+            argv += ["--ro-bind", str(path), str(path)]
+            binds.append((path, str(path)))
+    # Bound at their real place; a path given through a symbolic link gets the same link inside.
+    visible = [Path(inside) for _source, inside in binds] + [path for path, _given in extra_rw]
+    for path, given in dict.fromkeys([*extra_rw, *extra_ro]):
+        if given != path and not any(given.is_relative_to(place) for place in visible):
+            argv += ["--symlink", str(path), str(given)]
+            visible.append(given)
     for h in hidden_real:
         for source, inside in binds:
             if h != source and h.is_relative_to(source) and os.path.lexists(h):
@@ -222,13 +247,31 @@ def bwrap_argv(
                     argv += ["--tmpfs", cover]
                 else:
                     argv += ["--ro-bind", "/dev/null", cover]
-    argv += ["--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev"]
-    argv += ["--tmpfs", "/tmp"]  # noqa: S108 - a fresh, private tmpfs inside the sandbox
     # Last, so that a workspace under /tmp (or a covered directory) is mounted on top.
     argv += ["--bind", str(workspace), str(workspace), "--chdir", str(workspace), "--clearenv"]
     for key, value in sorted(env.items()):
         argv += ["--setenv", key, value]
     return [*argv, "--", *command]
+
+
+def _extra_binds(paths: Iterable[Path | str], hidden: Sequence[Path], *, writable: bool) -> list[tuple[Path, Path]]:
+    """``paths`` as (real path, path as given), each checked against ``hidden``: none may lie inside a hidden path."""
+    kind = "writable" if writable else "read-only"
+    found: list[tuple[Path, Path]] = []
+    for raw in paths:
+        path = _real(raw)
+        if not path.exists():
+            raise SandboxRefused(f"the {kind} path {raw} does not exist")
+        for h in hidden:
+            if path == h or path.is_relative_to(h) or (writable and h.is_relative_to(path)):
+                raise SandboxRefused(
+                    f"the {kind} path {raw} would show {h}, which must stay hidden from tools "
+                    "(Kazma's state directory or configuration)"
+                )
+        given = Path(os.path.abspath(raw))
+        if (path, given) not in found:
+            found.append((path, given))
+    return found
 
 
 # --------------------------------------------------------------------------- detection
@@ -348,11 +391,22 @@ class Sandbox:
         network: bool,
         env: Mapping[str, str],
         hidden: Iterable[Path | str] = (),
+        read_only: Iterable[Path | str] = (),
+        writable: Iterable[Path | str] = (),
     ) -> list[str]:
         """The argv that runs ``command`` in this sandbox (see :func:`bwrap_argv`)."""
         if self.binary is None:
             raise RuntimeError(f"the sandbox is not active ({self.describe()})")
-        return bwrap_argv(self.binary, command, workspace=workspace, network=network, env=env, hidden=hidden)
+        return bwrap_argv(
+            self.binary,
+            command,
+            workspace=workspace,
+            network=network,
+            env=env,
+            hidden=hidden,
+            read_only=read_only,
+            writable=writable,
+        )
 
 
 @functools.cache

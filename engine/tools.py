@@ -157,9 +157,16 @@ class ToolRegistry:
         self.put(tool)
 
     def put(self, tool: Tool[Any]) -> None:
-        """Add or replace ``tool`` (tools of an MCP server change when it says its list changed)."""
-        self._tools[tool.name] = tool
+        """Add or replace ``tool`` (tools of an MCP server change when it says its list changed).
+
+        A model calls a tool by its spec name: one already answering for another tool is never taken
+        over (:class:`ValueError`), or a model's call would reach a different tool than before.
+        """
         spec_name = tool.spec().name
+        holder = self._aliases.get(spec_name, spec_name)
+        if holder != tool.name and holder in self._tools:
+            raise ValueError(f"{tool.name!r} would be offered to models as {spec_name!r}, which is {holder!r}")
+        self._tools[tool.name] = tool
         if spec_name != tool.name:
             self._aliases[spec_name] = tool.name
 

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.web import WebAdapter
 from kazma.bot.app import App, build_app
@@ -51,16 +52,21 @@ class Door:
 
 
 @asynccontextmanager
-async def kazma_door(tmp: Path, *, extra: str = "") -> AsyncIterator[Door]:
+async def kazma_door(
+    tmp: Path, *, extra: str = "", approvals: str = "", ci: str = "", limiter: ChatRateLimiter | None = None
+) -> AsyncIterator[Door]:
+    """Kazma with its web server and the Telegram fake. ``extra``: more top-level YAML; ``approvals``: more
+    ``approvals:`` keys (``", remember: {…}"``); ``ci``: more keys of the ``ci`` token (``", max_pending: 3"``);
+    ``limiter``: Telegram's pacing (default: the adapter's own)."""
     telegram = FakeTelegram()
     await telegram.start()
     text = f"""
 store: {{path: '{tmp / "state" / "kazma.db"}'}}
 web: {{port: 0}}
-approvals: {{deadline_seconds: 60, approvers: ["telegram:{TG_ADMIN}"]}}
+approvals: {{deadline_seconds: 60, approvers: ["telegram:{TG_ADMIN}"]{approvals}}}
 api:
   tokens:
-    ci: {{token: '{REQUESTER_TOKEN}', roles: [approval_requester]}}
+    ci: {{token: '{REQUESTER_TOKEN}', roles: [approval_requester]{ci}}}
     dashboard: {{token: '{VIEWER_TOKEN}', roles: [approval_viewer]}}
     other: {{token: '{OTHER_TOKEN}'}}
 {extra}
@@ -74,7 +80,7 @@ platforms:
 """
     loaded = load_config_text(text, environ={})
     web = WebAdapter()
-    adapter = TelegramAdapter(loaded.config.platforms.telegram, poll_timeout=1, request_timeout=2)
+    adapter = TelegramAdapter(loaded.config.platforms.telegram, poll_timeout=1, request_timeout=2, limiter=limiter)
     app = await build_app(
         loaded,
         adapters=[adapter],

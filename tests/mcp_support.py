@@ -15,6 +15,7 @@ from typing import Any
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.bot.app import App, build_app
 from kazma.config import load_config_text
+from kazma.config.models import MCPServerConfig
 from kazma.engine.model import ScriptStep
 from kazma.engine.scenario import PerAgentScript, agent_prompts
 from kazma.engine.types import Message, ModelReply, ToolCall
@@ -78,11 +79,25 @@ async def tracker_http(log: Path) -> AsyncIterator[str]:
         await proc.wait()
 
 
+def tracker_log(tmp: Path) -> Path:
+    """Where the tracker records its calls: a folder of its own, which a sandboxed tracker is given writable."""
+    folder = tmp / "tracker"
+    folder.mkdir(exist_ok=True)
+    return folder / "calls.log"
+
+
+def tracker_config(tmp: Path, **settings: Any) -> tuple[MCPServerConfig, Path]:
+    """The tracker over stdio as a server config (sandboxed unless ``sandbox="none"``), and its log."""
+    log = tracker_log(tmp)
+    config = MCPServerConfig(command=sys.executable, args=[str(TRACKER), str(log)], writable=[log.parent], **settings)
+    return config, log
+
+
 def server_yaml(log: Path, *, url: str | None = None, call_timeout: float = 30) -> str:
     if url:
         return f"  tracker: {{url: '{url}', call_timeout_seconds: {call_timeout}}}\n"
     return (
-        f"  tracker: {{command: '{sys.executable}', args: ['{TRACKER}', '{log}'], "
+        f"  tracker: {{command: '{sys.executable}', args: ['{TRACKER}', '{log}'], writable: ['{log.parent}'], "
         f"call_timeout_seconds: {call_timeout}}}\n"
     )
 
@@ -97,7 +112,7 @@ async def kazma_with_tracker(
     call_timeout: float = 30,
     remember: bool = False,
 ) -> AsyncIterator[tuple[App, FakeTelegram, Path]]:
-    log = tmp / "tracker.log"
+    log = tracker_log(tmp)
     telegram = FakeTelegram()
     await telegram.start()
     text = f"""

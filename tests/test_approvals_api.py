@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from kazma.adapters.pacing import ChatRateLimiter
 from kazma.approvals.hashing import args_hash
+from kazma.bot.api_store import IdempotencyKeys
 from tests.api_support import (
     OPERATOR_TOKEN,
     OTHER_TOKEN,
     REQUESTER_TOKEN,
+    TG_CHAT,
     VIEWER_TOKEN,
     Door,
     cards,
     kazma_door,
 )
+from tests.mcp_support import TG_ADMIN
 
 DEPLOY: dict[str, Any] = {"tool": "deploy", "arguments": {"env": "prod", "version": 42}, "reason": "release 42"}
 
@@ -144,3 +150,208 @@ async def test_cli_wait_exits_3_when_cancelled(tmp_path: Path) -> None:
         returncode, out = await _cli(door, then=withdraw)
         assert returncode == 3
         assert "cancelled" in out
+
+
+# --------------------------------------------------------------------------- what the door refuses, and how
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    """``{"a": {"a": … 1}}``: ``depth`` levels of objects, as agents' arguments are counted."""
+    value: Any = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value  # type: ignore[no-any-return]
+
+
+BAD_BODIES = [
+    ("NaN", '{"tool": "deploy", "arguments": {"n": NaN}}', "NaN is not a JSON number"),
+    ("Infinity", '{"tool": "deploy", "arguments": {"n": Infinity}}', "Infinity is not a JSON number"),
+    ("-Infinity", '{"tool": "deploy", "arguments": {"n": -Infinity}}', "-Infinity is not a JSON number"),
+    ("1e400", '{"tool": "deploy", "arguments": {"n": 1e400}}', "too large to be a finite number"),
+    ("surrogate value", '{"tool": "deploy", "arguments": {"env": "pro\\ud800d"}}', "lone surrogate (\\ud800)"),
+    ("surrogate name", '{"tool": "deploy", "arguments": {"e\\udfffnv": "prod"}}', "lone surrogate"),
+    ("surrogate reason", '{"tool": "deploy", "reason": "\\udc00"}', "body.reason holds a lone surrogate"),
+    ("surrogate tool", '{"tool": "dep\\ud83doy"}', "body.tool holds a lone surrogate"),
+    ("5000 deep", '{"tool": "deploy", "arguments": ' + '{"a": ' * 5000 + "1" + "}" * 5001, "at most 32 levels"),
+    ("5000 deep list", '{"tool": "deploy", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}", "at most 32"),
+    ("33 deep", json.dumps({"tool": "deploy", "arguments": _nested(33)}), "at most 32 levels deep"),
+    ("900 deep", json.dumps({"tool": "deploy", "arguments": _nested(900)}), "at most 32 levels deep"),
+    ("not JSON", '{"tool": "deploy", ', "the body must be a JSON object"),
+    ("not UTF-8", b'{"tool": "d\xffeploy"}', "UTF-8"),
+]
+
+
+@pytest.mark.parametrize(("body", "says"), [(b, s) for _, b, s in BAD_BODIES], ids=[n for n, _, _ in BAD_BODIES])
+async def test_attack_input_json_cannot_carry_is_a_400_with_its_reason_never_a_500(
+    tmp_path: Path, body: str | bytes, says: str
+) -> None:
+    async with kazma_door(tmp_path) as door, client(door) as http:
+        headers = {"Content-Type": "application/json", "Idempotency-Key": "k-1"}
+        answer = await http.post("/api/v1/approvals", content=body, headers=headers)
+        assert answer.status_code == 400, answer.text
+        assert says in answer.json()["error"]
+        assert await door.app.service.store.requests(limit=10) == []
+        # the door still works, and the key was not taken by the refused body
+        fine = await http.post("/api/v1/approvals", json=DEPLOY, headers={"Idempotency-Key": "k-1"})
+        assert fine.status_code == 201
+
+
+async def test_arguments_as_deep_as_agents_may_nest_are_accepted(tmp_path: Path) -> None:
+    async with kazma_door(tmp_path) as door, client(door) as http:
+        answer = await http.post("/api/v1/approvals", json={"tool": "deploy", "arguments": _nested(32)})
+        assert answer.status_code == 201, answer.text
+        assert answer.json()["hash"] == args_hash(_nested(32))
+
+
+# --------------------------------------------------------------------------- idempotency in the store
+
+
+async def test_replays_are_counted_on_the_key_not_audited(tmp_path: Path) -> None:
+    async with kazma_door(tmp_path) as door, client(door) as http:
+        headers = {"Idempotency-Key": "deploy-42"}
+        first = await http.post("/api/v1/approvals", json=DEPLOY, headers=headers)
+        assert first.status_code == 201
+        store = door.app.service.store
+        audited = len(await store.events())
+        replays = [await http.post("/api/v1/approvals", json=DEPLOY, headers=headers) for _ in range(300)]
+        assert {r.status_code for r in replays} == {200}
+        assert {r.json()["id"] for r in replays} == {first.json()["id"]}
+        new_events = [e.event for e in (await store.events())[audited:]]
+        assert [e for e in new_events if e.startswith("api_")] == []  # no audit row per replay
+        assert await IdempotencyKeys(door.app.stores.primary).replays("ci", "deploy-42") == 300
+        assert [e.event for e in await store.events(first.json()["id"])].count("api_opened") == 1
+
+
+async def test_another_body_with_a_used_key_is_a_422_that_says_so(tmp_path: Path) -> None:
+    async with kazma_door(tmp_path) as door, client(door) as http:
+        headers = {"Idempotency-Key": "deploy-43"}
+        first = await http.post("/api/v1/approvals", json=DEPLOY, headers=headers)
+        other = {**DEPLOY, "reason": "release 43"}
+        reused = await http.post("/api/v1/approvals", json=other, headers=headers)
+        assert reused.status_code == 422
+        assert "already used with a different body" in reused.json()["error"]
+        refused = await door.app.service.store.events(first.json()["id"], event="api_refused")
+        assert [e.detail for e in refused] == ["idempotency key reused with another body"]
+        assert len(await door.app.service.store.requests(limit=10)) == 1
+
+
+async def test_a_request_is_never_pending_without_its_card_posts(tmp_path: Path) -> None:
+    """The request, its card posts, its key and its audit rows are one commit: when the posts cannot be
+    written, nothing is opened (before, the request stayed pending with no card anywhere)."""
+    async with kazma_door(tmp_path) as door, client(door) as http:
+        path = door.app.loaded.config.store.path
+        raw = sqlite3.connect(path)
+        raw.execute("CREATE TRIGGER no_posts BEFORE INSERT ON card_outbox BEGIN SELECT RAISE(ABORT, 'no room'); END")
+        raw.commit()
+        try:
+            refused = await http.post("/api/v1/approvals", json=DEPLOY, headers={"Idempotency-Key": "k-2"})
+            assert refused.status_code == 503, refused.text
+            assert "nothing was opened" in refused.json()["error"]
+            assert await door.app.service.store.requests(limit=10) == []
+            assert await IdempotencyKeys(door.app.stores.primary).find("ci", "k-2") is None
+        finally:
+            raw.execute("DROP TRIGGER no_posts")
+            raw.commit()
+            raw.close()
+        opened = await http.post("/api/v1/approvals", json=DEPLOY, headers={"Idempotency-Key": "k-2"})
+        assert opened.status_code == 201
+        await door.telegram.wait_until(lambda: bool(cards(door.telegram)), timeout=20)
+
+
+# --------------------------------------------------------------------------- quota, fairness, metrics
+
+
+async def test_a_token_over_its_pending_quota_gets_429_with_retry_after(tmp_path: Path) -> None:
+    async with kazma_door(tmp_path, ci=", max_pending: 3") as door, client(door) as http:
+        opened = []
+        for n in range(3):
+            answer = await http.post("/api/v1/approvals", json={"tool": "deploy", "arguments": {"n": n}},
+                                     headers={"Idempotency-Key": f"n-{n}"})  # fmt: skip
+            assert answer.status_code == 201
+            opened.append(answer.json()["id"])
+        full = await http.post("/api/v1/approvals", json={"tool": "deploy", "arguments": {"n": 3}})
+        assert full.status_code == 429
+        assert 1 <= int(full.headers["Retry-After"]) <= 60
+        assert "already has 3 approval requests pending" in full.json()["error"]
+        assert "api.tokens.ci.max_pending" in full.json()["error"]
+        # a replay is no new request: it still answers while the quota is full
+        again = await http.post("/api/v1/approvals", json={"tool": "deploy", "arguments": {"n": 0}},
+                                headers={"Idempotency-Key": "n-0"})  # fmt: skip
+        assert (again.status_code, again.json()["id"]) == (200, opened[0])
+        # another token has its own quota
+        async with client(door, OTHER_TOKEN) as other:
+            assert (await other.post("/api/v1/approvals", json=DEPLOY)).status_code == 201
+        # one withdrawn, one more fits
+        assert (await http.delete(f"/api/v1/approvals/{opened[1]}")).status_code == 200
+        assert (await http.post("/api/v1/approvals", json={"tool": "deploy", "arguments": {"n": 3}})).status_code == 201
+        pending = await door.app.service.store.requests(pending_only=True, limit=20)
+        assert sum(r.requested_by == "api:ci" for r in pending) == 3
+
+
+async def test_an_api_burst_does_not_hold_an_agents_card_behind_it(tmp_path: Path) -> None:
+    """Ten API cards are queued on a paced Telegram; an agent's card (and another token's) queued after the
+    first was posted goes next, not after the other nine (positions, not times, are checked)."""
+    async with (
+        kazma_door(tmp_path, limiter=ChatRateLimiter(min_interval=0.2)) as door,
+        client(door) as http,
+        client(door, OTHER_TOKEN) as other,
+    ):
+        for n in range(10):
+            answer = await http.post("/api/v1/approvals", json={"tool": "deploy", "arguments": {"n": n}})
+            assert answer.status_code == 201
+        await door.telegram.wait_until(lambda: bool(cards(door.telegram)), timeout=30)
+        agent = await door.app.service.open("shell", {"command": "make"}, "agent:builder", f"telegram:{TG_CHAT}")
+        second = (await other.post("/api/v1/approvals", json={"tool": "deploy", "arguments": {"n": 99}})).json()
+        posted_before = len(cards(door.telegram))
+
+        def position(request_id: str) -> int:
+            return next((i for i, text in enumerate(cards(door.telegram)) if request_id in text), -1)
+
+        await door.telegram.wait_until(lambda: len(cards(door.telegram)) == 12, timeout=60)
+        assert posted_before < 10  # the burst was still queued: otherwise this test proves nothing
+        # at most the post in flight goes before the agent's; the other token's waits for one turn of ci's
+        assert position(agent.id) <= posted_before + 1, cards(door.telegram)
+        assert position(second["id"]) <= posted_before + 3, cards(door.telegram)
+
+
+async def test_tool_names_made_up_by_api_callers_are_no_metrics_series(tmp_path: Path) -> None:
+    async with kazma_door(tmp_path, extra="tools: {deploy: dangerous}") as door, client(door) as http:
+        for n in range(5):
+            answer = await http.post("/api/v1/approvals", json={"tool": f"invented-{n}-x", "arguments": {}})
+            assert answer.status_code == 201
+        assert (await http.post("/api/v1/approvals", json=DEPLOY)).status_code == 201
+        metrics = (await http.get("/metrics")).text
+        assert "invented-" not in metrics
+        assert 'kazma_approvals_opened_total{tool="other"}' in metrics
+        assert 'kazma_approvals_opened_total{tool="deploy"}' in metrics  # configured in tools: named
+
+
+# --------------------------------------------------------------------------- remembered approvals
+
+
+async def test_api_cards_offer_no_remembered_approval_and_refuse_one(tmp_path: Path) -> None:
+    remember = ", remember: {enabled: true, max_seconds: 3600}"
+    async with kazma_door(tmp_path, approvals=remember) as door, client(door) as http:
+        agent = await door.app.service.open("shell", {"command": "make"}, "agent:builder", f"telegram:{TG_CHAT}")
+        opened = (await http.post("/api/v1/approvals", json=DEPLOY)).json()
+
+        def buttons_of(request_id: str) -> list[str]:
+            return [
+                str(b["callback_data"])
+                for m in door.telegram.bot_messages(TG_CHAT)
+                if request_id in m.text
+                for b in m.buttons
+            ]
+
+        await door.telegram.wait_until(lambda: bool(buttons_of(agent.id) and buttons_of(opened["id"])), timeout=30)
+        assert f"kz1:{agent.id}:r" in buttons_of(agent.id)  # an agent's call consults rules: offered
+        assert [b[-1] for b in buttons_of(opened["id"])] == ["a", "d"]  # the API's never does: not offered
+        # a forged "approve for 1 h" press on the API card is refused and decides nothing
+        card = next(m for m in door.telegram.bot_messages(TG_CHAT) if opened["id"] in m.text)
+        query = door.telegram.push_callback(TG_CHAT, card.message_id, TG_ADMIN, f"kz1:{opened['id']}:r")
+        await door.telegram.wait_for_answer(query, timeout=10)
+        still = await door.app.service.store.get(opened["id"])
+        assert still is not None
+        assert still.status.value == "pending"
+        assert door.app.service.rules is not None
+        assert await door.app.service.rules.list() == []

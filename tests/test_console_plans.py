@@ -1,6 +1,6 @@
 """Plans in the web console: ``/plan`` shows the console conversation's plan and who a question waits for,
-and a question is answered by replying to it — only by who may answer (the requester, or an operator as a
-platform admin would), never by a reader who happens to reply."""
+and a question is answered by replying to it or pressing a choice — by an operator (as a platform admin
+would), never by a reader, whatever name the reader logged in with (tests/test_console_security.py)."""
 
 from __future__ import annotations
 
@@ -42,10 +42,11 @@ async def test_plan_in_the_console_and_its_question_answered_by_a_choice_once(tm
         assert "[waiting_for_user] budget" in shown
         assert "Waiting for web:bob to answer: Which budget?" in shown
 
-        # a reader who is not the requester replies: refused, the step still waits
-        await reader.post(
+        # a reader replies: refused at the door, the step still waits
+        replied = await reader.post(
             f"{con.base}/console/send", data={"csrf": reader_csrf, "text": "10k", "reply_to": question.id}
         )
+        assert replied.status == 403
         await con.app.conversations.drain()  # the reply's turn has run
         loaded = await con.app.executor.store.load(plan.id)
         assert loaded is not None
@@ -93,7 +94,7 @@ async def test_a_questions_choices_are_pressed_in_the_console_once_and_only_by_w
             return flashes(await (await client.post(f"{con.base}/console/choose", data=data)).text())
 
         refused = await choose(reader, reader_csrf, 0)
-        assert "web:bob" in refused  # the reader is told who may answer; nothing resumed
+        assert "operators only: web:rita is a reader" in refused  # nothing resumed
         loaded = await con.app.executor.store.load(plan.id)
         assert loaded is not None
         assert loaded.steps[1].status is StepStatus.WAITING_FOR_USER

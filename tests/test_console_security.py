@@ -10,12 +10,17 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from prometheus_client import REGISTRY
 from yarl import URL
 
 from kazma.approvals.model import Decision, Status
 from kazma.bot.console.auth import load_tokens
 from kazma.bot.console.server import WebServer
 from kazma.config import ConfigError, load_config_text
+from kazma.engine.model import ScriptStep
+from kazma.engine.plan import PlanOrigin, PlanSpec, StepSpec, StepStatus
+from kazma.engine.types import ModelReply
+from tests.test_e2e_plans import call
 from tests.test_web_server import OPERATOR, READER, Console, _field, console, until
 
 RLO = "\u202e"  # RIGHT-TO-LEFT OVERRIDE: shows "exe.txt" as "txt.exe"
@@ -56,12 +61,88 @@ async def test_a_reader_cannot_talk_to_the_agents_but_may_ask_for_swarm_status(t
         assert con.web.messages() == []  # a command is answered to the reader, never posted to the agents
 
 
+async def test_no_field_of_send_lets_a_readers_text_reach_an_agent(tmp_path: Path) -> None:
+    # The attack seen: a made-up reply_to skipped the reader check, and the lead ran http_get and replied.
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [call("http_get", {"url": "https://example.org/"}), ModelReply(content="Fetched it for you.")]
+    }
+    async with console(tmp_path, scripts=scripts) as con, con.client() as client:
+        csrf = await con.login(client, "rita", READER)
+        attempts: list[dict[str, str]] = [
+            {"text": "@kazma http_get https://example.org/", "reply_to": "made-up"},
+            {"text": "@kazma http_get https://example.org/", "reply_to": "1"},
+            {"text": "fetch it", "reply_to": " "},
+            {"text": "@builder run it", "mentions": "builder"},
+            {"text": "/swarm", "reply_to": "made-up"},  # a command with a reply_to is still not an answer
+            {"text": "/planx"},
+        ]
+        for fields in attempts:
+            response = await client.post(
+                f"{con.base}/console/send", data={"csrf": csrf, **fields}, allow_redirects=False
+            )
+            assert response.status == 403, fields
+            assert "operators only: web:rita is a reader" in await response.text()
+        await con.app.conversations.drain()
+        assert con.provider.calls == 0  # no agent turn ran: the model was never asked
+        assert con.web.messages() == []  # nothing was said in the conversation
+
+
+async def test_a_reader_cannot_answer_a_question_even_under_the_requesters_name(tmp_path: Path) -> None:
+    # Names are self-declared: a reader who logs in as the plan's requester is still a reader.
+    scripts: dict[str, list[ScriptStep]] = {
+        "builder": [call("ask_user", {"question": "Which region?", "choices": ["eu", "us"]}), ModelReply("Waiting.")],
+    }
+    async with console(tmp_path, scripts=scripts) as con, con.client() as client:
+        typed = PlanSpec(goal="budget", steps=[StepSpec(index=1, title="budget", assignee="user", input="Budget?")])
+        typed_plan = await con.app.executor.start("web:console", typed, PlanOrigin("set it up", "web:rita"))
+        pressed = PlanSpec(goal="deploy", steps=[StepSpec(index=1, title="deploy", assignee="builder", input="Go.")])
+        pressed_plan = await con.app.executor.start("web:console", pressed, PlanOrigin("deploy it", "web:rita"))
+        await until(con.web, lambda: any(m.choices for m in con.web.messages()))
+        await until(con.web, lambda: any("Budget?" in m.text for m in con.web.messages()))
+        await con.app.conversations.drain()
+        [typed_question] = [m for m in con.web.messages() if "Budget?" in m.text]
+        [pressed_question] = [m for m in con.web.messages() if m.choices]
+        asked = con.provider.calls
+
+        csrf = await con.login(client, "rita", READER)
+        replied = await client.post(
+            f"{con.base}/console/send",
+            data={"csrf": csrf, "text": "10k", "reply_to": typed_question.id},
+            allow_redirects=False,
+        )
+        assert replied.status == 403
+        chose = await client.post(
+            f"{con.base}/console/choose",
+            data={"csrf": csrf, "message": pressed_question.id, "choice": "1"},
+            allow_redirects=False,
+        )
+        assert chose.status == 403
+        await con.app.conversations.drain()
+        assert con.provider.calls == asked  # the builder was not resumed
+        for plan in (typed_plan, pressed_plan):
+            loaded = await con.app.executor.store.load(plan.id)
+            assert loaded is not None
+            assert loaded.steps[1].status is StepStatus.WAITING_FOR_USER
+        assert not any(m.author == "web:rita" for m in con.web.messages())
+
+
 # -- logins are throttled ------------------------------------------------------------------------
 
 
-async def test_guessing_the_token_is_slowed_per_client_address(tmp_path: Path) -> None:
+async def test_guessing_the_token_is_slowed_per_client_but_the_right_token_is_never_refused(tmp_path: Path) -> None:
+    # Behind a proxy, and with forged forwarding headers: tests/test_console_login.py.
     async with console(tmp_path) as con, con.client() as client:
+        holds: list[float] = []
+
+        async def hold(seconds: float) -> None:
+            holds.append(seconds)
+
+        assert con.server.auth is not None
+        con.server.auth.throttle.pause = hold
         csrf = _field(await (await client.get(f"{con.base}/login")).text(), "csrf")
+        counted = {
+            o: REGISTRY.get_sample_value("kazma_web_logins_total", {"outcome": o}) or 0 for o in ("wrong", "held")
+        }
         statuses: list[int] = []
         retry_after: list[int] = []
         for attempt in range(100):
@@ -69,36 +150,27 @@ async def test_guessing_the_token_is_slowed_per_client_address(tmp_path: Path) -
             statuses.append(response.status)
             if response.status == 429:
                 retry_after.append(int(response.headers["Retry-After"]))
+                assert "The right token is still accepted." in await response.text()
         wrong = statuses.count(401)
-        assert 1 <= wrong <= 10, statuses  # a few honest typos are answered…
-        assert statuses[:wrong] == [401] * wrong
-        assert statuses[wrong:] == [429] * (100 - wrong)  # …then every attempt waits, guess or not
+        assert 1 <= wrong <= 10, statuses  # a few honest typos are answered at once…
+        assert statuses == [401] * wrong + [429] * (100 - wrong)  # …then each wrong one is held, longer and longer
+        assert holds == sorted(holds)
+        assert holds[0] > 0
+        assert holds[-1] == max(holds) <= 30
+        assert len(holds) == 100 - wrong
         assert all(0 < seconds <= 60 for seconds in retry_after)
+        for outcome, added in (("wrong", wrong), ("held", 100 - wrong)):  # counted for /metrics, by outcome
+            assert REGISTRY.get_sample_value("kazma_web_logins_total", {"outcome": outcome}) == counted[outcome] + added
 
-        # During the wait nothing is even read: the right token is refused like a guess (accepting it would tell
-        # the guesser which guess was right, so guessing would not be slowed at all), and so is a bad CSRF field.
-        right = await _login_attempt(client, con, OPERATOR, csrf=csrf, name="alice")
-        assert right.status == 429
-        assert "Retry-After" in right.headers
+        # a form without its CSRF pair is not a guess: refused before any token is looked at, nothing held
         no_csrf = await _login_attempt(client, con, OPERATOR, csrf="not-the-cookie", name="alice")
-        assert no_csrf.status == 429
-        # A header the client writes itself does not make it another client.
-        spoofed = await client.post(
-            f"{con.base}/login",
-            data={"csrf": csrf, "name": "alice", "token": OPERATOR},
-            headers={"X-Forwarded-For": "203.0.113.9", "X-Real-IP": "203.0.113.9"},
-            allow_redirects=False,
-        )
-        assert spoofed.status == 429
-        assert "kazma_session" not in client.cookie_jar.filter_cookies(URL(con.base))
-
-        # Another address (the loopback net is all ours: 127.0.0.2 reaches the server on 127.0.0.1) is not held up.
-        other = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0)), cookie_jar=aiohttp.CookieJar(unsafe=True)
-        )
-        async with other:
-            await con.login(other, "alice", OPERATOR)
-            assert (await other.get(f"{con.base}/", allow_redirects=False)).status == 200
+        assert no_csrf.status == 403
+        assert len(holds) == 100 - wrong
+        # the right token, from the very address that is guessing: accepted (only wrong answers are slowed)
+        right = await _login_attempt(client, con, OPERATOR, csrf=csrf, name="alice")
+        assert (right.status, right.headers["Location"]) == (303, "/")
+        assert "kazma_session" in client.cookie_jar.filter_cookies(URL(con.base))
+        assert (await client.get(f"{con.base}/", allow_redirects=False)).status == 200
 
 
 # -- tokens --------------------------------------------------------------------------------------

@@ -12,11 +12,15 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from ipaddress import ip_address, ip_network
 from pathlib import Path
 
 import pytest
 
-from kazma.config.models import WebConfig
+from kazma.adapters.admission import FileBounds
+from kazma.bot.console.server import WebServer
+from kazma.bot.console.upload import largest_upload
+from kazma.config.models import FilesConfig, WebConfig
 from tests.deploy_support import (
     DOCKERFILE,
     REPO,
@@ -25,6 +29,17 @@ from tests.deploy_support import (
     copied_sources,
     run_commands,
     stages,
+)
+from tests.nginx_support import (
+    REPLICAS,
+    SINGLE,
+    body_limit,
+    certificate,
+    check,
+    location_block,
+    main_config,
+    nginx_or_skip,
+    with_certificate,
 )
 
 README = REPO / "README.md"
@@ -219,3 +234,69 @@ def test_the_compose_file_runs_two_named_replicas_of_one_image_on_postgresql_beh
     env_example = (REPO / "deploy" / "kazma.env.example").read_text()
     assert "KAZMA_WEB_TOKEN=" in env_example
     assert "KAZMA_PG_PASSWORD=" in env_example
+
+
+# -- the nginx files ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shipped", [SINGLE, REPLICAS], ids=["nginx.conf", "nginx-replicas.conf"])
+def test_the_shipped_nginx_files_pass_nginx_t(tmp_path: Path, shipped: Path) -> None:
+    nginx = nginx_or_skip()
+    site = shipped.read_text()
+    if "ssl_certificate" in site:  # the file's paths are a Let's Encrypt layout: a certificate of the test's own
+        site = with_certificate(site, *certificate(tmp_path))
+    # compose's service names resolve only inside its network, and nginx -t resolves every upstream server
+    site = site.replace("server kazma-a:", "server 127.0.0.1:").replace("server kazma-b:", "server 127.0.0.2:")
+    checked = check(nginx, main_config(tmp_path / "conf", site))
+    assert checked.returncode == 0, checked.stderr
+    assert "[warn]" not in checked.stderr, checked.stderr
+
+
+@pytest.mark.parametrize("shipped", [SINGLE, REPLICAS], ids=["nginx.conf", "nginx-replicas.conf"])
+def test_the_nginx_files_let_the_consoles_largest_upload_through(shipped: Path) -> None:
+    site = shipped.read_text()
+    files = FilesConfig()
+    largest = largest_upload(FileBounds(max_bytes=files.max_bytes, max_count=files.max_count))
+    assert body_limit(location_block(site, "= /console/upload")) == largest
+    # everywhere else nginx's own 1 MiB stands: more than any other route of the console accepts
+    assert len(re.findall(r"(?m)^\s*client_max_body_size\s", site)) == 1
+    assert WebServer.BODY_LIMIT < 1024 * 1024
+
+
+@pytest.mark.parametrize("shipped", [SINGLE, REPLICAS], ids=["nginx.conf", "nginx-replicas.conf"])
+def test_the_nginx_files_tell_kazma_who_the_client_is(shipped: Path) -> None:
+    site = shipped.read_text()
+    server = site[site.index("server {") :]
+    head = server[: server.index("location")]
+    for header, value in (
+        ("X-Forwarded-For", "$proxy_add_x_forwarded_for"),
+        ("X-Forwarded-Proto", "$scheme"),
+        ("Forwarded", '"for=$kazma_forwarded_for;proto=$scheme"'),
+        ("Host", "$host"),
+    ):
+        assert re.search(rf"proxy_set_header\s+{re.escape(header)}\s+{re.escape(value)};", head), header
+    # nginx drops the server's proxy_set_header lines in a location that sets any of its own
+    for block in re.findall(r"location\s+[^{]+\{([^}]*)\}", server):
+        assert "proxy_set_header" not in block
+    assert "map $remote_addr $kazma_forwarded_for" in site
+
+
+def test_the_replicas_trust_the_compose_proxy_and_only_it() -> None:
+    import yaml
+
+    from kazma.config.loader import load_config_text
+
+    compose = yaml.safe_load(COMPOSE.read_text())
+    proxy_address = ip_address(compose["services"]["proxy"]["networks"]["default"]["ipv4_address"])
+    (subnet,) = [ip_network(c["subnet"]) for c in compose["networks"]["default"]["ipam"]["config"]]
+    assert proxy_address in subnet
+    example = (REPO / "deploy" / "kazma.replicas.yaml").read_text()
+    config = load_config_text(example.replace("${KAZMA_PG_PASSWORD}", "secret")).config
+    assert [ip_network(n) for n in config.web.trusted_proxies] == [ip_network(f"{proxy_address}/32")]
+
+
+def test_the_readme_shows_the_shipped_nginx_file() -> None:
+    text = README.read_text()
+    found = re.search(r"\[`deploy/nginx\.conf`\]\(deploy/nginx\.conf\).*?```nginx\n(.*?)```", text, re.S)
+    assert found is not None, "the README's proxy section shows deploy/nginx.conf"
+    assert found.group(1) == SINGLE.read_text()

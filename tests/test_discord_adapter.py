@@ -17,7 +17,7 @@ import yarl
 from kazma.adapters.card_layout import cut_marker, outcome_line
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
 from kazma.adapters.discord import DiscordAdapter
-from kazma.adapters.discord.render import ZWSP, render_card
+from kazma.adapters.discord.render import ARGUMENT_MARK, ZWSP, render_card
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
@@ -196,9 +196,16 @@ def texts_of(embed: Json) -> list[str]:
     ]
 
 
+def field_name(field: Json) -> str:
+    """The argument a field is named after (every field name is ``• <argument>``)."""
+    name = shown(field["name"])
+    assert name.startswith(ARGUMENT_MARK), name
+    return name.removeprefix(ARGUMENT_MARK)
+
+
 def names_on(fake: FakeDiscord, embed: Json, before: int) -> list[str]:
     """Every argument name a reader can find: field names, the description's list, and name messages."""
-    names = [shown(f["name"]) for f in embed.get("fields", [])]
+    names = [field_name(f) for f in embed.get("fields", [])]
     lines = embed["description"].splitlines()
     for message in fake.channel_messages(HOME_CHANNEL_ID):
         if int(message["id"]) < before and message["content"].startswith("Argument names of approval request"):
@@ -362,8 +369,8 @@ async def test_card_shows_every_name_a_marked_cut_the_hash_link_and_buttons(runn
     assert ref == CardRef("discord", str(HOME_CHANNEL_ID), ref.message_id, whole=False)
     message = fake.messages[int(ref.message_id)]
     embed = message["embeds"][0]
-    assert [shown(f["name"]) for f in embed["fields"]] == sorted(args)
-    values = {shown(f["name"]): f["value"] for f in embed["fields"]}
+    assert [field_name(f) for f in embed["fields"]] == sorted(args)
+    values = {field_name(f): f["value"] for f in embed["fields"]}
     assert code_blocks(values["command"]) == ["ls -la"]
     assert code_blocks(values["count"]) == ["3"]
     assert code_blocks(values["options"]) == ['{"force":true}']
@@ -418,7 +425,7 @@ async def test_card_escapes_markdown_and_mentions_everywhere(running: Running) -
     embed = card_embed(fake, ref)
     for piece in texts_of(embed):
         assert not LIVE_MENTION.search(piece), piece
-    values = {shown(f["name"]): f["value"] for f in embed["fields"]}
+    values = {field_name(f): f["value"] for f in embed["fields"]}
     assert sorted(values) == sorted(args)  # names escaped, yet read back exactly
     for name, value in args.items():
         assert code_blocks(values[name]) == [value]  # one block each, content exact: nothing broke out
@@ -553,7 +560,7 @@ async def test_settle_shows_the_outcome_removes_buttons_and_is_idempotent(runnin
     assert embed["title"].startswith("✅ APPROVED")
     assert embed["color"] == discord.Colour.green().value
     assert shown(outcome_line(outcome)) in shown(embed["title"])
-    assert [shown(f["name"]) for f in embed["fields"]] == ["command"]
+    assert [field_name(f) for f in embed["fields"]] == ["command"]
     with pytest.raises(LookupError):
         await fake.press_button(int(ref.message_id), card.button_data(Decision.DENY))
     await adapter.settle_card(ref, card, outcome)

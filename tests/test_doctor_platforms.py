@@ -238,7 +238,7 @@ async def test_a_clean_configuration_passes_the_whole_doctor(tmp_path: Path) -> 
         loaded = load_config_text(
             f"store: {{path: '{tmp_path}/state/k.db'}}\n"
             f"model: {{base_url: '{model.base_url}'}}\n"
-            "web: {public_url: 'https://kazma.example.org'}\n"
+            "web: {public_url: 'https://kazma.example.org', trusted_proxies: ['127.0.0.1']}\n"
             "approvals: {approvers: ['web:alice']}\n" + platforms_yaml(fakes),
             environ={},
         )

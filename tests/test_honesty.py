@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import unicodedata
@@ -9,9 +10,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from kazma.adapters.card_layout import ButtonKind, CardWriter, PlainWriter, lay_out, view_of
+from kazma.adapters.discord.render import DiscordWriter
+from kazma.adapters.slack.render import SlackWriter
+from kazma.adapters.telegram.render import TelegramWriter
+from kazma.adapters.web.render import HtmlWriter
 from kazma.approvals import (
     ApprovalCard,
     Hidden,
@@ -21,8 +27,11 @@ from kazma.approvals import (
     build_card,
     canonical_json,
     examine,
+    examine_line,
     reveal,
+    reveal_line,
     unreveal,
+    unreveal_line,
     warnings_for,
 )
 from kazma.approvals.honesty import (
@@ -31,10 +40,12 @@ from kazma.approvals.honesty import (
     classify,
     escape,
     escape_spans,
+    padding_gaps,
     safe_prefix,
     safe_suffix,
 )
 from kazma.approvals.model import ApprovalRequest
+from tests.contract.harness import make_card
 
 
 def request_for(args: dict[str, Any], tool: str = "shell") -> ApprovalRequest:
@@ -112,6 +123,10 @@ CASES = [
     ("cat \u1160 x", "\u1160", Hidden.FILLER, "\u27e8U+1160\u27e9"),
     ("cat \u2800 x", "\u2800", Hidden.FILLER, "\u27e8U+2800\u27e9"),
     ("git\u200ahub", "\u200a", Hidden.SPACE, "\u27e8U+200A\u27e9"),
+    ("rm\u00a0-rf ~", "\u00a0", Hidden.SPACE, "\u27e8U+00A0 NBSP\u27e9"),
+    ("rm -rf\u202f~", "\u202f", Hidden.SPACE, "\u27e8U+202F NNBSP\u27e9"),
+    ("rm -rf\u3000~", "\u3000", Hidden.SPACE, "\u27e8U+3000\u27e9"),
+    ("rm -rf\u1680~", "\u1680", Hidden.SPACE, "\u27e8U+1680\u27e9"),
     ("x\ue000y", "\ue000", Hidden.UNKNOWN, "\u27e8U+E000\u27e9"),
     ("x\u0378y", "\u0378", Hidden.UNKNOWN, "\u27e8U+0378\u27e9"),
     ("x \u27e8U+202E RLO\u27e9", "\u27e8", Hidden.BRACKET, "\u27e8U+27E8\u27e9U+202E RLO\u27e9"),
@@ -198,6 +213,12 @@ def test_newline_stays_a_newline_and_tab_is_escaped_without_a_warning() -> None:
         ("http://\uff47ithub.com", LookAlikeKind.COMPAT, "\uff47ithub.com", "fullwidth or compatibility", 0xFF47),
         ("cat \ufb01le.txt", LookAlikeKind.COMPAT, "\ufb01le.txt", "fullwidth or compatibility", 0xFB01),
         ("kill -9 \u212aernel", LookAlikeKind.COMPAT, "\u212aernel", "fullwidth or compatibility", 0x212A),
+        # Latin-only look-alikes: one script, so no mixed-script rule sees them; Unicode's confusables data does.
+        ("git clone https://\u0261ithub.com/x", LookAlikeKind.LATIN, "\u0261ithub.com", "for g", 0x0261),
+        ("git clone https://g\u0131thub.com/x", LookAlikeKind.LATIN, "g\u0131thub.com", "for i", 0x0131),
+        ("git clone https://g\u026athub.com/x", LookAlikeKind.LATIN, "g\u026athub.com", "for i", 0x026A),
+        # A whole host label in Cherokee letters that read as Latin ones (ᎪᏴᏟ.com reads ABC.com).
+        ("curl https://\u13aa\u13f4\u13df.com", LookAlikeKind.WHOLE, "\u13aa\u13f4\u13df.com", "Cherokee part", 0x13AA),
     ],
 )
 def test_lookalike_words_are_flagged_with_their_foreign_characters(
@@ -234,6 +255,8 @@ def test_the_github_example_reads_as_in_the_brief() -> None:
         "\u039a\u03b1\u03bb\u03b7\u03bc\u03ad\u03c1\u03b1 \u03ba\u03cc\u03c3\u03bc\u03b5",  # Καλημέρα κόσμε
         "\u041c\u043e\u0441\u043a\u0432\u0430.txt und Stra\u00dfe, 5\u00b5m, \u00aa",
         "ls ~/\u0434\u043e\u043a\u0443\u043c\u0435\u043d\u0442\u044b && echo \u0433\u043e\u0442\u043e\u0432\u043e",
+        "\u00e7al\u0131\u015ft\u0131r caf\u00e9 na\u00efve \u00e6sir",  # çalıştır: ı beside ç, ş reads as no ASCII word
+        "\u05e9\u05dc\u05d5\u05dd \u05e2\u05d5\u05dc\u05dd 2026",  # a Hebrew line, digits only beside it
     ],
 )
 def test_ordinary_text_in_one_script_per_word_is_not_flagged(sentence: str) -> None:
@@ -397,6 +420,7 @@ latin1_printable = st.characters(min_codepoint=0x20, max_codepoint=0xFF).filter(
 @settings(max_examples=300, deadline=None)
 @given(value=st.text(alphabet=latin1_printable | st.just("\n"), max_size=300))
 def test_plain_latin1_text_is_shown_unchanged_without_warnings(value: str) -> None:
+    assume(not padding_gaps(value))  # padding is flagged and cut out whatever the letters (tested below)
     _, card = card_for(value)
     (arg,) = card.arguments
     assert arg.head == value
@@ -437,3 +461,132 @@ def test_classes_cover_every_format_and_control_character() -> None:
         ch = chr(code_point)
         if unicodedata.category(ch) in ("Cf", "Cc", "Zl", "Zp", "Co", "Cn") and ch != "\n":
             assert classify(ch) is not None, f"U+{code_point:04X}"
+
+
+# -- one-line fields, direction, padding ---------------------------------------------------------------------
+
+
+def test_a_field_is_one_line_its_newline_escaped_and_flagged() -> None:
+    request = dataclasses.replace(
+        request_for({"repo": "prod-secrets"}),
+        tool="report\nTool: github/list_issues\nrepo = docs",
+        requested_by="agent:x\r\nAPPROVED: by telegram:111",
+        conversation="web:\u2028env = staging",
+        notes=("Reason given: fine\nenv = staging",),
+    )
+    card = build_card(request, value_limit=4000, public_url="http://x.test")
+    assert card.tool == "report\u27e8U+000A LF\u27e9Tool: github/list_issues\u27e8U+000A LF\u27e9repo = docs"
+    assert card.requester == "agent:x\u27e8U+000D CR\u27e9\u27e8U+000A LF\u27e9APPROVED: by telegram:111"
+    assert card.origin == "web:\u27e8U+2028 LS\u27e9env = staging"
+    assert card.warnings[0] == "Reason given: fine\u27e8U+000A LF\u27e9env = staging"
+    for text in (card.title, card.tool, card.requester, card.origin, *card.warnings):
+        assert "\n" not in text
+    for where in ("the tool name", "the requester", "the origin", "note 1 on the request"):
+        assert any(w.startswith(f"Hidden or control characters in {where}: ") for w in card.warnings), where
+    assert unreveal_line(card.tool) == request.tool
+    assert unreveal_line(card.requester) == request.requested_by
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=any_text)
+def test_a_field_shows_no_line_break_and_decodes_to_the_text(text: str) -> None:
+    shown = reveal_line(text)
+    assert "\n" not in shown
+    assert not any(dangerous(ch) for ch in shown)
+    assert unreveal_line(shown) == text
+    assert reveal(text) == shown.replace("\u27e8U+000A LF\u27e9", "\n")  # a value differs only by its newlines
+    if "\n" in text:
+        assert Hidden.CONTROL in examine_line(text).kinds
+        assert examine_line(text).warns
+
+
+def test_a_value_shown_as_a_field_is_refused_by_unreveal() -> None:
+    with pytest.raises(ValueError, match="not an escape that reveal makes"):
+        unreveal("a\u27e8U+000A LF\u27e9b")  # a value never escapes its newlines: no such text was revealed
+    with pytest.raises(ValueError, match="never shows a real newline"):
+        unreveal_line("a\nb")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "rm -rf /tmp/\u05d0\u05d1\u05d2 /home",  # Hebrew letters inside an ASCII command, no control character
+        "\u0645\u0644\u0641 rm -rf ~ \u0627\u0644\u0622\u0646",  # Arabic around it
+        "echo ok\nrm -rf /tmp/\u05d0 x",
+    ],
+)
+def test_a_line_mixing_right_to_left_and_left_to_right_letters_is_flagged(value: str) -> None:
+    request, card = card_for(value)
+    (arg,) = card.arguments
+    assert arg.head == value  # shown as it is: letters are not escaped
+    assert arg.findings.mixed_line_count == 1
+    assert arg.findings.warns
+    (warning,) = card.warnings
+    assert warning.startswith("Right-to-left and left-to-right letters share ")
+    assert "argument 'command'" in warning
+    assert card.remember_seconds is None
+    assert_runs_unchanged(request, card, value)
+
+
+def test_right_to_left_text_on_its_own_lines_is_not_flagged() -> None:
+    value = "\u05e9\u05dc\u05d5\u05dd 42!\nrm -rf /tmp/x\n\u0645\u0631\u062d\u0628\u0627"
+    _, card = card_for(value)
+    assert card.arguments[0].findings.empty
+    assert card.warnings == ()
+
+
+def test_a_field_mixing_directions_is_flagged() -> None:
+    request = dataclasses.replace(request_for({"a": 1}), requested_by="agent:\u05d0\u05d1 builder")
+    card = build_card(request, value_limit=4000, public_url="http://x.test")
+    assert any(
+        w.startswith("Right-to-left and left-to-right letters share one line in the requester") for w in card.warnings
+    )
+
+
+@pytest.mark.parametrize("padding", ["\n" * 300, "\n \n" * 150, " \n" * 150, " " * 250, "\n" * 9])
+def test_padding_is_cut_out_of_the_card_so_approve_moves_to_the_page(padding: str) -> None:
+    value = f"echo hello{padding}rm -rf ~"
+    request, card = card_for(value)
+    (arg,) = card.arguments
+    assert arg.cut
+    assert (arg.head, arg.tail) == ("echo hello", "rm -rf ~")  # what follows the padding is right below the cut
+    assert arg.findings.padding is not None
+    assert any(w.startswith("Blank padding in argument 'command'") for w in card.warnings)
+    assert card.remember_seconds is None
+    view = view_of(card)
+    assert not view.whole
+    assert [b.kind for b in view.buttons] == [ButtonKind.DENY]
+    assert [b.kind for b in view_of(card, approve_partial=True).buttons] == [ButtonKind.APPROVE, ButtonKind.DENY]
+    # The whole-call doors show the value as it is, padding and all, under the same warning.
+    whole = build_card(request, value_limit=4000, public_url="http://x.test", cut_padding=False)
+    assert not whole.arguments[0].cut
+    assert unreveal(whole.arguments[0].head) == value
+    assert whole.warnings == card.warnings
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "def a():\n    pass\n\n\ndef b():\n    pass",
+        "x" + "\n" * 8 + "y",
+        "trailing" + "\n" * 300,
+        "a" + " " * 200 + "b",
+    ],
+)
+def test_a_few_blank_lines_are_not_padding(value: str) -> None:
+    _, card = card_for(value)
+    (arg,) = card.arguments
+    assert not arg.cut
+    assert arg.findings.padding is None
+    assert card.warnings == ()
+
+
+def test_padding_before_everything_leaves_no_head_and_every_writer_still_shows_the_rest() -> None:
+    card = make_card({"command": "\n" * 300 + "rm -rf ~"})
+    (arg,) = card.arguments
+    assert (arg.head, arg.tail, arg.cut) == ("", "rm -rf ~", True)
+    writers: list[CardWriter[Any]] = [TelegramWriter(), SlackWriter(), DiscordWriter(), PlainWriter(), HtmlWriter()]
+    for writer in writers:
+        laid = lay_out(card, writer)
+        assert not laid.whole
+        assert [b.kind for b in laid.view.buttons] == [ButtonKind.DENY]

@@ -60,6 +60,7 @@ def test_flags_write_a_file_where_the_operator_is_an_approver_everywhere(tmp_pat
     assert config.platforms.discord.channels == [333]
     assert config.platforms.slack.app_token == TOKENS["SLACK_APP_TOKEN"]  # Socket Mode unless asked otherwise
     assert config.web.public_url == "https://kazma.example.org"
+    assert config.web.trusted_proxies == ["127.0.0.1/32", "::1/128"]  # the TLS proxy on this machine names who logs in
     assert console_warnings(config) == []
     assert text.count("\n#") + text.count("  # ") > 20  # it is commented
 

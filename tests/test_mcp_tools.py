@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,14 +14,15 @@ from kazma.engine.model import ScriptStep
 from kazma.engine.tools import ToolContext
 from tests.mcp_support import (
     TG_CHAT,
-    TRACKER,
     Seen,
     call,
     calls_logged,
     cards,
     kazma_with_tracker,
     press,
+    tracker_config,
     tracker_http,
+    tracker_log,
 )
 
 ISSUE = {"title": "Bug", "body": "steps to reproduce"}
@@ -60,7 +60,7 @@ async def test_stdio_server_tool_runs_once_after_a_press(tmp_path: Path) -> None
 
 
 async def test_http_server_tool_runs_once_after_a_press(tmp_path: Path) -> None:
-    async with tracker_http(tmp_path / "tracker.log") as url:
+    async with tracker_http(tracker_log(tmp_path)) as url:
         await _approve_flow(tmp_path, url)
 
 
@@ -129,8 +129,8 @@ async def test_a_crash_mid_call_is_a_clear_error_and_the_server_comes_back(tmp_p
         telegram.push_message(TG_CHAT, 42, "now file the bug", username="alice")
         await telegram.wait_until(lambda: bool(second.tool_messages), timeout=20)
         assert "created issue 'Bug'" in second.tool_messages[0]
-        pids = {r["pid"] for r in calls_logged(log, "crash") + calls_logged(log)}
-        assert len(pids) == 2  # the second call ran in a new server process
+        runs = {r["run"] for r in calls_logged(log, "crash") + calls_logged(log)}
+        assert len(runs) == 2  # the second call ran in a new server process
 
 
 async def test_a_hung_call_times_out_and_the_server_restarts(tmp_path: Path) -> None:
@@ -149,8 +149,7 @@ async def test_a_hung_call_times_out_and_the_server_restarts(tmp_path: Path) -> 
 
 async def test_attack_arguments_that_differ_from_the_approved_hash_are_not_sent(tmp_path: Path) -> None:
     """The call about to go out is re-hashed: a swap after approval (or no approval at all) sends nothing."""
-    log = tmp_path / "tracker.log"
-    config = MCPServerConfig(command=__import__("sys").executable, args=[str(TRACKER), str(log)])
+    config, log = tracker_config(tmp_path)
     connection = MCPConnection("tracker", config)
     connection.start()
     try:
@@ -191,7 +190,7 @@ async def _until(predicate: object) -> None:
 
 
 async def test_doctor_lists_a_servers_tools(tmp_path: Path) -> None:
-    config = MCPServerConfig(command=__import__("sys").executable, args=[str(TRACKER), str(tmp_path / "log")])
+    config, _log = tracker_config(tmp_path)
     names = await list_server_tools("tracker", config)
     assert sorted(names) == ["crash", "create_issue", "grow", "hang", "lookup"]
 
@@ -213,7 +212,7 @@ def test_config_refuses_bad_servers(yaml: str, problem: str) -> None:
 
 
 async def test_a_list_changed_notice_relists_the_servers_tools(tmp_path: Path) -> None:
-    config = MCPServerConfig(command=sys.executable, args=[str(TRACKER), str(tmp_path / "calls.log")])
+    config, _log = tracker_config(tmp_path)
     connection = MCPConnection("tracker", config)
     connection.start()
     try:

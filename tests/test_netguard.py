@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import shutil
 import socket
 import ssl
@@ -27,7 +28,9 @@ from hypothesis import strategies as st
 from kazma.engine.netguard import (
     AddressPolicy,
     AddressRefused,
+    IPAddress,
     embedded_ipv4,
+    host_networks,
     is_public_address,
     resolve_checked,
     system_resolver,
@@ -582,3 +585,81 @@ async def test_tls_certificate_is_checked_against_the_name(
     assert "other.test" in result.error  # the name the certificate was checked against
     assert tls_server.server_names == ["other.test"]
     assert tls_server.hosts == []
+
+
+# --------------------------------------------------------------------------- this host's own addresses
+
+
+def _interface_addresses() -> list[IPAddress]:
+    """Every address of this host's interfaces as iproute2 lists them (a second source, apart from /proc)."""
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2's ip is not installed here")
+    listing = subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True, check=True).stdout
+    return [ipaddress.ip_address(a["local"]) for link in json.loads(listing) for a in link.get("addr_info", [])]
+
+
+def _bindable(address: IPAddress) -> bool:
+    """The kernel's own word: a socket binds only to an address this host holds."""
+    family = socket.AF_INET if address.version == 4 else socket.AF_INET6
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((str(address), 0))
+        except OSError:
+            return False
+    return True
+
+
+def test_host_networks_hold_every_address_of_this_hosts_interfaces() -> None:
+    own = host_networks()
+    for address in _interface_addresses():
+        held = any(address in network for network in own)
+        assert held != address.is_loopback, (address, own)  # loopback is left to the address policy
+    for network in own:
+        first = network.network_address
+        if network.num_addresses == 1 and not first.is_link_local:  # link-local needs a scope to bind
+            assert _bindable(first), network
+    assert not any(ipaddress.ip_address("8.8.8.8") in network for network in own)
+
+
+def test_the_policy_refuses_this_hosts_own_address_in_every_form() -> None:
+    """As if this host were 8.8.8.8 and 2606:4700:4700::1111: public, and its own."""
+    own = (ipaddress.ip_network("8.8.8.8/32"), ipaddress.ip_network("2606:4700:4700::1111/128"))
+    policy = AddressPolicy(host=lambda: own)
+    for text in ("8.8.8.8", "::ffff:8.8.8.8", "2002:808:808::1", "64:ff9b::808:808", "2606:4700:4700::1111"):
+        assert not policy.allows(ipaddress.ip_address(text)), text
+        assert policy.is_own(ipaddress.ip_address(text)), text
+    for text in ("8.8.4.4", "1.1.1.1", "2606:4700:4700::1001"):
+        assert policy.allows(ipaddress.ip_address(text)), text
+    widened = AddressPolicy(also_allow=(ipaddress.ip_network("8.8.8.0/24"),), host=lambda: own)
+    assert not widened.allows(ipaddress.ip_address("8.8.8.8"))  # a widening never reaches the host itself
+    assert AddressPolicy(allow_private=True, host=lambda: own).allows(ipaddress.ip_address("8.8.8.8"))
+
+
+async def test_http_get_cannot_reach_a_service_on_this_hosts_own_address(ctx: ToolContext) -> None:
+    """A server listening on this machine's non-loopback address, which a widening lets through as if it were
+    public: the request must never arrive."""
+    candidates = [
+        network.network_address
+        for network in host_networks()
+        if network.num_addresses == 1 and network.version == 4 and _bindable(network.network_address)
+    ]
+    if not candidates:
+        pytest.skip("this host has no non-loopback IPv4 address to listen on")
+    own = str(candidates[0])
+    log: list[Seen] = []
+    runner = web.AppRunner(_app(log))
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, own, 0)
+        await site.start()
+        port = int(runner.addresses[-1][1])
+        resolver = ScriptedResolver({"myself.test": [[own]]})
+        registry = ToolRegistry([HttpGetTool(resolver=resolver, also_allow=[f"{own}/32"])])
+        result = await _get(registry, ctx, f"http://myself.test:{port}/text")
+        literal = await _get(registry, ctx, f"http://{own}:{port}/text")
+    finally:
+        await runner.cleanup()
+    assert not result.ok
+    assert f"myself.test is {own}, an address of this machine itself" in (result.error or ""), result.error
+    assert not literal.ok
+    assert log == []

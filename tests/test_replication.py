@@ -145,12 +145,18 @@ async def test_cards_queued_on_one_replica_are_posted_by_the_other_when_it_is_th
         async with replica(dsn, "a", [stuck]) as a:
             request = await a.service.open("shell", {"command": "ls"}, "agent:b", "web:c")
             await until(lambda: _claimed(a.store))  # one of them holds the post's claim
-        # a stopped with its claim (if it had it): released by the leader's recovery, or run out
+        # a stopped with its claim (if it had it): released by the leader's recovery, or run out. The server
+        # lists a closed session until its backend has exited, so wait until b no longer sees a.
+        await until(lambda: _gone_from(b, "a"))
         recovery = await b.replication.recover_gone(await b.replication.live())
         assert [r.id for r in recovery.cancelled] == [request.id]  # a's waiter is gone with it
         assert recovery.cancelled[0].reason == REPLICA_GONE
         await until(lambda: _settled_or_skipped(b, request.id))
     assert len(shared.posts) <= 1
+
+
+async def _gone_from(r: Replica, name: str) -> bool:
+    return name not in await r.replication.live()
 
 
 async def _claimed(store: PgStore) -> bool:

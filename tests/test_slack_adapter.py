@@ -372,7 +372,7 @@ async def test_card_shows_the_whole_call(fake: FakeSlack, adapter: SlackAdapter)
     sections = "\n".join(section_texts(msg))
     for name in args:
         assert f"*{name}*" in sections
-    command = next(t for t in section_texts(msg) if t.startswith("*command*"))
+    command = next(t for t in section_texts(msg) if t.startswith("• *command*"))
     cut = card.arguments[0]
     assert cut.name == "command"
     assert cut.cut
@@ -431,9 +431,9 @@ async def test_markup_in_a_card_is_inert(fake: FakeSlack, adapter: SlackAdapter)
     assert "@everyone and @here" in joined  # plain words: Slack only pings through <!…> markup
     assert "&lt;!here&gt;" in msg.block("kazma_title")["text"]["text"]  # type: ignore[index]
 
-    fence = next(t for t in section_texts(msg) if t.startswith("*fence*"))
+    fence = next(t for t in section_texts(msg) if t.startswith("• *fence*"))
     assert fence.count("```") == 2  # the value cannot close our code block early
-    assert fence.replace("\u200b", "") == "*fence*\n``````\n*bold* _it_ ~st~ ``` `tick````"
+    assert fence.replace("\u200b", "") == "• *fence*\n``````\n*bold* _it_ ~st~ ``` `tick````"
     for block in msg.blocks:
         if block.get("type") == "section":
             for text_object in [*([block["text"]] if "text" in block else []), *block.get("fields", [])]:
@@ -453,14 +453,14 @@ async def test_sixty_long_arguments_fit_slack_limits_and_every_name_shows(
     joined = "\n".join(section_texts(msg))
     for name in args:
         assert f"*{name}*" in joined
-    shown = sum(1 for t in section_texts(msg) if t.startswith("*arg_"))
+    shown = sum(1 for t in section_texts(msg) if t.startswith("• *arg_"))
     assert 0 < shown < 60
     assert "Part of this call is not shown here" in joined
     assert f"*Listed by name only ({60 - shown})*" in joined
     assert card.link in joined
-    for name, text in zip(args, (t for t in section_texts(msg) if t.startswith("*arg_")), strict=False):
+    for name, text in zip(args, (t for t in section_texts(msg) if t.startswith("• *arg_")), strict=False):
         # Each shown value is whole: 2,000 characters fit a section even after escaping.
-        assert text == f"*{name}*\n```{args[name].replace('&', '&amp;').replace('<', '&lt;').replace('>', '&gt;')}```"
+        assert text == f"• *{name}*\n```{args[name].replace('&', '&amp;').replace('<', '&lt;').replace('>', '&gt;')}```"
     assert [b["text"]["text"] for b in buttons(msg)] == ["Deny"]  # not the whole call: approved on its page
 
     await adapter.settle_card(ref, card, outcome_for(card))
@@ -474,9 +474,9 @@ async def test_a_value_that_grows_when_escaped_is_shrunk_keeping_head_and_tail(
     card = make_card({"payload": value}, value_limit=4_000)
     assert not card.arguments[0].cut  # whole in the card model, too large only once escaped
     ref = await adapter.post_card(card)
-    (text,) = [t for t in section_texts(fake.message(HOME, ref.message_id)) if t.startswith("*payload*")]
+    (text,) = [t for t in section_texts(fake.message(HOME, ref.message_id)) if t.startswith("• *payload*")]
     assert len(text) <= 3000
-    assert text.startswith("*payload*\n```HEAD&amp;")
+    assert text.startswith("• *payload*\n```HEAD&amp;")
     assert text.endswith("&amp;&lt;TAIL&gt;```")
     shown = re.search(r"_\[cut: ([\d,]+) of ([\d,]+) characters not shown\]_", text)
     assert shown is not None

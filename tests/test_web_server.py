@@ -46,6 +46,7 @@ class GatedProvider:
         self.inner = inner
         self.gated_prompt = gated_prompt
         self.gate = gate
+        self.calls = 0  # model requests made, by any agent: a turn that ran asked at least once
 
     @property
     def label(self) -> str:
@@ -54,6 +55,7 @@ class GatedProvider:
     async def complete(
         self, messages: Sequence[Message], tools: Sequence[ToolSpec] = (), *, model: str | None = None
     ) -> ModelReply:
+        self.calls += 1
         if self.gated_prompt is not None and messages and messages[0].get("content") == self.gated_prompt:
             await self.gate.wait()
         return await self.inner.complete(messages, tools, model=model)
@@ -66,6 +68,7 @@ class Console:
     server: WebServer
     base: str
     gate: asyncio.Event
+    provider: GatedProvider
 
     def client(self) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))
@@ -154,7 +157,7 @@ async def console(
     )
     await server.start()
     try:
-        yield Console(app, web, server, server.url, gate)
+        yield Console(app, web, server, server.url, gate, provider)
     finally:
         gate.set()
         await server.stop()
@@ -383,7 +386,7 @@ async def test_approval_page_shows_every_argument_uncut_and_escaped(tmp_path: Pa
         assert html.escape(LONG).encode() in raw  # uncut: the destructive end is there
         assert request.args_hash.encode() in raw
         for name in ("command", "note", "target", "entity"):
-            assert f"<th>{name}</th>".encode() in raw
+            assert f"<th>• {name}</th>".encode() in raw
         # the console shows the bounded card, with the cut visible and the tail kept
         console_page = await (await client.get(f"{con.base}/")).read()
         assert f"of {len(LONG):,} characters not shown".encode() in console_page

@@ -3,7 +3,9 @@
 Card text comes from tools and models, so it is escaped for Discord markdown,
 mention syntax is broken with zero-width spaces, code blocks cannot be closed
 from inside, and every send *and* edit carries ``AllowedMentions.none()``
-(edits re-parse mentions with the defaults otherwise).
+(edits re-parse mentions with the defaults otherwise). A value's lines are
+laid out only inside its code block, and every field is named ``• <argument>``,
+so neither a value nor a name can stand as a line of the card's own.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ FIELD_VALUE_MAX: Final = 1024
 EMBED_TOTAL_MAX: Final = 6000
 FOOTER_MAX: Final = 2048
 ZWSP: Final = "\u200b"
+ARGUMENT_MARK: Final = "• "  # before every argument's field name, as before every name the card lists
 NO_MENTIONS: Final = discord.AllowedMentions.none()
 
 _RAW_MENTION: Final = re.compile(r"<(?=[@#/!])")
@@ -120,12 +123,13 @@ class DiscordWriter:
         oversized = len(description) > DESCRIPTION_MAX  # a long title is clipped: the outcome leads it
         for arg in view.arguments:
             if arg.cut:
-                value = f"{_fence(arg.head)}\n*{escape_text(arg.marker)}*\n{_fence(arg.tail)}"
+                head = f"{_fence(arg.head)}\n" if arg.head else ""  # padding cut out at the very start: no head
+                value = f"{head}*{escape_text(arg.marker)}*\n{_fence(arg.tail)}"
             elif arg.empty:
                 value = f"*{EMPTY_VALUE}*"
             else:
                 value = _fence(arg.head)
-            name = escape_text(arg.name)
+            name = f"{ARGUMENT_MARK}{escape_text(arg.name)}"
             oversized |= len(name) > FIELD_NAME_MAX or len(value) > FIELD_VALUE_MAX
             embed.add_field(name=name[:FIELD_NAME_MAX], value=value, inline=False)
         embed.set_footer(text=f"request {view.request_id}")

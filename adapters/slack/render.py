@@ -4,6 +4,10 @@ Slack parses ``<!channel>``, ``<@U…>`` and links only inside ``<…>``; escapi
 ``& < >`` neutralises all of them, and every text object is ``verbatim`` so
 Slack auto-links nothing. Sizes are checked after escaping, since escaping
 only ever grows text.
+
+Only a value's lines are laid out as lines, inside a code block; a fact's
+value follows its label on the same line and an argument's name follows a
+bullet, so no name or value starts a line of its own.
 """
 
 from __future__ import annotations
@@ -85,7 +89,12 @@ def _defang_backticks(text: str) -> str:
 
 
 def _code(value: str) -> str:
-    return f"```{escape(_defang_backticks(value))}```"
+    return f"```{_inert(value)}```"
+
+
+def _inert(text: str) -> str:
+    """Untrusted text for mrkdwn outside a code block: escaped, and no backtick can open or close a code span."""
+    return escape(_defang_backticks(text))
 
 
 def _mrkdwn(text: str) -> dict[str, Any]:
@@ -157,7 +166,7 @@ class SlackWriter:
                 {
                     "type": "section",
                     "block_id": "kazma_outcome",
-                    "text": _mrkdwn(f"{emoji} *{escape(view.outcome_text)}*"),
+                    "text": _mrkdwn(f"{emoji} *{_inert(view.outcome_text)}*"),
                 }
             )
         title = escape(view.title)  # plain text is not parsed, but nothing from a tool reaches Slack unescaped
@@ -167,30 +176,31 @@ class SlackWriter:
                 {
                     "type": "section",
                     "block_id": f"kazma_warning_{index}",
-                    "text": _mrkdwn(f":warning: *{escape(warning)}*"),
+                    "text": _mrkdwn(f":warning: *{_inert(warning)}*"),
                 }
             )
         blocks.append(
             {
                 "type": "section",
                 "block_id": "kazma_facts",
-                "fields": [_mrkdwn(f"*{escape(label)}*\n`{escape(value)}`") for label, value in view.facts],
+                "fields": [_mrkdwn(f"*{escape(label)}:* `{_inert(value)}`") for label, value in view.facts],
             }
         )
         blocks.append(
             {"type": "section", "block_id": "kazma_arguments", "text": _mrkdwn(f"*{escape(view.arguments_heading)}*")}
         )
         for index, arg in enumerate(view.arguments):
-            name = f"*{escape(arg.name)}*"
+            name = f"• *{_inert(arg.name)}*"
             if arg.cut:
-                text = f"{name}\n{_code(arg.head)}\n_{escape(arg.marker)}_\n{_code(arg.tail)}"
+                head = f"\n{_code(arg.head)}" if arg.head else ""  # padding cut out at the very start leaves no head
+                text = f"{name}{head}\n_{escape(arg.marker)}_\n{_code(arg.tail)}"
             elif arg.empty:
                 text = f"{name}\n_{escape(EMPTY_VALUE)}_"
             else:
                 text = f"{name}\n{_code(arg.head)}"
             blocks.append({"type": "section", "block_id": f"kazma_arg_{index}", "text": _mrkdwn(text)})
         if view.names_only:
-            names = [f"• *{escape(name)}*" for name in view.names_only]
+            names = [f"• *{_inert(name)}*" for name in view.names_only]
             for index, chunk in enumerate(_chunk_lines(f"*{escape(view.names_heading)}*", names, MAX_SECTION_TEXT)):
                 blocks.append({"type": "section", "block_id": f"kazma_more_{index}", "text": _mrkdwn(chunk)})
         if view.notice:

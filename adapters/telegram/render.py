@@ -2,7 +2,9 @@
 
 Everything a card shows comes from tools and models, so every piece is escaped
 for HTML and the whole message is measured in UTF-16 units of its *visible*
-text — what Telegram counts after parsing — before it is sent.
+text — what Telegram counts after parsing — before it is sent. A value with
+more than one line is written in a ``<pre>`` block, the only place a card's
+text breaks lines that Kazma did not break.
 """
 
 from __future__ import annotations
@@ -115,8 +117,9 @@ class TelegramWriter:
             if arg.cut:
                 # The tail is shown as prominently as the head: a harmless start must not hide a destructive end.
                 out.text(":\n")
-                out.tag("pre", arg.head)
-                out.text("\n")
+                if arg.head:  # padding cut out at the very start of a value leaves no head
+                    out.tag("pre", arg.head)
+                    out.text("\n")
                 out.tag("i", arg.marker)
                 out.text("\n")
                 out.tag("pre", arg.tail)

@@ -22,6 +22,7 @@ from kazma.adapters.contract import Attachment, CardRef, Handlers, Inbound, Plat
 from kazma.adapters.human_text import for_humans
 from kazma.adapters.kit import TYPING_INTERVAL
 from kazma.approvals.card import ApprovalCard, button_data
+from kazma.approvals.honesty import reveal_line
 from kazma.approvals.model import Decision, Outcome, PressResult
 
 log = structlog.get_logger("kazma.adapters.web")
@@ -77,7 +78,7 @@ class WebMessage:
                     }
                     for a in self.card.arguments
                 ],
-                "outcome": None if self.outcome is None else self.outcome.summary(),
+                "outcome": None if self.outcome is None else reveal_line(self.outcome.summary()),
                 "status": None if self.outcome is None else self.outcome.status.value,
             }
         return event

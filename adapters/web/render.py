@@ -4,6 +4,8 @@ The console, its live updates and the approval page all show cards through
 this one writer, so the web says what every chat platform says, in the same
 order and with the same labels. The buttons are the page's to draw (they are
 forms signed with the viewer's CSRF token), so the writer takes a callback.
+Values are ``<pre>`` blocks, the only text whose lines are laid out; every
+argument's name follows a bullet, as on the chat platforms.
 """
 
 from __future__ import annotations
@@ -47,12 +49,13 @@ class HtmlWriter:
         rows = []
         for arg in view.arguments:
             if arg.cut:
-                value = f'<pre>{e(arg.head)}</pre><div class="cut">{e(arg.marker)}</div><pre>{e(arg.tail)}</pre>'
+                head = f"<pre>{e(arg.head)}</pre>" if arg.head else ""
+                value = f'{head}<div class="cut">{e(arg.marker)}</div><pre>{e(arg.tail)}</pre>'
             elif arg.empty:
                 value = f'<em class="empty">{e(EMPTY_VALUE)}</em>'
             else:
                 value = f"<pre>{e(arg.head)}</pre>"
-            rows.append(f"<tr><th>{e(arg.name)}</th><td>{value}</td></tr>")
+            rows.append(f"<tr><th>• {e(arg.name)}</th><td>{value}</td></tr>")
         parts.append(
             f'<div class="args-heading">{e(view.arguments_heading)}</div><table class="args">{"".join(rows)}</table>'
         )

@@ -5,13 +5,21 @@ as ``Authorization: Bearer …``. They are a separate kind of credential from th
 console's logins: a console token is refused here, and an API token cannot log
 in to the console (the console only knows its own two tokens). A token's roles
 say what it may do: ``approval_requester`` opens requests and follows its own,
-``approval_viewer`` only follows its own. Every request opened, replayed or
-refused is audited with the token's name (``api:<name>``).
+``approval_viewer`` only follows its own. Every request opened or refused is
+audited with the token's name (``api:<name>``); a replay is counted on its key.
 
 A request opened here is the same kind of request an agent's tool call opens:
 the same card on every platform, the same compare-and-set, the same hash. Kazma
 runs nothing for it; the caller does, after ``approved`` — and should hash what
 it runs against the ``hash`` returned (the Python client does).
+
+An ``Idempotency-Key`` is decided in the store, in the transaction that opens
+the request (see :mod:`kazma.bot.api_store`): the same key and body give the
+same request from any replica, a replay is counted on the key rather than
+audited, and another body with the key is refused (422). A token has at most
+``api.tokens.<name>.max_pending`` requests pending (429 beyond). Input JSON
+cannot carry is refused with 400 and a reason, never a 500: NaN and infinities,
+lone surrogates, and arguments nested deeper than agents may nest theirs.
 """
 
 from __future__ import annotations
@@ -20,19 +28,25 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import re
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import structlog
 from aiohttp import web
 
-from kazma.approvals.hashing import canonical_json, text_hash
-from kazma.approvals.model import ApprovalRequest
+from kazma.approvals.hashing import args_hash, canonical_json, text_hash
+from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest
 from kazma.approvals.service import ApprovalRefused, ApprovalService
-from kazma.bot.api_store import IdempotencyKeys
+from kazma.approvals.tool_names import TOOL_PATTERN, TOOL_RULE, ToolNameError, check_tool_name
+from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, IdempotencyKeys, KeyReused, QuotaFull
 from kazma.bot.app import App
+from kazma.config.metrics import count_failure
 from kazma.config.models import KazmaConfig
+from kazma.config.store_errors import store_errors
+from kazma.engine.agent import MAX_ARGUMENT_DEPTH, nesting_depth
 
 log = structlog.get_logger("kazma.api")
 
@@ -42,8 +56,14 @@ MAX_WAIT = 60.0
 MAX_TOOL = 100
 MAX_REASON = 1000
 MAX_REQUESTER = 100
+MAX_DEADLINE = 7 * 24 * 3600
 _KEY = re.compile(r"[\x21-\x7e]{1,200}")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
+# A JSON string (escapes included), and the brackets left once strings are gone: how deep a body nests,
+# found before the parser recurses into it.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -53,7 +73,7 @@ class ApiCaller:
 
     @property
     def actor(self) -> str:
-        return f"api:{self.name}"
+        return f"{API_REQUESTER_PREFIX}{self.name}"
 
 
 def _error(status: type[web.HTTPException], message: str, headers: dict[str, str] | None = None) -> web.HTTPException:
@@ -97,7 +117,6 @@ class ApprovalsApi:
         self.app = app
         self.service = app.service
         self.keys = IdempotencyKeys(app.stores.primary)
-        self._opening = asyncio.Lock()  # one idempotent open at a time in this process: a key maps to one request
 
     @property
     def config(self) -> KazmaConfig:
@@ -122,7 +141,12 @@ class ApprovalsApi:
         return web.json_response(describe(self.service, opened), status=201 if created else 200)
 
     async def open_for(self, caller: ApiCaller, body: dict[str, Any], key: str | None) -> tuple[ApprovalRequest, bool]:
-        """Open (or, for a known ``key``, find) the request ``body`` asks for; raises JSON HTTP errors."""
+        """Open (or, for a known ``key``, find) the request ``body`` asks for; raises JSON HTTP errors.
+
+        The key's row, the quota's count, the request, its card posts and its audit rows are one transaction
+        (:class:`~kazma.bot.api_store.ApiOpen`): whichever replica commits first opened it, and every other
+        attempt with the key reads that request.
+        """
         if REQUESTER not in caller.roles:
             await self._audit(None, "api_refused", caller, "asked for an approval without the requester role")
             raise _error(web.HTTPForbidden, f"the token {caller.name!r} does not have the {REQUESTER} role")
@@ -130,32 +154,67 @@ class ApprovalsApi:
         if key is not None and not _KEY.fullmatch(key):
             raise _error(web.HTTPBadRequest, "Idempotency-Key must be 1-200 visible ASCII characters")
         body_hash = text_hash(canonical_json(body))
-        async with self._opening:
-            if key is not None:
-                known = await self.keys.find(caller.name, key)
-                if known is not None:
-                    return await self._replayed(caller, known, body_hash), False
-            publisher = self.service.publisher
-            if publisher is None or not publisher.can_show_cards():
+        publisher = self.service.publisher
+        if publisher is None or not publisher.can_show_cards():
+            known = None if key is None else await self.keys.find(caller.name, key)
+            if known is None:
                 raise _error(web.HTTPServiceUnavailable, "no platform can show an approval card now")
-            try:
-                opened = await self.service.open(
-                    tool,
-                    arguments,
-                    caller.actor,
-                    caller.actor,
-                    deadline=deadline,
-                    notes=note_lines,
-                    durable=True,  # its waiter is the caller, not this process: a restart must not end it
-                )
-            except ApprovalRefused as exc:
-                await self._audit(None, "api_refused", caller, str(exc)[:300])
-                raise _error(web.HTTPUnprocessableEntity, str(exc)) from None
-            if key is not None:
-                await self.keys.keep(caller.name, key, body_hash, opened.id)
-        await self._audit(opened.id, "api_opened", caller, f"tool={tool}")
-        log.info("api.opened", request_id=opened.id, token=caller.name, tool=tool)
-        return opened, True
+            return await self._replayed(caller, known, body_hash), False
+        seconds = float(self.config.approvals.deadline_seconds) if deadline is None else deadline
+        now = self.service.clock()
+        token = self.config.api.tokens[caller.name]
+        gate = ApiOpen(
+            token=caller.name,
+            actor=caller.actor,
+            key=key,
+            body_hash=body_hash,
+            max_pending=token.max_pending,
+            expires_at=now + seconds + KEY_GRACE_SECONDS,
+            tool=tool,
+            args_hash=args_hash(arguments),
+            now=now,
+        )
+        try:
+            opened, created = await self.service.open_once(
+                tool,
+                arguments,
+                caller.actor,
+                caller.actor,
+                deadline=seconds,
+                notes=note_lines,
+                durable=True,  # its waiter is the caller, not this process: a restart must not end it
+                gate=gate,
+            )
+        except ApprovalRefused as exc:
+            await self._audit(None, "api_refused", caller, str(exc)[:300])
+            raise _error(web.HTTPUnprocessableEntity, str(exc)) from None
+        except KeyReused as exc:
+            await self._audit(exc.request_id, "api_refused", caller, "idempotency key reused with another body")
+            raise _error(web.HTTPUnprocessableEntity, _KEY_REUSED) from None
+        except QuotaFull as exc:
+            # Logged, not audited: a client retrying against a full quota must not fill the audit.
+            log.warning("api.quota_full", token=caller.name, pending=exc.pending, retry_after=exc.retry_after)
+            raise _error(
+                web.HTTPTooManyRequests,
+                f"the token {caller.name!r} already has {exc.pending} approval requests pending (at most "
+                f"{token.max_pending}, api.tokens.{caller.name}.max_pending): wait until a person decides one, "
+                "or withdraw one, and ask again",
+                headers={"Retry-After": str(exc.retry_after)},
+            ) from None
+        except LookupError:
+            raise _error(web.HTTPNotFound, "the request of this Idempotency-Key is gone") from None
+        except store_errors() as exc:
+            count_failure("api_open")
+            log.warning("api.open_failed", token=caller.name, tool=tool, error=str(exc))
+            raise _error(
+                web.HTTPServiceUnavailable,
+                "the approvals store could not record the request, so nothing was opened (no card, no key); ask again",
+            ) from None
+        if created:
+            log.info("api.opened", request_id=opened.id, token=caller.name, tool=tool)
+        else:
+            log.info("api.replayed", request_id=opened.id, token=caller.name)
+        return opened, created
 
     async def outcome_of(self, request_id: str) -> ApprovalRequest:
         """Wait until ``request_id`` ends (at the latest at its deadline) and return it."""
@@ -166,14 +225,14 @@ class ApprovalsApi:
                 return found
 
     async def _replayed(self, caller: ApiCaller, known: tuple[str, str], body_hash: str) -> ApprovalRequest:
+        """A known key while no card can be shown: its request still answers (read only)."""
         request_id, first_hash = known
         if first_hash != body_hash:
             await self._audit(request_id, "api_refused", caller, "idempotency key reused with another body")
-            raise _error(web.HTTPUnprocessableEntity, "this Idempotency-Key was used for a different request")
+            raise _error(web.HTTPUnprocessableEntity, _KEY_REUSED)
         existing = await self.service.store.get(request_id)
         if existing is None:
             raise _error(web.HTTPNotFound, "the request of this Idempotency-Key is gone")
-        await self._audit(request_id, "api_replayed", caller, "same Idempotency-Key")
         return existing
 
     async def _own(self, request: web.Request, caller: ApiCaller) -> ApprovalRequest:
@@ -214,14 +273,76 @@ class ApprovalsApi:
         return web.json_response(OPENAPI)
 
 
+_KEY_REUSED = (
+    "this Idempotency-Key was already used with a different body; send the same body to get that request, "
+    "or use a new key for a new request"
+)
+_TOO_DEEP = f"arguments may nest at most {MAX_ARGUMENT_DEPTH} levels deep (the limit agents are held to)"
+
+
+class _NotJson(ValueError):
+    """A number JSON cannot carry (NaN, an infinity, or one too big to be finite)."""
+
+
+def _no_constant(name: str) -> Any:
+    raise _NotJson(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotJson(f"{text} is too large to be a finite number")
+    return value
+
+
+def _depth_of(text: str) -> int:
+    """How deeply ``text`` nests arrays and objects, read without parsing it (so no depth can crash it)."""
+    steps = [1 if b in "[{" else -1 for b in _JSON_BRACKET.findall(_JSON_STRING.sub("", text))]
+    return max(accumulate(steps), default=0)
+
+
 async def _json_object(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 that says what is wrong with it."""
     try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError):
-        raise _error(web.HTTPBadRequest, "the body must be a JSON object") from None
+        text = (await request.read()).decode("utf-8")
+    except UnicodeDecodeError:
+        raise _error(web.HTTPBadRequest, "the body must be a JSON object in UTF-8") from None
+    # The body is an object, so its arguments' levels are one fewer than the body's.
+    if _depth_of(text) - 1 > MAX_ARGUMENT_DEPTH:
+        raise _error(web.HTTPBadRequest, f"the body nests too deeply: {_TOO_DEEP}")
+    try:
+        body = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except _NotJson as exc:
+        raise _error(web.HTTPBadRequest, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _error(web.HTTPBadRequest, f"the body nests too deeply: {_TOO_DEEP}") from None
+    except ValueError as exc:
+        raise _error(web.HTTPBadRequest, f"the body must be a JSON object: {exc}") from None
     if not isinstance(body, dict):
         raise _error(web.HTTPBadRequest, "the body must be a JSON object")
     return body
+
+
+def _unrepresentable(body: dict[str, Any]) -> str | None:
+    """What in ``body`` JSON cannot carry faithfully (a lone surrogate, a non-finite number), or None. Walked
+    without recursion: the depth is checked separately."""
+    stack: list[tuple[Any, str]] = [(body, "body")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            found = _SURROGATE.search(value)
+            if found is not None:
+                return f"{path} holds a lone surrogate (\\u{ord(found.group()):04x}), which is not Unicode text"
+        elif isinstance(value, float) and not math.isfinite(value):
+            return f"{path} is {value!r}, not a finite number"
+        elif isinstance(value, dict):
+            for name, item in value.items():
+                if isinstance(name, str) and _SURROGATE.search(name):
+                    return f"a name in {path} holds a lone surrogate, which is not Unicode text"
+                stack.append((item, f"{path}.{name}"))
+        elif isinstance(value, list | tuple):
+            stack.extend((item, f"{path}[{index}]") for index, item in enumerate(value))
+    return None
 
 
 def _validated(
@@ -236,6 +357,15 @@ def _validated(
     arguments = body.get("arguments", {})
     if not isinstance(arguments, dict):
         raise _error(web.HTTPBadRequest, "arguments must be a JSON object")
+    if nesting_depth(arguments) > MAX_ARGUMENT_DEPTH:
+        raise _error(web.HTTPBadRequest, f"arguments nest too deeply: {_TOO_DEEP}")
+    problem = _unrepresentable(body)
+    if problem is not None:
+        raise _error(web.HTTPBadRequest, f"{problem}; send it as JSON can carry it")
+    try:
+        check_tool_name(tool)  # the card shows it after "Tool:": it can hold a name and nothing else
+    except ToolNameError as exc:
+        raise _error(web.HTTPBadRequest, str(exc)) from None
     notes: list[str] = [f"Asked through the approvals API by {caller.actor}; Kazma does not run it, the caller does."]
     for field, limit, label in (("requester", MAX_REQUESTER, "On behalf of"), ("reason", MAX_REASON, "Reason given")):
         value = body.get(field)
@@ -246,7 +376,7 @@ def _validated(
         notes.append(f"{label}: {value}")
     deadline = body.get("deadline_seconds")
     if deadline is not None and (
-        isinstance(deadline, bool) or not isinstance(deadline, int | float) or not 0 < deadline <= 7 * 24 * 3600
+        isinstance(deadline, bool) or not isinstance(deadline, int | float) or not 0 < deadline <= MAX_DEADLINE
     ):
         raise _error(web.HTTPBadRequest, "deadline_seconds must be a number of seconds, up to 7 days")
     return tool, arguments, tuple(notes), None if deadline is None else float(deadline)
@@ -257,11 +387,16 @@ _REQUEST_SCHEMA = {
     "required": ["tool"],
     "additionalProperties": False,
     "properties": {
-        "tool": {"type": "string", "maxLength": MAX_TOOL},
+        "tool": {
+            "type": "string",
+            "maxLength": MAX_TOOL,
+            "pattern": TOOL_PATTERN,
+            "description": TOOL_RULE,
+        },
         "arguments": {"type": "object"},
         "reason": {"type": "string", "maxLength": MAX_REASON},
         "requester": {"type": "string", "maxLength": MAX_REQUESTER},
-        "deadline_seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": 604800},
+        "deadline_seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_DEADLINE},
     },
 }
 _APPROVAL = {
@@ -281,19 +416,33 @@ _APPROVAL = {
     },
 }
 _OK = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Approval"}}}}
+_ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 OPENAPI: dict[str, Any] = {
     "openapi": "3.1.0",
     "info": {"title": "Kazma approvals API", "version": "1"},
     "components": {
         "securitySchemes": {"token": {"type": "http", "scheme": "bearer"}},
-        "schemas": {"Approval": _APPROVAL, "NewApproval": _REQUEST_SCHEMA},
+        "schemas": {
+            "Approval": _APPROVAL,
+            "NewApproval": _REQUEST_SCHEMA,
+            "Error": {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]},
+        },
     },
     "security": [{"token": []}],
     "paths": {
         "/api/v1/approvals": {
             "post": {
                 "summary": "Ask for a human's approval of one call (a card on every platform)",
-                "parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"}}],
+                "parameters": [
+                    {
+                        "name": "Idempotency-Key",
+                        "in": "header",
+                        "description": "1-200 visible ASCII characters. The same key and body return the request it "
+                        "opened, from any replica, until a day past that request's deadline (then the key is "
+                        "forgotten); the same key with another body is refused (422).",
+                        "schema": {"type": "string", "pattern": "^[\\x21-\\x7e]{1,200}$"},
+                    }
+                ],
                 "requestBody": {
                     "required": True,
                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/NewApproval"}}},
@@ -301,9 +450,31 @@ OPENAPI: dict[str, Any] = {
                 "responses": {
                     "201": {"description": "opened", **_OK},
                     "200": {"description": "the request this Idempotency-Key already opened", **_OK},
-                    "401": {"description": "no valid API token"},
-                    "403": {"description": "the token lacks the approval_requester role"},
-                    "422": {"description": "the call cannot be shown faithfully, or the key was reused"},
+                    "400": {
+                        "description": "the body is not a request JSON can carry: not a JSON object, NaN or an "
+                        "infinity, a lone surrogate, arguments nested deeper than "
+                        f"{MAX_ARGUMENT_DEPTH} levels, an unknown field or a field of the wrong kind",
+                        **_ERROR,
+                    },
+                    "401": {"description": "no valid API token", **_ERROR},
+                    "403": {"description": "the token lacks the approval_requester role", **_ERROR},
+                    "404": {"description": "the request this Idempotency-Key opened is gone", **_ERROR},
+                    "422": {
+                        "description": "the call cannot be shown faithfully, or the Idempotency-Key was used "
+                        "with another body",
+                        **_ERROR,
+                    },
+                    "429": {
+                        "description": "the token has api.tokens.<name>.max_pending requests pending; ask again "
+                        "after Retry-After seconds, once one was decided or withdrawn",
+                        "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+                        **_ERROR,
+                    },
+                    "503": {
+                        "description": "no platform can show an approval card now, or the store could not record "
+                        "the request (nothing was opened)",
+                        **_ERROR,
+                    },
                 },
             }
         },

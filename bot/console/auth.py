@@ -6,7 +6,10 @@ a name; the name becomes their identity ``web:<name>`` in every record, and the
 approvals service still checks that identity against ``approvals.approvers``
 before any decision counts. The token proves the role; the name is what the
 holder of the token says they are, so hand tokens only to people you trust to
-name themselves honestly.
+name themselves honestly. Which role each route needs is declared and enforced in
+:mod:`~kazma.bot.console.doors`; this module makes and finds the sessions it checks.
+Wrong tokens are slowed by :mod:`~kazma.bot.console.login_throttle`, per client as
+:mod:`~kazma.bot.console.forwarded` finds it behind ``web.trusted_proxies``.
 
 Sessions live in the store (:mod:`~kazma.bot.console.sessions`), so a restart
 logs nobody out and any replica serves a logged-in user: the cookie holds a
@@ -27,12 +30,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import re
 import secrets
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
+from kazma.bot.console.forwarded import ClientAddresses
+from kazma.bot.console.login_throttle import LOGINS, LoginThrottle
 from kazma.bot.console.pages import login_page, message_page
 from kazma.bot.console.sessions import SessionStore
 from kazma.config.metrics import count_failure
@@ -60,10 +63,6 @@ CSRF_REFUSED = "missing or wrong CSRF token"
 ORIGIN_REFUSED = "this form was sent from another site"
 OPERATORS_ONLY = "operators only"
 MIN_TOKEN_LENGTH = 32
-# Wrong logins allowed per client address in a window before its attempts wait; the right token is never slowed
-# by someone else's guessing.
-LOGIN_FAILURES = 5
-LOGIN_WINDOW = 60.0
 TOKEN_RECHECK = 1.0  # seconds between looks at the token files, to end sessions of a rotated token
 SEEN_EVERY = 60.0  # a session's last-seen time is written at most this often: not one write per request
 _MAX_COOKIE = 128  # a session token is 43 characters; anything much longer is not one of ours
@@ -181,37 +180,6 @@ def session_binding(session_token: str, console_token_digest: str) -> str:
     return hmac.new(session_token.encode("utf-8"), console_token_digest.encode("ascii"), hashlib.sha256).hexdigest()
 
 
-class LoginThrottle:
-    """Wrong logins per client address: after a few in a window, that address waits out the window."""
-
-    def __init__(
-        self, *, failures: int = LOGIN_FAILURES, window: float = LOGIN_WINDOW, clock: Callable[[], float]
-    ) -> None:
-        self.failures = failures
-        self.window = window
-        self.clock = clock
-        self._seen: dict[str, deque[float]] = {}
-
-    def wait_for(self, client: str) -> float:
-        """Seconds ``client`` must wait before its next attempt is even checked (0: go ahead)."""
-        recent = self._recent(client)
-        if len(recent) < self.failures:
-            return 0.0
-        return max(0.0, recent[0] + self.window - self.clock())
-
-    def failed(self, client: str) -> None:
-        self._recent(client).append(self.clock())
-        if len(self._seen) > 10_000:  # bounded memory under a spray of addresses
-            for stale in [c for c, times in self._seen.items() if not times][:5_000]:
-                del self._seen[stale]
-
-    def _recent(self, client: str) -> deque[float]:
-        times = self._seen.setdefault(client, deque())
-        while times and times[0] <= self.clock() - self.window:
-            times.popleft()
-        return times
-
-
 def _same(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode("utf-8"), b.encode("utf-8"))
 
@@ -242,12 +210,14 @@ class WebAuth:
         clock: Callable[[], float] = time.monotonic,
         reload: Callable[[], Tokens] | None = None,
         origins: tuple[str, ...] = (),
+        clients: ClientAddresses | None = None,
     ) -> None:
         self.tokens = tokens
         self.secure = secure
         self.clock = clock
         self.store = store
         self.throttle = LoginThrottle(clock=clock)
+        self.clients = clients or ClientAddresses()  # who is asking, behind web.trusted_proxies
         self._reload = reload  # re-reads the token files, so a rotated token ends the sessions made with it
         self._checked = clock()
         self.origins = origins  # the console's own origins (its public URL); a POST from elsewhere is refused
@@ -262,6 +232,9 @@ class WebAuth:
         return token_digest(self.tokens.operator if role is Role.OPERATOR else self.tokens.reader)
 
     # -- tokens and sessions ---------------------------------------------------------------------
+
+    def _check(self, token: object) -> Role | None:
+        return self.role_for(token) if isinstance(token, str) and token else None
 
     def role_for(self, token: str) -> Role | None:
         # both compared every time, so the answer's timing says nothing about which one was close
@@ -355,34 +328,25 @@ class WebAuth:
         log.warning("web.origin_refused", origin=refused[:200], expected=sorted(own), path=request.path)
         raise web.HTTPForbidden(text=message_page("Refused", ORIGIN_REFUSED), content_type="text/html")
 
-    # -- guards ----------------------------------------------------------------------------------
+    # -- what the door let in ----------------------------------------------------------------------
 
-    async def page_reader(self, request: web.Request) -> Session:
-        """A logged-in person for an HTML page; otherwise off to the login form."""
-        session = await self.session(request)
-        if session is None:
-            raise web.HTTPFound("/login")
-        return session
+    def current(self) -> Session:
+        """The session the door (:mod:`~kazma.bot.console.doors`) found for this request.
 
-    async def api_reader(self, request: web.Request) -> Session:
-        """A logged-in person for the event stream and other machine routes; otherwise 401 JSON."""
-        session = await self.session(request)
-        if session is None:
-            raise web.HTTPUnauthorized(text=json.dumps({"error": "login required"}), content_type="application/json")
-        return session
+        Raises RuntimeError when there is none: a handler that needs a session behind a door that does not
+        ask for one is a programming error, answered 500, never served as somebody.
+        """
+        served = _SERVED.get()
+        if not served:
+            raise RuntimeError("no console session was checked at the door for this request")
+        return served[0]
 
-    async def post(self, request: web.Request, *, operator: bool) -> tuple[Session, dict[str, str]]:
-        """The guard for every state-changing request: a session, its CSRF token, and the role.
+    async def form(self, request: web.Request) -> tuple[Session, dict[str, str]]:
+        """The door's session and the form's fields, once the session's CSRF token matches.
 
         Raises before anything is read into the application, so a refused request changes nothing.
         """
-        self.check_origin(request)
-        session = await self.session(request)
-        if session is None:
-            raise web.HTTPUnauthorized(
-                text=message_page("Login required", "Your session has ended; log in again.", link=("/login", "Log in")),
-                content_type="text/html",
-            )
+        session = self.current()
         data = await request.post()
         fields: dict[str, str] = {}
         for key, value in data.items():
@@ -393,12 +357,6 @@ class WebAuth:
             log.warning("web.csrf_refused", login=session.login, path=request.path)
             raise web.HTTPForbidden(
                 text=message_page("Refused", CSRF_REFUSED, viewer=session), content_type="text/html"
-            )
-        if operator and not session.is_operator:
-            log.warning("web.reader_refused", login=session.login, path=request.path)
-            raise web.HTTPForbidden(
-                text=message_page("Refused", f"{OPERATORS_ONLY}: web:{session.login} is a reader", viewer=session),
-                content_type="text/html",
             )
         return session, fields
 
@@ -413,20 +371,9 @@ class WebAuth:
         return response
 
     async def login(self, request: web.Request) -> web.Response:
+        """Sign in. Every attempt's token is checked; only wrong ones are slowed (see :mod:`.login_throttle`)."""
         self.check_origin(request)
-        client = request.remote or "unknown"
-        wait = self.throttle.wait_for(client)
-        if wait > 0:
-            log.warning("web.login_throttled", remote=client, retry_after=round(wait, 1))
-            raise web.HTTPTooManyRequests(
-                text=message_page(
-                    "Too many attempts",
-                    f"Too many wrong logins from here; try again in {int(wait) + 1} s.",
-                    link=("/login", "Log in"),
-                ),
-                content_type="text/html",
-                headers={"Retry-After": str(int(wait) + 1)},
-            )
+        client = self.clients.of(request)
         data = await request.post()
         field = data.get("csrf")
         cookie = request.cookies.get(LOGIN_CSRF_COOKIE, "")
@@ -441,15 +388,41 @@ class WebAuth:
             return html_response(
                 login_page(field, error="The name must be 1–32 of a–z, 0–9, '_', '.', '-'."), status=400
             )
-        role = self.role_for(token) if isinstance(token, str) and token else None
-        if role is None:
-            self.throttle.failed(client)
-            log.warning("web.login_refused", login=name, remote=request.remote)
-            return html_response(login_page(field, error="wrong token", name=name), status=401)
+        key = client.throttle_key
+        if self.throttle.slowed(key):
+            async with self.throttle.turn(key):
+                role = self._check(token)
+                if role is None:
+                    hold = self.throttle.failed(key)
+                    LOGINS.labels(outcome="held" if hold > 0 else "wrong").inc()
+                    log.warning(
+                        "web.login_refused", login=name, remote=client.address, peer=client.peer, held=hold, slowed=True
+                    )
+                    await self.throttle.pause(hold)  # this client's next attempt waits meanwhile
+                    wait = int(self.throttle.retry_after(key)) + 1
+                    raise web.HTTPTooManyRequests(
+                        text=message_page(
+                            "Too many attempts",
+                            f"Too many wrong logins from here: each wrong token is now answered slowly, for {wait} s "
+                            "more. The right token is still accepted.",
+                            link=("/login", "Log in"),
+                        ),
+                        content_type="text/html",
+                        headers={"Retry-After": str(wait)},
+                    )
+            log.info("web.login_while_slowed", login=name, remote=client.address)
+        else:
+            role = self._check(token)
+            if role is None:
+                self.throttle.failed(key)
+                LOGINS.labels(outcome="wrong").inc()
+                log.warning("web.login_refused", login=name, remote=client.address, peer=client.peer, slowed=False)
+                return html_response(login_page(field, error="wrong token", name=name), status=401)
         previous = request.cookies.get(SESSION_COOKIE)
         if previous and len(previous) <= _MAX_COOKIE:
             await self.store.end(session_hash(previous))  # a fresh token at every login: no session fixation
         session = await self.open_session(name, role)
+        LOGINS.labels(outcome="accepted").inc()
         log.info("web.login", login=name, role=role.value)
         response = web.HTTPSeeOther("/")
         response.set_cookie(
@@ -465,7 +438,7 @@ class WebAuth:
         raise response
 
     async def logout(self, request: web.Request) -> web.Response:
-        session, _ = await self.post(request, operator=False)
+        session, _ = await self.form(request)
         await self.store.end(session_hash(session.id))
         log.info("web.logout", login=session.login)
         response = web.HTTPSeeOther("/login")

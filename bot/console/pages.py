@@ -20,7 +20,7 @@ from kazma.adapters.card_layout import APPROVE_LABEL, DENY_LABEL, ButtonKind, Ca
 from kazma.adapters.human_text import LABEL_PREFIX, for_humans
 from kazma.adapters.web import WebMessage, render
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
-from kazma.approvals.honesty import reveal
+from kazma.approvals.honesty import reveal, reveal_line
 from kazma.approvals.model import ApprovalRequest, Outcome, Status
 from kazma.approvals.rules import Rule
 from kazma.approvals.store import AuditEvent, PostedCard
@@ -405,7 +405,7 @@ def approval_page(
     flash: Sequence[str] = (),
 ) -> str:
     try:
-        whole = build_card(request, value_limit=WHOLE, public_url=public_url)
+        whole = build_card(request, value_limit=WHOLE, public_url=public_url, cut_padding=False)
         changed = False
     except CardIntegrityError:
         # Changed outside Kazma: no value of it is shown (as on every card), and it cannot be approved here.
@@ -417,29 +417,31 @@ def approval_page(
         decided = "not yet"
     elif request.status.human:
         decided = (
-            f"{e(request.status.value)} by {e(reveal(request.decided_by or ''))} via {e(request.decided_via or '')} "
+            f"{e(request.status.value)} by {e(reveal_line(request.decided_by or ''))} "
+            f"via {e(reveal_line(request.decided_via or ''))} "
             f"at {when_html(request.decided_at)}"
         )
     else:
         decided = (
             f"{e(request.status.value)} at {when_html(request.decided_at)} (not a denial): "
-            f"{e(reveal(request.reason or ''))}"
+            f"{e(reveal_line(request.reason or ''))}"
         )
     facts: list[tuple[str, str]] = [
-        ("Tool", e(reveal(request.tool))),
+        ("Tool", e(reveal_line(request.tool))),
         ("Status", e(request.status.value)),
         ("SHA-256 of the canonical arguments", e(request.args_hash)),
-        ("Requested by", e(reveal(request.requested_by))),
-        ("Where", e(reveal(request.conversation))),
-        ("Task", e(reveal(request.task_id or "—"))),
+        ("Requested by", e(reveal_line(request.requested_by))),
+        ("Where", e(reveal_line(request.conversation))),
+        ("Task", e(reveal_line(request.task_id or "—"))),
         ("When", when_html(request.created_at)),
         ("Deadline", when_html(request.deadline)),
         ("Decided", decided),
     ]
     fact_rows = "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in facts)
     audit = "".join(
-        f"<tr><td>{ev.seq}</td><td>{when_html(ev.at)}</td><td>{e(ev.event)}</td><td>{e(reveal(ev.actor or ''))}</td>"
-        f"<td>{e(ev.platform or '')}</td><td>{times_in(e(reveal(ev.detail or '')))}</td></tr>"
+        f"<tr><td>{ev.seq}</td><td>{when_html(ev.at)}</td><td>{e(ev.event)}</td>"
+        f"<td>{e(reveal_line(ev.actor or ''))}</td>"
+        f"<td>{e(ev.platform or '')}</td><td>{times_in(e(reveal_line(ev.detail or '')))}</td></tr>"
         for ev in events
     )
     posted = "".join(
@@ -528,9 +530,9 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
         )
     summary = ", ".join(f"{n} {e(s)}" for s, n in data.counts.items() if n) or "no tasks"
     approval_rows = "".join(
-        f'<tr><td><a href="{e(approval_href(a.id))}">{e(a.id)}</a></td><td>{e(reveal(a.tool))}</td>'
-        f"<td>{e(a.status.value)}</td><td>{e(reveal(a.requested_by))}</td><td>{when_html(a.created_at)}</td>"
-        f"<td>{e(reveal(a.decided_by or ''))}</td></tr>"
+        f'<tr><td><a href="{e(approval_href(a.id))}">{e(a.id)}</a></td><td>{e(reveal_line(a.tool))}</td>'
+        f"<td>{e(a.status.value)}</td><td>{e(reveal_line(a.requested_by))}</td><td>{when_html(a.created_at)}</td>"
+        f"<td>{e(reveal_line(a.decided_by or ''))}</td></tr>"
         for a in data.approvals
     )
     workers = "".join(f"<li>{e(line)}</li>" for line in data.worker_lines) or "<li>no workers configured</li>"
@@ -560,7 +562,7 @@ def rules_section(viewer: Viewer, rules: Sequence[Rule]) -> str:
             form(f"/approvals/rules/{quote(r.id, safe='')}/revoke", viewer, {}, "Revoke") if viewer.is_operator else ""
         )
         rows.append(
-            f"<tr><td><code>{e(r.id)}</code></td><td>{e(reveal(r.tool))}</td><td><code>{e(r.args_hash[:16])}…</code></td>"
+            f"<tr><td><code>{e(r.id)}</code></td><td>{e(reveal_line(r.tool))}</td><td><code>{e(r.args_hash[:16])}…</code></td>"
             f"<td>{e(r.conversation)}</td><td>{e(r.created_by)}</td>"
             f"<td>{when_html(datetime.fromtimestamp(r.expires_at, UTC))}</td><td>{revoke}</td></tr>"
         )

@@ -26,10 +26,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, generate_lat
 from yarl import URL
 
 from kazma.adapters.admission import FileBounds
-from kazma.adapters.contract import PlatformError
+from kazma.adapters.contract import Attachment, PlatformError
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import App
+from kazma.bot.console.api import caller_of
 from kazma.bot.console.api import register as register_api
 from kazma.bot.console.auth import (
     OPERATORS_ONLY,
@@ -42,7 +43,9 @@ from kazma.bot.console.auth import (
     safe_next,
 )
 from kazma.bot.console.dashboard_data import DashboardData, DashboardQueries, press_latencies
+from kazma.bot.console.doors import Doors, add_routes, reader_refused, undeclared
 from kazma.bot.console.feed import ChangeFeed
+from kazma.bot.console.forwarded import ClientAddresses
 from kazma.bot.console.pages import (
     approval_href,
     approval_page,
@@ -95,6 +98,11 @@ def _swarm_too_long(length: int) -> str:
     )
 
 
+def _for_readers(text: str) -> bool:
+    """What a reader may type: commands answered to them (nothing, which is answered "Nothing to send")."""
+    return text in ("", "/swarm", "/plan") or text.startswith("/swarm ")
+
+
 def mentions_of(text: str) -> tuple[str, ...]:
     """Lowercase ``@word`` names, once each, in order: how people address agents in the console."""
     return tuple(dict.fromkeys(m.lower() for m in _MENTION.findall(text)))
@@ -113,6 +121,8 @@ async def _add_security_headers(request: web.Request, response: web.StreamRespon
 
 
 class WebServer:
+    BODY_LIMIT = 256 * 1024  # every request body but an upload's (read as a stream, within files:)
+
     def __init__(
         self,
         app: App,
@@ -142,6 +152,7 @@ class WebServer:
         self.auth: WebAuth | None = None
         self.dashboard_interval = dashboard_interval
         self.feed: ChangeFeed[DashboardData] | None = None
+        self.application: web.Application | None = None  # the routes served, once started (the tests walk them)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -165,34 +176,43 @@ class WebServer:
             secure=public_url.startswith("https://"),
             reload=read_tokens,
             origins=(str(URL(public_url).origin()),),
+            clients=ClientAddresses(self.app.loaded.config.web.trusted_proxies),
         )
         auth = self.auth
-        application = web.Application(client_max_size=256 * 1024, middlewares=[auth.keep_flash])
+        config = self.app.loaded.config
+        doors = Doors(auth, lambda request: caller_of(config, request))
+        # keep_flash outside the door: it writes back the flash lines of the session the door found
+        application = web.Application(client_max_size=self.BODY_LIMIT, middlewares=[auth.keep_flash, doors.guard])
         application.on_response_prepare.append(_add_security_headers)
-        application.add_routes(
-            [
-                web.get("/login", auth.login_form),
-                web.post("/login", auth.login),
-                web.post("/logout", auth.logout),
-                web.get("/", self.console),
-                web.post("/console/send", self.send),
-                web.post("/console/choose", self.choose),
-                web.post("/console/upload", self.upload),
-                web.get("/events", self.events),
-                web.get("/conversations", self.conversations),
-                web.get("/conversations/{conversation}", self.conversations),
-                web.get("/console/files/{id}", self.file),
-                web.post("/approvals/{id}/decide", self.decide),
-                web.get("/swarm", self.swarm),
-                web.post("/swarm/tasks/{id}/{action}", self.task_action),
-                web.post("/swarm/command", self.swarm_command),
-                web.post("/approvals/rules/{id}/revoke", self.revoke_rule),
-                web.get("/metrics", self.metrics),
-                web.get("/healthz", self.healthz),
-                web.get("/static/console.js", self.script),
-            ]
+        add_routes(
+            application,
+            {
+                ("GET", "/login"): auth.login_form,
+                ("POST", "/login"): auth.login,
+                ("POST", "/logout"): auth.logout,
+                ("GET", "/"): self.console,
+                ("POST", "/console/send"): self.send,
+                ("POST", "/console/choose"): self.choose,
+                ("POST", "/console/upload"): self.upload,
+                ("GET", "/events"): self.events,
+                ("GET", "/conversations"): self.conversations,
+                ("GET", "/conversations/{conversation}"): self.conversations,
+                ("GET", "/console/files/{id}"): self.file,
+                ("POST", "/approvals/{id}/decide"): self.decide,
+                ("GET", "/swarm"): self.swarm,
+                ("POST", "/swarm/tasks/{id}/{action}"): self.task_action,
+                ("POST", "/swarm/command"): self.swarm_command,
+                ("POST", "/approvals/rules/{id}/revoke"): self.revoke_rule,
+                ("GET", "/metrics"): self.metrics,
+                ("GET", "/healthz"): self.healthz,
+                ("GET", "/static/console.js"): self.script,
+            },
         )
         register_api(application, self.app)  # /api/v1 (API tokens, not console logins) and /mcp
+        missing = undeclared(application.router)
+        if missing:  # a route with no role would be guarded by nobody: refuse to serve at all
+            raise RuntimeError(f"routes without a declared role in bot/console/doors.py: {', '.join(missing)}")
+        self.application = application
         self._closing.clear()
         runner = web.AppRunner(application, shutdown_timeout=self.shutdown_timeout, access_log=None)
         await runner.setup()
@@ -270,7 +290,7 @@ class WebServer:
     # -- the console -----------------------------------------------------------------------------
 
     async def console(self, request: web.Request) -> web.Response:
-        session = await self._auth().page_reader(request)
+        session = self._auth().current()
         flash = [*self._cannot_decide(session), *session.take_flash()]
         return html_response(console_page(session, self.web.messages(), flash=flash, files=self._file_bounds()))
 
@@ -284,7 +304,7 @@ class WebServer:
         try:
             session, sent = await read_upload(request, self._auth(), self._file_bounds())
         except UploadRefused as exc:
-            session = await self._auth().page_reader(request)
+            session = self._auth().current()
             log.info("web.upload_refused", login=session.login, reason=str(exc))
             session.flash.append(str(exc))
             raise web.HTTPSeeOther("/") from None
@@ -294,9 +314,7 @@ class WebServer:
             session.flash.append(f"The message is {len(sent.text):,} characters; at most {MAX_TEXT:,} are accepted.")
         else:
             log.info("web.upload", login=session.login, files=len(sent.files), size=sum(len(d) for _, d in sent.files))
-            await self.web.say(
-                session.login, sent.text, chat=CONSOLE, mentions=mentions_of(sent.text), attachments=sent.attachments()
-            )
+            await self._to_agents(session, sent.text, attachments=sent.attachments())
         raise web.HTTPSeeOther("/")
 
     def _cannot_decide(self, session: Session) -> list[str]:
@@ -310,20 +328,14 @@ class WebServer:
         ]
 
     async def send(self, request: web.Request) -> web.Response:
-        session, fields = await self._auth().post(request, operator=False)
+        """The message box. Operators talk to the agents (and answer questions by replying); of what a reader
+        types, only ``/swarm`` reads and ``/plan`` are answered — to the reader, never through an agent."""
+        session, fields = await self._auth().form(request)
         text = fields.get("text", "").strip()
         reply_to = fields.get("reply_to") or None
-        is_command = text in ("/swarm", "/plan") or text.startswith("/swarm ")
-        if reply_to is not None:
-            # an answer to a question: who may give it is the plan's to decide (the requester, or an operator)
-            is_command = True
-        if text and not is_command and not session.is_operator:
-            # Readers read (and may ask /swarm for status); only operators talk to the agents.
-            log.warning("web.reader_refused", login=session.login, path=request.path)
-            raise web.HTTPForbidden(
-                text=message_page("Refused", f"{OPERATORS_ONLY}: web:{session.login} is a reader", viewer=session),
-                content_type="text/html",
-            )
+        if not session.is_operator and (reply_to is not None or not _for_readers(text)):
+            log.warning("web.reader_refused", login=session.login, path=request.path, reply=reply_to is not None)
+            raise reader_refused(session)
         swarm = text == "/swarm" or text.startswith("/swarm ")
         if not text:
             session.flash.append("Nothing to send.")
@@ -336,20 +348,30 @@ class WebServer:
         elif text == "/plan":
             session.flash.append(await self.app.conversations.describe(f"web:{CONSOLE}"))
         else:
-            await self.web.say(
-                session.login,
-                text,
-                chat=CONSOLE,
-                mentions=mentions_of(text),
-                reply_to=reply_to,
-                # an operator may answer any question in the console, as a platform admin may in a chat
-                is_admin=session.is_operator and reply_to is not None,
-            )
+            await self._to_agents(session, text, reply_to=reply_to)
         raise web.HTTPSeeOther("/")
+
+    async def _to_agents(
+        self, session: Session, text: str, *, reply_to: str | None = None, attachments: tuple[Attachment, ...] = ()
+    ) -> None:
+        """The one way words from the console reach an agent: an operator's, whatever the route or field."""
+        if not session.is_operator:
+            log.warning("web.reader_refused", login=session.login, path="agents")
+            raise reader_refused(session)
+        await self.web.say(
+            session.login,
+            text,
+            chat=CONSOLE,
+            mentions=mentions_of(text),
+            reply_to=reply_to,
+            # an operator may answer any question in the console, as a platform admin may in a chat
+            is_admin=reply_to is not None,
+            attachments=attachments,
+        )
 
     async def choose(self, request: web.Request) -> web.Response:
         """A press of a question's choice in the console: the same path as every platform's buttons."""
-        session, fields = await self._auth().post(request, operator=False)
+        session, fields = await self._auth().form(request)
         try:
             choice = int(fields.get("choice", ""))
             result = await self.web.choose(
@@ -363,11 +385,13 @@ class WebServer:
     async def events(self, request: web.Request) -> web.StreamResponse:
         """Server-Sent Events: every console change and every conversation's new messages (from the transcript),
         as one JSON ``data:`` line each, working signs, and a heartbeat comment."""
-        session = await self._auth().api_reader(request)
+        session = self._auth().current()
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
         )
         await response.prepare(request)
+        if request.method == "HEAD":  # the headers say it all; a stream body would be read as the next response
+            return response
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=2000)
 
         async def pump_console() -> None:
@@ -432,7 +456,7 @@ class WebServer:
     # -- every conversation ----------------------------------------------------------------------
 
     async def conversations(self, request: web.Request) -> web.Response:
-        session = await self._auth().page_reader(request)
+        session = self._auth().current()
         current = request.match_info.get("conversation")
         summaries = await self.app.transcript.conversations()
         entries = await self.app.transcript.messages(current) if current else []
@@ -442,7 +466,7 @@ class WebServer:
 
     async def file(self, request: web.Request) -> web.Response:
         """A file an agent posted in the console, as a download (never shown inline)."""
-        session = await self._auth().page_reader(request)
+        session = self._auth().current()
         kept = self.web.file(request.match_info["id"])
         if kept is None:
             raise _not_found("No such file (only the newest files are kept, until a restart).", session)
@@ -466,7 +490,7 @@ class WebServer:
     # -- approvals -------------------------------------------------------------------------------
 
     async def decide(self, request: web.Request) -> web.Response:
-        session, fields = await self._auth().post(request, operator=True)
+        session, fields = await self._auth().form(request)
         request_id = request.match_info["id"]
         if not _REQUEST_ID.fullmatch(request_id):
             raise _not_found("No such approval request.", session)
@@ -484,7 +508,7 @@ class WebServer:
         raise web.HTTPSeeOther(safe_next(fields.get("next"), approval_href(request_id)))
 
     async def swarm(self, request: web.Request) -> web.Response:
-        session = await self._auth().page_reader(request)
+        session = self._auth().current()
         approval = request.query.get("approval")
         if approval is not None:
             return await self._approval(session, approval)
@@ -554,7 +578,7 @@ class WebServer:
         return await commands.run(text, actor=session.actor, platform="web", chat=CONSOLE, is_admin=session.is_operator)
 
     async def task_action(self, request: web.Request) -> web.Response:
-        session, _ = await self._auth().post(request, operator=True)
+        session, _ = await self._auth().form(request)
         task_id, action = request.match_info["id"], request.match_info["action"]
         if action not in TASK_ACTIONS or not _TASK_ID.fullmatch(task_id):
             raise _not_found("No such task action.", session)
@@ -562,7 +586,7 @@ class WebServer:
         raise web.HTTPSeeOther("/swarm")
 
     async def revoke_rule(self, request: web.Request) -> web.Response:
-        session, _ = await self._auth().post(request, operator=True)
+        session, _ = await self._auth().form(request)
         rule_id = request.match_info["id"]
         revoked = await self.app.service.revoke_rule(rule_id, actor=session.actor, platform="web")
         session.flash.append(
@@ -573,7 +597,7 @@ class WebServer:
         raise web.HTTPSeeOther("/swarm")
 
     async def swarm_command(self, request: web.Request) -> web.Response:
-        session, fields = await self._auth().post(request, operator=True)
+        session, fields = await self._auth().form(request)
         text = fields.get("text", "").strip().removeprefix("/swarm").strip()
         if len(text) > MAX_SWARM_COMMAND:
             session.flash.append(_swarm_too_long(len(text)))

@@ -18,7 +18,7 @@ from aiohttp import BodyPartReader, web
 
 from kazma.adapters.admission import FileBounds, human_size
 from kazma.adapters.contract import Attachment
-from kazma.bot.console.auth import CSRF_HEADER, CSRF_REFUSED, OPERATORS_ONLY, Session, WebAuth
+from kazma.bot.console.auth import CSRF_HEADER, CSRF_REFUSED, Session, WebAuth
 from kazma.bot.console.pages import message_page
 
 log = structlog.get_logger("kazma.web")
@@ -28,6 +28,19 @@ MAX_FIELD = 64 * 1024  # a text field (the message said with the files); the sen
 # After a refusal the rest of the body is read and dropped, up to this many bytes, so the browser gets the answer
 # rather than a reset connection; a larger rest is cut off.
 DRAIN_LIMIT = 64 * 1024 * 1024
+
+
+FORM_MARGIN = 1024 * 1024  # the message (at most MAX_FIELD), the CSRF token and every part's headers, with room
+
+
+def largest_upload(bounds: FileBounds) -> int:
+    """The largest body ``/console/upload`` takes whole: every file at its bound, and the form around them.
+
+    A proxy in front must let this much through, and need not let more: ``client_max_body_size`` in
+    deploy/nginx.conf and deploy/nginx-replicas.conf is this for the default ``files:`` (a test holds them
+    to it). Over it, the proxy answers 413 before Kazma could explain which file was too large.
+    """
+    return max(1, bounds.max_count) * bounds.max_bytes + FORM_MARGIN
 
 
 class UploadRefused(Exception):
@@ -71,35 +84,27 @@ async def _file(part: BodyPartReader, name: str, bounds: FileBounds) -> bytes:
 
 
 async def read_upload(request: web.Request, auth: WebAuth, bounds: FileBounds) -> tuple[Session, Upload]:
-    """The guard of :meth:`WebAuth.post` (origin, session, CSRF, operator), then the files within the bounds.
+    """The session the door let in (an operator's), its CSRF token first, then the files within the bounds.
 
-    Raises the same HTTP errors as the guard, and :class:`UploadRefused` (with the session) over a bound.
+    Raises 400/403 like :meth:`WebAuth.form`, and :class:`UploadRefused` over a bound.
     """
-    auth.check_origin(request)
-    session = await auth.session(request)
-    if session is None:
-        raise web.HTTPUnauthorized(
-            text=message_page("Login required", "Your session has ended; log in again.", link=("/login", "Log in")),
-            content_type="text/html",
-        )
-    if not request.content_type.startswith("multipart/"):
-        raise web.HTTPBadRequest(
-            text=message_page("Bad request", "Files are sent as multipart/form-data.", viewer=session),
-            content_type="text/html",
-        )
-    reader = await request.multipart()
+    session = auth.current()
+    multipart = request.content_type.startswith("multipart/")
+    reader = await request.multipart() if multipart else None
     supplied = request.headers.get(CSRF_HEADER, "")
-    if not supplied:
+    if not supplied and reader is not None:
         first = await reader.next()
         if isinstance(first, BodyPartReader) and first.name == "csrf" and first.filename is None:
             supplied = (await _field(first)).strip()
+    elif not supplied:  # a plain form (within the server's small body bound): its token, then a clear 400
+        field = (await request.post()).get("csrf")
+        supplied = field if isinstance(field, str) else ""
     if not supplied or not hmac.compare_digest(supplied.encode(), session.csrf.encode()):
         log.warning("web.csrf_refused", login=session.login, path=request.path)
         raise web.HTTPForbidden(text=message_page("Refused", CSRF_REFUSED, viewer=session), content_type="text/html")
-    if not session.is_operator:
-        log.warning("web.reader_refused", login=session.login, path=request.path)
-        raise web.HTTPForbidden(
-            text=message_page("Refused", f"{OPERATORS_ONLY}: web:{session.login} is a reader", viewer=session),
+    if reader is None:
+        raise web.HTTPBadRequest(
+            text=message_page("Bad request", "Files are sent as multipart/form-data.", viewer=session),
             content_type="text/html",
         )
     text, files = "", list[tuple[str, bytes]]()

@@ -1,0 +1,198 @@
+"""What an MCP server can send Kazma: answers bounded while they arrive, and tool names that never collide.
+
+Real SDK servers (tests/mcp_servers/spy.py) on stdio and streamable HTTP; memory is the test process's own,
+read from /proc/self/status (its peak reset through /proc/self/clear_refs before the call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kazma.config.models import MCPServerConfig
+from kazma.engine.mcp_stdio import Envelope, LineCutter, Oversize
+from kazma.engine.mcp_tools import MCPConnection
+from tests.mcp_support import free_port
+
+SPY = Path(__file__).resolve().parent / "mcp_servers" / "spy.py"
+TEN_MB = 10_000_000
+MB = 1024 * 1024
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak RSS to its current RSS; return that (kB)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError as exc:
+        pytest.skip(f"cannot reset the peak RSS here ({exc})")
+    return _status_kb("VmRSS")
+
+
+@asynccontextmanager
+async def _running(config: MCPServerConfig) -> AsyncIterator[MCPConnection]:
+    connection = MCPConnection("spy", config)
+    connection.start()
+    try:
+        assert await connection.wait_ready(60), connection.problem
+        yield connection
+    finally:
+        await connection.stop()
+
+
+async def _flood_costs(connection: MCPConnection) -> tuple[Any, float]:
+    """Call flood(10 MB); return the result and how much the peak RSS grew, in MB."""
+    warm = await connection.call("flood", {"size": 1000})  # first-call allocations out of the measurement
+    assert warm.ok, warm.error
+    before = _reset_peak()
+    result = await connection.call("flood", {"size": TEN_MB})
+    grown = (_status_kb("VmHWM") - before) / 1024
+    return result, grown
+
+
+async def test_a_10_mb_stdio_answer_is_cut_while_it_arrives(tmp_path: Path) -> None:
+    config = MCPServerConfig(command=sys.executable, args=[str(SPY)], call_timeout_seconds=120)
+    async with _running(config) as connection:
+        result, grown = await _flood_costs(connection)
+        assert grown < 40, f"the peak RSS grew by {grown:.0f} MB for a 10 MB answer"
+        assert not result.ok
+        assert result.truncated
+        assert "longer than 4194304 bytes" in (result.error or ""), result.error
+        assert "mcp_servers.spy.max_message_bytes" in (result.error or "")
+        # the connection carries on: the next call is answered by the same server
+        after = await connection.call("flood", {"size": 10})
+        assert after.ok
+        assert after.output == "x" * 10
+        assert connection.starts == 1
+
+
+@asynccontextmanager
+async def _spy_over_http() -> AsyncIterator[str]:
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(SPY), "http", str(port),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(30):
+            while True:
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", port)
+                except OSError:
+                    await asyncio.sleep(0.05)
+                    continue
+                writer.close()
+                break
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+async def test_a_10_mb_http_answer_is_cut_while_it_arrives() -> None:
+    async with _spy_over_http() as url, _running(MCPServerConfig(url=url, call_timeout_seconds=120)) as connection:
+        result, grown = await _flood_costs(connection)
+        assert grown < 40, f"the peak RSS grew by {grown:.0f} MB for a 10 MB answer"
+        assert not result.ok
+        assert "longer than 4194304 bytes" in (result.error or ""), result.error
+        after = await connection.call("flood", {"size": 10})
+        assert after.ok
+        assert after.output == "x" * 10
+
+
+async def test_an_answer_under_the_bound_is_read_and_cut_to_max_output_chars() -> None:
+    config = MCPServerConfig(command=sys.executable, args=[str(SPY)], max_output_chars=1000)
+    async with _running(config) as connection:
+        result = await connection.call("flood", {"size": 100_000})
+    assert result.ok
+    assert result.truncated
+    assert result.output.startswith("x" * 1000 + "\n[… result cut at 1000 of 100000 characters …]")
+
+
+# --------------------------------------------------------------------------- the cutter, as a unit
+
+_ids = st.one_of(
+    st.integers(min_value=-(2**53), max_value=2**53),
+    st.text(min_size=0, max_size=40),
+)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@st.composite
+def _messages(draw: st.DrawFn) -> tuple[dict[str, Any], Any]:
+    """A JSON-RPC message in any key order, and the id it answers (None for requests and notifications)."""
+    kind = draw(st.sampled_from(["result", "error", "request", "notification"]))
+    fields: dict[str, Any] = {"jsonrpc": "2.0"}
+    answers = None
+    if kind in ("result", "error", "request"):
+        fields["id"] = draw(_ids)
+    if kind == "result":
+        fields["result"] = draw(_json)
+        answers = fields["id"]
+    elif kind == "error":
+        fields["error"] = {"code": -1, "message": draw(st.text(max_size=20)), "data": draw(_json)}
+        answers = fields["id"]
+    else:
+        fields["method"] = draw(st.text(min_size=1, max_size=20))
+        fields["params"] = draw(st.dictionaries(st.text(max_size=8), _json, max_size=3))
+    keys = draw(st.permutations(list(fields)))
+    return {key: fields[key] for key in keys}, answers
+
+
+@settings(max_examples=300, deadline=None)
+@given(_messages(), st.booleans(), st.integers(min_value=1, max_value=64), st.randoms())
+def test_the_envelope_finds_the_id_an_answer_carries_in_any_key_order(
+    message: tuple[dict[str, Any], Any], ascii_only: bool, piece: int, rnd: random.Random
+) -> None:
+    fields, answers = message
+    text = json.dumps(fields, ensure_ascii=ascii_only, separators=rnd.choice([(",", ":"), (", ", ": ")]))
+    data = text.encode("utf-8")
+    envelope = Envelope()
+    at = 0
+    while at < len(data):  # fed in pieces of any size, cut anywhere (inside escapes and UTF-8 sequences too)
+        step = rnd.randint(1, piece)
+        envelope.feed(data[at : at + step])
+        at += step
+    assert envelope.answers == answers
+
+
+def test_the_cutter_passes_lines_within_the_bound_and_answers_one_over_it_once() -> None:
+    big = json.dumps({"result": {"content": [{"type": "text", "text": "x" * 5000}]}, "jsonrpc": "2.0", "id": 7})
+    cutter = LineCutter(limit=1000)
+    stream = (
+        b'{"jsonrpc":"2.0","id":1,"result":{}}\n' + big.encode() + b"\n" + b'{"jsonrpc":"2.0","id":2,"result":{}}\n'
+    )
+    events: list[bytes | Oversize] = []
+    for at in range(0, len(stream), 300):
+        events.extend(cutter.feed(stream[at : at + 300]))
+    assert events[0] == b'{"jsonrpc":"2.0","id":1,"result":{}}'
+    cut = [e for e in events if isinstance(e, Oversize)]
+    assert [e.reply_to for e in cut if e.answer] == [7]  # answered once, though its id came last
+    assert [e.size for e in cut if e.ended] == [len(big)]
+    assert events[-1] == b'{"jsonrpc":"2.0","id":2,"result":{}}'
+    early = LineCutter(limit=1000)
+    head_first = json.dumps({"jsonrpc": "2.0", "id": "a", "result": {"text": "y" * 5000}}).encode()
+    said = list(early.feed(head_first[:2000]))
+    assert [(e.reply_to, e.answer, e.ended) for e in said if isinstance(e, Oversize)] == [("a", True, False)]
+    said = list(early.feed(head_first[2000:] + b"\n"))
+    assert [(e.reply_to, e.answer, e.ended) for e in said if isinstance(e, Oversize)] == [("a", False, True)]
