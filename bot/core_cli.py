@@ -58,6 +58,13 @@ def config_check(obj: Context, path: Path | None) -> None:
         click.echo("  every platform is off: `kazma run` will serve the web console alone")
     for warning in loaded.config.warnings():
         click.echo(f"  warning: {warning}")
+    swarm = loaded.config.swarm
+    click.echo(
+        f"  swarm: {swarm.max_parallel} tasks at once, {swarm.task_concurrency} worker calls per task, "
+        f"{swarm.max_parallel_workers} in the process; each worker runs with (its own settings over the swarm's):"
+    )
+    for name in loaded.config.agents.workers:
+        click.echo(f"    {name}: {swarm.reliability(name).line()}")
 
 
 @click.command()

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 
@@ -20,8 +21,11 @@ from kazma.bot.context import Context
 from kazma.config import LoadedConfig
 from kazma.config.registry import ROUTE_PLATFORMS
 from kazma.engine.swarm.grammar import USAGES, GrammarError, parse
+from kazma.engine.swarm.limits import LimitExceeded, check_context
+from kazma.engine.swarm.records import task_json
 
 EXIT_USAGE = 2
+CLI_ONLY = ("show",)  # subcommands of the terminal alone (JSON for scripts), beside the /swarm grammar
 _OPTIONS = "kazma.swarm.options"
 _PENDING = "Runs in this process against the shared store; started work is waited for and its result printed."
 
@@ -32,7 +36,7 @@ def _context() -> Context:
     return found if found is not None else Context(None)
 
 
-def _run(verb: str, *words: str, to: str | None = None) -> None:
+def _run(verb: str, *words: str, to: str | None = None, context: str = "") -> None:
     text = " ".join([verb, *words])
     if to is not None:
         text = f"{text} -> {to}"
@@ -48,16 +52,16 @@ def _run(verb: str, *words: str, to: str | None = None) -> None:
         click.echo(json.dumps(command.to_json(), ensure_ascii=False))
         return
     login = state.login if state is not None else _default_login()
-    sys.exit(asyncio.run(_execute(loaded, text, login)))
+    sys.exit(asyncio.run(_execute(loaded, text, login, context)))
 
 
-async def _execute(loaded: LoadedConfig, text: str, login: str) -> int:
+async def _execute(loaded: LoadedConfig, text: str, login: str, context: str = "") -> int:
     """Carry the command out like chat does, as ``cli:<login>``; wait for work it starts."""
     # No platform is started from the CLI: results are printed here, cards need `kazma run`.
     app = await build_app(loaded, adapters=[])
     try:
         answer = await app.conversations.swarm.run(  # type: ignore[union-attr]
-            text, actor=f"cli:{login}", platform="cli", chat="terminal", is_admin=False
+            text, actor=f"cli:{login}", platform="cli", chat="terminal", is_admin=False, context=context
         )
         click.echo(answer)
         if answer.startswith("swarm task ") and " started " in answer:
@@ -136,13 +140,78 @@ def _no_argument_command(verb: str) -> Callable[[str | None], None]:
     return command
 
 
-for _verb in ("help", "list", "history", "workers", "config", "metrics"):
+for _verb in ("help", "list", "history", "workers", "config"):
     swarm.command(_verb, help=_help(_verb))(_to_option(_no_argument_command(_verb)))
+
+
+@swarm.command("metrics", help=_help("metrics"))
+@click.argument("days", required=False, type=click.IntRange(1, 366))
+@_to_option
+def metrics(days: int | None, to: str | None) -> None:
+    _run("metrics", *([str(days)] if days is not None else []), to=to)
+
+
+@swarm.command("tasks", help=_help("tasks"))
+@click.option("--worker", default=None, callback=_word_callback, help="Only tasks this worker was named in or ran.")
+@_to_option
+def tasks(worker: str | None, to: str | None) -> None:
+    _run("tasks", *(["--worker", worker] if worker is not None else []), to=to)
+
+
+@swarm.command("show", help="One task and every worker call it made (model, tools, times, tokens, cost).")
+@click.argument("task_id", callback=_word_callback)
+@click.option("--json", "as_json", is_flag=True, help="Print the task and its calls as one JSON object.")
+def show(task_id: str, as_json: bool) -> None:
+    loaded = _context().load()
+    sys.exit(asyncio.run(_show(loaded, task_id, as_json)))
+
+
+async def _show(loaded: LoadedConfig, task_id: str, as_json: bool) -> int:
+    app = await build_app(loaded, adapters=[])
+    try:
+        record = await app.swarm.store.get(task_id)
+        if record is None:
+            click.echo(f"no swarm task {task_id!r}", err=True)
+            return 1
+        calls = await app.swarm.store.calls(task_id)
+        if not as_json:
+            click.echo(
+                await app.conversations.swarm.run(  # type: ignore[union-attr]
+                    f"status {task_id}", actor="cli:show", platform="cli", chat="terminal", is_admin=False
+                )
+            )
+            return 0
+        click.echo(json.dumps(task_json(record, calls), ensure_ascii=False, indent=2))
+        return 0
+    finally:
+        await app.stop()
+
+
+def _context_file(_ctx: click.Context, _param: click.Parameter, value: Path | None) -> str:
+    """The file's text, refused over the context limit before anything is built (the limit named)."""
+    if value is None:
+        return ""
+    try:
+        text = value.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(f"{value.name} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        check_context(text, what=f"context file {value.name}")
+    except LimitExceeded as exc:
+        raise click.BadParameter(str(exc)) from None
+    return text
 
 
 def _start_options(function: Callable[..., None]) -> Callable[..., None]:
     function = click.option(
         "--expect", default=None, callback=_word_callback, help="json, or a schema from swarm.schemas."
+    )(function)
+    function = click.option(
+        "--context-file",
+        "context",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        callback=_context_file,
+        help="A file every worker gets with the task, as data (at most 256 KiB).",
     )(function)
     return click.option(
         "--deadline", type=click.IntRange(1, 86400), default=None, help="Seconds the whole task may take."
@@ -169,16 +238,18 @@ def status(task_id: str | None, to: str | None) -> None:
 @click.argument("task", nargs=-1, required=True)
 @_to_option
 @_start_options
-def dispatch(worker: str, task: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None) -> None:
-    _run("dispatch", worker, *_option_words(expect, deadline), *task, to=to)
+def dispatch(
+    worker: str, task: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None, context: str
+) -> None:
+    _run("dispatch", worker, *_option_words(expect, deadline), *task, to=to, context=context)
 
 
 @swarm.command("broadcast", help=_help("broadcast"))
 @click.argument("task", nargs=-1, required=True)
 @_to_option
 @_start_options
-def broadcast(task: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None) -> None:
-    _run("broadcast", *_option_words(expect, deadline), *task, to=to)
+def broadcast(task: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None, context: str) -> None:
+    _run("broadcast", *_option_words(expect, deadline), *task, to=to, context=context)
 
 
 @swarm.command("pipeline", help=_help("pipeline"))
@@ -186,8 +257,10 @@ def broadcast(task: tuple[str, ...], to: str | None, expect: str | None, deadlin
 @click.argument("task", nargs=-1, required=True)
 @_to_option
 @_start_options
-def pipeline(stages: str, task: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None) -> None:
-    _run("pipeline", stages, *_option_words(expect, deadline), *task, to=to)
+def pipeline(
+    stages: str, task: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None, context: str
+) -> None:
+    _run("pipeline", stages, *_option_words(expect, deadline), *task, to=to, context=context)
 
 
 @swarm.command("fanout", help=_help("fanout"))
@@ -208,8 +281,9 @@ def fanout(
     expect: str | None,
     deadline: int | None,
     strategy: str | None,
+    context: str,
 ) -> None:
-    _run("fanout", workers, *_option_words(expect, deadline, strategy), *task, to=to)
+    _run("fanout", workers, *_option_words(expect, deadline, strategy), *task, to=to, context=context)
 
 
 @swarm.command("consult", help=_help("consult"))
@@ -217,8 +291,10 @@ def fanout(
 @click.argument("question", nargs=-1, required=True)
 @_to_option
 @_start_options
-def consult(workers: str, question: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None) -> None:
-    _run("consult", workers, *_option_words(expect, deadline), *question, to=to)
+def consult(
+    workers: str, question: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None, context: str
+) -> None:
+    _run("consult", workers, *_option_words(expect, deadline), *question, to=to, context=context)
 
 
 @swarm.command("conditional", help=_help("conditional"))
@@ -228,9 +304,15 @@ def consult(workers: str, question: tuple[str, ...], to: str | None, expect: str
 @_to_option
 @_start_options
 def conditional(
-    router: str, routes: str, task: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None
+    router: str,
+    routes: str,
+    task: tuple[str, ...],
+    to: str | None,
+    expect: str | None,
+    deadline: int | None,
+    context: str,
 ) -> None:
-    _run("conditional", router, routes, *_option_words(expect, deadline), *task, to=to)
+    _run("conditional", router, routes, *_option_words(expect, deadline), *task, to=to, context=context)
 
 
 @swarm.command("breaker", help=_help("breaker"))

@@ -9,6 +9,7 @@ into one line per problem.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
 from ipaddress import ip_network
@@ -652,27 +653,105 @@ class SwarmWorkerSettings(Strict):
     breaker_cooldown_seconds: float | None = Field(default=None, gt=0, le=86400)
     retries: int | None = Field(default=None, ge=0, le=10)  # retries after the first attempt
     timeout_seconds: int | None = Field(default=None, ge=1, le=3600)
+    max_concurrent: int | None = Field(default=None, ge=1, le=1024)  # calls of this worker at once, every task
+
+
+@dataclass(frozen=True)
+class WorkerReliability:
+    """What one worker really runs with: its own ``swarm.workers.<name>`` settings over the swarm's."""
+
+    worker: str
+    retries: int  # after the first attempt: ``retries + 1`` calls at most
+    retry_base_seconds: float
+    retry_cap_seconds: float
+    retry_jitter: bool
+    timeout_seconds: int
+    breaker_threshold: int
+    breaker_cooldown_seconds: float
+    task_concurrency: int  # calls of one task at once
+    max_concurrent: int | None  # calls of this worker at once across tasks (None: only the process cap)
+    max_parallel_workers: int  # calls at once in the process, every task and worker together
+
+    def line(self) -> str:
+        jitter = ", jitter" if self.retry_jitter else ""
+        own = "no limit of its own" if self.max_concurrent is None else f"at most {self.max_concurrent} at once"
+        return (
+            f"retries {self.retries} (backoff {self.retry_base_seconds:g} s doubling to {self.retry_cap_seconds:g} s"
+            f"{jitter}), timeout {self.timeout_seconds} s, breaker {self.breaker_threshold} failures then "
+            f"{self.breaker_cooldown_seconds:g} s rest, concurrency {own}, {self.task_concurrency} per task, "
+            f"{self.max_parallel_workers} in the process"
+        )
+
+
+# Keys that were renamed: the old name is refused with the new one, never silently ignored.
+_RENAMED_SWARM_KEYS = {
+    "routing_floor": "replaced by swarm.routing_margin: semantic routing takes the best worker only when it leads "
+    "the runner-up by the margin (default 0.045), and refuses ambiguous tasks",
+}
 
 
 class SwarmConfig(Strict):
     step_timeout_seconds: int = Field(default=300, ge=1, le=3600)
     task_deadline_seconds: int = Field(default=1800, ge=1, le=86400)  # a whole task, every step and retry
-    max_parallel: int = Field(default=8, ge=1, le=64)
+    max_parallel: int = Field(default=8, ge=1, le=1000)  # tasks running at once (resumed pipelines included)
+    task_concurrency: int = Field(default=5, ge=1, le=64)  # worker calls of one task at once
+    max_parallel_workers: int = Field(default=64, ge=1, le=1024)  # worker calls at once in the process
     max_workers: int = Field(default=32, ge=1, le=32)
     max_paused_pipelines: int = Field(default=100, ge=0, le=100)
     retention_days: int = Field(default=30, ge=0, le=3650)  # 0 keeps every task
     retention_sweep_seconds: int = Field(default=3600, ge=1, le=86400)
     breaker_threshold: int = Field(default=5, ge=1, le=100)
     breaker_cooldown_seconds: float = Field(default=60.0, gt=0, le=86400)
-    retries: int = Field(default=2, ge=0, le=10)
+    retries: int = Field(default=3, ge=0, le=10)
+    retry_base_seconds: float = Field(default=1.0, gt=0, le=3600)
+    retry_cap_seconds: float = Field(default=60.0, gt=0, le=86400)
+    retry_jitter: bool = True
     workers: dict[str, SwarmWorkerSettings] = Field(default_factory=dict)
     schemas: dict[str, dict[str, Any]] = Field(default_factory=dict)  # named output schemas for --expect
-    routing_floor: float = Field(default=0.3, ge=-1, le=1)  # least cosine similarity semantic routing accepts
+    routing_margin: float = Field(default=0.045, ge=0, le=2)  # how far the best worker must lead the runner-up
     routing_deadline_seconds: float = Field(default=5.0, gt=0, le=120)
     prompt_price_per_thousand: float = Field(default=0.0, ge=0)
     completion_price_per_thousand: float = Field(default=0.0, ge=0)
     allow_shared_operators: bool = False
     checkpoints: dict[str, list[int]] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for key, message in _RENAMED_SWARM_KEYS.items():
+                if key in value:
+                    raise PydanticCustomError("kazma_renamed", message, {"subpath": key})
+        return value
+
+    @model_validator(mode="after")
+    def _backoff(self) -> SwarmConfig:
+        if self.retry_cap_seconds < self.retry_base_seconds:
+            raise PydanticCustomError(
+                "kazma_backoff",
+                "the retry cap ({cap} s) is below the first delay, swarm.retry_base_seconds ({base} s)",
+                {"subpath": "retry_cap_seconds", "cap": self.retry_cap_seconds, "base": self.retry_base_seconds},
+            )
+        return self
+
+    def reliability(self, worker: str) -> WorkerReliability:
+        """The settings ``worker`` runs with: each of its own ``swarm.workers.<worker>`` values over the swarm's."""
+        own = self.workers.get(worker) or SwarmWorkerSettings()
+        return WorkerReliability(
+            worker=worker,
+            retries=self.retries if own.retries is None else own.retries,
+            retry_base_seconds=self.retry_base_seconds,
+            retry_cap_seconds=self.retry_cap_seconds,
+            retry_jitter=self.retry_jitter,
+            timeout_seconds=self.step_timeout_seconds if own.timeout_seconds is None else own.timeout_seconds,
+            breaker_threshold=self.breaker_threshold if own.breaker_threshold is None else own.breaker_threshold,
+            breaker_cooldown_seconds=self.breaker_cooldown_seconds
+            if own.breaker_cooldown_seconds is None
+            else own.breaker_cooldown_seconds,
+            task_concurrency=self.task_concurrency,
+            max_concurrent=own.max_concurrent,
+            max_parallel_workers=self.max_parallel_workers,
+        )
 
 
 # The built-in tools and the level each has unless ``tools:`` says otherwise. Tools that change or run

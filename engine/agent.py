@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -14,9 +13,10 @@ import structlog
 from kazma.approvals.policy import SafetyPolicy
 from kazma.config.metrics import count_failure
 from kazma.config.models import KazmaConfig
+from kazma.engine import messages
 from kazma.engine.history import HistoryStore
 from kazma.engine.tools import ToolContext, ToolRegistry, ToolResult, fence_untrusted
-from kazma.engine.types import Message, ModelError, ModelProvider, ToolCall, ToolSpec, Usage
+from kazma.engine.types import Message, ModelError, ModelProvider, ToolCall, ToolSpec, ToolUse, Usage
 
 log = structlog.get_logger("kazma.agent")
 
@@ -72,6 +72,7 @@ class TurnContext:
     task_id: str | None = None
     request_text: str = ""  # what the turn was asked (a plan written in it remembers it)
     step: StepRef | None = None  # the plan step this turn works on, if any
+    files: tuple[str, ...] = ()  # workspace paths of files sent with the message (a plan written in it keeps them)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ class ToolRun:
     summary: str
     refused: bool = False
     changed_state: bool = False
+    approval_id: str | None = None  # the request a person decided for this call (None: none was needed)
+
+    def use(self) -> ToolUse:
+        return ToolUse(self.name, self.ok, self.approval_id, self.refused)
 
 
 @dataclass
@@ -91,6 +96,11 @@ class TurnResult:
     usage: Usage = field(default_factory=Usage)
     error: str | None = None
     transient: bool = False
+    model: str = ""  # the model that answered last, as its server named it
+
+    @property
+    def tools(self) -> tuple[ToolUse, ...]:
+        return tuple(run.use() for run in self.tool_runs)
 
     @property
     def ok(self) -> bool:
@@ -182,23 +192,35 @@ class AgentRunner:
         task_id: str | None = None,
         step: StepRef | None = None,
         extra_tools: Sequence[InternalTool] = (),
+        files: Sequence[str] = (),
+        request_text: str | None = None,
     ) -> TurnResult:
         """One turn: the agent answers ``text``, calling tools as it goes, at most ``max_steps`` model calls.
 
-        ``extra_tools`` are internal tools offered for this turn only (the swarm's handoff tool).
+        ``extra_tools`` are internal tools offered for this turn only (the swarm's handoff tool). ``files`` are
+        the workspace paths of files sent with the message, and ``request_text`` what the person wrote (default
+        ``text``): a plan written in the turn keeps both.
         """
-        ctx = TurnContext(conversation, agent, requested_by, task_id, request_text=text, step=step)
-        messages: list[Message] = [
-            {"role": "system", "content": agent.system_prompt},
+        ctx = TurnContext(
+            conversation,
+            agent,
+            requested_by,
+            task_id,
+            request_text=text if request_text is None else request_text,
+            step=step,
+            files=tuple(files),
+        )
+        sent: list[Message] = [
+            messages.system(agent.system_prompt),
             *await self.history.recent(conversation, agent.name),
-            {"role": "user", "content": text},
+            messages.user(text),
         ]
         result = TurnResult(text="")
         specs = self._specs(agent, extra_tools)
         internal = self._internal(agent, extra_tools)
         for _ in range(self.max_steps):
             try:
-                reply = await self.provider.complete(messages, specs, model=agent.model)
+                reply = await self.provider.complete(sent, specs, model=agent.model)
             except ModelError as exc:
                 count_failure("model")
                 log.warning("agent.model_error", agent=agent.name, error=str(exc), permanent=exc.permanent)
@@ -206,14 +228,15 @@ class AgentRunner:
                 result.transient = not exc.permanent and not result.changed_state
                 return result
             result.usage = result.usage + reply.usage
+            result.model = reply.model or agent.model or result.model
             if not reply.tool_calls:
                 result.text = (reply.content or "").strip()
                 await self._remember(conversation, agent.name, text, result)
                 return result
-            messages.append(_assistant_message(reply.content, reply.tool_calls))
+            sent.append(messages.assistant_calls(reply.content, reply.tool_calls))
             for call in reply.tool_calls:
                 content = await self._call(call, ctx, result, internal)
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+                sent.append(messages.tool_reply(call.id, content))
         result.error = f"stopped after {self.max_steps} model calls without a final answer"
         log.warning("agent.turn_limit", agent=agent.name, conversation=conversation)
         return result
@@ -268,7 +291,9 @@ class AgentRunner:
             notes=self.registry.notes(call.name),
         )
         if not verdict.allowed:
-            result.tool_runs.append(ToolRun(call.name, call.arguments, False, verdict.reason, refused=True))
+            result.tool_runs.append(
+                ToolRun(call.name, call.arguments, False, verdict.reason, refused=True, approval_id=verdict.request_id)
+            )
             return f"Not run: {verdict.reason}"
         tool_ctx = ToolContext(
             workspace=workspace_for(self.workspace_root, ctx.conversation),
@@ -279,25 +304,17 @@ class AgentRunner:
         outcome = await self.registry.execute(call.name, call.arguments, tool_ctx)
         summary = outcome.output if outcome.ok else (outcome.error or "failed")
         result.tool_runs.append(
-            ToolRun(call.name, call.arguments, outcome.ok, summary[:500], changed_state=outcome.changed_state)
+            ToolRun(
+                call.name,
+                call.arguments,
+                outcome.ok,
+                summary[:500],
+                changed_state=outcome.changed_state,
+                approval_id=verdict.request_id,
+            )
         )
         log.info("agent.tool_ran", agent=ctx.agent.name, tool=call.name, ok=outcome.ok)
         body = outcome.output[:MAX_TOOL_OUTPUT_TO_MODEL]
         if not outcome.ok:
             body = f"{outcome.error or 'failed'}\n{body}"
         return fence_untrusted(body, source=f"the {call.name} tool")
-
-
-def _assistant_message(content: str | None, calls: tuple[ToolCall, ...]) -> Message:
-    return {
-        "role": "assistant",
-        "content": content or "",
-        "tool_calls": [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.name, "arguments": call.raw_arguments or json.dumps(call.arguments)},
-            }
-            for call in calls
-        ],
-    }

@@ -29,11 +29,11 @@ from kazma.adapters.human_text import for_humans
 from kazma.approvals.model import PressResult, PressVerdict
 from kazma.config.metrics import count_failure
 from kazma.engine.agent import AgentRunner, AgentSpec, StepRef, TurnResult, workspace_for
-from kazma.engine.attachments import describe, save_attachments
+from kazma.engine.attachments import Saved, describe, save_attachments
 from kazma.engine.executor import Action, ActionKind, AnswerVerdict, DispatchFailed, PlanExecutor, StepResult
+from kazma.engine.fence import fence_untrusted
 from kazma.engine.plan_store import Question
 from kazma.engine.plan_tools import ask_user_tool, lead_plan_tools
-from kazma.engine.tools import fence_untrusted
 
 log = structlog.get_logger("kazma.conversation")
 
@@ -47,7 +47,9 @@ _QUESTION_BUTTON: Final = re.compile(r"^kq1:(?P<id>[A-Za-z0-9_-]{8,32}):(?P<choi
 class CommandRunner(Protocol):
     """Carries out a ``/swarm …`` command and answers in words (the swarm's commands, injected by ``bot``)."""
 
-    async def run(self, text: str, *, actor: str, platform: str, chat: str, is_admin: bool) -> str: ...
+    async def run(
+        self, text: str, *, actor: str, platform: str, chat: str, is_admin: bool, context: str = ""
+    ) -> str: ...
 
 
 class MessageSink(Protocol):
@@ -190,15 +192,21 @@ class Conversations:
             return
         agent = worker or self.lead
         text = message.text
+        files: tuple[str, ...] = ()
         if message.attachments and not message.from_bot:
-            note = await self._save_files(conversation, message)
-            if note is None:
+            saved = await self._save_files(conversation, message)
+            if saved is None:
                 return
+            files = tuple(s.path for s in saved)
+            note = describe(saved)
             text = f"{text}\n\n{note}" if text else note
         log.info("inbound.routed", conversation=conversation, agent=agent.name, author=message.author)
         async with self._announcing(agent, conversation):
             async with self.working(message.platform, message.chat, message.thread):
-                result = await self.runner.run(agent, conversation, text, requested_by=message.author)
+                # a plan written in this turn keeps what the person wrote and the files they sent (PlanOrigin)
+                result = await self.runner.run(
+                    agent, conversation, text, requested_by=message.author, files=files, request_text=message.text
+                )
             await self._post_result(message, agent, result)
 
     def _announcing(self, agent: AgentSpec, conversation: str) -> contextlib.AbstractAsyncContextManager[None]:
@@ -207,9 +215,9 @@ class Conversations:
             return contextlib.nullcontext()
         return self.executor.announcing(conversation)
 
-    async def _save_files(self, conversation: str, message: Inbound) -> str | None:
-        """Save the message's files into the conversation's workspace; the note for the agent, or None when
-        they could not be saved (the sender is told why, and the agent does not run on half a message)."""
+    async def _save_files(self, conversation: str, message: Inbound) -> list[Saved] | None:
+        """Save the message's files into the conversation's workspace; what was saved, or None when they could
+        not be saved (the sender is told why, and the agent does not run on half a message)."""
         workspace = workspace_for(self.runner.workspace_root, conversation)
         try:
             saved = await save_attachments(workspace, message.attachments)
@@ -227,7 +235,7 @@ class Conversations:
                 thread=message.thread,
             )
             return None
-        return describe(saved)
+        return saved
 
     async def describe(self, conversation: str) -> str:
         if self.executor is None:
@@ -247,6 +255,9 @@ class Conversations:
             files=result.files_written,
             error=result.error or "",
             transient=result.transient and not result.changed_state,
+            model=result.model,
+            tools=result.tools,
+            usage=result.usage,
         )
         # When the turn asked a person (ask_user), the step waits and this completion is stale: ignored.
         await self.executor.complete(dispatch.plan_id, dispatch.index, outcome, attempt=dispatch.attempt)
@@ -396,6 +407,9 @@ class Conversations:
                 summary=result.text[:SUMMARY_LIMIT],
                 files=result.files_written,
                 error=result.error or "",
+                model=result.model,
+                tools=result.tools,
+                usage=result.usage,
             ),
             attempt=action.step.attempts,
         )

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from kazma.config.identity import platform_of
 from kazma.config.metrics import count_failure
+from kazma.engine.fence import fence_untrusted
 from kazma.engine.plan import (
     USER,
     OnFailure,
@@ -39,12 +40,14 @@ from kazma.engine.plan import (
     PlanOrigin,
     PlanSpec,
     Step,
+    StepRecord,
     StepSpec,
     StepStatus,
     dependencies,
     validate_plan,
 )
 from kazma.engine.plan_store import PlanStore, Question
+from kazma.engine.types import ToolUse, Usage
 
 log = structlog.get_logger("kazma.executor")
 
@@ -60,6 +63,12 @@ class StepResult:
     files: tuple[str, ...] = ()
     error: str = ""
     transient: bool = False  # worth another attempt (timeouts, 5xx); never for work that changed state
+    model: str = ""  # the model that answered the step's turn
+    tools: tuple[ToolUse, ...] = ()  # the tools it called, with the approvals they ran under
+    usage: Usage = field(default_factory=Usage)  # its tokens, and the cost its server reported
+
+    def record(self) -> StepRecord:
+        return StepRecord(model=self.model, tools=self.tools, usage=self.usage)
 
 
 class ActionKind(StrEnum):
@@ -207,7 +216,12 @@ class PlanExecutor:
                 # Compare-and-set: another recoverer (a replica, the leader's sweep) or the step's own result
                 # may have got there first, and the lead is asked about a failure once.
                 if not await self.store.set_status(
-                    plan_id, index, StepStatus.IN_PROGRESS, StepStatus.FAILED, failure_reason=INTERRUPTED
+                    plan_id,
+                    index,
+                    StepStatus.IN_PROGRESS,
+                    StepStatus.FAILED,
+                    failure_reason=INTERRUPTED,
+                    finished=False,
                 ):
                     continue
                 log.warning("plan.step_interrupted", plan_id=plan_id, step=index)
@@ -252,13 +266,19 @@ class PlanExecutor:
                 StepStatus.DONE,
                 output_summary=result.summary,
                 output_files=list(result.files),
+                record=result.record(),
             )
             if changed:
                 log.info("plan.step_done", plan_id=plan_id, step=index, files=len(result.files))
             return changed, []
         if result.transient and step.attempts < self.max_attempts:
             changed = await self.store.set_status(
-                plan_id, index, StepStatus.IN_PROGRESS, StepStatus.PENDING, failure_reason=result.error
+                plan_id,
+                index,
+                StepStatus.IN_PROGRESS,
+                StepStatus.PENDING,
+                failure_reason=result.error,
+                record=result.record(),
             )
             log.warning("plan.step_retry", plan_id=plan_id, step=index, attempt=step.attempts, error=result.error)
             return changed, []
@@ -268,6 +288,7 @@ class PlanExecutor:
             StepStatus.IN_PROGRESS,
             StepStatus.SKIPPED if step.spec.on_failure is OnFailure.CONTINUE else StepStatus.FAILED,
             failure_reason=result.error or "failed",
+            record=result.record(),
         )
         if not changed:
             return False, []
@@ -445,8 +466,6 @@ class PlanExecutor:
             )
             return await self._next_actions(plan_id)
         await self.store.set_status(plan_id, step.index, StepStatus.WAITING_FOR_USER, StepStatus.IN_PROGRESS)
-        from kazma.engine.tools import fence_untrusted
-
         reply = fence_untrusted(f"Q: {question.question}\nA: {answer}", source=f"the answer from {actor}")
         text = f"Your question was answered. Go on with your step from where you stopped.\n{reply}"
         loaded = await self.store.load(plan_id)
@@ -630,6 +649,9 @@ class PlanExecutor:
             if step.output_files:
                 line += f" (files: {', '.join(step.output_files)})"
             lines.append(line)
+            done = step.record.line() if step.spec.assignee != USER else ""  # a person's answer has no model
+            if done:
+                lines.append(f"   {done}")
         for question in await self.store.open_questions(conversation):
             if question.plan_id == plan.id:
                 lines.append(f"Waiting for {question.answerer} to answer: {question.question[:200]}")

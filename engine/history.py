@@ -8,6 +8,7 @@ from collections.abc import Callable
 from kazma.config.database import Migration
 from kazma.config.pg_schema import PgMigration
 from kazma.config.store_backend import StoreConnection, tables_of
+from kazma.engine.messages import replayed, user
 from kazma.engine.types import Message
 
 MIGRATIONS = [
@@ -95,11 +96,11 @@ class HistoryStore:
                 " ORDER BY seq DESC LIMIT ?",
                 (conversation, agent, self.max_messages),
             )
-        messages: list[Message] = [{"role": str(r[0]), "content": str(r[1])} for r in reversed(rows)]
+        messages: list[Message] = [replayed(str(r[0]), str(r[1])) for r in reversed(rows)]
         dropped = total - len(rows)
         if dropped > 0:
             marker = f"[{dropped} earlier messages of this conversation were dropped to keep the history bounded]"
-            messages.insert(0, {"role": "user", "content": marker})
+            messages.insert(0, user(marker))
         return messages
 
     async def usage(self, conversation: str) -> tuple[int, int]:

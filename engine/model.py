@@ -99,6 +99,14 @@ def _as_int(value: Any) -> int:
     return 0
 
 
+def _cost(value: Any) -> float | None:
+    """``usage.cost`` when the server reports one (OpenRouter and others do); anything else is "not said"."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    cost = float(value)
+    return cost if 0.0 <= cost < float("inf") else None
+
+
 def _content_text(content: Any) -> str | None:
     if content is None or isinstance(content, str):
         return content
@@ -433,7 +441,9 @@ class OpenAIProvider:
         return ModelReply(
             content=_content_text(message.get("content")),
             tool_calls=_parse_tool_calls(message.get("tool_calls")),
-            usage=Usage(_as_int(usage.get("prompt_tokens")), _as_int(usage.get("completion_tokens"))),
+            usage=Usage(
+                _as_int(usage.get("prompt_tokens")), _as_int(usage.get("completion_tokens")), _cost(usage.get("cost"))
+            ),
             model=str(body.get("model") or name),
             finish_reason=finish_reason if isinstance(finish_reason, str) else None,
         )

@@ -12,6 +12,9 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kazma.engine.fence import fence_untrusted
+from kazma.engine.types import ToolUse, Usage, tools_line
+
 USER = "user"
 _REFERENCE = re.compile(r"\{\{\s*step_(\d+)\.(output_summary|output_files)\s*\}\}")
 CONTEXT_LIMIT = 4_000  # characters of the original request carried to every step (head and tail, cut marked)
@@ -149,6 +152,34 @@ def _ancestors(index: int, graph: dict[int, list[int]]) -> set[int]:
     return seen
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What a step's latest attempt did: the model, its tools with their approvals, times, tokens, cost."""
+
+    model: str = ""
+    tools: tuple[ToolUse, ...] = ()
+    usage: Usage = field(default_factory=Usage)
+    started_at: float | None = None  # epoch seconds
+    finished_at: float | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return max(0.0, self.finished_at - self.started_at)
+
+    def line(self) -> str:
+        """``model m · tools: … · 2.0 s · 10 + 5 tokens, cost 0.0010`` (empty before the step ran)."""
+        if self.started_at is None:
+            return ""
+        took = "running" if self.seconds is None else f"{self.seconds:.1f} s"
+        cost = "" if self.usage.cost is None else f", cost {self.usage.cost:.4f}"
+        return (
+            f"model {self.model or '-'} · tools: {tools_line(self.tools)} · {took} · "
+            f"{self.usage.prompt_tokens} + {self.usage.completion_tokens} tokens{cost}"
+        )
+
+
 @dataclass
 class Step:
     """A step and its run state. Only the executor changes the run-state fields."""
@@ -159,6 +190,7 @@ class Step:
     output_files: list[str] = field(default_factory=list)
     failure_reason: str = ""
     attempts: int = 0
+    record: StepRecord = field(default_factory=StepRecord)
 
     @property
     def index(self) -> int:
@@ -216,7 +248,6 @@ class Plan:
         reads it as information, not as instructions. The request is bounded,
         its cut marked, like every other context.
         """
-        from kazma.engine.tools import fence_untrusted
 
         def fill(match: re.Match[str]) -> str:
             ref = self.steps.get(int(match.group(1)))

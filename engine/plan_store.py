@@ -12,7 +12,8 @@ from typing import Any
 from kazma.config.database import Migration
 from kazma.config.pg_schema import PgMigration
 from kazma.config.store_backend import StoreConnection, tables_of
-from kazma.engine.plan import OnFailure, Plan, PlanOrigin, PlanSpec, Step, StepSpec, StepStatus
+from kazma.engine.plan import OnFailure, Plan, PlanOrigin, PlanSpec, Step, StepRecord, StepSpec, StepStatus
+from kazma.engine.types import ToolUse, Usage
 
 MIGRATIONS = [
     Migration(
@@ -97,6 +98,21 @@ MIGRATIONS = [
     # The replica running a step: among replicas on one database, the leader fails a step as interrupted only
     # when the replica running it is gone. NULL: run by the only process on the store (or before this).
     Migration("plans", 3, ("ALTER TABLE plan_steps ADD COLUMN replica TEXT",)),
+    # Each step's record of its latest attempt: the model, the tools with the approvals they ran under, when it
+    # started and finished, its tokens and the cost the model's server reported (NULL: not said).
+    Migration(
+        "plans",
+        4,
+        (
+            "ALTER TABLE plan_steps ADD COLUMN model TEXT NOT NULL DEFAULT ''",
+            "ALTER TABLE plan_steps ADD COLUMN tools_json TEXT NOT NULL DEFAULT '[]'",
+            "ALTER TABLE plan_steps ADD COLUMN started_at REAL",
+            "ALTER TABLE plan_steps ADD COLUMN finished_at REAL",
+            "ALTER TABLE plan_steps ADD COLUMN prompt_tokens INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE plan_steps ADD COLUMN completion_tokens INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE plan_steps ADD COLUMN cost REAL",
+        ),
+    ),
 ]
 
 # The same tables on PostgreSQL, version for version: double precision for REAL, an identity column where
@@ -179,6 +195,19 @@ PG_MIGRATIONS = [
         ),
     ),
     PgMigration("plans", 3, ("ALTER TABLE plan_steps ADD COLUMN replica text",)),
+    PgMigration(
+        "plans",
+        4,
+        (
+            "ALTER TABLE plan_steps ADD COLUMN model text NOT NULL DEFAULT ''",
+            "ALTER TABLE plan_steps ADD COLUMN tools_json text NOT NULL DEFAULT '[]'",
+            "ALTER TABLE plan_steps ADD COLUMN started_at double precision",
+            "ALTER TABLE plan_steps ADD COLUMN finished_at double precision",
+            "ALTER TABLE plan_steps ADD COLUMN prompt_tokens bigint NOT NULL DEFAULT 0",
+            "ALTER TABLE plan_steps ADD COLUMN completion_tokens bigint NOT NULL DEFAULT 0",
+            "ALTER TABLE plan_steps ADD COLUMN cost double precision",
+        ),
+    ),
 ]
 
 # Done and skipped are never left. A failed or blocked step returns to pending only by a repair the lead
@@ -409,7 +438,8 @@ class PlanStore:
                 return None
             rows = await db.all(
                 "SELECT idx, title, assignee, input, wait_for, on_failure, status, output_summary, output_files,"
-                " failure_reason, attempts FROM plan_steps WHERE plan_id = ? ORDER BY idx",
+                " failure_reason, attempts, model, tools_json, started_at, finished_at, prompt_tokens,"
+                " completion_tokens, cost FROM plan_steps WHERE plan_id = ? ORDER BY idx",
                 (plan_id,),
             )
         steps = {int(r[0]): _step(r) for r in rows}
@@ -424,11 +454,34 @@ class PlanStore:
         new: StepStatus,
         **fields: Any,
     ) -> bool:
-        """Compare-and-set one step along the transition table. False when the step was not ``expected``."""
+        """Compare-and-set one step along the transition table. False when the step was not ``expected``.
+
+        The step's record moves with it: a step that starts (or starts waiting for a person) gets a fresh start
+        time and an empty record; one that stops running gets its finish time (``finished=False``: it is not
+        known when it stopped, e.g. interrupted by a crash) and what ``record`` says of its turn.
+        """
         if new not in TRANSITIONS[expected]:
             raise TransitionError(f"step {index}: {expected.value} -> {new.value} is not allowed")
+        now = self.clock()
         sets = ["status = ?", "updated_at = ?"]
-        params: list[Any] = [new.value, self.clock()]
+        params: list[Any] = [new.value, now]
+        if expected is StepStatus.PENDING and new in _ACTIVE:
+            sets += ["started_at = ?", "finished_at = NULL", "model = ''", "tools_json = '[]'", "prompt_tokens = 0",
+                     "completion_tokens = 0", "cost = NULL"]  # fmt: skip
+            params.append(now)
+        elif expected in _ACTIVE and new not in _ACTIVE and fields.get("finished", True):
+            sets.append("finished_at = ?")
+            params.append(now)
+        record: StepRecord | None = fields.get("record")
+        if record is not None:
+            sets += ["model = ?", "tools_json = ?", "prompt_tokens = ?", "completion_tokens = ?", "cost = ?"]
+            params += [
+                record.model,
+                json.dumps([t.as_json() for t in record.tools]),
+                record.usage.prompt_tokens,
+                record.usage.completion_tokens,
+                record.usage.cost,
+            ]
         for name in ("output_summary", "failure_reason"):
             if name in fields:
                 sets.append(f"{name} = ?")
@@ -477,6 +530,9 @@ class PlanStore:
         return None if row is None else str(row[0])
 
 
+# A step is active while it runs or waits for a person: its record has a start and no finish.
+_ACTIVE = frozenset({StepStatus.IN_PROGRESS, StepStatus.WAITING_FOR_USER})
+
 _INSERT_STEP = (
     "INSERT INTO plan_steps (plan_id, idx, title, assignee, input, wait_for, on_failure, updated_at)"
     " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
@@ -489,7 +545,8 @@ def _step_row(plan_id: str, spec: StepSpec, now: float) -> tuple[Any, ...]:
 
 
 def _step(row: Any) -> Step:
-    idx, title, assignee, text, wait_for, on_failure, status, summary, files, reason, attempts = row
+    (idx, title, assignee, text, wait_for, on_failure, status, summary, files, reason, attempts, model, tools,
+     started_at, finished_at, prompt_tokens, completion_tokens, cost) = row  # fmt: skip
     spec = StepSpec(
         index=int(idx),
         title=title,
@@ -498,4 +555,11 @@ def _step(row: Any) -> Step:
         wait_for=None if wait_for is None else json.loads(wait_for),
         on_failure=OnFailure(on_failure),
     )
-    return Step(spec, StepStatus(status), summary, list(json.loads(files)), reason, int(attempts))
+    record = StepRecord(
+        model=str(model),
+        tools=tuple(ToolUse.from_json(t) for t in json.loads(tools)),
+        usage=Usage(int(prompt_tokens), int(completion_tokens), None if cost is None else float(cost)),
+        started_at=None if started_at is None else float(started_at),
+        finished_at=None if finished_at is None else float(finished_at),
+    )
+    return Step(spec, StepStatus(status), summary, list(json.loads(files)), reason, int(attempts), record)

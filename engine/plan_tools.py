@@ -62,7 +62,7 @@ def lead_plan_tools(executor: PlanExecutor) -> list[InternalTool]:
     async def write_plan(arguments: Mapping[str, Any], ctx: TurnContext) -> ToolResult:
         try:
             spec = PlanSpec.model_validate(dict(arguments))
-            origin = PlanOrigin(text=ctx.request_text, requested_by=ctx.requested_by)
+            origin = PlanOrigin(text=ctx.request_text, requested_by=ctx.requested_by, files=ctx.files)
             plan = await executor.start(ctx.conversation, spec, origin)
         except ValidationError as exc:
             return ToolResult(ok=False, output="", error=f"the plan is malformed: {_problems(exc)}")

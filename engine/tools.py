@@ -16,7 +16,6 @@ import codecs
 import contextlib
 import errno
 import os
-import re
 import secrets
 import signal
 import ssl
@@ -32,9 +31,9 @@ import httpx
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kazma.adapters.human_text import FENCE_BEGIN, FENCE_END, FENCE_HEADER
 from kazma.config.models import DangerLevel
 from kazma.config.version import __version__
+from kazma.engine.fence import Fenced, fence_untrusted
 from kazma.engine.netguard import (
     AddressPolicy,
     AddressRefused,
@@ -49,6 +48,7 @@ from kazma.engine.sandbox import Sandbox, SandboxRefused, resolve_sandbox
 from kazma.engine.types import ToolSpec
 
 __all__ = [
+    "Fenced",
     "HttpGetTool",
     "ReadFileTool",
     "ShellTool",
@@ -262,36 +262,6 @@ def default_registry(
     """
     shell = ShellTool(sandbox=sandbox, network=shell_network, hidden_paths=hidden)
     return ToolRegistry([shell, ReadFileTool(), WriteFileTool(), HttpGetTool()])
-
-
-# --------------------------------------------------------------------------- fencing
-
-_FENCE_SOURCE_LIMIT = 120
-
-
-def fence_untrusted(text: str, *, source: str) -> str:
-    """Wrap tool or sub-agent output so that a model reads it as data, never as instructions.
-
-    Output of a tool or another model may contain text written by anyone (a web
-    page, a file, a prompt injection). Fencing it with fixed markers would let
-    that text print the closing marker and continue "outside" the fence, so the
-    markers carry a fresh random nonce chosen after the text is known (and
-    re-drawn in the astronomically unlikely case the text contains it): the
-    text cannot close a fence whose marker it could not have known.
-    """
-    label = " ".join(_CONTROL.sub(" ", source).split())[:_FENCE_SOURCE_LIMIT] or "an unnamed source"
-    nonce = secrets.token_hex(12)
-    while nonce in text:
-        nonce = secrets.token_hex(12)
-    begin = FENCE_BEGIN.format(nonce=nonce)
-    end = FENCE_END.format(nonce=nonce)
-    # People never see this: adapters.human_text.for_humans turns it into a quiet "from" label.
-    header = FENCE_HEADER.format(label=label, begin=begin, end=end)
-    body = text if text.endswith("\n") or not text else text + "\n"
-    return f"{header}\n{begin}\n{body}{end}"
-
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
 
 
 # --------------------------------------------------------------------------- shell

@@ -40,13 +40,51 @@ class ToolCall:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cost: float | None = None  # what the server says the call cost (OpenAI-compatible ``usage.cost``); None: not said
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
     def __add__(self, other: Usage) -> Usage:
-        return Usage(self.prompt_tokens + other.prompt_tokens, self.completion_tokens + other.completion_tokens)
+        # a cost stays unknown only while no call has reported one
+        cost = None if self.cost is None and other.cost is None else (self.cost or 0.0) + (other.cost or 0.0)
+        return Usage(self.prompt_tokens + other.prompt_tokens, self.completion_tokens + other.completion_tokens, cost)
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """One tool call of a turn, as a step's record keeps it: which tool, the approval it ran under, how it went."""
+
+    name: str
+    ok: bool
+    approval_id: str | None = None  # the request a person decided (None: the tool needed no approval)
+    refused: bool = False  # never ran: not offered, not approved, or its arguments were unreadable
+
+    def as_json(self) -> dict[str, Any]:
+        return {"name": self.name, "ok": self.ok, "approval_id": self.approval_id, "refused": self.refused}
+
+    @staticmethod
+    def from_json(data: Any) -> ToolUse:
+        approval = data.get("approval_id")
+        return ToolUse(
+            str(data.get("name", "")),
+            bool(data.get("ok")),
+            None if approval is None else str(approval),
+            bool(data.get("refused", False)),
+        )
+
+
+def tools_line(tools: Sequence[ToolUse]) -> str:
+    """``shell (approval abc, ok), read_file (ok)``: a step's tools for people."""
+    if not tools:
+        return "no tools"
+    parts = []
+    for tool in tools:
+        how = "refused" if tool.refused else "ok" if tool.ok else "failed"
+        approval = f"approval {tool.approval_id}, " if tool.approval_id else ""
+        parts.append(f"{tool.name} ({approval}{how})")
+    return ", ".join(parts)
 
 
 @dataclass(frozen=True)

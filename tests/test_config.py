@@ -238,11 +238,11 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
     ),
     (
         "two problems, two lines",
-        "web: {port: -1}\nswarm: {max_parallel: 65}",
+        "web: {port: -1}\nswarm: {max_parallel: 1001}",
         {},
         [
             "kazma.yaml: web.port: must be at least 0, got -1",
-            "kazma.yaml: swarm.max_parallel: must be at most 64, got 65",
+            "kazma.yaml: swarm.max_parallel: must be at most 1000, got 1001",
         ],
     ),
 ]

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kazma.engine.fence import fence_untrusted
+from kazma.engine.swarm.calls import CallLimits
 from kazma.engine.swarm.reliability import (
-    GLOBAL_CAP,
     BreakerState,
     CircuitBreaker,
-    ConcurrencyLimiter,
     OutputValidator,
     RetryPolicy,
     Ticket,
@@ -464,17 +464,18 @@ async def test_fallback_moves_on_after_transient_failures() -> None:
     second = FakeWorker("second", WorkerResult("second", True, output="answer"))
     breakers = breakers_for("first", "second")
     sleeps = Sleeps()
+    context = fence_untrusted("ctx", source="an earlier stage")
     result = await run_with_fallback(
         [first, second],
         "q",
-        context="ctx",
+        context=context,
         breakers=breakers,
         policy=RetryPolicy(max_attempts=3, sleep=sleeps),
         timeout=5,
     )
     assert (result.worker, result.ok, result.output) == ("second", True, "answer")
-    assert first.calls == [("q", "ctx")] * 3
-    assert second.calls == [("q", "ctx")]
+    assert first.calls == [("q", context)] * 3
+    assert second.calls == [("q", context)]
     assert len(sleeps.delays) == 2
     assert breakers["first"].state is BreakerState.OPEN
     assert breakers["second"].state is BreakerState.CLOSED
@@ -545,31 +546,36 @@ class Gate:
         return run
 
 
-async def test_limiter_bounds_one_task_and_returns_results_in_order() -> None:
-    gate = Gate()
-    limiter = ConcurrencyLimiter(2, asyncio.Semaphore(10))
-    mapped = asyncio.ensure_future(limiter.map([gate.call(i) for i in range(8)]))
-    await gate.entered.acquire()
-    await gate.entered.acquire()
-    assert gate.peak == 2
-    gate.open.set()
-    assert await mapped == list(range(8))
-    assert gate.peak == 2
+async def through(limits: CallLimits, task: asyncio.Semaphore | None, worker: str, gate: Gate, value: int) -> int:
+    async with limits.slot(task, worker):
+        return await gate.call(value)()
 
 
-async def test_limiters_share_the_global_cap() -> None:
+async def test_a_task_slot_bounds_one_task_and_the_process_cap_bounds_every_task() -> None:
     gate = Gate()
-    shared = asyncio.Semaphore(3)
-    a, b = ConcurrencyLimiter(2, shared), ConcurrencyLimiter(2, shared)
-    both = asyncio.gather(a.map([gate.call(i) for i in range(5)]), b.map([gate.call(i) for i in range(5)]))
+    limits = CallLimits(3, {})
+    one, other = asyncio.Semaphore(2), asyncio.Semaphore(2)
+    calls = [through(limits, one, "w", gate, i) for i in range(5)] + [
+        through(limits, other, "w", gate, i) for i in range(5)
+    ]
+    both = asyncio.gather(*calls)
     for _ in range(3):
         await gate.entered.acquire()
-    assert gate.peak == 3
+    assert gate.peak == 3  # two tasks of two each would be four: the process allows three
     gate.open.set()
-    assert list(await both) == [list(range(5)), list(range(5))]
+    assert await both == [*range(5), *range(5)]
     assert gate.peak == 3
 
 
-def test_per_call_limit_is_clamped_to_the_global_cap() -> None:
-    assert ConcurrencyLimiter(1000).per_call == GLOBAL_CAP == 64
-    assert ConcurrencyLimiter(0).per_call == 1
+async def test_a_worker_limit_bounds_its_calls_across_tasks() -> None:
+    gate = Gate()
+    limits = CallLimits(10, {"slow": 1, "free": None})
+    calls = [through(limits, asyncio.Semaphore(5), "slow", gate, i) for i in range(3)]
+    calls.append(through(limits, asyncio.Semaphore(5), "free", gate, 9))
+    done = asyncio.gather(*calls)
+    for _ in range(2):  # one call of "slow" and the one of "free"
+        await gate.entered.acquire()
+    assert gate.peak == 2
+    gate.open.set()
+    assert await done == [0, 1, 2, 9]
+    assert gate.peak == 2

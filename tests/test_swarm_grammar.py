@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from kazma.bot.context import Context
-from kazma.bot.swarm_cli import swarm
+from kazma.bot.swarm_cli import CLI_ONLY, swarm
 from kazma.config.models import KazmaConfig
 from kazma.engine.swarm.grammar import (
     MAX_LIST_WORKERS,
@@ -38,6 +38,7 @@ from kazma.engine.swarm.grammar import (
     Route,
     StatusCommand,
     SwarmCommand,
+    TasksCommand,
     WorkersCommand,
     help_text,
     parse,
@@ -82,6 +83,8 @@ WELL_FORMED: list[tuple[str, SwarmCommand]] = [
     ("list", ListCommand()),
     ("history", HistoryCommand()),
     ("workers", WorkersCommand()),
+    ("tasks", TasksCommand()),
+    ("tasks --worker Builder", TasksCommand("builder")),
     ("config", ConfigCommand()),
     ("dispatch builder write a script", DispatchCommand("builder", "write a script")),
     ("dispatch auto find sources", DispatchCommand(None, "find sources")),
@@ -302,7 +305,8 @@ def test_malformed(text: str, expected: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "verb", [v for v in VERBS if v not in ("help", "status", "list", "history", "workers", "config", "metrics")]
+    "verb",
+    [v for v in VERBS if v not in ("help", "status", "list", "history", "workers", "config", "metrics", "tasks")],
 )
 def test_each_subcommand_with_arguments_says_what_it_needs(verb: str) -> None:
     exc = error(verb)
@@ -447,6 +451,7 @@ def test_help_text_covers_exactly_the_grammar_and_the_route() -> None:
         "conditional",
         "breaker",
         "metrics",
+        "tasks",
     }
     assert len(help_text().splitlines()) == len(VERBS) + 2
     assert "--expect json|<schema>" in help_text()
@@ -474,6 +479,7 @@ def test_help_text_covers_exactly_the_grammar_and_the_route() -> None:
         ("conditional", Access.STEER),
         ("breaker", Access.ADMIN),
         ("metrics", Access.READ),
+        ("tasks", Access.READ),
     ],
 )
 def test_parsed_access_matches_the_help(verb: str, access: Access) -> None:
@@ -493,7 +499,7 @@ PLATFORM_OPERATORS: dict[str, tuple[dict[str, Any], str, str]] = {
 }
 PLATFORMS = tuple(PLATFORM_OPERATORS)
 
-READING = ["help", "status", "status abcd", "list", "history", "workers"]
+READING = ["help", "status", "status abcd", "list", "history", "workers", "tasks", "tasks --worker builder"]
 STEERING = [
     "dispatch builder go",
     "dispatch auto go",
@@ -769,4 +775,4 @@ def test_cli_help_says_where_work_runs(args: list[str]) -> None:
 
 
 def test_cli_offers_every_subcommand() -> None:
-    assert set(swarm.commands) == set(VERBS)
+    assert set(swarm.commands) == {*VERBS, *CLI_ONLY}

@@ -5,6 +5,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+from kazma.engine.fence import Fenced
 from kazma.engine.swarm.patterns import (
     MAX_HANDOFF_DEPTH,
     Aggregation,
@@ -23,7 +24,7 @@ from kazma.engine.swarm.types import ErrorKind, TaskStatus, Worker, WorkerResult
 from tests.swarm_support import ScriptedWorker
 
 
-async def call(worker: Worker, prompt: str, context: str) -> WorkerResult:
+async def call(worker: Worker, prompt: str, context: Fenced) -> WorkerResult:
     return await worker.run(prompt, context=context)
 
 
@@ -69,15 +70,19 @@ async def test_handoff_loops_stop_at_two_visits_and_refusals_reach_the_model() -
     outcome = await dispatch(call, a, "task", by_name={"a": a, "b": b})
     assert (outcome.status, outcome.output) == (TaskStatus.SUCCEEDED, "b finished")
     assert (len(a.seen), len(b.seen)) == (2, 3)
-    refused = [ctx for _, ctx in b.seen if "refused" in ctx]
-    assert refused == ["Your handoff to a was refused: a already had this task 2 times. Finish the task yourself."]
+    # the refusal is Kazma's own sentence, sent with the task; the context b had is kept as it was
+    refused = [(prompt, ctx) for prompt, ctx in b.seen if "refused" in prompt]
+    assert [prompt for prompt, _ in refused] == [
+        "task\n\nYour handoff to a was refused: a already had this task 2 times. Finish the task yourself."
+    ]
+    assert ", handing over" in refused[0][1]
 
 
 async def test_a_worker_that_insists_on_a_refused_handoff_fails() -> None:
     bounce = WorkerResult("a", True, output="x", handoff_to="ghost")
     outcome = await dispatch(call, ScriptedWorker("a", [bounce, bounce]), "task", by_name={})
     assert outcome.status is TaskStatus.FAILED
-    assert outcome.output == "handoff refused: there is no worker named 'ghost'"
+    assert outcome.output == "handoff refused: there is no such worker (workers: none)"
 
 
 async def test_handoff_depth_limit() -> None:
@@ -99,7 +104,8 @@ async def test_unknown_handoff_target_is_refused_to_the_model() -> None:
     a = ScriptedWorker("a", [WorkerResult("a", True, output="x", handoff_to="ghost"), ok("a", "myself")])
     outcome = await dispatch(call, a, "task", by_name={"a": a})
     assert outcome.output == "myself"
-    assert "there is no worker named 'ghost'" in a.seen[1][1]
+    assert "Your handoff to that worker was refused: there is no such worker (workers: a)" in a.seen[1][0]
+    assert "ghost" not in a.seen[1][0]  # a name the model made up is not repeated back to it as an instruction
 
 
 async def test_broadcast_reaches_every_worker() -> None:

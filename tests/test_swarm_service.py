@@ -15,7 +15,6 @@ from kazma.approvals.model import Decision
 from kazma.config import KazmaConfig, load_config_text
 from kazma.config.database import open_database
 from kazma.engine.swarm.commands import SwarmCommands
-from kazma.engine.swarm.reliability import RetryPolicy
 from kazma.engine.swarm.service import CoalescingReporter, SwarmRefused, SwarmRequest, SwarmService
 from kazma.engine.swarm.store import MIGRATIONS, SwarmTaskStore
 from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
@@ -81,7 +80,7 @@ async def rig(
             approvals=approvals,
             reporter=CoalescingReporter(report, interval=0.01),
             deliver=deliver,
-            policy=RetryPolicy(sleep=no_sleep),
+            sleep=no_sleep,
         )
         try:
             yield Rig(service, approvals, publisher, scripted, reports, delivered)
@@ -92,6 +91,15 @@ async def rig(
 
 def request(pattern: Pattern, workers: Sequence[str], prompt: str = "do it", **kw: object) -> SwarmRequest:
     return SwarmRequest(pattern, tuple(workers), prompt, "telegram:111", conversation="telegram:-1001", **kw)  # type: ignore[arg-type]
+
+
+async def paused(r: Rig, task_id: str) -> None:
+    """Wait until the task is paused on disk with its card out (the card goes out just before the pause is written)."""
+    async with asyncio.timeout(20):
+        while not r.publisher.published or (
+            (record := await r.service.store.get(task_id)) is None or record.status is not TaskStatus.PAUSED
+        ):
+            await asyncio.sleep(0.01)
 
 
 async def finished(service: SwarmService, task_id: str) -> TaskStatus:
@@ -150,7 +158,7 @@ async def test_fan_out_partial_and_failed(
         (request(Pattern.DISPATCH, ["nobody"]), "unknown worker(s): nobody"),
         (request(Pattern.DISPATCH, ["auto"], "bake a cake"), "no worker's expertise matches"),
         (request(Pattern.FAN_OUT, ["builder"] * 33), "33 workers requested; at most 32"),
-        (request(Pattern.FAN_OUT, ["builder"], "x" * (64 * 1024 + 1)), "at most 65,536 are accepted"),
+        (request(Pattern.FAN_OUT, ["builder"], "x" * (64 * 1024 + 1)), "the limit is 65,536 bytes (64 KiB)"),
         (request(Pattern.FAN_OUT, ["builder"], aggregation="average"), "unknown aggregation strategy 'average'"),
         (request(Pattern.FAN_OUT, ["builder"], "   "), "the task is empty"),
     ],
@@ -180,9 +188,7 @@ async def test_at_capacity_says_when_to_retry(tmp_path: Path) -> None:
 async def test_checkpoint_approved_by_a_press_resumes_after_the_journal(tmp_path: Path) -> None:
     async with rig(tmp_path / "a.db") as r:
         task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
-        async with asyncio.timeout(20):
-            while not r.publisher.published:
-                await asyncio.sleep(0.01)
+        await paused(r, task)
         record = await r.service.store.get(task)
         assert record is not None
         assert record.status is TaskStatus.PAUSED
@@ -214,9 +220,7 @@ async def test_checkpoint_deadline_auto_rejects(tmp_path: Path) -> None:
     clock = ManualClock()
     async with rig(tmp_path / "a.db", clock=clock) as r:
         task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
-        async with asyncio.timeout(20):
-            while not r.publisher.published:
-                await asyncio.sleep(0.01)
+        await paused(r, task)
         clock.advance(601)
         assert await finished(r.service, task) is TaskStatus.CANCELLED
         assert r.workers["refiner"].seen == []
@@ -226,9 +230,7 @@ async def test_paused_pipeline_survives_a_restart(tmp_path: Path) -> None:
     path = tmp_path / "a.db"
     async with rig(path) as r:
         task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
-        async with asyncio.timeout(20):
-            while not r.publisher.published:
-                await asyncio.sleep(0.01)
+        await paused(r, task)
         card = r.publisher.published[0]
     async with rig(path) as r:  # a new process on the same files
         assert await r.service.recover() == []

@@ -86,7 +86,7 @@ def status_on_disk(engine: Engine, task_id: str) -> str | None:
 async def test_migrations_are_additive_and_apply_once(tmp_path: Path) -> None:
     conn = await connect(tmp_path / "k.db")
     try:
-        assert [m.version for m in await apply_migrations(conn, MIGRATIONS)] == [1, 2]
+        assert [m.version for m in await apply_migrations(conn, MIGRATIONS)] == [1, 2, 3]
         assert await apply_migrations(conn, MIGRATIONS) == []
     finally:
         await conn.close()
@@ -183,7 +183,7 @@ async def test_stale_generation_writes_are_rejected_and_kept_as_evidence(
         assert await store.journal(first, 0, "researcher", ok("researcher", "notes"))
         assert await store.pause(first, "checkpoint after stage 1")
         second = await store.resume(first.task_id)
-        before = failure_count("swarm_stale_write")
+        before = failure_count("task_stale_write")
 
         assert not await store.finish(first, TaskStatus.SUCCEEDED, result={"output": "old"}, error=None)
         assert not await store.step(first, "stage 2 (builder)")
@@ -191,7 +191,7 @@ async def test_stale_generation_writes_are_rejected_and_kept_as_evidence(
         forged = TaskRun(second.task_id, second.generation, "not-the-run")
         assert not await store.finish(forged, TaskStatus.FAILED, result=None, error="forged")
 
-        assert failure_count("swarm_stale_write") == before + 4
+        assert failure_count("task_stale_write") == before + 4
         record = await store.get(first.task_id)
         assert record is not None
         assert record.status is TaskStatus.RUNNING
@@ -440,7 +440,7 @@ async def test_a_persistent_lock_raises_store_unavailable_and_records_nothing(tm
     async def record_only(delay: float) -> None:
         delays.append(delay)
 
-    before = failure_count("swarm_store_unavailable")
+    before = failure_count("task_store_unavailable")
     try:
         async with opened(path, busy_timeout_ms=0, retries=3, sleep=record_only) as store:
             run = await admit(store)
@@ -451,7 +451,7 @@ async def test_a_persistent_lock_raises_store_unavailable_and_records_nothing(tm
             assert raised.value.operation == "finish"
             assert len(delays) == 3
             assert delays == sorted(delays)
-            assert failure_count("swarm_store_unavailable") == before + 1
+            assert failure_count("task_store_unavailable") == before + 1
             with pytest.raises(StoreUnavailable):
                 await admit(store)  # no row, so the caller must not start the work
             await locker.execute("ROLLBACK")

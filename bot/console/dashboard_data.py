@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -26,6 +26,7 @@ from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.rules import Rule
 from kazma.config.metrics import PRESS_TO_DECISION
 from kazma.config.store_backend import StoreConnection, tables_of
+from kazma.engine.swarm.call_records import CallRecord
 from kazma.engine.swarm.state_store import WorkerDay
 from kazma.engine.swarm.store import TaskRecord
 
@@ -94,6 +95,7 @@ class DashboardData:
     hours: Sequence[HourOutcomes] = ()
     waits: Sequence[float] = ()  # seconds from open to the deciding press, human decisions of the last 24 h
     plan_steps: dict[str, int] = field(default_factory=dict)
+    calls: Mapping[str, Sequence[CallRecord]] = field(default_factory=dict)  # each task's worker calls, in order
     press: Latencies | None = None  # press → decision stored, this process since it started
     taken_at: float = 0.0
     version: int = 0  # the change feed's version this snapshot reflects (the page hands it to the event stream)

@@ -27,8 +27,9 @@ from kazma.approvals.store import AuditEvent, PostedCard
 from kazma.bot.console.charts import CHART_STYLE
 from kazma.bot.console.dashboard_charts import charts_html
 from kazma.bot.console.dashboard_data import DashboardData
-from kazma.bot.console.swarm_views import handoff_chain, worker_numbers
+from kazma.bot.console.swarm_views import call_rows, handoff_chain, worker_numbers
 from kazma.bot.console.times import times_in, when_html
+from kazma.engine.swarm.limits import MAX_PROMPT_BYTES
 from kazma.engine.swarm.store import TaskRecord
 from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.transcript import Entry, Summary
@@ -502,7 +503,7 @@ def dashboard_page(viewer: Viewer, data: DashboardData, *, flash: Sequence[str] 
             "<h2>Start work</h2>"
             '<form method="post" action="/swarm/command">'
             f'<input type="hidden" name="csrf" value="{e(viewer.csrf)}">'
-            '<p>/swarm <input name="text" size="80" maxlength="8000" required'
+            f'<p>/swarm <input name="text" size="80" maxlength="{MAX_PROMPT_BYTES + 1024}" required'
             ' placeholder="dispatch researcher find the flaky test"></p>'
             '<p><button type="submit">Run</button></p></form>'
         )
@@ -521,7 +522,8 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
         used = f"{int(tokens.get('prompt', 0))} + {int(tokens.get('completion', 0))}" if tokens else ""
         task_rows.append(
             f"<tr><td><code>{e(t.id)}</code></td><td>{e(t.status.value)}</td><td>{e(t.pattern.value)}</td>"
-            f"<td>{e(', '.join(str(w) for w in workers))}{handoff_chain(t)}</td><td>{e(t.current_step)}</td>"
+            f"<td>{e(', '.join(str(w) for w in workers))}{handoff_chain(t)}{call_rows(data.calls.get(t.id, ()))}</td>"
+            f"<td>{e(t.current_step)}</td>"
             f"<td>{when_html(t.created_at)}</td><td>{when_html(t.finished_at)}</td>"
             f"<td>{e(_excerpt(output)) if output else ''}</td><td>{e(used)}</td><td>{e(t.error or '')}</td>"
             f"<td>{_task_actions(viewer, t)}</td></tr>"

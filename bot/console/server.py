@@ -62,6 +62,7 @@ from kazma.bot.console.static import CONSOLE_JS
 from kazma.bot.console.upload import UploadRefused, read_upload
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure, with_label
 from kazma.engine.swarm.grammar import GrammarError, parse
+from kazma.engine.swarm.limits import MAX_PROMPT_BYTES
 from kazma.engine.swarm.roles import Role as SwarmRole
 from kazma.engine.swarm.roles import required_role
 from kazma.engine.swarm.types import TaskStatus
@@ -86,6 +87,15 @@ _TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _MENTION = re.compile(r"(?<![\w@])@([A-Za-z0-9_-]{1,32})")
 TASK_ACTIONS = ("cancel", "retry", "approve", "reject")
 MAX_TEXT = 8000
+# A /swarm command carries a task of up to the swarm's prompt limit, and a few words around it.
+MAX_SWARM_COMMAND = MAX_PROMPT_BYTES + 1024
+
+
+def _swarm_too_long(length: int) -> str:
+    return (
+        f"The command is {length:,} characters; a swarm task may be at most {MAX_PROMPT_BYTES:,} bytes "
+        f"({MAX_PROMPT_BYTES // 1024} KiB) of UTF-8: shorten it or point to a file instead."
+    )
 
 
 def _for_readers(text: str) -> bool:
@@ -326,12 +336,15 @@ class WebServer:
         if not session.is_operator and (reply_to is not None or not _for_readers(text)):
             log.warning("web.reader_refused", login=session.login, path=request.path, reply=reply_to is not None)
             raise reader_refused(session)
+        swarm = text == "/swarm" or text.startswith("/swarm ")
         if not text:
             session.flash.append("Nothing to send.")
+        elif swarm and len(text) > MAX_SWARM_COMMAND:
+            session.flash.append(_swarm_too_long(len(text)))
+        elif swarm:  # a task up to the swarm's own limit: the grammar refuses a longer one, naming the limit
+            session.flash.append(await self._swarm_text(session, text.removeprefix("/swarm")))
         elif len(text) > MAX_TEXT:
             session.flash.append(f"The message is {len(text):,} characters; at most {MAX_TEXT:,} are accepted.")
-        elif text == "/swarm" or text.startswith("/swarm "):
-            session.flash.append(await self._swarm_text(session, text.removeprefix("/swarm")))
         elif text == "/plan":
             session.flash.append(await self.app.conversations.describe(f"web:{CONSOLE}"))
         else:
@@ -506,6 +519,7 @@ class WebServer:
         version = self.feed.version if self.feed is not None else 0  # read first: a change during the load is newer
         store = self.app.swarm.store
         tasks = await store.list(limit=50)
+        calls = await store.calls_of([t.id for t in tasks])
         counts = {status.value: await store.count(status) for status in TaskStatus}
         approvals = await self.app.service.store.requests(limit=20)
         state = self.app.swarm.state
@@ -521,6 +535,7 @@ class WebServer:
             hours=hours,
             waits=waits,
             plan_steps=steps,
+            calls=calls,
             press=press_latencies(),
             taken_at=time.time(),
             version=version,
@@ -584,8 +599,8 @@ class WebServer:
     async def swarm_command(self, request: web.Request) -> web.Response:
         session, fields = await self._auth().form(request)
         text = fields.get("text", "").strip().removeprefix("/swarm").strip()
-        if len(text) > MAX_TEXT:
-            session.flash.append(f"The command is {len(text):,} characters; at most {MAX_TEXT:,} are accepted.")
+        if len(text) > MAX_SWARM_COMMAND:
+            session.flash.append(_swarm_too_long(len(text)))
         else:
             session.flash.append(await self._swarm_text(session, text))
         raise web.HTTPSeeOther("/swarm")

@@ -1,4 +1,4 @@
-"""Swarm pieces of the console dashboard: a task's handoff chain and the per-worker numbers per day.
+"""Swarm pieces of the console dashboard: a task's handoff chains, its steps, and the per-worker numbers per day.
 
 Kept apart from :mod:`kazma.bot.console.pages` so the dashboard's layout and these
 swarm views can change independently. Everything shown is escaped: worker notes
@@ -11,8 +11,11 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
+from kazma.engine.swarm.call_records import CallRecord
+from kazma.engine.swarm.patterns import handoff_paths
 from kazma.engine.swarm.state_store import WorkerDay
 from kazma.engine.swarm.store import TaskRecord
+from kazma.engine.types import tools_line
 
 
 def _e(value: object) -> str:
@@ -30,13 +33,28 @@ def handoff_chain(task: TaskRecord) -> str:
     chain = handoffs_of(task)
     if not chain:
         return ""
-    names = [str(chain[0].get("from", "?")), *(str(h.get("to", "?")) for h in chain)]
+    paths = "; ".join(" → ".join(_e(n) for n in path) for path in handoff_paths(chain))
     reasons = "".join(
         f"<li>{_e(h.get('from', '?'))} → {_e(h.get('to', '?'))}: {_e(h.get('reason', ''))}</li>" for h in chain
     )
+    return f'<div class="handoffs"><span class="chain">handoffs: {paths}</span><ul>{reasons}</ul></div>'
+
+
+def call_rows(calls: Sequence[CallRecord]) -> str:
+    """A task's worker calls, one row each: step, worker, model, tools (with approvals), time, tokens, cost, end."""
+    if not calls:
+        return ""
+    rows = "".join(
+        f"<tr><td>{c.seq}</td><td>{_e(c.step)}</td><td>{_e(c.worker)}</td><td>{_e(c.model or '-')}</td>"
+        f"<td>{_e(tools_line(c.tools))}</td><td>{'' if c.seconds is None else f'{c.seconds:.1f} s'}</td>"
+        f"<td>{c.prompt_tokens} + {c.completion_tokens}</td><td>{'' if c.cost is None else f'{c.cost:.4f}'}</td>"
+        f"<td>{'running' if c.ok is None else 'ok' if c.ok else _e(c.error)}</td></tr>"
+        for c in calls
+    )
     return (
-        f'<div class="handoffs"><span class="chain">handoffs: {" → ".join(_e(n) for n in names)}</span>'
-        f"<ul>{reasons}</ul></div>"
+        f'<details class="calls"><summary>{len(calls)} step{"s" * (len(calls) != 1)}</summary><table>'
+        "<tr><th>#</th><th>step</th><th>worker</th><th>model</th><th>tools</th><th>took</th><th>tokens</th>"
+        f"<th>cost</th><th>ended</th></tr>{rows}</table></details>"
     )
 
 

@@ -10,6 +10,7 @@ import structlog
 
 from kazma.approvals.model import Decision
 from kazma.config.models import KazmaConfig
+from kazma.engine.swarm.call_records import CallRecord
 from kazma.engine.swarm.grammar import (
     ApproveCommand,
     BreakerResetCommand,
@@ -31,14 +32,17 @@ from kazma.engine.swarm.grammar import (
     StartCommand,
     StatusCommand,
     SwarmCommand,
+    TasksCommand,
     WorkersCommand,
     help_text,
     parse,
 )
+from kazma.engine.swarm.patterns import handoff_paths
 from kazma.engine.swarm.roles import authorize
 from kazma.engine.swarm.service import SwarmRefused, SwarmRequest, SwarmService, request_from
 from kazma.engine.swarm.store import StoreUnavailable, TaskRecord
 from kazma.engine.swarm.types import TaskStatus
+from kazma.engine.types import tools_line
 
 log = structlog.get_logger("kazma.swarm.commands")
 
@@ -54,8 +58,11 @@ class SwarmCommands:
     def _now(self) -> float:
         return time.monotonic()
 
-    async def run(self, text: str, *, actor: str, platform: str, chat: str, is_admin: bool) -> str:
-        """The answer to one `/swarm` command, always a sentence a person can act on."""
+    async def run(self, text: str, *, actor: str, platform: str, chat: str, is_admin: bool, context: str = "") -> str:
+        """The answer to one `/swarm` command, always a sentence a person can act on.
+
+        ``context`` (``kazma swarm --context-file``) goes with work the command starts, fenced as data.
+        """
         try:
             command = parse(text, workers=self.config.agents.workers, pipelines=self.config.pipelines)
         except GrammarError as exc:
@@ -66,7 +73,7 @@ class SwarmCommands:
             return refusal.message
         log.info("swarm.command", verb=command.verb, actor=actor, platform=platform)
         try:
-            return await self._execute(command, actor=actor, platform=platform, chat=chat)
+            return await self._execute(command, actor=actor, platform=platform, chat=chat, context=context)
         except SwarmRefused as exc:
             return f"Not started: {exc}"
         except StoreUnavailable as exc:
@@ -74,7 +81,7 @@ class SwarmCommands:
             log.error("swarm.command_store_unavailable", verb=command.verb, error=str(exc))
             return f"The swarm's task store is unavailable ({exc.operation}); nothing changed, send again."
 
-    async def _execute(self, command: SwarmCommand, *, actor: str, platform: str, chat: str) -> str:
+    async def _execute(self, command: SwarmCommand, *, actor: str, platform: str, chat: str, context: str) -> str:
         service = self.service
         route = f"{command.route.platform}:{command.route.chat}" if command.route is not None else None
         origin = f"{platform}:{chat}"
@@ -86,7 +93,13 @@ class SwarmCommands:
                 paused = await service.store.count(TaskStatus.PAUSED)
                 return f"swarm: {running} running, {paused} paused, {len(service.workers)} workers"
             record = await service.store.get(command.task_id)
-            return _describe(record, command.task_id)
+            calls = await service.store.calls(command.task_id) if record is not None else []
+            return _describe(record, command.task_id, calls)
+        if isinstance(command, TasksCommand):
+            if command.worker is None:
+                return "\n".join(_line(r) for r in await service.store.list(limit=20)) or "no swarm tasks yet"
+            found = await service.store.tasks_of(command.worker, limit=20)
+            return "\n".join(_line(r) for r in found) or f"no swarm task named or ran {command.worker}"
         if isinstance(command, ListCommand):
             records = [
                 *await service.store.list(TaskStatus.RUNNING, limit=20),
@@ -100,12 +113,14 @@ class SwarmCommands:
         if isinstance(command, ConfigCommand):
             swarm = self.config.swarm
             presets = "; ".join(f"{n}: {', '.join(s)}" for n, s in self.config.pipelines.items())
-            return (
-                f"step timeout {swarm.step_timeout_seconds} s, task deadline {swarm.task_deadline_seconds} s, "
-                f"{swarm.max_parallel} parallel, "
+            lines = [
+                f"task deadline {swarm.task_deadline_seconds} s, {swarm.max_parallel} tasks at once, "
+                f"{swarm.task_concurrency} calls per task, {swarm.max_parallel_workers} calls in the process, "
                 f"retention {swarm.retention_days} days, checkpoints {swarm.checkpoints or 'none'}; "
-                f"pipelines: {presets}"
-            )
+                f"pipelines: {presets}",
+                *(f"{name}: {swarm.reliability(name).line()}" for name in self.config.agents.workers),
+            ]
+            return "\n".join(lines)
         if isinstance(command, CancelCommand):
             return await service.cancel(command.task_id, actor=actor)
         if isinstance(command, ApproveCommand | RejectCommand):
@@ -117,7 +132,7 @@ class SwarmCommands:
             return await service.metrics_text(command.days)
         if isinstance(command, RetryCommand):
             return await self._retry(command.task_id, actor=actor, origin=origin, route=route)
-        request = _request(command, owner=actor, origin=origin, route=route)
+        request = replace(_request(command, owner=actor, origin=origin, route=route), context=context)
         task_id = await service.submit(request)
         where = f"; the result goes to {route}" if route else ""
         return f"swarm task {task_id} started ({request.pattern.value}){where}. Check it with /swarm status {task_id}"
@@ -151,6 +166,7 @@ class SwarmCommands:
             routes=earlier.routes,
             expect=earlier.expect,
             deadline_seconds=earlier.deadline_seconds,
+            context=earlier.context,
         )
         new_id = await self.service.submit(request)
         return f"swarm task {task_id} retried as {new_id}"
@@ -189,7 +205,7 @@ def _line(record: TaskRecord) -> str:
     return f"{record.id}  {record.status.value:<11} {record.pattern.value:<9} {when}  {record.current_step}"
 
 
-def _describe(record: TaskRecord | None, task_id: str) -> str:
+def _describe(record: TaskRecord | None, task_id: str, calls: list[CallRecord]) -> str:
     if record is None:
         return f"no swarm task {task_id!r}"
     lines = [f"swarm task {record.id}: {record.status.value} ({record.pattern.value}, by {record.owner})"]
@@ -200,7 +216,24 @@ def _describe(record: TaskRecord | None, task_id: str) -> str:
     details = (record.result or {}).get("details") or {}
     chain = details.get("handoffs") if isinstance(details, dict) else None
     if isinstance(chain, list) and chain:
-        lines.append("handoffs: " + " → ".join([str(chain[0].get("from")), *(str(h.get("to")) for h in chain)]))
+        paths = handoff_paths([h for h in chain if isinstance(h, dict)])
+        lines.append("handoffs: " + "; ".join(" → ".join(path) for path in paths))
+    if calls:
+        lines.append("steps:")
+        lines.extend(call_line(call) for call in calls)
     if record.result and record.result.get("output"):
         lines.append(f"result: {str(record.result['output'])[:1500]}")
     return "\n".join(lines)
+
+
+def call_line(call: CallRecord) -> str:
+    """One worker call for people: where, who, which model, what tools, how long, how many tokens, how it ended."""
+    where = f"{call.step}: " if call.step else ""
+    attempt = f" (attempt {call.attempt})" if call.attempt > 1 else ""
+    took = "still running or stopped" if call.seconds is None else f"{call.seconds:.1f} s"
+    cost = "" if call.cost is None else f", cost {call.cost:.4f}"
+    ended = "running" if call.ok is None else "ok" if call.ok else f"failed: {' '.join(call.error.split())[:200]}"
+    return (
+        f"{call.seq}. {where}{call.worker}{attempt} · model {call.model or '-'} · tools: {tools_line(call.tools)}"
+        f" · {took} · {call.prompt_tokens} + {call.completion_tokens} tokens{cost} · {ended}"
+    )

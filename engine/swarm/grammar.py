@@ -16,10 +16,11 @@ from enum import StrEnum
 from typing import ClassVar, TypedDict
 
 from kazma.config.registry import ROUTE_PLATFORMS, chat_id_problem
+from kazma.engine.swarm.limits import MAX_PROMPT_BYTES as MAX_PROMPT_BYTES  # re-exported: tests and surfaces
+from kazma.engine.swarm.limits import MAX_WORKERS, LimitExceeded, check_prompt
 from kazma.engine.swarm.types import Pattern
 
-MAX_PROMPT_BYTES = 64 * 1024
-MAX_LIST_WORKERS = 32
+MAX_LIST_WORKERS = MAX_WORKERS
 AUTO = "auto"
 
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{4,32}")
@@ -117,6 +118,15 @@ class ListCommand(SwarmCommand):
 class HistoryCommand(SwarmCommand):
     verb: ClassVar[str] = "history"
     access: ClassVar[Access] = Access.READ
+
+
+@dataclass(frozen=True)
+class TasksCommand(SwarmCommand):
+    """Tasks newest first, or only those a worker was named in or ran (``--worker``)."""
+
+    verb: ClassVar[str] = "tasks"
+    access: ClassVar[Access] = Access.READ
+    worker: str | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +248,7 @@ AnySwarmCommand = (
     | StatusCommand
     | ListCommand
     | HistoryCommand
+    | TasksCommand
     | WorkersCommand
     | DispatchCommand
     | BroadcastCommand
@@ -275,6 +286,13 @@ USAGES: Mapping[str, Usage] = {
         Usage("status", "[task-id]", "at most one task id", "the swarm at a glance, or one task", Access.READ),
         Usage("list", "", "nothing", "running and paused tasks", Access.READ),
         Usage("history", "", "nothing", "recently finished tasks", Access.READ),
+        Usage(
+            "tasks",
+            "[--worker <worker>]",
+            "at most --worker and a worker",
+            "tasks newest first, or those a worker was named in or ran",
+            Access.READ,
+        ),
         Usage("workers", "", "nothing", "the workers and what they are good at", Access.READ),
         Usage(
             "dispatch",
@@ -378,6 +396,14 @@ def parse(text: str, *, workers: Collection[str], pipelines: Mapping[str, Sequen
         case "workers":
             p.no_arguments(rest)
             return WorkersCommand(route=route)
+        case "tasks":
+            if not rest:
+                return TasksCommand(route=route)
+            option, worker = _first_word(rest)
+            if option.lower() != "--worker" or not worker or len(worker.split()) != 1:
+                raise p.fail("tasks takes --worker <worker> or nothing")
+            p._check_worker(worker.lower())
+            return TasksCommand(worker.lower(), route=route)
         case "config":
             p.no_arguments(rest)
             return ConfigCommand(route=route)
@@ -581,12 +607,10 @@ class _Parser:
     def prompt(self, text: str) -> str:
         if not text:
             raise self.missing()
-        size = len(text.encode("utf-8", errors="surrogatepass"))
-        if size > MAX_PROMPT_BYTES:
-            raise self.fail(
-                f"the {self._prompt_word()} is {size:,} bytes; the limit is {MAX_PROMPT_BYTES:,} bytes (64 KiB) "
-                "of UTF-8 — shorten it or point to a file instead"
-            )
+        try:
+            check_prompt(text, word=self._prompt_word())
+        except LimitExceeded as exc:
+            raise self.fail(str(exc)) from None
         return text
 
     def _prompt_word(self) -> str:

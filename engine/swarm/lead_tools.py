@@ -29,6 +29,7 @@ class DispatchSwarmArgs(BaseModel):
     routes: dict[str, str] = Field(default_factory=dict, description="conditional: branch name -> worker")
     expect: str | None = Field(default=None, description="'json' or a schema name: every answer must match")
     deadline_seconds: int | None = Field(default=None, ge=1, le=86400)
+    context: str = Field(default="", description="material every worker gets with the task, as data (256 KiB)")
 
 
 class CheckSwarmArgs(BaseModel):
@@ -69,6 +70,7 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             routes=tuple(args.routes.items()),
             expect=args.expect,
             deadline_seconds=args.deadline_seconds,
+            context=args.context,
         )
         try:
             task_id = await service.submit(request)
@@ -88,9 +90,12 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
         if record is None:
             return ToolResult(ok=False, output="", error=f"no swarm task {args.task_id!r}")
         output = record.result.get("output", "") if record.result else ""
-        text = f"status: {record.status.value}; step: {record.current_step}; error: {record.error or '-'}"
+        error = "below" if record.error else "-"
+        text = f"status: {record.status.value}; step: {record.current_step}; error: {error}"
+        # Workers' answers and errors were written by models reading whatever their tools fetched: data, not orders.
+        if record.error:
+            text += "\n" + fence_untrusted(record.error, source=f"swarm task {record.id}'s error")
         if output:
-            # Workers' answers were written by models reading whatever their tools fetched: data, not orders.
             text += "\n" + fence_untrusted(str(output), source=f"swarm task {record.id}")
         return ToolResult(ok=True, output=text)
 

@@ -3,6 +3,12 @@
 Patterns only orchestrate: every worker call goes through the injected
 ``call`` (which the swarm service wraps in breakers, retries and timeouts),
 so each pattern is plain logic over :class:`WorkerResult`.
+
+Every worker a pattern runs may hand its task on (``handoff_to_worker``): in
+``dispatch`` the chain's runs are the task's results; in the other patterns a
+handoff replaces that worker's answer in its place (a stage, a branch, one of
+the parallel answers) and the runs that handed over count in the tokens. What a
+worker reads of other workers' output always arrives fenced.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from kazma.engine.fence import NOTHING, Fenced, fence_untrusted, join_fenced
 from kazma.engine.swarm.metrics import HANDOFFS, swarm_failure
 from kazma.engine.swarm.types import (
     ErrorKind,
@@ -25,14 +32,15 @@ from kazma.engine.swarm.types import (
     TaskStatus,
     Worker,
     WorkerResult,
+    current_step,
     offering,
+    step_named,
 )
-from kazma.engine.tools import fence_untrusted
 from kazma.engine.types import Usage
 
 log = structlog.get_logger("kazma.swarm")
 
-Call = Callable[[Worker, str, str], Awaitable[WorkerResult]]  # (worker, prompt, context)
+Call = Callable[[Worker, str, Fenced], Awaitable[WorkerResult]]  # (worker, prompt, fenced context)
 
 
 @dataclass(frozen=True)
@@ -188,7 +196,7 @@ async def dispatch(
     *,
     fallbacks: Sequence[Worker] = (),
     by_name: Mapping[str, Worker] | None = None,
-    context: str = "",
+    context: Fenced = NOTHING,
 ) -> SwarmOutcome:
     """One worker; on failure the fallback chain in order; handoffs followed within bounds."""
     results: list[WorkerResult] = []
@@ -209,7 +217,54 @@ async def dispatch(
     )
 
 
-def _handover(original: str, result: WorkerResult) -> str:
+@dataclass
+class Handoffs:
+    """The handoffs of one task outside ``dispatch``: each worker call may hand on, within the chain's bounds.
+
+    :meth:`call` wraps a pattern's call; the wrapped call returns the answer that ends the chain (the target's),
+    keeps the chain, and keeps the runs that handed over so their tokens still count.
+    """
+
+    by_name: Mapping[str, Worker]
+    chains: list[list[HandoffRecord]] = field(default_factory=list)
+    handed: list[WorkerResult] = field(default_factory=list)
+
+    def call(self, call: Call) -> Call:
+        async def run(worker: Worker, prompt: str, context: Fenced) -> WorkerResult:
+            runs: list[WorkerResult] = []
+            chain: list[HandoffRecord] = []
+            result = await _with_handoffs(call, worker, prompt, context, self.by_name, runs, chain)
+            if chain:
+                self.chains.append(chain)  # appended whole, so one chain's records stay together
+            self.handed.extend(runs[:-1])
+            return result
+
+        return run
+
+    def settle(self, outcome: SwarmOutcome) -> SwarmOutcome:
+        """The outcome with the chains in its details and the handing-over runs' tokens in its totals."""
+        if self.chains:
+            outcome.details["handoffs"] = [
+                {**record.as_json(), "chain": n} for n, chain in enumerate(self.chains) for record in chain
+            ]
+        outcome.extra_usage = sum((r.usage for r in self.handed), outcome.extra_usage)
+        return outcome
+
+
+def handoff_paths(records: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """The stored handoff records as paths of worker names, one per chain: ``[["a", "b", "a"], ["c", "d"]]``."""
+    paths: list[list[str]] = []
+    last: object = object()
+    for record in records:
+        chain = record.get("chain", 0)
+        if not paths or chain != last:
+            paths.append([str(record.get("from", "?"))])
+            last = chain
+        paths[-1].append(str(record.get("to", "?")))
+    return paths
+
+
+def _handover(original: Fenced, result: WorkerResult) -> Fenced:
     """What the target sees: the original context, then what the source passed on, fenced as data."""
     passed = [f"reason: {result.handoff_reason}"] if result.handoff_reason else []
     if result.handoff_task:
@@ -219,14 +274,14 @@ def _handover(original: str, result: WorkerResult) -> str:
     if result.output:
         passed.append(f"note: {result.output}")
     fenced = fence_untrusted("\n".join(passed), source=f"{result.worker}, handing over")
-    return f"{original}\n\n{fenced}" if original else fenced
+    return join_fenced([original, fenced], "\n\n")
 
 
 async def _with_handoffs(
     call: Call,
     worker: Worker,
     prompt: str,
-    original: str,
+    original: Fenced,
     by_name: Mapping[str, Worker],
     results: list[WorkerResult],
     chain: list[HandoffRecord],
@@ -234,6 +289,7 @@ async def _with_handoffs(
     visits: Counter[str] = Counter()
     depth0 = len(chain)
     current, context = worker, original
+    label = current_step()
     while True:
         visits[current.name] += 1
         depth = len(chain) - depth0 + 1  # this run's place in the chain (1 = the first)
@@ -242,7 +298,8 @@ async def _with_handoffs(
             return _handoff_refusal(source, target, at, visits, by_name)
 
         offer = HandoffOffer(current.name, tuple(n for n in by_name if n != current.name), refusal)
-        with offering(offer):
+        here = label if depth == 1 else f"{label + ', ' if label else ''}handoff from {chain[-1].source}"
+        with offering(offer), step_named(here):
             result = await call(current, prompt, context)
         results.append(result)
         target = result.handoff_to
@@ -260,11 +317,12 @@ async def _with_handoffs(
             continue
         HANDOFFS.labels(outcome="refused").inc()
         log.info("swarm.handoff_refused", worker=current.name, target=target, reason=why)
-        # the refusal is answered to the model, which gets one chance to finish the task itself
-        with offering(None):
-            retry = await call(
-                current, prompt, f"Your handoff to {target} was refused: {why}. Finish the task yourself."
-            )
+        # the refusal is answered to the model, which gets one chance to finish the task itself; the refusal is
+        # Kazma's own words (no worker text in it), so it goes with the task, and the context stays as it was
+        named = target if target in by_name else "that worker"
+        retry_prompt = f"{prompt}\n\nYour handoff to {named} was refused: {why}. Finish the task yourself."
+        with offering(None), step_named(f"{label + ', ' if label else ''}after a refused handoff"):
+            retry = await call(current, retry_prompt, context)
         results.append(retry)
         if retry.ok and retry.handoff_to is not None:
             failed = WorkerResult(current.name, False, error=f"handoff refused: {why}", error_kind=ErrorKind.PERMANENT)
@@ -279,7 +337,7 @@ def _handoff_refusal(
     if target == source:
         return "a worker cannot hand a task to itself"
     if target not in by_name:
-        return f"there is no worker named {target!r}"
+        return f"there is no such worker (workers: {', '.join(by_name) or 'none'})"
     if depth >= MAX_HANDOFF_DEPTH:
         return f"the chain is {depth} runs deep; at most {MAX_HANDOFF_DEPTH - 1} handoffs are allowed"
     if visits[target] >= MAX_VISITS:
@@ -287,9 +345,17 @@ def _handoff_refusal(
     return None
 
 
-async def broadcast(call: Call, workers: Sequence[Worker], prompt: str, *, concurrency: int = 8) -> SwarmOutcome:
-    results = await _parallel(call, workers, prompt, concurrency)
-    return SwarmOutcome(_status(results), _labelled(results), results)
+async def broadcast(
+    call: Call,
+    workers: Sequence[Worker],
+    prompt: str,
+    *,
+    concurrency: int = 5,
+    by_name: Mapping[str, Worker] | None = None,
+) -> SwarmOutcome:
+    handoffs = Handoffs(by_name or {})
+    results = await _parallel(handoffs.call(call), workers, prompt, concurrency)
+    return handoffs.settle(SwarmOutcome(_status(results), _labelled(results), results))
 
 
 async def fan_out(
@@ -298,29 +364,47 @@ async def fan_out(
     prompt: str,
     *,
     aggregation: Aggregation = Aggregation.COLLECT,
-    concurrency: int = 8,
+    concurrency: int = 5,
     synthesizer: Synthesizer | None = None,
     chooser: Chooser | None = None,
+    by_name: Mapping[str, Worker] | None = None,
 ) -> SwarmOutcome:
-    results = await _parallel(call, workers, prompt, concurrency)
+    handoffs = Handoffs(by_name or {})
+    results = await _parallel(handoffs.call(call), workers, prompt, concurrency)
     answer = await aggregate_with_usage(aggregation, prompt, results, synthesizer, chooser)
-    return SwarmOutcome(
-        _status(results), answer.text, results, {"aggregation": aggregation.value}, extra_usage=answer.usage
+    return handoffs.settle(
+        SwarmOutcome(
+            _status(results), answer.text, results, {"aggregation": aggregation.value}, extra_usage=answer.usage
+        )
     )
 
 
 async def consult(
-    call: Call, workers: Sequence[Worker], question: str, *, synthesizer: Synthesizer | None, concurrency: int = 8
+    call: Call,
+    workers: Sequence[Worker],
+    question: str,
+    *,
+    synthesizer: Synthesizer | None,
+    concurrency: int = 5,
+    by_name: Mapping[str, Worker] | None = None,
 ) -> SwarmOutcome:
-    results = await _parallel(call, workers, question, concurrency)
+    handoffs = Handoffs(by_name or {})
+    results = await _parallel(handoffs.call(call), workers, question, concurrency)
     answer = await aggregate_with_usage(Aggregation.SYNTHESIZE, question, results, synthesizer)
-    return SwarmOutcome(
-        _status(results), answer.text, results, {"synthesized": synthesizer is not None}, extra_usage=answer.usage
+    return handoffs.settle(
+        SwarmOutcome(
+            _status(results), answer.text, results, {"synthesized": synthesizer is not None}, extra_usage=answer.usage
+        )
     )
 
 
 async def conditional(
-    call: Call, route: Callable[[str], Awaitable[str]], routes: Mapping[str, Worker], prompt: str
+    call: Call,
+    route: Callable[[str], Awaitable[str]],
+    routes: Mapping[str, Worker],
+    prompt: str,
+    *,
+    by_name: Mapping[str, Worker] | None = None,
 ) -> SwarmOutcome:
     branch = await route(prompt)
     worker = routes.get(branch)
@@ -329,12 +413,16 @@ async def conditional(
         return SwarmOutcome(
             TaskStatus.FAILED, f"the router chose {branch!r}, which is not a branch ({known})", [], {"branch": branch}
         )
-    result = await call(worker, prompt, "")
-    return SwarmOutcome(
-        TaskStatus.SUCCEEDED if result.ok else TaskStatus.FAILED,
-        result.output if result.ok else result.error,
-        [result],
-        {"branch": branch},
+    handoffs = Handoffs(by_name or {})
+    with step_named(f"branch {branch}"):
+        result = await handoffs.call(call)(worker, prompt, NOTHING)
+    return handoffs.settle(
+        SwarmOutcome(
+            TaskStatus.SUCCEEDED if result.ok else TaskStatus.FAILED,
+            result.output if result.ok else result.error,
+            [result],
+            {"branch": branch},
+        )
     )
 
 
@@ -342,9 +430,20 @@ def router_prompt(prompt: str, branches: Sequence[str]) -> str:
     return f"Choose the branch for this task. Answer with exactly one of: {', '.join(branches)}.\n\nTask:\n{prompt}"
 
 
-async def routed(call: Call, router: Worker, routes: Mapping[str, Worker], prompt: str) -> SwarmOutcome:
-    """``conditional`` with a worker as the router: its answer names the branch; both results are kept."""
-    decision = await call(router, router_prompt(prompt, list(routes)), "")
+async def routed(
+    call: Call,
+    router: Worker,
+    routes: Mapping[str, Worker],
+    prompt: str,
+    *,
+    by_name: Mapping[str, Worker] | None = None,
+) -> SwarmOutcome:
+    """``conditional`` with a worker as the router: its answer names the branch; both results are kept.
+
+    The router only names a branch: it is not offered a handoff. The branch's worker is.
+    """
+    with step_named("router"):
+        decision = await call(router, router_prompt(prompt, list(routes)), NOTHING)
     if not decision.ok:
         return SwarmOutcome(
             TaskStatus.FAILED, f"the router {router.name} failed: {decision.error}", [decision], {"router": router.name}
@@ -355,7 +454,7 @@ async def routed(call: Call, router: Worker, routes: Mapping[str, Worker], promp
     async def chosen(_: str) -> str:
         return branch
 
-    outcome = await conditional(call, chosen, routes, prompt)
+    outcome = await conditional(call, chosen, routes, prompt, by_name=by_name)
     outcome.results.insert(0, decision)
     outcome.details["router"] = router.name
     outcome.details.setdefault("branch", branch)
@@ -374,27 +473,36 @@ async def pipeline(
     done: Sequence[WorkerResult] = (),
     journal: Journal | None = None,
     checkpoint: Checkpoint | None = None,
+    by_name: Mapping[str, Worker] | None = None,
 ) -> SwarmOutcome:
     """Ordered stages sharing a blackboard; each sees earlier outputs fenced as untrusted.
 
     ``done`` holds the journaled results of a resumed run: the pipeline continues
-    after the last of them and never runs a journaled stage again.
+    after the last of them and never runs a journaled stage again. A stage's worker may hand the stage on; the
+    answer that ends its chain is the stage's.
     """
     results = list(done)
+    handoffs = Handoffs(by_name or {})
+    stage_call = handoffs.call(call)
     for index in range(len(results), len(stages)):
         worker = stages[index]
-        blackboard = "\n".join(
+        blackboard = join_fenced(
             fence_untrusted(r.output, source=f"stage {i + 1} ({r.worker})") for i, r in enumerate(results)
         )
-        result = await call(worker, prompt, blackboard)
+        with step_named(f"stage {index + 1}"):
+            result = await stage_call(worker, prompt, blackboard)
         results.append(result)
         if journal is not None:
             await journal(index, result)
         if not result.ok:
-            return SwarmOutcome(TaskStatus.FAILED, f"stage {index + 1} ({worker.name}) failed: {result.error}", results)
+            return handoffs.settle(
+                SwarmOutcome(TaskStatus.FAILED, f"stage {index + 1} ({worker.name}) failed: {result.error}", results)
+            )
         if checkpoint is not None and index < len(stages) - 1 and not await checkpoint(index, result):
-            return SwarmOutcome(TaskStatus.PAUSED, f"paused after stage {index + 1} ({worker.name})", results)
-    return SwarmOutcome(TaskStatus.SUCCEEDED, results[-1].output if results else "", results)
+            return handoffs.settle(
+                SwarmOutcome(TaskStatus.PAUSED, f"paused after stage {index + 1} ({worker.name})", results)
+            )
+    return handoffs.settle(SwarmOutcome(TaskStatus.SUCCEEDED, results[-1].output if results else "", results))
 
 
 async def _parallel(call: Call, workers: Sequence[Worker], prompt: str, concurrency: int) -> list[WorkerResult]:
@@ -403,8 +511,10 @@ async def _parallel(call: Call, workers: Sequence[Worker], prompt: str, concurre
     async def one(worker: Worker) -> WorkerResult:
         async with gate:
             try:
-                return await call(worker, prompt, "")
+                with step_named(worker.name):
+                    return await call(worker, prompt, NOTHING)
             except Exception as exc:  # one worker's crash is its own failure, not the fan-out's
+                log.warning("swarm.worker_crashed", worker=worker.name, error=f"{type(exc).__name__}: {exc}")
                 return WorkerResult(worker.name, False, error=f"{type(exc).__name__}: {exc}")
 
     return list(await asyncio.gather(*(one(w) for w in workers)))

@@ -14,7 +14,6 @@ import math
 import random
 import re
 import time
-import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -25,6 +24,8 @@ import pydantic
 import structlog
 
 from kazma.config.backoff import Backoff
+from kazma.config.models import WorkerReliability
+from kazma.engine.fence import NOTHING, Fenced
 from kazma.engine.swarm.types import ErrorKind, Worker, WorkerResult
 from kazma.engine.types import ModelError
 
@@ -236,7 +237,8 @@ class CircuitBreaker:
 class RetryPolicy:
     """Retry TRANSIENT and TIMEOUT failures with capped exponential backoff and jitter.
 
-    The delay before retry ``n`` (1-based) is ``min(cap, base * 2**(n-1))``, scaled
+    The defaults are the design's: 3 retries, 1 s doubling to at most 60 s, with jitter. The delay
+    before retry ``n`` (1-based) is ``min(cap, base * 2**(n-1))``, scaled
     into ``[delay/2, delay]`` by ``rng`` when ``jitter`` is on so callers that failed
     together do not retry together. PERMANENT failures and any result with
     ``changed_state`` are returned after one attempt.
@@ -244,9 +246,9 @@ class RetryPolicy:
 
     def __init__(
         self,
-        max_attempts: int = 3,
-        base: float = 0.5,
-        cap: float = 30.0,
+        max_attempts: int = 4,
+        base: float = 1.0,
+        cap: float = 60.0,
         jitter: bool = True,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: Callable[[], float] = random.random,
@@ -254,6 +256,24 @@ class RetryPolicy:
         self.max_attempts = max(1, max_attempts)
         self.backoff = Backoff(base=base, cap=cap, jitter=jitter, rng=rng)
         self.sleep = sleep
+
+    @classmethod
+    def of(
+        cls,
+        settings: WorkerReliability,
+        *,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rng: Callable[[], float] = random.random,
+    ) -> RetryPolicy:
+        """The policy a worker's effective settings describe (``swarm.retries`` under its own ``retries``)."""
+        return cls(
+            max_attempts=settings.retries + 1,
+            base=settings.retry_base_seconds,
+            cap=settings.retry_cap_seconds,
+            jitter=settings.retry_jitter,
+            sleep=sleep,
+            rng=rng,
+        )
 
     def delay(self, retry: int) -> float:
         return self.backoff.delay(retry - 1)
@@ -304,7 +324,7 @@ async def run_with_fallback(
     workers: Sequence[Worker],
     prompt: str,
     *,
-    context: str = "",
+    context: Fenced = NOTHING,
     breakers: Mapping[str, CircuitBreaker],
     policy: RetryPolicy,
     timeout: float,  # noqa: ASYNC109 - a per-attempt limit, applied inside each retry
@@ -340,44 +360,6 @@ async def run_with_fallback(
     if last is None:
         return WorkerResult("", False, error=f"no worker could be tried: {summary}", error_kind=ErrorKind.TRANSIENT)
     return replace(last, error=f"every worker failed: {summary}")
-
-
-# -- concurrency -----------------------------------------------------------------------------
-
-GLOBAL_CAP = 64
-_global_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
-
-
-def global_gate() -> asyncio.Semaphore:
-    """The process-wide cap on concurrent worker calls (one per event loop: a semaphore cannot cross loops)."""
-    loop = asyncio.get_running_loop()
-    gate = _global_gates.get(loop)
-    if gate is None:
-        gate = _global_gates[loop] = asyncio.Semaphore(GLOBAL_CAP)
-    return gate
-
-
-class ConcurrencyLimiter:
-    """At most ``per_call`` calls of one swarm task at a time, and at most the global cap across all tasks.
-
-    A call takes its own task's slot before a global one, so a task waiting on
-    its own limit never holds a global slot. Do not nest limiters that share a
-    global gate: outer calls holding every global slot would wait forever on inner ones.
-    """
-
-    def __init__(self, per_call: int, global_cap: asyncio.Semaphore | None = None) -> None:
-        self.per_call = max(1, min(GLOBAL_CAP, per_call))
-        self._local = asyncio.Semaphore(self.per_call)
-        self._global = global_cap
-
-    async def run(self, call: Callable[[], Awaitable[T]]) -> T:
-        gate = self._global if self._global is not None else global_gate()
-        async with self._local, gate:
-            return await call()
-
-    async def map(self, calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
-        """Run every call under the limits; results in the order given."""
-        return list(await asyncio.gather(*(self.run(c) for c in calls)))
 
 
 # -- output validation -------------------------------------------------------------------

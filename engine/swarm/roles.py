@@ -78,11 +78,18 @@ def authorize(
     return None
 
 
+# What each admin-only subcommand does, in the refusal a reader gets.
+_ADMIN_DOES = {
+    "config": "shows the swarm's settings",
+    "breaker": "resets a worker's circuit breaker",
+}
+
+
 def _not_operator_message(command: SwarmCommand, actor: str, platform: str) -> str:
     if command.access is Access.STEER:
         what = f"/swarm {command.verb} starts, changes or steers work, so it"
     elif command.access is Access.ADMIN:
-        what = f"/swarm {command.verb} shows the swarm's settings, so it"
+        what = f"/swarm {command.verb} {_ADMIN_DOES.get(command.verb, 'is for admins')}, so it"
     else:
         what = f"sending the result of /swarm {command.verb} to {command.route}"
     if platform in CHAT_PLATFORMS:

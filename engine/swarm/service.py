@@ -1,9 +1,10 @@
-"""The swarm service: admission, running patterns reliably, checkpoints, progress and recovery."""
+"""The swarm service: admission, running patterns reliably, progress and recovery (checkpoints: checkpoints.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -11,26 +12,32 @@ from typing import Any
 
 import structlog
 
-from kazma.approvals.model import Decision, PressResult, Status
-from kazma.approvals.service import ApprovalRefused, ApprovalService
+from kazma.approvals.model import Decision
+from kazma.approvals.service import ApprovalService
 from kazma.config.models import KazmaConfig
+from kazma.engine.fence import NOTHING, Fenced, fence_untrusted, join_fenced
 from kazma.engine.swarm import patterns
-from kazma.engine.swarm.metrics import ROUTING, WORKER_CALLS, WORKER_LATENCY, WORKER_TOKENS, swarm_failure
-from kazma.engine.swarm.reliability import BreakerState, CircuitBreaker, OutputValidator, RetryPolicy, with_timeout
+from kazma.engine.swarm.calls import TaskCalls, WorkerCalls
+from kazma.engine.swarm.checkpoints import Checkpoints, checkpoint_id
+from kazma.engine.swarm.limits import MAX_WORKERS, LimitExceeded, check_context, check_metadata, check_prompt
+from kazma.engine.swarm.metrics import ROUTING, swarm_failure
+from kazma.engine.swarm.reliability import CircuitBreaker, OutputValidator
 from kazma.engine.swarm.routing import EmbeddingRouter
 from kazma.engine.swarm.state_store import SwarmStateStore
-from kazma.engine.swarm.store import AtCapacity, StoreUnavailable, SwarmTaskStore, TaskRecord, TaskRun
+from kazma.engine.swarm.store import (
+    AtCapacity,
+    StoreUnavailable,
+    SwarmTaskStore,
+    TaskRecord,
+    TaskRun,
+)
 from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, Worker, WorkerResult
 from kazma.engine.types import Usage
 
 log = structlog.get_logger("kazma.swarm")
 
-MAX_PROMPT_BYTES = 64 * 1024
-MAX_CONTEXT_BYTES = 256 * 1024
-MAX_WORKERS = 32
 CHECK_DEFAULT_WAIT = 60.0
 CHECK_MAX_WAIT = 90.0
-CHECKPOINT_TOOL = "pipeline_checkpoint"
 STORE_UNAVAILABLE = "task store unavailable — nothing started, send again"
 
 Report = Callable[[str], Awaitable[None]]
@@ -53,11 +60,12 @@ class SwarmRequest:
     routes: tuple[tuple[str, str], ...] = ()  # conditional: (branch, worker); workers[0] is the router
     expect: str | None = None  # "json" or a schema name from swarm.schemas: every worker answer must match
     deadline_seconds: int | None = None  # None: swarm.task_deadline_seconds
+    context: str = ""  # material every worker gets with the task, fenced as data (the lead's, or a file's)
 
-    def as_json(self) -> dict[str, Any]:
+    def metadata(self) -> dict[str, Any]:
+        """Everything but the prompt and the context: what the metadata limit bounds."""
         return {
             "workers": list(self.workers),
-            "prompt": self.prompt,
             "aggregation": self.aggregation,
             "preset": self.preset,
             "conversation": self.conversation,
@@ -65,6 +73,9 @@ class SwarmRequest:
             "expect": self.expect,
             "deadline_seconds": self.deadline_seconds,
         }
+
+    def as_json(self) -> dict[str, Any]:
+        return {**self.metadata(), "prompt": self.prompt, "context": self.context}
 
 
 class CoalescingReporter:
@@ -113,7 +124,8 @@ class SwarmService:
     chooser: patterns.Chooser | None = None
     # posts a task's result into a conversation ("platform:chat"): the route if one was given, else its origin
     deliver: Callable[[str, str], Awaitable[None]] | None = None
-    policy: RetryPolicy = field(default_factory=RetryPolicy)
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # between a worker's retries (tests: at once)
+    rng: Callable[[], float] = random.random  # the retries' jitter
     clock: Callable[[], float] = time.monotonic
     breakers: dict[str, CircuitBreaker] = field(default_factory=dict)
     state: SwarmStateStore | None = None  # breakers and per-worker numbers survive restarts here
@@ -121,65 +133,30 @@ class SwarmService:
     router: EmbeddingRouter | None = None  # semantic routing for workers=auto; keywords when None
     _running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _finished: dict[str, asyncio.Event] = field(default_factory=dict)
-    _gate: asyncio.Semaphore | None = None
     _waiters: set[asyncio.Task[None]] = field(default_factory=set)
     _current: dict[str, TaskRun] = field(default_factory=dict)  # a checkpoint resume moves a task to a new run
+    _capacity: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever a task stops running here
     # told (no arguments) whenever a task's state or a worker's numbers may have changed: the live dashboard
     listeners: list[Callable[[], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for name in self.workers:
-            self.breakers.setdefault(name, self._new_breaker(name))
-        self._gate = asyncio.Semaphore(self.config.swarm.max_parallel)
-
-    def _new_breaker(self, name: str) -> CircuitBreaker:
-        swarm = self.config.swarm
-        own = swarm.workers.get(name)
-        threshold = own.breaker_threshold if own is not None and own.breaker_threshold else swarm.breaker_threshold
-        cooldown = (
-            own.breaker_cooldown_seconds
-            if own is not None and own.breaker_cooldown_seconds
-            else swarm.breaker_cooldown_seconds
+        self.calls = WorkerCalls(
+            self.store,
+            self.config,
+            self.state,
+            sleep=self.sleep,
+            rng=self.rng,
+            clock=self.clock,
+            breakers=self.breakers,
+            changed=self._changed,
         )
-        return CircuitBreaker(name, failure_threshold=threshold, cooldown=cooldown, clock=self.clock)
-
-    def _policy_for(self, name: str) -> RetryPolicy:
-        own = self.config.swarm.workers.get(name)
-        retries = own.retries if own is not None and own.retries is not None else None
-        if retries is None:
-            return self.policy
-        policy = RetryPolicy(max_attempts=retries + 1, sleep=self.policy.sleep)
-        policy.backoff = self.policy.backoff
-        return policy
-
-    def _timeout_for(self, name: str) -> float:
-        own = self.config.swarm.workers.get(name)
-        if own is not None and own.timeout_seconds is not None:
-            return float(own.timeout_seconds)
-        return float(self.config.swarm.step_timeout_seconds)
+        for name in self.workers:
+            self.calls.breaker(name)
+        self.checkpoints = Checkpoints(self.store, self.config, self.approvals, self._capacity, self._report)
 
     async def restore_breakers(self) -> list[str]:
         """Breakers as they were saved before this start; returns the workers still resting."""
-        if self.state is None:
-            return []
-        resting = []
-        for saved in await self.state.breakers():
-            breaker = self.breakers.get(saved.worker)
-            if breaker is None:
-                continue
-            breaker.restore(BreakerState(saved.state), saved.failures, saved.retry_at - time.time())
-            if breaker.state is not BreakerState.CLOSED:
-                resting.append(saved.worker)
-        return resting
-
-    async def _save_breaker(self, breaker: CircuitBreaker) -> None:
-        if self.state is None:
-            return
-        try:
-            await self.state.save_breaker(breaker.worker, breaker.state.value, breaker.failures, breaker.retry_in())
-        except Exception as exc:  # the breaker still works in memory; only its memory across a restart is lost
-            swarm_failure("breaker_row")
-            log.warning("swarm.breaker_unsaved", worker=breaker.worker, error=str(exc))
+        return await self.calls.restore_breakers()
 
     async def sweep_retention(self) -> int:
         """Prune finished tasks older than ``swarm.retention_days`` (0 keeps everything); failures are counted."""
@@ -199,35 +176,9 @@ class SwarmService:
             return f"no worker {worker!r}"
         was = breaker.state
         breaker.reset()
-        await self._save_breaker(breaker)
+        await self.calls.save_breaker(breaker)
         log.info("swarm.breaker_reset", worker=worker, actor=actor, was=was.value)
         return f"{worker}'s breaker is closed (it was {was.value}); reset by {actor}"
-
-    async def _count_call(self, worker: str, result: WorkerResult, latency: float) -> None:
-        WORKER_CALLS.labels(worker=worker, outcome="completed" if result.ok else "failed").inc()
-        WORKER_LATENCY.labels(worker=worker).observe(latency)
-        WORKER_TOKENS.labels(worker=worker, kind="prompt").inc(result.usage.prompt_tokens)
-        WORKER_TOKENS.labels(worker=worker, kind="completion").inc(result.usage.completion_tokens)
-        if self.state is None:
-            return
-        swarm = self.config.swarm
-        cost = (
-            result.usage.prompt_tokens * swarm.prompt_price_per_thousand
-            + result.usage.completion_tokens * swarm.completion_price_per_thousand
-        ) / 1000.0
-        try:
-            await self.state.record_call(
-                worker,
-                ok=result.ok,
-                latency=latency,
-                prompt_tokens=result.usage.prompt_tokens,
-                completion_tokens=result.usage.completion_tokens,
-                cost=cost,
-            )
-        except Exception as exc:
-            swarm_failure("metrics_row")
-            log.warning("swarm.metrics_unsaved", worker=worker, error=str(exc))
-        self._changed()
 
     async def metrics_text(self, days: int = 7) -> str:
         if self.state is None:
@@ -248,11 +199,14 @@ class SwarmService:
 
         With ``route=False`` a ``workers=auto`` request comes back with no workers: the caller routes it.
         """
-        size = len(request.prompt.encode("utf-8"))
         if not request.prompt.strip():
             raise SwarmRefused("the task is empty")
-        if size > MAX_PROMPT_BYTES:
-            raise SwarmRefused(f"the task is {size:,} bytes; at most {MAX_PROMPT_BYTES:,} are accepted")
+        try:
+            check_prompt(request.prompt, word="question" if request.pattern is Pattern.CONSULT else "task")
+            check_context(request.context, what="task's context")
+            check_metadata(request.metadata())
+        except LimitExceeded as exc:
+            raise SwarmRefused(str(exc)) from None
         names = list(request.workers)
         if request.preset is not None:
             stages = self.config.pipelines.get(request.preset)
@@ -264,6 +218,8 @@ class SwarmService:
         if len(names) > MAX_WORKERS:
             raise SwarmRefused(f"{len(names)} workers requested; at most {MAX_WORKERS}")
         if request.pattern is Pattern.CONDITIONAL:
+            if len(request.routes) > MAX_WORKERS:
+                raise SwarmRefused(f"{len(request.routes)} branches given; at most {MAX_WORKERS}")
             names = [*names[:1], *(worker for _, worker in request.routes)]
             if not request.routes:
                 raise SwarmRefused("conditional needs a route map: branch=worker,…")
@@ -325,12 +281,13 @@ class SwarmService:
                 owner=request.owner,
                 route=request.route,
                 max_running=self.config.swarm.max_parallel,
+                workers=[w.name for w in workers],
             )
         except AtCapacity as exc:
             raise SwarmRefused(f"at capacity, retry in {exc.retry_in} s") from None
         except StoreUnavailable as exc:
             swarm_failure("running_row")
-            log.error("swarm.not_admitted", owner=request.owner, error=str(exc))
+            log.warning("swarm.not_admitted", owner=request.owner, error=str(exc))
             raise SwarmRefused(STORE_UNAVAILABLE) from None
         self._report(
             f"swarm task {run.task_id} started: {request.pattern.value} with {', '.join(w.name for w in workers)}"
@@ -347,14 +304,17 @@ class SwarmService:
 
     # -- running ---------------------------------------------------------------------------------
 
-    def _task_call(
-        self, request: SwarmRequest, finished: list[WorkerResult]
-    ) -> Callable[[Worker, str, str], Awaitable[WorkerResult]]:
+    def _task_calls(self, run: TaskRun) -> TaskCalls:
+        task_id = run.task_id
+        return self.calls.for_task(task_id, lambda: self._current.get(task_id, run))
+
+    def _task_call(self, request: SwarmRequest, task: TaskCalls, finished: list[WorkerResult]) -> patterns.Call:
         """The call a task's pattern makes: reliable, checked against ``--expect``, and kept once it ends."""
         validator = None if request.expect is None else self.validator(request.expect)
+        given = NOTHING if not request.context else fence_untrusted(request.context, source="the task's context")
 
-        async def call(worker: Worker, prompt: str, context: str) -> WorkerResult:
-            result = await self._call(worker, prompt, context)
+        async def call(worker: Worker, prompt: str, context: Fenced) -> WorkerResult:
+            result = await self.calls.call(worker, prompt, _with(given, context), task)
             if validator is not None and result.ok and result.handoff_to is None:
                 valid, why = validator.validate(result.output)
                 if not valid:
@@ -366,54 +326,25 @@ class SwarmService:
                         error_kind=ErrorKind.PERMANENT,
                         changed_state=result.changed_state,
                         usage=result.usage,
+                        model=result.model,
+                        tools=result.tools,
                     )
             finished.append(result)
             return result
 
         return call
 
-    async def _call(self, worker: Worker, prompt: str, context: str) -> WorkerResult:
-        if len(context.encode("utf-8")) > MAX_CONTEXT_BYTES:
-            context = context.encode("utf-8")[-MAX_CONTEXT_BYTES:].decode("utf-8", "ignore")
-        breaker = self.breakers.get(worker.name) or self.breakers.setdefault(
-            worker.name, self._new_breaker(worker.name)
-        )
-        generation = breaker.generation
-        ticket = breaker.admit()
-        if ticket is None:
-            return WorkerResult(
-                worker.name,
-                False,
-                error=f"{worker.name} is resting after repeated failures"
-                f" (circuit open; retry in {breaker.retry_in():.0f} s)",
-                error_kind=ErrorKind.TRANSIENT,
-            )
-        assert self._gate is not None
-        started = time.monotonic()
-        async with self._gate:
-            result = await self._policy_for(worker.name).run(
-                lambda: with_timeout(
-                    lambda: worker.run(prompt, context=context),
-                    self._timeout_for(worker.name),
-                    worker=worker.name,
-                ),
-                worker=worker.name,
-            )
-        breaker.record(ticket, result.ok)
-        if breaker.generation != generation:
-            await self._save_breaker(breaker)
-        await self._count_call(worker.name, result, time.monotonic() - started)
-        return result
-
     async def _run(self, run: TaskRun, request: SwarmRequest, workers: list[Worker], done: list[WorkerResult]) -> None:
         self._current[run.task_id] = run
         finished: list[WorkerResult] = []
+        task = self._task_calls(run)
         deadline = float(request.deadline_seconds or self.config.swarm.task_deadline_seconds)
         try:
             limit = asyncio.timeout(deadline)
             try:
                 async with limit:
-                    outcome = await self._pattern(run, request, workers, done, self._task_call(request, finished))
+                    call = self._task_call(request, task, finished)
+                    outcome = await self._pattern(run, request, workers, done, call, task)
             except TimeoutError:
                 if not limit.expired():
                     raise
@@ -440,8 +371,8 @@ class SwarmService:
                 self._report(f"swarm task {run.task_id} {outcome.status.value}: {_short(outcome.output)}")
                 await self._deliver(request, f"swarm task {run.task_id} {outcome.status.value}:\n{outcome.output}")
         except StoreUnavailable as exc:
-            swarm_failure("finish_row")
-            log.error("swarm.finish_unrecorded", task_id=run.task_id, error=str(exc))
+            swarm_failure("task_write")
+            log.warning("swarm.finish_unrecorded", task_id=run.task_id, error=str(exc))
             self._report(f"swarm task {run.task_id} failed: its result could not be stored ({exc})")
         except asyncio.CancelledError:
             self._report(f"swarm task {run.task_id} cancelled")
@@ -449,15 +380,28 @@ class SwarmService:
         except Exception as exc:
             swarm_failure("run")
             log.exception("swarm.run_crashed", task_id=run.task_id)
-            with contextlib.suppress(StoreUnavailable):
+            run = self._current.get(run.task_id, run)
+            try:
                 await self.store.finish(run, TaskStatus.FAILED, result=None, error=f"{type(exc).__name__}: {exc}")
+            except StoreUnavailable as lost:  # the row stays as last stored: the next start calls it interrupted
+                swarm_failure("task_write")
+                log.warning("swarm.finish_unrecorded", task_id=run.task_id, error=str(lost))
             self._report(f"swarm task {run.task_id} failed: {type(exc).__name__}: {exc}")
         finally:
             self._running.pop(run.task_id, None)
             self._current.pop(run.task_id, None)
+            self._capacity.set()  # a resume waiting for room may try again
             event = self._finished.get(run.task_id)
             if event is not None:
                 event.set()
+
+    async def _mark(self, run: TaskRun, step: str) -> None:
+        """Record where the run is; a mark that cannot be written is counted and the run goes on."""
+        try:
+            await self.store.step(run, step)
+        except StoreUnavailable as exc:
+            swarm_failure("step_journal")
+            log.warning("swarm.step_unrecorded", task_id=run.task_id, step=step, error=str(exc))
 
     async def _pattern(
         self,
@@ -466,18 +410,21 @@ class SwarmService:
         workers: list[Worker],
         done: list[WorkerResult],
         call: patterns.Call,
+        task: TaskCalls,
     ) -> patterns.SwarmOutcome:
-        concurrency = self.config.swarm.max_parallel
+        concurrency = self.config.swarm.task_concurrency
         if request.pattern is Pattern.DISPATCH:
-            await self.store.step(run, workers[0].name)
+            await self._mark(run, workers[0].name)
             return await patterns.dispatch(
                 call, workers[0], request.prompt, fallbacks=workers[1:], by_name=self.workers
             )
         if request.pattern is Pattern.BROADCAST:
-            await self.store.step(run, "broadcast")
-            return await patterns.broadcast(call, workers, request.prompt, concurrency=concurrency)
+            await self._mark(run, "broadcast")
+            return await patterns.broadcast(
+                call, workers, request.prompt, concurrency=concurrency, by_name=self.workers
+            )
         if request.pattern is Pattern.FAN_OUT:
-            await self.store.step(run, "fan_out")
+            await self._mark(run, "fan_out")
             return await patterns.fan_out(
                 call,
                 workers,
@@ -486,22 +433,28 @@ class SwarmService:
                 concurrency=concurrency,
                 synthesizer=self.synthesizer,
                 chooser=self.chooser,
+                by_name=self.workers,
             )
         if request.pattern is Pattern.CONDITIONAL:
-            await self.store.step(run, f"routing ({workers[0].name})")
+            await self._mark(run, f"routing ({workers[0].name})")
             routes = {branch: self.workers[name] for branch, name in request.routes}
 
-            async def routed_call(worker: Worker, prompt: str, context: str) -> WorkerResult:
+            async def routed_call(worker: Worker, prompt: str, context: Fenced) -> WorkerResult:
                 # the router answers with a branch name, not the task's output: --expect does not apply to it
-                return await (self._call if worker is workers[0] and prompt != request.prompt else call)(
-                    worker, prompt, context
-                )
+                if worker is workers[0] and prompt != request.prompt:
+                    return await self.calls.call(worker, prompt, context, task)
+                return await call(worker, prompt, context)
 
-            return await patterns.routed(routed_call, workers[0], routes, request.prompt)
+            return await patterns.routed(routed_call, workers[0], routes, request.prompt, by_name=self.workers)
         if request.pattern is Pattern.CONSULT:
-            await self.store.step(run, "consult")
+            await self._mark(run, "consult")
             return await patterns.consult(
-                call, workers, request.prompt, synthesizer=self.synthesizer, concurrency=concurrency
+                call,
+                workers,
+                request.prompt,
+                synthesizer=self.synthesizer,
+                concurrency=concurrency,
+                by_name=self.workers,
             )
         if request.pattern is Pattern.PIPELINE:
             return await self._pipeline(run, request, workers, done, call)
@@ -518,27 +471,37 @@ class SwarmService:
         checkpoints = set(self.config.swarm.checkpoints.get(request.preset or "", []))
         task_id = run.task_id  # a checkpoint resume moves the task to a new run: always write as self._current's
 
-        async def call(worker: Worker, prompt: str, context: str) -> WorkerResult:
+        async def call(worker: Worker, prompt: str, context: Fenced) -> WorkerResult:
             step = f"stage {len(done) + 1} ({worker.name})"
-            await self.store.step(self._current[task_id], step)
+            await self._mark(self._current[task_id], step)
             self._report(f"swarm task {run.task_id}: {step} started")
             return await task_call(worker, prompt, context)
 
         async def journal(index: int, result: WorkerResult) -> None:
             done.append(result)
-            await self.store.journal(self._current[task_id], index, result.worker, result)
+            try:
+                await self.store.journal(self._current[task_id], index, result.worker, result)
+            except StoreUnavailable as exc:  # the stage stays done in this run; a resume after a crash redoes it
+                swarm_failure("step_journal")
+                log.warning("swarm.journal_unrecorded", task_id=task_id, stage=index + 1, error=str(exc))
 
         async def checkpoint(index: int, result: WorkerResult) -> bool:
             if index + 1 not in checkpoints:
                 return True
-            decided = await self._checkpoint(self._current[task_id], request, index, result)
+            decided = await self.checkpoints.pause(self._current[task_id], request.conversation, index, result)
             if decided is None:
                 return False
             self._current[task_id] = decided
             return True
 
         outcome = await patterns.pipeline(
-            call, workers, request.prompt, done=list(done), journal=journal, checkpoint=checkpoint
+            call,
+            workers,
+            request.prompt,
+            done=list(done),
+            journal=journal,
+            checkpoint=checkpoint,
+            by_name=self.workers,
         )
         if outcome.status is TaskStatus.SUCCEEDED and self.refiner is not None and len(outcome.results) > 1:
             await self._refine(request, outcome)
@@ -558,47 +521,6 @@ class SwarmService:
         outcome.output = refined.text
         outcome.extra_usage = outcome.extra_usage + refined.usage
         outcome.details["refined"] = True
-
-    async def _checkpoint(
-        self, run: TaskRun, request: SwarmRequest, index: int, result: WorkerResult
-    ) -> TaskRun | None:
-        """Pause after stage ``index + 1``: an approval card everywhere; approve resumes, reject or deadline ends."""
-        if self.approvals is None:
-            raise RuntimeError("a checkpoint needs the approvals service")
-        limit = self.config.swarm.max_paused_pipelines
-        if await self.store.count(TaskStatus.PAUSED) >= limit:
-            error = f"{limit} pipelines are already paused at checkpoints; approve or reject some first"
-            await self.store.finish(run, TaskStatus.FAILED, result=None, error=error)
-            self._report(f"swarm task {run.task_id} failed: {error}")
-            return None
-        args = {"task": run.task_id, "after_stage": index + 1, "worker": result.worker, "output": result.output[:2000]}
-        try:
-            approval = await self.approvals.open(
-                CHECKPOINT_TOOL,
-                args,
-                f"swarm:{run.task_id}",
-                request.conversation,
-                task_id=run.task_id,
-                durable=True,  # the paused pipeline picks it up again after a restart: not an orphan
-            )
-        except ApprovalRefused as exc:
-            await self.store.finish(run, TaskStatus.FAILED, result=None, error=str(exc))
-            return None
-        await self.store.pause(run, f"checkpoint {approval.id} after stage {index + 1} ({result.worker})")
-        self._report(f"swarm task {run.task_id} paused after stage {index + 1}: approve or reject it")
-        return await self._await_checkpoint(run.task_id, approval.id)
-
-    async def _await_checkpoint(self, task_id: str, approval_id: str) -> TaskRun | None:
-        assert self.approvals is not None
-        outcome = await self.approvals.wait(approval_id, cancel_with_waiter=False)
-        if outcome.status is Status.APPROVED:
-            resumed = await self.store.resume(task_id)
-            self._report(f"swarm task {task_id} resumed ({outcome.summary()})")
-            return resumed
-        why = "rejected" if outcome.status is Status.DENIED else outcome.status.value
-        await self.store.cancel(task_id, actor=outcome.decided_by or "the checkpoint deadline")
-        self._report(f"swarm task {task_id} ended at its checkpoint: {why} ({outcome.summary()})")
-        return None
 
     async def _deliver(self, request: SwarmRequest, text: str) -> None:
         target = request.route or request.conversation
@@ -625,6 +547,10 @@ class SwarmService:
 
     # -- operators -------------------------------------------------------------------------------
 
+    async def decide_checkpoint(self, task_id: str, decision: Decision, *, actor: str, platform: str) -> str:
+        """Approve or reject a paused pipeline: not pending, at capacity and not recorded are each said."""
+        return await self.checkpoints.decide(task_id, decision, actor=actor, platform=platform)
+
     async def wait(self, task_id: str, wait_seconds: float = CHECK_DEFAULT_WAIT) -> TaskRecord | None:
         """Answer as soon as the task ends, or after ``wait_seconds`` (at most 90 s) with where it is."""
         limit = max(0.0, min(wait_seconds, CHECK_MAX_WAIT))
@@ -643,6 +569,9 @@ class SwarmService:
         changed = await self.store.cancel(task_id, actor=actor)
         if changed:
             self._changed()
+            approval_id = checkpoint_id(record.current_step)
+            if record.status is TaskStatus.PAUSED and approval_id is not None:
+                await self.checkpoints.settle(approval_id, task_id, f"cancelled by {actor}")
         task = self._running.get(task_id)
         if task is not None:
             task.cancel()
@@ -650,34 +579,29 @@ class SwarmService:
             f"swarm task {task_id} cancelled by {actor}" if changed else f"swarm task {task_id} could not be cancelled"
         )
 
-    async def decide_checkpoint(self, task_id: str, decision: Decision, *, actor: str, platform: str) -> str:
-        if self.approvals is None:
-            return "checkpoints need the approvals service"
-        record = await self.store.get(task_id)
-        if record is None or record.status is not TaskStatus.PAUSED:
-            return f"swarm task {task_id} is not waiting at a checkpoint"
-        approval_id = _checkpoint_id(record.current_step)
-        if approval_id is None:
-            return f"swarm task {task_id} has no open checkpoint"
-        result: PressResult = await self.approvals.decide(approval_id, decision, actor=actor, platform=platform)
-        return result.message
-
     async def recover(self) -> list[str]:
         """Rows left RUNNING are reported interrupted (never re-run); paused pipelines wait again; breakers return."""
         lines = []
         for worker in await self.restore_breakers():
             lines.append(f"{worker} is still resting after repeated failures (its breaker was open before the restart)")
-        for item in await self.store.recover():
+        try:
+            interrupted = await self.store.recover()
+            paused = await self.store.list(TaskStatus.PAUSED, limit=self.config.swarm.max_paused_pipelines)
+        except StoreUnavailable as exc:  # nothing was changed: the next start (or sweep) recovers them
+            swarm_failure("recovery_read")
+            log.warning("swarm.recovery_unread", error=str(exc))
+            return [*lines, f"the swarm's tasks could not be read to recover them ({exc}); the next start tries again"]
+        for item in interrupted:
             line = f"swarm task {item.task_id} was interrupted in {item.step}; its outcome is unknown. Nothing re-ran."
             lines.append(line)
             self._report(line)
-        for record in await self.store.list(TaskStatus.PAUSED, limit=self.config.swarm.max_paused_pipelines):
+        for record in paused:
             self._wait_again(record)
         return lines
 
     def _wait_again(self, record: TaskRecord) -> None:
         """A paused pipeline whose waiter is gone (a restart, a replica that died) waits for its checkpoint here."""
-        approval_id = _checkpoint_id(record.current_step)
+        approval_id = checkpoint_id(record.current_step)
         if approval_id is None or record.id in self._finished:
             return  # no checkpoint to wait for, or this process waits for it already
         self._finished[record.id] = asyncio.Event()
@@ -689,21 +613,28 @@ class SwarmService:
         """Among replicas: tasks a replica not in ``live`` was running end interrupted (never re-run), reported;
         pipelines it had paused at a checkpoint wait here now (adopted once, by one replica)."""
         lines = []
-        for item in await self.store.recover(live):
+        try:
+            interrupted = await self.store.recover(live)
+            adopted = await self.store.adopt_paused(live)
+        except StoreUnavailable as exc:  # the leader's next sweep tries again
+            swarm_failure("recovery_read")
+            log.warning("swarm.recovery_unread", error=str(exc))
+            return [f"the swarm's tasks could not be read to recover them ({exc}); the next sweep tries again"]
+        for item in interrupted:
             line = (
                 f"swarm task {item.task_id} was interrupted in {item.step}: the Kazma replica running it stopped; "
                 "its outcome is unknown. Nothing re-ran."
             )
             lines.append(line)
             self._report(line)
-        for task_id in await self.store.adopt_paused(live):
+        for task_id in adopted:
             record = await self.store.get(task_id)
             if record is not None and record.status is TaskStatus.PAUSED:
                 self._wait_again(record)
         return lines
 
     async def _resume_after_restart(self, record: TaskRecord, approval_id: str) -> None:
-        resumed = await self._await_checkpoint(record.id, approval_id)
+        resumed = await self.checkpoints.wait(record.id, approval_id)
         if resumed is None:
             event = self._finished.get(record.id)
             if event is not None:
@@ -735,10 +666,15 @@ class SwarmService:
                 ):
                     log.info("swarm.shutdown_cancelled", task_id=task_id)
             except StoreUnavailable as exc:  # the row stays RUNNING: the next start calls it interrupted
-                swarm_failure("finish_row")
+                swarm_failure("task_write")
                 log.error("swarm.shutdown_unrecorded", task_id=task_id, error=str(exc))
         if self.reporter is not None:
             await self.reporter.close()
+
+
+def _with(given: Fenced, context: Fenced) -> Fenced:
+    """The task's own context first, then what the pattern hands over (both fenced)."""
+    return join_fenced([given, context], "\n\n")
 
 
 def outcome_json(outcome: patterns.SwarmOutcome) -> dict[str, Any]:
@@ -751,12 +687,8 @@ def outcome_json(outcome: patterns.SwarmOutcome) -> dict[str, Any]:
             {"worker": r.worker, "ok": r.ok, "error": r.error, "output": r.output[:4000]} for r in outcome.results
         ],
         "tokens": {"prompt": usage.prompt_tokens, "completion": usage.completion_tokens},
+        "cost": usage.cost,
     }
-
-
-def _checkpoint_id(step: str) -> str | None:
-    parts = step.split()
-    return parts[1] if len(parts) > 1 and parts[0] == "checkpoint" else None
 
 
 def request_from(record: TaskRecord) -> SwarmRequest:
@@ -773,6 +705,7 @@ def request_from(record: TaskRecord) -> SwarmRequest:
         routes=tuple((str(b), str(w)) for b, w in data.get("routes") or []),
         expect=data.get("expect"),
         deadline_seconds=data.get("deadline_seconds"),
+        context=str(data.get("context") or ""),
     )
 
 

@@ -32,6 +32,8 @@ from kazma.config.database import Migration
 from kazma.config.metrics import count_failure
 from kazma.config.pg_schema import PgMigration
 from kazma.config.store_backend import SqlStatements, StoreConnection, tables_of
+from kazma.engine.swarm.call_records import TASK_WORKER, CallRecords
+from kazma.engine.swarm.metrics import swarm_failure
 from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
 
 log = structlog.get_logger("kazma.swarm")
@@ -102,6 +104,41 @@ MIGRATIONS = [
     # The replica running a task: among replicas on one database, the leader marks a RUNNING task interrupted
     # only when the replica running it is gone. NULL: the only process on the store (or before this).
     Migration("swarm", 2, ("ALTER TABLE swarm_tasks ADD COLUMN replica TEXT",)),
+    # Every worker call's record (model, tools with their approvals, times, tokens, cost, error), and which
+    # workers each task named or ran, so tasks can be listed by worker with an exact match on both engines.
+    Migration(
+        "swarm",
+        3,
+        (
+            """
+            CREATE TABLE IF NOT EXISTS swarm_calls (
+                task_id TEXT NOT NULL,
+                seq INTEGER NOT NULL,
+                generation INTEGER NOT NULL,
+                worker TEXT NOT NULL,
+                step TEXT NOT NULL DEFAULT '',
+                attempt INTEGER NOT NULL,
+                model TEXT NOT NULL DEFAULT '',
+                tools_json TEXT NOT NULL DEFAULT '[]',
+                started_at REAL NOT NULL,
+                finished_at REAL,
+                ok INTEGER,
+                error TEXT NOT NULL DEFAULT '',
+                prompt_tokens INTEGER NOT NULL DEFAULT 0,
+                completion_tokens INTEGER NOT NULL DEFAULT 0,
+                cost REAL,
+                PRIMARY KEY (task_id, seq)
+            )
+            """,
+            """
+            CREATE TABLE IF NOT EXISTS swarm_task_workers (
+                worker TEXT NOT NULL,
+                task_id TEXT NOT NULL,
+                PRIMARY KEY (worker, task_id)
+            )
+            """,
+        ),
+    ),
 ]
 
 # The same tables on PostgreSQL. ``rowid`` is SQLite's implicit row id made a real column: the lists order
@@ -166,6 +203,39 @@ PG_MIGRATIONS = [
         ),
     ),
     PgMigration("swarm", 2, ("ALTER TABLE swarm_tasks ADD COLUMN replica text",)),
+    PgMigration(
+        "swarm",
+        3,
+        (
+            """
+            CREATE TABLE IF NOT EXISTS swarm_calls (
+                task_id text NOT NULL,
+                seq integer NOT NULL,
+                generation integer NOT NULL,
+                worker text NOT NULL,
+                step text NOT NULL DEFAULT '',
+                attempt integer NOT NULL,
+                model text NOT NULL DEFAULT '',
+                tools_json text NOT NULL DEFAULT '[]',
+                started_at double precision NOT NULL,
+                finished_at double precision,
+                ok integer,
+                error text NOT NULL DEFAULT '',
+                prompt_tokens bigint NOT NULL DEFAULT 0,
+                completion_tokens bigint NOT NULL DEFAULT 0,
+                cost double precision,
+                PRIMARY KEY (task_id, seq)
+            )
+            """,
+            """
+            CREATE TABLE IF NOT EXISTS swarm_task_workers (
+                worker text NOT NULL,
+                task_id text NOT NULL,
+                PRIMARY KEY (worker, task_id)
+            )
+            """,
+        ),
+    ),
 ]
 
 # Terminal states are never left, and there is no pending state to return to:
@@ -327,7 +397,7 @@ def interrupted_reason(step: str) -> str:
     return "interrupted: the process stopped before its first step; its outcome is unknown"
 
 
-class SwarmTaskStore:
+class SwarmTaskStore(CallRecords):
     """Swarm task rows, their step journal and the evidence of refused writes.
 
     Give it its own connection (:func:`kazma.config.database.connect` with
@@ -378,7 +448,7 @@ class SwarmTaskStore:
                     raise
                 reason = f"{type(exc).__name__}: {exc}"
                 log.warning("swarm.store_retry", operation=operation, attempt=attempt + 1, reason=reason)
-        count_failure("swarm_store_unavailable")
+        count_failure("task_store_unavailable")
         log.error("swarm.store_unavailable", operation=operation, reason=reason)
         raise StoreUnavailable(operation, reason)
 
@@ -398,21 +468,7 @@ class SwarmTaskStore:
             if await write(db) == 1:
                 return None
             row = await db.one("SELECT status, generation, run_id FROM swarm_tasks WHERE id = ?", (run.task_id,))
-            reason = _why_rejected(row, run, attempted, source_set, operation)
-            await db.run(
-                "INSERT INTO swarm_rejected_writes (task_id, generation, run_id, attempted_status, reason, payload, at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (
-                    run.task_id,
-                    run.generation,
-                    run.run_id,
-                    attempted.value,
-                    reason,
-                    json.dumps({"operation": operation, **payload}, default=str),
-                    self.clock(),
-                ),
-            )
-            return reason
+            return _why_rejected(row, run, attempted, source_set, operation)
 
         reason = await self._attempt(operation, body, transaction=True)
         if reason is None:
@@ -426,8 +482,34 @@ class SwarmTaskStore:
             attempted_status=attempted.value,
             reason=reason,
         )
-        count_failure("swarm_stale_write")
+        count_failure("task_stale_write")
+        await self._keep_evidence(run, attempted, reason, {"operation": operation, **payload})
         return False
+
+    async def _keep_evidence(self, run: TaskRun, attempted: TaskStatus, reason: str, payload: dict[str, Any]) -> None:
+        """A refused write is kept in ``swarm_rejected_writes``; when even that fails, the log keeps it, counted."""
+        text = json.dumps(payload, default=str)
+
+        async def body(db: SqlStatements) -> None:
+            await db.run(
+                "INSERT INTO swarm_rejected_writes (task_id, generation, run_id, attempted_status, reason, payload, at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (run.task_id, run.generation, run.run_id, attempted.value, reason, text, self.clock()),
+            )
+
+        try:
+            await self._attempt("orphan_evidence", body, transaction=True)
+        except Exception as exc:  # the evidence must survive somewhere: the warning carries it whole
+            swarm_failure("orphan_evidence")
+            log.warning(
+                "swarm.orphan_evidence_lost",
+                task_id=run.task_id,
+                generation=run.generation,
+                attempted_status=attempted.value,
+                reason=reason,
+                payload=text,
+                error=f"{type(exc).__name__}: {exc}",
+            )
 
     # -- admission and a run's writes -----------------------------------------------
 
@@ -440,6 +522,7 @@ class SwarmTaskStore:
         route: str | None = None,
         parent_id: str | None = None,
         max_running: int | None = None,
+        workers: Collection[str] = (),
     ) -> TaskRun:
         """Write the task RUNNING (generation 1, fresh run id) before any of its work starts.
 
@@ -447,6 +530,7 @@ class SwarmTaskStore:
         ``BEGIN IMMEDIATE`` transaction, so two processes cannot both take the last slot;
         a full swarm raises :class:`AtCapacity` and writes nothing. Raises
         :class:`StoreUnavailable` when the row could not be written: the work must not start.
+        ``workers`` are the ones the task names: :meth:`tasks_of` finds it by any of them.
         """
         body_json = json.dumps({"pattern": Pattern(pattern).value, **request}, sort_keys=True)
         run = TaskRun(secrets.token_urlsafe(9), 1, secrets.token_urlsafe(12))
@@ -468,6 +552,7 @@ class SwarmTaskStore:
                 raise AtCapacity(self.capacity_retry_in)
             if self.replica is not None:
                 await db.run("UPDATE swarm_tasks SET replica = ? WHERE id = ?", (self.replica, run.task_id))
+            await db.run_many(TASK_WORKER, [(worker, run.task_id) for worker in sorted(set(workers))])
 
         await self._attempt("admit", body, transaction=True)
         log.info("swarm.admitted", task_id=run.task_id, pattern=Pattern(pattern).value, owner=owner, route=route)
@@ -553,6 +638,15 @@ class SwarmTaskStore:
             )
             for r in rows
         ]
+
+    async def tasks_of(self, worker: str, limit: int = 50) -> builtins.list[TaskRecord]:
+        """Tasks that named ``worker`` or ran it (a handoff's target too), newest first; the name matches exactly."""
+        return await self._tasks(
+            "tasks_of",
+            f"SELECT {_TASK_COLUMNS} FROM swarm_tasks WHERE id IN"  # noqa: S608
+            " (SELECT task_id FROM swarm_task_workers WHERE worker = ?) ORDER BY created_at DESC, rowid DESC LIMIT ?",
+            (worker, limit),
+        )
 
     async def pause(self, run: TaskRun, step: str) -> bool:
         """RUNNING → PAUSED at ``step`` (a checkpoint waits). The run keeps its generation until :meth:`resume`."""
@@ -837,6 +931,8 @@ class SwarmTaskStore:
             params = (cutoff, *terminal)
             await db.run(f"DELETE FROM swarm_steps WHERE task_id IN ({doomed})", params)  # noqa: S608
             await db.run(f"DELETE FROM swarm_rejected_writes WHERE task_id IN ({doomed})", params)  # noqa: S608
+            await db.run(f"DELETE FROM swarm_calls WHERE task_id IN ({doomed})", params)  # noqa: S608
+            await db.run(f"DELETE FROM swarm_task_workers WHERE task_id IN ({doomed})", params)  # noqa: S608
             return await db.run(f"DELETE FROM swarm_tasks WHERE id IN ({doomed})", params)  # noqa: S608
 
         pruned = await self._attempt("prune", body, transaction=True)

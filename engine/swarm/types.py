@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from kazma.engine.types import Usage
+from kazma.engine.fence import NOTHING, Fenced
+from kazma.engine.types import ToolUse, Usage
 
 
 class Pattern(StrEnum):
@@ -51,6 +52,8 @@ class WorkerResult:
     error_kind: ErrorKind | None = None
     changed_state: bool = False  # a state-changing tool ran: never retry this result
     usage: Usage = field(default_factory=Usage)
+    model: str = ""  # the model that answered, as its server named it ("" for workers that are not models)
+    tools: tuple[ToolUse, ...] = ()  # the tools the worker's turn called, with the approvals they ran under
     handoff_to: str | None = None  # the worker asks to hand the task to another worker
     handoff_reason: str = ""
     handoff_task: str = ""  # the task as the worker restates it for the target (optional)
@@ -105,6 +108,23 @@ def current_offer() -> HandoffOffer | None:
     return _OFFER.get()
 
 
+# Which step of its task a worker call is ("stage 2", "branch docs", "handoff from a"), for the call's record.
+_STEP: ContextVar[str] = ContextVar("kazma_swarm_step", default="")
+
+
+@contextmanager
+def step_named(label: str) -> Iterator[None]:
+    token = _STEP.set(label)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def current_step() -> str:
+    return _STEP.get()
+
+
 class Worker(Protocol):
     @property
     def name(self) -> str: ...
@@ -112,6 +132,6 @@ class Worker(Protocol):
     @property
     def expertise(self) -> tuple[str, ...]: ...
 
-    async def run(self, prompt: str, *, context: str = "") -> WorkerResult:
-        """Answer ``prompt``; ``context`` is earlier output, already fenced as untrusted data."""
+    async def run(self, prompt: str, *, context: Fenced = NOTHING) -> WorkerResult:
+        """Answer ``prompt``; ``context`` is earlier output, fenced as untrusted data (only the fence makes one)."""
         ...

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, TurnContext
+from kazma.engine.fence import NOTHING, Fenced
 from kazma.engine.swarm.metrics import HANDOFFS
 from kazma.engine.swarm.types import ErrorKind, HandoffOffer, WorkerResult, current_offer
 from kazma.engine.tools import ToolResult
@@ -84,7 +85,7 @@ class AgentWorker:
     def name(self) -> str:
         return self.spec.name
 
-    async def run(self, prompt: str, *, context: str = "") -> WorkerResult:
+    async def run(self, prompt: str, *, context: Fenced = NOTHING) -> WorkerResult:
         text = f"{prompt}\n\n{context}" if context else prompt
         offer = current_offer()
         chosen = _Handoff()
@@ -100,6 +101,8 @@ class AgentWorker:
                 output=result.text,
                 changed_state=result.changed_state,
                 usage=result.usage,
+                model=result.model,
+                tools=result.tools,
                 handoff_to=None if handoff is None else handoff.worker,
                 handoff_reason="" if handoff is None else handoff.reason,
                 handoff_task="" if handoff is None or handoff.task is None else handoff.task,
@@ -109,5 +112,12 @@ class AgentWorker:
         permanent = any(word in error.lower() for word in _PERMANENT_WORDS)
         kind = ErrorKind.PERMANENT if permanent or not result.transient else ErrorKind.TRANSIENT
         return WorkerResult(
-            self.name, False, error=error, error_kind=kind, changed_state=result.changed_state, usage=result.usage
+            self.name,
+            False,
+            error=error,
+            error_kind=kind,
+            changed_state=result.changed_state,
+            usage=result.usage,
+            model=result.model,
+            tools=result.tools,
         )

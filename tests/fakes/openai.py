@@ -47,6 +47,7 @@ class Completion:
     finish_reason: str | None = None  # None: "tool_calls" when there are calls, else "stop"
     usage: tuple[int, int] | None = (0, 0)  # (prompt, completion); None leaves "usage" out
     model: str | None = None  # None: echo the requested model
+    cost: float | None = None  # reported as usage.cost (as OpenRouter does) when set
 
 
 @dataclass(frozen=True)
@@ -311,6 +312,8 @@ class FakeOpenAI:
                 "completion_tokens": completion,
                 "total_tokens": prompt + completion,
             }
+            if scripted.cost is not None:
+                answer["usage"]["cost"] = scripted.cost
         return answer
 
 
