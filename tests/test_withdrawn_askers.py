@@ -25,6 +25,7 @@ import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
+from kazma.approvals.model import Decision
 from tests.platforms_support import PLATFORMS, Fakes, three_fakes
 from tests.process_support import REPO
 from tests.test_crash_settle import wait_connected
@@ -214,3 +215,30 @@ async def test_mcp_serve_whose_client_hangs_up_withdraws_what_it_forwarded(tmp_p
         why = "the MCP client disconnected"
         await until(lambda: withdrawn_everywhere(fakes, why), WITHIN, "withdrawn", run)
         await the_press_changes_nothing(fakes, run, why, stale)
+
+
+async def test_wait_outlives_a_kazma_restart_and_still_gets_the_answer(tmp_path: Path) -> None:
+    # A polling asker is not gone when Kazma restarts under it: it asks again, its request stays open, and the
+    # press made after the restart reaches it. (Before, the first failed poll ended it with exit 4 and left the
+    # card approvable for nobody.)
+    async with kazma(tmp_path) as (fakes, run):
+        waiting = await cli(
+            "approvals", "request", "--tool", "deploy", "--arg", "env=prod", "--wait", "--url", run.url
+        )  # fmt: skip
+        try:
+            await until(lambda: live_cards(fakes), 60, "the cards posted", run)
+            await until(lambda: cards_recorded(run) == len(PLATFORMS), 30, "the cards recorded", run)
+            assert await run.stop(signal.SIGKILL) == -signal.SIGKILL
+            identifies = len(fakes.discord.identifies)
+            await run.start()
+            await wait_connected(fakes, identifies)
+            assert waiting.returncode is None  # still waiting
+            [(_, status, _, _)] = stored(run)
+            assert status == "pending"
+            await fakes.press("telegram", Decision.APPROVE)
+            out, err = await asyncio.wait_for(waiting.communicate(), 60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                waiting.send_signal(signal.SIGKILL)
+        assert await waiting.wait() == 0, err.decode()
+        assert b"approved by telegram:111" in out
