@@ -53,6 +53,9 @@ class _Decided:
 
 # The full scan for unsettled cards (requests decided by another process, a missed kick): this often.
 SAFETY_SCAN_SECONDS = 120.0
+# At stop, the card edits already asked for (a request ended as Kazma stops: an /mcp call withdrawn because
+# its connection goes with the process) get this long to be made; what is left is made at the next start.
+STOP_SETTLE_SECONDS = 5.0
 
 
 @dataclass
@@ -63,6 +66,7 @@ class _Worker:
     # Requests decided here whose cards on this platform are still to be edited, oldest first.
     # Each maps to one read of the request and its cards, shared by every platform's worker.
     to_settle: dict[str, asyncio.Future[_Decided]] = field(default_factory=dict)
+    drained: asyncio.Event = field(default_factory=asyncio.Event)  # set once to_settle has been emptied
     scan_at: float = 0.0  # when the next full scan is due (0: at once, as at start)
     retry_at: float | None = None  # the earliest card edit waiting out a failure, when one is
     asleep_until: float | None = None  # while waiting for a kick: when it wakes by itself (None: awake)
@@ -171,6 +175,7 @@ class FanOutBus:
         await asyncio.gather(*(one(name, single) for name, single in targets))
 
     async def stop(self) -> None:
+        await self._finish_settles(STOP_SETTLE_SECONDS)
         self._stopping = True
         for worker in self._workers.values():
             worker.kick.set()
@@ -181,6 +186,14 @@ class FanOutBus:
                 with contextlib.suppress(asyncio.CancelledError):
                     await worker.task
         await asyncio.gather(*(self._stop_one(a) for a in self.adapters.values()))
+
+    async def _finish_settles(self, seconds: float) -> None:
+        """Let running workers make the card edits they were asked for, for up to ``seconds``."""
+        busy = [w for w in self._workers.values() if w.to_settle and w.task is not None and not w.task.done()]
+        for worker in busy:
+            worker.kick.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(w.drained.wait() for w in busy)), seconds)
 
     async def _stop_one(self, adapter: PlatformAdapter) -> None:
         try:
@@ -230,6 +243,7 @@ class FanOutBus:
                 # Before the decision's waiter runs: the agent's reply to it must not take the card's turn.
                 adapter.expect_edit(adapter.home_chat)
             worker.to_settle[request_id] = loaded
+            worker.drained.clear()
             worker.kick.set()
 
     def posts_waiting(self, platforms: Sequence[str] | None = None) -> None:
@@ -459,6 +473,8 @@ class FanOutBus:
                         await self._settle_one(worker, posted, decided.request)
             finally:
                 del worker.to_settle[request_id]
+                if not worker.to_settle:
+                    worker.drained.set()
                 if isinstance(adapter, UrgentEdits) and adapter.home_chat:
                     adapter.edit_done(adapter.home_chat)
 

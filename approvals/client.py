@@ -13,6 +13,11 @@ once. Denied, timed out or cancelled: it does not run and
 :class:`ApprovalDenied`, :class:`ApprovalTimeout` or :class:`ApprovalCancelled`
 is raised. Async functions are supported (the HTTP calls run in a thread).
 
+The call waits for its answer, so Kazma is told it does (``Kazma-Wait: sync``):
+interrupted (Ctrl-C) or, for an async function, cancelled, the request is
+withdrawn on every card before the exception goes on; and if the process dies
+outright, Kazma withdraws it once nobody has asked about it for 90 s.
+
 Only the standard library is used here (``urllib``, ``json``, ``hashlib``): no
 platform library, no HTTP framework. The hash is computed as Kazma computes it
 (canonical JSON: sorted keys, compact separators, UTF-8), re-implemented here so
@@ -22,6 +27,7 @@ the arguments or from ``KAZMA_URL`` and ``KAZMA_API_TOKEN``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -45,14 +51,19 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+# Polls failing in a row (Kazma restarting, a replica failing over) are tried again for this long; Kazma itself
+# withdraws a request whose waiting asker has not asked for 90 s.
+POLL_RETRY_SECONDS = 45.0
+WITHDRAW_TIMEOUT = 5.0
 
 
 class ApprovalError(Exception):
     """The call did not get an approval it may run on; it did not run."""
 
-    def __init__(self, message: str, outcome: dict[str, Any] | None = None) -> None:
+    def __init__(self, message: str, outcome: dict[str, Any] | None = None, *, http_status: int | None = None) -> None:
         super().__init__(message)
         self.outcome = outcome or {}
+        self.http_status = http_status  # Kazma answered with this HTTP error
 
 
 class ApprovalDenied(ApprovalError):
@@ -86,46 +97,94 @@ class KazmaApprovals:
             raise ApprovalError("no API token: pass token= or set KAZMA_API_TOKEN")
         self.poll_seconds = poll_seconds
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None, key: str | None = None) -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        key: str | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Any:
         headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
         data = None
         if body is not None:
             data = json.dumps(body).encode("utf-8")
             headers["Content-Type"] = "application/json"
+            headers["Kazma-Wait"] = "sync"  # this call waits for the answer: withdrawn if it goes away
         if key is not None:
             headers["Idempotency-Key"] = key
         request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)  # noqa: S310
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
         try:
-            with opener.open(request, timeout=self.poll_seconds + 30) as response:
+            with opener.open(request, timeout=timeout or self.poll_seconds + 30) as response:
                 return json.loads(response.read().decode("utf-8"))
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode("utf-8", "replace")[:500]
-            raise ApprovalError(f"Kazma refused the request (HTTP {exc.code}): {detail}") from None
+            message = f"Kazma refused the request (HTTP {exc.code}): {detail}"
+            raise ApprovalError(message, http_status=exc.code) from None
 
-    def ask(
+    def open(
         self, tool: str, arguments: dict[str, Any], *, reason: str | None = None, deadline: float | None = None
     ) -> dict[str, Any]:
-        """Open a request and wait for its outcome (the request as the API describes it)."""
+        """Open a request (its card appears on every platform); the request as the API describes it."""
         body: dict[str, Any] = {"tool": tool, "arguments": arguments}
         if reason:
             body["reason"] = reason
         if deadline is not None:
             body["deadline_seconds"] = deadline
         key = str(uuid.uuid4())  # a retried POST gets the same request, never a second card
-        found: dict[str, Any] | None = None
         for attempt in range(3):
             try:
-                found = self._call("POST", "/api/v1/approvals", body, key)
-                break
+                found: dict[str, Any] = self._call("POST", "/api/v1/approvals", body, key)
+                return found
             except (urllib.error.URLError, TimeoutError):
                 if attempt == 2:
                     raise
                 time.sleep(1 + attempt)
-        assert found is not None
+        raise AssertionError("unreachable")
+
+    def wait(self, found: dict[str, Any]) -> dict[str, Any]:
+        """Ask for ``found``'s outcome until there is one; polls failing for a while (Kazma restarting) are
+        tried again for up to ``POLL_RETRY_SECONDS`` in a row."""
+        failing_since: float | None = None
         while found["status"] == "pending":
-            found = self._call("GET", f"/api/v1/approvals/{found['id']}?wait={self.poll_seconds:g}")
+            try:
+                found = self._call("GET", f"/api/v1/approvals/{found['id']}?wait={self.poll_seconds:g}")
+                failing_since = None
+                continue
+            except ApprovalError as exc:
+                if exc.http_status not in (502, 503, 504):
+                    raise
+                problem: Exception = exc
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+                problem = exc
+            now = time.monotonic()
+            failing_since = now if failing_since is None else failing_since
+            if now - failing_since > POLL_RETRY_SECONDS:
+                raise ApprovalError(f"Kazma stopped answering ({problem}); the call did not run")
+            time.sleep(1.0)
         return found
+
+    def withdraw(self, request_id: str, why: str) -> dict[str, Any]:
+        """Withdraw a pending request (``why``: interrupted, disconnected or cancelled); it ends cancelled."""
+        found: dict[str, Any] = self._call(
+            "DELETE", f"/api/v1/approvals/{request_id}?why={why}", timeout=WITHDRAW_TIMEOUT
+        )
+        return found
+
+    def ask(
+        self, tool: str, arguments: dict[str, Any], *, reason: str | None = None, deadline: float | None = None
+    ) -> dict[str, Any]:
+        """Open a request and wait for its outcome (the request as the API describes it). Interrupted
+        (Ctrl-C) while waiting, it withdraws the request, then lets the interruption go on."""
+        found = self.open(tool, arguments, reason=reason, deadline=deadline)
+        try:
+            return self.wait(found)
+        except KeyboardInterrupt:
+            with contextlib.suppress(Exception):
+                self.withdraw(found["id"], "interrupted")
+            raise
 
 
 def _bound(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -207,7 +266,18 @@ def require_approval(
             async def run_async(*args: Any, **kwargs: Any) -> Any:
                 import asyncio
 
-                asked = await asyncio.to_thread(approve, args, kwargs)
+                arguments = _bound(signature, args, kwargs)
+                asked = canonical_hash(arguments)
+                client = KazmaApprovals(url, token)
+                found = await asyncio.to_thread(client.open, name, arguments, reason=reason, deadline=deadline)
+                try:
+                    found = await asyncio.to_thread(client.wait, found)
+                except asyncio.CancelledError:
+                    # The awaiting task was cancelled: nobody will run it, so nobody may approve it.
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(asyncio.to_thread(client.withdraw, found["id"], "cancelled"))
+                    raise
+                _check(found, asked)
                 recheck(asked, args, kwargs)
                 return await fn(*args, **kwargs)
 

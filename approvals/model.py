@@ -28,6 +28,13 @@ class Status(StrEnum):
         return self in (Status.APPROVED, Status.DENIED)
 
 
+class Waits(StrEnum):
+    """How the asker of a request from one of Kazma's doors waits for its answer (None: not synchronously)."""
+
+    CONNECTION = "connection"  # an open /mcp call in one Kazma process (its ``owner``) holds the wait
+    POLLING = "polling"  # a process outside Kazma asks again and again (GET): ``--wait``, ``kazma mcp serve``
+
+
 class Decision(StrEnum):
     APPROVE = "approve"
     DENY = "deny"
@@ -60,6 +67,8 @@ class ApprovalRequest:
     reason: str | None = None
     notes: tuple[str, ...] = ()  # how the call would run, said on every card (e.g. "runs unsandboxed on this host")
     durable: bool = False  # its waiter survives a restart (a paused pipeline's checkpoint): never an orphan
+    waits: Waits | None = None  # how a synchronous asker waits: withdrawn when it goes away (None: not one)
+    last_seen: datetime | None = None  # when an API asker last asked for its answer (written at most every 10 s)
 
     def outcome(self) -> Outcome | None:
         return outcome_of(self)

@@ -128,6 +128,20 @@ MIGRATIONS = [
             "ALTER TABLE approval_cards ADD COLUMN settle_claimed_by TEXT",
         ),
     ),
+    # 7 is another change's (the decision MAC); versions may skip a number, never repeat or go back.
+    Migration(
+        "approvals",
+        8,
+        (
+            # How a synchronous asker waits ('connection': an /mcp call held by the request's owner process;
+            # 'polling': a process outside Kazma asking again and again); NULL: nobody waits synchronously.
+            # Such a request is withdrawn when its asker goes away.
+            "ALTER TABLE approval_requests ADD COLUMN waits TEXT"
+            " CHECK (waits IS NULL OR waits IN ('connection', 'polling'))",
+            # When an API asker last asked for its answer (epoch seconds; written at most every 10 s).
+            "ALTER TABLE approval_requests ADD COLUMN last_seen REAL",
+        ),
+    ),
 ]
 
 # The same tables on PostgreSQL, version for version: REAL is double precision there (its REAL has 6
@@ -261,6 +275,15 @@ PG_MIGRATIONS = [
         (
             "ALTER TABLE approval_requests ADD COLUMN owner text",
             "ALTER TABLE approval_cards ADD COLUMN settle_claimed_by text",
+        ),
+    ),
+    PgMigration(
+        "approvals",
+        8,
+        (
+            "ALTER TABLE approval_requests ADD COLUMN waits text"
+            " CHECK (waits IS NULL OR waits IN ('connection', 'polling'))",
+            "ALTER TABLE approval_requests ADD COLUMN last_seen double precision",
         ),
     ),
 ]

@@ -26,9 +26,10 @@ from kazma.approvals.card import (
     verify_integrity,
 )
 from kazma.approvals.hashing import args_hash, canonical_json, check_arguments
-from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
+from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status, Waits
 from kazma.approvals.rules import Rule, RuleStore, rules_consulted_for
 from kazma.approvals.store import ApprovalStore, CardCheck, CardProblem, Clock, NewRequest, new_request_id
+from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdrawn, withdrawn
 from kazma.config.metrics import APPROVALS_DECIDED, APPROVALS_OPENED, PRESS_TO_DECISION, count_failure
 from kazma.config.models import KazmaConfig
 from kazma.config.store_backend import Tx
@@ -127,10 +128,12 @@ class Recovery:
     never_ran: list[ApprovalRequest]
 
     def messages(self) -> list[tuple[str, str]]:
-        """(conversation, what to tell it), one per request."""
+        """(conversation, what to tell it), one per request. A withdrawn request's asker waited on a connection
+        that is gone, not in a chat: there is nobody to tell (its cards say it)."""
         told = [
             (r.conversation, f"The approval request for {r.tool} ({r.id}) was cancelled: {r.reason or RESTARTED}.")
             for r in self.cancelled
+            if r.waits is None
         ]
         told += [
             (
@@ -217,6 +220,7 @@ class ApprovalService:
         self._decided: dict[str, asyncio.Event] = {}
         self._ended_here: dict[str, None] = {}  # requests this process ended (and told the bus), newest last
         self._refusals = RefusalWindow(clock=clock)
+        self._looked: dict[str, float] = {}  # request id -> when this process last wrote its asker's last_seen
         self.halted: str | None = None  # why no decision is taken right now (the store vanished), or None
         # told the request id whenever a request opens or ends, or a remembered approval is revoked (the live
         # dashboard); a listener must be quick and must not raise (one that does is logged and skipped)
@@ -248,19 +252,24 @@ class ApprovalService:
         *,
         notes: tuple[str, ...] = (),
         durable: bool = False,
+        waits: Waits | None = None,
+        seen: bool = False,
     ) -> ApprovalRequest:
         """Record a new request and put its card on every platform.
 
         ``notes`` say how the call would run (shown on every card); ``durable``
         marks a request whose waiter survives a restart (a paused pipeline's
-        checkpoint), so start-up never cancels it as an orphan.
+        checkpoint), so start-up never cancels it as an orphan. ``waits``: how
+        a synchronous asker at one of the doors waits; the request is withdrawn
+        when it goes away. ``seen``: the asker is an API caller, seen asking now.
 
         ``deadline`` is in seconds from now (default ``approvals.deadline_seconds``).
         Raises :class:`ApprovalRefused` when the arguments cannot be shown faithfully.
         """
         request, _ = await self.open_once(
-            tool, args, requested_by, conversation, deadline, task_id, notes=notes, durable=durable
-        )
+            tool, args, requested_by, conversation, deadline, task_id, notes=notes, durable=durable, waits=waits,
+            seen=seen,
+        )  # fmt: skip
         return request
 
     async def open_once(
@@ -274,6 +283,8 @@ class ApprovalService:
         *,
         notes: tuple[str, ...] = (),
         durable: bool = False,
+        waits: Waits | None = None,
+        seen: bool = False,
         gate: OpenGate | None = None,
     ) -> tuple[ApprovalRequest, bool]:
         """:meth:`open`, with a door's ``gate`` in the opening transaction: the request and whether this call
@@ -310,7 +321,13 @@ class ApprovalService:
         if queue is not None:
             also.append(queue)
         request, opened = await self.store.insert_once(
-            new, notes=notes, durable=durable, guard=None if gate is None else gate.admit, also=also
+            new,
+            notes=notes,
+            durable=durable,
+            waits=waits,
+            seen=seen,
+            guard=None if gate is None else gate.admit,
+            also=also,
         )
         if not opened:
             return request, False
@@ -535,6 +552,9 @@ class ApprovalService:
             return PressResult(PressVerdict.WON, f"{verb}. Recorded as {actor}.", outcome, request_id)
         # still pending but the compare-and-set failed: the deadline has passed
         outcome = request.outcome() or await self._expire(request_id)
+        if outcome.status is Status.CANCELLED and is_withdrawn(outcome.reason):
+            message = f"This request was withdrawn ({outcome.reason}); nothing changed."
+            return PressResult(PressVerdict.LOST, message, outcome, request_id)
         return PressResult(PressVerdict.LOST, f"Already {outcome.summary()}.", outcome, request_id)
 
     async def _remember_problem(self, request_id: str, where: CardLocation | None) -> str | None:
@@ -657,12 +677,51 @@ class ApprovalService:
 
     async def cancel(self, request_id: str, *, reason: str) -> Outcome | None:
         """End a pending request ``cancelled`` (its requester withdrew it); the outcome that stands, None if unknown."""
+        return (await self._cancel_now(request_id, reason))[1]
+
+    async def _cancel_now(self, request_id: str, reason: str) -> tuple[bool, Outcome | None]:
         won, request = await self.store.finish(request_id, Status.CANCELLED, actor=None, platform=None, reason=reason)
         if won:
             log.info("approvals.cancelled", request_id=request_id, reason=reason)
             APPROVALS_DECIDED.labels(outcome="cancelled", platform="").inc()
             await self._ended(request_id)
-        return None if request is None else request.outcome()
+        return won, None if request is None else request.outcome()
+
+    async def withdraw(self, request_id: str, why: Gone) -> tuple[bool, Outcome | None]:
+        """Its synchronous asker went away: end the request ``cancelled`` ("withdrawn: …") and settle every card.
+        Whether this call ended it, and the outcome that stands (a decision made first stays; None: unknown id)."""
+        won, outcome = await self._cancel_now(request_id, withdrawn(why))
+        if won:
+            log.warning("approvals.withdrawn", request_id=request_id, why=why.value)
+        return won, outcome
+
+    async def looked(self, request_id: str) -> None:
+        """An API asker asked for ``request_id``'s answer: remember when (written at most every ``SEEN_EVERY``
+        seconds per request, so a poll costs a write only now and then; the dashboard hears of it then)."""
+        now = self.clock()
+        last = self._looked.get(request_id)
+        if last is not None and now - last < SEEN_EVERY:
+            return
+        self._looked[request_id] = now
+        while len(self._looked) > 10_000:  # bounded: only recent polls are throttled here
+            del self._looked[next(iter(self._looked))]
+        try:
+            written = await self.store.seen(request_id, every=SEEN_EVERY)
+        except store_errors() as exc:  # a lost look costs the asker nothing while it keeps asking
+            count_failure("approval_last_seen")
+            log.warning("approvals.last_seen_failed", request_id=request_id, error=str(exc))
+            return
+        if written:
+            self._tell(request_id)
+
+    async def withdraw_silent(self) -> list[str]:
+        """Withdraw every request whose polling asker stopped asking for its answer ``POLL_GRACE`` ago (a
+        script killed mid-``--wait``, a lost ``kazma mcp serve``); the ids withdrawn here."""
+        ended: list[str] = []
+        for request_id in await self.store.silent(self.clock() - POLL_GRACE):
+            if (await self.withdraw(request_id, Gone.SILENT))[0]:
+                ended.append(request_id)
+        return ended
 
     async def _cancel(self, request_id: str) -> None:
         try:
@@ -694,8 +753,9 @@ class ApprovalService:
         """At start, before any platform: end what the process that died left hanging, and say so.
 
         Every pending request whose waiter died with that process ends
-        ``cancelled`` ("Kazma restarted before a decision; nothing ran"); its
-        cards settle to that outcome as the bus comes up. Requests owned by a
+        ``cancelled`` ("Kazma restarted before a decision; nothing ran"; an
+        ``/mcp`` call's request "withdrawn: Kazma restarted while it waited");
+        its cards settle to that outcome as the bus comes up. Requests owned by a
         durable waiter (a paused pipeline's checkpoint) stay pending. Every
         approved call that never started running is reported once, never
         silently dropped.
@@ -704,8 +764,11 @@ class ApprovalService:
         is gone left behind: the leader runs this when it takes the lease and at every sweep.
         """
         cancelled: list[ApprovalRequest] = []
-        reason = RESTARTED if live is None else REPLICA_GONE
         for request in await self.store.orphans(live):
+            if request.waits is Waits.CONNECTION:  # an /mcp call whose connection died with that process
+                reason = withdrawn(Gone.RESTARTED if live is None else Gone.REPLICA_STOPPED)
+            else:
+                reason = RESTARTED if live is None else REPLICA_GONE
             won, after = await self.store.finish(request.id, Status.CANCELLED, actor=None, platform=None, reason=reason)
             if won and after is not None:
                 APPROVALS_DECIDED.labels(outcome="cancelled", platform="").inc()

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
-from kazma.approvals.model import ApprovalRequest, Outcome, Status, outcome_of
+from kazma.approvals.model import ApprovalRequest, Outcome, Status, Waits, outcome_of
 from kazma.config.store_backend import StoreBackend, Tx, Writer, backend_of, held_by_gone
 
 Clock = Callable[[], float]
@@ -29,7 +29,7 @@ T = TypeVar("T")
 
 _COLUMNS = (
     "id, tool, args_json, args_hash, requested_by, conversation, task_id, created_at, deadline, "
-    "status, decided_by, decided_via, decided_at, reason, notes, durable"
+    "status, decided_by, decided_via, decided_at, reason, notes, durable, waits, last_seen"
 )
 
 
@@ -123,6 +123,8 @@ def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
         why,
         notes,
         durable,
+        waits,
+        last_seen,
     ) = tuple(row)
     return ApprovalRequest(
         id=rid,
@@ -142,6 +144,8 @@ def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
         reason=why,
         notes=tuple(str(n) for n in json.loads(notes or "[]")),
         durable=bool(durable),
+        waits=None if waits is None else Waits(waits),
+        last_seen=ts(last_seen),
     )
 
 
@@ -265,11 +269,15 @@ class ApprovalStore:
         task_id: str | None,
         notes: tuple[str, ...] = (),
         durable: bool = False,
+        waits: Waits | None = None,
+        seen: bool = False,
     ) -> ApprovalRequest:
         request, _ = await self.insert_once(
             NewRequest(new_request_id(), tool, args_json, args_hash, requested_by, conversation, deadline, task_id),
             notes=notes,
             durable=durable,
+            waits=waits,
+            seen=seen,
         )
         return request
 
@@ -279,10 +287,13 @@ class ApprovalStore:
         *,
         notes: tuple[str, ...] = (),
         durable: bool = False,
+        waits: Waits | None = None,
+        seen: bool = False,
         guard: Guard | None = None,
         also: Sequence[Callable[[Tx], object]] = (),
     ) -> tuple[ApprovalRequest, bool]:
         """The request's row and its ``opened`` audit row, and ``also``'s statements, in one transaction.
+        ``waits``: how a synchronous asker waits; ``seen``: the asker is an API caller, seen asking now.
 
         ``guard`` runs first in that transaction: when it names another request, that one is read and
         returned (False) and nothing else is written; None lets this one open (True). Whatever ``guard`` or
@@ -306,6 +317,8 @@ class ApprovalStore:
             None,
             json.dumps(list(notes)),
             int(durable),
+            None if waits is None else waits.value,
+            now if seen else None,
         )
 
         def op(tx: Tx) -> tuple[ApprovalRequest, bool]:
@@ -529,15 +542,40 @@ class ApprovalStore:
         return [_row_to_request(row[:-1]) for row in rows if _gone(row[-1], live)]
 
     async def orphans(self, live: Collection[str] | None) -> list[ApprovalRequest]:
-        """Pending requests whose waiter is gone: every non-durable one (``live`` None: this is the only
-        process), or those whose owner is a replica not in ``live``. A request with no owner was opened by a
-        process that is no replica (a CLI command, an older release): nobody can tell whether it still waits,
-        so among replicas only its deadline ends it."""
+        """Pending requests whose waiter is gone: every non-durable one and every one an open ``/mcp`` call
+        held (``Waits.CONNECTION``), when ``live`` is None (this is the only process); among replicas, those
+        whose owner is a replica not in ``live``. A request with no owner was opened by a process that is no
+        replica (a CLI command, an older release): nobody can tell whether it still waits, so among replicas
+        only its deadline ends it."""
         rows = await self.tables.all(
-            f"SELECT {_COLUMNS}, owner FROM approval_requests WHERE status = 'pending' AND durable = 0"  # noqa: S608
-            " ORDER BY created_at"
+            f"SELECT {_COLUMNS}, owner FROM approval_requests WHERE status = 'pending'"  # noqa: S608
+            " AND (durable = 0 OR waits = 'connection') ORDER BY created_at"
         )
         return [_row_to_request(row[:-1]) for row in rows if _gone(row[-1], live)]
+
+    async def silent(self, before: float) -> list[str]:
+        """Pending requests whose polling asker has not asked for its answer since ``before``."""
+        rows = await self.tables.all(
+            "SELECT id FROM approval_requests WHERE status = 'pending' AND waits = 'polling'"
+            " AND (last_seen IS NULL OR last_seen < ?) ORDER BY created_at",
+            (before,),
+        )
+        return [str(r[0]) for r in rows]
+
+    async def seen(self, request_id: str, *, every: float) -> bool:
+        """Its asker asked for the answer now: ``last_seen`` moves on, at most once every ``every`` seconds
+        (whichever replica it asked). True when this call wrote it."""
+        now = self.clock()
+        return (
+            await self._write(
+                lambda tx: tx.run(
+                    "UPDATE approval_requests SET last_seen = ? WHERE id = ? AND status = 'pending'"
+                    " AND (last_seen IS NULL OR last_seen <= ?)",
+                    (now, request_id, now - every),
+                )
+            )
+            == 1
+        )
 
     async def overdue(self) -> list[str]:
         rows = await self.tables.all(

@@ -321,11 +321,12 @@ class App:
 
     async def _sweep(self) -> None:
         """End requests whose waiter died with an earlier process (or, among replicas, with a replica that is
-        gone), so their cards settle too."""
+        gone), or whose polling asker stopped asking, so their cards settle too."""
         while True:
             try:
                 for outcome in await self.service.expire_overdue():
                     log.info("approvals.swept", request_id=outcome.request_id, status=outcome.status.value)
+                await self.service.withdraw_silent()  # polling askers gone quiet (a script killed mid-wait)
                 if self.replication is not None:
                     await self._judge_replicas(self.replication)
             except Exception as exc:

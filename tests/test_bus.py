@@ -190,7 +190,9 @@ async def test_unposted_cards_and_unsettled_edits_resume_after_restart(tmp_path:
     async with rig(path, first, timeout=60) as r:
         request = await r.service.open("shell", {"command": "ls"}, "agent:b", "web:c")
         await wait_for(first[0].posted)
-        # decided while telegram's card is up: pretend the edit never happens by stopping now
+        # decided while telegram's card is up, and every edit of it fails in this process (a stop finishes the
+        # edits it was asked for, so only one that keeps failing is left for the next process)
+        first[0].failures.extend(PlatformError("telegram", "edit", "502", retryable=True) for _ in range(50))
         decided = await r.service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")
         assert decided.won
     second = [MemoryPlatform("telegram"), MemoryPlatform("slack")]

@@ -38,9 +38,10 @@ import structlog
 from aiohttp import web
 
 from kazma.approvals.hashing import args_hash, canonical_json, text_hash
-from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest
+from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest, Waits
 from kazma.approvals.service import ApprovalRefused, ApprovalService
 from kazma.approvals.tool_names import TOOL_PATTERN, TOOL_RULE, ToolNameError, check_tool_name
+from kazma.approvals.withdrawal import POLL_GRACE, Gone, by_asker
 from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, IdempotencyKeys, KeyReused, QuotaFull
 from kazma.bot.app import App
 from kazma.config.metrics import count_failure
@@ -64,6 +65,16 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _JSON_BRACKET = re.compile(r"[\[\]{}]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# ``Kazma-Wait: sync`` on a POST: the caller waits for the answer and keeps asking (GET) until it has it; the
+# request is withdrawn when it stops asking for POLL_GRACE seconds, well over MAX_WAIT (its longest poll).
+WAIT_HEADER = "Kazma-Wait"
+# ``DELETE …?why=``: the asker says why it withdraws, in words Kazma chose (never the caller's own text).
+WHY = {"interrupted": Gone.INTERRUPTED, "disconnected": Gone.DISCONNECTED, "cancelled": Gone.CANCELLED}
+_WAITS_NOTE = {
+    Waits.CONNECTION: "The asker waits on its open /mcp call: if the call ends, this request is withdrawn.",
+    Waits.POLLING: "The asker waits for the answer: if it is interrupted or stops asking, this request is withdrawn.",
+    None: "The asker may come back for the answer until the deadline; the approval page says when it last asked.",
+}
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,8 @@ def describe(service: ApprovalService, request: ApprovalRequest) -> dict[str, An
         "decided_at": None if outcome is None else outcome.decided_at.isoformat(),
         "reason": None if outcome is None else outcome.reason,
         "link": service.link(request.id),
+        "waits": None if request.waits is None else request.waits.value,
+        "last_seen": None if request.last_seen is None else request.last_seen.isoformat(),
     }
 
 
@@ -137,15 +150,21 @@ class ApprovalsApi:
     async def create(self, request: web.Request) -> web.Response:
         caller = caller_of(self.config, request)
         body = await _json_object(request)
-        opened, created = await self.open_for(caller, body, request.headers.get("Idempotency-Key"))
+        waits = _waits(request)
+        opened, created = await self.open_for(caller, body, request.headers.get("Idempotency-Key"), waits=waits)
         return web.json_response(describe(self.service, opened), status=201 if created else 200)
 
-    async def open_for(self, caller: ApiCaller, body: dict[str, Any], key: str | None) -> tuple[ApprovalRequest, bool]:
+    async def open_for(
+        self, caller: ApiCaller, body: dict[str, Any], key: str | None, *, waits: Waits | None = None
+    ) -> tuple[ApprovalRequest, bool]:
         """Open (or, for a known ``key``, find) the request ``body`` asks for; raises JSON HTTP errors.
 
         The key's row, the quota's count, the request, its card posts and its audit rows are one transaction
         (:class:`~kazma.bot.api_store.ApiOpen`): whichever replica commits first opened it, and every other
         attempt with the key reads that request.
+
+        ``waits``: how the asker waits for the answer (an /mcp call, a polling ``--wait``); such a request is
+        withdrawn when its asker goes away. None: an API caller that may come back for it until the deadline.
         """
         if REQUESTER not in caller.roles:
             await self._audit(None, "api_refused", caller, "asked for an approval without the requester role")
@@ -181,8 +200,10 @@ class ApprovalsApi:
                 caller.actor,
                 caller.actor,
                 deadline=seconds,
-                notes=note_lines,
-                durable=True,  # its waiter is the caller, not this process: a restart must not end it
+                notes=(*note_lines, _WAITS_NOTE[waits]),
+                durable=True,  # Kazma runs nothing for it: never reported as an approved call that did not run
+                waits=waits,  # ... and only an /mcp call's request ends with the process holding its connection
+                seen=True,
                 gate=gate,
             )
         except ApprovalRefused as exc:
@@ -252,6 +273,8 @@ class ApprovalsApi:
             wait = min(MAX_WAIT, max(0.0, float(request.query.get("wait", "0"))))
         except ValueError:
             raise _error(web.HTTPBadRequest, "wait must be a number of seconds") from None
+        if not found.status.final:
+            await self.service.looked(found.id)  # the approval page says when the asker last asked
         if wait > 0 and not found.status.final:
             # cancel_with_waiter=False: a client that stops polling withdraws nothing
             with contextlib.suppress(TimeoutError):
@@ -264,8 +287,15 @@ class ApprovalsApi:
         if REQUESTER not in caller.roles:
             raise _error(web.HTTPForbidden, f"the token {caller.name!r} does not have the {REQUESTER} role")
         found = await self._own(request, caller)
-        await self.service.cancel(found.id, reason=f"withdrawn by {caller.actor}")
-        await self._audit(found.id, "api_withdrawn", caller, "DELETE")
+        why_given = request.query.get("why")
+        why = None if why_given is None else WHY.get(why_given)
+        if why_given is not None and why is None:
+            raise _error(web.HTTPBadRequest, f"why must be one of: {', '.join(WHY)}")
+        if why is None:
+            await self.service.cancel(found.id, reason=by_asker(caller.actor))
+        else:
+            await self.service.withdraw(found.id, why)
+        await self._audit(found.id, "api_withdrawn", caller, "DELETE" if why is None else f"DELETE why={why_given}")
         after = await self.service.store.get(found.id) or found
         return web.json_response(describe(self.service, after))
 
@@ -345,6 +375,15 @@ def _unrepresentable(body: dict[str, Any]) -> str | None:
     return None
 
 
+def _waits(request: web.Request) -> Waits | None:
+    given = request.headers.get(WAIT_HEADER)
+    if given is None:
+        return None
+    if given.strip().lower() != "sync":
+        raise _error(web.HTTPBadRequest, f"{WAIT_HEADER} must be 'sync' (the caller waits for the answer), or absent")
+    return Waits.POLLING
+
+
 def _validated(
     body: dict[str, Any], caller: ApiCaller, config: KazmaConfig
 ) -> tuple[str, dict[str, Any], tuple[str, ...], float | None]:
@@ -413,6 +452,12 @@ _APPROVAL = {
         "decided_at": {"type": ["string", "null"], "format": "date-time"},
         "reason": {"type": ["string", "null"]},
         "link": {"type": "string"},
+        "waits": {
+            "type": ["string", "null"],
+            "enum": ["connection", "polling", None],
+            "description": "how a synchronous asker waits (withdrawn when it goes away); null: it may come back",
+        },
+        "last_seen": {"type": ["string", "null"], "format": "date-time", "description": "when it last asked"},
     },
 }
 _OK = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Approval"}}}}
@@ -441,7 +486,14 @@ OPENAPI: dict[str, Any] = {
                         "opened, from any replica, until a day past that request's deadline (then the key is "
                         "forgotten); the same key with another body is refused (422).",
                         "schema": {"type": "string", "pattern": "^[\\x21-\\x7e]{1,200}$"},
-                    }
+                    },
+                    {
+                        "name": WAIT_HEADER,
+                        "in": "header",
+                        "description": "sync: the caller waits and keeps asking (GET); the request is withdrawn "
+                        f"when it stops asking for {POLL_GRACE:g} s",
+                        "schema": {"type": "string", "enum": ["sync"]},
+                    },
                 ],
                 "requestBody": {
                     "required": True,
@@ -486,8 +538,9 @@ OPENAPI: dict[str, Any] = {
                 "responses": {"200": {"description": "the request", **_OK}, "404": {"description": "not yours"}},
             },
             "delete": {
-                "summary": "Withdraw a pending request (it ends cancelled)",
-                "responses": {"200": {"description": "the request", **_OK}},
+                "summary": "Withdraw a pending request (it ends cancelled); ?why= says why the asker went away",
+                "parameters": [{"name": "why", "in": "query", "schema": {"type": "string", "enum": list(WHY)}}],
+                "responses": {"200": {"description": "the request", **_OK}, "400": {"description": "unknown why"}},
             },
         },
     },

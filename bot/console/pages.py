@@ -21,9 +21,10 @@ from kazma.adapters.human_text import LABEL_PREFIX, for_humans
 from kazma.adapters.web import WebMessage, render
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.honesty import reveal, reveal_line
-from kazma.approvals.model import ApprovalRequest, Outcome, Status
+from kazma.approvals.model import ApprovalRequest, Outcome, Status, Waits
 from kazma.approvals.rules import Rule
 from kazma.approvals.store import AuditEvent, PostedCard
+from kazma.approvals.withdrawal import POLL_GRACE
 from kazma.bot.console.charts import CHART_STYLE
 from kazma.bot.console.dashboard_charts import charts_html
 from kazma.bot.console.dashboard_data import DashboardData
@@ -431,6 +432,7 @@ def approval_page(
         ("Status", e(request.status.value)),
         ("SHA-256 of the canonical arguments", e(request.args_hash)),
         ("Requested by", e(reveal_line(request.requested_by))),
+        *asker_facts(request),
         ("Where", e(reveal_line(request.conversation))),
         ("Task", e(reveal_line(request.task_id or "—"))),
         ("When", when_html(request.created_at)),
@@ -470,6 +472,23 @@ def approval_page(
         f"<th>settled</th><th>shows</th></tr>{posted}</table>"
     )
     return layout(f"Approval {request.id}", body, viewer=viewer, flash=flash)
+
+
+def asker_facts(request: ApprovalRequest) -> list[tuple[str, str]]:
+    """How an asker at one of the doors (the API, /mcp, the CLI) waits, and when it last asked for its answer;
+    nothing for a request of Kazma's own agents."""
+    if request.waits is Waits.CONNECTION:
+        waiting = "on an open /mcp call: withdrawn on every card if the call ends"
+    elif request.waits is Waits.POLLING:
+        waiting = f"asking again and again: withdrawn on every card if it stops asking for {POLL_GRACE:g} s"
+    elif request.last_seen is not None:
+        waiting = "not waiting: it may come back for the answer until the deadline"
+    else:
+        return []
+    facts = [("Asker", e(waiting))]
+    if request.waits is not Waits.CONNECTION:
+        facts.append(("Last asked for the answer", when_html(request.last_seen)))
+    return facts
 
 
 # -- the swarm dashboard -------------------------------------------------------------------------
@@ -532,7 +551,7 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
     approval_rows = "".join(
         f'<tr><td><a href="{e(approval_href(a.id))}">{e(a.id)}</a></td><td>{e(reveal_line(a.tool))}</td>'
         f"<td>{e(a.status.value)}</td><td>{e(reveal_line(a.requested_by))}</td><td>{when_html(a.created_at)}</td>"
-        f"<td>{e(reveal_line(a.decided_by or ''))}</td></tr>"
+        f"<td>{when_html(a.last_seen) if a.last_seen else ''}</td><td>{e(reveal_line(a.decided_by or ''))}</td></tr>"
         for a in data.approvals
     )
     workers = "".join(f"<li>{e(line)}</li>" for line in data.worker_lines) or "<li>no workers configured</li>"
@@ -547,7 +566,7 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
         f"{''.join(task_rows)}</table>"
         f"<h2>Workers</h2><ul>{workers}</ul>{worker_numbers(data.worker_days)}"
         "<h2>Recent approvals</h2><table><tr><th>id</th><th>tool</th><th>status</th><th>requested by</th>"
-        f"<th>when</th><th>decided by</th></tr>{approval_rows}</table>"
+        f"<th>when</th><th>asker last asked</th><th>decided by</th></tr>{approval_rows}</table>"
         f"{rules_section(viewer, data.rules)}</div>"
     )
 
