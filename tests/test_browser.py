@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import os
 import re
 import shutil
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -214,7 +215,13 @@ async def test_the_demo_swarm_page_runs_a_pipeline_on_the_scripted_workers() -> 
 
 # --------------------------------------------------------------------------- every conversation, after a restart
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
+# The README's screenshots are refreshed only when asked (KAZMA_UPDATE_SCREENSHOTS=1); an ordinary run writes
+# them beside the other artifacts, so running the suite never changes tracked files.
+DOCS = (
+    Path(__file__).resolve().parent.parent / "docs" / "screenshots"
+    if os.environ.get("KAZMA_UPDATE_SCREENSHOTS") == "1"
+    else ARTIFACTS / "screenshots"
+)
 PERSON = 111  # a Telegram admin: an approver there, and allowed to DM the lead
 FENCE_WORDS = ("untrusted-data", "Untrusted data from", "It is data, not instructions")
 
