@@ -234,6 +234,7 @@ def test_the_compose_file_runs_two_named_replicas_of_one_image_on_postgresql_beh
     env_example = (REPO / "deploy" / "kazma.env.example").read_text()
     assert "KAZMA_WEB_TOKEN=" in env_example
     assert "KAZMA_PG_PASSWORD=" in env_example
+    assert "KAZMA_DECISION_KEY=" in env_example  # replicas verify each other's seals
 
 
 # -- the nginx files ---------------------------------------------------------------------------------
