@@ -92,6 +92,7 @@ def test_the_build_stage_copies_every_package_the_wheel_needs() -> None:
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored
     assert ".kazma" in ignored  # a local store never goes into an image
+    assert ".kazma-keys" in ignored  # nor a local decision key
 
 
 def _debian_codename() -> str | None:
