@@ -121,6 +121,7 @@ async def test_an_approved_call_cannot_read_a_platform_token(
 ) -> None:
     secret = f"tok-secret-{uuid.uuid4().hex}"
     monkeypatch.setenv("TELEGRAM_BOT_TOKEN", secret)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", f"k1:{secret}")  # the key that seals approvals
     command = (
         "env; cat /proc/*/environ; cat /proc/1/environ; cat /proc/$PPID/environ; "
         "for pid in /proc/[0-9]*; do cat $pid/environ; done; echo; echo done"
