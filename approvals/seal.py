@@ -129,6 +129,8 @@ def seal_problem(keyring: Keyring | None, request: ApprovalRequest) -> SealProbl
     # As bytes: compare_digest refuses a str with non-ASCII characters, and a forged value may hold some.
     if not hmac.compare_digest(_mac(key.secret, message).encode(), request.decision_mac.encode("utf-8")):
         return SealProblem(
-            f"its decision seal does not verify with key {key.id} (the row was changed outside Kazma)", FORGED
+            f"its decision seal does not verify with key {key.id} (the row was changed outside Kazma, or a "
+            f"process holding another key named {key.id} sealed it)",
+            FORGED,
         )
     return None
