@@ -42,6 +42,13 @@ _CAS = (
     " decision_mac = ?, decision_key_id = ? WHERE id = ? AND status = 'pending'"
 )
 _CAS_BEFORE_DEADLINE = _CAS + " AND deadline > ?"
+# What the seal binds besides the outcome, read in the decision's transaction before the compare-and-set; for a
+# press from a card, with that request's cards on the press's platform in the same statement.
+_SEALED_FIELDS = "SELECT tool, args_hash FROM approval_requests WHERE id = ?"
+_PRESS_CARDS = (
+    "SELECT r.tool, r.args_hash, c.chat, c.message_id, c.whole FROM approval_requests r"
+    " LEFT JOIN approval_cards c ON c.request_id = r.id AND c.platform = ? WHERE r.id = ?"
+)
 _RETURNING = f" RETURNING {_COLUMNS}"
 _EVENT = (
     "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
@@ -439,11 +446,7 @@ class ApprovalStore:
             if card is not None:
                 # The request and its cards on that platform in one statement: what the seal binds, and
                 # whether the press came from one of them.
-                rows = tx.all(
-                    "SELECT r.tool, r.args_hash, c.chat, c.message_id, c.whole FROM approval_requests r"
-                    " LEFT JOIN approval_cards c ON c.request_id = r.id AND c.platform = ? WHERE r.id = ?",
-                    (card.platform, request_id),
-                )
+                rows = tx.all(_PRESS_CARDS, (card.platform, request_id))
                 if not rows:
                     return Pressed(None, False, None)
                 problem = _card_problem([tuple(r[2:]) for r in rows if r[2] is not None], card)
@@ -451,7 +454,7 @@ class ApprovalStore:
                     return Pressed(problem, False, None)
                 head = rows[0]
             else:
-                head = tx.one("SELECT tool, args_hash FROM approval_requests WHERE id = ?", (request_id,))
+                head = tx.one(_SEALED_FIELDS, (request_id,))
                 if head is None:
                     return Pressed(None, False, None)
             now = self.clock()
@@ -513,7 +516,7 @@ class ApprovalStore:
         require_before_deadline: bool,
         lost_event: str | None,
     ) -> tuple[bool, ApprovalRequest | None]:
-        head = tx.one("SELECT tool, args_hash FROM approval_requests WHERE id = ?", (request_id,))
+        head = tx.one(_SEALED_FIELDS, (request_id,))
         if head is None:
             return False, None
         now = self.clock()
