@@ -303,6 +303,22 @@ async def test_rotating_keeps_decided_requests_valid_new_decisions_use_the_new_k
         await service.verify_execution(after.id, "shell", ARGS)  # k2's approvals are unaffected
 
 
+async def test_a_running_kazma_verifies_a_key_rotated_in_while_it_ran(tmp_path: Path) -> None:
+    # kazma run holds k1; `kazma keys rotate`, then `kazma approvals approve` seals with k2: the running process
+    # reads the file again on meeting k2, and the approval runs there.
+    folder = tmp_path / "keys"
+    running = open_keyring(DECISION_KEYS, folder, environ={})
+    rotate_key_file(DECISION_KEYS, folder, environ={})
+    cli = open_keyring(DECISION_KEYS, folder, environ={})
+    assert (running.current.id, cli.current.id) == ("k1", "k2")
+    async with approval_service(tmp_path / "k.db", keyring=running) as here:
+        request = await here.open("shell", ARGS, "agent:builder", "telegram:-100")
+        async with approval_service(tmp_path / "k.db", keyring=cli) as elsewhere:
+            assert (await elsewhere.decide(request.id, Decision.APPROVE, actor="cli:ops", platform="cli")).won
+        await here.verify_execution(request.id, "shell", ARGS)
+    assert running.ids == ("k2", "k1")
+
+
 def test_the_key_file_is_made_once_private_and_a_second_opener_reads_the_same_keys(tmp_path: Path) -> None:
     folder = tmp_path / "state-keys"
     made = open_keyring(DECISION_KEYS, folder, environ={})
