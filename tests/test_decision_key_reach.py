@@ -1,4 +1,5 @@
-"""The decision key is out of every tool's reach: an MCP server Kazma starts (a real SDK server) never sees it.
+"""The decision key is out of every tool's reach: an MCP server Kazma starts (a real SDK server, placed and
+sandboxed as build_app does) never sees it: not in its environment, not in Kazma's through /proc, not its file.
 
 The shell's side is attacked in test_sandbox (Kazma's environment through /proc) and test_trust_tools (the key
 file, as Kazma wires the shell); ``kazma.yaml`` can neither hand the variable to a server nor substitute it.
@@ -17,17 +18,24 @@ from typing import Any
 import pytest
 
 from kazma.config import ConfigError, load_config_text
+from kazma.engine.mcp_launch import places_for
 from tests.process_support import REPO
 
 SNOOP = Path(__file__).resolve().parent / "mcp_servers" / "snoop.py"
 KAZMA_CHILD = """
 import asyncio, json, sys
+from kazma.bot.keys import decision_key_file
+from kazma.config import load_config_text
 from kazma.config.models import MCPServerConfig
+from kazma.engine.mcp_launch import places_for
 from kazma.engine.mcp_tools import MCPConnection
 
 async def main() -> None:
-    snoop, key_file = sys.argv[1:3]
-    connection = MCPConnection("snoop", MCPServerConfig(command=sys.executable, args=[snoop]))
+    snoop, store = sys.argv[1:3]
+    config = load_config_text(f"store: {{path: '{store}'}}", environ={}).config
+    key_file = str(decision_key_file(config))
+    server = MCPServerConfig(command=sys.executable, args=[snoop])
+    connection = MCPConnection("snoop", server, places=places_for(config))  # as build_app places servers
     connection.start()
     try:
         assert await connection.wait_ready(60), connection.problem
@@ -45,7 +53,7 @@ FILE_KEY = "k1:" + "f" * 40
 async def _snooped(tmp_path: Path) -> dict[str, Any]:
     """A stand-in for ``kazma run`` started with the key in its environment and a key file beside its store,
     starting the snoop server and calling it once: what the server saw."""
-    keys = tmp_path / ".kazma-keys"
+    keys = tmp_path / "state-keys"  # where kazma run makes it, beside the store's folder tmp_path/state
     keys.mkdir(mode=0o700)
     (keys / "decision").write_text(FILE_KEY + "\n")
     (keys / "decision").chmod(0o600)
@@ -55,7 +63,7 @@ async def _snooped(tmp_path: Path) -> dict[str, Any]:
 
     def run() -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, str(script), str(SNOOP), str(keys / "decision")],
+            [sys.executable, str(script), str(SNOOP), str(tmp_path / "state" / "kazma.db")],
             env=env,
             cwd=tmp_path,
             capture_output=True,
@@ -80,15 +88,30 @@ async def test_an_mcp_servers_environment_never_holds_the_key(tmp_path: Path) ->
     assert "v" * 40 not in json.dumps(seen["env"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a stdio MCP server still runs unsandboxed as Kazma's user (issue 25, row 2: the MCP sandbox is built "
-    "on another branch); with it, this passes and the marker goes",
-)
 async def test_an_mcp_server_cannot_read_the_key_through_proc_or_the_key_file(tmp_path: Path) -> None:
     seen = await _snooped(tmp_path)
     assert "v" * 40 not in json.dumps(seen["proc"])
     assert "f" * 40 not in seen["file"]
+    assert seen["file"].startswith("<")  # not there at all: <FileNotFoundError>
+
+
+def test_the_keys_folder_is_hidden_from_every_mcp_server(tmp_path: Path) -> None:
+    # Also where the sandbox binds a folder around it (a server's interpreter or packages under the state
+    # volume): the keys folder is covered there, as the store's folder is.
+    config = load_config_text(f"store: {{path: '{tmp_path}/state/kazma.db'}}", environ={}).config
+    assert (tmp_path / "state-keys").resolve() in places_for(config).hidden
+
+
+@pytest.mark.parametrize("key", ["read_only", "writable"])
+@pytest.mark.parametrize("where", ["{tmp}", "{tmp}/state-keys", "{tmp}/state-keys/decision"])
+def test_no_folder_given_to_an_mcp_server_shows_the_decision_keys(tmp_path: Path, key: str, where: str) -> None:
+    yaml = (
+        f"store: {{path: '{tmp_path}/state/kazma.db'}}\n"
+        f"mcp_servers: {{x: {{command: a, {key}: ['{where.format(tmp=tmp_path)}']}}}}\n"
+    )
+    # (A writable folder around both is refused for the store's folder first.)
+    with pytest.raises(ConfigError, match=r"would let the server (read the decision keys|reach the store's folder)"):
+        load_config_text(yaml, environ={})
 
 
 @pytest.mark.parametrize(
