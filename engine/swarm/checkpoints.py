@@ -112,8 +112,9 @@ class Checkpoints:
         if outcome.status is Status.APPROVED:
             try:
                 await self.approvals.verify_approval(approval_id)  # sealed by a press, not written into the store
-            except ExecutionMismatch as exc:
+            except ExecutionMismatch as exc:  # counted and audited by the approvals service
                 forged = str(exc)
+                log.warning("swarm.checkpoint_refused", task_id=task_id, approval=approval_id, reason=forged)
         if outcome.status is Status.APPROVED and forged is None:
             resumed = await self._resume_when_room(task_id)
             if resumed is not None:
