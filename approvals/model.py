@@ -69,6 +69,9 @@ class ApprovalRequest:
     durable: bool = False  # its waiter survives a restart (a paused pipeline's checkpoint): never an orphan
     waits: Waits | None = None  # how a synchronous asker waits: withdrawn when it goes away (None: not one)
     last_seen: datetime | None = None  # when an API asker last asked for its answer (written at most every 10 s)
+    # The outcome's seal (approvals.seal), written by the compare-and-set; None on rows decided before seals.
+    decision_mac: str | None = None
+    decision_key_id: str | None = None
 
     def outcome(self) -> Outcome | None:
         return outcome_of(self)

@@ -128,7 +128,23 @@ MIGRATIONS = [
             "ALTER TABLE approval_cards ADD COLUMN settle_claimed_by TEXT",
         ),
     ),
-    # 7 is another change's (the decision MAC); versions may skip a number, never repeat or go back.
+    Migration(
+        "approvals",
+        7,
+        (
+            # The outcome's seal (approvals/seal.py): an HMAC by a key the store never holds, and that key's id.
+            # Written by the compare-and-set itself; rows decided before stay NULL and can never run.
+            "ALTER TABLE approval_requests ADD COLUMN decision_mac TEXT",
+            "ALTER TABLE approval_requests ADD COLUMN decision_key_id TEXT",
+            # Final with the outcome it seals (the v1 trigger cannot be widened additively: a second one).
+            """
+            CREATE TRIGGER IF NOT EXISTS approval_requests_seal_final
+            BEFORE UPDATE OF decision_mac, decision_key_id ON approval_requests
+            WHEN OLD.status != 'pending'
+            BEGIN SELECT RAISE(ABORT, 'approval outcomes are final'); END
+            """,
+        ),
+    ),
     Migration(
         "approvals",
         8,
@@ -275,6 +291,20 @@ PG_MIGRATIONS = [
         (
             "ALTER TABLE approval_requests ADD COLUMN owner text",
             "ALTER TABLE approval_cards ADD COLUMN settle_claimed_by text",
+        ),
+    ),
+    PgMigration(
+        "approvals",
+        7,
+        (
+            "ALTER TABLE approval_requests ADD COLUMN decision_mac text",
+            "ALTER TABLE approval_requests ADD COLUMN decision_key_id text",
+            """
+            CREATE OR REPLACE TRIGGER approval_requests_seal_final
+            BEFORE UPDATE OF decision_mac, decision_key_id ON approval_requests
+            FOR EACH ROW WHEN (OLD.status <> 'pending')
+            EXECUTE FUNCTION kazma_approval_outcome_final()
+            """,
         ),
     ),
     PgMigration(

@@ -12,7 +12,7 @@ import contextlib
 import re
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import structlog
@@ -28,6 +28,7 @@ from kazma.approvals.card import (
 from kazma.approvals.hashing import args_hash, canonical_json, check_arguments
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status, Waits
 from kazma.approvals.rules import Rule, RuleStore, rules_consulted_for
+from kazma.approvals.seal import FORGED, SealProblem, seal_problem
 from kazma.approvals.store import ApprovalStore, CardCheck, CardProblem, Clock, NewRequest, new_request_id
 from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdrawn, withdrawn
 from kazma.config.metrics import APPROVALS_DECIDED, APPROVALS_OPENED, PRESS_TO_DECISION, count_failure
@@ -126,6 +127,9 @@ class Recovery:
 
     cancelled: list[ApprovalRequest]
     never_ran: list[ApprovalRequest]
+    # Of ``never_ran``, those whose approval could never have run anyway (no seal, or one that does not
+    # verify), by request id: why.
+    unrunnable: dict[str, str] = field(default_factory=dict)
 
     def messages(self) -> list[tuple[str, str]]:
         """(conversation, what to tell it), one per request. A withdrawn request's asker waited on a connection
@@ -135,14 +139,19 @@ class Recovery:
             for r in self.cancelled
             if r.waits is None
         ]
-        told += [
-            (
-                r.conversation,
-                f"{r.tool} ({r.id}) was approved by {r.decided_by}, but Kazma stopped before it ran; "
-                "it did not run and will not run on its own. Ask again if it is still wanted.",
-            )
-            for r in self.never_ran
-        ]
+        for r in self.never_ran:
+            why = self.unrunnable.get(r.id)
+            if why is None:
+                line = (
+                    f"{r.tool} ({r.id}) was approved by {r.decided_by}, but Kazma stopped before it ran; "
+                    "it did not run and will not run on its own. Ask again if it is still wanted."
+                )
+            else:
+                line = (
+                    f"{r.tool} ({r.id}) is marked approved by {r.decided_by}, but {why}: it did not run and "
+                    "cannot run. Ask again if it is still wanted."
+                )
+            told.append((r.conversation, line))
         return told
 
 
@@ -385,6 +394,14 @@ class ApprovalService:
         rule = await self.rules.match(tool, digest, conversation)
         if rule is None:
             return None
+        forged = await self._rule_problem(rule, tool, digest, conversation)
+        if forged is not None:
+            # A rule row is an approval too: one the decision it names cannot account for was written
+            # outside Kazma. The call gets a card instead.
+            count_failure(FORGED)
+            await self._audit_safely(rule.request_id, "rule_refused", None, None, f"{rule.id}: {forged}")
+            log.error("approvals.forged_rule", rule=rule.id, request_id=rule.request_id, detail=forged)
+            return None
         detail = f"{rule.id} ({tool} {digest[:12]}… in {conversation}; made by {rule.created_by})"
         await self._audit_safely(rule.request_id, "rule_used", rule.created_by, rule.created_via, detail)
         log.info("approvals.rule_used", rule=rule.id, tool=tool, conversation=conversation, hash=digest)
@@ -399,6 +416,22 @@ class ApprovalService:
                 f"(request {rule.request_id}); it covers this exact call here until {until}.",
             )
         return rule
+
+    async def _rule_problem(self, rule: Rule, tool: str, digest: str, conversation: str) -> str | None:
+        """Why ``rule`` is not one a person's sealed "Approve for …" made for this call here, or None."""
+        request = await self.store.get(rule.request_id)
+        if request is None:
+            return "it names no request"
+        problem = self.approval_problem(request)
+        if problem is not None:
+            return f"its approval {request.id} does not hold: {problem.detail}"
+        made_for = (request.tool, request.args_hash, request.conversation, request.decided_by)
+        if made_for != (tool, digest, conversation, rule.created_by):
+            return f"its approval {request.id} was for another call, place or person"
+        assert request.decided_at is not None  # sealed: decided
+        if self.clock() >= request.decided_at.timestamp() + self.config.approvals.remember.max_seconds:
+            return f"it outlives approvals.remember.max_seconds from its approval {request.id}"
+        return None
 
     # -- deciding --------------------------------------------------------------------------------
 
@@ -775,12 +808,25 @@ class ApprovalService:
                 log.warning("approvals.orphan_cancelled", request_id=request.id, tool=request.tool)
                 cancelled.append(after)
         never_ran: list[ApprovalRequest] = []
+        unrunnable: dict[str, str] = {}
         for request in await self.store.approved_not_started(live):
-            await self._audit_safely(request.id, "execution_lost", None, None, "approved, but Kazma stopped first")
+            problem = self.approval_problem(request)
+            detail = "approved, but Kazma stopped first"
+            if problem is not None:
+                # Decided before seals (an upgrade), or written outside Kazma: nothing may run it, ever.
+                unrunnable[request.id] = problem.detail
+                detail = f"approved, but it cannot run: {problem.detail}"
+            await self._audit_safely(request.id, "execution_lost", None, None, detail)
             count_failure("approval_never_ran")
-            log.warning("approvals.approved_never_ran", request_id=request.id, tool=request.tool)
+            log.warning(
+                "approvals.approved_never_ran",
+                request_id=request.id,
+                tool=request.tool,
+                runnable=problem is None,
+                detail=detail,
+            )
             never_ran.append(request)
-        return Recovery(cancelled, never_ran)
+        return Recovery(cancelled, never_ran, unrunnable)
 
     async def expire_overdue(self) -> list[Outcome]:
         """End every request past its deadline (requests whose waiter died with a process)."""
@@ -800,41 +846,65 @@ class ApprovalService:
 
     # -- executing -------------------------------------------------------------------------------
 
-    async def verify_execution(self, request_id: str, tool: str, args: Mapping[str, Any]) -> None:
-        """Refuse to run anything but the exact call that was approved, by a person, on the record.
+    def approval_problem(self, request: ApprovalRequest) -> SealProblem | None:
+        """Why ``request`` is not an approval a decision path of Kazma made, or None when it is: approved,
+        sealed by a key held here, the seal matching every bound field, and decided by an approver."""
+        if request.status is not Status.APPROVED:
+            return SealProblem(f"it is {request.status.value}, not approved", FORGED)
+        sealed = seal_problem(self.store.keyring, request)
+        if sealed is not None:
+            return sealed
+        if not self.config.roster.is_approver(request.decided_by or "", request.decided_via or ""):
+            return SealProblem(f"{request.decided_by} may not approve (not an approver now)", FORGED)
+        return None
 
-        An ``approved`` row counts only with the ``decided`` audit row the
-        compare-and-set wrote in the same transaction (same actor, same hash),
-        and only while its stored call still hashes to that hash: a row changed
-        behind Kazma's back does not run, and is reported.
-        """
+    async def verify_approval(self, request_id: str) -> ApprovalRequest:
+        """The request if it is an approval Kazma made and sealed; otherwise refused (raises
+        :class:`ExecutionMismatch`), counted, audited ``execution_refused`` and logged. For what runs on an
+        approval that has no arguments of its own to compare (a paused pipeline's checkpoint)."""
         request = await self.store.get(request_id)
         if request is None or request.status is not Status.APPROVED:
             state = "unknown" if request is None else request.status.value
             raise ExecutionMismatch(f"request {request_id} is {state}, not approved")
-        decided = [
-            e
-            for e in await self.store.events(request_id, event="decided")
-            if e.actor == request.decided_by and e.args_hash == request.args_hash
-        ]
         changed = _integrity_problem(request)
-        if (
-            changed is not None
-            or not decided
-            or not self.config.roster.is_approver(request.decided_by or "", request.decided_via or "")
-        ):
-            count_failure("approval_forged")
-            if changed is not None:
-                detail = f"its stored call was changed ({changed})"
-            elif not decided:
-                detail = "approved without its decided audit row"
-            else:
-                detail = "approved by someone who may not"
-            await self._audit_safely(request_id, "execution_refused", None, None, detail)
-            log.error("approvals.forged_approval", request_id=request_id, detail=detail, decided_by=request.decided_by)
-            raise ExecutionMismatch(
-                f"request {request_id} is marked approved, but {detail}: it was changed outside Kazma and will not run"
+        problem: SealProblem | None
+        if changed is not None:
+            problem = SealProblem(f"its stored call was changed ({changed}) outside Kazma", FORGED)
+        else:
+            problem = self.approval_problem(request)
+        if problem is None and not await self._decided_on_record(request):
+            problem = SealProblem("it was approved without its decided audit row (changed outside Kazma)", FORGED)
+        if problem is not None:
+            count_failure(problem.site)
+            await self._audit_safely(request_id, "execution_refused", None, None, problem.detail)
+            log.error(
+                "approvals.forged_approval",
+                request_id=request_id,
+                detail=problem.detail,
+                decided_by=request.decided_by,
+                key_id=request.decision_key_id,
             )
+            raise ExecutionMismatch(f"request {request_id} is marked approved, but {problem.detail}: it will not run")
+        return request
+
+    async def _decided_on_record(self, request: ApprovalRequest) -> bool:
+        """The ``decided`` audit row the compare-and-set wrote with it: same person, same hash, that outcome."""
+        return any(
+            e.actor == request.decided_by
+            and e.args_hash == request.args_hash
+            and (e.detail or "").split(":", 1)[0] == Status.APPROVED.value
+            for e in await self.store.events(request.id, event="decided")
+        )
+
+    async def verify_execution(self, request_id: str, tool: str, args: Mapping[str, Any]) -> None:
+        """Refuse to run anything but the exact call that was approved, by a person, on the record.
+
+        An ``approved`` row runs only when its seal verifies (made by a decision path of Kazma with a key the
+        store never holds: see :mod:`kazma.approvals.seal`), it has the ``decided`` audit row the
+        compare-and-set wrote in the same transaction, its decider is an approver, and its stored call still
+        hashes to the approved hash. Anything else does not run, and is counted, audited and logged.
+        """
+        request = await self.verify_approval(request_id)
         if request.tool != tool:
             raise ExecutionMismatch(f"request {request_id} approved {request.tool!r}, not {tool!r}")
         actual = args_hash(args)

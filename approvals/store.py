@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from kazma.approvals.model import ApprovalRequest, Outcome, Status, Waits, outcome_of
+from kazma.approvals.seal import seal
+from kazma.config.keyring import Keyring
 from kazma.config.store_backend import StoreBackend, Tx, Writer, backend_of, held_by_gone
 
 Clock = Callable[[], float]
@@ -29,15 +31,24 @@ T = TypeVar("T")
 
 _COLUMNS = (
     "id, tool, args_json, args_hash, requested_by, conversation, task_id, created_at, deadline, "
-    "status, decided_by, decided_via, decided_at, reason, notes, durable, waits, last_seen"
+    "status, decided_by, decided_via, decided_at, reason, notes, durable, waits, last_seen, decision_mac,"
+    " decision_key_id"
 )
 
 
+# The outcome and its seal in one statement: the seal is made in Python before it (approvals/seal.py).
 _CAS = (
-    "UPDATE approval_requests SET status = ?, decided_by = ?, decided_via = ?, decided_at = ?, reason = ?"
-    " WHERE id = ? AND status = 'pending'"
+    "UPDATE approval_requests SET status = ?, decided_by = ?, decided_via = ?, decided_at = ?, reason = ?,"
+    " decision_mac = ?, decision_key_id = ? WHERE id = ? AND status = 'pending'"
 )
 _CAS_BEFORE_DEADLINE = _CAS + " AND deadline > ?"
+# What the seal binds besides the outcome, read in the decision's transaction before the compare-and-set; for a
+# press from a card, with that request's cards on the press's platform in the same statement.
+_SEALED_FIELDS = "SELECT tool, args_hash FROM approval_requests WHERE id = ?"
+_PRESS_CARDS = (
+    "SELECT r.tool, r.args_hash, c.chat, c.message_id, c.whole FROM approval_requests r"
+    " LEFT JOIN approval_cards c ON c.request_id = r.id AND c.platform = ? WHERE r.id = ?"
+)
 _RETURNING = f" RETURNING {_COLUMNS}"
 _EVENT = (
     "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
@@ -125,6 +136,8 @@ def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
         durable,
         waits,
         last_seen,
+        mac,
+        key_id,
     ) = tuple(row)
     return ApprovalRequest(
         id=rid,
@@ -146,6 +159,8 @@ def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
         durable=bool(durable),
         waits=None if waits is None else Waits(waits),
         last_seen=ts(last_seen),
+        decision_mac=mac,
+        decision_key_id=key_id,
     )
 
 
@@ -237,12 +252,20 @@ class ApprovalStore:
     """
 
     def __init__(
-        self, conn: aiosqlite.Connection | StoreBackend, *, clock: Clock = time.time, replica: str | None = None
+        self,
+        conn: aiosqlite.Connection | StoreBackend,
+        *,
+        clock: Clock = time.time,
+        replica: str | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
         self._conn = conn if isinstance(conn, aiosqlite.Connection) else None
         self.clock = clock
         # Written as the owner of every request this process opens (None: the only process on the store).
         self.replica = replica
+        # Seals every outcome this store writes (approvals/seal.py). None: outcomes are written unsealed, and an
+        # approval written so can never run (a store opened only to read, or by a test of the rows alone).
+        self.keyring = keyring
         self.tables = backend_of(conn)
 
     @property
@@ -319,6 +342,8 @@ class ApprovalStore:
             int(durable),
             None if waits is None else waits.value,
             now if seen else None,
+            None,
+            None,
         )
 
         def op(tx: Tx) -> tuple[ApprovalRequest, bool]:
@@ -419,11 +444,22 @@ class ApprovalStore:
 
         def op(tx: Tx) -> Pressed:
             if card is not None:
-                problem = self._card_problem(tx, request_id, card)
+                # The request and its cards on that platform in one statement: what the seal binds, and
+                # whether the press came from one of them.
+                rows = tx.all(_PRESS_CARDS, (card.platform, request_id))
+                if not rows:
+                    return Pressed(None, False, None)
+                problem = _card_problem([tuple(r[2:]) for r in rows if r[2] is not None], card)
                 if problem is not None:
                     return Pressed(problem, False, None)
+                head = rows[0]
+            else:
+                head = tx.one(_SEALED_FIELDS, (request_id,))
+                if head is None:
+                    return Pressed(None, False, None)
             now = self.clock()
-            params = (status.value, actor, platform, now, reason, request_id, now)
+            sealed = self._seal(request_id, str(head[0]), str(head[1]), status, actor, platform, now)
+            params = (status.value, actor, platform, now, reason, *sealed, request_id, now)
             row = tx.one(f"{_CAS_BEFORE_DEADLINE} RETURNING {_STANDING}", params)
             won = row is not None
             if not won:
@@ -432,7 +468,8 @@ class ApprovalStore:
                 return Pressed(None, False, None)
             request = _standing(row)
             if won:
-                tx.run(_EVENT, (request_id, "decided", actor, platform, now, request.args_hash, reason))
+                detail = decided_detail(status, reason)
+                tx.run(_EVENT, (request_id, "decided", actor, platform, now, request.args_hash, detail))
                 tx.notify(DECIDED_CHANNEL, request_id)
             else:
                 standing = request.status.value if request.status.final else "pending past its deadline"
@@ -442,26 +479,30 @@ class ApprovalStore:
 
         return op
 
-    @staticmethod
-    def _card_problem(tx: Tx, request_id: str, check: CardCheck) -> str | None:
-        rows = tx.all(
-            "SELECT chat, message_id, whole FROM approval_cards WHERE request_id = ? AND platform = ?",
-            (request_id, check.platform),
+    def _seal(
+        self,
+        request_id: str,
+        tool: str,
+        digest: str,
+        status: Status,
+        actor: str | None,
+        platform: str | None,
+        now: float,
+    ) -> tuple[str | None, str | None]:
+        """(decision_mac, decision_key_id) for the compare-and-set: made before it, with the time it stores."""
+        if self.keyring is None:
+            return None, None
+        made = seal(
+            self.keyring,
+            request_id=request_id,
+            tool=tool,
+            args_hash=digest,
+            status=status.value,
+            decided_by=actor,
+            decided_via=platform,
+            decided_at=now,
         )
-        if not rows:
-            # Only a press that says where it was is held to a card; the platform may say nothing.
-            located = check.chat is not None or check.message_id is not None
-            return CardProblem.NOT_RECORDED if located else None
-        here = [
-            r
-            for r in rows
-            if (check.chat is None or r[0] == check.chat) and (check.message_id is None or r[1] == check.message_id)
-        ]
-        if not here:
-            return CardProblem.NOT_HERE
-        if check.needs_whole and not all(r[2] for r in here):
-            return CardProblem.CUT
-        return None
+        return made.mac, made.key_id
 
     def _finish(
         self,
@@ -475,8 +516,12 @@ class ApprovalStore:
         require_before_deadline: bool,
         lost_event: str | None,
     ) -> tuple[bool, ApprovalRequest | None]:
+        head = tx.one(_SEALED_FIELDS, (request_id,))
+        if head is None:
+            return False, None
         now = self.clock()
-        params: tuple[Any, ...] = (status.value, actor, platform, now, reason, request_id)
+        sealed = self._seal(request_id, str(head[0]), str(head[1]), status, actor, platform, now)
+        params: tuple[Any, ...] = (status.value, actor, platform, now, reason, *sealed, request_id)
         sql = _CAS
         if require_before_deadline:
             sql, params = _CAS_BEFORE_DEADLINE, (*params, now)
@@ -488,8 +533,13 @@ class ApprovalStore:
         if request is None:
             return False, None
         if won:
-            event = "decided" if status.human else status.value
-            tx.run(_EVENT, (request_id, event, actor, platform, now, request.args_hash, reason))
+            if status.human:
+                tx.run(
+                    _EVENT,
+                    (request_id, "decided", actor, platform, now, request.args_hash, decided_detail(status, reason)),
+                )
+            else:
+                tx.run(_EVENT, (request_id, status.value, actor, platform, now, request.args_hash, reason))
             tx.notify(DECIDED_CHANNEL, request_id)
         elif lost_event is not None:
             standing = request.status.value if request.status.final else "pending past its deadline"
@@ -540,6 +590,18 @@ class ApprovalStore:
             " ORDER BY r.decided_at"
         )
         return [_row_to_request(row[:-1]) for row in rows if _gone(row[-1], live)]
+
+    async def decided(self) -> list[ApprovalRequest]:
+        """Every request with an outcome, in the order they were decided (``kazma doctor`` checks their seals)."""
+        rows = await self.tables.all(
+            f"SELECT {_COLUMNS} FROM approval_requests WHERE status != 'pending' ORDER BY decided_at"  # noqa: S608
+        )
+        return [_row_to_request(row) for row in rows]
+
+    async def sealed_since(self) -> float | None:
+        """When this store began sealing outcomes (approvals schema v7 applied), or None (not yet)."""
+        row = await self.tables.one("SELECT applied_at FROM kazma_schema WHERE component = 'approvals' AND version = 7")
+        return None if row is None else float(row[0])
 
     async def orphans(self, live: Collection[str] | None) -> list[ApprovalRequest]:
         """Pending requests whose waiter is gone: every non-durable one and every one an open ``/mcp`` call
@@ -716,6 +778,29 @@ class ApprovalStore:
                 )
 
         await self._write(op)
+
+
+def decided_detail(status: Status, reason: str | None) -> str:
+    """The ``decided`` audit row's detail: the outcome, then the decider's reason if any."""
+    return status.value if not reason else f"{status.value}: {reason}"
+
+
+def _card_problem(cards: list[tuple[Any, ...]], check: CardCheck) -> str | None:
+    """Why a press is not from one of ``cards`` ((chat, message id, whole) on the press's platform), or None."""
+    if not cards:
+        # Only a press that says where it was is held to a card; the platform may say nothing.
+        located = check.chat is not None or check.message_id is not None
+        return CardProblem.NOT_RECORDED if located else None
+    here = [
+        r
+        for r in cards
+        if (check.chat is None or r[0] == check.chat) and (check.message_id is None or r[1] == check.message_id)
+    ]
+    if not here:
+        return CardProblem.NOT_HERE
+    if check.needs_whole and not all(r[2] for r in here):
+        return CardProblem.CUT
+    return None
 
 
 def _gone(owner: str | None, live: Collection[str] | None) -> bool:

@@ -22,14 +22,17 @@ from kazma.approvals import MIGRATIONS, ApprovalService, ApprovalStore, Decision
 from kazma.bot.logging import configure_logging
 from kazma.config import load_config_text
 from kazma.config.database import connect, open_database
+from kazma.config.keyring import DECISION_KEYS, Keyring
 
 CONFIG = load_config_text('approvals: {approvers: ["telegram:1", "slack:U1", "discord:2"]}').config
+# Every outcome sealed, as in production (approvals/seal.py): the seal is part of what a decision costs.
+KEYS = Keyring.of(DECISION_KEYS, ("k1", "bench-decision-key-" + "0" * 32))
 PRESSERS = (("telegram:1", "telegram"), ("slack:U1", "slack"), ("discord:2", "discord"))
 
 
 async def service_run(path: Path, requests: int, presses: int) -> tuple[float, int]:
     conn = await open_database(path, migrations=MIGRATIONS)
-    service = ApprovalService(ApprovalStore(conn), CONFIG)
+    service = ApprovalService(ApprovalStore(conn, keyring=KEYS), CONFIG)
     ids = [(await service.open("shell", {"n": i}, "bench", "bench")).id for i in range(requests)]
     jobs = [
         service.decide_from_button(button_data(rid, Decision.APPROVE), actor=actor, platform=platform)

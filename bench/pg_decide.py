@@ -29,16 +29,19 @@ from kazma.approvals import ApprovalService, ApprovalStore, Decision, button_dat
 from kazma.bot.logging import configure_logging
 from kazma.bot.store import pg_migrations
 from kazma.config import load_config_text
+from kazma.config.keyring import DECISION_KEYS, Keyring
 from kazma.config.postgres import open_pg_store
 
 CONFIG = load_config_text('approvals: {approvers: ["telegram:1", "slack:U1", "discord:2"]}').config
+# Every outcome sealed, as in production (approvals/seal.py): the seal is part of what a decision costs.
+KEYS = Keyring.of(DECISION_KEYS, ("k1", "bench-decision-key-" + "0" * 32))
 PRESSERS = (("telegram:1", "telegram"), ("slack:U1", "slack"), ("discord:2", "discord"))
 
 
 async def service_run(dsn: str, requests: int, presses: int) -> tuple[float, int, int, int]:
     backend = await open_pg_store(dsn, migrations=pg_migrations(), application_name="bench")
     try:
-        service = ApprovalService(ApprovalStore(backend), CONFIG)
+        service = ApprovalService(ApprovalStore(backend, keyring=KEYS), CONFIG)
         opened = await asyncio.gather(*(service.open("shell", {"n": i}, "bench", "bench") for i in range(requests)))
         writer = await backend.writer()
         groups_before = writer.groups

@@ -31,9 +31,12 @@ from kazma.bot.logging import configure_logging
 from kazma.bot.replication import Replication
 from kazma.bot.store import pg_migrations
 from kazma.config import load_config_text
+from kazma.config.keyring import DECISION_KEYS, Keyring
 from kazma.config.postgres import PgStore, open_pg_store
 
 CONFIG = load_config_text('approvals: {approvers: ["telegram:1"]}').config
+# Every outcome sealed, as in production (approvals/seal.py): the seal is part of what a decision costs.
+KEYS = Keyring.of(DECISION_KEYS, ("k1", "bench-decision-key-" + "0" * 32))
 
 
 class ZeroPlatform:
@@ -89,11 +92,12 @@ async def run(dsn: str, requests: int) -> None:
         a_store = await open_pg_store(dsn, migrations=pg_migrations(), application_name="bench a")
         b_store = await open_pg_store(dsn, migrations=pg_migrations(), application_name="bench b")
         stores += [a_store, b_store]
-        a_approvals = ApprovalStore(a_store, replica="a")
+        a_approvals = ApprovalStore(a_store, replica="a", keyring=KEYS)
         a_outbox = Outbox(a_store, replica="a")
         a_bus = FanOutBus(platforms, store=a_approvals, outbox=a_outbox, config=CONFIG, shared=True)
         a = ApprovalService(a_approvals, CONFIG, publisher=a_bus, poll_interval=30)
-        b = ApprovalService(ApprovalStore(b_store, replica="b"), CONFIG, poll_interval=30)  # no platform of its own
+        # B has no platform of its own.
+        b = ApprovalService(ApprovalStore(b_store, replica="b", keyring=KEYS), CONFIG, poll_interval=30)
         b_bus = NullBus()  # B shows no card itself: every edit is A's
         for name, store, service, bus, outbox in (("a", a_store, a, a_bus, a_outbox), ("b", b_store, b, b_bus, None)):
             replication = Replication(

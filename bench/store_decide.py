@@ -43,9 +43,12 @@ from kazma.approvals.store import CardCheck
 from kazma.bot.logging import configure_logging
 from kazma.config import load_config_text
 from kazma.config.database import connect, open_database
+from kazma.config.keyring import DECISION_KEYS, Keyring
 from kazma.config.writer import Tx
 
 CONFIG = load_config_text('approvals: {approvers: ["telegram:1", "slack:U1", "discord:2"]}').config
+# Every outcome sealed, as in production (approvals/seal.py): the seal is part of what a decision costs.
+KEYS = Keyring.of(DECISION_KEYS, ("k1", "bench-decision-key-" + "0" * 32))
 PRESSERS = (("telegram:1", "telegram"), ("slack:U1", "slack"), ("discord:2", "discord"))
 RAW_CAS = "UPDATE r SET status = ?, decided_by = ? WHERE id = ? AND status = 'pending'"
 
@@ -81,7 +84,7 @@ Chunk = Callable[[list[int]], Awaitable[int]]
 async def opened(path: Path, requests: int) -> tuple[aiosqlite.Connection, ApprovalService, list[str]]:
     """A product store at ``path`` with ``requests`` pending requests, and their ids."""
     conn = await open_database(path, migrations=MIGRATIONS)
-    service = ApprovalService(ApprovalStore(conn), CONFIG)
+    service = ApprovalService(ApprovalStore(conn, keyring=KEYS), CONFIG)
     return conn, service, [(await service.open("shell", {"n": i}, "bench", "bench")).id for i in range(requests)]
 
 

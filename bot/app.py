@@ -25,6 +25,7 @@ from kazma.approvals.service import Recovery
 from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.chat_moves import ChatMoves
 from kazma.bot.inbound_claims import InboundClaims
+from kazma.bot.keys import decision_keys_folder, load_decision_keyring
 from kazma.bot.store import StoreWatch
 from kazma.bot.store_handles import StoreHandles, open_handles
 from kazma.config import LoadedConfig, enabled_platforms
@@ -406,7 +407,12 @@ async def build_app(
     stores = await open_handles(config, replica=replica)
     # The owner of the requests it opens once it serves as a replica (App.start): a command that only builds
     # the app (`kazma swarm`) holds no lease, so nobody could tell whether it is alive.
-    store = ApprovalStore(stores.primary)
+    try:
+        keyring = load_decision_keyring(config)  # seals every outcome; made at first start on SQLite
+    except BaseException:
+        await stores.close()
+        raise
+    store = ApprovalStore(stores.primary, keyring=keyring)
     platform_adapters = build_adapters(loaded, paced=paced) if adapters is None else list(adapters)
     if web is not None:
         platform_adapters.append(web)
@@ -428,7 +434,8 @@ async def build_app(
     tools = registry or default_registry(
         sandbox=resolve_sandbox(config.tools.sandbox),
         shell_network=config.tools.shell_network,
-        hidden=[state.resolve()],  # the store, the tokens, the sessions: never visible to a command
+        # The store, the tokens, the sessions, the decision keys: never visible to a command.
+        hidden=[state.resolve(), decision_keys_folder(config).resolve()],
     )
     if "send_file" not in tools:
 

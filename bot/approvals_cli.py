@@ -20,20 +20,42 @@ from kazma.approvals import (
 )
 from kazma.approvals.card import INTEGRITY_WARNING
 from kazma.approvals.honesty import reveal_line
-from kazma.approvals.model import ApprovalRequest
+from kazma.approvals.model import ApprovalRequest, Status
+from kazma.approvals.seal import seal_problem
 from kazma.bot.context import Context
+from kazma.bot.keys import load_decision_keyring, read_decision_keyring
 from kazma.bot.store import store_for_command
 from kazma.config import LoadedConfig
 
 T = TypeVar("T")
 
 
-def _with_service(loaded: LoadedConfig, work: Callable[[ApprovalService], Awaitable[T]]) -> T:
+def _with_service(
+    loaded: LoadedConfig, work: Callable[[ApprovalService], Awaitable[T]], *, deciding: bool = False
+) -> T:
+    """``work`` on the configured store. ``deciding``: with the decision keyring every outcome is sealed with
+    (made on SQLite if there is none yet; without one, no decision is taken); otherwise with the keyring if
+    there is a usable one, to say whether the stored seals verify."""
+    keyring = load_decision_keyring(loaded.config) if deciding else read_decision_keyring(loaded.config)
+
     async def run() -> T:
         async with store_for_command(loaded.config) as store:
-            return await work(ApprovalService(ApprovalStore(store), loaded.config))
+            return await work(ApprovalService(ApprovalStore(store, keyring=keyring), loaded.config))
 
     return asyncio.run(run())
+
+
+def _seal_line(service: ApprovalService, request: ApprovalRequest) -> str | None:
+    """Whether the outcome's seal verifies here (None while pending): an approval whose seal does not never runs."""
+    if not request.status.final:
+        return None
+    if service.store.keyring is None:
+        return "cannot be checked here: no usable decision key (kazma doctor says why)"
+    problem = seal_problem(service.store.keyring, request)
+    if problem is None:
+        return f"verified (key {request.decision_key_id})"
+    cannot = " — it cannot run" if request.status is Status.APPROVED else ""
+    return f"does not hold: {problem.detail}{cannot}"
 
 
 def _when(request: ApprovalRequest) -> str:
@@ -105,6 +127,9 @@ def show(obj: Context, request_id: str) -> None:
         outcome = request.outcome()
         if outcome is not None:
             lines.append(f"outcome    {outcome.summary()}")
+        sealed = _seal_line(service, request)
+        if sealed is not None:
+            lines.append(f"seal       {sealed}")
         lines += [f"sha256     {request.args_hash}", f"arguments  {request.args_json}", "audit"]
         for event in await service.store.events(request.id):
             who = f" {event.actor}" if event.actor else ""
@@ -120,7 +145,9 @@ def show(obj: Context, request_id: str) -> None:
 def _decide(obj: Context, request_id: str, login: str, decision: Decision, reason: str | None) -> None:
     loaded: LoadedConfig = obj.load()
     actor = f"cli:{login}"
-    result = _with_service(loaded, lambda s: s.decide(request_id, decision, actor=actor, platform="cli", reason=reason))
+    result = _with_service(
+        loaded, lambda s: s.decide(request_id, decision, actor=actor, platform="cli", reason=reason), deciding=True
+    )
     click.echo(result.message)
     if result.verdict is PressVerdict.REFUSED and "not an approver" in result.message:
         click.echo(f"add '{actor}' to approvals.approvers in kazma.yaml to decide from the command line", err=True)

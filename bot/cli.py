@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("kazma.bot.core_cli", "demo", "Play a scripted scenario end to end: no tokens, no model."),
     "doctor": ("kazma.bot.core_cli", "doctor", "Check the configuration, each platform's tokens with the platform,..."),
     "init": ("kazma.bot.init_cli", "init", "Write a commented kazma.yaml in which you are an approver..."),
+    "keys": ("kazma.bot.keys_cli", "keys", "The decision keys that seal approvals: list, rotate, retire."),
     "mcp": ("kazma.bot.mcp_cli", "mcp", "Kazma as an MCP server (request_approval)."),
     "run": ("kazma.bot.core_cli", "run", "Start every configured platform and serve until SIGINT or SIGTERM."),
     "setup": ("kazma.bot.setup_cli", "setup", "Platform app settings: a Slack app manifest, a Discord invite URL."),

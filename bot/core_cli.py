@@ -128,6 +128,13 @@ async def _serve(loaded: LoadedConfig, poll_interval: float, *, paced: bool = Tr
         message = server.first_start_message(show_tokens=sys.stderr.isatty())
         if message:
             click.echo(message, err=True)
+        keyring = app.service.store.keyring
+        if keyring is not None and keyring.generated and keyring.path is not None:
+            click.echo(
+                f"decision key made at {keyring.path.resolve()} (mode 0600): it seals every approval; back it up "
+                "apart from the store",
+                err=True,
+            )
         click.echo(f"kazma is running; web console at {server.url}; press Ctrl-C to stop", err=True)
         await stop.wait()
         log.info("app.stopping")

@@ -149,8 +149,9 @@ def demo_config(root: Path, web_port: int = 8765, *, web: bool = True) -> Loaded
     """One demo operator: ``cli:demo`` at this terminal and, with the console, ``web:demo`` in the browser —
     one person at two doors, so the swarm's steering commands are not refused as shared between people."""
     approvers = "['cli:demo', 'web:demo']" if web else "['cli:demo']"
+    # The store one folder down: its siblings (the workspaces, the decision keys) stay inside ``root`` too.
     return load_config_text(
-        f"store: {{path: '{root / 'kazma.db'}'}}\n"
+        f"store: {{path: '{root / 'state' / 'kazma.db'}'}}\n"
         f"web: {{port: {web_port}, public_url: 'http://127.0.0.1:{web_port}'}}\n"
         f"approvals: {{approvers: {approvers}, deadline_seconds: 300}}\n"
         f"swarm: {{allow_shared_operators: {'true' if web else 'false'}}}\n",
@@ -203,7 +204,7 @@ async def run_demo(
                 operator_token=secrets.token_urlsafe(24),
             )  # fmt: skip
         out.write(f"kazma demo — model: {provider.label}\n")
-        out.write(f"store: {root / 'kazma.db'} (temporary)\n")
+        out.write(f"store: {loaded.config.store.path} (temporary)\n")
         finished = asyncio.Event()
         app.conversations.listeners.append(
             lambda action: finished.set() if action.kind is ActionKind.FINISHED else None

@@ -8,6 +8,7 @@ import httpx
 from kazma.approvals.honesty import reveal_line
 from kazma.approvals.tool_names import MCP_TOOL_RULE, mcp_tool_name_problem
 from kazma.bot.checks import Check, Level
+from kazma.bot.decision_checks import check_decisions
 from kazma.bot.platform_checks import check_platforms, console_checks
 from kazma.bot.store import open_store, store_for_command
 from kazma.config import LoadedConfig, platform_statuses
@@ -35,7 +36,9 @@ async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0, platfo
     checks.extend(console_checks(loaded))
     checks.extend(Check("config", Level.WARN, warning) for warning in loaded.config.warnings())
     checks.append(check_sandbox(loaded))
-    checks.append(await check_store(loaded))
+    store = await check_store(loaded)
+    checks.append(store)
+    checks.extend(await check_decisions(loaded, store_ok=store.level is not Level.FAIL))
     if loaded.config.store.backend == "postgresql":
         checks.append(await check_replicas(loaded))
     checks.append(await check_model(loaded, wait_seconds=model_timeout))

@@ -16,6 +16,7 @@ from pydantic_core import ErrorDetails
 
 from kazma.config.env import format_path, substitute
 from kazma.config.errors import ConfigError, Problem
+from kazma.config.keyring import KEY_VARIABLES
 from kazma.config.models import KazmaConfig
 
 DEFAULT_PATH = Path("kazma.yaml")
@@ -95,6 +96,13 @@ def load_config_text(
         raise ConfigError(name, [Problem("", f"expected a mapping of settings at the top, got {_kind(raw)}")])
 
     subst = substitute(raw, os.environ if environ is None else environ)
+    keys = [(where, var) for where, names in subst.references.items() for var in names if var in KEY_VARIABLES]
+    if keys:
+        # Whatever a setting holds may reach a model's prompt, a server or a log: a key only ever seals.
+        raise ConfigError(
+            name,
+            [Problem(where, f"${{{var}}} holds Kazma's own keys and may not be used in {name}") for where, var in keys],
+        )
     if subst.missing:
         problems = [
             Problem(where, f"environment variable {var} is not set (write ${{{var}:-}} to make it optional)")

@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from kazma.config.identity import Roster
+from kazma.config.keyring import KEY_VARIABLES, keys_folder
 from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS
 from kazma.config.tokens import slack_app_token_problem, slack_bot_token_problem
 
@@ -254,6 +255,10 @@ def _variable_name(value: Any) -> Any:
     if not isinstance(value, str) or not _VARIABLE.match(value):
         raise PydanticCustomError(
             "kazma_variable", "expected the name of an environment variable, got {got}", {"got": repr(value)}
+        )
+    if value in KEY_VARIABLES:  # handed to an MCP server, the key would let it seal approvals
+        raise PydanticCustomError(
+            "kazma_variable", "{got} holds Kazma's own keys and is never passed to a server", {"got": value}
         )
     return value
 
@@ -948,11 +953,20 @@ class KazmaConfig(Strict):
                     "the workspaces must be outside the store's folder {state}: a tool could reach the store",
                     {"subpath": "tools.workspace_root", "state": str(self.store.path.parent)},
                 )
+            keys = keys_folder(self.store.path).resolve()
+            if root == keys or root.is_relative_to(keys):
+                raise PydanticCustomError(
+                    "kazma_workspace",
+                    "the workspaces must be outside the keys folder {keys}: a tool could read the decision key",
+                    {"subpath": "tools.workspace_root", "keys": str(keys_folder(self.store.path))},
+                )
         self._check_mcp_paths()
 
     def _check_mcp_paths(self) -> None:
-        """A folder given to an MCP server never shows the store's folder (writable: not even around it)."""
+        """A folder given to an MCP server never shows the store's folder (writable: not even around it), nor
+        the keys folder (not even around it: reading the decision key is enough to seal approvals)."""
         state = self.store.path.parent.resolve()
+        keys = keys_folder(self.store.path).resolve()
         for name, server in self.mcp_servers.items():
             for key in ("read_only", "writable"):
                 for position, path in enumerate(getattr(server, key)):
@@ -966,6 +980,16 @@ class KazmaConfig(Strict):
                                 "subpath": f"mcp_servers.{name}.{key}[{position}]",
                                 "path": str(path),
                                 "state": str(self.store.path.parent),
+                            },
+                        )
+                    if real == keys or real.is_relative_to(keys) or keys.is_relative_to(real):
+                        raise PydanticCustomError(
+                            "kazma_mcp",
+                            "{path} would let the server read the decision keys in {keys}",
+                            {
+                                "subpath": f"mcp_servers.{name}.{key}[{position}]",
+                                "path": str(path),
+                                "keys": str(keys_folder(self.store.path)),
                             },
                         )
 

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kazma.config.keyring import keys_folder
 from kazma.config.models import KazmaConfig, MCPServerConfig
 from kazma.engine.sandbox import INSTALL_HINT, SANDBOX_PATH, Sandbox, SandboxRefused, probe_bwrap
 
@@ -75,9 +76,9 @@ def places_for(
     config: KazmaConfig, *, config_file: Path | None = None, workspace_root: Path | None = None
 ) -> ServerPlaces:
     """Beside the conversations' workspaces (a folder no conversation gets: theirs never start with a dot);
-    the store's folder and the configuration file hidden."""
+    the store's folder, the decision keys and the configuration file hidden."""
     root = workspace_root or config.tools.workspaces(config.store.path)
-    hidden = [config.store.path.parent.resolve()]
+    hidden = [config.store.path.parent.resolve(), keys_folder(config.store.path).resolve()]
     if config_file is not None:
         hidden.append(config_file.resolve())
     return ServerPlaces(root=root / ".mcp", hidden=tuple(hidden))

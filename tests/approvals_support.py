@@ -21,7 +21,12 @@ from kazma.approvals import (
 from kazma.bot.store import pg_migrations
 from kazma.config import KazmaConfig, load_config_text
 from kazma.config.database import open_database
+from kazma.config.keyring import DECISION_KEYS, Keyring
 from kazma.config.postgres import PgStore, open_pg_store
+
+# The decision keyring of every test service: what the store seals outcomes with and execution verifies.
+TEST_KEY = ("k1", "test-decision-key-" + "0" * 32)
+TEST_KEYRING = Keyring.of(DECISION_KEYS, TEST_KEY)
 
 APPROVERS_YAML = """
 approvals:
@@ -76,6 +81,7 @@ async def approval_service(
     publisher: RecordingPublisher | None = None,
     busy_timeout_ms: int = 5000,
     poll_interval: float = 0.5,
+    keyring: Keyring | None = TEST_KEYRING,
 ) -> AsyncIterator[ApprovalService]:
     conn: aiosqlite.Connection | PgStore
     if isinstance(path, str) and path.startswith("postgresql://"):  # a test database on the suite's server
@@ -84,7 +90,7 @@ async def approval_service(
         conn = await open_database(path, busy_timeout_ms=busy_timeout_ms, migrations=MIGRATIONS)
     try:
         kwargs: dict[str, Any] = {"clock": clock} if clock is not None else {}
-        store = ApprovalStore(conn, **kwargs)
+        store = ApprovalStore(conn, keyring=keyring, **kwargs)
         yield ApprovalService(
             store,
             config or approvals_config(),

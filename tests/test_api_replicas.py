@@ -71,6 +71,7 @@ platforms:
             "KAZMA_REPLICA": self.name,
             "KAZMA_WEB_TOKEN": "o" * 40,  # replicas share the console's tokens
             "KAZMA_WEB_READER_TOKEN": "r" * 40,
+            "KAZMA_DECISION_KEY": "k1:" + "d" * 40,  # every replica verifies the others' seals
         }
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", "-c", str(self.config), "--log-format", "json", "run",

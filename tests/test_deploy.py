@@ -92,6 +92,7 @@ def test_the_build_stage_copies_every_package_the_wheel_needs() -> None:
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored
     assert ".kazma" in ignored  # a local store never goes into an image
+    assert ".kazma-keys" in ignored  # nor a local decision key
 
 
 def _debian_codename() -> str | None:
@@ -234,6 +235,7 @@ def test_the_compose_file_runs_two_named_replicas_of_one_image_on_postgresql_beh
     env_example = (REPO / "deploy" / "kazma.env.example").read_text()
     assert "KAZMA_WEB_TOKEN=" in env_example
     assert "KAZMA_PG_PASSWORD=" in env_example
+    assert "KAZMA_DECISION_KEY=" in env_example  # replicas verify each other's seals
 
 
 # -- the nginx files ---------------------------------------------------------------------------------

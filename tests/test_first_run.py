@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import aiohttp
 import pytest
 
 from kazma.config import load_config
+from kazma.config.keyring import DECISION_KEYS, read_keyring
 from kazma.engine.scenario import agent_prompts
 from tests.deploy_support import build_context, stages
 from tests.fakes.discord import ALICE_ID, HOME_CHANNEL_ID
@@ -191,6 +193,13 @@ async def test_wheel_init_doctor_run_and_the_first_press_in_the_console_is_decid
             for private in (state / "web-token", state / "web-token.reader", state / "kazma.db"):
                 assert stat.S_IMODE(private.stat().st_mode) == 0o600, private
             assert token not in log.read_text()
+            # the decision key: made at first start beside the store's folder (never in it), 0600, never logged
+            keys = team / ".kazma-keys"
+            assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+            assert stat.S_IMODE((keys / "decision").stat().st_mode) == 0o600
+            [written] = read_keyring(DECISION_KEYS, keys, environ={}).written()
+            assert written not in log.read_text()
+            assert f"decision key made at {keys / 'decision'}" in log.read_text()
 
             url = f"http://127.0.0.1:{port}"
             # cookies are Secure (public_url is https://, as behind a TLS proxy): this client is that proxy
@@ -225,6 +234,25 @@ async def test_wheel_init_doctor_run_and_the_first_press_in_the_console_is_decid
                     timeout=30,
                     what="the Telegram card settled",
                 )
+
+                # the approval was sealed by the press and verified before the command ran
+                def started() -> bool:
+                    with sqlite3.connect(state / "kazma.db") as db:
+                        rows = db.execute(
+                            "SELECT event FROM approval_events WHERE request_id = ? AND event LIKE 'execution_%'",
+                            (request.group(1),),
+                        ).fetchall()
+                    db.close()
+                    return bool(rows)
+
+                await _wait_for(started, timeout=30, what="the approved command's execution recorded")
+                with sqlite3.connect(state / "kazma.db") as db:
+                    events = [r[0] for r in db.execute(
+                        "SELECT event FROM approval_events WHERE request_id = ? ORDER BY seq", (request.group(1),)
+                    )]  # fmt: skip
+                db.close()
+                assert "execution_started" in events, events
+                assert "execution_refused" not in events, events
                 health = await http.get(f"{url}/healthz")
                 assert (health.status, await health.text()) == (200, "ok")
 

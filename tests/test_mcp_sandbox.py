@@ -87,6 +87,7 @@ async def _snoop_from_kazma(tmp: Path, sandbox: str) -> tuple[int, dict[str, Any
     console = f"console-token-{uuid.uuid4().hex}"
     shared = ("TELEGRAM_BOT_TOKEN", "SLACK_BOT_TOKEN", "KAZMA_PG_PASSWORD", "KAZMA_WEB_TOKEN", "KAZMA_DECISION_KEY")
     env = {**os.environ, **dict.fromkeys(shared, secret), "SPY_NAMED": "named-value"}
+    env["KAZMA_DECISION_KEY"] = f"k1:{secret}"  # a keyring is <id>:<secret> entries (config/keyring.py)
     script = tmp / "kazma_child.py"
     script.write_text(KAZMA_CHILD, encoding="utf-8")
     child = subprocess.Popen(

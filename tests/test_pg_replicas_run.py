@@ -33,8 +33,10 @@ import pytest
 
 from kazma.adapters.outbox import Outbox
 from kazma.approvals import ApprovalService, ApprovalStore, Status
+from kazma.approvals.seal import seal_problem
 from kazma.bot.store import pg_migrations
 from kazma.config import load_config_text
+from kazma.config.keyring import DECISION_KEYS, Keyring
 from kazma.config.postgres import PgStore, open_pg_store
 from tests.contract.harness import free_port
 from tests.fakes.discord import HOME_CHANNEL_ID
@@ -45,6 +47,8 @@ from tests.tcp_proxy import CuttableProxy
 REQUESTS = 100
 TOKEN = "o" * 40
 READER = "r" * 40
+DECISION_KEY = "k1:" + "d" * 40
+SHARED_KEYS = Keyring.of(DECISION_KEYS, ("k1", "d" * 40))
 pytestmark = pytest.mark.slow
 
 
@@ -76,6 +80,7 @@ class Replica:
             "KAZMA_REPLICA": self.name,
             "KAZMA_WEB_TOKEN": TOKEN,
             "KAZMA_WEB_READER_TOKEN": READER,
+            "KAZMA_DECISION_KEY": DECISION_KEY,  # every replica verifies the others' seals
         }
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", "-c", str(self.config), "--log-format", "json", "run",
@@ -266,6 +271,8 @@ async def test_two_replicas_post_once_decide_once_and_survive_the_leader_being_k
                 assert after is not None
                 assert after.status is Status.APPROVED, request.id
                 assert len(await service.store.events(request.id, event="decided")) == 1
+                # Sealed by whichever replica decided it, with the key they share: it verifies anywhere.
+                assert seal_problem(SHARED_KEYS, after) is None, request.id
                 for platform in PLATFORMS:
                     assert cards_of(fakes, platform, request.id) == 1, (platform, request.id)  # posted once
             # Each card edited once by whoever claimed it; only a card whose edit the dead leader may have made

@@ -130,7 +130,7 @@ async def test_finish_is_one_compare_and_set(backend: Backend) -> None:
     events = [(e.event, e.actor, e.detail) for e in await store.events(request_id)]
     assert events == [
         ("opened", "agent:builder", "tool=shell"),
-        ("decided", "slack:U1", None),
+        ("decided", "slack:U1", "approved"),  # the outcome, on the audit row too
         ("press_lost", "telegram:1", "standing: approved"),
     ]
 

@@ -20,7 +20,7 @@ from kazma.config import load_config_text
 from kazma.config.database import open_database
 from kazma.engine.model import ScriptStep
 from tests.api_support import REPO
-from tests.approvals_support import ManualClock, RecordingPublisher
+from tests.approvals_support import TEST_KEYRING, ManualClock, RecordingPublisher
 from tests.mcp_support import TG_CHAT, Seen, call, calls_logged, cards, kazma_with_tracker, press
 
 CONFIG = """
@@ -37,7 +37,7 @@ async def remembering(tmp: Path, clock: ManualClock) -> AsyncIterator[tuple[Safe
     conn = await open_database(tmp / "kazma.db", busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
     publisher = RecordingPublisher()
     service = ApprovalService(
-        ApprovalStore(conn, clock=clock),
+        ApprovalStore(conn, clock=clock, keyring=TEST_KEYRING),
         load_config_text(CONFIG, environ={}).config,
         publisher=publisher,
         clock=clock,

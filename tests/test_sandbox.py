@@ -121,6 +121,7 @@ async def test_an_approved_call_cannot_read_a_platform_token(
 ) -> None:
     secret = f"tok-secret-{uuid.uuid4().hex}"
     monkeypatch.setenv("TELEGRAM_BOT_TOKEN", secret)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", f"k1:{secret}")  # the key that seals approvals
     command = (
         "env; cat /proc/*/environ; cat /proc/1/environ; cat /proc/$PPID/environ; "
         "for pid in /proc/[0-9]*; do cat $pid/environ; done; echo; echo done"
@@ -166,7 +167,15 @@ async def test_kazmas_own_environment_is_out_of_reach(sandbox: Sandbox, tmp_path
     # /proc/<pid>/environ shows to anyone who can see the process.
     secret = f"tok-secret-{uuid.uuid4().hex}"
     # The PostgreSQL password and the console tokens replicas share are there too (store.url's ${VAR}).
-    shared = ("TELEGRAM_BOT_TOKEN", "SLACK_BOT_TOKEN", "KAZMA_PG_PASSWORD", "KAZMA_WEB_TOKEN", "KAZMA_WEB_READER_TOKEN")
+    # And the decision key, which seals approvals (config/keyring.py).
+    shared = (
+        "TELEGRAM_BOT_TOKEN",
+        "SLACK_BOT_TOKEN",
+        "KAZMA_PG_PASSWORD",
+        "KAZMA_WEB_TOKEN",
+        "KAZMA_WEB_READER_TOKEN",
+        "KAZMA_DECISION_KEY",
+    )
     env = {**os.environ, **dict.fromkeys(shared, secret)}
     command = "env; cat /proc/*/environ; cat /proc/$PPID/environ; cat /proc/1/environ; echo; echo done"
     child = await asyncio.to_thread(_start_kazma, tmp_path, layout.workspace, command, env)

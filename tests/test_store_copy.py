@@ -22,6 +22,7 @@ from kazma.adapters.contract import ChatMove
 from kazma.adapters.outbox import Outbox
 from kazma.approvals.model import Status
 from kazma.approvals.rules import RuleStore
+from kazma.approvals.seal import seal_problem
 from kazma.approvals.store import ApprovalStore
 from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.chat_moves import ChatMoves
@@ -37,6 +38,7 @@ from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import SwarmTaskStore
 from kazma.engine.swarm.types import Pattern, TaskStatus, WorkerResult
 from kazma.engine.transcript import TranscriptStore
+from tests.approvals_support import TEST_KEYRING
 from tests.pg_support import find_bindir
 
 T0 = 1_700_000_000.125
@@ -69,7 +71,7 @@ async def _populate(path: Path) -> dict[str, str]:
     clock = Clock()
     conn = await open_database(path, migrations=all_migrations())
     try:
-        approvals = ApprovalStore(conn, clock=clock)
+        approvals = ApprovalStore(conn, clock=clock, keyring=TEST_KEYRING)
         decided = await approvals.insert(tool="shell", args_json=json.dumps({"cmd": "ls"}), args_hash="h1",
                                          requested_by="agent:builder", conversation="web:c", deadline=T0 + 600,
                                          task_id=None, notes=("runs in the sandbox",))  # fmt: skip
@@ -133,6 +135,7 @@ async def _read_back(conn: PgStore, ids: dict[str, str]) -> None:
         Status.APPROVED, "telegram:111", ("runs in the sandbox",), {"cmd": "ls"},
     )  # fmt: skip
     assert decided.created_at.timestamp() == T0
+    assert seal_problem(TEST_KEYRING, decided) is None  # its seal made on SQLite verifies on PostgreSQL
     assert [e.event for e in await approvals.events(ids["decided"])] == ["opened", "card_posted", "decided"]
     assert [(c.platform, c.chat, c.message_id) for c in await approvals.cards(ids["decided"])] == [
         ("telegram", "-100", "7")

@@ -6,7 +6,7 @@ import sqlite3
 from pathlib import Path
 
 from kazma.approvals import MIGRATIONS
-from kazma.approvals.store import _CAS_BEFORE_DEADLINE
+from kazma.approvals.store import _CAS_BEFORE_DEADLINE, _PRESS_CARDS, _SEALED_FIELDS
 from kazma.config.database import open_database
 
 
@@ -23,10 +23,12 @@ async def plans(path: Path, statements: list[tuple[str, tuple[object, ...]]]) ->
 
 
 async def test_a_decision_goes_by_primary_key_and_the_sweeps_by_the_pending_rows_only(tmp_path: Path) -> None:
-    cas, overdue, unsettled = await plans(
+    cas, head, cards, overdue, unsettled = await plans(
         tmp_path / "k.db",
         [
-            (_CAS_BEFORE_DEADLINE, ("approved", "a", "telegram", 1.0, None, "id", 1.0)),
+            (_CAS_BEFORE_DEADLINE, ("approved", "a", "telegram", 1.0, None, "mac", "k1", "id", 1.0)),
+            (_SEALED_FIELDS, ("id",)),  # what the seal binds, read before the compare-and-set
+            (_PRESS_CARDS, ("telegram", "id")),  # the same for a press from a card, with its cards
             ("SELECT id FROM approval_requests WHERE status = 'pending' AND deadline <= ?", (1.0,)),
             (
                 "SELECT request_id FROM approval_cards WHERE settled_at IS NULL AND platform = ?"
@@ -36,6 +38,9 @@ async def test_a_decision_goes_by_primary_key_and_the_sweeps_by_the_pending_rows
         ],
     )
     assert "sqlite_autoindex_approval_requests_1 (id=?)" in cas
+    assert "sqlite_autoindex_approval_requests_1 (id=?)" in head
+    assert "sqlite_autoindex_approval_requests_1 (id=?)" in cards
+    assert "sqlite_autoindex_approval_cards_1 (request_id=? AND platform=?)" in cards
     assert "approval_requests_open" in overdue  # a partial index: decided requests are not in it
     assert "approval_cards_to_settle" in unsettled
 

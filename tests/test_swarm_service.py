@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -200,6 +201,34 @@ async def test_checkpoint_approved_by_a_press_resumes_after_the_journal(tmp_path
         assert await finished(r.service, task) is TaskStatus.SUCCEEDED
         assert len(r.workers["researcher"].seen) == 1  # the journaled stage did not run again
         assert len(r.workers["validator"].seen) == 1
+
+
+async def test_a_checkpoint_approved_in_the_store_not_by_a_press_ends_the_task(tmp_path: Path) -> None:
+    # Written by anything that can write the store: approved, with a decided audit row by a real approver, but
+    # no seal. The pipeline does not go on.
+    async with rig(tmp_path / "a.db") as r:
+        task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        async with asyncio.timeout(20):
+            while not r.publisher.published:
+                await asyncio.sleep(0.01)
+        card = r.publisher.published[0]
+        with sqlite3.connect(tmp_path / "a.db") as raw:
+            raw.execute(
+                "UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:111',"
+                " decided_via = 'telegram', decided_at = 1 WHERE id = ?",
+                (card.request_id,),
+            )
+            raw.execute(
+                "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
+                " VALUES (?, 'decided', 'telegram:111', 'telegram', 1, ?, 'approved')",
+                (card.request_id, card.args_hash),
+            )
+        raw.close()
+        assert await finished(r.service, task) is TaskStatus.CANCELLED
+        assert r.workers["refiner"].seen == []
+        async with asyncio.timeout(10):  # the reporter coalesces: the line arrives a moment later
+            while not any("carries no decision seal" in line for line in r.reports):
+                await asyncio.sleep(0.01)
 
 
 async def test_checkpoint_rejected_ends_the_task(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ async def test_a_row_forged_to_approved_without_its_audit_does_not_run(tmp_path:
                 (request.id,),
             )
         before = failure_count("approval_forged")
-        with pytest.raises(ExecutionMismatch, match="changed outside Kazma"):
+        with pytest.raises(ExecutionMismatch, match="carries no decision seal"):
             await service.verify_execution(request.id, "shell", ARGS)
         assert failure_count("approval_forged") == before + 1
         assert [e.event for e in await service.store.events(request.id)][-1] == "execution_refused"
@@ -50,7 +50,7 @@ async def test_a_forged_approval_with_a_forged_audit_row_by_a_non_approver_does_
                 (request.id, request.args_hash),
             )
         before = failure_count("approval_forged")
-        with pytest.raises(ExecutionMismatch, match="approved by someone who may not"):
+        with pytest.raises(ExecutionMismatch, match="carries no decision seal"):
             await service.verify_execution(request.id, "shell", ARGS)
         assert failure_count("approval_forged") == before + 1
 
@@ -90,7 +90,7 @@ async def test_the_policy_refuses_a_forged_approval_a_waiter_sees(tmp_path: Path
             )
         verdict = await asyncio.wait_for(check, timeout=10)
         assert not verdict.allowed
-        assert "changed outside Kazma" in verdict.reason
+        assert "carries no decision seal" in verdict.reason
 
 
 async def test_a_genuine_approval_runs_and_is_recorded_as_started(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ from kazma.adapters.web import WebAdapter
 from kazma.approvals.card import build_card
 from kazma.bot.app import build_app
 from kazma.bot.doctor import Level, check_sandbox
+from kazma.bot.keys import decision_key_file
 from kazma.config import load_config_text
+from kazma.config.keyring import DECISION_KEYS, open_keyring
 from kazma.engine.agent import workspace_for
 from kazma.engine.model import ScriptedProvider
 from kazma.engine.sandbox import probe_bwrap
@@ -63,6 +65,37 @@ async def test_an_approved_shell_call_cannot_reach_the_store_or_the_tokens(tmp_p
         assert "done" in result.output
         assert "operator-token-that-must-stay-secret" not in result.output
         assert (state / "kazma.db").read_bytes() == before  # nothing written through to the store
+    finally:
+        await app.stop()
+
+
+@needs_bwrap
+async def test_an_approved_shell_call_cannot_read_the_decision_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whoever holds the key can seal approvals. Made at first start beside the store's folder (never inside it),
+    # or given in the environment: neither reaches a command.
+    state = tmp_path / "state"
+    loaded = load_config_text(config_text(state, "bwrap"), environ={})
+    app = await build_app(loaded, provider=ScriptedProvider([]), adapters=[])
+    try:
+        key_file = decision_key_file(loaded.config)
+        assert key_file == tmp_path / "state-keys" / "decision"
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        [written] = open_keyring(DECISION_KEYS, key_file.parent, environ={}).written()
+        given = "k7:" + "e" * 40
+        monkeypatch.setenv("KAZMA_DECISION_KEY", given)  # as replicas are given it
+        runner = app.conversations.runner
+        ctx = ToolContext(workspace_for(runner.workspace_root, "telegram:-1"), "telegram:-1")
+        command = (
+            f"cat {key_file}; cat ../../state-keys/decision; ls -a {key_file.parent} ../../state-keys; env; "
+            "cat /proc/1/environ /proc/*/environ 2>/dev/null | tr '\\0' '\\n'; echo done"
+        )
+        result = await runner.registry.execute("shell", {"command": command}, ctx)
+        assert "done" in result.output, result.output
+        assert "PATH=" in result.output  # the reads ran
+        assert written not in result.output
+        assert "e" * 40 not in result.output
     finally:
         await app.stop()
 

@@ -82,8 +82,13 @@ class KazmaRun:
         text = text.replace("http: {port: 0}", f"http: {{port: {self.slack_port}}}")
         self.config.write_text(text + API_YAML)
         self.replica_env: dict[str, str] = {}
-        if store_url is not None:  # replicas share the console's tokens
-            self.replica_env = {"KAZMA_REPLICA": name, "KAZMA_WEB_TOKEN": "o" * 40, "KAZMA_WEB_READER_TOKEN": "r" * 40}
+        if store_url is not None:  # replicas share the console's tokens and the decision keys
+            self.replica_env = {
+                "KAZMA_REPLICA": name,
+                "KAZMA_WEB_TOKEN": "o" * 40,
+                "KAZMA_WEB_READER_TOKEN": "r" * 40,
+                "KAZMA_DECISION_KEY": "k1:" + "d" * 40,
+            }
         self.process: asyncio.subprocess.Process | None = None
 
     @property

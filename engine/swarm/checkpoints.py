@@ -16,7 +16,7 @@ from collections.abc import Callable
 import structlog
 
 from kazma.approvals.model import Decision, PressVerdict, Status
-from kazma.approvals.service import ApprovalRefused, ApprovalService
+from kazma.approvals.service import ApprovalRefused, ApprovalService, ExecutionMismatch
 from kazma.config.models import KazmaConfig
 from kazma.engine.swarm.metrics import swarm_failure
 from kazma.engine.swarm.store import (
@@ -108,12 +108,21 @@ class Checkpoints:
     async def wait(self, task_id: str, approval_id: str) -> TaskRun | None:
         assert self.approvals is not None
         outcome = await self.approvals.wait(approval_id, cancel_with_waiter=False)
+        forged: str | None = None
         if outcome.status is Status.APPROVED:
+            try:
+                await self.approvals.verify_approval(approval_id)  # sealed by a press, not written into the store
+            except ExecutionMismatch as exc:  # counted and audited by the approvals service
+                forged = str(exc)
+                log.warning("swarm.checkpoint_refused", task_id=task_id, approval=approval_id, reason=forged)
+        if outcome.status is Status.APPROVED and forged is None:
             resumed = await self._resume_when_room(task_id)
             if resumed is not None:
                 self.report(f"swarm task {task_id} resumed ({outcome.summary()})")
             return resumed
         why = "rejected" if outcome.status is Status.DENIED else outcome.status.value
+        if forged is not None:
+            why = f"refused: {forged}"
         with contextlib.suppress(UnknownTask):
             await self.store.cancel(task_id, actor=outcome.decided_by or "the checkpoint deadline")
         self.report(f"swarm task {task_id} ended at its checkpoint: {why} ({outcome.summary()})")

@@ -1,0 +1,136 @@
+"""The seal on a decision: an HMAC-SHA256 that only a decision path of Kazma can make.
+
+Whoever can write the store can set a row to ``approved`` and add a matching
+``decided`` audit row naming a real approver; they cannot seal it, because the
+key lives outside the store and out of every tool's reach
+(:mod:`kazma.config.keyring`). The seal is made in Python before the
+compare-and-set and written by that same statement; execution refuses an
+approval whose seal is missing or does not verify.
+
+What it binds: the request id, the tool, the hash of the arguments, the
+outcome, who decided, where, and when (to the microsecond), and the key's id.
+A seal moved to another request, or kept while any of those is changed, does
+not verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from kazma.approvals.model import ApprovalRequest
+from kazma.config.keyring import Keyring
+
+_DOMAIN = "kazma-decision-v1"  # a seal of anything else made with the same key can never pass for one of these
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
+
+FORGED = "approval_forged"  # the counter of approvals refused because their seal is missing or wrong
+KEY_UNKNOWN = "approval_key_unknown"  # ... because the key that sealed them is not held here (retired, or a
+# replica given another keyring)
+
+
+@dataclass(frozen=True)
+class Seal:
+    key_id: str
+    mac: str  # hex
+
+
+@dataclass(frozen=True)
+class SealProblem:
+    """Why a decided row's seal does not hold: what to tell people, and the counter it goes to."""
+
+    detail: str
+    site: str
+
+
+def micros(moment: datetime) -> int:
+    """A decision's time as the store gives it back, in whole microseconds since the epoch."""
+    return (moment - _EPOCH) // _MICROSECOND
+
+
+def _message(
+    *,
+    key_id: str,
+    request_id: str,
+    tool: str,
+    args_hash: str,
+    status: str,
+    decided_by: str | None,
+    decided_via: str | None,
+    decided_at: int,
+) -> bytes:
+    # A JSON array: each field is delimited unambiguously whatever characters it holds.
+    fields = [_DOMAIN, key_id, request_id, tool, args_hash, status, decided_by, decided_via, decided_at]
+    return json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _mac(secret: bytes, message: bytes) -> str:
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def seal(
+    keyring: Keyring,
+    *,
+    request_id: str,
+    tool: str,
+    args_hash: str,
+    status: str,
+    decided_by: str | None,
+    decided_via: str | None,
+    decided_at: float,
+) -> Seal:
+    """The seal of one decision, with the current key. ``decided_at`` is the very value the compare-and-set
+    stores (epoch seconds); it is bound as the store gives it back, in microseconds."""
+    key = keyring.current
+    message = _message(
+        key_id=key.id,
+        request_id=request_id,
+        tool=tool,
+        args_hash=args_hash,
+        status=status,
+        decided_by=decided_by,
+        decided_via=decided_via,
+        decided_at=micros(datetime.fromtimestamp(decided_at, UTC)),
+    )
+    return Seal(key.id, _mac(key.secret, message))
+
+
+def seal_problem(keyring: Keyring | None, request: ApprovalRequest) -> SealProblem | None:
+    """Why ``request``'s outcome is not one a decision path of Kazma sealed, or None when its seal verifies."""
+    if keyring is None:
+        return SealProblem("no decision key is loaded here, so no decision can be verified", KEY_UNKNOWN)
+    if not request.status.final or request.decided_at is None:
+        return SealProblem(f"it has no decision (status {request.status.value})", FORGED)
+    if request.decision_mac is None or request.decision_key_id is None:
+        return SealProblem(
+            "it carries no decision seal (decided before Kazma sealed decisions, or written outside Kazma)", FORGED
+        )
+    key = keyring.find(request.decision_key_id)
+    if key is None:
+        return SealProblem(
+            f"its seal was made with key {request.decision_key_id!r}, which is not in the decision keyring here "
+            f"({keyring.source}: {', '.join(keyring.ids)}); was it retired, or is this replica given other keys?",
+            KEY_UNKNOWN,
+        )
+    message = _message(
+        key_id=key.id,
+        request_id=request.id,
+        tool=request.tool,
+        args_hash=request.args_hash,
+        status=request.status.value,
+        decided_by=request.decided_by,
+        decided_via=request.decided_via,
+        decided_at=micros(request.decided_at),
+    )
+    # As bytes: compare_digest refuses a str with non-ASCII characters, and a forged value may hold some.
+    if not hmac.compare_digest(_mac(key.secret, message).encode(), request.decision_mac.encode("utf-8")):
+        return SealProblem(
+            f"its decision seal does not verify with key {key.id} (the row was changed outside Kazma, or a "
+            f"process holding another key named {key.id} sealed it)",
+            FORGED,
+        )
+    return None
