@@ -20,7 +20,7 @@ from kazma.approvals import (
 )
 from kazma.approvals.card import INTEGRITY_WARNING
 from kazma.approvals.honesty import reveal_line
-from kazma.approvals.model import ApprovalRequest, Status
+from kazma.approvals.model import ApprovalRequest, Status, decider_text
 from kazma.approvals.seal import seal_problem
 from kazma.bot.context import Context
 from kazma.bot.keys import load_decision_keyring, read_decision_keyring
@@ -92,7 +92,7 @@ def list_requests(obj: Context, pending: bool, limit: int) -> None:
         click.echo("no pending approval requests" if pending else "no approval requests")
         return
     for r in rows:
-        decided = f" by {r.decided_by}" if r.decided_by else ""
+        decided = f" by {decider_text(r.decided_person, r.decided_by)}" if r.decided_by else ""
         # Everything shown escaped as on the cards: a terminal obeys control characters, and bidi controls
         # reorder what it shows. One request, one line: a newline in a field is escaped too.
         line = f"{r.id}  {r.status.value:<9} {_when(r)}  {r.tool:<12} from {r.requested_by}{decided}"
@@ -132,7 +132,7 @@ def show(obj: Context, request_id: str) -> None:
             lines.append(f"seal       {sealed}")
         lines += [f"sha256     {request.args_hash}", f"arguments  {request.args_json}", "audit"]
         for event in await service.store.events(request.id):
-            who = f" {event.actor}" if event.actor else ""
+            who = f" {decider_text(event.person, event.actor)}" if event.actor else ""
             where = f" via {event.platform}" if event.platform else ""
             detail = f"  {event.detail}" if event.detail else ""
             lines.append(f"  {event.at.strftime('%Y-%m-%d %H:%M:%S')}  {event.event}{who}{where}{detail}")

@@ -28,7 +28,8 @@ from pydantic_core import PydanticCustomError
 
 from kazma.config.identity import Roster
 from kazma.config.keyring import KEY_VARIABLES, keys_folder
-from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS
+from kazma.config.people import PERSON_NAME, PeopleConfig, parse_people
+from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, user_id_problem
 from kazma.config.tokens import slack_app_token_problem, slack_bot_token_problem
 
 APPROVER_PLATFORMS = ACTOR_PLATFORMS
@@ -470,10 +471,14 @@ class AgentsConfig(Strict):
 
 
 def _approver(value: Any) -> Any:
+    """A raw identity (``telegram:111``), or the name of a person or group under ``people:`` (checked there)."""
+    if isinstance(value, str) and PERSON_NAME.fullmatch(value):
+        return value
     if not isinstance(value, str) or ":" not in value:
         raise PydanticCustomError(
             "kazma_approver",
-            "expected '<platform>:<user id>' (platform one of {platforms}), got {got}",
+            "expected '<platform>:<user id>' (platform one of {platforms}) or a person or group under people:, "
+            "got {got}",
             {"platforms": ", ".join(APPROVER_PLATFORMS), "got": repr(value)},
         )
     platform, _, user = value.partition(":")
@@ -483,10 +488,25 @@ def _approver(value: Any) -> Any:
             "expected '<platform>:<user id>' (platform one of {platforms}), got {got}",
             {"platforms": ", ".join(APPROVER_PLATFORMS), "got": repr(value)},
         )
+    problem = user_id_problem(platform, user)
+    if problem is not None:
+        raise PydanticCustomError("kazma_approver", "{problem}, got {got}", {"problem": problem, "got": repr(value)})
     return value
 
 
 Approver = Annotated[str, BeforeValidator(_approver)]
+
+
+def _identity(value: Any) -> Any:
+    """A raw identity only (``telegram:111``): where the name of a person would mean nothing to the reader."""
+    if isinstance(value, str) and PERSON_NAME.fullmatch(value):
+        raise PydanticCustomError(
+            "kazma_approver", "expected '<platform>:<user id>' here, got the name {got}", {"got": repr(value)}
+        )
+    return _approver(value)
+
+
+Identity = Annotated[str, BeforeValidator(_identity)]
 
 
 class RememberConfig(Strict):
@@ -508,7 +528,7 @@ class ApprovalsConfig(Strict):
 
 # Who may talk to the lead in a direct message: nobody ("off"), the platform's approvers ("approvers": the
 # approvals.approvers written for it and its admins), or the listed actors ("telegram:111", …).
-DmPolicy = Literal["off", "approvers"] | list[Approver]
+DmPolicy = Literal["off", "approvers"] | list[Identity]
 
 
 class FilesConfig(Strict):
@@ -790,6 +810,31 @@ class ToolsConfig(Strict):
         return state.parent / f"{state.name or 'kazma'}-workspaces"
 
 
+def _admins(people: PeopleConfig, platform: str, admins: list[Any]) -> list[Any]:
+    """A platform's ``admins`` with every person's or group's name replaced by their ids on that platform."""
+    resolved: list[Any] = []
+    for position, admin in enumerate(admins):
+        if not (isinstance(admin, str) and PERSON_NAME.fullmatch(admin)):
+            resolved.append(admin)
+            continue
+        where = f"platforms.{platform}.admins[{position}]"
+        if not people.knows(admin):
+            raise PydanticCustomError(
+                "kazma_people",
+                "unknown person or group {name} (people: {known})",
+                {"subpath": where, "name": repr(admin), "known": ", ".join(people.persons) or "none configured"},
+            )
+        ids = sorted(people.identities_on(admin, platform))
+        if not ids:
+            raise PydanticCustomError(
+                "kazma_people",
+                "{name} has no {platform} identity under people: (add people.<name>.{platform})",
+                {"subpath": where, "name": repr(admin), "platform": platform},
+            )
+        resolved += [identity.partition(":")[2] for identity in ids]
+    return resolved
+
+
 def _default_pipelines() -> dict[str, list[str]]:
     return {
         "standard": ["researcher", "refiner", "builder", "validator"],
@@ -811,6 +856,26 @@ class KazmaConfig(Strict):
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     api: ApiConfig = Field(default_factory=ApiConfig)
     files: FilesConfig = Field(default_factory=FilesConfig)
+    people: PeopleConfig = Field(default_factory=PeopleConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _people_first(cls, data: Any) -> Any:
+        """``people:`` is read before the rest, so a platform's ``admins`` may name a person or a group: each
+        name becomes that person's (or each member's) ids on that platform."""
+        if not isinstance(data, dict):
+            return data
+        written = data.get("people")
+        people = written if isinstance(written, PeopleConfig) else PeopleConfig(**parse_people(written))
+        platforms = data.get("platforms")
+        if isinstance(platforms, dict):
+            platforms = dict(platforms)
+            for name in CHAT_PLATFORMS:
+                section = platforms.get(name)
+                if isinstance(section, dict) and isinstance(section.get("admins"), list):
+                    platforms[name] = {**section, "admins": _admins(people, name, section["admins"])}
+            data = {**data, "platforms": platforms}
+        return {**data, "people": people}
 
     @field_validator("mcp_servers")
     @classmethod
@@ -847,6 +912,21 @@ class KazmaConfig(Strict):
                 )
             levels[str(key)] = DangerLevel(item)
         return {**settings, "levels": levels}
+
+    @model_validator(mode="after")
+    def _approvers_name_people(self) -> KazmaConfig:
+        for position, reference in enumerate(self.approvals.approvers):
+            if ":" not in reference and not self.people.knows(reference):
+                raise PydanticCustomError(
+                    "kazma_people",
+                    "unknown person or group {name} (people: {known})",
+                    {
+                        "subpath": f"approvals.approvers[{position}]",
+                        "name": repr(reference),
+                        "known": ", ".join([*self.people.persons, *self.people.groups]) or "none configured",
+                    },
+                )
+        return self
 
     @model_validator(mode="after")
     def _pipelines_name_workers(self) -> KazmaConfig:

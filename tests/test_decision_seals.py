@@ -64,6 +64,7 @@ def forge(engine: Engine, statements: Iterable[tuple[str, tuple[Any, ...]]], *, 
             if no_triggers:
                 lite.execute("DROP TRIGGER approval_requests_final")
                 lite.execute("DROP TRIGGER approval_requests_seal_final")
+                lite.execute("DROP TRIGGER approval_requests_person_final")
             for sql, params in statements:
                 lite.execute(sql, params)
     finally:

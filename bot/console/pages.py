@@ -21,7 +21,7 @@ from kazma.adapters.human_text import LABEL_PREFIX, for_humans
 from kazma.adapters.web import WebMessage, render
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.honesty import reveal, reveal_line
-from kazma.approvals.model import ApprovalRequest, Outcome, Status, Waits
+from kazma.approvals.model import ApprovalRequest, Outcome, Status, Waits, decider_text
 from kazma.approvals.rules import Rule
 from kazma.approvals.store import AuditEvent, PostedCard
 from kazma.approvals.withdrawal import POLL_GRACE
@@ -418,7 +418,7 @@ def approval_page(
         decided = "not yet"
     elif request.status.human:
         decided = (
-            f"{e(request.status.value)} by {e(reveal_line(request.decided_by or ''))} "
+            f"{e(request.status.value)} by {e(reveal_line(decider_text(request.decided_person, request.decided_by)))} "
             f"via {e(reveal_line(request.decided_via or ''))} "
             f"at {when_html(request.decided_at)}"
         )
@@ -442,7 +442,7 @@ def approval_page(
     fact_rows = "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in facts)
     audit = "".join(
         f"<tr><td>{ev.seq}</td><td>{when_html(ev.at)}</td><td>{e(ev.event)}</td>"
-        f"<td>{e(reveal_line(ev.actor or ''))}</td>"
+        f"<td>{e(reveal_line(ev.actor or ''))}</td><td>{e(ev.person or '')}</td>"
         f"<td>{e(ev.platform or '')}</td><td>{times_in(e(reveal_line(ev.detail or '')))}</td></tr>"
         for ev in events
     )
@@ -466,7 +466,8 @@ def approval_page(
         f"{'' if changed else _call_json(pretty, request.args_json)}"
         "<p>Hidden, direction-changing and control characters are shown escaped as ⟨U+…⟩ everywhere on this"
         " page, so what you read is what runs.</p>"
-        "<h2>Audit trail</h2><table><tr><th>#</th><th>when</th><th>event</th><th>actor</th><th>platform</th>"
+        "<h2>Audit trail</h2><table><tr><th>#</th><th>when</th><th>event</th><th>identity</th><th>person</th>"
+        "<th>platform</th>"
         f"<th>detail</th></tr>{audit}</table>"
         "<h2>Cards posted</h2><table><tr><th>platform</th><th>chat</th><th>message</th><th>posted</th>"
         f"<th>settled</th><th>shows</th></tr>{posted}</table>"
@@ -551,7 +552,8 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
     approval_rows = "".join(
         f'<tr><td><a href="{e(approval_href(a.id))}">{e(a.id)}</a></td><td>{e(reveal_line(a.tool))}</td>'
         f"<td>{e(a.status.value)}</td><td>{e(reveal_line(a.requested_by))}</td><td>{when_html(a.created_at)}</td>"
-        f"<td>{when_html(a.last_seen) if a.last_seen else ''}</td><td>{e(reveal_line(a.decided_by or ''))}</td></tr>"
+        f"<td>{when_html(a.last_seen) if a.last_seen else ''}</td>"
+        f"<td>{e(reveal_line(decider_text(a.decided_person, a.decided_by)))}</td></tr>"
         for a in data.approvals
     )
     workers = "".join(f"<li>{e(line)}</li>" for line in data.worker_lines) or "<li>no workers configured</li>"
