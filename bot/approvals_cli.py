@@ -22,6 +22,7 @@ from kazma.approvals.card import INTEGRITY_WARNING
 from kazma.approvals.honesty import reveal_line
 from kazma.approvals.model import ApprovalRequest, Status, decider_text
 from kazma.approvals.seal import seal_problem
+from kazma.bot.cli_identity import cli_login
 from kazma.bot.context import Context
 from kazma.bot.keys import load_decision_keyring, read_decision_keyring
 from kazma.bot.store import store_for_command
@@ -142,34 +143,42 @@ def show(obj: Context, request_id: str) -> None:
     _with_service(loaded, work)
 
 
-def _decide(obj: Context, request_id: str, login: str, decision: Decision, reason: str | None) -> None:
+def _decide(obj: Context, request_id: str, login: str | None, decision: Decision, reason: str | None) -> None:
     loaded: LoadedConfig = obj.load()
-    actor = f"cli:{login}"
+    actor = f"cli:{cli_login(loaded.config, login)}"
     result = _with_service(
         loaded, lambda s: s.decide(request_id, decision, actor=actor, platform="cli", reason=reason), deciding=True
     )
     click.echo(result.message)
     if result.verdict is PressVerdict.REFUSED and "not an approver" in result.message:
-        click.echo(f"add '{actor}' to approvals.approvers in kazma.yaml to decide from the command line", err=True)
+        person = loaded.config.people.person_of(actor)
+        who = f"'{person}'" if person else f"'{actor}' (or a person under people: with cli: {actor[4:]})"
+        click.echo(f"add {who} to approvals.approvers in kazma.yaml to decide from the command line", err=True)
     if result.verdict is not PressVerdict.WON:
         sys.exit(1)
 
 
+_AS_HELP = (
+    "Who you are: recorded is cli:<the system user running this>; --as only confirms it (your login or your "
+    "person), unless approvals.cli_identity is declared."
+)
+
+
 @approvals.command("approve")
 @click.argument("request_id")
-@click.option("--as", "login", required=True, help="Your login; recorded as cli:<login>.")
+@click.option("--as", "login", default=None, help=_AS_HELP)
 @click.option("--reason", default=None)
 @click.pass_obj
-def approve(obj: Context, request_id: str, login: str, reason: str | None) -> None:
+def approve(obj: Context, request_id: str, login: str | None, reason: str | None) -> None:
     """Approve a pending request (the same compare-and-set as a button)."""
     _decide(obj, request_id, login, Decision.APPROVE, reason)
 
 
 @approvals.command("deny")
 @click.argument("request_id")
-@click.option("--as", "login", required=True, help="Your login; recorded as cli:<login>.")
+@click.option("--as", "login", default=None, help=_AS_HELP)
 @click.option("--reason", default=None)
 @click.pass_obj
-def deny(obj: Context, request_id: str, login: str, reason: str | None) -> None:
+def deny(obj: Context, request_id: str, login: str | None, reason: str | None) -> None:
     """Deny a pending request (the same compare-and-set as a button)."""
     _decide(obj, request_id, login, Decision.DENY, reason)

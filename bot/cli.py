@@ -25,6 +25,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "init": ("kazma.bot.init_cli", "init", "Write a commented kazma.yaml in which you are an approver..."),
     "keys": ("kazma.bot.keys_cli", "keys", "The decision keys that seal approvals: list, rotate, retire."),
     "mcp": ("kazma.bot.mcp_cli", "mcp", "Kazma as an MCP server (request_approval)."),
+    "people": (
+        "kazma.bot.people_cli",
+        "people",
+        "People and their passkeys: list, invite, revoke.",
+    ),
     "run": ("kazma.bot.core_cli", "run", "Start every configured platform and serve until SIGINT or SIGTERM."),
     "setup": ("kazma.bot.setup_cli", "setup", "Platform app settings: a Slack app manifest, a Discord invite URL."),
     "store": ("kazma.bot.store_cli", "store", "The store itself: copy a SQLite store into PostgreSQL."),

@@ -198,7 +198,7 @@ _LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 class WebConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8765, ge=0, le=65535)  # 0: any free port
-    public_url: HttpUrl = "http://127.0.0.1:8765"
+    public_url: HttpUrl = "http://localhost:8765"
     # Serve the console on a non-loopback address over plain HTTP (tokens and sessions in the clear).
     allow_insecure_http: bool = False
     # Reverse proxies whose X-Forwarded-For / Forwarded is believed (addresses or CIDRs); none: the socket's peer
@@ -524,6 +524,9 @@ class ApprovalsConfig(Strict):
     # because what a person approves must be what they could see. Such calls are approved on their page.
     approve_cut_in_chat: bool = False
     remember: RememberConfig = Field(default_factory=RememberConfig)
+    # Who is at the command line: "system": cli:<the system user running it> (--as may only confirm it);
+    # "declared": --as LOGIN as typed (a shared system account, where the user proves nothing).
+    cli_identity: Literal["system", "declared"] = "system"
 
 
 # Who may talk to the lead in a direct message: nobody ("off"), the platform's approvers ("approvers": the
@@ -555,6 +558,9 @@ class TelegramConfig(Strict):
     home_chat: OptionalTelegramChatId = None
     admins: list[TelegramUserId] = Field(default_factory=list)
     dm_policy: DmPolicy = "off"
+    # The short name of the bot's Mini App at @BotFather (its URL: <web.public_url>/telegram/app): cards in
+    # groups then open the approval page inside Telegram. Empty: only cards in a private chat do.
+    mini_app: str = Field(default="", pattern=r"^([A-Za-z0-9_]{3,30})?$")
 
     @field_validator("api_base_url")
     @classmethod

@@ -95,7 +95,7 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         {},
         [
             "kazma.yaml: platforms.telegram.hom_chat: unknown key (expected one of: admins, api_base_url, chats, "
-            "dm_policy, home_chat, mode, token, webhook)"
+            "dm_policy, home_chat, mini_app, mode, token, webhook)"
         ],
     ),
     (

@@ -26,7 +26,8 @@ from kazma.approvals.seal import seal_problem
 from kazma.approvals.store import ApprovalStore
 from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.chat_moves import ChatMoves
-from kazma.bot.console.sessions import SessionStore
+from kazma.bot.console.accounts import AccountStore
+from kazma.bot.console.sessions import Opening, SessionStore
 from kazma.bot.store import all_migrations, pg_migrations
 from kazma.bot.store_copy import CopyError, CopyReport, TableCopy, copy_store, expand_url, redact, table_hash, tables_in
 from kazma.config.database import open_database
@@ -114,7 +115,12 @@ async def _populate(path: Path) -> dict[str, str]:
         transcript = TranscriptStore(conn, clock=clock)
         await transcript.record("web", "c", author="web:admin", name="admin", text="héllo ✓", direction="in")
         sessions = SessionStore(conn, clock=clock)
-        await sessions.open("tokenhash", login="admin", role="admin", binding="b", lifetime=1e9, max_sessions=10)
+        await sessions.open(
+            "tokenhash", Opening(login="admin", role="operator", proof="passkey", person="admin", identity="web:admin"),
+            binding="b", lifetime=1e9, max_sessions=10,
+        )  # fmt: skip
+        accounts = AccountStore(conn, clock=clock)
+        await accounts.invite("admin", created_by="cli:root", lifetime=1e9)
         rules = RuleStore(conn, clock=clock)
         rule = await rules.add(tool="shell", args_hash="h1", conversation="web:c", created_by="telegram:111",
                                created_via="telegram", request_id=decided.id, seconds=3600)  # fmt: skip
