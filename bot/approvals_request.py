@@ -2,7 +2,8 @@
 
 Exit codes with ``--wait``: 0 approved, 1 denied, 2 timeout, 3 cancelled; 4 when Kazma could not be asked;
 5 when the wait was interrupted (SIGINT, SIGTERM) — the request is withdrawn, never left for a press that
-nobody would act on, and an interruption is never reported as a denial.
+nobody would act on, and an interruption is never reported as a denial; 6 when the store says approved but no
+decision path of Kazma sealed it (written into the store by something else: do not act on it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import click
 
 from kazma.bot.context import Context
 
-EXIT = {"approved": 0, "denied": 1, "timeout": 2, "cancelled": 3}
+EXIT = {"approved": 0, "denied": 1, "timeout": 2, "cancelled": 3, "unverified": 6}
 EXIT_UNASKED = 4
 EXIT_INTERRUPTED = 5
 # How long polls may fail in a row (Kazma restarting, a replica failing over) before giving up (exit 4): less
@@ -64,6 +65,7 @@ def request(
       4  Kazma could not be asked
       5  interrupted (SIGINT/Ctrl-C, SIGTERM): the request is withdrawn on every
          card; if Kazma cannot be told, it withdraws it once nobody asks (90 s)
+      6  unverified: the store says approved, but Kazma did not seal it
     """
     import httpx
 
