@@ -360,7 +360,8 @@ async def test_api_cards_offer_no_remembered_approval_and_refuse_one(tmp_path: P
 async def test_a_row_forged_to_approved_in_the_store_is_reported_unverified_never_approved(tmp_path: Path) -> None:
     # Attack: something that can write the store sets the API request's row to approved by a real approver,
     # with the matching decided audit row. The caller acts on "approved", so the API must not say it.
-    from tests.test_decision_seals import Engine, approve_by_hand, forge
+    from tests.store_backends import Engine
+    from tests.test_decision_seals import approve_by_hand, forge
 
     async with kazma_door(tmp_path) as door, client(door) as http:
         opened = (await http.post("/api/v1/approvals", json=DEPLOY)).json()
