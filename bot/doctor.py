@@ -12,9 +12,9 @@ from kazma.bot.decision_checks import check_decisions
 from kazma.bot.platform_checks import check_platforms, console_checks
 from kazma.bot.store import open_store, store_for_command
 from kazma.config import LoadedConfig, platform_statuses
-from kazma.config.database import schema_versions, transaction
 from kazma.config.models import MCPServerConfig, ModelConfig
-from kazma.config.store_backend import backend_of
+from kazma.config.store.backend import backend_of
+from kazma.config.store.database import schema_versions, transaction
 from kazma.engine.mcp_launch import LaunchRefused, ServerPlaces, places_for
 from kazma.engine.mcp_stdio import StderrTail
 from kazma.engine.mcp_tools import list_server_tools
@@ -165,8 +165,8 @@ async def check_pg_store(loaded: LoadedConfig) -> Check:
 
 async def check_replicas(loaded: LoadedConfig) -> Check:
     """Which `kazma run` replicas share the database now, and which one leads (as the server says)."""
-    from kazma.config.leader import lock_key
-    from kazma.config.replicas import lease_holder, live_replicas
+    from kazma.config.store.leader import lock_key
+    from kazma.config.store.replicas import lease_holder, live_replicas
 
     try:
         async with store_for_command(loaded.config) as opened:

@@ -31,9 +31,9 @@ import structlog
 from psycopg import sql
 
 from kazma.bot.store import all_migrations, pg_migrations
-from kazma.config.database import Migration, open_database
 from kazma.config.env import substitute
-from kazma.config.postgres import apply_pg_migrations
+from kazma.config.store.database import Migration, open_database
+from kazma.config.store.postgres import apply_pg_migrations
 
 log = structlog.get_logger("kazma.store")
 

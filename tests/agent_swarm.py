@@ -10,8 +10,8 @@ from pathlib import Path
 
 from kazma.approvals import ApprovalService, SafetyPolicy
 from kazma.config import KazmaConfig
-from kazma.config.database import open_database
 from kazma.config.models import ModelConfig
+from kazma.config.store.database import open_database
 from kazma.engine.agent import AgentRunner, AgentSpec
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore

@@ -6,7 +6,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from kazma.approvals import SafetyPolicy
-from kazma.config.database import open_database
+from kazma.config.store.database import open_database
 from kazma.engine.agent import AgentRunner, AgentSpec, workspace_for
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore

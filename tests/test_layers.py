@@ -46,7 +46,7 @@ def _lint(root: Path) -> subprocess.CompletedProcess[str]:
 def test_contract_holds_on_the_tree(tmp_path: Path) -> None:
     result = _lint(_tree(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 kept, 0 broken" in result.stdout
+    assert "3 kept, 0 broken" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -69,6 +69,24 @@ def test_contract_breaks_when_the_engine_imports_the_swarm(tmp_path: Path) -> No
     result = _lint(root)
     assert result.returncode != 0
     assert "kazma.engine.agent -> kazma.engine.swarm.service" in result.stdout
+
+
+@pytest.mark.parametrize("model", ["models", "loader", "platforms"])
+def test_contract_breaks_when_the_storage_layer_imports_the_config_models(tmp_path: Path, model: str) -> None:
+    root = _tree(tmp_path)
+    (root / "kazma" / "config" / "store" / "sneaky.py").write_text(f"import kazma.config.{model}\n")
+    result = _lint(root)
+    assert result.returncode != 0
+    assert f"kazma.config.store.sneaky -> kazma.config.{model}" in result.stdout
+
+
+def test_the_storage_layer_may_not_reach_the_models_through_another_module(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    (root / "kazma" / "config" / "between.py").write_text("import kazma.config.models\n")
+    (root / "kazma" / "config" / "store" / "sneaky.py").write_text("import kazma.config.between\n")
+    result = _lint(root)
+    assert result.returncode != 0
+    assert "kazma.config.store.sneaky -> kazma.config.between" in result.stdout
 
 
 def test_a_new_engine_module_must_be_placed_in_the_swarm_contract(tmp_path: Path) -> None:

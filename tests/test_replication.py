@@ -25,8 +25,8 @@ from kazma.approvals import ApprovalService, ApprovalStore, Decision, PressResul
 from kazma.approvals.service import REPLICA_GONE
 from kazma.bot.replication import Replication
 from kazma.bot.store import pg_migrations
-from kazma.config.leader import LeaseTiming
-from kazma.config.postgres import PgStore, open_pg_store
+from kazma.config.store.leader import LeaseTiming
+from kazma.config.store.postgres import PgStore, open_pg_store
 from tests.approvals_support import approvals_config
 from tests.test_bus import MemoryPlatform
 

@@ -16,7 +16,7 @@ from kazma.approvals import SafetyPolicy
 from kazma.bot.console.dashboard_data import DashboardData
 from kazma.bot.console.pages import dashboard_page
 from kazma.config import KazmaConfig, load_config_text
-from kazma.config.database import connect, open_database
+from kazma.config.store.database import connect, open_database
 from kazma.engine.agent import AgentRunner, AgentSpec, TurnContext
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore

@@ -14,8 +14,8 @@ import pytest
 
 from kazma.approvals import SafetyPolicy
 from kazma.config import load_config_text
-from kazma.config.database import open_database
 from kazma.config.models import ModelConfig
+from kazma.config.store.database import open_database
 from kazma.engine.agent import AgentRunner, AgentSpec, TurnContext
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore

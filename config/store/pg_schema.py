@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kazma.config.database import Migration
+from kazma.config.store.database import Migration
 
 _ROUTINE = re.compile(r"^\s*CREATE\s+OR\s+REPLACE\s+(FUNCTION|TRIGGER)\b", re.IGNORECASE)
 

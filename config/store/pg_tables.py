@@ -1,10 +1,10 @@
 """``Tables`` on PostgreSQL: the access every store other than approvals and the outbox reads and writes through.
 
-The same methods as :class:`kazma.config.database.Tables`, with the same meaning:
+The same methods as :class:`kazma.config.store.database.Tables`, with the same meaning:
 
 - ``one``/``all`` read on the pool, after the writes this process submitted before them (as
-  :meth:`PgStore.one <kazma.config.postgres.PgStore.one>` does), so whoever wrote and then reads sees it;
-- ``run``/``run_many`` go through the shared :class:`~kazma.config.postgres.PgWriter`, in the same group
+  :meth:`PgStore.one <kazma.config.store.postgres.PgStore.one>` does), so whoever wrote and then reads sees it;
+- ``run``/``run_many`` go through the shared :class:`~kazma.config.store.postgres.PgWriter`, in the same group
   commits as every other component's writes;
 - ``transaction()`` is several statements on one pooled connection between ``BEGIN`` and ``COMMIT``
   (rolled back on any error). SQLite's ``BEGIN IMMEDIATE`` makes such bodies run one after another,
@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import psycopg
 import structlog
 
-from kazma.config.postgres import PgStore, PgWriter, pyformat
+from kazma.config.store.postgres import PgStore, PgWriter, pyformat
 
 log = structlog.get_logger("kazma.store")
 
@@ -60,7 +60,7 @@ class PgStatements:
 
 
 class PgTables:
-    """A component's access to its tables on PostgreSQL; get it with :func:`kazma.config.store_backend.tables_of`."""
+    """A component's access to its tables on PostgreSQL; get it with :func:`kazma.config.store.backend.tables_of`."""
 
     _shared: ClassVar[weakref.WeakKeyDictionary[PgStore, PgTables]] = weakref.WeakKeyDictionary()
 

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import aiosqlite
 import structlog
 
-from kazma.config.writer import StoreWriter
+from kazma.config.store.writer import StoreWriter
 
 log = structlog.get_logger("kazma.store")
 

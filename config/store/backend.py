@@ -3,9 +3,9 @@
 A component (the approvals store, the card outbox) reads with ``one``/``all``
 and writes with ``await (await backend.writer()).submit(op)``, where ``op`` is
 a small synchronous function of a :class:`Tx`. On SQLite the backend is the
-connection's :class:`~kazma.config.database.Tables` and its
-:class:`~kazma.config.writer.StoreWriter`; on PostgreSQL it is a
-:class:`~kazma.config.postgres.PgStore`. SQL is written once, with ``?``
+connection's :class:`~kazma.config.store.database.Tables` and its
+:class:`~kazma.config.store.writer.StoreWriter`; on PostgreSQL it is a
+:class:`~kazma.config.store.postgres.PgStore`. SQL is written once, with ``?``
 placeholders, in the dialect both engines share.
 """
 
@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 
 import aiosqlite
 
-from kazma.config.database import Tables
+from kazma.config.store.database import Tables
 
 if TYPE_CHECKING:
-    from kazma.config.postgres import PgStore
+    from kazma.config.store.postgres import PgStore
 
 T = TypeVar("T")
 
 
 class Tx(Protocol):
-    """Statements inside the writer's transaction (see :class:`kazma.config.writer.Tx`)."""
+    """Statements inside the writer's transaction (see :class:`kazma.config.store.writer.Tx`)."""
 
     def one(self, sql: str, params: Iterable[Any] = ()) -> Any: ...
 
@@ -87,8 +87,8 @@ class SqlStatements(Protocol):
 
 
 class StoreTables(SqlStatements, Protocol):
-    """What a store needs of its tables: :class:`~kazma.config.database.Tables` (SQLite) or
-    :class:`~kazma.config.pg_tables.PgTables` (PostgreSQL).
+    """What a store needs of its tables: :class:`~kazma.config.store.database.Tables` (SQLite) or
+    :class:`~kazma.config.store.pg_tables.PgTables` (PostgreSQL).
 
     ``run``/``run_many`` are single statements committed on their own (in a group commit when a writer is
     attached); ``transaction()`` runs a body's statements atomically and one body after another;
@@ -106,7 +106,7 @@ def tables_of(conn: StoreConnection) -> StoreTables:
     """The one shared ``Tables`` of a SQLite connection, or the one ``PgTables`` of a PostgreSQL backend."""
     if isinstance(conn, aiosqlite.Connection):
         return Tables.of(conn)
-    from kazma.config.pg_tables import PgTables  # psycopg only when PostgreSQL is used
+    from kazma.config.store.pg_tables import PgTables  # psycopg only when PostgreSQL is used
 
     return PgTables.of(conn)
 

@@ -32,8 +32,8 @@ from typing import Any, TypeVar
 
 import structlog
 
-from kazma.config.group_commit import GroupQueue, Job
 from kazma.config.metrics import count_failure
+from kazma.config.store.group_commit import GroupQueue, Job
 
 log = structlog.get_logger("kazma.store")
 

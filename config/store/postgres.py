@@ -2,7 +2,7 @@
 
 Driver: psycopg 3. Components keep their SQL (``?`` placeholders, the dialect
 both engines share) and their write operations — synchronous functions of a
-:class:`~kazma.config.store_backend.Tx` — unchanged; :func:`pyformat` rewrites
+:class:`~kazma.config.store.backend.Tx` — unchanged; :func:`pyformat` rewrites
 a statement for psycopg once and caches it.
 
 The writer runs its groups on a *synchronous* psycopg connection in its own
@@ -42,9 +42,9 @@ import structlog
 from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
-from kazma.config.database import Migration, _check_order
-from kazma.config.group_commit import GroupQueue, Job
 from kazma.config.metrics import count_failure
+from kazma.config.store.database import Migration, _check_order
+from kazma.config.store.group_commit import GroupQueue, Job
 
 log = structlog.get_logger("kazma.store")
 

@@ -1,6 +1,6 @@
 """Who is alive among the replicas sharing one PostgreSQL database, and who leads: asked of the server.
 
-Every replica keeps one lease connection (:class:`~kazma.config.leader.LeaderLease`), named
+Every replica keeps one lease connection (:class:`~kazma.config.store.leader.LeaderLease`), named
 ``kazma-lease <replica>`` in ``pg_stat_activity``, whether it leads or follows. The server ends a
 session whose replica died (the socket closes) or fell silent (``idle_session_timeout`` on that
 session), so the set of those names *is* the set of live replicas, with no heartbeat table to keep.
@@ -13,7 +13,7 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
-from kazma.config.leader import LeaderLease
+from kazma.config.store.leader import LeaderLease
 
 _LIVE = (
     "SELECT DISTINCT substr(application_name, %s) FROM pg_stat_activity"
