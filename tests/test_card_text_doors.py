@@ -28,10 +28,10 @@ from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.web import WebAdapter
 from kazma.approvals.tool_names import MCP_TOOL_RULE, TOOL_RULE
 from kazma.bot.app import App, build_app
-from kazma.bot.checks import Level
+from kazma.bot.cli.checks import Level
+from kazma.bot.cli.doctor import check_mcp_server
 from kazma.bot.console.pages import approval_page
 from kazma.bot.console.server import WebServer
-from kazma.bot.doctor import check_mcp_server
 from kazma.config import load_config_text
 from kazma.config.metrics import failure_count
 from kazma.config.models import MCPServerConfig

@@ -24,8 +24,8 @@ import pytest
 from kazma.approvals import Decision, ExecutionMismatch, Status
 from kazma.approvals.seal import FORGED, KEY_UNKNOWN, seal, seal_problem
 from kazma.approvals.service import ApprovalService
-from kazma.bot.decision_checks import KEY_CHECK, SEAL_CHECK, check_decision_key, check_decisions
-from kazma.bot.doctor import Level
+from kazma.bot.cli.decision_checks import KEY_CHECK, SEAL_CHECK, check_decision_key, check_decisions
+from kazma.bot.cli.doctor import Level
 from kazma.bot.keys import decision_key_file, load_decision_keyring
 from kazma.config import ConfigError, load_config_text
 from kazma.config.keyring import (

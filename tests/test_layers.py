@@ -46,7 +46,7 @@ def _lint(root: Path) -> subprocess.CompletedProcess[str]:
 def test_contract_holds_on_the_tree(tmp_path: Path) -> None:
     result = _lint(_tree(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "3 kept, 0 broken" in result.stdout
+    assert "4 kept, 0 broken" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -87,6 +87,14 @@ def test_the_storage_layer_may_not_reach_the_models_through_another_module(tmp_p
     result = _lint(root)
     assert result.returncode != 0
     assert "kazma.config.store.sneaky -> kazma.config.between" in result.stdout
+
+
+def test_contract_breaks_when_the_console_imports_the_command_line(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    (root / "kazma" / "bot" / "console" / "sneaky.py").write_text("import kazma.bot.cli.doctor\n")
+    result = _lint(root)
+    assert result.returncode != 0
+    assert "kazma.bot.console.sneaky -> kazma.bot.cli.doctor" in result.stdout
 
 
 def test_a_new_engine_module_must_be_placed_in_the_swarm_contract(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from kazma.approvals.card import build_card
 from kazma.bot.app import build_app
-from kazma.bot.doctor import Level, check_mcp_server
+from kazma.bot.cli.doctor import Level, check_mcp_server
 from kazma.config import load_config_text
 from kazma.config.models import MCPServerConfig
 from kazma.engine.mcp_launch import ServerPlaces, unsandboxed_note

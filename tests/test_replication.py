@@ -242,8 +242,8 @@ async def _live_now(replication: Replication, expected: set[str]) -> bool:
 
 
 async def test_doctor_names_the_replicas_and_the_leader(dsn: str) -> None:
-    from kazma.bot.checks import Level
-    from kazma.bot.doctor import check_replicas
+    from kazma.bot.cli.checks import Level
+    from kazma.bot.cli.doctor import check_replicas
     from kazma.config import load_config_text
 
     loaded = load_config_text(f"store: {{url: '{dsn}'}}")

@@ -11,7 +11,7 @@ import pytest
 from kazma.adapters.web import WebAdapter
 from kazma.approvals.card import build_card
 from kazma.bot.app import build_app
-from kazma.bot.doctor import Level, check_sandbox
+from kazma.bot.cli.doctor import Level, check_sandbox
 from kazma.bot.keys import decision_key_file
 from kazma.config import load_config_text
 from kazma.config.keyring import DECISION_KEYS, open_keyring

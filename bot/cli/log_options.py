@@ -7,12 +7,14 @@ The settings live in the click context's ``meta``, one dict shared by a command 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import TYPE_CHECKING, cast
 
 import click
 
+if TYPE_CHECKING:
+    from kazma.bot.logging import LogFormat
+
 # The choices live here, not in kazma.bot.logging: `kazma --version` and `--help` must not import structlog.
-LogFormat = Literal["auto", "console", "json"]
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("auto", "console", "json")
 
@@ -48,7 +50,7 @@ def set_log(ctx: click.Context, *, level: str | None = None, fmt: str | None = N
     if level is not None:
         settings.level, settings.level_given = level, True
     if fmt is not None:
-        settings.fmt = cast(LogFormat, fmt)
+        settings.fmt = cast("LogFormat", fmt)
     if ctx.parent is not None:  # the root applies its own once parsed; a subcommand's take effect at once
         settings.apply()
 

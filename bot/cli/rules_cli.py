@@ -10,7 +10,7 @@ import click
 
 from kazma.approvals import ApprovalStore
 from kazma.approvals.rules import RuleStore
-from kazma.bot.context import Context
+from kazma.bot.cli.context import Context
 from kazma.bot.store import store_for_command
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from kazma.bot.app import build_app
-from kazma.bot.context import Context
+from kazma.bot.cli.context import Context
 from kazma.config import LoadedConfig
 from kazma.config.registry import ROUTE_PLATFORMS
 from kazma.engine.swarm.grammar import USAGES, GrammarError, parse

@@ -21,7 +21,7 @@ from typing import Any
 
 import click
 
-from kazma.bot.context import Context
+from kazma.bot.cli.context import Context
 
 EXIT = {"approved": 0, "denied": 1, "timeout": 2, "cancelled": 3, "unverified": 6}
 EXIT_UNASKED = 4

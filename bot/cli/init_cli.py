@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from kazma.bot.context import Context
-from kazma.bot.init_config import (
+from kazma.bot.cli.context import Context
+from kazma.bot.cli.init_config import (
     DEFAULT_MODEL_URL,
     DEFAULT_PUBLIC_URL,
     WEB_LOGIN,

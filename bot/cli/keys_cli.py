@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kazma.bot.context import Context
+from kazma.bot.cli.context import Context
 from kazma.bot.keys import decision_key_file, decision_keys_folder
 from kazma.config.keyring import DECISION_KEYS, KeyringError, read_keyring, retire_key, rotate_key_file
 

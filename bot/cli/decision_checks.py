@@ -13,7 +13,7 @@ from pathlib import Path
 from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.seal import KEY_UNKNOWN, seal_problem
 from kazma.approvals.store import ApprovalStore
-from kazma.bot.checks import Check, Level
+from kazma.bot.cli.checks import Check, Level
 from kazma.bot.keys import decision_key_file, decision_keys_folder
 from kazma.bot.store import store_for_command
 from kazma.config import LoadedConfig

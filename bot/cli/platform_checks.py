@@ -17,9 +17,9 @@ from typing import Any, Final
 
 import httpx
 
-from kazma.bot.checks import Check, Level
+from kazma.bot.cli.checks import Check, Level
+from kazma.bot.cli.platform_setup import DISCORD_MESSAGE_CONTENT_FLAGS, SLACK_BOT_SCOPES, SLACK_OPTIONAL_SCOPES
 from kazma.bot.logging import redact
-from kazma.bot.platform_setup import DISCORD_MESSAGE_CONTENT_FLAGS, SLACK_BOT_SCOPES, SLACK_OPTIONAL_SCOPES
 from kazma.config import LoadedConfig, enabled_platforms
 from kazma.config.models import DiscordConfig, SlackConfig, TelegramConfig
 from kazma.config.platforms import console_warnings

@@ -17,11 +17,11 @@ import structlog
 from kazma.adapters.web import WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import build_app
+from kazma.bot.cli.context import Context
+from kazma.bot.cli.demo import run_demo
+from kazma.bot.cli.doctor import Level, run_checks
+from kazma.bot.cli.log_options import log_settings
 from kazma.bot.console.server import WebServer
-from kazma.bot.context import Context
-from kazma.bot.demo import run_demo
-from kazma.bot.doctor import Level, run_checks
-from kazma.bot.log_options import log_settings
 from kazma.bot.logging import redact_secret
 from kazma.config import LoadedConfig, platform_statuses
 from kazma.config.errors import ConfigError, Problem

@@ -1,4 +1,5 @@
-"""The ``kazma`` command line.
+"""The ``kazma`` command line: this package holds every command (``*_cli.py``), ``kazma doctor`` and its
+checks, ``kazma init``'s configuration writer, ``kazma store copy`` and the scripted demo.
 
 Only what ``kazma --version`` and ``kazma --help`` print is imported here;
 each command's module (and the platform libraries, the store, the app behind
@@ -14,21 +15,25 @@ from typing import Any
 
 import click
 
-from kazma.bot.log_options import FORMATS, LEVELS, log_settings, set_log, with_log_options
+from kazma.bot.cli.log_options import FORMATS, LEVELS, log_settings, set_log, with_log_options
 
 # name: (module, attribute, the one line `kazma --help` shows). test_cli checks each line against the command's own.
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "approvals": ("kazma.bot.approvals_cli", "approvals", "List, inspect and decide approval requests."),
-    "config": ("kazma.bot.core_cli", "config", "Inspect and validate kazma.yaml."),
-    "demo": ("kazma.bot.core_cli", "demo", "Play a scripted scenario end to end: no tokens, no model."),
-    "doctor": ("kazma.bot.core_cli", "doctor", "Check the configuration, each platform's tokens with the platform,..."),
-    "init": ("kazma.bot.init_cli", "init", "Write a commented kazma.yaml in which you are an approver..."),
-    "keys": ("kazma.bot.keys_cli", "keys", "The decision keys that seal approvals: list, rotate, retire."),
-    "mcp": ("kazma.bot.mcp_cli", "mcp", "Kazma as an MCP server (request_approval)."),
-    "run": ("kazma.bot.core_cli", "run", "Start every configured platform and serve until SIGINT or SIGTERM."),
-    "setup": ("kazma.bot.setup_cli", "setup", "Platform app settings: a Slack app manifest, a Discord invite URL."),
-    "store": ("kazma.bot.store_cli", "store", "The store itself: copy a SQLite store into PostgreSQL."),
-    "swarm": ("kazma.bot.swarm_cli", "swarm", "Drive the swarm with the same grammar as /swarm in chat."),
+    "approvals": ("kazma.bot.cli.approvals_cli", "approvals", "List, inspect and decide approval requests."),
+    "config": ("kazma.bot.cli.core_cli", "config", "Inspect and validate kazma.yaml."),
+    "demo": ("kazma.bot.cli.core_cli", "demo", "Play a scripted scenario end to end: no tokens, no model."),
+    "doctor": (
+        "kazma.bot.cli.core_cli",
+        "doctor",
+        "Check the configuration, each platform's tokens with the platform,...",
+    ),
+    "init": ("kazma.bot.cli.init_cli", "init", "Write a commented kazma.yaml in which you are an approver..."),
+    "keys": ("kazma.bot.cli.keys_cli", "keys", "The decision keys that seal approvals: list, rotate, retire."),
+    "mcp": ("kazma.bot.cli.mcp_cli", "mcp", "Kazma as an MCP server (request_approval)."),
+    "run": ("kazma.bot.cli.core_cli", "run", "Start every configured platform and serve until SIGINT or SIGTERM."),
+    "setup": ("kazma.bot.cli.setup_cli", "setup", "Platform app settings: a Slack app manifest, a Discord invite URL."),
+    "store": ("kazma.bot.cli.store_cli", "store", "The store itself: copy a SQLite store into PostgreSQL."),
+    "swarm": ("kazma.bot.cli.swarm_cli", "swarm", "Drive the swarm with the same grammar as /swarm in chat."),
 }
 
 
@@ -37,8 +42,8 @@ def load_command(name: str) -> click.Command:
     command: object = getattr(importlib.import_module(module), attribute)
     assert isinstance(command, click.Command)
     if name == "approvals" and isinstance(command, click.Group) and "request" not in command.commands:
-        from kazma.bot.approvals_request import request
-        from kazma.bot.rules_cli import rules
+        from kazma.bot.cli.approvals_request import request
+        from kazma.bot.cli.rules_cli import rules
 
         command.add_command(request)
         command.add_command(rules)
@@ -60,7 +65,7 @@ class LazyGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         """A configuration problem met inside any command (a store it cannot open yet, a bad value)
         ends the command with one line per problem and exit code 2, never a traceback."""
-        from kazma.bot.context import EXIT_CONFIG
+        from kazma.bot.cli.context import EXIT_CONFIG
         from kazma.config.errors import ConfigError
 
         try:
@@ -107,11 +112,7 @@ class LazyGroup(click.Group):
 @click.pass_context
 def main(ctx: click.Context, config_path: Path | None) -> None:
     """Kazma: a chat-platform bot bus for AI agent teams."""
-    from kazma.bot.context import Context
+    from kazma.bot.cli.context import Context
 
     log_settings(ctx).apply()
     ctx.obj = Context(config_path)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

@@ -7,9 +7,9 @@ import httpx
 
 from kazma.approvals.honesty import reveal_line
 from kazma.approvals.tool_names import MCP_TOOL_RULE, mcp_tool_name_problem
-from kazma.bot.checks import Check, Level
-from kazma.bot.decision_checks import check_decisions
-from kazma.bot.platform_checks import check_platforms, console_checks
+from kazma.bot.cli.checks import Check, Level
+from kazma.bot.cli.decision_checks import check_decisions
+from kazma.bot.cli.platform_checks import check_platforms, console_checks
 from kazma.bot.store import open_store, store_for_command
 from kazma.config import LoadedConfig, platform_statuses
 from kazma.config.models import MCPServerConfig, ModelConfig

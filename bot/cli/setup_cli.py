@@ -9,8 +9,8 @@ import click
 import httpx
 import yaml
 
-from kazma.bot.context import Context
-from kazma.bot.platform_setup import (
+from kazma.bot.cli.context import Context
+from kazma.bot.cli.platform_setup import (
     discord_invite_url,
     discord_permission_lines,
     slack_manifest,

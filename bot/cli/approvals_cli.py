@@ -22,7 +22,7 @@ from kazma.approvals.card import INTEGRITY_WARNING
 from kazma.approvals.honesty import reveal_line
 from kazma.approvals.model import ApprovalRequest, Status
 from kazma.approvals.seal import seal_problem
-from kazma.bot.context import Context
+from kazma.bot.cli.context import Context
 from kazma.bot.keys import load_decision_keyring, read_decision_keyring
 from kazma.bot.store import store_for_command
 from kazma.config import LoadedConfig

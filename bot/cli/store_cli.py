@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from kazma.bot.context import Context
+from kazma.bot.cli.context import Context
 
 
 @click.group()
@@ -36,7 +36,7 @@ def store() -> None:
 @click.pass_obj
 def copy(obj: Context, target: str, source: Path | None, connect_timeout: float) -> None:
     """Copy every table of a SQLite store into an empty PostgreSQL database, then verify counts and hashes."""
-    from kazma.bot.store_copy import CopyError, copy_store, expand_url  # psycopg only when this command runs
+    from kazma.bot.cli.store_copy import CopyError, copy_store, expand_url  # psycopg only when this command runs
 
     busy_timeout_ms = 5000
     if source is None:

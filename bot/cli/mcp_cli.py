@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from kazma.bot.context import Context
+from kazma.bot.cli.context import Context
 
 
 @click.group()
