@@ -18,7 +18,7 @@ from kazma.engine.history import HistoryStore
 from kazma.engine.model import OpenAIProvider
 from kazma.engine.swarm.types import Worker
 from kazma.engine.swarm.workers import HANDOFF_TOOL, AgentWorker
-from kazma.engine.tools import default_registry
+from kazma.engine.tools.builtin import default_registry
 from tests.approvals_support import RecordingPublisher, approval_service
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall, RecordedRequest
 

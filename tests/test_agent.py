@@ -11,7 +11,7 @@ from kazma.engine.agent import AgentRunner, AgentSpec, workspace_for
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import ScriptedProvider, ScriptStep
-from kazma.engine.tools import default_registry
+from kazma.engine.tools.builtin import default_registry
 from kazma.engine.types import ModelError, ModelReply, ToolCall
 from tests.approvals_support import approval_service
 

@@ -35,9 +35,9 @@ from kazma.bot.console.server import WebServer
 from kazma.config import load_config_text
 from kazma.config.metrics import failure_count
 from kazma.config.models import MCPServerConfig
-from kazma.engine.mcp_tools import model_name
 from kazma.engine.model import ScriptStep
 from kazma.engine.scenario import PerAgentScript, agent_prompts
+from kazma.engine.tools.mcp_tools import model_name
 from tests.approvals_support import APPROVERS_YAML, approval_service
 from tests.card_lines_support import (
     Line,

@@ -32,7 +32,7 @@ from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import MIGRATIONS, SwarmTaskStore, TaskRecord
 from kazma.engine.swarm.types import ErrorKind, TaskStatus, Worker, WorkerResult
 from kazma.engine.swarm.workers import HANDOFF_TOOL, AgentWorker
-from kazma.engine.tools import default_registry
+from kazma.engine.tools.builtin import default_registry
 from kazma.engine.types import Message, ModelReply, ToolCall, Usage
 from tests.approvals_support import approval_service
 from tests.fakes.openai import FakeOpenAI

@@ -22,7 +22,7 @@ from kazma.engine.history import HistoryStore
 from kazma.engine.model import OpenAIProvider, ScriptedProvider, ScriptStep, _parse_arguments
 from kazma.engine.swarm.lead_tools import swarm_tools
 from kazma.engine.swarm.types import Pattern, TaskStatus, WorkerResult
-from kazma.engine.tools import default_registry
+from kazma.engine.tools.builtin import default_registry
 from kazma.engine.types import ModelError, ModelProvider, ModelReply, ToolCall
 from tests.approvals_support import approval_service
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall, Garbage, HttpError

@@ -15,10 +15,10 @@ from kazma.config import LoadedConfig, platform_statuses
 from kazma.config.models import MCPServerConfig, ModelConfig
 from kazma.config.store.backend import backend_of
 from kazma.config.store.database import schema_versions, transaction
-from kazma.engine.mcp_launch import LaunchRefused, ServerPlaces, places_for
-from kazma.engine.mcp_stdio import StderrTail
-from kazma.engine.mcp_tools import list_server_tools
-from kazma.engine.sandbox import resolve_sandbox
+from kazma.engine.tools.mcp_launch import LaunchRefused, ServerPlaces, places_for
+from kazma.engine.tools.mcp_stdio import StderrTail
+from kazma.engine.tools.mcp_tools import list_server_tools
+from kazma.engine.tools.sandbox import resolve_sandbox
 
 __all__ = ["Check", "Level", "run_checks"]
 

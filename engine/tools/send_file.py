@@ -18,13 +18,10 @@ import structlog
 from pydantic import Field
 
 from kazma.config.models import DangerLevel
-from kazma.engine.tools import (
-    MIB,
+from kazma.engine.tools.registry import MIB, Tool, ToolArgs, ToolResult
+from kazma.engine.tools.workspace import (
     PathRefused,
-    Tool,
-    ToolArgs,
     ToolContext,
-    ToolResult,
     _inside,
     _open_parent,
     _refuse_hard_links,

@@ -1,7 +1,7 @@
 """How Kazma starts a stdio MCP server: inside bubblewrap, or on the host when its config says ``sandbox: none``.
 
 An MCP server is someone else's code, started by Kazma as Kazma's user. In the
-sandbox (the shell's, see :mod:`kazma.engine.sandbox`) it sees:
+sandbox (the shell's, see :mod:`kazma.engine.tools.sandbox`) it sees:
 
 * the system directories and a vetted part of ``/etc``, read-only;
 * its own working directory, read-write, which is also its HOME
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from kazma.config.keyring import keys_folder
 from kazma.config.models import KazmaConfig, MCPServerConfig
-from kazma.engine.sandbox import INSTALL_HINT, SANDBOX_PATH, Sandbox, SandboxRefused, probe_bwrap
+from kazma.engine.tools.sandbox import INSTALL_HINT, SANDBOX_PATH, Sandbox, SandboxRefused, probe_bwrap
 
 __all__ = [
     "Launch",

@@ -14,7 +14,7 @@ and logged.
 
 The server's stderr is kept only as a short tail, for saying why a server
 that died did so. The process gets exactly the environment and working
-directory its :class:`~kazma.engine.mcp_launch.Launch` says, and its own
+directory its :class:`~kazma.engine.tools.mcp_launch.Launch` says, and its own
 process group; when the connection ends, its stdin is closed, and a server
 that has not left within a grace period is terminated, then killed.
 """
@@ -36,7 +36,7 @@ import anyio
 import structlog
 
 from kazma.config.metrics import count_failure
-from kazma.engine.mcp_launch import Launch
+from kazma.engine.tools.mcp_launch import Launch
 
 if TYPE_CHECKING:
     from anyio.abc import Process

@@ -44,9 +44,10 @@ from kazma.approvals.tool_names import MCP_TOOL_RULE, mcp_tool_name_problem
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
 from kazma.config.models import DangerLevel, MCPServerConfig
-from kazma.engine.mcp_launch import ServerPlaces, plan_launch, server_sandbox, unsandboxed_note
-from kazma.engine.mcp_stdio import CUT_CODE, StderrTail, bounded_stdio_client
-from kazma.engine.tools import Tool, ToolArgs, ToolContext, ToolRegistry, ToolResult
+from kazma.engine.tools.mcp_launch import ServerPlaces, plan_launch, server_sandbox, unsandboxed_note
+from kazma.engine.tools.mcp_stdio import CUT_CODE, StderrTail, bounded_stdio_client
+from kazma.engine.tools.registry import Tool, ToolArgs, ToolRegistry, ToolResult
+from kazma.engine.tools.workspace import ToolContext
 from kazma.engine.types import ToolSpec
 
 if TYPE_CHECKING:
@@ -302,7 +303,7 @@ async def connect(
             import httpx2
             from mcp.client.streamable_http import streamable_http_client
 
-            from kazma.engine.mcp_http import bounded_http_transport
+            from kazma.engine.tools.mcp_http import bounded_http_transport
 
             headers = {header: os.environ.get(var, "") for header, var in config.headers.items()}
             http = await stack.enter_async_context(
