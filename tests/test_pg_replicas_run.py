@@ -37,7 +37,7 @@ from kazma.approvals.seal import seal_problem
 from kazma.bot.store import pg_migrations
 from kazma.config import load_config_text
 from kazma.config.keyring import DECISION_KEYS, Keyring
-from kazma.config.postgres import PgStore, open_pg_store
+from kazma.config.store.postgres import PgStore, open_pg_store
 from tests.contract.harness import free_port
 from tests.fakes.discord import HOME_CHANNEL_ID
 from tests.platforms_support import PLATFORMS, SLACK_ADMIN, SLACK_CHANNEL, TG_ADMIN, TG_CHAT, Fakes, three_fakes

@@ -46,7 +46,7 @@ from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, IdempotencyKeys, Key
 from kazma.bot.app import App
 from kazma.config.metrics import count_failure
 from kazma.config.models import KazmaConfig
-from kazma.config.store_errors import store_errors
+from kazma.config.store.errors import store_errors
 from kazma.engine.agent import MAX_ARGUMENT_DEPTH, nesting_depth
 
 log = structlog.get_logger("kazma.api")
