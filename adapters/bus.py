@@ -36,8 +36,8 @@ from kazma.approvals.store import ApprovalStore, PostedCard
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import DECISION_TO_SETTLED, count_failure
 from kazma.config.models import KazmaConfig
-from kazma.config.store_backend import Tx
-from kazma.config.store_errors import store_errors
+from kazma.config.store.backend import Tx
+from kazma.config.store.errors import store_errors
 
 log = structlog.get_logger("kazma.bus")
 

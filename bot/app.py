@@ -36,12 +36,8 @@ from kazma.engine.agent import AgentRunner, agents_from_config
 from kazma.engine.conversation import Conversations, is_question_button
 from kazma.engine.executor import Action, PlanExecutor
 from kazma.engine.history import HistoryStore
-from kazma.engine.mcp_launch import places_for
-from kazma.engine.mcp_tools import MCPSources
 from kazma.engine.model_router import provider_for
 from kazma.engine.plan_store import PlanStore
-from kazma.engine.sandbox import resolve_sandbox
-from kazma.engine.send_file import SendFileTool
 from kazma.engine.swarm import model_calls
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.lead_tools import swarm_tools
@@ -50,7 +46,12 @@ from kazma.engine.swarm.service import CoalescingReporter, SwarmService
 from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import SwarmTaskStore
 from kazma.engine.swarm.workers import AgentWorker
-from kazma.engine.tools import ToolRegistry, default_registry
+from kazma.engine.tools.builtin import default_registry
+from kazma.engine.tools.mcp_launch import places_for
+from kazma.engine.tools.mcp_tools import MCPSources
+from kazma.engine.tools.registry import ToolRegistry
+from kazma.engine.tools.sandbox import resolve_sandbox
+from kazma.engine.tools.send_file import SendFileTool
 from kazma.engine.transcript import RecordingSink, TranscriptStore
 from kazma.engine.types import ModelProvider
 

@@ -4,9 +4,9 @@ Every replica serves HTTP ingress, posts and edits cards (each claimed once in t
 store) and runs the calls its agents make. What only one process may do — the
 platform connections only one client may hold, recovery of what a dead replica
 left, the sweeps — runs on the replica holding the leader lease
-(:class:`~kazma.config.leader.LeaderLease`); the app hands those duties in as
+(:class:`~kazma.config.store.leader.LeaderLease`); the app hands those duties in as
 ``lead`` and ``follow``. Decisions and queued cards reach every replica at once
-through ``LISTEN``/``NOTIFY`` (:class:`~kazma.config.pg_listen.PgListener`).
+through ``LISTEN``/``NOTIFY`` (:class:`~kazma.config.store.pg_listen.PgListener`).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from kazma.approvals import ApprovalService
 from kazma.approvals.service import Recovery
 from kazma.approvals.store import DECIDED_CHANNEL
 from kazma.config.errors import ConfigError, Problem
-from kazma.config.leader import LeaderLease, LeaseTiming, default_replica
 from kazma.config.metrics import count_failure
-from kazma.config.pg_listen import PgListener
-from kazma.config.postgres import PgStore
-from kazma.config.replicas import lease_holder, live_replicas
+from kazma.config.store.leader import LeaderLease, LeaseTiming, default_replica
+from kazma.config.store.pg_listen import PgListener
+from kazma.config.store.postgres import PgStore
+from kazma.config.store.replicas import lease_holder, live_replicas
 
 log = structlog.get_logger("kazma.replicas")
 

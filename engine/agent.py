@@ -14,8 +14,10 @@ from kazma.approvals.policy import SafetyPolicy
 from kazma.config.metrics import count_failure
 from kazma.config.models import KazmaConfig
 from kazma.engine import messages
+from kazma.engine.fence import fence_untrusted
 from kazma.engine.history import HistoryStore
-from kazma.engine.tools import ToolContext, ToolRegistry, ToolResult, fence_untrusted
+from kazma.engine.tools.registry import ToolRegistry, ToolResult
+from kazma.engine.tools.workspace import ToolContext
 from kazma.engine.types import Message, ModelError, ModelProvider, ToolCall, ToolSpec, ToolUse, Usage
 
 log = structlog.get_logger("kazma.agent")

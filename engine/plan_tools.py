@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kazma.engine.agent import InternalTool, TurnContext
 from kazma.engine.executor import MAX_CHOICES, PlanExecutor, RepairRefused
 from kazma.engine.plan import PlanError, PlanOrigin, PlanSpec, StepSpec
-from kazma.engine.tools import ToolResult
+from kazma.engine.tools.registry import ToolResult
 from kazma.engine.types import ToolSpec
 
 PLAN_TOOL = "write_plan"

@@ -23,7 +23,7 @@ import pytest
 from kazma.adapters.outbox import Outbox
 from kazma.approvals import ApprovalStore
 from kazma.bot.store import pg_migrations
-from kazma.config.postgres import PgStore, open_pg_store
+from kazma.config.store.postgres import PgStore, open_pg_store
 from tests.contract.harness import free_port
 from tests.fakes.telegram import FakeTelegram
 from tests.platforms_support import TG_ADMIN, TG_CHAT

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kazma.approvals import Decision, Status
-from kazma.bot.cli_identity import system_login
+from kazma.bot.cli.cli_identity import system_login
 from tests.approvals_support import APPROVERS_YAML, approval_service, assert_one_winner_each
 
 PRESSER = textwrap.dedent(

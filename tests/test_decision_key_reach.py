@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kazma.config import ConfigError, load_config_text
-from kazma.engine.mcp_launch import places_for
+from kazma.engine.tools.mcp_launch import places_for
 from tests.process_support import REPO
 
 SNOOP = Path(__file__).resolve().parent / "mcp_servers" / "snoop.py"
@@ -27,8 +27,8 @@ import asyncio, json, sys
 from kazma.bot.keys import decision_key_file
 from kazma.config import load_config_text
 from kazma.config.models import MCPServerConfig
-from kazma.engine.mcp_launch import places_for
-from kazma.engine.mcp_tools import MCPConnection
+from kazma.engine.tools.mcp_launch import places_for
+from kazma.engine.tools.mcp_tools import MCPConnection
 
 async def main() -> None:
     snoop, store = sys.argv[1:3]

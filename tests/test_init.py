@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kazma.bot.init_config import InitAnswers, Presence, render
+from kazma.bot.cli.init_config import InitAnswers, Presence, render
 from kazma.config import ConfigError, load_config, load_config_text
 from kazma.config.platforms import console_warnings
 from tests.test_cli import CLEAN_ENV, run

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kazma.bot.cli_identity import system_login
+from kazma.bot.cli.cli_identity import system_login
 from tests.passkey_support import CeremonyRefused, SoftAuthenticator, enrol, sign_in
 from tests.process_support import REPO
 from tests.test_web_server import PEOPLE, console

@@ -24,8 +24,8 @@ from kazma.approvals.seal import seal_problem
 from kazma.approvals.service import ApprovalService
 from kazma.bot.store import all_migrations, pg_migrations
 from kazma.config import load_config_text
-from kazma.config.database import Migration
-from kazma.config.postgres import pyformat
+from kazma.config.store.database import Migration
+from kazma.config.store.postgres import pyformat
 from tests.approvals_support import APPROVERS_YAML, TEST_KEY, TEST_KEYRING, approval_service
 from tests.process_support import REPO
 from tests.store_backends import Engine, open_store, raw_rows

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kazma.bot.cli_identity import system_login
+from kazma.bot.cli.cli_identity import system_login
 from tests.fakes.openai import Completion, FakeOpenAI
 
 

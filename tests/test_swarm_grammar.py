@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from kazma.bot.context import Context
-from kazma.bot.swarm_cli import CLI_ONLY, swarm
+from kazma.bot.cli.context import Context
+from kazma.bot.cli.swarm_cli import CLI_ONLY, swarm
 from kazma.config.models import KazmaConfig
 from kazma.engine.swarm.grammar import (
     MAX_LIST_WORKERS,

@@ -14,7 +14,7 @@ import pytest
 from kazma.approvals import ApprovalService
 from kazma.approvals.model import Decision
 from kazma.config import KazmaConfig, load_config_text
-from kazma.config.database import open_database
+from kazma.config.store.database import open_database
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.service import CoalescingReporter, SwarmRefused, SwarmRequest, SwarmService
 from kazma.engine.swarm.store import MIGRATIONS, SwarmTaskStore

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
-from kazma.config.database import Migration
-from kazma.config.pg_schema import PgMigration
-from kazma.config.store_backend import StoreConnection, Tx, tables_of
+from kazma.config.store.backend import StoreConnection, Tx, tables_of
+from kazma.config.store.database import Migration
+from kazma.config.store.pg_schema import PgMigration
 
 _TABLES: Final = (
     """CREATE TABLE IF NOT EXISTS people_accounts (

@@ -9,11 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kazma.approvals.policy import SafetyPolicy
 from kazma.engine.agent import InternalTool, TurnContext
+from kazma.engine.fence import fence_untrusted
 from kazma.engine.swarm.roles import SHARED_OPERATORS_HINT
 from kazma.engine.swarm.service import CHECK_DEFAULT_WAIT, CHECK_MAX_WAIT, SwarmRefused, SwarmRequest, SwarmService
 from kazma.engine.swarm.store import StoreUnavailable
 from kazma.engine.swarm.types import Pattern
-from kazma.engine.tools import ToolResult, fence_untrusted
+from kazma.engine.tools.registry import ToolResult
 from kazma.engine.types import ToolSpec
 
 

@@ -28,10 +28,10 @@ from typing import Any, TypeVar
 import structlog
 
 from kazma.config.backoff import Backoff
-from kazma.config.database import Migration
 from kazma.config.metrics import count_failure
-from kazma.config.pg_schema import PgMigration
-from kazma.config.store_backend import SqlStatements, StoreConnection, tables_of
+from kazma.config.store.backend import SqlStatements, StoreConnection, tables_of
+from kazma.config.store.database import Migration
+from kazma.config.store.pg_schema import PgMigration
 from kazma.engine.swarm.call_records import TASK_WORKER, CallRecords
 from kazma.engine.swarm.metrics import swarm_failure
 from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
@@ -400,13 +400,13 @@ def interrupted_reason(step: str) -> str:
 class SwarmTaskStore(CallRecords):
     """Swarm task rows, their step journal and the evidence of refused writes.
 
-    Give it its own connection (:func:`kazma.config.database.connect` with
+    Give it its own connection (:func:`kazma.config.store.database.connect` with
     :data:`MIGRATIONS` applied), or the PostgreSQL backend (:data:`PG_MIGRATIONS`).
     On SQLite every statement, reads included, runs under one lock: a read cursor
     left open on a shared connection pins an old WAL snapshot and a later
     ``BEGIN IMMEDIATE`` on it fails with SQLITE_BUSY. On PostgreSQL the writes'
     transactions run one after another under an advisory lock
-    (:class:`~kazma.config.pg_tables.PgTables`), across replicas too.
+    (:class:`~kazma.config.store.pg_tables.PgTables`), across replicas too.
     """
 
     def __init__(

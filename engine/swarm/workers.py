@@ -18,7 +18,7 @@ from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, TurnContext
 from kazma.engine.fence import NOTHING, Fenced
 from kazma.engine.swarm.metrics import HANDOFFS
 from kazma.engine.swarm.types import ErrorKind, HandoffOffer, WorkerResult, current_offer
-from kazma.engine.tools import ToolResult
+from kazma.engine.tools.registry import ToolResult
 from kazma.engine.types import ToolSpec
 
 _PERMANENT_WORDS = ("401", "403", "404", "api key", "not found", "quota", "unknown model")
