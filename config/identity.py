@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kazma.config.people import person_key
 from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS
 
 if TYPE_CHECKING:
@@ -106,7 +107,8 @@ class Roster:
         return platform_of(actor) == platform and actor in self.operators_for(platform)
 
     def human_operators(self) -> frozenset[str]:
-        """Every configured operator identity: approvers and platform admins, each counted once per platform.
+        """Every configured operator, once per person: a person under ``people:`` counts once whatever their
+        doors (their name stands for them); an identity nobody claimed counts as its own person.
 
         Erring towards "more than one" only makes the shared-operator refusal
         stricter, never looser.
@@ -116,4 +118,4 @@ class Roster:
             found |= approvers
         for admins in self._admins.values():
             found |= admins
-        return frozenset(found)
+        return frozenset(person_key(self.people, identity) for identity in found)

@@ -614,6 +614,33 @@ SlackChannelOrEvery = Annotated[str, BeforeValidator(_slack_channel_or_every)]
 SlackUser = Annotated[str, BeforeValidator(_slack_user)]
 
 
+class SlackSignInConfig(Strict):
+    """``platforms.slack.sign_in``: Sign in with Slack (OpenID Connect) on the console, for people whose Slack
+    identity is known. Off while ``client_id`` is empty."""
+
+    client_id: str = ""
+    client_secret: str = ""
+    team_id: str = ""  # the workspace whose people may sign in: an id token for another is refused
+    authorize_url: HttpUrl = "https://slack.com/openid/connect/authorize"
+    keys_url: HttpUrl = "https://slack.com/openid/connect/keys"
+
+    @model_validator(mode="after")
+    def _complete(self) -> SlackSignInConfig:
+        if self.client_id and not self.client_secret:
+            raise PydanticCustomError("kazma_sign_in", "required with client_id", {"subpath": "client_secret"})
+        if self.client_id and not re.fullmatch(r"[TE][A-Z0-9]{2,31}", self.team_id):
+            raise PydanticCustomError(
+                "kazma_sign_in",
+                "required with client_id: the workspace's id, T followed by capital letters and digits, got {got}",
+                {"subpath": "team_id", "got": repr(self.team_id)},
+            )
+        return self
+
+    @property
+    def on(self) -> bool:
+        return bool(self.client_id)
+
+
 class SlackConfig(Strict):
     bot_token: str = ""
     app_token: str = ""
@@ -624,6 +651,7 @@ class SlackConfig(Strict):
     home_channel: SlackChannel = ""
     admins: list[SlackUser] = Field(default_factory=list)
     dm_policy: DmPolicy = "off"
+    sign_in: SlackSignInConfig = Field(default_factory=SlackSignInConfig)
 
     @field_validator("api_base_url")
     @classmethod
@@ -655,6 +683,25 @@ class SlackConfig(Strict):
         return self
 
 
+class DiscordSignInConfig(Strict):
+    """``platforms.discord.sign_in``: Discord OAuth2 (scope ``identify``) on the console, for people whose Discord
+    identity is known. Off while ``client_id`` is empty."""
+
+    client_id: str = ""
+    client_secret: str = ""
+    authorize_url: HttpUrl = "https://discord.com/oauth2/authorize"
+
+    @model_validator(mode="after")
+    def _complete(self) -> DiscordSignInConfig:
+        if self.client_id and not self.client_secret:
+            raise PydanticCustomError("kazma_sign_in", "required with client_id", {"subpath": "client_secret"})
+        return self
+
+    @property
+    def on(self) -> bool:
+        return bool(self.client_id)
+
+
 class DiscordConfig(Strict):
     token: str = ""
     api_base_url: HttpUrl = "https://discord.com/api/v10"
@@ -664,6 +711,7 @@ class DiscordConfig(Strict):
     home_channel: OptionalDiscordSnowflake = None
     admins: list[DiscordSnowflake] = Field(default_factory=list)
     dm_policy: DmPolicy = "off"
+    sign_in: DiscordSignInConfig = Field(default_factory=DiscordSignInConfig)
 
     @field_validator("api_base_url")
     @classmethod

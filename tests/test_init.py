@@ -51,8 +51,9 @@ def test_flags_write_a_file_where_the_operator_is_an_approver_everywhere(tmp_pat
         assert roster.is_approver(actor, platform), actor
         assert roster.is_operator(actor, platform), actor
     # one person with four identities may steer the swarm (and the file says why it allows that)
-    assert config.swarm.allow_shared_operators is True
-    assert "You are the only operator" in text
+    # one person with four identities is one operator: the swarm's steering needs no sharing between people
+    assert config.roster.human_operators() == {"alice"}
+    assert config.swarm.allow_shared_operators is False
     # chats are explicit: the home chat and nothing else
     assert config.platforms.telegram.chats == [-1001234567890]
     assert config.platforms.telegram.home_chat == -1001234567890

@@ -48,6 +48,14 @@ def test_approvers_may_name_people_and_groups_each_identity_on_its_own_door() ->
     assert roster.person_of("web:bob") == "bob"
 
 
+def test_one_person_at_several_doors_is_one_operator() -> None:
+    """The swarm refuses steering shared between people: one person with identities on three doors is one."""
+    config = load_config_text(PEOPLE + "approvals: {approvers: [alice, 'slack:U0CAROL01', 'telegram:999']}\n").config
+    assert config.roster.human_operators() == {"alice", "carol", "telegram:999"}  # nobody's identity: its own
+    alone = load_config_text(PEOPLE + "approvals: {approvers: [alice]}\n", environ={}).config
+    assert alone.roster.human_operators() == {"alice"}
+
+
 def test_admins_may_name_people_by_their_ids_on_that_platform() -> None:
     config = load_config_text(PEOPLE + "platforms: {telegram: {admins: [bob, 5]}, slack: {admins: [carol]}}\n").config
     assert config.platforms.telegram.admins == [333, 334, 5]

@@ -158,8 +158,10 @@ async def console(
     gated: str | None = None,
     tokens: bool = True,
     extra: str = "",
+    people: str = PEOPLE,
+    approvers: str = "['web:alice']",
 ) -> AsyncIterator[Console]:
-    yaml = f"store: {{path: '{tmp_path / 'k.db'}'}}\napprovals: {{approvers: ['web:alice']}}\n{PEOPLE}{extra}"
+    yaml = f"store: {{path: '{tmp_path / 'k.db'}'}}\napprovals: {{approvers: {approvers}}}\n{people}{extra}"
     loaded = load_config_text(yaml, environ={})
     c = loaded.config
     prompts = agent_prompts(c)

@@ -148,16 +148,15 @@ def scenario(prompts: dict[str, str]) -> PerAgentScript:
 
 def demo_config(root: Path, web_port: int = 8765, *, web: bool = True) -> LoadedConfig:
     """One demo person, ``demo``: ``cli:demo`` at this terminal and, with the console, ``web:demo`` in the
-    browser — one person at two doors, so the swarm's steering commands are not refused as shared between
-    people, and every decision names them."""
+    browser — one person at two doors (so the swarm's steering is not shared between people), and every
+    decision names them."""
     doors = "{web: demo, cli: demo}" if web else "{cli: demo}"
     # The store one folder down: its siblings (the workspaces, the decision keys) stay inside ``root`` too.
     return load_config_text(
         f"store: {{path: '{root / 'state' / 'kazma.db'}'}}\n"
         f"web: {{port: {web_port}, public_url: 'http://127.0.0.1:{web_port}'}}\n"
         f"people: {{demo: {doors}}}\n"
-        "approvals: {approvers: [demo], deadline_seconds: 300}\n"
-        f"swarm: {{allow_shared_operators: {'true' if web else 'false'}}}\n",
+        "approvals: {approvers: [demo], deadline_seconds: 300}\n",
         environ={},
     )
 

@@ -142,14 +142,9 @@ def render(answers: InitAnswers) -> str:
         f"  {person}:\n{identities}\n"
     )
     approvers = f"    - {person}  # you, on every door under people.{person}"
+    # One person with an identity on each door is one operator (people: says so): the swarm's steering is not
+    # shared between people, so swarm.allow_shared_operators stays off.
     swarm = ""
-    if len(answers.approvers) > 1:
-        swarm = (
-            "\nswarm:\n"
-            "  # You are the only operator, with one identity on each platform. Swarm tasks are not kept apart\n"
-            "  # per person: set this back to false when someone else joins.\n"
-            "  allow_shared_operators: true\n"
-        )
     if answers.platforms:
         platforms = "platforms:\n" + "".join(_platform_block(answers, p) for p in answers.platforms)
     else:

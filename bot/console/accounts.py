@@ -89,6 +89,7 @@ class Purpose(StrEnum):
     ENROL = "enrol"  # a new passkey, with an invite
     SIGN_IN = "sign-in"  # any enrolled passkey (discoverable: the passkey says whose it is)
     ASSERT = "assert"  # a fresh assertion by one person's passkey (step-up: issue 28's approvals)
+    PLATFORM = "platform"  # a platform's sign-in (Slack, Discord): its state, and Slack's nonce
 
 
 class InviteState(StrEnum):

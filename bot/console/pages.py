@@ -177,6 +177,7 @@ def layout(
     flash: Sequence[str] = (),
     live: bool = False,
     script: str | None = None,
+    refresh_to: str | None = None,
 ) -> str:
     nav = ""
     meta = ""
@@ -200,12 +201,13 @@ def layout(
     if script is not None:
         scripts.append(script)
     script_tags = "".join(f'<script src="{e(src)}" defer></script>' for src in scripts)
+    refresh = f'<meta http-equiv="refresh" content="0;url={e(refresh_to)}">' if refresh_to else ""
 
     return (
         "<!doctype html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{e(title)} · Kazma</title>{meta}<style>{_STYLE}{CHART_STYLE}</style>{script_tags}</head>"
+        f"<title>{e(title)} · Kazma</title>{meta}{refresh}<style>{_STYLE}{CHART_STYLE}</style>{script_tags}</head>"
         f"<body><header><strong>Kazma</strong>{nav}</header><main>{flashes}{body}</main></body></html>\n"
     )
 

@@ -61,6 +61,7 @@ from kazma.bot.console.pages import (
     message_html,
     message_page,
 )
+from kazma.bot.console.platform_signin import PlatformSignIn
 from kazma.bot.console.sessions import SessionStore
 from kazma.bot.console.signin import LocalLogin, SignIn
 from kazma.bot.console.signin_pages import bootstrap_form
@@ -202,7 +203,8 @@ class WebServer:
         config = self.app.loaded.config
         signin = SignIn(auth, AccountStore(self.app.stores.primary), config, local=self.local_login)
         self.signin = signin
-        auth.choices = SignInChoices(passkey_problem=signin.rp.problem)
+        platforms = PlatformSignIn(auth, signin.accounts, config, signin.rp)
+        auth.choices = SignInChoices(passkey_problem=signin.rp.problem, platforms=platforms.offered())
         telegram = TelegramApp(auth, config)
         doors = Doors(auth, lambda request: caller_of(config, request))
         # keep_flash outside the door: it writes back the flash lines of the session the door found
@@ -216,6 +218,10 @@ class WebServer:
                 ("POST", "/login/passkey/options"): signin.sign_in_options,
                 ("POST", "/login/passkey"): signin.sign_in,
                 ("GET", "/login/local/{token}"): signin.local_sign_in,
+                ("GET", "/login/slack"): platforms.slack_start,
+                ("GET", "/login/slack/callback"): platforms.slack_callback,
+                ("GET", "/login/discord"): platforms.discord_start,
+                ("GET", "/login/discord/callback"): platforms.discord_callback,
                 ("GET", "/enrol/{token}"): signin.enrol_page,
                 ("POST", "/enrol/{token}/options"): signin.enrol_options,
                 ("POST", "/enrol/{token}"): signin.enrol,

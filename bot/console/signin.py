@@ -140,8 +140,8 @@ class SignIn:
         token = request.match_info["token"]
         try:
             person, login = await self._usable_invite(token)
-        except web.HTTPException as refused:
-            raise _json_error(web.HTTPGone, _invite_words(refused)) from None
+        except web.HTTPException:
+            raise _json_error(web.HTTPGone, _enrol_words("")) from None
         self._refuse_without_passkeys()
         handle, challenge = await self.accounts.challenge(Purpose.ENROL, person=person, subject=digest(token))
         held = [p.credential_id for p in await self.accounts.passkeys(person, revoked=False)]
@@ -280,10 +280,6 @@ class SignIn:
         )
 
 
-def _invite_words(refused: web.HTTPException) -> str:
-    return "this enrolment link is used, expired or unknown: ask for a new one (kazma people invite <person>)"
-
-
 def _enrol_words(reason: str) -> str:
     if reason == InviteState.USED.value:
         return "this enrolment link was used already: ask for a new one (kazma people invite <person>)"
@@ -291,4 +287,4 @@ def _enrol_words(reason: str) -> str:
         return "this enrolment link has expired: ask for a new one (kazma people invite <person>)"
     if reason == InviteState.UNKNOWN.value:
         return "this enrolment link is not known here"
-    return reason
+    return reason or "this enrolment link is used, expired or unknown: ask for a new one (kazma people invite <person>)"
