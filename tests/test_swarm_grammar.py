@@ -11,10 +11,9 @@ from click.testing import CliRunner
 
 from kazma.bot.cli.context import Context
 from kazma.bot.cli.swarm_cli import CLI_ONLY, swarm
+from kazma.config.limits import MAX_WORKERS as MAX_LIST_WORKERS
 from kazma.config.models import KazmaConfig
 from kazma.engine.swarm.grammar import (
-    MAX_LIST_WORKERS,
-    MAX_PROMPT_BYTES,
     USAGES,
     VERBS,
     Access,
@@ -43,6 +42,7 @@ from kazma.engine.swarm.grammar import (
     help_text,
     parse,
 )
+from kazma.engine.swarm.limits import MAX_PROMPT_BYTES
 from kazma.engine.swarm.roles import (
     SHARED_OPERATORS_HINT,
     RefusalReason,

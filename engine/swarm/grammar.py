@@ -15,12 +15,11 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import ClassVar, TypedDict
 
+from kazma.config.limits import MAX_WORKERS
 from kazma.config.registry import ROUTE_PLATFORMS, chat_id_problem
-from kazma.engine.swarm.limits import MAX_PROMPT_BYTES as MAX_PROMPT_BYTES  # re-exported: tests and surfaces
-from kazma.engine.swarm.limits import MAX_WORKERS, LimitExceeded, check_prompt
+from kazma.engine.swarm.limits import LimitExceeded, check_prompt
 from kazma.engine.swarm.types import Pattern
 
-MAX_LIST_WORKERS = MAX_WORKERS
 AUTO = "auto"
 
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{4,32}")
@@ -594,8 +593,8 @@ class _Parser:
             if any(b == branch.lower() for b, _ in pairs):
                 raise self.fail(f"branch {branch.lower()!r} is listed twice")
             pairs.append((branch.lower(), worker.lower()))
-        if len(pairs) > MAX_LIST_WORKERS:
-            raise self.fail(f"at most {MAX_LIST_WORKERS} branches")
+        if len(pairs) > MAX_WORKERS:
+            raise self.fail(f"at most {MAX_WORKERS} branches")
         return tuple(pairs)
 
     def word_and_prompt(self, rest: str) -> tuple[str, str]:
@@ -644,8 +643,8 @@ class _Parser:
 
     def worker_list(self, token: str) -> tuple[str, ...]:
         names = token.split(",")
-        if len(names) > MAX_LIST_WORKERS:
-            raise self.fail(f"{len(names)} workers listed; at most {MAX_LIST_WORKERS} may take part in one task")
+        if len(names) > MAX_WORKERS:
+            raise self.fail(f"{len(names)} workers listed; at most {MAX_WORKERS} may take part in one task")
         if any(not name for name in names):
             raise self.fail(
                 f"the worker list {_shown(token)} has an empty name; "

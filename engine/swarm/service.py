@@ -14,12 +14,13 @@ import structlog
 
 from kazma.approvals.model import Decision
 from kazma.approvals.service import ApprovalService
+from kazma.config.limits import MAX_WORKERS
 from kazma.config.models import KazmaConfig
 from kazma.engine.fence import NOTHING, Fenced, fence_untrusted, join_fenced
 from kazma.engine.swarm import patterns
 from kazma.engine.swarm.calls import TaskCalls, WorkerCalls
 from kazma.engine.swarm.checkpoints import Checkpoints, checkpoint_id
-from kazma.engine.swarm.limits import MAX_WORKERS, LimitExceeded, check_context, check_metadata, check_prompt
+from kazma.engine.swarm.limits import LimitExceeded, check_context, check_metadata, check_prompt
 from kazma.engine.swarm.metrics import ROUTING, swarm_failure
 from kazma.engine.swarm.reliability import CircuitBreaker, OutputValidator
 from kazma.engine.swarm.routing import EmbeddingRouter
