@@ -167,10 +167,10 @@ class FanOutBus:
         async def one(name: str, single: SingletonIngress) -> None:
             try:
                 await (single.start_ingress() if what == "start_ingress" else single.stop_ingress())
-                log.info(f"bus.{what}", platform=name)
+                log.info("bus.ingress_changed", platform=name, action=what)
             except Exception as exc:  # the other platforms' ingress must not depend on this one
                 count_failure(what, name)
-                log.error(f"bus.{what}_failed", platform=name, error=str(exc))
+                log.error("bus.ingress_change_failed", platform=name, action=what, error=str(exc))
 
         await asyncio.gather(*(one(name, single) for name, single in targets))
 
