@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import time
 from abc import abstractmethod
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, ClassVar, Final, TypeVar
 
 import structlog
@@ -35,6 +35,7 @@ from kazma.adapters.press_policy import PressPolicy
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
 from kazma.config.metrics import count_failure
+from kazma.config.supervisor import Supervisor
 
 log = structlog.get_logger("kazma.adapters")
 
@@ -82,7 +83,7 @@ class PlatformBase(PressPolicy):
         self.press_timeout = press_timeout
         self.stop_grace = stop_grace
         self._handlers: Handlers | None = None
-        self._inflight: set[asyncio.Future[Any]] = set()
+        self._work = Supervisor("platform_task", platform=self.name)  # work in flight: drained on stop
         self._stopping = False
         self._ingress = False  # the singleton ingress is open
         self._ingress_lock = asyncio.Lock()  # one open or close at a time: leadership may flap
@@ -270,50 +271,28 @@ class PlatformBase(PressPolicy):
             except Exception as exc:
                 error = exc if isinstance(exc, PlatformError) else self.classify("ingress_stop", exc)
                 self.failed("ingress_stop", None, error)
-        pending = {task for task in self._inflight if task is not asyncio.current_task()}
-        if pending:
-            _, late = await asyncio.wait(pending, timeout=self.stop_grace)
-            if late:
-                log.warning("platform.ingress_work_outlives_stop", platform=self.name, tasks=len(late))
+        late = await self._work.wait(self.stop_grace)
+        if late:
+            log.warning("platform.ingress_work_outlives_stop", platform=self.name, tasks=len(late))
         log.info("platform.ingress_stopped", platform=self.name)
 
     async def _drain(self) -> None:
         """Let acknowledged work (presses, commands, deliveries) finish within the grace, then cancel the rest."""
-        pending = {task for task in self._inflight if task is not asyncio.current_task()}
-        if not pending:
-            return
-        _, late = await asyncio.wait(pending, timeout=self.stop_grace)
-        for task in late:
-            task.cancel()
+        late = await self._work.stop(grace=self.stop_grace, patience=self.stop_grace)
         if late:
             log.warning("platform.stop_cancelled_work", platform=self.name, tasks=len(late))
-            await asyncio.wait(late, timeout=self.stop_grace)
 
     async def quiesce(self) -> None:
         """Wait until no tracked work is left (tests, and a clean hand-over before stopping)."""
-        while pending := {task for task in self._inflight if task is not asyncio.current_task()}:
-            await asyncio.wait(pending)
+        await self._work.drain()
 
-    def spawn(self, work: Awaitable[T], *, name: str) -> asyncio.Future[T]:
+    def spawn(self, work: Coroutine[Any, Any, T], *, name: str, awaited: bool = False) -> asyncio.Task[T]:
         """Run ``work`` as tracked work: ``stop`` lets it finish (within the grace) before disconnecting."""
-        task = asyncio.ensure_future(work)
-        if isinstance(task, asyncio.Task):
-            task.set_name(name)
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
-        return task
+        return self._work.spawn(work, name=name, awaited=awaited)
 
-    @contextlib.contextmanager
-    def tracking(self) -> Iterator[None]:
+    def tracking(self) -> contextlib.AbstractContextManager[None]:
         """Track the current task (a library's listener task) as in-flight work while the block runs."""
-        task = asyncio.current_task()
-        if task is not None:
-            self._inflight.add(task)
-        try:
-            yield
-        finally:
-            if task is not None:
-                self._inflight.discard(task)
+        return self._work.tracking()
 
     # -- inbound ---------------------------------------------------------------------------------
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
-from typing import ClassVar, Final, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, ClassVar, Final, Protocol, TypeVar
 
 import structlog
 
@@ -50,8 +50,8 @@ class PressPolicy(ABC):
     _handlers: Handlers | None
 
     @abstractmethod
-    def spawn(self, work: Awaitable[T], *, name: str) -> asyncio.Future[T]:
-        """Run ``work`` as tracked work (drained on stop)."""
+    def spawn(self, work: Coroutine[Any, Any, T], *, name: str, awaited: bool = False) -> asyncio.Task[T]:
+        """Run ``work`` as tracked work (drained on stop); ``awaited``: its failure is the caller's to handle."""
 
     @abstractmethod
     async def _claim(self, key: str | None) -> bool:
@@ -76,7 +76,7 @@ class PressPolicy(ABC):
             return
         if not await self._claim(key):
             return
-        decision = self.spawn(self._decide(handlers, press, key), name=f"{self.name}-press")
+        decision = self.spawn(self._decide(handlers, press, key), name=f"{self.name}-press", awaited=True)
         try:
             # Shielded: a slow decision keeps running after we answer; only our wait ends.
             result = await asyncio.wait_for(asyncio.shield(decision), timeout=self.press_timeout)

@@ -16,6 +16,7 @@ from kazma.approvals.model import Decision
 from kazma.approvals.service import ApprovalService
 from kazma.config.limits import MAX_WORKERS
 from kazma.config.models import KazmaConfig
+from kazma.config.supervisor import Supervisor
 from kazma.engine.fence import NOTHING, Fenced, fence_untrusted, join_fenced
 from kazma.engine.swarm import patterns
 from kazma.engine.swarm.calls import TaskCalls, WorkerCalls
@@ -132,9 +133,9 @@ class SwarmService:
     state: SwarmStateStore | None = None  # breakers and per-worker numbers survive restarts here
     refiner: patterns.Synthesizer | None = None  # distils a successful pipeline into one report
     router: EmbeddingRouter | None = None  # semantic routing for workers=auto; keywords when None
+    _tasks: Supervisor = field(default_factory=lambda: Supervisor("swarm_task"))  # runs, and waits for checkpoints
     _running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _finished: dict[str, asyncio.Event] = field(default_factory=dict)
-    _waiters: set[asyncio.Task[None]] = field(default_factory=set)
     _current: dict[str, TaskRun] = field(default_factory=dict)  # a checkpoint resume moves a task to a new run
     _capacity: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever a task stops running here
     # told (no arguments) whenever a task's state or a worker's numbers may have changed: the live dashboard
@@ -300,7 +301,7 @@ class SwarmService:
         self, run: TaskRun, request: SwarmRequest, workers: Sequence[Worker], *, done: Sequence[WorkerResult] = ()
     ) -> None:
         self._finished.setdefault(run.task_id, asyncio.Event())
-        task = asyncio.create_task(self._run(run, request, list(workers), list(done)), name=f"swarm-{run.task_id}")
+        task = self._tasks.spawn(self._run(run, request, list(workers), list(done)), name=f"swarm-{run.task_id}")
         self._running[run.task_id] = task
 
     # -- running ---------------------------------------------------------------------------------
@@ -606,9 +607,7 @@ class SwarmService:
         if approval_id is None or record.id in self._finished:
             return  # no checkpoint to wait for, or this process waits for it already
         self._finished[record.id] = asyncio.Event()
-        waiter = asyncio.create_task(self._resume_after_restart(record, approval_id))
-        self._waiters.add(waiter)
-        waiter.add_done_callback(self._waiters.discard)
+        self._tasks.spawn(self._resume_after_restart(record, approval_id), name=f"swarm-checkpoint-{record.id}")
 
     async def recover_gone(self, live: Collection[str]) -> list[str]:
         """Among replicas: tasks a replica not in ``live`` was running end interrupted (never re-run), reported;
@@ -655,11 +654,7 @@ class SwarmService:
         Only a crash leaves rows RUNNING for :meth:`recover` to call interrupted. Paused pipelines stay paused.
         """
         running = list(self._running)
-        for task in [*self._running.values(), *self._waiters]:
-            task.cancel()
-        for task in [*self._running.values(), *self._waiters]:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.stop()
         for task_id in running:
             try:
                 if await self.store.cancel(
