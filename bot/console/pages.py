@@ -541,7 +541,7 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
         tokens = (t.result or {}).get("tokens") or {}
         used = f"{int(tokens.get('prompt', 0))} + {int(tokens.get('completion', 0))}" if tokens else ""
         task_rows.append(
-            f"<tr><td><code>{e(t.id)}</code></td><td>{e(t.status.value)}</td><td>{e(t.pattern.value)}</td>"
+            f"<tr><td><code>{e(t.id)}</code></td><td>{e(t.status.value)}</td><td>{e(t.pattern)}</td>"
             f"<td>{e(', '.join(str(w) for w in workers))}{handoff_chain(t)}{call_rows(data.calls.get(t.id, ()))}</td>"
             f"<td>{e(t.current_step)}</td>"
             f"<td>{when_html(t.created_at)}</td><td>{when_html(t.finished_at)}</td>"

@@ -62,10 +62,11 @@ from kazma.bot.console.sessions import SessionStore
 from kazma.bot.console.static import CONSOLE_JS
 from kazma.bot.console.upload import UploadRefused, read_upload
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure, with_label
-from kazma.engine.swarm.grammar import GrammarError, parse
+from kazma.engine.swarm.grammar import parse
 from kazma.engine.swarm.limits import MAX_COMMAND_BYTES, MAX_PROMPT_BYTES
 from kazma.engine.swarm.roles import Role as SwarmRole
 from kazma.engine.swarm.roles import required_role
+from kazma.engine.swarm.syntax import GrammarError
 from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.transcript import Working
 
