@@ -55,8 +55,7 @@ class EchoCommand(StartCommand):
 
 
 def _parse_echo(args: Arguments, rest: str, opts: dict[str, str]) -> EchoCommand:
-    token, prompt = args.word_and_prompt(rest)
-    opts, prompt = args.options(prompt, opts)
+    token, prompt, opts = args.word_then_task(rest, opts)
     args.check_worker(token.lower())
     return EchoCommand(token.lower(), args.prompt(prompt), **args.start(opts))
 

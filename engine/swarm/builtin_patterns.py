@@ -33,8 +33,7 @@ class DispatchCommand(StartCommand):
 
 
 def _parse_dispatch(args: Arguments, rest: str, opts: dict[str, str]) -> DispatchCommand:
-    token, prompt = args.word_and_prompt(rest)
-    opts, prompt = args.options(prompt, opts)
+    token, prompt, opts = args.word_then_task(rest, opts)
     return DispatchCommand(args.dispatch_worker(token), args.prompt(prompt), **args.start(opts))
 
 
@@ -114,8 +113,7 @@ class PipelineCommand(StartCommand):
 
 
 def _parse_pipeline(args: Arguments, rest: str, opts: dict[str, str]) -> PipelineCommand:
-    token, prompt = args.word_and_prompt(rest)
-    opts, prompt = args.options(prompt, opts)
+    token, prompt, opts = args.word_then_task(rest, opts)
     preset, stages = args.pipeline_stages(token)
     return PipelineCommand(stages, args.prompt(prompt), preset=preset, **args.start(opts))
 
@@ -165,8 +163,7 @@ class FanOutCommand(StartCommand):
 
 
 def _parse_fanout(args: Arguments, rest: str, opts: dict[str, str]) -> FanOutCommand:
-    token, prompt = args.word_and_prompt(rest)
-    opts, prompt = args.options(prompt, opts)
+    token, prompt, opts = args.word_then_task(rest, opts)
     strategy = args.strategy(opts.pop("strategy", "collect"))
     return FanOutCommand(args.worker_list(token), args.prompt(prompt), strategy, **args.start(opts))
 
@@ -273,8 +270,7 @@ class ConsultCommand(StartCommand):
 
 
 def _parse_consult(args: Arguments, rest: str, opts: dict[str, str]) -> ConsultCommand:
-    token, prompt = args.word_and_prompt(rest)
-    opts, prompt = args.options(prompt, opts)
+    token, prompt, opts = args.word_then_task(rest, opts)
     return ConsultCommand(args.worker_list(token), args.prompt(prompt), **args.start(opts))
 
 

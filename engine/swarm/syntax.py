@@ -232,6 +232,12 @@ class Arguments:
             raise self.fail(f"at most {MAX_WORKERS} branches")
         return tuple(pairs)
 
+    def word_then_task(self, rest: str, opts: dict[str, str]) -> tuple[str, str, dict[str, str]]:
+        """The first word, then the task after any options written right before it; with every option so far."""
+        token, prompt = self.word_and_prompt(rest)
+        opts, prompt = self.options(prompt, opts)
+        return token, prompt, opts
+
     def word_and_prompt(self, rest: str) -> tuple[str, str]:
         token, prompt = first_word(rest) if rest else ("", "")
         if not prompt:
