@@ -38,7 +38,7 @@ from kazma.engine.executor import Action, PlanExecutor
 from kazma.engine.history import HistoryStore
 from kazma.engine.model_router import provider_for
 from kazma.engine.plan_store import PlanStore
-from kazma.engine.swarm import model_calls
+from kazma.engine.swarm import synthesis
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.lead_tools import swarm_tools
 from kazma.engine.swarm.routing import EmbeddingRouter
@@ -483,9 +483,9 @@ async def build_app(
         config,
         approvals=service,
         reporter=CoalescingReporter(report),
-        synthesizer=model_calls.synthesizer(model),
-        chooser=model_calls.chooser(model),
-        refiner=model_calls.refiner(model),
+        synthesizer=synthesis.synthesizer(model),
+        chooser=synthesis.chooser(model),
+        refiner=synthesis.refiner(model),
         deliver=deliver,
         state=SwarmStateStore(stores.swarm),
         router=None
