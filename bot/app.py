@@ -24,8 +24,10 @@ from kazma.approvals.rules import RuleStore
 from kazma.approvals.service import Recovery
 from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.chat_moves import ChatMoves
+from kazma.bot.console.services import ConsoleServices
 from kazma.bot.inbound_claims import InboundClaims
 from kazma.bot.keys import decision_keys_folder, load_decision_keyring
+from kazma.bot.services import KazmaServices
 from kazma.bot.store import StoreWatch
 from kazma.bot.store_handles import StoreHandles, open_handles
 from kazma.config import LoadedConfig, enabled_platforms
@@ -115,6 +117,7 @@ class App:
     replication: Replication | None = None
     # The approvals API's idempotency keys, swept with the other retention (None: not swept here).
     api_keys: IdempotencyKeys | None = None
+    console: ConsoleServices = field(init=False)  # what the web server may use (it never sees the app itself)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _leader_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _live: set[str] = field(default_factory=set)  # the replicas alive at the leader's last look
@@ -532,6 +535,17 @@ async def build_app(
         )
         app.inbound_claims = InboundClaims(stores.pg, replica=replica, live=app.replication.live)
     app.signed_requests = app.inbound_claims or InboundClaims(stores.primary, replica=replica)
+    app.console = KazmaServices(
+        config=config,
+        store=stores.primary,
+        approvals=service,
+        api_keys=app.api_keys or IdempotencyKeys(stores.primary),
+        swarm=swarm,
+        conversations=conversations,
+        transcript=transcript,
+        replica=replica,
+        replication=app.replication,
+    )
     return app
 
 

@@ -200,7 +200,7 @@ async def run_demo(
         server = None
         if console is not None:
             server = WebServer(
-                app, console, host="127.0.0.1", port=web_port, token_path=root / "web-token",
+                app.console, console, host="127.0.0.1", port=web_port, token_path=root / "web-token",
                 operator_token=secrets.token_urlsafe(24),
             )  # fmt: skip
         out.write(f"kazma demo — model: {provider.label}\n")
