@@ -98,7 +98,7 @@ def test_contract_breaks_when_the_console_imports_the_command_line(tmp_path: Pat
     assert "kazma.bot.console.sneaky -> kazma.bot.cli.doctor" in result.stdout
 
 
-@pytest.mark.parametrize("root", ["app", "services"])
+@pytest.mark.parametrize("root", ["app", "lifecycle", "services"])
 def test_contract_breaks_when_the_console_imports_the_composition_root(tmp_path: Path, root: str) -> None:
     tree = _tree(tmp_path)
     (tree / "kazma" / "bot" / "console" / "sneaky.py").write_text(f"import kazma.bot.{root}\n")
