@@ -63,7 +63,7 @@ async def kazma_with_telegram(tmp_path: Path, *, home: int, mini_app: str = "") 
         poll_interval=0.05,
         workspace_root=tmp_path / "ws",
     )
-    server = WebServer(app, web, host="127.0.0.1", port=0, token_path=tmp_path / "web-token")
+    server = WebServer(app.console, web, host="127.0.0.1", port=0, token_path=tmp_path / "web-token")
     await app.start()
     await server.start()
     try:
