@@ -158,6 +158,24 @@ MIGRATIONS = [
             "ALTER TABLE approval_requests ADD COLUMN last_seen REAL",
         ),
     ),
+    Migration(
+        "approvals",
+        9,
+        (
+            # The person under people: who owned the identity that decided (decided_by keeps the identity);
+            # NULL for an identity that is nobody's and for every decision made before people were recorded.
+            # Sealed with the outcome (a "v2:" seal), and final with it.
+            "ALTER TABLE approval_requests ADD COLUMN decided_person TEXT",
+            """
+            CREATE TRIGGER IF NOT EXISTS approval_requests_person_final
+            BEFORE UPDATE OF decided_person ON approval_requests
+            WHEN OLD.status != 'pending'
+            BEGIN SELECT RAISE(ABORT, 'approval outcomes are final'); END
+            """,
+            # Who an audit row is about, beside the identity in ``actor``.
+            "ALTER TABLE approval_events ADD COLUMN person TEXT",
+        ),
+    ),
 ]
 
 # The same tables on PostgreSQL, version for version: REAL is double precision there (its REAL has 6
@@ -314,6 +332,20 @@ PG_MIGRATIONS = [
             "ALTER TABLE approval_requests ADD COLUMN waits text"
             " CHECK (waits IS NULL OR waits IN ('connection', 'polling'))",
             "ALTER TABLE approval_requests ADD COLUMN last_seen double precision",
+        ),
+    ),
+    PgMigration(
+        "approvals",
+        9,
+        (
+            "ALTER TABLE approval_requests ADD COLUMN decided_person text",
+            """
+            CREATE OR REPLACE TRIGGER approval_requests_person_final
+            BEFORE UPDATE OF decided_person ON approval_requests
+            FOR EACH ROW WHEN (OLD.status <> 'pending')
+            EXECUTE FUNCTION kazma_approval_outcome_final()
+            """,
+            "ALTER TABLE approval_events ADD COLUMN person text",
         ),
     ),
 ]

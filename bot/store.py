@@ -22,6 +22,8 @@ from kazma.bot.api_store import MIGRATIONS as API_IDEMPOTENCY
 from kazma.bot.api_store import PG_MIGRATIONS as API_IDEMPOTENCY_PG
 from kazma.bot.chat_moves import MIGRATIONS as CHAT_MOVES
 from kazma.bot.chat_moves import PG_MIGRATIONS as CHAT_MOVES_PG
+from kazma.bot.console.accounts import MIGRATIONS as PEOPLE
+from kazma.bot.console.accounts import PG_MIGRATIONS as PEOPLE_PG
 from kazma.bot.console.sessions import MIGRATIONS as SESSIONS
 from kazma.bot.console.sessions import PG_MIGRATIONS as SESSIONS_PG
 from kazma.bot.inbound_claims import MIGRATIONS as INBOUND_CLAIMS
@@ -62,6 +64,7 @@ def all_migrations() -> list[Migration]:
         *TRANSCRIPT,
         *SESSIONS,
         *INBOUND_CLAIMS,
+        *PEOPLE,
     ]
 
 
@@ -80,6 +83,7 @@ def pg_migrations() -> list[Migration]:
         *TRANSCRIPT_PG,
         *SESSIONS_PG,
         *INBOUND_CLAIMS_PG,
+        *PEOPLE_PG,
     ]
 
 

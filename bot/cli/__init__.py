@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "init": ("kazma.bot.cli.init_cli", "init", "Write a commented kazma.yaml in which you are an approver..."),
     "keys": ("kazma.bot.cli.keys_cli", "keys", "The decision keys that seal approvals: list, rotate, retire."),
     "mcp": ("kazma.bot.cli.mcp_cli", "mcp", "Kazma as an MCP server (request_approval)."),
+    "people": ("kazma.bot.cli.people_cli", "people", "People and their passkeys: list, invite, revoke."),
     "run": ("kazma.bot.cli.core_cli", "run", "Start every configured platform and serve until SIGINT or SIGTERM."),
     "setup": ("kazma.bot.cli.setup_cli", "setup", "Platform app settings: a Slack app manifest, a Discord invite URL."),
     "store": ("kazma.bot.cli.store_cli", "store", "The store itself: copy a SQLite store into PostgreSQL."),
