@@ -32,6 +32,18 @@ from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.chat_text import split_text
 from kazma.adapters.contract import CardRef, ChatMove, Handlers, Inbound, PlatformError
+from kazma.adapters.ingress import (
+    Arrival,
+    Check,
+    Ingress,
+    SignedRequests,
+    Stopped,
+    chat_served,
+    claimed_here,
+    files_within,
+    replay_guard,
+    space_served,
+)
 from kazma.adapters.pacing import Pacing
 from kazma.adapters.press_policy import PressPolicy
 from kazma.approvals.card import ApprovalCard
@@ -120,6 +132,10 @@ class PlatformBase(PressPolicy):
         self._ingress = False  # the singleton ingress is open
         self._ingress_lock = asyncio.Lock()  # one open or close at a time: leadership may flap
         self._moves: dict[str, str] = {}  # chat ids that changed on the platform, old → new
+        spaces = getattr(config, spec.spaces_key) if spec.spaces_key else ()
+        self.spaces = frozenset(spaces)  # the servers served (none: every one), where the platform has servers
+        self._signed = SignedRequests()
+        self.door = Ingress(self._door_checks())
 
     @property
     def spec(self) -> PlatformSpec:
@@ -439,29 +455,89 @@ class PlatformBase(PressPolicy):
             count_failure("inbound_claim", self.name)
             log.warning("platform.inbound_done_failed", platform=self.name, key=key, error=str(exc))
 
-    async def deliver(self, inbound: Inbound, *, key: str | None = None) -> bool:
-        """The one inbound door: only served chats pass, and only events this replica claims (``key``: the
-        platform's id of the event); a failing handler is counted and logged, never raised. True when the
-        message was handed to the handler."""
-        if not self.serves(inbound.chat, direct=inbound.direct, author=inbound.author):
-            reason = "direct_not_allowed" if inbound.direct else "chat_not_served"
-            log.info("platform.inbound_ignored", platform=self.name, chat=inbound.chat, reason=reason)
-            await self._taken_in(key)  # ignored is handled: no next leader takes it in again
-            return False
+    # -- the door (adapters/ingress.py) -----------------------------------------------------------
+
+    def _door_checks(self) -> list[Check]:
+        """The checks every arrival passes, in order (see :mod:`kazma.adapters.ingress`)."""
+        return [
+            replay_guard(self._signed, self._first_in_store),
+            space_served(lambda: self.spaces),
+            chat_served(lambda inbound: self.serves(inbound.chat, direct=inbound.direct, author=inbound.author)),
+            claimed_here(self._claim),
+            files_within(lambda: self.files),
+        ]
+
+    async def _first_in_store(self, keys: list[str]) -> bool:
+        """The store's memory of signed requests (across restarts and replicas). One it cannot ask lets the
+        request through, counted: its signature and age were checked, and this process had not seen it."""
         handlers = self._handlers
-        if handlers is None or not await self._claim(key):
-            return False
-        if inbound.attachments and not inbound.from_bot:
-            problem = self.files.problem(inbound.attachments)
-            if problem is not None:
-                # Refused whole: an agent must not act on a message whose files it cannot see.
-                log.info("platform.files_refused", platform=self.name, chat=inbound.chat, problem=problem)
-                await self._taken_in(key)  # refused is handled: no next leader refuses it again
-                with contextlib.suppress(PlatformError):
-                    await self.send_text(inbound.chat, problem, thread=inbound.thread)
+        if handlers is None or handlers.first_signed is None:
+            return True
+        try:
+            return await handlers.first_signed(self.name, keys)
+        except Exception as exc:
+            count_failure("replay_check", self.name)
+            log.warning("platform.replay_check_failed", platform=self.name, error=str(exc))
+            return True
+
+    async def admit(self, arrival: Arrival, *, answer: bool = True) -> Arrival | None:
+        """Walk the door; None when a check stopped ``arrival`` (logged, counted where evidence is dropped, taken
+        in when handled, and answered in the chat when the check says so and ``answer``)."""
+        verdict = await self.door.admit(arrival)
+        if not isinstance(verdict, Stopped):
+            return verdict
+        inbound = arrival.inbound
+        if verdict.reason == "replayed":
+            count_failure("replay_dropped", self.name)
+            log.warning(
+                "platform.replay_dropped", platform=self.name, keys=[k.split(":", 1)[0] for k in arrival.signed]
+            )
+        elif verdict.reason != "claimed_elsewhere":  # logged by the claim
+            log.info(
+                "platform.inbound_ignored",
+                platform=self.name,
+                check=verdict.check,
+                reason=verdict.reason,
+                chat=inbound.chat if inbound is not None else None,
+                space=arrival.space,
+            )
+        if verdict.taken_in:
+            await self._taken_in(arrival.key)  # ignored or refused is handled: no next leader takes it in again
+        if answer and verdict.reply and inbound is not None:
+            with contextlib.suppress(PlatformError):
+                await self.send_text(inbound.chat, verdict.reply, thread=inbound.thread)
+        return None
+
+    async def screen(self, inbound: Inbound, *, space: int | str | None = None) -> bool:
+        """Whether ``inbound`` would pass the door's checks that need no claim (a command answered before it
+        is claimed: Slack and Discord give three seconds)."""
+        arrival = Arrival(self.name, inbound, space=space)
+        for check in self.door.checks:
+            if check.name == "claimed_here":
+                return True
+            verdict = await check.run(arrival)
+            if isinstance(verdict, Stopped):
+                log.info(
+                    "platform.inbound_ignored",
+                    platform=self.name,
+                    check=verdict.check,
+                    reason=verdict.reason,
+                    chat=inbound.chat,
+                    space=space,
+                )
                 return False
-            bounded = tuple(self.files.bounded(a) for a in inbound.attachments)
-            inbound = dataclasses.replace(inbound, attachments=bounded)
+            arrival = verdict
+        return True
+
+    async def deliver(self, inbound: Inbound, *, key: str | None = None, space: int | str | None = None) -> bool:
+        """The one inbound door: ``inbound`` (``key``: the platform's id of the event; ``space``: the server it
+        came from) passes the door's checks, then the handler has it; a failing handler is counted and logged,
+        never raised. True when the message was handed to the handler."""
+        admitted = await self.admit(Arrival(self.name, inbound, key=key, space=space))
+        handlers = self._handlers
+        if admitted is None or admitted.inbound is None or handlers is None:
+            return False
+        inbound = admitted.inbound
         log.info(
             "platform.inbound",
             platform=self.name,

@@ -66,6 +66,7 @@ class PlatformSpec:
     is_user_id: Callable[[str], bool]  # a person's id on this platform (the part after "telegram:")
     user_id_hint: str  # what a user id looks like, said when one is wrong
     adapter: str  # "module:Class", imported only when the platform is on (each library is heavy)
+    spaces_key: str | None = None  # the key listing the servers served, where the platform has servers
 
     def section(self, platforms: Any) -> Any:
         """This platform's settings out of a ``PlatformsConfig``."""
@@ -121,6 +122,7 @@ CHAT_PLATFORMS: Final[dict[str, PlatformSpec]] = {
             is_user_id=_discord_id,
             user_id_hint="a Discord user id is a positive number, e.g. 123456789012345678",
             adapter="kazma.adapters.discord:DiscordAdapter",
+            spaces_key="guilds",
         ),
     )
 }

@@ -270,8 +270,12 @@ class DiscordAdapter(PlatformBase):
     async def _on_command(self, interaction: discord.Interaction[_Client], name: str, args: str) -> None:
         with self.tracking():
             chat, thread = self._interaction_chat(interaction)
-            served = chat is not None and self.serves(str(chat), direct=interaction.guild_id is None)
-            if not self.started or not served or not self._guild_served(interaction.guild_id):
+            inbound = None
+            if chat is not None:
+                inbound = command_inbound(
+                    interaction, chat, thread, name, args, actor=self.actor, is_admin=self.is_admin
+                )
+            if not self.started or inbound is None or not await self.screen(inbound, space=interaction.guild_id):
                 with contextlib.suppress(PlatformError):
                     await self._rest(
                         "command",
@@ -285,10 +289,7 @@ class DiscordAdapter(PlatformBase):
                 await self._rest("command", lambda: interaction.response.defer(thinking=True))
             except PlatformError:
                 return  # the user was shown a failure; running the command anyway would surprise them
-            delivered = await self.deliver(
-                command_inbound(interaction, chat, thread, name, args, actor=self.actor, is_admin=self.is_admin),
-                key=f"interaction:{interaction.id}",
-            )
+            delivered = await self.deliver(inbound, key=f"interaction:{interaction.id}", space=interaction.guild_id)
             if not delivered:
                 return
             reply = clip(f"Received /{name} {escape_text(args)}".rstrip(), CONTENT_MAX)
@@ -302,23 +303,15 @@ class DiscordAdapter(PlatformBase):
             return None, None
         return channel_chat(interaction.channel, interaction.channel_id)
 
-    def _guild_served(self, guild_id: int | None) -> bool:
-        """``guilds`` narrows every served channel, ``"*"`` included, to those servers."""
-        guilds = self.config.guilds
-        return guild_id is None or not guilds or guild_id in guilds
-
     async def _on_message(self, message: discord.Message) -> None:
         if message.type not in (discord.MessageType.default, discord.MessageType.reply):
             return
-        if not self._guild_served(message.guild.id if message.guild else None):
-            log.info(
-                "discord.inbound_ignored", reason="guild_not_served", guild=message.guild.id if message.guild else None
-            )
-            return
         with self.tracking():
+            # ``guilds`` narrows every served channel, ``"*"`` included, to those servers: the door's space check
             await self.deliver(
                 message_inbound(message, actor=self.actor, is_admin=self.is_admin, fetcher=self._fetcher),
                 key=f"message:{message.id}",
+                space=message.guild.id if message.guild else None,
             )
 
     def _fetcher(self, attachment: discord.Attachment) -> Callable[[], Awaitable[bytes]]:

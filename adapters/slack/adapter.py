@@ -38,12 +38,12 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
+from kazma.adapters.ingress import Arrival
 from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, error_code
 from kazma.adapters.slack.inbound import (
     MESSAGE_SUBTYPES,
-    Replays,
     Seen,
     attachments,
     interaction_key,
@@ -65,7 +65,6 @@ from kazma.adapters.slack.render import (
 )
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
-from kazma.config.metrics import count_failure
 from kazma.config.models import SlackConfig
 
 log = structlog.get_logger("kazma.adapters.slack")
@@ -142,7 +141,6 @@ class SlackAdapter(PlatformBase):
             ignoring_self_events_enabled=True,
         )
         self._seen = Seen()
-        self._replays = Replays()
         self._customize = True  # chat:write.customize granted until Slack says otherwise
         self._runner: web.AppRunner | None = None
         self._socket: AsyncSocketModeHandler | None = None
@@ -265,25 +263,11 @@ class SlackAdapter(PlatformBase):
     async def _drop_replays(
         self, req: AsyncBoltRequest, body: dict[str, Any], next: Callable[[], Awaitable[BoltResponse]]
     ) -> BoltResponse:
+        """Bolt's hook into the kit's door: a signed request walks it (its replay guard) before any listener."""
         keys = replay_keys(req, body)
-        if keys and not (self._replays.first_time(keys) and await self._first_in_store(keys)):
-            count_failure("replay_dropped", PLATFORM)
-            log.warning("slack.replay_dropped", keys=[k.split(":", 1)[0] for k in keys])
+        if keys and await self.admit(Arrival(PLATFORM, signed=tuple(keys))) is None:
             return BoltResponse(status=200, body="")  # acknowledged, so Slack does not retry; nothing runs
         return await next()
-
-    async def _first_in_store(self, keys: list[str]) -> bool:
-        """The store's memory of signed requests (across restarts and replicas). One it cannot ask lets the
-        request through, counted: Bolt checked its signature and age, and this process had not seen it."""
-        handlers = self._handlers
-        if handlers is None or handlers.first_signed is None:
-            return True
-        try:
-            return await handlers.first_signed(PLATFORM, keys)
-        except Exception as exc:
-            count_failure("replay_check", PLATFORM)
-            log.warning("slack.replay_check_failed", error=str(exc))
-            return True
 
     async def _on_message(self, event: dict[str, Any]) -> None:
         with self.tracking():
@@ -343,30 +327,27 @@ class SlackAdapter(PlatformBase):
 
     async def _on_command(self, ack: AsyncAck, command: dict[str, Any]) -> None:
         channel = str(command.get("channel_id", ""))
-        if not self.serves(channel):
+        user = str(command.get("user_id", ""))
+        raw = str(command.get("text") or "")
+        trigger = command.get("trigger_id")
+        inbound = Inbound(
+            platform=PLATFORM,
+            chat=channel,
+            message_id=str(trigger or f"cmd-{uuid.uuid4().hex}"),
+            author=self.actor(user),
+            author_name=str(command.get("user_name") or user),
+            text=unescape(raw).strip(),
+            mentions=mentions_in(raw),
+            command=str(command.get("command") or "/swarm").removeprefix("/"),
+            is_admin=self.is_admin(user),
+        )
+        if not await self.screen(inbound):
             await ack(text=NOT_SERVED)
-            log.info("slack.command_ignored", reason="chat_not_served", channel=channel)
             return
         # Slack gives a slash command 3 seconds; the swarm's work starts after the ack.
         await ack()
         with self.tracking():
-            user = str(command.get("user_id", ""))
-            raw = str(command.get("text") or "")
-            trigger = command.get("trigger_id")
-            await self.deliver(
-                Inbound(
-                    platform=PLATFORM,
-                    chat=channel,
-                    message_id=str(command.get("trigger_id") or f"cmd-{uuid.uuid4().hex}"),
-                    author=self.actor(user),
-                    author_name=str(command.get("user_name") or user),
-                    text=unescape(raw).strip(),
-                    mentions=mentions_in(raw),
-                    command=str(command.get("command") or "/swarm").removeprefix("/"),
-                    is_admin=self.is_admin(user),
-                ),
-                key=f"command:{trigger}" if trigger else None,
-            )
+            await self.deliver(inbound, key=f"command:{trigger}" if trigger else None)
 
     async def _on_action(self, ack: AsyncAck, body: dict[str, Any], action: dict[str, Any]) -> None:
         # Acknowledge before any work: a slow decision must not cost the 3-second window.

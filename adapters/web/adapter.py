@@ -17,10 +17,12 @@ from typing import Any
 
 import structlog
 
+from kazma.adapters.admission import FileBounds
 from kazma.adapters.card_layout import view_of
 from kazma.adapters.chat_text import plain_mentions
 from kazma.adapters.contract import Attachment, CardRef, Handlers, Inbound, PlatformError, Press
 from kazma.adapters.human_text import for_humans
+from kazma.adapters.ingress import Arrival, Check, Ingress, Stopped, files_within
 from kazma.adapters.kit import TYPING_INTERVAL
 from kazma.approvals.card import ApprovalCard, button_data
 from kazma.approvals.honesty import reveal_line
@@ -29,6 +31,8 @@ from kazma.approvals.model import Decision, Outcome, PressResult
 log = structlog.get_logger("kazma.adapters.web")
 
 CONSOLE = "console"
+# What an upload the server read is held to when no bounds were given (the server reads within ``files:``).
+READ_BY_THE_SERVER = FileBounds(max_bytes=2**63 - 1, max_count=2**31 - 1)
 
 
 @dataclass
@@ -100,6 +104,15 @@ class WebAdapter:
     _subscribers: set[asyncio.Queue[dict[str, Any]]] = field(default_factory=set)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _handlers: Handlers | None = None
+    files: FileBounds | None = None  # ``files:``; None: what the server read (it reads within them) is taken
+
+    def __post_init__(self) -> None:
+        self.door = Ingress(self.door_checks())
+
+    def door_checks(self) -> list[Check]:
+        """The console's door: the kit's checks that apply to it. A person here is signed in (the server's
+        part); the console serves its own chats and has no servers, replays or replicas to race."""
+        return [files_within(lambda: self.files or READ_BY_THE_SERVER)]
 
     @property
     def home_chat(self) -> str | None:
@@ -179,23 +192,28 @@ class WebAdapter:
         """
         if self._handlers is None:
             raise PlatformError("web", "inbound", "the web console is not started", retryable=True)
-        shown = "\n".join([text, *(f"📎 {a.name} ({a.size or 0:,} bytes)" for a in attachments)]).strip()
-        message = WebMessage(str(next(self._ids)), chat, f"web:{login}", login, shown, time.time(), reply_to=reply_to)
-        self._add(message)
-        await self._handlers.on_inbound(
-            Inbound(
-                platform="web",
-                chat=chat,
-                message_id=message.id,
-                author=f"web:{login}",
-                author_name=login,
-                text=text,
-                mentions=plain_mentions(text),  # the chat platforms' rule: a code span or an address is no call
-                reply_to=reply_to,
-                is_admin=is_admin,
-                attachments=attachments,
-            )
+        message_id = str(next(self._ids))
+        inbound = Inbound(
+            platform="web",
+            chat=chat,
+            message_id=message_id,
+            author=f"web:{login}",
+            author_name=login,
+            text=text,
+            mentions=plain_mentions(text),  # the chat platforms' rule: a code span or an address is no call
+            reply_to=reply_to,
+            is_admin=is_admin,
+            attachments=attachments,
         )
+        admitted = await self.door.admit(Arrival(self.name, inbound))
+        if isinstance(admitted, Stopped) or admitted.inbound is None:
+            reason = admitted.reply or admitted.reason if isinstance(admitted, Stopped) else "not read"
+            log.info("platform.inbound_ignored", platform=self.name, chat=chat, reason=reason)
+            raise PlatformError("web", "inbound", reason, retryable=False)
+        shown = "\n".join([text, *(f"📎 {a.name} ({a.size or 0:,} bytes)" for a in attachments)]).strip()
+        message = WebMessage(message_id, chat, f"web:{login}", login, shown, time.time(), reply_to=reply_to)
+        self._add(message)
+        await self._handlers.on_inbound(admitted.inbound)
         return message.id
 
     async def press(self, request_id: str, decision: Decision, login: str) -> PressResult:
