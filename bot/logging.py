@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
+from kazma.config.registry import CHAT_PLATFORMS
+
 if TYPE_CHECKING:
     from kazma.config import KazmaConfig
 
@@ -22,14 +24,17 @@ if TYPE_CHECKING:
 # The command line's --log-format choices (kazma.bot.cli.log_options, which must not import structlog).
 LogFormat = Literal["auto", "console", "json"]
 
-# Chatty per-request loggers stay at WARNING unless debugging.
-_NOISY = ("httpx", "httpcore", "aiosqlite", "discord.gateway", "discord.client", "telegram.ext.Updater")
+# Chatty per-request loggers stay at WARNING unless debugging: the HTTP and SQLite clients', and each chat
+# platform library's (its registry entry names them).
+_NOISY = ("httpx", "httpcore", "aiosqlite", *(name for spec in CHAT_PLATFORMS.values() for name in spec.noisy_loggers))
 
 
-# Token shapes that libraries may log inside URLs or error texts: Telegram's "bot<id>:<secret>" path segment,
-# Slack's xox?-/xapp- tokens. Secrets with no recognisable shape (Discord, model keys) are added at start
-# with :func:`redact_secret`.
-_TOKEN_SHAPES = re.compile(r"(?<=/bot)[0-9]+:[A-Za-z0-9_-]+|\b(?:xox[abpers]|xapp)-[A-Za-z0-9-]+")
+# Token shapes that libraries may log inside URLs or error texts, as each platform's registry entry describes
+# them. Secrets with no recognisable shape (some platforms', model keys) are added at start with
+# :func:`redact_secret`.
+_TOKEN_SHAPES = re.compile(
+    "|".join(spec.log_token_pattern for spec in CHAT_PLATFORMS.values() if spec.log_token_pattern) or "(?!)"
+)
 _REDACTED = "<redacted>"
 _secrets: set[str] = set()
 
@@ -43,16 +48,8 @@ def redact_secret(value: str) -> None:
 
 def redact_config_secrets(config: KazmaConfig) -> None:
     """Every secret a configuration holds, whatever its shape: tokens, signing secrets, the model's key."""
-    platforms = config.platforms
     for value in (
-        platforms.telegram.token,
-        platforms.telegram.webhook.secret_token,
-        platforms.slack.bot_token,
-        platforms.slack.app_token,
-        platforms.slack.signing_secret,
-        platforms.discord.token,
-        platforms.slack.sign_in.client_secret,
-        platforms.discord.sign_in.client_secret,
+        *(secret for spec in CHAT_PLATFORMS.values() for secret in spec.secret_values(config.platforms)),
         config.model.api_key,
         config.store.secret,  # the password inside a postgresql:// store.url
     ):

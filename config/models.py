@@ -31,7 +31,8 @@ from kazma.config.keyring import KEY_VARIABLES, keys_folder
 from kazma.config.limits import DEFAULT_FILE_BYTES, DEFAULT_FILE_COUNT, MAX_TOOL_OUTPUT_CHARS, MAX_WORKERS, MIB
 from kazma.config.people import PERSON_NAME, PeopleConfig, parse_people
 from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, user_id_problem
-from kazma.config.tokens import slack_app_token_problem, slack_bot_token_problem
+from kazma.config.registry.slack import app_token_problem as slack_app_token_problem
+from kazma.config.registry.slack import bot_token_problem as slack_bot_token_problem
 
 APPROVER_PLATFORMS = ACTOR_PLATFORMS
 _WORKER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")

@@ -26,21 +26,16 @@ from kazma.config.loader import resolve_path
 from kazma.config.registry import CHAT_PLATFORMS
 
 EXIT_EXISTS = 1
-_USERS = {
-    "telegram": (r"[1-9][0-9]{0,19}", "a Telegram user id is a number (@userinfobot tells you yours)"),
-    "slack": (r"[UW][A-Z0-9]{2,}", "a Slack member id looks like U0123ABCD (your profile → ⋮ → Copy member ID)"),
-    "discord": (r"[1-9][0-9]{0,19}", "a Discord user id is a number (Developer Mode on → right-click your name)"),
-}
 _TITLES = {name: spec.title for name, spec in CHAT_PLATFORMS.items()}
 
 
 def _user_id(platform: str) -> Callable[[str], str]:
-    pattern, hint = _USERS[platform]
+    spec = CHAT_PLATFORMS[platform]
 
     def check(value: str) -> str:
         value = value.strip()
-        if not re.fullmatch(pattern, value):
-            raise click.BadParameter(hint)
+        if not spec.is_user_id(value):
+            raise click.BadParameter(spec.init_user_hint or spec.user_id_hint)
         return value
 
     return check

@@ -22,18 +22,10 @@ DEFAULT_PUBLIC_URL: Final = "http://localhost:8765"
 DEFAULT_MODEL_URL: Final = "http://127.0.0.1:11434/v1"
 DEFAULT_MODEL: Final = "llama3.1"
 WEB_LOGIN: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")  # what the console's login form accepts
-# The variables each platform's section reads, in the order they are set.
-SECRETS: Final = {
-    "telegram": ("TELEGRAM_BOT_TOKEN",),
-    "slack": ("SLACK_BOT_TOKEN",),
-    "discord": ("DISCORD_BOT_TOKEN",),
-}
+# The variable each platform's section reads its token from (its registry entry names it).
+SECRETS: Final = {name: (spec.env[spec.token_key],) for name, spec in CHAT_PLATFORMS.items()}
 _PLACEHOLDER_SECRETS: Final = {  # shaped like the real thing, to validate the result without them
-    "TELEGRAM_BOT_TOKEN": "1:placeholder",
-    "SLACK_BOT_TOKEN": "xoxb-placeholder",
-    "SLACK_APP_TOKEN": "xapp-placeholder",
-    "SLACK_SIGNING_SECRET": "placeholder",
-    "DISCORD_BOT_TOKEN": "placeholder",
+    variable: value for spec in CHAT_PLATFORMS.values() for variable, value in spec.placeholders.items()
 }
 
 
@@ -105,13 +97,7 @@ def _yaml_scalar(value: str) -> str:
 def _platform_block(answers: InitAnswers, platform: str) -> str:
     presence = answers.presence(platform)
     if presence.chat is None:
-        where = {
-            "telegram": (
-                "add the bot to the group; the platform.inbound_ignored log event (platform=telegram) shows its id"
-            ),
-            "slack": "/invite the app, then the channel's name → About shows its id",
-            "discord": "with Developer Mode on, right-click the channel → Copy Channel ID",
-        }[platform]
+        where = CHAT_PLATFORMS[platform].init_chat_hint
         chats, home = f"[]  # not known yet ({where}): put it here and below", ""
     else:
         chat = _yaml_scalar(presence.chat)

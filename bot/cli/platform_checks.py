@@ -12,6 +12,7 @@ token ever appears in one.
 from __future__ import annotations
 
 import asyncio
+import importlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -23,13 +24,7 @@ from kazma.bot.logging import redact
 from kazma.config import LoadedConfig, enabled_platforms
 from kazma.config.models import DiscordConfig, SlackConfig, TelegramConfig
 from kazma.config.platforms import console_warnings
-from kazma.config.tokens import (
-    discord_token_problem,
-    slack_app_token_problem,
-    slack_bot_token_problem,
-    slack_signing_secret_problem,
-    telegram_token_problem,
-)
+from kazma.config.registry import CHAT_PLATFORMS, PlatformSpec
 
 SCOPES_HEADER: Final = "x-oauth-scopes"
 # Slack errors that mean "this token is no good", as opposed to a server or network problem.
@@ -54,15 +49,31 @@ def console_checks(loaded: LoadedConfig) -> list[Check]:
 async def check_platforms(loaded: LoadedConfig, *, timeout: float) -> dict[str, list[Check]]:  # noqa: ASYNC109 - per request
     """Each platform that is on, asked at once; one list of lines per platform."""
     platforms = loaded.config.platforms
-    checkers: dict[str, Callable[[httpx.AsyncClient], Awaitable[list[Check]]]] = {
-        "telegram": lambda client: check_telegram(platforms.telegram, client),
-        "slack": lambda client: check_slack(platforms.slack, client),
-        "discord": lambda client: check_discord(platforms.discord, client),
-    }
-    names = [name for name in enabled_platforms(loaded) if name in checkers]
+    names = [name for name in enabled_platforms(loaded) if CHAT_PLATFORMS[name].doctor]
     async with httpx.AsyncClient(timeout=timeout) as client:
-        results = await asyncio.gather(*(_guarded(name, checkers[name](client), timeout) for name in names))
+        work = [_doctor(CHAT_PLATFORMS[name])(CHAT_PLATFORMS[name].section(platforms), client) for name in names]
+        results = await asyncio.gather(*(_guarded(name, w, timeout) for name, w in zip(names, work, strict=True)))
     return dict(zip(names, results, strict=True))
+
+
+PlatformCheck = Callable[[Any, httpx.AsyncClient], Awaitable[list[Check]]]
+
+
+def _doctor(spec: PlatformSpec) -> PlatformCheck:
+    """The platform's own doctor check, as its registry entry names it."""
+    module, _, attribute = spec.doctor.partition(":")
+    check: PlatformCheck = getattr(importlib.import_module(module), attribute)
+    return check
+
+
+def token_problems(spec: PlatformSpec, section: Any) -> list[Check]:
+    """Every secret of the platform that is set but shaped wrong, as its registry entry judges them."""
+    name = f"platform.{spec.name}"
+    return [
+        Check(name, Level.FAIL, f"platforms.{spec.name}.{key} {problem}")
+        for key, judge in spec.token_judges.items()
+        if (value := str(getattr(section, key) or "")) and (problem := judge(value))
+    ]
 
 
 async def _guarded(name: str, work: Awaitable[list[Check]], timeout: float) -> list[Check]:  # noqa: ASYNC109
@@ -87,9 +98,9 @@ def _json(response: httpx.Response) -> dict[str, Any]:
 
 async def check_telegram(config: TelegramConfig, client: httpx.AsyncClient) -> list[Check]:
     name = "platform.telegram"
-    problem = telegram_token_problem(config.token)
-    if problem:
-        return [Check(name, Level.FAIL, f"platforms.telegram.token {problem}")]
+    problems = token_problems(CHAT_PLATFORMS["telegram"], config)
+    if problems:
+        return problems
     checks: list[Check] = []
     if config.mode == "webhook" and not config.webhook.url.startswith("https://"):
         checks.append(
@@ -130,16 +141,7 @@ async def check_telegram(config: TelegramConfig, client: httpx.AsyncClient) -> l
 
 async def check_slack(config: SlackConfig, client: httpx.AsyncClient) -> list[Check]:
     name = "platform.slack"
-    shapes = [
-        ("bot_token", config.bot_token, slack_bot_token_problem),
-        ("app_token", config.app_token, slack_app_token_problem),
-        ("signing_secret", config.signing_secret, slack_signing_secret_problem),
-    ]
-    problems = [
-        Check(name, Level.FAIL, f"platforms.slack.{key} {problem}")
-        for key, value, judge in shapes
-        if value and (problem := judge(value))
-    ]
+    problems = token_problems(CHAT_PLATFORMS["slack"], config)
     if problems:
         return problems
     response = await client.post(
@@ -225,9 +227,9 @@ async def _slack_app_token(config: SlackConfig, client: httpx.AsyncClient) -> Ch
 
 async def check_discord(config: DiscordConfig, client: httpx.AsyncClient) -> list[Check]:
     name = "platform.discord"
-    problem = discord_token_problem(config.token)
-    if problem:
-        return [Check(name, Level.FAIL, f"platforms.discord.token {problem}")]
+    problems = token_problems(CHAT_PLATFORMS["discord"], config)
+    if problems:
+        return problems
     headers = {"Authorization": f"Bot {config.token}"}
     me = await client.get(f"{config.api_base_url}/users/@me", headers=headers)
     if me.status_code == 401:

@@ -109,7 +109,7 @@ _to_option = click.option(
     metavar="PLATFORM:CHAT",
     default=None,
     callback=_route_callback,
-    help="Post the result in another chat (telegram, slack, discord or web); admin only.",
+    help=f"Post the result in another chat ({', '.join(ROUTE_PLATFORMS[:-1])} or {ROUTE_PLATFORMS[-1]}); admin only.",
 )
 
 

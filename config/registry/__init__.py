@@ -1,61 +1,41 @@
 """The platform registry: everything Kazma knows about a chat platform before it loads its library.
 
-Configuration validation, adapter construction, the swarm's roles and the
-``-> platform:chat`` route check all read this one table; adding a platform is
-one entry here plus one adapter package under ``kazma.adapters`` that passes
-the contract suite.
+Configuration validation, adapter construction, the swarm's roles, the
+``-> platform:chat`` route check, log redaction, ``kazma init`` and
+``kazma doctor`` all read this one table; adding a platform is one entry (a
+module of this package, discovered) plus one adapter package under
+``kazma.adapters`` that passes the contract suite, and its settings' section
+in ``config/models.py``.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
-_INT64_MAX: Final = 2**63 - 1
-_UINT64_MAX: Final = 2**64 - 1
-_TELEGRAM_CHAT: Final = re.compile(r"-?[1-9][0-9]{0,18}")
-_SLACK_CHANNEL: Final = re.compile(r"[CGD][A-Z0-9]{2,31}")
-_DISCORD_ID: Final = re.compile(r"[1-9][0-9]{0,19}")
 _WEB_CHAT: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
-# The people on each door: a Telegram user id is positive (groups are negative chats, never people); a Slack
-# user id starts U (or W on Enterprise Grid); a console login is what the console's sign-in names; a CLI login
-# is the operating system's user name.
-_TELEGRAM_USER: Final = re.compile(r"[1-9][0-9]{0,18}")
-_SLACK_USER: Final = re.compile(r"[UW][A-Z0-9]{1,31}")
+# The people on the console and the terminal: a console login is what the console's sign-in names; a CLI login
+# is the operating system's user name. Each chat platform's own ids are its entry's (a module of this package).
 _WEB_LOGIN: Final = re.compile(r"[a-z0-9_.-]{1,32}")
 _CLI_LOGIN: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}")
-
-
-def _telegram_chat(chat: str) -> bool:
-    return bool(_TELEGRAM_CHAT.fullmatch(chat)) and abs(int(chat)) <= _INT64_MAX
-
-
-def _slack_channel(chat: str) -> bool:
-    return bool(_SLACK_CHANNEL.fullmatch(chat))
-
-
-def _discord_id(chat: str) -> bool:
-    return bool(_DISCORD_ID.fullmatch(chat)) and int(chat) <= _UINT64_MAX
 
 
 def _web_chat(chat: str) -> bool:
     return bool(_WEB_CHAT.fullmatch(chat))
 
 
-def _telegram_user(user: str) -> bool:
-    return bool(_TELEGRAM_USER.fullmatch(user)) and int(user) <= _INT64_MAX
-
-
-def _slack_user(user: str) -> bool:
-    return bool(_SLACK_USER.fullmatch(user))
+TokenJudge = Callable[[str], str | None]
 
 
 @dataclass(frozen=True)
 class PlatformSpec:
     """One chat platform: where its settings live, how its ids look, which adapter serves it."""
 
+    order: int  # where it is listed among the platforms (the order people are asked in)
     name: str  # "telegram": the prefix of its actors ("telegram:<user id>") and conversations
     title: str  # "Telegram", for people
     token_key: str  # the key under platforms.<name> whose emptiness turns the platform off
@@ -67,6 +47,21 @@ class PlatformSpec:
     user_id_hint: str  # what a user id looks like, said when one is wrong
     adapter: str  # "module:Class", imported only when the platform is on (each library is heavy)
     spaces_key: str | None = None  # the key listing the servers served, where the platform has servers
+    # Its secrets: the keys under platforms.<name> (dotted into sub-sections) that hold one, never logged; the
+    # environment variable ``kazma init`` refers to for each, and a value shaped like one to validate with.
+    secrets: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)  # secret key -> environment variable
+    placeholders: dict[str, str] = field(default_factory=dict)  # environment variable -> a value of its shape
+    # What a token looks like: judges of a pasted value (the usual mix-ups, one sentence naming the fix), and a
+    # pattern that finds one inside a library's log line (a URL with the token in its path), redacted there.
+    token_judges: dict[str, TokenJudge] = field(default_factory=dict)
+    log_token_pattern: str | None = None
+    noisy_loggers: tuple[str, ...] = ()  # its library's chatty per-request loggers, kept at WARNING
+    # ``kazma init``: how a person finds their own id and the chat's id there, as a setup hint.
+    init_user_hint: str = ""
+    init_chat_hint: str = ""
+    transport: Callable[[Any], str] = lambda section: "gateway"  # how events arrive, said by `config check`
+    doctor: str = ""  # "module:function" asking the platform whether it accepts Kazma's tokens (kazma doctor)
 
     def section(self, platforms: Any) -> Any:
         """This platform's settings out of a ``PlatformsConfig``."""
@@ -83,49 +78,31 @@ class PlatformSpec:
         """The platform's admins as actors (``telegram:111``)."""
         return frozenset(f"{self.name}:{uid}" for uid in self.section(platforms).admins)
 
+    def secret_values(self, platforms: Any) -> list[str]:
+        """The values of this platform's secrets in a ``PlatformsConfig`` (empty ones left out)."""
+        found = []
+        for key in self.secrets:
+            value: Any = self.section(platforms)
+            for part in key.split("."):
+                value = getattr(value, part)
+            if value:
+                found.append(str(value))
+        return found
 
-CHAT_PLATFORMS: Final[dict[str, PlatformSpec]] = {
-    spec.name: spec
-    for spec in (
-        PlatformSpec(
-            name="telegram",
-            title="Telegram",
-            token_key="token",  # noqa: S106 - the name of a setting, not a secret
-            home_key="home_chat",
-            chats_key="chats",
-            is_chat_id=_telegram_chat,
-            chat_id_hint="a Telegram chat id is a non-zero integer, negative for groups, e.g. -1001234567890",
-            is_user_id=_telegram_user,
-            user_id_hint="a Telegram user id is a positive integer, e.g. 111222333",
-            adapter="kazma.adapters.telegram:TelegramAdapter",
-        ),
-        PlatformSpec(
-            name="slack",
-            title="Slack",
-            token_key="bot_token",  # noqa: S106 - the name of a setting, not a secret
-            home_key="home_channel",
-            chats_key="channels",
-            is_chat_id=_slack_channel,
-            chat_id_hint="a Slack channel id is C, G or D followed by capital letters and digits, e.g. C0123ABCD",
-            is_user_id=_slack_user,
-            user_id_hint="a Slack user id is U (or W) followed by capital letters and digits, e.g. U0123ABCD",
-            adapter="kazma.adapters.slack:SlackAdapter",
-        ),
-        PlatformSpec(
-            name="discord",
-            title="Discord",
-            token_key="token",  # noqa: S106 - the name of a setting, not a secret
-            home_key="home_channel",
-            chats_key="channels",
-            is_chat_id=_discord_id,
-            chat_id_hint="a Discord channel id is a positive number, e.g. 123456789012345678",
-            is_user_id=_discord_id,
-            user_id_hint="a Discord user id is a positive number, e.g. 123456789012345678",
-            adapter="kazma.adapters.discord:DiscordAdapter",
-            spaces_key="guilds",
-        ),
-    )
-}
+
+def _discovered() -> dict[str, PlatformSpec]:
+    """Every chat platform: each module of this package holds one entry, ``SPEC`` (a new platform is a new
+    module here and its package under ``kazma.adapters``; nothing lists them)."""
+    specs: list[PlatformSpec] = []
+    for module in pkgutil.iter_modules(__path__):
+        if not module.name.startswith("_"):
+            spec = importlib.import_module(f"{__name__}.{module.name}").SPEC
+            assert isinstance(spec, PlatformSpec), module.name
+            specs.append(spec)
+    return {spec.name: spec for spec in sorted(specs, key=lambda spec: spec.order)}
+
+
+CHAT_PLATFORMS: Final[dict[str, PlatformSpec]] = _discovered()
 
 WEB: Final = "web"
 CLI: Final = "cli"
