@@ -480,30 +480,17 @@ class PlatformBase(PressPolicy):
             log.warning("platform.replay_check_failed", platform=self.name, error=str(exc))
             return True
 
-    async def admit(self, arrival: Arrival, *, answer: bool = True) -> Arrival | None:
+    async def admit(self, arrival: Arrival) -> Arrival | None:
         """Walk the door; None when a check stopped ``arrival`` (logged, counted where evidence is dropped, taken
-        in when handled, and answered in the chat when the check says so and ``answer``)."""
+        in when handled, and answered in the chat when the check says so)."""
         verdict = await self.door.admit(arrival)
         if not isinstance(verdict, Stopped):
             return verdict
         inbound = arrival.inbound
-        if verdict.reason == "replayed":
-            count_failure("replay_dropped", self.name)
-            log.warning(
-                "platform.replay_dropped", platform=self.name, keys=[k.split(":", 1)[0] for k in arrival.signed]
-            )
-        elif verdict.reason != "claimed_elsewhere":  # logged by the claim
-            log.info(
-                "platform.inbound_ignored",
-                platform=self.name,
-                check=verdict.check,
-                reason=verdict.reason,
-                chat=inbound.chat if inbound is not None else None,
-                space=arrival.space,
-            )
+        self._stopped(verdict, arrival)
         if verdict.taken_in:
             await self._taken_in(arrival.key)  # ignored or refused is handled: no next leader takes it in again
-        if answer and verdict.reply and inbound is not None:
+        if verdict.reply and inbound is not None:
             with contextlib.suppress(PlatformError):
                 await self.send_text(inbound.chat, verdict.reply, thread=inbound.thread)
         return None
@@ -517,17 +504,27 @@ class PlatformBase(PressPolicy):
                 return True
             verdict = await check.run(arrival)
             if isinstance(verdict, Stopped):
-                log.info(
-                    "platform.inbound_ignored",
-                    platform=self.name,
-                    check=verdict.check,
-                    reason=verdict.reason,
-                    chat=inbound.chat,
-                    space=space,
-                )
+                self._stopped(verdict, arrival)
                 return False
             arrival = verdict
         return True
+
+    def _stopped(self, verdict: Stopped, arrival: Arrival) -> None:
+        """Say why the door stopped ``arrival``; a replay is counted (evidence of an attack or a retry storm)."""
+        if verdict.reason == "replayed":
+            count_failure("replay_dropped", self.name)
+            kinds = [key.split(":", 1)[0] for key in arrival.signed]  # never the signature itself
+            log.warning("platform.replay_dropped", platform=self.name, keys=kinds)
+        elif verdict.reason != "claimed_elsewhere":  # logged by the claim
+            inbound = arrival.inbound
+            log.info(
+                "platform.inbound_ignored",
+                platform=self.name,
+                check=verdict.check,
+                reason=verdict.reason,
+                chat=inbound.chat if inbound is not None else None,
+                space=arrival.space,
+            )
 
     async def deliver(self, inbound: Inbound, *, key: str | None = None, space: int | str | None = None) -> bool:
         """The one inbound door: ``inbound`` (``key``: the platform's id of the event; ``space``: the server it

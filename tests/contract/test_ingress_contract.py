@@ -33,7 +33,7 @@ async def test_every_platform_walks_the_kits_door_in_order(harness: Harness) -> 
 
     harness.recorder.handlers = handlers  # type: ignore[method-assign]
     adapter = await harness.start()
-    assert adapter.door.names == KIT_ORDER  # type: ignore[attr-defined]
+    assert adapter.door.names == KIT_ORDER
     await harness.say(harness.unserved, harness.admin, "@builder not here")
     await harness.say(harness.home, harness.admin, "@builder here")
     [arrived] = await harness.recorder.wait_until(lambda: harness.recorder.inbound)
