@@ -25,6 +25,7 @@ from kazma.approvals.card import (
     check_names,
     verify_integrity,
 )
+from kazma.approvals.chain import AuditChain
 from kazma.approvals.hashing import args_hash, canonical_json, check_arguments
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status, Waits
 from kazma.approvals.rules import Rule, RuleStore, rules_consulted_for
@@ -83,8 +84,8 @@ class OpenGate(Protocol):
         Raising refuses (the whole transaction is undone and the exception reaches the caller)."""
         ...
 
-    def opened(self, tx: Tx, request_id: str) -> None:
-        """After the request's rows: the door's own rows of it."""
+    def opened(self, tx: Tx, request_id: str, audit: AuditChain) -> None:
+        """After the request's rows: the door's own rows of it (its audit events through ``audit``)."""
         ...
 
 
@@ -326,7 +327,9 @@ class ApprovalService:
         publisher: object = self.publisher  # (a protocol narrowed to another protocol reads as unreachable)
         queuer = publisher if isinstance(publisher, QueuesCards) else None
         queue = None if queuer is None else await queuer.queue_statements(new.id)
-        also: list[Callable[[Tx], object]] = [] if gate is None else [lambda tx: gate.opened(tx, new.id)]
+        also: list[Callable[[Tx], object]] = (
+            [] if gate is None else [lambda tx: gate.opened(tx, new.id, self.store.chain)]
+        )
         if queue is not None:
             also.append(queue)
         request, opened = await self.store.insert_once(

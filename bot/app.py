@@ -20,12 +20,14 @@ from kazma.adapters.outbox import Outbox
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
+from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.rules import RuleStore
 from kazma.approvals.service import Recovery
 from kazma.bot.api_store import IdempotencyKeys
+from kazma.bot.audit_sink import AuditSink
 from kazma.bot.chat_moves import ChatMoves
 from kazma.bot.inbound_claims import InboundClaims
-from kazma.bot.keys import decision_keys_folder, load_decision_keyring
+from kazma.bot.keys import decision_keys_folder, load_audit_signer, load_decision_keyring
 from kazma.bot.store import StoreWatch
 from kazma.bot.store_handles import StoreHandles, open_handles
 from kazma.config import LoadedConfig, enabled_platforms
@@ -114,6 +116,10 @@ class App:
     replication: Replication | None = None
     # The approvals API's idempotency keys, swept with the other retention (None: not swept here).
     api_keys: IdempotencyKeys | None = None
+    # Signs the audit chain's head within milliseconds of each decision (every replica runs one).
+    checkpointer: Checkpointer | None = None
+    # audit.sink: streams the audit chain out as it commits (the leader's duty among replicas).
+    audit_sink: AuditSink | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _leader_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _live: set[str] = field(default_factory=set)  # the replicas alive at the leader's last look
@@ -174,12 +180,15 @@ class App:
             return
         # Recover before any platform can start new work: a task or step started by
         # this process must never be mistaken for one a dead process left running.
+        await self._start_audit()
         interrupted, tell_lead = await self.executor.mark_interrupted()
         if interrupted:
             log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
         await self.swarm.recover()  # its reports are coalesced and sent once the platforms are up
         recovery = await self.service.recover()  # orphans end before anyone can press their stale buttons
         self._tasks.append(asyncio.create_task(self._retention(), name="kazma-swarm-retention"))
+        if self.audit_sink is not None:
+            self._tasks.append(asyncio.create_task(self.audit_sink.run(), name="kazma-audit-sink"))
         await self._follow_chat_moves()
         if self.mcp is not None:  # tools listed before the first turn when the servers are quick; later otherwise
             await self.mcp.start(wait=10.0)
@@ -203,6 +212,7 @@ class App:
         self.executor.store.replica = self.replica
         self.swarm.store.replica = self.replica
         await replication.start()  # its lease session is up: no leader takes what it starts for a dead one's
+        await self._start_audit()
         # What this replica's previous life (same name) left: the others may never have seen it gone.
         await self.swarm.restore_breakers()
         told = await self._recover_replicas(AllBut(self.replica), claims=False)
@@ -222,6 +232,16 @@ class App:
         self._leader_tasks.append(asyncio.create_task(self._keep_ingress(), name="kazma-leader-ingress"))
         self._leader_tasks.append(asyncio.create_task(self._sweep(), name="kazma-approvals-sweep"))
         self._leader_tasks.append(asyncio.create_task(self._retention(), name="kazma-swarm-retention"))
+        if self.audit_sink is not None:  # one replica streams: a new leader goes on from the stored position
+            self._leader_tasks.append(asyncio.create_task(self.audit_sink.run(), name="kazma-audit-sink"))
+
+    async def _start_audit(self) -> None:
+        """The audit chain before anything appends: the one-time chaining of events from before it (after an
+        upgrade), then a signature over whatever a previous run left unsigned, then the checkpointer."""
+        await self.service.store.start_chain()
+        if self.checkpointer is not None:
+            await self.checkpointer.sign()
+            self._tasks.append(asyncio.create_task(self.checkpointer.run(), name="kazma-audit-checkpointer"))
 
     async def _keep_ingress(self) -> None:
         """While leading: every singleton ingress open, one that failed to open tried again with backoff."""
@@ -379,6 +399,12 @@ class App:
         if self.mcp is not None:
             await self.mcp.stop()
         await self.bus.stop()
+        if self.checkpointer is not None:  # what this run appended last, signed before the store closes
+            try:
+                await self.checkpointer.sign()
+            except Exception as exc:
+                count_failure("audit_checkpoint")
+                log.warning("audit.checkpoint_at_stop_failed", error=str(exc))
         closer = getattr(self.provider, "aclose", None)
         if closer is not None:
             await closer()
@@ -409,10 +435,12 @@ async def build_app(
     # the app (`kazma swarm`) holds no lease, so nobody could tell whether it is alive.
     try:
         keyring = load_decision_keyring(config)  # seals every outcome; made at first start on SQLite
+        signer = load_audit_signer(config)  # signs the audit chain's checkpoints; made beside it on SQLite
     except BaseException:
         await stores.close()
         raise
-    store = ApprovalStore(stores.primary, keyring=keyring)
+    store = ApprovalStore(stores.primary, keyring=keyring, audit=signer)
+    checkpointer = Checkpointer(store, signer)
     platform_adapters = build_adapters(loaded, paced=paced) if adapters is None else list(adapters)
     if web is not None:
         platform_adapters.append(web)
@@ -420,7 +448,13 @@ async def build_app(
     outbox = Outbox(stores.outbox, replica=replica)
     if platform_adapters:
         bus = FanOutBus(
-            platform_adapters, store=store, outbox=outbox, config=config, poll_interval=poll_interval, shared=shared
+            platform_adapters,
+            store=store,
+            outbox=outbox,
+            config=config,
+            poll_interval=poll_interval,
+            shared=shared,
+            witnesses=checkpointer,
         )
     else:
         bus = NullBus()
@@ -434,7 +468,7 @@ async def build_app(
     tools = registry or default_registry(
         sandbox=resolve_sandbox(config.tools.sandbox),
         shell_network=config.tools.shell_network,
-        # The store, the tokens, the sessions, the decision keys: never visible to a command.
+        # The store, the tokens, the sessions, the decision and audit keys: never visible to a command.
         hidden=[state.resolve(), decision_keys_folder(config).resolve()],
     )
     if "send_file" not in tools:
@@ -515,6 +549,8 @@ async def build_app(
         mcp=mcp,
         replica=replica,
         api_keys=IdempotencyKeys(stores.primary),
+        checkpointer=checkpointer,
+        audit_sink=None if config.audit.sink is None else AuditSink.of(store, stores.primary, config.audit.sink),
     )
     if stores.pg is not None:
         from kazma.bot.replication import Replication
