@@ -23,7 +23,7 @@ bad sequence number. Nothing here needs a secret: only the public keys.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kazma.approvals.chain import GENESIS, ChainedEvent
@@ -82,6 +82,7 @@ class Report:
     last_seq: int | None = None
     head: str | None = None
     heads_checked: int = 0
+    pending: int = 0  # events after the last checkpoint that Kazma's commit seals vouch for: signed any moment
     history: Checkpoint | None = None  # the one-time chaining's checkpoint, if the log had events before the chain
     problems: list[Problem] = field(default_factory=list)
 
@@ -102,17 +103,26 @@ class Report:
             return "ok: the audit log is empty"
         span = f"{self.first_seq}..{self.last_seq}"
         heads = f"; {self.heads_checked} head(s) seen elsewhere are in it" if self.heads_checked else ""
+        pending = f"; the last {self.pending} are sealed by Kazma and not signed yet" if self.pending else ""
         return (
             f"ok: {self.events} events (seq {span}) chained, {self.checkpoints} checkpoints signed; "
-            f"head #{self.last_seq} {(self.head or '')[:12]}{heads}"
+            f"head #{self.last_seq} {(self.head or '')[:12]}{heads}{pending}"
         )
 
 
 class _Walk:
     """The state of one pass over events and checkpoints, both in sequence order."""
 
-    def __init__(self, keys: PublicKeys, heads: Iterable[Head], anchored: bool, history: Checkpoint | None) -> None:
+    def __init__(
+        self,
+        keys: PublicKeys,
+        heads: Iterable[Head],
+        anchored: bool,
+        history: Checkpoint | None,
+        pending: Collection[int],
+    ) -> None:
         self.keys = keys
+        self.pending = pending
         self.report = Report(history=history)
         self.history = history
         self.heads: dict[int, list[Head]] = {}
@@ -123,9 +133,12 @@ class _Walk:
         self.last: ChainedEvent | None = None
         self.last_misplaced = False  # the last event did not follow the one before it
         self.seen: dict[str, int] = {}  # chain hash -> seq, to name where a misplaced event belongs
-        self.orphans: dict[str, int] = {}  # a prev_hash no earlier event has -> the seq chained after it
+        # A prev_hash no earlier event has -> the index of its problem ("missing" until an event with that hash
+        # turns up later in the log: then "reordered").
+        self.orphans: dict[str, int] = {}
         self.links: dict[int, str] = {}  # seq -> the chain hash there, as recomputed
         self.covered_to = 0  # the last seq a checkpoint covers
+        self.mismatches: list[tuple[Checkpoint, Problem]] = []  # checkpoints whose head the events do not reach
 
     def problem(self, seq: int, kind: str, detail: str) -> None:
         self.report.problems.append(Problem(seq, kind, detail))
@@ -138,22 +151,25 @@ def verify(
     *,
     heads: Iterable[Head] = (),
     anchored: bool = True,
+    pending: Collection[int] = (),
 ) -> Report:
     """Check ``events`` (in sequence order) against their chain fields, ``checkpoints`` against ``keys`` and the
     events, and ``heads`` seen elsewhere against the log.
 
     ``anchored=False``: the events start after the beginning of the log (an export with ``--since``): the first
-    one's ``prev_hash`` is taken as given, and only a checkpoint or head can vouch for it.
+    one's ``prev_hash`` is taken as given, and only a checkpoint or head can vouch for it. ``pending``: events
+    after the last checkpoint whose commit seals Kazma verified (only where its audit key is): not yet signed,
+    not a problem.
     """
-    pending = sorted(checkpoints, key=lambda c: c.seq)
-    walk = _Walk(keys, heads, anchored, next((c for c in pending if c.kind == HISTORY), None))
+    ordered = sorted(checkpoints, key=lambda c: c.seq)
+    walk = _Walk(keys, heads, anchored, next((c for c in ordered if c.kind == HISTORY), None), pending)
     index = 0
     for event in events:
         _event(walk, event)
-        while index < len(pending) and pending[index].seq <= event.seq:
-            _checkpoint(walk, pending[index])
+        while index < len(ordered) and ordered[index].seq <= event.seq:
+            _checkpoint(walk, ordered[index])
             index += 1
-    for checkpoint in pending[index:]:
+    for checkpoint in ordered[index:]:
         _checkpoint(walk, checkpoint)
     _ends(walk)
     return walk.report
@@ -192,7 +208,10 @@ def _event(walk: _Walk, event: ChainedEvent) -> None:
         return
     resolved = walk.orphans.pop(event.chain_hash, None)
     if resolved is not None:
-        walk.problem(resolved, REORDERED, f"it was chained after seq {event.seq}, which comes later in the log")
+        seq = walk.report.problems[resolved].seq
+        walk.report.problems[resolved] = Problem(
+            seq, REORDERED, f"it was chained after seq {event.seq}, which comes later in the log"
+        )
     vouched = (
         last is not None
         and walk.history is not None
@@ -216,8 +235,10 @@ def _misplaced(walk: _Walk, event: ChainedEvent) -> None:
     prev_hash = event.prev_hash or ""
     last = walk.last
     earlier = 0 if prev_hash == GENESIS else walk.seen.get(prev_hash)
-    if earlier is None:
-        walk.orphans.setdefault(prev_hash, event.seq)  # reordered if that event comes later, else missing
+    if earlier is None:  # reordered if that event comes later in the log, else missing
+        if prev_hash not in walk.orphans:
+            walk.orphans[prev_hash] = len(walk.report.problems)
+            walk.problem(event.seq, MISSING, f"the event it was chained after ({prev_hash[:12]}…) is not in the log")
     elif last is not None and earlier == last.seq - 1 and not walk.last_misplaced:
         walk.problem(
             last.seq,
@@ -274,7 +295,8 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
                 f"the events it covers (seq {checkpoint.first_seq}..{checkpoint.seq}) hash to {computed[:12]}…, "
                 f"not to the head it signed ({checkpoint.head[:12]}…)"
             )
-        walk.problem(checkpoint.first_seq, CHANGED, detail)
+        # Said at the end, unless an event in its range is found wrong by then (that says better what changed).
+        walk.mismatches.append((checkpoint, Problem(checkpoint.first_seq, CHANGED, detail)))
     if checkpoint.first_seq > walk.covered_to + 1:
         _uncovered(walk, walk.covered_to + 1, checkpoint.first_seq - 1)
     walk.covered_to = max(walk.covered_to, checkpoint.seq)
@@ -282,18 +304,23 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
 
 def _uncovered(walk: _Walk, first: int, last: int) -> None:
     present = [seq for seq in range(first, last + 1) if seq in walk.links]
+    waiting = [seq for seq in present if seq in walk.pending and seq > walk.covered_to]
+    walk.report.pending += len(waiting)
+    present = [seq for seq in present if seq not in walk.pending or seq <= walk.covered_to]
     if present:
-        span = f"seq {present[0]}" if len(present) == 1 else f"seqs {present[0]}..{present[-1]} ({len(present)} events)"
+        span = "" if len(present) == 1 else f" (to seq {present[-1]}: {len(present)} events)"
         walk.problem(
             present[0],
             UNSIGNED,
-            f"{span}: no signed checkpoint covers it (written outside Kazma, or its checkpoint was removed)",
+            f"no signed checkpoint covers it{span}: written outside Kazma, or its checkpoint was removed",
         )
 
 
 def _ends(walk: _Walk) -> None:
-    for prev_hash, seq in walk.orphans.items():
-        walk.problem(seq, MISSING, f"the event it was chained after ({prev_hash[:12]}…) is not in the log")
+    found = list(walk.report.problems)
+    for checkpoint, problem in walk.mismatches:
+        if not any(checkpoint.first_seq <= p.seq <= checkpoint.seq for p in found):
+            walk.report.problems.append(problem)
     last = walk.last
     if last is None:
         for seq in sorted(walk.heads):

@@ -190,3 +190,12 @@ def _vouched_runs(signer: AuditSigner, rows: list[Any], prev: str, judged: Judge
         pending = []
     judged.unvouched += [e.seq for e, _ in pending]  # no seal after them: no transaction of Kazma's wrote them
     return runs
+
+
+async def vouched_tail(store: ApprovalStore, signer: AuditSigner) -> set[int]:
+    """The events after the last checkpoint that Kazma's commit seals vouch for: appended by Kazma and about to be
+    signed (read only; a verifier on Kazma's own machine, with its audit key, tells them from forged rows)."""
+    last = await store.tables.one(_LAST_CHECKPOINT)
+    after, prev = (0, GENESIS) if last is None else (int(last[0]), str(last[1]))
+    runs = _vouched_runs(signer, await store.tables.all(_SINCE, (after,)), prev, Judged())
+    return {seq for first, end, _ in runs for seq in range(first, end + 1)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import re
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -920,3 +921,11 @@ class ApprovalService:
                 f"the arguments changed after approval (approved {request.args_hash[:12]}…, now {actual[:12]}…)"
             )
         await self._audit_safely(request_id, "execution_started", None, None, f"tool={tool}")
+
+    async def execution_finished(self, request_id: str, *, ok: bool, output: str, error: str | None) -> None:
+        """After an approved call ran: how it ended, audited. The output itself stays out of the audit (it goes
+        wherever the audit is streamed): its length and SHA-256 say which output it was; an error, bounded."""
+        digest = hashlib.sha256(output.encode("utf-8", "replace")).hexdigest()
+        said = f"{len(output)} characters of output, sha256 {digest}"
+        detail = f"ok: {said}" if ok else f"failed: {(error or 'no reason given')[:200]}; {said}"
+        await self._audit_safely(request_id, "execution_finished", None, None, detail)

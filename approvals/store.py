@@ -34,6 +34,7 @@ from kazma.approvals.chain import (
 from kazma.approvals.checkpoints import AuditSigner, Checkpoint
 from kazma.approvals.model import ApprovalRequest, Outcome, Status, Waits, outcome_of
 from kazma.approvals.seal import seal
+from kazma.config.database import Tables
 from kazma.config.keyring import Keyring
 from kazma.config.store_backend import StoreBackend, Tx, Writer, backend_of, held_by_gone
 
@@ -256,7 +257,9 @@ class ApprovalStore:
         self.clock = clock
         # Every audit event goes through the chain; ``audit`` signs its checkpoints (None: they are written
         # unsigned, and ``kazma audit verify`` fails on them: a store opened only to read, or a test of rows).
-        self.chain = AuditChain(postgres=self._conn is None, signer=audit, clock=lambda: self.clock())
+        self.tables = backend_of(conn)
+        # SQLite's writer holds the file's write lock for the whole transaction; PostgreSQL's needs the chain's.
+        self.chain = AuditChain(postgres=not isinstance(self.tables, Tables), signer=audit, clock=lambda: self.clock())
         # Told after a commit that appended audit events (the checkpointer, the audit sink).
         self.appended_listeners: list[Callable[[], None]] = []
         # Written as the owner of every request this process opens (None: the only process on the store).
@@ -264,7 +267,6 @@ class ApprovalStore:
         # Seals every outcome this store writes (approvals/seal.py). None: outcomes are written unsealed, and an
         # approval written so can never run (a store opened only to read, or by a test of the rows alone).
         self.keyring = keyring
-        self.tables = backend_of(conn)
 
     @property
     def conn(self) -> aiosqlite.Connection:

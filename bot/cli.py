@@ -19,11 +19,16 @@ from kazma.bot.log_options import FORMATS, LEVELS, log_settings, set_log, with_l
 # name: (module, attribute, the one line `kazma --help` shows). test_cli checks each line against the command's own.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "approvals": ("kazma.bot.approvals_cli", "approvals", "List, inspect and decide approval requests."),
+    "audit": ("kazma.bot.audit_cli", "audit", "The audit chain: verify it, export it, print its public keys."),
     "config": ("kazma.bot.core_cli", "config", "Inspect and validate kazma.yaml."),
     "demo": ("kazma.bot.core_cli", "demo", "Play a scripted scenario end to end: no tokens, no model."),
     "doctor": ("kazma.bot.core_cli", "doctor", "Check the configuration, each platform's tokens with the platform,..."),
     "init": ("kazma.bot.init_cli", "init", "Write a commented kazma.yaml in which you are an approver..."),
-    "keys": ("kazma.bot.keys_cli", "keys", "The decision keys that seal approvals: list, rotate, retire."),
+    "keys": (
+        "kazma.bot.keys_cli",
+        "keys",
+        "The decision keys that seal approvals, and the audit keys (--audit): list, rotate, retire.",
+    ),
     "mcp": ("kazma.bot.mcp_cli", "mcp", "Kazma as an MCP server (request_approval)."),
     "run": ("kazma.bot.core_cli", "run", "Start every configured platform and serve until SIGINT or SIGTERM."),
     "setup": ("kazma.bot.setup_cli", "setup", "Platform app settings: a Slack app manifest, a Discord invite URL."),
