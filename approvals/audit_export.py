@@ -132,8 +132,16 @@ def _int(record: dict[str, Any], name: str) -> int:
     return value
 
 
+def _fields(record: dict[str, Any], names: tuple[str, ...]) -> None:
+    """A record has exactly its fields: one missing or unknown (a name changed) is no record of this format."""
+    expected = {"type", *names}
+    if set(record) != expected:
+        missing, unknown = sorted(expected - set(record)), sorted(set(record) - expected)
+        raise ValueError(f"fields missing: {missing or '-'}; unknown: {unknown or '-'}")
+
+
 def _text(record: dict[str, Any], name: str, *, optional: bool = True) -> str | None:
-    value = record.get(name)
+    value = record[name]
     if value is None and optional:
         return None
     if not isinstance(value, str):
@@ -149,6 +157,7 @@ def _float(record: dict[str, Any], name: str) -> float:
 
 
 def _event(record: dict[str, Any]) -> ChainedEvent:
+    _fields(record, _EVENT_FIELDS)
     return ChainedEvent(
         seq=_int(record, "seq"),
         request_id=_text(record, "request_id"),
@@ -164,6 +173,7 @@ def _event(record: dict[str, Any]) -> ChainedEvent:
 
 
 def _checkpoint(record: dict[str, Any]) -> Checkpoint:
+    _fields(record, _CHECKPOINT_FIELDS)
     return Checkpoint(
         kind=str(_text(record, "kind", optional=False)),
         first_seq=_int(record, "first_seq"),

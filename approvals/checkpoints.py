@@ -77,7 +77,12 @@ def _b64(data: bytes) -> str:
 
 
 def _unb64(text: str) -> bytes:
-    return base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
+    """URL-safe base64 without padding, written only one way: unused low bits of the last character must be
+    zero, so no second spelling of a signature (or a key) passes for it."""
+    data = base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
+    if _b64(data) != text:
+        raise ValueError("not canonical URL-safe base64")
+    return data
 
 
 def _commit_key(seed: bytes) -> bytes:
