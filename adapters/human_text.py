@@ -1,6 +1,6 @@
 """What people read: model-facing untrusted-data fences turned into a quiet "from @researcher" label.
 
-The engine fences tool and agent output for models (``engine.tools.fence_untrusted``: a header, then
+The engine fences tool and agent output for models (``engine.fence.fence_untrusted``: a header, then
 the text between markers carrying a random nonce). Those markers are for models; a person reading a
 dispatch in a chat or the console sees the same text with a short label naming where it came from.
 Every outbound path to people (the conversation sink, the console) passes text through

@@ -15,9 +15,9 @@ from typing import Any
 import aiosqlite
 
 from kazma.approvals.model import API_REQUESTER_PREFIX
-from kazma.config.database import Migration
-from kazma.config.pg_schema import PgMigration
-from kazma.config.store_backend import StoreBackend, Tx, backend_of, held_by_gone
+from kazma.config.store.backend import StoreBackend, Tx, backend_of, held_by_gone
+from kazma.config.store.database import Migration
+from kazma.config.store.pg_schema import PgMigration
 
 # Who claims when no replica name is given: the only process on its store.
 LOCAL = "local"
@@ -106,7 +106,7 @@ class Outbox:
         return self._conn
 
     async def _write(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
-        """Through the store's group-committing writer (see :mod:`kazma.config.writer`), on either backend."""
+        """Through the store's group-committing writer (see :mod:`kazma.config.store.writer`), on either backend."""
         writer = await self.tables.writer()
         await writer.submit(lambda tx: tx.run_many(sql, rows))
 

@@ -51,7 +51,7 @@ import structlog
 
 from kazma.approvals.checkpoints import HISTORY, AuditSigner, Checkpoint
 from kazma.config.metrics import count_failure
-from kazma.config.store_backend import Tx
+from kazma.config.store.backend import Tx
 
 log = structlog.get_logger("kazma.approvals.chain")
 

@@ -30,7 +30,7 @@ from kazma.approvals.chain import EVENT_COLUMNS, GENESIS, ChainedEvent, write_ch
 from kazma.approvals.checkpoints import HEAD, AuditSigner, Checkpoint
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import audit_checkpoint_seen, count_failure
-from kazma.config.store_backend import Tx
+from kazma.config.store.backend import Tx
 
 if TYPE_CHECKING:
     from kazma.approvals.store import ApprovalStore

@@ -11,7 +11,8 @@ the call waits for a person. Approved: the arguments are hashed *again* as they
 are about to run and must be exactly the approved ones, then the function runs
 once. Denied, timed out or cancelled: it does not run and
 :class:`ApprovalDenied`, :class:`ApprovalTimeout` or :class:`ApprovalCancelled`
-is raised. Async functions are supported (the HTTP calls run in a thread).
+is raised; an approval in Kazma's store that Kazma did not seal raises
+:class:`ApprovalUnverified`. Async functions are supported (the HTTP calls run in a thread).
 
 The call waits for its answer, so Kazma is told it does (``Kazma-Wait: sync``):
 interrupted (Ctrl-C) or, for an async function, cancelled, the request is
@@ -46,6 +47,7 @@ __all__ = [
     "ApprovalError",
     "ApprovalMismatch",
     "ApprovalTimeout",
+    "ApprovalUnverified",
     "KazmaApprovals",
     "require_approval",
 ]
@@ -76,6 +78,10 @@ class ApprovalTimeout(ApprovalError):
 
 class ApprovalCancelled(ApprovalError):
     """The request was withdrawn or Kazma cancelled it (not a denial)."""
+
+
+class ApprovalUnverified(ApprovalError):
+    """The store says approved, but no decision path of Kazma sealed it: it was written by something else."""
 
 
 class ApprovalMismatch(ApprovalError):
@@ -204,7 +210,9 @@ def _check(found: dict[str, Any], asked_hash: str) -> None:
         if found.get("hash") != asked_hash:
             raise ApprovalMismatch("Kazma approved a different call than the one asked for", found)
         return
-    error = {"denied": ApprovalDenied, "timeout": ApprovalTimeout}.get(str(status), ApprovalCancelled)
+    error = {"denied": ApprovalDenied, "timeout": ApprovalTimeout, "unverified": ApprovalUnverified}.get(
+        str(status), ApprovalCancelled
+    )
     who = f" by {found.get('decided_by')}" if found.get("decided_by") else ""
     raise error(f"{found.get('tool')}: {status}{who}; it did not run", found)
 

@@ -3,8 +3,8 @@ and the audit append-only (what proves it was not rewritten around Kazma is the 
 
 from __future__ import annotations
 
-from kazma.config.database import Migration
-from kazma.config.pg_schema import PgMigration
+from kazma.config.store.database import Migration
+from kazma.config.store.pg_schema import PgMigration
 
 MIGRATIONS = [
     Migration(

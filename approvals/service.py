@@ -35,8 +35,8 @@ from kazma.approvals.store import ApprovalStore, CardCheck, CardProblem, Clock, 
 from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdrawn, withdrawn
 from kazma.config.metrics import APPROVALS_DECIDED, APPROVALS_OPENED, PRESS_TO_DECISION, count_failure
 from kazma.config.models import KazmaConfig
-from kazma.config.store_backend import Tx
-from kazma.config.store_errors import store_errors
+from kazma.config.store.backend import Tx
+from kazma.config.store.errors import store_errors
 
 log = structlog.get_logger("kazma.approvals")
 

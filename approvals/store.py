@@ -1,7 +1,7 @@
 """The one-decision store: rows of approval requests, their audit trail and their posted cards.
 
 On SQLite or PostgreSQL: the store talks only to a
-:class:`~kazma.config.store_backend.StoreBackend` (reads, and a writer of
+:class:`~kazma.config.store.backend.StoreBackend` (reads, and a writer of
 operations), with SQL both engines run alike.
 
 Every outcome is written by one compare-and-set (``UPDATE … WHERE status =
@@ -34,9 +34,9 @@ from kazma.approvals.chain import (
 from kazma.approvals.checkpoints import AuditSigner, Checkpoint
 from kazma.approvals.model import ApprovalRequest, Outcome, Status, Waits, outcome_of
 from kazma.approvals.seal import seal
-from kazma.config.database import Tables
 from kazma.config.keyring import Keyring
-from kazma.config.store_backend import StoreBackend, Tx, Writer, backend_of, held_by_gone
+from kazma.config.store.backend import StoreBackend, Tx, Writer, backend_of, held_by_gone
+from kazma.config.store.database import Tables
 
 Clock = Callable[[], float]
 T = TypeVar("T")
@@ -241,7 +241,7 @@ class ApprovalStore:
     """Data access for approvals on one aiosqlite connection, or on another backend (PostgreSQL).
 
     A SQLite connection is shared by every coroutine of the process, so every
-    statement goes through its :class:`~kazma.config.database.Tables`.
+    statement goes through its :class:`~kazma.config.store.database.Tables`.
     """
 
     def __init__(
@@ -276,7 +276,7 @@ class ApprovalStore:
         return self._conn
 
     async def _write(self, op: Callable[[Tx], T]) -> T:
-        """Every write: one operation in the store's next group commit (see :mod:`kazma.config.writer`)."""
+        """Every write: one operation in the store's next group commit (see :mod:`kazma.config.store.writer`)."""
         writer: Writer = await self.tables.writer()
         result = await writer.submit(op)
         if self.chain.appended:  # audit events committed: the checkpointer signs them, the sink sends them

@@ -21,8 +21,8 @@ import aiosqlite
 from kazma.approvals import MIGRATIONS, ApprovalService, ApprovalStore, Decision, button_data
 from kazma.bot.logging import configure_logging
 from kazma.config import load_config_text
-from kazma.config.database import connect, open_database
 from kazma.config.keyring import DECISION_KEYS, Keyring
+from kazma.config.store.database import connect, open_database
 
 CONFIG = load_config_text('approvals: {approvers: ["telegram:1", "slack:U1", "discord:2"]}').config
 # Every outcome sealed, as in production (approvals/seal.py): the seal is part of what a decision costs.

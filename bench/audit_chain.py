@@ -47,10 +47,10 @@ from kazma.approvals.checkpoints import AuditSigner
 from kazma.bot.logging import configure_logging
 from kazma.bot.store import all_migrations, pg_migrations
 from kazma.config import load_config_text
-from kazma.config.database import open_database
 from kazma.config.keyring import AUDIT_KEYS, DECISION_KEYS, Keyring
-from kazma.config.postgres import PgStore, open_pg_store
-from kazma.config.store_backend import Tx
+from kazma.config.store.backend import Tx
+from kazma.config.store.database import open_database
+from kazma.config.store.postgres import PgStore, open_pg_store
 
 CONFIG = load_config_text('approvals: {approvers: ["telegram:1", "slack:U1", "discord:2"]}').config
 KEYS = Keyring.of(DECISION_KEYS, ("k1", "bench-decision-key-" + "0" * 32))
@@ -139,7 +139,7 @@ async def decide(side: Side, n: int, case: Case) -> int:
 
 
 async def run_case(
-    make: Callable[[str], AsyncIterator[list[Any]]], case: Case, requests: int, chunk: int
+    make: Callable[[str], contextlib.AbstractAsyncContextManager[list[Any]]], case: Case, requests: int, chunk: int
 ) -> tuple[Side, Side]:
     async with make("on") as on_backends, make("off") as off_backends:
         on = await side_of(on_backends, requests, chained=True)

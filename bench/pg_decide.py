@@ -2,7 +2,7 @@
 
 Both run on the same server in one process, one after the other: the service
 (authorisation, the card check, the compare-and-set with its audit row, group
-commits through :class:`kazma.config.postgres.PgWriter`) and a bare loop of
+commits through :class:`kazma.config.store.postgres.PgWriter`) and a bare loop of
 ``UPDATE … WHERE status = 'pending' RETURNING`` statements on one autocommit
 connection, one transaction per press. Prints numbers; asserts nothing.
 
@@ -30,7 +30,7 @@ from kazma.bot.logging import configure_logging
 from kazma.bot.store import pg_migrations
 from kazma.config import load_config_text
 from kazma.config.keyring import DECISION_KEYS, Keyring
-from kazma.config.postgres import open_pg_store
+from kazma.config.store.postgres import open_pg_store
 
 CONFIG = load_config_text('approvals: {approvers: ["telegram:1", "slack:U1", "discord:2"]}').config
 # Every outcome sealed, as in production (approvals/seal.py): the seal is part of what a decision costs.

@@ -32,7 +32,7 @@ from kazma.bot.replication import Replication
 from kazma.bot.store import pg_migrations
 from kazma.config import load_config_text
 from kazma.config.keyring import DECISION_KEYS, Keyring
-from kazma.config.postgres import PgStore, open_pg_store
+from kazma.config.store.postgres import PgStore, open_pg_store
 
 CONFIG = load_config_text('approvals: {approvers: ["telegram:1"]}').config
 # Every outcome sealed, as in production (approvals/seal.py): the seal is part of what a decision costs.

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Final
 
 from kazma.approvals.chain import AuditChain
-from kazma.config.database import Migration
-from kazma.config.pg_schema import PgMigration
-from kazma.config.store_backend import StoreConnection, Tx, tables_of
+from kazma.config.store.backend import StoreConnection, Tx, tables_of
+from kazma.config.store.database import Migration
+from kazma.config.store.pg_schema import PgMigration
 
 # A key is kept this long past its request's deadline (deadlines are at most 7 days), then swept.
 KEY_GRACE_SECONDS: Final = 24 * 3600

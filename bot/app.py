@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import inspect
-from collections.abc import Collection, Coroutine
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -34,16 +33,13 @@ from kazma.config import LoadedConfig, enabled_platforms
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
 from kazma.config.registry import CHAT_PLATFORMS
+from kazma.config.supervisor import Supervisor
 from kazma.engine.agent import AgentRunner, agents_from_config
 from kazma.engine.conversation import Conversations, is_question_button
 from kazma.engine.executor import Action, PlanExecutor
 from kazma.engine.history import HistoryStore
-from kazma.engine.mcp_launch import places_for
-from kazma.engine.mcp_tools import MCPSources
 from kazma.engine.model_router import provider_for
 from kazma.engine.plan_store import PlanStore
-from kazma.engine.sandbox import resolve_sandbox
-from kazma.engine.send_file import SendFileTool
 from kazma.engine.swarm import model_calls
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.lead_tools import swarm_tools
@@ -52,7 +48,12 @@ from kazma.engine.swarm.service import CoalescingReporter, SwarmService
 from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import SwarmTaskStore
 from kazma.engine.swarm.workers import AgentWorker
-from kazma.engine.tools import ToolRegistry, default_registry
+from kazma.engine.tools.builtin import default_registry
+from kazma.engine.tools.mcp_launch import places_for
+from kazma.engine.tools.mcp_tools import MCPSources
+from kazma.engine.tools.registry import ToolRegistry
+from kazma.engine.tools.sandbox import resolve_sandbox
+from kazma.engine.tools.send_file import SendFileTool
 from kazma.engine.transcript import RecordingSink, TranscriptStore
 from kazma.engine.types import ModelProvider
 
@@ -64,6 +65,8 @@ log = structlog.get_logger("kazma.app")
 # A leader's singleton ingress that failed to open is tried again this often; an open one is checked this often.
 INGRESS_RETRY = Backoff(base=1.0, cap=30.0)
 INGRESS_CHECK_SECONDS = 10.0
+# A long-lived loop (a sweep, the store watch, the leader's ingress) that failed is started again this soon.
+LOOP_RESTART = Backoff(base=1.0, cap=60.0)
 
 
 def build_adapters(loaded: LoadedConfig, *, paced: bool = True) -> list[PlatformAdapter]:
@@ -120,8 +123,8 @@ class App:
     checkpointer: Checkpointer | None = None
     # audit.sink: streams the audit chain out as it commits (the leader's duty among replicas).
     audit_sink: AuditSink | None = None
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    _leader_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _tasks: Supervisor = field(default_factory=lambda: Supervisor("app_task"))  # the sweeps, the watch, notices
+    _leader_tasks: Supervisor = field(default_factory=lambda: Supervisor("leader_task"))  # while this replica leads
     _live: set[str] = field(default_factory=set)  # the replicas alive at the leader's last look
     _recovery_due: bool = False  # the leader has yet to judge what gone replicas left
     _serving: asyncio.Event = field(default_factory=asyncio.Event)
@@ -186,20 +189,20 @@ class App:
             log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
         await self.swarm.recover()  # its reports are coalesced and sent once the platforms are up
         recovery = await self.service.recover()  # orphans end before anyone can press their stale buttons
-        self._tasks.append(asyncio.create_task(self._retention(), name="kazma-swarm-retention"))
+        self._tasks.keep(self._retention, name="kazma-swarm-retention", backoff=LOOP_RESTART)
         if self.audit_sink is not None:
-            self._tasks.append(asyncio.create_task(self.audit_sink.run(), name="kazma-audit-sink"))
+            self._tasks.keep(self.audit_sink.run, name="kazma-audit-sink", backoff=LOOP_RESTART)
         await self._follow_chat_moves()
         if self.mcp is not None:  # tools listed before the first turn when the servers are quick; later otherwise
             await self.mcp.start(wait=10.0)
         await self.bus.start(self.handlers)
         await self._tell(recovery)
         await self.executor.perform(tell_lead)
-        self._tasks.append(asyncio.create_task(self._sweep(), name="kazma-approvals-sweep"))
+        self._tasks.keep(self._sweep, name="kazma-approvals-sweep", backoff=LOOP_RESTART)
         store_path = self.loaded.config.store.path
         if str(store_path) != ":memory:" and store_path.exists():
             self.store_watch = StoreWatch(store_path, self._store_lost)
-            self._tasks.append(asyncio.create_task(self.store_watch.run(), name="kazma-store-watch"))
+            self._tasks.keep(self.store_watch.run, name="kazma-store-watch", backoff=LOOP_RESTART)
         log.info("app.started", platforms=sorted(self.bus.adapters), store=str(self.loaded.config.store.path))
 
     async def _start_replica(self, replication: Replication) -> None:
@@ -221,7 +224,7 @@ class App:
             await self.mcp.start(wait=10.0)
         await self.bus.start(self.handlers, ingress=False)  # the leader's own, opened with the lease
         self._serving.set()
-        self._spawn(self._say(*told), "kazma-recovery-notices")
+        self._tasks.spawn(self._say(*told), name="kazma-recovery-notices")
         log.info("app.started", platforms=sorted(self.bus.adapters), store="postgresql", replica=self.replica)
 
     async def _lead(self) -> None:
@@ -229,11 +232,11 @@ class App:
         what gone replicas left (once they have been missing long enough to be sure) and retries until done."""
         await self._serving.wait()  # the lease may come before this replica serves
         self._recovery_due = True
-        self._leader_tasks.append(asyncio.create_task(self._keep_ingress(), name="kazma-leader-ingress"))
-        self._leader_tasks.append(asyncio.create_task(self._sweep(), name="kazma-approvals-sweep"))
-        self._leader_tasks.append(asyncio.create_task(self._retention(), name="kazma-swarm-retention"))
+        self._leader_tasks.keep(self._keep_ingress, name="kazma-leader-ingress", backoff=LOOP_RESTART)
+        self._leader_tasks.keep(self._sweep, name="kazma-approvals-sweep", backoff=LOOP_RESTART)
+        self._leader_tasks.keep(self._retention, name="kazma-swarm-retention", backoff=LOOP_RESTART)
         if self.audit_sink is not None:  # one replica streams: a new leader goes on from the stored position
-            self._leader_tasks.append(asyncio.create_task(self.audit_sink.run(), name="kazma-audit-sink"))
+            self._leader_tasks.keep(self.audit_sink.run, name="kazma-audit-sink", backoff=LOOP_RESTART)
 
     async def _start_audit(self) -> None:
         """The audit chain before anything appends: the one-time chaining of events from before it (after an
@@ -241,7 +244,7 @@ class App:
         await self.service.store.start_chain()
         if self.checkpointer is not None:
             await self.checkpointer.sign()
-            self._tasks.append(asyncio.create_task(self.checkpointer.run(), name="kazma-audit-checkpointer"))
+            self._tasks.keep(self.checkpointer.run, name="kazma-audit-checkpointer", backoff=LOOP_RESTART)
 
     async def _keep_ingress(self) -> None:
         """While leading: every singleton ingress open, one that failed to open tried again with backoff."""
@@ -280,19 +283,9 @@ class App:
             count_failure("recovery_notice")
             log.warning("app.recovery_notice_failed", error=str(exc))
 
-    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(work, name=name)
-        self._tasks.append(task)
-        task.add_done_callback(lambda done: self._tasks.remove(done) if done in self._tasks else None)
-
     async def _follow(self, reason: str) -> None:
         """The lease is gone (another replica leads, or the database cannot be reached): stop the sweeps."""
-        tasks, self._leader_tasks = self._leader_tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._leader_tasks.stop()
         if self.replication is not None and isinstance(self.bus, FanOutBus):
             await self.bus.stop_ingress()  # another replica may be opening them already
 
@@ -361,7 +354,7 @@ class App:
         if live is None:
             return  # looked for too short a time: one missing now may only be reconnecting
         if self._recovery_due or self._live - live:
-            self._spawn(self._say(*await self._recover_replicas(live)), "kazma-recovery-notices")
+            self._tasks.spawn(self._say(*await self._recover_replicas(live)), name="kazma-recovery-notices")
             self._recovery_due = False  # done: only now (a failure above leaves it due for the next sweep)
         self._live = live
 
@@ -390,11 +383,7 @@ class App:
         if self.replication is not None:
             await self.replication.stop()  # the lease first: another replica takes the duties at once
         await self._follow("stopping")
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.stop()
         await self.swarm.close()
         if self.mcp is not None:
             await self.mcp.stop()

@@ -41,10 +41,10 @@ from kazma.approvals.audit_export import checkpoint_record, event_record, line
 from kazma.approvals.store import ApprovalStore
 from kazma.config.audit_config import AuditSinkConfig
 from kazma.config.backoff import Backoff
-from kazma.config.database import Migration
 from kazma.config.metrics import count_failure
-from kazma.config.pg_schema import PgMigration
-from kazma.config.store_backend import StoreConnection, tables_of
+from kazma.config.store.backend import StoreConnection, tables_of
+from kazma.config.store.database import Migration
+from kazma.config.store.pg_schema import PgMigration
 
 log = structlog.get_logger("kazma.audit.sink")
 

@@ -13,9 +13,9 @@ import time
 from typing import Final
 
 from kazma.adapters.contract import ChatMove
-from kazma.config.database import Migration
-from kazma.config.pg_schema import PgMigration
-from kazma.config.store_backend import StoreConnection, tables_of
+from kazma.config.store.backend import StoreConnection, tables_of
+from kazma.config.store.database import Migration
+from kazma.config.store.pg_schema import PgMigration
 
 MIGRATIONS: Final = [
     Migration(

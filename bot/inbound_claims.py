@@ -20,9 +20,9 @@ from typing import Final
 import aiosqlite
 import structlog
 
-from kazma.config.database import Migration
-from kazma.config.pg_schema import PgMigration
-from kazma.config.store_backend import StoreBackend, Tx, backend_of
+from kazma.config.store.backend import StoreBackend, Tx, backend_of
+from kazma.config.store.database import Migration
+from kazma.config.store.pg_schema import PgMigration
 
 log = structlog.get_logger("kazma.inbound")
 

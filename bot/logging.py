@@ -11,15 +11,16 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
-
-from kazma.bot.log_options import LogFormat
 
 if TYPE_CHECKING:
     from kazma.config import KazmaConfig
 
+
+# The command line's --log-format choices (kazma.bot.cli.log_options, which must not import structlog).
+LogFormat = Literal["auto", "console", "json"]
 
 # Chatty per-request loggers stay at WARNING unless debugging.
 _NOISY = ("httpx", "httpcore", "aiosqlite", "discord.gateway", "discord.client", "telegram.ext.Updater")

@@ -44,7 +44,7 @@ from kazma.approvals.model import Waits
 from kazma.approvals.withdrawal import Gone
 from kazma.bot.mcp_askers import ConnectionAsker, OpenCalls, jsonrpc
 from kazma.config.metrics import count_failure
-from kazma.config.store_errors import store_errors
+from kazma.config.store.errors import store_errors
 
 if TYPE_CHECKING:
     from kazma.bot.console.api import ApprovalsApi

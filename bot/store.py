@@ -29,9 +29,9 @@ from kazma.bot.console.sessions import PG_MIGRATIONS as SESSIONS_PG
 from kazma.bot.inbound_claims import MIGRATIONS as INBOUND_CLAIMS
 from kazma.bot.inbound_claims import PG_MIGRATIONS as INBOUND_CLAIMS_PG
 from kazma.config import KazmaConfig
-from kazma.config.database import Migration, open_database
 from kazma.config.errors import ConfigError, Problem
 from kazma.config.metrics import count_failure
+from kazma.config.store.database import Migration, open_database
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import PG_MIGRATIONS as HISTORY_PG
 from kazma.engine.plan_store import MIGRATIONS as PLANS
@@ -44,7 +44,7 @@ from kazma.engine.transcript import MIGRATIONS as TRANSCRIPT
 from kazma.engine.transcript import PG_MIGRATIONS as TRANSCRIPT_PG
 
 if TYPE_CHECKING:
-    from kazma.config.postgres import PgStore
+    from kazma.config.store.postgres import PgStore
 
 log = structlog.get_logger("kazma.store")
 
@@ -100,7 +100,7 @@ async def open_pg_store(
         raise ValueError("store.url is not a postgresql:// URL")
     import psycopg  # only when PostgreSQL is used
 
-    from kazma.config.postgres import open_pg_store as open_pg
+    from kazma.config.store.postgres import open_pg_store as open_pg
 
     try:
         return await open_pg(

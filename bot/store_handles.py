@@ -16,11 +16,11 @@ import aiosqlite
 
 from kazma.bot.store import open_pg_store, open_store
 from kazma.config import KazmaConfig
-from kazma.config.database import Tables, connect
-from kazma.config.writer import StoreWriter
+from kazma.config.store.database import Tables, connect
+from kazma.config.store.writer import StoreWriter
 
 if TYPE_CHECKING:
-    from kazma.config.postgres import PgStore
+    from kazma.config.store.postgres import PgStore
 
 
 @dataclass

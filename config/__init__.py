@@ -1,4 +1,4 @@
-"""``kazma.config``: the ``kazma.yaml`` models, loading and validation, and the store bootstrap.
+"""``kazma.config``: the ``kazma.yaml`` models, loading and validation; the storage layer is ``kazma.config.store``.
 
 The names below are imported on first use (PEP 562): ``kazma --version`` reads
 ``kazma.config.version`` without paying for pydantic and the models.

@@ -11,16 +11,19 @@ from typing import Any
 import structlog
 
 from kazma.approvals.policy import SafetyPolicy
+from kazma.config.limits import MAX_TOOL_OUTPUT_CHARS
 from kazma.config.metrics import count_failure
 from kazma.config.models import KazmaConfig
 from kazma.engine import messages
+from kazma.engine.fence import fence_untrusted
 from kazma.engine.history import HistoryStore
-from kazma.engine.tools import ToolContext, ToolRegistry, ToolResult, fence_untrusted
+from kazma.engine.tools.registry import ToolRegistry, ToolResult
+from kazma.engine.tools.workspace import ToolContext
 from kazma.engine.types import Message, ModelError, ModelProvider, ToolCall, ToolSpec, ToolUse, Usage
 
 log = structlog.get_logger("kazma.agent")
 
-MAX_TOOL_OUTPUT_TO_MODEL = 16_000
+MAX_TOOL_OUTPUT_TO_MODEL = MAX_TOOL_OUTPUT_CHARS
 MAX_ARGUMENT_DEPTH = 32  # no real tool needs more; deeper values are a way to break renderers and hashers
 _SAFE_SEGMENT = re.compile(r"[^A-Za-z0-9_-]+")
 

@@ -18,7 +18,7 @@ from typing import Final
 import structlog
 
 from kazma.adapters.contract import Attachment
-from kazma.engine.tools import ToolContext, _open_parent, _workspace_root
+from kazma.engine.tools.workspace import ToolContext, _open_parent, _workspace_root
 
 log = structlog.get_logger("kazma.engine.attachments")
 

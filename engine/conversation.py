@@ -19,7 +19,7 @@ import contextlib
 import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 import structlog
 
@@ -28,6 +28,7 @@ from kazma.adapters.contract import Inbound, PlatformError, Press
 from kazma.adapters.human_text import for_humans
 from kazma.approvals.model import PressResult, PressVerdict
 from kazma.config.metrics import count_failure
+from kazma.config.supervisor import Supervisor
 from kazma.engine.agent import AgentRunner, AgentSpec, StepRef, TurnResult, workspace_for
 from kazma.engine.attachments import Saved, describe, save_attachments
 from kazma.engine.executor import Action, ActionKind, AnswerVerdict, DispatchFailed, PlanExecutor, StepResult
@@ -94,7 +95,7 @@ class Conversations:
     executor: PlanExecutor | None = None
     swarm: CommandRunner | None = None
     _dispatches: dict[tuple[str, str, str], _Dispatch] = field(default_factory=dict)
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _tasks: Supervisor = field(default_factory=lambda: Supervisor("conversation_task"))  # turns in flight
     # told of every executor action after it is carried out (the demo and tests watch plans end)
     listeners: list[Callable[[Action], None]] = field(default_factory=list)
     working_every: float = WORKING_EVERY
@@ -142,17 +143,11 @@ class Conversations:
 
     async def on_inbound(self, message: Inbound) -> None:
         """Called by adapters; returns at once so platform acknowledgement windows are kept."""
-        self._spawn(self._handle(message), name=f"inbound-{message.platform}-{message.message_id}")
-
-    def _spawn(self, work: Any, name: str) -> None:
-        task = asyncio.create_task(work, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._handle(message), name=f"inbound-{message.platform}-{message.message_id}")
 
     async def drain(self) -> None:
         """Wait for every running turn (tests and clean shutdown)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._tasks.drain()
 
     async def _handle(self, message: Inbound) -> None:
         try:
@@ -333,7 +328,7 @@ class Conversations:
             await self._say(platform, chat, action.text, agent=self.lead.name)
         elif action.kind is ActionKind.RUN_LEAD:
             assert step is not None
-            self._spawn(self._lead_step(action), name=f"lead-step-{action.plan.id}-{step.index}")
+            self._tasks.spawn(self._lead_step(action), name=f"lead-step-{action.plan.id}-{step.index}")
         elif action.kind is ActionKind.ASK_LEAD:
             assert step is not None
             prompt = (
@@ -341,8 +336,8 @@ class Conversations:
                 "replace_steps, skip_step or abort_plan. If you do none of them, the steps that need this one are "
                 "dropped and the rest of the plan goes on."
             )
-            self._spawn(self._ask_lead(action.plan.id, step.index, action.plan.conversation, prompt),
-                        name=f"ask-lead-{action.plan.id}")  # fmt: skip
+            self._tasks.spawn(self._ask_lead(action.plan.id, step.index, action.plan.conversation, prompt),
+                              name=f"ask-lead-{action.plan.id}")  # fmt: skip
         elif action.kind is ActionKind.FINISHED:
             summaries = "\n".join(
                 f"Step {s.index} ({s.spec.assignee}, {s.status.value}): "
@@ -350,7 +345,7 @@ class Conversations:
                 for s in action.plan.steps.values()
             )
             prompt = f"The plan for '{action.plan.goal}' has finished. Report the result to the team.\n{summaries}"
-            self._spawn(self._lead_says(action.plan.conversation, prompt), name=f"finish-{action.plan.id}")
+            self._tasks.spawn(self._lead_says(action.plan.conversation, prompt), name=f"finish-{action.plan.id}")
 
     async def _dispatch(self, action: Action, assignee: str, index: int, attempt: int) -> None:
         platform, _, chat = action.plan.conversation.partition(":")

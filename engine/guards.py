@@ -29,13 +29,13 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "platform that cannot show it is told again in a few seconds, and the turn goes on",
     "conversation.py:Conversations.working:suppress(asyncio.CancelledError)": _CANCELLED,
     "conversation.py:Conversations._save_files:FileTooLarge": "the sender is told the bound in the chat",
-    "mcp_tools.py:MCPConnection.wait_ready:suppress(TimeoutError)": "a server not ready in time is reported by "
+    "tools/mcp_tools.py:MCPConnection.wait_ready:suppress(TimeoutError)": "a server not ready in time is reported by "
     "the caller from its state (problem), not by this wait",
-    "mcp_tools.py:MCPConnection.stop:suppress(asyncio.CancelledError)": _CANCELLED,
-    "mcp_tools.py:MCPConnection.call:TimeoutError": "_fail logs the timeout and restarts the server; the call's "
+    "tools/mcp_tools.py:MCPConnection.stop:suppress(asyncio.CancelledError)": _CANCELLED,
+    "tools/mcp_tools.py:MCPConnection.call:TimeoutError": "_fail logs the timeout and restarts the server; the call's "
     "result says it may have acted",
-    "mcp_tools.py:MCPConnection.call:Exception": "_fail logs the failure and restarts the server; a protocol error "
-    "is the call's own failed result",
+    "tools/mcp_tools.py:MCPConnection.call:Exception": "_fail logs the failure and restarts the server; a protocol "
+    "error is the call's own failed result",
     "model.py:_retry_after_seconds:ValueError": _PARSE,
     "model.py:_retry_after_seconds:(TypeError, ValueError)": _PARSE,
     "model.py:_server_message:(ValueError, RecursionError)": _PARSE,
@@ -43,31 +43,33 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "model.py:_parse_arguments:json.JSONDecodeError": _PARSE,
     "model_router.py:ModelRouter.aclose:suppress(Exception)": "closing idle HTTP clients at shutdown: nothing is "
     "left to lose",
-    "netguard.py:_literal:ValueError": _PARSE,
-    "netguard.py:_fib_local:suppress(ValueError)": _PARSE,
-    "netguard.py:_if_inet6:suppress(ValueError)": _PARSE,
-    "netguard.py:_read:OSError": "a /proc file this host does not have: the next source of its addresses is used",
-    "netguard.py:_read_host_networks:suppress(OSError)": "the host's own name does not resolve: the addresses read "
-    "so far are what the policy knows (loopback and the private ranges are refused anyway)",
-    "netguard.py:_read_host_networks:suppress(ValueError)": _PARSE,
-    "mcp_launch.py:_interpreter:OSError": "an unreadable #! line names no interpreter: the launch is judged by the "
-    "command itself",
-    "mcp_launch.py:_venv_home:OSError": "no readable pyvenv.cfg: not a virtualenv, nothing more to bind",
-    "mcp_stdio.py:Envelope.request_id:ValueError": _PARSE,
-    "mcp_stdio.py:_stop:suppress(OSError, anyio.ClosedResourceError, anyio.BrokenResourceError)": "closing the "
+    "tools/netguard.py:_literal:ValueError": _PARSE,
+    "tools/netguard.py:_fib_local:suppress(ValueError)": _PARSE,
+    "tools/netguard.py:_if_inet6:suppress(ValueError)": _PARSE,
+    "tools/netguard.py:_read:OSError": "a /proc file this host does not have: the next source of its addresses is used",
+    "tools/netguard.py:_read_host_networks:suppress(OSError)": "the host's own name does not resolve: the addresses "
+    "read so far are what the policy knows (loopback and the private ranges are refused anyway)",
+    "tools/netguard.py:_read_host_networks:suppress(ValueError)": _PARSE,
+    "tools/mcp_launch.py:_interpreter:OSError": "an unreadable #! line names no interpreter: the launch is judged by "
+    "the command itself",
+    "tools/mcp_launch.py:_venv_home:OSError": "no readable pyvenv.cfg: not a virtualenv, nothing more to bind",
+    "tools/mcp_stdio.py:Envelope.request_id:ValueError": _PARSE,
+    "tools/mcp_stdio.py:_stop:suppress(OSError, anyio.ClosedResourceError, anyio.BrokenResourceError)": "closing the "
     "stdin of a server that has already gone: stopping it goes on",
-    "mcp_stdio.py:_stop:suppress(ProcessLookupError, PermissionError)": "the server's process group is already gone",
-    "mcp_stdio.py:_stop:suppress(OSError)": "closing the pipes of a server that has exited (a server that will not "
-    "exit is logged, mcp.server_unkillable)",
-    "mcp_stdio.py:bounded_stdio_client.read_stdout:anyio.EndOfStream": "the server closed its stdout: the session "
-    "sees the stream end",
-    "mcp_stdio.py:bounded_stdio_client.read_stdout:suppress(anyio.ClosedResourceError, anyio.BrokenResourceError, "
-    "OSError)": "the pipe or the session's stream closed: the session sees the stream end and the connection's own "
-    "checks report the server",
-    "mcp_stdio.py:bounded_stdio_client.read_stderr:suppress(anyio.EndOfStream, anyio.ClosedResourceError, "
+    "tools/mcp_stdio.py:_stop:suppress(ProcessLookupError, PermissionError)": "the server's process group is already "
+    "gone",
+    "tools/mcp_stdio.py:_stop:suppress(OSError)": "closing the pipes of a server that has exited (a server that will "
+    "not exit is logged, mcp.server_unkillable)",
+    "tools/mcp_stdio.py:bounded_stdio_client.read_stdout:anyio.EndOfStream": "the server closed its stdout: the "
+    "session sees the stream end",
+    "tools/mcp_stdio.py:bounded_stdio_client.read_stdout:suppress(anyio.ClosedResourceError, "
+    "anyio.BrokenResourceError, OSError)": "the pipe or the session's stream closed: the session sees the stream "
+    "end and the connection's own checks report the server",
+    "tools/mcp_stdio.py:bounded_stdio_client.read_stderr:suppress(anyio.EndOfStream, anyio.ClosedResourceError, "
     "anyio.BrokenResourceError, OSError)": "stderr is only kept as a bounded tail for error messages: its end is "
     "the server's end",
-    "mcp_stdio.py:bounded_stdio_client.write_stdin:(anyio.ClosedResourceError, anyio.BrokenResourceError, OSError)": (
+    "tools/mcp_stdio.py:bounded_stdio_client.write_stdin:(anyio.ClosedResourceError, anyio.BrokenResourceError, "
+    "OSError)": (
         "the server stopped reading: the session's stream is closed so a waiting call ends instead of hanging"
     ),
     "plan_store.py:PlanStore.replace_pending:_StartedMeanwhile": "rolls the replacement back and answers False: "
@@ -84,10 +86,10 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "plan_tools.py:lead_plan_tools.abort_plan:RepairRefused": _ANSWERED,
     "plan_tools.py:ask_user_tool.ask_user:ValidationError": _ANSWERED,
     "plan_tools.py:ask_user_tool.ask_user:RepairRefused": _ANSWERED,
-    "sandbox.py:_probe:subprocess.TimeoutExpired": "the probe's problem is the sandbox's answer, reported by "
+    "tools/sandbox.py:_probe:subprocess.TimeoutExpired": "the probe's problem is the sandbox's answer, reported by "
     "whoever resolves the sandbox (refused, or said on every card)",
-    "sandbox.py:_probe:OSError": "the probe's problem is the sandbox's answer, reported by whoever resolves it",
-    "send_file.py:SendFileTool.run:PathRefused": _TOOL_RESULT,
+    "tools/sandbox.py:_probe:OSError": "the probe's problem is the sandbox's answer, reported by whoever resolves it",
+    "tools/send_file.py:SendFileTool.run:PathRefused": _TOOL_RESULT,
     "swarm/calls.py:WorkerCalls.call:LimitExceeded": "the call fails with the limit named; the task's result says so",
     "swarm/commands.py:SwarmCommands.run:GrammarError": _ANSWERED,
     "swarm/commands.py:SwarmCommands.run:SwarmRefused": _ANSWERED,
@@ -111,32 +113,32 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "room freed by another process is seen too",
     "swarm/service.py:SwarmService.wait:suppress(TimeoutError)": "check_swarm_task answers with where the task is "
     "after its wait",
-    "swarm/service.py:SwarmService.close:suppress(asyncio.CancelledError)": _CANCELLED,
     "swarm/workers.py:handoff_tool.handle:ValidationError": _ANSWERED,
-    "tools.py:ToolRegistry.execute:(TypeError, ValueError)": "invalid arguments are answered to the model (and "
-    "logged at INFO: the model's mistake, not Kazma's)",
-    "tools.py:_kill_group:suppress(ProcessLookupError, PermissionError)": "the process group is already gone",
-    "tools.py:ShellTool._stop:suppress(ProcessLookupError)": "the process is already gone",
-    "tools.py:ShellTool.run:PathRefused": _TOOL_RESULT,
-    "tools.py:ShellTool.run:suppress(OSError)": "cleaning up a temporary file the command may have removed",
-    "tools.py:ShellTool.run:OSError": _TOOL_RESULT,
-    "tools.py:ShellTool._signal_note:suppress(ValueError)": _PARSE,
-    "tools.py:_workspace_root:FileNotFoundError": "a missing workspace is created",
-    "tools.py:_open_parent:suppress(FileExistsError)": "the folder is there already",
-    "tools.py:ReadFileTool._read:PathRefused": _TOOL_RESULT,
-    "tools.py:ReadFileTool._read:FileNotFoundError": _TOOL_RESULT,
-    "tools.py:ReadFileTool._read:UnicodeDecodeError": _TOOL_RESULT,
-    "tools.py:WriteFileTool._write:PathRefused": _TOOL_RESULT,
-    "tools.py:WriteFileTool._write:FileNotFoundError": _TOOL_RESULT,
-    "tools.py:WriteFileTool._write:suppress(OSError)": "removing the temporary file after a failed write, which "
+    "tools/registry.py:ToolRegistry.execute:(TypeError, ValueError)": "invalid arguments are answered to the model "
+    "(and logged at INFO: the model's mistake, not Kazma's)",
+    "tools/shell.py:_kill_group:suppress(ProcessLookupError, PermissionError)": "the process group is already gone",
+    "tools/shell.py:ShellTool._stop:suppress(ProcessLookupError)": "the process is already gone",
+    "tools/shell.py:ShellTool.run:PathRefused": _TOOL_RESULT,
+    "tools/shell.py:ShellTool.run:suppress(OSError)": "cleaning up a temporary file the command may have removed",
+    "tools/shell.py:ShellTool.run:OSError": _TOOL_RESULT,
+    "tools/shell.py:ShellTool._signal_note:suppress(ValueError)": _PARSE,
+    "tools/workspace.py:_workspace_root:FileNotFoundError": "a missing workspace is created",
+    "tools/workspace.py:_open_parent:suppress(FileExistsError)": "the folder is there already",
+    "tools/files.py:ReadFileTool._read:PathRefused": _TOOL_RESULT,
+    "tools/files.py:ReadFileTool._read:FileNotFoundError": _TOOL_RESULT,
+    "tools/files.py:ReadFileTool._read:UnicodeDecodeError": _TOOL_RESULT,
+    "tools/files.py:WriteFileTool._write:PathRefused": _TOOL_RESULT,
+    "tools/files.py:WriteFileTool._write:FileNotFoundError": _TOOL_RESULT,
+    "tools/files.py:WriteFileTool._write:suppress(OSError)": "removing the temporary file after a failed write, which "
     "the write's result reports",
-    "tools.py:HttpGetTool.run:httpx.InvalidURL": _TOOL_RESULT,
-    "tools.py:HttpGetTool.run:(TimeoutError, httpx.TimeoutException)": _TOOL_RESULT,
-    "tools.py:HttpGetTool.run:(AddressRefused, _FetchFailed)": _TOOL_RESULT,
-    "tools.py:HttpGetTool.run:httpx.HTTPError": _TOOL_RESULT,
-    "tools.py:HttpGetTool._connect:httpx.ConnectError": "the next resolved address is tried; the last failure is "
-    "the tool's result",
-    "tools.py:HttpGetTool._result:LookupError": "an unknown charset is read as UTF-8 with replacements, marked",
+    "tools/http_get.py:HttpGetTool.run:httpx.InvalidURL": _TOOL_RESULT,
+    "tools/http_get.py:HttpGetTool.run:(TimeoutError, httpx.TimeoutException)": _TOOL_RESULT,
+    "tools/http_get.py:HttpGetTool.run:(AddressRefused, _FetchFailed)": _TOOL_RESULT,
+    "tools/http_get.py:HttpGetTool.run:httpx.HTTPError": _TOOL_RESULT,
+    "tools/http_get.py:HttpGetTool._connect:httpx.ConnectError": "the next resolved address is tried; the last failure "
+    "is the tool's result",
+    "tools/http_get.py:HttpGetTool._result:LookupError": "an unknown charset is read as UTF-8 with replacements, "
+    "marked",
     "transcript.py:TranscriptStore._tell:asyncio.QueueFull": "a stalled page loses live updates, not the record "
     "(the transcript is stored); it reloads",
 }

@@ -9,9 +9,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from kazma.config.database import Migration
-from kazma.config.pg_schema import PgMigration
-from kazma.config.store_backend import StoreConnection, tables_of
+from kazma.config.store.backend import StoreConnection, tables_of
+from kazma.config.store.database import Migration
+from kazma.config.store.pg_schema import PgMigration
 from kazma.engine.plan import OnFailure, Plan, PlanOrigin, PlanSpec, Step, StepRecord, StepSpec, StepStatus
 from kazma.engine.types import ToolUse, Usage
 

@@ -17,10 +17,10 @@ from typing import Final, Literal, Protocol
 import structlog
 
 from kazma.adapters.human_text import for_humans
-from kazma.config.database import Migration
 from kazma.config.metrics import count_failure
-from kazma.config.pg_schema import PgMigration
-from kazma.config.store_backend import StoreConnection, tables_of
+from kazma.config.store.backend import StoreConnection, tables_of
+from kazma.config.store.database import Migration
+from kazma.config.store.pg_schema import PgMigration
 from kazma.engine.conversation import MessageSink
 
 log = structlog.get_logger("kazma.transcript")

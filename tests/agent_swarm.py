@@ -10,15 +10,15 @@ from pathlib import Path
 
 from kazma.approvals import ApprovalService, SafetyPolicy
 from kazma.config import KazmaConfig
-from kazma.config.database import open_database
 from kazma.config.models import ModelConfig
+from kazma.config.store.database import open_database
 from kazma.engine.agent import AgentRunner, AgentSpec
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import OpenAIProvider
 from kazma.engine.swarm.types import Worker
 from kazma.engine.swarm.workers import HANDOFF_TOOL, AgentWorker
-from kazma.engine.tools import default_registry
+from kazma.engine.tools.builtin import default_registry
 from tests.approvals_support import RecordingPublisher, approval_service
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall, RecordedRequest
 

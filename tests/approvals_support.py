@@ -21,9 +21,9 @@ from kazma.approvals import (
 from kazma.approvals.checkpoints import AuditSigner
 from kazma.bot.store import pg_migrations
 from kazma.config import KazmaConfig, load_config_text
-from kazma.config.database import open_database
 from kazma.config.keyring import AUDIT_KEYS, DECISION_KEYS, Keyring
-from kazma.config.postgres import PgStore, open_pg_store
+from kazma.config.store.database import open_database
+from kazma.config.store.postgres import PgStore, open_pg_store
 
 # The decision keyring of every test service: what the store seals outcomes with and execution verifies.
 TEST_KEY = ("k1", "test-decision-key-" + "0" * 32)

@@ -23,7 +23,7 @@ from kazma.approvals.chain import EVENT_COLUMNS, GENESIS, ChainedEvent, event_ha
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.checkpoints import AuditSigner, Checkpoint
 from kazma.config.keyring import AUDIT_KEYS, Keyring
-from kazma.config.postgres import pyformat
+from kazma.config.store.postgres import pyformat
 from tests.approvals_support import APPROVERS_YAML, TEST_AUDIT_KEY, TEST_KEY, TEST_SIGNER, approval_service
 from tests.store_backends import Engine
 
@@ -143,8 +143,8 @@ class Attacker:
                 conn.execute(pyformat(sql) if self.engine.postgres else sql, params)
             for c in checkpoints:
                 sql = f"INSERT INTO audit_checkpoints ({CHECKPOINT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
-                params = (c.kind, c.first_seq, c.seq, c.head, c.at, c.key_id, c.signature)
-                conn.execute(pyformat(sql) if self.engine.postgres else sql, params)
+                row = (c.kind, c.first_seq, c.seq, c.head, c.at, c.key_id, c.signature)
+                conn.execute(pyformat(sql) if self.engine.postgres else sql, row)
 
 
 def rechained(events: list[ChainedEvent]) -> list[ChainedEvent]:

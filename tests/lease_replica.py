@@ -13,7 +13,7 @@ import time
 
 import structlog
 
-from kazma.config.leader import LeaderLease
+from kazma.config.store.leader import LeaderLease
 
 
 def say(event: str, replica: str, **fields: object) -> None:

@@ -19,9 +19,9 @@ import psycopg
 import pytest
 
 from kazma.bot.store import all_migrations, pg_migrations
-from kazma.config.database import Migration, open_database
-from kazma.config.postgres import open_pg_store, pyformat
-from kazma.config.store_backend import StoreConnection
+from kazma.config.store.backend import StoreConnection
+from kazma.config.store.database import Migration, open_database
+from kazma.config.store.postgres import open_pg_store, pyformat
 from tests.pg_support import find_bindir
 
 NO_SERVER = "PostgreSQL server binaries (initdb, pg_ctl, postgres) are not installed: run scripts/install-test-deps"

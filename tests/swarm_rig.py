@@ -12,8 +12,8 @@ from prometheus_client import REGISTRY
 
 from kazma.approvals import ApprovalService
 from kazma.config import KazmaConfig, load_config_text
-from kazma.config.database import open_database
-from kazma.config.store_backend import StoreConnection
+from kazma.config.store.backend import StoreConnection
+from kazma.config.store.database import open_database
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.service import CoalescingReporter, SwarmService
 from kazma.engine.swarm.state_store import MIGRATIONS as STATE

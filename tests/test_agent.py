@@ -6,12 +6,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from kazma.approvals import SafetyPolicy
-from kazma.config.database import open_database
+from kazma.config.store.database import open_database
 from kazma.engine.agent import AgentRunner, AgentSpec, workspace_for
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import ScriptedProvider, ScriptStep
-from kazma.engine.tools import default_registry
+from kazma.engine.tools.builtin import default_registry
 from kazma.engine.types import ModelError, ModelReply, ToolCall
 from tests.approvals_support import approval_service
 

@@ -23,7 +23,7 @@ import pytest
 from kazma.adapters.outbox import Outbox
 from kazma.approvals import ApprovalStore
 from kazma.bot.store import pg_migrations
-from kazma.config.postgres import PgStore, open_pg_store
+from kazma.config.store.postgres import PgStore, open_pg_store
 from tests.audit_support import AUDIT_KEY
 from tests.contract.harness import free_port
 from tests.fakes.telegram import FakeTelegram

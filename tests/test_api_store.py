@@ -20,7 +20,7 @@ import psycopg
 from kazma.adapters.outbox import Outbox
 from kazma.approvals import ApprovalStore
 from kazma.bot.api_store import ApiOpen, IdempotencyKeys, QuotaFull
-from kazma.config.postgres import PgTx
+from kazma.config.store.postgres import PgTx
 from tests.process_support import REPO
 from tests.store_backends import Engine, open_store, raw_rows
 

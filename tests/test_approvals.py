@@ -25,9 +25,9 @@ from kazma.approvals import (
 )
 from kazma.approvals.service import ButtonError
 from kazma.approvals.store import new_request_id
-from kazma.config.database import Tables
 from kazma.config.metrics import failure_count
-from kazma.config.postgres import PgStore, pyformat
+from kazma.config.store.database import Tables
+from kazma.config.store.postgres import PgStore, pyformat
 from tests.approvals_support import ManualClock, RecordingPublisher, approval_service
 from tests.store_backends import Engine
 

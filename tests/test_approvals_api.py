@@ -240,9 +240,20 @@ async def test_a_request_is_never_pending_without_its_card_posts(tmp_path: Path)
     written, nothing is opened (before, the request stayed pending with no card anywhere)."""
     async with kazma_door(tmp_path) as door, client(door) as http:
         path = door.app.loaded.config.store.path
-        raw = sqlite3.connect(path)
-        raw.execute("CREATE TRIGGER no_posts BEFORE INSERT ON card_outbox BEGIN SELECT RAISE(ABORT, 'no room'); END")
-        raw.commit()
+
+        def write_raw(sql: str) -> None:
+            # In a thread, with a wait: Kazma's writer shares this event loop, so a blocking connect here that
+            # met its transaction could never see it finish ("database is locked").
+            raw = sqlite3.connect(path, timeout=60)
+            try:
+                raw.execute(sql)
+                raw.commit()
+            finally:
+                raw.close()
+
+        await asyncio.to_thread(
+            write_raw, "CREATE TRIGGER no_posts BEFORE INSERT ON card_outbox BEGIN SELECT RAISE(ABORT, 'no room'); END"
+        )
         try:
             refused = await http.post("/api/v1/approvals", json=DEPLOY, headers={"Idempotency-Key": "k-2"})
             assert refused.status_code == 503, refused.text
@@ -250,9 +261,7 @@ async def test_a_request_is_never_pending_without_its_card_posts(tmp_path: Path)
             assert await door.app.service.store.requests(limit=10) == []
             assert await IdempotencyKeys(door.app.stores.primary).find("ci", "k-2") is None
         finally:
-            raw.execute("DROP TRIGGER no_posts")
-            raw.commit()
-            raw.close()
+            await asyncio.to_thread(write_raw, "DROP TRIGGER no_posts")
         opened = await http.post("/api/v1/approvals", json=DEPLOY, headers={"Idempotency-Key": "k-2"})
         assert opened.status_code == 201
         await door.telegram.wait_until(lambda: bool(cards(door.telegram)), timeout=20)
@@ -355,3 +364,19 @@ async def test_api_cards_offer_no_remembered_approval_and_refuse_one(tmp_path: P
         assert still.status.value == "pending"
         assert door.app.service.rules is not None
         assert await door.app.service.rules.list() == []
+
+
+async def test_a_row_forged_to_approved_in_the_store_is_reported_unverified_never_approved(tmp_path: Path) -> None:
+    # Attack: something that can write the store sets the API request's row to approved by a real approver,
+    # with the matching decided audit row. The caller acts on "approved", so the API must not say it.
+    from tests.store_backends import Engine
+    from tests.test_decision_seals import approve_by_hand, forge
+
+    async with kazma_door(tmp_path) as door, client(door) as http:
+        opened = (await http.post("/api/v1/approvals", json=DEPLOY)).json()
+        forge(Engine("sqlite", str(tmp_path / "state" / "kazma.db")), approve_by_hand(opened["id"], opened["hash"]))
+        found = (await http.get(f"/api/v1/approvals/{opened['id']}")).json()
+        assert found["status"] == "unverified"
+        assert found["decided_by"] is None
+        assert "not an approval Kazma made" in found["reason"]
+        assert "carries no decision seal" in found["reason"]

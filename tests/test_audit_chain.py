@@ -19,9 +19,9 @@ from kazma.approvals.chain import FROM_REQUEST, GENESIS
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.checkpoints import HISTORY
 from kazma.bot.store import all_migrations, pg_migrations
-from kazma.config.database import Migration
 from kazma.config.metrics import failure_count
-from kazma.config.store_backend import Tx
+from kazma.config.store.backend import Tx
+from kazma.config.store.database import Migration
 from tests.approvals_support import TEST_KEYRING, TEST_SIGNER, approvals_config
 from tests.audit_support import Attacker
 from tests.store_backends import Engine, open_store, raw_rows

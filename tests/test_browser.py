@@ -26,8 +26,8 @@ from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.web import WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import App, build_app
+from kazma.bot.cli.demo import REQUEST, run_demo, scenario
 from kazma.bot.console.server import WebServer
-from kazma.bot.demo import REQUEST, run_demo, scenario
 from kazma.config import load_config_text
 from kazma.engine.scenario import PerAgentScript, agent_prompts
 from kazma.engine.types import Message, ModelReply

@@ -20,8 +20,8 @@ from kazma.adapters.outbox import MIGRATIONS as OUTBOX
 from kazma.adapters.outbox import Outbox
 from kazma.approvals import MIGRATIONS as APPROVALS
 from kazma.approvals import ApprovalCard, ApprovalService, ApprovalStore, Decision, Outcome, PressResult, Status
-from kazma.config.database import connect, open_database
 from kazma.config.metrics import failure_count
+from kazma.config.store.database import connect, open_database
 from tests.approvals_support import approvals_config
 
 

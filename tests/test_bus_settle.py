@@ -17,7 +17,7 @@ from kazma.adapters.outbox import Outbox
 from kazma.approvals import MIGRATIONS as APPROVALS
 from kazma.approvals import ApprovalCard, ApprovalService, ApprovalStore, Decision, Outcome, PressResult, Status
 from kazma.approvals.store import PostedCard
-from kazma.config.database import connect, open_database
+from kazma.config.store.database import connect, open_database
 from tests.approvals_support import approvals_config
 from tests.test_bus import MemoryPlatform
 

@@ -28,16 +28,16 @@ from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.web import WebAdapter
 from kazma.approvals.tool_names import MCP_TOOL_RULE, TOOL_RULE
 from kazma.bot.app import App, build_app
-from kazma.bot.checks import Level
+from kazma.bot.cli.checks import Level
+from kazma.bot.cli.doctor import check_mcp_server
 from kazma.bot.console.pages import approval_page
 from kazma.bot.console.server import WebServer
-from kazma.bot.doctor import check_mcp_server
 from kazma.config import load_config_text
 from kazma.config.metrics import failure_count
 from kazma.config.models import MCPServerConfig
-from kazma.engine.mcp_tools import model_name
 from kazma.engine.model import ScriptStep
 from kazma.engine.scenario import PerAgentScript, agent_prompts
+from kazma.engine.tools.mcp_tools import model_name
 from tests.approvals_support import APPROVERS_YAML, approval_service
 from tests.card_lines_support import (
     Line,

@@ -316,8 +316,8 @@ def test_a_spray_from_many_addresses_slows_every_client() -> None:
 
 
 def test_the_doctor_warns_when_an_https_console_does_not_name_its_proxy() -> None:
-    from kazma.bot.checks import Level
-    from kazma.bot.platform_checks import console_checks
+    from kazma.bot.cli.checks import Level
+    from kazma.bot.cli.platform_checks import console_checks
     from kazma.config import load_config_text
 
     behind = load_config_text("web: {public_url: 'https://kazma.example.org'}", environ={})

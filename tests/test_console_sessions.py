@@ -13,7 +13,7 @@ from yarl import URL
 
 from kazma.bot.console.auth import SESSION_COOKIE, SESSION_SECONDS, session_csrf
 from kazma.bot.console.sessions import MIGRATIONS, SessionStore
-from kazma.config.database import Tables, open_database
+from kazma.config.store.database import Tables, open_database
 from tests.test_web_server import OPERATOR, Console, console
 
 AsyncClient = aiohttp.ClientSession

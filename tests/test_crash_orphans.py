@@ -22,7 +22,7 @@ from kazma.approvals.model import Status
 from kazma.approvals.service import RESTARTED
 from kazma.bot.store import open_store
 from kazma.config import load_config
-from kazma.config.database import connect
+from kazma.config.store.database import connect
 from tests.platforms_support import PLATFORMS, TG_ADMIN, TG_CHAT, three_fakes
 from tests.process_support import run_kazma
 from tests.test_crash_settle import wait_connected

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kazma.config import load_config
-from kazma.config.database import connect
+from kazma.config.store.database import connect
 from kazma.engine.swarm.store import SwarmTaskStore
 from kazma.engine.swarm.types import TaskStatus
 from tests.fakes.openai import Completion, FakeOpenAI, Hang

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kazma.config import load_config
-from kazma.config.database import connect
+from kazma.config.store.database import connect
 from kazma.engine.plan import StepStatus
 from kazma.engine.plan_store import PlanStore
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall

@@ -19,7 +19,7 @@ from kazma.approvals import ApprovalService, ApprovalStore
 from kazma.approvals.model import Decision, Status
 from kazma.bot.store import open_store
 from kazma.config import load_config
-from kazma.config.database import connect
+from kazma.config.store.database import connect
 from tests.fakes.telegram import Fault
 from tests.platforms_support import DISCORD_ADMIN, PLATFORMS, Fakes, three_fakes
 from tests.process_support import run_kazma

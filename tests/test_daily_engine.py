@@ -10,8 +10,9 @@ from kazma.adapters.contract import Attachment
 from kazma.adapters.human_text import for_humans, has_fence
 from kazma.config.models import DangerLevel
 from kazma.engine.attachments import describe, safe_name, save_attachments
-from kazma.engine.send_file import SendFileTool
-from kazma.engine.tools import ToolContext, fence_untrusted
+from kazma.engine.fence import fence_untrusted
+from kazma.engine.tools.send_file import SendFileTool
+from kazma.engine.tools.workspace import ToolContext
 
 
 class Poster:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kazma.config.database import (
+from kazma.config.store.database import (
     Migration,
     MigrationError,
     Tables,
@@ -84,7 +84,7 @@ async def test_failed_migration_leaves_nothing_half_applied(tmp_path: Path) -> N
 _OPENER = textwrap.dedent(
     """
     import asyncio, sys
-    from kazma.config.database import Migration, open_database
+    from kazma.config.store.database import Migration, open_database
 
     MIGRATIONS = [
         Migration("notes", 1, ("CREATE TABLE IF NOT EXISTS notes (id INTEGER PRIMARY KEY, body TEXT NOT NULL)",)),

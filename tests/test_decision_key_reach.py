@@ -20,7 +20,7 @@ import pytest
 
 from kazma.config import ConfigError, load_config_text
 from kazma.config.keyring import AUDIT_KEYS, DECISION_KEYS, KeySpec
-from kazma.engine.mcp_launch import places_for
+from kazma.engine.tools.mcp_launch import places_for
 from tests.process_support import REPO
 
 SNOOP = Path(__file__).resolve().parent / "mcp_servers" / "snoop.py"
@@ -29,8 +29,8 @@ import asyncio, json, sys
 from kazma.bot.keys import decision_keys_folder
 from kazma.config import load_config_text
 from kazma.config.models import MCPServerConfig
-from kazma.engine.mcp_launch import places_for
-from kazma.engine.mcp_tools import MCPConnection
+from kazma.engine.tools.mcp_launch import places_for
+from kazma.engine.tools.mcp_tools import MCPConnection
 
 async def main() -> None:
     snoop, store, purpose = sys.argv[1:4]

@@ -24,8 +24,8 @@ import pytest
 from kazma.approvals import Decision, ExecutionMismatch, Status
 from kazma.approvals.seal import FORGED, KEY_UNKNOWN, seal, seal_problem
 from kazma.approvals.service import ApprovalService
-from kazma.bot.decision_checks import KEY_CHECK, SEAL_CHECK, check_decision_key, check_decisions
-from kazma.bot.doctor import Level
+from kazma.bot.cli.decision_checks import KEY_CHECK, SEAL_CHECK, check_decision_key, check_decisions
+from kazma.bot.cli.doctor import Level
 from kazma.bot.keys import decision_key_file, load_decision_keyring
 from kazma.config import ConfigError, load_config_text
 from kazma.config.keyring import (
@@ -39,7 +39,7 @@ from kazma.config.keyring import (
     rotate_key_file,
 )
 from kazma.config.metrics import failure_count
-from kazma.config.postgres import pyformat
+from kazma.config.store.postgres import pyformat
 from tests.approvals_support import APPROVERS_YAML, TEST_KEY, TEST_KEYRING, approval_service
 from tests.process_support import REPO
 from tests.store_backends import Engine
@@ -493,7 +493,7 @@ async def test_a_forged_remembered_rule_lets_nothing_run_without_a_card(tmp_path
     from kazma.approvals.rules import RuleStore
     from kazma.approvals.schema import MIGRATIONS
     from kazma.approvals.store import ApprovalStore
-    from kazma.config.database import open_database
+    from kazma.config.store.database import open_database
     from tests.approvals_support import RecordingPublisher
 
     config = load_config_text(

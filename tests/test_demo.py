@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from kazma.approvals.model import Decision
-from kazma.bot.demo import run_demo
+from kazma.bot.cli.demo import run_demo
 
 
 async def test_demo_plays_the_whole_loop_and_approves() -> None:
@@ -122,7 +122,7 @@ async def test_after_the_script_the_demo_operator_steers_the_scripted_swarm(tmp_
     from kazma.adapters.terminal import TerminalAdapter
     from kazma.adapters.web import WebAdapter
     from kazma.bot.app import build_app
-    from kazma.bot.demo import CONNECT_A_MODEL, REQUEST, demo_config, scenario
+    from kazma.bot.cli.demo import CONNECT_A_MODEL, REQUEST, demo_config, scenario
     from kazma.engine.executor import ActionKind
     from kazma.engine.scenario import agent_prompts
     from kazma.engine.swarm.types import TaskStatus

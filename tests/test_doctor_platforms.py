@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kazma.bot.checks import Check, Level
-from kazma.bot.doctor import run_checks
-from kazma.bot.platform_checks import check_platforms
+from kazma.bot.cli.checks import Check, Level
+from kazma.bot.cli.doctor import run_checks
+from kazma.bot.cli.platform_checks import check_platforms
 from kazma.config import load_config_text
 from kazma.config.errors import ConfigError
 from kazma.config.tokens import (

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kazma.config.database import open_database
-from kazma.config.postgres import open_pg_store
-from kazma.config.store_backend import StoreConnection
+from kazma.config.store.backend import StoreConnection
+from kazma.config.store.database import open_database
+from kazma.config.store.postgres import open_pg_store
 from kazma.engine.executor import (
     INTERRUPTED,
     Action,

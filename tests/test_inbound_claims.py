@@ -10,7 +10,7 @@ import pytest
 
 from kazma.bot.inbound_claims import MIGRATIONS, RETENTION_SECONDS, InboundClaims
 from kazma.bot.store import pg_migrations
-from kazma.config.database import open_database
+from kazma.config.store.database import open_database
 from tests.store_backends import Engine
 
 Replicas = Callable[[str, "Clock"], Awaitable[InboundClaims]]
@@ -35,7 +35,7 @@ async def replicas(store_engine: Engine) -> AsyncIterator[Replicas]:
                 conn = await open_database(where, migrations=MIGRATIONS)
                 stack.push_async_callback(conn.close)
                 return InboundClaims(conn, replica=replica, clock=clock)
-            from kazma.config.postgres import open_pg_store
+            from kazma.config.store.postgres import open_pg_store
 
             store = await open_pg_store(where, migrations=pg_migrations(), application_name=f"claims-{replica}")
             stack.push_async_callback(store.close)

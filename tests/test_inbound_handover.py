@@ -23,9 +23,9 @@ from kazma.adapters.slack import SlackAdapter
 from kazma.adapters.slack.render import APPROVE_ACTION
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.bot.inbound_claims import MIGRATIONS, InboundClaims
-from kazma.config.database import open_database
 from kazma.config.metrics import failure_count
 from kazma.config.models import SlackConfig, SlackHttpConfig, TelegramConfig
+from kazma.config.store.database import open_database
 from tests.contract.harness import free_port
 from tests.fakes.slack import FakeSlack
 from tests.fakes.telegram import FakeTelegram, Fault

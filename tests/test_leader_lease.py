@@ -25,8 +25,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from kazma.config.leader import LeaderLease, LeaseTiming, lock_key
 from kazma.config.metrics import failure_count
+from kazma.config.store.leader import LeaderLease, LeaseTiming, lock_key
 from tests.pg_support import PgDatabase, PostgresServer
 
 REPO = Path(__file__).resolve().parent.parent

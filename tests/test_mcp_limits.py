@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kazma.config.models import MCPServerConfig
-from kazma.engine.mcp_stdio import Envelope, LineCutter, Oversize
-from kazma.engine.mcp_tools import MCPConnection
+from kazma.engine.tools.mcp_stdio import Envelope, LineCutter, Oversize
+from kazma.engine.tools.mcp_tools import MCPConnection
 from tests.mcp_support import free_port
 
 SPY = Path(__file__).resolve().parent / "mcp_servers" / "spy.py"

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from kazma.config.models import DangerLevel, MCPServerConfig
-from kazma.engine.mcp_tools import MCPSources, model_name
-from kazma.engine.tools import ToolContext, ToolRegistry
+from kazma.engine.tools.mcp_tools import MCPSources, model_name
+from kazma.engine.tools.registry import ToolRegistry
+from kazma.engine.tools.workspace import ToolContext
 
 SPY = Path(__file__).resolve().parent / "mcp_servers" / "spy.py"
 

@@ -21,13 +21,13 @@ import pytest
 
 from kazma.approvals.card import build_card
 from kazma.bot.app import build_app
-from kazma.bot.doctor import Level, check_mcp_server
+from kazma.bot.cli.doctor import Level, check_mcp_server
 from kazma.config import load_config_text
 from kazma.config.models import MCPServerConfig
-from kazma.engine.mcp_launch import ServerPlaces, unsandboxed_note
-from kazma.engine.mcp_tools import MCPConnection
 from kazma.engine.model import ScriptedProvider
-from kazma.engine.sandbox import probe_bwrap
+from kazma.engine.tools.mcp_launch import ServerPlaces, unsandboxed_note
+from kazma.engine.tools.mcp_tools import MCPConnection
+from kazma.engine.tools.sandbox import probe_bwrap
 
 SPY = Path(__file__).resolve().parent / "mcp_servers" / "spy.py"
 needs_bwrap = pytest.mark.skipif(not probe_bwrap().available, reason="bubblewrap is not installed here")
@@ -294,7 +294,7 @@ async def test_doctor_says_a_server_runs_sandboxed_and_its_cards_say_nothing_of_
     assert doctor.detail == "sandboxed (bubblewrap, network on); 3 tools: spy/dial, spy/flood, spy/snoop"
     async with _running(_spy(), places) as connection:
         from kazma.config.models import DangerLevel
-        from kazma.engine.mcp_tools import MCPTool
+        from kazma.engine.tools.mcp_tools import MCPTool
 
         tool = MCPTool(connection, connection.tools["flood"], lambda _name: DangerLevel.DANGEROUS)
         assert unsandboxed_note() not in tool.notes()

@@ -9,9 +9,9 @@ import pytest
 
 from kazma.approvals.hashing import args_hash
 from kazma.config.models import DangerLevel, MCPServerConfig
-from kazma.engine.mcp_tools import MCPArgs, MCPConnection, MCPTool, list_server_tools
 from kazma.engine.model import ScriptStep
-from kazma.engine.tools import ToolContext
+from kazma.engine.tools.mcp_tools import MCPArgs, MCPConnection, MCPTool, list_server_tools
+from kazma.engine.tools.workspace import ToolContext
 from tests.mcp_support import (
     TG_CHAT,
     Seen,

@@ -13,7 +13,7 @@ from kazma.config import ConfigError, load_config_text
 from kazma.engine.agent import AgentRunner, agents_from_config
 from kazma.engine.history import HistoryStore
 from kazma.engine.model_router import ModelRouter, provider_for
-from kazma.engine.tools import ToolRegistry
+from kazma.engine.tools.registry import ToolRegistry
 from tests.fakes.openai import Completion, FakeOpenAI
 
 

@@ -25,7 +25,8 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kazma.engine.netguard import (
+from kazma.engine.tools.http_get import HttpGetTool
+from kazma.engine.tools.netguard import (
     AddressPolicy,
     AddressRefused,
     IPAddress,
@@ -35,7 +36,8 @@ from kazma.engine.netguard import (
     resolve_checked,
     system_resolver,
 )
-from kazma.engine.tools import HttpGetTool, ToolContext, ToolRegistry, ToolResult
+from kazma.engine.tools.registry import ToolRegistry, ToolResult
+from kazma.engine.tools.workspace import ToolContext
 
 # --------------------------------------------------------------------------- the address policy
 

@@ -13,7 +13,7 @@ import pytest
 
 from kazma.approvals import ApprovalService, ApprovalStore
 from kazma.bot.store import pg_migrations
-from kazma.config.postgres import open_pg_store
+from kazma.config.store.postgres import open_pg_store
 from tests.approvals_support import approvals_config, assert_one_winner_each
 from tests.pg_support import find_bindir
 
@@ -26,7 +26,7 @@ PRESSER = textwrap.dedent(
     import asyncio, json, sys
     from kazma.approvals import ApprovalService, ApprovalStore, Decision, button_data
     from kazma.bot.store import pg_migrations
-    from kazma.config.postgres import open_pg_store
+    from kazma.config.store.postgres import open_pg_store
     from tests.approvals_support import approvals_config, assert_one_winner_each
 
     async def main(dsn, actor, platform, flip):

@@ -37,7 +37,7 @@ from kazma.approvals.seal import seal_problem
 from kazma.bot.store import pg_migrations
 from kazma.config import load_config_text
 from kazma.config.keyring import DECISION_KEYS, Keyring
-from kazma.config.postgres import PgStore, open_pg_store
+from kazma.config.store.postgres import PgStore, open_pg_store
 from tests.audit_support import AUDIT_KEY
 from tests.contract.harness import free_port
 from tests.fakes.discord import HOME_CHANNEL_ID
@@ -328,6 +328,12 @@ async def test_a_replica_cut_off_from_the_database_stops_leading_and_deciding_an
             await outbox.enqueue(first.id, list(PLATFORMS))
             await until(lambda: live_buttons(fakes) == 3, 60, "the cards posted", a, b)
 
+            # Posted is not yet recorded: cut off before it records them, rep-a could not say where its cards
+            # are, and a press on a card the store does not know is refused. Cut once all three are recorded.
+            async def all_recorded() -> bool:
+                return len(await service.store.cards(first.id)) == 3
+
+            await until(all_recorded, 60, "the cards recorded", a, b)
             proxy.cut()  # rep-a's sessions end and it cannot open new ones
             cut_at = time.monotonic()
             await until(lambda: _says(b, "replica rep-b: leader"), 10, "rep-b leading within 10 s", a, b)

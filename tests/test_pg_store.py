@@ -20,9 +20,9 @@ from kazma.approvals import MIGRATIONS as APPROVALS
 from kazma.approvals.model import Status
 from kazma.approvals.store import ApprovalStore, CardCheck, CardProblem
 from kazma.bot.store import pg_migrations
-from kazma.config.database import open_database
-from kazma.config.postgres import PgStore, apply_pg_migrations, open_pg_store, pyformat
-from kazma.config.store_backend import StoreBackend, Tx
+from kazma.config.store.backend import StoreBackend, Tx
+from kazma.config.store.database import open_database
+from kazma.config.store.postgres import PgStore, apply_pg_migrations, open_pg_store, pyformat
 from tests.approvals_support import ManualClock
 from tests.pg_support import find_bindir
 from tests.store_backends import NO_SERVER, Engine

@@ -10,7 +10,7 @@ from pathlib import Path
 import discord
 import yaml
 
-from kazma.bot.platform_setup import (
+from kazma.bot.cli.platform_setup import (
     DISCORD_PERMISSIONS,
     SLACK_BOT_EVENTS,
     SLACK_BOT_SCOPES,

@@ -17,7 +17,7 @@ from kazma.approvals.policy import PolicyVerdict
 from kazma.approvals.rules import MIGRATIONS as RULES
 from kazma.approvals.rules import RuleStore
 from kazma.config import load_config_text
-from kazma.config.database import open_database
+from kazma.config.store.database import open_database
 from kazma.engine.model import ScriptStep
 from tests.api_support import REPO
 from tests.approvals_support import TEST_KEYRING, ManualClock, RecordingPublisher

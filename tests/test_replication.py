@@ -25,8 +25,8 @@ from kazma.approvals import ApprovalService, ApprovalStore, Decision, PressResul
 from kazma.approvals.service import REPLICA_GONE
 from kazma.bot.replication import Replication
 from kazma.bot.store import pg_migrations
-from kazma.config.leader import LeaseTiming
-from kazma.config.postgres import PgStore, open_pg_store
+from kazma.config.store.leader import LeaseTiming
+from kazma.config.store.postgres import PgStore, open_pg_store
 from tests.approvals_support import approvals_config
 from tests.test_bus import MemoryPlatform
 
@@ -242,8 +242,8 @@ async def _live_now(replication: Replication, expected: set[str]) -> bool:
 
 
 async def test_doctor_names_the_replicas_and_the_leader(dsn: str) -> None:
-    from kazma.bot.checks import Level
-    from kazma.bot.doctor import check_replicas
+    from kazma.bot.cli.checks import Level
+    from kazma.bot.cli.doctor import check_replicas
     from kazma.config import load_config_text
 
     loaded = load_config_text(f"store: {{url: '{dsn}'}}")

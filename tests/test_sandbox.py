@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from kazma.engine.sandbox import (
+from kazma.engine.tools.registry import ToolResult
+from kazma.engine.tools.sandbox import (
     INSTALL_HINT,
     SANDBOX_PATH,
     Sandbox,
@@ -32,7 +33,8 @@ from kazma.engine.sandbox import (
     resolve_sandbox,
     sandbox_environment,
 )
-from kazma.engine.tools import ShellArgs, ShellTool, ToolContext, ToolResult
+from kazma.engine.tools.shell import ShellArgs, ShellTool
+from kazma.engine.tools.workspace import ToolContext
 
 # The mode the attacks run against. Set it to "none" to watch every attack
 # succeed on the unsandboxed shell (that is how these tests were checked).
@@ -135,8 +137,9 @@ async def test_an_approved_call_cannot_read_a_platform_token(
 KAZMA_CHILD = """
 import asyncio, json, sys
 from pathlib import Path
-from kazma.engine.sandbox import resolve_sandbox
-from kazma.engine.tools import ShellArgs, ShellTool, ToolContext
+from kazma.engine.tools.sandbox import resolve_sandbox
+from kazma.engine.tools.shell import ShellArgs, ShellTool
+from kazma.engine.tools.workspace import ToolContext
 
 async def main() -> None:
     mode, workspace, command = sys.argv[1:4]

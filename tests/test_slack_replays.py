@@ -19,8 +19,8 @@ from kazma.adapters.slack.render import APPROVE_ACTION
 from kazma.approvals.model import Decision
 from kazma.bot.inbound_claims import MIGRATIONS as CLAIMS
 from kazma.bot.inbound_claims import InboundClaims
-from kazma.config.database import open_database
 from kazma.config.metrics import failure_count
+from kazma.config.store.database import open_database
 from tests.fakes.slack import FakeSlack, sign
 from tests.test_slack_adapter import ADMIN, HOME, OTHER, Recorder, events_url, make_card, slack_config
 

@@ -22,7 +22,7 @@ from kazma.bot.chat_moves import ChatMoves
 from kazma.bot.console.dashboard_data import HOUR, DashboardQueries
 from kazma.bot.console.sessions import SessionStore
 from kazma.bot.store import all_migrations, pg_migrations
-from kazma.config.store_backend import StoreConnection, StoreTables, tables_of
+from kazma.config.store.backend import StoreConnection, StoreTables, tables_of
 from kazma.engine.history import HistoryStore
 from kazma.engine.plan import PlanOrigin, PlanSpec, StepSpec, StepStatus
 from kazma.engine.plan_store import PlanStore

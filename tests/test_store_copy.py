@@ -26,11 +26,20 @@ from kazma.approvals.seal import seal_problem
 from kazma.approvals.store import ApprovalStore
 from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.chat_moves import ChatMoves
+from kazma.bot.cli.store_copy import (
+    CopyError,
+    CopyReport,
+    TableCopy,
+    copy_store,
+    expand_url,
+    redact,
+    table_hash,
+    tables_in,
+)
 from kazma.bot.console.sessions import SessionStore
 from kazma.bot.store import all_migrations, pg_migrations
-from kazma.bot.store_copy import CopyError, CopyReport, TableCopy, copy_store, expand_url, redact, table_hash, tables_in
-from kazma.config.database import open_database
-from kazma.config.postgres import PgStore, open_pg_store
+from kazma.config.store.database import open_database
+from kazma.config.store.postgres import PgStore, open_pg_store
 from kazma.engine.history import HistoryStore
 from kazma.engine.plan import PlanOrigin, PlanSpec, StepSpec, StepStatus
 from kazma.engine.plan_store import PlanStore

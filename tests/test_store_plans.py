@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kazma.approvals import MIGRATIONS
 from kazma.approvals.store import _CAS_BEFORE_DEADLINE, _PRESS_CARDS, _SEALED_FIELDS
-from kazma.config.database import open_database
+from kazma.config.store.database import open_database
 
 
 async def plans(path: Path, statements: list[tuple[str, tuple[object, ...]]]) -> list[str]:

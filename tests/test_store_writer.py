@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kazma.config.database import Tables, connect
-from kazma.config.writer import StoreWriter, Tx
+from kazma.config.store.database import Tables, connect
+from kazma.config.store.writer import StoreWriter, Tx
 
 
 @pytest.fixture

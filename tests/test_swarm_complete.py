@@ -16,7 +16,7 @@ from kazma.approvals import SafetyPolicy
 from kazma.bot.console.dashboard_data import DashboardData
 from kazma.bot.console.pages import dashboard_page
 from kazma.config import KazmaConfig, load_config_text
-from kazma.config.database import connect, open_database
+from kazma.config.store.database import connect, open_database
 from kazma.engine.agent import AgentRunner, AgentSpec, TurnContext
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
@@ -32,7 +32,7 @@ from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import MIGRATIONS, SwarmTaskStore, TaskRecord
 from kazma.engine.swarm.types import ErrorKind, TaskStatus, Worker, WorkerResult
 from kazma.engine.swarm.workers import HANDOFF_TOOL, AgentWorker
-from kazma.engine.tools import default_registry
+from kazma.engine.tools.builtin import default_registry
 from kazma.engine.types import Message, ModelReply, ToolCall, Usage
 from tests.approvals_support import approval_service
 from tests.fakes.openai import FakeOpenAI

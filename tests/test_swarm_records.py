@@ -17,8 +17,8 @@ from kazma.approvals import ApprovalService
 from kazma.approvals.model import Decision
 from kazma.bot.console.dashboard_data import DashboardData
 from kazma.bot.console.pages import dashboard_page
-from kazma.config.database import Migration
-from kazma.config.store_backend import StoreConnection
+from kazma.config.store.backend import StoreConnection
+from kazma.config.store.database import Migration
 from kazma.engine.swarm.state_store import MIGRATIONS as STATE
 from kazma.engine.swarm.state_store import PG_MIGRATIONS as STATE_PG
 from kazma.engine.swarm.store import MIGRATIONS, PG_MIGRATIONS, SwarmTaskStore

@@ -14,11 +14,11 @@ import pytest
 from kazma.approvals import ApprovalService
 from kazma.approvals.model import Decision
 from kazma.config import KazmaConfig, load_config_text
-from kazma.config.database import open_database
+from kazma.config.store.database import open_database
 from kazma.engine.swarm.commands import SwarmCommands
-from kazma.engine.swarm.service import CoalescingReporter, SwarmRefused, SwarmRequest, SwarmService
+from kazma.engine.swarm.service import CoalescingReporter, SwarmService
 from kazma.engine.swarm.store import MIGRATIONS, SwarmTaskStore
-from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
+from kazma.engine.swarm.types import ErrorKind, Pattern, SwarmRefused, SwarmRequest, TaskStatus, WorkerResult
 from kazma.engine.types import Usage
 from tests.approvals_support import ManualClock, RecordingPublisher, approval_service
 from tests.swarm_support import ScriptedWorker

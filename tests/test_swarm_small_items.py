@@ -9,8 +9,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from kazma.approvals import SafetyPolicy
-from kazma.bot.context import Context
-from kazma.bot.swarm_cli import swarm
+from kazma.bot.cli.context import Context
+from kazma.bot.cli.swarm_cli import swarm
 from kazma.engine.agent import AgentSpec, TurnContext
 from kazma.engine.swarm.lead_tools import swarm_tools
 from kazma.engine.swarm.types import ErrorKind, TaskStatus, WorkerResult

@@ -20,8 +20,8 @@ from pathlib import Path
 import aiosqlite
 import pytest
 
-from kazma.config.database import apply_migrations, connect
 from kazma.config.metrics import failure_count
+from kazma.config.store.database import apply_migrations, connect
 from kazma.engine.swarm.store import (
     MIGRATIONS,
     PG_MIGRATIONS,
@@ -346,7 +346,7 @@ async def test_admission_under_gather_never_exceeds_the_cap(store_engine: Engine
 ADMITTER = textwrap.dedent(
     """
     import asyncio, sys
-    from kazma.config.database import open_database
+    from kazma.config.store.database import open_database
     from kazma.engine.swarm.store import MIGRATIONS, AtCapacity, SwarmTaskStore
     from kazma.engine.swarm.types import Pattern
 

@@ -21,7 +21,7 @@ from kazma.approvals.tool_names import (
     tool_name_problem,
 )
 from kazma.config.models import BUILTIN_TOOLS
-from kazma.engine.mcp_tools import model_name
+from kazma.engine.tools.mcp_tools import model_name
 
 GOOD = ["shell", "github/list_issues", "deploy", "aws.s3/put-object", "a__x", "DATA_EXPORT_v2", "admin.tools.list"]
 BAD = [

@@ -18,21 +18,14 @@ import pytest
 from aiohttp import web
 
 from kazma.config.models import DangerLevel
-from kazma.engine.sandbox import Sandbox, SandboxMode, resolve_sandbox
-from kazma.engine.tools import (
-    HttpGetTool,
-    ReadFileTool,
-    ShellTool,
-    Tool,
-    ToolArgs,
-    ToolContext,
-    ToolRegistry,
-    ToolResult,
-    UnknownToolError,
-    WriteFileTool,
-    default_registry,
-    fence_untrusted,
-)
+from kazma.engine.fence import fence_untrusted
+from kazma.engine.tools.builtin import default_registry
+from kazma.engine.tools.files import ReadFileTool, WriteFileTool
+from kazma.engine.tools.http_get import HttpGetTool
+from kazma.engine.tools.registry import Tool, ToolArgs, ToolRegistry, ToolResult, UnknownToolError
+from kazma.engine.tools.sandbox import Sandbox, SandboxMode, resolve_sandbox
+from kazma.engine.tools.shell import ShellTool
+from kazma.engine.tools.workspace import ToolContext
 
 # --------------------------------------------------------------------------- helpers
 

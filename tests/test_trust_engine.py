@@ -14,15 +14,15 @@ import pytest
 
 from kazma.approvals import SafetyPolicy
 from kazma.config import load_config_text
-from kazma.config.database import open_database
 from kazma.config.models import ModelConfig
+from kazma.config.store.database import open_database
 from kazma.engine.agent import AgentRunner, AgentSpec, TurnContext
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import OpenAIProvider, ScriptedProvider, ScriptStep, _parse_arguments
 from kazma.engine.swarm.lead_tools import swarm_tools
 from kazma.engine.swarm.types import Pattern, TaskStatus, WorkerResult
-from kazma.engine.tools import default_registry
+from kazma.engine.tools.builtin import default_registry
 from kazma.engine.types import ModelError, ModelProvider, ModelReply, ToolCall
 from tests.approvals_support import approval_service
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall, Garbage, HttpError

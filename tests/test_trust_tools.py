@@ -11,14 +11,14 @@ import pytest
 from kazma.adapters.web import WebAdapter
 from kazma.approvals.card import build_card
 from kazma.bot.app import build_app
-from kazma.bot.doctor import Level, check_sandbox
+from kazma.bot.cli.doctor import Level, check_sandbox
 from kazma.bot.keys import decision_key_file
 from kazma.config import load_config_text
 from kazma.config.keyring import DECISION_KEYS, open_keyring
 from kazma.engine.agent import workspace_for
 from kazma.engine.model import ScriptedProvider
-from kazma.engine.sandbox import probe_bwrap
-from kazma.engine.tools import ToolContext
+from kazma.engine.tools.sandbox import probe_bwrap
+from kazma.engine.tools.workspace import ToolContext
 
 needs_bwrap = pytest.mark.skipif(not probe_bwrap().available, reason="bubblewrap is not installed here")
 

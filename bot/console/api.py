@@ -38,7 +38,7 @@ import structlog
 from aiohttp import web
 
 from kazma.approvals.hashing import args_hash, canonical_json, text_hash
-from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest, Waits
+from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest, Status, Waits
 from kazma.approvals.service import ApprovalRefused, ApprovalService
 from kazma.approvals.tool_names import TOOL_PATTERN, TOOL_RULE, ToolNameError, check_tool_name
 from kazma.approvals.withdrawal import POLL_GRACE, Gone, by_asker
@@ -46,7 +46,7 @@ from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, IdempotencyKeys, Key
 from kazma.bot.app import App
 from kazma.config.metrics import count_failure
 from kazma.config.models import KazmaConfig
-from kazma.config.store_errors import store_errors
+from kazma.config.store.errors import store_errors
 from kazma.engine.agent import MAX_ARGUMENT_DEPTH, nesting_depth
 
 log = structlog.get_logger("kazma.api")
@@ -59,6 +59,8 @@ MAX_REASON = 1000
 MAX_REQUESTER = 100
 MAX_DEADLINE = 7 * 24 * 3600
 _KEY = re.compile(r"[\x21-\x7e]{1,200}")
+# An approved row whose seal does not verify: reported so, never as "approved" (the caller would act on it).
+UNVERIFIED = "unverified"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
 # A JSON string (escapes included), and the brackets left once strings are gone: how deep a body nests,
 # found before the parser recurses into it.
@@ -108,17 +110,29 @@ def caller_of(config: KazmaConfig, request: web.Request) -> ApiCaller:
 
 def describe(service: ApprovalService, request: ApprovalRequest) -> dict[str, Any]:
     outcome = request.outcome()
+    status = request.status.value
+    decided_by = None if outcome is None or not outcome.status.human else outcome.decided_by
+    reason = None if outcome is None else outcome.reason
+    if request.status is Status.APPROVED:
+        # The caller runs its action on "approved": a row that no decision path of Kazma sealed (written into
+        # the store by something else) is reported as what it is, never as an approval.
+        problem = service.approval_problem(request)
+        if problem is not None:
+            count_failure(problem.site)
+            log.warning("api.approval_unverified", request_id=request.id, problem=problem.detail)
+            status, decided_by = UNVERIFIED, None
+            reason = f"not an approval Kazma made ({problem.detail}); do not act on it"
     return {
         "id": request.id,
-        "status": request.status.value,
+        "status": status,
         "tool": request.tool,
         "arguments": request.args,
         "hash": request.args_hash,
         "requested_by": request.requested_by,
         "deadline": request.deadline.isoformat(),
-        "decided_by": None if outcome is None or not outcome.status.human else outcome.decided_by,
+        "decided_by": decided_by,
         "decided_at": None if outcome is None else outcome.decided_at.isoformat(),
-        "reason": None if outcome is None else outcome.reason,
+        "reason": reason,
         "link": service.link(request.id),
         "waits": None if request.waits is None else request.waits.value,
         "last_seen": None if request.last_seen is None else request.last_seen.isoformat(),
@@ -442,7 +456,7 @@ _APPROVAL = {
     "type": "object",
     "properties": {
         "id": {"type": "string"},
-        "status": {"type": "string", "enum": ["pending", "approved", "denied", "timeout", "cancelled"]},
+        "status": {"type": "string", "enum": ["pending", "approved", "denied", "timeout", "cancelled", UNVERIFIED]},
         "tool": {"type": "string"},
         "arguments": {"type": "object"},
         "hash": {"type": "string", "description": "SHA-256 of the canonical JSON of the arguments"},

@@ -25,7 +25,7 @@ from prometheus_client import Histogram
 from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.rules import Rule
 from kazma.config.metrics import PRESS_TO_DECISION
-from kazma.config.store_backend import StoreConnection, tables_of
+from kazma.config.store.backend import StoreConnection, tables_of
 from kazma.engine.swarm.call_records import CallRecord
 from kazma.engine.swarm.state_store import WorkerDay
 from kazma.engine.swarm.store import TaskRecord

@@ -47,6 +47,7 @@ from kazma.bot.console.doors import Doors, add_routes, reader_refused, undeclare
 from kazma.bot.console.feed import ChangeFeed
 from kazma.bot.console.forwarded import ClientAddresses
 from kazma.bot.console.pages import (
+    MAX_TEXT,
     approval_href,
     approval_page,
     console_page,
@@ -61,10 +62,11 @@ from kazma.bot.console.sessions import SessionStore
 from kazma.bot.console.static import CONSOLE_JS
 from kazma.bot.console.upload import UploadRefused, read_upload
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure, with_label
-from kazma.engine.swarm.grammar import GrammarError, parse
-from kazma.engine.swarm.limits import MAX_PROMPT_BYTES
+from kazma.engine.swarm.grammar import parse
+from kazma.engine.swarm.limits import MAX_COMMAND_BYTES, MAX_PROMPT_BYTES
 from kazma.engine.swarm.roles import Role as SwarmRole
 from kazma.engine.swarm.roles import required_role
+from kazma.engine.swarm.syntax import GrammarError
 from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.transcript import Working
 
@@ -86,9 +88,6 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _MENTION = re.compile(r"(?<![\w@])@([A-Za-z0-9_-]{1,32})")
 TASK_ACTIONS = ("cancel", "retry", "approve", "reject")
-MAX_TEXT = 8000
-# A /swarm command carries a task of up to the swarm's prompt limit, and a few words around it.
-MAX_SWARM_COMMAND = MAX_PROMPT_BYTES + 1024
 
 
 def _swarm_too_long(length: int) -> str:
@@ -339,7 +338,7 @@ class WebServer:
         swarm = text == "/swarm" or text.startswith("/swarm ")
         if not text:
             session.flash.append("Nothing to send.")
-        elif swarm and len(text) > MAX_SWARM_COMMAND:
+        elif swarm and len(text) > MAX_COMMAND_BYTES:
             session.flash.append(_swarm_too_long(len(text)))
         elif swarm:  # a task up to the swarm's own limit: the grammar refuses a longer one, naming the limit
             session.flash.append(await self._swarm_text(session, text.removeprefix("/swarm")))
@@ -599,7 +598,7 @@ class WebServer:
     async def swarm_command(self, request: web.Request) -> web.Response:
         session, fields = await self._auth().form(request)
         text = fields.get("text", "").strip().removeprefix("/swarm").strip()
-        if len(text) > MAX_SWARM_COMMAND:
+        if len(text) > MAX_COMMAND_BYTES:
             session.flash.append(_swarm_too_long(len(text)))
         else:
             session.flash.append(await self._swarm_text(session, text))

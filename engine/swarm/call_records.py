@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
-from kazma.config.store_backend import SqlStatements
+from kazma.config.store.backend import SqlStatements
 from kazma.engine.swarm.types import WorkerResult
 from kazma.engine.types import ToolUse
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from kazma.config.database import Migration
-from kazma.config.pg_schema import PgMigration
-from kazma.config.store_backend import StoreConnection, tables_of
+from kazma.config.store.backend import StoreConnection, tables_of
+from kazma.config.store.database import Migration
+from kazma.config.store.pg_schema import PgMigration
 
 MIGRATIONS = [
     Migration(

@@ -1,0 +1,205 @@
+"""``kazma approvals request``: ask a person for a yes from a script or CI job, through the approvals API.
+
+Exit codes with ``--wait``: 0 approved, 1 denied, 2 timeout, 3 cancelled; 4 when Kazma could not be asked;
+5 when the wait was interrupted (SIGINT, SIGTERM) — the request is withdrawn, never left for a press that
+nobody would act on, and an interruption is never reported as a denial; 6 when the store says approved but no
+decision path of Kazma sealed it (written into the store by something else: do not act on it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+import click
+
+from kazma.bot.cli.context import Context
+
+EXIT = {"approved": 0, "denied": 1, "timeout": 2, "cancelled": 3, "unverified": 6}
+EXIT_UNASKED = 4
+EXIT_INTERRUPTED = 5
+# How long polls may fail in a row (Kazma restarting, a replica failing over) before giving up (exit 4): less
+# than the 90 s after which Kazma withdraws a request whose waiting asker stopped asking.
+POLL_RETRY_SECONDS = 45.0
+WITHDRAW_TIMEOUT = 5.0
+
+
+def _value(raw: str) -> Any:
+    """``k=v``: v as JSON when it parses (numbers, true, lists), else as text."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+@click.command("request")
+@click.option("--tool", required=True, help="What is about to run, as its card names it.")
+@click.option("--arg", "args", multiple=True, metavar="K=V", help="An argument; repeat. V is JSON or text.")
+@click.option("--reason", default=None)
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Wait for the outcome; exit 0 approved, 1 denied, 2 timeout, 3 cancelled, 5 interrupted (withdrawn).",
+)
+@click.option("--deadline", type=click.FloatRange(1, 7 * 24 * 3600), default=None, help="Seconds to decide.")
+@click.option("--url", envvar="KAZMA_URL", default=None, help="Kazma's web address (default: web.public_url).")
+@click.pass_obj
+def request(
+    obj: Context, tool: str, args: tuple[str, ...], reason: str | None, wait: bool, deadline: float | None,
+    url: str | None,
+) -> None:  # fmt: skip
+    """Open an approval request (token: $KAZMA_API_TOKEN); print its id and its card's link.
+
+    \b
+    Exit codes with --wait:
+      0  approved      1  denied        2  timed out (not a denial)
+      3  cancelled (withdrawn, or Kazma cancelled it; not a denial)
+      4  Kazma could not be asked
+      5  interrupted (SIGINT/Ctrl-C, SIGTERM): the request is withdrawn on every
+         card; if Kazma cannot be told, it withdraws it once nobody asks (90 s)
+      6  unverified: the store says approved, but Kazma did not seal it
+    """
+    import httpx
+
+    token = os.environ.get("KAZMA_API_TOKEN", "")
+    if not token:
+        click.echo("set KAZMA_API_TOKEN to an API token with the approval_requester role", err=True)
+        sys.exit(EXIT_UNASKED)
+    arguments: dict[str, Any] = {}
+    for item in args:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected K=V, got {item!r}", param_hint="--arg")
+        arguments[key] = _value(raw)
+    body: dict[str, Any] = {"tool": tool, "arguments": arguments}
+    if reason:
+        body["reason"] = reason
+    if deadline is not None:
+        body["deadline_seconds"] = deadline
+    base = (url or obj.load().config.web.public_url).rstrip("/")
+    # One key for this invocation: a retried POST (a dropped connection) gets the same request, not a second card.
+    headers = {"Authorization": f"Bearer {token}", "Idempotency-Key": str(uuid.uuid4())}
+    if wait:  # this process waits and keeps asking: Kazma withdraws the request when it stops
+        headers["Kazma-Wait"] = "sync"
+    found: dict[str, Any] | None = None
+    try:
+        with httpx.Client(base_url=base, headers=headers, timeout=90, trust_env=False) as client, _interruptible(wait):
+            try:
+                found = _post(client, body)
+                click.echo(f"request {found['id']}  {found['link']}")
+                click.echo(f"sha256  {found['hash']}")
+                if not wait:
+                    return
+                found = _poll(client, found)
+            except KeyboardInterrupt:
+                _interrupted(client, found)
+    except httpx.HTTPError as exc:
+        click.echo(f"could not reach Kazma at {base}: {exc}", err=True)
+        sys.exit(EXIT_UNASKED)
+    assert found is not None
+    who = f" by {found['decided_by']}" if found.get("decided_by") else ""
+    click.echo(f"{found['status']}{who}")
+    sys.exit(EXIT.get(found["status"], EXIT_UNASKED))
+
+
+@contextlib.contextmanager
+def _interruptible(wait: bool) -> Iterator[None]:
+    """While waiting, SIGTERM interrupts like Ctrl-C does (a CI runner cancelling the job sends SIGTERM)."""
+    if not wait:
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted(client: Any, found: dict[str, Any] | None) -> None:
+    """The wait was interrupted: withdraw the request (best effort), say so, exit 5."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the withdrawal short
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if found is None:
+        click.echo(
+            "interrupted before Kazma answered; a request it opened is withdrawn once nobody asks about it", err=True
+        )
+        sys.exit(EXIT_INTERRUPTED)
+    try:
+        answered = client.delete(
+            f"/api/v1/approvals/{found['id']}", params={"why": "interrupted"}, timeout=WITHDRAW_TIMEOUT
+        )
+        after = answered.json() if answered.status_code < 400 else None
+    except Exception:
+        after = None
+    if after is None:
+        click.echo(
+            f"interrupted; Kazma could not be told, so it withdraws request {found['id']} once nobody asks about it",
+            err=True,
+        )
+    elif after["status"] == "cancelled":
+        click.echo(f"interrupted; request {found['id']} withdrawn", err=True)
+    else:  # decided just before the withdrawal reached Kazma: nobody here acts on it
+        said = f"interrupted; request {found['id']} was already {after['status']}, and nothing here acts on it"
+        click.echo(said, err=True)
+    sys.exit(EXIT_INTERRUPTED)
+
+
+def _poll(client: Any, found: dict[str, Any]) -> dict[str, Any]:
+    """Ask for the answer until there is one; a Kazma that does not answer for a while (a restart, a replica
+    failing over) is asked again, for up to ``POLL_RETRY_SECONDS`` in a row."""
+    import httpx
+
+    failing_since: float | None = None
+    while found["status"] == "pending":
+        try:
+            polled = client.get(f"/api/v1/approvals/{found['id']}", params={"wait": "30"})
+        except httpx.TransportError as exc:
+            problem = str(exc) or type(exc).__name__
+        else:
+            if polled.status_code < 400:
+                found = polled.json()
+                failing_since = None
+                continue
+            if polled.status_code not in (502, 503, 504):
+                _unasked(polled)
+            problem = f"HTTP {polled.status_code}"
+        now = time.monotonic()
+        failing_since = now if failing_since is None else failing_since
+        if now - failing_since > POLL_RETRY_SECONDS:
+            click.echo(f"Kazma stopped answering ({problem}); it withdraws the request once nobody asks", err=True)
+            sys.exit(EXIT_UNASKED)
+        time.sleep(1.0)
+    return found
+
+
+def _post(client: Any, body: dict[str, Any]) -> dict[str, Any]:
+    for attempt in range(3):
+        try:
+            response = client.post("/api/v1/approvals", json=body)
+        except Exception:
+            if attempt == 2:
+                raise
+            time.sleep(1 + attempt)
+            continue
+        if response.status_code >= 400:
+            _unasked(response)
+        found: dict[str, Any] = response.json()
+        return found
+    raise AssertionError("unreachable")
+
+
+def _unasked(response: Any) -> None:
+    click.echo(f"Kazma refused (HTTP {response.status_code}): {response.text[:500]}", err=True)
+    sys.exit(EXIT_UNASKED)

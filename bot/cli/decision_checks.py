@@ -1,0 +1,149 @@
+"""``kazma doctor``'s checks of the decision seals: the key is there and out of reach, and every seal verifies.
+
+A decided row whose seal does not verify was written outside Kazma (or sealed with a key that is not held
+here): an approval among them will never run, and someone could write the store. Rows decided before Kazma
+sealed decisions have no seal; they are history, and can never run either.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kazma.approvals.model import ApprovalRequest
+from kazma.approvals.seal import KEY_UNKNOWN, seal_problem
+from kazma.approvals.store import ApprovalStore
+from kazma.bot.cli.checks import Check, Level
+from kazma.bot.keys import decision_key_file, decision_keys_folder
+from kazma.bot.store import store_for_command
+from kazma.config import LoadedConfig
+from kazma.config.keyring import DECISION_KEYS, KeyMissing, Keyring, KeyringError, loose_mode, read_keyring
+
+KEY_CHECK = "decision key"
+SEAL_CHECK = "decision seals"
+_SHOWN = 5  # rows named in a failure; the count says how many in all
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    real, around = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+    return real == around or real.is_relative_to(around)
+
+
+async def check_decisions(loaded: LoadedConfig, *, store_ok: bool = True) -> list[Check]:
+    """The decision key, then every seal in the store (when the store could be opened: the store's own check
+    already says why not)."""
+    if not store_ok:
+        return [check_decision_key(loaded)]
+    seals, sealed = await check_decision_seals(loaded)
+    return [check_decision_key(loaded, sealed=sealed), seals]
+
+
+def check_decision_key(loaded: LoadedConfig, *, sealed: int = 0) -> Check:
+    """Present and readable, private, outside the store's folder and the workspaces; which key seals.
+
+    ``sealed``: how many sealed decisions the store holds. Without a key they cannot be verified (approved
+    ones will not run); with none, a SQLite Kazma that has not started yet simply has not made its key.
+    """
+    config = loaded.config
+    path = decision_key_file(config)
+    try:
+        ring = read_keyring(DECISION_KEYS, decision_keys_folder(config))
+    except KeyMissing as exc:
+        if config.store.backend == "postgresql":
+            return Check(
+                KEY_CHECK,
+                Level.FAIL,
+                f"{exc}: with PostgreSQL every replica needs the same {DECISION_KEYS.env} (kazma run refuses to "
+                "start without one), or the same key file on each",
+            )
+        if sealed:
+            return Check(
+                KEY_CHECK,
+                Level.FAIL,
+                f"{exc}, but the store holds {sealed} sealed decisions: it was removed or moved, and no approval "
+                "can be verified (none will run); put it back, or set it in the environment",
+            )
+        return Check(KEY_CHECK, Level.OK, f"none yet: kazma run makes {path} at its first start (0600)")
+    except KeyringError as exc:
+        return Check(KEY_CHECK, Level.FAIL, f"unusable: {exc}; no approval can be sealed or verified")
+    if ring.path is not None:
+        try:
+            loose = loose_mode(ring.path)
+        except OSError as exc:
+            return Check(KEY_CHECK, Level.FAIL, f"{ring.path} cannot be examined: {exc}")
+        if loose is not None:
+            return Check(
+                KEY_CHECK, Level.FAIL, f"{ring.path}: {loose}: whoever reads it can seal approvals (chmod 600)"
+            )
+        for folder, what in (
+            (config.store.path.parent, "the store's folder (a copy or backup of it would carry the key)"),
+            (config.tools.workspaces(config.store.path), "the workspaces' folder (tools work there)"),
+        ):
+            if _inside(ring.path, folder):
+                return Check(KEY_CHECK, Level.FAIL, f"{ring.path} is inside {what}: keep it apart from {folder}")
+    detail = ring.describe()
+    if ring.path is None and path.exists():
+        detail += f" ({path} is not used while {DECISION_KEYS.env} is set)"
+    if ring.path is not None and config.store.backend == "postgresql":
+        detail += "; every replica needs this same file"
+    return Check(KEY_CHECK, Level.OK, detail)
+
+
+def _named(rows: list[tuple[ApprovalRequest, str]]) -> str:
+    shown = "; ".join(f"{r.id} ({r.status.value} by {r.decided_by}): {why}" for r, why in rows[:_SHOWN])
+    more = f"; and {len(rows) - _SHOWN} more" if len(rows) > _SHOWN else ""
+    return shown + more
+
+
+def _keyring_or_none(loaded: LoadedConfig) -> Keyring | None:
+    try:
+        return read_keyring(DECISION_KEYS, decision_keys_folder(loaded.config))
+    except KeyringError:
+        return None
+
+
+async def check_decision_seals(loaded: LoadedConfig) -> tuple[Check, int]:
+    """Every decided row's seal, verified with the keys held here; and how many rows carry a seal."""
+    keyring = _keyring_or_none(loaded)
+    try:
+        async with store_for_command(loaded.config) as opened:
+            store = ApprovalStore(opened, keyring=keyring)
+            rows = await store.decided()
+            since = await store.sealed_since()
+    except Exception as exc:
+        said = str(exc).strip() or type(exc).__name__
+        return Check(SEAL_CHECK, Level.FAIL, f"cannot read the store: {said}"), 0
+    historic = 0
+    forged: list[tuple[ApprovalRequest, str]] = []
+    unknown: list[tuple[ApprovalRequest, str]] = []
+    for row in rows:
+        decided = row.decided_at.timestamp() if row.decided_at is not None else None
+        if row.decision_mac is None and (since is None or (decided is not None and decided < since)):
+            historic += 1  # decided before seals: history, and can never run
+            continue
+        problem = seal_problem(keyring, row)
+        if problem is None:
+            continue
+        (unknown if problem.site == KEY_UNKNOWN else forged).append((row, problem.detail))
+    sealed = sum(1 for row in rows if row.decision_mac is not None)
+    before = f"; {historic} decided before seals (they can never run)" if historic else ""
+    if forged:
+        approved = sum(1 for r, _ in forged if r.status.value == "approved")
+        return Check(
+            SEAL_CHECK,
+            Level.FAIL,
+            f"{len(forged)} decided rows whose seal does not verify, {approved} of them approved (written outside "
+            f"Kazma: whoever did it can write the store; none of them will run): {_named(forged)}",
+        ), sealed
+    if keyring is None and unknown:
+        return Check(
+            SEAL_CHECK, Level.FAIL, f"{len(unknown)} sealed decisions cannot be verified: no usable decision key"
+        ), sealed
+    if unknown:
+        return Check(
+            SEAL_CHECK,
+            Level.FAIL,
+            f"{len(unknown)} decisions sealed with keys not held here (approved ones will not run): {_named(unknown)}",
+        ), sealed
+    verified = len(rows) - historic
+    return Check(SEAL_CHECK, Level.OK, f"{verified} decisions verified{before}"), sealed

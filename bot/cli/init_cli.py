@@ -1,0 +1,245 @@
+"""``kazma init``: a first ``kazma.yaml`` that works, asked for on a terminal or given by flags."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from kazma.bot.cli.context import Context
+from kazma.bot.cli.init_config import (
+    DEFAULT_MODEL_URL,
+    DEFAULT_PUBLIC_URL,
+    WEB_LOGIN,
+    InitAnswers,
+    Presence,
+    render,
+)
+from kazma.config import ConfigError
+from kazma.config.loader import resolve_path
+from kazma.config.registry import CHAT_PLATFORMS
+
+EXIT_EXISTS = 1
+_USERS = {
+    "telegram": (r"[1-9][0-9]{0,19}", "a Telegram user id is a number (@userinfobot tells you yours)"),
+    "slack": (r"[UW][A-Z0-9]{2,}", "a Slack member id looks like U0123ABCD (your profile → ⋮ → Copy member ID)"),
+    "discord": (r"[1-9][0-9]{0,19}", "a Discord user id is a number (Developer Mode on → right-click your name)"),
+}
+_TITLES = {name: spec.title for name, spec in CHAT_PLATFORMS.items()}
+
+
+def _user_id(platform: str) -> Callable[[str], str]:
+    pattern, hint = _USERS[platform]
+
+    def check(value: str) -> str:
+        value = value.strip()
+        if not re.fullmatch(pattern, value):
+            raise click.BadParameter(hint)
+        return value
+
+    return check
+
+
+def _chat_id(platform: str) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        value = value.strip()
+        if value and not CHAT_PLATFORMS[platform].is_chat_id(value):
+            raise click.BadParameter(CHAT_PLATFORMS[platform].chat_id_hint)
+        return value
+
+    return check
+
+
+def _login(value: str) -> str:
+    value = value.strip()
+    if not WEB_LOGIN.fullmatch(value):
+        raise click.BadParameter("1 to 32 letters, digits, '.', '_' or '-'")
+    return value
+
+
+def _url(value: str) -> str:
+    value = value.strip().rstrip("/")
+    if not re.match(r"^https?://[^\s/]+", value):
+        raise click.BadParameter("an http(s) URL, e.g. https://kazma.example.org")
+    return value
+
+
+def _platforms(value: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(word.strip().lower() for word in re.split(r"[,\s]+", value) if word.strip()))
+    unknown = [name for name in names if name not in CHAT_PLATFORMS]
+    if unknown:
+        raise click.BadParameter(f"unknown {', '.join(unknown)} (choose from {', '.join(CHAT_PLATFORMS)})")
+    return names
+
+
+def _default_login() -> str:
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError):
+        return "admin"
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]", "", name)[:32]
+    return cleaned or "admin"
+
+
+@click.command("init")
+@click.argument("path", required=False, type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--platform",
+    "platforms",
+    multiple=True,
+    type=click.Choice(list(CHAT_PLATFORMS)),
+    help="A chat platform to connect (repeat for several). None: the web console alone.",
+)
+@click.option("--web-login", default=None, help="Your name in the web console (becomes the approver web:<name>).")
+@click.option("--public-url", default=None, help="Where people open the console; chat cards link there.")
+@click.option("--model-url", default=None, help=f"OpenAI-compatible API base (default {DEFAULT_MODEL_URL}).")
+@click.option("--telegram-user", default=None, help="Your Telegram user id.")
+@click.option("--telegram-chat", default=None, help="The Telegram group Kazma serves (e.g. -1001234567890).")
+@click.option("--slack-user", default=None, help="Your Slack member id (U…).")
+@click.option("--slack-channel", default=None, help="The Slack channel Kazma serves (C…).")
+@click.option(
+    "--slack-mode", type=click.Choice(["socket", "http"]), default=None, help="Socket Mode (default) or HTTP."
+)
+@click.option("--discord-user", default=None, help="Your Discord user id.")
+@click.option("--discord-channel", default=None, help="The Discord channel Kazma serves.")
+@click.option(
+    "--interactive/--no-input",
+    default=None,
+    help="Ask for what the flags do not say (default: when standard input is a terminal).",
+)
+@click.option("--force", is_flag=True, help="Overwrite an existing file.")
+@click.pass_obj
+def init(
+    obj: Context,
+    path: Path | None,
+    platforms: tuple[str, ...],
+    web_login: str | None,
+    public_url: str | None,
+    model_url: str | None,
+    telegram_user: str | None,
+    telegram_chat: str | None,
+    slack_user: str | None,
+    slack_channel: str | None,
+    slack_mode: str | None,
+    discord_user: str | None,
+    discord_channel: str | None,
+    interactive: bool | None,
+    force: bool,
+) -> None:
+    """Write a commented kazma.yaml in which you are an approver everywhere, then say what to run next.
+
+    On a terminal it asks for whatever the flags leave out: the platforms, your identity on each, the
+    chats to serve, the console's public URL. Secrets are never written: the file reads them from the
+    environment (${TELEGRAM_BOT_TOKEN}, …). An existing file is kept unless --force is given.
+    """
+    target = path or resolve_path(obj.config_path)
+    if target.exists() and not force:
+        click.echo(f"{target} already exists; nothing was written (--force overwrites it)", err=True)
+        sys.exit(EXIT_EXISTS)
+    ask = sys.stdin.isatty() if interactive is None else interactive
+    given = {
+        "telegram": (telegram_user, telegram_chat),
+        "slack": (slack_user, slack_channel),
+        "discord": (discord_user, discord_channel),
+    }
+    chosen = platforms
+    if ask and not chosen:
+        chosen = click.prompt(
+            "Chat platforms to connect (telegram, slack, discord; comma-separated; empty: the web console alone)",
+            default="",
+            show_default=False,
+            value_proc=_platforms,
+        )
+    login = _answer(web_login, ask, "Your name in the web console", _login, default=_default_login())
+    presences: dict[str, Presence] = {}
+    for platform in chosen:
+        user, chat = given[platform]
+        title = _TITLES[platform]
+        user = _answer(user, ask, f"Your {title} user id", _user_id(platform), flag=f"--{platform}-user")
+        if chat is None and ask:
+            chat = click.prompt(
+                f"The {title} chat Kazma serves (empty: not known yet)",
+                default="",
+                show_default=False,
+                value_proc=_chat_id(platform),
+            )
+        presences[platform] = Presence(user, _chat_id(platform)(chat or "") or None)
+    socket = slack_mode != "http"
+    if "slack" in chosen and slack_mode is None and ask:
+        socket = click.prompt("Slack transport", type=click.Choice(["socket", "http"]), default="socket") == "socket"
+    url_hint = " (chat cards link here)" if chosen else ""
+    public = _answer(public_url, ask, f"The console's public URL{url_hint}", _url, default=DEFAULT_PUBLIC_URL)
+    model = _answer(model_url, ask, "The model server (OpenAI-compatible)", _url, default=DEFAULT_MODEL_URL)
+    answers = InitAnswers(
+        login,
+        public_url=public,
+        model_url=model,
+        slack_socket_mode=socket,
+        telegram=presences.get("telegram"),
+        slack=presences.get("slack"),
+        discord=presences.get("discord"),
+    )
+    try:
+        text = render(answers)
+    except ConfigError as exc:  # flags the template cannot turn into a valid file: say which, write nothing
+        for line in exc.lines:
+            click.echo(line, err=True)
+        sys.exit(2)
+    _write(target, text, force=force)
+    click.echo(f"Wrote {target}: you are an approver as {', '.join(actor for actor, _ in answers.approvers)}.")
+    click.echo("Next:")
+    for command, why in next_commands(answers, target):
+        click.echo(f"  {command:<44} # {why}")
+
+
+def _answer(
+    value: str | None,
+    ask: bool,
+    prompt: str,
+    check: Callable[[str], str],
+    *,
+    default: str | None = None,
+    flag: str | None = None,
+) -> str:
+    if value is not None:
+        try:
+            return check(value)
+        except click.BadParameter as exc:
+            raise click.UsageError(f"{flag or prompt}: {exc.message}") from None
+    if ask:
+        return str(click.prompt(prompt, default=default, value_proc=check))
+    if default is None:
+        raise click.UsageError(f"{flag} is required here (or run `kazma init` on a terminal to be asked)")
+    return default
+
+
+def _write(target: Path, text: str, *, force: bool) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL)
+    try:
+        fd = os.open(target, flags, 0o644)  # it holds no secret: only ${VAR} references to them
+    except FileExistsError:  # created since we looked: still never overwritten without --force
+        click.echo(f"{target} already exists; nothing was written (--force overwrites it)", err=True)
+        sys.exit(EXIT_EXISTS)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def next_commands(answers: InitAnswers, target: Path) -> list[tuple[str, str]]:
+    """The three commands to run now: set the secrets (or check the file), ask the doctor, run."""
+    config = "" if target == Path("kazma.yaml") else f" -c {shlex.quote(str(target))}"
+    if answers.secrets:
+        first = ("export " + " ".join(f"{name}=…" for name in answers.secrets), "the secrets kazma.yaml reads")
+    else:
+        first = (f"kazma{config} config check", "what would start, and why")
+    return [
+        first,
+        (f"kazma{config} doctor", "the file, each platform's tokens, the store, the model"),
+        (f"kazma{config} run", f"then log in at {answers.public_url}/login as {answers.web_login}"),
+    ]

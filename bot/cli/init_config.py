@@ -1,0 +1,166 @@
+"""The ``kazma.yaml`` that ``kazma init`` writes: the shipped templates, filled in with the operator's answers.
+
+The templates live in ``kazma/bot/templates/`` (package data, so a wheel
+install has them). The result makes the operator an approver everywhere they
+are — each platform that is on and the web console — names every served chat
+explicitly, and refers to secrets only as ``${VAR}``. It is validated with the
+real loader before anyone sees it.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Final
+
+from kazma.config import ConfigError, load_config_text
+from kazma.config.registry import CHAT_PLATFORMS
+
+DEFAULT_PUBLIC_URL: Final = "http://127.0.0.1:8765"
+DEFAULT_MODEL_URL: Final = "http://127.0.0.1:11434/v1"
+DEFAULT_MODEL: Final = "llama3.1"
+WEB_LOGIN: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")  # what the console's login form accepts
+# The variables each platform's section reads, in the order they are set.
+SECRETS: Final = {
+    "telegram": ("TELEGRAM_BOT_TOKEN",),
+    "slack": ("SLACK_BOT_TOKEN",),
+    "discord": ("DISCORD_BOT_TOKEN",),
+}
+_PLACEHOLDER_SECRETS: Final = {  # shaped like the real thing, to validate the result without them
+    "TELEGRAM_BOT_TOKEN": "1:placeholder",
+    "SLACK_BOT_TOKEN": "xoxb-placeholder",
+    "SLACK_APP_TOKEN": "xapp-placeholder",
+    "SLACK_SIGNING_SECRET": "placeholder",
+    "DISCORD_BOT_TOKEN": "placeholder",
+}
+
+
+class _Template(string.Template):
+    # YAML and ${VAR} references use "$"; "@" cannot start a plain YAML scalar, so it is free for placeholders
+    delimiter = "@"
+
+
+def _template(name: str) -> _Template:
+    return _Template(resources.files("kazma.bot").joinpath("templates", name).read_text(encoding="utf-8"))
+
+
+@dataclass(frozen=True)
+class Presence:
+    """The operator on one chat platform: their user id, and the chat Kazma serves there (None: not known yet)."""
+
+    user: str
+    chat: str | None = None
+
+
+@dataclass(frozen=True)
+class InitAnswers:
+    web_login: str
+    public_url: str = DEFAULT_PUBLIC_URL
+    model_url: str = DEFAULT_MODEL_URL
+    model_name: str = DEFAULT_MODEL
+    telegram: Presence | None = None
+    slack: Presence | None = None
+    discord: Presence | None = None
+    slack_socket_mode: bool = True
+    platforms: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        on = tuple(name for name in CHAT_PLATFORMS if getattr(self, name) is not None)
+        object.__setattr__(self, "platforms", on)
+
+    def presence(self, platform: str) -> Presence:
+        found = getattr(self, platform)
+        assert isinstance(found, Presence)
+        return found
+
+    @property
+    def secrets(self) -> list[str]:
+        """The environment variables the written file needs before ``kazma run``."""
+        names = [name for platform in self.platforms for name in SECRETS[platform]]
+        if "slack" in self.platforms:
+            names.append("SLACK_APP_TOKEN" if self.slack_socket_mode else "SLACK_SIGNING_SECRET")
+        return names
+
+    @property
+    def approvers(self) -> list[tuple[str, str]]:
+        """(actor, where) for every identity of the operator, the console first."""
+        found = [(f"web:{self.web_login}", "the web console")]
+        found += [(f"{p}:{self.presence(p).user}", CHAT_PLATFORMS[p].title) for p in self.platforms]
+        return found
+
+
+def _yaml_scalar(value: str) -> str:
+    """A value the loader reads back as this exact text (ids are digits, a minus and letters only)."""
+    return value if re.fullmatch(r"-?[A-Za-z0-9][A-Za-z0-9_.:/-]*", value) else "'" + value.replace("'", "''") + "'"
+
+
+def _platform_block(answers: InitAnswers, platform: str) -> str:
+    presence = answers.presence(platform)
+    if presence.chat is None:
+        where = {
+            "telegram": (
+                "add the bot to the group; the platform.inbound_ignored log event (platform=telegram) shows its id"
+            ),
+            "slack": "/invite the app, then the channel's name → About shows its id",
+            "discord": "with Developer Mode on, right-click the channel → Copy Channel ID",
+        }[platform]
+        chats, home = f"[]  # not known yet ({where}): put it here and below", ""
+    else:
+        chat = _yaml_scalar(presence.chat)
+        chats, home = f'[{chat}]  # served; nothing else is ("*" would serve every chat the bot is in)', chat
+    values = {"chats": chats, "home": home, "user": _yaml_scalar(presence.user), "transport": ""}
+    if platform == "slack":
+        values["transport"] = (
+            "    app_token: ${SLACK_APP_TOKEN}  # xapp-: Socket Mode (Basic Information → App-Level Tokens, "
+            "connections:write)"
+            if answers.slack_socket_mode
+            else "    signing_secret: ${SLACK_SIGNING_SECRET}  # Basic Information → App Credentials → Signing Secret\n"
+            "    http: {host: 127.0.0.1, port: 3000, path: /slack/events}  # public: <public_url origin>/slack/events"
+        )
+    return _template(f"{platform}.yaml.in").substitute(values)
+
+
+def render(answers: InitAnswers) -> str:
+    """The commented ``kazma.yaml`` for these answers; raises :class:`ConfigError` if it would not load."""
+    if not WEB_LOGIN.fullmatch(answers.web_login):
+        raise ValueError(f"a console login is 1 to 32 letters, digits, '.', '_' or '-', got {answers.web_login!r}")
+    approvers = "\n".join(f'    - "{actor}"  # you, in {where}' for actor, where in answers.approvers)
+    swarm = ""
+    if len(answers.approvers) > 1:
+        swarm = (
+            "\nswarm:\n"
+            "  # You are the only operator, with one identity on each platform. Swarm tasks are not kept apart\n"
+            "  # per person: set this back to false when someone else joins.\n"
+            "  allow_shared_operators: true\n"
+        )
+    if answers.platforms:
+        platforms = "platforms:\n" + "".join(_platform_block(answers, p) for p in answers.platforms)
+    else:
+        platforms = (
+            "platforms: {}  # none yet: the web console is the whole product. To add one, see the README's\n"
+            '               # "Platform setup", or run `kazma init --force` again.'
+        )
+    proxies = ""
+    if answers.public_url.startswith("https://"):
+        proxies = (
+            "\n  # The TLS proxy on this machine: its X-Forwarded-For names who logs in (README: Behind a TLS\n"
+            "  # reverse proxy). A proxy elsewhere: its address instead.\n"
+            '  trusted_proxies: ["127.0.0.1", "::1"]'
+        )
+    text = _template("kazma.yaml.in").substitute(
+        public_url=_yaml_scalar(answers.public_url.rstrip("/")),
+        trusted_proxies=proxies,
+        model_url=answers.model_url,
+        model_name=answers.model_name,
+        approvers=approvers,
+        swarm=swarm,
+        platforms=platforms.rstrip("\n"),
+    )
+    text = re.sub(r"\n{3,}", "\n\n", text)
+    load_config_text(text, name="kazma.yaml", environ=_PLACEHOLDER_SECRETS)  # raises ConfigError with its lines
+    return text
+
+
+__all__ = ["ConfigError", "InitAnswers", "Presence", "render"]

@@ -1,0 +1,75 @@
+"""``kazma approvals rules list|revoke``: the remembered approvals ("Approve for 1 h") in force."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import click
+
+from kazma.approvals import ApprovalStore
+from kazma.approvals.checkpointer import Checkpointer
+from kazma.approvals.rules import RuleStore
+from kazma.bot.cli.context import Context
+from kazma.bot.keys import load_audit_signer
+from kazma.bot.store import store_for_command
+
+
+@click.group()
+def rules() -> None:
+    """List and revoke remembered approvals."""
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
+@rules.command("list")
+@click.option("--all", "everything", is_flag=True, help="Also expired and revoked rules.")
+@click.pass_obj
+def list_rules(obj: Context, everything: bool) -> None:
+    """Each rule: id, tool, hash, conversation, who made it, until when."""
+    config = obj.load().config
+
+    async def run() -> None:
+        async with store_for_command(config) as store:
+            found = await RuleStore(store).list(active_only=not everything, limit=1000)
+        if not found:
+            click.echo("no remembered approvals in force" if not everything else "no remembered approvals")
+        now = time.time()
+        for rule in found:
+            state = "active" if rule.active(now) else ("revoked" if rule.revoked_at else "expired")
+            click.echo(
+                f"{rule.id}  {state:<7} {rule.tool}  sha256 {rule.args_hash[:16]}…  in {rule.conversation}  "
+                f"by {rule.created_by}  until {_when(rule.expires_at)}  (request {rule.request_id})"
+            )
+
+    asyncio.run(run())
+
+
+@rules.command("revoke")
+@click.argument("rule_id")
+@click.option("--as", "login", required=True, help="Your login; recorded as cli:<login>.")
+@click.pass_obj
+def revoke(obj: Context, rule_id: str, login: str) -> None:
+    """End a rule now: the next identical call gets a card again."""
+    config = obj.load().config
+    actor = f"cli:{login}"
+
+    async def run() -> bool:
+        async with store_for_command(config) as store:
+            rules_store = RuleStore(store)
+            match = [r for r in await rules_store.list(active_only=False, limit=100_000) if r.id == rule_id]
+            done = await rules_store.revoke(rule_id, actor=actor)
+            if done and match:
+                signer = load_audit_signer(config)
+                approvals = ApprovalStore(store, audit=signer)
+                await approvals.audit(match[0].request_id, "rule_revoked", actor=actor, platform="cli", detail=rule_id)
+                await Checkpointer(approvals, signer).sign()
+            return done
+
+    if not asyncio.run(run()):
+        click.echo(f"no rule {rule_id!r} in force", err=True)
+        sys.exit(1)
+    click.echo(f"revoked {rule_id}; recorded as {actor}")

@@ -1,0 +1,361 @@
+"""``kazma swarm …``: the ``/swarm`` grammar from a terminal.
+
+Every subcommand rebuilds the text a chat user would type and hands it to the
+same :func:`~kazma.engine.swarm.grammar.parse`, so the CLI can never accept
+something chat refuses, or the other way round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from kazma.bot.app import build_app
+from kazma.bot.cli.context import Context
+from kazma.config import LoadedConfig
+from kazma.config.registry import ROUTE_PLATFORMS
+from kazma.engine.swarm.grammar import USAGES, parse
+from kazma.engine.swarm.limits import LimitExceeded, check_context
+from kazma.engine.swarm.records import task_json
+from kazma.engine.swarm.registry import for_verb, registered
+from kazma.engine.swarm.syntax import GrammarError
+
+EXIT_USAGE = 2
+CLI_ONLY = ("show",)  # subcommands of the terminal alone (JSON for scripts), beside the /swarm grammar
+_OPTIONS = "kazma.swarm.options"
+_PENDING = "Runs in this process against the shared store; started work is waited for and its result printed."
+
+
+def _context() -> Context:
+    found = click.get_current_context().find_object(Context)
+    # Standalone (not under `kazma`), fall back to the default config lookup.
+    return found if found is not None else Context(None)
+
+
+def _run(verb: str, *words: str, to: str | None = None, context: str = "") -> None:
+    text = " ".join([verb, *words])
+    if to is not None:
+        text = f"{text} -> {to}"
+    loaded = _context().load()
+    try:
+        command = parse(text, workers=loaded.config.agents.workers, pipelines=loaded.config.pipelines)
+    except GrammarError as exc:
+        click.echo(exc.message, err=True)
+        sys.exit(EXIT_USAGE)
+    found = click.get_current_context().meta.get(_OPTIONS)
+    state = found if isinstance(found, _Options) else None
+    if state is not None and state.parse_only:
+        click.echo(json.dumps(command.to_json(), ensure_ascii=False))
+        return
+    login = state.login if state is not None else _default_login()
+    sys.exit(asyncio.run(_execute(loaded, text, login, context)))
+
+
+async def _execute(loaded: LoadedConfig, text: str, login: str, context: str = "") -> int:
+    """Carry the command out like chat does, as ``cli:<login>``; wait for work it starts."""
+    # No platform is started from the CLI: results are printed here, cards need `kazma run`.
+    app = await build_app(loaded, adapters=[])
+    try:
+        answer = await app.conversations.swarm.run(  # type: ignore[union-attr]
+            text, actor=f"cli:{login}", platform="cli", chat="terminal", is_admin=False, context=context
+        )
+        click.echo(answer)
+        if answer.startswith("swarm task ") and " started " in answer:
+            task_id = answer.split()[2]
+            while (record := await app.swarm.wait(task_id, 90)) is not None and not record.status.terminal:
+                click.echo(f"… {record.status.value}: {record.current_step}", err=True)
+            if record is not None:
+                output = record.result.get("output", "") if record.result else ""
+                click.echo(f"{record.status.value}: {output or record.error or ''}")
+                return 0 if record.status.value in ("succeeded", "partial") else 1
+        return 1 if answer.startswith("Not started:") else 0
+    finally:
+        await app.stop()
+
+
+def _default_login() -> str:
+    return os.environ.get("USER") or os.environ.get("LOGNAME") or "operator"
+
+
+class _Options:
+    def __init__(self, login: str, parse_only: bool) -> None:
+        self.login = login
+        self.parse_only = parse_only
+
+
+def _word(value: str) -> str:
+    """Chat splits on whitespace, so one CLI argument must stay one word there too."""
+    if not value or value != "".join(value.split()):
+        raise click.BadParameter(f"{value!r} must be one word without spaces")
+    return value
+
+
+def _word_callback(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    return None if value is None else _word(value)
+
+
+def _route_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    value = _word_callback(ctx, param, value)
+    # Without this, a --to that is not a route would silently become task text.
+    if value is not None and value.partition(":")[0].lower() not in ROUTE_PLATFORMS:
+        raise click.BadParameter(f"expected PLATFORM:CHAT with platform one of {', '.join(ROUTE_PLATFORMS)}")
+    return value
+
+
+_to_option = click.option(
+    "--to",
+    metavar="PLATFORM:CHAT",
+    default=None,
+    callback=_route_callback,
+    help="Post the result in another chat (telegram, slack, discord or web); admin only.",
+)
+
+
+def _help(verb: str) -> str:
+    usage = USAGES[verb]
+    return f"{usage.summary[0].upper()}{usage.summary[1:]} ({usage.line}). {_PENDING}"
+
+
+class _SwarmGroup(click.Group):
+    """The subcommands written below, and every registered pattern that has none here: its words go to the
+    grammar as typed, so a new pattern reaches the terminal without a line in this file."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *(p.verb for p in registered())})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        found = super().get_command(ctx, cmd_name)
+        if found is not None:
+            return found
+        pattern = for_verb(cmd_name)
+        return None if pattern is None else _pattern_command(pattern.verb)
+
+
+@click.group(cls=_SwarmGroup)
+@click.option("--as", "login", default=None, help="Your login, recorded as cli:<login> (default: $USER).")
+@click.option("--parse-only", is_flag=True, help="Print the parsed command as one JSON line and stop.")
+@click.pass_context
+def swarm(ctx: click.Context, login: str | None, parse_only: bool) -> None:
+    """Drive the swarm with the same grammar as /swarm in chat.
+
+    Steering commands need cli:<login> in approvals.approvers. Work started here
+    runs in this process; its result is printed when it ends.
+    """
+    ctx.meta[_OPTIONS] = _Options(login or _default_login(), parse_only)
+
+
+def _no_argument_command(verb: str) -> Callable[[str | None], None]:
+    def command(to: str | None) -> None:
+        _run(verb, to=to)
+
+    return command
+
+
+for _verb in ("help", "list", "history", "workers", "config"):
+    swarm.command(_verb, help=_help(_verb))(_to_option(_no_argument_command(_verb)))
+
+
+@swarm.command("metrics", help=_help("metrics"))
+@click.argument("days", required=False, type=click.IntRange(1, 366))
+@_to_option
+def metrics(days: int | None, to: str | None) -> None:
+    _run("metrics", *([str(days)] if days is not None else []), to=to)
+
+
+@swarm.command("tasks", help=_help("tasks"))
+@click.option("--worker", default=None, callback=_word_callback, help="Only tasks this worker was named in or ran.")
+@_to_option
+def tasks(worker: str | None, to: str | None) -> None:
+    _run("tasks", *(["--worker", worker] if worker is not None else []), to=to)
+
+
+@swarm.command("show", help="One task and every worker call it made (model, tools, times, tokens, cost).")
+@click.argument("task_id", callback=_word_callback)
+@click.option("--json", "as_json", is_flag=True, help="Print the task and its calls as one JSON object.")
+def show(task_id: str, as_json: bool) -> None:
+    loaded = _context().load()
+    sys.exit(asyncio.run(_show(loaded, task_id, as_json)))
+
+
+async def _show(loaded: LoadedConfig, task_id: str, as_json: bool) -> int:
+    app = await build_app(loaded, adapters=[])
+    try:
+        record = await app.swarm.store.get(task_id)
+        if record is None:
+            click.echo(f"no swarm task {task_id!r}", err=True)
+            return 1
+        calls = await app.swarm.store.calls(task_id)
+        if not as_json:
+            click.echo(
+                await app.conversations.swarm.run(  # type: ignore[union-attr]
+                    f"status {task_id}", actor="cli:show", platform="cli", chat="terminal", is_admin=False
+                )
+            )
+            return 0
+        click.echo(json.dumps(task_json(record, calls), ensure_ascii=False, indent=2))
+        return 0
+    finally:
+        await app.stop()
+
+
+def _context_file(_ctx: click.Context, _param: click.Parameter, value: Path | None) -> str:
+    """The file's text, refused over the context limit before anything is built (the limit named)."""
+    if value is None:
+        return ""
+    try:
+        text = value.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(f"{value.name} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        check_context(text, what=f"context file {value.name}")
+    except LimitExceeded as exc:
+        raise click.BadParameter(str(exc)) from None
+    return text
+
+
+def _start_options(function: Callable[..., None]) -> Callable[..., None]:
+    function = click.option(
+        "--expect", default=None, callback=_word_callback, help="json, or a schema from swarm.schemas."
+    )(function)
+    function = click.option(
+        "--context-file",
+        "context",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        callback=_context_file,
+        help="A file every worker gets with the task, as data (at most 256 KiB).",
+    )(function)
+    return click.option(
+        "--deadline", type=click.IntRange(1, 86400), default=None, help="Seconds the whole task may take."
+    )(function)
+
+
+def _option_words(expect: str | None, deadline: int | None, strategy: str | None = None) -> list[str]:
+    words = []
+    for name, value in (("--strategy", strategy), ("--expect", expect), ("--deadline", deadline)):
+        if value is not None:
+            words += [name, str(value)]
+    return words
+
+
+@swarm.command("status", help=_help("status"))
+@click.argument("task_id", required=False, callback=_word_callback)
+@_to_option
+def status(task_id: str | None, to: str | None) -> None:
+    _run("status", *([task_id] if task_id else []), to=to)
+
+
+@swarm.command("dispatch", help=_help("dispatch"))
+@click.argument("worker", callback=_word_callback)
+@click.argument("task", nargs=-1, required=True)
+@_to_option
+@_start_options
+def dispatch(
+    worker: str, task: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None, context: str
+) -> None:
+    _run("dispatch", worker, *_option_words(expect, deadline), *task, to=to, context=context)
+
+
+@swarm.command("broadcast", help=_help("broadcast"))
+@click.argument("task", nargs=-1, required=True)
+@_to_option
+@_start_options
+def broadcast(task: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None, context: str) -> None:
+    _run("broadcast", *_option_words(expect, deadline), *task, to=to, context=context)
+
+
+@swarm.command("pipeline", help=_help("pipeline"))
+@click.argument("stages", metavar="PRESET|W1,W2,…", callback=_word_callback)
+@click.argument("task", nargs=-1, required=True)
+@_to_option
+@_start_options
+def pipeline(
+    stages: str, task: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None, context: str
+) -> None:
+    _run("pipeline", stages, *_option_words(expect, deadline), *task, to=to, context=context)
+
+
+@swarm.command("fanout", help=_help("fanout"))
+@click.argument("workers", metavar="W1,W2,…", callback=_word_callback)
+@click.argument("task", nargs=-1, required=True)
+@_to_option
+@_start_options
+@click.option(
+    "--strategy",
+    type=click.Choice(["collect", "merge_all", "vote", "best", "synthesize"]),
+    default=None,
+    help="How the answers are aggregated (default collect).",
+)
+def fanout(
+    workers: str,
+    task: tuple[str, ...],
+    to: str | None,
+    expect: str | None,
+    deadline: int | None,
+    strategy: str | None,
+    context: str,
+) -> None:
+    _run("fanout", workers, *_option_words(expect, deadline, strategy), *task, to=to, context=context)
+
+
+@swarm.command("consult", help=_help("consult"))
+@click.argument("workers", metavar="W1,W2,…", callback=_word_callback)
+@click.argument("question", nargs=-1, required=True)
+@_to_option
+@_start_options
+def consult(
+    workers: str, question: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None, context: str
+) -> None:
+    _run("consult", workers, *_option_words(expect, deadline), *question, to=to, context=context)
+
+
+@swarm.command("conditional", help=_help("conditional"))
+@click.argument("router", callback=_word_callback)
+@click.argument("routes", metavar="BRANCH=WORKER,…", callback=_word_callback)
+@click.argument("task", nargs=-1, required=True)
+@_to_option
+@_start_options
+def conditional(
+    router: str,
+    routes: str,
+    task: tuple[str, ...],
+    to: str | None,
+    expect: str | None,
+    deadline: int | None,
+    context: str,
+) -> None:
+    _run("conditional", router, routes, *_option_words(expect, deadline), *task, to=to, context=context)
+
+
+@swarm.command("breaker", help=_help("breaker"))
+@click.argument("action", type=click.Choice(["reset"]))
+@click.argument("worker", callback=_word_callback)
+@_to_option
+def breaker(action: str, worker: str, to: str | None) -> None:
+    _run("breaker", action, worker, to=to)
+
+
+def _pattern_command(verb: str) -> click.Command:
+    def command(words: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None, context: str) -> None:
+        _run(verb, *_option_words(expect, deadline), *words, to=to, context=context)
+
+    command = _start_options(_to_option(click.argument("words", nargs=-1, required=True)(command)))
+    return click.command(verb, help=_help(verb))(command)
+
+
+def _task_command(verb: str) -> Callable[[str, str | None], None]:
+    def command(task_id: str, to: str | None) -> None:
+        _run(verb, task_id, to=to)
+
+    return command
+
+
+for _verb in ("cancel", "approve", "reject", "retry"):
+    swarm.command(_verb, help=_help(_verb))(
+        click.argument("task_id", callback=_word_callback)(_to_option(_task_command(_verb)))
+    )

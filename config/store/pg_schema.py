@@ -1,0 +1,25 @@
+"""PostgreSQL migrations: the same additive rule as SQLite's, plus the trigger functions PostgreSQL needs.
+
+SQLite states a trigger's body inline; PostgreSQL calls a function, created or
+replaced next to it. Replacing a function or trigger changes no data, so it
+keeps the rule that a later release still reads an older database. Kept free
+of the driver: component schemas import this without importing psycopg.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kazma.config.store.database import Migration
+
+_ROUTINE = re.compile(r"^\s*CREATE\s+OR\s+REPLACE\s+(FUNCTION|TRIGGER)\b", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class PgMigration(Migration):
+    """A component's migration on PostgreSQL; ``component`` and ``version`` mirror its SQLite list."""
+
+    def __post_init__(self) -> None:
+        # Everything but the trigger functions and triggers is held to the SQLite rule.
+        Migration(self.component, self.version, tuple(s for s in self.statements if not _ROUTINE.match(s)))

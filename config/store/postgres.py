@@ -1,0 +1,433 @@
+"""The PostgreSQL store backend: pooled reads, one group-committing writer, migrations under an advisory lock.
+
+Driver: psycopg 3. Components keep their SQL (``?`` placeholders, the dialect
+both engines share) and their write operations — synchronous functions of a
+:class:`~kazma.config.store.backend.Tx` — unchanged; :func:`pyformat` rewrites
+a statement for psycopg once and caches it.
+
+The writer runs its groups on a *synchronous* psycopg connection in its own
+thread, as the SQLite writer does: an operation's statements depend on each
+other's results (a press reads the cards, then compares and sets, then audits),
+so driving them from the event loop would mean an ``await`` per statement and
+rewriting every operation as a coroutine; the thread keeps the loop free while
+a group's round trips run. Reads are short autocommit queries on psycopg_pool's
+``AsyncConnectionPool``, straight from the loop.
+
+One group is one transaction, without savepoints. A savepoint per operation
+would cost two round trips each and a subtransaction id each; past 64 of them
+in one transaction PostgreSQL's snapshots overflow into ``pg_subtrans`` for
+every session of the server. Instead an operation that fails rolls the group
+back, is answered with its error, and the others run again in a new
+transaction (they are pure functions of the transaction, so running one again
+is the same as running it once). Operations only wait for row locks other
+replicas hold while those replicas commit; inside a group of several that wait
+is bounded (``lock_timeout``), so two replicas' groups that lock rows in
+opposite orders cannot deadlock for long: the one that times out rolls back,
+letting the other commit, and runs its operations one per transaction (the
+held-up one last), where each may wait as long as it takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import psycopg
+import structlog
+from psycopg.pq import TransactionStatus
+from psycopg_pool import AsyncConnectionPool
+
+from kazma.config.metrics import count_failure
+from kazma.config.store.group_commit import Deferred, GroupQueue, Job
+from kazma.config.store.migrations import Migration, run_migrations
+
+log = structlog.get_logger("kazma.store")
+
+T = TypeVar("T")
+
+# Held while migrations run: two replicas starting together apply each migration once.
+MIGRATION_LOCK = 0x6B617A6D61_0001  # "kazma", 1
+# Inside a group of several operations, the longest one statement waits for another replica's row lock.
+LOCK_TIMEOUT_MS = 250
+# At most this many operations in one transaction: a longer one holds its row locks longer.
+MAX_GROUP = 128
+# A lone operation chosen as a deadlock victim (or failing serialisation) is run again this many times.
+ALONE_ATTEMPTS = 5
+# SQLSTATEs after which an operation is run again on its own: lock_not_available, deadlock_detected,
+# serialization_failure. None of them leaves anything of the transaction behind.
+_RUN_ALONE = frozenset({"55P03", "40P01", "40001"})
+
+_SCHEMA_TABLE = """
+CREATE TABLE IF NOT EXISTS kazma_schema (
+    component text NOT NULL,
+    version integer NOT NULL,
+    applied_at double precision NOT NULL,
+    PRIMARY KEY (component, version)
+)
+"""
+
+
+@functools.lru_cache(maxsize=1024)
+def pyformat(sql: str) -> str:
+    """``?`` placeholders as psycopg's ``%s`` (a literal ``%`` doubled), leaving quoted text alone."""
+    out: list[str] = []
+    quote: str | None = None
+    for char in sql:
+        if quote is not None:
+            if char == quote:
+                quote = None
+            out.append("%%" if char == "%" else char)
+        elif char in ("'", '"'):
+            quote = char
+            out.append(char)
+        elif char == "?":
+            out.append("%s")
+        elif char == "%":
+            out.append("%%")
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+class PgTx(Deferred):
+    """Statements inside the PostgreSQL writer's transaction; the same methods as the SQLite writer's ``Tx``."""
+
+    def __init__(self, cursor: psycopg.Cursor[Any]) -> None:
+        super().__init__()
+        self._cursor = cursor
+
+    def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        return self._cursor.execute(pyformat(sql), tuple(params)).fetchone()
+
+    def all(self, sql: str, params: Iterable[Any] = ()) -> list[Any]:
+        return self._cursor.execute(pyformat(sql), tuple(params)).fetchall()
+
+    def run(self, sql: str, params: Iterable[Any] = ()) -> int:
+        """One statement; the number of rows it changed."""
+        return int(self._cursor.execute(pyformat(sql), tuple(params)).rowcount)
+
+    def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
+        self._cursor.executemany(pyformat(sql), [tuple(row) for row in rows])
+
+    def notify(self, channel: str, payload: str = "") -> None:
+        """``NOTIFY``, delivered to every listening replica when (and only if) this transaction commits."""
+        self._cursor.execute("SELECT pg_notify(%s, %s)", (channel, payload))
+
+
+class _SwallowedError(psycopg.Error):
+    """An operation caught a database error and returned: its transaction is aborted, so it failed."""
+
+
+class PgWriter(GroupQueue):
+    """Group-committing writer for one PostgreSQL database. Create it on the event loop that will use it."""
+
+    def __init__(
+        self,
+        conninfo: str,
+        *,
+        application_name: str = "kazma-writer",
+        lock_timeout_ms: int = LOCK_TIMEOUT_MS,
+        max_group: int = MAX_GROUP,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.conninfo = conninfo
+        self.application_name = application_name
+        self.lock_timeout_ms = lock_timeout_ms
+        self.max_group = max_group
+        self.connect_timeout = connect_timeout
+        super().__init__()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: queue.SimpleQueue[list[Job[Any]] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._conn: psycopg.Connection[Any] | None = None  # the writer thread's own
+        self.groups = 0  # committed groups, for tests and benchmarks
+        self.run_alone = 0  # operations run one per transaction after a group met another replica's lock
+        # The server process of the writer's connection: a NOTIFY this process sent carries it, so the
+        # replica's listener can tell its own notifications from the others'.
+        self.backend_pid: int | None = None
+
+    # -- the loop side ---------------------------------------------------------------------------
+
+    def _closed_error(self) -> Exception:
+        return psycopg.InterfaceError("the store writer is closed")
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._in_flight or not self._pending:
+            return  # the group on its way collects these when it is back
+        jobs, self._pending = self._pending[: self.max_group], self._pending[self.max_group :]
+        self._in_flight = True
+        self._loop = asyncio.get_running_loop()  # the thread answers on the loop that handed it the group
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="kazma-pg-writer", daemon=True)
+            self._thread.start()
+        self._queue.put(jobs)
+
+    def _returned(self, jobs: Sequence[Job[Any]], error: BaseException | None, last: bool) -> None:
+        self._answer_jobs(jobs, error)
+        if last:
+            self._group_returned()
+
+    async def close(self) -> None:
+        """Commit what is queued, then end the thread and close the connection."""
+        await self._drain()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            await asyncio.to_thread(thread.join)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # -- the thread side -------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            jobs = self._queue.get()
+            if jobs is None:
+                return
+            alone: list[Job[Any]] = []
+            try:
+                error = self._commit(jobs, alone)
+            except BaseException as exc:  # a bug here must fail the group, not leave its callers waiting forever
+                log.exception("store.writer_failed", backend="postgresql")
+                error, alone = exc, []
+            # The group's committed operations are answered now; each one left to run alone once it ran.
+            waiting = {id(job) for job in alone}
+            if not self._hand_back([j for j in jobs if id(j) not in waiting], error, last=not alone):
+                return
+            for index, job in enumerate(alone):
+                try:
+                    error = self._commit_alone(job)
+                except BaseException as exc:
+                    log.exception("store.writer_failed", backend="postgresql")
+                    error = exc
+                if not self._hand_back([job], error, last=index == len(alone) - 1):
+                    return
+
+    def _hand_back(self, jobs: Sequence[Job[Any]], error: BaseException | None, *, last: bool) -> bool:
+        loop = self._loop
+        assert loop is not None
+        try:
+            loop.call_soon_threadsafe(self._returned, jobs, error, last)
+        except RuntimeError:  # the loop is gone: nobody is waiting any more
+            return False
+        return True
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            if self._conn is not None:
+                self._conn.close()
+            # Autocommit: BEGIN and COMMIT are ours, so nothing is ever left open between groups.
+            self._conn = psycopg.connect(
+                self.conninfo,
+                autocommit=True,
+                application_name=self.application_name,
+                connect_timeout=max(1, int(self.connect_timeout)),
+            )
+            self.backend_pid = self._conn.info.backend_pid
+        return self._conn
+
+    def _commit(self, jobs: list[Job[Any]], alone: list[Job[Any]]) -> BaseException | None:
+        """Run ``jobs`` to a commit; the error that failed all of them, or None (each job may have its own).
+
+        When one waits too long for another replica's row lock, it and the jobs not yet committed are put
+        in ``alone`` (it last), to run one per transaction.
+        """
+        try:
+            conn = self._connection()
+            todo = list(jobs)
+            while todo:
+                failed = self._attempt(conn, todo, bounded=len(todo) > 1)
+                if failed is None:
+                    break
+                job, exc = failed
+                todo = [j for j in todo if j is not job]
+                if len(jobs) > 1 and _sqlstate(exc) in _RUN_ALONE:
+                    # Another replica holds a row this group wants, and may be waiting for one of ours: let
+                    # it go on, and take the rest one operation per transaction (the one held up last), as
+                    # a group tried again could meet the same cycle once per operation.
+                    alone.extend([*todo, job])
+                    return None
+                job.error = exc
+            self.groups += 1
+            return None
+        except psycopg.Error as exc:
+            alone.clear()
+            return self._failed(exc, len(jobs))
+
+    def _commit_alone(self, job: Job[Any]) -> BaseException | None:
+        """``job`` in a transaction of its own, waiting for locks as long as it takes."""
+        try:
+            self.run_alone += 1
+            self._run_alone(self._connection(), job)
+            return None
+        except psycopg.Error as exc:
+            return self._failed(exc, 1)
+
+    def _failed(self, exc: psycopg.Error, operations: int) -> psycopg.Error:
+        """The connection or a COMMIT failed: nobody's write is known to be kept."""
+        count_failure("store_commit")
+        log.error("store.commit_failed", backend="postgresql", operations=operations, error=str(exc))
+        if self._conn is not None and (self._conn.broken or self._conn.closed):
+            self._conn.close()
+            self._conn = None
+        return exc
+
+    def _run_alone(self, conn: psycopg.Connection[Any], job: Job[Any]) -> None:
+        for attempt in range(1, ALONE_ATTEMPTS + 1):
+            failed = self._attempt(conn, [job], bounded=False)
+            if failed is None:
+                return
+            _, exc = failed
+            if _sqlstate(exc) not in _RUN_ALONE or attempt == ALONE_ATTEMPTS:
+                job.error = exc
+                return
+
+    def _attempt(
+        self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool
+    ) -> tuple[Job[Any], Exception] | None:
+        """One transaction for ``jobs``: None once committed, or the job that failed (all rolled back).
+
+        Raises when the connection itself fails, or the ``COMMIT`` does.
+        """
+        with conn.cursor() as cursor:
+            cursor.execute("BEGIN")
+            try:
+                if bounded:
+                    cursor.execute(f"SET LOCAL lock_timeout = {int(self.lock_timeout_ms)}")
+                tx = PgTx(cursor)
+                for job in jobs:
+                    job.result, job.error = None, None
+                    try:
+                        job.result = job.op(tx)
+                        if conn.info.transaction_status == TransactionStatus.INERROR:
+                            raise _SwallowedError("the operation went on after a database error")
+                    except Exception as exc:
+                        if conn.broken or conn.closed:
+                            raise
+                        cursor.execute("ROLLBACK")
+                        return job, exc
+                # What the operations deferred to the end (the audit chain's links): a failure undoes them all.
+                tx._run_deferred()
+                cursor.execute("COMMIT")
+            except BaseException:
+                if not conn.broken and not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
+                    try:
+                        conn.execute("ROLLBACK")
+                    except psycopg.Error as rollback:  # the original error matters more
+                        log.warning("store.rollback_failed", error=f"{type(rollback).__name__}: {rollback}")
+                raise
+        return None
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    return exc.sqlstate if isinstance(exc, psycopg.Error) else None
+
+
+class PgStore:
+    """A component's backend on PostgreSQL: ``one``/``all`` reads and the shared :class:`PgWriter`.
+
+    A read first waits for the writes this process submitted before it, as on
+    SQLite: whoever wrote and then reads sees the write.
+    """
+
+    def __init__(self, pool: AsyncConnectionPool[Any], writer: PgWriter) -> None:
+        self.pool = pool
+        self._writer = writer
+
+    async def writer(self) -> PgWriter:
+        return self._writer
+
+    @property
+    def conninfo(self) -> str:
+        return self._writer.conninfo
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The server process of the writer's connection (NOTIFYs this process sends carry it)."""
+        return self._writer.backend_pid
+
+    async def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        await self._writer.caught_up()
+        async with self.pool.connection() as conn:
+            cursor = await conn.execute(pyformat(sql), tuple(params))
+            return await cursor.fetchone()
+
+    async def all(self, sql: str, params: Iterable[Any] = ()) -> list[Any]:
+        await self._writer.caught_up()
+        async with self.pool.connection() as conn:
+            cursor = await conn.execute(pyformat(sql), tuple(params))
+            return list(await cursor.fetchall())
+
+    async def close(self) -> None:
+        await self._writer.close()
+        await self.pool.close()
+
+
+class _PgMigrations:
+    """Migrations on their own connection, in one transaction under an advisory lock.
+
+    DDL is transactional in PostgreSQL: a failed migration leaves nothing behind, and a replica that
+    waited for the lock finds every migration recorded and applies none.
+    """
+
+    name = "postgresql"
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        self.conn = conn
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self.conn.transaction():
+            await self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            await self.conn.execute(_SCHEMA_TABLE)
+            yield
+
+    async def execute(self, sql: str, params: Sequence[object] = ()) -> None:
+        if params:
+            await self.conn.execute(pyformat(sql), tuple(params))
+        else:  # sent as written: psycopg reads no placeholders in a statement without parameters
+            await self.conn.execute(sql)
+
+    async def fetch(self, sql: str) -> list[Sequence[Any]]:
+        cursor = await self.conn.execute(sql)
+        return list(await cursor.fetchall())
+
+
+async def apply_pg_migrations(
+    conninfo: str, migrations: Iterable[Migration], *, application_name: str = "kazma-migrate"
+) -> list[Migration]:
+    """Apply every migration not yet recorded, in one transaction under an advisory lock; the ones applied now."""
+    conn = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, application_name=application_name)
+    async with conn:
+        return await run_migrations(_PgMigrations(conn), migrations)
+
+
+async def open_pg_store(
+    conninfo: str,
+    *,
+    migrations: Iterable[Migration] = (),
+    application_name: str = "kazma",
+    pool_size: int = 4,
+    connect_timeout: float = 10.0,
+) -> PgStore:
+    """Migrate, then open the read pool (waiting until it has a connection) and the writer."""
+    await apply_pg_migrations(conninfo, migrations, application_name=f"{application_name}-migrate")
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        conninfo,
+        min_size=1,
+        max_size=max(1, pool_size),
+        open=False,
+        timeout=connect_timeout,
+        kwargs={"autocommit": True, "application_name": f"{application_name}-read"},
+        name=f"{application_name}-read",
+    )
+    await pool.open(wait=True, timeout=connect_timeout)
+    writer = PgWriter(conninfo, application_name=f"{application_name}-writer", connect_timeout=connect_timeout)
+    return PgStore(pool, writer)

@@ -1,0 +1,353 @@
+"""One writer per store file: every write is a small synchronous operation, committed in groups.
+
+A press, a card record, an audit row: each is a function of a :class:`Tx` that
+runs a few statements and returns a value. Callers ``await writer.submit(op)``.
+Operations submitted in the same turn of the event loop (or while a commit is
+on its way to the disk) form one group: one ``BEGIN IMMEDIATE``, every
+operation, one ``COMMIT``, one fsync — and every caller is answered only after
+that ``COMMIT`` returned, so nobody is told about a write that is not on disk.
+An operation that raises loses only its own writes: the group is run again
+with a ``SAVEPOINT`` around each operation (operations rarely fail, so the
+first pass goes without them).
+
+Where the group runs: a writer thread with its own ``sqlite3`` connection,
+so the event loop never waits for the disk. A lone operation on a disk whose
+commits have been quick runs on the loop thread instead: a thread hop and the
+wake-ups it costs are dearer than such a commit (measured in
+``bench/store_decide.py``); when commits slow down, or another process holds
+the write lock, everything goes through the thread again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import structlog
+
+from kazma.config.metrics import count_failure
+from kazma.config.store.group_commit import Deferred, GroupQueue, Job
+
+log = structlog.get_logger("kazma.store")
+
+T = TypeVar("T")
+
+# A lone operation runs on the loop thread only while commits have averaged under this.
+INLINE_COMMIT_SECONDS = 0.001
+# ... and only this many operations at a time: a bigger group is worth the hop.
+INLINE_MAX_OPS = 4
+# How often the writer thread tries again for a write lock another process holds.
+LOCK_RETRY_SECONDS = 0.001
+# A writer thread with nothing to do for this long closes its connection and ends (the next write starts one).
+IDLE_SECONDS = 10.0
+
+
+class Tx(Deferred):
+    """Statements inside the writer's transaction. Only an operation passed to :meth:`StoreWriter.submit` has one."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        super().__init__()
+        self._conn = conn
+
+    def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        return self._conn.execute(sql, tuple(params)).fetchone()
+
+    def all(self, sql: str, params: Iterable[Any] = ()) -> list[Any]:
+        return self._conn.execute(sql, tuple(params)).fetchall()
+
+    def run(self, sql: str, params: Iterable[Any] = ()) -> int:
+        """One statement; the number of rows it changed."""
+        return self._conn.execute(sql, tuple(params)).rowcount
+
+    def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
+        self._conn.executemany(sql, [tuple(row) for row in rows])
+
+    def notify(self, channel: str, payload: str = "") -> None:
+        """Tell other processes at commit (PostgreSQL's NOTIFY). One SQLite file has one ``kazma run``, which
+        learns of its own writes directly; other processes on the file see them at their next read."""
+
+
+Op = Callable[[Tx], T]
+
+
+@dataclass
+class _Group:
+    jobs: list[Job[Any]]
+    committed_in: float = 0.0
+    error: BaseException | None = None
+    inline: bool = False
+    busy: bool = field(default=False)  # the loop thread met another process's write lock: go to the thread
+
+
+class StoreWriter(GroupQueue):
+    """Group-committing writer for one SQLite file. Create it on the event loop that will use it."""
+
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        busy_timeout_ms: int = 5000,
+        inline_commit_seconds: float = INLINE_COMMIT_SECONDS,
+        idle_seconds: float = IDLE_SECONDS,
+    ) -> None:
+        self.path = str(path)
+        if self.path == ":memory:":
+            raise ValueError("the store writer needs a file: an in-memory database is private to one connection")
+        self.busy_timeout_ms = busy_timeout_ms
+        self.inline_commit_seconds = inline_commit_seconds
+        self.idle_seconds = idle_seconds
+        super().__init__()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Shared with the thread: the connection, and whether a thread is alive to serve the queue.
+        self._lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = None
+        self._thread: threading.Thread | None = None
+        self._queue: queue.SimpleQueue[_Group | None] = queue.SimpleQueue()
+        self._commit_ewma = 0.0
+        self.groups = 0  # committed groups, for tests and benchmarks
+        self.inline_groups = 0
+
+    # -- the loop side ---------------------------------------------------------------------------
+
+    def _closed_error(self) -> Exception:
+        return sqlite3.ProgrammingError("the store writer is closed")
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._in_flight or not self._pending:
+            return  # the group on its way collects these when it is back
+        jobs, self._pending = self._pending, []
+        group = _Group(jobs)
+        if (
+            len(jobs) <= INLINE_MAX_OPS
+            and self._commit_ewma < self.inline_commit_seconds
+            and self._lock.acquire(blocking=False)
+        ):
+            try:
+                self._run_group(group, inline=True)
+            finally:
+                self._lock.release()
+            if not group.busy:
+                self._answer(group)
+                return
+            group = _Group(jobs)  # another process holds the write lock: wait for it on the thread
+        self._in_flight = True
+        self._loop = asyncio.get_running_loop()  # the thread answers on the loop that handed it the group
+        with self._lock:
+            self._queue.put(group)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="kazma-store-writer", daemon=True)
+                self._thread.start()
+
+    def _answer(self, group: _Group) -> None:
+        self.groups += 1
+        self.inline_groups += group.inline
+        self._commit_ewma = 0.8 * self._commit_ewma + 0.2 * group.committed_in
+        self._answer_jobs(group.jobs, group.error)
+
+    def _returned(self, group: _Group) -> None:
+        self._answer(group)
+        self._group_returned()
+
+    async def close(self) -> None:
+        """Commit what is queued, then end the thread and close the connection."""
+        await self._drain()
+        with self._lock:
+            thread = self._thread
+            if thread is not None:
+                self._queue.put(None)
+        if thread is not None:
+            await asyncio.to_thread(thread.join)
+        with self._lock:
+            self._close_connection()
+
+    # -- the thread side -------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                group = self._queue.get(timeout=self.idle_seconds)
+            except queue.Empty:
+                with self._lock:
+                    if not self._queue.empty():
+                        continue
+                    self._thread = None
+                    self._close_connection()
+                    return
+            if group is None:
+                with self._lock:
+                    self._thread = None
+                return
+            groups = [group]
+            # Groups handed over while this thread was busy commit together: one fsync for all of them.
+            while True:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._queue.put(None)
+                    break
+                groups.append(more)
+            merged = _Group([job for g in groups for job in g.jobs])
+            with self._lock:
+                self._run_group(merged, inline=False)
+            loop = self._loop
+            assert loop is not None
+            for g in groups:
+                g.committed_in, g.error = merged.committed_in, merged.error
+            try:
+                loop.call_soon_threadsafe(self._returned_all, groups)
+            except RuntimeError:  # the loop is gone: nobody is waiting any more
+                with self._lock:
+                    self._thread = None
+                    self._close_connection()
+                return
+
+    def _returned_all(self, groups: Sequence[_Group]) -> None:
+        for group in groups[:-1]:
+            self._answer(group)
+        self._returned(groups[-1])
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            # No busy handler: the loop thread must never wait for another process's lock, and the
+            # writer thread waits in :meth:`_begin`, which is fairer than SQLite's growing sleeps (a
+            # second process committing group after group would otherwise starve this one).
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=0)
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.execute("PRAGMA foreign_keys = ON")
+            self._conn = conn
+        return self._conn
+
+    def _close_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _run_group(self, group: _Group, *, inline: bool) -> None:
+        """One transaction for every job of ``group``; called with ``_lock`` held.
+
+        Another process holding the write lock (or, briefly, the WAL index) makes any statement fail
+        "database is locked": the whole group is rolled back and tried again — on the loop thread not
+        at all (the group goes to the writer thread), on the writer thread every millisecond until
+        ``busy_timeout_ms`` has passed. Polling this often is fairer than SQLite's own growing sleeps,
+        which let a second process committing group after group starve this one.
+        """
+        group.inline = inline
+        patience = time.monotonic() + self.busy_timeout_ms / 1000
+        careful = False
+        while True:
+            for job in group.jobs:
+                job.result, job.error = None, None
+            try:
+                self._attempt(group, careful=careful)
+                return
+            except _FlushFailed as failed:
+                # What the operations deferred to the end could not be written: none of them is kept.
+                if self._conn is not None:
+                    self._rollback(self._conn)
+                self._failed(group, failed.__cause__ or failed)
+                return
+            except _OpFailed:
+                # Optimistic pass: no savepoints, since operations rarely fail. One did: the whole
+                # transaction is undone and the group runs again, each operation in a savepoint.
+                if self._conn is not None:
+                    self._rollback(self._conn)
+                careful = True
+                continue
+            except sqlite3.OperationalError as exc:
+                if self._conn is not None:
+                    self._rollback(self._conn)
+                if not _is_locked(exc):
+                    self._failed(group, exc)
+                    return
+                if inline:
+                    group.busy = True
+                    return
+                if time.monotonic() >= patience:
+                    self._failed(group, exc)
+                    return
+            except sqlite3.Error as exc:  # the transaction as a whole failed: nobody's write is kept
+                self._failed(group, exc)
+                if self._conn is not None:
+                    self._rollback(self._conn)
+                return
+            time.sleep(LOCK_RETRY_SECONDS)
+
+    def _attempt(self, group: _Group, *, careful: bool) -> None:
+        conn = self._connection()
+        conn.execute("BEGIN IMMEDIATE")
+        tx = Tx(conn)
+        if len(group.jobs) == 1:
+            job = group.jobs[0]
+            try:
+                job.result = job.op(tx)
+            except Exception as exc:  # the caller gets it; nothing of this operation is kept
+                if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
+                    raise
+                job.error = exc
+                self._rollback(conn)
+                return
+        elif not careful:
+            for job in group.jobs:
+                try:
+                    job.result = job.op(tx)
+                except Exception as exc:
+                    if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
+                        raise
+                    raise _OpFailed from exc
+        else:
+            for job in group.jobs:
+                conn.execute("SAVEPOINT op")
+                mark = tx._mark()
+                try:
+                    job.result = job.op(tx)
+                except Exception as exc:  # this operation's statements go; the group's others stay
+                    if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
+                        raise
+                    job.error = exc
+                    tx._discard_since(mark)
+                    conn.execute("ROLLBACK TO op")
+                conn.execute("RELEASE op")
+        try:
+            tx._run_deferred()
+        except Exception as exc:
+            if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
+                raise
+            raise _FlushFailed from exc
+        started = time.perf_counter()
+        conn.execute("COMMIT")
+        group.committed_in = time.perf_counter() - started
+
+    def _failed(self, group: _Group, exc: BaseException) -> None:
+        group.error = exc
+        count_failure("store_commit")
+        log.error("store.commit_failed", path=self.path, operations=len(group.jobs), error=str(exc))
+
+    @staticmethod
+    def _rollback(conn: sqlite3.Connection) -> None:
+        if conn.in_transaction:
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error as exc:  # the original error matters more than a failed rollback
+                log.warning("store.rollback_failed", error=f"{type(exc).__name__}: {exc}")
+
+
+def _is_locked(exc: sqlite3.OperationalError) -> bool:
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
+class _OpFailed(Exception):
+    """An operation raised during a group's optimistic pass (see :meth:`StoreWriter._run_group`)."""
+
+
+class _FlushFailed(Exception):
+    """Work the group's operations deferred to its end failed: the whole group is undone."""

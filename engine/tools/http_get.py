@@ -1,0 +1,207 @@
+"""The ``http_get`` tool: GET from the public internet, every hop resolved once and checked by the address policy."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Iterable, Sequence
+
+import httpx
+from pydantic import Field
+
+from kazma.config.limits import MIB
+from kazma.config.models import DangerLevel
+from kazma.config.version import __version__
+from kazma.engine.tools.netguard import (
+    AddressPolicy,
+    AddressRefused,
+    IPAddress,
+    IPNetwork,
+    Resolver,
+    is_ip_literal,
+    resolve_checked,
+    system_resolver,
+)
+from kazma.engine.tools.registry import Tool, ToolArgs, ToolResult
+from kazma.engine.tools.workspace import ToolContext
+
+
+class HttpGetArgs(ToolArgs):
+    url: str = Field(description="An http:// or https:// URL to fetch with GET.")
+
+
+_REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
+
+
+class _FetchFailed(Exception):
+    """A fetch that stopped for a reason the message explains to the model."""
+
+
+class _Unreachable(_FetchFailed):
+    """No checked address of a host accepted a connection."""
+
+
+class HttpGetTool(Tool[HttpGetArgs]):
+    """GET a URL from the public internet, following redirects itself so that every hop is checked.
+
+    For each hop the host is resolved once (``resolver``), every answer must
+    pass the address policy (:mod:`kazma.engine.tools.netguard`), and the connection
+    goes to one of those checked addresses while the ``Host`` header and TLS
+    (SNI and certificate check) still use the name. Proxy variables from the
+    environment are ignored: a proxy would resolve and connect on its own.
+    ``allow_private`` and ``also_allow`` widen the policy, never the path.
+    """
+
+    name = "http_get"
+    description = (
+        "Fetch a URL with HTTP GET and return the status, the content type and the body as text "
+        "(bodies over the size limit are cut)."
+    )
+    default_level = DangerLevel.READ
+    Args = HttpGetArgs
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 20.0,
+        max_bytes: int = MIB,
+        max_redirects: int = 5,
+        allow_private: bool = False,
+        also_allow: Iterable[IPNetwork | str] = (),
+        resolver: Resolver = system_resolver,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.max_bytes = max_bytes
+        self.max_redirects = max_redirects
+        # A "read" tool runs without approval, so by default it must not become a way
+        # into the bus's own network: loopback, private, link-local (cloud metadata) …
+        self.policy = AddressPolicy.of(allow_private=allow_private, also_allow=also_allow)
+        self.resolver = resolver
+        self.ssl_context = ssl_context
+
+    async def run(self, args: HttpGetArgs, ctx: ToolContext) -> ToolResult:
+        try:
+            url = httpx.URL(args.url)
+        except httpx.InvalidURL as exc:
+            return ToolResult(ok=False, output="", error=f"invalid URL {args.url!r}: {exc}")
+        if not _fetchable(url):
+            return ToolResult(
+                ok=False, output="", error=f"only http:// and https:// URLs are fetched, not {args.url!r}"
+            )
+        try:
+            # httpx's timeout bounds each read; this bounds the whole fetch, so a
+            # server trickling bytes cannot hold the call open.
+            async with asyncio.timeout(self.timeout_s):
+                return await self._fetch(url)
+        except (TimeoutError, httpx.TimeoutException):
+            return ToolResult(ok=False, output="", error=f"timed out after {self.timeout_s:g} s fetching {url}")
+        except (AddressRefused, _FetchFailed) as exc:
+            return ToolResult(ok=False, output="", error=str(exc))
+        except httpx.HTTPError as exc:
+            return ToolResult(ok=False, output="", error=f"fetching {url} failed: {type(exc).__name__}: {exc}")
+
+    async def _fetch(self, url: httpx.URL) -> ToolResult:
+        current = url
+        for _ in range(self.max_redirects + 1):
+            # raw_host is the ASCII (IDNA) form, the same name TLS is given below.
+            host = current.raw_host.decode("ascii")
+            addresses = await resolve_checked(host, resolver=self.resolver, policy=self.policy)
+            # A client per hop: a pooled connection is never reused for a
+            # different name than the one its certificate was checked for.
+            async with self._client() as client:
+                response = await self._connect(client, current, addresses)
+                try:
+                    target = _redirect_target(current, response)
+                    if target is None:
+                        return await self._result(url, current, response)
+                finally:
+                    await response.aclose()
+            current = target
+        return ToolResult(ok=False, output="", error=f"more than {self.max_redirects} redirects fetching {url}")
+
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            timeout=self.timeout_s,
+            follow_redirects=False,  # followed in _fetch, each hop resolved and checked
+            trust_env=False,  # no HTTP(S)_PROXY / ALL_PROXY, no .netrc
+            verify=self.ssl_context if self.ssl_context is not None else True,
+            headers={"User-Agent": f"kazma/{__version__}"},
+        )
+
+    async def _connect(
+        self, client: httpx.AsyncClient, url: httpx.URL, addresses: Sequence[IPAddress]
+    ) -> httpx.Response:
+        """Send the GET to the first checked address that accepts a connection."""
+        failures: list[str] = []
+        for address in addresses:
+            request = _pinned_request(client, url, address)
+            try:
+                return await client.send(request, stream=True)
+            except httpx.ConnectError as exc:
+                failures.append(f"{address}: {exc or type(exc).__name__}")
+        raise _Unreachable(f"could not connect to {url.host}: " + "; ".join(failures))
+
+    async def _result(self, url: httpx.URL, final: httpx.URL, response: httpx.Response) -> ToolResult:
+        body = bytearray()
+        truncated = False
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) > self.max_bytes:
+                del body[self.max_bytes :]
+                truncated = True
+                break
+        try:
+            text = bytes(body).decode(response.encoding or "utf-8", errors="replace")
+        except LookupError:  # a charset Python does not know
+            text = bytes(body).decode("utf-8", errors="replace")
+        status = f"{response.http_version} {response.status_code} {response.reason_phrase}".rstrip()
+        lines = [status, f"content-type: {response.headers.get('content-type', '(none)')}"]
+        if final != url:
+            lines.append(f"url: {final}")
+        output = "\n".join(lines) + "\n\n" + text
+        if truncated:
+            output += f"\n[… body cut at {self.max_bytes} bytes …]"
+        ok = response.is_success
+        error = None if ok else f"HTTP {response.status_code} {response.reason_phrase}".rstrip()
+        return ToolResult(ok=ok, output=output, error=error, truncated=truncated)
+
+
+def _fetchable(url: httpx.URL) -> bool:
+    return url.scheme in ("http", "https") and bool(url.host)
+
+
+def _pinned_request(client: httpx.AsyncClient, url: httpx.URL, address: IPAddress) -> httpx.Request:
+    """A GET for ``url`` that connects to ``address`` but still speaks to the name.
+
+    The URL's host becomes the checked address, so nothing resolves the name
+    again. ``Host`` is set to what httpx would have sent for the name
+    (``url.netloc``), and the ``sni_hostname`` request extension makes httpcore
+    pass the name as ``server_hostname`` to TLS, which both sends it as SNI and
+    checks the certificate against it (httpcore 1.0.9, ``_async/connection.py``:
+    ``"server_hostname": sni_hostname or self._origin.host``).
+    """
+    if is_ip_literal(url.raw_host.decode("ascii")):
+        return client.build_request("GET", url)  # checked as it is; there is no name to resolve or keep
+    return client.build_request(
+        "GET",
+        url.copy_with(host=str(address)),
+        headers={"Host": url.netloc.decode("ascii")},
+        extensions={"sni_hostname": url.raw_host.decode("ascii")},
+    )
+
+
+def _redirect_target(current: httpx.URL, response: httpx.Response) -> httpx.URL | None:
+    """Where a redirect response points (resolved against ``current``), or None when it is no redirect."""
+    if response.status_code not in _REDIRECT_CODES or "Location" not in response.headers:
+        return None
+    location = response.headers["Location"]
+    try:
+        target = current.join(location)
+    except httpx.InvalidURL as exc:
+        raise _FetchFailed(f"refused to follow a redirect from {current} to {location!r}: {exc}") from exc
+    if not _fetchable(target):
+        raise _FetchFailed(
+            f"refused to follow a redirect from {current} to {location!r}: only http:// and https:// URLs are fetched"
+        )
+    return target

@@ -1,0 +1,419 @@
+"""The stdio transport for Kazma's MCP servers: one message per line, and never more than a bound of one read.
+
+The SDK's own stdio client keeps every byte of a line until its newline comes,
+so a server answering 10 MB costs Kazma that many bytes several times over
+(text, then parsed objects) before the result is cut to ``max_output_chars``.
+Here a line longer than ``max_message_bytes`` is cut while it arrives: its
+bytes are dropped as they come, and only enough of it is looked at — with
+:class:`Envelope`, which keeps a few bytes of state — to learn the id of the
+request it answers. That request then ends at once with an error saying the
+answer was cut off unread (a JSON-RPC error only Kazma makes,
+:data:`CUT_CODE`), and the connection goes on with the next line. A cut line
+that is not an answer (the server's own request, a notification) is dropped
+and logged.
+
+The server's stderr is kept only as a short tail, for saying why a server
+that died did so. The process gets exactly the environment and working
+directory its :class:`~kazma.engine.tools.mcp_launch.Launch` says, and its own
+process group; when the connection ends, its stdin is closed, and a server
+that has not left within a grace period is terminated, then killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+import structlog
+
+from kazma.config.metrics import count_failure
+from kazma.engine.tools.mcp_launch import Launch
+
+if TYPE_CHECKING:
+    from anyio.abc import Process
+    from mcp.client._transport import TransportStreams
+    from mcp.shared.message import SessionMessage
+
+__all__ = ["CUT_CODE", "Envelope", "LineCutter", "Oversize", "StderrTail", "bounded_stdio_client"]
+
+log = structlog.get_logger("kazma.engine.mcp")
+
+CUT_CODE = -32001  # in JSON-RPC's range for implementation-defined server errors
+_EXIT_GRACE_S = 2.0
+_KILL_GRACE_S = 2.0
+_READ_CHUNK = 64 * 1024
+
+RequestId = int | str
+
+
+# --------------------------------------------------------------------------- what a cut line was
+
+
+_STRING_STOP = re.compile(rb'["\\]')
+_NESTED_STOP = re.compile(rb'["{}\[\]]')
+_SIGNIFICANT = re.compile(rb"[^ \t\r\n]")
+_LITERAL_END = re.compile(rb'[ \t\r\n,}\]:"{\[]')
+_MAX_CAPTURE = 256  # an id or key longer than this is not one Kazma sent
+_KINDS = (b"result", b"error", b"method")
+
+
+class Envelope:
+    """The top level of one JSON-RPC message, read incrementally: its ``id`` and which of result/error/method it has.
+
+    Only the outermost object's keys are looked at; everything nested inside
+    (the megabytes of a result) is skipped by searching for the next quote or
+    bracket, strings by their closing quote. Malformed input never raises: the
+    id just stays unknown.
+    """
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._in_string = False
+        self._escape = False
+        self._expect_key = False
+        self._capture: bytearray | None = None  # the key or id string being read
+        self._capturing_id = False
+        self._literal: bytearray | None = None  # a number (or other bare word) given as the id
+        self._key = b""
+        self._value_of: bytes | None = None  # the key whose value comes next
+        self._done = False
+        self.id_bytes: bytes | None = None  # the id as written (a JSON string with its quotes, or a number)
+        self.kinds: set[bytes] = set()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data)
+        i, n = 0, len(view)
+        while i < n and not self._done:
+            if self._escape:
+                self._keep(view[i : i + 1])
+                self._escape = False
+                i += 1
+            elif self._in_string:
+                i = self._string(view, i, n)
+            elif self._literal is not None:
+                i = self._bare(view, i, n)
+            elif self._depth >= 2:
+                found = _NESTED_STOP.search(view, i)
+                if found is None:
+                    return
+                i = found.end()
+                self._nested(view[found.start()])
+            else:
+                found = _SIGNIFICANT.search(view, i)
+                if found is None:
+                    return
+                i = found.end()
+                self._top(view[found.start()])
+
+    @property
+    def request_id(self) -> RequestId | None:
+        """The id, once it has been read whole and is a JSON-RPC id (an integer or a string)."""
+        if self.id_bytes is None:
+            return None
+        try:
+            value = json.loads(self.id_bytes)
+        except ValueError:
+            return None
+        return value if isinstance(value, int | str) and not isinstance(value, bool) else None
+
+    @property
+    def answers(self) -> RequestId | None:
+        """The id of the request this message answers: set once it has an id and a result or error, no method."""
+        if b"method" in self.kinds or not (self.kinds & {b"result", b"error"}):
+            return None
+        return self.request_id
+
+    def _keep(self, piece: memoryview) -> None:
+        if self._capture is not None:
+            if len(self._capture) + len(piece) > _MAX_CAPTURE:
+                self._capture = None
+                self._capturing_id = False
+            else:
+                self._capture += piece
+
+    def _string(self, view: memoryview, i: int, n: int) -> int:
+        found = _STRING_STOP.search(view, i)
+        end = n if found is None else found.start()
+        self._keep(view[i:end])
+        if found is None:
+            return n
+        if view[end] == ord("\\"):
+            self._keep(view[end : end + 1])
+            self._escape = True
+            return end + 1
+        self._in_string = False
+        self._string_ended()
+        return end + 1
+
+    def _string_ended(self) -> None:
+        captured, self._capture = self._capture, None
+        if self._capturing_id:
+            self._capturing_id = False
+            if captured is not None:
+                self.id_bytes = b'"' + bytes(captured) + b'"'
+        elif self._expect_key:
+            self._expect_key = False
+            self._key = bytes(captured) if captured is not None else b""
+            if self._key in _KINDS:
+                self.kinds.add(self._key)
+
+    def _bare(self, view: memoryview, i: int, n: int) -> int:
+        assert self._literal is not None
+        found = _LITERAL_END.search(view, i)
+        end = n if found is None else found.start()
+        if len(self._literal) + (end - i) > _MAX_CAPTURE:
+            self._literal = None
+            return end
+        self._literal += view[i:end]
+        if found is not None:
+            self.id_bytes = bytes(self._literal)
+            self._literal = None
+        return end
+
+    def _nested(self, byte: int) -> None:
+        if byte == ord('"'):
+            self._in_string = True
+        elif byte in (ord("{"), ord("[")):
+            self._depth += 1
+        else:
+            self._depth -= 1
+
+    def _top(self, byte: int) -> None:
+        if self._depth == 0:
+            if byte == ord("{"):
+                self._depth, self._expect_key = 1, True
+            else:
+                self._done = True  # not an object: nothing to learn
+            return
+        value_of, self._value_of = self._value_of, None
+        if byte == ord('"'):
+            self._in_string = True
+            if self._expect_key:
+                self._capture = bytearray()
+            elif value_of == b"id":
+                self._capture, self._capturing_id = bytearray(), True
+        elif byte == ord(":"):
+            self._value_of = self._key
+        elif byte == ord(","):
+            self._expect_key = True
+        elif byte in (ord("{"), ord("[")):
+            self._depth += 1
+        elif byte == ord("}"):
+            self._done = True
+        elif value_of == b"id":
+            self._literal = bytearray([byte])
+
+
+# --------------------------------------------------------------------------- lines, bounded
+
+
+@dataclass(frozen=True)
+class Oversize:
+    """A line longer than the bound: ``answer`` says to end the request ``reply_to`` now (once per line)."""
+
+    size: int  # bytes of the line seen so far (all of it when ``ended``)
+    ended: bool
+    reply_to: RequestId | None
+    answer: bool
+
+
+class LineCutter:
+    """Splits a byte stream into lines, keeping at most ``limit`` bytes of any one line."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._buffer = bytearray()
+        self._over: Envelope | None = None
+        self._over_size = 0
+        self._answered = False
+
+    def feed(self, chunk: bytes) -> Iterator[bytes | Oversize]:
+        """Whole lines (without their newline; blank ones skipped) and news of cut lines, in order."""
+        start, n = 0, len(chunk)
+        while start <= n:
+            newline = chunk.find(b"\n", start)
+            end = n if newline < 0 else newline
+            yield from self._take(memoryview(chunk)[start:end])
+            if newline < 0:
+                return
+            yield from self._end_line()
+            start = newline + 1
+
+    def _take(self, piece: memoryview) -> Iterator[Oversize]:
+        if not piece:
+            return
+        if self._over is None:
+            if len(self._buffer) + len(piece) <= self.limit:
+                self._buffer += piece
+                return
+            self._over, self._over_size, self._answered = Envelope(), len(self._buffer), False
+            self._over.feed(self._buffer)
+            self._buffer = bytearray()  # the bytes kept so far are let go now, not at the newline
+        self._over.feed(piece)
+        self._over_size += len(piece)
+        reply_to = self._over.answers
+        if reply_to is not None and not self._answered:
+            self._answered = True
+            yield Oversize(self._over_size, ended=False, reply_to=reply_to, answer=True)
+
+    def _end_line(self) -> Iterator[bytes | Oversize]:
+        if self._over is not None:
+            reply_to = self._over.answers
+            answer = reply_to is not None and not self._answered
+            self._over = None
+            yield Oversize(self._over_size, ended=True, reply_to=reply_to, answer=answer)
+            return
+        line, self._buffer = bytes(self._buffer), bytearray()
+        if line.strip():
+            yield line
+
+
+# --------------------------------------------------------------------------- the server's stderr
+
+
+class StderrTail:
+    """The last bytes a server wrote to stderr, shown (escaped, one line) when it fails."""
+
+    def __init__(self, keep: int = 2048) -> None:
+        self.keep = keep
+        self._data = bytearray()
+
+    def add(self, chunk: bytes) -> None:
+        self._data += chunk
+        del self._data[: max(0, len(self._data) - self.keep)]
+
+    def last_line(self, limit: int = 300) -> str:
+        """The last non-empty line, with every control character escaped (it is the server's text, not ours)."""
+        lines = [line for line in bytes(self._data).decode("utf-8", errors="replace").splitlines() if line.strip()]
+        if not lines:
+            return ""
+        text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in lines[-1].strip())
+        return text[:limit]
+
+
+# --------------------------------------------------------------------------- the transport
+
+
+@asynccontextmanager
+async def bounded_stdio_client(
+    launch: Launch, *, server: str, max_message_bytes: int, stderr: StderrTail | None = None
+) -> AsyncIterator[TransportStreams]:
+    """Start ``launch`` and yield the (read, write) streams a ``ClientSession`` takes."""
+    import mcp_types
+    from mcp.shared.message import SessionMessage
+
+    process = await anyio.open_process(
+        launch.argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=str(launch.cwd),
+        env=launch.env,
+        start_new_session=True,
+    )
+    read_writer, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+    write_stream, write_reader = anyio.create_memory_object_stream[SessionMessage](0)
+    tail = stderr if stderr is not None else StderrTail()
+
+    def cut_answer(reply_to: RequestId) -> SessionMessage:
+        said = mcp_types.ErrorData(
+            code=CUT_CODE,
+            message=f"the server's answer was longer than {max_message_bytes} bytes "
+            f"(mcp_servers.{server}.max_message_bytes); Kazma cut it off unread",
+        )
+        return SessionMessage(mcp_types.JSONRPCError(jsonrpc="2.0", id=reply_to, error=said))
+
+    async def deliver(event: bytes | Oversize) -> None:
+        if isinstance(event, Oversize):
+            if event.answer and event.reply_to is not None:
+                await read_writer.send(cut_answer(event.reply_to))
+            if event.ended:
+                count_failure("mcp_message_cut", server)
+                log.warning(
+                    "mcp.message_cut",
+                    server=server,
+                    bytes=event.size,
+                    limit=max_message_bytes,
+                    answered=event.reply_to,
+                )
+            return
+        try:
+            message = mcp_types.jsonrpc_message_adapter.validate_json(event, by_name=False)
+        except ValueError as exc:
+            count_failure("mcp_bad_message", server)
+            log.warning("mcp.bad_message", server=server, bytes=len(event), error=str(exc)[:300])
+            await read_writer.send(exc)
+            return
+        await read_writer.send(SessionMessage(message))
+
+    async def read_stdout() -> None:
+        assert process.stdout is not None
+        lines = LineCutter(max_message_bytes)
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+            async with read_writer:
+                while True:
+                    try:
+                        chunk = await process.stdout.receive(_READ_CHUNK)
+                    except anyio.EndOfStream:
+                        return
+                    for event in lines.feed(chunk):
+                        await deliver(event)
+
+    async def read_stderr() -> None:
+        assert process.stderr is not None
+        with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+            while True:
+                tail.add(await process.stderr.receive(_READ_CHUNK))
+
+    async def write_stdin() -> None:
+        assert process.stdin is not None
+        try:
+            async with write_reader:
+                async for outgoing in write_reader:
+                    text = outgoing.message.model_dump_json(by_alias=True, exclude_unset=True)
+                    await process.stdin.send(text.encode("utf-8") + b"\n")
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+            await read_writer.aclose()  # the session sees the end instead of waiting for an answer
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(read_stdout)
+        tasks.start_soon(read_stderr)
+        tasks.start_soon(write_stdin)
+        try:
+            yield read_stream, write_stream
+        finally:
+            # Shielded: a cancelled caller must still leave no server behind; every wait inside is bounded.
+            with anyio.CancelScope(shield=True):
+                await _stop(process)
+                for stream in (read_stream, write_stream, read_writer, write_reader):
+                    await stream.aclose()
+            tasks.cancel_scope.cancel()
+
+
+async def _stop(process: Process) -> None:
+    """Close stdin, give the server a moment to leave, then terminate and kill its whole process group."""
+    if process.returncode is None and process.stdin is not None:
+        with contextlib.suppress(OSError, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            await process.stdin.aclose()
+    for sig, grace in ((None, _EXIT_GRACE_S), (signal.SIGTERM, _KILL_GRACE_S), (signal.SIGKILL, _KILL_GRACE_S)):
+        if process.returncode is not None:
+            break
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, sig)
+        with anyio.move_on_after(grace):
+            await process.wait()
+    if process.returncode is None:
+        log.warning("mcp.server_unkillable", pid=process.pid)
+        return
+    with contextlib.suppress(OSError):
+        await process.aclose()

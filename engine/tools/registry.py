@@ -1,0 +1,192 @@
+"""The tool registry and what every tool is: :class:`Tool`, its arguments (:class:`ToolArgs`) and its outcome.
+
+Tools are called with arguments a model wrote, so nothing here trusts them:
+arguments are validated against each tool's pydantic model and every
+outcome — bad arguments, a crash, a timeout — comes back as a
+:class:`ToolResult` the agent can show the model, never as an exception that
+would end the agent's turn. Whether a call may run at all (approval) is
+decided before :meth:`ToolRegistry.execute` by the safety policy; the
+registry only runs what it is given.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+import structlog
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kazma.config.models import DangerLevel
+from kazma.engine.tools.workspace import ToolContext
+from kazma.engine.types import ToolSpec
+
+log = structlog.get_logger("kazma.engine.tools")
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What a tool call came to.
+
+    ``changed_state`` is set whenever the call may have changed something
+    (even when it failed part-way), so that callers never retry it blindly.
+    """
+
+    ok: bool
+    output: str
+    error: str | None = None
+    changed_state: bool = False
+    truncated: bool = False
+
+
+class ToolArgs(BaseModel):
+    """Base of every tool's arguments: unknown arguments are errors, not silently dropped."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+ArgsT = TypeVar("ArgsT", bound=ToolArgs)
+
+
+class Tool(ABC, Generic[ArgsT]):
+    """A tool: its name, what it does, its arguments model and how dangerous it is by default.
+
+    ``changes_state`` says whether a call may change anything; a crashed call
+    of such a tool is reported as possibly having changed state.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    default_level: ClassVar[DangerLevel]
+    changes_state: ClassVar[bool] = False
+    Args: type[ArgsT]
+
+    @abstractmethod
+    async def run(self, args: ArgsT, ctx: ToolContext) -> ToolResult:
+        """Run with validated arguments. Expected failures are returned as results, not raised."""
+
+    def spec(self) -> ToolSpec:
+        return ToolSpec(name=self.name, description=self.description, parameters=self.Args.model_json_schema())
+
+    def notes(self) -> tuple[str, ...]:
+        """What every approval card of this tool must say about how the call would run (empty: nothing)."""
+        return ()
+
+    def refusal(self) -> str | None:
+        """Why every call of this tool is refused before anyone is asked (None: calls may run)."""
+        return None
+
+
+class UnknownToolError(LookupError):
+    """A tool name that is not registered (a configuration mistake, so it is raised rather than returned)."""
+
+
+class ToolRegistry:
+    def __init__(self, tools: Iterable[Tool[Any]] = ()) -> None:
+        self._tools: dict[str, Tool[Any]] = {}
+        self._aliases: dict[str, str] = {}
+        for tool in tools:
+            self.register(tool)
+
+    def register(self, tool: Tool[Any]) -> None:
+        if tool.name in self._tools:
+            raise ValueError(f"a tool named {tool.name!r} is already registered")
+        self.put(tool)
+
+    def put(self, tool: Tool[Any]) -> None:
+        """Add or replace ``tool`` (tools of an MCP server change when it says its list changed).
+
+        A model calls a tool by its spec name: one already answering for another tool is never taken
+        over (:class:`ValueError`), or a model's call would reach a different tool than before.
+        """
+        spec_name = tool.spec().name
+        holder = self._aliases.get(spec_name, spec_name)
+        if holder != tool.name and holder in self._tools:
+            raise ValueError(f"{tool.name!r} would be offered to models as {spec_name!r}, which is {holder!r}")
+        self._tools[tool.name] = tool
+        if spec_name != tool.name:
+            self._aliases[spec_name] = tool.name
+
+    def remove(self, name: str) -> None:
+        tool = self._tools.pop(name, None)
+        if tool is not None:
+            self._aliases.pop(tool.spec().name, None)
+
+    def canonical(self, name: str) -> str:
+        """The registered name for what a model called (models see ``server__tool`` for ``server/tool``)."""
+        return self._aliases.get(name, name)
+
+    def matching(self, pattern: str) -> list[str]:
+        """``pattern`` itself, or every registered ``server/…`` tool for ``server/*``."""
+        if pattern.endswith("/*"):
+            prefix = pattern[:-1]
+            return [name for name in self.names() if name.startswith(prefix)]
+        return [pattern] if pattern in self._tools else []
+
+    def get(self, name: str) -> Tool[Any] | None:
+        return self._tools.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+    def names(self) -> list[str]:
+        return sorted(self._tools)
+
+    def _require(self, name: str) -> Tool[Any]:
+        tool = self._tools.get(name)
+        if tool is None:
+            raise UnknownToolError(f"unknown tool {name!r} (known tools: {self._known()})")
+        return tool
+
+    def _known(self) -> str:
+        return ", ".join(self.names()) or "none registered"
+
+    def specs(self, names: Iterable[str]) -> list[ToolSpec]:
+        """The specs of ``names`` in the order given; an unknown name raises :class:`UnknownToolError`."""
+        return [self._require(name).spec() for name in names]
+
+    def default_level(self, name: str) -> DangerLevel:
+        return self._require(name).default_level
+
+    def notes(self, name: str) -> tuple[str, ...]:
+        tool = self._tools.get(name)
+        return () if tool is None else tool.notes()
+
+    def refusal(self, name: str) -> str | None:
+        tool = self._tools.get(name)
+        return None if tool is None else tool.refusal()
+
+    async def execute(self, name: str, arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
+        """Validate and run one call. Problems with the call or inside the tool become error results."""
+        tool = self._tools.get(name)
+        if tool is None:
+            return ToolResult(ok=False, output="", error=f"unknown tool {name!r}; known tools: {self._known()}")
+        try:
+            args = tool.Args.model_validate(dict(arguments))
+        except (TypeError, ValueError) as exc:
+            problems = _describe_validation(exc)
+            log.info("tool.invalid_arguments", tool=name, conversation=ctx.conversation, problems=problems)
+            return ToolResult(ok=False, output="", error=f"invalid arguments for {name}: " + "; ".join(problems))
+        try:
+            return await tool.run(args, ctx)
+        except Exception as exc:
+            # Cancellation is a BaseException and deliberately passes through.
+            log.exception("tool.crashed", tool=name, conversation=ctx.conversation)
+            return ToolResult(
+                ok=False,
+                output="",
+                error=f"{name} failed unexpectedly: {type(exc).__name__}: {exc}",
+                changed_state=tool.changes_state,
+            )
+
+
+def _describe_validation(exc: Exception) -> list[str]:
+    if not isinstance(exc, ValidationError):
+        return [f"(arguments): expected a JSON object of named arguments ({exc})"]
+    problems = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in error["loc"]) or "(arguments)"
+        problems.append(f"{where}: {error['msg']}")
+    return problems

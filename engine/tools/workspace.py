@@ -1,0 +1,136 @@
+"""Where a tool call runs (:class:`ToolContext`) and how a path a model wrote stays inside its workspace.
+
+File paths are confined to the real path of the conversation's workspace:
+symbolic links are resolved and checked, directories are opened one
+component at a time without following links, and a file with other names
+(hard links) is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """Where a call runs: ``workspace`` is the conversation's own directory, created on first use.
+
+    ``approved_hash``: the argument hash a person approved for this call (None when it needed no approval);
+    a tool that sends its arguments elsewhere re-hashes what it sends against it.
+    """
+
+    workspace: Path
+    conversation: str
+    approved_hash: str | None = None
+    agent: str = ""  # who calls (files an agent posts are shown under its name)
+
+    def ensure_workspace(self) -> Path:
+        """Create the workspace if needed and return its real path; :class:`PathRefused` when it is a symlink."""
+        return _workspace_root(self)
+
+
+class PathRefused(Exception):
+    """A path the model asked for that the tool will not touch; the message is shown to the model."""
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _workspace_root(ctx: ToolContext) -> Path:
+    """The workspace's real path, created when missing; refused when the workspace itself is a symbolic link.
+
+    Paths are confined to the real path of the root, so a root that is a link
+    would confine them to wherever the link points (and whoever can replace
+    the link chooses that). It is checked before it is created or used.
+    """
+
+    def check() -> None:
+        info = os.lstat(ctx.workspace)
+        if stat.S_ISLNK(info.st_mode):
+            raise PathRefused("the workspace directory is a symbolic link; refused (it must be a real directory)")
+        if not stat.S_ISDIR(info.st_mode):
+            raise PathRefused("the workspace is not a directory; refused")
+
+    try:
+        try:
+            check()
+        except FileNotFoundError:
+            ctx.workspace.mkdir(parents=True, exist_ok=True)
+            check()
+        return ctx.workspace.resolve(strict=True)
+    except OSError as exc:
+        raise PathRefused(f"the workspace directory cannot be used: {exc.strerror or exc}") from exc
+
+
+def _refuse_hard_links(shown: str, info: os.stat_result) -> str | None:
+    """Why a file with several names is refused, or None when it has one.
+
+    A shell call can hard-link a file from outside the workspace into it
+    (``ln /elsewhere/file ws/x``); the link is a regular file, not a symlink,
+    so only the link count shows that the same file has another name.
+    """
+    if info.st_nlink <= 1:
+        return None
+    return (
+        f"{shown!r} has {info.st_nlink} hard links (other names for the same file, possibly outside the "
+        "workspace); refused"
+    )
+
+
+def _inside(root: Path, raw: str) -> tuple[str, ...]:
+    """The components, relative to ``root``, of the real path ``raw`` names; refused if it leaves ``root``."""
+    if not raw or "\x00" in raw:
+        raise PathRefused("expected a file path relative to the workspace")
+    candidate = Path(raw)
+    target = candidate if candidate.is_absolute() else root / candidate
+    try:
+        resolved = target.resolve()
+    except (OSError, RuntimeError) as exc:  # 3.11 raises RuntimeError on symlink loops
+        raise PathRefused(f"{raw!r} cannot be resolved: {exc}") from exc
+    if not resolved.is_relative_to(root):
+        if Path(os.path.normpath(target)).is_relative_to(root):
+            raise PathRefused(f"{raw!r} leads outside the workspace through a symbolic link")
+        raise PathRefused(f"{raw!r} is outside the workspace; use a path relative to the workspace")
+    parts = resolved.relative_to(root).parts
+    if not parts:
+        raise PathRefused(f"{raw!r} names the workspace directory itself, not a file")
+    return parts
+
+
+def _open_parent(root: Path, parts: tuple[str, ...], *, create: bool) -> tuple[int, bool]:
+    """Open the directory holding ``parts[-1]`` one component at a time without following symlinks.
+
+    ``_inside`` already resolved every symlink, so a symlink met here was put
+    there since (for example by a concurrent shell call); refusing it closes
+    that race instead of following it out of the workspace. Returns the
+    directory's fd and whether any directory was created.
+    """
+    created = False
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for name in parts[:-1]:
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o777, dir_fd=fd)
+                    created = True
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except OSError as exc:
+        os.close(fd)
+        shown = "/".join(parts)
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise PathRefused(f"{shown!r}: a parent is not a directory (or changed into a symbolic link)") from exc
+        if isinstance(exc, FileNotFoundError):
+            raise PathRefused(f"no such file: {shown!r}") from exc
+        raise
+    return fd, created
