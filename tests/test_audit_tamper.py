@@ -179,3 +179,27 @@ def test_a_consistent_rechained_forgery_without_the_key_fails_on_the_signature_a
     # Against the head the settled card showed, the forged log fails at that very event.
     failed_at(verify(tmp_path, store_engine, "--head", head), 1, "bad signature")
     assert f"seq {witness.seq}: changed: it hashes to" in verify(tmp_path, store_engine, "--head", head).stdout
+
+
+def doctor(tmp_path: Path, engine: Engine) -> str:
+    """The line `kazma doctor` prints for the audit chain (the other checks meet no platform here)."""
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, engine))
+    result = CliRunner().invoke(
+        main, ["-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1"], env=KEY_ENV
+    )
+    [line] = [text for text in result.stdout.splitlines() if "audit chain" in text]
+    return line
+
+
+def test_doctor_verifies_the_tail_of_the_log_and_names_the_first_bad_sequence(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    clean = doctor(tmp_path, store_engine)
+    assert clean.startswith("OK"), clean
+    assert f"(seq 1..{log.last}) verify" in clean
+    denied = log.seqs["decided:drop"]
+    Attacker(store_engine).run(("UPDATE approval_events SET detail = 'approved' WHERE seq = ?", (denied,)))
+    tampered = doctor(tmp_path, store_engine)
+    assert tampered.startswith("FAIL"), tampered
+    assert f"first bad sequence seq {denied}: changed" in tampered
