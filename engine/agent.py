@@ -160,6 +160,7 @@ class AgentRunner:
         *,
         workspace_root: Path,
         max_steps: int = 8,
+        own_tools: Callable[[str], Sequence[InternalTool]] | None = None,
     ) -> None:
         self.provider = provider
         self.registry = registry
@@ -167,13 +168,13 @@ class AgentRunner:
         self.history = history
         self.workspace_root = workspace_root
         self.max_steps = max_steps
-        self.internal: dict[str, dict[str, InternalTool]] = {}  # agent name -> its internal tools
-
-    def add_internal_tool(self, agent: str, tool: InternalTool) -> None:
-        self.internal.setdefault(agent, {})[tool.spec.name] = tool
+        # An agent's internal tools, by its name, asked for at each turn: they start plans and swarm work,
+        # which run agents through this runner, so they are made after it.
+        self.own_tools = own_tools
 
     def _internal(self, agent: AgentSpec, extra: Sequence[InternalTool]) -> dict[str, InternalTool]:
-        return {**self.internal.get(agent.name, {}), **{t.spec.name: t for t in extra}}
+        own = self.own_tools(agent.name) if self.own_tools is not None else ()
+        return {**{t.spec.name: t for t in own}, **{t.spec.name: t for t in extra}}
 
     def _specs(self, agent: AgentSpec, extra: Sequence[InternalTool] = ()) -> list[ToolSpec]:
         specs = [t.spec for t in self._internal(agent, extra).values()]

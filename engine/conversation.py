@@ -29,11 +29,11 @@ from kazma.adapters.human_text import for_humans
 from kazma.approvals.model import PressResult, PressVerdict
 from kazma.config.metrics import count_failure
 from kazma.config.supervisor import Supervisor
-from kazma.engine.agent import AgentRunner, AgentSpec, StepRef, TurnResult, workspace_for
+from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, StepRef, TurnResult, workspace_for
 from kazma.engine.attachments import Saved, describe, save_attachments
 from kazma.engine.executor import Action, ActionKind, AnswerVerdict, DispatchFailed, PlanExecutor, StepResult
 from kazma.engine.fence import fence_untrusted
-from kazma.engine.plan_store import Question
+from kazma.engine.plan_store import PlanStore, Question
 from kazma.engine.plan_tools import ask_user_tool, lead_plan_tools
 
 log = structlog.get_logger("kazma.conversation")
@@ -92,8 +92,11 @@ class Conversations:
     runner: AgentRunner
     agents: Mapping[str, AgentSpec]
     lead: AgentSpec
-    executor: PlanExecutor | None = None
+    # Where the lead's plans are kept: the conversations carry out their executor's actions, so they make it
+    # (None: no plans here).
+    plans: PlanStore | None = None
     swarm: CommandRunner | None = None
+    executor: PlanExecutor | None = field(init=False, default=None)
     _dispatches: dict[tuple[str, str, str], _Dispatch] = field(default_factory=dict)
     _tasks: Supervisor = field(default_factory=lambda: Supervisor("conversation_task"))  # turns in flight
     # told of every executor action after it is carried out (the demo and tests watch plans end)
@@ -130,14 +133,19 @@ class Conversations:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def attach(self, executor: PlanExecutor) -> None:
-        self.executor = executor
-        for tool in lead_plan_tools(executor):
-            self.runner.add_internal_tool(self.lead.name, tool)
+    def __post_init__(self) -> None:
+        self._plan_tools: dict[str, list[InternalTool]] = {}
+        if self.plans is None:
+            return
+        assignees = {name for name, agent in self.agents.items() if not agent.is_lead}
+        executor = self.executor = PlanExecutor(self.plans, self, lead_name=self.lead.name, assignees=assignees)
         asking = ask_user_tool(executor)
         for name, agent in self.agents.items():
-            if not agent.is_lead:
-                self.runner.add_internal_tool(name, asking)
+            self._plan_tools[name] = lead_plan_tools(executor) if agent.is_lead else [asking]
+
+    def plan_tools(self, agent: str) -> list[InternalTool]:
+        """The plan tools ``agent`` has: the lead writes and repairs plans, every other agent may ask people."""
+        return self._plan_tools.get(agent, [])
 
     # -- inbound ---------------------------------------------------------------------------------
 

@@ -52,7 +52,6 @@ SINK_CHILD = textwrap.dedent(
     asyncio.run(main(*sys.argv[1:4]))
     """
 )
-FAST_RETRY = {"retry_base_seconds": 0.05, "retry_cap_seconds": 0.2}
 
 
 async def until(condition: Callable[[], bool], *, within: float = 60.0, what: str = "") -> None:
@@ -206,7 +205,7 @@ async def test_a_file_sink_restarted_ahead_of_its_stored_position_writes_each_re
     store_engine: Engine, tmp_path: Path
 ) -> None:
     path = tmp_path / "audit" / "kazma-audit.jsonl"
-    config = AuditSinkConfig(file=path, batch=4, **FAST_RETRY)
+    config = AuditSinkConfig(file=path, batch=4, retry_base_seconds=0.05, retry_cap_seconds=0.2)
     async with kazma_store(store_engine) as (conn, service, checkpointer):
         await decisions(service, checkpointer, 5, tag="first run")
         sink = AuditSink.of(service.store, conn, config)
@@ -248,7 +247,9 @@ async def test_a_webhook_that_refuses_then_hangs_delays_no_decision_and_gets_eve
 ) -> None:
     port = free_port()
     receiver = Receiver(port)
-    config = AuditSinkConfig(webhook=receiver.url, batch=50, timeout_seconds=300, **FAST_RETRY)
+    config = AuditSinkConfig(
+        webhook=receiver.url, batch=50, timeout_seconds=300, retry_base_seconds=0.05, retry_cap_seconds=0.2
+    )
     async with kazma_store(store_engine) as (conn, service, checkpointer):
         await decisions(service, checkpointer, 3, tag="before")
         sink = AuditSink.of(service.store, conn, config)
