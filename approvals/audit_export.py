@@ -29,6 +29,7 @@ from kazma.approvals.checkpoints import Checkpoint
 FORMAT: Final = "kazma-audit-v1"
 _EVENT_FIELDS: Final = (
     "seq", "request_id", "event", "actor", "platform", "at", "args_hash", "detail", "prev_hash", "chain_hash",
+    "person",
 )  # fmt: skip
 _CHECKPOINT_FIELDS: Final = ("kind", "first_seq", "seq", "head", "at", "key_id", "signature")
 
@@ -169,6 +170,7 @@ def _event(record: dict[str, Any]) -> ChainedEvent:
         detail=_text(record, "detail"),
         prev_hash=_text(record, "prev_hash"),
         chain_hash=_text(record, "chain_hash"),
+        person=_text(record, "person"),
     )
 
 

@@ -64,10 +64,12 @@ CHAIN_LOCK: Final = 0x6B617A6D61_0029  # "kazma", issue 29
 # The decision of a request, as the compare-and-set writes it: ``decided`` for a person, else the outcome.
 DECISION_EVENTS: Final = ("decided", "timeout", "cancelled")
 
-EVENT_COLUMNS: Final = "seq, request_id, event, actor, platform, at, args_hash, detail, prev_hash, chain_hash"
+# ``person`` last: the person who owns ``actor`` (people:), hashed only when there is one (see event_hash).
+EVENT_COLUMNS: Final = "seq, request_id, event, actor, platform, at, args_hash, detail, prev_hash, chain_hash, person"
 CHECKPOINT_COLUMNS: Final = "kind, first_seq, seq, head, at, key_id, signature"
 _INSERT_EVENT_ROWS = f"INSERT INTO approval_events ({EVENT_COLUMNS}, commit_seal) VALUES"
-_INSERT_EVENT = f"{_INSERT_EVENT_ROWS} (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_ROW_MARKS = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_INSERT_EVENT = f"{_INSERT_EVENT_ROWS} {_ROW_MARKS}"
 _PG_SEQUENCE = "approval_events_seq_seq"  # the identity of approval_events.seq on PostgreSQL
 _INSERT_CHECKPOINT = f"INSERT INTO audit_checkpoints ({CHECKPOINT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
 _HEAD_SQLITE = (
@@ -98,9 +100,13 @@ def event_hash(
     at: float,
     args_hash: str | None,
     detail: str | None,
+    person: str | None = None,
 ) -> str:
-    """The chain hash of one event after ``prev_hash``."""
+    """The chain hash of one event after ``prev_hash``. The person who owns the actor, when there is one, is one
+    more field: a person added to a row, removed from it or changed changes its hash all the same."""
     fields = [_DOMAIN, prev_hash, request_id, event, actor, platform, at, args_hash, detail]
+    if person is not None:
+        fields.append(person)
     return hashlib.sha256(_CANONICAL.encode(fields).encode("utf-8")).hexdigest()
 
 
@@ -118,17 +124,19 @@ class ChainedEvent:
     detail: str | None
     prev_hash: str | None
     chain_hash: str | None
+    person: str | None = None
 
     def hash_after(self, prev_hash: str) -> str:
         """This event's chain hash were it to follow ``prev_hash``."""
         return event_hash(
-            prev_hash, self.request_id, self.event, self.actor, self.platform, self.at, self.args_hash, self.detail
-        )
+            prev_hash, self.request_id, self.event, self.actor, self.platform, self.at, self.args_hash, self.detail,
+            self.person,
+        )  # fmt: skip
 
     @classmethod
     def of_row(cls, row: Sequence[Any]) -> ChainedEvent:
-        seq, request_id, event, actor, platform, at, digest, detail, prev, chain = tuple(row)
-        return cls(int(seq), request_id, str(event), actor, platform, float(at), digest, detail, prev, chain)
+        seq, request_id, event, actor, platform, at, digest, detail, prev, chain, person = tuple(row)
+        return cls(int(seq), request_id, str(event), actor, platform, float(at), digest, detail, prev, chain, person)
 
 
 def checkpoint_of_row(row: Sequence[Any]) -> Checkpoint:
@@ -145,6 +153,7 @@ class _Pending:
     at: float
     args_hash: str | _FromRequest | None
     detail: str | None
+    person: str | None
 
 
 class AuditChain:
@@ -170,9 +179,10 @@ class AuditChain:
         args_hash: str | _FromRequest | None,
         platform: str | None = None,
         detail: str | None = None,
+        person: str | None = None,
     ) -> None:
         """One audit event, written with the transaction ``tx`` commits (and only if it commits)."""
-        tx.defer(self._flush, _Pending(request_id, event, actor, platform, at, args_hash, detail))
+        tx.defer(self._flush, _Pending(request_id, event, actor, platform, at, args_hash, detail, person))
 
     def start(self, tx: Tx) -> None:
         """Chain what was there before the chain began, if that is still to be done (no event of its own)."""
@@ -201,7 +211,7 @@ class AuditChain:
         if self.postgres:
             # One round trip, which also moves the identity past them: a row inserted without a seq (by hand,
             # around Kazma) must not take a number the chain gave, or the chain's next append would fail.
-            values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * len(rows))
+            values = ", ".join([_ROW_MARKS] * len(rows))
             tx.one(
                 f"WITH added AS ({_INSERT_EVENT_ROWS} {values} RETURNING seq)"  # noqa: S608
                 f" SELECT setval('{_PG_SEQUENCE}', (SELECT max(seq) FROM added))",
@@ -232,11 +242,11 @@ class AuditChain:
             )
             chained = event_hash(
                 prev, pending.request_id, pending.event, pending.actor, pending.platform, pending.at, digest,
-                pending.detail,
+                pending.detail, pending.person,
             )  # fmt: skip
             rows.append(
                 (seq, pending.request_id, pending.event, pending.actor, pending.platform, pending.at, digest,
-                 pending.detail, prev, chained, None)
+                 pending.detail, prev, chained, pending.person, None)
             )  # fmt: skip
             prev = chained
         if self.signer is not None:  # the last event carries what vouches for them all

@@ -162,6 +162,24 @@ MIGRATIONS = [
         "approvals",
         9,
         (
+            # The person under people: who owned the identity that decided (decided_by keeps the identity);
+            # NULL for an identity that is nobody's and for every decision made before people were recorded.
+            # Sealed with the outcome (a "v2:" seal), and final with it.
+            "ALTER TABLE approval_requests ADD COLUMN decided_person TEXT",
+            """
+            CREATE TRIGGER IF NOT EXISTS approval_requests_person_final
+            BEFORE UPDATE OF decided_person ON approval_requests
+            WHEN OLD.status != 'pending'
+            BEGIN SELECT RAISE(ABORT, 'approval outcomes are final'); END
+            """,
+            # Who an audit row is about, beside the identity in ``actor``.
+            "ALTER TABLE approval_events ADD COLUMN person TEXT",
+        ),
+    ),
+    Migration(
+        "approvals",
+        10,
+        (
             # The audit chain (approvals/chain.py): each event's link to the one before it and its own hash.
             # NULL on events written before the chain; the first append after this chains those once.
             "ALTER TABLE approval_events ADD COLUMN prev_hash TEXT",
@@ -380,6 +398,20 @@ PG_MIGRATIONS = [
     PgMigration(
         "approvals",
         9,
+        (
+            "ALTER TABLE approval_requests ADD COLUMN decided_person text",
+            """
+            CREATE OR REPLACE TRIGGER approval_requests_person_final
+            BEFORE UPDATE OF decided_person ON approval_requests
+            FOR EACH ROW WHEN (OLD.status <> 'pending')
+            EXECUTE FUNCTION kazma_approval_outcome_final()
+            """,
+            "ALTER TABLE approval_events ADD COLUMN person text",
+        ),
+    ),
+    PgMigration(
+        "approvals",
+        10,
         (
             "ALTER TABLE approval_events ADD COLUMN prev_hash text",
             "ALTER TABLE approval_events ADD COLUMN chain_hash text",

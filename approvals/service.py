@@ -28,7 +28,16 @@ from kazma.approvals.card import (
 )
 from kazma.approvals.chain import AuditChain
 from kazma.approvals.hashing import args_hash, canonical_json, check_arguments
-from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status, Waits
+from kazma.approvals.model import (
+    ApprovalRequest,
+    Decision,
+    Outcome,
+    PressResult,
+    PressVerdict,
+    Status,
+    Waits,
+    decider_text,
+)
 from kazma.approvals.rules import Rule, RuleStore, rules_consulted_for
 from kazma.approvals.seal import FORGED, SealProblem, seal_problem
 from kazma.approvals.store import ApprovalStore, CardCheck, CardProblem, Clock, NewRequest, new_request_id
@@ -381,7 +390,9 @@ class ApprovalService:
         found = [r for r in await self.rules.list(active_only=True, limit=100_000) if r.id == rule_id]
         if not found or not await self.rules.revoke(rule_id, actor=actor):
             return None
-        await self._audit_safely(found[0].request_id, "rule_revoked", actor, platform, rule_id)
+        await self._audit_safely(
+            found[0].request_id, "rule_revoked", actor, platform, rule_id, person=self.config.roster.person_of(actor)
+        )
         log.info("approvals.rule_revoked", rule=rule_id, actor=actor, platform=platform)
         self._tell(found[0].request_id)
         return found[0]
@@ -407,7 +418,10 @@ class ApprovalService:
             log.error("approvals.forged_rule", rule=rule.id, request_id=rule.request_id, detail=forged)
             return None
         detail = f"{rule.id} ({tool} {digest[:12]}… in {conversation}; made by {rule.created_by})"
-        await self._audit_safely(rule.request_id, "rule_used", rule.created_by, rule.created_via, detail)
+        await self._audit_safely(
+            rule.request_id, "rule_used", rule.created_by, rule.created_via, detail,
+            person=self.config.roster.person_of(rule.created_by),
+        )  # fmt: skip
         log.info("approvals.rule_used", rule=rule.id, tool=tool, conversation=conversation, hash=digest)
         until = time.strftime("%H:%M:%S UTC", time.gmtime(rule.expires_at))
         say = getattr(self.publisher, "send_text", None)
@@ -497,11 +511,12 @@ class ApprovalService:
                 f"Kazma is not deciding right now: {self.halted}. Nothing was recorded.",
                 request_id=request_id,
             )
+        person = self.config.roster.person_of(actor)
         if not self.is_approver(actor, platform):
             await self._refused(request_id, actor, platform, "not an approver")
             return PressResult(
                 PressVerdict.REFUSED,
-                f"You ({actor}) are not an approver here; nothing was recorded.",
+                f"You ({decider_text(person, actor)}) are not an approver here; nothing was recorded.",
                 request_id=request_id,
             )
         if remember:
@@ -517,15 +532,16 @@ class ApprovalService:
             check = CardCheck(platform, card.chat, card.message_id, needs_whole)
         try:
             pressed = await self.store.press(
-                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check
+                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person
             )
             # A press can land between a card's post and the bus recording it (a person is not that fast,
             # a script is): give the record a moment before judging the press by it.
             for pause in _RECORD_GRACE if pressed.problem == CardProblem.NOT_RECORDED else ():
                 await asyncio.sleep(pause)
                 pressed = await self.store.press(
-                    request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check
-                )
+                    request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check,
+                    person=person,
+                )  # fmt: skip
                 if pressed.problem != CardProblem.NOT_RECORDED:
                     break
         except store_errors() as exc:
@@ -552,7 +568,7 @@ class ApprovalService:
                 await self._refused(request_id, actor, platform, why)
                 return PressResult(PressVerdict.REFUSED, message, request_id=request_id)
             pressed = await self.store.press(
-                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=None
+                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=None, person=person
             )
         won, request = pressed.won, pressed.request
         if request is None:
@@ -566,10 +582,12 @@ class ApprovalService:
                 request_id=request_id,
                 status=outcome.status.value,
                 actor=actor,
+                person=person,
                 platform=platform,
                 hash=request.args_hash,
             )
-            APPROVALS_DECIDED.labels(outcome=outcome.status.value, platform=platform).inc()
+            # People are configured, so the person label is bounded (an identity nobody claimed counts as "").
+            APPROVALS_DECIDED.labels(outcome=outcome.status.value, platform=platform, person=person or "").inc()
             if remember and self.rules is not None and outcome.approved:
                 rule = await self.rules.add(
                     tool=request.tool,
@@ -581,12 +599,12 @@ class ApprovalService:
                     seconds=self.config.approvals.remember.max_seconds,
                 )
                 await self._audit_safely(
-                    request_id, "rule_created", actor, platform, f"{rule.id} until {rule.expires_at:.0f}"
+                    request_id, "rule_created", actor, platform, f"{rule.id} until {rule.expires_at:.0f}", person=person
                 )
                 log.info("approvals.rule_created", rule=rule.id, request_id=request_id, actor=actor)
             await self._ended(request_id)
             verb = "Approved" if decision is Decision.APPROVE else "Denied"
-            return PressResult(PressVerdict.WON, f"{verb}. Recorded as {actor}.", outcome, request_id)
+            return PressResult(PressVerdict.WON, f"{verb}. Recorded as {outcome.decider}.", outcome, request_id)
         # still pending but the compare-and-set failed: the deadline has passed
         outcome = request.outcome() or await self._expire(request_id)
         if outcome.status is Status.CANCELLED and is_withdrawn(outcome.reason):
@@ -632,19 +650,29 @@ class ApprovalService:
         )
 
     async def _refused(self, request_id: str | None, actor: str, platform: str, why: str) -> None:
-        log.warning("approvals.press_refused", request_id=request_id, actor=actor, platform=platform, reason=why)
+        person = self.config.roster.person_of(actor)
+        log.warning(
+            "approvals.press_refused", request_id=request_id, actor=actor, person=person, platform=platform, reason=why
+        )
         if not self._refusals.first_in_window(actor):
             # Someone pressing over and over: the first refusal in the window is audited, the rest only counted,
             # so refused presses cannot fill the store.
             count_failure("press_refused_unaudited", platform)
             return
-        await self._audit_safely(request_id, "press_refused", actor, platform, why)
+        await self._audit_safely(request_id, "press_refused", actor, platform, why, person=person)
 
     async def _audit_safely(
-        self, request_id: str | None, event: str, actor: str | None, platform: str | None, detail: str
+        self,
+        request_id: str | None,
+        event: str,
+        actor: str | None,
+        platform: str | None,
+        detail: str,
+        *,
+        person: str | None = None,
     ) -> None:
         try:
-            await self.store.audit(request_id, event, actor=actor, platform=platform, detail=detail)
+            await self.store.audit(request_id, event, actor=actor, platform=platform, detail=detail, person=person)
         except store_errors() as exc:
             count_failure("approval_audit")
             log.warning("approvals.audit_failed", request_id=request_id, audit_event=event, actor=actor, error=str(exc))
@@ -720,7 +748,7 @@ class ApprovalService:
         won, request = await self.store.finish(request_id, Status.CANCELLED, actor=None, platform=None, reason=reason)
         if won:
             log.info("approvals.cancelled", request_id=request_id, reason=reason)
-            APPROVALS_DECIDED.labels(outcome="cancelled", platform="").inc()
+            APPROVALS_DECIDED.labels(outcome="cancelled", platform="", person="").inc()
             await self._ended(request_id)
         return won, None if request is None else request.outcome()
 
@@ -767,7 +795,7 @@ class ApprovalService:
             )
             if won:
                 log.info("approvals.cancelled", request_id=request_id)
-                APPROVALS_DECIDED.labels(outcome="cancelled", platform="").inc()
+                APPROVALS_DECIDED.labels(outcome="cancelled", platform="", person="").inc()
                 await self._ended(request_id)
         except store_errors() as exc:
             count_failure(STORE_SITE)
@@ -779,7 +807,7 @@ class ApprovalService:
         )
         if won:
             log.info("approvals.timeout", request_id=request_id)
-            APPROVALS_DECIDED.labels(outcome="timeout", platform="").inc()
+            APPROVALS_DECIDED.labels(outcome="timeout", platform="", person="").inc()
             await self._ended(request_id)
         assert request is not None
         outcome = request.outcome()
@@ -808,7 +836,7 @@ class ApprovalService:
                 reason = RESTARTED if live is None else REPLICA_GONE
             won, after = await self.store.finish(request.id, Status.CANCELLED, actor=None, platform=None, reason=reason)
             if won and after is not None:
-                APPROVALS_DECIDED.labels(outcome="cancelled", platform="").inc()
+                APPROVALS_DECIDED.labels(outcome="cancelled", platform="", person="").inc()
                 log.warning("approvals.orphan_cancelled", request_id=request.id, tool=request.tool)
                 cancelled.append(after)
         never_ran: list[ApprovalRequest] = []
@@ -892,9 +920,11 @@ class ApprovalService:
         return request
 
     async def _decided_on_record(self, request: ApprovalRequest) -> bool:
-        """The ``decided`` audit row the compare-and-set wrote with it: same person, same hash, that outcome."""
+        """The ``decided`` audit row the compare-and-set wrote with it: same identity and person, same hash, that
+        outcome."""
         return any(
             e.actor == request.decided_by
+            and e.person == request.decided_person
             and e.args_hash == request.args_hash
             and (e.detail or "").split(":", 1)[0] == Status.APPROVED.value
             for e in await self.store.events(request.id, event="decided")

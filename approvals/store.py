@@ -44,14 +44,14 @@ T = TypeVar("T")
 _COLUMNS = (
     "id, tool, args_json, args_hash, requested_by, conversation, task_id, created_at, deadline, "
     "status, decided_by, decided_via, decided_at, reason, notes, durable, waits, last_seen, decision_mac,"
-    " decision_key_id"
+    " decision_key_id, decided_person"
 )
 
 
 # The outcome and its seal in one statement: the seal is made in Python before it (approvals/seal.py).
 _CAS = (
     "UPDATE approval_requests SET status = ?, decided_by = ?, decided_via = ?, decided_at = ?, reason = ?,"
-    " decision_mac = ?, decision_key_id = ? WHERE id = ? AND status = 'pending'"
+    " decision_mac = ?, decision_key_id = ?, decided_person = ? WHERE id = ? AND status = 'pending'"
 )
 _CAS_BEFORE_DEADLINE = _CAS + " AND deadline > ?"
 # What the seal binds besides the outcome, read in the decision's transaction before the compare-and-set; for a
@@ -131,6 +131,7 @@ def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
         last_seen,
         mac,
         key_id,
+        person,
     ) = tuple(row)
     return ApprovalRequest(
         id=rid,
@@ -154,6 +155,7 @@ def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
         last_seen=ts(last_seen),
         decision_mac=mac,
         decision_key_id=key_id,
+        decided_person=person,
     )
 
 
@@ -167,6 +169,7 @@ class AuditEvent:
     at: datetime
     args_hash: str | None
     detail: str | None
+    person: str | None = None  # the person the identity in ``actor`` belongs to (None: nobody's, or older rows)
 
 
 @dataclass(frozen=True)
@@ -214,18 +217,21 @@ class Standing:
     decided_via: str | None
     decided_at: datetime | None
     reason: str | None
+    decided_person: str | None = None
 
     def outcome(self) -> Outcome | None:
         return outcome_of(self)
 
 
-_STANDING = "id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at, reason"
+_STANDING = (
+    "id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at, reason, decided_person"
+)
 
 
 def _standing(row: Iterable[Any]) -> Standing:
-    rid, tool, digest, conversation, deadline, status, by, via, at, why = tuple(row)
+    rid, tool, digest, conversation, deadline, status, by, via, at, why, person = tuple(row)
     deadline_at = datetime.fromtimestamp(deadline, UTC)
-    return Standing(rid, tool, digest, conversation, deadline_at, Status(status), by, via, ts(at), why)
+    return Standing(rid, tool, digest, conversation, deadline_at, Status(status), by, via, ts(at), why, person)
 
 
 @dataclass(frozen=True)
@@ -353,6 +359,7 @@ class ApprovalStore:
             now if seen else None,
             None,
             None,
+            None,
         )
 
         def op(tx: Tx) -> tuple[ApprovalRequest, bool]:
@@ -425,6 +432,7 @@ class ApprovalStore:
         platform: str,
         reason: str | None,
         card: CardCheck | None,
+        person: str | None = None,
     ) -> Pressed:
         """A person's decision: the card it came from checked, the compare-and-set and its audit row, as one write.
 
@@ -432,7 +440,7 @@ class ApprovalStore:
         writes nothing (the caller decides what to audit, and whether to look again).
         """
         return await self._write(
-            self.press_op(request_id, status, actor=actor, platform=platform, reason=reason, card=card)
+            self.press_op(request_id, status, actor=actor, platform=platform, reason=reason, card=card, person=person)
         )
 
     def press_op(
@@ -444,6 +452,7 @@ class ApprovalStore:
         platform: str,
         reason: str | None,
         card: CardCheck | None,
+        person: str | None = None,
     ) -> Callable[[Tx], Pressed]:
         """The statements of :meth:`press`, as the writer runs them inside its transaction.
 
@@ -467,8 +476,8 @@ class ApprovalStore:
                 if head is None:
                     return Pressed(None, False, None)
             now = self.clock()
-            sealed = self._seal(request_id, str(head[0]), str(head[1]), status, actor, platform, now)
-            params = (status.value, actor, platform, now, reason, *sealed, request_id, now)
+            sealed = self._seal(request_id, str(head[0]), str(head[1]), status, actor, platform, now, person)
+            params = (status.value, actor, platform, now, reason, *sealed, person, request_id, now)
             row = tx.one(f"{_CAS_BEFORE_DEADLINE} RETURNING {_STANDING}", params)
             won = row is not None
             if not won:
@@ -479,12 +488,13 @@ class ApprovalStore:
             if won:
                 detail = decided_detail(status, reason)
                 self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
-                                  args_hash=request.args_hash, detail=detail)  # fmt: skip
+                                  args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
                 tx.notify(DECIDED_CHANNEL, request_id)
             else:
                 standing = request.status.value if request.status.final else "pending past its deadline"
                 self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now,
-                                  args_hash=request.args_hash, detail=f"standing: {standing}")  # fmt: skip
+                                  args_hash=request.args_hash, detail=f"standing: {standing}",
+                                  person=person)  # fmt: skip
             return Pressed(None, won, request)
 
         return op
@@ -498,6 +508,7 @@ class ApprovalStore:
         actor: str | None,
         platform: str | None,
         now: float,
+        person: str | None = None,
     ) -> tuple[str | None, str | None]:
         """(decision_mac, decision_key_id) for the compare-and-set: made before it, with the time it stores."""
         if self.keyring is None:
@@ -511,6 +522,7 @@ class ApprovalStore:
             decided_by=actor,
             decided_via=platform,
             decided_at=now,
+            decided_person=person,
         )
         return made.mac, made.key_id
 
@@ -531,7 +543,7 @@ class ApprovalStore:
             return False, None
         now = self.clock()
         sealed = self._seal(request_id, str(head[0]), str(head[1]), status, actor, platform, now)
-        params: tuple[Any, ...] = (status.value, actor, platform, now, reason, *sealed, request_id)
+        params: tuple[Any, ...] = (status.value, actor, platform, now, reason, *sealed, None, request_id)
         sql = _CAS
         if require_before_deadline:
             sql, params = _CAS_BEFORE_DEADLINE, (*params, now)
@@ -569,11 +581,20 @@ class ApprovalStore:
         actor: str | None = None,
         platform: str | None = None,
         detail: str | None = None,
+        person: str | None = None,
     ) -> None:
         at = self.clock()
         await self._write(
             lambda tx: self.chain.append(
-                tx, request_id, event, actor=actor, platform=platform, at=at, args_hash=FROM_REQUEST, detail=detail
+                tx,
+                request_id,
+                event,
+                actor=actor,
+                platform=platform,
+                at=at,
+                args_hash=FROM_REQUEST,
+                detail=detail,
+                person=person,
             )
         )
 
@@ -630,11 +651,13 @@ class ApprovalStore:
             params.append(event)
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         rows = await self.tables.all(
-            "SELECT seq, request_id, event, actor, platform, at, args_hash, detail FROM approval_events "  # noqa: S608
+            "SELECT seq, request_id, event, actor, platform, at, args_hash, detail, person FROM approval_events "  # noqa: S608
             f"{where} ORDER BY seq",
             params,
         )
-        return [AuditEvent(r[0], r[1], r[2], r[3], r[4], datetime.fromtimestamp(r[5], UTC), r[6], r[7]) for r in rows]
+        return [
+            AuditEvent(r[0], r[1], r[2], r[3], r[4], datetime.fromtimestamp(r[5], UTC), r[6], r[7], r[8]) for r in rows
+        ]
 
     async def approved_not_started(self, live: Collection[str] | None = None) -> list[ApprovalRequest]:
         """Approved requests with no ``execution_started`` (nor an ``execution_lost`` already reported); with

@@ -57,8 +57,8 @@ KEYS = Keyring.of(DECISION_KEYS, ("k1", "bench-decision-key-" + "0" * 32))
 SIGNER = AuditSigner(Keyring.of(AUDIT_KEYS, ("a1", "YmVuY2gtYXVkaXQta2V5LW9mLTMyLWJ5dGVzLS0tLS0")))
 PRESSERS = (("telegram:1", "telegram"), ("slack:U1", "slack"), ("discord:2", "discord"))
 _PLAIN_EVENT = (
-    "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail, person)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
 
 
@@ -76,9 +76,10 @@ class PlainEvents(AuditChain):
         args_hash: Any,
         platform: str | None = None,
         detail: str | None = None,
+        person: str | None = None,
     ) -> None:
         digest = args_hash if isinstance(args_hash, str) or args_hash is None else None
-        tx.run(_PLAIN_EVENT, (request_id, event, actor, platform, at, digest, detail))
+        tx.run(_PLAIN_EVENT, (request_id, event, actor, platform, at, digest, detail, person))
 
 
 @dataclass(frozen=True)

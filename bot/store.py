@@ -24,6 +24,8 @@ from kazma.bot.audit_sink import MIGRATIONS as AUDIT_SINK
 from kazma.bot.audit_sink import PG_MIGRATIONS as AUDIT_SINK_PG
 from kazma.bot.chat_moves import MIGRATIONS as CHAT_MOVES
 from kazma.bot.chat_moves import PG_MIGRATIONS as CHAT_MOVES_PG
+from kazma.bot.console.accounts import MIGRATIONS as PEOPLE
+from kazma.bot.console.accounts import PG_MIGRATIONS as PEOPLE_PG
 from kazma.bot.console.sessions import MIGRATIONS as SESSIONS
 from kazma.bot.console.sessions import PG_MIGRATIONS as SESSIONS_PG
 from kazma.bot.inbound_claims import MIGRATIONS as INBOUND_CLAIMS
@@ -65,6 +67,7 @@ def all_migrations() -> list[Migration]:
         *SESSIONS,
         *INBOUND_CLAIMS,
         *AUDIT_SINK,
+        *PEOPLE,
     ]
 
 
@@ -84,6 +87,7 @@ def pg_migrations() -> list[Migration]:
         *SESSIONS_PG,
         *INBOUND_CLAIMS_PG,
         *AUDIT_SINK_PG,
+        *PEOPLE_PG,
     ]
 
 

@@ -23,8 +23,9 @@ SWARM_FAILURES = Counter("kazma_swarm_failures", "Failures in the swarm engine, 
 APPROVALS_OPENED = Counter("kazma_approvals_opened", "Approval requests opened, by tool.", ["tool"])
 APPROVALS_DECIDED = Counter(
     "kazma_approvals_decided",
-    "Approval requests that reached an outcome, by outcome and platform.",
-    ["outcome", "platform"],
+    "Approval requests that reached an outcome, by outcome, platform and the person under people: who decided "
+    "(empty: nobody's identity, or no person decided: a timeout, a cancellation).",
+    ["outcome", "platform", "person"],
 )
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PRESS_TO_DECISION = Histogram(

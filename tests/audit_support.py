@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 
 from kazma.approvals import Decision
-from kazma.approvals.chain import EVENT_COLUMNS, GENESIS, ChainedEvent, event_hash
+from kazma.approvals.chain import EVENT_COLUMNS, GENESIS, ChainedEvent
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.checkpoints import AuditSigner, Checkpoint
 from kazma.config.keyring import AUDIT_KEYS, Keyring
@@ -132,14 +132,14 @@ class Attacker:
 
     def replace_log(self, events: list[ChainedEvent], checkpoints: list[Checkpoint]) -> None:
         """The whole log (and its checkpoints) replaced by these."""
-        marks = ", ".join(["?"] * 11)
+        marks = ", ".join(["?"] * 12)
         with self._connection() as conn:
             conn.execute("DELETE FROM approval_events")
             conn.execute("DELETE FROM audit_checkpoints")
             for e in events:
                 sql = f"INSERT INTO approval_events ({EVENT_COLUMNS}, commit_seal) VALUES ({marks})"  # noqa: S608
                 params = (e.seq, e.request_id, e.event, e.actor, e.platform, e.at, e.args_hash, e.detail,
-                          e.prev_hash, e.chain_hash, None)  # fmt: skip
+                          e.prev_hash, e.chain_hash, e.person, None)  # fmt: skip
                 conn.execute(pyformat(sql) if self.engine.postgres else sql, params)
             for c in checkpoints:
                 sql = f"INSERT INTO audit_checkpoints ({CHECKPOINT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
@@ -152,9 +152,7 @@ def rechained(events: list[ChainedEvent]) -> list[ChainedEvent]:
     out: list[ChainedEvent] = []
     prev = GENESIS
     for seq, event in enumerate(events, start=1):
-        digest = event_hash(
-            prev, event.request_id, event.event, event.actor, event.platform, event.at, event.args_hash, event.detail
-        )
+        digest = replace(event, seq=seq).hash_after(prev)
         out.append(replace(event, seq=seq, prev_hash=prev, chain_hash=digest))
         prev = digest
     return out

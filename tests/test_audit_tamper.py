@@ -203,3 +203,11 @@ def test_doctor_verifies_the_tail_of_the_log_and_names_the_first_bad_sequence(
     tampered = doctor(tmp_path, store_engine)
     assert tampered.startswith("FAIL"), tampered
     assert f"first bad sequence seq {denied}: changed" in tampered
+
+
+def test_a_person_written_onto_a_decision_in_the_store_fails_at_its_event(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    approved = log.seqs["decided:deploy"]  # decided by an identity that is nobody's: no person recorded
+    Attacker(store_engine).run(("UPDATE approval_events SET person = 'mallory' WHERE seq = ?", (approved,)))
+    failed_at(verify(tmp_path, store_engine), approved, "changed")

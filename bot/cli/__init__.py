@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "The decision keys that seal approvals, and the audit keys (--audit): list, rotate, retire.",
     ),
     "mcp": ("kazma.bot.cli.mcp_cli", "mcp", "Kazma as an MCP server (request_approval)."),
+    "people": ("kazma.bot.cli.people_cli", "people", "People and their passkeys: list, invite, revoke."),
     "run": ("kazma.bot.cli.core_cli", "run", "Start every configured platform and serve until SIGINT or SIGTERM."),
     "setup": ("kazma.bot.cli.setup_cli", "setup", "Platform app settings: a Slack app manifest, a Discord invite URL."),
     "store": ("kazma.bot.cli.store_cli", "store", "The store itself: copy a SQLite store into PostgreSQL."),

@@ -11,6 +11,7 @@ import click
 from kazma.approvals import ApprovalStore
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.rules import RuleStore
+from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
 from kazma.bot.keys import load_audit_signer
 from kazma.bot.store import store_for_command
@@ -50,12 +51,12 @@ def list_rules(obj: Context, everything: bool) -> None:
 
 @rules.command("revoke")
 @click.argument("rule_id")
-@click.option("--as", "login", required=True, help="Your login; recorded as cli:<login>.")
+@click.option("--as", "login", default=None, help="Confirms who you are (see kazma approvals approve --help).")
 @click.pass_obj
-def revoke(obj: Context, rule_id: str, login: str) -> None:
+def revoke(obj: Context, rule_id: str, login: str | None) -> None:
     """End a rule now: the next identical call gets a card again."""
     config = obj.load().config
-    actor = f"cli:{login}"
+    actor = f"cli:{cli_login(config, login)}"
 
     async def run() -> bool:
         async with store_for_command(config) as store:
