@@ -45,6 +45,7 @@ from psycopg_pool import AsyncConnectionPool
 from kazma.config.metrics import count_failure
 from kazma.config.store.database import Migration, _check_order
 from kazma.config.store.group_commit import GroupQueue, Job
+from kazma.config.store.pg_text import nul_safe, nul_safe_async
 
 log = structlog.get_logger("kazma.store")
 
@@ -229,6 +230,7 @@ class PgWriter(GroupQueue):
                 application_name=self.application_name,
                 connect_timeout=max(1, int(self.connect_timeout)),
             )
+            nul_safe(self._conn)  # text with U+0000 is kept, as on SQLite (pg_text.py)
             self.backend_pid = self._conn.info.backend_pid
         return self._conn
 
@@ -416,6 +418,7 @@ async def open_pg_store(
         open=False,
         timeout=connect_timeout,
         kwargs={"autocommit": True, "application_name": f"{application_name}-read"},
+        configure=nul_safe_async,  # text with U+0000 reads back as written (pg_text.py)
         name=f"{application_name}-read",
     )
     await pool.open(wait=True, timeout=connect_timeout)
