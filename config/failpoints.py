@@ -2,7 +2,8 @@
 
 ``KAZMA_FAILPOINTS="name=action[,name=action…]"`` is read once, when this module is first imported (as
 ``kazma run`` starts). Each action fires at the first time its point is reached, then the point is spent
-(``N*action``: the first N times):
+(``N*action``: the first N times). ``name@where`` fires only where a site says it is ``where`` (a platform:
+``bus.post@telegram``), so one run can put its fault on one platform of several. The actions:
 
 - ``crash``: the process dies there and then — ``SIGKILL`` to itself, nothing flushed, nothing cleaned up;
 - ``error``: the point raises the error its real failure raises there (each call site says which: the
@@ -94,6 +95,7 @@ class FailpointSpecError(ValueError):
 @dataclass
 class Armed:
     action: str  # crash | error | hang | delay
+    where: str | None = None  # only where the site says it is (``@where``); None: anywhere
     delay_ms: int = 0
     times: int = 1  # how many more times it fires
 
@@ -110,6 +112,9 @@ def parse(spec: str) -> dict[str, Armed]:
         name, sep, action = (s.strip() for s in part.partition("="))
         if not sep or not name or not action:
             raise FailpointSpecError(f"{ENV}: {part!r} is not name=action")
+        name, at, where = name.partition("@")
+        if at and not where:
+            raise FailpointSpecError(f"{ENV}: {part!r}: say where after '@', as bus.post@telegram")
         if name not in POINTS:
             raise FailpointSpecError(f"{ENV}: no failpoint named {name!r} (known: {', '.join(sorted(POINTS))})")
         times = 1
@@ -128,7 +133,7 @@ def parse(spec: str) -> dict[str, Armed]:
             delay = int(argument)
         elif argument:
             raise FailpointSpecError(f"{ENV}: {part!r}: {kind} takes no argument")
-        armed[name] = Armed(kind, delay, times)
+        armed[name] = Armed(kind, where or None, delay, times)
     return armed
 
 
@@ -152,21 +157,26 @@ def check() -> list[str]:
     """At start: the armed points (``name=action``), or :class:`FailpointSpecError` when the variable is wrong."""
     if problem is not None:
         raise FailpointSpecError(problem)
-    return [f"{name}={point.describe()}" for name, point in sorted(_points.items())]
+    return [f"{name}{_at(point)}={point.describe()}" for name, point in sorted(_points.items())]
 
 
-def _take(name: str) -> Armed | None:
+def _at(point: Armed) -> str:
+    return "" if point.where is None else f"@{point.where}"
+
+
+def _take(name: str, where: str | None) -> Armed | None:
     """The point's action if it fires now (spending one of its times), else None."""
     with _lock:
         point = _points.get(name)
-        if point is None or point.times <= 0:
+        if point is None or point.times <= 0 or (point.where is not None and point.where != where):
             return None
         point.times -= 1
         return point
 
 
-def _say(name: str, point: Armed) -> None:
-    line = json.dumps({"event": "failpoint.fired", "level": "warning", "failpoint": name, "action": point.describe()})
+def _say(name: str, point: Armed, where: str | None) -> None:
+    said = {"event": "failpoint.fired", "level": "warning", "failpoint": name, "action": point.describe()}
+    line = json.dumps({**said, "where": where} if where else said)
     os.write(2, (line + "\n").encode())
 
 
@@ -179,12 +189,14 @@ def _error(name: str, error: Callable[[], BaseException] | None) -> BaseExceptio
     return error() if error is not None else FailpointError(f"failpoint {name}")
 
 
-async def reached(name: str, error: Callable[[], BaseException] | None = None) -> None:
-    """An ``async`` boundary reached: fire its armed action, if any. Call only ``if failpoints.armed``."""
-    point = _take(name)
+async def reached(name: str, error: Callable[[], BaseException] | None = None, *, where: str | None = None) -> None:
+    """An ``async`` boundary reached: fire its armed action, if any. Call only ``if failpoints.armed``.
+
+    ``error`` makes the exception the real failure raises here; ``where`` says which of several (a platform)."""
+    point = _take(name, where)
     if point is None:
         return
-    _say(name, point)
+    _say(name, point, where)
     if point.action == "crash":
         _crash()
     elif point.action == "error":
@@ -195,12 +207,12 @@ async def reached(name: str, error: Callable[[], BaseException] | None = None) -
         await asyncio.sleep(point.delay_ms / 1000)
 
 
-def reached_sync(name: str, error: Callable[[], BaseException] | None = None) -> None:
+def reached_sync(name: str, error: Callable[[], BaseException] | None = None, *, where: str | None = None) -> None:
     """A synchronous boundary reached (inside a store transaction): fire its armed action, if any."""
-    point = _take(name)
+    point = _take(name, where)
     if point is None:
         return
-    _say(name, point)
+    _say(name, point, where)
     if point.action == "crash":
         _crash()
     elif point.action == "error":

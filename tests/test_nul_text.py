@@ -52,7 +52,8 @@ async def test_swarm_step_records_with_nul_round_trip(store_engine: Engine) -> N
         assert [s.error for s in journal] == [f"error {t}" for t in NASTY]
         assert [c.error for c in await store.calls(run.task_id)] == [f"error {t}" for t in NASTY]
         record = await store.get(run.task_id)
-        assert record is not None and record.request["prompt"] == "p\x00q"
+        assert record is not None
+        assert record.request["prompt"] == "p\x00q"
     if store_engine.postgres:  # stored escaped: PostgreSQL never saw a NUL
         (row,) = raw_rows(store_engine, "SELECT output FROM swarm_steps WHERE idx = 0")
         assert "\x00" not in str(row[0])
