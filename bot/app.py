@@ -329,6 +329,7 @@ class App:
                 for outcome in await self.service.expire_overdue():
                     log.info("approvals.swept", request_id=outcome.request_id, status=outcome.status.value)
                 await self.service.withdraw_silent()  # polling askers gone quiet (a script killed mid-wait)
+                await self.swarm.sweep_checkpoints()  # a checkpoint card whose task is not paused at it
                 if self.replication is not None:
                     await self._judge_replicas(self.replication)
             except Exception as exc:

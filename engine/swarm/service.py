@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +136,7 @@ class SwarmService:
     _waiters: set[asyncio.Task[None]] = field(default_factory=set)
     _current: dict[str, TaskRun] = field(default_factory=dict)  # a checkpoint resume moves a task to a new run
     _capacity: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever a task stops running here
+    _deadlines: dict[str, asyncio.Timeout] = field(default_factory=dict)  # each running task's deadline
     # told (no arguments) whenever a task's state or a worker's numbers may have changed: the live dashboard
     listeners: list[Callable[[], None]] = field(default_factory=list)
 
@@ -341,6 +342,7 @@ class SwarmService:
         deadline = float(request.deadline_seconds or self.config.swarm.task_deadline_seconds)
         try:
             limit = asyncio.timeout(deadline)
+            self._deadlines[run.task_id] = limit
             try:
                 async with limit:
                     call = self._task_call(request, task, finished)
@@ -390,6 +392,7 @@ class SwarmService:
         finally:
             self._running.pop(run.task_id, None)
             self._current.pop(run.task_id, None)
+            self._deadlines.pop(run.task_id, None)
             self._capacity.set()  # a resume waiting for room may try again
             event = self._finished.get(run.task_id)
             if event is not None:
@@ -488,7 +491,10 @@ class SwarmService:
         async def checkpoint(index: int, result: WorkerResult) -> bool:
             if index + 1 not in checkpoints:
                 return True
-            decided = await self.checkpoints.pause(self._current[task_id], request.conversation, index, result)
+            # The task's deadline counts running time: a pipeline waiting for a person at its checkpoint is not
+            # running (the checkpoint's own deadline is its approval request's).
+            with self._clock_stopped(task_id):
+                decided = await self.checkpoints.pause(self._current[task_id], request.conversation, index, result)
             if decided is None:
                 return False
             self._current[task_id] = decided
@@ -506,6 +512,22 @@ class SwarmService:
         if outcome.status is TaskStatus.SUCCEEDED and self.refiner is not None and len(outcome.results) > 1:
             await self._refine(request, outcome)
         return outcome
+
+    @contextlib.contextmanager
+    def _clock_stopped(self, task_id: str) -> Iterator[None]:
+        """The task's deadline stands still inside the block, and runs on with what was left after it."""
+        limit = self._deadlines.get(task_id)
+        when = None if limit is None else limit.when()
+        if limit is None or when is None:
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        left = when - loop.time()
+        limit.reschedule(None)
+        try:
+            yield
+        finally:
+            limit.reschedule(loop.time() + max(0.0, left))
 
     async def _refine(self, request: SwarmRequest, outcome: patterns.SwarmOutcome) -> None:
         """One model call distils the stages into a report; when it fails the last stage's answer stays, counted."""
@@ -597,7 +619,17 @@ class SwarmService:
             self._report(line)
         for record in paused:
             self._wait_again(record)
+        await self.sweep_checkpoints()
         return lines
+
+    async def sweep_checkpoints(self) -> list[str]:
+        """Withdraw checkpoint cards whose task is not paused at them (at start, then with every sweep)."""
+        try:
+            return await self.checkpoints.withdraw_stale()
+        except Exception as exc:  # the next sweep tries again; the cards keep their buttons until then
+            swarm_failure("gate_settle")
+            log.warning("swarm.checkpoint_sweep_failed", error=f"{type(exc).__name__}: {exc}")
+            return []
 
     def _wait_again(self, record: TaskRecord) -> None:
         """A paused pipeline whose waiter is gone (a restart, a replica that died) waits for its checkpoint here."""
@@ -631,6 +663,7 @@ class SwarmService:
             record = await self.store.get(task_id)
             if record is not None and record.status is TaskStatus.PAUSED:
                 self._wait_again(record)
+        await self.sweep_checkpoints()
         return lines
 
     async def _resume_after_restart(self, record: TaskRecord, approval_id: str) -> None:
