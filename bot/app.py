@@ -47,6 +47,7 @@ from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import SwarmTaskStore
 from kazma.engine.swarm.workers import AgentWorker
 from kazma.engine.tools.builtin import default_registry
+from kazma.engine.tools.executions import ExecutionRecord
 from kazma.engine.tools.mcp_launch import places_for
 from kazma.engine.tools.mcp_tools import MCPSources
 from kazma.engine.tools.registry import ToolRegistry
@@ -115,6 +116,8 @@ class App:
     replication: Replication | None = None
     # The approvals API's idempotency keys, swept with the other retention (None: not swept here).
     api_keys: IdempotencyKeys | None = None
+    # Every tool execution's row (None: not recorded here); rows a dead process left running end "lost" at start.
+    executions: ExecutionRecord | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _leader_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _live: set[str] = field(default_factory=set)  # the replicas alive at the leader's last look
@@ -175,6 +178,7 @@ class App:
             return
         # Recover before any platform can start new work: a task or step started by
         # this process must never be mistaken for one a dead process left running.
+        await self._executions_lost(None)  # first: the endings below say what may have run
         interrupted, tell_lead = await self.executor.mark_interrupted()
         if interrupted:
             log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
@@ -203,6 +207,8 @@ class App:
         self.service.store.replica = self.replica
         self.executor.store.replica = self.replica
         self.swarm.store.replica = self.replica
+        if self.executions is not None:
+            self.executions.replica = self.replica
         await replication.start()  # its lease session is up: no leader takes what it starts for a dead one's
         # What this replica's previous life (same name) left: the others may never have seen it gone.
         await self.swarm.restore_breakers()
@@ -242,6 +248,7 @@ class App:
         release their post and edit claims); what to tell people and the lead is returned, not said."""
         replication = self.replication
         assert replication is not None
+        await self._executions_lost(live)
         interrupted, tell_lead = await self.executor.mark_interrupted(live)
         if interrupted:
             log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
@@ -251,6 +258,17 @@ class App:
         else:
             recovery = await self.service.recover(live)
         return recovery, tell_lead
+
+    async def _executions_lost(self, live: Collection[str] | None) -> None:
+        """Executions a process that is gone left running end "lost": they may have run, and every ending that
+        names them says so."""
+        if self.executions is None:
+            return
+        try:
+            await self.executions.mark_lost(live)
+        except Exception as exc:  # they still read "started, not finished"; the next start marks them
+            count_failure("execution_record")
+            log.warning("app.executions_unmarked", error=str(exc))
 
     async def _say(self, recovery: Recovery, tell_lead: list[Action]) -> None:
         """Recovery's notices, in the background: a paced platform must not hold up the sweeps or the ingress."""
@@ -446,12 +464,14 @@ async def build_app(
             return await sink.send_file(platform, chat, name, data, agent=agent or None)
 
         tools.register(SendFileTool(post_file, max_bytes=config.files.max_bytes))
+    executions = ExecutionRecord(stores.primary)
     runner = AgentRunner(
         model,
         tools,
         policy,
         HistoryStore(stores.history),
         workspace_root=workspace_root or config.tools.workspaces(config.store.path),
+        executions=executions,
     )
     mcp = None
     if config.mcp_servers:
@@ -463,7 +483,11 @@ async def build_app(
     sink = RecordingSink(bus, transcript)
     conversations = Conversations(sink, runner, agents, lead)
     executor = PlanExecutor(
-        PlanStore(stores.plans), conversations, lead_name=lead.name, assignees=set(config.agents.workers)
+        PlanStore(stores.plans),
+        conversations,
+        lead_name=lead.name,
+        assignees=set(config.agents.workers),
+        executions=executions,
     )
     conversations.attach(executor)
 
@@ -489,6 +513,7 @@ async def build_app(
         refiner=model_calls.refiner(model),
         deliver=deliver,
         state=SwarmStateStore(stores.swarm),
+        executions=executions,
         router=None
         if config.model.embeddings is None
         else EmbeddingRouter(
@@ -517,6 +542,7 @@ async def build_app(
         mcp=mcp,
         replica=replica,
         api_keys=IdempotencyKeys(stores.primary),
+        executions=executions,
     )
     if stores.pg is not None:
         from kazma.bot.replication import Replication

@@ -258,6 +258,7 @@ class Conversations:
             model=result.model,
             tools=result.tools,
             usage=result.usage,
+            execution=result.execution,
         )
         # When the turn asked a person (ask_user), the step waits and this completion is stale: ignored.
         await self.executor.complete(dispatch.plan_id, dispatch.index, outcome, attempt=dispatch.attempt)
@@ -410,6 +411,7 @@ class Conversations:
                 model=result.model,
                 tools=result.tools,
                 usage=result.usage,
+                execution=result.execution,
             ),
             attempt=action.step.attempts,
         )

@@ -398,7 +398,10 @@ async def test_commands_start_report_cancel_and_confirm_retry_of_unknown_outcome
         assert refused.startswith("/swarm dispatch starts, changes or steers work")
         assert "running" in await say(f"status {task}", actor="telegram:222")  # reading is for anyone
         assert "did you mean 'dispatch'" in await say("dispach builder x")
-        assert await say(f"cancel {task}") == f"swarm task {task} cancelled by telegram:111"
+        assert await say(f"cancel {task}") == (
+            f"swarm task {task} cancelled by telegram:111; tools: did not run: no tool that changes anything"
+            " was started"
+        )
         assert await finished(r.service, task) is TaskStatus.CANCELLED
         gate.set()
 
@@ -435,7 +438,12 @@ async def test_result_goes_to_the_route_and_tokens_are_recorded(tmp_path: Path) 
     async with rig(tmp_path / "a.db", workers=workers) as r:
         task = await r.service.submit(request(Pattern.DISPATCH, ["builder"], route="slack:C0OTHER01"))
         assert await finished(r.service, task) is TaskStatus.SUCCEEDED
-        assert r.delivered == [("slack:C0OTHER01", f"swarm task {task} succeeded:\ndone")]
+        assert r.delivered == [
+            (
+                "slack:C0OTHER01",
+                f"swarm task {task} succeeded:\ndone\ntools: did not run: no tool that changes anything was started",
+            )
+        ]
         record = await r.service.store.get(task)
         assert record is not None
         assert record.result is not None

@@ -518,7 +518,7 @@ class WebServer:
     async def _dashboard_data(self) -> DashboardData:
         version = self.feed.version if self.feed is not None else 0  # read first: a change during the load is newer
         store = self.app.swarm.store
-        tasks = await store.list(limit=50)
+        tasks = self.app.swarm.as_ended(await store.list(limit=50))  # an ending kept unstored reads as it ended
         calls = await store.calls_of([t.id for t in tasks])
         counts = {status.value: await store.count(status) for status in TaskStatus}
         approvals = await self.app.service.store.requests(limit=20)

@@ -235,6 +235,14 @@ class Checkpoints:
             resumed = await self._resume_when_room(task_id)
             if resumed is not None:
                 self.report(f"swarm task {task_id} resumed ({outcome.summary()})")
+                if failpoints.armed:  # RUNNING again on disk, the next stage not started
+                    try:
+                        await failpoints.reached(
+                            "swarm.resumed", lambda: StoreUnavailable("step", "the store refused the write (failpoint)")
+                        )
+                    except StoreUnavailable as exc:  # as a step mark that is not written: counted, the run goes on
+                        swarm_failure("step_journal")
+                        log.warning("swarm.step_unrecorded", task_id=task_id, step="resumed", error=str(exc))
             return resumed
         why = "rejected" if outcome.status is Status.DENIED else outcome.status.value
         if forged is not None:

@@ -824,6 +824,26 @@ class SwarmTaskStore(CallRecords):
             log.info("swarm.cancelled", task_id=task_id, actor=actor)
         return changed == 1
 
+    async def keep(self, task_id: str, fields: dict[str, Any]) -> bool:
+        """Add ``fields`` to a task's stored result (what its ending says of its tools, after a cancel or a
+        restart), whatever its state; False for an unknown task. The result's other fields stay."""
+
+        async def body(db: SqlStatements) -> bool:
+            row = await db.one("SELECT result_json FROM swarm_tasks WHERE id = ?", (task_id,))
+            if row is None:
+                return False
+            result = json.loads(row[0]) if row[0] else {}
+            if not isinstance(result, dict):
+                result = {"result": result}
+            result.update(fields)
+            await db.run(
+                "UPDATE swarm_tasks SET result_json = ? WHERE id = ?",
+                (json.dumps(result, sort_keys=True, default=str), task_id),
+            )
+            return True
+
+        return await self._attempt("keep", body, transaction=True)
+
     async def recover(self, live: Collection[str] | None = None) -> builtins.list[InterruptedTask]:
         """At start, mark every RUNNING row INTERRUPTED (outcome unknown, naming its step); never re-run it.
 
