@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kazma.adapters.contract import Attachment
+from kazma.config.limits import DEFAULT_FILE_BYTES, DEFAULT_FILE_COUNT
 from kazma.config.models import EVERY_CHAT
 
 
@@ -74,8 +75,8 @@ class FileTooLarge(Exception):
 class FileBounds:
     """How many files one message may carry and how large each may be (``files:``)."""
 
-    max_bytes: int = 10 * 1024 * 1024
-    max_count: int = 5
+    max_bytes: int = DEFAULT_FILE_BYTES
+    max_count: int = DEFAULT_FILE_COUNT
 
     def problem(self, attachments: Sequence[Attachment]) -> str | None:
         """Why these files are refused (a reply for the sender), or None when they are within the bounds."""

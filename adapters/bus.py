@@ -40,6 +40,7 @@ from kazma.config.metrics import DECISION_TO_SETTLED, count_failure
 from kazma.config.models import KazmaConfig
 from kazma.config.store.backend import Tx
 from kazma.config.store.errors import simulated_failure, store_errors
+from kazma.config.supervisor import Supervisor
 
 log = structlog.get_logger("kazma.bus")
 
@@ -118,6 +119,7 @@ class FanOutBus:
         self._workers = {name: _Worker(adapter) for name, adapter in self.adapters.items()}
         self._started: set[str] = set()
         self._stopping = False
+        self._tasks = Supervisor("bus_task")  # one worker per platform
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -143,7 +145,7 @@ class FanOutBus:
             else:
                 self._started.add(name)
         for name, worker in self._workers.items():
-            worker.task = asyncio.create_task(self._run(worker), name=f"kazma-bus-{name}")
+            worker.task = self._tasks.spawn(self._run(worker), name=f"kazma-bus-{name}")
             worker.kick.set()  # resume what a previous run left: unposted cards, unsettled edits
 
     async def _start_one(self, adapter: PlatformAdapter, handlers: Handlers, ingress: bool) -> None:
@@ -176,10 +178,10 @@ class FanOutBus:
         async def one(name: str, single: SingletonIngress) -> None:
             try:
                 await (single.start_ingress() if what == "start_ingress" else single.stop_ingress())
-                log.info(f"bus.{what}", platform=name)
+                log.info("bus.ingress_changed", platform=name, action=what)
             except Exception as exc:  # the other platforms' ingress must not depend on this one
                 count_failure(what, name)
-                log.error(f"bus.{what}_failed", platform=name, error=str(exc))
+                log.error("bus.ingress_change_failed", platform=name, action=what, error=str(exc))
 
         await asyncio.gather(*(one(name, single) for name, single in targets))
 
@@ -188,12 +190,7 @@ class FanOutBus:
         self._stopping = True
         for worker in self._workers.values():
             worker.kick.set()
-            if worker.task is not None:
-                worker.task.cancel()
-        for worker in self._workers.values():
-            if worker.task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await worker.task
+        await self._tasks.stop()
         await asyncio.gather(*(self._stop_one(a) for a in self.adapters.values()))
 
     async def _finish_settles(self, seconds: float) -> None:

@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import time
 from abc import abstractmethod
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, ClassVar, Final, TypeVar
 
 import structlog
@@ -35,6 +35,7 @@ from kazma.adapters.press_policy import PressPolicy
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
 from kazma.config.metrics import count_failure
+from kazma.config.supervisor import Supervisor
 
 log = structlog.get_logger("kazma.adapters")
 
@@ -82,7 +83,7 @@ class PlatformBase(PressPolicy):
         self.press_timeout = press_timeout
         self.stop_grace = stop_grace
         self._handlers: Handlers | None = None
-        self._inflight: set[asyncio.Future[Any]] = set()
+        self._work = Supervisor("platform_task", platform=self.name)  # work in flight: drained on stop
         self._stopping = False
         self._ingress = False  # the singleton ingress is open
         self._ingress_lock = asyncio.Lock()  # one open or close at a time: leadership may flap
@@ -198,10 +199,10 @@ class PlatformBase(PressPolicy):
             if isinstance(exc, Exception):
                 error = exc if isinstance(exc, PlatformError) else self.classify("start", exc)
                 count_failure("start", self.name)
-                log.error(f"{self.name}.start_failed", platform=self.name, error=str(error))
+                log.error("platform.start_failed", platform=self.name, error=str(error))
                 raise error from exc
             raise
-        log.info(f"{self.name}.started", platform=self.name, home_chat=self.home_chat, ingress=self.ingress_running)
+        log.info("platform.started", platform=self.name, home_chat=self.home_chat, ingress=self.ingress_running)
 
     async def stop(self) -> None:
         if self._handlers is None or self._stopping:
@@ -220,7 +221,7 @@ class PlatformBase(PressPolicy):
         finally:
             self._handlers = None
             self._stopping = False
-        log.info(f"{self.name}.stopped", platform=self.name)
+        log.info("platform.stopped", platform=self.name)
 
     # -- the singleton ingress (SingletonIngress) ---------------------------------------------------
 
@@ -249,10 +250,10 @@ class PlatformBase(PressPolicy):
                 if isinstance(exc, Exception):
                     error = exc if isinstance(exc, PlatformError) else self.classify("ingress_start", exc)
                     count_failure("ingress_start", self.name)
-                    log.error(f"{self.name}.ingress_start_failed", platform=self.name, error=str(error))
+                    log.error("platform.ingress_start_failed", platform=self.name, error=str(error))
                     raise error from exc
                 raise
-        log.info(f"{self.name}.ingress_started", platform=self.name)
+        log.info("platform.ingress_started", platform=self.name)
 
     async def stop_ingress(self) -> None:
         """Close the singleton ingress (this replica is no longer the leader); the adapter keeps sending.
@@ -270,50 +271,28 @@ class PlatformBase(PressPolicy):
             except Exception as exc:
                 error = exc if isinstance(exc, PlatformError) else self.classify("ingress_stop", exc)
                 self.failed("ingress_stop", None, error)
-        pending = {task for task in self._inflight if task is not asyncio.current_task()}
-        if pending:
-            _, late = await asyncio.wait(pending, timeout=self.stop_grace)
-            if late:
-                log.warning(f"{self.name}.ingress_work_outlives_stop", platform=self.name, tasks=len(late))
-        log.info(f"{self.name}.ingress_stopped", platform=self.name)
+        late = await self._work.wait(self.stop_grace)
+        if late:
+            log.warning("platform.ingress_work_outlives_stop", platform=self.name, tasks=len(late))
+        log.info("platform.ingress_stopped", platform=self.name)
 
     async def _drain(self) -> None:
         """Let acknowledged work (presses, commands, deliveries) finish within the grace, then cancel the rest."""
-        pending = {task for task in self._inflight if task is not asyncio.current_task()}
-        if not pending:
-            return
-        _, late = await asyncio.wait(pending, timeout=self.stop_grace)
-        for task in late:
-            task.cancel()
+        late = await self._work.stop(grace=self.stop_grace, patience=self.stop_grace)
         if late:
-            log.warning(f"{self.name}.stop_cancelled_work", platform=self.name, tasks=len(late))
-            await asyncio.wait(late, timeout=self.stop_grace)
+            log.warning("platform.stop_cancelled_work", platform=self.name, tasks=len(late))
 
     async def quiesce(self) -> None:
         """Wait until no tracked work is left (tests, and a clean hand-over before stopping)."""
-        while pending := {task for task in self._inflight if task is not asyncio.current_task()}:
-            await asyncio.wait(pending)
+        await self._work.drain()
 
-    def spawn(self, work: Awaitable[T], *, name: str) -> asyncio.Future[T]:
+    def spawn(self, work: Coroutine[Any, Any, T], *, name: str, awaited: bool = False) -> asyncio.Task[T]:
         """Run ``work`` as tracked work: ``stop`` lets it finish (within the grace) before disconnecting."""
-        task = asyncio.ensure_future(work)
-        if isinstance(task, asyncio.Task):
-            task.set_name(name)
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
-        return task
+        return self._work.spawn(work, name=name, awaited=awaited)
 
-    @contextlib.contextmanager
-    def tracking(self) -> Iterator[None]:
+    def tracking(self) -> contextlib.AbstractContextManager[None]:
         """Track the current task (a library's listener task) as in-flight work while the block runs."""
-        task = asyncio.current_task()
-        if task is not None:
-            self._inflight.add(task)
-        try:
-            yield
-        finally:
-            if task is not None:
-                self._inflight.discard(task)
+        return self._work.tracking()
 
     # -- inbound ---------------------------------------------------------------------------------
 
@@ -358,9 +337,9 @@ class PlatformBase(PressPolicy):
             return
         move = self.follow_move(old, new)
         if move is None:
-            log.info(f"{self.name}.chat_moved_ignored", platform=self.name, old=old, new=new, reason="not served")
+            log.info("platform.chat_moved_ignored", platform=self.name, old=old, new=new, reason="not served")
             return
-        log.warning(f"{self.name}.chat_moved", platform=self.name, old=old, new=new, home=move.was_home)
+        log.warning("platform.chat_moved", platform=self.name, old=old, new=new, home=move.was_home)
         handlers = self._handlers
         if handlers is None or handlers.on_chat_moved is None:
             return
@@ -368,7 +347,7 @@ class PlatformBase(PressPolicy):
             await handlers.on_chat_moved(move)
         except Exception:
             count_failure("chat_moved", self.name)
-            log.exception(f"{self.name}.chat_moved_failed", platform=self.name, old=old, new=new)
+            log.exception("platform.chat_moved_failed", platform=self.name, old=old, new=new)
 
     def actor(self, user_id: object) -> str:
         return f"{self.name}:{user_id}"
@@ -387,10 +366,10 @@ class PlatformBase(PressPolicy):
             claimed = await handlers.claim_inbound(self.name, key)
         except Exception:
             count_failure("inbound_claim", self.name)
-            log.exception(f"{self.name}.inbound_claim_failed", platform=self.name, key=key)
+            log.exception("platform.inbound_claim_failed", platform=self.name, key=key)
             return True
         if not claimed:
-            log.info(f"{self.name}.inbound_claimed_elsewhere", platform=self.name, key=key)
+            log.info("platform.inbound_claimed_elsewhere", platform=self.name, key=key)
         return claimed
 
     async def _taken_in(self, key: str | None) -> None:
@@ -402,7 +381,7 @@ class PlatformBase(PressPolicy):
             await handlers.inbound_done(self.name, key)
         except Exception as exc:
             count_failure("inbound_claim", self.name)
-            log.warning(f"{self.name}.inbound_done_failed", platform=self.name, key=key, error=str(exc))
+            log.warning("platform.inbound_done_failed", platform=self.name, key=key, error=str(exc))
 
     async def deliver(self, inbound: Inbound, *, key: str | None = None) -> bool:
         """The one inbound door: only served chats pass, and only events this replica claims (``key``: the
@@ -410,7 +389,7 @@ class PlatformBase(PressPolicy):
         message was handed to the handler."""
         if not self.serves(inbound.chat, direct=inbound.direct, author=inbound.author):
             reason = "direct_not_allowed" if inbound.direct else "chat_not_served"
-            log.info(f"{self.name}.inbound_ignored", platform=self.name, chat=inbound.chat, reason=reason)
+            log.info("platform.inbound_ignored", platform=self.name, chat=inbound.chat, reason=reason)
             await self._taken_in(key)  # ignored is handled: no next leader takes it in again
             return False
         handlers = self._handlers
@@ -420,7 +399,7 @@ class PlatformBase(PressPolicy):
             problem = self.files.problem(inbound.attachments)
             if problem is not None:
                 # Refused whole: an agent must not act on a message whose files it cannot see.
-                log.info(f"{self.name}.files_refused", platform=self.name, chat=inbound.chat, problem=problem)
+                log.info("platform.files_refused", platform=self.name, chat=inbound.chat, problem=problem)
                 await self._taken_in(key)  # refused is handled: no next leader refuses it again
                 with contextlib.suppress(PlatformError):
                     await self.send_text(inbound.chat, problem, thread=inbound.thread)
@@ -428,7 +407,7 @@ class PlatformBase(PressPolicy):
             bounded = tuple(self.files.bounded(a) for a in inbound.attachments)
             inbound = dataclasses.replace(inbound, attachments=bounded)
         log.info(
-            f"{self.name}.inbound",
+            "platform.inbound",
             platform=self.name,
             chat=inbound.chat,
             message_id=inbound.message_id,
@@ -443,7 +422,7 @@ class PlatformBase(PressPolicy):
             await handlers.on_inbound(inbound)
         except Exception:
             count_failure("inbound", self.name)
-            log.exception(f"{self.name}.inbound_failed", platform=self.name, chat=inbound.chat)
+            log.exception("platform.inbound_failed", platform=self.name, chat=inbound.chat)
         return True
 
     # -- presses: PressPolicy.press ----------------------------------------------------------------
@@ -475,7 +454,7 @@ class PlatformBase(PressPolicy):
 
         def rate_limited(wait: float, attempt_no: int) -> None:
             log.warning(
-                f"{self.name}.rate_limited",
+                "platform.rate_limited",
                 platform=self.name,
                 site=site,
                 chat=chat,
@@ -506,7 +485,7 @@ class PlatformBase(PressPolicy):
             raise self.refuse("send_file", "nothing to send: the file is empty or unnamed", chat=chat)
         caption = f"{agent}: {name}" if agent else name
         message_id = await self._post_file(self.moved_to(chat), name, data, caption=caption, thread=thread)
-        log.info(f"{self.name}.file_sent", platform=self.name, chat=chat, name=name, size=len(data), agent=agent)
+        log.info("platform.file_sent", platform=self.name, chat=chat, name=name, size=len(data), agent=agent)
         return message_id
 
     async def working(self, chat: str, *, thread: str | None = None) -> bool:
@@ -534,7 +513,8 @@ class PlatformBase(PressPolicy):
     def failed(self, site: str, chat: str | None, error: PlatformError) -> None:
         count_failure(site, self.name)
         log.warning(
-            f"{self.name}.{site}_failed",
+            "platform.call_failed",
+            site=site,
             platform=self.name,
             chat=chat,
             error=str(error),

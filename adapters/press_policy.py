@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
-from typing import ClassVar, Final, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, ClassVar, Final, Protocol, TypeVar
 
 import structlog
 
@@ -50,8 +50,8 @@ class PressPolicy(ABC):
     _handlers: Handlers | None
 
     @abstractmethod
-    def spawn(self, work: Awaitable[T], *, name: str) -> asyncio.Future[T]:
-        """Run ``work`` as tracked work (drained on stop)."""
+    def spawn(self, work: Coroutine[Any, Any, T], *, name: str, awaited: bool = False) -> asyncio.Task[T]:
+        """Run ``work`` as tracked work (drained on stop); ``awaited``: its failure is the caller's to handle."""
 
     @abstractmethod
     async def _claim(self, key: str | None) -> bool:
@@ -70,24 +70,24 @@ class PressPolicy(ABC):
         platform's id of the press, claimed across replicas; a press another replica claimed gets no answer
         here (that replica answers it)."""
         handlers = self._handlers
-        log.info(f"{self.name}.press", platform=self.name, actor=press.actor, chat=press.chat, data=press.data[:80])
+        log.info("platform.press", platform=self.name, actor=press.actor, chat=press.chat, data=press.data[:80])
         if handlers is None or not press.data:
             await self._reply(reply.notify, PRESS_INACTIVE)
             return
         if not await self._claim(key):
             return
-        decision = self.spawn(self._decide(handlers, press, key), name=f"{self.name}-press")
+        decision = self.spawn(self._decide(handlers, press, key), name=f"{self.name}-press", awaited=True)
         try:
             # Shielded: a slow decision keeps running after we answer; only our wait ends.
             result = await asyncio.wait_for(asyncio.shield(decision), timeout=self.press_timeout)
         except TimeoutError:
-            log.info(f"{self.name}.press_pending", platform=self.name, actor=press.actor)
+            log.info("platform.press_pending", platform=self.name, actor=press.actor)
             await self._reply(reply.acknowledge, PRESS_PENDING)
             decision.add_done_callback(lambda done: self.spawn(self._late(done, press, reply), name="press-late"))
             return
         except Exception:
             count_failure("press", self.name)
-            log.exception(f"{self.name}.press_failed", platform=self.name, actor=press.actor)
+            log.exception("platform.press_failed", platform=self.name, actor=press.actor)
             await self._reply(reply.notify, PRESS_APOLOGY)
             return
         await self._answer(result, press, reply)
@@ -104,14 +104,14 @@ class PressPolicy(ABC):
         error = decision.exception()
         if error is not None:
             count_failure("press", self.name)
-            log.error(f"{self.name}.press_failed", platform=self.name, actor=press.actor, error=repr(error))
+            log.error("platform.press_failed", platform=self.name, actor=press.actor, error=repr(error))
             await self._reply(reply.notify, PRESS_APOLOGY)
             return
         await self._answer(decision.result(), press, reply)
 
     async def _answer(self, result: PressResult, press: Press, reply: PressReply) -> None:
         log.info(
-            f"{self.name}.press_result",
+            "platform.press_result",
             platform=self.name,
             actor=press.actor,
             verdict=result.verdict.value,
@@ -128,4 +128,4 @@ class PressPolicy(ABC):
         except Exception as exc:
             count_failure("press_reply", self.name)
             error = exc if isinstance(exc, PlatformError) else self.classify("press_reply", exc)
-            log.warning(f"{self.name}.press_reply_failed", platform=self.name, error=str(error))
+            log.warning("platform.press_reply_failed", platform=self.name, error=str(error))

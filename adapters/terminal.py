@@ -20,6 +20,7 @@ from kazma.adapters.contract import CardRef, Handlers, Press
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.honesty import reveal, reveal_line
 from kazma.approvals.model import Decision, Outcome
+from kazma.config.supervisor import Supervisor
 
 
 class TerminalAdapter:
@@ -43,7 +44,7 @@ class TerminalAdapter:
         self.chat = chat
         self._ids = itertools.count(1)
         self._handlers: Handlers | None = None
-        self._presses: set[asyncio.Task[None]] = set()
+        self._presses = Supervisor("terminal_task")  # each card waiting for a keypress
 
     @property
     def home_chat(self) -> str | None:
@@ -53,8 +54,7 @@ class TerminalAdapter:
         self._handlers = handlers
 
     async def stop(self) -> None:
-        for task in list(self._presses):
-            task.cancel()
+        await self._presses.stop()
 
     def _print(self, text: str) -> None:
         self.out.write(text + "\n")
@@ -86,9 +86,7 @@ class TerminalAdapter:
         shown = card if self.link_note is None else dataclasses.replace(card, link=self.link_note)
         laid = lay_out(shown, PlainWriter(frame="│ "))
         self._print(f"┌─ request {card.request_id}\n{laid.written}\n└─")
-        task = asyncio.create_task(self._press(card, approve_here=laid.whole))
-        self._presses.add(task)
-        task.add_done_callback(self._presses.discard)
+        self._presses.spawn(self._press(card, approve_here=laid.whole), name=f"terminal-press-{card.request_id}")
         return CardRef(self.name, self.chat, message_id, whole=laid.whole)
 
     async def _press(self, card: ApprovalCard, *, approve_here: bool) -> None:
@@ -113,8 +111,7 @@ class TerminalAdapter:
         self._print(f"  → {result.message}")
 
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
-        for task in list(self._presses):  # decided elsewhere: stop waiting for a keypress
-            task.cancel()
+        self._presses.cancel()  # decided elsewhere: stop waiting for a keypress
         self._print(f"[card {card.request_id}] {reveal_line(outcome.summary())}; its buttons are gone")
 
 

@@ -13,6 +13,8 @@ import time
 from typing import Final
 
 from kazma.adapters.contract import ChatMove
+from kazma.config import LoadedConfig
+from kazma.config.registry import CHAT_PLATFORMS
 from kazma.config.store.backend import StoreConnection, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
@@ -70,3 +72,19 @@ class ChatMoves:
         """Every move, oldest first (a chat that moved twice is followed link by link)."""
         rows = await self.tables.all("SELECT platform, old_chat, new_chat FROM chat_moves ORDER BY moved_at, rowid")
         return [ChatMove(str(platform), str(old), str(new)) for platform, old, new in rows]
+
+
+def config_lines_for_move(loaded: LoadedConfig, move: ChatMove) -> list[str]:
+    """The ``kazma.yaml`` lines that still name the old id, written as they should read now."""
+    spec = CHAT_PLATFORMS.get(move.platform)
+    if spec is None:
+        return []
+    section = spec.section(loaded.config.platforms)
+    lines: list[str] = []
+    listed = [str(chat) for chat in getattr(section, spec.chats_key)]
+    if move.old in listed:
+        now = ", ".join(move.new if chat == move.old else chat for chat in listed)
+        lines.append(f"platforms.{move.platform}.{spec.chats_key}: [{now}]")
+    if spec.home(loaded.config.platforms) == move.old:
+        lines.append(f"platforms.{move.platform}.{spec.home_key}: {move.new}")
+    return lines

@@ -12,13 +12,11 @@ through ``LISTEN``/``NOTIFY`` (:class:`~kazma.config.store.pg_listen.PgListener`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import structlog
 
@@ -33,6 +31,7 @@ from kazma.config.store.leader import LeaderLease, LeaseTiming, default_replica
 from kazma.config.store.pg_listen import PgListener
 from kazma.config.store.postgres import PgStore
 from kazma.config.store.replicas import lease_holder, live_replicas
+from kazma.config.supervisor import Supervisor
 
 log = structlog.get_logger("kazma.replicas")
 
@@ -136,7 +135,7 @@ class Replication:
             self._resync,
             application_name=f"kazma-listen {replica}"[:63],
         )
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = Supervisor("replica_task")  # card edits another replica's decision asked for
         self.absence = self.lease.timing.takeover_bound  # missing this long: gone (see settled_live)
         self._first_look: float | None = None
         self._seen: dict[str, float] = {}
@@ -160,11 +159,7 @@ class Replication:
     async def stop(self) -> None:
         await self.lease.stop()  # the lock goes with the connection: another replica leads at once
         await self.listener.stop()
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self._tasks.stop()
 
     async def live(self) -> set[str]:
         """The replicas alive now (this one included, even while its lease connection reconnects)."""
@@ -245,7 +240,8 @@ class Replication:
             return  # this replica's own write: it acted on it already
         if channel == DECIDED_CHANNEL and payload:
             self.service.wake(payload)  # a call waiting here goes on at once
-            self._spawn(self.bus.settle(payload))  # the edits are claimed: one replica makes each
+            # the edits are claimed: one replica makes each
+            self._tasks.spawn(self.bus.settle(payload), name=f"kazma-settle-{payload}")
         elif channel == CARDS_CHANNEL and isinstance(self.bus, FanOutBus):
             self.bus.posts_waiting([p for p in payload.split(",") if p] or None)
 
@@ -254,8 +250,3 @@ class Replication:
         if isinstance(self.bus, FanOutBus):
             self.bus.rescan()
         self.service.wake_all()
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

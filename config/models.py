@@ -28,6 +28,7 @@ from pydantic_core import PydanticCustomError
 
 from kazma.config.identity import Roster
 from kazma.config.keyring import KEY_VARIABLES, keys_folder
+from kazma.config.limits import DEFAULT_FILE_BYTES, DEFAULT_FILE_COUNT, MAX_TOOL_OUTPUT_CHARS, MAX_WORKERS, MIB
 from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS
 from kazma.config.tokens import slack_app_token_problem, slack_bot_token_problem
 
@@ -283,7 +284,7 @@ class MCPServerConfig(Strict):
     headers: dict[str, VariableName] = Field(default_factory=dict)  # header name -> variable holding its value
     call_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
     start_timeout_seconds: float = Field(default=30.0, gt=0, le=600)
-    max_output_chars: int = Field(default=16_000, ge=256, le=1_000_000)
+    max_output_chars: int = Field(default=MAX_TOOL_OUTPUT_CHARS, ge=256, le=1_000_000)
     # The most Kazma reads of one message from the server; a longer answer is cut off unread.
     max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=256 * 1024 * 1024)
     # A stdio server runs in bubblewrap unless it says ``none``; there is no "auto": a server never
@@ -514,8 +515,8 @@ DmPolicy = Literal["off", "approvers"] | list[Approver]
 class FilesConfig(Strict):
     """``files:``: what Kazma accepts as attachments (over either bound: a reply, nothing saved)."""
 
-    max_bytes: int = Field(default=10 * 1024 * 1024, ge=1, le=2 * 1024 * 1024 * 1024)
-    max_count: int = Field(default=5, ge=0, le=100)
+    max_bytes: int = Field(default=DEFAULT_FILE_BYTES, ge=1, le=2048 * MIB)
+    max_count: int = Field(default=DEFAULT_FILE_COUNT, ge=0, le=100)
 
 
 class TelegramWebhookConfig(Strict):
@@ -701,7 +702,7 @@ class SwarmConfig(Strict):
     max_parallel: int = Field(default=8, ge=1, le=1000)  # tasks running at once (resumed pipelines included)
     task_concurrency: int = Field(default=5, ge=1, le=64)  # worker calls of one task at once
     max_parallel_workers: int = Field(default=64, ge=1, le=1024)  # worker calls at once in the process
-    max_workers: int = Field(default=32, ge=1, le=32)
+    max_workers: int = Field(default=MAX_WORKERS, ge=1, le=MAX_WORKERS)
     max_paused_pipelines: int = Field(default=100, ge=0, le=100)
     retention_days: int = Field(default=30, ge=0, le=3650)  # 0 keeps every task
     retention_sweep_seconds: int = Field(default=3600, ge=1, le=86400)

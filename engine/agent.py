@@ -14,6 +14,7 @@ import structlog
 from kazma.approvals.hashing import args_hash
 from kazma.approvals.policy import SafetyPolicy
 from kazma.config import failpoints
+from kazma.config.limits import MAX_TOOL_OUTPUT_CHARS
 from kazma.config.metrics import count_failure
 from kazma.config.models import DangerLevel, KazmaConfig
 from kazma.config.store.errors import simulated_failure
@@ -38,7 +39,7 @@ from kazma.engine.types import Message, ModelError, ModelProvider, ToolCall, Too
 
 log = structlog.get_logger("kazma.agent")
 
-MAX_TOOL_OUTPUT_TO_MODEL = 16_000
+MAX_TOOL_OUTPUT_TO_MODEL = MAX_TOOL_OUTPUT_CHARS
 # An execution's ending that could not be written is written again after these pauses (seconds).
 FINISH_RETRIES = (0.05, 0.25, 1.0)
 DANGEROUS = DangerLevel.DANGEROUS
@@ -185,6 +186,7 @@ class AgentRunner:
         workspace_root: Path,
         max_steps: int = 8,
         executions: ExecutionRecord | None = None,
+        own_tools: Callable[[str], Sequence[InternalTool]] | None = None,
     ) -> None:
         self.provider = provider
         self.registry = registry
@@ -194,13 +196,13 @@ class AgentRunner:
         self.max_steps = max_steps
         # Every tool execution's row before it starts and when it ends (None: not recorded, as in some tests).
         self.executions = executions
-        self.internal: dict[str, dict[str, InternalTool]] = {}  # agent name -> its internal tools
-
-    def add_internal_tool(self, agent: str, tool: InternalTool) -> None:
-        self.internal.setdefault(agent, {})[tool.spec.name] = tool
+        # An agent's internal tools, by its name, asked for at each turn: they start plans and swarm work,
+        # which run agents through this runner, so they are made after it.
+        self.own_tools = own_tools
 
     def _internal(self, agent: AgentSpec, extra: Sequence[InternalTool]) -> dict[str, InternalTool]:
-        return {**self.internal.get(agent.name, {}), **{t.spec.name: t for t in extra}}
+        own = self.own_tools(agent.name) if self.own_tools is not None else ()
+        return {**{t.spec.name: t for t in own}, **{t.spec.name: t for t in extra}}
 
     def _specs(self, agent: AgentSpec, extra: Sequence[InternalTool] = ()) -> list[ToolSpec]:
         specs = [t.spec for t in self._internal(agent, extra).values()]

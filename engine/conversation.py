@@ -19,7 +19,7 @@ import contextlib
 import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 import structlog
 
@@ -28,11 +28,12 @@ from kazma.adapters.contract import Inbound, PlatformError, Press
 from kazma.adapters.human_text import for_humans
 from kazma.approvals.model import PressResult, PressVerdict
 from kazma.config.metrics import count_failure
-from kazma.engine.agent import AgentRunner, AgentSpec, StepRef, TurnResult, workspace_for
+from kazma.config.supervisor import Supervisor
+from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, StepRef, TurnResult, workspace_for
 from kazma.engine.attachments import Saved, describe, save_attachments
 from kazma.engine.executor import Action, ActionKind, AnswerVerdict, DispatchFailed, PlanExecutor, StepResult
 from kazma.engine.fence import fence_untrusted
-from kazma.engine.plan_store import Question
+from kazma.engine.plan_store import PlanStore, Question
 from kazma.engine.plan_tools import ask_user_tool, lead_plan_tools
 
 log = structlog.get_logger("kazma.conversation")
@@ -91,10 +92,13 @@ class Conversations:
     runner: AgentRunner
     agents: Mapping[str, AgentSpec]
     lead: AgentSpec
-    executor: PlanExecutor | None = None
+    # Where the lead's plans are kept: the conversations carry out their executor's actions, so they make it
+    # (None: no plans here).
+    plans: PlanStore | None = None
     swarm: CommandRunner | None = None
+    executor: PlanExecutor | None = field(init=False, default=None)
     _dispatches: dict[tuple[str, str, str], _Dispatch] = field(default_factory=dict)
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _tasks: Supervisor = field(default_factory=lambda: Supervisor("conversation_task"))  # turns in flight
     # told of every executor action after it is carried out (the demo and tests watch plans end)
     listeners: list[Callable[[Action], None]] = field(default_factory=list)
     working_every: float = WORKING_EVERY
@@ -129,30 +133,35 @@ class Conversations:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def attach(self, executor: PlanExecutor) -> None:
-        self.executor = executor
-        for tool in lead_plan_tools(executor):
-            self.runner.add_internal_tool(self.lead.name, tool)
+    def __post_init__(self) -> None:
+        self._plan_tools: dict[str, list[InternalTool]] = {}
+        if self.plans is None:
+            return
+        assignees = {name for name, agent in self.agents.items() if not agent.is_lead}
+        executor = self.executor = PlanExecutor(
+            self.plans,
+            self,
+            lead_name=self.lead.name,
+            assignees=assignees,
+            executions=getattr(self.runner, "executions", None),  # what each step's tools did, from their rows
+        )
         asking = ask_user_tool(executor)
         for name, agent in self.agents.items():
-            if not agent.is_lead:
-                self.runner.add_internal_tool(name, asking)
+            self._plan_tools[name] = lead_plan_tools(executor) if agent.is_lead else [asking]
+
+    def plan_tools(self, agent: str) -> list[InternalTool]:
+        """The plan tools ``agent`` has: the lead writes and repairs plans, every other agent may ask people."""
+        return self._plan_tools.get(agent, [])
 
     # -- inbound ---------------------------------------------------------------------------------
 
     async def on_inbound(self, message: Inbound) -> None:
         """Called by adapters; returns at once so platform acknowledgement windows are kept."""
-        self._spawn(self._handle(message), name=f"inbound-{message.platform}-{message.message_id}")
-
-    def _spawn(self, work: Any, name: str) -> None:
-        task = asyncio.create_task(work, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._handle(message), name=f"inbound-{message.platform}-{message.message_id}")
 
     async def drain(self) -> None:
         """Wait for every running turn (tests and clean shutdown)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._tasks.drain()
 
     async def _handle(self, message: Inbound) -> None:
         try:
@@ -334,7 +343,7 @@ class Conversations:
             await self._say(platform, chat, action.text, agent=self.lead.name)
         elif action.kind is ActionKind.RUN_LEAD:
             assert step is not None
-            self._spawn(self._lead_step(action), name=f"lead-step-{action.plan.id}-{step.index}")
+            self._tasks.spawn(self._lead_step(action), name=f"lead-step-{action.plan.id}-{step.index}")
         elif action.kind is ActionKind.ASK_LEAD:
             assert step is not None
             prompt = (
@@ -342,8 +351,8 @@ class Conversations:
                 "replace_steps, skip_step or abort_plan. If you do none of them, the steps that need this one are "
                 "dropped and the rest of the plan goes on."
             )
-            self._spawn(self._ask_lead(action.plan.id, step.index, action.plan.conversation, prompt),
-                        name=f"ask-lead-{action.plan.id}")  # fmt: skip
+            self._tasks.spawn(self._ask_lead(action.plan.id, step.index, action.plan.conversation, prompt),
+                              name=f"ask-lead-{action.plan.id}")  # fmt: skip
         elif action.kind is ActionKind.FINISHED:
             summaries = "\n".join(
                 f"Step {s.index} ({s.spec.assignee}, {s.status.value}): "
@@ -351,7 +360,7 @@ class Conversations:
                 for s in action.plan.steps.values()
             )
             prompt = f"The plan for '{action.plan.goal}' has finished. Report the result to the team.\n{summaries}"
-            self._spawn(self._lead_says(action.plan.conversation, prompt), name=f"finish-{action.plan.id}")
+            self._tasks.spawn(self._lead_says(action.plan.conversation, prompt), name=f"finish-{action.plan.id}")
 
     async def _dispatch(self, action: Action, assignee: str, index: int, attempt: int) -> None:
         platform, _, chat = action.plan.conversation.partition(":")

@@ -113,7 +113,6 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "room freed by another process is seen too",
     "swarm/service.py:SwarmService.wait:suppress(TimeoutError)": "check_swarm_task answers with where the task is "
     "after its wait",
-    "swarm/service.py:SwarmService.close:suppress(asyncio.CancelledError)": _CANCELLED,
     "swarm/workers.py:handoff_tool.handle:ValidationError": _ANSWERED,
     "tools/registry.py:ToolRegistry.execute:(TypeError, ValueError)": "invalid arguments are answered to the model "
     "(and logged at INFO: the model's mistake, not Kazma's)",

@@ -19,6 +19,7 @@ from kazma.engine.types import ToolUse, Usage, tools_line
 USER = "user"
 _REFERENCE = re.compile(r"\{\{\s*step_(\d+)\.(output_summary|output_files)\s*\}\}")
 CONTEXT_LIMIT = 4_000  # characters of the original request carried to every step (head and tail, cut marked)
+MAX_STEP_INPUT = 16_000  # characters of a step's input, as planned and as given again to a retry
 
 
 class StepStatus(StrEnum):
@@ -54,7 +55,7 @@ class StepSpec(BaseModel):
     assignee: str = Field(min_length=1, description="'user', the lead agent, or a sub-agent's name")
     input: str = Field(
         default="",
-        max_length=16_000,
+        max_length=MAX_STEP_INPUT,
         description="May reference {{step_N.output_summary}} and {{step_N.output_files}} of steps it waits for",
     )
     wait_for: list[int] | None = Field(default=None, description="Steps that must finish first; default: previous")

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kazma.engine.agent import InternalTool, TurnContext
 from kazma.engine.executor import MAX_CHOICES, PlanExecutor, RepairRefused
-from kazma.engine.plan import PlanError, PlanOrigin, PlanSpec, StepSpec
+from kazma.engine.plan import MAX_STEP_INPUT, PlanError, PlanOrigin, PlanSpec, StepSpec
 from kazma.engine.tools.registry import ToolResult
 from kazma.engine.types import ToolSpec
 
@@ -28,7 +28,7 @@ class _Args(BaseModel):
 
 class RetryStepArgs(_Args):
     index: int = Field(ge=1, description="the failed (or interrupted) step to run again")
-    input: str | None = Field(default=None, max_length=16_000, description="new input for it; omit to keep it")
+    input: str | None = Field(default=None, max_length=MAX_STEP_INPUT, description="new input for it; omit to keep it")
 
 
 class ReplaceStepsArgs(_Args):

@@ -13,20 +13,28 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, cast
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from kazma.approvals import ApprovalService, ApprovalStore
+from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.console.api import ApiCaller, ApprovalsApi
+from kazma.config.models import KazmaConfig
 from tests.approvals_support import RecordingPublisher, approvals_config
 from tests.store_backends import Engine, open_store
 
-if TYPE_CHECKING:
-    from kazma.bot.app import App
-
 TOKEN = "ci-" + "c" * 40
+
+
+@dataclass(frozen=True)
+class _Services:
+    """The approvals API's services over one store, without the rest of Kazma."""
+
+    config: KazmaConfig
+    approvals: ApprovalService
+    api_keys: IdempotencyKeys
+    replicated: bool
 
 
 async def main(engine: str, where: str, keys: int, max_pending: int, prefix: str) -> None:
@@ -34,9 +42,7 @@ async def main(engine: str, where: str, keys: int, max_pending: int, prefix: str
     async with open_store(Engine(engine, where), application_name="kazma-api-opener") as conn:
         publisher = RecordingPublisher()
         service = ApprovalService(ApprovalStore(conn), config, publisher=publisher)
-        stores = SimpleNamespace(primary=conn)
-        app = SimpleNamespace(service=service, stores=stores, loaded=SimpleNamespace(config=config))
-        api = ApprovalsApi(cast("App", app))
+        api = ApprovalsApi(_Services(config, service, IdempotencyKeys(conn), replicated=engine == "postgresql"))
         caller = ApiCaller("ci", ("approval_requester",))
         print("ready", flush=True)
         await asyncio.to_thread(sys.stdin.readline)

@@ -91,7 +91,12 @@ platforms:
     )
     await app.start()
     server = WebServer(
-        app, web, host="127.0.0.1", port=0, token_path=tmp / "state" / "web-token", operator_token=OPERATOR_TOKEN
+        app.console,
+        web,
+        host="127.0.0.1",
+        port=0,
+        token_path=tmp / "state" / "web-token",
+        operator_token=OPERATOR_TOKEN,
     )
     await server.start()
     try:

@@ -71,7 +71,9 @@ async def kazma_with_console(tmp_path: Path) -> AsyncIterator[Running]:
         poll_interval=0.05,
         workspace_root=tmp_path / "ws",
     )
-    server = WebServer(app, web, host="127.0.0.1", port=0, token_path=tmp_path / "web-token", operator_token=TOKEN)
+    server = WebServer(
+        app.console, web, host="127.0.0.1", port=0, token_path=tmp_path / "web-token", operator_token=TOKEN
+    )
     await app.start()
     await server.start()
     try:
@@ -255,7 +257,9 @@ async def kazma_on(tmp_path: Path, telegram: FakeTelegram, *, quiet: bool = Fals
         poll_interval=0.05,
         workspace_root=tmp_path / "ws",
     )
-    server = WebServer(app, web, host="127.0.0.1", port=0, token_path=tmp_path / "web-token", operator_token=TOKEN)
+    server = WebServer(
+        app.console, web, host="127.0.0.1", port=0, token_path=tmp_path / "web-token", operator_token=TOKEN
+    )
     await app.start()
     await server.start()
     try:

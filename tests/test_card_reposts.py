@@ -31,7 +31,7 @@ async def _posted_by_a_process_that_died(app: App, store: Path) -> str:
                      "telegram:-1001", approvals.clock() + 600)  # fmt: skip
     request, _ = await approvals.insert_once(new)
     card = app.service.card(request)
-    for adapter in app.bus.adapters.values():  # type: ignore[union-attr]
+    for adapter in app.bus.adapters.values():
         await adapter.post_card(card)
     conn = await connect(store)
     try:

@@ -180,7 +180,7 @@ async def api_on_three_platforms(tmp: Path) -> AsyncIterator[ApiDoor]:
             loaded, adapters=adapters_for(loaded), web=web, poll_interval=0.05, workspace_root=tmp / "ws"
         )
         await app.start()
-        server = WebServer(app, web, host="127.0.0.1", port=0, token_path=tmp / "web-token")
+        server = WebServer(app.console, web, host="127.0.0.1", port=0, token_path=tmp / "web-token")
         await server.start()
         try:
             yield ApiDoor(app, fakes, server.url)

@@ -125,7 +125,7 @@ async def test_a_route_without_a_declared_role_stops_the_server_from_starting(
     async with console(tmp_path) as con:
         monkeypatch.setattr(server_module, "register_api", with_a_new_route)
         another = WebServer(
-            con.app, con.web, host="127.0.0.1", port=0, token_path=tmp_path / "t", operator_token=OPERATOR,
+            con.app.console, con.web, host="127.0.0.1", port=0, token_path=tmp_path / "t", operator_token=OPERATOR,
             reader_token=READER,
         )  # fmt: skip
         with pytest.raises(RuntimeError, match=r"routes without a declared role.*GET /debug/everything"):

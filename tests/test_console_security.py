@@ -189,7 +189,7 @@ async def test_a_token_shorter_than_32_characters_is_refused_at_start(tmp_path: 
     for name, path in files.items():
         path.write_text((short if name == role else name * 8) + "\n")
     async with console(tmp_path) as con:
-        weak = WebServer(con.app, con.web, host="127.0.0.1", port=0, token_path=token_file)
+        weak = WebServer(con.app.console, con.web, host="127.0.0.1", port=0, token_path=token_file)
         with pytest.raises(ValueError, match=rf"the {role} token is 31 characters"):
             await weak.start()
         with pytest.raises(RuntimeError, match="not started"):

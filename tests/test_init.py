@@ -160,7 +160,10 @@ def test_on_a_terminal_it_asks_and_asks_again_after_a_wrong_answer(tmp_path: Pat
     config = load_config(tmp_path / "kazma.yaml", environ=TOKENS).config
     assert config.approvals.approvers == ["web:carol", "telegram:111", "slack:U0CAROL01"]
     assert config.platforms.telegram.home_chat is None  # not known yet, and the file says how to find it
-    assert "the telegram.inbound_ignored log event shows its id" in (tmp_path / "kazma.yaml").read_text()
+    assert (
+        "the platform.inbound_ignored log event (platform=telegram) shows its id"
+        in (tmp_path / "kazma.yaml").read_text()
+    )
     assert config.platforms.slack.signing_secret == TOKENS["SLACK_SIGNING_SECRET"]  # HTTP events
     assert config.platforms.slack.app_token == ""
     assert config.model.base_url == "http://127.0.0.1:11434/v1"

@@ -542,7 +542,7 @@ async def test_press_is_acknowledged_first_then_handed_to_the_approvals_layer(
         (f"kz1:{card.request_id}:a", f"slack:{ADMIN}", HOME, ref.message_id)
     ]
     recorder.hold.set()
-    await logs.wait_for("slack.press_result", verdict="won")
+    await logs.wait_for("platform.press_result", platform="slack", verdict="won")
     assert fake.ephemerals == []  # a winning press is answered by the edited card
 
 

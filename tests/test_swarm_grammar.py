@@ -11,38 +11,36 @@ from click.testing import CliRunner
 
 from kazma.bot.cli.context import Context
 from kazma.bot.cli.swarm_cli import CLI_ONLY, swarm
+from kazma.config.limits import MAX_WORKERS as MAX_LIST_WORKERS
 from kazma.config.models import KazmaConfig
-from kazma.engine.swarm.grammar import (
-    MAX_LIST_WORKERS,
-    MAX_PROMPT_BYTES,
-    USAGES,
-    VERBS,
-    Access,
-    ApproveCommand,
-    BreakerResetCommand,
+from kazma.engine.swarm.builtin_patterns import (
     BroadcastCommand,
-    CancelCommand,
     ConditionalCommand,
-    ConfigCommand,
     ConsultCommand,
     DispatchCommand,
     FanOutCommand,
-    GrammarError,
+    PipelineCommand,
+)
+from kazma.engine.swarm.grammar import (
+    USAGES,
+    VERBS,
+    ApproveCommand,
+    BreakerResetCommand,
+    CancelCommand,
+    ConfigCommand,
     HelpCommand,
     HistoryCommand,
     ListCommand,
     MetricsCommand,
-    PipelineCommand,
     RejectCommand,
     RetryCommand,
-    Route,
     StatusCommand,
-    SwarmCommand,
     TasksCommand,
     WorkersCommand,
     help_text,
     parse,
 )
+from kazma.engine.swarm.limits import MAX_PROMPT_BYTES
 from kazma.engine.swarm.roles import (
     SHARED_OPERATORS_HINT,
     RefusalReason,
@@ -51,6 +49,7 @@ from kazma.engine.swarm.roles import (
     human_operators,
     required_role,
 )
+from kazma.engine.swarm.syntax import Access, GrammarError, Route, SwarmCommand
 from kazma.engine.swarm.types import Pattern
 
 WORKERS = ("researcher", "refiner", "builder", "validator")

@@ -18,9 +18,9 @@ from kazma.config import KazmaConfig, failpoints, load_config_text
 from kazma.config.store.database import open_database
 from kazma.engine.swarm.checkpoints import CHECKPOINT_TOOL
 from kazma.engine.swarm.commands import SwarmCommands
-from kazma.engine.swarm.service import CoalescingReporter, SwarmRefused, SwarmRequest, SwarmService
+from kazma.engine.swarm.service import CoalescingReporter, SwarmService
 from kazma.engine.swarm.store import MIGRATIONS, SwarmTaskStore
-from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
+from kazma.engine.swarm.types import ErrorKind, Pattern, SwarmRefused, SwarmRequest, TaskStatus, WorkerResult
 from kazma.engine.types import Usage
 from tests.approvals_support import ManualClock, RecordingPublisher, approval_service
 from tests.swarm_support import ScriptedWorker

@@ -147,7 +147,7 @@ async def console(
     )
     await app.start()
     server = WebServer(
-        app,
+        app.console,
         web,
         host="127.0.0.1",
         port=0,
@@ -448,7 +448,7 @@ async def test_events_stream_what_people_and_agents_say(tmp_path: Path) -> None:
 async def test_events_send_heartbeats_and_end_when_the_server_stops(tmp_path: Path) -> None:
     async with console(tmp_path) as con:
         quick = WebServer(
-            con.app,
+            con.app.console,
             con.web,
             host="127.0.0.1",
             port=0,
@@ -508,7 +508,7 @@ async def test_token_files_are_private_and_reused(tmp_path: Path) -> None:
         async with con.client() as client:
             await con.login(client, "alice", operator)
         await con.server.stop()
-        again = WebServer(con.app, con.web, host="127.0.0.1", port=0, token_path=token_file)
+        again = WebServer(con.app.console, con.web, host="127.0.0.1", port=0, token_path=token_file)
         await again.start()
         try:
             assert again.first_start_message() is None

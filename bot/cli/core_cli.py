@@ -111,7 +111,7 @@ async def _serve(loaded: LoadedConfig, poll_interval: float, *, paced: bool = Tr
     web = WebAdapter()
     app = await build_app(loaded, poll_interval=poll_interval, web=web, paced=paced)
     server = WebServer(
-        app,
+        app.console,
         web,
         host=config.web.host,
         port=config.web.port,

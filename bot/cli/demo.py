@@ -30,7 +30,7 @@ from kazma.config import LoadedConfig, load_config_text
 from kazma.engine.executor import ActionKind
 from kazma.engine.model import ScriptStep
 from kazma.engine.scenario import DEMO_LABEL, PerAgentScript, agent_prompts
-from kazma.engine.swarm.patterns import REFINER_INSTRUCTION
+from kazma.engine.swarm.synthesis import REFINER_INSTRUCTION
 from kazma.engine.types import Message, ModelReply, ToolCall
 
 REQUEST = "@kazma please write a tiny hello-world script and check that it runs"
@@ -200,7 +200,7 @@ async def run_demo(
         server = None
         if console is not None:
             server = WebServer(
-                app, console, host="127.0.0.1", port=web_port, token_path=root / "web-token",
+                app.console, console, host="127.0.0.1", port=web_port, token_path=root / "web-token",
                 operator_token=secrets.token_urlsafe(24),
             )  # fmt: skip
         out.write(f"kazma demo — model: {provider.label}\n")

@@ -100,7 +100,9 @@ def _platform_block(answers: InitAnswers, platform: str) -> str:
     presence = answers.presence(platform)
     if presence.chat is None:
         where = {
-            "telegram": "add the bot to the group; the telegram.inbound_ignored log event shows its id",
+            "telegram": (
+                "add the bot to the group; the platform.inbound_ignored log event (platform=telegram) shows its id"
+            ),
             "slack": "/invite the app, then the channel's name → About shows its id",
             "discord": "with Developer Mode on, right-click the channel → Copy Channel ID",
         }[platform]

@@ -25,6 +25,6 @@ def serve(obj: Context, url: str | None) -> None:
         click.echo("set KAZMA_API_TOKEN to an API token with the approval_requester role", err=True)
         sys.exit(2)
     base = url or obj.load().config.web.public_url
-    from kazma.bot.mcp_server import serve_stdio
+    from kazma.bot.cli.mcp_stdio import serve_stdio
 
     serve_stdio(base.rstrip("/"), token)

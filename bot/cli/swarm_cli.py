@@ -21,9 +21,11 @@ from kazma.bot.cli.context import Context
 from kazma.config import LoadedConfig
 from kazma.config.registry import ROUTE_PLATFORMS
 from kazma.engine.swarm.endings import ending_lines
-from kazma.engine.swarm.grammar import USAGES, GrammarError, parse
+from kazma.engine.swarm.grammar import USAGES, parse
 from kazma.engine.swarm.limits import LimitExceeded, check_context
 from kazma.engine.swarm.records import task_json
+from kazma.engine.swarm.registry import for_verb, registered
+from kazma.engine.swarm.syntax import GrammarError
 
 EXIT_USAGE = 2
 CLI_ONLY = ("show",)  # subcommands of the terminal alone (JSON for scripts), beside the /swarm grammar
@@ -123,7 +125,22 @@ def _help(verb: str) -> str:
     return f"{usage.summary[0].upper()}{usage.summary[1:]} ({usage.line}). {_PENDING}"
 
 
-@click.group()
+class _SwarmGroup(click.Group):
+    """The subcommands written below, and every registered pattern that has none here: its words go to the
+    grammar as typed, so a new pattern reaches the terminal without a line in this file."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *(p.verb for p in registered())})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        found = super().get_command(ctx, cmd_name)
+        if found is not None:
+            return found
+        pattern = for_verb(cmd_name)
+        return None if pattern is None else _pattern_command(pattern.verb)
+
+
+@click.group(cls=_SwarmGroup)
 @click.option("--as", "login", default=None, help="Your login, recorded as cli:<login> (default: $USER).")
 @click.option("--parse-only", is_flag=True, help="Print the parsed command as one JSON line and stop.")
 @click.pass_context
@@ -324,6 +341,14 @@ def conditional(
 @_to_option
 def breaker(action: str, worker: str, to: str | None) -> None:
     _run("breaker", action, worker, to=to)
+
+
+def _pattern_command(verb: str) -> click.Command:
+    def command(words: tuple[str, ...], to: str | None, expect: str | None, deadline: int | None, context: str) -> None:
+        _run(verb, *_option_words(expect, deadline), *words, to=to, context=context)
+
+    command = _start_options(_to_option(click.argument("words", nargs=-1, required=True)(command)))
+    return click.command(verb, help=_help(verb))(command)
 
 
 def _task_command(verb: str) -> Callable[[str, str | None], None]:

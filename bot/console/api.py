@@ -42,8 +42,8 @@ from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest, Status,
 from kazma.approvals.service import ApprovalRefused, ApprovalService
 from kazma.approvals.tool_names import TOOL_PATTERN, TOOL_RULE, ToolNameError, check_tool_name
 from kazma.approvals.withdrawal import POLL_GRACE, Gone, by_asker
-from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, IdempotencyKeys, KeyReused, QuotaFull
-from kazma.bot.app import App
+from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, KeyReused, QuotaFull
+from kazma.bot.console.services import ApprovalsServices
 from kazma.config.metrics import count_failure
 from kazma.config.models import KazmaConfig
 from kazma.config.store.errors import store_errors
@@ -140,14 +140,14 @@ def describe(service: ApprovalService, request: ApprovalRequest) -> dict[str, An
 
 
 class ApprovalsApi:
-    def __init__(self, app: App) -> None:
-        self.app = app
-        self.service = app.service
-        self.keys = IdempotencyKeys(app.stores.primary)
+    def __init__(self, services: ApprovalsServices) -> None:
+        self.services = services
+        self.service = services.approvals
+        self.keys = services.api_keys
 
     @property
     def config(self) -> KazmaConfig:
-        return self.app.loaded.config
+        return self.services.config
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -561,11 +561,8 @@ OPENAPI: dict[str, Any] = {
 }
 
 
-def register(application: web.Application, app: App) -> ApprovalsApi:
-    """Add the approvals API (and the ``/mcp`` endpoint) to the web server's application."""
-    api = ApprovalsApi(app)
+def register(application: web.Application, services: ApprovalsServices) -> ApprovalsApi:
+    """Add the approvals API to the web server's application (``/mcp`` is served through what this returns)."""
+    api = ApprovalsApi(services)
     application.add_routes(api.routes())
-    from kazma.bot.mcp_server import register_http
-
-    register_http(application, api)
     return api

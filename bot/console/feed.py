@@ -16,12 +16,13 @@ only when something in this process changes next.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Generic, TypeVar
 
 import structlog
+
+from kazma.config.supervisor import Supervisor
 
 log = structlog.get_logger("kazma.web")
 
@@ -46,7 +47,7 @@ class ChangeFeed(Generic[T]):
         self._woken = asyncio.Event()
         self._lock = asyncio.Lock()
         self._cached: tuple[int, T] | None = None
-        self._pumps: list[asyncio.Task[None]] = []
+        self._pumps = Supervisor("dashboard_task")  # one per watched source
 
     def touch(self, *_: object) -> None:
         """Something the dashboard shows may have changed (any arguments are ignored: usable as a listener)."""
@@ -94,12 +95,7 @@ class ChangeFeed(Generic[T]):
             except Exception as exc:  # a broken source must not end the server; the dashboard still reloads
                 log.warning("web.dashboard_source_failed", error=str(exc))
 
-        self._pumps.append(asyncio.create_task(pump(), name="kazma-dashboard-feed"))
+        self._pumps.spawn(pump(), name="kazma-dashboard-feed")
 
     async def close(self) -> None:
-        pumps, self._pumps = self._pumps, []
-        for task in pumps:
-            task.cancel()
-        for task in pumps:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._pumps.stop()

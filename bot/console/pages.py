@@ -31,7 +31,7 @@ from kazma.bot.console.dashboard_data import DashboardData
 from kazma.bot.console.swarm_views import call_rows, handoff_chain, worker_numbers
 from kazma.bot.console.times import times_in, when_html
 from kazma.engine.swarm.endings import ending_lines
-from kazma.engine.swarm.limits import MAX_PROMPT_BYTES
+from kazma.engine.swarm.limits import MAX_COMMAND_BYTES
 from kazma.engine.swarm.store import TaskRecord
 from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.transcript import Entry, Summary
@@ -41,6 +41,7 @@ _DEADLINE = re.compile(r"(<tr><th>Deadline</th><td><code>)([^<]*)(</code>)")
 
 # The approval page shows every value whole: no argument is long enough to be cut at this limit.
 WHOLE = 2**62
+MAX_TEXT = 8000  # characters of one console message (the send and upload forms, and the server's check)
 
 _STYLE = """
 :root { --bg: #f6f6f7; --fg: #1d1d1f; --panel: #fff; --muted: #666; --line: #d8d8dc; --accent: #2563eb;
@@ -362,7 +363,7 @@ def upload_form(viewer: Viewer, files: FileBounds) -> str:
         '<form class="upload" method="post" action="/console/upload" enctype="multipart/form-data">'
         f'<input type="hidden" name="csrf" value="{e(viewer.csrf)}">'
         '<p><label>Files <input type="file" name="files" multiple required></label> '
-        '<input name="text" size="50" maxlength="8000" placeholder="@kazma what should be done with them?"> '
+        f'<input name="text" size="50" maxlength="{MAX_TEXT}" placeholder="@kazma what should be done with them?"> '
         '<button type="submit">Send files</button></p>'
         f'<p class="meta">Up to {files.max_count} files of at most {size} each (files.max_count, files.max_bytes); '
         "they are saved in the conversation's workspace under incoming/.</p></form>"
@@ -379,7 +380,7 @@ def console_page(
         '<div class="working" id="working" data-conversation="web:console"></div>'
         '<form class="send" method="post" action="/console/send">'
         f'<input type="hidden" name="csrf" value="{e(viewer.csrf)}">'
-        '<p><textarea name="text" rows="3" cols="80" maxlength="8000" required'
+        f'<p><textarea name="text" rows="3" cols="80" maxlength="{MAX_TEXT}" required'
         ' placeholder="@kazma what should we do? (@worker to address a worker)"></textarea></p>'
         '<p><button type="submit">Send</button></p></form>'
         f"{upload_form(viewer, files or FileBounds())}"
@@ -523,7 +524,7 @@ def dashboard_page(viewer: Viewer, data: DashboardData, *, flash: Sequence[str] 
             "<h2>Start work</h2>"
             '<form method="post" action="/swarm/command">'
             f'<input type="hidden" name="csrf" value="{e(viewer.csrf)}">'
-            f'<p>/swarm <input name="text" size="80" maxlength="{MAX_PROMPT_BYTES + 1024}" required'
+            f'<p>/swarm <input name="text" size="80" maxlength="{MAX_COMMAND_BYTES}" required'
             ' placeholder="dispatch researcher find the flaky test"></p>'
             '<p><button type="submit">Run</button></p></form>'
         )
@@ -541,7 +542,7 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
         tokens = (t.result or {}).get("tokens") or {}
         used = f"{int(tokens.get('prompt', 0))} + {int(tokens.get('completion', 0))}" if tokens else ""
         task_rows.append(
-            f"<tr><td><code>{e(t.id)}</code></td><td>{e(t.status.value)}</td><td>{e(t.pattern.value)}</td>"
+            f"<tr><td><code>{e(t.id)}</code></td><td>{e(t.status.value)}</td><td>{e(t.pattern)}</td>"
             f"<td>{e(', '.join(str(w) for w in workers))}{handoff_chain(t)}{call_rows(data.calls.get(t.id, ()))}</td>"
             f"<td>{e(t.current_step)}</td>"
             f"<td>{when_html(t.created_at)}</td><td>{when_html(t.finished_at)}</td>"

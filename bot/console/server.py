@@ -17,6 +17,7 @@ import contextlib
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,6 @@ from kazma.adapters.admission import FileBounds
 from kazma.adapters.contract import Attachment, PlatformError
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
-from kazma.bot.app import App
 from kazma.bot.console.api import caller_of
 from kazma.bot.console.api import register as register_api
 from kazma.bot.console.auth import (
@@ -47,6 +47,7 @@ from kazma.bot.console.doors import Doors, add_routes, reader_refused, undeclare
 from kazma.bot.console.feed import ChangeFeed
 from kazma.bot.console.forwarded import ClientAddresses
 from kazma.bot.console.pages import (
+    MAX_TEXT,
     approval_href,
     approval_page,
     console_page,
@@ -57,15 +58,16 @@ from kazma.bot.console.pages import (
     message_html,
     message_page,
 )
+from kazma.bot.console.services import ConsoleServices, SwarmCommand
 from kazma.bot.console.sessions import SessionStore
 from kazma.bot.console.static import CONSOLE_JS
 from kazma.bot.console.upload import UploadRefused, read_upload
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure, with_label
-from kazma.engine.swarm.grammar import GrammarError, parse
-from kazma.engine.swarm.limits import MAX_PROMPT_BYTES
+from kazma.engine.swarm.grammar import parse
+from kazma.engine.swarm.limits import MAX_COMMAND_BYTES, MAX_PROMPT_BYTES
 from kazma.engine.swarm.roles import Role as SwarmRole
 from kazma.engine.swarm.roles import required_role
-from kazma.engine.swarm.types import TaskStatus
+from kazma.engine.swarm.syntax import GrammarError
 from kazma.engine.transcript import Working
 
 log = structlog.get_logger("kazma.web")
@@ -86,9 +88,6 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _MENTION = re.compile(r"(?<![\w@])@([A-Za-z0-9_-]{1,32})")
 TASK_ACTIONS = ("cancel", "retry", "approve", "reject")
-MAX_TEXT = 8000
-# A /swarm command carries a task of up to the swarm's prompt limit, and a few words around it.
-MAX_SWARM_COMMAND = MAX_PROMPT_BYTES + 1024
 
 
 def _swarm_too_long(length: int) -> str:
@@ -125,7 +124,7 @@ class WebServer:
 
     def __init__(
         self,
-        app: App,
+        services: ConsoleServices,
         web_adapter: WebAdapter,
         *,
         host: str,
@@ -137,7 +136,7 @@ class WebServer:
         shutdown_timeout: float = 2.0,
         dashboard_interval: float = 1.0,
     ) -> None:
-        self.app = app
+        self.services = services
         self.web = web_adapter
         self.host = host
         self.port = port
@@ -152,6 +151,7 @@ class WebServer:
         self.auth: WebAuth | None = None
         self.dashboard_interval = dashboard_interval
         self.feed: ChangeFeed[DashboardData] | None = None
+        self._unwatch: Callable[[], None] | None = None
         self.application: web.Application | None = None  # the routes served, once started (the tests walk them)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -169,17 +169,17 @@ class WebServer:
             return load_tokens(self.token_path, operator_token=self._operator_token, reader_token=self._reader_token)
 
         tokens = read_tokens()
-        public_url = str(self.app.loaded.config.web.public_url)
+        config = self.services.config
+        public_url = str(config.web.public_url)
         self.auth = WebAuth(
             tokens,
-            store=SessionStore(self.app.stores.primary),
+            store=SessionStore(self.services.store),
             secure=public_url.startswith("https://"),
             reload=read_tokens,
             origins=(str(URL(public_url).origin()),),
-            clients=ClientAddresses(self.app.loaded.config.web.trusted_proxies),
+            clients=ClientAddresses(config.web.trusted_proxies),
         )
         auth = self.auth
-        config = self.app.loaded.config
         doors = Doors(auth, lambda request: caller_of(config, request))
         # keep_flash outside the door: it writes back the flash lines of the session the door found
         application = web.Application(client_max_size=self.BODY_LIMIT, middlewares=[auth.keep_flash, doors.guard])
@@ -208,7 +208,10 @@ class WebServer:
                 ("GET", "/static/console.js"): self.script,
             },
         )
-        register_api(application, self.app)  # /api/v1 (API tokens, not console logins) and /mcp
+        api = register_api(application, self.services)  # /api/v1: API tokens, not console logins
+        from kazma.bot.console.mcp import register_http  # the MCP SDK takes a second to import: only when served
+
+        register_http(application, api)  # /mcp: the same tokens, through the same API
         missing = undeclared(application.router)
         if missing:  # a route with no role would be guarded by nobody: refuse to serve at all
             raise RuntimeError(f"routes without a declared role in bot/console/doors.py: {', '.join(missing)}")
@@ -256,23 +259,17 @@ class WebServer:
         """One feed for every open dashboard, woken by what this process does (see :mod:`~kazma.bot.console.feed`)."""
         feed = ChangeFeed(self._dashboard_data, min_interval=self.dashboard_interval)
         feed.watch(self.web.subscribe(), lambda event: isinstance(event, dict) and event.get("type") != "working")
-        feed.watch(self.app.transcript.follow(), lambda item: not isinstance(item, Working))
-        self.app.service.listeners.append(feed.touch)
-        self.app.swarm.listeners.append(feed.touch)
-        self.app.conversations.listeners.append(feed.touch)
+        feed.watch(self.services.follow_transcript(), lambda item: not isinstance(item, Working))
+        self._unwatch = self.services.watch(feed.touch)
         self.feed = feed
 
     async def _forget_changes(self) -> None:
         feed, self.feed = self.feed, None
-        if feed is None:
-            return
-        with contextlib.suppress(ValueError):
-            self.app.service.listeners.remove(feed.touch)
-        with contextlib.suppress(ValueError):
-            self.app.swarm.listeners.remove(feed.touch)
-        with contextlib.suppress(ValueError):
-            self.app.conversations.listeners.remove(feed.touch)
-        await feed.close()
+        unwatch, self._unwatch = self._unwatch, None
+        if unwatch is not None:
+            unwatch()
+        if feed is not None:
+            await feed.close()
 
     async def stop(self) -> None:
         self._closing.set()  # event streams end now rather than waiting out the shutdown timeout
@@ -295,7 +292,7 @@ class WebServer:
         return html_response(console_page(session, self.web.messages(), flash=flash, files=self._file_bounds()))
 
     def _file_bounds(self) -> FileBounds:
-        files = self.app.loaded.config.files
+        files = self.services.config.files
         return FileBounds(max_bytes=files.max_bytes, max_count=files.max_count)
 
     async def upload(self, request: web.Request) -> web.Response:
@@ -319,7 +316,7 @@ class WebServer:
 
     def _cannot_decide(self, session: Session) -> list[str]:
         """An operator whose presses would all be refused is told so before pressing, with the fix."""
-        if not session.is_operator or self.app.loaded.config.roster.is_approver(session.actor, "web"):
+        if not session.is_operator or self.services.config.roster.is_approver(session.actor, "web"):
             return []
         return [
             f"You are {session.actor}, an operator but not an approver: Approve and Deny pressed here are refused. "
@@ -339,14 +336,14 @@ class WebServer:
         swarm = text == "/swarm" or text.startswith("/swarm ")
         if not text:
             session.flash.append("Nothing to send.")
-        elif swarm and len(text) > MAX_SWARM_COMMAND:
+        elif swarm and len(text) > MAX_COMMAND_BYTES:
             session.flash.append(_swarm_too_long(len(text)))
         elif swarm:  # a task up to the swarm's own limit: the grammar refuses a longer one, naming the limit
             session.flash.append(await self._swarm_text(session, text.removeprefix("/swarm")))
         elif len(text) > MAX_TEXT:
             session.flash.append(f"The message is {len(text):,} characters; at most {MAX_TEXT:,} are accepted.")
         elif text == "/plan":
-            session.flash.append(await self.app.conversations.describe(f"web:{CONSOLE}"))
+            session.flash.append(await self.services.describe_plans(f"web:{CONSOLE}"))
         else:
             await self._to_agents(session, text, reply_to=reply_to)
         raise web.HTTPSeeOther("/")
@@ -400,7 +397,7 @@ class WebServer:
             await queue.put(None)  # the adapter stopped: the stream ends
 
         async def pump_transcript() -> None:
-            async for item in self.app.transcript.follow():
+            async for item in self.services.follow_transcript():
                 if isinstance(item, Working):
                     await queue.put({"type": "working", "conversation": item.conversation})
                 else:
@@ -458,8 +455,8 @@ class WebServer:
     async def conversations(self, request: web.Request) -> web.Response:
         session = self._auth().current()
         current = request.match_info.get("conversation")
-        summaries = await self.app.transcript.conversations()
-        entries = await self.app.transcript.messages(current) if current else []
+        summaries = await self.services.conversations()
+        entries = await self.services.conversation(current) if current else []
         if current is not None and not entries:
             raise _not_found("No such conversation.", session)
         return html_response(conversations_page(session, summaries, current, entries, flash=session.take_flash()))
@@ -502,7 +499,7 @@ class WebServer:
                 content_type="text/html",
             ) from None
         with PRESS_TO_DECISION.time():  # a press in the console, timed like every platform's buttons
-            result = await self.app.service.decide(request_id, decision, actor=session.actor, platform="web")
+            result = await self.services.approvals.decide(request_id, decision, actor=session.actor, platform="web")
         log.info("web.decide", request_id=request_id, actor=session.actor, verdict=result.verdict.value)
         session.flash.append(result.message)
         raise web.HTTPSeeOther(safe_next(fields.get("next"), approval_href(request_id)))
@@ -517,44 +514,35 @@ class WebServer:
 
     async def _dashboard_data(self) -> DashboardData:
         version = self.feed.version if self.feed is not None else 0  # read first: a change during the load is newer
-        store = self.app.swarm.store
-        tasks = self.app.swarm.as_ended(await store.list(limit=50))  # an ending kept unstored reads as it ended
-        calls = await store.calls_of([t.id for t in tasks])
-        counts = {status.value: await store.count(status) for status in TaskStatus}
-        approvals = await self.app.service.store.requests(limit=20)
-        state = self.app.swarm.state
-        days = await state.worker_days(7) if state is not None else []
-        hours, waits, steps = await DashboardQueries(self.app.stores.primary).charts()
+        reads = await self.services.dashboard_reads()
+        hours, waits, steps = await DashboardQueries(self.services.store).charts()
         return DashboardData(
-            tasks,
-            self.app.swarm.worker_lines(),
-            approvals,
-            counts,
-            worker_days=days,
-            rules=await self.app.service.rules.list() if self.app.service.rules is not None else (),
+            reads.tasks,
+            reads.worker_lines,
+            reads.approvals,
+            reads.counts,
+            worker_days=reads.worker_days,
+            rules=reads.rules,
             hours=hours,
             waits=waits,
             plan_steps=steps,
-            calls=calls,
+            calls=reads.calls,
             press=press_latencies(),
             taken_at=time.time(),
             version=version,
         )
 
     async def _approval(self, session: Session, request_id: str) -> web.Response:
-        store = self.app.service.store
-        row = await store.get(request_id) if _REQUEST_ID.fullmatch(request_id) else None
-        if row is None:
+        record = await self.services.approval_record(request_id) if _REQUEST_ID.fullmatch(request_id) else None
+        if record is None:
             raise _not_found("No such approval request.", session)
-        events = await store.events(request_id)
-        cards = await store.cards(request_id)
         return html_response(
             approval_page(
                 session,
-                row,
-                events,
-                cards,
-                public_url=self.app.loaded.config.web.public_url,
+                record.request,
+                record.events,
+                record.cards,
+                public_url=self.services.config.web.public_url,
                 flash=session.take_flash(),
             )
         )
@@ -563,11 +551,8 @@ class WebServer:
 
     async def _swarm_text(self, session: Session, text: str) -> str:
         """Run a ``/swarm`` command for a console person: operators count as admins, readers may only read."""
-        commands = self.app.conversations.swarm
-        if commands is None:
-            return "The /swarm commands are not available: this process runs without the swarm engine."
         if not session.is_operator:
-            config = self.app.loaded.config
+            config = self.services.config
             try:
                 command = parse(text, workers=config.agents.workers, pipelines=config.pipelines)
             except GrammarError as exc:
@@ -575,7 +560,12 @@ class WebServer:
             # a reader may have named themselves after an approver: the role, not the name, decides here
             if required_role(command) is not SwarmRole.READER:
                 return f"{OPERATORS_ONLY}: /swarm {command.verb} needs the operator token"
-        return await commands.run(text, actor=session.actor, platform="web", chat=CONSOLE, is_admin=session.is_operator)
+        answer = await self.services.run_swarm(
+            SwarmCommand(text, actor=session.actor, platform="web", chat=CONSOLE, is_admin=session.is_operator)
+        )
+        if answer is None:
+            return "The /swarm commands are not available: this process runs without the swarm engine."
+        return answer
 
     async def task_action(self, request: web.Request) -> web.Response:
         session, _ = await self._auth().form(request)
@@ -588,7 +578,7 @@ class WebServer:
     async def revoke_rule(self, request: web.Request) -> web.Response:
         session, _ = await self._auth().form(request)
         rule_id = request.match_info["id"]
-        revoked = await self.app.service.revoke_rule(rule_id, actor=session.actor, platform="web")
+        revoked = await self.services.approvals.revoke_rule(rule_id, actor=session.actor, platform="web")
         session.flash.append(
             f"Remembered approval {rule_id} revoked by {session.actor}: the next identical call gets a card."
             if revoked is not None
@@ -599,7 +589,7 @@ class WebServer:
     async def swarm_command(self, request: web.Request) -> web.Response:
         session, fields = await self._auth().form(request)
         text = fields.get("text", "").strip().removeprefix("/swarm").strip()
-        if len(text) > MAX_SWARM_COMMAND:
+        if len(text) > MAX_COMMAND_BYTES:
             session.flash.append(_swarm_too_long(len(text)))
         else:
             session.flash.append(await self._swarm_text(session, text))
@@ -609,24 +599,24 @@ class WebServer:
 
     async def metrics(self, request: web.Request) -> web.Response:
         try:
-            for status in TaskStatus:
-                SWARM_TASKS.labels(status=status.value).set(await self.app.swarm.store.count(status))
+            for status, count in (await self.services.task_counts()).items():
+                SWARM_TASKS.labels(status=status.value).set(count)
         except Exception as exc:  # the rest of the metrics are still worth serving
             count_failure("metrics_swarm")
             log.warning("web.metrics_swarm_failed", error=str(exc))
         body = generate_latest(REGISTRY)
-        if self.app.replication is not None:  # several replicas behind one scrape job: say whose series these are
-            body = with_label(body, "replica", self.app.replica)
+        if self.services.replicated:  # several replicas behind one scrape job: say whose series these are
+            body = with_label(body, "replica", self.services.replica)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: web.Request) -> web.Response:
         """``ok`` (200) or why not (503); among replicas also who leads and whether the store answers."""
-        halted = self.app.service.halted
+        halted = self.services.approvals.halted
         if halted is not None:
             return web.Response(text=f"not deciding: {halted}", status=503)
-        if self.app.replication is None:
+        health = await self.services.replica_health()
+        if health is None:
             return web.Response(text="ok")
-        health = await self.app.replication.health()
         text = "\n".join(["ok" if health.ok else "not deciding: the store cannot be reached", *health.lines()])
         return web.Response(text=text + "\n", status=200 if health.ok else 503)
 

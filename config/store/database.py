@@ -1,60 +1,32 @@
 """The embedded SQLite store: opening it safely and applying additive migrations.
 
 Every layer that keeps state (approvals, the outbox, tasks) owns its own
-migrations and hands them to :func:`open_database`; this module only knows
-how to apply them once, in order, even when two processes start together.
+migrations and hands them to :func:`open_database`; the algorithm that applies
+them once, in order, even when two processes start together, is
+:mod:`kazma.config.store.migrations`, shared with PostgreSQL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import sqlite3
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import aiosqlite
 import structlog
 
+from kazma.config.store.migrations import Migration as Migration  # where the components import it from
+from kazma.config.store.migrations import MigrationError as MigrationError
+from kazma.config.store.migrations import run_migrations
 from kazma.config.store.writer import StoreWriter
 
 log = structlog.get_logger("kazma.store")
-
-# Only additive changes: a later release must still read an older file and an
-# older release must not trip over a newer one.
-# Dropping an index is allowed too: an index holds no data, and an older release reads the file without it.
-_ADDITIVE = re.compile(
-    r"^\s*(CREATE\s+(TABLE|INDEX|UNIQUE\s+INDEX|VIEW|TRIGGER)\s+IF\s+NOT\s+EXISTS"
-    r"|ALTER\s+TABLE\s+\S+\s+ADD\s+COLUMN|DROP\s+INDEX\s+IF\s+EXISTS)\b",
-    re.IGNORECASE,
-)
-
-
-class MigrationError(Exception):
-    """A migration is not additive, or its versions are not in order."""
-
-
-@dataclass(frozen=True)
-class Migration:
-    component: str
-    version: int
-    statements: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        for statement in self.statements:
-            if not _ADDITIVE.match(statement):
-                first = statement.strip().splitlines()[0] if statement.strip() else "(empty)"
-                raise MigrationError(
-                    f"{self.component} v{self.version}: only CREATE ... IF NOT EXISTS, "
-                    f"ALTER TABLE ... ADD COLUMN and DROP INDEX IF EXISTS are allowed, got: {first}"
-                )
-
 
 _SCHEMA_TABLE = """
 CREATE TABLE IF NOT EXISTS kazma_schema (
@@ -101,37 +73,31 @@ async def _switch_to_wal(conn: aiosqlite.Connection, patience: float) -> None:
             await asyncio.sleep(0.02)
 
 
+class _SqliteMigrations:
+    """Migrations on one SQLite connection: ``BEGIN IMMEDIATE`` makes them exclusive between processes."""
+
+    name = "sqlite"
+
+    def __init__(self, conn: aiosqlite.Connection) -> None:
+        self.conn = conn
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        await self.conn.execute(_SCHEMA_TABLE)
+        async with transaction(self.conn):
+            yield
+
+    async def execute(self, sql: str, params: Sequence[object] = ()) -> None:
+        await self.conn.execute(sql, tuple(params))
+
+    async def fetch(self, sql: str) -> list[Sequence[Any]]:
+        cursor = await self.conn.execute(sql)
+        return list(await cursor.fetchall())
+
+
 async def apply_migrations(conn: aiosqlite.Connection, migrations: Iterable[Migration]) -> list[Migration]:
     """Apply every migration not yet recorded; return the ones applied now."""
-    ordered = _check_order(list(migrations))
-    applied: list[Migration] = []
-    await conn.execute(_SCHEMA_TABLE)
-    async with transaction(conn):
-        cursor = await conn.execute("SELECT component, version FROM kazma_schema")
-        done = {(str(row[0]), int(row[1])) for row in await cursor.fetchall()}
-        for migration in ordered:
-            if (migration.component, migration.version) in done:
-                continue
-            for statement in migration.statements:
-                await conn.execute(statement)
-            await conn.execute(
-                "INSERT INTO kazma_schema (component, version, applied_at) VALUES (?, ?, ?)",
-                (migration.component, migration.version, time.time()),
-            )
-            applied.append(migration)
-    for migration in applied:
-        log.info("store.migration_applied", component=migration.component, version=migration.version)
-    return applied
-
-
-def _check_order(migrations: Sequence[Migration]) -> list[Migration]:
-    by_component: dict[str, list[int]] = {}
-    for migration in migrations:
-        by_component.setdefault(migration.component, []).append(migration.version)
-    for component, versions in by_component.items():
-        if versions != sorted(set(versions)) or versions[0] < 1:
-            raise MigrationError(f"{component}: versions must be unique, ascending and start at 1, got {versions}")
-    return list(migrations)
+    return await run_migrations(_SqliteMigrations(conn), migrations)
 
 
 async def open_database(

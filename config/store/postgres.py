@@ -33,8 +33,8 @@ import asyncio
 import functools
 import queue
 import threading
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import psycopg
@@ -43,8 +43,8 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from kazma.config.metrics import count_failure
-from kazma.config.store.database import Migration, _check_order
 from kazma.config.store.group_commit import GroupQueue, Job
+from kazma.config.store.migrations import Migration, run_migrations
 from kazma.config.store.pg_text import nul_safe, nul_safe_async
 
 log = structlog.get_logger("kazma.store")
@@ -369,36 +369,43 @@ class PgStore:
         await self.pool.close()
 
 
-async def apply_pg_migrations(
-    conninfo: str, migrations: Iterable[Migration], *, application_name: str = "kazma-migrate"
-) -> list[Migration]:
-    """Apply every migration not yet recorded, in one transaction under an advisory lock; the ones applied now.
+class _PgMigrations:
+    """Migrations on their own connection, in one transaction under an advisory lock.
 
     DDL is transactional in PostgreSQL: a failed migration leaves nothing behind, and a replica that
     waited for the lock finds every migration recorded and applies none.
     """
-    ordered = _check_order(list(migrations))
-    applied: list[Migration] = []
+
+    name = "postgresql"
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        self.conn = conn
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self.conn.transaction():
+            await self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            await self.conn.execute(_SCHEMA_TABLE)
+            yield
+
+    async def execute(self, sql: str, params: Sequence[object] = ()) -> None:
+        if params:
+            await self.conn.execute(pyformat(sql), tuple(params))
+        else:  # sent as written: psycopg reads no placeholders in a statement without parameters
+            await self.conn.execute(sql)
+
+    async def fetch(self, sql: str) -> list[Sequence[Any]]:
+        cursor = await self.conn.execute(sql)
+        return list(await cursor.fetchall())
+
+
+async def apply_pg_migrations(
+    conninfo: str, migrations: Iterable[Migration], *, application_name: str = "kazma-migrate"
+) -> list[Migration]:
+    """Apply every migration not yet recorded, in one transaction under an advisory lock; the ones applied now."""
     conn = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, application_name=application_name)
-    async with conn, conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
-        await conn.execute(_SCHEMA_TABLE)
-        cursor = await conn.execute("SELECT component, version FROM kazma_schema")
-        done = {(str(row[0]), int(row[1])) for row in await cursor.fetchall()}
-        for migration in ordered:
-            if (migration.component, migration.version) in done:
-                continue
-            for statement in migration.statements:
-                await conn.execute(statement)
-            await conn.execute(
-                "INSERT INTO kazma_schema (component, version, applied_at) VALUES (%s, %s, %s)",
-                (migration.component, migration.version, time.time()),
-            )
-            applied.append(migration)
-    for migration in applied:
-        log.info("store.migration_applied", backend="postgresql", component=migration.component,
-                 version=migration.version)  # fmt: skip
-    return applied
+    async with conn:
+        return await run_migrations(_PgMigrations(conn), migrations)
 
 
 async def open_pg_store(

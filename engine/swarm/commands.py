@@ -15,24 +15,15 @@ from kazma.engine.swarm.endings import ending_lines, execution_of
 from kazma.engine.swarm.grammar import (
     ApproveCommand,
     BreakerResetCommand,
-    BroadcastCommand,
     CancelCommand,
-    ConditionalCommand,
     ConfigCommand,
-    ConsultCommand,
-    DispatchCommand,
-    FanOutCommand,
-    GrammarError,
     HelpCommand,
     HistoryCommand,
     ListCommand,
     MetricsCommand,
-    PipelineCommand,
     RejectCommand,
     RetryCommand,
-    StartCommand,
     StatusCommand,
-    SwarmCommand,
     TasksCommand,
     WorkersCommand,
     help_text,
@@ -40,9 +31,10 @@ from kazma.engine.swarm.grammar import (
 )
 from kazma.engine.swarm.patterns import handoff_paths
 from kazma.engine.swarm.roles import authorize
-from kazma.engine.swarm.service import SwarmRefused, SwarmRequest, SwarmService, request_from
+from kazma.engine.swarm.service import SwarmService, request_from
 from kazma.engine.swarm.store import StoreUnavailable, TaskRecord
-from kazma.engine.swarm.types import TaskStatus
+from kazma.engine.swarm.syntax import GrammarError, StartCommand, SwarmCommand
+from kazma.engine.swarm.types import SwarmRefused, SwarmRequest, TaskStatus
 from kazma.engine.types import tools_line
 
 log = structlog.get_logger("kazma.swarm.commands")
@@ -136,7 +128,7 @@ class SwarmCommands:
         request = replace(_request(command, owner=actor, origin=origin, route=route), context=context)
         task_id = await service.submit(request)
         where = f"; the result goes to {route}" if route else ""
-        return f"swarm task {task_id} started ({request.pattern.value}){where}. Check it with /swarm status {task_id}"
+        return f"swarm task {task_id} started ({request.pattern}){where}. Check it with /swarm status {task_id}"
 
     async def _retry(self, task_id: str, *, actor: str, origin: str, route: str | None) -> str:
         record = await self.service.task(task_id)
@@ -199,30 +191,18 @@ def _request(command: SwarmCommand, *, owner: str, origin: str, route: str | Non
         expect=command.expect,
         deadline_seconds=command.deadline,
     )
-    if isinstance(command, DispatchCommand):
-        return replace(base, workers=(command.worker,) if command.worker else ("auto",), prompt=command.prompt)
-    if isinstance(command, BroadcastCommand):
-        return replace(base, prompt=command.prompt)
-    if isinstance(command, PipelineCommand):
-        return replace(base, workers=command.workers, prompt=command.prompt, preset=command.preset)
-    if isinstance(command, FanOutCommand):
-        return replace(base, workers=command.workers, prompt=command.prompt, aggregation=command.strategy)
-    if isinstance(command, ConditionalCommand):
-        return replace(base, workers=(command.router,), prompt=command.prompt, routes=command.routes)
-    if isinstance(command, ConsultCommand):
-        return replace(base, workers=command.workers, prompt=command.question)
-    raise SwarmRefused(f"/swarm {command.verb} does not start work")
+    return replace(base, **command.request_fields())
 
 
 def _line(record: TaskRecord) -> str:
     when = record.created_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")  # the console shows it in local time
-    return f"{record.id}  {record.status.value:<11} {record.pattern.value:<9} {when}  {record.current_step}"
+    return f"{record.id}  {record.status.value:<11} {record.pattern:<9} {when}  {record.current_step}"
 
 
 def _describe(record: TaskRecord | None, task_id: str, calls: list[CallRecord]) -> str:
     if record is None:
         return f"no swarm task {task_id!r}"
-    lines = [f"swarm task {record.id}: {record.status.value} ({record.pattern.value}, by {record.owner})"]
+    lines = [f"swarm task {record.id}: {record.status.value} ({record.pattern}, by {record.owner})"]
     if record.current_step:
         lines.append(f"step: {record.current_step}")
     if record.error:

@@ -3,96 +3,28 @@
 Parsing is pure: it needs only the configured worker names and pipeline presets,
 so every surface that accepts a ``/swarm`` command refuses exactly the same
 input with exactly the same words. Who may run a parsed command is decided
-separately in :mod:`kazma.engine.swarm.roles`.
+separately in :mod:`kazma.engine.swarm.roles`. The subcommands that start work
+are the registered patterns' (:mod:`kazma.engine.swarm.registry`): the grammar
+reads each with the pattern's own argument reading and names none of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-import re
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, fields
-from enum import StrEnum
-from typing import ClassVar, TypedDict
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 from kazma.config.registry import ROUTE_PLATFORMS, chat_id_problem
-from kazma.engine.swarm.limits import MAX_PROMPT_BYTES as MAX_PROMPT_BYTES  # re-exported: tests and surfaces
-from kazma.engine.swarm.limits import MAX_WORKERS, LimitExceeded, check_prompt
-from kazma.engine.swarm.types import Pattern
+from kazma.engine.swarm import builtin_patterns
+from kazma.engine.swarm.registry import for_verb, registered
+from kazma.engine.swarm.syntax import Access, Arguments, GrammarError, Route, SwarmCommand, Usage, first_word, shown
 
-MAX_LIST_WORKERS = MAX_WORKERS
-AUTO = "auto"
-
-_TASK_ID = re.compile(r"[A-Za-z0-9_-]{4,32}")
 # A near miss of a platform name after "->" is far more likely a typo in a route
 # than task text, so it is refused with a suggestion instead of being dispatched.
 _PLATFORM_TYPO_CUTOFF = 0.75
-
-
-class Access(StrEnum):
-    """What running a subcommand does, which decides who may run it."""
-
-    READ = "read"  # looks at the swarm: anyone allowed in the chat
-    STEER = "steer"  # starts, changes or steers work: an admin
-    ADMIN = "admin"  # shows the swarm's configuration: an admin
-
-
-class GrammarError(ValueError):
-    """Input that is not a ``/swarm`` command.
-
-    ``message`` is complete on its own and written for the person who typed the
-    command; ``usage`` is the relevant usage line (or the whole help text) for
-    surfaces that render it separately, e.g. in a code block.
-    """
-
-    def __init__(self, message: str, usage: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.usage = usage
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where the result goes instead of the chat the command came from."""
-
-    platform: str
-    chat: str
-
-    def __str__(self) -> str:
-        return f"{self.platform}:{self.chat}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class SwarmCommand:
-    """A parsed ``/swarm`` command; each subcommand is a subclass."""
-
-    verb: ClassVar[str]
-    access: ClassVar[Access]
-    route: Route | None = None
-
-    def to_json(self) -> dict[str, object]:
-        """A JSON-ready mapping: ``verb``, the subcommand's fields, then ``route``."""
-        data: dict[str, object] = {"verb": self.verb}
-        for f in fields(self):
-            if f.name == "route":
-                continue
-            value = getattr(self, f.name)
-            data[f.name] = list(value) if isinstance(value, tuple) else value
-        data["route"] = None if self.route is None else {"platform": self.route.platform, "chat": self.route.chat}
-        return data
-
-
-@dataclass(frozen=True, kw_only=True)
-class StartCommand(SwarmCommand):
-    """A command that starts new work with one of the swarm's patterns.
-
-    Options come right before the task: ``--expect json|<schema>`` makes every worker
-    answer match, ``--deadline <seconds>`` bounds the whole task.
-    """
-
-    pattern: ClassVar[Pattern]
-    expect: str | None = None
-    deadline: int | None = None
+BUILTIN_PATTERNS = builtin_patterns.PATTERNS  # registered on import: every surface that parses knows them
 
 
 @dataclass(frozen=True)
@@ -136,53 +68,6 @@ class WorkersCommand(SwarmCommand):
 
 
 @dataclass(frozen=True)
-class DispatchCommand(StartCommand):
-    verb: ClassVar[str] = "dispatch"
-    access: ClassVar[Access] = Access.STEER
-    pattern: ClassVar[Pattern] = Pattern.DISPATCH
-    worker: str | None  # None: "auto", the engine picks the worker whose expertise fits
-    prompt: str
-
-
-@dataclass(frozen=True)
-class BroadcastCommand(StartCommand):
-    verb: ClassVar[str] = "broadcast"
-    access: ClassVar[Access] = Access.STEER
-    pattern: ClassVar[Pattern] = Pattern.BROADCAST
-    prompt: str
-
-
-@dataclass(frozen=True)
-class PipelineCommand(StartCommand):
-    verb: ClassVar[str] = "pipeline"
-    access: ClassVar[Access] = Access.STEER
-    pattern: ClassVar[Pattern] = Pattern.PIPELINE
-    workers: tuple[str, ...]  # the stages in order, resolved from the preset when one was named
-    prompt: str
-    preset: str | None = None
-
-
-@dataclass(frozen=True)
-class FanOutCommand(StartCommand):
-    verb: ClassVar[str] = "fanout"
-    access: ClassVar[Access] = Access.STEER
-    pattern: ClassVar[Pattern] = Pattern.FAN_OUT
-    workers: tuple[str, ...]
-    prompt: str
-    strategy: str = "collect"
-
-
-@dataclass(frozen=True)
-class ConditionalCommand(StartCommand):
-    verb: ClassVar[str] = "conditional"
-    access: ClassVar[Access] = Access.STEER
-    pattern: ClassVar[Pattern] = Pattern.CONDITIONAL
-    router: str  # the worker whose answer names the branch
-    routes: tuple[tuple[str, str], ...]  # (branch, worker)
-    prompt: str
-
-
-@dataclass(frozen=True)
 class BreakerResetCommand(SwarmCommand):
     verb: ClassVar[str] = "breaker"
     access: ClassVar[Access] = Access.ADMIN
@@ -194,15 +79,6 @@ class MetricsCommand(SwarmCommand):
     verb: ClassVar[str] = "metrics"
     access: ClassVar[Access] = Access.READ
     days: int = 7
-
-
-@dataclass(frozen=True)
-class ConsultCommand(StartCommand):
-    verb: ClassVar[str] = "consult"
-    access: ClassVar[Access] = Access.STEER
-    pattern: ClassVar[Pattern] = Pattern.CONSULT
-    workers: tuple[str, ...]
-    question: str
 
 
 @dataclass(frozen=True)
@@ -243,103 +119,52 @@ class ConfigCommand(SwarmCommand):
     access: ClassVar[Access] = Access.ADMIN
 
 
-AnySwarmCommand = (
-    HelpCommand
-    | StatusCommand
-    | ListCommand
-    | HistoryCommand
-    | TasksCommand
-    | WorkersCommand
-    | DispatchCommand
-    | BroadcastCommand
-    | PipelineCommand
-    | FanOutCommand
-    | ConsultCommand
-    | ConditionalCommand
-    | BreakerResetCommand
-    | MetricsCommand
-    | CancelCommand
-    | ApproveCommand
-    | RejectCommand
-    | RetryCommand
-    | ConfigCommand
+_READING = (
+    Usage("help", "", "nothing", "the subcommands and who may run them", Access.READ),
+    Usage("status", "[task-id]", "at most one task id", "the swarm at a glance, or one task", Access.READ),
+    Usage("list", "", "nothing", "running and paused tasks", Access.READ),
+    Usage("history", "", "nothing", "recently finished tasks", Access.READ),
+    Usage(
+        "tasks",
+        "[--worker <worker>]",
+        "at most --worker and a worker",
+        "tasks newest first, or those a worker was named in or ran",
+        Access.READ,
+    ),
+    Usage("workers", "", "nothing", "the workers and what they are good at", Access.READ),
+)
+_STEERING = (
+    Usage("cancel", "<task-id>", "a task id", "stop a running task", Access.STEER),
+    Usage("approve", "<task-id>", "a task id", "continue a pipeline paused at a checkpoint", Access.STEER),
+    Usage("reject", "<task-id>", "a task id", "stop a pipeline paused at a checkpoint", Access.STEER),
+    Usage("retry", "<task-id>", "a task id", "run a failed or interrupted task again", Access.STEER),
+    Usage("config", "", "nothing", "the swarm's settings", Access.ADMIN),
+    Usage("breaker", "reset <worker>", "'reset' and a worker", "close a worker's circuit breaker", Access.ADMIN),
+    Usage("metrics", "[days]", "at most a number of days", "per-worker numbers per day", Access.READ),
 )
 
 
-@dataclass(frozen=True)
-class Usage:
-    verb: str
-    arguments: str  # after the verb, e.g. "<worker|auto> <task>"
-    needs: str  # what the subcommand cannot do without, for error messages
-    summary: str
-    access: Access
+class _Usages(Mapping[str, Usage]):
+    """Every subcommand's usage in help order: reading, then the registered patterns, then steering the rest."""
 
-    @property
-    def line(self) -> str:
-        return f"/swarm {self.verb} {self.arguments}".rstrip()
+    def _all(self) -> dict[str, Usage]:
+        # the grammar's own verbs cannot be taken by a pattern
+        starting = [p.usage for p in registered() if p.verb not in _OWN_VERBS]
+        return {usage.verb: usage for usage in (*_READING, *starting, *_STEERING)}
+
+    def __getitem__(self, verb: str) -> Usage:
+        return self._all()[verb]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
 
 
-USAGES: Mapping[str, Usage] = {
-    u.verb: u
-    for u in (
-        Usage("help", "", "nothing", "the subcommands and who may run them", Access.READ),
-        Usage("status", "[task-id]", "at most one task id", "the swarm at a glance, or one task", Access.READ),
-        Usage("list", "", "nothing", "running and paused tasks", Access.READ),
-        Usage("history", "", "nothing", "recently finished tasks", Access.READ),
-        Usage(
-            "tasks",
-            "[--worker <worker>]",
-            "at most --worker and a worker",
-            "tasks newest first, or those a worker was named in or ran",
-            Access.READ,
-        ),
-        Usage("workers", "", "nothing", "the workers and what they are good at", Access.READ),
-        Usage(
-            "dispatch",
-            "<worker|auto> <task>",
-            "a worker and a task",
-            "hand a task to one worker (auto: the best fit)",
-            Access.STEER,
-        ),
-        Usage("broadcast", "<task>", "a task", "give the same task to every worker", Access.STEER),
-        Usage(
-            "pipeline",
-            "<preset|w1,w2,…> <task>",
-            "a preset or workers, and a task",
-            "pass a task through workers in turn",
-            Access.STEER,
-        ),
-        Usage(
-            "fanout",
-            "<w1,w2,…> [--strategy collect|merge_all|vote|best|synthesize] <task>",
-            "workers and a task",
-            "run a task on several workers at once",
-            Access.STEER,
-        ),
-        Usage(
-            "conditional",
-            "<router> <branch=worker,…> <task>",
-            "a router worker, a route map and a task",
-            "let the router's answer pick the branch that runs the task",
-            Access.STEER,
-        ),
-        Usage(
-            "consult",
-            "<w1,w2,…> <question>",
-            "workers and a question",
-            "ask several workers and compare their answers",
-            Access.STEER,
-        ),
-        Usage("cancel", "<task-id>", "a task id", "stop a running task", Access.STEER),
-        Usage("approve", "<task-id>", "a task id", "continue a pipeline paused at a checkpoint", Access.STEER),
-        Usage("reject", "<task-id>", "a task id", "stop a pipeline paused at a checkpoint", Access.STEER),
-        Usage("retry", "<task-id>", "a task id", "run a failed or interrupted task again", Access.STEER),
-        Usage("config", "", "nothing", "the swarm's settings", Access.ADMIN),
-        Usage("breaker", "reset <worker>", "'reset' and a worker", "close a worker's circuit breaker", Access.ADMIN),
-        Usage("metrics", "[days]", "at most a number of days", "per-worker numbers per day", Access.READ),
-    )
-}
-VERBS: tuple[str, ...] = tuple(USAGES)
+_OWN_VERBS = frozenset(u.verb for u in (*_READING, *_STEERING))
+USAGES: Mapping[str, Usage] = _Usages()
+VERBS: tuple[str, ...] = tuple(USAGES)  # the subcommands as built: the grammar's and the built-in patterns'
 
 _ACCESS_LABEL = {
     Access.READ: "reading, anyone",
@@ -351,8 +176,9 @@ ROUTE_USAGE = "/swarm <subcommand> … -> <platform>:<chat>"
 
 def help_text() -> str:
     """One line per subcommand: usage, who may run it, what it does; then the routing suffix."""
-    width = max(len(u.line) for u in USAGES.values())
-    lines = [f"{u.line:<{width}}  ({_ACCESS_LABEL[u.access]}) {u.summary}" for u in USAGES.values()]
+    usages = list(USAGES.values())
+    width = max(len(u.line) for u in usages)
+    lines = [f"{u.line:<{width}}  ({_ACCESS_LABEL[u.access]}) {u.summary}" for u in usages]
     lines.append(
         "Before the task, work commands take --expect json|<schema> (every answer must match) "
         "and --deadline <seconds> (the whole task)."
@@ -375,93 +201,70 @@ def parse(text: str, *, workers: Collection[str], pipelines: Mapping[str, Sequen
         if route is not None:
             raise GrammarError(f"a route needs a command before it: {ROUTE_USAGE}", ROUTE_USAGE)
         return HelpCommand()
-    head, rest = _first_word(body)
+    head, rest = first_word(body)
     verb = head.lower()
     usage = USAGES.get(verb)
     if usage is None:
         raise _unknown_subcommand(head)
-    p = _Parser(usage, workers, pipelines)
+    pattern = None if verb in _OWN_VERBS else for_verb(verb)
+    if pattern is None:
+        return dataclasses.replace(_own(verb, Arguments(usage, workers, pipelines), rest), route=route)
+    p = Arguments(usage, workers, pipelines, options=pattern.options, prompt_word=pattern.prompt_word)
+    opts, rest = p.options(rest)
+    return dataclasses.replace(pattern.parse(p, rest, opts), route=route)
+
+
+def _own(verb: str, p: Arguments, rest: str) -> SwarmCommand:
+    """The grammar's own subcommands: reading the swarm and steering its tasks."""
     match verb:
         case "help":
             p.no_arguments(rest)
-            return HelpCommand(route=route)
+            return HelpCommand()
         case "status":
-            return StatusCommand(p.optional_task_id(rest), route=route)
+            return StatusCommand(p.optional_task_id(rest))
         case "list":
             p.no_arguments(rest)
-            return ListCommand(route=route)
+            return ListCommand()
         case "history":
             p.no_arguments(rest)
-            return HistoryCommand(route=route)
+            return HistoryCommand()
         case "workers":
             p.no_arguments(rest)
-            return WorkersCommand(route=route)
+            return WorkersCommand()
         case "tasks":
             if not rest:
-                return TasksCommand(route=route)
-            option, worker = _first_word(rest)
+                return TasksCommand()
+            option, worker = first_word(rest)
             if option.lower() != "--worker" or not worker or len(worker.split()) != 1:
                 raise p.fail("tasks takes --worker <worker> or nothing")
-            p._check_worker(worker.lower())
-            return TasksCommand(worker.lower(), route=route)
+            p.check_worker(worker.lower())
+            return TasksCommand(worker.lower())
         case "config":
             p.no_arguments(rest)
-            return ConfigCommand(route=route)
+            return ConfigCommand()
         case "breaker":
-            action, worker = _first_word(rest) if rest else ("", "")
+            action, worker = first_word(rest) if rest else ("", "")
             if action.lower() != "reset" or not worker or len(worker.split()) != 1:
                 raise p.missing()
-            p._check_worker(worker.lower())
-            return BreakerResetCommand(worker.lower(), route=route)
+            p.check_worker(worker.lower())
+            return BreakerResetCommand(worker.lower())
         case "metrics":
             if not rest:
-                return MetricsCommand(route=route)
+                return MetricsCommand()
             if not rest.isdigit() or not 1 <= int(rest) <= 366:
                 raise p.fail("metrics takes a number of days from 1 to 366")
-            return MetricsCommand(int(rest), route=route)
-    opts, rest = p.options(rest)
+            return MetricsCommand(int(rest))
+    _, rest = p.options(rest)  # as every steering subcommand has always: leading options are read, then dropped
     match verb:
-        case "dispatch":
-            token, prompt = p.word_and_prompt(rest)
-            opts, prompt = p.options(prompt, opts)
-            return DispatchCommand(p.dispatch_worker(token), p.prompt(prompt), route=route, **p.start(opts))
-        case "broadcast":
-            return BroadcastCommand(p.prompt(rest), route=route, **p.start(opts))
-        case "pipeline":
-            token, prompt = p.word_and_prompt(rest)
-            opts, prompt = p.options(prompt, opts)
-            preset, stages = p.pipeline_stages(token)
-            return PipelineCommand(stages, p.prompt(prompt), preset=preset, route=route, **p.start(opts))
-        case "fanout":
-            token, prompt = p.word_and_prompt(rest)
-            opts, prompt = p.options(prompt, opts)
-            strategy = p.strategy(opts.pop("strategy", "collect"))
-            return FanOutCommand(p.worker_list(token), p.prompt(prompt), strategy, route=route, **p.start(opts))
-        case "conditional":
-            router, after = p.word_and_prompt(rest)
-            routes_token, prompt = p.word_and_prompt(after)
-            opts, prompt = p.options(prompt, opts)
-            p._check_worker(router.lower())
-            routes = p.route_map(routes_token)
-            return ConditionalCommand(router.lower(), routes, p.prompt(prompt), route=route, **p.start(opts))
-        case "consult":
-            token, prompt = p.word_and_prompt(rest)
-            opts, prompt = p.options(prompt, opts)
-            return ConsultCommand(p.worker_list(token), p.prompt(prompt), route=route, **p.start(opts))
         case "cancel":
-            return CancelCommand(p.task_id(rest), route=route)
+            return CancelCommand(p.task_id(rest))
         case "approve":
-            return ApproveCommand(p.task_id(rest), route=route)
+            return ApproveCommand(p.task_id(rest))
         case "reject":
-            return RejectCommand(p.task_id(rest), route=route)
+            return RejectCommand(p.task_id(rest))
         case "retry":
-            return RetryCommand(p.task_id(rest), route=route)
+            return RetryCommand(p.task_id(rest))
     raise AssertionError(f"USAGES names {verb!r} but parse does not handle it")  # pragma: no cover
-
-
-def _first_word(text: str) -> tuple[str, str]:
-    parts = text.split(None, 1)
-    return parts[0], (parts[1] if len(parts) == 2 else "")
 
 
 def _split_route(text: str) -> tuple[str, Route | None]:
@@ -491,188 +294,13 @@ def _route_chat(platform: str, chat: str) -> str:
     problem = chat_id_problem(platform, chat)
     if problem is not None:
         raise GrammarError(
-            f"cannot route to {_shown(f'{platform}:{chat}', 60)}: {problem}; routes look like {ROUTE_USAGE}",
+            f"cannot route to {shown(f'{platform}:{chat}', 60)}: {problem}; routes look like {ROUTE_USAGE}",
             ROUTE_USAGE,
         )
     return chat
 
 
 def _unknown_subcommand(word: str) -> GrammarError:
-    near = difflib.get_close_matches(word.lower(), VERBS, n=1)
+    near = difflib.get_close_matches(word.lower(), list(USAGES), n=1)
     hint = f"; did you mean {near[0]!r}?" if near else ""
-    return GrammarError(f"unknown subcommand {_shown(word)}{hint}\n{help_text()}", help_text())
-
-
-def _shown(value: str, limit: int = 40) -> str:
-    return repr(value if len(value) <= limit else value[:limit] + "…")
-
-
-class _StartOptions(TypedDict):
-    expect: str | None
-    deadline: int | None
-
-
-class _Parser:
-    """Argument checks for one subcommand, so every error names its usage."""
-
-    def __init__(self, usage: Usage, workers: Collection[str], pipelines: Mapping[str, Sequence[str]]) -> None:
-        self.usage = usage
-        self.workers = workers
-        self.pipelines = pipelines
-
-    def fail(self, message: str) -> GrammarError:
-        return GrammarError(f"{message}: {self.usage.line}", self.usage.line)
-
-    def missing(self) -> GrammarError:
-        return self.fail(f"{self.usage.verb} needs {self.usage.needs}")
-
-    def no_arguments(self, rest: str) -> None:
-        if rest:
-            raise self.fail(f"{self.usage.verb} takes no arguments")
-
-    def task_id(self, rest: str) -> str:
-        if not rest:
-            raise self.missing()
-        token, extra = _first_word(rest)
-        if extra:
-            raise self.fail(f"{self.usage.verb} takes one task id")
-        return self._check_task_id(token)
-
-    def optional_task_id(self, rest: str) -> str | None:
-        if not rest:
-            return None
-        token, extra = _first_word(rest)
-        if extra:
-            raise self.fail(f"{self.usage.verb} takes at most one task id")
-        return self._check_task_id(token)
-
-    def _check_task_id(self, token: str) -> str:
-        if not _TASK_ID.fullmatch(token):
-            raise self.fail(f"{_shown(token)} is not a task id (4 to 32 letters, digits, '-' or '_')")
-        return token
-
-    _OPTIONS = ("expect", "deadline", "strategy")
-    _STRATEGIES = ("collect", "merge_all", "vote", "best", "synthesize")
-
-    def options(self, text: str, found: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
-        """Take leading ``--name value`` pairs off ``text``; the rest is the task."""
-        opts = dict(found or {})
-        while text.startswith("--"):
-            name, rest = _first_word(text)
-            value, text = _first_word(rest) if rest else ("", "")
-            key = name[2:].lower()
-            if key not in self._OPTIONS or (key == "strategy" and self.usage.verb != "fanout"):
-                raise self.fail(f"unknown option {_shown(name)}")
-            if not value:
-                raise self.fail(f"{name} needs a value")
-            if key in opts:
-                raise self.fail(f"{name} is given twice")
-            opts[key] = value
-        return opts, text
-
-    def start(self, opts: dict[str, str]) -> _StartOptions:
-        deadline = opts.get("deadline")
-        if deadline is not None and (not deadline.isdigit() or not 1 <= int(deadline) <= 86400):
-            raise self.fail("--deadline takes whole seconds from 1 to 86400")
-        expect = opts.get("expect")
-        if expect is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", expect):
-            raise self.fail("--expect takes json or a schema name from swarm.schemas")
-        return {"expect": expect, "deadline": None if deadline is None else int(deadline)}
-
-    def strategy(self, value: str) -> str:
-        if value.lower() not in self._STRATEGIES:
-            raise self.fail(f"unknown strategy {_shown(value)} (strategies: {', '.join(self._STRATEGIES)})")
-        return value.lower()
-
-    def route_map(self, token: str) -> tuple[tuple[str, str], ...]:
-        pairs: list[tuple[str, str]] = []
-        for item in token.split(","):
-            branch, eq, worker = item.partition("=")
-            if not eq or not re.fullmatch(r"[a-z0-9_-]{1,32}", branch.lower()):
-                raise self.fail(f"the route map {_shown(token)} needs branch=worker pairs separated by commas")
-            self._check_worker(worker.lower())
-            if any(b == branch.lower() for b, _ in pairs):
-                raise self.fail(f"branch {branch.lower()!r} is listed twice")
-            pairs.append((branch.lower(), worker.lower()))
-        if len(pairs) > MAX_LIST_WORKERS:
-            raise self.fail(f"at most {MAX_LIST_WORKERS} branches")
-        return tuple(pairs)
-
-    def word_and_prompt(self, rest: str) -> tuple[str, str]:
-        token, prompt = _first_word(rest) if rest else ("", "")
-        if not prompt:
-            raise self.missing()
-        return token, self.prompt(prompt)
-
-    def prompt(self, text: str) -> str:
-        if not text:
-            raise self.missing()
-        try:
-            check_prompt(text, word=self._prompt_word())
-        except LimitExceeded as exc:
-            raise self.fail(str(exc)) from None
-        return text
-
-    def _prompt_word(self) -> str:
-        return "question" if self.usage.verb == "consult" else "task"
-
-    def dispatch_worker(self, token: str) -> str | None:
-        name = token.lower()
-        if name == AUTO:
-            return None
-        self._check_worker(name)
-        return name
-
-    def pipeline_stages(self, token: str) -> tuple[str | None, tuple[str, ...]]:
-        if token in self.pipelines:
-            stages = tuple(self.pipelines[token])
-            for stage in stages:
-                if stage not in self.workers:
-                    raise self.fail(f"pipeline preset {token!r} names unknown worker {stage!r}")
-            return token, stages
-        if "," in token or token.lower() in self.workers:
-            return None, self.worker_list(token)
-        if token.lower() == AUTO:
-            raise self._auto_refused()
-        candidates = [*self.pipelines, *self.workers]
-        near = difflib.get_close_matches(token.lower(), candidates, n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        presets = ", ".join(sorted(self.pipelines)) or "none configured"
-        raise self.fail(
-            f"unknown pipeline preset or worker {_shown(token)}{hint} (presets: {presets}; workers: {self._known()})"
-        )
-
-    def worker_list(self, token: str) -> tuple[str, ...]:
-        names = token.split(",")
-        if len(names) > MAX_LIST_WORKERS:
-            raise self.fail(f"{len(names)} workers listed; at most {MAX_LIST_WORKERS} may take part in one task")
-        if any(not name for name in names):
-            raise self.fail(
-                f"the worker list {_shown(token)} has an empty name; "
-                "separate worker names with commas and no spaces, e.g. researcher,builder"
-            )
-        lowered = [name.lower() for name in names]
-        seen: set[str] = set()
-        for name in lowered:
-            if name == AUTO:
-                raise self._auto_refused()
-            self._check_worker(name)
-            if name in seen:
-                raise self.fail(f"worker {name!r} is listed twice")
-            seen.add(name)
-        return tuple(lowered)
-
-    def _check_worker(self, name: str) -> None:
-        if name in self.workers:
-            return
-        near = difflib.get_close_matches(name, list(self.workers), n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise self.fail(f"unknown worker {_shown(name)}{hint} (workers: {self._known()})")
-
-    def _auto_refused(self) -> GrammarError:
-        return self.fail(
-            f"'auto' picks a single worker and only works with dispatch; name the {self.usage.verb} workers"
-        )
-
-    def _known(self) -> str:
-        return ", ".join(sorted(self.workers)) or "none configured"
+    return GrammarError(f"unknown subcommand {shown(word)}{hint}\n{help_text()}", help_text())

@@ -5,23 +5,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kazma.approvals.policy import SafetyPolicy
 from kazma.engine.agent import InternalTool, TurnContext
 from kazma.engine.fence import fence_untrusted
 from kazma.engine.swarm.endings import execution_of, kept_answers
+from kazma.engine.swarm.registry import named, registered
 from kazma.engine.swarm.roles import SHARED_OPERATORS_HINT
-from kazma.engine.swarm.service import CHECK_DEFAULT_WAIT, CHECK_MAX_WAIT, SwarmRefused, SwarmRequest, SwarmService
+from kazma.engine.swarm.service import BUILTIN_PATTERNS, CHECK_DEFAULT_WAIT, CHECK_MAX_WAIT, SwarmService
 from kazma.engine.swarm.store import StoreUnavailable
-from kazma.engine.swarm.types import Pattern
+from kazma.engine.swarm.types import SwarmRefused, SwarmRequest
 from kazma.engine.tools.registry import ToolResult
 from kazma.engine.types import ToolSpec
 
 
 class DispatchSwarmArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    pattern: Literal["dispatch", "broadcast", "pipeline", "fan_out", "consult", "conditional"]
+    pattern: str = Field(description="a swarm pattern: " + ", ".join(p.name for p in BUILTIN_PATTERNS))
     task: str = Field(min_length=1)
     workers: list[str] = Field(
         default_factory=list, description="worker names, or ['auto'] with dispatch; conditional: [router]"
@@ -32,6 +33,13 @@ class DispatchSwarmArgs(BaseModel):
     expect: str | None = Field(default=None, description="'json' or a schema name: every answer must match")
     deadline_seconds: int | None = Field(default=None, ge=1, le=86400)
     context: str = Field(default="", description="material every worker gets with the task, as data (256 KiB)")
+
+    @field_validator("pattern")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if named(value) is None:
+            raise ValueError(f"unknown pattern {value!r} (patterns: {', '.join(p.name for p in registered())})")
+        return value
 
 
 class CheckSwarmArgs(BaseModel):
@@ -62,7 +70,7 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
         if not verdict.allowed:
             return ToolResult(ok=False, output="", error=f"not started: {verdict.reason}")
         request = SwarmRequest(
-            pattern=Pattern(args.pattern),
+            pattern=args.pattern,
             workers=tuple(args.workers),
             prompt=args.task,
             owner=f"agent:{ctx.agent.name}",
@@ -106,11 +114,10 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             text += "\n" + fence_untrusted(answer, source=f"swarm task {record.id}: the answer {worker} finished")
         return ToolResult(ok=True, output=text)
 
+    schema = DispatchSwarmArgs.model_json_schema()
+    schema["properties"]["pattern"]["enum"] = [p.name for p in registered()]  # the patterns known as it is offered
     return [
-        InternalTool(
-            ToolSpec("dispatch_swarm", "Start work on the swarm of workers.", DispatchSwarmArgs.model_json_schema()),
-            dispatch,
-        ),
+        InternalTool(ToolSpec("dispatch_swarm", "Start work on the swarm of workers.", schema), dispatch),
         InternalTool(
             ToolSpec(
                 "check_swarm_task",

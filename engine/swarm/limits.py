@@ -13,11 +13,13 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-KIB = 1024
+from kazma.config.limits import KIB
+
 MAX_PROMPT_BYTES = 64 * KIB
 MAX_CONTEXT_BYTES = 256 * KIB
 MAX_METADATA_BYTES = 64 * KIB
-MAX_WORKERS = 32  # workers in one task (and branches of a conditional)
+# A whole /swarm command as a form sends it: a task of up to MAX_PROMPT_BYTES and the words around it.
+MAX_COMMAND_BYTES = MAX_PROMPT_BYTES + KIB
 
 LIMITS: Mapping[str, int] = {
     "prompt": MAX_PROMPT_BYTES,

@@ -13,7 +13,7 @@ from kazma.engine.swarm.store import TaskRecord
 def task_json(record: TaskRecord, calls: Sequence[CallRecord]) -> dict[str, Any]:
     return {
         "id": record.id,
-        "pattern": record.pattern.value,
+        "pattern": record.pattern,
         "status": record.status.value,
         "owner": record.owner,
         "route": record.route,

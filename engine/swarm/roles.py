@@ -13,7 +13,7 @@ from enum import StrEnum
 
 from kazma.config.models import KazmaConfig
 from kazma.config.registry import CHAT_PLATFORMS
-from kazma.engine.swarm.grammar import Access, SwarmCommand
+from kazma.engine.swarm.syntax import Access, SwarmCommand
 
 SHARED_OPERATORS_HINT = "tasks are not separated per user; set swarm.allow_shared_operators: true to allow it"
 

@@ -17,14 +17,17 @@ from kazma.approvals.model import Decision
 from kazma.approvals.service import ApprovalService
 from kazma.config import failpoints
 from kazma.config.backoff import Backoff
+from kazma.config.limits import MAX_WORKERS
 from kazma.config.models import KazmaConfig
+from kazma.config.supervisor import Supervisor
 from kazma.engine.fence import NOTHING, Fenced, fence_untrusted, join_fenced
-from kazma.engine.swarm import patterns
+from kazma.engine.swarm import builtin_patterns, patterns
 from kazma.engine.swarm.calls import TaskCalls, WorkerCalls
 from kazma.engine.swarm.checkpoints import Checkpoints, checkpoint_id
 from kazma.engine.swarm.endings import Unsaved, ending_lines
-from kazma.engine.swarm.limits import MAX_WORKERS, LimitExceeded, check_context, check_metadata, check_prompt
+from kazma.engine.swarm.limits import LimitExceeded, check_context, check_metadata, check_prompt
 from kazma.engine.swarm.metrics import ROUTING, swarm_failure
+from kazma.engine.swarm.registry import PatternRun, Stages, SwarmPattern, named, registered
 from kazma.engine.swarm.reliability import CircuitBreaker, OutputValidator
 from kazma.engine.swarm.routing import EmbeddingRouter
 from kazma.engine.swarm.state_store import SwarmStateStore
@@ -35,7 +38,7 @@ from kazma.engine.swarm.store import (
     TaskRecord,
     TaskRun,
 )
-from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, Worker, WorkerResult
+from kazma.engine.swarm.types import ErrorKind, SwarmRefused, SwarmRequest, TaskStatus, Worker, WorkerResult
 from kazma.engine.tools.executions import Effects, ExecutionRecord, ExecutionSummary, Outcome, tracking
 from kazma.engine.types import Usage
 
@@ -48,43 +51,9 @@ STORE_UNAVAILABLE = "task store unavailable — nothing started, send again"
 # A task's ending the store refused is stored again after 1, 2, 4 … up to 60 seconds.
 _STORE_LATER = Backoff(base=1.0, cap=60.0, jitter=False)
 _EPOCH = datetime.fromtimestamp(0, UTC)
+BUILTIN_PATTERNS = builtin_patterns.PATTERNS  # registered on import: a task names one of them or a later one
 
 Report = Callable[[str], Awaitable[None]]
-
-
-class SwarmRefused(ValueError):
-    """The request is out of bounds or names what does not exist; nothing ran."""
-
-
-@dataclass(frozen=True)
-class SwarmRequest:
-    pattern: Pattern
-    workers: tuple[str, ...]  # ("auto",) lets dispatch route by expertise
-    prompt: str
-    owner: str
-    route: str | None = None
-    aggregation: str = "collect"
-    preset: str | None = None
-    conversation: str = "swarm"
-    routes: tuple[tuple[str, str], ...] = ()  # conditional: (branch, worker); workers[0] is the router
-    expect: str | None = None  # "json" or a schema name from swarm.schemas: every worker answer must match
-    deadline_seconds: int | None = None  # None: swarm.task_deadline_seconds
-    context: str = ""  # material every worker gets with the task, fenced as data (the lead's, or a file's)
-
-    def metadata(self) -> dict[str, Any]:
-        """Everything but the prompt and the context: what the metadata limit bounds."""
-        return {
-            "workers": list(self.workers),
-            "aggregation": self.aggregation,
-            "preset": self.preset,
-            "conversation": self.conversation,
-            "routes": [list(pair) for pair in self.routes],
-            "expect": self.expect,
-            "deadline_seconds": self.deadline_seconds,
-        }
-
-    def as_json(self) -> dict[str, Any]:
-        return {**self.metadata(), "prompt": self.prompt, "context": self.context}
 
 
 class CoalescingReporter:
@@ -141,15 +110,14 @@ class SwarmService:
     refiner: patterns.Synthesizer | None = None  # distils a successful pipeline into one report
     router: EmbeddingRouter | None = None  # semantic routing for workers=auto; keywords when None
     executions: ExecutionRecord | None = None  # every tool execution's row: what each ending says of its tools
+    _tasks: Supervisor = field(default_factory=lambda: Supervisor("swarm_task"))  # runs, and waits for checkpoints
     _running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _finished: dict[str, asyncio.Event] = field(default_factory=dict)
-    _waiters: set[asyncio.Task[None]] = field(default_factory=set)
     _current: dict[str, TaskRun] = field(default_factory=dict)  # a checkpoint resume moves a task to a new run
     _capacity: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever a task stops running here
     _deadlines: dict[str, asyncio.Timeout] = field(default_factory=dict)  # each running task's deadline
     _effects: dict[str, Effects] = field(default_factory=dict)  # what each running task's tools did, in memory
     _unsaved: dict[str, Unsaved] = field(default_factory=dict)  # endings the store refused, kept until stored
-    _later: set[asyncio.Task[None]] = field(default_factory=set)  # those endings being stored again
     _kept_runs: dict[str, TaskRun] = field(default_factory=dict)  # the run each kept ending belongs to
     # told (no arguments) whenever a task's state or a worker's numbers may have changed: the live dashboard
     listeners: list[Callable[[], None]] = field(default_factory=list)
@@ -214,10 +182,11 @@ class SwarmService:
 
         With ``route=False`` a ``workers=auto`` request comes back with no workers: the caller routes it.
         """
+        pattern = self.pattern(request)
         if not request.prompt.strip():
             raise SwarmRefused("the task is empty")
         try:
-            check_prompt(request.prompt, word="question" if request.pattern is Pattern.CONSULT else "task")
+            check_prompt(request.prompt, word=pattern.prompt_word)
             check_context(request.context, what="task's context")
             check_metadata(request.metadata())
         except LimitExceeded as exc:
@@ -228,23 +197,18 @@ class SwarmService:
             if stages is None:
                 raise SwarmRefused(f"unknown pipeline preset {request.preset!r} ({', '.join(self.config.pipelines)})")
             names = list(stages)
-        if request.pattern is Pattern.BROADCAST and not names:
-            names = list(self.workers)
         if len(names) > MAX_WORKERS:
             raise SwarmRefused(f"{len(names)} workers requested; at most {MAX_WORKERS}")
-        if request.pattern is Pattern.CONDITIONAL:
-            if len(request.routes) > MAX_WORKERS:
-                raise SwarmRefused(f"{len(request.routes)} branches given; at most {MAX_WORKERS}")
-            names = [*names[:1], *(worker for _, worker in request.routes)]
-            if not request.routes:
-                raise SwarmRefused("conditional needs a route map: branch=worker,…")
+        if pattern.resolve is not None:
+            names = pattern.resolve(request, names, list(self.workers))
         if request.expect is not None:
             self.validator(request.expect)
         if request.deadline_seconds is not None and not 1 <= request.deadline_seconds <= 86400:
             raise SwarmRefused("a task deadline is 1 to 86400 seconds")
         if names == ["auto"]:
-            if request.pattern is not Pattern.DISPATCH:
-                raise SwarmRefused("workers=auto works with dispatch only")
+            if not pattern.auto:
+                choosing = ", ".join(p.name for p in registered() if p.auto)
+                raise SwarmRefused(f"workers=auto works with {choosing} only")
             if not route:
                 return []
             try:
@@ -261,6 +225,15 @@ class SwarmService:
         except ValueError as exc:
             raise SwarmRefused(str(exc)) from None
         return [self.workers[n] for n in names]
+
+    @staticmethod
+    def pattern(request: SwarmRequest) -> SwarmPattern:
+        """The registered pattern the request names."""
+        pattern = named(request.pattern)
+        if pattern is None:
+            known = ", ".join(p.name for p in registered())
+            raise SwarmRefused(f"unknown swarm pattern {request.pattern!r} (patterns: {known})")
+        return pattern
 
     def validator(self, expect: str) -> OutputValidator:
         """``json``: any JSON; otherwise a schema named in ``swarm.schemas``."""
@@ -313,9 +286,7 @@ class SwarmService:
                 with contextlib.suppress(StoreUnavailable):
                     await self.store.finish(run, TaskStatus.FAILED, result=None, error=f"not started: {exc}")
                 raise SwarmRefused(STORE_UNAVAILABLE) from None
-        self._report(
-            f"swarm task {run.task_id} started: {request.pattern.value} with {', '.join(w.name for w in workers)}"
-        )
+        self._report(f"swarm task {run.task_id} started: {request.pattern} with {', '.join(w.name for w in workers)}")
         self._spawn(run, request, workers)
         return run.task_id
 
@@ -323,7 +294,7 @@ class SwarmService:
         self, run: TaskRun, request: SwarmRequest, workers: Sequence[Worker], *, done: Sequence[WorkerResult] = ()
     ) -> None:
         self._finished.setdefault(run.task_id, asyncio.Event())
-        task = asyncio.create_task(self._run(run, request, list(workers), list(done)), name=f"swarm-{run.task_id}")
+        task = self._tasks.spawn(self._run(run, request, list(workers), list(done)), name=f"swarm-{run.task_id}")
         self._running[run.task_id] = task
 
     # -- running ---------------------------------------------------------------------------------
@@ -377,7 +348,7 @@ class SwarmService:
                     raise
                 # the deadline stops every worker still running; what finished before it is kept
                 # a pipeline journals each finished stage into ``done`` (resumed stages included)
-                kept = list(done) if request.pattern is Pattern.PIPELINE else finished
+                kept = list(done) if self.pattern(request).staged else finished
                 outcome = patterns.SwarmOutcome(
                     TaskStatus.TIMEOUT,
                     f"the task's deadline of {deadline:g} s passed; {len(kept)} finished answer(s) kept",
@@ -459,9 +430,7 @@ class SwarmService:
             log.warning("swarm.finish_unrecorded", task_id=run.task_id, status=status.value, error=str(exc))
             self._unsaved[run.task_id] = Unsaved(status, result, error, str(exc), time.time())
             self._kept_runs[run.task_id] = run
-            later = asyncio.create_task(self._store_later(run, status, result, error))
-            self._later.add(later)
-            later.add_done_callback(self._later.discard)
+            self._tasks.spawn(self._store_later(run, status, result, error), name=f"swarm-store-later-{run.task_id}")
             self._report(
                 f"swarm task {run.task_id} {status.value}, but its result could not be stored ({exc.reason}); it is "
                 f"kept here and stored when the store answers. Tools: {execution.line()}. {_short(output)}"
@@ -475,7 +444,7 @@ class SwarmService:
     def _ending_message(
         self, task_id: str, status: TaskStatus, output: str, result: dict[str, Any], execution: ExecutionSummary
     ) -> str:
-        record = TaskRecord(task_id, Pattern.DISPATCH, status, 0, "", {}, result, None, "", "", None, None,
+        record = TaskRecord(task_id, "", status, 0, "", {}, result, None, "", "", None, None,
                             _EPOCH, _EPOCH, None)  # fmt: skip
         lines = [f"swarm task {task_id} {status.value}:", output, *ending_lines(record)]
         if not any(line.startswith("tools:") for line in lines):
@@ -529,62 +498,31 @@ class SwarmService:
         call: patterns.Call,
         task: TaskCalls,
     ) -> patterns.SwarmOutcome:
-        concurrency = self.config.swarm.task_concurrency
-        if request.pattern is Pattern.DISPATCH:
-            await self._mark(run, workers[0].name)
-            return await patterns.dispatch(
-                call, workers[0], request.prompt, fallbacks=workers[1:], by_name=self.workers
-            )
-        if request.pattern is Pattern.BROADCAST:
-            await self._mark(run, "broadcast")
-            return await patterns.broadcast(
-                call, workers, request.prompt, concurrency=concurrency, by_name=self.workers
-            )
-        if request.pattern is Pattern.FAN_OUT:
-            await self._mark(run, "fan_out")
-            return await patterns.fan_out(
-                call,
-                workers,
-                request.prompt,
-                aggregation=patterns.parse_aggregation(request.aggregation),
-                concurrency=concurrency,
+        async def plain_call(worker: Worker, prompt: str, context: Fenced) -> WorkerResult:
+            return await self.calls.call(worker, prompt, context, task)
+
+        async def mark(step: str) -> None:
+            await self._mark(run, step)
+
+        return await self.pattern(request).run(
+            PatternRun(
+                request=request,
+                workers=workers,
+                call=call,
+                plain_call=plain_call,
+                by_name=self.workers,
+                concurrency=self.config.swarm.task_concurrency,
                 synthesizer=self.synthesizer,
                 chooser=self.chooser,
-                by_name=self.workers,
+                mark=mark,
+                stages=self._stages(run, request, done, call),
             )
-        if request.pattern is Pattern.CONDITIONAL:
-            await self._mark(run, f"routing ({workers[0].name})")
-            routes = {branch: self.workers[name] for branch, name in request.routes}
+        )
 
-            async def routed_call(worker: Worker, prompt: str, context: Fenced) -> WorkerResult:
-                # the router answers with a branch name, not the task's output: --expect does not apply to it
-                if worker is workers[0] and prompt != request.prompt:
-                    return await self.calls.call(worker, prompt, context, task)
-                return await call(worker, prompt, context)
-
-            return await patterns.routed(routed_call, workers[0], routes, request.prompt, by_name=self.workers)
-        if request.pattern is Pattern.CONSULT:
-            await self._mark(run, "consult")
-            return await patterns.consult(
-                call,
-                workers,
-                request.prompt,
-                synthesizer=self.synthesizer,
-                concurrency=concurrency,
-                by_name=self.workers,
-            )
-        if request.pattern is Pattern.PIPELINE:
-            return await self._pipeline(run, request, workers, done, call)
-        raise SwarmRefused(f"the {request.pattern.value} pattern is not available from commands")
-
-    async def _pipeline(
-        self,
-        run: TaskRun,
-        request: SwarmRequest,
-        workers: list[Worker],
-        done: list[WorkerResult],
-        task_call: patterns.Call,
-    ) -> patterns.SwarmOutcome:
+    def _stages(
+        self, run: TaskRun, request: SwarmRequest, done: list[WorkerResult], task_call: patterns.Call
+    ) -> Stages:
+        """Stages for a pattern that runs them in turn: marked, journaled, paused at the preset's checkpoints."""
         checkpoints = set(self.config.swarm.checkpoints.get(request.preset or "", []))
         task_id = run.task_id  # a checkpoint resume moves the task to a new run: always write as self._current's
 
@@ -614,18 +552,11 @@ class SwarmService:
             self._current[task_id] = decided
             return True
 
-        outcome = await patterns.pipeline(
-            call,
-            workers,
-            request.prompt,
-            done=list(done),
-            journal=journal,
-            checkpoint=checkpoint,
-            by_name=self.workers,
-        )
-        if outcome.status is TaskStatus.SUCCEEDED and self.refiner is not None and len(outcome.results) > 1:
-            await self._refine(request, outcome)
-        return outcome
+        async def refine(outcome: patterns.SwarmOutcome) -> None:
+            if self.refiner is not None:
+                await self._refine(request, outcome)
+
+        return Stages(done=list(done), call=call, journal=journal, checkpoint=checkpoint, refine=refine)
 
     @contextlib.contextmanager
     def _clock_stopped(self, task_id: str) -> Iterator[None]:
@@ -764,9 +695,7 @@ class SwarmService:
         if approval_id is None or record.id in self._finished:
             return  # no checkpoint to wait for, or this process waits for it already
         self._finished[record.id] = asyncio.Event()
-        waiter = asyncio.create_task(self._resume_after_restart(record, approval_id))
-        self._waiters.add(waiter)
-        waiter.add_done_callback(self._waiters.discard)
+        self._tasks.spawn(self._resume_after_restart(record, approval_id), name=f"swarm-checkpoint-{record.id}")
 
     async def recover_gone(self, live: Collection[str]) -> list[str]:
         """Among replicas: tasks a replica not in ``live`` was running end interrupted (never re-run), reported;
@@ -816,11 +745,7 @@ class SwarmService:
         """
         running = list(self._running)
         seen = dict(self._effects)
-        for task in [*self._running.values(), *self._waiters, *self._later]:
-            task.cancel()
-        for task in [*self._running.values(), *self._waiters, *self._later]:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.stop()
         for task_id in running:
             execution = await self._execution(task_id, seen.get(task_id))
             result = {"interrupted_by": "shutdown", "execution": execution.as_json()}

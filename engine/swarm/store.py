@@ -34,7 +34,7 @@ from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 from kazma.engine.swarm.call_records import TASK_WORKER, CallRecords
 from kazma.engine.swarm.metrics import swarm_failure
-from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
+from kazma.engine.swarm.types import ErrorKind, TaskStatus, WorkerResult
 
 log = structlog.get_logger("kazma.swarm")
 
@@ -306,7 +306,7 @@ class TaskRun:
 @dataclass(frozen=True)
 class TaskRecord:
     id: str
-    pattern: Pattern
+    pattern: str  # the registered pattern's name
     status: TaskStatus
     generation: int
     run_id: str
@@ -350,7 +350,7 @@ class StepRecord:
 @dataclass(frozen=True)
 class InterruptedTask:
     task_id: str
-    pattern: Pattern
+    pattern: str  # the registered pattern's name
     generation: int
     step: str
     owner: str
@@ -521,7 +521,7 @@ class SwarmTaskStore(CallRecords):
 
     async def admit(
         self,
-        pattern: Pattern,
+        pattern: str,
         request: dict[str, Any],
         *,
         owner: str,
@@ -538,11 +538,11 @@ class SwarmTaskStore(CallRecords):
         :class:`StoreUnavailable` when the row could not be written: the work must not start.
         ``workers`` are the ones the task names: :meth:`tasks_of` finds it by any of them.
         """
-        body_json = json.dumps({"pattern": Pattern(pattern).value, **request}, sort_keys=True)
+        body_json = json.dumps({"pattern": str(pattern), **request}, sort_keys=True)
         run = TaskRun(secrets.token_urlsafe(9), 1, secrets.token_urlsafe(12))
         now = self.clock()
 
-        values = (run.task_id, Pattern(pattern).value, TaskStatus.RUNNING.value, run.generation, run.run_id,
+        values = (run.task_id, str(pattern), TaskStatus.RUNNING.value, run.generation, run.run_id,
                   body_json, owner, route, parent_id, now, now)  # fmt: skip
         # The cap is a condition of the insert itself (no parameter compared with NULL: PostgreSQL cannot type it).
         capped = "" if max_running is None else " WHERE (SELECT COUNT(*) FROM swarm_tasks WHERE status = ?) < ?"
@@ -561,7 +561,7 @@ class SwarmTaskStore(CallRecords):
             await db.run_many(TASK_WORKER, [(worker, run.task_id) for worker in sorted(set(workers))])
 
         await self._attempt("admit", body, transaction=True)
-        log.info("swarm.admitted", task_id=run.task_id, pattern=Pattern(pattern).value, owner=owner, route=route)
+        log.info("swarm.admitted", task_id=run.task_id, pattern=str(pattern), owner=owner, route=route)
         return run
 
     async def step(self, run: TaskRun, name: str) -> bool:
@@ -873,7 +873,7 @@ class SwarmTaskStore(CallRecords):
                     changed.append(
                         InterruptedTask(
                             str(task_id),
-                            Pattern(pattern),
+                            str(pattern),
                             int(generation),
                             str(step),
                             str(owner),
@@ -1026,7 +1026,7 @@ def _record(row: Any) -> TaskRecord:
     ) = row
     return TaskRecord(
         id=str(task_id),
-        pattern=Pattern(pattern),
+        pattern=str(pattern),
         status=TaskStatus(status),
         generation=int(generation),
         run_id=str(run_id),

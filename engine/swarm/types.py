@@ -14,12 +14,50 @@ from kazma.engine.types import ToolUse, Usage
 
 
 class Pattern(StrEnum):
+    """The names of the built-in patterns (:mod:`kazma.engine.swarm.builtin_patterns`); a registered pattern
+    may bring another name, so requests and records hold the name as a string."""
+
     DISPATCH = "dispatch"
     BROADCAST = "broadcast"
     PIPELINE = "pipeline"
     FAN_OUT = "fan_out"
     CONSULT = "consult"
     CONDITIONAL = "conditional"
+
+
+class SwarmRefused(ValueError):
+    """The request is out of bounds or names what does not exist; nothing ran."""
+
+
+@dataclass(frozen=True)
+class SwarmRequest:
+    pattern: str  # a registered pattern's name (kazma.engine.swarm.registry)
+    workers: tuple[str, ...]  # ("auto",) lets dispatch route by expertise
+    prompt: str
+    owner: str
+    route: str | None = None
+    aggregation: str = "collect"
+    preset: str | None = None
+    conversation: str = "swarm"
+    routes: tuple[tuple[str, str], ...] = ()  # conditional: (branch, worker); workers[0] is the router
+    expect: str | None = None  # "json" or a schema name from swarm.schemas: every worker answer must match
+    deadline_seconds: int | None = None  # None: swarm.task_deadline_seconds
+    context: str = ""  # material every worker gets with the task, fenced as data (the lead's, or a file's)
+
+    def metadata(self) -> dict[str, Any]:
+        """Everything but the prompt and the context: what the metadata limit bounds."""
+        return {
+            "workers": list(self.workers),
+            "aggregation": self.aggregation,
+            "preset": self.preset,
+            "conversation": self.conversation,
+            "routes": [list(pair) for pair in self.routes],
+            "expect": self.expect,
+            "deadline_seconds": self.deadline_seconds,
+        }
+
+    def as_json(self) -> dict[str, Any]:
+        return {**self.metadata(), "prompt": self.prompt, "context": self.context}
 
 
 class TaskStatus(StrEnum):

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kazma.config.limits import KIB
 from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, TurnContext
 from kazma.engine.fence import NOTHING, Fenced
 from kazma.engine.swarm.metrics import HANDOFFS
@@ -23,14 +24,15 @@ from kazma.engine.types import ToolSpec
 
 _PERMANENT_WORDS = ("401", "403", "404", "api key", "not found", "quota", "unknown model")
 HANDOFF_TOOL = "handoff_to_worker"
+MAX_HANDOFF_TEXT = 64 * KIB  # characters of the restated task, and of the context, a handoff passes on
 
 
 class HandoffArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     worker: str = Field(min_length=1)
     reason: str = Field(min_length=1, max_length=2000)
-    task: str | None = Field(default=None, max_length=64 * 1024)
-    context: str | None = Field(default=None, max_length=64 * 1024)
+    task: str | None = Field(default=None, max_length=MAX_HANDOFF_TEXT)
+    context: str | None = Field(default=None, max_length=MAX_HANDOFF_TEXT)
 
 
 @dataclass

@@ -12,8 +12,9 @@ import stat
 
 from pydantic import Field
 
+from kazma.config.limits import KIB, MIB
 from kazma.config.models import DangerLevel
-from kazma.engine.tools.registry import KIB, MIB, Tool, ToolArgs, ToolResult
+from kazma.engine.tools.registry import Tool, ToolArgs, ToolResult
 from kazma.engine.tools.workspace import (
     PathRefused,
     ToolContext,

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 import httpx
 from pydantic import Field
 
+from kazma.config.limits import MIB
 from kazma.config.models import DangerLevel
 from kazma.config.version import __version__
 from kazma.engine.tools.netguard import (
@@ -21,7 +22,7 @@ from kazma.engine.tools.netguard import (
     resolve_checked,
     system_resolver,
 )
-from kazma.engine.tools.registry import MIB, Tool, ToolArgs, ToolResult
+from kazma.engine.tools.registry import Tool, ToolArgs, ToolResult
 from kazma.engine.tools.workspace import ToolContext
 
 

@@ -25,9 +25,6 @@ from kazma.engine.types import ToolSpec
 
 log = structlog.get_logger("kazma.engine.tools")
 
-KIB = 1024
-MIB = 1024 * KIB
-
 
 @dataclass(frozen=True)
 class ToolResult:

@@ -17,8 +17,9 @@ from typing import Final
 import structlog
 from pydantic import Field
 
+from kazma.config.limits import MIB
 from kazma.config.models import DangerLevel
-from kazma.engine.tools.registry import MIB, Tool, ToolArgs, ToolResult
+from kazma.engine.tools.registry import Tool, ToolArgs, ToolResult
 from kazma.engine.tools.workspace import (
     PathRefused,
     ToolContext,

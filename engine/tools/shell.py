@@ -13,8 +13,9 @@ from pathlib import Path
 import structlog
 from pydantic import Field
 
+from kazma.config.limits import KIB
 from kazma.config.models import DangerLevel
-from kazma.engine.tools.registry import KIB, Tool, ToolArgs, ToolResult
+from kazma.engine.tools.registry import Tool, ToolArgs, ToolResult
 from kazma.engine.tools.sandbox import Sandbox, SandboxRefused, resolve_sandbox
 from kazma.engine.tools.workspace import PathRefused, ToolContext
 

@@ -1,0 +1,285 @@
+"""How a running Kazma starts, leads, sweeps and stops (the parts themselves are wired in :mod:`kazma.bot.app`).
+
+Start recovers what an earlier process left before any platform can start new
+work, then opens the platforms. Among replicas on PostgreSQL the start makes
+this replica visible first, and the duties only one replica may hold (the
+singleton ingress, the sweeps, judging what gone replicas left) run while its
+lease lasts: the lease calls :meth:`Lifecycle.lead` and :meth:`Lifecycle.follow`.
+Stop hands the lease over first, then ends the background work and closes the
+parts in the reverse order of their start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import structlog
+
+from kazma.adapters.bus import FanOutBus, NullBus
+from kazma.adapters.contract import Handlers
+from kazma.approvals import ApprovalService
+from kazma.approvals.service import Recovery
+from kazma.bot.api_store import IdempotencyKeys
+from kazma.bot.chat_moves import ChatMoves
+from kazma.bot.inbound_claims import InboundClaims
+from kazma.bot.store import StoreWatch
+from kazma.bot.store_handles import StoreHandles
+from kazma.config import LoadedConfig
+from kazma.config.backoff import Backoff
+from kazma.config.metrics import count_failure
+from kazma.config.supervisor import Supervisor
+from kazma.engine.conversation import Conversations
+from kazma.engine.executor import Action, PlanExecutor
+from kazma.engine.swarm.service import SwarmService
+from kazma.engine.tools.executions import ExecutionRecord
+from kazma.engine.tools.mcp_tools import MCPSources
+from kazma.engine.types import ModelProvider
+
+if TYPE_CHECKING:
+    from kazma.bot.replication import Replication
+
+log = structlog.get_logger("kazma.app")
+
+# A leader's singleton ingress that failed to open is tried again this often; an open one is checked this often.
+INGRESS_RETRY = Backoff(base=1.0, cap=30.0)
+INGRESS_CHECK_SECONDS = 10.0
+# A long-lived loop (a sweep, the store watch, the leader's ingress) that failed is started again this soon.
+LOOP_RESTART = Backoff(base=1.0, cap=60.0)
+
+
+@dataclass(kw_only=True)
+class Lifecycle(ABC):
+    """The parts a running Kazma starts and stops, and the work it does in the background meanwhile."""
+
+    loaded: LoadedConfig
+    stores: StoreHandles
+    service: ApprovalService
+    bus: FanOutBus | NullBus
+    conversations: Conversations
+    executor: PlanExecutor
+    provider: ModelProvider
+    swarm: SwarmService
+    chat_moves: ChatMoves
+    mcp: MCPSources | None = None
+    replica: str = "local"
+    # Several replicas on one PostgreSQL database: this one's lease and wake-ups (None on SQLite).
+    replication: Replication | None = None
+    # Signed requests seen (Slack's replay guard), in the store on either backend; the claims table holds them.
+    signed_requests: InboundClaims | None = None
+    # The approvals API's idempotency keys, swept with the other retention (None: not swept here).
+    api_keys: IdempotencyKeys | None = None
+    # Every tool execution's row (None: not recorded here); rows a dead process left running end "lost" at start.
+    executions: ExecutionRecord | None = None
+    sweep_interval: float = 5.0
+    store_watch: StoreWatch | None = field(init=False, default=None)
+    _tasks: Supervisor = field(init=False, default_factory=lambda: Supervisor("app_task"))  # sweeps, watch, notices
+    _leader_tasks: Supervisor = field(init=False, default_factory=lambda: Supervisor("leader_task"))  # while leading
+    _live: set[str] = field(init=False, default_factory=set)  # the replicas alive at the leader's last look
+    _recovery_due: bool = field(init=False, default=False)  # the leader has yet to judge what gone replicas left
+    _serving: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+
+    @property
+    @abstractmethod
+    def handlers(self) -> Handlers:
+        """What the platforms call (the app's)."""
+
+    async def start(self) -> None:
+        log.info("app.model", provider=self.provider.label)
+        if self.replication is not None:
+            await self._start_replica(self.replication)
+            return
+        # Recover before any platform can start new work: a task or step started by
+        # this process must never be mistaken for one a dead process left running.
+        await self._executions_lost(None)  # first: the endings below say what may have run
+        interrupted, tell_lead = await self.executor.mark_interrupted()
+        if interrupted:
+            log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
+        await self.swarm.recover()  # its reports are coalesced and sent once the platforms are up
+        recovery = await self.service.recover()  # orphans end before anyone can press their stale buttons
+        self._tasks.keep(self._retention, name="kazma-swarm-retention", backoff=LOOP_RESTART)
+        await self._follow_chat_moves()
+        if self.mcp is not None:  # tools listed before the first turn when the servers are quick; later otherwise
+            await self.mcp.start(wait=10.0)
+        await self.bus.start(self.handlers)
+        await self._tell(recovery)
+        await self.executor.perform(tell_lead)
+        self._tasks.keep(self._sweep, name="kazma-approvals-sweep", backoff=LOOP_RESTART)
+        store_path = self.loaded.config.store.path
+        if str(store_path) != ":memory:" and store_path.exists():
+            self.store_watch = StoreWatch(store_path, self._store_lost)
+            self._tasks.keep(self.store_watch.run, name="kazma-store-watch", backoff=LOOP_RESTART)
+        log.info("app.started", platforms=sorted(self.bus.adapters), store=str(self.loaded.config.store.path))
+
+    async def _start_replica(self, replication: Replication) -> None:
+        """One of several replicas: visible to the others first, then what its previous life left, then serve.
+        The sweeps and the singleton ingress wait for the lease (:meth:`lead`)."""
+        from kazma.bot.replication import AllBut
+
+        # Its name goes on what it starts from now on: the others tell from its lease session whether it lives.
+        self.service.store.replica = self.replica
+        self.executor.store.replica = self.replica
+        self.swarm.store.replica = self.replica
+        if self.executions is not None:
+            self.executions.replica = self.replica
+        await replication.start()  # its lease session is up: no leader takes what it starts for a dead one's
+        # What this replica's previous life (same name) left: the others may never have seen it gone.
+        await self.swarm.restore_breakers()
+        told = await self._recover_replicas(AllBut(self.replica), claims=False)
+        await self._follow_chat_moves()
+        if self.mcp is not None:
+            await self.mcp.start(wait=10.0)
+        await self.bus.start(self.handlers, ingress=False)  # the leader's own, opened with the lease
+        self._serving.set()
+        self._tasks.spawn(self._say(*told), name="kazma-recovery-notices")
+        log.info("app.started", platforms=sorted(self.bus.adapters), store="postgresql", replica=self.replica)
+
+    async def lead(self) -> None:
+        """This replica took the lease: open the singleton ingress and run the sweeps at once; the sweep judges
+        what gone replicas left (once they have been missing long enough to be sure) and retries until done."""
+        await self._serving.wait()  # the lease may come before this replica serves
+        self._recovery_due = True
+        self._leader_tasks.keep(self._keep_ingress, name="kazma-leader-ingress", backoff=LOOP_RESTART)
+        self._leader_tasks.keep(self._sweep, name="kazma-approvals-sweep", backoff=LOOP_RESTART)
+        self._leader_tasks.keep(self._retention, name="kazma-swarm-retention", backoff=LOOP_RESTART)
+
+    async def _keep_ingress(self) -> None:
+        """While leading: every singleton ingress open, one that failed to open tried again with backoff."""
+        if not isinstance(self.bus, FanOutBus):
+            return
+        failures = 0
+        while True:
+            await self.bus.start_ingress()
+            missing = self.bus.ingress_missing()
+            failures = failures + 1 if missing else 0
+            if missing:
+                log.warning("app.ingress_retry", platforms=missing, attempt=failures)
+            await asyncio.sleep(INGRESS_RETRY.delay(failures - 1) if missing else INGRESS_CHECK_SECONDS)
+
+    async def _recover_replicas(self, live: Collection[str], *, claims: bool = True) -> tuple[Recovery, list[Action]]:
+        """End what replicas not in ``live`` left running: pending requests, plan steps, swarm tasks (and
+        release their post and edit claims); what to tell people and the lead is returned, not said."""
+        replication = self.replication
+        assert replication is not None
+        await self._executions_lost(live)
+        interrupted, tell_lead = await self.executor.mark_interrupted(live)
+        if interrupted:
+            log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
+        await self.swarm.recover_gone(live)
+        if claims:
+            recovery = await replication.recover_gone(set(live))
+        else:
+            recovery = await self.service.recover(live)
+        return recovery, tell_lead
+
+    async def _executions_lost(self, live: Collection[str] | None) -> None:
+        """Executions a process that is gone left running end "lost": they may have run, and every ending that
+        names them says so."""
+        if self.executions is None:
+            return
+        try:
+            await self.executions.mark_lost(live)
+        except Exception as exc:  # they still read "started, not finished"; the next start marks them
+            count_failure("execution_record")
+            log.warning("app.executions_unmarked", error=str(exc))
+
+    async def _say(self, recovery: Recovery, tell_lead: list[Action]) -> None:
+        """Recovery's notices, in the background: a paced platform must not hold up the sweeps or the ingress."""
+        try:
+            await self._tell(recovery)
+            await self.executor.perform(tell_lead)
+        except Exception as exc:
+            count_failure("recovery_notice")
+            log.warning("app.recovery_notice_failed", error=str(exc))
+
+    async def follow(self, reason: str) -> None:
+        """The lease is gone (another replica leads, or the database cannot be reached): stop the sweeps."""
+        await self._leader_tasks.stop()
+        if self.replication is not None and isinstance(self.bus, FanOutBus):
+            await self.bus.stop_ingress()  # another replica may be opening them already
+
+    async def _tell(self, recovery: Recovery) -> None:
+        for conversation, text in recovery.messages():
+            platform, _, chat = conversation.partition(":")
+            await self.bus.send_text(platform, chat, text, agent=self.conversations.lead.name)
+
+    async def _follow_chat_moves(self) -> None:
+        """Chats that moved before this start (kazma.yaml may still name the old id): serve the new one."""
+        adapters: dict[str, object] = getattr(self.bus, "adapters", {})
+        for move in await self.chat_moves.all():
+            follow = getattr(adapters.get(move.platform), "follow_move", None)
+            if follow is not None and follow(move.old, move.new) is not None:
+                log.warning("chat.move_followed", platform=move.platform, old=move.old, new=move.new)
+
+    async def _store_lost(self, reason: str) -> None:
+        """Stop deciding, and say why wherever people are: a decision now would be written nowhere."""
+        self.service.halt(reason)
+        await self.bus.broadcast(
+            f"Kazma has stopped deciding approvals: {reason}. Restart Kazma with its store in place.",
+            agent=self.conversations.lead.name,
+        )
+
+    async def _sweep(self) -> None:
+        """End requests whose waiter died with an earlier process (or, among replicas, with a replica that is
+        gone), or whose polling asker stopped asking, so their cards settle too."""
+        while True:
+            try:
+                for outcome in await self.service.expire_overdue():
+                    log.info("approvals.swept", request_id=outcome.request_id, status=outcome.status.value)
+                await self.service.withdraw_silent()  # polling askers gone quiet (a script killed mid-wait)
+                await self.swarm.sweep_checkpoints()  # a checkpoint card whose task is not paused at it
+                if self.replication is not None:
+                    await self._judge_replicas(self.replication)
+            except Exception as exc:
+                count_failure("approval_sweep")
+                log.warning("approvals.sweep_failed", error=str(exc))
+            await asyncio.sleep(self.sweep_interval)
+
+    async def _judge_replicas(self, replication: Replication) -> None:
+        """What a replica that left ran ends now: at takeover, when one goes missing for good, after a failure."""
+        live = await replication.settled_live()
+        if live is None:
+            return  # looked for too short a time: one missing now may only be reconnecting
+        if self._recovery_due or self._live - live:
+            self._tasks.spawn(self._say(*await self._recover_replicas(live)), name="kazma-recovery-notices")
+            self._recovery_due = False  # done: only now (a failure above leaves it due for the next sweep)
+        self._live = live
+
+    async def _retention(self) -> None:
+        """Swarm tasks older than ``swarm.retention_days`` go at start and then every sweep (0 keeps all);
+        inbound claims and signed requests older than a day too (no platform delivers an event again after
+        that, and Slack refuses a signature after five minutes), and the approvals API's idempotency keys a
+        day past their request's deadline."""
+        while True:
+            await self.swarm.sweep_retention()
+            if self.signed_requests is not None:  # the same table as the replicas' inbound claims
+                try:
+                    await self.signed_requests.forget_older_than()
+                except Exception as exc:
+                    log.warning("inbound.claims_sweep_failed", error=str(exc))
+            if self.api_keys is not None:  # a day past their request's deadline (bot/api_store.py)
+                try:
+                    forgotten = await self.api_keys.forget_expired()
+                    if forgotten:
+                        log.info("api.keys_swept", keys=forgotten)
+                except Exception as exc:
+                    log.warning("api.keys_sweep_failed", error=str(exc))
+            await asyncio.sleep(self.loaded.config.swarm.retention_sweep_seconds)
+
+    async def stop(self) -> None:
+        if self.replication is not None:
+            await self.replication.stop()  # the lease first: another replica takes the duties at once
+        await self.follow("stopping")
+        await self._tasks.stop()
+        await self.swarm.close()
+        if self.mcp is not None:
+            await self.mcp.stop()
+        await self.bus.stop()
+        closer = getattr(self.provider, "aclose", None)
+        if closer is not None:
+            await closer()
+        await self.stores.close()
+        log.info("app.stopped")
