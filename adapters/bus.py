@@ -32,7 +32,7 @@ from kazma.adapters.contract import (
 from kazma.adapters.outbox import Outbox, PostJob
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.model import ApprovalRequest, Status
-from kazma.approvals.service import remember_offer
+from kazma.approvals.service import CardsNotQueued, remember_offer
 from kazma.approvals.store import ApprovalStore, PostedCard
 from kazma.config import failpoints
 from kazma.config.backoff import Backoff
@@ -48,6 +48,8 @@ log = structlog.get_logger("kazma.bus")
 RETRY = Backoff(base=0.5, cap=60.0)
 # A posted card whose message id could not be recorded: recorded again after these pauses (seconds).
 RECORD_RETRIES = (0.1, 0.5, 2.0)
+# A card post queued in a write of its own (not in its request's transaction) is tried again after these pauses.
+ENQUEUE_RETRIES = (0.05, 0.25, 1.0)
 # What a card posted again says, where the platform cannot make a post idempotent (Telegram, Slack).
 REPOSTED = (
     "Posted again: Kazma stopped, or lost the platform's answer, while posting this card before. If an earlier "
@@ -221,22 +223,37 @@ class FanOutBus:
         None when the outbox and the approvals do not share one writer, hence one transaction."""
         if await self.outbox.tables.writer() is not await self.store.tables.writer():
             return None
-        return self.outbox.enqueue_statements(request_id, self._targets())
+        queue = self.outbox.enqueue_statements(request_id, self._targets())
+        if not failpoints.armed:
+            return queue
+
+        def queue_or_fail(tx: Tx) -> None:  # inside the opening transaction: a failure undoes the request too
+            failpoints.reached_sync("approvals.open.card_job", lambda: simulated_failure(tx, "queue"))
+            queue(tx)
+
+        return queue_or_fail
 
     def cards_queued(self, request_id: str) -> None:
         for name in self._targets():
             self._workers[name].kick.set()
 
     async def publish(self, card: ApprovalCard) -> None:
+        """Queue ``card``'s posts in a write of their own (the outbox has another writer than the request): tried
+        again after short pauses; :class:`CardsNotQueued` when the store still refuses, so the request is ended
+        at once instead of waiting, card-less, for its deadline."""
         targets = self._targets()
-        try:
-            await self.outbox.enqueue(card.request_id, targets)
-        except Exception as exc:
-            # The request stays pending and visible in the CLI and dashboard; its
-            # deadline still applies, so nothing runs unapproved.
-            count_failure("card_enqueue")
-            log.error("bus.card_enqueue_failed", request_id=card.request_id, error=str(exc))
-            return
+        for attempt, pause in enumerate((*ENQUEUE_RETRIES, None)):
+            try:
+                if failpoints.armed:
+                    await failpoints.reached("approvals.open.card_job", lambda: simulated_failure(self.outbox, "queue"))
+                await self.outbox.enqueue(card.request_id, targets)
+                break
+            except store_errors() as exc:
+                count_failure("card_enqueue")
+                log.error("bus.card_enqueue_failed", request_id=card.request_id, attempt=attempt + 1, error=str(exc))
+                if pause is None:
+                    raise CardsNotQueued(str(exc)) from exc
+                await asyncio.sleep(pause)
         for name in targets:
             self._workers[name].kick.set()
 
