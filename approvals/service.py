@@ -534,9 +534,17 @@ class ApprovalService:
             needs_whole = decision is Decision.APPROVE and not self.config.approvals.approve_cut_in_chat
             check = CardCheck(platform, card.chat, card.message_id, needs_whole)
         try:
+            if failpoints.armed:  # nothing written: the presser is told to press again
+                await failpoints.reached(
+                    "approvals.decide.before_commit", lambda: simulated_failure(self.store.tables, "decide")
+                )
             pressed = await self.store.press(
                 request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check
             )
+            if failpoints.armed and pressed.won:  # the decision is committed, nobody told yet
+                await failpoints.reached(
+                    "approvals.decide.after_commit", lambda: simulated_failure(self.store.tables, "decide")
+                )
             # A press can land between a card's post and the bus recording it (a person is not that fast,
             # a script is): give the record a moment before judging the press by it.
             for pause in _RECORD_GRACE if pressed.problem == CardProblem.NOT_RECORDED else ():
@@ -603,6 +611,10 @@ class ApprovalService:
                 )
                 log.info("approvals.rule_created", rule=rule.id, request_id=request_id, actor=actor)
             await self._ended(request_id)
+            if failpoints.armed:  # decided, the waiter woken and the cards settling: the presser not answered yet
+                await failpoints.reached(
+                    "approvals.decide.before_answer", lambda: simulated_failure(self.store.tables, "decide")
+                )
             verb = "Approved" if decision is Decision.APPROVE else "Denied"
             return PressResult(PressVerdict.WON, f"{verb}. Recorded as {actor}.", outcome, request_id)
         # still pending but the compare-and-set failed: the deadline has passed

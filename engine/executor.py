@@ -29,8 +29,10 @@ from typing import Any, Protocol
 import structlog
 from pydantic import ValidationError
 
+from kazma.config import failpoints
 from kazma.config.identity import platform_of
 from kazma.config.metrics import count_failure
+from kazma.config.store.errors import simulated_failure
 from kazma.engine.fence import fence_untrusted
 from kazma.engine.plan import (
     USER,
@@ -186,6 +188,8 @@ class PlanExecutor:
             return False
         async with self._locks[plan.conversation]:
             recorded, actions = await self._record(plan_id, index, result, attempt)
+            if recorded and failpoints.armed:  # the step's outcome is committed, the plan not moved on yet
+                await self._at("plan.complete")
             if recorded:
                 actions += await self._next_actions(plan_id)
         await self.perform(actions)
@@ -251,6 +255,10 @@ class PlanExecutor:
             count_failure("execution_record")
             log.warning("plan.executions_unread", plan_id=plan_id, step=index, error=str(exc))
             return ExecutionSummary(may_have_run=("its tools (their record could not be read)",))
+
+    async def _at(self, name: str) -> None:
+        """A named failpoint (config/failpoints.py) reached here; its error is the plan store's own."""
+        await failpoints.reached(name, lambda: simulated_failure(self.store.tables, "plan"))
 
     async def _reconcile(self, plan_id: str) -> None:
         plan = await self.store.load(plan_id)
@@ -353,6 +361,8 @@ class PlanExecutor:
         text = plan.render_input(step)
         kind = ActionKind.RUN_LEAD if step.spec.assignee == self.lead_name else ActionKind.DISPATCH
         log.info("plan.step_started", plan_id=plan_id, step=step.index, assignee=step.spec.assignee, kind=kind.value)
+        if failpoints.armed:  # the step is running on disk, nobody was handed it yet
+            await self._at("plan.dispatch")
         return [Action(kind, plan, step, text)]
 
     async def _ask_for_user_step(self, plan: Plan, step: Step) -> list[Action]:
@@ -440,6 +450,8 @@ class PlanExecutor:
             loaded = await self.store.load(plan_id)
             assert loaded is not None
         log.info("plan.question_asked", plan_id=plan_id, step=index, question=asked.id, by=asked_by)
+        if failpoints.armed:  # the question is committed, not posted yet
+            await self._at("plan.question.asked")
         await self.perform([Action(ActionKind.ASK_USER, loaded, loaded.steps[index], text, asked)])
         return asked
 
@@ -469,6 +481,8 @@ class PlanExecutor:
                 by = f" by {again.answered_by}" if again is not None and again.answered_by else ""
                 return AnswerResult(AnswerVerdict.LOST, f"That question was answered{by} already.")
             await self.store.record(plan.id, "answered", step=question.step, actor=actor, detail=answer[:500])
+            if failpoints.armed:  # the answer is committed, the step not resumed yet
+                await self._at("plan.question.answered")
             actions = await self._take_answer(plan.id, question, answer, actor)
         await self.perform(actions)
         log.info("plan.question_answered", plan_id=plan.id, step=question.step, question=question_id, by=actor)
@@ -529,6 +543,8 @@ class PlanExecutor:
             line = f"Plan: step {index} ({step.spec.title}) runs again, {detail}."
             actions = [Action(ActionKind.NOTICE, plan, step, line), *await self._next_actions(plan.id)]
         log.info("plan.repaired", plan_id=plan.id, repair="retry_step", step=index, by=by)
+        if failpoints.armed:  # the repair is committed, the plan not moved on yet
+            await self._at("plan.repair")
         await self.perform(actions)
         return line
 
@@ -569,6 +585,8 @@ class PlanExecutor:
             assert reloaded is not None
             actions = [Action(ActionKind.NOTICE, reloaded, None, line), *await self._next_actions(plan.id)]
         log.info("plan.repaired", plan_id=plan.id, repair="replace_steps", step=from_index, by=by)
+        if failpoints.armed:  # the repair is committed, the plan not moved on yet
+            await self._at("plan.repair")
         await self.perform(actions)
         return line
 
@@ -593,6 +611,8 @@ class PlanExecutor:
             line = f"Plan: step {index} ({step.spec.title}) skipped: {reason}"
             actions = [Action(ActionKind.NOTICE, plan, step, line), *await self._next_actions(plan.id)]
         log.info("plan.repaired", plan_id=plan.id, repair="skip_step", step=index, by=by)
+        if failpoints.armed:  # the repair is committed, the plan not moved on yet
+            await self._at("plan.repair")
         await self.perform(actions)
         return line
 
@@ -605,6 +625,8 @@ class PlanExecutor:
             line = f"Plan aborted: {reason}"
             actions = [Action(ActionKind.NOTICE, plan, None, line)]
         log.info("plan.repaired", plan_id=plan.id, repair="abort_plan", by=by)
+        if failpoints.armed:  # the repair is committed, the plan not moved on yet
+            await self._at("plan.repair")
         await self.perform(actions)
         return line
 
