@@ -1,4 +1,4 @@
-"""The chaos matrix runs its CI column (crash x SQLite) with the suite; every other cell only when asked:
+"""The chaos matrix runs its CI slice (crash x SQLite, matrix.CI) with the suite; every other cell only when asked:
 ``KAZMA_CHAOS=all pytest -n 2 tests/chaos`` (or ``scripts/chaos``, which prints the matrix)."""
 
 from __future__ import annotations

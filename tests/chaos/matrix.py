@@ -72,8 +72,28 @@ KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {
     ),
 }
 
-# CI runs these: the crash column on SQLite (about 20 s a cell), but the cells known broken (slow, and failing).
-CI: Final = frozenset((point, "crash", "sqlite") for point in SCENARIO_POINTS) - set(KNOWN_BROKEN)
+# Broken only when the timing falls a certain way (seen under load, not alone): expected to fail sometimes.
+SOMETIMES_BROKEN: Final[dict[tuple[str, str, str], str]] = {
+    ("approvals.decide.before_commit", "crash", "sqlite"): (
+        "pressed on Telegram while the Discord card's post was in flight: the crash leaves a Discord message whose "
+        "id was never recorded; the restart cancels the request and settles the cards it knows, not that one "
+        "(a post retried with the same nonce would find it: not done yet)"
+    ),
+}
+
+# CI runs a cheap slice of the crash x SQLite column (about 20 s a cell, two cells at a time): one cell per
+# boundary (open, post, decide, settle, execute). The whole column: KAZMA_CHAOS=all or scripts/chaos.
+CI: Final = frozenset(
+    (point, "crash", "sqlite")
+    for point in (
+        "approvals.open.committed",
+        "bus.post",
+        "approvals.decide.after_commit",
+        "bus.settle.sent",
+        "tools.started",
+        "tools.finished",
+    )
+)
 
 
 def cells() -> list[tuple[str, str, str]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.checker import ending, facts, violations
-from tests.chaos.matrix import KNOWN_BROKEN, PINNED, cells
+from tests.chaos.matrix import KNOWN_BROKEN, PINNED, SOMETIMES_BROKEN, cells
 from tests.chaos.rig import run_cell
 from tests.pg_support import find_bindir
 
@@ -27,6 +27,8 @@ async def test_cell(cell: tuple[str, str, str], tmp_path: Path, request: pytest.
         dsn = str(request.getfixturevalue("pg_dsn"))
     if cell in KNOWN_BROKEN:
         request.applymarker(pytest.mark.xfail(reason=KNOWN_BROKEN[cell], strict=True))
+    if cell in SOMETIMES_BROKEN:
+        request.applymarker(pytest.mark.xfail(reason=SOMETIMES_BROKEN[cell], strict=False))
     history = await run_cell(tmp_path, point, action, store=store, dsn=dsn)
     found = facts(history)
     got, broken = ending(history, found), violations(history, found)
