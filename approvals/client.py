@@ -204,6 +204,12 @@ def _bound(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str
     return cast(dict[str, Any], json.loads(text))
 
 
+def _decider(found: dict[str, Any]) -> str:
+    """``alice (telegram:111)`` from an answer of the approvals API; the identity alone when it is nobody's."""
+    person, identity = found.get("decided_person"), found.get("decided_by")
+    return f"{person} ({identity})" if person else str(identity)
+
+
 def _check(found: dict[str, Any], asked_hash: str) -> None:
     status = found.get("status")
     if status == "approved":
@@ -213,7 +219,7 @@ def _check(found: dict[str, Any], asked_hash: str) -> None:
     error = {"denied": ApprovalDenied, "timeout": ApprovalTimeout, "unverified": ApprovalUnverified}.get(
         str(status), ApprovalCancelled
     )
-    who = f" by {found.get('decided_by')}" if found.get("decided_by") else ""
+    who = f" by {_decider(found)}" if found.get("decided_by") else ""
     raise error(f"{found.get('tool')}: {status}{who}; it did not run", found)
 
 

@@ -72,9 +72,24 @@ class ApprovalRequest:
     # The outcome's seal (approvals.seal), written by the compare-and-set; None on rows decided before seals.
     decision_mac: str | None = None
     decision_key_id: str | None = None
+    # The person under ``people:`` who owns ``decided_by`` when they decided (None: nobody's identity, no
+    # decision, or decided before people were recorded). Sealed with the outcome.
+    decided_person: str | None = None
 
     def outcome(self) -> Outcome | None:
         return outcome_of(self)
+
+
+@dataclass(frozen=True)
+class Witness:
+    """The signed checkpoint of the audit chain that holds a decision, as its settled cards show it: a person who
+    saw it can later prove the audit log still holds that decision (``kazma audit verify --head SEQ:HEX``)."""
+
+    seq: int
+    head: str  # the chain hash at ``seq`` (hex); a card shows its first 12 characters
+
+    def text(self) -> str:
+        return f"#{self.seq} {self.head[:12]}"
 
 
 @dataclass(frozen=True)
@@ -87,16 +102,23 @@ class Outcome:
     decided_via: str | None
     decided_at: datetime
     reason: str | None = None
+    witness: Witness | None = None  # the checkpoint holding it (set where a settled card is made)
+    person: str | None = None  # the person who owns ``decided_by`` (None: nobody's identity)
 
     @property
     def approved(self) -> bool:
         return self.status is Status.APPROVED
 
+    @property
+    def decider(self) -> str:
+        """Who decided, for people: ``alice (telegram:111)``, or the identity alone when it is nobody's."""
+        return decider_text(self.person, self.decided_by)
+
     def summary(self) -> str:
-        """One line for cards and notices, e.g. ``approved by slack:U123 via slack at 12:03:04 UTC``."""
+        """One line for cards and notices, e.g. ``approved by alice (slack:U123) via slack at 12:03:04 UTC``."""
         when = self.decided_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         if self.status.human:
-            return f"{self.status.value} by {self.decided_by} via {self.decided_via} at {when}"
+            return f"{self.status.value} by {self.decider} via {self.decided_via} at {when}"
         if self.status is Status.TIMEOUT:
             return f"timed out at {when}: no decision before the deadline (not a denial)"
         return f"cancelled at {when}: {self.reason or 'the waiter stopped'} (not a denial)"
@@ -104,10 +126,10 @@ class Outcome:
     def for_agent(self) -> str:
         """What the agent is told; a timeout or cancellation is never reported as a denial."""
         if self.status is Status.APPROVED:
-            return f"Approved by {self.decided_by}."
+            return f"Approved by {self.decider}."
         if self.status is Status.DENIED:
             reason = f": {self.reason}" if self.reason else ""
-            return f"Denied by {self.decided_by}{reason}. Do not retry this call."
+            return f"Denied by {self.decider}{reason}. Do not retry this call."
         if self.status is Status.TIMEOUT:
             return "No decision before the approval deadline; the call did not run. It was not denied."
         return "The approval wait was cancelled; the call did not run. It was not denied."
@@ -131,6 +153,13 @@ class PressResult:
         return self.verdict is PressVerdict.WON
 
 
+def decider_text(person: str | None, identity: str | None) -> str:
+    """A person and the identity they used (``alice (telegram:111)``); the identity alone when it is nobody's."""
+    if person is None:
+        return identity or ""
+    return f"{person} ({identity})" if identity else person
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -150,6 +179,8 @@ class _Decidable(Protocol):
     def deadline(self) -> datetime: ...
     @property
     def reason(self) -> str | None: ...
+    @property
+    def decided_person(self) -> str | None: ...
 
 
 def outcome_of(request: _Decidable) -> Outcome | None:
@@ -163,4 +194,5 @@ def outcome_of(request: _Decidable) -> Outcome | None:
         decided_via=request.decided_via,
         decided_at=request.decided_at or request.deadline,
         reason=request.reason,
+        person=request.decided_person,
     )

@@ -8,9 +8,13 @@ compare-and-set and written by that same statement; execution refuses an
 approval whose seal is missing or does not verify.
 
 What it binds: the request id, the tool, the hash of the arguments, the
-outcome, who decided, where, and when (to the microsecond), and the key's id.
-A seal moved to another request, or kept while any of those is changed, does
-not verify.
+outcome, who decided (the person, and the identity they used), where, and
+when (to the microsecond), and the key's id. A seal moved to another request,
+or kept while any of those is changed, does not verify.
+
+Seals are versioned by their text: a seal made since people are recorded
+reads ``v2:<hex>`` and binds the person; an older one is plain hex, binds no
+person, and still verifies as it was made — on a row that names no person.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from datetime import UTC, datetime, timedelta
 from kazma.approvals.model import ApprovalRequest
 from kazma.config.keyring import Keyring
 
-_DOMAIN = "kazma-decision-v1"  # a seal of anything else made with the same key can never pass for one of these
+# A seal of anything else made with the same key can never pass for one of these; nor a v1 seal for a v2 one.
+_DOMAIN_V1 = "kazma-decision-v1"
+_DOMAIN_V2 = "kazma-decision-v2"
+V2 = "v2:"  # how a seal that binds the person begins
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
 
@@ -62,9 +69,15 @@ def _message(
     decided_by: str | None,
     decided_via: str | None,
     decided_at: int,
+    person: str | None,
+    version: int,
 ) -> bytes:
     # A JSON array: each field is delimited unambiguously whatever characters it holds.
-    fields = [_DOMAIN, key_id, request_id, tool, args_hash, status, decided_by, decided_via, decided_at]
+    fields: list[object] = [key_id, request_id, tool, args_hash, status, decided_by, decided_via, decided_at]
+    if version == 1:
+        fields.insert(0, _DOMAIN_V1)
+    else:
+        fields = [_DOMAIN_V2, *fields, person]
     return json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
@@ -82,9 +95,11 @@ def seal(
     decided_by: str | None,
     decided_via: str | None,
     decided_at: float,
+    decided_person: str | None = None,
 ) -> Seal:
     """The seal of one decision, with the current key. ``decided_at`` is the very value the compare-and-set
-    stores (epoch seconds); it is bound as the store gives it back, in microseconds."""
+    stores (epoch seconds); it is bound as the store gives it back, in microseconds. ``decided_person``: the
+    person under ``people:`` who owns ``decided_by`` (None: an identity that is nobody's, or no person)."""
     key = keyring.current
     message = _message(
         key_id=key.id,
@@ -95,8 +110,10 @@ def seal(
         decided_by=decided_by,
         decided_via=decided_via,
         decided_at=micros(datetime.fromtimestamp(decided_at, UTC)),
+        person=decided_person,
+        version=2,
     )
-    return Seal(key.id, _mac(key.secret, message))
+    return Seal(key.id, V2 + _mac(key.secret, message))
 
 
 def seal_problem(keyring: Keyring | None, request: ApprovalRequest) -> SealProblem | None:
@@ -116,6 +133,14 @@ def seal_problem(keyring: Keyring | None, request: ApprovalRequest) -> SealProbl
             f"({keyring.source}: {', '.join(keyring.ids)}); was it retired, or is this replica given other keys?",
             KEY_UNKNOWN,
         )
+    stored = request.decision_mac
+    version = 2 if stored.startswith(V2) else 1
+    if version == 1 and request.decided_person is not None:
+        return SealProblem(
+            f"it names the person {request.decided_person!r}, but its seal was made before seals bound people: "
+            "the person was written outside Kazma",
+            FORGED,
+        )
     message = _message(
         key_id=key.id,
         request_id=request.id,
@@ -125,9 +150,12 @@ def seal_problem(keyring: Keyring | None, request: ApprovalRequest) -> SealProbl
         decided_by=request.decided_by,
         decided_via=request.decided_via,
         decided_at=micros(request.decided_at),
+        person=request.decided_person,
+        version=version,
     )
+    expected = (V2 if version == 2 else "") + _mac(key.secret, message)
     # As bytes: compare_digest refuses a str with non-ASCII characters, and a forged value may hold some.
-    if not hmac.compare_digest(_mac(key.secret, message).encode(), request.decision_mac.encode("utf-8")):
+    if not hmac.compare_digest(expected.encode(), stored.encode("utf-8")):
         return SealProblem(
             f"its decision seal does not verify with key {key.id} (the row was changed outside Kazma, or a "
             f"process holding another key named {key.id} sealed it)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import re
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -25,8 +26,18 @@ from kazma.approvals.card import (
     check_names,
     verify_integrity,
 )
+from kazma.approvals.chain import AuditChain
 from kazma.approvals.hashing import args_hash, canonical_json, check_arguments
-from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status, Waits
+from kazma.approvals.model import (
+    ApprovalRequest,
+    Decision,
+    Outcome,
+    PressResult,
+    PressVerdict,
+    Status,
+    Waits,
+    decider_text,
+)
 from kazma.approvals.rules import Rule, RuleStore, rules_consulted_for
 from kazma.approvals.seal import FORGED, SealProblem, seal_problem
 from kazma.approvals.store import ApprovalStore, CardCheck, CardProblem, Clock, NewRequest, new_request_id
@@ -85,8 +96,8 @@ class OpenGate(Protocol):
         Raising refuses (the whole transaction is undone and the exception reaches the caller)."""
         ...
 
-    def opened(self, tx: Tx, request_id: str) -> None:
-        """After the request's rows: the door's own rows of it."""
+    def opened(self, tx: Tx, request_id: str, audit: AuditChain) -> None:
+        """After the request's rows: the door's own rows of it (its audit events through ``audit``)."""
         ...
 
 
@@ -333,7 +344,9 @@ class ApprovalService:
         publisher: object = self.publisher  # (a protocol narrowed to another protocol reads as unreachable)
         queuer = publisher if isinstance(publisher, QueuesCards) else None
         queue = None if queuer is None else await queuer.queue_statements(new.id)
-        also: list[Callable[[Tx], object]] = [] if gate is None else [lambda tx: gate.opened(tx, new.id)]
+        also: list[Callable[[Tx], object]] = (
+            [] if gate is None else [lambda tx: gate.opened(tx, new.id, self.store.chain)]
+        )
         if queue is not None:
             also.append(queue)
         if failpoints.armed:  # nothing written yet: the asker is told the store's own error
@@ -399,7 +412,9 @@ class ApprovalService:
         found = [r for r in await self.rules.list(active_only=True, limit=100_000) if r.id == rule_id]
         if not found or not await self.rules.revoke(rule_id, actor=actor):
             return None
-        await self._audit_safely(found[0].request_id, "rule_revoked", actor, platform, rule_id)
+        await self._audit_safely(
+            found[0].request_id, "rule_revoked", actor, platform, rule_id, person=self.config.roster.person_of(actor)
+        )
         log.info("approvals.rule_revoked", rule=rule_id, actor=actor, platform=platform)
         self._tell(found[0].request_id)
         return found[0]
@@ -425,7 +440,10 @@ class ApprovalService:
             log.error("approvals.forged_rule", rule=rule.id, request_id=rule.request_id, detail=forged)
             return None
         detail = f"{rule.id} ({tool} {digest[:12]}… in {conversation}; made by {rule.created_by})"
-        await self._audit_safely(rule.request_id, "rule_used", rule.created_by, rule.created_via, detail)
+        await self._audit_safely(
+            rule.request_id, "rule_used", rule.created_by, rule.created_via, detail,
+            person=self.config.roster.person_of(rule.created_by),
+        )  # fmt: skip
         log.info("approvals.rule_used", rule=rule.id, tool=tool, conversation=conversation, hash=digest)
         until = time.strftime("%H:%M:%S UTC", time.gmtime(rule.expires_at))
         say = getattr(self.publisher, "send_text", None)
@@ -515,11 +533,12 @@ class ApprovalService:
                 f"Kazma is not deciding right now: {self.halted}. Nothing was recorded.",
                 request_id=request_id,
             )
+        person = self.config.roster.person_of(actor)
         if not self.is_approver(actor, platform):
             await self._refused(request_id, actor, platform, "not an approver")
             return PressResult(
                 PressVerdict.REFUSED,
-                f"You ({actor}) are not an approver here; nothing was recorded.",
+                f"You ({decider_text(person, actor)}) are not an approver here; nothing was recorded.",
                 request_id=request_id,
             )
         if remember:
@@ -539,7 +558,7 @@ class ApprovalService:
                     "approvals.decide.before_commit", lambda: simulated_failure(self.store.tables, "decide")
                 )
             pressed = await self.store.press(
-                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check
+                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person
             )
             if failpoints.armed and pressed.won:  # the decision is committed, nobody told yet
                 await failpoints.reached(
@@ -550,8 +569,9 @@ class ApprovalService:
             for pause in _RECORD_GRACE if pressed.problem == CardProblem.NOT_RECORDED else ():
                 await asyncio.sleep(pause)
                 pressed = await self.store.press(
-                    request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check
-                )
+                    request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check,
+                    person=person,
+                )  # fmt: skip
                 if pressed.problem != CardProblem.NOT_RECORDED:
                     break
         except store_errors() as exc:
@@ -578,7 +598,7 @@ class ApprovalService:
                 await self._refused(request_id, actor, platform, why)
                 return PressResult(PressVerdict.REFUSED, message, request_id=request_id)
             pressed = await self.store.press(
-                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=None
+                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=None, person=person
             )
         won, request = pressed.won, pressed.request
         if request is None:
@@ -592,10 +612,12 @@ class ApprovalService:
                 request_id=request_id,
                 status=outcome.status.value,
                 actor=actor,
+                person=person,
                 platform=platform,
                 hash=request.args_hash,
             )
-            APPROVALS_DECIDED.labels(outcome=outcome.status.value, platform=platform).inc()
+            # People are configured, so the person label is bounded (an identity nobody claimed counts as "").
+            APPROVALS_DECIDED.labels(outcome=outcome.status.value, platform=platform, person=person or "").inc()
             if remember and self.rules is not None and outcome.approved:
                 rule = await self.rules.add(
                     tool=request.tool,
@@ -607,7 +629,7 @@ class ApprovalService:
                     seconds=self.config.approvals.remember.max_seconds,
                 )
                 await self._audit_safely(
-                    request_id, "rule_created", actor, platform, f"{rule.id} until {rule.expires_at:.0f}"
+                    request_id, "rule_created", actor, platform, f"{rule.id} until {rule.expires_at:.0f}", person=person
                 )
                 log.info("approvals.rule_created", rule=rule.id, request_id=request_id, actor=actor)
             await self._ended(request_id)
@@ -616,7 +638,7 @@ class ApprovalService:
                     "approvals.decide.before_answer", lambda: simulated_failure(self.store.tables, "decide")
                 )
             verb = "Approved" if decision is Decision.APPROVE else "Denied"
-            return PressResult(PressVerdict.WON, f"{verb}. Recorded as {actor}.", outcome, request_id)
+            return PressResult(PressVerdict.WON, f"{verb}. Recorded as {outcome.decider}.", outcome, request_id)
         # still pending but the compare-and-set failed: the deadline has passed
         outcome = request.outcome() or await self._expire(request_id)
         if outcome.status is Status.CANCELLED and is_withdrawn(outcome.reason):
@@ -662,19 +684,29 @@ class ApprovalService:
         )
 
     async def _refused(self, request_id: str | None, actor: str, platform: str, why: str) -> None:
-        log.warning("approvals.press_refused", request_id=request_id, actor=actor, platform=platform, reason=why)
+        person = self.config.roster.person_of(actor)
+        log.warning(
+            "approvals.press_refused", request_id=request_id, actor=actor, person=person, platform=platform, reason=why
+        )
         if not self._refusals.first_in_window(actor):
             # Someone pressing over and over: the first refusal in the window is audited, the rest only counted,
             # so refused presses cannot fill the store.
             count_failure("press_refused_unaudited", platform)
             return
-        await self._audit_safely(request_id, "press_refused", actor, platform, why)
+        await self._audit_safely(request_id, "press_refused", actor, platform, why, person=person)
 
     async def _audit_safely(
-        self, request_id: str | None, event: str, actor: str | None, platform: str | None, detail: str
+        self,
+        request_id: str | None,
+        event: str,
+        actor: str | None,
+        platform: str | None,
+        detail: str,
+        *,
+        person: str | None = None,
     ) -> None:
         try:
-            await self.store.audit(request_id, event, actor=actor, platform=platform, detail=detail)
+            await self.store.audit(request_id, event, actor=actor, platform=platform, detail=detail, person=person)
         except store_errors() as exc:
             count_failure("approval_audit")
             log.warning("approvals.audit_failed", request_id=request_id, audit_event=event, actor=actor, error=str(exc))
@@ -750,7 +782,7 @@ class ApprovalService:
         won, request = await self.store.finish(request_id, Status.CANCELLED, actor=None, platform=None, reason=reason)
         if won:
             log.info("approvals.cancelled", request_id=request_id, reason=reason)
-            APPROVALS_DECIDED.labels(outcome="cancelled", platform="").inc()
+            APPROVALS_DECIDED.labels(outcome="cancelled", platform="", person="").inc()
             await self._ended(request_id)
         return won, None if request is None else request.outcome()
 
@@ -797,7 +829,7 @@ class ApprovalService:
             )
             if won:
                 log.info("approvals.cancelled", request_id=request_id)
-                APPROVALS_DECIDED.labels(outcome="cancelled", platform="").inc()
+                APPROVALS_DECIDED.labels(outcome="cancelled", platform="", person="").inc()
                 await self._ended(request_id)
         except store_errors() as exc:
             count_failure(STORE_SITE)
@@ -809,7 +841,7 @@ class ApprovalService:
         )
         if won:
             log.info("approvals.timeout", request_id=request_id)
-            APPROVALS_DECIDED.labels(outcome="timeout", platform="").inc()
+            APPROVALS_DECIDED.labels(outcome="timeout", platform="", person="").inc()
             await self._ended(request_id)
         assert request is not None
         outcome = request.outcome()
@@ -838,7 +870,7 @@ class ApprovalService:
                 reason = RESTARTED if live is None else REPLICA_GONE
             won, after = await self.store.finish(request.id, Status.CANCELLED, actor=None, platform=None, reason=reason)
             if won and after is not None:
-                APPROVALS_DECIDED.labels(outcome="cancelled", platform="").inc()
+                APPROVALS_DECIDED.labels(outcome="cancelled", platform="", person="").inc()
                 log.warning("approvals.orphan_cancelled", request_id=request.id, tool=request.tool)
                 cancelled.append(after)
         never_ran: list[ApprovalRequest] = []
@@ -922,9 +954,11 @@ class ApprovalService:
         return request
 
     async def _decided_on_record(self, request: ApprovalRequest) -> bool:
-        """The ``decided`` audit row the compare-and-set wrote with it: same person, same hash, that outcome."""
+        """The ``decided`` audit row the compare-and-set wrote with it: same identity and person, same hash, that
+        outcome."""
         return any(
             e.actor == request.decided_by
+            and e.person == request.decided_person
             and e.args_hash == request.args_hash
             and (e.detail or "").split(":", 1)[0] == Status.APPROVED.value
             for e in await self.store.events(request.id, event="decided")
@@ -951,3 +985,11 @@ class ApprovalService:
                 f"the arguments changed after approval (approved {request.args_hash[:12]}…, now {actual[:12]}…)"
             )
         await self._audit_safely(request_id, "execution_started", None, None, f"tool={tool}")
+
+    async def execution_finished(self, request_id: str, *, ok: bool, output: str, error: str | None) -> None:
+        """After an approved call ran: how it ended, audited. The output itself stays out of the audit (it goes
+        wherever the audit is streamed): its length and SHA-256 say which output it was; an error, bounded."""
+        digest = hashlib.sha256(output.encode("utf-8", "replace")).hexdigest()
+        said = f"{len(output)} characters of output, sha256 {digest}"
+        detail = f"ok: {said}" if ok else f"failed: {(error or 'no reason given')[:200]}; {said}"
+        await self._audit_safely(request_id, "execution_finished", None, None, detail)

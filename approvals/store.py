@@ -6,7 +6,8 @@ operations), with SQL both engines run alike.
 
 Every outcome is written by one compare-and-set (``UPDATE … WHERE status =
 'pending'``); whoever's statement changes the row decided it, and a trigger
-refuses any later change. The audit trail is append-only (triggers again).
+refuses any later change. The audit trail is append-only (triggers again), and every event of it is
+appended to the audit chain (:mod:`kazma.approvals.chain`) in the transaction of the change it records.
 """
 
 from __future__ import annotations
@@ -21,10 +22,21 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
+from kazma.approvals.chain import (
+    CHECKPOINT_COLUMNS,
+    DECISION_EVENTS,
+    EVENT_COLUMNS,
+    FROM_REQUEST,
+    AuditChain,
+    ChainedEvent,
+    checkpoint_of_row,
+)
+from kazma.approvals.checkpoints import AuditSigner, Checkpoint
 from kazma.approvals.model import ApprovalRequest, Outcome, Status, Waits, outcome_of
 from kazma.approvals.seal import seal
 from kazma.config.keyring import Keyring
 from kazma.config.store.backend import StoreBackend, Tx, Writer, backend_of, held_by_gone
+from kazma.config.store.database import Tables
 
 Clock = Callable[[], float]
 T = TypeVar("T")
@@ -32,14 +44,14 @@ T = TypeVar("T")
 _COLUMNS = (
     "id, tool, args_json, args_hash, requested_by, conversation, task_id, created_at, deadline, "
     "status, decided_by, decided_via, decided_at, reason, notes, durable, waits, last_seen, decision_mac,"
-    " decision_key_id"
+    " decision_key_id, decided_person"
 )
 
 
 # The outcome and its seal in one statement: the seal is made in Python before it (approvals/seal.py).
 _CAS = (
     "UPDATE approval_requests SET status = ?, decided_by = ?, decided_via = ?, decided_at = ?, reason = ?,"
-    " decision_mac = ?, decision_key_id = ? WHERE id = ? AND status = 'pending'"
+    " decision_mac = ?, decision_key_id = ?, decided_person = ? WHERE id = ? AND status = 'pending'"
 )
 _CAS_BEFORE_DEADLINE = _CAS + " AND deadline > ?"
 # What the seal binds besides the outcome, read in the decision's transaction before the compare-and-set; for a
@@ -50,14 +62,10 @@ _PRESS_CARDS = (
     " LEFT JOIN approval_cards c ON c.request_id = r.id AND c.platform = ? WHERE r.id = ?"
 )
 _RETURNING = f" RETURNING {_COLUMNS}"
-_EVENT = (
-    "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?)"
-)
-# The same row, its hash read from the request in the statement itself.
-_EVENT_HASHED = (
-    "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
-    " VALUES (?, ?, ?, ?, ?, (SELECT args_hash FROM approval_requests WHERE id = ?), ?)"
+# The checkpoint that signs a request's decision: the first one at or after the event the compare-and-set wrote.
+_DECISION_SEQ = (
+    "SELECT seq FROM approval_events WHERE request_id = ?"  # noqa: S608
+    f" AND event IN ({', '.join(repr(e) for e in DECISION_EVENTS)}) ORDER BY seq LIMIT 1"
 )
 # The claimer's name when no replica name is given: the only process on its store.
 LOCAL = "local"
@@ -83,21 +91,6 @@ class NewRequest:
 # Run first in the transaction that opens a request (given its id): None lets it open; another request's id
 # stands instead, and nothing is written.
 Guard = Callable[[Tx, str], "str | None"]
-
-
-def write_event(
-    tx: Tx,
-    request_id: str | None,
-    event: str,
-    *,
-    actor: str | None,
-    at: float,
-    args_hash: str | None,
-    platform: str | None = None,
-    detail: str | None = None,
-) -> None:
-    """One audit row, inside a writer's transaction (a door's own rows commit with what they describe)."""
-    tx.run(_EVENT, (request_id, event, actor, platform, at, args_hash, detail))
 
 
 def new_request_id() -> str:
@@ -138,6 +131,7 @@ def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
         last_seen,
         mac,
         key_id,
+        person,
     ) = tuple(row)
     return ApprovalRequest(
         id=rid,
@@ -161,6 +155,7 @@ def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
         last_seen=ts(last_seen),
         decision_mac=mac,
         decision_key_id=key_id,
+        decided_person=person,
     )
 
 
@@ -174,6 +169,7 @@ class AuditEvent:
     at: datetime
     args_hash: str | None
     detail: str | None
+    person: str | None = None  # the person the identity in ``actor`` belongs to (None: nobody's, or older rows)
 
 
 @dataclass(frozen=True)
@@ -221,18 +217,21 @@ class Standing:
     decided_via: str | None
     decided_at: datetime | None
     reason: str | None
+    decided_person: str | None = None
 
     def outcome(self) -> Outcome | None:
         return outcome_of(self)
 
 
-_STANDING = "id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at, reason"
+_STANDING = (
+    "id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at, reason, decided_person"
+)
 
 
 def _standing(row: Iterable[Any]) -> Standing:
-    rid, tool, digest, conversation, deadline, status, by, via, at, why = tuple(row)
+    rid, tool, digest, conversation, deadline, status, by, via, at, why, person = tuple(row)
     deadline_at = datetime.fromtimestamp(deadline, UTC)
-    return Standing(rid, tool, digest, conversation, deadline_at, Status(status), by, via, ts(at), why)
+    return Standing(rid, tool, digest, conversation, deadline_at, Status(status), by, via, ts(at), why, person)
 
 
 @dataclass(frozen=True)
@@ -258,15 +257,22 @@ class ApprovalStore:
         clock: Clock = time.time,
         replica: str | None = None,
         keyring: Keyring | None = None,
+        audit: AuditSigner | None = None,
     ) -> None:
         self._conn = conn if isinstance(conn, aiosqlite.Connection) else None
         self.clock = clock
+        # Every audit event goes through the chain; ``audit`` signs its checkpoints (None: they are written
+        # unsigned, and ``kazma audit verify`` fails on them: a store opened only to read, or a test of rows).
+        self.tables = backend_of(conn)
+        # SQLite's writer holds the file's write lock for the whole transaction; PostgreSQL's needs the chain's.
+        self.chain = AuditChain(postgres=not isinstance(self.tables, Tables), signer=audit, clock=lambda: self.clock())
+        # Told after a commit that appended audit events (the checkpointer, the audit sink).
+        self.appended_listeners: list[Callable[[], None]] = []
         # Written as the owner of every request this process opens (None: the only process on the store).
         self.replica = replica
         # Seals every outcome this store writes (approvals/seal.py). None: outcomes are written unsealed, and an
         # approval written so can never run (a store opened only to read, or by a test of the rows alone).
         self.keyring = keyring
-        self.tables = backend_of(conn)
 
     @property
     def conn(self) -> aiosqlite.Connection:
@@ -278,7 +284,16 @@ class ApprovalStore:
     async def _write(self, op: Callable[[Tx], T]) -> T:
         """Every write: one operation in the store's next group commit (see :mod:`kazma.config.store.writer`)."""
         writer: Writer = await self.tables.writer()
-        return await writer.submit(op)
+        result = await writer.submit(op)
+        if self.chain.appended:  # audit events committed: the checkpointer signs them, the sink sends them
+            self.chain.appended = False
+            for listener in self.appended_listeners:
+                listener()
+        return result
+
+    async def write(self, op: Callable[[Tx], T]) -> T:
+        """One operation of another approvals module (the checkpointer) in the store's next group commit."""
+        return await self._write(op)
 
     async def insert(
         self,
@@ -344,6 +359,7 @@ class ApprovalStore:
             now if seen else None,
             None,
             None,
+            None,
         )
 
         def op(tx: Tx) -> tuple[ApprovalRequest, bool]:
@@ -357,8 +373,8 @@ class ApprovalStore:
                 f"INSERT INTO approval_requests ({_COLUMNS}, owner) VALUES ({', '.join('?' * (len(row) + 1))})",  # noqa: S608
                 (*row, self.replica),
             )
-            write_event(tx, new.id, "opened", actor=new.requested_by, at=now, args_hash=new.args_hash,
-                        detail=f"tool={new.tool}")  # fmt: skip
+            self.chain.append(tx, new.id, "opened", actor=new.requested_by, at=now, args_hash=new.args_hash,
+                              detail=f"tool={new.tool}")  # fmt: skip
             for statements in also:
                 statements(tx)
             return _row_to_request(row), True
@@ -416,6 +432,7 @@ class ApprovalStore:
         platform: str,
         reason: str | None,
         card: CardCheck | None,
+        person: str | None = None,
     ) -> Pressed:
         """A person's decision: the card it came from checked, the compare-and-set and its audit row, as one write.
 
@@ -423,7 +440,7 @@ class ApprovalStore:
         writes nothing (the caller decides what to audit, and whether to look again).
         """
         return await self._write(
-            self.press_op(request_id, status, actor=actor, platform=platform, reason=reason, card=card)
+            self.press_op(request_id, status, actor=actor, platform=platform, reason=reason, card=card, person=person)
         )
 
     def press_op(
@@ -435,6 +452,7 @@ class ApprovalStore:
         platform: str,
         reason: str | None,
         card: CardCheck | None,
+        person: str | None = None,
     ) -> Callable[[Tx], Pressed]:
         """The statements of :meth:`press`, as the writer runs them inside its transaction.
 
@@ -458,8 +476,8 @@ class ApprovalStore:
                 if head is None:
                     return Pressed(None, False, None)
             now = self.clock()
-            sealed = self._seal(request_id, str(head[0]), str(head[1]), status, actor, platform, now)
-            params = (status.value, actor, platform, now, reason, *sealed, request_id, now)
+            sealed = self._seal(request_id, str(head[0]), str(head[1]), status, actor, platform, now, person)
+            params = (status.value, actor, platform, now, reason, *sealed, person, request_id, now)
             row = tx.one(f"{_CAS_BEFORE_DEADLINE} RETURNING {_STANDING}", params)
             won = row is not None
             if not won:
@@ -469,12 +487,14 @@ class ApprovalStore:
             request = _standing(row)
             if won:
                 detail = decided_detail(status, reason)
-                tx.run(_EVENT, (request_id, "decided", actor, platform, now, request.args_hash, detail))
+                self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
+                                  args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
                 tx.notify(DECIDED_CHANNEL, request_id)
             else:
                 standing = request.status.value if request.status.final else "pending past its deadline"
-                detail = f"standing: {standing}"
-                tx.run(_EVENT, (request_id, "press_lost", actor, platform, now, request.args_hash, detail))
+                self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now,
+                                  args_hash=request.args_hash, detail=f"standing: {standing}",
+                                  person=person)  # fmt: skip
             return Pressed(None, won, request)
 
         return op
@@ -488,6 +508,7 @@ class ApprovalStore:
         actor: str | None,
         platform: str | None,
         now: float,
+        person: str | None = None,
     ) -> tuple[str | None, str | None]:
         """(decision_mac, decision_key_id) for the compare-and-set: made before it, with the time it stores."""
         if self.keyring is None:
@@ -501,6 +522,7 @@ class ApprovalStore:
             decided_by=actor,
             decided_via=platform,
             decided_at=now,
+            decided_person=person,
         )
         return made.mac, made.key_id
 
@@ -521,7 +543,7 @@ class ApprovalStore:
             return False, None
         now = self.clock()
         sealed = self._seal(request_id, str(head[0]), str(head[1]), status, actor, platform, now)
-        params: tuple[Any, ...] = (status.value, actor, platform, now, reason, *sealed, request_id)
+        params: tuple[Any, ...] = (status.value, actor, platform, now, reason, *sealed, None, request_id)
         sql = _CAS
         if require_before_deadline:
             sql, params = _CAS_BEFORE_DEADLINE, (*params, now)
@@ -533,17 +555,22 @@ class ApprovalStore:
         if request is None:
             return False, None
         if won:
-            if status.human:
-                tx.run(
-                    _EVENT,
-                    (request_id, "decided", actor, platform, now, request.args_hash, decided_detail(status, reason)),
-                )
-            else:
-                tx.run(_EVENT, (request_id, status.value, actor, platform, now, request.args_hash, reason))
+            event, detail = ("decided", decided_detail(status, reason)) if status.human else (status.value, reason)
+            self.chain.append(
+                tx,
+                request_id,
+                event,
+                actor=actor,
+                platform=platform,
+                at=now,
+                args_hash=request.args_hash,
+                detail=detail,
+            )
             tx.notify(DECIDED_CHANNEL, request_id)
         elif lost_event is not None:
             standing = request.status.value if request.status.final else "pending past its deadline"
-            tx.run(_EVENT, (request_id, lost_event, actor, platform, now, request.args_hash, f"standing: {standing}"))
+            self.chain.append(tx, request_id, lost_event, actor=actor, platform=platform, at=now,
+                              args_hash=request.args_hash, detail=f"standing: {standing}")  # fmt: skip
         return won, request
 
     async def audit(
@@ -554,11 +581,65 @@ class ApprovalStore:
         actor: str | None = None,
         platform: str | None = None,
         detail: str | None = None,
+        person: str | None = None,
     ) -> None:
         at = self.clock()
         await self._write(
-            lambda tx: tx.run(_EVENT_HASHED, (request_id, event, actor, platform, at, request_id, detail))
+            lambda tx: self.chain.append(
+                tx,
+                request_id,
+                event,
+                actor=actor,
+                platform=platform,
+                at=at,
+                args_hash=FROM_REQUEST,
+                detail=detail,
+                person=person,
+            )
         )
+
+    async def start_chain(self) -> None:
+        """Chain the events written before the audit chain began, once (``kazma run`` does it at start, so the
+        first decision after an upgrade does not wait for it); a no-op once done."""
+        await self._write(self.chain.start)
+
+    async def witness(self, request_id: str) -> Checkpoint | None:
+        """The signed checkpoint that holds ``request_id``'s decision (what its settled cards show), or None."""
+        found = await self.tables.one(_DECISION_SEQ, (request_id,))
+        if found is None:
+            return None
+        row = await self.tables.one(
+            f"SELECT {CHECKPOINT_COLUMNS} FROM audit_checkpoints WHERE seq >= ? AND first_seq <= ?"  # noqa: S608
+            " ORDER BY seq LIMIT 1",
+            (found[0], found[0]),
+        )
+        return None if row is None else checkpoint_of_row(row)
+
+    async def chain_events(self, after: int = 0, *, limit: int = 1000) -> list[ChainedEvent]:
+        """Audit events with their chain fields, in sequence order, from the first after ``after``."""
+        rows = await self.tables.all(
+            f"SELECT {EVENT_COLUMNS} FROM approval_events WHERE seq > ? ORDER BY seq LIMIT ?",  # noqa: S608
+            (after, limit),
+        )
+        return [ChainedEvent.of_row(row) for row in rows]
+
+    async def chain_checkpoints(self, after: int = 0, *, limit: int = 1000) -> list[Checkpoint]:
+        """Signed checkpoints in sequence order, from the first whose head comes after ``after``."""
+        rows = await self.tables.all(
+            f"SELECT {CHECKPOINT_COLUMNS} FROM audit_checkpoints WHERE seq > ? ORDER BY seq LIMIT ?",  # noqa: S608
+            (after, limit),
+        )
+        return [checkpoint_of_row(row) for row in rows]
+
+    async def last_checkpoint(self) -> Checkpoint | None:
+        row = await self.tables.one(
+            f"SELECT {CHECKPOINT_COLUMNS} FROM audit_checkpoints ORDER BY seq DESC LIMIT 1"  # noqa: S608
+        )
+        return None if row is None else checkpoint_of_row(row)
+
+    async def last_event_seq(self) -> int:
+        row = await self.tables.one("SELECT seq FROM approval_events ORDER BY seq DESC LIMIT 1")
+        return 0 if row is None else int(row[0])
 
     async def events(self, request_id: str | None = None, *, event: str | None = None) -> list[AuditEvent]:
         clauses, params = [], []
@@ -570,11 +651,13 @@ class ApprovalStore:
             params.append(event)
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         rows = await self.tables.all(
-            "SELECT seq, request_id, event, actor, platform, at, args_hash, detail FROM approval_events "  # noqa: S608
+            "SELECT seq, request_id, event, actor, platform, at, args_hash, detail, person FROM approval_events "  # noqa: S608
             f"{where} ORDER BY seq",
             params,
         )
-        return [AuditEvent(r[0], r[1], r[2], r[3], r[4], datetime.fromtimestamp(r[5], UTC), r[6], r[7]) for r in rows]
+        return [
+            AuditEvent(r[0], r[1], r[2], r[3], r[4], datetime.fromtimestamp(r[5], UTC), r[6], r[7], r[8]) for r in rows
+        ]
 
     async def approved_not_started(self, live: Collection[str] | None = None) -> list[ApprovalRequest]:
         """Approved requests with no ``execution_started`` (nor an ``execution_lost`` already reported); with
@@ -657,7 +740,16 @@ class ApprovalStore:
                 " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                 (request_id, platform, chat, message_id, now, int(whole)),
             )
-            tx.run(_EVENT_HASHED, (request_id, "card_posted", None, platform, now, request_id, detail))
+            self.chain.append(
+                tx,
+                request_id,
+                "card_posted",
+                actor=None,
+                platform=platform,
+                at=now,
+                args_hash=FROM_REQUEST,
+                detail=detail,
+            )
 
         await self._write(op)
 
@@ -773,9 +865,10 @@ class ApprovalStore:
                 (now, status.value, card.request_id, card.platform, card.chat, card.message_id),
             )
             if settled == 1:
-                tx.run(
-                    _EVENT_HASHED, (card.request_id, "card_settled", None, card.platform, now, card.request_id, detail)
-                )
+                self.chain.append(
+                    tx, card.request_id, "card_settled", actor=None, platform=card.platform, at=now,
+                    args_hash=FROM_REQUEST, detail=detail,
+                )  # fmt: skip
 
         await self._write(op)
 

@@ -51,6 +51,8 @@ def redact_config_secrets(config: KazmaConfig) -> None:
         platforms.slack.app_token,
         platforms.slack.signing_secret,
         platforms.discord.token,
+        platforms.slack.sign_in.client_secret,
+        platforms.discord.sign_in.client_secret,
         config.model.api_key,
         config.store.secret,  # the password inside a postgresql:// store.url
     ):

@@ -20,8 +20,12 @@ from kazma.approvals.schema import MIGRATIONS as APPROVALS
 from kazma.approvals.schema import PG_MIGRATIONS as APPROVALS_PG
 from kazma.bot.api_store import MIGRATIONS as API_IDEMPOTENCY
 from kazma.bot.api_store import PG_MIGRATIONS as API_IDEMPOTENCY_PG
+from kazma.bot.audit_sink import MIGRATIONS as AUDIT_SINK
+from kazma.bot.audit_sink import PG_MIGRATIONS as AUDIT_SINK_PG
 from kazma.bot.chat_moves import MIGRATIONS as CHAT_MOVES
 from kazma.bot.chat_moves import PG_MIGRATIONS as CHAT_MOVES_PG
+from kazma.bot.console.accounts import MIGRATIONS as PEOPLE
+from kazma.bot.console.accounts import PG_MIGRATIONS as PEOPLE_PG
 from kazma.bot.console.sessions import MIGRATIONS as SESSIONS
 from kazma.bot.console.sessions import PG_MIGRATIONS as SESSIONS_PG
 from kazma.bot.inbound_claims import MIGRATIONS as INBOUND_CLAIMS
@@ -65,6 +69,8 @@ def all_migrations() -> list[Migration]:
         *SESSIONS,
         *INBOUND_CLAIMS,
         *EXECUTIONS,
+        *AUDIT_SINK,
+        *PEOPLE,
     ]
 
 
@@ -84,6 +90,8 @@ def pg_migrations() -> list[Migration]:
         *SESSIONS_PG,
         *INBOUND_CLAIMS_PG,
         *EXECUTIONS_PG,
+        *AUDIT_SINK_PG,
+        *PEOPLE_PG,
     ]
 
 

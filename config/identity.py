@@ -1,11 +1,10 @@
 """Who someone is, and what the configuration lets them do.
 
-An actor is ``<platform>:<user id>`` (``telegram:111``, ``slack:U0123``,
-``web:alice``, ``cli:ops``): the form approvers are written in and the form the
-audit trail records. Nothing links two actors, so the same person on two
-platforms is two actors. The :class:`Roster` answers the only two questions the
-rest of Kazma asks — may this actor decide approvals here, may this actor
-steer the swarm here — in one place.
+An actor (an *identity*) is ``<platform>:<user id>`` (``telegram:111``, ``slack:U0123``, ``web:alice``,
+``cli:ops``): the form the audit trail records beside the person. ``people:`` says which identities are one
+person (:mod:`kazma.config.people`); an identity nobody claimed is nobody's but its own. The
+:class:`Roster` answers the questions the rest of Kazma asks — may this identity decide approvals here, may
+it steer the swarm here, whose is it — in one place.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kazma.config.people import person_key
 from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS
 
 if TYPE_CHECKING:
@@ -52,19 +52,24 @@ class Roster:
 
     - Approvers on a chat platform: the ``approvals.approvers`` written for it
       plus that platform's ``admins``. On ``web`` and ``cli`` (which have no
-      admin lists): the approvers written for them.
+      admin lists): the approvers written for them. An approver written as a
+      person's or a group's name stands for every identity of theirs, each on
+      its own platform.
     - Operators (who may steer the swarm): a chat platform's ``admins``; on
       ``web`` and ``cli``, the approvers written for them.
 
-    An actor only counts on its own platform: a Slack admin id typed into the
-    CLI or the console proves nothing.
+    An actor only counts on its own platform: the platform is what proved it
+    (a press's sender, a passkey for ``web:``, a Telegram-signed Mini App for
+    ``telegram:``), so a Slack admin id presented anywhere else proves nothing.
     """
 
     def __init__(self, config: KazmaConfig) -> None:
         self._config = config
+        self.people = config.people
         written: dict[str, set[str]] = {}
-        for actor in config.approvals.approvers:
-            written.setdefault(platform_of(actor), set()).add(actor)
+        for reference in config.approvals.approvers:
+            for actor in self.people.identities(reference):
+                written.setdefault(platform_of(actor), set()).add(actor)
         self._admins = {name: spec.admins(config.platforms) for name, spec in CHAT_PLATFORMS.items()}
         self._approvers = {
             platform: frozenset(written.get(platform, set()) | self._admins.get(platform, frozenset()))
@@ -91,6 +96,10 @@ class Roster:
     def is_admin(self, actor: str, platform: str) -> bool:
         return platform_of(actor) == platform and actor in self.admins_for(platform)
 
+    def person_of(self, actor: str) -> str | None:
+        """The person ``actor`` belongs to under ``people:``, or None."""
+        return self.people.person_of(actor)
+
     def is_operator(self, actor: str, platform: str, *, is_admin: bool = False) -> bool:
         """``is_admin``: the platform itself said the author is an admin (set by the adapter from the roster)."""
         if is_admin:
@@ -98,12 +107,15 @@ class Roster:
         return platform_of(actor) == platform and actor in self.operators_for(platform)
 
     def human_operators(self) -> frozenset[str]:
-        """Every configured operator identity: approvers and platform admins, each counted once per platform.
+        """Every configured operator, once per person: a person under ``people:`` counts once whatever their
+        doors (their name stands for them); an identity nobody claimed counts as its own person.
 
         Erring towards "more than one" only makes the shared-operator refusal
         stricter, never looser.
         """
-        people: set[str] = set(self._config.approvals.approvers)
+        found: set[str] = set()
+        for approvers in self._approvers.values():
+            found |= approvers
         for admins in self._admins.values():
-            people |= admins
-        return frozenset(people)
+            found |= admins
+        return frozenset(person_key(self.people, identity) for identity in found)

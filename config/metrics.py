@@ -6,7 +6,10 @@ count here because this module sits at the bottom of the import graph.
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, Counter, Histogram
+import math
+import time
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 FAILURES = Counter(
     "kazma_failures",
@@ -20,8 +23,9 @@ SWARM_FAILURES = Counter("kazma_swarm_failures", "Failures in the swarm engine, 
 APPROVALS_OPENED = Counter("kazma_approvals_opened", "Approval requests opened, by tool.", ["tool"])
 APPROVALS_DECIDED = Counter(
     "kazma_approvals_decided",
-    "Approval requests that reached an outcome, by outcome and platform.",
-    ["outcome", "platform"],
+    "Approval requests that reached an outcome, by outcome, platform and the person under people: who decided "
+    "(empty: nobody's identity, or no person decided: a timeout, a cancellation).",
+    ["outcome", "platform", "person"],
 )
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PRESS_TO_DECISION = Histogram(
@@ -34,6 +38,23 @@ DECISION_TO_SETTLED = Histogram(
     "From a request's outcome to the last of its cards showing it.",
     buckets=_LATENCY_BUCKETS,
 )
+
+
+AUDIT_SIGNED_SEQ = Gauge(
+    "kazma_audit_last_signed_seq", "The sequence number of the audit event the newest signed checkpoint covers."
+)
+AUDIT_CHECKPOINT_AGE = Gauge(
+    "kazma_audit_checkpoint_age_seconds",
+    "Seconds since the newest signed checkpoint of the audit chain was made (NaN: none seen yet).",
+)
+_newest_checkpoint_at: list[float] = []
+AUDIT_CHECKPOINT_AGE.set_function(lambda: time.time() - _newest_checkpoint_at[0] if _newest_checkpoint_at else math.nan)
+
+
+def audit_checkpoint_seen(seq: int, at: float) -> None:
+    """The newest signed checkpoint of the audit chain, as this process last saw it."""
+    AUDIT_SIGNED_SEQ.set(seq)
+    _newest_checkpoint_at[:] = [at]
 
 
 def count_failure(site: str, platform: str = "") -> None:

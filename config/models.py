@@ -26,10 +26,12 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from kazma.config.audit_config import AuditConfig
 from kazma.config.identity import Roster
 from kazma.config.keyring import KEY_VARIABLES, keys_folder
 from kazma.config.limits import DEFAULT_FILE_BYTES, DEFAULT_FILE_COUNT, MAX_TOOL_OUTPUT_CHARS, MAX_WORKERS, MIB
-from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS
+from kazma.config.people import PERSON_NAME, PeopleConfig, parse_people
+from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, user_id_problem
 from kazma.config.tokens import slack_app_token_problem, slack_bot_token_problem
 
 APPROVER_PLATFORMS = ACTOR_PLATFORMS
@@ -198,7 +200,7 @@ _LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 class WebConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8765, ge=0, le=65535)  # 0: any free port
-    public_url: HttpUrl = "http://127.0.0.1:8765"
+    public_url: HttpUrl = "http://localhost:8765"
     # Serve the console on a non-loopback address over plain HTTP (tokens and sessions in the clear).
     allow_insecure_http: bool = False
     # Reverse proxies whose X-Forwarded-For / Forwarded is believed (addresses or CIDRs); none: the socket's peer
@@ -471,10 +473,14 @@ class AgentsConfig(Strict):
 
 
 def _approver(value: Any) -> Any:
+    """A raw identity (``telegram:111``), or the name of a person or group under ``people:`` (checked there)."""
+    if isinstance(value, str) and PERSON_NAME.fullmatch(value):
+        return value
     if not isinstance(value, str) or ":" not in value:
         raise PydanticCustomError(
             "kazma_approver",
-            "expected '<platform>:<user id>' (platform one of {platforms}), got {got}",
+            "expected '<platform>:<user id>' (platform one of {platforms}) or a person or group under people:, "
+            "got {got}",
             {"platforms": ", ".join(APPROVER_PLATFORMS), "got": repr(value)},
         )
     platform, _, user = value.partition(":")
@@ -484,10 +490,25 @@ def _approver(value: Any) -> Any:
             "expected '<platform>:<user id>' (platform one of {platforms}), got {got}",
             {"platforms": ", ".join(APPROVER_PLATFORMS), "got": repr(value)},
         )
+    problem = user_id_problem(platform, user)
+    if problem is not None:
+        raise PydanticCustomError("kazma_approver", "{problem}, got {got}", {"problem": problem, "got": repr(value)})
     return value
 
 
 Approver = Annotated[str, BeforeValidator(_approver)]
+
+
+def _identity(value: Any) -> Any:
+    """A raw identity only (``telegram:111``): where the name of a person would mean nothing to the reader."""
+    if isinstance(value, str) and PERSON_NAME.fullmatch(value):
+        raise PydanticCustomError(
+            "kazma_approver", "expected '<platform>:<user id>' here, got the name {got}", {"got": repr(value)}
+        )
+    return _approver(value)
+
+
+Identity = Annotated[str, BeforeValidator(_identity)]
 
 
 class RememberConfig(Strict):
@@ -505,11 +526,14 @@ class ApprovalsConfig(Strict):
     # because what a person approves must be what they could see. Such calls are approved on their page.
     approve_cut_in_chat: bool = False
     remember: RememberConfig = Field(default_factory=RememberConfig)
+    # Who is at the command line: "system": cli:<the system user running it> (--as may only confirm it);
+    # "declared": --as LOGIN as typed (a shared system account, where the user proves nothing).
+    cli_identity: Literal["system", "declared"] = "system"
 
 
 # Who may talk to the lead in a direct message: nobody ("off"), the platform's approvers ("approvers": the
 # approvals.approvers written for it and its admins), or the listed actors ("telegram:111", …).
-DmPolicy = Literal["off", "approvers"] | list[Approver]
+DmPolicy = Literal["off", "approvers"] | list[Identity]
 
 
 class FilesConfig(Strict):
@@ -536,6 +560,9 @@ class TelegramConfig(Strict):
     home_chat: OptionalTelegramChatId = None
     admins: list[TelegramUserId] = Field(default_factory=list)
     dm_policy: DmPolicy = "off"
+    # The short name of the bot's Mini App at @BotFather (its URL: <web.public_url>/telegram/app): cards in
+    # groups then open the approval page inside Telegram. Empty: only cards in a private chat do.
+    mini_app: str = Field(default="", pattern=r"^([A-Za-z0-9_]{3,30})?$")
 
     @field_validator("api_base_url")
     @classmethod
@@ -589,6 +616,33 @@ SlackChannelOrEvery = Annotated[str, BeforeValidator(_slack_channel_or_every)]
 SlackUser = Annotated[str, BeforeValidator(_slack_user)]
 
 
+class SlackSignInConfig(Strict):
+    """``platforms.slack.sign_in``: Sign in with Slack (OpenID Connect) on the console, for people whose Slack
+    identity is known. Off while ``client_id`` is empty."""
+
+    client_id: str = ""
+    client_secret: str = ""
+    team_id: str = ""  # the workspace whose people may sign in: an id token for another is refused
+    authorize_url: HttpUrl = "https://slack.com/openid/connect/authorize"
+    keys_url: HttpUrl = "https://slack.com/openid/connect/keys"
+
+    @model_validator(mode="after")
+    def _complete(self) -> SlackSignInConfig:
+        if self.client_id and not self.client_secret:
+            raise PydanticCustomError("kazma_sign_in", "required with client_id", {"subpath": "client_secret"})
+        if self.client_id and not re.fullmatch(r"[TE][A-Z0-9]{2,31}", self.team_id):
+            raise PydanticCustomError(
+                "kazma_sign_in",
+                "required with client_id: the workspace's id, T followed by capital letters and digits, got {got}",
+                {"subpath": "team_id", "got": repr(self.team_id)},
+            )
+        return self
+
+    @property
+    def on(self) -> bool:
+        return bool(self.client_id)
+
+
 class SlackConfig(Strict):
     bot_token: str = ""
     app_token: str = ""
@@ -599,6 +653,7 @@ class SlackConfig(Strict):
     home_channel: SlackChannel = ""
     admins: list[SlackUser] = Field(default_factory=list)
     dm_policy: DmPolicy = "off"
+    sign_in: SlackSignInConfig = Field(default_factory=SlackSignInConfig)
 
     @field_validator("api_base_url")
     @classmethod
@@ -630,6 +685,25 @@ class SlackConfig(Strict):
         return self
 
 
+class DiscordSignInConfig(Strict):
+    """``platforms.discord.sign_in``: Discord OAuth2 (scope ``identify``) on the console, for people whose Discord
+    identity is known. Off while ``client_id`` is empty."""
+
+    client_id: str = ""
+    client_secret: str = ""
+    authorize_url: HttpUrl = "https://discord.com/oauth2/authorize"
+
+    @model_validator(mode="after")
+    def _complete(self) -> DiscordSignInConfig:
+        if self.client_id and not self.client_secret:
+            raise PydanticCustomError("kazma_sign_in", "required with client_id", {"subpath": "client_secret"})
+        return self
+
+    @property
+    def on(self) -> bool:
+        return bool(self.client_id)
+
+
 class DiscordConfig(Strict):
     token: str = ""
     api_base_url: HttpUrl = "https://discord.com/api/v10"
@@ -639,6 +713,7 @@ class DiscordConfig(Strict):
     home_channel: OptionalDiscordSnowflake = None
     admins: list[DiscordSnowflake] = Field(default_factory=list)
     dm_policy: DmPolicy = "off"
+    sign_in: DiscordSignInConfig = Field(default_factory=DiscordSignInConfig)
 
     @field_validator("api_base_url")
     @classmethod
@@ -791,6 +866,31 @@ class ToolsConfig(Strict):
         return state.parent / f"{state.name or 'kazma'}-workspaces"
 
 
+def _admins(people: PeopleConfig, platform: str, admins: list[Any]) -> list[Any]:
+    """A platform's ``admins`` with every person's or group's name replaced by their ids on that platform."""
+    resolved: list[Any] = []
+    for position, admin in enumerate(admins):
+        if not (isinstance(admin, str) and PERSON_NAME.fullmatch(admin)):
+            resolved.append(admin)
+            continue
+        where = f"platforms.{platform}.admins[{position}]"
+        if not people.knows(admin):
+            raise PydanticCustomError(
+                "kazma_people",
+                "unknown person or group {name} (people: {known})",
+                {"subpath": where, "name": repr(admin), "known": ", ".join(people.persons) or "none configured"},
+            )
+        ids = sorted(people.identities_on(admin, platform))
+        if not ids:
+            raise PydanticCustomError(
+                "kazma_people",
+                "{name} has no {platform} identity under people: (add people.<name>.{platform})",
+                {"subpath": where, "name": repr(admin), "platform": platform},
+            )
+        resolved += [identity.partition(":")[2] for identity in ids]
+    return resolved
+
+
 def _default_pipelines() -> dict[str, list[str]]:
     return {
         "standard": ["researcher", "refiner", "builder", "validator"],
@@ -812,6 +912,27 @@ class KazmaConfig(Strict):
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     api: ApiConfig = Field(default_factory=ApiConfig)
     files: FilesConfig = Field(default_factory=FilesConfig)
+    audit: AuditConfig = Field(default_factory=AuditConfig)
+    people: PeopleConfig = Field(default_factory=PeopleConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _people_first(cls, data: Any) -> Any:
+        """``people:`` is read before the rest, so a platform's ``admins`` may name a person or a group: each
+        name becomes that person's (or each member's) ids on that platform."""
+        if not isinstance(data, dict):
+            return data
+        written = data.get("people")
+        people = written if isinstance(written, PeopleConfig) else PeopleConfig(**parse_people(written))
+        platforms = data.get("platforms")
+        if isinstance(platforms, dict):
+            platforms = dict(platforms)
+            for name in CHAT_PLATFORMS:
+                section = platforms.get(name)
+                if isinstance(section, dict) and isinstance(section.get("admins"), list):
+                    platforms[name] = {**section, "admins": _admins(people, name, section["admins"])}
+            data = {**data, "platforms": platforms}
+        return {**data, "people": people}
 
     @field_validator("mcp_servers")
     @classmethod
@@ -848,6 +969,21 @@ class KazmaConfig(Strict):
                 )
             levels[str(key)] = DangerLevel(item)
         return {**settings, "levels": levels}
+
+    @model_validator(mode="after")
+    def _approvers_name_people(self) -> KazmaConfig:
+        for position, reference in enumerate(self.approvals.approvers):
+            if ":" not in reference and not self.people.knows(reference):
+                raise PydanticCustomError(
+                    "kazma_people",
+                    "unknown person or group {name} (people: {known})",
+                    {
+                        "subpath": f"approvals.approvers[{position}]",
+                        "name": repr(reference),
+                        "known": ", ".join([*self.people.persons, *self.people.groups]) or "none configured",
+                    },
+                )
+        return self
 
     @model_validator(mode="after")
     def _pipelines_name_workers(self) -> KazmaConfig:

@@ -71,8 +71,15 @@ def console_warnings(config: KazmaConfig) -> list[str]:
     found: list[str] = []
     if not config.roster.approvers_for(WEB):
         found.append(
-            "no web approvers: every Approve or Deny pressed in the console is refused "
-            "(add 'web:<login>', the name you log in with, to approvals.approvers)"
+            "no web approvers: every Approve or Deny pressed in the console is refused (add a person with a "
+            "console identity, people.<name>.web, to approvals.approvers; then `kazma people invite <name>`)"
+        )
+    nobodys = sorted(a for a in config.roster.approvers_for(WEB) if config.people.person_of(a) is None)
+    if nobodys:
+        found.append(
+            f"{_listed(nobodys)} {'is an approver' if len(nobodys) == 1 else 'are approvers'} in the console, but "
+            "no person under people: has that identity: nobody can enrol a passkey for it, so it decides nothing "
+            "(add people.<name>: {web: <login>}; README: Web console)"
         )
     on = [spec.title for spec in CHAT_PLATFORMS.values() if spec.token(config.platforms)]
     if on and is_loopback(config.web.public_url):

@@ -439,6 +439,7 @@ class AgentRunner:
         ran.ended = Ended.OK if outcome.ok else Ended.FAILED
         ran.exit_code = outcome.exit_code
         await self._finish_record(ran, "" if outcome.ok else (outcome.error or "failed"))
+        await self.policy.ran(verdict, ok=outcome.ok, output=outcome.output, error=outcome.error)
         summary = outcome.output if outcome.ok else (outcome.error or "failed")
         result.tool_runs.append(
             ToolRun(

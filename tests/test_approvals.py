@@ -379,11 +379,13 @@ async def test_metrics_count_opened_decided_and_time_presses(store_engine: Engin
         return REGISTRY.get_sample_value(name, labels) or 0.0
 
     opened = sample("kazma_approvals_opened_total", {"tool": "metrics_probe"})
-    decided = sample("kazma_approvals_decided_total", {"outcome": "denied", "platform": "slack"})
+    decided = sample("kazma_approvals_decided_total", {"outcome": "denied", "platform": "slack", "person": ""})
     presses = sample("kazma_press_to_decision_seconds_count", {})
     async with approval_service(store_engine.where) as service:
         request = await service.open("metrics_probe", ARGS, "agent:b", "web:c")
         await service.decide_from_button(f"kz1:{request.id}:d", actor="slack:U111", platform="slack")
     assert sample("kazma_approvals_opened_total", {"tool": "metrics_probe"}) == opened + 1
-    assert sample("kazma_approvals_decided_total", {"outcome": "denied", "platform": "slack"}) == decided + 1
+    assert (
+        sample("kazma_approvals_decided_total", {"outcome": "denied", "platform": "slack", "person": ""}) == decided + 1
+    )
     assert sample("kazma_press_to_decision_seconds_count", {}) == presses + 1

@@ -35,7 +35,7 @@ def client(door: Door, token: str | None = REQUESTER_TOKEN) -> httpx.AsyncClient
 
 
 async def test_a_request_shows_a_card_and_a_press_decides_it(tmp_path: Path) -> None:
-    async with kazma_door(tmp_path) as door, client(door) as http:
+    async with kazma_door(tmp_path, extra=f"people: {{alice: {{telegram: {TG_ADMIN}}}}}") as door, client(door) as http:
         opened = await http.post("/api/v1/approvals", json=DEPLOY)
         assert opened.status_code == 201
         body = opened.json()
@@ -52,6 +52,7 @@ async def test_a_request_shows_a_card_and_a_press_decides_it(tmp_path: Path) -> 
         decided = (await waiting).json()
         assert decided["status"] == "approved"
         assert decided["decided_by"] == "telegram:111"
+        assert decided["decided_person"] == "alice"  # the API names the person beside the identity
         events = await door.app.service.store.events(body["id"])
         assert any(e.event == "api_opened" and e.actor == "api:ci" for e in events)
 

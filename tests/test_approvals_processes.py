@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kazma.approvals import Decision, Status
+from kazma.bot.cli.cli_identity import system_login
 from tests.approvals_support import APPROVERS_YAML, approval_service, assert_one_winner_each
 
 PRESSER = textwrap.dedent(
@@ -103,8 +104,9 @@ def _cli(args: list[str], config: Path) -> subprocess.CompletedProcess[str]:
 
 async def test_cli_decision_in_another_process_wakes_the_waiter(tmp_path: Path) -> None:
     db = tmp_path / "k.db"
+    me = system_login()  # the command line is the system user running it; people: says whose that is
     config = tmp_path / "kazma.yaml"
-    config.write_text(APPROVERS_YAML + f"store: {{path: {db}}}\n")
+    config.write_text(APPROVERS_YAML + f"store: {{path: {db}}}\npeople: {{ops: {{cli: '{me}'}}}}\n")
     async with approval_service(db, poll_interval=0.2) as service:
         request = await service.open("shell", {"command": "make deploy"}, "agent:builder", "slack:C1")
         waiter = asyncio.create_task(service.wait(request.id))
@@ -114,27 +116,37 @@ async def test_cli_decision_in_another_process_wakes_the_waiter(tmp_path: Path) 
         assert request.id in listed.stdout
         assert "pending" in listed.stdout
 
-        refused = await asyncio.to_thread(_cli, ["approvals", "approve", request.id, "--as", "mallory"], config)
+        # ops is the person, but not an approver yet: refused, with the fix
+        refused = await asyncio.to_thread(_cli, ["approvals", "approve", request.id], config)
         assert refused.returncode == 1
-        assert "not an approver" in refused.stdout
-        assert "add 'cli:mallory' to approvals.approvers" in refused.stderr
+        assert f"You (ops (cli:{me})) are not an approver here" in refused.stdout
+        assert "add 'ops' to approvals.approvers" in refused.stderr
+        # --as names nobody else: it only confirms who runs the command
+        claimed = await asyncio.to_thread(_cli, ["approvals", "approve", request.id, "--as", "mallory"], config)
+        assert claimed.returncode == 2
+        assert f"you are cli:{me} (ops) on this machine: --as mallory would be someone else" in claimed.stderr
 
-        approved = await asyncio.to_thread(_cli, ["approvals", "approve", request.id, "--as", "ops"], config)
+        config.write_text(config.read_text().replace('"cli:ops"]', '"cli:ops", ops]'))
+        approved = await asyncio.to_thread(_cli, ["approvals", "approve", request.id], config)
         assert approved.returncode == 0, approved.stderr
-        assert approved.stdout.strip() == "Approved. Recorded as cli:ops."
+        assert approved.stdout.strip() == f"Approved. Recorded as ops (cli:{me})."
 
         outcome = await asyncio.wait_for(waiter, timeout=30)
-        assert (outcome.status, outcome.decided_by, outcome.decided_via) == (Status.APPROVED, "cli:ops", "cli")
+        assert (outcome.status, outcome.decided_by, outcome.decided_via, outcome.person) == (
+            Status.APPROVED, f"cli:{me}", "cli", "ops",
+        )  # fmt: skip
 
         again = await asyncio.to_thread(_cli, ["approvals", "deny", request.id, "--as", "ops"], config)
         assert again.returncode == 1
-        assert again.stdout.startswith("Already approved by cli:ops via cli at ")
+        assert again.stdout.startswith(f"Already approved by ops (cli:{me}) via cli at ")
 
     shown = await asyncio.to_thread(_cli, ["approvals", "show", request.id], config)
     assert shown.returncode == 0
     assert '{"command":"make deploy"}' in shown.stdout
     assert request.args_hash in shown.stdout
-    for event in ("opened agent:builder", "press_refused cli:mallory via cli", "decided cli:ops via cli", "press_lost"):
+    assert f"outcome    approved by ops (cli:{me}) via cli at" in shown.stdout
+    for event in ("opened agent:builder", f"press_refused ops (cli:{me}) via cli", f"decided ops (cli:{me}) via cli",
+                  "press_lost"):  # fmt: skip
         assert event in shown.stdout
     missing = await asyncio.to_thread(_cli, ["approvals", "show", "nope"], config)
     assert missing.returncode == 1

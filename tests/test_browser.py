@@ -18,9 +18,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
-from playwright.async_api import FilePayload, Page, async_playwright
+from playwright.async_api import CDPSession, FilePayload, Page, async_playwright
 
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.web import WebAdapter
@@ -47,6 +48,16 @@ class Running:
     server: WebServer
     telegram: FakeTelegram
 
+    @property
+    def base(self) -> str:
+        """The console by name: passkeys are made for a host name (localhost here), never an address."""
+        return self.server.url.replace("127.0.0.1", "localhost")
+
+    async def invite(self, person: str) -> str:
+        assert self.server.signin is not None
+        token, _ = await self.server.signin.accounts.invite(person, created_by="test")
+        return f"{self.base}/enrol/{token}"
+
 
 @asynccontextmanager
 async def kazma_with_console(tmp_path: Path) -> AsyncIterator[Running]:
@@ -55,6 +66,7 @@ async def kazma_with_console(tmp_path: Path) -> AsyncIterator[Running]:
     loaded = load_config_text(
         f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
         "web: {port: 0}\n"
+        "people: {alice: {web: alice}}\n"
         "approvals: {approvers: ['web:alice']}\n"
         f"platforms: {{telegram: {{token: '{telegram.token}', api_base_url: '{telegram.base_url}',"
         f" chats: [{CHAT}], home_chat: {CHAT}}}}}\n",
@@ -85,12 +97,24 @@ async def kazma_with_console(tmp_path: Path) -> AsyncIterator[Running]:
         await telegram.stop()
 
 
-async def login(page: Page, url: str) -> None:
-    await page.goto(f"{url}/login")
-    await page.fill("input[name=name]", "alice")
-    await page.fill("input[name=token]", TOKEN)
-    await page.click("button[type=submit]")
-    await page.wait_for_url(f"{url}/")
+async def with_authenticator(page: Page) -> CDPSession:
+    """Chromium's virtual authenticator on this page (PLATFORM_NOTES.md): a passkey device that verifies its user."""
+    cdp = await page.context.new_cdp_session(page)
+    await cdp.send("WebAuthn.enable")
+    await cdp.send(
+        "WebAuthn.addVirtualAuthenticator",
+        {"options": {"protocol": "ctap2", "transport": "internal", "hasResidentKey": True,
+                     "hasUserVerification": True, "isUserVerified": True}},
+    )  # fmt: skip
+    return cdp
+
+
+async def login(page: Page, k: Running, person: str = "alice") -> None:
+    """Enrol a passkey for ``person`` from a fresh invite, in this page's browser, and be signed in by it."""
+    await with_authenticator(page)
+    await page.goto(await k.invite(person))
+    await page.click("#passkey-enrol")
+    await page.wait_for_url(f"{k.base}/")
 
 
 async def test_console_loop_in_a_real_browser(tmp_path: Path) -> None:
@@ -104,7 +128,7 @@ async def test_console_loop_in_a_real_browser(tmp_path: Path) -> None:
         try:
             context = await browser.new_context(viewport={"width": 1280, "height": 1000})
             page = await context.new_page()
-            await login(page, k.server.url)
+            await login(page, k)
 
             await page.fill("textarea[name=text]", REQUEST)
             await page.click("form[action='/console/send'] button")
@@ -121,26 +145,36 @@ async def test_console_loop_in_a_real_browser(tmp_path: Path) -> None:
             # A page that stopped following live updates keeps showing the buttons (scripts off models
             # a dropped connection): pressing there later must answer with the outcome that stands.
             stale_context = await browser.new_context(java_script_enabled=False)
+            # the same person, signed in (no script runs here to sign in with)
+            cookies: Any = [
+                {"name": c["name"], "value": c["value"], "domain": c["domain"], "path": c["path"]}
+                for c in await context.cookies()
+            ]
+            await stale_context.add_cookies(cookies)
             stale = await stale_context.new_page()
-            await login(stale, k.server.url)
+            await stale.goto(f"{k.base}/")
             await stale.locator(".card button.approve").first.wait_for(timeout=10_000)
             await page.screenshot(path=str(ARTIFACTS / "console-card.png"), full_page=True)
 
             await approve.first.click()
             try:
-                await page.locator(".card .outcome", has_text="approved by web:alice").first.wait_for(timeout=30_000)
+                await page.locator(".card .outcome", has_text="approved by alice (web:alice)").first.wait_for(
+                    timeout=30_000
+                )
             except Exception:
                 await page.screenshot(path=str(ARTIFACTS / "console-failure.png"), full_page=True)
                 raise
             await k.telegram.wait_until(
-                lambda: any("approved by web:alice" in m.text and not m.buttons for m in k.telegram.bot_messages(CHAT)),
+                lambda: any(
+                    "approved by alice (web:alice)" in m.text and not m.buttons for m in k.telegram.bot_messages(CHAT)
+                ),
                 timeout=30,
             )
             await page.locator("text=hello.sh is written and ran once").first.wait_for(timeout=30_000)
             await page.screenshot(path=str(ARTIFACTS / "console-settled.png"), full_page=True)
 
             await stale.locator(".card button.approve").first.click()
-            await stale.locator("text=Already approved by web:alice").first.wait_for(timeout=10_000)
+            await stale.locator("text=Already approved by alice (web:alice)").first.wait_for(timeout=10_000)
             await stale.screenshot(path=str(ARTIFACTS / "console-stale-press.png"), full_page=True)
 
             requests = await k.app.service.store.requests()
@@ -161,9 +195,9 @@ async def test_the_demo_swarm_page_runs_a_pipeline_on_the_scripted_workers() -> 
         async with asyncio.timeout(60):
             while "web console: " not in out.getvalue():
                 await asyncio.sleep(0.05)
-        found = re.search(r"web console: (\S+)/login — log in as 'demo' with token (\S+)", out.getvalue())
+        found = re.search(r"web console: (http://[^/]+)(/login/local/\S+) — signs one browser in", out.getvalue())
         assert found is not None
-        url, token = found.groups()
+        url, link = found.groups()
         async with async_playwright() as pw:
             browser = await pw.chromium.launch(
                 executable_path=CHROMIUM,
@@ -172,11 +206,9 @@ async def test_the_demo_swarm_page_runs_a_pipeline_on_the_scripted_workers() -> 
             )  # fmt: skip
             try:
                 page = await (await browser.new_context(viewport={"width": 1280, "height": 1000})).new_page()
-                await page.goto(f"{url}/login")
-                await page.fill("input[name=name]", "demo")
-                await page.fill("input[name=token]", token)
-                await page.click("button[type=submit]")
+                await page.goto(f"{url}{link}")  # the demo's one-time local sign-in
                 await page.wait_for_url(f"{url}/")
+                assert "kazma demo's local identity, not a proof" in await page.locator("header").inner_text()
 
                 await page.locator(".card button.approve").first.click(timeout=30_000)
                 await page.locator("text=The script works.").first.wait_for(timeout=30_000)
@@ -232,6 +264,7 @@ def telegram_yaml(tmp_path: Path, telegram: FakeTelegram) -> str:
     return (
         f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
         "web: {port: 0}\n"
+        "people: {alice: {web: alice}}\n"
         "approvals: {approvers: ['web:alice']}\n"
         f"platforms: {{telegram: {{token: '{telegram.token}', api_base_url: '{telegram.base_url}',"
         f" chats: [{CHAT}], home_chat: {CHAT}, admins: [{PERSON}], dm_policy: approvers}}}}\n"
@@ -313,7 +346,7 @@ async def test_every_conversation_in_the_console_after_a_restart(tmp_path: Path)
                         viewport={"width": 1280, "height": 900}, color_scheme=scheme, timezone_id="Europe/Paris"
                     )
                     page = await context.new_page()
-                    await login(page, k.server.url)
+                    await login(page, k)
                     suffix = "" if scheme == "light" else "-dark"
                     if scheme == "light":  # a file from the console reaches the workspace, and the agent answers
                         await page.locator("#live", has_text="live").wait_for(timeout=10_000)
@@ -330,7 +363,7 @@ async def test_every_conversation_in_the_console_after_a_restart(tmp_path: Path)
                     await assert_no_fence(page)
                     await page.screenshot(path=str(DOCS / f"console{suffix}.png"), full_page=True)
 
-                    await page.goto(f"{k.server.url}/conversations")
+                    await page.goto(f"{k.base}/conversations")
                     group = page.locator(f"#conversations li[data-conversation='telegram:{CHAT}']")
                     await group.wait_for(timeout=10_000)
                     assert "Telegram" in await group.inner_text()
@@ -355,7 +388,7 @@ async def test_every_conversation_in_the_console_after_a_restart(tmp_path: Path)
                         await page.locator("#transcript", has_text="one more thing, live").wait_for(timeout=20_000)
                     await page.screenshot(path=str(DOCS / f"conversation-telegram{suffix}.png"), full_page=True)
 
-                    await page.goto(f"{k.server.url}/swarm")
+                    await page.goto(f"{k.base}/swarm")
                     await assert_no_fence(page)
                     dashboard = page.locator("#dashboard")
                     assert await page.locator("#dashboard figure.chart").count() == 4

@@ -259,6 +259,9 @@ class _Viewer:
     role: str = "operator"
     csrf: str = "c" * 32
     is_operator: bool = True
+    may_decide: bool = True
+    proven: bool = True
+    who: str = "admin (web:admin, passkey)"
 
 
 async def test_attack_the_whole_call_doors_show_every_stored_text_on_its_own_line(tmp_path: Path) -> None:

@@ -123,7 +123,7 @@ def test_doctor_all_good(tmp_path: Path, model_server: str) -> None:
     config = tmp_path / "kazma.yaml"
     config.write_text(
         f"store: {{path: {tmp_path}/db/kazma.db}}\nmodel: {{base_url: '{model_server}'}}\n"
-        "approvals: {approvers: ['web:alice']}\n"
+        "people: {alice: {web: alice}}\napprovals: {approvers: ['web:alice']}\n"
     )
     result = run(["-c", str(config), "doctor"], cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -95,7 +95,7 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         {},
         [
             "kazma.yaml: platforms.telegram.hom_chat: unknown key (expected one of: admins, api_base_url, chats, "
-            "dm_policy, home_chat, mode, token, webhook)"
+            "dm_policy, home_chat, mini_app, mode, token, webhook)"
         ],
     ),
     (
@@ -103,8 +103,8 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         "modle: {name: x}",
         {},
         [
-            "kazma.yaml: modle: unknown key (expected one of: agents, api, approvals, files, mcp_servers, model, "
-            "models, pipelines, platforms, store, swarm, tools, web)"
+            "kazma.yaml: modle: unknown key (expected one of: agents, api, approvals, audit, files, mcp_servers, "
+            "model, models, people, pipelines, platforms, store, swarm, tools, web)"
         ],
     ),
     (
@@ -179,7 +179,7 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         {},
         [
             "kazma.yaml: approvals.approvers[0]: expected '<platform>:<user id>' (platform one of telegram, "
-            "slack, discord, web, cli), got '111'"
+            "slack, discord, web, cli) or a person or group under people:, got '111'"
         ],
     ),
     (
@@ -196,9 +196,15 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
     ),
     (
         "discord id is text",
+        "platforms: {discord: {admins: ['12ab']}}",
+        {},
+        ["kazma.yaml: platforms.discord.admins[0]: expected a numeric Discord id, got '12ab'"],
+    ),
+    (
+        "an admin named as nobody under people:",
         "platforms: {discord: {admins: [me]}}",
         {},
-        ["kazma.yaml: platforms.discord.admins[0]: expected a numeric Discord id, got 'me'"],
+        ["kazma.yaml: platforms.discord.admins[0]: unknown person or group 'me' (people: none configured)"],
     ),
     (
         "bad mode literal",

@@ -1,5 +1,7 @@
 """Every door of the web server, walked over real HTTP: the routes the running application serves are exactly
-the ones the doors table declares, and each refuses the roles it must — anonymous, reader, operator, API token.
+the ones the doors table declares, and each refuses the roles it must — anonymous, a shared token's read-only
+session (the reader token's and the operator token's alike), a proven person who is no operator, an operator
+(a person signed in with a passkey), API token.
 
 A route added without a role fails here twice: the served routes no longer equal the table, and the server
 refuses to start with it.
@@ -27,7 +29,7 @@ from tests.test_web_server import OPERATOR, READER, Console, console
 API_TOKEN = "api-token-for-the-door-walk-0123456789"
 API = f"api:\n  tokens:\n    ci: {{token: '{API_TOKEN}', roles: [approval_requester]}}\n"
 REQUEST_ID = "abcdefghijklmnopqrstuvwx"
-PARAMS = {"id": REQUEST_ID, "conversation": "web:console", "action": "cancel"}
+PARAMS = {"id": REQUEST_ID, "conversation": "web:console", "action": "cancel", "token": "x" * 43}
 LOGIN_REQUIRED = "Your session has ended; log in again."
 
 
@@ -94,6 +96,9 @@ async def logged_in(con: Console, client: aiohttp.ClientSession, token: str) -> 
     return await con.login(client, "alice" if token == OPERATOR else "rita", token)
 
 
+SHARED_TOKENS = ((READER, "rita"), (OPERATOR, "olga"))  # both open read-only sessions
+
+
 def test_every_door_is_declared_once_with_a_known_role() -> None:
     assert len(TABLE) == len(DOORS)
     assert {d.access for d in DOORS} == set(Access)
@@ -144,7 +149,7 @@ async def test_a_route_without_a_declared_role_stops_the_server_from_starting(
 async def test_every_door_refuses_the_roles_it_must(tmp_path: Path) -> None:
     async with console(tmp_path, extra=API) as con:
         request = await con.open_approval({"command": "rm -rf /srv"})
-        session_doors = [d for d in DOORS if d.access in (Access.READER, Access.OPERATOR)]
+        session_doors = [d for d in DOORS if d.access in (Access.READER, Access.PERSON, Access.OPERATOR)]
 
         # -- anonymous: every door that needs a login demands one; the open ones answer
         async with con.client() as anonymous:
@@ -159,19 +164,37 @@ async def test_every_door_refuses_the_roles_it_must(tmp_path: Path) -> None:
                     else:
                         assert_login_demanded(door, method, answer)
 
-        # -- a reader: reading doors open, every operator door refused (with a correct CSRF token, so the role is
-        # what refuses), and no API door opens for a console session
-        for door in session_doors + [d for d in DOORS if d.access is Access.API_TOKEN]:
+        # -- a shared token, the reader's or the operator's: reading doors open, every door of a person or an
+        # operator refused (with a correct CSRF token, so the role is what refuses), and no API door opens for a
+        # console session
+        for token, name in SHARED_TOKENS:
+            for door in session_doors + [d for d in DOORS if d.access is Access.API_TOKEN]:
+                for method in methods(door):
+                    async with con.client() as reader:
+                        csrf = await con.login_with_token(reader, name, token)
+                        data = {"csrf": csrf, "text": "/plan"} if method == "POST" else None
+                        answer = await ask(reader, con, method, door, data=data)
+                        if door.access in (Access.PERSON, Access.OPERATOR):
+                            assert answer.status == 403, (method, door.path, answer.status)
+                            assert f"operators only: web:{name} is a reader (a shared token reads only" in (
+                                answer.body
+                            ), door.path
+                        elif door.access is Access.API_TOKEN:
+                            assert answer.status == 401, (method, door.path)
+                        else:
+                            assert_let_in(door, method, answer)
+
+        # -- a proven person who is no operator (bob: a passkey, not in approvals.approvers): reading doors and a
+        # person's doors open (the approvals service then refuses his press), operator doors refused
+        for door in session_doors:
             for method in methods(door):
-                async with con.client() as reader:
-                    csrf = await logged_in(con, reader, READER)
+                async with con.client() as person:
+                    csrf = await con.login(person, "bob", OPERATOR)
                     data = {"csrf": csrf, "text": "/plan"} if method == "POST" else None
-                    answer = await ask(reader, con, method, door, data=data)
+                    answer = await ask(person, con, method, door, data=data)
                     if door.access is Access.OPERATOR:
                         assert answer.status == 403, (method, door.path, answer.status)
-                        assert "operators only: web:rita is a reader" in answer.body, door.path
-                    elif door.access is Access.API_TOKEN:
-                        assert answer.status == 401, (method, door.path)
+                        assert "operators only: bob (web:bob, passkey) is a reader" in answer.body, door.path
                     else:
                         assert_let_in(door, method, answer)
 

@@ -369,7 +369,7 @@ async def test_behind_the_shipped_nginx_file_the_throttle_sees_each_client(tmp_p
             # logged in through nginx, the session works there (Host, cookies and redirects pass)
             page = await operator_client.get(f"{front}/", allow_redirects=False)
             assert page.status == 200
-            assert "web:alice (operator)" in await page.text()
+            assert "web:alice (the shared operator token: reads only)" in await page.text()
 
 
 def tls_client_from(address: str) -> aiohttp.ClientSession:

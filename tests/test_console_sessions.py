@@ -12,11 +12,12 @@ import aiohttp
 from yarl import URL
 
 from kazma.bot.console.auth import SESSION_COOKIE, SESSION_SECONDS, session_csrf
-from kazma.bot.console.sessions import MIGRATIONS, SessionStore
+from kazma.bot.console.sessions import MIGRATIONS, Opening, SessionStore
 from kazma.config.store.database import Tables, open_database
 from tests.test_web_server import OPERATOR, Console, console
 
 AsyncClient = aiohttp.ClientSession
+READER = Opening(login="a", role="reader", proof="reader-token")
 
 
 def cookie_of(client: AsyncClient, con: Console) -> str:
@@ -53,7 +54,7 @@ async def test_a_session_and_its_pending_message_survive_a_restart(tmp_path: Pat
         page = await client.get(f"{again.base}/", headers=headers, allow_redirects=False)
         assert page.status == 200
         text = await page.text()
-        assert "web:alice (operator)" in text
+        assert "alice (web:alice, passkey) · operator" in text
         assert "Nothing to send." in text
         assert f'<meta name="kazma-csrf" content="{csrf}">' in text  # the same CSRF token: derived, not stored
         shown_once = await (await client.get(f"{again.base}/", headers=headers)).text()
@@ -116,16 +117,16 @@ async def test_logins_sweep_expired_sessions_and_keep_at_most_the_limit(tmp_path
     try:
         store = SessionStore(conn, clock=lambda: now[0])
         for i in range(3):
-            await store.open(f"h{i}", login="a", role="reader", binding="b", lifetime=10.0 + i, max_sessions=3)
+            await store.open(f"h{i}", READER, binding="b", lifetime=10.0 + i, max_sessions=3)
         assert await store.count() == 3
-        await store.open("h3", login="a", role="reader", binding="b", lifetime=100.0, max_sessions=3)
+        await store.open("h3", READER, binding="b", lifetime=100.0, max_sessions=3)
         assert await store.find("h0") is None  # the one closest to expiring made room
         assert await store.count() == 3
         now[0] += 11.5  # h1 (11 s) has expired, h2 (12 s) has not
         assert await store.find("h1") is None
         assert await store.count() == 2  # deleted when met
         now[0] += 1.0
-        await store.open("h4", login="a", role="reader", binding="b", lifetime=100.0, max_sessions=3)
+        await store.open("h4", READER, binding="b", lifetime=100.0, max_sessions=3)
         assert sorted(r[0] for r in await Tables.of(conn).all("SELECT token_hash FROM web_sessions")) == ["h3", "h4"]
     finally:
         await conn.close()

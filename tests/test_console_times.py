@@ -66,7 +66,7 @@ async def test_every_console_page_uses_the_one_time_format(tmp_path: Path) -> No
             pages[summary.conversation] = await (await op.get(url)).text()
         counted = {where: assert_one_format(page, where) for where, page in pages.items()}
         assert all(counted.values()), counted  # every page shows times, and all of them the one way
-        assert "approved by web:alice via web at <time" in pages["approval"]  # the decision's time too
+        assert "approved by alice (web:alice) via web at <time" in pages["approval"]  # the decision's time too
         assert "r1 until <time" in pages["approval"]
         assert task_id.group(1) in listed
         record = await con.app.swarm.store.get(task_id.group(1))

@@ -84,7 +84,7 @@ async def test_a_decision_reaches_an_open_dashboard_over_the_event_stream(tmp_pa
         pressed = await op.post(
             f"{con.base}/approvals/{request.id}/decide", data={"csrf": csrf, "decision": "approve"}
         )  # a press in another browser
-        assert "Approved. Recorded as web:alice." in await pressed.text()
+        assert "Approved. Recorded as alice (web:alice)." in await pressed.text()
         pushed = await _dashboard_event(events, "1 approved")
         fragment = str(pushed["html"])
         assert fragment.startswith('<div id="dashboard"')

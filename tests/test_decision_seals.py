@@ -24,6 +24,7 @@ import pytest
 from kazma.approvals import Decision, ExecutionMismatch, Status
 from kazma.approvals.seal import FORGED, KEY_UNKNOWN, seal, seal_problem
 from kazma.approvals.service import ApprovalService
+from kazma.bot.cli.cli_identity import system_login
 from kazma.bot.cli.decision_checks import KEY_CHECK, SEAL_CHECK, check_decision_key, check_decisions
 from kazma.bot.cli.doctor import Level
 from kazma.bot.keys import decision_key_file, load_decision_keyring
@@ -64,6 +65,7 @@ def forge(engine: Engine, statements: Iterable[tuple[str, tuple[Any, ...]]], *, 
             if no_triggers:
                 lite.execute("DROP TRIGGER approval_requests_final")
                 lite.execute("DROP TRIGGER approval_requests_seal_final")
+                lite.execute("DROP TRIGGER approval_requests_person_final")
             for sql, params in statements:
                 lite.execute(sql, params)
     finally:
@@ -119,7 +121,8 @@ async def test_a_press_seals_its_outcome_in_the_compare_and_set_and_the_audit_sa
             assert row.status.value == status
             assert (row.decision_key_id, seal_problem(TEST_KEYRING, row)) == ("k1", None)
             assert row.decision_mac is not None
-            assert len(row.decision_mac) == 64
+            assert row.decision_mac.startswith("v2:")  # a seal that binds the person (none decided here)
+            assert len(row.decision_mac) == 3 + 64
         decided = {e.request_id: e.detail for e in await service.store.events(event="decided")}
         assert decided == {approved.id: "approved", denied.id: "denied: no"}
         await service.verify_execution(approved.id, "shell", ARGS)  # the genuine approval runs
@@ -565,19 +568,22 @@ async def test_an_approval_made_by_another_process_runs_here_and_a_forged_one_do
     # process whose agent waits reads the same file and runs it. A row forged next to it, by a real approver
     # with its audit row, does not run.
     db = tmp_path / "state" / "kazma.db"
-    (tmp_path / "kazma.yaml").write_text(APPROVERS_YAML + f"store: {{path: '{db}'}}\n")
+    me = system_login()  # the command line decides as the system user running it
+    yaml = APPROVERS_YAML.replace('"cli:ops"', f'"cli:{me}"')
+    (tmp_path / "kazma.yaml").write_text(yaml + f"store: {{path: '{db}'}}\n")
     ring = open_keyring(DECISION_KEYS, tmp_path / "state-keys", environ={})  # what `kazma run` makes at start
-    async with approval_service(db, keyring=ring, poll_interval=0.1) as service:
+    config = load_config_text(yaml, environ={}).config
+    async with approval_service(db, keyring=ring, poll_interval=0.1, config=config) as service:
         genuine = await service.open("shell", ARGS, "agent:builder", "slack:C1")
         forged = await service.open("shell", ARGS, "agent:builder", "slack:C1")
         waiting = asyncio.create_task(service.wait(genuine.id))
-        approved = await asyncio.to_thread(_kazma, tmp_path, "approvals", "approve", genuine.id, "--as", "ops")
+        approved = await asyncio.to_thread(_kazma, tmp_path, "approvals", "approve", genuine.id)
         assert approved.returncode == 0, approved.stderr
         outcome = await asyncio.wait_for(waiting, timeout=30)
-        assert (outcome.status, outcome.decided_by) == (Status.APPROVED, "cli:ops")
+        assert (outcome.status, outcome.decided_by) == (Status.APPROVED, f"cli:{me}")
         await service.verify_execution(genuine.id, "shell", ARGS)
 
-        forge(Engine("sqlite", str(db)), approve_by_hand(forged.id, forged.args_hash, by="cli:ops", via="cli"))
+        forge(Engine("sqlite", str(db)), approve_by_hand(forged.id, forged.args_hash, by=f"cli:{me}", via="cli"))
         await refused(service, forged.id, "carries no decision seal")
     shown = await asyncio.to_thread(_kazma, tmp_path, "approvals", "show", forged.id)
     assert "seal       does not hold: it carries no decision seal" in shown.stdout

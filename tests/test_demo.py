@@ -21,8 +21,8 @@ async def test_demo_plays_the_whole_loop_and_approves() -> None:
         "[researcher] A POSIX sh script",
         "[kazma] @builder Write hello.sh",
         "│ Approval needed: shell",
-        "  → Approved. Recorded as cli:demo.",
-        "approved by cli:demo via cli",
+        "  → Approved. Recorded as demo (cli:demo).",
+        "approved by demo (cli:demo) via cli",
         "[builder] hello.sh is written and ran once; it printed: hello, world",
         "[kazma] Done:",
     ]
@@ -38,8 +38,8 @@ async def test_demo_deny_means_the_command_does_not_run() -> None:
     out = io.StringIO()
     assert await run_demo(out=out, interactive=False, decision=Decision.DENY)
     text = out.getvalue()
-    assert "  → Denied. Recorded as cli:demo." in text
-    assert "[builder] I did not write the script: Denied by cli:demo. Do not retry this call." in text
+    assert "  → Denied. Recorded as demo (cli:demo)." in text
+    assert "[builder] I did not write the script: Denied by demo (cli:demo). Do not retry this call." in text
     assert "printed: hello, world" not in text
     assert "The plan ended without a working script" in text
 
@@ -71,15 +71,15 @@ async def test_web_demo_serves_the_console_and_a_browser_press_decides() -> None
     async with asyncio.timeout(60):
         while "web console: " not in out.getvalue():
             await asyncio.sleep(0.05)
-    found = re.search(r"web console: (\S+)/login — log in as 'demo' with token (\S+)", out.getvalue())
+    found = re.search(r"web console: (http://[^/]+)(/login/local/\S+) — signs one browser in as 'demo'", out.getvalue())
     assert found is not None
-    url, token = found.groups()
+    url, link = found.groups()
     jar = aiohttp.CookieJar(unsafe=True)
     async with aiohttp.ClientSession(cookie_jar=jar) as http:
-        page = await (await http.get(f"{url}/login")).text()
-        login_csrf = re.search(r'name="csrf" value="([^"]+)"', page)
-        assert login_csrf is not None
-        await http.post(f"{url}/login", data={"name": "demo", "token": token, "csrf": login_csrf.group(1)})
+        signed = await http.get(f"{url}{link}")
+        assert "demo (web:demo, kazma demo&#x27;s local identity, not a proof)" in await signed.text()
+        async with aiohttp.ClientSession() as another:  # the link works once
+            assert (await another.get(f"{url}{link}", allow_redirects=False)).status == 410
         async with asyncio.timeout(60):
             while True:
                 console = await (await http.get(f"{url}/")).text()
@@ -96,7 +96,7 @@ async def test_web_demo_serves_the_console_and_a_browser_press_decides() -> None
         )
     assert await asyncio.wait_for(demo, timeout=60)
     text = out.getvalue()
-    assert "approved by web:demo via web" in text  # the terminal's copy of the card settled too
+    assert "approved by demo (web:demo) via web" in text  # the terminal's copy of the card settled too
 
 
 def test_terminal_mode_links_to_nothing_it_does_not_serve(tmp_path: Path) -> None:

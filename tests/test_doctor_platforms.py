@@ -13,6 +13,7 @@ from kazma.bot.cli.doctor import run_checks
 from kazma.bot.cli.platform_checks import check_platforms
 from kazma.config import load_config_text
 from kazma.config.errors import ConfigError
+from kazma.config.platforms import console_warnings
 from kazma.config.tokens import (
     discord_token_problem,
     slack_app_token_problem,
@@ -217,9 +218,10 @@ async def test_doctor_reports_each_problem_on_one_line_with_its_fix(tmp_path: Pa
         "use the Bot User OAuth Token (xoxb-) from OAuth & Permissions",
         "FAIL  platform.discord  platforms.discord.token starts with 'Bot ': Kazma adds that prefix itself; put only "
         "the token in the setting",
-        "WARN  platform.web      no web approvers: every Approve or Deny pressed in the console is refused (add "
-        "'web:<login>', the name you log in with, to approvals.approvers)",
-        "WARN  platform.web      web.public_url is http://127.0.0.1:8765 while Telegram, Slack and Discord are on: "
+        "WARN  platform.web      no web approvers: every Approve or Deny pressed in the console is refused (add a "
+        "person with a console identity, people.<name>.web, to approvals.approvers; then `kazma people invite "
+        "<name>`)",
+        "WARN  platform.web      web.public_url is http://localhost:8765 while Telegram, Slack and Discord are on: "
         "the links on chat cards point at this machine's loopback, which nobody in a chat can open (set "
         "web.public_url to the https:// address people reach the console at; README: Running in production)",
     ]
@@ -239,13 +241,24 @@ async def test_a_clean_configuration_passes_the_whole_doctor(tmp_path: Path) -> 
             f"store: {{path: '{tmp_path}/state/k.db'}}\n"
             f"model: {{base_url: '{model.base_url}'}}\n"
             "web: {public_url: 'https://kazma.example.org', trusted_proxies: ['127.0.0.1']}\n"
+            "people: {alice: {web: alice}}\n"
             "approvals: {approvers: ['web:alice']}\n" + platforms_yaml(fakes),
             environ={},
         )
         checks = await run_checks(loaded, model_timeout=5, platform_timeout=5)
     assert lines(checks, Level.FAIL) == []
     assert lines(checks, Level.WARN) == []
+
     names = [c.name for c in checks]
     # each platform's answers follow its own status line
     assert names.index("platform.telegram") < names.index("platform.slack") < names.index("platform.discord")
     assert names.count("platform.discord") == 2
+
+
+def test_doctor_names_a_web_approver_nobody_can_enrol_as() -> None:
+    """An upgrade's console approver ('web:alice' with no person): it can no longer decide, and doctor says why."""
+    config = load_config_text("approvals: {approvers: ['web:alice', 'web:bob']}\npeople: {bob: {web: bob}}\n").config
+    assert console_warnings(config) == [
+        "web:alice is an approver in the console, but no person under people: has that identity: nobody can enrol a "
+        "passkey for it, so it decides nothing (add people.<name>: {web: <login>}; README: Web console)"
+    ]

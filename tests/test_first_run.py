@@ -33,6 +33,7 @@ from tests.deploy_support import build_context, stages
 from tests.fakes.discord import ALICE_ID, HOME_CHANNEL_ID
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall
 from tests.fakes.slack import FAKE_APP_TOKEN, FAKE_BOT_TOKEN
+from tests.passkey_support import SoftAuthenticator, enrol
 from tests.platforms_support import SLACK_ADMIN, SLACK_CHANNEL, TG_ADMIN, TG_CHAT, Fakes, three_fakes
 
 pytestmark = pytest.mark.slow
@@ -205,11 +206,27 @@ async def test_wheel_init_doctor_run_and_the_first_press_in_the_console_is_decid
             # cookies are Secure (public_url is https://, as behind a TLS proxy): this client is that proxy
             jar = aiohttp.CookieJar(unsafe=True, treat_as_secure_origin=[url])
             async with aiohttp.ClientSession(cookie_jar=jar) as http:
+                # The first account: nobody holds a passkey yet, so the operator token (read only) may make one
+                # enrolment link, for alice, whom init made the approver; her passkey then signs her in.
                 page = await (await http.get(f"{url}/login")).text()
                 login_csrf = re.search(r'name="csrf" value="([^"]+)"', page)
                 assert login_csrf is not None
                 await http.post(f"{url}/login", data={"name": "alice", "token": token, "csrf": login_csrf.group(1)})
                 console = await (await http.get(f"{url}/")).text()
+                assert "Enrol the first account" in console, console[:2000]
+                reading = re.search(r'name="kazma-csrf" content="([^"]+)"', console)
+                assert reading is not None
+                moved = await http.post(
+                    f"{url}/people/bootstrap", data={"csrf": reading.group(1), "person": "alice"},
+                    allow_redirects=False,
+                )  # fmt: skip
+                assert moved.status == 303, await moved.text()
+                # the browser is on the public https:// origin, behind the proxy this client stands in for
+                await enrol(
+                    http, url, moved.headers["Location"], SoftAuthenticator(), origin="https://kazma.example.org"
+                )
+                console = await (await http.get(f"{url}/")).text()
+                assert "alice (web:alice, passkey) · operator" in console
                 csrf = re.search(r'name="kazma-csrf" content="([^"]+)"', console)
                 assert csrf is not None, console[:500]
                 await http.post(f"{url}/console/send", data={"text": "@builder run it once", "csrf": csrf.group(1)})
@@ -223,12 +240,12 @@ async def test_wheel_init_doctor_run_and_the_first_press_in_the_console_is_decid
                     data={"decision": "approve", "csrf": csrf.group(1), "next": "/"},
                 )
                 after = await decided.text()
-                assert "Approved. Recorded as web:alice." in after, after[:2000]
+                assert "Approved. Recorded as alice (web:alice)." in after, after[:2000]
                 assert "not an approver" not in after
                 # every card shows the one outcome, the Telegram one included
                 await _wait_for(
                     lambda: any(
-                        "approved by web:alice" in m.text and not m.buttons
+                        "approved by alice (web:alice)" in m.text and not m.buttons
                         for m in fakes.telegram.bot_messages(TG_CHAT)
                     ),
                     timeout=30,

@@ -51,8 +51,9 @@ def test_flags_write_a_file_where_the_operator_is_an_approver_everywhere(tmp_pat
         assert roster.is_approver(actor, platform), actor
         assert roster.is_operator(actor, platform), actor
     # one person with four identities may steer the swarm (and the file says why it allows that)
-    assert config.swarm.allow_shared_operators is True
-    assert "You are the only operator" in text
+    # one person with four identities is one operator: the swarm's steering needs no sharing between people
+    assert config.roster.human_operators() == {"alice"}
+    assert config.swarm.allow_shared_operators is False
     # chats are explicit: the home chat and nothing else
     assert config.platforms.telegram.chats == [-1001234567890]
     assert config.platforms.telegram.home_chat == -1001234567890
@@ -66,16 +67,18 @@ def test_flags_write_a_file_where_the_operator_is_an_approver_everywhere(tmp_pat
 
     lines = result.stdout.splitlines()
     assert lines[0] == (
-        f"Wrote {Path('kazma.yaml')}: you are an approver as web:alice, telegram:111, slack:U0111AAAA, discord:222."
+        f"Wrote {Path('kazma.yaml')}: you are alice, an approver as web:alice, telegram:111, slack:U0111AAAA, "
+        "discord:222."
     )
     assert lines[1] == "Next:"
     commands = [line.split("#")[0].strip() for line in lines[2:]]
     assert commands == [
         "export TELEGRAM_BOT_TOKEN=… SLACK_BOT_TOKEN=… DISCORD_BOT_TOKEN=… SLACK_APP_TOKEN=…",
         "kazma doctor",
+        "kazma people invite alice",
         "kazma run",
     ]
-    assert "log in at https://kazma.example.org/login as alice" in lines[4]
+    assert "sign in at https://kazma.example.org/login with that passkey" in lines[5]
 
 
 def test_config_check_of_the_written_file_has_no_warning(tmp_path: Path) -> None:
@@ -101,10 +104,11 @@ def test_it_never_overwrites_without_force(tmp_path: Path) -> None:
     forced = run(["init", "--web-login", "bob", "--no-input", "--force"], cwd=tmp_path)
     assert forced.returncode == 0, forced.stderr
     config = load_config(mine, environ={}).config
-    assert config.approvals.approvers == ["web:bob"]
+    assert config.approvals.approvers == ["bob"]
+    assert config.people.persons == {"bob": ("web:bob",)}
     assert config.swarm.allow_shared_operators is False  # one identity: nothing to share
     commands = [line.split("#")[0].strip() for line in forced.stdout.splitlines()[2:]]
-    assert commands == ["kazma config check", "kazma doctor", "kazma run"]
+    assert commands == ["kazma config check", "kazma doctor", "kazma people invite bob", "kazma run"]
 
 
 def test_a_path_argument_and_a_config_flag_show_up_in_the_next_commands(tmp_path: Path) -> None:
@@ -158,7 +162,8 @@ def test_on_a_terminal_it_asks_and_asks_again_after_a_wrong_answer(tmp_path: Pat
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Error: a Telegram user id is a number" in result.stdout  # said, then asked again
     config = load_config(tmp_path / "kazma.yaml", environ=TOKENS).config
-    assert config.approvals.approvers == ["web:carol", "telegram:111", "slack:U0CAROL01"]
+    assert config.approvals.approvers == ["carol"]
+    assert config.people.persons == {"carol": ("web:carol", "telegram:111", "slack:U0CAROL01")}
     assert config.platforms.telegram.home_chat is None  # not known yet, and the file says how to find it
     assert (
         "the platform.inbound_ignored log event (platform=telegram) shows its id"
@@ -179,4 +184,5 @@ def test_rendered_ids_are_read_back_exactly() -> None:
     config = load_config_text(text, environ=TOKENS).config
     assert config.platforms.discord.admins == [1100000000000000301]
     assert config.platforms.discord.home_channel == 1100000000000000101
-    assert config.approvals.approvers == ["web:a.b-c_d", "discord:1100000000000000301"]
+    assert config.approvals.approvers == ["a-b-c_d"]
+    assert config.people.persons == {"a-b-c_d": ("web:a.b-c_d", "discord:1100000000000000301")}

@@ -126,7 +126,7 @@ def test_manifest_command_in_http_mode_points_every_url_at_the_public_events_pat
     local.write_text("platforms: {slack: {bot_token: xoxb-1, signing_secret: s3cret-s3cret}}\n")
     warned = run(["-c", str(local), "setup", "slack-manifest", "--json"], cwd=tmp_path)
     assert warned.returncode == 0
-    assert "Slack only posts to a public https:// URL, and http://127.0.0.1:8765/slack/events is not one" in (
+    assert "Slack only posts to a public https:// URL, and http://localhost:8765/slack/events is not one" in (
         warned.stderr
     )
     forced = run(["-c", str(local), "setup", "slack-manifest", "--socket"], cwd=tmp_path)

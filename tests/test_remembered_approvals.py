@@ -209,9 +209,9 @@ async def test_rules_cli_lists_and_revokes(tmp_path: Path) -> None:
     _, listed = await kazma("list")
     assert rule.id in listed
     assert "telegram:111" in listed
-    code, revoked = await kazma("revoke", rule.id, "--as", "ops")
+    code, revoked = await kazma("revoke", rule.id)
     assert code == 0, revoked
     _, after = await kazma("list")
     assert rule.id not in after
-    again, _ = await kazma("revoke", rule.id, "--as", "ops")
+    again, _ = await kazma("revoke", rule.id)
     assert again == 1

@@ -20,7 +20,7 @@ from kazma.approvals.store import ApprovalStore
 from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.chat_moves import ChatMoves
 from kazma.bot.console.dashboard_data import HOUR, DashboardQueries
-from kazma.bot.console.sessions import SessionStore
+from kazma.bot.console.sessions import Opening, SessionStore
 from kazma.bot.store import all_migrations, pg_migrations
 from kazma.config.store.backend import StoreConnection, StoreTables, tables_of
 from kazma.engine.history import HistoryStore
@@ -294,17 +294,22 @@ async def test_sessions_open_find_expire_and_sweep(store_engine: Engine) -> None
     clock = Clock()
     async with open_store(store_engine) as conn:
         sessions = SessionStore(conn, clock=clock)
-        expires = await sessions.open("h1", login="admin", role="admin", binding="b1", lifetime=60, max_sessions=2)
+        alice = Opening(login="alice", role="operator", proof="passkey", person="alice", identity="web:alice",
+                        credential_id="cred-1")  # fmt: skip
+        expires = await sessions.open("h1", alice, binding="b1", lifetime=60, max_sessions=2)
         assert expires == T0 + 60
         found = await sessions.find("h1")
         assert found is not None
         assert (found.login, found.role, found.binding, found.flash, found.created_at) == (
-            "admin",
-            "admin",
+            "alice",
+            "operator",
             "b1",
             (),
             T0,
         )
+        assert (found.proof, found.person, found.identity, found.credential_id) == (
+            "passkey", "alice", "web:alice", "cred-1",
+        )  # fmt: skip
         await sessions.keep_flash("h1", [f"line {i}" for i in range(30)])
         clock.now += 5
         await sessions.seen("h1")
@@ -312,8 +317,9 @@ async def test_sessions_open_find_expire_and_sweep(store_engine: Engine) -> None
         assert found is not None
         assert (len(found.flash), found.flash[0], found.last_seen) == (20, "line 10", T0 + 5)
 
-        await sessions.open("h2", login="b", role="viewer", binding="b2", lifetime=120, max_sessions=2)
-        await sessions.open("h3", login="c", role="viewer", binding="b3", lifetime=120, max_sessions=2)
+        reader = Opening(login="b", role="reader", proof="reader-token")
+        await sessions.open("h2", reader, binding="b2", lifetime=120, max_sessions=2)
+        await sessions.open("h3", reader, binding="b3", lifetime=120, max_sessions=2)
         assert await sessions.count() == 2
         assert await sessions.find("h1") is None  # the one closest to expiring made room
         clock.now += 200

@@ -36,7 +36,8 @@ from kazma.bot.cli.store_copy import (
     table_hash,
     tables_in,
 )
-from kazma.bot.console.sessions import SessionStore
+from kazma.bot.console.accounts import AccountStore
+from kazma.bot.console.sessions import Opening, SessionStore
 from kazma.bot.store import all_migrations, pg_migrations
 from kazma.config.store.database import open_database
 from kazma.config.store.postgres import PgStore, open_pg_store
@@ -123,7 +124,12 @@ async def _populate(path: Path) -> dict[str, str]:
         transcript = TranscriptStore(conn, clock=clock)
         await transcript.record("web", "c", author="web:admin", name="admin", text="héllo ✓", direction="in")
         sessions = SessionStore(conn, clock=clock)
-        await sessions.open("tokenhash", login="admin", role="admin", binding="b", lifetime=1e9, max_sessions=10)
+        await sessions.open(
+            "tokenhash", Opening(login="admin", role="operator", proof="passkey", person="admin", identity="web:admin"),
+            binding="b", lifetime=1e9, max_sessions=10,
+        )  # fmt: skip
+        accounts = AccountStore(conn, clock=clock)
+        await accounts.invite("admin", created_by="cli:root", lifetime=1e9)
         rules = RuleStore(conn, clock=clock)
         rule = await rules.add(tool="shell", args_hash="h1", conversation="web:c", created_by="telegram:111",
                                created_via="telegram", request_id=decided.id, seconds=3600)  # fmt: skip

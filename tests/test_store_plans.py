@@ -26,7 +26,7 @@ async def test_a_decision_goes_by_primary_key_and_the_sweeps_by_the_pending_rows
     cas, head, cards, overdue, unsettled = await plans(
         tmp_path / "k.db",
         [
-            (_CAS_BEFORE_DEADLINE, ("approved", "a", "telegram", 1.0, None, "mac", "k1", "id", 1.0)),
+            (_CAS_BEFORE_DEADLINE, ("approved", "a", "telegram", 1.0, None, "mac", "k1", "alice", "id", 1.0)),
             (_SEALED_FIELDS, ("id",)),  # what the seal binds, read before the compare-and-set
             (_PRESS_CARDS, ("telegram", "id")),  # the same for a press from a card, with its cards
             ("SELECT id FROM approval_requests WHERE status = 'pending' AND deadline <= ?", (1.0,)),

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kazma.bot.cli.cli_identity import system_login
 from tests.fakes.openai import Completion, FakeOpenAI
 
 
@@ -25,18 +26,24 @@ async def test_swarm_cli_reads_refuses_and_runs(tmp_path: Path) -> None:
     await model.start()
     try:
         config = tmp_path / "kazma.yaml"
+        me = system_login()  # the command line is the system user running it: ops, says people:
         config.write_text(
             f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
             f"model: {{base_url: '{model.base_url}', max_retries: 0}}\n"
-            "approvals: {approvers: ['cli:ops']}\n"
+            f"people: {{ops: {{cli: '{me}'}}}}\n"
+            "approvals: {approvers: []}\n"
         )
         status = await asyncio.to_thread(kazma, config, "status")
         assert status.returncode == 0, status.stderr
         assert status.stdout.strip() == "swarm: 0 running, 0 paused, 4 workers"
 
-        refused = await asyncio.to_thread(kazma, config, "--as", "mallory", "dispatch", "builder", "make", "it")
+        refused = await asyncio.to_thread(kazma, config, "dispatch", "builder", "make", "it")
         assert refused.stdout.startswith("/swarm dispatch starts, changes or steers work")
+        claimed = await asyncio.to_thread(kazma, config, "--as", "mallory", "dispatch", "builder", "make", "it")
+        assert claimed.returncode == 2
+        assert "--as mallory would be someone else" in claimed.stderr
 
+        config.write_text(config.read_text().replace("approvers: []", "approvers: [ops]"))
         model.script(Completion(content="built it"))
         ran = await asyncio.to_thread(kazma, config, "--as", "ops", "dispatch", "builder", "make", "it")
         assert ran.returncode == 0, ran.stdout + ran.stderr

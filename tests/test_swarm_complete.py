@@ -77,6 +77,9 @@ class Looker:
     role: str = "operator"
     csrf: str = "csrf"
     is_operator: bool = True
+    may_decide: bool = True
+    proven: bool = True
+    who: str = "admin (web:admin, passkey)"
 
 
 @dataclass

@@ -48,6 +48,9 @@ class Looker:
     role: str = "operator"
     csrf: str = "csrf"
     is_operator: bool = True
+    may_decide: bool = True
+    proven: bool = True
+    who: str = "admin (web:admin, passkey)"
 
 
 def migrations(engine: Engine) -> list[Migration]:
@@ -208,7 +211,7 @@ async def test_kazma_swarm_show_prints_the_task_and_its_steps_as_json(tmp_path: 
         path.write_text(
             f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
             f"model: {{base_url: '{model.base_url}', max_retries: 0}}\n"
-            "approvals: {approvers: ['cli:ops']}\n"
+            "approvals: {approvers: ['cli:ops'], cli_identity: declared}\n"
         )
         model.script(Completion(content="built it", usage=(9, 4), cost=0.0007))
         ran = await asyncio.to_thread(kazma, path, "--as", "ops", "dispatch", "builder", "make", "it")

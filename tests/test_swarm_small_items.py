@@ -46,7 +46,7 @@ async def test_kazma_swarm_metrics_3_answers(tmp_path: Path) -> None:
         path = tmp_path / "kazma.yaml"
         path.write_text(
             f"store: {{path: '{tmp_path / 'k.db'}'}}\nmodel: {{base_url: '{model.base_url}', max_retries: 0}}\n"
-            "approvals: {approvers: ['cli:ops']}\n"
+            "approvals: {approvers: ['cli:ops'], cli_identity: declared}\n"
         )
         model.script(Completion(content="built it"))
         assert (await asyncio.to_thread(kazma, path, "--as", "ops", "dispatch", "builder", "go")).returncode == 0

@@ -11,7 +11,7 @@ import stat
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
 from kazma.adapters.web import WebAdapter
-from kazma.approvals.model import ApprovalRequest, Status
+from kazma.approvals.model import ApprovalRequest, Decision, Status
 from kazma.bot.app import App, build_app
 from kazma.bot.console.server import CSP, WebServer
 from kazma.config import load_config_text
@@ -30,6 +30,7 @@ from kazma.engine.model import ScriptStep
 from kazma.engine.scenario import PerAgentScript, agent_prompts
 from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.types import Message, ModelReply, ToolSpec
+from tests.passkey_support import SoftAuthenticator, enrol, sign_in
 
 OPERATOR = "operator-token-for-tests-0123456789"
 READER = "reader-token-for-tests-0123456789"
@@ -61,6 +62,10 @@ class GatedProvider:
         return await self.inner.complete(messages, tools, model=model)
 
 
+# The people the console tests sign in as: each has a console identity; web:alice is the one approver.
+PEOPLE = "people:\n  alice: {web: alice}\n  bob: {web: bob}\n  mallory: {web: mallory}\n"
+
+
 @dataclass
 class Console:
     app: App
@@ -69,12 +74,31 @@ class Console:
     base: str
     gate: asyncio.Event
     provider: GatedProvider
+    passkeys: dict[str, SoftAuthenticator] = field(default_factory=dict)
 
     def client(self) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))
 
+    async def invite(self, person: str) -> str:
+        """An enrolment link for ``person``, as ``kazma people invite`` makes it."""
+        assert self.server.signin is not None
+        token, _ = await self.server.signin.accounts.invite(person, created_by="test")
+        return f"{self.base}/enrol/{token}"
+
     async def login(self, client: aiohttp.ClientSession, name: str, token: str) -> str:
-        """Log in through the form; returns the session's CSRF token, read from the console page."""
+        """Sign in; returns the session's CSRF token. With the operator token this means what it means now for
+        a person: ``name`` signs in with their passkey (enrolled from an invite the first time). The reader
+        token logs in through the read-only token form."""
+        if token == OPERATOR:
+            authenticator = self.passkeys.get(name)
+            if authenticator is None:
+                authenticator = self.passkeys[name] = SoftAuthenticator()
+                return await enrol(client, self.base, await self.invite(name), authenticator)
+            return await sign_in(client, self.base, authenticator)
+        return await self.login_with_token(client, name, token)
+
+    async def login_with_token(self, client: aiohttp.ClientSession, name: str, token: str) -> str:
+        """Log in through the token form; returns the session's CSRF token, read from the console page."""
         form = await client.get(f"{self.base}/login")
         login_csrf = _field(await form.text(), "csrf")
         response = await client.post(
@@ -134,8 +158,10 @@ async def console(
     gated: str | None = None,
     tokens: bool = True,
     extra: str = "",
+    people: str = PEOPLE,
+    approvers: str = "['web:alice']",
 ) -> AsyncIterator[Console]:
-    yaml = f"store: {{path: '{tmp_path / 'k.db'}'}}\napprovals: {{approvers: ['web:alice']}}\n{extra}"
+    yaml = f"store: {{path: '{tmp_path / 'k.db'}'}}\napprovals: {{approvers: {approvers}}}\n{people}{extra}"
     loaded = load_config_text(yaml, environ={})
     c = loaded.config
     prompts = agent_prompts(c)
@@ -157,7 +183,8 @@ async def console(
     )
     await server.start()
     try:
-        yield Console(app, web, server, server.url, gate, provider)
+        # by name: passkeys are made for a host name (the public URL's, localhost), never for an address
+        yield Console(app, web, server, server.url.replace("127.0.0.1", "localhost"), gate, provider)
     finally:
         gate.set()
         await server.stop()
@@ -258,7 +285,8 @@ async def test_session_cookie_attributes_and_logout(tmp_path: Path) -> None:
         sid = client.cookie_jar.filter_cookies(URL(con.base))["kazma_session"].value
         page = await client.get(f"{con.base}/")
         text = await page.text()
-        assert "web:alice (operator)" in text  # the name is lowercased
+        # the name is lowercased, and a shared token's session reads only, whatever token opened it
+        assert "web:alice (the shared operator token: reads only) · reader" in text
         csrf = re.search(r'<meta name="kazma-csrf" content="([^"]+)">', text)
         assert csrf is not None
         refused = await client.post(f"{con.base}/logout", allow_redirects=False)
@@ -336,20 +364,21 @@ async def test_operator_approves_once_and_every_card_settles(tmp_path: Path) -> 
         row = await con.app.service.store.get(request.id)
         assert row is not None
         assert (row.status, row.decided_by, row.decided_via) == (Status.APPROVED, "web:alice", "web")
+        assert row.decided_person == "alice"
         await until(con.web, lambda: (m := con.web.card_message(request.id)) is not None and m.outcome is not None)
         page = await (await client.get(f"{con.base}/")).text()
-        assert "Approved. Recorded as web:alice." in page  # the flash
-        assert "APPROVED: approved by web:alice via web" in page
+        assert "Approved. Recorded as alice (web:alice)." in page  # the flash
+        assert "APPROVED: approved by alice (web:alice) via web" in page
         assert f"/approvals/{request.id}/decide" not in page
         # the losing press is told what stands, and nothing changes
         again = await client.post(f"{con.base}/approvals/{request.id}/decide", data={"csrf": csrf, "decision": "deny"})
-        assert "Already approved by web:alice" in await again.text()
+        assert "Already approved by alice (web:alice)" in await again.text()
         row = await con.app.service.store.get(request.id)
         assert row is not None
         assert row.status is Status.APPROVED
         # the approval page records who decided, where, and the trail
         detail = await (await client.get(f"{con.base}/swarm?approval={request.id}")).text()
-        assert "approved by web:alice via web" in detail
+        assert "approved by alice (web:alice) via web" in detail
         assert "press_lost" in detail
         assert "card_posted" in detail
 
@@ -488,6 +517,34 @@ async def test_metrics_are_prometheus_text_with_failures_and_swarm_tasks(tmp_pat
         assert 'kazma_failures_total{platform="",site="web_test_site"}' in text
         assert 'kazma_swarm_tasks{status="running"} 0.0' in text
         assert_security_headers(response)
+
+
+async def test_metrics_show_the_last_signed_audit_sequence_and_the_age_of_the_last_checkpoint(tmp_path: Path) -> None:
+    async with console(tmp_path) as con, aiohttp.ClientSession() as client:
+        store = con.app.service.store
+        request = await con.app.service.open("shell", {"command": "ls"}, "agent:builder", "web:console")
+        decided = await con.app.service.decide(request.id, Decision.APPROVE, actor="web:alice", platform="web")
+        assert decided.won
+
+        async def exposed() -> tuple[float, float, int, int]:
+            text = await (await client.get(f"{con.base}/metrics")).text()
+            found = dict(re.findall(r"^(kazma_audit_\w+) (\S+)$", text, re.MULTILINE))
+            newest = await store.last_checkpoint()
+            return (
+                float(found["kazma_audit_last_signed_seq"]),
+                float(found["kazma_audit_checkpoint_age_seconds"]),
+                -1 if newest is None else newest.seq,
+                await store.last_event_seq(),
+            )
+
+        async with asyncio.timeout(30):  # the running checkpointer signs the decision (and what followed it)
+            while (seen := await exposed())[0] != seen[2] or seen[2] != seen[3]:
+                await asyncio.sleep(0.02)
+        signed, age, newest_seq, _ = seen
+        witness = await store.witness(request.id)
+        assert witness is not None
+        assert signed == newest_seq >= witness.seq
+        assert 0 <= age < 3600  # seconds since that checkpoint was made, not NaN (none seen) nor a timestamp
 
 
 async def test_token_files_are_private_and_reused(tmp_path: Path) -> None:

@@ -61,9 +61,11 @@ from kazma.adapters.telegram.render import (
     CALLBACK_DATA_LIMIT,
     TEXT_LIMIT,
     button_data_fits,
+    mini_app_button,
     render_card,
     utf16_len,
     utf16_units,
+    with_button,
 )
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
@@ -498,6 +500,8 @@ class TelegramAdapter(PlatformBase):
         if not button_data_fits(laid.view):
             raise self.refuse(site, "button data does not fit Telegram's 1-64 bytes", chat=home)
         written = laid.written
+        opens = mini_app_button(card, home, bot_username=self._bot_username, short_name=self.config.mini_app)
+        markup = with_button(written.keyboard, opens)
         message = await self._send(
             site,
             home,
@@ -505,7 +509,7 @@ class TelegramAdapter(PlatformBase):
                 chat_id=chat_id,
                 text=written.html,
                 parse_mode=ParseMode.HTML,
-                reply_markup=written.keyboard,
+                reply_markup=markup,
                 link_preview_options=_NO_PREVIEW,
             ),
         )

@@ -13,7 +13,7 @@ import html
 from dataclasses import dataclass
 from typing import Final
 
-from telegram import InlineKeyboardButton, InlineKeyboardMarkup
+from telegram import InlineKeyboardButton, InlineKeyboardMarkup, WebAppInfo
 
 from kazma.adapters.card_layout import EMPTY_VALUE, ButtonKind, CardView, CardWriter, LaidOut, lay_out
 from kazma.approvals.card import ApprovalCard
@@ -72,6 +72,48 @@ def keyboard(view: CardView) -> InlineKeyboardMarkup | None:
     return InlineKeyboardMarkup(
         [[InlineKeyboardButton(button.label, callback_data=button.data) for button in view.buttons]]
     )
+
+
+MINI_APP_LABEL: Final = "Open the whole call"
+MINI_APP_PATH: Final = "/telegram/app"  # where the console serves the Mini App's landing page
+
+
+def mini_app_url(card: ApprovalCard) -> str:
+    """The approval page as a Telegram Mini App: the console's landing page, which hands Telegram's signed
+    ``initData`` to Kazma and goes on to the request's page."""
+    base = card.link.partition("/swarm?approval=")[0]
+    return f"{base}{MINI_APP_PATH}?approval={card.request_id}"
+
+
+def mini_app_button(
+    card: ApprovalCard, chat: str, *, bot_username: str, short_name: str
+) -> InlineKeyboardButton | None:
+    """The button that opens the approval page inside Telegram, where Telegram signs who opened it.
+
+    Telegram opens Mini Apps over HTTPS only. In a private chat with the bot an inline ``web_app`` button opens
+    the page itself; in a group Telegram refuses such a button, and the way in is the bot's Mini App link
+    (``https://t.me/<bot>/<short name>?startapp=<request id>``), which needs the Mini App made at @BotFather
+    with the landing page as its URL (``platforms.telegram.mini_app``). None: neither applies here.
+    """
+    if not card.link.startswith("https://"):
+        return None
+    if not chat.startswith("-"):
+        return InlineKeyboardButton(MINI_APP_LABEL, web_app=WebAppInfo(url=mini_app_url(card)))
+    if short_name and bot_username:
+        return InlineKeyboardButton(
+            MINI_APP_LABEL, url=f"https://t.me/{bot_username}/{short_name}?startapp={card.request_id}"
+        )
+    return None
+
+
+def with_button(
+    markup: InlineKeyboardMarkup | None, button: InlineKeyboardButton | None
+) -> InlineKeyboardMarkup | None:
+    """``markup`` with ``button`` on a row of its own below (unchanged when there is no button)."""
+    if button is None:
+        return markup
+    rows = [list(row) for row in markup.inline_keyboard] if markup is not None else []
+    return InlineKeyboardMarkup([*rows, [button]])
 
 
 _OUTCOME_MARK: Final = {"approved": "✅", "denied": "⛔", "timeout": "⌛", "cancelled": "⏹"}
@@ -140,6 +182,9 @@ class TelegramWriter:
             out.text("\n\n")
             out.tag("i", view.notice)
         out.text(f"\n\n{view.link_label}: {view.link}")
+        if view.footer is not None:
+            out.text(f"\n{view.footer[0]}: ")
+            out.tag("code", view.footer[1])
         return out
 
 
@@ -170,7 +215,10 @@ __all__ = [
     "TelegramWriter",
     "button_data_fits",
     "keyboard",
+    "mini_app_button",
+    "mini_app_url",
     "render_card",
     "utf16_len",
     "utf16_units",
+    "with_button",
 ]

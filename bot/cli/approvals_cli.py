@@ -19,11 +19,13 @@ from kazma.approvals import (
     build_card,
 )
 from kazma.approvals.card import INTEGRITY_WARNING
+from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.honesty import reveal_line
-from kazma.approvals.model import ApprovalRequest, Status
+from kazma.approvals.model import ApprovalRequest, Status, decider_text
 from kazma.approvals.seal import seal_problem
+from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
-from kazma.bot.keys import load_decision_keyring, read_decision_keyring
+from kazma.bot.keys import load_audit_signer, load_decision_keyring, read_audit_signer, read_decision_keyring
 from kazma.bot.store import store_for_command
 from kazma.config import LoadedConfig
 
@@ -37,10 +39,17 @@ def _with_service(
     (made on SQLite if there is none yet; without one, no decision is taken); otherwise with the keyring if
     there is a usable one, to say whether the stored seals verify."""
     keyring = load_decision_keyring(loaded.config) if deciding else read_decision_keyring(loaded.config)
+    # A decision here is an audit event like any other: chained, sealed, and signed before the command ends.
+    signer = load_audit_signer(loaded.config) if deciding else read_audit_signer(loaded.config)
 
     async def run() -> T:
         async with store_for_command(loaded.config) as store:
-            return await work(ApprovalService(ApprovalStore(store, keyring=keyring), loaded.config))
+            approvals = ApprovalStore(store, keyring=keyring, audit=signer)
+            try:
+                return await work(ApprovalService(approvals, loaded.config))
+            finally:
+                if deciding and signer is not None:
+                    await Checkpointer(approvals, signer).sign()
 
     return asyncio.run(run())
 
@@ -92,7 +101,7 @@ def list_requests(obj: Context, pending: bool, limit: int) -> None:
         click.echo("no pending approval requests" if pending else "no approval requests")
         return
     for r in rows:
-        decided = f" by {r.decided_by}" if r.decided_by else ""
+        decided = f" by {decider_text(r.decided_person, r.decided_by)}" if r.decided_by else ""
         # Everything shown escaped as on the cards: a terminal obeys control characters, and bidi controls
         # reorder what it shows. One request, one line: a newline in a field is escaped too.
         line = f"{r.id}  {r.status.value:<9} {_when(r)}  {r.tool:<12} from {r.requested_by}{decided}"
@@ -132,7 +141,7 @@ def show(obj: Context, request_id: str) -> None:
             lines.append(f"seal       {sealed}")
         lines += [f"sha256     {request.args_hash}", f"arguments  {request.args_json}", "audit"]
         for event in await service.store.events(request.id):
-            who = f" {event.actor}" if event.actor else ""
+            who = f" {decider_text(event.person, event.actor)}" if event.actor else ""
             where = f" via {event.platform}" if event.platform else ""
             detail = f"  {event.detail}" if event.detail else ""
             lines.append(f"  {event.at.strftime('%Y-%m-%d %H:%M:%S')}  {event.event}{who}{where}{detail}")
@@ -142,34 +151,42 @@ def show(obj: Context, request_id: str) -> None:
     _with_service(loaded, work)
 
 
-def _decide(obj: Context, request_id: str, login: str, decision: Decision, reason: str | None) -> None:
+def _decide(obj: Context, request_id: str, login: str | None, decision: Decision, reason: str | None) -> None:
     loaded: LoadedConfig = obj.load()
-    actor = f"cli:{login}"
+    actor = f"cli:{cli_login(loaded.config, login)}"
     result = _with_service(
         loaded, lambda s: s.decide(request_id, decision, actor=actor, platform="cli", reason=reason), deciding=True
     )
     click.echo(result.message)
     if result.verdict is PressVerdict.REFUSED and "not an approver" in result.message:
-        click.echo(f"add '{actor}' to approvals.approvers in kazma.yaml to decide from the command line", err=True)
+        person = loaded.config.people.person_of(actor)
+        who = f"'{person}'" if person else f"'{actor}' (or a person under people: with cli: {actor[4:]})"
+        click.echo(f"add {who} to approvals.approvers in kazma.yaml to decide from the command line", err=True)
     if result.verdict is not PressVerdict.WON:
         sys.exit(1)
 
 
+_AS_HELP = (
+    "Who you are: recorded is cli:<the system user running this>; --as only confirms it (your login or your "
+    "person), unless approvals.cli_identity is declared."
+)
+
+
 @approvals.command("approve")
 @click.argument("request_id")
-@click.option("--as", "login", required=True, help="Your login; recorded as cli:<login>.")
+@click.option("--as", "login", default=None, help=_AS_HELP)
 @click.option("--reason", default=None)
 @click.pass_obj
-def approve(obj: Context, request_id: str, login: str, reason: str | None) -> None:
+def approve(obj: Context, request_id: str, login: str | None, reason: str | None) -> None:
     """Approve a pending request (the same compare-and-set as a button)."""
     _decide(obj, request_id, login, Decision.APPROVE, reason)
 
 
 @approvals.command("deny")
 @click.argument("request_id")
-@click.option("--as", "login", required=True, help="Your login; recorded as cli:<login>.")
+@click.option("--as", "login", default=None, help=_AS_HELP)
 @click.option("--reason", default=None)
 @click.pass_obj
-def deny(obj: Context, request_id: str, login: str, reason: str | None) -> None:
+def deny(obj: Context, request_id: str, login: str | None, reason: str | None) -> None:
     """Deny a pending request (the same compare-and-set as a button)."""
     _decide(obj, request_id, login, Decision.DENY, reason)

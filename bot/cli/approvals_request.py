@@ -105,7 +105,9 @@ def request(
         click.echo(f"could not reach Kazma at {base}: {exc}", err=True)
         sys.exit(EXIT_UNASKED)
     assert found is not None
-    who = f" by {found['decided_by']}" if found.get("decided_by") else ""
+    person, identity = found.get("decided_person"), found.get("decided_by")
+    decider = f"{person} ({identity})" if person else identity
+    who = f" by {decider}" if identity else ""
     click.echo(f"{found['status']}{who}")
     sys.exit(EXIT.get(found["status"], EXIT_UNASKED))
 

@@ -26,6 +26,7 @@ from kazma.approvals import ApprovalStore
 from kazma.approvals.model import Decision
 from kazma.bot.app import build_app
 from kazma.bot.console.server import WebServer
+from kazma.bot.console.signin import LocalLogin
 from kazma.config import LoadedConfig, load_config_text
 from kazma.engine.executor import ActionKind
 from kazma.engine.model import ScriptStep
@@ -146,15 +147,16 @@ def scenario(prompts: dict[str, str]) -> PerAgentScript:
 
 
 def demo_config(root: Path, web_port: int = 8765, *, web: bool = True) -> LoadedConfig:
-    """One demo operator: ``cli:demo`` at this terminal and, with the console, ``web:demo`` in the browser —
-    one person at two doors, so the swarm's steering commands are not refused as shared between people."""
-    approvers = "['cli:demo', 'web:demo']" if web else "['cli:demo']"
+    """One demo person, ``demo``: ``cli:demo`` at this terminal and, with the console, ``web:demo`` in the
+    browser — one person at two doors (so the swarm's steering is not shared between people), and every
+    decision names them."""
+    doors = "{web: demo, cli: demo}" if web else "{cli: demo}"
     # The store one folder down: its siblings (the workspaces, the decision keys) stay inside ``root`` too.
     return load_config_text(
         f"store: {{path: '{root / 'state' / 'kazma.db'}'}}\n"
         f"web: {{port: {web_port}, public_url: 'http://127.0.0.1:{web_port}'}}\n"
-        f"approvals: {{approvers: {approvers}, deadline_seconds: 300}}\n"
-        f"swarm: {{allow_shared_operators: {'true' if web else 'false'}}}\n",
+        f"people: {{demo: {doors}}}\n"
+        "approvals: {approvers: [demo], deadline_seconds: 300}\n",
         environ={},
     )
 
@@ -198,10 +200,11 @@ async def run_demo(
         )
         app = await build_app(loaded, provider=provider, adapters=[terminal], web=console)
         server = None
+        local = LocalLogin("demo")  # the demo's browser signs in with a link printed here, once
         if console is not None:
             server = WebServer(
                 app.console, console, host="127.0.0.1", port=web_port, token_path=root / "web-token",
-                operator_token=secrets.token_urlsafe(24),
+                operator_token=secrets.token_urlsafe(24), local_login=local,
             )  # fmt: skip
         out.write(f"kazma demo — model: {provider.label}\n")
         out.write(f"store: {loaded.config.store.path} (temporary)\n")
@@ -215,13 +218,14 @@ async def run_demo(
                 await server.start()
                 assert server.auth is not None
                 out.write(
-                    f"\nweb console: {server.url}/login — log in as 'demo' with token {server.auth.tokens.operator}\n"
+                    f"\nweb console: {server.url}{local.path} — signs one browser in as 'demo' (kazma demo's local "
+                    "identity, not a proof: a real console signs people in with passkeys)\n"
                     "approve the card there (or type a/d here when asked)\n\n"
                 )
                 out.flush()
                 if open_browser:
-                    webbrowser.open(f"{server.url}/login")
-                await console.say("demo", REQUEST, mentions=("kazma",))
+                    webbrowser.open(f"{server.url}{local.path}")
+                await console.say("demo", REQUEST)
             else:
                 out.write(f"\n[you] {REQUEST}\n")
                 await app.on_inbound(

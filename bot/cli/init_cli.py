@@ -192,7 +192,8 @@ def init(
             click.echo(line, err=True)
         sys.exit(2)
     _write(target, text, force=force)
-    click.echo(f"Wrote {target}: you are an approver as {', '.join(actor for actor, _ in answers.approvers)}.")
+    identities = ", ".join(actor for actor, _ in answers.approvers)
+    click.echo(f"Wrote {target}: you are {answers.person}, an approver as {identities}.")
     click.echo("Next:")
     for command, why in next_commands(answers, target):
         click.echo(f"  {command:<44} # {why}")
@@ -232,7 +233,7 @@ def _write(target: Path, text: str, *, force: bool) -> None:
 
 
 def next_commands(answers: InitAnswers, target: Path) -> list[tuple[str, str]]:
-    """The three commands to run now: set the secrets (or check the file), ask the doctor, run."""
+    """The commands to run now: set the secrets (or check the file), ask the doctor, enrol a passkey, run."""
     config = "" if target == Path("kazma.yaml") else f" -c {shlex.quote(str(target))}"
     if answers.secrets:
         first = ("export " + " ".join(f"{name}=…" for name in answers.secrets), "the secrets kazma.yaml reads")
@@ -241,5 +242,9 @@ def next_commands(answers: InitAnswers, target: Path) -> list[tuple[str, str]]:
     return [
         first,
         (f"kazma{config} doctor", "the file, each platform's tokens, the store, the model"),
-        (f"kazma{config} run", f"then log in at {answers.public_url}/login as {answers.web_login}"),
+        (
+            f"kazma{config} people invite {answers.person}",
+            "your passkey for the console: open the link once Kazma runs",
+        ),
+        (f"kazma{config} run", f"then sign in at {answers.public_url}/login with that passkey"),
     ]

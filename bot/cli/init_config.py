@@ -18,7 +18,7 @@ from typing import Final
 from kazma.config import ConfigError, load_config_text
 from kazma.config.registry import CHAT_PLATFORMS
 
-DEFAULT_PUBLIC_URL: Final = "http://127.0.0.1:8765"
+DEFAULT_PUBLIC_URL: Final = "http://localhost:8765"
 DEFAULT_MODEL_URL: Final = "http://127.0.0.1:11434/v1"
 DEFAULT_MODEL: Final = "llama3.1"
 WEB_LOGIN: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")  # what the console's login form accepts
@@ -84,9 +84,15 @@ class InitAnswers:
         return names
 
     @property
+    def person(self) -> str:
+        """The operator's name under ``people:``: their console login, as a person's name is written."""
+        name = re.sub(r"[^a-z0-9_-]", "-", self.web_login.lower())
+        return name if name[:1].isalpha() else f"op-{name}"[:32]
+
+    @property
     def approvers(self) -> list[tuple[str, str]]:
         """(actor, where) for every identity of the operator, the console first."""
-        found = [(f"web:{self.web_login}", "the web console")]
+        found = [(f"web:{self.web_login.lower()}", "the web console")]
         found += [(f"{p}:{self.presence(p).user}", CHAT_PLATFORMS[p].title) for p in self.platforms]
         return found
 
@@ -126,15 +132,21 @@ def render(answers: InitAnswers) -> str:
     """The commented ``kazma.yaml`` for these answers; raises :class:`ConfigError` if it would not load."""
     if not WEB_LOGIN.fullmatch(answers.web_login):
         raise ValueError(f"a console login is 1 to 32 letters, digits, '.', '_' or '-', got {answers.web_login!r}")
-    approvers = "\n".join(f'    - "{actor}"  # you, in {where}' for actor, where in answers.approvers)
+    person = answers.person
+    identities = "\n".join(
+        f"    {actor.partition(':')[0]}: {_yaml_scalar(actor.partition(':')[2])}  # you, in {where}"
+        for actor, where in answers.approvers
+    )
+    people = (
+        "people:\n"
+        "  # Each person once, with their identity on every door: every decision records who made it, and\n"
+        "  # `kazma people invite <name>` prints the one-time link that enrols their passkey for the console.\n"
+        f"  {person}:\n{identities}\n"
+    )
+    approvers = f"    - {person}  # you, on every door under people.{person}"
+    # One person with an identity on each door is one operator (people: says so): the swarm's steering is not
+    # shared between people, so swarm.allow_shared_operators stays off.
     swarm = ""
-    if len(answers.approvers) > 1:
-        swarm = (
-            "\nswarm:\n"
-            "  # You are the only operator, with one identity on each platform. Swarm tasks are not kept apart\n"
-            "  # per person: set this back to false when someone else joins.\n"
-            "  allow_shared_operators: true\n"
-        )
     if answers.platforms:
         platforms = "platforms:\n" + "".join(_platform_block(answers, p) for p in answers.platforms)
     else:
@@ -155,6 +167,7 @@ def render(answers: InitAnswers) -> str:
         model_url=answers.model_url,
         model_name=answers.model_name,
         approvers=approvers,
+        people=people,
         swarm=swarm,
         platforms=platforms.rstrip("\n"),
     )

@@ -9,8 +9,11 @@ import time
 import click
 
 from kazma.approvals import ApprovalStore
+from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.rules import RuleStore
+from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
+from kazma.bot.keys import load_audit_signer
 from kazma.bot.store import store_for_command
 
 
@@ -48,12 +51,12 @@ def list_rules(obj: Context, everything: bool) -> None:
 
 @rules.command("revoke")
 @click.argument("rule_id")
-@click.option("--as", "login", required=True, help="Your login; recorded as cli:<login>.")
+@click.option("--as", "login", default=None, help="Confirms who you are (see kazma approvals approve --help).")
 @click.pass_obj
-def revoke(obj: Context, rule_id: str, login: str) -> None:
+def revoke(obj: Context, rule_id: str, login: str | None) -> None:
     """End a rule now: the next identical call gets a card again."""
     config = obj.load().config
-    actor = f"cli:{login}"
+    actor = f"cli:{cli_login(config, login)}"
 
     async def run() -> bool:
         async with store_for_command(config) as store:
@@ -61,8 +64,10 @@ def revoke(obj: Context, rule_id: str, login: str) -> None:
             match = [r for r in await rules_store.list(active_only=False, limit=100_000) if r.id == rule_id]
             done = await rules_store.revoke(rule_id, actor=actor)
             if done and match:
-                await ApprovalStore(store).audit(match[0].request_id, "rule_revoked", actor=actor, platform="cli",
-                                                 detail=rule_id)  # fmt: skip
+                signer = load_audit_signer(config)
+                approvals = ApprovalStore(store, audit=signer)
+                await approvals.audit(match[0].request_id, "rule_revoked", actor=actor, platform="cli", detail=rule_id)
+                await Checkpointer(approvals, signer).sign()
             return done
 
     if not asyncio.run(run()):

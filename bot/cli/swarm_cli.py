@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import click
 
 from kazma.bot.app import build_app
+from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
 from kazma.config import LoadedConfig
 from kazma.config.registry import ROUTE_PLATFORMS
@@ -54,7 +54,7 @@ def _run(verb: str, *words: str, to: str | None = None, context: str = "") -> No
     if state is not None and state.parse_only:
         click.echo(json.dumps(command.to_json(), ensure_ascii=False))
         return
-    login = state.login if state is not None else _default_login()
+    login = cli_login(loaded.config, state.login if state is not None else None)
     sys.exit(asyncio.run(_execute(loaded, text, login, context)))
 
 
@@ -82,12 +82,8 @@ async def _execute(loaded: LoadedConfig, text: str, login: str, context: str = "
         await app.stop()
 
 
-def _default_login() -> str:
-    return os.environ.get("USER") or os.environ.get("LOGNAME") or "operator"
-
-
 class _Options:
-    def __init__(self, login: str, parse_only: bool) -> None:
+    def __init__(self, login: str | None, parse_only: bool) -> None:
         self.login = login
         self.parse_only = parse_only
 
@@ -141,16 +137,18 @@ class _SwarmGroup(click.Group):
 
 
 @click.group(cls=_SwarmGroup)
-@click.option("--as", "login", default=None, help="Your login, recorded as cli:<login> (default: $USER).")
+@click.option(
+    "--as", "login", default=None, help="Confirms who you are: recorded is cli:<the system user running this>."
+)
 @click.option("--parse-only", is_flag=True, help="Print the parsed command as one JSON line and stop.")
 @click.pass_context
 def swarm(ctx: click.Context, login: str | None, parse_only: bool) -> None:
     """Drive the swarm with the same grammar as /swarm in chat.
 
-    Steering commands need cli:<login> in approvals.approvers. Work started here
+    Steering commands need cli:<your system login> (or its person) in approvals.approvers. Work started here
     runs in this process; its result is printed when it ends.
     """
-    ctx.meta[_OPTIONS] = _Options(login or _default_login(), parse_only)
+    ctx.meta[_OPTIONS] = _Options(login, parse_only)
 
 
 def _no_argument_command(verb: str) -> Callable[[str | None], None]:

@@ -113,6 +113,7 @@ def describe(service: ApprovalService, request: ApprovalRequest) -> dict[str, An
     outcome = request.outcome()
     status = request.status.value
     decided_by = None if outcome is None or not outcome.status.human else outcome.decided_by
+    decided_person = None if outcome is None or not outcome.status.human else outcome.person
     reason = None if outcome is None else outcome.reason
     if request.status is Status.APPROVED:
         # The caller runs its action on "approved": a row that no decision path of Kazma sealed (written into
@@ -121,7 +122,7 @@ def describe(service: ApprovalService, request: ApprovalRequest) -> dict[str, An
         if problem is not None:
             count_failure(problem.site)
             log.warning("api.approval_unverified", request_id=request.id, problem=problem.detail)
-            status, decided_by = UNVERIFIED, None
+            status, decided_by, decided_person = UNVERIFIED, None, None
             reason = f"not an approval Kazma made ({problem.detail}); do not act on it"
     return {
         "id": request.id,
@@ -132,6 +133,7 @@ def describe(service: ApprovalService, request: ApprovalRequest) -> dict[str, An
         "requested_by": request.requested_by,
         "deadline": request.deadline.isoformat(),
         "decided_by": decided_by,
+        "decided_person": decided_person,
         "decided_at": None if outcome is None else outcome.decided_at.isoformat(),
         "reason": reason,
         "link": service.link(request.id),
@@ -465,7 +467,11 @@ _APPROVAL = {
         "hash": {"type": "string", "description": "SHA-256 of the canonical JSON of the arguments"},
         "requested_by": {"type": "string"},
         "deadline": {"type": "string", "format": "date-time"},
-        "decided_by": {"type": ["string", "null"]},
+        "decided_by": {"type": ["string", "null"], "description": "the identity that decided (telegram:111)"},
+        "decided_person": {
+            "type": ["string", "null"],
+            "description": "the person under people: who owns decided_by; null when the identity is nobody's",
+        },
         "decided_at": {"type": ["string", "null"], "format": "date-time"},
         "reason": {"type": ["string", "null"]},
         "link": {"type": "string"},

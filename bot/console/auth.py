@@ -1,12 +1,17 @@
-"""Who may use the web console: tokens, sessions, roles and CSRF.
+"""Who may use the web console: proven people, shared tokens, sessions, roles and CSRF.
 
-Two shared secrets exist: the operator token (read, decide approvals, steer the
-swarm) and the reader token (read only). A person logs in with one of them and
-a name; the name becomes their identity ``web:<name>`` in every record, and the
-approvals service still checks that identity against ``approvals.approvers``
-before any decision counts. The token proves the role; the name is what the
-holder of the token says they are, so hand tokens only to people you trust to
-name themselves honestly. Which role each route needs is declared and enforced in
+A *person* signs in with a passkey (:mod:`~kazma.bot.console.signin`), or is proven by a platform that signs
+who opened the page (a Telegram Mini App's ``initData``, :mod:`~kazma.bot.console.miniapp`); their session
+names the person and the identity the proof established (``web:alice``, ``telegram:111``), and only such a
+session can decide an approval or steer anything. What it may do follows ``people:`` and the roster, read
+again at every request: an operator on the identity's own platform steers, anyone proven may press Approve
+or Deny, which the approvals service still checks against ``approvals.approvers``.
+
+Two shared secrets remain: the operator token and the reader token. Either opens a *read-only* session under
+a name its holder types (a label, proving nothing): dashboards, and — with the operator token, while nobody
+has a passkey yet — enrolling the first account. A shared token never decides.
+
+Which role each route needs is declared and enforced in
 :mod:`~kazma.bot.console.doors`; this module makes and finds the sessions it checks.
 Wrong tokens are slowed by :mod:`~kazma.bot.console.login_throttle`, per client as
 :mod:`~kazma.bot.console.forwarded` finds it behind ``web.trusted_proxies``.
@@ -45,8 +50,9 @@ from aiohttp import web
 
 from kazma.bot.console.forwarded import ClientAddresses
 from kazma.bot.console.login_throttle import LOGINS, LoginThrottle
-from kazma.bot.console.pages import login_page, message_page
-from kazma.bot.console.sessions import SessionStore
+from kazma.bot.console.pages import SignInChoices, login_page, message_page
+from kazma.bot.console.sessions import Opening, SessionStore
+from kazma.config.identity import Roster, platform_of
 from kazma.config.metrics import count_failure
 
 log = structlog.get_logger("kazma.web.auth")
@@ -73,23 +79,78 @@ class Role(StrEnum):
     READER = "reader"
 
 
+class Proof(StrEnum):
+    """How a session was opened: what proved who is behind it."""
+
+    OPERATOR_TOKEN = "operator-token"  # noqa: S105 - a kind of proof: read only; may enrol the first account
+    READER_TOKEN = "reader-token"  # noqa: S105 - a kind of proof: read only
+    PASSKEY = "passkey"  # a person's passkey, user verified: web:<login>
+    TELEGRAM = "telegram"  # a Telegram Mini App's initData, signed with the bot token: telegram:<user id>
+    SLACK = "slack"  # Sign in with Slack (OpenID Connect): slack:<user id>
+    DISCORD = "discord"  # Discord OAuth2: discord:<user id>
+    LOCAL = "local"  # kazma demo's local-only identity: a one-time link printed to its own terminal
+
+    @property
+    def proves_a_person(self) -> bool:
+        return self not in (Proof.OPERATOR_TOKEN, Proof.READER_TOKEN)
+
+    @property
+    def said(self) -> str:
+        """How people read it next to a name."""
+        return _PROOF_SAID[self]
+
+
+_PROOF_SAID = {
+    Proof.OPERATOR_TOKEN: "the shared operator token: reads only",
+    Proof.READER_TOKEN: "the shared reader token: reads only",
+    Proof.PASSKEY: "passkey",
+    Proof.TELEGRAM: "proven by Telegram",
+    Proof.SLACK: "signed in with Slack",
+    Proof.DISCORD: "signed in with Discord",
+    Proof.LOCAL: "kazma demo's local identity, not a proof",
+}
+
+
 @dataclass
 class Session:
     id: str  # the cookie's session token: held for this request only, never stored
-    login: str
+    login: str  # a console login (web:<login>); for a platform's proof, the identity; for a token, a label
     role: Role
     csrf: str
     expires: float  # epoch seconds
     flash: list[str]
     kept_flash: tuple[str, ...] = ()  # the lines the store holds: only a change is written back
+    proof: Proof = Proof.READER_TOKEN
+    person: str | None = None  # the person under people: (None: a token's session, or nobody's identity)
+    identity: str | None = None  # what the proof established: web:alice, telegram:111 (None: a token)
+    credential_id: str | None = None  # the passkey that opened it
+    may_decide: bool = False  # proven, and an approver on the identity's own platform (read per request)
 
     @property
     def is_operator(self) -> bool:
         return self.role is Role.OPERATOR
 
     @property
+    def proven(self) -> bool:
+        """A person proved who they are (never a shared token)."""
+        return self.proof.proves_a_person and self.identity is not None
+
+    @property
     def actor(self) -> str:
-        return f"web:{self.login}"
+        """The identity this session acts as: what its proof established; a token's label otherwise."""
+        return self.identity if self.identity is not None else f"web:{self.login}"
+
+    @property
+    def platform(self) -> str:
+        """Where the identity was proven: ``web`` for a passkey, ``telegram`` for a Mini App, …"""
+        return platform_of(self.actor)
+
+    @property
+    def who(self) -> str:
+        """For the page's header: ``alice (web:alice, passkey)``, or ``web:rita (the shared reader token…)``."""
+        if self.person is not None:
+            return f"{self.person} ({self.actor}, {self.proof.said})"
+        return f"{self.actor} ({self.proof.said})"
 
     def take_flash(self) -> list[str]:
         lines, self.flash = self.flash, []
@@ -180,6 +241,11 @@ def session_binding(session_token: str, console_token_digest: str) -> str:
     return hmac.new(session_token.encode("utf-8"), console_token_digest.encode("ascii"), hashlib.sha256).hexdigest()
 
 
+def _proof_digest(proof: Proof, identity: str) -> str:
+    """What a proven session is bound to (in place of a console token's digest): its proof and identity."""
+    return hashlib.sha256(f"{proof.value}\n{identity}".encode()).hexdigest()
+
+
 def _same(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode("utf-8"), b.encode("utf-8"))
 
@@ -207,12 +273,15 @@ class WebAuth:
         *,
         store: SessionStore,
         secure: bool,
+        roster: Roster,
         clock: Callable[[], float] = time.monotonic,
         reload: Callable[[], Tokens] | None = None,
         origins: tuple[str, ...] = (),
         clients: ClientAddresses | None = None,
     ) -> None:
         self.tokens = tokens
+        self.roster = roster  # what a proven person may do here, read at every request
+        self.choices = SignInChoices()  # how people can sign in here (the server says, once it knows)
         self.secure = secure
         self.clock = clock
         self.store = store
@@ -245,16 +314,76 @@ class WebAuth:
         return Role.READER if reader else None
 
     async def open_session(self, login: str, role: Role) -> Session:
+        """A shared token's session: read only, whichever token (the role says which token opened it)."""
+        proof = Proof.OPERATOR_TOKEN if role is Role.OPERATOR else Proof.READER_TOKEN
         sid = secrets.token_urlsafe(32)
         expires = await self.store.open(
             session_hash(sid),
-            login=login,
-            role=role.value,
+            Opening(login=login, role=role.value, proof=proof.value),
             binding=session_binding(sid, self._current_digest(role)),
             lifetime=SESSION_SECONDS,
             max_sessions=MAX_SESSIONS,
         )
-        return Session(id=sid, login=login, role=role, csrf=session_csrf(sid), expires=expires, flash=[])
+        return Session(
+            id=sid, login=login, role=Role.READER, csrf=session_csrf(sid), expires=expires, flash=[], proof=proof
+        )
+
+    async def open_person_session(
+        self,
+        proof: Proof,
+        identity: str,
+        *,
+        lifetime: float = SESSION_SECONDS,
+        credential_id: str | None = None,
+    ) -> Session:
+        """A session for a person proven by ``proof`` as ``identity`` (``web:alice``, ``telegram:111``)."""
+        sid = secrets.token_urlsafe(32)
+        person = self.roster.person_of(identity)
+        login = identity.partition(":")[2] if platform_of(identity) == "web" else identity
+        session = Session(
+            id=sid, login=login, role=Role.READER, csrf=session_csrf(sid), expires=0.0, flash=[], proof=proof,
+            person=person, identity=identity, credential_id=credential_id,
+        )  # fmt: skip
+        self._grant(session)
+        session.expires = await self.store.open(
+            session_hash(sid),
+            Opening(
+                login=login, role=session.role.value, proof=proof.value, person=person, identity=identity,
+                credential_id=credential_id,
+            ),
+            binding=session_binding(sid, _proof_digest(proof, identity)),
+            lifetime=lifetime,
+            max_sessions=MAX_SESSIONS,
+        )  # fmt: skip
+        return session
+
+    def _grant(self, session: Session) -> None:
+        """What a proven session may do, from the roster as it is now: steer (an operator on the identity's
+        own platform, signed in at the console itself) and press Approve or Deny (an approver there)."""
+        if not session.proven or session.identity is None:
+            session.role, session.may_decide = Role.READER, False
+            return
+        platform = platform_of(session.identity)
+        steers = session.proof in (Proof.PASSKEY, Proof.LOCAL) and self.roster.is_operator(session.identity, platform)
+        session.role = Role.OPERATOR if steers else Role.READER
+        session.may_decide = self.roster.is_approver(session.identity, platform)
+
+    def set_cookie(self, response: web.StreamResponse, session: Session) -> None:
+        response.set_cookie(
+            SESSION_COOKIE,
+            session.id,
+            httponly=True,
+            samesite="Strict",
+            path="/",
+            secure=self.secure,
+            max_age=max(int(session.expires - time.time()), 1),
+        )
+
+    async def end_previous(self, request: web.Request) -> None:
+        """A fresh session token at every sign-in: the one the browser held (if any) ends (no session fixation)."""
+        previous = request.cookies.get(SESSION_COOKIE)
+        if previous and len(previous) <= _MAX_COOKIE:
+            await self.store.end(session_hash(previous))
 
     async def session(self, request: web.Request) -> Session | None:
         """The request's live session, or None: unknown, forged, expired (deleted now) or of a rotated token."""
@@ -270,10 +399,16 @@ class WebAuth:
             return None
         try:
             role = Role(stored.role)
+            proof = Proof(stored.proof or "")
         except ValueError:
+            # made before people signed in (no proof): only a shared token made it, and it may have been an
+            # operator's that decided; it ends rather than keep a power tokens no longer have
             await self.store.end(key)
+            log.info("web.session_ended", login=stored.login, reason="made before people signed in")
             return None
-        if not _same(stored.binding, session_binding(sid, self._current_digest(role))):
+        proven = proof.proves_a_person
+        bound = _proof_digest(proof, stored.identity or "") if proven else self._current_digest(role)
+        if not _same(stored.binding, session_binding(sid, bound)):
             await self.store.end(key)
             log.info("web.session_ended", login=stored.login, reason="token rotated")
             return None
@@ -282,12 +417,20 @@ class WebAuth:
         session = Session(
             id=sid,
             login=stored.login,
-            role=role,
+            role=Role.READER,
             csrf=session_csrf(sid),
             expires=stored.expires_at,
             flash=list(stored.flash),
             kept_flash=stored.flash,
+            proof=proof,
+            person=stored.person,
+            identity=stored.identity,
+            credential_id=stored.credential_id,
         )
+        if session.proven:
+            # who the identity belongs to and what it may do follow the configuration the process runs with
+            session.person = self.roster.person_of(session.actor)
+            self._grant(session)
         if served is not None:
             served.append(session)
         return session
@@ -364,7 +507,7 @@ class WebAuth:
 
     async def login_form(self, request: web.Request) -> web.Response:
         value = secrets.token_urlsafe(24)
-        response = html_response(login_page(value))
+        response = html_response(login_page(value, choices=self.choices))
         response.set_cookie(
             LOGIN_CSRF_COOKIE, value, httponly=True, samesite="Strict", path="/login", secure=self.secure, max_age=3600
         )
@@ -386,7 +529,8 @@ class WebAuth:
         token = data.get("token")
         if not NAME.fullmatch(name):
             return html_response(
-                login_page(field, error="The name must be 1–32 of a–z, 0–9, '_', '.', '-'."), status=400
+                login_page(field, error="The name must be 1–32 of a–z, 0–9, '_', '.', '-'.", choices=self.choices),
+                status=400,
             )
         key = client.throttle_key
         if self.throttle.slowed(key):
@@ -417,23 +561,15 @@ class WebAuth:
                 self.throttle.failed(key)
                 LOGINS.labels(outcome="wrong").inc()
                 log.warning("web.login_refused", login=name, remote=client.address, peer=client.peer, slowed=False)
-                return html_response(login_page(field, error="wrong token", name=name), status=401)
-        previous = request.cookies.get(SESSION_COOKIE)
-        if previous and len(previous) <= _MAX_COOKIE:
-            await self.store.end(session_hash(previous))  # a fresh token at every login: no session fixation
+                return html_response(
+                    login_page(field, error="wrong token", name=name, choices=self.choices), status=401
+                )
+        await self.end_previous(request)
         session = await self.open_session(name, role)
         LOGINS.labels(outcome="accepted").inc()
-        log.info("web.login", login=name, role=role.value)
+        log.info("web.login", login=name, token=role.value, proof=session.proof.value)
         response = web.HTTPSeeOther("/")
-        response.set_cookie(
-            SESSION_COOKIE,
-            session.id,
-            httponly=True,
-            samesite="Strict",
-            path="/",
-            secure=self.secure,
-            max_age=SESSION_SECONDS,
-        )
+        self.set_cookie(response, session)
         response.del_cookie(LOGIN_CSRF_COOKIE, path="/login")
         raise response
 

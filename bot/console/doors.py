@@ -5,9 +5,10 @@ refuses to start with a route the table does not name (the approvals API and ``/
 and are checked too), and one middleware (:meth:`Doors.guard`) enforces the role before any handler runs: a
 handler never has to remember to check, and a new route cannot be forgotten.
 
-The roles say nothing about *how* a session was made (a token today, passkeys later): ``reader`` needs a
-console session of either role, ``operator`` an operator session, ``api-token`` an approvals-API token sent
-as ``Authorization: Bearer``, ``anonymous`` nothing. A state-changing request with a session must also carry
+``reader`` needs a console session of any kind (a shared token's included), ``person`` a session a person
+was proven into (a passkey, a platform's signed sign-in, ``kazma demo``'s local identity — never a shared
+token), ``operator`` such a session whose identity is an operator, ``api-token`` an approvals-API token
+sent as ``Authorization: Bearer``, ``anonymous`` nothing. A state-changing request with a session must also carry
 the session's CSRF token; that is checked where the body is read (:meth:`WebAuth.form`, or the upload reader,
 which streams), and the route walk in the tests proves it for every such route.
 """
@@ -32,8 +33,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 class Access(StrEnum):
     ANONYMOUS = "anonymous"  # no login: the sign-in form, health, metrics, the page script, the API's schema
-    READER = "reader"  # any console session (a reader's or an operator's)
-    OPERATOR = "operator"  # an operator's console session
+    READER = "reader"  # any console session (a shared token's reads only)
+    PERSON = "person"  # a proven person's session: a passkey, a platform's signed sign-in; never a shared token
+    OPERATOR = "operator"  # a proven person who is an operator
     API_TOKEN = "api-token"  # noqa: S105 - a role name: an approvals-API token (api.tokens) is needed
 
 
@@ -59,12 +61,25 @@ class Door:
         return Refusal.JSON if self.path == "/events" else Refusal.PAGE
 
 
-_A, _R, _O, _T = Access.ANONYMOUS, Access.READER, Access.OPERATOR, Access.API_TOKEN
+_A, _R, _P, _O, _T = Access.ANONYMOUS, Access.READER, Access.PERSON, Access.OPERATOR, Access.API_TOKEN
 
 DOORS: tuple[Door, ...] = (
     # signing in and out
-    Door("GET", "/login", _A, "the sign-in form (sets its own double-submit CSRF cookie)"),
-    Door("POST", "/login", _A, "sign in with a name and a console token (throttled per client)"),
+    Door("GET", "/login", _A, "the sign-in page (sets its own double-submit CSRF cookie for the token form)"),
+    Door("POST", "/login", _A, "a read-only session with a name and a shared token (throttled per client)"),
+    Door("POST", "/login/passkey/options", _A, "a sign-in challenge (kept by an HttpOnly cookie)"),
+    Door("POST", "/login/passkey", _A, "sign in with a passkey: the answer to that challenge, verified"),
+    Door("GET", "/login/local/{token}", _A, "kazma demo's one-time local sign-in (404 outside the demo)"),
+    Door("GET", "/login/slack", _A, "Sign in with Slack: off to Slack with a fresh state and nonce"),
+    Door("GET", "/login/slack/callback", _A, "back from Slack: its id token verified, a session for that person"),
+    Door("GET", "/login/discord", _A, "Sign in with Discord: off to Discord with a fresh state"),
+    Door("GET", "/login/discord/callback", _A, "back from Discord: the code exchanged, /users/@me asked who"),
+    Door("GET", "/enrol/{token}", _A, "a one-time enrolment link's page (410 when used or expired)"),
+    Door("POST", "/enrol/{token}/options", _A, "an enrolment challenge for that link's person"),
+    Door("POST", "/enrol/{token}", _A, "a new passkey for that link's person, verified; the link is used up"),
+    Door("POST", "/people/bootstrap", _R, "the first account's link: the shared operator token, while nobody has one"),
+    Door("GET", "/telegram/app", _A, "a card's Telegram Mini App landing page (404 without Telegram)"),
+    Door("POST", "/telegram/app", _A, "Telegram's signed initData: a session for the person it names"),
     Door("POST", "/logout", _R, "end this session"),
     # reading
     Door("GET", "/", _R, "the console conversation, with approval cards"),
@@ -78,14 +93,15 @@ DOORS: tuple[Door, ...] = (
     Door("POST", "/console/choose", _O, "a press of a question's choice: an answer that resumes an agent"),
     Door("POST", "/console/upload", _O, "files (and a message) to the agents"),
     # deciding and steering
-    Door("POST", "/approvals/{id}/decide", _O, "Approve or Deny (the service still checks the approver)"),
+    Door("POST", "/approvals/{id}/decide", _P, "Approve or Deny by a proven person (the service checks the approver)"),
     Door("POST", "/approvals/rules/{id}/revoke", _O, "revoke a remembered approval"),
     Door("POST", "/swarm/command", _O, "a /swarm command from the dashboard"),
     Door("POST", "/swarm/tasks/{id}/{action}", _O, "cancel, retry, approve or reject a swarm task"),
     # machines
     Door("GET", "/metrics", _A, "Prometheus counts (no arguments, ids or names of people)"),
     Door("GET", "/healthz", _A, "whether Kazma decides approvals, for monitors and load balancers"),
-    Door("GET", "/static/console.js", _A, "the one script every page loads"),
+    Door("GET", "/static/console.js", _A, "the script every signed-in page loads"),
+    Door("GET", "/static/people.js", _A, "the sign-in pages' script (passkeys, the Telegram Mini App)"),
     # the approvals API and MCP (bot/console/api.py, bot/console/mcp.py): API tokens, never console sessions
     Door("POST", "/api/v1/approvals", _T, "open an approval request (approval_requester)"),
     Door("GET", "/api/v1/approvals/{id}", _T, "read or wait for a request this token opened"),
@@ -162,17 +178,28 @@ class Doors:
         session = await self.auth.session(request)
         if session is None:
             raise _login_required(door.refusal)
+        if door.access is Access.PERSON and not session.proven:
+            log.warning("web.token_refused", login=session.login, path=request.path)
+            raise reader_refused(session)
         if door.access is Access.OPERATOR and not session.is_operator:
             log.warning("web.reader_refused", login=session.login, path=request.path)
             raise reader_refused(session)
         return session
 
 
+# words, not a secret
+SHARED_READS_ONLY = (
+    "a shared token reads only: sign in with a passkey to decide or steer (kazma people invite <you> prints an "
+    "enrolment link)"
+)
+
+
 def reader_refused(session: Session) -> web.HTTPForbidden:
-    return web.HTTPForbidden(
-        text=message_page("Refused", f"{OPERATORS_ONLY}: web:{session.login} is a reader", viewer=session),
-        content_type="text/html",
-    )
+    if not session.proven:
+        said = f"{OPERATORS_ONLY}: {session.actor} is a reader ({SHARED_READS_ONLY})"
+    else:
+        said = f"{OPERATORS_ONLY}: {session.who} is a reader"
+    return web.HTTPForbidden(text=message_page("Refused", said, viewer=session), content_type="text/html")
 
 
 def _login_required(refusal: Refusal) -> web.HTTPException:

@@ -57,7 +57,8 @@ def build_server(ask: Ask) -> MCPServer[Any]:
         reason: str = "",
         deadline_seconds: float | None = None,
     ) -> dict[str, Any]:
-        """Ask a person to approve one call; returns outcome, decided_by, decided_at, hash and request_id."""
+        """Ask a person to approve one call; returns outcome, decided_by, decided_person, decided_at, hash and
+        request_id."""
         return await ask(Asked(tool, arguments, reason, deadline_seconds, ctx))
 
     server.add_tool(request_approval)
@@ -69,6 +70,7 @@ def answer(found: dict[str, Any]) -> dict[str, Any]:
     return {
         "outcome": found["status"],
         "decided_by": found.get("decided_by"),
+        "decided_person": found.get("decided_person"),
         "decided_at": found.get("decided_at"),
         "hash": found["hash"],
         "request_id": found["id"],

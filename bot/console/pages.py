@@ -11,6 +11,7 @@ import html
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 from urllib.parse import quote
@@ -21,7 +22,7 @@ from kazma.adapters.human_text import LABEL_PREFIX, for_humans
 from kazma.adapters.web import WebMessage, render
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.honesty import reveal, reveal_line
-from kazma.approvals.model import ApprovalRequest, Outcome, Status, Waits
+from kazma.approvals.model import ApprovalRequest, Outcome, Status, Waits, decider_text
 from kazma.approvals.rules import Rule
 from kazma.approvals.store import AuditEvent, PostedCard
 from kazma.approvals.withdrawal import POLL_GRACE
@@ -38,6 +39,9 @@ from kazma.engine.transcript import Entry, Summary
 
 _OUTCOME = re.compile(r'(<div class="outcome [a-z]+" id="o-[A-Za-z0-9_-]+">)([^<]*)(</div>)')
 _DEADLINE = re.compile(r"(<tr><th>Deadline</th><td><code>)([^<]*)(</code>)")
+
+CONSOLE_SCRIPT = "/static/console.js"
+PEOPLE_SCRIPT = "/static/people.js"  # passkeys and the Telegram Mini App: the sign-in pages' script
 
 # The approval page shows every value whole: no argument is long enough to be cut at this limit.
 WHOLE = 2**62
@@ -128,6 +132,23 @@ class Viewer(Protocol):
     @property
     def is_operator(self) -> bool: ...
 
+    @property
+    def may_decide(self) -> bool: ...
+
+    @property
+    def proven(self) -> bool: ...
+
+    @property
+    def who(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class SignInChoices:
+    """How people can sign in here, for the sign-in page."""
+
+    passkey_problem: str | None = None  # why passkeys cannot work at this public URL (None: they can)
+    platforms: tuple[tuple[str, str], ...] = ()  # (label, where the sign-in starts): Sign in with Slack, …
+
 
 def e(value: object) -> str:
     """Escape anything for HTML text and attribute values."""
@@ -157,6 +178,8 @@ def layout(
     viewer: Viewer | None = None,
     flash: Sequence[str] = (),
     live: bool = False,
+    script: str | None = None,
+    refresh_to: str | None = None,
 ) -> str:
     nav = ""
     meta = ""
@@ -165,7 +188,7 @@ def layout(
         meta = f'<meta name="kazma-csrf" content="{e(viewer.csrf)}"><meta name="kazma-role" content="{e(viewer.role)}">'
         nav = (
             '<a href="/">Console</a> <a href="/conversations">Conversations</a> <a href="/swarm">Swarm</a>'
-            f'<span class="who">web:{e(viewer.login)} ({e(viewer.role)}) '
+            f'<span class="who">{e(viewer.who)} · {e(viewer.role)} '
             f"{form('/logout', viewer, {}, 'Log out')}</span>"
         )
         live = True  # the script also shows every time in the viewer's own zone
@@ -176,13 +199,17 @@ def layout(
         else f'<div class="flash" role="status">{times_in(e(line))}</div>'
         for line in flash
     )
-    script = '<script src="/static/console.js" defer></script>' if live else ""
+    scripts = [CONSOLE_SCRIPT] if live else []
+    if script is not None:
+        scripts.append(script)
+    script_tags = "".join(f'<script src="{e(src)}" defer></script>' for src in scripts)
+    refresh = f'<meta http-equiv="refresh" content="0;url={e(refresh_to)}">' if refresh_to else ""
 
     return (
         "<!doctype html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{e(title)} · Kazma</title>{meta}<style>{_STYLE}{CHART_STYLE}</style>{script}</head>"
+        f"<title>{e(title)} · Kazma</title>{meta}{refresh}<style>{_STYLE}{CHART_STYLE}</style>{script_tags}</head>"
         f"<body><header><strong>Kazma</strong>{nav}</header><main>{flashes}{body}</main></body></html>\n"
     )
 
@@ -214,19 +241,37 @@ def message_page(title: str, text: str, *, viewer: Viewer | None = None, link: t
     return layout(title, f'<h1>{e(title)}</h1><p class="error">{e(text)}</p>{extra}', viewer=viewer)
 
 
-def login_page(login_csrf: str, *, error: str | None = None, name: str = "") -> str:
+def login_page(
+    login_csrf: str, *, error: str | None = None, name: str = "", choices: SignInChoices | None = None
+) -> str:
+    choices = choices or SignInChoices()
     problem = f'<p class="error">{e(error)}</p>' if error else ""
+    if choices.passkey_problem is None:
+        passkey = (
+            '<p><button type="button" class="primary" id="passkey-sign-in" data-options="/login/passkey/options"'
+            ' data-verify="/login/passkey">Sign in with a passkey</button></p>'
+            '<p class="error" id="passkey-error" role="alert" hidden></p>'
+            "<p>No passkey yet? Ask for an enrolment link: <code>kazma people invite &lt;you&gt;</code>.</p>"
+        )
+    else:
+        passkey = f'<p class="error">Passkeys cannot work here: {e(choices.passkey_problem)}</p>'
+    platforms = "".join(
+        f'<p><a class="button" href="{e(href)}">{e(label)}</a></p>' for label, href in choices.platforms
+    )
     body = (
-        f"<h1>Log in</h1>{problem}"
+        f"<h1>Sign in</h1>{problem}{passkey}{platforms}"
+        "<h2>Read-only, with a shared token</h2>"
+        "<p>The operator and reader tokens (printed when the console first started) open a read-only session: "
+        "dashboards, and with the operator token the first account's enrolment while nobody has a passkey. "
+        "A shared token never decides an approval. The name is a label only.</p>"
         '<form method="post" action="/login">'
         f'<input type="hidden" name="csrf" value="{e(login_csrf)}">'
         '<p><label>Name <input name="name" required maxlength="32" pattern="[A-Za-z0-9_.\\-]{1,32}"'
         f' autocomplete="username" value="{e(name)}"></label></p>'
         '<p><label>Token <input name="token" type="password" required autocomplete="current-password"></label></p>'
-        '<p><button type="submit">Log in</button></p></form>'
-        "<p>The operator and reader tokens were printed when the console first started.</p>"
+        '<p><button type="submit">Log in read-only</button></p></form>'
     )
-    return layout("Log in", body)
+    return layout("Sign in", body, script=PEOPLE_SCRIPT)
 
 
 # -- the console ---------------------------------------------------------------------------------
@@ -236,7 +281,7 @@ def card_html(card: ApprovalCard, outcome: Outcome | None, viewer: Viewer) -> st
     """A console card: the one card layout, with Approve/Deny forms for operators."""
 
     def buttons(view: CardView) -> str:
-        if not viewer.is_operator:
+        if not viewer.may_decide:
             return ""
         approve = any(b.kind is ButtonKind.APPROVE for b in view.buttons)
         return decide_buttons(viewer, card.request_id, "/", approve=approve)
@@ -371,11 +416,16 @@ def upload_form(viewer: Viewer, files: FileBounds) -> str:
 
 
 def console_page(
-    viewer: Viewer, messages: Iterable[WebMessage], *, flash: Sequence[str] = (), files: FileBounds | None = None
+    viewer: Viewer,
+    messages: Iterable[WebMessage],
+    *,
+    flash: Sequence[str] = (),
+    files: FileBounds | None = None,
+    notice_html: str = "",
 ) -> str:
     items = "".join(message_html(m, viewer) for m in messages)
     body = (
-        '<h1>Console <small id="live" class="meta"></small></h1>'
+        f'<h1>Console <small id="live" class="meta"></small></h1>{notice_html}'
         f'<ol class="messages" id="messages">{items}</ol>'
         '<div class="working" id="working" data-conversation="web:console"></div>'
         '<form class="send" method="post" action="/console/send">'
@@ -420,7 +470,7 @@ def approval_page(
         decided = "not yet"
     elif request.status.human:
         decided = (
-            f"{e(request.status.value)} by {e(reveal_line(request.decided_by or ''))} "
+            f"{e(request.status.value)} by {e(reveal_line(decider_text(request.decided_person, request.decided_by)))} "
             f"via {e(reveal_line(request.decided_via or ''))} "
             f"at {when_html(request.decided_at)}"
         )
@@ -444,7 +494,7 @@ def approval_page(
     fact_rows = "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in facts)
     audit = "".join(
         f"<tr><td>{ev.seq}</td><td>{when_html(ev.at)}</td><td>{e(ev.event)}</td>"
-        f"<td>{e(reveal_line(ev.actor or ''))}</td>"
+        f"<td>{e(reveal_line(ev.actor or ''))}</td><td>{e(ev.person or '')}</td>"
         f"<td>{e(ev.platform or '')}</td><td>{times_in(e(reveal_line(ev.detail or '')))}</td></tr>"
         for ev in events
     )
@@ -457,8 +507,8 @@ def approval_page(
     if request.status is Status.PENDING:
         buttons = (
             decide_buttons(viewer, request.id, approval_href(request.id), approve=not changed)
-            if viewer.is_operator
-            else "<p>Pending. Only operators can decide.</p>"
+            if viewer.may_decide
+            else f"<p>Pending. {e(cannot_decide_here(viewer))}</p>"
         )
     body = (
         f"<h1>Approval {e(request.id)}</h1>"
@@ -468,12 +518,23 @@ def approval_page(
         f"{'' if changed else _call_json(pretty, request.args_json)}"
         "<p>Hidden, direction-changing and control characters are shown escaped as ⟨U+…⟩ everywhere on this"
         " page, so what you read is what runs.</p>"
-        "<h2>Audit trail</h2><table><tr><th>#</th><th>when</th><th>event</th><th>actor</th><th>platform</th>"
+        "<h2>Audit trail</h2><table><tr><th>#</th><th>when</th><th>event</th><th>identity</th><th>person</th>"
+        "<th>platform</th>"
         f"<th>detail</th></tr>{audit}</table>"
         "<h2>Cards posted</h2><table><tr><th>platform</th><th>chat</th><th>message</th><th>posted</th>"
         f"<th>settled</th><th>shows</th></tr>{posted}</table>"
     )
     return layout(f"Approval {request.id}", body, viewer=viewer, flash=flash)
+
+
+def cannot_decide_here(viewer: Viewer) -> str:
+    """Why this viewer has no Approve or Deny, and what would give them one."""
+    if not viewer.proven:
+        return (
+            "A shared token reads only: to decide, sign in with a passkey (kazma people invite <you> prints an "
+            "enrolment link), or open this page from the card's button in Telegram."
+        )
+    return f"{viewer.who} is not an approver here: only approvers (approvals.approvers) can decide."
 
 
 def asker_facts(request: ApprovalRequest) -> list[tuple[str, str]]:
@@ -554,7 +615,8 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
     approval_rows = "".join(
         f'<tr><td><a href="{e(approval_href(a.id))}">{e(a.id)}</a></td><td>{e(reveal_line(a.tool))}</td>'
         f"<td>{e(a.status.value)}</td><td>{e(reveal_line(a.requested_by))}</td><td>{when_html(a.created_at)}</td>"
-        f"<td>{when_html(a.last_seen) if a.last_seen else ''}</td><td>{e(reveal_line(a.decided_by or ''))}</td></tr>"
+        f"<td>{when_html(a.last_seen) if a.last_seen else ''}</td>"
+        f"<td>{e(reveal_line(decider_text(a.decided_person, a.decided_by)))}</td></tr>"
         for a in data.approvals
     )
     workers = "".join(f"<li>{e(line)}</li>" for line in data.worker_lines) or "<li>no workers configured</li>"

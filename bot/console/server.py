@@ -30,10 +30,12 @@ from kazma.adapters.admission import FileBounds
 from kazma.adapters.contract import Attachment, PlatformError
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
+from kazma.bot.console.accounts import AccountStore
 from kazma.bot.console.api import caller_of
 from kazma.bot.console.api import register as register_api
 from kazma.bot.console.auth import (
     OPERATORS_ONLY,
+    Proof,
     Session,
     Tokens,
     WebAuth,
@@ -46,8 +48,10 @@ from kazma.bot.console.dashboard_data import DashboardData, DashboardQueries, pr
 from kazma.bot.console.doors import Doors, add_routes, reader_refused, undeclared
 from kazma.bot.console.feed import ChangeFeed
 from kazma.bot.console.forwarded import ClientAddresses
+from kazma.bot.console.miniapp import TelegramApp
 from kazma.bot.console.pages import (
     MAX_TEXT,
+    SignInChoices,
     approval_href,
     approval_page,
     console_page,
@@ -58,8 +62,11 @@ from kazma.bot.console.pages import (
     message_html,
     message_page,
 )
+from kazma.bot.console.platform_signin import PlatformSignIn
 from kazma.bot.console.services import ConsoleServices, SwarmCommand
 from kazma.bot.console.sessions import SessionStore
+from kazma.bot.console.signin import LocalLogin, SignIn
+from kazma.bot.console.signin_pages import bootstrap_form
 from kazma.bot.console.static import CONSOLE_JS
 from kazma.bot.console.upload import UploadRefused, read_upload
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure, with_label
@@ -86,7 +93,6 @@ SWARM_TASKS = Gauge("kazma_swarm_tasks", "Swarm tasks in the store, by status (r
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_MENTION = re.compile(r"(?<![\w@])@([A-Za-z0-9_-]{1,32})")
 TASK_ACTIONS = ("cancel", "retry", "approve", "reject")
 
 
@@ -100,11 +106,6 @@ def _swarm_too_long(length: int) -> str:
 def _for_readers(text: str) -> bool:
     """What a reader may type: commands answered to them (nothing, which is answered "Nothing to send")."""
     return text in ("", "/swarm", "/plan") or text.startswith("/swarm ")
-
-
-def mentions_of(text: str) -> tuple[str, ...]:
-    """Lowercase ``@word`` names, once each, in order: how people address agents in the console."""
-    return tuple(dict.fromkeys(m.lower() for m in _MENTION.findall(text)))
 
 
 def _not_found(text: str, session: Session | None = None) -> web.HTTPNotFound:
@@ -135,8 +136,10 @@ class WebServer:
         heartbeat: float = 15.0,
         shutdown_timeout: float = 2.0,
         dashboard_interval: float = 1.0,
+        local_login: LocalLogin | None = None,
     ) -> None:
         self.services = services
+        self.local_login = local_login  # kazma demo's one-time local sign-in; None everywhere else
         self.web = web_adapter
         self.host = host
         self.port = port
@@ -149,6 +152,7 @@ class WebServer:
         self._closing = asyncio.Event()
         self._generated: Tokens | None = None
         self.auth: WebAuth | None = None
+        self.signin: SignIn | None = None
         self.dashboard_interval = dashboard_interval
         self.feed: ChangeFeed[DashboardData] | None = None
         self._unwatch: Callable[[], None] | None = None
@@ -164,6 +168,16 @@ class WebServer:
         host, port = self._runner.addresses[0][:2]
         return f"http://{host}:{port}"
 
+    @property
+    def console_url(self) -> str:
+        """Where people open the console: the bound address, by name when the public URL names this machine
+        (``localhost``), since passkeys are made for a name and never for an address."""
+        public = URL(self.services.config.web.public_url)
+        bound = URL(self.url)
+        if public.host in ("localhost",) and bound.host in ("127.0.0.1", "::1", "localhost"):
+            return str(bound.with_host("localhost")).rstrip("/")
+        return self.url
+
     async def start(self) -> None:
         def read_tokens() -> Tokens:
             return load_tokens(self.token_path, operator_token=self._operator_token, reader_token=self._reader_token)
@@ -178,8 +192,14 @@ class WebServer:
             reload=read_tokens,
             origins=(str(URL(public_url).origin()),),
             clients=ClientAddresses(config.web.trusted_proxies),
+            roster=config.roster,
         )
         auth = self.auth
+        signin = SignIn(auth, AccountStore(self.services.store), config, local=self.local_login)
+        self.signin = signin
+        platforms = PlatformSignIn(auth, signin.accounts, config, signin.rp)
+        auth.choices = SignInChoices(passkey_problem=signin.rp.problem, platforms=platforms.offered())
+        telegram = TelegramApp(auth, config)
         doors = Doors(auth, lambda request: caller_of(config, request))
         # keep_flash outside the door: it writes back the flash lines of the session the door found
         application = web.Application(client_max_size=self.BODY_LIMIT, middlewares=[auth.keep_flash, doors.guard])
@@ -189,6 +209,19 @@ class WebServer:
             {
                 ("GET", "/login"): auth.login_form,
                 ("POST", "/login"): auth.login,
+                ("POST", "/login/passkey/options"): signin.sign_in_options,
+                ("POST", "/login/passkey"): signin.sign_in,
+                ("GET", "/login/local/{token}"): signin.local_sign_in,
+                ("GET", "/login/slack"): platforms.slack_start,
+                ("GET", "/login/slack/callback"): platforms.slack_callback,
+                ("GET", "/login/discord"): platforms.discord_start,
+                ("GET", "/login/discord/callback"): platforms.discord_callback,
+                ("GET", "/enrol/{token}"): signin.enrol_page,
+                ("POST", "/enrol/{token}/options"): signin.enrol_options,
+                ("POST", "/enrol/{token}"): signin.enrol,
+                ("POST", "/people/bootstrap"): signin.bootstrap,
+                ("GET", "/telegram/app"): telegram.page,
+                ("POST", "/telegram/app"): telegram.sign_in,
                 ("POST", "/logout"): auth.logout,
                 ("GET", "/"): self.console,
                 ("POST", "/console/send"): self.send,
@@ -206,6 +239,7 @@ class WebServer:
                 ("GET", "/metrics"): self.metrics,
                 ("GET", "/healthz"): self.healthz,
                 ("GET", "/static/console.js"): self.script,
+                ("GET", "/static/people.js"): signin.script,
             },
         )
         api = register_api(application, self.services)  # /api/v1: API tokens, not console logins
@@ -240,7 +274,7 @@ class WebServer:
         if tokens is None:
             return None
         reader_path = reader_token_path(self.token_path)
-        lines = [f"Kazma web console: {self.url}/"]
+        lines = [f"Kazma web console: {self.console_url}/"]
         if not show_tokens:
             made = [str(self.token_path) if role == "operator" else str(reader_path) for role in tokens.generated]
             lines.append(
@@ -252,7 +286,11 @@ class WebServer:
             lines.append(f"  operator token: {tokens.operator}  (saved to {self.token_path}, mode 0600)")
         if "reader" in tokens.generated:
             lines.append(f"  reader token:   {tokens.reader}  (read-only; saved to {reader_path})")
-        lines.append("  These are shown once. Log in at /login with a name and one of them.")
+        lines.append(
+            "  These are shown once. They open read-only sessions; a shared token never decides. Sign in with a "
+            "passkey to decide: `kazma people invite <you>` prints your enrolment link (or, while nobody has a "
+            "passkey, log in with the operator token and enrol the first account)."
+        )
         return "\n".join(lines)
 
     def _follow_changes(self) -> None:
@@ -289,7 +327,13 @@ class WebServer:
     async def console(self, request: web.Request) -> web.Response:
         session = self._auth().current()
         flash = [*self._cannot_decide(session), *session.take_flash()]
-        return html_response(console_page(session, self.web.messages(), flash=flash, files=self._file_bounds()))
+        first = ""
+        signin = self.signin
+        if session.proof is Proof.OPERATOR_TOKEN and signin is not None and not await signin.accounts.any_enrolled():
+            first = bootstrap_form(session, signin.bootstrap_people())
+        return html_response(
+            console_page(session, self.web.messages(), flash=flash, files=self._file_bounds(), notice_html=first)
+        )
 
     def _file_bounds(self) -> FileBounds:
         files = self.services.config.files
@@ -315,13 +359,13 @@ class WebServer:
         raise web.HTTPSeeOther("/")
 
     def _cannot_decide(self, session: Session) -> list[str]:
-        """An operator whose presses would all be refused is told so before pressing, with the fix."""
-        if not session.is_operator or self.services.config.roster.is_approver(session.actor, "web"):
+        """A proven person whose presses would all be refused is told so before pressing, with the fix."""
+        if not session.proven or session.may_decide:
             return []
+        name = session.person or session.actor
         return [
-            f"You are {session.actor}, an operator but not an approver: Approve and Deny pressed here are refused. "
-            f"To decide here, add '{session.actor}' to approvals.approvers in kazma.yaml and restart Kazma "
-            "(or log in with the name that is listed there)."
+            f"You are {session.who}, not an approver: this console shows you no Approve or Deny. To decide, add "
+            f"'{name}' to approvals.approvers in kazma.yaml and restart Kazma."
         ]
 
     async def send(self, request: web.Request) -> web.Response:
@@ -359,7 +403,6 @@ class WebServer:
             session.login,
             text,
             chat=CONSOLE,
-            mentions=mentions_of(text),
             reply_to=reply_to,
             # an operator may answer any question in the console, as a platform admin may in a chat
             is_admin=reply_to is not None,
@@ -498,9 +541,20 @@ class WebServer:
                 text=message_page("Bad request", "decision must be approve or deny", viewer=session),
                 content_type="text/html",
             ) from None
+        if not session.proven:  # the door refuses a token's session first; a decision never rests on a token
+            raise web.HTTPForbidden(
+                text=message_page("Refused", OPERATORS_ONLY, viewer=session), content_type="text/html"
+            )
         with PRESS_TO_DECISION.time():  # a press in the console, timed like every platform's buttons
-            result = await self.services.approvals.decide(request_id, decision, actor=session.actor, platform="web")
-        log.info("web.decide", request_id=request_id, actor=session.actor, verdict=result.verdict.value)
+            # decided as the identity the proof established, on that identity's own platform: a passkey's
+            # web:alice via web, a Telegram Mini App's telegram:111 via telegram
+            result = await self.services.approvals.decide(
+                request_id, decision, actor=session.actor, platform=session.platform
+            )
+        log.info(
+            "web.decide", request_id=request_id, actor=session.actor, person=session.person,
+            proof=session.proof.value, verdict=result.verdict.value,
+        )  # fmt: skip
         session.flash.append(result.message)
         raise web.HTTPSeeOther(safe_next(fields.get("next"), approval_href(request_id)))
 
@@ -578,7 +632,7 @@ class WebServer:
     async def revoke_rule(self, request: web.Request) -> web.Response:
         session, _ = await self._auth().form(request)
         rule_id = request.match_info["id"]
-        revoked = await self.services.approvals.revoke_rule(rule_id, actor=session.actor, platform="web")
+        revoked = await self.services.approvals.revoke_rule(rule_id, actor=session.actor, platform=session.platform)
         session.flash.append(
             f"Remembered approval {rule_id} revoked by {session.actor}: the next identical call gets a card."
             if revoked is not None

@@ -109,3 +109,108 @@ CONSOLE_JS = r"""
   };
 })();
 """
+
+# The sign-in pages' script (``/static/people.js``): passkeys (WebAuthn) and the Telegram Mini App. WebAuthn
+# takes and gives bytes; the server speaks base64url JSON (py_webauthn's forms): the conversions are here.
+# Nothing is decided in the browser: the server checks every answer, and a refusal's reason is shown.
+PEOPLE_JS = r"""
+"use strict";
+(function () {
+  function toB64(buffer) {
+    var bytes = new Uint8Array(buffer), text = "";
+    for (var i = 0; i < bytes.length; i++) { text += String.fromCharCode(bytes[i]); }
+    return btoa(text).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+  }
+  function fromB64(text) {
+    var plain = atob(text.replace(/-/g, "+").replace(/_/g, "/") + "===".slice((text.length + 3) % 4));
+    var bytes = new Uint8Array(plain.length);
+    for (var i = 0; i < plain.length; i++) { bytes[i] = plain.charCodeAt(i); }
+    return bytes.buffer;
+  }
+  function say(text) {
+    var box = document.getElementById("passkey-error");
+    if (!box) { return; }
+    box.textContent = text;
+    box.hidden = false;
+  }
+  function post(url, body) {
+    return fetch(url, {
+      method: "POST", credentials: "same-origin",
+      headers: { "Content-Type": "application/json" }, body: JSON.stringify(body || {})
+    }).then(function (response) {
+      return response.json().catch(function () { return {}; }).then(function (data) {
+        if (!response.ok) { throw new Error(data.error || ("refused (" + response.status + ")")); }
+        return data;
+      });
+    });
+  }
+  function descriptors(list) {
+    return (list || []).map(function (item) { return Object.assign({}, item, { id: fromB64(item.id) }); });
+  }
+  function enrol(button) {
+    return post(button.getAttribute("data-options")).then(function (options) {
+      var key = options.publicKey;
+      key.challenge = fromB64(key.challenge);
+      key.user.id = fromB64(key.user.id);
+      key.excludeCredentials = descriptors(key.excludeCredentials);
+      return navigator.credentials.create({ publicKey: key });
+    }).then(function (made) {
+      return post(button.getAttribute("data-verify"), {
+        id: made.id, rawId: toB64(made.rawId), type: made.type,
+        response: {
+          clientDataJSON: toB64(made.response.clientDataJSON),
+          attestationObject: toB64(made.response.attestationObject),
+          transports: made.response.getTransports ? made.response.getTransports() : []
+        },
+        clientExtensionResults: made.getClientExtensionResults(),
+        authenticatorAttachment: made.authenticatorAttachment || null
+      });
+    });
+  }
+  function assert(button) {
+    return post(button.getAttribute("data-options")).then(function (options) {
+      var key = options.publicKey;
+      key.challenge = fromB64(key.challenge);
+      key.allowCredentials = descriptors(key.allowCredentials);
+      return navigator.credentials.get({ publicKey: key });
+    }).then(function (got) {
+      return post(button.getAttribute("data-verify"), {
+        id: got.id, rawId: toB64(got.rawId), type: got.type,
+        response: {
+          clientDataJSON: toB64(got.response.clientDataJSON),
+          authenticatorData: toB64(got.response.authenticatorData),
+          signature: toB64(got.response.signature),
+          userHandle: got.response.userHandle ? toB64(got.response.userHandle) : null
+        },
+        clientExtensionResults: got.getClientExtensionResults(),
+        authenticatorAttachment: got.authenticatorAttachment || null
+      });
+    });
+  }
+  function wire(id, ceremony) {
+    var button = document.getElementById(id);
+    if (!button) { return; }
+    if (!window.PublicKeyCredential) { say("This browser cannot use passkeys."); button.disabled = true; return; }
+    button.addEventListener("click", function () {
+      button.disabled = true;
+      ceremony(button).then(function (done) { window.location.assign(done.next || "/"); })
+        .catch(function (err) { say(err && err.message ? err.message : String(err)); button.disabled = false; });
+    });
+  }
+  wire("passkey-enrol", enrol);
+  wire("passkey-sign-in", assert);
+
+  // A Telegram Mini App: Telegram opened this page with its signed initData in the fragment.
+  var app = document.getElementById("telegram-app");
+  if (app) {
+    var data = new URLSearchParams(window.location.hash.slice(1)).get("tgWebAppData");
+    if (!data) {
+      say("Telegram did not pass who opened this page: open it from the card's button in Telegram.");
+      return;
+    }
+    post(app.getAttribute("data-verify"), { init_data: data, csrf: app.getAttribute("data-csrf") })
+      .then(function (done) { window.location.replace(done.next || "/"); })
+      .catch(function (err) { say(err && err.message ? err.message : String(err)); });
+  }
+})();
+"""

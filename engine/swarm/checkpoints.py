@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import structlog
 
+from kazma.approvals.chain import AuditChain
 from kazma.approvals.model import Decision, PressVerdict, Status
 from kazma.approvals.service import ApprovalService, ExecutionMismatch
 from kazma.config import failpoints
@@ -63,7 +64,7 @@ class _PauseGate:
             raise _NotPaused(self.run.task_id)
         return None
 
-    def opened(self, tx: Tx, request_id: str) -> None:
+    def opened(self, tx: Tx, request_id: str, audit: AuditChain) -> None:
         return None
 
 

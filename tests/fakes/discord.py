@@ -29,6 +29,8 @@ from typing import Any, Literal, TypeVar
 from aiohttp import WSMsgType, web
 from aiohttp.typedefs import Handler
 
+from tests.fakes.discord_oauth import DiscordSignIn
+
 T = TypeVar("T")
 Json = dict[str, Any]
 
@@ -196,6 +198,7 @@ class FakeDiscord:
         self.bob = FakeUser(BOB_ID, "bob")
         self.helper_bot = FakeUser(HELPER_BOT_ID, "helper", bot=True)
         self.users = {u.id: u for u in (self.bot, self.alice, self.bob, self.helper_bot)}
+        self.sign_in = DiscordSignIn()  # OAuth2 for people signing in to an app (Kazma's console)
         self.channels: dict[int, str] = {
             HOME_CHANNEL_ID: "kazma-home",
             OTHER_CHANNEL_ID: "kazma-other",
@@ -230,6 +233,8 @@ class FakeDiscord:
         api = API_PREFIX
         app.router.add_get("/", self._gateway)
         app.router.add_get(f"{api}/users/@me", self._get_me)
+        app.router.add_get("/oauth2/authorize", self.sign_in.authorize)
+        app.router.add_post(f"{api}/oauth2/token", self.sign_in.token)
         app.router.add_get(f"{api}/oauth2/applications/@me", self._get_application)
         app.router.add_get(f"{api}/gateway", self._get_gateway)
         app.router.add_get(f"{api}/gateway/bot", self._get_gateway_bot)
@@ -678,7 +683,12 @@ class FakeDiscord:
         # Interaction and webhook-token routes carry their credentials in the path.
         if path.startswith(("/interactions/", "/webhooks/")):
             return True
-        return request.headers.get("Authorization") == f"Bot {self.token}"
+        if path == "/oauth2/token":  # the app's own id and secret (checked there)
+            return True
+        authorization = request.headers.get("Authorization", "")
+        if path == "/users/@me" and self.sign_in.user_of(authorization) is not None:
+            return True  # a person's OAuth2 access token asking who it is
+        return authorization == f"Bot {self.token}"
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -821,6 +831,9 @@ class FakeDiscord:
     # ------------------------------------------------------------------ REST: identity and commands
 
     async def _get_me(self, request: web.Request) -> web.Response:
+        person = self.sign_in.user_of(request.headers.get("Authorization", ""))
+        if person is not None:
+            return self._json(person)
         return self._json({**self.bot.payload(), "verified": True, "mfa_enabled": False, "flags": 0})
 
     async def _get_application(self, request: web.Request) -> web.Response:

@@ -27,6 +27,8 @@ from urllib.parse import urlencode
 import aiohttp
 from aiohttp import web
 
+from tests.fakes.slack_oidc import SlackSignIn
+
 MAX_BLOCKS = 50
 MAX_SECTION_TEXT = 3000
 MAX_FIELD_TEXT = 2000
@@ -278,6 +280,7 @@ class FakeSlack:
         self._port = 0
         self.files: dict[str, dict[str, Any]] = {}  # file id -> {"name", "content", "length", "uploaded"}
         self.downloads: list[tuple[str, str | None]] = []  # (file id, bearer token) per download
+        self.sign_in = SlackSignIn(team_id)  # Sign in with Slack (OpenID Connect)
 
     # -- lifecycle --------------------------------------------------------
 
@@ -289,6 +292,7 @@ class FakeSlack:
         app.router.add_get("/socket", self._socket)
         app.router.add_post("/upload/v1/{file_id}", self._upload)
         app.router.add_get("/files-pri/{file_id}/{name}", self._download)
+        self.sign_in.routes(app)
         # A hanging request is woken on stop, so a short grace is enough.
         self._runner = web.AppRunner(app, shutdown_timeout=0.5, access_log=None)
         await self._runner.setup()
@@ -403,6 +407,10 @@ class FakeSlack:
             self.calls.append(ApiCall(method, params, token, request.content_type, status, error))
             self._notify()
 
+        if method == "openid.connect.token":  # the app's own credentials, not a token
+            answer = self.sign_in.token(params)
+            record(error=answer.get("error"))
+            return web.json_response(answer)
         if token is None:
             record(error="not_authed")
             return web.json_response({"ok": False, "error": "not_authed"})

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import itertools
 import json
 import re
@@ -22,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import urlencode
 
 import aiohttp
 from aiohttp import web
@@ -356,6 +359,36 @@ class FakeTelegram:
         self._stopped = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self._port = 0
+
+    def mini_app_init_data(
+        self,
+        user_id: int,
+        *,
+        first_name: str = "Alice",
+        start_param: str | None = None,
+        auth_date: int | None = None,
+        bot_token: str | None = None,
+    ) -> str:
+        """What a Telegram client hands a Mini App it opens for ``user_id`` (``Telegram.WebApp.initData``): the
+        fields, and their ``hash`` as Telegram documents it — HMAC-SHA256, keyed by HMAC-SHA256(key="WebAppData",
+        msg=<bot token>), over every other field as ``key=value`` lines sorted by key. ``bot_token``: sign as
+        another bot would."""
+        fields = {
+            "query_id": f"AAH{self.bot_id}{user_id}",
+            "user": json.dumps(
+                {"id": user_id, "first_name": first_name, "language_code": "en", "allows_write_to_pm": True},
+                separators=(",", ":"),
+            ),
+            "auth_date": str(int(time.time()) if auth_date is None else auth_date),
+            "chat_instance": "-8541293005236450",
+            "chat_type": "sender",
+        }
+        if start_param is not None:
+            fields["start_param"] = start_param
+        secret = hmac.new(b"WebAppData", (bot_token or self.token).encode(), hashlib.sha256).digest()
+        check = "\n".join(f"{key}={fields[key]}" for key in sorted(fields))
+        fields["hash"] = hmac.new(secret, check.encode(), hashlib.sha256).hexdigest()
+        return urlencode(fields)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -866,7 +899,7 @@ class FakeTelegram:
     async def _send_message(self, params: JsonDict) -> JsonDict:
         chat_id = self._not_migrated(_chat_id(params))
         text, entities, dropped = _message_text(params)
-        markup = _reply_markup(params.get("reply_markup"))
+        markup = _reply_markup(params.get("reply_markup"), chat_id)
         thread = params.get("message_thread_id")
         message = FakeMessage(
             chat_id=chat_id,
@@ -966,7 +999,7 @@ class FakeTelegram:
         message = self._editable(params)
         text, entities, dropped = _message_text(params)
         # Telegram drops an inline keyboard that an edit does not send again.
-        markup = _reply_markup(params.get("reply_markup"))
+        markup = _reply_markup(params.get("reply_markup"), message.chat_id)
         if (text, entities, markup) == (message.text, message.entities, message.reply_markup):
             raise ApiError(400, NOT_MODIFIED)
         message.text, message.entities, message.reply_markup = text, entities, markup
@@ -979,7 +1012,7 @@ class FakeTelegram:
 
     async def _edit_message_reply_markup(self, params: JsonDict) -> JsonDict:
         message = self._editable(params)
-        markup = _reply_markup(params.get("reply_markup"))
+        markup = _reply_markup(params.get("reply_markup"), message.chat_id)
         if markup == message.reply_markup:
             raise ApiError(400, NOT_MODIFIED)
         message.reply_markup = markup
@@ -1071,7 +1104,7 @@ def _message_text(params: JsonDict) -> tuple[str, list[JsonDict], int]:
     return text, entities[:ENTITY_LIMIT], max(0, len(entities) - ENTITY_LIMIT)
 
 
-def _reply_markup(raw: Any) -> JsonDict | None:
+def _reply_markup(raw: Any, chat_id: int) -> JsonDict | None:
     if raw is None:
         return None
     if not isinstance(raw, dict):
@@ -1089,6 +1122,17 @@ def _reply_markup(raw: Any) -> JsonDict | None:
                 size = len(str(button["callback_data"]).encode("utf-8"))
                 if not 1 <= size <= CALLBACK_DATA_LIMIT:
                     raise ApiError(400, "Bad Request: BUTTON_DATA_INVALID")
+            elif "web_app" in button:
+                # An inline Web App button opens a Mini App in a private chat with the bot only, over HTTPS.
+                if chat_id <= 0:
+                    raise ApiError(400, "Bad Request: BUTTON_TYPE_INVALID")
+                url = str((button.get("web_app") or {}).get("url") or "")
+                if not url.startswith("https://"):
+                    raise ApiError(
+                        400,
+                        f"Bad Request: inline keyboard button Web App URL '{url}' is invalid: Only HTTPS links are "
+                        "allowed",
+                    )
             elif not any(key in button for key in ("url", "login_url", "switch_inline_query", "web_app", "pay")):
                 raise ApiError(
                     400,
