@@ -22,6 +22,8 @@ SLACK_BOT_SCOPES: Final = ("app_mentions:read", "channels:history", "chat:write"
 # Optional: agents post under their own names; without it their messages carry an "[agent]" prefix.
 # Also optional: DMs with the lead (dm_policy) need im:history; files in and out need files:read, files:write.
 SLACK_OPTIONAL_SCOPES: Final = ("chat:write.customize", "im:history", "files:read", "files:write")
+# For `kazma doctor` only: conversations.info tells whether the app is in the home channel (public, private).
+SLACK_DOCTOR_SCOPES: Final = ("channels:read", "groups:read")
 SLACK_BOT_EVENTS: Final = ("app_mention", "message.channels", "message.groups", "message.im")
 SLACK_COMMANDS: Final = (
     ("/swarm", "Drive the agent swarm", "help | status | pipeline quick <task>"),
@@ -68,7 +70,7 @@ def slack_manifest(
             "bot_user": {"display_name": name.lower(), "always_online": True},
             "slash_commands": commands,
         },
-        "oauth_config": {"scopes": {"bot": [*SLACK_BOT_SCOPES, *SLACK_OPTIONAL_SCOPES]}},
+        "oauth_config": {"scopes": {"bot": [*SLACK_BOT_SCOPES, *SLACK_OPTIONAL_SCOPES, *SLACK_DOCTOR_SCOPES]}},
         "settings": {
             "event_subscriptions": events,
             "interactivity": interactivity,
