@@ -104,9 +104,9 @@ def test_commands_that_never_talk_to_a_platform_need_no_platform_secret(tmp_path
         assert done.returncode == 0, (command, done.stdout, done.stderr)
         assert "is not set" not in done.stderr, command
     # the commands that do talk to platforms still say exactly what is missing, one line per secret
-    for command in (("run",), ("config", "check")):
-        refused = kazma(*command, *quiet, cwd=tmp_path)
-        assert refused.returncode == 2, (command, refused.stderr)
+    for needing in (["run"], ["config", "check"]):
+        refused = kazma(*needing, *quiet, cwd=tmp_path)
+        assert refused.returncode == 2, (needing, refused.stderr)
         assert "platforms.telegram.token: environment variable TELEGRAM_BOT_TOKEN is not set" in refused.stderr
         assert "Traceback" not in refused.stderr
     invite = kazma("setup", "discord-invite", *quiet, cwd=tmp_path)
@@ -154,7 +154,8 @@ def test_init_force_keeps_the_persons_edits_adds_the_new_platform_and_keeps_a_co
     assert len(backups) == 1
     assert backups[0].read_text() == mine  # the file as it was, byte for byte
     assert f"Kept a copy of the old file: {backups[0].relative_to(tmp_path)}" in again.stdout
-    assert "added people.alice.discord" in again.stdout and "platforms.discord" in again.stdout
+    assert "added people.alice.discord" in again.stdout
+    assert "platforms.discord" in again.stdout
 
     merged = path.read_text()
     assert "# ours: 8765 is taken here" in merged  # their comments too
@@ -164,7 +165,8 @@ def test_init_force_keeps_the_persons_edits_adds_the_new_platform_and_keeps_a_co
     assert raw["approvals"]["approvers"] == ["telegram:222", "alice"]
     assert set(raw["platforms"]) == {"telegram", "discord"}  # the new platform merged in, the old one kept
     assert raw["platforms"]["discord"]["home_channel"] == 444
-    assert raw["people"]["alice"]["telegram"] == 111 and raw["people"]["alice"]["discord"] == 333
+    assert raw["people"]["alice"]["telegram"] == 111
+    assert raw["people"]["alice"]["discord"] == 333
     tokens = {"TELEGRAM_BOT_TOKEN": "1:abc", "DISCORD_BOT_TOKEN": "MTEw.abc.def"}
     config = load_config(path, environ=tokens).config
     assert config.web.port == 9876

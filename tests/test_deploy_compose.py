@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -33,9 +34,9 @@ def _env_names(path: Path) -> set[str]:
     }
 
 
-def _env_files(service: dict[str, object]) -> list[str]:
+def _env_files(service: dict[str, Any]) -> list[str]:
     found = service.get("env_file") or []
-    return [found] if isinstance(found, str) else [str(f) for f in found]  # type: ignore[union-attr]
+    return [found] if isinstance(found, str) else [str(f) for f in found]
 
 
 def _strings(node: object) -> list[str]:
@@ -49,7 +50,10 @@ def _strings(node: object) -> list[str]:
 def test_the_compose_file_needs_no_variable_from_a_shell_and_each_container_gets_its_secrets_from_env_files() -> None:
     compose = yaml.safe_load(COMPOSE.read_text())
     references = [
-        match.group(0) for text in _strings(compose) for match in _INTERPOLATION.finditer(text) if match.group(0) != "$$"
+        match.group(0)
+        for text in _strings(compose)
+        for match in _INTERPOLATION.finditer(text)
+        if match.group(0) != "$$"
     ]
     # a ${VAR} here would be filled from the shell or .env, never from env_file: (the old ${KAZMA_PG_PASSWORD:?…})
     assert references == []

@@ -377,7 +377,8 @@ async def test_doctor_json_is_one_object_a_program_reads(tmp_path: Path) -> None
     assert done.returncode == 1
     report = json.loads(done.stdout)
     assert set(report) == {"checks", "failed", "warnings"}
-    assert report["failed"] == 1 and report["warnings"] == 0
+    assert report["failed"] == 1
+    assert report["warnings"] == 0
     assert report["checks"][0] == {"name": "config", "level": "ok", "detail": f"{tmp_path / 'kazma.yaml'} is valid"}
     assert {"name", "level", "detail"} == set().union(*(check.keys() for check in report["checks"]))
     failed = [c for c in report["checks"] if c["level"] == "fail"]

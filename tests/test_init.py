@@ -166,9 +166,7 @@ def test_on_a_terminal_it_asks_and_asks_again_after_a_wrong_answer(tmp_path: Pat
     assert "Error: a Telegram user id is a number" in result.stdout  # said, then asked again
     config = load_config(tmp_path / "kazma.yaml", environ=TOKENS).config
     assert config.approvals.approvers == ["carol"]
-    assert config.people.persons == {
-        "carol": ("web:carol", "telegram:111", "slack:U0CAROL01", f"cli:{system_login()}")
-    }
+    assert config.people.persons == {"carol": ("web:carol", "telegram:111", "slack:U0CAROL01", f"cli:{system_login()}")}
     assert config.platforms.telegram.home_chat is None  # not known yet, and the file says how to find it
     assert (
         "the platform.inbound_ignored log event (platform=telegram) shows its id"

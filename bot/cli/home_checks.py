@@ -150,7 +150,9 @@ async def discord_home(config: DiscordConfig, client: httpx.AsyncClient, bot_id:
     found = await client.get(f"{api}/channels/{channel}", headers=headers)
     if found.status_code == 404:
         return Check(
-            name, Level.FAIL, f"home_channel {channel}: Discord knows no such channel (Developer Mode → Copy Channel ID)"
+            name,
+            Level.FAIL,
+            f"home_channel {channel}: Discord knows no such channel (Developer Mode → Copy Channel ID)",
         )
     if found.status_code == 403:
         return Check(

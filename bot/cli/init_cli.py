@@ -8,8 +8,8 @@ import re
 import shlex
 import shutil
 import sys
-from datetime import datetime
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import click

@@ -370,8 +370,7 @@ async def run_with_fallback(
 _FENCE = re.compile(r"^\s*```[a-zA-Z0-9_-]*\s*\n(.*?)\n?```\s*$", re.DOTALL)
 
 
-
-def _schema_validator(schema: Mapping[str, Any]) -> jsonschema.protocols.Validator:
+def _schema_validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:
     """The validator for ``schema``'s own draft (``$schema``; 2020-12 when it names none), after checking the
     schema itself: a mistyped keyword value is refused here, not met as a worker's "invalid output" later."""
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
