@@ -112,6 +112,7 @@ def test_commands_that_never_talk_to_a_platform_need_no_platform_secret(tmp_path
     invite = kazma("setup", "discord-invite", *quiet, cwd=tmp_path)
     assert invite.returncode == 2
     assert "give --client-id" in invite.stderr
+    assert "or export DISCORD_BOT_TOKEN so it can be asked from Discord" in " ".join(invite.stderr.split())
 
 
 async def test_init_makes_the_operator_an_approver_at_the_command_line(tmp_path: Path) -> None:
