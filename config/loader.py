@@ -77,10 +77,10 @@ def load_config(
 ) -> LoadedConfig:
     """Load and validate a configuration file; raise :class:`ConfigError` on any problem.
 
-    Relative paths in it (``store.path``, ``tools.workspace_root``) are resolved against the file's folder (or
-    ``$KAZMA_BASE_DIR``), never against the folder the command runs in: the same file names the same store from
-    anywhere. ``platform_secrets=False`` is for commands that never talk to a platform: a platform whose secret
-    is not set is then off instead of an error (listed in :attr:`LoadedConfig.unset_secrets`).
+    Relative paths in it (``store.path``, ``tools.workspace_root``, ``audit.sink.file``) are resolved against the
+    file's folder (or ``$KAZMA_BASE_DIR``), never against the folder the command runs in: the same file names the
+    same store from anywhere. ``platform_secrets=False`` is for commands that never talk to a platform: a platform
+    whose secret is not set is then off instead of an error (listed in :attr:`LoadedConfig.unset_secrets`).
     """
     source = resolve_path(path)
     name = str(source)
@@ -184,9 +184,13 @@ def _resolved(config: KazmaConfig, base: Path) -> KazmaConfig:
     tools = config.tools
     if tools.workspace_root is not None and not tools.workspace_root.is_absolute():
         tools = tools.model_copy(update={"workspace_root": base / tools.workspace_root})
-    if store is config.store and tools is config.tools:
+    audit = config.audit
+    sink = audit.sink
+    if sink is not None and sink.file is not None and not sink.file.is_absolute():
+        audit = audit.model_copy(update={"sink": sink.model_copy(update={"file": base / sink.file})})
+    if store is config.store and tools is config.tools and audit is config.audit:
         return config
-    return config.model_copy(update={"store": store, "tools": tools})
+    return config.model_copy(update={"store": store, "tools": tools, "audit": audit})
 
 
 def _kind(value: Any) -> str:

@@ -73,13 +73,19 @@ def test_kazma_base_dir_names_the_folder_relative_paths_start_from(tmp_path: Pat
     """The Docker image and the systemd unit keep kazma.yaml on a read-only /etc/kazma, the state elsewhere."""
     conf, state = tmp_path / "etc", tmp_path / "var"
     conf.mkdir()
-    (conf / "kazma.yaml").write_text("store: {path: .kazma/kazma.db}\ntools: {workspace_root: work}\n")
+    (conf / "kazma.yaml").write_text(
+        "store: {path: .kazma/kazma.db}\ntools: {workspace_root: work}\naudit: {sink: {file: audit/log.jsonl}}\n"
+    )
     config = load_config(conf / "kazma.yaml", environ={}).config
     assert config.store.path == conf / ".kazma" / "kazma.db"
     assert config.tools.workspace_root == conf / "work"
+    assert config.audit.sink is not None
+    assert config.audit.sink.file == conf / "audit" / "log.jsonl"
     moved = load_config(conf / "kazma.yaml", environ={"KAZMA_BASE_DIR": str(state)}).config
     assert moved.store.path == state / ".kazma" / "kazma.db"
     assert moved.tools.workspace_root == state / "work"
+    assert moved.audit.sink is not None
+    assert moved.audit.sink.file == state / "audit" / "log.jsonl"
     absolute = tmp_path / "abs.db"
     (conf / "kazma.yaml").write_text(f"store: {{path: '{absolute}'}}\n")
     assert load_config(conf / "kazma.yaml", environ={}).config.store.path == absolute
