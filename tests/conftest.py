@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,18 @@ def _route_structlog_to_logging() -> None:
 
 
 _route_structlog_to_logging()
+
+
+@pytest.fixture(autouse=True)
+def _logging_routed_to_pytest() -> Iterator[None]:
+    """A test that runs a command in this process (click's CliRunner) configures Kazma's own logging: structlog's
+    processors, the root handlers and level. Put pytest's routing back after it, or every later test in this
+    worker reads no events from caplog."""
+    import logging
+
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    yield
+    _route_structlog_to_logging()
+    root.setLevel(level)
+    root.handlers[:] = handlers
