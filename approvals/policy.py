@@ -48,12 +48,14 @@ class SafetyPolicy:
         task_id: str | None = None,
         deadline: float | None = None,
         notes: tuple[str, ...] = (),
+        skip_rules: bool = False,
     ) -> PolicyVerdict:
-        """``notes``: how the call would run, said on its card (e.g. "runs unsandboxed on this host")."""
+        """``notes``: how the call would run, said on its card (e.g. "runs unsandboxed on this host").
+        ``skip_rules``: a card even where a remembered approval would let the call run (it may have run already)."""
         level = self.level(tool)
         if level is not DangerLevel.DANGEROUS:
             return PolicyVerdict(True, f"{tool} is classified {level.value}")
-        rule = await self.service.remembered(tool, args, conversation)
+        rule = None if skip_rules else await self.service.remembered(tool, args, conversation)
         if rule is not None:
             return PolicyVerdict(
                 True,

@@ -33,6 +33,7 @@ from kazma.engine.swarm.store import MIGRATIONS, SwarmTaskStore, TaskRecord
 from kazma.engine.swarm.types import ErrorKind, TaskStatus, Worker, WorkerResult
 from kazma.engine.swarm.workers import HANDOFF_TOOL, AgentWorker
 from kazma.engine.tools.builtin import default_registry
+from kazma.engine.tools.executions import ExecutionSummary
 from kazma.engine.types import Message, ModelReply, ToolCall, Usage
 from tests.approvals_support import approval_service
 from tests.fakes.openai import FakeOpenAI
@@ -302,7 +303,7 @@ async def test_a_clean_close_cancels_running_tasks_as_shutdown_and_recovery_find
         record = await r.service.store.get(task_id)
         assert record is not None
         assert record.status is TaskStatus.CANCELLED
-        assert record.result == {"interrupted_by": "shutdown"}
+        assert record.result == {"interrupted_by": "shutdown", "execution": ExecutionSummary().as_json()}
         assert await r.service.store.recover() == []
 
 

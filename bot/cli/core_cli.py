@@ -26,7 +26,7 @@ from kazma.bot.cli.doctor import Level, run_checks
 from kazma.bot.cli.log_options import log_settings
 from kazma.bot.console.server import WebServer
 from kazma.bot.logging import redact_secret
-from kazma.config import LoadedConfig, platform_statuses
+from kazma.config import LoadedConfig, failpoints, platform_statuses
 from kazma.config.errors import ConfigError, Problem
 from kazma.config.platforms import console_warnings
 
@@ -113,6 +113,12 @@ def doctor(obj: Context, model_timeout: float, platform_timeout: float, as_json:
 def run(obj: Context, poll_interval: float, no_pacing: bool) -> None:
     """Start every configured platform and serve until SIGINT or SIGTERM."""
     loaded = obj.load(platform_secrets=True)
+    try:
+        armed = failpoints.check()
+    except failpoints.FailpointSpecError as exc:
+        raise click.ClickException(str(exc)) from None
+    if armed:  # a chaos run (tests/chaos): said once, loudly, so nobody mistakes it for a real one
+        log.warning("failpoints.armed", failpoints=armed)
     try:
         asyncio.run(_serve(loaded, poll_interval, paced=not no_pacing))
     except OSError as exc:

@@ -53,9 +53,10 @@ from kazma.bot.console.api_models import (
     new_approval,
 )
 from kazma.bot.console.services import ApprovalsServices
+from kazma.config import failpoints
 from kazma.config.metrics import count_failure
 from kazma.config.models import KazmaConfig
-from kazma.config.store.errors import store_errors
+from kazma.config.store.errors import simulated_failure, store_errors
 from kazma.engine.agent import MAX_ARGUMENT_DEPTH, nesting_depth
 
 log = structlog.get_logger("kazma.api")
@@ -228,6 +229,8 @@ class ApprovalsApi:
                 seen=True,
                 gate=gate,
             )
+            if failpoints.armed and created:  # committed with its key, the caller not answered: it asks again
+                await failpoints.reached("api.open", lambda: simulated_failure(self.service.store.tables, "api"))
         except ApprovalRefused as exc:
             await self._audit(None, "api_refused", caller, str(exc)[:300])
             raise _error(web.HTTPUnprocessableEntity, str(exc)) from None

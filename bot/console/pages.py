@@ -31,6 +31,7 @@ from kazma.bot.console.dashboard_charts import charts_html
 from kazma.bot.console.dashboard_data import DashboardData
 from kazma.bot.console.swarm_views import call_rows, handoff_chain, worker_numbers
 from kazma.bot.console.times import times_in, when_html
+from kazma.engine.swarm.endings import ending_lines
 from kazma.engine.swarm.limits import MAX_COMMAND_BYTES
 from kazma.engine.swarm.store import TaskRecord
 from kazma.engine.swarm.types import TaskStatus
@@ -601,7 +602,8 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
             f"<td>{e(', '.join(str(w) for w in workers))}{handoff_chain(t)}{call_rows(data.calls.get(t.id, ()))}</td>"
             f"<td>{e(t.current_step)}</td>"
             f"<td>{when_html(t.created_at)}</td><td>{when_html(t.finished_at)}</td>"
-            f"<td>{e(_excerpt(output)) if output else ''}</td><td>{e(used)}</td><td>{e(t.error or '')}</td>"
+            f"<td>{e(_excerpt(output)) if output else ''}{_ending_html(t)}</td><td>{e(used)}</td>"
+            f"<td>{e(t.error or '')}</td>"
             f"<td>{_task_actions(viewer, t)}</td></tr>"
         )
     summary = ", ".join(f"{n} {e(s)}" for s, n in data.counts.items() if n) or "no tasks"
@@ -627,6 +629,14 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
         f"<th>when</th><th>asker last asked</th><th>decided by</th></tr>{approval_rows}</table>"
         f"{rules_section(viewer, data.rules)}</div>"
     )
+
+
+def _ending_html(task: TaskRecord) -> str:
+    """What the task's tools did, and the answers it kept (swarm/endings.py): the same lines as /swarm status."""
+    lines = ending_lines(task, limit=400)
+    if not lines:
+        return ""
+    return '<div class="ending">' + "".join(f"<div>{e(reveal_line(line))}</div>" for line in lines) + "</div>"
 
 
 def rules_section(viewer: Viewer, rules: Sequence[Rule]) -> str:

@@ -47,6 +47,8 @@ ALICE_ID = 1_100_000_000_000_000_301
 BOB_ID = 1_100_000_000_000_000_302
 HELPER_BOT_ID = 1_100_000_000_000_000_401
 BOT_ROLE_ID = 1_100_000_000_000_000_501
+# How long Discord holds a nonce for ``enforce_nonce``: "the past few minutes" in its documentation.
+NONCE_SECONDS = 300.0
 
 # Permission bits (https://discord.com/developers/docs/topics/permissions).
 VIEW_CHANNEL = 1 << 10
@@ -212,6 +214,10 @@ class FakeDiscord:
         self.typing: list[tuple[int, float]] = []  # (channel id, time.monotonic()) per typing trigger
         self.calls: list[RecordedCall] = []
         self.messages: dict[int, Json] = {}
+        # (channel, author, nonce) -> (message id, when): a post with ``enforce_nonce`` and a nonce seen from the
+        # same author within NONCE_SECONDS returns that message instead of making another (Discord's rule)
+        self._nonces: dict[tuple[int, int, str], tuple[int, float]] = {}
+        self.nonce_replays = 0  # posts answered with an earlier message because of their nonce
         self.webhooks: dict[int, Json] = {}
         self.commands: list[Json] = []
         self.interactions: dict[str, FakeInteraction] = {}
@@ -946,7 +952,21 @@ class FakeDiscord:
             problem_response = self._check_message(payload)
             if problem_response is not None:
                 return problem_response
+        nonce = payload.get("nonce")
+        if nonce is not None:
+            if not isinstance(nonce, int | str) or len(str(nonce)) > 25:
+                return self._error(400, 50035, "Invalid Form Body", {"nonce": "at most 25 characters"})
+            key = (channel, BOT_ID, str(nonce))
+            seen = self._nonces.get(key)
+            if payload.get("enforce_nonce") and seen is not None and time.monotonic() - seen[1] < NONCE_SECONDS:
+                earlier = self.messages.get(seen[0])
+                if earlier is not None:
+                    self.nonce_replays += 1
+                    return self._json(earlier)
         message = self._new_message(channel, self.bot.payload(), payload)
+        if nonce is not None:
+            self._nonces[(channel, BOT_ID, str(nonce))] = (int(message["id"]), time.monotonic())
+            message["nonce"] = str(nonce)
         for name, content in files:
             attachment = self.attachment(channel, name, content)
             message["attachments"].append(attachment)
