@@ -75,9 +75,33 @@ class ApprovalRequest:
     # The person under ``people:`` who owns ``decided_by`` when they decided (None: nobody's identity, no
     # decision, or decided before people were recorded). Sealed with the outcome.
     decided_person: str | None = None
+    # The policy it is decided under (approvals.policies; None: the default), fixed when it opened.
+    policy: str | None = None
+    approve_needed: int = 1  # distinct people who must approve
+    deny_needed: int = 1  # distinct people whose denial ends it
+    step_up: bool = False  # Approve only on its page, after a fresh passkey assertion
+    started_by: str | None = None  # who started the work (a person or an identity): forbid_requester
 
     def outcome(self) -> Outcome | None:
         return outcome_of(self)
+
+    @property
+    def rememberable(self) -> bool:
+        """A remembered approval may stand for it: one approval decides it, and not only with a passkey."""
+        return self.approve_needed == 1 and not self.step_up
+
+
+@dataclass(frozen=True)
+class Review:
+    """One person's approval or denial of a request (the same person on two platforms is one review)."""
+
+    request_id: str
+    reviewer: str  # the person's name, or the identity when it is nobody's
+    actor: str
+    platform: str
+    decision: Decision
+    reason: str | None
+    at: datetime
 
 
 @dataclass(frozen=True)
@@ -124,6 +148,8 @@ class Outcome:
 
 class PressVerdict(StrEnum):
     WON = "won"  # this press decided the request
+    COUNTED = "counted"  # this press is a review on the record; the request waits for more
+    REPEATED = "repeated"  # this person reviewed the request already (perhaps on another platform)
     LOST = "lost"  # someone decided first; ``outcome`` is what stands
     REFUSED = "refused"  # nothing changed: bad data, unknown id, not an approver, store down
 

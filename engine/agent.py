@@ -293,6 +293,7 @@ class AgentRunner:
             conversation=ctx.conversation,
             task_id=ctx.task_id,
             notes=self.registry.notes(call.name),
+            started_by=ctx.requested_by if ":" in ctx.requested_by else None,
         )
         if not verdict.allowed:
             result.tool_runs.append(

@@ -45,7 +45,7 @@ from kazma.approvals.withdrawal import POLL_GRACE, Gone, by_asker
 from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, KeyReused, QuotaFull
 from kazma.bot.console.services import ApprovalsServices
 from kazma.config.metrics import count_failure
-from kazma.config.models import KazmaConfig
+from kazma.config.models import DEFAULT_POLICY, KazmaConfig
 from kazma.config.store.errors import store_errors
 from kazma.engine.agent import MAX_ARGUMENT_DEPTH, nesting_depth
 
@@ -186,6 +186,7 @@ class ApprovalsApi:
             await self._audit(None, "api_refused", caller, "asked for an approval without the requester role")
             raise _error(web.HTTPForbidden, f"the token {caller.name!r} does not have the {REQUESTER} role")
         tool, arguments, note_lines, deadline = _validated(body, caller, self.config)
+        policy = _policy(body, self.config)
         if key is not None and not _KEY.fullmatch(key):
             raise _error(web.HTTPBadRequest, "Idempotency-Key must be 1-200 visible ASCII characters")
         body_hash = text_hash(canonical_json(body))
@@ -221,6 +222,8 @@ class ApprovalsApi:
                 waits=waits,  # ... and only an /mcp call's request ends with the process holding its connection
                 seen=True,
                 gate=gate,
+                policy=policy,
+                started_by=token.owner,  # a policy's forbid_requester refuses the token's owner
             )
         except ApprovalRefused as exc:
             await self._audit(None, "api_refused", caller, str(exc)[:300])
@@ -403,7 +406,7 @@ def _waits(request: web.Request) -> Waits | None:
 def _validated(
     body: dict[str, Any], caller: ApiCaller, config: KazmaConfig
 ) -> tuple[str, dict[str, Any], tuple[str, ...], float | None]:
-    unknown = sorted(set(body) - {"tool", "arguments", "reason", "requester", "deadline_seconds"})
+    unknown = sorted(set(body) - {"tool", "arguments", "reason", "requester", "deadline_seconds", "policy"})
     if unknown:
         raise _error(web.HTTPBadRequest, f"unknown fields: {', '.join(unknown)}")
     tool = body.get("tool")
@@ -437,6 +440,17 @@ def _validated(
     return tool, arguments, tuple(notes), None if deadline is None else float(deadline)
 
 
+def _policy(body: dict[str, Any], config: KazmaConfig) -> str | None:
+    """The approvals policy a request names (``policy``), checked; None: the tool's own, else the default."""
+    named = body.get("policy")
+    if named is None:
+        return None
+    if not isinstance(named, str) or config.policy(named) is None:
+        known = ", ".join([DEFAULT_POLICY, *(p for p in config.approvals.policies if p != DEFAULT_POLICY)])
+        raise _error(web.HTTPBadRequest, f"policy must name a policy under approvals.policies ({known})")
+    return named
+
+
 _REQUEST_SCHEMA = {
     "type": "object",
     "required": ["tool"],
@@ -450,6 +464,7 @@ _REQUEST_SCHEMA = {
         },
         "arguments": {"type": "object"},
         "reason": {"type": "string", "maxLength": MAX_REASON},
+        "policy": {"type": "string", "description": "an approvals policy by name (approvals.policies)"},
         "requester": {"type": "string", "maxLength": MAX_REQUESTER},
         "deadline_seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_DEADLINE},
     },
