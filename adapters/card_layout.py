@@ -48,6 +48,10 @@ FROM_LABEL: Final = "From"
 DEADLINE_LABEL: Final = "Deadline"
 HASH_LABEL: Final = "Arguments SHA-256"
 FULL_CALL_LABEL: Final = "Full call"
+PROGRESS_LABEL: Final = "Approvals"
+STEP_UP_NOTICE: Final = (
+    "Approve on its page (Full call) with your passkey: this call's policy asks for one. Deny works here."
+)
 EMPTY_VALUE: Final = "(empty)"
 MIN_EXCERPT: Final = 24  # shortest head + tail a shrunk value keeps
 
@@ -250,19 +254,23 @@ def view_of(
     names_only = rest if list_names else ()
     hidden = 0 if list_names else len(rest)
     whole = not rest and not any(a.cut for a in arguments)
-    approve_here = whole or approve_partial
+    approve_here = (whole or approve_partial) and not card.step_up
     notice = ""
     if not whole:
-        notice = _notice_partial(approve_here)
+        notice = _notice_partial(approve_here or card.step_up)
         if hidden:
             notice = f"{_notice_names_hidden(hidden, total)} {notice}"
-    facts = (
+    if card.step_up and outcome is None:
+        notice = f"{notice} {STEP_UP_NOTICE}".strip()
+    facts: tuple[tuple[str, str], ...] = (
         (TOOL_LABEL, card.tool),
         (REQUESTED_BY_LABEL, card.requester),
         (FROM_LABEL, card.origin),
         (DEADLINE_LABEL, deadline_text(card)),
         (HASH_LABEL, card.args_hash),
     )
+    if card.progress:
+        facts += ((PROGRESS_LABEL, card.progress),)
     return CardView(
         request_id=card.request_id,
         outcome=outcome,

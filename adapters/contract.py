@@ -246,6 +246,16 @@ class UrgentEdits(Protocol):
 
 
 @runtime_checkable
+class UpdatesCards(Protocol):
+    """A platform that can edit a pending card in place, keeping its buttons: a policy of several people's
+    card shows each review as it comes ("1 of 2 approvals: alice on Telegram; waiting for: bob")."""
+
+    async def update_card(self, ref: CardRef, card: ApprovalCard) -> None:
+        """Show ``card`` (still pending) in place of what ``ref`` shows now. Raises :class:`PlatformError`."""
+        ...
+
+
+@runtime_checkable
 class FileAdapter(Protocol):
     """A platform that can post files and show that an agent is working (every chat platform and the console)."""
 

@@ -483,6 +483,22 @@ class DiscordAdapter(PlatformBase):
         )
         return CardRef(platform=PLATFORM, chat=home, message_id=str(message.id), whole=laid.whole)
 
+    async def update_card(self, ref: CardRef, card: ApprovalCard) -> None:
+        site = "card_update"
+        if ref.platform != PLATFORM:
+            raise self.refuse(site, f"not a Discord card: {ref.platform}", chat=ref.chat)
+        client = self._connected(site)
+        channel = client.get_partial_messageable(self._snowflake(site, ref.chat))
+        message = channel.get_partial_message(self._snowflake(site, ref.message_id))
+        try:
+            written = render_card(card, approve_partial=self.approve_partial).written
+        except ValueError as exc:
+            raise self.refuse(site, str(exc), chat=ref.chat) from exc
+        await self._rest(
+            site, lambda: message.edit(embed=written.embed, view=written.view, allowed_mentions=NO_MENTIONS)
+        )
+        log.info("discord.card_updated", request_id=card.request_id, chat=ref.chat, message_id=ref.message_id)
+
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
         site = "card_settle"
         if ref.platform != PLATFORM:

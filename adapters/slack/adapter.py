@@ -510,6 +510,22 @@ class SlackAdapter(PlatformBase):
         )
         return CardRef(platform=PLATFORM, chat=channel, message_id=ts, whole=laid.whole)
 
+    async def update_card(self, ref: CardRef, card: ApprovalCard) -> None:
+        site = "card_update"
+        try:
+            written = render_card(card, approve_partial=self.approve_partial).written
+        except ValueError as exc:
+            raise self.refuse(site, str(exc), chat=ref.chat) from exc
+        await self.call(
+            site,
+            ref.chat,
+            lambda: self.client.chat_update(
+                channel=ref.chat, ts=ref.message_id, text=written.text, blocks=written.blocks
+            ),
+            paced=False,
+        )
+        log.info("slack.card_updated", request_id=card.request_id, channel=ref.chat, ts=ref.message_id)
+
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
         site = "card_settle"
         try:

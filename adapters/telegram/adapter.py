@@ -527,6 +527,37 @@ class TelegramAdapter(PlatformBase):
         except ValueError as exc:
             raise self.refuse(site, str(exc), chat=chat) from exc
 
+    async def update_card(self, ref: CardRef, card: ApprovalCard) -> None:
+        site = "card_update"
+        app = self._bot_app(site)
+        if ref.platform != PLATFORM:
+            raise self.refuse(site, f"not a Telegram card: {ref.platform}", chat=ref.chat)
+        chat_id = self._chat_id(site, ref.chat)
+        message_id = self._chat_id(site, ref.message_id)
+        written = self._render(site, card, None, ref.chat).written
+        opens = mini_app_button(card, ref.chat, bot_username=self._bot_username, short_name=self.config.mini_app)
+        markup = with_button(written.keyboard, opens)
+
+        async def edit() -> bool:
+            try:
+                await app.bot.edit_message_text(
+                    text=written.html,
+                    chat_id=chat_id,
+                    message_id=message_id,
+                    parse_mode=ParseMode.HTML,
+                    reply_markup=markup,
+                    link_preview_options=_NO_PREVIEW,
+                )
+            except Exception as exc:
+                if not_modified(exc):
+                    return False
+                raise
+            return True
+
+        changed = await self.call(site, ref.chat, edit, paced=False, wait_out_429=False)
+        log.info("telegram.card_updated", request=card.request_id, chat=ref.chat, message_id=ref.message_id,
+                 changed=changed)  # fmt: skip
+
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
         site = "card_settle"
         app = self._bot_app(site)
