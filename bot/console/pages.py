@@ -235,6 +235,17 @@ def decide_buttons(viewer: Viewer, request_id: str, next_path: str, *, approve: 
     return f'<div class="buttons" id="b-{e(request_id)}">{deny}</div>'
 
 
+def step_up_button(viewer: Viewer, request_id: str) -> str:
+    """Approve under a step_up policy: the person's passkey signs a challenge for this request (people.js)."""
+    base = f"/approvals/{quote(request_id, safe='')}/step-up"
+    return (
+        "<p>This call's policy asks for your passkey to approve it (Deny is one press).</p>"
+        f'<p><button type="button" class="approve" id="passkey-step-up" data-options="{e(base)}/options"'
+        f' data-verify="{e(base)}" data-csrf="{e(viewer.csrf)}">Approve with your passkey</button></p>'
+        '<p class="error" id="passkey-error" role="alert" hidden></p>'
+    )
+
+
 def message_page(title: str, text: str, *, viewer: Viewer | None = None, link: tuple[str, str] | None = None) -> str:
     extra = f'<p><a href="{e(link[0])}">{e(link[1])}</a></p>' if link else ""
     return layout(title, f'<h1>{e(title)}</h1><p class="error">{e(text)}</p>{extra}', viewer=viewer)
@@ -489,6 +500,7 @@ def approval_page(
         ("When", when_html(request.created_at)),
         ("Deadline", when_html(request.deadline)),
         ("Decided", decided),
+        ("Policy", e(policy_text(request))),
     ]
     fact_rows = "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in facts)
     audit = "".join(
@@ -505,10 +517,12 @@ def approval_page(
     buttons = ""
     if request.status is Status.PENDING:
         buttons = (
-            decide_buttons(viewer, request.id, approval_href(request.id), approve=not changed)
+            decide_buttons(viewer, request.id, approval_href(request.id), approve=not changed and not request.step_up)
             if viewer.may_decide
             else f"<p>Pending. {e(cannot_decide_here(viewer))}</p>"
         )
+        if viewer.may_decide and request.step_up and not changed:
+            buttons = step_up_button(viewer, request.id) + buttons
     body = (
         f"<h1>Approval {e(request.id)}</h1>"
         f"<table>{fact_rows}</table>{buttons}"
@@ -523,7 +537,19 @@ def approval_page(
         "<h2>Cards posted</h2><table><tr><th>platform</th><th>chat</th><th>message</th><th>posted</th>"
         f"<th>settled</th><th>shows</th></tr>{posted}</table>"
     )
-    return layout(f"Approval {request.id}", body, viewer=viewer, flash=flash)
+    stepping = viewer.may_decide and request.step_up and request.status is Status.PENDING
+    return layout(
+        f"Approval {request.id}", body, viewer=viewer, flash=flash, script=PEOPLE_SCRIPT if stepping else None
+    )
+
+
+def policy_text(request: ApprovalRequest) -> str:
+    """The policy a request is decided under, for its page."""
+    said = [f"{request.approve_needed} {'person approves' if request.approve_needed == 1 else 'people approve'}"]
+    said.append(f"{request.deny_needed} {'denial ends it' if request.deny_needed == 1 else 'denials end it'}")
+    if request.step_up:
+        said.append("Approve only here, with a passkey")
+    return f"{request.policy or 'default'}: {', '.join(said)}"
 
 
 def cannot_decide_here(viewer: Viewer) -> str:
