@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 
 from kazma.adapters.card_layout import view_of
+from kazma.adapters.chat_text import plain_mentions
 from kazma.adapters.contract import Attachment, CardRef, Handlers, Inbound, PlatformError, Press
 from kazma.adapters.human_text import for_humans
 from kazma.adapters.kit import TYPING_INTERVAL
@@ -167,7 +168,6 @@ class WebAdapter:
         text: str,
         *,
         chat: str = CONSOLE,
-        mentions: tuple[str, ...] = (),
         reply_to: str | None = None,
         is_admin: bool = False,
         attachments: tuple[Attachment, ...] = (),
@@ -190,7 +190,7 @@ class WebAdapter:
                 author=f"web:{login}",
                 author_name=login,
                 text=text,
-                mentions=mentions,
+                mentions=plain_mentions(text),  # the chat platforms' rule: a code span or an address is no call
                 reply_to=reply_to,
                 is_admin=is_admin,
                 attachments=attachments,

@@ -225,7 +225,7 @@ async def run_demo(
                 out.flush()
                 if open_browser:
                     webbrowser.open(f"{server.url}{local.path}")
-                await console.say("demo", REQUEST, mentions=("kazma",))
+                await console.say("demo", REQUEST)
             else:
                 out.write(f"\n[you] {REQUEST}\n")
                 await app.on_inbound(

@@ -94,7 +94,6 @@ SWARM_TASKS = Gauge("kazma_swarm_tasks", "Swarm tasks in the store, by status (r
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_MENTION = re.compile(r"(?<![\w@])@([A-Za-z0-9_-]{1,32})")
 TASK_ACTIONS = ("cancel", "retry", "approve", "reject")
 
 
@@ -108,11 +107,6 @@ def _swarm_too_long(length: int) -> str:
 def _for_readers(text: str) -> bool:
     """What a reader may type: commands answered to them (nothing, which is answered "Nothing to send")."""
     return text in ("", "/swarm", "/plan") or text.startswith("/swarm ")
-
-
-def mentions_of(text: str) -> tuple[str, ...]:
-    """Lowercase ``@word`` names, once each, in order: how people address agents in the console."""
-    return tuple(dict.fromkeys(m.lower() for m in _MENTION.findall(text)))
 
 
 def _not_found(text: str, session: Session | None = None) -> web.HTTPNotFound:
@@ -413,7 +407,6 @@ class WebServer:
             session.login,
             text,
             chat=CONSOLE,
-            mentions=mentions_of(text),
             reply_to=reply_to,
             # an operator may answer any question in the console, as a platform admin may in a chat
             is_admin=reply_to is not None,

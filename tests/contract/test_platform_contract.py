@@ -28,6 +28,7 @@ from kazma.approvals.hashing import args_hash
 from kazma.approvals.model import Decision, PressResult, PressVerdict, Status
 from kazma.config.metrics import failure_count
 from tests.contract.harness import Harness, make_card, outcome_of
+from tests.contract.mention_cases import MENTION_CASES
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*retry_after.*:telegram.warnings.PTBDeprecationWarning")
 
@@ -234,6 +235,16 @@ async def test_stop_lets_a_press_in_flight_finish(harness: Harness) -> None:
 
 
 # --------------------------------------------------------------------------- inbound
+
+
+@pytest.mark.parametrize(("text", "names"), MENTION_CASES)
+async def test_one_mention_rule_names_the_same_agents_on_every_platform(
+    harness: Harness, text: str, names: tuple[str, ...]
+) -> None:
+    await harness.start()
+    await harness.say(harness.home, harness.admin, text)
+    [inbound] = await harness.recorder.wait_until(lambda: harness.recorder.inbound)
+    assert inbound.mentions == names
 
 
 async def test_messages_from_served_chats_arrive_normalised(harness: Harness) -> None:
