@@ -42,6 +42,7 @@ from kazma.approvals.model import Decision, Outcome, Status
 
 APPROVE_LABEL: Final = "Approve"
 DENY_LABEL: Final = "Deny"
+DENY_REASON_LABEL: Final = "Deny with reason"
 TOOL_LABEL: Final = "Tool"
 REQUESTED_BY_LABEL: Final = "Requested by"
 FROM_LABEL: Final = "From"
@@ -106,6 +107,7 @@ def _notice_partial(approve_here: bool) -> str:
 class ButtonKind(StrEnum):
     APPROVE = "approve"
     DENY = "deny"
+    DENY_REASON = "deny_reason"  # asks for a reason first (a modal, a reply), then denies
     REMEMBER = "remember"  # approve, and let the identical call run again here until the rule expires
 
 
@@ -223,9 +225,10 @@ def remember_label(seconds: int) -> str:
 
 def _buttons(card: ApprovalCard, *, approve: bool, whole: bool) -> tuple[Button, ...]:
     deny = Button(ButtonKind.DENY, DENY_LABEL, card.button_data(Decision.DENY))
+    why = Button(ButtonKind.DENY_REASON, DENY_REASON_LABEL, f"{card.button_data(Decision.DENY)[:-1]}n")
     if not approve:
-        return (deny,)
-    buttons = [Button(ButtonKind.APPROVE, APPROVE_LABEL, card.button_data(Decision.APPROVE)), deny]
+        return (deny, why)
+    buttons = [Button(ButtonKind.APPROVE, APPROVE_LABEL, card.button_data(Decision.APPROVE)), deny, why]
     # Never on a cut card (``remember_seconds`` is None on a card that warns): a rule needs the whole call in view.
     if card.remember_seconds and whole:
         buttons.insert(1, Button(ButtonKind.REMEMBER, remember_label(card.remember_seconds), card.remember_data))

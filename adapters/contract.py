@@ -81,6 +81,7 @@ class Press:
     chat: str | None = None  # where the pressed card is, when the platform says
     message_id: str | None = None  # which message the pressed card is, when the platform says
     is_admin: bool = False  # the presser is one of this platform's configured admins
+    reason: str | None = None  # a Deny's reason, as the presser wrote it (a modal, a reply); None: none given
 
 
 @dataclass(frozen=True)

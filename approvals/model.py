@@ -9,6 +9,18 @@ from typing import Any, Protocol
 
 # Who asked, for a request opened through the approvals API or ``/mcp``: ``api:<token name>``.
 API_REQUESTER_PREFIX = "api:"
+MAX_REASON = 500  # characters of a decider's reason kept (a card line, the audit, the agent's next turn)
+
+
+def clean_reason(text: str | None) -> str | None:
+    """A decider's reason as kept: one line (runs of whitespace, line breaks included, made one space), at most
+    :data:`MAX_REASON` characters; None when nothing is left (a Deny without a reason)."""
+    if text is None:
+        return None
+    said = " ".join(text.split())
+    if not said:
+        return None
+    return said if len(said) <= MAX_REASON else said[: MAX_REASON - 1] + "…"
 
 
 class Status(StrEnum):
@@ -129,7 +141,8 @@ class Outcome:
         """One line for cards and notices, e.g. ``approved by alice (slack:U123) via slack at 12:03:04 UTC``."""
         when = self.decided_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         if self.status.human:
-            return f"{self.status.value} by {self.decider} via {self.decided_via} at {when}"
+            why = f"; reason: {self.reason}" if self.status is Status.DENIED and self.reason else ""
+            return f"{self.status.value} by {self.decider} via {self.decided_via} at {when}{why}"
         if self.status is Status.TIMEOUT:
             return f"timed out at {when}: no decision before the deadline (not a denial)"
         return f"cancelled at {when}: {self.reason or 'the waiter stopped'} (not a denial)"
@@ -139,8 +152,9 @@ class Outcome:
         if self.status is Status.APPROVED:
             return f"Approved by {self.decider}."
         if self.status is Status.DENIED:
-            reason = f": {self.reason}" if self.reason else ""
-            return f"Denied by {self.decider}{reason}. Do not retry this call."
+            # Their reason is a person's words: whoever hands this to a model adds it fenced (engine/fence.py).
+            said = " They gave a reason (below)." if self.reason else ""
+            return f"Denied by {self.decider}.{said} Do not retry this call."
         if self.status is Status.TIMEOUT:
             return "No decision before the approval deadline; the call did not run. It was not denied."
         return "The approval wait was cancelled; the call did not run. It was not denied."

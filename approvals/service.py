@@ -35,6 +35,7 @@ from kazma.approvals.model import (
     Review,
     Status,
     Waits,
+    clean_reason,
     decider_text,
 )
 from kazma.approvals.progress import Progress, progress_line, progress_of
@@ -66,8 +67,9 @@ from kazma.config.store.errors import store_errors
 log = structlog.get_logger("kazma.approvals")
 
 _BUTTON = re.compile(r"^(?P<version>kz\d+):(?P<id>[A-Za-z0-9_-]{16,64}):(?P<code>[a-z])$")
-_CODES = {"a": Decision.APPROVE, "d": Decision.DENY, "r": Decision.APPROVE}
+_CODES = {"a": Decision.APPROVE, "d": Decision.DENY, "r": Decision.APPROVE, "n": Decision.DENY}
 REMEMBER_CODE = "r"  # approve, and remember the identical call in its conversation (approvals.remember)
+REASON_CODE = "n"  # deny, with a reason the platform asks for first (a modal, a reply); pressed bare: a plain Deny
 STORE_SITE = "approval_resolve"
 _RECORD_GRACE = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)  # seconds, about 1.6 in all
 
@@ -504,6 +506,7 @@ class ApprovalService:
         platform: str,
         chat: str | None = None,
         message_id: str | None = None,
+        reason: str | None = None,
     ) -> PressResult:
         """A button press from any platform: validate, authorise, check the card it came from, then compare-and-set.
 
@@ -524,6 +527,7 @@ class ApprovalService:
                 platform=platform,
                 card=CardLocation(chat, message_id),
                 remember=parsed.remember,
+                reason=reason if parsed.decision is Decision.DENY else None,
             )
 
     async def decide(
@@ -557,6 +561,7 @@ class ApprovalService:
                 f"Kazma is not deciding right now: {self.halted}. Nothing was recorded.",
                 request_id=request_id,
             )
+        reason = clean_reason(reason)
         person = self.config.roster.person_of(actor)
         rules = await self._rules(request_id)
         policy = None if rules is None else self.config.policy(rules.policy or DEFAULT_POLICY)

@@ -53,7 +53,10 @@ async def test_step_up_approves_only_with_a_fresh_passkey_assertion(tmp_path: Pa
             lambda: len([m for m in k.telegram.bot_messages(CHAT) if m.buttons]) == 2, timeout=30
         )
         for card in [m for m in k.telegram.bot_messages(CHAT) if m.buttons]:
-            assert [b["text"] for b in card.buttons if b.get("callback_data")] == ["Deny"]  # no Approve in chat
+            assert [b["text"] for b in card.buttons if b.get("callback_data")] == [
+                "Deny",
+                "Deny with reason",
+            ]  # no Approve in chat
             assert "with your passkey" in card.text
 
         browser = await pw.chromium.launch(

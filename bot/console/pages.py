@@ -22,7 +22,7 @@ from kazma.adapters.human_text import LABEL_PREFIX, for_humans
 from kazma.adapters.web import WebMessage, render
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.honesty import reveal, reveal_line
-from kazma.approvals.model import ApprovalRequest, Outcome, Status, Waits, decider_text
+from kazma.approvals.model import MAX_REASON, ApprovalRequest, Outcome, Status, Waits, decider_text
 from kazma.approvals.rules import Rule
 from kazma.approvals.store import AuditEvent, PostedCard
 from kazma.approvals.withdrawal import POLL_GRACE
@@ -226,9 +226,23 @@ def form(action: str, viewer: Viewer, fields: Mapping[str, str], label: str, *, 
     )
 
 
+def deny_form(action: str, viewer: Viewer, next_path: str) -> str:
+    """Deny, with an optional reason beside it: empty, it is one press."""
+    hidden = "".join(
+        f'<input type="hidden" name="{e(name)}" value="{e(value)}">'
+        for name, value in {"csrf": viewer.csrf, "decision": "deny", "next": next_path}.items()
+    )
+    return (
+        f'<form class="inline" method="post" action="{e(action)}">{hidden}'
+        f'<input type="text" name="reason" maxlength="{MAX_REASON}" placeholder="Reason (optional)"'
+        ' aria-label="Reason for denying (optional)">'
+        f'<button type="submit" class="deny">{e(DENY_LABEL)}</button></form>'
+    )
+
+
 def decide_buttons(viewer: Viewer, request_id: str, next_path: str, *, approve: bool = True) -> str:
     action = f"/approvals/{quote(request_id, safe='')}/decide"
-    deny = form(action, viewer, {"decision": "deny", "next": next_path}, DENY_LABEL, button_class="deny")
+    deny = deny_form(action, viewer, next_path)
     if approve:
         fields = {"decision": "approve", "next": next_path}
         deny = form(action, viewer, fields, APPROVE_LABEL, button_class="approve") + " " + deny

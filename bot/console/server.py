@@ -553,8 +553,9 @@ class WebServer:
             # decided as the identity the proof established, on that identity's own platform: a passkey's
             # web:alice via web, a Telegram Mini App's telegram:111 via telegram
             result = await self.services.approvals.decide(
-                request_id, decision, actor=session.actor, platform=session.platform
-            )
+                request_id, decision, actor=session.actor, platform=session.platform,
+                reason=fields.get("reason") if decision is Decision.DENY else None,
+            )  # fmt: skip
         log.info(
             "web.decide", request_id=request_id, actor=session.actor, person=session.person,
             proof=session.proof.value, verdict=result.verdict.value,
