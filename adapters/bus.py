@@ -15,6 +15,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import structlog
 
@@ -31,7 +32,8 @@ from kazma.adapters.contract import (
 )
 from kazma.adapters.outbox import Outbox, PostJob
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
-from kazma.approvals.model import ApprovalRequest, Review, Status
+from kazma.approvals.checkpoints import Checkpoint
+from kazma.approvals.model import ApprovalRequest, Review, Status, Witness
 from kazma.approvals.progress import progress_line
 from kazma.approvals.service import remember_offer
 from kazma.approvals.store import ApprovalStore, PostedCard
@@ -52,6 +54,13 @@ RETRY = Backoff(base=0.5, cap=60.0)
 class _Decided:
     request: ApprovalRequest | None
     cards: list[PostedCard]
+    witness: Witness | None = None
+
+
+class Witnesses(Protocol):
+    """Where a settled card finds the signed audit checkpoint holding its decision (the checkpointer)."""
+
+    async def witness(self, request_id: str) -> Checkpoint | None: ...
 
 
 # The full scan for unsettled cards (requests decided by another process, a missed kick): this often.
@@ -92,6 +101,7 @@ class FanOutBus:
         clock: Callable[[], float] = time.time,
         shared: bool = False,
         claim_seconds: float | None = None,
+        witnesses: Witnesses | None = None,
     ) -> None:
         if not adapters:
             raise ValueError("FanOutBus needs at least one platform; use NullBus for none")
@@ -111,6 +121,8 @@ class FanOutBus:
         # How long a claim keeps the others off: longer than a post or an edit can take (each is bounded by
         # platform_timeout), so only a replica that died leaves one to run out.
         self.claim_seconds = claim_seconds if claim_seconds is not None else 2 * platform_timeout + 10
+        # Every settled card shows the audit checkpoint holding its decision (None: the store's, if signed yet).
+        self.witnesses = witnesses
         self._workers = {name: _Worker(adapter) for name, adapter in self.adapters.items()}
         self._started: set[str] = set()
         self._stopping = False
@@ -268,8 +280,26 @@ class FanOutBus:
             worker.kick.set()
 
     async def _decided(self, request_id: str) -> _Decided:
-        """The request and its cards, read once for every platform."""
-        return _Decided(await self.store.get(request_id), await self.store.cards(request_id))
+        """The request, its cards and its decision's audit checkpoint, read once for every platform."""
+        request = await self.store.get(request_id)
+        cards = await self.store.cards(request_id)
+        return _Decided(request, cards, await self._witness(request_id))
+
+    async def _witness(self, request_id: str) -> Witness | None:
+        """The signed checkpoint holding ``request_id``'s decision; a card settles without it (counted) only
+        when none comes in time: its buttons must go either way."""
+        try:
+            found = await (
+                self.store.witness(request_id) if self.witnesses is None else self.witnesses.witness(request_id)
+            )
+        except Exception as exc:
+            found = None
+            log.warning("bus.witness_failed", request_id=request_id, error=str(exc))
+        if found is None:
+            count_failure("card_without_witness")
+            log.warning("bus.card_without_witness", request_id=request_id)
+            return None
+        return Witness(found.seq, found.head)
 
     # -- messages --------------------------------------------------------------------------------
 
@@ -487,7 +517,7 @@ class FanOutBus:
                 decided = await loaded
                 for posted in decided.cards:
                     if posted.platform == adapter.name and posted.settled_at is None and not self._stopping:
-                        await self._settle_one(worker, posted, decided.request)
+                        await self._settle_one(worker, posted, decided.request, decided.witness)
             finally:
                 del worker.to_settle[request_id]
                 if not worker.to_settle:
@@ -548,18 +578,28 @@ class FanOutBus:
         worker.retry_at = await self.store.next_settle_retry(adapter.name)
 
     async def _settle_one(
-        self, worker: _Worker, posted: PostedCard, request: ApprovalRequest | None = None, *, force: bool = False
+        self,
+        worker: _Worker,
+        posted: PostedCard,
+        request: ApprovalRequest | None = None,
+        witness: Witness | None = None,
+        *,
+        force: bool = False,
     ) -> None:
         """Edit ``posted`` to its request's outcome. ``force``: even when its row says it is settled already
         (a progress edit may have landed over that edit)."""
         adapter = worker.adapter
         if request is None or request.id != posted.request_id:
             request = await self.store.get(posted.request_id)
+            witness = None
         if request is None:
             return
         outcome = request.outcome()
         if outcome is None:
             return
+        if witness is None:
+            witness = await self._witness(request.id)
+        outcome = replace(outcome, witness=witness)
         try:
             card = self._card_for(request, await self._reviews(request))
         except CardIntegrityError:

@@ -3,8 +3,9 @@
 The layout fixes what a card says and in which order — the outcome once
 decided, the title, warnings, the facts (tool, requester, origin, deadline,
 hash), every argument with its value or a marked cut, names that could only be
-listed, why Approve is elsewhere when it is, the link to the whole call, the
-buttons — and the wording of every label. Each platform's ``render.py`` only
+listed, why Approve is elsewhere when it is, the link to the whole call, once
+settled the audit checkpoint that holds the decision, the buttons — and the
+wording of every label. Each platform's ``render.py`` only
 *writes* a :class:`CardView` in its dialect (Telegram HTML, Slack blocks, a
 Discord embed, plain text, HTML for the web pages) and says whether the result
 fits; :func:`lay_out` finds the most complete view that does.
@@ -53,6 +54,7 @@ PROGRESS_LABEL: Final = "Approvals"
 STEP_UP_NOTICE: Final = (
     "Approve on its page (Full call) with your passkey: this call's policy asks for one. Deny works here."
 )
+AUDIT_LABEL: Final = "Audit checkpoint"  # a settled card's footer: the signed checkpoint holding its decision
 EMPTY_VALUE: Final = "(empty)"
 MIN_EXCERPT: Final = 24  # shortest head + tail a shrunk value keeps
 
@@ -155,6 +157,13 @@ class CardView:
     @property
     def outcome_text(self) -> str:
         return outcome_line(self.outcome) if self.outcome is not None else ""
+
+    @property
+    def footer(self) -> tuple[str, str] | None:
+        """(label, value) of a settled card's witness: the audit checkpoint that holds its decision."""
+        if self.outcome is None or self.outcome.witness is None:
+            return None
+        return AUDIT_LABEL, self.outcome.witness.text()
 
     @property
     def whole(self) -> bool:
@@ -400,6 +409,8 @@ class PlainWriter:
         if view.notice:
             lines.append(view.notice)
         lines.append(f"{view.link_label}: {view.link}")
+        if view.footer is not None:
+            lines.append(f"{view.footer[0]}: {view.footer[1]}")
         if view.buttons:
             lines.append("  ".join(f"[{b.label}]" for b in view.buttons))
         return "\n".join(self.frame + line for line in "\n".join(lines).split("\n"))

@@ -117,6 +117,18 @@ class Review:
 
 
 @dataclass(frozen=True)
+class Witness:
+    """The signed checkpoint of the audit chain that holds a decision, as its settled cards show it: a person who
+    saw it can later prove the audit log still holds that decision (``kazma audit verify --head SEQ:HEX``)."""
+
+    seq: int
+    head: str  # the chain hash at ``seq`` (hex); a card shows its first 12 characters
+
+    def text(self) -> str:
+        return f"#{self.seq} {self.head[:12]}"
+
+
+@dataclass(frozen=True)
 class Outcome:
     """How a request ended. ``decided_by`` is a human only for approved/denied."""
 
@@ -126,6 +138,7 @@ class Outcome:
     decided_via: str | None
     decided_at: datetime
     reason: str | None = None
+    witness: Witness | None = None  # the checkpoint holding it (set where a settled card is made)
     person: str | None = None  # the person who owns ``decided_by`` (None: nobody's identity)
 
     @property

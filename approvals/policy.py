@@ -91,3 +91,8 @@ class SafetyPolicy:
         except ExecutionMismatch as exc:
             return PolicyVerdict(False, f"Refused: {exc}", request.id, outcome)
         return PolicyVerdict(True, outcome.for_agent(), request.id, outcome, args_hash=request.args_hash)
+
+    async def ran(self, verdict: PolicyVerdict, *, ok: bool, output: str, error: str | None) -> None:
+        """The call a person approved has run: its ending goes on the audit chain with its decision."""
+        if verdict.request_id is not None and verdict.outcome is not None and verdict.outcome.approved:
+            await self.service.execution_finished(verdict.request_id, ok=ok, output=output, error=error)

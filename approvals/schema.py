@@ -1,5 +1,5 @@
 """Tables of the approvals store, on SQLite and on PostgreSQL. Additive only; triggers keep decisions final
-and the audit append-only."""
+and the audit append-only (what proves it was not rewritten around Kazma is the chain: approvals/chain.py)."""
 
 from __future__ import annotations
 
@@ -180,6 +180,42 @@ MIGRATIONS = [
         "approvals",
         10,
         (
+            # The audit chain (approvals/chain.py): each event's link to the one before it and its own hash.
+            # NULL on events written before the chain; the first append after this chains those once.
+            "ALTER TABLE approval_events ADD COLUMN prev_hash TEXT",
+            "ALTER TABLE approval_events ADD COLUMN chain_hash TEXT",
+            # On the last event of each appending transaction: the HMAC that vouches for the events it appended
+            # (approvals/checkpoints.py), so that only Kazma's own events are ever signed.
+            "ALTER TABLE approval_events ADD COLUMN commit_seal TEXT",
+            # Signed heads of the chain (approvals/checkpoints.py): each covers the events first_seq..seq, Kazma's
+            # own ('head'), or those there before the chain began, chained once ('history').
+            """
+            CREATE TABLE IF NOT EXISTS audit_checkpoints (
+                seq INTEGER PRIMARY KEY,
+                first_seq INTEGER NOT NULL,
+                kind TEXT NOT NULL CHECK (kind IN ('history', 'head')),
+                head TEXT NOT NULL,
+                at REAL NOT NULL,
+                key_id TEXT,
+                signature TEXT
+            )
+            """,
+            """
+            CREATE TRIGGER IF NOT EXISTS audit_checkpoints_append_only_update
+            BEFORE UPDATE ON audit_checkpoints
+            BEGIN SELECT RAISE(ABORT, 'audit_checkpoints is append-only'); END
+            """,
+            """
+            CREATE TRIGGER IF NOT EXISTS audit_checkpoints_append_only_delete
+            BEFORE DELETE ON audit_checkpoints
+            BEGIN SELECT RAISE(ABORT, 'audit_checkpoints is append-only'); END
+            """,
+        ),
+    ),
+    Migration(
+        "approvals",
+        11,
+        (
             # The policy a request is decided under (approvals.policies; NULL: the default) and what it asked,
             # fixed when it opened: how many distinct people approve or deny it, whether Approve needs a passkey
             # on its page, and who started the work (forbid_requester). Final from the start.
@@ -236,6 +272,31 @@ _PG_APPEND_ONLY = """
 CREATE OR REPLACE FUNCTION kazma_approval_events_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     RAISE EXCEPTION 'approval_events is append-only' USING ERRCODE = 'integrity_constraint_violation';
+END
+$$
+"""
+
+_PG_CHECKPOINTS_APPEND_ONLY = """
+CREATE OR REPLACE FUNCTION kazma_audit_checkpoints_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'audit_checkpoints is append-only' USING ERRCODE = 'integrity_constraint_violation';
+END
+$$
+"""
+# The audit chain's order (approvals/chain.py): the appending transaction takes the lock, waiting as long as it
+# takes (its holder is past every row lock of its own transaction and waits for nobody), then reads the head
+# with a snapshot taken after the lock (a VOLATILE function's statements each take a fresh one), so it sees
+# the previous holder's commit. One round trip, from the moment the lock is held.
+_PG_AUDIT_HEAD = """
+CREATE OR REPLACE FUNCTION kazma_audit_head(lock_key bigint)
+RETURNS TABLE (last_seq bigint, last_hash text, checkpoint_seq bigint) LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM set_config('lock_timeout', '0', true);
+    PERFORM pg_advisory_xact_lock(lock_key);
+    RETURN QUERY SELECT
+        (SELECT e.seq FROM approval_events e ORDER BY e.seq DESC LIMIT 1),
+        (SELECT e.chain_hash FROM approval_events e ORDER BY e.seq DESC LIMIT 1),
+        (SELECT c.seq FROM audit_checkpoints c ORDER BY c.seq DESC LIMIT 1);
 END
 $$
 """
@@ -395,6 +456,38 @@ PG_MIGRATIONS = [
     PgMigration(
         "approvals",
         10,
+        (
+            "ALTER TABLE approval_events ADD COLUMN prev_hash text",
+            "ALTER TABLE approval_events ADD COLUMN chain_hash text",
+            "ALTER TABLE approval_events ADD COLUMN commit_seal text",
+            """
+            CREATE TABLE IF NOT EXISTS audit_checkpoints (
+                seq bigint PRIMARY KEY,
+                first_seq bigint NOT NULL,
+                kind text NOT NULL CHECK (kind IN ('history', 'head')),
+                head text NOT NULL,
+                at double precision NOT NULL,
+                key_id text,
+                signature text
+            )
+            """,
+            _PG_CHECKPOINTS_APPEND_ONLY,
+            """
+            CREATE OR REPLACE TRIGGER audit_checkpoints_append_only
+            BEFORE UPDATE OR DELETE ON audit_checkpoints
+            FOR EACH ROW EXECUTE FUNCTION kazma_audit_checkpoints_append_only()
+            """,
+            """
+            CREATE OR REPLACE TRIGGER audit_checkpoints_no_truncate
+            BEFORE TRUNCATE ON audit_checkpoints
+            FOR EACH STATEMENT EXECUTE FUNCTION kazma_audit_checkpoints_append_only()
+            """,
+            _PG_AUDIT_HEAD,
+        ),
+    ),
+    PgMigration(
+        "approvals",
+        11,
         (
             "ALTER TABLE approval_requests ADD COLUMN policy text",
             "ALTER TABLE approval_requests ADD COLUMN approve_needed integer NOT NULL DEFAULT 1",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import re
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -25,6 +26,7 @@ from kazma.approvals.card import (
     check_names,
     verify_integrity,
 )
+from kazma.approvals.chain import AuditChain
 from kazma.approvals.hashing import args_hash, canonical_json, check_arguments
 from kazma.approvals.model import (
     ApprovalRequest,
@@ -121,8 +123,8 @@ class OpenGate(Protocol):
         Raising refuses (the whole transaction is undone and the exception reaches the caller)."""
         ...
 
-    def opened(self, tx: Tx, request_id: str) -> None:
-        """After the request's rows: the door's own rows of it."""
+    def opened(self, tx: Tx, request_id: str, audit: AuditChain) -> None:
+        """After the request's rows: the door's own rows of it (its audit events through ``audit``)."""
         ...
 
 
@@ -379,7 +381,9 @@ class ApprovalService:
         publisher: object = self.publisher  # (a protocol narrowed to another protocol reads as unreachable)
         queuer = publisher if isinstance(publisher, QueuesCards) else None
         queue = None if queuer is None else await queuer.queue_statements(new.id)
-        also: list[Callable[[Tx], object]] = [] if gate is None else [lambda tx: gate.opened(tx, new.id)]
+        also: list[Callable[[Tx], object]] = (
+            [] if gate is None else [lambda tx: gate.opened(tx, new.id, self.store.chain)]
+        )
         if queue is not None:
             also.append(queue)
         request, opened = await self.store.insert_once(
@@ -1106,3 +1110,11 @@ class ApprovalService:
                 f"the arguments changed after approval (approved {request.args_hash[:12]}…, now {actual[:12]}…)"
             )
         await self._audit_safely(request_id, "execution_started", None, None, f"tool={tool}")
+
+    async def execution_finished(self, request_id: str, *, ok: bool, output: str, error: str | None) -> None:
+        """After an approved call ran: how it ended, audited. The output itself stays out of the audit (it goes
+        wherever the audit is streamed): its length and SHA-256 say which output it was; an error, bounded."""
+        digest = hashlib.sha256(output.encode("utf-8", "replace")).hexdigest()
+        said = f"{len(output)} characters of output, sha256 {digest}"
+        detail = f"ok: {said}" if ok else f"failed: {(error or 'no reason given')[:200]}; {said}"
+        await self._audit_safely(request_id, "execution_finished", None, None, detail)

@@ -6,7 +6,8 @@ operations), with SQL both engines run alike.
 
 Every outcome is written by one compare-and-set (``UPDATE … WHERE status =
 'pending'``); whoever's statement changes the row decided it, and a trigger
-refuses any later change. The audit trail is append-only (triggers again).
+refuses any later change. The audit trail is append-only (triggers again), and every event of it is
+appended to the audit chain (:mod:`kazma.approvals.chain`) in the transaction of the change it records.
 """
 
 from __future__ import annotations
@@ -21,10 +22,21 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
+from kazma.approvals.chain import (
+    CHECKPOINT_COLUMNS,
+    DECISION_EVENTS,
+    EVENT_COLUMNS,
+    FROM_REQUEST,
+    AuditChain,
+    ChainedEvent,
+    checkpoint_of_row,
+)
+from kazma.approvals.checkpoints import AuditSigner, Checkpoint
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, Review, Status, Waits, outcome_of
 from kazma.approvals.seal import seal
 from kazma.config.keyring import Keyring
 from kazma.config.store.backend import StoreBackend, Tx, Writer, backend_of, held_by_gone
+from kazma.config.store.database import Tables
 
 Clock = Callable[[], float]
 T = TypeVar("T")
@@ -61,14 +73,10 @@ _REVIEW = (
 )
 _REVIEW_COLUMNS = "request_id, reviewer, actor, platform, decision, reason, at"
 _RETURNING = f" RETURNING {_COLUMNS}"
-_EVENT = (
-    "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail, person)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
-)
-# The same row, its hash read from the request in the statement itself.
-_EVENT_HASHED = (
-    "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail, person)"
-    " VALUES (?, ?, ?, ?, ?, (SELECT args_hash FROM approval_requests WHERE id = ?), ?, ?)"
+# The checkpoint that signs a request's decision: the first one at or after the event the compare-and-set wrote.
+_DECISION_SEQ = (
+    "SELECT seq FROM approval_events WHERE request_id = ?"  # noqa: S608
+    f" AND event IN ({', '.join(repr(e) for e in DECISION_EVENTS)}) ORDER BY seq LIMIT 1"
 )
 # The claimer's name when no replica name is given: the only process on its store.
 LOCAL = "local"
@@ -106,22 +114,6 @@ class NewRequest:
 # Run first in the transaction that opens a request (given its id): None lets it open; another request's id
 # stands instead, and nothing is written.
 Guard = Callable[[Tx, str], "str | None"]
-
-
-def write_event(
-    tx: Tx,
-    request_id: str | None,
-    event: str,
-    *,
-    actor: str | None,
-    at: float,
-    args_hash: str | None,
-    platform: str | None = None,
-    detail: str | None = None,
-    person: str | None = None,
-) -> None:
-    """One audit row, inside a writer's transaction (a door's own rows commit with what they describe)."""
-    tx.run(_EVENT, (request_id, event, actor, platform, at, args_hash, detail, person))
 
 
 def new_request_id() -> str:
@@ -311,15 +303,22 @@ class ApprovalStore:
         clock: Clock = time.time,
         replica: str | None = None,
         keyring: Keyring | None = None,
+        audit: AuditSigner | None = None,
     ) -> None:
         self._conn = conn if isinstance(conn, aiosqlite.Connection) else None
         self.clock = clock
+        # Every audit event goes through the chain; ``audit`` signs its checkpoints (None: they are written
+        # unsigned, and ``kazma audit verify`` fails on them: a store opened only to read, or a test of rows).
+        self.tables = backend_of(conn)
+        # SQLite's writer holds the file's write lock for the whole transaction; PostgreSQL's needs the chain's.
+        self.chain = AuditChain(postgres=not isinstance(self.tables, Tables), signer=audit, clock=lambda: self.clock())
+        # Told after a commit that appended audit events (the checkpointer, the audit sink).
+        self.appended_listeners: list[Callable[[], None]] = []
         # Written as the owner of every request this process opens (None: the only process on the store).
         self.replica = replica
         # Seals every outcome this store writes (approvals/seal.py). None: outcomes are written unsealed, and an
         # approval written so can never run (a store opened only to read, or by a test of the rows alone).
         self.keyring = keyring
-        self.tables = backend_of(conn)
 
     @property
     def conn(self) -> aiosqlite.Connection:
@@ -331,7 +330,16 @@ class ApprovalStore:
     async def _write(self, op: Callable[[Tx], T]) -> T:
         """Every write: one operation in the store's next group commit (see :mod:`kazma.config.store.writer`)."""
         writer: Writer = await self.tables.writer()
-        return await writer.submit(op)
+        result = await writer.submit(op)
+        if self.chain.appended:  # audit events committed: the checkpointer signs them, the sink sends them
+            self.chain.appended = False
+            for listener in self.appended_listeners:
+                listener()
+        return result
+
+    async def write(self, op: Callable[[Tx], T]) -> T:
+        """One operation of another approvals module (the checkpointer) in the store's next group commit."""
+        return await self._write(op)
 
     async def insert(
         self,
@@ -416,8 +424,8 @@ class ApprovalStore:
                 f"INSERT INTO approval_requests ({_COLUMNS}, owner) VALUES ({', '.join('?' * (len(row) + 1))})",  # noqa: S608
                 (*row, self.replica),
             )
-            write_event(tx, new.id, "opened", actor=new.requested_by, at=now, args_hash=new.args_hash,
-                        detail=f"tool={new.tool}")  # fmt: skip
+            self.chain.append(tx, new.id, "opened", actor=new.requested_by, at=now, args_hash=new.args_hash,
+                              detail=f"tool={new.tool}")  # fmt: skip
             for statements in also:
                 statements(tx)
             return _row_to_request(row), True
@@ -529,8 +537,9 @@ class ApprovalStore:
                 if tx.run(_REVIEW, (request_id, reviewer, actor, platform, decision.value, reason, now)) == 0:
                     standing = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
                     request = _standing(standing)
-                    tx.run(_EVENT, (request_id, "review_repeated", actor, platform, now, request.args_hash,
-                                    f"{reviewer} reviewed it already", person))  # fmt: skip
+                    self.chain.append(tx, request_id, "review_repeated", actor=actor, platform=platform, at=now,
+                                      args_hash=request.args_hash, detail=f"{reviewer} reviewed it already",
+                                      person=person)  # fmt: skip
                     return Pressed(None, False, request, ReviewState.REPEATED)
                 counted = tx.one(
                     "SELECT COUNT(*) FROM approval_reviews WHERE request_id = ? AND decision = ?",
@@ -540,7 +549,8 @@ class ApprovalStore:
                     standing = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
                     request = _standing(standing)
                     detail = f"{decision.value} {int(counted[0])} of {needed}" + (f": {reason}" if reason else "")
-                    tx.run(_EVENT, (request_id, "reviewed", actor, platform, now, request.args_hash, detail, person))
+                    self.chain.append(tx, request_id, "reviewed", actor=actor, platform=platform, at=now,
+                                      args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
                     tx.notify(DECIDED_CHANNEL, request_id)
                     return Pressed(None, False, request, ReviewState.COUNTED)
             sealed = self._seal(request_id, str(head[0]), str(head[1]), status, actor, platform, now, person)
@@ -552,7 +562,8 @@ class ApprovalStore:
             if not reviewed:  # one press decides: its review is written with the outcome
                 tx.run(_REVIEW, (request_id, reviewer, actor, platform, decision.value, reason, now))
             detail = decided_detail(status, reason)
-            tx.run(_EVENT, (request_id, "decided", actor, platform, now, request.args_hash, detail, person))
+            self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
+                              args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
             tx.notify(DECIDED_CHANNEL, request_id)
             return Pressed(None, True, request)
 
@@ -565,8 +576,8 @@ class ApprovalStore:
             return Pressed(None, False, None)
         request = _standing(row)
         standing = request.status.value if request.status.final else "pending past its deadline"
-        tx.run(_EVENT, (request_id, "press_lost", actor, platform, now, request.args_hash, f"standing: {standing}",
-                        person))  # fmt: skip
+        self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now,
+                          args_hash=request.args_hash, detail=f"standing: {standing}", person=person)  # fmt: skip
         return Pressed(None, False, request)
 
     async def reviews(self, request_id: str) -> list[Review]:
@@ -643,16 +654,22 @@ class ApprovalStore:
         if request is None:
             return False, None
         if won:
-            if status.human:
-                detail = decided_detail(status, reason)
-                tx.run(_EVENT, (request_id, "decided", actor, platform, now, request.args_hash, detail, None))
-            else:
-                tx.run(_EVENT, (request_id, status.value, actor, platform, now, request.args_hash, reason, None))
+            event, detail = ("decided", decided_detail(status, reason)) if status.human else (status.value, reason)
+            self.chain.append(
+                tx,
+                request_id,
+                event,
+                actor=actor,
+                platform=platform,
+                at=now,
+                args_hash=request.args_hash,
+                detail=detail,
+            )
             tx.notify(DECIDED_CHANNEL, request_id)
         elif lost_event is not None:
             standing = request.status.value if request.status.final else "pending past its deadline"
-            detail = f"standing: {standing}"
-            tx.run(_EVENT, (request_id, lost_event, actor, platform, now, request.args_hash, detail, None))
+            self.chain.append(tx, request_id, lost_event, actor=actor, platform=platform, at=now,
+                              args_hash=request.args_hash, detail=f"standing: {standing}")  # fmt: skip
         return won, request
 
     async def audit(
@@ -667,8 +684,61 @@ class ApprovalStore:
     ) -> None:
         at = self.clock()
         await self._write(
-            lambda tx: tx.run(_EVENT_HASHED, (request_id, event, actor, platform, at, request_id, detail, person))
+            lambda tx: self.chain.append(
+                tx,
+                request_id,
+                event,
+                actor=actor,
+                platform=platform,
+                at=at,
+                args_hash=FROM_REQUEST,
+                detail=detail,
+                person=person,
+            )
         )
+
+    async def start_chain(self) -> None:
+        """Chain the events written before the audit chain began, once (``kazma run`` does it at start, so the
+        first decision after an upgrade does not wait for it); a no-op once done."""
+        await self._write(self.chain.start)
+
+    async def witness(self, request_id: str) -> Checkpoint | None:
+        """The signed checkpoint that holds ``request_id``'s decision (what its settled cards show), or None."""
+        found = await self.tables.one(_DECISION_SEQ, (request_id,))
+        if found is None:
+            return None
+        row = await self.tables.one(
+            f"SELECT {CHECKPOINT_COLUMNS} FROM audit_checkpoints WHERE seq >= ? AND first_seq <= ?"  # noqa: S608
+            " ORDER BY seq LIMIT 1",
+            (found[0], found[0]),
+        )
+        return None if row is None else checkpoint_of_row(row)
+
+    async def chain_events(self, after: int = 0, *, limit: int = 1000) -> list[ChainedEvent]:
+        """Audit events with their chain fields, in sequence order, from the first after ``after``."""
+        rows = await self.tables.all(
+            f"SELECT {EVENT_COLUMNS} FROM approval_events WHERE seq > ? ORDER BY seq LIMIT ?",  # noqa: S608
+            (after, limit),
+        )
+        return [ChainedEvent.of_row(row) for row in rows]
+
+    async def chain_checkpoints(self, after: int = 0, *, limit: int = 1000) -> list[Checkpoint]:
+        """Signed checkpoints in sequence order, from the first whose head comes after ``after``."""
+        rows = await self.tables.all(
+            f"SELECT {CHECKPOINT_COLUMNS} FROM audit_checkpoints WHERE seq > ? ORDER BY seq LIMIT ?",  # noqa: S608
+            (after, limit),
+        )
+        return [checkpoint_of_row(row) for row in rows]
+
+    async def last_checkpoint(self) -> Checkpoint | None:
+        row = await self.tables.one(
+            f"SELECT {CHECKPOINT_COLUMNS} FROM audit_checkpoints ORDER BY seq DESC LIMIT 1"  # noqa: S608
+        )
+        return None if row is None else checkpoint_of_row(row)
+
+    async def last_event_seq(self) -> int:
+        row = await self.tables.one("SELECT seq FROM approval_events ORDER BY seq DESC LIMIT 1")
+        return 0 if row is None else int(row[0])
 
     async def events(self, request_id: str | None = None, *, event: str | None = None) -> list[AuditEvent]:
         clauses, params = [], []
@@ -769,7 +839,16 @@ class ApprovalStore:
                 " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                 (request_id, platform, chat, message_id, now, int(whole)),
             )
-            tx.run(_EVENT_HASHED, (request_id, "card_posted", None, platform, now, request_id, detail, None))
+            self.chain.append(
+                tx,
+                request_id,
+                "card_posted",
+                actor=None,
+                platform=platform,
+                at=now,
+                args_hash=FROM_REQUEST,
+                detail=detail,
+            )
 
         await self._write(op)
 
@@ -885,10 +964,10 @@ class ApprovalStore:
                 (now, status.value, card.request_id, card.platform, card.chat, card.message_id),
             )
             if settled == 1:
-                tx.run(
-                    _EVENT_HASHED,
-                    (card.request_id, "card_settled", None, card.platform, now, card.request_id, detail, None),
-                )
+                self.chain.append(
+                    tx, card.request_id, "card_settled", actor=None, platform=card.platform, at=now,
+                    args_hash=FROM_REQUEST, detail=detail,
+                )  # fmt: skip
 
         await self._write(op)
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Final
 
-from kazma.approvals.store import write_event
+from kazma.approvals.chain import AuditChain
 from kazma.config.store.backend import StoreConnection, Tx, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
@@ -164,8 +164,8 @@ class ApiOpen:
         )
         return str(row[0])
 
-    def opened(self, tx: Tx, request_id: str) -> None:
-        write_event(
+    def opened(self, tx: Tx, request_id: str, audit: AuditChain) -> None:
+        audit.append(
             tx, request_id, "api_opened", actor=self.actor, platform="api", at=self.now, args_hash=self.args_hash,
             detail=f"tool={self.tool}",
         )  # fmt: skip

@@ -28,12 +28,14 @@ from kazma.adapters.outbox import Outbox
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
+from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.rules import RuleStore
 from kazma.bot.api_store import IdempotencyKeys
+from kazma.bot.audit_sink import AuditSink
 from kazma.bot.chat_moves import ChatMoves, config_lines_for_move
 from kazma.bot.console.services import ConsoleServices
 from kazma.bot.inbound_claims import InboundClaims
-from kazma.bot.keys import decision_keys_folder, load_decision_keyring
+from kazma.bot.keys import decision_keys_folder, load_audit_signer, load_decision_keyring
 from kazma.bot.lifecycle import Lifecycle
 from kazma.bot.services import KazmaServices
 from kazma.bot.store_handles import open_handles
@@ -199,6 +201,7 @@ async def build_app(
     stores = await open_handles(config, replica=replica)
     try:
         keyring = load_decision_keyring(config)  # seals every outcome; made at first start on SQLite
+        signer = load_audit_signer(config)  # signs the audit chain's checkpoints; made beside it on SQLite
     except BaseException:
         await stores.close()
         raise
@@ -206,13 +209,22 @@ async def build_app(
     # Approvals and the platforms that show their cards. The store names this replica as the owner of what it
     # opens only once it serves (App.start): a command that only builds the app (`kazma swarm`) holds no lease,
     # so nobody could tell whether it is alive.
-    store = ApprovalStore(stores.primary, keyring=keyring)
+    store = ApprovalStore(stores.primary, keyring=keyring, audit=signer)
+    checkpointer = Checkpointer(store, signer)  # settled cards wait on it for the checkpoint holding a decision
     platforms = build_adapters(loaded, paced=paced) if adapters is None else list(adapters)
     if web is not None:
         platforms.append(web)
     outbox = Outbox(stores.outbox, replica=replica)
     bus: FanOutBus | NullBus = (
-        FanOutBus(platforms, store=store, outbox=outbox, config=config, poll_interval=poll_interval, shared=shared)
+        FanOutBus(
+            platforms,
+            store=store,
+            outbox=outbox,
+            config=config,
+            poll_interval=poll_interval,
+            shared=shared,
+            witnesses=checkpointer,
+        )
         if platforms
         else NullBus()
     )
@@ -304,6 +316,8 @@ async def build_app(
         inbound_claims=inbound_claims,
         signed_requests=inbound_claims or InboundClaims(stores.primary, replica=replica),
         api_keys=api_keys,
+        checkpointer=checkpointer,
+        audit_sink=None if config.audit.sink is None else AuditSink.of(store, stores.primary, config.audit.sink),
         console=KazmaServices(
             config=config,
             store=stores.primary,
@@ -324,7 +338,7 @@ def _builtin_tools(config: KazmaConfig) -> ToolRegistry:
     return default_registry(
         sandbox=resolve_sandbox(config.tools.sandbox),
         shell_network=config.tools.shell_network,
-        # The store, the tokens, the sessions, the decision keys: never visible to a command.
+        # The store, the tokens, the sessions, the decision and audit keys: never visible to a command.
         hidden=[state.resolve(), decision_keys_folder(config).resolve()],
     )
 

@@ -22,8 +22,10 @@ import structlog
 from kazma.adapters.bus import FanOutBus, NullBus
 from kazma.adapters.contract import Handlers
 from kazma.approvals import ApprovalService
+from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.service import Recovery
 from kazma.bot.api_store import IdempotencyKeys
+from kazma.bot.audit_sink import AuditSink
 from kazma.bot.chat_moves import ChatMoves
 from kazma.bot.inbound_claims import InboundClaims
 from kazma.bot.store import StoreWatch
@@ -71,6 +73,10 @@ class Lifecycle(ABC):
     signed_requests: InboundClaims | None = None
     # The approvals API's idempotency keys, swept with the other retention (None: not swept here).
     api_keys: IdempotencyKeys | None = None
+    # Signs the audit chain's head within milliseconds of each decision (every replica runs one).
+    checkpointer: Checkpointer | None = None
+    # audit.sink: streams the audit chain out as it commits (the leader's duty among replicas).
+    audit_sink: AuditSink | None = None
     sweep_interval: float = 5.0
     store_watch: StoreWatch | None = field(init=False, default=None)
     _tasks: Supervisor = field(init=False, default_factory=lambda: Supervisor("app_task"))  # sweeps, watch, notices
@@ -91,12 +97,15 @@ class Lifecycle(ABC):
             return
         # Recover before any platform can start new work: a task or step started by
         # this process must never be mistaken for one a dead process left running.
+        await self._start_audit()
         interrupted, tell_lead = await self.executor.mark_interrupted()
         if interrupted:
             log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
         await self.swarm.recover()  # its reports are coalesced and sent once the platforms are up
         recovery = await self.service.recover()  # orphans end before anyone can press their stale buttons
         self._tasks.keep(self._retention, name="kazma-swarm-retention", backoff=LOOP_RESTART)
+        if self.audit_sink is not None:
+            self._tasks.keep(self.audit_sink.run, name="kazma-audit-sink", backoff=LOOP_RESTART)
         await self._follow_chat_moves()
         if self.mcp is not None:  # tools listed before the first turn when the servers are quick; later otherwise
             await self.mcp.start(wait=10.0)
@@ -120,6 +129,7 @@ class Lifecycle(ABC):
         self.executor.store.replica = self.replica
         self.swarm.store.replica = self.replica
         await replication.start()  # its lease session is up: no leader takes what it starts for a dead one's
+        await self._start_audit()
         # What this replica's previous life (same name) left: the others may never have seen it gone.
         await self.swarm.restore_breakers()
         told = await self._recover_replicas(AllBut(self.replica), claims=False)
@@ -139,6 +149,16 @@ class Lifecycle(ABC):
         self._leader_tasks.keep(self._keep_ingress, name="kazma-leader-ingress", backoff=LOOP_RESTART)
         self._leader_tasks.keep(self._sweep, name="kazma-approvals-sweep", backoff=LOOP_RESTART)
         self._leader_tasks.keep(self._retention, name="kazma-swarm-retention", backoff=LOOP_RESTART)
+        if self.audit_sink is not None:  # one replica streams: a new leader goes on from the stored position
+            self._leader_tasks.keep(self.audit_sink.run, name="kazma-audit-sink", backoff=LOOP_RESTART)
+
+    async def _start_audit(self) -> None:
+        """The audit chain before anything appends: the one-time chaining of events from before it (after an
+        upgrade), then a signature over whatever a previous run left unsigned, then the checkpointer."""
+        await self.service.store.start_chain()
+        if self.checkpointer is not None:
+            await self.checkpointer.sign()
+            self._tasks.keep(self.checkpointer.run, name="kazma-audit-checkpointer", backoff=LOOP_RESTART)
 
     async def _keep_ingress(self) -> None:
         """While leading: every singleton ingress open, one that failed to open tried again with backoff."""
@@ -259,6 +279,12 @@ class Lifecycle(ABC):
         if self.mcp is not None:
             await self.mcp.stop()
         await self.bus.stop()
+        if self.checkpointer is not None:  # what this run appended last, signed before the store closes
+            try:
+                await self.checkpointer.sign()
+            except Exception as exc:
+                count_failure("audit_checkpoint")
+                log.warning("audit.checkpoint_at_stop_failed", error=str(exc))
         closer = getattr(self.provider, "aclose", None)
         if closer is not None:
             await closer()

@@ -20,6 +20,8 @@ from kazma.approvals.schema import MIGRATIONS as APPROVALS
 from kazma.approvals.schema import PG_MIGRATIONS as APPROVALS_PG
 from kazma.bot.api_store import MIGRATIONS as API_IDEMPOTENCY
 from kazma.bot.api_store import PG_MIGRATIONS as API_IDEMPOTENCY_PG
+from kazma.bot.audit_sink import MIGRATIONS as AUDIT_SINK
+from kazma.bot.audit_sink import PG_MIGRATIONS as AUDIT_SINK_PG
 from kazma.bot.chat_moves import MIGRATIONS as CHAT_MOVES
 from kazma.bot.chat_moves import PG_MIGRATIONS as CHAT_MOVES_PG
 from kazma.bot.console.accounts import MIGRATIONS as PEOPLE
@@ -64,6 +66,7 @@ def all_migrations() -> list[Migration]:
         *TRANSCRIPT,
         *SESSIONS,
         *INBOUND_CLAIMS,
+        *AUDIT_SINK,
         *PEOPLE,
     ]
 
@@ -83,6 +86,7 @@ def pg_migrations() -> list[Migration]:
         *TRANSCRIPT_PG,
         *SESSIONS_PG,
         *INBOUND_CLAIMS_PG,
+        *AUDIT_SINK_PG,
         *PEOPLE_PG,
     ]
 

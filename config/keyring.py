@@ -22,6 +22,8 @@ first use (folder 0700, file 0600) where the caller may create it.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import os
 import re
@@ -82,8 +84,35 @@ DECISION_KEYS = KeySpec(
     "# must stay runnable. Never copy this file into the store's folder or a workspace.",
 )
 
+
+def _signing_seed(written: str) -> bytes:
+    """An Ed25519 private key as written: its 32-byte seed in URL-safe base64 (padding optional)."""
+    try:
+        seed = base64.b64decode(written + "=" * (-len(written) % 4), altchars=b"-_", validate=True)
+    except (ValueError, binascii.Error):
+        raise ValueError("not URL-safe base64") from None
+    if len(seed) != 32:
+        raise ValueError(f"an Ed25519 seed is 32 bytes, this one is {len(seed)}")
+    return seed
+
+
+def _new_signing_seed() -> str:
+    return base64.urlsafe_b64encode(secrets.token_bytes(32)).decode("ascii").rstrip("=")
+
+
+AUDIT_KEYS = KeySpec(
+    "audit",
+    "KAZMA_AUDIT_KEY",
+    "Kazma's audit keys (Ed25519: each one signs checkpoints of the audit chain). The first key signs new\n"
+    "# checkpoints; every key's public half verifies. `kazma keys rotate --audit` puts a new one first; keep the\n"
+    "# older ones: checkpoints they signed verify with them. Never copy this file into the store's folder.",
+    min_length=43,
+    decode=_signing_seed,
+    generate=_new_signing_seed,
+)
+
 # Every variable that holds a keyring: kazma.yaml may not substitute one, and no MCP server may be given one.
-KEY_VARIABLES = frozenset({DECISION_KEYS.env})
+KEY_VARIABLES = frozenset({DECISION_KEYS.env, AUDIT_KEYS.env})
 
 
 def keys_folder(store_path: Path) -> Path:

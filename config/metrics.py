@@ -6,7 +6,10 @@ count here because this module sits at the bottom of the import graph.
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, Counter, Histogram
+import math
+import time
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 FAILURES = Counter(
     "kazma_failures",
@@ -40,6 +43,23 @@ DECISION_TO_SETTLED = Histogram(
     "From a request's outcome to the last of its cards showing it.",
     buckets=_LATENCY_BUCKETS,
 )
+
+
+AUDIT_SIGNED_SEQ = Gauge(
+    "kazma_audit_last_signed_seq", "The sequence number of the audit event the newest signed checkpoint covers."
+)
+AUDIT_CHECKPOINT_AGE = Gauge(
+    "kazma_audit_checkpoint_age_seconds",
+    "Seconds since the newest signed checkpoint of the audit chain was made (NaN: none seen yet).",
+)
+_newest_checkpoint_at: list[float] = []
+AUDIT_CHECKPOINT_AGE.set_function(lambda: time.time() - _newest_checkpoint_at[0] if _newest_checkpoint_at else math.nan)
+
+
+def audit_checkpoint_seen(seq: int, at: float) -> None:
+    """The newest signed checkpoint of the audit chain, as this process last saw it."""
+    AUDIT_SIGNED_SEQ.set(seq)
+    _newest_checkpoint_at[:] = [at]
 
 
 def count_failure(site: str, platform: str = "") -> None:

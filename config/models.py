@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from kazma.config.audit_config import AuditConfig
 from kazma.config.identity import Roster
 from kazma.config.keyring import KEY_VARIABLES, keys_folder
 from kazma.config.limits import DEFAULT_FILE_BYTES, DEFAULT_FILE_COUNT, MAX_TOOL_OUTPUT_CHARS, MAX_WORKERS, MIB
@@ -989,6 +990,7 @@ class KazmaConfig(Strict):
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     api: ApiConfig = Field(default_factory=ApiConfig)
     files: FilesConfig = Field(default_factory=FilesConfig)
+    audit: AuditConfig = Field(default_factory=AuditConfig)
     people: PeopleConfig = Field(default_factory=PeopleConfig)
 
     @model_validator(mode="before")

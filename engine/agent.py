@@ -317,6 +317,7 @@ class AgentRunner:
             agent=ctx.agent.name,
         )
         outcome = await self.registry.execute(call.name, call.arguments, tool_ctx)
+        await self.policy.ran(verdict, ok=outcome.ok, output=outcome.output, error=outcome.error)
         summary = outcome.output if outcome.ok else (outcome.error or "failed")
         result.tool_runs.append(
             ToolRun(

@@ -18,15 +18,20 @@ from kazma.approvals import (
     PressVerdict,
     Status,
 )
+from kazma.approvals.checkpoints import AuditSigner
 from kazma.bot.store import pg_migrations
 from kazma.config import KazmaConfig, load_config_text
-from kazma.config.keyring import DECISION_KEYS, Keyring
+from kazma.config.keyring import AUDIT_KEYS, DECISION_KEYS, Keyring
 from kazma.config.store.database import open_database
 from kazma.config.store.postgres import PgStore, open_pg_store
 
 # The decision keyring of every test service: what the store seals outcomes with and execution verifies.
 TEST_KEY = ("k1", "test-decision-key-" + "0" * 32)
 TEST_KEYRING = Keyring.of(DECISION_KEYS, TEST_KEY)
+# The audit keyring of every test service: an Ed25519 seed (URL-safe base64 of 32 bytes) that signs checkpoints.
+TEST_AUDIT_KEY = ("a1", "YXVkaXQta2V5LW9mLWV2ZXJ5LWthem1hLXRlc3QtLS0")
+TEST_AUDIT_KEYRING = Keyring.of(AUDIT_KEYS, TEST_AUDIT_KEY)
+TEST_SIGNER = AuditSigner(TEST_AUDIT_KEYRING)
 
 APPROVERS_YAML = """
 approvals:
@@ -82,6 +87,7 @@ async def approval_service(
     busy_timeout_ms: int = 5000,
     poll_interval: float = 0.5,
     keyring: Keyring | None = TEST_KEYRING,
+    audit: AuditSigner | None = TEST_SIGNER,
 ) -> AsyncIterator[ApprovalService]:
     conn: aiosqlite.Connection | PgStore
     if isinstance(path, str) and path.startswith("postgresql://"):  # a test database on the suite's server
@@ -90,7 +96,7 @@ async def approval_service(
         conn = await open_database(path, busy_timeout_ms=busy_timeout_ms, migrations=MIGRATIONS)
     try:
         kwargs: dict[str, Any] = {"clock": clock} if clock is not None else {}
-        store = ApprovalStore(conn, keyring=keyring, **kwargs)
+        store = ApprovalStore(conn, keyring=keyring, audit=audit, **kwargs)
         yield ApprovalService(
             store,
             config or approvals_config(),

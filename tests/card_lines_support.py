@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kazma.adapters.card_layout import (
+    AUDIT_LABEL,
     DEADLINE_LABEL,
     FROM_LABEL,
     FULL_CALL_LABEL,
@@ -45,6 +46,7 @@ TOKENS: tuple[str, ...] = tuple(
             DEADLINE_LABEL,
             HASH_LABEL,
             FULL_CALL_LABEL,
+            AUDIT_LABEL,
             "Arguments (",
             "Listed by name only",
             "Approval needed",

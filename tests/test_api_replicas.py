@@ -24,6 +24,7 @@ from kazma.adapters.outbox import Outbox
 from kazma.approvals import ApprovalStore
 from kazma.bot.store import pg_migrations
 from kazma.config.store.postgres import PgStore, open_pg_store
+from tests.audit_support import AUDIT_KEY
 from tests.contract.harness import free_port
 from tests.fakes.telegram import FakeTelegram
 from tests.platforms_support import TG_ADMIN, TG_CHAT
@@ -72,6 +73,7 @@ platforms:
             "KAZMA_WEB_TOKEN": "o" * 40,  # replicas share the console's tokens
             "KAZMA_WEB_READER_TOKEN": "r" * 40,
             "KAZMA_DECISION_KEY": "k1:" + "d" * 40,  # every replica verifies the others' seals
+            "KAZMA_AUDIT_KEY": AUDIT_KEY,  # every replica signs the one audit chain
         }
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", "-c", str(self.config), "--log-format", "json", "run",

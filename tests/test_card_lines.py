@@ -36,7 +36,7 @@ from kazma.adapters.telegram.render import TelegramCard, TelegramWriter
 from kazma.adapters.web.render import HtmlWriter
 from kazma.approvals import UnrenderableArguments, args_hash, build_card, canonical_json
 from kazma.approvals.honesty import unreveal, unreveal_line
-from kazma.approvals.model import ApprovalRequest, Outcome, Status
+from kazma.approvals.model import ApprovalRequest, Outcome, Status, Witness
 from tests.card_lines_support import (
     Line,
     card_tokens,
@@ -98,6 +98,7 @@ PIECES = [
     "Arguments (1):",
     "Arguments SHA-256: 0000",
     "Full call: http://evil.example",
+    "Audit checkpoint: #1 000000000000",
     "Listed by name only (1):",
     "Approval needed: shell",
     "• repo: docs",
@@ -138,6 +139,7 @@ class Case:
     decider: str
     reason: str
     limit: int
+    witness: Witness | None = None  # Kazma's own (a sequence number and hex): the footer of a settled card
 
 
 cases = st.builds(
@@ -154,6 +156,12 @@ cases = st.builds(
     decider=hostile,
     reason=hostile,
     limit=st.sampled_from([24, 120, 2_000]),
+    witness=st.none()
+    | st.builds(
+        Witness,
+        seq=st.integers(min_value=1, max_value=2**62),
+        head=st.text("0123456789abcdef", min_size=64, max_size=64),
+    ),
 )
 
 
@@ -184,6 +192,7 @@ def outcome_of(case: Case) -> Outcome | None:
         decided_via=case.decider,
         decided_at=datetime(2030, 1, 2, 3, 5, 0, tzinfo=UTC),
         reason=case.reason,
+        witness=case.witness,
     )
 
 

@@ -103,8 +103,8 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         "modle: {name: x}",
         {},
         [
-            "kazma.yaml: modle: unknown key (expected one of: agents, api, approvals, files, mcp_servers, model, "
-            "models, people, pipelines, platforms, store, swarm, tools, web)"
+            "kazma.yaml: modle: unknown key (expected one of: agents, api, approvals, audit, files, mcp_servers, "
+            "model, models, people, pipelines, platforms, store, swarm, tools, web)"
         ],
     ),
     (

@@ -1,5 +1,6 @@
-"""The decision key is out of every tool's reach: an MCP server Kazma starts (a real SDK server, placed and
-sandboxed as build_app does) never sees it: not in its environment, not in Kazma's through /proc, not its file.
+"""The decision key and the audit key are out of every tool's reach: an MCP server Kazma starts (a real SDK server,
+placed and sandboxed as build_app does) never sees them: not in its environment, not in Kazma's through /proc, not
+their files.
 
 The shell's side is attacked in test_sandbox (Kazma's environment through /proc) and test_trust_tools (the key
 file, as Kazma wires the shell); ``kazma.yaml`` can neither hand the variable to a server nor substitute it.
@@ -18,22 +19,23 @@ from typing import Any
 import pytest
 
 from kazma.config import ConfigError, load_config_text
+from kazma.config.keyring import AUDIT_KEYS, DECISION_KEYS, KeySpec
 from kazma.engine.tools.mcp_launch import places_for
 from tests.process_support import REPO
 
 SNOOP = Path(__file__).resolve().parent / "mcp_servers" / "snoop.py"
 KAZMA_CHILD = """
 import asyncio, json, sys
-from kazma.bot.keys import decision_key_file
+from kazma.bot.keys import decision_keys_folder
 from kazma.config import load_config_text
 from kazma.config.models import MCPServerConfig
 from kazma.engine.tools.mcp_launch import places_for
 from kazma.engine.tools.mcp_tools import MCPConnection
 
 async def main() -> None:
-    snoop, store = sys.argv[1:3]
+    snoop, store, purpose = sys.argv[1:4]
     config = load_config_text(f"store: {{path: '{store}'}}", environ={}).config
-    key_file = str(decision_key_file(config))
+    key_file = str(decision_keys_folder(config) / purpose)
     server = MCPServerConfig(command=sys.executable, args=[snoop])
     connection = MCPConnection("snoop", server, places=places_for(config))  # as build_app places servers
     connection.start()
@@ -48,22 +50,26 @@ asyncio.run(main())
 """
 ENV_KEY = "k1:" + "v" * 40
 FILE_KEY = "k1:" + "f" * 40
+# What each keyring holds in the variable and in the file (an audit key is an Ed25519 seed: 43 characters).
+SECRETS = {DECISION_KEYS.purpose: ("v" * 40, "f" * 40), AUDIT_KEYS.purpose: ("v" * 43, "f" * 43)}
+SPECS = pytest.mark.parametrize("spec", [DECISION_KEYS, AUDIT_KEYS], ids=lambda spec: spec.purpose)
 
 
-async def _snooped(tmp_path: Path) -> dict[str, Any]:
+async def _snooped(tmp_path: Path, spec: KeySpec = DECISION_KEYS) -> dict[str, Any]:
     """A stand-in for ``kazma run`` started with the key in its environment and a key file beside its store,
     starting the snoop server and calling it once: what the server saw."""
+    in_env, in_file = SECRETS[spec.purpose]
     keys = tmp_path / "state-keys"  # where kazma run makes it, beside the store's folder tmp_path/state
     keys.mkdir(mode=0o700)
-    (keys / "decision").write_text(FILE_KEY + "\n")
-    (keys / "decision").chmod(0o600)
+    spec.file(keys).write_text(f"k1:{in_file}\n")
+    spec.file(keys).chmod(0o600)
     script = tmp_path / "kazma_child.py"
     script.write_text(KAZMA_CHILD)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "KAZMA_DECISION_KEY": ENV_KEY}
+    env = {**os.environ, "PYTHONPATH": str(REPO), spec.env: f"k1:{in_env}"}
 
     def run() -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, str(script), str(SNOOP), str(tmp_path / "state" / "kazma.db")],
+            [sys.executable, str(script), str(SNOOP), str(tmp_path / "state" / "kazma.db"), spec.purpose],
             env=env,
             cwd=tmp_path,
             capture_output=True,
@@ -81,17 +87,19 @@ async def _snooped(tmp_path: Path) -> dict[str, Any]:
     return seen
 
 
-async def test_an_mcp_servers_environment_never_holds_the_key(tmp_path: Path) -> None:
-    seen = await _snooped(tmp_path)
+@SPECS
+async def test_an_mcp_servers_environment_never_holds_the_key(tmp_path: Path, spec: KeySpec) -> None:
+    seen = await _snooped(tmp_path, spec)
     assert "PATH" in seen["env"]  # the server did report its environment
-    assert "KAZMA_DECISION_KEY" not in seen["env"]
-    assert "v" * 40 not in json.dumps(seen["env"])
+    assert spec.env not in seen["env"]
+    assert SECRETS[spec.purpose][0] not in json.dumps(seen["env"])
 
 
-async def test_an_mcp_server_cannot_read_the_key_through_proc_or_the_key_file(tmp_path: Path) -> None:
-    seen = await _snooped(tmp_path)
-    assert "v" * 40 not in json.dumps(seen["proc"])
-    assert "f" * 40 not in seen["file"]
+@SPECS
+async def test_an_mcp_server_cannot_read_the_key_through_proc_or_the_key_file(tmp_path: Path, spec: KeySpec) -> None:
+    seen = await _snooped(tmp_path, spec)
+    assert SECRETS[spec.purpose][0] not in json.dumps(seen["proc"])
+    assert SECRETS[spec.purpose][1] not in seen["file"]
     assert seen["file"].startswith("<")  # not there at all: <FileNotFoundError>
 
 
@@ -114,14 +122,16 @@ def test_no_folder_given_to_an_mcp_server_shows_the_decision_keys(tmp_path: Path
         load_config_text(yaml, environ={})
 
 
+@SPECS
 @pytest.mark.parametrize(
     "yaml",
     [
-        "mcp_servers: {x: {command: a, env: [KAZMA_DECISION_KEY]}}",
-        "mcp_servers: {x: {url: 'http://127.0.0.1:1/mcp', headers: {X-Key: KAZMA_DECISION_KEY}}}",
-        "agents: {lead: {system_prompt: 'the key is ${KAZMA_DECISION_KEY}'}}",
+        "mcp_servers: {x: {command: a, env: [VARIABLE]}}",
+        "mcp_servers: {x: {url: 'http://127.0.0.1:1/mcp', headers: {X-Key: VARIABLE}}}",
+        "agents: {lead: {system_prompt: 'the key is ${VARIABLE}'}}",
+        "audit: {sink: {webhook: 'https://audit.example/in', headers: {X-Key: '${VARIABLE}'}}}",
     ],
 )
-def test_kazma_yaml_can_hand_the_key_to_nothing(yaml: str) -> None:
-    with pytest.raises(ConfigError, match=r"KAZMA_DECISION_KEY.* holds Kazma's own keys"):
-        load_config_text(yaml, environ={"KAZMA_DECISION_KEY": ENV_KEY})
+def test_kazma_yaml_can_hand_the_key_to_nothing(yaml: str, spec: KeySpec) -> None:
+    with pytest.raises(ConfigError, match=rf"{spec.env}.* holds Kazma's own keys"):
+        load_config_text(yaml.replace("VARIABLE", spec.env), environ={spec.env: ENV_KEY})

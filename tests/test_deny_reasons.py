@@ -42,7 +42,7 @@ from tests.platforms_support import (
     three_fakes,
 )
 from tests.test_agent import BUILDER, call, tool_messages
-from tests.test_web_server import OPERATOR, console
+from tests.test_web_server import OPERATOR, console, until
 
 ARGS = {"command": "make deploy"}
 # A reason that tries to be an instruction and to start a card line of its own.
@@ -247,6 +247,12 @@ async def test_the_console_deny_field_carries_the_reason_and_empty_it_is_one_pre
         assert (bare.status, bare.reason) == (Status.DENIED, None)
         [decided] = await con.app.service.store.events(request.id, event="decided")
         assert decided.detail == f"denied: {SHOWN}"
+
+        def settled() -> bool:
+            card = con.web.card_message(request.id)
+            return card is not None and card.outcome is not None
+
+        await until(con.web, settled)
         shown = con.web.card_message(request.id)
         assert shown is not None
         assert shown.outcome is not None

@@ -38,6 +38,7 @@ from kazma.bot.store import pg_migrations
 from kazma.config import load_config_text
 from kazma.config.keyring import DECISION_KEYS, Keyring
 from kazma.config.store.postgres import PgStore, open_pg_store
+from tests.audit_support import AUDIT_KEY
 from tests.contract.harness import free_port
 from tests.fakes.discord import HOME_CHANNEL_ID
 from tests.platforms_support import PLATFORMS, SLACK_ADMIN, SLACK_CHANNEL, TG_ADMIN, TG_CHAT, Fakes, three_fakes
@@ -81,6 +82,7 @@ class Replica:
             "KAZMA_WEB_TOKEN": TOKEN,
             "KAZMA_WEB_READER_TOKEN": READER,
             "KAZMA_DECISION_KEY": DECISION_KEY,  # every replica verifies the others' seals
+            "KAZMA_AUDIT_KEY": AUDIT_KEY,  # every replica signs the one audit chain
         }
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", "-c", str(self.config), "--log-format", "json", "run",

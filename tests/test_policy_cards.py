@@ -128,7 +128,7 @@ async def test_a_step_up_card_has_no_approve_in_any_chat_and_deny_is_one_press(t
         request = await app.service.open("deploy", {"env": "prod"}, "agent:builder", "telegram:-1001", policy="passkey")
         await fakes.wait(lambda: all(fakes.has_buttons(p) for p in PLATFORMS))
         for platform in PLATFORMS:
-            assert _buttons(fakes, platform) == ["d"], (platform, _buttons(fakes, platform))
+            assert _buttons(fakes, platform) == ["d", "n"], (platform, _buttons(fakes, platform))
             assert "with your passkey" in fakes.card_text(platform), platform
             assert f"/swarm?approval={request.id}" in fakes.card_text(platform), platform
         # pressing Approve with forged data (the button is not there) is refused all the same

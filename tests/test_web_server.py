@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
 from kazma.adapters.web import WebAdapter
-from kazma.approvals.model import ApprovalRequest, Status
+from kazma.approvals.model import ApprovalRequest, Decision, Status
 from kazma.bot.app import App, build_app
 from kazma.bot.console.server import CSP, WebServer
 from kazma.config import load_config_text
@@ -517,6 +517,34 @@ async def test_metrics_are_prometheus_text_with_failures_and_swarm_tasks(tmp_pat
         assert 'kazma_failures_total{platform="",site="web_test_site"}' in text
         assert 'kazma_swarm_tasks{status="running"} 0.0' in text
         assert_security_headers(response)
+
+
+async def test_metrics_show_the_last_signed_audit_sequence_and_the_age_of_the_last_checkpoint(tmp_path: Path) -> None:
+    async with console(tmp_path) as con, aiohttp.ClientSession() as client:
+        store = con.app.service.store
+        request = await con.app.service.open("shell", {"command": "ls"}, "agent:builder", "web:console")
+        decided = await con.app.service.decide(request.id, Decision.APPROVE, actor="web:alice", platform="web")
+        assert decided.won
+
+        async def exposed() -> tuple[float, float, int, int]:
+            text = await (await client.get(f"{con.base}/metrics")).text()
+            found = dict(re.findall(r"^(kazma_audit_\w+) (\S+)$", text, re.MULTILINE))
+            newest = await store.last_checkpoint()
+            return (
+                float(found["kazma_audit_last_signed_seq"]),
+                float(found["kazma_audit_checkpoint_age_seconds"]),
+                -1 if newest is None else newest.seq,
+                await store.last_event_seq(),
+            )
+
+        async with asyncio.timeout(30):  # the running checkpointer signs the decision (and what followed it)
+            while (seen := await exposed())[0] != seen[2] or seen[2] != seen[3]:
+                await asyncio.sleep(0.02)
+        signed, age, newest_seq, _ = seen
+        witness = await store.witness(request.id)
+        assert witness is not None
+        assert signed == newest_seq >= witness.seq
+        assert 0 <= age < 3600  # seconds since that checkpoint was made, not NaN (none seen) nor a timestamp
 
 
 async def test_token_files_are_private_and_reused(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from tests.audit_support import AUDIT_KEY
 from tests.contract.harness import free_port
 from tests.platforms_support import PLATFORMS, TG_ADMIN, TG_CHAT, Fakes
 from tests.process_support import REPO
@@ -88,6 +89,7 @@ class KazmaRun:
                 "KAZMA_WEB_TOKEN": "o" * 40,
                 "KAZMA_WEB_READER_TOKEN": "r" * 40,
                 "KAZMA_DECISION_KEY": "k1:" + "d" * 40,
+                "KAZMA_AUDIT_KEY": AUDIT_KEY,
             }
         self.process: asyncio.subprocess.Process | None = None
 

@@ -118,6 +118,9 @@ class DiscordWriter:
         if view.notice:
             lines.append(f"*{escape_text(view.notice)}*")
         lines.append(f"**{escape_text(view.link_label)}:** {escape_text(view.link)}")
+        if view.footer is not None:
+            # Kazma's own digits and hex, in code: "#" would otherwise be escaped (a heading mark) and shown "\#".
+            lines.append(f"**{escape_text(view.footer[0])}:** `{code_safe(view.footer[1])}`")
         description = "\n".join(lines)
         # No embed ``url``: Discord refuses the whole message for a URL it deems malformed.
         embed = discord.Embed(title=clip(title, TITLE_MAX), description=description, colour=colour)

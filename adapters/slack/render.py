@@ -216,6 +216,15 @@ class SlackWriter:
                 "text": _mrkdwn(f"*{escape(view.link_label)}:* {_link(view.link, view.link)}"),
             }
         )
+        if view.footer is not None:
+            label, value = view.footer
+            blocks.append(
+                {
+                    "type": "section",
+                    "block_id": "kazma_witness",
+                    "text": _mrkdwn(f"*{escape(label)}:* `{_inert(value)}`"),
+                }
+            )
         if view.buttons:
             blocks.append(
                 {

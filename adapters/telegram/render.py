@@ -182,6 +182,9 @@ class TelegramWriter:
             out.text("\n\n")
             out.tag("i", view.notice)
         out.text(f"\n\n{view.link_label}: {view.link}")
+        if view.footer is not None:
+            out.text(f"\n{view.footer[0]}: ")
+            out.tag("code", view.footer[1])
         return out
 
 

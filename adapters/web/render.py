@@ -65,6 +65,8 @@ class HtmlWriter:
         if view.notice:
             parts.append(f'<div class="notice">{e(view.notice)}</div>')
         parts.append(f'<div class="link">{e(view.link_label)}: <a href="{e(view.link)}">{e(view.link)}</a></div>')
+        if view.footer is not None:
+            parts.append(f'<div class="witness">{e(view.footer[0])}: <code>{e(view.footer[1])}</code></div>')
         if view.buttons:
             parts.append(self.buttons(view))
         parts.append("</div>")

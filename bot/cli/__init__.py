@@ -20,6 +20,7 @@ from kazma.bot.cli.log_options import FORMATS, LEVELS, log_settings, set_log, wi
 # name: (module, attribute, the one line `kazma --help` shows). test_cli checks each line against the command's own.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "approvals": ("kazma.bot.cli.approvals_cli", "approvals", "List, inspect and decide approval requests."),
+    "audit": ("kazma.bot.cli.audit_cli", "audit", "The audit chain: verify it, export it, print its public keys."),
     "config": ("kazma.bot.cli.core_cli", "config", "Inspect and validate kazma.yaml."),
     "demo": ("kazma.bot.cli.core_cli", "demo", "Play a scripted scenario end to end: no tokens, no model."),
     "doctor": (
@@ -28,7 +29,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "Check the configuration, each platform's tokens with the platform,...",
     ),
     "init": ("kazma.bot.cli.init_cli", "init", "Write a commented kazma.yaml in which you are an approver..."),
-    "keys": ("kazma.bot.cli.keys_cli", "keys", "The decision keys that seal approvals: list, rotate, retire."),
+    "keys": (
+        "kazma.bot.cli.keys_cli",
+        "keys",
+        "The decision keys that seal approvals, and the audit keys (--audit): list, rotate, retire.",
+    ),
     "mcp": ("kazma.bot.cli.mcp_cli", "mcp", "Kazma as an MCP server (request_approval)."),
     "people": ("kazma.bot.cli.people_cli", "people", "People and their passkeys: list, invite, revoke."),
     "run": ("kazma.bot.cli.core_cli", "run", "Start every configured platform and serve until SIGINT or SIGTERM."),

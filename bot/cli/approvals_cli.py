@@ -19,12 +19,13 @@ from kazma.approvals import (
     build_card,
 )
 from kazma.approvals.card import INTEGRITY_WARNING
+from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.honesty import reveal_line
 from kazma.approvals.model import ApprovalRequest, Status, decider_text
 from kazma.approvals.seal import seal_problem
 from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
-from kazma.bot.keys import load_decision_keyring, read_decision_keyring
+from kazma.bot.keys import load_audit_signer, load_decision_keyring, read_audit_signer, read_decision_keyring
 from kazma.bot.store import store_for_command
 from kazma.config import LoadedConfig
 
@@ -38,10 +39,17 @@ def _with_service(
     (made on SQLite if there is none yet; without one, no decision is taken); otherwise with the keyring if
     there is a usable one, to say whether the stored seals verify."""
     keyring = load_decision_keyring(loaded.config) if deciding else read_decision_keyring(loaded.config)
+    # A decision here is an audit event like any other: chained, sealed, and signed before the command ends.
+    signer = load_audit_signer(loaded.config) if deciding else read_audit_signer(loaded.config)
 
     async def run() -> T:
         async with store_for_command(loaded.config) as store:
-            return await work(ApprovalService(ApprovalStore(store, keyring=keyring), loaded.config))
+            approvals = ApprovalStore(store, keyring=keyring, audit=signer)
+            try:
+                return await work(ApprovalService(approvals, loaded.config))
+            finally:
+                if deciding and signer is not None:
+                    await Checkpointer(approvals, signer).sign()
 
     return asyncio.run(run())
 

@@ -135,6 +135,13 @@ async def _serve(loaded: LoadedConfig, poll_interval: float, *, paced: bool = Tr
                 "apart from the store",
                 err=True,
             )
+        signer = app.service.store.chain.signer
+        if signer is not None and signer.keyring.generated and signer.keyring.path is not None:
+            click.echo(
+                f"audit key made at {signer.keyring.path.resolve()} (mode 0600): it signs the audit log's checkpoints; "
+                "back it up apart from the store, and give `kazma audit public-key` to whoever verifies the log",
+                err=True,
+            )
         click.echo(f"kazma is running; web console at {server.url}; press Ctrl-C to stop", err=True)
         await stop.wait()
         log.info("app.stopping")

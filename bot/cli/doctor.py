@@ -7,6 +7,7 @@ import httpx
 
 from kazma.approvals.honesty import reveal_line
 from kazma.approvals.tool_names import MCP_TOOL_RULE, mcp_tool_name_problem
+from kazma.bot.cli.audit_checks import check_audit
 from kazma.bot.cli.checks import Check, Level
 from kazma.bot.cli.decision_checks import check_decisions
 from kazma.bot.cli.platform_checks import check_platforms, console_checks
@@ -40,6 +41,7 @@ async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0, platfo
     store = await check_store(loaded)
     checks.append(store)
     checks.extend(await check_decisions(loaded, store_ok=store.level is not Level.FAIL))
+    checks.extend(await check_audit(loaded, store_ok=store.level is not Level.FAIL))
     if store.level is not Level.FAIL:
         checks.extend(await check_policy_passkeys(loaded))
     if loaded.config.store.backend == "postgresql":

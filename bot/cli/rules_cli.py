@@ -9,9 +9,11 @@ import time
 import click
 
 from kazma.approvals import ApprovalStore
+from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.rules import RuleStore
 from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
+from kazma.bot.keys import load_audit_signer
 from kazma.bot.store import store_for_command
 
 
@@ -62,8 +64,10 @@ def revoke(obj: Context, rule_id: str, login: str | None) -> None:
             match = [r for r in await rules_store.list(active_only=False, limit=100_000) if r.id == rule_id]
             done = await rules_store.revoke(rule_id, actor=actor)
             if done and match:
-                await ApprovalStore(store).audit(match[0].request_id, "rule_revoked", actor=actor, platform="cli",
-                                                 detail=rule_id)  # fmt: skip
+                signer = load_audit_signer(config)
+                approvals = ApprovalStore(store, audit=signer)
+                await approvals.audit(match[0].request_id, "rule_revoked", actor=actor, platform="cli", detail=rule_id)
+                await Checkpointer(approvals, signer).sign()
             return done
 
     if not asyncio.run(run()):

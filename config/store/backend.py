@@ -40,6 +40,11 @@ class Tx(Protocol):
         """Tell every other replica once the transaction commits (a no-op where there are none)."""
         ...
 
+    def defer(self, flush: Callable[[Any, list[Any]], None], item: Any) -> None:
+        """Hand ``item`` to ``flush``, run once with every such item just before the transaction commits
+        (see :class:`kazma.config.store.group_commit.Deferred`)."""
+        ...
+
 
 class Writer(Protocol):
     async def submit(self, op: Callable[[Tx], T]) -> T:

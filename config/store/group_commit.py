@@ -15,6 +15,42 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
+# Run once just before a transaction commits, with every item its operations deferred to it (in their order).
+Flush = Callable[[Any, list[Any]], None]
+
+
+class Deferred:
+    """Work an operation hands to the end of its transaction (:meth:`defer`), kept apart per operation.
+
+    A writer marks where each operation's items start, drops the items of an operation it rolls back, and
+    runs every flush once, after the group's last operation and before ``COMMIT``: what a flush writes commits
+    with the operations that asked for it, or not at all. (The audit chain links a transaction's events there,
+    so that what orders them across writers is held only for the last moment of the transaction.)
+    """
+
+    def __init__(self) -> None:
+        self._deferred: list[tuple[Flush, Any]] = []
+
+    def defer(self, flush: Flush, item: Any) -> None:
+        """Hand ``item`` to ``flush`` once this transaction's operations have run, just before it commits."""
+        self._deferred.append((flush, item))
+
+    def _mark(self) -> int:
+        return len(self._deferred)
+
+    def _discard_since(self, mark: int) -> None:
+        del self._deferred[mark:]
+
+    def _run_deferred(self) -> None:
+        """Every flush once, with its items; a flush may defer more (run in the next round)."""
+        while self._deferred:
+            pending, self._deferred = self._deferred, []
+            by_flush: dict[Flush, list[Any]] = {}
+            for flush, item in pending:
+                by_flush.setdefault(flush, []).append(item)
+            for flush, items in by_flush.items():
+                flush(self, items)
+
 
 @dataclass
 class Job(Generic[T]):

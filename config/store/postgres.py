@@ -43,7 +43,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from kazma.config.metrics import count_failure
-from kazma.config.store.group_commit import GroupQueue, Job
+from kazma.config.store.group_commit import Deferred, GroupQueue, Job
 from kazma.config.store.migrations import Migration, run_migrations
 
 log = structlog.get_logger("kazma.store")
@@ -94,10 +94,11 @@ def pyformat(sql: str) -> str:
     return "".join(out)
 
 
-class PgTx:
+class PgTx(Deferred):
     """Statements inside the PostgreSQL writer's transaction; the same methods as the SQLite writer's ``Tx``."""
 
     def __init__(self, cursor: psycopg.Cursor[Any]) -> None:
+        super().__init__()
         self._cursor = cursor
 
     def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
@@ -312,6 +313,8 @@ class PgWriter(GroupQueue):
                             raise
                         cursor.execute("ROLLBACK")
                         return job, exc
+                # What the operations deferred to the end (the audit chain's links): a failure undoes them all.
+                tx._run_deferred()
                 cursor.execute("COMMIT")
             except BaseException:
                 if not conn.broken and not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:

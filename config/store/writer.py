@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import structlog
 
 from kazma.config.metrics import count_failure
-from kazma.config.store.group_commit import GroupQueue, Job
+from kazma.config.store.group_commit import Deferred, GroupQueue, Job
 
 log = structlog.get_logger("kazma.store")
 
@@ -49,10 +49,11 @@ LOCK_RETRY_SECONDS = 0.001
 IDLE_SECONDS = 10.0
 
 
-class Tx:
+class Tx(Deferred):
     """Statements inside the writer's transaction. Only an operation passed to :meth:`StoreWriter.submit` has one."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
+        super().__init__()
         self._conn = conn
 
     def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
@@ -249,6 +250,12 @@ class StoreWriter(GroupQueue):
             try:
                 self._attempt(group, careful=careful)
                 return
+            except _FlushFailed as failed:
+                # What the operations deferred to the end could not be written: none of them is kept.
+                if self._conn is not None:
+                    self._rollback(self._conn)
+                self._failed(group, failed.__cause__ or failed)
+                return
             except _OpFailed:
                 # Optimistic pass: no savepoints, since operations rarely fail. One did: the whole
                 # transaction is undone and the group runs again, each operation in a savepoint.
@@ -300,14 +307,22 @@ class StoreWriter(GroupQueue):
         else:
             for job in group.jobs:
                 conn.execute("SAVEPOINT op")
+                mark = tx._mark()
                 try:
                     job.result = job.op(tx)
                 except Exception as exc:  # this operation's statements go; the group's others stay
                     if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
                         raise
                     job.error = exc
+                    tx._discard_since(mark)
                     conn.execute("ROLLBACK TO op")
                 conn.execute("RELEASE op")
+        try:
+            tx._run_deferred()
+        except Exception as exc:
+            if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
+                raise
+            raise _FlushFailed from exc
         started = time.perf_counter()
         conn.execute("COMMIT")
         group.committed_in = time.perf_counter() - started
@@ -332,3 +347,7 @@ def _is_locked(exc: sqlite3.OperationalError) -> bool:
 
 class _OpFailed(Exception):
     """An operation raised during a group's optimistic pass (see :meth:`StoreWriter._run_group`)."""
+
+
+class _FlushFailed(Exception):
+    """Work the group's operations deferred to its end failed: the whole group is undone."""

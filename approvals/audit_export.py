@@ -1,0 +1,206 @@
+"""The audit chain outside the store: JSON lines that a verifier with only the public keys can check.
+
+One record per line, in sequence order:
+
+* ``{"type": "header", "format": "kazma-audit-v1", "since": 1, "key_ids": ["a1"], ...}`` first (an export has
+  one; a sink's file may not);
+* ``{"type": "event", "seq": …, "request_id": …, "event": …, "actor": …, "platform": …, "at": …,
+  "args_hash": …, "detail": …, "prev_hash": …, "chain_hash": …}`` for every event;
+* ``{"type": "checkpoint", "kind": …, "first_seq": …, "seq": …, "head": …, "at": …, "key_id": …,
+  "signature": …}`` after the event it signs.
+
+``at`` is epoch seconds as the store holds it (JSON keeps a float exactly). Everything an event's hash and a
+checkpoint's signature cover is in its record, so ``kazma audit verify --from-export FILE --public-key KEYS``
+needs nothing else: not the store, not a secret. The public keys are *not* in the file: a verifier must hold
+them already (``kazma audit public-key``), or whoever forged the file would bring their own.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kazma.approvals.chain import GENESIS, ChainedEvent
+from kazma.approvals.checkpoints import Checkpoint
+
+FORMAT: Final = "kazma-audit-v1"
+_EVENT_FIELDS: Final = (
+    "seq", "request_id", "event", "actor", "platform", "at", "args_hash", "detail", "prev_hash", "chain_hash",
+    "person",
+)  # fmt: skip
+_CHECKPOINT_FIELDS: Final = ("kind", "first_seq", "seq", "head", "at", "key_id", "signature")
+
+
+class ExportError(ValueError):
+    """A line of an export that is not a record of this format: says which line and why."""
+
+
+def event_record(event: ChainedEvent) -> dict[str, Any]:
+    return {"type": "event", **{name: getattr(event, name) for name in _EVENT_FIELDS}}
+
+
+def checkpoint_record(checkpoint: Checkpoint) -> dict[str, Any]:
+    return {"type": "checkpoint", **{name: getattr(checkpoint, name) for name in _CHECKPOINT_FIELDS}}
+
+
+def header_record(*, since: int, key_ids: Iterable[str], exported_at: float | None = None) -> dict[str, Any]:
+    return {
+        "type": "header",
+        "format": FORMAT,
+        "since": since,
+        "key_ids": list(key_ids),
+        "exported_at": time.time() if exported_at is None else exported_at,
+    }
+
+
+def line(record: dict[str, Any]) -> str:
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
+
+
+@dataclass
+class Export:
+    """An export read back: its header (if any), events and checkpoints."""
+
+    since: int | None = None
+    key_ids: list[str] = field(default_factory=list)
+    events: list[ChainedEvent] = field(default_factory=list)
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+
+    @property
+    def anchored(self) -> bool:
+        """Whether it starts where the chain starts (else its first event's link is taken as given, and only a
+        checkpoint or a head seen elsewhere can vouch for it)."""
+        return not self.events or min(self.events, key=lambda e: e.seq).prev_hash in (None, GENESIS)
+
+
+def read_export(text: str, *, source: str) -> Export:
+    """The records of an export (or a sink's file), checked field by field; ExportError names the bad line."""
+    export = Export()
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        where = f"{source}, line {number}"
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ExportError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise ExportError(f"{where}: expected a JSON object")
+        kind = record.get("type")
+        try:
+            if kind == "event":
+                export.events.append(_event(record))
+            elif kind == "checkpoint":
+                export.checkpoints.append(_checkpoint(record))
+            elif kind == "header":
+                if record.get("format") != FORMAT:
+                    raise ExportError(f"format {record.get('format')!r} is not {FORMAT!r}")
+                export.since = _int(record, "since")
+                export.key_ids = [str(k) for k in record.get("key_ids", [])]
+            else:
+                raise ExportError(f"unknown record type {kind!r}")
+        except (ExportError, KeyError, TypeError, ValueError) as exc:
+            raise ExportError(f"{where}: {exc}") from None
+    return export
+
+
+def events_in_order(export: Export) -> list[ChainedEvent]:
+    """The events by sequence number; a record sent twice (a sink's redelivery) counts once when identical."""
+    by_seq: dict[int, ChainedEvent] = {}
+    for event in export.events:
+        kept = by_seq.setdefault(event.seq, event)
+        if kept != event:
+            raise ExportError(f"seq {event.seq} appears twice with different contents")
+    return [by_seq[seq] for seq in sorted(by_seq)]
+
+
+def checkpoints_in_order(export: Export) -> list[Checkpoint]:
+    by_seq: dict[tuple[int, int], Checkpoint] = {}
+    for checkpoint in export.checkpoints:
+        kept = by_seq.setdefault((checkpoint.seq, checkpoint.first_seq), checkpoint)
+        if kept != checkpoint:
+            raise ExportError(f"checkpoint #{checkpoint.seq} appears twice with different contents")
+    return [by_seq[key] for key in sorted(by_seq)]
+
+
+def _int(record: dict[str, Any], name: str) -> int:
+    value = record[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _fields(record: dict[str, Any], names: tuple[str, ...]) -> None:
+    """A record has exactly its fields: one missing or unknown (a name changed) is no record of this format."""
+    expected = {"type", *names}
+    if set(record) != expected:
+        missing, unknown = sorted(expected - set(record)), sorted(set(record) - expected)
+        raise ValueError(f"fields missing: {missing or '-'}; unknown: {unknown or '-'}")
+
+
+def _text(record: dict[str, Any], name: str, *, optional: bool = True) -> str | None:
+    value = record[name]
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be text{' or null' if optional else ''}, got {value!r}")
+    return value
+
+
+def _float(record: dict[str, Any], name: str) -> float:
+    value = record[name]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _event(record: dict[str, Any]) -> ChainedEvent:
+    _fields(record, _EVENT_FIELDS)
+    return ChainedEvent(
+        seq=_int(record, "seq"),
+        request_id=_text(record, "request_id"),
+        event=str(_text(record, "event", optional=False)),
+        actor=_text(record, "actor"),
+        platform=_text(record, "platform"),
+        at=_float(record, "at"),
+        args_hash=_text(record, "args_hash"),
+        detail=_text(record, "detail"),
+        prev_hash=_text(record, "prev_hash"),
+        chain_hash=_text(record, "chain_hash"),
+        person=_text(record, "person"),
+    )
+
+
+def _checkpoint(record: dict[str, Any]) -> Checkpoint:
+    _fields(record, _CHECKPOINT_FIELDS)
+    return Checkpoint(
+        kind=str(_text(record, "kind", optional=False)),
+        first_seq=_int(record, "first_seq"),
+        seq=_int(record, "seq"),
+        head=str(_text(record, "head", optional=False)),
+        at=_float(record, "at"),
+        key_id=_text(record, "key_id"),
+        signature=_text(record, "signature"),
+    )
+
+
+async def export_records(
+    events: AsyncIterator[list[ChainedEvent]], checkpoints: list[Checkpoint]
+) -> AsyncIterator[dict[str, Any]]:
+    """Events (in batches, in sequence order) with each checkpoint right after the event it signs."""
+    pending = sorted(checkpoints, key=lambda c: c.seq)
+    index = 0
+    async for batch in events:
+        for event in batch:
+            while index < len(pending) and pending[index].seq < event.seq:
+                yield checkpoint_record(pending[index])
+                index += 1
+            yield event_record(event)
+            while index < len(pending) and pending[index].seq == event.seq:
+                yield checkpoint_record(pending[index])
+                index += 1
+    for checkpoint in pending[index:]:
+        yield checkpoint_record(checkpoint)

@@ -1,0 +1,348 @@
+"""Verifying the audit chain: every link, every signature, and heads seen elsewhere.
+
+:func:`verify` walks the events in sequence order and the checkpoints beside
+them, and reports every problem it finds, each at the sequence number where it
+shows and with what is wrong:
+
+* ``changed``: an event no longer hashes to the chain hash written with it, or
+  events no longer hash to the head a checkpoint (or a head seen elsewhere) signed;
+* ``missing``: a sequence number is absent, or an event follows one that is gone;
+* ``reordered``: an event follows another event than the one before it;
+* ``inserted``: an event that is not part of the chain (no chain fields, or the
+  event after it was chained to the one before it);
+* ``unsigned``: an event no signed checkpoint covers;
+* ``truncated``: a checkpoint, or a head seen elsewhere, names a sequence number
+  past the end of the log;
+* ``bad signature``: a checkpoint whose signature does not verify with the public
+  keys given (or that is not signed at all).
+
+:attr:`Report.first` is the problem with the lowest sequence number: the first
+bad sequence number. Nothing here needs a secret: only the public keys.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from kazma.approvals.chain import GENESIS, ChainedEvent
+from kazma.approvals.checkpoints import HISTORY, Checkpoint, PublicKeys
+
+CHANGED = "changed"
+MISSING = "missing"
+REORDERED = "reordered"
+INSERTED = "inserted"
+UNSIGNED = "unsigned"
+TRUNCATED = "truncated"
+BAD_SIGNATURE = "bad signature"
+
+_HEAD = re.compile(r"^#?(\d+)[:\s]+([0-9a-fA-F]{6,64})$")
+
+
+class HeadError(ValueError):
+    """A head given on the command line that cannot be read."""
+
+
+@dataclass(frozen=True)
+class Head:
+    """A checkpoint seen elsewhere: a sequence number and (a prefix of) the chain hash there."""
+
+    seq: int
+    prefix: str  # lower-case hex, 6 to 64 characters
+    source: str = "given"
+
+    @classmethod
+    def parse(cls, text: str, *, source: str = "given") -> Head:
+        """``SEQ:HEX`` (or ``#SEQ HEX`` as a settled card shows it)."""
+        match = _HEAD.match(text.strip())
+        if match is None:
+            raise HeadError(
+                f"{text!r} is not a head: write SEQ:HEX, e.g. 1234:3fa9c2d18e0b"
+                " (a settled card shows it as #1234 3fa9c2d18e0b)"
+            )
+        return cls(int(match.group(1)), match.group(2).lower(), source)
+
+
+@dataclass(frozen=True)
+class Problem:
+    seq: int
+    kind: str
+    detail: str
+
+    def line(self) -> str:
+        return f"seq {self.seq}: {self.kind}: {self.detail}"
+
+
+@dataclass
+class Report:
+    events: int = 0
+    checkpoints: int = 0
+    first_seq: int | None = None
+    last_seq: int | None = None
+    head: str | None = None
+    heads_checked: int = 0
+    pending: int = 0  # events after the last checkpoint that Kazma's commit seals vouch for: signed any moment
+    history: Checkpoint | None = None  # the one-time chaining's checkpoint, if the log had events before the chain
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def first(self) -> Problem | None:
+        return min(self.problems, key=lambda p: p.seq) if self.problems else None
+
+    def summary(self) -> str:
+        if self.first is not None:
+            more = len(self.problems) - 1
+            tail = f" ({more} more problem{'s' if more != 1 else ''} after it)" if more else ""
+            return f"FAILED: first bad sequence {self.first.line()}{tail}"
+        if not self.events:
+            return "ok: the audit log is empty"
+        span = f"{self.first_seq}..{self.last_seq}"
+        heads = f"; {self.heads_checked} head(s) seen elsewhere are in it" if self.heads_checked else ""
+        pending = f"; the last {self.pending} are sealed by Kazma and not signed yet" if self.pending else ""
+        return (
+            f"ok: {self.events} events (seq {span}) chained, {self.checkpoints} checkpoints signed; "
+            f"head #{self.last_seq} {(self.head or '')[:12]}{heads}{pending}"
+        )
+
+
+class _Walk:
+    """The state of one pass over events and checkpoints, both in sequence order."""
+
+    def __init__(
+        self,
+        keys: PublicKeys,
+        heads: Iterable[Head],
+        anchored: bool,
+        history: Checkpoint | None,
+        pending: Collection[int],
+    ) -> None:
+        self.keys = keys
+        self.pending = pending
+        self.report = Report(history=history)
+        self.history = history
+        self.heads: dict[int, list[Head]] = {}
+        for head in heads:
+            self.heads.setdefault(head.seq, []).append(head)
+        self.anchored = anchored  # the log starts at its beginning (not an export --since)
+        self.prev: str | None = None  # the hash the next event should follow
+        self.last: ChainedEvent | None = None
+        self.last_misplaced = False  # the last event did not follow the one before it
+        self.seen: dict[str, int] = {}  # chain hash -> seq, to name where a misplaced event belongs
+        # A prev_hash no earlier event has -> the index of its problem ("missing" until an event with that hash
+        # turns up later in the log: then "reordered").
+        self.orphans: dict[str, int] = {}
+        self.links: dict[int, str] = {}  # seq -> the chain hash there, as recomputed
+        self.covered_to = 0  # the last seq a checkpoint covers
+        self.mismatches: list[tuple[Checkpoint, Problem]] = []  # checkpoints whose head the events do not reach
+
+    def problem(self, seq: int, kind: str, detail: str) -> None:
+        self.report.problems.append(Problem(seq, kind, detail))
+
+
+def verify(
+    events: Iterable[ChainedEvent],
+    checkpoints: Iterable[Checkpoint],
+    keys: PublicKeys,
+    *,
+    heads: Iterable[Head] = (),
+    anchored: bool = True,
+    pending: Collection[int] = (),
+) -> Report:
+    """Check ``events`` (in sequence order) against their chain fields, ``checkpoints`` against ``keys`` and the
+    events, and ``heads`` seen elsewhere against the log.
+
+    ``anchored=False``: the events start after the beginning of the log (an export with ``--since``): the first
+    one's ``prev_hash`` is taken as given, and only a checkpoint or head can vouch for it. ``pending``: events
+    after the last checkpoint whose commit seals Kazma verified (only where its audit key is): not yet signed,
+    not a problem.
+    """
+    ordered = sorted(checkpoints, key=lambda c: c.seq)
+    walk = _Walk(keys, heads, anchored, next((c for c in ordered if c.kind == HISTORY), None), pending)
+    index = 0
+    for event in events:
+        _event(walk, event)
+        while index < len(ordered) and ordered[index].seq <= event.seq:
+            _checkpoint(walk, ordered[index])
+            index += 1
+    for checkpoint in ordered[index:]:
+        _checkpoint(walk, checkpoint)
+    _ends(walk)
+    return walk.report
+
+
+def _in_history(walk: _Walk, event: ChainedEvent) -> bool:
+    return walk.history is not None and event.seq <= walk.history.seq and event.chain_hash is None
+
+
+def _event(walk: _Walk, event: ChainedEvent) -> None:
+    report = walk.report
+    report.events += 1
+    last = walk.last
+    in_history = _in_history(walk, event)
+    if last is None:
+        report.first_seq = event.seq
+        expected = (walk.history.first_seq if walk.history is not None else 1) if walk.anchored else event.seq
+        if event.seq > expected:
+            _gap(walk, expected, event.seq)
+        walk.prev = GENESIS if walk.anchored or event.prev_hash is None else event.prev_hash
+        walk.covered_to = 0 if walk.anchored else event.seq - 1
+    elif event.seq != last.seq + 1 and not in_history:
+        _gap(walk, last.seq + 1, event.seq)
+    prev = walk.prev or GENESIS
+    if event.chain_hash is None:
+        # Before the chain began (its history checkpoint vouches for it), or written around Kazma.
+        if not in_history:
+            walk.problem(event.seq, INSERTED, "it carries no chain fields: written outside Kazma")
+        _link(walk, event, event.hash_after(prev), misplaced=False)
+        return
+    if event.prev_hash is None or event.hash_after(event.prev_hash) != event.chain_hash:
+        walk.problem(
+            event.seq, CHANGED, f"it no longer hashes to the chain hash written with it ({event.chain_hash[:12]}…)"
+        )
+        _link(walk, event, event.chain_hash, misplaced=False)  # what follows it is judged against what it said
+        return
+    resolved = walk.orphans.pop(event.chain_hash, None)
+    if resolved is not None:
+        seq = walk.report.problems[resolved].seq
+        walk.report.problems[resolved] = Problem(
+            seq, REORDERED, f"it was chained after seq {event.seq}, which comes later in the log"
+        )
+    vouched = (
+        last is not None
+        and walk.history is not None
+        and last.chain_hash is None
+        and last.seq == walk.history.seq
+        and event.prev_hash == walk.history.head
+    )
+    misplaced = event.prev_hash != prev and not vouched
+    if misplaced:
+        _misplaced(walk, event)
+    _link(walk, event, event.chain_hash, misplaced=misplaced)
+
+
+def _gap(walk: _Walk, first: int, after: int) -> None:
+    span = f"seq {first} is" if after == first + 1 else f"seqs {first}..{after - 1} are"
+    walk.problem(first, MISSING, f"{span} not in the log")
+
+
+def _misplaced(walk: _Walk, event: ChainedEvent) -> None:
+    """``event`` is intact but does not follow the event before it: say where it belongs."""
+    prev_hash = event.prev_hash or ""
+    last = walk.last
+    earlier = 0 if prev_hash == GENESIS else walk.seen.get(prev_hash)
+    if earlier is None:  # reordered if that event comes later in the log, else missing
+        if prev_hash not in walk.orphans:
+            walk.orphans[prev_hash] = len(walk.report.problems)
+            walk.problem(event.seq, MISSING, f"the event it was chained after ({prev_hash[:12]}…) is not in the log")
+    elif last is not None and earlier == last.seq - 1 and not walk.last_misplaced:
+        walk.problem(
+            last.seq,
+            INSERTED,
+            f"seq {event.seq} was chained right after seq {earlier}: seq {last.seq} is not part of the chain",
+        )
+    else:
+        where = "the start of the chain" if earlier == 0 else f"seq {earlier}"
+        walk.problem(event.seq, REORDERED, f"it was chained after {where}, not after seq {event.seq - 1}")
+
+
+def _link(walk: _Walk, event: ChainedEvent, computed: str, *, misplaced: bool) -> None:
+    walk.prev = computed
+    walk.last = event
+    walk.last_misplaced = misplaced
+    walk.links[event.seq] = computed
+    walk.seen.setdefault(computed, event.seq)
+    walk.report.last_seq = event.seq
+    walk.report.head = computed
+    for head in walk.heads.pop(event.seq, []):
+        walk.report.heads_checked += 1
+        if not computed.startswith(head.prefix):
+            walk.problem(
+                event.seq,
+                CHANGED,
+                f"it hashes to {computed[:12]}…, but the head seen {head.source} says {head.prefix[:12]}…",
+            )
+
+
+def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
+    walk.report.checkpoints += 1
+    where = f"checkpoint #{checkpoint.seq} ({checkpoint.kind})"
+    problem = walk.keys.problem(checkpoint)
+    if problem is not None:
+        walk.problem(checkpoint.first_seq, BAD_SIGNATURE, f"{where}: {problem}")
+    last = walk.last
+    if last is None or checkpoint.seq > last.seq:
+        end = "the log is empty" if last is None else f"the log ends at seq {last.seq}"
+        walk.problem(1 if last is None else last.seq + 1, TRUNCATED, f"{where} signs seq {checkpoint.seq}, but {end}")
+        return
+    computed = walk.links.get(checkpoint.seq)
+    if computed is None:
+        if walk.report.first_seq is not None and checkpoint.seq >= walk.report.first_seq:
+            walk.problem(checkpoint.seq, MISSING, f"{where} signs seq {checkpoint.seq}, which is not in the log")
+        return
+    if computed != checkpoint.head:
+        if checkpoint.kind == HISTORY:
+            detail = (
+                f"the events chained once at the upgrade (seq {checkpoint.first_seq}..{checkpoint.seq}) no longer hash "
+                f"to the head signed then ({checkpoint.head[:12]}…): one of them was changed, removed or moved"
+            )
+        else:
+            detail = (
+                f"the events it covers (seq {checkpoint.first_seq}..{checkpoint.seq}) hash to {computed[:12]}…, "
+                f"not to the head it signed ({checkpoint.head[:12]}…)"
+            )
+        # Said at the end, unless an event in its range is found wrong by then (that says better what changed).
+        walk.mismatches.append((checkpoint, Problem(checkpoint.first_seq, CHANGED, detail)))
+    if checkpoint.first_seq > walk.covered_to + 1:
+        _uncovered(walk, walk.covered_to + 1, checkpoint.first_seq - 1)
+    walk.covered_to = max(walk.covered_to, checkpoint.seq)
+
+
+def _uncovered(walk: _Walk, first: int, last: int) -> None:
+    present = [seq for seq in range(first, last + 1) if seq in walk.links]
+    waiting = [seq for seq in present if seq in walk.pending and seq > walk.covered_to]
+    walk.report.pending += len(waiting)
+    present = [seq for seq in present if seq not in walk.pending or seq <= walk.covered_to]
+    if present:
+        span = "" if len(present) == 1 else f" (to seq {present[-1]}: {len(present)} events)"
+        walk.problem(
+            present[0],
+            UNSIGNED,
+            f"no signed checkpoint covers it{span}: written outside Kazma, or its checkpoint was removed",
+        )
+
+
+def _ends(walk: _Walk) -> None:
+    found = list(walk.report.problems)
+    for checkpoint, problem in walk.mismatches:
+        if not any(checkpoint.first_seq <= p.seq <= checkpoint.seq for p in found):
+            walk.report.problems.append(problem)
+    last = walk.last
+    if last is None:
+        for seq in sorted(walk.heads):
+            walk.problem(1, TRUNCATED, f"the log is empty, but a head seen elsewhere names seq {seq}")
+        return
+    if last.seq > walk.covered_to:
+        _uncovered(walk, walk.covered_to + 1, last.seq)
+    first = walk.report.first_seq or 1
+    for seq, heads in sorted(walk.heads.items()):
+        if seq > last.seq:
+            walk.problem(
+                last.seq + 1,
+                TRUNCATED,
+                f"the log ends at seq {last.seq}, but the head seen {heads[0].source} names seq {seq}",
+            )
+        elif walk.anchored or seq >= first:
+            walk.problem(
+                seq, MISSING, f"seq {seq} is named by the head seen {heads[0].source}, but it is not in the log"
+            )
+
+
+def heads_of(checkpoints: Iterable[Checkpoint], *, source: str) -> Iterator[Head]:
+    """Every checkpoint of an earlier export as a head seen elsewhere (the current log must extend them)."""
+    for checkpoint in checkpoints:
+        yield Head(checkpoint.seq, checkpoint.head, source)

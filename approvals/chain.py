@@ -1,0 +1,338 @@
+"""The audit chain: every audit event linked to the one before it by SHA-256, and signed at every commit.
+
+An event's chain hash is ``SHA-256(canonical JSON of [domain, previous event's
+chain hash, request id, event, actor, platform, at, arguments hash, detail])``;
+the first event follows :data:`GENESIS`. Each row keeps its own ``prev_hash`` and
+``chain_hash``, so a verifier can say which event is wrong and how: a row that no
+longer hashes to its own chain hash was *changed*; a row whose ``prev_hash`` is not
+the chain hash of the row before it sits in the wrong place (*reordered*), follows a
+row that is not in the chain (*inserted*), or follows one that is gone (*missing*).
+The sequence number is not hashed: the links fix the order, and the signed
+checkpoints (:mod:`kazma.approvals.checkpoints`) bind sequence numbers to heads.
+
+**How appends are ordered.** An operation does not write its events: it hands
+them to the end of its transaction (``Tx.defer``). There, once per transaction,
+:meth:`AuditChain._flush` takes the chain's order (on SQLite the write lock the
+transaction already holds; on PostgreSQL a transaction-scoped advisory lock, held
+from that moment to the commit), reads the head, numbers the events after it,
+hashes them and inserts them, the last one carrying the transaction's commit seal
+(:meth:`~kazma.approvals.checkpoints.AuditSigner.commit_seal`). Appends of several
+replicas are therefore serialised for the last few statements of their
+transactions only, and a chain never forks: sequence numbers follow commit order.
+The Ed25519 checkpoint over them follows within milliseconds, in a transaction of
+its own (:mod:`kazma.approvals.checkpointer`): a signature costs more than the
+rest of the chain together, and one may cover many transactions.
+
+**The one-time chaining.** Events written before the chain existed (approvals
+schema v8 and older) have no chain fields. ``kazma run`` (or else the first
+transaction that appends after the upgrade) hashes them all in sequence order as
+if they had been chained, and signs one ``history`` checkpoint over them. A
+verifier recomputes them the same way; it can tell that one of them changed after
+that moment, but not which one, and it cannot tell anything about them before it.
+
+**Rows written around Kazma.** A transaction that finds rows without chain fields
+after the chain began chains on after them as a verifier computes them: the chain
+stays one line, and those rows, vouched for by no commit seal, are never signed (a
+verifier names them). A checkpoint that signs a sequence number past the last row
+(events removed) makes the next event go after the highest number ever signed, so
+no number is ever given twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import structlog
+
+from kazma.approvals.checkpoints import HISTORY, AuditSigner, Checkpoint
+from kazma.config.metrics import count_failure
+from kazma.config.store.backend import Tx
+
+log = structlog.get_logger("kazma.approvals.chain")
+
+GENESIS: Final = "0" * 64  # what the first event of a chain follows
+_DOMAIN: Final = "kazma-audit-v1"
+# Compact JSON, UTF-8 as is, no NaN: an event's canonical form (what ``json.dumps`` with these options writes).
+_CANONICAL: Final = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+# Taken by the transaction that appends, from its flush to its commit (PostgreSQL; SQLite has its write lock).
+CHAIN_LOCK: Final = 0x6B617A6D61_0029  # "kazma", issue 29
+# The decision of a request, as the compare-and-set writes it: ``decided`` for a person, else the outcome.
+DECISION_EVENTS: Final = ("decided", "timeout", "cancelled")
+
+# ``person`` last: the person who owns ``actor`` (people:), hashed only when there is one (see event_hash).
+EVENT_COLUMNS: Final = "seq, request_id, event, actor, platform, at, args_hash, detail, prev_hash, chain_hash, person"
+CHECKPOINT_COLUMNS: Final = "kind, first_seq, seq, head, at, key_id, signature"
+_INSERT_EVENT_ROWS = f"INSERT INTO approval_events ({EVENT_COLUMNS}, commit_seal) VALUES"
+_ROW_MARKS = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_INSERT_EVENT = f"{_INSERT_EVENT_ROWS} {_ROW_MARKS}"
+_PG_SEQUENCE = "approval_events_seq_seq"  # the identity of approval_events.seq on PostgreSQL
+_INSERT_CHECKPOINT = f"INSERT INTO audit_checkpoints ({CHECKPOINT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
+_HEAD_SQLITE = (
+    "SELECT (SELECT seq FROM approval_events ORDER BY seq DESC LIMIT 1),"
+    " (SELECT chain_hash FROM approval_events ORDER BY seq DESC LIMIT 1),"
+    " (SELECT seq FROM audit_checkpoints ORDER BY seq DESC LIMIT 1)"
+)
+# Takes CHAIN_LOCK (waiting as long as it takes: the holder waits for nobody), then reads the head.
+_HEAD_POSTGRES = "SELECT last_seq, last_hash, checkpoint_seq FROM kazma_audit_head(?)"
+
+
+class _FromRequest:
+    """The arguments hash of an event, read from its request's row when the chain writes it."""
+
+    def __repr__(self) -> str:
+        return "FROM_REQUEST"
+
+
+FROM_REQUEST: Final = _FromRequest()
+
+
+def event_hash(
+    prev_hash: str,
+    request_id: str | None,
+    event: str,
+    actor: str | None,
+    platform: str | None,
+    at: float,
+    args_hash: str | None,
+    detail: str | None,
+    person: str | None = None,
+) -> str:
+    """The chain hash of one event after ``prev_hash``. The person who owns the actor, when there is one, is one
+    more field: a person added to a row, removed from it or changed changes its hash all the same."""
+    fields = [_DOMAIN, prev_hash, request_id, event, actor, platform, at, args_hash, detail]
+    if person is not None:
+        fields.append(person)
+    return hashlib.sha256(_CANONICAL.encode(fields).encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class ChainedEvent:
+    """One row of the audit log with its chain fields (None on a row written before the chain began)."""
+
+    seq: int
+    request_id: str | None
+    event: str
+    actor: str | None
+    platform: str | None
+    at: float
+    args_hash: str | None
+    detail: str | None
+    prev_hash: str | None
+    chain_hash: str | None
+    person: str | None = None
+
+    def hash_after(self, prev_hash: str) -> str:
+        """This event's chain hash were it to follow ``prev_hash``."""
+        return event_hash(
+            prev_hash, self.request_id, self.event, self.actor, self.platform, self.at, self.args_hash, self.detail,
+            self.person,
+        )  # fmt: skip
+
+    @classmethod
+    def of_row(cls, row: Sequence[Any]) -> ChainedEvent:
+        seq, request_id, event, actor, platform, at, digest, detail, prev, chain, person = tuple(row)
+        return cls(int(seq), request_id, str(event), actor, platform, float(at), digest, detail, prev, chain, person)
+
+
+def checkpoint_of_row(row: Sequence[Any]) -> Checkpoint:
+    kind, first_seq, seq, head, at, key_id, signature = tuple(row)
+    return Checkpoint(str(kind), int(first_seq), int(seq), str(head), float(at), key_id, signature)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    request_id: str | None
+    event: str
+    actor: str | None
+    platform: str | None
+    at: float
+    args_hash: str | _FromRequest | None
+    detail: str | None
+    person: str | None
+
+
+class AuditChain:
+    """Appends a store's audit events to the chain, at the end of the transaction that records them."""
+
+    def __init__(
+        self, *, postgres: bool, signer: AuditSigner | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.postgres = postgres
+        self.signer = signer  # None: no commit seals, no signatures (a store opened without the audit key)
+        self.clock = clock
+        # Set by a transaction that appended (in the writer's thread), read once its commit was answered.
+        self.appended = False
+
+    def append(
+        self,
+        tx: Tx,
+        request_id: str | None,
+        event: str,
+        *,
+        actor: str | None,
+        at: float,
+        args_hash: str | _FromRequest | None,
+        platform: str | None = None,
+        detail: str | None = None,
+        person: str | None = None,
+    ) -> None:
+        """One audit event, written with the transaction ``tx`` commits (and only if it commits)."""
+        tx.defer(self._flush, _Pending(request_id, event, actor, platform, at, args_hash, detail, person))
+
+    def start(self, tx: Tx) -> None:
+        """Chain what was there before the chain began, if that is still to be done (no event of its own)."""
+        tx.defer(self._flush, None)
+
+    def ensure_history(self, tx: Tx) -> None:
+        """Take the chain's order in ``tx`` now, and chain what was there before the chain began if still due."""
+        self._link(tx, [])
+
+    # -- the end of the transaction ---------------------------------------------------------------
+
+    def _flush(self, tx: Tx, items: list[_Pending | None]) -> None:
+        try:
+            self._link(tx, [item for item in items if item is not None])
+        except Exception as exc:
+            # The transaction is undone: the decision it held is not recorded either (it stays pending).
+            count_failure("audit_chain")
+            log.error("audit.append_failed", events=len(items), error=f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _link(self, tx: Tx, events: list[_Pending]) -> None:
+        prev, seq = self._read_head(tx)
+        if not events:
+            return
+        rows = self._rows(events, self._request_hashes(tx, events), prev, seq)
+        if self.postgres:
+            # One round trip, which also moves the identity past them: a row inserted without a seq (by hand,
+            # around Kazma) must not take a number the chain gave, or the chain's next append would fail.
+            values = ", ".join([_ROW_MARKS] * len(rows))
+            tx.one(
+                f"WITH added AS ({_INSERT_EVENT_ROWS} {values} RETURNING seq)"  # noqa: S608
+                f" SELECT setval('{_PG_SEQUENCE}', (SELECT max(seq) FROM added))",
+                [value for row in rows for value in row],
+            )
+        elif len(rows) == 1:
+            tx.run(_INSERT_EVENT, rows[0])
+        else:
+            tx.run_many(_INSERT_EVENT, rows)
+        self.appended = True
+
+    def _read_head(self, tx: Tx) -> tuple[str, int]:
+        if self.postgres:
+            last_seq, last_hash, signed_seq = tx.one(_HEAD_POSTGRES, (CHAIN_LOCK,))
+        else:
+            last_seq, last_hash, signed_seq = tx.one(_HEAD_SQLITE)
+        return self._head(tx, last_seq, last_hash, signed_seq)
+
+    def _rows(
+        self, events: list[_Pending], hashes: dict[str | None, str | None], prev: str, seq: int
+    ) -> list[tuple[Any, ...]]:
+        rows: list[tuple[Any, ...]] = []
+        first = seq + 1
+        for pending in events:
+            seq += 1
+            digest = (
+                hashes.get(pending.request_id) if isinstance(pending.args_hash, _FromRequest) else pending.args_hash
+            )
+            chained = event_hash(
+                prev, pending.request_id, pending.event, pending.actor, pending.platform, pending.at, digest,
+                pending.detail, pending.person,
+            )  # fmt: skip
+            rows.append(
+                (seq, pending.request_id, pending.event, pending.actor, pending.platform, pending.at, digest,
+                 pending.detail, prev, chained, pending.person, None)
+            )  # fmt: skip
+            prev = chained
+        if self.signer is not None:  # the last event carries what vouches for them all
+            rows[-1] = (*rows[-1][:-1], self.signer.commit_seal(first, seq, prev))
+        return rows
+
+    def _head(self, tx: Tx, last_seq: int | None, last_hash: str | None, signed_seq: int | None) -> tuple[str, int]:
+        """(the hash the next event follows, the sequence number it comes after)."""
+        if last_seq is None:
+            return GENESIS, int(signed_seq or 0)
+        last_seq = int(last_seq)
+        after = max(last_seq, int(signed_seq or 0))
+        if after > last_seq:
+            count_failure("audit_events_missing")
+            log.error(
+                "audit.events_missing",
+                last=last_seq,
+                signed=after,
+                detail="a checkpoint signs events past the end of the log: events were removed around Kazma",
+            )
+        if last_hash is not None:
+            return str(last_hash), after
+        if signed_seq is None and tx.one("SELECT 1 FROM approval_events WHERE chain_hash IS NOT NULL LIMIT 1") is None:
+            return self._chain_history(tx), after
+        return self._chain_strays(tx), after
+
+    def _chain_history(self, tx: Tx) -> str:
+        """The one-time chaining: every event written before the chain, hashed in sequence order, and one
+        ``history`` checkpoint over them. Returns their head."""
+        rows = tx.all(f"SELECT {EVENT_COLUMNS} FROM approval_events ORDER BY seq")  # noqa: S608
+        events = [ChainedEvent.of_row(row) for row in rows]
+        head = GENESIS
+        for event in events:
+            head = event.hash_after(head)
+        self._checkpoint(tx, HISTORY, events[0].seq, events[-1].seq, head)
+        log.warning(
+            "audit.history_chained",
+            events=len(events),
+            first=events[0].seq,
+            last=events[-1].seq,
+            head=head,
+            detail="events recorded before the audit chain, chained once and signed as they stand now",
+        )
+        return head
+
+    def _chain_strays(self, tx: Tx) -> str:
+        """Rows without chain fields after the chain began (inserted around Kazma): the chain goes on after them
+        as a verifier will compute it; no checkpoint ever covers them."""
+        anchor = tx.one(
+            "SELECT seq, chain_hash FROM approval_events WHERE chain_hash IS NOT NULL ORDER BY seq DESC LIMIT 1"
+        )
+        start, prev = (0, GENESIS) if anchor is None else (int(anchor[0]), str(anchor[1]))
+        rows = tx.all(f"SELECT {EVENT_COLUMNS} FROM approval_events WHERE seq > ? ORDER BY seq", (start,))  # noqa: S608
+        for row in rows:
+            event = ChainedEvent.of_row(row)
+            prev = event.chain_hash if event.chain_hash is not None else event.hash_after(prev)
+        count_failure("audit_unvouched_events")
+        log.error(
+            "audit.rows_without_chain",
+            after=start,
+            rows=len(rows),
+            detail="rows without chain fields after the chain began: written around Kazma; they are never signed",
+        )
+        return prev
+
+    def _request_hashes(self, tx: Tx, events: Iterable[_Pending]) -> dict[str | None, str | None]:
+        wanted = sorted({e.request_id for e in events if isinstance(e.args_hash, _FromRequest) and e.request_id})
+        if not wanted:
+            return {}
+        rows = tx.all(
+            f"SELECT id, args_hash FROM approval_requests WHERE id IN ({', '.join('?' * len(wanted))})",  # noqa: S608
+            wanted,
+        )
+        return {str(r[0]): str(r[1]) for r in rows}
+
+    def _checkpoint(self, tx: Tx, kind: str, first_seq: int, seq: int, head: str) -> Checkpoint:
+        return write_checkpoint(tx, self.signer, kind, first_seq, seq, head, self.clock())
+
+
+def write_checkpoint(
+    tx: Tx, signer: AuditSigner | None, kind: str, first_seq: int, seq: int, head: str, at: float
+) -> Checkpoint:
+    """A checkpoint over ``first_seq..seq`` at ``head``, signed when there is a signer, written in ``tx``."""
+    if signer is None:
+        made = Checkpoint(kind, first_seq, seq, head, at, None, None)
+    else:
+        made = signer.sign(kind, first_seq, seq, head, at)
+    tx.run(_INSERT_CHECKPOINT, (made.kind, made.first_seq, made.seq, made.head, made.at, made.key_id, made.signature))
+    return made

@@ -1,0 +1,201 @@
+"""Signing the audit chain's head: within milliseconds of every decision, and at least every minute.
+
+Each process that appends runs one :class:`Checkpointer`. A commit that appended
+audit events wakes it; it waits out :data:`MIN_INTERVAL` since its last signature
+(a burst of decisions shares one), then, in one transaction holding the chain's
+order (see :mod:`kazma.approvals.chain`), reads every event after the last
+checkpoint, checks that each one is chained right and that a valid commit seal
+vouches for the transaction that appended it, and signs one checkpoint over each
+unbroken run of such events. An event no seal vouches for (a row written around
+Kazma) is never signed: it is logged and counted (``audit_unvouched_events``),
+and a verifier names it.
+
+Several replicas each run one; they take turns on the chain's lock, so each signs
+what the others have not. A settled card waits (briefly) for the checkpoint that
+holds its decision: :meth:`Checkpointer.witness`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import structlog
+
+from kazma.approvals.chain import EVENT_COLUMNS, GENESIS, ChainedEvent, write_checkpoint
+from kazma.approvals.checkpoints import HEAD, AuditSigner, Checkpoint
+from kazma.config.backoff import Backoff
+from kazma.config.metrics import audit_checkpoint_seen, count_failure
+from kazma.config.store.backend import Tx
+
+if TYPE_CHECKING:
+    from kazma.approvals.store import ApprovalStore
+
+log = structlog.get_logger("kazma.approvals.checkpointer")
+
+MIN_INTERVAL: Final = 0.02  # seconds between two signatures of one process: a burst of decisions shares one
+EVERY: Final = 60.0  # at least this often while events arrive (events of other processes included)
+WITNESS_WAIT: Final = 5.0  # the longest a settled card waits for the checkpoint of its decision
+RETRY: Final = Backoff(base=0.5, cap=30.0)
+
+_LAST_CHECKPOINT = "SELECT seq, head, at FROM audit_checkpoints ORDER BY seq DESC LIMIT 1"
+_SINCE = f"SELECT {EVENT_COLUMNS}, commit_seal FROM approval_events WHERE seq > ? ORDER BY seq"  # noqa: S608
+
+
+@dataclass
+class Judged:
+    """One pass over the events after the last checkpoint."""
+
+    signed: list[Checkpoint] = field(default_factory=list)
+    newest: tuple[int, float] | None = None  # (seq, at) of the newest checkpoint after this pass
+    unvouched: list[int] = field(default_factory=list)  # rows no commit seal vouches for
+    missing_after: int | None = None  # a checkpoint signs past the last event: the log was cut here
+
+
+class Checkpointer:
+    """Signs what this store's transactions (and everyone else's) appended to the audit chain."""
+
+    def __init__(
+        self,
+        store: ApprovalStore,
+        signer: AuditSigner,
+        *,
+        min_interval: float = MIN_INTERVAL,
+        every: float = EVERY,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.signer = signer
+        self.min_interval = min_interval
+        self.every = every
+        self.clock = clock
+        self._due = asyncio.Event()
+        self._signed = asyncio.Event()  # replaced after every pass: whoever waits on the old one wakes
+        self._last_pass = 0.0  # monotonic
+        self._reported: set[int] = set()  # unvouched rows already logged by this process
+        store.appended_listeners.append(self.wake)
+
+    def wake(self) -> None:
+        """Something was appended: sign soon."""
+        self._due.set()
+
+    async def run(self) -> None:
+        """Sign whenever woken (at most every :attr:`min_interval`) and at least every :attr:`every` seconds."""
+        failures = 0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._due.wait(), timeout=self.every)
+            self._due.clear()
+            gap = self._last_pass + self.min_interval - time.monotonic()
+            if gap > 0:
+                await asyncio.sleep(gap)
+            try:
+                await self.sign()
+                failures = 0
+            except Exception as exc:
+                count_failure("audit_checkpoint")
+                log.warning("audit.checkpoint_failed", attempt=failures + 1, error=f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(RETRY.delay(failures))
+                failures += 1
+                self._due.set()
+
+    async def sign(self) -> Judged:
+        """One pass now: sign every vouched event after the last checkpoint."""
+        self._last_pass = time.monotonic()
+        judged: Judged = await self.store.write(self._judge)
+        if judged.newest is not None:
+            audit_checkpoint_seen(*judged.newest)
+        fresh = [seq for seq in judged.unvouched if seq not in self._reported]
+        if fresh:
+            self._reported.update(fresh)
+            count_failure("audit_unvouched_events")
+            log.error(
+                "audit.unvouched_events",
+                seqs=fresh[:20],
+                count=len(fresh),
+                detail="events no commit seal of Kazma's vouches for (written around Kazma): never signed",
+            )
+        if judged.missing_after is not None and -judged.missing_after not in self._reported:
+            self._reported.add(-judged.missing_after)
+            count_failure("audit_events_missing")
+            log.error("audit.events_missing", last=judged.missing_after, detail="a checkpoint signs past the log's end")
+        signed, self._signed = self._signed, asyncio.Event()
+        signed.set()
+        return judged
+
+    async def witness(self, request_id: str, *, patience: float = WITNESS_WAIT) -> Checkpoint | None:
+        """The checkpoint holding ``request_id``'s decision, waiting up to ``patience`` seconds for it to be signed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + patience
+        while True:
+            found = await self.store.witness(request_id)
+            remaining = deadline - loop.time()
+            if found is not None or remaining <= 0:
+                return found
+            signed = self._signed
+            self.wake()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(signed.wait(), remaining)
+
+    # -- in the transaction --------------------------------------------------------------------------
+
+    def _judge(self, tx: Tx) -> Judged:
+        # The chain's order first (nobody appends while this reads), and the one-time chaining if still due.
+        self.store.chain.ensure_history(tx)
+        last = tx.one(_LAST_CHECKPOINT)
+        after, prev = (0, GENESIS) if last is None else (int(last[0]), str(last[1]))
+        rows = tx.all(_SINCE, (after,))
+        judged = Judged(newest=None if last is None else (after, float(last[2])))
+        if not rows:
+            top = tx.one("SELECT MAX(seq) FROM approval_events")
+            if last is not None and (top is None or top[0] is None or int(top[0]) < after):
+                judged.missing_after = 0 if top is None or top[0] is None else int(top[0])
+            return judged
+        runs = _vouched_runs(self.signer, rows, prev, judged)
+        now = self.clock()
+        for first, seq, head in runs:
+            judged.signed.append(write_checkpoint(tx, self.signer, HEAD, first, seq, head, now))
+        if judged.signed:
+            judged.newest = (judged.signed[-1].seq, now)
+        return judged
+
+
+def _vouched_runs(signer: AuditSigner, rows: list[Any], prev: str, judged: Judged) -> list[tuple[int, int, str]]:
+    """Unbroken runs (first, last, head) of events that are chained right and vouched for by a commit seal;
+    every other event goes to ``judged.unvouched``."""
+    runs: list[tuple[int, int, str]] = []
+    pending: list[tuple[ChainedEvent, bool]] = []  # (event, chained right) since the last commit seal
+    for row in rows:
+        event = ChainedEvent.of_row(row[:-1])
+        seal = row[-1]
+        right = event.chain_hash is not None and event.prev_hash == prev and event.hash_after(prev) == event.chain_hash
+        prev = event.chain_hash if event.chain_hash is not None else event.hash_after(prev)
+        pending.append((event, right))
+        if seal is None:
+            continue
+        first = signer.sealed_from(seal, event.seq, event.chain_hash or "")
+        vouched = [e for e, ok in pending if first is not None and e.seq >= first and ok]
+        if first is None or len(vouched) != event.seq - first + 1:
+            vouched = []
+        judged.unvouched += [e.seq for e, _ in pending if not vouched or e.seq < vouched[0].seq]
+        if vouched:
+            if runs and runs[-1][1] == vouched[0].seq - 1:
+                runs[-1] = (runs[-1][0], event.seq, prev)
+            else:
+                runs.append((vouched[0].seq, event.seq, prev))
+        pending = []
+    judged.unvouched += [e.seq for e, _ in pending]  # no seal after them: no transaction of Kazma's wrote them
+    return runs
+
+
+async def vouched_tail(store: ApprovalStore, signer: AuditSigner) -> set[int]:
+    """The events after the last checkpoint that Kazma's commit seals vouch for: appended by Kazma and about to be
+    signed (read only; a verifier on Kazma's own machine, with its audit key, tells them from forged rows)."""
+    last = await store.tables.one(_LAST_CHECKPOINT)
+    after, prev = (0, GENESIS) if last is None else (int(last[0]), str(last[1]))
+    runs = _vouched_runs(signer, await store.tables.all(_SINCE, (after,)), prev, Judged())
+    return {seq for first, end, _ in runs for seq in range(first, end + 1)}

@@ -1,0 +1,216 @@
+"""Signed checkpoints of the audit chain: Ed25519 signatures over (range, sequence, head, time) by a key outside
+the store; and the commit seals that let Kazma tell its own appends from anybody else's.
+
+A checkpoint says "the chain's event ``seq`` hashes to ``head``, and the events
+``first_seq`` … ``seq`` are Kazma's own". The checkpointer
+(:mod:`kazma.approvals.checkpointer`) writes one within milliseconds of every
+decision, and at least every minute while events arrive; the events that were
+there before the chain began get one of ``kind`` ``history``, once (see
+:mod:`kazma.approvals.chain`).
+
+A *commit seal* is what an appending transaction writes on its last event: an
+HMAC-SHA256, by a key derived from the current audit key, over (first sequence
+number, last sequence number, head) of what it appended. It costs a few
+microseconds in the transaction where an Ed25519 signature costs tens; the
+checkpointer signs only ranges whose every event a valid commit seal vouches for,
+so a row inserted around Kazma is never signed, whenever it was inserted.
+
+The private keys live in the audit keyring (:data:`kazma.config.keyring.AUDIT_KEYS`:
+``.kazma-keys/audit`` beside the store's folder, or ``KAZMA_AUDIT_KEY``), never in
+the store and out of every tool's reach, exactly as the decision keys. Anyone can
+verify with the public keys alone (``kazma audit public-key``), which is the point:
+an auditor holds them, and Kazma cannot later deny what it signed.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from kazma.config.keyring import Keyring
+
+_DOMAIN = "kazma-audit-checkpoint-v1"  # a signature over anything else can never pass for a checkpoint's
+_COMMIT_DOMAIN = "kazma-audit-commit-v1"
+
+HISTORY = "history"  # covers the events recorded before the chain began, chained once (the one-time migration)
+HEAD = "head"  # covers events Kazma appended (each vouched for by its transaction's commit seal)
+KINDS = frozenset({HISTORY, HEAD})
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    kind: str
+    first_seq: int  # the first event it covers
+    seq: int  # the last event it covers: the chain's head at this checkpoint
+    head: str  # hex SHA-256: the chain hash of event ``seq``
+    at: float  # epoch seconds when it was made
+    key_id: str | None  # None: written without an audit key (never by a configured Kazma)
+    signature: str | None  # URL-safe base64 of the Ed25519 signature
+
+    @property
+    def witness(self) -> str:
+        """What a settled card shows: ``#<seq> <first 12 hex of the head>``."""
+        return witness_text(self.seq, self.head)
+
+
+def witness_text(seq: int, head: str) -> str:
+    return f"#{seq} {head[:12]}"
+
+
+def message(kind: str, key_id: str | None, first_seq: int, seq: int, head: str, at: float) -> bytes:
+    """The bytes a checkpoint's signature covers (a JSON array: every field delimited whatever it holds)."""
+    fields = [_DOMAIN, key_id, kind, first_seq, seq, head, at]
+    return json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode("ascii").rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    """URL-safe base64 without padding, written only one way: unused low bits of the last character must be
+    zero, so no second spelling of a signature (or a key) passes for it."""
+    data = base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
+    if _b64(data) != text:
+        raise ValueError("not canonical URL-safe base64")
+    return data
+
+
+def _commit_key(seed: bytes) -> bytes:
+    return hashlib.sha256(_COMMIT_DOMAIN.encode("ascii") + seed).digest()
+
+
+def _commit_message(key_id: str, first_seq: int, seq: int, head: str) -> bytes:
+    # Every field is from a closed alphabet (a key id is [A-Za-z0-9_.-], numbers, hex): "|" delimits them.
+    return f"{key_id}|{first_seq}|{seq}|{head}".encode("ascii")
+
+
+class AuditSigner:
+    """Signs checkpoints with the audit keyring's current key; knows the public half of every key in it."""
+
+    def __init__(self, keyring: Keyring) -> None:
+        self.keyring = keyring
+        self._private = Ed25519PrivateKey.from_private_bytes(keyring.current.secret)
+        self.key_id = keyring.current.id
+        # HMAC's keyed state, made once: each seal copies it (a seal is on every appending transaction's path).
+        self._commit = hmac.new(_commit_key(keyring.current.secret), digestmod=hashlib.sha256)
+
+    def commit_seal(self, first_seq: int, seq: int, head: str) -> str:
+        """``<key id>:<first seq>:<HMAC>``: what an appending transaction writes on its last event."""
+        mac = self._commit.copy()
+        mac.update(_commit_message(self.key_id, first_seq, seq, head))
+        return f"{self.key_id}:{first_seq}:{mac.hexdigest()}"
+
+    def sealed_from(self, seal: str | None, seq: int, head: str) -> int | None:
+        """The first sequence number of the commit whose seal ``seal`` (on event ``seq``, of chain hash ``head``)
+        is, when it verifies with a key of this keyring; None otherwise."""
+        if not seal:
+            return None
+        key_id, _, rest = seal.partition(":")
+        first, _, mac = rest.partition(":")
+        key = self.keyring.find(key_id)
+        if key is None or not first.isdigit():
+            return None
+        expected = hmac.new(
+            _commit_key(key.secret), _commit_message(key_id, int(first), seq, head), hashlib.sha256
+        ).hexdigest()
+        return int(first) if hmac.compare_digest(expected.encode(), mac.encode("utf-8")) else None
+
+    def sign(self, kind: str, first_seq: int, seq: int, head: str, at: float) -> Checkpoint:
+        signature = self._private.sign(message(kind, self.key_id, first_seq, seq, head, at))
+        return Checkpoint(kind, first_seq, seq, head, at, self.key_id, _b64(signature))
+
+    def public_keys(self) -> PublicKeys:
+        """The public half of every key in the keyring (older keys verify what they signed)."""
+        return public_keys_of(self.keyring)
+
+
+def public_keys_of(keyring: Keyring) -> PublicKeys:
+    held = [key for key in (keyring.find(key_id) for key_id in keyring.ids) if key is not None]
+    return PublicKeys({key.id: Ed25519PrivateKey.from_private_bytes(key.secret).public_key() for key in held})
+
+
+class PublicKeyError(ValueError):
+    """A public key file or line that cannot be used, with the reason."""
+
+
+class PublicKeys:
+    """The public keys that verify checkpoints, by key id."""
+
+    def __init__(self, keys: Mapping[str, Ed25519PublicKey]) -> None:
+        self._keys = dict(keys)
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        return tuple(self._keys)
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def text(self) -> str:
+        """``<id>:<URL-safe base64 of the raw 32-byte public key>`` lines: what ``kazma audit public-key`` prints
+        and ``kazma audit verify --public-key`` reads."""
+        return "".join(
+            f"{key_id}:{_b64(key.public_bytes(Encoding.Raw, PublicFormat.Raw))}\n" for key_id, key in self._keys.items()
+        )
+
+    @classmethod
+    def parse(cls, text: str, *, source: str) -> PublicKeys:
+        keys: dict[str, Ed25519PublicKey] = {}
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            for entry in line.split():
+                key_id, colon, written = entry.partition(":")
+                if not colon or not key_id:
+                    raise PublicKeyError(f"{source} (line {number}): expected <id>:<public key>, got {entry[:40]!r}")
+                try:
+                    raw = _unb64(written)
+                    keys[key_id] = Ed25519PublicKey.from_public_bytes(raw)
+                except (ValueError, binascii.Error):
+                    raise PublicKeyError(
+                        f"{source} (line {number}): key {key_id} is not a 32-byte Ed25519 public key in URL-safe base64"
+                    ) from None
+        if not keys:
+            raise PublicKeyError(f"{source} holds no public key")
+        return cls(keys)
+
+    def merged(self, others: Iterable[PublicKeys]) -> PublicKeys:
+        keys = dict(self._keys)
+        for other in others:
+            keys.update(other._keys)
+        return PublicKeys(keys)
+
+    def problem(self, checkpoint: Checkpoint) -> str | None:
+        """Why ``checkpoint``'s signature does not verify, or None when it does."""
+        if checkpoint.signature is None or checkpoint.key_id is None:
+            return "it is not signed (written without an audit key)"
+        key = self._keys.get(checkpoint.key_id)
+        if key is None:
+            held = ", ".join(self._keys) or "none"
+            return f"it is signed with key {checkpoint.key_id!r}, which is not among the public keys given ({held})"
+        try:
+            signature = _unb64(checkpoint.signature)
+            key.verify(
+                signature,
+                message(
+                    checkpoint.kind,
+                    checkpoint.key_id,
+                    checkpoint.first_seq,
+                    checkpoint.seq,
+                    checkpoint.head,
+                    checkpoint.at,
+                ),
+            )
+        except (InvalidSignature, ValueError, binascii.Error):
+            return f"its signature does not verify with key {checkpoint.key_id}"
+        return None

@@ -1,0 +1,266 @@
+"""Decide throughput with the audit chain on and off, side by side, interleaved in one process.
+
+"Off" is the store as it was before the chain: each audit event one plain
+``INSERT`` in its operation, no hashes, no checkpoint. "On" is the product: the
+events handed to the end of the transaction, numbered and hashed after the head
+(under the chain's lock on PostgreSQL), the last one carrying the transaction's
+commit seal (an HMAC), and a checkpointer per store signing the head with Ed25519
+within milliseconds of each decision (at most every 20 ms: a burst shares one).
+Everything else (the service, the card check, the sealed compare-and-set, group
+commit) is the same code on both sides.
+
+Both sides decide the same number of requests, alternating every ``--chunk``
+requests so that disk noise and the machine's other load hit both alike; files
+are created and warmed (their requests opened) before any timing starts. Each
+case runs ``--runs`` times; the table prints every run and the median ratio.
+
+SQLite: a file in ``--dir`` (disk), WAL, ``synchronous=FULL``. PostgreSQL
+(``--postgres``): a throwaway server from the test suite (fsync off, so commits
+cost round trips, not disk flushes), or ``--dsn``; with ``--replicas N`` each side
+gets N stores (N writers, N connections: what N ``kazma run`` replicas are to the
+database) and the presses are spread over them, so the chain's lock is contended.
+
+    python bench/audit_chain.py [--requests 1500] [--runs 3] [--dir PATH] [--postgres] [--replicas 3]
+
+Prints numbers; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+
+from kazma.approvals import ApprovalService, ApprovalStore, Decision, button_data
+from kazma.approvals.chain import AuditChain
+from kazma.approvals.checkpointer import Checkpointer
+from kazma.approvals.checkpoints import AuditSigner
+from kazma.bot.logging import configure_logging
+from kazma.bot.store import all_migrations, pg_migrations
+from kazma.config import load_config_text
+from kazma.config.keyring import AUDIT_KEYS, DECISION_KEYS, Keyring
+from kazma.config.store.backend import Tx
+from kazma.config.store.database import open_database
+from kazma.config.store.postgres import PgStore, open_pg_store
+
+CONFIG = load_config_text('approvals: {approvers: ["telegram:1", "slack:U1", "discord:2"]}').config
+KEYS = Keyring.of(DECISION_KEYS, ("k1", "bench-decision-key-" + "0" * 32))
+SIGNER = AuditSigner(Keyring.of(AUDIT_KEYS, ("a1", "YmVuY2gtYXVkaXQta2V5LW9mLTMyLWJ5dGVzLS0tLS0")))
+PRESSERS = (("telegram:1", "telegram"), ("slack:U1", "slack"), ("discord:2", "discord"))
+_PLAIN_EVENT = (
+    "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail, person)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+class PlainEvents(AuditChain):
+    """The store before the chain: each event one INSERT where its operation runs (the chain turned off)."""
+
+    def append(
+        self,
+        tx: Tx,
+        request_id: str | None,
+        event: str,
+        *,
+        actor: str | None,
+        at: float,
+        args_hash: Any,
+        platform: str | None = None,
+        detail: str | None = None,
+        person: str | None = None,
+    ) -> None:
+        digest = args_hash if isinstance(args_hash, str) or args_hash is None else None
+        tx.run(_PLAIN_EVENT, (request_id, event, actor, platform, at, digest, detail, person))
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    presses: int
+    in_flight: int
+
+
+CASES = (
+    Case("1 press per request, one at a time", 1, 1),
+    Case("3 presses per request, one at a time", 3, 1),
+    Case("3 presses, 60 requests in flight", 3, 60),
+)
+
+
+@dataclass
+class Side:
+    services: list[ApprovalService]
+    ids: list[str]
+    checkpointers: list[asyncio.Task[None]]
+    seconds: float = 0.0
+    decisions: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.decisions / self.seconds if self.seconds else 0.0
+
+
+Opener = Callable[[str], Awaitable[Any]]
+
+
+async def side_of(backends: list[Any], requests: int, *, chained: bool) -> Side:
+    services = []
+    tasks = []
+    for backend in backends:
+        store = ApprovalStore(backend, keyring=KEYS, audit=SIGNER)
+        if chained:
+            tasks.append(asyncio.create_task(Checkpointer(store, SIGNER).run()))
+        else:
+            store.chain = PlainEvents(postgres=store.chain.postgres)
+        services.append(ApprovalService(store, CONFIG))
+    opened = await asyncio.gather(
+        *(services[i % len(services)].open("shell", {"n": i}, "bench", "bench") for i in range(requests))
+    )
+    return Side(services, [r.id for r in opened], tasks)
+
+
+async def decide(side: Side, n: int, case: Case) -> int:
+    rid = side.ids[n]
+    presses = [
+        side.services[(n + k) % len(side.services)].decide_from_button(
+            button_data(rid, Decision.APPROVE), actor=actor, platform=platform
+        )
+        for k, (actor, platform) in enumerate(PRESSERS[: case.presses])
+    ]
+    return sum(r.won for r in await asyncio.gather(*presses))
+
+
+async def run_case(
+    make: Callable[[str], contextlib.AbstractAsyncContextManager[list[Any]]], case: Case, requests: int, chunk: int
+) -> tuple[Side, Side]:
+    async with make("on") as on_backends, make("off") as off_backends:
+        on = await side_of(on_backends, requests, chained=True)
+        off = await side_of(off_backends, requests, chained=False)
+        size = max(chunk, case.in_flight)
+        for start in range(0, requests, size):
+            numbers = list(range(start, min(start + size, requests)))
+            for side in (on, off) if (start // size) % 2 == 0 else (off, on):
+                began = time.perf_counter()
+                for first in range(0, len(numbers), case.in_flight):
+                    batch = numbers[first : first + case.in_flight]
+                    side.decisions += sum(await asyncio.gather(*(decide(side, n, case) for n in batch)))
+                side.seconds += time.perf_counter() - began
+        for task in on.checkpointers:
+            task.cancel()
+        await asyncio.gather(*on.checkpointers, return_exceptions=True)
+        return on, off
+
+
+def sqlite_stores(folder: Path, replicas: int) -> Callable[[str], Any]:
+    @contextlib.asynccontextmanager
+    async def make(name: str) -> AsyncIterator[list[Any]]:
+        conn: aiosqlite.Connection = await open_database(folder / f"{name}.db", migrations=all_migrations())
+        try:
+            yield [conn]
+        finally:
+            writer = await ApprovalStore(conn).tables.writer()
+            await writer.close()
+            await conn.close()
+
+    return make
+
+
+def postgres_stores(dsns: dict[str, str], replicas: int) -> Callable[[str], Any]:
+    @contextlib.asynccontextmanager
+    async def make(name: str) -> AsyncIterator[list[Any]]:
+        stores: list[PgStore] = []
+        try:
+            for index in range(replicas):
+                stores.append(
+                    await open_pg_store(dsns[name], migrations=pg_migrations(), application_name=f"bench-{index}")
+                )
+            yield list(stores)
+        finally:
+            for store in stores:
+                await store.close()
+
+    return make
+
+
+@contextlib.contextmanager
+def pg_databases(dsn: str | None) -> Iterator[tuple[dict[str, str], str]]:
+    if dsn is not None:
+        import uuid
+
+        import psycopg
+
+        names = {side: f"kazma_bench_{side}_{uuid.uuid4().hex[:8]}" for side in ("on", "off")}
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            for name in names.values():
+                admin.execute(f'CREATE DATABASE "{name}"')
+        try:
+            yield {s: psycopg.conninfo.make_conninfo(dsn, dbname=n) for s, n in names.items()}, "the given server"
+        finally:
+            with psycopg.connect(dsn, autocommit=True) as admin:
+                for name in names.values():
+                    admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        return
+    from tests.pg_support import PostgresServer  # the suite's throwaway server: run from the repository root
+
+    with PostgresServer() as server, server.database() as on, server.database() as off:
+        yield {"on": on.dsn, "off": off.dsn}, "PostgreSQL (a throwaway test server, fsync off)"
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description="decide throughput, audit chain on vs off, interleaved")
+    parser.add_argument("--requests", type=int, default=1500)
+    parser.add_argument("--chunk", type=int, default=60, help="requests per side before switching sides")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None, help="where the SQLite files go (default: here)")
+    parser.add_argument("--postgres", action="store_true", help="run on PostgreSQL instead of SQLite")
+    parser.add_argument("--dsn", default=None, help="a PostgreSQL server to make scratch databases on")
+    parser.add_argument("--replicas", type=int, default=1, help="PostgreSQL: stores (writers) per side")
+    args = parser.parse_args()
+    configure_logging("warning")  # measure the store, not the log sink
+    ratios: dict[str, list[float]] = {case.name: [] for case in CASES}
+    with contextlib.ExitStack() as stack:
+        if args.postgres:
+            dsns, where = stack.enter_context(pg_databases(args.dsn))
+            where += f", {args.replicas} writer(s) per side"
+        else:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir or Path.cwd())))
+            where = f"SQLite on disk ({folder.parent})"
+        print(f"{where}: {args.requests} requests per case, sides interleaved every {args.chunk} requests")
+        print(f"{'run':<5}{'case':<40}{'chain on/s':>12}{'chain off/s':>13}{'on ÷ off':>10}")
+        for run in range(1, args.runs + 1):
+            for case in CASES:
+                if args.postgres:
+                    import psycopg
+
+                    for dsn in dsns.values():  # every run on empty tables
+                        with psycopg.connect(dsn, autocommit=True) as admin:
+                            admin.execute("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+                    make = postgres_stores(dsns, args.replicas)
+                else:
+                    case_dir = folder / f"run{run}-{case.in_flight}-{case.presses}"
+                    case_dir.mkdir()
+                    make = sqlite_stores(case_dir, 1)
+                on, off = await run_case(make, case, args.requests, args.chunk)
+                ratio = on.rate / off.rate
+                ratios[case.name].append(ratio)
+                print(f"{run:<5}{case.name:<40}{on.rate:>12,.0f}{off.rate:>13,.0f}{ratio:>10.3f}")
+                for label, side in (("on", on), ("off", off)):
+                    if side.decisions != args.requests:
+                        print(f"  !! chain {label} decided {side.decisions} of {args.requests}")
+        print("median on ÷ off:")
+        for name, values in ratios.items():
+            print(f"     {name:<40}{statistics.median(values):>35.3f}")
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())

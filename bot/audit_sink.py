@@ -1,0 +1,411 @@
+"""``audit.sink``: every audit event, and every signed checkpoint, streamed out of the store as it commits.
+
+The sink reads the chain from its last delivered position (kept in the store,
+``audit_sink_positions``), delivers a batch to its target, then moves the
+position on. It runs apart from every decision (a target that is down, slow or
+refusing delays no press; see :class:`AuditSink`), retries with the one backoff
+(:mod:`kazma.config.backoff`) and says how far behind it is
+(``kazma_audit_sink_behind_events``; each failed delivery counts at site
+``audit_sink``).
+
+Delivery is in sequence order and at least once: a crash between a delivery and
+the write of its position sends that batch again after the restart. Every record
+carries its sequence number, so a receiver that drops what it has (an event by
+``seq``; a checkpoint by ``seq``) sees each one exactly once, in order. The file
+target does that itself: at start it reads the last record it wrote.
+
+Records are those of ``kazma audit export`` (:mod:`kazma.approvals.audit_export`):
+the file a file sink writes is verified by ``kazma audit verify --from-export``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any, Final, Protocol
+from urllib.parse import urlsplit
+
+import httpx
+import structlog
+from prometheus_client import Gauge
+
+from kazma.approvals.audit_export import checkpoint_record, event_record, line
+from kazma.approvals.store import ApprovalStore
+from kazma.config.audit_config import AuditSinkConfig
+from kazma.config.backoff import Backoff
+from kazma.config.metrics import count_failure
+from kazma.config.store.backend import StoreConnection, tables_of
+from kazma.config.store.database import Migration
+from kazma.config.store.pg_schema import PgMigration
+
+log = structlog.get_logger("kazma.audit.sink")
+
+MIGRATIONS: Final = [
+    Migration(
+        "audit_sink",
+        1,
+        (
+            # How far each sink has delivered (by its target's name): events by seq, checkpoints by seq.
+            """CREATE TABLE IF NOT EXISTS audit_sink_positions (
+                sink TEXT PRIMARY KEY,
+                event_seq INTEGER NOT NULL,
+                checkpoint_seq INTEGER NOT NULL,
+                at REAL NOT NULL
+            )""",
+        ),
+    )
+]
+PG_MIGRATIONS: Final = [
+    PgMigration(
+        "audit_sink",
+        1,
+        (
+            """CREATE TABLE IF NOT EXISTS audit_sink_positions (
+                sink text PRIMARY KEY,
+                event_seq bigint NOT NULL,
+                checkpoint_seq bigint NOT NULL,
+                at double precision NOT NULL
+            )""",
+        ),
+    )
+]
+
+SINK_BEHIND = Gauge("kazma_audit_sink_behind_events", "Audit events committed but not yet delivered by the audit sink.")
+SINK_DELIVERED = Gauge("kazma_audit_sink_delivered_seq", "The last audit event the audit sink delivered.")
+
+POLL_SECONDS: Final = 1.0  # events appended by other processes (replicas, the CLI) are found this often
+_SYSLOG_AUDIT_INFO: Final = 13 * 8 + 6  # facility 13 (log audit), severity 6 (informational)
+
+
+class SinkError(Exception):
+    """A delivery that failed; ``retry_after``: what the target asked for, if it said."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Target(Protocol):
+    kind: str
+
+    async def deliver(self, records: list[dict[str, Any]]) -> None:
+        """Deliver every record, in order, or raise."""
+        ...
+
+    async def delivered(self) -> tuple[int, int] | None:
+        """(event seq, checkpoint seq) the target itself knows it has (a file), or None (it cannot say)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class FileTarget:
+    """JSON lines appended to a file and fsynced per delivery; reads its own last record at start."""
+
+    kind = "file"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    async def deliver(self, records: list[dict[str, Any]]) -> None:
+        text = "".join(line(record) for record in records)
+        try:
+            await asyncio.to_thread(self._append, text)
+        except OSError as exc:
+            raise SinkError(f"cannot write {self.path}: {exc}") from None
+
+    def _append(self, text: str) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, text.encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    async def delivered(self) -> tuple[int, int] | None:
+        return await asyncio.to_thread(self._last_records)
+
+    def _last_records(self) -> tuple[int, int] | None:
+        """The last event and checkpoint seq in the file; a line cut by a crash is removed first."""
+        try:
+            with self.path.open("rb+") as handle:
+                size = handle.seek(0, os.SEEK_END)
+                start = max(0, size - 1_048_576)
+                handle.seek(start)
+                tail = handle.read()
+                if tail and not tail.endswith(b"\n"):  # torn by a crash mid-write: it was never delivered
+                    cut = tail.rfind(b"\n") + 1
+                    handle.truncate(start + cut)
+                    tail = tail[:cut]
+        except FileNotFoundError:
+            return None
+        event_seq = checkpoint_seq = 0
+        for raw in reversed(tail.splitlines()):
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            if record.get("type") == "event" and not event_seq:
+                event_seq = int(record["seq"])
+            if record.get("type") == "checkpoint" and not checkpoint_seq:
+                checkpoint_seq = int(record["seq"])
+            if event_seq and checkpoint_seq:
+                break
+        return event_seq, checkpoint_seq
+
+    async def close(self) -> None:
+        return
+
+
+class SyslogTarget:
+    """RFC 5424 messages, facility log audit: one UDP datagram per record, or octet-counted frames over TCP."""
+
+    kind = "syslog"
+
+    def __init__(self, address: str, *, timeout: float) -> None:
+        parts = urlsplit(address)
+        self.tcp = parts.scheme == "tcp"
+        self.host, self.port = str(parts.hostname), int(parts.port or 514)
+        self.timeout = timeout
+        self._writer: asyncio.StreamWriter | None = None
+        self._hostname = socket.gethostname()
+
+    def _message(self, record: dict[str, Any]) -> bytes:
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        msgid = str(record.get("type", "-"))
+        return f"<{_SYSLOG_AUDIT_INFO}>1 {stamp} {self._hostname} kazma - {msgid} - {line(record).strip()}".encode()
+
+    async def deliver(self, records: list[dict[str, Any]]) -> None:
+        try:
+            if self.tcp:
+                await self._send_tcp(records)
+            else:
+                await asyncio.to_thread(self._send_udp, records)
+        except OSError as exc:
+            await self.close()
+            raise SinkError(f"syslog {self.host}:{self.port}: {exc}") from None
+
+    def _send_udp(self, records: list[dict[str, Any]]) -> None:
+        with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            for record in records:
+                udp.sendto(self._message(record), (self.host, self.port))
+
+    async def _send_tcp(self, records: list[dict[str, Any]]) -> None:
+        if self._writer is None or self._writer.is_closing():
+            _, self._writer = await asyncio.open_connection(self.host, self.port)
+        frames = b"".join(b"%d %s" % (len(m), m) for m in (self._message(r) for r in records))
+        self._writer.write(frames)
+        await self._writer.drain()
+
+    async def delivered(self) -> tuple[int, int] | None:
+        return None
+
+    async def close(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+class WebhookTarget:
+    """``POST {"records": [...]}`` as JSON; a 2xx answer is a delivery, anything else a failure to retry."""
+
+    kind = "webhook"
+
+    def __init__(self, url: str, *, headers: dict[str, str], timeout: float) -> None:
+        self.url = url
+        self._client = httpx.AsyncClient(timeout=timeout, headers=headers, follow_redirects=False)
+
+    async def deliver(self, records: list[dict[str, Any]]) -> None:
+        body = json.dumps({"records": records}, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        try:
+            response = await self._client.post(
+                self.url, content=body.encode("utf-8"), headers={"Content-Type": "application/json"}
+            )
+        except httpx.HTTPError as exc:
+            raise SinkError(f"webhook: {type(exc).__name__}: {exc}") from None
+        if not 200 <= response.status_code < 300:
+            raise SinkError(
+                f"webhook answered {response.status_code}",
+                retry_after=_retry_after(response.headers.get("Retry-After")),
+            )
+
+    async def delivered(self) -> tuple[int, int] | None:
+        return None
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        with contextlib.suppress(TypeError, ValueError):
+            return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    return None
+
+
+def target_of(config: AuditSinkConfig) -> Target:
+    if config.file is not None:
+        return FileTarget(config.file)
+    if config.syslog:
+        return SyslogTarget(config.syslog, timeout=config.timeout_seconds)
+    return WebhookTarget(config.webhook, headers=dict(config.headers), timeout=config.timeout_seconds)
+
+
+class SinkPositions:
+    """Where each sink has delivered to, in the store: survives a restart (and a new leader among replicas)."""
+
+    def __init__(self, conn: StoreConnection) -> None:
+        self.tables = tables_of(conn)
+
+    async def get(self, sink: str) -> tuple[int, int]:
+        row = await self.tables.one(
+            "SELECT event_seq, checkpoint_seq FROM audit_sink_positions WHERE sink = ?", (sink,)
+        )
+        return (0, 0) if row is None else (int(row[0]), int(row[1]))
+
+    async def save(self, sink: str, event_seq: int, checkpoint_seq: int, at: float) -> None:
+        await self.tables.run(
+            "INSERT INTO audit_sink_positions (sink, event_seq, checkpoint_seq, at) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (sink) DO UPDATE SET event_seq = excluded.event_seq,"
+            " checkpoint_seq = excluded.checkpoint_seq, at = excluded.at",
+            (sink, event_seq, checkpoint_seq, at),
+        )
+
+
+class AuditSink:
+    """Streams the audit chain to one target, in order, never in a decision's way."""
+
+    def __init__(
+        self,
+        store: ApprovalStore,
+        positions: SinkPositions,
+        target: Target,
+        *,
+        name: str,
+        batch: int = 100,
+        timeout: float = 10.0,
+        backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.time,
+        poll_seconds: float = POLL_SECONDS,
+    ) -> None:
+        self.store = store
+        self.positions = positions
+        self.target = target
+        self.name = name
+        self.batch = batch
+        self.timeout = timeout
+        self.backoff = backoff or Backoff(base=1.0, cap=300.0)
+        self.clock = clock
+        self.poll_seconds = poll_seconds
+        self.position = (0, 0)  # (event seq, checkpoint seq) delivered
+        self.failures = 0  # deliveries failed in a row
+        self.behind = 0
+        self._due = asyncio.Event()
+        store.appended_listeners.append(self.wake)
+
+    @classmethod
+    def of(cls, store: ApprovalStore, conn: StoreConnection, config: AuditSinkConfig) -> AuditSink:
+        return cls(
+            store,
+            SinkPositions(conn),
+            target_of(config),
+            name=config.target,
+            batch=config.batch,
+            timeout=config.timeout_seconds,
+            backoff=Backoff(base=config.retry_base_seconds, cap=config.retry_cap_seconds),
+        )
+
+    def wake(self) -> None:
+        self._due.set()
+
+    async def start(self) -> None:
+        """The position to go on from: the store's, or further where the target itself knows it has more."""
+        stored = await self.positions.get(self.name)
+        own = await self.target.delivered()
+        self.position = stored if own is None else (max(stored[0], own[0]), max(stored[1], own[1]))
+        log.info("audit.sink_started", sink=self.name, event_seq=self.position[0], checkpoint_seq=self.position[1])
+
+    async def run(self) -> None:
+        await self.start()
+        try:
+            while True:
+                if not await self.deliver_once():
+                    self._due.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._due.wait(), timeout=self.poll_seconds)
+        finally:
+            await self.target.close()
+
+    async def deliver_once(self) -> bool:
+        """One batch delivered (True), or nothing to deliver or a failed delivery, waited out (False)."""
+        records, event_seq, checkpoint_seq = await self._batch()
+        await self._measure()
+        if not records:
+            return False
+        try:
+            await asyncio.wait_for(self.target.deliver(records), timeout=self.timeout)
+        except (SinkError, TimeoutError) as exc:
+            self.failures += 1
+            count_failure("audit_sink", self.target.kind)
+            retry_after = exc.retry_after if isinstance(exc, SinkError) else None
+            delay = self.backoff.delay(self.failures - 1, retry_after=retry_after)
+            log.warning(
+                "audit.sink_failed",
+                sink=self.name,
+                attempt=self.failures,
+                behind=self.behind,
+                retry_in=round(delay, 2),
+                error=str(exc) or type(exc).__name__,
+            )
+            await asyncio.sleep(delay)
+            return False
+        if self.failures:
+            log.info("audit.sink_recovered", sink=self.name, after_failures=self.failures)
+        self.failures = 0
+        self.position = (event_seq, checkpoint_seq)
+        try:
+            await self.positions.save(self.name, event_seq, checkpoint_seq, self.clock())
+        except Exception as exc:  # delivered all the same: after a restart this batch goes again (deduped)
+            count_failure("audit_sink_position")
+            log.warning("audit.sink_position_not_saved", sink=self.name, error=str(exc))
+        await self._measure()
+        return True
+
+    async def _batch(self) -> tuple[list[dict[str, Any]], int, int]:
+        """The next records in order: events after the position, and each checkpoint after the event it signs."""
+        event_seq, checkpoint_seq = self.position
+        events = await self.store.chain_events(event_seq, limit=self.batch)
+        top = events[-1].seq if events else event_seq
+        checkpoints = [c for c in await self.store.chain_checkpoints(checkpoint_seq, limit=self.batch) if c.seq <= top]
+        records: list[dict[str, Any]] = []
+        index = 0
+        for event in events:
+            while index < len(checkpoints) and checkpoints[index].seq < event.seq:
+                records.append(checkpoint_record(checkpoints[index]))
+                index += 1
+            records.append(event_record(event))
+        records += [checkpoint_record(c) for c in checkpoints[index:]]
+        return records, top, checkpoints[-1].seq if checkpoints else checkpoint_seq
+
+    async def _measure(self) -> None:
+        last = await self.store.last_event_seq()
+        self.behind = max(0, last - self.position[0])
+        SINK_BEHIND.set(self.behind)
+        SINK_DELIVERED.set(self.position[0])

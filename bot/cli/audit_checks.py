@@ -1,0 +1,102 @@
+"""``kazma doctor``'s checks of the audit chain: its key is there and private, and the tail of the log verifies.
+
+The tail is the last :data:`TAIL` events with the checkpoints over them, verified
+the way ``kazma audit verify`` verifies the whole log (every link, every
+signature with the public keys of the audit key here). ``kazma audit verify``
+is the full check; this one is quick enough to run at every doctor.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from kazma.approvals.audit_verify import verify
+from kazma.approvals.checkpointer import vouched_tail
+from kazma.approvals.checkpoints import HISTORY, AuditSigner
+from kazma.approvals.store import ApprovalStore
+from kazma.bot.cli.checks import Check, Level
+from kazma.bot.keys import audit_key_file, decision_keys_folder
+from kazma.bot.store import store_for_command
+from kazma.config import LoadedConfig
+from kazma.config.keyring import AUDIT_KEYS, KeyMissing, KeyringError, loose_mode, read_keyring
+
+KEY_CHECK = "audit key"
+CHAIN_CHECK = "audit chain"
+TAIL = 1000  # events verified from the end of the log
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    real, around = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+    return real == around or real.is_relative_to(around)
+
+
+def check_audit_key(loaded: LoadedConfig) -> Check:
+    """Present and readable, private, outside the store's folder and the workspaces; which key signs."""
+    config = loaded.config
+    try:
+        ring = read_keyring(AUDIT_KEYS, decision_keys_folder(config))
+    except KeyMissing as exc:
+        if config.store.backend == "postgresql":
+            return Check(
+                KEY_CHECK,
+                Level.FAIL,
+                f"{exc}: with PostgreSQL every replica needs the same {AUDIT_KEYS.env} (kazma run refuses to start "
+                "without one), or the same key file on each",
+            )
+        return Check(KEY_CHECK, Level.OK, f"none yet: kazma run makes {audit_key_file(config)} at its first start")
+    except KeyringError as exc:
+        return Check(KEY_CHECK, Level.FAIL, f"unusable: {exc}; no checkpoint can be signed")
+    if ring.path is not None:
+        try:
+            loose = loose_mode(ring.path)
+        except OSError as exc:
+            return Check(KEY_CHECK, Level.FAIL, f"{ring.path} cannot be examined: {exc}")
+        if loose is not None:
+            return Check(KEY_CHECK, Level.FAIL, f"{ring.path}: {loose}: whoever reads it can sign checkpoints")
+        for folder in (config.store.path.parent, config.tools.workspaces(config.store.path)):
+            if _inside(ring.path, folder):
+                return Check(KEY_CHECK, Level.FAIL, f"{ring.path} is inside {folder}: keep it apart")
+    return Check(KEY_CHECK, Level.OK, ring.describe())
+
+
+async def check_audit_chain(loaded: LoadedConfig) -> Check:
+    """The last :data:`TAIL` events and the checkpoints over them verify with the public keys held here."""
+    try:
+        signer = AuditSigner(read_keyring(AUDIT_KEYS, decision_keys_folder(loaded.config)))
+    except KeyringError:
+        signer = None
+    try:
+        async with store_for_command(loaded.config) as opened:
+            store = ApprovalStore(opened)
+            last = await store.last_event_seq()
+            if last == 0:
+                return Check(CHAIN_CHECK, Level.OK, "no audit events yet")
+            if signer is None:
+                return Check(CHAIN_CHECK, Level.FAIL, f"{last} audit events, but no audit key here to verify them with")
+            after = max(0, last - TAIL)
+            first = await store.chain_checkpoints(0, limit=1)
+            if first and first[0].kind == HISTORY and after < first[0].seq:
+                after = 0  # events from before the chain are only checked from their first one
+            events = await store.chain_events(after, limit=last - after)
+            checkpoints = [c for c in await store.chain_checkpoints(after, limit=10 * TAIL) if c.seq <= events[-1].seq]
+            newest = await store.last_checkpoint()
+            pending = {s for s in await vouched_tail(store, signer) if s <= events[-1].seq}
+    except Exception as exc:
+        said = str(exc).strip() or type(exc).__name__
+        return Check(CHAIN_CHECK, Level.FAIL, f"cannot read the audit log: {said}")
+    report = verify(events, checkpoints, signer.public_keys(), anchored=after == 0, pending=pending)
+    if not report.ok:
+        return Check(CHAIN_CHECK, Level.FAIL, f"the last {len(events)} events: {report.summary()}")
+    age = "" if newest is None else f"; newest checkpoint #{newest.seq}, {time.time() - newest.at:.0f} s old"
+    return Check(
+        CHAIN_CHECK, Level.OK, f"the last {len(events)} events (seq {events[0].seq}..{events[-1].seq}) verify{age}"
+    )
+
+
+async def check_audit(loaded: LoadedConfig, *, store_ok: bool = True) -> list[Check]:
+    checks = [check_audit_key(loaded)]
+    if store_ok:
+        checks.append(await check_audit_chain(loaded))
+    return checks

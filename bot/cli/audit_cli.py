@@ -1,0 +1,248 @@
+"""``kazma audit verify|export|public-key``: the audit chain checked, taken out of the store, and its public keys.
+
+``verify`` reads the configured store (or, with ``--from-export``, a file: no
+configuration, no store, no secret needed) and checks every link, every
+signature, and every head seen elsewhere (``--head SEQ:HEX`` from a settled card;
+``--heads-from FILE`` for every checkpoint of an earlier export). Exit 0 when all
+hold, 1 at the first problem (named with its sequence number and what is wrong).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TextIO
+
+import click
+
+from kazma.approvals import ApprovalStore
+from kazma.approvals.audit_export import (
+    Export,
+    ExportError,
+    checkpoints_in_order,
+    events_in_order,
+    export_records,
+    header_record,
+    line,
+    read_export,
+)
+from kazma.approvals.audit_verify import Head, HeadError, Report, heads_of, verify
+from kazma.approvals.chain import ChainedEvent
+from kazma.approvals.checkpointer import vouched_tail
+from kazma.approvals.checkpoints import HISTORY, Checkpoint, PublicKeyError, PublicKeys
+from kazma.bot.cli.context import EXIT_CONFIG, Context
+from kazma.bot.keys import audit_key_file, read_audit_signer
+from kazma.bot.store import store_for_command
+from kazma.config.models import KazmaConfig
+
+EXIT_FAILED = 1
+PAGE = 5000
+SHOWN = 20  # problems listed after the first one
+
+
+@click.group()
+def audit() -> None:
+    """The audit chain: verify it, export it, print its public keys."""
+
+
+def _fail(message: str, code: int = EXIT_CONFIG) -> None:
+    click.echo(message, err=True)
+    sys.exit(code)
+
+
+def _heads(given: tuple[str, ...], files: tuple[Path, ...]) -> list[Head]:
+    heads: list[Head] = []
+    for text in given:
+        try:
+            heads.append(Head.parse(text, source=f"--head {text}"))
+        except HeadError as exc:
+            _fail(str(exc))
+    for path in files:
+        earlier = _read_export(path)
+        heads += heads_of(checkpoints_in_order(earlier), source=f"in {path}")
+    return heads
+
+
+def _read_export(path: Path) -> Export:
+    try:
+        return read_export(path.read_text(encoding="utf-8"), source=str(path))
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(f"cannot read {path}: {exc}")
+    except ExportError as exc:
+        _fail(f"not an audit export: {exc}", EXIT_FAILED)
+    raise AssertionError("unreachable")
+
+
+def _public_keys(path: Path | None, config: KazmaConfig | None) -> PublicKeys:
+    if path is not None:
+        try:
+            return PublicKeys.parse(path.read_text(encoding="utf-8"), source=str(path))
+        except (OSError, UnicodeDecodeError) as exc:
+            _fail(f"cannot read {path}: {exc}")
+        except PublicKeyError as exc:
+            _fail(str(exc))
+    signer = None if config is None else read_audit_signer(config)
+    if signer is None:
+        where = "" if config is None else f" (no usable audit key at {audit_key_file(config)} or in $KAZMA_AUDIT_KEY)"
+        _fail(f"give the public keys to verify with: --public-key FILE (from `kazma audit public-key`){where}")
+        raise AssertionError("unreachable")
+    return signer.public_keys()
+
+
+def _print(report: Report) -> None:
+    click.echo(report.summary())
+    if report.history is not None:
+        history = report.history
+        click.echo(
+            f"note: seq {history.first_seq}..{history.seq} were recorded before the audit chain and chained once "
+            "(the one-time migration): their checkpoint proves them unchanged since then, not before"
+        )
+    first = report.first
+    if first is not None:
+        rest = sorted((p for p in report.problems if p is not first), key=lambda p: p.seq)
+        for problem in rest[:SHOWN]:
+            click.echo(f"  then {problem.line()}")
+        if len(rest) > SHOWN:
+            click.echo(f"  … and {len(rest) - SHOWN} more")
+
+
+@audit.command("verify")
+@click.option("--head", "heads", multiple=True, metavar="SEQ:HEX", help="A checkpoint seen elsewhere (a settled card).")
+@click.option(
+    "--heads-from",
+    "heads_from",
+    multiple=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="An earlier export: the log must still hold every checkpoint in it.",
+)
+@click.option(
+    "--from-export",
+    "from_export",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Verify this export (or a sink's file) instead of the store: needs only --public-key.",
+)
+@click.option(
+    "--public-key",
+    "public_key",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="The public keys (`kazma audit public-key`); default: derived from this machine's audit key.",
+)
+@click.pass_obj
+def verify_command(
+    obj: Context,
+    heads: tuple[str, ...],
+    heads_from: tuple[Path, ...],
+    from_export: Path | None,
+    public_key: Path | None,
+) -> None:
+    """Check every link and signature of the audit chain; name the first bad sequence number."""
+    given = _heads(heads, heads_from)
+    if from_export is not None:
+        export = _read_export(from_export)
+        try:
+            events, checkpoints = events_in_order(export), checkpoints_in_order(export)
+        except ExportError as exc:
+            _fail(f"{from_export}: {exc}", EXIT_FAILED)
+        keys = _public_keys(public_key, None if public_key is not None else _config_if_any(obj))
+        report = verify(events, checkpoints, keys, heads=given, anchored=export.anchored)
+    else:
+        config = obj.load().config
+        keys = _public_keys(public_key, config)
+        report = asyncio.run(_verify_store(config, keys, given))
+    _print(report)
+    if not report.ok:
+        sys.exit(EXIT_FAILED)
+
+
+def _config_if_any(obj: Context) -> KazmaConfig | None:
+    """The configuration when there is one here (its audit key gives the public keys); None elsewhere."""
+    path = obj.config_path or Path("kazma.yaml")
+    return obj.load().config if path.exists() else None
+
+
+async def _verify_store(config: KazmaConfig, keys: PublicKeys, heads: list[Head]) -> Report:
+    async with store_for_command(config) as conn:
+        store = ApprovalStore(conn)
+        events = [event async for batch in _pages(store) for event in batch]
+        checkpoints = await _checkpoints(store)
+        newest = await store.last_event_seq()  # read after the checkpoints: anything a checkpoint signs is in
+        read_to = events[-1].seq if events else 0
+        # A checkpoint made after the events were read (Kazma runs) signs what this read did not see: not a cut.
+        checkpoints = [c for c in checkpoints if c.seq <= read_to or c.seq > newest]
+        signer = read_audit_signer(config)
+        pending = set() if signer is None else {s for s in await vouched_tail(store, signer) if s <= read_to}
+    return verify(events, checkpoints, keys, heads=heads, pending=pending)
+
+
+async def _pages(store: ApprovalStore, after: int = 0) -> AsyncIterator[list[ChainedEvent]]:
+    while True:
+        batch = await store.chain_events(after, limit=PAGE)
+        if not batch:
+            return
+        yield batch
+        after = batch[-1].seq
+
+
+async def _checkpoints(store: ApprovalStore, after: int = 0) -> list[Checkpoint]:
+    found: list[Checkpoint] = []
+    while True:
+        batch = await store.chain_checkpoints(after, limit=PAGE)
+        if not batch:
+            return found
+        found += batch
+        after = batch[-1].seq
+
+
+@audit.command("export")
+@click.option("--since", type=click.IntRange(min=1), default=1, show_default=True, help="The first sequence number.")
+@click.option("--format", "fmt", type=click.Choice(["jsonl"]), default="jsonl", show_default=True)
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=None, help="A file (default: stdout).")
+@click.pass_obj
+def export_command(obj: Context, since: int, fmt: str, out: Path | None) -> None:
+    """Write the audit events with their chain fields and checkpoints, as JSON lines."""
+    config = obj.load().config
+    if out is None:
+        written = asyncio.run(_export(config, since, sys.stdout))
+    else:
+        with out.open("w", encoding="utf-8") as handle:
+            written = asyncio.run(_export(config, since, handle))
+    click.echo(f"exported {written[0]} events and {written[1]} checkpoints from seq {written[2]}", err=True)
+
+
+async def _export(config: KazmaConfig, since: int, out: TextIO) -> tuple[int, int, int]:
+    signer = read_audit_signer(config)
+    async with store_for_command(config) as conn:
+        store = ApprovalStore(conn)
+        checkpoints = await _checkpoints(store)
+        history = next((c for c in checkpoints if c.kind == HISTORY), None)
+        if history is not None and history.first_seq < since <= history.seq:
+            since = history.first_seq  # events before the chain can only be checked from their first one
+        kept = [c for c in checkpoints if c.seq >= since]
+        out.write(line(header_record(since=since, key_ids=[] if signer is None else signer.keyring.ids)))
+        events = 0
+        async for record in export_records(_pages(store, since - 1), kept):
+            out.write(line(record))
+            events += record["type"] == "event"
+        return events, len(kept), since
+
+
+@audit.command("public-key")
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=None, help="A file (default: stdout).")
+@click.pass_obj
+def public_key_command(obj: Context, out: Path | None) -> None:
+    """Print the public keys that verify the audit chain's checkpoints (give them to whoever verifies)."""
+    config = obj.load().config
+    signer = read_audit_signer(config)
+    if signer is None:
+        _fail(f"no usable audit key at {audit_key_file(config)} or in $KAZMA_AUDIT_KEY (kazma run makes one)")
+        return
+    text = signer.public_keys().text()
+    if out is None:
+        click.echo(text, nl=False)
+    else:
+        out.write_text(text, encoding="utf-8")
+        click.echo(f"{out}: {', '.join(signer.keyring.ids)}", err=True)

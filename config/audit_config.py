@@ -1,0 +1,101 @@
+"""``audit:`` in kazma.yaml: where the audit chain's events are streamed as they commit (``audit.sink``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,100}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AuditSinkConfig(_Strict):
+    """Exactly one of ``file``, ``syslog`` and ``webhook``; every event (and every signed checkpoint) is delivered
+    in sequence order, at least once, each carrying its sequence number (a receiver drops one it has)."""
+
+    file: Path | None = None  # JSON lines appended (and fsynced); what `kazma audit verify --from-export` reads
+    syslog: str = ""  # udp://host:port or tcp://host:port: one RFC 5424 message per record, facility log audit
+    webhook: str = ""  # https://… (http:// only to a loopback address): POST {"records": [...]}, 2xx = delivered
+    headers: dict[str, str] = Field(default_factory=dict)  # sent with every webhook POST (values may use ${VAR})
+    batch: int = Field(default=100, ge=1, le=10_000)  # records per delivery at most
+    timeout_seconds: float = Field(default=10.0, gt=0, le=300)  # one delivery's limit
+    retry_base_seconds: float = Field(default=1.0, gt=0, le=3600)  # the backoff after a failed delivery
+    retry_cap_seconds: float = Field(default=300.0, gt=0, le=86_400)
+
+    @field_validator("syslog")
+    @classmethod
+    def _syslog(cls, value: str) -> str:
+        if not value:
+            return value
+        parts = urlsplit(value)
+        if parts.scheme not in ("udp", "tcp") or not parts.hostname or parts.port is None:
+            raise PydanticCustomError(
+                "kazma_audit", "expected udp://host:port or tcp://host:port, got {got}", {"got": repr(value)}
+            )
+        return value
+
+    @field_validator("webhook")
+    @classmethod
+    def _webhook(cls, value: str) -> str:
+        if not value:
+            return value
+        parts = urlsplit(value)
+        if parts.scheme == "http" and parts.hostname in _LOOPBACK:
+            return value
+        if parts.scheme != "https" or not parts.hostname:
+            raise PydanticCustomError(
+                "kazma_audit",
+                "the audit webhook must be an https:// URL (http:// only to 127.0.0.1 or localhost), got {got}",
+                {"got": repr(value)},
+            )
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _headers(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if not _HEADER_NAME.match(name) or "\n" in text or "\r" in text:
+                raise PydanticCustomError(
+                    "kazma_audit", "header {name} is not a valid HTTP header name or value", {"name": repr(name)}
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _one_target(self) -> AuditSinkConfig:
+        targets = [name for name, on in (("file", self.file), ("syslog", self.syslog), ("webhook", self.webhook)) if on]
+        if len(targets) != 1:
+            raise PydanticCustomError(
+                "kazma_audit",
+                "audit.sink needs exactly one of file, syslog and webhook (got {got})",
+                {"got": ", ".join(targets) or "none"},
+            )
+        if self.headers and not self.webhook:
+            raise PydanticCustomError("kazma_audit", "audit.sink.headers are only for a webhook", {})
+        if self.retry_cap_seconds < self.retry_base_seconds:
+            raise PydanticCustomError(
+                "kazma_audit", "audit.sink.retry_cap_seconds must be at least retry_base_seconds", {}
+            )
+        return self
+
+    @property
+    def target(self) -> str:
+        """The sink's name, which its delivered position is kept under: a new target starts from the beginning."""
+        if self.file is not None:
+            return f"file:{self.file}"
+        if self.syslog:
+            return f"syslog:{self.syslog}"
+        parts = urlsplit(self.webhook)  # without credentials a URL may carry (the name is stored)
+        port = f":{parts.port}" if parts.port else ""
+        return f"webhook:{parts.scheme}://{parts.hostname}{port}{parts.path}"
+
+
+class AuditConfig(_Strict):
+    sink: AuditSinkConfig | None = None  # None: the audit stays in the store (and `kazma audit export`)

@@ -1,0 +1,186 @@
+"""The audit chain as Kazma writes it, on SQLite and PostgreSQL: one line whatever writes at once, nothing left of a
+transaction that failed, a signature within milliseconds of a decision, and the history from before the chain
+chained once, said so in its checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from kazma.approvals import ApprovalService, ApprovalStore, Decision
+from kazma.approvals.audit_verify import verify
+from kazma.approvals.chain import FROM_REQUEST, GENESIS
+from kazma.approvals.checkpointer import Checkpointer
+from kazma.approvals.checkpoints import HISTORY
+from kazma.bot.store import all_migrations, pg_migrations
+from kazma.config.metrics import failure_count
+from kazma.config.store.backend import Tx
+from kazma.config.store.database import Migration
+from tests.approvals_support import TEST_KEYRING, TEST_SIGNER, approvals_config
+from tests.audit_support import Attacker
+from tests.store_backends import Engine, open_store, raw_rows
+
+ARGS = {"command": "deploy --prod"}
+
+
+@asynccontextmanager
+async def services(engine: Engine, count: int) -> AsyncIterator[list[ApprovalService]]:
+    """``count`` services, each on a store (a connection, a writer) of its own: replicas on PostgreSQL, processes
+    sharing one file on SQLite."""
+    async with contextlib.AsyncExitStack() as stack:
+        opened = [await stack.enter_async_context(open_store(engine, application_name=f"w{n}")) for n in range(count)]
+        yield [
+            ApprovalService(ApprovalStore(conn, keyring=TEST_KEYRING, audit=TEST_SIGNER), approvals_config())
+            for conn in opened
+        ]
+
+
+async def whole_log(service: ApprovalService) -> tuple[list[Any], list[Any]]:
+    return await service.store.chain_events(limit=100_000), await service.store.chain_checkpoints(limit=100_000)
+
+
+async def test_writers_appending_at_once_make_one_chain_in_commit_order(store_engine: Engine) -> None:
+    async with services(store_engine, 3) as writers:
+        checkpointers = [Checkpointer(w.store, TEST_SIGNER, min_interval=0.0) for w in writers]
+
+        async def work(n: int) -> None:
+            service = writers[n % len(writers)]
+            request = await service.open("shell", {"n": n}, "agent:builder", "telegram:-100")
+            presses = [
+                writers[(n + k) % len(writers)].decide(request.id, Decision.APPROVE, actor=actor, platform=platform)
+                for k, (actor, platform) in enumerate((("telegram:111", "telegram"), ("slack:U111", "slack")))
+            ]
+            results = await asyncio.gather(*presses)
+            assert sum(r.won for r in results) == 1
+            await checkpointers[n % len(checkpointers)].sign()
+
+        await asyncio.gather(*(work(n) for n in range(60)))
+        await checkpointers[0].sign()
+        events, checkpoints = await whole_log(writers[0])
+    # opened, decided and press_lost for each request: every one there, numbered 1..N without a gap or a repeat
+    assert len(events) == 180
+    assert [e.seq for e in events] == list(range(1, 181))
+    report = verify(events, checkpoints, TEST_SIGNER.public_keys())
+    assert report.ok, [p.line() for p in report.problems]
+    assert events[0].prev_hash == GENESIS
+
+
+async def test_a_transaction_that_fails_after_appending_leaves_no_event_and_no_gap(store_engine: Engine) -> None:
+    async with services(store_engine, 1) as [service]:
+        store = service.store
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+
+        def appends_then_fails(tx: Tx) -> None:
+            store.chain.append(tx, request.id, "forgotten", actor=None, at=store.clock(), args_hash=FROM_REQUEST)
+            raise RuntimeError("the operation fails after its audit event")
+
+        def appends(tx: Tx) -> None:
+            store.chain.append(tx, request.id, "kept", actor=None, at=store.clock(), args_hash=FROM_REQUEST)
+
+        # In one group: the failing operation's event goes with it, the other's stays.
+        outcomes = await asyncio.gather(store.write(appends_then_fails), store.write(appends), return_exceptions=True)
+        assert isinstance(outcomes[0], RuntimeError)
+        assert outcomes[1] is None
+        with pytest.raises(RuntimeError):
+            await store.write(appends_then_fails)  # alone in its transaction
+        await store.write(appends)
+        events, _ = await whole_log(service)
+    assert [(e.seq, e.event) for e in events] == [(1, "opened"), (2, "kept"), (3, "kept")]
+    assert all(e.args_hash == request.args_hash for e in events)
+    assert [e.prev_hash for e in events[1:]] == [e.chain_hash for e in events[:-1]]
+
+
+async def test_a_decision_is_signed_within_moments_by_the_running_checkpointer(store_engine: Engine) -> None:
+    async with services(store_engine, 1) as [service]:
+        checkpointer = Checkpointer(service.store, TEST_SIGNER)
+        running = asyncio.create_task(checkpointer.run())
+        try:
+            request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+            await service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")
+            # No explicit signature here: the decision's commit woke the checkpointer.
+            async with asyncio.timeout(10):
+                while (witness := await service.store.witness(request.id)) is None:
+                    await asyncio.sleep(0.01)
+            [decided] = await service.store.events(request.id, event="decided")
+            assert witness.first_seq <= decided.seq <= witness.seq
+            assert TEST_SIGNER.public_keys().problem(witness) is None
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+
+def _before_the_chain(engine: Engine) -> list[Migration]:
+    """Every migration of the release before the audit chain (approvals up to v8, no sink)."""
+    chosen = pg_migrations() if engine.postgres else all_migrations()
+    return [m for m in chosen if not (m.component == "approvals" and m.version >= 9) and m.component != "audit_sink"]
+
+
+async def test_events_from_before_the_chain_are_chained_once_and_their_checkpoint_says_so(store_engine: Engine) -> None:
+    async with open_store(store_engine, migrations=_before_the_chain(store_engine)):
+        pass
+    # The release before wrote its audit rows as plain inserts (ids given by the store).
+    old = [("r1", "opened", "agent:builder", None, 1_800_000_000.5, "h1", "tool=shell"),
+           ("r1", "decided", "telegram:111", "telegram", 1_800_000_001.25, "h1", "approved"),
+           (None, "press_refused", "telegram:999", "telegram", 1_800_000_002.0, None, "not an approver")]  # fmt: skip
+    attacker = Attacker(store_engine)
+    for row in old:
+        attacker.run(
+            (
+                "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                row,
+            )
+        )
+    async with services(store_engine, 1) as [service]:
+        await service.store.start_chain()  # what kazma run does first
+        await service.store.start_chain()  # once only
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        await Checkpointer(service.store, TEST_SIGNER).sign()
+        events, checkpoints = await whole_log(service)
+    history = [c for c in checkpoints if c.kind == HISTORY]
+    assert len(history) == 1
+    assert (history[0].first_seq, history[0].seq) == (events[0].seq, events[2].seq)
+    assert [e.chain_hash for e in events[:3]] == [None, None, None]  # the old rows are as they were
+    assert events[3].request_id == request.id
+    assert events[3].prev_hash == history[0].head  # the chain goes on from the history's head
+    report = verify(events, checkpoints, TEST_SIGNER.public_keys())
+    assert report.ok, [p.line() for p in report.problems]
+    assert report.history == history[0]
+
+    # A row from before the chain changed afterwards: the history's signed head no longer matches.
+    attacker.run(("UPDATE approval_events SET detail = 'denied' WHERE seq = ?", (events[1].seq,)))
+    rows = raw_rows(store_engine, "SELECT detail FROM approval_events WHERE seq = ?", (events[1].seq,))
+    assert rows == [("denied",)]
+    async with services(store_engine, 1) as [service]:
+        events, checkpoints = await whole_log(service)
+    report = verify(events, checkpoints, TEST_SIGNER.public_keys())
+    assert report.first is not None
+    assert (report.first.seq, report.first.kind) == (events[0].seq, "changed")
+    assert "chained once at the upgrade" in report.first.detail
+
+
+async def test_rows_inserted_around_kazma_are_counted_and_never_signed(store_engine: Engine) -> None:
+    async with services(store_engine, 1) as [service]:
+        await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        Attacker(store_engine).run(
+            (
+                "INSERT INTO approval_events (seq, request_id, event, actor, at) VALUES (2, NULL, 'decided', 'x', 1)",
+                (),
+            )
+        )
+        before = failure_count("audit_unvouched_events")
+        await service.open("shell", ARGS, "agent:builder", "telegram:-100")  # chained on after the stray row
+        judged = await Checkpointer(service.store, TEST_SIGNER).sign()
+        assert judged.unvouched == [2]
+        assert failure_count("audit_unvouched_events") > before
+        events, checkpoints = await whole_log(service)
+    assert [e.seq for e in events] == [1, 2, 3]
+    report = verify(events, checkpoints, TEST_SIGNER.public_keys())
+    assert report.first is not None
+    assert (report.first.seq, report.first.kind) == (2, "inserted")

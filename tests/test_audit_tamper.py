@@ -1,0 +1,213 @@
+"""The audit log rewritten around Kazma, on SQLite and on PostgreSQL: `kazma audit verify` fails on every kind of
+rewrite and names the first bad sequence number and what is wrong with it.
+
+Each test lets Kazma write a real log (requests opened, approved, denied, timed out, an execution audited; signed
+by the checkpointer in several passes), checks that `kazma audit verify` passes, then rewrites the store through
+a connection of its own with the append-only triggers taken away (what the file's or the role's owner can do),
+and runs `kazma audit verify` again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from kazma.approvals import Decision
+from kazma.approvals.chain import event_hash
+from kazma.approvals.checkpointer import Checkpointer
+from kazma.bot.cli import main
+from tests.approvals_support import TEST_SIGNER, approval_service
+from tests.audit_support import (
+    ARGS,
+    FORGER,
+    KEY_ENV,
+    Attacker,
+    Log,
+    config_text,
+    make_log,
+    rechained,
+    resigned,
+    run_async,
+)
+from tests.store_backends import Engine
+
+
+def verify(tmp_path: Path, engine: Engine, *args: str) -> Result:
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, engine))
+    return CliRunner().invoke(main, ["-c", str(config), "audit", "verify", *args], env=KEY_ENV)
+
+
+def failed_at(result: Result, seq: int, kind: str) -> None:
+    assert result.exit_code == 1, result.stdout
+    assert f"FAILED: first bad sequence seq {seq}: {kind}:" in result.stdout, result.stdout
+
+
+@pytest.fixture
+def log(store_engine: Engine, tmp_path: Path) -> Log:
+    made: Log = run_async(make_log(store_engine.where))
+    result = verify(tmp_path, store_engine)
+    assert result.exit_code == 0, result.stdout
+    assert result.stdout.startswith(f"ok: {made.last} events (seq 1..{made.last}) chained"), result.stdout
+    return made
+
+
+def test_a_decided_outcome_changed_in_the_store_fails_at_its_event(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    denied = log.seqs["decided:drop"]
+    Attacker(store_engine).run(
+        ("UPDATE approval_events SET detail = 'approved' WHERE seq = ?", (denied,)),
+        ("UPDATE approval_requests SET status = 'approved' WHERE id = ?", (log.requests["drop"],)),
+    )
+    failed_at(verify(tmp_path, store_engine), denied, "changed")
+
+
+def test_an_event_deleted_fails_as_missing_whether_the_rest_is_renumbered_or_not(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    approved = log.seqs["decided:deploy"]
+    attacker = Attacker(store_engine)
+    attacker.run(("DELETE FROM approval_events WHERE seq = ?", (approved,)))
+    failed_at(verify(tmp_path, store_engine), approved, "missing")
+    # The gap closed: every later event moved down one.
+    attacker.run(
+        ("UPDATE approval_events SET seq = seq + 1000 WHERE seq > ?", (approved,)),
+        ("UPDATE approval_events SET seq = seq - 1001 WHERE seq > 1000", ()),
+    )
+    failed_at(verify(tmp_path, store_engine), approved, "missing")
+
+
+def test_a_forged_event_inserted_in_the_middle_and_chained_right_fails_as_inserted(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    at = log.seqs["decided:drop"]  # a forged approval put where the denial was, the rest moved up one
+    attacker = Attacker(store_engine)
+    before = next(e for e in attacker.events() if e.seq == at - 1)
+    forged = ("decided", "telegram:111", "telegram", before.at + 0.001, "approved")
+    digest = event_hash(before.chain_hash or "", log.requests["drop"], *forged[:3], forged[3], None, forged[4])
+    attacker.run(
+        ("UPDATE approval_events SET seq = seq + 1000 WHERE seq >= ?", (at,)),
+        ("UPDATE approval_events SET seq = seq - 999 WHERE seq > 1000", ()),
+        (
+            "INSERT INTO approval_events (seq, request_id, event, actor, platform, at, args_hash, detail, prev_hash,"
+            " chain_hash) VALUES (?, ?, ?, ?, ?, ?, NULL, ?, ?, ?)",
+            (at, log.requests["drop"], *forged, before.chain_hash, digest),
+        ),
+    )
+    failed_at(verify(tmp_path, store_engine), at, "inserted")
+
+
+def test_a_forged_event_appended_at_the_end_is_never_signed_even_after_kazma_appends_more(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    attacker = Attacker(store_engine)
+    last = attacker.events()[-1]
+    seq = log.last + 1
+    digest = event_hash(last.chain_hash or "", log.requests["drop"], "decided", "telegram:111", "telegram",
+                        last.at + 1, None, "approved")  # fmt: skip
+    attacker.run(
+        (
+            "INSERT INTO approval_events (seq, request_id, event, actor, platform, at, detail, prev_hash, chain_hash)"
+            " VALUES (?, ?, 'decided', 'telegram:111', 'telegram', ?, 'approved', ?, ?)",
+            (seq, log.requests["drop"], last.at + 1, last.chain_hash, digest),
+        ),
+    )
+    failed_at(verify(tmp_path, store_engine), seq, "unsigned")
+
+    async def kazma_goes_on() -> None:
+        async with approval_service(store_engine.where) as service:
+            checkpointer = Checkpointer(service.store, TEST_SIGNER)
+            request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+            await service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
+            judged = await checkpointer.sign()
+            assert judged.unvouched == [seq]  # Kazma's own events after it are signed; the forged one is not
+            assert [c.first_seq for c in judged.signed] == [seq + 1]
+
+    run_async(kazma_goes_on())
+    failed_at(verify(tmp_path, store_engine), seq, "unsigned")
+
+
+def test_two_events_swapped_fail_as_reordered(store_engine: Engine, tmp_path: Path, log: Log) -> None:
+    first, second = log.seqs["decided:deploy"], log.seqs["decided:drop"]
+    Attacker(store_engine).run(
+        ("UPDATE approval_events SET seq = -1 WHERE seq = ?", (first,)),
+        ("UPDATE approval_events SET seq = ? WHERE seq = ?", (first, second)),
+        ("UPDATE approval_events SET seq = ? WHERE seq = -1", (second,)),
+    )
+    failed_at(verify(tmp_path, store_engine), first, "reordered")
+
+
+def test_the_last_events_cut_off_fail_as_truncated_and_a_cut_at_a_checkpoint_fails_against_an_earlier_head(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    attacker = Attacker(store_engine)
+    head = attacker.events()[-1]
+    keep = attacker.checkpoints()[-2].seq  # the last events and the checkpoint over them go
+    attacker.run(("DELETE FROM approval_events WHERE seq > ?", (keep,)))
+    failed_at(verify(tmp_path, store_engine), keep + 1, "truncated")
+    # The checkpoints past the cut removed too: the log is consistent in itself, signed to its new end. Nothing
+    # inside the store can tell (said plainly in the README); a head seen earlier, outside it, can.
+    attacker.run(("DELETE FROM audit_checkpoints WHERE seq > ?", (keep,)))
+    assert verify(tmp_path, store_engine).exit_code == 0
+    seen = f"{head.seq}:{(head.chain_hash or '')[:12]}"
+    failed_at(verify(tmp_path, store_engine, "--head", seen), keep + 1, "truncated")
+
+
+def test_a_consistent_rechained_forgery_without_the_key_fails_on_the_signature_and_against_a_head(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    attacker = Attacker(store_engine)
+    events, checkpoints = attacker.events(), attacker.checkpoints()
+    witness = events[log.seqs["decided:drop"] - 1]  # what the denial's settled card showed: its seq and head
+    assert witness.seq == log.seqs["decided:drop"]
+    head = f"{witness.seq}:{(witness.chain_hash or '')[:12]}"
+    # The denial turned into an approval, and everything after it chained again: every link holds.
+    forged = rechained([replace(e, detail="approved") if e.seq == witness.seq else e for e in events])
+    # The original checkpoints kept: their heads are not the forged chain's.
+    attacker.replace_log(forged, checkpoints)
+    failed_at(verify(tmp_path, store_engine), next(c.first_seq for c in checkpoints if c.seq >= witness.seq),
+              "changed")  # fmt: skip
+    # Checkpoints signed again by a key of the forger's own under the real key's id: the signatures fail.
+    attacker.replace_log(forged, resigned(forged, checkpoints, FORGER))
+    result = verify(tmp_path, store_engine)
+    failed_at(result, checkpoints[0].first_seq, "bad signature")
+    assert "its signature does not verify with key a1" in result.stdout
+    # Against the head the settled card showed, the forged log fails at that very event.
+    failed_at(verify(tmp_path, store_engine, "--head", head), 1, "bad signature")
+    assert f"seq {witness.seq}: changed: it hashes to" in verify(tmp_path, store_engine, "--head", head).stdout
+
+
+def doctor(tmp_path: Path, engine: Engine) -> str:
+    """The line `kazma doctor` prints for the audit chain (the other checks meet no platform here)."""
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, engine))
+    result = CliRunner().invoke(
+        main, ["-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1"], env=KEY_ENV
+    )
+    [line] = [text for text in result.stdout.splitlines() if "audit chain" in text]
+    return line
+
+
+def test_doctor_verifies_the_tail_of_the_log_and_names_the_first_bad_sequence(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    clean = doctor(tmp_path, store_engine)
+    assert clean.startswith("OK"), clean
+    assert f"(seq 1..{log.last}) verify" in clean
+    denied = log.seqs["decided:drop"]
+    Attacker(store_engine).run(("UPDATE approval_events SET detail = 'approved' WHERE seq = ?", (denied,)))
+    tampered = doctor(tmp_path, store_engine)
+    assert tampered.startswith("FAIL"), tampered
+    assert f"first bad sequence seq {denied}: changed" in tampered
+
+
+def test_a_person_written_onto_a_decision_in_the_store_fails_at_its_event(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    approved = log.seqs["decided:deploy"]  # decided by an identity that is nobody's: no person recorded
+    Attacker(store_engine).run(("UPDATE approval_events SET person = 'mallory' WHERE seq = ?", (approved,)))
+    failed_at(verify(tmp_path, store_engine), approved, "changed")
