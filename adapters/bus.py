@@ -23,6 +23,7 @@ from kazma.adapters.contract import (
     CardRef,
     FileAdapter,
     Handlers,
+    IdempotentPosts,
     PlatformAdapter,
     PlatformError,
     SingletonIngress,
@@ -35,19 +36,29 @@ from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, i
 from kazma.approvals.checkpoints import Checkpoint
 from kazma.approvals.model import ApprovalRequest, Review, Status, Witness
 from kazma.approvals.progress import progress_line
-from kazma.approvals.service import remember_offer
+from kazma.approvals.service import CardsNotQueued, remember_offer
 from kazma.approvals.store import ApprovalStore, PostedCard
+from kazma.config import failpoints
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import DECISION_TO_SETTLED, count_failure
 from kazma.config.models import KazmaConfig
 from kazma.config.store.backend import Tx
-from kazma.config.store.errors import store_errors
+from kazma.config.store.errors import simulated_failure, store_errors
 from kazma.config.supervisor import Supervisor
 
 log = structlog.get_logger("kazma.bus")
 
 # Card posts and edits: from half a second up to a minute; a platform's own retry_after wins when longer.
 RETRY = Backoff(base=0.5, cap=60.0)
+# A posted card whose message id could not be recorded: recorded again after these pauses (seconds).
+RECORD_RETRIES = (0.1, 0.5, 2.0)
+# A card post queued in a write of its own (not in its request's transaction) is tried again after these pauses.
+ENQUEUE_RETRIES = (0.05, 0.25, 1.0)
+# What a card posted again says, where the platform cannot make a post idempotent (Telegram, Slack).
+REPOSTED = (
+    "Posted again: Kazma stopped, or lost the platform's answer, while posting this card before. If an earlier "
+    "copy is above, its buttons do nothing: decide here."
+)
 
 
 @dataclass(frozen=True)
@@ -228,22 +239,37 @@ class FanOutBus:
         None when the outbox and the approvals do not share one writer, hence one transaction."""
         if await self.outbox.tables.writer() is not await self.store.tables.writer():
             return None
-        return self.outbox.enqueue_statements(request_id, self._targets())
+        queue = self.outbox.enqueue_statements(request_id, self._targets())
+        if not failpoints.armed:
+            return queue
+
+        def queue_or_fail(tx: Tx) -> None:  # inside the opening transaction: a failure undoes the request too
+            failpoints.reached_sync("approvals.open.card_job", lambda: simulated_failure(tx, "queue"))
+            queue(tx)
+
+        return queue_or_fail
 
     def cards_queued(self, request_id: str) -> None:
         for name in self._targets():
             self._workers[name].kick.set()
 
     async def publish(self, card: ApprovalCard) -> None:
+        """Queue ``card``'s posts in a write of their own (the outbox has another writer than the request): tried
+        again after short pauses; :class:`CardsNotQueued` when the store still refuses, so the request is ended
+        at once instead of waiting, card-less, for its deadline."""
         targets = self._targets()
-        try:
-            await self.outbox.enqueue(card.request_id, targets)
-        except Exception as exc:
-            # The request stays pending and visible in the CLI and dashboard; its
-            # deadline still applies, so nothing runs unapproved.
-            count_failure("card_enqueue")
-            log.error("bus.card_enqueue_failed", request_id=card.request_id, error=str(exc))
-            return
+        for attempt, pause in enumerate((*ENQUEUE_RETRIES, None)):
+            try:
+                if failpoints.armed:
+                    await failpoints.reached("approvals.open.card_job", lambda: simulated_failure(self.outbox, "queue"))
+                await self.outbox.enqueue(card.request_id, targets)
+                break
+            except store_errors() as exc:
+                count_failure("card_enqueue")
+                log.error("bus.card_enqueue_failed", request_id=card.request_id, attempt=attempt + 1, error=str(exc))
+                if pause is None:
+                    raise CardsNotQueued(str(exc)) from exc
+                await asyncio.sleep(pause)
         for name in targets:
             self._workers[name].kick.set()
 
@@ -453,7 +479,26 @@ class FanOutBus:
         if not await self.outbox.claim(job, self.claim_seconds):
             log.debug("bus.card_post_claimed_elsewhere", platform=adapter.name, request_id=job.request_id)
             return
+        if job.attempts:
+            # An earlier attempt at this post was under way when a process stopped (or its answer was lost).
+            if any(c.platform == adapter.name for c in await self.store.cards(request.id)):
+                await self.outbox.done(job, "posted", "its card was recorded by an earlier attempt")
+                log.info("bus.card_post_already_recorded", platform=adapter.name, request_id=request.id)
+                return
+            if not (isinstance(adapter, IdempotentPosts) and adapter.idempotent_posts):
+                # That attempt may have landed, unrecorded: its copy's buttons are refused (not a recorded card
+                # of the request), but it still shows them. This copy says so. On Discord the nonce gives the
+                # first message back instead.
+                card = replace(card, warnings=(*card.warnings, REPOSTED))
+                count_failure("card_reposted", adapter.name)
+                log.warning("bus.card_reposted", platform=adapter.name, request_id=request.id, attempt=job.attempts + 1)
         try:
+            if failpoints.armed:
+                await failpoints.reached(
+                    "bus.post",
+                    lambda: PlatformError(adapter.name, "card_post", "503 (failpoint)", retryable=True),
+                    where=adapter.name,
+                )
             ref = await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
         except (PlatformError, TimeoutError) as exc:
             retryable = isinstance(exc, TimeoutError) or exc.retryable
@@ -474,9 +519,30 @@ class FanOutBus:
                 log.error("bus.card_post_gave_up", platform=adapter.name, request_id=job.request_id, error=str(exc))
                 await self.outbox.done(job, "failed", str(exc))
             return
-        await self.store.record_card(request.id, ref.platform, ref.chat, ref.message_id, whole=ref.whole)
+        await self._record_post(request.id, ref)
         await self.outbox.done(job, "posted")
         log.info("bus.card_posted", platform=adapter.name, request_id=request.id, chat=ref.chat, message=ref.message_id)
+
+    async def _record_post(self, request_id: str, ref: CardRef) -> None:
+        """Record a posted card's message id. The card is out: a write that fails is tried again for a few
+        seconds before giving up (then the post is tried again when its claim runs out, marked as such)."""
+        for attempt, pause in enumerate((*RECORD_RETRIES, None)):
+            try:
+                if failpoints.armed:
+                    await failpoints.reached(
+                        "bus.post.recorded",
+                        lambda: simulated_failure(self.store.tables, "record_card"),
+                        where=ref.platform,
+                    )
+                await self.store.record_card(request_id, ref.platform, ref.chat, ref.message_id, whole=ref.whole)
+                return
+            except store_errors() as exc:
+                count_failure("card_record", ref.platform)
+                log.warning("bus.card_record_failed", platform=ref.platform, request_id=request_id,
+                            attempt=attempt + 1, error=str(exc))  # fmt: skip
+                if pause is None:
+                    raise
+                await asyncio.sleep(pause)
 
     async def _refuse_tampered(self, request: ApprovalRequest, exc: CardIntegrityError) -> None:
         """A request whose stored call does not hash to its hash: no card, and it ends now, never to run."""
@@ -612,6 +678,12 @@ class FanOutBus:
             return
         ref = CardRef(posted.platform, posted.chat, posted.message_id)
         try:
+            if failpoints.armed:
+                await failpoints.reached(
+                    "bus.settle.sent",
+                    lambda: PlatformError(adapter.name, "card_settle", "503 (failpoint)", retryable=True),
+                    where=adapter.name,
+                )
             await asyncio.wait_for(adapter.settle_card(ref, card, outcome), timeout=self.platform_timeout)
         except (PlatformError, TimeoutError) as exc:
             retryable = isinstance(exc, TimeoutError) or exc.retryable
@@ -638,6 +710,10 @@ class FanOutBus:
                 error=str(exc) or type(exc).__name__,
             )
             return
+        if failpoints.armed:
+            await failpoints.reached(
+                "bus.settle.recorded", lambda: simulated_failure(self.store.tables, "card_settled"), where=adapter.name
+            )
         await self.store.mark_card_settled(posted, request.status)
         if request.decided_at is not None and all(c.settled_at for c in await self.store.cards(request.id)):
             DECISION_TO_SETTLED.observe(max(0.0, time.time() - request.decided_at.timestamp()))

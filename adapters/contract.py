@@ -48,6 +48,14 @@ class Inbound:
     attachments: tuple[Attachment, ...] = ()  # files sent with the message, within the configured bounds
 
 
+@runtime_checkable
+class IdempotentPosts(Protocol):
+    """An adapter whose platform makes a card post idempotent (Discord's ``nonce``): a post tried again after a
+    crash or a lost answer gives back the first message, never a second card."""
+
+    idempotent_posts: bool
+
+
 @dataclass(frozen=True)
 class CardRef:
     """Where one card of a request was posted, so it can be edited later."""

@@ -48,9 +48,11 @@ class SafetyPolicy:
         task_id: str | None = None,
         deadline: float | None = None,
         notes: tuple[str, ...] = (),
+        skip_rules: bool = False,
         started_by: str | None = None,
     ) -> PolicyVerdict:
-        """``notes``: how the call would run, said on its card (e.g. "runs unsandboxed on this host");
+        """``notes``: how the call would run, said on its card (e.g. "runs unsandboxed on this host").
+        ``skip_rules``: a card even where a remembered approval would let the call run (it may have run already).
         ``started_by``: whose message started the work (a policy's ``forbid_requester`` refuses their Approve)."""
         level = self.level(tool)
         if level is not DangerLevel.DANGEROUS:
@@ -58,7 +60,7 @@ class SafetyPolicy:
         config = self.service.config
         chosen = config.policy(config.policy_name_for(tool))
         # A remembered approval is one person's press: never for a policy of several people or a passkey.
-        rememberable = chosen is not None and chosen.single
+        rememberable = chosen is not None and chosen.single and not skip_rules
         rule = await self.service.remembered(tool, args, conversation) if rememberable else None
         if rule is not None:
             return PolicyVerdict(

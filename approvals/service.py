@@ -54,6 +54,7 @@ from kazma.approvals.store import (
     new_request_id,
 )
 from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdrawn, withdrawn
+from kazma.config import failpoints
 from kazma.config.metrics import (
     APPROVALS_DECIDED,
     APPROVALS_OPENED,
@@ -64,7 +65,7 @@ from kazma.config.metrics import (
 from kazma.config.models import DEFAULT_POLICY, KazmaConfig, PolicyConfig
 from kazma.config.people import person_key
 from kazma.config.store.backend import Tx
-from kazma.config.store.errors import store_errors
+from kazma.config.store.errors import simulated_failure, store_errors
 
 log = structlog.get_logger("kazma.approvals")
 
@@ -82,7 +83,8 @@ class CardPublisher(Protocol):
     def can_show_cards(self) -> bool: ...
 
     async def publish(self, card: ApprovalCard) -> None:
-        """Show ``card`` on every platform. Must not raise; failures are the bus's to retry."""
+        """Show ``card`` on every platform. Failures to post are the bus's to retry; it raises only
+        :class:`CardsNotQueued`, when the posts could not even be queued (the request is withdrawn then)."""
         ...
 
     async def settle(self, request_id: str) -> None:
@@ -196,7 +198,12 @@ class Recovery:
 
 
 class ApprovalRefused(Exception):
-    """The call cannot be put to a human (unrenderable arguments); it must not run."""
+    """The call cannot be put to a human (unrenderable arguments, or no card could be queued); it must not run."""
+
+
+class CardsNotQueued(Exception):
+    """A publisher could not queue a request's card posts (its store refused them, after retries): no person
+    would ever see the request, so it must not stay pending until its deadline."""
 
 
 class ExecutionMismatch(Exception):
@@ -386,6 +393,8 @@ class ApprovalService:
         )
         if queue is not None:
             also.append(queue)
+        if failpoints.armed:  # nothing written yet: the asker is told the store's own error
+            await failpoints.reached("approvals.open.row", lambda: simulated_failure(self.store.tables, "open"))
         request, opened = await self.store.insert_once(
             new,
             notes=notes,
@@ -401,11 +410,24 @@ class ApprovalService:
             "approvals.opened", request_id=request.id, tool=tool, requested_by=requested_by, hash=request.args_hash
         )
         APPROVALS_OPENED.labels(tool=self._tool_label(tool, requested_by)).inc()
+        if failpoints.armed:  # committed (row, audit, card posts), no card posted yet
+            await failpoints.reached("approvals.open.committed", lambda: simulated_failure(self.store.tables, "open"))
         self._tell(request.id)
         if queuer is not None and queue is not None:
             queuer.cards_queued(request.id)
         elif self.publisher is not None:
-            await self.publisher.publish(self.card(request))
+            try:
+                await self.publisher.publish(self.card(request))
+            except CardsNotQueued as exc:
+                # Two writes (the outbox is not in the request's transaction) and the second failed: nobody
+                # would see this request until its deadline. It ends now, and the asker hears why.
+                await self._cancel_now(request.id, f"its card could not be queued on any platform ({exc})")
+                count_failure("card_enqueue")
+                log.error("approvals.open_unqueued", request_id=request.id, tool=tool, error=str(exc))
+                raise ApprovalRefused(
+                    f"the call to {tool!r} was not put to anyone: its approval card could not be queued ({exc}). "
+                    "Nothing ran; ask again."
+                ) from None
         return request, True
 
     def _tool_label(self, tool: str, requested_by: str) -> str:
@@ -602,9 +624,17 @@ class ApprovalService:
             needs_whole = decision is Decision.APPROVE and not self.config.approvals.approve_cut_in_chat
             check = CardCheck(platform, card.chat, card.message_id, needs_whole)
         try:
+            if failpoints.armed:  # nothing written: the presser is told to press again
+                await failpoints.reached(
+                    "approvals.decide.before_commit", lambda: simulated_failure(self.store.tables, "decide")
+                )
             pressed = await self.store.press(
                 request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person
             )
+            if failpoints.armed and pressed.won:  # the decision is committed, nobody told yet
+                await failpoints.reached(
+                    "approvals.decide.after_commit", lambda: simulated_failure(self.store.tables, "decide")
+                )
             # A press can land between a card's post and the bus recording it (a person is not that fast,
             # a script is): give the record a moment before judging the press by it.
             for pause in _RECORD_GRACE if pressed.problem == CardProblem.NOT_RECORDED else ():
@@ -676,6 +706,10 @@ class ApprovalService:
                 )
                 log.info("approvals.rule_created", rule=rule.id, request_id=request_id, actor=actor)
             await self._ended(request_id)
+            if failpoints.armed:  # decided, the waiter woken and the cards settling: the presser not answered yet
+                await failpoints.reached(
+                    "approvals.decide.before_answer", lambda: simulated_failure(self.store.tables, "decide")
+                )
             verb = "Approved" if decision is Decision.APPROVE else "Denied"
             return PressResult(PressVerdict.WON, f"{verb}. Recorded as {outcome.decider}.", outcome, request_id)
         # still pending but the compare-and-set failed: the deadline has passed

@@ -21,7 +21,9 @@ the REST client stays logged in.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import io
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, TypeVar
@@ -67,6 +69,13 @@ T = TypeVar("T")
 # What discord.py ships with; an empty ``gateway_url`` means "the platform's default".
 DEFAULT_API_BASE: Final = "https://discord.com/api/v10"
 DEFAULT_GATEWAY: Final = "wss://gateway.discord.gg/"
+NONCE_LENGTH: Final = 25  # Discord's limit for a message nonce
+
+
+def card_nonce(request_id: str, channel: str) -> str:
+    """The nonce of a request's card in ``channel``: the same for every attempt at that post, and no other's."""
+    digest = hashlib.sha256(f"kazma-card:{request_id}:{channel}".encode()).digest()
+    return base64.urlsafe_b64encode(digest).decode()[:NONCE_LENGTH]
 
 
 class _Client(discord.Client):
@@ -515,6 +524,9 @@ class DiscordAdapter(PlatformBase):
         message = await self._rest(site, lambda: target.send(body, **sending))
         return str(message.id)
 
+    # Card posts are idempotent on Discord (their nonce): the bus need not mark a post tried again.
+    idempotent_posts = True
+
     async def post_card(self, card: ApprovalCard) -> CardRef:
         site = "card_post"
         client = self._connected(site)
@@ -527,7 +539,14 @@ class DiscordAdapter(PlatformBase):
         except ValueError as exc:
             raise self.refuse(site, str(exc), chat=home) from exc
         written = laid.written
-        sending: dict[str, Any] = {"embed": written.embed, "allowed_mentions": NO_MENTIONS}
+        # The same nonce for every attempt at this card: Discord (with enforce_nonce, which discord.py sends with
+        # every nonce) answers a repeat within minutes with the first message, so a post tried again after a
+        # crash or a lost answer never shows the card twice.
+        sending: dict[str, Any] = {
+            "embed": written.embed,
+            "allowed_mentions": NO_MENTIONS,
+            "nonce": card_nonce(card.request_id, home),
+        }
         if written.view is not None:
             sending["view"] = written.view
         message = await self._rest(site, lambda: channel.send(**sending))

@@ -74,6 +74,7 @@ from kazma.adapters.telegram.render import (
 )
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
+from kazma.config import failpoints
 from kazma.config.metrics import count_failure
 from kazma.config.models import TelegramConfig
 
@@ -350,6 +351,8 @@ class TelegramAdapter(PlatformBase):
             return
         events = [(f"{self._bot_id}:{u['update_id']}", json.dumps(u)) for u in updates if isinstance(u, dict)]
         await inbox.fetched(PLATFORM, events)
+        if failpoints.armed:  # kept in the inbox, not confirmed to Telegram yet (the next getUpdates confirms)
+            await failpoints.reached("telegram.inbox", lambda: OSError("the inbox could not be written (failpoint)"))
 
     def update_key(self, update: Update) -> str:
         """An update's claim key: update ids are counted per bot, so the bot's id comes with them."""

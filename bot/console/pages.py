@@ -1,13 +1,12 @@
 """HTML for the web console: plain pages, every value escaped on the way out.
 
 Nothing here trusts its input. Agent output, tool arguments, user names and
-command answers all go through :func:`e` (``html.escape`` with quotes), and the
+command answers all go through :func:`e` (the one HTML escape, ``kazma.adapters.web.render.e``), and the
 pages carry no inline script, so the CSP can forbid it outright.
 """
 
 from __future__ import annotations
 
-import html
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,6 +19,7 @@ from kazma.adapters.admission import FileBounds, human_size
 from kazma.adapters.card_layout import APPROVE_LABEL, DENY_LABEL, ButtonKind, CardView
 from kazma.adapters.human_text import LABEL_PREFIX, for_humans
 from kazma.adapters.web import WebMessage, render
+from kazma.adapters.web.render import e
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.honesty import reveal, reveal_line
 from kazma.approvals.model import MAX_REASON, ApprovalRequest, Outcome, Status, Waits, decider_text
@@ -31,6 +31,7 @@ from kazma.bot.console.dashboard_charts import charts_html
 from kazma.bot.console.dashboard_data import DashboardData
 from kazma.bot.console.swarm_views import call_rows, handoff_chain, worker_numbers
 from kazma.bot.console.times import times_in, when_html
+from kazma.engine.swarm.endings import ending_lines
 from kazma.engine.swarm.limits import MAX_COMMAND_BYTES
 from kazma.engine.swarm.store import TaskRecord
 from kazma.engine.swarm.types import TaskStatus
@@ -147,11 +148,6 @@ class SignInChoices:
 
     passkey_problem: str | None = None  # why passkeys cannot work at this public URL (None: they can)
     platforms: tuple[tuple[str, str], ...] = ()  # (label, where the sign-in starts): Sign in with Slack, …
-
-
-def e(value: object) -> str:
-    """Escape anything for HTML text and attribute values."""
-    return html.escape("" if value is None else str(value), quote=True)
 
 
 def agent_class(author: str) -> str:
@@ -646,7 +642,8 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
             f"<td>{e(', '.join(str(w) for w in workers))}{handoff_chain(t)}{call_rows(data.calls.get(t.id, ()))}</td>"
             f"<td>{e(t.current_step)}</td>"
             f"<td>{when_html(t.created_at)}</td><td>{when_html(t.finished_at)}</td>"
-            f"<td>{e(_excerpt(output)) if output else ''}</td><td>{e(used)}</td><td>{e(t.error or '')}</td>"
+            f"<td>{e(_excerpt(output)) if output else ''}{_ending_html(t)}</td><td>{e(used)}</td>"
+            f"<td>{e(t.error or '')}</td>"
             f"<td>{_task_actions(viewer, t)}</td></tr>"
         )
     summary = ", ".join(f"{n} {e(s)}" for s, n in data.counts.items() if n) or "no tasks"
@@ -672,6 +669,14 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
         f"<th>when</th><th>asker last asked</th><th>decided by</th></tr>{approval_rows}</table>"
         f"{rules_section(viewer, data.rules)}</div>"
     )
+
+
+def _ending_html(task: TaskRecord) -> str:
+    """What the task's tools did, and the answers it kept (swarm/endings.py): the same lines as /swarm status."""
+    lines = ending_lines(task, limit=400)
+    if not lines:
+        return ""
+    return '<div class="ending">' + "".join(f"<div>{e(reveal_line(line))}</div>" for line in lines) + "</div>"
 
 
 def rules_section(viewer: Viewer, rules: Sequence[Rule]) -> str:
