@@ -27,13 +27,15 @@ from kazma.adapters.contract import (
     PlatformAdapter,
     PlatformError,
     SingletonIngress,
+    UpdatesCards,
     UrgentEdits,
     singleton_ingress,
 )
 from kazma.adapters.outbox import Outbox, PostJob
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.checkpoints import Checkpoint
-from kazma.approvals.model import ApprovalRequest, Status, Witness
+from kazma.approvals.model import ApprovalRequest, Review, Status, Witness
+from kazma.approvals.progress import progress_line
 from kazma.approvals.service import CardsNotQueued, remember_offer
 from kazma.approvals.store import ApprovalStore, PostedCard
 from kazma.config import failpoints
@@ -88,6 +90,8 @@ class _Worker:
     # Each maps to one read of the request and its cards, shared by every platform's worker.
     to_settle: dict[str, asyncio.Future[_Decided]] = field(default_factory=dict)
     drained: asyncio.Event = field(default_factory=asyncio.Event)  # set once to_settle has been emptied
+    # Pending requests under a policy of several people whose cards here are to show a new review, oldest first.
+    to_refresh: dict[str, None] = field(default_factory=dict)
     scan_at: float = 0.0  # when the next full scan is due (0: at once, as at start)
     retry_at: float | None = None  # the earliest card edit waiting out a failure, when one is
     asleep_until: float | None = None  # while waiting for a kick: when it wakes by itself (None: awake)
@@ -281,6 +285,14 @@ class FanOutBus:
             worker.drained.clear()
             worker.kick.set()
 
+    async def refresh(self, request_id: str) -> None:
+        """A review of ``request_id`` was counted: each platform edits its cards to show the progress, in its
+        worker, so an edit of progress never lands after the edit to the outcome made there."""
+        for worker in self._workers.values():
+            if isinstance(worker.adapter, UpdatesCards):
+                worker.to_refresh[request_id] = None
+                worker.kick.set()
+
     def posts_waiting(self, platforms: Sequence[str] | None = None) -> None:
         """Another replica queued card posts: the workers of ``platforms`` (None: all) look for them now."""
         for name, worker in self._workers.items():
@@ -400,6 +412,7 @@ class FanOutBus:
             wake_at: float | None = None
             try:
                 await self._settle_requested(worker)
+                await self._refresh_requested(worker)
                 await self._drain_posts(worker)
                 if self.clock() >= worker.scan_at or (worker.retry_at is not None and self.clock() >= worker.retry_at):
                     await self._scan_settles(worker)
@@ -458,7 +471,7 @@ class FanOutBus:
             await self.outbox.done(job, "skipped", f"request already {request.status.value}")
             return
         try:
-            card = self._card_for(request)
+            card = self._card_for(request, await self._reviews(request))
         except CardIntegrityError as exc:
             await self._refuse_tampered(request, exc)
             await self.outbox.done(job, "refused", exc.reason)
@@ -545,14 +558,21 @@ class FanOutBus:
         )
         await self.settle(request.id)
 
-    def _card_for(self, request: ApprovalRequest) -> ApprovalCard:
+    def _card_for(self, request: ApprovalRequest, reviews: Sequence[Review] = ()) -> ApprovalCard:
         return build_card(
             request,
             value_limit=self.config.approvals.value_limit,
             public_url=self.config.web.public_url,
             # "Approve for …" where a team enabled it and a rule would ever be consulted (build_card decides the rest)
             remember_seconds=remember_offer(self.config, request),
+            progress=progress_line(self.config, request, reviews),
         )
+
+    async def _reviews(self, request: ApprovalRequest) -> list[Review]:
+        """The reviews a card's progress line shows (none to read when one press decides the request)."""
+        if request.approve_needed == 1 and request.deny_needed == 1:
+            return []
+        return await self.store.reviews(request.id)
 
     async def _settle_requested(self, worker: _Worker) -> None:
         """Edit the cards of every request decided here, by request id: no scan."""
@@ -570,6 +590,46 @@ class FanOutBus:
                     worker.drained.set()
                 if isinstance(adapter, UrgentEdits) and adapter.home_chat:
                     adapter.edit_done(adapter.home_chat)
+
+    async def _refresh_requested(self, worker: _Worker) -> None:
+        """Edit this platform's cards of every request a review changed: the progress, buttons kept. Best
+        effort: a failed edit is logged and counted (the next review or the outcome edits the card again)."""
+        adapter = worker.adapter
+        while worker.to_refresh and not self._stopping and isinstance(adapter, UpdatesCards):
+            request_id = next(iter(worker.to_refresh))
+            del worker.to_refresh[request_id]
+            request = await self.store.get(request_id)
+            if request is None or request.status is not Status.PENDING:
+                continue  # decided: the edit to its outcome is the settle's
+            try:
+                card = self._card_for(request, await self._reviews(request))
+            except CardIntegrityError:
+                continue  # the post refuses it, and it ends
+            edited: list[PostedCard] = []
+            for posted in await self.store.cards(request_id):
+                if posted.platform != adapter.name or posted.settled_at is not None:
+                    continue
+                ref = CardRef(posted.platform, posted.chat, posted.message_id)
+                try:
+                    await asyncio.wait_for(adapter.update_card(ref, card), timeout=self.platform_timeout)
+                except (PlatformError, TimeoutError) as exc:
+                    count_failure("card_progress", adapter.name)
+                    log.warning("bus.card_progress_failed", platform=adapter.name, request_id=request_id,
+                                error=str(exc) or type(exc).__name__)  # fmt: skip
+                    continue
+                edited.append(posted)
+            await self._outcome_after_progress(worker, request_id, edited)
+
+    async def _outcome_after_progress(self, worker: _Worker, request_id: str, edited: list[PostedCard]) -> None:
+        """Decided while its progress was being shown (another replica may have edited it to the outcome
+        meanwhile, under this edit): the edited cards show the outcome again, now."""
+        if not edited:
+            return
+        after = await self.store.get(request_id)
+        if after is None or after.outcome() is None:
+            return
+        for posted in edited:
+            await self._settle_one(worker, replace(posted, settled_at=None), after, force=True)
 
     async def _scan_settles(self, worker: _Worker) -> None:
         """Every card on this platform still to be edited, found in the store: at start, when an edit that
@@ -589,7 +649,11 @@ class FanOutBus:
         posted: PostedCard,
         request: ApprovalRequest | None = None,
         witness: Witness | None = None,
+        *,
+        force: bool = False,
     ) -> None:
+        """Edit ``posted`` to its request's outcome. ``force``: even when its row says it is settled already
+        (a progress edit may have landed over that edit)."""
         adapter = worker.adapter
         if request is None or request.id != posted.request_id:
             request = await self.store.get(posted.request_id)
@@ -603,11 +667,11 @@ class FanOutBus:
             witness = await self._witness(request.id)
         outcome = replace(outcome, witness=witness)
         try:
-            card = self._card_for(request)
+            card = self._card_for(request, await self._reviews(request))
         except CardIntegrityError:
             # Settled all the same (the buttons must go), but showing no value from the changed row.
             card = integrity_card(request, public_url=self.config.web.public_url)
-        if self.shared and not await self.store.claim_settle(posted, self.claim_seconds):
+        if self.shared and not force and not await self.store.claim_settle(posted, self.claim_seconds):
             # Another replica edits it (or it waits out a failed edit): look again when that claim has run out.
             due = self.clock() + self.claim_seconds
             worker.retry_at = due if worker.retry_at is None else min(worker.retry_at, due)

@@ -109,7 +109,12 @@ class App(Lifecycle):
         if is_question_button(press.data):
             return await self.conversations.answer_press(press, is_admin=press.is_admin)
         return await self.service.decide_from_button(
-            press.data, actor=press.actor, platform=press.platform, chat=press.chat, message_id=press.message_id
+            press.data,
+            actor=press.actor,
+            platform=press.platform,
+            chat=press.chat,
+            message_id=press.message_id,
+            reason=press.reason,
         )
 
     async def on_inbound(self, message: Inbound) -> None:

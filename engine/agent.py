@@ -12,7 +12,8 @@ from typing import Any
 import structlog
 
 from kazma.approvals.hashing import args_hash
-from kazma.approvals.policy import SafetyPolicy
+from kazma.approvals.model import Status
+from kazma.approvals.policy import PolicyVerdict, SafetyPolicy
 from kazma.config import failpoints
 from kazma.config.limits import MAX_TOOL_OUTPUT_CHARS
 from kazma.config.metrics import count_failure
@@ -80,6 +81,15 @@ InternalHandler = Callable[[Mapping[str, Any], "TurnContext"], Awaitable[ToolRes
 class InternalTool:
     spec: ToolSpec
     handler: InternalHandler
+
+
+def denial_reason(verdict: PolicyVerdict) -> str:
+    """A person's reason for denying the call, for the model: their words, fenced (never instructions); ''
+    when they gave none."""
+    outcome = verdict.outcome
+    if outcome is None or outcome.status is not Status.DENIED or not outcome.reason:
+        return ""
+    return "\n" + fence_untrusted(outcome.reason, source=f"the reason {outcome.decider} gave for denying this call")
 
 
 @dataclass(frozen=True)
@@ -401,12 +411,13 @@ class AgentRunner:
             task_id=ctx.task_id,
             notes=notes,
             skip_rules=earlier is not None,
+            started_by=ctx.requested_by if ":" in ctx.requested_by else None,
         )
         if not verdict.allowed:
             result.tool_runs.append(
                 ToolRun(call.name, call.arguments, False, verdict.reason, refused=True, approval_id=verdict.request_id)
             )
-            return f"Not run: {verdict.reason}"
+            return f"Not run: {verdict.reason}" + denial_reason(verdict)
         tool_ctx = ToolContext(
             workspace=workspace_for(self.workspace_root, ctx.conversation),
             conversation=ctx.conversation,

@@ -368,7 +368,7 @@ async def test_api_cards_offer_no_remembered_approval_and_refuse_one(tmp_path: P
 
         await door.telegram.wait_until(lambda: bool(buttons_of(agent.id) and buttons_of(opened["id"])), timeout=30)
         assert f"kz1:{agent.id}:r" in buttons_of(agent.id)  # an agent's call consults rules: offered
-        assert [b[-1] for b in buttons_of(opened["id"])] == ["a", "d"]  # the API's never does: not offered
+        assert [b[-1] for b in buttons_of(opened["id"])] == ["a", "d", "n"]  # the API's never does: not offered
         # a forged "approve for 1 h" press on the API card is refused and decides nothing
         card = next(m for m in door.telegram.bot_messages(TG_CHAT) if opened["id"] in m.text)
         query = door.telegram.push_callback(TG_CHAT, card.message_id, TG_ADMIN, f"kz1:{opened['id']}:r")

@@ -54,7 +54,11 @@ def documented_keys() -> set[str]:
 def test_every_key_is_documented_and_nothing_else() -> None:
     # tools.<name> levels sit beside the tools.* settings in kazma.yaml; the model keeps them in `levels`.
     # people.<name>.<door> sit beside people.groups in kazma.yaml; the model keeps the people in `persons`.
-    keys = {k.replace("tools.levels.<name>", "tools.<name>") for k in model_keys(KazmaConfig)}
+    # tools.<name>: {policy: …} is kept in `policies`.
+    keys = {
+        k.replace("tools.levels.<name>", "tools.<name>").replace("tools.policies.<name>", "tools.<name>.policy")
+        for k in model_keys(KazmaConfig)
+    }
     persons = {k for k in keys if k.startswith("people.persons.")}
     expected = (keys - persons) | ({f"people.<name>.{door}" for door in ACTOR_PLATFORMS} if persons else set())
     documented = documented_keys()

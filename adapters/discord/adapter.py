@@ -37,8 +37,22 @@ from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import agent_prefix
 from kazma.adapters.chat_text import split_text
 from kazma.adapters.contract import CardRef, PlatformError, Press
+from kazma.adapters.deny_reason import (
+    REASON_LABEL,
+    REASON_MAX,
+    REASON_TITLE,
+    REPLY_WINDOW_SECONDS,
+    deny_data,
+    reason_request,
+)
 from kazma.adapters.discord.errors import PLATFORM, classify, describe
-from kazma.adapters.discord.inbound import PRESS_PREFIXES, channel_chat, command_inbound, message_inbound
+from kazma.adapters.discord.inbound import (
+    PRESS_PREFIXES,
+    channel_chat,
+    command_inbound,
+    message_inbound,
+    modal_value,
+)
 from kazma.adapters.discord.render import CONTENT_MAX, NO_MENTIONS, clip, escape_text, neutralise_mentions, render_card
 from kazma.adapters.discord.webhooks import AgentWebhooks
 from kazma.adapters.kit import NOT_SERVED, PlatformBase
@@ -95,6 +109,9 @@ class _Client(discord.Client):
 
     async def on_interaction(self, interaction: discord.Interaction[_Client]) -> None:
         await self.adapter._on_interaction(interaction)
+
+
+REASON_INPUT = "reason"  # the modal's text input
 
 
 class _FollowupReply:
@@ -353,10 +370,17 @@ class DiscordAdapter(PlatformBase):
         return fetch
 
     async def _on_interaction(self, interaction: discord.Interaction[_Client]) -> None:
+        if interaction.type is discord.InteractionType.modal_submit and interaction.data:
+            await self._on_reason(interaction)
+            return
         if interaction.type is not discord.InteractionType.component or not interaction.data:
             return
         custom_id = interaction.data.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id.startswith(PRESS_PREFIXES):
+            return
+        asked = reason_request(custom_id)
+        if asked is not None:
+            await self._ask_reason(interaction, asked)
             return
         with self.tracking():
             # Acknowledge first (type 6, deferred update): a slow store must not cost the 3 s window.
@@ -372,6 +396,40 @@ class DiscordAdapter(PlatformBase):
                 chat=str(chat) if chat is not None else None,
                 message_id=str(message.id) if message is not None else None,
                 is_admin=self.is_admin(interaction.user.id),
+            )
+            await self.press(press, _FollowupReply(self, interaction), key=f"interaction:{interaction.id}")
+
+    async def _ask_reason(self, interaction: discord.Interaction[_Client], request_id: str) -> None:
+        """ "Deny with reason": a modal is the press's first answer (it cannot follow a deferral)."""
+        modal = discord.ui.Modal(title=REASON_TITLE, custom_id=deny_data(request_id), timeout=REPLY_WINDOW_SECONDS)
+        modal.add_item(
+            discord.ui.TextInput(
+                label="Reason", custom_id=REASON_INPUT, style=discord.TextStyle.paragraph, max_length=REASON_MAX,
+                placeholder=REASON_LABEL[:100],
+            )
+        )  # fmt: skip
+        with self.tracking(), contextlib.suppress(PlatformError):
+            await self._rest("reason_modal", lambda: interaction.response.send_modal(modal))
+
+    async def _on_reason(self, interaction: discord.Interaction[_Client]) -> None:
+        """The modal was submitted: the Deny, with the words, through the one press policy."""
+        data: Any = interaction.data or {}
+        custom_id = data.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id.startswith(PRESS_PREFIXES):
+            return
+        with self.tracking():
+            with contextlib.suppress(PlatformError):
+                await self._rest("press", lambda: interaction.response.defer())
+            chat, _ = self._interaction_chat(interaction)
+            message = interaction.message
+            press = Press(
+                platform=PLATFORM,
+                data=custom_id,
+                actor=self.actor(interaction.user.id),
+                chat=str(chat) if chat is not None else None,
+                message_id=str(message.id) if message is not None else None,
+                is_admin=self.is_admin(interaction.user.id),
+                reason=modal_value(data.get("components"), REASON_INPUT),
             )
             await self.press(press, _FollowupReply(self, interaction), key=f"interaction:{interaction.id}")
 
@@ -501,6 +559,22 @@ class DiscordAdapter(PlatformBase):
             whole=laid.whole,
         )
         return CardRef(platform=PLATFORM, chat=home, message_id=str(message.id), whole=laid.whole)
+
+    async def update_card(self, ref: CardRef, card: ApprovalCard) -> None:
+        site = "card_update"
+        if ref.platform != PLATFORM:
+            raise self.refuse(site, f"not a Discord card: {ref.platform}", chat=ref.chat)
+        client = self._connected(site)
+        channel = client.get_partial_messageable(self._snowflake(site, ref.chat))
+        message = channel.get_partial_message(self._snowflake(site, ref.message_id))
+        try:
+            written = render_card(card, approve_partial=self.approve_partial).written
+        except ValueError as exc:
+            raise self.refuse(site, str(exc), chat=ref.chat) from exc
+        await self._rest(
+            site, lambda: message.edit(embed=written.embed, view=written.view, allowed_mentions=NO_MENTIONS)
+        )
+        log.info("discord.card_updated", request_id=card.request_id, chat=ref.chat, message_id=ref.message_id)
 
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
         site = "card_settle"

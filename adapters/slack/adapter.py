@@ -18,6 +18,7 @@ folds the ``message`` and ``app_mention`` events of one post into one).
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
@@ -40,6 +41,14 @@ from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import agent_prefix
 from kazma.adapters.chat_text import split_text
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
+from kazma.adapters.deny_reason import (
+    REASON_LABEL,
+    REASON_MAX,
+    REASON_SUBMIT,
+    REASON_TITLE,
+    deny_data,
+    reason_request,
+)
 from kazma.adapters.kit import NOT_SERVED, PlatformBase
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, error_code
@@ -56,6 +65,7 @@ from kazma.adapters.slack.render import (
     APPROVE_ACTION,
     CHOICE_ACTION,
     DENY_ACTION,
+    DENY_REASON_ACTION,
     MAX_MESSAGE_TEXT,
     MAX_SECTION_TEXT,
     REMEMBER_ACTION,
@@ -73,6 +83,11 @@ from kazma.config.models import SlackConfig
 log = structlog.get_logger("kazma.adapters.slack")
 
 AGENT_ICON: Final = ":robot_face:"
+
+
+REASON_VIEW = "kazma_deny_reason"  # the modal's callback id
+REASON_BLOCK = "kazma_reason"
+REASON_INPUT = "reason"
 
 
 class _EphemeralReply:
@@ -273,6 +288,8 @@ class SlackAdapter(PlatformBase):
         self.app.action(APPROVE_ACTION)(self._on_action)
         self.app.action(DENY_ACTION)(self._on_action)
         self.app.action(REMEMBER_ACTION)(self._on_action)
+        self.app.action(DENY_REASON_ACTION)(self._on_deny_reason)
+        self.app.view(REASON_VIEW)(self._on_reason)
         self.app.action(CHOICE_ACTION)(self._on_action)
 
     async def _drop_replays(
@@ -400,6 +417,69 @@ class SlackAdapter(PlatformBase):
             )
             await self.press(press, _EphemeralReply(self, channel, user), key=interaction_key(body, action))
 
+    async def _on_deny_reason(self, ack: AsyncAck, body: dict[str, Any], action: dict[str, Any]) -> None:
+        """ "Deny with reason": a modal asks for it (Slack keeps where the card is in the view's metadata)."""
+        await ack()
+        with self.tracking():
+            request_id = reason_request(str(action.get("value") or ""))
+            trigger = body.get("trigger_id")
+            if request_id is None or not trigger:
+                return
+            channel = str(
+                (body.get("channel") or {}).get("id") or (body.get("container") or {}).get("channel_id") or ""
+            )
+            message_ts = (body.get("container") or {}).get("message_ts") or (body.get("message") or {}).get("ts")
+            meta = json.dumps({"data": deny_data(request_id), "channel": channel, "ts": message_ts})
+            view = {
+                "type": "modal",
+                "callback_id": REASON_VIEW,
+                "private_metadata": meta,
+                "title": {"type": "plain_text", "text": REASON_TITLE[:24]},
+                "submit": {"type": "plain_text", "text": REASON_SUBMIT},
+                "close": {"type": "plain_text", "text": "Cancel"},
+                "blocks": [
+                    {
+                        "type": "input",
+                        "block_id": REASON_BLOCK,
+                        "label": {"type": "plain_text", "text": REASON_LABEL[:2000]},
+                        "element": {
+                            "type": "plain_text_input", "action_id": REASON_INPUT, "multiline": True,
+                            "max_length": REASON_MAX,
+                        },
+                    }
+                ],
+            }  # fmt: skip
+            await self.call(
+                "reason_modal",
+                channel or None,
+                lambda: self.client.views_open(trigger_id=trigger, view=view),
+                paced=False,
+            )
+
+    async def _on_reason(self, ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
+        """The modal was submitted: the Deny, with the words, through the one press policy."""
+        await ack()
+        with self.tracking():
+            try:
+                meta = json.loads(str(view.get("private_metadata") or "{}"))
+            except ValueError:
+                return
+            user = str((body.get("user") or {}).get("id", ""))
+            values = ((view.get("state") or {}).get("values") or {}).get(REASON_BLOCK) or {}
+            reason = str((values.get(REASON_INPUT) or {}).get("value") or "")
+            channel = str(meta.get("channel") or "")
+            press = Press(
+                platform=PLATFORM,
+                data=str(meta.get("data") or ""),
+                actor=self.actor(user),
+                chat=channel or None,
+                message_id=str(meta["ts"]) if meta.get("ts") else None,
+                is_admin=self.is_admin(user),
+                reason=reason,
+            )
+            key = f"view:{view.get('id')}" if view.get("id") else None
+            await self.press(press, _EphemeralReply(self, channel, user), key=key)
+
     # -- outbound ---------------------------------------------------------
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
@@ -509,6 +589,22 @@ class SlackAdapter(PlatformBase):
             whole=laid.whole,
         )
         return CardRef(platform=PLATFORM, chat=channel, message_id=ts, whole=laid.whole)
+
+    async def update_card(self, ref: CardRef, card: ApprovalCard) -> None:
+        site = "card_update"
+        try:
+            written = render_card(card, approve_partial=self.approve_partial).written
+        except ValueError as exc:
+            raise self.refuse(site, str(exc), chat=ref.chat) from exc
+        await self.call(
+            site,
+            ref.chat,
+            lambda: self.client.chat_update(
+                channel=ref.chat, ts=ref.message_id, text=written.text, blocks=written.blocks
+            ),
+            paced=False,
+        )
+        log.info("slack.card_updated", request_id=card.request_id, channel=ref.chat, ts=ref.message_id)
 
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
         site = "card_settle"

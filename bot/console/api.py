@@ -55,7 +55,7 @@ from kazma.bot.console.api_models import (
 from kazma.bot.console.services import ApprovalsServices
 from kazma.config import failpoints
 from kazma.config.metrics import count_failure
-from kazma.config.models import KazmaConfig
+from kazma.config.models import DEFAULT_POLICY, KazmaConfig
 from kazma.config.store.errors import simulated_failure, store_errors
 from kazma.engine.agent import MAX_ARGUMENT_DEPTH, nesting_depth
 
@@ -193,6 +193,7 @@ class ApprovalsApi:
             await self._audit(None, "api_refused", caller, "asked for an approval without the requester role")
             raise _error(web.HTTPForbidden, f"the token {caller.name!r} does not have the {REQUESTER} role")
         tool, arguments, note_lines, deadline = _validated(body, caller, self.config)
+        policy = _policy(body, self.config)
         if key is not None and not _KEY.fullmatch(key):
             raise _error(web.HTTPBadRequest, "Idempotency-Key must be 1-200 visible ASCII characters")
         body_hash = text_hash(canonical_json(body))
@@ -228,6 +229,8 @@ class ApprovalsApi:
                 waits=waits,  # ... and only an /mcp call's request ends with the process holding its connection
                 seen=True,
                 gate=gate,
+                policy=policy,
+                started_by=token.owner,  # a policy's forbid_requester refuses the token's owner
             )
             if failpoints.armed and created:  # committed with its key, the caller not answered: it asks again
                 await failpoints.reached("api.open", lambda: simulated_failure(self.service.store.tables, "api"))
@@ -429,6 +432,17 @@ def _validated(
         notes.append(f"Reason given: {asked.reason}")
     # The arguments as sent (the model keeps them as parsed: ints, floats, text), so the hash is of what was sent.
     return asked.tool, body.get("arguments", {}), tuple(notes), asked.deadline_seconds
+
+
+def _policy(body: dict[str, Any], config: KazmaConfig) -> str | None:
+    """The approvals policy a request names (``policy``), checked; None: the tool's own, else the default."""
+    named = body.get("policy")
+    if named is None:
+        return None
+    if not isinstance(named, str) or config.policy(named) is None:
+        known = ", ".join([DEFAULT_POLICY, *(p for p in config.approvals.policies if p != DEFAULT_POLICY)])
+        raise _error(web.HTTPBadRequest, f"policy must name a policy under approvals.policies ({known})")
+    return named
 
 
 _OK = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Approval"}}}}

@@ -61,6 +61,9 @@ class NewApproval(BaseModel):
         le=MAX_DEADLINE,
         description="then it ends as a timeout (default: approvals.deadline_seconds)",
     )
+    policy: str | None = Field(
+        default=None, max_length=64, description="the approvals policy it is decided under (approvals.policies)"
+    )
 
 
 DateTime = Annotated[str, Field(json_schema_extra={"format": "date-time"})]

@@ -124,6 +124,7 @@ class FakeInteraction:
     callback_type: int | None = None  # set when acknowledged
     original_message_id: int | None = None
     followup_ids: list[int] = field(default_factory=list)
+    modal: Json | None = None  # the modal it was answered with (callback type 9)
 
 
 @dataclass
@@ -452,6 +453,28 @@ class FakeDiscord:
         payload = self._interaction_payload(interaction)
         payload["data"] = {"custom_id": custom_id, "component_type": 2}
         payload["message"] = message
+        await self.dispatch("INTERACTION_CREATE", payload)
+        await self.notify()
+        return interaction
+
+    async def submit_modal(
+        self, shown: FakeInteraction, values: Mapping[str, str], *, user: FakeUser | None = None
+    ) -> FakeInteraction:
+        """``user`` submits the modal the bot answered ``shown`` with, typing ``values`` (input custom_id -> text)."""
+        modal = shown.modal
+        if modal is None:
+            raise LookupError(f"interaction {shown.id} was not answered with a modal")
+        user = user or shown.user
+        interaction = self._new_interaction(5, shown.channel_id, user)
+        interaction.custom_id = str(modal["custom_id"])
+        interaction.message_id = shown.message_id
+        payload = self._interaction_payload(interaction)
+        rows = [
+            {"type": 1, "components": [{"type": 4, "custom_id": key, "value": text}]} for key, text in values.items()
+        ]
+        payload["data"] = {"custom_id": modal["custom_id"], "components": rows}
+        if shown.message_id is not None and shown.message_id in self.messages:
+            payload["message"] = self.messages[shown.message_id]
         await self.dispatch("INTERACTION_CREATE", payload)
         await self.notify()
         return interaction
@@ -1130,7 +1153,11 @@ class FakeDiscord:
             problem = self._apply_edit(message, data)
             if problem is not None:
                 return problem
-        elif kind not in (1, 6, 9):
+        elif kind == 9:
+            if interaction.type not in (2, 3) or not data.get("custom_id") or not data.get("components"):
+                return self._error(400, 50035, "Invalid Form Body", {"data": _field_error("INVALID", "modal")})
+            interaction.modal = data
+        elif kind not in (1, 6):
             return self._error(400, 50035, "Invalid Form Body", {"type": _field_error("INVALID", f"type {kind}")})
         interaction.callback_type = kind
         if message is not None and kind in (4, 5):

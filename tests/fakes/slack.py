@@ -267,6 +267,7 @@ class FakeSlack:
         self.calls: list[ApiCall] = []
         self.messages: dict[str, dict[str, StoredMessage]] = {}
         self.ephemerals: list[Ephemeral] = []
+        self.views: list[dict[str, Any]] = []  # modals opened by views.open, each with its trigger_id
         self.responses: list[dict[str, Any]] = []  # bodies posted to response_urls
         self._faults: dict[str, list[Fault]] = {}
         self._ts = itertools.count(1)
@@ -854,6 +855,42 @@ class FakeSlack:
         )
         body = urlencode({"payload": json.dumps(payload)})
         return await self.post_signed(url, body, "application/x-www-form-urlencoded", bad_signature=bad_signature)
+
+    # -- modals --------------------------------------------------------------
+
+    def _m_views_open(self, params: dict[str, Any]) -> dict[str, Any]:
+        trigger = str(params.get("trigger_id") or "")
+        if not trigger:
+            raise SlackApiRefusal("invalid_arguments")
+        view = params.get("view")
+        if isinstance(view, str):
+            view = json.loads(view)
+        if not isinstance(view, dict) or view.get("type") != "modal":
+            raise SlackApiRefusal("invalid_arguments")
+        opened = {**view, "id": f"V{next(self._ids):08d}", "trigger_id": trigger}
+        self.views.append(opened)
+        self._notify()
+        return {"view": opened}
+
+    async def post_view_submission(
+        self, url: str, *, view: dict[str, Any], user: str, values: dict[str, dict[str, str]]
+    ) -> SignedResponse:
+        """The person submits modal ``view`` (as views.open kept it): ``values`` block_id -> action_id -> text."""
+        state = {
+            block: {action: {"type": "plain_text_input", "value": text} for action, text in actions.items()}
+            for block, actions in values.items()
+        }
+        payload = {
+            "type": "view_submission",
+            "team": {"id": self.team_id, "domain": "kazma-fake"},
+            "user": {"id": user, "username": "approver", "name": "approver", "team_id": self.team_id},
+            "api_app_id": self.app_id,
+            "token": "legacy-verification-token",
+            "trigger_id": f"{next(self._ids)}.view.trigger",
+            "view": {**view, "state": {"values": state}, "team_id": self.team_id, "app_id": self.app_id},
+        }
+        body = urlencode({"payload": json.dumps(payload)})
+        return await self.post_signed(url, body, "application/x-www-form-urlencoded")
 
     # -- Socket Mode ---------------------------------------------------------
 

@@ -697,7 +697,9 @@ class FakeTelegram:
             body["text"] = message.text
             if message.entities:
                 body["entities"] = message.entities
-        if message.reply_markup:
+        if message.reply_markup and "inline_keyboard" in message.reply_markup:
+            # A Message carries only an inline keyboard: Telegram never returns a ForceReply or reply keyboard
+            # markup it was sent with.
             body["reply_markup"] = message.reply_markup
         if message.thread_id is not None:
             body["message_thread_id"] = message.thread_id
