@@ -23,29 +23,42 @@ from kazma.adapters.contract import (
     CardRef,
     FileAdapter,
     Handlers,
+    IdempotentPosts,
     PlatformAdapter,
     PlatformError,
     SingletonIngress,
+    UpdatesCards,
     UrgentEdits,
     singleton_ingress,
 )
 from kazma.adapters.outbox import Outbox, PostJob
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.checkpoints import Checkpoint
-from kazma.approvals.model import ApprovalRequest, Status, Witness
-from kazma.approvals.service import remember_offer
+from kazma.approvals.model import ApprovalRequest, Review, Status, Witness
+from kazma.approvals.progress import progress_line
+from kazma.approvals.service import CardsNotQueued, remember_offer
 from kazma.approvals.store import ApprovalStore, PostedCard
+from kazma.config import failpoints
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import DECISION_TO_SETTLED, count_failure
 from kazma.config.models import KazmaConfig
 from kazma.config.store.backend import Tx
-from kazma.config.store.errors import store_errors
+from kazma.config.store.errors import simulated_failure, store_errors
 from kazma.config.supervisor import Supervisor
 
 log = structlog.get_logger("kazma.bus")
 
 # Card posts and edits: from half a second up to a minute; a platform's own retry_after wins when longer.
 RETRY = Backoff(base=0.5, cap=60.0)
+# A posted card whose message id could not be recorded: recorded again after these pauses (seconds).
+RECORD_RETRIES = (0.1, 0.5, 2.0)
+# A card post queued in a write of its own (not in its request's transaction) is tried again after these pauses.
+ENQUEUE_RETRIES = (0.05, 0.25, 1.0)
+# What a card posted again says, where the platform cannot make a post idempotent (Telegram, Slack).
+REPOSTED = (
+    "Posted again: Kazma stopped, or lost the platform's answer, while posting this card before. If an earlier "
+    "copy is above, its buttons do nothing: decide here."
+)
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,8 @@ class _Worker:
     # Each maps to one read of the request and its cards, shared by every platform's worker.
     to_settle: dict[str, asyncio.Future[_Decided]] = field(default_factory=dict)
     drained: asyncio.Event = field(default_factory=asyncio.Event)  # set once to_settle has been emptied
+    # Pending requests under a policy of several people whose cards here are to show a new review, oldest first.
+    to_refresh: dict[str, None] = field(default_factory=dict)
     scan_at: float = 0.0  # when the next full scan is due (0: at once, as at start)
     retry_at: float | None = None  # the earliest card edit waiting out a failure, when one is
     asleep_until: float | None = None  # while waiting for a kick: when it wakes by itself (None: awake)
@@ -224,22 +239,37 @@ class FanOutBus:
         None when the outbox and the approvals do not share one writer, hence one transaction."""
         if await self.outbox.tables.writer() is not await self.store.tables.writer():
             return None
-        return self.outbox.enqueue_statements(request_id, self._targets())
+        queue = self.outbox.enqueue_statements(request_id, self._targets())
+        if not failpoints.armed:
+            return queue
+
+        def queue_or_fail(tx: Tx) -> None:  # inside the opening transaction: a failure undoes the request too
+            failpoints.reached_sync("approvals.open.card_job", lambda: simulated_failure(tx, "queue"))
+            queue(tx)
+
+        return queue_or_fail
 
     def cards_queued(self, request_id: str) -> None:
         for name in self._targets():
             self._workers[name].kick.set()
 
     async def publish(self, card: ApprovalCard) -> None:
+        """Queue ``card``'s posts in a write of their own (the outbox has another writer than the request): tried
+        again after short pauses; :class:`CardsNotQueued` when the store still refuses, so the request is ended
+        at once instead of waiting, card-less, for its deadline."""
         targets = self._targets()
-        try:
-            await self.outbox.enqueue(card.request_id, targets)
-        except Exception as exc:
-            # The request stays pending and visible in the CLI and dashboard; its
-            # deadline still applies, so nothing runs unapproved.
-            count_failure("card_enqueue")
-            log.error("bus.card_enqueue_failed", request_id=card.request_id, error=str(exc))
-            return
+        for attempt, pause in enumerate((*ENQUEUE_RETRIES, None)):
+            try:
+                if failpoints.armed:
+                    await failpoints.reached("approvals.open.card_job", lambda: simulated_failure(self.outbox, "queue"))
+                await self.outbox.enqueue(card.request_id, targets)
+                break
+            except store_errors() as exc:
+                count_failure("card_enqueue")
+                log.error("bus.card_enqueue_failed", request_id=card.request_id, attempt=attempt + 1, error=str(exc))
+                if pause is None:
+                    raise CardsNotQueued(str(exc)) from exc
+                await asyncio.sleep(pause)
         for name in targets:
             self._workers[name].kick.set()
 
@@ -254,6 +284,14 @@ class FanOutBus:
             worker.to_settle[request_id] = loaded
             worker.drained.clear()
             worker.kick.set()
+
+    async def refresh(self, request_id: str) -> None:
+        """A review of ``request_id`` was counted: each platform edits its cards to show the progress, in its
+        worker, so an edit of progress never lands after the edit to the outcome made there."""
+        for worker in self._workers.values():
+            if isinstance(worker.adapter, UpdatesCards):
+                worker.to_refresh[request_id] = None
+                worker.kick.set()
 
     def posts_waiting(self, platforms: Sequence[str] | None = None) -> None:
         """Another replica queued card posts: the workers of ``platforms`` (None: all) look for them now."""
@@ -374,6 +412,7 @@ class FanOutBus:
             wake_at: float | None = None
             try:
                 await self._settle_requested(worker)
+                await self._refresh_requested(worker)
                 await self._drain_posts(worker)
                 if self.clock() >= worker.scan_at or (worker.retry_at is not None and self.clock() >= worker.retry_at):
                     await self._scan_settles(worker)
@@ -432,7 +471,7 @@ class FanOutBus:
             await self.outbox.done(job, "skipped", f"request already {request.status.value}")
             return
         try:
-            card = self._card_for(request)
+            card = self._card_for(request, await self._reviews(request))
         except CardIntegrityError as exc:
             await self._refuse_tampered(request, exc)
             await self.outbox.done(job, "refused", exc.reason)
@@ -440,7 +479,26 @@ class FanOutBus:
         if not await self.outbox.claim(job, self.claim_seconds):
             log.debug("bus.card_post_claimed_elsewhere", platform=adapter.name, request_id=job.request_id)
             return
+        if job.attempts:
+            # An earlier attempt at this post was under way when a process stopped (or its answer was lost).
+            if any(c.platform == adapter.name for c in await self.store.cards(request.id)):
+                await self.outbox.done(job, "posted", "its card was recorded by an earlier attempt")
+                log.info("bus.card_post_already_recorded", platform=adapter.name, request_id=request.id)
+                return
+            if not (isinstance(adapter, IdempotentPosts) and adapter.idempotent_posts):
+                # That attempt may have landed, unrecorded: its copy's buttons are refused (not a recorded card
+                # of the request), but it still shows them. This copy says so. On Discord the nonce gives the
+                # first message back instead.
+                card = replace(card, warnings=(*card.warnings, REPOSTED))
+                count_failure("card_reposted", adapter.name)
+                log.warning("bus.card_reposted", platform=adapter.name, request_id=request.id, attempt=job.attempts + 1)
         try:
+            if failpoints.armed:
+                await failpoints.reached(
+                    "bus.post",
+                    lambda: PlatformError(adapter.name, "card_post", "503 (failpoint)", retryable=True),
+                    where=adapter.name,
+                )
             ref = await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
         except (PlatformError, TimeoutError) as exc:
             retryable = isinstance(exc, TimeoutError) or exc.retryable
@@ -461,9 +519,30 @@ class FanOutBus:
                 log.error("bus.card_post_gave_up", platform=adapter.name, request_id=job.request_id, error=str(exc))
                 await self.outbox.done(job, "failed", str(exc))
             return
-        await self.store.record_card(request.id, ref.platform, ref.chat, ref.message_id, whole=ref.whole)
+        await self._record_post(request.id, ref)
         await self.outbox.done(job, "posted")
         log.info("bus.card_posted", platform=adapter.name, request_id=request.id, chat=ref.chat, message=ref.message_id)
+
+    async def _record_post(self, request_id: str, ref: CardRef) -> None:
+        """Record a posted card's message id. The card is out: a write that fails is tried again for a few
+        seconds before giving up (then the post is tried again when its claim runs out, marked as such)."""
+        for attempt, pause in enumerate((*RECORD_RETRIES, None)):
+            try:
+                if failpoints.armed:
+                    await failpoints.reached(
+                        "bus.post.recorded",
+                        lambda: simulated_failure(self.store.tables, "record_card"),
+                        where=ref.platform,
+                    )
+                await self.store.record_card(request_id, ref.platform, ref.chat, ref.message_id, whole=ref.whole)
+                return
+            except store_errors() as exc:
+                count_failure("card_record", ref.platform)
+                log.warning("bus.card_record_failed", platform=ref.platform, request_id=request_id,
+                            attempt=attempt + 1, error=str(exc))  # fmt: skip
+                if pause is None:
+                    raise
+                await asyncio.sleep(pause)
 
     async def _refuse_tampered(self, request: ApprovalRequest, exc: CardIntegrityError) -> None:
         """A request whose stored call does not hash to its hash: no card, and it ends now, never to run."""
@@ -479,14 +558,21 @@ class FanOutBus:
         )
         await self.settle(request.id)
 
-    def _card_for(self, request: ApprovalRequest) -> ApprovalCard:
+    def _card_for(self, request: ApprovalRequest, reviews: Sequence[Review] = ()) -> ApprovalCard:
         return build_card(
             request,
             value_limit=self.config.approvals.value_limit,
             public_url=self.config.web.public_url,
             # "Approve for …" where a team enabled it and a rule would ever be consulted (build_card decides the rest)
             remember_seconds=remember_offer(self.config, request),
+            progress=progress_line(self.config, request, reviews),
         )
+
+    async def _reviews(self, request: ApprovalRequest) -> list[Review]:
+        """The reviews a card's progress line shows (none to read when one press decides the request)."""
+        if request.approve_needed == 1 and request.deny_needed == 1:
+            return []
+        return await self.store.reviews(request.id)
 
     async def _settle_requested(self, worker: _Worker) -> None:
         """Edit the cards of every request decided here, by request id: no scan."""
@@ -504,6 +590,46 @@ class FanOutBus:
                     worker.drained.set()
                 if isinstance(adapter, UrgentEdits) and adapter.home_chat:
                     adapter.edit_done(adapter.home_chat)
+
+    async def _refresh_requested(self, worker: _Worker) -> None:
+        """Edit this platform's cards of every request a review changed: the progress, buttons kept. Best
+        effort: a failed edit is logged and counted (the next review or the outcome edits the card again)."""
+        adapter = worker.adapter
+        while worker.to_refresh and not self._stopping and isinstance(adapter, UpdatesCards):
+            request_id = next(iter(worker.to_refresh))
+            del worker.to_refresh[request_id]
+            request = await self.store.get(request_id)
+            if request is None or request.status is not Status.PENDING:
+                continue  # decided: the edit to its outcome is the settle's
+            try:
+                card = self._card_for(request, await self._reviews(request))
+            except CardIntegrityError:
+                continue  # the post refuses it, and it ends
+            edited: list[PostedCard] = []
+            for posted in await self.store.cards(request_id):
+                if posted.platform != adapter.name or posted.settled_at is not None:
+                    continue
+                ref = CardRef(posted.platform, posted.chat, posted.message_id)
+                try:
+                    await asyncio.wait_for(adapter.update_card(ref, card), timeout=self.platform_timeout)
+                except (PlatformError, TimeoutError) as exc:
+                    count_failure("card_progress", adapter.name)
+                    log.warning("bus.card_progress_failed", platform=adapter.name, request_id=request_id,
+                                error=str(exc) or type(exc).__name__)  # fmt: skip
+                    continue
+                edited.append(posted)
+            await self._outcome_after_progress(worker, request_id, edited)
+
+    async def _outcome_after_progress(self, worker: _Worker, request_id: str, edited: list[PostedCard]) -> None:
+        """Decided while its progress was being shown (another replica may have edited it to the outcome
+        meanwhile, under this edit): the edited cards show the outcome again, now."""
+        if not edited:
+            return
+        after = await self.store.get(request_id)
+        if after is None or after.outcome() is None:
+            return
+        for posted in edited:
+            await self._settle_one(worker, replace(posted, settled_at=None), after, force=True)
 
     async def _scan_settles(self, worker: _Worker) -> None:
         """Every card on this platform still to be edited, found in the store: at start, when an edit that
@@ -523,7 +649,11 @@ class FanOutBus:
         posted: PostedCard,
         request: ApprovalRequest | None = None,
         witness: Witness | None = None,
+        *,
+        force: bool = False,
     ) -> None:
+        """Edit ``posted`` to its request's outcome. ``force``: even when its row says it is settled already
+        (a progress edit may have landed over that edit)."""
         adapter = worker.adapter
         if request is None or request.id != posted.request_id:
             request = await self.store.get(posted.request_id)
@@ -537,17 +667,23 @@ class FanOutBus:
             witness = await self._witness(request.id)
         outcome = replace(outcome, witness=witness)
         try:
-            card = self._card_for(request)
+            card = self._card_for(request, await self._reviews(request))
         except CardIntegrityError:
             # Settled all the same (the buttons must go), but showing no value from the changed row.
             card = integrity_card(request, public_url=self.config.web.public_url)
-        if self.shared and not await self.store.claim_settle(posted, self.claim_seconds):
+        if self.shared and not force and not await self.store.claim_settle(posted, self.claim_seconds):
             # Another replica edits it (or it waits out a failed edit): look again when that claim has run out.
             due = self.clock() + self.claim_seconds
             worker.retry_at = due if worker.retry_at is None else min(worker.retry_at, due)
             return
         ref = CardRef(posted.platform, posted.chat, posted.message_id)
         try:
+            if failpoints.armed:
+                await failpoints.reached(
+                    "bus.settle.sent",
+                    lambda: PlatformError(adapter.name, "card_settle", "503 (failpoint)", retryable=True),
+                    where=adapter.name,
+                )
             await asyncio.wait_for(adapter.settle_card(ref, card, outcome), timeout=self.platform_timeout)
         except (PlatformError, TimeoutError) as exc:
             retryable = isinstance(exc, TimeoutError) or exc.retryable
@@ -574,6 +710,10 @@ class FanOutBus:
                 error=str(exc) or type(exc).__name__,
             )
             return
+        if failpoints.armed:
+            await failpoints.reached(
+                "bus.settle.recorded", lambda: simulated_failure(self.store.tables, "card_settled"), where=adapter.name
+            )
         await self.store.mark_card_settled(posted, request.status)
         if request.decided_at is not None and all(c.settled_at for c in await self.store.cards(request.id)):
             DECISION_TO_SETTLED.observe(max(0.0, time.time() - request.decided_at.timestamp()))

@@ -43,12 +43,17 @@ from kazma.approvals.model import Decision, Outcome, Status
 
 APPROVE_LABEL: Final = "Approve"
 DENY_LABEL: Final = "Deny"
+DENY_REASON_LABEL: Final = "Deny with reason"
 TOOL_LABEL: Final = "Tool"
 REQUESTED_BY_LABEL: Final = "Requested by"
 FROM_LABEL: Final = "From"
 DEADLINE_LABEL: Final = "Deadline"
 HASH_LABEL: Final = "Arguments SHA-256"
 FULL_CALL_LABEL: Final = "Full call"
+PROGRESS_LABEL: Final = "Approvals"
+STEP_UP_NOTICE: Final = (
+    "Approve on its page (Full call) with your passkey: this call's policy asks for one. Deny works here."
+)
 AUDIT_LABEL: Final = "Audit checkpoint"  # a settled card's footer: the signed checkpoint holding its decision
 EMPTY_VALUE: Final = "(empty)"
 MIN_EXCERPT: Final = 24  # shortest head + tail a shrunk value keeps
@@ -104,6 +109,7 @@ def _notice_partial(approve_here: bool) -> str:
 class ButtonKind(StrEnum):
     APPROVE = "approve"
     DENY = "deny"
+    DENY_REASON = "deny_reason"  # asks for a reason first (a modal, a reply), then denies
     REMEMBER = "remember"  # approve, and let the identical call run again here until the rule expires
 
 
@@ -228,9 +234,10 @@ def remember_label(seconds: int) -> str:
 
 def _buttons(card: ApprovalCard, *, approve: bool, whole: bool) -> tuple[Button, ...]:
     deny = Button(ButtonKind.DENY, DENY_LABEL, card.button_data(Decision.DENY))
+    why = Button(ButtonKind.DENY_REASON, DENY_REASON_LABEL, f"{card.button_data(Decision.DENY)[:-1]}n")
     if not approve:
-        return (deny,)
-    buttons = [Button(ButtonKind.APPROVE, APPROVE_LABEL, card.button_data(Decision.APPROVE)), deny]
+        return (deny, why)
+    buttons = [Button(ButtonKind.APPROVE, APPROVE_LABEL, card.button_data(Decision.APPROVE)), deny, why]
     # Never on a cut card (``remember_seconds`` is None on a card that warns): a rule needs the whole call in view.
     if card.remember_seconds and whole:
         buttons.insert(1, Button(ButtonKind.REMEMBER, remember_label(card.remember_seconds), card.remember_data))
@@ -259,19 +266,23 @@ def view_of(
     names_only = rest if list_names else ()
     hidden = 0 if list_names else len(rest)
     whole = not rest and not any(a.cut for a in arguments)
-    approve_here = whole or approve_partial
+    approve_here = (whole or approve_partial) and not card.step_up
     notice = ""
     if not whole:
-        notice = _notice_partial(approve_here)
+        notice = _notice_partial(approve_here or card.step_up)
         if hidden:
             notice = f"{_notice_names_hidden(hidden, total)} {notice}"
-    facts = (
+    if card.step_up and outcome is None:
+        notice = f"{notice} {STEP_UP_NOTICE}".strip()
+    facts: tuple[tuple[str, str], ...] = (
         (TOOL_LABEL, card.tool),
         (REQUESTED_BY_LABEL, card.requester),
         (FROM_LABEL, card.origin),
         (DEADLINE_LABEL, deadline_text(card)),
         (HASH_LABEL, card.args_hash),
     )
+    if card.progress:
+        facts += ((PROGRESS_LABEL, card.progress),)
     return CardView(
         request_id=card.request_id,
         outcome=outcome,

@@ -48,6 +48,14 @@ class Inbound:
     attachments: tuple[Attachment, ...] = ()  # files sent with the message, within the configured bounds
 
 
+@runtime_checkable
+class IdempotentPosts(Protocol):
+    """An adapter whose platform makes a card post idempotent (Discord's ``nonce``): a post tried again after a
+    crash or a lost answer gives back the first message, never a second card."""
+
+    idempotent_posts: bool
+
+
 @dataclass(frozen=True)
 class CardRef:
     """Where one card of a request was posted, so it can be edited later."""
@@ -81,6 +89,7 @@ class Press:
     chat: str | None = None  # where the pressed card is, when the platform says
     message_id: str | None = None  # which message the pressed card is, when the platform says
     is_admin: bool = False  # the presser is one of this platform's configured admins
+    reason: str | None = None  # a Deny's reason, as the presser wrote it (a modal, a reply); None: none given
 
 
 @dataclass(frozen=True)
@@ -242,6 +251,16 @@ class UrgentEdits(Protocol):
 
     def edit_done(self, chat: str) -> None:
         """The expected edit went, or will not come: release what :meth:`expect_edit` held."""
+        ...
+
+
+@runtime_checkable
+class UpdatesCards(Protocol):
+    """A platform that can edit a pending card in place, keeping its buttons: a policy of several people's
+    card shows each review as it comes ("1 of 2 approvals: alice on Telegram; waiting for: bob")."""
+
+    async def update_card(self, ref: CardRef, card: ApprovalCard) -> None:
+        """Show ``card`` (still pending) in place of what ``ref`` shows now. Raises :class:`PlatformError`."""
         ...
 
 

@@ -186,8 +186,11 @@ class PlatformBase(PressPolicy):
         """Post a written card into ``chat``; where it landed."""
 
     @abstractmethod
-    async def _edit_card(self, ref: CardRef, written: Any) -> bool:
-        """Make the posted card ``ref`` show ``written`` with no buttons; False when it already showed it."""
+    async def _edit_card(
+        self, site: str, ref: CardRef, laid: LaidOut[Any], card: ApprovalCard, *, settled: bool
+    ) -> bool:
+        """Make the posted card ``ref`` show ``laid``: with its buttons while open, none once ``settled``; False
+        when it already showed it."""
 
     @abstractmethod
     def _text_room(self, agent: str | None) -> tuple[int, Callable[[str], int] | None]:
@@ -657,15 +660,33 @@ class PlatformBase(PressPolicy):
         )
         return CardRef(platform=self.name, chat=posted.chat, message_id=posted.message_id, whole=laid.whole)
 
-    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
-        """Edit a posted card to show ``outcome`` and remove its buttons. Idempotent."""
-        site = "card_settle"
+    def _editable(self, site: str, ref: CardRef) -> None:
         self._can_send(site)
         if ref.platform != self.name:
             raise self.refuse(site, f"not a {self.spec.title} card: {ref.platform}", chat=ref.chat)
         self._check_chat(site, ref.chat)
-        written = self._lay_out(site, card, outcome, ref.chat).written
-        changed = await self._edit_card(ref, written)
+
+    async def update_card(self, ref: CardRef, card: ApprovalCard) -> None:
+        """Edit a posted, still open card to show ``card`` as it is now (a policy's progress), buttons kept."""
+        site = "card_update"
+        self._editable(site, ref)
+        laid = self._lay_out(site, card, None, ref.chat)
+        changed = await self._edit_card(site, ref, laid, card, settled=False)
+        log.info(
+            "platform.card_updated",
+            platform=self.name,
+            request_id=card.request_id,
+            chat=ref.chat,
+            message_id=ref.message_id,
+            changed=changed,
+        )
+
+    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
+        """Edit a posted card to show ``outcome`` and remove its buttons. Idempotent."""
+        site = "card_settle"
+        self._editable(site, ref)
+        laid = self._lay_out(site, card, outcome, ref.chat)
+        changed = await self._edit_card(site, ref, laid, card, settled=True)
         log.info(
             "platform.card_settled",
             platform=self.name,

@@ -118,6 +118,9 @@ class ApprovalCard:
     link: str
     warnings: tuple[str, ...] = ()  # plain sentences to show prominently; empty when nothing was found
     remember_seconds: int | None = None  # offer "Approve for …" (remembered approvals); None: not offered
+    # Under a policy of several people: who approved or denied it so far and who may still (one line).
+    progress: str = ""
+    step_up: bool = False  # Approve only on its page with a passkey: chat cards carry Deny and the link
 
     @property
     def remember_data(self) -> str:
@@ -244,6 +247,7 @@ def build_card(
     public_url: str,
     remember_seconds: int | None = None,
     cut_padding: bool = True,
+    progress: str = "",
 ) -> ApprovalCard:
     """The card for ``request``; raises :class:`CardIntegrityError` or :class:`UnrenderableArguments`.
 
@@ -278,7 +282,9 @@ def build_card(
         link=f"{public_url.rstrip('/')}/swarm?approval={request.id}",
         # How the call would run (e.g. "runs unsandboxed on this host") comes first: it is about every value.
         warnings=tuple(reveal_line(note) for note in request.notes) + findings,
-        remember_seconds=None if findings else remember_seconds,
+        remember_seconds=None if findings or request.step_up else remember_seconds,
+        progress=progress,
+        step_up=request.step_up,
     )
 
 

@@ -9,6 +9,18 @@ from typing import Any, Protocol
 
 # Who asked, for a request opened through the approvals API or ``/mcp``: ``api:<token name>``.
 API_REQUESTER_PREFIX = "api:"
+MAX_REASON = 500  # characters of a decider's reason kept (a card line, the audit, the agent's next turn)
+
+
+def clean_reason(text: str | None) -> str | None:
+    """A decider's reason as kept: one line (runs of whitespace, line breaks included, made one space), at most
+    :data:`MAX_REASON` characters; None when nothing is left (a Deny without a reason)."""
+    if text is None:
+        return None
+    said = " ".join(text.split())
+    if not said:
+        return None
+    return said if len(said) <= MAX_REASON else said[: MAX_REASON - 1] + "…"
 
 
 class Status(StrEnum):
@@ -75,9 +87,33 @@ class ApprovalRequest:
     # The person under ``people:`` who owns ``decided_by`` when they decided (None: nobody's identity, no
     # decision, or decided before people were recorded). Sealed with the outcome.
     decided_person: str | None = None
+    # The policy it is decided under (approvals.policies; None: the default), fixed when it opened.
+    policy: str | None = None
+    approve_needed: int = 1  # distinct people who must approve
+    deny_needed: int = 1  # distinct people whose denial ends it
+    step_up: bool = False  # Approve only on its page, after a fresh passkey assertion
+    started_by: str | None = None  # who started the work (a person or an identity): forbid_requester
 
     def outcome(self) -> Outcome | None:
         return outcome_of(self)
+
+    @property
+    def rememberable(self) -> bool:
+        """A remembered approval may stand for it: one approval decides it, and not only with a passkey."""
+        return self.approve_needed == 1 and not self.step_up
+
+
+@dataclass(frozen=True)
+class Review:
+    """One person's approval or denial of a request (the same person on two platforms is one review)."""
+
+    request_id: str
+    reviewer: str  # the person's name, or the identity when it is nobody's
+    actor: str
+    platform: str
+    decision: Decision
+    reason: str | None
+    at: datetime
 
 
 @dataclass(frozen=True)
@@ -118,7 +154,8 @@ class Outcome:
         """One line for cards and notices, e.g. ``approved by alice (slack:U123) via slack at 12:03:04 UTC``."""
         when = self.decided_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         if self.status.human:
-            return f"{self.status.value} by {self.decider} via {self.decided_via} at {when}"
+            why = f"; reason: {self.reason}" if self.status is Status.DENIED and self.reason else ""
+            return f"{self.status.value} by {self.decider} via {self.decided_via} at {when}{why}"
         if self.status is Status.TIMEOUT:
             return f"timed out at {when}: no decision before the deadline (not a denial)"
         return f"cancelled at {when}: {self.reason or 'the waiter stopped'} (not a denial)"
@@ -128,8 +165,9 @@ class Outcome:
         if self.status is Status.APPROVED:
             return f"Approved by {self.decider}."
         if self.status is Status.DENIED:
-            reason = f": {self.reason}" if self.reason else ""
-            return f"Denied by {self.decider}{reason}. Do not retry this call."
+            # Their reason is a person's words: whoever hands this to a model adds it fenced (engine/fence.py).
+            said = " They gave a reason (below)." if self.reason else ""
+            return f"Denied by {self.decider}.{said} Do not retry this call."
         if self.status is Status.TIMEOUT:
             return "No decision before the approval deadline; the call did not run. It was not denied."
         return "The approval wait was cancelled; the call did not run. It was not denied."
@@ -137,6 +175,8 @@ class Outcome:
 
 class PressVerdict(StrEnum):
     WON = "won"  # this press decided the request
+    COUNTED = "counted"  # this press is a review on the record; the request waits for more
+    REPEATED = "repeated"  # this person reviewed the request already (perhaps on another platform)
     LOST = "lost"  # someone decided first; ``outcome`` is what stands
     REFUSED = "refused"  # nothing changed: bad data, unknown id, not an approver, store down
 

@@ -48,12 +48,20 @@ class SafetyPolicy:
         task_id: str | None = None,
         deadline: float | None = None,
         notes: tuple[str, ...] = (),
+        skip_rules: bool = False,
+        started_by: str | None = None,
     ) -> PolicyVerdict:
-        """``notes``: how the call would run, said on its card (e.g. "runs unsandboxed on this host")."""
+        """``notes``: how the call would run, said on its card (e.g. "runs unsandboxed on this host").
+        ``skip_rules``: a card even where a remembered approval would let the call run (it may have run already).
+        ``started_by``: whose message started the work (a policy's ``forbid_requester`` refuses their Approve)."""
         level = self.level(tool)
         if level is not DangerLevel.DANGEROUS:
             return PolicyVerdict(True, f"{tool} is classified {level.value}")
-        rule = await self.service.remembered(tool, args, conversation)
+        config = self.service.config
+        chosen = config.policy(config.policy_name_for(tool))
+        # A remembered approval is one person's press: never for a policy of several people or a passkey.
+        rememberable = chosen is not None and chosen.single and not skip_rules
+        rule = await self.service.remembered(tool, args, conversation) if rememberable else None
         if rule is not None:
             return PolicyVerdict(
                 True,
@@ -72,8 +80,9 @@ class SafetyPolicy:
             )
         try:
             request = await self.service.open(
-                tool, args, requested_by, conversation, deadline=deadline, task_id=task_id, notes=notes
-            )
+                tool, args, requested_by, conversation, deadline=deadline, task_id=task_id, notes=notes,
+                started_by=started_by,
+            )  # fmt: skip
         except ApprovalRefused as exc:
             return PolicyVerdict(False, str(exc))
         outcome = await self.service.wait(request.id)

@@ -212,6 +212,50 @@ MIGRATIONS = [
             """,
         ),
     ),
+    Migration(
+        "approvals",
+        11,
+        (
+            # The policy a request is decided under (approvals.policies; NULL: the default) and what it asked,
+            # fixed when it opened: how many distinct people approve or deny it, whether Approve needs a passkey
+            # on its page, and who started the work (forbid_requester). Final from the start.
+            "ALTER TABLE approval_requests ADD COLUMN policy TEXT",
+            "ALTER TABLE approval_requests ADD COLUMN approve_needed INTEGER NOT NULL DEFAULT 1",
+            "ALTER TABLE approval_requests ADD COLUMN deny_needed INTEGER NOT NULL DEFAULT 1",
+            "ALTER TABLE approval_requests ADD COLUMN step_up INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE approval_requests ADD COLUMN started_by TEXT",
+            """
+            CREATE TRIGGER IF NOT EXISTS approval_requests_policy_fixed
+            BEFORE UPDATE OF policy, approve_needed, deny_needed, step_up, started_by ON approval_requests
+            BEGIN SELECT RAISE(ABORT, 'a request keeps the policy it opened under'); END
+            """,
+            # One review per person per request (the person's name, or the identity when it is nobody's): the
+            # same person pressing on two platforms is one review. Written in the transaction of the press;
+            # the press that brings a decision's count to its threshold also sets the outcome.
+            """
+            CREATE TABLE IF NOT EXISTS approval_reviews (
+                request_id TEXT NOT NULL REFERENCES approval_requests (id),
+                reviewer TEXT NOT NULL,
+                actor TEXT NOT NULL,
+                platform TEXT NOT NULL,
+                decision TEXT NOT NULL CHECK (decision IN ('approve', 'deny')),
+                reason TEXT,
+                at REAL NOT NULL,
+                PRIMARY KEY (request_id, reviewer)
+            )
+            """,
+            """
+            CREATE TRIGGER IF NOT EXISTS approval_reviews_append_only_update
+            BEFORE UPDATE ON approval_reviews
+            BEGIN SELECT RAISE(ABORT, 'approval_reviews is append-only'); END
+            """,
+            """
+            CREATE TRIGGER IF NOT EXISTS approval_reviews_append_only_delete
+            BEFORE DELETE ON approval_reviews
+            BEGIN SELECT RAISE(ABORT, 'approval_reviews is append-only'); END
+            """,
+        ),
+    ),
 ]
 
 # The same tables on PostgreSQL, version for version: REAL is double precision there (its REAL has 6
@@ -439,6 +483,52 @@ PG_MIGRATIONS = [
             FOR EACH STATEMENT EXECUTE FUNCTION kazma_audit_checkpoints_append_only()
             """,
             _PG_AUDIT_HEAD,
+        ),
+    ),
+    PgMigration(
+        "approvals",
+        11,
+        (
+            "ALTER TABLE approval_requests ADD COLUMN policy text",
+            "ALTER TABLE approval_requests ADD COLUMN approve_needed integer NOT NULL DEFAULT 1",
+            "ALTER TABLE approval_requests ADD COLUMN deny_needed integer NOT NULL DEFAULT 1",
+            "ALTER TABLE approval_requests ADD COLUMN step_up integer NOT NULL DEFAULT 0",
+            "ALTER TABLE approval_requests ADD COLUMN started_by text",
+            """
+            CREATE OR REPLACE FUNCTION kazma_approval_policy_fixed() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                RAISE EXCEPTION 'a request keeps the policy it opened under'
+                    USING ERRCODE = 'integrity_constraint_violation';
+            END
+            $$
+            """,
+            """
+            CREATE OR REPLACE TRIGGER approval_requests_policy_fixed
+            BEFORE UPDATE OF policy, approve_needed, deny_needed, step_up, started_by ON approval_requests
+            FOR EACH ROW EXECUTE FUNCTION kazma_approval_policy_fixed()
+            """,
+            """
+            CREATE TABLE IF NOT EXISTS approval_reviews (
+                request_id text NOT NULL REFERENCES approval_requests (id),
+                reviewer text NOT NULL,
+                actor text NOT NULL,
+                platform text NOT NULL,
+                decision text NOT NULL CHECK (decision IN ('approve', 'deny')),
+                reason text,
+                at double precision NOT NULL,
+                PRIMARY KEY (request_id, reviewer)
+            )
+            """,
+            """
+            CREATE OR REPLACE TRIGGER approval_reviews_append_only
+            BEFORE UPDATE OR DELETE ON approval_reviews
+            FOR EACH ROW EXECUTE FUNCTION kazma_approval_events_append_only()
+            """,
+            """
+            CREATE OR REPLACE TRIGGER approval_reviews_no_truncate
+            BEFORE TRUNCATE ON approval_reviews
+            FOR EACH STATEMENT EXECUTE FUNCTION kazma_approval_events_append_only()
+            """,
         ),
     ),
 ]

@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import re
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -34,24 +34,45 @@ from kazma.approvals.model import (
     Outcome,
     PressResult,
     PressVerdict,
+    Review,
     Status,
     Waits,
+    clean_reason,
     decider_text,
 )
+from kazma.approvals.progress import Progress, progress_line, progress_of
 from kazma.approvals.rules import Rule, RuleStore, rules_consulted_for
 from kazma.approvals.seal import FORGED, SealProblem, seal_problem
-from kazma.approvals.store import ApprovalStore, CardCheck, CardProblem, Clock, NewRequest, new_request_id
+from kazma.approvals.store import (
+    ApprovalStore,
+    CardCheck,
+    CardProblem,
+    Clock,
+    NewRequest,
+    ReviewState,
+    Rules,
+    new_request_id,
+)
 from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdrawn, withdrawn
-from kazma.config.metrics import APPROVALS_DECIDED, APPROVALS_OPENED, PRESS_TO_DECISION, count_failure
-from kazma.config.models import KazmaConfig
+from kazma.config import failpoints
+from kazma.config.metrics import (
+    APPROVALS_DECIDED,
+    APPROVALS_OPENED,
+    APPROVALS_REVIEWED,
+    PRESS_TO_DECISION,
+    count_failure,
+)
+from kazma.config.models import DEFAULT_POLICY, KazmaConfig, PolicyConfig
+from kazma.config.people import person_key
 from kazma.config.store.backend import Tx
-from kazma.config.store.errors import store_errors
+from kazma.config.store.errors import simulated_failure, store_errors
 
 log = structlog.get_logger("kazma.approvals")
 
 _BUTTON = re.compile(r"^(?P<version>kz\d+):(?P<id>[A-Za-z0-9_-]{16,64}):(?P<code>[a-z])$")
-_CODES = {"a": Decision.APPROVE, "d": Decision.DENY, "r": Decision.APPROVE}
+_CODES = {"a": Decision.APPROVE, "d": Decision.DENY, "r": Decision.APPROVE, "n": Decision.DENY}
 REMEMBER_CODE = "r"  # approve, and remember the identical call in its conversation (approvals.remember)
+REASON_CODE = "n"  # deny, with a reason the platform asks for first (a modal, a reply); pressed bare: a plain Deny
 STORE_SITE = "approval_resolve"
 _RECORD_GRACE = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)  # seconds, about 1.6 in all
 
@@ -62,7 +83,8 @@ class CardPublisher(Protocol):
     def can_show_cards(self) -> bool: ...
 
     async def publish(self, card: ApprovalCard) -> None:
-        """Show ``card`` on every platform. Must not raise; failures are the bus's to retry."""
+        """Show ``card`` on every platform. Failures to post are the bus's to retry; it raises only
+        :class:`CardsNotQueued`, when the posts could not even be queued (the request is withdrawn then)."""
         ...
 
     async def settle(self, request_id: str) -> None:
@@ -82,6 +104,15 @@ class QueuesCards(Protocol):
 
     def cards_queued(self, request_id: str) -> None:
         """The transaction holding those statements committed: post the cards now."""
+        ...
+
+
+@runtime_checkable
+class ShowsProgress(Protocol):
+    """A publisher whose cards can show each review of a policy of several people as it is counted."""
+
+    async def refresh(self, request_id: str) -> None:
+        """A review of ``request_id`` was counted: edit its cards to show the progress. Must not raise."""
         ...
 
 
@@ -167,7 +198,12 @@ class Recovery:
 
 
 class ApprovalRefused(Exception):
-    """The call cannot be put to a human (unrenderable arguments); it must not run."""
+    """The call cannot be put to a human (unrenderable arguments, or no card could be queued); it must not run."""
+
+
+class CardsNotQueued(Exception):
+    """A publisher could not queue a request's card posts (its store refused them, after retries): no person
+    would ever see the request, so it must not stay pending until its deadline."""
 
 
 class ExecutionMismatch(Exception):
@@ -205,8 +241,8 @@ def remember_offer(config: KazmaConfig, request: ApprovalRequest) -> int | None:
     team did not enable it, or no later call of this requester ever consults a rule (a request from the
     approvals API or ``/mcp``: the button would promise something that never happens)."""
     remember = config.approvals.remember
-    if not remember.enabled or not rules_consulted_for(request.requested_by):
-        return None
+    if not remember.enabled or not rules_consulted_for(request.requested_by) or not request.rememberable:
+        return None  # (a policy of several people or a passkey is never remembered)
     return remember.max_seconds
 
 
@@ -274,6 +310,8 @@ class ApprovalService:
         durable: bool = False,
         waits: Waits | None = None,
         seen: bool = False,
+        policy: str | None = None,
+        started_by: str | None = None,
     ) -> ApprovalRequest:
         """Record a new request and put its card on every platform.
 
@@ -284,11 +322,14 @@ class ApprovalService:
         when it goes away. ``seen``: the asker is an API caller, seen asking now.
 
         ``deadline`` is in seconds from now (default ``approvals.deadline_seconds``).
+        ``policy`` names the approvals policy it is decided under (None: the tool's own, else the default);
+        ``started_by`` is who started the work (a person or an identity), whom ``forbid_requester`` refuses.
+
         Raises :class:`ApprovalRefused` when the arguments cannot be shown faithfully.
         """
         request, _ = await self.open_once(
             tool, args, requested_by, conversation, deadline, task_id, notes=notes, durable=durable, waits=waits,
-            seen=seen,
+            seen=seen, policy=policy, started_by=started_by,
         )  # fmt: skip
         return request
 
@@ -306,6 +347,8 @@ class ApprovalService:
         waits: Waits | None = None,
         seen: bool = False,
         gate: OpenGate | None = None,
+        policy: str | None = None,
+        started_by: str | None = None,
     ) -> tuple[ApprovalRequest, bool]:
         """:meth:`open`, with a door's ``gate`` in the opening transaction: the request and whether this call
         opened it (False: the gate named the request that stands instead, and nothing was opened).
@@ -324,6 +367,13 @@ class ApprovalService:
         seconds = self.config.approvals.deadline_seconds if deadline is None else deadline
         if seconds <= 0:
             raise ValueError(f"deadline must be positive, got {seconds}")
+        name = policy or self.config.policy_name_for(tool)
+        chosen = self.config.policy(name)
+        if chosen is None:
+            raise ApprovalRefused(
+                f"unknown approvals policy {name!r} (approvals.policies: "
+                f"{', '.join(self.config.approvals.policies) or 'none configured'}), so the call will not run"
+            )
         new = NewRequest(
             new_request_id(),
             tool,
@@ -333,6 +383,7 @@ class ApprovalService:
             conversation,
             self.clock() + seconds,
             task_id,
+            Rules(name, chosen.approve, chosen.deny, chosen.step_up, started_by),
         )
         publisher: object = self.publisher  # (a protocol narrowed to another protocol reads as unreachable)
         queuer = publisher if isinstance(publisher, QueuesCards) else None
@@ -342,6 +393,8 @@ class ApprovalService:
         )
         if queue is not None:
             also.append(queue)
+        if failpoints.armed:  # nothing written yet: the asker is told the store's own error
+            await failpoints.reached("approvals.open.row", lambda: simulated_failure(self.store.tables, "open"))
         request, opened = await self.store.insert_once(
             new,
             notes=notes,
@@ -357,11 +410,24 @@ class ApprovalService:
             "approvals.opened", request_id=request.id, tool=tool, requested_by=requested_by, hash=request.args_hash
         )
         APPROVALS_OPENED.labels(tool=self._tool_label(tool, requested_by)).inc()
+        if failpoints.armed:  # committed (row, audit, card posts), no card posted yet
+            await failpoints.reached("approvals.open.committed", lambda: simulated_failure(self.store.tables, "open"))
         self._tell(request.id)
         if queuer is not None and queue is not None:
             queuer.cards_queued(request.id)
         elif self.publisher is not None:
-            await self.publisher.publish(self.card(request))
+            try:
+                await self.publisher.publish(self.card(request))
+            except CardsNotQueued as exc:
+                # Two writes (the outbox is not in the request's transaction) and the second failed: nobody
+                # would see this request until its deadline. It ends now, and the asker hears why.
+                await self._cancel_now(request.id, f"its card could not be queued on any platform ({exc})")
+                count_failure("card_enqueue")
+                log.error("approvals.open_unqueued", request_id=request.id, tool=tool, error=str(exc))
+                raise ApprovalRefused(
+                    f"the call to {tool!r} was not put to anyone: its approval card could not be queued ({exc}). "
+                    "Nothing ran; ask again."
+                ) from None
         return request, True
 
     def _tool_label(self, tool: str, requested_by: str) -> str:
@@ -375,12 +441,14 @@ class ApprovalService:
         """The request's approval page, where the whole call is shown and can be decided."""
         return f"{self.config.web.public_url.rstrip('/')}/swarm?approval={request_id}"
 
-    def card(self, request: ApprovalRequest) -> ApprovalCard:
+    def card(self, request: ApprovalRequest, reviews: Sequence[Review] = ()) -> ApprovalCard:
+        """``request``'s card; ``reviews``: those on record, for its progress line (a policy of several people)."""
         return build_card(
             request,
             value_limit=self.config.approvals.value_limit,
             public_url=self.config.web.public_url,
             remember_seconds=remember_offer(self.config, request) if self.rules is not None else None,
+            progress=progress_line(self.config, request, reviews),
         )
 
     async def revoke_rule(self, rule_id: str, *, actor: str, platform: str) -> Rule | None:
@@ -464,6 +532,7 @@ class ApprovalService:
         platform: str,
         chat: str | None = None,
         message_id: str | None = None,
+        reason: str | None = None,
     ) -> PressResult:
         """A button press from any platform: validate, authorise, check the card it came from, then compare-and-set.
 
@@ -484,6 +553,7 @@ class ApprovalService:
                 platform=platform,
                 card=CardLocation(chat, message_id),
                 remember=parsed.remember,
+                reason=reason if parsed.decision is Decision.DENY else None,
             )
 
     async def decide(
@@ -496,12 +566,18 @@ class ApprovalService:
         reason: str | None = None,
         card: CardLocation | None = None,
         remember: bool = False,
+        stepped_up: bool = False,
     ) -> PressResult:
         """Authorise ``actor``, then decide ``request_id`` once: whether this call won and, if not, what stands.
 
         ``card``: the decision came from a button on a posted card (chat
         platforms); None for the approval page and the CLI, where the whole
-        call is shown.
+        call is shown. ``stepped_up``: the approval page verified a fresh
+        passkey assertion with user verification for this very approval (a
+        ``step_up`` policy's Approve counts only so).
+
+        Under a policy of several people a press is a review: it is recorded, and the one that brings its
+        decision's count to the policy's threshold sets the outcome in the same transaction.
         """
         if self.halted is not None:
             count_failure(STORE_SITE)
@@ -511,14 +587,31 @@ class ApprovalService:
                 f"Kazma is not deciding right now: {self.halted}. Nothing was recorded.",
                 request_id=request_id,
             )
+        reason = clean_reason(reason)
         person = self.config.roster.person_of(actor)
-        if not self.is_approver(actor, platform):
+        rules = await self._rules(request_id)
+        policy = None if rules is None else self.config.policy(rules.policy or DEFAULT_POLICY)
+        if rules is not None and policy is None:
+            await self._refused(request_id, actor, platform, f"policy {rules.policy} is no longer configured")
+            return PressResult(
+                PressVerdict.REFUSED,
+                f"This request's approvals policy {rules.policy!r} is no longer configured, so nobody can decide "
+                "it; nothing was recorded.",
+                request_id=request_id,
+            )
+        if not self.config.roster.may_decide(actor, platform, () if policy is None else policy.approvers):
             await self._refused(request_id, actor, platform, "not an approver")
             return PressResult(
                 PressVerdict.REFUSED,
                 f"You ({decider_text(person, actor)}) are not an approver here; nothing was recorded.",
                 request_id=request_id,
             )
+        if rules is not None and policy is not None and decision is Decision.APPROVE:
+            barred = self._approve_barred(request_id, rules, policy, actor, stepped_up=stepped_up)
+            if barred is not None:
+                why, message = barred
+                await self._refused(request_id, actor, platform, why)
+                return PressResult(PressVerdict.REFUSED, message, request_id=request_id)
         if remember:
             unremembered = await self._remember_problem(request_id, card)
             if unremembered is not None:
@@ -531,9 +624,17 @@ class ApprovalService:
             needs_whole = decision is Decision.APPROVE and not self.config.approvals.approve_cut_in_chat
             check = CardCheck(platform, card.chat, card.message_id, needs_whole)
         try:
+            if failpoints.armed:  # nothing written: the presser is told to press again
+                await failpoints.reached(
+                    "approvals.decide.before_commit", lambda: simulated_failure(self.store.tables, "decide")
+                )
             pressed = await self.store.press(
                 request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person
             )
+            if failpoints.armed and pressed.won:  # the decision is committed, nobody told yet
+                await failpoints.reached(
+                    "approvals.decide.after_commit", lambda: simulated_failure(self.store.tables, "decide")
+                )
             # A press can land between a card's post and the bus recording it (a person is not that fast,
             # a script is): give the record a moment before judging the press by it.
             for pause in _RECORD_GRACE if pressed.problem == CardProblem.NOT_RECORDED else ():
@@ -574,6 +675,8 @@ class ApprovalService:
         if request is None:
             await self._refused(request_id, actor, platform, "unknown request id")
             return PressResult(PressVerdict.REFUSED, "Unknown approval request; nothing was recorded.")
+        if pressed.review is not None:
+            return await self._reviewed(request_id, decision, pressed.review, actor, person, platform)
         if won:
             outcome = request.outcome()
             assert outcome is not None
@@ -603,6 +706,10 @@ class ApprovalService:
                 )
                 log.info("approvals.rule_created", rule=rule.id, request_id=request_id, actor=actor)
             await self._ended(request_id)
+            if failpoints.armed:  # decided, the waiter woken and the cards settling: the presser not answered yet
+                await failpoints.reached(
+                    "approvals.decide.before_answer", lambda: simulated_failure(self.store.tables, "decide")
+                )
             verb = "Approved" if decision is Decision.APPROVE else "Denied"
             return PressResult(PressVerdict.WON, f"{verb}. Recorded as {outcome.decider}.", outcome, request_id)
         # still pending but the compare-and-set failed: the deadline has passed
@@ -611,6 +718,66 @@ class ApprovalService:
             message = f"This request was withdrawn ({outcome.reason}); nothing changed."
             return PressResult(PressVerdict.LOST, message, outcome, request_id)
         return PressResult(PressVerdict.LOST, f"Already {outcome.summary()}.", outcome, request_id)
+
+    async def _rules(self, request_id: str) -> Rules | None:
+        try:
+            return await self.store.rules_of(request_id)
+        except store_errors():
+            return None  # the press below meets the same store and says so
+
+    def _approve_barred(
+        self, request_id: str, rules: Rules, policy: PolicyConfig, actor: str, *, stepped_up: bool
+    ) -> tuple[str, str] | None:
+        """Why ``actor``'s Approve may not count under the request's policy (audit, presser), or None."""
+        people = self.config.people
+        if policy.forbid_requester and rules.started_by is not None:
+            asker = rules.started_by if ":" not in rules.started_by else person_key(people, rules.started_by)
+            if person_key(people, actor) == asker:
+                return (
+                    "forbid_requester: the requester may not approve",
+                    f"You asked for this call, so under policy {rules.policy} you cannot approve it; someone else "
+                    "must. Nothing was recorded.",
+                )
+        if rules.step_up and not stepped_up:
+            return (
+                "step_up: approve needs a passkey on the approval page",
+                f"This call is approved only on its page, with your passkey: {self.link(request_id)} "
+                "(Deny works here). Nothing was recorded.",
+            )
+        return None
+
+    async def _reviewed(
+        self, request_id: str, decision: Decision, state: str, actor: str, person: str | None, platform: str
+    ) -> PressResult:
+        """A review that did not decide: counted (its cards show the progress), or this person's second."""
+        progress = await self.progress(request_id)
+        said = "" if progress is None else f" {progress.line()}"
+        if state == ReviewState.REPEATED:
+            return PressResult(
+                PressVerdict.REPEATED,
+                f"You ({decider_text(person, actor)}) reviewed this already; one person counts once.{said}",
+                request_id=request_id,
+            )
+        log.info("approvals.reviewed", request_id=request_id, decision=decision.value, actor=actor, person=person,
+                 platform=platform)  # fmt: skip
+        APPROVALS_REVIEWED.labels(decision=decision.value, platform=platform).inc()
+        await self._progressed(request_id)
+        verb = "approval" if decision is Decision.APPROVE else "denial"
+        return PressResult(PressVerdict.COUNTED, f"Your {verb} is recorded.{said}", request_id=request_id)
+
+    async def progress(self, request_id: str) -> Progress | None:
+        """Who reviewed ``request_id`` so far and who may still (None: unknown, or one press decides it)."""
+        request = await self.store.get(request_id)
+        if request is None:
+            return None
+        return progress_of(self.config, request, await self.store.reviews(request_id))
+
+    async def _progressed(self, request_id: str) -> None:
+        """A review was counted: every card of the request shows the progress (its publisher edits them)."""
+        publisher: object = self.publisher
+        if isinstance(publisher, ShowsProgress):
+            await publisher.refresh(request_id)
+        self._tell(request_id)
 
     async def _remember_problem(self, request_id: str, where: CardLocation | None) -> str | None:
         """Why "Approve for …" must not count here: only from a button on a whole card without warnings."""
@@ -623,6 +790,8 @@ class ApprovalService:
             return None  # the compare-and-set reports the unknown id
         if not rules_consulted_for(request.requested_by):
             return "This call cannot be remembered: a remembered approval only ever lets an agent's tool call run"
+        if not request.rememberable:
+            return "This call cannot be remembered: its policy needs more than one person's press, or a passkey"
         if self.card(request).remember_seconds is None:
             return "This call cannot be remembered: its card warns about what it holds"
         cards = await self.store.cards(request_id)
@@ -886,7 +1055,10 @@ class ApprovalService:
         sealed = seal_problem(self.store.keyring, request)
         if sealed is not None:
             return sealed
-        if not self.config.roster.is_approver(request.decided_by or "", request.decided_via or ""):
+        policy = self.config.policy(request.policy or DEFAULT_POLICY)
+        if policy is None:
+            return SealProblem(f"its policy {request.policy} is no longer configured", FORGED)
+        if not self.config.roster.may_decide(request.decided_by or "", request.decided_via or "", policy.approvers):
             return SealProblem(f"{request.decided_by} may not approve (not an approver now)", FORGED)
         return None
 
@@ -906,6 +1078,8 @@ class ApprovalService:
             problem = self.approval_problem(request)
         if problem is None and not await self._decided_on_record(request):
             problem = SealProblem("it was approved without its decided audit row (changed outside Kazma)", FORGED)
+        if problem is None:
+            problem = await self._reviews_problem(request)
         if problem is not None:
             count_failure(problem.site)
             await self._audit_safely(request_id, "execution_refused", None, None, problem.detail)
@@ -918,6 +1092,25 @@ class ApprovalService:
             )
             raise ExecutionMismatch(f"request {request_id} is marked approved, but {problem.detail}: it will not run")
         return request
+
+    async def _reviews_problem(self, request: ApprovalRequest) -> SealProblem | None:
+        """An approval under a policy of several people stands on that many approving reviews, each by a
+        different person allowed to decide under the policy, the decider's among them."""
+        if request.approve_needed == 1:
+            return None
+        policy = self.config.policy(request.policy or DEFAULT_POLICY)
+        approvers = () if policy is None else policy.approvers
+        approving = {
+            r.reviewer
+            for r in await self.store.reviews(request.id)
+            if r.decision is Decision.APPROVE and self.config.roster.may_decide(r.actor, r.platform, approvers)
+        }
+        if len(approving) < request.approve_needed:
+            return SealProblem(
+                f"it has {len(approving)} approving reviews on record, and its policy needs {request.approve_needed}",
+                FORGED,
+            )
+        return None
 
     async def _decided_on_record(self, request: ApprovalRequest) -> bool:
         """The ``decided`` audit row the compare-and-set wrote with it: same identity and person, same hash, that

@@ -32,7 +32,7 @@ from kazma.approvals.chain import (
     checkpoint_of_row,
 )
 from kazma.approvals.checkpoints import AuditSigner, Checkpoint
-from kazma.approvals.model import ApprovalRequest, Outcome, Status, Waits, outcome_of
+from kazma.approvals.model import ApprovalRequest, Decision, Outcome, Review, Status, Waits, outcome_of
 from kazma.approvals.seal import seal
 from kazma.config.keyring import Keyring
 from kazma.config.store.backend import StoreBackend, Tx, Writer, backend_of, held_by_gone
@@ -44,7 +44,7 @@ T = TypeVar("T")
 _COLUMNS = (
     "id, tool, args_json, args_hash, requested_by, conversation, task_id, created_at, deadline, "
     "status, decided_by, decided_via, decided_at, reason, notes, durable, waits, last_seen, decision_mac,"
-    " decision_key_id, decided_person"
+    " decision_key_id, decided_person, policy, approve_needed, deny_needed, step_up, started_by"
 )
 
 
@@ -57,10 +57,21 @@ _CAS_BEFORE_DEADLINE = _CAS + " AND deadline > ?"
 # What the seal binds besides the outcome, read in the decision's transaction before the compare-and-set; for a
 # press from a card, with that request's cards on the press's platform in the same statement.
 _SEALED_FIELDS = "SELECT tool, args_hash FROM approval_requests WHERE id = ?"
+_PRESS_HEAD = "SELECT tool, args_hash, approve_needed, deny_needed FROM approval_requests WHERE id = ?"
 _PRESS_CARDS = (
-    "SELECT r.tool, r.args_hash, c.chat, c.message_id, c.whole FROM approval_requests r"
-    " LEFT JOIN approval_cards c ON c.request_id = r.id AND c.platform = ? WHERE r.id = ?"
+    "SELECT r.tool, r.args_hash, r.approve_needed, r.deny_needed, c.chat, c.message_id, c.whole"
+    " FROM approval_requests r LEFT JOIN approval_cards c ON c.request_id = r.id AND c.platform = ? WHERE r.id = ?"
 )
+# A review's first statement: the request's row locked while it is pending and before its deadline, so that on
+# PostgreSQL reviews of one request follow one another (each count below then sees every review committed
+# before it) and a decision made meanwhile is seen. Changes nothing (the final-outcome triggers watch only a
+# row that is no longer pending).
+_REVIEW_LOCK = "UPDATE approval_requests SET status = status WHERE id = ? AND status = 'pending' AND deadline > ?"
+_REVIEW = (
+    "INSERT INTO approval_reviews (request_id, reviewer, actor, platform, decision, reason, at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+)
+_REVIEW_COLUMNS = "request_id, reviewer, actor, platform, decision, reason, at"
 _RETURNING = f" RETURNING {_COLUMNS}"
 # The checkpoint that signs a request's decision: the first one at or after the event the compare-and-set wrote.
 _DECISION_SEQ = (
@@ -75,6 +86,17 @@ _CARD_COLUMNS = "request_id, platform, chat, message_id, posted_at, settled_at, 
 
 
 @dataclass(frozen=True)
+class Rules:
+    """The policy a request opens under, as its row keeps it (approvals.policies)."""
+
+    policy: str | None = None  # None: the default
+    approve_needed: int = 1
+    deny_needed: int = 1
+    step_up: bool = False
+    started_by: str | None = None  # who started the work: a person's name or an identity
+
+
+@dataclass(frozen=True)
 class NewRequest:
     """What opening a request writes, before it is written (its id is made first: a door may keep it)."""
 
@@ -86,6 +108,7 @@ class NewRequest:
     conversation: str
     deadline: float  # epoch seconds
     task_id: str | None = None
+    rules: Rules = Rules()
 
 
 # Run first in the transaction that opens a request (given its id): None lets it open; another request's id
@@ -132,6 +155,11 @@ def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
         mac,
         key_id,
         person,
+        policy,
+        approve_needed,
+        deny_needed,
+        step_up,
+        started_by,
     ) = tuple(row)
     return ApprovalRequest(
         id=rid,
@@ -156,7 +184,17 @@ def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
         decision_mac=mac,
         decision_key_id=key_id,
         decided_person=person,
+        policy=policy,
+        approve_needed=int(approve_needed),
+        deny_needed=int(deny_needed),
+        step_up=bool(step_up),
+        started_by=started_by,
     )
+
+
+def _review(row: Iterable[Any]) -> Review:
+    request_id, reviewer, actor, platform, decision, reason, at = tuple(row)
+    return Review(request_id, reviewer, actor, platform, Decision(decision), reason, datetime.fromtimestamp(at, UTC))
 
 
 @dataclass(frozen=True)
@@ -234,6 +272,13 @@ def _standing(row: Iterable[Any]) -> Standing:
     return Standing(rid, tool, digest, conversation, deadline_at, Status(status), by, via, ts(at), why, person)
 
 
+class ReviewState:
+    """What a press under a policy of several people did, short of deciding (:attr:`Pressed.review`)."""
+
+    COUNTED = "counted"  # its review is on the record; the request waits for more
+    REPEATED = "repeated"  # its person reviewed the request already (perhaps on another platform)
+
+
 @dataclass(frozen=True)
 class Pressed:
     """What a press did: a card problem (nothing written), or the compare-and-set's result."""
@@ -241,6 +286,7 @@ class Pressed:
     problem: str | None
     won: bool
     request: Standing | None
+    review: str | None = None  # a ReviewState when the press was a review that did not decide
 
 
 class ApprovalStore:
@@ -360,6 +406,11 @@ class ApprovalStore:
             None,
             None,
             None,
+            new.rules.policy,
+            new.rules.approve_needed,
+            new.rules.deny_needed,
+            int(new.rules.step_up),
+            new.rules.started_by,
         )
 
         def op(tx: Tx) -> tuple[ApprovalRequest, bool]:
@@ -467,37 +518,85 @@ class ApprovalStore:
                 rows = tx.all(_PRESS_CARDS, (card.platform, request_id))
                 if not rows:
                     return Pressed(None, False, None)
-                problem = _card_problem([tuple(r[2:]) for r in rows if r[2] is not None], card)
+                problem = _card_problem([tuple(r[4:]) for r in rows if r[4] is not None], card)
                 if problem is not None:
                     return Pressed(problem, False, None)
                 head = rows[0]
             else:
-                head = tx.one(_SEALED_FIELDS, (request_id,))
+                head = tx.one(_PRESS_HEAD, (request_id,))
                 if head is None:
                     return Pressed(None, False, None)
             now = self.clock()
+            decision = Decision.APPROVE if status is Status.APPROVED else Decision.DENY
+            reviewer = person or actor  # one person counts once, whatever the platform
+            needed = int(head[2]) if decision is Decision.APPROVE else int(head[3])
+            reviewed = (int(head[2]), int(head[3])) != (1, 1)
+            if reviewed:
+                if tx.run(_REVIEW_LOCK, (request_id, now)) == 0:
+                    return self._lost(tx, request_id, actor, platform, now, person)
+                if tx.run(_REVIEW, (request_id, reviewer, actor, platform, decision.value, reason, now)) == 0:
+                    standing = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
+                    request = _standing(standing)
+                    self.chain.append(tx, request_id, "review_repeated", actor=actor, platform=platform, at=now,
+                                      args_hash=request.args_hash, detail=f"{reviewer} reviewed it already",
+                                      person=person)  # fmt: skip
+                    return Pressed(None, False, request, ReviewState.REPEATED)
+                counted = tx.one(
+                    "SELECT COUNT(*) FROM approval_reviews WHERE request_id = ? AND decision = ?",
+                    (request_id, decision.value),
+                )
+                if int(counted[0]) < needed:
+                    standing = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
+                    request = _standing(standing)
+                    detail = f"{decision.value} {int(counted[0])} of {needed}" + (f": {reason}" if reason else "")
+                    self.chain.append(tx, request_id, "reviewed", actor=actor, platform=platform, at=now,
+                                      args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
+                    tx.notify(DECIDED_CHANNEL, request_id)
+                    return Pressed(None, False, request, ReviewState.COUNTED)
             sealed = self._seal(request_id, str(head[0]), str(head[1]), status, actor, platform, now, person)
             params = (status.value, actor, platform, now, reason, *sealed, person, request_id, now)
             row = tx.one(f"{_CAS_BEFORE_DEADLINE} RETURNING {_STANDING}", params)
-            won = row is not None
-            if not won:
-                row = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
             if row is None:
-                return Pressed(None, False, None)
+                return self._lost(tx, request_id, actor, platform, now, person)
             request = _standing(row)
-            if won:
-                detail = decided_detail(status, reason)
-                self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
-                                  args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
-                tx.notify(DECIDED_CHANNEL, request_id)
-            else:
-                standing = request.status.value if request.status.final else "pending past its deadline"
-                self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now,
-                                  args_hash=request.args_hash, detail=f"standing: {standing}",
-                                  person=person)  # fmt: skip
-            return Pressed(None, won, request)
+            if not reviewed:  # one press decides: its review is written with the outcome
+                tx.run(_REVIEW, (request_id, reviewer, actor, platform, decision.value, reason, now))
+            detail = decided_detail(status, reason)
+            self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
+                              args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
+            tx.notify(DECIDED_CHANNEL, request_id)
+            return Pressed(None, True, request)
 
         return op
+
+    def _lost(self, tx: Tx, request_id: str, actor: str, platform: str, now: float, person: str | None) -> Pressed:
+        """A press that found the request decided (or past its deadline): audited ``press_lost``."""
+        row = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
+        if row is None:
+            return Pressed(None, False, None)
+        request = _standing(row)
+        standing = request.status.value if request.status.final else "pending past its deadline"
+        self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now,
+                          args_hash=request.args_hash, detail=f"standing: {standing}", person=person)  # fmt: skip
+        return Pressed(None, False, request)
+
+    async def reviews(self, request_id: str) -> list[Review]:
+        """Every review of ``request_id``, in the order they were made."""
+        rows = await self.tables.all(
+            f"SELECT {_REVIEW_COLUMNS} FROM approval_reviews WHERE request_id = ? ORDER BY at, reviewer",  # noqa: S608
+            (request_id,),
+        )
+        return [_review(r) for r in rows]
+
+    async def rules_of(self, request_id: str) -> Rules | None:
+        """The policy ``request_id`` opened under (None: unknown id), without reading its call."""
+        row = await self.tables.one(
+            "SELECT policy, approve_needed, deny_needed, step_up, started_by FROM approval_requests WHERE id = ?",
+            (request_id,),
+        )
+        if row is None:
+            return None
+        return Rules(row[0], int(row[1]), int(row[2]), bool(row[3]), row[4])
 
     def _seal(
         self,

@@ -57,6 +57,7 @@ from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import SwarmTaskStore
 from kazma.engine.swarm.workers import AgentWorker
 from kazma.engine.tools.builtin import default_registry
+from kazma.engine.tools.executions import ExecutionRecord
 from kazma.engine.tools.mcp_launch import places_for
 from kazma.engine.tools.mcp_tools import MCPSources
 from kazma.engine.tools.registry import ToolRegistry
@@ -108,7 +109,12 @@ class App(Lifecycle):
         if is_question_button(press.data):
             return await self.conversations.answer_press(press, is_admin=press.is_admin)
         return await self.service.decide_from_button(
-            press.data, actor=press.actor, platform=press.platform, chat=press.chat, message_id=press.message_id
+            press.data,
+            actor=press.actor,
+            platform=press.platform,
+            chat=press.chat,
+            message_id=press.message_id,
+            reason=press.reason,
         )
 
     async def on_inbound(self, message: Inbound) -> None:
@@ -247,6 +253,8 @@ async def build_app(
         swarm_work = lead_swarm_tools if agent == config.agents.lead.name else []
         return [*conversations.plan_tools(agent), *swarm_work]
 
+    # Every tool execution's row, before it starts and when it ends: what each ending says ran or may have run.
+    executions = ExecutionRecord(stores.primary)
     runner = AgentRunner(
         model,
         tools,
@@ -254,6 +262,7 @@ async def build_app(
         HistoryStore(stores.history),
         workspace_root=workspace_root or config.tools.workspaces(config.store.path),
         own_tools=own_tools,
+        executions=executions,
     )
     mcp = None
     if config.mcp_servers:
@@ -261,7 +270,15 @@ async def build_app(
         mcp = MCPSources(config.mcp_servers, tools, config.danger_level, places=places)
     agents = agents_from_config(config)
     swarm = _swarm(
-        config, stores.swarm, runner=runner, agents=agents, approvals=service, bus=bus, sink=sink, model=model
+        config,
+        stores.swarm,
+        runner=runner,
+        agents=agents,
+        approvals=service,
+        bus=bus,
+        sink=sink,
+        model=model,
+        executions=executions,
     )
     lead_swarm_tools = swarm_tools(swarm, policy)
     conversations = Conversations(
@@ -311,6 +328,7 @@ async def build_app(
         inbound_claims=inbound_claims,
         signed_requests=inbound_claims or InboundClaims(stores.primary, replica=replica),
         api_keys=api_keys,
+        executions=executions,
         checkpointer=checkpointer,
         audit_sink=None if config.audit.sink is None else AuditSink.of(store, stores.primary, config.audit.sink),
         console=KazmaServices(
@@ -356,6 +374,7 @@ def _swarm(
     bus: FanOutBus | NullBus,
     sink: RecordingSink,
     model: ModelProvider,
+    executions: ExecutionRecord,
 ) -> SwarmService:
     """The swarm: its workers run on the agents' runner, its results go where they were asked for and its
     reports to every platform."""
@@ -382,6 +401,7 @@ def _swarm(
         refiner=synthesis.refiner(model),
         deliver=deliver,
         state=SwarmStateStore(conn),
+        executions=executions,
         router=None
         if config.model.embeddings is None
         else EmbeddingRouter(

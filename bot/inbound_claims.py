@@ -20,8 +20,10 @@ from typing import Final
 import aiosqlite
 import structlog
 
+from kazma.config import failpoints
 from kazma.config.store.backend import StoreBackend, Tx, backend_of
 from kazma.config.store.database import Migration
+from kazma.config.store.errors import simulated_failure
 from kazma.config.store.pg_schema import PgMigration
 
 log = structlog.get_logger("kazma.inbound")
@@ -129,6 +131,8 @@ class InboundClaims:
         writer = await self.tables.writer()
         inserted = await writer.submit(lambda tx: tx.run(_CLAIM, row))
         if inserted == 1:
+            if failpoints.armed:  # claimed and committed, not handled yet
+                await failpoints.reached("inbound.claim", lambda: simulated_failure(self.tables, "claim"))
             return self._let_through(platform, key)
         held = await self.tables.one(
             "SELECT replica FROM inbound_claims WHERE platform = ? AND event_key = ? AND done_at IS NULL",

@@ -37,6 +37,7 @@ from kazma.config.supervisor import Supervisor
 from kazma.engine.conversation import Conversations
 from kazma.engine.executor import Action, PlanExecutor
 from kazma.engine.swarm.service import SwarmService
+from kazma.engine.tools.executions import ExecutionRecord
 from kazma.engine.tools.mcp_tools import MCPSources
 from kazma.engine.types import ModelProvider
 
@@ -73,6 +74,8 @@ class Lifecycle(ABC):
     signed_requests: InboundClaims | None = None
     # The approvals API's idempotency keys, swept with the other retention (None: not swept here).
     api_keys: IdempotencyKeys | None = None
+    # Every tool execution's row (None: not recorded here); rows a dead process left running end "lost" at start.
+    executions: ExecutionRecord | None = None
     # Signs the audit chain's head within milliseconds of each decision (every replica runs one).
     checkpointer: Checkpointer | None = None
     # audit.sink: streams the audit chain out as it commits (the leader's duty among replicas).
@@ -98,6 +101,7 @@ class Lifecycle(ABC):
         # Recover before any platform can start new work: a task or step started by
         # this process must never be mistaken for one a dead process left running.
         await self._start_audit()
+        await self._executions_lost(None)  # first: the endings below say what may have run
         interrupted, tell_lead = await self.executor.mark_interrupted()
         if interrupted:
             log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
@@ -128,6 +132,8 @@ class Lifecycle(ABC):
         self.service.store.replica = self.replica
         self.executor.store.replica = self.replica
         self.swarm.store.replica = self.replica
+        if self.executions is not None:
+            self.executions.replica = self.replica
         await replication.start()  # its lease session is up: no leader takes what it starts for a dead one's
         await self._start_audit()
         # What this replica's previous life (same name) left: the others may never have seen it gone.
@@ -178,6 +184,7 @@ class Lifecycle(ABC):
         release their post and edit claims); what to tell people and the lead is returned, not said."""
         replication = self.replication
         assert replication is not None
+        await self._executions_lost(live)
         interrupted, tell_lead = await self.executor.mark_interrupted(live)
         if interrupted:
             log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
@@ -187,6 +194,17 @@ class Lifecycle(ABC):
         else:
             recovery = await self.service.recover(live)
         return recovery, tell_lead
+
+    async def _executions_lost(self, live: Collection[str] | None) -> None:
+        """Executions a process that is gone left running end "lost": they may have run, and every ending that
+        names them says so."""
+        if self.executions is None:
+            return
+        try:
+            await self.executions.mark_lost(live)
+        except Exception as exc:  # they still read "started, not finished"; the next start marks them
+            count_failure("execution_record")
+            log.warning("app.executions_unmarked", error=str(exc))
 
     async def _say(self, recovery: Recovery, tell_lead: list[Action]) -> None:
         """Recovery's notices, in the background: a paced platform must not hold up the sweeps or the ingress."""
@@ -232,6 +250,7 @@ class Lifecycle(ABC):
                 for outcome in await self.service.expire_overdue():
                     log.info("approvals.swept", request_id=outcome.request_id, status=outcome.status.value)
                 await self.service.withdraw_silent()  # polling askers gone quiet (a script killed mid-wait)
+                await self.swarm.sweep_checkpoints()  # a checkpoint card whose task is not paused at it
                 if self.replication is not None:
                     await self._judge_replicas(self.replication)
             except Exception as exc:

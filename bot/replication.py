@@ -25,6 +25,7 @@ from kazma.adapters.outbox import CARDS_CHANNEL, Outbox
 from kazma.approvals import ApprovalService
 from kazma.approvals.service import Recovery
 from kazma.approvals.store import DECIDED_CHANNEL
+from kazma.config import failpoints
 from kazma.config.errors import ConfigError, Problem
 from kazma.config.metrics import count_failure
 from kazma.config.store.leader import LeaderLease, LeaseTiming, default_replica
@@ -220,6 +221,8 @@ class Replication:
     async def _acquired(self) -> None:
         log.warning("replica.leading", replica=self.replica)
         try:
+            if failpoints.armed:  # the lease is this replica's, none of the leader's duties started yet
+                await failpoints.reached("leader.takeover", lambda: ConnectionError("the lease's duties failed"))
             await self._lead()
         except Exception as exc:
             count_failure("leader_duties")

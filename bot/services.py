@@ -98,7 +98,7 @@ class KazmaServices:
 
     async def dashboard_reads(self) -> DashboardReads:
         store = self._swarm.store
-        tasks = await store.list(limit=DASHBOARD_TASKS)
+        tasks = self._swarm.as_ended(await store.list(limit=DASHBOARD_TASKS))  # an ending kept unstored, as it ended
         calls = await store.calls_of([t.id for t in tasks])
         counts = {status.value: count for status, count in (await self.task_counts()).items()}
         approvals = await self.approvals.store.requests(limit=DASHBOARD_APPROVALS)

@@ -42,6 +42,8 @@ from kazma.engine.swarm.state_store import MIGRATIONS as SWARM_STATE
 from kazma.engine.swarm.state_store import PG_MIGRATIONS as SWARM_STATE_PG
 from kazma.engine.swarm.store import MIGRATIONS as SWARM
 from kazma.engine.swarm.store import PG_MIGRATIONS as SWARM_PG
+from kazma.engine.tools.executions import MIGRATIONS as EXECUTIONS
+from kazma.engine.tools.executions import PG_MIGRATIONS as EXECUTIONS_PG
 from kazma.engine.transcript import MIGRATIONS as TRANSCRIPT
 from kazma.engine.transcript import PG_MIGRATIONS as TRANSCRIPT_PG
 
@@ -66,6 +68,7 @@ def all_migrations() -> list[Migration]:
         *TRANSCRIPT,
         *SESSIONS,
         *INBOUND_CLAIMS,
+        *EXECUTIONS,
         *AUDIT_SINK,
         *PEOPLE,
     ]
@@ -86,6 +89,7 @@ def pg_migrations() -> list[Migration]:
         *TRANSCRIPT_PG,
         *SESSIONS_PG,
         *INBOUND_CLAIMS_PG,
+        *EXECUTIONS_PG,
         *AUDIT_SINK_PG,
         *PEOPLE_PG,
     ]

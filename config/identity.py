@@ -9,6 +9,7 @@ it steer the swarm here, whose is it — in one place.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -92,6 +93,19 @@ class Roster:
 
     def is_approver(self, actor: str, platform: str) -> bool:
         return platform_of(actor) == platform and actor in self.approvers_for(platform)
+
+    def deciders(self, approvers: Sequence[str] = ()) -> frozenset[str]:
+        """Every identity that may decide under a policy naming ``approvers`` (people, groups, identities);
+        none named: every approver on every platform (today's rule)."""
+        if not approvers:
+            return frozenset(i for found in self._approvers.values() for i in found)
+        return frozenset(i for reference in approvers for i in self.people.identities(reference))
+
+    def may_decide(self, actor: str, platform: str, approvers: Sequence[str] = ()) -> bool:
+        """``actor`` may decide under a policy naming ``approvers`` (none: :meth:`is_approver`), on its platform."""
+        if not approvers:
+            return self.is_approver(actor, platform)
+        return platform_of(actor) == platform and actor in self.deciders(approvers)
 
     def is_admin(self, actor: str, platform: str) -> bool:
         return platform_of(actor) == platform and actor in self.admins_for(platform)

@@ -27,6 +27,11 @@ APPROVALS_DECIDED = Counter(
     "(empty: nobody's identity, or no person decided: a timeout, a cancellation).",
     ["outcome", "platform", "person"],
 )
+APPROVALS_REVIEWED = Counter(
+    "kazma_approvals_reviewed",
+    "Reviews counted under a policy of several people that did not decide their request, by decision and platform.",
+    ["decision", "platform"],
+)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PRESS_TO_DECISION = Histogram(
     "kazma_press_to_decision_seconds",

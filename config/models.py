@@ -30,7 +30,7 @@ from kazma.config.audit_config import AuditConfig
 from kazma.config.identity import Roster
 from kazma.config.keyring import KEY_VARIABLES, keys_folder
 from kazma.config.limits import DEFAULT_FILE_BYTES, DEFAULT_FILE_COUNT, MAX_TOOL_OUTPUT_CHARS, MAX_WORKERS, MIB
-from kazma.config.people import PERSON_NAME, PeopleConfig, parse_people
+from kazma.config.people import PERSON_NAME, PeopleConfig, parse_people, person_key
 from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, user_id_problem
 from kazma.config.registry.slack import app_token_problem as slack_app_token_problem
 from kazma.config.registry.slack import bot_token_problem as slack_bot_token_problem
@@ -363,6 +363,9 @@ class ApiTokenConfig(Strict):
     roles: list[ApiRole] = Field(default_factory=lambda: list[ApiRole](["approval_requester"]))
     # Requests of this token pending at once; one more is refused (429) until a person decides one or one ends.
     max_pending: int = Field(default=10, ge=1, le=10_000)
+    # The person (or identity) whose token this is: under a policy with forbid_requester they cannot approve
+    # what the token asks. None: the token is nobody's, and forbid_requester forbids nobody for it.
+    owner: Approver | None = None
 
     @field_validator("token")
     @classmethod
@@ -519,6 +522,27 @@ class RememberConfig(Strict):
     max_seconds: int = Field(default=3600, ge=60, le=24 * 3600)
 
 
+DEFAULT_POLICY = "default"
+
+
+class PolicyConfig(Strict):
+    """``approvals.policies.<name>``: how many people decide a call, who they may be, and how they prove it."""
+
+    approve: int = Field(default=1, ge=1, le=20)  # distinct people who must approve
+    deny: int = Field(default=1, ge=1, le=20)  # distinct people whose denial ends it (reached first: denied)
+    # Who may decide under this policy (people, groups, identities); empty: approvals.approvers and the admins.
+    approvers: list[Approver] = Field(default_factory=list)
+    # The person whose message started the work (or an API token's owner) cannot approve it.
+    forbid_requester: bool = False
+    # Approve only on the approval page, after a fresh passkey assertion with user verification.
+    step_up: bool = False
+
+    @property
+    def single(self) -> bool:
+        """One press decides (today's behaviour): remembered approvals may apply."""
+        return self.approve == 1 and not self.step_up
+
+
 class ApprovalsConfig(Strict):
     deadline_seconds: int = Field(default=600, gt=0, le=7 * 24 * 3600)
     approvers: list[Approver] = Field(default_factory=list)
@@ -530,6 +554,21 @@ class ApprovalsConfig(Strict):
     # Who is at the command line: "system": cli:<the system user running it> (--as may only confirm it);
     # "declared": --as LOGIN as typed (a shared system account, where the user proves nothing).
     cli_identity: Literal["system", "declared"] = "system"
+    # Named policies, picked by tools.<name>: {policy: …} and API requests' "policy"; "default" (when given)
+    # applies to every dangerous call that names none, else one press by an approver decides (today's rule).
+    policies: dict[str, PolicyConfig] = Field(default_factory=dict)
+
+    @field_validator("policies")
+    @classmethod
+    def _policy_names(cls, value: dict[str, PolicyConfig]) -> dict[str, PolicyConfig]:
+        for name in value:
+            if not _WORKER_NAME.match(name):
+                raise PydanticCustomError(
+                    "kazma_name",
+                    "expected a lowercase name of letters, digits, '-' or '_' (at most 32), got {got}",
+                    {"got": repr(name), "subpath": name},
+                )
+        return value
 
 
 # Who may talk to the lead in a direct message: nobody ("off"), the platform's approvers ("approvers": the
@@ -858,6 +897,8 @@ class ToolsConfig(Strict):
     shell_network: Annotated[bool, BeforeValidator(_on_off)] = False
     workspace_root: Path | None = None
     allow_unapproved: list[str] = Field(default_factory=list)
+    # tool name (or an MCP server's "server/*") -> the approvals policy its calls are decided under
+    policies: dict[str, str] = Field(default_factory=dict)
 
     def workspaces(self, store_path: Path) -> Path:
         """Where conversations' workspaces live: ``workspace_root``, or a sibling of the store's folder."""
@@ -890,6 +931,43 @@ def _admins(people: PeopleConfig, platform: str, admins: list[Any]) -> list[Any]
             )
         resolved += [identity.partition(":")[2] for identity in ids]
     return resolved
+
+
+def _tool_entry(key: str, item: dict[str, Any]) -> tuple[DangerLevel | None, str]:
+    """``tools.<name>: {level: dangerous, policy: two-people}``: the level (None: not given, for a pattern) and
+    the policy. A policy decides approvals, so only a dangerous tool takes one."""
+    unknown = sorted(set(item) - {"level", "policy"})
+    if unknown:
+        raise PydanticCustomError(
+            "kazma_tool", "unknown key {key} (a tool takes level and policy)", {"subpath": f"{key}.{unknown[0]}",
+                                                                                "key": repr(unknown[0])},
+        )  # fmt: skip
+    policy = item.get("policy")
+    if not isinstance(policy, str) or not policy:
+        raise PydanticCustomError(
+            "kazma_tool", "expected the name of a policy under approvals.policies, got {got}",
+            {"subpath": f"{key}.policy", "got": repr(policy)},
+        )  # fmt: skip
+    pattern = key.endswith("/*")
+    if "*" in key and not pattern:
+        raise PydanticCustomError(
+            "kazma_tool", "a pattern is an MCP server's tools, written server/*, got {got}",
+            {"subpath": key, "got": repr(key)},
+        )  # fmt: skip
+    written = item.get("level", None if pattern else DangerLevel.DANGEROUS.value)
+    if written is None:
+        return None, policy
+    if written != DangerLevel.DANGEROUS.value:
+        raise PydanticCustomError(
+            "kazma_tool", "a policy decides approvals, and only a dangerous tool asks for one; got level {got}",
+            {"subpath": f"{key}.level", "got": repr(written)},
+        )  # fmt: skip
+    if pattern:
+        raise PydanticCustomError(
+            "kazma_tool", "an MCP server's tools are dangerous unless classified one by one: give only policy",
+            {"subpath": f"{key}.level"},
+        )  # fmt: skip
+    return DangerLevel.DANGEROUS, policy
 
 
 def _default_pipelines() -> dict[str, list[str]]:
@@ -957,10 +1035,17 @@ class KazmaConfig(Strict):
             return value
         names = [level.value for level in DangerLevel]
         levels = dict(BUILTIN_TOOLS)
-        settings = {}
+        settings: dict[str, Any] = {}
+        policies: dict[str, str] = {}
         for key, item in value.items():
             if key in _TOOL_SETTINGS:
                 settings[key] = item
+                continue
+            if isinstance(item, dict):
+                level, policy = _tool_entry(str(key), item)
+                policies[str(key)] = policy
+                if level is not None:
+                    levels[str(key)] = level
                 continue
             if item not in names:
                 raise PydanticCustomError(
@@ -969,21 +1054,48 @@ class KazmaConfig(Strict):
                     {"subpath": str(key), "levels": ", ".join(names), "got": repr(item)},
                 )
             levels[str(key)] = DangerLevel(item)
-        return {**settings, "levels": levels}
+        return {**settings, "levels": levels, "policies": policies}
 
     @model_validator(mode="after")
     def _approvers_name_people(self) -> KazmaConfig:
-        for position, reference in enumerate(self.approvals.approvers):
+        named = (
+            [(f"approvals.approvers[{i}]", r) for i, r in enumerate(self.approvals.approvers)]
+            + [
+                (f"approvals.policies.{name}.approvers[{i}]", r)
+                for name, policy in self.approvals.policies.items()
+                for i, r in enumerate(policy.approvers)
+            ]
+            + [(f"api.tokens.{name}.owner", t.owner) for name, t in self.api.tokens.items() if t.owner is not None]
+        )
+        for where, reference in named:
             if ":" not in reference and not self.people.knows(reference):
                 raise PydanticCustomError(
                     "kazma_people",
                     "unknown person or group {name} (people: {known})",
                     {
-                        "subpath": f"approvals.approvers[{position}]",
+                        "subpath": where,
                         "name": repr(reference),
                         "known": ", ".join([*self.people.persons, *self.people.groups]) or "none configured",
                     },
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _policies_can_be_met(self) -> KazmaConfig:
+        for name, policy in self.approvals.policies.items():
+            where = f"approvals.policies.{name}"
+            for problem, key in policy_problems(self, name, policy):
+                raise PydanticCustomError(
+                    "kazma_policy", "{problem}", {"subpath": f"{where}.{key}", "problem": problem}
+                )
+        for tool, name in self.tools.policies.items():
+            if name not in self.approvals.policies:
+                raise PydanticCustomError(
+                    "kazma_policy",
+                    "unknown policy {name} (approvals.policies: {known})",
+                    {"subpath": f"tools.{tool}.policy", "name": repr(name),
+                     "known": ", ".join(self.approvals.policies) or "none configured"},
+                )  # fmt: skip
         return self
 
     @model_validator(mode="after")
@@ -1167,6 +1279,46 @@ class KazmaConfig(Strict):
         """Approvers and operators per platform (see :class:`kazma.config.identity.Roster`)."""
         return Roster(self)
 
+    def policy_name_for(self, tool: str) -> str:
+        """The policy ``tool``'s calls are decided under: its own, its MCP server's (``server/*``), or default."""
+        named = self.tools.policies.get(tool)
+        server, slash, _ = tool.partition("/")
+        if named is None and slash:
+            named = self.tools.policies.get(f"{server}/*")
+        return named or DEFAULT_POLICY
+
+    def policy(self, name: str) -> PolicyConfig | None:
+        """The policy called ``name``; "default" is today's rule unless approvals.policies.default says more."""
+        found = self.approvals.policies.get(name)
+        if found is None and name == DEFAULT_POLICY:
+            return PolicyConfig()
+        return found
+
     def danger_level(self, tool: str) -> DangerLevel:
         """The configured level; anything unclassified is dangerous (the floor)."""
         return self.tools.levels.get(tool, DangerLevel.DANGEROUS)
+
+
+def policy_problems(config: KazmaConfig, name: str, policy: PolicyConfig) -> list[tuple[str, str]]:
+    """Why ``policy`` can never be met with the people configured, as (problem, key under the policy)."""
+    roster = Roster(config)
+    deciders = roster.deciders(policy.approvers)
+    people = sorted({person_key(config.people, identity) for identity in deciders})
+    said = ", ".join(people) or "nobody"
+    found: list[tuple[str, str]] = []
+    if policy.approve > len(people):
+        found.append((f"policy {name} needs {policy.approve} approvals, but only {len(people)} people may "
+                      f"approve under it ({said})", "approve"))  # fmt: skip
+    if policy.deny > len(people):
+        found.append((f"policy {name} needs {policy.deny} denials, but only {len(people)} people may decide "
+                      f"under it ({said})", "deny"))  # fmt: skip
+    if policy.step_up:
+        web = sorted({person_key(config.people, i) for i in deciders if i.startswith("web:")})
+        if policy.approve > len(web):
+            found.append((
+                f"policy {name} approves only on the approval page with a passkey (step_up), which needs a web "
+                f"account: {len(web)} of the people who may approve have one ({', '.join(web) or 'nobody'}), "
+                f"{policy.approve} are needed",
+                "step_up",
+            ))  # fmt: skip
+    return found

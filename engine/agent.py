@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -10,13 +11,29 @@ from typing import Any
 
 import structlog
 
-from kazma.approvals.policy import SafetyPolicy
+from kazma.approvals.hashing import args_hash
+from kazma.approvals.model import Status
+from kazma.approvals.policy import PolicyVerdict, SafetyPolicy
+from kazma.config import failpoints
 from kazma.config.limits import MAX_TOOL_OUTPUT_CHARS
 from kazma.config.metrics import count_failure
-from kazma.config.models import KazmaConfig
+from kazma.config.models import DangerLevel, KazmaConfig
+from kazma.config.store.errors import simulated_failure
 from kazma.engine import messages
 from kazma.engine.fence import fence_untrusted
 from kazma.engine.history import HistoryStore
+from kazma.engine.tools.executions import (
+    Effects,
+    Ended,
+    Execution,
+    ExecutionRecord,
+    ExecutionSummary,
+    Ran,
+    current_scope,
+    note,
+    step_scope,
+    tracking,
+)
 from kazma.engine.tools.registry import ToolRegistry, ToolResult
 from kazma.engine.tools.workspace import ToolContext
 from kazma.engine.types import Message, ModelError, ModelProvider, ToolCall, ToolSpec, ToolUse, Usage
@@ -24,6 +41,14 @@ from kazma.engine.types import Message, ModelError, ModelProvider, ToolCall, Too
 log = structlog.get_logger("kazma.agent")
 
 MAX_TOOL_OUTPUT_TO_MODEL = MAX_TOOL_OUTPUT_CHARS
+# An execution's ending that could not be written is written again after these pauses (seconds).
+FINISH_RETRIES = (0.05, 0.25, 1.0)
+DANGEROUS = DangerLevel.DANGEROUS
+# Said on the card of a call that started here before and never finished.
+MAY_HAVE_RUN_NOTE = (
+    "This exact call started here before and never finished (Kazma stopped, or it was cut off): it may have "
+    "run already. Check before approving it again."
+)
 MAX_ARGUMENT_DEPTH = 32  # no real tool needs more; deeper values are a way to break renderers and hashers
 _SAFE_SEGMENT = re.compile(r"[^A-Za-z0-9_-]+")
 
@@ -56,6 +81,15 @@ InternalHandler = Callable[[Mapping[str, Any], "TurnContext"], Awaitable[ToolRes
 class InternalTool:
     spec: ToolSpec
     handler: InternalHandler
+
+
+def denial_reason(verdict: PolicyVerdict) -> str:
+    """A person's reason for denying the call, for the model: their words, fenced (never instructions); ''
+    when they gave none."""
+    outcome = verdict.outcome
+    if outcome is None or outcome.status is not Status.DENIED or not outcome.reason:
+        return ""
+    return "\n" + fence_untrusted(outcome.reason, source=f"the reason {outcome.decider} gave for denying this call")
 
 
 @dataclass(frozen=True)
@@ -100,6 +134,7 @@ class TurnResult:
     error: str | None = None
     transient: bool = False
     model: str = ""  # the model that answered last, as its server named it
+    execution: ExecutionSummary = field(default_factory=ExecutionSummary)  # what the turn's tools did
 
     @property
     def tools(self) -> tuple[ToolUse, ...]:
@@ -160,6 +195,7 @@ class AgentRunner:
         *,
         workspace_root: Path,
         max_steps: int = 8,
+        executions: ExecutionRecord | None = None,
         own_tools: Callable[[str], Sequence[InternalTool]] | None = None,
     ) -> None:
         self.provider = provider
@@ -168,6 +204,8 @@ class AgentRunner:
         self.history = history
         self.workspace_root = workspace_root
         self.max_steps = max_steps
+        # Every tool execution's row before it starts and when it ends (None: not recorded, as in some tests).
+        self.executions = executions
         # An agent's internal tools, by its name, asked for at each turn: they start plans and swarm work,
         # which run agents through this runner, so they are made after it.
         self.own_tools = own_tools
@@ -220,30 +258,103 @@ class AgentRunner:
             messages.user(text),
         ]
         result = TurnResult(text="")
+        scope = "" if step is None else step_scope(step.plan_id, step.index, step.attempt)
+        with tracking(Effects(scope=scope)) as effects:
+            await self._turn(agent, conversation, text, ctx, sent, result, extra_tools)
+        result.execution = effects.summary()
+        return result
+
+    async def _turn(
+        self,
+        agent: AgentSpec,
+        conversation: str,
+        text: str,
+        ctx: TurnContext,
+        sent: list[Message],
+        result: TurnResult,
+        extra_tools: Sequence[InternalTool],
+    ) -> None:
         specs = self._specs(agent, extra_tools)
         internal = self._internal(agent, extra_tools)
         for _ in range(self.max_steps):
             try:
+                if failpoints.armed and result.tool_runs:  # a tool's result recorded, on its way back to the model
+                    await failpoints.reached(
+                        "tools.recorded", lambda: ModelError("the connection was reset (failpoint)", permanent=False)
+                    )
                 reply = await self.provider.complete(sent, specs, model=agent.model)
             except ModelError as exc:
                 count_failure("model")
                 log.warning("agent.model_error", agent=agent.name, error=str(exc), permanent=exc.permanent)
                 result.error = f"the model could not answer: {exc}"
                 result.transient = not exc.permanent and not result.changed_state
-                return result
+                return
             result.usage = result.usage + reply.usage
             result.model = reply.model or agent.model or result.model
             if not reply.tool_calls:
                 result.text = (reply.content or "").strip()
                 await self._remember(conversation, agent.name, text, result)
-                return result
+                return
             sent.append(messages.assistant_calls(reply.content, reply.tool_calls))
             for call in reply.tool_calls:
                 content = await self._call(call, ctx, result, internal)
                 sent.append(messages.tool_reply(call.id, content))
         result.error = f"stopped after {self.max_steps} model calls without a final answer"
         log.warning("agent.turn_limit", agent=agent.name, conversation=conversation)
-        return result
+
+    async def _may_have_run(self, call: ToolCall, ctx: TurnContext) -> Execution | None:
+        if self.executions is None:
+            return None
+        try:
+            digest = args_hash(call.arguments)
+        except ValueError:  # arguments nothing can hash are refused by the policy anyway
+            return None
+        try:
+            return await self.executions.may_have_run(call.name, digest, ctx.conversation)
+        except Exception as exc:  # the card is shown anyway (a remembered approval is the only thing skipped)
+            log.warning("agent.execution_lookup_failed", tool=call.name, error=str(exc))
+            return None
+
+    async def _start_record(
+        self, call: ToolCall, ctx: TurnContext, request_id: str | None, approved: str | None, ran: Ran
+    ) -> str | None:
+        """The execution's row, committed before it starts (None: nothing records executions here)."""
+        if self.executions is None:
+            return None
+        record = self.executions
+        if failpoints.armed:
+            await failpoints.reached("tools.verified", lambda: simulated_failure(record.tables, "execution record"))
+        scope, task_id = current_scope()
+        return await record.started(
+            tool=call.name,
+            args_hash=approved or args_hash(call.arguments),
+            request_id=request_id,
+            conversation=ctx.conversation,
+            agent=ctx.agent.name,
+            changes_state=ran.changes_state,
+            scope=scope,
+            task_id=task_id or ctx.task_id,
+        )
+
+    async def _finish_record(self, ran: Ran, error: str) -> None:
+        """The execution's ending on its row: tried a few times; one never written reads "may have run" later."""
+        if self.executions is None or ran.execution_id is None or ran.ended is None:
+            return
+        for attempt, pause in enumerate((*FINISH_RETRIES, None)):
+            try:
+                if failpoints.armed:
+                    await failpoints.reached(
+                        "tools.finished", lambda: simulated_failure(self.executions, "execution record")
+                    )
+                await self.executions.finished(ran.execution_id, ran.ended, exit_code=ran.exit_code, error=error)
+                return
+            except Exception as exc:
+                count_failure("execution_record")
+                log.warning("agent.execution_end_unrecorded", execution=ran.execution_id, tool=ran.tool,
+                            attempt=attempt + 1, error=str(exc))  # fmt: skip
+                if pause is None:
+                    return
+                await asyncio.sleep(pause)
 
     async def _remember(self, conversation: str, agent: str, text: str, result: TurnResult) -> None:
         await self.history.append(conversation, agent, "user", text)
@@ -286,26 +397,59 @@ class AgentRunner:
         if refusal is not None:
             result.tool_runs.append(ToolRun(call.name, call.arguments, False, refusal, refused=True))
             return f"Not run: {refusal}"
+        notes = self.registry.notes(call.name)
+        earlier = await self._may_have_run(call, ctx)
+        if earlier is not None:
+            # The same call started here before and never finished: it may have run. A remembered approval must
+            # not run it again unasked, and the card says why it is back.
+            notes = (*notes, MAY_HAVE_RUN_NOTE)
         verdict = await self.policy.check(
             call.name,
             call.arguments,
             requested_by=f"agent:{ctx.agent.name}",
             conversation=ctx.conversation,
             task_id=ctx.task_id,
-            notes=self.registry.notes(call.name),
+            notes=notes,
+            skip_rules=earlier is not None,
+            started_by=ctx.requested_by if ":" in ctx.requested_by else None,
         )
         if not verdict.allowed:
             result.tool_runs.append(
                 ToolRun(call.name, call.arguments, False, verdict.reason, refused=True, approval_id=verdict.request_id)
             )
-            return f"Not run: {verdict.reason}"
+            return f"Not run: {verdict.reason}" + denial_reason(verdict)
         tool_ctx = ToolContext(
             workspace=workspace_for(self.workspace_root, ctx.conversation),
             conversation=ctx.conversation,
             approved_hash=verdict.args_hash,
             agent=ctx.agent.name,
         )
-        outcome = await self.registry.execute(call.name, call.arguments, tool_ctx)
+        ran = Ran(call.name, self.registry.changes_state(call.name) or self.policy.level(call.name) is DANGEROUS)
+        try:
+            ran.execution_id = await self._start_record(call, ctx, verdict.request_id, verdict.args_hash, ran)
+        except Exception as exc:  # nothing runs that is not on disk first
+            count_failure("execution_record")
+            log.warning("agent.execution_unrecorded", agent=ctx.agent.name, tool=call.name, error=str(exc))
+            why = "its start could not be recorded (the store is unavailable), so it did not run; ask again"
+            result.tool_runs.append(
+                ToolRun(call.name, call.arguments, False, why, refused=True, approval_id=verdict.request_id)
+            )
+            return f"Not run: {why}."
+        note(ran)
+        try:
+            if failpoints.armed:
+                await failpoints.reached("tools.started", lambda: OSError("the tool could not start (failpoint)"))
+            outcome = await self.registry.execute(call.name, call.arguments, tool_ctx)
+        except asyncio.CancelledError:
+            # Stopped mid-run (a deadline, a cancel, a shutdown): it may have run. Said on its row; the stop goes on.
+            ran.ended = Ended.INTERRUPTED
+            await asyncio.shield(self._finish_record(ran, "stopped mid-run"))
+            raise
+        except OSError as exc:
+            outcome = ToolResult(ok=False, output="", error=f"{call.name} could not start: {exc}")
+        ran.ended = Ended.OK if outcome.ok else Ended.FAILED
+        ran.exit_code = outcome.exit_code
+        await self._finish_record(ran, "" if outcome.ok else (outcome.error or "failed"))
         await self.policy.ran(verdict, ok=outcome.ok, output=outcome.output, error=outcome.error)
         summary = outcome.output if outcome.ok else (outcome.error or "failed")
         result.tool_runs.append(

@@ -138,7 +138,13 @@ class Conversations:
         if self.plans is None:
             return
         assignees = {name for name, agent in self.agents.items() if not agent.is_lead}
-        executor = self.executor = PlanExecutor(self.plans, self, lead_name=self.lead.name, assignees=assignees)
+        executor = self.executor = PlanExecutor(
+            self.plans,
+            self,
+            lead_name=self.lead.name,
+            assignees=assignees,
+            executions=getattr(self.runner, "executions", None),  # what each step's tools did, from their rows
+        )
         asking = ask_user_tool(executor)
         for name, agent in self.agents.items():
             self._plan_tools[name] = lead_plan_tools(executor) if agent.is_lead else [asking]
@@ -261,6 +267,7 @@ class Conversations:
             model=result.model,
             tools=result.tools,
             usage=result.usage,
+            execution=result.execution,
         )
         # When the turn asked a person (ask_user), the step waits and this completion is stale: ignored.
         await self.executor.complete(dispatch.plan_id, dispatch.index, outcome, attempt=dispatch.attempt)
@@ -413,6 +420,7 @@ class Conversations:
                 model=result.model,
                 tools=result.tools,
                 usage=result.usage,
+                execution=result.execution,
             ),
             attempt=action.step.attempts,
         )

@@ -22,15 +22,17 @@ import contextlib
 import json
 from collections import defaultdict
 from collections.abc import AsyncIterator, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Protocol
 
 import structlog
 from pydantic import ValidationError
 
+from kazma.config import failpoints
 from kazma.config.identity import platform_of
 from kazma.config.metrics import count_failure
+from kazma.config.store.errors import simulated_failure
 from kazma.engine.fence import fence_untrusted
 from kazma.engine.plan import (
     USER,
@@ -47,6 +49,7 @@ from kazma.engine.plan import (
     validate_plan,
 )
 from kazma.engine.plan_store import PlanStore, Question
+from kazma.engine.tools.executions import ExecutionRecord, ExecutionSummary, step_scope
 from kazma.engine.types import ToolUse, Usage
 
 log = structlog.get_logger("kazma.executor")
@@ -66,9 +69,10 @@ class StepResult:
     model: str = ""  # the model that answered the step's turn
     tools: tuple[ToolUse, ...] = ()  # the tools it called, with the approvals they ran under
     usage: Usage = field(default_factory=Usage)  # its tokens, and the cost its server reported
+    execution: ExecutionSummary | None = None  # what its tools did: ran, did not run, may have run
 
     def record(self) -> StepRecord:
-        return StepRecord(model=self.model, tools=self.tools, usage=self.usage)
+        return StepRecord(model=self.model, tools=self.tools, usage=self.usage, execution=self.execution)
 
 
 class ActionKind(StrEnum):
@@ -130,6 +134,7 @@ class PlanExecutor:
     lead_name: str
     assignees: set[str]
     max_attempts: int = 3
+    executions: ExecutionRecord | None = None  # what each step's tools did: its endings say ran / may have run
     _locks: defaultdict[str, asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
     # Conversations where the lead is speaking (how many turns), and the plans it wrote meanwhile.
     _speaking: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -183,6 +188,8 @@ class PlanExecutor:
             return False
         async with self._locks[plan.conversation]:
             recorded, actions = await self._record(plan_id, index, result, attempt)
+            if recorded and failpoints.armed:  # the step's outcome is committed, the plan not moved on yet
+                await self._at("plan.complete")
             if recorded:
                 actions += await self._next_actions(plan_id)
         await self.perform(actions)
@@ -212,6 +219,8 @@ class PlanExecutor:
             plan = await self.store.load(plan_id)
             if plan is None:
                 continue
+            execution = await self._step_execution(plan_id, index, plan.steps[index].attempts)
+            reason = f"{INTERRUPTED} (tools: {execution.line()})"
             async with self._locks[plan.conversation]:
                 # Compare-and-set: another recoverer (a replica, the leader's sweep) or the step's own result
                 # may have got there first, and the lead is asked about a failure once.
@@ -220,20 +229,36 @@ class PlanExecutor:
                     index,
                     StepStatus.IN_PROGRESS,
                     StepStatus.FAILED,
-                    failure_reason=INTERRUPTED,
+                    failure_reason=reason,
                     finished=False,
+                    record=replace(plan.steps[index].record, execution=execution),
                 ):
                     continue
-                log.warning("plan.step_interrupted", plan_id=plan_id, step=index)
+                log.warning("plan.step_interrupted", plan_id=plan_id, step=index, tools=execution.line())
                 count_failure("step_interrupted")
                 failed.append((plan_id, index))
-                actions += await self._after_failure(plan_id, index, OnFailure.ASK_LEAD, INTERRUPTED)
+                actions += await self._after_failure(plan_id, index, OnFailure.ASK_LEAD, reason)
         for question in [] if live is not None else await self.store.open_questions():
             plan = await self.store.load(question.plan_id)
             if plan is not None:
                 log.info("plan.question_shown_again", plan_id=plan.id, question=question.id)
                 actions.append(Action(ActionKind.ASK_USER, plan, plan.steps.get(question.step), question=question))
         return failed, actions
+
+    async def _step_execution(self, plan_id: str, index: int, attempt: int) -> ExecutionSummary:
+        """What an interrupted step's tools did, from their rows (said "unknown" when they cannot be read)."""
+        if self.executions is None:
+            return ExecutionSummary()
+        try:
+            return await self.executions.summary_of_scope(step_scope(plan_id, index, attempt))
+        except Exception as exc:  # the step is still failed as interrupted, its outcome unknown
+            count_failure("execution_record")
+            log.warning("plan.executions_unread", plan_id=plan_id, step=index, error=str(exc))
+            return ExecutionSummary(may_have_run=("its tools (their record could not be read)",))
+
+    async def _at(self, name: str) -> None:
+        """A named failpoint (config/failpoints.py) reached here; its error is the plan store's own."""
+        await failpoints.reached(name, lambda: simulated_failure(self.store.tables, "plan"))
 
     async def _reconcile(self, plan_id: str) -> None:
         plan = await self.store.load(plan_id)
@@ -282,18 +307,21 @@ class PlanExecutor:
             )
             log.warning("plan.step_retry", plan_id=plan_id, step=index, attempt=step.attempts, error=result.error)
             return changed, []
+        reason = result.error or "failed"
+        if result.execution is not None and result.execution.changed_state:
+            reason = f"{reason} (tools: {result.execution.line()})"  # the lead hears what may have changed
         changed = await self.store.set_status(
             plan_id,
             index,
             StepStatus.IN_PROGRESS,
             StepStatus.SKIPPED if step.spec.on_failure is OnFailure.CONTINUE else StepStatus.FAILED,
-            failure_reason=result.error or "failed",
+            failure_reason=reason,
             record=result.record(),
         )
         if not changed:
             return False, []
         log.warning("plan.step_failed", plan_id=plan_id, step=index, on_failure=step.spec.on_failure.value)
-        return True, await self._after_failure(plan_id, index, step.spec.on_failure, result.error or "failed")
+        return True, await self._after_failure(plan_id, index, step.spec.on_failure, reason)
 
     async def _after_failure(self, plan_id: str, index: int, policy: OnFailure, reason: str) -> list[Action]:
         plan = await self.store.load(plan_id)
@@ -333,6 +361,8 @@ class PlanExecutor:
         text = plan.render_input(step)
         kind = ActionKind.RUN_LEAD if step.spec.assignee == self.lead_name else ActionKind.DISPATCH
         log.info("plan.step_started", plan_id=plan_id, step=step.index, assignee=step.spec.assignee, kind=kind.value)
+        if failpoints.armed:  # the step is running on disk, nobody was handed it yet
+            await self._at("plan.dispatch")
         return [Action(kind, plan, step, text)]
 
     async def _ask_for_user_step(self, plan: Plan, step: Step) -> list[Action]:
@@ -420,6 +450,8 @@ class PlanExecutor:
             loaded = await self.store.load(plan_id)
             assert loaded is not None
         log.info("plan.question_asked", plan_id=plan_id, step=index, question=asked.id, by=asked_by)
+        if failpoints.armed:  # the question is committed, not posted yet
+            await self._at("plan.question.asked")
         await self.perform([Action(ActionKind.ASK_USER, loaded, loaded.steps[index], text, asked)])
         return asked
 
@@ -449,6 +481,8 @@ class PlanExecutor:
                 by = f" by {again.answered_by}" if again is not None and again.answered_by else ""
                 return AnswerResult(AnswerVerdict.LOST, f"That question was answered{by} already.")
             await self.store.record(plan.id, "answered", step=question.step, actor=actor, detail=answer[:500])
+            if failpoints.armed:  # the answer is committed, the step not resumed yet
+                await self._at("plan.question.answered")
             actions = await self._take_answer(plan.id, question, answer, actor)
         await self.perform(actions)
         log.info("plan.question_answered", plan_id=plan.id, step=question.step, question=question_id, by=actor)
@@ -509,6 +543,8 @@ class PlanExecutor:
             line = f"Plan: step {index} ({step.spec.title}) runs again, {detail}."
             actions = [Action(ActionKind.NOTICE, plan, step, line), *await self._next_actions(plan.id)]
         log.info("plan.repaired", plan_id=plan.id, repair="retry_step", step=index, by=by)
+        if failpoints.armed:  # the repair is committed, the plan not moved on yet
+            await self._at("plan.repair")
         await self.perform(actions)
         return line
 
@@ -549,6 +585,8 @@ class PlanExecutor:
             assert reloaded is not None
             actions = [Action(ActionKind.NOTICE, reloaded, None, line), *await self._next_actions(plan.id)]
         log.info("plan.repaired", plan_id=plan.id, repair="replace_steps", step=from_index, by=by)
+        if failpoints.armed:  # the repair is committed, the plan not moved on yet
+            await self._at("plan.repair")
         await self.perform(actions)
         return line
 
@@ -573,6 +611,8 @@ class PlanExecutor:
             line = f"Plan: step {index} ({step.spec.title}) skipped: {reason}"
             actions = [Action(ActionKind.NOTICE, plan, step, line), *await self._next_actions(plan.id)]
         log.info("plan.repaired", plan_id=plan.id, repair="skip_step", step=index, by=by)
+        if failpoints.armed:  # the repair is committed, the plan not moved on yet
+            await self._at("plan.repair")
         await self.perform(actions)
         return line
 
@@ -585,6 +625,8 @@ class PlanExecutor:
             line = f"Plan aborted: {reason}"
             actions = [Action(ActionKind.NOTICE, plan, None, line)]
         log.info("plan.repaired", plan_id=plan.id, repair="abort_plan", by=by)
+        if failpoints.armed:  # the repair is committed, the plan not moved on yet
+            await self._at("plan.repair")
         await self.perform(actions)
         return line
 

@@ -13,6 +13,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field
 
 from kazma.engine.fence import fence_untrusted
+from kazma.engine.tools.executions import ExecutionSummary
 from kazma.engine.types import ToolUse, Usage, tools_line
 
 USER = "user"
@@ -162,6 +163,7 @@ class StepRecord:
     usage: Usage = field(default_factory=Usage)
     started_at: float | None = None  # epoch seconds
     finished_at: float | None = None
+    execution: ExecutionSummary | None = None  # what its tools did (None: not said, as before this was kept)
 
     @property
     def seconds(self) -> float | None:
@@ -175,8 +177,9 @@ class StepRecord:
             return ""
         took = "running" if self.seconds is None else f"{self.seconds:.1f} s"
         cost = "" if self.usage.cost is None else f", cost {self.usage.cost:.4f}"
+        ran = "" if self.execution is None else f" · {self.execution.line()}"
         return (
-            f"model {self.model or '-'} · tools: {tools_line(self.tools)} · {took} · "
+            f"model {self.model or '-'} · tools: {tools_line(self.tools)}{ran} · {took} · "
             f"{self.usage.prompt_tokens} + {self.usage.completion_tokens} tokens{cost}"
         )
 

@@ -13,6 +13,7 @@ from kazma.config.store.backend import StoreConnection, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 from kazma.engine.plan import OnFailure, Plan, PlanOrigin, PlanSpec, Step, StepRecord, StepSpec, StepStatus
+from kazma.engine.tools.executions import ExecutionSummary
 from kazma.engine.types import ToolUse, Usage
 
 MIGRATIONS = [
@@ -113,6 +114,8 @@ MIGRATIONS = [
             "ALTER TABLE plan_steps ADD COLUMN cost REAL",
         ),
     ),
+    # What the step's latest attempt's tools did (engine/tools/executions.py): ran, did not run, may have run.
+    Migration("plans", 5, ("ALTER TABLE plan_steps ADD COLUMN execution_json TEXT",)),
 ]
 
 # The same tables on PostgreSQL, version for version: double precision for REAL, an identity column where
@@ -208,6 +211,7 @@ PG_MIGRATIONS = [
             "ALTER TABLE plan_steps ADD COLUMN cost double precision",
         ),
     ),
+    PgMigration("plans", 5, ("ALTER TABLE plan_steps ADD COLUMN execution_json text",)),
 ]
 
 # Done and skipped are never left. A failed or blocked step returns to pending only by a repair the lead
@@ -439,7 +443,7 @@ class PlanStore:
             rows = await db.all(
                 "SELECT idx, title, assignee, input, wait_for, on_failure, status, output_summary, output_files,"
                 " failure_reason, attempts, model, tools_json, started_at, finished_at, prompt_tokens,"
-                " completion_tokens, cost FROM plan_steps WHERE plan_id = ? ORDER BY idx",
+                " completion_tokens, cost, execution_json FROM plan_steps WHERE plan_id = ? ORDER BY idx",
                 (plan_id,),
             )
         steps = {int(r[0]): _step(r) for r in rows}
@@ -467,20 +471,22 @@ class PlanStore:
         params: list[Any] = [new.value, now]
         if expected is StepStatus.PENDING and new in _ACTIVE:
             sets += ["started_at = ?", "finished_at = NULL", "model = ''", "tools_json = '[]'", "prompt_tokens = 0",
-                     "completion_tokens = 0", "cost = NULL"]  # fmt: skip
+                     "completion_tokens = 0", "cost = NULL", "execution_json = NULL"]  # fmt: skip
             params.append(now)
         elif expected in _ACTIVE and new not in _ACTIVE and fields.get("finished", True):
             sets.append("finished_at = ?")
             params.append(now)
         record: StepRecord | None = fields.get("record")
         if record is not None:
-            sets += ["model = ?", "tools_json = ?", "prompt_tokens = ?", "completion_tokens = ?", "cost = ?"]
+            sets += ["model = ?", "tools_json = ?", "prompt_tokens = ?", "completion_tokens = ?", "cost = ?",
+                     "execution_json = ?"]  # fmt: skip
             params += [
                 record.model,
                 json.dumps([t.as_json() for t in record.tools]),
                 record.usage.prompt_tokens,
                 record.usage.completion_tokens,
                 record.usage.cost,
+                None if record.execution is None else json.dumps(record.execution.as_json()),
             ]
         for name in ("output_summary", "failure_reason"):
             if name in fields:
@@ -546,7 +552,7 @@ def _step_row(plan_id: str, spec: StepSpec, now: float) -> tuple[Any, ...]:
 
 def _step(row: Any) -> Step:
     (idx, title, assignee, text, wait_for, on_failure, status, summary, files, reason, attempts, model, tools,
-     started_at, finished_at, prompt_tokens, completion_tokens, cost) = row  # fmt: skip
+     started_at, finished_at, prompt_tokens, completion_tokens, cost, execution) = row  # fmt: skip
     spec = StepSpec(
         index=int(idx),
         title=title,
@@ -561,5 +567,6 @@ def _step(row: Any) -> Step:
         usage=Usage(int(prompt_tokens), int(completion_tokens), None if cost is None else float(cost)),
         started_at=None if started_at is None else float(started_at),
         finished_at=None if finished_at is None else float(finished_at),
+        execution=None if execution is None else ExecutionSummary.from_json(json.loads(execution)),
     )
     return Step(spec, StepStatus(status), summary, list(json.loads(files)), reason, int(attempts), record)

@@ -37,11 +37,13 @@ class Fakes:
     slack: FakeSlack
     discord: FakeDiscord
 
-    def config_yaml(self, store: Path, *, deadline: int = 600) -> str:
+    def config_yaml(self, store: Path, *, deadline: int = 600, approvals: str = "", extra: str = "") -> str:
+        """``approvals``: more keys of ``approvals:`` (``", policies: {…}"``); ``extra``: more top-level YAML."""
         return f"""
 store: {{path: '{store}'}}
 web: {{port: 0}}
-approvals: {{deadline_seconds: {deadline}}}
+approvals: {{deadline_seconds: {deadline}{approvals}}}
+{extra}
 platforms:
   telegram:
     token: '{self.telegram.token}'
@@ -170,8 +172,10 @@ def adapters_for(loaded: LoadedConfig, *, request_timeout: float = 2.0) -> list[
 
 
 @asynccontextmanager
-async def kazma_on(fakes: Fakes, store: Path, *, request_timeout: float = 2.0) -> AsyncIterator[App]:
-    loaded = load_config_text(fakes.config_yaml(store), environ={})
+async def kazma_on(
+    fakes: Fakes, store: Path, *, request_timeout: float = 2.0, approvals: str = "", extra: str = ""
+) -> AsyncIterator[App]:
+    loaded = load_config_text(fakes.config_yaml(store, approvals=approvals, extra=extra), environ={})
     adapters = adapters_for(loaded, request_timeout=request_timeout)
     app = await build_app(loaded, adapters=adapters, poll_interval=0.05, workspace_root=store.parent / "ws")
     await app.start()

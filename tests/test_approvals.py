@@ -258,7 +258,7 @@ async def test_waiter_wakes_at_once_on_an_in_process_decision(store_engine: Engi
         await service.decide(request.id, Decision.DENY, actor="web:admin", platform="web", reason="too broad")
         outcome = await asyncio.wait_for(waiter, timeout=10)
         assert (outcome.status, outcome.decided_by, outcome.reason) == (Status.DENIED, "web:admin", "too broad")
-        assert outcome.for_agent() == "Denied by web:admin: too broad. Do not retry this call."
+        assert outcome.for_agent() == "Denied by web:admin. They gave a reason (below). Do not retry this call."
 
 
 @pytest.mark.parametrize(

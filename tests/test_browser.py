@@ -60,14 +60,18 @@ class Running:
 
 
 @asynccontextmanager
-async def kazma_with_console(tmp_path: Path) -> AsyncIterator[Running]:
+async def kazma_with_console(
+    tmp_path: Path, *, people: str = "{alice: {web: alice}}", approvals: str = "", extra: str = ""
+) -> AsyncIterator[Running]:
+    """``people``: the ``people:`` mapping; ``approvals``: more ``approvals:`` keys; ``extra``: more YAML."""
     telegram = FakeTelegram()
     await telegram.start()
     loaded = load_config_text(
         f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
         "web: {port: 0}\n"
-        "people: {alice: {web: alice}}\n"
-        "approvals: {approvers: ['web:alice']}\n"
+        f"people: {people}\n"
+        f"approvals: {{approvers: ['web:alice']{approvals}}}\n"
+        f"{extra}"
         f"platforms: {{telegram: {{token: '{telegram.token}', api_base_url: '{telegram.base_url}',"
         f" chats: [{CHAT}], home_chat: {CHAT}}}}}\n",
         environ={},
@@ -97,24 +101,31 @@ async def kazma_with_console(tmp_path: Path) -> AsyncIterator[Running]:
         await telegram.stop()
 
 
-async def with_authenticator(page: Page) -> CDPSession:
+@dataclass(frozen=True)
+class Authenticator:
+    session: CDPSession
+    authenticator_id: str  # for WebAuthn.setUserVerified and friends
+
+
+async def with_authenticator(page: Page) -> Authenticator:
     """Chromium's virtual authenticator on this page (PLATFORM_NOTES.md): a passkey device that verifies its user."""
     cdp = await page.context.new_cdp_session(page)
     await cdp.send("WebAuthn.enable")
-    await cdp.send(
+    added = await cdp.send(
         "WebAuthn.addVirtualAuthenticator",
         {"options": {"protocol": "ctap2", "transport": "internal", "hasResidentKey": True,
                      "hasUserVerification": True, "isUserVerified": True}},
     )  # fmt: skip
-    return cdp
+    return Authenticator(cdp, str(added["authenticatorId"]))
 
 
-async def login(page: Page, k: Running, person: str = "alice") -> None:
+async def login(page: Page, k: Running, person: str = "alice") -> Authenticator:
     """Enrol a passkey for ``person`` from a fresh invite, in this page's browser, and be signed in by it."""
-    await with_authenticator(page)
+    authenticator = await with_authenticator(page)
     await page.goto(await k.invite(person))
     await page.click("#passkey-enrol")
     await page.wait_for_url(f"{k.base}/")
+    return authenticator
 
 
 async def test_console_loop_in_a_real_browser(tmp_path: Path) -> None:

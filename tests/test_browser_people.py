@@ -33,7 +33,7 @@ async def test_an_invite_enrols_a_passkey_that_approves_a_cut_call_and_everythin
         request = await k.app.service.open("shell", {"command": LONG}, "agent:builder", "web:console")
         await k.telegram.wait_until(lambda: any(m.buttons for m in k.telegram.bot_messages(CHAT)), timeout=30)
         [card] = [m for m in k.telegram.bot_messages(CHAT) if m.buttons]
-        assert [b["text"] for b in card.buttons] == ["Deny"]  # cut: no Approve in chat
+        assert [b["text"] for b in card.buttons] == ["Deny", "Deny with reason"]  # cut: no Approve in chat
 
         browser = await pw.chromium.launch(
             executable_path=CHROMIUM,

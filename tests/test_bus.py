@@ -14,12 +14,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from kazma.adapters.bus import FanOutBus, NullBus
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press
 from kazma.adapters.outbox import MIGRATIONS as OUTBOX
 from kazma.adapters.outbox import Outbox
 from kazma.approvals import MIGRATIONS as APPROVALS
 from kazma.approvals import ApprovalCard, ApprovalService, ApprovalStore, Decision, Outcome, PressResult, Status
+from kazma.approvals.service import ApprovalRefused
 from kazma.config.metrics import failure_count
 from kazma.config.store.database import connect, open_database
 from tests.approvals_support import approvals_config
@@ -232,3 +235,28 @@ async def test_null_bus_fails_closed() -> None:
     bus = NullBus()
     assert not bus.can_show_cards()
     assert await bus.send_text("telegram", "1", "hi") is None
+
+
+async def test_a_card_that_cannot_be_queued_ends_its_request_at_once_and_the_asker_hears_why(tmp_path: Path) -> None:
+    """The outbox here has a writer of its own, so the request and its card posts are two writes. When the second
+    is refused (a trigger fails every insert into card_outbox), the request must not stay pending, card-less,
+    until its deadline: it ends cancelled, and the asker is told nothing ran."""
+    platform = MemoryPlatform("telegram")
+    path = tmp_path / "a.db"
+    async with rig(path, [platform]) as r:
+        raw = await connect(path)
+        try:
+            await raw.execute(
+                "CREATE TRIGGER no_cards BEFORE INSERT ON card_outbox BEGIN SELECT RAISE(ABORT, 'disk full'); END"
+            )
+            await raw.commit()
+        finally:
+            await raw.close()
+        assert await r.bus.queue_statements("x") is None  # two writers: the fallback path is what is attacked
+        with pytest.raises(ApprovalRefused, match="could not be queued"):
+            await r.service.open("shell", {"command": "ls"}, "agent:builder", "telegram:-1001")
+        (request,) = await r.service.store.requests()
+        assert request.status is Status.CANCELLED
+        assert "could not be queued" in (request.reason or "")
+        assert await r.service.store.requests(pending_only=True) == []
+        assert platform.posts == []

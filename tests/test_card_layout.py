@@ -102,7 +102,7 @@ def test_every_writer_marks_a_cut_the_same_way(where: str) -> None:
 def test_a_whole_card_offers_approve_and_deny() -> None:
     view = view_of(make_card({"a": 1}))
     assert view.whole
-    assert [b.kind for b in view.buttons] == [ButtonKind.APPROVE, ButtonKind.DENY]
+    assert [b.kind for b in view.buttons] == [ButtonKind.APPROVE, ButtonKind.DENY, ButtonKind.DENY_REASON]
     assert view.notice == ""
 
 
@@ -110,10 +110,10 @@ def test_a_cut_value_takes_approve_away_unless_the_team_opted_in() -> None:
     card = make_card({"a": "x" * 2_000}, value_limit=100)
     refused = view_of(card)
     assert not refused.whole
-    assert [b.kind for b in refused.buttons] == [ButtonKind.DENY]
+    assert [b.kind for b in refused.buttons] == [ButtonKind.DENY, ButtonKind.DENY_REASON]
     assert "cannot be approved here" in refused.notice
     allowed = view_of(card, approve_partial=True)
-    assert [b.kind for b in allowed.buttons] == [ButtonKind.APPROVE, ButtonKind.DENY]
+    assert [b.kind for b in allowed.buttons] == [ButtonKind.APPROVE, ButtonKind.DENY, ButtonKind.DENY_REASON]
     assert "Review the whole call before deciding" in allowed.notice
 
 

@@ -17,11 +17,13 @@ from kazma.config import load_config
 from kazma.config.store.database import connect
 from kazma.engine.swarm.store import SwarmTaskStore
 from kazma.engine.swarm.types import TaskStatus
+from kazma.engine.tools.executions import ExecutionSummary
 from tests.fakes.openai import FakeOpenAI, Hang
 from tests.fakes.telegram import FakeTelegram
 from tests.process_support import run_kazma
 
 CHAT = -1001
+NOTHING_RAN = ExecutionSummary().as_json()  # the worker's model call hung: no tool was started
 
 
 @pytest.mark.slow
@@ -54,7 +56,7 @@ async def test_sigterm_during_a_task_ends_it_cancelled_by_shutdown_and_a_restart
         assert first.returncode == 0, log.read_text()[-3000:]
         (task,) = await tasks.list()
         assert task.status is TaskStatus.CANCELLED
-        assert task.result == {"interrupted_by": "shutdown"}
+        assert task.result == {"interrupted_by": "shutdown", "execution": NOTHING_RAN}
         second = await run_kazma(config, log)
         try:
             await telegram.wait_until(lambda: len(telegram.calls_to("getUpdates")) > 1, timeout=60)

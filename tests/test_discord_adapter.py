@@ -389,7 +389,10 @@ async def test_card_shows_every_name_a_marked_cut_the_hash_link_and_buttons(runn
     (row,) = message["components"]
     buttons = [(b["style"], b["label"], b["custom_id"]) for b in row["components"]]
     # a value is cut here, so Approve happens on the approval page
-    assert buttons == [(discord.ButtonStyle.danger.value, "Deny", f"kz1:{card.request_id}:d")]
+    assert buttons == [
+        (discord.ButtonStyle.danger.value, "Deny", f"kz1:{card.request_id}:d"),
+        (discord.ButtonStyle.danger.value, "Deny with reason", f"kz1:{card.request_id}:n"),
+    ]
     assert_no_mentions_allowed(fake.message_calls())
 
 
@@ -474,7 +477,8 @@ async def test_names_that_cannot_fit_on_the_card_are_counted_and_it_offers_only_
     assert hidden > 0
     assert f"{hidden} of 120 argument names do not fit here" in shown(embed["description"])
     assert [c["label"] for row in fake.messages[int(ref.message_id)]["components"] for c in row["components"]] == [
-        "Deny"
+        "Deny",
+        "Deny with reason",
     ]
     assert_no_mentions_allowed(fake.message_calls())
 

@@ -35,6 +35,7 @@ from kazma.engine.plan import (
     validate_plan,
 )
 from kazma.engine.plan_store import MIGRATIONS, PG_MIGRATIONS, PlanStore, TransitionError
+from kazma.engine.tools.executions import ExecutionSummary
 from tests.store_backends import Engine
 
 WORKERS = {"researcher", "builder", "validator"}
@@ -257,7 +258,8 @@ async def test_restart_reports_running_step_interrupted_and_never_redispatches(t
         loaded = await ex.store.load(plan.id)
         assert loaded is not None
         assert loaded.steps[1].status is StepStatus.FAILED
-        assert loaded.steps[1].failure_reason == INTERRUPTED
+        # the executor in this test records no executions: nothing says a tool started
+        assert loaded.steps[1].failure_reason == f"{INTERRUPTED} (tools: {ExecutionSummary().line()})"
         assert loaded.steps[2].status is StepStatus.PENDING  # waits for the lead's decision
         assert d.dispatched() == []
         assert [a.kind for a in d.actions] == [ActionKind.ASK_LEAD]

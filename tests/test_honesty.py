@@ -555,8 +555,12 @@ def test_padding_is_cut_out_of_the_card_so_approve_moves_to_the_page(padding: st
     assert card.remember_seconds is None
     view = view_of(card)
     assert not view.whole
-    assert [b.kind for b in view.buttons] == [ButtonKind.DENY]
-    assert [b.kind for b in view_of(card, approve_partial=True).buttons] == [ButtonKind.APPROVE, ButtonKind.DENY]
+    assert [b.kind for b in view.buttons] == [ButtonKind.DENY, ButtonKind.DENY_REASON]
+    assert [b.kind for b in view_of(card, approve_partial=True).buttons] == [
+        ButtonKind.APPROVE,
+        ButtonKind.DENY,
+        ButtonKind.DENY_REASON,
+    ]
     # The whole-call doors show the value as it is, padding and all, under the same warning.
     whole = build_card(request, value_limit=4000, public_url="http://x.test", cut_padding=False)
     assert not whole.arguments[0].cut
@@ -589,4 +593,4 @@ def test_padding_before_everything_leaves_no_head_and_every_writer_still_shows_t
     for writer in writers:
         laid = lay_out(card, writer)
         assert not laid.whole
-        assert [b.kind for b in laid.view.buttons] == [ButtonKind.DENY]
+        assert [b.kind for b in laid.view.buttons] == [ButtonKind.DENY, ButtonKind.DENY_REASON]

@@ -129,4 +129,8 @@ async def test_files_sent_with_a_request_reach_the_plan_and_its_steps_record_the
         assert "Attached files (in the workspace): incoming/notes.txt" in dispatched
         await until(con.web, lambda: any(m.text == "Done." for m in con.web.messages()))
         shown = await (await op.post(f"{con.base}/console/send", data={"csrf": csrf, "text": "/plan"})).text()
-        assert re.search(r"model notes-model · tools: no tools · \d+\.\d s · 40 \+ 9 tokens, cost 0\.0009", shown)
+        assert re.search(
+            r"model notes-model · tools: no tools · did not run: no tool that changes anything was started"
+            r" · \d+\.\d s · 40 \+ 9 tokens, cost 0\.0009",
+            shown,
+        )

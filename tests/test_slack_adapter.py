@@ -393,11 +393,13 @@ async def test_card_shows_the_whole_call(fake: FakeSlack, adapter: SlackAdapter)
     # a value is cut, so the card is decided on the approval page: Deny only here
     assert [(b["action_id"], b["value"], b["style"], b["text"]["text"]) for b in buttons(msg)] == [
         (DENY_ACTION, f"kz1:{card.request_id}:d", "danger", "Deny"),
+        ("kazma_deny_reason", f"kz1:{card.request_id}:n", "primary", "Deny with reason"),
     ]
     whole = await adapter.post_card(make_card({"cwd": "/srv/app"}))
     assert [(b["action_id"], b["style"]) for b in buttons(fake.message(HOME, whole.message_id))] == [
         (APPROVE_ACTION, "primary"),
         (DENY_ACTION, "danger"),
+        ("kazma_deny_reason", "primary"),
     ]
     assert card.request_id in msg.text
     assert card.args_hash in msg.text
@@ -461,7 +463,10 @@ async def test_sixty_long_arguments_fit_slack_limits_and_every_name_shows(
     for name, text in zip(args, (t for t in section_texts(msg) if t.startswith("• *arg_")), strict=False):
         # Each shown value is whole: 2,000 characters fit a section even after escaping.
         assert text == f"• *{name}*\n```{args[name].replace('&', '&amp;').replace('<', '&lt;').replace('>', '&gt;')}```"
-    assert [b["text"]["text"] for b in buttons(msg)] == ["Deny"]  # not the whole call: approved on its page
+    assert [b["text"]["text"] for b in buttons(msg)] == [
+        "Deny",
+        "Deny with reason",
+    ]  # not the whole call: approved on its page
 
     await adapter.settle_card(ref, card, outcome_for(card))
     assert len(fake.message(HOME, ref.message_id).blocks) <= 50

@@ -345,3 +345,19 @@ def test_a_mismatch_is_named_in_the_summary() -> None:
     assert lines[2].endswith("ok")
     assert lines[3].endswith(f"MISMATCH: target has 2 rows, sha256 {'c' * 16}")
     assert lines[-1] == "verification failed for plan_steps"
+
+
+async def test_text_holding_nul_is_copied_and_reads_back_the_same(source: Path, pg_dsn: str) -> None:
+    """SQLite keeps U+0000 in text; PostgreSQL refuses it: the copy escapes it as Kazma's PostgreSQL store does."""
+    conn = await open_database(source, migrations=all_migrations())
+    try:
+        await HistoryStore(conn).append("telegram:-1001", "kazma", "assistant", "a\x00b")
+    finally:
+        await conn.close()
+    report = await copy_store(source, pg_dsn)
+    assert report.ok, report
+    store = await open_pg_store(pg_dsn, migrations=pg_migrations())
+    try:
+        assert [m["content"] for m in await HistoryStore(store).recent("telegram:-1001", "kazma")] == ["a\x00b"]
+    finally:
+        await store.close()

@@ -33,6 +33,7 @@ from kazma.engine.swarm.store import MIGRATIONS, SwarmTaskStore, TaskRecord
 from kazma.engine.swarm.types import ErrorKind, TaskStatus, Worker, WorkerResult
 from kazma.engine.swarm.workers import HANDOFF_TOOL, AgentWorker
 from kazma.engine.tools.builtin import default_registry
+from kazma.engine.tools.executions import ExecutionSummary
 from kazma.engine.types import Message, ModelReply, ToolCall, Usage
 from tests.approvals_support import approval_service
 from tests.fakes.openai import FakeOpenAI
@@ -264,7 +265,7 @@ async def test_expect_json_fails_an_answer_that_is_not_json(tmp_path: Path) -> N
         assert good.status is TaskStatus.SUCCEEDED
         wrong = await ended(r.service, await send(r, "dispatch b --expect verdict give json"))
         assert wrong.status is TaskStatus.FAILED
-        assert "$.ok: expected boolean" in (wrong.error or "")
+        assert "$.ok: 'yes' is not of type 'boolean'" in (wrong.error or "")
         assert (await send(r, "dispatch b --expect nosuch x")).startswith("Not started: unknown output schema")
 
 
@@ -302,7 +303,7 @@ async def test_a_clean_close_cancels_running_tasks_as_shutdown_and_recovery_find
         record = await r.service.store.get(task_id)
         assert record is not None
         assert record.status is TaskStatus.CANCELLED
-        assert record.result == {"interrupted_by": "shutdown"}
+        assert record.result == {"interrupted_by": "shutdown", "execution": ExecutionSummary().as_json()}
         assert await r.service.store.recover() == []
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from kazma.approvals import ApprovalService
-from kazma.approvals.model import Decision
-from kazma.config import KazmaConfig, load_config_text
+from kazma.approvals.card import ApprovalCard
+from kazma.approvals.model import Decision, Status
+from kazma.config import KazmaConfig, failpoints, load_config_text
 from kazma.config.store.database import open_database
+from kazma.engine.swarm.checkpoints import CHECKPOINT_TOOL
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.service import CoalescingReporter, SwarmService
 from kazma.engine.swarm.store import MIGRATIONS, SwarmTaskStore
@@ -56,12 +58,16 @@ async def rig(
     workers: dict[str, ScriptedWorker] | None = None,
     config: KazmaConfig | None = None,
     clock: ManualClock | None = None,
+    publisher: RecordingPublisher | None = None,
+    two_files: bool = False,
 ) -> AsyncIterator[Rig]:
     cfg = config or load_config_text(CONFIG).config
-    publisher = RecordingPublisher()
+    publisher = publisher or RecordingPublisher()
     reports: list[str] = []
     delivered: list[tuple[str, str]] = []
-    conn = await open_database(path.with_suffix(".swarm.db"), migrations=MIGRATIONS)
+    # One file for the tasks and the approvals, as in `kazma run`: a checkpoint's card and its paused row commit
+    # together (``two_files`` keeps them apart, the order a checkpoint takes then is tested too).
+    conn = await open_database(path.with_suffix(".swarm.db") if two_files else path, migrations=MIGRATIONS)
 
     async def report(text: str) -> None:
         reports.append(text)
@@ -95,11 +101,10 @@ def request(pattern: Pattern, workers: Sequence[str], prompt: str = "do it", **k
 
 
 async def paused(r: Rig, task_id: str) -> None:
-    """Wait until the task is paused on disk with its card out (the card goes out just before the pause is written)."""
+    """Wait until the task's checkpoint card is out: its paused row committed with it (nothing else is awaited,
+    so a test that stops here stops in the window between the two, had they been two writes)."""
     async with asyncio.timeout(20):
-        while not r.publisher.published or (
-            (record := await r.service.store.get(task_id)) is None or record.status is not TaskStatus.PAUSED
-        ):
+        while not r.publisher.published:
             await asyncio.sleep(0.01)
 
 
@@ -271,6 +276,86 @@ async def test_paused_pipeline_survives_a_restart(tmp_path: Path) -> None:
                                                                                             "validator"]  # fmt: skip
 
 
+class StopsAtTheCard(RecordingPublisher):
+    """Kazma is told to stop (a clean stop: SIGTERM) the moment a checkpoint's card goes out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stop: Callable[[], Awaitable[None]] | None = None
+        self.stopping: asyncio.Future[None] | None = None
+
+    async def publish(self, card: ApprovalCard) -> None:
+        await super().publish(card)
+        if self.stop is not None and self.stopping is None:
+            self.stopping = asyncio.ensure_future(self.stop())
+
+
+@pytest.mark.parametrize("two_files", [False, True], ids=["one-database", "two-files"])
+async def test_a_stop_as_the_checkpoint_card_goes_out_keeps_card_and_pause_together(
+    tmp_path: Path, two_files: bool
+) -> None:
+    """The card went out and Kazma stopped before the paused row was written: the task ended cancelled while its
+    card stayed pending, and a later press answered "Approved. Recorded" with nothing to resume."""
+    path = tmp_path / "a.db"
+    publisher = StopsAtTheCard()
+    async with rig(path, publisher=publisher, two_files=two_files) as r:
+        publisher.stop = r.service.close
+        task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        async with asyncio.timeout(20):
+            while publisher.stopping is None:
+                await asyncio.sleep(0.005)
+            await publisher.stopping
+        (card,) = publisher.published
+        record = await r.service.store.get(task)
+        approval = await r.approvals.store.get(card.request_id)
+        assert record is not None
+        assert approval is not None
+        assert (record.status, approval.status) == (TaskStatus.PAUSED, Status.PENDING)
+    async with rig(path, two_files=two_files) as r:  # the next start waits at the checkpoint again
+        await r.service.recover()
+        pressed = await r.approvals.decide_from_button(
+            card.button_data(Decision.APPROVE), actor="telegram:111", platform="telegram"
+        )
+        assert pressed.message.startswith("Approved.")
+        assert await finished(r.service, task) is TaskStatus.SUCCEEDED
+
+
+async def test_a_checkpoint_card_whose_task_ended_without_pausing_is_withdrawn_at_start(tmp_path: Path) -> None:
+    """A crash between the card and the pause (stores in two files) left a pending card for a task the start calls
+    interrupted: the start withdraws the card, so no press can approve what will never resume."""
+    path = tmp_path / "a.db"
+    async with rig(path, two_files=True) as r:
+        run = await r.service.store.admit(Pattern.PIPELINE, {"prompt": "p", "preset": "standard"}, owner="telegram:111")
+        approval = await r.approvals.open(
+            CHECKPOINT_TOOL, {"task": run.task_id}, f"swarm:{run.task_id}", "telegram:-1001",
+            task_id=run.task_id, durable=True,
+        )  # fmt: skip
+    async with rig(path, two_files=True) as r:
+        await r.service.recover()
+        record = await r.service.store.get(run.task_id)
+        assert record is not None
+        assert record.status is TaskStatus.INTERRUPTED
+        after = await r.approvals.store.get(approval.id)
+        assert after is not None
+        assert after.status is Status.CANCELLED
+        assert "the task is interrupted without it" in (after.reason or "")
+        assert approval.id in r.publisher.settled
+
+
+async def test_a_checkpoint_that_fails_while_waiting_withdraws_its_card(tmp_path: Path) -> None:
+    failpoints.arm_for_test("swarm.checkpoint.paused=error")
+    try:
+        async with rig(tmp_path / "a.db") as r:
+            task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+            assert await finished(r.service, task) is TaskStatus.FAILED
+            (card,) = r.publisher.published
+            approval = await r.approvals.store.get(card.request_id)
+            assert approval is not None
+            assert approval.status is Status.CANCELLED
+    finally:
+        failpoints.disarm()
+
+
 async def test_state_changing_failure_is_never_retried(tmp_path: Path) -> None:
     workers = scripted_workers()
     workers["builder"].replies = [
@@ -313,7 +398,10 @@ async def test_commands_start_report_cancel_and_confirm_retry_of_unknown_outcome
         assert refused.startswith("/swarm dispatch starts, changes or steers work")
         assert "running" in await say(f"status {task}", actor="telegram:222")  # reading is for anyone
         assert "did you mean 'dispatch'" in await say("dispach builder x")
-        assert await say(f"cancel {task}") == f"swarm task {task} cancelled by telegram:111"
+        assert await say(f"cancel {task}") == (
+            f"swarm task {task} cancelled by telegram:111; tools: did not run: no tool that changes anything"
+            " was started"
+        )
         assert await finished(r.service, task) is TaskStatus.CANCELLED
         gate.set()
 
@@ -350,7 +438,12 @@ async def test_result_goes_to_the_route_and_tokens_are_recorded(tmp_path: Path) 
     async with rig(tmp_path / "a.db", workers=workers) as r:
         task = await r.service.submit(request(Pattern.DISPATCH, ["builder"], route="slack:C0OTHER01"))
         assert await finished(r.service, task) is TaskStatus.SUCCEEDED
-        assert r.delivered == [("slack:C0OTHER01", f"swarm task {task} succeeded:\ndone")]
+        assert r.delivered == [
+            (
+                "slack:C0OTHER01",
+                f"swarm task {task} succeeded:\ndone\ntools: did not run: no tool that changes anything was started",
+            )
+        ]
         record = await r.service.store.get(task)
         assert record is not None
         assert record.result is not None

@@ -85,7 +85,8 @@ async def test_check_swarm_task_hands_the_lead_the_error_fenced(tmp_path: Path) 
         ctx = TurnContext("telegram:-1001", AgentSpec("kazma", "lead", is_lead=True), "telegram:111")
         answer = await check.handler({"task_id": record.id, "wait_seconds": 0}, ctx)
         assert answer.ok
-        head, fenced = answer.output.split("\n", 1)
+        head, tools, fenced = answer.output.split("\n", 2)
         assert head == "status: failed; step: a; error: below"
+        assert tools == "tools: did not run: no tool that changes anything was started"  # Kazma's words, unfenced
         assert fenced.startswith(f"[Untrusted data from swarm task {record.id}'s error")
         assert injected in fenced

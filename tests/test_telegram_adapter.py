@@ -278,7 +278,8 @@ async def test_card_is_telegram_html_with_the_cut_marked_in_italics(
         cut_marker["offset"] * 2 : (cut_marker["offset"] + cut_marker["length"]) * 2
     ]
     assert marked.decode("utf-16-le").startswith("[cut:")
-    assert [b["callback_data"] for b in message.buttons] == [card.button_data(Decision.DENY)]
+    deny = card.button_data(Decision.DENY)
+    assert [b["callback_data"] for b in message.buttons] == [deny, deny[:-1] + "n"]
     assert all(len(b["callback_data"].encode()) <= 64 for b in message.buttons)
 
 
@@ -314,7 +315,7 @@ async def test_sixty_long_arguments_fit_telegrams_budget_with_every_name(
     assert "start00-" in message.text
     assert "-end00" in message.text
     assert ref.whole is False
-    assert [b["text"] for b in message.buttons] == ["Deny"]
+    assert [b["text"] for b in message.buttons] == ["Deny", "Deny with reason"]
 
 
 def test_rendering_shrinks_values_evenly_before_listing_names() -> None:
@@ -338,7 +339,7 @@ def test_names_that_do_not_fit_are_counted_and_the_card_offers_only_deny() -> No
     laid = render_card(make_card({f"{i:03d}" + "n" * 97: i for i in range(60)}))
     assert laid.view.names_hidden > 0
     assert f"{laid.view.names_hidden} of 60 argument names do not fit here" in laid.written.html
-    assert [b.label for b in laid.view.buttons] == ["Deny"]
+    assert [b.label for b in laid.view.buttons] == ["Deny", "Deny with reason"]
 
 
 def test_a_card_whose_frame_cannot_fit_is_refused() -> None:

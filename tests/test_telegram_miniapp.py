@@ -148,7 +148,11 @@ async def test_a_group_card_opens_the_bots_mini_app_link_and_never_an_inline_web
         request = await k.app.service.open("shell", {"command": "ls"}, "agent:builder", "web:console")
         await k.telegram.wait_until(lambda: any(m.buttons for m in k.telegram.bot_messages(GROUP)), timeout=10)
         [card] = [m for m in k.telegram.bot_messages(GROUP) if m.buttons]
-        assert [b["text"] for b in card.buttons] == ["Approve", "Deny"]  # no Mini App configured: the text link
+        assert [b["text"] for b in card.buttons] == [
+            "Approve",
+            "Deny",
+            "Deny with reason",
+        ]  # no Mini App configured: the text link
 
 
 def _tampered(init_data: str) -> str:

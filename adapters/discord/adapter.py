@@ -21,7 +21,9 @@ the REST client stays logged in.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import io
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, TypeVar, Unpack
@@ -33,8 +35,22 @@ from discord import app_commands
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.contract import CardRef, PlatformError, Press
+from kazma.adapters.deny_reason import (
+    REASON_LABEL,
+    REASON_MAX,
+    REASON_TITLE,
+    REPLY_WINDOW_SECONDS,
+    deny_data,
+    reason_request,
+)
 from kazma.adapters.discord.errors import PLATFORM, classify, describe
-from kazma.adapters.discord.inbound import PRESS_PREFIXES, channel_chat, command_inbound, message_inbound
+from kazma.adapters.discord.inbound import (
+    PRESS_PREFIXES,
+    channel_chat,
+    command_inbound,
+    message_inbound,
+    modal_value,
+)
 from kazma.adapters.discord.render import CONTENT_MAX, NO_MENTIONS, clip, escape_text, neutralise_mentions, render_card
 from kazma.adapters.discord.webhooks import AgentWebhooks
 from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
@@ -51,6 +67,13 @@ T = TypeVar("T")
 # What discord.py ships with; an empty ``gateway_url`` means "the platform's default".
 DEFAULT_API_BASE: Final = "https://discord.com/api/v10"
 DEFAULT_GATEWAY: Final = "wss://gateway.discord.gg/"
+NONCE_LENGTH: Final = 25  # Discord's limit for a message nonce
+
+
+def card_nonce(request_id: str, channel: str) -> str:
+    """The nonce of a request's card in ``channel``: the same for every attempt at that post, and no other's."""
+    digest = hashlib.sha256(f"kazma-card:{request_id}:{channel}".encode()).digest()
+    return base64.urlsafe_b64encode(digest).decode()[:NONCE_LENGTH]
 
 
 class _Client(discord.Client):
@@ -84,6 +107,9 @@ class _Client(discord.Client):
 
     async def on_interaction(self, interaction: discord.Interaction[_Client]) -> None:
         await self.adapter._on_interaction(interaction)
+
+
+REASON_INPUT = "reason"  # the modal's text input
 
 
 class _FollowupReply:
@@ -322,10 +348,17 @@ class DiscordAdapter(PlatformBase):
         return fetch
 
     async def _on_interaction(self, interaction: discord.Interaction[_Client]) -> None:
+        if interaction.type is discord.InteractionType.modal_submit and interaction.data:
+            await self._on_reason(interaction)
+            return
         if interaction.type is not discord.InteractionType.component or not interaction.data:
             return
         custom_id = interaction.data.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id.startswith(PRESS_PREFIXES):
+            return
+        asked = reason_request(custom_id)
+        if asked is not None:
+            await self._ask_reason(interaction, asked)
             return
         with self.tracking():
             # Acknowledge first (type 6, deferred update): a slow store must not cost the 3 s window.
@@ -341,6 +374,40 @@ class DiscordAdapter(PlatformBase):
                 chat=str(chat) if chat is not None else None,
                 message_id=str(message.id) if message is not None else None,
                 is_admin=self.is_admin(interaction.user.id),
+            )
+            await self.press(press, _FollowupReply(self, interaction), key=f"interaction:{interaction.id}")
+
+    async def _ask_reason(self, interaction: discord.Interaction[_Client], request_id: str) -> None:
+        """ "Deny with reason": a modal is the press's first answer (it cannot follow a deferral)."""
+        modal = discord.ui.Modal(title=REASON_TITLE, custom_id=deny_data(request_id), timeout=REPLY_WINDOW_SECONDS)
+        modal.add_item(
+            discord.ui.TextInput(
+                label="Reason", custom_id=REASON_INPUT, style=discord.TextStyle.paragraph, max_length=REASON_MAX,
+                placeholder=REASON_LABEL[:100],
+            )
+        )  # fmt: skip
+        with self.tracking(), contextlib.suppress(PlatformError):
+            await self._rest("reason_modal", lambda: interaction.response.send_modal(modal))
+
+    async def _on_reason(self, interaction: discord.Interaction[_Client]) -> None:
+        """The modal was submitted: the Deny, with the words, through the one press policy."""
+        data: Any = interaction.data or {}
+        custom_id = data.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id.startswith(PRESS_PREFIXES):
+            return
+        with self.tracking():
+            with contextlib.suppress(PlatformError):
+                await self._rest("press", lambda: interaction.response.defer())
+            chat, _ = self._interaction_chat(interaction)
+            message = interaction.message
+            press = Press(
+                platform=PLATFORM,
+                data=custom_id,
+                actor=self.actor(interaction.user.id),
+                chat=str(chat) if chat is not None else None,
+                message_id=str(message.id) if message is not None else None,
+                is_admin=self.is_admin(interaction.user.id),
+                reason=modal_value(data.get("components"), REASON_INPUT),
             )
             await self.press(press, _FollowupReply(self, interaction), key=f"interaction:{interaction.id}")
 
@@ -424,22 +491,35 @@ class DiscordAdapter(PlatformBase):
         message = await self._rest("send", lambda: target.send(body, **sending))
         return str(message.id)
 
+    # Card posts are idempotent on Discord (their nonce): the bus need not mark a post tried again.
+    idempotent_posts = True
+
     def _write_card(self, card: ApprovalCard, outcome: Outcome | None) -> LaidOut[Any]:
         return render_card(card, outcome=outcome, approve_partial=self.approve_partial)
 
     async def _post_card(self, chat: str, laid: LaidOut[Any], card: ApprovalCard) -> Posted:
         channel = self._target("card_post", chat, None)
         written = laid.written
-        sending: dict[str, Any] = {"embed": written.embed, "allowed_mentions": NO_MENTIONS}
+        # The same nonce for every attempt at this card: Discord (with enforce_nonce, which discord.py sends with
+        # every nonce) answers a repeat within minutes with the first message, so a post tried again after a
+        # crash or a lost answer never shows the card twice.
+        sending: dict[str, Any] = {
+            "embed": written.embed,
+            "allowed_mentions": NO_MENTIONS,
+            "nonce": card_nonce(card.request_id, chat),
+        }
         if written.view is not None:
             sending["view"] = written.view
         message = await self._rest("card_post", lambda: channel.send(**sending))
         return Posted(chat, str(message.id))
 
-    async def _edit_card(self, ref: CardRef, written: Any) -> bool:
-        site = "card_settle"
+    async def _edit_card(
+        self, site: str, ref: CardRef, laid: LaidOut[Any], card: ApprovalCard, *, settled: bool
+    ) -> bool:
+        written = laid.written
         channel = self._target(site, ref.chat, None)
         message = channel.get_partial_message(self._snowflake(site, ref.message_id))
+        view = None if settled else written.view  # settled: the buttons are removed
         # An identical re-edit succeeds on Discord, so settling twice is harmless.
-        await self._rest(site, lambda: message.edit(embed=written.embed, view=None, allowed_mentions=NO_MENTIONS))
+        await self._rest(site, lambda: message.edit(embed=written.embed, view=view, allowed_mentions=NO_MENTIONS))
         return True

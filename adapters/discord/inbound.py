@@ -82,3 +82,20 @@ def command_inbound(
         direct=interaction.guild_id is None,
         is_admin=is_admin(user.id),
     )
+
+
+def modal_value(components: Any, custom_id: str) -> str | None:
+    """The text a person typed into the modal input ``custom_id`` (rows of inputs, or labels around them)."""
+    if not isinstance(components, list):
+        return None
+    for component in components:
+        if not isinstance(component, dict):
+            continue
+        inner = component.get("components") or ([component["component"]] if "component" in component else [])
+        if inner:
+            found = modal_value(inner, custom_id)
+            if found is not None:
+                return found
+        elif component.get("custom_id") == custom_id and isinstance(component.get("value"), str):
+            return str(component["value"])
+    return None

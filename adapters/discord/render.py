@@ -88,7 +88,8 @@ def buttons_view(view: CardView) -> discord.ui.View | None:
         return None
     ui = discord.ui.View(timeout=None)
     for button in view.buttons:
-        style = discord.ButtonStyle.danger if button.kind is ButtonKind.DENY else discord.ButtonStyle.success
+        denies = button.kind in (ButtonKind.DENY, ButtonKind.DENY_REASON)
+        style = discord.ButtonStyle.danger if denies else discord.ButtonStyle.success
         ui.add_item(discord.ui.Button(style=style, label=button.label, custom_id=button.data))
     # A stopped view still renders its components but discord.py does not keep it
     # in its view store: presses are handled in on_interaction (see the adapter).

@@ -18,6 +18,7 @@ folds the ``message`` and ``app_mention`` events of one post into one).
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Unpack
@@ -38,6 +39,14 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
+from kazma.adapters.deny_reason import (
+    REASON_LABEL,
+    REASON_MAX,
+    REASON_SUBMIT,
+    REASON_TITLE,
+    deny_data,
+    reason_request,
+)
 from kazma.adapters.ingress import Arrival
 from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
@@ -54,6 +63,7 @@ from kazma.adapters.slack.render import (
     APPROVE_ACTION,
     CHOICE_ACTION,
     DENY_ACTION,
+    DENY_REASON_ACTION,
     MAX_MESSAGE_TEXT,
     MAX_SECTION_TEXT,
     REMEMBER_ACTION,
@@ -70,6 +80,11 @@ from kazma.config.models import SlackConfig
 log = structlog.get_logger("kazma.adapters.slack")
 
 AGENT_ICON: Final = ":robot_face:"
+
+
+REASON_VIEW = "kazma_deny_reason"  # the modal's callback id
+REASON_BLOCK = "kazma_reason"
+REASON_INPUT = "reason"
 
 
 class _EphemeralReply:
@@ -258,6 +273,8 @@ class SlackAdapter(PlatformBase):
         self.app.action(APPROVE_ACTION)(self._on_action)
         self.app.action(DENY_ACTION)(self._on_action)
         self.app.action(REMEMBER_ACTION)(self._on_action)
+        self.app.action(DENY_REASON_ACTION)(self._on_deny_reason)
+        self.app.view(REASON_VIEW)(self._on_reason)
         self.app.action(CHOICE_ACTION)(self._on_action)
 
     async def _drop_replays(
@@ -368,6 +385,69 @@ class SlackAdapter(PlatformBase):
             )
             await self.press(press, _EphemeralReply(self, channel, user), key=interaction_key(body, action))
 
+    async def _on_deny_reason(self, ack: AsyncAck, body: dict[str, Any], action: dict[str, Any]) -> None:
+        """ "Deny with reason": a modal asks for it (Slack keeps where the card is in the view's metadata)."""
+        await ack()
+        with self.tracking():
+            request_id = reason_request(str(action.get("value") or ""))
+            trigger = body.get("trigger_id")
+            if request_id is None or not trigger:
+                return
+            channel = str(
+                (body.get("channel") or {}).get("id") or (body.get("container") or {}).get("channel_id") or ""
+            )
+            message_ts = (body.get("container") or {}).get("message_ts") or (body.get("message") or {}).get("ts")
+            meta = json.dumps({"data": deny_data(request_id), "channel": channel, "ts": message_ts})
+            view = {
+                "type": "modal",
+                "callback_id": REASON_VIEW,
+                "private_metadata": meta,
+                "title": {"type": "plain_text", "text": REASON_TITLE[:24]},
+                "submit": {"type": "plain_text", "text": REASON_SUBMIT},
+                "close": {"type": "plain_text", "text": "Cancel"},
+                "blocks": [
+                    {
+                        "type": "input",
+                        "block_id": REASON_BLOCK,
+                        "label": {"type": "plain_text", "text": REASON_LABEL[:2000]},
+                        "element": {
+                            "type": "plain_text_input", "action_id": REASON_INPUT, "multiline": True,
+                            "max_length": REASON_MAX,
+                        },
+                    }
+                ],
+            }  # fmt: skip
+            await self.call(
+                "reason_modal",
+                channel or None,
+                lambda: self.client.views_open(trigger_id=trigger, view=view),
+                paced=False,
+            )
+
+    async def _on_reason(self, ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
+        """The modal was submitted: the Deny, with the words, through the one press policy."""
+        await ack()
+        with self.tracking():
+            try:
+                meta = json.loads(str(view.get("private_metadata") or "{}"))
+            except ValueError:
+                return
+            user = str((body.get("user") or {}).get("id", ""))
+            values = ((view.get("state") or {}).get("values") or {}).get(REASON_BLOCK) or {}
+            reason = str((values.get(REASON_INPUT) or {}).get("value") or "")
+            channel = str(meta.get("channel") or "")
+            press = Press(
+                platform=PLATFORM,
+                data=str(meta.get("data") or ""),
+                actor=self.actor(user),
+                chat=channel or None,
+                message_id=str(meta["ts"]) if meta.get("ts") else None,
+                is_admin=self.is_admin(user),
+                reason=reason,
+            )
+            key = f"view:{view.get('id')}" if view.get("id") else None
+            await self.press(press, _EphemeralReply(self, channel, user), key=key)
+
     # -- outbound ---------------------------------------------------------
 
     def _text_room(self, agent: str | None) -> tuple[int, Callable[[str], int] | None]:
@@ -450,9 +530,12 @@ class SlackAdapter(PlatformBase):
         )
         return Posted(chat, str(response.get("ts")))
 
-    async def _edit_card(self, ref: CardRef, written: Any) -> bool:
+    async def _edit_card(
+        self, site: str, ref: CardRef, laid: LaidOut[Any], card: ApprovalCard, *, settled: bool
+    ) -> bool:
+        written = laid.written  # its blocks hold the buttons while the card is open, none once settled
         await self.call(
-            "card_settle",
+            site,
             ref.chat,
             lambda: self.client.chat_update(
                 channel=ref.chat, ts=ref.message_id, text=written.text, blocks=written.blocks

@@ -32,10 +32,12 @@ from kazma.approvals.model import Outcome, Status
 APPROVE_ACTION: Final = "kazma_approve"
 DENY_ACTION: Final = "kazma_deny"
 REMEMBER_ACTION: Final = "kazma_remember"
+DENY_REASON_ACTION: Final = "kazma_deny_reason"
 _ACTIONS: Final = {
     ButtonKind.APPROVE: APPROVE_ACTION,
     ButtonKind.DENY: DENY_ACTION,
     ButtonKind.REMEMBER: REMEMBER_ACTION,
+    ButtonKind.DENY_REASON: DENY_REASON_ACTION,
 }
 CHOICE_ACTION: Final = re.compile(r"^kazma_choice_\d+$")  # one per choice of a question
 ACTIONS_BLOCK_ID: Final = "kazma_actions"

@@ -29,10 +29,13 @@ from typing import Any, Final, Unpack
 import structlog
 from telegram import (
     BotCommand,
+    CallbackQuery,
+    ForceReply,
     InlineKeyboardButton,
     InlineKeyboardMarkup,
     LinkPreviewOptions,
     Message,
+    ReplyParameters,
     Update,
 )
 from telegram.constants import ChatAction, ParseMode
@@ -50,11 +53,13 @@ from telegram.request import HTTPXRequest
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
+from kazma.adapters.deny_reason import deny_data, reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified
 from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip
 from kazma.adapters.telegram.inbound import PLAN_COMMAND, SWARM_COMMAND, normalise
+from kazma.adapters.telegram.reasons import Prompt, ReasonPrompts
 from kazma.adapters.telegram.render import (
     CALLBACK_DATA_LIMIT,
     TEXT_LIMIT,
@@ -67,6 +72,7 @@ from kazma.adapters.telegram.render import (
 )
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
+from kazma.config import failpoints
 from kazma.config.metrics import count_failure
 from kazma.config.models import TelegramConfig
 
@@ -77,6 +83,30 @@ _ALLOWED_UPDATES: Final = [Update.MESSAGE, Update.CALLBACK_QUERY]
 log = structlog.get_logger("kazma.adapters.telegram")
 
 AnyApplication = Application[Any, Any, Any, Any, Any, Any]
+
+
+class _ChatReply:
+    """The answer to a reason given by reply: Telegram has no private answer to a message, so it replies to it
+    (a winner's answer is the card's edit)."""
+
+    def __init__(self, adapter: TelegramAdapter, chat: str, message_id: int) -> None:
+        self.adapter = adapter
+        self.chat = chat
+        self.message_id = message_id
+
+    async def acknowledge(self, text: str) -> None:
+        return None
+
+    async def notify(self, text: str) -> None:
+        app = self.adapter._bot_app("press_reply")
+        await self.adapter.call(
+            "press_reply",
+            self.chat,
+            lambda: app.bot.send_message(
+                chat_id=int(self.chat), text=clip(text, 4000),
+                reply_parameters=ReplyParameters(message_id=self.message_id, allow_sending_without_reply=True),
+            ),
+        )  # fmt: skip
 
 
 class TelegramAdapter(PlatformBase):
@@ -104,6 +134,7 @@ class TelegramAdapter(PlatformBase):
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
         self.poll_timeout = poll_timeout
+        self.reasons = ReasonPrompts()  # "Deny with reason" prompts waiting for their presser's reply
         self._app: AnyApplication | None = None
         self._bot_username = ""
         self._bot_id = ""
@@ -301,6 +332,8 @@ class TelegramAdapter(PlatformBase):
             return
         events = [(f"{self._bot_id}:{u['update_id']}", json.dumps(u)) for u in updates if isinstance(u, dict)]
         await inbox.fetched(PLATFORM, events)
+        if failpoints.armed:  # kept in the inbox, not confirmed to Telegram yet (the next getUpdates confirms)
+            await failpoints.reached("telegram.inbox", lambda: OSError("the inbox could not be written (failpoint)"))
 
     def update_key(self, update: Update) -> str:
         """An update's claim key: update ids are counted per bot, so the bot's id comes with them."""
@@ -310,6 +343,13 @@ class TelegramAdapter(PlatformBase):
         message = update.message
         if message is None:
             return
+        if message.reply_to_message is not None and message.from_user is not None:
+            prompt, refusal = self.reasons.answer(
+                str(message.chat.id), str(message.reply_to_message.message_id), message.from_user.id
+            )
+            if prompt is not None or refusal is not None:
+                self.spawn(self._reason_given(message, prompt, refusal, update), name="telegram-reason")
+                return
         inbound = self.normalise(message)
         if inbound is not None:
             # PTB handles updates one at a time: hand the delivery off so a slow turn never holds the poller.
@@ -336,6 +376,10 @@ class TelegramAdapter(PlatformBase):
         if query is None:
             return
         message = query.message
+        asked = reason_request(query.data or "")
+        if asked is not None and message is not None:
+            self.spawn(self._ask_reason(query, asked), name=f"telegram-reason-{query.id}")
+            return
         press = Press(
             platform=PLATFORM,
             data=query.data or "",
@@ -345,6 +389,51 @@ class TelegramAdapter(PlatformBase):
             is_admin=self.is_admin(query.from_user.id),
         )
         self.spawn(self.press(press, QueryReply(query), key=self.update_key(update)), name=f"telegram-press-{query.id}")
+
+    async def _ask_reason(self, query: CallbackQuery, request_id: str) -> None:
+        """ "Deny with reason": a prompt replying to the card, bound to the presser for a short window."""
+        message = query.message
+        assert message is not None
+        chat = str(message.chat.id)
+        who = f"@{query.from_user.username}" if query.from_user.username else query.from_user.first_name
+        app = self._bot_app("reason_prompt")
+        with contextlib.suppress(PlatformError):
+            await self.call("press_reply", chat, lambda: query.answer(text="Reply to my message with your reason."),
+                            paced=False)  # fmt: skip
+        try:
+            sent = await self.call(
+                "reason_prompt",
+                chat,
+                lambda: app.bot.send_message(
+                    chat_id=message.chat.id,
+                    text=reply_prompt(request_id, who),
+                    reply_parameters=ReplyParameters(message_id=message.message_id, allow_sending_without_reply=True),
+                    reply_markup=ForceReply(selective=True),
+                ),
+            )
+        except PlatformError:
+            return  # counted and logged by the kit; the person can press again
+        self.reasons.open(chat, str(sent.message_id), user=query.from_user.id, data=deny_data(request_id),
+                          card_message=str(message.message_id))  # fmt: skip
+
+    async def _reason_given(self, message: Message, prompt: Prompt | None, refusal: str | None, update: Update) -> None:
+        """A reply to a reason prompt: the presser's words deny the request through the one press policy."""
+        user = message.from_user
+        assert user is not None
+        reply = _ChatReply(self, str(message.chat.id), message.message_id)
+        if prompt is None:
+            await reply.notify(refusal or "")
+            return
+        press = Press(
+            platform=PLATFORM,
+            data=prompt.data,
+            actor=self.actor(user.id),
+            chat=str(message.chat.id),
+            message_id=prompt.card_message,
+            is_admin=self.is_admin(user.id),
+            reason=message.text or message.caption or "",
+        )
+        await self.press(press, reply, key=self.update_key(update))
 
     async def _on_error(self, update: object, context: ContextTypes.DEFAULT_TYPE) -> None:
         log.error("telegram.update_failed", error=self._redact(repr(context.error)))
@@ -479,25 +568,32 @@ class TelegramAdapter(PlatformBase):
         # the card is where it landed, in a chat that moved included
         return Posted(str(message.chat_id), str(message.message_id))
 
-    async def _edit_card(self, ref: CardRef, written: Any) -> bool:
-        site = "card_settle"
+    async def _edit_card(
+        self, site: str, ref: CardRef, laid: LaidOut[Any], card: ApprovalCard, *, settled: bool
+    ) -> bool:
         app = self._bot_app(site)
         chat_id = self._chat_id(site, ref.chat)
         message_id = self._chat_id(site, ref.message_id)
+        written = laid.written
+        # Settled: no reply_markup, so Telegram drops the inline keyboard and the buttons cannot be pressed again.
+        markup = None
+        if not settled:
+            opens = mini_app_button(card, ref.chat, bot_username=self._bot_username, short_name=self.config.mini_app)
+            markup = with_button(written.keyboard, opens)
 
         async def edit() -> bool:
             try:
-                # No reply_markup: Telegram drops the inline keyboard, so the buttons cannot be pressed again.
                 await app.bot.edit_message_text(
                     text=written.html,
                     chat_id=chat_id,
                     message_id=message_id,
                     parse_mode=ParseMode.HTML,
+                    reply_markup=markup,
                     link_preview_options=_NO_PREVIEW,
                 )
             except Exception as exc:
                 if not_modified(exc):
-                    return False  # already shows this outcome: settling is idempotent
+                    return False  # already shows this: editing is idempotent
                 raise
             return True
 

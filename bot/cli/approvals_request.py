@@ -50,11 +50,12 @@ def _value(raw: str) -> Any:
     help="Wait for the outcome; exit 0 approved, 1 denied, 2 timeout, 3 cancelled, 5 interrupted (withdrawn).",
 )
 @click.option("--deadline", type=click.FloatRange(1, 7 * 24 * 3600), default=None, help="Seconds to decide.")
+@click.option("--policy", default=None, help="The approvals policy it is decided under (approvals.policies).")
 @click.option("--url", envvar="KAZMA_URL", default=None, help="Kazma's web address (default: web.public_url).")
 @click.pass_obj
 def request(
     obj: Context, tool: str, args: tuple[str, ...], reason: str | None, wait: bool, deadline: float | None,
-    url: str | None,
+    url: str | None, policy: str | None = None,
 ) -> None:  # fmt: skip
     """Open an approval request (token: $KAZMA_API_TOKEN); print its id and its card's link.
 
@@ -84,6 +85,8 @@ def request(
         body["reason"] = reason
     if deadline is not None:
         body["deadline_seconds"] = deadline
+    if policy is not None:
+        body["policy"] = policy
     base = (url or obj.load().config.web.public_url).rstrip("/")
     # One key for this invocation: a retried POST (a dropped connection) gets the same request, not a second card.
     headers = {"Authorization": f"Bearer {token}", "Idempotency-Key": str(uuid.uuid4())}

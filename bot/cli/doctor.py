@@ -11,6 +11,7 @@ from kazma.bot.cli.audit_checks import check_audit
 from kazma.bot.cli.checks import Check, Level
 from kazma.bot.cli.decision_checks import check_decisions
 from kazma.bot.cli.platform_checks import check_platforms, console_checks
+from kazma.bot.cli.policy_checks import check_policy_passkeys
 from kazma.bot.store import open_store, store_for_command
 from kazma.config import LoadedConfig, platform_statuses
 from kazma.config.models import MCPServerConfig, ModelConfig
@@ -30,8 +31,19 @@ async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0, platfo
     for status in platform_statuses(loaded):
         if status.enabled:
             checks.append(Check(f"platform.{status.name}", Level.OK, f"on ({status.reason})"))
-        else:
+        elif status.name not in loaded.platforms_without_secrets:
             checks.append(Check(f"platform.{status.name}", Level.OK, f"off: {status.reason}"))
+        # Loaded without a secret the file reads (not exported here): one failed check; the rest still run.
+        checks.extend(
+            Check(
+                f"platform.{status.name}",
+                Level.FAIL,
+                f"environment variable {var} is not set ({where} reads it): export it, or write ${{{var}:-}} "
+                "to leave the platform off",
+            )
+            for where, var in loaded.unset_secrets
+            if where.split(".")[1] == status.name
+        )
         checks.extend(answers.get(status.name, []))
         checks.extend(Check(f"platform.{status.name}", Level.WARN, w) for w in status.warnings)
     checks.extend(console_checks(loaded))
@@ -41,6 +53,8 @@ async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0, platfo
     checks.append(store)
     checks.extend(await check_decisions(loaded, store_ok=store.level is not Level.FAIL))
     checks.extend(await check_audit(loaded, store_ok=store.level is not Level.FAIL))
+    if store.level is not Level.FAIL:
+        checks.extend(await check_policy_passkeys(loaded))
     if loaded.config.store.backend == "postgresql":
         checks.append(await check_replicas(loaded))
     checks.append(await check_model(loaded, wait_seconds=model_timeout))

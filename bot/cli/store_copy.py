@@ -33,6 +33,7 @@ from psycopg import sql
 from kazma.bot.store import all_migrations, pg_migrations
 from kazma.config.env import substitute
 from kazma.config.store.database import Migration, open_database
+from kazma.config.store.pg_text import nul_safe
 from kazma.config.store.postgres import apply_pg_migrations
 
 log = structlog.get_logger("kazma.store")
@@ -317,6 +318,7 @@ async def copy_store(
         )
     except psycopg.Error as exc:
         raise CopyError(f"cannot reach {shown}: {_scrub(str(exc), target_url)}") from None
+    nul_safe(conn)  # a SQLite value holding U+0000 is copied as Kazma's PostgreSQL store writes it
     # Read only, though not opened read-only: a read-only connection cannot open a WAL file whose -shm is gone.
     source = sqlite3.connect(source_path, isolation_level=None, timeout=busy_timeout_ms / 1000)
     try:

@@ -20,6 +20,7 @@ from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
 from kazma.config import LoadedConfig
 from kazma.config.registry import ROUTE_PLATFORMS
+from kazma.engine.swarm.endings import ending_lines
 from kazma.engine.swarm.grammar import USAGES, parse
 from kazma.engine.swarm.limits import LimitExceeded, check_context
 from kazma.engine.swarm.records import task_json
@@ -73,6 +74,8 @@ async def _execute(loaded: LoadedConfig, text: str, login: str, context: str = "
             if record is not None:
                 output = record.result.get("output", "") if record.result else ""
                 click.echo(f"{record.status.value}: {output or record.error or ''}")
+                for line in ending_lines(record):  # what its tools did, the answers it kept
+                    click.echo(line)
                 return 0 if record.status.value in ("succeeded", "partial") else 1
         return 1 if answer.startswith("Not started:") else 0
     finally:
@@ -184,7 +187,7 @@ def show(task_id: str, as_json: bool) -> None:
 async def _show(loaded: LoadedConfig, task_id: str, as_json: bool) -> int:
     app = await build_app(loaded, adapters=[])
     try:
-        record = await app.swarm.store.get(task_id)
+        record = await app.swarm.task(task_id)
         if record is None:
             click.echo(f"no swarm task {task_id!r}", err=True)
             return 1

@@ -94,6 +94,8 @@ DOORS: tuple[Door, ...] = (
     Door("POST", "/console/upload", _O, "files (and a message) to the agents"),
     # deciding and steering
     Door("POST", "/approvals/{id}/decide", _P, "Approve or Deny by a proven person (the service checks the approver)"),
+    Door("POST", "/approvals/{id}/step-up/options", _P, "a step-up challenge: this person's passkeys, this request"),
+    Door("POST", "/approvals/{id}/step-up", _P, "Approve under a step_up policy: a fresh passkey assertion, verified"),
     Door("POST", "/approvals/rules/{id}/revoke", _O, "revoke a remembered approval"),
     Door("POST", "/swarm/command", _O, "a /swarm command from the dashboard"),
     Door("POST", "/swarm/tasks/{id}/{action}", _O, "cancel, retry, approve or reject a swarm task"),

@@ -1,13 +1,12 @@
 """HTML for the web console: plain pages, every value escaped on the way out.
 
 Nothing here trusts its input. Agent output, tool arguments, user names and
-command answers all go through :func:`e` (``html.escape`` with quotes), and the
+command answers all go through :func:`e` (the one HTML escape, ``kazma.adapters.web.render.e``), and the
 pages carry no inline script, so the CSP can forbid it outright.
 """
 
 from __future__ import annotations
 
-import html
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,9 +19,10 @@ from kazma.adapters.admission import FileBounds, human_size
 from kazma.adapters.card_layout import APPROVE_LABEL, DENY_LABEL, ButtonKind, CardView
 from kazma.adapters.human_text import LABEL_PREFIX, for_humans
 from kazma.adapters.web import WebMessage, render
+from kazma.adapters.web.render import e
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.honesty import reveal, reveal_line
-from kazma.approvals.model import ApprovalRequest, Outcome, Status, Waits, decider_text
+from kazma.approvals.model import MAX_REASON, ApprovalRequest, Outcome, Status, Waits, decider_text
 from kazma.approvals.rules import Rule
 from kazma.approvals.store import AuditEvent, PostedCard
 from kazma.approvals.withdrawal import POLL_GRACE
@@ -31,6 +31,7 @@ from kazma.bot.console.dashboard_charts import charts_html
 from kazma.bot.console.dashboard_data import DashboardData
 from kazma.bot.console.swarm_views import call_rows, handoff_chain, worker_numbers
 from kazma.bot.console.times import times_in, when_html
+from kazma.engine.swarm.endings import ending_lines
 from kazma.engine.swarm.limits import MAX_COMMAND_BYTES
 from kazma.engine.swarm.store import TaskRecord
 from kazma.engine.swarm.types import TaskStatus
@@ -149,11 +150,6 @@ class SignInChoices:
     platforms: tuple[tuple[str, str], ...] = ()  # (label, where the sign-in starts): Sign in with Slack, …
 
 
-def e(value: object) -> str:
-    """Escape anything for HTML text and attribute values."""
-    return html.escape("" if value is None else str(value), quote=True)
-
-
 def agent_class(author: str) -> str:
     """A stable colour class per agent (``a0``…``a7``); people are drawn quietly."""
     if not author.startswith("agent:"):
@@ -226,13 +222,38 @@ def form(action: str, viewer: Viewer, fields: Mapping[str, str], label: str, *, 
     )
 
 
+def deny_form(action: str, viewer: Viewer, next_path: str) -> str:
+    """Deny, with an optional reason beside it: empty, it is one press."""
+    hidden = "".join(
+        f'<input type="hidden" name="{e(name)}" value="{e(value)}">'
+        for name, value in {"csrf": viewer.csrf, "decision": "deny", "next": next_path}.items()
+    )
+    return (
+        f'<form class="inline" method="post" action="{e(action)}">{hidden}'
+        f'<input type="text" name="reason" maxlength="{MAX_REASON}" placeholder="Reason (optional)"'
+        ' aria-label="Reason for denying (optional)">'
+        f'<button type="submit" class="deny">{e(DENY_LABEL)}</button></form>'
+    )
+
+
 def decide_buttons(viewer: Viewer, request_id: str, next_path: str, *, approve: bool = True) -> str:
     action = f"/approvals/{quote(request_id, safe='')}/decide"
-    deny = form(action, viewer, {"decision": "deny", "next": next_path}, DENY_LABEL, button_class="deny")
+    deny = deny_form(action, viewer, next_path)
     if approve:
         fields = {"decision": "approve", "next": next_path}
         deny = form(action, viewer, fields, APPROVE_LABEL, button_class="approve") + " " + deny
     return f'<div class="buttons" id="b-{e(request_id)}">{deny}</div>'
+
+
+def step_up_button(viewer: Viewer, request_id: str) -> str:
+    """Approve under a step_up policy: the person's passkey signs a challenge for this request (people.js)."""
+    base = f"/approvals/{quote(request_id, safe='')}/step-up"
+    return (
+        "<p>This call's policy asks for your passkey to approve it (Deny is one press).</p>"
+        f'<p><button type="button" class="approve" id="passkey-step-up" data-options="{e(base)}/options"'
+        f' data-verify="{e(base)}" data-csrf="{e(viewer.csrf)}">Approve with your passkey</button></p>'
+        '<p class="error" id="passkey-error" role="alert" hidden></p>'
+    )
 
 
 def message_page(title: str, text: str, *, viewer: Viewer | None = None, link: tuple[str, str] | None = None) -> str:
@@ -489,6 +510,7 @@ def approval_page(
         ("When", when_html(request.created_at)),
         ("Deadline", when_html(request.deadline)),
         ("Decided", decided),
+        ("Policy", e(policy_text(request))),
     ]
     fact_rows = "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in facts)
     audit = "".join(
@@ -505,10 +527,12 @@ def approval_page(
     buttons = ""
     if request.status is Status.PENDING:
         buttons = (
-            decide_buttons(viewer, request.id, approval_href(request.id), approve=not changed)
+            decide_buttons(viewer, request.id, approval_href(request.id), approve=not changed and not request.step_up)
             if viewer.may_decide
             else f"<p>Pending. {e(cannot_decide_here(viewer))}</p>"
         )
+        if viewer.may_decide and request.step_up and not changed:
+            buttons = step_up_button(viewer, request.id) + buttons
     body = (
         f"<h1>Approval {e(request.id)}</h1>"
         f"<table>{fact_rows}</table>{buttons}"
@@ -523,7 +547,19 @@ def approval_page(
         "<h2>Cards posted</h2><table><tr><th>platform</th><th>chat</th><th>message</th><th>posted</th>"
         f"<th>settled</th><th>shows</th></tr>{posted}</table>"
     )
-    return layout(f"Approval {request.id}", body, viewer=viewer, flash=flash)
+    stepping = viewer.may_decide and request.step_up and request.status is Status.PENDING
+    return layout(
+        f"Approval {request.id}", body, viewer=viewer, flash=flash, script=PEOPLE_SCRIPT if stepping else None
+    )
+
+
+def policy_text(request: ApprovalRequest) -> str:
+    """The policy a request is decided under, for its page."""
+    said = [f"{request.approve_needed} {'person approves' if request.approve_needed == 1 else 'people approve'}"]
+    said.append(f"{request.deny_needed} {'denial ends it' if request.deny_needed == 1 else 'denials end it'}")
+    if request.step_up:
+        said.append("Approve only here, with a passkey")
+    return f"{request.policy or 'default'}: {', '.join(said)}"
 
 
 def cannot_decide_here(viewer: Viewer) -> str:
@@ -606,7 +642,8 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
             f"<td>{e(', '.join(str(w) for w in workers))}{handoff_chain(t)}{call_rows(data.calls.get(t.id, ()))}</td>"
             f"<td>{e(t.current_step)}</td>"
             f"<td>{when_html(t.created_at)}</td><td>{when_html(t.finished_at)}</td>"
-            f"<td>{e(_excerpt(output)) if output else ''}</td><td>{e(used)}</td><td>{e(t.error or '')}</td>"
+            f"<td>{e(_excerpt(output)) if output else ''}{_ending_html(t)}</td><td>{e(used)}</td>"
+            f"<td>{e(t.error or '')}</td>"
             f"<td>{_task_actions(viewer, t)}</td></tr>"
         )
     summary = ", ".join(f"{n} {e(s)}" for s, n in data.counts.items() if n) or "no tasks"
@@ -632,6 +669,14 @@ def dashboard_html(viewer: Viewer, data: DashboardData) -> str:
         f"<th>when</th><th>asker last asked</th><th>decided by</th></tr>{approval_rows}</table>"
         f"{rules_section(viewer, data.rules)}</div>"
     )
+
+
+def _ending_html(task: TaskRecord) -> str:
+    """What the task's tools did, and the answers it kept (swarm/endings.py): the same lines as /swarm status."""
+    lines = ending_lines(task, limit=400)
+    if not lines:
+        return ""
+    return '<div class="ending">' + "".join(f"<div>{e(reveal_line(line))}</div>" for line in lines) + "</div>"
 
 
 def rules_section(viewer: Viewer, rules: Sequence[Rule]) -> str:

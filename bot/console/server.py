@@ -68,6 +68,7 @@ from kazma.bot.console.sessions import SessionStore
 from kazma.bot.console.signin import LocalLogin, SignIn
 from kazma.bot.console.signin_pages import bootstrap_form
 from kazma.bot.console.static import CONSOLE_JS
+from kazma.bot.console.step_up import StepUp
 from kazma.bot.console.upload import UploadRefused, read_upload
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure, with_label
 from kazma.engine.swarm.grammar import parse
@@ -200,6 +201,7 @@ class WebServer:
         platforms = PlatformSignIn(auth, signin.accounts, config, signin.rp)
         auth.choices = SignInChoices(passkey_problem=signin.rp.problem, platforms=platforms.offered())
         telegram = TelegramApp(auth, config)
+        step_up = StepUp(auth, signin.accounts, signin.rp, self.services.approvals)
         doors = Doors(auth, lambda request: caller_of(config, request))
         # keep_flash outside the door: it writes back the flash lines of the session the door found
         application = web.Application(client_max_size=self.BODY_LIMIT, middlewares=[auth.keep_flash, doors.guard])
@@ -232,6 +234,8 @@ class WebServer:
                 ("GET", "/conversations/{conversation}"): self.conversations,
                 ("GET", "/console/files/{id}"): self.file,
                 ("POST", "/approvals/{id}/decide"): self.decide,
+                ("POST", "/approvals/{id}/step-up/options"): step_up.options,
+                ("POST", "/approvals/{id}/step-up"): step_up.approve,
                 ("GET", "/swarm"): self.swarm,
                 ("POST", "/swarm/tasks/{id}/{action}"): self.task_action,
                 ("POST", "/swarm/command"): self.swarm_command,
@@ -549,8 +553,9 @@ class WebServer:
             # decided as the identity the proof established, on that identity's own platform: a passkey's
             # web:alice via web, a Telegram Mini App's telegram:111 via telegram
             result = await self.services.approvals.decide(
-                request_id, decision, actor=session.actor, platform=session.platform
-            )
+                request_id, decision, actor=session.actor, platform=session.platform,
+                reason=fields.get("reason") if decision is Decision.DENY else None,
+            )  # fmt: skip
         log.info(
             "web.decide", request_id=request_id, actor=session.actor, person=session.person,
             proof=session.proof.value, verdict=result.verdict.value,

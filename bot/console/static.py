@@ -197,8 +197,42 @@ PEOPLE_JS = r"""
         .catch(function (err) { say(err && err.message ? err.message : String(err)); button.disabled = false; });
     });
   }
+  function stepUp(button) {
+    // A proven person's door: the session's CSRF token rides in a header on both requests.
+    var csrf = button.getAttribute("data-csrf");
+    function send(url, body) {
+      return fetch(url, {
+        method: "POST", credentials: "same-origin",
+        headers: { "Content-Type": "application/json", "X-CSRF-Token": csrf }, body: JSON.stringify(body || {})
+      }).then(function (response) {
+        return response.json().catch(function () { return {}; }).then(function (data) {
+          if (!response.ok) { throw new Error(data.error || ("refused (" + response.status + ")")); }
+          return data;
+        });
+      });
+    }
+    return send(button.getAttribute("data-options")).then(function (options) {
+      var key = options.publicKey;
+      key.challenge = fromB64(key.challenge);
+      key.allowCredentials = descriptors(key.allowCredentials);
+      return navigator.credentials.get({ publicKey: key });
+    }).then(function (got) {
+      return send(button.getAttribute("data-verify"), {
+        id: got.id, rawId: toB64(got.rawId), type: got.type,
+        response: {
+          clientDataJSON: toB64(got.response.clientDataJSON),
+          authenticatorData: toB64(got.response.authenticatorData),
+          signature: toB64(got.response.signature),
+          userHandle: got.response.userHandle ? toB64(got.response.userHandle) : null
+        },
+        clientExtensionResults: got.getClientExtensionResults(),
+        authenticatorAttachment: got.authenticatorAttachment || null
+      });
+    });
+  }
   wire("passkey-enrol", enrol);
   wire("passkey-sign-in", assert);
+  wire("passkey-step-up", stepUp);
 
   // A Telegram Mini App: Telegram opened this page with its signed initData in the fragment.
   var app = document.getElementById("telegram-app");

@@ -123,3 +123,17 @@ def held_by_gone(column: str, live: Collection[str] | None) -> tuple[str, tuple[
         return f"{column} IS NOT NULL", ()
     names = tuple(live)
     return f"{column} IS NOT NULL AND {column} NOT IN ({', '.join('?' * len(names))})", names
+
+
+async def database_identity(backend: object) -> str:
+    """Which database ``backend`` (a SQLite connection or its ``Tables``, a ``PgStore`` or its ``PgTables``)
+    writes to: two stores with the same identity can write in one transaction of either's writer."""
+    if isinstance(backend, aiosqlite.Connection):
+        backend = Tables.of(backend)
+    if isinstance(backend, Tables):
+        rows = await backend.all("PRAGMA database_list")
+        path = next((str(row[2]) for row in rows if row[1] == "main"), "")
+        return f"sqlite:{path}" if path else f"sqlite-memory:{id(backend.conn)}"
+    store = getattr(backend, "store", backend)  # PgTables -> PgStore
+    conninfo = getattr(store, "conninfo", None)
+    return f"postgresql:{conninfo}" if conninfo is not None else f"other:{id(store)}"

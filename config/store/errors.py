@@ -16,3 +16,12 @@ def store_errors() -> tuple[type[BaseException], ...]:
     psycopg = sys.modules.get("psycopg")
     extra: tuple[type[BaseException], ...] = (psycopg.Error,) if psycopg is not None else ()
     return (sqlite3.Error, OSError, *extra)
+
+
+def simulated_failure(where: object, what: str) -> BaseException:
+    """The error a failing store raises at ``where`` (a writer's transaction, a backend), for a failpoint's
+    ``error`` action: psycopg's ``OperationalError`` on PostgreSQL, sqlite3's otherwise."""
+    if type(where).__module__.startswith("kazma.config.store.p"):  # postgres, pg_tables: psycopg is loaded
+        psycopg = sys.modules["psycopg"]
+        return psycopg.OperationalError(f"{what}: the server closed the connection (failpoint)")  # type: ignore[no-any-return]
+    return sqlite3.OperationalError(f"{what}: disk I/O error (failpoint)")

@@ -45,6 +45,7 @@ from psycopg_pool import AsyncConnectionPool
 from kazma.config.metrics import count_failure
 from kazma.config.store.group_commit import Deferred, GroupQueue, Job
 from kazma.config.store.migrations import Migration, run_migrations
+from kazma.config.store.pg_text import nul_safe, nul_safe_async
 
 log = structlog.get_logger("kazma.store")
 
@@ -230,6 +231,7 @@ class PgWriter(GroupQueue):
                 application_name=self.application_name,
                 connect_timeout=max(1, int(self.connect_timeout)),
             )
+            nul_safe(self._conn)  # text with U+0000 is kept, as on SQLite (pg_text.py)
             self.backend_pid = self._conn.info.backend_pid
         return self._conn
 
@@ -426,6 +428,7 @@ async def open_pg_store(
         open=False,
         timeout=connect_timeout,
         kwargs={"autocommit": True, "application_name": f"{application_name}-read"},
+        configure=nul_safe_async,  # text with U+0000 reads back as written (pg_text.py)
         name=f"{application_name}-read",
     )
     await pool.open(wait=True, timeout=connect_timeout)

@@ -15,18 +15,21 @@ import contextlib
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
+from kazma.config import failpoints
 from kazma.config.models import KazmaConfig
 from kazma.engine.fence import Fenced
 from kazma.engine.swarm.limits import LimitExceeded, check_context
 from kazma.engine.swarm.metrics import WORKER_CALLS, WORKER_LATENCY, WORKER_TOKENS, swarm_failure
 from kazma.engine.swarm.reliability import BreakerState, CircuitBreaker, RetryPolicy, with_timeout
 from kazma.engine.swarm.state_store import SwarmStateStore
-from kazma.engine.swarm.store import SwarmTaskStore, TaskRun
+from kazma.engine.swarm.store import StoreUnavailable, SwarmTaskStore, TaskRun
 from kazma.engine.swarm.types import ErrorKind, Worker, WorkerResult, current_step
+from kazma.engine.tools.executions import Effects, task_scope, tracking
+from kazma.engine.types import ModelError
 
 log = structlog.get_logger("kazma.swarm")
 
@@ -172,18 +175,34 @@ class WorkerCalls:
         self, worker: Worker, prompt: str, context: Fenced, task: TaskCalls | None, attempt: int, seconds: float
     ) -> WorkerResult:
         seq = None if task is None else await self._start_record(task, worker.name, attempt)
+        scope = "" if task is None else task_scope(task.task_id, seq)
+        effects = Effects(scope=scope, task_id=None if task is None else task.task_id)
         try:
-            result = await with_timeout(lambda: worker.run(prompt, context=context), seconds, worker=worker.name)
+            if failpoints.armed and task is not None:
+                await failpoints.reached("swarm.step.started", _model_failure)
+            with tracking(effects):
+                result = await with_timeout(lambda: worker.run(prompt, context=context), seconds, worker=worker.name)
+            if failpoints.armed and task is not None:
+                await failpoints.reached("swarm.step.finished", _journal_failure)
         except asyncio.CancelledError:
             if task is not None and seq is not None:
                 stopped = WorkerResult(worker.name, False, error="stopped: the task's deadline, a cancel or shutdown")
                 await asyncio.shield(self._finish_record(task, seq, stopped))
             raise
         except Exception as exc:
+            crashed = WorkerResult(worker.name, False, error=f"{type(exc).__name__}: {exc}")
+            if effects.started_changing:
+                # A tool that changes things ran before the failure: a failed result that is never retried.
+                crashed = replace(crashed, changed_state=True, error=f"{crashed.error}; {effects.summary().line()}")
             if task is not None and seq is not None:
-                crashed = WorkerResult(worker.name, False, error=f"{type(exc).__name__}: {exc}")
                 await self._finish_record(task, seq, crashed)
-            raise
+            if not crashed.changed_state:
+                raise
+            return crashed
+        if isinstance(result, WorkerResult) and not result.ok and not result.changed_state and effects.started_changing:
+            # Cut off (its own timeout) while a tool that changes things had started: it may have run, and a retry
+            # or a fallback would run it again. Said, and never repeated.
+            result = replace(result, changed_state=True, error=f"{result.error}; {effects.summary().line()}")
         if task is not None and seq is not None:
             await self._finish_record(task, seq, result)
         return result
@@ -230,3 +249,13 @@ class WorkerCalls:
             swarm_failure("worker_metric")
             log.warning("swarm.metrics_unsaved", worker=worker, error=f"{type(exc).__name__}: {exc}")
         self.changed()
+
+
+def _model_failure() -> BaseException:
+    """A worker call's start failing as a model's server does (the ``swarm.step.started`` failpoint)."""
+    return ModelError("the model's server closed the connection (failpoint)", permanent=False)
+
+
+def _journal_failure() -> BaseException:
+    """A step's ending not taken by the store (the ``swarm.step.finished`` failpoint)."""
+    return StoreUnavailable("journal", "the store refused the write (failpoint)")

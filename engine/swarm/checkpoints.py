@@ -15,9 +15,13 @@ from collections.abc import Callable
 
 import structlog
 
+from kazma.approvals.chain import AuditChain
 from kazma.approvals.model import Decision, PressVerdict, Status
-from kazma.approvals.service import ApprovalRefused, ApprovalService, ExecutionMismatch
+from kazma.approvals.service import ApprovalService, ExecutionMismatch
+from kazma.config import failpoints
 from kazma.config.models import KazmaConfig
+from kazma.config.store.backend import Tx, database_identity
+from kazma.config.store.errors import simulated_failure
 from kazma.engine.swarm.metrics import swarm_failure
 from kazma.engine.swarm.store import (
     AtCapacity,
@@ -40,6 +44,30 @@ def checkpoint_id(step: str) -> str | None:
     return parts[1] if len(parts) > 1 and parts[0] == "checkpoint" else None
 
 
+class _NotPaused(Exception):
+    """The pause changed no row (the task was cancelled, or this run is stale): nothing is opened."""
+
+
+class _PauseGate:
+    """The paused row, written first in the transaction that opens the checkpoint's request and queues its card
+    posts; a pause that changes no row undoes the whole transaction (approvals' ``OpenGate``)."""
+
+    def __init__(self, store: SwarmTaskStore, run: TaskRun, step_of: Callable[[str], str]) -> None:
+        self.store = store
+        self.run = run
+        self.step_of = step_of
+
+    def admit(self, tx: Tx, request_id: str) -> str | None:
+        if failpoints.armed:
+            failpoints.reached_sync("swarm.checkpoint.card", lambda: simulated_failure(tx, "checkpoint"))
+        if self.store.pause_statements(self.run, self.step_of(request_id))(tx) != 1:
+            raise _NotPaused(self.run.task_id)
+        return None
+
+    def opened(self, tx: Tx, request_id: str, audit: AuditChain) -> None:
+        return None
+
+
 class Checkpoints:
     def __init__(
         self,
@@ -54,9 +82,16 @@ class Checkpoints:
         self.approvals = approvals
         self.capacity = capacity
         self.report = report
+        self._shared: bool | None = None  # the task store and the approvals write to one database
 
     async def pause(self, run: TaskRun, conversation: str, index: int, result: WorkerResult) -> TaskRun | None:
-        """Pause after stage ``index + 1``: an approval card everywhere; approve resumes, reject or deadline ends."""
+        """Pause after stage ``index + 1``: an approval card everywhere; approve resumes, reject or deadline ends.
+
+        The card and the paused row are one commit where the task store and the approvals share a database
+        (every running Kazma): a card is never out for a task that is not paused at it, whatever stops in
+        between. Elsewhere (stores in two files: only tests build that) the request opens first and the pause
+        follows, the pair shielded from a stop; the sweep (:meth:`withdraw_stale`) withdraws what a crash left.
+        """
         if self.approvals is None:
             raise RuntimeError("a checkpoint needs the approvals service")
         limit = self.config.swarm.max_paused_pipelines
@@ -66,34 +101,116 @@ class Checkpoints:
             self.report(f"swarm task {run.task_id} failed: {error}")
             return None
         args = {"task": run.task_id, "after_stage": index + 1, "worker": result.worker, "output": result.output[:2000]}
+
+        def step_of(approval_id: str) -> str:
+            return f"checkpoint {approval_id} after stage {index + 1} ({result.worker})"
+
+        if await self._one_database():
+            approval_id = await self._open_paused(run, conversation, index, args, step_of)
+        else:
+            approval_id = await asyncio.shield(self._open_then_pause(run, conversation, index, args, step_of))
+        if approval_id is None:
+            return None
+        self.report(f"swarm task {run.task_id} paused after stage {index + 1}: approve or reject it")
         try:
-            approval = await self.approvals.open(
+            if failpoints.armed:
+                await failpoints.reached(
+                    "swarm.checkpoint.paused", lambda: simulated_failure(self.approvals_tables(), "checkpoint wait")
+                )
+            return await self.wait(run.task_id, approval_id)
+        except Exception as exc:
+            # The task ends with this error (failed); its card must not outlive it with live buttons.
+            await self.settle(approval_id, run.task_id, f"the pipeline stopped at its checkpoint: {exc}")
+            raise
+
+    def approvals_tables(self) -> object:
+        assert self.approvals is not None
+        return self.approvals.store.tables
+
+    async def _one_database(self) -> bool:
+        if self._shared is None:
+            self._shared = await database_identity(self.store.tables) == await database_identity(
+                self.approvals_tables()
+            )
+        return self._shared
+
+    async def _gate_failed(self, run: TaskRun, index: int, exc: BaseException) -> None:
+        swarm_failure("gate_register")
+        log.warning("swarm.checkpoint_unopened", task_id=run.task_id, error=f"{type(exc).__name__}: {exc}")
+        error = f"the checkpoint after stage {index + 1} could not be opened: {exc}"
+        await self.store.finish(run, TaskStatus.FAILED, result=None, error=error)
+        self.report(f"swarm task {run.task_id} failed: {error}")
+
+    async def _open_paused(
+        self, run: TaskRun, conversation: str, index: int, args: dict[str, object], step_of: Callable[[str], str]
+    ) -> str | None:
+        """The checkpoint's request, its card posts and the paused row in one transaction: its id, or None."""
+        assert self.approvals is not None
+        gate = _PauseGate(self.store, run, step_of)
+        try:
+            approval, _ = await self.approvals.open_once(
                 CHECKPOINT_TOOL,
                 args,
                 f"swarm:{run.task_id}",
                 conversation,
                 task_id=run.task_id,
                 durable=True,  # the paused pipeline picks it up again after a restart: not an orphan
+                gate=gate,
             )
-        except (ApprovalRefused, Exception) as exc:  # no gate, no pause: the task ends, saying why
-            swarm_failure("gate_register")
-            log.warning("swarm.checkpoint_unopened", task_id=run.task_id, error=f"{type(exc).__name__}: {exc}")
-            error = f"the checkpoint after stage {index + 1} could not be opened: {exc}"
-            await self.store.finish(run, TaskStatus.FAILED, result=None, error=error)
-            self.report(f"swarm task {run.task_id} failed: {error}")
+        except _NotPaused:  # cancelled meanwhile (or a stale run): nothing was opened, the canceller ends it
+            await self.store.pause_refused(run, step_of("-"))
             return None
-        paused = f"checkpoint {approval.id} after stage {index + 1} ({result.worker})"
+        except Exception as exc:  # no gate, no pause: the task ends, saying why
+            await self._gate_failed(run, index, exc)
+            return None
+        return approval.id
+
+    async def _open_then_pause(
+        self, run: TaskRun, conversation: str, index: int, args: dict[str, object], step_of: Callable[[str], str]
+    ) -> str | None:
+        assert self.approvals is not None
         try:
-            recorded = await self.store.pause(run, paused)
+            approval = await self.approvals.open(
+                CHECKPOINT_TOOL, args, f"swarm:{run.task_id}", conversation, task_id=run.task_id, durable=True
+            )
+        except Exception as exc:  # ApprovalRefused, a store error: no gate, no pause
+            await self._gate_failed(run, index, exc)
+            return None
+        try:
+            recorded = await self.store.pause(run, step_of(approval.id))
         except StoreUnavailable as exc:
             swarm_failure("task_write")
             log.warning("swarm.pause_unrecorded", task_id=run.task_id, error=str(exc))
-            recorded = False
-        if not recorded:  # cancelled meanwhile, or not written: nobody must approve a pause that is not there
+            await self.settle(approval.id, run.task_id, "the pipeline did not pause")
+            raise
+        if not recorded:  # cancelled meanwhile: nobody must approve a pause that is not there
             await self.settle(approval.id, run.task_id, "the pipeline did not pause")
             return None
-        self.report(f"swarm task {run.task_id} paused after stage {index + 1}: approve or reject it")
-        return await self.wait(run.task_id, approval.id)
+        return approval.id
+
+    async def withdraw_stale(self) -> list[str]:
+        """Withdraw every pending checkpoint request whose task is not paused at it (ended, or paused at another
+        one): what a crash between a card and its pause left, or an ending that could not withdraw its card.
+        Run at start and by the sweep; the ids withdrawn."""
+        if self.approvals is None:
+            return []
+        withdrawn: list[str] = []
+        for request in await self.approvals.store.requests(pending_only=True, limit=10_000):
+            if request.tool != CHECKPOINT_TOOL or not request.requested_by.startswith("swarm:"):
+                continue
+            task_id = request.task_id or request.requested_by.removeprefix("swarm:")
+            record = await self.store.get(task_id)
+            waiting = record is not None and (
+                record.status is TaskStatus.RUNNING  # about to pause at it (stores in two files)
+                or (record.status is TaskStatus.PAUSED and checkpoint_id(record.current_step) == request.id)
+            )
+            if waiting:
+                continue
+            state = "gone" if record is None else f"{record.status.value} without it"
+            await self.settle(request.id, task_id, f"the task is {state}")
+            withdrawn.append(request.id)
+            log.warning("swarm.checkpoint_withdrawn", task_id=task_id, approval=request.id, task_state=state)
+        return withdrawn
 
     async def settle(self, approval_id: str, task_id: str, why: str) -> None:
         """Withdraw a checkpoint's approval request (its cards show it ended); a failure is counted."""
@@ -119,6 +236,14 @@ class Checkpoints:
             resumed = await self._resume_when_room(task_id)
             if resumed is not None:
                 self.report(f"swarm task {task_id} resumed ({outcome.summary()})")
+                if failpoints.armed:  # RUNNING again on disk, the next stage not started
+                    try:
+                        await failpoints.reached(
+                            "swarm.resumed", lambda: StoreUnavailable("step", "the store refused the write (failpoint)")
+                        )
+                    except StoreUnavailable as exc:  # as a step mark that is not written: counted, the run goes on
+                        swarm_failure("step_journal")
+                        log.warning("swarm.step_unrecorded", task_id=task_id, step="resumed", error=str(exc))
             return resumed
         why = "rejected" if outcome.status is Status.DENIED else outcome.status.value
         if forged is not None:

@@ -11,6 +11,7 @@ import structlog
 from kazma.approvals.model import Decision
 from kazma.config.models import KazmaConfig
 from kazma.engine.swarm.call_records import CallRecord
+from kazma.engine.swarm.endings import ending_lines, execution_of
 from kazma.engine.swarm.grammar import (
     ApproveCommand,
     BreakerResetCommand,
@@ -84,7 +85,7 @@ class SwarmCommands:
                 running = await service.store.count(TaskStatus.RUNNING)
                 paused = await service.store.count(TaskStatus.PAUSED)
                 return f"swarm: {running} running, {paused} paused, {len(service.workers)} workers"
-            record = await service.store.get(command.task_id)
+            record = await service.task(command.task_id)
             calls = await service.store.calls(command.task_id) if record is not None else []
             return _describe(record, command.task_id, calls)
         if isinstance(command, TasksCommand):
@@ -130,20 +131,18 @@ class SwarmCommands:
         return f"swarm task {task_id} started ({request.pattern}){where}. Check it with /swarm status {task_id}"
 
     async def _retry(self, task_id: str, *, actor: str, origin: str, route: str | None) -> str:
-        record = await self.service.store.get(task_id)
+        record = await self.service.task(task_id)
         if record is None:
             return f"no swarm task {task_id!r}"
         if not record.status.terminal:
             return f"swarm task {task_id} is still {record.status.value}; cancel it first"
-        if record.status is TaskStatus.INTERRUPTED:
+        why = _retry_risk(record)
+        if why is not None:
             key = (actor, task_id)
             asked = self._confirm.get(key)
             if asked is None or self._now() - asked > CONFIRM_WINDOW:
                 self._confirm[key] = self._now()
-                return (
-                    f"swarm task {task_id} was interrupted ({record.error}); it may have done part of its work. "
-                    f"Send /swarm retry {task_id} again within 5 minutes to run it anew."
-                )
+                return f"{why} Send /swarm retry {task_id} again within 5 minutes to run it anew."
             del self._confirm[key]
         earlier = request_from(record)
         request = SwarmRequest(
@@ -162,6 +161,21 @@ class SwarmCommands:
         )
         new_id = await self.service.submit(request)
         return f"swarm task {task_id} retried as {new_id}"
+
+
+def _retry_risk(record: TaskRecord) -> str | None:
+    """Why running ``record`` again needs a second ask, or None: it was interrupted (its outcome unknown), or it
+    ended without succeeding after its tools ran or may have run (running it again may do that again)."""
+    execution = execution_of(record)
+    if record.status is TaskStatus.INTERRUPTED:
+        tools = "" if execution is None else f" Its tools: {execution.line()}."
+        return f"swarm task {record.id} was interrupted ({record.error}); it may have done part of its work.{tools}"
+    if record.status is not TaskStatus.SUCCEEDED and execution is not None and execution.changed_state:
+        return (
+            f"swarm task {record.id} ended {record.status.value}, and its tools {execution.line()}: running it "
+            "again may do that again."
+        )
+    return None
 
 
 def _request(command: SwarmCommand, *, owner: str, origin: str, route: str | None) -> SwarmRequest:
@@ -203,6 +217,7 @@ def _describe(record: TaskRecord | None, task_id: str, calls: list[CallRecord]) 
         lines.extend(call_line(call) for call in calls)
     if record.result and record.result.get("output"):
         lines.append(f"result: {str(record.result['output'])[:1500]}")
+    lines.extend(ending_lines(record))
     return "\n".join(lines)
 
 

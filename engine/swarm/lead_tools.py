@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kazma.approvals.policy import SafetyPolicy
 from kazma.engine.agent import InternalTool, TurnContext
 from kazma.engine.fence import fence_untrusted
+from kazma.engine.swarm.endings import execution_of, kept_answers
 from kazma.engine.swarm.registry import named, registered
 from kazma.engine.swarm.roles import SHARED_OPERATORS_HINT
 from kazma.engine.swarm.service import BUILTIN_PATTERNS, CHECK_DEFAULT_WAIT, CHECK_MAX_WAIT, SwarmService
@@ -101,11 +102,16 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
         output = record.result.get("output", "") if record.result else ""
         error = "below" if record.error else "-"
         text = f"status: {record.status.value}; step: {record.current_step}; error: {error}"
+        execution = execution_of(record)
+        if execution is not None:  # Kazma's own words, from its execution record: what the task's tools did
+            text += f"\ntools: {execution.line()}"
         # Workers' answers and errors were written by models reading whatever their tools fetched: data, not orders.
         if record.error:
             text += "\n" + fence_untrusted(record.error, source=f"swarm task {record.id}'s error")
         if output:
             text += "\n" + fence_untrusted(str(output), source=f"swarm task {record.id}")
+        for worker, answer in kept_answers(record):
+            text += "\n" + fence_untrusted(answer, source=f"swarm task {record.id}: the answer {worker} finished")
         return ToolResult(ok=True, output=text)
 
     schema = DispatchSwarmArgs.model_json_schema()

@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from kazma.config import failpoints
 from kazma.engine.fence import NOTHING, Fenced, fence_untrusted, join_fenced
 from kazma.engine.swarm.metrics import HANDOFFS, swarm_failure
 from kazma.engine.swarm.types import (
@@ -36,7 +37,7 @@ from kazma.engine.swarm.types import (
     offering,
     step_named,
 )
-from kazma.engine.types import Usage
+from kazma.engine.types import ModelError, Usage
 
 log = structlog.get_logger("kazma.swarm")
 
@@ -311,6 +312,13 @@ async def _with_handoffs(
             )
             HANDOFFS.labels(outcome="accepted").inc()
             log.info("swarm.handoff", source=current.name, target=target, depth=depth, reason=result.handoff_reason)
+            if failpoints.armed:  # the handoff accepted, its target not called yet: its call fails as a model's
+                try:
+                    await failpoints.reached("swarm.handoff", _handoff_failure)
+                except ModelError as exc:
+                    failed = WorkerResult(target, False, error=f"ModelError: {exc}", error_kind=ErrorKind.TRANSIENT)
+                    results.append(failed)
+                    return failed
             context = _handover(original, result)
             current = by_name[target]
             continue
@@ -328,6 +336,10 @@ async def _with_handoffs(
             results.append(failed)
             return failed
         return retry
+
+
+def _handoff_failure() -> BaseException:
+    return ModelError("the model's server closed the connection (failpoint)", permanent=False)
 
 
 def _handoff_refusal(

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kazma.engine.swarm.call_records import CallRecord
+from kazma.engine.swarm.endings import execution_of, kept_answers
 from kazma.engine.swarm.store import TaskRecord
 
 
@@ -22,5 +23,8 @@ def task_json(record: TaskRecord, calls: Sequence[CallRecord]) -> dict[str, Any]
         "error": record.error,
         "request": record.request,
         "result": record.result,
+        # what its ending says of its tools (None: it has not ended), and the answers it kept when it did not succeed
+        "execution": None if (execution := execution_of(record)) is None else execution.as_json(),
+        "kept_answers": [{"worker": worker, "output": answer} for worker, answer in kept_answers(record)],
         "steps": [call.as_json() for call in calls],
     }

@@ -6,14 +6,17 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import structlog
 
 from kazma.approvals.model import Decision
 from kazma.approvals.service import ApprovalService
+from kazma.config import failpoints
+from kazma.config.backoff import Backoff
 from kazma.config.limits import MAX_WORKERS
 from kazma.config.models import KazmaConfig
 from kazma.config.supervisor import Supervisor
@@ -21,6 +24,7 @@ from kazma.engine.fence import NOTHING, Fenced, fence_untrusted, join_fenced
 from kazma.engine.swarm import builtin_patterns, patterns
 from kazma.engine.swarm.calls import TaskCalls, WorkerCalls
 from kazma.engine.swarm.checkpoints import Checkpoints, checkpoint_id
+from kazma.engine.swarm.endings import Unsaved, ending_lines
 from kazma.engine.swarm.limits import LimitExceeded, check_context, check_metadata, check_prompt
 from kazma.engine.swarm.metrics import ROUTING, swarm_failure
 from kazma.engine.swarm.registry import PatternRun, Stages, SwarmPattern, named, registered
@@ -35,13 +39,18 @@ from kazma.engine.swarm.store import (
     TaskRun,
 )
 from kazma.engine.swarm.types import ErrorKind, SwarmRefused, SwarmRequest, TaskStatus, Worker, WorkerResult
+from kazma.engine.tools.executions import Effects, ExecutionRecord, ExecutionSummary, Outcome, tracking
 from kazma.engine.types import Usage
 
 log = structlog.get_logger("kazma.swarm")
 
 CHECK_DEFAULT_WAIT = 60.0
+CANCEL_WAIT_SECONDS = 10.0  # how long /swarm cancel waits for the task's tools to stop before it answers
 CHECK_MAX_WAIT = 90.0
 STORE_UNAVAILABLE = "task store unavailable — nothing started, send again"
+# A task's ending the store refused is stored again after 1, 2, 4 … up to 60 seconds.
+_STORE_LATER = Backoff(base=1.0, cap=60.0, jitter=False)
+_EPOCH = datetime.fromtimestamp(0, UTC)
 BUILTIN_PATTERNS = builtin_patterns.PATTERNS  # registered on import: a task names one of them or a later one
 
 Report = Callable[[str], Awaitable[None]]
@@ -100,11 +109,16 @@ class SwarmService:
     state: SwarmStateStore | None = None  # breakers and per-worker numbers survive restarts here
     refiner: patterns.Synthesizer | None = None  # distils a successful pipeline into one report
     router: EmbeddingRouter | None = None  # semantic routing for workers=auto; keywords when None
+    executions: ExecutionRecord | None = None  # every tool execution's row: what each ending says of its tools
     _tasks: Supervisor = field(default_factory=lambda: Supervisor("swarm_task"))  # runs, and waits for checkpoints
     _running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _finished: dict[str, asyncio.Event] = field(default_factory=dict)
     _current: dict[str, TaskRun] = field(default_factory=dict)  # a checkpoint resume moves a task to a new run
     _capacity: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever a task stops running here
+    _deadlines: dict[str, asyncio.Timeout] = field(default_factory=dict)  # each running task's deadline
+    _effects: dict[str, Effects] = field(default_factory=dict)  # what each running task's tools did, in memory
+    _unsaved: dict[str, Unsaved] = field(default_factory=dict)  # endings the store refused, kept until stored
+    _kept_runs: dict[str, TaskRun] = field(default_factory=dict)  # the run each kept ending belongs to
     # told (no arguments) whenever a task's state or a worker's numbers may have changed: the live dashboard
     listeners: list[Callable[[], None]] = field(default_factory=list)
 
@@ -263,6 +277,15 @@ class SwarmService:
             swarm_failure("running_row")
             log.warning("swarm.not_admitted", owner=request.owner, error=str(exc))
             raise SwarmRefused(STORE_UNAVAILABLE) from None
+        if failpoints.armed:  # on disk RUNNING, nothing started yet
+            try:
+                await failpoints.reached(
+                    "swarm.admitted", lambda: StoreUnavailable("admit", "the store refused the write (failpoint)")
+                )
+            except StoreUnavailable as exc:  # as if the row had not been written: the caller is told, it ends here
+                with contextlib.suppress(StoreUnavailable):
+                    await self.store.finish(run, TaskStatus.FAILED, result=None, error=f"not started: {exc}")
+                raise SwarmRefused(STORE_UNAVAILABLE) from None
         self._report(f"swarm task {run.task_id} started: {request.pattern} with {', '.join(w.name for w in workers)}")
         self._spawn(run, request, workers)
         return run.task_id
@@ -311,12 +334,15 @@ class SwarmService:
         finished: list[WorkerResult] = []
         task = self._task_calls(run)
         deadline = float(request.deadline_seconds or self.config.swarm.task_deadline_seconds)
+        effects = self._effects.setdefault(run.task_id, Effects(task_id=run.task_id))
         try:
             limit = asyncio.timeout(deadline)
+            self._deadlines[run.task_id] = limit
             try:
-                async with limit:
-                    call = self._task_call(request, task, finished)
-                    outcome = await self._pattern(run, request, workers, done, call, task)
+                with tracking(effects):
+                    async with limit:
+                        call = self._task_call(request, task, finished)
+                        outcome = await self._pattern(run, request, workers, done, call, task)
             except TimeoutError:
                 if not limit.expired():
                     raise
@@ -332,40 +358,128 @@ class SwarmService:
             run = self._current.get(run.task_id, run)
             if outcome.status is TaskStatus.PAUSED:
                 return  # the checkpoint keeps the task; a decision resumes or ends it
-            result = outcome_json(outcome)
-            stored = await self.store.finish(
-                run,
-                outcome.status,
-                result=result,
-                error=outcome.output if outcome.status in (TaskStatus.FAILED, TaskStatus.TIMEOUT) else None,
-            )
-            if stored:
-                self._report(f"swarm task {run.task_id} {outcome.status.value}: {_short(outcome.output)}")
-                await self._deliver(request, f"swarm task {run.task_id} {outcome.status.value}:\n{outcome.output}")
-        except StoreUnavailable as exc:
-            swarm_failure("task_write")
-            log.warning("swarm.finish_unrecorded", task_id=run.task_id, error=str(exc))
-            self._report(f"swarm task {run.task_id} failed: its result could not be stored ({exc})")
+            execution = await self._execution(run.task_id)
+            status, error = outcome.status, None
+            if outcome.status in (TaskStatus.FAILED, TaskStatus.TIMEOUT):
+                error = outcome.output
+            if status is TaskStatus.SUCCEEDED and execution.outcome is Outcome.MAY_HAVE_RUN:
+                # Its effects are not known: a result like that is never stored as a success.
+                status, error = TaskStatus.FAILED, f"a tool it started never finished: {execution.line()}"
+            result = {**outcome_json(outcome), "execution": execution.as_json()}
+            await self._end(run, request, status, result, error, outcome.output, execution)
         except asyncio.CancelledError:
-            self._report(f"swarm task {run.task_id} cancelled")
+            execution = await self._execution(run.task_id)
+            self._report(f"swarm task {run.task_id} cancelled; tools: {execution.line()}")
+            await asyncio.shield(self._keep_execution(run.task_id, execution))
             raise
         except Exception as exc:
             swarm_failure("run")
             log.exception("swarm.run_crashed", task_id=run.task_id)
             run = self._current.get(run.task_id, run)
-            try:
-                await self.store.finish(run, TaskStatus.FAILED, result=None, error=f"{type(exc).__name__}: {exc}")
-            except StoreUnavailable as lost:  # the row stays as last stored: the next start calls it interrupted
-                swarm_failure("task_write")
-                log.warning("swarm.finish_unrecorded", task_id=run.task_id, error=str(lost))
-            self._report(f"swarm task {run.task_id} failed: {type(exc).__name__}: {exc}")
+            execution = await self._execution(run.task_id)
+            text = f"{type(exc).__name__}: {exc}"
+            await self._end(run, request, TaskStatus.FAILED, {"execution": execution.as_json()}, text, text, execution)
         finally:
             self._running.pop(run.task_id, None)
             self._current.pop(run.task_id, None)
+            self._deadlines.pop(run.task_id, None)
+            self._effects.pop(run.task_id, None)
             self._capacity.set()  # a resume waiting for room may try again
             event = self._finished.get(run.task_id)
             if event is not None:
                 event.set()
+
+    async def _execution(self, task_id: str, seen: Effects | None = None) -> ExecutionSummary:
+        """What the task's tools did: its execution rows (every run of it, a resumed pipeline's too), or what this
+        process saw when they cannot be read."""
+        seen = seen or self._effects.get(task_id)
+        if self.executions is not None:
+            try:
+                return await self.executions.summary_of_task(task_id)
+            except Exception as exc:  # the rows are still there; this ending says what this process saw
+                swarm_failure("step_journal")
+                log.warning("swarm.executions_unread", task_id=task_id, error=str(exc))
+        return ExecutionSummary() if seen is None else seen.summary()
+
+    async def _keep_execution(self, task_id: str, execution: ExecutionSummary) -> None:
+        try:
+            await self.store.keep(task_id, {"execution": execution.as_json()})
+        except Exception as exc:  # the ending's message said it; the row keeps the rest of its ending
+            swarm_failure("task_write")
+            log.warning("swarm.execution_unrecorded", task_id=task_id, error=str(exc))
+
+    async def _end(
+        self,
+        run: TaskRun,
+        request: SwarmRequest,
+        status: TaskStatus,
+        result: dict[str, Any],
+        error: str | None,
+        output: str,
+        execution: ExecutionSummary,
+    ) -> None:
+        """Store a run's ending and say it; one the store refuses to take is kept, said, and stored later."""
+        try:
+            if failpoints.armed:
+                await failpoints.reached(
+                    "swarm.result.stored", lambda: StoreUnavailable("finish", "the store refused the write (failpoint)")
+                )
+            stored = await self.store.finish(run, status, result=result, error=error)
+        except StoreUnavailable as exc:
+            swarm_failure("task_write")
+            log.warning("swarm.finish_unrecorded", task_id=run.task_id, status=status.value, error=str(exc))
+            self._unsaved[run.task_id] = Unsaved(status, result, error, str(exc), time.time())
+            self._kept_runs[run.task_id] = run
+            self._tasks.spawn(self._store_later(run, status, result, error), name=f"swarm-store-later-{run.task_id}")
+            self._report(
+                f"swarm task {run.task_id} {status.value}, but its result could not be stored ({exc.reason}); it is "
+                f"kept here and stored when the store answers. Tools: {execution.line()}. {_short(output)}"
+            )
+            await self._deliver(request, self._ending_message(run.task_id, status, output, result, execution))
+            return
+        if stored:
+            self._report(f"swarm task {run.task_id} {status.value}: {_short(output)} (tools: {execution.line()})")
+            await self._deliver(request, self._ending_message(run.task_id, status, output, result, execution))
+
+    def _ending_message(
+        self, task_id: str, status: TaskStatus, output: str, result: dict[str, Any], execution: ExecutionSummary
+    ) -> str:
+        record = TaskRecord(task_id, "", status, 0, "", {}, result, None, "", "", None, None,
+                            _EPOCH, _EPOCH, None)  # fmt: skip
+        lines = [f"swarm task {task_id} {status.value}:", output, *ending_lines(record)]
+        if not any(line.startswith("tools:") for line in lines):
+            lines.append(f"tools: {execution.line()}")
+        return "\n".join(line for line in lines if line)
+
+    async def _store_later(self, run: TaskRun, status: TaskStatus, result: dict[str, Any], error: str | None) -> None:
+        """Store a kept ending once the store answers (backing off up to a minute); then it is no longer kept."""
+        attempt = 0
+        while True:
+            await asyncio.sleep(_STORE_LATER.delay(attempt))
+            attempt += 1
+            try:
+                stored = await self.store.finish(run, status, result=result, error=error)
+            except StoreUnavailable as exc:
+                log.warning("swarm.finish_still_unrecorded", task_id=run.task_id, attempt=attempt, error=str(exc))
+                continue
+            self._unsaved.pop(run.task_id, None)
+            self._kept_runs.pop(run.task_id, None)
+            if stored:
+                self._report(f"swarm task {run.task_id}: its {status.value} result is stored now")
+            self._changed()
+            return
+
+    def as_ended(self, records: Sequence[TaskRecord]) -> list[TaskRecord]:
+        """``records`` with the endings this process keeps unstored laid over their rows (see :meth:`task`)."""
+        return [self._unsaved[r.id].over(r) if r.id in self._unsaved and not r.status.terminal else r for r in records]
+
+    async def task(self, task_id: str) -> TaskRecord | None:
+        """The task as it stands: its row, or the ending this process keeps for it when the store refused it."""
+        record = await self.store.get(task_id)
+        unsaved = self._unsaved.get(task_id)
+        if record is not None and unsaved is not None and not record.status.terminal:
+            return unsaved.over(record)
+        return record
 
     async def _mark(self, run: TaskRun, step: str) -> None:
         """Record where the run is; a mark that cannot be written is counted and the run goes on."""
@@ -429,7 +543,10 @@ class SwarmService:
         async def checkpoint(index: int, result: WorkerResult) -> bool:
             if index + 1 not in checkpoints:
                 return True
-            decided = await self.checkpoints.pause(self._current[task_id], request.conversation, index, result)
+            # The task's deadline counts running time: a pipeline waiting for a person at its checkpoint is not
+            # running (the checkpoint's own deadline is its approval request's).
+            with self._clock_stopped(task_id):
+                decided = await self.checkpoints.pause(self._current[task_id], request.conversation, index, result)
             if decided is None:
                 return False
             self._current[task_id] = decided
@@ -440,6 +557,22 @@ class SwarmService:
                 await self._refine(request, outcome)
 
         return Stages(done=list(done), call=call, journal=journal, checkpoint=checkpoint, refine=refine)
+
+    @contextlib.contextmanager
+    def _clock_stopped(self, task_id: str) -> Iterator[None]:
+        """The task's deadline stands still inside the block, and runs on with what was left after it."""
+        limit = self._deadlines.get(task_id)
+        when = None if limit is None else limit.when()
+        if limit is None or when is None:
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        left = when - loop.time()
+        limit.reschedule(None)
+        try:
+            yield
+        finally:
+            limit.reschedule(loop.time() + max(0.0, left))
 
     async def _refine(self, request: SwarmRequest, outcome: patterns.SwarmOutcome) -> None:
         """One model call distils the stages into a report; when it fails the last stage's answer stays, counted."""
@@ -492,7 +625,7 @@ class SwarmService:
         if event is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), timeout=limit)
-        return await self.store.get(task_id)
+        return await self.task(task_id)
 
     async def cancel(self, task_id: str, *, actor: str) -> str:
         record = await self.store.get(task_id)
@@ -509,9 +642,11 @@ class SwarmService:
         task = self._running.get(task_id)
         if task is not None:
             task.cancel()
-        return (
-            f"swarm task {task_id} cancelled by {actor}" if changed else f"swarm task {task_id} could not be cancelled"
-        )
+            # Its tools are stopped with it; the answer says what they did once they have stopped.
+            await asyncio.wait({task}, timeout=CANCEL_WAIT_SECONDS)
+        if not changed:
+            return f"swarm task {task_id} could not be cancelled"
+        return f"swarm task {task_id} cancelled by {actor}; tools: {(await self._execution(task_id)).line()}"
 
     async def recover(self) -> list[str]:
         """Rows left RUNNING are reported interrupted (never re-run); paused pipelines wait again; breakers return."""
@@ -526,12 +661,33 @@ class SwarmService:
             log.warning("swarm.recovery_unread", error=str(exc))
             return [*lines, f"the swarm's tasks could not be read to recover them ({exc}); the next start tries again"]
         for item in interrupted:
-            line = f"swarm task {item.task_id} was interrupted in {item.step}; its outcome is unknown. Nothing re-ran."
+            execution = await self._interrupted_execution(item.task_id)
+            line = (
+                f"swarm task {item.task_id} was interrupted in {item.step}; its outcome is unknown (tools: "
+                f"{execution.line()}). Nothing re-ran."
+            )
             lines.append(line)
             self._report(line)
         for record in paused:
             self._wait_again(record)
+        await self.sweep_checkpoints()
         return lines
+
+    async def _interrupted_execution(self, task_id: str) -> ExecutionSummary:
+        """A task a dead process was running: what its execution rows say (kept with it), read after they were
+        marked lost."""
+        execution = await self._execution(task_id)
+        await self._keep_execution(task_id, execution)
+        return execution
+
+    async def sweep_checkpoints(self) -> list[str]:
+        """Withdraw checkpoint cards whose task is not paused at them (at start, then with every sweep)."""
+        try:
+            return await self.checkpoints.withdraw_stale()
+        except Exception as exc:  # the next sweep tries again; the cards keep their buttons until then
+            swarm_failure("gate_settle")
+            log.warning("swarm.checkpoint_sweep_failed", error=f"{type(exc).__name__}: {exc}")
+            return []
 
     def _wait_again(self, record: TaskRecord) -> None:
         """A paused pipeline whose waiter is gone (a restart, a replica that died) waits for its checkpoint here."""
@@ -553,9 +709,10 @@ class SwarmService:
             log.warning("swarm.recovery_unread", error=str(exc))
             return [f"the swarm's tasks could not be read to recover them ({exc}); the next sweep tries again"]
         for item in interrupted:
+            execution = await self._interrupted_execution(item.task_id)
             line = (
                 f"swarm task {item.task_id} was interrupted in {item.step}: the Kazma replica running it stopped; "
-                "its outcome is unknown. Nothing re-ran."
+                f"its outcome is unknown (tools: {execution.line()}). Nothing re-ran."
             )
             lines.append(line)
             self._report(line)
@@ -563,6 +720,7 @@ class SwarmService:
             record = await self.store.get(task_id)
             if record is not None and record.status is TaskStatus.PAUSED:
                 self._wait_again(record)
+        await self.sweep_checkpoints()
         return lines
 
     async def _resume_after_restart(self, record: TaskRecord, approval_id: str) -> None:
@@ -586,16 +744,23 @@ class SwarmService:
         Only a crash leaves rows RUNNING for :meth:`recover` to call interrupted. Paused pipelines stay paused.
         """
         running = list(self._running)
+        seen = dict(self._effects)
         await self._tasks.stop()
         for task_id in running:
+            execution = await self._execution(task_id, seen.get(task_id))
+            result = {"interrupted_by": "shutdown", "execution": execution.as_json()}
             try:
-                if await self.store.cancel(
-                    task_id, actor="shutdown", result={"interrupted_by": "shutdown"}, only=[TaskStatus.RUNNING]
-                ):
-                    log.info("swarm.shutdown_cancelled", task_id=task_id)
+                if await self.store.cancel(task_id, actor="shutdown", result=result, only=[TaskStatus.RUNNING]):
+                    log.info("swarm.shutdown_cancelled", task_id=task_id, tools=execution.line())
             except StoreUnavailable as exc:  # the row stays RUNNING: the next start calls it interrupted
                 swarm_failure("task_write")
                 log.error("swarm.shutdown_unrecorded", task_id=task_id, error=str(exc))
+        for task_id, kept in list(self._unsaved.items()):  # one last try for endings the store refused
+            try:
+                await self.store.finish(self._kept_runs[task_id], kept.status, result=kept.result, error=kept.error)
+            except StoreUnavailable as exc:  # the row stays RUNNING: the next start calls it interrupted
+                swarm_failure("task_write")
+                log.error("swarm.kept_result_lost", task_id=task_id, status=kept.status.value, error=str(exc))
         if self.reporter is not None:
             await self.reporter.close()
 

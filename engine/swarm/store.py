@@ -29,7 +29,7 @@ import structlog
 
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
-from kazma.config.store.backend import SqlStatements, StoreConnection, tables_of
+from kazma.config.store.backend import SqlStatements, StoreConnection, Tx, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 from kazma.engine.swarm.call_records import TASK_WORKER, CallRecords
@@ -387,6 +387,12 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, OSError)
 
 
+_PAUSE = (
+    "UPDATE swarm_tasks SET status = ?, current_step = ?, updated_at = ?"
+    " WHERE id = ? AND generation = ? AND run_id = ? AND status = ?"
+)
+
+
 def _utc(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=UTC)
 
@@ -656,8 +662,7 @@ class SwarmTaskStore(CallRecords):
             TaskStatus.PAUSED,
             allowed_from(TaskStatus.PAUSED),
             lambda db: db.run(
-                "UPDATE swarm_tasks SET status = ?, current_step = ?, updated_at = ?"
-                " WHERE id = ? AND generation = ? AND run_id = ? AND status = ?",
+                _PAUSE,
                 (
                     TaskStatus.PAUSED.value,
                     step,
@@ -670,6 +675,29 @@ class SwarmTaskStore(CallRecords):
             ),
             {"step": step},
         )
+
+    def pause_statements(self, run: TaskRun, step: str) -> Callable[[Tx], int]:
+        """:meth:`pause` as statements for another store's transaction (the one that opens the checkpoint's
+        approval request, so the paused row and its card commit together): the rows changed, 1 or 0."""
+        now = self.clock()
+
+        def op(tx: Tx) -> int:
+            return tx.run(
+                _PAUSE,
+                (TaskStatus.PAUSED.value, step, now, run.task_id, run.generation, run.run_id, TaskStatus.RUNNING.value),
+            )
+
+        return op
+
+    async def pause_refused(self, run: TaskRun, step: str) -> str:
+        """Why a pause in another store's transaction changed no row (kept as evidence, as :meth:`pause` does)."""
+        row = await self.tables.one("SELECT status, generation, run_id FROM swarm_tasks WHERE id = ?", (run.task_id,))
+        reason = _why_rejected(row, run, TaskStatus.PAUSED, allowed_from(TaskStatus.PAUSED), "pause")
+        log.warning("swarm.write_rejected", task_id=run.task_id, generation=run.generation, run_id=run.run_id,
+                    operation="pause", attempted_status=TaskStatus.PAUSED.value, reason=reason)  # fmt: skip
+        count_failure("task_stale_write")
+        await self._keep_evidence(run, TaskStatus.PAUSED, reason, {"operation": "pause", "step": step})
+        return reason
 
     async def resume(self, task_id: str, *, max_running: int | None = None) -> TaskRun:
         """PAUSED → RUNNING as a new generation with a new run id; the journal keeps the earlier steps.
@@ -795,6 +823,26 @@ class SwarmTaskStore(CallRecords):
         if changed:
             log.info("swarm.cancelled", task_id=task_id, actor=actor)
         return changed == 1
+
+    async def keep(self, task_id: str, fields: dict[str, Any]) -> bool:
+        """Add ``fields`` to a task's stored result (what its ending says of its tools, after a cancel or a
+        restart), whatever its state; False for an unknown task. The result's other fields stay."""
+
+        async def body(db: SqlStatements) -> bool:
+            row = await db.one("SELECT result_json FROM swarm_tasks WHERE id = ?", (task_id,))
+            if row is None:
+                return False
+            result = json.loads(row[0]) if row[0] else {}
+            if not isinstance(result, dict):
+                result = {"result": result}
+            result.update(fields)
+            await db.run(
+                "UPDATE swarm_tasks SET result_json = ? WHERE id = ?",
+                (json.dumps(result, sort_keys=True, default=str), task_id),
+            )
+            return True
+
+        return await self._attempt("keep", body, transaction=True)
 
     async def recover(self, live: Collection[str] | None = None) -> builtins.list[InterruptedTask]:
         """At start, mark every RUNNING row INTERRUPTED (outcome unknown, naming its step); never re-run it.

@@ -39,6 +39,7 @@ class ToolResult:
     error: str | None = None
     changed_state: bool = False
     truncated: bool = False
+    exit_code: int | None = None  # a command's exit code, where the tool runs one (the execution record keeps it)
 
 
 class ToolArgs(BaseModel):
@@ -157,6 +158,11 @@ class ToolRegistry:
     def refusal(self, name: str) -> str | None:
         tool = self._tools.get(name)
         return None if tool is None else tool.refusal()
+
+    def changes_state(self, name: str) -> bool:
+        """Whether a call of ``name`` may change anything (an unknown tool is presumed to)."""
+        tool = self._tools.get(name)
+        return True if tool is None else tool.changes_state
 
     async def execute(self, name: str, arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
         """Validate and run one call. Problems with the call or inside the tool become error results."""

@@ -258,6 +258,7 @@ class ShellTool(Tool[ShellArgs]):
         return ToolResult(
             ok=code == 0,
             output=f"{text}[{status}]",
+            exit_code=code,
             error=None if code == 0 else status,
             changed_state=True,
             truncated=truncated,

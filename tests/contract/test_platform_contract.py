@@ -65,8 +65,9 @@ async def test_card_shows_the_whole_call_in_the_one_layout(harness: Harness) -> 
     assert positions == sorted(positions), "labels out of the one layout's order"
     for value in ("ls -la /srv", "/srv/app", "30", card.args_hash, card.link, "agent:builder"):
         assert value in shown.text
-    assert shown.buttons == ["Approve", "Deny"]
-    assert shown.data == [card.button_data(Decision.APPROVE), card.button_data(Decision.DENY)]
+    assert shown.buttons == ["Approve", "Deny", "Deny with reason"]
+    deny = card.button_data(Decision.DENY)
+    assert shown.data == [card.button_data(Decision.APPROVE), deny, deny[:-1] + "n"]
 
 
 async def test_a_cut_card_shows_head_tail_and_the_cut_and_offers_only_deny(harness: Harness) -> None:
@@ -80,7 +81,7 @@ async def test_a_cut_card_shows_head_tail_and_the_cut_and_offers_only_deny(harne
     assert "| sh # END" in shown.text  # the tail of a cut value is shown, not only its head
     assert re.search(r"\[cut: [\d,]+ of 20,\d{3} characters not shown\]", shown.text)
     assert "cannot be approved here" in shown.text
-    assert shown.buttons == ["Deny"]
+    assert shown.buttons == ["Deny", "Deny with reason"]
 
 
 async def test_settling_shows_the_outcome_first_removes_buttons_and_can_repeat(harness: Harness) -> None:

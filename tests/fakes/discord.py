@@ -47,12 +47,15 @@ ALICE_ID = 1_100_000_000_000_000_301
 BOB_ID = 1_100_000_000_000_000_302
 HELPER_BOT_ID = 1_100_000_000_000_000_401
 BOT_ROLE_ID = 1_100_000_000_000_000_501
+# How long Discord holds a nonce for ``enforce_nonce``: "the past few minutes" in its documentation.
+NONCE_SECONDS = 300.0
 
 # Permission bits (https://discord.com/developers/docs/topics/permissions).
 VIEW_CHANNEL = 1 << 10
 SEND_MESSAGES = 1 << 11
 EMBED_LINKS = 1 << 14
 READ_MESSAGE_HISTORY = 1 << 16
+ATTACH_FILES = 1 << 15
 MANAGE_WEBHOOKS = 1 << 29
 USE_APPLICATION_COMMANDS = 1 << 31
 BASE_PERMISSIONS = VIEW_CHANNEL | SEND_MESSAGES | EMBED_LINKS | READ_MESSAGE_HISTORY | USE_APPLICATION_COMMANDS
@@ -121,6 +124,7 @@ class FakeInteraction:
     callback_type: int | None = None  # set when acknowledged
     original_message_id: int | None = None
     followup_ids: list[int] = field(default_factory=list)
+    modal: Json | None = None  # the modal it was answered with (callback type 9)
 
 
 @dataclass
@@ -203,10 +207,18 @@ class FakeDiscord:
             UNSERVED_CHANNEL_ID: "random",
         }
         self.dm_channels: dict[int, int] = {}  # DM channel id -> the person at the other end
+        # Permission overwrites per channel, as Discord lists them: [{"id", "type" (0 role, 1 member), "allow",
+        # "deny"}] with the bits as strings. The bot's role grants BASE_PERMISSIONS and Attach Files.
+        self.overwrites: dict[int, list[Json]] = {}
+        self.bot_in_guild = True  # False: the bot was never invited (or was removed): 403 Missing Access
         self.attachments: dict[int, bytes] = {}  # attachment id -> content (served under /attachments/)
         self.typing: list[tuple[int, float]] = []  # (channel id, time.monotonic()) per typing trigger
         self.calls: list[RecordedCall] = []
         self.messages: dict[int, Json] = {}
+        # (channel, author, nonce) -> (message id, when): a post with ``enforce_nonce`` and a nonce seen from the
+        # same author within NONCE_SECONDS returns that message instead of making another (Discord's rule)
+        self._nonces: dict[tuple[int, int, str], tuple[int, float]] = {}
+        self.nonce_replays = 0  # posts answered with an earlier message because of their nonce
         self.webhooks: dict[int, Json] = {}
         self.commands: list[Json] = []
         self.interactions: dict[str, FakeInteraction] = {}
@@ -235,6 +247,8 @@ class FakeDiscord:
         app.router.add_put(f"{api}/applications/{{app}}/commands", self._put_commands)
         app.router.add_get(f"{api}/applications/{{app}}/commands", self._get_commands)
         app.router.add_get(f"{api}/channels/{{channel}}", self._get_channel)
+        app.router.add_get(f"{api}/guilds/{{guild}}/roles", self._get_roles)
+        app.router.add_get(f"{api}/guilds/{{guild}}/members/{{user}}", self._get_member)
         app.router.add_post(f"{api}/channels/{{channel}}/messages", self._post_message)
         app.router.add_post(f"{api}/channels/{{channel}}/typing", self._post_typing)
         app.router.add_get("/attachments/{channel}/{id}/{name}", self._get_attachment)
@@ -443,6 +457,28 @@ class FakeDiscord:
         await self.notify()
         return interaction
 
+    async def submit_modal(
+        self, shown: FakeInteraction, values: Mapping[str, str], *, user: FakeUser | None = None
+    ) -> FakeInteraction:
+        """``user`` submits the modal the bot answered ``shown`` with, typing ``values`` (input custom_id -> text)."""
+        modal = shown.modal
+        if modal is None:
+            raise LookupError(f"interaction {shown.id} was not answered with a modal")
+        user = user or shown.user
+        interaction = self._new_interaction(5, shown.channel_id, user)
+        interaction.custom_id = str(modal["custom_id"])
+        interaction.message_id = shown.message_id
+        payload = self._interaction_payload(interaction)
+        rows = [
+            {"type": 1, "components": [{"type": 4, "custom_id": key, "value": text}]} for key, text in values.items()
+        ]
+        payload["data"] = {"custom_id": modal["custom_id"], "components": rows}
+        if shown.message_id is not None and shown.message_id in self.messages:
+            payload["message"] = self.messages[shown.message_id]
+        await self.dispatch("INTERACTION_CREATE", payload)
+        await self.notify()
+        return interaction
+
     async def slash_command(
         self,
         channel_id: int,
@@ -479,7 +515,7 @@ class FakeDiscord:
         return member
 
     def _role_permissions(self) -> tuple[int, int]:
-        bot = BASE_PERMISSIONS | (MANAGE_WEBHOOKS if self.manage_webhooks else 0)
+        bot = BASE_PERMISSIONS | ATTACH_FILES | (MANAGE_WEBHOOKS if self.manage_webhooks else 0)
         return BASE_PERMISSIONS, bot
 
     def _channel_payload(self, channel_id: int) -> Json:
@@ -489,7 +525,7 @@ class FakeDiscord:
             "guild_id": str(GUILD_ID),
             "name": self.channels[channel_id],
             "position": list(self.channels).index(channel_id),
-            "permission_overwrites": [],
+            "permission_overwrites": self.overwrites.get(channel_id, []),
             "nsfw": False,
             "rate_limit_per_user": 0,
             "flags": 0,
@@ -890,10 +926,34 @@ class FakeDiscord:
         known = channel_id in self.channels or channel_id in self.dm_channels
         return channel_id if known else self._not_found(10003, "Channel")
 
+    def _guild_or_error(self, request: web.Request) -> web.Response | None:
+        if request.match_info["guild"] != str(GUILD_ID):
+            return self._not_found(10004, "Guild")
+        if not self.bot_in_guild:
+            return self._error(403, 50001, "Missing Access")
+        return None
+
+    async def _get_roles(self, request: web.Request) -> web.Response:
+        refused = self._guild_or_error(request)
+        if refused is not None:
+            return refused
+        return self._json(self._guild_payload()["roles"])
+
+    async def _get_member(self, request: web.Request) -> web.Response:
+        refused = self._guild_or_error(request)
+        if refused is not None:
+            return refused
+        user = self.users.get(int(request.match_info["user"]))
+        if user is None:
+            return self._not_found(10007, "Member")
+        return self._json(self._member(user))
+
     async def _get_channel(self, request: web.Request) -> web.Response:
         channel = self._channel_or_404(request)
         if isinstance(channel, web.Response):
             return channel
+        if not self.bot_in_guild and channel not in self.dm_channels:
+            return self._error(403, 50001, "Missing Access")
         if channel in self.dm_channels:
             recipient = self.users.get(self.dm_channels[channel]) or FakeUser(self.dm_channels[channel], "someone")
             return self._json({"id": str(channel), "type": 1, "recipients": [recipient.payload()]})
@@ -915,7 +975,21 @@ class FakeDiscord:
             problem_response = self._check_message(payload)
             if problem_response is not None:
                 return problem_response
+        nonce = payload.get("nonce")
+        if nonce is not None:
+            if not isinstance(nonce, int | str) or len(str(nonce)) > 25:
+                return self._error(400, 50035, "Invalid Form Body", {"nonce": "at most 25 characters"})
+            key = (channel, BOT_ID, str(nonce))
+            seen = self._nonces.get(key)
+            if payload.get("enforce_nonce") and seen is not None and time.monotonic() - seen[1] < NONCE_SECONDS:
+                earlier = self.messages.get(seen[0])
+                if earlier is not None:
+                    self.nonce_replays += 1
+                    return self._json(earlier)
         message = self._new_message(channel, self.bot.payload(), payload)
+        if nonce is not None:
+            self._nonces[(channel, BOT_ID, str(nonce))] = (int(message["id"]), time.monotonic())
+            message["nonce"] = str(nonce)
         for name, content in files:
             attachment = self.attachment(channel, name, content)
             message["attachments"].append(attachment)
@@ -1079,7 +1153,11 @@ class FakeDiscord:
             problem = self._apply_edit(message, data)
             if problem is not None:
                 return problem
-        elif kind not in (1, 6, 9):
+        elif kind == 9:
+            if interaction.type not in (2, 3) or not data.get("custom_id") or not data.get("components"):
+                return self._error(400, 50035, "Invalid Form Body", {"data": _field_error("INVALID", "modal")})
+            interaction.modal = data
+        elif kind not in (1, 6):
             return self._error(400, 50035, "Invalid Form Body", {"type": _field_error("INVALID", f"type {kind}")})
         interaction.callback_type = kind
         if message is not None and kind in (4, 5):

@@ -48,6 +48,8 @@ FAKE_APP_TOKEN = "xapp-1-AKAZMAAPP1-kazma-fake"
 DEFAULT_SCOPES = (
     "app_mentions:read",
     "channels:history",
+    "channels:read",
+    "groups:read",
     "chat:write",
     "chat:write.customize",
     "commands",
@@ -58,6 +60,7 @@ DEFAULT_SCOPES = (
 )
 # The scope each method needs (Slack answers missing_scope, with needed and provided, without it).
 METHOD_SCOPES = {
+    "conversations.info": "channels:read",
     "chat.postMessage": "chat:write",
     "chat.update": "chat:write",
     "chat.postEphemeral": "chat:write",
@@ -264,6 +267,7 @@ class FakeSlack:
         self.calls: list[ApiCall] = []
         self.messages: dict[str, dict[str, StoredMessage]] = {}
         self.ephemerals: list[Ephemeral] = []
+        self.views: list[dict[str, Any]] = []  # modals opened by views.open, each with its trigger_id
         self.responses: list[dict[str, Any]] = []  # bodies posted to response_urls
         self._faults: dict[str, list[Fault]] = {}
         self._ts = itertools.count(1)
@@ -281,6 +285,10 @@ class FakeSlack:
         self.files: dict[str, dict[str, Any]] = {}  # file id -> {"name", "content", "length", "uploaded"}
         self.downloads: list[tuple[str, str | None]] = []  # (file id, bearer token) per download
         self.sign_in = SlackSignIn(team_id)  # Sign in with Slack (OpenID Connect)
+        # conversations.info: every channel exists with the bot in it, except these.
+        self.missing_channels: set[str] = set()  # channel_not_found (also a private channel the bot is not in)
+        self.channels_without_bot: set[str] = set()  # public channels the bot was not invited to
+        self.archived_channels: set[str] = set()
 
     # -- lifecycle --------------------------------------------------------
 
@@ -500,6 +508,21 @@ class FakeSlack:
         if msg.username:
             out["username"] = msg.username
         return out
+
+    def _m_conversations_info(self, params: dict[str, Any]) -> dict[str, Any]:
+        channel = self._channel(params)
+        if channel in self.missing_channels:
+            raise SlackApiRefusal("channel_not_found")
+        return {
+            "channel": {
+                "id": channel,
+                "name": f"channel-{channel.lower()}",
+                "is_channel": channel.startswith("C"),
+                "is_private": channel.startswith("G"),
+                "is_archived": channel in self.archived_channels,
+                "is_member": channel not in self.channels_without_bot,
+            }
+        }
 
     def _m_chat_postMessage(self, params: dict[str, Any]) -> dict[str, Any]:
         channel = self._channel(params)
@@ -832,6 +855,42 @@ class FakeSlack:
         )
         body = urlencode({"payload": json.dumps(payload)})
         return await self.post_signed(url, body, "application/x-www-form-urlencoded", bad_signature=bad_signature)
+
+    # -- modals --------------------------------------------------------------
+
+    def _m_views_open(self, params: dict[str, Any]) -> dict[str, Any]:
+        trigger = str(params.get("trigger_id") or "")
+        if not trigger:
+            raise SlackApiRefusal("invalid_arguments")
+        view = params.get("view")
+        if isinstance(view, str):
+            view = json.loads(view)
+        if not isinstance(view, dict) or view.get("type") != "modal":
+            raise SlackApiRefusal("invalid_arguments")
+        opened = {**view, "id": f"V{next(self._ids):08d}", "trigger_id": trigger}
+        self.views.append(opened)
+        self._notify()
+        return {"view": opened}
+
+    async def post_view_submission(
+        self, url: str, *, view: dict[str, Any], user: str, values: dict[str, dict[str, str]]
+    ) -> SignedResponse:
+        """The person submits modal ``view`` (as views.open kept it): ``values`` block_id -> action_id -> text."""
+        state = {
+            block: {action: {"type": "plain_text_input", "value": text} for action, text in actions.items()}
+            for block, actions in values.items()
+        }
+        payload = {
+            "type": "view_submission",
+            "team": {"id": self.team_id, "domain": "kazma-fake"},
+            "user": {"id": user, "username": "approver", "name": "approver", "team_id": self.team_id},
+            "api_app_id": self.app_id,
+            "token": "legacy-verification-token",
+            "trigger_id": f"{next(self._ids)}.view.trigger",
+            "view": {**view, "state": {"values": state}, "team_id": self.team_id, "app_id": self.app_id},
+        }
+        body = urlencode({"payload": json.dumps(payload)})
+        return await self.post_signed(url, body, "application/x-www-form-urlencoded")
 
     # -- Socket Mode ---------------------------------------------------------
 

@@ -1,0 +1,77 @@
+"""How far a request decided by several people has come: who approved or denied it, on which door, and who
+may still decide ("1 of 2 approvals: alice on Telegram; waiting for: bob, carol"). Every card shows it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kazma.approvals.model import ApprovalRequest, Decision, Review
+from kazma.config.models import DEFAULT_POLICY, KazmaConfig
+from kazma.config.people import person_key
+from kazma.config.registry import CHAT_PLATFORMS
+
+_NAMED = 8  # names listed as "waiting for" on a card before "and N more"
+
+
+def door_title(platform: str) -> str:
+    """A platform as people say it: "Telegram", "the console", "the command line"."""
+    spec = CHAT_PLATFORMS.get(platform)
+    if spec is not None:
+        return spec.title
+    return {"web": "the web", "cli": "the command line"}.get(platform, platform)
+
+
+@dataclass(frozen=True)
+class Progress:
+    approve_needed: int
+    deny_needed: int
+    approvals: tuple[str, ...]  # "alice on Telegram", in the order they came
+    denials: tuple[str, ...]
+    waiting_for: tuple[str, ...]  # people who may still review it, by name (identity when nobody's)
+    step_up: bool = False
+
+    def line(self) -> str:
+        """One line for cards and answers."""
+        parts = [_count(len(self.approvals), self.approve_needed, "approval", self.approvals)]
+        if self.denials or self.deny_needed > 1:
+            parts.append(_count(len(self.denials), self.deny_needed, "denial", self.denials))
+        waiting = list(self.waiting_for[:_NAMED])
+        if len(self.waiting_for) > _NAMED:
+            waiting.append(f"and {len(self.waiting_for) - _NAMED} more")
+        said = "; ".join(parts)
+        if waiting:
+            said += f"; waiting for: {', '.join(waiting)}"
+        return said
+
+
+def _count(done: int, needed: int, noun: str, who: Sequence[str]) -> str:
+    plural = noun if needed == 1 else f"{noun}s"
+    return f"{done} of {needed} {plural}" + (f": {', '.join(who)}" if who else "")
+
+
+def progress_of(config: KazmaConfig, request: ApprovalRequest, reviews: Sequence[Review]) -> Progress | None:
+    """``request``'s progress (None when one press decides it: its card says nothing new)."""
+    if request.approve_needed == 1 and request.deny_needed == 1:
+        return None
+    policy = config.policy(request.policy or DEFAULT_POLICY)
+    approvals = tuple(f"{r.reviewer} on {door_title(r.platform)}" for r in reviews if r.decision is Decision.APPROVE)
+    denials = tuple(f"{r.reviewer} on {door_title(r.platform)}" for r in reviews if r.decision is Decision.DENY)
+    waiting: list[str] = []
+    if policy is not None and request.status.value == "pending":
+        reviewed = {r.reviewer for r in reviews}
+        asker = None
+        if policy.forbid_requester and request.started_by is not None:
+            started = request.started_by
+            asker = started if ":" not in started else person_key(config.people, started)
+        people = {person_key(config.people, identity) for identity in config.roster.deciders(policy.approvers)}
+        waiting = sorted(people - reviewed - {asker} if asker else people - reviewed)
+    return Progress(
+        request.approve_needed, request.deny_needed, approvals, denials, tuple(waiting), step_up=request.step_up
+    )
+
+
+def progress_line(config: KazmaConfig, request: ApprovalRequest, reviews: Sequence[Review]) -> str:
+    """The card's progress line ("" when one press decides the request)."""
+    progress = progress_of(config, request, reviews)
+    return "" if progress is None else progress.line()

@@ -1,0 +1,256 @@
+"""One chaos cell: a real ``kazma run`` with one failpoint armed, on the wire-level fakes, driven through one
+approved shell call, restarted when it died (or hung), and what happened kept for the checker.
+
+The scenario crosses every boundary of an approval: a person asks the lead in Telegram; the lead's model asks
+for a shell call (it writes a marker line in its workspace: the tool's real effect, counted from outside);
+the request opens, its card is posted to Telegram and Discord, a person presses Approve on Telegram, the
+decision commits and settles both cards, the call runs and is recorded, the model answers. A process that
+died is started again without the failpoint, as an operator would; a card still live then is pressed again,
+as a person would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import discord
+
+from tests.conftest import REPO
+from tests.fakes.discord import ALICE_ID, HOME_CHANNEL_ID, FakeDiscord
+from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall
+from tests.fakes.telegram import FakeTelegram
+
+TG_CHAT = -1001
+TG_ADMIN = 111
+MODEL = "chaos-model"
+ASK = "@kazma write the marker"
+DONE = "Done: the marker is written."
+MARKER = "marker.txt"
+STEP_SECONDS = 30.0  # the longest any step of the scenario may take before the cell calls the process hung
+RESTART_SECONDS = 8.0  # after a restart: how long a card still live (or posted again) is looked for
+
+
+@dataclass
+class History:
+    """What one cell did and saw, read by the checker (nothing here is Kazma's own account of itself)."""
+
+    point: str
+    action: str
+    store: str  # "sqlite" | "postgresql"
+    where: str  # the SQLite file, or the PostgreSQL DSN
+    workspace: Path
+    died: bool = False  # the armed process ended by itself (a crash)
+    hung: bool = False  # it stopped making progress and was killed
+    restarts: int = 0
+    presses: int = 0  # Approve pressed on Telegram
+    fired: bool = False  # the failpoint said it fired (its line on stderr)
+    telegram_cards: list[str] = field(default_factory=list)  # every card message's final text
+    telegram_live: int = 0  # cards still carrying buttons at the end
+    discord_cards: list[str] = field(default_factory=list)
+    discord_live: int = 0
+    discord_nonces: list[str] = field(default_factory=list)
+    asked_model: int = 0  # model requests whose last message is the person's ask (a turn run per delivery)
+    bot_texts: list[str] = field(default_factory=list)
+    clean_exit: bool = True  # the last process stopped cleanly on SIGTERM
+
+
+class Scenario:
+    def __init__(self, tmp: Path, *, store: str, dsn: str | None) -> None:
+        self.tmp = tmp
+        self.store = store
+        self.dsn = dsn
+        self.log = tmp / "kazma.log"
+        self.telegram = FakeTelegram()
+        self.discord = FakeDiscord()
+        self.model = FakeOpenAI(models=(MODEL,))
+
+    def config(self) -> Path:
+        (self.tmp / "state").mkdir(exist_ok=True)  # the workspaces must be outside the store's folder
+        where = f"{{url: '{self.dsn}'}}" if self.store == "postgresql" else f"{{path: '{self.tmp / 'state' / 'k.db'}'}}"
+        path = self.tmp / "kazma.yaml"
+        path.write_text(
+            f"""
+store: {where}
+web: {{port: 0}}
+model: {{base_url: '{self.model.base_url}', name: {MODEL}, timeout_seconds: 60, max_retries: 0}}
+tools: {{workspace_root: '{self.tmp / "ws"}'}}
+agents: {{lead: {{tools: [shell]}}}}
+platforms:
+  telegram:
+    token: '{self.telegram.token}'
+    api_base_url: '{self.telegram.base_url}'
+    chats: [{TG_CHAT}]
+    home_chat: {TG_CHAT}
+    admins: [{TG_ADMIN}]
+  discord:
+    token: '{self.discord.token}'
+    api_base_url: '{self.discord.api_base}'
+    gateway_url: '{self.discord.gateway_url}'
+    channels: [{HOME_CHANNEL_ID}]
+    home_channel: {HOME_CHANNEL_ID}
+    admins: [{ALICE_ID}]
+"""
+        )
+        return path
+
+    async def start(self, failpoints: str) -> asyncio.subprocess.Process:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": failpoints}
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kazma.bot.cli", "-c", str(self.config()), "--log-format", "json", "run",
+            "--poll-interval", "0.1",
+            stdout=asyncio.subprocess.DEVNULL, stderr=self.log.open("ab"), env=env, cwd=str(self.tmp),
+        )  # fmt: skip
+
+    # -- what the fakes show ------------------------------------------------------------------------
+
+    def tg_cards(self) -> list[object]:
+        return [m for m in self.telegram.bot_messages(TG_CHAT) if "Approval needed" in m.text]
+
+    def tg_live(self) -> list[object]:
+        return [m for m in self.telegram.bot_messages(TG_CHAT) if m.buttons]
+
+    def dc_cards(self) -> list[dict[str, object]]:
+        return [m for m in self.discord.channel_messages(HOME_CHANNEL_ID) if m.get("embeds")]
+
+    def dc_live(self) -> list[dict[str, object]]:
+        return [m for m in self.discord.channel_messages(HOME_CHANNEL_ID) if m.get("components")]
+
+    def started(self) -> int:
+        """How many times a process said ``app.started`` in the log (appended by every process of the cell)."""
+        return self.log.read_text(errors="replace").count('"event": "app.started"') if self.log.exists() else 0
+
+    def done(self) -> bool:
+        return any(DONE in m.text for m in self.telegram.bot_messages(TG_CHAT))
+
+    def press(self) -> None:
+        card = next(m for m in self.telegram.bot_messages(TG_CHAT) if m.buttons)
+        data = str(next(b["callback_data"] for b in card.buttons if str(b["callback_data"]).endswith(":a")))
+        self.telegram.push_callback(TG_CHAT, card.message_id, TG_ADMIN, data)
+
+
+async def _until(predicate: Callable[[], bool], proc: asyncio.subprocess.Process, seconds: float) -> bool:
+    """Wait for ``predicate`` (True), the process's end or the bound (False)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while not predicate():
+        if proc.returncode is not None or loop.time() > end:
+            return predicate()
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def _connected(s: Scenario, proc: asyncio.subprocess.Process, polls: int, identifies: int, started: int) -> bool:
+    """Serving: both platforms connected and the app said it started (its bus shows cards from then on)."""
+    return await _until(
+        lambda: (
+            len(s.telegram.calls_to("getUpdates")) > polls
+            and len(s.discord.identifies) > identifies
+            and s.started() > started
+        ),
+        proc,
+        60,
+    )
+
+
+async def _stop(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+    if proc.returncode is None:
+        proc.send_signal(sig)
+    await asyncio.wait_for(proc.wait(), timeout=60)
+
+
+@asynccontextmanager
+async def fakes(s: Scenario) -> AsyncIterator[Scenario]:
+    saved = (discord.http.Route.BASE, discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY)
+    await asyncio.gather(s.telegram.start(), s.discord.start(), s.model.start())
+    try:
+        yield s
+    finally:
+        await asyncio.gather(s.telegram.stop(), s.discord.stop(), s.model.stop(), return_exceptions=True)
+        discord.http.Route.BASE, discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY = saved
+
+
+async def _drive(s: Scenario, proc: asyncio.subprocess.Process, h: History, *, ask: bool) -> bool:
+    """The scenario's steps on ``proc``; True when it reached its end (the model's answer, cards settled)."""
+    if ask:
+        s.telegram.push_message(TG_CHAT, TG_ADMIN, ASK, username="ops")
+    # a card to press (after a restart: one still live, or posted by the new process; usually none, the request
+    # ended at the restart, and its cards settle)
+    seconds = STEP_SECONDS if ask else RESTART_SECONDS
+    if await _until(lambda: bool(s.tg_live()) or s.done(), proc, seconds) and s.tg_live() and not s.done():
+        s.press()
+        h.presses += 1
+        await _until(lambda: s.done() or (not s.tg_live() and not s.dc_live()), proc, STEP_SECONDS)
+    # the cards settle after the decision: wait for both platforms' edits
+    await _until(lambda: not s.tg_live() and not s.dc_live(), proc, STEP_SECONDS)
+    return proc.returncode is None and not s.tg_live() and not s.dc_live()
+
+
+async def run_cell(tmp: Path, point: str, action: str, *, store: str = "sqlite", dsn: str | None = None) -> History:
+    s = Scenario(tmp, store=store, dsn=dsn)
+    where = dsn if store == "postgresql" else str(tmp / "state" / "k.db")
+    h = History(point, action, store, where or "", tmp / "ws")
+    async with fakes(s):
+        s.model.script(
+            Completion(tool_calls=(FakeToolCall("shell", json.dumps({"command": f"echo ran >> {MARKER}"})),)),
+            Completion(content=DONE),
+        )
+        spec = f"{point}={action}" if point else ""
+        first = await s.start(spec)
+        settled = False
+        if await _connected(s, first, 0, 0, 0):
+            settled = await _drive(s, first, h, ask=True)
+        if first.returncode is not None:
+            h.died = True
+        elif not settled:
+            h.hung = True  # alive, and no progress within the bound: a hang (or a stuck ending)
+            await _stop(first, signal.SIGKILL)
+        else:
+            await _stop(first, signal.SIGTERM)
+            h.clean_exit = first.returncode == 0
+        if h.died or h.hung:
+            h.restarts = 1
+            polls, identifies = len(s.telegram.calls_to("getUpdates")), len(s.discord.identifies)
+            started = s.started()
+            second = await s.start("")
+            if await _connected(s, second, polls, identifies, started):
+                await _drive(s, second, h, ask=False)
+            await _stop(second, signal.SIGTERM)
+            h.clean_exit = second.returncode == 0
+        h.fired = '"failpoint.fired"' in s.log.read_text(errors="replace")
+        h.telegram_cards = [m.text for m in s.tg_cards()]  # type: ignore[attr-defined]
+        h.telegram_live = len(s.tg_live())
+        h.discord_cards = [_discord_text(m) for m in s.dc_cards()]
+        h.discord_live = len(s.dc_live())
+        h.discord_nonces = [str(m.get("nonce")) for m in s.dc_cards() if m.get("nonce") is not None]
+        h.asked_model = sum(1 for r in s.model.completions if _last_user(r.body) == ASK)
+        h.bot_texts = [m.text for m in s.telegram.bot_messages(TG_CHAT)]
+    return h
+
+
+def _last_user(body: dict[str, object]) -> str | None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    last = messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "user":
+        return None
+    content = str(last.get("content", ""))
+    return ASK if ASK in content else content
+
+
+def _discord_text(message: dict[str, object]) -> str:
+    parts = [str(message.get("content") or "")]
+    embeds = message.get("embeds")
+    for embed in embeds if isinstance(embeds, list) else []:
+        parts += [str(embed.get("title", "")), str(embed.get("description", ""))]
+        parts += [f"{f.get('name', '')} {f.get('value', '')}" for f in embed.get("fields", [])]
+        parts.append(str((embed.get("footer") or {}).get("text", "")))
+    return " ".join(parts)
