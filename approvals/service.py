@@ -591,6 +591,12 @@ class ApprovalService:
                 "The request is still pending; please press again.",
                 request_id=request_id,
             )
+        if pressed.problem is not None and await self._stale_card(request_id, pressed.problem, check):
+            # The request ended and this card is now recorded, to be edited to its outcome: the press is judged
+            # again against it, and loses (nothing pending is ever decided from a card found this way).
+            pressed = await self.store.press(
+                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person
+            )
         if pressed.problem is not None:
             refusal = await self._card_refusal(request_id, pressed.problem, card)
             if refusal is not None:
@@ -663,6 +669,29 @@ class ApprovalService:
         if any(not c.whole for c in cards if where.chat is None or c.chat == where.chat):
             return "This call cannot be remembered: its card does not show the whole call"
         return None
+
+    async def _stale_card(self, request_id: str, problem: str, where: CardCheck | None) -> bool:
+        """A press on a card message of ``request_id`` that Kazma has no record of (posted just before a crash,
+        its message id lost): once the request has ended, that message is recorded and edited to the outcome,
+        like every card of it. Pending, it stays refused: only a recorded card may decide."""
+        if problem not in (CardProblem.NOT_RECORDED, CardProblem.NOT_HERE) or where is None:
+            return False
+        if where.chat is None or where.message_id is None:
+            return False  # the platform did not say which message: nothing to edit
+        try:
+            found = await self.store.record_stale_card(request_id, where.platform, where.chat, where.message_id)
+        except store_errors() as exc:
+            count_failure("card_stale")
+            log.warning("approvals.stale_card_unrecorded", request_id=request_id, platform=where.platform,
+                        chat=where.chat, message_id=where.message_id, error=str(exc))  # fmt: skip
+            return False
+        if not found:
+            return False
+        log.warning("approvals.stale_card_found", request_id=request_id, platform=where.platform,
+                    chat=where.chat, message_id=where.message_id)  # fmt: skip
+        if self.publisher is not None:
+            await self.publisher.settle(request_id)
+        return True
 
     async def _card_refusal(self, request_id: str, problem: str, where: CardLocation | None) -> tuple[str, str] | None:
         """What the audit says and what the presser is told for a card problem; None: let the

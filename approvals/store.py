@@ -753,6 +753,36 @@ class ApprovalStore:
 
         await self._write(op)
 
+    async def record_stale_card(self, request_id: str, platform: str, chat: str, message_id: str) -> bool:
+        """A card message of ``request_id`` nobody recorded (a crash took its post's answer), found when someone
+        pressed it: recorded so the bus edits it to the outcome, but only once the request has ended (checked in
+        the same write), so a card found this way can never carry a decision. False: the request is pending or
+        unknown, nothing written."""
+        now = self.clock()
+
+        def op(tx: Tx) -> bool:
+            ended = tx.one("SELECT 1 FROM approval_requests WHERE id = ? AND status <> 'pending'", (request_id,))
+            if ended is None:
+                return False
+            tx.run(
+                "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole)"
+                " VALUES (?, ?, ?, ?, ?, 1) ON CONFLICT DO NOTHING",
+                (request_id, platform, chat, message_id, now),
+            )
+            self.chain.append(
+                tx,
+                request_id,
+                "card_found",
+                actor=None,
+                platform=platform,
+                at=now,
+                args_hash=FROM_REQUEST,
+                detail=f"{chat}/{message_id}: pressed after the request ended, its post never recorded",
+            )
+            return True
+
+        return await self._write(op)
+
     async def cards(self, request_id: str) -> list[PostedCard]:
         rows = await self.tables.all(
             f"SELECT {_CARD_COLUMNS} FROM approval_cards WHERE request_id = ? ORDER BY posted_at",  # noqa: S608
