@@ -630,7 +630,12 @@ class FanOutBus:
             return
         if witness is None:
             witness = await self._witness(request.id)
-        outcome = replace(outcome, witness=witness)
+        afterwards = None
+        if posted.settled_status is not None and outcome.approved:
+            # Settled before and asked again: Kazma stopped before the approved call finished (recovery). Only
+            # then is the note read: a first settle never pays for it.
+            afterwards = await self.store.execution_note(request.id)
+        outcome = replace(outcome, witness=witness, afterwards=afterwards)
         try:
             card = self._card_for(request)
         except CardIntegrityError:

@@ -448,6 +448,20 @@ def _call_json(pretty: str, canonical: str) -> str:
     )
 
 
+def _ran(events: Sequence[AuditEvent]) -> str:
+    """What became of an approved call, from its audit events: the latest word on it."""
+    for ev in reversed(events):
+        if ev.event == "execution_lost":
+            return ev.detail or "approved, but Kazma stopped before it finished"
+        if ev.event == "execution_finished":
+            return f"ran: {ev.detail or ''}".rstrip(": ")
+        if ev.event == "execution_refused":
+            return f"did not run: refused ({ev.detail or ''})"
+        if ev.event == "execution_started":
+            return "started, not finished yet"
+    return "not yet"
+
+
 def approval_page(
     viewer: Viewer,
     request: ApprovalRequest,
@@ -490,6 +504,7 @@ def approval_page(
         ("When", when_html(request.created_at)),
         ("Deadline", when_html(request.deadline)),
         ("Decided", decided),
+        *([("Ran", e(reveal_line(_ran(events))))] if request.status is Status.APPROVED else []),
     ]
     fact_rows = "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in facts)
     audit = "".join(
