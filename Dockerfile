@@ -33,10 +33,11 @@ RUN useradd --system --user-group --uid 10001 --home-dir /var/lib/kazma --create
 COPY --from=build /wheels /tmp/wheels
 RUN pip install --no-cache-dir /tmp/wheels/*.whl && rm -rf /tmp/wheels
 
-# The store (.kazma/ under the working directory: approvals, the console's tokens), the
-# workspaces and the decision key (.kazma-keys/, or KAZMA_DECISION_KEY) live on the state volume;
-# kazma.yaml on the config volume (or a read-only bind mount).
+# The store (.kazma/: approvals, the console's tokens), the workspaces and the decision key
+# (.kazma-keys/, or KAZMA_DECISION_KEY) live on the state volume; kazma.yaml on the config volume (or a
+# read-only bind mount). Relative paths in kazma.yaml start at KAZMA_BASE_DIR, not at the file's folder.
 ENV KAZMA_CONFIG=/etc/kazma/kazma.yaml \
+    KAZMA_BASE_DIR=/var/lib/kazma \
     KAZMA_HEALTHZ=http://127.0.0.1:8765/healthz \
     PYTHONUNBUFFERED=1
 WORKDIR /var/lib/kazma

@@ -28,8 +28,10 @@ TOOL_RULE: Final = f"a tool name is one or more parts joined by '{SEPARATOR}', e
 
 _PART_CHAR: Final = re.compile(r"[A-Za-z0-9_.\-]")
 _PART: Final = re.compile(rf"[A-Za-z0-9_.\-]{{1,{MAX_PART_LENGTH}}}")
-# The same grammar as one regular expression, for schemas (the API's OpenAPI document).
-TOOL_PATTERN: Final = rf"^[A-Za-z0-9_.\-]{{1,{MAX_PART_LENGTH}}}(/[A-Za-z0-9_.\-]{{1,{MAX_PART_LENGTH}}})*$"
+# The same grammar as one regular expression, for schemas (the API's OpenAPI document). It ends with a lookahead
+# for "nothing left": ``$`` alone lets a trailing newline through in Python's re (which JSON-schema validators in
+# Python use), though not in ECMA-262's; the lookahead means the same in both.
+TOOL_PATTERN: Final = rf"^[A-Za-z0-9_.\-]{{1,{MAX_PART_LENGTH}}}(/[A-Za-z0-9_.\-]{{1,{MAX_PART_LENGTH}}})*$(?![\s\S])"
 MAX_QUOTED: Final = 60  # characters of a refused name quoted in an error
 
 

@@ -18,9 +18,13 @@ from kazma.config.env import format_path, substitute
 from kazma.config.errors import ConfigError, Problem
 from kazma.config.keyring import KEY_VARIABLES
 from kazma.config.models import KazmaConfig
+from kazma.config.registry import CHAT_PLATFORMS
 
 DEFAULT_PATH = Path("kazma.yaml")
 CONFIG_ENV = "KAZMA_CONFIG"
+# The folder relative paths in kazma.yaml are resolved against, when it is not the file's own folder: a
+# configuration on a read-only /etc/kazma with its state in /var/lib/kazma (the Docker image, the systemd unit).
+BASE_DIR_ENV = "KAZMA_BASE_DIR"
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,14 @@ class LoadedConfig:
     source: Path | None
     # key path -> environment variables it referenced, to explain why a platform is off
     references: dict[str, list[str]] = field(default_factory=dict)
+    # (key path, variable) of platform secrets that were not set; loaded without them, those platforms are off.
+    # Empty unless loaded with ``platform_secrets=False`` (a command that never talks to a platform).
+    unset_secrets: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def platforms_without_secrets(self) -> list[str]:
+        """The platforms turned off here because a secret they read is not set."""
+        return list(dict.fromkeys(where.split(".")[1] for where, _ in self.unset_secrets))
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -57,8 +69,19 @@ def resolve_path(path: str | Path | None) -> Path:
     return Path(os.environ.get(CONFIG_ENV, str(DEFAULT_PATH)))
 
 
-def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> LoadedConfig:
-    """Load and validate a configuration file; raise :class:`ConfigError` on any problem."""
+def load_config(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    platform_secrets: bool = True,
+) -> LoadedConfig:
+    """Load and validate a configuration file; raise :class:`ConfigError` on any problem.
+
+    Relative paths in it (``store.path``, ``tools.workspace_root``, ``audit.sink.file``) are resolved against the
+    file's folder (or ``$KAZMA_BASE_DIR``), never against the folder the command runs in: the same file names the
+    same store from anywhere. ``platform_secrets=False`` is for commands that never talk to a platform: a platform
+    whose secret is not set is then off instead of an error (listed in :attr:`LoadedConfig.unset_secrets`).
+    """
     source = resolve_path(path)
     name = str(source)
     try:
@@ -71,7 +94,11 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
         raise ConfigError(name, [Problem("", "cannot be read: permission denied")]) from None
     except UnicodeDecodeError as exc:
         raise ConfigError(name, [Problem("", f"is not UTF-8 text ({exc.reason} at byte {exc.start})")]) from None
-    return load_config_text(text, name=name, environ=environ, source=source)
+    env = os.environ if environ is None else environ
+    base = Path(os.path.abspath(env.get(BASE_DIR_ENV) or source.parent))  # normalised, symlinks kept
+    return load_config_text(
+        text, name=name, environ=environ, source=source, base_dir=base, platform_secrets=platform_secrets
+    )
 
 
 def load_config_text(
@@ -80,6 +107,8 @@ def load_config_text(
     name: str = "kazma.yaml",
     environ: Mapping[str, str] | None = None,
     source: Path | None = None,
+    base_dir: Path | None = None,
+    platform_secrets: bool = True,
 ) -> LoadedConfig:
     try:
         raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
@@ -103,6 +132,12 @@ def load_config_text(
             name,
             [Problem(where, f"${{{var}}} holds Kazma's own keys and may not be used in {name}") for where, var in keys],
         )
+    unset: list[tuple[str, str]] = []
+    if subst.missing and not platform_secrets:
+        unset = [(where, var) for where, var in subst.missing if where.startswith("platforms.")]
+        if unset:
+            _turn_off(subst.tree, unset)
+            subst.missing = [missing for missing in subst.missing if missing not in unset]
     if subst.missing:
         problems = [
             Problem(where, f"environment variable {var} is not set (write ${{{var}:-}} to make it optional)")
@@ -113,7 +148,49 @@ def load_config_text(
         config = KazmaConfig.model_validate(subst.tree)
     except ValidationError as exc:
         raise ConfigError(name, [_problem(err) for err in exc.errors()]) from None
-    return LoadedConfig(config=config, source=source, references=subst.references)
+    if base_dir is not None:
+        config = _resolved(config, base_dir)
+    return LoadedConfig(config=config, source=source, references=subst.references, unset_secrets=unset)
+
+
+def _turn_off(tree: dict[str, Any], unset: list[tuple[str, str]]) -> None:
+    """A platform missing a secret is off: its token is emptied (what "off" means in every platform's section),
+    and so is every value that read a missing variable (a sign-in without its client id is off too)."""
+    platforms = tree.get("platforms")
+    if not isinstance(platforms, dict):
+        return
+    for where, _ in unset:
+        parts = where.split(".")[1:]
+        section = platforms.get(parts[0]) if parts else None
+        if not isinstance(section, dict):
+            continue
+        spec = CHAT_PLATFORMS.get(parts[0])
+        if spec is not None:
+            section[spec.token_key] = ""
+        node: Any = section
+        for part in parts[1:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node[parts[-1]] = ""
+            if "client_id" in node and parts[-2:-1] == ["sign_in"]:
+                node["client_id"] = ""
+
+
+def _resolved(config: KazmaConfig, base: Path) -> KazmaConfig:
+    """``config`` with its relative paths made absolute against ``base``."""
+    store = config.store
+    if store.backend == "sqlite" and not store.path.is_absolute():
+        store = store.model_copy(update={"path": base / store.path})
+    tools = config.tools
+    if tools.workspace_root is not None and not tools.workspace_root.is_absolute():
+        tools = tools.model_copy(update={"workspace_root": base / tools.workspace_root})
+    audit = config.audit
+    sink = audit.sink
+    if sink is not None and sink.file is not None and not sink.file.is_absolute():
+        audit = audit.model_copy(update={"sink": sink.model_copy(update={"file": base / sink.file})})
+    if store is config.store and tools is config.tools and audit is config.audit:
+        return config
+    return config.model_copy(update={"store": store, "tools": tools, "audit": audit})
 
 
 def _kind(value: Any) -> str:

@@ -114,6 +114,18 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "swarm/service.py:SwarmService.wait:suppress(TimeoutError)": "check_swarm_task answers with where the task is "
     "after its wait",
     "swarm/workers.py:handoff_tool.handle:ValidationError": _ANSWERED,
+    "agent.py:AgentRunner._call:OSError": _TOOL_RESULT + " (it could not start: it did not run)",
+    "agent.py:AgentRunner._may_have_run:ValueError": "arguments nothing can hash are refused by the policy anyway",
+    "swarm/checkpoints.py:Checkpoints._open_paused:_NotPaused": "cancelled meanwhile: nothing was opened, and the "
+    "canceller ends the task and says so",
+    "swarm/checkpoints.py:Checkpoints._open_paused:Exception": "no gate, no pause: _gate_failed logs and counts it, "
+    "ends the task saying why and reports it",
+    "swarm/checkpoints.py:Checkpoints._open_then_pause:Exception": "no gate, no pause: _gate_failed logs and counts "
+    "it, ends the task saying why and reports it",
+    "swarm/patterns.py:_with_handoffs:ModelError": "the handoff's target fails as a transient worker result with the "
+    "error; the task's result says so",
+    "swarm/service.py:SwarmService.submit:suppress(StoreUnavailable)": "the store already refused the start: the "
+    "caller is told it was not started, and a row it left running is ended at the next start",
     "tools/registry.py:ToolRegistry.execute:(TypeError, ValueError)": "invalid arguments are answered to the model "
     "(and logged at INFO: the model's mistake, not Kazma's)",
     "tools/shell.py:_kill_group:suppress(ProcessLookupError, PermissionError)": "the process group is already gone",
@@ -153,7 +165,7 @@ UNFENCED_TEXT: Mapping[str, str] = {
     "conversation.py:Conversations._lead_says": _PEOPLE,
     "swarm/commands.py:_describe": _PEOPLE,
     "swarm/commands.py:call_line": _PEOPLE,
-    "swarm/commands.py:SwarmCommands._retry": _PEOPLE,
+    "swarm/commands.py:_retry_risk": "the second ask before /swarm retry, to the person who typed it: " + _PEOPLE,
     "swarm/grammar.py:help_text": "the grammar's own usage summaries, written by Kazma",
     "swarm/patterns.py:_labelled": _RECORD,
     "swarm/patterns.py:_metadata": _RECORD,
@@ -162,6 +174,9 @@ UNFENCED_TEXT: Mapping[str, str] = {
     "swarm/patterns.py:routed": _RECORD,
     "swarm/patterns.py:pipeline": _RECORD,
     "swarm/reliability.py:run_with_fallback": _RECORD,
-    "swarm/service.py:SwarmService._run": "progress reports and the delivered result: " + _PEOPLE,
+    "swarm/calls.py:WorkerCalls._recorded": "a failed worker's error with Kazma's own list of the tools it started: "
+    + _RECORD,
+    "swarm/endings.py:Unsaved.over": "a task's error with Kazma's note that its ending is kept until the store "
+    "answers: " + _RECORD,
     "swarm/checkpoints.py:Checkpoints.wait": _PEOPLE,
 }

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,23 @@ def _route_structlog_to_logging() -> None:
 
 
 _route_structlog_to_logging()
+
+
+@pytest.fixture(autouse=True)
+def _logging_routed_to_pytest() -> Iterator[None]:
+    """A test that runs a command in this process (click's CliRunner) configures Kazma's own logging: structlog's
+    processors, a root handler of its own and the root level. Put pytest's routing back after it, or every later
+    test in this worker reads no events from caplog. Only Kazma's handler is taken off: others (a module's log
+    watcher added during a test) stay."""
+    import logging
+
+    import structlog
+
+    root = logging.getLogger()
+    level = root.level
+    yield
+    _route_structlog_to_logging()
+    root.setLevel(level)
+    for handler in list(root.handlers):
+        if isinstance(handler.formatter, structlog.stdlib.ProcessorFormatter):
+            root.removeHandler(handler)

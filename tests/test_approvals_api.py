@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 
 from kazma.adapters.pacing import ChatRateLimiter
@@ -108,6 +109,18 @@ async def test_openapi_document_describes_the_routes(tmp_path: Path) -> None:
         document = (await http.get("/api/v1/openapi.json")).json()
         assert document["openapi"].startswith("3.")
         assert {"/api/v1/approvals", "/api/v1/approvals/{id}"} <= set(document["paths"])
+    # every answer is what the document says it is (the document and the answers come from the same models)
+    schemas = document["components"]["schemas"]
+    async with kazma_door(tmp_path / "again") as door, client(door) as http:
+        opened = await http.post("/api/v1/approvals", json=DEPLOY)
+        jsonschema.validate(opened.json(), schemas["Approval"])
+        await door.press("a")
+        decided = (await http.get(f"/api/v1/approvals/{opened.json()['id']}?wait=30")).json()
+        assert decided["status"] == "approved"
+        jsonschema.validate(decided, schemas["Approval"])
+        refused = await http.post("/api/v1/approvals", json={"tool": "deploy", "colour": "red"})
+        assert (refused.status_code, refused.json()) == (400, {"error": "unknown fields: colour"})
+        jsonschema.validate(refused.json(), schemas["ApiError"])
 
 
 # --------------------------------------------------------------------------- kazma approvals request --wait

@@ -24,7 +24,7 @@ def test_committed_default_is_valid_with_no_tokens() -> None:
 
 
 def test_empty_file_gives_documented_defaults() -> None:
-    cfg = load_config_text("").config
+    cfg = load_config_text("", base_dir=REPO).config  # relative paths start at the file's folder
     committed = load_config(REPO / "kazma.yaml", environ={}).config
     assert cfg == committed
 

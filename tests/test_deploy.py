@@ -61,7 +61,9 @@ def test_the_image_is_slim_non_root_and_keeps_config_and_store_on_volumes() -> N
     assert sorted(volumes) == ["/etc/kazma", "/var/lib/kazma"]
     env = " ".join(_keyword(image, "ENV"))
     assert "KAZMA_CONFIG=/etc/kazma/kazma.yaml" in env  # the configuration is on its volume
-    assert _keyword(image, "WORKDIR") == ["/var/lib/kazma"]  # store.path is relative: the store lands on its volume
+    assert _keyword(image, "WORKDIR") == ["/var/lib/kazma"]
+    # relative paths in kazma.yaml start at the state volume, not at the configuration's (read-only) folder
+    assert "KAZMA_BASE_DIR=/var/lib/kazma" in env
     assert "bubblewrap" in apt_packages()
 
 
@@ -147,7 +149,9 @@ def test_the_systemd_unit_verifies_and_runs_kazma_as_its_own_user(tmp_path: Path
     assert settings["UMask"] == "0077"
     assert settings["StateDirectoryMode"] == "0700"
     assert settings["Restart"] == "on-failure"
-    assert settings["Environment"] == "KAZMA_CONFIG=/etc/kazma/kazma.yaml"
+    environment = re.findall(r"^Environment=(.*)$", text, flags=re.MULTILINE)
+    # kazma.yaml on /etc (read-only under ProtectSystem=strict), its relative paths from the state folder
+    assert environment == ["KAZMA_CONFIG=/etc/kazma/kazma.yaml", f"KAZMA_BASE_DIR={settings['WorkingDirectory']}"]
     for forbidding in ("RestrictNamespaces", "PrivateUsers", "SystemCallFilter"):
         assert forbidding not in settings  # bubblewrap needs user namespaces
     program, *arguments = settings["ExecStart"].split()
@@ -216,7 +220,7 @@ def test_the_compose_file_runs_two_named_replicas_of_one_image_on_postgresql_beh
     for service in replicas.values():
         assert service["depends_on"]["postgres"]["condition"] == "service_healthy"
         assert "./kazma.yaml:/etc/kazma/kazma.yaml:ro" in service["volumes"]
-        assert service["env_file"] == "kazma.env"
+        assert service["env_file"] == ["kazma.env", "postgres.env"]
     assert len({v for s in replicas.values() for v in s["volumes"] if "state" in v}) == 2  # workspaces apart
     assert services["postgres"]["image"].startswith("postgres:")
     # The proxy sends every HTTP path to every replica, on the ports kazma.yaml gives them.
@@ -224,7 +228,7 @@ def test_the_compose_file_runs_two_named_replicas_of_one_image_on_postgresql_beh
     mounted = [v.split(":")[0] for v in services["proxy"]["volumes"]]
     assert "./deploy/nginx-replicas.conf" in mounted
     example = (REPO / "deploy" / "kazma.replicas.yaml").read_text()
-    config = load_config_text(example.replace("${KAZMA_PG_PASSWORD}", "secret")).config
+    config = load_config_text(example, environ={"POSTGRES_PASSWORD": "secret"}).config
     assert config.store.backend == "postgresql"
     assert config.store.postgres_url is not None
     assert "@postgres:5432/" in config.store.postgres_url
@@ -234,7 +238,7 @@ def test_the_compose_file_runs_two_named_replicas_of_one_image_on_postgresql_beh
             assert f"server {name}:{port} " in proxy_conf
     env_example = (REPO / "deploy" / "kazma.env.example").read_text()
     assert "KAZMA_WEB_TOKEN=" in env_example
-    assert "KAZMA_PG_PASSWORD=" in env_example
+    assert "POSTGRES_PASSWORD=" in (REPO / "deploy" / "postgres.env.example").read_text()
     assert "KAZMA_DECISION_KEY=" in env_example  # replicas verify each other's seals
 
 
@@ -293,7 +297,7 @@ def test_the_replicas_trust_the_compose_proxy_and_only_it() -> None:
     (subnet,) = [ip_network(c["subnet"]) for c in compose["networks"]["default"]["ipam"]["config"]]
     assert proxy_address in subnet
     example = (REPO / "deploy" / "kazma.replicas.yaml").read_text()
-    config = load_config_text(example.replace("${KAZMA_PG_PASSWORD}", "secret")).config
+    config = load_config_text(example, environ={"POSTGRES_PASSWORD": "secret"}).config
     assert [ip_network(n) for n in config.web.trusted_proxies] == [ip_network(f"{proxy_address}/32")]
 
 

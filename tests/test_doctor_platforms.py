@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from kazma.config.tokens import (
     slack_bot_token_problem,
     telegram_token_problem,
 )
-from tests.fakes.discord import FakeDiscord
+from tests.fakes.discord import ATTACH_FILES, BOT_ID, BOT_ROLE_ID, GUILD_ID, HOME_CHANNEL_ID, VIEW_CHANNEL, FakeDiscord
 from tests.fakes.openai import FakeOpenAI
 from tests.fakes.slack import DEFAULT_SCOPES, FAKE_APP_TOKEN, FAKE_BOT_TOKEN, FAKE_SIGNING_SECRET, FakeSlack
 from tests.fakes.telegram import FakeTelegram
@@ -252,7 +254,14 @@ async def test_a_clean_configuration_passes_the_whole_doctor(tmp_path: Path) -> 
     names = [c.name for c in checks]
     # each platform's answers follow its own status line
     assert names.index("platform.telegram") < names.index("platform.slack") < names.index("platform.discord")
-    assert names.count("platform.discord") == 2
+    assert names.count("platform.discord") == 3  # on; token accepted; the home channel
+    ok = lines(checks, Level.OK)
+    assert "platform.telegram home_chat -1001 (Group -1001): the bot is in it (member) and may post" in ok
+    assert "platform.slack home_channel C0HOME0001 (#channel-c0home0001): the app is in it and may post" in ok
+    assert (
+        "platform.discord home_channel 1100000000000000101 (#kazma-home): the bot may post there, with embeds and files"
+        in ok
+    )
 
 
 def test_doctor_names_a_web_approver_nobody_can_enrol_as() -> None:
@@ -262,3 +271,116 @@ def test_doctor_names_a_web_approver_nobody_can_enrol_as() -> None:
         "web:alice is an approver in the console, but no person under people: has that identity: nobody can enrol a "
         "passkey for it, so it decides nothing (add people.<name>: {web: <login>}; README: Web console)"
     ]
+
+
+# --------------------------------------------------------------------------- the home chat, on each platform
+
+
+async def _home_checks(fakes: Fakes) -> dict[str, list[str]]:
+    answers = await ask(platforms_yaml(fakes, slack_app=FAKE_APP_TOKEN))
+    return {
+        name: [f"{c.level.value} {c.detail}" for c in found if "home_" in c.detail] for name, found in answers.items()
+    }
+
+
+async def test_doctor_fails_a_home_chat_that_is_missing_or_the_bot_is_not_in_or_may_not_post_to() -> None:
+    async with three_fakes() as fakes:
+        fakes.telegram.bot_membership[-1001] = {"status": "left"}
+        fakes.slack.channels_without_bot.add("C0HOME0001")
+        fakes.discord.bot_in_guild = False
+        gone = await _home_checks(fakes)
+
+        fakes.telegram.bot_membership[-1001] = {"status": "restricted", "can_send_messages": False}
+        fakes.slack.channels_without_bot.clear()
+        fakes.slack.missing_channels.add("C0HOME0001")
+        fakes.discord.bot_in_guild = True
+        # a channel overwrite for the bot's role that takes Attach Files away (file posts then fail)
+        fakes.discord.overwrites[HOME_CHANNEL_ID] = [
+            {"id": str(BOT_ROLE_ID), "type": 0, "allow": "0", "deny": str(ATTACH_FILES)}
+        ]
+        muted = await _home_checks(fakes)
+
+        fakes.telegram.bot_membership.clear()
+        fakes.slack.missing_channels.clear()
+        fakes.slack.scopes = tuple(s for s in DEFAULT_SCOPES if s not in ("channels:read", "groups:read"))
+        # @everyone denied View Channels on the channel, but the bot's member overwrite allows it back
+        fakes.discord.overwrites[HOME_CHANNEL_ID] = [
+            {"id": str(GUILD_ID), "type": 0, "allow": "0", "deny": str(VIEW_CHANNEL | ATTACH_FILES)},
+            {"id": str(BOT_ID), "type": 1, "allow": str(VIEW_CHANNEL | ATTACH_FILES), "deny": "0"},
+        ]
+        fine = await _home_checks(fakes)
+
+    assert gone["telegram"] == [
+        "fail home_chat -1001: Telegram says 'Bad Request: chat not found': add the bot to that group (or fix the id: "
+        "the platform.inbound_ignored log event shows the ids of chats it is in)"
+    ]
+    assert gone["slack"] == [
+        "fail home_channel C0HOME0001 (#channel-c0home0001): the app is not in it: /invite the app in that channel"
+    ]
+    assert gone["discord"] == [
+        "fail home_channel 1100000000000000101: the bot cannot see it: invite it to that server with `kazma setup "
+        "discord-invite`, or let its role view the channel"
+    ]
+    assert muted["telegram"] == ["fail home_chat -1001 (Group -1001): the bot may not send messages there"]
+    assert muted["slack"][0].startswith("fail home_channel C0HOME0001: Slack knows no such channel the app can see")
+    assert muted["discord"] == [
+        "fail home_channel 1100000000000000101 (#kazma-home): the bot lacks Attach Files (post files and cut calls "
+        "whole): grant them to its role on that channel (Edit Channel → Permissions)"
+    ]
+    assert fine["telegram"][0].startswith("ok ")
+    assert fine["slack"][0].startswith("warn home_channel C0HOME0001: not checked: the bot token lacks channels:read")
+    assert fine["discord"][0].startswith("ok ")
+
+
+# --------------------------------------------------------------------------- the whole doctor, as a command
+
+
+def _doctor(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kazma.bot.cli", "-c", str(tmp_path / "kazma.yaml"), "doctor", *args],
+        cwd=tmp_path, env=CLEAN_ENV, capture_output=True, text=True, timeout=90, check=False,
+    )  # fmt: skip
+
+
+def _unset_secret_config(tmp_path: Path, model_url: str) -> None:
+    (tmp_path / "kazma.yaml").write_text(
+        f"store: {{path: '{tmp_path}/state/k.db'}}\nmodel: {{base_url: '{model_url}'}}\n"
+        "people: {alice: {web: alice}}\napprovals: {approvers: [alice]}\n"
+        "platforms:\n  telegram: {token: '${TELEGRAM_BOT_TOKEN}', chats: [-1001], home_chat: -1001, admins: [111]}\n"
+    )
+
+
+async def test_doctor_goes_on_past_a_secret_that_is_not_exported(tmp_path: Path) -> None:
+    async with FakeOpenAI(models=("llama3.1",)) as model:
+        _unset_secret_config(tmp_path, model.base_url)
+        done = await asyncio.to_thread(_doctor, tmp_path, "--model-timeout", "5")
+    assert done.returncode == 1, done.stdout + done.stderr  # a failed check, not a configuration error (2)
+    out = done.stdout.splitlines()
+    assert (
+        "FAIL  platform.telegram environment variable TELEGRAM_BOT_TOKEN is not set (platforms.telegram.token reads "
+        "it): export it, or write ${TELEGRAM_BOT_TOKEN:-} to leave the platform off"
+    ) in out
+    names = [line.split()[1] for line in out[:-1]]
+    for ran in ("config", "platform.web", "sandbox", "store", "decision", "model"):
+        assert ran in names, done.stdout  # every other check still ran
+    assert [line for line in out if line.startswith("OK    model ")] != []
+    assert out[-1] == "1 failed, 0 warnings"
+    # a first run opens (and migrates) the store: one log line says so, never one line per migration
+    assert "store.migration_applied" not in done.stderr
+    assert done.stderr.count("store.migrated") == 1
+
+
+async def test_doctor_json_is_one_object_a_program_reads(tmp_path: Path) -> None:
+    async with FakeOpenAI(models=("llama3.1",)) as model:
+        _unset_secret_config(tmp_path, model.base_url)
+        done = await asyncio.to_thread(_doctor, tmp_path, "--json", "--log-level", "warning")
+    assert done.returncode == 1
+    report = json.loads(done.stdout)
+    assert set(report) == {"checks", "failed", "warnings"}
+    assert report["failed"] == 1
+    assert report["warnings"] == 0
+    assert report["checks"][0] == {"name": "config", "level": "ok", "detail": f"{tmp_path / 'kazma.yaml'} is valid"}
+    assert {"name", "level", "detail"} == set().union(*(check.keys() for check in report["checks"]))
+    failed = [c for c in report["checks"] if c["level"] == "fail"]
+    assert [c["name"] for c in failed] == ["platform.telegram"]
+    assert {c["level"] for c in report["checks"]} <= {"ok", "warn", "fail"}

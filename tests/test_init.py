@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kazma.bot.cli.cli_identity import system_login
 from kazma.bot.cli.init_config import InitAnswers, Presence, render
 from kazma.config import ConfigError, load_config, load_config_text
 from kazma.config.platforms import console_warnings
@@ -68,7 +69,7 @@ def test_flags_write_a_file_where_the_operator_is_an_approver_everywhere(tmp_pat
     lines = result.stdout.splitlines()
     assert lines[0] == (
         f"Wrote {Path('kazma.yaml')}: you are alice, an approver as web:alice, telegram:111, slack:U0111AAAA, "
-        "discord:222."
+        f"discord:222, cli:{system_login()}."
     )
     assert lines[1] == "Next:"
     commands = [line.split("#")[0].strip() for line in lines[2:]]
@@ -95,7 +96,7 @@ def test_it_never_overwrites_without_force(tmp_path: Path) -> None:
     mine.write_text("# my own configuration\n")
     refused = run(["init", "--web-login", "bob", "--no-input"], cwd=tmp_path)
     assert refused.returncode == 1
-    assert "kazma.yaml already exists; nothing was written (--force overwrites it)" in refused.stderr
+    assert "kazma.yaml already exists; nothing was written (--force adds to it, keeping a copy)" in refused.stderr
     assert mine.read_text() == "# my own configuration\n"
     other = tmp_path / "elsewhere.yaml"
     other.write_text("# another\n")
@@ -105,9 +106,11 @@ def test_it_never_overwrites_without_force(tmp_path: Path) -> None:
     assert forced.returncode == 0, forced.stderr
     config = load_config(mine, environ={}).config
     assert config.approvals.approvers == ["bob"]
-    assert config.people.persons == {"bob": ("web:bob",)}
+    assert config.people.persons == {"bob": ("web:bob", f"cli:{system_login()}")}
     assert config.swarm.allow_shared_operators is False  # one identity: nothing to share
-    commands = [line.split("#")[0].strip() for line in forced.stdout.splitlines()[2:]]
+    assert "held no settings to keep: written anew" in forced.stdout  # only a comment: the backup keeps it
+    shown = forced.stdout.splitlines()
+    commands = [line.split("#")[0].strip() for line in shown[shown.index("Next:") + 1 :]]
     assert commands == ["kazma config check", "kazma doctor", "kazma people invite bob", "kazma run"]
 
 
@@ -163,7 +166,7 @@ def test_on_a_terminal_it_asks_and_asks_again_after_a_wrong_answer(tmp_path: Pat
     assert "Error: a Telegram user id is a number" in result.stdout  # said, then asked again
     config = load_config(tmp_path / "kazma.yaml", environ=TOKENS).config
     assert config.approvals.approvers == ["carol"]
-    assert config.people.persons == {"carol": ("web:carol", "telegram:111", "slack:U0CAROL01")}
+    assert config.people.persons == {"carol": ("web:carol", "telegram:111", "slack:U0CAROL01", f"cli:{system_login()}")}
     assert config.platforms.telegram.home_chat is None  # not known yet, and the file says how to find it
     assert (
         "the platform.inbound_ignored log event (platform=telegram) shows its id"

@@ -33,16 +33,17 @@ def test_the_invite_integer_is_exactly_the_permissions_kazma_uses() -> None:
         send_messages=True,
         send_messages_in_threads=True,
         embed_links=True,
+        attach_files=True,  # file posts (an agent's output, a cut call) fail without it
         read_message_history=True,
         use_application_commands=True,
         manage_webhooks=True,
     ).value
-    assert discord_permissions() == expected == 277562346496
+    assert discord_permissions() == expected == 277562379264
     assert discord_permissions(webhooks=False) == expected - discord.Permissions(manage_webhooks=True).value
     assert discord_invite_url(42) == (
-        f"https://discord.com/oauth2/authorize?client_id=42&scope=bot%20applications.commands&permissions={expected}"
+        f"https://discord.com/oauth2/authorize?client_id=42&scope=bot+applications.commands&permissions={expected}"
     )
-    assert "Send Messages in Threads" in {p.name for p in DISCORD_PERMISSIONS}
+    assert {"Send Messages in Threads", "Attach Files"} <= {p.name for p in DISCORD_PERMISSIONS}
 
 
 def test_the_readme_invite_carries_the_same_integer() -> None:

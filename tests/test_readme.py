@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,10 @@ def model_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
 def _submodel(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
+    # an optional section (``audit.sink: … | None``): its keys are documented as the section's own
+    members = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(members) == 1:
+        return _submodel(members[0])
     return None
 
 

@@ -175,6 +175,7 @@ async def test_kazmas_own_environment_is_out_of_reach(sandbox: Sandbox, tmp_path
         "TELEGRAM_BOT_TOKEN",
         "SLACK_BOT_TOKEN",
         "KAZMA_PG_PASSWORD",
+        "POSTGRES_PASSWORD",  # deploy/compose.yaml's postgres.env
         "KAZMA_WEB_TOKEN",
         "KAZMA_WEB_READER_TOKEN",
         "KAZMA_DECISION_KEY",

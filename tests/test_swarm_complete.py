@@ -265,7 +265,7 @@ async def test_expect_json_fails_an_answer_that_is_not_json(tmp_path: Path) -> N
         assert good.status is TaskStatus.SUCCEEDED
         wrong = await ended(r.service, await send(r, "dispatch b --expect verdict give json"))
         assert wrong.status is TaskStatus.FAILED
-        assert "$.ok: expected boolean" in (wrong.error or "")
+        assert "$.ok: 'yes' is not of type 'boolean'" in (wrong.error or "")
         assert (await send(r, "dispatch b --expect nosuch x")).startswith("Not started: unknown output schema")
 
 

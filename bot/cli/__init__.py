@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "keys": (
         "kazma.bot.cli.keys_cli",
         "keys",
-        "The decision keys that seal approvals, and the audit keys (--audit): list, rotate, retire.",
+        "Decision keys and audit keys (--audit): list, rotate, retire.",
     ),
     "mcp": ("kazma.bot.cli.mcp_cli", "mcp", "Kazma as an MCP server (request_approval)."),
     "people": ("kazma.bot.cli.people_cli", "people", "People and their passkeys: list, invite, revoke."),

@@ -17,10 +17,14 @@ class Context:
     def __init__(self, config_path: Path | None) -> None:
         self.config_path = config_path
 
-    def load(self, path: Path | None = None) -> LoadedConfig:
-        """Load the configuration or exit 2 with one line per problem."""
+    def load(self, path: Path | None = None, *, platform_secrets: bool = False) -> LoadedConfig:
+        """Load the configuration or exit 2 with one line per problem.
+
+        Most commands never talk to a platform (the approvals, the store, keys, people, the swarm's records):
+        for them a platform whose secret is not in the environment is simply off. ``platform_secrets=True``
+        (``kazma run``, ``kazma config check``) makes every unset secret an error again."""
         try:
-            loaded = load_config(path or self.config_path)
+            loaded = load_config(path or self.config_path, platform_secrets=platform_secrets)
         except ConfigError as exc:
             for line in exc.lines:
                 click.echo(line, err=True)

@@ -6,7 +6,10 @@ Imported only when one of them runs (see :mod:`kazma.bot.cli`).
 from __future__ import annotations
 
 import asyncio
+import errno
+import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -42,7 +45,7 @@ def config() -> None:
 @click.pass_obj
 def config_check(obj: Context, path: Path | None) -> None:
     """Validate PATH (default: the --config file) and say which platforms would start."""
-    loaded = obj.load(path)
+    loaded = obj.load(path, platform_secrets=True)
     source = loaded.source or Path("kazma.yaml")
     click.echo(f"{source}: valid")
     for status in platform_statuses(loaded):
@@ -72,16 +75,31 @@ def config_check(obj: Context, path: Path | None) -> None:
 @click.option(
     "--platform-timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for each platform's API."
 )
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='One JSON object on stdout: {"checks": [{"name", "level", "detail"}, …], "failed": N, "warnings": N}.',
+)
 @click.pass_obj
-def doctor(obj: Context, model_timeout: float, platform_timeout: float) -> None:
+def doctor(obj: Context, model_timeout: float, platform_timeout: float, as_json: bool) -> None:
     """Check the configuration, each platform's tokens with the platform, the store and the model endpoint."""
+    # A secret not exported is one failed check, not the end of the checklist: every other check still runs.
     loaded = obj.load()
     checks = asyncio.run(run_checks(loaded, model_timeout=model_timeout, platform_timeout=platform_timeout))
-    for check in checks:
-        click.echo(f"{check.level.value.upper():<4}  {check.name:<17} {check.detail}")
     failed = [c for c in checks if c.level is Level.FAIL]
     warned = [c for c in checks if c.level is Level.WARN]
-    click.echo(f"{len(failed)} failed, {len(warned)} {'warning' if len(warned) == 1 else 'warnings'}")
+    if as_json:
+        report = {
+            "checks": [{"name": c.name, "level": c.level.value, "detail": c.detail} for c in checks],
+            "failed": len(failed),
+            "warnings": len(warned),
+        }
+        click.echo(json.dumps(report, ensure_ascii=False, indent=2))
+    else:
+        for check in checks:
+            click.echo(f"{check.level.value.upper():<4}  {check.name:<17} {check.detail}")
+        click.echo(f"{len(failed)} failed, {len(warned)} {'warning' if len(warned) == 1 else 'warnings'}")
     log.info("doctor.finished", failed=len(failed), warnings=len(warned))
     if failed:
         sys.exit(EXIT_CHECK_FAILED)
@@ -94,14 +112,34 @@ def doctor(obj: Context, model_timeout: float, platform_timeout: float) -> None:
 @click.pass_obj
 def run(obj: Context, poll_interval: float, no_pacing: bool) -> None:
     """Start every configured platform and serve until SIGINT or SIGTERM."""
-    loaded = obj.load()
+    loaded = obj.load(platform_secrets=True)
     try:
         armed = failpoints.check()
     except failpoints.FailpointSpecError as exc:
         raise click.ClickException(str(exc)) from None
     if armed:  # a chaos run (tests/chaos): said once, loudly, so nobody mistakes it for a real one
         log.warning("failpoints.armed", failpoints=armed)
-    asyncio.run(_serve(loaded, poll_interval, paced=not no_pacing))
+    try:
+        asyncio.run(_serve(loaded, poll_interval, paced=not no_pacing))
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        # Another `kazma run` (or anything else) holds an address this one listens on: one line, not a traceback.
+        web = loaded.config.web
+        click.echo(
+            f"kazma run: cannot listen: {_bind_reason(exc)}; is another `kazma run` serving it? Stop that one, or "
+            f"give this one another port (web.port is {web.port})",
+            err=True,
+        )
+        sys.exit(EXIT_CHECK_FAILED)
+
+
+def _bind_reason(exc: OSError) -> str:
+    text = str(exc)
+    found = re.search(r"address \('?([^',]+)'?, (\d+)", text)
+    if found is not None:
+        return f"{found.group(1)}:{found.group(2)} is already in use"
+    return exc.strerror or "address already in use"
 
 
 async def _serve(loaded: LoadedConfig, poll_interval: float, *, paced: bool = True) -> None:

@@ -30,8 +30,19 @@ async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0, platfo
     for status in platform_statuses(loaded):
         if status.enabled:
             checks.append(Check(f"platform.{status.name}", Level.OK, f"on ({status.reason})"))
-        else:
+        elif status.name not in loaded.platforms_without_secrets:
             checks.append(Check(f"platform.{status.name}", Level.OK, f"off: {status.reason}"))
+        # Loaded without a secret the file reads (not exported here): one failed check; the rest still run.
+        checks.extend(
+            Check(
+                f"platform.{status.name}",
+                Level.FAIL,
+                f"environment variable {var} is not set ({where} reads it): export it, or write ${{{var}:-}} "
+                "to leave the platform off",
+            )
+            for where, var in loaded.unset_secrets
+            if where.split(".")[1] == status.name
+        )
         checks.extend(answers.get(status.name, []))
         checks.extend(Check(f"platform.{status.name}", Level.WARN, w) for w in status.warnings)
     checks.extend(console_checks(loaded))

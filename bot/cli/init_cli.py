@@ -6,22 +6,27 @@ import getpass
 import os
 import re
 import shlex
+import shutil
 import sys
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import click
 
+from kazma.bot.cli.cli_identity import system_login
 from kazma.bot.cli.context import Context
 from kazma.bot.cli.init_config import (
     DEFAULT_MODEL_URL,
     DEFAULT_PUBLIC_URL,
+    PLACEHOLDER_SECRETS,
     WEB_LOGIN,
     InitAnswers,
     Presence,
     render,
 )
-from kazma.config import ConfigError
+from kazma.bot.cli.init_merge import merge_into
+from kazma.config import ConfigError, load_config_text
 from kazma.config.loader import resolve_path
 from kazma.config.registry import CHAT_PLATFORMS
 
@@ -113,7 +118,12 @@ def _default_login() -> str:
     default=None,
     help="Ask for what the flags do not say (default: when standard input is a terminal).",
 )
-@click.option("--force", is_flag=True, help="Overwrite an existing file.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Change an existing file: keep everything it says, add what these answers add (new platforms, your "
+    "identities), and keep a dated copy of the old one beside it.",
+)
 @click.pass_obj
 def init(
     obj: Context,
@@ -140,7 +150,7 @@ def init(
     """
     target = path or resolve_path(obj.config_path)
     if target.exists() and not force:
-        click.echo(f"{target} already exists; nothing was written (--force overwrites it)", err=True)
+        click.echo(f"{target} already exists; nothing was written (--force adds to it, keeping a copy)", err=True)
         sys.exit(EXIT_EXISTS)
     ask = sys.stdin.isatty() if interactive is None else interactive
     given = {
@@ -184,6 +194,7 @@ def init(
         telegram=presences.get("telegram"),
         slack=presences.get("slack"),
         discord=presences.get("discord"),
+        cli_login=system_login(),
     )
     try:
         text = render(answers)
@@ -191,7 +202,10 @@ def init(
         for line in exc.lines:
             click.echo(line, err=True)
         sys.exit(2)
-    _write(target, text, force=force)
+    if force and target.exists():
+        _merge_and_back_up(target, text, answers)
+    else:
+        _write(target, text, force=force)
     identities = ", ".join(actor for actor, _ in answers.approvers)
     click.echo(f"Wrote {target}: you are {answers.person}, an approver as {identities}.")
     click.echo("Next:")
@@ -226,10 +240,38 @@ def _write(target: Path, text: str, *, force: bool) -> None:
     try:
         fd = os.open(target, flags, 0o644)  # it holds no secret: only ${VAR} references to them
     except FileExistsError:  # created since we looked: still never overwritten without --force
-        click.echo(f"{target} already exists; nothing was written (--force overwrites it)", err=True)
+        click.echo(f"{target} already exists; nothing was written (--force adds to it, keeping a copy)", err=True)
         sys.exit(EXIT_EXISTS)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(text)
+
+
+def _merge_and_back_up(target: Path, text: str, answers: InitAnswers) -> None:
+    """``--force`` on an existing file: the person's file with what the answers add, after a dated copy of it."""
+    old = target.read_text(encoding="utf-8")
+    merged = merge_into(old, text, person=answers.person)
+    if merged is not None:
+        try:
+            # Their file may read variables of its own: validate as `kazma run` would here, platforms aside.
+            load_config_text(merged.text, name=str(target), environ={**os.environ, **PLACEHOLDER_SECRETS},
+                             platform_secrets=False)  # fmt: skip
+        except ConfigError as exc:
+            click.echo(f"{target}: the file with your answers merged in would not load; nothing was written:", err=True)
+            for line in exc.lines:
+                click.echo(f"  {line}", err=True)
+            sys.exit(2)
+        text = merged.text
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    backup = target.with_name(f"{target.name}.{stamp}.bak")
+    shutil.copy2(target, backup)
+    _write(target, text, force=True)
+    click.echo(f"Kept a copy of the old file: {backup}")
+    if merged is None:
+        click.echo(f"{target} held no settings to keep: written anew")
+    elif merged.added:
+        click.echo(f"Kept your settings in {target}; added {', '.join(merged.added)}")
+    else:
+        click.echo(f"Kept your settings in {target}; these answers add nothing it does not already say")
 
 
 def next_commands(answers: InitAnswers, target: Path) -> list[tuple[str, str]]:

@@ -16,7 +16,7 @@ from importlib import resources
 from typing import Final
 
 from kazma.config import ConfigError, load_config_text
-from kazma.config.registry import CHAT_PLATFORMS
+from kazma.config.registry import CHAT_PLATFORMS, user_id_problem
 
 DEFAULT_PUBLIC_URL: Final = "http://localhost:8765"
 DEFAULT_MODEL_URL: Final = "http://127.0.0.1:11434/v1"
@@ -28,7 +28,7 @@ SECRETS: Final = {
     "slack": ("SLACK_BOT_TOKEN",),
     "discord": ("DISCORD_BOT_TOKEN",),
 }
-_PLACEHOLDER_SECRETS: Final = {  # shaped like the real thing, to validate the result without them
+PLACEHOLDER_SECRETS: Final = {  # shaped like the real thing, to validate the result without them
     "TELEGRAM_BOT_TOKEN": "1:placeholder",
     "SLACK_BOT_TOKEN": "xoxb-placeholder",
     "SLACK_APP_TOKEN": "xapp-placeholder",
@@ -64,6 +64,8 @@ class InitAnswers:
     slack: Presence | None = None
     discord: Presence | None = None
     slack_socket_mode: bool = True
+    # The system user who runs `kazma` here: `kazma approvals approve` decides as cli:<login>. None: not known.
+    cli_login: str | None = None
     platforms: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +96,8 @@ class InitAnswers:
         """(actor, where) for every identity of the operator, the console first."""
         found = [(f"web:{self.web_login.lower()}", "the web console")]
         found += [(f"{p}:{self.presence(p).user}", CHAT_PLATFORMS[p].title) for p in self.platforms]
+        if self.cli_login is not None and user_id_problem("cli", self.cli_login) is None:
+            found.append((f"cli:{self.cli_login}", "the command line (`kazma approvals approve`)"))
         return found
 
 
@@ -172,7 +176,7 @@ def render(answers: InitAnswers) -> str:
         platforms=platforms.rstrip("\n"),
     )
     text = re.sub(r"\n{3,}", "\n\n", text)
-    load_config_text(text, name="kazma.yaml", environ=_PLACEHOLDER_SECRETS)  # raises ConfigError with its lines
+    load_config_text(text, name="kazma.yaml", environ=PLACEHOLDER_SECRETS)  # raises ConfigError with its lines
     return text
 
 

@@ -28,7 +28,7 @@ def _spec(audit: bool) -> KeySpec:
 
 @click.group()
 def keys() -> None:
-    """The decision keys that seal approvals, and the audit keys (--audit): list, rotate, retire."""
+    """Decision keys and audit keys (--audit): list, rotate, retire."""
 
 
 @keys.command("list")

@@ -18,6 +18,7 @@ from typing import Any, Final
 import httpx
 
 from kazma.bot.cli.checks import Check, Level
+from kazma.bot.cli.home_checks import discord_home, slack_home, telegram_home
 from kazma.bot.cli.platform_setup import DISCORD_MESSAGE_CONTENT_FLAGS, SLACK_BOT_SCOPES, SLACK_OPTIONAL_SCOPES
 from kazma.bot.logging import redact
 from kazma.config import LoadedConfig, enabled_platforms
@@ -122,7 +123,8 @@ async def check_telegram(config: TelegramConfig, client: httpx.AsyncClient) -> l
         else "; privacy mode on: in groups it sees commands, @-mentions of it and replies to it"
     )
     checks.append(Check(name, Level.OK, f"token accepted: @{me.get('username', '?')}{privacy}"))
-    return checks
+    home = await telegram_home(config, client, int(me.get("id") or 0))
+    return [*checks, *([home] if home else [])]
 
 
 # -- Slack ---------------------------------------------------------------------------------------
@@ -168,7 +170,8 @@ async def check_slack(config: SlackConfig, client: httpx.AsyncClient) -> list[Ch
         checks.append(await _slack_app_token(config, client))
     who = f"{body.get('user', '?')} in {body.get('team', '?')}"
     checks.insert(0, Check(name, Level.OK, f"token accepted: {who}"))
-    return checks
+    home = await slack_home(config, client)
+    return [*checks, *([home] if home else [])]
 
 
 def _slack_scopes(response: httpx.Response) -> Check:
@@ -265,4 +268,5 @@ async def check_discord(config: DiscordConfig, client: httpx.AsyncClient) -> lis
                 "Portal → your application → Bot → Privileged Gateway Intents → Message Content Intent",
             )
         )
-    return checks
+    home = await discord_home(config, client, str(user.get("id") or ""))
+    return [*checks, *([home] if home else [])]

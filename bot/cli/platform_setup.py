@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Final
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
+
+import discord
 
 from kazma.config.models import KazmaConfig
 
@@ -22,6 +24,8 @@ SLACK_BOT_SCOPES: Final = ("app_mentions:read", "channels:history", "chat:write"
 # Optional: agents post under their own names; without it their messages carry an "[agent]" prefix.
 # Also optional: DMs with the lead (dm_policy) need im:history; files in and out need files:read, files:write.
 SLACK_OPTIONAL_SCOPES: Final = ("chat:write.customize", "im:history", "files:read", "files:write")
+# For `kazma doctor` only: conversations.info tells whether the app is in the home channel (public, private).
+SLACK_DOCTOR_SCOPES: Final = ("channels:read", "groups:read")
 SLACK_BOT_EVENTS: Final = ("app_mention", "message.channels", "message.groups", "message.im")
 SLACK_COMMANDS: Final = (
     ("/swarm", "Drive the agent swarm", "help | status | pipeline quick <task>"),
@@ -68,7 +72,7 @@ def slack_manifest(
             "bot_user": {"display_name": name.lower(), "always_online": True},
             "slash_commands": commands,
         },
-        "oauth_config": {"scopes": {"bot": [*SLACK_BOT_SCOPES, *SLACK_OPTIONAL_SCOPES]}},
+        "oauth_config": {"scopes": {"bot": [*SLACK_BOT_SCOPES, *SLACK_OPTIONAL_SCOPES, *SLACK_DOCTOR_SCOPES]}},
         "settings": {
             "event_subscriptions": events,
             "interactivity": interactivity,
@@ -85,23 +89,35 @@ def slack_manifest(
 @dataclass(frozen=True)
 class DiscordPermission:
     name: str  # as the Developer Portal and the invite screen say it
-    bit: int
+    flag: str  # discord.py's name for it (a ``discord.Permissions`` attribute), which holds the bit
     why: str
 
     @property
     def value(self) -> int:
-        return 1 << self.bit
+        value: int = getattr(discord.Permissions, self.flag).flag
+        return value
+
+    @property
+    def bit(self) -> int:
+        return self.value.bit_length() - 1
 
 
-# Exactly what the adapter does in a served channel, bit by bit (Discord's permission flags).
+# Exactly what the adapter does in a served channel.
 DISCORD_PERMISSIONS: Final = (
-    DiscordPermission("View Channels", 10, "see the served channels"),
-    DiscordPermission("Send Messages", 11, "post replies, dispatches and approval cards"),
-    DiscordPermission("Embed Links", 14, "approval cards are embeds"),
-    DiscordPermission("Read Message History", 16, "reply to a message and find the card a press came from"),
-    DiscordPermission("Manage Webhooks", 29, "agents post under their own names (optional: else an [agent] prefix)"),
-    DiscordPermission("Use Application Commands", 31, "/swarm and /plan"),
-    DiscordPermission("Send Messages in Threads", 38, "answer in the thread a conversation started in"),
+    DiscordPermission("View Channels", "view_channel", "see the served channels"),
+    DiscordPermission("Send Messages", "send_messages", "post replies, dispatches and approval cards"),
+    DiscordPermission("Embed Links", "embed_links", "approval cards are embeds"),
+    DiscordPermission("Attach Files", "attach_files", "post files: an agent's output, a call too long for its card"),
+    DiscordPermission(
+        "Read Message History", "read_message_history", "reply to a message and find the card a press came from"
+    ),
+    DiscordPermission(
+        "Manage Webhooks", "manage_webhooks", "agents post under their own names (optional: else an [agent] prefix)"
+    ),
+    DiscordPermission("Use Application Commands", "use_application_commands", "/swarm and /plan"),
+    DiscordPermission(
+        "Send Messages in Threads", "send_messages_in_threads", "answer in the thread a conversation started in"
+    ),
 )
 DISCORD_SCOPES: Final = ("bot", "applications.commands")
 # Application flags saying the Message Content intent is on: GATEWAY_MESSAGE_CONTENT (verified apps, 100+
@@ -109,25 +125,29 @@ DISCORD_SCOPES: Final = ("bot", "applications.commands")
 DISCORD_MESSAGE_CONTENT_FLAGS: Final = (1 << 18) | (1 << 19)
 
 
+def _chosen(webhooks: bool) -> list[DiscordPermission]:
+    return [p for p in DISCORD_PERMISSIONS if webhooks or p.flag != "manage_webhooks"]
+
+
+def discord_permission_set(*, webhooks: bool = True) -> discord.Permissions:
+    return discord.Permissions(**dict.fromkeys((p.flag for p in _chosen(webhooks)), True))
+
+
 def discord_permissions(*, webhooks: bool = True) -> int:
-    chosen = [p for p in DISCORD_PERMISSIONS if webhooks or p.name != "Manage Webhooks"]
-    total = 0
-    for permission in chosen:
-        total |= permission.value
-    return total
+    return discord_permission_set(webhooks=webhooks).value
 
 
 def discord_invite_url(client_id: int | str, *, webhooks: bool = True) -> str:
     if not str(client_id).isdigit():
         raise ValueError(f"a Discord application id is a number, got {client_id!r}")
-    scopes = quote(" ".join(DISCORD_SCOPES))
-    permissions = discord_permissions(webhooks=webhooks)
-    return f"https://discord.com/oauth2/authorize?client_id={client_id}&scope={scopes}&permissions={permissions}"
+    return discord.utils.oauth_url(
+        client_id, permissions=discord_permission_set(webhooks=webhooks), scopes=DISCORD_SCOPES
+    )
 
 
 def discord_permission_lines(*, webhooks: bool = True) -> list[str]:
     """The integer, explained: one line per permission with its value and why Kazma needs it."""
-    chosen = [p for p in DISCORD_PERMISSIONS if webhooks or p.name != "Manage Webhooks"]
+    chosen = _chosen(webhooks)
     width = max(len(str(p.value)) for p in chosen)
     lines = [f"permissions={discord_permissions(webhooks=webhooks)} is the sum of:"]
     lines += [f"  {p.value:>{width}}  (1 << {p.bit:<2})  {p.name}: {p.why}" for p in chosen]

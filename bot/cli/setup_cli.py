@@ -87,11 +87,14 @@ def discord_invite_command(obj: Context, client_id: str | None, no_webhooks: boo
 
 
 def _discord_application_id(obj: Context, timeout: float) -> str:
-    discord = obj.load().config.platforms.discord
+    loaded = obj.load()
+    discord = loaded.config.platforms.discord
     if not discord.token:
+        unset = [var for where, var in loaded.unset_secrets if where == "platforms.discord.token"]
+        how = f"export {unset[0]}" if unset else "set platforms.discord.token"
         raise click.UsageError(
             "give --client-id (Developer Portal → your application → General Information → Application ID), "
-            "or set platforms.discord.token so it can be asked from Discord"
+            f"or {how} so it can be asked from Discord"
         )
     try:
         response = httpx.get(

@@ -20,6 +20,9 @@ audited, and another body with the key is refused (422). A token has at most
 ``api.tokens.<name>.max_pending`` requests pending (429 beyond). Input JSON
 cannot carry is refused with 400 and a reason, never a 500: NaN and infinities,
 lone surrogates, and arguments nested deeper than agents may nest theirs.
+
+A body is validated with the pydantic models of :mod:`kazma.bot.console.api_models`, every answer is written
+through them, and ``/api/v1/openapi.json`` is generated from the same models.
 """
 
 from __future__ import annotations
@@ -40,9 +43,15 @@ from aiohttp import web
 from kazma.approvals.hashing import args_hash, canonical_json, text_hash
 from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest, Status, Waits
 from kazma.approvals.service import ApprovalRefused, ApprovalService
-from kazma.approvals.tool_names import TOOL_PATTERN, TOOL_RULE, ToolNameError, check_tool_name
 from kazma.approvals.withdrawal import POLL_GRACE, Gone, by_asker
 from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, KeyReused, QuotaFull
+from kazma.bot.console.api_models import (
+    UNVERIFIED,
+    Approval,
+    BodyRefused,
+    component_schemas,
+    new_approval,
+)
 from kazma.bot.console.services import ApprovalsServices
 from kazma.config import failpoints
 from kazma.config.metrics import count_failure
@@ -55,13 +64,7 @@ log = structlog.get_logger("kazma.api")
 REQUESTER = "approval_requester"
 VIEWER = "approval_viewer"
 MAX_WAIT = 60.0
-MAX_TOOL = 100
-MAX_REASON = 1000
-MAX_REQUESTER = 100
-MAX_DEADLINE = 7 * 24 * 3600
 _KEY = re.compile(r"[\x21-\x7e]{1,200}")
-# An approved row whose seal does not verify: reported so, never as "approved" (the caller would act on it).
-UNVERIFIED = "unverified"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
 # A JSON string (escapes included), and the brackets left once strings are gone: how deep a body nests,
 # found before the parser recurses into it.
@@ -124,22 +127,25 @@ def describe(service: ApprovalService, request: ApprovalRequest) -> dict[str, An
             log.warning("api.approval_unverified", request_id=request.id, problem=problem.detail)
             status, decided_by, decided_person = UNVERIFIED, None, None
             reason = f"not an approval Kazma made ({problem.detail}); do not act on it"
-    return {
-        "id": request.id,
-        "status": status,
-        "tool": request.tool,
-        "arguments": request.args,
-        "hash": request.args_hash,
-        "requested_by": request.requested_by,
-        "deadline": request.deadline.isoformat(),
-        "decided_by": decided_by,
-        "decided_person": decided_person,
-        "decided_at": None if outcome is None else outcome.decided_at.isoformat(),
-        "reason": reason,
-        "link": service.link(request.id),
-        "waits": None if request.waits is None else request.waits.value,
-        "last_seen": None if request.last_seen is None else request.last_seen.isoformat(),
-    }
+    answer = Approval.model_validate(
+        {
+            "id": request.id,
+            "status": status,
+            "tool": request.tool,
+            "arguments": request.args,
+            "hash": request.args_hash,
+            "requested_by": request.requested_by,
+            "deadline": request.deadline.isoformat(),
+            "decided_by": decided_by,
+            "decided_person": decided_person,
+            "decided_at": None if outcome is None else outcome.decided_at.isoformat(),
+            "reason": reason,
+            "link": service.link(request.id),
+            "waits": None if request.waits is None else request.waits.value,
+            "last_seen": None if request.last_seen is None else request.last_seen.isoformat(),
+        }
+    )
+    return answer.model_dump(mode="json")
 
 
 class ApprovalsApi:
@@ -406,95 +412,34 @@ def _waits(request: web.Request) -> Waits | None:
 def _validated(
     body: dict[str, Any], caller: ApiCaller, config: KazmaConfig
 ) -> tuple[str, dict[str, Any], tuple[str, ...], float | None]:
-    unknown = sorted(set(body) - {"tool", "arguments", "reason", "requester", "deadline_seconds"})
-    if unknown:
-        raise _error(web.HTTPBadRequest, f"unknown fields: {', '.join(unknown)}")
-    tool = body.get("tool")
-    if not isinstance(tool, str) or not 0 < len(tool) <= MAX_TOOL:
-        raise _error(web.HTTPBadRequest, f"tool must be a name of 1-{MAX_TOOL} characters")
-    arguments = body.get("arguments", {})
-    if not isinstance(arguments, dict):
-        raise _error(web.HTTPBadRequest, "arguments must be a JSON object")
-    if nesting_depth(arguments) > MAX_ARGUMENT_DEPTH:
-        raise _error(web.HTTPBadRequest, f"arguments nest too deeply: {_TOO_DEEP}")
+    # What JSON cannot carry first (a lone surrogate reads as a bad tool name otherwise), then the model.
     problem = _unrepresentable(body)
     if problem is not None:
         raise _error(web.HTTPBadRequest, f"{problem}; send it as JSON can carry it")
     try:
-        check_tool_name(tool)  # the card shows it after "Tool:": it can hold a name and nothing else
-    except ToolNameError as exc:
+        asked = new_approval(body)
+    except BodyRefused as exc:
         raise _error(web.HTTPBadRequest, str(exc)) from None
+    if nesting_depth(asked.arguments) > MAX_ARGUMENT_DEPTH:
+        raise _error(web.HTTPBadRequest, f"arguments nest too deeply: {_TOO_DEEP}")
     notes: list[str] = [f"Asked through the approvals API by {caller.actor}; Kazma does not run it, the caller does."]
-    for field, limit, label in (("requester", MAX_REQUESTER, "On behalf of"), ("reason", MAX_REASON, "Reason given")):
-        value = body.get(field)
-        if value is None:
-            continue
-        if not isinstance(value, str) or len(value) > limit:
-            raise _error(web.HTTPBadRequest, f"{field} must be text of at most {limit} characters")
-        notes.append(f"{label}: {value}")
-    deadline = body.get("deadline_seconds")
-    if deadline is not None and (
-        isinstance(deadline, bool) or not isinstance(deadline, int | float) or not 0 < deadline <= MAX_DEADLINE
-    ):
-        raise _error(web.HTTPBadRequest, "deadline_seconds must be a number of seconds, up to 7 days")
-    return tool, arguments, tuple(notes), None if deadline is None else float(deadline)
+    if asked.requester is not None:
+        notes.append(f"On behalf of: {asked.requester}")
+    if asked.reason is not None:
+        notes.append(f"Reason given: {asked.reason}")
+    # The arguments as sent (the model keeps them as parsed: ints, floats, text), so the hash is of what was sent.
+    return asked.tool, body.get("arguments", {}), tuple(notes), asked.deadline_seconds
 
 
-_REQUEST_SCHEMA = {
-    "type": "object",
-    "required": ["tool"],
-    "additionalProperties": False,
-    "properties": {
-        "tool": {
-            "type": "string",
-            "maxLength": MAX_TOOL,
-            "pattern": TOOL_PATTERN,
-            "description": TOOL_RULE,
-        },
-        "arguments": {"type": "object"},
-        "reason": {"type": "string", "maxLength": MAX_REASON},
-        "requester": {"type": "string", "maxLength": MAX_REQUESTER},
-        "deadline_seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_DEADLINE},
-    },
-}
-_APPROVAL = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "string"},
-        "status": {"type": "string", "enum": ["pending", "approved", "denied", "timeout", "cancelled", UNVERIFIED]},
-        "tool": {"type": "string"},
-        "arguments": {"type": "object"},
-        "hash": {"type": "string", "description": "SHA-256 of the canonical JSON of the arguments"},
-        "requested_by": {"type": "string"},
-        "deadline": {"type": "string", "format": "date-time"},
-        "decided_by": {"type": ["string", "null"], "description": "the identity that decided (telegram:111)"},
-        "decided_person": {
-            "type": ["string", "null"],
-            "description": "the person under people: who owns decided_by; null when the identity is nobody's",
-        },
-        "decided_at": {"type": ["string", "null"], "format": "date-time"},
-        "reason": {"type": ["string", "null"]},
-        "link": {"type": "string"},
-        "waits": {
-            "type": ["string", "null"],
-            "enum": ["connection", "polling", None],
-            "description": "how a synchronous asker waits (withdrawn when it goes away); null: it may come back",
-        },
-        "last_seen": {"type": ["string", "null"], "format": "date-time", "description": "when it last asked"},
-    },
-}
 _OK = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Approval"}}}}
-_ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+_ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ApiError"}}}}
 OPENAPI: dict[str, Any] = {
     "openapi": "3.1.0",
     "info": {"title": "Kazma approvals API", "version": "1"},
     "components": {
         "securitySchemes": {"token": {"type": "http", "scheme": "bearer"}},
-        "schemas": {
-            "Approval": _APPROVAL,
-            "NewApproval": _REQUEST_SCHEMA,
-            "Error": {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]},
-        },
+        # Generated from the models the API validates and answers with (api_models): they cannot drift apart.
+        "schemas": component_schemas(),
     },
     "security": [{"token": []}],
     "paths": {

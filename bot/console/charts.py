@@ -10,12 +10,12 @@ dark mode recolours the charts with the page. Labels come from data (worker name
 
 from __future__ import annotations
 
-import html
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from kazma.adapters.web.render import e
 from kazma.bot.console.times import when_html
 
 # Drawing area in SVG user units; the SVG scales to its box (width 100%).
@@ -47,10 +47,6 @@ figure.chart { margin: 0; }
 """
 
 _KEY = re.compile(r"[^a-z0-9_-]+")
-
-
-def _e(value: object) -> str:
-    return html.escape(str(value), quote=True)
 
 
 def _num(value: float) -> str:
@@ -106,19 +102,19 @@ class Chart:
 def _legend(chart: Chart) -> str:
     if len(chart.series) < 2:
         return ""
-    items = "".join(f'<span><span class="swatch k-{_key(s.key)}"></span>{_e(s.label)}</span>' for s in chart.series)
+    items = "".join(f'<span><span class="swatch k-{_key(s.key)}"></span>{e(s.label)}</span>' for s in chart.series)
     return f'<div class="legend" aria-hidden="true">{items}</div>'
 
 
 def _table(chart: Chart) -> str:
     """The same numbers as text: one row per bar, one column per series, and the total."""
-    head = "".join(f"<th>{_e(s.label)}</th>" for s in chart.series)
+    head = "".join(f"<th>{e(s.label)}</th>" for s in chart.series)
     total_head = "<th>total</th>" if len(chart.series) > 1 else ""
     rows = []
     for bar in chart.bars:
-        label = when_html(bar.at) if bar.at is not None else _e(bar.label)
-        cells = "".join(f"<td>{_e(chart.value(float(bar.values.get(s.key, 0))))}</td>" for s in chart.series)
-        total = f"<td>{_e(chart.value(bar.total(chart.series)))}</td>" if len(chart.series) > 1 else ""
+        label = when_html(bar.at) if bar.at is not None else e(bar.label)
+        cells = "".join(f"<td>{e(chart.value(float(bar.values.get(s.key, 0))))}</td>" for s in chart.series)
+        total = f"<td>{e(chart.value(bar.total(chart.series)))}</td>" if len(chart.series) > 1 else ""
         rows.append(f"<tr><th>{label}</th>{cells}{total}</tr>")
     return (
         f"<details><summary>The numbers</summary><table><tr><th></th>{head}{total_head}</tr>"
@@ -128,20 +124,20 @@ def _table(chart: Chart) -> str:
 
 def _frame(chart: Chart, width: float, height: float, drawing: str) -> str:
     title_id, desc_id = f"{chart.id}-title", f"{chart.id}-desc"
-    notes = "".join(f'<p class="meta">{_e(n)}</p>' for n in chart.notes)
+    notes = "".join(f'<p class="meta">{e(n)}</p>' for n in chart.notes)
     return (
-        f'<figure class="chart" id="{_e(chart.id)}"><h3>{_e(chart.title)}</h3>{_legend(chart)}'
+        f'<figure class="chart" id="{e(chart.id)}"><h3>{e(chart.title)}</h3>{_legend(chart)}'
         f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_num(width)} {_num(height)}" role="img"'
-        f' aria-labelledby="{_e(title_id)} {_e(desc_id)}">'
-        f'<title id="{_e(title_id)}">{_e(chart.title)}</title><desc id="{_e(desc_id)}">{_e(chart.summary)}</desc>'
+        f' aria-labelledby="{e(title_id)} {e(desc_id)}">'
+        f'<title id="{e(title_id)}">{e(chart.title)}</title><desc id="{e(desc_id)}">{e(chart.summary)}</desc>'
         f"{drawing}</svg>{notes}{_table(chart)}</figure>"
     )
 
 
 def _empty(chart: Chart) -> str:
     return (
-        f'<figure class="chart" id="{_e(chart.id)}"><h3>{_e(chart.title)}</h3>'
-        f'<p class="empty">{_e(chart.summary)}</p></figure>'
+        f'<figure class="chart" id="{e(chart.id)}"><h3>{e(chart.title)}</h3>'
+        f'<p class="empty">{e(chart.summary)}</p></figure>'
     )
 
 
@@ -166,15 +162,15 @@ def columns(chart: Chart, *, axis_labels: Mapping[int, str] | None = None) -> st
             height = value / peak * PLOT_HEIGHT
             bottom -= height
             parts.append(
-                f'<rect class="k-{_key(s.key)}" data-series="{_e(s.key)}" data-value="{_e(chart.value(value))}"'
+                f'<rect class="k-{_key(s.key)}" data-series="{e(s.key)}" data-value="{e(chart.value(value))}"'
                 f' x="{_num(x)}" y="{_num(bottom)}" width="{_num(width)}" height="{_num(height)}">'
-                f"<title>{_e(bar.label)}: {_e(chart.value(value))} {_e(s.label)}</title></rect>"
+                f"<title>{e(bar.label)}: {e(chart.value(value))} {e(s.label)}</title></rect>"
             )
     for i, text in (axis_labels or {}).items():
         anchor = "start" if i == 0 else "end" if i == len(chart.bars) - 1 else "middle"
         x = i * slot + (0 if anchor == "start" else slot if anchor == "end" else slot / 2)
-        parts.append(f'<text x="{_num(x)}" y="{PLOT_HEIGHT + 13}" text-anchor="{anchor}">{_e(text)}</text>')
-    parts.append(f'<text x="0" y="10">{_e(chart.value(peak))} {_e(chart.unit)}</text>')
+        parts.append(f'<text x="{_num(x)}" y="{PLOT_HEIGHT + 13}" text-anchor="{anchor}">{e(text)}</text>')
+    parts.append(f'<text x="0" y="10">{e(chart.value(peak))} {e(chart.unit)}</text>')
     return _frame(chart, WIDTH, PLOT_HEIGHT + AXIS, "".join(parts))
 
 
@@ -187,7 +183,7 @@ def bars(chart: Chart) -> str:
     parts = []
     for i, bar in enumerate(chart.bars):
         y = i * (BAR_HEIGHT + BAR_GAP)
-        parts.append(f'<text x="0" y="{_num(y + BAR_HEIGHT - 4)}">{_e(_short(bar.label))}</text>')
+        parts.append(f'<text x="0" y="{_num(y + BAR_HEIGHT - 4)}">{e(_short(bar.label))}</text>')
         left = float(LABEL_WIDTH)
         for s in chart.series:
             value = max(0.0, float(bar.values.get(s.key, 0)))
@@ -195,13 +191,13 @@ def bars(chart: Chart) -> str:
                 continue
             length = value / peak * room
             parts.append(
-                f'<rect class="k-{_key(s.key)}" data-series="{_e(s.key)}" data-value="{_e(chart.value(value))}"'
+                f'<rect class="k-{_key(s.key)}" data-series="{e(s.key)}" data-value="{e(chart.value(value))}"'
                 f' x="{_num(left)}" y="{_num(y)}" width="{_num(length)}" height="{BAR_HEIGHT}">'
-                f"<title>{_e(bar.label)}: {_e(chart.value(value))} {_e(s.label)}</title></rect>"
+                f"<title>{e(bar.label)}: {e(chart.value(value))} {e(s.label)}</title></rect>"
             )
             left += length
         total = bar.total(chart.series)
-        parts.append(f'<text x="{_num(left + 4)}" y="{_num(y + BAR_HEIGHT - 4)}">{_e(chart.value(total))}</text>')
+        parts.append(f'<text x="{_num(left + 4)}" y="{_num(y + BAR_HEIGHT - 4)}">{e(chart.value(total))}</text>')
     height = len(chart.bars) * (BAR_HEIGHT + BAR_GAP)
     return _frame(chart, WIDTH, height, "".join(parts))
 

@@ -1,13 +1,12 @@
 """HTML for the web console: plain pages, every value escaped on the way out.
 
 Nothing here trusts its input. Agent output, tool arguments, user names and
-command answers all go through :func:`e` (``html.escape`` with quotes), and the
+command answers all go through :func:`e` (the one HTML escape, ``kazma.adapters.web.render.e``), and the
 pages carry no inline script, so the CSP can forbid it outright.
 """
 
 from __future__ import annotations
 
-import html
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,6 +19,7 @@ from kazma.adapters.admission import FileBounds, human_size
 from kazma.adapters.card_layout import APPROVE_LABEL, DENY_LABEL, ButtonKind, CardView
 from kazma.adapters.human_text import LABEL_PREFIX, for_humans
 from kazma.adapters.web import WebMessage, render
+from kazma.adapters.web.render import e
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.honesty import reveal, reveal_line
 from kazma.approvals.model import ApprovalRequest, Outcome, Status, Waits, decider_text
@@ -148,11 +148,6 @@ class SignInChoices:
 
     passkey_problem: str | None = None  # why passkeys cannot work at this public URL (None: they can)
     platforms: tuple[tuple[str, str], ...] = ()  # (label, where the sign-in starts): Sign in with Slack, …
-
-
-def e(value: object) -> str:
-    """Escape anything for HTML text and attribute values."""
-    return html.escape("" if value is None else str(value), quote=True)
 
 
 def agent_class(author: str) -> str:

@@ -32,10 +32,11 @@ import jwt
 import structlog
 from aiohttp import web
 
+from kazma.adapters.web.render import e
 from kazma.bot.console.accounts import CHALLENGE_SECONDS, AccountStore, Purpose
 from kazma.bot.console.auth import Proof, WebAuth, html_response
 from kazma.bot.console.login_throttle import LOGINS
-from kazma.bot.console.pages import e, layout, message_page
+from kazma.bot.console.pages import layout, message_page
 from kazma.bot.console.passkeys import RelyingParty
 from kazma.config.identity import platform_of
 from kazma.config.models import KazmaConfig

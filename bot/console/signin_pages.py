@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kazma.adapters.web.render import e
 from kazma.bot.console.accounts import InviteState
-from kazma.bot.console.pages import PEOPLE_SCRIPT, Viewer, e, layout
+from kazma.bot.console.pages import PEOPLE_SCRIPT, Viewer, layout
 
 _GONE = {
     InviteState.USED: ("This enrolment link was already used", "Each link enrols one passkey, once."),

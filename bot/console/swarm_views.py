@@ -7,19 +7,15 @@ and reasons are model output.
 
 from __future__ import annotations
 
-import html
 from collections.abc import Sequence
 from typing import Any
 
+from kazma.adapters.web.render import e
 from kazma.engine.swarm.call_records import CallRecord
 from kazma.engine.swarm.patterns import handoff_paths
 from kazma.engine.swarm.state_store import WorkerDay
 from kazma.engine.swarm.store import TaskRecord
 from kazma.engine.types import tools_line
-
-
-def _e(value: object) -> str:
-    return html.escape(str(value), quote=True)
 
 
 def handoffs_of(task: TaskRecord) -> list[dict[str, Any]]:
@@ -33,9 +29,9 @@ def handoff_chain(task: TaskRecord) -> str:
     chain = handoffs_of(task)
     if not chain:
         return ""
-    paths = "; ".join(" → ".join(_e(n) for n in path) for path in handoff_paths(chain))
+    paths = "; ".join(" → ".join(e(n) for n in path) for path in handoff_paths(chain))
     reasons = "".join(
-        f"<li>{_e(h.get('from', '?'))} → {_e(h.get('to', '?'))}: {_e(h.get('reason', ''))}</li>" for h in chain
+        f"<li>{e(h.get('from', '?'))} → {e(h.get('to', '?'))}: {e(h.get('reason', ''))}</li>" for h in chain
     )
     return f'<div class="handoffs"><span class="chain">handoffs: {paths}</span><ul>{reasons}</ul></div>'
 
@@ -45,10 +41,10 @@ def call_rows(calls: Sequence[CallRecord]) -> str:
     if not calls:
         return ""
     rows = "".join(
-        f"<tr><td>{c.seq}</td><td>{_e(c.step)}</td><td>{_e(c.worker)}</td><td>{_e(c.model or '-')}</td>"
-        f"<td>{_e(tools_line(c.tools))}</td><td>{'' if c.seconds is None else f'{c.seconds:.1f} s'}</td>"
+        f"<tr><td>{c.seq}</td><td>{e(c.step)}</td><td>{e(c.worker)}</td><td>{e(c.model or '-')}</td>"
+        f"<td>{e(tools_line(c.tools))}</td><td>{'' if c.seconds is None else f'{c.seconds:.1f} s'}</td>"
         f"<td>{c.prompt_tokens} + {c.completion_tokens}</td><td>{'' if c.cost is None else f'{c.cost:.4f}'}</td>"
-        f"<td>{'running' if c.ok is None else 'ok' if c.ok else _e(c.error)}</td></tr>"
+        f"<td>{'running' if c.ok is None else 'ok' if c.ok else e(c.error)}</td></tr>"
         for c in calls
     )
     return (
@@ -63,7 +59,7 @@ def worker_numbers(rows: Sequence[WorkerDay]) -> str:
     if not rows:
         return "<h2>Workers per day</h2><p>no worker calls recorded yet</p>"
     body = "".join(
-        f"<tr><td>{_e(r.day)}</td><td>{_e(r.worker)}</td><td>{r.completed}</td><td>{r.failed}</td>"
+        f"<tr><td>{e(r.day)}</td><td>{e(r.worker)}</td><td>{r.completed}</td><td>{r.failed}</td>"
         f"<td>{r.mean_latency:.1f} s</td><td>{r.prompt_tokens} + {r.completion_tokens}</td><td>{r.cost:.4f}</td></tr>"
         for r in rows
     )

@@ -8,9 +8,10 @@ through :func:`when_html` too, never through a format of its own.
 
 from __future__ import annotations
 
-import html
 import re
 from datetime import UTC, datetime
+
+from kazma.adapters.web.render import e
 
 FORMAT = "%Y-%m-%d %H:%M:%S UTC"
 # A time said in that format inside Kazma's own text (a /swarm answer), or as epoch seconds after "until " in an
@@ -35,7 +36,7 @@ def when_html(value: datetime | float | None) -> str:
     if value is None:
         return "—"
     at = as_datetime(value)
-    return f'<time datetime="{html.escape(at.isoformat(), quote=True)}">{html.escape(at.strftime(FORMAT))}</time>'
+    return f'<time datetime="{e(at.isoformat())}">{e(at.strftime(FORMAT))}</time>'
 
 
 def times_in(escaped: str) -> str:

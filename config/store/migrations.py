@@ -101,7 +101,13 @@ async def run_migrations(backend: MigrationBackend, migrations: Iterable[Migrati
                 await backend.execute(statement)
             await backend.execute(_RECORD, (migration.component, migration.version, time.time()))
             applied.append(migration)
+    # One line at the default level (a first start applies dozens, which once buried `kazma doctor`'s
+    # checklist); each migration at debug.
     for migration in applied:
-        log.info("store.migration_applied", backend=backend.name, component=migration.component,
-                 version=migration.version)  # fmt: skip
+        log.debug("store.migration_applied", backend=backend.name, component=migration.component,
+                  version=migration.version)  # fmt: skip
+    if applied:
+        components = {m.component: m.version for m in applied}
+        log.info("store.migrated", backend=backend.name, applied=len(applied),
+                 versions=", ".join(f"{k} v{v}" for k, v in components.items()))  # fmt: skip
     return applied

@@ -20,6 +20,9 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 import httpx
+import jsonschema
+import jsonschema.protocols
+import jsonschema.validators
 import pydantic
 import structlog
 
@@ -366,109 +369,36 @@ async def run_with_fallback(
 
 _FENCE = re.compile(r"^\s*```[a-zA-Z0-9_-]*\s*\n(.*?)\n?```\s*$", re.DOTALL)
 
-# jsonschema is not installed in this project, so schemas are checked against this
-# documented subset; any other keyword is refused when the validator is built
-# rather than silently ignored (an ignored keyword would accept bad output).
-SUPPORTED_KEYWORDS = frozenset(
-    {
-        "type",
-        "required",
-        "properties",
-        "items",
-        "enum",
-        "minimum",
-        "maximum",
-        "minLength",
-        "maxLength",
-        "additionalProperties",
-    }
-)
-_ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "default", "examples", "$comment"})
-_TYPES: dict[str, Callable[[Any], bool]] = {
-    "object": lambda v: isinstance(v, dict),
-    "array": lambda v: isinstance(v, list),
-    "string": lambda v: isinstance(v, str),
-    "boolean": lambda v: isinstance(v, bool),
-    "null": lambda v: v is None,
-    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer()),
-}
 
-
-def _check_schema(schema: Any, where: str) -> None:
-    if not isinstance(schema, dict):
-        raise ValueError(f"schema at {where} must be an object")
-    unknown = set(schema) - SUPPORTED_KEYWORDS - _ANNOTATIONS
-    if unknown:
-        raise ValueError(
-            f"schema at {where} uses unsupported keywords {sorted(unknown)}; supported: {sorted(SUPPORTED_KEYWORDS)}"
-        )
-    types = schema.get("type")
-    for name in [types] if isinstance(types, str) else (types or []):
-        if name not in _TYPES:
-            raise ValueError(f"schema at {where}: unknown type {name!r}")
-    for key, sub in (schema.get("properties") or {}).items():
-        _check_schema(sub, f"{where}.{key}")
-    if "items" in schema:
-        _check_schema(schema["items"], f"{where}[]")
-    extra = schema.get("additionalProperties")
-    if isinstance(extra, dict):
-        _check_schema(extra, f"{where}.*")
-
-
-def _errors(value: Any, schema: Mapping[str, Any], where: str) -> list[str]:
-    types = schema.get("type")
-    if types is not None:
-        names = [types] if isinstance(types, str) else list(types)
-        if not any(_TYPES[n](value) for n in names):
-            return [f"{where}: expected {' or '.join(names)}, got {type(value).__name__}"]
-    problems: list[str] = []
-    if "enum" in schema and value not in schema["enum"]:
-        problems.append(f"{where}: {value!r} is not one of {schema['enum']!r}")
-    if _TYPES["number"](value):
-        if "minimum" in schema and value < schema["minimum"]:
-            problems.append(f"{where}: {value} is less than {schema['minimum']}")
-        if "maximum" in schema and value > schema["maximum"]:
-            problems.append(f"{where}: {value} is more than {schema['maximum']}")
-    if isinstance(value, str):
-        if "minLength" in schema and len(value) < schema["minLength"]:
-            problems.append(f"{where}: shorter than {schema['minLength']} characters")
-        if "maxLength" in schema and len(value) > schema["maxLength"]:
-            problems.append(f"{where}: longer than {schema['maxLength']} characters")
-    if isinstance(value, dict):
-        properties: Mapping[str, Any] = schema.get("properties") or {}
-        problems.extend(f"{where}: missing required {key!r}" for key in schema.get("required", []) if key not in value)
-        extra = schema.get("additionalProperties", True)
-        for key, item in value.items():
-            if key in properties:
-                problems.extend(_errors(item, properties[key], f"{where}.{key}"))
-            elif extra is False:
-                problems.append(f"{where}: unexpected property {key!r}")
-            elif isinstance(extra, dict):
-                problems.extend(_errors(item, extra, f"{where}.{key}"))
-    if isinstance(value, list) and isinstance(schema.get("items"), dict):
-        for i, item in enumerate(value):
-            problems.extend(_errors(item, schema["items"], f"{where}[{i}]"))
-    return problems
+def _schema_validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:
+    """The validator for ``schema``'s own draft (``$schema``; 2020-12 when it names none), after checking the
+    schema itself: a mistyped keyword value is refused here, not met as a worker's "invalid output" later."""
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = exc.json_path if hasattr(exc, "json_path") else "$"
+        raise ValueError(f"not a valid JSON schema at {where}: {exc.message}") from None
+    return cls(schema)
 
 
 class OutputValidator:
     """Checks that a worker's output is JSON matching a pydantic model or a JSON schema.
 
     A single surrounding Markdown code fence (```json … ```) is removed first,
-    since models often wrap JSON in one. JSON schemas are checked against
-    :data:`SUPPORTED_KEYWORDS` only (jsonschema is not a dependency); a schema
-    using anything else is refused here with a ``ValueError``.
+    since models often wrap JSON in one. A JSON schema is checked with the
+    ``jsonschema`` library, every keyword of its draft (2020-12 unless its
+    ``$schema`` names another); a schema that is itself invalid is refused here
+    with a ``ValueError``.
     """
 
     def __init__(self, spec: type[pydantic.BaseModel] | Mapping[str, Any]) -> None:
         self._model: type[pydantic.BaseModel] | None = None
-        self._schema: Mapping[str, Any] | None = None
+        self._schema: jsonschema.protocols.Validator | None = None
         if isinstance(spec, type) and issubclass(spec, pydantic.BaseModel):
             self._model = spec
         elif isinstance(spec, Mapping):
-            _check_schema(dict(spec), "$")
-            self._schema = spec
+            self._schema = _schema_validator(dict(spec))
         else:
             raise TypeError("OutputValidator takes a pydantic model class or a JSON schema dict")
 
@@ -490,7 +420,9 @@ class OutputValidator:
         except ValueError as exc:
             return False, f"output is not JSON: {exc}"
         assert self._schema is not None
-        problems_list = _errors(value, self._schema, "$")
-        if problems_list:
-            return False, "output does not match the schema: " + "; ".join(problems_list[:10])
+        errors = sorted(self._schema.iter_errors(value), key=lambda e: (e.json_path, e.message))
+        if errors:
+            return False, "output does not match the schema: " + "; ".join(
+                f"{e.json_path}: {e.message}" for e in errors[:10]
+            )
         return True, ""

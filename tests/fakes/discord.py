@@ -55,6 +55,7 @@ VIEW_CHANNEL = 1 << 10
 SEND_MESSAGES = 1 << 11
 EMBED_LINKS = 1 << 14
 READ_MESSAGE_HISTORY = 1 << 16
+ATTACH_FILES = 1 << 15
 MANAGE_WEBHOOKS = 1 << 29
 USE_APPLICATION_COMMANDS = 1 << 31
 BASE_PERMISSIONS = VIEW_CHANNEL | SEND_MESSAGES | EMBED_LINKS | READ_MESSAGE_HISTORY | USE_APPLICATION_COMMANDS
@@ -205,6 +206,10 @@ class FakeDiscord:
             UNSERVED_CHANNEL_ID: "random",
         }
         self.dm_channels: dict[int, int] = {}  # DM channel id -> the person at the other end
+        # Permission overwrites per channel, as Discord lists them: [{"id", "type" (0 role, 1 member), "allow",
+        # "deny"}] with the bits as strings. The bot's role grants BASE_PERMISSIONS and Attach Files.
+        self.overwrites: dict[int, list[Json]] = {}
+        self.bot_in_guild = True  # False: the bot was never invited (or was removed): 403 Missing Access
         self.attachments: dict[int, bytes] = {}  # attachment id -> content (served under /attachments/)
         self.typing: list[tuple[int, float]] = []  # (channel id, time.monotonic()) per typing trigger
         self.calls: list[RecordedCall] = []
@@ -241,6 +246,8 @@ class FakeDiscord:
         app.router.add_put(f"{api}/applications/{{app}}/commands", self._put_commands)
         app.router.add_get(f"{api}/applications/{{app}}/commands", self._get_commands)
         app.router.add_get(f"{api}/channels/{{channel}}", self._get_channel)
+        app.router.add_get(f"{api}/guilds/{{guild}}/roles", self._get_roles)
+        app.router.add_get(f"{api}/guilds/{{guild}}/members/{{user}}", self._get_member)
         app.router.add_post(f"{api}/channels/{{channel}}/messages", self._post_message)
         app.router.add_post(f"{api}/channels/{{channel}}/typing", self._post_typing)
         app.router.add_get("/attachments/{channel}/{id}/{name}", self._get_attachment)
@@ -485,7 +492,7 @@ class FakeDiscord:
         return member
 
     def _role_permissions(self) -> tuple[int, int]:
-        bot = BASE_PERMISSIONS | (MANAGE_WEBHOOKS if self.manage_webhooks else 0)
+        bot = BASE_PERMISSIONS | ATTACH_FILES | (MANAGE_WEBHOOKS if self.manage_webhooks else 0)
         return BASE_PERMISSIONS, bot
 
     def _channel_payload(self, channel_id: int) -> Json:
@@ -495,7 +502,7 @@ class FakeDiscord:
             "guild_id": str(GUILD_ID),
             "name": self.channels[channel_id],
             "position": list(self.channels).index(channel_id),
-            "permission_overwrites": [],
+            "permission_overwrites": self.overwrites.get(channel_id, []),
             "nsfw": False,
             "rate_limit_per_user": 0,
             "flags": 0,
@@ -896,10 +903,34 @@ class FakeDiscord:
         known = channel_id in self.channels or channel_id in self.dm_channels
         return channel_id if known else self._not_found(10003, "Channel")
 
+    def _guild_or_error(self, request: web.Request) -> web.Response | None:
+        if request.match_info["guild"] != str(GUILD_ID):
+            return self._not_found(10004, "Guild")
+        if not self.bot_in_guild:
+            return self._error(403, 50001, "Missing Access")
+        return None
+
+    async def _get_roles(self, request: web.Request) -> web.Response:
+        refused = self._guild_or_error(request)
+        if refused is not None:
+            return refused
+        return self._json(self._guild_payload()["roles"])
+
+    async def _get_member(self, request: web.Request) -> web.Response:
+        refused = self._guild_or_error(request)
+        if refused is not None:
+            return refused
+        user = self.users.get(int(request.match_info["user"]))
+        if user is None:
+            return self._not_found(10007, "Member")
+        return self._json(self._member(user))
+
     async def _get_channel(self, request: web.Request) -> web.Response:
         channel = self._channel_or_404(request)
         if isinstance(channel, web.Response):
             return channel
+        if not self.bot_in_guild and channel not in self.dm_channels:
+            return self._error(403, 50001, "Missing Access")
         if channel in self.dm_channels:
             recipient = self.users.get(self.dm_channels[channel]) or FakeUser(self.dm_channels[channel], "someone")
             return self._json({"id": str(channel), "type": 1, "recipients": [recipient.payload()]})

@@ -48,6 +48,8 @@ FAKE_APP_TOKEN = "xapp-1-AKAZMAAPP1-kazma-fake"
 DEFAULT_SCOPES = (
     "app_mentions:read",
     "channels:history",
+    "channels:read",
+    "groups:read",
     "chat:write",
     "chat:write.customize",
     "commands",
@@ -58,6 +60,7 @@ DEFAULT_SCOPES = (
 )
 # The scope each method needs (Slack answers missing_scope, with needed and provided, without it).
 METHOD_SCOPES = {
+    "conversations.info": "channels:read",
     "chat.postMessage": "chat:write",
     "chat.update": "chat:write",
     "chat.postEphemeral": "chat:write",
@@ -281,6 +284,10 @@ class FakeSlack:
         self.files: dict[str, dict[str, Any]] = {}  # file id -> {"name", "content", "length", "uploaded"}
         self.downloads: list[tuple[str, str | None]] = []  # (file id, bearer token) per download
         self.sign_in = SlackSignIn(team_id)  # Sign in with Slack (OpenID Connect)
+        # conversations.info: every channel exists with the bot in it, except these.
+        self.missing_channels: set[str] = set()  # channel_not_found (also a private channel the bot is not in)
+        self.channels_without_bot: set[str] = set()  # public channels the bot was not invited to
+        self.archived_channels: set[str] = set()
 
     # -- lifecycle --------------------------------------------------------
 
@@ -500,6 +507,21 @@ class FakeSlack:
         if msg.username:
             out["username"] = msg.username
         return out
+
+    def _m_conversations_info(self, params: dict[str, Any]) -> dict[str, Any]:
+        channel = self._channel(params)
+        if channel in self.missing_channels:
+            raise SlackApiRefusal("channel_not_found")
+        return {
+            "channel": {
+                "id": channel,
+                "name": f"channel-{channel.lower()}",
+                "is_channel": channel.startswith("C"),
+                "is_private": channel.startswith("G"),
+                "is_archived": channel in self.archived_channels,
+                "is_member": channel not in self.channels_without_bot,
+            }
+        }
 
     def _m_chat_postMessage(self, params: dict[str, Any]) -> dict[str, Any]:
         channel = self._channel(params)

@@ -351,6 +351,10 @@ class FakeTelegram:
         self.chat_actions: list[JsonDict] = []  # sendChatAction calls, in order
         self._file_ids = itertools.count(1)
         self.migrated: dict[int, int] = {}  # a group upgraded to a supergroup: old chat id → new one
+        # The bot's membership per chat, as getChatMember answers it for the bot: "member" unless set here.
+        # "left"/"kicked": getChat answers "chat not found", as Telegram does for a group the bot is not in.
+        self.bot_membership: dict[int, JsonDict] = {}
+        self.channels: set[int] = set()  # chat ids that are channels (type "channel"), not groups
         self._faults: dict[str, deque[Fault]] = {}
         self._waiters: list[asyncio.Future[None]] = []
         self._poll_generation = 0
@@ -766,6 +770,8 @@ class FakeTelegram:
             "senddocument": self._send_document,
             "sendchataction": self._send_chat_action,
             "getfile": self._get_file,
+            "getchat": self._get_chat,
+            "getchatmember": self._get_chat_member,
             "close": self._true,
             "logout": self._true,
         }
@@ -774,6 +780,24 @@ class FakeTelegram:
 
     async def _true(self, params: JsonDict) -> bool:
         return True
+
+    def _bot_member(self, chat_id: int) -> JsonDict:
+        return {"status": "member", **self.bot_membership.get(chat_id, {})}
+
+    async def _get_chat(self, params: JsonDict) -> JsonDict:
+        chat_id = int(params["chat_id"])
+        if self._bot_member(chat_id)["status"] in ("left", "kicked"):
+            raise ApiError(400, "Bad Request: chat not found")
+        kind = "channel" if chat_id in self.channels else ("supergroup" if chat_id < 0 else "private")
+        return {"id": chat_id, "type": kind, "title": f"Group {chat_id}"}
+
+    async def _get_chat_member(self, params: JsonDict) -> JsonDict:
+        chat_id, user_id = int(params["chat_id"]), int(params["user_id"])
+        if user_id != self.bot_id:
+            return {"status": "member", "user": {"id": user_id, "is_bot": False, "first_name": "someone"}}
+        if self._bot_member(chat_id)["status"] == "kicked":
+            raise ApiError(400, "Bad Request: chat not found")
+        return {**self._bot_member(chat_id), "user": self._bot_user()}
 
     async def _get_me(self, params: JsonDict) -> JsonDict:
         return {
