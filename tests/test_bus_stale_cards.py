@@ -99,7 +99,8 @@ async def test_a_press_on_an_unrecorded_telegram_card_edits_it_to_the_outcome(tm
         assert "CANCELLED" in card.text
         # the stale card decided nothing: the request stands as the restart ended it, the press audited as lost
         request = await app.service.store.get(request_id)
-        assert request is not None and request.status is Status.CANCELLED
+        assert request is not None
+        assert request.status is Status.CANCELLED
         events = [e.event for e in await app.service.store.events(request_id)]
         assert events.count("decided") == 0
         assert "press_lost" in events[events.index("card_found") :]
@@ -116,5 +117,6 @@ async def test_a_press_on_an_unrecorded_slack_card_edits_it_to_the_outcome(tmp_p
         (card,) = [" ".join(m.texts()) for m in fakes.slack.channel(SLACK_CHANNEL) if m.blocks]
         assert "CANCELLED" in card
         request = await app.service.store.get(request_id)
-        assert request is not None and request.status is Status.CANCELLED
+        assert request is not None
+        assert request.status is Status.CANCELLED
         assert [e.event for e in await app.service.store.events(request_id)].count("decided") == 0
