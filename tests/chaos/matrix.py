@@ -65,6 +65,34 @@ PINNED: Final[dict[tuple[str, str, str], str | tuple[str, ...]]] = {
     ("tools.started", "crash", "sqlite"): f"{_RESTART} · approved · tool did not run (may have run: recorded lost)",
     ("tools.finished", "crash", "sqlite"): f"{_RESTART} · approved · tool ran once (may have run: recorded lost)",
     ("tools.recorded", "crash", "sqlite"): f"{_RESTART} · approved · tool ran once",
+    # error x SQLite: each point raises the error its real failure raises there (the store's, the platform's)
+    # the opening transaction fails: nothing is open, the asker is told, nothing runs
+    ("approvals.open.row", "error", "sqlite"): "ran on · no request · tool did not run",
+    ("approvals.open.card_job", "error", "sqlite"): "ran on · no request · tool did not run",
+    # committed, then the asker's call fails: the request stays with its cards and is approved, and nothing waits
+    # on it, so nothing runs (no real store call follows the commit there; a crash at the same place is cancelled
+    # at the restart instead)
+    ("approvals.open.committed", "error", "sqlite"): "ran on · approved · tool did not run",
+    # a platform's 503 on the post, the store refusing its record (tried again): the card is out, the call runs
+    ("bus.post", "error", "sqlite"): "ran on · approved · tool ran once",
+    ("bus.post.recorded", "error", "sqlite"): "ran on · approved · tool ran once",
+    # the press is not recorded and the presser is told to press again; the rig does not, so the request waits
+    # until the process is killed as stuck, and the restart cancels it
+    ("approvals.decide.before_commit", "error", "sqlite"): (
+        "hung, killed, restarted · cancelled (Kazma restarted before a decision) · tool did not run"
+    ),
+    # the decision committed before the error: it stands, the waiter reads it, the call runs once
+    ("approvals.decide.after_commit", "error", "sqlite"): "ran on · approved · tool ran once",
+    ("approvals.decide.before_answer", "error", "sqlite"): "ran on · approved · tool ran once",
+    # an edit refused (retried) or its record refused: the card settles, the call runs
+    ("bus.settle.sent", "error", "sqlite"): "ran on · approved · tool ran once",
+    ("bus.settle.recorded", "error", "sqlite"): "ran on · approved · tool ran once",
+    # the execution's row cannot be written: the call does not run; the tool cannot start: it did not run
+    ("tools.verified", "error", "sqlite"): "ran on · approved · tool did not run",
+    ("tools.started", "error", "sqlite"): "ran on · approved · tool did not run",
+    # the tool ran; its ending's write failed (tried again) or its result's: it ran once, never again
+    ("tools.finished", "error", "sqlite"): "ran on · approved · tool ran once",
+    ("tools.recorded", "error", "sqlite"): "ran on · approved · tool ran once",
 }
 
 KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {}
