@@ -463,9 +463,12 @@ class FanOutBus:
             return
         if request.status is not Status.PENDING:
             if job.attempts and not any(c.platform == adapter.name for c in await self.store.cards(request.id)):
-                # A post was under way when a process stopped: it may have landed without being recorded, and
-                # such a card cannot be edited. Its buttons are refused (no card of the request is recorded
-                # there), but it still shows them: say so.
+                if isinstance(adapter, IdempotentPosts) and adapter.idempotent_posts:
+                    await self._find_by_nonce(adapter, job, request)
+                    return
+                # A post was under way when a process stopped: it may have landed without being recorded. Its
+                # buttons are refused while the request is pending; a press on it now finds it, and it is edited
+                # to the outcome then (approvals record_stale_card). Until someone presses, it shows buttons.
                 count_failure("card_maybe_unsettled", adapter.name)
                 log.warning("bus.card_maybe_unsettled", platform=adapter.name, request_id=request.id)
             await self.outbox.done(job, "skipped", f"request already {request.status.value}")
@@ -522,6 +525,32 @@ class FanOutBus:
         await self._record_post(request.id, ref)
         await self.outbox.done(job, "posted")
         log.info("bus.card_posted", platform=adapter.name, request_id=request.id, chat=ref.chat, message=ref.message_id)
+
+    async def _find_by_nonce(self, adapter: PlatformAdapter, job: PostJob, request: ApprovalRequest) -> None:
+        """The request ended while an attempt at its post was unrecorded: post it again with the same nonce, so
+        the platform gives the first message back (or, had it never landed, posts it now), record it and settle
+        it to the outcome. Its buttons never decide: the request is no longer pending."""
+        try:
+            card = self._card_for(request)
+        except CardIntegrityError:
+            card = integrity_card(request, public_url=self.config.web.public_url)
+        if not await self.outbox.claim(job, self.claim_seconds):
+            return
+        try:
+            ref = await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
+        except (PlatformError, TimeoutError) as exc:
+            count_failure("card_post", adapter.name)
+            if isinstance(exc, TimeoutError) or exc.retryable:
+                retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
+                await self.outbox.retry_later(job, RETRY.delay(job.attempts, retry_after=retry_after), str(exc))
+            else:
+                await self.outbox.done(job, "failed", str(exc))
+            log.warning("bus.card_find_failed", platform=adapter.name, request_id=request.id, error=str(exc))
+            return
+        await self._record_post(request.id, ref)
+        await self.outbox.done(job, "posted", f"found again by its nonce after the request was {request.status.value}")
+        log.info("bus.card_found_by_nonce", platform=adapter.name, request_id=request.id, message_id=ref.message_id)
+        await self.settle(request.id)
 
     async def _record_post(self, request_id: str, ref: CardRef) -> None:
         """Record a posted card's message id. The card is out: a write that fails is tried again for a few
@@ -665,7 +694,12 @@ class FanOutBus:
             return
         if witness is None:
             witness = await self._witness(request.id)
-        outcome = replace(outcome, witness=witness)
+        afterwards = None
+        if posted.settled_status is not None and outcome.approved:
+            # Settled before and asked again: Kazma stopped before the approved call finished (recovery). Only
+            # then is the note read: a first settle never pays for it.
+            afterwards = await self.store.execution_note(request.id)
+        outcome = replace(outcome, witness=witness, afterwards=afterwards)
         try:
             card = self._card_for(request, await self._reviews(request))
         except CardIntegrityError:

@@ -85,7 +85,8 @@ def deadline_text(card: ApprovalCard) -> str:
 
 def outcome_line(outcome: Outcome) -> str:
     """The outcome as one line; its words (who decided, a cancel reason) escaped like every field."""
-    return reveal_line(f"{OUTCOME_HEADLINES[outcome.status]}: {outcome.summary()}")
+    afterwards = f" · {outcome.afterwards[:1].upper()}{outcome.afterwards[1:]}" if outcome.afterwards else ""
+    return reveal_line(f"{OUTCOME_HEADLINES[outcome.status]}: {outcome.summary()}{afterwards}")
 
 
 def agent_prefix(agent: str | None) -> str:

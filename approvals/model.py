@@ -140,6 +140,8 @@ class Outcome:
     reason: str | None = None
     witness: Witness | None = None  # the checkpoint holding it (set where a settled card is made)
     person: str | None = None  # the person who owns ``decided_by`` (None: nobody's identity)
+    # What became of an approved call Kazma stopped before finishing (did not run / may have run), on its cards
+    afterwards: str | None = None
 
     @property
     def approved(self) -> bool:

@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import re
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -160,6 +160,14 @@ class RefusalWindow:
 
 
 RESTARTED = "Kazma restarted before a decision; nothing ran"
+# What an approved call's cards and audit say when Kazma stopped after the decision (execution_lost's detail).
+STOPPED_BEFORE_IT_RAN = "approved, but Kazma stopped before it ran: it did not run and will not run on its own"
+MAY_HAVE_RUN = "it may have run (started, not finished)"
+STOPPED_WHILE_IT_RAN = f"approved, but Kazma stopped while it ran: {MAY_HAVE_RUN}; it will not run again on its own"
+
+# (request ids) -> each one's execution outcomes in the execution record ("ok", "failed", "lost", "interrupted",
+# None while running); a request with no row never started its call.
+ExecutionLookup = Callable[[Sequence[str]], Awaitable[Mapping[str, list[str | None]]]]
 REPLICA_GONE = "the Kazma replica waiting for it stopped before a decision; nothing ran"
 
 
@@ -172,6 +180,9 @@ class Recovery:
     # Of ``never_ran``, those whose approval could never have run anyway (no seal, or one that does not
     # verify), by request id: why.
     unrunnable: dict[str, str] = field(default_factory=dict)
+    # Approved calls whose execution record shows a start and no end: they may have run, and never run again
+    # by themselves.
+    may_have_run: list[ApprovalRequest] = field(default_factory=list)
 
     def messages(self) -> list[tuple[str, str]]:
         """(conversation, what to tell it), one per request. A withdrawn request's asker waited on a connection
@@ -194,6 +205,11 @@ class Recovery:
                     "cannot run. Ask again if it is still wanted."
                 )
             told.append((r.conversation, line))
+        for r in self.may_have_run:
+            told.append((r.conversation, (
+                f"{r.tool} ({r.id}) was approved by {r.decided_by} and started, but Kazma stopped before it "
+                f"finished: {MAY_HAVE_RUN}. It will not run again on its own; check before asking again."
+            )))  # fmt: skip
         return told
 
 
@@ -268,6 +284,8 @@ class ApprovalService:
         rules: RuleStore | None = None,
     ) -> None:
         self.rules = rules  # remembered approvals (approvals.remember); None: never offered
+        # The execution record, as recovery reads it (set by the composition root; None: not recorded here).
+        self.executions_of: ExecutionLookup | None = None
         self.store = store
         self.config = config
         self.publisher = publisher
@@ -662,6 +680,12 @@ class ApprovalService:
                 "The request is still pending; please press again.",
                 request_id=request_id,
             )
+        if pressed.problem is not None and await self._stale_card(request_id, pressed.problem, check):
+            # The request ended and this card is now recorded, to be edited to its outcome: the press is judged
+            # again against it, and loses (nothing pending is ever decided from a card found this way).
+            pressed = await self.store.press(
+                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person
+            )
         if pressed.problem is not None:
             refusal = await self._card_refusal(request_id, pressed.problem, card)
             if refusal is not None:
@@ -798,6 +822,29 @@ class ApprovalService:
         if any(not c.whole for c in cards if where.chat is None or c.chat == where.chat):
             return "This call cannot be remembered: its card does not show the whole call"
         return None
+
+    async def _stale_card(self, request_id: str, problem: str, where: CardCheck | None) -> bool:
+        """A press on a card message of ``request_id`` that Kazma has no record of (posted just before a crash,
+        its message id lost): once the request has ended, that message is recorded and edited to the outcome,
+        like every card of it. Pending, it stays refused: only a recorded card may decide."""
+        if problem not in (CardProblem.NOT_RECORDED, CardProblem.NOT_HERE) or where is None:
+            return False
+        if where.chat is None or where.message_id is None:
+            return False  # the platform did not say which message: nothing to edit
+        try:
+            found = await self.store.record_stale_card(request_id, where.platform, where.chat, where.message_id)
+        except store_errors() as exc:
+            count_failure("card_stale")
+            log.warning("approvals.stale_card_unrecorded", request_id=request_id, platform=where.platform,
+                        chat=where.chat, message_id=where.message_id, error=str(exc))  # fmt: skip
+            return False
+        if not found:
+            return False
+        log.warning("approvals.stale_card_found", request_id=request_id, platform=where.platform,
+                    chat=where.chat, message_id=where.message_id)  # fmt: skip
+        if self.publisher is not None:
+            await self.publisher.settle(request_id)
+        return True
 
     async def _card_refusal(self, request_id: str, problem: str, where: CardLocation | None) -> tuple[str, str] | None:
         """What the audit says and what the presser is told for a card problem; None: let the
@@ -1010,14 +1057,15 @@ class ApprovalService:
                 cancelled.append(after)
         never_ran: list[ApprovalRequest] = []
         unrunnable: dict[str, str] = {}
+        may_have_run: list[ApprovalRequest] = []
         for request in await self.store.approved_not_started(live):
             problem = self.approval_problem(request)
-            detail = "approved, but Kazma stopped first"
+            detail = STOPPED_BEFORE_IT_RAN
             if problem is not None:
                 # Decided before seals (an upgrade), or written outside Kazma: nothing may run it, ever.
                 unrunnable[request.id] = problem.detail
-                detail = f"approved, but it cannot run: {problem.detail}"
-            await self._audit_safely(request.id, "execution_lost", None, None, detail)
+                detail = f"approved, but it cannot run: {problem.detail}; it did not run"
+            await self._execution_lost(request.id, detail)
             count_failure("approval_never_ran")
             log.warning(
                 "approvals.approved_never_ran",
@@ -1027,7 +1075,34 @@ class ApprovalService:
                 detail=detail,
             )
             never_ran.append(request)
-        return Recovery(cancelled, never_ran, unrunnable)
+        # Verified to run, never reported ended: the execution record says whether the call started.
+        verified = await self.store.approved_verified_unfinished(live) if self.executions_of is not None else []
+        ran = await self.executions_of([r.id for r in verified]) if self.executions_of is not None and verified else {}
+        for request in verified:
+            outcomes = ran.get(request.id, [])
+            if not outcomes:
+                await self._execution_lost(request.id, STOPPED_BEFORE_IT_RAN)
+                count_failure("approval_never_ran")
+                log.warning("approvals.approved_never_ran", request_id=request.id, tool=request.tool, runnable=True,
+                            detail=STOPPED_BEFORE_IT_RAN)  # fmt: skip
+                never_ran.append(request)
+            elif any(o is None or o in ("lost", "interrupted") for o in outcomes):
+                await self._execution_lost(request.id, STOPPED_WHILE_IT_RAN)
+                log.warning("approvals.approved_may_have_run", request_id=request.id, tool=request.tool)
+                may_have_run.append(request)
+            # else it ran to its end; only its audit row was lost with the process
+        return Recovery(cancelled, never_ran, unrunnable, may_have_run)
+
+    async def _execution_lost(self, request_id: str, detail: str) -> None:
+        """Audit what became of an approved call a stopped process did not finish, and have its cards say it."""
+        try:
+            await self.store.execution_lost(request_id, detail)
+        except store_errors() as exc:
+            count_failure("approval_audit")
+            log.warning("approvals.audit_failed", request_id=request_id, audit_event="execution_lost", error=str(exc))
+            return
+        if self.publisher is not None:
+            await self.publisher.settle(request_id)
 
     async def expire_overdue(self) -> list[Outcome]:
         """End every request past its deadline (requests whose waiter died with a process)."""

@@ -773,6 +773,46 @@ class ApprovalStore:
         )
         return [_row_to_request(row[:-1]) for row in rows if _gone(row[-1], live)]
 
+    async def approved_verified_unfinished(self, live: Collection[str] | None = None) -> list[ApprovalRequest]:
+        """Approved requests whose call was verified to run (``execution_started``) and never reported ended
+        (no ``execution_finished``, ``execution_lost`` or ``execution_refused``): a process stopped between the
+        check and the end of the call. Whether the call started is the execution record's to say."""
+        rows = await self.tables.all(
+            f"SELECT {_COLUMNS}, owner FROM approval_requests r WHERE r.status = 'approved' AND r.durable = 0"  # noqa: S608
+            " AND EXISTS (SELECT 1 FROM approval_events e WHERE e.request_id = r.id AND e.event = 'execution_started')"
+            " AND NOT EXISTS (SELECT 1 FROM approval_events e WHERE e.request_id = r.id"
+            " AND e.event IN ('execution_finished', 'execution_lost', 'execution_refused'))"
+            " ORDER BY r.decided_at"
+        )
+        return [_row_to_request(row[:-1]) for row in rows if _gone(row[-1], live)]
+
+    async def execution_lost(self, request_id: str, detail: str) -> None:
+        """An approved call that never ran (or may have run) because a process stopped: audited, and its cards
+        asked to be edited (again) so they say it too."""
+        at = self.clock()
+
+        def op(tx: Tx) -> None:
+            self.chain.append(tx, request_id, "execution_lost", actor=None, platform=None, at=at,
+                              args_hash=FROM_REQUEST, detail=detail)  # fmt: skip
+            # Every card edited (again): settled_status set even on one not yet settled is what tells the bus
+            # to read this note when it edits it (a first settle after a decision never reads it).
+            tx.run(
+                "UPDATE approval_cards SET settled_at = NULL, retry_at = NULL, settle_attempts = 0,"
+                " settle_claimed_by = NULL, settled_status = 'approved' WHERE request_id = ?",
+                (request_id,),
+            )
+
+        await self._write(op)
+
+    async def execution_note(self, request_id: str) -> str | None:
+        """What became of an approved call that a stopped process never ran (``execution_lost``'s detail), or None."""
+        row = await self.tables.one(
+            "SELECT detail FROM approval_events WHERE request_id = ? AND event = 'execution_lost'"
+            " ORDER BY seq DESC LIMIT 1",
+            (request_id,),
+        )
+        return None if row is None or row[0] is None else str(row[0])
+
     async def decided(self) -> list[ApprovalRequest]:
         """Every request with an outcome, in the order they were decided (``kazma doctor`` checks their seals)."""
         rows = await self.tables.all(
@@ -851,6 +891,36 @@ class ApprovalStore:
             )
 
         await self._write(op)
+
+    async def record_stale_card(self, request_id: str, platform: str, chat: str, message_id: str) -> bool:
+        """A card message of ``request_id`` nobody recorded (a crash took its post's answer), found when someone
+        pressed it: recorded so the bus edits it to the outcome, but only once the request has ended (checked in
+        the same write), so a card found this way can never carry a decision. False: the request is pending or
+        unknown, nothing written."""
+        now = self.clock()
+
+        def op(tx: Tx) -> bool:
+            ended = tx.one("SELECT 1 FROM approval_requests WHERE id = ? AND status <> 'pending'", (request_id,))
+            if ended is None:
+                return False
+            tx.run(
+                "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole)"
+                " VALUES (?, ?, ?, ?, ?, 1) ON CONFLICT DO NOTHING",
+                (request_id, platform, chat, message_id, now),
+            )
+            self.chain.append(
+                tx,
+                request_id,
+                "card_found",
+                actor=None,
+                platform=platform,
+                at=now,
+                args_hash=FROM_REQUEST,
+                detail=f"{chat}/{message_id}: pressed after the request ended, its post never recorded",
+            )
+            return True
+
+        return await self._write(op)
 
     async def cards(self, request_id: str) -> list[PostedCard]:
         rows = await self.tables.all(

@@ -255,6 +255,7 @@ async def build_app(
 
     # Every tool execution's row, before it starts and when it ends: what each ending says ran or may have run.
     executions = ExecutionRecord(stores.primary)
+    service.executions_of = executions.outcomes_of_requests  # recovery asks it whether an approved call started
     runner = AgentRunner(
         model,
         tools,

@@ -468,6 +468,20 @@ def _call_json(pretty: str, canonical: str) -> str:
     )
 
 
+def _ran(events: Sequence[AuditEvent]) -> str:
+    """What became of an approved call, from its audit events: the latest word on it."""
+    for ev in reversed(events):
+        if ev.event == "execution_lost":
+            return ev.detail or "approved, but Kazma stopped before it finished"
+        if ev.event == "execution_finished":
+            return f"ran: {ev.detail or ''}".rstrip(": ")
+        if ev.event == "execution_refused":
+            return f"did not run: refused ({ev.detail or ''})"
+        if ev.event == "execution_started":
+            return "started, not finished yet"
+    return "not yet"
+
+
 def approval_page(
     viewer: Viewer,
     request: ApprovalRequest,
@@ -511,6 +525,7 @@ def approval_page(
         ("Deadline", when_html(request.deadline)),
         ("Decided", decided),
         ("Policy", e(policy_text(request))),
+        *([("Ran", e(reveal_line(_ran(events))))] if request.status is Status.APPROVED else []),
     ]
     fact_rows = "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in facts)
     audit = "".join(

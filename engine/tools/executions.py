@@ -355,6 +355,21 @@ class ExecutionRecord:
                         task_id=execution.task_id, scope=execution.scope)  # fmt: skip
         return lost
 
+    async def outcomes_of_requests(self, request_ids: Sequence[str]) -> dict[str, list[str | None]]:
+        """Each approval's executions' outcomes (None: not finished), for those with any: one with none never
+        started its call."""
+        found: dict[str, list[str | None]] = {}
+        for start in range(0, len(request_ids), 500):  # bounded statements however many are asked about
+            chunk = list(request_ids[start : start + 500])
+            rows = await self.tables.all(
+                f"SELECT request_id, outcome FROM tool_executions WHERE request_id IN ({', '.join('?' * len(chunk))})"  # noqa: S608
+                " ORDER BY started_at",
+                chunk,
+            )
+            for request_id, outcome in rows:
+                found.setdefault(str(request_id), []).append(None if outcome is None else str(outcome))
+        return found
+
     async def may_have_run(self, tool: str, args_hash: str, conversation: str) -> Execution | None:
         """The latest execution of exactly this call here that started and never finished (it may have run)."""
         rows = await self.tables.all(

@@ -94,6 +94,21 @@ def violations(h: History, f: Facts) -> list[str]:
     # no inbound message lost or handled twice
     if h.asked_model > 1:
         broken.append(f"the person's message was handled {h.asked_model} times")
+    # an approved call Kazma stopped before finishing says so, after the restart, on every card and in the
+    # conversation: did not run (no execution started) or may have run (one started, never finished)
+    if h.restarts and approved:
+        words = None
+        if not f.executions and not f.marker_lines:
+            words = "did not run"
+        elif any(outcome in ("lost", "interrupted") for _, outcome in f.executions):
+            words = "may have run"
+        if words is not None:
+            for platform, cards in (("telegram", h.telegram_cards), ("discord", h.discord_cards)):
+                if any(words not in text for text in cards):
+                    broken.append(f"an approved call that {words}: a {platform} card does not say so")
+            shown = set(h.telegram_cards)
+            if not any(words in text for text in h.bot_texts if text not in shown):
+                broken.append(f"an approved call that {words}: the conversation was not told")
     # every execution ends in a state a person can read
     if any(outcome is None for _, outcome in f.executions):
         broken.append("an execution is left neither finished nor marked lost")

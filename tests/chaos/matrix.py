@@ -6,7 +6,7 @@ Discord) with one failpoint armed, and the checker (:mod:`tests.chaos.checker`) 
 broken. A cell's ending is pinned here once it has been looked at and judged right; a cell with no entry
 runs, is printed with its ending, and fails as "not pinned". ``KNOWN_BROKEN`` holds cells whose ending
 breaks an invariant today, with why: they are expected to fail until fixed (strict: a fix makes them pass,
-and the entry must then move to ``PINNED``).
+and the entry must then move to ``PINNED``); ``SOMETIMES_BROKEN`` those broken only under some timings.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ PINNED: Final[dict[tuple[str, str, str], str | tuple[str, ...]]] = {
     ("approvals.open.card_job", "crash", "sqlite"): f"{_RESTART} · no request · tool did not run",
     ("approvals.open.committed", "crash", "sqlite"): f"{_RESTART} · {_CANCELLED} · tool did not run",
     ("bus.post", "crash", "sqlite"): f"{_RESTART} · {_CANCELLED} · tool did not run",
+    # the card posted, its message id never recorded: Discord finds it again by its nonce at the restart, a
+    # press on the Telegram one edits it to the outcome (the request ended: the press decides nothing)
+    ("bus.post.recorded", "crash", "sqlite"): f"{_RESTART} · {_CANCELLED} · tool did not run",
     ("approvals.decide.before_commit", "crash", "sqlite"): f"{_RESTART} · {_CANCELLED} · tool did not run",
     # decided, then the process died before the call ran: the approval stands, the call never runs by itself
     ("approvals.decide.after_commit", "crash", "sqlite"): f"{_RESTART} · approved · tool did not run",
@@ -62,24 +65,40 @@ PINNED: Final[dict[tuple[str, str, str], str | tuple[str, ...]]] = {
     ("tools.started", "crash", "sqlite"): f"{_RESTART} · approved · tool did not run (may have run: recorded lost)",
     ("tools.finished", "crash", "sqlite"): f"{_RESTART} · approved · tool ran once (may have run: recorded lost)",
     ("tools.recorded", "crash", "sqlite"): f"{_RESTART} · approved · tool ran once",
+    # error x SQLite: each point raises the error its real failure raises there (the store's, the platform's)
+    # the opening transaction fails: nothing is open, the asker is told, nothing runs
+    ("approvals.open.row", "error", "sqlite"): "ran on · no request · tool did not run",
+    ("approvals.open.card_job", "error", "sqlite"): "ran on · no request · tool did not run",
+    # committed, then the asker's call fails: the request stays with its cards and is approved, and nothing waits
+    # on it, so nothing runs (no real store call follows the commit there; a crash at the same place is cancelled
+    # at the restart instead)
+    ("approvals.open.committed", "error", "sqlite"): "ran on · approved · tool did not run",
+    # a platform's 503 on the post, the store refusing its record (tried again): the card is out, the call runs
+    ("bus.post", "error", "sqlite"): "ran on · approved · tool ran once",
+    ("bus.post.recorded", "error", "sqlite"): "ran on · approved · tool ran once",
+    # the press is not recorded and the presser is told to press again; the rig does not, so the request waits
+    # until the process is killed as stuck, and the restart cancels it
+    ("approvals.decide.before_commit", "error", "sqlite"): (
+        "hung, killed, restarted · cancelled (Kazma restarted before a decision) · tool did not run"
+    ),
+    # the decision committed before the error: it stands, the waiter reads it, the call runs once
+    ("approvals.decide.after_commit", "error", "sqlite"): "ran on · approved · tool ran once",
+    ("approvals.decide.before_answer", "error", "sqlite"): "ran on · approved · tool ran once",
+    # an edit refused (retried) or its record refused: the card settles, the call runs
+    ("bus.settle.sent", "error", "sqlite"): "ran on · approved · tool ran once",
+    ("bus.settle.recorded", "error", "sqlite"): "ran on · approved · tool ran once",
+    # the execution's row cannot be written: the call does not run; the tool cannot start: it did not run
+    ("tools.verified", "error", "sqlite"): "ran on · approved · tool did not run",
+    ("tools.started", "error", "sqlite"): "ran on · approved · tool did not run",
+    # the tool ran; its ending's write failed (tried again) or its result's: it ran once, never again
+    ("tools.finished", "error", "sqlite"): "ran on · approved · tool ran once",
+    ("tools.recorded", "error", "sqlite"): "ran on · approved · tool ran once",
 }
 
-KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {
-    ("bus.post.recorded", "crash", "sqlite"): (
-        "a Telegram card posted just before the crash, its message id never recorded, stays live after the restart "
-        "cancels its request: Telegram offers no idempotent post and no way to find the message, and a press on "
-        "it is refused ('not on a card of that request') instead of editing it to the outcome"
-    ),
-}
+KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {}
 
 # Broken only when the timing falls a certain way (seen under load, not alone): expected to fail sometimes.
-SOMETIMES_BROKEN: Final[dict[tuple[str, str, str], str]] = {
-    ("approvals.decide.before_commit", "crash", "sqlite"): (
-        "pressed on Telegram while the Discord card's post was in flight: the crash leaves a Discord message whose "
-        "id was never recorded; the restart cancels the request and settles the cards it knows, not that one "
-        "(a post retried with the same nonce would find it: not done yet)"
-    ),
-}
+SOMETIMES_BROKEN: Final[dict[tuple[str, str, str], str]] = {}
 
 # CI runs a cheap slice of the crash x SQLite column (about 20 s a cell, two cells at a time): one cell per
 # boundary (open, post, decide, settle, execute). The whole column: KAZMA_CHAOS=all or scripts/chaos.
