@@ -78,9 +78,14 @@ async def test_discord_finds_its_unrecorded_card_by_nonce_and_settles_it(tmp_pat
         (message,) = _discord_cards(fakes)  # the first message, given back by its nonce: never a second card
         assert fakes.discord.nonce_replays == 1
         assert "CANCELLED" in fakes.card_text("discord")
-        recorded = [c for c in await app.service.store.cards(request_id) if c.platform == "discord"]
+        # the edit is on the wire before its record is written: wait for the record
+        async with asyncio.timeout(10):
+            while not (recorded := [c for c in await app.service.store.cards(request_id) if c.platform == "discord"]):
+                await asyncio.sleep(0.02)
+            while recorded[0].settled_at is None:
+                await asyncio.sleep(0.02)
+                recorded = [c for c in await app.service.store.cards(request_id) if c.platform == "discord"]
         assert [c.message_id for c in recorded] == [str(message["id"])]
-        assert recorded[0].settled_at is not None
         assert (await app.service.store.get(request_id)).status is Status.CANCELLED  # type: ignore[union-attr]
 
 
