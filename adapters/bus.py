@@ -547,12 +547,12 @@ class FanOutBus:
                 await self.outbox.done(job, "failed", str(exc))
             log.warning("bus.card_find_failed", platform=adapter.name, request_id=request.id, error=str(exc))
             return
-        await self._record_post(request.id, ref)
+        await self._record_post(request.id, ref, ended=True)
         await self.outbox.done(job, "posted", f"found again by its nonce after the request was {request.status.value}")
         log.info("bus.card_found_by_nonce", platform=adapter.name, request_id=request.id, message_id=ref.message_id)
         await self.settle(request.id)
 
-    async def _record_post(self, request_id: str, ref: CardRef) -> None:
+    async def _record_post(self, request_id: str, ref: CardRef, *, ended: bool = False) -> None:
         """Record a posted card's message id. The card is out: a write that fails is tried again for a few
         seconds before giving up (then the post is tried again when its claim runs out, marked as such)."""
         for attempt, pause in enumerate((*RECORD_RETRIES, None)):
@@ -563,7 +563,9 @@ class FanOutBus:
                         lambda: simulated_failure(self.store.tables, "record_card"),
                         where=ref.platform,
                     )
-                await self.store.record_card(request_id, ref.platform, ref.chat, ref.message_id, whole=ref.whole)
+                await self.store.record_card(
+                    request_id, ref.platform, ref.chat, ref.message_id, whole=ref.whole, ended=ended
+                )
                 return
             except store_errors() as exc:
                 count_failure("card_record", ref.platform)

@@ -87,8 +87,11 @@ class Checkpointer:
         """Sign whenever woken (at most every :attr:`min_interval`) and at least every :attr:`every` seconds."""
         failures = 0
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that arrives as the event is
+            # set (the last write of a stopping Kazma wakes this loop), and stop would wait for it for good.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._due.wait(), timeout=self.every)
+                async with asyncio.timeout(self.every):
+                    await self._due.wait()
             self._due.clear()
             gap = self._last_pass + self.min_interval - time.monotonic()
             if gap > 0:

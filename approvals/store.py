@@ -84,6 +84,15 @@ LOCAL = "local"
 DECIDED_CHANNEL = "kazma_decided"
 _CARD_COLUMNS = "request_id, platform, chat, message_id, posted_at, settled_at, settled_status, whole"
 
+# A card recorded after its request ended (found by its nonce, or pressed): when a stopped process left an approved
+# call unrun, ``execution_lost`` already marked the cards it knew of; this one is marked the same way in the write
+# that records it, so its first edit says "did not run" / "may have run" too.
+_INSERT_FOUND_CARD = (
+    "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole, settled_status)"
+    " VALUES (?, ?, ?, ?, ?, ?, (SELECT 'approved' FROM approval_events"
+    " WHERE request_id = ? AND event = 'execution_lost' LIMIT 1)) ON CONFLICT DO NOTHING"
+)
+
 
 @dataclass(frozen=True)
 class Rules:
@@ -868,17 +877,23 @@ class ApprovalStore:
         return [str(r[0]) for r in rows]
 
     async def record_card(
-        self, request_id: str, platform: str, chat: str, message_id: str, *, whole: bool = True
+        self, request_id: str, platform: str, chat: str, message_id: str, *, whole: bool = True, ended: bool = False
     ) -> None:
+        """Record a posted card. ``ended``: found after its request ended (Discord's nonce gives back a post a
+        stopped process never recorded): it is marked the way ``execution_lost`` marks every card, so its edit
+        reads that note too."""
         now = self.clock()
         detail = f"{chat}/{message_id}" + ("" if whole else " (not the whole call)")
 
         def op(tx: Tx) -> None:
-            tx.run(
-                "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole)"
-                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                (request_id, platform, chat, message_id, now, int(whole)),
-            )
+            if ended:
+                tx.run(_INSERT_FOUND_CARD, (request_id, platform, chat, message_id, now, int(whole), request_id))
+            else:
+                tx.run(
+                    "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole)"
+                    " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    (request_id, platform, chat, message_id, now, int(whole)),
+                )
             self.chain.append(
                 tx,
                 request_id,
@@ -903,11 +918,7 @@ class ApprovalStore:
             ended = tx.one("SELECT 1 FROM approval_requests WHERE id = ? AND status <> 'pending'", (request_id,))
             if ended is None:
                 return False
-            tx.run(
-                "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole)"
-                " VALUES (?, ?, ?, ?, ?, 1) ON CONFLICT DO NOTHING",
-                (request_id, platform, chat, message_id, now),
-            )
+            tx.run(_INSERT_FOUND_CARD, (request_id, platform, chat, message_id, now, 1, request_id))
             self.chain.append(
                 tx,
                 request_id,

@@ -348,8 +348,9 @@ class AuditSink:
             while True:
                 if not await self.deliver_once():
                     self._due.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._due.wait(), timeout=self.poll_seconds)
+                    with contextlib.suppress(TimeoutError):  # not wait_for: see Checkpointer.run
+                        async with asyncio.timeout(self.poll_seconds):
+                            await self._due.wait()
         finally:
             await self.target.close()
 

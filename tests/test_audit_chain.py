@@ -184,3 +184,19 @@ async def test_rows_inserted_around_kazma_are_counted_and_never_signed(store_eng
     report = verify(events, checkpoints, TEST_SIGNER.public_keys())
     assert report.first is not None
     assert (report.first.seq, report.first.kind) == (2, "inserted")
+
+
+async def test_a_checkpointer_woken_as_it_is_cancelled_stops(store_engine: Engine) -> None:
+    # The hang seen at `kazma run`'s stop: the last write woke the checkpointer in the same turn of the loop as the
+    # supervisor cancelled it. Python 3.11's wait_for returns the finished wait and drops the cancel, so the loop
+    # went round again and slept for a minute at a time while stop waited for it.
+    async with services(store_engine, 1) as [service]:
+        checkpointer = Checkpointer(service.store, TEST_SIGNER, min_interval=0.0, every=3600.0)
+        running = asyncio.create_task(checkpointer.run())
+        for _ in range(3):  # it is waiting to be woken
+            await asyncio.sleep(0)
+        checkpointer.wake()
+        running.cancel()
+        done, _ = await asyncio.wait({running}, timeout=10)
+        assert done == {running}, "the checkpointer kept running after it was cancelled"
+        assert running.cancelled()

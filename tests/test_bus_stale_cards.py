@@ -19,7 +19,7 @@ from kazma.approvals.store import NewRequest, new_request_id
 from kazma.bot.app import App
 from kazma.config.store.database import connect
 from tests.fakes.discord import HOME_CHANNEL_ID
-from tests.platforms_support import PLATFORMS, SLACK_CHANNEL, TG_CHAT, Fakes, kazma_on, three_fakes
+from tests.platforms_support import PLATFORMS, SLACK_CHANNEL, TG_ADMIN, TG_CHAT, Fakes, kazma_on, three_fakes
 
 ARGS = {"command": "make release"}
 RESTARTED = "Kazma restarted before a decision"
@@ -78,9 +78,14 @@ async def test_discord_finds_its_unrecorded_card_by_nonce_and_settles_it(tmp_pat
         (message,) = _discord_cards(fakes)  # the first message, given back by its nonce: never a second card
         assert fakes.discord.nonce_replays == 1
         assert "CANCELLED" in fakes.card_text("discord")
-        recorded = [c for c in await app.service.store.cards(request_id) if c.platform == "discord"]
+        # the edit is on the wire before its record is written: wait for the record
+        async with asyncio.timeout(10):
+            while not (recorded := [c for c in await app.service.store.cards(request_id) if c.platform == "discord"]):
+                await asyncio.sleep(0.02)
+            while recorded[0].settled_at is None:
+                await asyncio.sleep(0.02)
+                recorded = [c for c in await app.service.store.cards(request_id) if c.platform == "discord"]
         assert [c.message_id for c in recorded] == [str(message["id"])]
-        assert recorded[0].settled_at is not None
         assert (await app.service.store.get(request_id)).status is Status.CANCELLED  # type: ignore[union-attr]
 
 
@@ -120,3 +125,38 @@ async def test_a_press_on_an_unrecorded_slack_card_edits_it_to_the_outcome(tmp_p
         assert request is not None
         assert request.status is Status.CANCELLED
         assert [e.event for e in await app.service.store.events(request_id)].count("decided") == 0
+
+
+async def test_an_approved_call_a_restart_kept_from_running_is_said_on_a_card_found_after_it(tmp_path: Path) -> None:
+    """Approved, then the process stopped before the call ran, with its card posts unrecorded: the restart's
+    recovery says "did not run"; the Discord card found by its nonce and the Telegram card found by a press say
+    it too, though neither was a recorded card when recovery marked the request's cards."""
+    store = tmp_path / "k.db"
+    async with three_fakes() as fakes, kazma_on(fakes, store) as app:
+        approvals = app.service.store
+        new = NewRequest(new_request_id(), "shell", canonical_json(ARGS), args_hash(ARGS), "agent:builder",
+                         "telegram:-1001", approvals.clock() + 600)  # fmt: skip
+        request, _ = await approvals.insert_once(new)
+        for adapter in app.bus.adapters.values():
+            await adapter.post_card(app.service.card(request))
+        await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}", platform="telegram")
+        recovery = await app.service.recover()
+        assert [r.id for r in recovery.never_ran] == [request.id]
+        conn = await connect(store)
+        try:
+            now = approvals.clock()
+            await conn.executemany(
+                "INSERT INTO card_outbox (request_id, platform, created_at, next_at, attempts) VALUES (?, ?, ?, ?, 1)",
+                [(request.id, platform, now, now) for platform in PLATFORMS],
+            )
+        finally:
+            await conn.close()
+        app.bus.posts_waiting()  # type: ignore[union-attr]
+        await fakes.wait(lambda: not fakes.has_buttons("discord"))
+        assert "did not run" in fakes.card_text("discord")
+        await _wait_for(lambda: _outbox_done(store, request.id))
+        await fakes.press("telegram", Decision.APPROVE)
+        await fakes.wait(lambda: not fakes.has_buttons("telegram"))
+        (card,) = [m for m in fakes.telegram.bot_messages(TG_CHAT) if "Approval needed" in m.text]
+        assert "did not run" in card.text
+        assert [e.event for e in await approvals.events(request.id)].count("decided") == 1

@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kazma.adapters.card_layout import (
@@ -216,6 +216,9 @@ def plain_twin(view: CardView) -> CardView:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases)
+# Found by this test: discord.py's escape_markdown skips what looks like a link, and the backticks after it
+# opened a code block in the Discord embed that took the card's own lines for a value.
+@example(case=Case("", "", "Full call: http://evil.example```", (), {"\u2028": ""}, None, "", "", 24))
 def test_no_text_can_start_a_line_that_looks_like_the_cards_own(case: Case) -> None:
     try:
         card = build_card(request_of(case), value_limit=case.limit, public_url="http://127.0.0.1:8765")

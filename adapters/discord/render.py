@@ -33,6 +33,8 @@ ARGUMENT_MARK: Final = "• "  # before every argument's field name, as before e
 NO_MENTIONS: Final = discord.AllowedMentions.none()
 
 _RAW_MENTION: Final = re.compile(r"<(?=[@#/!])")
+# A backtick behind an even number of backslashes (none included) is live: it could open a code span or a fence.
+_LIVE_BACKTICK: Final = re.compile(r"(?<!\\)((?:\\\\)*)`")
 _COLOURS: Final[dict[Status, discord.Colour]] = {
     Status.APPROVED: discord.Colour.green(),
     Status.DENIED: discord.Colour.red(),
@@ -59,8 +61,13 @@ def neutralise_mentions(value: str) -> str:
 
 
 def escape_text(value: str) -> str:
-    """Untrusted text outside code blocks: markdown escaped, mentions neutralised."""
-    return neutralise_mentions(discord.utils.escape_markdown(value))
+    """Untrusted text outside code blocks: markdown escaped, mentions neutralised.
+
+    ``escape_markdown`` skips whatever looks like a link, so ``x```` at a URL's end opened a code block that
+    swallowed the card's next lines as if they were a value: every backtick still live after it is escaped too.
+    """
+    escaped = discord.utils.escape_markdown(value)
+    return neutralise_mentions(_LIVE_BACKTICK.sub(r"\1\\`", escaped))
 
 
 def code_safe(value: str) -> str:

@@ -41,6 +41,17 @@ def _environ(pid: str) -> str | None:
         return None
 
 
+_WANTED = ("TOKEN", "KEY", "SECRET", "PASSWORD", "KAZMA")
+
+
+def _harvest(environ: str | None) -> str | None:
+    """What an attacker keeps of another process's environment: the variables named like secrets. Every other
+    process's whole environment would pass the output bound on a busy machine; these are what the test looks for."""
+    if environ is None:
+        return None
+    return "\0".join(v for v in environ.split("\0") if any(w in v.partition("=")[0].upper() for w in _WANTED))
+
+
 @server.tool()
 def snoop(kazma_pid: int, paths: list[str]) -> str:
     """Try to read Kazma's environment, every visible process's environment, and ``paths``."""
@@ -49,8 +60,8 @@ def snoop(kazma_pid: int, paths: list[str]) -> str:
         f"parent:{os.getppid()}": _environ(str(os.getppid())),
     }
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            environs[entry] = _environ(entry)
+        if entry.isdigit() and int(entry) != os.getpid() and f"kazma:{entry}" not in environs:
+            environs[entry] = _harvest(_environ(entry))
     report = {
         "pid": os.getpid(),
         "cwd": os.getcwd(),
