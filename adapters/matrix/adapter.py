@@ -103,16 +103,9 @@ class MatrixAdapter(PlatformBase):
     name = PLATFORM
     idempotent_posts = False  # a card post repeats its transaction id, but only for the homeserver's window
 
-    def __init__(
-        self,
-        config: MatrixConfig,
-        *,
-        limiter: ChatRateLimiter | None = None,
-        request_timeout: float = 10.0,
-        poll_timeout: float = 25.0,
-        max_attempts: int = 5,
-        **options: Unpack[KitOptions],
-    ) -> None:
+    def __init__(self, config: MatrixConfig, *, limiter: ChatRateLimiter | None = None, max_attempts: int = 5,
+                 request_timeout: float = 10.0, poll_timeout: float = 25.0,
+                 **options: Unpack[KitOptions]) -> None:  # fmt: skip
         # Homeservers limit messages per account (Synapse: a burst, then about one each few seconds); a gap
         # per room keeps a burst of cards from tripping it, and the 429s that still come are waited out.
         chosen = limiter or ChatRateLimiter(min_interval=0.5)

@@ -17,9 +17,18 @@ from __future__ import annotations
 import html
 import json
 from dataclasses import dataclass, replace
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
-from kazma.adapters.card_layout import EMPTY_VALUE, ButtonKind, CardView, CardWriter, LaidOut, PlainWriter, lay_out
+from kazma.adapters.card_layout import (
+    EMPTY_VALUE,
+    ButtonKind,
+    CardView,
+    CardWriter,
+    LaidOut,
+    PlainWriter,
+    ShownArgument,
+    lay_out,
+)
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
 
@@ -50,8 +59,9 @@ def same_key(key: str) -> str:
     return key.replace(VARIATION_SELECTOR, "")
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
+    """One reaction a message offers: its key, what it means to people, and the data a press with it carries."""
+
     key: str
     label: str
     data: str
@@ -150,22 +160,7 @@ class MatrixWriter:
             out.line()
             out.text("• ")
             out.tag("b", arg.name)
-            if arg.cut:
-                # The tail as prominent as the head: a harmless start must not hide a destructive end.
-                out.text(":")
-                if arg.head:
-                    out.tag("pre", arg.head)
-                out.tag("i", arg.marker)
-                out.tag("pre", arg.tail)
-            elif arg.empty:
-                out.text(": ")
-                out.tag("i", EMPTY_VALUE)
-            elif "\n" in arg.head or len(arg.head) > INLINE_VALUE_MAX:
-                out.text(":")
-                out.tag("pre", arg.head)
-            else:
-                out.text(": ")
-                out.tag("code", arg.head)
+            out.raw(_value(arg))
         if view.names_only:
             out.line()
             out.line()
@@ -191,6 +186,22 @@ class MatrixWriter:
             out.line()
             out.text(said)
         return "".join(out.parts)
+
+
+def _value(arg: ShownArgument) -> str:
+    """An argument's value after its name: inline code when short and one line, else blocks; a cut value's
+    tail as prominent as its head, so a harmless start cannot hide a destructive end."""
+    if arg.empty:
+        return f": <i>{_e(EMPTY_VALUE)}</i>"
+    if arg.cut:
+        head = f"<pre>{_e(arg.head)}</pre>" if arg.head else ""
+        return f":{head}<i>{_e(arg.marker)}</i><pre>{_e(arg.tail)}</pre>"
+    block = "\n" in arg.head or len(arg.head) > INLINE_VALUE_MAX
+    return f":<pre>{_e(arg.head)}</pre>" if block else f": <code>{_e(arg.head)}</code>"
+
+
+def _e(text: str) -> str:
+    return html.escape(text, quote=False)
 
 
 _WRITER: CardWriter[MatrixCard] = MatrixWriter()

@@ -108,6 +108,8 @@ def _default_login() -> str:
 )
 @click.option("--discord-user", default=None, help="Your Discord user id.")
 @click.option("--discord-channel", default=None, help="The Discord channel Kazma serves.")
+@click.option("--matrix-user", default=None, help="Your Matrix user id (@you:example.org).")
+@click.option("--matrix-room", default=None, help="The Matrix room Kazma serves (!…).")
 @click.option(
     "--interactive/--no-input",
     default=None,
@@ -134,6 +136,8 @@ def init(
     slack_mode: str | None,
     discord_user: str | None,
     discord_channel: str | None,
+    matrix_user: str | None,
+    matrix_room: str | None,
     interactive: bool | None,
     force: bool,
 ) -> None:
@@ -152,11 +156,12 @@ def init(
         "telegram": (telegram_user, telegram_chat),
         "slack": (slack_user, slack_channel),
         "discord": (discord_user, discord_channel),
+        "matrix": (matrix_user, matrix_room),
     }
     chosen = platforms
     if ask and not chosen:
         chosen = click.prompt(
-            "Chat platforms to connect (telegram, slack, discord; comma-separated; empty: the web console alone)",
+            "Chat platforms to connect (telegram, slack, discord, matrix; comma-separated; empty: the console alone)",
             default="",
             show_default=False,
             value_proc=_platforms,
@@ -189,6 +194,7 @@ def init(
         telegram=presences.get("telegram"),
         slack=presences.get("slack"),
         discord=presences.get("discord"),
+        matrix=presences.get("matrix"),
         cli_login=system_login(),
     )
     try:

@@ -55,6 +55,7 @@ class InitAnswers:
     telegram: Presence | None = None
     slack: Presence | None = None
     discord: Presence | None = None
+    matrix: Presence | None = None
     slack_socket_mode: bool = True
     # The system user who runs `kazma` here: `kazma approvals approve` decides as cli:<login>. None: not known.
     cli_login: str | None = None
@@ -107,6 +108,7 @@ def _platform_block(answers: InitAnswers, platform: str) -> str:
         chat = _yaml_scalar(presence.chat)
         chats, home = f'[{chat}]  # served; nothing else is ("*" would serve every chat the bot is in)', chat
     values = {"chats": chats, "home": home, "user": _yaml_scalar(presence.user), "transport": ""}
+    values["server"] = presence.user.partition(":")[2]  # Matrix: the homeserver named by the person's id
     if platform == "slack":
         values["transport"] = (
             "    app_token: ${SLACK_APP_TOKEN}  # xapp-: Socket Mode (Basic Information → App-Level Tokens, "
