@@ -61,5 +61,5 @@ SPEC: Final = PlatformSpec(
     init_user_hint="a Matrix user id looks like @alice:example.org (your avatar → your name shows it)",
     init_chat_hint="invite the bot's account to the room; room settings → Advanced shows its id (!…)",
     transport=lambda section: "sync",
-    doctor="kazma.adapters.matrix.doctor:check_matrix",
+    doctor="kazma.bot.cli.matrix_check:check_matrix",
 )
