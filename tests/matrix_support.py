@@ -376,6 +376,7 @@ class _Fault:
     status: int
     retry_after_ms: int
     times: int
+    after: bool  # the request reaches Synapse first, then its answer is lost (replaced by the fault)
 
 
 class FaultProxy:
@@ -390,8 +391,11 @@ class FaultProxy:
         self._client: httpx.AsyncClient | None = None
         self.url = ""
 
-    def fail(self, method: str, pattern: str, status: int, *, times: int = 1, retry_after_ms: int = 1000) -> None:
-        self.faults.append(_Fault(method, re.compile(pattern), status, retry_after_ms, times))
+    def fail(self, method: str, pattern: str, status: int, *, times: int = 1, retry_after_ms: int = 1000,
+             after: bool = False) -> None:  # fmt: skip
+        """The next ``times`` matching requests are answered ``status``; ``after``: each is forwarded first (it
+        takes effect on the homeserver) and only its answer is lost."""
+        self.faults.append(_Fault(method, re.compile(pattern), status, retry_after_ms, times, after))
 
     def count(self, method: str, pattern: str) -> int:
         matcher = re.compile(pattern)
@@ -403,12 +407,17 @@ class FaultProxy:
         for fault in self.faults:
             if fault.times > 0 and fault.method == request.method and fault.pattern.search(path):
                 fault.times -= 1
+                if fault.after:
+                    await self._forward(request)
                 if fault.status == 429:
                     body = {"errcode": "M_LIMIT_EXCEEDED", "error": "Too Many Requests",
                             "retry_after_ms": fault.retry_after_ms}  # fmt: skip
                 else:
                     body = {"errcode": "M_UNKNOWN", "error": "Internal server error"}
                 return web.json_response(body, status=fault.status)
+        return await self._forward(request)
+
+    async def _forward(self, request: web.Request) -> web.Response:
         assert self._client is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in {"host", "content-length"}}
         answer = await self._client.request(
