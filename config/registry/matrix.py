@@ -27,13 +27,13 @@ def is_user_id(user: str) -> bool:
 
 def access_token_problem(token: str) -> str | None:
     """An access token of the bot's account: Element → Settings → Help & About → Access Token, or a login."""
+    if token.lower().startswith("bearer "):
+        return "starts with 'Bearer ': that belongs to the HTTP header, not the token; remove it"
     badly = pasted_badly(token)
     if badly:
         return badly
     if token.startswith(("@", "!", "#")):
         return "is a Matrix id, not an access token: copy the bot account's access token (Element → Help & About)"
-    if token.lower().startswith("bearer "):
-        return "starts with 'Bearer ': that belongs to the HTTP header, not the token; remove it"
     if token.startswith(("http://", "https://")):
         return "is a URL: that belongs in platforms.matrix.homeserver; access_token takes the bot's access token"
     return None
