@@ -36,10 +36,8 @@ async def harness() -> AsyncIterator[MatrixHarness]:
 
 
 async def texts_arrived(harness: MatrixHarness, count: int) -> list[str]:
-    found = await harness.recorder.wait_until(
-        lambda: len(harness.recorder.inbound) >= count and harness.recorder.inbound
-    )
-    return [i.text for i in found]
+    await harness.recorder.wait_until(lambda: len(harness.recorder.inbound) >= count)
+    return [i.text for i in harness.recorder.inbound]
 
 
 # --------------------------------------------------------------------------- where the sync stands

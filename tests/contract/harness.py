@@ -629,7 +629,8 @@ class MatrixHarness(Harness):
             direct[person.user_id] = room
         # What the bot's account keeps about its direct rooms, as a client accepting those invites writes it.
         self.bot.set_account_data("m.direct", {user: [room] for user, room in direct.items()})
-        return _MatrixRooms(*made, direct)
+        home, other, unserved = made
+        return _MatrixRooms(home, other, unserved, direct)
 
     async def close(self) -> None:
         if self._adapter is not None:
