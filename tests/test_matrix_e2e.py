@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,15 +23,20 @@ import pytest
 from kazma.adapters.matrix import MatrixAdapter
 from kazma.adapters.matrix.position import ACCOUNT_DATA_TYPE
 from kazma.adapters.matrix.render import CHOICES_KEY
+from kazma.adapters.outbox import Outbox
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.slack import SlackAdapter
+from kazma.approvals import ApprovalService, ApprovalStore
 from kazma.approvals.model import Status
 from kazma.bot.app import App, build_app
-from kazma.config import LoadedConfig, load_config_text
+from kazma.bot.store import open_store
+from kazma.config import LoadedConfig, load_config, load_config_text
+from kazma.config.store.database import connect
 from kazma.engine.scenario import PerAgentScript, agent_prompts
 from kazma.engine.types import ModelReply, ToolCall
 from tests.matrix_support import FaultProxy, Person, Synapse, shared_synapse
 from tests.platforms_support import PLATFORMS, Fakes, adapters_for, three_fakes
+from tests.process_support import run_kazma
 
 pytestmark = [
     pytest.mark.slow,
@@ -216,5 +222,63 @@ async def test_a_restart_between_the_decision_and_the_matrix_edit_settles_the_ca
             bodies = [e["content"]["m.new_content"]["body"] for e in room.edits(card["event_id"])]
             assert len(bodies) == len(set(bodies)) == (2 if lost == "answer" else 1)
             assert room.notices_to(room.alice) == []  # the reaction was not taken again after the restart
+    finally:
+        await proxy.stop()
+
+
+async def test_sigkill_after_a_reaction_decided_then_a_restart_settles_the_matrix_card(tmp_path: Path) -> None:
+    """`kazma run` as a real process, its Matrix adapter built from the registry: an approver's ✅ decides, the
+    process is killed while every Matrix edit fails, and the next process settles the card from the store —
+    without taking the reaction in a second time (its sync position was kept)."""
+    room = Room(shared_synapse())
+    await asyncio.to_thread(room.make)
+    proxy = FaultProxy(room.server.url)
+    await proxy.start()
+    store_path, config, log = tmp_path / "k.db", tmp_path / "kazma.yaml", tmp_path / "kazma.log"
+    try:
+        async with three_fakes() as fakes:
+            config.write_text(config_yaml(fakes, store_path, room, proxy.url))
+            loaded = load_config(config, environ={})
+            first = await run_kazma(config, log)
+            conn = await open_store(loaded.config)
+            outbox_conn = await connect(store_path)
+            try:
+                await until(lambda: proxy.count("GET", r"/sync$") >= 2)  # the first process syncs: it leads
+                service = ApprovalService(ApprovalStore(conn), loaded.config)
+                request = await service.open(
+                    "shell", {"command": "deploy --prod"}, "agent:builder", f"matrix:{room.id}"
+                )
+                await Outbox(outbox_conn).enqueue(request.id, [*PLATFORMS, "matrix"])
+                [card] = await until(room.cards)
+                proxy.fail("PUT", EDIT, 500, times=10_000)
+                await asyncio.to_thread(room.alice.react, room.id, card["event_id"], "✅")
+                async with asyncio.timeout(60):
+                    while (row := await service.store.get(request.id)) is None or row.status is Status.PENDING:
+                        await asyncio.sleep(0.05)
+                assert row.decided_by == f"matrix:{room.alice.user_id}"
+                await until(lambda: proxy.count("PUT", EDIT) >= 1)
+            finally:
+                first.send_signal(signal.SIGKILL)
+                await first.wait()
+            assert first.returncode == -signal.SIGKILL
+            assert room.edits(card["event_id"]) == []  # the kill left the Matrix card showing its reactions
+            proxy.faults.clear()
+            second = await run_kazma(config, log)
+            try:
+                newest = await until(lambda: room.edits(card["event_id"])[:1])
+                assert newest[0]["content"]["m.new_content"]["body"].startswith("APPROVED")
+                async with asyncio.timeout(60):
+                    while any(c.settled_at is None for c in await service.store.cards(request.id)):
+                        await asyncio.sleep(0.05)
+                assert len(await service.store.events(request.id, event="decided")) == 1
+                assert len(await service.store.events(request.id, event="press_lost")) == 0  # not taken in twice
+            finally:
+                second.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(second.wait(), timeout=60)
+                await conn.close()
+                await outbox_conn.close()
+            assert second.returncode == 0, log.read_text()[-3000:]
+            bodies = [e["content"]["m.new_content"]["body"] for e in room.edits(card["event_id"])]
+            assert len(bodies) == len(set(bodies))  # nothing said twice
     finally:
         await proxy.stop()
