@@ -11,6 +11,7 @@ import httpx
 import pytest
 import structlog
 
+from kazma.adapters.admission import DirectPolicy
 from kazma.adapters.matrix import MatrixAdapter
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE
 from kazma.adapters.matrix.position import ACCOUNT_DATA_TYPE
@@ -246,3 +247,28 @@ async def test_doctor_names_the_account_the_home_room_and_an_encrypted_one(harne
         _, absent = await check_matrix(base.model_copy(update={"home_room": unjoined}), client)
         assert absent.level is Level.FAIL
         assert "has not joined" in absent.detail
+
+
+# --------------------------------------------------------------------------- direct rooms
+
+
+async def test_the_bot_joins_a_direct_room_only_from_someone_dm_policy_allows(harness: MatrixHarness) -> None:
+    await harness.start(direct=DirectPolicy.of([f"matrix:{harness.admin}"], ()))
+    alice, bob = harness.people[harness.admin], harness.people[harness.member]
+    refused = await asyncio.to_thread(bob.create_room, invite=[harness.bot.user_id], direct=True)
+    allowed = await asyncio.to_thread(alice.create_room, invite=[harness.bot.user_id], direct=True)
+
+    def joined() -> list[str]:
+        return list(harness.bot.request("GET", "/_matrix/client/v3/joined_rooms")["joined_rooms"])
+
+    async with asyncio.timeout(30):
+        while allowed not in await asyncio.to_thread(joined):
+            await asyncio.sleep(0.05)
+    harness.since[allowed] = await asyncio.to_thread(alice.now, allowed)
+    await harness.say(allowed, harness.admin, "hello in private")
+    [inbound] = await harness.recorder.wait_until(lambda: harness.recorder.inbound)
+    assert (inbound.chat, inbound.direct, inbound.text) == (allowed, True, "hello in private")
+    assert refused not in await asyncio.to_thread(joined)  # an invitation from someone else is left alone
+    direct = await asyncio.to_thread(harness.bot.account_data, "m.direct")
+    assert direct is not None
+    assert allowed in direct[harness.admin]  # kept with the account, as clients keep direct rooms
