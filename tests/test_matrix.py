@@ -272,3 +272,17 @@ async def test_the_bot_joins_a_direct_room_only_from_someone_dm_policy_allows(ha
     direct = await asyncio.to_thread(harness.bot.account_data, "m.direct")
     assert direct is not None
     assert allowed in direct[harness.admin]  # kept with the account, as clients keep direct rooms
+
+
+async def test_a_position_the_homeserver_would_not_keep_repeats_nothing(harness: MatrixHarness) -> None:
+    await harness.start()
+    before = failure_count("sync", "matrix")
+    harness.proxy.fail("PUT", r"/account_data/org\.kazma\.sync$", 500, times=1)  # the save after the first message
+    await harness.say(harness.home, harness.admin, "one")
+    await harness.say(harness.home, harness.admin, "two")
+    await texts_arrived(harness, 2)
+    await harness.say(harness.home, harness.admin, "three")
+    found = await texts_arrived(harness, 3)
+    await harness.settled()
+    assert [i.text for i in harness.recorder.inbound] == found == ["one", "two", "three"]
+    assert failure_count("sync", "matrix") == before + 1  # counted, and the batch was taken again

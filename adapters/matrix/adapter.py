@@ -120,6 +120,7 @@ class MatrixAdapter(PlatformBase):
         self._reasons: dict[str, tuple[str, str, str, float]] = {}  # prompt event -> (user, data, card, until)
         self._told_encrypted: set[str] = set()
         self._position: SyncPosition | None = None
+        self._kept = Position("", ())  # where the sync stands, as last kept on the homeserver
         self._syncing: asyncio.Task[None] | None = None
         self._stop_sync = asyncio.Event()
 
@@ -203,11 +204,10 @@ class MatrixAdapter(PlatformBase):
         return dict(answer)
 
     async def _sync_loop(self, client: ClientAPI, kept: Position) -> None:
-        position = self._position
-        assert position is not None
+        self._kept = kept
         failures = 0
         while not self._stop_sync.is_set():
-            asking = asyncio.create_task(self._sync(client, kept.since, timeout=self.poll_timeout))
+            asking = asyncio.create_task(self._sync(client, self._kept.since, timeout=self.poll_timeout))
             stopping = asyncio.create_task(self._stop_sync.wait())
             await asyncio.wait({asking, stopping}, return_when=asyncio.FIRST_COMPLETED)
             stopping.cancel()
@@ -217,8 +217,8 @@ class MatrixAdapter(PlatformBase):
                     await asking
                 return
             try:
-                batch = asking.result()
-            except Exception as exc:
+                await self._take(asking.result())
+            except Exception as exc:  # the batch comes again, from what was kept of it
                 failures += 1
                 self.failed("sync", None, self.classify("sync", exc))
                 with contextlib.suppress(TimeoutError):
@@ -226,17 +226,13 @@ class MatrixAdapter(PlatformBase):
                         await self._stop_sync.wait()
                 continue
             failures = 0
-            try:
-                kept = await self._take(batch, kept)
-            except Exception as exc:  # the position stays where it was: the batch comes again
-                self.failed("sync", None, self.classify("sync", exc))
-                continue
 
-    async def _take(self, batch: dict[str, Any], kept: Position) -> Position:
+    async def _take(self, batch: dict[str, Any]) -> None:
         """Hand every new event of ``batch`` to the kit, keeping after each one where the sync stands; the
-        next token once the batch is done."""
+        next token once the batch is done (:attr:`_kept` follows what was kept)."""
         position = self._position
         assert position is not None
+        kept = self._kept
         done = list(kept.done)
         await self._invites(batch)
         for room, events in _timelines(batch, self.user_id):
@@ -246,10 +242,12 @@ class MatrixAdapter(PlatformBase):
                     continue  # taken in before a restart
                 if await self._event(room, event):
                     done.append(event_id)
-                    await position.save(Position(kept.since, tuple(done)))
-        following = Position(str(batch["next_batch"]), ())
-        await position.save(following)
-        return following
+                    # Taken in whether or not the homeserver keeps it now: the batch, should it come again in
+                    # this process, skips it; the next save that succeeds records it.
+                    self._kept = Position(kept.since, tuple(done))
+                    await position.save(self._kept)
+        self._kept = Position(str(batch["next_batch"]), ())
+        await position.save(self._kept)
 
     async def _invites(self, batch: dict[str, Any]) -> None:
         """Join the rooms Kazma serves when invited, and direct chats from people ``dm_policy`` allows."""
@@ -379,8 +377,10 @@ class MatrixAdapter(PlatformBase):
                                        reply_to=reaction.target)  # fmt: skip
         except PlatformError:
             return
-        until = time.monotonic() + REPLY_WINDOW_SECONDS
-        self._reasons[prompt] = (reaction.sender, deny_data(request_id), reaction.target, until)
+        now = time.monotonic()
+        for stale in [p for p, (_, _, _, ends) in self._reasons.items() if ends < now]:
+            del self._reasons[stale]  # prompts nobody answered in time
+        self._reasons[prompt] = (reaction.sender, deny_data(request_id), reaction.target, now + REPLY_WINDOW_SECONDS)
 
     def _reason_given(self, room: str, event: dict[str, Any], prompt: str) -> bool:
         user, data, card, until = self._reasons[prompt]
