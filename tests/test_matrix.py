@@ -12,6 +12,7 @@ import pytest
 import structlog
 
 from kazma.adapters.admission import DirectPolicy
+from kazma.adapters.contract import PlatformError
 from kazma.adapters.matrix import MatrixAdapter
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE
 from kazma.adapters.matrix.position import ACCOUNT_DATA_TYPE
@@ -286,3 +287,20 @@ async def test_a_position_the_homeserver_would_not_keep_repeats_nothing(harness:
     await harness.settled()
     assert [i.text for i in harness.recorder.inbound] == found == ["one", "two", "three"]
     assert failure_count("sync", "matrix") == before + 1  # counted, and the batch was taken again
+
+
+async def test_a_card_posted_again_is_the_same_event_not_a_second_card(harness: MatrixHarness) -> None:
+    """What the bus counts on (``idempotent_posts``) when a post's answer was lost or its process died: the
+    transaction id makes the homeserver give the first event back, also to a new process with the token."""
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    harness.proxy.fail("PUT", r"/send/m\.room\.message/kazma-card-", 500, after=True)  # landed; answer lost
+    with pytest.raises(PlatformError):
+        await adapter.post_card(card)
+    await adapter.stop()
+    again = await harness.start()
+    first = await again.post_card(card)
+    second = await again.post_card(card)
+    assert first.message_id == second.message_id
+    cards = [e for e in harness._bot_events(harness.home) if "org.kazma.choices" in e["content"]]
+    assert [e["event_id"] for e in cards] == [first.message_id]

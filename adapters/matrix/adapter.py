@@ -101,7 +101,10 @@ class MatrixAdapter(PlatformBase):
     """A :class:`~kazma.adapters.contract.PlatformAdapter` for one bot account on a Matrix homeserver."""
 
     name = PLATFORM
-    idempotent_posts = False  # a card post repeats its transaction id, but only for the homeserver's window
+    # A card's post carries a transaction id made from the request and the room; the spec makes a send with the
+    # same id from the same access token idempotent (Synapse keeps them a day), so a post tried again after a
+    # crash or a lost answer gives the first event back instead of a second card.
+    idempotent_posts = True
 
     def __init__(self, config: MatrixConfig, *, limiter: ChatRateLimiter | None = None, max_attempts: int = 5,
                  request_timeout: float = 10.0, poll_timeout: float = 25.0,
