@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -304,3 +305,25 @@ async def test_a_card_posted_again_is_the_same_event_not_a_second_card(harness: 
     assert first.message_id == second.message_id
     cards = [e for e in harness._bot_events(harness.home) if "org.kazma.choices" in e["content"]]
     assert [e["event_id"] for e in cards] == [first.message_id]
+
+
+async def test_the_card_carries_its_reactions_so_one_click_presses(harness: MatrixHarness) -> None:
+    adapter = await harness.start()
+    ref = await adapter.post_card(make_card({"path": "/tmp/x"}))
+    await adapter.quiesce()  # the reactions follow the post
+    path = f"/_matrix/client/v1/rooms/{quote(ref.chat)}/relations/{quote(ref.message_id)}/m.annotation"
+    reactions = (await asyncio.to_thread(harness.people[harness.admin].request, "GET", path))["chunk"]
+    offered = sorted((e["sender"], e["content"]["m.relates_to"]["key"]) for e in reactions)
+    assert offered == sorted((harness.bot.user_id, key) for key in ("✅", "❌", "💬"))
+    await harness.say(harness.home, harness.admin, "after")
+    await texts_arrived(harness, 1)
+    await harness.settled()
+    assert harness.recorder.presses == []  # the bot's own reactions press nothing
+
+
+async def test_a_notice_is_a_bots_message(harness: MatrixHarness) -> None:
+    await harness.start()
+    other_bot = harness.people[harness.member]
+    await asyncio.to_thread(other_bot.send, harness.home, {"msgtype": "m.notice", "body": "@builder deploy it"})
+    [inbound] = await harness.recorder.wait_until(lambda: harness.recorder.inbound)
+    assert (inbound.from_bot, inbound.mentions) == (True, ("builder",))

@@ -463,12 +463,12 @@ class MatrixAdapter(PlatformBase):
         _in_thread(content, thread)
         event_id = await self.call("send", chat, lambda: self._send(client, chat, content))
         self._choices[event_id] = {same_key(c.key): c.data for c in made}
-        await self._offer(client, chat, event_id, made)
+        self.spawn(self._offer(client, chat, event_id, made), name=f"matrix-offer-{event_id}")
         return event_id
 
     async def _offer(self, client: ClientAPI, chat: str, event_id: str, choices: tuple[Choice, ...]) -> None:
-        """React with each choice first, so a person presses by clicking the reaction (a courtesy: a failure
-        here leaves the legend, and any client can add the reaction itself)."""
+        """React with each choice, so a person presses by clicking the reaction (a courtesy: a failure here
+        leaves the legend, and any client can add the reaction itself)."""
         for choice in choices:
             relates = {"m.relates_to": {"rel_type": "m.annotation", "event_id": event_id, "key": choice.key}}
             try:
@@ -514,7 +514,8 @@ class MatrixAdapter(PlatformBase):
         txn = f"kazma-card-{card.request_id}-{_short(chat)}"
         event_id = await self.call("card_post", chat, lambda: self._send(client, chat, written.content(), txn=txn))
         self._choices[event_id] = {same_key(c.key): c.data for c in written.choices}
-        await self._offer(client, chat, event_id, written.choices)
+        # After the post, not inside it: the card is out once it is posted, and the reactions follow it.
+        self.spawn(self._offer(client, chat, event_id, written.choices), name=f"matrix-offer-{event_id}")
         return Posted(chat, event_id)
 
     async def _edit_card(

@@ -132,7 +132,7 @@ def normalise(
         author_name=sender,
         text=text,
         mentions=() if command else plain_mentions(text),
-        from_bot=False,
+        from_bot=msgtype == "m.notice",  # what bots post, by Matrix's convention (no bot answers one: no loops)
         command=command,
         is_admin=is_admin(sender),
         direct=direct,
