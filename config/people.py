@@ -30,11 +30,13 @@ from typing import Any, Final
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from kazma.config.registry import ACTOR_PLATFORMS, user_id_problem
+from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, user_id_problem
 
 PERSON_NAME: Final = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 GROUPS_KEY: Final = "groups"
 PERSON_NAME_HINT: Final = "a person's or group's name is a lowercase letter then up to 31 of a-z, 0-9, '_', '-'"
+# An identity on the first chat platform, for the examples in messages ("telegram: 111, "); none without one.
+_EXAMPLE: Final = "".join(f"{spec.name}: {spec.example_user}, " for spec in list(CHAT_PLATFORMS.values())[:1])
 
 
 def _error(path: str, message: str, **values: Any) -> PydanticCustomError:
@@ -77,7 +79,7 @@ def parse_people(raw: Any, *, where: str = "people") -> dict[str, dict[str, tupl
         if not isinstance(identities, Mapping) or not identities:
             raise _error(
                 path,
-                "a person is a mapping of their identities (door: id), e.g. telegram: 111, web: {name}; got {got}",
+                "a person is a mapping of their identities (door: id), e.g. " + _EXAMPLE + "web: {name}; got {got}",
                 name=name,
                 got=repr(identities)[:60],
             )
