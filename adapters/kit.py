@@ -48,6 +48,7 @@ from kazma.adapters.pacing import Pacing
 from kazma.adapters.press_policy import PressPolicy
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
+from kazma.config.address import Actor
 from kazma.config.metrics import count_failure
 from kazma.config.registry import CHAT_PLATFORMS, PlatformSpec
 from kazma.config.supervisor import Supervisor
@@ -425,7 +426,7 @@ class PlatformBase(PressPolicy):
             log.exception("platform.chat_moved_failed", platform=self.name, old=old, new=new)
 
     def actor(self, user_id: object) -> str:
-        return f"{self.name}:{user_id}"
+        return str(Actor(self.name, str(user_id)))
 
     async def _claim(self, key: str | None) -> bool:
         """Whether this replica handles the inbound event ``key`` (True without a key or a claim handler).

@@ -55,6 +55,7 @@ from kazma.approvals.store import (
 )
 from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdrawn, withdrawn
 from kazma.config import failpoints
+from kazma.config.address import Address, AddressError
 from kazma.config.metrics import (
     APPROVALS_DECIDED,
     APPROVALS_OPENED,
@@ -511,11 +512,14 @@ class ApprovalService:
         log.info("approvals.rule_used", rule=rule.id, tool=tool, conversation=conversation, hash=digest)
         until = time.strftime("%H:%M:%S UTC", time.gmtime(rule.expires_at))
         say = getattr(self.publisher, "send_text", None)
-        platform, _, chat = conversation.partition(":")
-        if say is not None and chat:
+        try:
+            where = Address.parse(conversation)
+        except AddressError:
+            where = None  # a call outside any conversation: nobody to tell
+        if say is not None and where is not None and where.chat:
             await say(
-                platform,
-                chat,
+                where.platform,
+                where.chat,
                 f"{tool} ran without a card under remembered approval {rule.id}, made by {rule.created_by} "
                 f"(request {rule.request_id}); it covers this exact call here until {until}.",
             )

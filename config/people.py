@@ -30,6 +30,7 @@ from typing import Any, Final
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
+from kazma.config.address import Actor, platform_of
 from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, user_id_problem
 
 PERSON_NAME: Final = re.compile(r"[a-z][a-z0-9_-]{0,31}")
@@ -99,7 +100,7 @@ def parse_people(raw: Any, *, where: str = "people") -> dict[str, dict[str, tupl
                     raise _error(
                         at, "{problem}, got {got}", problem=problem or f"expected a {platform} id", got=repr(value)
                     )
-                identity = f"{platform}:{user}"
+                identity = str(Actor(platform, user))
                 owner = owners.get(identity)
                 if owner is not None:
                     said = "this person lists it twice" if owner == name else f"it is already {owner}'s"
@@ -142,7 +143,7 @@ class Person:
 
     def on(self, platform: str) -> tuple[str, ...]:
         """This person's identities on ``platform`` (``telegram:111``, …)."""
-        return tuple(i for i in self.identities if i.partition(":")[0] == platform)
+        return tuple(i for i in self.identities if platform_of(i) == platform)
 
 
 class PeopleConfig(BaseModel):
@@ -185,7 +186,7 @@ class PeopleConfig(BaseModel):
         return frozenset(i for member in self.members(reference) for i in self.persons[member])
 
     def identities_on(self, reference: str, platform: str) -> frozenset[str]:
-        return frozenset(i for i in self.identities(reference) if i.partition(":")[0] == platform)
+        return frozenset(i for i in self.identities(reference) if platform_of(i) == platform)
 
 
 def person_key(people: PeopleConfig, identity: str) -> str:

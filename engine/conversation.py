@@ -27,6 +27,7 @@ from kazma.adapters.admission import FileTooLarge
 from kazma.adapters.contract import Inbound, PlatformError, Press
 from kazma.adapters.human_text import for_humans
 from kazma.approvals.model import PressResult, PressVerdict
+from kazma.config.address import Address
 from kazma.config.metrics import count_failure
 from kazma.config.supervisor import Supervisor
 from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, StepRef, TurnResult, workspace_for
@@ -171,7 +172,7 @@ class Conversations:
             log.exception("inbound.failed", platform=message.platform, chat=message.chat, error=str(exc))
 
     async def _route(self, message: Inbound) -> None:
-        conversation = f"{message.platform}:{message.chat}"
+        conversation = Address(message.platform, message.chat).conversation
         key = (message.platform, message.chat, message.message_id)
         dispatch = self._dispatches.pop(key, None)
         if message.command == "swarm":
@@ -331,7 +332,8 @@ class Conversations:
             listener(action)
 
     async def _perform(self, action: Action) -> None:
-        platform, _, chat = action.plan.conversation.partition(":")
+        where = Address.parse(action.plan.conversation)
+        platform, chat = where.platform, where.chat
         step = action.step
         if action.kind in (ActionKind.DISPATCH, ActionKind.RESUME):
             assert step is not None
@@ -363,7 +365,8 @@ class Conversations:
             self._tasks.spawn(self._lead_says(action.plan.conversation, prompt), name=f"finish-{action.plan.id}")
 
     async def _dispatch(self, action: Action, assignee: str, index: int, attempt: int) -> None:
-        platform, _, chat = action.plan.conversation.partition(":")
+        where = Address.parse(action.plan.conversation)
+        platform, chat = where.platform, where.chat
         text = f"@{assignee} {action.text}".rstrip()
         message_id = await self._say(platform, chat, text, agent=self.lead.name)
         if message_id is None:
@@ -433,7 +436,8 @@ class Conversations:
                 await self.executor.lead_decided(plan_id, index)
 
     async def _lead_says(self, conversation: str, prompt: str) -> None:
-        platform, _, chat = conversation.partition(":")
+        where = Address.parse(conversation)
+        platform, chat = where.platform, where.chat
         async with self._announcing(self.lead, conversation):
             async with self.working(platform, chat):
                 result = await self.runner.run(self.lead, conversation, prompt, requested_by="executor")

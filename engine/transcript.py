@@ -17,6 +17,7 @@ from typing import Final, Literal, Protocol
 import structlog
 
 from kazma.adapters.human_text import for_humans
+from kazma.config.address import Address
 from kazma.config.metrics import count_failure
 from kazma.config.store.backend import StoreConnection, tables_of
 from kazma.config.store.database import Migration
@@ -148,7 +149,7 @@ class TranscriptStore:
     ) -> Entry:
         """Keep one message (text as people see it) and tell the listeners."""
         shown = for_humans(text)[:TEXT_LIMIT]
-        conversation = f"{platform}:{chat}"
+        conversation = Address(platform, chat).conversation
         at = self.clock()
         async with self.tables.transaction() as db:
             row = await db.one(
@@ -265,5 +266,5 @@ class RecordingSink:
         return message_id
 
     async def working(self, platform: str, chat: str, *, thread: str | None = None) -> bool:
-        self.store.working(f"{platform}:{chat}")
+        self.store.working(Address(platform, chat).conversation)
         return await self.bus.working(platform, chat, thread=thread)

@@ -27,6 +27,7 @@ from kazma.adapters.kit import TYPING_INTERVAL
 from kazma.approvals.card import ApprovalCard, button_data
 from kazma.approvals.honesty import reveal_line
 from kazma.approvals.model import Decision, Outcome, PressResult
+from kazma.config.address import Address
 
 log = structlog.get_logger("kazma.adapters.web")
 
@@ -287,7 +288,7 @@ class WebAdapter:
         if last is not None and now - last < self.typing_interval:
             return False
         self._typing_at[chat] = now
-        self._emit({"type": "working", "chat": chat, "conversation": f"{self.name}:{chat}"})
+        self._emit({"type": "working", "chat": chat, "conversation": Address(self.name, chat).conversation})
         return True
 
     async def choose(self, message_id: str, choice: int, login: str, *, is_admin: bool = False) -> PressResult:

@@ -17,6 +17,7 @@ from importlib import resources
 from typing import Final
 
 from kazma.config import ConfigError, load_config_text
+from kazma.config.address import Actor
 from kazma.config.registry import CHAT_PLATFORMS, InitMode, user_id_problem
 
 DEFAULT_PUBLIC_URL: Final = "http://localhost:8765"
@@ -108,7 +109,7 @@ class InitAnswers:
     def approvers(self) -> list[tuple[str, str]]:
         """(actor, where) for every identity of the operator, the console first."""
         found = [(f"web:{self.web_login.lower()}", "the web console")]
-        found += [(f"{p}:{self.presence(p).user}", CHAT_PLATFORMS[p].title) for p in self.platforms]
+        found += [(str(Actor(p, self.presence(p).user)), CHAT_PLATFORMS[p].title) for p in self.platforms]
         if self.cli_login is not None and user_id_problem("cli", self.cli_login) is None:
             found.append((f"cli:{self.cli_login}", "the command line (`kazma approvals approve`)"))
         return found
@@ -144,8 +145,8 @@ def render(answers: InitAnswers) -> str:
         raise ValueError(f"a console login is 1 to 32 letters, digits, '.', '_' or '-', got {answers.web_login!r}")
     person = answers.person
     identities = "\n".join(
-        f"    {actor.partition(':')[0]}: {_yaml_scalar(actor.partition(':')[2])}  # you, in {where}"
-        for actor, where in answers.approvers
+        f"    {identity.platform}: {_yaml_scalar(identity.user)}  # you, in {where}"
+        for identity, where in ((Actor.parse(actor), where) for actor, where in answers.approvers)
     )
     people = (
         "people:\n"

@@ -17,6 +17,7 @@ from kazma.bot.console.passkeys import RelyingParty
 from kazma.bot.console.signin import web_login_of
 from kazma.bot.store import store_for_command
 from kazma.config import KazmaConfig
+from kazma.config.address import platform_of
 
 T = TypeVar("T")
 
@@ -58,7 +59,7 @@ def list_people(obj: Context) -> None:
         now = time.time()
         lines: list[str] = []
         for person in config.people.people():
-            approver = any(config.roster.is_approver(i, i.partition(":")[0]) for i in person.identities)
+            approver = any(config.roster.is_approver(i, platform_of(i)) for i in person.identities)
             role = "approver" if approver else "not an approver"
             lines.append(f"{person.name}  ({role})  {', '.join(person.identities)}")
             lines += [_passkey_line(k) for k in keys if k.person == person.name]

@@ -10,7 +10,6 @@ ever appears in one.
 from __future__ import annotations
 
 import asyncio
-import importlib
 from collections.abc import Awaitable
 
 import httpx
@@ -19,7 +18,7 @@ from kazma.adapters.platform_cli import Check, Level, PlatformCheck
 from kazma.bot.logging import redact
 from kazma.config import LoadedConfig, enabled_platforms
 from kazma.config.platforms import console_warnings
-from kazma.config.registry import CHAT_PLATFORMS, PlatformSpec
+from kazma.config.registry import CHAT_PLATFORMS, PlatformSpec, load_named
 
 
 def console_checks(loaded: LoadedConfig) -> list[Check]:
@@ -47,8 +46,7 @@ async def check_platforms(loaded: LoadedConfig, *, timeout: float) -> dict[str, 
 
 def _doctor(spec: PlatformSpec) -> PlatformCheck:
     """The platform's own doctor check, as its registry entry names it."""
-    module, _, attribute = spec.doctor.partition(":")
-    check: PlatformCheck = getattr(importlib.import_module(module), attribute)
+    check: PlatformCheck = load_named(spec.doctor)
     return check
 
 

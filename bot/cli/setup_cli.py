@@ -6,12 +6,10 @@ entry names them, and a command's module is imported only when it runs or its he
 
 from __future__ import annotations
 
-import importlib
-
 import click
 
 from kazma.bot.cli.log_options import with_log_options
-from kazma.config.registry import CHAT_PLATFORMS
+from kazma.config.registry import CHAT_PLATFORMS, load_named
 
 # "command name" -> "module:attribute", every platform's together.
 _COMMANDS = {name: where for spec in CHAT_PLATFORMS.values() for name, where in spec.setup_commands.items()}
@@ -24,8 +22,7 @@ class _PlatformCommands(click.Group):
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name not in _COMMANDS:
             return None
-        module, _, attribute = _COMMANDS[cmd_name].partition(":")
-        command = getattr(importlib.import_module(module), attribute)
+        command = load_named(_COMMANDS[cmd_name])
         assert isinstance(command, click.Command), _COMMANDS[cmd_name]
         with_log_options(command)  # loaded here, after the group was given them
         return command

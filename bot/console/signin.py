@@ -33,6 +33,7 @@ from kazma.bot.console.passkeys import (
 )
 from kazma.bot.console.signin_pages import enrol_page, gone_page
 from kazma.bot.console.static import PEOPLE_JS
+from kazma.config.address import Actor
 from kazma.config.models import KazmaConfig
 
 log = structlog.get_logger("kazma.web.signin")
@@ -47,7 +48,7 @@ def web_login_of(config: KazmaConfig, person: str) -> str | None:
     if found is None:
         return None
     logins = found.on("web")
-    return logins[0].partition(":")[2] if logins else None
+    return Actor.parse(logins[0]).user if logins else None
 
 
 def _json_error(status: type[web.HTTPException], message: str) -> web.HTTPException:

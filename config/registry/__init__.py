@@ -120,6 +120,13 @@ class PlatformSpec:
         return found
 
 
+def load_named(reference: str) -> Any:
+    """What a registry entry names as ``"module:attribute"`` (its adapter, doctor check, setup commands), imported
+    now: the entries name them so that a platform's library loads only when it is used."""
+    module, _, attribute = reference.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 def _discovered() -> dict[str, PlatformSpec]:
     """Every chat platform: each module of this package holds one entry, ``SPEC`` (a new platform is a new
     module here and its package under ``kazma.adapters``; nothing lists them)."""
