@@ -31,7 +31,7 @@ import structlog
 from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.chat_text import split_text
-from kazma.adapters.contract import CardRef, ChatMove, Handlers, Inbound, PlatformError
+from kazma.adapters.contract import CardRef, ChatMove, Handlers, Inbound, PlatformError, send_by_kind
 from kazma.adapters.ingress import (
     Arrival,
     Check,
@@ -48,8 +48,9 @@ from kazma.adapters.pacing import Pacing
 from kazma.adapters.press_policy import PressPolicy
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
-from kazma.config.address import Actor
+from kazma.config.address import Actor, Address
 from kazma.config.metrics import count_failure
+from kazma.config.outgoing import Outgoing
 from kazma.config.registry import CHAT_PLATFORMS, PlatformSpec
 from kazma.config.supervisor import Supervisor
 
@@ -697,6 +698,10 @@ class PlatformBase(PressPolicy):
             status=outcome.status.value,
             changed=changed,
         )
+
+    async def send(self, to: Address, message: Outgoing) -> str:
+        """Post ``message`` at ``to``: a text, a question or a file, each by its step below."""
+        return await send_by_kind(self, to, message)
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         """Post ``text`` (split by the platform's measure, never pinging anyone) as ``agent``; the first id."""

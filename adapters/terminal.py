@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from typing import IO
 
 from kazma.adapters.card_layout import PlainWriter, lay_out
-from kazma.adapters.contract import CardRef, Handlers, Press
+from kazma.adapters.contract import CardRef, Handlers, Press, send_by_kind
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.honesty import reveal, reveal_line
 from kazma.approvals.model import Decision, Outcome
+from kazma.config.address import Address
+from kazma.config.outgoing import Outgoing
 from kazma.config.supervisor import Supervisor
 
 
@@ -59,6 +61,9 @@ class TerminalAdapter:
     def _print(self, text: str) -> None:
         self.out.write(text + "\n")
         self.out.flush()
+
+    async def send(self, to: Address, message: Outgoing) -> str:
+        return await send_by_kind(self, to, message)
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         message_id = str(next(self._ids))

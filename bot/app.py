@@ -41,6 +41,7 @@ from kazma.bot.store_handles import open_handles
 from kazma.config import KazmaConfig, LoadedConfig, enabled_platforms
 from kazma.config.address import Address
 from kazma.config.metrics import count_failure
+from kazma.config.outgoing import Outgoing
 from kazma.config.registry import CHAT_PLATFORMS, load_named
 from kazma.config.store.backend import StoreConnection
 from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, agents_from_config
@@ -175,7 +176,7 @@ class App(Lifecycle):
             f"supergroup). Kazma follows it, also after a restart. In kazma.yaml, set {where}."
         )
         try:
-            await self.bus.send_text(move.platform, move.new, text, agent=self.conversations.lead.name)
+            await self.bus.send(Address(move.platform, move.new), Outgoing(text, agent=self.conversations.lead.name))
         except Exception as exc:  # recorded and logged already; a chat that refuses the notice changes nothing
             log.warning("chat.move_not_announced", platform=move.platform, chat=move.new, error=str(exc))
 
@@ -358,8 +359,7 @@ def _builtin_tools(config: KazmaConfig) -> ToolRegistry:
 
 def _send_file(sink: RecordingSink, config: KazmaConfig) -> SendFileTool:
     async def post_file(conversation: str, name: str, data: bytes, agent: str) -> str | None:
-        where = Address.parse(conversation)
-        return await sink.send_file(where.platform, where.chat, name, data, agent=agent or None)
+        return await sink.send(Address.parse(conversation), Outgoing.of_file(name, data, agent=agent or None))
 
     return SendFileTool(post_file, max_bytes=config.files.max_bytes)
 
@@ -380,8 +380,7 @@ def _swarm(
     reports to every platform."""
 
     async def deliver(target: str, text: str) -> None:
-        where = Address.parse(target)
-        await sink.send_text(where.platform, where.chat, text, agent="swarm")
+        await sink.send(Address.parse(target), Outgoing(text, agent="swarm"))
 
     async def report(text: str) -> None:
         await bus.broadcast(text, agent="swarm")

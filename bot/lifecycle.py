@@ -34,6 +34,7 @@ from kazma.config import LoadedConfig
 from kazma.config.address import Address
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
+from kazma.config.outgoing import Outgoing
 from kazma.config.supervisor import Supervisor
 from kazma.engine.conversation import Conversations
 from kazma.engine.executor import Action, PlanExecutor
@@ -224,8 +225,7 @@ class Lifecycle(ABC):
 
     async def _tell(self, recovery: Recovery) -> None:
         for conversation, text in recovery.messages():
-            where = Address.parse(conversation)
-            await self.bus.send_text(where.platform, where.chat, text, agent=self.conversations.lead.name)
+            await self.bus.send(Address.parse(conversation), Outgoing(text, agent=self.conversations.lead.name))
 
     async def _follow_chat_moves(self) -> None:
         """Chats that moved before this start (kazma.yaml may still name the old id): serve the new one."""

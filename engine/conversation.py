@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
@@ -29,6 +29,7 @@ from kazma.adapters.human_text import for_humans
 from kazma.approvals.model import PressResult, PressVerdict
 from kazma.config.address import Address
 from kazma.config.metrics import count_failure
+from kazma.config.outgoing import Outgoing
 from kazma.config.supervisor import Supervisor
 from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, StepRef, TurnResult, workspace_for
 from kazma.engine.attachments import Saved, describe, save_attachments
@@ -55,20 +56,9 @@ class CommandRunner(Protocol):
 
 
 class MessageSink(Protocol):
-    async def send_text(
-        self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
-    ) -> str | None: ...
-
-    async def send_choices(
-        self,
-        platform: str,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
-    ) -> str | None: ...
+    async def send(self, to: Address, message: Outgoing) -> str | None:
+        """Post ``message`` at ``to``; the message id, or None when it could not be posted."""
+        ...
 
 
 def question_button(question_id: str, choice: int) -> str:
@@ -110,7 +100,7 @@ class Conversations:
         self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
     ) -> str | None:
         """Post to people: fences meant for models become a quiet "from @agent" label first."""
-        return await self.sink.send_text(platform, chat, for_humans(text), agent=agent, thread=thread)
+        return await self.sink.send(Address(platform, chat, thread), Outgoing(for_humans(text), agent=agent))
 
     @contextlib.asynccontextmanager
     async def working(self, platform: str, chat: str, thread: str | None = None) -> AsyncIterator[None]:
@@ -394,7 +384,8 @@ class Conversations:
             how = "Reply to this message to answer."
         text = f"Question from @{question.asked_by} for {who} (or an admin):\n{question.question}\n{how}"
         choices = [(label, question_button(question.id, i)) for i, label in enumerate(question.choices)]
-        message_id = await self.sink.send_choices(platform, chat, for_humans(text), choices, agent=self.lead.name)
+        asked = Outgoing.question(for_humans(text), choices, agent=self.lead.name)
+        message_id = await self.sink.send(Address(platform, chat), asked)
         if message_id is None:
             count_failure("question_post")
             log.warning("plan.question_not_posted", question=question.id, conversation=question.conversation)

@@ -17,13 +17,15 @@ from pathlib import Path
 import pytest
 
 from kazma.adapters.bus import FanOutBus, NullBus
-from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press
+from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press, send_by_kind
 from kazma.adapters.outbox import MIGRATIONS as OUTBOX
 from kazma.adapters.outbox import Outbox
 from kazma.approvals import MIGRATIONS as APPROVALS
 from kazma.approvals import ApprovalCard, ApprovalService, ApprovalStore, Decision, Outcome, PressResult, Status
 from kazma.approvals.service import ApprovalRefused
+from kazma.config.address import Address
 from kazma.config.metrics import failure_count
+from kazma.config.outgoing import Outgoing
 from kazma.config.store.database import connect, open_database
 from tests.approvals_support import approvals_config
 
@@ -49,6 +51,9 @@ class MemoryPlatform:
 
     async def stop(self) -> None:
         return
+
+    async def send(self, to: Address, message: Outgoing) -> str:
+        return await send_by_kind(self, to, message)
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         if self.failures:

@@ -20,7 +20,7 @@ import structlog
 from kazma.adapters.admission import FileBounds
 from kazma.adapters.card_layout import view_of
 from kazma.adapters.chat_text import plain_mentions
-from kazma.adapters.contract import Attachment, CardRef, Handlers, Inbound, PlatformError, Press
+from kazma.adapters.contract import Attachment, CardRef, Handlers, Inbound, PlatformError, Press, send_by_kind
 from kazma.adapters.human_text import for_humans
 from kazma.adapters.ingress import Arrival, Check, Ingress, Stopped, files_within
 from kazma.adapters.kit import TYPING_INTERVAL
@@ -28,6 +28,7 @@ from kazma.approvals.card import ApprovalCard, button_data
 from kazma.approvals.honesty import reveal_line
 from kazma.approvals.model import Decision, Outcome, PressResult
 from kazma.config.address import Address
+from kazma.config.outgoing import Outgoing
 
 log = structlog.get_logger("kazma.adapters.web")
 
@@ -233,6 +234,9 @@ class WebAdapter:
         )
 
     # -- PlatformAdapter -------------------------------------------------------------------------
+
+    async def send(self, to: Address, message: Outgoing) -> str:
+        return await send_by_kind(self, to, message)
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         message = WebMessage(
