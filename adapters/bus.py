@@ -358,13 +358,13 @@ class FanOutBus:
         """:meth:`send` of a text, for a caller holding a platform and a chat (a script, a test)."""
         return await self.send(Address(platform, chat), Outgoing(text, agent=agent))
 
-    async def working(self, platform: str, chat: str, *, thread: str | None = None) -> bool:
+    async def working(self, at: Address) -> bool:
         """Show that an agent is working in one conversation (the adapter rate-limits it; never raises)."""
-        adapter: object = self.adapters.get(platform)
+        adapter: object = self.adapters.get(at.platform)
         if not isinstance(adapter, FileAdapter):
             return False
         try:
-            return await asyncio.wait_for(adapter.working(chat, thread=thread), timeout=self.platform_timeout)
+            return await asyncio.wait_for(adapter.working(at.chat, thread=at.thread), timeout=self.platform_timeout)
         except TimeoutError:
             return False
 
@@ -760,7 +760,7 @@ class NullBus:
     async def send_text(self, platform: str, chat: str, text: str, *, agent: str | None = None) -> str | None:
         return await self.send(Address(platform, chat), Outgoing(text, agent=agent))
 
-    async def working(self, platform: str, chat: str, *, thread: str | None = None) -> bool:
+    async def working(self, at: Address) -> bool:
         return False
 
     async def broadcast(self, text: str, *, agent: str | None = None) -> dict[str, str | None]:

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome, PressResult
-from kazma.config.address import Address
+from kazma.config.address import Actor, Address
 from kazma.config.outgoing import Outgoing
 
 AttachmentFetch = Callable[[], Awaitable[bytes]]
@@ -49,6 +49,16 @@ class Inbound:
     reply_to: str | None = None  # the message this one replies to, when the platform says (answers to questions)
     attachments: tuple[Attachment, ...] = ()  # files sent with the message, within the configured bounds
 
+    @property
+    def where(self) -> Address:
+        """Where it was said: its chat, and its thread there (an answer goes back to the same place)."""
+        return Address(self.platform, self.chat, self.thread)
+
+    @property
+    def who(self) -> Actor:
+        """Its author as an actor (raises :class:`~kazma.config.address.ActorError` for an agent's dispatch)."""
+        return Actor.parse(self.author)
+
 
 @runtime_checkable
 class IdempotentPosts(Protocol):
@@ -66,6 +76,10 @@ class CardRef:
     chat: str
     message_id: str
     whole: bool = True  # the card showed the whole call (every name, every value uncut)
+
+    @property
+    def where(self) -> Address:
+        return Address(self.platform, self.chat)
 
 
 class PlatformError(Exception):
@@ -92,6 +106,16 @@ class Press:
     message_id: str | None = None  # which message the pressed card is, when the platform says
     is_admin: bool = False  # the presser is one of this platform's configured admins
     reason: str | None = None  # a Deny's reason, as the presser wrote it (a modal, a reply); None: none given
+
+    @property
+    def where(self) -> Address | None:
+        """The pressed card's chat, when the platform says."""
+        return None if self.chat is None else Address(self.platform, self.chat)
+
+    @property
+    def who(self) -> Actor:
+        """The presser as an actor."""
+        return Actor.parse(self.actor)
 
 
 @dataclass(frozen=True)

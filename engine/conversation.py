@@ -96,14 +96,12 @@ class Conversations:
 
     # -- what people see ---------------------------------------------------------------------------
 
-    async def _say(
-        self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
-    ) -> str | None:
+    async def _say(self, to: Address, text: str, *, agent: str | None = None) -> str | None:
         """Post to people: fences meant for models become a quiet "from @agent" label first."""
-        return await self.sink.send(Address(platform, chat, thread), Outgoing(for_humans(text), agent=agent))
+        return await self.sink.send(to, Outgoing(for_humans(text), agent=agent))
 
     @contextlib.asynccontextmanager
-    async def working(self, platform: str, chat: str, thread: str | None = None) -> AsyncIterator[None]:
+    async def working(self, at: Address) -> AsyncIterator[None]:
         """While the block runs, the platform shows that an agent is working (when the sink can)."""
         show = getattr(self.sink, "working", None)
         if show is None:
@@ -113,10 +111,10 @@ class Conversations:
         async def keep_showing() -> None:
             while True:
                 with contextlib.suppress(Exception):
-                    await show(platform, chat, thread=thread)
+                    await show(at)
                 await asyncio.sleep(self.working_every)
 
-        task = asyncio.create_task(keep_showing(), name=f"working-{platform}-{chat}")
+        task = asyncio.create_task(keep_showing(), name=f"working-{at.platform}-{at.chat}")
         try:
             yield
         finally:
@@ -162,7 +160,7 @@ class Conversations:
             log.exception("inbound.failed", platform=message.platform, chat=message.chat, error=str(exc))
 
     async def _route(self, message: Inbound) -> None:
-        conversation = Address(message.platform, message.chat).conversation
+        conversation = message.where.conversation
         key = (message.platform, message.chat, message.message_id)
         dispatch = self._dispatches.pop(key, None)
         if message.command == "swarm":
@@ -176,10 +174,10 @@ class Conversations:
                     chat=message.chat,
                     is_admin=message.is_admin,
                 )
-            await self._say(message.platform, message.chat, reply, agent="swarm", thread=message.thread)
+            await self._say(message.where, reply, agent="swarm")
             return
         if message.command == "plan":
-            await self._say(message.platform, message.chat, await self.describe(conversation), agent=self.lead.name)
+            await self._say(message.where.in_thread(None), await self.describe(conversation), agent=self.lead.name)
             return
         if message.from_bot and dispatch is None:
             # our own posts echoed back by the platform, or another bot: not addressed to us
@@ -202,7 +200,7 @@ class Conversations:
             text = f"{text}\n\n{note}" if text else note
         log.info("inbound.routed", conversation=conversation, agent=agent.name, author=message.author)
         async with self._announcing(agent, conversation):
-            async with self.working(message.platform, message.chat, message.thread):
+            async with self.working(message.where):
                 # a plan written in this turn keeps what the person wrote and the files they sent (PlanOrigin)
                 result = await self.runner.run(
                     agent, conversation, text, requested_by=message.author, files=files, request_text=message.text
@@ -222,17 +220,15 @@ class Conversations:
         try:
             saved = await save_attachments(workspace, message.attachments)
         except FileTooLarge as exc:
-            await self._say(message.platform, message.chat, str(exc), thread=message.thread)
+            await self._say(message.where, str(exc))
             return None
         except (PlatformError, OSError) as exc:
             count_failure("attachment_save", message.platform)
             log.warning("attachments.failed", conversation=conversation, error=str(exc))
             await self._say(
-                message.platform,
-                message.chat,
+                message.where,
                 "Kazma could not save the files sent with that message, so nothing was passed on. Please send them "
                 "again.",
-                thread=message.thread,
             )
             return None
         return saved
@@ -244,7 +240,7 @@ class Conversations:
 
     async def _run_step(self, worker: AgentSpec, conversation: str, message: Inbound, dispatch: _Dispatch) -> None:
         step = StepRef(dispatch.plan_id, dispatch.index, dispatch.attempt)
-        async with self.working(message.platform, message.chat, message.thread):
+        async with self.working(message.where):
             result = await self.runner.run(worker, conversation, message.text, requested_by=message.author, step=step)
         await self._post_result(message, worker, result)
         if self.executor is None:
@@ -266,7 +262,7 @@ class Conversations:
     async def _post_result(self, message: Inbound, agent: AgentSpec, result: TurnResult) -> None:
         text = result.text if result.ok else f"I could not finish: {result.error}"
         if text:
-            await self._say(message.platform, message.chat, text, agent=agent.name, thread=message.thread)
+            await self._say(message.where, text, agent=agent.name)
 
     # -- answers to questions --------------------------------------------------------------------
 
@@ -282,8 +278,7 @@ class Conversations:
             return False
         if question.choices and message.text.strip() not in question.choices:
             await self._say(
-                message.platform,
-                message.chat,
+                message.where.in_thread(None),
                 f"Please answer with one of: {', '.join(question.choices)} (or press its button).",
                 agent=self.lead.name,
             )
@@ -294,7 +289,7 @@ class Conversations:
             log.info("plan.reply_ignored", question=question.id, author=message.author)
             return True
         if result.verdict is AnswerVerdict.LOST:
-            await self._say(message.platform, message.chat, result.message, agent=self.lead.name)
+            await self._say(message.where.in_thread(None), result.message, agent=self.lead.name)
         return True
 
     async def answer_press(self, press: Press, *, is_admin: bool = False) -> PressResult:
@@ -323,16 +318,15 @@ class Conversations:
 
     async def _perform(self, action: Action) -> None:
         where = Address.parse(action.plan.conversation)
-        platform, chat = where.platform, where.chat
         step = action.step
         if action.kind in (ActionKind.DISPATCH, ActionKind.RESUME):
             assert step is not None
             await self._dispatch(action, step.spec.assignee, step.index, step.attempts)
         elif action.kind is ActionKind.ASK_USER:
             assert action.question is not None
-            await self._ask(platform, chat, action.question)
+            await self._ask(where, action.question)
         elif action.kind is ActionKind.NOTICE:
-            await self._say(platform, chat, action.text, agent=self.lead.name)
+            await self._say(where, action.text, agent=self.lead.name)
         elif action.kind is ActionKind.RUN_LEAD:
             assert step is not None
             self._tasks.spawn(self._lead_step(action), name=f"lead-step-{action.plan.id}-{step.index}")
@@ -358,7 +352,7 @@ class Conversations:
         where = Address.parse(action.plan.conversation)
         platform, chat = where.platform, where.chat
         text = f"@{assignee} {action.text}".rstrip()
-        message_id = await self._say(platform, chat, text, agent=self.lead.name)
+        message_id = await self._say(where, text, agent=self.lead.name)
         if message_id is None:
             raise DispatchFailed(f"the dispatch to @{assignee} could not be posted", transient=True)
         self._dispatches[(platform, chat, message_id)] = _Dispatch(action.plan.id, index, attempt)
@@ -375,7 +369,7 @@ class Conversations:
         log.info("plan.dispatched", plan_id=action.plan.id, step=index, to=assignee, kind=action.kind.value)
         await self.on_inbound(inbound)  # the same message, through the same inbound path
 
-    async def _ask(self, platform: str, chat: str, question: Question) -> None:
+    async def _ask(self, where: Address, question: Question) -> None:
         assert self.executor is not None
         who = question.answerer.removesuffix(":admins")
         if question.choices:
@@ -385,7 +379,7 @@ class Conversations:
         text = f"Question from @{question.asked_by} for {who} (or an admin):\n{question.question}\n{how}"
         choices = [(label, question_button(question.id, i)) for i, label in enumerate(question.choices)]
         asked = Outgoing.question(for_humans(text), choices, agent=self.lead.name)
-        message_id = await self.sink.send(Address(platform, chat), asked)
+        message_id = await self.sink.send(where, asked)
         if message_id is None:
             count_failure("question_post")
             log.warning("plan.question_not_posted", question=question.id, conversation=question.conversation)
@@ -428,10 +422,9 @@ class Conversations:
 
     async def _lead_says(self, conversation: str, prompt: str) -> None:
         where = Address.parse(conversation)
-        platform, chat = where.platform, where.chat
         async with self._announcing(self.lead, conversation):
-            async with self.working(platform, chat):
+            async with self.working(where):
                 result = await self.runner.run(self.lead, conversation, prompt, requested_by="executor")
             text = result.text if result.ok else f"I could not finish: {result.error}"
             if text:
-                await self._say(platform, chat, text, agent=self.lead.name)
+                await self._say(where, text, agent=self.lead.name)

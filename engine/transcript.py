@@ -208,7 +208,7 @@ class TranscriptStore:
 class Bus(MessageSink, Protocol):
     """What the recording sink forwards to (the fan-out bus, or the null bus): messages, files, the working sign."""
 
-    async def working(self, platform: str, chat: str, *, thread: str | None = None) -> bool: ...
+    async def working(self, at: Address) -> bool: ...
 
 
 class RecordingSink:
@@ -239,6 +239,6 @@ class RecordingSink:
         await self._keep(to.platform, to.chat, message.agent, message.as_people_read_it(), message_id, file_name)
         return message_id
 
-    async def working(self, platform: str, chat: str, *, thread: str | None = None) -> bool:
-        self.store.working(Address(platform, chat).conversation)
-        return await self.bus.working(platform, chat, thread=thread)
+    async def working(self, at: Address) -> bool:
+        self.store.working(at.conversation)
+        return await self.bus.working(at)

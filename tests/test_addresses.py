@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kazma.adapters.contract import CardRef, Inbound, Press
 from kazma.config.address import Actor, ActorError, Address, AddressError, platform_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,3 +132,12 @@ def test_an_actor_is_written_and_read_back() -> None:
     assert platform_of("alice") == ""
     with pytest.raises(ActorError):
         Actor.parse("nowhere:1")
+
+
+def test_an_arrival_a_press_and_a_card_carry_their_address_and_actor() -> None:
+    said = Inbound("slack", "C0123ABCD", "1.2", "slack:U0123ABCD", "Ann", "hi", thread="1.1")
+    assert (said.where, said.who) == (Address("slack", "C0123ABCD", "1.1"), Actor("slack", "U0123ABCD"))
+    pressed = Press("telegram", "kz1:x:a", "telegram:111", chat="-100")
+    assert (pressed.where, pressed.who) == (Address("telegram", "-100"), Actor("telegram", "111"))
+    assert Press("web", "kz1:x:a", "web:alice").where is None
+    assert CardRef("discord", "123", "9").where == Address("discord", "123")
