@@ -280,42 +280,10 @@ class UpdatesCards(Protocol):
         ...
 
 
-class WritesKinds(Protocol):
-    """An adapter's three ways of posting, which :func:`send_by_kind` picks from."""
-
-    @property
-    def name(self) -> str: ...
-
-    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
-        """Post ``text`` (escaped, never pinging anyone) as ``agent``; return the message id."""
-        ...
-
-    async def send_choices(
-        self,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
-    ) -> str:
-        """Post ``text`` with one button per ``(label, data)``; a press arrives like a card's. The message id."""
-        ...
-
-
-async def send_by_kind(adapter: WritesKinds, to: Address, message: Outgoing) -> str:
-    """:meth:`PlatformAdapter.send` for an adapter that writes each kind its own way: the address must be the
-    adapter's platform's, and a file needs an adapter that posts files."""
-    if to.platform != adapter.name:
-        raise PlatformError(adapter.name, "send", f"not an address on {adapter.name}: {to}", retryable=False)
-    if message.file is not None:
-        if not isinstance(adapter, FileAdapter):
-            raise PlatformError(adapter.name, "send_file", "this platform posts no files", retryable=False)
-        file = message.file
-        return await adapter.send_file(to.chat, file.name, file.data, agent=message.agent, thread=to.thread)
-    if message.choices:
-        return await adapter.send_choices(to.chat, message.text, message.choices, agent=message.agent, thread=to.thread)
-    return await adapter.send_text(to.chat, message.text, agent=message.agent, thread=to.thread)
+def refuse_elsewhere(platform: str, to: Address) -> None:
+    """An adapter is handed only addresses on its own platform: another's is refused before any call."""
+    if to.platform != platform:
+        raise PlatformError(platform, "send", f"not an address on {platform}: {to}", retryable=False)
 
 
 @runtime_checkable

@@ -12,11 +12,10 @@ import itertools
 import sys
 import textwrap
 import threading
-from collections.abc import Sequence
 from typing import IO
 
 from kazma.adapters.card_layout import PlainWriter, lay_out
-from kazma.adapters.contract import CardRef, Handlers, Press, send_by_kind
+from kazma.adapters.contract import CardRef, Handlers, PlatformError, Press, refuse_elsewhere
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.honesty import reveal, reveal_line
 from kazma.approvals.model import Decision, Outcome
@@ -63,7 +62,15 @@ class TerminalAdapter:
         self.out.flush()
 
     async def send(self, to: Address, message: Outgoing) -> str:
-        return await send_by_kind(self, to, message)
+        """Printed: a text, or a question with its choices' labels under it (answered in the console or the chat
+        it came from); the terminal posts no files."""
+        refuse_elsewhere(self.name, to)
+        if message.file is not None:
+            raise PlatformError(self.name, "send_file", "the terminal posts no files", retryable=False)
+        labels = "  ".join(f"[{label}]" for label, _ in message.choices)
+        return await self.send_text(
+            to.chat, f"{message.text}\n{labels}" if labels else message.text, agent=message.agent
+        )
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         message_id = str(next(self._ids))
@@ -73,18 +80,6 @@ class TerminalAdapter:
         body = textwrap.indent(reveal(text), " " * (len(who) + 3)).lstrip()
         self._print(f"[{who}] {body}")
         return message_id
-
-    async def send_choices(
-        self,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
-    ) -> str:
-        labels = "  ".join(f"[{label}]" for label, _ in choices)
-        return await self.send_text(chat, f"{text}\n{labels}", agent=agent, thread=thread)
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
         message_id = str(next(self._ids))

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from kazma.adapters.bus import FanOutBus, NullBus
-from kazma.adapters.contract import CardRef, Handlers, Inbound, Press, send_by_kind
+from kazma.adapters.contract import CardRef, Handlers, Inbound, Press
 from kazma.adapters.outbox import Outbox
 from kazma.approvals import ApprovalCard, ApprovalService, ApprovalStore, Decision, Outcome, PressResult
 from kazma.bot.logging import configure_logging
@@ -57,7 +57,7 @@ class ZeroPlatform:
         return
 
     async def send(self, to: Address, message: Outgoing) -> str:
-        return await send_by_kind(self, to, message)
+        return await self.send_text(to.chat, message.text, agent=message.agent, thread=to.thread)
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         return "1"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kazma.adapters.bus import FanOutBus, NullBus
-from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press, send_by_kind
+from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press
 from kazma.adapters.outbox import MIGRATIONS as OUTBOX
 from kazma.adapters.outbox import Outbox
 from kazma.approvals import MIGRATIONS as APPROVALS
@@ -53,7 +53,7 @@ class MemoryPlatform:
         return
 
     async def send(self, to: Address, message: Outgoing) -> str:
-        return await send_by_kind(self, to, message)
+        return await self.send_text(to.chat, message.text, agent=message.agent, thread=to.thread)
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         if self.failures:

@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ import structlog
 from kazma.adapters.admission import FileBounds
 from kazma.adapters.card_layout import view_of
 from kazma.adapters.chat_text import plain_mentions
-from kazma.adapters.contract import Attachment, CardRef, Handlers, Inbound, PlatformError, Press, send_by_kind
+from kazma.adapters.contract import Attachment, CardRef, Handlers, Inbound, PlatformError, Press, refuse_elsewhere
 from kazma.adapters.human_text import for_humans
 from kazma.adapters.ingress import Arrival, Check, Ingress, Stopped, files_within
 from kazma.adapters.kit import TYPING_INTERVAL
@@ -236,36 +236,19 @@ class WebAdapter:
     # -- PlatformAdapter -------------------------------------------------------------------------
 
     async def send(self, to: Address, message: Outgoing) -> str:
-        return await send_by_kind(self, to, message)
-
-    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
-        message = WebMessage(
-            str(next(self._ids)), chat, f"agent:{agent or 'kazma'}", agent or "kazma", for_humans(text), time.time()
-        )
-        self._add(message)
-        return message.id
-
-    async def send_choices(
-        self,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
-    ) -> str:
-        message = WebMessage(
-            str(next(self._ids)),
-            chat,
-            f"agent:{agent or 'kazma'}",
-            agent or "kazma",
-            text,
-            time.time(),
-            choices=tuple(choices),
-            question=True,
-        )
-        self._add(message)
-        return message.id
+        """A message in a console chat: an agent's text (fences meant for models made quiet), a question with its
+        choices, or a file (:meth:`send_file`)."""
+        refuse_elsewhere(self.name, to)
+        if message.file is not None:
+            return await self.send_file(to.chat, message.file.name, message.file.data, agent=message.agent)
+        who = message.agent or "kazma"
+        text = message.text if message.choices else for_humans(message.text)
+        posted = WebMessage(
+            str(next(self._ids)), to.chat, f"agent:{who}", who, text, time.time(),
+            choices=message.choices, question=bool(message.choices),
+        )  # fmt: skip
+        self._add(posted)
+        return posted.id
 
     async def send_file(
         self, chat: str, name: str, data: bytes, *, agent: str | None = None, thread: str | None = None
