@@ -19,7 +19,7 @@ from kazma.adapters.contract import CardRef, Handlers, PlatformError, Press, ref
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.honesty import reveal, reveal_line
 from kazma.approvals.model import Decision, Outcome
-from kazma.config.address import Address
+from kazma.config.address import Actor, Address
 from kazma.config.outgoing import Outgoing
 from kazma.config.supervisor import Supervisor
 
@@ -106,7 +106,7 @@ class TerminalAdapter:
             return  # someone presses elsewhere (the web console)
         assert self._handlers is not None
         result = await self._handlers.on_press(
-            Press(self.name, card.button_data(decision), f"cli:{self.login}", self.chat, None)
+            Press(self.name, card.button_data(decision), str(Actor("cli", self.login)), self.chat, None)
         )
         self._print(f"  → {result.message}")
 

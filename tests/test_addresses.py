@@ -3,9 +3,10 @@
 holds the values; a string is parsed once, where it comes in (the configuration, a stored row, an API body,
 command text), with their parsers.
 
-The walk finds every f-string that is two values joined by a colon (``f"{platform}:{chat}"``) and every
-``.partition(":")``, ``.rpartition(":")``, ``.split(":")`` and ``.rsplit(":")``. Colons that join or split
-something else (a key id and its secret, a host and its port) are listed below, each with what they are.
+The walk finds every f-string that is two values joined by a colon (``f"{platform}:{chat}"``) or a platform's
+name, a colon and a value (``f"web:{login}"``), and every ``.partition(":")``, ``.rpartition(":")``,
+``.split(":")`` and ``.rsplit(":")``. Colons that join or split something else (a key id and its secret, a host
+and its port) are listed below, each with what they are.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 from kazma.adapters.contract import CardRef, Inbound, Press
 from kazma.config.address import Actor, ActorError, Address, AddressError, platform_of
+from kazma.config.registry import ACTOR_PLATFORMS
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("config", "approvals", "adapters", "engine", "bot")
@@ -63,7 +65,17 @@ def colons(root: Path) -> list[tuple[str, str, int]]:
 
 
 def _joined(node: ast.AST) -> bool:
-    if not isinstance(node, ast.JoinedStr) or len(node.values) != 3:
+    if not isinstance(node, ast.JoinedStr):
+        return False
+    if len(node.values) == 2:  # f"web:{login}"
+        prefix, value = node.values
+        return (
+            isinstance(prefix, ast.Constant)
+            and isinstance(value, ast.FormattedValue)
+            and str(prefix.value).removesuffix(":") in ACTOR_PLATFORMS
+            and str(prefix.value).endswith(":")
+        )
+    if len(node.values) != 3:
         return False
     first, middle, last = node.values
     return (
@@ -102,11 +114,12 @@ def test_the_walk_finds_a_joined_and_a_split_colon(tmp_path: Path) -> None:
         "def f(platform: str, chat: str, key: str) -> object:\n"
         '    where = f"{platform}:{chat}"\n'
         '    p, _, c = key.partition(":")\n'
-        '    return where, f"{platform}: {chat}", f"x:{chat}", key.split(",")\n'
+        '    return where, f"{platform}: {chat}", f"x:{chat}", key.split(","), f"web:{chat}", f"web:{chat} says"\n'
     )
     assert colons(tmp_path) == [
         ("engine/hand.py", 'f"{platform}:{chat}"', 2),
         ("engine/hand.py", 'key.partition(":")', 3),
+        ("engine/hand.py", 'f"web:{chat}"', 4),
     ]
 
 

@@ -27,7 +27,7 @@ from kazma.adapters.kit import TYPING_INTERVAL
 from kazma.approvals.card import ApprovalCard, button_data
 from kazma.approvals.honesty import reveal_line
 from kazma.approvals.model import Decision, Outcome, PressResult
-from kazma.config.address import Address
+from kazma.config.address import Actor, Address
 from kazma.config.outgoing import Outgoing
 
 log = structlog.get_logger("kazma.adapters.web")
@@ -199,7 +199,7 @@ class WebAdapter:
             platform="web",
             chat=chat,
             message_id=message_id,
-            author=f"web:{login}",
+            author=str(Actor("web", login)),
             author_name=login,
             text=text,
             mentions=plain_mentions(text),  # the chat platforms' rule: a code span or an address is no call
@@ -213,7 +213,7 @@ class WebAdapter:
             log.info("platform.inbound_ignored", platform=self.name, chat=chat, reason=reason)
             raise PlatformError("web", "inbound", reason, retryable=False)
         shown = "\n".join([text, *(f"📎 {a.name} ({a.size or 0:,} bytes)" for a in attachments)]).strip()
-        message = WebMessage(message_id, chat, f"web:{login}", login, shown, time.time(), reply_to=reply_to)
+        message = WebMessage(message_id, chat, str(Actor("web", login)), login, shown, time.time(), reply_to=reply_to)
         self._add(message)
         await self._handlers.on_inbound(admitted.inbound)
         return message.id
@@ -227,7 +227,7 @@ class WebAdapter:
             Press(
                 platform=self.name,
                 data=button_data(request_id, decision),
-                actor=f"web:{login}",
+                actor=str(Actor("web", login)),
                 chat=card.chat if card is not None else None,
                 message_id=card.id if card is not None else None,
             )
@@ -286,7 +286,7 @@ class WebAdapter:
         if message is None or not 0 <= choice < len(message.choices):
             raise PlatformError("web", "press", "no such choice", retryable=False)
         return await self._handlers.on_press(
-            Press(self.name, message.choices[choice][1], f"web:{login}", message.chat, message.id, is_admin)
+            Press(self.name, message.choices[choice][1], str(Actor("web", login)), message.chat, message.id, is_admin)
         )
 
     async def post_card(self, card: ApprovalCard) -> CardRef:

@@ -108,10 +108,10 @@ class InitAnswers:
     @property
     def approvers(self) -> list[tuple[str, str]]:
         """(actor, where) for every identity of the operator, the console first."""
-        found = [(f"web:{self.web_login.lower()}", "the web console")]
+        found = [(str(Actor("web", self.web_login.lower())), "the web console")]
         found += [(str(Actor(p, self.presence(p).user)), CHAT_PLATFORMS[p].title) for p in self.platforms]
         if self.cli_login is not None and user_id_problem("cli", self.cli_login) is None:
-            found.append((f"cli:{self.cli_login}", "the command line (`kazma approvals approve`)"))
+            found.append((str(Actor("cli", self.cli_login)), "the command line (`kazma approvals approve`)"))
         return found
 
 

@@ -19,7 +19,7 @@ from kazma.bot.app import build_app
 from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
 from kazma.config import LoadedConfig
-from kazma.config.address import Address, AddressError
+from kazma.config.address import Actor, Address, AddressError
 from kazma.config.registry import ROUTE_PLATFORMS
 from kazma.engine.swarm.endings import ending_lines
 from kazma.engine.swarm.grammar import USAGES, parse
@@ -65,7 +65,7 @@ async def _execute(loaded: LoadedConfig, text: str, login: str, context: str = "
     app = await build_app(loaded, adapters=[])
     try:
         answer = await app.conversations.swarm.run(  # type: ignore[union-attr]
-            text, actor=f"cli:{login}", platform="cli", chat="terminal", is_admin=False, context=context
+            text, actor=str(Actor("cli", login)), platform="cli", chat="terminal", is_admin=False, context=context
         )
         click.echo(answer)
         if answer.startswith("swarm task ") and " started " in answer:

@@ -139,7 +139,7 @@ class Session:
     @property
     def actor(self) -> str:
         """The identity this session acts as: what its proof established; a token's label otherwise."""
-        return self.identity if self.identity is not None else f"web:{self.login}"
+        return self.identity if self.identity is not None else str(Actor("web", self.login))
 
     @property
     def platform(self) -> str:

@@ -30,6 +30,7 @@ from kazma.adapters.web.render import e
 from kazma.bot.console.auth import Proof, WebAuth, html_response
 from kazma.bot.console.login_throttle import LOGINS
 from kazma.bot.console.pages import PEOPLE_SCRIPT, layout
+from kazma.config.address import Actor
 from kazma.config.models import KazmaConfig
 
 log = structlog.get_logger("kazma.web.telegram_app")
@@ -54,7 +55,7 @@ class TelegramVisitor:
 
     @property
     def identity(self) -> str:
-        return f"telegram:{self.user_id}"
+        return str(Actor("telegram", str(self.user_id)))
 
 
 def _secret(bot_token: str) -> bytes:
