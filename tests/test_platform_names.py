@@ -1,7 +1,8 @@
 """Where the source names a chat platform: only its own package (``adapters/<platform>/``: its adapter, its
 doctor check and setup commands), its registry entry (``config/registry/``: settings keys, ids, secrets, what
 ``kazma init`` asks, its failpoints) and at most eight files below, each with its reason. A new platform then
-touches, outside its package and its registry entry, only its settings' section in ``config/models.py``.
+touches, outside its package and its registry entry, only its settings' section in ``config/models.py`` (and,
+if ``kazma init`` offers it, its block of ``kazma.yaml`` in ``bot/templates/<platform>.yaml.in``, a data file).
 
 A platform is "named" by a string literal or an identifier (a name, an attribute, a function, class or
 argument, an imported module) holding 'telegram', 'slack' or 'discord' in any case; comments and docstrings
