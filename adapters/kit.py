@@ -31,7 +31,7 @@ import structlog
 from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.chat_text import split_text
-from kazma.adapters.contract import CardRef, ChatMove, Handlers, Inbound, PlatformError
+from kazma.adapters.contract import CardRef, ChatMove, Handlers, Inbound, PlatformError, refuse_elsewhere
 from kazma.adapters.ingress import (
     Arrival,
     Check,
@@ -48,7 +48,9 @@ from kazma.adapters.pacing import Pacing
 from kazma.adapters.press_policy import PressPolicy
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
+from kazma.config.address import Actor, Address
 from kazma.config.metrics import count_failure
+from kazma.config.outgoing import Outgoing
 from kazma.config.registry import CHAT_PLATFORMS, PlatformSpec
 from kazma.config.supervisor import Supervisor
 
@@ -425,7 +427,7 @@ class PlatformBase(PressPolicy):
             log.exception("platform.chat_moved_failed", platform=self.name, old=old, new=new)
 
     def actor(self, user_id: object) -> str:
-        return f"{self.name}:{user_id}"
+        return str(Actor(self.name, str(user_id)))
 
     async def _claim(self, key: str | None) -> bool:
         """Whether this replica handles the inbound event ``key`` (True without a key or a claim handler).
@@ -666,36 +668,40 @@ class PlatformBase(PressPolicy):
             raise self.refuse(site, f"not a {self.spec.title} card: {ref.platform}", chat=ref.chat)
         self._check_chat(site, ref.chat)
 
+    async def _edit(self, site: str, ref: CardRef, card: ApprovalCard, outcome: Outcome | None) -> dict[str, Any]:
+        """Edit a posted card in place: the checks, the one layout (settled with ``outcome``, else still open),
+        the dialect's edit. What its log line says."""
+        self._editable(site, ref)
+        laid = self._lay_out(site, card, outcome, ref.chat)
+        changed = await self._edit_card(site, ref, laid, card, settled=outcome is not None)
+        return {
+            "platform": self.name,
+            "request_id": card.request_id,
+            "chat": ref.chat,
+            "message_id": ref.message_id,
+            "changed": changed,
+        }
+
     async def update_card(self, ref: CardRef, card: ApprovalCard) -> None:
         """Edit a posted, still open card to show ``card`` as it is now (a policy's progress), buttons kept."""
-        site = "card_update"
-        self._editable(site, ref)
-        laid = self._lay_out(site, card, None, ref.chat)
-        changed = await self._edit_card(site, ref, laid, card, settled=False)
-        log.info(
-            "platform.card_updated",
-            platform=self.name,
-            request_id=card.request_id,
-            chat=ref.chat,
-            message_id=ref.message_id,
-            changed=changed,
-        )
+        log.info("platform.card_updated", **await self._edit("card_update", ref, card, None))
 
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
         """Edit a posted card to show ``outcome`` and remove its buttons. Idempotent."""
-        site = "card_settle"
-        self._editable(site, ref)
-        laid = self._lay_out(site, card, outcome, ref.chat)
-        changed = await self._edit_card(site, ref, laid, card, settled=True)
-        log.info(
-            "platform.card_settled",
-            platform=self.name,
-            request_id=card.request_id,
-            chat=ref.chat,
-            message_id=ref.message_id,
-            status=outcome.status.value,
-            changed=changed,
-        )
+        edited = await self._edit("card_settle", ref, card, outcome)
+        log.info("platform.card_settled", status=outcome.status.value, **edited)
+
+    async def send(self, to: Address, message: Outgoing) -> str:
+        """Post ``message`` at ``to``: a file, a question or a text, each by its step below."""
+        refuse_elsewhere(self.name, to)
+        if message.file is not None:
+            file = message.file
+            return await self.send_file(to.chat, file.name, file.data, agent=message.agent, thread=to.thread)
+        if message.choices:
+            return await self.send_choices(
+                to.chat, message.text, message.choices, agent=message.agent, thread=to.thread
+            )
+        return await self.send_text(to.chat, message.text, agent=message.agent, thread=to.thread)
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         """Post ``text`` (split by the platform's measure, never pinging anyone) as ``agent``; the first id."""

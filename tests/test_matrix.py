@@ -15,12 +15,12 @@ import structlog
 from kazma.adapters.admission import DirectPolicy
 from kazma.adapters.contract import PlatformError
 from kazma.adapters.matrix import MatrixAdapter
+from kazma.adapters.matrix.doctor import check as check_matrix
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE
 from kazma.adapters.matrix.position import ACCOUNT_DATA_TYPE
 from kazma.adapters.pacing import ChatRateLimiter
+from kazma.adapters.platform_cli import Level
 from kazma.approvals.model import Decision
-from kazma.bot.cli.checks import Level
-from kazma.bot.cli.matrix_check import check_matrix
 from kazma.config.metrics import failure_count
 from kazma.config.models import MatrixConfig
 from tests.contract.harness import MatrixHarness, make_card

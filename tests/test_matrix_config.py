@@ -71,8 +71,11 @@ def test_the_access_token_never_reaches_a_log_line() -> None:
 
 
 def test_kazma_init_writes_a_matrix_section_that_loads() -> None:
-    text = render(InitAnswers("ops", matrix=Presence(ALICE, ROOM)))
+    answers = InitAnswers("ops", matrix=Presence(ALICE, ROOM))
+    assert answers.secrets == ["MATRIX_ACCESS_TOKEN", "MATRIX_HOMESERVER"]  # what `kazma init` says to export
+    text = render(answers)
     assert "${MATRIX_ACCESS_TOKEN}" in text
-    loaded = load_config_text(text, environ={"MATRIX_ACCESS_TOKEN": "syt_placeholder"})
-    section = loaded.config.platforms.matrix
-    assert (section.homeserver, section.home_room, section.admins) == ("https://example.org", ROOM, [ALICE])
+    assert "${MATRIX_HOMESERVER}" in text
+    environ = {"MATRIX_ACCESS_TOKEN": "syt_placeholder", "MATRIX_HOMESERVER": "https://matrix.example.org"}
+    section = load_config_text(text, environ=environ).config.platforms.matrix
+    assert (section.homeserver, section.home_room, section.admins) == ("https://matrix.example.org", ROOM, [ALICE])

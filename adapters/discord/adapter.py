@@ -360,6 +360,12 @@ class DiscordAdapter(PlatformBase):
         if asked is not None:
             await self._ask_reason(interaction, asked)
             return
+        await self._take_press(interaction, custom_id)
+
+    async def _take_press(
+        self, interaction: discord.Interaction[_Client], custom_id: str, reason: str | None = None
+    ) -> None:
+        """A button's press, or a reason modal's Deny, through the one press policy."""
         with self.tracking():
             # Acknowledge first (type 6, deferred update): a slow store must not cost the 3 s window.
             # The press is real even if the acknowledgement failed, so it is still decided.
@@ -374,6 +380,7 @@ class DiscordAdapter(PlatformBase):
                 chat=str(chat) if chat is not None else None,
                 message_id=str(message.id) if message is not None else None,
                 is_admin=self.is_admin(interaction.user.id),
+                reason=reason,
             )
             await self.press(press, _FollowupReply(self, interaction), key=f"interaction:{interaction.id}")
 
@@ -395,21 +402,7 @@ class DiscordAdapter(PlatformBase):
         custom_id = data.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id.startswith(PRESS_PREFIXES):
             return
-        with self.tracking():
-            with contextlib.suppress(PlatformError):
-                await self._rest("press", lambda: interaction.response.defer())
-            chat, _ = self._interaction_chat(interaction)
-            message = interaction.message
-            press = Press(
-                platform=PLATFORM,
-                data=custom_id,
-                actor=self.actor(interaction.user.id),
-                chat=str(chat) if chat is not None else None,
-                message_id=str(message.id) if message is not None else None,
-                is_admin=self.is_admin(interaction.user.id),
-                reason=modal_value(data.get("components"), REASON_INPUT),
-            )
-            await self.press(press, _FollowupReply(self, interaction), key=f"interaction:{interaction.id}")
+        await self._take_press(interaction, custom_id, modal_value(data.get("components"), REASON_INPUT))
 
     # ----------------------------------------------------------------- outbound
 

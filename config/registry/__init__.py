@@ -32,6 +32,29 @@ TokenJudge = Callable[[str], str | None]
 
 
 @dataclass(frozen=True)
+class InitMode:
+    """One way a platform's events can arrive, as ``kazma init`` offers it (a platform's first is its default)."""
+
+    name: str  # as the flag takes it: "socket"
+    secrets: tuple[str, ...]  # the environment variables it reads besides the token's
+    settings: str  # the lines ``kazma init`` writes for it under the platform's section
+
+
+@dataclass(frozen=True)
+class InitSetup:
+    """What ``kazma init`` asks about a platform (flags ``--<platform>-user`` and ``--<platform>-<chat>``, the
+    chat word being its chats key's: chat, channel) and the hints it gives."""
+
+    user_flag_help: str  # "Your Telegram user id."
+    chat_flag_help: str  # "The Telegram group Kazma serves (e.g. -1001234567890)."
+    user_hint: str  # how a person finds their own id there
+    chat_hint: str  # how they find the chat's id there
+    modes: tuple[InitMode, ...] = ()  # more than one: the flag --<platform>-mode and a question
+    mode_flag_help: str = ""
+    mode_prompt: str = ""
+
+
+@dataclass(frozen=True)
 class PlatformSpec:
     """One chat platform: where its settings live, how its ids look, which adapter serves it."""
 
@@ -45,6 +68,7 @@ class PlatformSpec:
     chat_id_hint: str  # what a chat id looks like, said when one is wrong
     is_user_id: Callable[[str], bool]  # a person's id on this platform (the part after "telegram:")
     user_id_hint: str  # what a user id looks like, said when one is wrong
+    example_user: str  # a well-formed user id, for examples in messages
     adapter: str  # "module:Class", imported only when the platform is on (each library is heavy)
     spaces_key: str | None = None  # the key listing the servers served, where the platform has servers
     # Its secrets: the keys under platforms.<name> (dotted into sub-sections) that hold one, never logged; the
@@ -57,11 +81,17 @@ class PlatformSpec:
     token_judges: dict[str, TokenJudge] = field(default_factory=dict)
     log_token_pattern: str | None = None
     noisy_loggers: tuple[str, ...] = ()  # its library's chatty per-request loggers, kept at WARNING
-    # ``kazma init``: how a person finds their own id and the chat's id there, as a setup hint.
-    init_user_hint: str = ""
-    init_chat_hint: str = ""
+    init: InitSetup | None = None  # what ``kazma init`` asks about it; None: init does not offer it
     transport: Callable[[Any], str] = lambda section: "gateway"  # how events arrive, said by `config check`
-    doctor: str = ""  # "module:function" asking the platform whether it accepts Kazma's tokens (kazma doctor)
+    # "module:function" asking the platform whether it accepts Kazma's tokens (kazma doctor); "": none.
+    doctor: str = ""
+    setup_commands: dict[str, str] = field(default_factory=dict)  # `kazma setup <name>` -> "module:command"
+    failpoints: tuple[str, ...] = ()  # the fault-injection points its adapter names (config/failpoints.py)
+
+    @property
+    def chat_word(self) -> str:
+        """What the platform calls a chat, as its chats key says it: "chat", "channel"."""
+        return self.chats_key.removesuffix("s")
 
     def section(self, platforms: Any) -> Any:
         """This platform's settings out of a ``PlatformsConfig``."""
@@ -88,6 +118,13 @@ class PlatformSpec:
             if value:
                 found.append(str(value))
         return found
+
+
+def load_named(reference: str) -> Any:
+    """What a registry entry names as ``"module:attribute"`` (its adapter, doctor check, setup commands), imported
+    now: the entries name them so that a platform's library loads only when it is used."""
+    module, _, attribute = reference.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def _discovered() -> dict[str, PlatformSpec]:

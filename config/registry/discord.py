@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from kazma.config.registry import PlatformSpec
+from kazma.config.registry import InitSetup, PlatformSpec
 from kazma.config.tokens import pasted_badly
 
 _UINT64_MAX: Final = 2**64 - 1
@@ -41,6 +41,7 @@ SPEC: Final = PlatformSpec(
     chat_id_hint="a Discord channel id is a positive number, e.g. 123456789012345678",
     is_user_id=is_id,
     user_id_hint="a Discord user id is a positive number, e.g. 123456789012345678",
+    example_user="123456789012345678",
     adapter="kazma.adapters.discord:DiscordAdapter",
     spaces_key="guilds",
     secrets=("token", "sign_in.client_secret"),  # no recognisable shape: redacted by value only
@@ -48,7 +49,12 @@ SPEC: Final = PlatformSpec(
     placeholders={"DISCORD_BOT_TOKEN": "placeholder"},
     token_judges={"token": token_problem},
     noisy_loggers=("discord.gateway", "discord.client"),
-    init_user_hint="a Discord user id is a number (Developer Mode on → right-click your name)",
-    init_chat_hint="with Developer Mode on, right-click the channel → Copy Channel ID",
-    doctor="kazma.bot.cli.platform_checks:check_discord",
+    init=InitSetup(
+        user_flag_help="Your Discord user id.",
+        chat_flag_help="The Discord channel Kazma serves.",
+        user_hint="a Discord user id is a number (Developer Mode on → right-click your name)",
+        chat_hint="with Developer Mode on, right-click the channel → Copy Channel ID",
+    ),
+    doctor="kazma.adapters.discord.doctor:check",
+    setup_commands={"discord-invite": "kazma.adapters.discord.setup:discord_invite_command"},
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from kazma.config.registry import PlatformSpec
+from kazma.config.registry import InitMode, InitSetup, PlatformSpec
 from kazma.config.tokens import pasted_badly
 
 # A server name is a host name, an IPv4 address or a bracketed IPv6 address, with an optional port.
@@ -50,16 +50,29 @@ SPEC: Final = PlatformSpec(
     chat_id_hint="a Matrix room id starts with '!', e.g. !AbCdEf123:example.org (room settings → Advanced)",
     is_user_id=is_user_id,
     user_id_hint="a Matrix user id is @name:server, e.g. @alice:example.org",
+    example_user="@alice:example.org",
     adapter="kazma.adapters.matrix:MatrixAdapter",
     secrets=("access_token",),
     env={"access_token": "MATRIX_ACCESS_TOKEN"},
-    placeholders={"MATRIX_ACCESS_TOKEN": "syt_placeholder"},
+    placeholders={"MATRIX_ACCESS_TOKEN": "syt_placeholder", "MATRIX_HOMESERVER": "https://matrix.example.org"},
     token_judges={"access_token": access_token_problem},
     # mautrix sends the token in a header; a URL a homeserver or a proxy logs may still carry it as a parameter.
     log_token_pattern=_TOKEN_IN_TEXT,
     noisy_loggers=("mau.http",),
-    init_user_hint="a Matrix user id looks like @alice:example.org (your avatar → your name shows it)",
-    init_chat_hint="invite the bot's account to the room; room settings → Advanced shows its id (!…)",
+    init=InitSetup(
+        user_flag_help="Your Matrix user id (@you:example.org).",
+        chat_flag_help="The Matrix room Kazma serves (its id, !…).",
+        user_hint="a Matrix user id looks like @alice:example.org (your avatar → your name shows it)",
+        chat_hint="invite the bot's account to the room; room settings → Advanced shows its id (!…)",
+        # One way in (the client API's /sync); what it needs besides the token is the homeserver's address.
+        modes=(
+            InitMode(
+                "sync",
+                ("MATRIX_HOMESERVER",),
+                "    homeserver: ${MATRIX_HOMESERVER}  # the client API's URL, e.g. https://matrix.example.org",
+            ),
+        ),
+    ),
     transport=lambda section: "sync",
-    doctor="kazma.bot.cli.matrix_check:check_matrix",
+    doctor="kazma.adapters.matrix.doctor:check",
 )

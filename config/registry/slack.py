@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from kazma.config.registry import PlatformSpec
+from kazma.config.registry import InitMode, InitSetup, PlatformSpec
 from kazma.config.tokens import pasted_badly
 
 _CHANNEL: Final = re.compile(r"[CGD][A-Z0-9]{2,31}")
@@ -80,6 +80,7 @@ SPEC: Final = PlatformSpec(
     chat_id_hint="a Slack channel id is C, G or D followed by capital letters and digits, e.g. C0123ABCD",
     is_user_id=is_user_id,
     user_id_hint="a Slack user id is U (or W) followed by capital letters and digits, e.g. U0123ABCD",
+    example_user="U0123ABCD",
     adapter="kazma.adapters.slack:SlackAdapter",
     secrets=("bot_token", "app_token", "signing_secret", "sign_in.client_secret"),
     env={"bot_token": "SLACK_BOT_TOKEN", "app_token": "SLACK_APP_TOKEN", "signing_secret": "SLACK_SIGNING_SECRET"},
@@ -94,8 +95,30 @@ SPEC: Final = PlatformSpec(
         "signing_secret": signing_secret_problem,
     },
     log_token_pattern=r"\b(?:xox[abpers]|xapp)-[A-Za-z0-9-]+",  # noqa: S106 - a pattern that finds tokens, not one
-    init_user_hint="a Slack member id looks like U0123ABCD (your profile → ⋮ → Copy member ID)",
-    init_chat_hint="/invite the app, then the channel's name → About shows its id",
+    init=InitSetup(
+        user_flag_help="Your Slack member id (U…).",
+        chat_flag_help="The Slack channel Kazma serves (C…).",
+        user_hint="a Slack member id looks like U0123ABCD (your profile → ⋮ → Copy member ID)",
+        chat_hint="/invite the app, then the channel's name → About shows its id",
+        modes=(
+            InitMode(
+                "socket",
+                ("SLACK_APP_TOKEN",),
+                "    app_token: ${SLACK_APP_TOKEN}  # xapp-: Socket Mode (Basic Information → App-Level Tokens, "
+                "connections:write)",
+            ),
+            InitMode(
+                "http",
+                ("SLACK_SIGNING_SECRET",),
+                "    signing_secret: ${SLACK_SIGNING_SECRET}  # Basic Information → App Credentials → Signing Secret\n"
+                "    http: {host: 127.0.0.1, port: 3000, path: /slack/events}"
+                "  # public: <public_url origin>/slack/events",
+            ),
+        ),
+        mode_flag_help="Socket Mode (default) or HTTP.",
+        mode_prompt="Slack transport",
+    ),
     transport=lambda section: "Socket Mode" if section.app_token else "HTTP events",
-    doctor="kazma.bot.cli.platform_checks:check_slack",
+    doctor="kazma.adapters.slack.doctor:check",
+    setup_commands={"slack-manifest": "kazma.adapters.slack.setup:slack_manifest_command"},
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from kazma.config.registry import PlatformSpec
+from kazma.config.registry import InitSetup, PlatformSpec
 from kazma.config.tokens import pasted_badly
 
 _INT64_MAX: Final = 2**63 - 1
@@ -48,6 +48,7 @@ SPEC: Final = PlatformSpec(
     chat_id_hint="a Telegram chat id is a non-zero integer, negative for groups, e.g. -1001234567890",
     is_user_id=is_user_id,
     user_id_hint="a Telegram user id is a positive integer, e.g. 111222333",
+    example_user="111",
     adapter="kazma.adapters.telegram:TelegramAdapter",
     secrets=("token", "webhook.secret_token"),
     env={"token": "TELEGRAM_BOT_TOKEN"},
@@ -56,8 +57,13 @@ SPEC: Final = PlatformSpec(
     # The Bot API puts the token in the URL's path ("/bot<id>:<secret>/getMe"), which libraries log.
     log_token_pattern=r"(?<=/bot)[0-9]+:[A-Za-z0-9_-]+",  # noqa: S106 - a pattern that finds tokens, not one
     noisy_loggers=("telegram.ext.Updater",),
-    init_user_hint="a Telegram user id is a number (@userinfobot tells you yours)",
-    init_chat_hint="add the bot to the group; the platform.inbound_ignored log event (platform=telegram) shows its id",
+    init=InitSetup(
+        user_flag_help="Your Telegram user id.",
+        chat_flag_help="The Telegram group Kazma serves (e.g. -1001234567890).",
+        user_hint="a Telegram user id is a number (@userinfobot tells you yours)",
+        chat_hint="add the bot to the group; the platform.inbound_ignored log event (platform=telegram) shows its id",
+    ),
     transport=lambda section: f"{section.mode} mode",
-    doctor="kazma.bot.cli.platform_checks:check_telegram",
+    doctor="kazma.adapters.telegram.doctor:check",
+    failpoints=("telegram.inbox",),  # the webhook inbox, among replicas
 )

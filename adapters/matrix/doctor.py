@@ -1,36 +1,28 @@
-"""``kazma doctor`` for Matrix: whose the access token is, and whether the bot can work in its home room.
+"""``kazma doctor`` on Matrix: whose the access token is, and whether the bot can work in its home room.
 
 ``whoami`` says which account the token belongs to (checked against ``user_id`` when set); the home room must
 be one the bot has joined, unencrypted (Kazma cannot read an encrypted room), and its power levels must let the
 bot send messages and reactions. Every problem is one line naming its fix; the token never appears in one.
+Its registry entry names :func:`check`.
 """
 
 from __future__ import annotations
 
-from typing import Any
 from urllib.parse import quote
 
 import httpx
 
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE
-from kazma.bot.cli.checks import Check, Level
-from kazma.bot.cli.platform_checks import token_problems
+from kazma.adapters.platform_cli import Check, Level, json_body, token_problems
 from kazma.config.models import MatrixConfig
-from kazma.config.registry import CHAT_PLATFORMS
+from kazma.config.registry.matrix import SPEC
 
 NAME = "platform.matrix"
+_body = json_body
 
 
-def _body(response: httpx.Response) -> dict[str, Any]:
-    try:
-        found = response.json()
-    except ValueError:
-        return {}
-    return found if isinstance(found, dict) else {}
-
-
-async def check_matrix(config: MatrixConfig, client: httpx.AsyncClient) -> list[Check]:
-    problems = token_problems(CHAT_PLATFORMS["matrix"], config)
+async def check(config: MatrixConfig, client: httpx.AsyncClient) -> list[Check]:
+    problems = token_problems(SPEC, config)
     if problems:
         return problems
     headers = {"Authorization": f"Bearer {config.access_token}"}
