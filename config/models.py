@@ -33,6 +33,7 @@ from kazma.config.keyring import KEY_VARIABLES, keys_folder
 from kazma.config.limits import DEFAULT_FILE_BYTES, DEFAULT_FILE_COUNT, MAX_TOOL_OUTPUT_CHARS, MAX_WORKERS, MIB
 from kazma.config.people import PERSON_NAME, PeopleConfig, parse_people, person_key
 from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, user_id_problem
+from kazma.config.registry import matrix as matrix_ids
 from kazma.config.registry.slack import app_token_problem as slack_app_token_problem
 from kazma.config.registry.slack import bot_token_problem as slack_bot_token_problem
 
@@ -765,10 +766,60 @@ class DiscordConfig(Strict):
         return value.rstrip("/")
 
 
+def _matrix_id(kind: str, valid: Any, example: str, *, every: bool = False, empty: bool = False) -> Any:
+    def check(value: Any) -> Any:
+        if (every and value == EVERY_CHAT) or (empty and value in (None, "")):
+            return value or ""
+        if isinstance(value, str) and valid(value.strip()):
+            return value.strip()
+        raise PydanticCustomError(
+            "kazma_matrix_id", "expected a Matrix {kind} like {example}, got {got}",
+            {"kind": kind, "example": example, "got": repr(value)},
+        )  # fmt: skip
+
+    return BeforeValidator(check)
+
+
+MatrixRoom = Annotated[str, _matrix_id("room id", matrix_ids.is_chat_id, "!AbCdEf:example.org", empty=True)]
+MatrixRoomOrEvery = Annotated[
+    str, _matrix_id("room id or '*' for every room", matrix_ids.is_chat_id, "!AbCdEf:example.org", every=True)
+]
+MatrixUser = Annotated[str, _matrix_id("user id", matrix_ids.is_user_id, "@alice:example.org")]
+OptionalMatrixUser = Annotated[str, _matrix_id("user id", matrix_ids.is_user_id, "@kazma:example.org", empty=True)]
+
+
+class MatrixConfig(Strict):
+    """``platforms.matrix``: a bot account on a homeserver (its access token), the rooms it serves."""
+
+    homeserver: str = ""  # the client-server API's base URL, e.g. https://matrix.example.org
+    user_id: OptionalMatrixUser = ""  # the bot's account; checked against what the homeserver says the token is
+    access_token: str = ""
+    rooms: list[MatrixRoomOrEvery] = Field(default_factory=list)
+    home_room: MatrixRoom = ""
+    admins: list[MatrixUser] = Field(default_factory=list)
+    dm_policy: DmPolicy = "off"
+
+    @field_validator("homeserver")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if value and not re.match(r"^https?://[^\s/]+", value):
+            raise PydanticCustomError("kazma_url", "expected an http(s) URL, got {got}", {"got": repr(value)})
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _complete(self) -> MatrixConfig:
+        if self.access_token and not self.homeserver:
+            raise PydanticCustomError(
+                "kazma_matrix", "required with access_token: the homeserver's URL", {"subpath": "homeserver"}
+            )
+        return self
+
+
 class PlatformsConfig(Strict):
     telegram: TelegramConfig = Field(default_factory=TelegramConfig)
     slack: SlackConfig = Field(default_factory=SlackConfig)
     discord: DiscordConfig = Field(default_factory=DiscordConfig)
+    matrix: MatrixConfig = Field(default_factory=MatrixConfig)
 
 
 class SwarmWorkerSettings(Strict):

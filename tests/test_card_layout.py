@@ -27,6 +27,7 @@ from kazma.adapters.card_layout import (
     view_of,
 )
 from kazma.adapters.discord.render import DiscordWriter
+from kazma.adapters.matrix.render import MatrixWriter
 from kazma.adapters.slack.render import SlackWriter
 from kazma.adapters.telegram.render import TelegramWriter
 from kazma.adapters.terminal import TerminalAdapter
@@ -63,6 +64,7 @@ WRITERS: dict[str, CardWriter[Any]] = {
     "telegram": TelegramWriter(),
     "slack": SlackWriter(),
     "discord": DiscordWriter(),
+    "matrix": MatrixWriter(),
     "terminal": PlainWriter(),
     "web": HtmlWriter(),
 }

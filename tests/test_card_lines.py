@@ -31,6 +31,7 @@ from kazma.adapters.card_layout import (
     lay_out,
 )
 from kazma.adapters.discord.render import DiscordCard, DiscordWriter
+from kazma.adapters.matrix.render import MatrixCard, MatrixWriter
 from kazma.adapters.slack.render import SlackCard, SlackWriter
 from kazma.adapters.telegram.render import TelegramCard, TelegramWriter
 from kazma.adapters.web.render import HtmlWriter
@@ -63,10 +64,21 @@ def _discord(card: DiscordCard) -> list[Line]:
     return discord_lines(card.embed.to_dict())  # type: ignore[arg-type]
 
 
+def _matrix(card: MatrixCard) -> list[Line]:
+    assert "<br>" not in card.html.replace("<br>\n", "")  # every laid-out break is also a break in the source
+    return html_lines(card.html)
+
+
+def _matrix_body(card: MatrixCard) -> list[Line]:
+    return plain_lines(card.body)
+
+
 WRITERS: dict[str, tuple[CardWriter[Any], Callable[[Any], list[Line]]]] = {
     "telegram": (TelegramWriter(), _telegram),
     "slack": (SlackWriter(), _slack),
     "discord": (DiscordWriter(), _discord),
+    "matrix": (MatrixWriter(), _matrix),  # what Element and other HTML clients show
+    "matrix_body": (MatrixWriter(), _matrix_body),  # what a plain-text client (and a notification) shows
     "plain": (PlainWriter(), plain_lines),
     "terminal": (PlainWriter(frame=TERMINAL_FRAME), lambda text: plain_lines(text, frame=TERMINAL_FRAME)),
     "web": (HtmlWriter(), html_lines),

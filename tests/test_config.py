@@ -17,6 +17,7 @@ def test_committed_default_is_valid_with_no_tokens() -> None:
         "telegram": "token is empty (set TELEGRAM_BOT_TOKEN)",
         "slack": "bot_token is empty (set SLACK_BOT_TOKEN)",
         "discord": "token is empty (set DISCORD_BOT_TOKEN)",
+        "matrix": "access_token is empty (set MATRIX_ACCESS_TOKEN)",
     }
     cfg = loaded.config
     assert cfg.pipelines["standard"] == ["researcher", "refiner", "builder", "validator"]
@@ -179,7 +180,7 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         {},
         [
             "kazma.yaml: approvals.approvers[0]: expected '<platform>:<user id>' (platform one of telegram, "
-            "slack, discord, web, cli) or a person or group under people:, got '111'"
+            "slack, discord, matrix, web, cli) or a person or group under people:, got '111'"
         ],
     ),
     (

@@ -10,6 +10,7 @@ by adding a harness here.
 from __future__ import annotations
 
 import asyncio
+import html
 import re
 import socket
 from abc import ABC, abstractmethod
@@ -24,6 +25,10 @@ from kazma.adapters.contract import CardRef, Handlers, Inbound, Press
 from kazma.adapters.discord import DiscordAdapter
 from kazma.adapters.discord.render import ZWSP
 from kazma.adapters.kit import PlatformBase
+from kazma.adapters.matrix import MatrixAdapter
+from kazma.adapters.matrix.render import CHOICES_KEY as MATRIX_CHOICES
+from kazma.adapters.matrix.render import TEXT_LIMIT as MATRIX_TEXT_LIMIT
+from kazma.adapters.matrix.render import json_units
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.slack import SlackAdapter
 from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION
@@ -32,7 +37,7 @@ from kazma.adapters.telegram.render import utf16_units
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import ApprovalRequest, Outcome, PressResult, PressVerdict, Status
-from kazma.config.models import DiscordConfig, SlackConfig, SlackHttpConfig, TelegramConfig
+from kazma.config.models import DiscordConfig, MatrixConfig, SlackConfig, SlackHttpConfig, TelegramConfig
 from kazma.engine.conversation import QUESTION_PREFIX
 from tests.fakes.discord import (
     ALICE_ID,
@@ -47,6 +52,7 @@ from tests.fakes.discord import (
 )
 from tests.fakes.slack import FakeSlack
 from tests.fakes.telegram import FakeTelegram, Fault
+from tests.matrix_support import FaultProxy, shared_synapse
 
 T = TypeVar("T")
 WAIT = 10.0
@@ -555,4 +561,170 @@ class DiscordHarness(Harness):
         return len(self.fake.calls_to("POST", r"/channels/\d+/messages"))
 
 
-HARNESSES: dict[str, type[Harness]] = {h.platform: h for h in (TelegramHarness, SlackHarness, DiscordHarness)}
+# --------------------------------------------------------------------------- Matrix
+
+
+def _matrix_visible(formatted: str) -> str:
+    """What a Matrix client shows for our HTML: tags gone, entities resolved (line breaks are in the source)."""
+    return html.unescape(re.sub(r"<[^>]+>", "", formatted))
+
+
+@dataclass
+class _MatrixRooms:
+    """One set of rooms per test process: made once (a room takes Synapse a second), read per test from a
+    position taken when the test opens, so no test sees another's messages."""
+
+    home: str
+    other: str
+    unserved: str
+    direct: dict[str, str]  # person -> their direct room with the bot
+
+
+_MATRIX_ROOMS: dict[int, _MatrixRooms] = {}
+
+
+class MatrixHarness(Harness):
+    """The real adapter on mautrix against a real Synapse (tests/matrix_support.py), through a proxy that only
+    injects the faults a test asks for. People act through the client-server API as any client does."""
+
+    platform = "matrix"
+    text_limit = MATRIX_TEXT_LIMIT
+    units = staticmethod(json_units)
+
+    async def open(self) -> None:
+        self.server = shared_synapse()
+        self.bot = self.server.session(self.server.register("kazma"))
+        self.people = {p.user_id: p for p in (self.server.register("alice"), self.server.register("bob"))}
+        self.admin, self.member = list(self.people)
+        rooms = _MATRIX_ROOMS.get(id(self.server))
+        if rooms is None:
+            rooms = await asyncio.to_thread(self._make_rooms)
+            _MATRIX_ROOMS[id(self.server)] = rooms
+        self.home, self.other, self.unserved = rooms.home, rooms.other, rooms.unserved
+        self.direct = rooms.direct
+        # A fresh start for the adapter (no kept sync position) and for what this test reads.
+        await asyncio.to_thread(self.bot.set_account_data, "org.kazma.sync", {})
+        self.since = await asyncio.to_thread(self._positions)
+        self.proxy = FaultProxy(self.server.url)
+        await self.proxy.start()
+
+    def _positions(self) -> dict[str, str]:
+        """Where each room's timeline is now, as a token reading on from it."""
+        where = {room: self.people[self.admin] for room in (self.home, self.other, self.unserved)}
+        where.update({room: self.people[user] for user, room in self.direct.items()})
+        return {room: reader.now(room) for room, reader in where.items()}
+
+    def _make_rooms(self) -> _MatrixRooms:
+        alice, bob = self.people[self.admin], self.people[self.member]
+        made = []
+        for name in ("home", "other", "unserved"):
+            room = alice.create_room(invite=[self.bot.user_id, bob.user_id], name=name)
+            self.bot.join(room)
+            bob.join(room)
+            made.append(room)
+        direct = {}
+        for person in (alice, bob):
+            room = person.create_room(invite=[self.bot.user_id], direct=True)
+            self.bot.join(room)
+            direct[person.user_id] = room
+        # What the bot's account keeps about its direct rooms, as a client accepting those invites writes it.
+        self.bot.set_account_data("m.direct", {user: [room] for user, room in direct.items()})
+        home, other, unserved = made
+        return _MatrixRooms(home, other, unserved, direct)
+
+    async def close(self) -> None:
+        if self._adapter is not None:
+            await self._adapter.stop()
+        await self.proxy.stop()
+
+    async def start(self, *, chats: list[Any] | None = None, **options: Any) -> PlatformBase:
+        config = MatrixConfig(
+            homeserver=self.proxy.url,
+            user_id=self.bot.user_id,
+            access_token=self.bot.token,
+            rooms=[self.home, self.other] if chats is None else chats,
+            home_room=self.home,
+            admins=[self.admin],
+        )
+        options.setdefault("limiter", ChatRateLimiter(min_interval=0.0))
+        options.setdefault("poll_timeout", 5.0)
+        adapter = MatrixAdapter(config, **options)
+        await adapter.start(self.recorder.handlers())
+        self._adapter = adapter
+        return adapter
+
+    async def say(self, chat: str, user: str, text: str) -> None:
+        await asyncio.to_thread(self.people[user].say, chat, text)
+
+    async def command(self, chat: str, user: str, name: str, args: str = "") -> None:
+        await self.say(chat, user, f"/{name} {args}".rstrip())  # commands are text on Matrix
+
+    def _bot_events(self, chat: str) -> list[dict[str, Any]]:
+        reader = self.people[self.admin] if chat != self.direct.get(self.member) else self.people[self.member]
+        events = reader.messages(chat, self.since[chat])
+        return [e for e in events if e.get("sender") == self.bot.user_id and e.get("type") == "m.room.message"]
+
+    def bot_texts(self, chat: str) -> list[str]:
+        return [
+            str(e["content"]["body"])
+            for e in self._bot_events(chat)
+            if e["content"].get("msgtype") == "m.text"
+            and MATRIX_CHOICES not in e["content"]
+            and "m.new_content" not in e["content"]
+        ]
+
+    def card(self, ref: CardRef) -> WireCard:
+        content = self.people[self.admin].shown(ref.chat, ref.message_id)
+        choices = content.get(MATRIX_CHOICES, [])
+        text = _matrix_visible(str(content.get("formatted_body", content.get("body", ""))))
+        return WireCard(text, [str(c["label"]) for c in choices], [str(c["data"]) for c in choices])
+
+    async def press(self, ref: CardRef, data: str, user: str) -> None:
+        original = await asyncio.to_thread(self.people[self.admin].event, ref.chat, ref.message_id)
+        [key] = [c["key"] for c in original["content"][MATRIX_CHOICES] if c["data"] == data]
+        await asyncio.to_thread(self.people[user].react, ref.chat, ref.message_id, key)
+
+    def notices(self, user: str) -> list[str]:
+        found = []
+        for chat in (self.home, self.other):
+            for event in self._bot_events(chat):
+                content = event["content"]
+                if content.get("msgtype") == "m.notice" and content.get("m.mentions", {}).get("user_ids") == [user]:
+                    found.append(str(content["body"]).removeprefix(f"{user}: "))
+        return found
+
+    async def say_direct(self, user: str, text: str) -> str:
+        room = self.direct[user]
+        await self.say(room, user, text)
+        return room
+
+    async def send_files(self, chat: str, user: str, text: str, files: list[tuple[str, bytes, int | None]]) -> None:
+        person = self.people[user]
+        for name, content, declared in files:  # one event per file, as Matrix clients send them
+            mxc = await asyncio.to_thread(person.upload, name, content)
+            size = len(content) if declared is None else declared
+            message = {"msgtype": "m.file", "body": text, "filename": name, "url": mxc, "info": {"size": size}}
+            await asyncio.to_thread(person.send, chat, message)
+
+    def files_posted(self, chat: str) -> list[tuple[str, bytes, str]]:
+        reader = self.people[self.admin]
+        return [
+            (str(e["content"]["filename"]), reader.download(str(e["content"]["url"])), str(e["content"]["body"]))
+            for e in self._bot_events(chat)
+            if e["content"].get("msgtype") == "m.file"
+        ]
+
+    def working_signs(self, chat: str) -> int | None:
+        return self.proxy.count("PUT", rf"/rooms/{re.escape(chat)}/typing/")
+
+    def fault(self, site: Site, kind: FaultKind, *, times: int = 1, retry_after: int = 1) -> None:
+        status = 429 if kind == "429" else 500
+        self.proxy.fail("PUT", r"/send/m\.room\.message/", status, times=times, retry_after_ms=retry_after * 1000)
+
+    def attempts(self, site: Site) -> int:
+        return self.proxy.count("PUT", r"/send/m\.room\.message/")
+
+
+HARNESSES: dict[str, type[Harness]] = {
+    h.platform: h for h in (TelegramHarness, SlackHarness, DiscordHarness, MatrixHarness)
+}

@@ -144,6 +144,13 @@ def assert_no_live_mentions(harness: Harness, ref: CardRef) -> None:
         assert all(c.json.get("allowed_mentions") == {"parse": []} for c in calls)
         body = str(calls[-1].json.get("embeds"))
         assert not re.search(r"@(everyone|here)|<[@#!/]", body)
+    elif harness.platform == "matrix":
+        # Intentional mentions: with m.mentions present and empty, clients notify nobody (no user, no @room),
+        # whatever the body says; and nothing from the arguments became markup or a user pill.
+        content = harness.people[harness.admin].shown(ref.chat, ref.message_id)  # type: ignore[attr-defined]
+        assert content["m.mentions"] == {}
+        assert "<b>x" not in content["formatted_body"]
+        assert "matrix.to" not in content["formatted_body"]
     else:
         message = harness.fake.message(int(ref.chat), ref.message_id)  # type: ignore[attr-defined]
         # only our own formatting became entities: nothing from the arguments did

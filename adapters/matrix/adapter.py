@@ -1,0 +1,567 @@
+"""The Matrix adapter on mautrix's client-server API: transport and lifecycle only.
+
+A bot account (its access token) in rooms of any homeserver. Cards are ``render.py``; failures are
+``errors.py``; events in the bus's terms are ``inbound.py``; where the sync stands is ``position.py``; the
+inbound door, the press policy, pacing and 429 handling are the kit's.
+
+Presses are reactions on the card: the card carries which key means which button (``org.kazma.choices``,
+kept on the bot's own event, so a reaction is read the same after a restart or on another replica), and a
+reaction counts only on an event the bot itself sent. The homeserver proves who reacted: the press's actor is
+the event's ``sender``. A card is settled by an edit (``m.replace``), which every client shows in place.
+
+``/sync`` is the singleton ingress: only the leader replica syncs. Where it stands is kept on the homeserver
+(``position.py``): the token the batch began at and the events of that batch already taken in, so a restart
+or a new leader neither loses nor repeats an event. Every replica sends.
+
+Encrypted rooms are not supported (their messages cannot be read without keys this adapter does not keep):
+the first encrypted event in a room gets a notice saying so and how to make an unencrypted room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final, Unpack
+from urllib.parse import quote
+
+import structlog
+from mautrix.api import Method, Path
+from mautrix.client import ClientAPI
+from mautrix.types import RoomID, UserID
+
+from kazma.adapters.card_layout import LaidOut, agent_prefix
+from kazma.adapters.contract import CardRef, PlatformError, Press
+from kazma.adapters.deny_reason import REPLY_WINDOW_SECONDS, deny_data, reason_request, reply_prompt
+from kazma.adapters.kit import KitOptions, PlatformBase, Posted
+from kazma.adapters.matrix.client import close_client, make_client
+from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE, PLATFORM, classify
+from kazma.adapters.matrix.inbound import Reaction, normalise, reaction_of, reply_target, without_reply_fallback
+from kazma.adapters.matrix.position import Position, SyncPosition
+from kazma.adapters.matrix.render import (
+    CHOICES_KEY,
+    TEXT_LIMIT,
+    Choice,
+    MatrixCard,
+    json_units,
+    legend,
+    message_content,
+    question_choices,
+    render_card,
+    same_key,
+)
+from kazma.adapters.pacing import ChatRateLimiter, Pacing
+from kazma.approvals.card import ApprovalCard
+from kazma.approvals.model import Outcome
+from kazma.config.metrics import count_failure
+from kazma.config.models import MatrixConfig
+
+log = structlog.get_logger("kazma.adapters.matrix")
+
+# What one sync asks for: messages, reactions and the signs of encryption; no presence, receipts or typing.
+_TIMELINE_TYPES: Final = ["m.room.message", "m.reaction", "m.room.encrypted", "m.room.encryption", "m.room.member"]
+SYNC_FILTER: Final = json.dumps(
+    {
+        "presence": {"types": []},
+        "account_data": {"types": []},
+        "room": {
+            "timeline": {"limit": 100, "types": _TIMELINE_TYPES},
+            "state": {"types": ["m.room.encryption"], "lazy_load_members": True},
+            "ephemeral": {"types": []},
+            "account_data": {"types": []},
+        },
+    },
+    separators=(",", ":"),
+)
+DIRECT_TYPE: Final = "m.direct"  # the account's direct rooms, as every client keeps them
+TYPING_MS: Final = 5_000
+
+
+class _Notice:
+    """The answer to a press: Matrix has no private message in a room, so a notice replies to the card and
+    mentions the presser alone (``m.mentions``), which notifies them and nobody else."""
+
+    def __init__(self, adapter: MatrixAdapter, room: str, card_event: str, user: str) -> None:
+        self.adapter = adapter
+        self.room = room
+        self.card_event = card_event
+        self.user = user
+
+    async def acknowledge(self, text: str) -> None:
+        return None  # the card, edited for everyone, says it
+
+    async def notify(self, text: str) -> None:
+        await self.adapter.notice(self.room, self.user, text, reply_to=self.card_event)
+
+
+class MatrixAdapter(PlatformBase):
+    """A :class:`~kazma.adapters.contract.PlatformAdapter` for one bot account on a Matrix homeserver."""
+
+    name = PLATFORM
+    # A card's post carries a transaction id made from the request and the room; the spec makes a send with the
+    # same id from the same access token idempotent (Synapse keeps them a day), so a post tried again after a
+    # crash or a lost answer gives the first event back instead of a second card.
+    idempotent_posts = True
+
+    def __init__(self, config: MatrixConfig, *, limiter: ChatRateLimiter | None = None, max_attempts: int = 5,
+                 request_timeout: float = 10.0, poll_timeout: float = 25.0,
+                 **options: Unpack[KitOptions]) -> None:  # fmt: skip
+        # Homeservers limit messages per account (Synapse: a burst, then about one each few seconds); a gap
+        # per room keeps a burst of cards from tripping it, and the 429s that still come are waited out.
+        chosen = limiter or ChatRateLimiter(min_interval=0.5)
+        super().__init__(config, pacing=Pacing(chosen, max_attempts=max_attempts), **options)
+        self.config: MatrixConfig = config
+        self.request_timeout = request_timeout
+        self.poll_timeout = poll_timeout
+        self._client: ClientAPI | None = None
+        self.user_id = ""
+        self._direct: set[str] = set()  # rooms that are direct chats of the bot's account (m.direct)
+        self._choices: dict[str, dict[str, str]] = {}  # the bot's own events with choices: key -> data
+        self._reasons: dict[str, tuple[str, str, str, float]] = {}  # prompt event -> (user, data, card, until)
+        self._told_encrypted: set[str] = set()
+        self._position: SyncPosition | None = None
+        self._kept = Position("", ())  # where the sync stands, as last kept on the homeserver
+        self._syncing: asyncio.Task[None] | None = None
+        self._stop_sync = asyncio.Event()
+
+    def classify(self, site: str, exc: BaseException) -> PlatformError:
+        return classify(site, exc, timeout=self.request_timeout)
+
+    @property
+    def has_singleton_ingress(self) -> bool:
+        return True
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def _api(self, site: str) -> ClientAPI:
+        if self._client is None:
+            raise self.refuse(site, "the adapter is not started", retryable=True)
+        return self._client
+
+    def _can_send(self, site: str) -> None:
+        self._api(site)
+
+    async def _connect(self) -> None:
+        client = make_client(self.config.homeserver, self.config.access_token, request_timeout=self.request_timeout)
+        self._client = client
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                who = await client.whoami()
+        except Exception as exc:
+            raise self.classify("start", exc) from exc
+        self.user_id = str(who.user_id)
+        client.mxid = UserID(self.user_id)
+        if self.config.user_id and self.config.user_id != self.user_id:
+            raise self.refuse(
+                "start",
+                f"the access token is {self.user_id}'s, not {self.config.user_id}'s (platforms.matrix.user_id)",
+            )
+        self._position = SyncPosition(client)
+        with contextlib.suppress(Exception):  # no direct rooms yet: the account data does not exist
+            direct = await client.get_account_data(DIRECT_TYPE)
+            self._direct = {str(room) for rooms in dict(direct).values() for room in rooms}
+        log.info("matrix.connected", user=self.user_id, rooms=sorted(self.served.chats))
+
+    async def _open_ingress(self) -> None:
+        client = self._api("ingress_start")
+        position = self._position
+        assert position is not None
+        kept = await position.load()
+        if kept is None:  # the first start: begin now, never answering the room's history
+            first = await self._sync(client, None, timeout=0)
+            kept = Position(str(first["next_batch"]), ())
+            await position.save(kept)
+            await self._invites(first)
+        self._stop_sync = asyncio.Event()
+        self._syncing = asyncio.create_task(self._sync_loop(client, kept), name="matrix-sync")
+        log.info("matrix.syncing", user=self.user_id, since=kept.since)
+
+    async def _close_ingress(self) -> None:
+        """Stop syncing between two batches (a batch under way is handed to the kit first)."""
+        self._stop_sync.set()
+        task, self._syncing = self._syncing, None
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _stop_receiving(self) -> None:
+        await self._close_ingress()
+
+    async def _disconnect(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await close_client(client)
+
+    # ----------------------------------------------------------------- the sync (singleton ingress)
+
+    async def _sync(self, client: ClientAPI, since: str | None, *, timeout: float) -> dict[str, Any]:  # noqa: ASYNC109 - the long poll's own
+        query = {"timeout": str(int(timeout * 1000)), "filter": SYNC_FILTER}
+        if since:
+            query["since"] = since
+        async with asyncio.timeout(timeout + self.request_timeout):
+            answer = await client.api.request(Method.GET, Path.v3.sync, query_params=query, retry_count=0)
+        return dict(answer)
+
+    async def _sync_loop(self, client: ClientAPI, kept: Position) -> None:
+        self._kept = kept
+        failures = 0
+        while not self._stop_sync.is_set():
+            asking = asyncio.create_task(self._sync(client, self._kept.since, timeout=self.poll_timeout))
+            stopping = asyncio.create_task(self._stop_sync.wait())
+            await asyncio.wait({asking, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not asking.done():  # stopped during the long poll: nothing of it was taken
+                asking.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await asking
+                return
+            try:
+                await self._take(asking.result())
+            except Exception as exc:  # the batch comes again, from what was kept of it
+                failures += 1
+                self.failed("sync", None, self.classify("sync", exc))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(2.0 ** min(failures, 5), 30.0)):
+                        await self._stop_sync.wait()
+                continue
+            failures = 0
+
+    async def _take(self, batch: dict[str, Any]) -> None:
+        """Hand every new event of ``batch`` to the kit, keeping after each one where the sync stands; the
+        next token once the batch is done (:attr:`_kept` follows what was kept)."""
+        position = self._position
+        assert position is not None
+        kept = self._kept
+        done = list(kept.done)
+        await self._invites(batch)
+        for room, events in _timelines(batch, self.user_id):
+            for event in events:
+                event_id = str(event.get("event_id", ""))
+                if event_id in kept.done:
+                    continue  # taken in before a restart
+                if await self._event(room, event):
+                    done.append(event_id)
+                    # Taken in whether or not the homeserver keeps it now: the batch, should it come again in
+                    # this process, skips it; the next save that succeeds records it.
+                    self._kept = Position(kept.since, tuple(done))
+                    await position.save(self._kept)
+        self._kept = Position(str(batch["next_batch"]), ())
+        await position.save(self._kept)
+
+    async def _invites(self, batch: dict[str, Any]) -> None:
+        """Join the rooms Kazma serves when invited, and direct chats from people ``dm_policy`` allows."""
+        invites = (batch.get("rooms") or {}).get("invite") or {}
+        for room, data in invites.items():
+            states = ((data or {}).get("invite_state") or {}).get("events") or []
+            mine: dict[str, Any] = next(
+                (e for e in states if e.get("type") == "m.room.member" and e.get("state_key") == self.user_id), {}
+            )
+            inviter = str(mine.get("sender", ""))
+            direct = bool((mine.get("content") or {}).get("is_direct"))
+            listed = room in self.served.chats or room == self.served.home
+            if not (listed or (direct and self.direct.allows(self.actor(inviter)))):
+                log.info("matrix.invite_ignored", room=room, inviter=inviter, direct=direct)
+                continue
+            client = self._api("join")
+            try:
+                await self.call("join", None, self._joiner(client, str(room)))
+            except PlatformError:
+                continue
+            if direct and not listed:
+                await self._remember_direct(client, inviter, room)
+            log.info("matrix.joined", room=room, inviter=inviter, direct=direct)
+
+    @staticmethod
+    def _joiner(client: ClientAPI, room: str) -> Callable[[], Awaitable[RoomID]]:
+        return lambda: client.join_room_by_id(RoomID(room))
+
+    async def _remember_direct(self, client: ClientAPI, user: str, room: str) -> None:
+        self._direct.add(room)
+        try:
+            current: dict[str, Any] = {}
+            with contextlib.suppress(Exception):
+                current = dict(await client.get_account_data(DIRECT_TYPE))
+            rooms = [str(r) for r in current.get(user, [])]
+            current[user] = [*rooms, room] if room not in rooms else rooms
+            await client.set_account_data(DIRECT_TYPE, current)
+        except Exception as exc:
+            self.failed("direct", room, self.classify("direct", exc))
+
+    async def _event(self, room: str, event: dict[str, Any]) -> bool:
+        """One timeline event: True when it was handed to the kit (a message, a press, a reason)."""
+        etype = event.get("type")
+        if etype in ("m.room.encrypted", "m.room.encryption"):
+            await self._encrypted(room)
+            return False
+        if event.get("sender") == self.user_id:
+            return False  # our own posts: kept when sent
+        reaction = reaction_of(event)
+        if reaction is not None:
+            return await self._reaction(room, reaction)
+        content = event.get("content")
+        replying = reply_target(content) if isinstance(content, dict) else None
+        if replying is not None and replying in self._reasons:
+            return self._reason_given(room, event, replying)
+        inbound = normalise(
+            event,
+            room,
+            direct=room in self._direct,
+            actor=self.actor,
+            is_admin=self.is_admin,
+            fetcher=self._fetcher,
+        )
+        if inbound is None:
+            return False
+        self.spawn(self.deliver(inbound, key=inbound.message_id), name=f"matrix-inbound-{inbound.message_id}")
+        return True
+
+    async def _encrypted(self, room: str) -> None:
+        if room in self._told_encrypted or room not in self.served:
+            return
+        self._told_encrypted.add(room)
+        count_failure("encrypted_room", PLATFORM)
+        log.warning("matrix.encrypted_room", room=room)
+        with contextlib.suppress(PlatformError):
+            await self.send_text(room, ENCRYPTED_NOTICE)
+
+    # ----------------------------------------------------------------- presses
+
+    async def _choices_of(self, room: str, event_id: str) -> dict[str, str]:
+        """Which key means which data on ``event_id``: only an event the bot itself sent has any."""
+        known = self._choices.get(event_id)
+        if known is not None:
+            return known
+        client = self._api("press")
+        try:
+            event = await self.call(
+                "press", None, lambda: client.api.request(Method.GET, Path.v3.rooms[room].event[event_id]), paced=False
+            )
+        except PlatformError:
+            return {}
+        if event.get("sender") != self.user_id:
+            return {}
+        listed = (event.get("content") or {}).get(CHOICES_KEY)
+        found = {
+            same_key(str(c["key"])): str(c["data"])
+            for c in (listed if isinstance(listed, list) else [])
+            if isinstance(c, dict) and "key" in c and "data" in c
+        }
+        self._choices[event_id] = found
+        return found
+
+    async def _reaction(self, room: str, reaction: Reaction) -> bool:
+        data = (await self._choices_of(room, reaction.target)).get(same_key(reaction.key))
+        if data is None:
+            return False  # a reaction to anything else, or with another key: people react freely
+        asked = reason_request(data)
+        if asked is not None:
+            self.spawn(self._ask_reason(room, reaction, asked), name=f"matrix-reason-{reaction.event_id}")
+            return True
+        press = Press(
+            platform=PLATFORM,
+            data=data,
+            actor=self.actor(reaction.sender),
+            chat=room,
+            message_id=reaction.target,
+            is_admin=self.is_admin(reaction.sender),
+        )
+        reply = _Notice(self, room, reaction.target, reaction.sender)
+        self.spawn(self.press(press, reply, key=reaction.event_id), name=f"matrix-press-{reaction.event_id}")
+        return True
+
+    async def _ask_reason(self, room: str, reaction: Reaction, request_id: str) -> None:
+        """ "Deny with reason": a prompt replying to the card, answered by a reply from the presser alone."""
+        try:
+            prompt = await self.notice(room, reaction.sender, reply_prompt(request_id, reaction.sender),
+                                       reply_to=reaction.target)  # fmt: skip
+        except PlatformError:
+            return
+        now = time.monotonic()
+        for stale in [p for p, (_, _, _, ends) in self._reasons.items() if ends < now]:
+            del self._reasons[stale]  # prompts nobody answered in time
+        self._reasons[prompt] = (reaction.sender, deny_data(request_id), reaction.target, now + REPLY_WINDOW_SECONDS)
+
+    def _reason_given(self, room: str, event: dict[str, Any], prompt: str) -> bool:
+        user, data, card, until = self._reasons[prompt]
+        sender = str(event.get("sender", ""))
+        if sender != user or time.monotonic() > until:
+            return False
+        del self._reasons[prompt]
+        content = event.get("content") or {}
+        reason = without_reply_fallback(str(content.get("body", ""))).strip()
+        press = Press(PLATFORM, data, self.actor(sender), room, card, self.is_admin(sender), reason=reason)
+        event_id = str(event.get("event_id", ""))
+        self.spawn(self.press(press, _Notice(self, room, card, sender), key=event_id), name=f"matrix-reason-{event_id}")
+        return True
+
+    async def notice(self, room: str, user: str, text: str, *, reply_to: str | None = None) -> str:
+        """An ``m.notice`` in ``room`` that mentions ``user`` alone (they are notified, nobody else); its id."""
+        client = self._api("press_reply")
+        pill = f'<a href="https://matrix.to/#/{quote(user)}">{_escape(user)}</a>'
+        content: dict[str, Any] = {
+            "msgtype": "m.notice",
+            "body": f"{user}: {text}",
+            "format": "org.matrix.custom.html",
+            "formatted_body": f"{pill}: {_escape(text)}",
+            "m.mentions": {"user_ids": [user]},
+        }
+        if reply_to:
+            content["m.relates_to"] = {"m.in_reply_to": {"event_id": reply_to}}
+        return await self.call("press_reply", room, lambda: self._send(client, room, content), paced=False)
+
+    # ----------------------------------------------------------------- files in
+
+    def _fetcher(self, mxc: str) -> Callable[[], Awaitable[bytes]]:
+        async def fetch() -> bytes:
+            client = self._api("file_fetch")
+            server, _, media = mxc.removeprefix("mxc://").partition("/")
+            url = f"{self.config.homeserver}/_matrix/client/v1/media/download/{quote(server)}/{quote(media)}"
+            limit = self.files.max_bytes + 1  # one byte more than allowed is enough to refuse it
+
+            async def download() -> bytes:
+                headers = {"Authorization": f"Bearer {self.config.access_token}"}
+                async with client.api.session.get(url, headers=headers) as got:
+                    if got.status >= 300:
+                        raise PlatformError(PLATFORM, "file_fetch", f"HTTP {got.status}", retryable=got.status >= 500)
+                    return await got.content.read(limit)
+
+            return await self.call("file_fetch", None, download, paced=False)
+
+        return fetch
+
+    # ----------------------------------------------------------------- outbound
+
+    async def _send(self, client: ClientAPI, room: str, content: dict[str, Any], *, txn: str | None = None,
+                    event_type: str = "m.room.message") -> str:  # fmt: skip
+        path = Path.v3.rooms[RoomID(room)].send[event_type][txn or client.api.get_txn_id()]
+        answer = await client.api.request(Method.PUT, path, content)
+        return str(answer["event_id"])
+
+    def _text_room(self, agent: str | None) -> tuple[int, Callable[[str], int] | None]:
+        return TEXT_LIMIT - sum(json_units(c) for c in agent_prefix(agent)), json_units
+
+    async def _post_text(self, chat: str, part: str, *, agent: str | None, thread: str | None) -> Posted:
+        client = self._api("send")
+        content = message_content(agent_prefix(agent) + part, None, (), notice=False)
+        _in_thread(content, thread)
+        event_id = await self.call("send", chat, lambda: self._send(client, chat, content))
+        return Posted(chat, event_id)
+
+    async def _post_choices(
+        self, chat: str, body: str, choices: Sequence[tuple[str, str]], *, thread: str | None
+    ) -> str:
+        client = self._api("send")
+        made = question_choices(list(choices))
+        if len(made) < len(choices):
+            raise self.refuse("send", f"a question offers at most {len(made)} choices here", chat=chat)
+        said = legend(made)
+        content = message_content(f"{body}\n{said}" if said else body, None, made, notice=False)
+        _in_thread(content, thread)
+        event_id = await self.call("send", chat, lambda: self._send(client, chat, content))
+        self._choices[event_id] = {same_key(c.key): c.data for c in made}
+        self.spawn(self._offer(client, chat, event_id, made), name=f"matrix-offer-{event_id}")
+        return event_id
+
+    async def _offer(self, client: ClientAPI, chat: str, event_id: str, choices: tuple[Choice, ...]) -> None:
+        """React with each choice, so a person presses by clicking the reaction (a courtesy: a failure here
+        leaves the legend, and any client can add the reaction itself)."""
+        for choice in choices:
+            relates = {"m.relates_to": {"rel_type": "m.annotation", "event_id": event_id, "key": choice.key}}
+            try:
+                await self.call("offer", chat, self._sender(client, chat, relates, event_type="m.reaction"))
+            except PlatformError:
+                return
+
+    def _sender(
+        self, client: ClientAPI, chat: str, content: dict[str, Any], *, event_type: str = "m.room.message"
+    ) -> Callable[[], Awaitable[str]]:
+        return lambda: self._send(client, chat, content, event_type=event_type)
+
+    async def _post_file(self, chat: str, name: str, data: bytes, *, caption: str, thread: str | None) -> str:
+        site = "send_file"
+        client = self._api(site)
+        mxc = await self.call(
+            site, chat, lambda: client.upload_media(data, mime_type="application/octet-stream", filename=name)
+        )
+        content: dict[str, Any] = {
+            "msgtype": "m.file",
+            "body": caption,
+            "filename": name,
+            "url": str(mxc),
+            "info": {"size": len(data), "mimetype": "application/octet-stream"},
+            "m.mentions": {},
+        }
+        _in_thread(content, thread)
+        return await self.call(site, chat, lambda: self._send(client, chat, content))
+
+    async def _show_working(self, chat: str, thread: str | None) -> None:
+        client = self._api("working")
+        path = Path.v3.rooms[RoomID(chat)].typing[UserID(self.user_id)]
+        typing = {"typing": True, "timeout": TYPING_MS}
+        await self.call("working", chat, lambda: client.api.request(Method.PUT, path, typing), paced=False)
+
+    def _write_card(self, card: ApprovalCard, outcome: Outcome | None) -> LaidOut[Any]:
+        return render_card(card, outcome=outcome, approve_partial=self.approve_partial)
+
+    async def _post_card(self, chat: str, laid: LaidOut[Any], card: ApprovalCard) -> Posted:
+        client = self._api("card_post")
+        written: MatrixCard = laid.written
+        # One transaction id per card and room: a post tried again (a lost answer) is the same event.
+        txn = f"kazma-card-{card.request_id}-{_short(chat)}"
+        event_id = await self.call("card_post", chat, lambda: self._send(client, chat, written.content(), txn=txn))
+        self._choices[event_id] = {same_key(c.key): c.data for c in written.choices}
+        # After the post, not inside it: the card is out once it is posted, and the reactions follow it.
+        self.spawn(self._offer(client, chat, event_id, written.choices), name=f"matrix-offer-{event_id}")
+        return Posted(chat, event_id)
+
+    async def _edit_card(
+        self, site: str, ref: CardRef, laid: LaidOut[Any], card: ApprovalCard, *, settled: bool
+    ) -> bool:
+        client = self._api(site)
+        written: MatrixCard = laid.written
+        new = written.content()
+        content = {
+            **{k: v for k, v in new.items() if k != CHOICES_KEY},
+            "body": f"* {written.body}",
+            "formatted_body": f"* {written.html}",
+            "m.new_content": new,
+            "m.relates_to": {"rel_type": "m.replace", "event_id": ref.message_id},
+        }
+        # The same edit twice is one transaction: a settle repeated after a restart is one edit on the room.
+        txn = f"kazma-edit-{_short(ref.message_id)}-{_short(json.dumps(new, sort_keys=True))}"
+        await self.call(site, ref.chat, lambda: self._send(client, ref.chat, content, txn=txn))
+        return True
+
+
+def _short(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _in_thread(content: dict[str, Any], thread: str | None) -> None:
+    if thread:
+        content["m.relates_to"] = {"rel_type": "m.thread", "event_id": thread, "is_falling_back": True}
+
+
+def _timelines(batch: dict[str, Any], me: str) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Each joined room's new events, in order; in a room just joined, only what came after the bot's join (a
+    room's history is not a request to Kazma)."""
+    found = []
+    for room, data in ((batch.get("rooms") or {}).get("join") or {}).items():
+        events = [e for e in ((data or {}).get("timeline") or {}).get("events") or [] if isinstance(e, dict)]
+        state = [e for e in ((data or {}).get("state") or {}).get("events") or [] if isinstance(e, dict)]
+        for index, event in enumerate(events):
+            joined = event.get("type") == "m.room.member" and event.get("state_key") == me
+            before = ((event.get("unsigned") or {}).get("prev_content") or {}).get("membership")
+            if joined and (event.get("content") or {}).get("membership") == "join" and before != "join":
+                events = events[index + 1 :]
+                break
+        found.append((str(room), [*(e for e in state if e.get("type") == "m.room.encryption"), *events]))
+    return found

@@ -1,0 +1,329 @@
+"""Matrix beyond the contract, against a real Synapse: where the sync stands across restarts, only the leader
+syncs, a real 429 from the homeserver's own limits, reactions only on the bot's own cards, encrypted rooms,
+and ``kazma doctor``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from urllib.parse import quote
+
+import httpx
+import pytest
+import structlog
+
+from kazma.adapters.admission import DirectPolicy
+from kazma.adapters.contract import PlatformError
+from kazma.adapters.matrix import MatrixAdapter
+from kazma.adapters.matrix.doctor import check as check_matrix
+from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE
+from kazma.adapters.matrix.position import ACCOUNT_DATA_TYPE
+from kazma.adapters.pacing import ChatRateLimiter
+from kazma.adapters.platform_cli import Level
+from kazma.approvals.model import Decision
+from kazma.config.metrics import failure_count
+from kazma.config.models import MatrixConfig
+from tests.contract.harness import MatrixHarness, make_card
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*retry_after.*:telegram.warnings.PTBDeprecationWarning")
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[MatrixHarness]:
+    made = MatrixHarness()
+    await made.open()
+    try:
+        yield made
+    finally:
+        await made.close()
+
+
+async def texts_arrived(harness: MatrixHarness, count: int) -> list[str]:
+    await harness.recorder.wait_until(lambda: len(harness.recorder.inbound) >= count)
+    return [i.text for i in harness.recorder.inbound]
+
+
+# --------------------------------------------------------------------------- where the sync stands
+
+
+async def test_a_restart_neither_loses_nor_repeats_a_message(harness: MatrixHarness) -> None:
+    adapter = await harness.start()
+    await harness.say(harness.home, harness.admin, "before the restart")
+    await texts_arrived(harness, 1)
+    await adapter.quiesce()
+    await adapter.stop()
+    await harness.say(harness.home, harness.admin, "while Kazma was down")  # nobody syncs now
+    await harness.start()
+    await texts_arrived(harness, 2)
+    await harness.say(harness.home, harness.admin, "after")
+    found = await texts_arrived(harness, 3)
+    await harness.settled()
+    assert found == ["before the restart", "while Kazma was down", "after"]
+
+
+async def test_a_batch_cut_short_resumes_after_the_events_it_took_in(harness: MatrixHarness) -> None:
+    """A process that stops in the middle of a batch (killed after taking in its first event) left the batch's
+    token and that event's id; the next start takes that batch again and skips exactly that event."""
+    adapter = await harness.start()
+    await adapter.stop()
+    cut = await asyncio.to_thread(harness.bot.account_data, ACCOUNT_DATA_TYPE)
+    assert cut is not None
+    assert cut["done"] == []
+    await harness.say(harness.home, harness.admin, "first of the batch")
+    await harness.say(harness.home, harness.admin, "second of the batch")
+    await harness.start()
+    await texts_arrived(harness, 2)
+    await harness.adapter.stop()
+    first = next(i for i in harness.recorder.inbound if i.text == "first of the batch")
+    # what a kill after the first event was taken in leaves behind
+    await asyncio.to_thread(harness.bot.set_account_data, ACCOUNT_DATA_TYPE, {**cut, "done": [first.message_id]})
+    harness.recorder.inbound.clear()
+    await harness.start()
+    found = await texts_arrived(harness, 1)
+    await harness.say(harness.home, harness.admin, "later")
+    found = await texts_arrived(harness, 2)
+    assert found == ["second of the batch", "later"]
+
+
+async def test_the_first_start_never_takes_a_rooms_history_as_requests(harness: MatrixHarness) -> None:
+    await harness.say(harness.home, harness.admin, "@builder something said before Kazma ever ran")
+    await asyncio.to_thread(harness.bot.set_account_data, ACCOUNT_DATA_TYPE, {})
+    await harness.start()
+    await harness.say(harness.home, harness.admin, "now")
+    assert await texts_arrived(harness, 1) == ["now"]
+    await harness.settled()
+    assert [i.text for i in harness.recorder.inbound] == ["now"]
+
+
+async def test_only_the_leader_syncs_and_a_new_leader_takes_what_came_meanwhile(harness: MatrixHarness) -> None:
+    leader = await harness.start()
+    await leader.stop()  # the old leader is gone; its position stays on the homeserver
+    config = harness.adapter.config
+    synced = harness.proxy.count("GET", r"/sync$")
+    replica = MatrixAdapter(config, limiter=ChatRateLimiter(min_interval=0.0), poll_timeout=5.0)
+    await replica.start(harness.recorder.handlers(), ingress=False)
+    try:
+        assert replica.started
+        assert not replica.ingress_running
+        await replica.send_text(harness.home, "a replica sends without syncing")
+        await harness.say(harness.home, harness.admin, "said while no replica leads")
+        posted = await replica.post_card(make_card({"path": "/tmp/x"}))
+        assert posted.message_id
+        # the message is on the homeserver and this replica has had every chance to sync it: it did not
+        assert harness.proxy.count("GET", r"/sync$") == synced
+        assert harness.recorder.inbound == []
+        await replica.start_ingress()  # this replica became the leader
+        assert await texts_arrived(harness, 1) == ["said while no replica leads"]
+    finally:
+        await replica.stop()
+
+
+# --------------------------------------------------------------------------- rate limits, for real
+
+
+async def test_the_homeservers_own_429_is_waited_out_and_every_message_sent_once(harness: MatrixHarness) -> None:
+    limited = harness.server.register("hasty", limited=True)  # Synapse's real rc_message: 3 at once, 2 a second
+    session = limited  # its own token: the one Synapse limits (an admin's puppet token is not)
+    for room in (harness.home,):
+        await asyncio.to_thread(harness.people[harness.admin].request, "POST",
+                                f"/_matrix/client/v3/rooms/{room}/invite", {"user_id": limited.user_id})  # fmt: skip
+        await asyncio.to_thread(session.join, room)
+    config = MatrixConfig(
+        homeserver=harness.proxy.url, access_token=session.token, rooms=[harness.home], home_room=harness.home
+    )
+    adapter = MatrixAdapter(config, limiter=ChatRateLimiter(min_interval=0.0), poll_timeout=5.0)
+    await adapter.start(harness.recorder.handlers(), ingress=False)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            for index in range(8):
+                await adapter.send_text(harness.home, f"burst {index}")
+        waits = [e for e in logs if e["event"] == "platform.rate_limited"]
+        assert waits, "Synapse's limits were never met: the test proves nothing"
+        assert all(0 < e["retry_after"] <= 5 for e in waits)  # the homeserver's retry_after_ms, in seconds
+        reader = harness.people[harness.admin]
+        sent = [
+            str(e["content"]["body"])
+            for e in await asyncio.to_thread(reader.messages, harness.home, harness.since[harness.home])
+            if e.get("sender") == limited.user_id and e.get("type") == "m.room.message"
+        ]  # fmt: skip
+        assert sent == [f"burst {index}" for index in range(8)]
+    finally:
+        await adapter.stop()
+
+
+# --------------------------------------------------------------------------- reactions
+
+
+async def test_a_reaction_counts_only_on_the_bots_own_card(harness: MatrixHarness) -> None:
+    """Someone posts a look-alike "card" carrying choices of their own: a ✅ on it presses nothing."""
+    await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    forged = {"msgtype": "m.text", "body": "Approval needed", "org.kazma.choices": [
+        {"key": "✅", "label": "Approve", "data": card.button_data(Decision.APPROVE)}]}  # fmt: skip
+    mallory = harness.people[harness.member]
+    event = await asyncio.to_thread(mallory.send, harness.home, forged)
+    await asyncio.to_thread(harness.people[harness.admin].react, harness.home, event, "✅")
+    await harness.say(harness.home, harness.admin, "after the reaction")
+    # the forged message itself arrives as text; the reaction came before the second message, so it was read
+    assert await texts_arrived(harness, 2) == ["Approval needed", "after the reaction"]
+    await harness.settled()
+    assert harness.recorder.presses == []
+
+
+async def test_a_reaction_with_the_variation_selector_is_the_same_press(harness: MatrixHarness) -> None:
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "✅\ufe0f")
+    [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses)
+    assert press.data == card.button_data(Decision.APPROVE)
+
+
+async def test_deny_with_a_reason_is_asked_then_taken_from_the_pressers_reply(harness: MatrixHarness) -> None:
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
+    prompts = await harness.wait_for_notices(harness.admin, 1)
+    assert "reply to this message with your reason" in prompts[0]
+    [prompt] = [e["event_id"] for e in harness._bot_events(harness.home) if e["content"].get("msgtype") == "m.notice"]
+    relates = {"m.relates_to": {"m.in_reply_to": {"event_id": prompt}}}
+    # someone else's reply is not the reason; the presser's is
+    await asyncio.to_thread(harness.people[harness.member].say, harness.home, "it is fine, ship it", **relates)
+    await asyncio.to_thread(harness.people[harness.admin].say, harness.home, "touches production", **relates)
+    [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses)
+    assert (press.data, press.reason, press.actor) == (
+        card.button_data(Decision.DENY),
+        "touches production",
+        f"matrix:{harness.admin}",
+    )
+
+
+# --------------------------------------------------------------------------- encrypted rooms
+
+
+async def test_an_encrypted_room_is_told_once_how_to_make_an_unencrypted_one(harness: MatrixHarness) -> None:
+    alice = harness.people[harness.admin]
+    room = await asyncio.to_thread(alice.create_room, invite=[harness.bot.user_id], encrypted=True)
+    await asyncio.to_thread(harness.bot.join, room)
+    harness.since[room] = await asyncio.to_thread(alice.now, room)
+    before = failure_count("encrypted_room", "matrix")
+    await harness.start(chats=[harness.home, room])
+    encrypted = {"algorithm": "m.megolm.v1.aes-sha2", "ciphertext": "AwgAEpABfake", "sender_key": "k",
+                 "session_id": "s", "device_id": alice.device_id}  # fmt: skip
+    await asyncio.to_thread(alice.send, room, encrypted, "m.room.encrypted")
+    # a plain message after them in the same room: when it arrives, every event before it there was read
+    await harness.say(room, harness.admin, "after")
+    await texts_arrived(harness, 1)
+    await harness.settled()
+    assert harness.bot_texts(room) == [ENCRYPTED_NOTICE]
+    assert "unencrypted room" in ENCRYPTED_NOTICE
+    assert failure_count("encrypted_room", "matrix") == before + 1
+    assert harness.recorder.inbound[0].text == "after"
+
+
+# --------------------------------------------------------------------------- kazma doctor
+
+
+async def test_doctor_names_the_account_the_home_room_and_an_encrypted_one(harness: MatrixHarness) -> None:
+    base = MatrixConfig(homeserver=harness.server.url, access_token=harness.bot.token, home_room=harness.home)
+    async with httpx.AsyncClient(timeout=30) as client:
+        good = await check_matrix(base, client)
+        assert [c.level for c in good] == [Level.OK, Level.OK]
+        assert harness.bot.user_id in good[0].detail
+        other = base.model_copy(update={"user_id": harness.admin})
+        [wrong] = await check_matrix(other, client)
+        assert wrong.level is Level.FAIL
+        assert "not @alice" in wrong.detail
+        [refused] = await check_matrix(base.model_copy(update={"access_token": "syt_not_a_token"}), client)
+        assert refused.level is Level.FAIL
+        assert "refused" in refused.detail
+        assert "syt_not_a_token" not in refused.detail
+        alice = harness.people[harness.admin]
+        locked = await asyncio.to_thread(alice.create_room, invite=[harness.bot.user_id], encrypted=True)
+        unjoined = await asyncio.to_thread(alice.create_room)
+        await asyncio.to_thread(harness.bot.join, locked)
+        _, encrypted = await check_matrix(base.model_copy(update={"home_room": locked}), client)
+        assert encrypted.level is Level.FAIL
+        assert "end-to-end encrypted" in encrypted.detail
+        _, absent = await check_matrix(base.model_copy(update={"home_room": unjoined}), client)
+        assert absent.level is Level.FAIL
+        assert "has not joined" in absent.detail
+
+
+# --------------------------------------------------------------------------- direct rooms
+
+
+async def test_the_bot_joins_a_direct_room_only_from_someone_dm_policy_allows(harness: MatrixHarness) -> None:
+    await harness.start(direct=DirectPolicy.of([f"matrix:{harness.admin}"], ()))
+    alice, bob = harness.people[harness.admin], harness.people[harness.member]
+    refused = await asyncio.to_thread(bob.create_room, invite=[harness.bot.user_id], direct=True)
+    allowed = await asyncio.to_thread(alice.create_room, invite=[harness.bot.user_id], direct=True)
+
+    def joined() -> list[str]:
+        return list(harness.bot.request("GET", "/_matrix/client/v3/joined_rooms")["joined_rooms"])
+
+    async with asyncio.timeout(30):
+        while allowed not in await asyncio.to_thread(joined):
+            await asyncio.sleep(0.05)
+    harness.since[allowed] = await asyncio.to_thread(alice.now, allowed)
+    await harness.say(allowed, harness.admin, "hello in private")
+    [inbound] = await harness.recorder.wait_until(lambda: harness.recorder.inbound)
+    assert (inbound.chat, inbound.direct, inbound.text) == (allowed, True, "hello in private")
+    assert refused not in await asyncio.to_thread(joined)  # an invitation from someone else is left alone
+    direct = await asyncio.to_thread(harness.bot.account_data, "m.direct")
+    assert direct is not None
+    assert allowed in direct[harness.admin]  # kept with the account, as clients keep direct rooms
+
+
+async def test_a_position_the_homeserver_would_not_keep_repeats_nothing(harness: MatrixHarness) -> None:
+    await harness.start()
+    before = failure_count("sync", "matrix")
+    harness.proxy.fail("PUT", r"/account_data/org\.kazma\.sync$", 500, times=1)  # the save after the first message
+    await harness.say(harness.home, harness.admin, "one")
+    await harness.say(harness.home, harness.admin, "two")
+    await texts_arrived(harness, 2)
+    await harness.say(harness.home, harness.admin, "three")
+    found = await texts_arrived(harness, 3)
+    await harness.settled()
+    assert [i.text for i in harness.recorder.inbound] == found == ["one", "two", "three"]
+    assert failure_count("sync", "matrix") == before + 1  # counted, and the batch was taken again
+
+
+async def test_a_card_posted_again_is_the_same_event_not_a_second_card(harness: MatrixHarness) -> None:
+    """What the bus counts on (``idempotent_posts``) when a post's answer was lost or its process died: the
+    transaction id makes the homeserver give the first event back, also to a new process with the token."""
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    harness.proxy.fail("PUT", r"/send/m\.room\.message/kazma-card-", 500, after=True)  # landed; answer lost
+    with pytest.raises(PlatformError):
+        await adapter.post_card(card)
+    await adapter.stop()
+    again = await harness.start()
+    first = await again.post_card(card)
+    second = await again.post_card(card)
+    assert first.message_id == second.message_id
+    cards = [e for e in harness._bot_events(harness.home) if "org.kazma.choices" in e["content"]]
+    assert [e["event_id"] for e in cards] == [first.message_id]
+
+
+async def test_the_card_carries_its_reactions_so_one_click_presses(harness: MatrixHarness) -> None:
+    adapter = await harness.start()
+    ref = await adapter.post_card(make_card({"path": "/tmp/x"}))
+    await adapter.quiesce()  # the reactions follow the post
+    path = f"/_matrix/client/v1/rooms/{quote(ref.chat)}/relations/{quote(ref.message_id)}/m.annotation"
+    reactions = (await asyncio.to_thread(harness.people[harness.admin].request, "GET", path))["chunk"]
+    offered = sorted((e["sender"], e["content"]["m.relates_to"]["key"]) for e in reactions)
+    assert offered == sorted((harness.bot.user_id, key) for key in ("✅", "❌", "💬"))
+    await harness.say(harness.home, harness.admin, "after")
+    await texts_arrived(harness, 1)
+    await harness.settled()
+    assert harness.recorder.presses == []  # the bot's own reactions press nothing
+
+
+async def test_a_notice_is_a_bots_message(harness: MatrixHarness) -> None:
+    await harness.start()
+    other_bot = harness.people[harness.member]
+    await asyncio.to_thread(other_bot.send, harness.home, {"msgtype": "m.notice", "body": "@builder deploy it"})
+    [inbound] = await harness.recorder.wait_until(lambda: harness.recorder.inbound)
+    assert (inbound.from_bot, inbound.mentions) == (True, ("builder",))
