@@ -97,12 +97,12 @@ class QueuesCards(Protocol):
     """A publisher whose card posts can be queued in the very transaction that opens the request, so no
     request is ever pending without them (a crash between two commits left exactly that)."""
 
-    async def queue_statements(self, request_id: str) -> Callable[[Tx], object] | None:
+    async def queue_statements(self, request_id: str, policy: str | None = None) -> Callable[[Tx], object] | None:
         """The statements that queue ``request_id``'s posts, or None when they cannot share that transaction
         (the publisher then gets :meth:`CardPublisher.publish` after it)."""
         ...
 
-    def cards_queued(self, request_id: str) -> None:
+    def cards_queued(self, request_id: str, policy: str | None = None) -> None:
         """The transaction holding those statements committed: post the cards now."""
         ...
 
@@ -405,7 +405,7 @@ class ApprovalService:
         )
         publisher: object = self.publisher  # (a protocol narrowed to another protocol reads as unreachable)
         queuer = publisher if isinstance(publisher, QueuesCards) else None
-        queue = None if queuer is None else await queuer.queue_statements(new.id)
+        queue = None if queuer is None else await queuer.queue_statements(new.id, name)
         also: list[Callable[[Tx], object]] = (
             [] if gate is None else [lambda tx: gate.opened(tx, new.id, self.store.chain)]
         )
@@ -432,7 +432,7 @@ class ApprovalService:
             await failpoints.reached("approvals.open.committed", lambda: simulated_failure(self.store.tables, "open"))
         self._tell(request.id)
         if queuer is not None and queue is not None:
-            queuer.cards_queued(request.id)
+            queuer.cards_queued(request.id, name)
         elif self.publisher is not None:
             try:
                 await self.publisher.publish(self.card(request))
@@ -858,6 +858,13 @@ class ApprovalService:
                 f"pressed in {where.chat if where else None}/{where.message_id if where else None}, "
                 "where no card of this request was posted",
                 "This button is not on a card of that request.",
+            )
+        if problem == CardProblem.NOT_YOURS:
+            return (
+                f"pressed in {where.chat if where else None}/{where.message_id if where else None}: a card sent to "
+                "another person in a direct message",
+                "This card was sent to another person in a direct message: only they can decide with it. Nothing "
+                "was recorded.",
             )
         return (
             "approve pressed on a card that does not show the whole call",

@@ -21,12 +21,14 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainValidator,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from kazma.config.audit_config import AuditConfig
+from kazma.config.card_routes import CardTarget, RouteEntry, card_targets, parse_route_entry, route_problems
 from kazma.config.identity import Roster
 from kazma.config.keyring import KEY_VARIABLES, keys_folder
 from kazma.config.limits import DEFAULT_FILE_BYTES, DEFAULT_FILE_COUNT, MAX_TOOL_OUTPUT_CHARS, MAX_WORKERS, MIB
@@ -535,6 +537,9 @@ class PolicyConfig(Strict):
     forbid_requester: bool = False
     # Approve only on the approval page, after a fresh passkey assertion with user verification.
     step_up: bool = False
+    # Where its cards go: chats ("telegram:-100…") and direct messages ({dm: alice, via: telegram}); None: every
+    # platform's home chat (see kazma.config.card_routes).
+    to: list[Annotated[RouteEntry, PlainValidator(parse_route_entry)]] | None = None
 
     @property
     def single(self) -> bool:
@@ -1083,7 +1088,7 @@ class KazmaConfig(Strict):
     def _policies_can_be_met(self) -> KazmaConfig:
         for name, policy in self.approvals.policies.items():
             where = f"approvals.policies.{name}"
-            for problem, key in policy_problems(self, name, policy):
+            for problem, key in [*policy_problems(self, name, policy), *route_problems(self, name, policy)]:
                 raise PydanticCustomError(
                     "kazma_policy", "{problem}", {"subpath": f"{where}.{key}", "problem": problem}
                 )
@@ -1292,6 +1297,10 @@ class KazmaConfig(Strict):
         if found is None and name == DEFAULT_POLICY:
             return PolicyConfig()
         return found
+
+    def card_targets(self, policy: str | None) -> tuple[CardTarget, ...]:
+        """Where the cards of a request under ``policy`` (None: the default) are posted."""
+        return card_targets(self, self.policy(policy or DEFAULT_POLICY))
 
     def danger_level(self, tool: str) -> DangerLevel:
         """The configured level; anything unclassified is dangerous (the floor)."""

@@ -528,11 +528,23 @@ class DiscordAdapter(PlatformBase):
     idempotent_posts = True
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
-        site = "card_post"
-        client = self._connected(site)
         home = self.home_chat
         if home is None:
-            raise self.refuse(site, "no home_channel configured")
+            raise self.refuse("card_post", "no home_channel configured")
+        return await self.post_card_in(card, home)
+
+    async def direct_chat(self, user: str) -> str:
+        """The bot's DM channel with ``user`` (``POST /users/@me/channels``; Discord gives the same one again)."""
+        site = "card_dm"
+        client = self._connected(site)
+        recipient = discord.Object(id=self._snowflake(site, user))
+        channel = await self._rest(site, lambda: client.create_dm(recipient))  # type: ignore[arg-type]
+        return str(channel.id)
+
+    async def post_card_in(self, card: ApprovalCard, chat: str) -> CardRef:
+        site = "card_post"
+        client = self._connected(site)
+        home = chat
         channel = client.get_partial_messageable(self._snowflake(site, home))
         try:
             laid = render_card(card, approve_partial=self.approve_partial)

@@ -563,10 +563,23 @@ class SlackAdapter(PlatformBase):
         return str(response.get("ts"))
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
-        site = "card_post"
         channel = self.home_chat
         if channel is None:
-            raise self.refuse(site, "no home_channel is configured")
+            raise self.refuse("card_post", "no home_channel is configured")
+        return await self.post_card_in(card, channel)
+
+    async def direct_chat(self, user: str) -> str:
+        """The app's direct-message channel with ``user`` (``conversations.open``; the same one every time)."""
+        response = await self.call("card_dm", None, lambda: self.client.conversations_open(users=user))
+        channel = response.get("channel")
+        found = channel.get("id") if isinstance(channel, dict) else None
+        if not isinstance(found, str) or not found:
+            raise self.refuse("card_dm", f"conversations.open gave no channel for {user}")
+        return found
+
+    async def post_card_in(self, card: ApprovalCard, chat: str) -> CardRef:
+        site = "card_post"
+        channel = chat
         try:
             laid = render_card(card, approve_partial=self.approve_partial)
         except ValueError as exc:

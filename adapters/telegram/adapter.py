@@ -576,11 +576,19 @@ class TelegramAdapter(PlatformBase):
         await app.bot.send_chat_action(chat_id=chat_id, action=ChatAction.TYPING, message_thread_id=thread_id)
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
-        site = "card_post"
-        app = self._bot_app(site)
         home = self.home_chat
         if home is None:
-            raise self.refuse(site, "no home_chat configured for approval cards")
+            raise self.refuse("card_post", "no home_chat configured for approval cards")
+        return await self.post_card_in(card, home)
+
+    async def direct_chat(self, user: str) -> str:
+        """A private chat's id is its user's id; Telegram refuses the post (403) if they never started the bot."""
+        return str(self._chat_id("card_post", user))
+
+    async def post_card_in(self, card: ApprovalCard, chat: str) -> CardRef:
+        site = "card_post"
+        app = self._bot_app(site)
+        home = chat
         self._chat_id(site, home)
         laid = self._render(site, card, None, home)
         if not button_data_fits(laid.view):
