@@ -235,12 +235,11 @@ class FanOutBus:
 
     def _places(self, adapter: PlatformAdapter, policy: str | None) -> list[CardTarget]:
         """Where ``adapter``'s platform shows the cards of a request under ``policy`` (its ``to:``; none
-        written: the home chat, when there is one)."""
-        return [
-            t
-            for t in self.config.card_targets(policy)
-            if t.platform == adapter.name and (t.chat is not None or t.user is not None or adapter.home_chat)
-        ]
+        written: the home chat, when there is one; the console's too)."""
+        routed = self.config.card_targets(policy)
+        if routed is None:
+            return [CardTarget(adapter.name)] if adapter.home_chat else []
+        return [t for t in routed if t.platform == adapter.name]
 
     def _targets(self, policy: str | None = None) -> list[str]:
         """The platforms that show a card of a request under ``policy`` (one outbox row each)."""
@@ -515,8 +514,14 @@ class FanOutBus:
                 count_failure("card_post", adapter.name)
                 if isinstance(exc, TimeoutError) or exc.retryable:
                     retry = exc if retry is None else retry
-                    log.warning("bus.card_post_failed", platform=adapter.name, request_id=job.request_id,
-                                attempt=job.attempts + 1, person=place.person, error=str(exc) or type(exc).__name__)  # fmt: skip
+                    log.warning(
+                        "bus.card_post_failed",
+                        platform=adapter.name,
+                        request_id=job.request_id,
+                        attempt=job.attempts + 1,
+                        person=place.person,
+                        error=str(exc) or type(exc).__name__,
+                    )
                 else:
                     failed.append(str(exc))
                     log.error("bus.card_post_gave_up", platform=adapter.name, request_id=job.request_id,

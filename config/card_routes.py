@@ -125,9 +125,7 @@ def _dm_platforms(config: KazmaConfig, person: str, route: DmRoute) -> tuple[str
     have an identity."""
     if route.via:
         return route.via
-    return tuple(
-        p for p in CHAT_PLATFORMS if _platform_on(config, p) and config.people.identities_on(person, p)
-    )
+    return tuple(p for p in CHAT_PLATFORMS if _platform_on(config, p) and config.people.identities_on(person, p))
 
 
 def route_problems(config: KazmaConfig, name: str, policy: PolicyConfig) -> list[tuple[str, str]]:
@@ -177,10 +175,10 @@ def route_problems(config: KazmaConfig, name: str, policy: PolicyConfig) -> list
     return found
 
 
-def card_targets(config: KazmaConfig, policy: PolicyConfig | None) -> tuple[CardTarget, ...]:
-    """Every place a card under ``policy`` is posted, on every chat platform (the bus keeps those it serves)."""
+def card_targets(config: KazmaConfig, policy: PolicyConfig | None) -> tuple[CardTarget, ...] | None:
+    """Every place a card under ``policy`` is posted; None: every platform's home chat (no ``to:`` written)."""
     if policy is None or policy.to is None:
-        return tuple(CardTarget(p) for p in CHAT_PLATFORMS)
+        return None
     found: dict[CardTarget, None] = {}
     for entry in policy.to:
         if isinstance(entry, ChatRoute):

@@ -1298,8 +1298,9 @@ class KazmaConfig(Strict):
             return PolicyConfig()
         return found
 
-    def card_targets(self, policy: str | None) -> tuple[CardTarget, ...]:
-        """Where the cards of a request under ``policy`` (None: the default) are posted."""
+    def card_targets(self, policy: str | None) -> tuple[CardTarget, ...] | None:
+        """Where the cards of a request under ``policy`` (None: the default) are posted; None: in every
+        platform's home chat (the console's included), as before policies could route."""
         return card_targets(self, self.policy(policy or DEFAULT_POLICY))
 
     def danger_level(self, tool: str) -> DangerLevel:

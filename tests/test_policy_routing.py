@@ -12,7 +12,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from kazma.approvals.model import Decision, Status
+from kazma.approvals.model import Status
 from kazma.bot.app import App
 from tests.fakes.discord import ALICE_ID, HOME_CHANNEL_ID, FakeUser
 from tests.fakes.slack import direct_channel

@@ -300,6 +300,10 @@ class DiscordAdapter(PlatformBase):
         async def plan(interaction: discord.Interaction[_Client]) -> None:
             await adapter._on_command(interaction, "plan", "")
 
+        @tree.command(name="approvals", description="List the approval requests waiting for you")
+        async def approvals(interaction: discord.Interaction[_Client]) -> None:
+            await adapter._on_command(interaction, "approvals", "")
+
     async def _sync_commands(self, tree: app_commands.CommandTree[_Client]) -> None:
         if not self._sync_commands_enabled:
             return
@@ -538,7 +542,7 @@ class DiscordAdapter(PlatformBase):
         site = "card_dm"
         client = self._connected(site)
         recipient = discord.Object(id=self._snowflake(site, user))
-        channel = await self._rest(site, lambda: client.create_dm(recipient))  # type: ignore[arg-type]
+        channel = await self._rest(site, lambda: client.create_dm(recipient))
         return str(channel.id)
 
     async def post_card_in(self, card: ApprovalCard, chat: str) -> CardRef:

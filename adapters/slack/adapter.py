@@ -285,6 +285,7 @@ class SlackAdapter(PlatformBase):
         self.app.event("app_mention")(self._on_message)
         self.app.command("/swarm")(self._on_command)
         self.app.command("/plan")(self._on_command)
+        self.app.command("/approvals")(self._on_command)
         self.app.action(APPROVE_ACTION)(self._on_action)
         self.app.action(DENY_ACTION)(self._on_action)
         self.app.action(REMEMBER_ACTION)(self._on_action)

@@ -60,7 +60,7 @@ from kazma.adapters.kit import PlatformBase
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified
 from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip
-from kazma.adapters.telegram.inbound import PLAN_COMMAND, SWARM_COMMAND, normalise
+from kazma.adapters.telegram.inbound import APPROVALS_COMMAND, PLAN_COMMAND, SWARM_COMMAND, normalise
 from kazma.adapters.telegram.reasons import Prompt, ReasonPrompts
 from kazma.adapters.telegram.render import (
     CALLBACK_DATA_LIMIT,
@@ -289,6 +289,7 @@ class TelegramAdapter(PlatformBase):
                 [
                     BotCommand(SWARM_COMMAND, "Drive the agent swarm"),
                     BotCommand(PLAN_COMMAND, "Show the current plan"),
+                    BotCommand(APPROVALS_COMMAND, "List the approval requests waiting for you"),
                 ]
             )
         except TelegramError as exc:

@@ -30,6 +30,7 @@ from kazma.adapters.admission import FileBounds
 from kazma.adapters.contract import Attachment, PlatformError
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
+from kazma.approvals.waiting import WaitingForYou
 from kazma.bot.console.accounts import AccountStore
 from kazma.bot.console.api import caller_of
 from kazma.bot.console.api import register as register_api
@@ -70,6 +71,7 @@ from kazma.bot.console.signin_pages import bootstrap_form
 from kazma.bot.console.static import CONSOLE_JS
 from kazma.bot.console.step_up import StepUp
 from kazma.bot.console.upload import UploadRefused, read_upload
+from kazma.bot.console.waiting_page import waiting_page
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure, with_label
 from kazma.engine.swarm.grammar import parse
 from kazma.engine.swarm.limits import MAX_COMMAND_BYTES, MAX_PROMPT_BYTES
@@ -237,6 +239,7 @@ class WebServer:
                 ("POST", "/approvals/{id}/step-up/options"): step_up.options,
                 ("POST", "/approvals/{id}/step-up"): step_up.approve,
                 ("GET", "/swarm"): self.swarm,
+                ("GET", "/approvals"): self.waiting,
                 ("POST", "/swarm/tasks/{id}/{action}"): self.task_action,
                 ("POST", "/swarm/command"): self.swarm_command,
                 ("POST", "/approvals/rules/{id}/revoke"): self.revoke_rule,
@@ -570,6 +573,12 @@ class WebServer:
             return await self._approval(session, approval)
         # a page is always read fresh (after a form's redirect it must show what the form did)
         return html_response(dashboard_page(session, await self._dashboard_data(), flash=session.take_flash()))
+
+    async def waiting(self, request: web.Request) -> web.Response:
+        """What waits for the signed-in person; a shared token's session is nobody, so nothing is listed."""
+        session = self._auth().current()
+        listed = await WaitingForYou(self.services.approvals).for_actor(session.actor) if session.proven else None
+        return html_response(waiting_page(session, listed, flash=session.take_flash()))
 
     async def _dashboard_data(self) -> DashboardData:
         version = self.feed.version if self.feed is not None else 0  # read first: a change during the load is newer

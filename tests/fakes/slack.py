@@ -59,6 +59,8 @@ DEFAULT_SCOPES = (
     "files:read",
     "files:write",
 )
+
+
 def direct_channel(user: str) -> str:
     """The id of the app's direct-message channel with ``user`` on this fake (Slack's start with D)."""
     return "D" + user[1:]
