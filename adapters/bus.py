@@ -474,9 +474,11 @@ class FanOutBus:
             await self.outbox.done(job, "dropped", "unknown request")
             return
         if request.status is not Status.PENDING:
-            if job.attempts and not any(c.platform == adapter.name for c in await self.store.cards(request.id)):
+            routed = self._places(adapter, request.policy)
+            known = {c.chat for c in await self.store.cards(request.id) if c.platform == adapter.name}
+            if job.attempts and len(known) < len(routed):
                 if isinstance(adapter, IdempotentPosts) and adapter.idempotent_posts:
-                    await self._find_by_nonce(adapter, job, request)
+                    await self._find_by_nonce(adapter, job, request, routed, known)
                     return
                 # A post was under way when a process stopped: it may have landed without being recorded. Its
                 # buttons are refused while the request is pending; a press on it now finds it, and it is edited
@@ -575,31 +577,51 @@ class FanOutBus:
         assert isinstance(adapter, RoutesCards)
         return await asyncio.wait_for(adapter.post_card_in(card, chat), timeout=self.platform_timeout)
 
-    async def _find_by_nonce(self, adapter: PlatformAdapter, job: PostJob, request: ApprovalRequest) -> None:
+    async def _find_by_nonce(
+        self,
+        adapter: PlatformAdapter,
+        job: PostJob,
+        request: ApprovalRequest,
+        places: list[CardTarget],
+        recorded: set[str],
+    ) -> None:
         """The request ended while an attempt at its post was unrecorded: post it again with the same nonce, so
         the platform gives the first message back (or, had it never landed, posts it now), record it and settle
-        it to the outcome. Its buttons never decide: the request is no longer pending."""
+        it to the outcome. Its buttons never decide: the request is no longer pending. Only where the policy
+        sends its cards (a DM card is found in that DM, never in the home chat)."""
         try:
             card = self._card_for(request)
         except CardIntegrityError:
             card = integrity_card(request, public_url=self.config.web.public_url)
         if not await self.outbox.claim(job, self.claim_seconds):
             return
-        try:
-            ref = await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
-        except (PlatformError, TimeoutError) as exc:
-            count_failure("card_post", adapter.name)
-            if isinstance(exc, TimeoutError) or exc.retryable:
-                retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
-                await self.outbox.retry_later(job, RETRY.delay(job.attempts, retry_after=retry_after), str(exc))
-            else:
-                await self.outbox.done(job, "failed", str(exc))
-            log.warning("bus.card_find_failed", platform=adapter.name, request_id=request.id, error=str(exc))
-            return
-        await self._record_post(request.id, ref, ended=True)
+        found = 0
+        for place in places:
+            try:
+                chat = await self._chat_of(adapter, place)
+                if chat in recorded:
+                    continue
+                if chat == adapter.home_chat:
+                    ref = await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
+                else:
+                    assert isinstance(adapter, RoutesCards)  # _chat_of refuses a route elsewhere
+                    ref = await asyncio.wait_for(adapter.post_card_in(card, chat), timeout=self.platform_timeout)
+            except (PlatformError, TimeoutError) as exc:
+                count_failure("card_post", adapter.name)
+                if isinstance(exc, TimeoutError) or exc.retryable:
+                    retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
+                    await self.outbox.retry_later(job, RETRY.delay(job.attempts, retry_after=retry_after), str(exc))
+                else:
+                    await self.outbox.done(job, "failed", str(exc))
+                log.warning("bus.card_find_failed", platform=adapter.name, request_id=request.id, error=str(exc))
+                return
+            await self._record_post(request.id, ref, ended=True, bound_to=place.person)
+            found += 1
+            log.info("bus.card_found_by_nonce", platform=adapter.name, request_id=request.id,
+                     message_id=ref.message_id)  # fmt: skip
         await self.outbox.done(job, "posted", f"found again by its nonce after the request was {request.status.value}")
-        log.info("bus.card_found_by_nonce", platform=adapter.name, request_id=request.id, message_id=ref.message_id)
-        await self.settle(request.id)
+        if found:
+            await self.settle(request.id)
 
     async def _record_post(
         self, request_id: str, ref: CardRef, *, ended: bool = False, bound_to: str | None = None

@@ -87,6 +87,8 @@ def parse_route_entry(value: Any) -> RouteEntry:
             raise _error("", "{problem}, got {got}", problem=problem, got=repr(value))
         return ChatRoute(platform, chat.strip())
     if isinstance(value, Mapping):
+        if True in value:  # `on: telegram` as YAML 1.1 reads it
+            raise _error("on", "unknown key: a platform is named with via (YAML reads a bare 'on' as true)")
         unknown = sorted(str(k) for k in value if k not in DM_KEYS)
         if unknown:
             raise _error(unknown[0], "unknown key (expected one of: dm, via)")

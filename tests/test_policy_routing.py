@@ -12,11 +12,24 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from kazma.adapters.contract import RoutesCards
+from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import Status
-from kazma.bot.app import App
+from kazma.approvals.store import NewRequest, Rules, new_request_id
+from kazma.bot.app import App, build_app
+from kazma.config import load_config_text
 from tests.fakes.discord import ALICE_ID, HOME_CHANNEL_ID, FakeUser
 from tests.fakes.slack import direct_channel
-from tests.platforms_support import SLACK_ADMIN, SLACK_CHANNEL, TG_ADMIN, TG_CHAT, Fakes, kazma_on, three_fakes
+from tests.platforms_support import (
+    SLACK_ADMIN,
+    SLACK_CHANNEL,
+    TG_ADMIN,
+    TG_CHAT,
+    Fakes,
+    adapters_for,
+    kazma_on,
+    three_fakes,
+)
 
 BOB_TG = 333
 CAROL_SLACK = "U0CAROL01"
@@ -172,3 +185,67 @@ async def test_dm_cards_on_slack_and_discord_each_bound_and_settled_to_one_outco
         assert [r.reviewer for r in await app.service.store.reviews(request.id)] == ["alice", "bob"]
         await fakes.wait(lambda: not fakes.slack.message(slack_dm, on_slack.ts).block("kazma_actions"))
         await fakes.wait(lambda: not fakes.discord.messages[int(on_discord["id"])].get("components"))
+
+
+async def test_a_policy_routed_to_chats_posts_in_those_chats_only(tmp_path: Path) -> None:
+    other = -1002
+    async with three_fakes() as fakes:
+        yaml = fakes.config_yaml(
+            tmp_path / "k.db",
+            approvals=POLICIES.replace("policies: {", f'policies: {{chats: {{to: ["telegram:{other}", '
+                                       f'"slack:{SLACK_CHANNEL}"]}},'),
+            extra=PEOPLE,
+        ).replace(f"chats: [{TG_CHAT}]", f"chats: [{TG_CHAT}, {other}]")  # fmt: skip
+        loaded = load_config_text(yaml, environ={})
+        adapters = adapters_for(loaded)
+        app = await build_app(loaded, adapters=adapters, poll_interval=0.05, workspace_root=tmp_path / "ws")
+        await app.start()
+        try:
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", policy="chats")
+            assert await _posts_done(app, request.id) == [("slack", "posted"), ("telegram", "posted")]
+            assert _cards_anywhere_but(fakes, {"telegram": other, "slack": SLACK_CHANNEL}) == []
+            (card,) = fakes.telegram.bot_messages(other)
+            assert card.buttons
+            assert fakes.slack.channel(SLACK_CHANNEL)
+            assert {(c.platform, c.chat, c.bound_to) for c in await app.service.store.cards(request.id)} == {
+                ("telegram", str(other), None),
+                ("slack", SLACK_CHANNEL, None),
+            }
+            approve = next(str(b["callback_data"]) for b in card.buttons if str(b["callback_data"]).endswith(":a"))
+            fakes.telegram.push_callback(other, card.message_id, BOB_TG, approve)  # any approver, in a chat
+            outcome = await asyncio.wait_for(app.service.wait(request.id), timeout=20)
+            assert (outcome.status, outcome.person) == (Status.APPROVED, "bob")
+            await fakes.wait(lambda: not fakes.telegram.message(other, card.message_id).buttons)
+            await fakes.wait(lambda: not any(m.block("kazma_actions") for m in fakes.slack.channel(SLACK_CHANNEL)))
+        finally:
+            await app.stop()
+
+
+async def test_a_dm_card_a_crash_left_unrecorded_is_found_in_that_dm_never_in_the_home_channel(tmp_path: Path) -> None:
+    """Discord gives an unrecorded post back by its nonce once the request ended: the post tried again goes
+    where the policy sends the card (bob's DM), so the found card settles there and nothing lands at home."""
+    async with (
+        three_fakes() as fakes,
+        kazma_on(fakes, tmp_path / "k.db", approvals=POLICIES, extra=PEOPLE) as app,
+    ):
+        approvals = app.service.store
+        new = NewRequest(new_request_id(), "shell", canonical_json(ARGS), args_hash(ARGS), "agent:builder",
+                         "telegram:-1001", approvals.clock() + 600, rules=Rules("both-dm", 2, 1))  # fmt: skip
+        request, _ = await approvals.insert_once(new)
+        discord_adapter = app.bus.adapters["discord"]
+        assert isinstance(discord_adapter, RoutesCards)
+        dm = await discord_adapter.direct_chat(str(ALICE_ID))  # bob's DM: posted, then the process died
+        await discord_adapter.post_card_in(app.service.card(request), dm)
+        await app.service.cancel(request.id, reason="Kazma restarted before a decision")
+        now = approvals.clock()
+        await approvals.tables.run(
+            "INSERT INTO card_outbox (request_id, platform, created_at, next_at, attempts) VALUES (?, ?, ?, ?, 1)",
+            (request.id, "discord", now, now),
+        )
+        app.bus.posts_waiting()  # type: ignore[union-attr]
+        await fakes.wait(lambda: not any(m.get("components") for m in fakes.discord.channel_messages(int(dm))))
+        (found,) = [m for m in fakes.discord.channel_messages(int(dm)) if m.get("embeds")]
+        assert "CANCELLED" in str(found["embeds"])
+        assert fakes.discord.nonce_replays == 1
+        assert not fakes.discord.channel_messages(HOME_CHANNEL_ID)
+        assert [(c.chat, c.bound_to) for c in await approvals.cards(request.id)] == [(dm, "bob")]
