@@ -103,6 +103,12 @@ async def test_the_console_approvals_page_lists_what_waits_for_the_signed_in_per
             assert "2 approval requests waiting for you (alice)" in page
             assert f"/swarm?approval={two.id}" in page
             assert f"/swarm?approval={one.id}" in page
+            # the console's message box answers /approvals to her, never through an agent
+            said = await (
+                await alice.post(f"{con.base}/console/send", data={"csrf": csrf, "text": "/approvals"})
+            ).text()
+            assert "Waiting for you (alice): 2 approval requests" in said
+            assert con.provider.calls == 0
             decided = await alice.post(
                 f"{con.base}/approvals/{two.id}/decide", data={"csrf": csrf, "decision": "approve"},
                 allow_redirects=False,
@@ -122,7 +128,11 @@ async def test_the_console_approvals_page_lists_what_waits_for_the_signed_in_per
             assert "may not decide approvals here" in page
             assert "/swarm?approval=" not in page
         async with con.client() as typed:  # the shared reader token, under alice's name: proves nobody
-            await con.login(typed, "alice", READER)
+            reader_csrf = await con.login(typed, "alice", READER)
+            said = await (
+                await typed.post(f"{con.base}/console/send", data={"csrf": reader_csrf, "text": "/approvals"})
+            ).text()
+            assert "A shared token is nobody" in said
             answer = await typed.get(f"{con.base}/approvals")
             assert answer.status == 200
             page = await answer.text()

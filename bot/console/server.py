@@ -30,7 +30,7 @@ from kazma.adapters.admission import FileBounds
 from kazma.adapters.contract import Attachment, PlatformError
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
-from kazma.approvals.waiting import WaitingForYou
+from kazma.approvals.waiting import WaitingForYou, WaitingList
 from kazma.bot.console.accounts import AccountStore
 from kazma.bot.console.api import caller_of
 from kazma.bot.console.api import register as register_api
@@ -71,7 +71,7 @@ from kazma.bot.console.signin_pages import bootstrap_form
 from kazma.bot.console.static import CONSOLE_JS
 from kazma.bot.console.step_up import StepUp
 from kazma.bot.console.upload import UploadRefused, read_upload
-from kazma.bot.console.waiting_page import waiting_page
+from kazma.bot.console.waiting_page import NOBODY, waiting_page
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure, with_label
 from kazma.engine.swarm.grammar import parse
 from kazma.engine.swarm.limits import MAX_COMMAND_BYTES, MAX_PROMPT_BYTES
@@ -108,7 +108,7 @@ def _swarm_too_long(length: int) -> str:
 
 def _for_readers(text: str) -> bool:
     """What a reader may type: commands answered to them (nothing, which is answered "Nothing to send")."""
-    return text in ("", "/swarm", "/plan") or text.startswith("/swarm ")
+    return text in ("", "/swarm", "/plan", "/approvals") or text.startswith("/swarm ")
 
 
 def _not_found(text: str, session: Session | None = None) -> web.HTTPNotFound:
@@ -377,7 +377,8 @@ class WebServer:
 
     async def send(self, request: web.Request) -> web.Response:
         """The message box. Operators talk to the agents (and answer questions by replying); of what a reader
-        types, only ``/swarm`` reads and ``/plan`` are answered — to the reader, never through an agent."""
+        types, only ``/swarm`` reads, ``/plan`` and ``/approvals`` are answered — to the reader, never through an
+        agent."""
         session, fields = await self._auth().form(request)
         text = fields.get("text", "").strip()
         reply_to = fields.get("reply_to") or None
@@ -395,6 +396,9 @@ class WebServer:
             session.flash.append(f"The message is {len(text):,} characters; at most {MAX_TEXT:,} are accepted.")
         elif text == "/plan":
             session.flash.append(await self.services.describe_plans(f"web:{CONSOLE}"))
+        elif text == "/approvals":
+            listed = await self._waiting_for(session)
+            session.flash.append(NOBODY if listed is None else listed.text())
         else:
             await self._to_agents(session, text, reply_to=reply_to)
         raise web.HTTPSeeOther("/")
@@ -577,8 +581,13 @@ class WebServer:
     async def waiting(self, request: web.Request) -> web.Response:
         """What waits for the signed-in person; a shared token's session is nobody, so nothing is listed."""
         session = self._auth().current()
-        listed = await WaitingForYou(self.services.approvals).for_actor(session.actor) if session.proven else None
-        return html_response(waiting_page(session, listed, flash=session.take_flash()))
+        return html_response(waiting_page(session, await self._waiting_for(session), flash=session.take_flash()))
+
+    async def _waiting_for(self, session: Session) -> WaitingList | None:
+        """What waits for the session's person (None: a shared token's session proves nobody)."""
+        if not session.proven:
+            return None
+        return await WaitingForYou(self.services.approvals).for_actor(session.actor)
 
     async def _dashboard_data(self) -> DashboardData:
         version = self.feed.version if self.feed is not None else 0  # read first: a change during the load is newer
