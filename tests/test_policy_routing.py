@@ -65,12 +65,12 @@ async def _posts_done(app: App, request_id: str) -> list[tuple[str, str]]:
 def _cards_anywhere_but(fakes: Fakes, dm_chats: dict[str, Any]) -> list[str]:
     """Every approval card on the fakes outside the given DM chats (by platform)."""
     found = []
-    for chat, messages in fakes.telegram._chats.items():
+    for chat, sent in fakes.telegram._chats.items():
         if chat != dm_chats.get("telegram"):
-            found += [f"telegram {chat}" for m in messages.values() if m.from_bot and "Approval needed" in m.text]
-    for channel, messages in fakes.slack.messages.items():
+            found += [f"telegram {chat}" for m in sent.values() if m.from_bot and "Approval needed" in m.text]
+    for channel, posted in fakes.slack.messages.items():
         if channel != dm_chats.get("slack"):
-            found += [f"slack {channel}" for m in messages.values() if m.block("kazma_actions")]
+            found += [f"slack {channel}" for p in posted.values() if p.block("kazma_actions")]
     for message in fakes.discord.messages.values():
         if int(message["channel_id"]) != dm_chats.get("discord") and message.get("embeds"):
             found.append(f"discord {message['channel_id']}")
@@ -238,9 +238,12 @@ async def test_a_dm_card_a_crash_left_unrecorded_is_found_in_that_dm_never_in_th
         await discord_adapter.post_card_in(app.service.card(request), dm)
         await app.service.cancel(request.id, reason="Kazma restarted before a decision")
         now = approvals.clock()
-        await approvals.tables.run(
-            "INSERT INTO card_outbox (request_id, platform, created_at, next_at, attempts) VALUES (?, ?, ?, ?, 1)",
-            (request.id, "discord", now, now),
+        writer = await approvals.tables.writer()
+        await writer.submit(
+            lambda tx: tx.run(
+                "INSERT INTO card_outbox (request_id, platform, created_at, next_at, attempts) VALUES (?, ?, ?, ?, 1)",
+                (request.id, "discord", now, now),
+            )
         )
         app.bus.posts_waiting()  # type: ignore[union-attr]
         await fakes.wait(lambda: not any(m.get("components") for m in fakes.discord.channel_messages(int(dm))))
