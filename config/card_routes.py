@@ -13,16 +13,14 @@ decide under the policy, is checked once the whole configuration is read (:func:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic_core import PydanticCustomError
 
-from kazma.config.registry import CHAT_PLATFORMS, chat_id_problem
-
-if TYPE_CHECKING:
-    from kazma.config.models import KazmaConfig, PolicyConfig
+from kazma.config.people import PeopleConfig
+from kazma.config.registry import CHAT_PLATFORMS, EVERY_CHAT, chat_id_problem
 
 # "via", not "on": YAML 1.1 (PyYAML) reads a bare on as true.
 DM_KEYS = ("dm", "via")
@@ -62,6 +60,31 @@ class CardTarget:
     chat: str | None = None
     user: str | None = None
     person: str | None = None
+
+
+class _Deciders(Protocol):
+    def may_decide(self, actor: str, platform: str, approvers: Sequence[str] = ()) -> bool: ...
+
+
+class _Config(Protocol):
+    """What routing reads of the configuration (``KazmaConfig``; typed here so nothing imports the models)."""
+
+    @property
+    def people(self) -> PeopleConfig: ...
+
+    @property
+    def platforms(self) -> Any: ...
+
+    @property
+    def roster(self) -> _Deciders: ...
+
+
+class _Policy(Protocol):
+    @property
+    def to(self) -> list[RouteEntry] | None: ...
+
+    @property
+    def approvers(self) -> list[str]: ...
 
 
 def _error(subpath: str, message: str, **values: Any) -> PydanticCustomError:
@@ -109,20 +132,18 @@ def parse_route_entry(value: Any) -> RouteEntry:
     )  # fmt: skip
 
 
-def _served(config: KazmaConfig, platform: str, chat: str) -> bool:
-    from kazma.config.models import EVERY_CHAT
-
+def _served(config: _Config, platform: str, chat: str) -> bool:
     spec = CHAT_PLATFORMS[platform]
     section = spec.section(config.platforms)
     listed = [str(c) for c in getattr(section, spec.chats_key)]
     return chat == spec.home(config.platforms) or chat in listed or EVERY_CHAT in listed
 
 
-def _platform_on(config: KazmaConfig, platform: str) -> bool:
+def _platform_on(config: _Config, platform: str) -> bool:
     return bool(CHAT_PLATFORMS[platform].token(config.platforms))
 
 
-def _dm_platforms(config: KazmaConfig, person: str, route: DmRoute) -> tuple[str, ...]:
+def _dm_platforms(config: _Config, person: str, route: DmRoute) -> tuple[str, ...]:
     """Where ``person`` gets the card under ``route``: the platforms it names, or every one that is on where they
     have an identity."""
     if route.via:
@@ -130,7 +151,7 @@ def _dm_platforms(config: KazmaConfig, person: str, route: DmRoute) -> tuple[str
     return tuple(p for p in CHAT_PLATFORMS if _platform_on(config, p) and config.people.identities_on(person, p))
 
 
-def route_problems(config: KazmaConfig, name: str, policy: PolicyConfig) -> list[tuple[str, str]]:
+def route_problems(config: _Config, name: str, policy: _Policy) -> list[tuple[str, str]]:
     """Why ``policy``'s ``to:`` cannot be followed, as (problem, key under ``approvals.policies.<name>``)."""
     if policy.to is None:
         return []
@@ -177,7 +198,7 @@ def route_problems(config: KazmaConfig, name: str, policy: PolicyConfig) -> list
     return found
 
 
-def card_targets(config: KazmaConfig, policy: PolicyConfig | None) -> tuple[CardTarget, ...] | None:
+def card_targets(config: _Config, policy: _Policy | None) -> tuple[CardTarget, ...] | None:
     """Every place a card under ``policy`` is posted; None: every platform's home chat (no ``to:`` written)."""
     if policy is None or policy.to is None:
         return None

@@ -33,7 +33,7 @@ from kazma.config.identity import Roster
 from kazma.config.keyring import KEY_VARIABLES, keys_folder
 from kazma.config.limits import DEFAULT_FILE_BYTES, DEFAULT_FILE_COUNT, MAX_TOOL_OUTPUT_CHARS, MAX_WORKERS, MIB
 from kazma.config.people import PERSON_NAME, PeopleConfig, parse_people, person_key
-from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, user_id_problem
+from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, EVERY_CHAT, user_id_problem
 from kazma.config.tokens import slack_app_token_problem, slack_bot_token_problem
 
 APPROVER_PLATFORMS = ACTOR_PLATFORMS
@@ -89,7 +89,6 @@ def _or_every(kind: str) -> Any:
     return BeforeValidator(check)
 
 
-EVERY_CHAT = "*"
 TelegramChat = Annotated[int | Literal["*"], _or_every("an integer chat id or '*' for every chat")]
 DiscordChannel = Annotated[int | Literal["*"], _or_every("a numeric Discord id or '*' for every channel")]
 OptionalTelegramChatId = Annotated[int | None, _optional_int("an integer chat id")]

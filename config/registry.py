@@ -125,6 +125,8 @@ CHAT_PLATFORMS: Final[dict[str, PlatformSpec]] = {
     )
 }
 
+# In a platform's chats/channels: every chat the bot is added to is served.
+EVERY_CHAT: Final = "*"
 WEB: Final = "web"
 CLI: Final = "cli"
 # Where a person can be: every chat platform, the web console and the terminal.
