@@ -12,17 +12,22 @@ token ever appears in one.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import httpx
 
 from kazma.bot.cli.checks import Check, Level
 from kazma.bot.cli.home_checks import discord_home, slack_home, telegram_home
-from kazma.bot.cli.platform_setup import DISCORD_MESSAGE_CONTENT_FLAGS, SLACK_BOT_SCOPES, SLACK_OPTIONAL_SCOPES
+from kazma.bot.cli.platform_setup import (
+    DISCORD_MESSAGE_CONTENT_FLAGS,
+    SLACK_BOT_SCOPES,
+    SLACK_DM_SCOPE,
+    SLACK_OPTIONAL_SCOPES,
+)
 from kazma.bot.logging import redact
 from kazma.config import LoadedConfig, enabled_platforms
-from kazma.config.models import DiscordConfig, SlackConfig, TelegramConfig
+from kazma.config.models import DiscordConfig, KazmaConfig, SlackConfig, TelegramConfig
 from kazma.config.platforms import console_warnings
 from kazma.config.tokens import (
     discord_token_problem,
@@ -55,9 +60,10 @@ def console_checks(loaded: LoadedConfig) -> list[Check]:
 async def check_platforms(loaded: LoadedConfig, *, timeout: float) -> dict[str, list[Check]]:  # noqa: ASYNC109 - per request
     """Each platform that is on, asked at once; one list of lines per platform."""
     platforms = loaded.config.platforms
+    slack_dms = dm_policies(loaded.config, "slack")
     checkers: dict[str, Callable[[httpx.AsyncClient], Awaitable[list[Check]]]] = {
         "telegram": lambda client: check_telegram(platforms.telegram, client),
-        "slack": lambda client: check_slack(platforms.slack, client),
+        "slack": lambda client: check_slack(platforms.slack, client, dm_policies=slack_dms),
         "discord": lambda client: check_discord(platforms.discord, client),
     }
     names = [name for name in enabled_platforms(loaded) if name in checkers]
@@ -130,7 +136,19 @@ async def check_telegram(config: TelegramConfig, client: httpx.AsyncClient) -> l
 # -- Slack ---------------------------------------------------------------------------------------
 
 
-async def check_slack(config: SlackConfig, client: httpx.AsyncClient) -> list[Check]:
+def dm_policies(config: KazmaConfig, platform: str) -> list[str]:
+    """The policies whose cards go to people's direct messages on ``platform`` (approvals.policies.<name>.to)."""
+    return [
+        name
+        for name in config.approvals.policies
+        if any(t.platform == platform and t.user is not None for t in config.card_targets(name) or ())
+    ]
+
+
+async def check_slack(
+    config: SlackConfig, client: httpx.AsyncClient, *, dm_policies: Sequence[str] = ()
+) -> list[Check]:
+    """``dm_policies``: policies that send cards to people's Slack DMs, which needs im:write (conversations.open)."""
     name = "platform.slack"
     shapes = [
         ("bot_token", config.bot_token, slack_bot_token_problem),
@@ -165,7 +183,7 @@ async def check_slack(config: SlackConfig, client: httpx.AsyncClient) -> list[Ch
                 "the Bot User OAuth Token (xoxb-) from OAuth & Permissions",
             )
         ]
-    checks = [_slack_scopes(response)]
+    checks = [_slack_scopes(response, dm_policies)]
     if config.app_token:
         checks.append(await _slack_app_token(config, client))
     who = f"{body.get('user', '?')} in {body.get('team', '?')}"
@@ -174,7 +192,7 @@ async def check_slack(config: SlackConfig, client: httpx.AsyncClient) -> list[Ch
     return [*checks, *([home] if home else [])]
 
 
-def _slack_scopes(response: httpx.Response) -> Check:
+def _slack_scopes(response: httpx.Response, dm_policies: Sequence[str] = ()) -> Check:
     name = "platform.slack"
     header = response.headers.get(SCOPES_HEADER)
     if header is None:
@@ -193,6 +211,14 @@ def _slack_scopes(response: httpx.Response) -> Check:
             f"the bot token lacks the scope{'s' if len(missing) > 1 else ''} {', '.join(missing)}: add "
             f"{'them' if len(missing) > 1 else 'it'} under OAuth & Permissions → Bot Token Scopes (or create the "
             "app from `kazma setup slack-manifest`) and reinstall the app",
+        )
+    if dm_policies and SLACK_DM_SCOPE not in granted:
+        return Check(
+            name,
+            Level.FAIL,
+            f"approvals.policies.{dm_policies[0]}.to sends cards to people's Slack direct messages, which needs the "
+            f"{SLACK_DM_SCOPE} scope (conversations.open) the bot token lacks: add it under OAuth & Permissions → "
+            "Bot Token Scopes and reinstall the app",
         )
     optional = [scope for scope in SLACK_OPTIONAL_SCOPES if scope not in granted]
     note = f"; without {', '.join(optional)} agents post with an [agent] prefix" if optional else ""

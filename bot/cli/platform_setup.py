@@ -24,7 +24,8 @@ SLACK_BOT_SCOPES: Final = ("app_mentions:read", "channels:history", "chat:write"
 # Optional: agents post under their own names; without it their messages carry an "[agent]" prefix.
 # Also optional: DMs with the lead (dm_policy) need im:history; files in and out need files:read, files:write;
 # cards in people's direct messages (approvals.policies.<name>.to: {dm: …}) need im:write.
-SLACK_OPTIONAL_SCOPES: Final = ("chat:write.customize", "im:history", "im:write", "files:read", "files:write")
+SLACK_DM_SCOPE: Final = "im:write"
+SLACK_OPTIONAL_SCOPES: Final = ("chat:write.customize", "im:history", SLACK_DM_SCOPE, "files:read", "files:write")
 # For `kazma doctor` only: conversations.info tells whether the app is in the home channel (public, private).
 SLACK_DOCTOR_SCOPES: Final = ("channels:read", "groups:read")
 SLACK_BOT_EVENTS: Final = ("app_mention", "message.channels", "message.groups", "message.im")
