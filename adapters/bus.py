@@ -231,9 +231,10 @@ class FanOutBus:
 
     # -- CardPublisher ---------------------------------------------------------------------------
 
-    def can_show_cards(self) -> bool:
-        """A platform that has a home chat *and started* can show a card; configured is not enough."""
-        return any(a.home_chat and name in self._started for name, a in self.adapters.items())
+    def can_show_cards(self, policy: str | None = None) -> bool:
+        """A platform that *started* and shows the cards of ``policy`` there (its home chat, or where the
+        policy's ``to:`` sends them) can show a card; configured is not enough."""
+        return any(name in self._started and self._places(a, policy) for name, a in self.adapters.items())
 
     def _places(self, adapter: PlatformAdapter, policy: str | None) -> list[CardTarget]:
         """Where ``adapter``'s platform shows the cards of a request under ``policy`` (its ``to:``; none
@@ -842,7 +843,7 @@ class NullBus:
     async def stop(self) -> None:
         return
 
-    def can_show_cards(self) -> bool:
+    def can_show_cards(self, policy: str | None = None) -> bool:
         return False
 
     async def publish(self, card: ApprovalCard) -> None:

@@ -80,7 +80,9 @@ _RECORD_GRACE = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)  # seconds, about 1.6 in 
 class CardPublisher(Protocol):
     """What the approvals need from a bus: show cards, and settle them once a request ends."""
 
-    def can_show_cards(self) -> bool: ...
+    def can_show_cards(self, policy: str | None = None) -> bool:
+        """Some platform that is connected can show a card of a request under ``policy`` (None: the default)."""
+        ...
 
     async def publish(self, card: ApprovalCard) -> None:
         """Show ``card`` on every platform. Failures to post are the bus's to retry; it raises only

@@ -15,6 +15,7 @@ from typing import Any
 from kazma.adapters.contract import RoutesCards
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import Status
+from kazma.approvals.policy import SafetyPolicy
 from kazma.approvals.store import NewRequest, Rules, new_request_id
 from kazma.bot.app import App, build_app
 from kazma.config import load_config_text
@@ -252,3 +253,21 @@ async def test_a_dm_card_a_crash_left_unrecorded_is_found_in_that_dm_never_in_th
         assert fakes.discord.nonce_replays == 1
         assert not fakes.discord.channel_messages(HOME_CHANNEL_ID)
         assert [(c.chat, c.bound_to) for c in await approvals.cards(request.id)] == [(dm, "bob")]
+
+
+async def test_a_call_whose_cards_can_go_nowhere_connected_is_refused_at_once(tmp_path: Path) -> None:
+    """Fail closed per policy: Telegram did not start, so a policy that sends its cards only to alice's Telegram
+    DM has no card anywhere: its calls are refused at once (nothing opened, nothing waiting for a deadline),
+    while the default policy, whose cards Slack and Discord show, still asks."""
+    async with three_fakes() as fakes:
+        await fakes.telegram.stop()  # Telegram is down when Kazma starts
+        extra = PEOPLE + "tools: {shell: {policy: alice-dm}}\n"
+        async with kazma_on(fakes, tmp_path / "k.db", approvals=POLICIES, extra=extra) as app:
+            assert app.bus.can_show_cards()
+            assert not app.bus.can_show_cards("alice-dm")
+            verdict = await SafetyPolicy(app.service).check(
+                "shell", ARGS, requested_by="agent:builder", conversation="slack:C0HOME0001"
+            )
+            assert not verdict.allowed
+            assert "no platform can show an approval card" in verdict.reason
+            assert await app.service.store.requests() == []
