@@ -503,13 +503,19 @@ class FanOutBus:
         if not await self.outbox.claim(job, self.claim_seconds):
             log.debug("bus.card_post_claimed_elsewhere", platform=adapter.name, request_id=job.request_id)
             return
-        recorded = {c.chat for c in await self.store.cards(request.id) if c.platform == adapter.name}
+        cards = [c for c in await self.store.cards(request.id) if c.platform == adapter.name]
+        recorded = {c.chat for c in cards}
+        named = {p.chat for p in places if p.chat is not None}
+        # The home chat's card is any unbound card outside the chats the policy names: Telegram records a card
+        # where it landed, so a home group that moved records its new id.
+        home_recorded = any(c.bound_to is None and c.chat not in named for c in cards)
         retry: PlatformError | TimeoutError | None = None
         failed: list[str] = []
         for place in places:
             try:
+                home = place.chat is None and place.user is None
                 chat = await self._chat_of(adapter, place)
-                if chat in recorded:
+                if (home and home_recorded) or (not home and chat in recorded):
                     # An earlier attempt at this post was under way when a process stopped; its card is recorded.
                     log.info("bus.card_post_already_recorded", platform=adapter.name, request_id=request.id)
                     continue
