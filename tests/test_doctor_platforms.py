@@ -16,12 +16,10 @@ from kazma.bot.cli.platform_checks import check_platforms
 from kazma.config import load_config_text
 from kazma.config.errors import ConfigError
 from kazma.config.platforms import console_warnings
-from kazma.config.tokens import (
-    discord_token_problem,
-    slack_app_token_problem,
-    slack_bot_token_problem,
-    telegram_token_problem,
-)
+from kazma.config.registry.discord import token_problem as discord_token_problem
+from kazma.config.registry.slack import app_token_problem as slack_app_token_problem
+from kazma.config.registry.slack import bot_token_problem as slack_bot_token_problem
+from kazma.config.registry.telegram import token_problem as telegram_token_problem
 from tests.fakes.discord import ATTACH_FILES, BOT_ID, BOT_ROLE_ID, GUILD_ID, HOME_CHANNEL_ID, VIEW_CHANNEL, FakeDiscord
 from tests.fakes.openai import FakeOpenAI
 from tests.fakes.slack import DEFAULT_SCOPES, FAKE_APP_TOKEN, FAKE_BOT_TOKEN, FAKE_SIGNING_SECRET, FakeSlack
@@ -384,21 +382,3 @@ async def test_doctor_json_is_one_object_a_program_reads(tmp_path: Path) -> None
     failed = [c for c in report["checks"] if c["level"] == "fail"]
     assert [c["name"] for c in failed] == ["platform.telegram"]
     assert {c["level"] for c in report["checks"]} <= {"ok", "warn", "fail"}
-
-
-async def test_a_policy_sending_cards_to_slack_dms_fails_without_im_write() -> None:
-    """Routing a policy's cards to people's Slack DMs (approvals.policies.<name>.to) needs conversations.open:
-    without im:write every such card would fail to post, and the call wait, card-less, for its deadline."""
-    routed = (
-        "people:\n  alice: {slack: U0ADMIN01}\napprovals:\n  policies:\n    billing: {to: [{dm: alice, via: slack}]}\n"
-    )
-    async with three_fakes() as fakes:
-        fakes.slack.scopes = tuple(s for s in DEFAULT_SCOPES if s != "im:write")
-        answers = await ask(routed + platforms_yaml(fakes))
-        fine = await ask(platforms_yaml(fakes))  # no policy sends a card to a Slack DM: the scope is optional
-    assert lines(answers["slack"], Level.FAIL) == [
-        "platform.slack approvals.policies.billing.to sends cards to people's Slack direct messages, which needs the "
-        "im:write scope (conversations.open) the bot token lacks: add it under OAuth & Permissions → Bot Token "
-        "Scopes and reinstall the app"
-    ]
-    assert lines(fine["slack"], Level.FAIL) == []
