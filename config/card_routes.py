@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from pydantic_core import PydanticCustomError
 
+from kazma.config.address import Actor, Address, AddressError
 from kazma.config.people import PeopleConfig
 from kazma.config.registry import CHAT_PLATFORMS, EVERY_CHAT, chat_id_problem
 
@@ -34,7 +35,7 @@ class ChatRoute:
     chat: str
 
     def __str__(self) -> str:
-        return f"{self.platform}:{self.chat}"
+        return Address(self.platform, self.chat).conversation
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,12 @@ def parse_route_entry(value: Any) -> RouteEntry:
     if isinstance(value, ChatRoute | DmRoute):
         return value
     if isinstance(value, str):
-        platform, sep, chat = value.partition(":")
-        if not sep or platform not in CHAT_PLATFORMS:
+        try:
+            written = Address.parse(value)
+        except AddressError:
+            written = Address("", "")
+        platform, chat = written.platform, written.chat
+        if platform not in CHAT_PLATFORMS:
             raise _error(
                 "",
                 "expected a chat '<platform>:<chat id>' (platform one of {platforms}) or {dm: <person>, via: "
@@ -210,5 +215,5 @@ def card_targets(config: _Config, policy: _Policy | None) -> tuple[CardTarget, .
         for person in config.people.members(entry.dm):
             for platform in _dm_platforms(config, person, entry):
                 for identity in sorted(config.people.identities_on(person, platform)):
-                    found[CardTarget(platform, user=identity.partition(":")[2], person=person)] = None
+                    found[CardTarget(platform, user=Actor.parse(identity).user, person=person)] = None
     return tuple(found)
