@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from kazma.adapters.contract import Attachment
 from kazma.config.limits import DEFAULT_FILE_BYTES, DEFAULT_FILE_COUNT
-from kazma.config.models import EVERY_CHAT
+from kazma.config.registry import EVERY_CHAT
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from kazma.adapters.contract import (
     IdempotentPosts,
     PlatformAdapter,
     PlatformError,
+    RoutesCards,
     SingletonIngress,
     UpdatesCards,
     UrgentEdits,
@@ -41,6 +42,7 @@ from kazma.approvals.store import ApprovalStore, PostedCard
 from kazma.config import failpoints
 from kazma.config.address import Address
 from kazma.config.backoff import Backoff
+from kazma.config.card_routes import CardTarget
 from kazma.config.metrics import DECISION_TO_SETTLED, count_failure
 from kazma.config.models import KazmaConfig
 from kazma.config.outgoing import Outgoing
@@ -231,19 +233,29 @@ class FanOutBus:
 
     # -- CardPublisher ---------------------------------------------------------------------------
 
-    def can_show_cards(self) -> bool:
-        """A platform that has a home chat *and started* can show a card; configured is not enough."""
-        return any(a.home_chat and name in self._started for name, a in self.adapters.items())
+    def can_show_cards(self, policy: str | None = None) -> bool:
+        """A platform that *started* and shows the cards of ``policy`` there (its home chat, or where the
+        policy's ``to:`` sends them) can show a card; configured is not enough."""
+        return any(name in self._started and self._places(a, policy) for name, a in self.adapters.items())
 
-    def _targets(self) -> list[str]:
-        return [name for name, a in self.adapters.items() if a.home_chat]
+    def _places(self, adapter: PlatformAdapter, policy: str | None) -> list[CardTarget]:
+        """Where ``adapter``'s platform shows the cards of a request under ``policy`` (its ``to:``; none
+        written: the home chat, when there is one; the console's too)."""
+        routed = self.config.card_targets(policy)
+        if routed is None:
+            return [CardTarget(adapter.name)] if adapter.home_chat else []
+        return [t for t in routed if t.platform == adapter.name]
 
-    async def queue_statements(self, request_id: str) -> Callable[[Tx], object] | None:
+    def _targets(self, policy: str | None = None) -> list[str]:
+        """The platforms that show a card of a request under ``policy`` (one outbox row each)."""
+        return [name for name, a in self.adapters.items() if self._places(a, policy)]
+
+    async def queue_statements(self, request_id: str, policy: str | None = None) -> Callable[[Tx], object] | None:
         """The card posts of ``request_id``, to commit with the request itself (approvals' ``QueuesCards``);
         None when the outbox and the approvals do not share one writer, hence one transaction."""
         if await self.outbox.tables.writer() is not await self.store.tables.writer():
             return None
-        queue = self.outbox.enqueue_statements(request_id, self._targets())
+        queue = self.outbox.enqueue_statements(request_id, self._targets(policy))
         if not failpoints.armed:
             return queue
 
@@ -253,15 +265,16 @@ class FanOutBus:
 
         return queue_or_fail
 
-    def cards_queued(self, request_id: str) -> None:
-        for name in self._targets():
+    def cards_queued(self, request_id: str, policy: str | None = None) -> None:
+        for name in self._targets(policy):
             self._workers[name].kick.set()
 
     async def publish(self, card: ApprovalCard) -> None:
         """Queue ``card``'s posts in a write of their own (the outbox has another writer than the request): tried
         again after short pauses; :class:`CardsNotQueued` when the store still refuses, so the request is ended
         at once instead of waiting, card-less, for its deadline."""
-        targets = self._targets()
+        rules = await self.store.rules_of(card.request_id)
+        targets = self._targets(None if rules is None else rules.policy)
         for attempt, pause in enumerate((*ENQUEUE_RETRIES, None)):
             try:
                 if failpoints.armed:
@@ -436,9 +449,11 @@ class FanOutBus:
             await self.outbox.done(job, "dropped", "unknown request")
             return
         if request.status is not Status.PENDING:
-            if job.attempts and not any(c.platform == adapter.name for c in await self.store.cards(request.id)):
+            routed = self._places(adapter, request.policy)
+            known = {c.chat for c in await self.store.cards(request.id) if c.platform == adapter.name}
+            if job.attempts and len(known) < len(routed):
                 if isinstance(adapter, IdempotentPosts) and adapter.idempotent_posts:
-                    await self._find_by_nonce(adapter, job, request)
+                    await self._find_by_nonce(adapter, job, request, routed, known)
                     return
                 # A post was under way when a process stopped: it may have landed without being recorded. Its
                 # buttons are refused while the request is pending; a press on it now finds it, and it is edited
@@ -453,80 +468,145 @@ class FanOutBus:
             await self._refuse_tampered(request, exc)
             await self.outbox.done(job, "refused", exc.reason)
             return
+        places = self._places(adapter, request.policy)
+        if not places:
+            # The policy's to: changed since the post was queued (a restart with another configuration).
+            await self.outbox.done(job, "skipped", f"policy {request.policy} sends no card to {adapter.name}")
+            return
         if not await self.outbox.claim(job, self.claim_seconds):
             log.debug("bus.card_post_claimed_elsewhere", platform=adapter.name, request_id=job.request_id)
             return
-        if job.attempts:
-            # An earlier attempt at this post was under way when a process stopped (or its answer was lost).
-            if any(c.platform == adapter.name for c in await self.store.cards(request.id)):
-                await self.outbox.done(job, "posted", "its card was recorded by an earlier attempt")
-                log.info("bus.card_post_already_recorded", platform=adapter.name, request_id=request.id)
-                return
-            if not (isinstance(adapter, IdempotentPosts) and adapter.idempotent_posts):
-                # That attempt may have landed, unrecorded: its copy's buttons are refused (not a recorded card
-                # of the request), but it still shows them. This copy says so. On Discord the nonce gives the
-                # first message back instead.
-                card = replace(card, warnings=(*card.warnings, REPOSTED))
-                count_failure("card_reposted", adapter.name)
-                log.warning("bus.card_reposted", platform=adapter.name, request_id=request.id, attempt=job.attempts + 1)
-        try:
-            if failpoints.armed:
-                await failpoints.reached(
-                    "bus.post",
-                    lambda: PlatformError(adapter.name, "card_post", "503 (failpoint)", retryable=True),
-                    where=adapter.name,
-                )
-            ref = await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
-        except (PlatformError, TimeoutError) as exc:
-            retryable = isinstance(exc, TimeoutError) or exc.retryable
-            retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
-            count_failure("card_post", adapter.name)
-            if retryable:
-                delay = RETRY.delay(job.attempts, retry_after=retry_after)
-                log.warning(
-                    "bus.card_post_failed",
-                    platform=adapter.name,
-                    request_id=job.request_id,
-                    attempt=job.attempts + 1,
-                    retry_in=round(delay, 2),
-                    error=str(exc) or type(exc).__name__,
-                )
-                await self.outbox.retry_later(job, delay, str(exc) or type(exc).__name__)
-            else:
-                log.error("bus.card_post_gave_up", platform=adapter.name, request_id=job.request_id, error=str(exc))
-                await self.outbox.done(job, "failed", str(exc))
-            return
-        await self._record_post(request.id, ref)
-        await self.outbox.done(job, "posted")
-        log.info("bus.card_posted", platform=adapter.name, request_id=request.id, chat=ref.chat, message=ref.message_id)
+        cards = [c for c in await self.store.cards(request.id) if c.platform == adapter.name]
+        recorded = {c.chat for c in cards}
+        named = {p.chat for p in places if p.chat is not None}
+        # The home chat's card is any unbound card outside the chats the policy names: Telegram records a card
+        # where it landed, so a home group that moved records its new id.
+        home_recorded = any(c.bound_to is None and c.chat not in named for c in cards)
+        retry: PlatformError | TimeoutError | None = None
+        failed: list[str] = []
+        for place in places:
+            try:
+                home = place.chat is None and place.user is None
+                chat = await self._chat_of(adapter, place)
+                if (home and home_recorded) or (not home and chat in recorded):
+                    # An earlier attempt at this post was under way when a process stopped; its card is recorded.
+                    log.info("bus.card_post_already_recorded", platform=adapter.name, request_id=request.id)
+                    continue
+                ref = await self._post_one(adapter, job, card, chat if chat != adapter.home_chat else None)
+            except (PlatformError, TimeoutError) as exc:
+                count_failure("card_post", adapter.name)
+                if isinstance(exc, TimeoutError) or exc.retryable:
+                    retry = exc if retry is None else retry
+                    log.warning(
+                        "bus.card_post_failed",
+                        platform=adapter.name,
+                        request_id=job.request_id,
+                        attempt=job.attempts + 1,
+                        person=place.person,
+                        error=str(exc) or type(exc).__name__,
+                    )
+                else:
+                    failed.append(str(exc))
+                    log.error("bus.card_post_gave_up", platform=adapter.name, request_id=job.request_id,
+                              person=place.person, error=str(exc))  # fmt: skip
+                continue
+            await self._record_post(request.id, ref, bound_to=place.person)
+            recorded.add(ref.chat)
+            log.info("bus.card_posted", platform=adapter.name, request_id=request.id, chat=ref.chat,
+                     message=ref.message_id, person=place.person)  # fmt: skip
+        if retry is not None:
+            retry_after = retry.retry_after if isinstance(retry, PlatformError) else None
+            delay = RETRY.delay(job.attempts, retry_after=retry_after)
+            await self.outbox.retry_later(job, delay, str(retry) or type(retry).__name__)
+        elif failed and not recorded:
+            await self.outbox.done(job, "failed", "; ".join(failed))
+        else:
+            await self.outbox.done(job, "posted", "; ".join(failed) or None)
 
-    async def _find_by_nonce(self, adapter: PlatformAdapter, job: PostJob, request: ApprovalRequest) -> None:
+    async def _chat_of(self, adapter: PlatformAdapter, place: CardTarget) -> str:
+        """The chat a card goes to: the home chat, a chat the policy names, or a person's direct messages."""
+        if place.chat is None and place.user is None:
+            assert adapter.home_chat is not None  # _places keeps a home place only where there is one
+            return adapter.home_chat
+        if not isinstance(adapter, RoutesCards):
+            raise PlatformError(adapter.name, "card_post", "this platform posts cards only in its home chat",
+                                retryable=False)  # fmt: skip
+        if place.user is not None:
+            return await asyncio.wait_for(adapter.direct_chat(place.user), timeout=self.platform_timeout)
+        assert place.chat is not None
+        return place.chat
+
+    async def _post_one(self, adapter: PlatformAdapter, job: PostJob, card: ApprovalCard, chat: str | None) -> CardRef:
+        """Post ``card`` into ``chat`` (None: the home chat), said to be a second copy when an earlier attempt may
+        have landed unrecorded (where the platform cannot make a post idempotent). Raises on failure."""
+        if job.attempts and not (isinstance(adapter, IdempotentPosts) and adapter.idempotent_posts):
+            # That attempt may have landed, unrecorded: its copy's buttons are refused (not a recorded card of
+            # the request), but it still shows them. This copy says so. On Discord the nonce gives the first
+            # message back instead.
+            card = replace(card, warnings=(*card.warnings, REPOSTED))
+            count_failure("card_reposted", adapter.name)
+            log.warning("bus.card_reposted", platform=adapter.name, request_id=card.request_id,
+                        attempt=job.attempts + 1)  # fmt: skip
+        if failpoints.armed:
+            await failpoints.reached(
+                "bus.post",
+                lambda: PlatformError(adapter.name, "card_post", "503 (failpoint)", retryable=True),
+                where=adapter.name,
+            )
+        if chat is None:
+            return await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
+        assert isinstance(adapter, RoutesCards)
+        return await asyncio.wait_for(adapter.post_card_in(card, chat), timeout=self.platform_timeout)
+
+    async def _find_by_nonce(
+        self,
+        adapter: PlatformAdapter,
+        job: PostJob,
+        request: ApprovalRequest,
+        places: list[CardTarget],
+        recorded: set[str],
+    ) -> None:
         """The request ended while an attempt at its post was unrecorded: post it again with the same nonce, so
         the platform gives the first message back (or, had it never landed, posts it now), record it and settle
-        it to the outcome. Its buttons never decide: the request is no longer pending."""
+        it to the outcome. Its buttons never decide: the request is no longer pending. Only where the policy
+        sends its cards (a DM card is found in that DM, never in the home chat)."""
         try:
             card = self._card_for(request)
         except CardIntegrityError:
             card = integrity_card(request, public_url=self.config.web.public_url)
         if not await self.outbox.claim(job, self.claim_seconds):
             return
-        try:
-            ref = await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
-        except (PlatformError, TimeoutError) as exc:
-            count_failure("card_post", adapter.name)
-            if isinstance(exc, TimeoutError) or exc.retryable:
-                retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
-                await self.outbox.retry_later(job, RETRY.delay(job.attempts, retry_after=retry_after), str(exc))
-            else:
-                await self.outbox.done(job, "failed", str(exc))
-            log.warning("bus.card_find_failed", platform=adapter.name, request_id=request.id, error=str(exc))
-            return
-        await self._record_post(request.id, ref, ended=True)
+        found = 0
+        for place in places:
+            try:
+                chat = await self._chat_of(adapter, place)
+                if chat in recorded:
+                    continue
+                if chat == adapter.home_chat:
+                    ref = await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
+                else:
+                    assert isinstance(adapter, RoutesCards)  # _chat_of refuses a route elsewhere
+                    ref = await asyncio.wait_for(adapter.post_card_in(card, chat), timeout=self.platform_timeout)
+            except (PlatformError, TimeoutError) as exc:
+                count_failure("card_post", adapter.name)
+                if isinstance(exc, TimeoutError) or exc.retryable:
+                    retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
+                    await self.outbox.retry_later(job, RETRY.delay(job.attempts, retry_after=retry_after), str(exc))
+                else:
+                    await self.outbox.done(job, "failed", str(exc))
+                log.warning("bus.card_find_failed", platform=adapter.name, request_id=request.id, error=str(exc))
+                return
+            await self._record_post(request.id, ref, ended=True, bound_to=place.person)
+            found += 1
+            log.info("bus.card_found_by_nonce", platform=adapter.name, request_id=request.id,
+                     message_id=ref.message_id)  # fmt: skip
         await self.outbox.done(job, "posted", f"found again by its nonce after the request was {request.status.value}")
-        log.info("bus.card_found_by_nonce", platform=adapter.name, request_id=request.id, message_id=ref.message_id)
-        await self.settle(request.id)
+        if found:
+            await self.settle(request.id)
 
-    async def _record_post(self, request_id: str, ref: CardRef, *, ended: bool = False) -> None:
+    async def _record_post(
+        self, request_id: str, ref: CardRef, *, ended: bool = False, bound_to: str | None = None
+    ) -> None:
         """Record a posted card's message id. The card is out: a write that fails is tried again for a few
         seconds before giving up (then the post is tried again when its claim runs out, marked as such)."""
         for attempt, pause in enumerate((*RECORD_RETRIES, None)):
@@ -538,8 +618,9 @@ class FanOutBus:
                         where=ref.platform,
                     )
                 await self.store.record_card(
-                    request_id, ref.platform, ref.chat, ref.message_id, whole=ref.whole, ended=ended
-                )
+                    request_id, ref.platform, ref.chat, ref.message_id, whole=ref.whole, ended=ended,
+                    bound_to=bound_to,
+                )  # fmt: skip
                 return
             except store_errors() as exc:
                 count_failure("card_record", ref.platform)
@@ -741,7 +822,7 @@ class NullBus:
     async def stop(self) -> None:
         return
 
-    def can_show_cards(self) -> bool:
+    def can_show_cards(self, policy: str | None = None) -> bool:
         return False
 
     async def publish(self, card: ApprovalCard) -> None:

@@ -258,6 +258,21 @@ def singleton_ingress(adapter: object) -> SingletonIngress | None:
 
 
 @runtime_checkable
+class RoutesCards(Protocol):
+    """A platform that posts a card where a policy sends it (``approvals.policies.<name>.to``): into a chat it
+    serves other than its home chat, or into a person's direct messages with the bot."""
+
+    async def post_card_in(self, card: ApprovalCard, chat: str) -> CardRef:
+        """Post the approval card with its buttons into ``chat``. Raises :class:`PlatformError`."""
+        ...
+
+    async def direct_chat(self, user: str) -> str:
+        """The chat of the bot's direct messages with ``user`` (a user id on this platform), opened when the
+        platform needs that. Raises :class:`PlatformError` (e.g. the person never started a chat with the bot)."""
+        ...
+
+
+@runtime_checkable
 class UrgentEdits(Protocol):
     """A platform that paces sends per chat and can put a card edit ahead of what is queued there."""
 

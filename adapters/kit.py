@@ -644,14 +644,20 @@ class PlatformBase(PressPolicy):
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
         """Post the approval card (the one layout, in this platform's dialect) into the home chat."""
-        site = "card_post"
-        self._can_send(site)
+        self._can_send("card_post")
         home = self.home_chat
         if home is None:
-            raise self.refuse(site, f"no {self.spec.home_key} configured for approval cards")
-        self._check_chat(site, home)
-        laid = self._lay_out(site, card, None, home)
-        posted = await self._post_card(home, laid, card)
+            raise self.refuse("card_post", f"no {self.spec.home_key} configured for approval cards")
+        return await self.post_card_in(card, home)
+
+    async def post_card_in(self, card: ApprovalCard, chat: str) -> CardRef:
+        """Post the approval card into ``chat``: where a policy's ``to:`` sends it (another served chat, a
+        person's direct messages: :meth:`direct_chat`), or the home chat."""
+        site = "card_post"
+        self._can_send(site)
+        self._check_chat(site, chat)
+        laid = self._lay_out(site, card, None, chat)
+        posted = await self._post_card(chat, laid, card)
         log.info(
             "platform.card_posted",
             platform=self.name,

@@ -58,7 +58,8 @@ class SafetyPolicy:
         if level is not DangerLevel.DANGEROUS:
             return PolicyVerdict(True, f"{tool} is classified {level.value}")
         config = self.service.config
-        chosen = config.policy(config.policy_name_for(tool))
+        name = config.policy_name_for(tool)
+        chosen = config.policy(name)
         # A remembered approval is one person's press: never for a policy of several people or a passkey.
         rememberable = chosen is not None and chosen.single and not skip_rules
         rule = await self.service.remembered(tool, args, conversation) if rememberable else None
@@ -70,13 +71,13 @@ class SafetyPolicy:
                 args_hash=rule.args_hash,
             )
         publisher = self.service.publisher
-        if publisher is None or not publisher.can_show_cards():
+        if publisher is None or not publisher.can_show_cards(name):
             count_failure("approval_fail_closed")
-            log.warning("approvals.fail_closed", tool=tool, requested_by=requested_by)
+            log.warning("approvals.fail_closed", tool=tool, requested_by=requested_by, policy=name)
             return PolicyVerdict(
                 False,
                 f"{tool} needs approval, but no platform can show an approval card "
-                "(none is configured or connected), so it was refused.",
+                "(none is configured or connected where its policy sends cards), so it was refused.",
             )
         try:
             request = await self.service.open(

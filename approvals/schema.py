@@ -256,6 +256,9 @@ MIGRATIONS = [
             """,
         ),
     ),
+    # The person a card in a direct message was sent to (approvals.policies.<name>.to: {dm: …}): a press on it
+    # by anyone else decides nothing. NULL: a card in a chat, pressed by whoever may decide.
+    Migration("approvals", 12, ("ALTER TABLE approval_cards ADD COLUMN bound_to TEXT",)),
 ]
 
 # The same tables on PostgreSQL, version for version: REAL is double precision there (its REAL has 6
@@ -531,4 +534,5 @@ PG_MIGRATIONS = [
             """,
         ),
     ),
+    PgMigration("approvals", 12, ("ALTER TABLE approval_cards ADD COLUMN bound_to text",)),
 ]

@@ -82,7 +82,9 @@ _RECORD_GRACE = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)  # seconds, about 1.6 in 
 class CardPublisher(Protocol):
     """What the approvals need from a bus: show cards, and settle them once a request ends."""
 
-    def can_show_cards(self) -> bool: ...
+    def can_show_cards(self, policy: str | None = None) -> bool:
+        """Some platform that is connected can show a card of a request under ``policy`` (None: the default)."""
+        ...
 
     async def publish(self, card: ApprovalCard) -> None:
         """Show ``card`` on every platform. Failures to post are the bus's to retry; it raises only
@@ -99,12 +101,12 @@ class QueuesCards(Protocol):
     """A publisher whose card posts can be queued in the very transaction that opens the request, so no
     request is ever pending without them (a crash between two commits left exactly that)."""
 
-    async def queue_statements(self, request_id: str) -> Callable[[Tx], object] | None:
+    async def queue_statements(self, request_id: str, policy: str | None = None) -> Callable[[Tx], object] | None:
         """The statements that queue ``request_id``'s posts, or None when they cannot share that transaction
         (the publisher then gets :meth:`CardPublisher.publish` after it)."""
         ...
 
-    def cards_queued(self, request_id: str) -> None:
+    def cards_queued(self, request_id: str, policy: str | None = None) -> None:
         """The transaction holding those statements committed: post the cards now."""
         ...
 
@@ -407,7 +409,7 @@ class ApprovalService:
         )
         publisher: object = self.publisher  # (a protocol narrowed to another protocol reads as unreachable)
         queuer = publisher if isinstance(publisher, QueuesCards) else None
-        queue = None if queuer is None else await queuer.queue_statements(new.id)
+        queue = None if queuer is None else await queuer.queue_statements(new.id, name)
         also: list[Callable[[Tx], object]] = (
             [] if gate is None else [lambda tx: gate.opened(tx, new.id, self.store.chain)]
         )
@@ -434,7 +436,7 @@ class ApprovalService:
             await failpoints.reached("approvals.open.committed", lambda: simulated_failure(self.store.tables, "open"))
         self._tell(request.id)
         if queuer is not None and queue is not None:
-            queuer.cards_queued(request.id)
+            queuer.cards_queued(request.id, name)
         elif self.publisher is not None:
             try:
                 await self.publisher.publish(self.card(request))
@@ -864,6 +866,13 @@ class ApprovalService:
                 f"pressed in {where.chat if where else None}/{where.message_id if where else None}, "
                 "where no card of this request was posted",
                 "This button is not on a card of that request.",
+            )
+        if problem == CardProblem.NOT_YOURS:
+            return (
+                f"pressed in {where.chat if where else None}/{where.message_id if where else None}: a card sent to "
+                "another person in a direct message",
+                "This card was sent to another person in a direct message: only they can decide with it. Nothing "
+                "was recorded.",
             )
         return (
             "approve pressed on a card that does not show the whole call",

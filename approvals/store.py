@@ -59,7 +59,7 @@ _CAS_BEFORE_DEADLINE = _CAS + " AND deadline > ?"
 _SEALED_FIELDS = "SELECT tool, args_hash FROM approval_requests WHERE id = ?"
 _PRESS_HEAD = "SELECT tool, args_hash, approve_needed, deny_needed FROM approval_requests WHERE id = ?"
 _PRESS_CARDS = (
-    "SELECT r.tool, r.args_hash, r.approve_needed, r.deny_needed, c.chat, c.message_id, c.whole"
+    "SELECT r.tool, r.args_hash, r.approve_needed, r.deny_needed, c.chat, c.message_id, c.whole, c.bound_to"
     " FROM approval_requests r LEFT JOIN approval_cards c ON c.request_id = r.id AND c.platform = ? WHERE r.id = ?"
 )
 # A review's first statement: the request's row locked while it is pending and before its deadline, so that on
@@ -82,14 +82,14 @@ _DECISION_SEQ = (
 LOCAL = "local"
 # Told at every decision: each replica wakes the call waiting for it and settles the cards (PostgreSQL NOTIFY).
 DECIDED_CHANNEL = "kazma_decided"
-_CARD_COLUMNS = "request_id, platform, chat, message_id, posted_at, settled_at, settled_status, whole"
+_CARD_COLUMNS = "request_id, platform, chat, message_id, posted_at, settled_at, settled_status, whole, bound_to"
 
 # A card recorded after its request ended (found by its nonce, or pressed): when a stopped process left an approved
 # call unrun, ``execution_lost`` already marked the cards it knew of; this one is marked the same way in the write
 # that records it, so its first edit says "did not run" / "may have run" too.
 _INSERT_FOUND_CARD = (
-    "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole, settled_status)"
-    " VALUES (?, ?, ?, ?, ?, ?, (SELECT 'approved' FROM approval_events"
+    "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole, bound_to, settled_status)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, (SELECT 'approved' FROM approval_events"
     " WHERE request_id = ? AND event = 'execution_lost' LIMIT 1)) ON CONFLICT DO NOTHING"
 )
 
@@ -229,6 +229,7 @@ class PostedCard:
     settled_at: datetime | None
     settled_status: str | None
     whole: bool = True  # the card showed the whole call
+    bound_to: str | None = None  # a card in a direct message: the person it was sent to (only they press it)
 
 
 @dataclass(frozen=True)
@@ -247,6 +248,7 @@ class CardProblem:
     NOT_RECORDED = "not_recorded"  # no card of the request recorded on that platform (yet)
     NOT_HERE = "not_here"  # cards are recorded there, but not at the place pressed
     CUT = "cut"  # an Approve on a card that did not show the whole call
+    NOT_YOURS = "not_yours"  # a card in someone else's direct message (bound to another person)
 
 
 @dataclass(frozen=True)
@@ -527,7 +529,7 @@ class ApprovalStore:
                 rows = tx.all(_PRESS_CARDS, (card.platform, request_id))
                 if not rows:
                     return Pressed(None, False, None)
-                problem = _card_problem([tuple(r[4:]) for r in rows if r[4] is not None], card)
+                problem = _card_problem([tuple(r[4:]) for r in rows if r[4] is not None], card, person or actor)
                 if problem is not None:
                     return Pressed(problem, False, None)
                 head = rows[0]
@@ -877,22 +879,33 @@ class ApprovalStore:
         return [str(r[0]) for r in rows]
 
     async def record_card(
-        self, request_id: str, platform: str, chat: str, message_id: str, *, whole: bool = True, ended: bool = False
+        self,
+        request_id: str,
+        platform: str,
+        chat: str,
+        message_id: str,
+        *,
+        whole: bool = True,
+        ended: bool = False,
+        bound_to: str | None = None,
     ) -> None:
         """Record a posted card. ``ended``: found after its request ended (Discord's nonce gives back a post a
         stopped process never recorded): it is marked the way ``execution_lost`` marks every card, so its edit
-        reads that note too."""
+        reads that note too. ``bound_to``: the person a card in a direct message was sent to (only they press it)."""
         now = self.clock()
         detail = f"{chat}/{message_id}" + ("" if whole else " (not the whole call)")
+        if bound_to is not None:
+            detail += f" (a direct message to {bound_to})"
 
         def op(tx: Tx) -> None:
             if ended:
-                tx.run(_INSERT_FOUND_CARD, (request_id, platform, chat, message_id, now, int(whole), request_id))
+                tx.run(_INSERT_FOUND_CARD, (request_id, platform, chat, message_id, now, int(whole), bound_to,
+                                            request_id))  # fmt: skip
             else:
                 tx.run(
-                    "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole)"
-                    " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                    (request_id, platform, chat, message_id, now, int(whole)),
+                    "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole, bound_to)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    (request_id, platform, chat, message_id, now, int(whole), bound_to),
                 )
             self.chain.append(
                 tx,
@@ -918,7 +931,7 @@ class ApprovalStore:
             ended = tx.one("SELECT 1 FROM approval_requests WHERE id = ? AND status <> 'pending'", (request_id,))
             if ended is None:
                 return False
-            tx.run(_INSERT_FOUND_CARD, (request_id, platform, chat, message_id, now, 1, request_id))
+            tx.run(_INSERT_FOUND_CARD, (request_id, platform, chat, message_id, now, 1, None, request_id))
             self.chain.append(
                 tx,
                 request_id,
@@ -944,7 +957,7 @@ class ApprovalStore:
         """``request_id``'s cards on ``platform`` that still show buttons although it has an outcome."""
         rows = await self.tables.all(
             "SELECT c.request_id, c.platform, c.chat, c.message_id, c.posted_at, c.settled_at, c.settled_status,"
-            " c.whole FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
+            " c.whole, c.bound_to FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
             " WHERE c.request_id = ? AND c.platform = ? AND c.settled_at IS NULL AND r.status != 'pending'"
             " ORDER BY c.posted_at",
             (request_id, platform),
@@ -964,7 +977,7 @@ class ApprovalStore:
             params.append(due_by)
         rows = await self.tables.all(
             "SELECT c.request_id, c.platform, c.chat, c.message_id, c.posted_at, c.settled_at, c.settled_status,"  # noqa: S608
-            " c.whole FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
+            " c.whole, c.bound_to FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
             f" WHERE {' AND '.join(clauses)} ORDER BY r.decided_at",
             params,
         )
@@ -1058,8 +1071,9 @@ def decided_detail(status: Status, reason: str | None) -> str:
     return status.value if not reason else f"{status.value}: {reason}"
 
 
-def _card_problem(cards: list[tuple[Any, ...]], check: CardCheck) -> str | None:
-    """Why a press is not from one of ``cards`` ((chat, message id, whole) on the press's platform), or None."""
+def _card_problem(cards: list[tuple[Any, ...]], check: CardCheck, presser: str) -> str | None:
+    """Why a press is not from one of ``cards`` ((chat, message id, whole, bound to) on the press's platform), or
+    None. ``presser``: the person pressing (their identity when nobody's), held to a card bound to someone."""
     if not cards:
         # Only a press that says where it was is held to a card; the platform may say nothing.
         located = check.chat is not None or check.message_id is not None
@@ -1071,6 +1085,12 @@ def _card_problem(cards: list[tuple[Any, ...]], check: CardCheck) -> str | None:
     ]
     if not here:
         return CardProblem.NOT_HERE
+    # A card in a direct message is its person's: a press on it by anyone else (forged button data, the card
+    # forwarded) decides nothing. A press the platform did not place stands only if one card it could be
+    # from is not someone else's.
+    here = [r for r in here if r[3] is None or r[3] == presser]
+    if not here:
+        return CardProblem.NOT_YOURS
     if check.needs_whole and not all(r[2] for r in here):
         return CardProblem.CUT
     return None
@@ -1082,7 +1102,8 @@ def _gone(owner: str | None, live: Collection[str] | None) -> bool:
 
 
 def _card(row: Iterable[Any]) -> PostedCard:
-    request_id, platform, chat, message_id, posted, settled, status, whole = tuple(row)
+    request_id, platform, chat, message_id, posted, settled, status, whole, bound_to = tuple(row)
     return PostedCard(
-        request_id, platform, chat, message_id, datetime.fromtimestamp(posted, UTC), ts(settled), status, bool(whole)
-    )
+        request_id, platform, chat, message_id, datetime.fromtimestamp(posted, UTC), ts(settled), status, bool(whole),
+        bound_to,
+    )  # fmt: skip

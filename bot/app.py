@@ -29,6 +29,7 @@ from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.rules import RuleStore
+from kazma.approvals.waiting import WaitingForYou
 from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.audit_sink import AuditSink
 from kazma.bot.chat_moves import ChatMoves, config_lines_for_move
@@ -289,6 +290,7 @@ async def build_app(
         agents[config.agents.lead.name],
         plans=PlanStore(stores.plans),
         swarm=SwarmCommands(swarm, config),
+        waiting=WaitingForYou(service),
     )
     assert conversations.executor is not None  # given a plan store, the conversations made their executor
 

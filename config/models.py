@@ -21,6 +21,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainValidator,
     field_validator,
     model_validator,
 )
@@ -28,11 +29,12 @@ from pydantic_core import PydanticCustomError
 
 from kazma.config.address import Actor, ActorError
 from kazma.config.audit_config import AuditConfig
+from kazma.config.card_routes import CardTarget, RouteEntry, card_targets, parse_route_entry, route_problems
 from kazma.config.identity import Roster
 from kazma.config.keyring import KEY_VARIABLES, keys_folder
 from kazma.config.limits import DEFAULT_FILE_BYTES, DEFAULT_FILE_COUNT, MAX_TOOL_OUTPUT_CHARS, MAX_WORKERS, MIB
 from kazma.config.people import PERSON_NAME, PeopleConfig, parse_people, person_key
-from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, user_id_problem
+from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, EVERY_CHAT, user_id_problem
 from kazma.config.registry import matrix as matrix_ids
 from kazma.config.registry.slack import app_token_problem as slack_app_token_problem
 from kazma.config.registry.slack import bot_token_problem as slack_bot_token_problem
@@ -90,7 +92,6 @@ def _or_every(kind: str) -> Any:
     return BeforeValidator(check)
 
 
-EVERY_CHAT = "*"
 TelegramChat = Annotated[int | Literal["*"], _or_every("an integer chat id or '*' for every chat")]
 DiscordChannel = Annotated[int | Literal["*"], _or_every("a numeric Discord id or '*' for every channel")]
 OptionalTelegramChatId = Annotated[int | None, _optional_int("an integer chat id")]
@@ -541,6 +542,9 @@ class PolicyConfig(Strict):
     forbid_requester: bool = False
     # Approve only on the approval page, after a fresh passkey assertion with user verification.
     step_up: bool = False
+    # Where its cards go: chats ("telegram:-100…") and direct messages ({dm: alice, via: telegram}); None: every
+    # platform's home chat (see kazma.config.card_routes).
+    to: list[Annotated[RouteEntry, PlainValidator(parse_route_entry)]] | None = None
 
     @property
     def single(self) -> bool:
@@ -1139,7 +1143,7 @@ class KazmaConfig(Strict):
     def _policies_can_be_met(self) -> KazmaConfig:
         for name, policy in self.approvals.policies.items():
             where = f"approvals.policies.{name}"
-            for problem, key in policy_problems(self, name, policy):
+            for problem, key in [*policy_problems(self, name, policy), *route_problems(self, name, policy)]:
                 raise PydanticCustomError(
                     "kazma_policy", "{problem}", {"subpath": f"{where}.{key}", "problem": problem}
                 )
@@ -1348,6 +1352,11 @@ class KazmaConfig(Strict):
         if found is None and name == DEFAULT_POLICY:
             return PolicyConfig()
         return found
+
+    def card_targets(self, policy: str | None) -> tuple[CardTarget, ...] | None:
+        """Where the cards of a request under ``policy`` (None: the default) are posted; None: in every
+        platform's home chat (the console's included), as before policies could route."""
+        return card_targets(self, self.policy(policy or DEFAULT_POLICY))
 
     def danger_level(self, tool: str) -> DangerLevel:
         """The configured level; anything unclassified is dangerous (the floor)."""

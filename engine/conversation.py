@@ -27,6 +27,7 @@ from kazma.adapters.admission import FileTooLarge
 from kazma.adapters.contract import Inbound, PlatformError, Press
 from kazma.adapters.human_text import for_humans
 from kazma.approvals.model import PressResult, PressVerdict
+from kazma.approvals.waiting import WaitingForYou
 from kazma.config.address import Address
 from kazma.config.metrics import count_failure
 from kazma.config.outgoing import Outgoing
@@ -42,6 +43,7 @@ log = structlog.get_logger("kazma.conversation")
 
 SUMMARY_LIMIT = 1500
 SWARM_UNAVAILABLE = "The /swarm commands are not available here: this process runs without the swarm engine."
+APPROVALS_UNAVAILABLE = "/approvals is not available here: this process decides no approvals."
 QUESTION_PREFIX: Final = "kq1"
 WORKING_EVERY: Final = 4.0  # how often the working sign is renewed while a turn runs (adapters rate-limit it)
 _QUESTION_BUTTON: Final = re.compile(r"^kq1:(?P<id>[A-Za-z0-9_-]{8,32}):(?P<choice>\d{1,2})$")
@@ -87,6 +89,7 @@ class Conversations:
     # (None: no plans here).
     plans: PlanStore | None = None
     swarm: CommandRunner | None = None
+    waiting: WaitingForYou | None = None  # answers /approvals: what waits for the person asking
     executor: PlanExecutor | None = field(init=False, default=None)
     _dispatches: dict[tuple[str, str, str], _Dispatch] = field(default_factory=dict)
     _tasks: Supervisor = field(default_factory=lambda: Supervisor("conversation_task"))  # turns in flight
@@ -178,6 +181,13 @@ class Conversations:
             return
         if message.command == "plan":
             await self._say(message.where.in_thread(None), await self.describe(conversation), agent=self.lead.name)
+            return
+        if message.command == "approvals":
+            if self.waiting is None:
+                reply = APPROVALS_UNAVAILABLE
+            else:
+                reply = (await self.waiting.for_actor(message.author)).text()
+            await self._say(message.where, reply)
             return
         if message.from_bot and dispatch is None:
             # our own posts echoed back by the platform, or another bot: not addressed to us

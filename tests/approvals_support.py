@@ -67,7 +67,7 @@ class RecordingPublisher:
         self.published: list[ApprovalCard] = []
         self.settled: list[str] = []
 
-    def can_show_cards(self) -> bool:
+    def can_show_cards(self, policy: str | None = None) -> bool:
         return self.available
 
     async def publish(self, card: ApprovalCard) -> None:

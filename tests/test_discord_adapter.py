@@ -242,8 +242,8 @@ async def test_start_returns_after_ready_with_intents_and_swarm_command(
         assert intents.message_content
         assert not intents.members
         assert not intents.presences
-        command, plan = fake.commands
-        assert (command["name"], plan["name"]) == ("swarm", "plan")
+        command, plan, approvals = fake.commands
+        assert (command["name"], plan["name"], approvals["name"]) == ("swarm", "plan", "approvals")
         assert [(o["name"], o["type"], o.get("required", False)) for o in command["options"]] == [("args", 3, False)]
     finally:
         await adapter.stop()

@@ -95,7 +95,7 @@ def test_manifest_in_socket_mode_has_no_request_urls() -> None:
     assert "request_url" not in manifest["settings"]["event_subscriptions"]
     assert "request_url" not in manifest["settings"]["interactivity"]
     assert all("url" not in command for command in manifest["features"]["slash_commands"])
-    assert [c["command"] for c in manifest["features"]["slash_commands"]] == ["/swarm", "/plan"]
+    assert [c["command"] for c in manifest["features"]["slash_commands"]] == ["/swarm", "/plan", "/approvals"]
     assert manifest["settings"]["event_subscriptions"]["bot_events"] == list(SLACK_BOT_EVENTS)
     assert manifest["settings"]["interactivity"]["is_enabled"] is True
     # the scopes an app installed from the manifest gets are the ones the wire-level fake grants by default,

@@ -186,6 +186,7 @@ async def test_is_a_platform_adapter_and_starts_on_the_real_library(
     assert fake.commands == [
         {"command": "swarm", "description": "Drive the agent swarm"},
         {"command": "plan", "description": "Show the current plan"},
+        {"command": "approvals", "description": "List the approval requests waiting for you"},
     ]
     await fake.wait_for_call("getUpdates", answered=False)
     assert fake.calls_to("deleteWebhook"), "polling must clear a webhook first"

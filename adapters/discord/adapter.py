@@ -285,6 +285,10 @@ class DiscordAdapter(PlatformBase):
         async def plan(interaction: discord.Interaction[_Client]) -> None:
             await adapter._on_command(interaction, "plan", "")
 
+        @tree.command(name="approvals", description="List the approval requests waiting for you")
+        async def approvals(interaction: discord.Interaction[_Client]) -> None:
+            await adapter._on_command(interaction, "approvals", "")
+
     async def _sync_commands(self, tree: app_commands.CommandTree[_Client]) -> None:
         if not self._sync_commands_enabled:
             return
@@ -486,6 +490,14 @@ class DiscordAdapter(PlatformBase):
 
     # Card posts are idempotent on Discord (their nonce): the bus need not mark a post tried again.
     idempotent_posts = True
+
+    async def direct_chat(self, user: str) -> str:
+        """The bot's DM channel with ``user`` (``POST /users/@me/channels``; Discord gives the same one again)."""
+        site = "card_dm"
+        client = self._connected(site)
+        recipient = discord.Object(id=self._snowflake(site, user))
+        channel = await self._rest(site, lambda: client.create_dm(recipient))
+        return str(channel.id)
 
     def _write_card(self, card: ApprovalCard, outcome: Outcome | None) -> LaidOut[Any]:
         return render_card(card, outcome=outcome, approve_partial=self.approve_partial)

@@ -270,6 +270,7 @@ class SlackAdapter(PlatformBase):
         self.app.event("app_mention")(self._on_message)
         self.app.command("/swarm")(self._on_command)
         self.app.command("/plan")(self._on_command)
+        self.app.command("/approvals")(self._on_command)
         self.app.action(APPROVE_ACTION)(self._on_action)
         self.app.action(DENY_ACTION)(self._on_action)
         self.app.action(REMEMBER_ACTION)(self._on_action)
@@ -515,6 +516,15 @@ class SlackAdapter(PlatformBase):
             "send", chat, lambda: self.client.chat_postMessage(channel=chat, text=text, blocks=blocks, thread_ts=thread)
         )
         return str(response.get("ts"))
+
+    async def direct_chat(self, user: str) -> str:
+        """The app's direct-message channel with ``user`` (``conversations.open``; the same one every time)."""
+        response = await self.call("card_dm", None, lambda: self.client.conversations_open(users=user))
+        channel = response.get("channel")
+        found = channel.get("id") if isinstance(channel, dict) else None
+        if not isinstance(found, str) or not found:
+            raise self.refuse("card_dm", f"conversations.open gave no channel for {user}")
+        return found
 
     def _write_card(self, card: ApprovalCard, outcome: Outcome | None) -> LaidOut[Any]:
         return render_card(card, outcome=outcome, approve_partial=self.approve_partial)

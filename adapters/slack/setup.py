@@ -20,14 +20,16 @@ from kazma.config.platforms import is_loopback
 # notices, see @-mentions, read the served public and private channels, and take /swarm and /plan.
 BOT_SCOPES: Final = ("app_mentions:read", "channels:history", "chat:write", "commands", "groups:history")
 # Optional: agents post under their own names; without it their messages carry an "[agent]" prefix.
-# Also optional: DMs with the lead (dm_policy) need im:history; files in and out need files:read, files:write.
-OPTIONAL_SCOPES: Final = ("chat:write.customize", "im:history", "files:read", "files:write")
+# Also optional: DMs with the lead (dm_policy) need im:history; files in and out need files:read, files:write;
+# cards in people's direct messages (approvals.policies.<name>.to: {dm: …}) need im:write (conversations.open).
+OPTIONAL_SCOPES: Final = ("chat:write.customize", "im:history", "im:write", "files:read", "files:write")
 # For `kazma doctor` only: conversations.info tells whether the app is in the home channel (public, private).
 DOCTOR_SCOPES: Final = ("channels:read", "groups:read")
 BOT_EVENTS: Final = ("app_mention", "message.channels", "message.groups", "message.im")
 COMMANDS: Final = (
     ("/swarm", "Drive the agent swarm", "help | status | pipeline quick <task>"),
     ("/plan", "Show this channel's current plan", ""),
+    ("/approvals", "List the approval requests waiting for you", ""),
 )
 
 

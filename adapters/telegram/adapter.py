@@ -58,7 +58,7 @@ from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified
 from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip
-from kazma.adapters.telegram.inbound import PLAN_COMMAND, SWARM_COMMAND, normalise
+from kazma.adapters.telegram.inbound import APPROVALS_COMMAND, PLAN_COMMAND, SWARM_COMMAND, normalise
 from kazma.adapters.telegram.reasons import Prompt, ReasonPrompts
 from kazma.adapters.telegram.render import (
     CALLBACK_DATA_LIMIT,
@@ -270,6 +270,7 @@ class TelegramAdapter(PlatformBase):
                 [
                     BotCommand(SWARM_COMMAND, "Drive the agent swarm"),
                     BotCommand(PLAN_COMMAND, "Show the current plan"),
+                    BotCommand(APPROVALS_COMMAND, "List the approval requests waiting for you"),
                 ]
             )
         except TelegramError as exc:
@@ -542,6 +543,10 @@ class TelegramAdapter(PlatformBase):
         thread_id = self._chat_id("working", thread) if thread else None
         # Paced by PTB's hook like any send; a chat action fades after 5 s or at the next message.
         await app.bot.send_chat_action(chat_id=chat_id, action=ChatAction.TYPING, message_thread_id=thread_id)
+
+    async def direct_chat(self, user: str) -> str:
+        """A private chat's id is its user's id; Telegram refuses the post (403) if they never started the bot."""
+        return str(self._chat_id("card_post", user))
 
     def _write_card(self, card: ApprovalCard, outcome: Outcome | None) -> LaidOut[Any]:
         laid = render_card(card, outcome=outcome, approve_partial=self.approve_partial)

@@ -17,7 +17,8 @@ from kazma.adapters.telegram.errors import PLATFORM
 
 SWARM_COMMAND: Final = "swarm"
 PLAN_COMMAND: Final = "plan"
-COMMANDS: Final = (SWARM_COMMAND, PLAN_COMMAND)
+APPROVALS_COMMAND: Final = "approvals"
+COMMANDS: Final = (SWARM_COMMAND, PLAN_COMMAND, APPROVALS_COMMAND)
 
 Fetcher = Callable[[str], Callable[[], Coroutine[Any, Any, bytes]]]
 

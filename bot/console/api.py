@@ -198,7 +198,7 @@ class ApprovalsApi:
             raise _error(web.HTTPBadRequest, "Idempotency-Key must be 1-200 visible ASCII characters")
         body_hash = text_hash(canonical_json(body))
         publisher = self.service.publisher
-        if publisher is None or not publisher.can_show_cards():
+        if publisher is None or not publisher.can_show_cards(policy or self.config.policy_name_for(tool)):
             known = None if key is None else await self.keys.find(caller.name, key)
             if known is None:
                 raise _error(web.HTTPServiceUnavailable, "no platform can show an approval card now")

@@ -88,8 +88,9 @@ DOORS: tuple[Door, ...] = (
     Door("GET", "/conversations/{conversation}", _R, "one conversation's transcript"),
     Door("GET", "/console/files/{id}", _R, "a file an agent posted, as a download"),
     Door("GET", "/swarm", _R, "the dashboard; with ?approval=<id> the approval page of one request"),
-    # talking to the agents (a reader's /swarm reads and /plan are answered to the reader, never to an agent)
-    Door("POST", "/console/send", _R, "a message to the agents (operators); /swarm reads and /plan (anyone)"),
+    Door("GET", "/approvals", _R, "the requests waiting for the signed-in person (none for a shared token)"),
+    # talking to the agents (a reader's /swarm reads, /plan and /approvals are answered to them, never to an agent)
+    Door("POST", "/console/send", _R, "to the agents (operators); /swarm reads, /plan, /approvals (anyone)"),
     Door("POST", "/console/choose", _O, "a press of a question's choice: an answer that resumes an agent"),
     Door("POST", "/console/upload", _O, "files (and a message) to the agents"),
     # deciding and steering

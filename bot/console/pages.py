@@ -184,6 +184,7 @@ def layout(
         meta = f'<meta name="kazma-csrf" content="{e(viewer.csrf)}"><meta name="kazma-role" content="{e(viewer.role)}">'
         nav = (
             '<a href="/">Console</a> <a href="/conversations">Conversations</a> <a href="/swarm">Swarm</a>'
+            ' <a href="/approvals">Approvals</a>'
             f'<span class="who">{e(viewer.who)} · {e(viewer.role)} '
             f"{form('/logout', viewer, {}, 'Log out')}</span>"
         )

@@ -30,6 +30,7 @@ from kazma.adapters.admission import FileBounds
 from kazma.adapters.contract import Attachment, PlatformError
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
+from kazma.approvals.waiting import WaitingForYou, WaitingList
 from kazma.bot.console.accounts import AccountStore
 from kazma.bot.console.api import caller_of
 from kazma.bot.console.api import register as register_api
@@ -70,6 +71,7 @@ from kazma.bot.console.signin_pages import bootstrap_form
 from kazma.bot.console.static import CONSOLE_JS
 from kazma.bot.console.step_up import StepUp
 from kazma.bot.console.upload import UploadRefused, read_upload
+from kazma.bot.console.waiting_page import NOBODY, waiting_page
 from kazma.config.address import Address
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure, with_label
 from kazma.engine.swarm.grammar import parse
@@ -107,7 +109,7 @@ def _swarm_too_long(length: int) -> str:
 
 def _for_readers(text: str) -> bool:
     """What a reader may type: commands answered to them (nothing, which is answered "Nothing to send")."""
-    return text in ("", "/swarm", "/plan") or text.startswith("/swarm ")
+    return text in ("", "/swarm", "/plan", "/approvals") or text.startswith("/swarm ")
 
 
 def _not_found(text: str, session: Session | None = None) -> web.HTTPNotFound:
@@ -238,6 +240,7 @@ class WebServer:
                 ("POST", "/approvals/{id}/step-up/options"): step_up.options,
                 ("POST", "/approvals/{id}/step-up"): step_up.approve,
                 ("GET", "/swarm"): self.swarm,
+                ("GET", "/approvals"): self.waiting,
                 ("POST", "/swarm/tasks/{id}/{action}"): self.task_action,
                 ("POST", "/swarm/command"): self.swarm_command,
                 ("POST", "/approvals/rules/{id}/revoke"): self.revoke_rule,
@@ -375,7 +378,8 @@ class WebServer:
 
     async def send(self, request: web.Request) -> web.Response:
         """The message box. Operators talk to the agents (and answer questions by replying); of what a reader
-        types, only ``/swarm`` reads and ``/plan`` are answered — to the reader, never through an agent."""
+        types, only ``/swarm`` reads, ``/plan`` and ``/approvals`` are answered — to the reader, never through an
+        agent."""
         session, fields = await self._auth().form(request)
         text = fields.get("text", "").strip()
         reply_to = fields.get("reply_to") or None
@@ -393,6 +397,9 @@ class WebServer:
             session.flash.append(f"The message is {len(text):,} characters; at most {MAX_TEXT:,} are accepted.")
         elif text == "/plan":
             session.flash.append(await self.services.describe_plans(Address("web", CONSOLE).conversation))
+        elif text == "/approvals":
+            listed = await self._waiting_for(session)
+            session.flash.append(NOBODY if listed is None else listed.text())
         else:
             await self._to_agents(session, text, reply_to=reply_to)
         raise web.HTTPSeeOther("/")
@@ -571,6 +578,17 @@ class WebServer:
             return await self._approval(session, approval)
         # a page is always read fresh (after a form's redirect it must show what the form did)
         return html_response(dashboard_page(session, await self._dashboard_data(), flash=session.take_flash()))
+
+    async def waiting(self, request: web.Request) -> web.Response:
+        """What waits for the signed-in person; a shared token's session is nobody, so nothing is listed."""
+        session = self._auth().current()
+        return html_response(waiting_page(session, await self._waiting_for(session), flash=session.take_flash()))
+
+    async def _waiting_for(self, session: Session) -> WaitingList | None:
+        """What waits for the session's person (None: a shared token's session proves nobody)."""
+        if not session.proven:
+            return None
+        return await WaitingForYou(self.services.approvals).for_actor(session.actor)
 
     async def _dashboard_data(self) -> DashboardData:
         version = self.feed.version if self.feed is not None else 0  # read first: a change during the load is newer

@@ -141,6 +141,8 @@ def _discovered() -> dict[str, PlatformSpec]:
 
 CHAT_PLATFORMS: Final[dict[str, PlatformSpec]] = _discovered()
 
+# In a platform's chats/channels: every chat the bot is added to is served.
+EVERY_CHAT: Final = "*"
 WEB: Final = "web"
 CLI: Final = "cli"
 # Where a person can be: every chat platform, the web console and the terminal.

@@ -22,7 +22,7 @@ from kazma.adapters.card_layout import (
     outcome_line,
 )
 from kazma.adapters.chat_text import split_text
-from kazma.adapters.contract import CardRef, PlatformAdapter, PlatformError
+from kazma.adapters.contract import CardRef, PlatformAdapter, PlatformError, RoutesCards
 from kazma.adapters.press_policy import PRESS_APOLOGY
 from kazma.approvals.hashing import args_hash
 from kazma.approvals.model import Decision, PressResult, PressVerdict, Status
@@ -185,6 +185,29 @@ async def test_a_press_reaches_the_approvals_with_who_where_and_which_card(harne
     assert harness.notices(harness.admin) == []  # the winner is not alarmed: the card edit is the answer
 
 
+async def test_a_card_goes_into_a_chat_or_a_dm_a_policy_names_and_a_press_says_which(harness: Harness) -> None:
+    """``approvals.policies.<name>.to``: the same card in another served chat and in a person's DM (the same DM
+    every time), each press carrying where it was, so a DM card's binding to its person can be checked."""
+    adapter = await harness.start()
+    assert isinstance(adapter, RoutesCards)
+    card = make_card({"path": "/tmp/x"})
+    elsewhere = await adapter.post_card_in(card, harness.other)
+    assert elsewhere.chat == harness.other
+    dm = await adapter.direct_chat(harness.admin)
+    assert await adapter.direct_chat(harness.admin) == dm
+    assert dm not in (harness.home, harness.other)
+    in_dm = await adapter.post_card_in(card, dm)
+    assert in_dm.chat == dm
+    for ref in (elsewhere, in_dm):
+        shown = harness.card(ref)
+        assert TOOL_LABEL in shown.text
+        assert card.button_data(Decision.APPROVE) in shown.data
+    await harness.press(in_dm, card.button_data(Decision.APPROVE), harness.admin)
+    [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses)
+    await harness.settled()
+    assert (press.chat, press.message_id, press.actor) == (dm, in_dm.message_id, f"{harness.platform}:{harness.admin}")
+
+
 @pytest.mark.parametrize("verdict", [PressVerdict.LOST, PressVerdict.REFUSED])
 async def test_a_losing_or_refused_press_is_told_privately(harness: Harness, verdict: PressVerdict) -> None:
     adapter = await harness.start()
@@ -271,7 +294,7 @@ async def test_messages_from_served_chats_arrive_normalised(harness: Harness) ->
     assert (second[0].chat, second[0].is_admin) == (harness.other, False)
 
 
-@pytest.mark.parametrize(("name", "args"), [("plan", ""), ("swarm", "status")])
+@pytest.mark.parametrize(("name", "args"), [("plan", ""), ("swarm", "status"), ("approvals", "")])
 async def test_the_plan_and_swarm_commands_arrive_as_commands(harness: Harness, name: str, args: str) -> None:
     await harness.start()
     await harness.command(harness.home, harness.admin, name, args)

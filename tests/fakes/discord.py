@@ -239,6 +239,7 @@ class FakeDiscord:
         api = API_PREFIX
         app.router.add_get("/", self._gateway)
         app.router.add_get(f"{api}/users/@me", self._get_me)
+        app.router.add_post(f"{api}/users/@me/channels", self._open_dm)
         app.router.add_get("/oauth2/authorize", self.sign_in.authorize)
         app.router.add_post(f"{api}/oauth2/token", self.sign_in.token)
         app.router.add_get(f"{api}/oauth2/applications/@me", self._get_application)
@@ -647,6 +648,8 @@ class FakeDiscord:
         return interaction
 
     def _interaction_payload(self, interaction: FakeInteraction) -> Json:
+        if interaction.channel_id in self.dm_channels:
+            return self._dm_interaction_payload(interaction)
         everyone, bot = self._role_permissions()
         member = self._member(interaction.user)
         member["permissions"] = str(everyone)
@@ -668,6 +671,26 @@ class FakeDiscord:
             "entitlements": [],
             "authorizing_integration_owners": {"0": str(GUILD_ID)},
             "context": 0,
+            "attachment_size_limit": 10 * 1024 * 1024,
+        }
+
+    def _dm_interaction_payload(self, interaction: FakeInteraction) -> Json:
+        """An interaction in the bot's DM: no guild and no member, the presser as ``user`` (as Discord sends it)."""
+        recipient = self.users.get(self.dm_channels[interaction.channel_id]) or interaction.user
+        return {
+            "id": str(interaction.id),
+            "application_id": str(APP_ID),
+            "type": interaction.type,
+            "channel_id": str(interaction.channel_id),
+            "channel": {"id": str(interaction.channel_id), "type": 1, "recipients": [recipient.payload()]},
+            "user": interaction.user.payload(),
+            "token": interaction.token,
+            "version": 1,
+            "app_permissions": "0",
+            "locale": "en-US",
+            "entitlements": [],
+            "authorizing_integration_owners": {"0": str(GUILD_ID)},
+            "context": 1,
             "attachment_size_limit": 10 * 1024 * 1024,
         }
 
@@ -947,6 +970,17 @@ class FakeDiscord:
         if user is None:
             return self._not_found(10007, "Member")
         return self._json(self._member(user))
+
+    async def _open_dm(self, request: web.Request) -> web.Response:
+        """``POST /users/@me/channels {recipient_id}``: the DM channel with that user (the same one again)."""
+        payload = await self._body(request)
+        try:
+            user_id = int(payload.get("recipient_id", ""))
+        except (TypeError, ValueError):
+            return self._error(400, 50035, "Invalid Form Body", {"recipient_id": "not a snowflake"})
+        user = self.users.get(user_id) or FakeUser(user_id, f"user{user_id}")
+        channel = self.dm_channel(user)
+        return self._json({"id": str(channel), "type": 1, "last_message_id": None, "recipients": [user.payload()]})
 
     async def _get_channel(self, request: web.Request) -> web.Response:
         channel = self._channel_or_404(request)

@@ -55,12 +55,21 @@ DEFAULT_SCOPES = (
     "commands",
     "groups:history",
     "im:history",
+    "im:write",
     "files:read",
     "files:write",
 )
+
+
+def direct_channel(user: str) -> str:
+    """The id of the app's direct-message channel with ``user`` on this fake (Slack's start with D)."""
+    return "D" + user[1:]
+
+
 # The scope each method needs (Slack answers missing_scope, with needed and provided, without it).
 METHOD_SCOPES = {
     "conversations.info": "channels:read",
+    "conversations.open": "im:write",
     "chat.postMessage": "chat:write",
     "chat.update": "chat:write",
     "chat.postEphemeral": "chat:write",
@@ -508,6 +517,13 @@ class FakeSlack:
         if msg.username:
             out["username"] = msg.username
         return out
+
+    def _m_conversations_open(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The app's direct-message channel with one user: the same D… id every time."""
+        users = str(params.get("users") or "")
+        if not users or "," in users:
+            raise SlackApiRefusal("invalid_arguments")
+        return {"channel": {"id": direct_channel(users)}}
 
     def _m_conversations_info(self, params: dict[str, Any]) -> dict[str, Any]:
         channel = self._channel(params)
