@@ -92,6 +92,8 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "tools/send_file.py:SendFileTool.run:PathRefused": _TOOL_RESULT,
     "swarm/calls.py:WorkerCalls.call:LimitExceeded": "the call fails with the limit named; the task's result says so",
     "swarm/commands.py:SwarmCommands.run:GrammarError": _ANSWERED,
+    "swarm/grammar.py:_split_route:AddressError": "words after '->' that are no address are the task's own text: "
+    "no route is taken and nothing is dropped",
     "swarm/commands.py:SwarmCommands.run:SwarmRefused": _ANSWERED,
     "swarm/lead_tools.py:swarm_tools.dispatch:ValidationError": _ANSWERED,
     "swarm/lead_tools.py:swarm_tools.dispatch:SwarmRefused": _ANSWERED,
