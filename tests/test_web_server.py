@@ -206,7 +206,10 @@ async def test_every_route_needs_a_login_except_health_metrics_and_script(tmp_pa
     async with console(tmp_path) as con, con.client() as client:
         for path in ("/", "/swarm", "/swarm?approval=abcdefghijklmnopqrstuvwx"):
             response = await client.get(con.base + path, allow_redirects=False)
-            assert (response.status, response.headers["Location"]) == (302, "/login"), path
+            sign_in = URL(response.headers["Location"])
+            assert (response.status, sign_in.path) == (302, "/login"), path
+            # signing in leads back to the page asked for (the console itself needs no word)
+            assert dict(sign_in.query) == ({} if path == "/" else {"next": path}), path
             assert_security_headers(response)
         events = await client.get(con.base + "/events")
         assert events.status == 401
