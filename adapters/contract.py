@@ -46,6 +46,7 @@ class Inbound:
     direct: bool = False  # a direct message to the bot, not a group conversation
     reply_to: str | None = None  # the message this one replies to, when the platform says (answers to questions)
     attachments: tuple[Attachment, ...] = ()  # files sent with the message, within the configured bounds
+    chat_title: str = ""  # what the platform calls the conversation (a group's title, a channel's name); "" unsaid
 
 
 @runtime_checkable

@@ -138,6 +138,7 @@ class App(Lifecycle):
                 direction="in",
                 message_id=message.message_id,
                 direct=message.direct,
+                title=message.chat_title,
             )
         except Exception as exc:
             count_failure("transcript")

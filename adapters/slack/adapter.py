@@ -171,6 +171,7 @@ class SlackAdapter(PlatformBase):
         )
         self._seen = Seen()
         self._replays = Replays()
+        self._titles: dict[str, str] = {}  # channel -> "#name", asked once per channel (conversations.info)
         self._customize = True  # chat:write.customize granted until Slack says otherwise
         self._runner: web.AppRunner | None = None
         self._socket: AsyncSocketModeHandler | None = None
@@ -349,10 +350,30 @@ class SlackAdapter(PlatformBase):
                     # a reply in a thread answers the thread's first message (a question, say)
                     reply_to=str(event["thread_ts"]) if event.get("thread_ts") and event["thread_ts"] != ts else None,
                     attachments=attachments(event, self._fetcher),
+                    chat_title=await self._channel_title(channel, direct_with=name),
                 ),
                 # One post, however many events and retries carry it: a ts is unique within its channel.
                 key=f"message:{channel}:{ts}",
             )
+
+    async def _channel_title(self, channel: str, *, direct_with: str) -> str:
+        """``#name`` of a channel, asked of Slack once per channel per process (events carry only the id); a
+        DM's is the person's name. Unknown (no ``channels:read``, Slack down) it is "": the console shows the id."""
+        if channel.startswith("D"):
+            return direct_with
+        if channel in self._titles:
+            return self._titles[channel]
+        title = ""
+        try:
+            found = await self.client.conversations_info(channel=channel)
+            name = (found.get("channel") or {}).get("name")
+            title = f"#{name}" if isinstance(name, str) and name else ""
+        except Exception as exc:  # a name is a nicety: the message goes on without it
+            count_failure("channel_title", PLATFORM)
+            log.info("slack.channel_title_unknown", channel=channel, error=error_code(exc) or type(exc).__name__)
+        if len(self._titles) < 10_000:
+            self._titles[channel] = title
+        return title
 
     def _fetcher(self, url: str) -> Callable[[], Awaitable[bytes]]:
         async def fetch() -> bytes:

@@ -21,13 +21,14 @@ from kazma.adapters.web import WebMessage, render
 from kazma.adapters.web.render import e
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.honesty import reveal, reveal_line
-from kazma.approvals.model import MAX_REASON, ApprovalRequest, Outcome, Status, Waits, decider_text
+from kazma.approvals.model import MAX_REASON, ApprovalRequest, Outcome, Status, Waits, decider_text, outcome_of
 from kazma.approvals.rules import Rule
 from kazma.approvals.store import AuditEvent, PostedCard
 from kazma.approvals.withdrawal import POLL_GRACE
 from kazma.bot.console.charts import CHART_STYLE
 from kazma.bot.console.dashboard_charts import charts_html
 from kazma.bot.console.dashboard_data import DashboardData
+from kazma.bot.console.services import InlineApproval
 from kazma.bot.console.swarm_views import call_rows, handoff_chain, worker_numbers
 from kazma.bot.console.times import times_in, when_html
 from kazma.engine.swarm.endings import ending_lines
@@ -325,14 +326,14 @@ def login_page(
 # -- the console ---------------------------------------------------------------------------------
 
 
-def card_html(card: ApprovalCard, outcome: Outcome | None, viewer: Viewer) -> str:
-    """A console card: the one card layout, with Approve/Deny forms for operators."""
+def card_html(card: ApprovalCard, outcome: Outcome | None, viewer: Viewer, *, next_path: str = "/") -> str:
+    """A console card: the one card layout, with Approve/Deny forms for operators (back to ``next_path``)."""
 
     def buttons(view: CardView) -> str:
         if not viewer.may_decide:
             return ""
         approve = any(b.kind is ButtonKind.APPROVE for b in view.buttons)
-        return decide_buttons(viewer, card.request_id, "/", approve=approve)
+        return decide_buttons(viewer, card.request_id, next_path, approve=approve)
 
     return card_times(render.card_html(card, outcome=outcome, buttons=buttons).written)
 
@@ -407,17 +408,50 @@ def conversation_href(conversation: str) -> str:
     return f"/conversations/{quote(conversation, safe='')}"
 
 
+def conversation_name(title: str, chat: str) -> str:
+    """A conversation as people know it: its title, the platform's id beside it, quietly (ids are what configs and
+    logs name); the id alone when the platform never said a title."""
+    if not title:
+        return f'<code class="chat-id">{e(chat)}</code>'
+    return f'<span class="title">{e(reveal_line(title))}</span> <code class="chat-id meta">{e(chat)}</code>'
+
+
 def conversation_list(summaries: Sequence[Summary], current: str | None) -> str:
     items = []
     for c in summaries:
         here = ' class="here"' if c.conversation == current else ""
         items.append(
             f'<li data-conversation="{e(c.conversation)}"><a href="{e(conversation_href(c.conversation))}"{here}>'
-            f"{badge(c.platform, direct=c.direct)} <code>{e(c.chat)}</code> "
+            f"{badge(c.platform, direct=c.direct)} {conversation_name(c.title, c.chat)} "
             f'<span class="meta">{c.messages} · {when_html(c.last_at)}</span>'
             f'<span class="last">{e(for_humans(c.last_text)[:120])}</span></a></li>'
         )
     return f'<ul class="convs" id="conversations">{"".join(items) or "<li>No conversations yet.</li>"}</ul>'
+
+
+def approval_item(item: InlineApproval, viewer: Viewer) -> str:
+    """The approval where it was asked: the console's card (Approve/Deny for an approver while it waits), its
+    outcome once decided, and its page."""
+    request = item.request
+    if item.changed:
+        content = card_times(render.card_html(item.card, outcome=outcome_of(request)).written)
+    else:
+        content = card_html(item.card, outcome_of(request), viewer, next_path=conversation_href(request.conversation))
+    link = f'<p><a href="{e(approval_href(request.id))}">The whole call and its record</a></p>'
+    return (
+        f'<li class="message approval" id="a-{e(request.id)}" data-request="{e(request.id)}">'
+        f'<div class="speaker">Approval · {e(reveal_line(request.tool))}<span class="meta">'
+        f'{e(reveal_line(request.requested_by))}</span><span class="when">{when_html(request.created_at)}</span>'
+        f"</div>{content}{link}</li>"
+    )
+
+
+def _interleaved(entries: Sequence[Entry], approvals: Sequence[InlineApproval], viewer: Viewer) -> str:
+    """Messages and approvals in the order they happened (an approval at the time it was asked)."""
+    timed: list[tuple[float, int, str]] = [(entry.at, 0, entry_html(entry)) for entry in entries]
+    timed += [(item.request.created_at.timestamp(), 1, approval_item(item, viewer)) for item in approvals]
+    timed.sort(key=lambda t: (t[0], t[1]))
+    return "".join(html for _, _, html in timed)
 
 
 def conversations_page(
@@ -426,17 +460,21 @@ def conversations_page(
     current: str | None,
     entries: Sequence[Entry],
     *,
+    approvals: Sequence[InlineApproval] = (),
     flash: Sequence[str] = (),
 ) -> str:
-    """Every conversation Kazma serves (every platform, DMs too), and the chosen one, read-only and live."""
+    """Every conversation Kazma serves (every platform, DMs too), and the chosen one, read-only and live; the
+    approvals asked in it appear as their cards where they were asked."""
     if current is None:
         shown = "<p>Pick a conversation to read it. New messages appear as they happen.</p>"
     else:
         platform, _, chat = current.partition(":")
-        direct = next((c.direct for c in summaries if c.conversation == current), False)
-        items = "".join(entry_html(entry) for entry in entries)
+        summary = next((c for c in summaries if c.conversation == current), None)
+        direct = summary.direct if summary is not None else False
+        title = summary.title if summary is not None else ""
+        items = _interleaved(entries, approvals, viewer)
         shown = (
-            f"<h2>{badge(platform, direct=direct)} <code>{e(chat)}</code></h2>"
+            f"<h2>{badge(platform, direct=direct)} {conversation_name(title, chat)}</h2>"
             f'<ol class="messages" id="transcript" data-conversation="{e(current)}">{items}</ol>'
             f'<div class="working" id="working" data-conversation="{e(current)}"></div>'
         )

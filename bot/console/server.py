@@ -506,7 +506,10 @@ class WebServer:
         entries = await self.services.conversation(current) if current else []
         if current is not None and not entries:
             raise _not_found("No such conversation.", session)
-        return html_response(conversations_page(session, summaries, current, entries, flash=session.take_flash()))
+        approvals = await self.services.conversation_approvals(current) if current else []
+        return html_response(
+            conversations_page(session, summaries, current, entries, approvals=approvals, flash=session.take_flash())
+        )
 
     async def file(self, request: web.Request) -> web.Response:
         """A file an agent posted in the console, as a download (never shown inline)."""
