@@ -24,6 +24,7 @@ from typing import Final, Protocol
 import structlog
 
 from kazma.adapters.admission import FileTooLarge
+from kazma.adapters.chat_text import Columns
 from kazma.adapters.contract import Inbound, PlatformError, Press
 from kazma.adapters.human_text import for_humans
 from kazma.approvals.model import PressResult, PressVerdict
@@ -109,7 +110,10 @@ class Conversations:
         self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
     ) -> str | None:
         """Post to people: fences meant for models become a quiet "from @agent" label first."""
-        return await self.sink.send_text(platform, chat, for_humans(text), agent=agent, thread=thread)
+        shown = for_humans(text)
+        if isinstance(text, Columns):  # a table keeps its fixed-width layout on every platform
+            shown = Columns(shown)
+        return await self.sink.send_text(platform, chat, shown, agent=agent, thread=thread)
 
     @contextlib.asynccontextmanager
     async def working(self, platform: str, chat: str, thread: str | None = None) -> AsyncIterator[None]:

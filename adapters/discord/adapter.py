@@ -35,7 +35,7 @@ from discord import app_commands
 
 from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import agent_prefix
-from kazma.adapters.chat_text import split_text
+from kazma.adapters.chat_text import Columns, split_text
 from kazma.adapters.contract import CardRef, PlatformError, Press
 from kazma.adapters.deny_reason import (
     REASON_LABEL,
@@ -53,7 +53,15 @@ from kazma.adapters.discord.inbound import (
     message_inbound,
     modal_value,
 )
-from kazma.adapters.discord.render import CONTENT_MAX, NO_MENTIONS, clip, escape_text, neutralise_mentions, render_card
+from kazma.adapters.discord.render import (
+    CONTENT_MAX,
+    NO_MENTIONS,
+    clip,
+    code_block,
+    escape_text,
+    neutralise_mentions,
+    render_card,
+)
 from kazma.adapters.discord.webhooks import AgentWebhooks
 from kazma.adapters.kit import NOT_SERVED, PlatformBase
 from kazma.adapters.pacing import Pacing
@@ -76,6 +84,13 @@ def card_nonce(request_id: str, channel: str) -> str:
     """The nonce of a request's card in ``channel``: the same for every attempt at that post, and no other's."""
     digest = hashlib.sha256(f"kazma-card:{request_id}:{channel}".encode()).digest()
     return base64.urlsafe_b64encode(digest).decode()[:NONCE_LENGTH]
+
+
+def _chunks(safe: str, limit: int, *, columns: bool) -> list[str]:
+    """``safe`` in messages of at most ``limit`` characters; columns each in a code block (its fences counted)."""
+    if not columns:
+        return split_text(safe, limit)
+    return [code_block(part) for part in split_text(safe, limit - 8)]  # "```\n" + "\n```"
 
 
 class _Client(discord.Client):
@@ -460,15 +475,17 @@ class DiscordAdapter(PlatformBase):
         safe = neutralise_mentions(text)
         if not safe.strip():
             raise self.refuse(site, "nothing to send: the text is empty", chat=chat)
+        columns = isinstance(text, Columns)
         webhook = await self._hooks.for_channel(self._client, channel_id) if agent else None
         if webhook is not None and agent:
-            sent = await self._hooks.send(webhook, channel_id, safe, agent=agent, thread_id=thread_id)
+            chunks = _chunks(safe, CONTENT_MAX, columns=columns)
+            sent = await self._hooks.send(webhook, channel_id, chunks, agent=agent, thread_id=thread_id)
             if sent is not None:
                 return sent
         target = client.get_partial_messageable(thread_id or channel_id)
         prefix = agent_prefix(agent)
         first: str | None = None
-        for chunk in split_text(safe, CONTENT_MAX - len(prefix)):
+        for chunk in _chunks(safe, CONTENT_MAX - len(prefix), columns=columns):
             message = await self._rest(
                 site, lambda chunk=chunk: target.send(prefix + chunk, allowed_mentions=NO_MENTIONS)
             )

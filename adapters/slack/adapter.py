@@ -39,7 +39,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import agent_prefix
-from kazma.adapters.chat_text import split_text
+from kazma.adapters.chat_text import Columns, split_text
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
 from kazma.adapters.deny_reason import (
     REASON_LABEL,
@@ -81,6 +81,8 @@ from kazma.config.metrics import count_failure
 from kazma.config.models import SlackConfig
 
 log = structlog.get_logger("kazma.adapters.slack")
+CODE_FENCE: Final = "```"
+ZWSP: Final = "\u200b"  # after a backtick inside a code block, so no run of them closes it early
 
 AGENT_ICON: Final = ":robot_face:"
 
@@ -508,14 +510,23 @@ class SlackAdapter(PlatformBase):
             raise self.refuse("send", "nothing to send: the text is empty", chat=chat)
         first: str | None = None
         prefix_units = len(escape(agent_prefix(agent)))
-        for part in split_text(text, MAX_MESSAGE_TEXT - prefix_units, escaped_units):
-            ts = await self._post_text(chat, part, agent=agent, thread=thread)
+        columns = isinstance(text, Columns)
+        fence = len(CODE_FENCE) * 2 + 2 if columns else 0
+        for part in split_text(text, MAX_MESSAGE_TEXT - prefix_units - fence, escaped_units):
+            ts = await self._post_text(chat, part, agent=agent, thread=thread, columns=columns)
             first = first or ts
         if first is None:
             raise self.refuse("send", "nothing to send: the text is empty", chat=chat)
         return first
 
-    async def _post_text(self, chat: str, part: str, *, agent: str | None, thread: str | None) -> str:
+    async def _post_text(
+        self, chat: str, part: str, *, agent: str | None, thread: str | None, columns: bool = False
+    ) -> str:
+        def shown(text: str) -> str:  # escaped; columns in a code block, its own backticks unable to close it
+            if not columns:
+                return escape(text)
+            return f"{CODE_FENCE}\n{escape(part).replace('`', '`' + ZWSP)}\n{CODE_FENCE}"
+
         if agent and self._customize:
             try:
                 response = await self.call(
@@ -523,7 +534,7 @@ class SlackAdapter(PlatformBase):
                     chat,
                     lambda: self._optional(
                         self.client.chat_postMessage(
-                            channel=chat, text=escape(part), thread_ts=thread, username=agent, icon_emoji=AGENT_ICON
+                            channel=chat, text=shown(part), thread_ts=thread, username=agent, icon_emoji=AGENT_ICON
                         )
                     ),
                 )
@@ -534,7 +545,7 @@ class SlackAdapter(PlatformBase):
                 # Without chat:write.customize the agent is named in the text instead.
                 self._customize = False
                 log.warning("slack.identity_unavailable", channel=chat, agent=agent, error=exc.__cause__.code)
-        body = escape(agent_prefix(agent) + part)
+        body = escape(agent_prefix(agent)) + shown(part) if columns else escape(agent_prefix(agent) + part)
         response = await self.call(
             "send", chat, lambda: self.client.chat_postMessage(channel=chat, text=body, thread_ts=thread)
         )

@@ -35,6 +35,7 @@ from telegram import (
     InlineKeyboardMarkup,
     LinkPreviewOptions,
     Message,
+    MessageEntity,
     ReplyParameters,
     Update,
 )
@@ -53,7 +54,7 @@ from telegram.request import HTTPXRequest
 
 from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import agent_prefix
-from kazma.adapters.chat_text import split_text
+from kazma.adapters.chat_text import Columns, split_text
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
 from kazma.adapters.deny_reason import deny_data, reason_request, reply_prompt
 from kazma.adapters.kit import PlatformBase
@@ -479,17 +480,28 @@ class TelegramAdapter(PlatformBase):
         self._chat_id(site, chat)
         thread_id = self._chat_id(site, thread) if thread else None
         prefix = agent_prefix(agent)
-        # Plain text (no parse mode): nothing in it is markup, so nothing needs escaping or can format.
+        # Plain text (no parse mode): nothing in it is markup, so nothing needs escaping or can format. Columns
+        # are laid out by an entity instead (fixed width over the text, the prefix left out).
+        columns = isinstance(text, Columns)
         parts = split_text(text, TEXT_LIMIT - utf16_len(prefix), utf16_units)
         if not parts:
             raise self.refuse(site, "nothing to send: the text is empty", chat=chat)
         first: str | None = None
         for part in parts:
+            entities = (
+                [MessageEntity(MessageEntity.PRE, offset=utf16_len(prefix), length=utf16_len(part))]
+                if columns
+                else None
+            )
             message = await self._send(
                 site,
                 chat,
-                lambda chat_id, part=part: app.bot.send_message(  # type: ignore[misc]
-                    chat_id=chat_id, text=prefix + part, message_thread_id=thread_id, link_preview_options=_NO_PREVIEW
+                lambda chat_id, part=part, entities=entities: app.bot.send_message(  # type: ignore[misc]
+                    chat_id=chat_id,
+                    text=prefix + part,
+                    message_thread_id=thread_id,
+                    link_preview_options=_NO_PREVIEW,
+                    entities=entities,
                 ),
             )
             chat = str(message.chat_id)  # the rest follows a chat that moved under the first part
