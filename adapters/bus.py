@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -397,9 +397,16 @@ class FanOutBus:
         except TimeoutError:
             return False
 
-    async def broadcast(self, text: str, *, agent: str | None = None) -> dict[str, str | None]:
-        """Report or alert into every platform's home chat at once."""
-        targets = [(n, a.home_chat) for n, a in self.adapters.items() if a.home_chat]
+    async def broadcast(
+        self, text: str, *, agent: str | None = None, skip: Collection[str] = (), only: str | None = None
+    ) -> dict[str, str | None]:
+        """Report or alert into every platform's home chat at once; ``skip``: home chats (``platform:chat``) left
+        out, ``only``: this home chat alone (nothing when it is none)."""
+        targets = [
+            (n, a.home_chat)
+            for n, a in self.adapters.items()
+            if a.home_chat and f"{n}:{a.home_chat}" not in skip and (only is None or only == f"{n}:{a.home_chat}")
+        ]
         results = await asyncio.gather(*(self.send_text(n, chat, text, agent=agent) for n, chat in targets if chat))
         return {n: r for (n, _), r in zip(targets, results, strict=True)}
 
@@ -805,5 +812,7 @@ class NullBus:
     async def working(self, platform: str, chat: str, *, thread: str | None = None) -> bool:
         return False
 
-    async def broadcast(self, text: str, *, agent: str | None = None) -> dict[str, str | None]:
+    async def broadcast(
+        self, text: str, *, agent: str | None = None, skip: Collection[str] = (), only: str | None = None
+    ) -> dict[str, str | None]:
         return {}

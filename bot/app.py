@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +52,7 @@ from kazma.engine.swarm import synthesis
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.lead_tools import swarm_tools
 from kazma.engine.swarm.routing import EmbeddingRouter
-from kazma.engine.swarm.service import CoalescingReporter, SwarmService
+from kazma.engine.swarm.service import CoalescingReporter, ProgressLine, SwarmService
 from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import SwarmTaskStore
 from kazma.engine.swarm.workers import AgentWorker
@@ -388,6 +388,15 @@ def _swarm(
     async def report(text: str) -> None:
         await bus.broadcast(text, agent="swarm")
 
+    async def report_lines(lines: Sequence[ProgressLine]) -> None:
+        # a home chat a task's result is delivered to hears its ending there, not twice
+        heard = {line.heard_in for line in lines if line.heard_in}
+        await bus.broadcast("\n".join(line.text for line in lines), agent="swarm", skip=heard)
+        for conversation in heard:
+            rest = [line.text for line in lines if line.heard_in != conversation]
+            if rest:
+                await bus.broadcast("\n".join(rest), agent="swarm", only=conversation)
+
     workers = {
         name: AgentWorker(agents[name], runner, "swarm", tuple(worker.expertise))
         for name, worker in config.agents.workers.items()
@@ -397,7 +406,7 @@ def _swarm(
         workers,
         config,
         approvals=approvals,
-        reporter=CoalescingReporter(report),
+        reporter=CoalescingReporter(report, send_lines=report_lines),
         synthesizer=synthesis.synthesizer(model),
         chooser=synthesis.chooser(model),
         refiner=synthesis.refiner(model),

@@ -84,7 +84,7 @@ def assert_login_demanded(door: Door, method: str, answer: Answer) -> None:
     else:
         # off to the sign-in page, which leads back to the page asked for once signed in
         assert answer.status == 302, where
-        assert answer.location.partition("?")[0] == "/login", where
+        assert (answer.location or "").partition("?")[0] == "/login", where
 
 
 def assert_let_in(door: Door, method: str, answer: Answer) -> None:
