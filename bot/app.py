@@ -23,12 +23,14 @@ import structlog
 
 from kazma.adapters.admission import DirectPolicy, FileBounds
 from kazma.adapters.bus import SAFETY_SCAN_SECONDS, FanOutBus, NullBus
-from kazma.adapters.contract import ChatMove, Handlers, Inbound, PlatformAdapter, Press
+from kazma.adapters.contract import ChatMove, Handlers, Home, HomeItem, Inbound, PlatformAdapter, Press
 from kazma.adapters.outbox import Outbox
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
 from kazma.approvals.checkpointer import Checkpointer
+from kazma.approvals.honesty import reveal_line
+from kazma.approvals.model import decider_text
 from kazma.approvals.rules import RuleStore
 from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.audit_sink import AuditSink
@@ -67,6 +69,8 @@ from kazma.engine.transcript import RecordingSink, TranscriptStore
 from kazma.engine.types import ModelProvider
 
 log = structlog.get_logger("kazma.app")
+HOME_LIMIT = 10  # waiting requests listed on a person's home page (Slack's App Home); the rest are counted
+HOME_COUNTED = 1000
 
 
 def build_adapters(loaded: LoadedConfig, *, paced: bool = True) -> list[PlatformAdapter]:
@@ -156,6 +160,28 @@ class App(Lifecycle):
             inbound_done=None if self.inbound_claims is None else self.inbound_claims.done,
             inbox=self.inbound_claims,
             first_signed=None if self.signed_requests is None else self.signed_requests.first_signed,
+            home=self.home,
+        )
+
+    async def home(self, actor: str, platform: str) -> Home:
+        """A person's home page on a platform (Slack's App Home): the newest requests waiting for a decision, in
+        the order they were asked, and how many more wait."""
+        config = self.service.config
+        pending = await self.service.store.requests(pending_only=True, limit=HOME_COUNTED)
+        listed = sorted(pending[:HOME_LIMIT], key=lambda r: r.created_at)
+        waiting = tuple(
+            HomeItem(
+                f"{reveal_line(r.tool)}, asked by {reveal_line(r.requested_by)} in {reveal_line(r.conversation)}",
+                self.service.link(r.id),
+            )
+            for r in listed
+        )
+        return Home(
+            who=decider_text(config.roster.person_of(actor), actor),
+            may_decide=self.service.is_approver(actor, platform),
+            waiting=waiting,
+            more=max(0, len(pending) - HOME_LIMIT),
+            console=str(config.web.public_url).rstrip("/"),
         )
 
     async def on_chat_moved(self, move: ChatMove) -> None:

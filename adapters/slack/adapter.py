@@ -72,6 +72,7 @@ from kazma.adapters.slack.render import (
     choice_blocks,
     escape,
     escaped_units,
+    home_view,
     render_card,
     unescape,
 )
@@ -286,6 +287,7 @@ class SlackAdapter(PlatformBase):
         self.app.middleware(self._drop_replays)
         self.app.event("message")(self._on_message)
         self.app.event("app_mention")(self._on_message)
+        self.app.event("app_home_opened")(self._on_home_opened)
         self.app.command("/swarm")(self._on_command)
         self.app.command("/plan")(self._on_command)
         self.app.action(APPROVE_ACTION)(self._on_action)
@@ -357,6 +359,22 @@ class SlackAdapter(PlatformBase):
                 # One post, however many events and retries carry it: a ts is unique within its channel.
                 key=f"message:{channel}:{ts}",
             )
+
+    async def _on_home_opened(self, event: dict[str, Any]) -> None:
+        """The person opened the app's Home tab: publish what waits for a decision, as they may see it."""
+        with self.tracking():
+            user = str(event.get("user") or "")
+            handlers = self._handlers
+            if event.get("tab") != "home" or not user or handlers is None or handlers.home is None:
+                return  # the Messages tab is a DM: messages reach the agents as every DM does
+            try:
+                home = await handlers.home(self.actor(user), PLATFORM)
+                await self.call("home", None, lambda: self.client.views_publish(user_id=user, view=home_view(home)))
+            except Exception as exc:  # the home tab is a view of what is stored: nothing is lost
+                count_failure("home", PLATFORM)
+                log.warning("slack.home_failed", user=user, error=str(exc))
+                return
+            log.info("slack.home_published", user=user, waiting=len(home.waiting) + home.more)
 
     async def _channel_title(self, channel: str, *, direct_with: str) -> str:
         """``#name`` of a channel, asked of Slack once per channel per process (events carry only the id); a
