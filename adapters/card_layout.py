@@ -86,7 +86,8 @@ def deadline_text(card: ApprovalCard) -> str:
 def outcome_line(outcome: Outcome) -> str:
     """The outcome as one line; its words (who decided, a cancel reason) escaped like every field."""
     afterwards = f" · {outcome.afterwards[:1].upper()}{outcome.afterwards[1:]}" if outcome.afterwards else ""
-    return reveal_line(f"{OUTCOME_HEADLINES[outcome.status]}: {outcome.summary()}{afterwards}")
+    # "APPROVED by alice (…) via slack at …": the status said once, in the headline
+    return reveal_line(f"{OUTCOME_HEADLINES[outcome.status]} {outcome.details()}{afterwards}")
 
 
 def agent_prefix(agent: str | None) -> str:

@@ -90,6 +90,27 @@ def test_every_writer_puts_the_outcome_first_once_decided(where: str) -> None:
     assert laid.view.buttons == ()
 
 
+SETTLED = {
+    Status.APPROVED: "APPROVED by telegram:111 via telegram at 2030-01-02 03:04:05 UTC",
+    Status.DENIED: "DENIED by telegram:111 via telegram at 2030-01-02 03:04:05 UTC",
+    Status.TIMEOUT: "TIMED OUT at 2030-01-02 03:04:05 UTC: no decision before the deadline (not a denial)",
+    Status.CANCELLED: "CANCELLED at 2030-01-02 03:04:05 UTC: the waiter stopped (not a denial)",
+}
+
+
+@pytest.mark.parametrize("where", sorted(WRITERS))
+@pytest.mark.parametrize("status", list(SETTLED))
+def test_a_settled_card_says_its_outcome_once(where: str, status: Status) -> None:
+    """``APPROVED by …``, never ``APPROVED: approved by …``: the headline says the status, the rest who and when."""
+    card = make_card({"command": "ls"})
+    outcome = outcome_of(card, status)
+    assert outcome_line(outcome) == SETTLED[status]
+    text = visible(lay_out(card, WRITERS[where], outcome=outcome).written)
+    assert SETTLED[status] in text, (where, text)
+    word = {Status.TIMEOUT: "timed out"}.get(status, status.value)
+    assert text.lower().count(word) == 1, (where, text)  # the status once, on the whole card
+
+
 @pytest.mark.parametrize("where", sorted(WRITERS))
 def test_every_writer_marks_a_cut_the_same_way(where: str) -> None:
     card = make_card({"command": "A" * 300 + "Z" * 700}, value_limit=100)

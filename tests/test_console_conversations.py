@@ -137,5 +137,5 @@ async def test_an_approval_appears_as_its_card_in_its_conversation_and_is_decide
         page = await (await client.get(con.base + path)).text()
         item = re.search(rf'<li class="message approval" id="a-{here.id}".*?</li>', page, re.S)
         assert item is not None
-        assert "APPROVED: approved by alice (web:alice)" in item.group(0)
+        assert "APPROVED by alice (web:alice)" in item.group(0)
         assert f'action="/approvals/{here.id}/decide"' not in page  # settled: no buttons

@@ -125,7 +125,7 @@ async def test_a_private_card_opens_the_mini_app_and_telegram_names_the_person(t
         )  # fmt: skip
         await k.telegram.wait_until(
             lambda: any(
-                "approved by alice (telegram:111) via telegram" in m.text and not m.buttons
+                "APPROVED by alice (telegram:111) via telegram" in m.text and not m.buttons
                 for m in k.telegram.bot_messages(ALICE)
             ),
             timeout=10,

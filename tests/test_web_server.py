@@ -371,7 +371,7 @@ async def test_operator_approves_once_and_every_card_settles(tmp_path: Path) -> 
         await until(con.web, lambda: (m := con.web.card_message(request.id)) is not None and m.outcome is not None)
         page = await (await client.get(f"{con.base}/")).text()
         assert "Approved. Recorded as alice (web:alice)." in page  # the flash
-        assert "APPROVED: approved by alice (web:alice) via web" in page
+        assert "APPROVED by alice (web:alice) via web" in page
         assert f"/approvals/{request.id}/decide" not in page
         # the losing press is told what stands, and nothing changes
         again = await client.post(f"{con.base}/approvals/{request.id}/decide", data={"csrf": csrf, "decision": "deny"})
