@@ -9,9 +9,13 @@ once per channel, discord.py), are kept with the transcript on SQLite and on Pos
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, unquote
+
+import aiohttp
 
 from kazma.approvals.model import Status
 from kazma.bot.console.pages import conversation_list
@@ -139,3 +143,41 @@ async def test_an_approval_appears_as_its_card_in_its_conversation_and_is_decide
         assert item is not None
         assert "APPROVED by alice (web:alice)" in item.group(0)
         assert f'action="/approvals/{here.id}/decide"' not in page  # settled: no buttons
+
+
+async def _approval_event(events: aiohttp.ClientResponse, request_id: str, showing: str) -> dict[str, Any]:
+    """The next live event placing ``request_id``'s card in its conversation with ``showing`` in it."""
+    async with asyncio.timeout(20):
+        while True:
+            line = (await events.content.readline()).decode().strip()
+            data: dict[str, Any] = json.loads(line.removeprefix("data: ")) if line.startswith("data: ") else {}
+            if data.get("type") == "approval" and data.get("request") == request_id and showing in data["html"]:
+                return data
+
+
+async def test_an_approval_arrives_and_settles_live_in_its_conversation(tmp_path: Path) -> None:
+    """A page open on a conversation places the card the moment it is asked, and replaces it once decided."""
+    async with console(tmp_path) as con, con.client() as client:
+        await con.app.transcript.record("telegram", "-1001", author="telegram:111", name="Ann", text="go",
+                                        direction="in")  # fmt: skip
+        csrf = await con.login(client, "alice", OPERATOR)
+        events = await client.get(f"{con.base}/events")
+        async with asyncio.timeout(10):
+            while (await events.content.readline()).decode().strip() != ": ready":
+                pass
+        here = await con.app.service.open("shell", {"command": "rm -rf /srv/tmp"}, "agent:builder", "telegram:-1001")
+        placed = await _approval_event(events, here.id, "rm -rf /srv/tmp")
+        assert placed["conversation"] == "telegram:-1001"  # only a page on that conversation places it
+        assert f'id="a-{here.id}"' in placed["html"]
+        assert f'action="/approvals/{here.id}/decide"' in placed["html"]  # decided right there
+        assert "rm -rf /srv/tmp" in placed["html"]
+        await client.post(
+            f"{con.base}/approvals/{here.id}/decide",
+            data={"csrf": csrf, "decision": "deny", "next": "/"},
+            allow_redirects=False,
+        )
+        settled = await _approval_event(events, here.id, "DENIED by alice (web:alice)")
+        assert f'action="/approvals/{here.id}/decide"' not in settled["html"]
+        events.close()
+        script = await (await client.get(f"{con.base}/static/console.js")).text()
+        assert 'data.type === "approval"' in script

@@ -433,15 +433,24 @@ def approval_item(item: InlineApproval, viewer: Viewer) -> str:
     """The approval where it was asked: the console's card (Approve/Deny for an approver while it waits), its
     outcome once decided, and its page."""
     request = item.request
-    if item.changed:
-        content = card_times(render.card_html(item.card, outcome=outcome_of(request)).written)
+    return approval_card_item(
+        item.card, outcome_of(request), request.created_at.timestamp(), viewer, changed=item.changed
+    )
+
+
+def approval_card_item(
+    card: ApprovalCard, outcome: Outcome | None, at: float, viewer: Viewer, *, changed: bool = False
+) -> str:
+    """An approval's card as an item of its conversation (the page, and the live event that places it there)."""
+    if changed:
+        content = card_times(render.card_html(card, outcome=outcome).written)
     else:
-        content = card_html(item.card, outcome_of(request), viewer, next_path=conversation_href(request.conversation))
-    link = f'<p><a href="{e(approval_href(request.id))}">The whole call and its record</a></p>'
+        content = card_html(card, outcome, viewer, next_path=conversation_href(card.origin))
+    link = f'<p><a href="{e(approval_href(card.request_id))}">The whole call and its record</a></p>'
     return (
-        f'<li class="message approval" id="a-{e(request.id)}" data-request="{e(request.id)}">'
-        f'<div class="speaker">Approval · {e(reveal_line(request.tool))}<span class="meta">'
-        f'{e(reveal_line(request.requested_by))}</span><span class="when">{when_html(request.created_at)}</span>'
+        f'<li class="message approval" id="a-{e(card.request_id)}" data-request="{e(card.request_id)}">'
+        f'<div class="speaker">Approval · {e(card.tool)}<span class="meta">'
+        f'{e(card.requester)}</span><span class="when">{when_html(at)}</span>'
         f"</div>{content}{link}</li>"
     )
 
