@@ -145,6 +145,7 @@ class CardView:
     outcome: Outcome | None
     title: str
     warnings: tuple[str, ...]
+    about: tuple[str, ...]  # who asked and why, in the asker's words after Kazma's label: plain lines
     facts: tuple[tuple[str, str], ...]  # (label, value), in this order on every platform
     arguments_heading: str
     arguments: tuple[ShownArgument, ...]
@@ -290,6 +291,7 @@ def view_of(
         outcome=outcome,
         title=card.title,
         warnings=tuple(card_warnings(card)),
+        about=card.about,
         facts=facts,
         arguments_heading=arguments_heading(total),
         arguments=arguments,
@@ -395,6 +397,7 @@ class PlainWriter:
         if view.outcome is not None:
             lines += [view.outcome_text, ""]
         lines.append(view.title)
+        lines += list(view.about)
         lines += [f"⚠ {warning}" for warning in view.warnings]
         lines += [f"{label}: {value}" for label, value in view.facts]
         lines.append(f"{view.arguments_heading}:")

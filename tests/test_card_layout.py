@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import io
 import re
@@ -32,9 +33,10 @@ from kazma.adapters.telegram.render import TelegramWriter
 from kazma.adapters.terminal import TerminalAdapter
 from kazma.adapters.web.render import HtmlWriter
 from kazma.approvals import Hidden
+from kazma.approvals.card import ASKED_THROUGH_API, REASON_GIVEN, build_card
 from kazma.approvals.model import Status
 from tests.contract.harness import make_card, outcome_of
-from tests.test_honesty import CASES
+from tests.test_honesty import CASES, request_for
 
 
 def visible(written: Any) -> str:
@@ -245,3 +247,29 @@ async def test_the_terminal_prints_no_control_character_of_an_agents_message() -
     assert "done⟨U+001B ESC⟩[8A⟨U+001B ESC⟩[2K│ command: ls" in printed
     assert "[builder⟨U+202E RLO⟩]" in printed
     assert "\n" in printed.strip()  # a newline stays a newline
+
+
+@pytest.mark.parametrize("where", sorted(WRITERS))
+def test_who_asked_and_why_is_said_plainly_and_a_warning_stays_a_warning(where: str) -> None:
+    """The approvals API's notes (who asked, for whom, the reason given, how the asker waits) are not warnings;
+    how the call would run ("runs unsandboxed") and what was found in it are."""
+    request = dataclasses.replace(
+        request_for({"command": "ls"}),
+        notes=(
+            f"{ASKED_THROUGH_API}api:ci; Kazma does not run it, the caller does.",
+            f"{REASON_GIVEN}nightly clean-up",
+            "runs unsandboxed on this host",
+        ),
+    )
+    card = build_card(request, value_limit=4000, public_url="http://x.test")
+    assert card.about == (f"{ASKED_THROUGH_API}api:ci; Kazma does not run it, the caller does.",
+                          f"{REASON_GIVEN}nightly clean-up")  # fmt: skip
+    assert card.warnings == ("runs unsandboxed on this host",)
+    text = visible(lay_out(card, WRITERS[where]).written)
+    for line in text.splitlines():
+        if "nightly clean-up" in line or "Asked through the approvals API" in line:
+            assert "⚠" not in line, (where, line)
+            assert ":warning:" not in line, (where, line)
+        if "runs unsandboxed" in line:
+            assert "⚠" in line or ":warning:" in line, (where, line)
+    assert "Reason given: nightly clean-up" in text, where

@@ -117,6 +117,7 @@ class DiscordWriter:
             # Decided: the outcome is the first thing a reader sees, the request's title right below it.
             title = f"{_MARKS[view.outcome.status]} {escape_text(view.outcome_text)}"
             lines.append(f"**{escape_text(view.title)}**")
+        lines += [escape_text(line) for line in view.about]
         lines += [f"⚠️ **{escape_text(warning)}**" for warning in view.warnings]
         lines += [f"**{escape_text(label)}:** {escape_text(value)}" for label, value in view.facts]
         lines.append(f"**{escape_text(view.arguments_heading)}** below")

@@ -175,6 +175,8 @@ class SlackWriter:
             )
         title = escape(view.title)  # plain text is not parsed, but nothing from a tool reaches Slack unescaped
         blocks.append({"type": "header", "block_id": "kazma_title", "text": _plain(_clip(title, MAX_HEADER_TEXT))})
+        for index, line in enumerate(view.about):
+            blocks.append({"type": "section", "block_id": f"kazma_about_{index}", "text": _mrkdwn(_inert(line))})
         for index, warning in enumerate(view.warnings):
             blocks.append(
                 {
