@@ -20,6 +20,9 @@ class Columns(str):
     __slots__ = ()
 
 
+COLUMNS_FENCES: Final = 8  # "```\n" and "\n```" around columns, where a platform writes a code block
+
+
 def split_text(text: str, limit: int, units: Callable[[str], int] | None = None) -> list[str]:
     """Cut ``text`` into parts of at most ``limit`` units, preferring a line break, then a space, in the
     second half of each part; the break itself is dropped. ``units`` measures one character the way the

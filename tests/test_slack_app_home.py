@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kazma.adapters.slack.setup import slack_manifest
 from kazma.approvals.model import Decision
-from kazma.bot.cli.platform_setup import slack_manifest
 from kazma.config import load_config_text
 from tests.platforms_support import SLACK_ADMIN, kazma_on, three_fakes
 
