@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -383,9 +383,17 @@ class FanOutBus:
         except TimeoutError:
             return False
 
-    async def broadcast(self, text: str, *, agent: str | None = None) -> dict[str, str | None]:
-        """Report or alert into every platform's home chat at once."""
-        targets = [(n, a.home_chat) for n, a in self.adapters.items() if a.home_chat]
+    async def broadcast(
+        self, text: str, *, agent: str | None = None, skip: Collection[str] = (), only: str | None = None
+    ) -> dict[str, str | None]:
+        """Report or alert into every platform's home chat at once; ``skip``: home chats (conversation keys) left
+        out, ``only``: this home chat alone (nothing when it is none)."""
+        homes = [Address(n, a.home_chat) for n, a in self.adapters.items() if a.home_chat]
+        targets = [
+            (home.platform, home.chat)
+            for home in homes
+            if home.conversation not in skip and (only is None or only == home.conversation)
+        ]
         results = await asyncio.gather(
             *(self.send(Address(n, chat), Outgoing(text, agent=agent)) for n, chat in targets if chat)
         )
@@ -845,5 +853,7 @@ class NullBus:
     async def working(self, at: Address) -> bool:
         return False
 
-    async def broadcast(self, text: str, *, agent: str | None = None) -> dict[str, str | None]:
+    async def broadcast(
+        self, text: str, *, agent: str | None = None, skip: Collection[str] = (), only: str | None = None
+    ) -> dict[str, str | None]:
         return {}

@@ -86,7 +86,8 @@ def deadline_text(card: ApprovalCard) -> str:
 def outcome_line(outcome: Outcome) -> str:
     """The outcome as one line; its words (who decided, a cancel reason) escaped like every field."""
     afterwards = f" · {outcome.afterwards[:1].upper()}{outcome.afterwards[1:]}" if outcome.afterwards else ""
-    return reveal_line(f"{OUTCOME_HEADLINES[outcome.status]}: {outcome.summary()}{afterwards}")
+    # "APPROVED by alice (…) via slack at …": the status said once, in the headline
+    return reveal_line(f"{OUTCOME_HEADLINES[outcome.status]} {outcome.details()}{afterwards}")
 
 
 def agent_prefix(agent: str | None) -> str:
@@ -144,6 +145,7 @@ class CardView:
     outcome: Outcome | None
     title: str
     warnings: tuple[str, ...]
+    about: tuple[str, ...]  # who asked and why, in the asker's words after Kazma's label: plain lines
     facts: tuple[tuple[str, str], ...]  # (label, value), in this order on every platform
     arguments_heading: str
     arguments: tuple[ShownArgument, ...]
@@ -289,6 +291,7 @@ def view_of(
         outcome=outcome,
         title=card.title,
         warnings=tuple(card_warnings(card)),
+        about=card.about,
         facts=facts,
         arguments_heading=arguments_heading(total),
         arguments=arguments,
@@ -394,6 +397,7 @@ class PlainWriter:
         if view.outcome is not None:
             lines += [view.outcome_text, ""]
         lines.append(view.title)
+        lines += list(view.about)
         lines += [f"⚠ {warning}" for warning in view.warnings]
         lines += [f"{label}: {value}" for label, value in view.facts]
         lines.append(f"{view.arguments_heading}:")

@@ -11,6 +11,18 @@ from collections.abc import Callable
 from typing import Final
 
 
+class Columns(str):
+    """Text laid out in columns with spaces (``/swarm help``): each platform shows it in a fixed-width font —
+    Telegram a ``pre`` entity, Slack and Discord a code block, the console ``<pre>`` — since spaces line up
+    nothing in the proportional font chat text uses. Anything made from it (a slice, a join) is plain text
+    again, so only the text itself, passed on whole, carries the layout."""
+
+    __slots__ = ()
+
+
+COLUMNS_FENCES: Final = 8  # "```\n" and "\n```" around columns, where a platform writes a code block
+
+
 def split_text(text: str, limit: int, units: Callable[[str], int] | None = None) -> list[str]:
     """Cut ``text`` into parts of at most ``limit`` units, preferring a line break, then a space, in the
     second half of each part; the break itself is dropped. ``units`` measures one character the way the

@@ -48,6 +48,7 @@ class Inbound:
     direct: bool = False  # a direct message to the bot, not a group conversation
     reply_to: str | None = None  # the message this one replies to, when the platform says (answers to questions)
     attachments: tuple[Attachment, ...] = ()  # files sent with the message, within the configured bounds
+    chat_title: str = ""  # what the platform calls the conversation (a group's title, a channel's name); "" unsaid
 
     @property
     def where(self) -> Address:
@@ -176,6 +177,31 @@ class Handlers:
     # remembered in the store, so a captured request posted again after a restart, or to another replica, is
     # dropped inside its signature window too. None: the adapter's own memory alone (it ends with the process).
     first_signed: SignedCheck | None = None
+    # A platform's own home page for one person (Slack's App Home): what waits for a decision, and whether this
+    # person may decide. None: the adapter shows none.
+    home: HomeHandler | None = None
+
+
+@dataclass(frozen=True)
+class HomeItem:
+    """One request waiting for a decision, as a person's home page lists it."""
+
+    text: str  # "shell, asked by agent:builder in telegram:-1001" (plain text: the writer escapes it)
+    link: str  # its approval page, where the whole call is shown
+
+
+@dataclass(frozen=True)
+class Home:
+    """A person's home page on a platform: who they are to Kazma and what waits for a decision."""
+
+    who: str  # "alice (slack:U1)", or the identity alone
+    may_decide: bool
+    waiting: tuple[HomeItem, ...]
+    more: int = 0  # waiting beyond those listed
+    console: str = ""  # the console's address, for what the page cannot show
+
+
+HomeHandler = Callable[[str, str], Awaitable[Home]]  # (identity, platform) -> that person's home page
 
 
 @runtime_checkable

@@ -30,7 +30,7 @@ import structlog
 
 from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import LaidOut, agent_prefix
-from kazma.adapters.chat_text import split_text
+from kazma.adapters.chat_text import COLUMNS_FENCES, Columns, split_text
 from kazma.adapters.contract import CardRef, ChatMove, Handlers, Inbound, PlatformError, refuse_elsewhere
 from kazma.adapters.ingress import (
     Arrival,
@@ -715,7 +715,8 @@ class PlatformBase(PressPolicy):
         self._can_send(site)
         chat = self.moved_to(chat)
         self._check_chat(site, chat)
-        text = self._writable(text)
+        columns = isinstance(text, Columns)  # laid out with spaces: every part keeps the mark (fixed width)
+        text = Columns(self._writable(text)) if columns else self._writable(text)
         if not text.strip():
             raise self.refuse(site, "nothing to send: the text is empty", chat=chat)
         whole = None if agent is None else await self._send_whole(chat, text, agent=agent, thread=thread)
@@ -723,7 +724,10 @@ class PlatformBase(PressPolicy):
             log.info("platform.text_sent", platform=self.name, chat=chat, agent=agent, message_id=whole, parts=1)
             return whole
         limit, units = self._text_room(agent)
-        parts = split_text(text, limit, units)
+        if columns:  # room for a code block's fences where the dialect writes one
+            parts: list[str] = [Columns(part) for part in split_text(text, limit - COLUMNS_FENCES, units)]
+        else:
+            parts = split_text(text, limit, units)
         first: str | None = None
         for part in parts:
             posted = await self._post_text(chat, part, agent=agent, thread=thread)

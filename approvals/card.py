@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 from kazma.approvals.hashing import UnrenderableArguments, args_hash, canonical_json, text_hash
 from kazma.approvals.honesty import (
@@ -121,6 +121,7 @@ class ApprovalCard:
     # Under a policy of several people: who approved or denied it so far and who may still (one line).
     progress: str = ""
     step_up: bool = False  # Approve only on its page with a passkey: chat cards carry Deny and the link
+    about: tuple[str, ...] = ()  # what the asker said of the request (who for, why): shown plainly, not warned
 
     @property
     def remember_data(self) -> str:
@@ -281,11 +282,22 @@ def build_card(
         deadline=request.deadline,
         link=f"{public_url.rstrip('/')}/swarm?approval={request.id}",
         # How the call would run (e.g. "runs unsandboxed on this host") comes first: it is about every value.
-        warnings=tuple(reveal_line(note) for note in request.notes) + findings,
+        warnings=tuple(reveal_line(note) for note in request.notes if not note.startswith(ABOUT_PREFIXES)) + findings,
+        about=tuple(reveal_line(note) for note in request.notes if note.startswith(ABOUT_PREFIXES)),
         remember_seconds=None if findings or request.step_up else remember_seconds,
         progress=progress,
         step_up=request.step_up,
     )
+
+
+# Notes that tell who asked and why (the approvals API's door writes them), not how the call would run: a card
+# shows them as what they are, not under a warning sign. Only Kazma writes a note's start; an asker's words come
+# after it (a reason cannot make itself a warning, nor a warning pass for a reason).
+ASKED_THROUGH_API: Final = "Asked through the approvals API by "
+ON_BEHALF_OF: Final = "On behalf of: "
+REASON_GIVEN: Final = "Reason given: "
+ASKER_WAITS: Final = "The asker "
+ABOUT_PREFIXES: Final = (ASKED_THROUGH_API, ON_BEHALF_OF, REASON_GIVEN, ASKER_WAITS)
 
 
 INTEGRITY_WARNING = (

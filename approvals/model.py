@@ -153,14 +153,20 @@ class Outcome:
         return decider_text(self.person, self.decided_by)
 
     def summary(self) -> str:
-        """One line for cards and notices, e.g. ``approved by alice (slack:U123) via slack at 12:03:04 UTC``."""
+        """One line for notices, e.g. ``approved by alice (slack:U123) via slack at 12:03:04 UTC``."""
+        words = "timed out" if self.status is Status.TIMEOUT else self.status.value
+        return f"{words} {self.details()}"
+
+    def details(self) -> str:
+        """The summary after its status word (``by alice (slack:U123) via slack at …``): a card's outcome line
+        puts its own headline first, and says the status once."""
         when = self.decided_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         if self.status.human:
             why = f"; reason: {self.reason}" if self.status is Status.DENIED and self.reason else ""
-            return f"{self.status.value} by {self.decider} via {self.decided_via} at {when}{why}"
+            return f"by {self.decider} via {self.decided_via} at {when}{why}"
         if self.status is Status.TIMEOUT:
-            return f"timed out at {when}: no decision before the deadline (not a denial)"
-        return f"cancelled at {when}: {self.reason or 'the waiter stopped'} (not a denial)"
+            return f"at {when}: no decision before the deadline (not a denial)"
+        return f"at {when}: {self.reason or 'the waiter stopped'} (not a denial)"
 
     def for_agent(self) -> str:
         """What the agent is told; a timeout or cancellation is never reported as a denial."""

@@ -455,6 +455,14 @@ class ApprovalStore:
         )
         return [_row_to_request(row) for row in rows]
 
+    async def requests_in(self, conversation: str, *, limit: int = 200) -> list[ApprovalRequest]:
+        """The newest ``limit`` requests asked in one conversation (``telegram:-100…``), oldest first."""
+        rows = await self.tables.all(
+            f"SELECT {_COLUMNS} FROM approval_requests WHERE conversation = ? ORDER BY created_at DESC LIMIT ?",  # noqa: S608
+            (conversation, limit),
+        )
+        return [_row_to_request(row) for row in reversed(rows)]
+
     async def finish(
         self,
         request_id: str,

@@ -14,7 +14,7 @@ web server may use of it is :attr:`App.console` (:mod:`kazma.bot.services`).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +22,14 @@ import structlog
 
 from kazma.adapters.admission import DirectPolicy, FileBounds
 from kazma.adapters.bus import SAFETY_SCAN_SECONDS, FanOutBus, NullBus
-from kazma.adapters.contract import ChatMove, Handlers, Inbound, PlatformAdapter, Press
+from kazma.adapters.contract import ChatMove, Handlers, Home, HomeItem, Inbound, PlatformAdapter, Press
 from kazma.adapters.outbox import Outbox
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
 from kazma.approvals.checkpointer import Checkpointer
+from kazma.approvals.honesty import reveal_line
+from kazma.approvals.model import decider_text
 from kazma.approvals.rules import RuleStore
 from kazma.approvals.waiting import WaitingForYou
 from kazma.bot.api_store import IdempotencyKeys
@@ -54,7 +56,7 @@ from kazma.engine.swarm import synthesis
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.lead_tools import swarm_tools
 from kazma.engine.swarm.routing import EmbeddingRouter
-from kazma.engine.swarm.service import CoalescingReporter, SwarmService
+from kazma.engine.swarm.service import CoalescingReporter, ProgressLine, SwarmService
 from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import SwarmTaskStore
 from kazma.engine.swarm.workers import AgentWorker
@@ -69,6 +71,8 @@ from kazma.engine.transcript import RecordingSink, TranscriptStore
 from kazma.engine.types import ModelProvider
 
 log = structlog.get_logger("kazma.app")
+HOME_LIMIT = 10  # waiting requests listed on a person's home page (Slack's App Home); the rest are counted
+HOME_COUNTED = 1000
 
 
 def build_adapters(loaded: LoadedConfig, *, paced: bool = True) -> list[PlatformAdapter]:
@@ -139,6 +143,7 @@ class App(Lifecycle):
                 direction="in",
                 message_id=message.message_id,
                 direct=message.direct,
+                title=message.chat_title,
             )
         except Exception as exc:
             count_failure("transcript")
@@ -156,6 +161,28 @@ class App(Lifecycle):
             inbound_done=None if self.inbound_claims is None else self.inbound_claims.done,
             inbox=self.inbound_claims,
             first_signed=None if self.signed_requests is None else self.signed_requests.first_signed,
+            home=self.home,
+        )
+
+    async def home(self, actor: str, platform: str) -> Home:
+        """A person's home page on a platform (Slack's App Home): the newest requests waiting for a decision, in
+        the order they were asked, and how many more wait."""
+        config = self.service.config
+        pending = await self.service.store.requests(pending_only=True, limit=HOME_COUNTED)
+        listed = sorted(pending[:HOME_LIMIT], key=lambda r: r.created_at)
+        waiting = tuple(
+            HomeItem(
+                f"{reveal_line(r.tool)}, asked by {reveal_line(r.requested_by)} in {reveal_line(r.conversation)}",
+                self.service.link(r.id),
+            )
+            for r in listed
+        )
+        return Home(
+            who=decider_text(config.roster.person_of(actor), actor),
+            may_decide=self.service.is_approver(actor, platform),
+            waiting=waiting,
+            more=max(0, len(pending) - HOME_LIMIT),
+            console=str(config.web.public_url).rstrip("/"),
         )
 
     async def on_chat_moved(self, move: ChatMove) -> None:
@@ -387,6 +414,15 @@ def _swarm(
     async def report(text: str) -> None:
         await bus.broadcast(text, agent="swarm")
 
+    async def report_lines(lines: Sequence[ProgressLine]) -> None:
+        # a home chat a task's result is delivered to hears its ending there, not twice
+        heard = {line.heard_in for line in lines if line.heard_in}
+        await bus.broadcast("\n".join(line.text for line in lines), agent="swarm", skip=heard)
+        for conversation in heard:
+            rest = [line.text for line in lines if line.heard_in != conversation]
+            if rest:
+                await bus.broadcast("\n".join(rest), agent="swarm", only=conversation)
+
     workers = {
         name: AgentWorker(agents[name], runner, "swarm", tuple(worker.expertise))
         for name, worker in config.agents.workers.items()
@@ -396,7 +432,7 @@ def _swarm(
         workers,
         config,
         approvals=approvals,
-        reporter=CoalescingReporter(report),
+        reporter=CoalescingReporter(report, send_lines=report_lines),
         synthesizer=synthesis.synthesizer(model),
         chooser=synthesis.chooser(model),
         refiner=synthesis.refiner(model),

@@ -8,9 +8,11 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
+from kazma.approvals.card import CardIntegrityError, integrity_card
+from kazma.approvals.hashing import UnrenderableArguments
 from kazma.approvals.service import ApprovalService
 from kazma.bot.api_store import IdempotencyKeys
-from kazma.bot.console.services import ApprovalRecord, DashboardReads, SwarmCommand
+from kazma.bot.console.services import ApprovalRecord, DashboardReads, InlineApproval, SwarmCommand
 from kazma.config.models import KazmaConfig
 from kazma.config.store.backend import StoreConnection
 from kazma.engine.conversation import Conversations
@@ -95,6 +97,18 @@ class KazmaServices:
         if request is None:
             return None
         return ApprovalRecord(request, await store.events(request_id), await store.cards(request_id))
+
+    async def conversation_approvals(self, conversation: str) -> list[InlineApproval]:
+        shown = []
+        for request in await self.approvals.store.requests_in(conversation):
+            try:
+                shown.append(InlineApproval(request, self.approvals.card(request)))
+            except CardIntegrityError:  # changed outside Kazma: a card with none of it, and no Approve
+                shown.append(InlineApproval(request, integrity_card(request, public_url=self.config.web.public_url),
+                                            changed=True))  # fmt: skip
+            except UnrenderableArguments:  # never carded: its page says why
+                continue
+        return shown
 
     async def dashboard_reads(self) -> DashboardReads:
         store = self._swarm.store

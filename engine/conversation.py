@@ -24,6 +24,7 @@ from typing import Final, Protocol
 import structlog
 
 from kazma.adapters.admission import FileTooLarge
+from kazma.adapters.chat_text import Columns
 from kazma.adapters.contract import Inbound, PlatformError, Press
 from kazma.adapters.human_text import for_humans
 from kazma.approvals.model import PressResult, PressVerdict
@@ -101,7 +102,10 @@ class Conversations:
 
     async def _say(self, to: Address, text: str, *, agent: str | None = None) -> str | None:
         """Post to people: fences meant for models become a quiet "from @agent" label first."""
-        return await self.sink.send(to, Outgoing(for_humans(text), agent=agent))
+        shown = for_humans(text)
+        if isinstance(text, Columns):  # a table keeps its fixed-width layout on every platform
+            shown = Columns(shown)
+        return await self.sink.send(to, Outgoing(shown, agent=agent))
 
     @contextlib.asynccontextmanager
     async def working(self, at: Address) -> AsyncIterator[None]:

@@ -52,7 +52,22 @@ MIGRATIONS = [
             """,
             "CREATE INDEX IF NOT EXISTS transcript_by_conversation ON transcript (conversation, seq)",
         ),
-    )
+    ),
+    # What each platform last called the conversation (a group's title, a channel's name): the console's list
+    # reads it instead of a raw id. Additive: a conversation with no row yet is shown by its id.
+    Migration(
+        "transcript",
+        2,
+        (
+            """
+            CREATE TABLE IF NOT EXISTS conversation_titles (
+                conversation TEXT PRIMARY KEY,
+                title TEXT NOT NULL,
+                at REAL NOT NULL
+            )
+            """,
+        ),
+    ),
 ]
 
 # The same table on PostgreSQL: SQLite's INTEGER PRIMARY KEY numbers rows itself, an identity column does here.
@@ -79,8 +94,23 @@ PG_MIGRATIONS = [
             """,
             "CREATE INDEX IF NOT EXISTS transcript_by_conversation ON transcript (conversation, seq)",
         ),
-    )
+    ),
+    PgMigration(
+        "transcript",
+        2,
+        (
+            """
+            CREATE TABLE IF NOT EXISTS conversation_titles (
+                conversation text PRIMARY KEY,
+                title text NOT NULL,
+                at double precision NOT NULL
+            )
+            """,
+        ),
+    ),
 ]
+
+TITLE_LIMIT: Final = 200  # characters of a conversation's title kept (platforms allow 100-255)
 
 Direction = Literal["in", "out"]
 
@@ -119,6 +149,7 @@ class Summary:
     messages: int
     last_at: float
     last_text: str
+    title: str = ""  # what the platform last called it; "" when it never said (the id is shown)
 
 
 def _entry(row: tuple[object, ...]) -> Entry:
@@ -147,17 +178,27 @@ class TranscriptStore:
         message_id: str = "",
         direct: bool = False,
         file_name: str | None = None,
+        title: str = "",
     ) -> Entry:
-        """Keep one message (text as people see it) and tell the listeners."""
+        """Keep one message (text as people see it) and tell the listeners. ``title``: what the platform calls the
+        conversation, kept with the message when it says (a renamed group shows its new name)."""
         shown = for_humans(text)[:TEXT_LIMIT]
         conversation = Address(platform, chat).conversation
         at = self.clock()
+        named = " ".join(title.split())[:TITLE_LIMIT]  # one line: a title is a label, never a layout
         async with self.tables.transaction() as db:
             row = await db.one(
                 "INSERT INTO transcript (conversation, platform, chat, message_id, author, name, direction, direct,"
                 " text, file_name, at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING seq",
                 (conversation, platform, chat, message_id, author, name, direction, int(direct), shown, file_name, at),
             )
+            if named:
+                await db.run(
+                    "INSERT INTO conversation_titles (conversation, title, at) VALUES (?, ?, ?)"
+                    " ON CONFLICT (conversation) DO UPDATE SET title = excluded.title, at = excluded.at"
+                    " WHERE conversation_titles.title <> excluded.title",
+                    (conversation, named, at),
+                )
         entry = Entry(int(row[0]), conversation, platform, chat, message_id, author, name, direction, direct, shown,
                       file_name, at)  # fmt: skip
         self._tell(entry)
@@ -178,12 +219,15 @@ class TranscriptStore:
         """Every conversation, the most recently active first."""
         rows = await self.tables.all(
             "SELECT t.conversation, t.platform, t.chat, MAX(t.direct), COUNT(*), MAX(t.at),"
-            " (SELECT l.text FROM transcript l WHERE l.conversation = t.conversation ORDER BY l.seq DESC LIMIT 1)"
+            " (SELECT l.text FROM transcript l WHERE l.conversation = t.conversation ORDER BY l.seq DESC LIMIT 1),"
+            " (SELECT n.title FROM conversation_titles n WHERE n.conversation = t.conversation)"
             " FROM transcript t GROUP BY t.conversation, t.platform, t.chat ORDER BY MAX(t.seq) DESC"
         )
         return [
-            Summary(str(r[0]), str(r[1]), str(r[2]), bool(r[3]), int(r[4]), float(r[5]), str(r[6] or "")) for r in rows
-        ]
+            Summary(str(r[0]), str(r[1]), str(r[2]), bool(r[3]), int(r[4]), float(r[5]), str(r[6] or ""),
+                    str(r[7] or ""))
+            for r in rows
+        ]  # fmt: skip
 
     async def messages(self, conversation: str, *, limit: int = 500) -> list[Entry]:
         """The newest ``limit`` messages of one conversation, in the order they happened."""

@@ -177,7 +177,7 @@ async def test_console_loop_in_a_real_browser(tmp_path: Path) -> None:
                 raise
             await k.telegram.wait_until(
                 lambda: any(
-                    "approved by alice (web:alice)" in m.text and not m.buttons for m in k.telegram.bot_messages(CHAT)
+                    "APPROVED by alice (web:alice)" in m.text and not m.buttons for m in k.telegram.bot_messages(CHAT)
                 ),
                 timeout=30,
             )

@@ -80,7 +80,7 @@ async def test_an_invite_enrols_a_passkey_that_approves_a_cut_call_and_everythin
             # every card: Telegram's, on the wire
             await k.telegram.wait_until(
                 lambda: any(
-                    "approved by alice (web:alice) via web" in m.text and not m.buttons
+                    "APPROVED by alice (web:alice) via web" in m.text and not m.buttons
                     for m in k.telegram.bot_messages(CHAT)
                 ),
                 timeout=30,
@@ -89,7 +89,7 @@ async def test_an_invite_enrols_a_passkey_that_approves_a_cut_call_and_everythin
             shown = k.server.web.card_message(request.id)
             assert shown is not None
             assert shown.outcome is not None
-            assert outcome_line(shown.outcome).startswith("APPROVED: approved by alice (web:alice) via web")
+            assert outcome_line(shown.outcome).startswith("APPROVED by alice (web:alice) via web")
 
             # the invite worked once: a clear page says so
             await page.goto(link)

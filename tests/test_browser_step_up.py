@@ -137,7 +137,7 @@ async def test_step_up_approves_only_with_a_fresh_passkey_assertion(tmp_path: Pa
             refused = await k.app.service.store.events(request.id, event="press_refused")
             assert any("step_up" in (e.detail or "") for e in refused)  # the form's Approve, audited
             await k.telegram.wait_until(
-                lambda: any("approved by alice (web:alice)" in m.text and not m.buttons
+                lambda: any("APPROVED by alice (web:alice)" in m.text and not m.buttons
                             for m in k.telegram.bot_messages(CHAT)),
                 timeout=30,
             )  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import io
 import re
@@ -33,9 +34,10 @@ from kazma.adapters.telegram.render import TelegramWriter
 from kazma.adapters.terminal import TerminalAdapter
 from kazma.adapters.web.render import HtmlWriter
 from kazma.approvals import Hidden
+from kazma.approvals.card import ASKED_THROUGH_API, REASON_GIVEN, build_card
 from kazma.approvals.model import Status
 from tests.contract.harness import make_card, outcome_of
-from tests.test_honesty import CASES
+from tests.test_honesty import CASES, request_for
 
 
 def visible(written: Any) -> str:
@@ -90,6 +92,27 @@ def test_every_writer_puts_the_outcome_first_once_decided(where: str) -> None:
     text = visible(laid.written)
     assert text.index(outcome_line(outcome)) < text.index(TOOL_LABEL)
     assert laid.view.buttons == ()
+
+
+SETTLED = {
+    Status.APPROVED: "APPROVED by telegram:111 via telegram at 2030-01-02 03:04:05 UTC",
+    Status.DENIED: "DENIED by telegram:111 via telegram at 2030-01-02 03:04:05 UTC",
+    Status.TIMEOUT: "TIMED OUT at 2030-01-02 03:04:05 UTC: no decision before the deadline (not a denial)",
+    Status.CANCELLED: "CANCELLED at 2030-01-02 03:04:05 UTC: the waiter stopped (not a denial)",
+}
+
+
+@pytest.mark.parametrize("where", sorted(WRITERS))
+@pytest.mark.parametrize("status", list(SETTLED))
+def test_a_settled_card_says_its_outcome_once(where: str, status: Status) -> None:
+    """``APPROVED by …``, never ``APPROVED: approved by …``: the headline says the status, the rest who and when."""
+    card = make_card({"command": "ls"})
+    outcome = outcome_of(card, status)
+    assert outcome_line(outcome) == SETTLED[status]
+    text = visible(lay_out(card, WRITERS[where], outcome=outcome).written)
+    assert SETTLED[status] in text, (where, text)
+    word = {Status.TIMEOUT: "timed out"}.get(status, status.value)
+    assert text.lower().count(word) == 1, (where, text)  # the status once, on the whole card
 
 
 @pytest.mark.parametrize("where", sorted(WRITERS))
@@ -226,3 +249,29 @@ async def test_the_terminal_prints_no_control_character_of_an_agents_message() -
     assert "done⟨U+001B ESC⟩[8A⟨U+001B ESC⟩[2K│ command: ls" in printed
     assert "[builder⟨U+202E RLO⟩]" in printed
     assert "\n" in printed.strip()  # a newline stays a newline
+
+
+@pytest.mark.parametrize("where", sorted(WRITERS))
+def test_who_asked_and_why_is_said_plainly_and_a_warning_stays_a_warning(where: str) -> None:
+    """The approvals API's notes (who asked, for whom, the reason given, how the asker waits) are not warnings;
+    how the call would run ("runs unsandboxed") and what was found in it are."""
+    request = dataclasses.replace(
+        request_for({"command": "ls"}),
+        notes=(
+            f"{ASKED_THROUGH_API}api:ci; Kazma does not run it, the caller does.",
+            f"{REASON_GIVEN}nightly clean-up",
+            "runs unsandboxed on this host",
+        ),
+    )
+    card = build_card(request, value_limit=4000, public_url="http://x.test")
+    assert card.about == (f"{ASKED_THROUGH_API}api:ci; Kazma does not run it, the caller does.",
+                          f"{REASON_GIVEN}nightly clean-up")  # fmt: skip
+    assert card.warnings == ("runs unsandboxed on this host",)
+    text = visible(lay_out(card, WRITERS[where]).written)
+    for line in text.splitlines():
+        if "nightly clean-up" in line or "Asked through the approvals API" in line:
+            assert "⚠" not in line, (where, line)
+            assert ":warning:" not in line, (where, line)
+        if "runs unsandboxed" in line:
+            assert "⚠" in line or ":warning:" in line, (where, line)
+    assert "Reason given: nightly clean-up" in text, where

@@ -286,7 +286,7 @@ async def test_attack_the_whole_call_doors_show_every_stored_text_on_its_own_lin
     page = approval_page(_Viewer(), request, events, [], public_url="http://127.0.0.1:8765")
     page_lines = [line for line in html_lines(page) if not line.value]
     assert not any(token_of(line.text) in ("APPROVED", "DENIED") for line in page_lines)
-    assert sum(1 for line in page_lines if line.text.strip().startswith("Tool ")) == 2  # the page's and the card's
+    assert sum(1 for line in page_lines if line.text.strip().startswith("Tool ")) == 1  # the card's, once
     # The whole-call page shows the padded value whole, under the warning (the chat cards cut it out).
     assert "\n" * 300 + "rm -rf ~" in html.unescape(page)
     assert "Blank padding in argument" in page

@@ -333,10 +333,9 @@ async def test_the_approval_page_shows_a_direction_override_escaped_everywhere(t
             assert found is not None, title
             return found.group(1)
 
-        whole = section("<h2>The whole call</h2>", "<h3>Arguments as JSON</h3>")
-        pretty = section("<h3>Arguments as JSON</h3>", "<h3>Canonical JSON")
-        canonical = section("<h3>Canonical JSON (what the hash covers)</h3>", "</pre>")
-        for part in (whole, pretty, canonical):
+        whole = section('<section class="call" id="call">', "</section>")
+        canonical = section("<summary>Canonical JSON (what the hash covers)</summary>", "</pre>")
+        for part in (whole, canonical):
             assert "notes⟨U+202E" in part
             assert "name⟨U+202E" in part
         assert request.args_hash in page  # the hash still covers the real characters

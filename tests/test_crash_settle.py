@@ -74,7 +74,7 @@ async def test_sigkill_after_decision_before_edits_then_restart_settles_every_ca
         try:
             await fakes.wait(lambda: not any(fakes.has_buttons(p) for p in PLATFORMS), timeout=60)
             for platform in PLATFORMS:
-                assert f"approved by discord:{DISCORD_ADMIN}" in fakes.card_text(platform), platform
+                assert f"APPROVED by discord:{DISCORD_ADMIN}" in fakes.card_text(platform), platform
             async with asyncio.timeout(30):
                 while any(c.settled_at is None for c in await service.store.cards(request.id)):
                     await asyncio.sleep(0.05)

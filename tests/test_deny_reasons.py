@@ -77,7 +77,7 @@ async def _check_everywhere(fakes: Fakes, app: object, request_id: str, who: str
     await fakes.wait(lambda: not any(fakes.has_buttons(p) for p in PLATFORMS))
     for platform in PLATFORMS:
         text = fakes.card_text(platform)
-        assert f"denied by {who}" in text, platform
+        assert f"DENIED by {who}" in text, platform
         assert f"reason: {SHOWN}" in text, (platform, text[:400])
     [decided] = await service.store.events(request_id, event="decided")
     assert decided.detail == f"denied: {SHOWN}"

@@ -77,7 +77,7 @@ async def test_verified_but_never_started_says_did_not_run_everywhere(tmp_path: 
         outcome = request.outcome()
         assert outcome is not None
         line = outcome_line(replace(outcome, afterwards=note))  # what every platform's settled card shows
-        assert line.startswith("APPROVED: approved by")
+        assert line.startswith("APPROVED by")
         assert "did not run and will not run on its own" in line
         page = approval_page(_Viewer(), request, await restarted.store.events(request_id), [card],
                              public_url="http://127.0.0.1:8765")  # fmt: skip

@@ -245,7 +245,7 @@ async def test_wheel_init_doctor_run_and_the_first_press_in_the_console_is_decid
                 # every card shows the one outcome, the Telegram one included
                 await _wait_for(
                     lambda: any(
-                        "approved by alice (web:alice)" in m.text and not m.buttons
+                        "APPROVED by alice (web:alice)" in m.text and not m.buttons
                         for m in fakes.telegram.bot_messages(TG_CHAT)
                     ),
                     timeout=30,

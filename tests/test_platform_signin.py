@@ -4,6 +4,7 @@ every forged, crossed or stale answer signs nobody in."""
 
 from __future__ import annotations
 
+import html
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,7 +16,7 @@ from yarl import URL
 
 from kazma.approvals.model import Status
 from kazma.bot.console.auth import SESSION_COOKIE
-from kazma.bot.console.platform_signin import STATE_COOKIE
+from kazma.bot.console.platform_signin import NEXT_COOKIE, STATE_COOKIE
 from tests.fakes.discord import ALICE_ID, FakeDiscord
 from tests.fakes.slack import FakeSlack
 from tests.fakes.slack_oidc import Forgery
@@ -147,6 +148,28 @@ async def test_sign_in_with_discord_asks_discord_whose_token_it_is(tmp_path: Pat
         row = await con.app.service.store.get(request.id)
         assert row is not None
         assert (row.decided_by, row.decided_via, row.decided_person) == (f"discord:{ALICE_ID}", "discord", "alice")
+
+
+async def test_sign_in_with_a_platform_from_a_card_link_comes_back_to_that_approval(tmp_path: Path) -> None:
+    async with with_platforms(tmp_path) as (con, slack, discord), con.client() as client:
+        request = await con.open_approval({"command": "ls"})
+        path = f"/swarm?approval={request.id}"
+        discord.sign_in.user = discord.alice.payload()
+        slack.sign_in.user = SLACK_ALICE
+        for platform in ("discord", "slack"):
+            client.cookie_jar.clear()
+            asked = await client.get(con.base + path)  # signed out: the sign-in page, which knows the way back
+            page = await asked.text()
+            found = re.search(rf'href="(/login/{platform}[^"]*)"', page)
+            assert found is not None, page
+            answer = await client.get(con.base + html.unescape(found.group(1)))
+            assert answer.status == 200, await answer.text()
+            back = await answer.text()
+            assert f'<meta http-equiv="refresh" content="0;url={html.escape(path)}">' in back, platform
+            assert f'href="{html.escape(path)}">Continue to where you were going<' in back
+            assert NEXT_COOKIE not in {c.key for c in client.cookie_jar}
+            landed = await client.get(con.base + path, allow_redirects=False)
+            assert landed.status == 200, platform
 
 
 async def test_discord_refusals_a_wrong_secret_a_stranger_and_a_person_who_said_no(tmp_path: Path) -> None:

@@ -85,7 +85,7 @@ async def test_a_two_person_card_shows_each_review_everywhere_and_ends_on_one_ou
         await fakes.wait(lambda: not any(fakes.has_buttons(p) for p in PLATFORMS))
         for platform in PLATFORMS:
             text = fakes.card_text(platform)
-            assert f"approved by bob (discord:{ALICE_ID})" in text, platform
+            assert f"APPROVED by bob (discord:{ALICE_ID})" in text, platform
             assert "2 of 2 approvals: alice on Telegram, bob on Discord" in text, platform
             assert "waiting for" not in text, platform
         async with asyncio.timeout(20):  # every edit to the outcome on record; still no buttons after them

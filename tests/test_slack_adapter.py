@@ -271,6 +271,7 @@ async def test_message_and_app_mention_of_one_post_are_delivered_once(
         command=None,
         is_admin=True,
         reply_to="1700.000001",  # a reply in a thread answers the thread's first message
+        chat_title=f"#channel-{HOME.lower()}",  # conversations.info's name for the channel
     )
 
 

@@ -229,6 +229,7 @@ async def test_topics_bots_and_admins_are_read_from_telegrams_fields(
         from_bot=False,
         command=None,
         is_admin=True,
+        chat_title=f"Group {GROUP}",  # the group's title, from the update's chat
     )
     fake.push_message(GROUP, MEMBER, "me too", is_bot=True, thread_id=7)
     other = await recorder.next_inbound()

@@ -206,7 +206,10 @@ async def test_every_route_needs_a_login_except_health_metrics_and_script(tmp_pa
     async with console(tmp_path) as con, con.client() as client:
         for path in ("/", "/swarm", "/swarm?approval=abcdefghijklmnopqrstuvwx"):
             response = await client.get(con.base + path, allow_redirects=False)
-            assert (response.status, response.headers["Location"]) == (302, "/login"), path
+            sign_in = URL(response.headers["Location"])
+            assert (response.status, sign_in.path) == (302, "/login"), path
+            # signing in leads back to the page asked for (the console itself needs no word)
+            assert dict(sign_in.query) == ({} if path == "/" else {"next": path}), path
             assert_security_headers(response)
         events = await client.get(con.base + "/events")
         assert events.status == 401
@@ -368,7 +371,7 @@ async def test_operator_approves_once_and_every_card_settles(tmp_path: Path) -> 
         await until(con.web, lambda: (m := con.web.card_message(request.id)) is not None and m.outcome is not None)
         page = await (await client.get(f"{con.base}/")).text()
         assert "Approved. Recorded as alice (web:alice)." in page  # the flash
-        assert "APPROVED: approved by alice (web:alice) via web" in page
+        assert "APPROVED by alice (web:alice) via web" in page
         assert f"/approvals/{request.id}/decide" not in page
         # the losing press is told what stands, and nothing changes
         again = await client.post(f"{con.base}/approvals/{request.id}/decide", data={"csrf": csrf, "decision": "deny"})

@@ -194,7 +194,7 @@ async def test_an_api_request_stays_open_and_its_page_says_who_asked_and_when_th
             assert logged_in.status == 303
             page = await (await browser.get(f"{door.url}/swarm?approval={opened['id']}")).text()
             dashboard = await (await browser.get(f"{door.url}/swarm")).text()
-        assert "<th>Requested by</th><td>api:ci</td>" in page
+        assert "<th>Requested by</th><td><code>api:ci</code></td>" in page  # on the card, shown once
         assert "not waiting: it may come back for the answer until the deadline" in page
         last = re.search(r"<th>Last asked for the answer</th><td><time datetime=\"([^\"]+)\"", page)
         assert last is not None, page

@@ -34,6 +34,7 @@ import yarl
 from discord import app_commands
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
+from kazma.adapters.chat_text import COLUMNS_FENCES, Columns, split_text
 from kazma.adapters.contract import CardRef, PlatformError, Press
 from kazma.adapters.deny_reason import (
     REASON_LABEL,
@@ -51,7 +52,15 @@ from kazma.adapters.discord.inbound import (
     message_inbound,
     modal_value,
 )
-from kazma.adapters.discord.render import CONTENT_MAX, NO_MENTIONS, clip, escape_text, neutralise_mentions, render_card
+from kazma.adapters.discord.render import (
+    CONTENT_MAX,
+    NO_MENTIONS,
+    clip,
+    code_block,
+    escape_text,
+    neutralise_mentions,
+    render_card,
+)
 from kazma.adapters.discord.webhooks import AgentWebhooks
 from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import Pacing
@@ -74,6 +83,13 @@ def card_nonce(request_id: str, channel: str) -> str:
     """The nonce of a request's card in ``channel``: the same for every attempt at that post, and no other's."""
     digest = hashlib.sha256(f"kazma-card:{request_id}:{channel}".encode()).digest()
     return base64.urlsafe_b64encode(digest).decode()[:NONCE_LENGTH]
+
+
+def _chunks(safe: str, limit: int, *, columns: bool) -> list[str]:
+    """``safe`` in messages of at most ``limit`` characters; columns each in a code block (its fences counted)."""
+    if not columns:
+        return split_text(safe, limit)
+    return [code_block(part) for part in split_text(safe, limit - COLUMNS_FENCES)]
 
 
 class _Client(discord.Client):
@@ -446,11 +462,12 @@ class DiscordAdapter(PlatformBase):
         if webhook is None:
             return None
         thread_id = self._snowflake("send", thread) if thread is not None else None
-        return await self._hooks.send(webhook, channel_id, text, agent=agent, thread_id=thread_id)
+        chunks = _chunks(text, CONTENT_MAX, columns=isinstance(text, Columns))
+        return await self._hooks.send(webhook, channel_id, chunks, agent=agent, thread_id=thread_id)
 
     async def _post_text(self, chat: str, part: str, *, agent: str | None, thread: str | None) -> Posted:
         target = self._target("send", chat, thread)
-        text = agent_prefix(agent) + part
+        text = agent_prefix(agent) + (code_block(part) if isinstance(part, Columns) else part)
         message = await self._rest("send", lambda: target.send(text, allowed_mentions=NO_MENTIONS))
         return Posted(chat, str(message.id))
 

@@ -28,6 +28,16 @@ def channel_chat(channel: object, channel_id: int) -> tuple[int, int | None]:
     return channel_id, None
 
 
+def channel_title(channel: object) -> str:
+    """A conversation's name as people see it: ``#general`` (a thread's parent channel), a DM's other person."""
+    if isinstance(channel, discord.Thread):
+        channel = channel.parent
+    if isinstance(channel, discord.DMChannel):
+        return channel.recipient.display_name if channel.recipient is not None else ""
+    name = getattr(channel, "name", None)
+    return f"#{name}" if isinstance(name, str) and name else ""
+
+
 def message_inbound(
     message: discord.Message,
     *,
@@ -54,6 +64,7 @@ def message_inbound(
         direct=message.guild is None,
         reply_to=str(reference.message_id) if reference is not None and reference.message_id else None,
         attachments=tuple(Attachment(a.filename, a.size, fetcher(a)) for a in message.attachments),
+        chat_title=channel_title(message.channel),
     )
 
 

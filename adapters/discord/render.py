@@ -79,7 +79,8 @@ def clip(value: str, limit: int) -> str:
     return value if len(value) <= limit else value[: limit - 1] + "…"
 
 
-def _fence(value: str) -> str:
+def code_block(value: str) -> str:
+    """``value`` in a ``` block that nothing in it can close (a card's value, a table's columns)."""
     return f"```\n{code_safe(value)}\n```"
 
 
@@ -116,6 +117,7 @@ class DiscordWriter:
             # Decided: the outcome is the first thing a reader sees, the request's title right below it.
             title = f"{_MARKS[view.outcome.status]} {escape_text(view.outcome_text)}"
             lines.append(f"**{escape_text(view.title)}**")
+        lines += [escape_text(line) for line in view.about]
         lines += [f"⚠️ **{escape_text(warning)}**" for warning in view.warnings]
         lines += [f"**{escape_text(label)}:** {escape_text(value)}" for label, value in view.facts]
         lines.append(f"**{escape_text(view.arguments_heading)}** below")
@@ -134,12 +136,12 @@ class DiscordWriter:
         oversized = len(description) > DESCRIPTION_MAX  # a long title is clipped: the outcome leads it
         for arg in view.arguments:
             if arg.cut:
-                head = f"{_fence(arg.head)}\n" if arg.head else ""  # padding cut out at the very start: no head
-                value = f"{head}*{escape_text(arg.marker)}*\n{_fence(arg.tail)}"
+                head = f"{code_block(arg.head)}\n" if arg.head else ""  # padding cut out at the very start: no head
+                value = f"{head}*{escape_text(arg.marker)}*\n{code_block(arg.tail)}"
             elif arg.empty:
                 value = f"*{EMPTY_VALUE}*"
             else:
-                value = _fence(arg.head)
+                value = code_block(arg.head)
             name = f"{ARGUMENT_MARK}{escape_text(arg.name)}"
             oversized |= len(name) > FIELD_NAME_MAX or len(value) > FIELD_VALUE_MAX
             embed.add_field(name=name[:FIELD_NAME_MAX], value=value, inline=False)

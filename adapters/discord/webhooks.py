@@ -5,15 +5,14 @@ once, and used only while Discord accepts it (a refusal falls back to the bot's 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import discord
 import structlog
 
-from kazma.adapters.chat_text import split_text
 from kazma.adapters.contract import PlatformError
-from kazma.adapters.discord.render import CONTENT_MAX, NO_MENTIONS
+from kazma.adapters.discord.render import NO_MENTIONS
 
 log = structlog.get_logger("kazma.adapters.discord")
 
@@ -33,7 +32,7 @@ class AgentWebhooks:
         self._webhook_locks.clear()
 
     async def send(
-        self, webhook: discord.Webhook, channel_id: int, safe: str, *, agent: str, thread_id: int | None
+        self, webhook: discord.Webhook, channel_id: int, chunks: Sequence[str], *, agent: str, thread_id: int | None
     ) -> str | None:
         """Post as ``agent`` through the channel webhook; None means "use the bot instead".
 
@@ -44,7 +43,7 @@ class AgentWebhooks:
         """
         first: str | None = None
         thread = discord.Object(thread_id) if thread_id is not None else discord.utils.MISSING
-        for chunk in split_text(safe, CONTENT_MAX):
+        for chunk in chunks:
             try:
                 message = await self._rest(
                     "send",

@@ -38,6 +38,7 @@ from slack_sdk.http_retry.builtin_async_handlers import AsyncConnectionErrorRetr
 from slack_sdk.web.async_client import AsyncWebClient
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
+from kazma.adapters.chat_text import Columns
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
 from kazma.adapters.deny_reason import (
     REASON_LABEL,
@@ -70,14 +71,18 @@ from kazma.adapters.slack.render import (
     choice_blocks,
     escape,
     escaped_units,
+    home_view,
     render_card,
     unescape,
 )
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
+from kazma.config.metrics import count_failure
 from kazma.config.models import SlackConfig
 
 log = structlog.get_logger("kazma.adapters.slack")
+CODE_FENCE: Final = "```"
+ZWSP: Final = "\u200b"  # after a backtick inside a code block, so no run of them closes it early
 
 AGENT_ICON: Final = ":robot_face:"
 
@@ -156,6 +161,7 @@ class SlackAdapter(PlatformBase):
             ignoring_self_events_enabled=True,
         )
         self._seen = Seen()
+        self._titles: dict[str, str] = {}  # channel -> "#name", asked once per channel (conversations.info)
         self._customize = True  # chat:write.customize granted until Slack says otherwise
         self._runner: web.AppRunner | None = None
         self._socket: AsyncSocketModeHandler | None = None
@@ -268,6 +274,7 @@ class SlackAdapter(PlatformBase):
         self.app.middleware(self._drop_replays)
         self.app.event("message")(self._on_message)
         self.app.event("app_mention")(self._on_message)
+        self.app.event("app_home_opened")(self._on_home_opened)
         self.app.command("/swarm")(self._on_command)
         self.app.command("/plan")(self._on_command)
         self.app.command("/approvals")(self._on_command)
@@ -321,10 +328,46 @@ class SlackAdapter(PlatformBase):
                     # a reply in a thread answers the thread's first message (a question, say)
                     reply_to=str(event["thread_ts"]) if event.get("thread_ts") and event["thread_ts"] != ts else None,
                     attachments=attachments(event, self._fetcher),
+                    chat_title=await self._channel_title(channel, direct_with=name),
                 ),
                 # One post, however many events and retries carry it: a ts is unique within its channel.
                 key=f"message:{channel}:{ts}",
             )
+
+    async def _on_home_opened(self, event: dict[str, Any]) -> None:
+        """The person opened the app's Home tab: publish what waits for a decision, as they may see it."""
+        with self.tracking():
+            user = str(event.get("user") or "")
+            handlers = self._handlers
+            if event.get("tab") != "home" or not user or handlers is None or handlers.home is None:
+                return  # the Messages tab is a DM: messages reach the agents as every DM does
+            try:
+                home = await handlers.home(self.actor(user), PLATFORM)
+                await self.call("home", None, lambda: self.client.views_publish(user_id=user, view=home_view(home)))
+            except Exception as exc:  # the home tab is a view of what is stored: nothing is lost
+                count_failure("home", PLATFORM)
+                log.warning("slack.home_failed", user=user, error=str(exc))
+                return
+            log.info("slack.home_published", user=user, waiting=len(home.waiting) + home.more)
+
+    async def _channel_title(self, channel: str, *, direct_with: str) -> str:
+        """``#name`` of a channel, asked of Slack once per channel per process (events carry only the id); a
+        DM's is the person's name. Unknown (no ``channels:read``, Slack down) it is "": the console shows the id."""
+        if channel.startswith("D"):
+            return direct_with
+        if channel in self._titles:
+            return self._titles[channel]
+        title = ""
+        try:
+            found = await self.client.conversations_info(channel=channel)
+            name = (found.get("channel") or {}).get("name")
+            title = f"#{name}" if isinstance(name, str) and name else ""
+        except Exception as exc:  # a name is a nicety: the message goes on without it
+            count_failure("channel_title", PLATFORM)
+            log.info("slack.channel_title_unknown", channel=channel, error=error_code(exc) or type(exc).__name__)
+        if len(self._titles) < 10_000:
+            self._titles[channel] = title
+        return title
 
     def _fetcher(self, url: str) -> Callable[[], Awaitable[bytes]]:
         async def fetch() -> bytes:
@@ -455,6 +498,13 @@ class SlackAdapter(PlatformBase):
         return MAX_MESSAGE_TEXT - len(escape(agent_prefix(agent))), escaped_units
 
     async def _post_text(self, chat: str, part: str, *, agent: str | None, thread: str | None) -> Posted:
+        columns = isinstance(part, Columns)
+
+        def shown(text: str) -> str:  # escaped; columns in a code block, its own backticks unable to close it
+            if not columns:
+                return escape(text)
+            return f"{CODE_FENCE}\n{escape(text).replace('`', '`' + ZWSP)}\n{CODE_FENCE}"
+
         if agent and self._customize:
             try:
                 response = await self.call(
@@ -462,7 +512,7 @@ class SlackAdapter(PlatformBase):
                     chat,
                     lambda: self._optional(
                         self.client.chat_postMessage(
-                            channel=chat, text=escape(part), thread_ts=thread, username=agent, icon_emoji=AGENT_ICON
+                            channel=chat, text=shown(part), thread_ts=thread, username=agent, icon_emoji=AGENT_ICON
                         )
                     ),
                 )
@@ -473,7 +523,7 @@ class SlackAdapter(PlatformBase):
                 # Without chat:write.customize the agent is named in the text instead.
                 self._customize = False
                 log.warning("slack.identity_unavailable", channel=chat, agent=agent, error=exc.__cause__.code)
-        body = escape(agent_prefix(agent) + part)
+        body = escape(agent_prefix(agent)) + shown(part)
         response = await self.call(
             "send", chat, lambda: self.client.chat_postMessage(channel=chat, text=body, thread_ts=thread)
         )

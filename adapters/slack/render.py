@@ -26,6 +26,7 @@ from kazma.adapters.card_layout import (
     LaidOut,
     lay_out,
 )
+from kazma.adapters.contract import Home
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome, Status
 
@@ -45,6 +46,7 @@ ACTIONS_BLOCK_ID: Final = "kazma_actions"
 # Slack's Block Kit limits (https://docs.slack.dev/reference/block-kit).
 MAX_BLOCKS: Final = 50
 MAX_SECTION_TEXT: Final = 3000
+HOME_ITEM_TEXT: Final = 500  # characters of one waiting request's line on the App Home
 MAX_HEADER_TEXT: Final = 150
 MAX_FIELDS: Final = 10
 MAX_FIELD_TEXT: Final = 2000
@@ -173,6 +175,8 @@ class SlackWriter:
             )
         title = escape(view.title)  # plain text is not parsed, but nothing from a tool reaches Slack unescaped
         blocks.append({"type": "header", "block_id": "kazma_title", "text": _plain(_clip(title, MAX_HEADER_TEXT))})
+        for index, line in enumerate(view.about):
+            blocks.append({"type": "section", "block_id": f"kazma_about_{index}", "text": _mrkdwn(_inert(line))})
         for index, warning in enumerate(view.warnings):
             blocks.append(
                 {
@@ -274,3 +278,48 @@ def render_card(
     card: ApprovalCard, *, outcome: Outcome | None = None, approve_partial: bool = False
 ) -> LaidOut[SlackCard]:
     return lay_out(card, _WRITER, outcome=outcome, approve_partial=approve_partial)
+
+
+# -- the App Home -----------------------------------------------------------------------------------
+
+
+def home_view(home: Home) -> dict[str, Any]:
+    """A person's App Home tab: who they are to Kazma, what waits for a decision (each with its page), and how
+    to talk to the agents. Every text is escaped; links are Kazma's own approval pages."""
+    if home.may_decide:
+        standing = f"You are *{escape(home.who)}*: an approver here."
+    else:
+        standing = f"You are *{escape(home.who)}*: not an approver here, so you can read but not decide."
+    blocks: list[dict[str, Any]] = [
+        {"type": "header", "text": {"type": "plain_text", "text": "Kazma"}},
+        {"type": "section", "text": {"type": "mrkdwn", "text": standing}},
+        {
+            "type": "header",
+            "text": {"type": "plain_text", "text": f"Waiting for a decision ({len(home.waiting) + home.more})"},
+        },
+    ]
+    for item in home.waiting:
+        # the text cut before escaping (an escape is never split), well inside a section's 3,000 characters
+        line = f"{escape(item.text[:HOME_ITEM_TEXT])}\n<{escape(item.link)}|Full call>"
+        blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": line}})
+    if not home.waiting:
+        blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": "Nothing waits for a decision."}})
+    if home.more:
+        more = f"{home.more} more"
+        if home.console:
+            more += f": <{escape(home.console)}/swarm|every approval in the console>"
+        blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": more}]})
+    blocks += [
+        {"type": "divider"},
+        {
+            "type": "context",
+            "elements": [
+                {
+                    "type": "mrkdwn",
+                    "text": "Talk to the agents by mentioning the app in a channel, or here in Messages. "
+                    "`/swarm help` lists the swarm commands; `/plan` shows a channel's plan.",
+                }
+            ],
+        },
+    ]
+    return {"type": "home", "blocks": blocks}

@@ -25,7 +25,7 @@ BOT_SCOPES: Final = ("app_mentions:read", "channels:history", "chat:write", "com
 OPTIONAL_SCOPES: Final = ("chat:write.customize", "im:history", "im:write", "files:read", "files:write")
 # For `kazma doctor` only: conversations.info tells whether the app is in the home channel (public, private).
 DOCTOR_SCOPES: Final = ("channels:read", "groups:read")
-BOT_EVENTS: Final = ("app_mention", "message.channels", "message.groups", "message.im")
+BOT_EVENTS: Final = ("app_home_opened", "app_mention", "message.channels", "message.groups", "message.im")
 COMMANDS: Final = (
     ("/swarm", "Drive the agent swarm", "help | status | pipeline quick <task>"),
     ("/plan", "Show this channel's current plan", ""),
@@ -70,6 +70,13 @@ def slack_manifest(
         },
         "features": {
             "bot_user": {"display_name": name.lower(), "always_online": True},
+            # the Home tab lists what waits for a decision; the Messages tab is where people DM the app
+            # (dm_policy), and Slack lets nobody write there unless it is on and writable
+            "app_home": {
+                "home_tab_enabled": True,
+                "messages_tab_enabled": True,
+                "messages_tab_read_only_enabled": False,
+            },
             "slash_commands": commands,
         },
         "oauth_config": {"scopes": {"bot": [*BOT_SCOPES, *OPTIONAL_SCOPES, *DOCTOR_SCOPES]}},

@@ -35,6 +35,7 @@ from telegram import (
     InlineKeyboardMarkup,
     LinkPreviewOptions,
     Message,
+    MessageEntity,
     ReplyParameters,
     Update,
 )
@@ -52,6 +53,7 @@ from telegram.ext import (
 from telegram.request import HTTPXRequest
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
+from kazma.adapters.chat_text import Columns
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
 from kazma.adapters.deny_reason import deny_data, reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
@@ -467,14 +469,19 @@ class TelegramAdapter(PlatformBase):
     async def _post_text(self, chat: str, part: str, *, agent: str | None, thread: str | None) -> Posted:
         app = self._bot_app("send")
         thread_id = self._thread_id("send", thread)
-        text = agent_prefix(agent) + part
+        prefix = agent_prefix(agent)
+        text = prefix + part
+        # Columns are laid out by an entity (fixed width over the part, the prefix left out): nothing to escape
+        pre = MessageEntity(MessageEntity.PRE, offset=utf16_len(prefix), length=utf16_len(part))
+        entities = [pre] if isinstance(part, Columns) else None
         message = await self._send(
             "send",
             chat,
             lambda chat_id: app.bot.send_message(
-                chat_id=chat_id, text=text, message_thread_id=thread_id, link_preview_options=_NO_PREVIEW
+                chat_id=chat_id, text=text, message_thread_id=thread_id, link_preview_options=_NO_PREVIEW,
+                entities=entities,
             ),
-        )
+        )  # fmt: skip
         return Posted(str(message.chat_id), str(message.message_id))
 
     async def _post_choices(

@@ -76,6 +76,7 @@ def normalise(
         direct=chat.type == ChatType.PRIVATE,
         reply_to=str(message.reply_to_message.message_id) if message.reply_to_message else None,
         attachments=attachments(message, fetcher),
+        chat_title=chat.effective_name or "",  # a group's title; a private chat's person
     )
 
 

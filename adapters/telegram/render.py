@@ -143,6 +143,8 @@ class TelegramWriter:
             out.tag("b", view.outcome_text)
             out.text("\n\n")
         out.tag("b", view.title)
+        for line in view.about:
+            out.text(f"\n{line}")
         for warning in view.warnings:
             out.text("\n⚠️ ")
             out.tag("b", warning)

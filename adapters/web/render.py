@@ -43,6 +43,7 @@ class HtmlWriter:
         status = e(view.outcome.status.value) if view.outcome is not None else "pending"
         parts.append(f'<div class="outcome {status}" id="o-{rid}">{outcome}</div>')
         parts.append(f'<div class="card-title">{e(view.title)}</div>')
+        parts += [f'<div class="about">{e(line)}</div>' for line in view.about]
         parts += [f'<div class="warning" role="alert">⚠ {e(w)}</div>' for w in view.warnings]
         facts = "".join(f"<tr><th>{e(label)}</th><td><code>{e(value)}</code></td></tr>" for label, value in view.facts)
         parts.append(f'<table class="facts">{facts}</table>')

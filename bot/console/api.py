@@ -40,6 +40,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from kazma.approvals.card import ASKED_THROUGH_API, ON_BEHALF_OF, REASON_GIVEN
 from kazma.approvals.hashing import args_hash, canonical_json, text_hash
 from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest, Status, Waits
 from kazma.approvals.service import ApprovalRefused, ApprovalService
@@ -425,11 +426,11 @@ def _validated(
         raise _error(web.HTTPBadRequest, str(exc)) from None
     if nesting_depth(asked.arguments) > MAX_ARGUMENT_DEPTH:
         raise _error(web.HTTPBadRequest, f"arguments nest too deeply: {_TOO_DEEP}")
-    notes: list[str] = [f"Asked through the approvals API by {caller.actor}; Kazma does not run it, the caller does."]
+    notes: list[str] = [f"{ASKED_THROUGH_API}{caller.actor}; Kazma does not run it, the caller does."]
     if asked.requester is not None:
-        notes.append(f"On behalf of: {asked.requester}")
+        notes.append(f"{ON_BEHALF_OF}{asked.requester}")
     if asked.reason is not None:
-        notes.append(f"Reason given: {asked.reason}")
+        notes.append(f"{REASON_GIVEN}{asked.reason}")
     # The arguments as sent (the model keeps them as parsed: ints, floats, text), so the hash is of what was sent.
     return asked.tool, body.get("arguments", {}), tuple(notes), asked.deadline_seconds
 

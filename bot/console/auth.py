@@ -44,6 +44,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from urllib.parse import urlencode
 
 import structlog
 from aiohttp import web
@@ -261,6 +262,14 @@ def safe_next(value: str | None, default: str) -> str:
     if any(ord(c) < 0x20 or c == "\x7f" for c in value):
         return default
     return value
+
+
+def login_href(next_path: str | None) -> str:
+    """The sign-in page, saying where to go once signed in (nothing when that is the console itself)."""
+    back = safe_next(next_path, "/")
+    if back == "/" or back.startswith("/login"):
+        return "/login"
+    return f"/login?{urlencode({'next': back})}"
 
 
 def html_response(body: str, *, status: int = 200) -> web.Response:
@@ -508,7 +517,8 @@ class WebAuth:
 
     async def login_form(self, request: web.Request) -> web.Response:
         value = secrets.token_urlsafe(24)
-        response = html_response(login_page(value, choices=self.choices))
+        back = safe_next(request.query.get("next"), "/")
+        response = html_response(login_page(value, choices=self.choices, next_path=back))
         response.set_cookie(
             LOGIN_CSRF_COOKIE, value, httponly=True, samesite="Strict", path="/login", secure=self.secure, max_age=3600
         )
@@ -527,10 +537,17 @@ class WebAuth:
             )
         raw_name = data.get("name")
         name = raw_name.strip().lower() if isinstance(raw_name, str) else ""
+        raw_next = data.get("next")
+        back = safe_next(raw_next if isinstance(raw_next, str) else None, "/")
         token = data.get("token")
         if not NAME.fullmatch(name):
             return html_response(
-                login_page(field, error="The name must be 1–32 of a–z, 0–9, '_', '.', '-'.", choices=self.choices),
+                login_page(
+                    field,
+                    error="The name must be 1–32 of a–z, 0–9, '_', '.', '-'.",
+                    choices=self.choices,
+                    next_path=back,
+                ),
                 status=400,
             )
         key = client.throttle_key
@@ -563,13 +580,14 @@ class WebAuth:
                 LOGINS.labels(outcome="wrong").inc()
                 log.warning("web.login_refused", login=name, remote=client.address, peer=client.peer, slowed=False)
                 return html_response(
-                    login_page(field, error="wrong token", name=name, choices=self.choices), status=401
+                    login_page(field, error="wrong token", name=name, choices=self.choices, next_path=back),
+                    status=401,
                 )
         await self.end_previous(request)
         session = await self.open_session(name, role)
         LOGINS.labels(outcome="accepted").inc()
         log.info("web.login", login=name, token=role.value, proof=session.proof.value)
-        response = web.HTTPSeeOther("/")
+        response = web.HTTPSeeOther(back)
         self.set_cookie(response, session)
         response.del_cookie(LOGIN_CSRF_COOKIE, path="/login")
         raise response

@@ -23,7 +23,7 @@ from enum import StrEnum
 import structlog
 from aiohttp import web
 
-from kazma.bot.console.auth import OPERATORS_ONLY, Session, WebAuth
+from kazma.bot.console.auth import OPERATORS_ONLY, Session, WebAuth, login_href
 from kazma.bot.console.pages import message_page
 
 log = structlog.get_logger("kazma.web")
@@ -180,7 +180,7 @@ class Doors:
             self.auth.check_origin(request)
         session = await self.auth.session(request)
         if session is None:
-            raise _login_required(door.refusal)
+            raise _login_required(door.refusal, request)
         if door.access is Access.PERSON and not session.proven:
             log.warning("web.token_refused", login=session.login, path=request.path)
             raise reader_refused(session)
@@ -205,9 +205,10 @@ def reader_refused(session: Session) -> web.HTTPForbidden:
     return web.HTTPForbidden(text=message_page("Refused", said, viewer=session), content_type="text/html")
 
 
-def _login_required(refusal: Refusal) -> web.HTTPException:
+def _login_required(refusal: Refusal, request: web.Request) -> web.HTTPException:
     if refusal is Refusal.PAGE:
-        return web.HTTPFound("/login")
+        # the page asked for comes back after signing in (a card's "Full call" link lands on its approval)
+        return web.HTTPFound(login_href(request.path_qs))
     if refusal is Refusal.JSON:
         return web.HTTPUnauthorized(text=json.dumps({"error": "login required"}), content_type="application/json")
     return web.HTTPUnauthorized(

@@ -7,13 +7,12 @@ pages carry no inline script, so the CSP can forbid it outright.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from kazma.adapters.admission import FileBounds, human_size
 from kazma.adapters.card_layout import APPROVE_LABEL, DENY_LABEL, ButtonKind, CardView
@@ -22,13 +21,14 @@ from kazma.adapters.web import WebMessage, render
 from kazma.adapters.web.render import e
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.honesty import reveal, reveal_line
-from kazma.approvals.model import MAX_REASON, ApprovalRequest, Outcome, Status, Waits, decider_text
+from kazma.approvals.model import MAX_REASON, ApprovalRequest, Outcome, Status, Waits, decider_text, outcome_of
 from kazma.approvals.rules import Rule
 from kazma.approvals.store import AuditEvent, PostedCard
 from kazma.approvals.withdrawal import POLL_GRACE
 from kazma.bot.console.charts import CHART_STYLE
 from kazma.bot.console.dashboard_charts import charts_html
 from kazma.bot.console.dashboard_data import DashboardData
+from kazma.bot.console.services import InlineApproval
 from kazma.bot.console.swarm_views import call_rows, handoff_chain, worker_numbers
 from kazma.bot.console.times import times_in, when_html
 from kazma.config.address import Address
@@ -115,6 +115,23 @@ textarea { width: 100%; }
 .chart svg { width: 100%; height: auto; color: var(--fg); }
 .chart h3 { margin: 0 0 .4em 0; font-size: 1em; }
 @media (max-width: 50em) { .layout { grid-template-columns: 1fr; } }
+/* A phone (390 px) reads every page without scrolling sideways: the header wraps, long unbroken values (a
+   hash, an id, a path) break anywhere, and only the wide record tables scroll, inside their own box. */
+header { flex-wrap: wrap; row-gap: .3em; }
+h1 code, .hash, .card code, table.record td { overflow-wrap: anywhere; }
+.card table { width: 100%; table-layout: fixed; }
+.card table th { width: 9em; }
+.card table.args th { overflow-wrap: anywhere; }
+.wide { overflow-x: auto; max-width: 100%; }
+.decide { position: sticky; bottom: 0; background: var(--bg); border-top: 1px solid var(--line);
+  padding: .6em 0; margin-top: .6em; z-index: 1; }
+.decide .buttons { display: flex; flex-wrap: wrap; gap: .5em; align-items: center; }
+.decide form.inline { display: flex; flex-wrap: wrap; gap: .5em; }
+.decide input[name=reason] { min-width: 0; flex: 1 1 10em; }
+details.canonical { margin: 1em 0; }
+@media (max-width: 30em) { main { padding: .6em; } header { padding: .5em .6em; gap: .6em; }
+  h1 code { font-size: .6em; } .card table th { width: 7em; }
+  .card table.args th, .card table.args td { display: block; width: auto; border-bottom: 0; } }
 """
 
 
@@ -264,30 +281,42 @@ def message_page(title: str, text: str, *, viewer: Viewer | None = None, link: t
 
 
 def login_page(
-    login_csrf: str, *, error: str | None = None, name: str = "", choices: SignInChoices | None = None
+    login_csrf: str,
+    *,
+    error: str | None = None,
+    name: str = "",
+    choices: SignInChoices | None = None,
+    next_path: str = "/",
 ) -> str:
+    """``next_path``: where signing in leads (a local path the caller checked with ``safe_next``); every way of
+    signing in on this page carries it, so a card's link lands on its approval and not on the console."""
     choices = choices or SignInChoices()
     problem = f'<p class="error">{e(error)}</p>' if error else ""
+    back = "" if next_path == "/" else f"?{urlencode({'next': next_path})}"
     if choices.passkey_problem is None:
         passkey = (
             '<p><button type="button" class="primary" id="passkey-sign-in" data-options="/login/passkey/options"'
-            ' data-verify="/login/passkey">Sign in with a passkey</button></p>'
+            f' data-verify="{e("/login/passkey" + back)}">Sign in with a passkey</button></p>'
             '<p class="error" id="passkey-error" role="alert" hidden></p>'
             "<p>No passkey yet? Ask for an enrolment link: <code>kazma people invite &lt;you&gt;</code>.</p>"
         )
     else:
         passkey = f'<p class="error">Passkeys cannot work here: {e(choices.passkey_problem)}</p>'
     platforms = "".join(
-        f'<p><a class="button" href="{e(href)}">{e(label)}</a></p>' for label, href in choices.platforms
+        f'<p><a class="button" href="{e(href + back)}">{e(label)}</a></p>' for label, href in choices.platforms
+    )
+    going = (
+        f'<p class="meta">After signing in you go back to <code>{e(next_path)}</code>.</p>' if next_path != "/" else ""
     )
     body = (
-        f"<h1>Sign in</h1>{problem}{passkey}{platforms}"
+        f"<h1>Sign in</h1>{going}{problem}{passkey}{platforms}"
         "<h2>Read-only, with a shared token</h2>"
         "<p>The operator and reader tokens (printed when the console first started) open a read-only session: "
         "dashboards, and with the operator token the first account's enrolment while nobody has a passkey. "
         "A shared token never decides an approval. The name is a label only.</p>"
         '<form method="post" action="/login">'
         f'<input type="hidden" name="csrf" value="{e(login_csrf)}">'
+        f'<input type="hidden" name="next" value="{e(next_path)}">'
         '<p><label>Name <input name="name" required maxlength="32" pattern="[A-Za-z0-9_.\\-]{1,32}"'
         f' autocomplete="username" value="{e(name)}"></label></p>'
         '<p><label>Token <input name="token" type="password" required autocomplete="current-password"></label></p>'
@@ -299,14 +328,14 @@ def login_page(
 # -- the console ---------------------------------------------------------------------------------
 
 
-def card_html(card: ApprovalCard, outcome: Outcome | None, viewer: Viewer) -> str:
-    """A console card: the one card layout, with Approve/Deny forms for operators."""
+def card_html(card: ApprovalCard, outcome: Outcome | None, viewer: Viewer, *, next_path: str = "/") -> str:
+    """A console card: the one card layout, with Approve/Deny forms for operators (back to ``next_path``)."""
 
     def buttons(view: CardView) -> str:
         if not viewer.may_decide:
             return ""
         approve = any(b.kind is ButtonKind.APPROVE for b in view.buttons)
-        return decide_buttons(viewer, card.request_id, "/", approve=approve)
+        return decide_buttons(viewer, card.request_id, next_path, approve=approve)
 
     return card_times(render.card_html(card, outcome=outcome, buttons=buttons).written)
 
@@ -381,17 +410,59 @@ def conversation_href(conversation: str) -> str:
     return f"/conversations/{quote(conversation, safe='')}"
 
 
+def conversation_name(title: str, chat: str) -> str:
+    """A conversation as people know it: its title, the platform's id beside it, quietly (ids are what configs and
+    logs name); the id alone when the platform never said a title."""
+    if not title:
+        return f'<code class="chat-id">{e(chat)}</code>'
+    return f'<span class="title">{e(reveal_line(title))}</span> <code class="chat-id meta">{e(chat)}</code>'
+
+
 def conversation_list(summaries: Sequence[Summary], current: str | None) -> str:
     items = []
     for c in summaries:
         here = ' class="here"' if c.conversation == current else ""
         items.append(
             f'<li data-conversation="{e(c.conversation)}"><a href="{e(conversation_href(c.conversation))}"{here}>'
-            f"{badge(c.platform, direct=c.direct)} <code>{e(c.chat)}</code> "
+            f"{badge(c.platform, direct=c.direct)} {conversation_name(c.title, c.chat)} "
             f'<span class="meta">{c.messages} · {when_html(c.last_at)}</span>'
             f'<span class="last">{e(for_humans(c.last_text)[:120])}</span></a></li>'
         )
     return f'<ul class="convs" id="conversations">{"".join(items) or "<li>No conversations yet.</li>"}</ul>'
+
+
+def approval_item(item: InlineApproval, viewer: Viewer) -> str:
+    """The approval where it was asked: the console's card (Approve/Deny for an approver while it waits), its
+    outcome once decided, and its page."""
+    request = item.request
+    return approval_card_item(
+        item.card, outcome_of(request), request.created_at.timestamp(), viewer, changed=item.changed
+    )
+
+
+def approval_card_item(
+    card: ApprovalCard, outcome: Outcome | None, at: float, viewer: Viewer, *, changed: bool = False
+) -> str:
+    """An approval's card as an item of its conversation (the page, and the live event that places it there)."""
+    if changed:
+        content = card_times(render.card_html(card, outcome=outcome).written)
+    else:
+        content = card_html(card, outcome, viewer, next_path=conversation_href(card.origin))
+    link = f'<p><a href="{e(approval_href(card.request_id))}">The whole call and its record</a></p>'
+    return (
+        f'<li class="message approval" id="a-{e(card.request_id)}" data-request="{e(card.request_id)}">'
+        f'<div class="speaker">Approval · {e(card.tool)}<span class="meta">'
+        f'{e(card.requester)}</span><span class="when">{when_html(at)}</span>'
+        f"</div>{content}{link}</li>"
+    )
+
+
+def _interleaved(entries: Sequence[Entry], approvals: Sequence[InlineApproval], viewer: Viewer) -> str:
+    """Messages and approvals in the order they happened (an approval at the time it was asked)."""
+    timed: list[tuple[float, int, str]] = [(entry.at, 0, entry_html(entry)) for entry in entries]
+    timed += [(item.request.created_at.timestamp(), 1, approval_item(item, viewer)) for item in approvals]
+    timed.sort(key=lambda t: (t[0], t[1]))
+    return "".join(html for _, _, html in timed)
 
 
 def conversations_page(
@@ -400,18 +471,22 @@ def conversations_page(
     current: str | None,
     entries: Sequence[Entry],
     *,
+    approvals: Sequence[InlineApproval] = (),
     flash: Sequence[str] = (),
 ) -> str:
-    """Every conversation Kazma serves (every platform, DMs too), and the chosen one, read-only and live."""
+    """Every conversation Kazma serves (every platform, DMs too), and the chosen one, read-only and live; the
+    approvals asked in it appear as their cards where they were asked."""
     if current is None:
         shown = "<p>Pick a conversation to read it. New messages appear as they happen.</p>"
     else:
         where = Address.parse(current)
         platform, chat = where.platform, where.chat
-        direct = next((c.direct for c in summaries if c.conversation == current), False)
-        items = "".join(entry_html(entry) for entry in entries)
+        summary = next((c for c in summaries if c.conversation == current), None)
+        direct = summary.direct if summary is not None else False
+        title = summary.title if summary is not None else ""
+        items = _interleaved(entries, approvals, viewer)
         shown = (
-            f"<h2>{badge(platform, direct=direct)} <code>{e(chat)}</code></h2>"
+            f"<h2>{badge(platform, direct=direct)} {conversation_name(title, chat)}</h2>"
             f'<ol class="messages" id="transcript" data-conversation="{e(current)}">{items}</ol>'
             f'<div class="working" id="working" data-conversation="{e(current)}"></div>'
         )
@@ -464,10 +539,11 @@ def console_page(
 # -- one approval --------------------------------------------------------------------------------
 
 
-def _call_json(pretty: str, canonical: str) -> str:
+def _canonical_json(canonical: str) -> str:
+    """The bytes the hash covers, folded away: the call itself is shown once, on the card above."""
     return (
-        f"<h3>Arguments as JSON</h3><pre>{e(reveal(pretty))}</pre>"
-        f"<h3>Canonical JSON (what the hash covers)</h3><pre>{e(reveal(canonical))}</pre>"
+        '<details class="canonical"><summary>Canonical JSON (what the hash covers)</summary>'
+        f"<pre>{e(reveal(canonical))}</pre></details>"
     )
 
 
@@ -502,7 +578,6 @@ def approval_page(
         whole = integrity_card(request, public_url=public_url)
         changed = True
     args = card_times(render.card_html(whole).written)
-    pretty = json.dumps(request.args, indent=2, sort_keys=True, ensure_ascii=False)
     if request.status is Status.PENDING:
         decided = "not yet"
     elif request.status.human:
@@ -516,16 +591,13 @@ def approval_page(
             f"{e(request.status.value)} at {when_html(request.decided_at)} (not a denial): "
             f"{e(reveal_line(request.reason or ''))}"
         )
+    # the card above says the tool, who asked, the deadline and the hash: these are the rest of the record
     facts: list[tuple[str, str]] = [
-        ("Tool", e(reveal_line(request.tool))),
         ("Status", e(request.status.value)),
-        ("SHA-256 of the canonical arguments", e(request.args_hash)),
-        ("Requested by", e(reveal_line(request.requested_by))),
         *asker_facts(request),
         ("Where", e(reveal_line(request.conversation))),
         ("Task", e(reveal_line(request.task_id or "—"))),
         ("When", when_html(request.created_at)),
-        ("Deadline", when_html(request.deadline)),
         ("Decided", decided),
         ("Policy", e(policy_text(request))),
         *([("Ran", e(reveal_line(_ran(events))))] if request.status is Status.APPROVED else []),
@@ -551,19 +623,21 @@ def approval_page(
         )
         if viewer.may_decide and request.step_up and not changed:
             buttons = step_up_button(viewer, request.id) + buttons
+        # After the call, never above it: read first, then decide. Sticky, so a long call's buttons stay in
+        # reach at the foot of the screen while it is read, and settle below its last line.
+        buttons = f'<div class="decide" id="decide">{buttons}</div>'
     body = (
-        f"<h1>Approval {e(request.id)}</h1>"
-        f"<table>{fact_rows}</table>{buttons}"
-        "<h2>The whole call</h2><p>Every argument, uncut, exactly as stored with the request.</p>"
-        f"{args}"
-        f"{'' if changed else _call_json(pretty, request.args_json)}"
-        "<p>Hidden, direction-changing and control characters are shown escaped as ⟨U+…⟩ everywhere on this"
-        " page, so what you read is what runs.</p>"
-        "<h2>Audit trail</h2><table><tr><th>#</th><th>when</th><th>event</th><th>identity</th><th>person</th>"
-        "<th>platform</th>"
-        f"<th>detail</th></tr>{audit}</table>"
-        "<h2>Cards posted</h2><table><tr><th>platform</th><th>chat</th><th>message</th><th>posted</th>"
-        f"<th>settled</th><th>shows</th></tr>{posted}</table>"
+        f'<h1 class="approval-title">Approval <code>{e(request.id)}</code></h1>'
+        '<section class="call" id="call"><p class="meta">The whole call: every argument uncut, exactly as stored '
+        "with the request. Hidden, direction-changing and control characters are shown escaped as ⟨U+…⟩, so "
+        f"what you read is what runs.</p>{args}{buttons}</section>"
+        f"{'' if changed else _canonical_json(request.args_json)}"
+        f'<h2>The request</h2><table class="record">{fact_rows}</table>'
+        '<h2>Audit trail</h2><div class="wide"><table><tr><th>#</th><th>when</th><th>event</th><th>identity</th>'
+        "<th>person</th><th>platform</th>"
+        f"<th>detail</th></tr>{audit}</table></div>"
+        '<h2>Cards posted</h2><div class="wide"><table><tr><th>platform</th><th>chat</th><th>message</th>'
+        f"<th>posted</th><th>settled</th><th>shows</th></tr>{posted}</table></div>"
     )
     stepping = viewer.may_decide and request.step_up and request.status is Status.PENDING
     return layout(

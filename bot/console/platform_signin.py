@@ -34,7 +34,7 @@ from aiohttp import web
 
 from kazma.adapters.web.render import e
 from kazma.bot.console.accounts import CHALLENGE_SECONDS, AccountStore, Purpose
-from kazma.bot.console.auth import Proof, WebAuth, html_response
+from kazma.bot.console.auth import Proof, WebAuth, html_response, safe_next
 from kazma.bot.console.login_throttle import LOGINS
 from kazma.bot.console.pages import layout, message_page
 from kazma.bot.console.passkeys import RelyingParty
@@ -45,6 +45,7 @@ from kazma.config.models import KazmaConfig
 log = structlog.get_logger("kazma.web.platform_signin")
 
 STATE_COOKIE: Final = "kazma_platform_sign_in"
+NEXT_COOKIE: Final = "kazma_sign_in_next"  # where the sign-in page was asked to lead, kept across the platform
 SLACK_ISSUER: Final = "https://slack.com"
 SLACK_USER_CLAIM: Final = "https://slack.com/user_id"
 SLACK_TEAM_CLAIM: Final = "https://slack.com/team_id"
@@ -158,6 +159,12 @@ class PlatformSignIn:
             STATE_COOKIE, handle, httponly=True, samesite="Lax", path="/login/", secure=self.auth.secure,
             max_age=CHALLENGE_SECONDS,
         )  # fmt: skip
+        back = safe_next(request.query.get("next"), "/")
+        if back != "/":
+            response.set_cookie(
+                NEXT_COOKIE, back, httponly=True, samesite="Lax", path="/login/", secure=self.auth.secure,
+                max_age=CHALLENGE_SECONDS,
+            )  # fmt: skip
         raise response
 
     # -- the way back ------------------------------------------------------------------------------
@@ -193,10 +200,13 @@ class PlatformSignIn:
         log.info("web.platform_sign_in", platform=provider.name, identity=identity, person=session.person)
         # A page, not a redirect: the navigation back from the platform is cross-site, and the session cookie
         # (SameSite=Strict) is sent only on the same-site navigation this page makes.
-        body = f'<h1>Signed in</h1><p>{e(session.who)}</p><p><a href="/">Continue to the console</a></p>'
-        response = html_response(layout("Signed in", body, refresh_to="/"))
+        back = safe_next(request.cookies.get(NEXT_COOKIE), "/")
+        where = "the console" if back == "/" else "where you were going"
+        body = f'<h1>Signed in</h1><p>{e(session.who)}</p><p><a href="{e(back)}">Continue to {where}</a></p>'
+        response = html_response(layout("Signed in", body, refresh_to=back))
         self.auth.set_cookie(response, session)
         response.del_cookie(STATE_COOKIE, path="/login/")
+        response.del_cookie(NEXT_COOKIE, path="/login/")
         return response
 
     def _known(self, identity: str) -> bool:

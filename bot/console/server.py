@@ -53,6 +53,7 @@ from kazma.bot.console.miniapp import TelegramApp
 from kazma.bot.console.pages import (
     MAX_TEXT,
     SignInChoices,
+    approval_card_item,
     approval_href,
     approval_page,
     console_page,
@@ -492,10 +493,14 @@ class WebServer:
                 event = getting.result()
                 if event is None:
                     break
+                inline = None
                 if event.get("type") in ("message", "settled"):
                     message_id = str((event.get("message") or {}).get("id", ""))
                     event = {**event, "message": self._event_message(message_id, session)}
+                    inline = self._event_approval(message_id, session)
                 await response.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+                if inline is not None:  # the same card, placed in the conversation it was asked in
+                    await response.write(f"data: {json.dumps(inline, ensure_ascii=False)}\n\n".encode())
         except ConnectionResetError:
             pass  # the browser went away
         finally:
@@ -514,7 +519,10 @@ class WebServer:
         entries = await self.services.conversation(current) if current else []
         if current is not None and not entries:
             raise _not_found("No such conversation.", session)
-        return html_response(conversations_page(session, summaries, current, entries, flash=session.take_flash()))
+        approvals = await self.services.conversation_approvals(current) if current else []
+        return html_response(
+            conversations_page(session, summaries, current, entries, approvals=approvals, flash=session.take_flash())
+        )
 
     async def file(self, request: web.Request) -> web.Response:
         """A file an agent posted in the console, as a download (never shown inline)."""
@@ -531,6 +539,15 @@ class WebServer:
                 "Content-Disposition": f'attachment; filename="{safe}"',
             },
         )
+
+    def _event_approval(self, message_id: str, session: Session) -> dict[str, Any] | None:
+        """An approval card as its conversation's page shows it, for a page open on that conversation."""
+        message = self.web.message(message_id)
+        if message is None or message.card is None:
+            return None
+        card = message.card
+        html = approval_card_item(card, message.outcome, message.at, session)
+        return {"type": "approval", "conversation": card.origin, "request": card.request_id, "html": html}
 
     def _event_message(self, message_id: str, session: Session) -> dict[str, Any]:
         """A console message as the live view needs it: its data and its HTML, rendered for this viewer."""

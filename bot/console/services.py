@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.rules import Rule
 from kazma.approvals.service import ApprovalService
@@ -33,6 +34,15 @@ from kazma.engine.transcript import Entry, Summary, Working
 
 if TYPE_CHECKING:  # the replicas' machinery (psycopg) is imported only where replicas run
     from kazma.bot.replication import ReplicaHealth
+
+
+@dataclass(frozen=True)
+class InlineApproval:
+    """An approval asked in a conversation, for that conversation's page: its card as the console shows it."""
+
+    request: ApprovalRequest
+    card: ApprovalCard
+    changed: bool = False  # the stored call no longer matches its hash: an integrity card, never Approve
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,10 @@ class ConsoleServices(ApprovalsServices, Protocol):
         ...
 
     async def approval_record(self, request_id: str) -> ApprovalRecord | None: ...
+
+    async def conversation_approvals(self, conversation: str) -> list[InlineApproval]:
+        """The approvals asked in one conversation, each with its card, oldest first."""
+        ...
 
     async def dashboard_reads(self) -> DashboardReads: ...
 

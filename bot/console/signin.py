@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 
 from kazma.bot.console.accounts import CHALLENGE_SECONDS, AccountStore, EnrolRefused, InviteState, Purpose, digest
-from kazma.bot.console.auth import Proof, WebAuth, html_response
+from kazma.bot.console.auth import Proof, WebAuth, html_response, safe_next
 from kazma.bot.console.login_throttle import LOGINS
 from kazma.bot.console.passkeys import (
     PasskeyRefused,
@@ -106,7 +106,9 @@ class SignIn:
     async def _signed_in(self, request: web.Request, proof: Proof, identity: str, **kwargs: Any) -> web.Response:
         await self.auth.end_previous(request)
         session = await self.auth.open_person_session(proof, identity, **kwargs)
-        response = web.json_response({"ok": True, "next": "/", "who": session.who})
+        # where the sign-in page was asked to lead (a card's approval page), checked here, not by the script
+        back = safe_next(request.query.get("next"), "/")
+        response = web.json_response({"ok": True, "next": back, "who": session.who})
         self.auth.set_cookie(response, session)
         response.del_cookie(CEREMONY_COOKIE, path="/")
         return response

@@ -100,6 +100,11 @@ CONSOLE_JS = r"""
         clearWorking();
       }
       touchConversation(data);
+    } else if (data.type === "approval") {
+      // an approval's card in the conversation it was asked in: placed new, or replaced once it settles
+      if (transcript && transcript.getAttribute("data-conversation") === data.conversation) {
+        place(transcript, data.html);
+      }
     } else if (data.type === "working") {
       showWorking(data.conversation);
     } else if (data.type === "dashboard" && dashboard && data.html) {

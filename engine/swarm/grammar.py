@@ -16,6 +16,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kazma.adapters.chat_text import Columns
 from kazma.config.address import Address, AddressError
 from kazma.config.registry import ROUTE_PLATFORMS, chat_id_problem
 from kazma.engine.swarm import builtin_patterns
@@ -175,8 +176,9 @@ _ACCESS_LABEL = {
 ROUTE_USAGE = "/swarm <subcommand> … -> <platform>:<chat>"
 
 
-def help_text() -> str:
-    """One line per subcommand: usage, who may run it, what it does; then the routing suffix."""
+def help_text() -> Columns:
+    """One line per subcommand: usage, who may run it, what it does; then the routing suffix. Its columns are
+    lined up with spaces, so every platform shows it in a fixed-width font (:class:`Columns`)."""
     usages = list(USAGES.values())
     width = max(len(u.line) for u in usages)
     lines = [f"{u.line:<{width}}  ({_ACCESS_LABEL[u.access]}) {u.summary}" for u in usages]
@@ -188,7 +190,7 @@ def help_text() -> str:
         f"End any command with -> <platform>:<chat> ({', '.join(ROUTE_PLATFORMS)}) "
         "to post the result in another chat (admin)."
     )
-    return "\n".join(lines)
+    return Columns("\n".join(lines))
 
 
 def parse(text: str, *, workers: Collection[str], pipelines: Mapping[str, Sequence[str]]) -> SwarmCommand:

@@ -57,17 +57,31 @@ BUILTIN_PATTERNS = builtin_patterns.PATTERNS  # registered on import: a task nam
 Report = Callable[[str], Awaitable[None]]
 
 
-class CoalescingReporter:
-    """Progress lines are gathered and sent at most once per ``interval``, so a busy swarm stays inside rate limits."""
+@dataclass(frozen=True)
+class ProgressLine:
+    text: str
+    heard_in: str | None = None  # "platform:chat" that hears this another way (a task's ending, delivered there)
 
-    def __init__(self, send: Report, *, interval: float = 3.0) -> None:
+
+ReportLines = Callable[[Sequence[ProgressLine]], Awaitable[None]]
+
+
+class CoalescingReporter:
+    """Progress lines are gathered and sent at most once per ``interval``, so a busy swarm stays inside rate limits.
+
+    ``send_lines`` (when given) takes the lines themselves, so it can leave a line out where it is heard anyway
+    (a home chat that a task's result is delivered to is not told the ending twice); else ``send`` gets them joined.
+    """
+
+    def __init__(self, send: Report, *, interval: float = 3.0, send_lines: ReportLines | None = None) -> None:
         self.send = send
+        self.send_lines = send_lines
         self.interval = interval
-        self._lines: list[str] = []
+        self._lines: list[ProgressLine] = []
         self._task: asyncio.Task[None] | None = None
 
-    def add(self, line: str) -> None:
-        self._lines.append(line)
+    def add(self, line: str, *, heard_in: str | None = None) -> None:
+        self._lines.append(ProgressLine(line, heard_in))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._flush_later())
 
@@ -79,7 +93,10 @@ class CoalescingReporter:
         lines, self._lines = self._lines, []
         if lines:
             try:
-                await self.send("\n".join(lines))
+                if self.send_lines is not None:
+                    await self.send_lines(lines)
+                else:
+                    await self.send("\n".join(line.text for line in lines))
             except Exception as exc:
                 swarm_failure("report")
                 log.warning("swarm.report_failed", error=str(exc))
@@ -432,15 +449,21 @@ class SwarmService:
             self._unsaved[run.task_id] = Unsaved(status, result, error, str(exc), time.time())
             self._kept_runs[run.task_id] = run
             self._tasks.spawn(self._store_later(run, status, result, error), name=f"swarm-store-later-{run.task_id}")
+            # the store's refusal is news everywhere, the result's own conversation included: not "heard" there
             self._report(
                 f"swarm task {run.task_id} {status.value}, but its result could not be stored ({exc.reason}); it is "
                 f"kept here and stored when the store answers. Tools: {execution.line()}. {_short(output)}"
             )
+            if self.reporter is not None:
+                await self.reporter.flush()
             await self._deliver(request, self._ending_message(run.task_id, status, output, result, execution))
             return
         if stored:
-            self._report(f"swarm task {run.task_id} {status.value}: {_short(output)} (tools: {execution.line()})")
-            await self._deliver(request, self._ending_message(run.task_id, status, output, result, execution))
+            await self._say_ending(
+                request,
+                f"swarm task {run.task_id} {status.value}: {_short(output)} (tools: {execution.line()})",
+                self._ending_message(run.task_id, status, output, result, execution),
+            )
 
     def _ending_message(
         self, task_id: str, status: TaskStatus, output: str, result: dict[str, Any], execution: ExecutionSummary
@@ -600,11 +623,20 @@ class SwarmService:
             swarm_failure("deliver")
             log.warning("swarm.deliver_failed", target=target, error=str(exc))
 
-    def _report(self, line: str) -> None:
+    def _report(self, line: str, *, heard_in: str | None = None) -> None:
         log.info("swarm.progress", line=line)
         if self.reporter is not None:
-            self.reporter.add(line)
+            self.reporter.add(line, heard_in=heard_in)
         self._changed()
+
+    async def _say_ending(self, request: SwarmRequest, line: str, message: str) -> None:
+        """A task's ending: the progress so far goes out first (a result never arrives before its "started"),
+        then the ending's progress line, left out where the result itself is delivered, then the result."""
+        target = request.route or request.conversation
+        self._report(line, heard_in=target if self.deliver is not None and ":" in target else None)
+        if self.reporter is not None:
+            await self.reporter.flush()
+        await self._deliver(request, message)
 
     def _changed(self) -> None:
         for listener in list(self.listeners):

@@ -277,6 +277,7 @@ class FakeSlack:
         self.messages: dict[str, dict[str, StoredMessage]] = {}
         self.ephemerals: list[Ephemeral] = []
         self.views: list[dict[str, Any]] = []  # modals opened by views.open, each with its trigger_id
+        self.home_tabs: dict[str, dict[str, Any]] = {}  # user -> the Home tab views.publish last set for them
         self.responses: list[dict[str, Any]] = []  # bodies posted to response_urls
         self._faults: dict[str, list[Fault]] = {}
         self._ts = itertools.count(1)
@@ -873,6 +874,27 @@ class FakeSlack:
         return await self.post_signed(url, body, "application/x-www-form-urlencoded", bad_signature=bad_signature)
 
     # -- modals --------------------------------------------------------------
+
+    def _m_views_publish(self, params: dict[str, Any]) -> dict[str, Any]:
+        """A user's App Home tab: ``type: home``, at most 100 valid blocks (Slack's limit for a view)."""
+        user = str(params.get("user_id") or "")
+        view = params.get("view")
+        if isinstance(view, str):
+            view = json.loads(view)
+        if not user.startswith(("U", "W")) or not isinstance(view, dict) or view.get("type") != "home":
+            raise SlackApiRefusal("invalid_arguments")
+        blocks = validate_blocks(view.get("blocks", []))
+        if len(blocks) > 100:
+            raise SlackApiRefusal("invalid_blocks")
+        published = {**view, "blocks": blocks, "id": f"V{next(self._ids):08d}"}
+        self.home_tabs[user] = published
+        self._notify()
+        return {"view": published}
+
+    def app_home_opened(self, user: str, *, tab: str = "home") -> dict[str, Any]:
+        """The event Slack sends when ``user`` opens the app's Home (or Messages) tab."""
+        return {"type": "app_home_opened", "user": user, "channel": f"D{user[1:]}", "tab": tab,
+                "event_ts": self.next_ts()}  # fmt: skip
 
     def _m_views_open(self, params: dict[str, Any]) -> dict[str, Any]:
         trigger = str(params.get("trigger_id") or "")

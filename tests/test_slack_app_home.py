@@ -1,0 +1,79 @@
+"""Slack's App Home: opening the app's Home tab shows that person what waits for a decision, each with its
+approval page, and whether they may decide — published with ``views.publish`` by slack-bolt's
+``app_home_opened`` listener, against the wire-level Slack fake (which refuses a view Slack would). The Messages
+tab publishes nothing (it is a DM). The manifest turns both tabs on and subscribes to the event, since Slack
+lets nobody DM an app whose Messages tab is off.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kazma.adapters.slack.setup import slack_manifest
+from kazma.approvals.model import Decision
+from kazma.config import load_config_text
+from tests.platforms_support import SLACK_ADMIN, kazma_on, three_fakes
+
+STRANGER = "U0STRANGER"
+
+
+def _texts(view: dict[str, Any]) -> list[str]:
+    found: list[str] = []
+    for block in view["blocks"]:
+        if "text" in block:
+            found.append(str(block["text"]["text"]))
+        found += [str(e.get("text", "")) for e in block.get("elements", [])]
+    return found
+
+
+async def test_the_home_tab_lists_what_waits_with_its_page_for_an_approver_and_a_reader(tmp_path: Path) -> None:
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        first = await app.service.open("shell", {"command": "ls"}, "agent:builder", "telegram:-1001")
+        second = await app.service.open("deploy", {"env": "prod"}, "agent:<!here> <@U0ADMIN01>", "slack:C0HOME0001")
+        decided = await app.service.open("shell", {"command": "pwd"}, "agent:builder", "telegram:-1001")
+        await app.service.decide(decided.id, Decision.DENY, actor="telegram:111", platform="telegram")
+        assert fakes.slack_events_url is not None
+
+        await fakes.slack.post_event(fakes.slack_events_url, fakes.slack.app_home_opened(SLACK_ADMIN))
+        await fakes.slack.wait_for(lambda: SLACK_ADMIN in fakes.slack.home_tabs, timeout=20)
+        view = fakes.slack.home_tabs[SLACK_ADMIN]
+        texts = _texts(view)
+        shown = "\n".join(texts)
+        assert view["type"] == "home"
+        assert f"You are *slack:{SLACK_ADMIN}*: an approver here." in texts
+        assert "Waiting for a decision (2)" in texts
+        assert shown.index(f"/swarm?approval={first.id}|Full call>") < shown.index(f"/swarm?approval={second.id}|")
+        assert "shell, asked by agent:builder in telegram:-1001" in shown
+        assert decided.id not in shown  # decided: nothing waits
+        assert "<!here>" not in shown  # a requester's words never ping or link
+        assert "<@U0ADMIN01>" not in shown
+        assert "agent:&lt;!here&gt; &lt;@U0ADMIN01&gt;" in shown
+
+        # someone who is not an approver sees the same list, and is told they cannot decide
+        await fakes.slack.post_event(fakes.slack_events_url, fakes.slack.app_home_opened(STRANGER))
+        await fakes.slack.wait_for(lambda: STRANGER in fakes.slack.home_tabs, timeout=20)
+        assert f"You are *slack:{STRANGER}*: not an approver here, so you can read but not decide." in _texts(
+            fakes.slack.home_tabs[STRANGER]
+        )
+
+        # the Messages tab is a DM: nothing is published for it
+        published = len(fakes.slack.calls_to("views.publish"))
+        await fakes.slack.post_event(fakes.slack_events_url, fakes.slack.app_home_opened("U0OTHER01", tab="messages"))
+        await fakes.slack.post_event(fakes.slack_events_url, fakes.slack.app_home_opened(STRANGER))
+        await fakes.slack.wait_for(lambda: len(fakes.slack.calls_to("views.publish")) == published + 1, timeout=20)
+        assert "U0OTHER01" not in fakes.slack.home_tabs
+
+
+def test_the_manifest_turns_on_the_home_and_messages_tabs_and_asks_for_the_event() -> None:
+    config = load_config_text(
+        "platforms: {slack: {bot_token: xoxb-1, app_token: xapp-1-A-b, home_channel: C0HOME0001}}", environ={}
+    ).config
+    manifest = json.loads(json.dumps(slack_manifest(config)))
+    assert manifest["features"]["app_home"] == {
+        "home_tab_enabled": True,
+        "messages_tab_enabled": True,
+        "messages_tab_read_only_enabled": False,
+    }
+    assert "app_home_opened" in manifest["settings"]["event_subscriptions"]["bot_events"]
