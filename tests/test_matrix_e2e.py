@@ -165,12 +165,12 @@ async def test_a_mention_on_matrix_a_card_everywhere_a_reaction_decides_every_ca
         assert (outcome.status, outcome.decided_by) == (Status.APPROVED, f"matrix:{room.alice.user_id}")
         await fakes.wait(lambda: not any(fakes.has_buttons(p) for p in PLATFORMS), timeout=60)
         for platform in PLATFORMS:
-            assert f"approved by matrix:{room.alice.user_id}" in fakes.card_text(platform), platform
+            assert f"APPROVED by matrix:{room.alice.user_id}" in fakes.card_text(platform), platform
         [edit] = await until(lambda: room.edits(card["event_id"]))
         shown = edit["content"]["m.new_content"]
         assert CHOICES_KEY not in shown  # settled: nothing left to react with
         assert shown["body"].startswith("APPROVED")
-        assert f"approved by matrix:{room.alice.user_id}" in shown["formatted_body"]
+        assert f"APPROVED by matrix:{room.alice.user_id}" in shown["formatted_body"]
         await app.conversations.drain()
         runs = [p.read_text() for p in (tmp_path / "ws").rglob("matrix-runs.log")]
         assert runs == ["ran\n"]  # what was approved ran, once

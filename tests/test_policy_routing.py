@@ -101,7 +101,7 @@ async def test_a_policy_routed_to_one_persons_dm_posts_there_and_nowhere_else(tm
         outcome = await asyncio.wait_for(app.service.wait(request.id), timeout=20)
         assert (outcome.status, outcome.person) == (Status.APPROVED, "alice")
         await fakes.wait(lambda: not fakes.telegram.bot_messages(TG_ADMIN)[0].buttons)
-        assert "approved by alice" in fakes.telegram.bot_messages(TG_ADMIN)[0].text
+        assert "APPROVED by alice" in fakes.telegram.bot_messages(TG_ADMIN)[0].text
         assert _cards_anywhere_but(fakes, {"telegram": TG_ADMIN}) == []
 
 

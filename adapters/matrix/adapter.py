@@ -31,7 +31,7 @@ from urllib.parse import quote
 import structlog
 from mautrix.api import Method, Path
 from mautrix.client import ClientAPI
-from mautrix.types import RoomID, UserID
+from mautrix.types import RoomCreatePreset, RoomID, UserID
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.contract import CardRef, PlatformError, Press
@@ -126,6 +126,7 @@ class MatrixAdapter(PlatformBase):
         self._kept = Position("", ())  # where the sync stands, as last kept on the homeserver
         self._syncing: asyncio.Task[None] | None = None
         self._stop_sync = asyncio.Event()
+        self._opening_direct = asyncio.Lock()  # two cards for one person at once open one direct room
 
     def classify(self, site: str, exc: BaseException) -> PlatformError:
         return classify(site, exc, timeout=self.request_timeout)
@@ -278,6 +279,25 @@ class MatrixAdapter(PlatformBase):
     @staticmethod
     def _joiner(client: ClientAPI, room: str) -> Callable[[], Awaitable[RoomID]]:
         return lambda: client.join_room_by_id(RoomID(room))
+
+    async def direct_chat(self, user: str) -> str:
+        """The bot's direct room with ``user`` (a policy's DM card): the first one the account's ``m.direct``
+        names for them, else a new private room with them invited, recorded there so every client and the next
+        card find the same one."""
+        client = self._api("card_dm")
+        async with self._opening_direct:
+            current: dict[str, Any] = {}
+            with contextlib.suppress(Exception):  # no direct rooms yet: the account data does not exist
+                current = dict(await client.get_account_data(DIRECT_TYPE))
+            known = [str(room) for room in current.get(user, [])]
+            if known:
+                return known[0]
+            room = await self.call("card_dm", None, lambda: client.create_room(
+                preset=RoomCreatePreset.TRUSTED_PRIVATE, is_direct=True, invitees=[UserID(user)]
+            ))  # fmt: skip
+            await self._remember_direct(client, user, str(room))
+            log.info("matrix.direct_opened", room=str(room), user=user)
+            return str(room)
 
     async def _remember_direct(self, client: ClientAPI, user: str, room: str) -> None:
         self._direct.add(room)

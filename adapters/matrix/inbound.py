@@ -15,7 +15,10 @@ from kazma.adapters.matrix.errors import PLATFORM
 
 SWARM_COMMAND: Final = "swarm"
 PLAN_COMMAND: Final = "plan"
-_COMMAND: Final = re.compile(rf"^/({SWARM_COMMAND}|{PLAN_COMMAND})(?:\s+(.*))?$", re.DOTALL | re.IGNORECASE)
+APPROVALS_COMMAND: Final = "approvals"
+_COMMAND: Final = re.compile(
+    rf"^/({SWARM_COMMAND}|{PLAN_COMMAND}|{APPROVALS_COMMAND})(?:\s+(.*))?$", re.DOTALL | re.IGNORECASE
+)
 TEXT_TYPES: Final = frozenset({"m.text", "m.notice", "m.emote"})
 FILE_TYPES: Final = frozenset({"m.file", "m.image", "m.audio", "m.video"})
 ENCRYPTED: Final = "m.room.encrypted"

@@ -145,6 +145,9 @@ class MatrixWriter:
             out.line()
             out.line()
         out.tag("b", view.title)
+        for line in view.about:  # who asked and why: the asker's words, plain, never a warning
+            out.line()
+            out.text(line)
         for warning in view.warnings:
             out.line()
             out.text("⚠️ ")
