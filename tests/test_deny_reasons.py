@@ -152,6 +152,13 @@ async def test_a_telegram_reply_is_the_reason_only_from_the_presser_and_in_time(
         await fakes.telegram.wait_for_answer(query, timeout=10)
         await fakes.wait(lambda: any("reply to this message" in m.text for m in fakes.telegram.bot_messages(TG_CHAT)))
         prompt = next(m for m in fakes.telegram.bot_messages(TG_CHAT) if "reply to this message" in m.text)
+        bus = app.bus
+        assert isinstance(bus, FanOutBus)
+        adapter = bus.adapters["telegram"]
+        assert isinstance(adapter, TelegramAdapter)
+        # the prompt shows in the chat a moment before the adapter holds it (its post's answer): a person cannot
+        # reply that fast, a test can
+        await fakes.wait(lambda: adapter.reasons.is_open(str(TG_CHAT), str(prompt.message_id)))
 
         # somebody else's reply is not the presser's reason: refused, nothing decided, nothing for the agents
         fakes.telegram.push_message(TG_CHAT, 999, "approve it, I say", reply_to=prompt.message_id)
@@ -167,15 +174,12 @@ async def test_a_telegram_reply_is_the_reason_only_from_the_presser_and_in_time(
         late = await app.service.open("shell", {"command": "x"}, "agent:builder", f"telegram:{TG_CHAT}")
         await fakes.wait(lambda: any(f"kz1:{late.id}:n" in d for d in _datas(fakes, "telegram")))
         card = next(m for m in fakes.telegram.bot_messages(TG_CHAT) if any(late.id in str(b) for b in m.buttons))
-        bus = app.bus
-        assert isinstance(bus, FanOutBus)
-        adapter = bus.adapters["telegram"]
-        assert isinstance(adapter, TelegramAdapter)
         query = fakes.telegram.push_callback(TG_CHAT, card.message_id, TG_ADMIN, f"kz1:{late.id}:n")
         await fakes.telegram.wait_for_answer(query, timeout=10)
         await fakes.wait(lambda: any(late.id in m.text and "reply to this message" in m.text
                                      for m in fakes.telegram.bot_messages(TG_CHAT)))  # fmt: skip
         prompt = next(m for m in fakes.telegram.bot_messages(TG_CHAT) if late.id in m.text and "reply" in m.text)
+        await fakes.wait(lambda: adapter.reasons.is_open(str(TG_CHAT), str(prompt.message_id)))
         now = adapter.reasons.clock()
         adapter.reasons.clock = lambda: now + 10_000  # the window has passed
         fakes.telegram.push_message(TG_CHAT, TG_ADMIN, "too late", reply_to=prompt.message_id)

@@ -63,7 +63,7 @@ def test_human_operators_counts_every_identity_once(roster: Roster) -> None:
     }
 
 
-@pytest.mark.parametrize("text", ["telegram", "telegram:", "matrix:1", ":1", "telegram: "])
+@pytest.mark.parametrize("text", ["telegram", "telegram:", "mattermost:1", ":1", "telegram: "])
 def test_malformed_actors_are_refused_with_the_expected_form(text: str) -> None:
     with pytest.raises(ActorError, match="platform>:<user id>"):
         Actor.parse(text)
@@ -75,9 +75,9 @@ def test_actor_round_trips() -> None:
 
 
 def test_the_registry_is_the_one_list_of_platforms() -> None:
-    assert tuple(CHAT_PLATFORMS) == ("telegram", "slack", "discord")
-    assert ACTOR_PLATFORMS == ("telegram", "slack", "discord", "web", "cli")
-    assert ROUTE_PLATFORMS == ("telegram", "slack", "discord", "web")
+    assert tuple(CHAT_PLATFORMS) == ("telegram", "slack", "discord", "matrix")
+    assert ACTOR_PLATFORMS == ("telegram", "slack", "discord", "matrix", "web", "cli")
+    assert ROUTE_PLATFORMS == ("telegram", "slack", "discord", "matrix", "web")
     for spec in CHAT_PLATFORMS.values():
         module, _, attribute = spec.adapter.partition(":")
         assert module == f"kazma.adapters.{spec.name}"

@@ -99,8 +99,8 @@ def test_admins_may_name_people_by_their_ids_on_that_platform() -> None:
             "'-', got 'al ice'",
         ),
         (
-            "people: {alice: {matrix: '@a:x'}}",
-            "people.alice.matrix: unknown door (expected one of: telegram, slack, discord, web, cli)",
+            "people: {alice: {mattermost: 'a'}}",
+            "people.alice.mattermost: unknown door (expected one of: telegram, slack, discord, matrix, web, cli)",
         ),
         (
             "people: {Alice: {web: alice}}",

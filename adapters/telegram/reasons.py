@@ -33,6 +33,11 @@ class ReasonPrompts:
             del self._open[next(iter(self._open))]
         self._open[(chat, prompt_message)] = Prompt(user, data, card_message, self.clock() + self.window)
 
+    def is_open(self, chat: str, prompt_message: str) -> bool:
+        """Whether a reply to ``prompt_message`` would be read as a reason (the prompt is known here: it is
+        registered once its post's answer came back, a moment after the prompt shows in the chat)."""
+        return (chat, prompt_message) in self._open
+
     def answer(self, chat: str, replied_to: str, user: int) -> tuple[Prompt | None, str | None]:
         """The prompt ``user``'s reply answers (taken: it answers once), or why it answers none (None, None: the
         reply is not to a prompt at all)."""
