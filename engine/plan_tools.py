@@ -8,8 +8,8 @@ run state). A refusal comes back to the model as a sentence it can act on.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -45,6 +45,9 @@ class AbortPlanArgs(_Args):
     reason: str = Field(min_length=1, max_length=500)
 
 
+A = TypeVar("A", bound=_Args)
+
+
 class AskUserArgs(_Args):
     question: str = Field(min_length=1, max_length=2_000, description="what you need to know, for a person")
     choices: list[str] = Field(
@@ -54,6 +57,21 @@ class AskUserArgs(_Args):
 
 def _problems(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'arguments'}: {e['msg']}" for e in exc.errors())
+
+
+async def _repair(
+    model: type[A], arguments: Mapping[str, Any], ctx: TurnContext, act: Callable[[A, str], Awaitable[str]]
+) -> ToolResult:
+    """One repair of the plan: its arguments checked, then done by the executor as the calling agent; a refusal
+    of either comes back to the model as a sentence it can act on."""
+    try:
+        args = model.model_validate(dict(arguments))
+        line = await act(args, f"agent:{ctx.agent.name}")
+    except ValidationError as exc:
+        return ToolResult(ok=False, output="", error=f"invalid arguments: {_problems(exc)}")
+    except RepairRefused as exc:
+        return ToolResult(ok=False, output="", error=f"not done: {exc}")
+    return ToolResult(ok=True, output=line)
 
 
 def lead_plan_tools(executor: PlanExecutor) -> list[InternalTool]:
@@ -72,46 +90,29 @@ def lead_plan_tools(executor: PlanExecutor) -> list[InternalTool]:
         return ToolResult(ok=True, output=f"Plan {plan.id} started with {len(plan.steps)} steps: {steps}")
 
     async def retry_step(arguments: Mapping[str, Any], ctx: TurnContext) -> ToolResult:
-        try:
-            args = RetryStepArgs.model_validate(dict(arguments))
-            line = await executor.retry_step(ctx.conversation, args.index, args.input, by=f"agent:{ctx.agent.name}")
-        except ValidationError as exc:
-            return ToolResult(ok=False, output="", error=f"invalid arguments: {_problems(exc)}")
-        except RepairRefused as exc:
-            return ToolResult(ok=False, output="", error=f"not done: {exc}")
-        return ToolResult(ok=True, output=line)
+        async def act(args: RetryStepArgs, by: str) -> str:
+            return await executor.retry_step(ctx.conversation, args.index, args.input, by=by)
+
+        return await _repair(RetryStepArgs, arguments, ctx, act)
 
     async def replace_steps(arguments: Mapping[str, Any], ctx: TurnContext) -> ToolResult:
-        raw = dict(arguments)
-        try:
-            args = ReplaceStepsArgs.model_validate(raw)
+        async def act(args: ReplaceStepsArgs, by: str) -> str:
             steps = [s.model_dump(mode="json") for s in args.steps]
-            line = await executor.replace_steps(ctx.conversation, args.from_index, steps, by=f"agent:{ctx.agent.name}")
-        except ValidationError as exc:
-            return ToolResult(ok=False, output="", error=f"invalid arguments: {_problems(exc)}")
-        except RepairRefused as exc:
-            return ToolResult(ok=False, output="", error=f"not done: {exc}")
-        return ToolResult(ok=True, output=line)
+            return await executor.replace_steps(ctx.conversation, args.from_index, steps, by=by)
+
+        return await _repair(ReplaceStepsArgs, arguments, ctx, act)
 
     async def skip_step(arguments: Mapping[str, Any], ctx: TurnContext) -> ToolResult:
-        try:
-            args = SkipStepArgs.model_validate(dict(arguments))
-            line = await executor.skip_step(ctx.conversation, args.index, args.reason, by=f"agent:{ctx.agent.name}")
-        except ValidationError as exc:
-            return ToolResult(ok=False, output="", error=f"invalid arguments: {_problems(exc)}")
-        except RepairRefused as exc:
-            return ToolResult(ok=False, output="", error=f"not done: {exc}")
-        return ToolResult(ok=True, output=line)
+        async def act(args: SkipStepArgs, by: str) -> str:
+            return await executor.skip_step(ctx.conversation, args.index, args.reason, by=by)
+
+        return await _repair(SkipStepArgs, arguments, ctx, act)
 
     async def abort_plan(arguments: Mapping[str, Any], ctx: TurnContext) -> ToolResult:
-        try:
-            args = AbortPlanArgs.model_validate(dict(arguments))
-            line = await executor.abort_plan(ctx.conversation, args.reason, by=f"agent:{ctx.agent.name}")
-        except ValidationError as exc:
-            return ToolResult(ok=False, output="", error=f"invalid arguments: {_problems(exc)}")
-        except RepairRefused as exc:
-            return ToolResult(ok=False, output="", error=f"not done: {exc}")
-        return ToolResult(ok=True, output=line)
+        async def act(args: AbortPlanArgs, by: str) -> str:
+            return await executor.abort_plan(ctx.conversation, args.reason, by=by)
+
+        return await _repair(AbortPlanArgs, arguments, ctx, act)
 
     return [
         InternalTool(

@@ -138,10 +138,12 @@ PEOPLE_JS = r"""
     box.textContent = text;
     box.hidden = false;
   }
-  function post(url, body) {
+  function post(url, body, csrf) {
+    // A proven person's door (step-up) carries the session's CSRF token in a header; sign-in has none yet.
+    var headers = { "Content-Type": "application/json" };
+    if (csrf) { headers["X-CSRF-Token"] = csrf; }
     return fetch(url, {
-      method: "POST", credentials: "same-origin",
-      headers: { "Content-Type": "application/json" }, body: JSON.stringify(body || {})
+      method: "POST", credentials: "same-origin", headers: headers, body: JSON.stringify(body || {})
     }).then(function (response) {
       return response.json().catch(function () { return {}; }).then(function (data) {
         if (!response.ok) { throw new Error(data.error || ("refused (" + response.status + ")")); }
@@ -173,7 +175,8 @@ PEOPLE_JS = r"""
     });
   }
   function assert(button) {
-    return post(button.getAttribute("data-options")).then(function (options) {
+    var csrf = button.getAttribute("data-csrf");
+    return post(button.getAttribute("data-options"), {}, csrf).then(function (options) {
       var key = options.publicKey;
       key.challenge = fromB64(key.challenge);
       key.allowCredentials = descriptors(key.allowCredentials);
@@ -189,7 +192,7 @@ PEOPLE_JS = r"""
         },
         clientExtensionResults: got.getClientExtensionResults(),
         authenticatorAttachment: got.authenticatorAttachment || null
-      });
+      }, csrf);
     });
   }
   function wire(id, ceremony) {
@@ -202,42 +205,9 @@ PEOPLE_JS = r"""
         .catch(function (err) { say(err && err.message ? err.message : String(err)); button.disabled = false; });
     });
   }
-  function stepUp(button) {
-    // A proven person's door: the session's CSRF token rides in a header on both requests.
-    var csrf = button.getAttribute("data-csrf");
-    function send(url, body) {
-      return fetch(url, {
-        method: "POST", credentials: "same-origin",
-        headers: { "Content-Type": "application/json", "X-CSRF-Token": csrf }, body: JSON.stringify(body || {})
-      }).then(function (response) {
-        return response.json().catch(function () { return {}; }).then(function (data) {
-          if (!response.ok) { throw new Error(data.error || ("refused (" + response.status + ")")); }
-          return data;
-        });
-      });
-    }
-    return send(button.getAttribute("data-options")).then(function (options) {
-      var key = options.publicKey;
-      key.challenge = fromB64(key.challenge);
-      key.allowCredentials = descriptors(key.allowCredentials);
-      return navigator.credentials.get({ publicKey: key });
-    }).then(function (got) {
-      return send(button.getAttribute("data-verify"), {
-        id: got.id, rawId: toB64(got.rawId), type: got.type,
-        response: {
-          clientDataJSON: toB64(got.response.clientDataJSON),
-          authenticatorData: toB64(got.response.authenticatorData),
-          signature: toB64(got.response.signature),
-          userHandle: got.response.userHandle ? toB64(got.response.userHandle) : null
-        },
-        clientExtensionResults: got.getClientExtensionResults(),
-        authenticatorAttachment: got.authenticatorAttachment || null
-      });
-    });
-  }
   wire("passkey-enrol", enrol);
   wire("passkey-sign-in", assert);
-  wire("passkey-step-up", stepUp);
+  wire("passkey-step-up", assert);  // the same assertion, on the approval page
 
   // A Telegram Mini App: Telegram opened this page with its signed initData in the fragment.
   var app = document.getElementById("telegram-app");
