@@ -389,7 +389,8 @@ class FanOutBus:
                 timeout=self.platform_timeout,
             )
         except (PlatformError, TimeoutError) as exc:
-            count_failure("stream", to.platform)
+            if isinstance(exc, TimeoutError):  # a refused or failed call is counted by the adapter already
+                count_failure("stream", to.platform)
             log.warning("bus.show_failed", platform=to.platform, chat=to.chat, error=str(exc) or type(exc).__name__)
             return None
 

@@ -18,7 +18,6 @@ import structlog
 
 from kazma.adapters.human_text import for_humans
 from kazma.config.address import Address
-from kazma.config.metrics import count_failure
 from kazma.config.outgoing import Outgoing
 
 log = structlog.get_logger("kazma.conversation")
@@ -95,8 +94,7 @@ class StreamedReply:
     async def _show(self, text: str) -> bool:
         now = await self.sink.show(self.where, self.shown, Outgoing(text, agent=self.agent))
         if now is None:
-            self.broken = True
-            count_failure("stream_edit", self.where.platform)
+            self.broken = True  # counted where it failed (the adapter, the bus); the final text goes out whole
             log.warning("conversation.stream_broken", conversation=self.where.conversation, shown=len(self.shown))
             return False
         self.shown, self._shown_text = now, text

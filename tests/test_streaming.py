@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kazma.adapters.discord.adapter import STREAM_EDIT_GAP
+from kazma.config.metrics import failure_count
 from kazma.config.models import ModelConfig
 from kazma.engine import answer_stream
 from kazma.engine.model import OpenAIProvider
@@ -188,3 +189,58 @@ async def test_a_long_answer_appears_early_grows_by_paced_edits_and_ends_whole_e
         assert all(sum(t <= s < t + 5.0 for s in times) <= 5 for t in times)
     # the transcript keeps the final text once, not the drafts
     assert kept == [answer]
+
+
+async def test_an_edit_that_fails_loses_nothing_the_whole_answer_is_posted_once(tmp_path: Path) -> None:
+    answer = long_answer()
+    pieces = [answer[i : i + PIECE] for i in range(0, len(answer), PIECE)]
+    async with FakeOpenAI() as model, three_fakes() as fakes:
+        model.chunk_size = PIECE
+        model.gate = asyncio.Semaphore(0)
+        model.script(Completion(answer))
+        extra = f"model: {{base_url: '{model.base_url}', name: fake-model, max_retries: 0}}"
+        async with kazma_on(fakes, tmp_path / "k.db", extra=extra) as app:
+            before = failure_count("stream", "slack")
+            await say(fakes, "slack", "tell me everything")
+            model.release()
+            await until(lambda: any(pieces[0].strip() in t for t in shown(fakes, "slack")), "the first piece")
+            fakes.slack.fail("chat.update", "error", error="cant_update_message")  # the next edit is refused
+            model.release(len(pieces) - 1)
+            await until(lambda: any(answer in t for t in shown(fakes, "slack")), "the whole answer")
+            await app.conversations.drain()
+            kept = [e.text for e in await app.transcript.messages(f"slack:{SLACK_CHANNEL}") if e.direction == "out"]
+        messages = shown(fakes, "slack")
+    # the draft shown before the failure stays as it was; the whole answer follows it, once
+    assert len(messages) == 2, messages
+    assert answer.startswith(messages[0])
+    assert messages[0] != answer
+    assert sum(answer in t for t in messages) == 1
+    assert messages[-1] == answer
+    assert kept == [answer]
+    assert failure_count("stream", "slack") == before + 1
+
+
+async def test_an_answer_longer_than_a_message_continues_in_a_new_message_as_it_grows(tmp_path: Path) -> None:
+    # Discord holds 2000 characters a message: 2,600 arrive in three pieces and end as two messages
+    answer = " ".join(f"token{i:04d}" for i in range(260))
+    size = len(answer) // 3 + 1
+    async with FakeOpenAI() as model, three_fakes() as fakes:
+        model.chunk_size = size
+        model.gate = asyncio.Semaphore(0)
+        model.script(Completion(answer))
+        extra = f"model: {{base_url: '{model.base_url}', name: fake-model, max_retries: 0}}"
+        async with kazma_on(fakes, tmp_path / "k.db", extra=extra) as app:
+            await say(fakes, "discord", "tell me everything")
+            model.release()
+            first_piece = answer[:size].strip()
+            await until(lambda: any(first_piece in t for t in shown(fakes, "discord")), "the first piece")
+            assert [m.removeprefix("[kazma] ") for m in shown(fakes, "discord")] == [first_piece]  # nothing more yet
+            model.release(2)
+            await until(lambda: "token0259" in " ".join(shown(fakes, "discord")), "the last piece")
+            await app.conversations.drain()
+        messages = shown(fakes, "discord")
+    assert len(messages) == 2, messages
+    assert all(len(m) <= 2000 for m in messages)
+    # the two parts are the answer, cut at a space (which the cut drops), each said once
+    joined = messages[0].removeprefix("[kazma] ") + " " + messages[1].removeprefix("[kazma] ")
+    assert joined == answer
