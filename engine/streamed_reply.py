@@ -10,7 +10,6 @@ posted whole as a reply without streaming would be. The transcript keeps the fin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 from typing import Protocol, cast
 
@@ -112,8 +111,11 @@ class StreamedReply:
         self._closed = True
         self._wake.set()
         if self._task is not None:
-            with contextlib.suppress(Exception):
+            try:
                 await self._task
+            except Exception as exc:  # whatever broke the showing, the final text still goes out, whole
+                self.broken = True
+                log.warning("conversation.stream_failed", conversation=self.where.conversation, error=str(exc))
 
     async def finish(self, text: str) -> str | None:
         """End with ``text`` (the turn's final words, for people): exactly once; the first message's id."""

@@ -244,3 +244,16 @@ async def test_an_answer_longer_than_a_message_continues_in_a_new_message_as_it_
     # the two parts are the answer, cut at a space (which the cut drops), each said once
     joined = messages[0].removeprefix("[kazma] ") + " " + messages[1].removeprefix("[kazma] ")
     assert joined == answer
+
+
+async def test_model_stream_false_asks_for_the_whole_reply_even_where_it_could_be_shown() -> None:
+    async with FakeOpenAI() as fake:
+        config = ModelConfig(base_url=fake.base_url, name="fake-model", max_retries=0, stream=False)
+        async with OpenAIProvider(config) as provider:
+            stream = Stream()
+            fake.script(Completion("whole, as before"))
+            with answer_stream.feeding(stream):
+                reply = await provider.complete([{"role": "user", "content": "x"}])
+    assert fake.completions[0].body.get("stream") is None
+    assert reply.content == "whole, as before"
+    assert stream.texts == []
