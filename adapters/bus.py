@@ -27,6 +27,7 @@ from kazma.adapters.contract import (
     PlatformAdapter,
     PlatformError,
     RoutesCards,
+    ShowsText,
     SingletonIngress,
     UpdatesCards,
     UrgentEdits,
@@ -367,6 +368,30 @@ class FanOutBus:
             else:
                 count_failure("send", to.platform)
                 log.warning("bus.send_failed", platform=to.platform, chat=to.chat, error=str(exc))
+            return None
+
+    def can_show(self, to: Address) -> bool:
+        """Whether a text posted at ``to`` can be shown growing (its platform edits posted texts)."""
+        adapter: object = self.adapters.get(to.platform)
+        return isinstance(adapter, ShowsText) and adapter.edits_text
+
+    async def show(
+        self, to: Address, shown: Sequence[tuple[str, str]], message: Outgoing
+    ) -> list[tuple[str, str]] | None:
+        """Make the messages ``shown`` at ``to`` show ``message``'s text (see ``show_text``); what is shown now, or
+        None when it could not be shown: logged and counted, never raised (the caller sends the text instead)."""
+        adapter: object = self.adapters.get(to.platform)
+        if not isinstance(adapter, ShowsText):
+            return None
+        try:
+            return await asyncio.wait_for(
+                adapter.show_text(to.chat, shown, message.text, agent=message.agent, thread=to.thread),
+                timeout=self.platform_timeout,
+            )
+        except (PlatformError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError):  # a refused or failed call is counted by the adapter already
+                count_failure("stream", to.platform)
+            log.warning("bus.show_failed", platform=to.platform, chat=to.chat, error=str(exc) or type(exc).__name__)
             return None
 
     async def send_text(self, platform: str, chat: str, text: str, *, agent: str | None = None) -> str | None:

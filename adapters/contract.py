@@ -328,6 +328,23 @@ def refuse_elsewhere(platform: str, to: Address) -> None:
 
 
 @runtime_checkable
+class ShowsText(Protocol):
+    """An adapter that can show a text growing: post it, then edit what it posted (Telegram, Slack, Discord)."""
+
+    edits_text: bool
+
+    async def show_text(
+        self,
+        chat: str,
+        shown: Sequence[tuple[str, str]],
+        text: str,
+        *,
+        agent: str | None = None,
+        thread: str | None = None,
+    ) -> list[tuple[str, str]]: ...
+
+
+@runtime_checkable
 class FileAdapter(Protocol):
     """A platform that can post files and show that an agent is working (every chat platform and the console)."""
 

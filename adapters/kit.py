@@ -738,6 +738,44 @@ class PlatformBase(PressPolicy):
         log.info("platform.text_sent", platform=self.name, chat=chat, agent=agent, message_id=first, parts=len(parts))
         return first
 
+    async def show_text(
+        self,
+        chat: str,
+        shown: Sequence[tuple[str, str]],
+        text: str,
+        *,
+        agent: str | None = None,
+        thread: str | None = None,
+    ) -> list[tuple[str, str]]:
+        """Make the messages ``shown`` (``(message id, the part it shows)``, in order) show ``text``: split as
+        :meth:`send_text` splits it, a posted part edited where it changed, the parts after them posted. What is
+        shown now. A reply growing while the model writes it is shown by calling this again as it grows; each
+        edit waits its turn in the chat's pacing, so a stream never edits faster than the platform allows."""
+        site = "stream"
+        self._can_send(site)
+        chat = self.moved_to(chat)
+        self._check_chat(site, chat)
+        text = self._writable(text)
+        if not text.strip():
+            raise self.refuse(site, "nothing to send: the text is empty", chat=chat)
+        limit, units = self._text_room(agent)
+        now = list(shown)
+        for index, part in enumerate(split_text(text, limit, units)):
+            if index >= len(now):
+                posted = await self._post_text(chat, part, agent=agent, thread=thread)
+                now.append((posted.message_id, part))
+            elif now[index][1] != part:
+                await self._edit_text(chat, now[index][0], part, agent=agent, thread=thread)
+                now[index] = (now[index][0], part)
+        log.debug("platform.text_shown", platform=self.name, chat=chat, agent=agent, parts=len(now))
+        return now
+
+    edits_text: ClassVar[bool] = False  # the dialect can edit a posted text (:meth:`_edit_text`)
+
+    async def _edit_text(self, chat: str, message_id: str, part: str, *, agent: str | None, thread: str | None) -> None:
+        """Make the posted text ``message_id`` (posted by :meth:`_post_text` as ``agent``) show ``part``, paced."""
+        raise self.refuse("stream", f"{self.spec.title} messages are not edited here", chat=chat)
+
     async def send_choices(
         self,
         chat: str,

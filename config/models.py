@@ -252,6 +252,7 @@ class ModelConfig(Strict):
     timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
     max_retries: int = Field(default=3, ge=0, le=10)
     embeddings: str | None = None  # an embeddings model at the same endpoint: semantic routing for auto
+    stream: bool = True  # show a reply growing while the model writes it, where the platform can edit messages
 
 
 _VARIABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

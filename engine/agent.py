@@ -19,7 +19,8 @@ from kazma.config.limits import MAX_TOOL_OUTPUT_CHARS
 from kazma.config.metrics import count_failure
 from kazma.config.models import DangerLevel, KazmaConfig
 from kazma.config.store.errors import simulated_failure
-from kazma.engine import messages
+from kazma.engine import answer_stream, messages
+from kazma.engine.answer_stream import AnswerStream
 from kazma.engine.fence import fence_untrusted
 from kazma.engine.history import HistoryStore
 from kazma.engine.tools.executions import (
@@ -236,12 +237,14 @@ class AgentRunner:
         extra_tools: Sequence[InternalTool] = (),
         files: Sequence[str] = (),
         request_text: str | None = None,
+        stream: AnswerStream | None = None,
     ) -> TurnResult:
         """One turn: the agent answers ``text``, calling tools as it goes, at most ``max_steps`` model calls.
 
         ``extra_tools`` are internal tools offered for this turn only (the swarm's handoff tool). ``files`` are
         the workspace paths of files sent with the message, and ``request_text`` what the person wrote (default
-        ``text``): a plan written in the turn keeps both.
+        ``text``): a plan written in the turn keeps both. ``stream`` is shown each reply's text while the model
+        writes it (model calls only: the tools the turn runs write into nothing of it).
         """
         ctx = TurnContext(
             conversation,
@@ -260,7 +263,7 @@ class AgentRunner:
         result = TurnResult(text="")
         scope = "" if step is None else step_scope(step.plan_id, step.index, step.attempt)
         with tracking(Effects(scope=scope)) as effects:
-            await self._turn(agent, conversation, text, ctx, sent, result, extra_tools)
+            await self._turn(agent, conversation, text, ctx, sent, result, extra_tools, stream)
         result.execution = effects.summary()
         return result
 
@@ -273,6 +276,7 @@ class AgentRunner:
         sent: list[Message],
         result: TurnResult,
         extra_tools: Sequence[InternalTool],
+        stream: AnswerStream | None = None,
     ) -> None:
         specs = self._specs(agent, extra_tools)
         internal = self._internal(agent, extra_tools)
@@ -282,7 +286,8 @@ class AgentRunner:
                     await failpoints.reached(
                         "tools.recorded", lambda: ModelError("the connection was reset (failpoint)", permanent=False)
                     )
-                reply = await self.provider.complete(sent, specs, model=agent.model)
+                with answer_stream.feeding(stream):
+                    reply = await self.provider.complete(sent, specs, model=agent.model)
             except ModelError as exc:
                 count_failure("model")
                 log.warning("agent.model_error", agent=agent.name, error=str(exc), permanent=exc.permanent)

@@ -39,6 +39,7 @@ from kazma.engine.executor import Action, ActionKind, AnswerVerdict, DispatchFai
 from kazma.engine.fence import fence_untrusted
 from kazma.engine.plan_store import PlanStore, Question
 from kazma.engine.plan_tools import ask_user_tool, lead_plan_tools
+from kazma.engine.streamed_reply import StreamedReply, stream_at
 
 log = structlog.get_logger("kazma.conversation")
 
@@ -213,13 +214,21 @@ class Conversations:
             note = describe(saved)
             text = f"{text}\n\n{note}" if text else note
         log.info("inbound.routed", conversation=conversation, agent=agent.name, author=message.author)
+        # shown while the model writes it, where the platform can edit a posted message
+        stream = stream_at(self.sink, message.where, agent.name)
         async with self._announcing(agent, conversation):
-            async with self.working(message.where):
-                # a plan written in this turn keeps what the person wrote and the files they sent (PlanOrigin)
-                result = await self.runner.run(
-                    agent, conversation, text, requested_by=message.author, files=files, request_text=message.text
-                )
-            await self._post_result(message, agent, result)
+            try:
+                async with self.working(message.where):
+                    # a plan written in this turn keeps what the person wrote and the files they sent (PlanOrigin)
+                    result = await self.runner.run(
+                        agent, conversation, text, requested_by=message.author, files=files,
+                        request_text=message.text, stream=stream,
+                    )  # fmt: skip
+            except BaseException:
+                if stream is not None:
+                    await asyncio.shield(stream.close())
+                raise
+            await self._post_result(message, agent, result, stream)
 
     def _announcing(self, agent: AgentSpec, conversation: str) -> contextlib.AbstractAsyncContextManager[None]:
         """A lead turn: a plan it writes is dispatched only after its reply (which announces the plan) is posted."""
@@ -273,9 +282,15 @@ class Conversations:
         # When the turn asked a person (ask_user), the step waits and this completion is stale: ignored.
         await self.executor.complete(dispatch.plan_id, dispatch.index, outcome, attempt=dispatch.attempt)
 
-    async def _post_result(self, message: Inbound, agent: AgentSpec, result: TurnResult) -> None:
+    async def _post_result(
+        self, message: Inbound, agent: AgentSpec, result: TurnResult, stream: StreamedReply | None = None
+    ) -> None:
         text = result.text if result.ok else f"I could not finish: {result.error}"
-        if text:
+        if stream is not None and text:
+            await stream.finish(text)
+        elif stream is not None:
+            await stream.close()
+        elif text:
             await self._say(message.where, text, agent=agent.name)
 
     # -- answers to questions --------------------------------------------------------------------

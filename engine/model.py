@@ -27,6 +27,8 @@ import structlog
 
 from kazma.config.backoff import Backoff
 from kazma.config.models import ModelConfig
+from kazma.engine import answer_stream
+from kazma.engine.answer_stream import AnswerStream
 from kazma.engine.types import Message, ModelError, ModelReply, ToolCall, ToolSpec, Usage
 
 __all__ = [
@@ -320,11 +322,18 @@ class OpenAIProvider:
             tools=tools,
         )
         self.attempts += 1
+        stream = answer_stream.current() if self._config.stream else None
         try:
             # httpx's timeout bounds each phase; this one bounds the whole attempt, so a server
             # trickling bytes cannot hold a turn forever.
             async with asyncio.timeout(timeout):
-                response = await self._http().post(self._url, json=body)
+                if stream is None:
+                    response = await self._http().post(self._url, json=body)
+                else:
+                    streamed = await self._streamed(body, name, stream)
+                    if isinstance(streamed, ModelReply):
+                        return self._received(streamed, name, attempt=attempt)
+                    response = streamed
         except (httpx.TimeoutException, TimeoutError):
             raise _Retryable(f"no answer within {timeout:g} s (model.timeout_seconds)") from None
         except httpx.UnsupportedProtocol as exc:
@@ -345,7 +354,9 @@ class OpenAIProvider:
                 name=name,
                 status=status,
             )
-        reply = self._parse(response, name)
+        return self._received(self._parse(response, name), name, attempt=attempt)
+
+    def _received(self, reply: ModelReply, name: str, *, attempt: int) -> ModelReply:
         self.calls += 1
         self.usage_total = self.usage_total + reply.usage
         log.info(
@@ -358,6 +369,45 @@ class OpenAIProvider:
             completion_tokens=reply.usage.completion_tokens,
         )
         return reply
+
+    async def _streamed(self, body: dict[str, Any], name: str, stream: AnswerStream) -> ModelReply | httpx.Response:
+        """One attempt asked as server-sent events: the reply, assembled while its text is shown, or the
+        response itself when it is not a stream (an error, a redirect, a server that ignored ``stream``)."""
+        asked = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with self._http().stream("POST", self._url, json=asked) as response:
+            kind = response.headers.get("content-type", "")
+            if response.status_code != 200 or not kind.startswith("text/event-stream"):
+                await response.aread()
+                return response
+            assembly = _Assembly(stream)
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # comments (": keep-alive"), event names, blank separators
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                try:
+                    chunk = json.loads(data)
+                except (ValueError, RecursionError):
+                    start = _truncate(data, 80)
+                    raise self._broken_stream(name, f"a chunk is not JSON (it starts {start!r})") from None
+                if not isinstance(chunk, dict):
+                    raise self._broken_stream(name, "a chunk is not a JSON object")
+                if chunk.get("error"):
+                    error = chunk["error"]
+                    text = error.get("message") if isinstance(error, dict) else error
+                    raise self._broken_stream(name, f"it reports an error mid-answer: {_truncate(str(text))}")
+                assembly.take(chunk)
+            if not assembly.finished:
+                raise _Retryable("the answer stream ended before the answer did")
+            return assembly.reply(name)
+
+    def _broken_stream(self, name: str, what: str) -> ModelError:
+        message = self._redact(
+            f"the model server at {self._base_url} streamed an answer for model {name!r}, but {what}"
+        )
+        log.warning("model.error", model=name, url=self._url, status=200, permanent=False, reason=message)
+        return ModelError(message, permanent=False, status=200)
 
     def _permanent(self, message: str, *, name: str, status: int | None) -> ModelError:
         message = self._redact(message)
@@ -446,6 +496,81 @@ class OpenAIProvider:
             ),
             model=str(body.get("model") or name),
             finish_reason=finish_reason if isinstance(finish_reason, str) else None,
+        )
+
+
+class _Assembly:
+    """A streamed completion put back together: text pieces joined, each tool call's pieces joined by its
+    ``index``, so the reply is the one the same server would have sent whole (and its calls are read by the same
+    :func:`_parse_tool_calls`: what a card shows is what the model asked for, streamed or not)."""
+
+    def __init__(self, stream: AnswerStream) -> None:
+        self.stream = stream
+        self.text: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.usage: dict[str, Any] = {}
+        self.model = ""
+        self.finish_reason: str | None = None
+        self.finished = False
+        self.shown = False  # text was handed to the stream
+
+    def take(self, chunk: dict[str, Any]) -> None:
+        if isinstance(chunk.get("model"), str) and chunk["model"]:
+            self.model = chunk["model"]
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return  # the usage chunk at the end has no choices
+        choice = choices[0]
+        if isinstance(choice.get("finish_reason"), str):
+            self.finish_reason = choice["finish_reason"]
+            self.finished = True
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return
+        for piece in delta.get("tool_calls") or ():
+            if isinstance(piece, dict):
+                self._call_piece(piece)
+        content = _content_text(delta.get("content"))
+        if content:
+            self.text.append(content)
+            if not self.calls:  # once the model asks for tools, its words are not the answer
+                self.shown = True
+                self.stream.grew("".join(self.text))
+
+    def _call_piece(self, piece: dict[str, Any]) -> None:
+        index = piece.get("index")
+        key = index if isinstance(index, int) and not isinstance(index, bool) else len(self.calls)
+        call = self.calls.setdefault(key, {"type": "function", "function": {"name": "", "arguments": ""}})
+        if isinstance(piece.get("id"), str) and piece["id"]:
+            call["id"] = piece["id"]
+        function = piece.get("function")
+        if not isinstance(function, dict):
+            return
+        sent = call["function"]
+        if isinstance(function.get("name"), str) and function["name"]:
+            sent["name"] = function["name"]
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and isinstance(sent["arguments"], str):
+            sent["arguments"] += arguments
+        elif arguments is not None:
+            sent["arguments"] = arguments  # a server sending the object itself, as some Ollama builds do
+
+    def reply(self, name: str) -> ModelReply:
+        calls = _parse_tool_calls([self.calls[index] for index in sorted(self.calls)])
+        if calls and self.shown:
+            self.stream.dropped()
+        return ModelReply(
+            content="".join(self.text) if self.text else None,
+            tool_calls=calls,
+            usage=Usage(
+                _as_int(self.usage.get("prompt_tokens")),
+                _as_int(self.usage.get("completion_tokens")),
+                _cost(self.usage.get("cost")),
+            ),
+            model=self.model or name,
+            finish_reason=self.finish_reason,
         )
 
 

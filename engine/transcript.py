@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol
 
@@ -282,6 +282,24 @@ class RecordingSink:
         file_name = message.file.name if message.file is not None else None
         await self._keep(to.platform, to.chat, message.agent, message.as_people_read_it(), message_id, file_name)
         return message_id
+
+    def can_show(self, at: Address) -> bool:
+        can = getattr(self.bus, "can_show", None)
+        return bool(can is not None and can(at))
+
+    async def show(
+        self, to: Address, shown: Sequence[tuple[str, str]], message: Outgoing
+    ) -> list[tuple[str, str]] | None:
+        """A reply shown while it grows: not kept (the transcript keeps what it ends as: :meth:`keep`)."""
+        show = getattr(self.bus, "show", None)
+        if show is None:
+            return None
+        now: list[tuple[str, str]] | None = await show(to, shown, message)
+        return now
+
+    async def keep(self, to: Address, message: Outgoing, message_id: str) -> None:
+        """Keep a reply that was shown growing, once, as it ended."""
+        await self._keep(to.platform, to.chat, message.agent, message.as_people_read_it(), message_id)
 
     async def working(self, at: Address) -> bool:
         self.store.working(at.conversation)

@@ -63,10 +63,12 @@ from kazma.adapters.discord.render import (
 )
 from kazma.adapters.discord.webhooks import AgentWebhooks
 from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
-from kazma.adapters.pacing import Pacing
+from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
 from kazma.config.models import DiscordConfig
+
+STREAM_EDIT_GAP: Final = 1.0  # seconds between two edits of a streamed reply in one channel
 
 log = structlog.get_logger("kazma.adapters.discord")
 
@@ -166,6 +168,8 @@ class DiscordAdapter(PlatformBase):
     ) -> None:
         # discord.py keeps Discord's per-route buckets itself; Kazma only waits out a 429 it gives up on.
         super().__init__(config, pacing=Pacing(None), **options)
+        # Discord allows 5 edits of messages in a channel per 5 s: a reply growing by edits keeps under that.
+        self.stream_edits = ChatRateLimiter(min_interval=STREAM_EDIT_GAP, per_window=5, window=5.0)
         self.config: DiscordConfig = config
         self._guild_ready_timeout = guild_ready_timeout
         self.request_timeout = request_timeout
@@ -470,6 +474,15 @@ class DiscordAdapter(PlatformBase):
         text = agent_prefix(agent) + (code_block(part) if isinstance(part, Columns) else part)
         message = await self._rest("send", lambda: target.send(text, allowed_mentions=NO_MENTIONS))
         return Posted(chat, str(message.id))
+
+    edits_text = True
+
+    async def _edit_text(self, chat: str, message_id: str, part: str, *, agent: str | None, thread: str | None) -> None:
+        target = self._target("stream", chat, thread)
+        message = target.get_partial_message(self._snowflake("stream", message_id))
+        text = agent_prefix(agent) + part
+        await self.stream_edits.acquire(chat)  # discord.py waits out a 429; this keeps a stream from causing one
+        await self._rest("stream", lambda: message.edit(content=text, allowed_mentions=NO_MENTIONS))
 
     async def _post_file(self, chat: str, name: str, data: bytes, *, caption: str, thread: str | None) -> str:
         site = "send_file"

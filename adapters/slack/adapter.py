@@ -529,6 +529,15 @@ class SlackAdapter(PlatformBase):
         )
         return Posted(chat, str(response.get("ts")))
 
+    edits_text = True
+
+    async def _edit_text(self, chat: str, message_id: str, part: str, *, agent: str | None, thread: str | None) -> None:
+        # as it was posted: under the agent's own name, or with the name in the text
+        named = "" if agent and self._customize else escape(agent_prefix(agent))
+        await self.call(
+            "stream", chat, lambda: self.client.chat_update(channel=chat, ts=message_id, text=named + escape(part))
+        )  # paced like a post: a reply growing in a channel is held to the channel's pace
+
     @staticmethod
     async def _optional(call: Any) -> Any:
         try:

@@ -59,7 +59,7 @@ from kazma.adapters.deny_reason import deny_data, reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified
-from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip
+from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip, ordinary_edit
 from kazma.adapters.telegram.inbound import APPROVALS_COMMAND, PLAN_COMMAND, SWARM_COMMAND, normalise
 from kazma.adapters.telegram.reasons import Prompt, ReasonPrompts
 from kazma.adapters.telegram.render import (
@@ -483,6 +483,29 @@ class TelegramAdapter(PlatformBase):
             ),
         )  # fmt: skip
         return Posted(str(message.chat_id), str(message.message_id))
+
+    edits_text = True
+
+    async def _edit_text(self, chat: str, message_id: str, part: str, *, agent: str | None, thread: str | None) -> None:
+        app = self._bot_app("stream")
+        chat_id = self._chat_id("stream", chat)
+        number = self._chat_id("stream", message_id)
+
+        async def edit() -> None:
+            token = ordinary_edit.set(True)
+            try:
+                await app.bot.edit_message_text(
+                    text=agent_prefix(agent) + part, chat_id=chat_id, message_id=number,
+                    link_preview_options=_NO_PREVIEW,
+                )  # fmt: skip
+            except Exception as exc:
+                if not not_modified(exc):  # already shows it
+                    raise
+            finally:
+                ordinary_edit.reset(token)
+
+        # paced (and a 429 waited out) by PTB's rate-limit hook, in the chat's turn like a post
+        await self.call("stream", chat, edit, paced=False, wait_out_429=False)
 
     async def _post_choices(
         self, chat: str, body: str, choices: Sequence[tuple[str, str]], *, thread: str | None

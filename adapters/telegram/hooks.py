@@ -6,6 +6,7 @@ edit), and the one reply a press gets (``answerCallbackQuery``).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine
+from contextvars import ContextVar
 from typing import Any, Final
 
 import structlog
@@ -26,6 +27,9 @@ _PACED_ENDPOINTS: Final = frozenset({"sendMessage", "editMessageText", "sendDocu
 _URGENT_ENDPOINTS: Final = frozenset({"editMessageText"})
 
 log = structlog.get_logger("kazma.adapters.telegram")
+
+# Set while a streamed reply is edited: such an edit waits its turn like a post (only card edits go first).
+ordinary_edit: ContextVar[bool] = ContextVar("kazma_telegram_ordinary_edit", default=False)
 
 
 def clip(text: str, limit: int) -> str:
@@ -90,7 +94,8 @@ class KazmaPacing(BaseRateLimiter[None]):
             lambda: callback(*args, **kwargs),
             retry_after_of=_retry_after_of,
             on_rate_limited=lambda wait, attempt: self.on_rate_limited(str(chat), wait, attempt),
-            urgent=endpoint in _URGENT_ENDPOINTS,  # Kazma edits only cards, which people wait to see settle
+            # a card's edit goes first (people wait to see it settle); a streamed reply's edit takes its turn
+            urgent=endpoint in _URGENT_ENDPOINTS and not ordinary_edit.get(),
         )
 
 

@@ -106,6 +106,7 @@ class RecordedCall:
     query: dict[str, str]
     body: Any
     status: int | None = None
+    at: float = field(default_factory=time.monotonic)  # when the request arrived (the pacing's clock)
 
     @property
     def json(self) -> Json:

@@ -11,6 +11,12 @@ answers chat completions from a queue of scripted responses:
 * :class:`Hang` — never answers until the fake stops;
 * :class:`Garbage` — HTTP 200 with a body that is not JSON.
 
+A request with ``"stream": true`` gets its :class:`Completion` as server-sent events, as OpenAI sends one
+(``data: {chunk}`` lines, the usage in a last chunk when ``stream_options.include_usage`` asks, then
+``data: [DONE]``): the content in pieces of ``chunk_size`` characters (None: one piece), each tool call's
+arguments in pieces of ``argument_chunk`` characters. With ``gate`` set, each content piece waits for a
+:meth:`FakeOpenAI.release` first, so a test decides when the model "writes" more (``pieces_sent`` counts them).
+
 Embeddings come from ``embed`` (text → vector), a function the test sets; ``embeddings_error``
 makes the endpoint answer that status instead. With the chat queue empty it answers
 with ``fallback`` when one is set, otherwise a 500 saying nothing was scripted (so a test that forgets to script fails
@@ -93,6 +99,10 @@ class FakeOpenAI:
         # per agent: requests whose system message is one of these prompts answer from its own queue, so
         # agents running at once (the lead finishing while a sub-agent starts) cannot take each other's replies
         self._by_prompt: dict[str, deque[FakeResponse]] = {}
+        self.chunk_size: int | None = None
+        self.argument_chunk = 5
+        self.gate: asyncio.Semaphore | None = None
+        self.pieces_sent = 0
         self._ids = itertools.count(1)
         self._stopped = asyncio.Event()
         self._changed = asyncio.Condition()
@@ -155,6 +165,13 @@ class FakeOpenAI:
     @property
     def completions(self) -> list[RecordedRequest]:
         return [r for r in self.requests if r.path == "/v1/chat/completions"]
+
+    def release(self, pieces: int = 1) -> None:
+        """Let ``pieces`` more content pieces of a gated stream go."""
+        if self.gate is None:
+            raise RuntimeError("set gate before releasing pieces")
+        for _ in range(pieces):
+            self.gate.release()
 
     async def wait_for(self, predicate: Callable[[], bool], *, timeout: float = 5.0) -> None:
         """Wait until ``predicate()`` holds, re-checking whenever a request arrives or is answered."""
@@ -256,7 +273,52 @@ class FakeOpenAI:
                 }
                 response = web.json_response(payload, status=scripted.status, headers=headers)
             return await self._answer(recorded, response)
+        if body.get("stream") is True:
+            return await self._stream(request, recorded, scripted, str(model), body.get("stream_options"))
         return await self._answer(recorded, web.json_response(self._completion(scripted, str(model))))
+
+    async def _stream(
+        self, request: web.Request, recorded: RecordedRequest, scripted: Completion, model: str, options: Any
+    ) -> web.StreamResponse:
+        answer = self._completion(scripted, model)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        recorded.status = 200
+        await response.prepare(request)
+        base = {
+            "id": answer["id"],
+            "object": "chat.completion.chunk",
+            "created": answer["created"],
+            "model": answer["model"],
+        }
+
+        async def send(delta: JsonDict, finish: str | None = None) -> None:
+            chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        await send({"role": "assistant", "content": ""})
+        content = scripted.content or ""
+        size = self.chunk_size or max(1, len(content))
+        for start in range(0, len(content), size):
+            if self.gate is not None:
+                await self.gate.acquire()
+            await send({"content": content[start : start + size]})
+            self.pieces_sent += 1
+            await self._notify()
+        calls = answer["choices"][0]["message"].get("tool_calls", [])
+        for index, call in enumerate(calls):
+            head = {"index": index, "id": call["id"], "type": "function"}
+            await send({"tool_calls": [{**head, "function": {"name": call["function"]["name"], "arguments": ""}}]})
+            arguments = call["function"]["arguments"]
+            for start in range(0, len(arguments), self.argument_chunk):
+                piece = arguments[start : start + self.argument_chunk]
+                await send({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+        await send({}, answer["choices"][0]["finish_reason"])
+        if isinstance(options, dict) and options.get("include_usage") and "usage" in answer:
+            await response.write(f"data: {json.dumps({**base, 'choices': [], 'usage': answer['usage']})}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        await self._notify()
+        return response
 
     async def _embeddings(self, request: web.Request) -> web.StreamResponse:
         recorded = await self._record(request)

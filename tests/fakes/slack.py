@@ -88,6 +88,7 @@ class ApiCall:
     content_type: str
     status: int = 200
     error: str | None = None  # the Slack error code answered, if any
+    at: float = field(default_factory=time.monotonic)  # when the request arrived (the pacing's clock)
 
 
 @dataclass
