@@ -23,6 +23,7 @@ from pathlib import Path
 
 import discord
 
+from tests.audit_support import KEY_ENV
 from tests.conftest import REPO
 from tests.fakes.discord import ALICE_ID, HOME_CHANNEL_ID, FakeDiscord
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall
@@ -35,6 +36,7 @@ ASK = "@kazma write the marker"
 DONE = "Done: the marker is written."
 MARKER = "marker.txt"
 STEP_SECONDS = 30.0  # the longest any step of the scenario may take before the cell calls the process hung
+REPLICA = "chaos-a"  # on PostgreSQL: the replica's name, the same after a restart
 RESTART_SECONDS = 8.0  # after a restart: how long a card still live (or posted again) is looked for
 
 
@@ -60,6 +62,10 @@ class History:
     asked_model: int = 0  # model requests whose last message is the person's ask (a turn run per delivery)
     bot_texts: list[str] = field(default_factory=list)
     clean_exit: bool = True  # the last process stopped cleanly on SIGTERM
+
+
+class RigError(AssertionError):
+    """The rig could not run its scenario (a process never came up): no ending to judge, the cell fails."""
 
 
 class Scenario:
@@ -103,6 +109,12 @@ platforms:
 
     async def start(self, failpoints: str) -> asyncio.subprocess.Process:
         env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": failpoints}
+        if self.store == "postgresql":
+            # A replica as deploy/compose.yaml runs one: the console's tokens and the keys every replica shares
+            # (refused at start otherwise), and a name of its own that its restart keeps, so the restart ends
+            # what its previous life left (under <host>:<pid> that waits for the leader to judge it gone).
+            env |= {"KAZMA_WEB_TOKEN": "o" * 40, "KAZMA_WEB_READER_TOKEN": "r" * 40, **KEY_ENV}
+            env["KAZMA_REPLICA"] = REPLICA
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", "-c", str(self.config()), "--log-format", "json", "run",
             "--poll-interval", "0.1",
@@ -126,6 +138,9 @@ platforms:
     def started(self) -> int:
         """How many times a process said ``app.started`` in the log (appended by every process of the cell)."""
         return self.log.read_text(errors="replace").count('"event": "app.started"') if self.log.exists() else 0
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else "(no log)"
 
     def done(self) -> bool:
         return any(DONE in m.text for m in self.telegram.bot_messages(TG_CHAT))
@@ -205,8 +220,10 @@ async def run_cell(tmp: Path, point: str, action: str, *, store: str = "sqlite",
         spec = f"{point}={action}" if point else ""
         first = await s.start(spec)
         settled = False
-        if await _connected(s, first, 0, 0, 0):
-            settled = await _drive(s, first, h, ask=True)
+        if not await _connected(s, first, 0, 0, 0):
+            await _stop(first, signal.SIGKILL)
+            raise RigError(f"the first kazma run never came up: {s.log_tail()}")
+        settled = await _drive(s, first, h, ask=True)
         if first.returncode is not None:
             h.died = True
         elif not settled:
@@ -220,8 +237,10 @@ async def run_cell(tmp: Path, point: str, action: str, *, store: str = "sqlite",
             polls, identifies = len(s.telegram.calls_to("getUpdates")), len(s.discord.identifies)
             started = s.started()
             second = await s.start("")
-            if await _connected(s, second, polls, identifies, started):
-                await _drive(s, second, h, ask=False)
+            if not await _connected(s, second, polls, identifies, started):
+                await _stop(second, signal.SIGKILL)
+                raise RigError(f"the restarted kazma run never came up: {s.log_tail()}")
+            await _drive(s, second, h, ask=False)
             await _stop(second, signal.SIGTERM)
             h.clean_exit = second.returncode == 0
         h.fired = '"failpoint.fired"' in s.log.read_text(errors="replace")
