@@ -11,8 +11,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from kazma.approvals import ApprovalRefused, ApprovalRequest, ApprovalService, Decision, PressVerdict, Status, button_data
+from kazma.approvals import (
+    ApprovalRefused,
+    ApprovalRequest,
+    ApprovalService,
+    Decision,
+    PressVerdict,
+    Status,
+    button_data,
+)
 from kazma.approvals.card import ApprovalCard
+from kazma.approvals.policy import SafetyPolicy
 from kazma.config import failpoints
 from kazma.config.metrics import failure_count
 from tests.approvals_support import RecordingPublisher, approval_service
@@ -102,3 +111,19 @@ async def test_a_press_whose_error_comes_after_its_commit_stands_wakes_the_waite
         outcome = await asyncio.wait_for(waiter, timeout=10)  # woken, not left to its 30 s poll
         assert outcome.approved
         assert request.id in publisher.settled
+
+
+async def test_a_store_refusing_the_opening_refuses_the_call_with_why_instead_of_ending_the_turn(
+    store_engine: Engine, disarmed: None
+) -> None:
+    """``approvals.open.row=error``: the store's error left the policy and ended the agent's whole turn in silence
+    (the person never heard back); the call is refused with why, and the turn goes on to say so."""
+    async with approval_service(store_engine.where, publisher=RecordingPublisher()) as service:
+        failpoints.arm_for_test("approvals.open.row=error")
+        verdict = await SafetyPolicy(service).check(
+            "shell", ARGS, requested_by="agent:builder", conversation="telegram:-100"
+        )
+        assert not verdict.allowed
+        assert "its request could not be opened (the approvals store failed" in verdict.reason
+        assert verdict.reason.endswith("so it did not run; ask again.")
+        assert await service.store.requests() == []
