@@ -105,6 +105,46 @@ ERROR: Final[dict[str, Ending]] = {
     "tools.recorded": "ran on · approved · tool ran once",
 }
 
+_HUNG = "hung, killed, restarted"
+_ON = "ran on · approved · tool ran once"
+_POST_HUNG = (f"{_HUNG} · {{cancelled}} · tool did not run", _ON)
+
+# hang: the point never returns. The rig calls the process stuck when, within its bound, the person's ask brings
+# neither a card nor an answer, a card stays live, or the cards settle and the person never hears back; it is
+# killed and started again. Pinned on SQLite.
+HANG: Final[dict[str, Ending]] = {
+    # the asker's call never opens (or its transaction never commits): nothing is open; the restart finds nothing
+    "approvals.open.row": f"{_HUNG} · no request · tool did not run",
+    "approvals.open.card_job": f"{_HUNG} · no request · tool did not run",
+    # committed, the asker stuck: its cards are posted from the outbox and the press approves it, with nobody
+    # waiting; after the kill the restart says on every card and in the conversation that it did not run
+    "approvals.open.committed": f"{_HUNG} · approved · tool did not run",
+    # a post (or its record) that never returns, on whichever platform reaches it first: Telegram's, and no card
+    # can be pressed, the request waits until the kill and the restart cancels it; Discord's, and the Telegram
+    # card is pressed, the call runs, and the Discord card is never posted (two runs saw each)
+    "bus.post": _POST_HUNG,
+    "bus.post.recorded": _POST_HUNG,
+    # the press never commits: the restart cancels the request
+    "approvals.decide.before_commit": f"{_HUNG} · {{cancelled}} · tool did not run",
+    # committed, the presser never answered: the waiter reads the decision at its poll, the cards settle at the
+    # bus's scan, the call runs once
+    "approvals.decide.after_commit": _ON,
+    "approvals.decide.before_answer": _ON,
+    # an edit that never returns leaves its card live until the kill (the call ran); its record never written:
+    # the card shows the outcome already
+    "bus.settle.sent": f"{_HUNG} · approved · tool ran once",
+    "bus.settle.recorded": _ON,
+    # the execution stuck before its row, before the tool (its row reads "may have run" after the kill), after
+    # the tool (ran, its ending lost: may have run), or on its way back to the model (ran, recorded)
+    "tools.verified": f"{_HUNG} · approved · tool did not run",
+    "tools.started": f"{_HUNG} · approved · tool did not run (may have run: recorded lost)",
+    "tools.finished": f"{_HUNG} · approved · tool ran once (may have run: recorded lost)",
+    "tools.recorded": f"{_HUNG} · approved · tool ran once",
+}
+
+# delay:300: every point a little late; nothing changes. Pinned on SQLite.
+DELAY: Final[dict[str, Ending]] = dict.fromkeys(SCENARIO_POINTS, _ON)
+
 
 def _on(store: str, ending: Ending) -> Ending:
     if isinstance(ending, str):
@@ -116,6 +156,10 @@ PINNED: Final[dict[tuple[str, str, str], Ending]] = {
     (point, action, store): _on(store, ending)
     for store in STORES
     for action, column in (("crash", CRASH), ("error", ERROR))
+    for point, ending in column.items()
+} | {
+    (point, action, "sqlite"): _on("sqlite", ending)
+    for action, column in (("hang", HANG), ("delay:300", DELAY))
     for point, ending in column.items()
 }
 

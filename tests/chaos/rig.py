@@ -38,6 +38,7 @@ MARKER = "marker.txt"
 STEP_SECONDS = 30.0  # the longest any step of the scenario may take before the cell calls the process hung
 REPLICA = "chaos-a"  # on PostgreSQL: the replica's name, the same after a restart
 RESTART_SECONDS = 8.0  # after a restart: how long a card still live (or posted again) is looked for
+STOP_SECONDS = 60.0  # a process asked to stop and not ended by then is killed (it did not stop cleanly)
 
 
 @dataclass
@@ -145,6 +146,10 @@ platforms:
     def done(self) -> bool:
         return any(DONE in m.text for m in self.telegram.bot_messages(TG_CHAT))
 
+    def answered(self) -> bool:
+        """The person heard back: the model's answer, or Kazma saying why there is none (not a card)."""
+        return any("Approval needed" not in m.text for m in self.telegram.bot_messages(TG_CHAT))
+
     def press(self) -> None:
         card = next(m for m in self.telegram.bot_messages(TG_CHAT) if m.buttons)
         data = str(next(b["callback_data"] for b in card.buttons if str(b["callback_data"]).endswith(":a")))
@@ -175,10 +180,17 @@ async def _connected(s: Scenario, proc: asyncio.subprocess.Process, polls: int, 
     )
 
 
-async def _stop(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+async def _stop(proc: asyncio.subprocess.Process, sig: signal.Signals) -> bool:
+    """Stop ``proc`` with ``sig``; False when it had to be killed after STOP_SECONDS (it did not stop cleanly)."""
     if proc.returncode is None:
         proc.send_signal(sig)
-    await asyncio.wait_for(proc.wait(), timeout=60)
+    try:
+        await asyncio.wait_for(proc.wait(), timeout=STOP_SECONDS)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return False
+    return True
 
 
 @asynccontextmanager
@@ -199,12 +211,17 @@ async def _drive(s: Scenario, proc: asyncio.subprocess.Process, h: History, *, a
     # a card to press (after a restart: one still live, or posted by the new process; usually none, the request
     # ended at the restart, and its cards settle)
     seconds = STEP_SECONDS if ask else RESTART_SECONDS
-    if await _until(lambda: bool(s.tg_live()) or s.done(), proc, seconds) and s.tg_live() and not s.done():
+    if not await _until(lambda: bool(s.tg_live()) or s.done(), proc, seconds) and ask:
+        return False  # asked, and within the bound neither a card nor an answer: stuck
+    if s.tg_live() and not s.done():
         s.press()
         h.presses += 1
         await _until(lambda: s.done() or (not s.tg_live() and not s.dc_live()), proc, STEP_SECONDS)
     # the cards settle after the decision: wait for both platforms' edits
-    await _until(lambda: not s.tg_live() and not s.dc_live(), proc, STEP_SECONDS)
+    if not await _until(lambda: not s.tg_live() and not s.dc_live(), proc, STEP_SECONDS):
+        return False
+    if ask and not await _until(s.answered, proc, STEP_SECONDS):
+        return False  # the person never heard back: stuck (a call that never ends, a turn that never answers)
     return proc.returncode is None and not s.tg_live() and not s.dc_live()
 
 
@@ -230,8 +247,7 @@ async def run_cell(tmp: Path, point: str, action: str, *, store: str = "sqlite",
             h.hung = True  # alive, and no progress within the bound: a hang (or a stuck ending)
             await _stop(first, signal.SIGKILL)
         else:
-            await _stop(first, signal.SIGTERM)
-            h.clean_exit = first.returncode == 0
+            h.clean_exit = await _stop(first, signal.SIGTERM) and first.returncode == 0
         if h.died or h.hung:
             h.restarts = 1
             polls, identifies = len(s.telegram.calls_to("getUpdates")), len(s.discord.identifies)
@@ -241,8 +257,7 @@ async def run_cell(tmp: Path, point: str, action: str, *, store: str = "sqlite",
                 await _stop(second, signal.SIGKILL)
                 raise RigError(f"the restarted kazma run never came up: {s.log_tail()}")
             await _drive(s, second, h, ask=False)
-            await _stop(second, signal.SIGTERM)
-            h.clean_exit = second.returncode == 0
+            h.clean_exit = await _stop(second, signal.SIGTERM) and second.returncode == 0
         h.fired = '"failpoint.fired"' in s.log.read_text(errors="replace")
         h.telegram_cards = [m.text for m in s.tg_cards()]  # type: ignore[attr-defined]
         h.telegram_live = len(s.tg_live())
