@@ -8,7 +8,6 @@ adapters never decide anything themselves: they forward a press here with
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import re
 import time
@@ -55,6 +54,7 @@ from kazma.approvals.store import (
 )
 from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdrawn, withdrawn
 from kazma.config import failpoints
+from kazma.config.address import Address, AddressError
 from kazma.config.metrics import (
     APPROVALS_DECIDED,
     APPROVALS_OPENED,
@@ -63,9 +63,11 @@ from kazma.config.metrics import (
     count_failure,
 )
 from kazma.config.models import DEFAULT_POLICY, KazmaConfig, PolicyConfig
+from kazma.config.outgoing import Outgoing
 from kazma.config.people import person_key
 from kazma.config.store.backend import Tx
 from kazma.config.store.errors import simulated_failure, store_errors
+from kazma.config.waits import until_set
 
 log = structlog.get_logger("kazma.approvals")
 
@@ -533,14 +535,18 @@ class ApprovalService:
         )  # fmt: skip
         log.info("approvals.rule_used", rule=rule.id, tool=tool, conversation=conversation, hash=digest)
         until = time.strftime("%H:%M:%S UTC", time.gmtime(rule.expires_at))
-        say = getattr(self.publisher, "send_text", None)
-        platform, _, chat = conversation.partition(":")
-        if say is not None and chat:
+        say = getattr(self.publisher, "send", None)
+        try:
+            where = Address.parse(conversation)
+        except AddressError:
+            where = None  # a call outside any conversation: nobody to tell
+        if say is not None and where is not None and where.chat:
             await say(
-                platform,
-                chat,
-                f"{tool} ran without a card under remembered approval {rule.id}, made by {rule.created_by} "
-                f"(request {rule.request_id}); it covers this exact call here until {until}.",
+                where,
+                Outgoing(
+                    f"{tool} ran without a card under remembered approval {rule.id}, made by {rule.created_by} "
+                    f"(request {rule.request_id}); it covers this exact call here until {until}.",
+                ),
             )
         return rule
 
@@ -982,8 +988,7 @@ class ApprovalService:
                 remaining = deadline - self.clock()
                 if remaining <= 0:
                     return await self._expire(request_id)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(event.wait(), timeout=min(self.poll_interval, remaining))
+                await until_set(event, min(self.poll_interval, remaining))
                 event.clear()  # a wake-up is read once: a request still pending waits again
         except asyncio.CancelledError:
             if cancel_with_waiter:
