@@ -12,6 +12,7 @@ from kazma.approvals.model import Outcome
 from kazma.approvals.service import ApprovalRefused, ApprovalService, ExecutionMismatch
 from kazma.config.metrics import count_failure
 from kazma.config.models import DangerLevel
+from kazma.config.store.errors import store_errors
 
 log = structlog.get_logger("kazma.approvals.policy")
 
@@ -86,6 +87,16 @@ class SafetyPolicy:
             )  # fmt: skip
         except ApprovalRefused as exc:
             return PolicyVerdict(False, str(exc))
+        except store_errors() as exc:
+            # The store refused the request's opening: nothing is open, nothing runs, and the turn goes on to
+            # tell the person (an error here ended the whole turn in silence).
+            count_failure("approval_open")
+            log.warning("approvals.open_failed", tool=tool, requested_by=requested_by, error=str(exc))
+            return PolicyVerdict(
+                False,
+                f"{tool} needs approval, but its request could not be opened (the approvals store failed: {exc}), "
+                "so it did not run; ask again.",
+            )
         outcome = await self.service.wait(request.id)
         if not outcome.approved:
             return PolicyVerdict(False, outcome.for_agent(), request.id, outcome)

@@ -432,25 +432,48 @@ class ApprovalService:
             "approvals.opened", request_id=request.id, tool=tool, requested_by=requested_by, hash=request.args_hash
         )
         APPROVALS_OPENED.labels(tool=self._tool_label(tool, requested_by)).inc()
-        if failpoints.armed:  # committed (row, audit, card posts), no card posted yet
-            await failpoints.reached("approvals.open.committed", lambda: simulated_failure(self.store.tables, "open"))
-        self._tell(request.id)
-        if queuer is not None and queue is not None:
-            queuer.cards_queued(request.id, name)
-        elif self.publisher is not None:
-            try:
+        try:
+            if failpoints.armed:  # committed (row, audit, card posts), no card posted yet
+                await failpoints.reached(
+                    "approvals.open.committed", lambda: simulated_failure(self.store.tables, "open")
+                )
+            self._tell(request.id)
+            if queuer is not None and queue is not None:
+                queuer.cards_queued(request.id, name)
+            elif self.publisher is not None:
                 await self.publisher.publish(self.card(request))
-            except CardsNotQueued as exc:
-                # Two writes (the outbox is not in the request's transaction) and the second failed: nobody
-                # would see this request until its deadline. It ends now, and the asker hears why.
-                await self._cancel_now(request.id, f"its card could not be queued on any platform ({exc})")
-                count_failure("card_enqueue")
-                log.error("approvals.open_unqueued", request_id=request.id, tool=tool, error=str(exc))
-                raise ApprovalRefused(
-                    f"the call to {tool!r} was not put to anyone: its approval card could not be queued ({exc}). "
-                    "Nothing ran; ask again."
-                ) from None
+        except CardsNotQueued as exc:
+            # Two writes (the outbox is not in the request's transaction) and the second failed: nobody
+            # would see this request until its deadline. It ends now, and the asker hears why.
+            await self._cancel_now(request.id, f"its card could not be queued on any platform ({exc})")
+            count_failure("card_enqueue")
+            log.error("approvals.open_unqueued", request_id=request.id, tool=tool, error=str(exc))
+            raise ApprovalRefused(
+                f"the call to {tool!r} was not put to anyone: its approval card could not be queued ({exc}). "
+                "Nothing ran; ask again."
+            ) from None
+        except Exception as exc:
+            # Committed, and then this call fails: its asker never waits for the request. Left standing, its
+            # cards would take a press ("Approved") that nothing acts on; it ends now, and the asker hears why.
+            raise await self._unopened(request.id, tool, exc) from None
         return request, True
+
+    async def _unopened(self, request_id: str, tool: str, exc: Exception) -> ApprovalRefused:
+        """End a request whose opening failed after its commit (its asker will not wait for it): the refusal to
+        raise, saying whether it could be cancelled."""
+        count_failure("approval_open_unfinished")
+        log.error("approvals.open_unfinished", request_id=request_id, tool=tool, error=str(exc))
+        told = f"the call to {tool!r} was not put to anyone: opening its approval failed after it was written ({exc})"
+        try:
+            await self._cancel_now(request_id, f"opening it failed after it was written; nothing ran ({exc})")
+        except store_errors() as failed:
+            count_failure("approval_open_unfinished")
+            log.error("approvals.open_uncancelled", request_id=request_id, tool=tool, error=str(failed))
+            return ApprovalRefused(
+                f"{told}, and it could not be cancelled ({failed}): it stays open until its deadline with nobody "
+                "waiting for it, so a press on its card runs nothing. Nothing ran; ask again."
+            )
+        return ApprovalRefused(f"{told}; it was cancelled, so no press can approve it. Nothing ran; ask again.")
 
     def _tool_label(self, tool: str, requested_by: str) -> str:
         """The metrics label of ``tool``: its name when the tools an agent may call or ``tools:`` bound it, or
@@ -682,6 +705,9 @@ class ApprovalService:
                 decision=decision.value,
                 error=str(exc),
             )
+            stands = await self._decided_meanwhile(request_id, decision, actor=actor, platform=platform)
+            if stands is not None:
+                return stands
             return PressResult(
                 PressVerdict.REFUSED,
                 "Your decision could not be recorded (the approvals store is unavailable). "
@@ -749,6 +775,29 @@ class ApprovalService:
         if outcome.status is Status.CANCELLED and is_withdrawn(outcome.reason):
             message = f"This request was withdrawn ({outcome.reason}); nothing changed."
             return PressResult(PressVerdict.LOST, message, outcome, request_id)
+        return PressResult(PressVerdict.LOST, f"Already {outcome.summary()}.", outcome, request_id)
+
+    async def _decided_meanwhile(
+        self, request_id: str, decision: Decision, *, actor: str, platform: str
+    ) -> PressResult | None:
+        """After a press whose write failed: what stands when the request is no longer pending, or None.
+
+        The error may come after the commit (a connection lost as it answered): the decision then stands, and
+        nobody else will settle its cards or wake its waiter here (a replica ignores its own write's wake-up,
+        and a waiter polls only every so often). Its ending goes on as after any decision, and the presser is
+        told the outcome, never "still pending, press again"."""
+        try:
+            request = await self.store.get(request_id)
+        except store_errors():
+            return None  # unknown: the presser is told to press again, and a second press meets what stands
+        outcome = None if request is None else request.outcome()
+        if request is None or outcome is None:
+            return None
+        log.warning("approvals.decided_despite_error", request_id=request_id, status=outcome.status.value)
+        await self._ended(request_id)
+        if (request.decided_by, request.decided_via, outcome.status) == (actor, platform, decision.status):
+            verb = "Approved" if decision is Decision.APPROVE else "Denied"
+            return PressResult(PressVerdict.WON, f"{verb}. Recorded as {outcome.decider}.", outcome, request_id)
         return PressResult(PressVerdict.LOST, f"Already {outcome.summary()}.", outcome, request_id)
 
     async def _rules(self, request_id: str) -> Rules | None:

@@ -299,6 +299,12 @@ class Lifecycle(ABC):
         if self.mcp is not None:
             await self.mcp.stop()
         await self.bus.stop()
+        if self.executions is not None:  # a call still running says "may have run" before the store closes
+            try:
+                await self.executions.interrupt_open()
+            except Exception as exc:  # the next start marks them lost instead
+                count_failure("execution_record")
+                log.warning("app.executions_unmarked", error=str(exc))
         if self.checkpointer is not None:  # what this run appended last, signed before the store closes
             try:
                 await self.checkpointer.sign()

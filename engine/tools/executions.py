@@ -287,6 +287,7 @@ class ExecutionRecord:
         self.tables = tables_of(conn)
         self.replica = replica  # written on every row this process starts (None: the only process)
         self.clock = clock
+        self._open: set[str] = set()  # the rows this process started and has not finished
 
     async def started(
         self,
@@ -309,6 +310,7 @@ class ExecutionRecord:
             f"INSERT INTO tool_executions ({_COLUMNS}) VALUES ({', '.join('?' * len(row))})",  # noqa: S608
             row,
         )
+        self._open.add(execution_id)
         return execution_id
 
     async def finished(self, execution_id: str, ended: Ended, *, exit_code: int | None = None, error: str = "") -> None:
@@ -317,6 +319,22 @@ class ExecutionRecord:
             " WHERE id = ? AND outcome IS NULL",
             (self.clock(), ended.value, exit_code, error[:2000], execution_id),
         )
+        self._open.discard(execution_id)
+
+    async def interrupt_open(self) -> list[str]:
+        """At a clean stop, before the store closes: every row this process started and has not finished ends
+        ``interrupted`` (it may have run). A call still running then is cancelled only after the store has
+        closed, too late to write its own ending, and its row would read "running" until the next start."""
+        ended: list[str] = []
+        for execution_id in sorted(self._open):
+            await self.tables.run(
+                "UPDATE tool_executions SET finished_at = ?, outcome = ?, error = ? WHERE id = ? AND outcome IS NULL",
+                (self.clock(), Ended.INTERRUPTED.value, "Kazma stopped while it ran", execution_id),
+            )
+            log.warning("tools.execution_interrupted_at_stop", execution=execution_id)
+            ended.append(execution_id)
+        self._open.clear()
+        return ended
 
     async def of_task(self, task_id: str) -> list[Execution]:
         rows = await self.tables.all(

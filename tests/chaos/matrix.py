@@ -34,7 +34,12 @@ ACTIONS: Final = ("crash", "error", "hang", "delay:300")
 STORES: Final = ("sqlite", "postgresql")
 
 _RESTART = "died, restarted"
-_CANCELLED = "cancelled (Kazma restarted before a decision)"
+# What a restart says of a request its previous life left pending: one process on its SQLite file, or the
+# replica (restarted under its own name) on PostgreSQL.
+_CANCELLED: Final = {
+    "sqlite": "cancelled (Kazma restarted before a decision)",
+    "postgresql": "cancelled (the Kazma replica waiting for it stopped before a decision)",
+}
 
 # After the decision commits, the waiting call is woken while the cards settle: the tool may start before a
 # crash in the settle (or before the presser is answered). Both orders are right, and each is said right: the
@@ -45,54 +50,117 @@ _RACED = (
     f"{_RESTART} · approved · tool ran once (may have run: recorded lost)",
 )
 
-PINNED: Final[dict[tuple[str, str, str], str | tuple[str, ...]]] = {
-    # crash x SQLite (CI runs this column)
-    ("approvals.open.row", "crash", "sqlite"): f"{_RESTART} · no request · tool did not run",
-    ("approvals.open.card_job", "crash", "sqlite"): f"{_RESTART} · no request · tool did not run",
-    ("approvals.open.committed", "crash", "sqlite"): f"{_RESTART} · {_CANCELLED} · tool did not run",
-    ("bus.post", "crash", "sqlite"): f"{_RESTART} · {_CANCELLED} · tool did not run",
+Ending = str | tuple[str, ...]
+
+# crash: the process SIGKILLs itself at the point, and is started again. The same on both stores ({cancelled}:
+# what the restart says of a request left pending, _CANCELLED).
+CRASH: Final[dict[str, Ending]] = {
+    "approvals.open.row": f"{_RESTART} · no request · tool did not run",
+    "approvals.open.card_job": f"{_RESTART} · no request · tool did not run",
+    "approvals.open.committed": f"{_RESTART} · {{cancelled}} · tool did not run",
+    "bus.post": f"{_RESTART} · {{cancelled}} · tool did not run",
     # the card posted, its message id never recorded: Discord finds it again by its nonce at the restart, a
     # press on the Telegram one edits it to the outcome (the request ended: the press decides nothing)
-    ("bus.post.recorded", "crash", "sqlite"): f"{_RESTART} · {_CANCELLED} · tool did not run",
-    ("approvals.decide.before_commit", "crash", "sqlite"): f"{_RESTART} · {_CANCELLED} · tool did not run",
+    "bus.post.recorded": f"{_RESTART} · {{cancelled}} · tool did not run",
+    "approvals.decide.before_commit": f"{_RESTART} · {{cancelled}} · tool did not run",
     # decided, then the process died before the call ran: the approval stands, the call never runs by itself
-    ("approvals.decide.after_commit", "crash", "sqlite"): f"{_RESTART} · approved · tool did not run",
-    ("approvals.decide.before_answer", "crash", "sqlite"): _RACED,
-    ("bus.settle.sent", "crash", "sqlite"): _RACED,
-    ("bus.settle.recorded", "crash", "sqlite"): _RACED,
-    ("tools.verified", "crash", "sqlite"): f"{_RESTART} · approved · tool did not run",
+    "approvals.decide.after_commit": f"{_RESTART} · approved · tool did not run",
+    "approvals.decide.before_answer": _RACED,
+    "bus.settle.sent": _RACED,
+    "bus.settle.recorded": _RACED,
+    "tools.verified": f"{_RESTART} · approved · tool did not run",
     # the execution's row was committed before the tool: after the crash it reads "may have run"
-    ("tools.started", "crash", "sqlite"): f"{_RESTART} · approved · tool did not run (may have run: recorded lost)",
-    ("tools.finished", "crash", "sqlite"): f"{_RESTART} · approved · tool ran once (may have run: recorded lost)",
-    ("tools.recorded", "crash", "sqlite"): f"{_RESTART} · approved · tool ran once",
-    # error x SQLite: each point raises the error its real failure raises there (the store's, the platform's)
+    "tools.started": f"{_RESTART} · approved · tool did not run (may have run: recorded lost)",
+    "tools.finished": f"{_RESTART} · approved · tool ran once (may have run: recorded lost)",
+    "tools.recorded": f"{_RESTART} · approved · tool ran once",
+}
+
+# error: each point raises the error its real failure raises there (the store's, the platform's); the same on
+# both stores.
+ERROR: Final[dict[str, Ending]] = {
     # the opening transaction fails: nothing is open, the asker is told, nothing runs
-    ("approvals.open.row", "error", "sqlite"): "ran on · no request · tool did not run",
-    ("approvals.open.card_job", "error", "sqlite"): "ran on · no request · tool did not run",
-    # committed, then the asker's call fails: the request stays with its cards and is approved, and nothing waits
-    # on it, so nothing runs (no real store call follows the commit there; a crash at the same place is cancelled
-    # at the restart instead)
-    ("approvals.open.committed", "error", "sqlite"): "ran on · approved · tool did not run",
+    "approvals.open.row": "ran on · no request · tool did not run",
+    "approvals.open.card_job": "ran on · no request · tool did not run",
+    # committed, then the asker's call fails: nobody will wait for the request, so it is cancelled there and
+    # then (its cards settle, the asker is told why), and no press can approve it
+    "approvals.open.committed": "ran on · cancelled (opening it failed after it was written) · tool did not run",
     # a platform's 503 on the post, the store refusing its record (tried again): the card is out, the call runs
-    ("bus.post", "error", "sqlite"): "ran on · approved · tool ran once",
-    ("bus.post.recorded", "error", "sqlite"): "ran on · approved · tool ran once",
+    "bus.post": "ran on · approved · tool ran once",
+    "bus.post.recorded": "ran on · approved · tool ran once",
     # the press is not recorded and the presser is told to press again; the rig does not, so the request waits
     # until the process is killed as stuck, and the restart cancels it
-    ("approvals.decide.before_commit", "error", "sqlite"): (
-        "hung, killed, restarted · cancelled (Kazma restarted before a decision) · tool did not run"
-    ),
-    # the decision committed before the error: it stands, the waiter reads it, the call runs once
-    ("approvals.decide.after_commit", "error", "sqlite"): "ran on · approved · tool ran once",
-    ("approvals.decide.before_answer", "error", "sqlite"): "ran on · approved · tool ran once",
+    "approvals.decide.before_commit": "hung, killed, restarted · {cancelled} · tool did not run",
+    # the decision committed before the error: it stands, the presser is told so, the waiter is woken at once
+    # (on PostgreSQL it polls only every 30 s) and the call runs once
+    "approvals.decide.after_commit": "ran on · approved · tool ran once",
+    "approvals.decide.before_answer": "ran on · approved · tool ran once",
     # an edit refused (retried) or its record refused: the card settles, the call runs
-    ("bus.settle.sent", "error", "sqlite"): "ran on · approved · tool ran once",
-    ("bus.settle.recorded", "error", "sqlite"): "ran on · approved · tool ran once",
+    "bus.settle.sent": "ran on · approved · tool ran once",
+    "bus.settle.recorded": "ran on · approved · tool ran once",
     # the execution's row cannot be written: the call does not run; the tool cannot start: it did not run
-    ("tools.verified", "error", "sqlite"): "ran on · approved · tool did not run",
-    ("tools.started", "error", "sqlite"): "ran on · approved · tool did not run",
+    "tools.verified": "ran on · approved · tool did not run",
+    "tools.started": "ran on · approved · tool did not run",
     # the tool ran; its ending's write failed (tried again) or its result's: it ran once, never again
-    ("tools.finished", "error", "sqlite"): "ran on · approved · tool ran once",
-    ("tools.recorded", "error", "sqlite"): "ran on · approved · tool ran once",
+    "tools.finished": "ran on · approved · tool ran once",
+    "tools.recorded": "ran on · approved · tool ran once",
+}
+
+_HUNG = "hung, killed, restarted"
+_ON = "ran on · approved · tool ran once"
+_POST_HUNG = (f"{_HUNG} · {{cancelled}} · tool did not run", _ON)
+
+# hang: the point never returns. The rig calls the process stuck when, within its bound, the person's ask brings
+# neither a card nor an answer, a card stays live, or the cards settle and the person never hears back; it is
+# killed and started again. Pinned on SQLite.
+HANG: Final[dict[str, Ending]] = {
+    # the asker's call never opens (or its transaction never commits): nothing is open; the restart finds nothing
+    "approvals.open.row": f"{_HUNG} · no request · tool did not run",
+    "approvals.open.card_job": f"{_HUNG} · no request · tool did not run",
+    # committed, the asker stuck: its cards are posted from the outbox and the press approves it, with nobody
+    # waiting; after the kill the restart says on every card and in the conversation that it did not run
+    "approvals.open.committed": f"{_HUNG} · approved · tool did not run",
+    # a post (or its record) that never returns, on whichever platform reaches it first: Telegram's, and no card
+    # can be pressed, the request waits until the kill and the restart cancels it; Discord's, and the Telegram
+    # card is pressed, the call runs, and the Discord card is never posted (two runs saw each)
+    "bus.post": _POST_HUNG,
+    "bus.post.recorded": _POST_HUNG,
+    # the press never commits: the restart cancels the request
+    "approvals.decide.before_commit": f"{_HUNG} · {{cancelled}} · tool did not run",
+    # committed, the presser never answered: the waiter reads the decision at its poll, the cards settle at the
+    # bus's scan, the call runs once
+    "approvals.decide.after_commit": _ON,
+    "approvals.decide.before_answer": _ON,
+    # an edit that never returns leaves its card live until the kill (the call ran); its record never written:
+    # the card shows the outcome already
+    "bus.settle.sent": f"{_HUNG} · approved · tool ran once",
+    "bus.settle.recorded": _ON,
+    # the execution stuck before its row, before the tool (its row reads "may have run" after the kill), after
+    # the tool (ran, its ending lost: may have run), or on its way back to the model (ran, recorded)
+    "tools.verified": f"{_HUNG} · approved · tool did not run",
+    "tools.started": f"{_HUNG} · approved · tool did not run (may have run: recorded lost)",
+    "tools.finished": f"{_HUNG} · approved · tool ran once (may have run: recorded lost)",
+    "tools.recorded": f"{_HUNG} · approved · tool ran once",
+}
+
+# delay:300: every point a little late; nothing changes. Pinned on SQLite.
+DELAY: Final[dict[str, Ending]] = dict.fromkeys(SCENARIO_POINTS, _ON)
+
+
+def _on(store: str, ending: Ending) -> Ending:
+    if isinstance(ending, str):
+        return ending.format(cancelled=_CANCELLED[store])
+    return tuple(e.format(cancelled=_CANCELLED[store]) for e in ending)
+
+
+PINNED: Final[dict[tuple[str, str, str], Ending]] = {
+    (point, action, store): _on(store, ending)
+    for store in STORES
+    for action, column in (("crash", CRASH), ("error", ERROR))
+    for point, ending in column.items()
+} | {
+    (point, action, "sqlite"): _on("sqlite", ending)
+    for action, column in (("hang", HANG), ("delay:300", DELAY))
+    for point, ending in column.items()
 }
 
 KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {}
@@ -100,18 +168,26 @@ KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {}
 # Broken only when the timing falls a certain way (seen under load, not alone): expected to fail sometimes.
 SOMETIMES_BROKEN: Final[dict[tuple[str, str, str], str]] = {}
 
-# CI runs a cheap slice of the crash x SQLite column (about 20 s a cell, two cells at a time): one cell per
-# boundary (open, post, decide, settle, execute). The whole column: KAZMA_CHAOS=all or scripts/chaos.
+# CI runs a cheap slice of the crash column (about 20 s a cell, two cells at a time): on SQLite one cell per
+# boundary (open, post, decide, settle, execute); on PostgreSQL the three whose ending rests on a restarted
+# replica ending what its previous life left (a card found again by its nonce and cancelled, an approved call
+# said not to have run, an execution said to have maybe run). The rest: KAZMA_CHAOS=all or scripts/chaos.
 CI: Final = frozenset(
-    (point, "crash", "sqlite")
-    for point in (
-        "approvals.open.committed",
-        "bus.post",
-        "approvals.decide.after_commit",
-        "bus.settle.sent",
-        "tools.started",
-        "tools.finished",
-    )
+    [
+        (point, "crash", "sqlite")
+        for point in (
+            "approvals.open.committed",
+            "bus.post",
+            "approvals.decide.after_commit",
+            "bus.settle.sent",
+            "tools.started",
+            "tools.finished",
+        )
+    ]
+    + [
+        (point, "crash", "postgresql")
+        for point in ("bus.post.recorded", "approvals.decide.after_commit", "tools.started")
+    ]
 )
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import discord
 
+from tests.audit_support import KEY_ENV
 from tests.conftest import REPO
 from tests.fakes.discord import ALICE_ID, HOME_CHANNEL_ID, FakeDiscord
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall
@@ -35,7 +36,9 @@ ASK = "@kazma write the marker"
 DONE = "Done: the marker is written."
 MARKER = "marker.txt"
 STEP_SECONDS = 30.0  # the longest any step of the scenario may take before the cell calls the process hung
+REPLICA = "chaos-a"  # on PostgreSQL: the replica's name, the same after a restart
 RESTART_SECONDS = 8.0  # after a restart: how long a card still live (or posted again) is looked for
+STOP_SECONDS = 60.0  # a process asked to stop and not ended by then is killed (it did not stop cleanly)
 
 
 @dataclass
@@ -60,6 +63,10 @@ class History:
     asked_model: int = 0  # model requests whose last message is the person's ask (a turn run per delivery)
     bot_texts: list[str] = field(default_factory=list)
     clean_exit: bool = True  # the last process stopped cleanly on SIGTERM
+
+
+class RigError(AssertionError):
+    """The rig could not run its scenario (a process never came up): no ending to judge, the cell fails."""
 
 
 class Scenario:
@@ -103,6 +110,12 @@ platforms:
 
     async def start(self, failpoints: str) -> asyncio.subprocess.Process:
         env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": failpoints}
+        if self.store == "postgresql":
+            # A replica as deploy/compose.yaml runs one: the console's tokens and the keys every replica shares
+            # (refused at start otherwise), and a name of its own that its restart keeps, so the restart ends
+            # what its previous life left (under <host>:<pid> that waits for the leader to judge it gone).
+            env |= {"KAZMA_WEB_TOKEN": "o" * 40, "KAZMA_WEB_READER_TOKEN": "r" * 40, **KEY_ENV}
+            env["KAZMA_REPLICA"] = REPLICA
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", "-c", str(self.config()), "--log-format", "json", "run",
             "--poll-interval", "0.1",
@@ -127,8 +140,15 @@ platforms:
         """How many times a process said ``app.started`` in the log (appended by every process of the cell)."""
         return self.log.read_text(errors="replace").count('"event": "app.started"') if self.log.exists() else 0
 
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else "(no log)"
+
     def done(self) -> bool:
         return any(DONE in m.text for m in self.telegram.bot_messages(TG_CHAT))
+
+    def answered(self) -> bool:
+        """The person heard back: the model's answer, or Kazma saying why there is none (not a card)."""
+        return any("Approval needed" not in m.text for m in self.telegram.bot_messages(TG_CHAT))
 
     def press(self) -> None:
         card = next(m for m in self.telegram.bot_messages(TG_CHAT) if m.buttons)
@@ -160,10 +180,17 @@ async def _connected(s: Scenario, proc: asyncio.subprocess.Process, polls: int, 
     )
 
 
-async def _stop(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+async def _stop(proc: asyncio.subprocess.Process, sig: signal.Signals) -> bool:
+    """Stop ``proc`` with ``sig``; False when it had to be killed after STOP_SECONDS (it did not stop cleanly)."""
     if proc.returncode is None:
         proc.send_signal(sig)
-    await asyncio.wait_for(proc.wait(), timeout=60)
+    try:
+        await asyncio.wait_for(proc.wait(), timeout=STOP_SECONDS)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return False
+    return True
 
 
 @asynccontextmanager
@@ -184,12 +211,17 @@ async def _drive(s: Scenario, proc: asyncio.subprocess.Process, h: History, *, a
     # a card to press (after a restart: one still live, or posted by the new process; usually none, the request
     # ended at the restart, and its cards settle)
     seconds = STEP_SECONDS if ask else RESTART_SECONDS
-    if await _until(lambda: bool(s.tg_live()) or s.done(), proc, seconds) and s.tg_live() and not s.done():
+    if not await _until(lambda: bool(s.tg_live()) or s.done(), proc, seconds) and ask:
+        return False  # asked, and within the bound neither a card nor an answer: stuck
+    if s.tg_live() and not s.done():
         s.press()
         h.presses += 1
         await _until(lambda: s.done() or (not s.tg_live() and not s.dc_live()), proc, STEP_SECONDS)
     # the cards settle after the decision: wait for both platforms' edits
-    await _until(lambda: not s.tg_live() and not s.dc_live(), proc, STEP_SECONDS)
+    if not await _until(lambda: not s.tg_live() and not s.dc_live(), proc, STEP_SECONDS):
+        return False
+    if ask and not await _until(s.answered, proc, STEP_SECONDS):
+        return False  # the person never heard back: stuck (a call that never ends, a turn that never answers)
     return proc.returncode is None and not s.tg_live() and not s.dc_live()
 
 
@@ -205,25 +237,27 @@ async def run_cell(tmp: Path, point: str, action: str, *, store: str = "sqlite",
         spec = f"{point}={action}" if point else ""
         first = await s.start(spec)
         settled = False
-        if await _connected(s, first, 0, 0, 0):
-            settled = await _drive(s, first, h, ask=True)
+        if not await _connected(s, first, 0, 0, 0):
+            await _stop(first, signal.SIGKILL)
+            raise RigError(f"the first kazma run never came up: {s.log_tail()}")
+        settled = await _drive(s, first, h, ask=True)
         if first.returncode is not None:
             h.died = True
         elif not settled:
             h.hung = True  # alive, and no progress within the bound: a hang (or a stuck ending)
             await _stop(first, signal.SIGKILL)
         else:
-            await _stop(first, signal.SIGTERM)
-            h.clean_exit = first.returncode == 0
+            h.clean_exit = await _stop(first, signal.SIGTERM) and first.returncode == 0
         if h.died or h.hung:
             h.restarts = 1
             polls, identifies = len(s.telegram.calls_to("getUpdates")), len(s.discord.identifies)
             started = s.started()
             second = await s.start("")
-            if await _connected(s, second, polls, identifies, started):
-                await _drive(s, second, h, ask=False)
-            await _stop(second, signal.SIGTERM)
-            h.clean_exit = second.returncode == 0
+            if not await _connected(s, second, polls, identifies, started):
+                await _stop(second, signal.SIGKILL)
+                raise RigError(f"the restarted kazma run never came up: {s.log_tail()}")
+            await _drive(s, second, h, ask=False)
+            h.clean_exit = await _stop(second, signal.SIGTERM) and second.returncode == 0
         h.fired = '"failpoint.fired"' in s.log.read_text(errors="replace")
         h.telegram_cards = [m.text for m in s.tg_cards()]  # type: ignore[attr-defined]
         h.telegram_live = len(s.tg_live())
