@@ -13,6 +13,13 @@ and a verifier names it.
 Several replicas each run one; they take turns on the chain's lock, so each signs
 what the others have not. A settled card waits (briefly) for the checkpoint that
 holds its decision: :meth:`Checkpointer.witness`.
+
+A pass woken by appends *rides* (:mod:`kazma.config.store.group_commit`): it joins
+the next group of writes the store commits anyway, after theirs, and commits alone
+only when none comes within :data:`RIDE`. While decisions arrive a
+checkpoint therefore costs no commit (no fsync) of its own, and never holds a
+decision up behind it. Someone waiting for a checkpoint (a settled card's witness)
+sends the pass at once.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kazma.approvals.checkpointer")
 
 MIN_INTERVAL: Final = 0.02  # seconds between two signatures of one process: a burst of decisions shares one
+RIDE: Final = 0.02  # how long a pass waits for other writes to commit with before it commits alone
 EVERY: Final = 60.0  # at least this often while events arrive (events of other processes included)
 WITNESS_WAIT: Final = 5.0  # the longest a settled card waits for the checkpoint of its decision
 RETRY: Final = Backoff(base=0.5, cap=30.0)
@@ -66,17 +74,21 @@ class Checkpointer:
         *,
         min_interval: float = MIN_INTERVAL,
         every: float = EVERY,
+        ride: float = RIDE,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.signer = signer
         self.min_interval = min_interval
         self.every = every
+        self.ride = ride
         self.clock = clock
         self._due = asyncio.Event()
         self._signed = asyncio.Event()  # replaced after every pass: whoever waits on the old one wakes
         self._last_pass = 0.0  # monotonic
         self._reported: set[int] = set()  # unvouched rows already logged by this process
+        self._wanted = False  # a witness waits: the next pass goes at once instead of riding
+        self._riding = False  # a pass waits to ride with other writes
         store.appended_listeners.append(self.wake)
 
     def wake(self) -> None:
@@ -96,8 +108,9 @@ class Checkpointer:
             gap = self._last_pass + self.min_interval - time.monotonic()
             if gap > 0:
                 await asyncio.sleep(gap)
+            ride, self._wanted = (0.0 if self._wanted else self.ride), False
             try:
-                await self.sign()
+                await self.sign(ride=ride)
                 failures = 0
             except Exception as exc:
                 count_failure("audit_checkpoint")
@@ -106,10 +119,15 @@ class Checkpointer:
                 failures += 1
                 self._due.set()
 
-    async def sign(self) -> Judged:
-        """One pass now: sign every vouched event after the last checkpoint."""
+    async def sign(self, *, ride: float = 0.0) -> Judged:
+        """One pass now (``ride`` > 0: with the next writes, or within that many seconds): sign every vouched event
+        after the last checkpoint."""
         self._last_pass = time.monotonic()
-        judged: Judged = await self.store.write(self._judge)
+        self._riding = ride > 0
+        try:
+            judged: Judged = await self.store.write(self._judge, ride=ride)
+        finally:
+            self._riding = False
         if judged.newest is not None:
             audit_checkpoint_seen(*judged.newest)
         fresh = [seq for seq in judged.unvouched if seq not in self._reported]
@@ -140,7 +158,10 @@ class Checkpointer:
             if found is not None or remaining <= 0:
                 return found
             signed = self._signed
+            self._wanted = True
             self.wake()
+            if self._riding:
+                await self.store.release_riders()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(signed.wait(), remaining)
 

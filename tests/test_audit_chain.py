@@ -115,6 +115,47 @@ async def test_a_decision_is_signed_within_moments_by_the_running_checkpointer(s
             await asyncio.gather(running, return_exceptions=True)
 
 
+async def test_a_checkpoint_rides_with_the_next_decision_and_a_witness_sends_it_at_once(store_engine: Engine) -> None:
+    async with services(store_engine, 1) as [service]:
+        store = service.store
+        writer = await store.tables.writer()
+        checkpointer = Checkpointer(store, TEST_SIGNER, min_interval=0.0, ride=3600.0)
+        first = await service.open("shell", {"n": 1}, "agent:builder", "telegram:-100")
+        second = await service.open("shell", {"n": 2}, "agent:builder", "telegram:-100")
+        running = asyncio.create_task(checkpointer.run())
+        try:
+            checkpointer.wake()
+
+            async def riding() -> None:
+                async with asyncio.timeout(10):
+                    while writer.riders == 0:
+                        await asyncio.sleep(0.001)
+
+            await riding()  # the pass waits for other writes: no commit of its own, no read held up
+            groups = writer.groups
+            assert (await service.decide(first.id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
+            await riding()  # the next pass: the one before went with the decision
+            # One commit held the decision and the checkpoint before it (the decision's event, hashed at the end
+            # of that transaction, is the next pass's to sign).
+            assert writer.groups == groups + 1
+            assert await store.witness(first.id) is None
+            assert len(await store.chain_checkpoints()) == 1
+            # A settled card waits for the checkpoint of its decision: the riding pass goes at once.
+            witness = await checkpointer.witness(first.id, patience=10)
+            assert witness is not None
+            [decided] = await store.events(first.id, event="decided")
+            assert witness.first_seq <= decided.seq <= witness.seq
+            assert TEST_SIGNER.public_keys().problem(witness) is None
+            assert (await service.decide(second.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+        await checkpointer.sign()
+        events, checkpoints = await whole_log(service)
+    report = verify(events, checkpoints, TEST_SIGNER.public_keys())
+    assert report.ok, [p.line() for p in report.problems]
+
+
 def _before_the_chain(engine: Engine) -> list[Migration]:
     """Every migration of the release before the audit chain (approvals up to v8, no sink)."""
     chosen = pg_migrations() if engine.postgres else all_migrations()

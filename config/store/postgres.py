@@ -161,7 +161,7 @@ class PgWriter(GroupQueue):
         self._flush_scheduled = False
         if self._in_flight or not self._pending:
             return  # the group on its way collects these when it is back
-        jobs, self._pending = self._pending[: self.max_group], self._pending[self.max_group :]
+        jobs = self._take(self.max_group)
         self._in_flight = True
         self._loop = asyncio.get_running_loop()  # the thread answers on the loop that handed it the group
         if self._thread is None:

@@ -123,7 +123,7 @@ class StoreWriter(GroupQueue):
         self._flush_scheduled = False
         if self._in_flight or not self._pending:
             return  # the group on its way collects these when it is back
-        jobs, self._pending = self._pending, []
+        jobs = self._take()
         group = _Group(jobs)
         if (
             len(jobs) <= INLINE_MAX_OPS
