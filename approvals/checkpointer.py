@@ -169,11 +169,21 @@ class Checkpointer:
 
     def _judge(self, tx: Tx) -> Judged:
         # The chain's order first (nobody appends while this reads), and the one-time chaining if still due.
-        self.store.chain.ensure_history(tx)
+        chain = self.store.chain
+        head, head_seq = chain.ensure_history(tx)
         last = tx.one(_LAST_CHECKPOINT)
         after, prev = (0, GENESIS) if last is None else (int(last[0]), str(last[1]))
-        rows = tx.all(_SINCE, (after,))
         judged = Judged(newest=None if last is None else (after, float(last[2])))
+        if head_seq > after and chain.appended_all(after, prev, head_seq, head):
+            # Every event since the last checkpoint is this process's own, appended in transactions that committed:
+            # the head it computed from them is what it signs (reading them back would hash and check its own
+            # work again). A row changed since is caught by every verifier against this very signature.
+            now = self.clock()
+            judged.signed.append(write_checkpoint(tx, self.signer, HEAD, after + 1, head_seq, head, now))
+            judged.newest = (head_seq, now)
+            chain.forget_through(head_seq)
+            return judged
+        rows = tx.all(_SINCE, (after,))
         if not rows:
             top = tx.one("SELECT MAX(seq) FROM approval_events")
             if last is not None and (top is None or top[0] is None or int(top[0]) < after):
@@ -185,6 +195,7 @@ class Checkpointer:
             judged.signed.append(write_checkpoint(tx, self.signer, HEAD, first, seq, head, now))
         if judged.signed:
             judged.newest = (judged.signed[-1].seq, now)
+            chain.forget_through(judged.signed[-1].seq)
         return judged
 
 

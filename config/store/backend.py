@@ -45,6 +45,10 @@ class Tx(Protocol):
         (see :class:`kazma.config.store.group_commit.Deferred`)."""
         ...
 
+    def after_commit(self, done: Callable[[], None]) -> None:
+        """Call ``done`` once the transaction committed (never if it did not)."""
+        ...
+
 
 class Writer(Protocol):
     async def submit(self, op: Callable[[Tx], T], *, ride: float = 0.0) -> T:

@@ -21,6 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import structlog
+
+log = structlog.get_logger("kazma.store")
+
 T = TypeVar("T")
 
 # Run once just before a transaction commits, with every item its operations deferred to it (in their order).
@@ -38,16 +42,31 @@ class Deferred:
 
     def __init__(self) -> None:
         self._deferred: list[tuple[Flush, Any]] = []
+        self._on_commit: list[Callable[[], None]] = []
 
     def defer(self, flush: Flush, item: Any) -> None:
         """Hand ``item`` to ``flush`` once this transaction's operations have run, just before it commits."""
         self._deferred.append((flush, item))
 
-    def _mark(self) -> int:
-        return len(self._deferred)
+    def after_commit(self, done: Callable[[], None]) -> None:
+        """Call ``done`` once this transaction committed (never if it did not); in the writer, before the next."""
+        self._on_commit.append(done)
 
-    def _discard_since(self, mark: int) -> None:
-        del self._deferred[mark:]
+    def _mark(self) -> tuple[int, int]:
+        return len(self._deferred), len(self._on_commit)
+
+    def _discard_since(self, mark: tuple[int, int]) -> None:
+        del self._deferred[mark[0] :]
+        del self._on_commit[mark[1] :]
+
+    def _committed(self) -> None:
+        """The transaction committed: what waited for that runs (a failure here is logged; the commit stands)."""
+        done, self._on_commit = self._on_commit, []
+        for call in done:
+            try:
+                call()
+            except Exception as exc:  # bookkeeping only: the commit is on disk whatever happens here
+                log.error("store.after_commit_failed", error=f"{type(exc).__name__}: {exc}")
 
     def _run_deferred(self) -> None:
         """Every flush once, with its items; a flush may defer more (run in the next round)."""

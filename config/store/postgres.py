@@ -318,6 +318,8 @@ class PgWriter(GroupQueue):
                 # What the operations deferred to the end (the audit chain's links): a failure undoes them all.
                 tx._run_deferred()
                 cursor.execute("COMMIT")
+                if cursor.statusmessage == "COMMIT":  # a transaction aborted unseen would answer ROLLBACK
+                    tx._committed()
             except BaseException:
                 if not conn.broken and not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
                     try:

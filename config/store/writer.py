@@ -326,6 +326,7 @@ class StoreWriter(GroupQueue):
         started = time.perf_counter()
         conn.execute("COMMIT")
         group.committed_in = time.perf_counter() - started
+        tx._committed()
 
     def _failed(self, group: _Group, exc: BaseException) -> None:
         group.error = exc
