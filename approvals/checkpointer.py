@@ -8,7 +8,12 @@ checkpoint, checks that each one is chained right and that a valid commit seal
 vouches for the transaction that appended it, and signs one checkpoint over each
 unbroken run of such events. An event no seal vouches for (a row written around
 Kazma) is never signed: it is logged and counted (``audit_unvouched_events``),
-and a verifier names it.
+and a verifier names it. When every event since the last checkpoint is one this
+process appended itself, in transactions it saw commit, ending at the head the
+store holds (:meth:`~kazma.approvals.chain.AuditChain.appended_all`), the pass signs the head it
+computed then instead of reading them back: what it signs is what Kazma wrote,
+so a row changed since no longer matches the signature, and every verifier
+names it.
 
 Several replicas each run one; they take turns on the chain's lock, so each signs
 what the others have not. A settled card waits (briefly) for the checkpoint that
