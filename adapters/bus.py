@@ -45,6 +45,7 @@ from kazma.config.models import KazmaConfig
 from kazma.config.store.backend import Tx
 from kazma.config.store.errors import simulated_failure, store_errors
 from kazma.config.supervisor import Supervisor
+from kazma.config.waits import until_set
 
 log = structlog.get_logger("kazma.bus")
 
@@ -217,7 +218,8 @@ class FanOutBus:
         for worker in busy:
             worker.kick.set()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*(w.drained.wait() for w in busy)), seconds)
+            async with asyncio.timeout(seconds):  # not wait_for: see kazma.config.waits
+                await asyncio.gather(*(w.drained.wait() for w in busy))
 
     async def _stop_one(self, adapter: PlatformAdapter) -> None:
         try:
@@ -429,8 +431,7 @@ class FanOutBus:
             # Asleep until kicked or until the next thing falls due: an idle bus reads nothing.
             timeout = None if wake_at is None else max(0.0, wake_at - self.clock())
             worker.asleep_until = wake_at
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(worker.kick.wait(), timeout=timeout)
+            await until_set(worker.kick, timeout)
             worker.asleep_until = None
 
     async def _next_due(self, worker: _Worker) -> float:

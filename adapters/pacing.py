@@ -8,12 +8,13 @@ here is cheaper than a 429 and keeps every chat's order.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+from kazma.config.waits import until_set
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
@@ -106,8 +107,7 @@ class ChatRateLimiter:
                 until = state.expecting(started)
                 if until is not None:
                     # An announced edit goes first; woken when it went, or when the announcement lapses.
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(state.changed.wait(), timeout=until - started)
+                    await until_set(state.changed, until - started)
                     waited += self._clock() - started
                     continue
                 delay = self.delay_for(chat)

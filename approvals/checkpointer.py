@@ -43,6 +43,7 @@ from kazma.approvals.checkpoints import HEAD, AuditSigner, Checkpoint
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import audit_checkpoint_seen, count_failure
 from kazma.config.store.backend import Tx
+from kazma.config.waits import until_set
 
 if TYPE_CHECKING:
     from kazma.approvals.store import ApprovalStore
@@ -91,6 +92,7 @@ class Checkpointer:
         self._due = asyncio.Event()
         self._signed = asyncio.Event()  # replaced after every pass: whoever waits on the old one wakes
         self._last_pass = 0.0  # monotonic
+        self._running = False  # run() is signing: a witness waits for it, else signs itself
         self._reported: set[int] = set()  # unvouched rows already logged by this process
         self._wanted = False  # a witness waits: the next pass goes at once instead of riding
         self._riding = False  # a pass waits to ride with other writes
@@ -102,6 +104,13 @@ class Checkpointer:
 
     async def run(self) -> None:
         """Sign whenever woken (at most every :attr:`min_interval`) and at least every :attr:`every` seconds."""
+        self._running = True
+        try:
+            await self._run()
+        finally:
+            self._running = False
+
+    async def _run(self) -> None:
         failures = 0
         while True:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that arrives as the event is
@@ -162,13 +171,17 @@ class Checkpointer:
             remaining = deadline - loop.time()
             if found is not None or remaining <= 0:
                 return found
+            if not self._running:
+                # Nobody signs on their own (a stopping Kazma stopped run(), or it never started): a card settled
+                # now must not wait out the patience for a signature that is not coming. Signed here, once.
+                await self.sign()
+                return await self.store.witness(request_id)
             signed = self._signed
             self._wanted = True
             self.wake()
             if self._riding:
                 await self.store.release_riders()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(signed.wait(), remaining)
+            await until_set(signed, remaining)
 
     # -- in the transaction --------------------------------------------------------------------------
 

@@ -8,7 +8,6 @@ adapters never decide anything themselves: they forward a press here with
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import re
 import time
@@ -66,6 +65,7 @@ from kazma.config.models import DEFAULT_POLICY, KazmaConfig, PolicyConfig
 from kazma.config.people import person_key
 from kazma.config.store.backend import Tx
 from kazma.config.store.errors import simulated_failure, store_errors
+from kazma.config.waits import until_set
 
 log = structlog.get_logger("kazma.approvals")
 
@@ -933,8 +933,7 @@ class ApprovalService:
                 remaining = deadline - self.clock()
                 if remaining <= 0:
                     return await self._expire(request_id)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(event.wait(), timeout=min(self.poll_interval, remaining))
+                await until_set(event, min(self.poll_interval, remaining))
                 event.clear()  # a wake-up is read once: a request still pending waits again
         except asyncio.CancelledError:
             if cancel_with_waiter:

@@ -287,3 +287,18 @@ async def test_a_checkpointer_woken_as_it_is_cancelled_stops(store_engine: Engin
         done, _ = await asyncio.wait({running}, timeout=10)
         assert done == {running}, "the checkpointer kept running after it was cancelled"
         assert running.cancelled()
+
+
+async def test_a_witness_asked_for_when_no_checkpointer_runs_is_signed_at_once(store_engine: Engine) -> None:
+    # A Kazma stopping: its checkpointer task is stopped, then an /mcp call it withdraws ends a request and its
+    # cards settle. The witness waited its whole patience for a signature nobody would make, longer than the
+    # stop lets the cards' edits take, and the cards kept their buttons.
+    async with services(store_engine, 1) as [service]:
+        checkpointer = Checkpointer(service.store, TEST_SIGNER)
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        await service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")
+        async with asyncio.timeout(30):
+            witness = await checkpointer.witness(request.id, patience=3600)
+        assert witness is not None
+        [decided] = await service.store.events(request.id, event="decided")
+        assert witness.first_seq <= decided.seq <= witness.seq

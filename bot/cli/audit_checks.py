@@ -8,28 +8,22 @@ is the full check; this one is quick enough to run at every doctor.
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 from kazma.approvals.audit_verify import verify
 from kazma.approvals.checkpointer import vouched_tail
 from kazma.approvals.checkpoints import HISTORY, AuditSigner
 from kazma.approvals.store import ApprovalStore
 from kazma.bot.cli.checks import Check, Level
+from kazma.bot.cli.key_checks import key_file_problem, replicas_need_it
 from kazma.bot.keys import audit_key_file, decision_keys_folder
 from kazma.bot.store import store_for_command
 from kazma.config import LoadedConfig
-from kazma.config.keyring import AUDIT_KEYS, KeyMissing, KeyringError, loose_mode, read_keyring
+from kazma.config.keyring import AUDIT_KEYS, KeyMissing, KeyringError, read_keyring
 
 KEY_CHECK = "audit key"
 CHAIN_CHECK = "audit chain"
 TAIL = 1000  # events verified from the end of the log
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    real, around = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
-    return real == around or real.is_relative_to(around)
 
 
 def check_audit_key(loaded: LoadedConfig) -> Check:
@@ -39,25 +33,13 @@ def check_audit_key(loaded: LoadedConfig) -> Check:
         ring = read_keyring(AUDIT_KEYS, decision_keys_folder(config))
     except KeyMissing as exc:
         if config.store.backend == "postgresql":
-            return Check(
-                KEY_CHECK,
-                Level.FAIL,
-                f"{exc}: with PostgreSQL every replica needs the same {AUDIT_KEYS.env} (kazma run refuses to start "
-                "without one), or the same key file on each",
-            )
+            return Check(KEY_CHECK, Level.FAIL, replicas_need_it(exc, AUDIT_KEYS.env))
         return Check(KEY_CHECK, Level.OK, f"none yet: kazma run makes {audit_key_file(config)} at its first start")
     except KeyringError as exc:
         return Check(KEY_CHECK, Level.FAIL, f"unusable: {exc}; no checkpoint can be signed")
-    if ring.path is not None:
-        try:
-            loose = loose_mode(ring.path)
-        except OSError as exc:
-            return Check(KEY_CHECK, Level.FAIL, f"{ring.path} cannot be examined: {exc}")
-        if loose is not None:
-            return Check(KEY_CHECK, Level.FAIL, f"{ring.path}: {loose}: whoever reads it can sign checkpoints")
-        for folder in (config.store.path.parent, config.tools.workspaces(config.store.path)):
-            if _inside(ring.path, folder):
-                return Check(KEY_CHECK, Level.FAIL, f"{ring.path} is inside {folder}: keep it apart")
+    problem = key_file_problem(ring, config, power="can sign checkpoints")
+    if problem is not None:
+        return Check(KEY_CHECK, Level.FAIL, problem)
     return Check(KEY_CHECK, Level.OK, ring.describe())
 
 

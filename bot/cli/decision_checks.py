@@ -7,26 +7,19 @@ sealed decisions have no seal; they are history, and can never run either.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.seal import KEY_UNKNOWN, seal_problem
 from kazma.approvals.store import ApprovalStore
 from kazma.bot.cli.checks import Check, Level
+from kazma.bot.cli.key_checks import key_file_problem, replicas_need_it
 from kazma.bot.keys import decision_key_file, decision_keys_folder
 from kazma.bot.store import store_for_command
 from kazma.config import LoadedConfig
-from kazma.config.keyring import DECISION_KEYS, KeyMissing, Keyring, KeyringError, loose_mode, read_keyring
+from kazma.config.keyring import DECISION_KEYS, KeyMissing, Keyring, KeyringError, read_keyring
 
 KEY_CHECK = "decision key"
 SEAL_CHECK = "decision seals"
 _SHOWN = 5  # rows named in a failure; the count says how many in all
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    real, around = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
-    return real == around or real.is_relative_to(around)
 
 
 async def check_decisions(loaded: LoadedConfig, *, store_ok: bool = True) -> list[Check]:
@@ -50,12 +43,7 @@ def check_decision_key(loaded: LoadedConfig, *, sealed: int = 0) -> Check:
         ring = read_keyring(DECISION_KEYS, decision_keys_folder(config))
     except KeyMissing as exc:
         if config.store.backend == "postgresql":
-            return Check(
-                KEY_CHECK,
-                Level.FAIL,
-                f"{exc}: with PostgreSQL every replica needs the same {DECISION_KEYS.env} (kazma run refuses to "
-                "start without one), or the same key file on each",
-            )
+            return Check(KEY_CHECK, Level.FAIL, replicas_need_it(exc, DECISION_KEYS.env))
         if sealed:
             return Check(
                 KEY_CHECK,
@@ -66,21 +54,9 @@ def check_decision_key(loaded: LoadedConfig, *, sealed: int = 0) -> Check:
         return Check(KEY_CHECK, Level.OK, f"none yet: kazma run makes {path} at its first start (0600)")
     except KeyringError as exc:
         return Check(KEY_CHECK, Level.FAIL, f"unusable: {exc}; no approval can be sealed or verified")
-    if ring.path is not None:
-        try:
-            loose = loose_mode(ring.path)
-        except OSError as exc:
-            return Check(KEY_CHECK, Level.FAIL, f"{ring.path} cannot be examined: {exc}")
-        if loose is not None:
-            return Check(
-                KEY_CHECK, Level.FAIL, f"{ring.path}: {loose}: whoever reads it can seal approvals (chmod 600)"
-            )
-        for folder, what in (
-            (config.store.path.parent, "the store's folder (a copy or backup of it would carry the key)"),
-            (config.tools.workspaces(config.store.path), "the workspaces' folder (tools work there)"),
-        ):
-            if _inside(ring.path, folder):
-                return Check(KEY_CHECK, Level.FAIL, f"{ring.path} is inside {what}: keep it apart from {folder}")
+    problem = key_file_problem(ring, config, power="can seal approvals")
+    if problem is not None:
+        return Check(KEY_CHECK, Level.FAIL, problem)
     detail = ring.describe()
     if ring.path is None and path.exists():
         detail += f" ({path} is not used while {DECISION_KEYS.env} is set)"

@@ -239,7 +239,8 @@ async def run_demo(
                         mentions=("kazma",),
                     )
                 )
-            await asyncio.wait_for(finished.wait(), timeout=600)
+            async with asyncio.timeout(600):  # not wait_for: see kazma.config.waits
+                await finished.wait()
             await app.conversations.drain()
             for request in await app.service.store.requests():
                 await _wait_settled(app.service.store, request.id)

@@ -26,6 +26,7 @@ import structlog
 from aiohttp import web
 
 from kazma.approvals.withdrawal import Gone
+from kazma.config.waits import until_set
 
 log = structlog.get_logger("kazma.mcp_server")
 
@@ -61,8 +62,7 @@ class ConnectionAsker:
     async def gone(self) -> Gone:
         """Return once the asker is gone, with why."""
         while (why := self.why()) is None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._cancelled.wait(), CONNECTION_CHECK)
+            await until_set(self._cancelled, CONNECTION_CHECK)
         return why
 
 

@@ -43,6 +43,7 @@ from psycopg.rows import TupleRow
 
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
+from kazma.config.waits import until_set
 
 log = structlog.get_logger("kazma.leader")
 
@@ -172,8 +173,7 @@ class LeaderLease:
 
     async def wait_session(self, within: float) -> bool:
         """Whether a lease session was open within ``within`` seconds (from then on the others see this replica)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._session_up.wait(), within)
+        await until_set(self._session_up, within)
         return self._session_up.is_set()
 
     async def wait_leader(self) -> None:

@@ -26,6 +26,7 @@ from psycopg import sql
 
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
+from kazma.config.waits import until_set
 
 log = structlog.get_logger("kazma.store")
 
@@ -67,8 +68,7 @@ class PgListener:
 
     async def wait_connected(self, within: float) -> bool:
         """Whether it is listening within ``within`` seconds (a replica starts serving either way)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), within)
+        await until_set(self._ready, within)
         return self.connected
 
     async def stop(self) -> None:

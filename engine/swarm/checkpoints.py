@@ -22,6 +22,7 @@ from kazma.config import failpoints
 from kazma.config.models import KazmaConfig
 from kazma.config.store.backend import Tx, database_identity
 from kazma.config.store.errors import simulated_failure
+from kazma.config.waits import until_set
 from kazma.engine.swarm.metrics import swarm_failure
 from kazma.engine.swarm.store import (
     AtCapacity,
@@ -282,8 +283,7 @@ class Checkpoints:
                 if "store" not in told:
                     told.add("store")
                     self.report(f"swarm task {task_id} was approved; its resume is not recorded yet, trying again")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.capacity.wait(), timeout=wait)
+            await until_set(self.capacity, wait)
 
     async def decide(self, task_id: str, decision: Decision, *, actor: str, platform: str) -> str:
         """Approve or reject a paused pipeline: not pending, at capacity and not recorded are each said."""

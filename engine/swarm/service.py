@@ -20,6 +20,7 @@ from kazma.config.backoff import Backoff
 from kazma.config.limits import MAX_WORKERS
 from kazma.config.models import KazmaConfig
 from kazma.config.supervisor import Supervisor
+from kazma.config.waits import until_set
 from kazma.engine.fence import NOTHING, Fenced, fence_untrusted, join_fenced
 from kazma.engine.swarm import builtin_patterns, patterns
 from kazma.engine.swarm.calls import TaskCalls, WorkerCalls
@@ -623,8 +624,7 @@ class SwarmService:
         limit = max(0.0, min(wait_seconds, CHECK_MAX_WAIT))
         event = self._finished.get(task_id)
         if event is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), timeout=limit)
+            await until_set(event, limit)
         return await self.task(task_id)
 
     async def cancel(self, task_id: str, *, actor: str) -> str:
