@@ -87,6 +87,12 @@ class Job(Generic[T]):
     future: asyncio.Future[T]
     result: Any = None
     error: BaseException | None = None
+    rides: bool = False  # submitted to ride: it never makes a group count as bigger than its other operations
+
+
+def own_operations(jobs: Sequence[Job[Any]]) -> int:
+    """How many of ``jobs`` started their group (riders aside): what decides how a group is run."""
+    return sum(1 for job in jobs if not job.rides)
 
 
 class GroupQueue:
@@ -121,7 +127,7 @@ class GroupQueue:
         future: asyncio.Future[T] = loop.create_future()
         if ride > 0:
             # Not yet among the unanswered: a read (``caught_up``) does not wait for a write that waits to ride.
-            self._riders.append(Job(op, future))
+            self._riders.append(Job(op, future, rides=True))
             if self._riders_due is None:
                 self._riders_due = loop.call_later(ride, self.release_riders)
             return await future

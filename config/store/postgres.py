@@ -43,7 +43,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from kazma.config.metrics import count_failure
-from kazma.config.store.group_commit import Deferred, GroupQueue, Job
+from kazma.config.store.group_commit import Deferred, GroupQueue, Job, own_operations
 from kazma.config.store.migrations import Migration, run_migrations
 from kazma.config.store.pg_text import nul_safe, nul_safe_async
 
@@ -245,7 +245,8 @@ class PgWriter(GroupQueue):
             conn = self._connection()
             todo = list(jobs)
             while todo:
-                failed = self._attempt(conn, todo, bounded=len(todo) > 1)
+                # A rider (a checkpoint) makes no group bounded: a lone press with one waits for locks as before.
+                failed = self._attempt(conn, todo, bounded=own_operations(todo) > 1)
                 if failed is None:
                     break
                 job, exc = failed

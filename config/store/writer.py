@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import structlog
 
 from kazma.config.metrics import count_failure
-from kazma.config.store.group_commit import Deferred, GroupQueue, Job
+from kazma.config.store.group_commit import Deferred, GroupQueue, Job, own_operations
 
 log = structlog.get_logger("kazma.store")
 
@@ -126,7 +126,7 @@ class StoreWriter(GroupQueue):
         jobs = self._take()
         group = _Group(jobs)
         if (
-            len(jobs) <= INLINE_MAX_OPS
+            own_operations(jobs) <= INLINE_MAX_OPS
             and self._commit_ewma < self.inline_commit_seconds
             and self._lock.acquire(blocking=False)
         ):
