@@ -39,9 +39,11 @@ from kazma.approvals.progress import progress_line
 from kazma.approvals.service import CardsNotQueued, remember_offer
 from kazma.approvals.store import ApprovalStore, PostedCard
 from kazma.config import failpoints
+from kazma.config.address import Address
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import DECISION_TO_SETTLED, count_failure
 from kazma.config.models import KazmaConfig
+from kazma.config.outgoing import Outgoing
 from kazma.config.store.backend import Tx
 from kazma.config.store.errors import simulated_failure, store_errors
 from kazma.config.supervisor import Supervisor
@@ -331,78 +333,49 @@ class FanOutBus:
 
     # -- messages --------------------------------------------------------------------------------
 
-    async def send_text(
-        self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
-    ) -> str | None:
-        """Post into one conversation; failures are logged and counted, never raised."""
-        adapter = self.adapters.get(platform)
-        if adapter is None:
-            log.warning("bus.unknown_platform", platform=platform)
+    async def send(self, to: Address, message: Outgoing) -> str | None:
+        """Post ``message`` into one conversation (a file on a platform that posts files); the message id, or None:
+        failures are logged and counted, never raised."""
+        adapter = self.adapters.get(to.platform)
+        file = message.file is not None
+        if adapter is None or (file and not isinstance(adapter, FileAdapter)):
+            if file:
+                log.warning("bus.unknown_platform", platform=to.platform, site="send_file")
+            else:
+                log.warning("bus.unknown_platform", platform=to.platform)
             return None
         try:
-            return await asyncio.wait_for(
-                adapter.send_text(chat, text, agent=agent, thread=thread), timeout=self.platform_timeout
-            )
+            # a file may be megabytes: it has longer than a text
+            return await asyncio.wait_for(adapter.send(to, message), timeout=self.platform_timeout * (4 if file else 1))
         except (PlatformError, TimeoutError) as exc:
-            count_failure("send", platform)
-            log.warning("bus.send_failed", platform=platform, chat=chat, error=str(exc))
+            if file:
+                count_failure("send_file", to.platform)
+                log.warning("bus.send_file_failed", platform=to.platform, chat=to.chat, error=str(exc))
+            else:
+                count_failure("send", to.platform)
+                log.warning("bus.send_failed", platform=to.platform, chat=to.chat, error=str(exc))
             return None
 
-    async def send_choices(
-        self,
-        platform: str,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
-    ) -> str | None:
-        """Post a question with choice buttons into one conversation; failures are logged and counted."""
-        adapter = self.adapters.get(platform)
-        if adapter is None:
-            log.warning("bus.unknown_platform", platform=platform)
-            return None
-        try:
-            return await asyncio.wait_for(
-                adapter.send_choices(chat, text, choices, agent=agent, thread=thread), timeout=self.platform_timeout
-            )
-        except (PlatformError, TimeoutError) as exc:
-            count_failure("send", platform)
-            log.warning("bus.send_failed", platform=platform, chat=chat, error=str(exc))
-            return None
+    async def send_text(self, platform: str, chat: str, text: str, *, agent: str | None = None) -> str | None:
+        """:meth:`send` of a text, for a caller holding a platform and a chat (a script, a test)."""
+        return await self.send(Address(platform, chat), Outgoing(text, agent=agent))
 
-    async def send_file(
-        self, platform: str, chat: str, name: str, data: bytes, *, agent: str | None = None, thread: str | None = None
-    ) -> str | None:
-        """Post a file into one conversation; failures are logged and counted, never raised."""
-        adapter: object = self.adapters.get(platform)
-        if not isinstance(adapter, FileAdapter):
-            log.warning("bus.unknown_platform", platform=platform, site="send_file")
-            return None
-        try:
-            return await asyncio.wait_for(
-                adapter.send_file(chat, name, data, agent=agent, thread=thread), timeout=self.platform_timeout * 4
-            )
-        except (PlatformError, TimeoutError) as exc:
-            count_failure("send_file", platform)
-            log.warning("bus.send_file_failed", platform=platform, chat=chat, error=str(exc))
-            return None
-
-    async def working(self, platform: str, chat: str, *, thread: str | None = None) -> bool:
+    async def working(self, at: Address) -> bool:
         """Show that an agent is working in one conversation (the adapter rate-limits it; never raises)."""
-        adapter: object = self.adapters.get(platform)
+        adapter: object = self.adapters.get(at.platform)
         if not isinstance(adapter, FileAdapter):
             return False
         try:
-            return await asyncio.wait_for(adapter.working(chat, thread=thread), timeout=self.platform_timeout)
+            return await asyncio.wait_for(adapter.working(at.chat, thread=at.thread), timeout=self.platform_timeout)
         except TimeoutError:
             return False
 
     async def broadcast(self, text: str, *, agent: str | None = None) -> dict[str, str | None]:
         """Report or alert into every platform's home chat at once."""
         targets = [(n, a.home_chat) for n, a in self.adapters.items() if a.home_chat]
-        results = await asyncio.gather(*(self.send_text(n, chat, text, agent=agent) for n, chat in targets if chat))
+        results = await asyncio.gather(
+            *(self.send(Address(n, chat), Outgoing(text, agent=agent)) for n, chat in targets if chat)
+        )
         return {n: r for (n, _), r in zip(targets, results, strict=True)}
 
     # -- workers ---------------------------------------------------------------------------------
@@ -778,32 +751,17 @@ class NullBus:
     async def settle(self, request_id: str) -> None:
         return
 
-    async def send_text(
-        self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
-    ) -> str | None:
-        log.info("bus.message_dropped", platform=platform, chat=chat, reason="no platform configured")
+    async def send(self, to: Address, message: Outgoing) -> str | None:
+        if message.file is not None:
+            log.info("bus.file_dropped", platform=to.platform, chat=to.chat, reason="no platform configured")
+        else:
+            log.info("bus.message_dropped", platform=to.platform, chat=to.chat, reason="no platform configured")
         return None
 
-    async def send_choices(
-        self,
-        platform: str,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
-    ) -> str | None:
-        log.info("bus.message_dropped", platform=platform, chat=chat, reason="no platform configured")
-        return None
+    async def send_text(self, platform: str, chat: str, text: str, *, agent: str | None = None) -> str | None:
+        return await self.send(Address(platform, chat), Outgoing(text, agent=agent))
 
-    async def send_file(
-        self, platform: str, chat: str, name: str, data: bytes, *, agent: str | None = None, thread: str | None = None
-    ) -> str | None:
-        log.info("bus.file_dropped", platform=platform, chat=chat, reason="no platform configured")
-        return None
-
-    async def working(self, platform: str, chat: str, *, thread: str | None = None) -> bool:
+    async def working(self, at: Address) -> bool:
         return False
 
     async def broadcast(self, text: str, *, agent: str | None = None) -> dict[str, str | None]:

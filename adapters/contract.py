@@ -12,6 +12,8 @@ from typing import Protocol, runtime_checkable
 
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome, PressResult
+from kazma.config.address import Actor, Address
+from kazma.config.outgoing import Outgoing
 
 AttachmentFetch = Callable[[], Awaitable[bytes]]
 
@@ -47,6 +49,16 @@ class Inbound:
     reply_to: str | None = None  # the message this one replies to, when the platform says (answers to questions)
     attachments: tuple[Attachment, ...] = ()  # files sent with the message, within the configured bounds
 
+    @property
+    def where(self) -> Address:
+        """Where it was said: its chat, and its thread there (an answer goes back to the same place)."""
+        return Address(self.platform, self.chat, self.thread)
+
+    @property
+    def who(self) -> Actor:
+        """Its author as an actor (raises :class:`~kazma.config.address.ActorError` for an agent's dispatch)."""
+        return Actor.parse(self.author)
+
 
 @runtime_checkable
 class IdempotentPosts(Protocol):
@@ -64,6 +76,10 @@ class CardRef:
     chat: str
     message_id: str
     whole: bool = True  # the card showed the whole call (every name, every value uncut)
+
+    @property
+    def where(self) -> Address:
+        return Address(self.platform, self.chat)
 
 
 class PlatformError(Exception):
@@ -90,6 +106,16 @@ class Press:
     message_id: str | None = None  # which message the pressed card is, when the platform says
     is_admin: bool = False  # the presser is one of this platform's configured admins
     reason: str | None = None  # a Deny's reason, as the presser wrote it (a modal, a reply); None: none given
+
+    @property
+    def where(self) -> Address | None:
+        """The pressed card's chat, when the platform says."""
+        return None if self.chat is None else Address(self.platform, self.chat)
+
+    @property
+    def who(self) -> Actor:
+        """The presser as an actor."""
+        return Actor.parse(self.actor)
 
 
 @dataclass(frozen=True)
@@ -172,20 +198,10 @@ class PlatformAdapter(Protocol):
 
     async def stop(self) -> None: ...
 
-    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
-        """Post ``text`` (escaped, never pinging anyone) as ``agent``; return the message id."""
-        ...
-
-    async def send_choices(
-        self,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
-    ) -> str:
-        """Post ``text`` with one button per ``(label, data)``; a press arrives like a card's. The message id."""
+    async def send(self, to: Address, message: Outgoing) -> str:
+        """Post ``message`` at ``to`` (a chat of this platform, a thread in it): text escaped and never pinging
+        anyone, a question's buttons (a press arrives like a card's), a file. The message id; raises
+        :class:`PlatformError`."""
         ...
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
@@ -262,6 +278,12 @@ class UpdatesCards(Protocol):
     async def update_card(self, ref: CardRef, card: ApprovalCard) -> None:
         """Show ``card`` (still pending) in place of what ``ref`` shows now. Raises :class:`PlatformError`."""
         ...
+
+
+def refuse_elsewhere(platform: str, to: Address) -> None:
+    """An adapter is handed only addresses on its own platform: another's is refused before any call."""
+    if to.platform != platform:
+        raise PlatformError(platform, "send", f"not an address on {platform}: {to}", retryable=False)
 
 
 @runtime_checkable

@@ -24,17 +24,34 @@ import dataclasses
 import time
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any, ClassVar, Final, TypeVar
+from typing import Any, ClassVar, Final, TypedDict, TypeVar, Unpack
 
 import structlog
 
 from kazma.adapters.admission import DirectPolicy, FileBounds, Served
-from kazma.adapters.contract import CardRef, ChatMove, Handlers, Inbound, PlatformError
+from kazma.adapters.card_layout import LaidOut, agent_prefix
+from kazma.adapters.chat_text import split_text
+from kazma.adapters.contract import CardRef, ChatMove, Handlers, Inbound, PlatformError, refuse_elsewhere
+from kazma.adapters.ingress import (
+    Arrival,
+    Check,
+    Ingress,
+    SignedRequests,
+    Stopped,
+    chat_served,
+    claimed_here,
+    files_within,
+    replay_guard,
+    space_served,
+)
 from kazma.adapters.pacing import Pacing
 from kazma.adapters.press_policy import PressPolicy
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
+from kazma.config.address import Actor, Address
 from kazma.config.metrics import count_failure
+from kazma.config.outgoing import Outgoing
+from kazma.config.registry import CHAT_PLATFORMS, PlatformSpec
 from kazma.config.supervisor import Supervisor
 
 log = structlog.get_logger("kazma.adapters")
@@ -54,26 +71,55 @@ TYPING_INTERVAL: Final = 4.0  # Telegram's chat action shows for 5 s, Discord's 
 ErrorClassifier = Callable[[str, BaseException], PlatformError]
 
 
+@dataclasses.dataclass(frozen=True)
+class Posted:
+    """Where one post landed (a chat that moved under it included) and the platform's id of its message."""
+
+    chat: str
+    message_id: str
+
+
+class KitOptions(TypedDict, total=False):
+    """What every platform adapter takes beside its own settings, handed on to :class:`PlatformBase`."""
+
+    press_timeout: float
+    stop_grace: float
+    approve_partial: bool  # an approval card cut to fit may still be approved in the chat
+    direct: DirectPolicy | None  # who may write to the lead directly; default: the platform's dm_policy
+    files: FileBounds | None
+
+
 class PlatformBase(PressPolicy):
-    """The shared half of every platform adapter; subclasses are their platform's transport and dialect."""
+    """The shared half of every platform adapter; subclasses are their platform's transport and dialect.
+
+    Outbound, the kit writes the template once (the call site's name, the checks, a card the dialect cannot
+    write refused, the split loop, the log lines ``platform.card_posted``, ``platform.card_settled`` and
+    ``platform.text_sent``); a dialect supplies how to write a card (:meth:`_write_card`), how to post one
+    (:meth:`_post_card`), edit one (:meth:`_edit_card`) and post a piece of text (:meth:`_post_text`).
+    """
 
     name: ClassVar[str]
 
     def __init__(
         self,
+        config: Any,
         *,
-        served: Served,
-        admins: Iterable[object],
         pacing: Pacing | None = None,
-        press_timeout: float = 2.0,
-        stop_grace: float = 5.0,
-        direct: DirectPolicy | None = None,
-        files: FileBounds | None = None,
         typing_interval: float = TYPING_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
+        **options: Unpack[KitOptions],
     ) -> None:
+        spec = self.spec
+        self.config = config  # the platform's section of the configuration
+        self.approve_partial = options.get("approve_partial", False)
+        admins: Iterable[object] = config.admins
+        served = Served.of(getattr(config, spec.chats_key), getattr(config, spec.home_key))
+        press_timeout = options.get("press_timeout", 2.0)
+        stop_grace = options.get("stop_grace", 5.0)
+        direct = options.get("direct") or DirectPolicy.of(config.dm_policy, (self.actor(a) for a in admins))
+        files = options.get("files")
         self.served = served
-        self.direct = direct or DirectPolicy()
+        self.direct = direct
         self.files = files or FileBounds()
         self.typing_interval = typing_interval
         self._clock = clock
@@ -88,6 +134,15 @@ class PlatformBase(PressPolicy):
         self._ingress = False  # the singleton ingress is open
         self._ingress_lock = asyncio.Lock()  # one open or close at a time: leadership may flap
         self._moves: dict[str, str] = {}  # chat ids that changed on the platform, old → new
+        spaces = getattr(config, spec.spaces_key) if spec.spaces_key else ()
+        self.spaces = frozenset(spaces)  # the servers served (none: every one), where the platform has servers
+        self._signed = SignedRequests()
+        self.door = Ingress(self._door_checks())
+
+    @property
+    def spec(self) -> PlatformSpec:
+        """This platform's registry entry (its settings' keys, how its ids look)."""
+        return CHAT_PLATFORMS[self.name]
 
     # -- what subclasses provide -----------------------------------------------------------------
 
@@ -122,21 +177,51 @@ class PlatformBase(PressPolicy):
     def classify(self, site: str, exc: BaseException) -> PlatformError:
         """The platform's failure as a :class:`PlatformError`: retryable or not, with ``retry_after``."""
 
-    @abstractmethod
-    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
-        """Post ``text`` (split by the platform's measure, never pinging anyone) as ``agent``; the first id."""
+    # the dialect: how to write, post and edit (the template around them is :meth:`post_card` and the rest)
 
     @abstractmethod
-    async def send_choices(
-        self,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
+    def _write_card(self, card: ApprovalCard, outcome: Outcome | None) -> LaidOut[Any]:
+        """The one layout written in this platform's dialect; ``ValueError`` when the card cannot be written."""
+
+    @abstractmethod
+    async def _post_card(self, chat: str, laid: LaidOut[Any], card: ApprovalCard) -> Posted:
+        """Post a written card into ``chat``; where it landed."""
+
+    @abstractmethod
+    async def _edit_card(
+        self, site: str, ref: CardRef, laid: LaidOut[Any], card: ApprovalCard, *, settled: bool
+    ) -> bool:
+        """Make the posted card ``ref`` show ``laid``: with its buttons while open, none once ``settled``; False
+        when it already showed it."""
+
+    @abstractmethod
+    def _text_room(self, agent: str | None) -> tuple[int, Callable[[str], int] | None]:
+        """How much text one message holds beside ``agent``'s name, and how the platform counts a character."""
+
+    @abstractmethod
+    async def _post_text(self, chat: str, part: str, *, agent: str | None, thread: str | None) -> Posted:
+        """Post one part of a text (it fits :meth:`_text_room`) as ``agent``; where it landed."""
+
+    @abstractmethod
+    async def _post_choices(
+        self, chat: str, body: str, choices: Sequence[tuple[str, str]], *, thread: str | None
     ) -> str:
-        """Post ``text`` (plain, escaped) with one button per ``(label, data)``; the message id."""
+        """Post ``body`` (it fits) with one button per ``(label, data)``; the message id."""
+
+    def _question_room(self) -> tuple[int, Callable[[str], int] | None]:
+        """How much text a message with buttons holds (a whole message's room by default)."""
+        return self._text_room(None)
+
+    def _writable(self, text: str) -> str:
+        """``text`` as it may be posted here (Discord neutralises mentions); itself by default."""
+        return text
+
+    async def _send_whole(self, chat: str, text: str, *, agent: str, thread: str | None) -> str | None:
+        """The dialect's own way to send an agent's whole text (Discord's webhooks); None: post it in parts."""
+        return None
+
+    def _can_send(self, site: str) -> None:
+        """Raise a retryable refusal when the platform's client cannot send yet (not started)."""
 
     @abstractmethod
     async def _post_file(self, chat: str, name: str, data: bytes, *, caption: str, thread: str | None) -> str:
@@ -145,14 +230,6 @@ class PlatformBase(PressPolicy):
     @abstractmethod
     async def _show_working(self, chat: str, thread: str | None) -> None:
         """Show the platform's own "working" sign in ``chat`` once (it fades by itself)."""
-
-    @abstractmethod
-    async def post_card(self, card: ApprovalCard) -> CardRef:
-        """Post the approval card (the one layout, in this platform's dialect) into the home chat."""
-
-    @abstractmethod
-    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
-        """Edit a posted card to show ``outcome`` and remove its buttons. Idempotent."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -350,7 +427,7 @@ class PlatformBase(PressPolicy):
             log.exception("platform.chat_moved_failed", platform=self.name, old=old, new=new)
 
     def actor(self, user_id: object) -> str:
-        return f"{self.name}:{user_id}"
+        return str(Actor(self.name, str(user_id)))
 
     async def _claim(self, key: str | None) -> bool:
         """Whether this replica handles the inbound event ``key`` (True without a key or a claim handler).
@@ -383,29 +460,86 @@ class PlatformBase(PressPolicy):
             count_failure("inbound_claim", self.name)
             log.warning("platform.inbound_done_failed", platform=self.name, key=key, error=str(exc))
 
-    async def deliver(self, inbound: Inbound, *, key: str | None = None) -> bool:
-        """The one inbound door: only served chats pass, and only events this replica claims (``key``: the
-        platform's id of the event); a failing handler is counted and logged, never raised. True when the
-        message was handed to the handler."""
-        if not self.serves(inbound.chat, direct=inbound.direct, author=inbound.author):
-            reason = "direct_not_allowed" if inbound.direct else "chat_not_served"
-            log.info("platform.inbound_ignored", platform=self.name, chat=inbound.chat, reason=reason)
-            await self._taken_in(key)  # ignored is handled: no next leader takes it in again
-            return False
+    # -- the door (adapters/ingress.py) -----------------------------------------------------------
+
+    def _door_checks(self) -> list[Check]:
+        """The checks every arrival passes, in order (see :mod:`kazma.adapters.ingress`)."""
+        return [
+            replay_guard(self._signed, self._first_in_store),
+            space_served(lambda: self.spaces),
+            chat_served(lambda inbound: self.serves(inbound.chat, direct=inbound.direct, author=inbound.author)),
+            claimed_here(self._claim),
+            files_within(lambda: self.files),
+        ]
+
+    async def _first_in_store(self, keys: list[str]) -> bool:
+        """The store's memory of signed requests (across restarts and replicas). One it cannot ask lets the
+        request through, counted: its signature and age were checked, and this process had not seen it."""
         handlers = self._handlers
-        if handlers is None or not await self._claim(key):
-            return False
-        if inbound.attachments and not inbound.from_bot:
-            problem = self.files.problem(inbound.attachments)
-            if problem is not None:
-                # Refused whole: an agent must not act on a message whose files it cannot see.
-                log.info("platform.files_refused", platform=self.name, chat=inbound.chat, problem=problem)
-                await self._taken_in(key)  # refused is handled: no next leader refuses it again
-                with contextlib.suppress(PlatformError):
-                    await self.send_text(inbound.chat, problem, thread=inbound.thread)
+        if handlers is None or handlers.first_signed is None:
+            return True
+        try:
+            return await handlers.first_signed(self.name, keys)
+        except Exception as exc:
+            count_failure("replay_check", self.name)
+            log.warning("platform.replay_check_failed", platform=self.name, error=str(exc))
+            return True
+
+    async def admit(self, arrival: Arrival) -> Arrival | None:
+        """Walk the door; None when a check stopped ``arrival`` (logged, counted where evidence is dropped, taken
+        in when handled, and answered in the chat when the check says so)."""
+        verdict = await self.door.admit(arrival)
+        if not isinstance(verdict, Stopped):
+            return verdict
+        inbound = arrival.inbound
+        self._stopped(verdict, arrival)
+        if verdict.taken_in:
+            await self._taken_in(arrival.key)  # ignored or refused is handled: no next leader takes it in again
+        if verdict.reply and inbound is not None:
+            with contextlib.suppress(PlatformError):
+                await self.send_text(inbound.chat, verdict.reply, thread=inbound.thread)
+        return None
+
+    async def screen(self, inbound: Inbound, *, space: int | str | None = None) -> bool:
+        """Whether ``inbound`` would pass the door's checks that need no claim (a command answered before it
+        is claimed: Slack and Discord give three seconds)."""
+        arrival = Arrival(self.name, inbound, space=space)
+        for check in self.door.checks:
+            if check.name == "claimed_here":
+                return True
+            verdict = await check.run(arrival)
+            if isinstance(verdict, Stopped):
+                self._stopped(verdict, arrival)
                 return False
-            bounded = tuple(self.files.bounded(a) for a in inbound.attachments)
-            inbound = dataclasses.replace(inbound, attachments=bounded)
+            arrival = verdict
+        return True
+
+    def _stopped(self, verdict: Stopped, arrival: Arrival) -> None:
+        """Say why the door stopped ``arrival``; a replay is counted (evidence of an attack or a retry storm)."""
+        if verdict.reason == "replayed":
+            count_failure("replay_dropped", self.name)
+            kinds = [key.split(":", 1)[0] for key in arrival.signed]  # never the signature itself
+            log.warning("platform.replay_dropped", platform=self.name, keys=kinds)
+        elif verdict.reason != "claimed_elsewhere":  # logged by the claim
+            inbound = arrival.inbound
+            log.info(
+                "platform.inbound_ignored",
+                platform=self.name,
+                check=verdict.check,
+                reason=verdict.reason,
+                chat=inbound.chat if inbound is not None else None,
+                space=arrival.space,
+            )
+
+    async def deliver(self, inbound: Inbound, *, key: str | None = None, space: int | str | None = None) -> bool:
+        """The one inbound door: ``inbound`` (``key``: the platform's id of the event; ``space``: the server it
+        came from) passes the door's checks, then the handler has it; a failing handler is counted and logged,
+        never raised. True when the message was handed to the handler."""
+        admitted = await self.admit(Arrival(self.name, inbound, key=key, space=space))
+        handlers = self._handlers
+        if admitted is None or admitted.inbound is None or handlers is None:
+            return False
+        inbound = admitted.inbound
         log.info(
             "platform.inbound",
             platform=self.name,
@@ -453,14 +587,7 @@ class PlatformBase(PressPolicy):
                 return await operation()
 
         def rate_limited(wait: float, attempt_no: int) -> None:
-            log.warning(
-                "platform.rate_limited",
-                platform=self.name,
-                site=site,
-                chat=chat,
-                retry_after=wait,
-                attempt=attempt_no,
-            )
+            self.rate_limited(site, chat, wait, attempt_no)
 
         try:
             if wait_out_429:
@@ -503,12 +630,138 @@ class PlatformBase(PressPolicy):
             return False
         return True
 
+    # -- outbound: the template (a dialect writes, posts and edits) ------------------------------------
+
+    def _check_chat(self, site: str, chat: str) -> None:
+        if not self.spec.is_chat_id(chat):
+            raise self.refuse(site, f"not a {self.spec.title} chat: {chat!r} ({self.spec.chat_id_hint})", chat=chat)
+
+    def _lay_out(self, site: str, card: ApprovalCard, outcome: Outcome | None, chat: str) -> LaidOut[Any]:
+        try:
+            return self._write_card(card, outcome)
+        except ValueError as exc:  # too large even cut, or a limit of the platform's: refused, never half-posted
+            raise self.refuse(site, str(exc), chat=chat) from exc
+
+    async def post_card(self, card: ApprovalCard) -> CardRef:
+        """Post the approval card (the one layout, in this platform's dialect) into the home chat."""
+        site = "card_post"
+        self._can_send(site)
+        home = self.home_chat
+        if home is None:
+            raise self.refuse(site, f"no {self.spec.home_key} configured for approval cards")
+        self._check_chat(site, home)
+        laid = self._lay_out(site, card, None, home)
+        posted = await self._post_card(home, laid, card)
+        log.info(
+            "platform.card_posted",
+            platform=self.name,
+            request_id=card.request_id,
+            chat=posted.chat,
+            message_id=posted.message_id,
+            whole=laid.whole,
+        )
+        return CardRef(platform=self.name, chat=posted.chat, message_id=posted.message_id, whole=laid.whole)
+
+    def _editable(self, site: str, ref: CardRef) -> None:
+        self._can_send(site)
+        if ref.platform != self.name:
+            raise self.refuse(site, f"not a {self.spec.title} card: {ref.platform}", chat=ref.chat)
+        self._check_chat(site, ref.chat)
+
+    async def _edit(self, site: str, ref: CardRef, card: ApprovalCard, outcome: Outcome | None) -> dict[str, Any]:
+        """Edit a posted card in place: the checks, the one layout (settled with ``outcome``, else still open),
+        the dialect's edit. What its log line says."""
+        self._editable(site, ref)
+        laid = self._lay_out(site, card, outcome, ref.chat)
+        changed = await self._edit_card(site, ref, laid, card, settled=outcome is not None)
+        return {
+            "platform": self.name,
+            "request_id": card.request_id,
+            "chat": ref.chat,
+            "message_id": ref.message_id,
+            "changed": changed,
+        }
+
+    async def update_card(self, ref: CardRef, card: ApprovalCard) -> None:
+        """Edit a posted, still open card to show ``card`` as it is now (a policy's progress), buttons kept."""
+        log.info("platform.card_updated", **await self._edit("card_update", ref, card, None))
+
+    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
+        """Edit a posted card to show ``outcome`` and remove its buttons. Idempotent."""
+        edited = await self._edit("card_settle", ref, card, outcome)
+        log.info("platform.card_settled", status=outcome.status.value, **edited)
+
+    async def send(self, to: Address, message: Outgoing) -> str:
+        """Post ``message`` at ``to``: a file, a question or a text, each by its step below."""
+        refuse_elsewhere(self.name, to)
+        if message.file is not None:
+            file = message.file
+            return await self.send_file(to.chat, file.name, file.data, agent=message.agent, thread=to.thread)
+        if message.choices:
+            return await self.send_choices(
+                to.chat, message.text, message.choices, agent=message.agent, thread=to.thread
+            )
+        return await self.send_text(to.chat, message.text, agent=message.agent, thread=to.thread)
+
+    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
+        """Post ``text`` (split by the platform's measure, never pinging anyone) as ``agent``; the first id."""
+        site = "send"
+        self._can_send(site)
+        chat = self.moved_to(chat)
+        self._check_chat(site, chat)
+        text = self._writable(text)
+        if not text.strip():
+            raise self.refuse(site, "nothing to send: the text is empty", chat=chat)
+        whole = None if agent is None else await self._send_whole(chat, text, agent=agent, thread=thread)
+        if whole is not None:
+            log.info("platform.text_sent", platform=self.name, chat=chat, agent=agent, message_id=whole, parts=1)
+            return whole
+        limit, units = self._text_room(agent)
+        parts = split_text(text, limit, units)
+        first: str | None = None
+        for part in parts:
+            posted = await self._post_text(chat, part, agent=agent, thread=thread)
+            chat = posted.chat  # the rest follows a chat that moved under the first part
+            first = first or posted.message_id
+        if first is None:
+            raise self.refuse(site, "nothing to send: the text is empty", chat=chat)
+        log.info("platform.text_sent", platform=self.name, chat=chat, agent=agent, message_id=first, parts=len(parts))
+        return first
+
+    async def send_choices(
+        self,
+        chat: str,
+        text: str,
+        choices: Sequence[tuple[str, str]],
+        *,
+        agent: str | None = None,
+        thread: str | None = None,
+    ) -> str:
+        """Post ``text`` (plain, escaped) with one button per ``(label, data)``; the message id."""
+        site = "send"
+        self._can_send(site)
+        chat = self.moved_to(chat)
+        self._check_chat(site, chat)
+        body = self._writable(agent_prefix(agent) + text)
+        limit, units = self._question_room()
+        size = len(body) if units is None else sum(units(c) for c in body)
+        if not text.strip() or size > limit:
+            problem = f"a question must be 1 to {limit} characters as {self.spec.title} counts them"
+            raise self.refuse(site, problem, chat=chat)
+        return await self._post_choices(chat, body, choices, thread=thread)
+
     def _retry_after_of(self, site: str) -> Callable[[BaseException], float | None]:
         def retry_after(exc: BaseException) -> float | None:
             error = exc if isinstance(exc, PlatformError) else self.classify(site, exc)
             return error.retry_after
 
         return retry_after
+
+    def rate_limited(self, site: str, chat: str | None, wait: float, attempt: int) -> None:
+        """The platform said to wait (a 429); the call is tried again after ``wait`` seconds."""
+        log.warning(
+            "platform.rate_limited", platform=self.name, site=site, chat=chat, retry_after=wait, attempt=attempt
+        )
 
     def failed(self, site: str, chat: str | None, error: PlatformError) -> None:
         count_failure(site, self.name)

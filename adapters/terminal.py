@@ -12,14 +12,15 @@ import itertools
 import sys
 import textwrap
 import threading
-from collections.abc import Sequence
 from typing import IO
 
 from kazma.adapters.card_layout import PlainWriter, lay_out
-from kazma.adapters.contract import CardRef, Handlers, Press
+from kazma.adapters.contract import CardRef, Handlers, PlatformError, Press, refuse_elsewhere
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.honesty import reveal, reveal_line
 from kazma.approvals.model import Decision, Outcome
+from kazma.config.address import Actor, Address
+from kazma.config.outgoing import Outgoing
 from kazma.config.supervisor import Supervisor
 
 
@@ -60,6 +61,17 @@ class TerminalAdapter:
         self.out.write(text + "\n")
         self.out.flush()
 
+    async def send(self, to: Address, message: Outgoing) -> str:
+        """Printed: a text, or a question with its choices' labels under it (answered in the console or the chat
+        it came from); the terminal posts no files."""
+        refuse_elsewhere(self.name, to)
+        if message.file is not None:
+            raise PlatformError(self.name, "send_file", "the terminal posts no files", retryable=False)
+        labels = "  ".join(f"[{label}]" for label, _ in message.choices)
+        return await self.send_text(
+            to.chat, f"{message.text}\n{labels}" if labels else message.text, agent=message.agent
+        )
+
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         message_id = str(next(self._ids))
         who = reveal_line(agent or "kazma")
@@ -68,18 +80,6 @@ class TerminalAdapter:
         body = textwrap.indent(reveal(text), " " * (len(who) + 3)).lstrip()
         self._print(f"[{who}] {body}")
         return message_id
-
-    async def send_choices(
-        self,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
-    ) -> str:
-        labels = "  ".join(f"[{label}]" for label, _ in choices)
-        return await self.send_text(chat, f"{text}\n{labels}", agent=agent, thread=thread)
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
         message_id = str(next(self._ids))
@@ -106,7 +106,7 @@ class TerminalAdapter:
             return  # someone presses elsewhere (the web console)
         assert self._handlers is not None
         result = await self._handlers.on_press(
-            Press(self.name, card.button_data(decision), f"cli:{self.login}", self.chat, None)
+            Press(self.name, card.button_data(decision), str(Actor("cli", self.login)), self.chat, None)
         )
         self._print(f"  → {result.message}")
 

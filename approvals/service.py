@@ -54,6 +54,7 @@ from kazma.approvals.store import (
 )
 from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdrawn, withdrawn
 from kazma.config import failpoints
+from kazma.config.address import Address, AddressError
 from kazma.config.metrics import (
     APPROVALS_OPENED,
     PRESS_TO_DECISION,
@@ -62,6 +63,7 @@ from kazma.config.metrics import (
     count_reviewed,
 )
 from kazma.config.models import DEFAULT_POLICY, KazmaConfig, PolicyConfig
+from kazma.config.outgoing import Outgoing
 from kazma.config.people import person_key
 from kazma.config.store.backend import Tx
 from kazma.config.store.errors import simulated_failure, store_errors
@@ -510,14 +512,18 @@ class ApprovalService:
         )  # fmt: skip
         log.info("approvals.rule_used", rule=rule.id, tool=tool, conversation=conversation, hash=digest)
         until = time.strftime("%H:%M:%S UTC", time.gmtime(rule.expires_at))
-        say = getattr(self.publisher, "send_text", None)
-        platform, _, chat = conversation.partition(":")
-        if say is not None and chat:
+        say = getattr(self.publisher, "send", None)
+        try:
+            where = Address.parse(conversation)
+        except AddressError:
+            where = None  # a call outside any conversation: nobody to tell
+        if say is not None and where is not None and where.chat:
             await say(
-                platform,
-                chat,
-                f"{tool} ran without a card under remembered approval {rule.id}, made by {rule.created_by} "
-                f"(request {rule.request_id}); it covers this exact call here until {until}.",
+                where,
+                Outgoing(
+                    f"{tool} ran without a card under remembered approval {rule.id}, made by {rule.created_by} "
+                    f"(request {rule.request_id}); it covers this exact call here until {until}.",
+                ),
             )
         return rule
 

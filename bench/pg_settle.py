@@ -31,7 +31,9 @@ from kazma.bot.logging import configure_logging
 from kazma.bot.replication import Replication
 from kazma.bot.store import pg_migrations
 from kazma.config import load_config_text
+from kazma.config.address import Address
 from kazma.config.keyring import DECISION_KEYS, Keyring
+from kazma.config.outgoing import Outgoing
 from kazma.config.store.postgres import PgStore, open_pg_store
 
 CONFIG = load_config_text('approvals: {approvers: ["telegram:1"]}').config
@@ -53,6 +55,9 @@ class ZeroPlatform:
 
     async def stop(self) -> None:
         return
+
+    async def send(self, to: Address, message: Outgoing) -> str:
+        return await self.send_text(to.chat, message.text, agent=message.agent, thread=to.thread)
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         return "1"

@@ -13,7 +13,6 @@ web server may use of it is :attr:`App.console` (:mod:`kazma.bot.services`).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,8 +39,10 @@ from kazma.bot.lifecycle import Lifecycle
 from kazma.bot.services import KazmaServices
 from kazma.bot.store_handles import open_handles
 from kazma.config import KazmaConfig, LoadedConfig, enabled_platforms
+from kazma.config.address import Address
 from kazma.config.metrics import count_failure
-from kazma.config.registry import CHAT_PLATFORMS
+from kazma.config.outgoing import Outgoing
+from kazma.config.registry import CHAT_PLATFORMS, load_named
 from kazma.config.store.backend import StoreConnection
 from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, agents_from_config
 from kazma.engine.conversation import Conversations, is_question_button
@@ -81,8 +82,7 @@ def build_adapters(loaded: LoadedConfig, *, paced: bool = True) -> list[Platform
     adapters: list[PlatformAdapter] = []
     for name in enabled_platforms(loaded):
         spec = CHAT_PLATFORMS[name]
-        module, _, attribute = spec.adapter.partition(":")
-        factory = getattr(importlib.import_module(module), attribute)
+        factory = load_named(spec.adapter)
         section = spec.section(platforms)
         # "approvers" in dm_policy: the approvers written for this platform and its admins, as for cards
         direct = DirectPolicy.of(getattr(section, "dm_policy", "off"), config.roster.approvers_for(name))
@@ -176,7 +176,7 @@ class App(Lifecycle):
             f"supergroup). Kazma follows it, also after a restart. In kazma.yaml, set {where}."
         )
         try:
-            await self.bus.send_text(move.platform, move.new, text, agent=self.conversations.lead.name)
+            await self.bus.send(Address(move.platform, move.new), Outgoing(text, agent=self.conversations.lead.name))
         except Exception as exc:  # recorded and logged already; a chat that refuses the notice changes nothing
             log.warning("chat.move_not_announced", platform=move.platform, chat=move.new, error=str(exc))
 
@@ -359,8 +359,7 @@ def _builtin_tools(config: KazmaConfig) -> ToolRegistry:
 
 def _send_file(sink: RecordingSink, config: KazmaConfig) -> SendFileTool:
     async def post_file(conversation: str, name: str, data: bytes, agent: str) -> str | None:
-        platform, _, chat = conversation.partition(":")
-        return await sink.send_file(platform, chat, name, data, agent=agent or None)
+        return await sink.send(Address.parse(conversation), Outgoing.of_file(name, data, agent=agent or None))
 
     return SendFileTool(post_file, max_bytes=config.files.max_bytes)
 
@@ -381,8 +380,7 @@ def _swarm(
     reports to every platform."""
 
     async def deliver(target: str, text: str) -> None:
-        platform, _, chat = target.partition(":")
-        await sink.send_text(platform, chat, text, agent="swarm")
+        await sink.send(Address.parse(target), Outgoing(text, agent="swarm"))
 
     async def report(text: str) -> None:
         await bus.broadcast(text, agent="swarm")

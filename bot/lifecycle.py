@@ -31,8 +31,10 @@ from kazma.bot.inbound_claims import InboundClaims
 from kazma.bot.store import StoreWatch
 from kazma.bot.store_handles import StoreHandles
 from kazma.config import LoadedConfig
+from kazma.config.address import Address
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
+from kazma.config.outgoing import Outgoing
 from kazma.config.supervisor import Supervisor
 from kazma.engine.conversation import Conversations
 from kazma.engine.executor import Action, PlanExecutor
@@ -223,8 +225,7 @@ class Lifecycle(ABC):
 
     async def _tell(self, recovery: Recovery) -> None:
         for conversation, text in recovery.messages():
-            platform, _, chat = conversation.partition(":")
-            await self.bus.send_text(platform, chat, text, agent=self.conversations.lead.name)
+            await self.bus.send(Address.parse(conversation), Outgoing(text, agent=self.conversations.lead.name))
 
     async def _follow_chat_moves(self) -> None:
         """Chats that moved before this start (kazma.yaml may still name the old id): serve the new one."""

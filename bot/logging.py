@@ -9,61 +9,20 @@ Telegram Bot API puts the token in the path) never reaches the log stream.
 from __future__ import annotations
 
 import logging
-import re
 import sys
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import structlog
 
-if TYPE_CHECKING:
-    from kazma.config import KazmaConfig
-
+from kazma.config.redaction import redact, redact_config_secrets, redact_secret
+from kazma.config.registry import CHAT_PLATFORMS
 
 # The command line's --log-format choices (kazma.bot.cli.log_options, which must not import structlog).
 LogFormat = Literal["auto", "console", "json"]
 
-# Chatty per-request loggers stay at WARNING unless debugging.
-_NOISY = ("httpx", "httpcore", "aiosqlite", "discord.gateway", "discord.client", "telegram.ext.Updater")
-
-
-# Token shapes that libraries may log inside URLs or error texts: Telegram's "bot<id>:<secret>" path segment,
-# Slack's xox?-/xapp- tokens. Secrets with no recognisable shape (Discord, model keys) are added at start
-# with :func:`redact_secret`.
-_TOKEN_SHAPES = re.compile(r"(?<=/bot)[0-9]+:[A-Za-z0-9_-]+|\b(?:xox[abpers]|xapp)-[A-Za-z0-9-]+")
-_REDACTED = "<redacted>"
-_secrets: set[str] = set()
-
-
-def redact_secret(value: str) -> None:
-    """Never write ``value`` to the log (a token whose shape the patterns do not know). Short values are ignored:
-    replacing a three-letter word everywhere would garble the log and protect nothing."""
-    if len(value) >= 8:
-        _secrets.add(value)
-
-
-def redact_config_secrets(config: KazmaConfig) -> None:
-    """Every secret a configuration holds, whatever its shape: tokens, signing secrets, the model's key."""
-    platforms = config.platforms
-    for value in (
-        platforms.telegram.token,
-        platforms.telegram.webhook.secret_token,
-        platforms.slack.bot_token,
-        platforms.slack.app_token,
-        platforms.slack.signing_secret,
-        platforms.discord.token,
-        platforms.slack.sign_in.client_secret,
-        platforms.discord.sign_in.client_secret,
-        config.model.api_key,
-        config.store.secret,  # the password inside a postgresql:// store.url
-    ):
-        if value:
-            redact_secret(value)
-
-
-def redact(text: str) -> str:
-    for secret in _secrets:
-        text = text.replace(secret, _REDACTED)
-    return _TOKEN_SHAPES.sub(_REDACTED, text)
+# Chatty per-request loggers stay at WARNING unless debugging: the HTTP and SQLite clients', and each chat
+# platform library's (its registry entry names them).
+_NOISY = ("httpx", "httpcore", "aiosqlite", *(name for spec in CHAT_PLATFORMS.values() for name in spec.noisy_loggers))
 
 
 def _redact_event(logger: object, method: str, event: structlog.types.EventDict) -> structlog.types.EventDict:
@@ -162,3 +121,6 @@ def configure_logging(level: str = "info", fmt: LogFormat = "auto", stream: obje
     root.setLevel(numeric)
     for name in _NOISY:
         logging.getLogger(name).setLevel(logging.DEBUG if numeric <= logging.DEBUG else max(numeric, logging.WARNING))
+
+
+__all__ = ["LogFormat", "configure_logging", "redact", "redact_config_secrets", "redact_secret"]

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from kazma.config.registry import CHAT_PLATFORMS
+
 ENV: Final = "KAZMA_FAILPOINTS"
 
 # Every named point, grouped by the boundary it sits at. ``tests/chaos/matrix.py`` pins an ending for each
@@ -74,10 +76,11 @@ POINTS: Final = frozenset(
         "mcp.call",
         # the approvals API's idempotent open
         "api.open",
-        # among replicas: an inbound event's claim, Telegram's inbox, the leader taking over
+        # among replicas: an inbound event's claim, the leader taking over
         "inbound.claim",
-        "telegram.inbox",
         "leader.takeover",
+        # a platform's own points (Telegram's webhook inbox), named by its registry entry
+        *(point for spec in CHAT_PLATFORMS.values() for point in spec.failpoints),
     }
 )
 
@@ -114,7 +117,7 @@ def parse(spec: str) -> dict[str, Armed]:
             raise FailpointSpecError(f"{ENV}: {part!r} is not name=action")
         name, at, where = name.partition("@")
         if at and not where:
-            raise FailpointSpecError(f"{ENV}: {part!r}: say where after '@', as bus.post@telegram")
+            raise FailpointSpecError(f"{ENV}: {part!r}: say where after '@', as bus.post@web")
         if name not in POINTS:
             raise FailpointSpecError(f"{ENV}: no failpoint named {name!r} (known: {', '.join(sorted(POINTS))})")
         times = 1

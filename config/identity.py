@@ -10,42 +10,14 @@ it steer the swarm here, whose is it — in one place.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kazma.config.address import Actor, ActorError, platform_of
 from kazma.config.people import person_key
 from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS
 
 if TYPE_CHECKING:
     from kazma.config.models import KazmaConfig
-
-
-class ActorError(ValueError):
-    """Text that is not ``<platform>:<user id>``."""
-
-
-@dataclass(frozen=True, order=True)
-class Actor:
-    platform: str
-    user: str
-
-    @classmethod
-    def parse(cls, text: str) -> Actor:
-        platform, sep, user = text.partition(":")
-        if not sep or platform not in ACTOR_PLATFORMS or not user.strip():
-            raise ActorError(
-                f"expected '<platform>:<user id>' (platform one of {', '.join(ACTOR_PLATFORMS)}), got {text!r}"
-            )
-        return cls(platform, user)
-
-    def __str__(self) -> str:
-        return f"{self.platform}:{self.user}"
-
-
-def platform_of(actor: str) -> str:
-    """The platform part of an actor string ('' when it has none)."""
-    platform, sep, _ = actor.partition(":")
-    return platform if sep else ""
 
 
 class Roster:
@@ -133,3 +105,6 @@ class Roster:
         for admins in self._admins.values():
             found |= admins
         return frozenset(person_key(self.people, identity) for identity in found)
+
+
+__all__ = ["Actor", "ActorError", "Roster", "platform_of"]

@@ -26,13 +26,15 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from kazma.config.address import Actor, ActorError
 from kazma.config.audit_config import AuditConfig
 from kazma.config.identity import Roster
 from kazma.config.keyring import KEY_VARIABLES, keys_folder
 from kazma.config.limits import DEFAULT_FILE_BYTES, DEFAULT_FILE_COUNT, MAX_TOOL_OUTPUT_CHARS, MAX_WORKERS, MIB
 from kazma.config.people import PERSON_NAME, PeopleConfig, parse_people, person_key
 from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, user_id_problem
-from kazma.config.tokens import slack_app_token_problem, slack_bot_token_problem
+from kazma.config.registry.slack import app_token_problem as slack_app_token_problem
+from kazma.config.registry.slack import bot_token_problem as slack_bot_token_problem
 
 APPROVER_PLATFORMS = ACTOR_PLATFORMS
 _WORKER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -486,14 +488,17 @@ def _approver(value: Any) -> Any:
             "got {got}",
             {"platforms": ", ".join(APPROVER_PLATFORMS), "got": repr(value)},
         )
-    platform, _, user = value.partition(":")
-    if platform not in APPROVER_PLATFORMS or not user.strip():
+    try:
+        actor: Actor | None = Actor.parse(value)
+    except ActorError:
+        actor = None
+    if actor is None or actor.platform not in APPROVER_PLATFORMS:
         raise PydanticCustomError(
             "kazma_approver",
             "expected '<platform>:<user id>' (platform one of {platforms}), got {got}",
             {"platforms": ", ".join(APPROVER_PLATFORMS), "got": repr(value)},
         )
-    problem = user_id_problem(platform, user)
+    problem = user_id_problem(actor.platform, actor.user)
     if problem is not None:
         raise PydanticCustomError("kazma_approver", "{problem}, got {got}", {"problem": problem, "got": repr(value)})
     return value
@@ -928,7 +933,7 @@ def _admins(people: PeopleConfig, platform: str, admins: list[Any]) -> list[Any]
                 "{name} has no {platform} identity under people: (add people.<name>.{platform})",
                 {"subpath": where, "name": repr(admin), "platform": platform},
             )
-        resolved += [identity.partition(":")[2] for identity in ids]
+        resolved += [Actor.parse(identity).user for identity in ids]
     return resolved
 
 

@@ -30,11 +30,14 @@ from typing import Any, Final
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from kazma.config.registry import ACTOR_PLATFORMS, user_id_problem
+from kazma.config.address import Actor, platform_of
+from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, user_id_problem
 
 PERSON_NAME: Final = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 GROUPS_KEY: Final = "groups"
 PERSON_NAME_HINT: Final = "a person's or group's name is a lowercase letter then up to 31 of a-z, 0-9, '_', '-'"
+# An identity on the first chat platform, for the examples in messages ("telegram: 111, "); none without one.
+_EXAMPLE: Final = "".join(f"{spec.name}: {spec.example_user}, " for spec in list(CHAT_PLATFORMS.values())[:1])
 
 
 def _error(path: str, message: str, **values: Any) -> PydanticCustomError:
@@ -77,7 +80,7 @@ def parse_people(raw: Any, *, where: str = "people") -> dict[str, dict[str, tupl
         if not isinstance(identities, Mapping) or not identities:
             raise _error(
                 path,
-                "a person is a mapping of their identities (door: id), e.g. telegram: 111, web: {name}; got {got}",
+                "a person is a mapping of their identities (door: id), e.g. " + _EXAMPLE + "web: {name}; got {got}",
                 name=name,
                 got=repr(identities)[:60],
             )
@@ -97,7 +100,7 @@ def parse_people(raw: Any, *, where: str = "people") -> dict[str, dict[str, tupl
                     raise _error(
                         at, "{problem}, got {got}", problem=problem or f"expected a {platform} id", got=repr(value)
                     )
-                identity = f"{platform}:{user}"
+                identity = str(Actor(platform, user))
                 owner = owners.get(identity)
                 if owner is not None:
                     said = "this person lists it twice" if owner == name else f"it is already {owner}'s"
@@ -140,7 +143,7 @@ class Person:
 
     def on(self, platform: str) -> tuple[str, ...]:
         """This person's identities on ``platform`` (``telegram:111``, …)."""
-        return tuple(i for i in self.identities if i.partition(":")[0] == platform)
+        return tuple(i for i in self.identities if platform_of(i) == platform)
 
 
 class PeopleConfig(BaseModel):
@@ -183,7 +186,7 @@ class PeopleConfig(BaseModel):
         return frozenset(i for member in self.members(reference) for i in self.persons[member])
 
     def identities_on(self, reference: str, platform: str) -> frozenset[str]:
-        return frozenset(i for i in self.identities(reference) if i.partition(":")[0] == platform)
+        return frozenset(i for i in self.identities(reference) if platform_of(i) == platform)
 
 
 def person_key(people: PeopleConfig, identity: str) -> str:

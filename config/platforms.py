@@ -28,15 +28,6 @@ def enabled_platforms(loaded: LoadedConfig) -> list[str]:
     return [s.name for s in platform_statuses(loaded) if s.enabled]
 
 
-def _transport(loaded: LoadedConfig, name: str) -> str:
-    platforms = loaded.config.platforms
-    if name == "telegram":
-        return f"{platforms.telegram.mode} mode"
-    if name == "slack":
-        return "Socket Mode" if platforms.slack.app_token else "HTTP events"
-    return "gateway"
-
-
 def platform_status(loaded: LoadedConfig, name: str) -> PlatformStatus:
     cfg = loaded.config
     spec = CHAT_PLATFORMS[name]
@@ -52,7 +43,7 @@ def platform_status(loaded: LoadedConfig, name: str) -> PlatformStatus:
         )
     if spec.home(cfg.platforms) is None:
         warnings.append(f"{spec.home_key} is not set: approval cards and reports have nowhere to go")
-    return PlatformStatus(name, True, _transport(loaded, name), warnings)
+    return PlatformStatus(name, True, spec.transport(spec.section(cfg.platforms)), warnings)
 
 
 def is_loopback(url: str) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
@@ -27,7 +27,9 @@ from kazma.adapters.admission import FileTooLarge
 from kazma.adapters.contract import Inbound, PlatformError, Press
 from kazma.adapters.human_text import for_humans
 from kazma.approvals.model import PressResult, PressVerdict
+from kazma.config.address import Address
 from kazma.config.metrics import count_failure
+from kazma.config.outgoing import Outgoing
 from kazma.config.supervisor import Supervisor
 from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, StepRef, TurnResult, workspace_for
 from kazma.engine.attachments import Saved, describe, save_attachments
@@ -54,20 +56,9 @@ class CommandRunner(Protocol):
 
 
 class MessageSink(Protocol):
-    async def send_text(
-        self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
-    ) -> str | None: ...
-
-    async def send_choices(
-        self,
-        platform: str,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
-    ) -> str | None: ...
+    async def send(self, to: Address, message: Outgoing) -> str | None:
+        """Post ``message`` at ``to``; the message id, or None when it could not be posted."""
+        ...
 
 
 def question_button(question_id: str, choice: int) -> str:
@@ -105,14 +96,12 @@ class Conversations:
 
     # -- what people see ---------------------------------------------------------------------------
 
-    async def _say(
-        self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
-    ) -> str | None:
+    async def _say(self, to: Address, text: str, *, agent: str | None = None) -> str | None:
         """Post to people: fences meant for models become a quiet "from @agent" label first."""
-        return await self.sink.send_text(platform, chat, for_humans(text), agent=agent, thread=thread)
+        return await self.sink.send(to, Outgoing(for_humans(text), agent=agent))
 
     @contextlib.asynccontextmanager
-    async def working(self, platform: str, chat: str, thread: str | None = None) -> AsyncIterator[None]:
+    async def working(self, at: Address) -> AsyncIterator[None]:
         """While the block runs, the platform shows that an agent is working (when the sink can)."""
         show = getattr(self.sink, "working", None)
         if show is None:
@@ -122,10 +111,10 @@ class Conversations:
         async def keep_showing() -> None:
             while True:
                 with contextlib.suppress(Exception):
-                    await show(platform, chat, thread=thread)
+                    await show(at)
                 await asyncio.sleep(self.working_every)
 
-        task = asyncio.create_task(keep_showing(), name=f"working-{platform}-{chat}")
+        task = asyncio.create_task(keep_showing(), name=f"working-{at.platform}-{at.chat}")
         try:
             yield
         finally:
@@ -171,7 +160,7 @@ class Conversations:
             log.exception("inbound.failed", platform=message.platform, chat=message.chat, error=str(exc))
 
     async def _route(self, message: Inbound) -> None:
-        conversation = f"{message.platform}:{message.chat}"
+        conversation = message.where.conversation
         key = (message.platform, message.chat, message.message_id)
         dispatch = self._dispatches.pop(key, None)
         if message.command == "swarm":
@@ -185,10 +174,10 @@ class Conversations:
                     chat=message.chat,
                     is_admin=message.is_admin,
                 )
-            await self._say(message.platform, message.chat, reply, agent="swarm", thread=message.thread)
+            await self._say(message.where, reply, agent="swarm")
             return
         if message.command == "plan":
-            await self._say(message.platform, message.chat, await self.describe(conversation), agent=self.lead.name)
+            await self._say(message.where.in_thread(None), await self.describe(conversation), agent=self.lead.name)
             return
         if message.from_bot and dispatch is None:
             # our own posts echoed back by the platform, or another bot: not addressed to us
@@ -211,7 +200,7 @@ class Conversations:
             text = f"{text}\n\n{note}" if text else note
         log.info("inbound.routed", conversation=conversation, agent=agent.name, author=message.author)
         async with self._announcing(agent, conversation):
-            async with self.working(message.platform, message.chat, message.thread):
+            async with self.working(message.where):
                 # a plan written in this turn keeps what the person wrote and the files they sent (PlanOrigin)
                 result = await self.runner.run(
                     agent, conversation, text, requested_by=message.author, files=files, request_text=message.text
@@ -231,17 +220,15 @@ class Conversations:
         try:
             saved = await save_attachments(workspace, message.attachments)
         except FileTooLarge as exc:
-            await self._say(message.platform, message.chat, str(exc), thread=message.thread)
+            await self._say(message.where, str(exc))
             return None
         except (PlatformError, OSError) as exc:
             count_failure("attachment_save", message.platform)
             log.warning("attachments.failed", conversation=conversation, error=str(exc))
             await self._say(
-                message.platform,
-                message.chat,
+                message.where,
                 "Kazma could not save the files sent with that message, so nothing was passed on. Please send them "
                 "again.",
-                thread=message.thread,
             )
             return None
         return saved
@@ -253,7 +240,7 @@ class Conversations:
 
     async def _run_step(self, worker: AgentSpec, conversation: str, message: Inbound, dispatch: _Dispatch) -> None:
         step = StepRef(dispatch.plan_id, dispatch.index, dispatch.attempt)
-        async with self.working(message.platform, message.chat, message.thread):
+        async with self.working(message.where):
             result = await self.runner.run(worker, conversation, message.text, requested_by=message.author, step=step)
         await self._post_result(message, worker, result)
         if self.executor is None:
@@ -275,7 +262,7 @@ class Conversations:
     async def _post_result(self, message: Inbound, agent: AgentSpec, result: TurnResult) -> None:
         text = result.text if result.ok else f"I could not finish: {result.error}"
         if text:
-            await self._say(message.platform, message.chat, text, agent=agent.name, thread=message.thread)
+            await self._say(message.where, text, agent=agent.name)
 
     # -- answers to questions --------------------------------------------------------------------
 
@@ -291,8 +278,7 @@ class Conversations:
             return False
         if question.choices and message.text.strip() not in question.choices:
             await self._say(
-                message.platform,
-                message.chat,
+                message.where.in_thread(None),
                 f"Please answer with one of: {', '.join(question.choices)} (or press its button).",
                 agent=self.lead.name,
             )
@@ -303,7 +289,7 @@ class Conversations:
             log.info("plan.reply_ignored", question=question.id, author=message.author)
             return True
         if result.verdict is AnswerVerdict.LOST:
-            await self._say(message.platform, message.chat, result.message, agent=self.lead.name)
+            await self._say(message.where.in_thread(None), result.message, agent=self.lead.name)
         return True
 
     async def answer_press(self, press: Press, *, is_admin: bool = False) -> PressResult:
@@ -331,16 +317,16 @@ class Conversations:
             listener(action)
 
     async def _perform(self, action: Action) -> None:
-        platform, _, chat = action.plan.conversation.partition(":")
+        where = Address.parse(action.plan.conversation)
         step = action.step
         if action.kind in (ActionKind.DISPATCH, ActionKind.RESUME):
             assert step is not None
             await self._dispatch(action, step.spec.assignee, step.index, step.attempts)
         elif action.kind is ActionKind.ASK_USER:
             assert action.question is not None
-            await self._ask(platform, chat, action.question)
+            await self._ask(where, action.question)
         elif action.kind is ActionKind.NOTICE:
-            await self._say(platform, chat, action.text, agent=self.lead.name)
+            await self._say(where, action.text, agent=self.lead.name)
         elif action.kind is ActionKind.RUN_LEAD:
             assert step is not None
             self._tasks.spawn(self._lead_step(action), name=f"lead-step-{action.plan.id}-{step.index}")
@@ -363,9 +349,10 @@ class Conversations:
             self._tasks.spawn(self._lead_says(action.plan.conversation, prompt), name=f"finish-{action.plan.id}")
 
     async def _dispatch(self, action: Action, assignee: str, index: int, attempt: int) -> None:
-        platform, _, chat = action.plan.conversation.partition(":")
+        where = Address.parse(action.plan.conversation)
+        platform, chat = where.platform, where.chat
         text = f"@{assignee} {action.text}".rstrip()
-        message_id = await self._say(platform, chat, text, agent=self.lead.name)
+        message_id = await self._say(where, text, agent=self.lead.name)
         if message_id is None:
             raise DispatchFailed(f"the dispatch to @{assignee} could not be posted", transient=True)
         self._dispatches[(platform, chat, message_id)] = _Dispatch(action.plan.id, index, attempt)
@@ -382,7 +369,7 @@ class Conversations:
         log.info("plan.dispatched", plan_id=action.plan.id, step=index, to=assignee, kind=action.kind.value)
         await self.on_inbound(inbound)  # the same message, through the same inbound path
 
-    async def _ask(self, platform: str, chat: str, question: Question) -> None:
+    async def _ask(self, where: Address, question: Question) -> None:
         assert self.executor is not None
         who = question.answerer.removesuffix(":admins")
         if question.choices:
@@ -391,7 +378,8 @@ class Conversations:
             how = "Reply to this message to answer."
         text = f"Question from @{question.asked_by} for {who} (or an admin):\n{question.question}\n{how}"
         choices = [(label, question_button(question.id, i)) for i, label in enumerate(question.choices)]
-        message_id = await self.sink.send_choices(platform, chat, for_humans(text), choices, agent=self.lead.name)
+        asked = Outgoing.question(for_humans(text), choices, agent=self.lead.name)
+        message_id = await self.sink.send(where, asked)
         if message_id is None:
             count_failure("question_post")
             log.warning("plan.question_not_posted", question=question.id, conversation=question.conversation)
@@ -433,10 +421,10 @@ class Conversations:
                 await self.executor.lead_decided(plan_id, index)
 
     async def _lead_says(self, conversation: str, prompt: str) -> None:
-        platform, _, chat = conversation.partition(":")
+        where = Address.parse(conversation)
         async with self._announcing(self.lead, conversation):
-            async with self.working(platform, chat):
+            async with self.working(where):
                 result = await self.runner.run(self.lead, conversation, prompt, requested_by="executor")
             text = result.text if result.ok else f"I could not finish: {result.error}"
             if text:
-                await self._say(platform, chat, text, agent=self.lead.name)
+                await self._say(where, text, agent=self.lead.name)

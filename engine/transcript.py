@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol
 
 import structlog
 
 from kazma.adapters.human_text import for_humans
+from kazma.config.address import Address
 from kazma.config.metrics import count_failure
+from kazma.config.outgoing import Outgoing
 from kazma.config.store.backend import StoreConnection, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
@@ -148,7 +150,7 @@ class TranscriptStore:
     ) -> Entry:
         """Keep one message (text as people see it) and tell the listeners."""
         shown = for_humans(text)[:TEXT_LIMIT]
-        conversation = f"{platform}:{chat}"
+        conversation = Address(platform, chat).conversation
         at = self.clock()
         async with self.tables.transaction() as db:
             row = await db.one(
@@ -206,11 +208,7 @@ class TranscriptStore:
 class Bus(MessageSink, Protocol):
     """What the recording sink forwards to (the fan-out bus, or the null bus): messages, files, the working sign."""
 
-    async def send_file(
-        self, platform: str, chat: str, name: str, data: bytes, *, agent: str | None = None, thread: str | None = None
-    ) -> str | None: ...
-
-    async def working(self, platform: str, chat: str, *, thread: str | None = None) -> bool: ...
+    async def working(self, at: Address) -> bool: ...
 
 
 class RecordingSink:
@@ -235,35 +233,12 @@ class RecordingSink:
             count_failure("transcript")
             log.warning("transcript.record_failed", platform=platform, chat=chat, error=str(exc))
 
-    async def send_text(
-        self, platform: str, chat: str, text: str, *, agent: str | None = None, thread: str | None = None
-    ) -> str | None:
-        message_id = await self.bus.send_text(platform, chat, text, agent=agent, thread=thread)
-        await self._keep(platform, chat, agent, text, message_id)
+    async def send(self, to: Address, message: Outgoing) -> str | None:
+        message_id = await self.bus.send(to, message)
+        file_name = message.file.name if message.file is not None else None
+        await self._keep(to.platform, to.chat, message.agent, message.as_people_read_it(), message_id, file_name)
         return message_id
 
-    async def send_choices(
-        self,
-        platform: str,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
-    ) -> str | None:
-        message_id = await self.bus.send_choices(platform, chat, text, choices, agent=agent, thread=thread)
-        labels = " · ".join(label for label, _ in choices)
-        await self._keep(platform, chat, agent, f"{text}\n[{labels}]" if labels else text, message_id)
-        return message_id
-
-    async def send_file(
-        self, platform: str, chat: str, name: str, data: bytes, *, agent: str | None = None, thread: str | None = None
-    ) -> str | None:
-        message_id = await self.bus.send_file(platform, chat, name, data, agent=agent, thread=thread)
-        await self._keep(platform, chat, agent, f"{name} ({len(data)} bytes)", message_id, file_name=name)
-        return message_id
-
-    async def working(self, platform: str, chat: str, *, thread: str | None = None) -> bool:
-        self.store.working(f"{platform}:{chat}")
-        return await self.bus.working(platform, chat, thread=thread)
+    async def working(self, at: Address) -> bool:
+        self.store.working(at.conversation)
+        return await self.bus.working(at)

@@ -23,7 +23,9 @@ from kazma.adapters.outbox import Outbox
 from kazma.approvals import MIGRATIONS as APPROVALS
 from kazma.approvals import ApprovalCard, ApprovalService, ApprovalStore, Decision, Outcome, PressResult, Status
 from kazma.approvals.service import ApprovalRefused
+from kazma.config.address import Address
 from kazma.config.metrics import failure_count
+from kazma.config.outgoing import Outgoing
 from kazma.config.store.database import connect, open_database
 from tests.approvals_support import approvals_config
 
@@ -49,6 +51,9 @@ class MemoryPlatform:
 
     async def stop(self) -> None:
         return
+
+    async def send(self, to: Address, message: Outgoing) -> str:
+        return await self.send_text(to.chat, message.text, agent=message.agent, thread=to.thread)
 
     async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
         if self.failures:

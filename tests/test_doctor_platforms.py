@@ -16,12 +16,10 @@ from kazma.bot.cli.platform_checks import check_platforms
 from kazma.config import load_config_text
 from kazma.config.errors import ConfigError
 from kazma.config.platforms import console_warnings
-from kazma.config.tokens import (
-    discord_token_problem,
-    slack_app_token_problem,
-    slack_bot_token_problem,
-    telegram_token_problem,
-)
+from kazma.config.registry.discord import token_problem as discord_token_problem
+from kazma.config.registry.slack import app_token_problem as slack_app_token_problem
+from kazma.config.registry.slack import bot_token_problem as slack_bot_token_problem
+from kazma.config.registry.telegram import token_problem as telegram_token_problem
 from tests.fakes.discord import ATTACH_FILES, BOT_ID, BOT_ROLE_ID, GUILD_ID, HOME_CHANNEL_ID, VIEW_CHANNEL, FakeDiscord
 from tests.fakes.openai import FakeOpenAI
 from tests.fakes.slack import DEFAULT_SCOPES, FAKE_APP_TOKEN, FAKE_BOT_TOKEN, FAKE_SIGNING_SECRET, FakeSlack

@@ -10,14 +10,11 @@ from pathlib import Path
 import discord
 import yaml
 
-from kazma.bot.cli.platform_setup import (
-    DISCORD_PERMISSIONS,
-    SLACK_BOT_EVENTS,
-    SLACK_BOT_SCOPES,
-    discord_invite_url,
-    discord_permissions,
-    slack_manifest,
-)
+from kazma.adapters.discord.setup import PERMISSIONS as DISCORD_PERMISSIONS
+from kazma.adapters.discord.setup import discord_invite_url, discord_permissions
+from kazma.adapters.slack.setup import BOT_EVENTS as SLACK_BOT_EVENTS
+from kazma.adapters.slack.setup import BOT_SCOPES as SLACK_BOT_SCOPES
+from kazma.adapters.slack.setup import slack_manifest
 from kazma.config import load_config_text
 from tests.fakes.discord import APP_ID, FakeDiscord
 from tests.fakes.slack import DEFAULT_SCOPES

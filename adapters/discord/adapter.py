@@ -26,16 +26,14 @@ import contextlib
 import hashlib
 import io
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, Unpack
 
 import discord
 import structlog
 import yarl
 from discord import app_commands
 
-from kazma.adapters.admission import DirectPolicy, FileBounds, Served
-from kazma.adapters.card_layout import agent_prefix
-from kazma.adapters.chat_text import split_text
+from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.contract import CardRef, PlatformError, Press
 from kazma.adapters.deny_reason import (
     REASON_LABEL,
@@ -55,7 +53,7 @@ from kazma.adapters.discord.inbound import (
 )
 from kazma.adapters.discord.render import CONTENT_MAX, NO_MENTIONS, clip, escape_text, neutralise_mentions, render_card
 from kazma.adapters.discord.webhooks import AgentWebhooks
-from kazma.adapters.kit import NOT_SERVED, PlatformBase
+from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import Pacing
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
@@ -148,28 +146,15 @@ class DiscordAdapter(PlatformBase):
         request_timeout: float = 10.0,
         start_timeout: float = 60.0,
         sync_commands: bool = True,
-        press_timeout: float = 2.0,
-        stop_grace: float = 5.0,
-        approve_partial: bool = False,
-        direct: DirectPolicy | None = None,
-        files: FileBounds | None = None,
+        **options: Unpack[KitOptions],
     ) -> None:
-        super().__init__(
-            served=Served.of(config.channels, config.home_channel),
-            admins=config.admins,
-            # discord.py keeps Discord's per-route buckets itself; Kazma only waits out a 429 it gives up on.
-            pacing=Pacing(None),
-            press_timeout=press_timeout,
-            stop_grace=stop_grace,
-            direct=direct or DirectPolicy.of(config.dm_policy, (f"{PLATFORM}:{a}" for a in config.admins)),
-            files=files,
-        )
-        self._config = config
+        # discord.py keeps Discord's per-route buckets itself; Kazma only waits out a 429 it gives up on.
+        super().__init__(config, pacing=Pacing(None), **options)
+        self.config: DiscordConfig = config
         self._guild_ready_timeout = guild_ready_timeout
         self.request_timeout = request_timeout
         self._start_timeout = start_timeout
         self._sync_commands_enabled = sync_commands
-        self.approve_partial = approve_partial
         self._client: _Client | None = None
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
@@ -187,7 +172,7 @@ class DiscordAdapter(PlatformBase):
 
     async def _connect(self) -> None:
         """Log in over REST (the bot user, the application, the command sync): enough to post and edit."""
-        if not self._config.token:
+        if not self.config.token:
             raise PlatformError(PLATFORM, "start", "no bot token configured", retryable=False)
         self._ready = asyncio.Event()
         self._point_library_at_config()
@@ -195,7 +180,7 @@ class DiscordAdapter(PlatformBase):
         self._client = client
         try:
             async with asyncio.timeout(self._start_timeout):
-                await client.login(self._config.token)
+                await client.login(self.config.token)
         except TimeoutError as exc:
             message = f"no login within {self._start_timeout:g} s"
             raise PlatformError(PLATFORM, "start", message, retryable=True) from exc
@@ -278,8 +263,8 @@ class DiscordAdapter(PlatformBase):
         gateway_cls = discord.gateway.DiscordWebSocket
         if self._saved_endpoints is None:
             self._saved_endpoints = (discord.http.Route.BASE, gateway_cls.DEFAULT_GATEWAY)
-        discord.http.Route.BASE = self._config.api_base_url.rstrip("/") or DEFAULT_API_BASE
-        gateway_cls.DEFAULT_GATEWAY = yarl.URL(self._config.gateway_url or DEFAULT_GATEWAY)
+        discord.http.Route.BASE = self.config.api_base_url.rstrip("/") or DEFAULT_API_BASE
+        gateway_cls.DEFAULT_GATEWAY = yarl.URL(self.config.gateway_url or DEFAULT_GATEWAY)
 
     def _restore_library_endpoints(self) -> None:
         if self._saved_endpoints is not None:
@@ -311,8 +296,12 @@ class DiscordAdapter(PlatformBase):
     async def _on_command(self, interaction: discord.Interaction[_Client], name: str, args: str) -> None:
         with self.tracking():
             chat, thread = self._interaction_chat(interaction)
-            served = chat is not None and self.serves(str(chat), direct=interaction.guild_id is None)
-            if not self.started or not served or not self._guild_served(interaction.guild_id):
+            inbound = None
+            if chat is not None:
+                inbound = command_inbound(
+                    interaction, chat, thread, name, args, actor=self.actor, is_admin=self.is_admin
+                )
+            if not self.started or inbound is None or not await self.screen(inbound, space=interaction.guild_id):
                 with contextlib.suppress(PlatformError):
                     await self._rest(
                         "command",
@@ -326,10 +315,7 @@ class DiscordAdapter(PlatformBase):
                 await self._rest("command", lambda: interaction.response.defer(thinking=True))
             except PlatformError:
                 return  # the user was shown a failure; running the command anyway would surprise them
-            delivered = await self.deliver(
-                command_inbound(interaction, chat, thread, name, args, actor=self.actor, is_admin=self.is_admin),
-                key=f"interaction:{interaction.id}",
-            )
+            delivered = await self.deliver(inbound, key=f"interaction:{interaction.id}", space=interaction.guild_id)
             if not delivered:
                 return
             reply = clip(f"Received /{name} {escape_text(args)}".rstrip(), CONTENT_MAX)
@@ -343,23 +329,15 @@ class DiscordAdapter(PlatformBase):
             return None, None
         return channel_chat(interaction.channel, interaction.channel_id)
 
-    def _guild_served(self, guild_id: int | None) -> bool:
-        """``guilds`` narrows every served channel, ``"*"`` included, to those servers."""
-        guilds = self._config.guilds
-        return guild_id is None or not guilds or guild_id in guilds
-
     async def _on_message(self, message: discord.Message) -> None:
         if message.type not in (discord.MessageType.default, discord.MessageType.reply):
             return
-        if not self._guild_served(message.guild.id if message.guild else None):
-            log.info(
-                "discord.inbound_ignored", reason="guild_not_served", guild=message.guild.id if message.guild else None
-            )
-            return
         with self.tracking():
+            # ``guilds`` narrows every served channel, ``"*"`` included, to those servers: the door's space check
             await self.deliver(
                 message_inbound(message, actor=self.actor, is_admin=self.is_admin, fetcher=self._fetcher),
                 key=f"message:{message.id}",
+                space=message.guild.id if message.guild else None,
             )
 
     def _fetcher(self, attachment: discord.Attachment) -> Callable[[], Awaitable[bytes]]:
@@ -382,6 +360,12 @@ class DiscordAdapter(PlatformBase):
         if asked is not None:
             await self._ask_reason(interaction, asked)
             return
+        await self._take_press(interaction, custom_id)
+
+    async def _take_press(
+        self, interaction: discord.Interaction[_Client], custom_id: str, reason: str | None = None
+    ) -> None:
+        """A button's press, or a reason modal's Deny, through the one press policy."""
         with self.tracking():
             # Acknowledge first (type 6, deferred update): a slow store must not cost the 3 s window.
             # The press is real even if the acknowledgement failed, so it is still decided.
@@ -396,6 +380,7 @@ class DiscordAdapter(PlatformBase):
                 chat=str(chat) if chat is not None else None,
                 message_id=str(message.id) if message is not None else None,
                 is_admin=self.is_admin(interaction.user.id),
+                reason=reason,
             )
             await self.press(press, _FollowupReply(self, interaction), key=f"interaction:{interaction.id}")
 
@@ -417,21 +402,7 @@ class DiscordAdapter(PlatformBase):
         custom_id = data.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id.startswith(PRESS_PREFIXES):
             return
-        with self.tracking():
-            with contextlib.suppress(PlatformError):
-                await self._rest("press", lambda: interaction.response.defer())
-            chat, _ = self._interaction_chat(interaction)
-            message = interaction.message
-            press = Press(
-                platform=PLATFORM,
-                data=custom_id,
-                actor=self.actor(interaction.user.id),
-                chat=str(chat) if chat is not None else None,
-                message_id=str(message.id) if message is not None else None,
-                is_admin=self.is_admin(interaction.user.id),
-                reason=modal_value(data.get("components"), REASON_INPUT),
-            )
-            await self.press(press, _FollowupReply(self, interaction), key=f"interaction:{interaction.id}")
+        await self._take_press(interaction, custom_id, modal_value(data.get("components"), REASON_INPUT))
 
     # ----------------------------------------------------------------- outbound
 
@@ -452,30 +423,32 @@ class DiscordAdapter(PlatformBase):
         except ValueError:
             raise self.refuse(site, f"{value!r} is not a Discord id") from None
 
-    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
-        site = "send"
-        client = self._connected(site)
-        channel_id = self._snowflake(site, chat)
-        thread_id = self._snowflake(site, thread) if thread is not None else None
-        safe = neutralise_mentions(text)
-        if not safe.strip():
-            raise self.refuse(site, "nothing to send: the text is empty", chat=chat)
-        webhook = await self._hooks.for_channel(self._client, channel_id) if agent else None
-        if webhook is not None and agent:
-            sent = await self._hooks.send(webhook, channel_id, safe, agent=agent, thread_id=thread_id)
-            if sent is not None:
-                return sent
-        target = client.get_partial_messageable(thread_id or channel_id)
-        prefix = agent_prefix(agent)
-        first: str | None = None
-        for chunk in split_text(safe, CONTENT_MAX - len(prefix)):
-            message = await self._rest(
-                site, lambda chunk=chunk: target.send(prefix + chunk, allowed_mentions=NO_MENTIONS)
-            )
-            first = first or str(message.id)
-        log.info("discord.sent", chat=chat, agent=agent, message_id=first, via="bot")
-        assert first is not None  # split_text of non-blank text has at least one chunk
-        return first
+    def _can_send(self, site: str) -> None:
+        self._connected(site)
+
+    def _writable(self, text: str) -> str:
+        return neutralise_mentions(text)
+
+    def _text_room(self, agent: str | None) -> tuple[int, Callable[[str], int] | None]:
+        return CONTENT_MAX - len(agent_prefix(agent)), None
+
+    def _target(self, site: str, chat: str, thread: str | None) -> discord.PartialMessageable:
+        return self._connected(site).get_partial_messageable(self._snowflake(site, thread or chat))
+
+    async def _send_whole(self, chat: str, text: str, *, agent: str, thread: str | None) -> str | None:
+        """As the agent itself, through the channel's webhook, when the bot may make one."""
+        channel_id = self._snowflake("send", chat)
+        webhook = await self._hooks.for_channel(self._client, channel_id)
+        if webhook is None:
+            return None
+        thread_id = self._snowflake("send", thread) if thread is not None else None
+        return await self._hooks.send(webhook, channel_id, text, agent=agent, thread_id=thread_id)
+
+    async def _post_text(self, chat: str, part: str, *, agent: str | None, thread: str | None) -> Posted:
+        target = self._target("send", chat, thread)
+        text = agent_prefix(agent) + part
+        message = await self._rest("send", lambda: target.send(text, allowed_mentions=NO_MENTIONS))
+        return Posted(chat, str(message.id))
 
     async def _post_file(self, chat: str, name: str, data: bytes, *, caption: str, thread: str | None) -> str:
         site = "send_file"
@@ -497,23 +470,10 @@ class DiscordAdapter(PlatformBase):
         # POST /channels/{id}/typing: shown for 10 s or until the bot's next message
         await self._rest("working", lambda: client.http.send_typing(channel_id))
 
-    async def send_choices(
-        self,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
+    async def _post_choices(
+        self, chat: str, body: str, choices: Sequence[tuple[str, str]], *, thread: str | None
     ) -> str:
-        site = "send"
-        client = self._connected(site)
-        target = client.get_partial_messageable(
-            self._snowflake(site, thread) if thread else self._snowflake(site, chat)
-        )
-        body = neutralise_mentions(agent_prefix(agent) + text)
-        if not text.strip() or len(body) > CONTENT_MAX:
-            raise self.refuse(site, f"a question must be 1 to {CONTENT_MAX} characters", chat=chat)
+        target = self._target("send", chat, thread)
         sending: dict[str, Any] = {"allowed_mentions": NO_MENTIONS}
         if choices:
             view = discord.ui.View(timeout=None)
@@ -521,23 +481,17 @@ class DiscordAdapter(PlatformBase):
                 view.add_item(discord.ui.Button(style=discord.ButtonStyle.primary, label=label[:80], custom_id=data))
             view.stop()  # presses are taken from on_interaction, like a card's
             sending["view"] = view
-        message = await self._rest(site, lambda: target.send(body, **sending))
+        message = await self._rest("send", lambda: target.send(body, **sending))
         return str(message.id)
 
     # Card posts are idempotent on Discord (their nonce): the bus need not mark a post tried again.
     idempotent_posts = True
 
-    async def post_card(self, card: ApprovalCard) -> CardRef:
-        site = "card_post"
-        client = self._connected(site)
-        home = self.home_chat
-        if home is None:
-            raise self.refuse(site, "no home_channel configured")
-        channel = client.get_partial_messageable(self._snowflake(site, home))
-        try:
-            laid = render_card(card, approve_partial=self.approve_partial)
-        except ValueError as exc:
-            raise self.refuse(site, str(exc), chat=home) from exc
+    def _write_card(self, card: ApprovalCard, outcome: Outcome | None) -> LaidOut[Any]:
+        return render_card(card, outcome=outcome, approve_partial=self.approve_partial)
+
+    async def _post_card(self, chat: str, laid: LaidOut[Any], card: ApprovalCard) -> Posted:
+        channel = self._target("card_post", chat, None)
         written = laid.written
         # The same nonce for every attempt at this card: Discord (with enforce_nonce, which discord.py sends with
         # every nonce) answers a repeat within minutes with the first message, so a post tried again after a
@@ -545,54 +499,20 @@ class DiscordAdapter(PlatformBase):
         sending: dict[str, Any] = {
             "embed": written.embed,
             "allowed_mentions": NO_MENTIONS,
-            "nonce": card_nonce(card.request_id, home),
+            "nonce": card_nonce(card.request_id, chat),
         }
         if written.view is not None:
             sending["view"] = written.view
-        message = await self._rest(site, lambda: channel.send(**sending))
-        log.info(
-            "discord.card_posted",
-            request_id=card.request_id,
-            chat=home,
-            message_id=message.id,
-            fields=len(laid.view.arguments),
-            whole=laid.whole,
-        )
-        return CardRef(platform=PLATFORM, chat=home, message_id=str(message.id), whole=laid.whole)
+        message = await self._rest("card_post", lambda: channel.send(**sending))
+        return Posted(chat, str(message.id))
 
-    async def update_card(self, ref: CardRef, card: ApprovalCard) -> None:
-        site = "card_update"
-        if ref.platform != PLATFORM:
-            raise self.refuse(site, f"not a Discord card: {ref.platform}", chat=ref.chat)
-        client = self._connected(site)
-        channel = client.get_partial_messageable(self._snowflake(site, ref.chat))
+    async def _edit_card(
+        self, site: str, ref: CardRef, laid: LaidOut[Any], card: ApprovalCard, *, settled: bool
+    ) -> bool:
+        written = laid.written
+        channel = self._target(site, ref.chat, None)
         message = channel.get_partial_message(self._snowflake(site, ref.message_id))
-        try:
-            written = render_card(card, approve_partial=self.approve_partial).written
-        except ValueError as exc:
-            raise self.refuse(site, str(exc), chat=ref.chat) from exc
-        await self._rest(
-            site, lambda: message.edit(embed=written.embed, view=written.view, allowed_mentions=NO_MENTIONS)
-        )
-        log.info("discord.card_updated", request_id=card.request_id, chat=ref.chat, message_id=ref.message_id)
-
-    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
-        site = "card_settle"
-        if ref.platform != PLATFORM:
-            raise self.refuse(site, f"not a Discord card: {ref.platform}", chat=ref.chat)
-        client = self._connected(site)
-        channel = client.get_partial_messageable(self._snowflake(site, ref.chat))
-        message = channel.get_partial_message(self._snowflake(site, ref.message_id))
-        try:
-            written = render_card(card, outcome=outcome, approve_partial=self.approve_partial).written
-        except ValueError as exc:
-            raise self.refuse(site, str(exc), chat=ref.chat) from exc
+        view = None if settled else written.view  # settled: the buttons are removed
         # An identical re-edit succeeds on Discord, so settling twice is harmless.
-        await self._rest(site, lambda: message.edit(embed=written.embed, view=None, allowed_mentions=NO_MENTIONS))
-        log.info(
-            "discord.card_settled",
-            request_id=card.request_id,
-            chat=ref.chat,
-            message_id=ref.message_id,
-            status=outcome.status.value,
-        )
+        await self._rest(site, lambda: message.edit(embed=written.embed, view=view, allowed_mentions=NO_MENTIONS))
+        return True

@@ -79,6 +79,7 @@ def command_inbound(
         text=args,
         command=name,
         from_bot=user.bot,
+        direct=interaction.guild_id is None,
         is_admin=is_admin(user.id),
     )
 

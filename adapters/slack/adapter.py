@@ -21,7 +21,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, Unpack
 from urllib.parse import urlsplit
 from urllib.request import proxy_bypass
 
@@ -37,9 +37,7 @@ from slack_bolt.response import BoltResponse
 from slack_sdk.http_retry.builtin_async_handlers import AsyncConnectionErrorRetryHandler
 from slack_sdk.web.async_client import AsyncWebClient
 
-from kazma.adapters.admission import DirectPolicy, FileBounds, Served
-from kazma.adapters.card_layout import agent_prefix
-from kazma.adapters.chat_text import split_text
+from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
 from kazma.adapters.deny_reason import (
     REASON_LABEL,
@@ -49,12 +47,12 @@ from kazma.adapters.deny_reason import (
     deny_data,
     reason_request,
 )
-from kazma.adapters.kit import NOT_SERVED, PlatformBase
+from kazma.adapters.ingress import Arrival
+from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, error_code
 from kazma.adapters.slack.inbound import (
     MESSAGE_SUBTYPES,
-    Replays,
     Seen,
     attachments,
     interaction_key,
@@ -77,7 +75,6 @@ from kazma.adapters.slack.render import (
 )
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
-from kazma.config.metrics import count_failure
 from kazma.config.models import SlackConfig
 
 log = structlog.get_logger("kazma.adapters.slack")
@@ -132,26 +129,15 @@ class SlackAdapter(PlatformBase):
         limiter: ChatRateLimiter | None = None,
         request_timeout: int = 30,
         shutdown_timeout: float = 1.0,
-        press_timeout: float = 2.0,
-        stop_grace: float = 5.0,
         max_attempts: int = 5,
-        approve_partial: bool = False,
-        direct: DirectPolicy | None = None,
-        files: FileBounds | None = None,
+        **options: Unpack[KitOptions],
     ) -> None:
         super().__init__(
-            served=Served.of(config.channels, config.home_channel),
-            admins=config.admins,
-            pacing=Pacing(limiter or ChatRateLimiter(min_interval=1.0), max_attempts=max_attempts),
-            press_timeout=press_timeout,
-            stop_grace=stop_grace,
-            direct=direct or DirectPolicy.of(config.dm_policy, (f"{PLATFORM}:{a}" for a in config.admins)),
-            files=files,
+            config, pacing=Pacing(limiter or ChatRateLimiter(min_interval=1.0), max_attempts=max_attempts), **options
         )
-        self._config = config
+        self.config: SlackConfig = config
         self._timeout = request_timeout
         self._shutdown_timeout = shutdown_timeout
-        self.approve_partial = approve_partial
         self.client = AsyncWebClient(
             token=config.bot_token,
             base_url=config.api_base_url,
@@ -170,7 +156,6 @@ class SlackAdapter(PlatformBase):
             ignoring_self_events_enabled=True,
         )
         self._seen = Seen()
-        self._replays = Replays()
         self._customize = True  # chat:write.customize granted until Slack says otherwise
         self._runner: web.AppRunner | None = None
         self._socket: AsyncSocketModeHandler | None = None
@@ -189,7 +174,7 @@ class SlackAdapter(PlatformBase):
 
     @property
     def has_singleton_ingress(self) -> bool:
-        return bool(self._config.app_token)  # Socket Mode; HTTP events are served by every replica
+        return bool(self.config.app_token)  # Socket Mode; HTTP events are served by every replica
 
     # -- lifecycle --------------------------------------------------------
 
@@ -198,11 +183,11 @@ class SlackAdapter(PlatformBase):
         self.client.session = self._session
         auth = await self.client.auth_test()
         self.bot_user_id = str(auth.get("user_id") or "") or None
-        if not self._config.app_token:
+        if not self.config.app_token:
             await self._start_http()
         log.info(
             "slack.connected",
-            mode="socket" if self._config.app_token else "http",
+            mode="socket" if self.config.app_token else "http",
             events_url=self._events_url,
             bot_user_id=self.bot_user_id,
         )
@@ -234,7 +219,7 @@ class SlackAdapter(PlatformBase):
             await session.close()
 
     async def _start_http(self) -> None:
-        http = self._config.http
+        http = self.config.http
         web_app = web.Application()
         web_app.router.add_post(http.path, self._handle_http)
         runner = web.AppRunner(web_app, shutdown_timeout=self._shutdown_timeout, access_log=None)
@@ -266,8 +251,8 @@ class SlackAdapter(PlatformBase):
     async def _start_socket_mode(self) -> None:
         # slack-sdk retries a failed connect forever, so a bad app token would hang
         # start; asking for the socket URL first turns it into a clear error.
-        opened = await self.client.apps_connections_open(app_token=self._config.app_token)
-        handler = AsyncSocketModeHandler(self.app, self._config.app_token, web_client=self.client)
+        opened = await self.client.apps_connections_open(app_token=self.config.app_token)
+        handler = AsyncSocketModeHandler(self.app, self.config.app_token, web_client=self.client)
         handler.client.wss_uri = str(opened["url"])
         try:
             await asyncio.wait_for(handler.connect_async(), timeout=max(self._timeout, 1))  # type: ignore[no-untyped-call]
@@ -295,25 +280,11 @@ class SlackAdapter(PlatformBase):
     async def _drop_replays(
         self, req: AsyncBoltRequest, body: dict[str, Any], next: Callable[[], Awaitable[BoltResponse]]
     ) -> BoltResponse:
+        """Bolt's hook into the kit's door: a signed request walks it (its replay guard) before any listener."""
         keys = replay_keys(req, body)
-        if keys and not (self._replays.first_time(keys) and await self._first_in_store(keys)):
-            count_failure("replay_dropped", PLATFORM)
-            log.warning("slack.replay_dropped", keys=[k.split(":", 1)[0] for k in keys])
+        if keys and await self.admit(Arrival(PLATFORM, signed=tuple(keys))) is None:
             return BoltResponse(status=200, body="")  # acknowledged, so Slack does not retry; nothing runs
         return await next()
-
-    async def _first_in_store(self, keys: list[str]) -> bool:
-        """The store's memory of signed requests (across restarts and replicas). One it cannot ask lets the
-        request through, counted: Bolt checked its signature and age, and this process had not seen it."""
-        handlers = self._handlers
-        if handlers is None or handlers.first_signed is None:
-            return True
-        try:
-            return await handlers.first_signed(PLATFORM, keys)
-        except Exception as exc:
-            count_failure("replay_check", PLATFORM)
-            log.warning("slack.replay_check_failed", error=str(exc))
-            return True
 
     async def _on_message(self, event: dict[str, Any]) -> None:
         with self.tracking():
@@ -361,7 +332,7 @@ class SlackAdapter(PlatformBase):
                 raise self.refuse("file_fetch", "the adapter is not started", retryable=True)
 
             async def download() -> bytes:
-                headers = {"Authorization": f"Bearer {self._config.bot_token}"}
+                headers = {"Authorization": f"Bearer {self.config.bot_token}"}
                 async with session.get(url, headers=headers, allow_redirects=False) as response:
                     if response.status != 200:
                         raise PlatformError(PLATFORM, "file_fetch", f"HTTP {response.status}", retryable=False)
@@ -373,30 +344,27 @@ class SlackAdapter(PlatformBase):
 
     async def _on_command(self, ack: AsyncAck, command: dict[str, Any]) -> None:
         channel = str(command.get("channel_id", ""))
-        if not self.serves(channel):
+        user = str(command.get("user_id", ""))
+        raw = str(command.get("text") or "")
+        trigger = command.get("trigger_id")
+        inbound = Inbound(
+            platform=PLATFORM,
+            chat=channel,
+            message_id=str(trigger or f"cmd-{uuid.uuid4().hex}"),
+            author=self.actor(user),
+            author_name=str(command.get("user_name") or user),
+            text=unescape(raw).strip(),
+            mentions=mentions_in(raw),
+            command=str(command.get("command") or "/swarm").removeprefix("/"),
+            is_admin=self.is_admin(user),
+        )
+        if not await self.screen(inbound):
             await ack(text=NOT_SERVED)
-            log.info("slack.command_ignored", reason="chat_not_served", channel=channel)
             return
         # Slack gives a slash command 3 seconds; the swarm's work starts after the ack.
         await ack()
         with self.tracking():
-            user = str(command.get("user_id", ""))
-            raw = str(command.get("text") or "")
-            trigger = command.get("trigger_id")
-            await self.deliver(
-                Inbound(
-                    platform=PLATFORM,
-                    chat=channel,
-                    message_id=str(command.get("trigger_id") or f"cmd-{uuid.uuid4().hex}"),
-                    author=self.actor(user),
-                    author_name=str(command.get("user_name") or user),
-                    text=unescape(raw).strip(),
-                    mentions=mentions_in(raw),
-                    command=str(command.get("command") or "/swarm").removeprefix("/"),
-                    is_admin=self.is_admin(user),
-                ),
-                key=f"command:{trigger}" if trigger else None,
-            )
+            await self.deliver(inbound, key=f"command:{trigger}" if trigger else None)
 
     async def _on_action(self, ack: AsyncAck, body: dict[str, Any], action: dict[str, Any]) -> None:
         # Acknowledge before any work: a slow decision must not cost the 3-second window.
@@ -482,19 +450,10 @@ class SlackAdapter(PlatformBase):
 
     # -- outbound ---------------------------------------------------------
 
-    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
-        if not text.strip():
-            raise self.refuse("send", "nothing to send: the text is empty", chat=chat)
-        first: str | None = None
-        prefix_units = len(escape(agent_prefix(agent)))
-        for part in split_text(text, MAX_MESSAGE_TEXT - prefix_units, escaped_units):
-            ts = await self._post_text(chat, part, agent=agent, thread=thread)
-            first = first or ts
-        if first is None:
-            raise self.refuse("send", "nothing to send: the text is empty", chat=chat)
-        return first
+    def _text_room(self, agent: str | None) -> tuple[int, Callable[[str], int] | None]:
+        return MAX_MESSAGE_TEXT - len(escape(agent_prefix(agent))), escaped_units
 
-    async def _post_text(self, chat: str, part: str, *, agent: str | None, thread: str | None) -> str:
+    async def _post_text(self, chat: str, part: str, *, agent: str | None, thread: str | None) -> Posted:
         if agent and self._customize:
             try:
                 response = await self.call(
@@ -506,7 +465,7 @@ class SlackAdapter(PlatformBase):
                         )
                     ),
                 )
-                return str(response.get("ts"))
+                return Posted(chat, str(response.get("ts")))
             except PlatformError as exc:
                 if not isinstance(exc.__cause__, _FallBack):
                     raise
@@ -517,7 +476,7 @@ class SlackAdapter(PlatformBase):
         response = await self.call(
             "send", chat, lambda: self.client.chat_postMessage(channel=chat, text=body, thread_ts=thread)
         )
-        return str(response.get("ts"))
+        return Posted(chat, str(response.get("ts")))
 
     @staticmethod
     async def _optional(call: Any) -> Any:
@@ -544,74 +503,37 @@ class SlackAdapter(PlatformBase):
         # The Web API has no typing indicator for apps (RTM's is gone): the agent's reply is the sign.
         return None
 
-    async def send_choices(
-        self,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
+    def _question_room(self) -> tuple[int, Callable[[str], int] | None]:
+        return MAX_SECTION_TEXT, escaped_units  # a question is one section block: its limit, below a message's
+
+    async def _post_choices(
+        self, chat: str, body: str, choices: Sequence[tuple[str, str]], *, thread: str | None
     ) -> str:
-        body = escape(agent_prefix(agent) + text)
-        if not text.strip() or len(body) > MAX_SECTION_TEXT:
-            raise self.refuse("send", f"a question must be 1 to {MAX_SECTION_TEXT} characters once escaped", chat=chat)
-        blocks = choice_blocks(body, choices)
+        text = escape(body)
+        blocks = choice_blocks(text, choices)
         response = await self.call(
-            "send", chat, lambda: self.client.chat_postMessage(channel=chat, text=body, blocks=blocks, thread_ts=thread)
+            "send", chat, lambda: self.client.chat_postMessage(channel=chat, text=text, blocks=blocks, thread_ts=thread)
         )
         return str(response.get("ts"))
 
-    async def post_card(self, card: ApprovalCard) -> CardRef:
-        site = "card_post"
-        channel = self.home_chat
-        if channel is None:
-            raise self.refuse(site, "no home_channel is configured")
-        try:
-            laid = render_card(card, approve_partial=self.approve_partial)
-        except ValueError as exc:
-            raise self.refuse(site, str(exc), chat=channel) from exc
+    def _write_card(self, card: ApprovalCard, outcome: Outcome | None) -> LaidOut[Any]:
+        return render_card(card, outcome=outcome, approve_partial=self.approve_partial)
+
+    async def _post_card(self, chat: str, laid: LaidOut[Any], card: ApprovalCard) -> Posted:
         written = laid.written
         response = await self.call(
-            site,
-            channel,
+            "card_post",
+            chat,
             lambda: self.client.chat_postMessage(
-                channel=channel, text=written.text, blocks=written.blocks, unfurl_links=False, unfurl_media=False
+                channel=chat, text=written.text, blocks=written.blocks, unfurl_links=False, unfurl_media=False
             ),
         )
-        ts = str(response.get("ts"))
-        log.info(
-            "slack.card_posted",
-            request_id=card.request_id,
-            channel=channel,
-            ts=ts,
-            blocks=len(written.blocks),
-            whole=laid.whole,
-        )
-        return CardRef(platform=PLATFORM, chat=channel, message_id=ts, whole=laid.whole)
+        return Posted(chat, str(response.get("ts")))
 
-    async def update_card(self, ref: CardRef, card: ApprovalCard) -> None:
-        site = "card_update"
-        try:
-            written = render_card(card, approve_partial=self.approve_partial).written
-        except ValueError as exc:
-            raise self.refuse(site, str(exc), chat=ref.chat) from exc
-        await self.call(
-            site,
-            ref.chat,
-            lambda: self.client.chat_update(
-                channel=ref.chat, ts=ref.message_id, text=written.text, blocks=written.blocks
-            ),
-            paced=False,
-        )
-        log.info("slack.card_updated", request_id=card.request_id, channel=ref.chat, ts=ref.message_id)
-
-    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
-        site = "card_settle"
-        try:
-            written = render_card(card, outcome=outcome, approve_partial=self.approve_partial).written
-        except ValueError as exc:
-            raise self.refuse(site, str(exc), chat=ref.chat) from exc
+    async def _edit_card(
+        self, site: str, ref: CardRef, laid: LaidOut[Any], card: ApprovalCard, *, settled: bool
+    ) -> bool:
+        written = laid.written  # its blocks hold the buttons while the card is open, none once settled
         await self.call(
             site,
             ref.chat,
@@ -620,10 +542,4 @@ class SlackAdapter(PlatformBase):
             ),
             paced=False,  # chat.update is not limited per channel like chat.postMessage
         )
-        log.info(
-            "slack.card_settled",
-            request_id=card.request_id,
-            channel=ref.chat,
-            ts=ref.message_id,
-            status=outcome.status.value,
-        )
+        return True

@@ -4,7 +4,6 @@ replays into one event, mentions, and a message's files. Payload translation onl
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
@@ -19,31 +18,6 @@ from kazma.adapters.slack.render import strip_user_mentions, unescape, user_ment
 MESSAGE_SUBTYPES: Final = frozenset({None, "bot_message", "thread_broadcast", "file_share", "me_message"})
 _SEEN_LIMIT: Final = 4096
 REPLAY_WINDOW: Final = 300.0  # Slack refuses signatures older than five minutes; Bolt checks that
-
-
-class Replays:
-    """Signed requests seen in the last five minutes: Slack's signature window, so a replay inside it is dropped.
-
-    Keyed by what makes a request unique: its signature (an exact replay), its
-    event id (Slack's own retries of one event) and its trigger id (one slash
-    command or one press).
-    """
-
-    def __init__(self, *, window: float = REPLAY_WINDOW, limit: int = 50_000, clock: Any = time.monotonic) -> None:
-        self._seen: OrderedDict[str, float] = OrderedDict()
-        self.window = window
-        self.limit = limit
-        self.clock = clock
-
-    def first_time(self, keys: list[str]) -> bool:
-        now = self.clock()
-        while self._seen and (next(iter(self._seen.values())) <= now - self.window or len(self._seen) > self.limit):
-            self._seen.popitem(last=False)
-        if any(key in self._seen for key in keys):
-            return False
-        for key in keys:
-            self._seen[key] = now
-        return True
 
 
 def replay_keys(request: AsyncBoltRequest, body: dict[str, Any]) -> list[str]:

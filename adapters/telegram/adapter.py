@@ -24,7 +24,7 @@ import contextlib
 import json
 from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
-from typing import Any, Final
+from typing import Any, Final, Unpack
 
 import structlog
 from telegram import (
@@ -51,12 +51,10 @@ from telegram.ext import (
 )
 from telegram.request import HTTPXRequest
 
-from kazma.adapters.admission import DirectPolicy, FileBounds, Served
-from kazma.adapters.card_layout import agent_prefix
-from kazma.adapters.chat_text import split_text
+from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
 from kazma.adapters.deny_reason import deny_data, reason_request, reply_prompt
-from kazma.adapters.kit import PlatformBase
+from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified
 from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip
@@ -85,10 +83,6 @@ _ALLOWED_UPDATES: Final = [Update.MESSAGE, Update.CALLBACK_QUERY]
 log = structlog.get_logger("kazma.adapters.telegram")
 
 AnyApplication = Application[Any, Any, Any, Any, Any, Any]
-
-
-def self_actor(user_id: object) -> str:
-    return f"{PLATFORM}:{user_id}"
 
 
 class _ChatReply:
@@ -128,31 +122,18 @@ class TelegramAdapter(PlatformBase):
         request_timeout: float = 10.0,
         connect_timeout: float = 5.0,
         poll_timeout: float = 10.0,
-        press_timeout: float = 2.0,
         max_attempts: int = 5,
-        stop_grace: float = 5.0,
-        approve_partial: bool = False,
-        direct: DirectPolicy | None = None,
-        files: FileBounds | None = None,
+        **options: Unpack[KitOptions],
     ) -> None:
         # Telegram allows about one message a second in any chat and twenty a minute in a group.
         chosen = limiter or ChatRateLimiter(
             min_interval=1.0, per_window=20, window=60.0, windowed=lambda chat: chat.startswith("-")
         )
-        super().__init__(
-            served=Served.of(config.chats, config.home_chat),
-            admins=config.admins,
-            pacing=Pacing(chosen, max_attempts=max_attempts),
-            press_timeout=press_timeout,
-            stop_grace=stop_grace,
-            direct=direct or DirectPolicy.of(config.dm_policy, (self_actor(a) for a in config.admins)),
-            files=files,
-        )
-        self.config = config
+        super().__init__(config, pacing=Pacing(chosen, max_attempts=max_attempts), **options)
+        self.config: TelegramConfig = config
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
         self.poll_timeout = poll_timeout
-        self.approve_partial = approve_partial
         self.reasons = ReasonPrompts()  # "Deny with reason" prompts waiting for their presser's reply
         self._app: AnyApplication | None = None
         self._bot_username = ""
@@ -202,7 +183,7 @@ class TelegramAdapter(PlatformBase):
         )
 
     def _rate_limited(self, chat: str, wait: float, attempt: int) -> None:
-        log.warning("telegram.rate_limited", platform=PLATFORM, chat=chat, retry_after=wait, attempt=attempt)
+        self.rate_limited("request", chat, wait, attempt)  # PTB's hook knows the chat, not the call
 
     async def _connect(self) -> None:
         app = self._build_application()
@@ -472,48 +453,35 @@ class TelegramAdapter(PlatformBase):
         except ValueError:
             raise self.refuse(site, f"not a Telegram chat id: {chat!r}", chat=chat) from None
 
-    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
-        site = "send"
-        app = self._bot_app(site)
-        chat = self.moved_to(chat)
-        self._chat_id(site, chat)
-        thread_id = self._chat_id(site, thread) if thread else None
-        prefix = agent_prefix(agent)
-        # Plain text (no parse mode): nothing in it is markup, so nothing needs escaping or can format.
-        parts = split_text(text, TEXT_LIMIT - utf16_len(prefix), utf16_units)
-        if not parts:
-            raise self.refuse(site, "nothing to send: the text is empty", chat=chat)
-        first: str | None = None
-        for part in parts:
-            message = await self._send(
-                site,
-                chat,
-                lambda chat_id, part=part: app.bot.send_message(  # type: ignore[misc]
-                    chat_id=chat_id, text=prefix + part, message_thread_id=thread_id, link_preview_options=_NO_PREVIEW
-                ),
-            )
-            chat = str(message.chat_id)  # the rest follows a chat that moved under the first part
-            first = first or str(message.message_id)
-        assert first is not None
-        return first
+    def _can_send(self, site: str) -> None:
+        self._bot_app(site)
 
-    async def send_choices(
-        self,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
+    def _text_room(self, agent: str | None) -> tuple[int, Callable[[str], int] | None]:
+        # Plain text (no parse mode): nothing in it is markup, so nothing needs escaping or can format.
+        return TEXT_LIMIT - utf16_len(agent_prefix(agent)), utf16_units
+
+    def _thread_id(self, site: str, thread: str | None) -> int | None:
+        return self._chat_id(site, thread) if thread else None
+
+    async def _post_text(self, chat: str, part: str, *, agent: str | None, thread: str | None) -> Posted:
+        app = self._bot_app("send")
+        thread_id = self._thread_id("send", thread)
+        text = agent_prefix(agent) + part
+        message = await self._send(
+            "send",
+            chat,
+            lambda chat_id: app.bot.send_message(
+                chat_id=chat_id, text=text, message_thread_id=thread_id, link_preview_options=_NO_PREVIEW
+            ),
+        )
+        return Posted(str(message.chat_id), str(message.message_id))
+
+    async def _post_choices(
+        self, chat: str, body: str, choices: Sequence[tuple[str, str]], *, thread: str | None
     ) -> str:
         site = "send"
         app = self._bot_app(site)
-        chat = self.moved_to(chat)
-        self._chat_id(site, chat)
-        thread_id = self._chat_id(site, thread) if thread else None
-        body = agent_prefix(agent) + text
-        if not body.strip() or utf16_len(body) > TEXT_LIMIT:
-            raise self.refuse(site, "a question must be 1 to 4096 characters", chat=chat)
+        thread_id = self._thread_id(site, thread)
         if any(not 1 <= len(data.encode()) <= CALLBACK_DATA_LIMIT for _, data in choices):
             raise self.refuse(site, "every choice needs button data of 1 to 64 bytes", chat=chat)
         keyboard = (
@@ -575,22 +543,20 @@ class TelegramAdapter(PlatformBase):
         # Paced by PTB's hook like any send; a chat action fades after 5 s or at the next message.
         await app.bot.send_chat_action(chat_id=chat_id, action=ChatAction.TYPING, message_thread_id=thread_id)
 
-    async def post_card(self, card: ApprovalCard) -> CardRef:
-        site = "card_post"
-        app = self._bot_app(site)
-        home = self.home_chat
-        if home is None:
-            raise self.refuse(site, "no home_chat configured for approval cards")
-        self._chat_id(site, home)
-        laid = self._render(site, card, None, home)
+    def _write_card(self, card: ApprovalCard, outcome: Outcome | None) -> LaidOut[Any]:
+        laid = render_card(card, outcome=outcome, approve_partial=self.approve_partial)
         if not button_data_fits(laid.view):
-            raise self.refuse(site, "button data does not fit Telegram's 1-64 bytes", chat=home)
+            raise ValueError("button data does not fit Telegram's 1-64 bytes")
+        return laid
+
+    async def _post_card(self, chat: str, laid: LaidOut[Any], card: ApprovalCard) -> Posted:
+        app = self._bot_app("card_post")
         written = laid.written
-        opens = mini_app_button(card, home, bot_username=self._bot_username, short_name=self.config.mini_app)
+        opens = mini_app_button(card, chat, bot_username=self._bot_username, short_name=self.config.mini_app)
         markup = with_button(written.keyboard, opens)
         message = await self._send(
-            site,
-            home,
+            "card_post",
+            chat,
             lambda chat_id: app.bot.send_message(
                 chat_id=chat_id,
                 text=written.html,
@@ -599,33 +565,21 @@ class TelegramAdapter(PlatformBase):
                 link_preview_options=_NO_PREVIEW,
             ),
         )
-        home = str(message.chat_id)  # the card is where it landed, in a chat that moved included
-        log.info(
-            "telegram.card_posted",
-            request=card.request_id,
-            chat=home,
-            message_id=message.message_id,
-            length=written.visible_length,
-            whole=laid.whole,
-        )
-        return CardRef(platform=PLATFORM, chat=home, message_id=str(message.message_id), whole=laid.whole)
+        # the card is where it landed, in a chat that moved included
+        return Posted(str(message.chat_id), str(message.message_id))
 
-    def _render(self, site: str, card: ApprovalCard, outcome: Outcome | None, chat: str) -> Any:
-        try:
-            return render_card(card, outcome=outcome, approve_partial=self.approve_partial)
-        except ValueError as exc:
-            raise self.refuse(site, str(exc), chat=chat) from exc
-
-    async def update_card(self, ref: CardRef, card: ApprovalCard) -> None:
-        site = "card_update"
+    async def _edit_card(
+        self, site: str, ref: CardRef, laid: LaidOut[Any], card: ApprovalCard, *, settled: bool
+    ) -> bool:
         app = self._bot_app(site)
-        if ref.platform != PLATFORM:
-            raise self.refuse(site, f"not a Telegram card: {ref.platform}", chat=ref.chat)
         chat_id = self._chat_id(site, ref.chat)
         message_id = self._chat_id(site, ref.message_id)
-        written = self._render(site, card, None, ref.chat).written
-        opens = mini_app_button(card, ref.chat, bot_username=self._bot_username, short_name=self.config.mini_app)
-        markup = with_button(written.keyboard, opens)
+        written = laid.written
+        # Settled: no reply_markup, so Telegram drops the inline keyboard and the buttons cannot be pressed again.
+        markup = None
+        if not settled:
+            opens = mini_app_button(card, ref.chat, bot_username=self._bot_username, short_name=self.config.mini_app)
+            markup = with_button(written.keyboard, opens)
 
         async def edit() -> bool:
             try:
@@ -639,45 +593,8 @@ class TelegramAdapter(PlatformBase):
                 )
             except Exception as exc:
                 if not_modified(exc):
-                    return False
+                    return False  # already shows this: editing is idempotent
                 raise
             return True
 
-        changed = await self.call(site, ref.chat, edit, paced=False, wait_out_429=False)
-        log.info("telegram.card_updated", request=card.request_id, chat=ref.chat, message_id=ref.message_id,
-                 changed=changed)  # fmt: skip
-
-    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
-        site = "card_settle"
-        app = self._bot_app(site)
-        if ref.platform != PLATFORM:
-            raise self.refuse(site, f"not a Telegram card: {ref.platform}", chat=ref.chat)
-        chat_id = self._chat_id(site, ref.chat)
-        message_id = self._chat_id(site, ref.message_id)
-        written = self._render(site, card, outcome, ref.chat).written
-
-        async def edit() -> bool:
-            try:
-                # No reply_markup: Telegram drops the inline keyboard, so the buttons cannot be pressed again.
-                await app.bot.edit_message_text(
-                    text=written.html,
-                    chat_id=chat_id,
-                    message_id=message_id,
-                    parse_mode=ParseMode.HTML,
-                    link_preview_options=_NO_PREVIEW,
-                )
-            except Exception as exc:
-                if not_modified(exc):
-                    return False  # already shows this outcome: settling is idempotent
-                raise
-            return True
-
-        changed = await self.call(site, ref.chat, edit, paced=False, wait_out_429=False)
-        log.info(
-            "telegram.card_settled",
-            request=card.request_id,
-            chat=ref.chat,
-            message_id=ref.message_id,
-            status=outcome.status.value,
-            changed=changed,
-        )
+        return await self.call(site, ref.chat, edit, paced=False, wait_out_429=False)

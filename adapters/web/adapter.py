@@ -11,24 +11,30 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
+from kazma.adapters.admission import FileBounds
 from kazma.adapters.card_layout import view_of
 from kazma.adapters.chat_text import plain_mentions
-from kazma.adapters.contract import Attachment, CardRef, Handlers, Inbound, PlatformError, Press
+from kazma.adapters.contract import Attachment, CardRef, Handlers, Inbound, PlatformError, Press, refuse_elsewhere
 from kazma.adapters.human_text import for_humans
+from kazma.adapters.ingress import Arrival, Check, Ingress, Stopped, files_within
 from kazma.adapters.kit import TYPING_INTERVAL
 from kazma.approvals.card import ApprovalCard, button_data
 from kazma.approvals.honesty import reveal_line
 from kazma.approvals.model import Decision, Outcome, PressResult
+from kazma.config.address import Actor, Address
+from kazma.config.outgoing import Outgoing
 
 log = structlog.get_logger("kazma.adapters.web")
 
 CONSOLE = "console"
+# What an upload the server read is held to when no bounds were given (the server reads within ``files:``).
+READ_BY_THE_SERVER = FileBounds(max_bytes=2**63 - 1, max_count=2**31 - 1)
 
 
 @dataclass
@@ -100,6 +106,15 @@ class WebAdapter:
     _subscribers: set[asyncio.Queue[dict[str, Any]]] = field(default_factory=set)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _handlers: Handlers | None = None
+    files: FileBounds | None = None  # ``files:``; None: what the server read (it reads within them) is taken
+
+    def __post_init__(self) -> None:
+        self.door = Ingress(self.door_checks())
+
+    def door_checks(self) -> list[Check]:
+        """The console's door: the kit's checks that apply to it. A person here is signed in (the server's
+        part); the console serves its own chats and has no servers, replays or replicas to race."""
+        return [files_within(lambda: self.files or READ_BY_THE_SERVER)]
 
     @property
     def home_chat(self) -> str | None:
@@ -179,23 +194,28 @@ class WebAdapter:
         """
         if self._handlers is None:
             raise PlatformError("web", "inbound", "the web console is not started", retryable=True)
-        shown = "\n".join([text, *(f"📎 {a.name} ({a.size or 0:,} bytes)" for a in attachments)]).strip()
-        message = WebMessage(str(next(self._ids)), chat, f"web:{login}", login, shown, time.time(), reply_to=reply_to)
-        self._add(message)
-        await self._handlers.on_inbound(
-            Inbound(
-                platform="web",
-                chat=chat,
-                message_id=message.id,
-                author=f"web:{login}",
-                author_name=login,
-                text=text,
-                mentions=plain_mentions(text),  # the chat platforms' rule: a code span or an address is no call
-                reply_to=reply_to,
-                is_admin=is_admin,
-                attachments=attachments,
-            )
+        message_id = str(next(self._ids))
+        inbound = Inbound(
+            platform="web",
+            chat=chat,
+            message_id=message_id,
+            author=str(Actor("web", login)),
+            author_name=login,
+            text=text,
+            mentions=plain_mentions(text),  # the chat platforms' rule: a code span or an address is no call
+            reply_to=reply_to,
+            is_admin=is_admin,
+            attachments=attachments,
         )
+        admitted = await self.door.admit(Arrival(self.name, inbound))
+        if isinstance(admitted, Stopped) or admitted.inbound is None:
+            reason = admitted.reply or admitted.reason if isinstance(admitted, Stopped) else "not read"
+            log.info("platform.inbound_ignored", platform=self.name, chat=chat, reason=reason)
+            raise PlatformError("web", "inbound", reason, retryable=False)
+        shown = "\n".join([text, *(f"📎 {a.name} ({a.size or 0:,} bytes)" for a in attachments)]).strip()
+        message = WebMessage(message_id, chat, str(Actor("web", login)), login, shown, time.time(), reply_to=reply_to)
+        self._add(message)
+        await self._handlers.on_inbound(admitted.inbound)
         return message.id
 
     async def press(self, request_id: str, decision: Decision, login: str) -> PressResult:
@@ -207,7 +227,7 @@ class WebAdapter:
             Press(
                 platform=self.name,
                 data=button_data(request_id, decision),
-                actor=f"web:{login}",
+                actor=str(Actor("web", login)),
                 chat=card.chat if card is not None else None,
                 message_id=card.id if card is not None else None,
             )
@@ -215,34 +235,20 @@ class WebAdapter:
 
     # -- PlatformAdapter -------------------------------------------------------------------------
 
-    async def send_text(self, chat: str, text: str, *, agent: str | None = None, thread: str | None = None) -> str:
-        message = WebMessage(
-            str(next(self._ids)), chat, f"agent:{agent or 'kazma'}", agent or "kazma", for_humans(text), time.time()
-        )
-        self._add(message)
-        return message.id
-
-    async def send_choices(
-        self,
-        chat: str,
-        text: str,
-        choices: Sequence[tuple[str, str]],
-        *,
-        agent: str | None = None,
-        thread: str | None = None,
-    ) -> str:
-        message = WebMessage(
-            str(next(self._ids)),
-            chat,
-            f"agent:{agent or 'kazma'}",
-            agent or "kazma",
-            text,
-            time.time(),
-            choices=tuple(choices),
-            question=True,
-        )
-        self._add(message)
-        return message.id
+    async def send(self, to: Address, message: Outgoing) -> str:
+        """A message in a console chat: an agent's text (fences meant for models made quiet), a question with its
+        choices, or a file (:meth:`send_file`)."""
+        refuse_elsewhere(self.name, to)
+        if message.file is not None:
+            return await self.send_file(to.chat, message.file.name, message.file.data, agent=message.agent)
+        who = message.agent or "kazma"
+        text = message.text if message.choices else for_humans(message.text)
+        posted = WebMessage(
+            str(next(self._ids)), to.chat, f"agent:{who}", who, text, time.time(),
+            choices=message.choices, question=bool(message.choices),
+        )  # fmt: skip
+        self._add(posted)
+        return posted.id
 
     async def send_file(
         self, chat: str, name: str, data: bytes, *, agent: str | None = None, thread: str | None = None
@@ -269,7 +275,7 @@ class WebAdapter:
         if last is not None and now - last < self.typing_interval:
             return False
         self._typing_at[chat] = now
-        self._emit({"type": "working", "chat": chat, "conversation": f"{self.name}:{chat}"})
+        self._emit({"type": "working", "chat": chat, "conversation": Address(self.name, chat).conversation})
         return True
 
     async def choose(self, message_id: str, choice: int, login: str, *, is_admin: bool = False) -> PressResult:
@@ -280,7 +286,7 @@ class WebAdapter:
         if message is None or not 0 <= choice < len(message.choices):
             raise PlatformError("web", "press", "no such choice", retryable=False)
         return await self._handlers.on_press(
-            Press(self.name, message.choices[choice][1], f"web:{login}", message.chat, message.id, is_admin)
+            Press(self.name, message.choices[choice][1], str(Actor("web", login)), message.chat, message.id, is_admin)
         )
 
     async def post_card(self, card: ApprovalCard) -> CardRef:

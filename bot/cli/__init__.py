@@ -37,7 +37,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "mcp": ("kazma.bot.cli.mcp_cli", "mcp", "Kazma as an MCP server (request_approval)."),
     "people": ("kazma.bot.cli.people_cli", "people", "People and their passkeys: list, invite, revoke."),
     "run": ("kazma.bot.cli.core_cli", "run", "Start every configured platform and serve until SIGINT or SIGTERM."),
-    "setup": ("kazma.bot.cli.setup_cli", "setup", "Platform app settings: a Slack app manifest, a Discord invite URL."),
+    "setup": (
+        "kazma.bot.cli.setup_cli",
+        "setup",
+        "Platform app settings, ready to paste: an app manifest, an invite URL.",
+    ),
     "store": ("kazma.bot.cli.store_cli", "store", "The store itself: copy a SQLite store into PostgreSQL."),
     "swarm": ("kazma.bot.cli.swarm_cli", "swarm", "Drive the swarm with the same grammar as /swarm in chat."),
 }

@@ -28,6 +28,7 @@ from kazma.bot.cli.context import Context
 from kazma.bot.keys import load_audit_signer, load_decision_keyring, read_audit_signer, read_decision_keyring
 from kazma.bot.store import store_for_command
 from kazma.config import LoadedConfig
+from kazma.config.address import Actor
 
 T = TypeVar("T")
 
@@ -153,7 +154,7 @@ def show(obj: Context, request_id: str) -> None:
 
 def _decide(obj: Context, request_id: str, login: str | None, decision: Decision, reason: str | None) -> None:
     loaded: LoadedConfig = obj.load()
-    actor = f"cli:{cli_login(loaded.config, login)}"
+    actor = str(Actor("cli", cli_login(loaded.config, login)))
     result = _with_service(
         loaded, lambda s: s.decide(request_id, decision, actor=actor, platform="cli", reason=reason), deciding=True
     )

@@ -1,19 +1,10 @@
-"""One line of ``kazma doctor``: what was checked, how it went, and what to do about it."""
+"""One line of ``kazma doctor``: what was checked, how it went, and what to do about it.
+
+Defined beside the platforms' own doctor checks (:mod:`kazma.adapters.platform_cli`), which write the same lines.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import StrEnum
+from kazma.adapters.platform_cli import Check, Level
 
-
-class Level(StrEnum):
-    OK = "ok"
-    WARN = "warn"
-    FAIL = "fail"
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    level: Level
-    detail: str  # one line; for a warning or a failure it names the fix
+__all__ = ["Check", "Level"]

@@ -17,6 +17,7 @@ import os
 
 import click
 
+from kazma.config.address import Actor
 from kazma.config.models import KazmaConfig
 from kazma.config.registry import user_id_problem
 
@@ -39,7 +40,7 @@ def cli_login(config: KazmaConfig, claimed: str | None) -> str:
             raise click.UsageError(f"--as {claimed!r}: {problem}")
         return claimed
     login = system_login()
-    person = config.people.person_of(f"cli:{login}")
+    person = config.people.person_of(str(Actor("cli", login)))
     if claimed is None or claimed in (login, person):
         return login
     known = f" ({person})" if person else ""

@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 import structlog
 
+from kazma.adapters.admission import FileBounds
 from kazma.adapters.web import WebAdapter
 from kazma.approvals.model import Decision
 from kazma.bot.app import build_app
@@ -146,7 +147,7 @@ async def _serve(loaded: LoadedConfig, poll_interval: float, *, paced: bool = Tr
     config = loaded.config
     if config.store.backend == "postgresql":
         _require_shared_console_tokens(loaded)
-    web = WebAdapter()
+    web = WebAdapter(files=FileBounds(max_bytes=config.files.max_bytes, max_count=config.files.max_count))
     app = await build_app(loaded, poll_interval=poll_interval, web=web, paced=paced)
     server = WebServer(
         app.console,

@@ -31,21 +31,51 @@ from kazma.config.loader import resolve_path
 from kazma.config.registry import CHAT_PLATFORMS
 
 EXIT_EXISTS = 1
-_USERS = {
-    "telegram": (r"[1-9][0-9]{0,19}", "a Telegram user id is a number (@userinfobot tells you yours)"),
-    "slack": (r"[UW][A-Z0-9]{2,}", "a Slack member id looks like U0123ABCD (your profile → ⋮ → Copy member ID)"),
-    "discord": (r"[1-9][0-9]{0,19}", "a Discord user id is a number (Developer Mode on → right-click your name)"),
-}
 _TITLES = {name: spec.title for name, spec in CHAT_PLATFORMS.items()}
+# The platforms init offers (an entry says what to ask), and the ways each one's events can arrive.
+OFFERED = tuple(name for name, spec in CHAT_PLATFORMS.items() if spec.init is not None)
+_MODES = {
+    name: tuple(mode.name for mode in spec.init.modes) if spec.init else () for name, spec in CHAT_PLATFORMS.items()
+}
+
+
+def _flag(platform: str, what: str) -> str:
+    """The keyword click hands the flag ``--<platform>-<what>`` under."""
+    return f"{platform}_{what}"
+
+
+def _platform_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Each offered platform's flags, as its registry entry describes them: ``--<platform>-user``,
+    ``--<platform>-<chat>`` (its own word for a chat), and ``--<platform>-mode`` where its events can arrive in
+    more than one way."""
+    for name in reversed(OFFERED):
+        spec = CHAT_PLATFORMS[name]
+        setup = spec.init
+        assert setup is not None
+        if len(setup.modes) > 1:
+            choice = click.Choice(list(_MODES[name]))
+            command = click.option(f"--{name}-mode", type=choice, default=None, help=setup.mode_flag_help)(command)
+        command = click.option(f"--{name}-{spec.chat_word}", default=None, help=setup.chat_flag_help)(command)
+        command = click.option(f"--{name}-user", default=None, help=setup.user_flag_help)(command)
+    return command
+
+
+def _mode(platform: str, given: str | None, ask: bool) -> str | None:
+    """How the platform's events arrive: the flag's, else asked on a terminal, else its first (None: the default)."""
+    if given is not None or not ask or len(_MODES[platform]) < 2:
+        return given
+    setup = CHAT_PLATFORMS[platform].init
+    assert setup is not None
+    return str(click.prompt(setup.mode_prompt, type=click.Choice(list(_MODES[platform])), default=_MODES[platform][0]))
 
 
 def _user_id(platform: str) -> Callable[[str], str]:
-    pattern, hint = _USERS[platform]
+    spec = CHAT_PLATFORMS[platform]
 
     def check(value: str) -> str:
         value = value.strip()
-        if not re.fullmatch(pattern, value):
-            raise click.BadParameter(hint)
+        if not spec.is_user_id(value):
+            raise click.BadParameter(spec.init.user_hint if spec.init else spec.user_id_hint)
         return value
 
     return check
@@ -77,9 +107,9 @@ def _url(value: str) -> str:
 
 def _platforms(value: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(word.strip().lower() for word in re.split(r"[,\s]+", value) if word.strip()))
-    unknown = [name for name in names if name not in CHAT_PLATFORMS]
+    unknown = [name for name in names if name not in OFFERED]
     if unknown:
-        raise click.BadParameter(f"unknown {', '.join(unknown)} (choose from {', '.join(CHAT_PLATFORMS)})")
+        raise click.BadParameter(f"unknown {', '.join(unknown)} (choose from {', '.join(OFFERED)})")
     return names
 
 
@@ -98,21 +128,13 @@ def _default_login() -> str:
     "--platform",
     "platforms",
     multiple=True,
-    type=click.Choice(list(CHAT_PLATFORMS)),
+    type=click.Choice(list(OFFERED)),
     help="A chat platform to connect (repeat for several). None: the web console alone.",
 )
 @click.option("--web-login", default=None, help="Your name in the web console (becomes the approver web:<name>).")
 @click.option("--public-url", default=None, help="Where people open the console; chat cards link there.")
 @click.option("--model-url", default=None, help=f"OpenAI-compatible API base (default {DEFAULT_MODEL_URL}).")
-@click.option("--telegram-user", default=None, help="Your Telegram user id.")
-@click.option("--telegram-chat", default=None, help="The Telegram group Kazma serves (e.g. -1001234567890).")
-@click.option("--slack-user", default=None, help="Your Slack member id (U…).")
-@click.option("--slack-channel", default=None, help="The Slack channel Kazma serves (C…).")
-@click.option(
-    "--slack-mode", type=click.Choice(["socket", "http"]), default=None, help="Socket Mode (default) or HTTP."
-)
-@click.option("--discord-user", default=None, help="Your Discord user id.")
-@click.option("--discord-channel", default=None, help="The Discord channel Kazma serves.")
+@_platform_options
 @click.option(
     "--interactive/--no-input",
     default=None,
@@ -127,20 +149,15 @@ def _default_login() -> str:
 @click.pass_obj
 def init(
     obj: Context,
+    /,
     path: Path | None,
     platforms: tuple[str, ...],
     web_login: str | None,
     public_url: str | None,
     model_url: str | None,
-    telegram_user: str | None,
-    telegram_chat: str | None,
-    slack_user: str | None,
-    slack_channel: str | None,
-    slack_mode: str | None,
-    discord_user: str | None,
-    discord_channel: str | None,
     interactive: bool | None,
     force: bool,
+    **given: str | None,
 ) -> None:
     """Write a commented kazma.yaml in which you are an approver everywhere, then say what to run next.
 
@@ -153,15 +170,10 @@ def init(
         click.echo(f"{target} already exists; nothing was written (--force adds to it, keeping a copy)", err=True)
         sys.exit(EXIT_EXISTS)
     ask = sys.stdin.isatty() if interactive is None else interactive
-    given = {
-        "telegram": (telegram_user, telegram_chat),
-        "slack": (slack_user, slack_channel),
-        "discord": (discord_user, discord_channel),
-    }
     chosen = platforms
     if ask and not chosen:
         chosen = click.prompt(
-            "Chat platforms to connect (telegram, slack, discord; comma-separated; empty: the web console alone)",
+            f"Chat platforms to connect ({', '.join(OFFERED)}; comma-separated; empty: the web console alone)",
             default="",
             show_default=False,
             value_proc=_platforms,
@@ -169,7 +181,7 @@ def init(
     login = _answer(web_login, ask, "Your name in the web console", _login, default=_default_login())
     presences: dict[str, Presence] = {}
     for platform in chosen:
-        user, chat = given[platform]
+        user, chat = given[_flag(platform, "user")], given[_flag(platform, CHAT_PLATFORMS[platform].chat_word)]
         title = _TITLES[platform]
         user = _answer(user, ask, f"Your {title} user id", _user_id(platform), flag=f"--{platform}-user")
         if chat is None and ask:
@@ -180,9 +192,7 @@ def init(
                 value_proc=_chat_id(platform),
             )
         presences[platform] = Presence(user, _chat_id(platform)(chat or "") or None)
-    socket = slack_mode != "http"
-    if "slack" in chosen and slack_mode is None and ask:
-        socket = click.prompt("Slack transport", type=click.Choice(["socket", "http"]), default="socket") == "socket"
+    modes = {platform: _mode(platform, given[_flag(platform, "mode")], ask) for platform in chosen if _MODES[platform]}
     url_hint = " (chat cards link here)" if chosen else ""
     public = _answer(public_url, ask, f"The console's public URL{url_hint}", _url, default=DEFAULT_PUBLIC_URL)
     model = _answer(model_url, ask, "The model server (OpenAI-compatible)", _url, default=DEFAULT_MODEL_URL)
@@ -190,11 +200,9 @@ def init(
         login,
         public_url=public,
         model_url=model,
-        slack_socket_mode=socket,
-        telegram=presences.get("telegram"),
-        slack=presences.get("slack"),
-        discord=presences.get("discord"),
+        modes={platform: mode for platform, mode in modes.items() if mode is not None},
         cli_login=system_login(),
+        present=presences,
     )
     try:
         text = render(answers)

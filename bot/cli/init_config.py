@@ -11,29 +11,23 @@ from __future__ import annotations
 
 import re
 import string
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import resources
 from typing import Final
 
 from kazma.config import ConfigError, load_config_text
-from kazma.config.registry import CHAT_PLATFORMS, user_id_problem
+from kazma.config.address import Actor
+from kazma.config.registry import CHAT_PLATFORMS, InitMode, user_id_problem
 
 DEFAULT_PUBLIC_URL: Final = "http://localhost:8765"
 DEFAULT_MODEL_URL: Final = "http://127.0.0.1:11434/v1"
 DEFAULT_MODEL: Final = "llama3.1"
 WEB_LOGIN: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")  # what the console's login form accepts
-# The variables each platform's section reads, in the order they are set.
-SECRETS: Final = {
-    "telegram": ("TELEGRAM_BOT_TOKEN",),
-    "slack": ("SLACK_BOT_TOKEN",),
-    "discord": ("DISCORD_BOT_TOKEN",),
-}
+# The variable each platform's section reads its token from (its registry entry names it).
+SECRETS: Final = {name: (spec.env[spec.token_key],) for name, spec in CHAT_PLATFORMS.items()}
 PLACEHOLDER_SECRETS: Final = {  # shaped like the real thing, to validate the result without them
-    "TELEGRAM_BOT_TOKEN": "1:placeholder",
-    "SLACK_BOT_TOKEN": "xoxb-placeholder",
-    "SLACK_APP_TOKEN": "xapp-placeholder",
-    "SLACK_SIGNING_SECRET": "placeholder",
-    "DISCORD_BOT_TOKEN": "placeholder",
+    variable: value for spec in CHAT_PLATFORMS.values() for variable, value in spec.placeholders.items()
 }
 
 
@@ -54,35 +48,55 @@ class Presence:
     chat: str | None = None
 
 
-@dataclass(frozen=True)
 class InitAnswers:
-    web_login: str
-    public_url: str = DEFAULT_PUBLIC_URL
-    model_url: str = DEFAULT_MODEL_URL
-    model_name: str = DEFAULT_MODEL
-    telegram: Presence | None = None
-    slack: Presence | None = None
-    discord: Presence | None = None
-    slack_socket_mode: bool = True
-    # The system user who runs `kazma` here: `kazma approvals approve` decides as cli:<login>. None: not known.
-    cli_login: str | None = None
-    platforms: tuple[str, ...] = field(init=False)
+    """The operator's answers: their console login, where things are, and their presence on each chat platform
+    that is on, by the platform's name (``InitAnswers("alice", telegram=Presence("111"))``, or ``present=``)."""
 
-    def __post_init__(self) -> None:
-        on = tuple(name for name in CHAT_PLATFORMS if getattr(self, name) is not None)
-        object.__setattr__(self, "platforms", on)
+    def __init__(
+        self,
+        web_login: str,
+        *,
+        public_url: str = DEFAULT_PUBLIC_URL,
+        model_url: str = DEFAULT_MODEL_URL,
+        model_name: str = DEFAULT_MODEL,
+        modes: Mapping[str, str] | None = None,
+        cli_login: str | None = None,
+        present: Mapping[str, Presence] | None = None,
+        **presences: Presence | None,
+    ) -> None:
+        presences = {**(present or {}), **presences}
+        unknown = sorted(set(presences) - set(CHAT_PLATFORMS))
+        if unknown:
+            raise TypeError(f"no chat platform named {', '.join(unknown)} (one of {', '.join(CHAT_PLATFORMS)})")
+        self.web_login = web_login
+        self.public_url = public_url
+        self.model_url = model_url
+        self.model_name = model_name
+        # The way each platform's events arrive, by its name, where it offers more than one (its first: default).
+        self.modes: Mapping[str, str] = dict(modes or {})
+        # The system user who runs `kazma` here: `kazma approvals approve` decides as cli:<login>. None: not known.
+        self.cli_login = cli_login
+        self._presences = {name: found for name, found in presences.items() if found is not None}
+        self.platforms: tuple[str, ...] = tuple(name for name in CHAT_PLATFORMS if name in self._presences)
 
     def presence(self, platform: str) -> Presence:
-        found = getattr(self, platform)
-        assert isinstance(found, Presence)
-        return found
+        return self._presences[platform]
+
+    def mode(self, platform: str) -> InitMode | None:
+        """The chosen way the platform's events arrive; None where it offers no choice."""
+        setup = CHAT_PLATFORMS[platform].init
+        if setup is None or not setup.modes:
+            return None
+        chosen = self.modes.get(platform, setup.modes[0].name)
+        return next(mode for mode in setup.modes if mode.name == chosen)
 
     @property
     def secrets(self) -> list[str]:
         """The environment variables the written file needs before ``kazma run``."""
         names = [name for platform in self.platforms for name in SECRETS[platform]]
-        if "slack" in self.platforms:
-            names.append("SLACK_APP_TOKEN" if self.slack_socket_mode else "SLACK_SIGNING_SECRET")
+        for platform in self.platforms:
+            mode = self.mode(platform)
+            names += mode.secrets if mode else ()
         return names
 
     @property
@@ -94,10 +108,10 @@ class InitAnswers:
     @property
     def approvers(self) -> list[tuple[str, str]]:
         """(actor, where) for every identity of the operator, the console first."""
-        found = [(f"web:{self.web_login.lower()}", "the web console")]
-        found += [(f"{p}:{self.presence(p).user}", CHAT_PLATFORMS[p].title) for p in self.platforms]
+        found = [(str(Actor("web", self.web_login.lower())), "the web console")]
+        found += [(str(Actor(p, self.presence(p).user)), CHAT_PLATFORMS[p].title) for p in self.platforms]
         if self.cli_login is not None and user_id_problem("cli", self.cli_login) is None:
-            found.append((f"cli:{self.cli_login}", "the command line (`kazma approvals approve`)"))
+            found.append((str(Actor("cli", self.cli_login)), "the command line (`kazma approvals approve`)"))
         return found
 
 
@@ -109,26 +123,19 @@ def _yaml_scalar(value: str) -> str:
 def _platform_block(answers: InitAnswers, platform: str) -> str:
     presence = answers.presence(platform)
     if presence.chat is None:
-        where = {
-            "telegram": (
-                "add the bot to the group; the platform.inbound_ignored log event (platform=telegram) shows its id"
-            ),
-            "slack": "/invite the app, then the channel's name → About shows its id",
-            "discord": "with Developer Mode on, right-click the channel → Copy Channel ID",
-        }[platform]
+        setup = CHAT_PLATFORMS[platform].init
+        where = setup.chat_hint if setup else CHAT_PLATFORMS[platform].chat_id_hint
         chats, home = f"[]  # not known yet ({where}): put it here and below", ""
     else:
         chat = _yaml_scalar(presence.chat)
         chats, home = f'[{chat}]  # served; nothing else is ("*" would serve every chat the bot is in)', chat
-    values = {"chats": chats, "home": home, "user": _yaml_scalar(presence.user), "transport": ""}
-    if platform == "slack":
-        values["transport"] = (
-            "    app_token: ${SLACK_APP_TOKEN}  # xapp-: Socket Mode (Basic Information → App-Level Tokens, "
-            "connections:write)"
-            if answers.slack_socket_mode
-            else "    signing_secret: ${SLACK_SIGNING_SECRET}  # Basic Information → App Credentials → Signing Secret\n"
-            "    http: {host: 127.0.0.1, port: 3000, path: /slack/events}  # public: <public_url origin>/slack/events"
-        )
+    mode = answers.mode(platform)
+    values = {
+        "chats": chats,
+        "home": home,
+        "user": _yaml_scalar(presence.user),
+        "transport": mode.settings if mode else "",
+    }
     return _template(f"{platform}.yaml.in").substitute(values)
 
 
@@ -138,8 +145,8 @@ def render(answers: InitAnswers) -> str:
         raise ValueError(f"a console login is 1 to 32 letters, digits, '.', '_' or '-', got {answers.web_login!r}")
     person = answers.person
     identities = "\n".join(
-        f"    {actor.partition(':')[0]}: {_yaml_scalar(actor.partition(':')[2])}  # you, in {where}"
-        for actor, where in answers.approvers
+        f"    {identity.platform}: {_yaml_scalar(identity.user)}  # you, in {where}"
+        for identity, where in ((Actor.parse(actor), where) for actor, where in answers.approvers)
     )
     people = (
         "people:\n"

@@ -17,6 +17,7 @@ from kazma.bot.console.passkeys import RelyingParty
 from kazma.bot.console.signin import web_login_of
 from kazma.bot.store import store_for_command
 from kazma.config import KazmaConfig
+from kazma.config.address import Actor, platform_of
 
 T = TypeVar("T")
 
@@ -58,7 +59,7 @@ def list_people(obj: Context) -> None:
         now = time.time()
         lines: list[str] = []
         for person in config.people.people():
-            approver = any(config.roster.is_approver(i, i.partition(":")[0]) for i in person.identities)
+            approver = any(config.roster.is_approver(i, platform_of(i)) for i in person.identities)
             role = "approver" if approver else "not an approver"
             lines.append(f"{person.name}  ({role})  {', '.join(person.identities)}")
             lines += [_passkey_line(k) for k in keys if k.person == person.name]
@@ -99,7 +100,7 @@ def invite(obj: Context, person: str, hours: int) -> None:
     if problem is not None:
         click.echo(f"passkeys cannot work here: {problem}", err=True)
         sys.exit(1)
-    by = f"cli:{system_login()}"
+    by = str(Actor("cli", system_login()))
     token, expires = _with_accounts(config, lambda a: a.invite(person, created_by=by, lifetime=hours * 3600))
     click.echo(f"{config.web.public_url}/enrol/{token}")
     click.echo(
@@ -116,7 +117,7 @@ def invite(obj: Context, person: str, hours: int) -> None:
 def revoke(obj: Context, person: str, credential: str | None) -> None:
     """Revoke PERSON's passkeys (or one): they sign nobody in again, and the sessions they opened end now."""
     config = obj.load().config
-    by = f"cli:{system_login()}"
+    by = str(Actor("cli", system_login()))
     try:
         revoked = _with_accounts(config, lambda a: a.revoke(person=person, credential_id=credential, by=by))
     except LookupError as exc:

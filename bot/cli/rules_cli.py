@@ -15,6 +15,7 @@ from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
 from kazma.bot.keys import load_audit_signer
 from kazma.bot.store import store_for_command
+from kazma.config.address import Actor
 
 
 @click.group()
@@ -56,7 +57,7 @@ def list_rules(obj: Context, everything: bool) -> None:
 def revoke(obj: Context, rule_id: str, login: str | None) -> None:
     """End a rule now: the next identical call gets a card again."""
     config = obj.load().config
-    actor = f"cli:{cli_login(config, login)}"
+    actor = str(Actor("cli", cli_login(config, login)))
 
     async def run() -> bool:
         async with store_for_command(config) as store:

@@ -19,6 +19,7 @@ from kazma.bot.app import build_app
 from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
 from kazma.config import LoadedConfig
+from kazma.config.address import Actor, Address, AddressError
 from kazma.config.registry import ROUTE_PLATFORMS
 from kazma.engine.swarm.endings import ending_lines
 from kazma.engine.swarm.grammar import USAGES, parse
@@ -64,7 +65,7 @@ async def _execute(loaded: LoadedConfig, text: str, login: str, context: str = "
     app = await build_app(loaded, adapters=[])
     try:
         answer = await app.conversations.swarm.run(  # type: ignore[union-attr]
-            text, actor=f"cli:{login}", platform="cli", chat="terminal", is_admin=False, context=context
+            text, actor=str(Actor("cli", login)), platform="cli", chat="terminal", is_admin=False, context=context
         )
         click.echo(answer)
         if answer.startswith("swarm task ") and " started " in answer:
@@ -102,7 +103,11 @@ def _word_callback(_ctx: click.Context, _param: click.Parameter, value: str | No
 def _route_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     value = _word_callback(ctx, param, value)
     # Without this, a --to that is not a route would silently become task text.
-    if value is not None and value.partition(":")[0].lower() not in ROUTE_PLATFORMS:
+    try:
+        platform = None if value is None else Address.parse(value).platform.lower()
+    except AddressError:
+        platform = ""
+    if platform is not None and platform not in ROUTE_PLATFORMS:
         raise click.BadParameter(f"expected PLATFORM:CHAT with platform one of {', '.join(ROUTE_PLATFORMS)}")
     return value
 
@@ -112,7 +117,7 @@ _to_option = click.option(
     metavar="PLATFORM:CHAT",
     default=None,
     callback=_route_callback,
-    help="Post the result in another chat (telegram, slack, discord or web); admin only.",
+    help=f"Post the result in another chat ({', '.join(ROUTE_PLATFORMS[:-1])} or {ROUTE_PLATFORMS[-1]}); admin only.",
 )
 
 

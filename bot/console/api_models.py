@@ -81,7 +81,7 @@ class Approval(BaseModel):
     hash: str = Field(description=HASH_RULE)
     requested_by: str
     deadline: DateTime
-    decided_by: str | None = Field(description="the identity that decided (telegram:111)")
+    decided_by: str | None = Field(description="the identity that decided, as door:id (web:alice)")
     decided_person: str | None = Field(
         description="the person under people: who owns decided_by; null when the identity is nobody's"
     )

@@ -52,6 +52,7 @@ from kazma.bot.console.forwarded import ClientAddresses
 from kazma.bot.console.login_throttle import LOGINS, LoginThrottle
 from kazma.bot.console.pages import SignInChoices, login_page, message_page
 from kazma.bot.console.sessions import Opening, SessionStore
+from kazma.config.address import Actor
 from kazma.config.identity import Roster, platform_of
 from kazma.config.metrics import count_failure
 
@@ -138,7 +139,7 @@ class Session:
     @property
     def actor(self) -> str:
         """The identity this session acts as: what its proof established; a token's label otherwise."""
-        return self.identity if self.identity is not None else f"web:{self.login}"
+        return self.identity if self.identity is not None else str(Actor("web", self.login))
 
     @property
     def platform(self) -> str:
@@ -339,7 +340,7 @@ class WebAuth:
         """A session for a person proven by ``proof`` as ``identity`` (``web:alice``, ``telegram:111``)."""
         sid = secrets.token_urlsafe(32)
         person = self.roster.person_of(identity)
-        login = identity.partition(":")[2] if platform_of(identity) == "web" else identity
+        login = Actor.parse(identity).user if platform_of(identity) == "web" else identity
         session = Session(
             id=sid, login=login, role=Role.READER, csrf=session_csrf(sid), expires=0.0, flash=[], proof=proof,
             person=person, identity=identity, credential_id=credential_id,

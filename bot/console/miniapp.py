@@ -26,9 +26,11 @@ from urllib.parse import parse_qsl
 import structlog
 from aiohttp import web
 
+from kazma.adapters.web.render import e
 from kazma.bot.console.auth import Proof, WebAuth, html_response
 from kazma.bot.console.login_throttle import LOGINS
-from kazma.bot.console.signin_pages import telegram_app_page
+from kazma.bot.console.pages import PEOPLE_SCRIPT, layout
+from kazma.config.address import Actor
 from kazma.config.models import KazmaConfig
 
 log = structlog.get_logger("kazma.web.telegram_app")
@@ -53,7 +55,7 @@ class TelegramVisitor:
 
     @property
     def identity(self) -> str:
-        return f"telegram:{self.user_id}"
+        return str(Actor("telegram", str(self.user_id)))
 
 
 def _secret(bot_token: str) -> bytes:
@@ -162,3 +164,16 @@ class TelegramApp:
         self.auth.set_cookie(response, session)
         response.del_cookie(APP_CSRF_COOKIE, path=request.path)
         return response
+
+
+def telegram_app_page(csrf: str, approval: str | None) -> str:
+    """Where a card's button in Telegram lands: the script hands Telegram's signed initData to Kazma, which
+    opens a session for the person Telegram names and goes on to the approval page."""
+    verify = "/telegram/app" + (f"?approval={approval}" if approval else "")
+    body = (
+        "<h1>Opening in Telegram…</h1>"
+        f'<div id="telegram-app" data-verify="{e(verify)}" data-csrf="{e(csrf)}"></div>'
+        "<p>Telegram says who opened this page; Kazma checks Telegram's signature before anything else.</p>"
+        '<p class="error" id="passkey-error" role="alert" hidden></p>'
+    )
+    return layout("Opening in Telegram", body, script=PEOPLE_SCRIPT)

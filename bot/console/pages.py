@@ -31,6 +31,7 @@ from kazma.bot.console.dashboard_charts import charts_html
 from kazma.bot.console.dashboard_data import DashboardData
 from kazma.bot.console.swarm_views import call_rows, handoff_chain, worker_numbers
 from kazma.bot.console.times import times_in, when_html
+from kazma.config.address import Address
 from kazma.engine.swarm.endings import ending_lines
 from kazma.engine.swarm.limits import MAX_COMMAND_BYTES
 from kazma.engine.swarm.store import TaskRecord
@@ -404,7 +405,8 @@ def conversations_page(
     if current is None:
         shown = "<p>Pick a conversation to read it. New messages appear as they happen.</p>"
     else:
-        platform, _, chat = current.partition(":")
+        where = Address.parse(current)
+        platform, chat = where.platform, where.chat
         direct = next((c.direct for c in summaries if c.conversation == current), False)
         items = "".join(entry_html(entry) for entry in entries)
         shown = (

@@ -38,6 +38,7 @@ from kazma.bot.console.auth import Proof, WebAuth, html_response
 from kazma.bot.console.login_throttle import LOGINS
 from kazma.bot.console.pages import layout, message_page
 from kazma.bot.console.passkeys import RelyingParty
+from kazma.config.address import Actor
 from kazma.config.identity import platform_of
 from kazma.config.models import KazmaConfig
 
@@ -98,7 +99,7 @@ def slack_identity(
     user = claims.get(SLACK_USER_CLAIM)
     if not isinstance(user, str) or not user or user != claims.get("sub"):
         raise SignInRefused("the id token names no Slack user")
-    return f"slack:{user}"
+    return str(Actor("slack", user))
 
 
 class PlatformSignIn:
@@ -263,7 +264,7 @@ class PlatformSignIn:
         user = _json(me)
         if me.status_code != 200 or not str(user.get("id", "")).isdigit():
             raise SignInRefused(f"Discord did not say whose the token is ({me.status_code})")
-        return f"discord:{user['id']}"
+        return str(Actor("discord", user["id"]))
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:

@@ -70,6 +70,7 @@ from kazma.bot.console.signin_pages import bootstrap_form
 from kazma.bot.console.static import CONSOLE_JS
 from kazma.bot.console.step_up import StepUp
 from kazma.bot.console.upload import UploadRefused, read_upload
+from kazma.config.address import Address
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure, with_label
 from kazma.engine.swarm.grammar import parse
 from kazma.engine.swarm.limits import MAX_COMMAND_BYTES, MAX_PROMPT_BYTES
@@ -391,7 +392,7 @@ class WebServer:
         elif len(text) > MAX_TEXT:
             session.flash.append(f"The message is {len(text):,} characters; at most {MAX_TEXT:,} are accepted.")
         elif text == "/plan":
-            session.flash.append(await self.services.describe_plans(f"web:{CONSOLE}"))
+            session.flash.append(await self.services.describe_plans(Address("web", CONSOLE).conversation))
         else:
             await self._to_agents(session, text, reply_to=reply_to)
         raise web.HTTPSeeOther("/")

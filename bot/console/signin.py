@@ -33,6 +33,7 @@ from kazma.bot.console.passkeys import (
 )
 from kazma.bot.console.signin_pages import enrol_page, gone_page
 from kazma.bot.console.static import PEOPLE_JS
+from kazma.config.address import Actor
 from kazma.config.models import KazmaConfig
 
 log = structlog.get_logger("kazma.web.signin")
@@ -47,7 +48,7 @@ def web_login_of(config: KazmaConfig, person: str) -> str | None:
     if found is None:
         return None
     logins = found.on("web")
-    return logins[0].partition(":")[2] if logins else None
+    return Actor.parse(logins[0]).user if logins else None
 
 
 def _json_error(status: type[web.HTTPException], message: str) -> web.HTTPException:
@@ -133,7 +134,7 @@ class SignIn:
     async def enrol_page(self, request: web.Request) -> web.Response:
         person, login = await self._usable_invite(request.match_info["token"])
         token = request.match_info["token"]
-        return html_response(enrol_page(person, f"web:{login}", token, problem=self.rp.problem))
+        return html_response(enrol_page(person, str(Actor("web", login)), token, problem=self.rp.problem))
 
     async def enrol_options(self, request: web.Request) -> web.Response:
         self.auth.check_origin(request)
@@ -182,7 +183,7 @@ class SignIn:
             log.warning("web.passkey_enrol_refused", person=person, reason=str(exc))
             raise _json_error(web.HTTPGone, _enrol_words(str(exc))) from None
         log.info("web.passkey_enrolled", person=person, credential=kept.credential_id[:12], label=kept.label)
-        return await self._signed_in(request, Proof.PASSKEY, f"web:{login}", credential_id=kept.credential_id)
+        return await self._signed_in(request, Proof.PASSKEY, str(Actor("web", login)), credential_id=kept.credential_id)
 
     # -- signing in --------------------------------------------------------------------------------
 
@@ -222,7 +223,9 @@ class SignIn:
             raise _json_error(web.HTTPUnauthorized, f"Not signed in: {exc}.") from None
         LOGINS.labels(outcome="passkey").inc()
         log.info("web.passkey_sign_in", person=passkey.person, credential=passkey.credential_id[:12])
-        return await self._signed_in(request, Proof.PASSKEY, f"web:{login}", credential_id=passkey.credential_id)
+        return await self._signed_in(
+            request, Proof.PASSKEY, str(Actor("web", login)), credential_id=passkey.credential_id
+        )
 
     # -- the first account, with the shared operator token -------------------------------------------
 
@@ -237,7 +240,7 @@ class SignIn:
             refusal = "Only the shared operator token enrols the first account."
         elif await self.accounts.any_enrolled():
             refusal = "Somebody holds a passkey already: further enrolment links come from `kazma people invite`."
-        elif login is None or not self.config.roster.is_operator(f"web:{login}", "web"):
+        elif login is None or not self.config.roster.is_operator(str(Actor("web", login)), "web"):
             refusal = f"{person!r} is no person whose console identity is an operator (approvals.approvers)."
         if refusal is not None:
             log.warning("web.bootstrap_refused", login=session.login, person=person, reason=refusal)
@@ -252,7 +255,8 @@ class SignIn:
         return [
             p.name
             for p in self.config.people.people()
-            if (login := web_login_of(self.config, p.name)) and self.config.roster.is_operator(f"web:{login}", "web")
+            if (login := web_login_of(self.config, p.name))
+            and self.config.roster.is_operator(str(Actor("web", login)), "web")
         ]
 
     # -- kazma demo ----------------------------------------------------------------------------------
@@ -265,7 +269,7 @@ class SignIn:
                                content_type="text/html")  # fmt: skip
         local.used = True
         await self.auth.end_previous(request)
-        session = await self.auth.open_person_session(Proof.LOCAL, f"web:{local.person}")
+        session = await self.auth.open_person_session(Proof.LOCAL, str(Actor("web", local.person)))
         log.info("web.local_sign_in", person=local.person)
         response = web.HTTPSeeOther("/")
         self.auth.set_cookie(response, session)

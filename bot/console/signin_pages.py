@@ -1,5 +1,6 @@
-"""HTML of the sign-in ceremonies: enrolling a passkey, a link that no longer works, the first account, the
-Telegram Mini App's landing page. Every value escaped (:func:`~kazma.bot.console.pages.e`); no inline script."""
+"""HTML of the sign-in ceremonies: enrolling a passkey, a link that no longer works, the first account. Every
+value escaped (:func:`~kazma.bot.console.pages.e`); no inline script. (The Telegram Mini App's landing page is
+its module's, :mod:`kazma.bot.console.miniapp`.)"""
 
 from __future__ import annotations
 
@@ -61,16 +62,3 @@ def bootstrap_form(viewer: Viewer, people: Sequence[str]) -> str:
         f'<label>I am <select name="person">{options}</select></label> '
         '<button type="submit">Enrol my passkey</button></form></section>'
     )
-
-
-def telegram_app_page(csrf: str, approval: str | None) -> str:
-    """Where a card's button in Telegram lands: the script hands Telegram's signed initData to Kazma, which
-    opens a session for the person Telegram names and goes on to the approval page."""
-    verify = "/telegram/app" + (f"?approval={approval}" if approval else "")
-    body = (
-        "<h1>Opening in Telegram…</h1>"
-        f'<div id="telegram-app" data-verify="{e(verify)}" data-csrf="{e(csrf)}"></div>'
-        "<p>Telegram says who opened this page; Kazma checks Telegram's signature before anything else.</p>"
-        '<p class="error" id="passkey-error" role="alert" hidden></p>'
-    )
-    return layout("Opening in Telegram", body, script=PEOPLE_SCRIPT)

@@ -9,6 +9,7 @@ from datetime import UTC
 import structlog
 
 from kazma.approvals.model import Decision
+from kazma.config.address import Address
 from kazma.config.models import KazmaConfig
 from kazma.engine.swarm.call_records import CallRecord
 from kazma.engine.swarm.endings import ending_lines, execution_of
@@ -76,8 +77,8 @@ class SwarmCommands:
 
     async def _execute(self, command: SwarmCommand, *, actor: str, platform: str, chat: str, context: str) -> str:
         service = self.service
-        route = f"{command.route.platform}:{command.route.chat}" if command.route is not None else None
-        origin = f"{platform}:{chat}"
+        route = command.route.conversation if command.route is not None else None
+        origin = Address(platform, chat).conversation
         if isinstance(command, HelpCommand):
             return help_text()
         if isinstance(command, StatusCommand):

@@ -16,6 +16,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kazma.config.address import Address, AddressError
 from kazma.config.registry import ROUTE_PLATFORMS, chat_id_problem
 from kazma.engine.swarm import builtin_patterns
 from kazma.engine.swarm.registry import for_verb, registered
@@ -272,10 +273,11 @@ def _split_route(text: str) -> tuple[str, Route | None]:
     parts = text.rsplit(None, 2)
     if len(parts) < 2 or parts[-2] != "->":
         return text, None
-    platform, colon, chat = parts[-1].partition(":")
-    if not colon:
+    try:
+        written = Address.parse(parts[-1])
+    except AddressError:
         return text, None
-    platform = platform.lower()
+    platform, chat = written.platform.lower(), written.chat
     if platform not in ROUTE_PLATFORMS:
         near = difflib.get_close_matches(platform, ROUTE_PLATFORMS, n=1, cutoff=_PLATFORM_TYPO_CUTOFF)
         if not near:
@@ -294,7 +296,8 @@ def _route_chat(platform: str, chat: str) -> str:
     problem = chat_id_problem(platform, chat)
     if problem is not None:
         raise GrammarError(
-            f"cannot route to {shown(f'{platform}:{chat}', 60)}: {problem}; routes look like {ROUTE_USAGE}",
+            f"cannot route to {shown(Address(platform, chat).conversation, 60)}: {problem}; routes look like "
+            f"{ROUTE_USAGE}",
             ROUTE_USAGE,
         )
     return chat

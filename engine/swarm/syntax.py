@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import ClassVar, TypedDict
 
+from kazma.config.address import Address
 from kazma.config.limits import MAX_WORKERS
 from kazma.engine.swarm.limits import LimitExceeded, check_prompt
 
@@ -45,15 +46,8 @@ class GrammarError(ValueError):
         self.usage = usage
 
 
-@dataclass(frozen=True)
-class Route:
-    """Where the result goes instead of the chat the command came from."""
-
-    platform: str
-    chat: str
-
-    def __str__(self) -> str:
-        return f"{self.platform}:{self.chat}"
+# Where the result goes instead of the chat the command came from.
+Route = Address
 
 
 @dataclass(frozen=True, kw_only=True)
