@@ -92,6 +92,8 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "tools/send_file.py:SendFileTool.run:PathRefused": _TOOL_RESULT,
     "swarm/calls.py:WorkerCalls.call:LimitExceeded": "the call fails with the limit named; the task's result says so",
     "swarm/commands.py:SwarmCommands.run:GrammarError": _ANSWERED,
+    "swarm/grammar.py:_split_route:AddressError": "words after '->' that are no address are the task's own text: "
+    "no route is taken and nothing is dropped",
     "swarm/commands.py:SwarmCommands.run:SwarmRefused": _ANSWERED,
     "swarm/lead_tools.py:swarm_tools.dispatch:ValidationError": _ANSWERED,
     "swarm/lead_tools.py:swarm_tools.dispatch:SwarmRefused": _ANSWERED,
@@ -109,10 +111,6 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "cancelled while its approval waited for room: nothing resumes, as its canceller was told",
     "swarm/checkpoints.py:Checkpoints._resume_when_room:AtCapacity": "the approved task waits for room and says so "
     "in the progress reports; the capacity check is the design's, not a failure",
-    "swarm/checkpoints.py:Checkpoints._resume_when_room:suppress(TimeoutError)": "the wait for room is bounded so "
-    "room freed by another process is seen too",
-    "swarm/service.py:SwarmService.wait:suppress(TimeoutError)": "check_swarm_task answers with where the task is "
-    "after its wait",
     "swarm/workers.py:handoff_tool.handle:ValidationError": _ANSWERED,
     "agent.py:AgentRunner._call:OSError": _TOOL_RESULT + " (it could not start: it did not run)",
     "agent.py:AgentRunner._may_have_run:ValueError": "arguments nothing can hash are refused by the policy anyway",
