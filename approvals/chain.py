@@ -40,6 +40,7 @@ no number is ever given twice.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -77,6 +78,7 @@ _HEAD_SQLITE = (
     " (SELECT chain_hash FROM approval_events ORDER BY seq DESC LIMIT 1),"
     " (SELECT seq FROM audit_checkpoints ORDER BY seq DESC LIMIT 1)"
 )
+_RUNS_KEPT: Final = 4096  # committed runs remembered for the checkpointer at most (then it reads the events back)
 # Takes CHAIN_LOCK (waiting as long as it takes: the holder waits for nobody), then reads the head.
 _HEAD_POSTGRES = "SELECT last_seq, last_hash, checkpoint_seq FROM kazma_audit_head(?)"
 
@@ -167,6 +169,10 @@ class AuditChain:
         self.clock = clock
         # Set by a transaction that appended (in the writer's thread), read once its commit was answered.
         self.appended = False
+        # What this chain appended in transactions that committed, since the last checkpoint it made: each run
+        # (first seq, last seq, head) by the hash it followed. A checkpointer that finds every event since the
+        # last checkpoint here signs the head this chain computed instead of reading the events back.
+        self._committed_runs: dict[str, tuple[int, int, str]] = {}
 
     def append(
         self,
@@ -188,9 +194,31 @@ class AuditChain:
         """Chain what was there before the chain began, if that is still to be done (no event of its own)."""
         tx.defer(self._flush, None)
 
-    def ensure_history(self, tx: Tx) -> None:
-        """Take the chain's order in ``tx`` now, and chain what was there before the chain began if still due."""
-        self._link(tx, [])
+    def ensure_history(self, tx: Tx) -> tuple[str, int]:
+        """Take the chain's order in ``tx`` now, and chain what was there before the chain began if still due.
+        Returns the head: (the hash the next event follows, the sequence number it comes after)."""
+        return self._read_head(tx)
+
+    def appended_all(self, after: int, prev: str, seq: int, head: str) -> bool:
+        """Whether the events after ``after`` (which follow ``prev``) up to ``seq`` (whose hash is ``head``) are all
+        this chain's own appends, each in a transaction that committed. Called holding the chain's order."""
+        at, link = after, prev
+        while at < seq:
+            run = self._committed_runs.get(link)
+            if run is None or run[0] != at + 1:
+                return False
+            at, link = run[1], run[2]
+        return at == seq and link == head
+
+    def forget_through(self, seq: int) -> None:
+        """A checkpoint covers everything up to ``seq``: its runs are no longer needed."""
+        for link in [k for k, run in self._committed_runs.items() if run[1] <= seq]:
+            del self._committed_runs[link]
+
+    def _committed(self, prev: str, first: int, last: int, head: str) -> None:
+        if len(self._committed_runs) >= _RUNS_KEPT:  # nobody signs (no checkpointer here): keep memory bounded
+            self._committed_runs.clear()
+        self._committed_runs[prev] = (first, last, head)
 
     # -- the end of the transaction ---------------------------------------------------------------
 
@@ -208,6 +236,7 @@ class AuditChain:
         if not events:
             return
         rows = self._rows(events, self._request_hashes(tx, events), prev, seq)
+        tx.after_commit(functools.partial(self._committed, prev, seq + 1, int(rows[-1][0]), str(rows[-1][9])))
         if self.postgres:
             # One round trip, which also moves the identity past them: a row inserted without a seq (by hand,
             # around Kazma) must not take a number the chain gave, or the chain's next append would fail.

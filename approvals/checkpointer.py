@@ -8,11 +8,23 @@ checkpoint, checks that each one is chained right and that a valid commit seal
 vouches for the transaction that appended it, and signs one checkpoint over each
 unbroken run of such events. An event no seal vouches for (a row written around
 Kazma) is never signed: it is logged and counted (``audit_unvouched_events``),
-and a verifier names it.
+and a verifier names it. When every event since the last checkpoint is one this
+process appended itself, in transactions it saw commit, ending at the head the
+store holds (:meth:`~kazma.approvals.chain.AuditChain.appended_all`), the pass signs the head it
+computed then instead of reading them back: what it signs is what Kazma wrote,
+so a row changed since no longer matches the signature, and every verifier
+names it.
 
 Several replicas each run one; they take turns on the chain's lock, so each signs
 what the others have not. A settled card waits (briefly) for the checkpoint that
 holds its decision: :meth:`Checkpointer.witness`.
+
+A pass woken by appends *rides* (:mod:`kazma.config.store.group_commit`): it joins
+the next group of writes the store commits anyway, after theirs, and commits alone
+only when none comes within :data:`RIDE`. While decisions arrive a
+checkpoint therefore costs no commit (no fsync) of its own, and never holds a
+decision up behind it. Someone waiting for a checkpoint (a settled card's witness)
+sends the pass at once.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kazma.approvals.checkpointer")
 
 MIN_INTERVAL: Final = 0.02  # seconds between two signatures of one process: a burst of decisions shares one
+RIDE: Final = 0.02  # how long a pass waits for other writes to commit with before it commits alone
 EVERY: Final = 60.0  # at least this often while events arrive (events of other processes included)
 WITNESS_WAIT: Final = 5.0  # the longest a settled card waits for the checkpoint of its decision
 RETRY: Final = Backoff(base=0.5, cap=30.0)
@@ -67,18 +80,22 @@ class Checkpointer:
         *,
         min_interval: float = MIN_INTERVAL,
         every: float = EVERY,
+        ride: float = RIDE,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.signer = signer
         self.min_interval = min_interval
         self.every = every
+        self.ride = ride
         self.clock = clock
         self._due = asyncio.Event()
         self._signed = asyncio.Event()  # replaced after every pass: whoever waits on the old one wakes
         self._last_pass = 0.0  # monotonic
         self._running = False  # run() is signing: a witness waits for it, else signs itself
         self._reported: set[int] = set()  # unvouched rows already logged by this process
+        self._wanted = False  # a witness waits: the next pass goes at once instead of riding
+        self._riding = False  # a pass waits to ride with other writes
         store.appended_listeners.append(self.wake)
 
     def wake(self) -> None:
@@ -105,8 +122,9 @@ class Checkpointer:
             gap = self._last_pass + self.min_interval - time.monotonic()
             if gap > 0:
                 await asyncio.sleep(gap)
+            ride, self._wanted = (0.0 if self._wanted else self.ride), False
             try:
-                await self.sign()
+                await self.sign(ride=ride)
                 failures = 0
             except Exception as exc:
                 count_failure("audit_checkpoint")
@@ -115,10 +133,15 @@ class Checkpointer:
                 failures += 1
                 self._due.set()
 
-    async def sign(self) -> Judged:
-        """One pass now: sign every vouched event after the last checkpoint."""
+    async def sign(self, *, ride: float = 0.0) -> Judged:
+        """One pass now (``ride`` > 0: with the next writes, or within that many seconds): sign every vouched event
+        after the last checkpoint."""
         self._last_pass = time.monotonic()
-        judged: Judged = await self.store.write(self._judge)
+        self._riding = ride > 0
+        try:
+            judged: Judged = await self.store.write(self._judge, ride=ride)
+        finally:
+            self._riding = False
         if judged.newest is not None:
             audit_checkpoint_seen(*judged.newest)
         fresh = [seq for seq in judged.unvouched if seq not in self._reported]
@@ -154,18 +177,31 @@ class Checkpointer:
                 await self.sign()
                 return await self.store.witness(request_id)
             signed = self._signed
+            self._wanted = True
             self.wake()
+            if self._riding:
+                await self.store.release_riders()
             await until_set(signed, remaining)
 
     # -- in the transaction --------------------------------------------------------------------------
 
     def _judge(self, tx: Tx) -> Judged:
         # The chain's order first (nobody appends while this reads), and the one-time chaining if still due.
-        self.store.chain.ensure_history(tx)
+        chain = self.store.chain
+        head, head_seq = chain.ensure_history(tx)
         last = tx.one(_LAST_CHECKPOINT)
         after, prev = (0, GENESIS) if last is None else (int(last[0]), str(last[1]))
-        rows = tx.all(_SINCE, (after,))
         judged = Judged(newest=None if last is None else (after, float(last[2])))
+        if head_seq > after and chain.appended_all(after, prev, head_seq, head):
+            # Every event since the last checkpoint is this process's own, appended in transactions that committed:
+            # the head it computed from them is what it signs (reading them back would hash and check its own
+            # work again). A row changed since is caught by every verifier against this very signature.
+            now = self.clock()
+            judged.signed.append(write_checkpoint(tx, self.signer, HEAD, after + 1, head_seq, head, now))
+            judged.newest = (head_seq, now)
+            chain.forget_through(head_seq)
+            return judged
+        rows = tx.all(_SINCE, (after,))
         if not rows:
             top = tx.one("SELECT MAX(seq) FROM approval_events")
             if last is not None and (top is None or top[0] is None or int(top[0]) < after):
@@ -177,6 +213,7 @@ class Checkpointer:
             judged.signed.append(write_checkpoint(tx, self.signer, HEAD, first, seq, head, now))
         if judged.signed:
             judged.newest = (judged.signed[-1].seq, now)
+            chain.forget_through(judged.signed[-1].seq)
         return judged
 
 

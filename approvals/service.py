@@ -56,11 +56,11 @@ from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdraw
 from kazma.config import failpoints
 from kazma.config.address import Address, AddressError
 from kazma.config.metrics import (
-    APPROVALS_DECIDED,
     APPROVALS_OPENED,
-    APPROVALS_REVIEWED,
     PRESS_TO_DECISION,
+    count_decided,
     count_failure,
+    count_reviewed,
 )
 from kazma.config.models import DEFAULT_POLICY, KazmaConfig, PolicyConfig
 from kazma.config.outgoing import Outgoing
@@ -748,7 +748,7 @@ class ApprovalService:
                 hash=request.args_hash,
             )
             # People are configured, so the person label is bounded (an identity nobody claimed counts as "").
-            APPROVALS_DECIDED.labels(outcome=outcome.status.value, platform=platform, person=person or "").inc()
+            count_decided(outcome.status.value, platform, person or "")
             if remember and self.rules is not None and outcome.approved:
                 rule = await self.rules.add(
                     tool=request.tool,
@@ -841,7 +841,7 @@ class ApprovalService:
             )
         log.info("approvals.reviewed", request_id=request_id, decision=decision.value, actor=actor, person=person,
                  platform=platform)  # fmt: skip
-        APPROVALS_REVIEWED.labels(decision=decision.value, platform=platform).inc()
+        count_reviewed(decision.value, platform)
         await self._progressed(request_id)
         verb = "approval" if decision is Decision.APPROVE else "denial"
         return PressResult(PressVerdict.COUNTED, f"Your {verb} is recorded.{said}", request_id=request_id)
@@ -1027,7 +1027,7 @@ class ApprovalService:
         won, request = await self.store.finish(request_id, Status.CANCELLED, actor=None, platform=None, reason=reason)
         if won:
             log.info("approvals.cancelled", request_id=request_id, reason=reason)
-            APPROVALS_DECIDED.labels(outcome="cancelled", platform="", person="").inc()
+            count_decided("cancelled", "", "")
             await self._ended(request_id)
         return won, None if request is None else request.outcome()
 
@@ -1074,7 +1074,7 @@ class ApprovalService:
             )
             if won:
                 log.info("approvals.cancelled", request_id=request_id)
-                APPROVALS_DECIDED.labels(outcome="cancelled", platform="", person="").inc()
+                count_decided("cancelled", "", "")
                 await self._ended(request_id)
         except store_errors() as exc:
             count_failure(STORE_SITE)
@@ -1086,7 +1086,7 @@ class ApprovalService:
         )
         if won:
             log.info("approvals.timeout", request_id=request_id)
-            APPROVALS_DECIDED.labels(outcome="timeout", platform="", person="").inc()
+            count_decided("timeout", "", "")
             await self._ended(request_id)
         assert request is not None
         outcome = request.outcome()
@@ -1115,7 +1115,7 @@ class ApprovalService:
                 reason = RESTARTED if live is None else REPLICA_GONE
             won, after = await self.store.finish(request.id, Status.CANCELLED, actor=None, platform=None, reason=reason)
             if won and after is not None:
-                APPROVALS_DECIDED.labels(outcome="cancelled", platform="", person="").inc()
+                count_decided("cancelled", "", "")
                 log.warning("approvals.orphan_cancelled", request_id=request.id, tool=request.tool)
                 cancelled.append(after)
         never_ran: list[ApprovalRequest] = []

@@ -338,19 +338,25 @@ class ApprovalStore:
             raise RuntimeError("this approvals store is not on SQLite: it has no SQLite connection")
         return self._conn
 
-    async def _write(self, op: Callable[[Tx], T]) -> T:
+    async def _write(self, op: Callable[[Tx], T], *, ride: float = 0.0) -> T:
         """Every write: one operation in the store's next group commit (see :mod:`kazma.config.store.writer`)."""
         writer: Writer = await self.tables.writer()
-        result = await writer.submit(op)
+        result = await writer.submit(op, ride=ride)
         if self.chain.appended:  # audit events committed: the checkpointer signs them, the sink sends them
             self.chain.appended = False
             for listener in self.appended_listeners:
                 listener()
         return result
 
-    async def write(self, op: Callable[[Tx], T]) -> T:
-        """One operation of another approvals module (the checkpointer) in the store's next group commit."""
-        return await self._write(op)
+    async def write(self, op: Callable[[Tx], T], *, ride: float = 0.0) -> T:
+        """One operation of another approvals module (the checkpointer) in the store's next group commit; ``ride``
+        > 0: in the next group other writes start, or alone after that many seconds (the checkpointer's passes)."""
+        return await self._write(op, ride=ride)
+
+    async def release_riders(self) -> None:
+        """Writes waiting to ride (a checkpoint) go now: someone waits for them."""
+        writer: Writer = await self.tables.writer()
+        writer.release_riders()
 
     async def insert(
         self,

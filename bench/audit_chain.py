@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import statistics
 import tempfile
 import time
@@ -102,6 +103,7 @@ class Side:
     ids: list[str]
     checkpointers: list[asyncio.Task[None]]
     seconds: float = 0.0
+    cpu: float = 0.0  # CPU seconds of the whole process (every thread) while this side ran
     decisions: int = 0
 
     @property
@@ -149,11 +151,12 @@ async def run_case(
         for start in range(0, requests, size):
             numbers = list(range(start, min(start + size, requests)))
             for side in (on, off) if (start // size) % 2 == 0 else (off, on):
-                began = time.perf_counter()
+                began, cpu = time.perf_counter(), time.process_time()
                 for first in range(0, len(numbers), case.in_flight):
                     batch = numbers[first : first + case.in_flight]
                     side.decisions += sum(await asyncio.gather(*(decide(side, n, case) for n in batch)))
                 side.seconds += time.perf_counter() - began
+                side.cpu += time.process_time() - cpu
         for task in on.checkpointers:
             task.cancel()
         await asyncio.gather(*on.checkpointers, return_exceptions=True)
@@ -227,6 +230,7 @@ async def main() -> None:
     args = parser.parse_args()
     configure_logging("warning")  # measure the store, not the log sink
     ratios: dict[str, list[float]] = {case.name: [] for case in CASES}
+    cpu_ratios: dict[str, list[float]] = {case.name: [] for case in CASES}
     with contextlib.ExitStack() as stack:
         if args.postgres:
             dsns, where = stack.enter_context(pg_databases(args.dsn))
@@ -235,7 +239,10 @@ async def main() -> None:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir or Path.cwd())))
             where = f"SQLite on disk ({folder.parent})"
         print(f"{where}: {args.requests} requests per case, sides interleaved every {args.chunk} requests")
-        print(f"{'run':<5}{'case':<40}{'chain on/s':>12}{'chain off/s':>13}{'on ÷ off':>10}")
+        print(
+            f"{'run':<5}{'case':<40}{'chain on/s':>12}{'chain off/s':>13}{'on ÷ off':>10}"
+            f"{'CPU µs on':>11}{'CPU µs off':>11}{'off ÷ on':>10}{'load 1m':>9}"
+        )
         for run in range(1, args.runs + 1):
             for case in CASES:
                 if args.postgres:
@@ -252,13 +259,19 @@ async def main() -> None:
                 on, off = await run_case(make, case, args.requests, args.chunk)
                 ratio = on.rate / off.rate
                 ratios[case.name].append(ratio)
-                print(f"{run:<5}{case.name:<40}{on.rate:>12,.0f}{off.rate:>13,.0f}{ratio:>10.3f}")
+                # CPU per decision: what the chain costs the process, less blurred by the machine's other load.
+                cpu_on, cpu_off = (1e6 * side.cpu / max(side.decisions, 1) for side in (on, off))
+                cpu_ratios[case.name].append(cpu_off / cpu_on)
+                print(
+                    f"{run:<5}{case.name:<40}{on.rate:>12,.0f}{off.rate:>13,.0f}{ratio:>10.3f}"
+                    f"{cpu_on:>11,.0f}{cpu_off:>11,.0f}{cpu_off / cpu_on:>10.3f}{os.getloadavg()[0]:>9.2f}"
+                )
                 for label, side in (("on", on), ("off", off)):
                     if side.decisions != args.requests:
                         print(f"  !! chain {label} decided {side.decisions} of {args.requests}")
-        print("median on ÷ off:")
+        print("median on ÷ off (throughput), off ÷ on (CPU per decision):")
         for name, values in ratios.items():
-            print(f"     {name:<40}{statistics.median(values):>35.3f}")
+            print(f"     {name:<40}{statistics.median(values):>35.3f}{statistics.median(cpu_ratios[name]):>32.3f}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ process, alternating every ``--chunk`` requests so disk noise hits all alike:
   commit gives a request's simultaneous presses), from stdlib
   ``sqlite3`` on the loop thread with no service, writer or event loop around
   them. ``ceiling`` is its rate ÷ raw sqlite3: what the product's schema and
-  audit allow before any of its own code runs.
+  audit allow before any of its own code runs; ``÷op`` is the product ÷ these
+  same writes by hand in one commit.
 
 Every file is WAL with ``synchronous=FULL``. The cases: one press per request,
 one request at a time; three presses per request (one winner, two losers), one
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import sqlite3
 import tempfile
 import time
@@ -160,7 +162,9 @@ async def op_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Callabl
                 check = CardCheck(platform, None, None, needs_whole=True)
                 op = store.press_op(ids[n], Status.APPROVED, actor=actor, platform=platform, reason=None, card=check)
                 won += op(tx).won
+            tx._run_deferred()  # the audit rows, linked to the chain at the end of the transaction as the writer does
             conn.execute("COMMIT")
+            tx._committed()
         return won
 
     async def close() -> None:
@@ -235,7 +239,7 @@ async def main() -> None:
     for run in range(1, args.runs + 1):
         print(f"run {run}: {args.requests} requests per case, sides interleaved every {args.chunk} requests")
         header = f"{'where':<10}{'case':<46}{'product/s':>11}{'sqlite3/s':>11}{'aiosql/s':>10}{'op/s':>9}"
-        print(header + f"{'÷sqlite3':>10}{'÷aiosql':>9}{'goal':>7}{'ceiling':>9}")
+        print(header + f"{'÷sqlite3':>10}{'÷aiosql':>9}{'goal':>7}{'ceiling':>9}{'÷op':>7}{'load':>7}")
         for label, folder in places:
             for case in CASES:
                 with tempfile.TemporaryDirectory(dir=folder) as tmp:
@@ -247,6 +251,7 @@ async def main() -> None:
                 print(
                     f"{label:<10}{case.name:<46}{product:>11,.0f}{raw:>11,.0f}{aio:>10,.0f}{alone:>9,.0f}"
                     f"{product / raw:>10.2f}{product / aio:>9.2f}{'≥' + str(goal):>7}{alone / raw:>9.2f}"
+                    f"{product / alone:>7.2f}{os.getloadavg()[0]:>7.2f}"
                 )
                 for name, tally in tallies.items():
                     if tally.decisions != args.requests:

@@ -115,6 +115,93 @@ async def test_a_decision_is_signed_within_moments_by_the_running_checkpointer(s
             await asyncio.gather(running, return_exceptions=True)
 
 
+async def test_a_checkpoint_rides_with_the_next_decision_and_a_witness_sends_it_at_once(store_engine: Engine) -> None:
+    async with services(store_engine, 1) as [service]:
+        store = service.store
+        writer: Any = await store.tables.writer()  # StoreWriter or PgWriter: both count their groups
+        checkpointer = Checkpointer(store, TEST_SIGNER, min_interval=0.0, ride=3600.0)
+        first = await service.open("shell", {"n": 1}, "agent:builder", "telegram:-100")
+        second = await service.open("shell", {"n": 2}, "agent:builder", "telegram:-100")
+        running = asyncio.create_task(checkpointer.run())
+        try:
+            checkpointer.wake()
+
+            async def riding() -> None:
+                async with asyncio.timeout(10):
+                    while writer.riders == 0:
+                        await asyncio.sleep(0.001)
+
+            await riding()  # the pass waits for other writes: no commit of its own, no read held up
+            groups = writer.groups
+            assert (await service.decide(first.id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
+            await riding()  # the next pass: the one before went with the decision
+            # One commit held the decision and the checkpoint before it (the decision's event, hashed at the end
+            # of that transaction, is the next pass's to sign).
+            assert writer.groups == groups + 1
+            assert await store.witness(first.id) is None
+            assert len(await store.chain_checkpoints()) == 1
+            # A settled card waits for the checkpoint of its decision: the riding pass goes at once.
+            witness = await checkpointer.witness(first.id, patience=10)
+            assert witness is not None
+            [decided] = await store.events(first.id, event="decided")
+            assert witness.first_seq <= decided.seq <= witness.seq
+            assert TEST_SIGNER.public_keys().problem(witness) is None
+            assert (await service.decide(second.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+        await checkpointer.sign()
+        events, checkpoints = await whole_log(service)
+    report = verify(events, checkpoints, TEST_SIGNER.public_keys())
+    assert report.ok, [p.line() for p in report.problems]
+
+
+async def test_a_checkpoint_signs_the_head_kazma_computed_and_a_row_changed_before_it_is_still_caught(
+    store_engine: Engine,
+) -> None:
+    # The checkpointer signs the head this process computed from its own committed appends, not what the rows say
+    # by then: a decision rewritten between its commit and the next checkpoint is still named by verify.
+    async with services(store_engine, 1) as [service]:
+        store = service.store
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        assert (await service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
+        [decided] = await store.events(request.id, event="decided")
+        Attacker(store_engine).run(("UPDATE approval_events SET detail = 'approved' WHERE seq = ?", (decided.seq,)))
+        judged = await Checkpointer(store, TEST_SIGNER).sign()
+        assert [(c.first_seq, c.seq) for c in judged.signed] == [(1, decided.seq)]
+        events, checkpoints = await whole_log(service)
+    report = verify(events, checkpoints, TEST_SIGNER.public_keys())
+    assert report.first is not None
+    assert (report.first.seq, report.first.kind) == (decided.seq, "changed")
+
+
+async def test_a_transaction_failed_after_the_chain_linked_leaves_the_next_checkpoint_right(
+    store_engine: Engine,
+) -> None:
+    async with services(store_engine, 1) as [service]:
+        store = service.store
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+
+        def fails_after_the_chain_linked(tx: Tx) -> None:
+            store.chain.append(tx, request.id, "forgotten", actor=None, at=store.clock(), args_hash=FROM_REQUEST)
+
+            def fail(_tx: Any, _items: list[Any]) -> None:
+                raise RuntimeError("the end of the transaction fails after the chain linked its events")
+
+            tx.defer(fail, None)
+
+        with pytest.raises(RuntimeError):
+            await store.write(fails_after_the_chain_linked)
+        # The next append takes the same sequence number after the same head, with another hash.
+        await store.audit(request.id, "kept")
+        judged = await Checkpointer(store, TEST_SIGNER).sign()
+        events, checkpoints = await whole_log(service)
+    assert [e.event for e in events] == ["opened", "kept"]
+    assert [(c.first_seq, c.seq, c.head) for c in judged.signed] == [(1, 2, events[-1].chain_hash)]
+    report = verify(events, checkpoints, TEST_SIGNER.public_keys())
+    assert report.ok, [p.line() for p in report.problems]
+
+
 def _before_the_chain(engine: Engine) -> list[Migration]:
     """Every migration of the release before the audit chain (approvals up to v8, no sink)."""
     chosen = pg_migrations() if engine.postgres else all_migrations()

@@ -11,8 +11,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
+import pytest
 
 from kazma.bot.cli import main
 from kazma.bot.logging import redact, redact_secret
@@ -186,3 +188,46 @@ async def test_debug_logs_of_a_live_telegram_bot_never_hold_its_token(tmp_path: 
     assert "/getMe" in text  # the library's request lines were logged ...
     assert "/bot<redacted>/" in text  # ... with the token cut out of their URLs
     assert secret not in text
+
+
+def test_a_call_below_the_level_builds_nothing_and_the_rest_is_written_as_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import io
+    import json
+    import logging
+
+    import structlog
+
+    from kazma.bot.logging import configure_logging
+
+    processed: list[str] = []
+    original = structlog.stdlib.BoundLogger._process_event
+
+    def counted(self: Any, method_name: str, event: Any, event_kw: dict[str, Any]) -> Any:
+        processed.append(method_name)
+        return original(self, method_name, event, event_kw)
+
+    monkeypatch.setattr(structlog.stdlib.BoundLogger, "_process_event", counted)
+    out = io.StringIO()
+    configure_logging("warning", "json", out)
+    log = structlog.get_logger("kazma.test_filtering")
+    log.debug("test.debug", value="x")
+    log.info("test.info", value="x")
+    assert processed == []  # no event dict, no processor, no DropEvent for a call nobody reads
+    log.warning("test.warning", value="token xoxb-123-secret")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("test.failed")
+    logging.getLogger("kazma.test_filtering").setLevel(logging.DEBUG)  # a logger's own level still counts
+    log.debug("test.debug_here")
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(line["event"], line["level"]) for line in lines] == [
+        ("test.warning", "warning"),
+        ("test.failed", "error"),
+        ("test.debug_here", "debug"),
+    ]
+    assert lines[0]["value"] == "token <redacted>"
+    assert "ValueError: boom" in lines[1]["exception"]
+    logging.getLogger("kazma.test_filtering").setLevel(logging.NOTSET)

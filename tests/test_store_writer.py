@@ -138,3 +138,79 @@ async def test_close_commits_what_is_queued_and_refuses_more(writer: StoreWriter
 def test_an_in_memory_database_is_refused() -> None:
     with pytest.raises(ValueError, match="needs a file"):
         StoreWriter(":memory:")
+
+
+async def test_a_riding_operation_joins_the_next_group_and_a_read_does_not_wait_for_it(
+    tmp_path: Path, writer: StoreWriter
+) -> None:
+    conn = await connect(writer.path)
+    try:
+        tables = Tables.of(conn)
+        tables.use_writer(writer)
+        groups = writer.groups
+        rider = asyncio.create_task(writer.submit(put("rider", 1), ride=3600.0))
+        async with asyncio.timeout(10):
+            while writer.riders == 0:
+                await asyncio.sleep(0)
+        # It starts no commit, and a read (which waits for every write submitted before it) is not held by it.
+        assert await asyncio.wait_for(tables.one("SELECT COUNT(*) FROM t"), timeout=10) == (0,)
+        assert writer.groups == groups
+        assert not rider.done()
+        # The next write's group takes it along, after the write itself: one commit for both.
+        assert await writer.submit(put("first", 2)) == 1
+        assert await asyncio.wait_for(rider, timeout=10) == 1
+        assert writer.groups == groups + 1
+        assert rows(writer.path) == {"first": 2, "rider": 1}
+    finally:
+        await conn.close()
+
+
+async def test_a_riding_operation_goes_alone_in_time_when_asked_and_at_close(writer: StoreWriter) -> None:
+    groups = writer.groups
+    # Nothing else is written: it commits on its own once its time is up.
+    assert await asyncio.wait_for(writer.submit(put("late", 1), ride=0.01), timeout=10) == 1
+    assert writer.groups == groups + 1
+    # Released: it goes at once, however long it could have waited.
+    released = asyncio.create_task(writer.submit(put("released", 2), ride=3600.0))
+    async with asyncio.timeout(10):
+        while writer.riders == 0:
+            await asyncio.sleep(0)
+    writer.release_riders()
+    assert await asyncio.wait_for(released, timeout=10) == 1
+    # Still waiting when the writer closes: committed before it stops.
+    closing = asyncio.create_task(writer.submit(put("closing", 3), ride=3600.0))
+    async with asyncio.timeout(10):
+        while writer.riders == 0:
+            await asyncio.sleep(0)
+    await asyncio.wait_for(writer.close(), timeout=10)
+    assert closing.result() == 1
+    assert rows(writer.path) == {"late": 1, "released": 2, "closing": 3}
+
+
+async def test_after_commit_runs_only_for_what_committed(writer: StoreWriter) -> None:
+    told: list[str] = []
+
+    def put_telling(key: str, *, fail: bool = False, orphan: bool = False) -> Callable[[Tx], int]:
+        def op(tx: Tx) -> int:
+            changed = tx.run("INSERT INTO t (k, v) VALUES (?, 0)", (key,))
+            tx.after_commit(lambda: told.append(key))
+            if orphan:
+                tx.run("INSERT INTO child (k) VALUES ('nobody')")  # the deferred foreign key fails the COMMIT
+            if fail:
+                raise ValueError("this operation changed its mind")
+            return changed
+
+        return op
+
+    # One group: the failing operation's statements and its callback go; the others' stay.
+    outcomes = await asyncio.gather(
+        writer.submit(put_telling("a")), writer.submit(put_telling("b", fail=True)), writer.submit(put_telling("c")),
+        return_exceptions=True,
+    )  # fmt: skip
+    assert isinstance(outcomes[1], ValueError)
+    assert told == ["a", "c"]
+    # A commit that fails: nobody is told.
+    with pytest.raises(sqlite3.IntegrityError):
+        await writer.submit(put_telling("d", orphan=True))
+    assert told == ["a", "c"]
+    assert rows(writer.path) == {"a": 0, "c": 0}

@@ -45,14 +45,23 @@ class Tx(Protocol):
         (see :class:`kazma.config.store.group_commit.Deferred`)."""
         ...
 
+    def after_commit(self, done: Callable[[], None]) -> None:
+        """Call ``done`` once the transaction committed (never if it did not)."""
+        ...
+
 
 class Writer(Protocol):
-    async def submit(self, op: Callable[[Tx], T]) -> T:
-        """Run ``op`` in the next group commit; its result once that commit is durable."""
+    async def submit(self, op: Callable[[Tx], T], *, ride: float = 0.0) -> T:
+        """Run ``op`` in the next group commit; its result once that commit is durable. ``ride`` > 0: in the next
+        group other operations start, or alone after ``ride`` seconds (see :mod:`kazma.config.store.group_commit`)."""
+        ...
+
+    def release_riders(self) -> None:
+        """Operations submitted to ride go in the next group now."""
         ...
 
     async def caught_up(self) -> None:
-        """Return once every write submitted so far is answered."""
+        """Return once every write submitted so far is answered (except one still waiting to ride)."""
         ...
 
     async def close(self) -> None:

@@ -2,8 +2,16 @@
 
 Callers ``await writer.submit(op)``; operations submitted in the same turn of
 the loop, or while a group is on its way, wait in :attr:`GroupQueue._pending`
-for the next group. A backend says how a group runs (:meth:`_flush`) and hands
-the answers back with :meth:`_answer_jobs` and :meth:`_group_returned`.
+for the next group. A backend says how a group runs (:meth:`_flush`, taking its
+jobs with :meth:`_take`) and hands the answers back with :meth:`_answer_jobs`
+and :meth:`_group_returned`.
+
+An operation that is in no hurry may *ride* (``submit(op, ride=seconds)``): it
+starts no group of its own, but joins, last, the next group other operations
+start, and goes alone only when none starts within ``ride`` seconds (or when
+:meth:`GroupQueue.release_riders` says it is wanted now). The audit chain's
+checkpoints ride: while decisions arrive, a checkpoint costs no commit (no fsync)
+of its own, and it never waits in front of a decision.
 """
 
 from __future__ import annotations
@@ -12,6 +20,10 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+import structlog
+
+log = structlog.get_logger("kazma.store")
 
 T = TypeVar("T")
 
@@ -30,16 +42,31 @@ class Deferred:
 
     def __init__(self) -> None:
         self._deferred: list[tuple[Flush, Any]] = []
+        self._on_commit: list[Callable[[], None]] = []
 
     def defer(self, flush: Flush, item: Any) -> None:
         """Hand ``item`` to ``flush`` once this transaction's operations have run, just before it commits."""
         self._deferred.append((flush, item))
 
-    def _mark(self) -> int:
-        return len(self._deferred)
+    def after_commit(self, done: Callable[[], None]) -> None:
+        """Call ``done`` once this transaction committed (never if it did not); in the writer, before the next."""
+        self._on_commit.append(done)
 
-    def _discard_since(self, mark: int) -> None:
-        del self._deferred[mark:]
+    def _mark(self) -> tuple[int, int]:
+        return len(self._deferred), len(self._on_commit)
+
+    def _discard_since(self, mark: tuple[int, int]) -> None:
+        del self._deferred[mark[0] :]
+        del self._on_commit[mark[1] :]
+
+    def _committed(self) -> None:
+        """The transaction committed: what waited for that runs (a failure here is logged; the commit stands)."""
+        done, self._on_commit = self._on_commit, []
+        for call in done:
+            try:
+                call()
+            except Exception as exc:  # bookkeeping only: the commit is on disk whatever happens here
+                log.error("store.after_commit_failed", error=f"{type(exc).__name__}: {exc}")
 
     def _run_deferred(self) -> None:
         """Every flush once, with its items; a flush may defer more (run in the next round)."""
@@ -60,6 +87,12 @@ class Job(Generic[T]):
     future: asyncio.Future[T]
     result: Any = None
     error: BaseException | None = None
+    rides: bool = False  # submitted to ride: it never makes a group count as bigger than its other operations
+
+
+def own_operations(jobs: Sequence[Job[Any]]) -> int:
+    """How many of ``jobs`` started their group (riders aside): what decides how a group is run."""
+    return sum(1 for job in jobs if not job.rides)
 
 
 class GroupQueue:
@@ -71,6 +104,8 @@ class GroupQueue:
         self._flush_scheduled = False
         self._in_flight = False
         self._closed = False
+        self._riders: list[Job[Any]] = []
+        self._riders_due: asyncio.TimerHandle | None = None
 
     def _closed_error(self) -> Exception:
         """What a submit after :meth:`close` raises (the backend's own error type)."""
@@ -80,20 +115,71 @@ class GroupQueue:
         """Take pending jobs and run them as a group (or hand them to a thread)."""
         raise NotImplementedError
 
-    async def submit(self, op: Callable[[Any], T]) -> T:
-        """Run ``op`` in the next group commit; its result once that commit returned."""
+    async def submit(self, op: Callable[[Any], T], *, ride: float = 0.0) -> T:
+        """Run ``op`` in the next group commit; its result once that commit returned.
+
+        ``ride`` > 0: ``op`` starts no group; it joins the next one other operations start (after theirs), or goes
+        alone once ``ride`` seconds passed without one (see the module's docstring).
+        """
         if self._closed:
             raise self._closed_error()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
+        if ride > 0:
+            # Not yet among the unanswered: a read (``caught_up``) does not wait for a write that waits to ride.
+            self._riders.append(Job(op, future, rides=True))
+            if self._riders_due is None:
+                self._riders_due = loop.call_later(ride, self.release_riders)
+            return await future
+        self._track(future)
         self._pending.append(Job(op, future))
-        self._unanswered.add(future)
-        future.add_done_callback(self._unanswered.discard)
         if not self._flush_scheduled:
             # Everything submitted during this turn of the loop joins the same group.
             self._flush_scheduled = True
             loop.call_soon(self._flush)
         return await future
+
+    @property
+    def riders(self) -> int:
+        """Operations waiting to ride."""
+        return len(self._riders)
+
+    def release_riders(self) -> None:
+        """The riding operations go in the next group now, whether or not other operations start one."""
+        if self._riders_due is not None:
+            self._riders_due.cancel()
+            self._riders_due = None
+        if not self._riders:
+            return
+        self._pending += self._board()
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _take(self, limit: int | None = None) -> list[Job[Any]]:
+        """The jobs of the group that starts now: the pending ones (at most ``limit``), then every rider."""
+        if limit is None or len(self._pending) <= limit:
+            jobs, self._pending = self._pending, []
+        else:
+            jobs, self._pending = self._pending[:limit], self._pending[limit:]
+        if self._riders:
+            jobs += self._board()
+            if self._riders_due is not None:
+                self._riders_due.cancel()
+                self._riders_due = None
+        return jobs
+
+    def _board(self) -> list[Job[Any]]:
+        """Every rider, taken into a group: from now on a read waits for it like for any write."""
+        riders, self._riders = self._riders, []
+        for job in riders:
+            self._track(job.future)
+        return riders
+
+    def _track(self, future: asyncio.Future[Any]) -> None:
+        if not future.done():
+            self._unanswered.add(future)
+            future.add_done_callback(self._unanswered.discard)
 
     @staticmethod
     def _answer_jobs(jobs: Sequence[Job[Any]], error: BaseException | None) -> None:
@@ -114,12 +200,14 @@ class GroupQueue:
             asyncio.get_running_loop().call_soon(self._flush)
 
     async def caught_up(self) -> None:
-        """Return once every write submitted so far is answered: a read after this sees them all."""
+        """Return once every write submitted so far is answered: a read after this sees them all (except a write
+        still waiting to ride: its own caller waits for it)."""
         if self._unanswered:
             await asyncio.gather(*list(self._unanswered), return_exceptions=True)
 
     async def _drain(self) -> None:
         """Refuse new operations and wait until every submitted one is answered (the start of a close)."""
         self._closed = True
+        self.release_riders()
         while self._unanswered:
             await asyncio.gather(*self._unanswered, return_exceptions=True)

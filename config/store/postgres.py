@@ -43,7 +43,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from kazma.config.metrics import count_failure
-from kazma.config.store.group_commit import Deferred, GroupQueue, Job
+from kazma.config.store.group_commit import Deferred, GroupQueue, Job, own_operations
 from kazma.config.store.migrations import Migration, run_migrations
 from kazma.config.store.pg_text import nul_safe, nul_safe_async
 
@@ -161,7 +161,7 @@ class PgWriter(GroupQueue):
         self._flush_scheduled = False
         if self._in_flight or not self._pending:
             return  # the group on its way collects these when it is back
-        jobs, self._pending = self._pending[: self.max_group], self._pending[self.max_group :]
+        jobs = self._take(self.max_group)
         self._in_flight = True
         self._loop = asyncio.get_running_loop()  # the thread answers on the loop that handed it the group
         if self._thread is None:
@@ -245,7 +245,8 @@ class PgWriter(GroupQueue):
             conn = self._connection()
             todo = list(jobs)
             while todo:
-                failed = self._attempt(conn, todo, bounded=len(todo) > 1)
+                # A rider (a checkpoint) makes no group bounded: a lone press with one waits for locks as before.
+                failed = self._attempt(conn, todo, bounded=own_operations(todo) > 1)
                 if failed is None:
                     break
                 job, exc = failed
@@ -318,6 +319,8 @@ class PgWriter(GroupQueue):
                 # What the operations deferred to the end (the audit chain's links): a failure undoes them all.
                 tx._run_deferred()
                 cursor.execute("COMMIT")
+                if cursor.statusmessage == "COMMIT":  # a transaction aborted unseen would answer ROLLBACK
+                    tx._committed()
             except BaseException:
                 if not conn.broken and not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
                     try:

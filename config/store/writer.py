@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import structlog
 
 from kazma.config.metrics import count_failure
-from kazma.config.store.group_commit import Deferred, GroupQueue, Job
+from kazma.config.store.group_commit import Deferred, GroupQueue, Job, own_operations
 
 log = structlog.get_logger("kazma.store")
 
@@ -123,10 +123,10 @@ class StoreWriter(GroupQueue):
         self._flush_scheduled = False
         if self._in_flight or not self._pending:
             return  # the group on its way collects these when it is back
-        jobs, self._pending = self._pending, []
+        jobs = self._take()
         group = _Group(jobs)
         if (
-            len(jobs) <= INLINE_MAX_OPS
+            own_operations(jobs) <= INLINE_MAX_OPS
             and self._commit_ewma < self.inline_commit_seconds
             and self._lock.acquire(blocking=False)
         ):
@@ -326,6 +326,7 @@ class StoreWriter(GroupQueue):
         started = time.perf_counter()
         conn.execute("COMMIT")
         group.committed_in = time.perf_counter() - started
+        tx._committed()
 
     def _failed(self, group: _Group, exc: BaseException) -> None:
         group.error = exc
