@@ -521,6 +521,16 @@ class PlanExecutor:
             raise RepairRefused("there is no active plan in this conversation")
         return plan
 
+    async def _repaired(
+        self, plan_id: str, repair: str, actions: list[Action], line: str, *, by: str, step: int | None = None
+    ) -> str:
+        """A repair is committed: say so in the log, then move the plan on (its actions) and answer ``line``."""
+        log.info("plan.repaired", plan_id=plan_id, repair=repair, step=step, by=by)
+        if failpoints.armed:  # the repair is committed, the plan not moved on yet
+            await self._at("plan.repair")
+        await self.perform(actions)
+        return line
+
     async def retry_step(self, conversation: str, index: int, new_input: str | None, *, by: str) -> str:
         """A failed or interrupted step back to pending, optionally with new input."""
         plan = await self._active(conversation)
@@ -542,11 +552,7 @@ class PlanExecutor:
             await self.store.record(plan.id, "retried", step=index, actor=by, detail=detail)
             line = f"Plan: step {index} ({step.spec.title}) runs again, {detail}."
             actions = [Action(ActionKind.NOTICE, plan, step, line), *await self._next_actions(plan.id)]
-        log.info("plan.repaired", plan_id=plan.id, repair="retry_step", step=index, by=by)
-        if failpoints.armed:  # the repair is committed, the plan not moved on yet
-            await self._at("plan.repair")
-        await self.perform(actions)
-        return line
+        return await self._repaired(plan.id, "retry_step", actions, line, by=by, step=index)
 
     async def replace_steps(self, conversation: str, from_index: int, steps: Sequence[dict[str, Any]], *,
                             by: str) -> str:  # fmt: skip
@@ -584,11 +590,7 @@ class PlanExecutor:
             reloaded = await self.store.load(plan.id)
             assert reloaded is not None
             actions = [Action(ActionKind.NOTICE, reloaded, None, line), *await self._next_actions(plan.id)]
-        log.info("plan.repaired", plan_id=plan.id, repair="replace_steps", step=from_index, by=by)
-        if failpoints.armed:  # the repair is committed, the plan not moved on yet
-            await self._at("plan.repair")
-        await self.perform(actions)
-        return line
+        return await self._repaired(plan.id, "replace_steps", actions, line, by=by, step=from_index)
 
     async def skip_step(self, conversation: str, index: int, reason: str, *, by: str) -> str:
         """A step that has not run, or failed, counts as skipped: steps waiting for it go on."""
@@ -610,11 +612,7 @@ class PlanExecutor:
             await self.store.record(plan.id, "skipped", step=index, actor=by, detail=reason)
             line = f"Plan: step {index} ({step.spec.title}) skipped: {reason}"
             actions = [Action(ActionKind.NOTICE, plan, step, line), *await self._next_actions(plan.id)]
-        log.info("plan.repaired", plan_id=plan.id, repair="skip_step", step=index, by=by)
-        if failpoints.armed:  # the repair is committed, the plan not moved on yet
-            await self._at("plan.repair")
-        await self.perform(actions)
-        return line
+        return await self._repaired(plan.id, "skip_step", actions, line, by=by, step=index)
 
     async def abort_plan(self, conversation: str, reason: str, *, by: str) -> str:
         """Nothing more of the plan runs: every step that has not run is skipped, questions are withdrawn."""
@@ -624,11 +622,7 @@ class PlanExecutor:
             await self.store.record(plan.id, "aborted", actor=by, detail=reason)
             line = f"Plan aborted: {reason}"
             actions = [Action(ActionKind.NOTICE, plan, None, line)]
-        log.info("plan.repaired", plan_id=plan.id, repair="abort_plan", by=by)
-        if failpoints.armed:  # the repair is committed, the plan not moved on yet
-            await self._at("plan.repair")
-        await self.perform(actions)
-        return line
+        return await self._repaired(plan.id, "abort_plan", actions, line, by=by)
 
     async def lead_decided(self, plan_id: str, index: int) -> None:
         """The lead's turn about a failed step ended. If it did not repair the step, it gave up on it:
