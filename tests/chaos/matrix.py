@@ -43,11 +43,13 @@ _CANCELLED: Final = {
 
 # After the decision commits, the waiting call is woken while the cards settle: the tool may start before a
 # crash in the settle (or before the presser is answered). Both orders are right, and each is said right: the
-# call did not run, or its row says it may have run (started, not finished).
+# call did not run, or its row says it may have run (started, not finished), or — when the crashing edit is a
+# slower platform's, after the call had run and its ending was written — it ran once, recorded.
 _RACED = (
     f"{_RESTART} · approved · tool did not run",
     f"{_RESTART} · approved · tool did not run (may have run: recorded lost)",
     f"{_RESTART} · approved · tool ran once (may have run: recorded lost)",
+    f"{_RESTART} · approved · tool ran once",
 )
 
 Ending = str | tuple[str, ...]
