@@ -30,7 +30,6 @@ sends the pass at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,11 +112,9 @@ class Checkpointer:
     async def _run(self) -> None:
         failures = 0
         while True:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that arrives as the event is
-            # set (the last write of a stopping Kazma wakes this loop), and stop would wait for it for good.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.every):
-                    await self._due.wait()
+            # until_set keeps a cancel that arrives as the event is set (the last write of a stopping Kazma wakes
+            # this loop); asyncio.wait_for dropped it on Python 3.11, and stop waited for good.
+            await until_set(self._due, self.every)
             self._due.clear()
             gap = self._last_pass + self.min_interval - time.monotonic()
             if gap > 0:

@@ -45,6 +45,7 @@ from kazma.config.metrics import count_failure
 from kazma.config.store.backend import StoreConnection, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
+from kazma.config.waits import until_set
 
 log = structlog.get_logger("kazma.audit.sink")
 
@@ -348,9 +349,7 @@ class AuditSink:
             while True:
                 if not await self.deliver_once():
                     self._due.clear()
-                    with contextlib.suppress(TimeoutError):  # not wait_for: see Checkpointer.run
-                        async with asyncio.timeout(self.poll_seconds):
-                            await self._due.wait()
+                    await until_set(self._due, self.poll_seconds)
         finally:
             await self.target.close()
 

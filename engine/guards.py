@@ -29,8 +29,6 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "platform that cannot show it is told again in a few seconds, and the turn goes on",
     "conversation.py:Conversations.working:suppress(asyncio.CancelledError)": _CANCELLED,
     "conversation.py:Conversations._save_files:FileTooLarge": "the sender is told the bound in the chat",
-    "tools/mcp_tools.py:MCPConnection.wait_ready:suppress(TimeoutError)": "a server not ready in time is reported by "
-    "the caller from its state (problem), not by this wait",
     "tools/mcp_tools.py:MCPConnection.stop:suppress(asyncio.CancelledError)": _CANCELLED,
     "tools/mcp_tools.py:MCPConnection.call:TimeoutError": "_fail logs the timeout and restarts the server; the call's "
     "result says it may have acted",

@@ -58,6 +58,7 @@ from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
 from kazma.config.metrics import count_failure
 from kazma.config.models import MatrixConfig
+from kazma.config.waits import until_set
 
 log = structlog.get_logger("kazma.adapters.matrix")
 
@@ -225,9 +226,7 @@ class MatrixAdapter(PlatformBase):
             except Exception as exc:  # the batch comes again, from what was kept of it
                 failures += 1
                 self.failed("sync", None, self.classify("sync", exc))
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(2.0 ** min(failures, 5), 30.0)):
-                        await self._stop_sync.wait()
+                await until_set(self._stop_sync, min(2.0 ** min(failures, 5), 30.0))
                 continue
             failures = 0
 

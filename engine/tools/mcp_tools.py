@@ -44,6 +44,7 @@ from kazma.approvals.tool_names import MCP_TOOL_RULE, mcp_tool_name_problem
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
 from kazma.config.models import DangerLevel, MCPServerConfig
+from kazma.config.waits import until_set
 from kazma.engine.tools.mcp_launch import ServerPlaces, plan_launch, server_sandbox, unsandboxed_note
 from kazma.engine.tools.mcp_stdio import CUT_CODE, StderrTail, bounded_stdio_client
 from kazma.engine.tools.registry import Tool, ToolArgs, ToolRegistry, ToolResult
@@ -140,10 +141,7 @@ class MCPConnection:
         self._task = asyncio.create_task(self._supervise(), name=f"kazma-mcp-{self.name}")
 
     async def wait_ready(self, seconds: float) -> bool:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._ready.wait()
-        return self._ready.is_set()
+        return await until_set(self._ready, seconds)
 
     async def stop(self) -> None:
         task, self._task = self._task, None
