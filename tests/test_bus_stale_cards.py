@@ -35,17 +35,23 @@ async def _posted_then_ended_by_a_restart(app: App, store: Path) -> str:
     for adapter in app.bus.adapters.values():
         await adapter.post_card(card)
     await app.service.cancel(request.id, reason=RESTARTED)
+    await _posts_attempted_unrecorded(app, store, request.id)
+    return request.id
+
+
+async def _posts_attempted_unrecorded(app: App, store: Path, request_id: str) -> None:
+    """Each platform's post of ``request_id``'s card counted as attempted once, its message id never recorded
+    (as a process that died mid-post leaves it); the bus is told to look."""
     conn = await connect(store)
     try:
-        now = approvals.clock()
+        now = app.service.store.clock()
         await conn.executemany(
             "INSERT INTO card_outbox (request_id, platform, created_at, next_at, attempts) VALUES (?, ?, ?, ?, 1)",
-            [(request.id, platform, now, now) for platform in PLATFORMS],
+            [(request_id, platform, now, now) for platform in PLATFORMS],
         )
     finally:
         await conn.close()
     app.bus.posts_waiting()  # type: ignore[union-attr]
-    return request.id
 
 
 async def _outbox_done(store: Path, request_id: str) -> bool:
@@ -142,16 +148,7 @@ async def test_an_approved_call_a_restart_kept_from_running_is_said_on_a_card_fo
         await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}", platform="telegram")
         recovery = await app.service.recover()
         assert [r.id for r in recovery.never_ran] == [request.id]
-        conn = await connect(store)
-        try:
-            now = approvals.clock()
-            await conn.executemany(
-                "INSERT INTO card_outbox (request_id, platform, created_at, next_at, attempts) VALUES (?, ?, ?, ?, 1)",
-                [(request.id, platform, now, now) for platform in PLATFORMS],
-            )
-        finally:
-            await conn.close()
-        app.bus.posts_waiting()  # type: ignore[union-attr]
+        await _posts_attempted_unrecorded(app, store, request.id)
         await fakes.wait(lambda: not fakes.has_buttons("discord"))
         assert "did not run" in fakes.card_text("discord")
         await _wait_for(lambda: _outbox_done(store, request.id))
