@@ -60,8 +60,14 @@ class ChatRateLimiter:
         sleep: Sleep = asyncio.sleep,
         windowed: Callable[[str], bool] | None = None,
         expect_seconds: float = 5.0,
+        drafts_leave: int = 0,
     ) -> None:
+        if per_window is not None and not 0 <= drafts_leave < per_window:
+            raise ValueError("drafts_leave must leave drafts at least one send of per_window")
         self.min_interval = min_interval
+        # Of a capped window, the sends a draft (a streamed reply's edit) may not take: kept for cards and new
+        # messages, so a long reply growing in a group never makes a card wait out the platform's minute.
+        self.drafts_leave = drafts_leave
         self.expect_seconds = expect_seconds
         self.per_window = per_window
         # Which chats the per-window cap applies to (Telegram caps groups, not private chats); None: all.
@@ -77,8 +83,9 @@ class ChatRateLimiter:
             state = self._chats[chat] = _ChatState()
         return state
 
-    def delay_for(self, chat: str) -> float:
-        """Seconds the next send into ``chat`` would wait now (0 when it may go)."""
+    def delay_for(self, chat: str, *, draft: bool = False) -> float:
+        """Seconds the next send into ``chat`` would wait now (0 when it may go); ``draft``: a send that may
+        be late (it shows text that a later send shows again), which leaves ``drafts_leave`` of the window."""
         state = self._state(chat)
         now = self._clock()
         waits = [state.blocked_until - now]
@@ -87,12 +94,15 @@ class ChatRateLimiter:
         if self.per_window is not None and (self.windowed is None or self.windowed(chat)):
             while state.sent and state.sent[0] <= now - self.window:
                 state.sent.popleft()
-            if len(state.sent) >= self.per_window:
-                waits.append(state.sent[0] + self.window - now)
+            cap = self.per_window - self.drafts_leave if draft else self.per_window
+            if len(state.sent) >= cap:
+                # the window has room again when enough of its oldest sends have left it
+                waits.append(state.sent[len(state.sent) - cap] + self.window - now)
         return max(0.0, *waits)
 
-    async def acquire(self, chat: str, *, urgent: bool = False) -> float:
-        """Wait until a send into ``chat`` is allowed, record it, return how long it waited."""
+    async def acquire(self, chat: str, *, urgent: bool = False, draft: bool = False) -> float:
+        """Wait until a send into ``chat`` is allowed, record it, return how long it waited (``draft``: see
+        :meth:`delay_for`)."""
         state = self._state(chat)
         waited = 0.0
         if urgent:
@@ -110,7 +120,7 @@ class ChatRateLimiter:
                     await until_set(state.changed, until - started)
                     waited += self._clock() - started
                     continue
-                delay = self.delay_for(chat)
+                delay = self.delay_for(chat, draft=draft)
                 if delay <= 0:
                     break
                 await self._sleep(delay)
@@ -178,11 +188,12 @@ class Pacing:
         retry_after_of: RetryAfterOf,
         on_rate_limited: Callable[[float, int], None] | None = None,
         urgent: bool = False,
+        draft: bool = False,
     ) -> T:
         attempt = 1
         while True:
             if self.limiter is not None and chat is not None:
-                await self.limiter.acquire(chat, urgent=urgent)
+                await self.limiter.acquire(chat, urgent=urgent, draft=draft)
             try:
                 return await call()
             except Exception as exc:

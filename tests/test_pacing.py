@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kazma.adapters.pacing import ChatRateLimiter
 
 
@@ -28,6 +30,22 @@ async def test_min_interval_per_chat_and_chats_are_independent() -> None:
     assert await limiter.acquire("a") == 1.0
     t.now += 0.25
     assert await limiter.acquire("a") == 0.75
+
+
+async def test_drafts_leave_part_of_the_window_to_other_sends() -> None:
+    t = FakeTime()
+    limiter = ChatRateLimiter(min_interval=0.0, per_window=4, window=60.0, clock=t.clock, sleep=t.sleep, drafts_leave=1)
+    for _ in range(3):
+        assert await limiter.acquire("group", draft=True) == 0.0
+    # a fourth draft waits for the oldest send to leave the window; an ordinary send takes the slot kept for it
+    assert limiter.delay_for("group", draft=True) == 60.0
+    assert await limiter.acquire("group") == 0.0
+    assert await limiter.acquire("group", draft=True) == 60.0
+
+
+def test_drafts_must_keep_a_send_of_the_window() -> None:
+    with pytest.raises(ValueError, match="drafts_leave"):
+        ChatRateLimiter(per_window=5, drafts_leave=5)
 
 
 async def test_window_cap() -> None:

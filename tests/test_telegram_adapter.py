@@ -17,6 +17,7 @@ from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter,
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.press_policy import PRESS_PENDING
 from kazma.adapters.telegram import TelegramAdapter
+from kazma.adapters.telegram.adapter import DRAFTS_LEAVE
 from kazma.adapters.telegram.render import CARD_BUDGET, MAX_ENTITIES, TEXT_LIMIT, TelegramWriter, render_card, utf16_len
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
@@ -53,8 +54,10 @@ class FakeTime:
         self.sleeps.append((seconds, len(self.fake.calls_to("sendMessage"))))
         self.now += seconds
 
-    def limiter(self) -> ChatRateLimiter:
-        return ChatRateLimiter(min_interval=1.0, per_window=20, window=60.0, clock=self.clock, sleep=self.sleep)
+    def limiter(self, *, drafts_leave: int = 0) -> ChatRateLimiter:
+        return ChatRateLimiter(
+            min_interval=1.0, per_window=20, window=60.0, clock=self.clock, sleep=self.sleep, drafts_leave=drafts_leave
+        )
 
 
 class Recorder:
@@ -445,13 +448,33 @@ async def test_the_default_pacing_caps_groups_per_minute_but_not_private_chats(
     bot, _ = await make_adapter(limiter=None)
     limiter = bot.pacing.limiter
     assert limiter is not None
-    assert (limiter.min_interval, limiter.per_window) == (1.0, 20)
+    assert (limiter.min_interval, limiter.per_window, limiter.drafts_leave) == (1.0, 20, DRAFTS_LEAVE)
     assert limiter.windowed is not None
     assert limiter.windowed(str(GROUP)) is True
     assert limiter.windowed(str(ADMIN)) is False
     fake.script("sendMessage", Fault.too_many_requests(1))
     ref = await bot.post_card(make_card({"a": 1}))
     assert [c.status for c in fake.calls_to("sendMessage")] == [429, 200]
+    assert fake.message(GROUP, ref.message_id).buttons
+
+
+async def test_a_reply_growing_in_a_group_leaves_room_in_the_minute_for_a_card(
+    fake: FakeTelegram, make_adapter: Factory
+) -> None:
+    time = FakeTime(fake)
+    bot, _ = await make_adapter(limiter=time.limiter(drafts_leave=DRAFTS_LEAVE))
+    shown = await bot.show_text(str(GROUP), [], "word 0")
+    stamps = [time.now]
+    for count in range(1, 20):  # a reply growing by 19 edits, each as soon as the chat allows
+        shown = await bot.show_text(str(GROUP), shown, " ".join(f"word {i}" for i in range(count + 1)))
+        stamps.append(time.now)
+    assert len(fake.calls_to("editMessageText")) == 19
+    # the stream never takes more than its share of any minute
+    assert all(sum(t <= s < t + 60.0 for s in stamps) <= 20 - DRAFTS_LEAVE for t in stamps), stamps
+    # so a card posted right after it waits only the chat's one-second gap, not for the minute to pass
+    before = time.now
+    ref = await bot.post_card(make_card({"a": 1}))
+    assert time.now - before <= 1.0
     assert fake.message(GROUP, ref.message_id).buttons
 
 

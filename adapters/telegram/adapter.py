@@ -59,7 +59,7 @@ from kazma.adapters.deny_reason import deny_data, reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified
-from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip, ordinary_edit
+from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip, streamed_edit
 from kazma.adapters.telegram.inbound import APPROVALS_COMMAND, PLAN_COMMAND, SWARM_COMMAND, normalise
 from kazma.adapters.telegram.reasons import Prompt, ReasonPrompts
 from kazma.adapters.telegram.render import (
@@ -81,6 +81,9 @@ from kazma.config.models import TelegramConfig
 _NO_PREVIEW: Final = LinkPreviewOptions(is_disabled=True)
 CAPTION_LIMIT: Final = 1024  # a document's caption, in UTF-16 units after parsing
 _ALLOWED_UPDATES: Final = [Update.MESSAGE, Update.CALLBACK_QUERY]
+# Of a group's 20 sends a minute, those a streamed reply's edits leave to cards and new messages: a long reply
+# grows more slowly in a busy minute instead of making the next approval card wait for the minute to pass.
+DRAFTS_LEAVE: Final = 5
 
 log = structlog.get_logger("kazma.adapters.telegram")
 
@@ -129,7 +132,11 @@ class TelegramAdapter(PlatformBase):
     ) -> None:
         # Telegram allows about one message a second in any chat and twenty a minute in a group.
         chosen = limiter or ChatRateLimiter(
-            min_interval=1.0, per_window=20, window=60.0, windowed=lambda chat: chat.startswith("-")
+            min_interval=1.0,
+            per_window=20,
+            window=60.0,
+            windowed=lambda chat: chat.startswith("-"),
+            drafts_leave=DRAFTS_LEAVE,
         )
         super().__init__(config, pacing=Pacing(chosen, max_attempts=max_attempts), **options)
         self.config: TelegramConfig = config
@@ -492,7 +499,7 @@ class TelegramAdapter(PlatformBase):
         number = self._chat_id("stream", message_id)
 
         async def edit() -> None:
-            token = ordinary_edit.set(True)
+            token = streamed_edit.set(True)
             try:
                 await app.bot.edit_message_text(
                     text=agent_prefix(agent) + part, chat_id=chat_id, message_id=number,
@@ -502,7 +509,7 @@ class TelegramAdapter(PlatformBase):
                 if not not_modified(exc):  # already shows it
                     raise
             finally:
-                ordinary_edit.reset(token)
+                streamed_edit.reset(token)
 
         # paced (and a 429 waited out) by PTB's rate-limit hook, in the chat's turn like a post
         await self.call("stream", chat, edit, paced=False, wait_out_429=False)

@@ -28,8 +28,9 @@ _URGENT_ENDPOINTS: Final = frozenset({"editMessageText"})
 
 log = structlog.get_logger("kazma.adapters.telegram")
 
-# Set while a streamed reply is edited: such an edit waits its turn like a post (only card edits go first).
-ordinary_edit: ContextVar[bool] = ContextVar("kazma_telegram_ordinary_edit", default=False)
+# Set while a streamed reply is edited: such an edit waits its turn like a post (only card edits go first), and
+# as a draft: the group's per-minute budget keeps room for cards and new messages (ChatRateLimiter.drafts_leave).
+streamed_edit: ContextVar[bool] = ContextVar("kazma_telegram_streamed_edit", default=False)
 
 
 def clip(text: str, limit: int) -> str:
@@ -95,7 +96,8 @@ class KazmaPacing(BaseRateLimiter[None]):
             retry_after_of=_retry_after_of,
             on_rate_limited=lambda wait, attempt: self.on_rate_limited(str(chat), wait, attempt),
             # a card's edit goes first (people wait to see it settle); a streamed reply's edit takes its turn
-            urgent=endpoint in _URGENT_ENDPOINTS and not ordinary_edit.get(),
+            urgent=endpoint in _URGENT_ENDPOINTS and not streamed_edit.get(),
+            draft=streamed_edit.get(),
         )
 
 
