@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 
 from kazma.adapters.discord.adapter import STREAM_EDIT_GAP
+from kazma.bot.app import App
 from kazma.config.metrics import failure_count
 from kazma.config.models import ModelConfig
 from kazma.engine import answer_stream
@@ -143,41 +145,49 @@ async def until(predicate: Callable[[], bool], what: str, timeout: float = 20.0)
         raise AssertionError(f"not seen within {timeout:g} s: {what}") from None
 
 
+@asynccontextmanager
+async def streaming(tmp_path: Path, answer: str, piece: int) -> AsyncIterator[tuple[FakeOpenAI, Fakes, App]]:
+    """Kazma on the three fakes with a model that streams ``answer`` in pieces of ``piece`` characters, one each
+    time the test calls ``model.release()``."""
+    async with FakeOpenAI() as model, three_fakes() as fakes:
+        model.chunk_size = piece
+        model.gate = asyncio.Semaphore(0)
+        model.script(Completion(answer))
+        extra = f"model: {{base_url: '{model.base_url}', name: fake-model, max_retries: 0}}"
+        async with kazma_on(fakes, tmp_path / "k.db", extra=extra) as app:
+            yield model, fakes, app
+
+
 @pytest.mark.parametrize("platform", ["telegram", "slack", "discord"])
 async def test_a_long_answer_appears_early_grows_by_paced_edits_and_ends_whole_exactly_once(
     tmp_path: Path, platform: str
 ) -> None:
     answer = long_answer()
     pieces = [answer[i : i + PIECE] for i in range(0, len(answer), PIECE)]
-    async with FakeOpenAI() as model, three_fakes() as fakes:
-        model.chunk_size = PIECE
-        model.gate = asyncio.Semaphore(0)
-        model.script(Completion(answer))
-        extra = f"model: {{base_url: '{model.base_url}', name: fake-model, max_retries: 0}}"
-        async with kazma_on(fakes, tmp_path / "k.db", extra=extra) as app:
-            await say(fakes, platform, "tell me everything")
-            # one piece written: the message is there already, showing that piece and nothing more
+    async with streaming(tmp_path, answer, PIECE) as (model, fakes, app):
+        await say(fakes, platform, "tell me everything")
+        # one piece written: the message is there already, showing that piece and nothing more
+        model.release()
+        await until(lambda: any(pieces[0].strip() in t for t in shown(fakes, platform)), "the first piece")
+        [first] = shown(fakes, platform)
+        assert pieces[1].strip() not in first
+        # each piece released shows up in that same message, edited
+        for count in range(2, len(pieces) + 1):
             model.release()
-            await until(lambda: any(pieces[0].strip() in t for t in shown(fakes, platform)), "the first piece")
-            [first] = shown(fakes, platform)
-            assert pieces[1].strip() not in first
-            # each piece released shows up in that same message, edited
-            for count in range(2, len(pieces) + 1):
-                model.release()
-                so_far = "".join(pieces[:count]).strip()
+            so_far = "".join(pieces[:count]).strip()
 
-                def grown(so_far: str = so_far) -> bool:
-                    return any(so_far in t for t in shown(fakes, platform))
+            def grown(so_far: str = so_far) -> bool:
+                return any(so_far in t for t in shown(fakes, platform))
 
-                await until(grown, f"{count} pieces")
-                assert len(shown(fakes, platform)) == 1
-            await app.conversations.drain()
-            conversation = {"telegram": f"telegram:{TG_CHAT}", "slack": f"slack:{SLACK_CHANNEL}"}.get(
-                platform, f"discord:{HOME_CHANNEL_ID}"
-            )
-            kept = [e.text for e in await app.transcript.messages(conversation) if e.direction == "out"]
-        messages = shown(fakes, platform)
-        times, edits = sends_and_edits(fakes, platform)
+            await until(grown, f"{count} pieces")
+            assert len(shown(fakes, platform)) == 1
+        await app.conversations.drain()
+        conversation = {"telegram": f"telegram:{TG_CHAT}", "slack": f"slack:{SLACK_CHANNEL}"}.get(
+            platform, f"discord:{HOME_CHANNEL_ID}"
+        )
+        kept = [e.text for e in await app.transcript.messages(conversation) if e.direction == "out"]
+    messages = shown(fakes, platform)
+    times, edits = sends_and_edits(fakes, platform)
 
     # the whole answer, exactly once, in the one message that grew
     assert len(messages) == 1, messages
@@ -196,22 +206,17 @@ async def test_a_long_answer_appears_early_grows_by_paced_edits_and_ends_whole_e
 async def test_an_edit_that_fails_loses_nothing_the_whole_answer_is_posted_once(tmp_path: Path) -> None:
     answer = long_answer()
     pieces = [answer[i : i + PIECE] for i in range(0, len(answer), PIECE)]
-    async with FakeOpenAI() as model, three_fakes() as fakes:
-        model.chunk_size = PIECE
-        model.gate = asyncio.Semaphore(0)
-        model.script(Completion(answer))
-        extra = f"model: {{base_url: '{model.base_url}', name: fake-model, max_retries: 0}}"
-        async with kazma_on(fakes, tmp_path / "k.db", extra=extra) as app:
-            before = failure_count("stream", "slack")
-            await say(fakes, "slack", "tell me everything")
-            model.release()
-            await until(lambda: any(pieces[0].strip() in t for t in shown(fakes, "slack")), "the first piece")
-            fakes.slack.fail("chat.update", "error", error="cant_update_message")  # the next edit is refused
-            model.release(len(pieces) - 1)
-            await until(lambda: any(answer in t for t in shown(fakes, "slack")), "the whole answer")
-            await app.conversations.drain()
-            kept = [e.text for e in await app.transcript.messages(f"slack:{SLACK_CHANNEL}") if e.direction == "out"]
-        messages = shown(fakes, "slack")
+    async with streaming(tmp_path, answer, PIECE) as (model, fakes, app):
+        before = failure_count("stream", "slack")
+        await say(fakes, "slack", "tell me everything")
+        model.release()
+        await until(lambda: any(pieces[0].strip() in t for t in shown(fakes, "slack")), "the first piece")
+        fakes.slack.fail("chat.update", "error", error="cant_update_message")  # the next edit is refused
+        model.release(len(pieces) - 1)
+        await until(lambda: any(answer in t for t in shown(fakes, "slack")), "the whole answer")
+        await app.conversations.drain()
+        kept = [e.text for e in await app.transcript.messages(f"slack:{SLACK_CHANNEL}") if e.direction == "out"]
+    messages = shown(fakes, "slack")
     # the draft shown before the failure stays as it was; the whole answer follows it, once
     assert len(messages) == 2, messages
     assert answer.startswith(messages[0])
@@ -226,21 +231,16 @@ async def test_an_answer_longer_than_a_message_continues_in_a_new_message_as_it_
     # Discord holds 2000 characters a message: 2,600 arrive in three pieces and end as two messages
     answer = " ".join(f"token{i:04d}" for i in range(260))
     size = len(answer) // 3 + 1
-    async with FakeOpenAI() as model, three_fakes() as fakes:
-        model.chunk_size = size
-        model.gate = asyncio.Semaphore(0)
-        model.script(Completion(answer))
-        extra = f"model: {{base_url: '{model.base_url}', name: fake-model, max_retries: 0}}"
-        async with kazma_on(fakes, tmp_path / "k.db", extra=extra) as app:
-            await say(fakes, "discord", "tell me everything")
-            model.release()
-            first_piece = answer[:size].strip()
-            await until(lambda: any(first_piece in t for t in shown(fakes, "discord")), "the first piece")
-            assert [m.removeprefix("[kazma] ") for m in shown(fakes, "discord")] == [first_piece]  # nothing more yet
-            model.release(2)
-            await until(lambda: "token0259" in " ".join(shown(fakes, "discord")), "the last piece")
-            await app.conversations.drain()
-        messages = shown(fakes, "discord")
+    async with streaming(tmp_path, answer, size) as (model, fakes, app):
+        await say(fakes, "discord", "tell me everything")
+        model.release()
+        first_piece = answer[:size].strip()
+        await until(lambda: any(first_piece in t for t in shown(fakes, "discord")), "the first piece")
+        assert [m.removeprefix("[kazma] ") for m in shown(fakes, "discord")] == [first_piece]  # nothing more yet
+        model.release(2)
+        await until(lambda: "token0259" in " ".join(shown(fakes, "discord")), "the last piece")
+        await app.conversations.drain()
+    messages = shown(fakes, "discord")
     assert len(messages) == 2, messages
     assert all(len(m) <= 2000 for m in messages)
     # the two parts are the answer, cut at a space (which the cut drops), each said once
