@@ -188,7 +188,7 @@ async def test_is_a_platform_adapter_and_starts_on_the_real_library(
     assert [c.method for c in fake.calls[:2]] == ["getMe", "setMyCommands"]
     assert fake.commands == [
         {"command": "swarm", "description": "Drive the agent swarm"},
-        {"command": "plan", "description": "Show the current plan"},
+        {"command": "plan", "description": "Show this chat's current plan"},
         {"command": "approvals", "description": "List the approval requests waiting for you"},
     ]
     await fake.wait_for_call("getUpdates", answered=False)

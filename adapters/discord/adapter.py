@@ -34,6 +34,7 @@ import yarl
 from discord import app_commands
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
+from kazma.adapters.chat_commands import CHAT_COMMANDS, ChatCommand
 from kazma.adapters.chat_text import COLUMNS_FENCES, Columns, split_text
 from kazma.adapters.contract import CardRef, PlatformError, Press
 from kazma.adapters.deny_reason import (
@@ -294,20 +295,24 @@ class DiscordAdapter(PlatformBase):
     # ----------------------------------------------------------------- commands
 
     def _register_commands(self, tree: app_commands.CommandTree[_Client]) -> None:
-        adapter = self
+        for command in CHAT_COMMANDS:
+            tree.add_command(self._slash_command(command))
 
-        @tree.command(name="swarm", description="Drive the Kazma swarm: /swarm <command> …")
-        @app_commands.describe(args="The command and its arguments, e.g. 'status' or 'pipeline quick <task>'")
-        async def swarm(interaction: discord.Interaction[_Client], args: str = "") -> None:
-            await adapter._on_command(interaction, "swarm", args)
+    def _slash_command(self, command: ChatCommand) -> app_commands.Command[Any, Any, None]:
+        # discord.py reads a command's options off its callback's parameters: one with ``args``, one without
+        adapter, name = self, command.name
+        if command.usage:
 
-        @tree.command(name="plan", description="Show this channel's current plan")
-        async def plan(interaction: discord.Interaction[_Client]) -> None:
-            await adapter._on_command(interaction, "plan", "")
+            @app_commands.describe(args=command.usage_example or command.usage)
+            async def with_args(interaction: discord.Interaction[_Client], args: str = "") -> None:
+                await adapter._on_command(interaction, name, args)
 
-        @tree.command(name="approvals", description="List the approval requests waiting for you")
-        async def approvals(interaction: discord.Interaction[_Client]) -> None:
-            await adapter._on_command(interaction, "approvals", "")
+            return app_commands.Command(name=name, description=command.summary, callback=with_args)
+
+        async def bare(interaction: discord.Interaction[_Client]) -> None:
+            await adapter._on_command(interaction, name, "")
+
+        return app_commands.Command(name=name, description=command.summary, callback=bare)
 
     async def _sync_commands(self, tree: app_commands.CommandTree[_Client]) -> None:
         if not self._sync_commands_enabled:

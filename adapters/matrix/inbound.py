@@ -4,21 +4,15 @@ files. Payload translation only (events are the client-server API's JSON); the a
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+from kazma.adapters.chat_commands import COMMAND_TEXT
 from kazma.adapters.chat_text import plain_mentions
 from kazma.adapters.contract import Attachment, Inbound
 from kazma.adapters.matrix.errors import PLATFORM
 
-SWARM_COMMAND: Final = "swarm"
-PLAN_COMMAND: Final = "plan"
-APPROVALS_COMMAND: Final = "approvals"
-_COMMAND: Final = re.compile(
-    rf"^/({SWARM_COMMAND}|{PLAN_COMMAND}|{APPROVALS_COMMAND})(?:\s+(.*))?$", re.DOTALL | re.IGNORECASE
-)
 TEXT_TYPES: Final = frozenset({"m.text", "m.notice", "m.emote"})
 FILE_TYPES: Final = frozenset({"m.file", "m.image", "m.audio", "m.video"})
 ENCRYPTED: Final = "m.room.encrypted"
@@ -123,7 +117,7 @@ def normalise(
     replying = reply_target(content)
     text = without_reply_fallback(body) if replying else body
     command = None
-    match = _COMMAND.match(text.strip())
+    match = COMMAND_TEXT.match(text.strip())
     if match and msgtype != "m.notice":
         command = match.group(1).lower()
         text = (match.group(2) or "").strip()

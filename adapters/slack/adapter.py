@@ -38,6 +38,7 @@ from slack_sdk.http_retry.builtin_async_handlers import AsyncConnectionErrorRetr
 from slack_sdk.web.async_client import AsyncWebClient
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
+from kazma.adapters.chat_commands import CHAT_COMMANDS
 from kazma.adapters.chat_text import Columns
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
 from kazma.adapters.deny_reason import (
@@ -275,9 +276,8 @@ class SlackAdapter(PlatformBase):
         self.app.event("message")(self._on_message)
         self.app.event("app_mention")(self._on_message)
         self.app.event("app_home_opened")(self._on_home_opened)
-        self.app.command("/swarm")(self._on_command)
-        self.app.command("/plan")(self._on_command)
-        self.app.command("/approvals")(self._on_command)
+        for command in CHAT_COMMANDS:
+            self.app.command(f"/{command.name}")(self._on_command)
         self.app.action(APPROVE_ACTION)(self._on_action)
         self.app.action(DENY_ACTION)(self._on_action)
         self.app.action(REMEMBER_ACTION)(self._on_action)

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import click
 import yaml
 
+from kazma.adapters.chat_commands import CHAT_COMMANDS
 from kazma.adapters.platform_cli import ConfigSource
 from kazma.config.models import KazmaConfig
 from kazma.config.platforms import is_loopback
@@ -26,11 +27,6 @@ OPTIONAL_SCOPES: Final = ("chat:write.customize", "im:history", "im:write", "fil
 # For `kazma doctor` only: conversations.info tells whether the app is in the home channel (public, private).
 DOCTOR_SCOPES: Final = ("channels:read", "groups:read")
 BOT_EVENTS: Final = ("app_home_opened", "app_mention", "message.channels", "message.groups", "message.im")
-COMMANDS: Final = (
-    ("/swarm", "Drive the agent swarm", "help | status | pipeline quick <task>"),
-    ("/plan", "Show this channel's current plan", ""),
-    ("/approvals", "List the approval requests waiting for you", ""),
-)
 
 
 def slack_request_url(config: KazmaConfig) -> str:
@@ -50,10 +46,10 @@ def slack_manifest(
     socket = bool(config.platforms.slack.app_token) if socket_mode is None else socket_mode
     url = None if socket else (request_url or slack_request_url(config))
     commands: list[dict[str, Any]] = []
-    for command, description, usage in COMMANDS:
-        entry: dict[str, Any] = {"command": command, "description": description, "should_escape": False}
-        if usage:
-            entry["usage_hint"] = usage
+    for command in CHAT_COMMANDS:
+        entry: dict[str, Any] = {"command": f"/{command.name}", "description": command.summary, "should_escape": False}
+        if command.usage:
+            entry["usage_hint"] = command.usage
         if url:
             entry["url"] = url
         commands.append(entry)

@@ -53,6 +53,7 @@ from telegram.ext import (
 from telegram.request import HTTPXRequest
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
+from kazma.adapters.chat_commands import CHAT_COMMANDS
 from kazma.adapters.chat_text import Columns
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
 from kazma.adapters.deny_reason import deny_data, reason_request, reply_prompt
@@ -60,7 +61,7 @@ from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified
 from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip, streamed_edit
-from kazma.adapters.telegram.inbound import APPROVALS_COMMAND, PLAN_COMMAND, SWARM_COMMAND, normalise
+from kazma.adapters.telegram.inbound import normalise
 from kazma.adapters.telegram.reasons import Prompt, ReasonPrompts
 from kazma.adapters.telegram.render import (
     CALLBACK_DATA_LIMIT,
@@ -275,13 +276,7 @@ class TelegramAdapter(PlatformBase):
     async def _register_commands(self, app: AnyApplication) -> None:
         # Only a convenience (the command menu): a failure here must not keep the bus down.
         try:
-            await app.bot.set_my_commands(
-                [
-                    BotCommand(SWARM_COMMAND, "Drive the agent swarm"),
-                    BotCommand(PLAN_COMMAND, "Show the current plan"),
-                    BotCommand(APPROVALS_COMMAND, "List the approval requests waiting for you"),
-                ]
-            )
+            await app.bot.set_my_commands([BotCommand(c.name, c.summary) for c in CHAT_COMMANDS])
         except TelegramError as exc:
             log.warning("telegram.commands_not_set", error=self._redact(str(exc)))
 

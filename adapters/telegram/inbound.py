@@ -5,20 +5,16 @@ translation only; the adapter receives, the kit's door decides what passes.
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
-from typing import Any, Final
+from typing import Any
 
 import structlog
 from telegram import Message
 from telegram.constants import ChatType, MessageEntityType
 
+from kazma.adapters.chat_commands import COMMAND_NAMES
 from kazma.adapters.chat_text import plain_mentions
 from kazma.adapters.contract import Attachment, Inbound
 from kazma.adapters.telegram.errors import PLATFORM
-
-SWARM_COMMAND: Final = "swarm"
-PLAN_COMMAND: Final = "plan"
-APPROVALS_COMMAND: Final = "approvals"
-COMMANDS: Final = (SWARM_COMMAND, PLAN_COMMAND, APPROVALS_COMMAND)
 
 Fetcher = Callable[[str], Callable[[], Coroutine[Any, Any, bytes]]]
 
@@ -44,7 +40,7 @@ def normalise(
         if entity.type != MessageEntityType.BOT_COMMAND or entity.offset != 0:
             continue
         word, _, target = value.removeprefix("/").partition("@")
-        if word.lower() not in COMMANDS:
+        if word.lower() not in COMMAND_NAMES:
             continue
         if target and target.lower() != bot_username:
             log.debug("telegram.command_for_other_bot", chat=chat.id, target=target)
