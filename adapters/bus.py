@@ -36,6 +36,7 @@ from kazma.adapters.contract import (
 from kazma.adapters.outbox import Outbox, PostJob
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.checkpoints import Checkpoint
+from kazma.approvals.honesty import reveal_line
 from kazma.approvals.model import ApprovalRequest, Review, Status, Witness
 from kazma.approvals.progress import progress_line
 from kazma.approvals.service import CardsNotQueued, remember_offer
@@ -47,6 +48,7 @@ from kazma.config.card_routes import CardTarget
 from kazma.config.metrics import DECISION_TO_SETTLED, count_failure
 from kazma.config.models import KazmaConfig
 from kazma.config.outgoing import Outgoing
+from kazma.config.registry import CHAT_PLATFORMS
 from kazma.config.store.backend import Tx
 from kazma.config.store.errors import simulated_failure, store_errors
 from kazma.config.supervisor import Supervisor
@@ -144,6 +146,8 @@ class FanOutBus:
         self._started: set[str] = set()
         self._stopping = False
         self._tasks = Supervisor("bus_task")  # one worker per platform
+        # (platform, person) whose direct messages refused a card, said in the home chat once until one lands
+        self._dm_refused: set[tuple[str, str]] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -542,7 +546,11 @@ class FanOutBus:
                     failed.append(str(exc))
                     log.error("bus.card_post_gave_up", platform=adapter.name, request_id=job.request_id,
                               person=place.person, error=str(exc))  # fmt: skip
+                    if place.person is not None:
+                        await self._say_dm_refused(adapter, place.person, request, exc)
                 continue
+            if place.person is not None:
+                self._dm_refused.discard((adapter.name, place.person))
             await self._record_post(request.id, ref, bound_to=place.person)
             recorded.add(ref.chat)
             log.info("bus.card_posted", platform=adapter.name, request_id=request.id, chat=ref.chat,
@@ -555,6 +563,22 @@ class FanOutBus:
             await self.outbox.done(job, "failed", "; ".join(failed))
         else:
             await self.outbox.done(job, "posted", "; ".join(failed) or None)
+
+    async def _say_dm_refused(
+        self, adapter: PlatformAdapter, person: str, request: ApprovalRequest, exc: PlatformError
+    ) -> None:
+        """A card for ``person``'s direct messages was refused for good: a request routed only there would wait
+        with nobody seeing it, so the platform's home chat hears why (once per person, until a card lands)."""
+        if adapter.home_chat is None or (adapter.name, person) in self._dm_refused:
+            return
+        self._dm_refused.add((adapter.name, person))
+        why = str(exc).removeprefix(f"{exc.platform} {exc.site}: ")
+        title = CHAT_PLATFORMS[adapter.name].title if adapter.name in CHAT_PLATFORMS else adapter.name
+        text = (
+            f"{person} did not get the approval card for {reveal_line(request.tool)} in a direct message on {title}: {why}. "
+            "It still waits for a decision on the console's Approvals page, and on any other card its policy posts."
+        )
+        await self.send(Address(adapter.name, adapter.home_chat), Outgoing(text))
 
     async def _chat_of(self, adapter: PlatformAdapter, place: CardTarget) -> str:
         """The chat a card goes to: the home chat, a chat the policy names, or a person's direct messages."""

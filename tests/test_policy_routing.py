@@ -105,6 +105,38 @@ async def test_a_policy_routed_to_one_persons_dm_posts_there_and_nowhere_else(tm
         assert _cards_anywhere_but(fakes, {"telegram": TG_ADMIN}) == []
 
 
+async def test_a_dm_card_telegram_refuses_because_she_never_pressed_start_is_said_in_the_home_chat_once(
+    tmp_path: Path,
+) -> None:
+    async with (
+        three_fakes() as fakes,
+        kazma_on(fakes, tmp_path / "k.db", approvals=POLICIES, extra=PEOPLE) as app,
+    ):
+        fakes.telegram.not_started.add(TG_ADMIN)
+        first = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", policy="alice-dm")
+        assert await _posts_done(app, first.id) == [("telegram", "failed")]
+        await fakes.wait(
+            lambda: any("did not get the approval card" in m.text for m in fakes.telegram.bot_messages(TG_CHAT))
+        )
+        (notice,) = [m.text for m in fakes.telegram.bot_messages(TG_CHAT)]
+        assert notice.startswith("alice did not get the approval card for shell in a direct message on Telegram")
+        assert "pressed Start" in notice
+        assert "console's Approvals page" in notice
+        (note,) = await app.service.store.tables.all(
+            "SELECT last_error FROM card_outbox WHERE request_id = ?", (first.id,)
+        )
+        assert "has not started a private chat with the bot" in str(note[0])
+        # a second request refused the same way is not said again
+        second = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", policy="alice-dm")
+        assert await _posts_done(app, second.id) == [("telegram", "failed")]
+        # she presses Start: the next card reaches her, and the home chat heard of her once
+        fakes.telegram.not_started.discard(TG_ADMIN)
+        third = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", policy="alice-dm")
+        assert await _posts_done(app, third.id) == [("telegram", "posted")]
+        assert len(fakes.telegram.bot_messages(TG_ADMIN)) == 1
+        assert len(fakes.telegram.bot_messages(TG_CHAT)) == 1
+
+
 async def test_a_press_on_alices_dm_card_by_anyone_else_decides_nothing(tmp_path: Path) -> None:
     async with (
         three_fakes() as fakes,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from datetime import timedelta
 from typing import Final
@@ -21,6 +22,13 @@ from telegram.error import (
 from kazma.adapters.contract import PlatformError
 
 PLATFORM: Final = "telegram"
+# Telegram lets a bot write to a person only after they opened its private chat (and while they have not blocked
+# it); its 403 says so in words an operator may not connect with "they have to press Start".
+_NOT_STARTED: Final = re.compile(r"can't initiate conversation|bot was blocked by the user", re.IGNORECASE)
+NOT_STARTED_HINT: Final = (
+    "this person has not started a private chat with the bot, or blocked it: Telegram lets a bot write only to "
+    "people who opened its chat and pressed Start"
+)
 
 
 def retry_after_seconds(exc: RetryAfter) -> float:
@@ -55,6 +63,8 @@ def _classify(site: str, exc: BaseException) -> PlatformError:
         return PlatformError(
             PLATFORM, site, f"chat migrated to {exc.new_chat_id}: update the configuration", retryable=False
         )
+    if isinstance(exc, Forbidden) and _NOT_STARTED.search(str(exc)):
+        return PlatformError(PLATFORM, site, f"{NOT_STARTED_HINT} ({exc})", retryable=False)
     # BadRequest is a NetworkError subclass in PTB: the request was refused, sending it again changes nothing.
     if isinstance(exc, BadRequest | Forbidden | InvalidToken):
         return PlatformError(PLATFORM, site, f"{type(exc).__name__}: {exc}", retryable=False)

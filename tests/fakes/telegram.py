@@ -355,6 +355,9 @@ class FakeTelegram:
         # "left"/"kicked": getChat answers "chat not found", as Telegram does for a group the bot is not in.
         self.bot_membership: dict[int, JsonDict] = {}
         self.channels: set[int] = set()  # chat ids that are channels (type "channel"), not groups
+        # People who never opened a private chat with the bot (or blocked it): Telegram refuses the bot's posts
+        # to them with 403, as it does for every user until they press Start.
+        self.not_started: set[int] = set()
         self._faults: dict[str, deque[Fault]] = {}
         self._waiters: list[asyncio.Future[None]] = []
         self._poll_generation = 0
@@ -924,6 +927,8 @@ class FakeTelegram:
 
     async def _send_message(self, params: JsonDict) -> JsonDict:
         chat_id = self._not_migrated(_chat_id(params))
+        if chat_id in self.not_started:
+            raise ApiError(403, "Forbidden: bot can't initiate conversation with a user")
         text, entities, dropped = _message_text(params)
         markup = _reply_markup(params.get("reply_markup"), chat_id)
         thread = params.get("message_thread_id")
