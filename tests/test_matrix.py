@@ -61,6 +61,22 @@ async def test_a_restart_neither_loses_nor_repeats_a_message(harness: MatrixHarn
     assert found == ["before the restart", "while Kazma was down", "after"]
 
 
+async def test_more_messages_while_down_than_one_sync_holds_are_all_taken_in_order(harness: MatrixHarness) -> None:
+    adapter = await harness.start()
+    await adapter.quiesce()
+    await adapter.stop()
+    said = [f"while down {n:03d}" for n in range(130)]  # a sync's timeline holds 100 a room: "limited"
+    for text in said:
+        await harness.say(harness.home, harness.admin, text)
+    await harness.start()
+    # each event taken in is recorded on the homeserver before the next: 130 of them take a while on a busy machine
+    await harness.recorder.wait_until(lambda: len(harness.recorder.inbound) >= len(said), timeout=90)
+    await harness.say(harness.home, harness.admin, "after")
+    found = await texts_arrived(harness, len(said) + 1)
+    await harness.settled()
+    assert found == [*said, "after"]
+
+
 async def test_a_batch_cut_short_resumes_after_the_events_it_took_in(harness: MatrixHarness) -> None:
     """A process that stops in the middle of a batch (killed after taking in its first event) left the batch's
     token and that event's id; the next start takes that batch again and skips exactly that event."""

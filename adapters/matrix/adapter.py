@@ -78,6 +78,10 @@ SYNC_FILTER: Final = json.dumps(
     separators=(",", ":"),
 )
 DIRECT_TYPE: Final = "m.direct"  # the account's direct rooms, as every client keeps them
+# A room's timeline in one sync holds at most 100 events ("limited" when more came); the rest are read back page
+# by page, up to this many a room — more than a long outage of a busy room brings; beyond it they are counted.
+GAP_LIMIT: Final = 2_000
+_GAP_FILTER: Final = json.dumps({"types": _TIMELINE_TYPES, "lazy_load_members": True}, separators=(",", ":"))
 TYPING_MS: Final = 5_000
 
 
@@ -222,13 +226,46 @@ class MatrixAdapter(PlatformBase):
                     await asking
                 return
             try:
-                await self._take(asking.result())
+                await self._take(await self._filled(client, asking.result(), self._kept.since))
             except Exception as exc:  # the batch comes again, from what was kept of it
                 failures += 1
                 self.failed("sync", None, self.classify("sync", exc))
                 await until_set(self._stop_sync, min(2.0 ** min(failures, 5), 30.0))
                 continue
             failures = 0
+
+    async def _filled(self, client: ClientAPI, batch: dict[str, Any], since: str | None) -> dict[str, Any]:
+        """``batch`` with each room's whole timeline since ``since``: a room whose timeline the homeserver cut
+        short ("limited": more came than one sync holds, as after an outage) gets the events before the cut read
+        back from ``/messages`` and put in front, so no message sent while Kazma was away is skipped. A first
+        sync (no ``since``) is left as it is: a room's history is not a request."""
+        if since is None:
+            return batch
+        for room, data in ((batch.get("rooms") or {}).get("join") or {}).items():
+            timeline = (data or {}).get("timeline") or {}
+            if not timeline.get("limited") or not timeline.get("prev_batch"):
+                continue
+            earlier = await self._read_back(client, str(room), str(timeline["prev_batch"]), since)
+            timeline["events"] = [*earlier, *(timeline.get("events") or [])]
+        return batch
+
+    async def _read_back(self, client: ClientAPI, room: str, before: str, since: str) -> list[dict[str, Any]]:
+        """The events of ``room`` between the sync token ``since`` and ``before``, oldest first (at most
+        :data:`GAP_LIMIT`: the oldest beyond it are counted as lost). A failure raises: the batch comes again."""
+        found: list[dict[str, Any]] = []
+        page: str | None = before
+        while page is not None:
+            query = {"dir": "b", "from": page, "to": since, "limit": "100", "filter": _GAP_FILTER}
+            answer = await client.api.request(Method.GET, Path.v3.rooms[RoomID(room)].messages, query_params=query)
+            chunk = [e for e in answer.get("chunk") or [] if isinstance(e, dict)]
+            found.extend(chunk)
+            page = str(answer["end"]) if chunk and answer.get("end") else None
+            if len(found) >= GAP_LIMIT and page is not None:
+                count_failure("sync_gap", PLATFORM)
+                log.error("matrix.sync_gap_cut", room=room, kept=len(found))
+                break
+        log.info("matrix.sync_gap_read", room=room, events=len(found))
+        return found[::-1]
 
     async def _take(self, batch: dict[str, Any]) -> None:
         """Hand every new event of ``batch`` to the kit, keeping after each one where the sync stands; the
