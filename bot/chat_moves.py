@@ -1,6 +1,7 @@
 """Chats that changed their id on their platform, kept so that a restart still serves the new one.
 
-A Telegram group made a supergroup gets a new chat id. The adapter follows it
+A Telegram group made a supergroup gets a new chat id; an upgraded Matrix room is replaced by a new room. The
+adapter follows it
 at once; this table makes the move outlive the process until the operator has
 updated ``kazma.yaml`` (the move is announced with the line to change), and is
 applied to the adapters at every start. One small table, written through the

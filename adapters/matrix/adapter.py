@@ -63,7 +63,9 @@ from kazma.config.waits import until_set
 log = structlog.get_logger("kazma.adapters.matrix")
 
 # What one sync asks for: messages, reactions and the signs of encryption; no presence, receipts or typing.
-_TIMELINE_TYPES: Final = ["m.room.message", "m.reaction", "m.room.encrypted", "m.room.encryption", "m.room.member"]
+_TIMELINE_TYPES: Final = [
+    "m.room.message", "m.reaction", "m.room.encrypted", "m.room.encryption", "m.room.member", "m.room.tombstone"
+]  # fmt: skip
 SYNC_FILTER: Final = json.dumps(
     {
         "presence": {"types": []},
@@ -353,6 +355,9 @@ class MatrixAdapter(PlatformBase):
         if etype in ("m.room.encrypted", "m.room.encryption"):
             await self._encrypted(room)
             return False
+        if etype == "m.room.tombstone" and event.get("state_key") == "":
+            await self._upgraded(room, event.get("content"))
+            return False
         if event.get("sender") == self.user_id:
             return False  # our own posts: kept when sent
         reaction = reaction_of(event)
@@ -374,6 +379,23 @@ class MatrixAdapter(PlatformBase):
             return False
         self.spawn(self.deliver(inbound, key=inbound.message_id), name=f"matrix-inbound-{inbound.message_id}")
         return True
+
+    async def _upgraded(self, room: str, content: object) -> None:
+        """A served room was upgraded (a new room replaces it; the old one takes no more messages): serve the new
+        one wherever the old one was (the kit's chat move, recorded and announced like Telegram's migration),
+        and join it. Joining fails while the bot is not invited to an invite-only room: it joins at the invite,
+        the new room being served by then."""
+        replacement = content.get("replacement_room") if isinstance(content, dict) else None
+        if not isinstance(replacement, str) or not replacement.startswith("!") or room not in self.served:
+            return
+        await self.chat_moved(room, replacement)
+        client = self._api("join")
+        try:
+            await self.call("join", None, self._joiner(client, replacement))
+        except PlatformError:
+            log.info("matrix.upgrade_join_waits_for_invite", room=room, replacement=replacement)
+            return
+        log.info("matrix.joined", room=replacement, upgraded_from=room)
 
     async def _encrypted(self, room: str) -> None:
         if room in self._told_encrypted or room not in self.served:
