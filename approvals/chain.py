@@ -50,6 +50,7 @@ from typing import Any, Final
 
 import structlog
 
+from kazma.approvals import pg_press
 from kazma.approvals.checkpoints import HISTORY, AuditSigner, Checkpoint
 from kazma.config.metrics import count_failure
 from kazma.config.store.backend import Tx
@@ -173,6 +174,9 @@ class AuditChain:
         # (first seq, last seq, head) by the hash it followed. A checkpointer that finds every event since the
         # last checkpoint here signs the head this chain computed instead of reading the events back.
         self._committed_runs: dict[str, tuple[int, int, str]] = {}
+        # The head this chain last committed (seq, hash): on PostgreSQL the next append is hashed after it before
+        # the head is read, and inserted in the same statement when it still is the head (pg_press.append).
+        self._last_head: tuple[int, str] | None = None
 
     def append(
         self,
@@ -216,6 +220,7 @@ class AuditChain:
             del self._committed_runs[link]
 
     def _committed(self, prev: str, first: int, last: int, head: str) -> None:
+        self._last_head = (last, head)
         if len(self._committed_runs) >= _RUNS_KEPT:  # nobody signs (no checkpointer here): keep memory bounded
             self._committed_runs.clear()
         self._committed_runs[prev] = (first, last, head)
@@ -232,24 +237,42 @@ class AuditChain:
             raise
 
     def _link(self, tx: Tx, events: list[_Pending]) -> None:
+        if self.postgres and events:
+            self._link_postgres(tx, events)
+            return
         prev, seq = self._read_head(tx)
         if not events:
             return
         rows = self._rows(events, self._request_hashes(tx, events), prev, seq)
         tx.after_commit(functools.partial(self._committed, prev, seq + 1, int(rows[-1][0]), str(rows[-1][9])))
-        if self.postgres:
-            # One round trip, which also moves the identity past them: a row inserted without a seq (by hand,
-            # around Kazma) must not take a number the chain gave, or the chain's next append would fail.
+        if len(rows) == 1:
+            tx.run(_INSERT_EVENT, rows[0])
+        else:
+            tx.run_many(_INSERT_EVENT, rows)
+        self.appended = True
+
+    def _link_postgres(self, tx: Tx, events: list[_Pending]) -> None:
+        """The lock, the head and the insert in one statement when the head is the one this chain last committed
+        (hashed after it beforehand); else the head that call read, the events hashed after it and inserted."""
+        hashes = self._request_hashes(tx, events)
+        expect = self._last_head
+        guessed = [] if expect is None else self._rows(events, hashes, expect[1], expect[0])
+        appended, last_seq, last_hash, signed_seq = pg_press.append(tx, CHAIN_LOCK, expect, guessed)
+        if appended:
+            rows = guessed
+        else:
+            prev, seq = self._head(tx, last_seq, last_hash, signed_seq)
+            rows = self._rows(events, hashes, prev, seq)
             values = ", ".join([_ROW_MARKS] * len(rows))
-            tx.one(
+            # Also moves the identity past them: a row inserted without a seq (by hand, around Kazma) must not
+            # take a number the chain gave, or the chain's next append would fail. Nobody reads its answer.
+            tx.send(
                 f"WITH added AS ({_INSERT_EVENT_ROWS} {values} RETURNING seq)"  # noqa: S608
                 f" SELECT setval('{_PG_SEQUENCE}', (SELECT max(seq) FROM added))",
                 [value for row in rows for value in row],
             )
-        elif len(rows) == 1:
-            tx.run(_INSERT_EVENT, rows[0])
-        else:
-            tx.run_many(_INSERT_EVENT, rows)
+        prev = str(rows[0][8])
+        tx.after_commit(functools.partial(self._committed, prev, int(rows[0][0]), int(rows[-1][0]), str(rows[-1][9])))
         self.appended = True
 
     def _read_head(self, tx: Tx) -> tuple[str, int]:

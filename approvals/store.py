@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
+from kazma.approvals import pg_press
 from kazma.approvals.chain import (
     CHECKPOINT_COLUMNS,
     DECISION_EVENTS,
@@ -33,6 +34,7 @@ from kazma.approvals.chain import (
 )
 from kazma.approvals.checkpoints import AuditSigner, Checkpoint
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, Review, Status, Waits, outcome_of
+from kazma.approvals.pg_press import PressCall
 from kazma.approvals.seal import seal
 from kazma.config.keyring import Keyring
 from kazma.config.store.backend import StoreBackend, Tx, Writer, backend_of, held_by_gone
@@ -78,6 +80,8 @@ _DECISION_SEQ = (
     "SELECT seq FROM approval_events WHERE request_id = ?"  # noqa: S608
     f" AND event IN ({', '.join(repr(e) for e in DECISION_EVENTS)}) ORDER BY seq LIMIT 1"
 )
+# Requests whose sealed fields a store remembers at most (then it forgets them all and reads them again).
+_SEALED_KEPT = 4096
 # The claimer's name when no replica name is given: the only process on its store.
 LOCAL = "local"
 # Told at every decision: each replica wakes the call waiting for it and settles the cards (PostgreSQL NOTIFY).
@@ -330,6 +334,9 @@ class ApprovalStore:
         # Seals every outcome this store writes (approvals/seal.py). None: outcomes are written unsealed, and an
         # approval written so can never run (a store opened only to read, or by a test of the rows alone).
         self.keyring = keyring
+        # PostgreSQL: a press is one statement when this process knows what its seal binds (pg_press.py).
+        self._one_statement = not isinstance(self.tables, Tables)
+        self._sealed_fields: dict[str, tuple[str, str]] = {}
 
     @property
     def conn(self) -> aiosqlite.Connection:
@@ -401,6 +408,7 @@ class ApprovalStore:
         ``also`` raises undoes the whole transaction and reaches the caller.
         """
         now = self.clock()
+        needs = (new.rules.approve_needed, new.rules.deny_needed)
         row = (
             new.id,
             new.tool,
@@ -445,6 +453,7 @@ class ApprovalStore:
                               detail=f"tool={new.tool}")  # fmt: skip
             for statements in also:
                 statements(tx)
+            tx.after_commit(lambda: self._sealed_over(new.id, (new.tool, new.args_hash, *needs)))
             return _row_to_request(row), True
 
         return await self._write(op)
@@ -537,6 +546,10 @@ class ApprovalStore:
         """
 
         def op(tx: Tx) -> Pressed:
+            if self._one_statement:
+                pressed = self._press_in_one(tx, request_id, status, actor, platform, reason, card, person)
+                if pressed is not None:
+                    return pressed
             if card is not None:
                 # The request and its cards on that platform in one statement: what the seal binds, and
                 # whether the press came from one of them.
@@ -551,6 +564,7 @@ class ApprovalStore:
                 head = tx.one(_PRESS_HEAD, (request_id,))
                 if head is None:
                     return Pressed(None, False, None)
+            self._sealed_over(request_id, head)
             now = self.clock()
             decision = Decision.APPROVE if status is Status.APPROVED else Decision.DENY
             reviewer = person or actor  # one person counts once, whatever the platform
@@ -594,6 +608,61 @@ class ApprovalStore:
 
         return op
 
+    def _press_in_one(
+        self,
+        tx: Tx,
+        request_id: str,
+        status: Status,
+        actor: str,
+        platform: str,
+        reason: str | None,
+        card: CardCheck | None,
+        person: str | None,
+    ) -> Pressed | None:
+        """:meth:`press_op` on PostgreSQL as one statement (:mod:`kazma.approvals.pg_press`), or None: the
+        general statements decide it (a request of a policy of several people, one whose tool and arguments
+        hash this process has not read yet, a card problem to name)."""
+        known = self._sealed_fields.get(request_id)
+        if known is None or (card is not None and card.platform != platform):
+            return None
+        tool, digest = known
+        now = self.clock()
+        decision = Decision.APPROVE if status is Status.APPROVED else Decision.DENY
+        mac, key_id = self._seal(request_id, tool, digest, status, actor, platform, now, person)
+        call = PressCall(
+            request_id, status.value, actor, platform, now, reason, mac, key_id, person, tool, digest,
+            person or actor, decision.value, card is not None, None if card is None else card.chat,
+            None if card is None else card.message_id, card is not None and card.needs_whole,
+        )  # fmt: skip
+        found = pg_press.press(tx, call)
+        if found is None:
+            return Pressed(None, False, None)
+        outcome, row = found
+        if outcome == pg_press.MISS:
+            return None
+        request = _standing(row)
+        if outcome == pg_press.WON:
+            self._sealed_fields.pop(request_id, None)  # decided: no press of it can win again
+            self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
+                              args_hash=request.args_hash, detail=decided_detail(status, reason),
+                              person=person)  # fmt: skip
+            tx.notify(DECIDED_CHANNEL, request_id)
+            return Pressed(None, True, request)
+        standing = request.status.value if request.status.final else "pending past its deadline"
+        self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now,
+                          args_hash=request.args_hash, detail=f"standing: {standing}", person=person)  # fmt: skip
+        return Pressed(None, False, request)
+
+    def _sealed_over(self, request_id: str, head: Sequence[Any]) -> None:
+        """Remember what a press's seal binds of a request of one press (tool, arguments hash), read or written
+        here: a press of it on PostgreSQL is then one statement. Neither ever changes once the request opened
+        (and the compare-and-set holds them in its predicate all the same)."""
+        if not self._one_statement or (int(head[2]), int(head[3])) != (1, 1):
+            return
+        if len(self._sealed_fields) >= _SEALED_KEPT:
+            self._sealed_fields.clear()
+        self._sealed_fields[request_id] = (str(head[0]), str(head[1]))
+
     def _lost(self, tx: Tx, request_id: str, actor: str, platform: str, now: float, person: str | None) -> Pressed:
         """A press that found the request decided (or past its deadline): audited ``press_lost``."""
         row = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
@@ -616,11 +685,13 @@ class ApprovalStore:
     async def rules_of(self, request_id: str) -> Rules | None:
         """The policy ``request_id`` opened under (None: unknown id), without reading its call."""
         row = await self.tables.one(
-            "SELECT policy, approve_needed, deny_needed, step_up, started_by FROM approval_requests WHERE id = ?",
+            "SELECT policy, approve_needed, deny_needed, step_up, started_by, tool, args_hash FROM approval_requests"
+            " WHERE id = ?",
             (request_id,),
         )
         if row is None:
             return None
+        self._sealed_over(request_id, (row[5], row[6], row[1], row[2]))
         return Rules(row[0], int(row[1]), int(row[2]), bool(row[3]), row[4])
 
     def _seal(

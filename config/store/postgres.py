@@ -63,6 +63,9 @@ ALONE_ATTEMPTS = 5
 # serialization_failure. None of them leaves anything of the transaction behind.
 _RUN_ALONE = frozenset({"55P03", "40P01", "40001"})
 
+# Every NOTIFY of a transaction in one statement, in the order they were asked for.
+_NOTIFY_ALL = "SELECT pg_notify(c, p) FROM unnest(%s::text[], %s::text[]) WITH ORDINALITY AS n(c, p, i) ORDER BY i"
+
 _SCHEMA_TABLE = """
 CREATE TABLE IF NOT EXISTS kazma_schema (
     component text NOT NULL,
@@ -96,11 +99,18 @@ def pyformat(sql: str) -> str:
 
 
 class PgTx(Deferred):
-    """Statements inside the PostgreSQL writer's transaction; the same methods as the SQLite writer's ``Tx``."""
+    """Statements inside the PostgreSQL writer's transaction; the same methods as the SQLite writer's ``Tx``.
 
-    def __init__(self, cursor: psycopg.Cursor[Any]) -> None:
+    In pipeline mode (``pipeline`` given) a statement is sent without waiting for its answer; a read, or
+    ``run``'s row count, waits for the answers sent before it. ``send``'s and ``notify``'s answers are only
+    ever waited for at the commit.
+    """
+
+    def __init__(self, cursor: psycopg.Cursor[Any], pipeline: psycopg.Pipeline | None = None) -> None:
         super().__init__()
         self._cursor = cursor
+        self._pipeline = pipeline
+        self._notices: list[tuple[str, str]] = []
 
     def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
         return self._cursor.execute(pyformat(sql), tuple(params)).fetchone()
@@ -110,14 +120,28 @@ class PgTx(Deferred):
 
     def run(self, sql: str, params: Iterable[Any] = ()) -> int:
         """One statement; the number of rows it changed."""
-        return int(self._cursor.execute(pyformat(sql), tuple(params)).rowcount)
+        self._cursor.execute(pyformat(sql), tuple(params))
+        if self._pipeline is not None:
+            self._pipeline.sync()  # the row count is known once the answer is back
+        return int(self._cursor.rowcount)
 
     def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
         self._cursor.executemany(pyformat(sql), [tuple(row) for row in rows])
 
+    def send(self, sql: str, params: Iterable[Any] = ()) -> None:
+        self._cursor.execute(pyformat(sql), tuple(params))
+
     def notify(self, channel: str, payload: str = "") -> None:
-        """``NOTIFY``, delivered to every listening replica when (and only if) this transaction commits."""
-        self._cursor.execute("SELECT pg_notify(%s, %s)", (channel, payload))
+        """``NOTIFY``, delivered to every listening replica when (and only if) this transaction commits. Sent
+        with the transaction's others in one statement, just before the commit."""
+        self._notices.append((channel, payload))
+
+    def _send_notices(self) -> None:
+        if not self._notices:
+            return
+        channels, payloads = zip(*self._notices, strict=True)
+        self._notices = []
+        self._cursor.execute(_NOTIFY_ALL, (list(channels), list(payloads)))
 
 
 class _SwallowedError(psycopg.Error):
@@ -135,6 +159,7 @@ class PgWriter(GroupQueue):
         lock_timeout_ms: int = LOCK_TIMEOUT_MS,
         max_group: int = MAX_GROUP,
         connect_timeout: float = 10.0,
+        pipelined: bool = True,
     ) -> None:
         self.conninfo = conninfo
         self.application_name = application_name
@@ -148,6 +173,9 @@ class PgWriter(GroupQueue):
         self._conn: psycopg.Connection[Any] | None = None  # the writer thread's own
         self.groups = 0  # committed groups, for tests and benchmarks
         self.run_alone = 0  # operations run one per transaction after a group met another replica's lock
+        # Groups run in pipeline mode (see _attempt_pipelined); off: every statement waits for its answer.
+        self.pipelined = pipelined
+        self.pipeline_retries = 0  # pipelined groups rolled back and run again statement by statement
         # The server process of the writer's connection: a NOTIFY this process sent carries it, so the
         # replica's listener can tell its own notifications from the others'.
         self.backend_pid: int | None = None
@@ -297,8 +325,65 @@ class PgWriter(GroupQueue):
     ) -> tuple[Job[Any], Exception] | None:
         """One transaction for ``jobs``: None once committed, or the job that failed (all rolled back).
 
+        First in pipeline mode; when anything goes wrong there, the group is rolled back and run again statement
+        by statement, which tells exactly which operation failed (see :meth:`_attempt_pipelined`).
         Raises when the connection itself fails, or the ``COMMIT`` does.
         """
+        if self.pipelined and self._attempt_pipelined(conn, jobs, bounded=bounded):
+            return None
+        return self._attempt_plain(conn, jobs, bounded=bounded)
+
+    def _attempt_pipelined(self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool) -> bool:
+        """``jobs`` in one transaction in pipeline mode: True once committed; False when it was rolled back.
+
+        A statement whose answer nobody waits for (``BEGIN``, ``send``, the notifications, the audit rows) goes
+        out with the next one that is waited for, so a group costs a round trip per read, not per statement. An
+        error surfaces at the next read, possibly inside another operation than the one that caused it: any
+        failure here therefore rolls the whole group back and leaves it to the plain path to run again.
+        """
+        try:
+            with conn.pipeline() as pipeline, conn.cursor() as cursor:
+                cursor.execute("BEGIN")
+                if bounded:
+                    cursor.execute(f"SET LOCAL lock_timeout = {int(self.lock_timeout_ms)}")
+                tx = PgTx(cursor, pipeline)
+                for job in jobs:
+                    job.result, job.error = None, None
+                    job.result = job.op(tx)
+                tx._run_deferred()
+                tx._send_notices()
+                cursor.execute("COMMIT")
+                pipeline.sync()
+                committed = cursor.statusmessage == "COMMIT"  # an aborted transaction answers ROLLBACK
+        except Exception:
+            if conn.broken or conn.closed:
+                raise
+            self._roll_back(conn)
+            self.pipeline_retries += 1
+            return False
+        except BaseException:
+            if not conn.broken and not conn.closed:
+                self._roll_back(conn)
+            raise
+        if not committed:
+            self.pipeline_retries += 1
+            return False
+        tx._committed()
+        return True
+
+    @staticmethod
+    def _roll_back(conn: psycopg.Connection[Any]) -> None:
+        if conn.info.transaction_status == TransactionStatus.IDLE:
+            return
+        try:
+            conn.execute("ROLLBACK")
+        except psycopg.Error as rollback:  # the original error matters more
+            log.warning("store.rollback_failed", error=f"{type(rollback).__name__}: {rollback}")
+
+    def _attempt_plain(
+        self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool
+    ) -> tuple[Job[Any], Exception] | None:
+        """``jobs`` in one transaction, each statement waited for: None once committed, or the job that failed."""
         with conn.cursor() as cursor:
             cursor.execute("BEGIN")
             try:
@@ -318,15 +403,13 @@ class PgWriter(GroupQueue):
                         return job, exc
                 # What the operations deferred to the end (the audit chain's links): a failure undoes them all.
                 tx._run_deferred()
+                tx._send_notices()
                 cursor.execute("COMMIT")
                 if cursor.statusmessage == "COMMIT":  # a transaction aborted unseen would answer ROLLBACK
                     tx._committed()
             except BaseException:
-                if not conn.broken and not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
-                    try:
-                        conn.execute("ROLLBACK")
-                    except psycopg.Error as rollback:  # the original error matters more
-                        log.warning("store.rollback_failed", error=f"{type(rollback).__name__}: {rollback}")
+                if not conn.broken and not conn.closed:
+                    self._roll_back(conn)
                 raise
         return None
 
