@@ -92,7 +92,7 @@ PG_AUDIT_APPEND_FUNCTION: Final = """
 CREATE OR REPLACE FUNCTION kazma_audit_append(
     lock_key bigint, expect_seq bigint, expect_hash text, p_seq bigint[], p_request_id text[], p_event text[],
     p_actor text[], p_platform text[], p_at double precision[], p_args_hash text[], p_detail text[],
-    p_prev_hash text[], p_chain_hash text[], p_person text[], p_commit_seal text[])
+    p_prev_hash text[], p_chain_hash text[], p_person text[], p_commit_seal text[], p_strict boolean)
 RETURNS TABLE (appended boolean, last_seq bigint, last_hash text, checkpoint_seq bigint)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -115,6 +115,9 @@ BEGIN
         RETURN QUERY SELECT true, head_seq, head_hash, signed;
         RETURN;
     END IF;
+    IF p_strict THEN
+        RAISE EXCEPTION 'the audit chain head moved (another writer appended)' USING ERRCODE = 'KZ001';
+    END IF;
     RETURN QUERY SELECT false, head_seq, head_hash, signed;
 END
 $$
@@ -127,7 +130,7 @@ _PRESS_CALL: Final = (
 _APPEND_CALL: Final = (
     "SELECT appended, last_seq, last_hash, checkpoint_seq FROM kazma_audit_append(?, ?, ?, ?::bigint[],"
     " ?::text[], ?::text[], ?::text[], ?::text[], ?::double precision[], ?::text[], ?::text[], ?::text[],"
-    " ?::text[], ?::text[], ?::text[])"
+    " ?::text[], ?::text[], ?::text[], ?)"
 )
 
 WON: Final = "won"
@@ -178,8 +181,17 @@ def append(
     """Take the chain's lock and read its head; insert ``rows`` (event rows in the chain's column order, with
     the commit seal last) in the same call when the head is ``expect`` (seq, hash). (appended, head seq, head
     hash, last checkpoint's seq)."""
-    columns: list[list[Any]] = [[row[i] for row in rows] for i in range(12)]
     expect_seq, expect_hash = expect if expect is not None else (-1, "")
-    found = tx.one(_APPEND_CALL, (lock_key, expect_seq, expect_hash, *columns))
+    found = tx.one(_APPEND_CALL, (lock_key, expect_seq, expect_hash, *_columns(rows), False))
     appended, last_seq, last_hash, signed = tuple(found)
     return bool(appended), last_seq, last_hash, signed
+
+
+def append_or_fail(tx: Tx, lock_key: int, expect: tuple[int, str], rows: Sequence[tuple[Any, ...]]) -> None:
+    """:func:`append`, its answer not waited for: when the head is not ``expect`` the statement fails the
+    transaction with SQLSTATE ``KZ001`` (:data:`kazma.config.store.postgres.STALE_GUESS`)."""
+    tx.send(_APPEND_CALL, (lock_key, expect[0], expect[1], *_columns(rows), True))
+
+
+def _columns(rows: Sequence[tuple[Any, ...]]) -> list[list[Any]]:
+    return [[row[i] for row in rows] for i in range(12)]

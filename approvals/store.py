@@ -337,6 +337,8 @@ class ApprovalStore:
         # PostgreSQL: a press is one statement when this process knows what its seal binds (pg_press.py).
         self._one_statement = not isinstance(self.tables, Tables)
         self._sealed_fields: dict[str, tuple[str, str]] = {}
+        # The policy each request opened under, as read or written here (it never changes: rules_of).
+        self._rules: dict[str, Rules] = {}
 
     @property
     def conn(self) -> aiosqlite.Connection:
@@ -408,7 +410,6 @@ class ApprovalStore:
         ``also`` raises undoes the whole transaction and reaches the caller.
         """
         now = self.clock()
-        needs = (new.rules.approve_needed, new.rules.deny_needed)
         row = (
             new.id,
             new.tool,
@@ -453,7 +454,7 @@ class ApprovalStore:
                               detail=f"tool={new.tool}")  # fmt: skip
             for statements in also:
                 statements(tx)
-            tx.after_commit(lambda: self._sealed_over(new.id, (new.tool, new.args_hash, *needs)))
+            tx.after_commit(lambda: self._opened(new))
             return _row_to_request(row), True
 
         return await self._write(op)
@@ -653,6 +654,11 @@ class ApprovalStore:
                           args_hash=request.args_hash, detail=f"standing: {standing}", person=person)  # fmt: skip
         return Pressed(None, False, request)
 
+    def _opened(self, new: NewRequest) -> None:
+        """A request this store opened committed: a press of it reads neither its policy nor its sealed fields."""
+        self._remember_rules(new.id, new.rules)
+        self._sealed_over(new.id, (new.tool, new.args_hash, new.rules.approve_needed, new.rules.deny_needed))
+
     def _sealed_over(self, request_id: str, head: Sequence[Any]) -> None:
         """Remember what a press's seal binds of a request of one press (tool, arguments hash), read or written
         here: a press of it on PostgreSQL is then one statement. Neither ever changes once the request opened
@@ -684,6 +690,9 @@ class ApprovalStore:
 
     async def rules_of(self, request_id: str) -> Rules | None:
         """The policy ``request_id`` opened under (None: unknown id), without reading its call."""
+        known = self._rules.get(request_id)
+        if known is not None:  # fixed when the request opened (a trigger refuses any change)
+            return known
         row = await self.tables.one(
             "SELECT policy, approve_needed, deny_needed, step_up, started_by, tool, args_hash FROM approval_requests"
             " WHERE id = ?",
@@ -692,7 +701,14 @@ class ApprovalStore:
         if row is None:
             return None
         self._sealed_over(request_id, (row[5], row[6], row[1], row[2]))
-        return Rules(row[0], int(row[1]), int(row[2]), bool(row[3]), row[4])
+        rules = Rules(row[0], int(row[1]), int(row[2]), bool(row[3]), row[4])
+        self._remember_rules(request_id, rules)
+        return rules
+
+    def _remember_rules(self, request_id: str, rules: Rules) -> None:
+        if len(self._rules) >= _SEALED_KEPT:
+            self._rules.clear()
+        self._rules[request_id] = rules
 
     def _seal(
         self,

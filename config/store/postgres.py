@@ -59,6 +59,9 @@ LOCK_TIMEOUT_MS = 250
 MAX_GROUP = 128
 # A lone operation chosen as a deadlock victim (or failing serialisation) is run again this many times.
 ALONE_ATTEMPTS = 5
+# Raised by a statement that was sent on a guess (its answer not waited for) and found the guess stale: the group
+# is rolled back and run again, in pipeline mode, the operations now asking instead of guessing.
+STALE_GUESS = "KZ001"
 # SQLSTATEs after which an operation is run again on its own: lock_not_available, deadlock_detected,
 # serialization_failure. None of them leaves anything of the transaction behind.
 _RUN_ALONE = frozenset({"55P03", "40P01", "40001"})
@@ -111,6 +114,11 @@ class PgTx(Deferred):
         self._cursor = cursor
         self._pipeline = pipeline
         self._notices: list[tuple[str, str]] = []
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether statements go out without waiting (an answer nobody waits for may fail the commit instead)."""
+        return self._pipeline is not None
 
     def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
         return self._cursor.execute(pyformat(sql), tuple(params)).fetchone()
@@ -329,12 +337,20 @@ class PgWriter(GroupQueue):
         by statement, which tells exactly which operation failed (see :meth:`_attempt_pipelined`).
         Raises when the connection itself fails, or the ``COMMIT`` does.
         """
-        if self.pipelined and self._attempt_pipelined(conn, jobs, bounded=bounded):
-            return None
+        if self.pipelined:
+            for _ in range(2):  # once more when a guess was stale
+                committed, again = self._attempt_pipelined(conn, jobs, bounded=bounded)
+                if committed:
+                    return None
+                if not again:
+                    break
         return self._attempt_plain(conn, jobs, bounded=bounded)
 
-    def _attempt_pipelined(self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool) -> bool:
-        """``jobs`` in one transaction in pipeline mode: True once committed; False when it was rolled back.
+    def _attempt_pipelined(
+        self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool
+    ) -> tuple[bool, bool]:
+        """``jobs`` in one transaction in pipeline mode: (committed, whether to try again so because a guess was
+        stale, :data:`STALE_GUESS`). Rolled back unless committed.
 
         A statement whose answer nobody waits for (``BEGIN``, ``send``, the notifications, the audit rows) goes
         out with the next one that is waited for, so a group costs a round trip per read, not per statement. An
@@ -355,21 +371,21 @@ class PgWriter(GroupQueue):
                 cursor.execute("COMMIT")
                 pipeline.sync()
                 committed = cursor.statusmessage == "COMMIT"  # an aborted transaction answers ROLLBACK
-        except Exception:
+        except Exception as exc:
             if conn.broken or conn.closed:
                 raise
             self._roll_back(conn)
             self.pipeline_retries += 1
-            return False
+            return False, _sqlstate(exc) == STALE_GUESS
         except BaseException:
             if not conn.broken and not conn.closed:
                 self._roll_back(conn)
             raise
         if not committed:
             self.pipeline_retries += 1
-            return False
+            return False, False
         tx._committed()
-        return True
+        return True, False
 
     @staticmethod
     def _roll_back(conn: psycopg.Connection[Any]) -> None:
