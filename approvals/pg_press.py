@@ -26,11 +26,14 @@ PostgreSQL stores escaped (:mod:`kazma.config.store.pg_text`) and prints its own
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol, TypeVar, cast
 
 from kazma.config.store.backend import Tx
+from kazma.config.store.group_commit import Later
+
+T = TypeVar("T")
 
 # The press: returns one row (what became of it, then the request's standing), or none for an unknown id.
 PG_PRESS_FUNCTION: Final = """
@@ -161,18 +164,27 @@ class PressCall:
     needs_whole: bool
 
 
-def press(tx: Tx, call: PressCall) -> tuple[str, tuple[Any, ...]] | None:
-    """One press in one statement: (``WON``/``LOST``/``MISS``, the request's standing row), or None (no such
-    request)."""
-    row = tx.one(
+class LaterTx(Tx, Protocol):
+    """The PostgreSQL writer's transaction (:class:`kazma.config.store.postgres.PgTx`): a statement whose answer
+    becomes an operation's result when the group's answers are in."""
+
+    def later(self, sql: str, params: Iterable[Any], then: Callable[[Any], T]) -> Later[T]: ...
+
+
+def press(tx: Tx, call: PressCall, then: Callable[[tuple[str, tuple[Any, ...]] | None], T]) -> Later[T]:
+    """One press in one statement; ``then`` is given (``WON``/``LOST``/``MISS``, the request's standing row), or
+    None (no such request), once its answer is in."""
+
+    def answered(row: Any) -> T:
+        return then(None if row is None else (str(row[0]), tuple(row[1:])))
+
+    return cast(LaterTx, tx).later(
         _PRESS_CALL,
         (call.request_id, call.status, call.actor, call.platform, call.now, call.reason, call.mac, call.key_id,
          call.person, call.tool, call.args_hash, call.reviewer, call.decision, call.card, call.chat,
          call.message_id, call.needs_whole),
+        answered,
     )  # fmt: skip
-    if row is None:
-        return None
-    return str(row[0]), tuple(row[1:])
 
 
 def append(

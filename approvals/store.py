@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import aiosqlite
 
@@ -548,9 +548,12 @@ class ApprovalStore:
 
         def op(tx: Tx) -> Pressed:
             if self._one_statement:
-                pressed = self._press_in_one(tx, request_id, status, actor, platform, reason, card, person)
+                pressed = self._press_in_one(tx, request_id, status, actor, platform, reason, card, person, general)
                 if pressed is not None:
                     return pressed
+            return general(tx)
+
+        def general(tx: Tx) -> Pressed:
             if card is not None:
                 # The request and its cards on that platform in one statement: what the seal binds, and
                 # whether the press came from one of them.
@@ -619,10 +622,15 @@ class ApprovalStore:
         reason: str | None,
         card: CardCheck | None,
         person: str | None,
+        general: Callable[[Tx], Pressed],
     ) -> Pressed | None:
         """:meth:`press_op` on PostgreSQL as one statement (:mod:`kazma.approvals.pg_press`), or None: the
-        general statements decide it (a request of a policy of several people, one whose tool and arguments
-        hash this process has not read yet, a card problem to name)."""
+        general statements decide it now (a request whose policy or sealed fields this process has not read).
+        A request of a policy of several people, a card problem to name, or fields changed around Kazma make the
+        statement a miss, and ``general`` decides it once the statement's answer is in.
+
+        In pipeline mode the statement's answer is waited for with the group's others (what is returned is a
+        :class:`~kazma.config.store.group_commit.Later` the writer fills before the commit)."""
         known = self._sealed_fields.get(request_id)
         if known is None or (card is not None and card.platform != platform):
             return None
@@ -635,24 +643,28 @@ class ApprovalStore:
             person or actor, decision.value, card is not None, None if card is None else card.chat,
             None if card is None else card.message_id, card is not None and card.needs_whole,
         )  # fmt: skip
-        found = pg_press.press(tx, call)
-        if found is None:
-            return Pressed(None, False, None)
-        outcome, row = found
-        if outcome == pg_press.MISS:
-            return None
-        request = _standing(row)
-        if outcome == pg_press.WON:
-            self._sealed_fields.pop(request_id, None)  # decided: no press of it can win again
-            self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
-                              args_hash=request.args_hash, detail=decided_detail(status, reason),
-                              person=person)  # fmt: skip
-            tx.notify(DECIDED_CHANNEL, request_id)
-            return Pressed(None, True, request)
-        standing = request.status.value if request.status.final else "pending past its deadline"
-        self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now,
-                          args_hash=request.args_hash, detail=f"standing: {standing}", person=person)  # fmt: skip
-        return Pressed(None, False, request)
+
+        def then(found: tuple[str, tuple[Any, ...]] | None) -> Pressed:
+            if found is None:
+                return Pressed(None, False, None)
+            outcome, row = found
+            if outcome == pg_press.MISS:
+                return general(tx)
+            request = _standing(row)
+            if outcome == pg_press.WON:
+                self._sealed_fields.pop(request_id, None)  # decided: no press of it can win again
+                self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
+                                  args_hash=request.args_hash, detail=decided_detail(status, reason),
+                                  person=person)  # fmt: skip
+                tx.notify(DECIDED_CHANNEL, request_id)
+                return Pressed(None, True, request)
+            standing = request.status.value if request.status.final else "pending past its deadline"
+            self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now,
+                              args_hash=request.args_hash, detail=f"standing: {standing}", person=person)  # fmt: skip
+            return Pressed(None, False, request)
+
+        # The writer answers the caller with the Later's value (a Pressed) once its transaction filled it.
+        return cast(Pressed, pg_press.press(tx, call, then))
 
     def _opened(self, new: NewRequest) -> None:
         """A request this store opened committed: a press of it reads neither its policy nor its sealed fields."""

@@ -33,7 +33,7 @@ import asyncio
 import functools
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -43,7 +43,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from kazma.config.metrics import count_failure
-from kazma.config.store.group_commit import Deferred, GroupQueue, Job, own_operations
+from kazma.config.store.group_commit import Deferred, GroupQueue, Job, Later, own_operations
 from kazma.config.store.migrations import Migration, run_migrations
 from kazma.config.store.pg_text import nul_safe, nul_safe_async
 
@@ -114,6 +114,27 @@ class PgTx(Deferred):
         self._cursor = cursor
         self._pipeline = pipeline
         self._notices: list[tuple[str, str]] = []
+        self._laters: list[tuple[psycopg.Cursor[Any], Callable[[Any], Any], Later[Any]]] = []
+
+    def later(self, sql: str, params: Iterable[Any], then: Callable[[Any], T]) -> Later[T]:
+        """One statement whose single row (or None) ``then`` turns into an operation's result; in pipeline mode
+        the answer is waited for only once every operation of the group has sent its statements, all answers
+        together, before the transaction's deferred work (``then`` may run more statements and defer more)."""
+        later: Later[T] = Later()
+        if self._pipeline is None:
+            later.set(then(self.one(sql, params)))
+            return later
+        cursor = self._cursor.connection.cursor()
+        cursor.execute(pyformat(sql), tuple(params))
+        self._laters.append((cursor, then, later))
+        return later
+
+    def _resolve_laters(self) -> None:
+        laters, self._laters = self._laters, []
+        for cursor, then, later in laters:
+            with cursor:
+                row = cursor.fetchone()
+            later.set(then(row))
 
     @property
     def pipelined(self) -> bool:
@@ -248,6 +269,9 @@ class PgWriter(GroupQueue):
                     return
 
     def _hand_back(self, jobs: Sequence[Job[Any]], error: BaseException | None, *, last: bool) -> bool:
+        for job in jobs:  # an operation's result given as a Later was filled before its commit
+            if isinstance(job.result, Later):
+                job.result = job.result.value if job.result.done else None
         loop = self._loop
         assert loop is not None
         try:
@@ -366,6 +390,7 @@ class PgWriter(GroupQueue):
                 for job in jobs:
                     job.result, job.error = None, None
                     job.result = job.op(tx)
+                tx._resolve_laters()
                 tx._run_deferred()
                 tx._send_notices()
                 cursor.execute("COMMIT")
@@ -418,6 +443,7 @@ class PgWriter(GroupQueue):
                         cursor.execute("ROLLBACK")
                         return job, exc
                 # What the operations deferred to the end (the audit chain's links): a failure undoes them all.
+                tx._resolve_laters()
                 tx._run_deferred()
                 tx._send_notices()
                 cursor.execute("COMMIT")
