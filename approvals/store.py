@@ -59,11 +59,19 @@ _CAS_BEFORE_DEADLINE = _CAS + " AND deadline > ?"
 # What the seal binds besides the outcome, read in the decision's transaction before the compare-and-set; for a
 # press from a card, with that request's cards on the press's platform in the same statement.
 _SEALED_FIELDS = "SELECT tool, args_hash FROM approval_requests WHERE id = ?"
-_PRESS_HEAD = "SELECT tool, args_hash, approve_needed, deny_needed FROM approval_requests WHERE id = ?"
+# A press's first statement: how its request stands (a decided one loses at once, with no seal made and no second
+# read), the rules it opened under (the decider's admission is checked on them in this transaction, so no read
+# comes before a press), and, for a press from a card, that request's cards on the press's platform.
+_PRESS_FIELDS = (
+    "r.id, r.tool, r.args_hash, r.conversation, r.deadline, r.status, r.decided_by, r.decided_via, r.decided_at,"
+    " r.reason, r.decided_person, r.policy, r.approve_needed, r.deny_needed, r.step_up, r.started_by"
+)
+_PRESS_HEAD = f"SELECT {_PRESS_FIELDS} FROM approval_requests r WHERE r.id = ?"  # noqa: S608
 _PRESS_CARDS = (
-    "SELECT r.tool, r.args_hash, r.approve_needed, r.deny_needed, c.chat, c.message_id, c.whole, c.bound_to"
+    f"SELECT {_PRESS_FIELDS}, c.chat, c.message_id, c.whole, c.bound_to"  # noqa: S608
     " FROM approval_requests r LEFT JOIN approval_cards c ON c.request_id = r.id AND c.platform = ? WHERE r.id = ?"
 )
+_PRESS_CARD_AT = 16  # where a card's columns start in a row of _PRESS_CARDS
 # A review's first statement: the request's row locked while it is pending and before its deadline, so that on
 # PostgreSQL reviews of one request follow one another (each count below then sees every review committed
 # before it) and a decision made meanwhile is seen. Changes nothing (the final-outcome triggers watch only a
@@ -107,6 +115,12 @@ class Rules:
     deny_needed: int = 1
     step_up: bool = False
     started_by: str | None = None  # who started the work: a person's name or an identity
+
+
+# Whether a decider may decide a request under the rules it opened under (None: no such request): None, or why
+# not as (what the audit says, what the presser is told). Run in the press's transaction on the rules its first
+# statement read, before anything is written, so that no read of the store comes before a press.
+Admission = Callable[[Rules | None], "tuple[str, str] | None"]
 
 
 @dataclass(frozen=True)
@@ -296,12 +310,19 @@ class ReviewState:
 
 @dataclass(frozen=True)
 class Pressed:
-    """What a press did: a card problem (nothing written), or the compare-and-set's result."""
+    """What a press did: refused by its admission or a card problem (nothing written), or the compare-and-set's
+    result."""
 
     problem: str | None
     won: bool
     request: Standing | None
     review: str | None = None  # a ReviewState when the press was a review that did not decide
+    refused: tuple[str, str] | None = None  # what its admission said: (for the audit, for the presser)
+
+
+def _rules_of_press(head: Sequence[Any]) -> Rules:
+    policy, approve_needed, deny_needed, step_up, started_by = head[11:16]
+    return Rules(policy, int(approve_needed), int(deny_needed), bool(step_up), started_by)
 
 
 class ApprovalStore:
@@ -519,15 +540,20 @@ class ApprovalStore:
         reason: str | None,
         card: CardCheck | None,
         person: str | None = None,
+        admit: Admission | None = None,
     ) -> Pressed:
-        """A person's decision: the card it came from checked, the compare-and-set and its audit row, as one write.
+        """A person's decision: its admission and the card it came from checked, the compare-and-set and its audit
+        row, as one write.
 
-        A press that loses is audited ``press_lost`` in the same group commit; one with a card problem
-        writes nothing (the caller decides what to audit, and whether to look again).
+        A press that loses is audited ``press_lost`` in the same group commit; one refused by ``admit`` or with a
+        card problem writes nothing (the caller decides what to audit, and whether to look again).
         """
         return await self._write(
-            self.press_op(request_id, status, actor=actor, platform=platform, reason=reason, card=card, person=person)
-        )
+            self.press_op(
+                request_id, status, actor=actor, platform=platform, reason=reason, card=card, person=person,
+                admit=admit,
+            )
+        )  # fmt: skip
 
     def press_op(
         self,
@@ -539,41 +565,56 @@ class ApprovalStore:
         reason: str | None,
         card: CardCheck | None,
         person: str | None = None,
+        admit: Admission | None = None,
     ) -> Callable[[Tx], Pressed]:
         """The statements of :meth:`press`, as the writer runs them inside its transaction.
 
-        Public so ``bench/store_decide.py`` can run exactly these statements with no service, writer or
-        event loop around them: the most any code around them could reach.
+        The first statement reads how the request stands, its rules and (from a card) its cards on the press's
+        platform; ``admit`` is held to those rules, then the card; a request already decided or past its deadline
+        is lost there, without a seal or another read. Public so ``bench/store_decide.py`` can run exactly these
+        statements with no service, writer or event loop around them: the most any code around them could reach.
         """
 
         def op(tx: Tx) -> Pressed:
             if self._one_statement:
-                pressed = self._press_in_one(tx, request_id, status, actor, platform, reason, card, person, general)
+                pressed = self._press_in_one(
+                    tx, request_id, status, actor, platform, reason, card, person, admit, general
+                )
                 if pressed is not None:
                     return pressed
             return general(tx)
 
         def general(tx: Tx) -> Pressed:
             if card is not None:
-                # The request and its cards on that platform in one statement: what the seal binds, and
-                # whether the press came from one of them.
                 rows = tx.all(_PRESS_CARDS, (card.platform, request_id))
-                if not rows:
-                    return Pressed(None, False, None)
-                problem = _card_problem([tuple(r[4:]) for r in rows if r[4] is not None], card, person or actor)
+                head = rows[0] if rows else None
+            else:
+                rows = []
+                head = tx.one(_PRESS_HEAD, (request_id,))
+            if head is None:
+                return Pressed(None, False, None, refused=None if admit is None else admit(None))
+            rules = _rules_of_press(head)
+            self._remember_rules(request_id, rules)
+            self._sealed_over(request_id, (head[1], head[2], rules.approve_needed, rules.deny_needed))
+            if admit is not None:
+                refused = admit(rules)
+                if refused is not None:
+                    return Pressed(None, False, None, refused=refused)
+            if card is not None:
+                # Only a card of this request on that platform, at the place pressed, whole for an Approve.
+                cards = [tuple(r[_PRESS_CARD_AT:]) for r in rows if r[_PRESS_CARD_AT] is not None]
+                problem = _card_problem(cards, card, person or actor)
                 if problem is not None:
                     return Pressed(problem, False, None)
-                head = rows[0]
-            else:
-                head = tx.one(_PRESS_HEAD, (request_id,))
-                if head is None:
-                    return Pressed(None, False, None)
-            self._sealed_over(request_id, head)
             now = self.clock()
+            if head[5] != Status.PENDING.value or float(head[4]) <= now:
+                # Decided already (final: the triggers keep it so) or past its deadline: lost, as the
+                # compare-and-set below would find it.
+                return self._lost_as(tx, _standing(head[:11]), actor, platform, now, person)
             decision = Decision.APPROVE if status is Status.APPROVED else Decision.DENY
             reviewer = person or actor  # one person counts once, whatever the platform
-            needed = int(head[2]) if decision is Decision.APPROVE else int(head[3])
-            reviewed = (int(head[2]), int(head[3])) != (1, 1)
+            needed = rules.approve_needed if decision is Decision.APPROVE else rules.deny_needed
+            reviewed = (rules.approve_needed, rules.deny_needed) != (1, 1)
             if reviewed:
                 if tx.run(_REVIEW_LOCK, (request_id, now)) == 0:
                     return self._lost(tx, request_id, actor, platform, now, person)
@@ -596,7 +637,7 @@ class ApprovalStore:
                                       args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
                     tx.notify(DECIDED_CHANNEL, request_id)
                     return Pressed(None, False, request, ReviewState.COUNTED)
-            sealed = self._seal(request_id, str(head[0]), str(head[1]), status, actor, platform, now, person)
+            sealed = self._seal(request_id, str(head[1]), str(head[2]), status, actor, platform, now, person)
             params = (status.value, actor, platform, now, reason, *sealed, person, request_id, now)
             row = tx.one(f"{_CAS_BEFORE_DEADLINE} RETURNING {_STANDING}", params)
             if row is None:
@@ -622,6 +663,7 @@ class ApprovalStore:
         reason: str | None,
         card: CardCheck | None,
         person: str | None,
+        admit: Admission | None,
         general: Callable[[Tx], Pressed],
     ) -> Pressed | None:
         """:meth:`press_op` on PostgreSQL as one statement (:mod:`kazma.approvals.pg_press`), or None: the
@@ -632,8 +674,13 @@ class ApprovalStore:
         In pipeline mode the statement's answer is waited for with the group's others (what is returned is a
         :class:`~kazma.config.store.group_commit.Later` the writer fills before the commit)."""
         known = self._sealed_fields.get(request_id)
-        if known is None or (card is not None and card.platform != platform):
+        rules = self._rules.get(request_id)
+        if known is None or rules is None or (card is not None and card.platform != platform):
             return None
+        if admit is not None:  # on the rules the request opened under, which never change
+            refused = admit(rules)
+            if refused is not None:
+                return Pressed(None, False, None, refused=refused)
         tool, digest = known
         now = self.clock()
         decision = Decision.APPROVE if status is Status.APPROVED else Decision.DENY
@@ -686,9 +733,11 @@ class ApprovalStore:
         row = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
         if row is None:
             return Pressed(None, False, None)
-        request = _standing(row)
+        return self._lost_as(tx, _standing(row), actor, platform, now, person)
+
+    def _lost_as(self, tx: Tx, request: Standing, actor: str, platform: str, now: float, person: str | None) -> Pressed:
         standing = request.status.value if request.status.final else "pending past its deadline"
-        self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now,
+        self.chain.append(tx, request.id, "press_lost", actor=actor, platform=platform, at=now,
                           args_hash=request.args_hash, detail=f"standing: {standing}", person=person)  # fmt: skip
         return Pressed(None, False, request)
 
