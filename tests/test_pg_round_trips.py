@@ -36,6 +36,7 @@ async def replicas(dsn: str, count: int) -> AsyncIterator[list[PgStore]]:
 
 
 async def test_a_failed_statement_nobody_waited_for_fails_its_own_operation_not_the_next(pg_dsn: str) -> None:
+    """And the statements of the group it aborted run again as they are, in it and in the groups after it."""
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
         admin.execute("CREATE TABLE t (id integer PRIMARY KEY)")
     writer = PgWriter(pg_dsn)
@@ -52,9 +53,12 @@ async def test_a_failed_statement_nobody_waited_for_fails_its_own_operation_not_
         def reader(tx: Tx) -> int:
             return int(tx.one("SELECT count(*) FROM t")[0])  # the first read after it: where its error surfaces
 
+        for _ in range(6):  # the reader's statement is one psycopg would prepare on its next use by now
+            assert await writer.submit(reader) == 0
         results = await asyncio.gather(
             writer.submit(first), writer.submit(duplicate), writer.submit(reader), return_exceptions=True
         )
+        assert await writer.submit(reader) == 1  # and in the groups after it
     finally:
         await writer.close()
     assert results[0] == "first"

@@ -292,6 +292,10 @@ class PgWriter(GroupQueue):
                 connect_timeout=max(1, int(self.connect_timeout)),
             )
             nul_safe(self._conn)  # text with U+0000 is kept, as on SQLite (pg_text.py)
+            # No server-side prepared statements: psycopg counts a PREPARE sent in a pipeline that was then
+            # aborted as done, and the next use fails ("prepared statement _pg3_n does not exist"). The hot
+            # statements are function calls, whose plans PostgreSQL caches per session anyway.
+            self._conn.prepare_threshold = None
             self.backend_pid = self._conn.info.backend_pid
         return self._conn
 
@@ -407,6 +411,7 @@ class PgWriter(GroupQueue):
                 self._roll_back(conn)
             raise
         if not committed:
+            self._roll_back(conn)
             self.pipeline_retries += 1
             return False, False
         tx._committed()
