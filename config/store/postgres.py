@@ -385,31 +385,38 @@ class PgWriter(GroupQueue):
         error surfaces at the next read, possibly inside another operation than the one that caused it: any
         failure here therefore rolls the whole group back and leaves it to the plain path to run again.
         """
+        failure: Exception | None = None
+        committed = False
         try:
             with conn.pipeline() as pipeline, conn.cursor() as cursor:
-                cursor.execute("BEGIN")
-                if bounded:
-                    cursor.execute(f"SET LOCAL lock_timeout = {int(self.lock_timeout_ms)}")
-                tx = PgTx(cursor, pipeline)
-                for job in jobs:
-                    job.result, job.error = None, None
-                    job.result = job.op(tx)
-                tx._resolve_laters()
-                tx._run_deferred()
-                tx._send_notices()
-                cursor.execute("COMMIT")
-                pipeline.sync()
-                committed = cursor.statusmessage == "COMMIT"  # an aborted transaction answers ROLLBACK
-        except Exception as exc:
-            if conn.broken or conn.closed:
-                raise
-            self._roll_back(conn)
-            self.pipeline_retries += 1
-            return False, _sqlstate(exc) == STALE_GUESS
+                try:
+                    cursor.execute("BEGIN")
+                    if bounded:
+                        cursor.execute(f"SET LOCAL lock_timeout = {int(self.lock_timeout_ms)}")
+                    tx = PgTx(cursor, pipeline)
+                    for job in jobs:
+                        job.result, job.error = None, None
+                        job.result = job.op(tx)
+                    tx._resolve_laters()
+                    tx._run_deferred()
+                    tx._send_notices()
+                    cursor.execute("COMMIT")
+                    pipeline.sync()
+                    committed = cursor.statusmessage == "COMMIT"  # an aborted transaction answers ROLLBACK
+                except Exception as exc:  # caught here, so the pipeline's end is no error psycopg logs as ignored
+                    failure = exc
+        except Exception as exc:  # the pipeline's end: the sync of what an aborted transaction still had out
+            failure = failure or exc
         except BaseException:
             if not conn.broken and not conn.closed:
                 self._roll_back(conn)
             raise
+        if failure is not None:
+            if conn.broken or conn.closed:
+                raise failure
+            self._roll_back(conn)
+            self.pipeline_retries += 1
+            return False, _sqlstate(failure) == STALE_GUESS
         if not committed:
             self._roll_back(conn)
             self.pipeline_retries += 1
