@@ -112,7 +112,7 @@ async def run_case(dsn: str, case: Case, requests: int, chunk: int) -> tuple[Sid
         product, bare = Side(), Side()
         size = max(chunk, case.in_flight)
         writer = await backend.writer()
-        groups, retries = writer.groups, writer.pipeline_retries
+        groups, retries = writer.groups, getattr(writer, "pipeline_retries", 0)
         for start in range(0, requests, size):
             numbers = range(start, min(start + size, requests))
             order = ("product", "raw") if (start // size) % 2 == 0 else ("raw", "product")
@@ -124,7 +124,8 @@ async def run_case(dsn: str, case: Case, requests: int, chunk: int) -> tuple[Sid
                 else:
                     bare.decisions += await _raw_chunk(raw, [f"r{n}" for n in numbers], case)
                     bare.seconds += time.perf_counter() - began
-        note = f"{writer.groups - groups} groups, {writer.pipeline_retries - retries} pipelined groups run again"
+        again = getattr(writer, "pipeline_retries", 0) - retries
+        note = f"{writer.groups - groups} groups, {again} pipelined groups run again"
         return product, bare, note
     finally:
         await raw.close()
