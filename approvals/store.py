@@ -710,8 +710,11 @@ class ApprovalStore:
                               args_hash=request.args_hash, detail=f"standing: {standing}", person=person)  # fmt: skip
             return Pressed(None, False, request)
 
-        # The writer answers the caller with the Later's value (a Pressed) once its transaction filled it.
-        return cast(Pressed, pg_press.press(tx, call, then))
+        later = pg_press.press(tx, call, then)
+        if later.done:  # statements waited for one by one (no pipeline): the answer is in
+            return later.value
+        # In a pipeline the writer answers the caller with the Later's value once its transaction filled it.
+        return cast(Pressed, later)
 
     def _opened(self, new: NewRequest) -> None:
         """A request this store opened committed: a press of it reads neither its policy nor its sealed fields."""
