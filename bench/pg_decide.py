@@ -150,14 +150,19 @@ def set_fsync(admin_dsn: str, on: bool) -> str:
         for name in ("fsync", "synchronous_commit", "full_page_writes"):
             admin.execute(f"ALTER SYSTEM SET {name} = {value}")
         admin.execute("SELECT pg_reload_conf()")
-        shown = admin.execute("SELECT current_setting('fsync'), current_setting('synchronous_commit')").fetchone()
-    return f"fsync={shown[0] if shown else '?'}"
+    # The reload is a signal the server takes in its own time: wait until a new session sees it.
+    for _ in range(100):
+        shown = current_fsync(admin_dsn)
+        if shown == f"fsync={value}":
+            break
+        time.sleep(0.05)
+    return shown
 
 
 def current_fsync(admin_dsn: str) -> str:
     with psycopg.connect(admin_dsn, autocommit=True) as admin:
         shown = admin.execute("SELECT current_setting('fsync'), current_setting('synchronous_commit')").fetchone()
-    return f"fsync={shown[0] if shown else '?'}"
+    return f"fsync={shown[0]}" if shown and shown[0] == shown[1] else f"fsync={shown}"
 
 
 @contextlib.contextmanager
