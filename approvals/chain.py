@@ -399,5 +399,5 @@ def write_checkpoint(
         made = Checkpoint(kind, first_seq, seq, head, at, None, None)
     else:
         made = signer.sign(kind, first_seq, seq, head, at)
-    tx.run(_INSERT_CHECKPOINT, (made.kind, made.first_seq, made.seq, made.head, made.at, made.key_id, made.signature))
+    tx.send(_INSERT_CHECKPOINT, (made.kind, made.first_seq, made.seq, made.head, made.at, made.key_id, made.signature))
     return made
