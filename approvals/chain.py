@@ -50,6 +50,7 @@ from typing import Any, Final
 
 import structlog
 
+from kazma.approvals import pg_press
 from kazma.approvals.checkpoints import HISTORY, AuditSigner, Checkpoint
 from kazma.config.metrics import count_failure
 from kazma.config.store.backend import Tx
@@ -173,6 +174,10 @@ class AuditChain:
         # (first seq, last seq, head) by the hash it followed. A checkpointer that finds every event since the
         # last checkpoint here signs the head this chain computed instead of reading the events back.
         self._committed_runs: dict[str, tuple[int, int, str]] = {}
+        # The head this chain last committed (seq, hash): on PostgreSQL the next append is hashed after it before
+        # the head is read, and inserted in the same statement when it still is the head (pg_press.append).
+        self._last_head: tuple[int, str] | None = None
+        self._guesses_hold = False  # the last append found the head it expected (see _link_postgres)
 
     def append(
         self,
@@ -215,7 +220,9 @@ class AuditChain:
         for link in [k for k, run in self._committed_runs.items() if run[1] <= seq]:
             del self._committed_runs[link]
 
-    def _committed(self, prev: str, first: int, last: int, head: str) -> None:
+    def _committed(self, prev: str, first: int, last: int, head: str, held: bool = False) -> None:
+        self._last_head = (last, head)
+        self._guesses_hold = held
         if len(self._committed_runs) >= _RUNS_KEPT:  # nobody signs (no checkpointer here): keep memory bounded
             self._committed_runs.clear()
         self._committed_runs[prev] = (first, last, head)
@@ -232,24 +239,53 @@ class AuditChain:
             raise
 
     def _link(self, tx: Tx, events: list[_Pending]) -> None:
+        if self.postgres and events:
+            self._link_postgres(tx, events)
+            return
         prev, seq = self._read_head(tx)
         if not events:
             return
         rows = self._rows(events, self._request_hashes(tx, events), prev, seq)
         tx.after_commit(functools.partial(self._committed, prev, seq + 1, int(rows[-1][0]), str(rows[-1][9])))
-        if self.postgres:
-            # One round trip, which also moves the identity past them: a row inserted without a seq (by hand,
-            # around Kazma) must not take a number the chain gave, or the chain's next append would fail.
-            values = ", ".join([_ROW_MARKS] * len(rows))
-            tx.one(
-                f"WITH added AS ({_INSERT_EVENT_ROWS} {values} RETURNING seq)"  # noqa: S608
-                f" SELECT setval('{_PG_SEQUENCE}', (SELECT max(seq) FROM added))",
-                [value for row in rows for value in row],
-            )
-        elif len(rows) == 1:
+        if len(rows) == 1:
             tx.run(_INSERT_EVENT, rows[0])
         else:
             tx.run_many(_INSERT_EVENT, rows)
+        self.appended = True
+
+    def _link_postgres(self, tx: Tx, events: list[_Pending]) -> None:
+        """The lock, the head and the insert in one statement when the head is the one this chain last committed
+        (hashed after it beforehand); else the head that call read, the events hashed after it and inserted.
+
+        In pipeline mode, while this chain's guesses hold (its last append found the head it expected), the call
+        is sent without waiting for its answer: a head that moved fails the transaction with
+        :data:`~kazma.config.store.postgres.STALE_GUESS`, and the writer runs the group again, this time asking.
+        """
+        hashes = self._request_hashes(tx, events)
+        expect = self._last_head
+        guessed = [] if expect is None else self._rows(events, hashes, expect[1], expect[0])
+        if expect is not None and self._guesses_hold and getattr(tx, "pipelined", False):
+            self._guesses_hold = False  # until this transaction commits
+            pg_press.append_or_fail(tx, CHAIN_LOCK, expect, guessed)
+            rows, held = guessed, True
+        else:
+            appended, last_seq, last_hash, signed_seq = pg_press.append(tx, CHAIN_LOCK, expect, guessed)
+            rows, held = guessed, appended
+            if not appended:
+                prev, seq = self._head(tx, last_seq, last_hash, signed_seq)
+                rows = self._rows(events, hashes, prev, seq)
+                values = ", ".join([_ROW_MARKS] * len(rows))
+                # Also moves the identity past them: a row inserted without a seq (by hand, around Kazma) must
+                # not take a number the chain gave, or the chain's next append would fail. Nobody reads its answer.
+                tx.send(
+                    f"WITH added AS ({_INSERT_EVENT_ROWS} {values} RETURNING seq)"  # noqa: S608
+                    f" SELECT setval('{_PG_SEQUENCE}', (SELECT max(seq) FROM added))",
+                    [value for row in rows for value in row],
+                )
+        first, last = rows[0], rows[-1]
+        tx.after_commit(
+            functools.partial(self._committed, str(first[8]), int(first[0]), int(last[0]), str(last[9]), held)
+        )
         self.appended = True
 
     def _read_head(self, tx: Tx) -> tuple[str, int]:
@@ -363,5 +399,5 @@ def write_checkpoint(
         made = Checkpoint(kind, first_seq, seq, head, at, None, None)
     else:
         made = signer.sign(kind, first_seq, seq, head, at)
-    tx.run(_INSERT_CHECKPOINT, (made.kind, made.first_seq, made.seq, made.head, made.at, made.key_id, made.signature))
+    tx.send(_INSERT_CHECKPOINT, (made.kind, made.first_seq, made.seq, made.head, made.at, made.key_id, made.signature))
     return made

@@ -638,30 +638,16 @@ class ApprovalService:
             )
         reason = clean_reason(reason)
         person = self.config.roster.person_of(actor)
-        rules = await self._rules(request_id)
-        policy = None if rules is None else self.config.policy(rules.policy or DEFAULT_POLICY)
-        if rules is not None and policy is None:
-            await self._refused(request_id, actor, platform, f"policy {rules.policy} is no longer configured")
-            return PressResult(
-                PressVerdict.REFUSED,
-                f"This request's approvals policy {rules.policy!r} is no longer configured, so nobody can decide "
-                "it; nothing was recorded.",
-                request_id=request_id,
-            )
-        if not self.config.roster.may_decide(actor, platform, () if policy is None else policy.approvers):
-            await self._refused(request_id, actor, platform, "not an approver")
-            return PressResult(
-                PressVerdict.REFUSED,
-                f"You ({decider_text(person, actor)}) are not an approver here; nothing was recorded.",
-                request_id=request_id,
-            )
-        if rules is not None and policy is not None and decision is Decision.APPROVE:
-            barred = self._approve_barred(request_id, rules, policy, actor, stepped_up=stepped_up)
-            if barred is not None:
-                why, message = barred
-                await self._refused(request_id, actor, platform, why)
-                return PressResult(PressVerdict.REFUSED, message, request_id=request_id)
+
+        def admit(rules: Rules | None) -> tuple[str, str] | None:
+            return self._admission(request_id, rules, decision, actor, platform, person, stepped_up=stepped_up)
+
         if remember:
+            # A rare path, checked the old way round: who may decide first, then whether it may be remembered.
+            refused = admit(await self._rules(request_id))
+            if refused is not None:
+                await self._refused(request_id, actor, platform, refused[0])
+                return PressResult(PressVerdict.REFUSED, refused[1], request_id=request_id)
             unremembered = await self._remember_problem(request_id, card)
             if unremembered is not None:
                 await self._refused(request_id, actor, platform, unremembered)
@@ -678,8 +664,9 @@ class ApprovalService:
                     "approvals.decide.before_commit", lambda: simulated_failure(self.store.tables, "decide")
                 )
             pressed = await self.store.press(
-                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person
-            )
+                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person,
+                admit=admit,
+            )  # fmt: skip
             if failpoints.armed and pressed.won:  # the decision is committed, nobody told yet
                 await failpoints.reached(
                     "approvals.decide.after_commit", lambda: simulated_failure(self.store.tables, "decide")
@@ -690,7 +677,7 @@ class ApprovalService:
                 await asyncio.sleep(pause)
                 pressed = await self.store.press(
                     request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check,
-                    person=person,
+                    person=person, admit=admit,
                 )  # fmt: skip
                 if pressed.problem != CardProblem.NOT_RECORDED:
                     break
@@ -714,12 +701,17 @@ class ApprovalService:
                 "The request is still pending; please press again.",
                 request_id=request_id,
             )
+        if pressed.refused is not None:
+            why, message = pressed.refused
+            await self._refused(request_id, actor, platform, why)
+            return PressResult(PressVerdict.REFUSED, message, request_id=request_id)
         if pressed.problem is not None and await self._stale_card(request_id, pressed.problem, check):
             # The request ended and this card is now recorded, to be edited to its outcome: the press is judged
             # again against it, and loses (nothing pending is ever decided from a card found this way).
             pressed = await self.store.press(
-                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person
-            )
+                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person,
+                admit=admit,
+            )  # fmt: skip
         if pressed.problem is not None:
             refusal = await self._card_refusal(request_id, pressed.problem, card)
             if refusal is not None:
@@ -727,8 +719,9 @@ class ApprovalService:
                 await self._refused(request_id, actor, platform, why)
                 return PressResult(PressVerdict.REFUSED, message, request_id=request_id)
             pressed = await self.store.press(
-                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=None, person=person
-            )
+                request_id, decision.status, actor=actor, platform=platform, reason=reason, card=None, person=person,
+                admit=admit,
+            )  # fmt: skip
         won, request = pressed.won, pressed.request
         if request is None:
             await self._refused(request_id, actor, platform, "unknown request id")
@@ -805,6 +798,35 @@ class ApprovalService:
             return await self.store.rules_of(request_id)
         except store_errors():
             return None  # the press below meets the same store and says so
+
+    def _admission(
+        self,
+        request_id: str,
+        rules: Rules | None,
+        decision: Decision,
+        actor: str,
+        platform: str,
+        person: str | None,
+        *,
+        stepped_up: bool,
+    ) -> tuple[str, str] | None:
+        """Why ``actor`` may not decide ``request_id`` under ``rules`` (None: an unknown request) as (what the
+        audit says, what the presser is told), or None. Pure: it runs inside the press's transaction."""
+        policy = None if rules is None else self.config.policy(rules.policy or DEFAULT_POLICY)
+        if rules is not None and policy is None:
+            return (
+                f"policy {rules.policy} is no longer configured",
+                f"This request's approvals policy {rules.policy!r} is no longer configured, so nobody can decide "
+                "it; nothing was recorded.",
+            )
+        if not self.config.roster.may_decide(actor, platform, () if policy is None else policy.approvers):
+            return (
+                "not an approver",
+                f"You ({decider_text(person, actor)}) are not an approver here; nothing was recorded.",
+            )
+        if rules is not None and policy is not None and decision is Decision.APPROVE:
+            return self._approve_barred(request_id, rules, policy, actor, stepped_up=stepped_up)
+        return None
 
     def _approve_barred(
         self, request_id: str, rules: Rules, policy: PolicyConfig, actor: str, *, stepped_up: bool

@@ -18,10 +18,11 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import aiosqlite
 
+from kazma.approvals import pg_press
 from kazma.approvals.chain import (
     CHECKPOINT_COLUMNS,
     DECISION_EVENTS,
@@ -33,6 +34,7 @@ from kazma.approvals.chain import (
 )
 from kazma.approvals.checkpoints import AuditSigner, Checkpoint
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, Review, Status, Waits, outcome_of
+from kazma.approvals.pg_press import PressCall
 from kazma.approvals.seal import seal
 from kazma.config.keyring import Keyring
 from kazma.config.store.backend import StoreBackend, Tx, Writer, backend_of, held_by_gone
@@ -57,11 +59,19 @@ _CAS_BEFORE_DEADLINE = _CAS + " AND deadline > ?"
 # What the seal binds besides the outcome, read in the decision's transaction before the compare-and-set; for a
 # press from a card, with that request's cards on the press's platform in the same statement.
 _SEALED_FIELDS = "SELECT tool, args_hash FROM approval_requests WHERE id = ?"
-_PRESS_HEAD = "SELECT tool, args_hash, approve_needed, deny_needed FROM approval_requests WHERE id = ?"
+# A press's first statement: how its request stands (a decided one loses at once, with no seal made and no second
+# read), the rules it opened under (the decider's admission is checked on them in this transaction, so no read
+# comes before a press), and, for a press from a card, that request's cards on the press's platform.
+_PRESS_FIELDS = (
+    "r.id, r.tool, r.args_hash, r.conversation, r.deadline, r.status, r.decided_by, r.decided_via, r.decided_at,"
+    " r.reason, r.decided_person, r.policy, r.approve_needed, r.deny_needed, r.step_up, r.started_by"
+)
+_PRESS_HEAD = f"SELECT {_PRESS_FIELDS} FROM approval_requests r WHERE r.id = ?"  # noqa: S608
 _PRESS_CARDS = (
-    "SELECT r.tool, r.args_hash, r.approve_needed, r.deny_needed, c.chat, c.message_id, c.whole, c.bound_to"
+    f"SELECT {_PRESS_FIELDS}, c.chat, c.message_id, c.whole, c.bound_to"  # noqa: S608
     " FROM approval_requests r LEFT JOIN approval_cards c ON c.request_id = r.id AND c.platform = ? WHERE r.id = ?"
 )
+_PRESS_CARD_AT = 16  # where a card's columns start in a row of _PRESS_CARDS
 # A review's first statement: the request's row locked while it is pending and before its deadline, so that on
 # PostgreSQL reviews of one request follow one another (each count below then sees every review committed
 # before it) and a decision made meanwhile is seen. Changes nothing (the final-outcome triggers watch only a
@@ -78,6 +88,8 @@ _DECISION_SEQ = (
     "SELECT seq FROM approval_events WHERE request_id = ?"  # noqa: S608
     f" AND event IN ({', '.join(repr(e) for e in DECISION_EVENTS)}) ORDER BY seq LIMIT 1"
 )
+# Requests whose sealed fields a store remembers at most (then it forgets them all and reads them again).
+_SEALED_KEPT = 4096
 # The claimer's name when no replica name is given: the only process on its store.
 LOCAL = "local"
 # Told at every decision: each replica wakes the call waiting for it and settles the cards (PostgreSQL NOTIFY).
@@ -103,6 +115,12 @@ class Rules:
     deny_needed: int = 1
     step_up: bool = False
     started_by: str | None = None  # who started the work: a person's name or an identity
+
+
+# Whether a decider may decide a request under the rules it opened under (None: no such request): None, or why
+# not as (what the audit says, what the presser is told). Run in the press's transaction on the rules its first
+# statement read, before anything is written, so that no read of the store comes before a press.
+Admission = Callable[[Rules | None], "tuple[str, str] | None"]
 
 
 @dataclass(frozen=True)
@@ -292,12 +310,19 @@ class ReviewState:
 
 @dataclass(frozen=True)
 class Pressed:
-    """What a press did: a card problem (nothing written), or the compare-and-set's result."""
+    """What a press did: refused by its admission or a card problem (nothing written), or the compare-and-set's
+    result."""
 
     problem: str | None
     won: bool
     request: Standing | None
     review: str | None = None  # a ReviewState when the press was a review that did not decide
+    refused: tuple[str, str] | None = None  # what its admission said: (for the audit, for the presser)
+
+
+def _rules_of_press(head: Sequence[Any]) -> Rules:
+    policy, approve_needed, deny_needed, step_up, started_by = head[11:16]
+    return Rules(policy, int(approve_needed), int(deny_needed), bool(step_up), started_by)
 
 
 class ApprovalStore:
@@ -330,6 +355,11 @@ class ApprovalStore:
         # Seals every outcome this store writes (approvals/seal.py). None: outcomes are written unsealed, and an
         # approval written so can never run (a store opened only to read, or by a test of the rows alone).
         self.keyring = keyring
+        # PostgreSQL: a press is one statement when this process knows what its seal binds (pg_press.py).
+        self._one_statement = not isinstance(self.tables, Tables)
+        self._sealed_fields: dict[str, tuple[str, str]] = {}
+        # The policy each request opened under, as read or written here (it never changes: rules_of).
+        self._rules: dict[str, Rules] = {}
 
     @property
     def conn(self) -> aiosqlite.Connection:
@@ -445,6 +475,7 @@ class ApprovalStore:
                               detail=f"tool={new.tool}")  # fmt: skip
             for statements in also:
                 statements(tx)
+            tx.after_commit(lambda: self._opened(new))
             return _row_to_request(row), True
 
         return await self._write(op)
@@ -509,15 +540,20 @@ class ApprovalStore:
         reason: str | None,
         card: CardCheck | None,
         person: str | None = None,
+        admit: Admission | None = None,
     ) -> Pressed:
-        """A person's decision: the card it came from checked, the compare-and-set and its audit row, as one write.
+        """A person's decision: its admission and the card it came from checked, the compare-and-set and its audit
+        row, as one write.
 
-        A press that loses is audited ``press_lost`` in the same group commit; one with a card problem
-        writes nothing (the caller decides what to audit, and whether to look again).
+        A press that loses is audited ``press_lost`` in the same group commit; one refused by ``admit`` or with a
+        card problem writes nothing (the caller decides what to audit, and whether to look again).
         """
         return await self._write(
-            self.press_op(request_id, status, actor=actor, platform=platform, reason=reason, card=card, person=person)
-        )
+            self.press_op(
+                request_id, status, actor=actor, platform=platform, reason=reason, card=card, person=person,
+                admit=admit,
+            )
+        )  # fmt: skip
 
     def press_op(
         self,
@@ -529,33 +565,56 @@ class ApprovalStore:
         reason: str | None,
         card: CardCheck | None,
         person: str | None = None,
+        admit: Admission | None = None,
     ) -> Callable[[Tx], Pressed]:
         """The statements of :meth:`press`, as the writer runs them inside its transaction.
 
-        Public so ``bench/store_decide.py`` can run exactly these statements with no service, writer or
-        event loop around them: the most any code around them could reach.
+        The first statement reads how the request stands, its rules and (from a card) its cards on the press's
+        platform; ``admit`` is held to those rules, then the card; a request already decided or past its deadline
+        is lost there, without a seal or another read. Public so ``bench/store_decide.py`` can run exactly these
+        statements with no service, writer or event loop around them: the most any code around them could reach.
         """
 
         def op(tx: Tx) -> Pressed:
+            if self._one_statement:
+                pressed = self._press_in_one(
+                    tx, request_id, status, actor, platform, reason, card, person, admit, general
+                )
+                if pressed is not None:
+                    return pressed
+            return general(tx)
+
+        def general(tx: Tx) -> Pressed:
             if card is not None:
-                # The request and its cards on that platform in one statement: what the seal binds, and
-                # whether the press came from one of them.
                 rows = tx.all(_PRESS_CARDS, (card.platform, request_id))
-                if not rows:
-                    return Pressed(None, False, None)
-                problem = _card_problem([tuple(r[4:]) for r in rows if r[4] is not None], card, person or actor)
+                head = rows[0] if rows else None
+            else:
+                rows = []
+                head = tx.one(_PRESS_HEAD, (request_id,))
+            if head is None:
+                return Pressed(None, False, None, refused=None if admit is None else admit(None))
+            rules = _rules_of_press(head)
+            self._remember_rules(request_id, rules)
+            self._sealed_over(request_id, (head[1], head[2], rules.approve_needed, rules.deny_needed))
+            if admit is not None:
+                refused = admit(rules)
+                if refused is not None:
+                    return Pressed(None, False, None, refused=refused)
+            if card is not None:
+                # Only a card of this request on that platform, at the place pressed, whole for an Approve.
+                cards = [tuple(r[_PRESS_CARD_AT:]) for r in rows if r[_PRESS_CARD_AT] is not None]
+                problem = _card_problem(cards, card, person or actor)
                 if problem is not None:
                     return Pressed(problem, False, None)
-                head = rows[0]
-            else:
-                head = tx.one(_PRESS_HEAD, (request_id,))
-                if head is None:
-                    return Pressed(None, False, None)
             now = self.clock()
+            if head[5] != Status.PENDING.value or float(head[4]) <= now:
+                # Decided already (final: the triggers keep it so) or past its deadline: lost, as the
+                # compare-and-set below would find it.
+                return self._lost_as(tx, _standing(head[:11]), actor, platform, now, person)
             decision = Decision.APPROVE if status is Status.APPROVED else Decision.DENY
             reviewer = person or actor  # one person counts once, whatever the platform
-            needed = int(head[2]) if decision is Decision.APPROVE else int(head[3])
-            reviewed = (int(head[2]), int(head[3])) != (1, 1)
+            needed = rules.approve_needed if decision is Decision.APPROVE else rules.deny_needed
+            reviewed = (rules.approve_needed, rules.deny_needed) != (1, 1)
             if reviewed:
                 if tx.run(_REVIEW_LOCK, (request_id, now)) == 0:
                     return self._lost(tx, request_id, actor, platform, now, person)
@@ -578,7 +637,7 @@ class ApprovalStore:
                                       args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
                     tx.notify(DECIDED_CHANNEL, request_id)
                     return Pressed(None, False, request, ReviewState.COUNTED)
-            sealed = self._seal(request_id, str(head[0]), str(head[1]), status, actor, platform, now, person)
+            sealed = self._seal(request_id, str(head[1]), str(head[2]), status, actor, platform, now, person)
             params = (status.value, actor, platform, now, reason, *sealed, person, request_id, now)
             row = tx.one(f"{_CAS_BEFORE_DEADLINE} RETURNING {_STANDING}", params)
             if row is None:
@@ -594,14 +653,94 @@ class ApprovalStore:
 
         return op
 
+    def _press_in_one(
+        self,
+        tx: Tx,
+        request_id: str,
+        status: Status,
+        actor: str,
+        platform: str,
+        reason: str | None,
+        card: CardCheck | None,
+        person: str | None,
+        admit: Admission | None,
+        general: Callable[[Tx], Pressed],
+    ) -> Pressed | None:
+        """:meth:`press_op` on PostgreSQL as one statement (:mod:`kazma.approvals.pg_press`), or None: the
+        general statements decide it now (a request whose policy or sealed fields this process has not read).
+        A request of a policy of several people, a card problem to name, or fields changed around Kazma make the
+        statement a miss, and ``general`` decides it once the statement's answer is in.
+
+        In pipeline mode the statement's answer is waited for with the group's others (what is returned is a
+        :class:`~kazma.config.store.group_commit.Later` the writer fills before the commit)."""
+        known = self._sealed_fields.get(request_id)
+        rules = self._rules.get(request_id)
+        if known is None or rules is None or (card is not None and card.platform != platform):
+            return None
+        if admit is not None:  # on the rules the request opened under, which never change
+            refused = admit(rules)
+            if refused is not None:
+                return Pressed(None, False, None, refused=refused)
+        tool, digest = known
+        now = self.clock()
+        decision = Decision.APPROVE if status is Status.APPROVED else Decision.DENY
+        mac, key_id = self._seal(request_id, tool, digest, status, actor, platform, now, person)
+        call = PressCall(
+            request_id, status.value, actor, platform, now, reason, mac, key_id, person, tool, digest,
+            person or actor, decision.value, card is not None, None if card is None else card.chat,
+            None if card is None else card.message_id, card is not None and card.needs_whole,
+        )  # fmt: skip
+
+        def then(found: tuple[str, tuple[Any, ...]] | None) -> Pressed:
+            if found is None:
+                return Pressed(None, False, None)
+            outcome, row = found
+            if outcome == pg_press.MISS:
+                return general(tx)
+            request = _standing(row)
+            if outcome == pg_press.WON:
+                self._sealed_fields.pop(request_id, None)  # decided: no press of it can win again
+                self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
+                                  args_hash=request.args_hash, detail=decided_detail(status, reason),
+                                  person=person)  # fmt: skip
+                tx.notify(DECIDED_CHANNEL, request_id)
+                return Pressed(None, True, request)
+            standing = request.status.value if request.status.final else "pending past its deadline"
+            self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now,
+                              args_hash=request.args_hash, detail=f"standing: {standing}", person=person)  # fmt: skip
+            return Pressed(None, False, request)
+
+        later = pg_press.press(tx, call, then)
+        if later.done:  # statements waited for one by one (no pipeline): the answer is in
+            return later.value
+        # In a pipeline the writer answers the caller with the Later's value once its transaction filled it.
+        return cast(Pressed, later)
+
+    def _opened(self, new: NewRequest) -> None:
+        """A request this store opened committed: a press of it reads neither its policy nor its sealed fields."""
+        self._remember_rules(new.id, new.rules)
+        self._sealed_over(new.id, (new.tool, new.args_hash, new.rules.approve_needed, new.rules.deny_needed))
+
+    def _sealed_over(self, request_id: str, head: Sequence[Any]) -> None:
+        """Remember what a press's seal binds of a request of one press (tool, arguments hash), read or written
+        here: a press of it on PostgreSQL is then one statement. Neither ever changes once the request opened
+        (and the compare-and-set holds them in its predicate all the same)."""
+        if not self._one_statement or (int(head[2]), int(head[3])) != (1, 1):
+            return
+        if len(self._sealed_fields) >= _SEALED_KEPT:
+            self._sealed_fields.clear()
+        self._sealed_fields[request_id] = (str(head[0]), str(head[1]))
+
     def _lost(self, tx: Tx, request_id: str, actor: str, platform: str, now: float, person: str | None) -> Pressed:
         """A press that found the request decided (or past its deadline): audited ``press_lost``."""
         row = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
         if row is None:
             return Pressed(None, False, None)
-        request = _standing(row)
+        return self._lost_as(tx, _standing(row), actor, platform, now, person)
+
+    def _lost_as(self, tx: Tx, request: Standing, actor: str, platform: str, now: float, person: str | None) -> Pressed:
         standing = request.status.value if request.status.final else "pending past its deadline"
-        self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now,
+        self.chain.append(tx, request.id, "press_lost", actor=actor, platform=platform, at=now,
                           args_hash=request.args_hash, detail=f"standing: {standing}", person=person)  # fmt: skip
         return Pressed(None, False, request)
 
@@ -615,13 +754,25 @@ class ApprovalStore:
 
     async def rules_of(self, request_id: str) -> Rules | None:
         """The policy ``request_id`` opened under (None: unknown id), without reading its call."""
+        known = self._rules.get(request_id)
+        if known is not None:  # fixed when the request opened (a trigger refuses any change)
+            return known
         row = await self.tables.one(
-            "SELECT policy, approve_needed, deny_needed, step_up, started_by FROM approval_requests WHERE id = ?",
+            "SELECT policy, approve_needed, deny_needed, step_up, started_by, tool, args_hash FROM approval_requests"
+            " WHERE id = ?",
             (request_id,),
         )
         if row is None:
             return None
-        return Rules(row[0], int(row[1]), int(row[2]), bool(row[3]), row[4])
+        self._sealed_over(request_id, (row[5], row[6], row[1], row[2]))
+        rules = Rules(row[0], int(row[1]), int(row[2]), bool(row[3]), row[4])
+        self._remember_rules(request_id, rules)
+        return rules
+
+    def _remember_rules(self, request_id: str, rules: Rules) -> None:
+        if len(self._rules) >= _SEALED_KEPT:
+            self._rules.clear()
+        self._rules[request_id] = rules
 
     def _seal(
         self,

@@ -80,7 +80,8 @@ class PlainEvents(AuditChain):
         person: str | None = None,
     ) -> None:
         digest = args_hash if isinstance(args_hash, str) or args_hash is None else None
-        tx.run(_PLAIN_EVENT, (request_id, event, actor, platform, at, digest, detail, person))
+        # Sent as the chain's rows are: on PostgreSQL nobody waits for its answer (pipeline mode).
+        tx.send(_PLAIN_EVENT, (request_id, event, actor, platform, at, digest, detail, person))
 
 
 @dataclass(frozen=True)

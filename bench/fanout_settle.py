@@ -84,6 +84,10 @@ async def main() -> None:
     print(f"{'':<48}{'median ms':>10}{'max ms':>10}{'rounds':>8}")
     for name, values in results.items():
         print(line(name, values))
+    # The fan-out's own cost: three platforms at once against the slowest one alone (issue 31: ≤ 1.1).
+    three = statistics.median(results["three platforms: fan-out"])
+    slowest = statistics.median(results["discord alone (slowest): fan-out"])
+    print(f"fan-out ÷ the slowest platform alone (median): {three / slowest:.2f} (goal ≤ 1.1)")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,22 @@
-"""Decisions per second on PostgreSQL: the approvals service against a raw psycopg compare-and-set loop.
+"""Decisions on PostgreSQL: the product's press against a raw psycopg compare-and-set, interleaved, three cases.
 
-Both run on the same server in one process, one after the other: the service
-(authorisation, the card check, the compare-and-set with its audit row, group
-commits through :class:`kazma.config.store.postgres.PgWriter`) and a bare loop of
-``UPDATE … WHERE status = 'pending' RETURNING`` statements on one autocommit
-connection, one transaction per press. Prints numbers; asserts nothing.
+Issue 31's rows: 1 press per request, 3 presses per request (one request at a
+time), and 3 presses with 60 requests in flight, each with ``fsync`` off and on.
+"Product" is the approvals service (authorisation, the card check, the sealed
+compare-and-set with its review and audit rows on the audit chain, group commit
+through :class:`kazma.config.store.postgres.PgWriter`); "raw" is a bare loop of
+``UPDATE … WHERE status = 'pending' RETURNING`` on one autocommit connection, one
+transaction per press. Both sides press the same number of requests, alternating
+every ``--chunk`` requests so the machine's other load hits both alike; every
+request is opened (and the tables warmed) before timing starts. Prints every run
+with the 1-minute load average beside it, then the medians; asserts nothing.
 
-    python bench/pg_decide.py [--dsn postgresql://…] [--requests 2000] [--presses 3]
+    python bench/pg_decide.py [--dsn postgresql://…] [--requests 1200] [--runs 3] [--chunk 60]
 
 Without ``--dsn`` it starts a throwaway server with the test suite's
-``tests/pg_support.py`` (run from the repository root) — that server runs with
-``fsync`` and ``synchronous_commit`` off, so commits cost no disk flush there.
+``tests/pg_support.py`` (run from the repository root) and turns ``fsync`` and
+``synchronous_commit`` on for the "fsync on" rows (``ALTER SYSTEM`` and a reload).
+With ``--dsn`` the server's own settings stand, and the rows say which they are.
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ import argparse
 import asyncio
 import contextlib
 import os
+import statistics
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import psycopg
 
@@ -30,7 +38,7 @@ from kazma.bot.logging import configure_logging
 from kazma.bot.store import pg_migrations
 from kazma.config import load_config_text
 from kazma.config.keyring import DECISION_KEYS, Keyring
-from kazma.config.store.postgres import open_pg_store
+from kazma.config.store.postgres import PgStore, open_pg_store
 
 CONFIG = load_config_text('approvals: {approvers: ["telegram:1", "slack:U1", "discord:2"]}').config
 # Every outcome sealed, as in production (approvals/seal.py): the seal is part of what a decision costs.
@@ -38,86 +46,170 @@ KEYS = Keyring.of(DECISION_KEYS, ("k1", "bench-decision-key-" + "0" * 32))
 PRESSERS = (("telegram:1", "telegram"), ("slack:U1", "slack"), ("discord:2", "discord"))
 
 
-async def service_run(dsn: str, requests: int, presses: int) -> tuple[float, int, int, int]:
-    backend = await open_pg_store(dsn, migrations=pg_migrations(), application_name="bench")
+@dataclass(frozen=True)
+class Case:
+    name: str
+    presses: int
+    in_flight: int
+
+
+CASES = (
+    Case("1 press", 1, 1),
+    Case("3 presses", 3, 1),
+    Case("3 presses, 60 in flight", 3, 60),
+)
+
+
+@dataclass
+class Side:
+    seconds: float = 0.0
+    decisions: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.decisions / self.seconds if self.seconds else 0.0
+
+
+async def _product_chunk(service: ApprovalService, ids: list[str], case: Case) -> int:
+    won = 0
+    for first in range(0, len(ids), case.in_flight):
+        batch = ids[first : first + case.in_flight]
+        results = await asyncio.gather(
+            *(
+                service.decide_from_button(button_data(rid, Decision.APPROVE), actor=actor, platform=platform)
+                for rid in batch
+                for actor, platform in PRESSERS[: case.presses]
+            )
+        )
+        won += sum(r.won for r in results)
+    return won
+
+
+async def _raw_chunk(conn: psycopg.AsyncConnection[object], ids: list[str], case: Case) -> int:
+    won = 0
+    for rid in ids:
+        for actor, _ in PRESSERS[: case.presses]:
+            cursor = await conn.execute(
+                "UPDATE raw_r SET status = 'approved', decided_by = %s WHERE id = %s AND status = 'pending'"
+                " RETURNING decided_by",
+                (actor, rid),
+            )
+            won += (await cursor.fetchone()) is not None
+    return won
+
+
+async def run_case(dsn: str, case: Case, requests: int, chunk: int) -> tuple[Side, Side, str]:
+    backend: PgStore = await open_pg_store(dsn, migrations=pg_migrations(), application_name="bench")
+    raw = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
     try:
-        service = ApprovalService(ApprovalStore(backend, keyring=KEYS), CONFIG)
-        opened = await asyncio.gather(*(service.open("shell", {"n": i}, "bench", "bench") for i in range(requests)))
-        writer = await backend.writer()
-        groups_before = writer.groups
-        jobs = [
-            service.decide_from_button(button_data(r.id, Decision.APPROVE), actor=actor, platform=platform)
-            for r in opened
-            for actor, platform in PRESSERS[:presses]
-        ]
-        start = time.perf_counter()
-        results = await asyncio.gather(*jobs)
-        elapsed = time.perf_counter() - start
-        return elapsed, sum(r.won for r in results), writer.groups - groups_before, writer.run_alone
-    finally:
-        await backend.close()
-
-
-async def raw_run(dsn: str, requests: int, presses: int) -> tuple[float, int]:
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        await conn.execute("CREATE TABLE raw_r (id text PRIMARY KEY, status text NOT NULL, decided_by text)")
-        async with conn.cursor() as cursor:
+        await raw.execute("CREATE TABLE raw_r (id text PRIMARY KEY, status text NOT NULL, decided_by text)")
+        async with raw.cursor() as cursor:
             await cursor.executemany(
                 "INSERT INTO raw_r VALUES (%s, 'pending', NULL)", [(f"r{i}",) for i in range(requests)]
             )
-        wins = 0
-        start = time.perf_counter()
-        for i in range(requests):
-            for actor, _ in PRESSERS[:presses]:
-                cursor = await conn.execute(
-                    "UPDATE raw_r SET status = 'approved', decided_by = %s WHERE id = %s AND status = 'pending'"
-                    " RETURNING decided_by",
-                    (actor, f"r{i}"),
-                )
-                wins += (await cursor.fetchone()) is not None
-        return time.perf_counter() - start, wins
+        service = ApprovalService(ApprovalStore(backend, keyring=KEYS), CONFIG)
+        opened = await asyncio.gather(*(service.open("shell", {"n": i}, "bench", "bench") for i in range(requests)))
+        product, bare = Side(), Side()
+        size = max(chunk, case.in_flight)
+        writer = await backend.writer()
+        groups, retries = writer.groups, getattr(writer, "pipeline_retries", 0)
+        for start in range(0, requests, size):
+            numbers = range(start, min(start + size, requests))
+            order = ("product", "raw") if (start // size) % 2 == 0 else ("raw", "product")
+            for side in order:
+                began = time.perf_counter()
+                if side == "product":
+                    product.decisions += await _product_chunk(service, [opened[n].id for n in numbers], case)
+                    product.seconds += time.perf_counter() - began
+                else:
+                    bare.decisions += await _raw_chunk(raw, [f"r{n}" for n in numbers], case)
+                    bare.seconds += time.perf_counter() - began
+        again = getattr(writer, "pipeline_retries", 0) - retries
+        note = f"{writer.groups - groups} groups, {again} pipelined groups run again"
+        return product, bare, note
+    finally:
+        await raw.close()
+        await backend.close()
 
 
 @contextlib.contextmanager
-def database(dsn: str | None) -> Iterator[tuple[str, str]]:
-    """(dsn, where): a fresh database on the given server, or on a throwaway one."""
+def server(dsn: str | None) -> Iterator[tuple[str, str, bool]]:
+    """(an admin DSN, where, whether fsync may be switched here)."""
     if dsn is not None:
-        name = f"kazma_bench_{uuid.uuid4().hex[:8]}"
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute(f'CREATE DATABASE "{name}"')
-        try:
-            yield psycopg.conninfo.make_conninfo(dsn, dbname=name), "the given server"
-        finally:
-            with psycopg.connect(dsn, autocommit=True) as admin:
-                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        yield dsn, "the given server", False
         return
     from tests.pg_support import PostgresServer  # the suite's throwaway server: run from the repository root
 
-    with PostgresServer() as server, server.database() as db:
-        yield db.dsn, "a throwaway test server (fsync off)"
+    with PostgresServer() as made, made.database() as db:
+        yield db.dsn, "a throwaway test server", True
+
+
+def set_fsync(admin_dsn: str, on: bool) -> str:
+    value = "on" if on else "off"
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        for name in ("fsync", "synchronous_commit", "full_page_writes"):
+            admin.execute(f"ALTER SYSTEM SET {name} = {value}")
+        admin.execute("SELECT pg_reload_conf()")
+    # The reload is a signal the server takes in its own time: wait until a new session sees it.
+    for _ in range(100):
+        shown = current_fsync(admin_dsn)
+        if shown == f"fsync={value}":
+            break
+        time.sleep(0.05)
+    return shown
+
+
+def current_fsync(admin_dsn: str) -> str:
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        shown = admin.execute("SELECT current_setting('fsync'), current_setting('synchronous_commit')").fetchone()
+    return f"fsync={shown[0]}" if shown and shown[0] == shown[1] else f"fsync={shown}"
+
+
+@contextlib.contextmanager
+def scratch(admin_dsn: str) -> Iterator[str]:
+    name = f"kazma_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield psycopg.conninfo.make_conninfo(admin_dsn, dbname=name)
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--dsn", default=None, help="a server to create a scratch database on (default: start one)")
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--presses", type=int, default=3, choices=(1, 2, 3))
+    parser.add_argument("--dsn", default=None, help="a server to create scratch databases on (default: start one)")
+    parser.add_argument("--requests", type=int, default=1200)
+    parser.add_argument("--chunk", type=int, default=60, help="requests per side before switching sides")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--fsync", choices=("both", "on", "off"), default="both")
     args = parser.parse_args()
     configure_logging("warning")  # measure the store, not the log sink
-    with database(args.dsn) as (dsn, where):
-        service_elapsed, service_wins, groups, alone = await service_run(dsn, args.requests, args.presses)
-        raw_elapsed, raw_wins = await raw_run(dsn, args.requests, args.presses)
-    total = args.requests * args.presses
-    print(f"{args.requests} requests x {args.presses} simultaneous presses = {total} presses on {where} "
-          f"(pid {os.getpid()})")  # fmt: skip
-    print(f"{'':<24}{'presses/s':>12}{'decisions/s':>14}{'winners':>10}{'seconds':>10}")
-    for name, elapsed, wins in (
-        ("approvals service", service_elapsed, service_wins),
-        ("raw psycopg CAS loop", raw_elapsed, raw_wins),
-    ):
-        print(f"{name:<24}{total / elapsed:>12.0f}{wins / elapsed:>14.0f}{wins:>10}{elapsed:>10.2f}")
-    print(f"service: {groups} group commits ({total / max(groups, 1):.1f} presses each), {alone} run alone")
+    ratios: dict[str, list[float]] = {}
+    with server(args.dsn) as (admin_dsn, where, switchable):
+        modes = [False, True] if args.fsync == "both" else [args.fsync == "on"]
+        print(f"{where} (pid {os.getpid()}): {args.requests} requests per row, sides interleaved every {args.chunk}")
+        print(f"{'run':<5}{'durability':<12}{'case':<26}{'product/s':>11}{'raw CAS/s':>11}{'product ÷ raw':>15}"
+              f"{'load 1m':>9}  writer")  # fmt: skip
+        for run in range(1, args.runs + 1):
+            for fsync in modes:
+                durability = set_fsync(admin_dsn, fsync) if switchable else current_fsync(admin_dsn)
+                for case in CASES:
+                    with scratch(admin_dsn) as dsn:
+                        product, bare, note = await run_case(dsn, case, args.requests, args.chunk)
+                    ratio = product.rate / bare.rate
+                    ratios.setdefault(f"{durability:<12}{case.name}", []).append(ratio)
+                    print(f"{run:<5}{durability:<12}{case.name:<26}{product.rate:>11,.0f}{bare.rate:>11,.0f}"
+                          f"{ratio:>15.3f}{os.getloadavg()[0]:>9.2f}  {note}")  # fmt: skip
+                    for label, side in (("product", product), ("raw", bare)):
+                        if side.decisions != args.requests:
+                            print(f"  !! {label} decided {side.decisions} of {args.requests}")
+    print("median product ÷ raw psycopg compare-and-set:")
+    for name, values in ratios.items():
+        print(f"     {name:<38}{statistics.median(values):>8.3f}   runs: {', '.join(f'{v:.3f}' for v in values)}")
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())

@@ -1351,8 +1351,13 @@ class KazmaConfig(Strict):
         """The policy called ``name``; "default" is today's rule unless approvals.policies.default says more."""
         found = self.approvals.policies.get(name)
         if found is None and name == DEFAULT_POLICY:
-            return PolicyConfig()
+            return self._default_policy
         return found
+
+    @cached_property
+    def _default_policy(self) -> PolicyConfig:
+        # Made once: every press asks for its policy, and validating a new model cost a press ~10 µs.
+        return PolicyConfig()
 
     def card_targets(self, policy: str | None) -> tuple[CardTarget, ...] | None:
         """Where the cards of a request under ``policy`` (None: the default) are posted; None: in every

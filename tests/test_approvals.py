@@ -6,6 +6,7 @@ import logging
 import re
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import aiosqlite
 import psycopg
@@ -144,6 +145,34 @@ async def test_audit_trail_is_append_only(store_engine: Engine) -> None:
             await raw(service, "DELETE FROM approval_events")
         with pytest.raises(INTEGRITY, match="append-only"):
             await raw(service, "UPDATE approval_events SET actor = 'someone else'")
+
+
+async def test_presses_that_arrive_together_are_decided_in_one_commit(store_engine: Engine) -> None:
+    """No read of the store comes before a press (who may decide is checked on the rules the press's own first
+    statement reads): three presses made in the same turn of the loop join one group commit, one wins, and the
+    two others are told what stands, each audited."""
+    async with approval_service(store_engine.where) as service:
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        writer: Any = await service.store.tables.writer()  # StoreWriter or PgWriter: both count their groups
+        await writer.caught_up()
+        groups = writer.groups
+        presses = (("telegram:111", "telegram"), ("slack:U111", "slack"), ("discord:222", "discord"))
+        results = await asyncio.gather(
+            *(
+                service.decide_from_button(button_data(request.id, Decision.DENY), actor=actor, platform=platform)
+                for actor, platform in presses
+            )
+        )
+        assert writer.groups == groups + 1
+        assert [r.verdict for r in results] == [PressVerdict.WON, PressVerdict.LOST, PressVerdict.LOST]
+        assert all(r.outcome is not None and r.outcome.decided_by == "telegram:111" for r in results)
+        events = [(e.event, e.actor) for e in await service.store.events(request.id)]
+        assert events == [
+            ("opened", "agent:builder"),
+            ("decided", "telegram:111"),
+            ("press_lost", "slack:U111"),
+            ("press_lost", "discord:222"),
+        ]
 
 
 @pytest.mark.slow

@@ -36,6 +36,11 @@ class Tx(Protocol):
 
     def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None: ...
 
+    def send(self, sql: str, params: Iterable[Any] = ()) -> None:
+        """One statement whose result nobody reads: on PostgreSQL it goes out without waiting for its answer
+        (pipeline mode); an error in it fails the transaction all the same."""
+        ...
+
     def notify(self, channel: str, payload: str = "") -> None:
         """Tell every other replica once the transaction commits (a no-op where there are none)."""
         ...

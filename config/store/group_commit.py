@@ -79,6 +79,26 @@ class Deferred:
                 flush(self, items)
 
 
+class Later(Generic[T]):
+    """An operation's result given before its statements' answers are in (PostgreSQL's pipeline mode): filled by
+    the end of its transaction; the writer answers the caller with the value."""
+
+    __slots__ = ("_value", "done")
+
+    def __init__(self) -> None:
+        self.done = False
+        self._value: T | None = None
+
+    def set(self, value: T) -> None:
+        self._value, self.done = value, True
+
+    @property
+    def value(self) -> T:
+        if not self.done:
+            raise RuntimeError("an operation's result was read before its transaction filled it")
+        return self._value  # type: ignore[return-value]  # set: a T (which may itself be None)
+
+
 @dataclass
 class Job(Generic[T]):
     """One submitted operation, its caller's future, and what running it gave."""

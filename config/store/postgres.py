@@ -33,7 +33,7 @@ import asyncio
 import functools
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -43,7 +43,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from kazma.config.metrics import count_failure
-from kazma.config.store.group_commit import Deferred, GroupQueue, Job, own_operations
+from kazma.config.store.group_commit import Deferred, GroupQueue, Job, Later, own_operations
 from kazma.config.store.migrations import Migration, run_migrations
 from kazma.config.store.pg_text import nul_safe, nul_safe_async
 
@@ -59,9 +59,15 @@ LOCK_TIMEOUT_MS = 250
 MAX_GROUP = 128
 # A lone operation chosen as a deadlock victim (or failing serialisation) is run again this many times.
 ALONE_ATTEMPTS = 5
+# Raised by a statement that was sent on a guess (its answer not waited for) and found the guess stale: the group
+# is rolled back and run again, in pipeline mode, the operations now asking instead of guessing.
+STALE_GUESS = "KZ001"
 # SQLSTATEs after which an operation is run again on its own: lock_not_available, deadlock_detected,
 # serialization_failure. None of them leaves anything of the transaction behind.
 _RUN_ALONE = frozenset({"55P03", "40P01", "40001"})
+
+# Every NOTIFY of a transaction in one statement, in the order they were asked for.
+_NOTIFY_ALL = "SELECT pg_notify(c, p) FROM unnest(%s::text[], %s::text[]) WITH ORDINALITY AS n(c, p, i) ORDER BY i"
 
 _SCHEMA_TABLE = """
 CREATE TABLE IF NOT EXISTS kazma_schema (
@@ -96,11 +102,44 @@ def pyformat(sql: str) -> str:
 
 
 class PgTx(Deferred):
-    """Statements inside the PostgreSQL writer's transaction; the same methods as the SQLite writer's ``Tx``."""
+    """Statements inside the PostgreSQL writer's transaction; the same methods as the SQLite writer's ``Tx``.
 
-    def __init__(self, cursor: psycopg.Cursor[Any]) -> None:
+    In pipeline mode (``pipeline`` given) a statement is sent without waiting for its answer; a read, or
+    ``run``'s row count, waits for the answers sent before it. ``send``'s and ``notify``'s answers are only
+    ever waited for at the commit.
+    """
+
+    def __init__(self, cursor: psycopg.Cursor[Any], pipeline: psycopg.Pipeline | None = None) -> None:
         super().__init__()
         self._cursor = cursor
+        self._pipeline = pipeline
+        self._notices: list[tuple[str, str]] = []
+        self._laters: list[tuple[psycopg.Cursor[Any], Callable[[Any], Any], Later[Any]]] = []
+
+    def later(self, sql: str, params: Iterable[Any], then: Callable[[Any], T]) -> Later[T]:
+        """One statement whose single row (or None) ``then`` turns into an operation's result; in pipeline mode
+        the answer is waited for only once every operation of the group has sent its statements, all answers
+        together, before the transaction's deferred work (``then`` may run more statements and defer more)."""
+        later: Later[T] = Later()
+        if self._pipeline is None:
+            later.set(then(self.one(sql, params)))
+            return later
+        cursor = self._cursor.connection.cursor()
+        cursor.execute(pyformat(sql), tuple(params))
+        self._laters.append((cursor, then, later))
+        return later
+
+    def _resolve_laters(self) -> None:
+        laters, self._laters = self._laters, []
+        for cursor, then, later in laters:
+            with cursor:
+                row = cursor.fetchone()
+            later.set(then(row))
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether statements go out without waiting (an answer nobody waits for may fail the commit instead)."""
+        return self._pipeline is not None
 
     def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
         return self._cursor.execute(pyformat(sql), tuple(params)).fetchone()
@@ -110,14 +149,28 @@ class PgTx(Deferred):
 
     def run(self, sql: str, params: Iterable[Any] = ()) -> int:
         """One statement; the number of rows it changed."""
-        return int(self._cursor.execute(pyformat(sql), tuple(params)).rowcount)
+        self._cursor.execute(pyformat(sql), tuple(params))
+        if self._pipeline is not None:
+            self._pipeline.sync()  # the row count is known once the answer is back
+        return int(self._cursor.rowcount)
 
     def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
         self._cursor.executemany(pyformat(sql), [tuple(row) for row in rows])
 
+    def send(self, sql: str, params: Iterable[Any] = ()) -> None:
+        self._cursor.execute(pyformat(sql), tuple(params))
+
     def notify(self, channel: str, payload: str = "") -> None:
-        """``NOTIFY``, delivered to every listening replica when (and only if) this transaction commits."""
-        self._cursor.execute("SELECT pg_notify(%s, %s)", (channel, payload))
+        """``NOTIFY``, delivered to every listening replica when (and only if) this transaction commits. Sent
+        with the transaction's others in one statement, just before the commit."""
+        self._notices.append((channel, payload))
+
+    def _send_notices(self) -> None:
+        if not self._notices:
+            return
+        channels, payloads = zip(*self._notices, strict=True)
+        self._notices = []
+        self._cursor.execute(_NOTIFY_ALL, (list(channels), list(payloads)))
 
 
 class _SwallowedError(psycopg.Error):
@@ -135,6 +188,7 @@ class PgWriter(GroupQueue):
         lock_timeout_ms: int = LOCK_TIMEOUT_MS,
         max_group: int = MAX_GROUP,
         connect_timeout: float = 10.0,
+        pipelined: bool = True,
     ) -> None:
         self.conninfo = conninfo
         self.application_name = application_name
@@ -148,6 +202,9 @@ class PgWriter(GroupQueue):
         self._conn: psycopg.Connection[Any] | None = None  # the writer thread's own
         self.groups = 0  # committed groups, for tests and benchmarks
         self.run_alone = 0  # operations run one per transaction after a group met another replica's lock
+        # Groups run in pipeline mode (see _attempt_pipelined); off: every statement waits for its answer.
+        self.pipelined = pipelined
+        self.pipeline_retries = 0  # pipelined groups rolled back and run again statement by statement
         # The server process of the writer's connection: a NOTIFY this process sent carries it, so the
         # replica's listener can tell its own notifications from the others'.
         self.backend_pid: int | None = None
@@ -212,6 +269,9 @@ class PgWriter(GroupQueue):
                     return
 
     def _hand_back(self, jobs: Sequence[Job[Any]], error: BaseException | None, *, last: bool) -> bool:
+        for job in jobs:  # an operation's result given as a Later was filled before its commit
+            if isinstance(job.result, Later):
+                job.result = job.result.value if job.result.done else None
         loop = self._loop
         assert loop is not None
         try:
@@ -232,6 +292,10 @@ class PgWriter(GroupQueue):
                 connect_timeout=max(1, int(self.connect_timeout)),
             )
             nul_safe(self._conn)  # text with U+0000 is kept, as on SQLite (pg_text.py)
+            # No server-side prepared statements: psycopg counts a PREPARE sent in a pipeline that was then
+            # aborted as done, and the next use fails ("prepared statement _pg3_n does not exist"). The hot
+            # statements are function calls, whose plans PostgreSQL caches per session anyway.
+            self._conn.prepare_threshold = None
             self.backend_pid = self._conn.info.backend_pid
         return self._conn
 
@@ -297,8 +361,82 @@ class PgWriter(GroupQueue):
     ) -> tuple[Job[Any], Exception] | None:
         """One transaction for ``jobs``: None once committed, or the job that failed (all rolled back).
 
+        First in pipeline mode; when anything goes wrong there, the group is rolled back and run again statement
+        by statement, which tells exactly which operation failed (see :meth:`_attempt_pipelined`).
         Raises when the connection itself fails, or the ``COMMIT`` does.
         """
+        if self.pipelined:
+            for _ in range(2):  # once more when a guess was stale
+                committed, again = self._attempt_pipelined(conn, jobs, bounded=bounded)
+                if committed:
+                    return None
+                if not again:
+                    break
+        return self._attempt_plain(conn, jobs, bounded=bounded)
+
+    def _attempt_pipelined(
+        self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool
+    ) -> tuple[bool, bool]:
+        """``jobs`` in one transaction in pipeline mode: (committed, whether to try again so because a guess was
+        stale, :data:`STALE_GUESS`). Rolled back unless committed.
+
+        A statement whose answer nobody waits for (``BEGIN``, ``send``, the notifications, the audit rows) goes
+        out with the next one that is waited for, so a group costs a round trip per read, not per statement. An
+        error surfaces at the next read, possibly inside another operation than the one that caused it: any
+        failure here therefore rolls the whole group back and leaves it to the plain path to run again.
+        """
+        failure: Exception | None = None
+        committed = False
+        try:
+            with conn.pipeline() as pipeline, conn.cursor() as cursor:
+                try:
+                    cursor.execute("BEGIN")
+                    if bounded:
+                        cursor.execute(f"SET LOCAL lock_timeout = {int(self.lock_timeout_ms)}")
+                    tx = PgTx(cursor, pipeline)
+                    for job in jobs:
+                        job.result, job.error = None, None
+                        job.result = job.op(tx)
+                    tx._resolve_laters()
+                    tx._run_deferred()
+                    tx._send_notices()
+                    cursor.execute("COMMIT")
+                    pipeline.sync()
+                    committed = cursor.statusmessage == "COMMIT"  # an aborted transaction answers ROLLBACK
+                except Exception as exc:  # caught here, so the pipeline's end is no error psycopg logs as ignored
+                    failure = exc
+        except Exception as exc:  # the pipeline's end: the sync of what an aborted transaction still had out
+            failure = failure or exc
+        except BaseException:
+            if not conn.broken and not conn.closed:
+                self._roll_back(conn)
+            raise
+        if failure is not None:
+            if conn.broken or conn.closed:
+                raise failure
+            self._roll_back(conn)
+            self.pipeline_retries += 1
+            return False, _sqlstate(failure) == STALE_GUESS
+        if not committed:
+            self._roll_back(conn)
+            self.pipeline_retries += 1
+            return False, False
+        tx._committed()
+        return True, False
+
+    @staticmethod
+    def _roll_back(conn: psycopg.Connection[Any]) -> None:
+        if conn.info.transaction_status == TransactionStatus.IDLE:
+            return
+        try:
+            conn.execute("ROLLBACK")
+        except psycopg.Error as rollback:  # the original error matters more
+            log.warning("store.rollback_failed", error=f"{type(rollback).__name__}: {rollback}")
+
+    def _attempt_plain(
+        self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool
+    ) -> tuple[Job[Any], Exception] | None:
+        """``jobs`` in one transaction, each statement waited for: None once committed, or the job that failed."""
         with conn.cursor() as cursor:
             cursor.execute("BEGIN")
             try:
@@ -317,16 +455,15 @@ class PgWriter(GroupQueue):
                         cursor.execute("ROLLBACK")
                         return job, exc
                 # What the operations deferred to the end (the audit chain's links): a failure undoes them all.
+                tx._resolve_laters()
                 tx._run_deferred()
+                tx._send_notices()
                 cursor.execute("COMMIT")
                 if cursor.statusmessage == "COMMIT":  # a transaction aborted unseen would answer ROLLBACK
                     tx._committed()
             except BaseException:
-                if not conn.broken and not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
-                    try:
-                        conn.execute("ROLLBACK")
-                    except psycopg.Error as rollback:  # the original error matters more
-                        log.warning("store.rollback_failed", error=f"{type(rollback).__name__}: {rollback}")
+                if not conn.broken and not conn.closed:
+                    self._roll_back(conn)
                 raise
         return None
 

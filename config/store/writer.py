@@ -69,6 +69,9 @@ class Tx(Deferred):
     def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
         self._conn.executemany(sql, [tuple(row) for row in rows])
 
+    def send(self, sql: str, params: Iterable[Any] = ()) -> None:
+        self._conn.execute(sql, tuple(params))
+
     def notify(self, channel: str, payload: str = "") -> None:
         """Tell other processes at commit (PostgreSQL's NOTIFY). One SQLite file has one ``kazma run``, which
         learns of its own writes directly; other processes on the file see them at their next read."""

@@ -1,0 +1,209 @@
+"""A press and an audit append on PostgreSQL, each one statement: the SQL functions and the calls to them.
+
+On PostgreSQL every statement of a transaction is a round trip (the writer
+thread's group runs in pipeline mode, so only the statements whose answers an
+operation reads cost one). Two functions, created by approvals migration 14 and
+called from :mod:`kazma.approvals.store` and :mod:`kazma.approvals.chain`, make
+the hot statements one each:
+
+- ``kazma_press``: the card check, the compare-and-set (its predicate also holds
+  the tool and the arguments hash the seal was made over, and a policy of one
+  press), the review row of the winner, or else the request as it stands now;
+  read in a fresh snapshot after the compare-and-set, so a loser is told the
+  outcome that beat it. Anything else (a card problem, a policy of several
+  people, a request whose tool and hash this process did not know) is answered
+  as a *miss*, and the press runs the general statements instead.
+- ``kazma_audit_append``: the chain's lock, the head, and the events inserted
+  in the same call when the head is the one this process last committed (its
+  hashes computed in Python before the call). Otherwise it inserts nothing and
+  returns the head, and the chain hashes after it and inserts (one more round
+  trip: another replica appended in between).
+
+The hashes stay in Python: the chain's canonical form is Python's JSON of the
+values as given (text with U+0000, floats as ``repr`` writes them), which
+PostgreSQL stores escaped (:mod:`kazma.config.store.pg_text`) and prints its own way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol, TypeVar, cast
+
+from kazma.config.store.backend import Tx
+from kazma.config.store.group_commit import Later
+
+T = TypeVar("T")
+
+# The press: returns one row (what became of it, then the request's standing), or none for an unknown id.
+PG_PRESS_FUNCTION: Final = """
+CREATE OR REPLACE FUNCTION kazma_press(
+    p_id text, p_status text, p_actor text, p_platform text, p_now double precision, p_reason text,
+    p_mac text, p_key_id text, p_person text, p_tool text, p_args_hash text, p_reviewer text, p_decision text,
+    p_card boolean, p_chat text, p_message_id text, p_needs_whole boolean)
+RETURNS TABLE (outcome text, id text, tool text, args_hash text, conversation text, deadline double precision,
+               status text, decided_by text, decided_via text, decided_at double precision, reason text,
+               decided_person text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    posted bigint;
+    usable bigint;
+    cut bigint;
+BEGIN
+    IF p_card THEN
+        -- The rule of approvals.store._card_problem, as a yes/no: a miss lets Python say which problem it is.
+        SELECT count(*),
+               count(*) FILTER (WHERE (p_chat IS NULL OR c.chat = p_chat)
+                   AND (p_message_id IS NULL OR c.message_id = p_message_id)
+                   AND (c.bound_to IS NULL OR c.bound_to = coalesce(p_person, p_actor))),
+               count(*) FILTER (WHERE (p_chat IS NULL OR c.chat = p_chat)
+                   AND (p_message_id IS NULL OR c.message_id = p_message_id)
+                   AND (c.bound_to IS NULL OR c.bound_to = coalesce(p_person, p_actor)) AND c.whole = 0)
+          INTO posted, usable, cut
+          FROM approval_cards c WHERE c.request_id = p_id AND c.platform = p_platform;
+        IF (posted = 0 AND (p_chat IS NOT NULL OR p_message_id IS NOT NULL))
+           OR (posted > 0 AND (usable = 0 OR (p_needs_whole AND cut > 0))) THEN
+            RETURN QUERY SELECT 'miss'::text, r.id, r.tool, r.args_hash, r.conversation, r.deadline, r.status,
+                r.decided_by, r.decided_via, r.decided_at, r.reason, r.decided_person
+                FROM approval_requests r WHERE r.id = p_id;
+            RETURN;
+        END IF;
+    END IF;
+    RETURN QUERY UPDATE approval_requests r SET status = p_status, decided_by = p_actor, decided_via = p_platform,
+            decided_at = p_now, reason = p_reason, decision_mac = p_mac, decision_key_id = p_key_id,
+            decided_person = p_person
+        WHERE r.id = p_id AND r.status = 'pending' AND r.deadline > p_now AND r.tool = p_tool
+            AND r.args_hash = p_args_hash AND r.approve_needed = 1 AND r.deny_needed = 1
+        RETURNING 'won'::text, r.id, r.tool, r.args_hash, r.conversation, r.deadline, r.status, r.decided_by,
+            r.decided_via, r.decided_at, r.reason, r.decided_person;
+    IF FOUND THEN
+        INSERT INTO approval_reviews (request_id, reviewer, actor, platform, decision, reason, at)
+            VALUES (p_id, p_reviewer, p_actor, p_platform, p_decision, p_reason, p_now) ON CONFLICT DO NOTHING;
+        RETURN;
+    END IF;
+    -- A statement of its own, so a fresh snapshot: the decision that beat this press is seen.
+    RETURN QUERY SELECT CASE WHEN r.status = 'pending' AND r.deadline > p_now THEN 'miss' ELSE 'lost' END,
+        r.id, r.tool, r.args_hash, r.conversation, r.deadline, r.status, r.decided_by, r.decided_via,
+        r.decided_at, r.reason, r.decided_person
+        FROM approval_requests r WHERE r.id = p_id;
+END
+$$
+"""
+
+# The chain's append: the lock, the head, and the events when the head is the expected one (see the module).
+PG_AUDIT_APPEND_FUNCTION: Final = """
+CREATE OR REPLACE FUNCTION kazma_audit_append(
+    lock_key bigint, expect_seq bigint, expect_hash text, p_seq bigint[], p_request_id text[], p_event text[],
+    p_actor text[], p_platform text[], p_at double precision[], p_args_hash text[], p_detail text[],
+    p_prev_hash text[], p_chain_hash text[], p_person text[], p_commit_seal text[], p_strict boolean)
+RETURNS TABLE (appended boolean, last_seq bigint, last_hash text, checkpoint_seq bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    head_seq bigint;
+    head_hash text;
+    signed bigint;
+BEGIN
+    PERFORM set_config('lock_timeout', '0', true);
+    PERFORM pg_advisory_xact_lock(lock_key);
+    SELECT e.seq, e.chain_hash INTO head_seq, head_hash FROM approval_events e ORDER BY e.seq DESC LIMIT 1;
+    SELECT c.seq INTO signed FROM audit_checkpoints c ORDER BY c.seq DESC LIMIT 1;
+    IF cardinality(p_seq) > 0 AND head_seq = expect_seq AND head_hash = expect_hash
+       AND (signed IS NULL OR signed <= expect_seq) THEN
+        INSERT INTO approval_events (seq, request_id, event, actor, platform, at, args_hash, detail, prev_hash,
+                                     chain_hash, person, commit_seal)
+            SELECT * FROM unnest(p_seq, p_request_id, p_event, p_actor, p_platform, p_at, p_args_hash, p_detail,
+                                 p_prev_hash, p_chain_hash, p_person, p_commit_seal);
+        -- A row inserted by hand without a seq must not take a number the chain gave.
+        PERFORM setval('approval_events_seq_seq', p_seq[cardinality(p_seq)]);
+        RETURN QUERY SELECT true, head_seq, head_hash, signed;
+        RETURN;
+    END IF;
+    IF p_strict THEN
+        RAISE EXCEPTION 'the audit chain head moved (another writer appended)' USING ERRCODE = 'KZ001';
+    END IF;
+    RETURN QUERY SELECT false, head_seq, head_hash, signed;
+END
+$$
+"""
+
+_PRESS_CALL: Final = (
+    "SELECT outcome, id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at,"
+    " reason, decided_person FROM kazma_press(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_APPEND_CALL: Final = (
+    "SELECT appended, last_seq, last_hash, checkpoint_seq FROM kazma_audit_append(?, ?, ?, ?::bigint[],"
+    " ?::text[], ?::text[], ?::text[], ?::text[], ?::double precision[], ?::text[], ?::text[], ?::text[],"
+    " ?::text[], ?::text[], ?::text[], ?)"
+)
+
+WON: Final = "won"
+LOST: Final = "lost"
+MISS: Final = "miss"
+
+
+@dataclass(frozen=True)
+class PressCall:
+    """What ``kazma_press`` is given: the press, its seal, and what the seal was made over."""
+
+    request_id: str
+    status: str
+    actor: str
+    platform: str
+    now: float
+    reason: str | None
+    mac: str | None
+    key_id: str | None
+    person: str | None
+    tool: str
+    args_hash: str
+    reviewer: str
+    decision: str
+    card: bool
+    chat: str | None
+    message_id: str | None
+    needs_whole: bool
+
+
+class LaterTx(Tx, Protocol):
+    """The PostgreSQL writer's transaction (:class:`kazma.config.store.postgres.PgTx`): a statement whose answer
+    becomes an operation's result when the group's answers are in."""
+
+    def later(self, sql: str, params: Iterable[Any], then: Callable[[Any], T]) -> Later[T]: ...
+
+
+def press(tx: Tx, call: PressCall, then: Callable[[tuple[str, tuple[Any, ...]] | None], T]) -> Later[T]:
+    """One press in one statement; ``then`` is given (``WON``/``LOST``/``MISS``, the request's standing row), or
+    None (no such request), once its answer is in."""
+
+    def answered(row: Any) -> T:
+        return then(None if row is None else (str(row[0]), tuple(row[1:])))
+
+    return cast(LaterTx, tx).later(
+        _PRESS_CALL,
+        (call.request_id, call.status, call.actor, call.platform, call.now, call.reason, call.mac, call.key_id,
+         call.person, call.tool, call.args_hash, call.reviewer, call.decision, call.card, call.chat,
+         call.message_id, call.needs_whole),
+        answered,
+    )  # fmt: skip
+
+
+def append(
+    tx: Tx, lock_key: int, expect: tuple[int, str] | None, rows: Sequence[tuple[Any, ...]]
+) -> tuple[bool, Any, Any, Any]:
+    """Take the chain's lock and read its head; insert ``rows`` (event rows in the chain's column order, with
+    the commit seal last) in the same call when the head is ``expect`` (seq, hash). (appended, head seq, head
+    hash, last checkpoint's seq)."""
+    expect_seq, expect_hash = expect if expect is not None else (-1, "")
+    found = tx.one(_APPEND_CALL, (lock_key, expect_seq, expect_hash, *_columns(rows), False))
+    appended, last_seq, last_hash, signed = tuple(found)
+    return bool(appended), last_seq, last_hash, signed
+
+
+def append_or_fail(tx: Tx, lock_key: int, expect: tuple[int, str], rows: Sequence[tuple[Any, ...]]) -> None:
+    """:func:`append`, its answer not waited for: when the head is not ``expect`` the statement fails the
+    transaction with SQLSTATE ``KZ001`` (:data:`kazma.config.store.postgres.STALE_GUESS`)."""
+    tx.send(_APPEND_CALL, (lock_key, expect[0], expect[1], *_columns(rows), True))
+
+
+def _columns(rows: Sequence[tuple[Any, ...]]) -> list[list[Any]]:
+    return [[row[i] for row in rows] for i in range(12)]
