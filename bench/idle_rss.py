@@ -18,7 +18,7 @@ Then RSS per component: a fresh interpreter imports the packages the child held,
 one at a time in the order below, and prints what each added (a package another
 one pulled in first is counted with that one).
 
-    PYTHONPATH=. python bench/idle_rss.py [--runs 3] [--orphans 10000] [--anchor main]
+    PYTHONPATH=. python bench/idle_rss.py [--runs 3] [--orphans 10000] [--anchor main] [--tree HEAD]
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ async def one_run(config: Path, pythonpath: str, *, idle: float) -> tuple[float,
     assert child.stderr is not None
     events: list[str] = []
     try:
-        async with asyncio.timeout(90):
+        async with asyncio.timeout(600):
             while True:
                 line = (await child.stderr.readline()).decode()
                 if not line:
@@ -149,7 +149,7 @@ async def one_run(config: Path, pythonpath: str, *, idle: float) -> tuple[float,
             while await child.stderr.readline():
                 pass
 
-        draining = asyncio.create_task(drain())
+        draining = asyncio.create_task(drain())  # the orphans' log lines after ready must not fill the pipe
         await asyncio.sleep(idle)  # a bench's idle time, not a synchronisation: the process is left alone
         rss = rss_of(child.pid)
         modules.unlink(missing_ok=True)
@@ -162,8 +162,8 @@ async def one_run(config: Path, pythonpath: str, *, idle: float) -> tuple[float,
         print("\n".join(events[-20:]), file=sys.stderr)
         raise
     finally:
-        if child.returncode is None:
-            child.send_signal(signal.SIGTERM)
+        if child.returncode is None:  # killed: a stop may wait on work this bench does not measure
+            child.kill()
         await asyncio.wait_for(child.wait(), 60)
     draining.cancel()
     return ready, rss, imported, events
@@ -183,7 +183,10 @@ def fresh_state(template: Path | None, into: Path, fakes: Fakes) -> Path:
 
 async def bench(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="kazma-bench-start-"))
+    # this checkout as it is, or as revision --tree is (so the checkout may change while the bench runs)
     trees = {"this tree": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+    if args.tree:
+        trees = {f"tree {args.tree}": os.pathsep.join([str(anchor_path(args.tree, work / "tree")), str(REPO)])}
     if args.anchor:
         anchor = anchor_path(args.anchor, work / "anchor")
         trees[f"anchor {args.anchor}"] = os.pathsep.join([str(anchor), str(REPO)])
@@ -237,6 +240,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--orphans", type=int, default=10_000, help="pending orphans for the second case (0: skip)")
     parser.add_argument("--anchor", default="", help="a git revision to run beside this tree (e.g. main)")
+    parser.add_argument("--tree", default="", help="measure this git revision instead of the checkout as it is")
     parser.add_argument("--idle", type=float, default=3.0, help="seconds after ready before RSS is read")
     parser.add_argument("--timeline", action="store_true", help="print each tree's log events up to ready once")
     asyncio.run(bench(parser.parse_args()))
