@@ -121,7 +121,8 @@ async def make_orphans(config: Path, count: int) -> None:
 async def one_run(config: Path, pythonpath: str, *, idle: float) -> tuple[float, int, list[str], list[str]]:
     """(seconds to ready, idle RSS bytes, top-level packages imported, the log's events up to ready)."""
     modules = config.parent / "modules.txt"
-    env = {**os.environ, "PYTHONPATH": pythonpath, "NO_PROXY": "127.0.0.1,localhost", "KAZMA_BENCH_MODULES": str(modules)}
+    env = {**os.environ, "PYTHONPATH": pythonpath, "NO_PROXY": "127.0.0.1,localhost"}
+    env["KAZMA_BENCH_MODULES"] = str(modules)
     start = time.perf_counter()
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-c", CHILD, "-c", str(config), "--log-format", "json", "run",
@@ -155,7 +156,7 @@ async def one_run(config: Path, pythonpath: str, *, idle: float) -> tuple[float,
         modules.unlink(missing_ok=True)
         child.send_signal(signal.SIGUSR1)
         async with asyncio.timeout(10):
-            while not modules.exists() or not modules.read_text():
+            while not modules.exists() or not modules.read_text():  # noqa: ASYNC110 - another process writes it
                 await asyncio.sleep(0.02)
         imported = modules.read_text().split()
     except TimeoutError:
@@ -224,10 +225,11 @@ async def bench(args: argparse.Namespace) -> None:
             for tree, pythonpath in trees.items():
                 held = [c for c in COMPONENTS if c in imported.get(tree, [])]
                 env = {**os.environ, "PYTHONPATH": pythonpath}
-                probe = subprocess.run(  # noqa: S603 - our own interpreter
-                    [sys.executable, "-c", PROBE, *held, *KAZMA_ITSELF], check=True, capture_output=True, text=True, env=env
+                probe = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", PROBE, *held, *KAZMA_ITSELF, stdout=asyncio.subprocess.PIPE, env=env
                 )
-                sizes: dict[str, int] = json.loads(probe.stdout)
+                out, _ = await probe.communicate()
+                sizes: dict[str, int] = json.loads(out)
                 line = "  ".join(f"{name} {size / 1e6:.1f}" for name, size in sizes.items())
                 absent = [c for c in COMPONENTS if c not in held]
                 print(f"{tree}: {line}\n    not imported: {', '.join(absent) or '-'}")

@@ -16,7 +16,7 @@ from pathlib import Path
 from kazma.approvals import ApprovalService, ApprovalStore
 from kazma.approvals.card import button_data
 from kazma.approvals.model import Decision, PressVerdict, Status
-from kazma.approvals.orphans import BATCH
+from kazma.approvals.orphans import BATCH, Orphans
 from kazma.approvals.service import RESTARTED
 from kazma.bot.app import App, build_app
 from kazma.bot.store import open_store
@@ -42,7 +42,7 @@ async def _orphans(loaded: LoadedConfig, count: int) -> list[str]:
     service = ApprovalService(ApprovalStore(conn), loaded.config)
     try:
         opened = await asyncio.gather(
-            *(service.open("shell", {"command": f"rm -rf /srv/{n}"}, "agent:builder", "web:console") for n in range(count))
+            *(service.open("shell", {"command": f"rm /srv/{n}"}, "agent:builder", "web:console") for n in range(count))
         )
     finally:
         await conn.close()
@@ -73,7 +73,7 @@ async def test_attack_a_stale_approve_on_an_orphan_not_yet_cancelled_cannot_appr
     try:
         # Nothing awaited since the start returned: not one batch has run, every orphan is pending in the store.
         fenced = app.service.orphans
-        assert fenced is not None
+        assert isinstance(fenced, Orphans)
         assert len(fenced) == ORPHANS
         assert pressed in fenced
         result = await app.service.decide_from_button(
