@@ -35,7 +35,18 @@ signal.signal(signal.SIGUSR1, dump)
 from kazma.bot.cli import main
 main(sys.argv[1:], prog_name="kazma")
 """
-OPTIONAL = ("mcp", "starlette", "mautrix", "psycopg", "psycopg_pool", "telegram", "discord", "slack_bolt", "slack_sdk")
+OPTIONAL = (
+    "mcp",
+    "starlette",
+    "webauthn",
+    "mautrix",
+    "psycopg",
+    "psycopg_pool",
+    "telegram",
+    "discord",
+    "slack_bolt",
+    "slack_sdk",
+)
 
 
 @dataclass
