@@ -39,6 +39,7 @@ OPTIONAL = (
     "mcp",
     "starlette",
     "webauthn",
+    "jsonschema",
     "mautrix",
     "psycopg",
     "psycopg_pool",
