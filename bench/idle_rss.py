@@ -39,9 +39,12 @@ from pathlib import Path
 from kazma.approvals import ApprovalService, ApprovalStore
 from kazma.bot.store import open_store
 from kazma.config import load_config
-from tests.platforms_support import TG_CHAT, Fakes, three_fakes
+from tests.platforms_support import Fakes, three_fakes
 
 REPO = Path(__file__).resolve().parent.parent
+# Where the orphans were asked: the console's conversation. A restart tells each orphan's conversation; told in
+# a paced chat, 10,000 notices would take hours and measure the pacing, not the start.
+CONVERSATION = "web:console"
 LAYERS = ("config", "approvals", "adapters", "engine", "bot")
 # What a `kazma run` may import, heaviest first among the optional ones; the probe imports them in this order.
 COMPONENTS = (
@@ -102,7 +105,7 @@ def load() -> str:
 
 
 async def make_orphans(config: Path, count: int) -> None:
-    """``count`` pending requests opened as a killed `kazma run` leaves them (no waiter, no owner)."""
+    """``count`` pending requests opened as a killed `kazma run` leaves them (no waiter, no owner, no card)."""
     loaded = load_config(config, environ={})
     conn = await open_store(loaded.config)
     service = ApprovalService(ApprovalStore(conn), loaded.config)
@@ -110,7 +113,7 @@ async def make_orphans(config: Path, count: int) -> None:
         for start in range(0, count, 200):
             await asyncio.gather(
                 *(
-                    service.open("shell", {"command": f"rm -rf /srv/old-{n}"}, "agent:builder", f"telegram:{TG_CHAT}")
+                    service.open("shell", {"command": f"rm -rf /srv/old-{n}"}, "agent:builder", CONVERSATION)
                     for n in range(start, min(count, start + 200))
                 )
             )
