@@ -47,8 +47,11 @@ REPO = Path(__file__).resolve().parent.parent
 CONVERSATION = "web:console"
 LAYERS = ("config", "approvals", "adapters", "engine", "bot")
 # What a `kazma run` may import, heaviest first among the optional ones; the probe imports them in this order.
+# twisted, rich and pygments come with the dev extra (matrix-synapse), and structlog imports twisted and rich
+# whenever they are installed: listed before it, so a production install's share shows apart.
+DEV_ONLY = ("twisted", "rich", "pygments")
 COMPONENTS = (
-    "yaml", "pydantic", "structlog", "aiosqlite", "cryptography", "aiohttp", "prometheus_client", "httpx",
+    *DEV_ONLY, "yaml", "pydantic", "structlog", "aiosqlite", "cryptography", "aiohttp", "prometheus_client", "httpx",
     "jsonschema", "telegram", "discord", "slack_bolt", "slack_sdk", "mcp", "mautrix", "psycopg", "psycopg_pool",
     "anyio", "starlette", "webauthn",
 )  # fmt: skip
@@ -233,9 +236,13 @@ async def bench(args: argparse.Namespace) -> None:
                 )
                 out, _ = await probe.communicate()
                 sizes: dict[str, int] = json.loads(out)
-                line = "  ".join(f"{name} {size / 1e6:.1f}" for name, size in sizes.items())
+                line = "  ".join(
+                    f"{name}{'*' if name in DEV_ONLY else ''} {size / 1e6:.1f}" for name, size in sizes.items()
+                )
+                dev = sum(size for name, size in sizes.items() if name in DEV_ONLY)
                 absent = [c for c in COMPONENTS if c not in held]
                 print(f"{tree}: {line}\n    not imported: {', '.join(absent) or '-'}")
+                print(f"    *dev extra only: {dev / 1e6:.1f} MB of the RSS a production install does not load")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
