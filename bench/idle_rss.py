@@ -193,10 +193,10 @@ async def bench(args: argparse.Namespace) -> None:
     # this checkout as it is, or as revision --tree is (so the checkout may change while the bench runs)
     trees = {"this tree": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
     if args.tree:
-        trees = {f"tree {args.tree}": os.pathsep.join([str(anchor_path(args.tree, work / "tree")), str(REPO)])}
+        trees = {f"tree {args.tree[:10]}": os.pathsep.join([str(anchor_path(args.tree, work / "tree")), str(REPO)])}
     if args.anchor:
         anchor = anchor_path(args.anchor, work / "anchor")
-        trees[f"anchor {args.anchor}"] = os.pathsep.join([str(anchor), str(REPO)])
+        trees[f"anchor {args.anchor[:10]}"] = os.pathsep.join([str(anchor), str(REPO)])
     try:
         async with three_fakes() as fakes:
             template = None
