@@ -47,9 +47,9 @@ REPO = Path(__file__).resolve().parent.parent
 CONVERSATION = "web:console"
 LAYERS = ("config", "approvals", "adapters", "engine", "bot")
 # What a `kazma run` may import, heaviest first among the optional ones; the probe imports them in this order.
-# twisted, rich and pygments come with the dev extra (matrix-synapse), and structlog imports twisted and rich
-# whenever they are installed: listed before it, so a production install's share shows apart.
-DEV_ONLY = ("twisted", "rich", "pygments")
+# twisted and rich come with the dev extra (matrix-synapse), and structlog imports these parts of them whenever
+# they are installed: listed before it, so what a production install does not load shows apart.
+DEV_ONLY = ("twisted.python.log", "twisted.python.failure", "zope.interface", "rich.console", "rich.traceback")
 COMPONENTS = (
     *DEV_ONLY, "yaml", "pydantic", "structlog", "aiosqlite", "cryptography", "aiohttp", "prometheus_client", "httpx",
     "jsonschema", "telegram", "discord", "slack_bolt", "slack_sdk", "mcp", "mautrix", "psycopg", "psycopg_pool",
@@ -229,7 +229,7 @@ async def bench(args: argparse.Namespace) -> None:
                 print(f"{tree:<22}{case:<22}{readies + f' (med {median:.3f})':<26}{rsses:<22}{loads}")
             print("\nRSS per component (MB added when imported in this order; what the child held)")
             for tree, pythonpath in trees.items():
-                held = [c for c in COMPONENTS if c in imported.get(tree, [])]
+                held = [c for c in COMPONENTS if c.split(".")[0] in imported.get(tree, [])]
                 env = {**os.environ, "PYTHONPATH": pythonpath}
                 probe = await asyncio.create_subprocess_exec(
                     sys.executable, "-c", PROBE, *held, *KAZMA_ITSELF, stdout=asyncio.subprocess.PIPE, env=env
@@ -240,7 +240,7 @@ async def bench(args: argparse.Namespace) -> None:
                     f"{name}{'*' if name in DEV_ONLY else ''} {size / 1e6:.1f}" for name, size in sizes.items()
                 )
                 dev = sum(size for name, size in sizes.items() if name in DEV_ONLY)
-                absent = [c for c in COMPONENTS if c not in held]
+                absent = sorted({c.split(".")[0] for c in COMPONENTS if c not in held})
                 print(f"{tree}: {line}\n    not imported: {', '.join(absent) or '-'}")
                 print(f"    *dev extra only: {dev / 1e6:.1f} MB of the RSS a production install does not load")
     finally:

@@ -40,6 +40,7 @@ OPTIONAL = (
     "starlette",
     "webauthn",
     "jsonschema",
+    "jwt",
     "mautrix",
     "psycopg",
     "psycopg_pool",
