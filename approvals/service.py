@@ -217,6 +217,15 @@ class Recovery:
         return told
 
 
+class OrphanGate(Protocol):
+    """Pending requests a dead process left, not yet cancelled (:class:`kazma.approvals.orphans.Orphans`)."""
+
+    def __contains__(self, request_id: object) -> bool: ...
+
+    async def ended(self, request_id: str) -> bool:
+        """End ``request_id`` now if it is still pending; False when the store could not say it ended."""
+
+
 class ApprovalRefused(Exception):
     """The call cannot be put to a human (unrenderable arguments, or no card could be queued); it must not run."""
 
@@ -300,6 +309,9 @@ class ApprovalService:
         self._refusals = RefusalWindow(clock=clock)
         self._looked: dict[str, float] = {}  # request id -> when this process last wrote its asker's last_seen
         self.halted: str | None = None  # why no decision is taken right now (the store vanished), or None
+        # Orphans a start found and has yet to cancel (:mod:`kazma.approvals.orphans`): a press on one ends it
+        # first. None: nothing is fenced.
+        self.orphans: OrphanGate | None = None
         # told the request id whenever a request opens or ends, or a remembered approval is revoked (the live
         # dashboard); a listener must be quick and must not raise (one that does is logged and skipped)
         self.listeners: list[Callable[[str], None]] = []
@@ -634,6 +646,15 @@ class ApprovalService:
             return PressResult(
                 PressVerdict.REFUSED,
                 f"Kazma is not deciding right now: {self.halted}. Nothing was recorded.",
+                request_id=request_id,
+            )
+        orphans = self.orphans
+        # A stale button of a request a dead process left never approves it: ended here first if not yet.
+        if orphans is not None and request_id in orphans and not await orphans.ended(request_id):
+            await self._refused(request_id, actor, platform, "an orphan not yet cancelled")
+            return PressResult(
+                PressVerdict.REFUSED,
+                f"This request is ending: {RESTARTED}. Nothing was recorded.",
                 request_id=request_id,
             )
         reason = clean_reason(reason)
@@ -1115,7 +1136,7 @@ class ApprovalService:
         assert outcome is not None
         return outcome
 
-    async def recover(self, live: Collection[str] | None = None) -> Recovery:
+    async def recover(self, live: Collection[str] | None = None, *, orphans: bool = True) -> Recovery:
         """At start, before any platform: end what the process that died left hanging, and say so.
 
         Every pending request whose waiter died with that process ends
@@ -1128,9 +1149,10 @@ class ApprovalService:
 
         With several replicas on one database (``live``: the replicas alive now), only what a replica that
         is gone left behind: the leader runs this when it takes the lease and at every sweep.
+        ``orphans=False``: the pending ones are left to :class:`kazma.approvals.orphans.Orphans`.
         """
         cancelled: list[ApprovalRequest] = []
-        for request in await self.store.orphans(live):
+        for request in await self.store.orphans(live) if orphans else ():
             if request.waits is Waits.CONNECTION:  # an /mcp call whose connection died with that process
                 reason = withdrawn(Gone.RESTARTED if live is None else Gone.REPLICA_STOPPED)
             else:

@@ -23,6 +23,7 @@ from kazma.adapters.bus import FanOutBus, NullBus
 from kazma.adapters.contract import Handlers
 from kazma.approvals import ApprovalService
 from kazma.approvals.checkpointer import Checkpointer
+from kazma.approvals.orphans import Orphans
 from kazma.approvals.service import Recovery
 from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.audit_sink import AuditSink
@@ -108,7 +109,11 @@ class Lifecycle(ABC):
         if interrupted:
             log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
         await self.swarm.recover()  # its reports are coalesced and sent once the platforms are up
-        recovery = await self.service.recover()  # orphans end before anyone can press their stale buttons
+        # Orphans are fenced before anyone can press their stale buttons (a press ends one first), and
+        # cancelled in batches once this process serves: thousands of them no longer hold the start.
+        orphans = await Orphans.find(self.service)
+        self.service.orphans = orphans
+        recovery = await self.service.recover(orphans=False)  # approved calls that never ran: reported now
         self._tasks.keep(self._retention, name="kazma-swarm-retention", backoff=LOOP_RESTART)
         if self.audit_sink is not None:
             self._tasks.keep(self.audit_sink.run, name="kazma-audit-sink", backoff=LOOP_RESTART)
@@ -118,7 +123,7 @@ class Lifecycle(ABC):
         await self.bus.start(self.handlers)
         await self._tell(recovery)
         await self.executor.perform(tell_lead)
-        self._tasks.keep(self._sweep, name="kazma-approvals-sweep", backoff=LOOP_RESTART)
+        self._tasks.spawn(self._end_orphans(orphans), name="kazma-orphans")  # then the sweeps
         store_path = self.loaded.config.store.path
         if str(store_path) != ":memory:" and store_path.exists():
             self.store_watch = StoreWatch(store_path, self._store_lost)
@@ -207,6 +212,21 @@ class Lifecycle(ABC):
         except Exception as exc:  # they still read "started, not finished"; the next start marks them
             count_failure("execution_record")
             log.warning("app.executions_unmarked", error=str(exc))
+
+    async def _end_orphans(self, orphans: Orphans) -> None:
+        """Cancel the orphans the start fenced, a batch at a time, each batch's cards edited as it commits;
+        then tell their conversations and start the sweeps (an overdue orphan ends "cancelled" at a restart,
+        as it always did, not "timeout")."""
+        if len(orphans):
+            found = len(orphans)
+            log.info("app.orphans_cancelling", requests=found)
+            bus = self.bus
+            await orphans.cancel_all(committed=bus.rescan if isinstance(bus, FanOutBus) else lambda: None)
+            log.info("app.orphans_cancelled", requests=found, cancelled=len(orphans.cancelled))
+        self.service.orphans = None
+        self._tasks.keep(self._sweep, name="kazma-approvals-sweep", backoff=LOOP_RESTART)
+        if orphans.cancelled:
+            await self._say(Recovery(orphans.cancelled, []), [])
 
     async def _say(self, recovery: Recovery, tell_lead: list[Action]) -> None:
         """Recovery's notices, in the background: a paced platform must not hold up the sweeps or the ingress."""

@@ -161,7 +161,10 @@ class DiscordAdapter(PlatformBase):
         self,
         config: DiscordConfig,
         *,
-        guild_ready_timeout: float = 2.0,
+        # discord.py dispatches READY this long after the last guild arrived (its own default is 2 s, all of it
+        # in every start): Discord sends a bot's guilds right after READY, and a channel not cached yet is
+        # fetched over REST (webhooks.py), so a shorter wait loses nothing.
+        guild_ready_timeout: float = 0.5,
         request_timeout: float = 10.0,
         start_timeout: float = 60.0,
         sync_commands: bool = True,

@@ -105,7 +105,7 @@ DOORS: tuple[Door, ...] = (
     Door("GET", "/healthz", _A, "whether Kazma decides approvals, for monitors and load balancers"),
     Door("GET", "/static/console.js", _A, "the script every signed-in page loads"),
     Door("GET", "/static/people.js", _A, "the sign-in pages' script (passkeys, the Telegram Mini App)"),
-    # the approvals API and MCP (bot/console/api.py, bot/console/mcp.py): API tokens, never console sessions
+    # the approvals API and MCP (bot/console/api.py, bot/console/mcp_door.py): API tokens, never console sessions
     Door("POST", "/api/v1/approvals", _T, "open an approval request (approval_requester)"),
     Door("GET", "/api/v1/approvals/{id}", _T, "read or wait for a request this token opened"),
     Door("DELETE", "/api/v1/approvals/{id}", _T, "withdraw a request this token opened (approval_requester)"),

@@ -2,10 +2,11 @@
 
 It speaks streamable HTTP (stateless, JSON responses) and opens requests in
 this process through the approvals API's own code, with the same API tokens and
-roles. The SDK is Starlette/ASGI; the web server is aiohttp. :func:`register_http`
+roles. The SDK is Starlette/ASGI; the web server is aiohttp. :class:`MCPEndpoint`
 bridges one aiohttp request to the SDK's session manager as one ASGI call,
-after the bearer token was checked here. This module imports the SDK (about a
-second): the web server imports it only when it starts.
+after the bearer token was checked. This module imports the SDK (about a second
+and a quarter of Kazma's memory): :mod:`~kazma.bot.console.mcp_door` imports it
+only when ``/mcp`` is configured (an API token exists) or first called.
 
 The asker waits synchronously, so a request is withdrawn on every card when its
 asker goes away (:mod:`kazma.approvals.withdrawal`): when the HTTP connection
@@ -29,7 +30,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 
 from kazma.approvals.model import Waits
 from kazma.approvals.withdrawal import Gone
-from kazma.bot.console.api import ApprovalsApi, caller_of, describe
+from kazma.bot.console.api import ApiCaller, ApprovalsApi, caller_of, describe
 from kazma.bot.console.mcp_askers import ConnectionAsker, OpenCalls, jsonrpc
 from kazma.bot.console.mcp_tool import Asked, answer, build_server
 from kazma.config.metrics import count_failure
@@ -40,17 +41,29 @@ log = structlog.get_logger("kazma.mcp_server")
 ASKER_KEY = "kazma.asker"  # the ASGI scope's entry carrying the aiohttp side of the call to the tool
 
 
-def register_http(application: web.Application, api: ApprovalsApi) -> None:
-    """Serve ``/mcp`` (streamable HTTP) from ``application``, its requests opened through ``api``."""
+class MCPEndpoint:
+    """The SDK's session manager behind ``/mcp``, its requests opened through ``api``. Made and started by
+    :class:`~kazma.bot.console.mcp_door.MCPDoor` when ``/mcp`` is configured or first called; ``stopping`` is
+    set as the web server shuts down, before it waits for open calls."""
 
-    async def withdraw(request_id: str, why: Gone) -> None:
+    def __init__(self, api: ApprovalsApi, stopping: asyncio.Event) -> None:
+        self.api = api
+        self.stopping = stopping
+        self.stopped = Gone.REPLICA_STOPPED if api.services.replicated else Gone.STOPPED
+        self.calls = OpenCalls()
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._manager: Any = None
+
+    async def _withdraw(self, request_id: str, why: Gone) -> None:
         try:
-            await api.service.withdraw(request_id, why)
+            await self.api.service.withdraw(request_id, why)
         except store_errors() as exc:  # the next start (or a surviving replica) withdraws it instead
             count_failure("approval_withdraw")
             log.warning("mcp.withdraw_failed", request_id=request_id, why=why.value, error=str(exc))
 
-    async def ask(asked: Asked) -> dict[str, Any]:
+    async def _ask(self, asked: Asked) -> dict[str, Any]:
+        api = self.api
         http_request = asked.context.request_context.request
         headers = {k: v for k, v in http_request.headers.items()} if http_request is not None else {}
         caller = caller_of(api.config, _HeadersOnly(headers))  # type: ignore[arg-type]
@@ -68,7 +81,7 @@ def register_http(application: web.Application, api: ApprovalsApi) -> None:
             # Cancelled: the SDK ended the call (the client cancelled it, the connection or the server went).
             why = (asker.why() if isinstance(asker, ConnectionAsker) else None) or Gone.CANCELLED
             with anyio.CancelScope(shield=True):
-                await withdraw(opened.id, why)
+                await self._withdraw(opened.id, why)
             raise
         finally:
             for task in (outcome, gone):
@@ -77,50 +90,43 @@ def register_http(application: web.Application, api: ApprovalsApi) -> None:
             return answer(describe(api.service, outcome.result()))
         why = gone.result()
         log.warning("mcp.asker_gone", request_id=opened.id, why=why.value, token=caller.name)
-        await withdraw(opened.id, why)
+        await self._withdraw(opened.id, why)
         raise ToolError(f"the request was withdrawn: {why.value}; nothing was decided")
 
-    state: dict[str, Any] = {}
-    stopping = asyncio.Event()
-    stopped = Gone.REPLICA_STOPPED if api.services.replicated else Gone.STOPPED
-
-    async def start(_: web.Application) -> None:
-        server = build_server(ask)
+    async def start(self) -> None:
+        server = build_server(self._ask)
         server.streamable_http_app(streamable_http_path="/mcp", stateless_http=True, json_response=True)
         manager = server.session_manager
-        ready, stop = asyncio.Event(), asyncio.Event()
+        ready = asyncio.Event()
 
         async def run() -> None:
             async with manager.run():
                 ready.set()
-                await stop.wait()
+                await self._stop.wait()
 
-        state.update(manager=manager, stop=stop, task=asyncio.create_task(run(), name="kazma-mcp-http"))
-        await ready.wait()
+        self._manager = manager
+        self._task = asyncio.create_task(run(), name="kazma-mcp-http")
+        ready_or_failed = asyncio.ensure_future(ready.wait())
+        try:  # a manager that fails to start ends its task: that, not a hang, is what the caller sees
+            await asyncio.wait((ready_or_failed, self._task), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready_or_failed.cancel()
+        if not ready.is_set():
+            await self._task  # raises what ended it
 
-    async def shutdown(_: web.Application) -> None:
-        stopping.set()  # before the server waits for open calls: each withdraws its request and answers
-
-    async def cleanup(_: web.Application) -> None:
-        if "stop" in state:
-            state["stop"].set()
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(state["task"], 5)
+                await asyncio.wait_for(self._task, 5)
 
-    calls = OpenCalls()
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        caller = caller_of(api.config, request)  # 401 before anything reaches the SDK
+    async def handle(self, request: web.Request, caller: ApiCaller) -> web.StreamResponse:
+        """One ``/mcp`` call of ``caller`` (its token already checked) through the SDK."""
         message = jsonrpc(await request.read()) if request.method == "POST" else None
-        calls.cancelled(caller.name, request, message)
-        asker = ConnectionAsker(request, stopping, stopped)
-        with calls.holding(caller.name, request, message, asker):
-            return await _asgi(state["manager"].handle_request, request, {ASKER_KEY: asker})
-
-    application.on_startup.append(start)
-    application.on_shutdown.append(shutdown)
-    application.on_cleanup.append(cleanup)
-    application.router.add_route("*", "/mcp", handle)
+        self.calls.cancelled(caller.name, request, message)
+        asker = ConnectionAsker(request, self.stopping, self.stopped)
+        with self.calls.holding(caller.name, request, message, asker):
+            return await _asgi(self._manager.handle_request, request, {ASKER_KEY: asker})
 
 
 class _HeadersOnly:

@@ -8,6 +8,8 @@ face): a passkey proves a person, not only a device someone holds. The relying p
 copy) can never obtain one of its signatures. An IP address cannot be a relying party (browsers refuse one):
 the console must be reached by a name (``localhost`` on this machine) for passkeys to work.
 
+py_webauthn is imported at the first ceremony, not with the console: most starts see none.
+
 Signatures are checked by the library against the public key kept at enrolment, with the challenge Kazma
 made (single use), the relying party and the origin, and the signature counter must move on (a cloned
 authenticator replaying an old counter is refused). :func:`verify_assertion` is the one check every
@@ -22,21 +24,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
-
-from webauthn import (
-    generate_authentication_options,
-    generate_registration_options,
-    options_to_json,
-    verify_authentication_response,
-    verify_registration_response,
-)
-from webauthn.helpers.exceptions import WebAuthnException
-from webauthn.helpers.structs import (
-    AuthenticatorSelectionCriteria,
-    PublicKeyCredentialDescriptor,
-    ResidentKeyRequirement,
-    UserVerificationRequirement,
-)
 
 from kazma.bot.console.accounts import Passkey
 
@@ -97,6 +84,14 @@ def enrolment_options(
 ) -> dict[str, Any]:
     """What ``navigator.credentials.create`` is given: a resident key, user verification required, no
     attestation asked (Kazma trusts the person holding the invite, not a vendor's certificate)."""
+    from webauthn import generate_registration_options, options_to_json
+    from webauthn.helpers.structs import (
+        AuthenticatorSelectionCriteria,
+        PublicKeyCredentialDescriptor,
+        ResidentKeyRequirement,
+        UserVerificationRequirement,
+    )
+
     options = generate_registration_options(
         rp_id=rp.id,
         rp_name=rp.name,
@@ -118,6 +113,9 @@ def enrolment_options(
 def assertion_options(rp: RelyingParty, *, challenge: bytes, allow: list[str] | None = None) -> dict[str, Any]:
     """What ``navigator.credentials.get`` is given: user verification required; ``allow`` None lets the
     authenticator offer any passkey it holds for this console (it says whose), a list only those."""
+    from webauthn import generate_authentication_options, options_to_json
+    from webauthn.helpers.structs import PublicKeyCredentialDescriptor, UserVerificationRequirement
+
     options = generate_authentication_options(
         rp_id=rp.id,
         challenge=challenge,
@@ -141,6 +139,9 @@ def verify_enrolment(
 ) -> Passkey:
     """The new passkey, once the library checked the answer against our challenge, relying party and origin,
     with the person verified by the authenticator."""
+    from webauthn import verify_registration_response
+    from webauthn.helpers.exceptions import WebAuthnException
+
     try:
         verified = verify_registration_response(
             credential=answer,
@@ -169,6 +170,9 @@ def verify_assertion(rp: RelyingParty, answer: Any, *, challenge: str, origins: 
     verification, a counter that moved on); the new signature counter. Raises :class:`PasskeyRefused`."""
     if passkey.revoked:
         raise PasskeyRefused("this passkey was revoked")
+    from webauthn import verify_authentication_response
+    from webauthn.helpers.exceptions import WebAuthnException
+
     try:
         verified = verify_authentication_response(
             credential=answer,

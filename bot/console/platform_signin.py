@@ -28,7 +28,6 @@ from typing import Any, Final
 from urllib.parse import urlencode
 
 import httpx
-import jwt
 import structlog
 from aiohttp import web
 
@@ -77,6 +76,8 @@ def slack_identity(
 ) -> str:
     """``slack:<user id>`` from a Slack id token, once its signature (RS256, a key of ``jwks``), issuer,
     audience, expiry, nonce and workspace all hold; raises :class:`SignInRefused`."""
+    import jwt  # PyJWT (with its RSA) at the first Slack sign-in, not with every console
+
     try:
         kid = jwt.get_unverified_header(id_token).get("kid")
         keys = [k for k in jwt.PyJWKSet.from_dict(jwks).keys if k.key_id == kid]

@@ -49,6 +49,7 @@ from kazma.bot.console.dashboard_data import DashboardData, DashboardQueries, pr
 from kazma.bot.console.doors import Doors, add_routes, reader_refused, undeclared
 from kazma.bot.console.feed import ChangeFeed
 from kazma.bot.console.forwarded import ClientAddresses
+from kazma.bot.console.mcp_door import MCPDoor
 from kazma.bot.console.miniapp import TelegramApp
 from kazma.bot.console.pages import (
     MAX_TEXT,
@@ -162,6 +163,7 @@ class WebServer:
         self.feed: ChangeFeed[DashboardData] | None = None
         self._unwatch: Callable[[], None] | None = None
         self.application: web.Application | None = None  # the routes served, once started (the tests walk them)
+        self.mcp: MCPDoor | None = None  # /mcp, once started
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -252,9 +254,8 @@ class WebServer:
             },
         )
         api = register_api(application, self.services)  # /api/v1: API tokens, not console logins
-        from kazma.bot.console.mcp import register_http  # the MCP SDK takes a second to import: only when served
-
-        register_http(application, api)  # /mcp: the same tokens, through the same API
+        self.mcp = MCPDoor(api)  # /mcp: the same tokens, through the same API; the SDK only when configured
+        self.mcp.register(application)
         missing = undeclared(application.router)
         if missing:  # a route with no role would be guarded by nobody: refuse to serve at all
             raise RuntimeError(f"routes without a declared role in bot/console/doors.py: {', '.join(missing)}")

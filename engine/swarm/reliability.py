@@ -17,12 +17,9 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
-import jsonschema
-import jsonschema.protocols
-import jsonschema.validators
 import pydantic
 import structlog
 
@@ -31,6 +28,9 @@ from kazma.config.models import WorkerReliability
 from kazma.engine.fence import NOTHING, Fenced
 from kazma.engine.swarm.types import ErrorKind, Worker, WorkerResult
 from kazma.engine.types import ModelError
+
+if TYPE_CHECKING:  # the library itself is imported with the first schema (most runs have none): ~3 MB
+    import jsonschema.protocols
 
 log = structlog.get_logger("kazma.swarm")
 
@@ -373,6 +373,9 @@ _FENCE = re.compile(r"^\s*```[a-zA-Z0-9_-]*\s*\n(.*?)\n?```\s*$", re.DOTALL)
 def _schema_validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:
     """The validator for ``schema``'s own draft (``$schema``; 2020-12 when it names none), after checking the
     schema itself: a mistyped keyword value is refused here, not met as a worker's "invalid output" later."""
+    import jsonschema
+    import jsonschema.validators
+
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)

@@ -1,0 +1,104 @@
+"""``/mcp`` on the web server, with the MCP SDK loaded only when someone can use it.
+
+The SDK costs about a second to import and start and a quarter of an idle
+Kazma's memory. Nobody can call ``/mcp`` without an API token (``api.tokens``),
+so with none configured the route answers 401 as it always did and the SDK is
+never imported. With tokens, :class:`MCPDoor` imports and starts it in the
+background as the web server starts (the import in a thread, so the event loop
+keeps answering presses meanwhile), and a call that arrives first waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import structlog
+from aiohttp import web
+
+from kazma.bot.console.api import ApprovalsApi, caller_of
+from kazma.config.metrics import count_failure
+
+if TYPE_CHECKING:
+    from kazma.bot.console.mcp import MCPEndpoint
+
+log = structlog.get_logger("kazma.mcp_server")
+
+
+def _endpoint_class() -> type[MCPEndpoint]:
+    from kazma.bot.console.mcp import MCPEndpoint
+
+    return MCPEndpoint
+
+
+class MCPDoor:
+    """The ``/mcp`` route and the SDK endpoint behind it, made at most once per web server start."""
+
+    def __init__(self, api: ApprovalsApi) -> None:
+        self.api = api
+        self.stopping = asyncio.Event()  # set as the web server shuts down: open calls withdraw and answer
+        self._starting: asyncio.Task[MCPEndpoint] | None = None
+
+    @property
+    def configured(self) -> bool:
+        """Somebody can call ``/mcp``: an API token exists."""
+        return bool(self.api.config.api.tokens)
+
+    @property
+    def started(self) -> bool:
+        """The SDK's session manager runs (its start finished and did not fail)."""
+        task = self._starting
+        return task is not None and task.done() and not task.cancelled() and task.exception() is None
+
+    def register(self, application: web.Application) -> None:
+        application.on_startup.append(self._on_startup)
+        application.on_shutdown.append(self._on_shutdown)
+        application.on_cleanup.append(self._on_cleanup)
+        application.router.add_route("*", "/mcp", self.handle)
+
+    def _endpoint(self) -> asyncio.Task[MCPEndpoint]:
+        """The endpoint's start, begun now unless it is under way or done (one that failed is tried again)."""
+        task = self._starting
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._starting = asyncio.create_task(self._start(), name="kazma-mcp-start")
+        return task
+
+    async def _start(self) -> MCPEndpoint:
+        try:
+            endpoint_class = await asyncio.to_thread(_endpoint_class)
+            endpoint = endpoint_class(self.api, self.stopping)
+            await endpoint.start()
+        except Exception as exc:
+            count_failure("mcp_endpoint")
+            log.warning("mcp.endpoint_start_failed", error=str(exc) or type(exc).__name__)
+            raise
+        log.info("mcp.endpoint_started")
+        return endpoint
+
+    async def _on_startup(self, _: web.Application) -> None:
+        self.stopping.clear()
+        if self.configured:  # in the background: the web server (and Kazma) is ready without waiting for it
+            self._endpoint()
+
+    async def _on_shutdown(self, _: web.Application) -> None:
+        self.stopping.set()  # before the server waits for open calls: each withdraws its request and answers
+
+    async def _on_cleanup(self, _: web.Application) -> None:
+        task, self._starting = self._starting, None
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()
+        try:
+            endpoint = await task
+        except (Exception, asyncio.CancelledError):
+            return  # never started: nothing runs
+        await endpoint.stop()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        caller = caller_of(self.api.config, request)  # 401 before anything reaches (or loads) the SDK
+        try:
+            endpoint = await asyncio.shield(self._endpoint())
+        except Exception:
+            raise web.HTTPServiceUnavailable(text="the MCP endpoint could not start; see Kazma's log") from None
+        return await endpoint.handle(request, caller)

@@ -1,0 +1,145 @@
+"""`kazma run` imports and starts optional machinery only when it is configured.
+
+A real `kazma run` child, with a wrapper that writes the modules it has
+imported when sent SIGUSR1 (it goes on serving). Without an API token nobody can
+call ``/mcp``: the MCP SDK is never imported and ``/mcp`` still answers 401.
+With one, the SDK's session manager starts (after the web server is up) and
+serves ``tools/list``. Platform libraries come in only for the platforms
+configured; Matrix and the PostgreSQL driver never on SQLite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+
+from tests.api_support import REPO, REQUESTER_TOKEN
+from tests.fakes.telegram import FakeTelegram
+
+CHILD = """
+import os, signal, sys
+def dump(*_):
+    with open(os.environ["KAZMA_TEST_MODULES"] + ".part", "w") as out:
+        out.write("\\n".join(sorted(sys.modules)))
+    os.replace(os.environ["KAZMA_TEST_MODULES"] + ".part", os.environ["KAZMA_TEST_MODULES"])
+signal.signal(signal.SIGUSR1, dump)
+from kazma.bot.cli import main
+main(sys.argv[1:], prog_name="kazma")
+"""
+OPTIONAL = (
+    "mcp",
+    "starlette",
+    "webauthn",
+    "jsonschema",
+    "jwt",
+    "mautrix",
+    "psycopg",
+    "psycopg_pool",
+    "telegram",
+    "discord",
+    "slack_bolt",
+    "slack_sdk",
+)
+
+
+@dataclass
+class Running:
+    url: str
+    log: Path
+    modules_file: Path
+    process: asyncio.subprocess.Process
+
+    async def modules(self) -> set[str]:
+        """The top-level packages the child has imported, read now."""
+        self.modules_file.unlink(missing_ok=True)
+        self.process.send_signal(signal.SIGUSR1)
+        async with asyncio.timeout(30):
+            while not self.modules_file.exists():
+                await asyncio.sleep(0.02)
+        return {name.split(".")[0] for name in self.modules_file.read_text().split()}
+
+    def events(self) -> list[str]:
+        found = []
+        for line in self.log.read_text().splitlines():
+            if line.startswith("{"):
+                found.append(str(json.loads(line).get("event")))
+        return found
+
+
+@asynccontextmanager
+async def kazma_run(tmp: Path, yaml: str) -> AsyncIterator[Running]:
+    config = tmp / "kazma.yaml"
+    config.write_text(f"store: {{path: '{tmp / 'state' / 'k.db'}'}}\nweb: {{port: 0}}\n{yaml}")
+    log = tmp / "kazma.log"
+    modules = tmp / "modules.txt"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", "KAZMA_TEST_MODULES": str(modules)}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CHILD, "-c", str(config), "--log-format", "json", "run",
+        stdout=asyncio.subprocess.DEVNULL, stderr=log.open("ab"), env=env,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(90):
+            while "web.started" not in (text := log.read_text()):
+                assert process.returncode is None, text[-3000:]
+                await asyncio.sleep(0.05)
+        url = next(json.loads(line)["url"] for line in text.splitlines() if '"web.started"' in line)
+        yield Running(url, log, modules, process)
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(process.wait(), 60)
+
+
+async def _tools_list(url: str, token: str) -> httpx2.Response:
+    async with httpx2.AsyncClient(trust_env=False, timeout=60) as http:
+        return await http.post(
+            f"{url}/mcp",
+            json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+            headers={"Authorization": f"Bearer {token}", "Accept": "application/json, text/event-stream"},
+        )
+
+
+async def test_without_an_api_token_the_mcp_sdk_is_never_imported_and_mcp_still_refuses(tmp_path: Path) -> None:
+    async with kazma_run(tmp_path, "") as running:
+        refused = await _tools_list(running.url, REQUESTER_TOKEN)
+        assert refused.status_code == 401
+        loaded = await running.modules()
+        assert not loaded & set(OPTIONAL), sorted(loaded & set(OPTIONAL))
+        assert "mcp.endpoint_started" not in running.events()
+
+
+async def test_with_an_api_token_the_mcp_endpoint_starts_and_serves(tmp_path: Path) -> None:
+    tokens = f"api: {{tokens: {{ci: {{token: '{REQUESTER_TOKEN}'}}}}}}\n"
+    async with kazma_run(tmp_path, tokens) as running:
+        async with asyncio.timeout(60):  # started in the background once the web server is up
+            while "mcp.endpoint_started" not in running.events():
+                await asyncio.sleep(0.05)
+        assert "mcp" in await running.modules()
+        listed = await _tools_list(running.url, REQUESTER_TOKEN)
+        assert listed.status_code == 200, listed.text
+        assert [tool["name"] for tool in listed.json()["result"]["tools"]] == ["request_approval"]
+
+
+async def test_only_the_configured_platform_s_library_is_imported(tmp_path: Path) -> None:
+    telegram = FakeTelegram()
+    await telegram.start()
+    try:
+        yaml = (
+            f"platforms:\n  telegram: {{token: '{telegram.token}', api_base_url: '{telegram.base_url}', "
+            "chats: [-1001], home_chat: -1001, admins: [111]}\n"
+        )
+        async with kazma_run(tmp_path, yaml) as running:
+            loaded = await running.modules()
+    finally:
+        await telegram.stop()
+    assert "telegram" in loaded
+    assert not loaded & (set(OPTIONAL) - {"telegram"}), sorted(loaded & set(OPTIONAL))

@@ -1,0 +1,121 @@
+"""Orphans are cancelled after the start, in batches, and none of them can be approved meanwhile.
+
+A process died with many requests pending. The next start only fences them
+(one read) and serves; their cancelling runs afterwards. These tests press a
+stale Approve of an orphan the batches have not reached yet, and check what a
+restart always promised: it ends ``cancelled`` ("Kazma restarted before a
+decision"), never approved, with no decision on record; every other orphan ends
+the same way; a request opened after the start is none of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from kazma.approvals import ApprovalService, ApprovalStore
+from kazma.approvals.card import button_data
+from kazma.approvals.model import Decision, PressVerdict, Status
+from kazma.approvals.orphans import BATCH, Orphans
+from kazma.approvals.service import RESTARTED
+from kazma.bot.app import App, build_app
+from kazma.bot.store import open_store
+from kazma.config import LoadedConfig, load_config_text
+from kazma.engine.model import ScriptedProvider
+
+ORPHANS = 2 * BATCH + 1  # three batches: the last one's orphan is pressed while the first batch commits
+
+
+def _loaded(tmp: Path) -> LoadedConfig:
+    return load_config_text(
+        f"""
+store: {{path: '{tmp / "state" / "k.db"}'}}
+approvals: {{deadline_seconds: 600, approvers: ["telegram:111"]}}
+""",
+        environ={},
+    )
+
+
+async def _orphans(loaded: LoadedConfig, count: int) -> list[str]:
+    """``count`` pending requests whose process is gone (the store closed without deciding them)."""
+    conn = await open_store(loaded.config)
+    service = ApprovalService(ApprovalStore(conn), loaded.config)
+    try:
+        opened = await asyncio.gather(
+            *(service.open("shell", {"command": f"rm /srv/{n}"}, "agent:builder", "web:console") for n in range(count))
+        )
+    finally:
+        await conn.close()
+    return [r.id for r in opened]
+
+
+async def _started(loaded: LoadedConfig, tmp: Path) -> App:
+    app = await build_app(loaded, adapters=[], provider=ScriptedProvider([]), workspace_root=tmp / "ws")
+    await app.start()
+    return app
+
+
+async def _all_cancelled(app: App, ids: list[str]) -> None:
+    async with asyncio.timeout(60):
+        while app.service.orphans is not None:
+            await asyncio.sleep(0.02)
+    for request_id in ids:
+        row = await app.service.store.get(request_id)
+        assert row is not None
+        assert (row.status, row.reason) == (Status.CANCELLED, RESTARTED), request_id
+
+
+async def test_attack_a_stale_approve_on_an_orphan_not_yet_cancelled_cannot_approve_it(tmp_path: Path) -> None:
+    loaded = _loaded(tmp_path)
+    ids = await _orphans(loaded, ORPHANS)
+    pressed = ids[-1]  # the oldest are cancelled first: this one waits for the third batch
+    app = await _started(loaded, tmp_path)
+    try:
+        # Nothing awaited since the start returned: not one batch has run, every orphan is pending in the store.
+        fenced = app.service.orphans
+        assert isinstance(fenced, Orphans)
+        assert len(fenced) == ORPHANS
+        assert pressed in fenced
+        result = await app.service.decide_from_button(
+            button_data(pressed, Decision.APPROVE), actor="telegram:111", platform="telegram"
+        )
+        assert result.verdict is not PressVerdict.WON, result
+        assert "cancelled" in result.message.lower(), result.message
+        row = await app.service.store.get(pressed)
+        assert row is not None
+        assert (row.status, row.reason) == (Status.CANCELLED, RESTARTED)
+        assert await app.service.store.events(pressed, event="decided") == []
+        # a request opened now, after the start, is no orphan: the batches leave it pending, and it decides
+        fresh = await app.service.open("shell", {"command": "make"}, "agent:builder", "web:console")
+        await _all_cancelled(app, ids)
+        alive = await app.service.store.get(fresh.id)
+        assert alive is not None
+        assert alive.status is Status.PENDING
+        won = await app.service.decide_from_button(
+            button_data(fresh.id, Decision.APPROVE), actor="telegram:111", platform="telegram"
+        )
+        assert won.verdict is PressVerdict.WON
+    finally:
+        await app.stop()
+
+
+async def test_presses_racing_the_batches_never_approve_an_orphan(tmp_path: Path) -> None:
+    """Approves on every orphan, concurrently with the batches: each ends cancelled, none approved."""
+    loaded = _loaded(tmp_path)
+    ids = await _orphans(loaded, ORPHANS)
+    app = await _started(loaded, tmp_path)
+    try:
+        results = await asyncio.gather(
+            *(
+                app.service.decide_from_button(
+                    button_data(request_id, Decision.APPROVE), actor="telegram:111", platform="telegram"
+                )
+                for request_id in reversed(ids)  # the newest first: the batches meet the presses halfway
+            )
+        )
+        assert [r for r in results if r.verdict is PressVerdict.WON] == []
+        await _all_cancelled(app, ids)
+        for request_id in ids:
+            assert await app.service.store.events(request_id, event="decided") == []
+    finally:
+        await app.stop()
