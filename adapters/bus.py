@@ -575,8 +575,9 @@ class FanOutBus:
         why = str(exc).removeprefix(f"{exc.platform} {exc.site}: ")
         title = CHAT_PLATFORMS[adapter.name].title if adapter.name in CHAT_PLATFORMS else adapter.name
         text = (
-            f"{person} did not get the approval card for {reveal_line(request.tool)} in a direct message on {title}: {why}. "
-            "It still waits for a decision on the console's Approvals page, and on any other card its policy posts."
+            f"{person} did not get the approval card for {reveal_line(request.tool)} in a direct message on {title}: "
+            f"{why}. It still waits for a decision on the console's Approvals page, and on any other card its "
+            "policy posts."
         )
         await self.send(Address(adapter.name, adapter.home_chat), Outgoing(text))
 

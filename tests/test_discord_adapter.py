@@ -245,7 +245,8 @@ async def test_start_returns_after_ready_with_intents_and_swarm_command(
         command, plan, approvals = fake.commands
         assert (command["name"], plan["name"], approvals["name"]) == ("swarm", "plan", "approvals")
         assert [(o["name"], o["type"], o.get("required", False)) for o in command["options"]] == [("args", 3, False)]
-        assert not plan.get("options") and not approvals.get("options")  # they take nothing after them
+        assert not plan.get("options")  # they take nothing after them
+        assert not approvals.get("options")
     finally:
         await adapter.stop()
     assert library_endpoints == (discord.http.Route.BASE, discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY)
