@@ -453,6 +453,17 @@ class ApprovalStore:
         row = await self.tables.one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
         return None if row is None else _row_to_request(row)
 
+    async def ended_among(self, request_ids: Sequence[str]) -> list[str]:
+        """Which of ``request_ids`` are no longer pending (one query: the waiters' safety sweep)."""
+        if not request_ids:
+            return []
+        marks = ", ".join("?" * len(request_ids))
+        rows = await self.tables.all(
+            f"SELECT id FROM approval_requests WHERE id IN ({marks}) AND status <> 'pending'",  # noqa: S608
+            tuple(request_ids),
+        )
+        return [str(row[0]) for row in rows]
+
     async def requests(self, *, pending_only: bool = False, limit: int = 100) -> list[ApprovalRequest]:
         where = "WHERE status = 'pending'" if pending_only else ""
         rows = await self.tables.all(

@@ -268,11 +268,7 @@ class ApprovalsApi:
 
     async def outcome_of(self, request_id: str) -> ApprovalRequest:
         """Wait until ``request_id`` ends (at the latest at its deadline) and return it."""
-        while True:
-            await self.service.wait(request_id, cancel_with_waiter=False)
-            found = await self.service.store.get(request_id)
-            if found is not None and found.status.final:
-                return found
+        return await self.service.wait_request(request_id, cancel_with_waiter=False)
 
     async def _replayed(self, caller: ApiCaller, known: tuple[str, str], body_hash: str) -> ApprovalRequest:
         """A known key while no card can be shown: its request still answers (read only)."""
@@ -305,10 +301,13 @@ class ApprovalsApi:
         if not found.status.final:
             await self.service.looked(found.id)  # the approval page says when the asker last asked
         if wait > 0 and not found.status.final:
-            # cancel_with_waiter=False: a client that stops polling withdraws nothing
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.service.wait(found.id, cancel_with_waiter=False), timeout=wait)
-            found = await self.service.store.get(found.id) or found
+            # cancel_with_waiter=False: a client that stops polling withdraws nothing. The ended request is
+            # read once for every waiter of it here, not once per long-poll.
+            try:
+                async with asyncio.timeout(wait):
+                    found = await self.service.wait_request(found.id, cancel_with_waiter=False)
+            except TimeoutError:
+                found = await self.service.store.get(found.id) or found
         return web.json_response(describe(self.service, found))
 
     async def withdraw(self, request: web.Request) -> web.Response:
