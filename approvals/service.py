@@ -296,7 +296,7 @@ class ApprovalService:
         self.publisher = publisher
         self.clock = clock
         self.poll_interval = poll_interval  # the waiters' safety sweep: one query for all of them, this often
-        self._waiters = Waiters(store.ended_among, poll_interval, clock)
+        self._waiters = Waiters(store.ended_among, poll_interval, clock, store.commits_seen)
         self._decided: dict[str, asyncio.Event] = self._waiters.events  # set when a request ends here
         self._ended_here: dict[str, None] = {}  # requests this process ended (and told the bus), newest last
         self._refusals = RefusalWindow(clock=clock)

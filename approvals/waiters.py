@@ -33,6 +33,8 @@ SWEEP_CHUNK = 500
 Load = Callable[[], Awaitable[ApprovalRequest | None]]
 # (waited request ids) -> those of them that ended
 EndedAmong = Callable[[Sequence[str]], Awaitable[list[str]]]
+# A number that changes whenever the store may have changed (None: it cannot say, so always look)
+CommitsSeen = Callable[[], Awaitable[int | None]]
 
 
 class Watch:
@@ -69,8 +71,12 @@ class Watch:
 class Waiters:
     """The requests waited for in this process, and the sweep that finds what ended elsewhere unheard."""
 
-    def __init__(self, ended_among: EndedAmong, every: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, ended_among: EndedAmong, every: float, clock: Callable[[], float], commits_seen: CommitsSeen | None = None
+    ) -> None:
         self.ended_among = ended_among
+        self.commits_seen = commits_seen
+        self._seen: int | None = None  # what commits_seen said at the last sweep that looked
         self.every = every
         self.clock = clock
         self.watches: dict[str, Watch] = {}
@@ -112,8 +118,18 @@ class Waiters:
             await self.sweep()
 
     async def sweep(self) -> None:
-        """Wake the waiters of every waited request that ended (one query per ``SWEEP_CHUNK`` requests), or
-        whose deadline passed (they end it)."""
+        """Wake the waiters of every waited request that ended (one query per ``SWEEP_CHUNK`` requests) or whose
+        deadline passed (they end it). Skipped when nothing was committed since the last sweep that looked."""
+        if not self.watches:
+            return
+        try:
+            # Taken before the list of what is waited for: a commit after it is looked at by the next sweep, and a
+            # waiter that joins after the list reads its request itself, after that commit.
+            seen = None if self.commits_seen is None else await self.commits_seen()
+        except store_errors() as exc:
+            count_failure("approval_wait")
+            log.warning("approvals.wait_sweep_failed", waited=len(self.watches), error=str(exc))
+            return
         now = self.clock()
         waited: list[str] = []
         for request_id, watch in list(self.watches.items()):
@@ -121,6 +137,8 @@ class Waiters:
                 watch.event.set()
             elif watch.ended is None:
                 waited.append(request_id)
+        if seen is not None and seen == self._seen:
+            return  # nothing committed since the last look: nothing can have ended
         for start in range(0, len(waited), SWEEP_CHUNK):
             try:
                 ended = await self.ended_among(waited[start : start + SWEEP_CHUNK])
@@ -130,6 +148,7 @@ class Waiters:
                 return
             for request_id in ended:
                 self.wake(request_id)
+        self._seen = seen
 
     async def close(self) -> None:
         sweep, self._sweep = self._sweep, None
