@@ -23,9 +23,10 @@ files. ``--postgres`` runs the same on a throwaway PostgreSQL server (the test s
 from __future__ import annotations
 
 import argparse
-import cProfile
 import asyncio
+import base64
 import contextlib
+import cProfile
 import hashlib
 import hmac
 import json
@@ -144,7 +145,9 @@ async def drained(app: App) -> None:
     if outbox is None:
         return
     async with asyncio.timeout(120):
-        while await outbox.pending():
+        while True:
+            if not await outbox.pending():
+                return
             await asyncio.sleep(0.01)
 
 
@@ -185,9 +188,18 @@ class Anchor:
                 "INSERT INTO anchor_approval_requests (id, tool, args_json, args_hash, requested_by, conversation,"
                 " created_at, deadline, status, notes, durable, approve_needed, deny_needed, step_up)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, 1, 1, 1, 0)",
-                (rid, body["tool"], canonical_json(arguments), digest, actor, actor, now, now + 600,
-                 json.dumps([body.get("reason") or ""])),
-            ),  # fmt: skip
+                (
+                    rid,
+                    body["tool"],
+                    canonical_json(arguments),
+                    digest,
+                    actor,
+                    actor,
+                    now,
+                    now + 600,
+                    json.dumps([body.get("reason") or ""]),
+                ),
+            ),
             (
                 "INSERT INTO anchor_card_outbox (request_id, platform, created_at, next_at) VALUES (?, ?, ?, ?)",
                 (rid, "web", now, now),
@@ -369,6 +381,10 @@ async def main() -> None:
     parser.add_argument("--log-level", default="warning", help="the product's log level (default warning)")
     args = parser.parse_args()
     configure_logging(args.log_level)
+    # Replicas on PostgreSQL must share their keys (SQLite makes its own beside the file): bench keys, not secrets.
+    os.environ.setdefault("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    audit_key = base64.urlsafe_b64encode(b"bench-audit-key-" * 2).decode().rstrip("=")
+    os.environ.setdefault("KAZMA_AUDIT_KEY", f"a1:{audit_key}")
     backend = "PostgreSQL" if args.postgres or args.dsn else "SQLite (WAL, synchronous=FULL)"
     print(f"{args.opens} opens per side, {args.agents} agents, chunks of {args.chunk}, on {backend}, pid {os.getpid()}")
     print(f"{'run':<5}{'product/s':>10}{'anchor/s':>10}{'ratio':>7}{'cpu ms/open':>13}{'anchor ms':>10}"

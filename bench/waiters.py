@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -65,6 +66,10 @@ async def serve(folder: Path, store: str, log_level: str) -> None:
     from kazma.engine.model import ScriptedProvider
 
     configure_logging(log_level)
+    # Replicas on PostgreSQL must share their keys (SQLite makes its own beside the file): bench keys, not secrets.
+    os.environ.setdefault("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    audit_key = base64.urlsafe_b64encode(b"bench-audit-key-" * 2).decode().rstrip("=")
+    os.environ.setdefault("KAZMA_AUDIT_KEY", f"a1:{audit_key}")
     loaded = load_config_text(_config(store), environ={})
     web_adapter = WebAdapter()
     app = await build_app(
@@ -85,10 +90,14 @@ async def serve(folder: Path, store: str, log_level: str) -> None:
 
     async def waiting(request: web.Request) -> web.Response:
         waiters = getattr(app.service, "_waiters", None)
-        if waiters is not None:
+        of = request.query.get("id")
+        if waiters is None:  # before waiters were counted: one event per request, so requests, not waiters
+            count = len(app.service._decided) if of is None else int(of in app.service._decided)
+        elif of is None:
             count = sum(w.waiters for w in waiters.watches.values())
-        else:  # before waiters were counted: one event per request, so requests, not waiters
-            count = len(app.service._decided)
+        else:
+            watch = waiters.watches.get(of)
+            count = 0 if watch is None else watch.waiters
         outbox = getattr(app.bus, "outbox", None)
         due = 0 if outbox is None else len(await outbox.pending())
         return web.json_response({"waiting": count, "posts_due": due})
@@ -159,10 +168,10 @@ async def long_poll(session: aiohttp.ClientSession, api: str, request_id: str) -
                 return time.monotonic()
 
 
-async def until_waiting(session: aiohttp.ClientSession, control: str, count: int) -> None:
+async def until_waiting(session: aiohttp.ClientSession, control: str, count: int, of: str | None = None) -> None:
     async with asyncio.timeout(120):
         while True:
-            async with session.get(f"{control}/waiting") as answer:
+            async with session.get(f"{control}/waiting", params={} if of is None else {"id": of}) as answer:
                 if (await answer.json())["waiting"] >= count:
                     return
             await asyncio.sleep(0.05)
@@ -205,7 +214,7 @@ async def one_run(args: argparse.Namespace, store: str, folder: Path) -> tuple[f
         # wake: every long-poll on one request, one decision
         (one,) = await open_requests(s, api, 1)
         polls = [asyncio.create_task(long_poll(s, api, one)) for _ in range(args.waiters)]
-        await until_waiting(s, control, args.waiters)
+        await until_waiting(s, control, args.waiters, one)
         await until_quiet(s, control)
         spy = None
         if args.spy is not None:

@@ -62,7 +62,8 @@ async def test_a_waiter_still_there_is_woken_after_another_waiter_of_its_request
         ended = await asyncio.wait_for(still, timeout=10)  # an hour's poll cannot explain it
         assert (ended.status, ended.decided_by) == (Status.APPROVED, "web:admin")
         pending = await service.store.get(request.id)
-        assert pending is not None and pending.status is Status.APPROVED  # the one that gave up withdrew nothing
+        assert pending is not None
+        assert pending.status is Status.APPROVED  # the one that gave up withdrew nothing
 
 
 async def test_many_waiters_of_one_request_read_it_once_after_its_decision(
