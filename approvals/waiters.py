@@ -16,7 +16,6 @@ requests, never one read per waiter.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
@@ -149,10 +148,3 @@ class Waiters:
             for request_id in ended:
                 self.wake(request_id)
         self._seen = seen
-
-    async def close(self) -> None:
-        sweep, self._sweep = self._sweep, None
-        if sweep is not None:
-            sweep.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweep
