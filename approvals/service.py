@@ -1007,7 +1007,7 @@ class ApprovalService:
                 assert deadline is not None
                 remaining = deadline - self.clock()
                 if remaining <= 0:
-                    await self._expire(request_id)
+                    await watch.expire(lambda: self._expire(request_id))  # one compare-and-set for all waiters
                     continue  # read again: the outcome that stands, shared with the other waiters
                 # Asleep until a wake-up or the deadline: no timer per waiter. The sweep wakes what ended unheard,
                 # and what its deadline passed by ``clock`` (which need not be the loop's).

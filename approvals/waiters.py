@@ -45,6 +45,7 @@ class Watch:
         self.ended: ApprovalRequest | None = None
         self.deadline: float | None = None  # the request's, by the service's clock, once read
         self._reading: asyncio.Future[ApprovalRequest | None] | None = None
+        self._expiring: asyncio.Future[object] | None = None
 
     async def read(self, load: Load) -> ApprovalRequest | None:
         """The request as stored now; a read already under way is shared, an ended request is not read again."""
@@ -57,6 +58,17 @@ class Watch:
             self._reading.add_done_callback(self._read_done)
         # Shielded: a waiter cancelled mid-read (a long-poll that timed out) must not cancel the others' read.
         return await asyncio.shield(self._reading)
+
+    async def expire(self, end: Callable[[], Awaitable[object]]) -> None:
+        """End the request at its deadline once for all its waiters (``end``); one that failed is tried again."""
+        if self._expiring is None:
+            self._expiring = asyncio.ensure_future(end())
+            self._expiring.add_done_callback(self._expire_done)
+        await asyncio.shield(self._expiring)
+
+    def _expire_done(self, ending: asyncio.Future[object]) -> None:
+        if ending.cancelled() or ending.exception() is not None:
+            self._expiring = None  # the next waiter past the deadline tries again
 
     def _read_done(self, reading: asyncio.Future[ApprovalRequest | None]) -> None:
         self._reading = None

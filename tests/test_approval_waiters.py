@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -112,6 +113,28 @@ async def test_the_sweep_ends_a_wait_whose_deadline_passed_by_the_services_clock
         clock.advance(2 * HOUR)  # the loop's own timer still has an hour to go: only the sweep can notice
         outcome = await asyncio.wait_for(waiter, timeout=10)
         assert outcome.status is Status.TIMEOUT
+
+
+async def test_many_waiters_past_their_requests_deadline_end_it_once(
+    store_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = ManualClock()
+    async with approval_service(store_engine.where, poll_interval=0.05, clock=clock) as service:
+        request = await service.open("shell", ARGS, "api:ci", "api:ci", deadline=HOUR)
+        waiters = [asyncio.create_task(service.wait(request.id, cancel_with_waiter=False)) for _ in range(50)]
+        await _until(_waiting(service, request.id, len(waiters)))
+        finishes: list[str] = []
+        finish = service.store.finish
+
+        async def counted(request_id: str, *args: Any, **kwargs: Any) -> Any:
+            finishes.append(request_id)
+            return await finish(request_id, *args, **kwargs)
+
+        monkeypatch.setattr(service.store, "finish", counted)
+        clock.advance(2 * HOUR)
+        outcomes = await asyncio.wait_for(asyncio.gather(*waiters), timeout=10)
+        assert {o.status for o in outcomes} == {Status.TIMEOUT}
+        assert finishes == [request.id]  # one compare-and-set ended it, not one per waiter
 
 
 async def _wait_for(awaitable: Awaitable[ApprovalRequest], timeout: float) -> ApprovalRequest:
