@@ -295,7 +295,6 @@ class ApprovalService:
         self.config = config
         self.publisher = publisher
         self.clock = clock
-        self.poll_interval = poll_interval  # the waiters' safety sweep: one query for all of them, this often
         self._waiters = Waiters(store.ended_among, poll_interval, clock, store.commits_seen)
         self._decided: dict[str, asyncio.Event] = self._waiters.events  # set when a request ends here
         self._ended_here: dict[str, None] = {}  # requests this process ended (and told the bus), newest last
@@ -305,6 +304,15 @@ class ApprovalService:
         # told the request id whenever a request opens or ends, or a remembered approval is revoked (the live
         # dashboard); a listener must be quick and must not raise (one that does is logged and skipped)
         self.listeners: list[Callable[[str], None]] = []
+
+    @property
+    def poll_interval(self) -> float:
+        """How often the waiters' safety sweep looks for what ended unheard (one look for all of them)."""
+        return self._waiters.every
+
+    @poll_interval.setter
+    def poll_interval(self, seconds: float) -> None:
+        self._waiters.every = seconds
 
     def _tell(self, request_id: str) -> None:
         for listener in list(self.listeners):

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kazma.approvals import ApprovalService, Decision, Status
 from kazma.approvals.model import ApprovalRequest
+from tests.api_support import kazma_door
 from tests.approvals_support import ManualClock, approval_service
 from tests.store_backends import Engine
 from tests.test_bus import MemoryPlatform
@@ -135,6 +138,24 @@ async def test_many_waiters_past_their_requests_deadline_end_it_once(
         outcomes = await asyncio.wait_for(asyncio.gather(*waiters), timeout=10)
         assert {o.status for o in outcomes} == {Status.TIMEOUT}
         assert finishes == [request.id]  # one compare-and-set ended it, not one per waiter
+
+
+async def test_api_long_polls_left_after_one_gave_up_are_all_answered_by_one_press(tmp_path: Path) -> None:
+    async with (
+        kazma_door(tmp_path) as door,
+        httpx.AsyncClient(base_url=door.url, headers=door.auth(), timeout=60, trust_env=False) as http,
+    ):
+        door.app.service.poll_interval = HOUR  # only the press's wake-up can answer them within the bound
+        opened = (await http.post("/api/v1/approvals", json={"tool": "deploy", "arguments": {"env": "prod"}})).json()
+        url = f"/api/v1/approvals/{opened['id']}"
+        staying = [asyncio.create_task(http.get(url, params={"wait": "60"})) for _ in range(5)]
+        await _until(_waiting(door.app.service, opened["id"], 5), 30)
+        gave_up = await http.get(url, params={"wait": "0.2"})  # its own ?wait= ends first
+        assert gave_up.json()["status"] == "pending"
+        await door.press("a")
+        answers = await asyncio.wait_for(asyncio.gather(*staying), 20)
+        assert {a.json()["status"] for a in answers} == {"approved"}
+        assert len({a.text for a in answers}) == 1  # one description of the one read, for every long-poll
 
 
 async def _wait_for(awaitable: Awaitable[ApprovalRequest], timeout: float) -> ApprovalRequest:
