@@ -52,6 +52,7 @@ from kazma.approvals.store import (
     Rules,
     new_request_id,
 )
+from kazma.approvals.waiters import Waiters
 from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdrawn, withdrawn
 from kazma.config import failpoints
 from kazma.config.address import Address, AddressError
@@ -303,8 +304,8 @@ class ApprovalService:
         self.config = config
         self.publisher = publisher
         self.clock = clock
-        self.poll_interval = poll_interval
-        self._decided: dict[str, asyncio.Event] = {}
+        self._waiters = Waiters(store.ended_among, poll_interval, clock, store.commits_seen)
+        self._decided: dict[str, asyncio.Event] = self._waiters.events  # set when a request ends here
         self._ended_here: dict[str, None] = {}  # requests this process ended (and told the bus), newest last
         self._refusals = RefusalWindow(clock=clock)
         self._looked: dict[str, float] = {}  # request id -> when this process last wrote its asker's last_seen
@@ -315,6 +316,15 @@ class ApprovalService:
         # told the request id whenever a request opens or ends, or a remembered approval is revoked (the live
         # dashboard); a listener must be quick and must not raise (one that does is logged and skipped)
         self.listeners: list[Callable[[str], None]] = []
+
+    @property
+    def poll_interval(self) -> float:
+        """How often the waiters' safety sweep looks for what ended unheard (one look for all of them)."""
+        return self._waiters.every
+
+    @poll_interval.setter
+    def poll_interval(self, seconds: float) -> None:
+        self._waiters.every = seconds
 
     def _tell(self, request_id: str) -> None:
         for listener in list(self.listeners):
@@ -1009,58 +1019,66 @@ class ApprovalService:
         cancelled, the request ends ``cancelled`` — unless ``cancel_with_waiter``
         is False, for requests that outlive the process waiting on them (a paused
         pipeline's checkpoint is picked up again after a restart). Neither is a
-        denial. A decision by another process sharing the file is seen within
-        ``poll_interval``.
+        denial.
         """
-        event = self._decided.setdefault(request_id, asyncio.Event())
+        request = await self.wait_request(request_id, cancel_with_waiter=cancel_with_waiter)
+        outcome = request.outcome()
+        assert outcome is not None  # wait_request returns only an ended request
+        return outcome
+
+    async def wait_request(self, request_id: str, *, cancel_with_waiter: bool = True) -> ApprovalRequest:
+        """:meth:`wait`, answering the ended request itself (read once for all its waiters in this process).
+
+        A decision made here wakes every waiter at once; one made by another replica, when its ``NOTIFY``
+        arrives (:meth:`wake`). Anything neither says (another process on the same SQLite file, a lost
+        notification) is found by the waiters' sweep, every ``poll_interval`` seconds, one query for all.
+        """
+        watch = self._waiters.join(request_id)
         deadline: float | None = None
         try:
             while True:
                 try:
-                    request = await self.store.get(request_id)
+                    request = await watch.read(lambda: self.store.get(request_id))
                 except store_errors() as exc:
-                    # a passing lock must not end the wait; the next poll tries again
+                    # a passing lock must not end the wait; the next wake-up or sweep tries again
                     count_failure("approval_wait")
                     log.warning("approvals.wait_read_failed", request_id=request_id, error=str(exc))
-                    request = None
                     if deadline is None:
                         raise
                 else:
                     if request is None:
                         raise KeyError(f"unknown approval request {request_id!r}")
-                    outcome = request.outcome()
-                    if outcome is not None:
+                    if request.outcome() is not None:
                         if request_id not in self._ended_here and self.publisher is not None:
                             # Decided by another process (the CLI, another replica): this process's cards
                             # settle now, not at the bus's slow safety scan.
                             await self.publisher.settle(request_id)
-                        return outcome
-                    deadline = request.deadline.timestamp()
+                        return request
+                    deadline = watch.deadline = request.deadline.timestamp()
                 assert deadline is not None
                 remaining = deadline - self.clock()
                 if remaining <= 0:
-                    return await self._expire(request_id)
-                await until_set(event, min(self.poll_interval, remaining))
-                event.clear()  # a wake-up is read once: a request still pending waits again
+                    await watch.expire(lambda: self._expire(request_id))  # one compare-and-set for all waiters
+                    continue  # read again: the outcome that stands, shared with the other waiters
+                # Asleep until a wake-up or the deadline: no timer per waiter. The sweep wakes what ended unheard,
+                # and what its deadline passed by ``clock`` (which need not be the loop's).
+                await until_set(watch.event, remaining)
         except asyncio.CancelledError:
             if cancel_with_waiter:
                 await asyncio.shield(self._cancel(request_id))
             raise
         finally:
-            self._decided.pop(request_id, None)
+            self._waiters.leave(request_id, watch)
 
     def wake(self, request_id: str) -> None:
-        """Another replica decided ``request_id``: its waiter here, if any, reads the outcome now, and what
+        """Another replica decided ``request_id``: its waiters here, if any, read the outcome now, and what
         watches this service (the live dashboard) hears of it as of a decision made here."""
-        waiter = self._decided.get(request_id)
-        if waiter is not None:
-            waiter.set()
+        self._waiters.wake(request_id)
         self._tell(request_id)
 
     def wake_all(self) -> None:
         """Every waiter reads its request again (wake-ups may have been missed while disconnected)."""
-        for waiter in self._decided.values():
-            waiter.set()
+        self._waiters.wake_all()
 
     async def cancel(self, request_id: str, *, reason: str) -> Outcome | None:
         """End a pending request ``cancelled`` (its requester withdrew it); the outcome that stands, None if unknown."""

@@ -484,6 +484,26 @@ class ApprovalStore:
         row = await self.tables.one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
         return None if row is None else _row_to_request(row)
 
+    async def commits_seen(self) -> int | None:
+        """A number that changes whenever another connection committed to the SQLite file (``PRAGMA
+        data_version``: this process's own writer is such a connection, and so is the CLI); None on PostgreSQL,
+        where nothing this cheap says so."""
+        if not isinstance(self.tables, Tables):
+            return None
+        row = await self.tables.one("PRAGMA data_version")
+        return int(row[0])
+
+    async def ended_among(self, request_ids: Sequence[str]) -> list[str]:
+        """Which of ``request_ids`` are no longer pending (one query: the waiters' safety sweep)."""
+        if not request_ids:
+            return []
+        marks = ", ".join("?" * len(request_ids))
+        rows = await self.tables.all(
+            f"SELECT id FROM approval_requests WHERE id IN ({marks}) AND status <> 'pending'",  # noqa: S608
+            tuple(request_ids),
+        )
+        return [str(row[0]) for row in rows]
+
     async def requests(self, *, pending_only: bool = False, limit: int = 100) -> list[ApprovalRequest]:
         where = "WHERE status = 'pending'" if pending_only else ""
         rows = await self.tables.all(

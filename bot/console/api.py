@@ -154,6 +154,8 @@ class ApprovalsApi:
         self.services = services
         self.service = services.approvals
         self.keys = services.api_keys
+        # request id -> (the ended request as one wake-up read it, its answer): see _ended_answer
+        self._described: dict[str, tuple[ApprovalRequest, str]] = {}
 
     @property
     def config(self) -> KazmaConfig:
@@ -268,11 +270,7 @@ class ApprovalsApi:
 
     async def outcome_of(self, request_id: str) -> ApprovalRequest:
         """Wait until ``request_id`` ends (at the latest at its deadline) and return it."""
-        while True:
-            await self.service.wait(request_id, cancel_with_waiter=False)
-            found = await self.service.store.get(request_id)
-            if found is not None and found.status.final:
-                return found
+        return await self.service.wait_request(request_id, cancel_with_waiter=False)
 
     async def _replayed(self, caller: ApiCaller, known: tuple[str, str], body_hash: str) -> ApprovalRequest:
         """A known key while no card can be shown: its request still answers (read only)."""
@@ -305,11 +303,27 @@ class ApprovalsApi:
         if not found.status.final:
             await self.service.looked(found.id)  # the approval page says when the asker last asked
         if wait > 0 and not found.status.final:
-            # cancel_with_waiter=False: a client that stops polling withdraws nothing
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.service.wait(found.id, cancel_with_waiter=False), timeout=wait)
-            found = await self.service.store.get(found.id) or found
+            # cancel_with_waiter=False: a client that stops polling withdraws nothing. The ended request is
+            # read once for every waiter of it here, not once per long-poll.
+            try:
+                async with asyncio.timeout(wait):
+                    ended = await self.service.wait_request(found.id, cancel_with_waiter=False)
+            except TimeoutError:
+                found = await self.service.store.get(found.id) or found
+            else:
+                return self._ended_answer(ended)
         return web.json_response(describe(self.service, found))
+
+    def _ended_answer(self, ended: ApprovalRequest) -> web.Response:
+        """The answer to every long-poll woken by one read of an ended request: described once for all of them
+        (the same object is what that read gave each), not once per waiter."""
+        kept = self._described.get(ended.id)
+        if kept is None or kept[0] is not ended:
+            kept = (ended, json.dumps(describe(self.service, ended)))
+            self._described[ended.id] = kept
+            while len(self._described) > _DESCRIBED_KEPT:
+                del self._described[next(iter(self._described))]
+        return web.Response(text=kept[1], content_type="application/json")
 
     async def withdraw(self, request: web.Request) -> web.Response:
         caller = caller_of(self.config, request)
@@ -332,6 +346,7 @@ class ApprovalsApi:
         return web.json_response(OPENAPI)
 
 
+_DESCRIBED_KEPT = 256
 _KEY_REUSED = (
     "this Idempotency-Key was already used with a different body; send the same body to get that request, "
     "or use a new key for a new request"

@@ -1,0 +1,162 @@
+"""The waiters of this process, per request: woken by a decision, read once per wake-up, swept as a safety net.
+
+Every caller waiting for one request (an agent's tool call, an API long-poll, an ``/mcp`` call) shares one
+event, set the moment the request ends here (``ApprovalService._ended``, right after the commit) or another
+replica says so (``NOTIFY``). The event lives as long as anybody waits for the request: a waiter that gives up
+(a long-poll's own timeout) never takes it away from the others.
+
+A wake-up is read once for all of them: the first waiter to run reads the request, the rest take that read,
+so 500 waiters of one request cost one query, not 500. What ended stays known while anybody waits.
+
+Decisions this process cannot hear of (another process on the same SQLite file, the CLI; a ``NOTIFY`` lost
+with its connection) are found by one sweep every ``every`` seconds: a single query for all the waited
+requests, never one read per waiter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+
+import structlog
+
+from kazma.approvals.model import ApprovalRequest
+from kazma.config.metrics import count_failure
+from kazma.config.store.errors import store_errors
+
+log = structlog.get_logger("kazma.approvals")
+
+# At most this many ids in one sweep query (SQLite's default limit on parameters is far above it).
+SWEEP_CHUNK = 500
+
+Load = Callable[[], Awaitable[ApprovalRequest | None]]
+# (waited request ids) -> those of them that ended
+EndedAmong = Callable[[Sequence[str]], Awaitable[list[str]]]
+# A number that changes whenever the store may have changed (None: it cannot say, so always look)
+CommitsSeen = Callable[[], Awaitable[int | None]]
+
+
+class Watch:
+    """The waiters of one request: one event, one read per wake-up, the request once it ended."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.waiters = 0
+        self.ended: ApprovalRequest | None = None
+        self.deadline: float | None = None  # the request's, by the service's clock, once read
+        self._reading: asyncio.Future[ApprovalRequest | None] | None = None
+        self._expiring: asyncio.Future[object] | None = None
+
+    async def read(self, load: Load) -> ApprovalRequest | None:
+        """The request as stored now; a read already under way is shared, an ended request is not read again."""
+        if self.ended is not None:
+            return self.ended
+        if self._reading is None:
+            # Cleared before the read: a wake-up that lands while it runs is read again, never lost.
+            self.event.clear()
+            self._reading = asyncio.ensure_future(load())
+            self._reading.add_done_callback(self._read_done)
+        # Shielded: a waiter cancelled mid-read (a long-poll that timed out) must not cancel the others' read.
+        return await asyncio.shield(self._reading)
+
+    async def expire(self, end: Callable[[], Awaitable[object]]) -> None:
+        """End the request at its deadline once for all its waiters (``end``); one that failed is tried again."""
+        if self._expiring is None:
+            self._expiring = asyncio.ensure_future(end())
+            self._expiring.add_done_callback(self._expire_done)
+        await asyncio.shield(self._expiring)
+
+    def _expire_done(self, ending: asyncio.Future[object]) -> None:
+        if ending.cancelled() or ending.exception() is not None:
+            self._expiring = None  # the next waiter past the deadline tries again
+
+    def _read_done(self, reading: asyncio.Future[ApprovalRequest | None]) -> None:
+        self._reading = None
+        if reading.cancelled() or reading.exception() is not None:
+            return  # every waiter awaiting it gets the error; a later wake-up reads again
+        found = reading.result()
+        if found is not None and found.outcome() is not None:
+            self.ended = found  # final: no later read can say otherwise
+
+
+class Waiters:
+    """The requests waited for in this process, and the sweep that finds what ended elsewhere unheard."""
+
+    def __init__(
+        self, ended_among: EndedAmong, every: float, clock: Callable[[], float], commits_seen: CommitsSeen | None = None
+    ) -> None:
+        self.ended_among = ended_among
+        self.commits_seen = commits_seen
+        self._seen: int | None = None  # what commits_seen said at the last sweep that looked
+        self.every = every
+        self.clock = clock
+        self.watches: dict[str, Watch] = {}
+        # request id -> its waiters' event: what a decision made here sets (the service's ``_decided``)
+        self.events: dict[str, asyncio.Event] = {}
+        self._sweep: asyncio.Task[None] | None = None
+
+    def join(self, request_id: str) -> Watch:
+        watch = self.watches.get(request_id)
+        if watch is None:
+            watch = self.watches[request_id] = Watch()
+            self.events[request_id] = watch.event
+        watch.waiters += 1
+        if self._sweep is None or self._sweep.done():
+            self._sweep = asyncio.create_task(self._sweeping(), name="kazma-approval-waiters-sweep")
+        return watch
+
+    def leave(self, request_id: str, watch: Watch) -> None:
+        watch.waiters -= 1
+        if watch.waiters <= 0 and self.watches.get(request_id) is watch:
+            del self.watches[request_id]
+            self.events.pop(request_id, None)
+        if not self.watches and self._sweep is not None:
+            self._sweep.cancel()  # nobody waits: no sweeping either
+            self._sweep = None
+
+    def wake(self, request_id: str) -> None:
+        event = self.events.get(request_id)
+        if event is not None:
+            event.set()
+
+    def wake_all(self) -> None:
+        for event in self.events.values():
+            event.set()
+
+    async def _sweeping(self) -> None:
+        while self.watches:
+            await asyncio.sleep(self.every)
+            await self.sweep()
+
+    async def sweep(self) -> None:
+        """Wake the waiters of every waited request that ended (one query per ``SWEEP_CHUNK`` requests) or whose
+        deadline passed (they end it). Skipped when nothing was committed since the last sweep that looked."""
+        if not self.watches:
+            return
+        try:
+            # Taken before the list of what is waited for: a commit after it is looked at by the next sweep, and a
+            # waiter that joins after the list reads its request itself, after that commit.
+            seen = None if self.commits_seen is None else await self.commits_seen()
+        except store_errors() as exc:
+            count_failure("approval_wait")
+            log.warning("approvals.wait_sweep_failed", waited=len(self.watches), error=str(exc))
+            return
+        now = self.clock()
+        waited: list[str] = []
+        for request_id, watch in list(self.watches.items()):
+            if watch.deadline is not None and watch.deadline <= now:
+                watch.event.set()
+            elif watch.ended is None:
+                waited.append(request_id)
+        if seen is not None and seen == self._seen:
+            return  # nothing committed since the last look: nothing can have ended
+        for start in range(0, len(waited), SWEEP_CHUNK):
+            try:
+                ended = await self.ended_among(waited[start : start + SWEEP_CHUNK])
+            except store_errors() as exc:  # a passing lock: the next sweep tries again
+                count_failure("approval_wait")
+                log.warning("approvals.wait_sweep_failed", waited=len(waited), error=str(exc))
+                return
+            for request_id in ended:
+                self.wake(request_id)
+        self._seen = seen
