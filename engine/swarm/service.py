@@ -137,6 +137,8 @@ class SwarmService:
     _effects: dict[str, Effects] = field(default_factory=dict)  # what each running task's tools did, in memory
     _unsaved: dict[str, Unsaved] = field(default_factory=dict)  # endings the store refused, kept until stored
     _kept_runs: dict[str, TaskRun] = field(default_factory=dict)  # the run each kept ending belongs to
+    # endings decided (stored, or kept) and being said: a stop or cancel now must say them, never "cancelled"
+    _saying: dict[str, tuple[SwarmRequest, str]] = field(default_factory=dict)
     # told (no arguments) whenever a task's state or a worker's numbers may have changed: the live dashboard
     listeners: list[Callable[[], None]] = field(default_factory=list)
 
@@ -386,6 +388,10 @@ class SwarmService:
             result = {**outcome_json(outcome), "execution": execution.as_json()}
             await self._end(run, request, status, result, error, outcome.output, execution)
         except asyncio.CancelledError:
+            saying = self._saying.pop(run.task_id, None)
+            if saying is not None:  # its ending is decided and written (or kept): it is what the person hears
+                await asyncio.shield(self._deliver(*saying))
+                raise
             execution = await self._execution(run.task_id)
             self._report(f"swarm task {run.task_id} cancelled; tools: {execution.line()}")
             await asyncio.shield(self._keep_execution(run.task_id, execution))
@@ -449,6 +455,8 @@ class SwarmService:
             self._unsaved[run.task_id] = Unsaved(status, result, error, str(exc), time.time())
             self._kept_runs[run.task_id] = run
             self._tasks.spawn(self._store_later(run, status, result, error), name=f"swarm-store-later-{run.task_id}")
+            message = self._ending_message(run.task_id, status, output, result, execution)
+            self._saying[run.task_id] = (request, message)
             # the store's refusal is news everywhere, the result's own conversation included: not "heard" there
             self._report(
                 f"swarm task {run.task_id} {status.value}, but its result could not be stored ({exc.reason}); it is "
@@ -456,14 +464,18 @@ class SwarmService:
             )
             if self.reporter is not None:
                 await self.reporter.flush()
-            await self._deliver(request, self._ending_message(run.task_id, status, output, result, execution))
+            await self._deliver(request, message)
+            self._saying.pop(run.task_id, None)
             return
         if stored:
+            message = self._ending_message(run.task_id, status, output, result, execution)
+            self._saying[run.task_id] = (request, message)
             await self._say_ending(
                 request,
                 f"swarm task {run.task_id} {status.value}: {_short(output)} (tools: {execution.line()})",
-                self._ending_message(run.task_id, status, output, result, execution),
+                message,
             )
+            self._saying.pop(run.task_id, None)
 
     def _ending_message(
         self, task_id: str, status: TaskStatus, output: str, result: dict[str, Any], execution: ExecutionSummary

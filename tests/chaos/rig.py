@@ -70,6 +70,10 @@ class RigError(AssertionError):
 
 
 class Scenario:
+    """The approved shell call; a subclass changes the lead's tools, the config and the script (scenario_mcp.py)."""
+
+    tools = "[shell]"  # the lead's tools in kazma.yaml
+
     def __init__(self, tmp: Path, *, store: str, dsn: str | None) -> None:
         self.tmp = tmp
         self.store = store
@@ -89,7 +93,7 @@ store: {where}
 web: {{port: 0}}
 model: {{base_url: '{self.model.base_url}', name: {MODEL}, timeout_seconds: 60, max_retries: 0}}
 tools: {{workspace_root: '{self.tmp / "ws"}'}}
-agents: {{lead: {{tools: [shell]}}}}
+agents: {{lead: {{tools: {self.tools}}}}}
 platforms:
   telegram:
     token: '{self.telegram.token}'
@@ -104,9 +108,24 @@ platforms:
     channels: [{HOME_CHANNEL_ID}]
     home_channel: {HOME_CHANNEL_ID}
     admins: [{ALICE_ID}]
-"""
+{self.extra_config()}"""
         )
         return path
+
+    def extra_config(self) -> str:
+        """More top-level sections of kazma.yaml (a subclass's tool sources)."""
+        return ""
+
+    def lead_script(self) -> tuple[Completion, ...]:
+        """The lead's model answers: the call that needs the approval, then its answer."""
+        return (
+            Completion(tool_calls=(FakeToolCall("shell", json.dumps({"command": f"echo ran >> {MARKER}"})),)),
+            Completion(content=DONE),
+        )
+
+    def ready(self) -> bool:
+        """Beyond the platforms: what must be up before the person asks (a subclass's tool source)."""
+        return True
 
     async def start(self, failpoints: str) -> asyncio.subprocess.Process:
         env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": failpoints}
@@ -174,6 +193,7 @@ async def _connected(s: Scenario, proc: asyncio.subprocess.Process, polls: int, 
             len(s.telegram.calls_to("getUpdates")) > polls
             and len(s.discord.identifies) > identifies
             and s.started() > started
+            and s.ready()
         ),
         proc,
         60,
@@ -225,15 +245,20 @@ async def _drive(s: Scenario, proc: asyncio.subprocess.Process, h: History, *, a
     return proc.returncode is None and not s.tg_live() and not s.dc_live()
 
 
-async def run_cell(tmp: Path, point: str, action: str, *, store: str = "sqlite", dsn: str | None = None) -> History:
-    s = Scenario(tmp, store=store, dsn=dsn)
+async def run_cell(
+    tmp: Path,
+    point: str,
+    action: str,
+    *,
+    store: str = "sqlite",
+    dsn: str | None = None,
+    scenario: type[Scenario] = Scenario,
+) -> History:
+    s = scenario(tmp, store=store, dsn=dsn)
     where = dsn if store == "postgresql" else str(tmp / "state" / "k.db")
     h = History(point, action, store, where or "", tmp / "ws")
     async with fakes(s):
-        s.model.script(
-            Completion(tool_calls=(FakeToolCall("shell", json.dumps({"command": f"echo ran >> {MARKER}"})),)),
-            Completion(content=DONE),
-        )
+        s.model.script(*s.lead_script())
         spec = f"{point}={action}" if point else ""
         first = await s.start(spec)
         settled = False

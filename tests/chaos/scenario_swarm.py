@@ -1,0 +1,194 @@
+"""The swarm scenario: a ``/swarm`` pipeline with a checkpoint a person approves, a handoff, its result stored
+and delivered — against a real ``kazma run`` on the wire fakes, one failpoint armed, restarted when it died or
+hung, as the approval scenario is (:mod:`tests.chaos.rig`).
+
+A person sends ``/swarm pipeline quick …`` in Telegram. ``quick`` is researcher then builder, with a
+checkpoint after stage 1 (``swarm.checkpoints``): the researcher answers, the task pauses, its checkpoint card
+goes to Telegram and Discord, the person presses Approve on Telegram, the task resumes; the builder hands its
+stage to the validator (``handoff_to_worker``), whose answer takes the stage's place; the pipeline's report is
+written by one more model call, stored and delivered to the home chats. A process that died (or hung) is
+started again without the failpoint; a card still live then is pressed again, as a person would. At the end,
+with Kazma stopped, ``kazma swarm status <task>`` is run as a person would run it, and its output kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sqlite3
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from kazma.config import load_config_text
+from tests.chaos.rig import (
+    REPLICA,
+    RESTART_SECONDS,
+    STEP_SECONDS,
+    TG_ADMIN,
+    TG_CHAT,
+    History,
+    RigError,
+    Scenario,
+    _connected,
+    _discord_text,
+    _stop,
+    _until,
+    fakes,
+)
+from tests.audit_support import KEY_ENV
+from tests.conftest import REPO
+from tests.fakes.openai import Completion, FakeToolCall
+
+ASK = "/swarm pipeline quick collect facts about the sky"
+FACTS = "FACTS: the sky is blue by day"  # the researcher's answer (stage 1), kept in the journal
+CHECKED = "CHECKED: blue, confirmed by the validator"  # the handoff target's answer (stage 2)
+REPORT = "REPORT: the sky is blue, checked"  # every other model call (the pipeline's report)
+WORKERS = ("researcher", "builder", "validator")
+
+
+def worker_prompts() -> dict[str, str]:
+    workers = load_config_text("", environ={}).config.agents.workers
+    return {name: workers[name].system_prompt for name in WORKERS}
+
+
+@dataclass
+class SwarmHistory(History):
+    tasks: list[tuple[str, str, str | None]] = field(default_factory=list)  # id, status, error
+    asked: dict[str, int] = field(default_factory=dict)  # worker -> model requests under its system prompt
+    status_text: str = ""  # `kazma swarm status <task>` after the end, for the (first) task
+    status_exit: int | None = None
+    discord_texts: list[str] = field(default_factory=list)
+
+
+class SwarmScenario(Scenario):
+    def extra_config(self) -> str:
+        return "swarm: {checkpoints: {quick: [1]}, allow_shared_operators: true}\n"
+
+    def script_workers(self) -> None:
+        prompts = worker_prompts()
+        self.model.script_agent(prompts["researcher"], Completion(content=FACTS))
+        handoff = json.dumps({"worker": "validator", "reason": "checking is the validator's job"})
+        self.model.script_agent(
+            prompts["builder"], Completion(tool_calls=(FakeToolCall("handoff_to_worker", handoff),))
+        )
+        self.model.script_agent(prompts["validator"], Completion(content=CHECKED))
+        self.model.fallback = Completion(content=REPORT)
+
+    def tasks(self) -> list[tuple[str, str, str | None]]:
+        return [
+            (str(r[0]), str(r[1]), r[2])
+            for r in rows(self.store, self.where(), "SELECT id, status, error FROM swarm_tasks")
+        ]
+
+    def where(self) -> str:
+        return self.dsn if self.store == "postgresql" and self.dsn else str(self.tmp / "state" / "k.db")
+
+    def ended(self) -> bool:
+        try:
+            found = self.tasks()
+        except (sqlite3.Error, psycopg.Error):
+            return False  # the store is not written yet
+        return bool(found) and all(status not in ("running", "paused") for _, status, _ in found)
+
+    def env(self) -> dict[str, str]:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": ""}
+        if self.store == "postgresql":
+            env |= {"KAZMA_WEB_TOKEN": "o" * 40, "KAZMA_WEB_READER_TOKEN": "r" * 40, **KEY_ENV}
+            env["KAZMA_REPLICA"] = REPLICA
+        return env
+
+    async def status(self, task_id: str) -> tuple[int, str]:
+        """``kazma swarm status <task>`` as a person runs it (Kazma stopped)."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kazma.bot.cli", "-c", str(self.tmp / "kazma.yaml"), "swarm", "status", task_id,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=self.env(), cwd=str(self.tmp),
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
+        return int(proc.returncode or 0), out.decode(errors="replace")
+
+
+def rows(store: str, where: str, sql: str) -> list[tuple[Any, ...]]:
+    if store == "postgresql":
+        with psycopg.connect(where, autocommit=True) as conn:
+            return [tuple(r) for r in conn.execute(sql).fetchall()]
+    if not Path(where).exists():
+        return []
+    lite = sqlite3.connect(where)
+    try:
+        return [tuple(r) for r in lite.execute(sql).fetchall()]
+    finally:
+        lite.close()
+
+
+async def _drive(s: SwarmScenario, proc: asyncio.subprocess.Process, h: History, *, ask: bool) -> bool:
+    """The scenario's steps on ``proc``; True when the task ended and every card settled."""
+    if ask:
+        s.telegram.push_message(TG_CHAT, TG_ADMIN, ASK, username="ops")
+    seconds = STEP_SECONDS if ask else RESTART_SECONDS
+    # a checkpoint card to press (after a restart: a paused task's card, still live), or the task's end
+    await _until(lambda: bool(s.tg_live()) or s.ended(), proc, seconds)
+    if s.tg_live() and not s.ended():
+        s.press()
+        h.presses += 1
+    if not await _until(lambda: s.ended() and not s.tg_live() and not s.dc_live(), proc, STEP_SECONDS):
+        return False
+    return proc.returncode is None
+
+
+async def run_swarm_cell(
+    tmp: Path, point: str, action: str, *, store: str = "sqlite", dsn: str | None = None
+) -> SwarmHistory:
+    s = SwarmScenario(tmp, store=store, dsn=dsn)
+    h = SwarmHistory(point, action, store, s.where(), tmp / "ws")
+    async with fakes(s):
+        s.script_workers()
+        first = await s.start(f"{point}={action}" if point else "")
+        if not await _connected(s, first, 0, 0, 0):
+            await _stop(first, signal.SIGKILL)
+            raise RigError(f"the first kazma run never came up: {s.log_tail()}")
+        settled = await _drive(s, first, h, ask=True)
+        if first.returncode is not None:
+            h.died = True
+        elif not settled:
+            h.hung = True
+            await _stop(first, signal.SIGKILL)
+        else:
+            h.clean_exit = await _stop(first, signal.SIGTERM) and first.returncode == 0
+        if h.died or h.hung:
+            h.restarts = 1
+            polls, identifies = len(s.telegram.calls_to("getUpdates")), len(s.discord.identifies)
+            started = s.started()
+            second = await s.start("")
+            if not await _connected(s, second, polls, identifies, started):
+                await _stop(second, signal.SIGKILL)
+                raise RigError(f"the restarted kazma run never came up: {s.log_tail()}")
+            await _drive(s, second, h, ask=False)
+            h.clean_exit = await _stop(second, signal.SIGTERM) and second.returncode == 0
+        h.fired = '"failpoint.fired"' in s.log.read_text(errors="replace")
+        h.telegram_cards = [m.text for m in s.tg_cards()]  # type: ignore[attr-defined]
+        h.telegram_live = len(s.tg_live())
+        h.discord_cards = [_discord_text(m) for m in s.dc_cards()]
+        h.discord_live = len(s.dc_live())
+        h.discord_texts = [_discord_text(m) for m in s.discord.channel_messages(s_home(s))]
+        h.bot_texts = [m.text for m in s.telegram.bot_messages(TG_CHAT)]
+        prompts = worker_prompts()
+        h.asked = {
+            name: sum(1 for r in s.model.completions if r.body["messages"][0].get("content") == prompt)
+            for name, prompt in prompts.items()
+        }
+        h.tasks = s.tasks()
+        if h.tasks:
+            h.status_exit, h.status_text = await s.status(h.tasks[0][0])
+    return h
+
+
+def s_home(s: Scenario) -> int:
+    from tests.fakes.discord import HOME_CHANNEL_ID
+
+    return HOME_CHANNEL_ID
