@@ -26,6 +26,7 @@ from typing import Any
 import psycopg
 
 from kazma.config import load_config_text
+from tests.audit_support import KEY_ENV
 from tests.chaos.rig import (
     REPLICA,
     RESTART_SECONDS,
@@ -41,7 +42,6 @@ from tests.chaos.rig import (
     _until,
     fakes,
 )
-from tests.audit_support import KEY_ENV
 from tests.conftest import REPO
 from tests.fakes.openai import Completion, FakeToolCall
 
