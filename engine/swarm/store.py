@@ -397,6 +397,23 @@ def _utc(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=UTC)
 
 
+async def _with_kept(db: SqlStatements, task_id: str, result_json: str | None) -> str | None:
+    """``result_json`` with the answers the task's journal kept (``workers``, as a run's own ending lists them),
+    for an ending written without its run (a crash, a stop, a cancel): what was kept must be visible wherever
+    the task is shown (endings.kept_answers), not only in the journal. Unchanged when the result lists its
+    workers already or nothing was kept."""
+    result = json.loads(result_json) if result_json else {}
+    if not isinstance(result, dict) or "workers" in result:
+        return result_json
+    rows = await db.all(
+        "SELECT worker, output FROM swarm_steps WHERE task_id = ? AND ok = ? ORDER BY idx", (task_id, 1)
+    )
+    if not rows:
+        return result_json
+    result["workers"] = [{"worker": str(w), "ok": True, "output": str(o)} for w, o in rows]
+    return json.dumps(result, sort_keys=True, default=str)
+
+
 def interrupted_reason(step: str) -> str:
     if step:
         return f"interrupted: the process stopped in {step}; its outcome is unknown"
@@ -805,10 +822,12 @@ class SwarmTaskStore(CallRecords):
         """
         allowed = allowed_from(TaskStatus.CANCELLED) if only is None else frozenset(only)
         sources = sorted(s.value for s in allowed)
-        result_json = None if result is None else json.dumps(result, sort_keys=True, default=str)
+        given = None if result is None else json.dumps(result, sort_keys=True, default=str)
 
         async def body(db: SqlStatements) -> int:
             now = self.clock()
+            existing = await db.one("SELECT result_json FROM swarm_tasks WHERE id = ?", (task_id,))
+            result_json = await _with_kept(db, task_id, given or (None if existing is None else existing[0]))
             changed = await db.run(
                 "UPDATE swarm_tasks SET status = ?, error = ?, result_json = COALESCE(?, result_json),"  # noqa: S608
                 " updated_at = ?, finished_at = ?"
@@ -865,10 +884,21 @@ class SwarmTaskStore(CallRecords):
                 if live is not None and (replica is None or replica in live):
                     continue
                 reason = interrupted_reason(str(step))
+                existing = await db.one("SELECT result_json FROM swarm_tasks WHERE id = ?", (task_id,))
+                kept = await _with_kept(db, str(task_id), None if existing is None else existing[0])
                 if await db.run(
-                    "UPDATE swarm_tasks SET status = ?, error = ?, updated_at = ?, finished_at = ?"
+                    "UPDATE swarm_tasks SET status = ?, error = ?, result_json = ?, updated_at = ?, finished_at = ?"
                     " WHERE id = ? AND generation = ? AND status = ?",
-                    (TaskStatus.INTERRUPTED.value, reason, now, now, task_id, generation, TaskStatus.RUNNING.value),
+                    (
+                        TaskStatus.INTERRUPTED.value,
+                        reason,
+                        kept,
+                        now,
+                        now,
+                        task_id,
+                        generation,
+                        TaskStatus.RUNNING.value,
+                    ),
                 ):
                     changed.append(
                         InterruptedTask(

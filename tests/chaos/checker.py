@@ -16,6 +16,7 @@ import psycopg
 
 from kazma.adapters.bus import REPOSTED
 from tests.chaos.rig import MARKER, History
+from tests.chaos.scenario_swarm import SwarmHistory, said
 
 # What a settled card says of each outcome (adapters/card_layout.py).
 _OUTCOME_WORDS = {"approved": "APPROVED", "denied": "DENIED", "timeout": "TIMED OUT", "cancelled": "CANCELLED"}
@@ -136,3 +137,72 @@ def ending(h: History, f: Facts) -> str:
 
 def _why(reason: str) -> str:
     return reason.split(";")[0].split(":")[0].strip()[:60]
+
+
+# -- the swarm scenario (tests/chaos/scenario_swarm.py): a task, its checkpoint card, its stages -----------------
+
+# How often each worker's model is asked when nothing goes wrong (the builder twice: its handoff call, then the
+# answer to the tool's result); more means a stage ran again by itself.
+SWARM_ASKED: dict[str, int] = {"researcher": 1, "builder": 2, "validator": 1}
+_TERMINAL = ("succeeded", "partial", "failed", "cancelled", "timeout", "interrupted")
+
+
+def swarm_violations(h: SwarmHistory) -> list[str]:
+    broken: list[str] = []
+    said_texts = h.bot_texts
+    # nothing admitted: the person is told nothing started
+    if not h.tasks and not any("nothing started" in t or "unavailable" in t for t in said_texts):
+        broken.append("no task was admitted and the person was not told")
+    statuses = {task_id: status for task_id, status, _ in h.tasks}
+    for task_id, status in statuses.items():
+        # every task ends in a state a person can read: in the store, in its conversation, in `kazma swarm status`
+        if status not in _TERMINAL:
+            broken.append(f"task {task_id} is still {status} at the end")
+            continue
+        if not any(said(t, task_id, status) for t in said_texts):
+            broken.append(f"task {task_id} ended {status} and its conversation was not told")
+        wrong = sorted({w for w in _TERMINAL if w != status for t in said_texts if f"swarm task {task_id} {w}" in t})
+        if wrong:
+            broken.append(f"task {task_id} ended {status}, and its conversation was told {', '.join(wrong)}")
+        if h.status_exit != 0 or f"swarm task {task_id}: {status}" not in h.status_text:
+            broken.append(f"`kazma swarm status {task_id}` does not say {status}: {h.status_text[-300:]!r}")
+        # with what was kept visible: each stage's answer the journal kept, where the task is shown
+        for step_task, idx, worker, ok, output in h.steps:
+            if step_task == task_id and ok and status != "succeeded" and output[:40] not in h.status_text:
+                broken.append(f"task {task_id} ({status}) kept stage {idx + 1} ({worker}), `swarm status` hides it")
+    # a checkpoint card never stays live (nor its request pending) for an ended task
+    for approval, status, by in h.checkpoints:
+        task_id = by.removeprefix("swarm:")
+        if status == "pending" and statuses.get(task_id) in _TERMINAL:
+            broken.append(f"checkpoint {approval} still pending for task {task_id}, which ended {statuses[task_id]}")
+    if h.telegram_live or h.discord_live:
+        broken.append(f"cards still live: telegram {h.telegram_live}, discord {h.discord_live}")
+    settled = {s for _, s, _ in h.checkpoints}
+    for platform, cards in (("telegram", h.telegram_cards), ("discord", h.discord_cards)):
+        for text in cards:
+            if not any(_OUTCOME_WORDS[s] in text for s in settled if s in _OUTCOME_WORDS):
+                broken.append(f"a {platform} checkpoint card does not show an outcome: {text[:120]!r}")
+    per_request = max(len(h.checkpoints), 1)
+    if len(h.discord_cards) > per_request:
+        broken.append(f"discord shows {len(h.discord_cards)} cards for {per_request} checkpoint(s)")
+    if len(h.telegram_cards) > 2 * per_request or (
+        len(h.telegram_cards) > per_request and not any(REPOSTED[:13] in t for t in h.telegram_cards)
+    ):
+        broken.append(f"telegram shows {len(h.telegram_cards)} cards for {per_request} checkpoint(s), unmarked")
+    # no stage ran again by itself
+    for worker, times in h.asked.items():
+        if times > SWARM_ASKED.get(worker, 1):
+            broken.append(f"{worker} was asked {times} times (a stage ran again)")
+    if len(h.tasks) > 1:
+        broken.append(f"one /swarm message started {len(h.tasks)} tasks")
+    if not h.clean_exit:
+        broken.append("the last process did not stop cleanly")
+    return broken
+
+
+def swarm_ending(h: SwarmHistory) -> str:
+    process = "died, restarted" if h.died else "hung, killed, restarted" if h.hung else "ran on"
+    task = ", ".join(f"task {status}" for _, status, _ in h.tasks) or "no task"
+    checkpoint = ", ".join(f"checkpoint {status}" for _, status, _ in h.checkpoints) or "no checkpoint"
+    kept = sum(1 for _, _, _, ok, _ in h.steps if ok)
+    return f"{process} · {task} · {checkpoint} · {kept} stage answer(s) kept"

@@ -60,6 +60,8 @@ def worker_prompts() -> dict[str, str]:
 @dataclass
 class SwarmHistory(History):
     tasks: list[tuple[str, str, str | None]] = field(default_factory=list)  # id, status, error
+    steps: list[tuple[str, int, str, bool, str]] = field(default_factory=list)  # task, idx, worker, ok, output
+    checkpoints: list[tuple[str, str, str]] = field(default_factory=list)  # approval id, status, requested_by
     asked: dict[str, int] = field(default_factory=dict)  # worker -> model requests under its system prompt
     status_text: str = ""  # `kazma swarm status <task>` after the end, for the (first) task
     status_exit: int | None = None
@@ -96,6 +98,11 @@ class SwarmScenario(Scenario):
             return False  # the store is not written yet
         return bool(found) and all(status not in ("running", "paused") for _, status, _ in found)
 
+    def heard(self) -> bool:
+        """Every task's ending reached its conversation (what a person reads: ``swarm task <id> <status>``)."""
+        texts = [m.text for m in self.telegram.bot_messages(TG_CHAT)]
+        return all(any(said(text, task_id, status) for text in texts) for task_id, status, _ in self.tasks())
+
     def env(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": ""}
         if self.store == "postgresql":
@@ -111,6 +118,13 @@ class SwarmScenario(Scenario):
         )  # fmt: skip
         out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
         return int(proc.returncode or 0), out.decode(errors="replace")
+
+
+def said(text: str, task_id: str, status: str) -> bool:
+    """``text`` tells the task's ending ``status`` (``swarm task <id> <status>``, or ``… was interrupted``)."""
+    return f"swarm task {task_id} {status}" in text or (
+        status == "interrupted" and task_id in text and "interrupted" in text
+    )
 
 
 def rows(store: str, where: str, sql: str) -> list[tuple[Any, ...]]:
@@ -138,6 +152,8 @@ async def _drive(s: SwarmScenario, proc: asyncio.subprocess.Process, h: History,
         h.presses += 1
     if not await _until(lambda: s.ended() and not s.tg_live() and not s.dc_live(), proc, STEP_SECONDS):
         return False
+    if not await _until(s.heard, proc, STEP_SECONDS):
+        return False  # ended in the store, and the person never heard: stuck
     return proc.returncode is None
 
 
@@ -183,6 +199,18 @@ async def run_swarm_cell(
             for name, prompt in prompts.items()
         }
         h.tasks = s.tasks()
+        h.steps = [
+            (str(r[0]), int(r[1]), str(r[2]), bool(r[3]), str(r[4]))
+            for r in rows(store, s.where(), "SELECT task_id, idx, worker, ok, output FROM swarm_steps")
+        ]
+        h.checkpoints = [
+            (str(r[0]), str(r[1]), str(r[2]))
+            for r in rows(
+                store,
+                s.where(),
+                "SELECT id, status, requested_by FROM approval_requests WHERE tool = 'pipeline_checkpoint'",
+            )
+        ]
         if h.tasks:
             h.status_exit, h.status_text = await s.status(h.tasks[0][0])
     return h
