@@ -16,6 +16,7 @@ import psycopg
 
 from kazma.adapters.bus import REPOSTED
 from tests.chaos.rig import MARKER, History
+from tests.chaos.scenario_plan import PlanHistory
 from tests.chaos.scenario_swarm import SwarmHistory, said
 
 # What a settled card says of each outcome (adapters/card_layout.py).
@@ -206,3 +207,55 @@ def swarm_ending(h: SwarmHistory) -> str:
     checkpoint = ", ".join(f"checkpoint {status}" for _, status, _ in h.checkpoints) or "no checkpoint"
     kept = sum(1 for _, _, _, ok, _ in h.steps if ok)
     return f"{process} · {task} · {checkpoint} · {kept} stage answer(s) kept"
+
+
+# -- the plan scenario (tests/chaos/scenario_plan.py): a plan, its steps, a question, a repair ----------------
+
+# Model requests per attempt of each step when nothing goes wrong: the validator answers at once; the builder
+# asks (ask_user), says it waits, and goes on with the answer.
+PLAN_ASKED_PER_ATTEMPT: dict[str, tuple[int, int]] = {"validator": (1, 1), "builder": (2, 3)}  # agent: step, calls
+
+
+def plan_violations(h: PlanHistory) -> list[str]:
+    broken: list[str] = []
+    if not h.plans:
+        broken.append("no plan was written")
+    for plan_id, status in h.plans:
+        # every plan and step ends in a state a person can read: in the store and in /plan
+        if status == "active":
+            broken.append(f"plan {plan_id} is still active at the end")
+        if f"Plan {plan_id} ({status})" not in h.plan_view:
+            broken.append(f"/plan does not say plan {plan_id} is {status}: {h.plan_view[:200]!r}")
+    for plan_id, idx, title, status, _, _ in h.steps:
+        if status not in ("done", "failed", "skipped", "blocked"):
+            broken.append(f"plan {plan_id} step {idx} ({title}) is still {status} at the end")
+        if f"{idx}. [{status}] {title}" not in h.plan_view:
+            broken.append(f"/plan does not show step {idx} ({title}) as {status}")
+    # a question is answered at most once, and none stays open for a plan that ended
+    ended = all(status != "active" for _, status in h.plans)
+    for question, status, _ in h.questions:
+        if status == "pending" and ended:
+            broken.append(f"question {question} is still open for a plan that ended")
+    if h.events.get("answered", 0) > len(h.questions):
+        broken.append(f"{h.events['answered']} answers recorded for {len(h.questions)} question(s)")
+    # no step ran again by itself: each sub-agent's model calls within what its step's attempts allow
+    attempts = {idx: n for _, idx, _, _, _, n in h.steps}
+    for agent, (idx, per_attempt) in PLAN_ASKED_PER_ATTEMPT.items():
+        allowed = per_attempt * max(attempts.get(idx, 0), 1)
+        if h.asked.get(agent, 0) > allowed:
+            broken.append(f"{agent} was asked {h.asked[agent]} times for {attempts.get(idx, 0)} attempt(s) of its step")
+    if h.telegram_live:
+        broken.append(f"{h.telegram_live} Telegram message(s) still carry buttons")
+    if not h.clean_exit:
+        broken.append("the last process did not stop cleanly")
+    return broken
+
+
+def plan_ending(h: PlanHistory) -> str:
+    process = "died, restarted" if h.died else "hung, killed, restarted" if h.hung else "ran on"
+    plans = ", ".join(f"plan {status}" for _, status in h.plans) or "no plan"
+    steps = ", ".join(
+        f"{title} {status}" + (f" ({n} attempts)" if n > 1 else "") for _, _, title, status, _, n in h.steps
+    )
+    questions = ", ".join(f"question {status}" for _, status, _ in h.questions) or "no question"
+    return f"{process} · {plans} · {steps or 'no steps'} · {questions}"
