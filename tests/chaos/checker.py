@@ -3,7 +3,7 @@ store holds at the end, what the platforms' fakes show and what the tool really 
 
 It never asks Kazma: it reads the store's tables through a connection of its own, the fakes' messages and
 the workspace. :func:`violations` lists every broken invariant (none is the only passing answer);
-:func:`ending` names how the cell ended, in the words the matrix pins.
+:func:`ending` names how the cell ended, in the words the matrix pins; :func:`judge` gives both.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import psycopg
 
 from kazma.adapters.bus import REPOSTED
 from tests.chaos.rig import MARKER, History
+from tests.chaos.scenario import Judged
 
 # What a settled card says of each outcome (adapters/card_layout.py).
 _OUTCOME_WORDS = {"approved": "APPROVED", "denied": "DENIED", "timeout": "TIMED OUT", "cancelled": "CANCELLED"}
@@ -136,3 +137,9 @@ def ending(h: History, f: Facts) -> str:
 
 def _why(reason: str) -> str:
     return reason.split(";")[0].split(":")[0].strip()[:60]
+
+
+def judge(h: History) -> Judged:
+    """The approval scenario's checker: the ending and the broken invariants of one cell's history."""
+    found = facts(h)
+    return Judged(ending(h, found), violations(h, found), h.fired)

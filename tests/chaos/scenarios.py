@@ -1,0 +1,54 @@
+"""Every chaos scenario (:class:`tests.chaos.scenario.Scenario`), and which one crosses a given failpoint.
+
+A new scenario: a driver and a checker of its own (a module beside :mod:`tests.chaos.rig`, reusing its
+``Rig``, ``run_restarting`` and ``observe`` where they fit), an entry in :data:`SCENARIOS`, and its cells'
+endings pinned in :mod:`tests.chaos.matrix`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Final
+
+from tests.chaos import checker
+from tests.chaos.rig import History, run_cell
+from tests.chaos.scenario import Cell, Scenario
+
+
+async def _approval(tmp: Path, cell: Cell, dsn: str | None) -> History:
+    point, action, store = cell
+    return await run_cell(tmp, point, action, store=store, dsn=dsn)
+
+
+# An approved shell call across Telegram and Discord (tests/chaos/rig.py), through every boundary of an approval.
+APPROVAL: Final = Scenario(
+    name="approval",
+    points=(
+        "approvals.open.row",
+        "approvals.open.card_job",
+        "approvals.open.committed",
+        "bus.post",
+        "bus.post.recorded",
+        "approvals.decide.before_commit",
+        "approvals.decide.after_commit",
+        "approvals.decide.before_answer",
+        "bus.settle.sent",
+        "bus.settle.recorded",
+        "tools.verified",
+        "tools.started",
+        "tools.finished",
+        "tools.recorded",
+    ),
+    drive=_approval,
+    judge=checker.judge,
+)
+
+SCENARIOS: Final[tuple[Scenario[Any], ...]] = (APPROVAL,)
+
+
+def scenario_of(point: str) -> Scenario[Any]:
+    """The scenario whose cells pin ``point`` (each point belongs to exactly one)."""
+    found = [s for s in SCENARIOS if point in s.points]
+    if len(found) != 1:
+        raise LookupError(f"failpoint {point!r} is crossed by {len(found)} scenarios' cells, not one")
+    return found[0]
