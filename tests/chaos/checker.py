@@ -30,7 +30,7 @@ class Facts:
     marker_lines: int
 
 
-def _rows(h: History, sql: str) -> list[tuple[Any, ...]]:
+def rows(h: History, sql: str) -> list[tuple[Any, ...]]:
     if h.store == "postgresql":
         with psycopg.connect(h.where, autocommit=True) as conn:
             return [tuple(r) for r in conn.execute(sql).fetchall()]
@@ -44,15 +44,13 @@ def _rows(h: History, sql: str) -> list[tuple[Any, ...]]:
 def facts(h: History) -> Facts:
     requests = [
         (str(r[0]), str(r[1]), r[2], r[3])
-        for r in _rows(h, "SELECT id, status, decided_by, reason FROM approval_requests")
+        for r in rows(h, "SELECT id, status, decided_by, reason FROM approval_requests")
     ]
     decided = {
         str(r[0]): int(r[1])
-        for r in _rows(
-            h, "SELECT request_id, count(*) FROM approval_events WHERE event = 'decided' GROUP BY request_id"
-        )
+        for r in rows(h, "SELECT request_id, count(*) FROM approval_events WHERE event = 'decided' GROUP BY request_id")
     }
-    executions = [(str(r[0]), r[1]) for r in _rows(h, "SELECT tool, outcome FROM tool_executions")]
+    executions = [(str(r[0]), r[1]) for r in rows(h, "SELECT tool, outcome FROM tool_executions")]
     markers = list(h.workspace.rglob(MARKER)) if h.workspace.exists() else []
     lines = sum(len(p.read_text().splitlines()) for p in markers)
     return Facts(requests, decided, executions, lines)
@@ -68,14 +66,7 @@ def violations(h: History, f: Facts) -> list[str]:
             broken.append(f"request {rid} is {status} without exactly one decision recorded")
         if status == "pending":
             broken.append(f"request {rid} is still pending at the end")
-    # every card on every platform ends showing its request's outcome
-    if h.telegram_live or h.discord_live:
-        broken.append(f"cards still live: telegram {h.telegram_live}, discord {h.discord_live}")
-    statuses = {status for _, status, _, _ in f.requests}
-    for platform, cards in (("telegram", h.telegram_cards), ("discord", h.discord_cards)):
-        for text in cards:
-            if not any(_OUTCOME_WORDS[s] in text for s in statuses if s in _OUTCOME_WORDS):
-                broken.append(f"a {platform} card does not show an outcome: {text[:120]!r}")
+    broken += card_violations(h, f)
     # no tool ran unapproved or twice
     approved = [rid for rid, status, _, _ in f.requests if status == "approved"]
     if f.marker_lines > 1:
@@ -84,14 +75,6 @@ def violations(h: History, f: Facts) -> list[str]:
         broken.append("the shell call ran without an approved request")
     if f.marker_lines > len(approved):
         broken.append("more runs than approvals")
-    # no card posted twice where the platform allows idempotency; at most once more, marked, where it does not
-    per_request = max(len(f.requests), 1)
-    if len(h.discord_cards) > per_request:
-        broken.append(f"discord shows {len(h.discord_cards)} cards for {per_request} request(s)")
-    if len(h.telegram_cards) > 2 * per_request:
-        broken.append(f"telegram shows {len(h.telegram_cards)} cards for {per_request} request(s)")
-    if len(h.telegram_cards) > per_request and not any(REPOSTED[:13] in t for t in h.telegram_cards):
-        broken.append("a telegram card was posted again without saying so")
     # no inbound message lost or handled twice
     if h.asked_model > 1:
         broken.append(f"the person's message was handled {h.asked_model} times")
@@ -115,6 +98,28 @@ def violations(h: History, f: Facts) -> list[str]:
         broken.append("an execution is left neither finished nor marked lost")
     if not h.clean_exit:
         broken.append("the last process did not stop cleanly")
+    return broken
+
+
+def card_violations(h: History, f: Facts) -> list[str]:
+    """The cards' invariants (every scenario that opens a request shares them)."""
+    broken: list[str] = []
+    # every card on every platform ends showing its request's outcome
+    if h.telegram_live or h.discord_live:
+        broken.append(f"cards still live: telegram {h.telegram_live}, discord {h.discord_live}")
+    statuses = {status for _, status, _, _ in f.requests}
+    for platform, cards in (("telegram", h.telegram_cards), ("discord", h.discord_cards)):
+        for text in cards:
+            if not any(_OUTCOME_WORDS[s] in text for s in statuses if s in _OUTCOME_WORDS):
+                broken.append(f"a {platform} card does not show an outcome: {text[:120]!r}")
+    # no card posted twice where the platform allows idempotency; at most once more, marked, where it does not
+    per_request = max(len(f.requests), 1)
+    if len(h.discord_cards) > per_request:
+        broken.append(f"discord shows {len(h.discord_cards)} cards for {per_request} request(s)")
+    if len(h.telegram_cards) > 2 * per_request:
+        broken.append(f"telegram shows {len(h.telegram_cards)} cards for {per_request} request(s)")
+    if len(h.telegram_cards) > per_request and not any(REPOSTED[:13] in t for t in h.telegram_cards):
+        broken.append("a telegram card was posted again without saying so")
     return broken
 
 

@@ -72,10 +72,12 @@ class RigError(AssertionError):
 class Rig:
     """The wire fakes (Telegram, Discord, the model) and how one ``kazma run`` on them is configured and started."""
 
-    def __init__(self, tmp: Path, *, store: str, dsn: str | None) -> None:
+    def __init__(self, tmp: Path, *, store: str, dsn: str | None, web_port: int = 0, extra: str = "") -> None:
         self.tmp = tmp
         self.store = store
         self.dsn = dsn
+        self.web_port = web_port  # 0: any free port (nobody calls the console)
+        self.extra = extra  # more top-level YAML for the config (a scenario's own sections)
         self.log = tmp / "kazma.log"
         self.telegram = FakeTelegram()
         self.discord = FakeDiscord()
@@ -88,7 +90,7 @@ class Rig:
         path.write_text(
             f"""
 store: {where}
-web: {{port: 0}}
+web: {{port: {self.web_port}}}
 model: {{base_url: '{self.model.base_url}', name: {MODEL}, timeout_seconds: 60, max_retries: 0}}
 tools: {{workspace_root: '{self.tmp / "ws"}'}}
 agents: {{lead: {{tools: [shell]}}}}
@@ -106,18 +108,18 @@ platforms:
     channels: [{HOME_CHANNEL_ID}]
     home_channel: {HOME_CHANNEL_ID}
     admins: [{ALICE_ID}]
-"""
+{self.extra}"""
         )
         return path
 
-    async def start(self, failpoints: str) -> asyncio.subprocess.Process:
+    async def start(self, failpoints: str, *, replica: str = REPLICA) -> asyncio.subprocess.Process:
         env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": failpoints}
         if self.store == "postgresql":
             # A replica as deploy/compose.yaml runs one: the console's tokens and the keys every replica shares
             # (refused at start otherwise), and a name of its own that its restart keeps, so the restart ends
             # what its previous life left (under <host>:<pid> that waits for the leader to judge it gone).
             env |= {"KAZMA_WEB_TOKEN": "o" * 40, "KAZMA_WEB_READER_TOKEN": "r" * 40, **KEY_ENV}
-            env["KAZMA_REPLICA"] = REPLICA
+            env["KAZMA_REPLICA"] = replica
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", "-c", str(self.config()), "--log-format", "json", "run",
             "--poll-interval", "0.1",

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from tests.chaos import checker
+from tests.chaos.doors import API, INBOX
+from tests.chaos.replicas import CLAIM, TAKEOVER
 from tests.chaos.rig import History, run_cell
 from tests.chaos.scenario import Cell, Scenario
 
@@ -43,7 +45,7 @@ APPROVAL: Final = Scenario(
     judge=checker.judge,
 )
 
-SCENARIOS: Final[tuple[Scenario[Any], ...]] = (APPROVAL,)
+SCENARIOS: Final[tuple[Scenario[Any], ...]] = (APPROVAL, API, INBOX, CLAIM, TAKEOVER)
 
 
 def scenario_of(point: str) -> Scenario[Any]:
