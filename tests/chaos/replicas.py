@@ -108,6 +108,9 @@ async def _run_takeover(tmp: Path, cell: Cell, dsn: str | None) -> History:
                 if not await _connected(s, b, polls, identifies, started):
                     raise RigError(f"replica B, restarted, never came up leading: {s.log_tail()}")
                 await _drive_approval(s, b, h, False)
+            # what A left is judged once A has been missing longer than the lease's takeover bound: the leader
+            # says then, on every card, what became of the call (or the call ran); wait for it, bounded
+            await _until(lambda: _ended(s, h), b, 2 * STEP_SECONDS)
             await _stop_all(h, b)
         finally:
             for proc in _procs(a, b):
@@ -116,6 +119,19 @@ async def _run_takeover(tmp: Path, cell: Cell, dsn: str | None) -> History:
         h.fired = '"failpoint.fired"' in s.log.read_text(errors="replace")
         observe(s, h)
     return h
+
+
+_SAID: Final = ("did not run", "may have run", "CANCELLED", "DENIED", "TIMED OUT")
+
+
+def _ended(s: Rig, h: History) -> bool:
+    """Every card settled and saying what became of its request: it ended unapproved, the call ran, or the
+    card says that it did not run or may have run."""
+    if s.tg_live() or s.dc_live():
+        return False
+    if h.workspace.exists() and any(h.workspace.rglob(MARKER)):
+        return True
+    return all(any(words in m.text for words in _SAID) for m in s.tg_cards())  # type: ignore[attr-defined]
 
 
 TAKEOVER: Final = Scenario(
@@ -136,7 +152,7 @@ class ClaimHistory(History):
 
 
 def _discord_answers(s: Rig) -> int:
-    return sum(str(m.get("content") or "") == HELLO_ANSWER for m in s.discord.channel_messages(HOME_CHANNEL_ID))
+    return sum(HELLO_ANSWER in str(m.get("content") or "") for m in s.discord.channel_messages(HOME_CHANNEL_ID))
 
 
 async def _run_claim(tmp: Path, cell: Cell, dsn: str | None) -> ClaimHistory:
