@@ -3,7 +3,7 @@ store holds at the end, what the platforms' fakes show and what the tool really 
 
 It never asks Kazma: it reads the store's tables through a connection of its own, the fakes' messages and
 the workspace. :func:`violations` lists every broken invariant (none is the only passing answer);
-:func:`ending` names how the cell ended, in the words the matrix pins.
+:func:`ending` names how the cell ended, in the words the matrix pins; :func:`judge` gives both.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import psycopg
 
 from kazma.adapters.bus import REPOSTED
 from tests.chaos.rig import MARKER, History
+from tests.chaos.scenario import Judged
 from tests.chaos.scenario_plan import PlanHistory
 from tests.chaos.scenario_swarm import SwarmHistory, said
 
@@ -31,7 +32,7 @@ class Facts:
     marker_lines: int
 
 
-def _rows(h: History, sql: str) -> list[tuple[Any, ...]]:
+def rows(h: History, sql: str) -> list[tuple[Any, ...]]:
     if h.store == "postgresql":
         with psycopg.connect(h.where, autocommit=True) as conn:
             return [tuple(r) for r in conn.execute(sql).fetchall()]
@@ -45,15 +46,13 @@ def _rows(h: History, sql: str) -> list[tuple[Any, ...]]:
 def facts(h: History) -> Facts:
     requests = [
         (str(r[0]), str(r[1]), r[2], r[3])
-        for r in _rows(h, "SELECT id, status, decided_by, reason FROM approval_requests")
+        for r in rows(h, "SELECT id, status, decided_by, reason FROM approval_requests")
     ]
     decided = {
         str(r[0]): int(r[1])
-        for r in _rows(
-            h, "SELECT request_id, count(*) FROM approval_events WHERE event = 'decided' GROUP BY request_id"
-        )
+        for r in rows(h, "SELECT request_id, count(*) FROM approval_events WHERE event = 'decided' GROUP BY request_id")
     }
-    executions = [(str(r[0]), r[1]) for r in _rows(h, "SELECT tool, outcome FROM tool_executions")]
+    executions = [(str(r[0]), r[1]) for r in rows(h, "SELECT tool, outcome FROM tool_executions")]
     markers = list(h.workspace.rglob(MARKER)) if h.workspace.exists() else []
     lines = sum(len(p.read_text().splitlines()) for p in markers)
     return Facts(requests, decided, executions, lines)
@@ -69,14 +68,7 @@ def violations(h: History, f: Facts) -> list[str]:
             broken.append(f"request {rid} is {status} without exactly one decision recorded")
         if status == "pending":
             broken.append(f"request {rid} is still pending at the end")
-    # every card on every platform ends showing its request's outcome
-    if h.telegram_live or h.discord_live:
-        broken.append(f"cards still live: telegram {h.telegram_live}, discord {h.discord_live}")
-    statuses = {status for _, status, _, _ in f.requests}
-    for platform, cards in (("telegram", h.telegram_cards), ("discord", h.discord_cards)):
-        for text in cards:
-            if not any(_OUTCOME_WORDS[s] in text for s in statuses if s in _OUTCOME_WORDS):
-                broken.append(f"a {platform} card does not show an outcome: {text[:120]!r}")
+    broken += card_violations(h, f)
     # no tool ran unapproved or twice
     approved = [rid for rid, status, _, _ in f.requests if status == "approved"]
     if f.marker_lines > 1:
@@ -85,14 +77,6 @@ def violations(h: History, f: Facts) -> list[str]:
         broken.append("the shell call ran without an approved request")
     if f.marker_lines > len(approved):
         broken.append("more runs than approvals")
-    # no card posted twice where the platform allows idempotency; at most once more, marked, where it does not
-    per_request = max(len(f.requests), 1)
-    if len(h.discord_cards) > per_request:
-        broken.append(f"discord shows {len(h.discord_cards)} cards for {per_request} request(s)")
-    if len(h.telegram_cards) > 2 * per_request:
-        broken.append(f"telegram shows {len(h.telegram_cards)} cards for {per_request} request(s)")
-    if len(h.telegram_cards) > per_request and not any(REPOSTED[:13] in t for t in h.telegram_cards):
-        broken.append("a telegram card was posted again without saying so")
     # no inbound message lost or handled twice
     if h.asked_model > 1:
         broken.append(f"the person's message was handled {h.asked_model} times")
@@ -119,6 +103,28 @@ def violations(h: History, f: Facts) -> list[str]:
     return broken
 
 
+def card_violations(h: History, f: Facts) -> list[str]:
+    """The cards' invariants (every scenario that opens a request shares them)."""
+    broken: list[str] = []
+    # every card on every platform ends showing its request's outcome
+    if h.telegram_live or h.discord_live:
+        broken.append(f"cards still live: telegram {h.telegram_live}, discord {h.discord_live}")
+    statuses = {status for _, status, _, _ in f.requests}
+    for platform, cards in (("telegram", h.telegram_cards), ("discord", h.discord_cards)):
+        for text in cards:
+            if not any(_OUTCOME_WORDS[s] in text for s in statuses if s in _OUTCOME_WORDS):
+                broken.append(f"a {platform} card does not show an outcome: {text[:120]!r}")
+    # no card posted twice where the platform allows idempotency; at most once more, marked, where it does not
+    per_request = max(len(f.requests), 1)
+    if len(h.discord_cards) > per_request:
+        broken.append(f"discord shows {len(h.discord_cards)} cards for {per_request} request(s)")
+    if len(h.telegram_cards) > 2 * per_request:
+        broken.append(f"telegram shows {len(h.telegram_cards)} cards for {per_request} request(s)")
+    if len(h.telegram_cards) > per_request and not any(REPOSTED[:13] in t for t in h.telegram_cards):
+        broken.append("a telegram card was posted again without saying so")
+    return broken
+
+
 def ending(h: History, f: Facts) -> str:
     """How the cell ended: the process, the request, the tool — the words the matrix pins."""
     process = "died, restarted" if h.died else "hung, killed, restarted" if h.hung else "ran on"
@@ -138,6 +144,12 @@ def ending(h: History, f: Facts) -> str:
 
 def _why(reason: str) -> str:
     return reason.split(";")[0].split(":")[0].strip()[:60]
+
+
+def judge(h: History) -> Judged:
+    """The approval scenario's checker: the ending and the broken invariants of one cell's history."""
+    found = facts(h)
+    return Judged(ending(h, found), violations(h, found), h.fired)
 
 
 # -- the swarm scenario (tests/chaos/scenario_swarm.py): a task, its checkpoint card, its stages -----------------
@@ -259,3 +271,11 @@ def plan_ending(h: PlanHistory) -> str:
     )
     questions = ", ".join(f"question {status}" for _, status, _ in h.questions) or "no question"
     return f"{process} · {plans} · {steps or 'no steps'} · {questions}"
+
+
+def swarm_judge(h: SwarmHistory) -> Judged:
+    return Judged(swarm_ending(h), swarm_violations(h), h.fired)
+
+
+def plan_judge(h: PlanHistory) -> Judged:
+    return Judged(plan_ending(h), plan_violations(h), h.fired)

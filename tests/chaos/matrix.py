@@ -1,35 +1,24 @@
 """The chaos matrix: point x action x store -> the ending pinned for it (tests/chaos/test_matrix.py runs it,
 ``scripts/chaos`` prints it).
 
-Every cell runs the one scenario of :mod:`tests.chaos.rig` (an approved shell call across Telegram and
-Discord) with one failpoint armed, and the checker (:mod:`tests.chaos.checker`) must find no invariant
-broken. A cell's ending is pinned here once it has been looked at and judged right; a cell with no entry
-runs, is printed with its ending, and fails as "not pinned". ``KNOWN_BROKEN`` holds cells whose ending
-breaks an invariant today, with why: they are expected to fail until fixed (strict: a fix makes them pass,
-and the entry must then move to ``PINNED``); ``SOMETIMES_BROKEN`` those broken only under some timings.
+Every cell runs the scenario that crosses its point (:mod:`tests.chaos.scenarios`; the first, of
+:mod:`tests.chaos.rig`, an approved shell call across Telegram and Discord) with that one failpoint armed,
+and the scenario's checker (for that one, :mod:`tests.chaos.checker`) must find no invariant broken. A
+cell's ending is pinned here once it has been looked at and judged right; a cell with no entry runs, is
+printed with its ending, and fails as "not pinned". ``KNOWN_BROKEN`` holds cells whose ending breaks an
+invariant today, with why: they are expected to fail until fixed (strict: a fix makes them pass, and the
+entry must then move to ``PINNED``); ``SOMETIMES_BROKEN`` those broken only under some timings; ``LEFT_OUT``
+the cells a scenario does not run on a store, with why.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
+from tests.chaos.scenarios import APPROVAL, SCENARIOS
+
 # The failpoints the approval scenario crosses, in the order it reaches them.
-SCENARIO_POINTS: Final = (
-    "approvals.open.row",
-    "approvals.open.card_job",
-    "approvals.open.committed",
-    "bus.post",
-    "bus.post.recorded",
-    "approvals.decide.before_commit",
-    "approvals.decide.after_commit",
-    "approvals.decide.before_answer",
-    "bus.settle.sent",
-    "bus.settle.recorded",
-    "tools.verified",
-    "tools.started",
-    "tools.finished",
-    "tools.recorded",
-)
+SCENARIO_POINTS: Final = APPROVAL.points
 ACTIONS: Final = ("crash", "error", "hang", "delay:300")
 STORES: Final = ("sqlite", "postgresql")
 
@@ -193,5 +182,22 @@ CI: Final = frozenset(
 )
 
 
+# Cells that never run: a store the scenario's point is not reached on (the scenario's ``left_out``), with why.
+LEFT_OUT: Final[dict[tuple[str, str, str], str]] = {
+    (point, action, store): why
+    for scenario in SCENARIOS
+    for store, why in scenario.left_out.items()
+    for action in ACTIONS
+    for point in scenario.points
+}
+
+
 def cells() -> list[tuple[str, str, str]]:
-    return [(point, action, store) for store in STORES for action in ACTIONS for point in SCENARIO_POINTS]
+    return [
+        (point, action, store)
+        for store in STORES
+        for action in ACTIONS
+        for scenario in SCENARIOS
+        for point in scenario.points
+        if (point, action, store) not in LEFT_OUT
+    ]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,13 +30,13 @@ from tests.chaos.rig import (
     TG_ADMIN,
     TG_CHAT,
     History,
-    RigError,
-    Scenario,
-    _connected,
-    _stop,
+    Rig,
     _until,
     fakes,
+    observe,
+    run_restarting,
 )
+from tests.chaos.scenario import Cell
 from tests.chaos.scenario_swarm import rows
 from tests.fakes.openai import Completion, FakeResponse, FakeToolCall, HttpError
 
@@ -89,8 +88,10 @@ def _call(name: str, arguments: dict[str, object]) -> Completion:
     return Completion(tool_calls=(FakeToolCall(name, json.dumps(arguments)),))
 
 
-class PlanScenario(Scenario):
-    tools = "[]"
+class PlanRig(Rig):
+    def __init__(self, tmp: Path, *, store: str, dsn: str | None) -> None:
+        super().__init__(tmp, store=store, dsn=dsn, tools="[]")
+        self.replied: set[int] = set()  # question messages the person answered
 
     def script_agents(self) -> None:
         """Each agent's answer is chosen by what its request says, so a restart mid-plan gets the right one."""
@@ -150,8 +151,6 @@ class PlanScenario(Scenario):
             if QUESTION in m.text and "Question from" in m.text and m.message_id not in self.replied
         ]
 
-    replied: set[int]
-
     def answer(self, message: object) -> None:
         message_id = message.message_id  # type: ignore[attr-defined]
         self.replied.add(message_id)
@@ -161,8 +160,10 @@ class PlanScenario(Scenario):
         return any(words in m.text for m in self.telegram.bot_messages(TG_CHAT))
 
 
-async def _drive(s: PlanScenario, proc: asyncio.subprocess.Process, h: PlanHistory, *, ask: bool) -> bool:
-    """The scenario's steps on ``proc``; True when the plan ended and the person heard the lead sum up."""
+async def _drive(s: Rig, proc: asyncio.subprocess.Process, h: History, ask: bool) -> bool:
+    """The scenario's steps on ``proc``; True when the plan ended, the person heard and read ``/plan``."""
+    assert isinstance(s, PlanRig)
+    assert isinstance(h, PlanHistory)
     if ask:
         s.telegram.push_message(TG_CHAT, TG_ADMIN, ASK, username="ops")
     loop = asyncio.get_running_loop()
@@ -178,48 +179,25 @@ async def _drive(s: PlanScenario, proc: asyncio.subprocess.Process, h: PlanHisto
         if loop.time() - progress > STEP_SECONDS:
             return False  # no question to answer and no ending within the bound: stuck
         await asyncio.sleep(0.05)
-    if not s.ended():
+    if not s.ended() or not await _until(lambda: s.said(SUMMED), proc, STEP_SECONDS):
         return False
-    return await _until(lambda: s.said(SUMMED) or s.said("plan"), proc, STEP_SECONDS) and proc.returncode is None
+    # what a person reads of the plan: /plan in the group
+    before = len(s.telegram.bot_messages(TG_CHAT))
+    s.telegram.push_message(TG_CHAT, TG_ADMIN, "/plan", username="ops")
+    if not await _until(lambda: len(s.telegram.bot_messages(TG_CHAT)) > before, proc, STEP_SECONDS):
+        return False
+    h.plan_view = "\n".join(m.text for m in s.telegram.bot_messages(TG_CHAT)[before:])
+    return proc.returncode is None
 
 
-async def run_plan_cell(
-    tmp: Path, point: str, action: str, *, store: str = "sqlite", dsn: str | None = None
-) -> PlanHistory:
-    s = PlanScenario(tmp, store=store, dsn=dsn)
-    s.replied = set()
+async def run_plan_cell(tmp: Path, cell: Cell, dsn: str | None) -> PlanHistory:
+    point, action, store = cell
+    s = PlanRig(tmp, store=store, dsn=dsn)
     h = PlanHistory(point, action, store, s.where(), tmp / "ws")
     async with fakes(s):
         s.script_agents()
-        first = await s.start(f"{point}={action}" if point else "")
-        if not await _connected(s, first, 0, 0, 0):
-            await _stop(first, signal.SIGKILL)
-            raise RigError(f"the first kazma run never came up: {s.log_tail()}")
-        settled = await _drive(s, first, h, ask=True)
-        last = first
-        if first.returncode is not None:
-            h.died = True
-        elif not settled:
-            h.hung = True
-            await _stop(first, signal.SIGKILL)
-        if h.died or h.hung:
-            h.restarts = 1
-            polls, identifies = len(s.telegram.calls_to("getUpdates")), len(s.discord.identifies)
-            started = s.started()
-            last = await s.start("")
-            if not await _connected(s, last, polls, identifies, started):
-                await _stop(last, signal.SIGKILL)
-                raise RigError(f"the restarted kazma run never came up: {s.log_tail()}")
-            await _drive(s, last, h, ask=False)
-        # what a person reads of the plan: /plan in the group
-        before = len(s.telegram.bot_messages(TG_CHAT))
-        s.telegram.push_message(TG_CHAT, TG_ADMIN, "/plan", username="ops")
-        await _until(lambda: len(s.telegram.bot_messages(TG_CHAT)) > before, last, STEP_SECONDS)
-        h.plan_view = "\n".join(m.text for m in s.telegram.bot_messages(TG_CHAT)[before:])
-        h.clean_exit = await _stop(last, signal.SIGTERM) and last.returncode == 0
-        h.fired = '"failpoint.fired"' in s.log.read_text(errors="replace")
-        h.bot_texts = [m.text for m in s.telegram.bot_messages(TG_CHAT)]
-        h.telegram_live = len(s.tg_live())
+        await run_restarting(s, h, f"{point}={action}", _drive)
+        observe(s, h, ASK)
         by_prompt = {v: k for k, v in prompts().items()}
         h.asked = dict.fromkeys(AGENTS, 0)
         for r in s.model.completions:

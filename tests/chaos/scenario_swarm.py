@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sqlite3
 import sys
 from dataclasses import dataclass, field
@@ -34,15 +33,16 @@ from tests.chaos.rig import (
     TG_ADMIN,
     TG_CHAT,
     History,
-    RigError,
-    Scenario,
-    _connected,
+    Rig,
     _discord_text,
-    _stop,
     _until,
     fakes,
+    observe,
+    run_restarting,
 )
+from tests.chaos.scenario import Cell
 from tests.conftest import REPO
+from tests.fakes.discord import HOME_CHANNEL_ID
 from tests.fakes.openai import Completion, FakeToolCall
 
 ASK = "/swarm pipeline quick collect facts about the sky"
@@ -68,9 +68,11 @@ class SwarmHistory(History):
     discord_texts: list[str] = field(default_factory=list)
 
 
-class SwarmScenario(Scenario):
-    def extra_config(self) -> str:
-        return "swarm: {checkpoints: {quick: [1]}, allow_shared_operators: true}\n"
+class SwarmRig(Rig):
+    def __init__(self, tmp: Path, *, store: str, dsn: str | None) -> None:
+        super().__init__(
+            tmp, store=store, dsn=dsn, extra="swarm: {checkpoints: {quick: [1]}, allow_shared_operators: true}\n"
+        )
 
     def script_workers(self) -> None:
         prompts = worker_prompts()
@@ -140,8 +142,9 @@ def rows(store: str, where: str, sql: str) -> list[tuple[Any, ...]]:
         lite.close()
 
 
-async def _drive(s: SwarmScenario, proc: asyncio.subprocess.Process, h: History, *, ask: bool) -> bool:
-    """The scenario's steps on ``proc``; True when the task ended and every card settled."""
+async def _drive(s: Rig, proc: asyncio.subprocess.Process, h: History, ask: bool) -> bool:
+    """The scenario's steps on ``proc``; True when the task ended, every card settled and the person heard."""
+    assert isinstance(s, SwarmRig)
     if ask:
         s.telegram.push_message(TG_CHAT, TG_ADMIN, ASK, username="ops")
     seconds = STEP_SECONDS if ask else RESTART_SECONDS
@@ -157,42 +160,15 @@ async def _drive(s: SwarmScenario, proc: asyncio.subprocess.Process, h: History,
     return proc.returncode is None
 
 
-async def run_swarm_cell(
-    tmp: Path, point: str, action: str, *, store: str = "sqlite", dsn: str | None = None
-) -> SwarmHistory:
-    s = SwarmScenario(tmp, store=store, dsn=dsn)
+async def run_swarm_cell(tmp: Path, cell: Cell, dsn: str | None) -> SwarmHistory:
+    point, action, store = cell
+    s = SwarmRig(tmp, store=store, dsn=dsn)
     h = SwarmHistory(point, action, store, s.where(), tmp / "ws")
     async with fakes(s):
         s.script_workers()
-        first = await s.start(f"{point}={action}" if point else "")
-        if not await _connected(s, first, 0, 0, 0):
-            await _stop(first, signal.SIGKILL)
-            raise RigError(f"the first kazma run never came up: {s.log_tail()}")
-        settled = await _drive(s, first, h, ask=True)
-        if first.returncode is not None:
-            h.died = True
-        elif not settled:
-            h.hung = True
-            await _stop(first, signal.SIGKILL)
-        else:
-            h.clean_exit = await _stop(first, signal.SIGTERM) and first.returncode == 0
-        if h.died or h.hung:
-            h.restarts = 1
-            polls, identifies = len(s.telegram.calls_to("getUpdates")), len(s.discord.identifies)
-            started = s.started()
-            second = await s.start("")
-            if not await _connected(s, second, polls, identifies, started):
-                await _stop(second, signal.SIGKILL)
-                raise RigError(f"the restarted kazma run never came up: {s.log_tail()}")
-            await _drive(s, second, h, ask=False)
-            h.clean_exit = await _stop(second, signal.SIGTERM) and second.returncode == 0
-        h.fired = '"failpoint.fired"' in s.log.read_text(errors="replace")
-        h.telegram_cards = [m.text for m in s.tg_cards()]  # type: ignore[attr-defined]
-        h.telegram_live = len(s.tg_live())
-        h.discord_cards = [_discord_text(m) for m in s.dc_cards()]
-        h.discord_live = len(s.dc_live())
-        h.discord_texts = [_discord_text(m) for m in s.discord.channel_messages(s_home(s))]
-        h.bot_texts = [m.text for m in s.telegram.bot_messages(TG_CHAT)]
+        await run_restarting(s, h, f"{point}={action}", _drive)
+        observe(s, h, ASK)
+        h.discord_texts = [_discord_text(m) for m in s.discord.channel_messages(HOME_CHANNEL_ID)]
         prompts = worker_prompts()
         h.asked = {
             name: sum(1 for r in s.model.completions if r.body["messages"][0].get("content") == prompt)
@@ -214,9 +190,3 @@ async def run_swarm_cell(
         if h.tasks:
             h.status_exit, h.status_text = await s.status(h.tasks[0][0])
     return h
-
-
-def s_home(s: Scenario) -> int:
-    from tests.fakes.discord import HOME_CHANNEL_ID
-
-    return HOME_CHANNEL_ID
