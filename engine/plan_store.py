@@ -528,6 +528,11 @@ class PlanStore:
         )
         return None if row is None else str(row[0])
 
+    async def active_plans(self) -> list[str]:
+        """Every active plan, oldest first."""
+        rows = await self.tables.all("SELECT id FROM plans WHERE status = 'active' ORDER BY created_at", ())
+        return [str(r[0]) for r in rows]
+
     async def active_plan(self, conversation: str) -> str | None:
         row = await self.tables.one(
             "SELECT id FROM plans WHERE conversation = ? AND status = 'active' ORDER BY created_at DESC LIMIT 1",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from tests.chaos import matrix_tasks
 from tests.chaos.scenarios import APPROVAL, SCENARIOS
 
 # The failpoints the approval scenario crosses, in the order it reaches them.
@@ -143,18 +144,22 @@ def _on(store: str, ending: Ending) -> Ending:
     return tuple(e.format(cancelled=_CANCELLED[store]) for e in ending)
 
 
-PINNED: Final[dict[tuple[str, str, str], Ending]] = {
-    (point, action, store): _on(store, ending)
-    for store in STORES
-    for action, column in (("crash", CRASH), ("error", ERROR))
-    for point, ending in column.items()
-} | {
-    (point, action, "sqlite"): _on("sqlite", ending)
-    for action, column in (("hang", HANG), ("delay:300", DELAY))
-    for point, ending in column.items()
-}
+PINNED: Final[dict[tuple[str, str, str], Ending]] = (
+    {
+        (point, action, store): _on(store, ending)
+        for store in STORES
+        for action, column in (("crash", CRASH), ("error", ERROR))
+        for point, ending in column.items()
+    }
+    | {
+        (point, action, "sqlite"): _on("sqlite", ending)
+        for action, column in (("hang", HANG), ("delay:300", DELAY))
+        for point, ending in column.items()
+    }
+    | matrix_tasks.PINNED
+)  # the plan, swarm and MCP scenarios' cells
 
-KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {}
+KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {} | matrix_tasks.KNOWN_BROKEN
 
 # Broken only when the timing falls a certain way (seen under load, not alone): expected to fail sometimes.
 SOMETIMES_BROKEN: Final[dict[tuple[str, str, str], str]] = {}

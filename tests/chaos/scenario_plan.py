@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,7 @@ def _asked_to_decide(messages: list[Any]) -> bool:
     return False
 
 
-def _call(name: str, arguments: dict[str, object]) -> Completion:
+def _call(name: str, arguments: Mapping[str, object]) -> Completion:
     return Completion(tool_calls=(FakeToolCall(name, json.dumps(arguments)),))
 
 

@@ -1,0 +1,62 @@
+"""The endings pinned for the plan, swarm and MCP scenarios' cells (:mod:`tests.chaos.matrix` joins them to
+its own): point x action x store -> ending, in the words of :func:`tests.chaos.checker.plan_ending`,
+:func:`~tests.chaos.checker.swarm_ending` and :func:`~tests.chaos.checker.ending`."""
+
+from __future__ import annotations
+
+from typing import Final
+
+_RESTART = "died, restarted"
+
+# -- the swarm scenario: /swarm pipeline quick (researcher, checkpoint, builder -> handoff -> validator) ---------
+
+# crash: the process dies at the point; the restart calls a task it left running interrupted (said in the
+# conversation with the stage it stopped in, the journal's answers kept and shown); a paused one waits again.
+SWARM_CRASH: Final[dict[str, str]] = {
+    # on disk RUNNING, nothing started: interrupted, nothing kept, nothing re-ran
+    "swarm.admitted": f"{_RESTART} · task interrupted · no checkpoint · 0 stage answer(s) kept",
+    "swarm.step.started": f"{_RESTART} · task interrupted · no checkpoint · 0 stage answer(s) kept",
+    # the researcher answered, its journal entry not written: its answer is lost with the process, said so
+    "swarm.step.finished": f"{_RESTART} · task interrupted · no checkpoint · 0 stage answer(s) kept",
+    # the card and the paused row are one transaction: it died, neither is there; stage 1's answer is kept
+    "swarm.checkpoint.card": f"{_RESTART} · task interrupted · no checkpoint · 1 stage answer(s) kept",
+    # card and paused row committed: the restart waits at the checkpoint again, the card (still live) is
+    # pressed, the task resumes and succeeds
+    "swarm.checkpoint.paused": f"{_RESTART} · task succeeded · checkpoint approved · 2 stage answer(s) kept",
+    # approved and RUNNING again, the next stage not started (or its handoff not called): interrupted, stage 1 kept
+    "swarm.resumed": f"{_RESTART} · task interrupted · checkpoint approved · 1 stage answer(s) kept",
+    "swarm.handoff": f"{_RESTART} · task interrupted · checkpoint approved · 1 stage answer(s) kept",
+    # every stage journaled, the ending not stored: interrupted, both stages' answers kept and shown
+    "swarm.result.stored": f"{_RESTART} · task interrupted · checkpoint approved · 2 stage answer(s) kept",
+}
+
+SWARM_ERROR: Final[dict[str, str]] = {}
+
+# -- the MCP scenario: tracker/create_issue over stdio, approved on Telegram -----------------------------------
+
+MCP_CRASH: Final = {
+    # the execution's row was committed before the call: after the crash it reads "may have run", on every card
+    # and in the conversation; the server never got the call
+    "mcp.call": f"{_RESTART} · approved · tool did not run (may have run: recorded lost)",
+}
+MCP_ERROR: Final = {
+    # the server's stream breaks before the call: the server is restarted, the call answered "may or may not
+    # have acted"; it did not reach the server
+    "mcp.call": "ran on · approved · tool did not run",
+}
+
+# -- the plan scenario ----------------------------------------------------------------------------------------
+
+PLAN_CRASH: Final[dict[str, str]] = {}
+PLAN_ERROR: Final[dict[str, str]] = {}
+
+PINNED: Final[dict[tuple[str, str, str], str | tuple[str, ...]]] = {
+    (point, action, "sqlite"): ending
+    for action, column in (
+        ("crash", {**SWARM_CRASH, **MCP_CRASH, **PLAN_CRASH}),
+        ("error", {**SWARM_ERROR, **MCP_ERROR, **PLAN_ERROR}),
+    )
+    for point, ending in column.items()
+}
+
+KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {}
