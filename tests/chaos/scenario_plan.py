@@ -141,10 +141,11 @@ class PlanRig(Rig):
         found = self.plan_rows()
         return bool(found) and all(status != "active" for _, status in found)
 
-    def open_questions(self) -> list[object]:
+    def open_questions(self, *, restarted: bool) -> list[object]:
         """Question messages in the group not answered by the person yet (a restart may show one again), once
-        the sub-agent's asking turn has ended (its "waiting" line is out): a person answers what they read."""
-        if not self.said(WAITING):
+        the sub-agent's asking turn has ended (its "waiting" line is out; after a restart that turn may have
+        died with the process, and the question shown again is answered as it comes)."""
+        if not restarted and not self.said(WAITING):
             return []
         return [
             m
@@ -171,7 +172,7 @@ async def _drive(s: Rig, proc: asyncio.subprocess.Process, h: History, ask: bool
     end = loop.time() + (STEP_SECONDS * 3 if ask else RESTART_SECONDS + STEP_SECONDS * 2)
     progress = loop.time()
     while loop.time() < end and proc.returncode is None:
-        for question in s.open_questions():
+        for question in s.open_questions(restarted=not ask):
             s.answer(question)
             h.replies += 1
             progress = loop.time()
