@@ -244,6 +244,13 @@ class PlanExecutor:
                 log.info("plan.question_shown_again", plan_id=plan.id, question=question.id)
                 actions.append(Action(ActionKind.ASK_USER, plan, plan.steps.get(question.step), question=question))
         if live is None:
+            for question in await self.store.answered_unresumed():
+                plan = await self.store.load(question.plan_id)
+                if plan is None or question.answer is None:
+                    continue
+                log.warning("plan.answer_taken_at_start", plan_id=plan.id, question=question.id)
+                async with self._locks[plan.conversation]:
+                    actions += await self._take_answer(plan.id, question, question.answer, question.answered_by or "")
             actions += await self._move_idle_plans_on(skip={plan_id for plan_id, _ in failed})
         return failed, actions
 

@@ -420,6 +420,17 @@ class PlanStore:
         )
         return [_question(r) for r in rows]
 
+    async def answered_unresumed(self) -> list[Question]:
+        """Questions answered whose step still waits for a person: the answer committed, the step never resumed
+        (a process that died between the two)."""
+        columns = ", ".join(f"q.{c.strip()}" for c in _QUESTION_COLUMNS.split(","))
+        rows = await self.tables.all(
+            f"SELECT {columns} FROM plan_questions q JOIN plan_steps s ON s.plan_id = q.plan_id AND s.idx = q.step"  # noqa: S608
+            " WHERE q.status = 'answered' AND s.status = ? AND q.attempt = s.attempts ORDER BY q.created_at",
+            (StepStatus.WAITING_FOR_USER.value,),
+        )
+        return [_question(r) for r in rows]
+
     async def question_posted(self, question_id: str, message_id: str) -> None:
         await self.tables.run("UPDATE plan_questions SET message_id = ? WHERE id = ?", (message_id, question_id))
 

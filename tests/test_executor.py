@@ -574,3 +574,31 @@ async def test_a_restart_moves_on_a_plan_whose_step_ended_just_before_the_proces
         assert await ex.recover() == [(done.id, 2)]  # step 2 was running when this "process" started
         assert d.asked_lead == [(done.id, 2)]
         assert d.dispatched() == []
+
+
+async def test_a_restart_resumes_a_step_whose_answer_was_recorded_just_before_the_process_died(
+    store_engine: Engine,
+) -> None:
+    """The answer commits before the step resumes; a process that died between the two left the step waiting for
+    a person with no question open, for good (found by plan.question.answered=crash). The next start resumes
+    it with the answer given, once."""
+    async with executor(store_engine.where) as (ex, d):
+        plan = await ex.start("telegram:-1", spec(step(1), step(2)), PlanOrigin("go", REQUESTER))
+        question = await ex.ask_user(plan.id, 1, 1, "prod or staging?", ["prod", "staging"], asked_by="researcher")
+        # what answer() commits, and then the process dies before _take_answer
+        assert await ex.store.settle_question(question.id, "answered", answer="staging", actor=REQUESTER)
+    async with executor(store_engine.where) as (ex, d):  # the next start
+        assert await ex.recover() == []
+        [resume] = [a for a in d.actions if a.kind is ActionKind.RESUME]
+        assert resume.step is not None
+        assert resume.step.index == 1
+        assert "staging" in resume.text
+        assert not [a for a in d.actions if a.kind is ActionKind.ASK_USER]  # answered: not asked again
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.steps[1].status is StepStatus.IN_PROGRESS
+        assert await ex.complete(plan.id, 1, StepResult(ok=True, summary="deployed to staging"), attempt=1)
+        assert d.dispatched()[-1] == (plan.id, 2)
+    async with executor(store_engine.where) as (ex, d):  # resumed once: a later start does not again
+        assert await ex.recover() == [(plan.id, 2)]
+        assert not [a for a in d.actions if a.kind is ActionKind.RESUME]

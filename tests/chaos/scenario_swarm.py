@@ -98,7 +98,9 @@ class SwarmRig(Rig):
             found = self.tasks()
         except (sqlite3.Error, psycopg.Error):
             return False  # the store is not written yet
-        return bool(found) and all(status not in ("running", "paused") for _, status, _ in found)
+        if not found:  # refused before anything started: the person was told so
+            return any("nothing started" in m.text for m in self.telegram.bot_messages(TG_CHAT))
+        return all(status not in ("running", "paused") for _, status, _ in found)
 
     def heard(self) -> bool:
         """Every task's ending reached its conversation (what a person reads: ``swarm task <id> <status>``)."""
