@@ -561,9 +561,18 @@ async def test_an_ending_written_without_its_run_keeps_the_journaled_answers_vis
         assert await store.pause(waiting, "checkpoint after stage 1")
         assert await store.cancel(stopped.task_id, actor="shutdown", result={"interrupted_by": "shutdown"})
         assert await store.cancel(waiting.task_id, actor="telegram:111")
+        # a run that fails without listing its workers (its checkpoint could not be opened)
+        unopened = await admit(store)
+        assert await store.journal(unopened, 0, "researcher", ok("researcher", "FACTS: kept when it failed"))
+        assert await store.finish(unopened, TaskStatus.FAILED, result={"execution": {}}, error="gate not opened")
     async with opened(path) as store:
         await store.recover()
-        for run, words in ((crashed, "the sky is blue"), (stopped, "kept at the stop"), (waiting, "kept while")):
+        for run, words in (
+            (crashed, "the sky is blue"),
+            (stopped, "kept at the stop"),
+            (waiting, "kept while"),
+            (unopened, "kept when it failed"),
+        ):
             record = await store.get(run.task_id)
             assert record is not None
             assert record.status.terminal

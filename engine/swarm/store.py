@@ -780,14 +780,16 @@ class SwarmTaskStore(CallRecords):
         sources = allowed_from(status)
         marks = ", ".join("?" for _ in sources)
 
-        def write(db: SqlStatements) -> Awaitable[int]:
+        async def write(db: SqlStatements) -> int:
             now = self.clock()
-            return db.run(
+            # an ending that lists no workers (a failed checkpoint, a crashed run) keeps the journal's answers
+            kept = result_json if status is TaskStatus.SUCCEEDED else await _with_kept(db, run.task_id, result_json)
+            return await db.run(
                 "UPDATE swarm_tasks SET status = ?, result_json = ?, error = ?, updated_at = ?, finished_at = ?"  # noqa: S608
                 f" WHERE id = ? AND generation = ? AND run_id = ? AND status IN ({marks})",
                 (
                     status.value,
-                    result_json,
+                    kept,
                     error,
                     now,
                     now,

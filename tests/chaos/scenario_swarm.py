@@ -62,6 +62,7 @@ class SwarmHistory(History):
     tasks: list[tuple[str, str, str | None]] = field(default_factory=list)  # id, status, error
     steps: list[tuple[str, int, str, bool, str]] = field(default_factory=list)  # task, idx, worker, ok, output
     checkpoints: list[tuple[str, str, str]] = field(default_factory=list)  # approval id, status, requested_by
+    retries: dict[str, int] = field(default_factory=dict)  # worker -> calls recorded as a retry (attempt > 1)
     asked: dict[str, int] = field(default_factory=dict)  # worker -> model requests under its system prompt
     status_text: str = ""  # `kazma swarm status <task>` after the end, for the (first) task
     status_exit: int | None = None
@@ -189,6 +190,12 @@ async def run_swarm_cell(tmp: Path, cell: Cell, dsn: str | None) -> SwarmHistory
                 "SELECT id, status, requested_by FROM approval_requests WHERE tool = 'pipeline_checkpoint'",
             )
         ]
+        h.retries = {
+            str(r[0]): int(r[1])
+            for r in rows(
+                store, s.where(), "SELECT worker, count(*) FROM swarm_calls WHERE attempt > 1 GROUP BY worker"
+            )
+        }
         if h.tasks:
             h.status_exit, h.status_text = await s.status(h.tasks[0][0])
     return h
