@@ -18,7 +18,7 @@ from kazma.adapters.bus import REPOSTED
 from tests.chaos.rig import MARKER, History
 from tests.chaos.scenario import Judged
 from tests.chaos.scenario_plan import PlanHistory
-from tests.chaos.scenario_swarm import SwarmHistory, said
+from tests.chaos.scenario_swarm import SwarmHistory, told
 
 # What a settled card says of each outcome (adapters/card_layout.py).
 _OUTCOME_WORDS = {"approved": "APPROVED", "denied": "DENIED", "timeout": "TIMED OUT", "cancelled": "CANCELLED"}
@@ -167,12 +167,13 @@ def swarm_violations(h: SwarmHistory) -> list[str]:
     if not h.tasks and not any("nothing started" in t or "unavailable" in t for t in said_texts):
         broken.append("no task was admitted and the person was not told")
     statuses = {task_id: status for task_id, status, _ in h.tasks}
+    errors = {task_id: error for task_id, _, error in h.tasks}
     for task_id, status in statuses.items():
         # every task ends in a state a person can read: in the store, in its conversation, in `kazma swarm status`
         if status not in _TERMINAL:
             broken.append(f"task {task_id} is still {status} at the end")
             continue
-        if not any(said(t, task_id, status) for t in said_texts):
+        if not told(said_texts, task_id, status, errors[task_id]):
             broken.append(f"task {task_id} ended {status} and its conversation was not told")
         wrong = sorted({w for w in _TERMINAL if w != status for t in said_texts if f"swarm task {task_id} {w}" in t})
         if wrong:

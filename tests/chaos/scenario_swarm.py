@@ -106,7 +106,7 @@ class SwarmRig(Rig):
     def heard(self) -> bool:
         """Every task's ending reached its conversation (what a person reads: ``swarm task <id> <status>``)."""
         texts = [m.text for m in self.telegram.bot_messages(TG_CHAT)]
-        return all(any(said(text, task_id, status) for text in texts) for task_id, status, _ in self.tasks())
+        return all(told(texts, task_id, status, error) for task_id, status, error in self.tasks())
 
     def env(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": ""}
@@ -130,6 +130,14 @@ def said(text: str, task_id: str, status: str) -> bool:
     return f"swarm task {task_id} {status}" in text or (
         status == "interrupted" and task_id in text and "interrupted" in text
     )
+
+
+def told(texts: list[str], task_id: str, status: str, error: str | None) -> bool:
+    """The person heard the task's ending: said by its id, or — a task whose row was written and then refused
+    before anything started (``not started: …``) — the refusal's own words."""
+    if any(said(text, task_id, status) for text in texts):
+        return True
+    return (error or "").startswith("not started") and any("nothing started" in text for text in texts)
 
 
 def rows(store: str, where: str, sql: str) -> list[tuple[Any, ...]]:
