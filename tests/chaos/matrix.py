@@ -168,22 +168,25 @@ SOMETIMES_BROKEN: Final[dict[tuple[str, str, str], str]] = {}
 # boundary (open, post, decide, settle, execute); on PostgreSQL the three whose ending rests on a restarted
 # replica ending what its previous life left (a card found again by its nonce and cancelled, an approved call
 # said not to have run, an execution said to have maybe run). The rest: KAZMA_CHAOS=all or scripts/chaos.
-CI: Final = frozenset(
-    [
-        (point, "crash", "sqlite")
-        for point in (
-            "approvals.open.committed",
-            "bus.post",
-            "approvals.decide.after_commit",
-            "bus.settle.sent",
-            "tools.started",
-            "tools.finished",
-        )
-    ]
-    + [
-        (point, "crash", "postgresql")
-        for point in ("bus.post.recorded", "approvals.decide.after_commit", "tools.started")
-    ]
+CI: Final = (
+    frozenset(
+        [
+            (point, "crash", "sqlite")
+            for point in (
+                "approvals.open.committed",
+                "bus.post",
+                "approvals.decide.after_commit",
+                "bus.settle.sent",
+                "tools.started",
+                "tools.finished",
+            )
+        ]
+        + [
+            (point, "crash", "postgresql")
+            for point in ("bus.post.recorded", "approvals.decide.after_commit", "tools.started")
+        ]
+    )
+    | matrix_tasks.CI
 )
 
 

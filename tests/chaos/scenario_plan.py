@@ -186,9 +186,13 @@ async def _drive(s: Rig, proc: asyncio.subprocess.Process, h: History, ask: bool
     # what a person reads of the plan: /plan in the group
     before = len(s.telegram.bot_messages(TG_CHAT))
     s.telegram.push_message(TG_CHAT, TG_ADMIN, "/plan", username="ops")
-    if not await _until(lambda: len(s.telegram.bot_messages(TG_CHAT)) > before, proc, STEP_SECONDS):
+
+    def views() -> list[str]:  # its answer, among whatever else the group is told meanwhile
+        return [m.text for m in s.telegram.bot_messages(TG_CHAT)[before:] if "Plan " in m.text or "plan" in m.text]
+
+    if not await _until(lambda: bool(views()), proc, STEP_SECONDS):
         return False
-    h.plan_view = "\n".join(m.text for m in s.telegram.bot_messages(TG_CHAT)[before:])
+    h.plan_view = "\n".join(views())
     return proc.returncode is None
 
 
