@@ -214,10 +214,15 @@ async def run_plan_cell(tmp: Path, cell: Cell, dsn: str | None) -> PlanHistory:
         h.plans = s.plan_rows()
         h.steps = [
             (str(r[0]), int(r[1]), str(r[2]), str(r[3]), str(r[4]), int(r[5]))
-            for r in rows(store, where, "SELECT plan_id, idx, title, status, failure_reason, attempts FROM plan_steps")
+            for r in rows(
+                store,
+                where,
+                "SELECT plan_id, idx, title, status, failure_reason, attempts FROM plan_steps ORDER BY plan_id, idx",
+            )
         ]
         h.questions = [
-            (str(r[0]), str(r[1]), r[2]) for r in rows(store, where, "SELECT id, status, answer FROM plan_questions")
+            (str(r[0]), str(r[1]), r[2])
+            for r in rows(store, where, "SELECT id, status, answer FROM plan_questions ORDER BY created_at")
         ]
         h.events = {
             str(r[0]): int(r[1]) for r in rows(store, where, "SELECT kind, count(*) FROM plan_events GROUP BY kind")

@@ -188,7 +188,9 @@ async def run_swarm_cell(tmp: Path, cell: Cell, dsn: str | None) -> SwarmHistory
         h.tasks = s.tasks()
         h.steps = [
             (str(r[0]), int(r[1]), str(r[2]), bool(r[3]), str(r[4]))
-            for r in rows(store, s.where(), "SELECT task_id, idx, worker, ok, output FROM swarm_steps")
+            for r in rows(
+                store, s.where(), "SELECT task_id, idx, worker, ok, output FROM swarm_steps ORDER BY task_id, idx"
+            )
         ]
         h.checkpoints = [
             (str(r[0]), str(r[1]), str(r[2]))
