@@ -91,8 +91,10 @@ async def _run_takeover(tmp: Path, cell: Cell, dsn: str | None) -> History:
             if not await _started(s, b, 1):
                 raise RigError(f"replica B never came up: {s.log_tail()}")
             s.telegram.push_message(TG_CHAT, TG_ADMIN, ASK, username="ops")
-            if not await _until(lambda: bool(s.tg_live()), a, STEP_SECONDS):
-                raise RigError(f"the lead on replica A never asked for its call: {s.log_tail()}")
+            # A dies once both cards are out and recorded (a card posted and not yet recorded is the cells of
+            # bus.post.recorded; here the takeover is what is faulted)
+            if not await _until(lambda: len(rows(h, _RECORDED)) >= 2, a, STEP_SECONDS):
+                raise RigError(f"the lead on replica A never had its call's cards out: {s.log_tail()}")
             polls, identifies, started = len(s.telegram.calls_to("getUpdates")), len(s.discord.identifies), s.started()
             await _stop(a, signal.SIGKILL)  # the leader dies, the call's waiter with it
             h.restarts = 1  # the process waiting for the request is gone: an approval must say the call did not run
@@ -121,6 +123,7 @@ async def _run_takeover(tmp: Path, cell: Cell, dsn: str | None) -> History:
     return h
 
 
+_RECORDED: Final = "SELECT platform FROM approval_cards WHERE platform IN ('telegram', 'discord')"
 _SAID: Final = ("did not run", "may have run", "CANCELLED", "DENIED", "TIMED OUT")
 
 
@@ -149,6 +152,7 @@ TAKEOVER: Final = Scenario(
 @dataclass
 class ClaimHistory(History):
     answers: int = 0  # the lead's answers to the message, in the Discord channel
+    key: str = ""  # the person's message's claim key
 
 
 def _discord_answers(s: Rig) -> int:
@@ -169,7 +173,8 @@ async def _run_claim(tmp: Path, cell: Cell, dsn: str | None) -> ClaimHistory:
             b = await s.start("", replica=B)
             if not await _started(s, b, 1):
                 raise RigError(f"replica B never came up: {s.log_tail()}")
-            await s.discord.user_message(HOME_CHANNEL_ID, HELLO, mentions=[s.discord.bot])
+            sent = await s.discord.user_message(HOME_CHANNEL_ID, HELLO, mentions=[s.discord.bot])
+            h.key = f"message:{sent['id']}"
             # answered by whoever leads, within the bound (B: once A is gone and B holds the gateway)
             answered = await _until(lambda: _discord_answers(s) > 0, b, 2 * STEP_SECONDS)
             if a.returncode is not None:
@@ -203,15 +208,15 @@ def _judge_claim(h: ClaimHistory) -> Judged:
         broken.append(f"the lead answered one message {h.answers} times")
     if h.asked_model > 1:
         broken.append(f"the person's message was handled {h.asked_model} times")
-    claims = rows(h, "SELECT replica, done_at FROM inbound_claims WHERE platform = 'discord'")
+    claims = [r for r in rows(h, "SELECT event_key, replica, done_at FROM inbound_claims") if r[0] == h.key]
     if len(claims) > 1:
         broken.append(f"one message claimed {len(claims)} times")
-    if any(done is None for _, done in claims) and h.answers:
+    if any(done is None for _, _, done in claims) and h.answers:
         broken.append("the message was answered, its claim never marked taken in")
     if not h.clean_exit:
         broken.append("a replica did not stop cleanly")
     said = {0: "not answered", 1: "answered once"}.get(h.answers, f"answered {h.answers} times")
-    by = f" by {claims[0][0]}" if len(claims) == 1 and h.answers else ""
+    by = f" by {claims[0][1]}" if len(claims) == 1 and h.answers else ""
     return Judged(f"{process_words(h)} · {said}{by}", broken, h.fired)
 
 
