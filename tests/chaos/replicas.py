@@ -128,13 +128,17 @@ _SAID: Final = ("did not run", "may have run", "CANCELLED", "DENIED", "TIMED OUT
 
 
 def _ended(s: Rig, h: History) -> bool:
-    """Every card settled and saying what became of its request: it ended unapproved, the call ran, or the
-    card says that it did not run or may have run."""
+    """Every card settled and saying what became of its request (it ended unapproved, the call ran, or the card
+    says that it did not run or may have run: then the conversation was told so too)."""
     if s.tg_live() or s.dc_live():
         return False
     if h.workspace.exists() and any(h.workspace.rglob(MARKER)):
         return True
-    return all(any(words in m.text for words in _SAID) for m in s.tg_cards())  # type: ignore[attr-defined]
+    cards = [str(m.text) for m in s.tg_cards()]  # type: ignore[attr-defined]
+    if not all(any(words in text for words in _SAID) for text in cards):
+        return False
+    told = [m.text for m in s.telegram.bot_messages(TG_CHAT) if m.text not in cards]
+    return all(any(words in text for text in told) for words in _SAID[:2] if any(words in c for c in cards))
 
 
 TAKEOVER: Final = Scenario(
