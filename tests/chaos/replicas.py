@@ -91,8 +91,10 @@ async def _run_takeover(tmp: Path, cell: Cell, dsn: str | None) -> History:
             if not await _started(s, b, 1):
                 raise RigError(f"replica B never came up: {s.log_tail()}")
             s.telegram.push_message(TG_CHAT, TG_ADMIN, ASK, username="ops")
-            if not await _until(lambda: bool(s.tg_live()), a, STEP_SECONDS):
-                raise RigError(f"the lead on replica A never asked for its call: {s.log_tail()}")
+            # A dies once both cards are out and recorded (a card posted and not yet recorded is the cells of
+            # bus.post.recorded; here the takeover is what is faulted)
+            if not await _until(lambda: len(rows(h, _RECORDED)) >= 2, a, STEP_SECONDS):
+                raise RigError(f"the lead on replica A never had its call's cards out: {s.log_tail()}")
             polls, identifies, started = len(s.telegram.calls_to("getUpdates")), len(s.discord.identifies), s.started()
             await _stop(a, signal.SIGKILL)  # the leader dies, the call's waiter with it
             h.restarts = 1  # the process waiting for the request is gone: an approval must say the call did not run
@@ -121,17 +123,22 @@ async def _run_takeover(tmp: Path, cell: Cell, dsn: str | None) -> History:
     return h
 
 
+_RECORDED: Final = "SELECT platform FROM approval_cards WHERE platform IN ('telegram', 'discord')"
 _SAID: Final = ("did not run", "may have run", "CANCELLED", "DENIED", "TIMED OUT")
 
 
 def _ended(s: Rig, h: History) -> bool:
-    """Every card settled and saying what became of its request: it ended unapproved, the call ran, or the
-    card says that it did not run or may have run."""
+    """Every card settled and saying what became of its request (it ended unapproved, the call ran, or the card
+    says that it did not run or may have run: then the conversation was told so too)."""
     if s.tg_live() or s.dc_live():
         return False
     if h.workspace.exists() and any(h.workspace.rglob(MARKER)):
         return True
-    return all(any(words in m.text for words in _SAID) for m in s.tg_cards())  # type: ignore[attr-defined]
+    cards = [str(m.text) for m in s.tg_cards()]  # type: ignore[attr-defined]
+    if not all(any(words in text for words in _SAID) for text in cards):
+        return False
+    told = [m.text for m in s.telegram.bot_messages(TG_CHAT) if m.text not in cards]
+    return all(any(words in text for text in told) for words in _SAID[:2] if any(words in c for c in cards))
 
 
 TAKEOVER: Final = Scenario(
@@ -149,6 +156,7 @@ TAKEOVER: Final = Scenario(
 @dataclass
 class ClaimHistory(History):
     answers: int = 0  # the lead's answers to the message, in the Discord channel
+    key: str = ""  # the person's message's claim key
 
 
 def _discord_answers(s: Rig) -> int:
@@ -169,7 +177,8 @@ async def _run_claim(tmp: Path, cell: Cell, dsn: str | None) -> ClaimHistory:
             b = await s.start("", replica=B)
             if not await _started(s, b, 1):
                 raise RigError(f"replica B never came up: {s.log_tail()}")
-            await s.discord.user_message(HOME_CHANNEL_ID, HELLO, mentions=[s.discord.bot])
+            sent = await s.discord.user_message(HOME_CHANNEL_ID, HELLO, mentions=[s.discord.bot])
+            h.key = f"message:{sent['id']}"
             # answered by whoever leads, within the bound (B: once A is gone and B holds the gateway)
             answered = await _until(lambda: _discord_answers(s) > 0, b, 2 * STEP_SECONDS)
             if a.returncode is not None:
@@ -203,15 +212,15 @@ def _judge_claim(h: ClaimHistory) -> Judged:
         broken.append(f"the lead answered one message {h.answers} times")
     if h.asked_model > 1:
         broken.append(f"the person's message was handled {h.asked_model} times")
-    claims = rows(h, "SELECT replica, done_at FROM inbound_claims WHERE platform = 'discord'")
+    claims = [r for r in rows(h, "SELECT event_key, replica, done_at FROM inbound_claims") if r[0] == h.key]
     if len(claims) > 1:
         broken.append(f"one message claimed {len(claims)} times")
-    if any(done is None for _, done in claims) and h.answers:
+    if any(done is None for _, _, done in claims) and h.answers:
         broken.append("the message was answered, its claim never marked taken in")
     if not h.clean_exit:
         broken.append("a replica did not stop cleanly")
     said = {0: "not answered", 1: "answered once"}.get(h.answers, f"answered {h.answers} times")
-    by = f" by {claims[0][0]}" if len(claims) == 1 and h.answers else ""
+    by = f" by {claims[0][1]}" if len(claims) == 1 and h.answers else ""
     return Judged(f"{process_words(h)} · {said}{by}", broken, h.fired)
 
 
