@@ -119,7 +119,7 @@ KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {
     ),
 }
 
-PINNED: Final[dict[tuple[str, str, str], str | tuple[str, ...]]] = {
+PINNED: Final[dict[tuple[str, str, str], str]] = {
     (point, "crash", store): ending
     for store in ("sqlite", "postgresql")
     for point, ending in _CRASH.items()
