@@ -187,7 +187,7 @@ OTHERS: Final[dict[str, dict[tuple[str, str], Ending]]] = {
 PINNED: Final[dict[tuple[str, str, str], Ending]] = (
     _APPROVAL_PINNED
     | {(point, action, store): ending for point, column in OTHERS.items() for (action, store), ending in column.items()}
-    | matrix_tasks.PINNED  # the plan, swarm and MCP scenarios' cells
+    | dict[tuple[str, str, str], Ending](matrix_tasks.PINNED)  # the plan, swarm and MCP scenarios' cells
 )
 
 _LOST_WITH_THE_LEADER = (
