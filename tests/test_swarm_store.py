@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import sqlite3
 import sys
 import textwrap
@@ -583,3 +584,14 @@ async def test_an_ending_written_without_its_run_keeps_the_journaled_answers_vis
         assert stopped_record is not None
         assert stopped_record.result is not None
         assert stopped_record.result["interrupted_by"] == "shutdown"  # what the stop wrote stays
+
+
+async def test_a_task_id_never_starts_with_a_dash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kazma swarm status -EGG…` reads the id as an option (found by the chaos matrix: a task the person could
+    not look up); the id drawn is drawn again until it does not start with one."""
+    drawn = iter(["-EGGT4WeXA1t", "EGGT4WeXA1tx"])
+    real = secrets.token_urlsafe
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n=None: next(drawn) if n == 9 else real(n))
+    async with opened(tmp_path / "s.db") as store:
+        run = await admit(store)
+    assert run.task_id == "EGGT4WeXA1tx"

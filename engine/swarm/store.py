@@ -397,6 +397,14 @@ def _utc(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=UTC)
 
 
+def new_task_id() -> str:
+    """A task's id: 72 random bits, URL-safe, never starting with ``-`` (``kazma swarm status -x…`` reads an
+    id like that as an option, and the person cannot look the task up)."""
+    while (task_id := secrets.token_urlsafe(9)).startswith("-"):
+        continue
+    return task_id
+
+
 async def _with_kept(db: SqlStatements, task_id: str, result_json: str | None) -> str | None:
     """``result_json`` with the answers the task's journal kept (``workers``, as a run's own ending lists them),
     for an ending written without its run (a crash, a stop, a cancel): what was kept must be visible wherever
@@ -556,7 +564,7 @@ class SwarmTaskStore(CallRecords):
         ``workers`` are the ones the task names: :meth:`tasks_of` finds it by any of them.
         """
         body_json = json.dumps({"pattern": str(pattern), **request}, sort_keys=True)
-        run = TaskRun(secrets.token_urlsafe(9), 1, secrets.token_urlsafe(12))
+        run = TaskRun(new_task_id(), 1, secrets.token_urlsafe(12))
         now = self.clock()
 
         values = (run.task_id, str(pattern), TaskStatus.RUNNING.value, run.generation, run.run_id,
