@@ -176,7 +176,16 @@ OTHERS: Final[dict[str, dict[tuple[str, str], Ending]]] = {
         # the poll stuck with the update kept: killed as stuck, the restart takes it over from the inbox
         ("hang", "postgresql"): "hung, killed, restarted · answered once (taken over from the inbox)",
     },
-    "leader.takeover": {},
+    # A, the leader waiting for the call, killed with its cards out; B takes the lease at the point: crashing
+    # there (restarted), its duties failing (it gives the lease up and takes it again), stuck (killed,
+    # restarted) or late, B leads, the person's press approves the call nobody waits for, and once A counts as
+    # gone B says on every card and in the conversation that it did not run
+    "leader.takeover": {
+        ("crash", "postgresql"): f"{_RESTART} · approved · tool did not run",
+        ("error", "postgresql"): "ran on · approved · tool did not run",
+        ("hang", "postgresql"): "hung, killed, restarted · approved · tool did not run",
+        ("delay:300", "postgresql"): "ran on · approved · tool did not run",
+    },
     # a claim's error is let through (the platform was told it arrived): handled here
     "inbound.claim": {
         ("error", "postgresql"): "ran on · answered once by chaos-a",
