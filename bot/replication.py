@@ -140,6 +140,7 @@ class Replication:
         self.absence = self.lease.timing.takeover_bound  # missing this long: gone (see settled_live)
         self._first_look: float | None = None
         self._seen: dict[str, float] = {}
+        self._stopping = False
 
     @property
     def is_leader(self) -> bool:
@@ -158,6 +159,7 @@ class Replication:
         log.info("replica.started", replica=self.replica)
 
     async def stop(self) -> None:
+        self._stopping = True  # a step-down in flight does not ask for the lease again
         await self.lease.stop()  # the lock goes with the connection: another replica leads at once
         await self.listener.stop()
         await self._tasks.stop()
@@ -227,6 +229,16 @@ class Replication:
         except Exception as exc:
             count_failure("leader_duties")
             log.exception("replica.lead_failed", replica=self.replica, error=str(exc))
+            # A leader whose duties never started polls no platform and sweeps nothing, and while it holds the
+            # lease no other replica can: it gives the lease up, and another replica (or this one, asking
+            # again) takes it and starts them.
+            self._tasks.spawn(self._step_down(f"its leader duties failed to start: {exc}"), name="kazma-step-down")
+
+    async def _step_down(self, reason: str) -> None:
+        await self.lease.stop()  # the lock goes with the connection
+        await self._lost(reason)  # what of the duties did start is stopped
+        if not self._stopping:
+            self.lease.start()
 
     async def _lost(self, reason: str) -> None:
         log.warning("replica.following", replica=self.replica, reason=reason)

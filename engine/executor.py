@@ -243,7 +243,56 @@ class PlanExecutor:
             if plan is not None:
                 log.info("plan.question_shown_again", plan_id=plan.id, question=question.id)
                 actions.append(Action(ActionKind.ASK_USER, plan, plan.steps.get(question.step), question=question))
+        if live is None:
+            for question in await self.store.answered_unresumed():
+                plan = await self.store.load(question.plan_id)
+                if plan is None or question.answer is None:
+                    continue
+                log.warning("plan.answer_taken_at_start", plan_id=plan.id, question=question.id)
+                async with self._locks[plan.conversation]:
+                    actions += await self._take_answer(plan.id, question, question.answer, question.answered_by or "")
+            actions += await self._move_idle_plans_on(skip={plan_id for plan_id, _ in failed})
         return failed, actions
+
+    async def _move_idle_plans_on(self, skip: Collection[str]) -> list[Action]:
+        """At the start of the one process on its store: active plans with nothing running and nobody asked.
+
+        A step's ending commits before the plan moves on (the lead asked about a failure, the next step handed
+        out); a process that died between the two, or during the lead's turn about a failure, leaves the plan
+        idle for good. Move each on now: the lead is asked again about a failed step whose dependents still
+        wait for its decision (its earlier turn died with the process), else the next step goes out or the plan
+        finishes."""
+        actions: list[Action] = []
+        for plan_id in await self.store.active_plans():
+            if plan_id in skip:
+                continue
+            plan = await self.store.load(plan_id)
+            if plan is None:
+                continue
+            async with self._locks[plan.conversation]:
+                plan = await self.store.load(plan_id)
+                if plan is None or plan.status != "active" or plan.in_progress():
+                    continue
+                if any(s.status is StepStatus.WAITING_FOR_USER for s in plan.steps.values()):
+                    continue  # its question is shown again above
+                undecided = [
+                    step
+                    for _, step in sorted(plan.steps.items())
+                    if step.status is StepStatus.FAILED
+                    and step.spec.on_failure is OnFailure.ASK_LEAD
+                    and _dependents(plan, step.index, StepStatus.PENDING)
+                ]
+                if undecided:
+                    step = undecided[0]
+                    log.warning("plan.lead_asked_again", plan_id=plan_id, step=step.index)
+                    text = f"Step {step.index} failed: {step.failure_reason or 'failed'}"
+                    actions.append(Action(ActionKind.ASK_LEAD, plan, step, text))
+                    continue
+                moved = await self._next_actions(plan_id)
+                if moved:
+                    log.warning("plan.moved_on_at_start", plan_id=plan_id, actions=[a.kind.value for a in moved])
+                actions += moved
+        return actions
 
     async def _step_execution(self, plan_id: str, index: int, attempt: int) -> ExecutionSummary:
         """What an interrupted step's tools did, from their rows (said "unknown" when they cannot be read)."""

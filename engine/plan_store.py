@@ -420,6 +420,17 @@ class PlanStore:
         )
         return [_question(r) for r in rows]
 
+    async def answered_unresumed(self) -> list[Question]:
+        """Questions answered whose step still waits for a person: the answer committed, the step never resumed
+        (a process that died between the two)."""
+        columns = ", ".join(f"q.{c.strip()}" for c in _QUESTION_COLUMNS.split(","))
+        rows = await self.tables.all(
+            f"SELECT {columns} FROM plan_questions q JOIN plan_steps s ON s.plan_id = q.plan_id AND s.idx = q.step"  # noqa: S608
+            " WHERE q.status = 'answered' AND s.status = ? AND q.attempt = s.attempts ORDER BY q.created_at",
+            (StepStatus.WAITING_FOR_USER.value,),
+        )
+        return [_question(r) for r in rows]
+
     async def question_posted(self, question_id: str, message_id: str) -> None:
         await self.tables.run("UPDATE plan_questions SET message_id = ? WHERE id = ?", (message_id, question_id))
 
@@ -527,6 +538,11 @@ class PlanStore:
             "SELECT id FROM plans WHERE conversation = ? ORDER BY created_at DESC LIMIT 1", (conversation,)
         )
         return None if row is None else str(row[0])
+
+    async def active_plans(self) -> list[str]:
+        """Every active plan, oldest first."""
+        rows = await self.tables.all("SELECT id FROM plans WHERE status = 'active' ORDER BY created_at", ())
+        return [str(r[0]) for r in rows]
 
     async def active_plan(self, conversation: str) -> str | None:
         row = await self.tables.one(

@@ -543,3 +543,62 @@ async def test_repairing_one_of_two_failed_dependencies_leaves_the_step_blocked(
             4: StepStatus.DONE,
         }
         assert loaded.status == "finished"
+
+
+async def test_a_restart_moves_on_a_plan_whose_step_ended_just_before_the_process_died(store_engine: Engine) -> None:
+    """A step's ending commits before the plan moves on; a process that died between the two left the plan idle
+    for good (found by the chaos matrix's plan.complete=crash cell: the lead never asked, the next step never
+    handed out). The next start moves it on: the lead is asked about a failure whose dependents wait, the next
+    step goes out after a success, a plan whose last step ended finishes."""
+    async with executor(store_engine.where) as (ex, d):
+        failed = await ex.start("c1", spec(step(1), step(2)))
+        done = await ex.start("c2", spec(step(1), step(2)))
+        last = await ex.start("c3", spec(step(1)))
+        # what _record commits, and then the process dies before _next_actions
+        assert await ex.store.set_status(
+            failed.id, 1, StepStatus.IN_PROGRESS, StepStatus.FAILED, failure_reason="no access"
+        )
+        assert await ex.store.set_status(done.id, 1, StepStatus.IN_PROGRESS, StepStatus.DONE, output_summary="ok")
+        assert await ex.store.set_status(last.id, 1, StepStatus.IN_PROGRESS, StepStatus.DONE, output_summary="ok")
+    async with executor(store_engine.where) as (ex, d):  # the next start
+        assert await ex.recover() == []  # nothing was running: nothing interrupted
+        assert d.asked_lead == [(failed.id, 1)]
+        ask = next(a for a in d.actions if a.kind is ActionKind.ASK_LEAD)
+        assert ask.text == "Step 1 failed: no access"
+        assert d.dispatched() == [(done.id, 2)]
+        assert await ex.store.plan_status(last.id) == "finished"
+        assert any(a.kind is ActionKind.FINISHED and a.plan.id == last.id for a in d.actions)
+        assert d.violations == []
+    async with executor(store_engine.where) as (ex, d):  # and once moved on, a later start leaves it be
+        await ex.lead_decided(failed.id, 1)  # the lead gave up on step 1 this time
+        assert await ex.recover() == [(done.id, 2)]  # step 2 was running when this "process" started
+        assert d.asked_lead == [(done.id, 2)]
+        assert d.dispatched() == []
+
+
+async def test_a_restart_resumes_a_step_whose_answer_was_recorded_just_before_the_process_died(
+    store_engine: Engine,
+) -> None:
+    """The answer commits before the step resumes; a process that died between the two left the step waiting for
+    a person with no question open, for good (found by plan.question.answered=crash). The next start resumes
+    it with the answer given, once."""
+    async with executor(store_engine.where) as (ex, d):
+        plan = await ex.start("telegram:-1", spec(step(1), step(2)), PlanOrigin("go", REQUESTER))
+        question = await ex.ask_user(plan.id, 1, 1, "prod or staging?", ["prod", "staging"], asked_by="researcher")
+        # what answer() commits, and then the process dies before _take_answer
+        assert await ex.store.settle_question(question.id, "answered", answer="staging", actor=REQUESTER)
+    async with executor(store_engine.where) as (ex, d):  # the next start
+        assert await ex.recover() == []
+        [resume] = [a for a in d.actions if a.kind is ActionKind.RESUME]
+        assert resume.step is not None
+        assert resume.step.index == 1
+        assert "staging" in resume.text
+        assert not [a for a in d.actions if a.kind is ActionKind.ASK_USER]  # answered: not asked again
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.steps[1].status is StepStatus.IN_PROGRESS
+        assert await ex.complete(plan.id, 1, StepResult(ok=True, summary="deployed to staging"), attempt=1)
+        assert d.dispatched()[-1] == (plan.id, 2)
+    async with executor(store_engine.where) as (ex, d):  # resumed once: a later start does not again
+        assert await ex.recover() == [(plan.id, 2)]
+        assert not [a for a in d.actions if a.kind is ActionKind.RESUME]

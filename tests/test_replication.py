@@ -184,6 +184,31 @@ async def test_exactly_one_replica_leads_and_the_other_takes_over_when_it_stops(
             assert await b.replication.live() == {"b"}
 
 
+async def test_a_leader_whose_duties_fail_to_start_gives_the_lease_up_and_leadership_goes_on(dsn: str) -> None:
+    """A replica that took the lease and could not start its duties (the chaos cell leader.takeover=error) led
+    nothing and kept the lease: no replica polled a platform or swept again until someone restarted it."""
+    platforms = [MemoryPlatform("telegram")]
+    failures: list[str] = []
+
+    async def fails_once(me: Replica) -> None:
+        if not failures:
+            failures.append(me.name)
+            raise ConnectionError("the lease's duties failed")
+
+    async with replica(dsn, "a", platforms, lead=fails_once) as a, replica(dsn, "b", platforms) as b:
+        await until(lambda: _true(bool(failures)))
+        # the lease moves on: one of them leads with its duties started (b, or a asking again)
+        await until(lambda: _true(a.led.is_set() or b.led.is_set()), timeout=20)
+        health = await b.replication.health()
+        leader = a if a.led.is_set() else b
+        assert health.holder == leader.name
+        assert leader.replication.is_leader
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
 async def test_a_replica_whose_wake_ups_are_cut_finds_the_decision_when_it_reconnects(dsn: str) -> None:
     platforms = [MemoryPlatform("telegram")]
     async with replica(dsn, "a", platforms) as a, replica(dsn, "b", platforms) as b:

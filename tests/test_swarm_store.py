@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import sqlite3
 import sys
 import textwrap
@@ -22,6 +23,7 @@ import pytest
 
 from kazma.config.metrics import failure_count
 from kazma.config.store.database import apply_migrations, connect
+from kazma.engine.swarm.endings import ending_lines
 from kazma.engine.swarm.store import (
     MIGRATIONS,
     PG_MIGRATIONS,
@@ -542,3 +544,54 @@ async def test_a_lost_postgresql_connection_is_retried(pg_server: PostgresServer
         assert record is not None
         assert record.status is TaskStatus.RUNNING
         assert len(delays) == 1
+
+
+async def test_an_ending_written_without_its_run_keeps_the_journaled_answers_visible(store_engine: Engine) -> None:
+    """A crash (recover), a stop or a cancel ends a task with no run to list its workers: the stages its journal
+    kept are written into its result, so every surface's ``kept answers`` shows them (endings.ending_lines), as
+    a deadline's ending does (found by the chaos matrix's swarm scenario: a crash in stage 2 hid stage 1)."""
+    path = store_engine
+    async with opened(path) as store:
+        crashed = await admit(store)
+        assert await store.journal(crashed, 0, "researcher", ok("researcher", "FACTS: the sky is blue"))
+        assert await store.step(crashed, "stage 2 (builder)")
+        stopped = await admit(store)
+        assert await store.journal(stopped, 0, "researcher", ok("researcher", "FACTS: kept at the stop"))
+        waiting = await admit(store)
+        assert await store.journal(waiting, 0, "researcher", ok("researcher", "FACTS: kept while paused"))
+        assert await store.pause(waiting, "checkpoint after stage 1")
+        assert await store.cancel(stopped.task_id, actor="shutdown", result={"interrupted_by": "shutdown"})
+        assert await store.cancel(waiting.task_id, actor="telegram:111")
+        # a run that fails without listing its workers (its checkpoint could not be opened)
+        unopened = await admit(store)
+        assert await store.journal(unopened, 0, "researcher", ok("researcher", "FACTS: kept when it failed"))
+        assert await store.finish(unopened, TaskStatus.FAILED, result={"execution": {}}, error="gate not opened")
+    async with opened(path) as store:
+        await store.recover()
+        for run, words in (
+            (crashed, "the sky is blue"),
+            (stopped, "kept at the stop"),
+            (waiting, "kept while"),
+            (unopened, "kept when it failed"),
+        ):
+            record = await store.get(run.task_id)
+            assert record is not None
+            assert record.status.terminal
+            lines = ending_lines(record)
+            assert "kept answers (1):" in lines, (record.status, lines)
+            assert any(line.startswith("[researcher] FACTS: ") and words in line for line in lines), lines
+        stopped_record = await store.get(stopped.task_id)
+        assert stopped_record is not None
+        assert stopped_record.result is not None
+        assert stopped_record.result["interrupted_by"] == "shutdown"  # what the stop wrote stays
+
+
+async def test_a_task_id_never_starts_with_a_dash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kazma swarm status -EGG…` reads the id as an option (found by the chaos matrix: a task the person could
+    not look up); the id drawn is drawn again until it does not start with one."""
+    drawn = iter(["-EGGT4WeXA1t", "EGGT4WeXA1tx"])
+    real = secrets.token_urlsafe
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n=None: next(drawn) if n == 9 else real(n))
+    async with opened(tmp_path / "s.db") as store:
+        run = await admit(store)
+    assert run.task_id == "EGGT4WeXA1tx"

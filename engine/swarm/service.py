@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -137,6 +137,9 @@ class SwarmService:
     _effects: dict[str, Effects] = field(default_factory=dict)  # what each running task's tools did, in memory
     _unsaved: dict[str, Unsaved] = field(default_factory=dict)  # endings the store refused, kept until stored
     _kept_runs: dict[str, TaskRun] = field(default_factory=dict)  # the run each kept ending belongs to
+    # endings decided (stored, or kept) and being said: a stop or cancel then lets the saying finish (once) and
+    # never says "cancelled" over them
+    _saying: dict[str, asyncio.Future[None]] = field(default_factory=dict)
     # told (no arguments) whenever a task's state or a worker's numbers may have changed: the live dashboard
     listeners: list[Callable[[], None]] = field(default_factory=list)
 
@@ -386,6 +389,10 @@ class SwarmService:
             result = {**outcome_json(outcome), "execution": execution.as_json()}
             await self._end(run, request, status, result, error, outcome.output, execution)
         except asyncio.CancelledError:
+            saying = self._saying.pop(run.task_id, None)
+            if saying is not None:  # its ending is decided and written (or kept): it is what the person hears
+                await saying
+                raise
             execution = await self._execution(run.task_id)
             self._report(f"swarm task {run.task_id} cancelled; tools: {execution.line()}")
             await asyncio.shield(self._keep_execution(run.task_id, execution))
@@ -449,21 +456,31 @@ class SwarmService:
             self._unsaved[run.task_id] = Unsaved(status, result, error, str(exc), time.time())
             self._kept_runs[run.task_id] = run
             self._tasks.spawn(self._store_later(run, status, result, error), name=f"swarm-store-later-{run.task_id}")
+            message = self._ending_message(run.task_id, status, output, result, execution)
             # the store's refusal is news everywhere, the result's own conversation included: not "heard" there
             self._report(
                 f"swarm task {run.task_id} {status.value}, but its result could not be stored ({exc.reason}); it is "
                 f"kept here and stored when the store answers. Tools: {execution.line()}. {_short(output)}"
             )
-            if self.reporter is not None:
-                await self.reporter.flush()
-            await self._deliver(request, self._ending_message(run.task_id, status, output, result, execution))
+            await self._say_whole(run.task_id, self._flush_and_deliver(request, message))
             return
         if stored:
-            await self._say_ending(
-                request,
-                f"swarm task {run.task_id} {status.value}: {_short(output)} (tools: {execution.line()})",
-                self._ending_message(run.task_id, status, output, result, execution),
-            )
+            message = self._ending_message(run.task_id, status, output, result, execution)
+            line = f"swarm task {run.task_id} {status.value}: {_short(output)} (tools: {execution.line()})"
+            await self._say_whole(run.task_id, self._say_ending(request, line, message))
+
+    async def _say_whole(self, task_id: str, saying: Coroutine[Any, Any, None]) -> None:
+        """Say a decided ending whole: a cancel (a stop, ``/swarm cancel``) arriving meanwhile waits for it in
+        :meth:`_run` instead of cutting it off and calling the task cancelled."""
+        future = asyncio.ensure_future(saying)
+        self._saying[task_id] = future
+        await asyncio.shield(future)
+        self._saying.pop(task_id, None)
+
+    async def _flush_and_deliver(self, request: SwarmRequest, message: str) -> None:
+        if self.reporter is not None:
+            await self.reporter.flush()
+        await self._deliver(request, message)
 
     def _ending_message(
         self, task_id: str, status: TaskStatus, output: str, result: dict[str, Any], execution: ExecutionSummary

@@ -397,6 +397,31 @@ def _utc(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=UTC)
 
 
+def new_task_id() -> str:
+    """A task's id: 72 random bits, URL-safe, never starting with ``-`` (``kazma swarm status -x…`` reads an
+    id like that as an option, and the person cannot look the task up)."""
+    while (task_id := secrets.token_urlsafe(9)).startswith("-"):
+        continue
+    return task_id
+
+
+async def _with_kept(db: SqlStatements, task_id: str, result_json: str | None) -> str | None:
+    """``result_json`` with the answers the task's journal kept (``workers``, as a run's own ending lists them),
+    for an ending written without its run (a crash, a stop, a cancel): what was kept must be visible wherever
+    the task is shown (endings.kept_answers), not only in the journal. Unchanged when the result lists its
+    workers already or nothing was kept."""
+    result = json.loads(result_json) if result_json else {}
+    if not isinstance(result, dict) or "workers" in result:
+        return result_json
+    rows = await db.all(
+        "SELECT worker, output FROM swarm_steps WHERE task_id = ? AND ok = ? ORDER BY idx", (task_id, 1)
+    )
+    if not rows:
+        return result_json
+    result["workers"] = [{"worker": str(w), "ok": True, "output": str(o)} for w, o in rows]
+    return json.dumps(result, sort_keys=True, default=str)
+
+
 def interrupted_reason(step: str) -> str:
     if step:
         return f"interrupted: the process stopped in {step}; its outcome is unknown"
@@ -539,7 +564,7 @@ class SwarmTaskStore(CallRecords):
         ``workers`` are the ones the task names: :meth:`tasks_of` finds it by any of them.
         """
         body_json = json.dumps({"pattern": str(pattern), **request}, sort_keys=True)
-        run = TaskRun(secrets.token_urlsafe(9), 1, secrets.token_urlsafe(12))
+        run = TaskRun(new_task_id(), 1, secrets.token_urlsafe(12))
         now = self.clock()
 
         values = (run.task_id, str(pattern), TaskStatus.RUNNING.value, run.generation, run.run_id,
@@ -763,14 +788,16 @@ class SwarmTaskStore(CallRecords):
         sources = allowed_from(status)
         marks = ", ".join("?" for _ in sources)
 
-        def write(db: SqlStatements) -> Awaitable[int]:
+        async def write(db: SqlStatements) -> int:
             now = self.clock()
-            return db.run(
+            # an ending that lists no workers (a failed checkpoint, a crashed run) keeps the journal's answers
+            kept = result_json if status is TaskStatus.SUCCEEDED else await _with_kept(db, run.task_id, result_json)
+            return await db.run(
                 "UPDATE swarm_tasks SET status = ?, result_json = ?, error = ?, updated_at = ?, finished_at = ?"  # noqa: S608
                 f" WHERE id = ? AND generation = ? AND run_id = ? AND status IN ({marks})",
                 (
                     status.value,
-                    result_json,
+                    kept,
                     error,
                     now,
                     now,
@@ -805,10 +832,12 @@ class SwarmTaskStore(CallRecords):
         """
         allowed = allowed_from(TaskStatus.CANCELLED) if only is None else frozenset(only)
         sources = sorted(s.value for s in allowed)
-        result_json = None if result is None else json.dumps(result, sort_keys=True, default=str)
+        given = None if result is None else json.dumps(result, sort_keys=True, default=str)
 
         async def body(db: SqlStatements) -> int:
             now = self.clock()
+            existing = await db.one("SELECT result_json FROM swarm_tasks WHERE id = ?", (task_id,))
+            result_json = await _with_kept(db, task_id, given or (None if existing is None else existing[0]))
             changed = await db.run(
                 "UPDATE swarm_tasks SET status = ?, error = ?, result_json = COALESCE(?, result_json),"  # noqa: S608
                 " updated_at = ?, finished_at = ?"
@@ -865,10 +894,21 @@ class SwarmTaskStore(CallRecords):
                 if live is not None and (replica is None or replica in live):
                     continue
                 reason = interrupted_reason(str(step))
+                existing = await db.one("SELECT result_json FROM swarm_tasks WHERE id = ?", (task_id,))
+                kept = await _with_kept(db, str(task_id), None if existing is None else existing[0])
                 if await db.run(
-                    "UPDATE swarm_tasks SET status = ?, error = ?, updated_at = ?, finished_at = ?"
+                    "UPDATE swarm_tasks SET status = ?, error = ?, result_json = ?, updated_at = ?, finished_at = ?"
                     " WHERE id = ? AND generation = ? AND status = ?",
-                    (TaskStatus.INTERRUPTED.value, reason, now, now, task_id, generation, TaskStatus.RUNNING.value),
+                    (
+                        TaskStatus.INTERRUPTED.value,
+                        reason,
+                        kept,
+                        now,
+                        now,
+                        task_id,
+                        generation,
+                        TaskStatus.RUNNING.value,
+                    ),
                 ):
                     changed.append(
                         InterruptedTask(

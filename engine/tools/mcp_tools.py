@@ -41,6 +41,7 @@ from pydantic import ConfigDict
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.honesty import reveal_line
 from kazma.approvals.tool_names import MCP_TOOL_RULE, mcp_tool_name_problem
+from kazma.config import failpoints
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
 from kazma.config.models import DangerLevel, MCPServerConfig
@@ -218,6 +219,10 @@ class MCPConnection:
             return ToolResult(ok=False, output="", error=self.problem or f"MCP server {self.name!r} is not connected")
         try:
             async with asyncio.timeout(self.config.call_timeout_seconds):
+                if failpoints.armed:  # approved and verified, about to go to the server: its stream breaking here
+                    await failpoints.reached(
+                        "mcp.call", lambda: ConnectionResetError("the MCP server's stream broke (failpoint)")
+                    )
                 result = await session.call_tool(tool, arguments)
         except TimeoutError:
             self._fail(f"{self.name}/{tool} did not answer within {self.config.call_timeout_seconds:g} s")

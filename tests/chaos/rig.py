@@ -16,7 +16,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,11 +69,27 @@ class RigError(AssertionError):
     """The rig could not run its scenario (a process never came up): no ending to judge, the cell fails."""
 
 
-class Scenario:
-    def __init__(self, tmp: Path, *, store: str, dsn: str | None) -> None:
+class Rig:
+    """The wire fakes (Telegram, Discord, the model) and how one ``kazma run`` on them is configured and started."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        store: str,
+        dsn: str | None,
+        web_port: int = 0,
+        extra: str = "",
+        tools: str = "[shell]",
+        ready: Callable[[], bool] = lambda: True,
+    ) -> None:
         self.tmp = tmp
         self.store = store
         self.dsn = dsn
+        self.web_port = web_port  # 0: any free port (nobody calls the console)
+        self.extra = extra  # more top-level YAML for the config (a scenario's own sections)
+        self.tools = tools  # the lead's tools (YAML)
+        self.ready = ready  # beyond the platforms: what must be up before anyone asks (an MCP server)
         self.log = tmp / "kazma.log"
         self.telegram = FakeTelegram()
         self.discord = FakeDiscord()
@@ -86,10 +102,10 @@ class Scenario:
         path.write_text(
             f"""
 store: {where}
-web: {{port: 0}}
+web: {{port: {self.web_port}}}
 model: {{base_url: '{self.model.base_url}', name: {MODEL}, timeout_seconds: 60, max_retries: 0}}
 tools: {{workspace_root: '{self.tmp / "ws"}'}}
-agents: {{lead: {{tools: [shell]}}}}
+agents: {{lead: {{tools: {self.tools}}}}}
 platforms:
   telegram:
     token: '{self.telegram.token}'
@@ -104,18 +120,18 @@ platforms:
     channels: [{HOME_CHANNEL_ID}]
     home_channel: {HOME_CHANNEL_ID}
     admins: [{ALICE_ID}]
-"""
+{self.extra}"""
         )
         return path
 
-    async def start(self, failpoints: str) -> asyncio.subprocess.Process:
+    async def start(self, failpoints: str, *, replica: str = REPLICA) -> asyncio.subprocess.Process:
         env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": failpoints}
         if self.store == "postgresql":
             # A replica as deploy/compose.yaml runs one: the console's tokens and the keys every replica shares
             # (refused at start otherwise), and a name of its own that its restart keeps, so the restart ends
             # what its previous life left (under <host>:<pid> that waits for the leader to judge it gone).
             env |= {"KAZMA_WEB_TOKEN": "o" * 40, "KAZMA_WEB_READER_TOKEN": "r" * 40, **KEY_ENV}
-            env["KAZMA_REPLICA"] = REPLICA
+            env["KAZMA_REPLICA"] = replica
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", "-c", str(self.config()), "--log-format", "json", "run",
             "--poll-interval", "0.1",
@@ -167,13 +183,14 @@ async def _until(predicate: Callable[[], bool], proc: asyncio.subprocess.Process
     return True
 
 
-async def _connected(s: Scenario, proc: asyncio.subprocess.Process, polls: int, identifies: int, started: int) -> bool:
+async def _connected(s: Rig, proc: asyncio.subprocess.Process, polls: int, identifies: int, started: int) -> bool:
     """Serving: both platforms connected and the app said it started (its bus shows cards from then on)."""
     return await _until(
         lambda: (
             len(s.telegram.calls_to("getUpdates")) > polls
             and len(s.discord.identifies) > identifies
             and s.started() > started
+            and s.ready()
         ),
         proc,
         60,
@@ -194,7 +211,7 @@ async def _stop(proc: asyncio.subprocess.Process, sig: signal.Signals) -> bool:
 
 
 @asynccontextmanager
-async def fakes(s: Scenario) -> AsyncIterator[Scenario]:
+async def fakes(s: Rig) -> AsyncIterator[Rig]:
     saved = (discord.http.Route.BASE, discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY)
     await asyncio.gather(s.telegram.start(), s.discord.start(), s.model.start())
     try:
@@ -204,7 +221,7 @@ async def fakes(s: Scenario) -> AsyncIterator[Scenario]:
         discord.http.Route.BASE, discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY = saved
 
 
-async def _drive(s: Scenario, proc: asyncio.subprocess.Process, h: History, *, ask: bool) -> bool:
+async def _drive_approval(s: Rig, proc: asyncio.subprocess.Process, h: History, ask: bool) -> bool:
     """The scenario's steps on ``proc``; True when it reached its end (the model's answer, cards settled)."""
     if ask:
         s.telegram.push_message(TG_CHAT, TG_ADMIN, ASK, username="ops")
@@ -225,51 +242,70 @@ async def _drive(s: Scenario, proc: asyncio.subprocess.Process, h: History, *, a
     return proc.returncode is None and not s.tg_live() and not s.dc_live()
 
 
-async def run_cell(tmp: Path, point: str, action: str, *, store: str = "sqlite", dsn: str | None = None) -> History:
-    s = Scenario(tmp, store=store, dsn=dsn)
+# A scenario's steps on one process: (rig, process, history, first) -> reached its end. ``first``: the armed
+# process, asked from scratch; else the restarted one, which only finishes what is left (a card still live).
+Drive = Callable[[Rig, asyncio.subprocess.Process, History, bool], Awaitable[bool]]
+
+
+async def run_restarting(s: Rig, h: History, spec: str, drive: Drive) -> None:
+    """One process with ``spec`` armed, driven by ``drive``; when it died (or made no progress: killed as hung) one
+    more without a failpoint, driven again, as an operator would restart it. Fills ``h``'s process facts."""
+    first = await s.start(spec)
+    if not await _connected(s, first, 0, 0, 0):
+        await _stop(first, signal.SIGKILL)
+        raise RigError(f"the first kazma run never came up: {s.log_tail()}")
+    settled = await drive(s, first, h, True)
+    if first.returncode is not None:
+        h.died = True
+    elif not settled:
+        h.hung = True  # alive, and no progress within the bound: a hang (or a stuck ending)
+        await _stop(first, signal.SIGKILL)
+    else:
+        h.clean_exit = await _stop(first, signal.SIGTERM) and first.returncode == 0
+    if h.died or h.hung:
+        h.restarts = 1
+        polls, identifies = len(s.telegram.calls_to("getUpdates")), len(s.discord.identifies)
+        started = s.started()
+        second = await s.start("")
+        if not await _connected(s, second, polls, identifies, started):
+            await _stop(second, signal.SIGKILL)
+            raise RigError(f"the restarted kazma run never came up: {s.log_tail()}")
+        await drive(s, second, h, False)
+        h.clean_exit = await _stop(second, signal.SIGTERM) and second.returncode == 0
+    h.fired = '"failpoint.fired"' in s.log.read_text(errors="replace")
+
+
+def observe(s: Rig, h: History, ask: str = ASK) -> None:
+    """What the fakes show at the end, into ``h``: the cards, the conversation, the turns run on ``ask``."""
+    h.telegram_cards = [m.text for m in s.tg_cards()]  # type: ignore[attr-defined]
+    h.telegram_live = len(s.tg_live())
+    h.discord_cards = [_discord_text(m) for m in s.dc_cards()]
+    h.discord_live = len(s.dc_live())
+    h.discord_nonces = [str(m.get("nonce")) for m in s.dc_cards() if m.get("nonce") is not None]
+    h.asked_model = sum(1 for r in s.model.completions if _last_user(r.body, ask) == ask)
+    h.bot_texts = [m.text for m in s.telegram.bot_messages(TG_CHAT)]
+
+
+def history(tmp: Path, point: str, action: str, store: str, dsn: str | None) -> History:
     where = dsn if store == "postgresql" else str(tmp / "state" / "k.db")
-    h = History(point, action, store, where or "", tmp / "ws")
+    return History(point, action, store, where or "", tmp / "ws")
+
+
+async def run_cell(tmp: Path, point: str, action: str, *, store: str = "sqlite", dsn: str | None = None) -> History:
+    """The approval scenario's driver: one approved shell call, asked in Telegram, pressed there."""
+    s = Rig(tmp, store=store, dsn=dsn)
+    h = history(tmp, point, action, store, dsn)
     async with fakes(s):
         s.model.script(
             Completion(tool_calls=(FakeToolCall("shell", json.dumps({"command": f"echo ran >> {MARKER}"})),)),
             Completion(content=DONE),
         )
-        spec = f"{point}={action}" if point else ""
-        first = await s.start(spec)
-        settled = False
-        if not await _connected(s, first, 0, 0, 0):
-            await _stop(first, signal.SIGKILL)
-            raise RigError(f"the first kazma run never came up: {s.log_tail()}")
-        settled = await _drive(s, first, h, ask=True)
-        if first.returncode is not None:
-            h.died = True
-        elif not settled:
-            h.hung = True  # alive, and no progress within the bound: a hang (or a stuck ending)
-            await _stop(first, signal.SIGKILL)
-        else:
-            h.clean_exit = await _stop(first, signal.SIGTERM) and first.returncode == 0
-        if h.died or h.hung:
-            h.restarts = 1
-            polls, identifies = len(s.telegram.calls_to("getUpdates")), len(s.discord.identifies)
-            started = s.started()
-            second = await s.start("")
-            if not await _connected(s, second, polls, identifies, started):
-                await _stop(second, signal.SIGKILL)
-                raise RigError(f"the restarted kazma run never came up: {s.log_tail()}")
-            await _drive(s, second, h, ask=False)
-            h.clean_exit = await _stop(second, signal.SIGTERM) and second.returncode == 0
-        h.fired = '"failpoint.fired"' in s.log.read_text(errors="replace")
-        h.telegram_cards = [m.text for m in s.tg_cards()]  # type: ignore[attr-defined]
-        h.telegram_live = len(s.tg_live())
-        h.discord_cards = [_discord_text(m) for m in s.dc_cards()]
-        h.discord_live = len(s.dc_live())
-        h.discord_nonces = [str(m.get("nonce")) for m in s.dc_cards() if m.get("nonce") is not None]
-        h.asked_model = sum(1 for r in s.model.completions if _last_user(r.body) == ASK)
-        h.bot_texts = [m.text for m in s.telegram.bot_messages(TG_CHAT)]
+        await run_restarting(s, h, f"{point}={action}" if point else "", _drive_approval)
+        observe(s, h)
     return h
 
 
-def _last_user(body: dict[str, object]) -> str | None:
+def _last_user(body: dict[str, object], ask: str) -> str | None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return None
@@ -277,7 +313,7 @@ def _last_user(body: dict[str, object]) -> str | None:
     if not isinstance(last, dict) or last.get("role") != "user":
         return None
     content = str(last.get("content", ""))
-    return ASK if ASK in content else content
+    return ask if ask in content else content
 
 
 def _discord_text(message: dict[str, object]) -> str:

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.checker import ending, facts, violations
-from tests.chaos.matrix import KNOWN_BROKEN, PINNED, SOMETIMES_BROKEN, cells
-from tests.chaos.rig import run_cell
+from tests.chaos.matrix import KNOWN_BROKEN, LEFT_OUT, PINNED, SOMETIMES_BROKEN, cells
+from tests.chaos.scenarios import SCENARIOS, scenario_of
 from tests.pg_support import find_bindir
 
 RESULTS = os.environ.get("KAZMA_CHAOS_RESULTS")  # scripts/chaos: a file each cell appends its row to
@@ -19,7 +18,7 @@ RESULTS = os.environ.get("KAZMA_CHAOS_RESULTS")  # scripts/chaos: a file each ce
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", cells(), ids=lambda c: "-".join(c))
 async def test_cell(cell: tuple[str, str, str], tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    point, action, store = cell
+    point, _, store = cell
     dsn = None
     if store == "postgresql":
         if find_bindir() is None:
@@ -29,14 +28,24 @@ async def test_cell(cell: tuple[str, str, str], tmp_path: Path, request: pytest.
         request.applymarker(pytest.mark.xfail(reason=KNOWN_BROKEN[cell], strict=True))
     if cell in SOMETIMES_BROKEN:
         request.applymarker(pytest.mark.xfail(reason=SOMETIMES_BROKEN[cell], strict=False))
-    history = await run_cell(tmp_path, point, action, store=store, dsn=dsn)
-    found = facts(history)
-    got, broken = ending(history, found), violations(history, found)
+    judged = await scenario_of(point).run(tmp_path, cell, dsn)
+    got, broken = judged.ending, judged.broken
     if RESULTS:
         with Path(RESULTS).open("a") as out:
-            out.write(json.dumps({"cell": cell, "ending": got, "broken": broken, "fired": history.fired}) + "\n")
-    assert history.fired, "the failpoint never fired: the scenario did not reach it"
+            out.write(json.dumps({"cell": cell, "ending": got, "broken": broken, "fired": judged.fired}) + "\n")
+    assert judged.fired, "the failpoint never fired: the scenario did not reach it"
     assert broken == []
     assert cell in PINNED, f"not pinned: {got}"
     pinned = PINNED[cell]
     assert got in ((pinned,) if isinstance(pinned, str) else pinned)
+
+
+def test_every_point_belongs_to_one_scenario_and_every_cell_left_out_says_why() -> None:
+    """A point two scenarios claim would be pinned twice (or by whichever ran); a cell left out must say why."""
+    points = [point for scenario in SCENARIOS for point in scenario.points]
+    assert len(points) == len(set(points))
+    assert len({scenario.name for scenario in SCENARIOS}) == len(SCENARIOS)
+    for point in points:
+        assert scenario_of(point).name
+    assert all(why.strip() for why in LEFT_OUT.values())
+    assert not set(LEFT_OUT) & set(cells())

@@ -93,6 +93,9 @@ class FakeOpenAI:
         self.models = list(models)
         self.requests: list[RecordedRequest] = []
         self.fallback: FakeResponse | None = None
+        # asked first for every chat completion (its JSON body): a response, or None for the queues. An answer
+        # chosen by what the request says stays right when a process is killed and started again mid-script.
+        self.responder: Callable[[Any], FakeResponse | None] | None = None
         self.embed: Callable[[str], list[float]] | None = None
         self.embeddings_error: int | None = None
         self._queue: deque[FakeResponse] = deque()
@@ -249,7 +252,10 @@ class FakeOpenAI:
             )
         first = messages[0].get("content") if isinstance(messages[0], dict) else None
         own = self._by_prompt.get(first) if isinstance(first, str) else None
-        if own is not None:
+        chosen = self.responder(body) if self.responder is not None else None
+        if chosen is not None:
+            scripted: FakeResponse | None = chosen
+        elif own is not None:
             scripted = own.popleft() if own else self.fallback
         else:
             scripted = self._queue.popleft() if self._queue else self.fallback
