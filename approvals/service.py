@@ -55,6 +55,7 @@ from kazma.approvals.store import (
 from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdrawn, withdrawn
 from kazma.config import failpoints
 from kazma.config.address import Address, AddressError
+from kazma.config.backoff import Backoff
 from kazma.config.metrics import (
     APPROVALS_OPENED,
     PRESS_TO_DECISION,
@@ -76,6 +77,8 @@ _CODES = {"a": Decision.APPROVE, "d": Decision.DENY, "r": Decision.APPROVE, "n":
 REMEMBER_CODE = "r"  # approve, and remember the identical call in its conversation (approvals.remember)
 REASON_CODE = "n"  # deny, with a reason the platform asks for first (a modal, a reply); pressed bare: a plain Deny
 STORE_SITE = "approval_resolve"
+# A waiter whose first read of its request failed reads again this soon (then ever later, up to 5 s).
+WAIT_READ_RETRY = Backoff(base=0.1, cap=5.0)
 _RECORD_GRACE = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)  # seconds, about 1.6 in all
 
 
@@ -971,6 +974,8 @@ class ApprovalService:
         """
         event = self._decided.setdefault(request_id, asyncio.Event())
         deadline: float | None = None
+        first_failed: float | None = None  # when its first read failed (no read has succeeded yet)
+        failed_reads = 0
         try:
             while True:
                 try:
@@ -981,7 +986,16 @@ class ApprovalService:
                     log.warning("approvals.wait_read_failed", request_id=request_id, error=str(exc))
                     request = None
                     if deadline is None:
-                        raise
+                        # Never read yet (its deadline unknown): raising here left an opened request that nobody
+                        # waits for (a press approved it, nothing ran). Read again after the one backoff, woken
+                        # at once by a decision here, for as long as a request may wait by default.
+                        first_failed = self.clock() if first_failed is None else first_failed
+                        if self.clock() - first_failed > self.config.approvals.deadline_seconds:
+                            raise
+                        await until_set(event, WAIT_READ_RETRY.delay(failed_reads))
+                        failed_reads += 1
+                        event.clear()
+                        continue
                 else:
                     if request is None:
                         raise KeyError(f"unknown approval request {request_id!r}")
