@@ -303,6 +303,8 @@ class ApprovalService:
         self._refusals = RefusalWindow(clock=clock)
         self._looked: dict[str, float] = {}  # request id -> when this process last wrote its asker's last_seen
         self.halted: str | None = None  # why no decision is taken right now (the store vanished), or None
+        # request id -> why: opened, then its opening failed and so did its cancel; nobody waits for it here
+        self._unwaited: dict[str, str] = {}
         # told the request id whenever a request opens or ends, or a remembered approval is revoked (the live
         # dashboard); a listener must be quick and must not raise (one that does is logged and skipped)
         self.listeners: list[Callable[[str], None]] = []
@@ -467,16 +469,47 @@ class ApprovalService:
         count_failure("approval_open_unfinished")
         log.error("approvals.open_unfinished", request_id=request_id, tool=tool, error=str(exc))
         told = f"the call to {tool!r} was not put to anyone: opening its approval failed after it was written ({exc})"
+        reason = f"opening it failed after it was written; nothing ran ({exc})"
         try:
-            await self._cancel_now(request_id, f"opening it failed after it was written; nothing ran ({exc})")
+            await self._cancel_now(request_id, reason)
         except store_errors() as failed:
-            count_failure("approval_open_unfinished")
+            # Still pending, its cards live, nobody waiting: a press here cancels it (tried again) instead of
+            # approving a call nothing would run, a clean stop cancels it, and the next start reports it.
+            self._unwaited[request_id] = reason
+            while len(self._unwaited) > 10_000:  # bounded: the next start ends the rest as orphans
+                del self._unwaited[next(iter(self._unwaited))]
+            count_failure("approval_open_uncancelled")
             log.error("approvals.open_uncancelled", request_id=request_id, tool=tool, error=str(failed))
             return ApprovalRefused(
-                f"{told}, and it could not be cancelled ({failed}): it stays open until its deadline with nobody "
-                "waiting for it, so a press on its card runs nothing. Nothing ran; ask again."
+                f"{told}, and it could not be cancelled yet ({failed}): nobody waits for it, so a press on its "
+                "card cancels it instead of approving, and Kazma's next start cancels it. Nothing ran; ask again."
             )
         return ApprovalRefused(f"{told}; it was cancelled, so no press can approve it. Nothing ran; ask again.")
+
+    async def _press_unwaited(self, request_id: str, actor: str, platform: str) -> PressResult:
+        """A press on a request whose opening failed after its commit and whose cancel failed too: nobody waits
+        for it, so the press ends it ``cancelled`` (the cancel tried again) and approves nothing."""
+        reason = self._unwaited[request_id]
+        try:
+            won, outcome = await self._cancel_now(request_id, reason)
+        except store_errors() as exc:
+            count_failure("approval_open_uncancelled")
+            log.warning("approvals.unwaited_uncancelled", request_id=request_id, actor=actor, error=str(exc))
+            return PressResult(
+                PressVerdict.REFUSED,
+                "Nobody waits for this request (opening it failed after it was written), and it could not be "
+                "cancelled yet; nothing was recorded, and nothing runs.",
+                request_id=request_id,
+            )
+        del self._unwaited[request_id]
+        await self._refused(request_id, actor, platform, "nobody waits for it: opening it failed after it was written")
+        ended = "was cancelled" if won or outcome is None else f"had ended {outcome.status.value}"
+        return PressResult(
+            PressVerdict.REFUSED,
+            f"This request {ended}: {reason}. Your press was not recorded.",
+            outcome=outcome,
+            request_id=request_id,
+        )
 
     def _tool_label(self, tool: str, requested_by: str) -> str:
         """The metrics label of ``tool``: its name when the tools an agent may call or ``tools:`` bound it, or
@@ -639,6 +672,8 @@ class ApprovalService:
                 f"Kazma is not deciding right now: {self.halted}. Nothing was recorded.",
                 request_id=request_id,
             )
+        if request_id in self._unwaited:
+            return await self._press_unwaited(request_id, actor, platform)
         reason = clean_reason(reason)
         person = self.config.roster.person_of(actor)
         rules = await self._rules(request_id)
