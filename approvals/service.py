@@ -167,6 +167,8 @@ class RefusalWindow:
 
 
 RESTARTED = "Kazma restarted before a decision; nothing ran"
+# A turn's request still pending when Kazma stops cleanly ends with this, at the stop (withdraw_turns).
+STOPPED = "Kazma stopped before a decision; nothing ran"
 # What an approved call's cards and audit say when Kazma stopped after the decision (execution_lost's detail).
 STOPPED_BEFORE_IT_RAN = "approved, but Kazma stopped before it ran: it did not run and will not run on its own"
 MAY_HAVE_RUN = "it may have run (started, not finished)"
@@ -305,6 +307,8 @@ class ApprovalService:
         self.halted: str | None = None  # why no decision is taken right now (the store vanished), or None
         # request id -> why: opened, then its opening failed and so did its cancel; nobody waits for it here
         self._unwaited: dict[str, str] = {}
+        self._turns: dict[str, None] = {}  # requests a waiter here ends with itself (cancel_with_waiter)
+        self.stopping = False  # a clean stop began: nothing new is put to anyone
         # told the request id whenever a request opens or ends, or a remembered approval is revoked (the live
         # dashboard); a listener must be quick and must not raise (one that does is logged and skipped)
         self.listeners: list[Callable[[str], None]] = []
@@ -391,6 +395,8 @@ class ApprovalService:
             raise ApprovalRefused(
                 f"the call to {tool!r} cannot be shown faithfully, so it will not run: {exc}"
             ) from None
+        if self.stopping:
+            raise ApprovalRefused(f"Kazma is stopping, so the call to {tool!r} was not put to anyone. Nothing ran.")
         seconds = self.config.approvals.deadline_seconds if deadline is None else deadline
         if seconds <= 0:
             raise ValueError(f"deadline must be positive, got {seconds}")
@@ -1011,6 +1017,8 @@ class ApprovalService:
         deadline: float | None = None
         first_failed: float | None = None  # when its first read failed (no read has succeeded yet)
         failed_reads = 0
+        if cancel_with_waiter:
+            self._turns[request_id] = None
         try:
             while True:
                 try:
@@ -1054,6 +1062,7 @@ class ApprovalService:
             raise
         finally:
             self._decided.pop(request_id, None)
+            self._turns.pop(request_id, None)
 
     def wake(self, request_id: str) -> None:
         """Another replica decided ``request_id``: its waiter here, if any, reads the outcome now, and what
@@ -1106,6 +1115,31 @@ class ApprovalService:
             return
         if written:
             self._tell(request_id)
+
+    async def withdraw_turns(self) -> list[ApprovalRequest]:
+        """At a clean stop, while the store and the platforms are up: every request still pending that a waiter
+        here ends with itself (a turn's tool call), or whose opening failed with nobody waiting, ends
+        ``cancelled`` ("Kazma stopped before a decision"), its cards settling; nothing new opens from now on.
+        The requests ended here (their askers are to be told); one the store refuses is left to the next start.
+        """
+        self.stopping = True
+        ended: list[ApprovalRequest] = []
+        for request_id in [*self._turns, *self._unwaited]:
+            try:
+                won, request = await self.store.finish(
+                    request_id, Status.CANCELLED, actor=None, platform=None, reason=STOPPED
+                )
+            except store_errors() as exc:  # still pending: the next start cancels it and says so
+                count_failure(STORE_SITE)
+                log.warning("approvals.stop_uncancelled", request_id=request_id, error=str(exc))
+                continue
+            self._unwaited.pop(request_id, None)
+            if won and request is not None:
+                log.warning("approvals.cancelled_at_stop", request_id=request_id, tool=request.tool)
+                count_decided("cancelled", "", "")
+                await self._ended(request_id)
+                ended.append(request)
+        return ended
 
     async def withdraw_silent(self) -> list[str]:
         """Withdraw every request whose polling asker stopped asking for its answer ``POLL_GRACE`` ago (a
