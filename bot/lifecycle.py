@@ -31,7 +31,7 @@ from kazma.bot.inbound_claims import InboundClaims
 from kazma.bot.store import StoreWatch
 from kazma.bot.store_handles import StoreHandles
 from kazma.config import LoadedConfig
-from kazma.config.address import Address
+from kazma.config.address import Address, AddressError
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
 from kazma.config.outgoing import Outgoing
@@ -225,7 +225,15 @@ class Lifecycle(ABC):
 
     async def _tell(self, recovery: Recovery) -> None:
         for conversation, text in recovery.messages():
-            await self.bus.send(Address.parse(conversation), Outgoing(text, agent=self.conversations.lead.name))
+            try:
+                to = Address.parse(conversation)
+            except AddressError:
+                # A swarm worker's call ("swarm"): no chat to tell; its task's own report says what became of
+                # it, and its cards. This raised and ended the start: Kazma did not come up again after being
+                # killed while a worker's approved call ran.
+                log.info("app.recovery_notice_unaddressed", conversation=conversation[:80])
+                continue
+            await self.bus.send(to, Outgoing(text, agent=self.conversations.lead.name))
 
     async def _withdraw_turns(self) -> None:
         """At a clean stop, while the store and the platforms are up (the swarm's tasks closed already): the
