@@ -85,7 +85,7 @@ async def test_sigkill_mid_shell_says_may_have_run_everywhere_and_a_retry_asks(t
             status = await _ask(telegram, f"/swarm status {running.id}", running.id)
             assert MAY_HAVE_RUN in status, status
             asked = await _ask(telegram, f"/swarm retry {running.id}", "again")
-            assert "running it again may do that again" in asked, asked
+            assert MAY_HAVE_RUN in asked, asked  # it asks, saying why
             assert f"Send /swarm retry {running.id} again" in asked, asked
             assert await tasks.count(TaskStatus.RUNNING) == 0  # nothing ran again unasked
         finally:
