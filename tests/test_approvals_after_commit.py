@@ -7,10 +7,8 @@ on its card must not approve a call nothing would act on: the chaos cell ``appro
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from collections.abc import Iterator
 
-import psycopg
 import pytest
 
 from kazma.approvals import (
@@ -27,7 +25,7 @@ from kazma.approvals.policy import SafetyPolicy
 from kazma.config import failpoints
 from kazma.config.metrics import failure_count
 from tests.approvals_support import RecordingPublisher, approval_service
-from tests.store_backends import Engine
+from tests.store_backends import Engine, rename_table
 
 ARGS = {"command": "rm -rf build/"}
 
@@ -143,20 +141,6 @@ class TableTakingPublisher(RecordingPublisher):
         self.published.append(card)
         rename_table(self.engine, "approval_requests", "approval_requests_away")
         raise RuntimeError("the card could not be built")
-
-
-def rename_table(engine: Engine, old: str, new: str) -> None:
-    sql = f"ALTER TABLE {old} RENAME TO {new}"
-    if engine.postgres:
-        with psycopg.connect(engine.where, autocommit=True) as conn:
-            conn.execute(sql)  # type: ignore[arg-type]  # two fixed table names, no input
-        return
-    conn = sqlite3.connect(engine.where)
-    try:
-        conn.execute(sql)
-        conn.commit()
-    finally:
-        conn.close()
 
 
 async def test_an_opening_whose_cancel_fails_too_is_cancelled_by_the_next_press_never_approved(

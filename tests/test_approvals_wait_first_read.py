@@ -9,31 +9,13 @@ connection of the test's own, and put back.
 from __future__ import annotations
 
 import asyncio
-import sqlite3
-
-import psycopg
 
 from kazma.approvals import Decision, PressVerdict, Status, button_data
 from kazma.config.metrics import failure_count
 from tests.approvals_support import RecordingPublisher, approval_service
-from tests.store_backends import Engine
+from tests.store_backends import Engine, rename_table
 
 ARGS = {"command": "rm -rf build/"}
-
-
-def _rename(engine: Engine, old: str, new: str) -> None:
-    """Rename the requests table on the store itself (the service's reads then fail with the store's error)."""
-    sql = f"ALTER TABLE {old} RENAME TO {new}"
-    if engine.postgres:
-        with psycopg.connect(engine.where, autocommit=True) as conn:
-            conn.execute(sql)  # type: ignore[arg-type]  # two fixed table names, no input
-        return
-    conn = sqlite3.connect(engine.where)
-    try:
-        conn.execute(sql)
-        conn.commit()
-    finally:
-        conn.close()
 
 
 async def _until(predicate: object, seconds: float = 20.0) -> None:
@@ -48,14 +30,14 @@ async def test_a_waiter_whose_first_read_fails_reads_again_and_gets_the_decision
     async with approval_service(store_engine.where, publisher=publisher) as service:
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         failed = failure_count("approval_wait")
-        _rename(store_engine, "approval_requests", "approval_requests_away")
+        rename_table(store_engine, "approval_requests", "approval_requests_away")
         try:
             waiter = asyncio.create_task(service.wait(request.id))
             # it failed its first read, and then read again (and failed again): it did not give up
             await _until(lambda: failure_count("approval_wait") >= failed + 2 or waiter.done())
             assert not waiter.done(), f"the waiter gave up on its first failed read: {waiter.exception()!r}"
         finally:
-            _rename(store_engine, "approval_requests_away", "approval_requests")
+            rename_table(store_engine, "approval_requests_away", "approval_requests")
         press = await service.decide_from_button(
             button_data(request.id, Decision.APPROVE), actor="telegram:111", platform="telegram"
         )
