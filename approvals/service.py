@@ -56,6 +56,7 @@ from kazma.approvals.waiters import Waiters
 from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdrawn, withdrawn
 from kazma.config import failpoints
 from kazma.config.address import Address, AddressError
+from kazma.config.backoff import Backoff
 from kazma.config.metrics import (
     APPROVALS_OPENED,
     PRESS_TO_DECISION,
@@ -77,6 +78,8 @@ _CODES = {"a": Decision.APPROVE, "d": Decision.DENY, "r": Decision.APPROVE, "n":
 REMEMBER_CODE = "r"  # approve, and remember the identical call in its conversation (approvals.remember)
 REASON_CODE = "n"  # deny, with a reason the platform asks for first (a modal, a reply); pressed bare: a plain Deny
 STORE_SITE = "approval_resolve"
+# A waiter whose first read of its request failed reads again this soon (then ever later, up to 5 s).
+WAIT_READ_RETRY = Backoff(base=0.1, cap=5.0)
 _RECORD_GRACE = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)  # seconds, about 1.6 in all
 
 
@@ -165,6 +168,8 @@ class RefusalWindow:
 
 
 RESTARTED = "Kazma restarted before a decision; nothing ran"
+# A turn's request still pending when Kazma stops cleanly ends with this, at the stop (withdraw_turns).
+STOPPED = "Kazma stopped before a decision; nothing ran"
 # What an approved call's cards and audit say when Kazma stopped after the decision (execution_lost's detail).
 STOPPED_BEFORE_IT_RAN = "approved, but Kazma stopped before it ran: it did not run and will not run on its own"
 MAY_HAVE_RUN = "it may have run (started, not finished)"
@@ -313,6 +318,10 @@ class ApprovalService:
         # Orphans a start found and has yet to cancel (:mod:`kazma.approvals.orphans`): a press on one ends it
         # first. None: nothing is fenced.
         self.orphans: OrphanGate | None = None
+        # request id -> why: opened, then its opening failed and so did its cancel; nobody waits for it here
+        self._unwaited: dict[str, str] = {}
+        self._turns: dict[str, None] = {}  # requests a waiter here ends with itself (cancel_with_waiter)
+        self.stopping = False  # a clean stop began: nothing new is put to anyone
         # told the request id whenever a request opens or ends, or a remembered approval is revoked (the live
         # dashboard); a listener must be quick and must not raise (one that does is logged and skipped)
         self.listeners: list[Callable[[str], None]] = []
@@ -408,6 +417,8 @@ class ApprovalService:
             raise ApprovalRefused(
                 f"the call to {tool!r} cannot be shown faithfully, so it will not run: {exc}"
             ) from None
+        if self.stopping:
+            raise ApprovalRefused(f"Kazma is stopping, so the call to {tool!r} was not put to anyone. Nothing ran.")
         seconds = self.config.approvals.deadline_seconds if deadline is None else deadline
         if seconds <= 0:
             raise ValueError(f"deadline must be positive, got {seconds}")
@@ -486,16 +497,47 @@ class ApprovalService:
         count_failure("approval_open_unfinished")
         log.error("approvals.open_unfinished", request_id=request_id, tool=tool, error=str(exc))
         told = f"the call to {tool!r} was not put to anyone: opening its approval failed after it was written ({exc})"
+        reason = f"opening it failed after it was written; nothing ran ({exc})"
         try:
-            await self._cancel_now(request_id, f"opening it failed after it was written; nothing ran ({exc})")
+            await self._cancel_now(request_id, reason)
         except store_errors() as failed:
-            count_failure("approval_open_unfinished")
+            # Still pending, its cards live, nobody waiting: a press here cancels it (tried again) instead of
+            # approving a call nothing would run, a clean stop cancels it, and the next start reports it.
+            self._unwaited[request_id] = reason
+            while len(self._unwaited) > 10_000:  # bounded: the next start ends the rest as orphans
+                del self._unwaited[next(iter(self._unwaited))]
+            count_failure("approval_open_uncancelled")
             log.error("approvals.open_uncancelled", request_id=request_id, tool=tool, error=str(failed))
             return ApprovalRefused(
-                f"{told}, and it could not be cancelled ({failed}): it stays open until its deadline with nobody "
-                "waiting for it, so a press on its card runs nothing. Nothing ran; ask again."
+                f"{told}, and it could not be cancelled yet ({failed}): nobody waits for it, so a press on its "
+                "card cancels it instead of approving, and Kazma's next start cancels it. Nothing ran; ask again."
             )
         return ApprovalRefused(f"{told}; it was cancelled, so no press can approve it. Nothing ran; ask again.")
+
+    async def _press_unwaited(self, request_id: str, actor: str, platform: str) -> PressResult:
+        """A press on a request whose opening failed after its commit and whose cancel failed too: nobody waits
+        for it, so the press ends it ``cancelled`` (the cancel tried again) and approves nothing."""
+        reason = self._unwaited[request_id]
+        try:
+            won, outcome = await self._cancel_now(request_id, reason)
+        except store_errors() as exc:
+            count_failure("approval_open_uncancelled")
+            log.warning("approvals.unwaited_uncancelled", request_id=request_id, actor=actor, error=str(exc))
+            return PressResult(
+                PressVerdict.REFUSED,
+                "Nobody waits for this request (opening it failed after it was written), and it could not be "
+                "cancelled yet; nothing was recorded, and nothing runs.",
+                request_id=request_id,
+            )
+        del self._unwaited[request_id]
+        await self._refused(request_id, actor, platform, "nobody waits for it: opening it failed after it was written")
+        ended = "was cancelled" if won or outcome is None else f"had ended {outcome.status.value}"
+        return PressResult(
+            PressVerdict.REFUSED,
+            f"This request {ended}: {reason}. Your press was not recorded.",
+            outcome=outcome,
+            request_id=request_id,
+        )
 
     def _tool_label(self, tool: str, requested_by: str) -> str:
         """The metrics label of ``tool``: its name when the tools an agent may call or ``tools:`` bound it, or
@@ -667,6 +709,8 @@ class ApprovalService:
                 f"This request is ending: {RESTARTED}. Nothing was recorded.",
                 request_id=request_id,
             )
+        if request_id in self._unwaited:
+            return await self._press_unwaited(request_id, actor, platform)
         reason = clean_reason(reason)
         person = self.config.roster.person_of(actor)
 
@@ -1035,6 +1079,10 @@ class ApprovalService:
         """
         watch = self._waiters.join(request_id)
         deadline: float | None = None
+        first_failed: float | None = None  # when its first read failed (no read has succeeded yet)
+        failed_reads = 0
+        if cancel_with_waiter:
+            self._turns[request_id] = None
         try:
             while True:
                 try:
@@ -1044,7 +1092,15 @@ class ApprovalService:
                     count_failure("approval_wait")
                     log.warning("approvals.wait_read_failed", request_id=request_id, error=str(exc))
                     if deadline is None:
-                        raise
+                        # Never read yet (its deadline unknown): raising here left an opened request that nobody
+                        # waits for (a press approved it, nothing ran). Read again after the one backoff, woken
+                        # at once by a decision here, for as long as a request may wait by default.
+                        first_failed = self.clock() if first_failed is None else first_failed
+                        if self.clock() - first_failed > self.config.approvals.deadline_seconds:
+                            raise
+                        await until_set(watch.event, WAIT_READ_RETRY.delay(failed_reads))
+                        failed_reads += 1
+                        continue  # the read clears the event first: a decision meanwhile is read, never lost
                 else:
                     if request is None:
                         raise KeyError(f"unknown approval request {request_id!r}")
@@ -1069,6 +1125,7 @@ class ApprovalService:
             raise
         finally:
             self._waiters.leave(request_id, watch)
+            self._turns.pop(request_id, None)
 
     def wake(self, request_id: str) -> None:
         """Another replica decided ``request_id``: its waiters here, if any, read the outcome now, and what
@@ -1118,6 +1175,31 @@ class ApprovalService:
             return
         if written:
             self._tell(request_id)
+
+    async def withdraw_turns(self) -> list[ApprovalRequest]:
+        """At a clean stop, while the store and the platforms are up: every request still pending that a waiter
+        here ends with itself (a turn's tool call), or whose opening failed with nobody waiting, ends
+        ``cancelled`` ("Kazma stopped before a decision"), its cards settling; nothing new opens from now on.
+        The requests ended here (their askers are to be told); one the store refuses is left to the next start.
+        """
+        self.stopping = True
+        ended: list[ApprovalRequest] = []
+        for request_id in [*self._turns, *self._unwaited]:
+            try:
+                won, request = await self.store.finish(
+                    request_id, Status.CANCELLED, actor=None, platform=None, reason=STOPPED
+                )
+            except store_errors() as exc:  # still pending: the next start cancels it and says so
+                count_failure(STORE_SITE)
+                log.warning("approvals.stop_uncancelled", request_id=request_id, error=str(exc))
+                continue
+            self._unwaited.pop(request_id, None)
+            if won and request is not None:
+                log.warning("approvals.cancelled_at_stop", request_id=request_id, tool=request.tool)
+                count_decided("cancelled", "", "")
+                await self._ended(request_id)
+                ended.append(request)
+        return ended
 
     async def withdraw_silent(self) -> list[str]:
         """Withdraw every request whose polling asker stopped asking for its answer ``POLL_GRACE`` ago (a

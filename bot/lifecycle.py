@@ -32,7 +32,7 @@ from kazma.bot.inbound_claims import InboundClaims
 from kazma.bot.store import StoreWatch
 from kazma.bot.store_handles import StoreHandles
 from kazma.config import LoadedConfig
-from kazma.config.address import Address
+from kazma.config.address import Address, AddressError
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
 from kazma.config.outgoing import Outgoing
@@ -245,7 +245,28 @@ class Lifecycle(ABC):
 
     async def _tell(self, recovery: Recovery) -> None:
         for conversation, text in recovery.messages():
-            await self.bus.send(Address.parse(conversation), Outgoing(text, agent=self.conversations.lead.name))
+            try:
+                to = Address.parse(conversation)
+            except AddressError:
+                # A swarm worker's call ("swarm"): no chat to tell; its task's own report says what became of
+                # it, and its cards. This raised and ended the start: Kazma did not come up again after being
+                # killed while a worker's approved call ran.
+                log.info("app.recovery_notice_unaddressed", conversation=conversation[:80])
+                continue
+            await self.bus.send(to, Outgoing(text, agent=self.conversations.lead.name))
+
+    async def _withdraw_turns(self) -> None:
+        """At a clean stop, while the store and the platforms are up (the swarm's tasks closed already): the
+        turns' requests still pending end cancelled, their cards settle (the bus drains its edits as it stops)
+        and each asker hears why. They ended only at the next start (the turns end with the event loop, after
+        the store closed)."""
+        try:
+            ended = await self.service.withdraw_turns()
+            if ended:
+                await self._tell(Recovery(ended, []))
+        except Exception as exc:  # what is left pending, the next start cancels and says
+            count_failure("approval_stop_withdraw")
+            log.warning("app.turns_unwithdrawn", error=str(exc))
 
     async def _follow_chat_moves(self) -> None:
         """Chats that moved before this start (kazma.yaml may still name the old id): serve the new one."""
@@ -318,6 +339,7 @@ class Lifecycle(ABC):
         await self.swarm.close()
         if self.mcp is not None:
             await self.mcp.stop()
+        await self._withdraw_turns()  # the platforms still up: the cards settle as the bus stops
         await self.bus.stop()
         if self.executions is not None:  # a call still running says "may have run" before the store closes
             try:

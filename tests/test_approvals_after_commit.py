@@ -25,7 +25,7 @@ from kazma.approvals.policy import SafetyPolicy
 from kazma.config import failpoints
 from kazma.config.metrics import failure_count
 from tests.approvals_support import RecordingPublisher, approval_service
-from tests.store_backends import Engine
+from tests.store_backends import Engine, rename_table
 
 ARGS = {"command": "rm -rf build/"}
 
@@ -127,3 +127,64 @@ async def test_a_store_refusing_the_opening_refuses_the_call_with_why_instead_of
         assert "its request could not be opened (the approvals store failed" in verdict.reason
         assert verdict.reason.endswith("so it did not run; ask again.")
         assert await service.store.requests() == []
+
+
+class TableTakingPublisher(RecordingPublisher):
+    """A post that fails after taking the requests table away on the store itself (through a connection of its
+    own): the opening's cancel then meets the store's real error."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    async def publish(self, card: ApprovalCard) -> None:
+        self.published.append(card)
+        rename_table(self.engine, "approval_requests", "approval_requests_away")
+        raise RuntimeError("the card could not be built")
+
+
+async def test_an_opening_whose_cancel_fails_too_is_cancelled_by_the_next_press_never_approved(
+    store_engine: Engine,
+) -> None:
+    """The opening failed after its commit, and its cancel failed as well: the request stayed pending with live
+    cards and nobody waiting, and a press approved it ("Approved. Recorded") while nothing would ever run it. A
+    press now tries the cancel again and approves nothing; the failure is counted and said to the asker."""
+    publisher = TableTakingPublisher(store_engine)
+    async with approval_service(store_engine.where, publisher=publisher) as service:
+        before = failure_count("approval_open_uncancelled")
+        try:
+            with pytest.raises(ApprovalRefused, match="could not be cancelled") as refused:
+                await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        finally:
+            rename_table(store_engine, "approval_requests_away", "approval_requests")
+        [request] = await service.store.requests()
+        assert request.status is Status.PENDING  # the store refused the cancel: it stands, nobody waits for it
+        press = await service.decide_from_button(
+            button_data(request.id, Decision.APPROVE), actor="telegram:111", platform="telegram"
+        )
+        assert press.verdict is PressVerdict.REFUSED, press.message
+        assert press.message.startswith("This request was cancelled: opening it failed after it was written")
+        stored = await service.store.get(request.id)
+        assert stored is not None
+        assert stored.status is Status.CANCELLED
+        assert publisher.settled == [request.id]  # its cards settle to that outcome
+        assert "a press on its card cancels it instead of approving" in str(refused.value)
+        assert failure_count("approval_open_uncancelled") == before + 1
+
+
+async def test_an_opening_whose_cancel_fails_is_reported_at_the_next_start(store_engine: Engine) -> None:
+    """Nobody pressed and the process stopped without cancelling it: the next start ends it and tells the
+    conversation that asked (its cards settle to that outcome)."""
+    async with approval_service(store_engine.where, publisher=TableTakingPublisher(store_engine)) as service:
+        try:
+            with pytest.raises(ApprovalRefused, match="could not be cancelled"):
+                await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        finally:
+            rename_table(store_engine, "approval_requests_away", "approval_requests")
+    async with approval_service(store_engine.where, publisher=RecordingPublisher()) as restarted:
+        recovery = await restarted.recover()
+        [request] = recovery.cancelled
+        assert request.status is Status.CANCELLED
+        [(conversation, text)] = recovery.messages()
+        assert conversation == "telegram:-100"
+        assert f"The approval request for shell ({request.id}) was cancelled" in text

@@ -103,7 +103,7 @@ _POST_HUNG = (f"{_HUNG} · {{cancelled}} · tool did not run", _ON)
 
 # hang: the point never returns. The rig calls the process stuck when, within its bound, the person's ask brings
 # neither a card nor an answer, a card stays live, or the cards settle and the person never hears back; it is
-# killed and started again. Pinned on SQLite.
+# killed and started again. The same on both stores.
 HANG: Final[dict[str, Ending]] = {
     # the asker's call never opens (or its transaction never commits): nothing is open; the restart finds nothing
     "approvals.open.row": f"{_HUNG} · no request · tool did not run",
@@ -134,7 +134,7 @@ HANG: Final[dict[str, Ending]] = {
     "tools.recorded": f"{_HUNG} · approved · tool ran once",
 }
 
-# delay:300: every point a little late; nothing changes. Pinned on SQLite.
+# delay:300: every point a little late; nothing changes, on either store.
 DELAY: Final[dict[str, Ending]] = dict.fromkeys(SCENARIO_POINTS, _ON)
 
 
@@ -150,7 +150,11 @@ _APPROVAL_PINNED: Final[dict[tuple[str, str, str], Ending]] = {
     for action, column in (("crash", CRASH), ("error", ERROR))
     for point, ending in column.items()
 } | {
-    (point, action, "sqlite"): _on("sqlite", ending)
+    # hang and delay:300 on PostgreSQL (a replica, restarted under its name): every cell ended as on SQLite,
+    # {cancelled} in the replica's words, no invariant broken (a full run of both columns, each ending looked
+    # at; bus.post=hang ended "ran on": the Discord post hung, one of the two endings seen on SQLite)
+    (point, action, store): _on(store, ending)
+    for store in STORES
     for action, column in (("hang", HANG), ("delay:300", DELAY))
     for point, ending in column.items()
 }
