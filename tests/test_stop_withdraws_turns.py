@@ -21,7 +21,7 @@ from tests.chaos.rig import (
     TG_ADMIN,
     TG_CHAT,
     History,
-    Scenario,
+    Rig,
     _connected,
     _discord_text,
     _stop,
@@ -44,7 +44,7 @@ async def test_a_clean_stop_cancels_a_pending_turn_settles_its_cards_and_tells_t
         if find_bindir() is None:
             pytest.skip("no PostgreSQL server binaries")
         dsn = str(request.getfixturevalue("pg_dsn"))
-    s = Scenario(tmp_path, store=store, dsn=dsn)
+    s = Rig(tmp_path, store=store, dsn=dsn)
     where = dsn if dsn is not None else str(tmp_path / "state" / "k.db")
     async with fakes(s):
         s.model.script(
