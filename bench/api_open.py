@@ -46,13 +46,10 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.pg_support, run from anywhere
 
-from kazma.adapters.web import WebAdapter
 from kazma.approvals.hashing import args_hash, canonical_json
-from kazma.bot.app import App, build_app
-from kazma.bot.console.server import WebServer
+from kazma.bot.app import App
 from kazma.bot.logging import configure_logging
-from kazma.config import load_config_text
-from kazma.engine.model import ScriptedProvider
+from tests.console_support import console_only
 
 TOOL = "deploy"
 TABLES = ("approval_requests", "card_outbox", "api_idempotency", "approval_events")
@@ -121,22 +118,8 @@ api:
 
 @contextlib.asynccontextmanager
 async def product(folder: Path, store: str, tokens: dict[str, str]) -> AsyncIterator[tuple[App, str]]:
-    loaded = load_config_text(_config_text(store, tokens), environ={})
-    web_adapter = WebAdapter()
-    app = await build_app(
-        loaded, adapters=[], web=web_adapter, provider=ScriptedProvider([]), workspace_root=folder / "ws"
-    )
-    await app.start()
-    server = WebServer(
-        app.console, web_adapter, host="127.0.0.1", port=0, token_path=folder / "web-token",
-        operator_token="op-" + "p" * 40,
-    )  # fmt: skip
-    await server.start()
-    try:
+    async with console_only(folder, _config_text(store, tokens)) as (app, server):
         yield app, f"{server.url}/api/v1/approvals"
-    finally:
-        await server.stop()
-        await app.stop()
 
 
 async def drained(app: App) -> None:

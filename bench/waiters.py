@@ -31,10 +31,13 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
+
+if TYPE_CHECKING:
+    from kazma.bot.app import App
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -57,30 +60,21 @@ api:
 
 
 async def serve(folder: Path, store: str, log_level: str) -> None:
-    from kazma.adapters.web import WebAdapter
-    from kazma.approvals import Decision
-    from kazma.bot.app import build_app
-    from kazma.bot.console.server import WebServer
     from kazma.bot.logging import configure_logging
-    from kazma.config import load_config_text
-    from kazma.engine.model import ScriptedProvider
+    from tests.console_support import console_only
 
     configure_logging(log_level)
     # Replicas on PostgreSQL must share their keys (SQLite makes its own beside the file): bench keys, not secrets.
     os.environ.setdefault("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
     audit_key = base64.urlsafe_b64encode(b"bench-audit-key-" * 2).decode().rstrip("=")
     os.environ.setdefault("KAZMA_AUDIT_KEY", f"a1:{audit_key}")
-    loaded = load_config_text(_config(store), environ={})
-    web_adapter = WebAdapter()
-    app = await build_app(
-        loaded, adapters=[], web=web_adapter, provider=ScriptedProvider([]), workspace_root=folder / "ws"
-    )
-    await app.start()
-    server = WebServer(
-        app.console, web_adapter, host="127.0.0.1", port=0, token_path=folder / "web-token",
-        operator_token="op-" + "p" * 40,
-    )  # fmt: skip
-    await server.start()
+    async with console_only(folder, _config(store)) as (app, server):
+        await _serve_control(app, f"{server.url}/api/v1/approvals")
+
+
+async def _serve_control(app: App, api: str) -> None:
+    """A control port beside Kazma: decide a request, count its waiters; prints both addresses, runs forever."""
+    from kazma.approvals import Decision
 
     async def decide(request: web.Request) -> web.Response:
         started = time.monotonic()
@@ -109,13 +103,11 @@ async def serve(folder: Path, store: str, log_level: str) -> None:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    print(json.dumps({"api": f"{server.url}/api/v1/approvals", "control": f"http://127.0.0.1:{port}"}), flush=True)
+    print(json.dumps({"api": api, "control": f"http://127.0.0.1:{port}"}), flush=True)
     try:
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
-        await server.stop()
-        await app.stop()
 
 
 # -- the parent: the waiters ----------------------------------------------------------------------
