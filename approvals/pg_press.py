@@ -2,7 +2,7 @@
 
 On PostgreSQL every statement of a transaction is a round trip (the writer
 thread's group runs in pipeline mode, so only the statements whose answers an
-operation reads cost one). Two functions, created by approvals migration 14 and
+operation reads cost one). Two functions, created by approvals migration 13 and
 called from :mod:`kazma.approvals.store` and :mod:`kazma.approvals.chain`, make
 the hot statements one each:
 

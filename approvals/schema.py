@@ -261,7 +261,7 @@ MIGRATIONS = [
     # by anyone else decides nothing. NULL: a card in a chat, pressed by whoever may decide.
     Migration("approvals", 12, ("ALTER TABLE approval_cards ADD COLUMN bound_to TEXT",)),
     # PostgreSQL's press and audit append as one statement each (approvals/pg_press.py); nothing on SQLite.
-    Migration("approvals", 14, ()),
+    Migration("approvals", 13, ()),
 ]
 
 # The same tables on PostgreSQL, version for version: REAL is double precision there (its REAL has 6
@@ -538,5 +538,5 @@ PG_MIGRATIONS = [
         ),
     ),
     PgMigration("approvals", 12, ("ALTER TABLE approval_cards ADD COLUMN bound_to text",)),
-    PgMigration("approvals", 14, (PG_PRESS_FUNCTION, PG_AUDIT_APPEND_FUNCTION)),
+    PgMigration("approvals", 13, (PG_PRESS_FUNCTION, PG_AUDIT_APPEND_FUNCTION)),
 ]

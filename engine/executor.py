@@ -285,7 +285,7 @@ class PlanExecutor:
                 if undecided:
                     step = undecided[0]
                     log.warning("plan.lead_asked_again", plan_id=plan_id, step=step.index)
-                    text = f"Step {step.index} failed: {step.failure_reason or 'failed'}"
+                    text = _failure_for_lead(step.index, step.failure_reason or "failed")
                     actions.append(Action(ActionKind.ASK_LEAD, plan, step, text))
                     continue
                 moved = await self._next_actions(plan_id)
@@ -382,7 +382,7 @@ class PlanExecutor:
             return []
         # ask_lead: the steps that depend on the failed one wait (pending) while the lead decides; they are
         # blocked only when the lead gives up (see lead_decided) or the plan is aborted
-        return [Action(ActionKind.ASK_LEAD, plan, plan.steps[index], f"Step {index} failed: {reason}")]
+        return [Action(ActionKind.ASK_LEAD, plan, plan.steps[index], _failure_for_lead(index, reason))]
 
     async def _next_actions(self, plan_id: str) -> list[Action]:
         plan = await self.store.load(plan_id)
@@ -781,3 +781,9 @@ def _dependents(plan: Plan, index: int, status: StepStatus) -> list[int]:
         found |= nxt
         frontier = nxt
     return sorted(i for i in found if plan.steps[i].status is status)
+
+
+def _failure_for_lead(index: int, reason: str) -> str:
+    """What the lead is told of a failed step: the reason is the sub-agent's or its tools' words (a model's
+    output may carry anything), so it reaches the lead fenced, as data."""
+    return f"Step {index} failed:\n" + fence_untrusted(reason, source=f"step {index}'s failure")

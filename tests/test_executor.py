@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kazma.adapters.human_text import LABEL_PREFIX, for_humans, has_fence
 from kazma.config.store.backend import StoreConnection
 from kazma.config.store.database import open_database
 from kazma.config.store.postgres import open_pg_store
@@ -189,7 +190,8 @@ async def test_failure_policies(store_engine: Engine) -> None:
         assert loaded.steps[3].status is StepStatus.IN_PROGRESS  # independent work goes on
         ask = [a for a in d.actions if a.kind is ActionKind.ASK_LEAD]
         assert len(ask) == 1
-        assert ask[0].text == "Step 1 failed: no access"
+        assert has_fence(ask[0].text)  # the sub-agent's words reach the lead fenced, as data
+        assert for_humans(ask[0].text) == f"Step 1 failed:\n{LABEL_PREFIX}step 1's failure:\nno access"
         await ex.lead_decided(asking.id, 1)  # the lead's turn ended without a repair: it gave up on step 1
         loaded = await ex.store.load(asking.id)
         assert loaded is not None
@@ -564,7 +566,8 @@ async def test_a_restart_moves_on_a_plan_whose_step_ended_just_before_the_proces
         assert await ex.recover() == []  # nothing was running: nothing interrupted
         assert d.asked_lead == [(failed.id, 1)]
         ask = next(a for a in d.actions if a.kind is ActionKind.ASK_LEAD)
-        assert ask.text == "Step 1 failed: no access"
+        assert has_fence(ask.text)
+        assert for_humans(ask.text) == f"Step 1 failed:\n{LABEL_PREFIX}step 1's failure:\nno access"
         assert d.dispatched() == [(done.id, 2)]
         assert await ex.store.plan_status(last.id) == "finished"
         assert any(a.kind is ActionKind.FINISHED and a.plan.id == last.id for a in d.actions)
