@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator
 
 import psycopg
@@ -118,3 +119,23 @@ async def test_appends_hashed_on_a_stale_head_are_run_again_and_the_chain_stays_
     assert len(events) == 3 + 6 + 20 + 40  # every open, every press (a decision or a lost press), once each
     report = verify(events, checkpoints, TEST_SIGNER.public_keys())
     assert report.ok, [p.line() for p in report.problems]
+
+
+async def test_a_close_after_a_rider_gave_up_ends_the_writer_and_starts_no_other(pg_dsn: str) -> None:
+    """A checkpoint waiting to ride whose caller was cancelled (the checkpointer stopped first) is not waited for
+    by the close; it must not be handed to a fresh writer thread once the close took the old one away (the two
+    threads then raced for the stop signal, and the close could wait forever for the one that lost)."""
+
+    def one(tx: Tx) -> int:
+        return int(tx.one("SELECT 1")[0])
+
+    for _ in range(5):
+        writer = PgWriter(pg_dsn)
+        assert await writer.submit(one) == 1  # the writer's thread runs
+        rider = asyncio.create_task(writer.submit(one, ride=30.0))
+        await asyncio.sleep(0)  # it waits to ride
+        rider.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await rider
+        await asyncio.wait_for(writer.close(), timeout=20)
+        assert [t for t in threading.enumerate() if t.name == "kazma-pg-writer" and t.is_alive()] == []

@@ -124,6 +124,7 @@ class GroupQueue:
         self._flush_scheduled = False
         self._in_flight = False
         self._closed = False
+        self._finished = False  # close() ended the writer: nothing runs any more
         self._riders: list[Job[Any]] = []
         self._riders_due: asyncio.TimerHandle | None = None
 
@@ -195,6 +196,16 @@ class GroupQueue:
         for job in riders:
             self._track(job.future)
         return riders
+
+    def _late(self) -> bool:
+        """Whether the writer has ended (:meth:`close` drained it): what is still pending then belongs to callers
+        who gave up (a cancelled rider, say: the drain waits only for answers someone waits for). It is refused
+        here, never handed to a new thread that nobody would end (a close joining the old one then waited
+        forever when the new one took its stop signal)."""
+        if not self._finished:
+            return False
+        self._answer_jobs(self._take(), self._closed_error())
+        return True
 
     def _track(self, future: asyncio.Future[Any]) -> None:
         if not future.done():

@@ -216,6 +216,8 @@ class PgWriter(GroupQueue):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        if self._late():
+            return
         if self._in_flight or not self._pending:
             return  # the group on its way collects these when it is back
         jobs = self._take(self.max_group)
@@ -234,6 +236,7 @@ class PgWriter(GroupQueue):
     async def close(self) -> None:
         """Commit what is queued, then end the thread and close the connection."""
         await self._drain()
+        self._finished = True
         thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)

@@ -124,6 +124,8 @@ class StoreWriter(GroupQueue):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        if self._late():
+            return
         if self._in_flight or not self._pending:
             return  # the group on its way collects these when it is back
         jobs = self._take()
@@ -162,6 +164,7 @@ class StoreWriter(GroupQueue):
     async def close(self) -> None:
         """Commit what is queued, then end the thread and close the connection."""
         await self._drain()
+        self._finished = True
         with self._lock:
             thread = self._thread
             if thread is not None:
