@@ -310,7 +310,6 @@ class ApprovalService:
         self.publisher = publisher
         self.clock = clock
         self._waiters = Waiters(store.ended_among, poll_interval, clock, store.commits_seen)
-        self._decided: dict[str, asyncio.Event] = self._waiters.events  # set when a request ends here
         self._ended_here: dict[str, None] = {}  # requests this process ended (and told the bus), newest last
         self._refusals = RefusalWindow(clock=clock)
         self._looked: dict[str, float] = {}  # request id -> when this process last wrote its asker's last_seen
@@ -1322,9 +1321,7 @@ class ApprovalService:
         if self.publisher is not None:
             # Before the waiter wakes: the bus puts the card edits ahead of the reply to this decision.
             await self.publisher.settle(request_id)
-        waiter = self._decided.get(request_id)
-        if waiter is not None:
-            waiter.set()
+        self._waiters.wake(request_id)
         self._tell(request_id)
 
     # -- executing -------------------------------------------------------------------------------

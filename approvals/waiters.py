@@ -91,15 +91,12 @@ class Waiters:
         self.every = every
         self.clock = clock
         self.watches: dict[str, Watch] = {}
-        # request id -> its waiters' event: what a decision made here sets (the service's ``_decided``)
-        self.events: dict[str, asyncio.Event] = {}
         self._sweep: asyncio.Task[None] | None = None
 
     def join(self, request_id: str) -> Watch:
         watch = self.watches.get(request_id)
         if watch is None:
             watch = self.watches[request_id] = Watch()
-            self.events[request_id] = watch.event
         watch.waiters += 1
         if self._sweep is None or self._sweep.done():
             self._sweep = asyncio.create_task(self._sweeping(), name="kazma-approval-waiters-sweep")
@@ -109,19 +106,18 @@ class Waiters:
         watch.waiters -= 1
         if watch.waiters <= 0 and self.watches.get(request_id) is watch:
             del self.watches[request_id]
-            self.events.pop(request_id, None)
         if not self.watches and self._sweep is not None:
             self._sweep.cancel()  # nobody waits: no sweeping either
             self._sweep = None
 
     def wake(self, request_id: str) -> None:
-        event = self.events.get(request_id)
-        if event is not None:
-            event.set()
+        watch = self.watches.get(request_id)
+        if watch is not None:
+            watch.event.set()
 
     def wake_all(self) -> None:
-        for event in self.events.values():
-            event.set()
+        for watch in self.watches.values():
+            watch.event.set()
 
     async def _sweeping(self) -> None:
         while self.watches:

@@ -86,7 +86,8 @@ async def _serve_control(app: App, api: str) -> None:
         waiters = getattr(app.service, "_waiters", None)
         of = request.query.get("id")
         if waiters is None:  # before waiters were counted: one event per request, so requests, not waiters
-            count = len(app.service._decided) if of is None else int(of in app.service._decided)
+            decided = getattr(app.service, "_decided", {})  # an older tree's one event per waited request
+            count = len(decided) if of is None else int(of in decided)
         elif of is None:
             count = sum(w.waiters for w in waiters.watches.values())
         else:

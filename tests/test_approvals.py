@@ -261,7 +261,7 @@ async def test_cancelled_waiter_ends_cancelled_not_denied(store_engine: Engine) 
     async with approval_service(store_engine.where, publisher=publisher) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c")
         waiter = asyncio.create_task(service.wait(request.id))
-        while request.id not in service._decided:  # the waiter has started waiting
+        while request.id not in service._waiters.watches:  # the waiter has started waiting
             await asyncio.sleep(0)
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -282,7 +282,7 @@ async def test_waiter_wakes_at_once_on_an_in_process_decision(store_engine: Engi
     async with approval_service(store_engine.where, poll_interval=3600) as service:
         request = await service.open("shell", ARGS, "agent:b", "web:c")
         waiter = asyncio.create_task(service.wait(request.id))
-        while request.id not in service._decided:
+        while request.id not in service._waiters.watches:
             await asyncio.sleep(0)
         await service.decide(request.id, Decision.DENY, actor="web:admin", platform="web", reason="too broad")
         outcome = await asyncio.wait_for(waiter, timeout=10)
