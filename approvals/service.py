@@ -319,6 +319,9 @@ class ApprovalService:
         self.orphans: OrphanGate | None = None
         # request id -> why: opened, then its opening failed and so did its cancel; nobody waits for it here
         self._unwaited: dict[str, str] = {}
+        # Withdrawals under way: their askers' handlers may be cancelled mid-way (a web server shutting down
+        # cancels what runs past its timeout), so each runs on its own and the stop waits for them.
+        self._withdrawals: set[asyncio.Future[tuple[bool, Outcome | None]]] = set()
         self._turns: dict[str, None] = {}  # requests a waiter here ends with itself (cancel_with_waiter)
         self.stopping = False  # a clean stop began: nothing new is put to anyone
         # told the request id whenever a request opens or ends, or a remembered approval is revoked (the live
@@ -1150,7 +1153,15 @@ class ApprovalService:
 
     async def withdraw(self, request_id: str, why: Gone) -> tuple[bool, Outcome | None]:
         """Its synchronous asker went away: end the request ``cancelled`` ("withdrawn: …") and settle every card.
-        Whether this call ended it, and the outcome that stands (a decision made first stays; None: unknown id)."""
+        Whether this call ended it, and the outcome that stands (a decision made first stays; None: unknown id).
+        The caller being cancelled does not stop it half-way: a request ended with its cards left live is what
+        the stop's card drain then missed."""
+        withdrawal = asyncio.ensure_future(self._withdraw_now(request_id, why))
+        self._withdrawals.add(withdrawal)
+        withdrawal.add_done_callback(self._withdrawals.discard)
+        return await asyncio.shield(withdrawal)
+
+    async def _withdraw_now(self, request_id: str, why: Gone) -> tuple[bool, Outcome | None]:
         won, outcome = await self._cancel_now(request_id, withdrawn(why))
         if won:
             log.warning("approvals.withdrawn", request_id=request_id, why=why.value)
@@ -1182,6 +1193,8 @@ class ApprovalService:
         The requests ended here (their askers are to be told); one the store refuses is left to the next start.
         """
         self.stopping = True
+        if self._withdrawals:  # their cards' edits are queued before the bus drains
+            await asyncio.gather(*self._withdrawals, return_exceptions=True)
         ended: list[ApprovalRequest] = []
         for request_id in [*self._turns, *self._unwaited]:
             try:

@@ -22,6 +22,7 @@ from kazma.approvals import (
 )
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.policy import SafetyPolicy
+from kazma.approvals.withdrawal import Gone
 from kazma.config import failpoints
 from kazma.config.metrics import failure_count
 from tests.approvals_support import RecordingPublisher, approval_service
@@ -188,3 +189,42 @@ async def test_an_opening_whose_cancel_fails_is_reported_at_the_next_start(store
         [(conversation, text)] = recovery.messages()
         assert conversation == "telegram:-100"
         assert f"The approval request for shell ({request.id}) was cancelled" in text
+
+
+class HeldSettle(RecordingPublisher):
+    """A publisher whose card edits take a while (a platform answering slowly), released by the test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def settle(self, request_id: str) -> None:
+        self.entered.set()
+        await self.release.wait()
+        self.settled.append(request_id)
+
+
+async def test_a_withdrawal_whose_asker_is_cancelled_midway_still_settles_its_cards_before_the_stop(
+    store_engine: Engine,
+) -> None:
+    """A web server shutting down cancels an /mcp handler that runs past its timeout, possibly while its
+    withdrawal is between the store's ``cancelled`` and the card edits: the request ended with its cards left
+    live, and the stop's card drain had nothing to drain (the flaky ``test_kazma_stopped_with_an_mcp_call_…``)."""
+    publisher = HeldSettle()
+    async with approval_service(store_engine.where, publisher=publisher) as service:
+        request = await service.open("shell", ARGS, "agent:mcp", "web:c", durable=True)
+        handler = asyncio.ensure_future(service.withdraw(request.id, Gone.STOPPED))
+        await asyncio.wait_for(publisher.entered.wait(), 10)
+        handler.cancel()  # the server's shutdown timeout ran out on the handler
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        stopping = asyncio.ensure_future(service.withdraw_turns())
+        await asyncio.sleep(0)  # the stop has begun and waits
+        assert not stopping.done()
+        publisher.release.set()
+        await asyncio.wait_for(stopping, 10)
+        assert publisher.settled == [request.id]  # the edits were queued before the bus would drain
+        stored = await service.store.get(request.id)
+        assert stored is not None
+        assert stored.status is Status.CANCELLED

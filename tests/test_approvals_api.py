@@ -15,6 +15,7 @@ import pytest
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.approvals.hashing import args_hash
 from kazma.bot.api_store import IdempotencyKeys
+from kazma.config import failpoints
 from tests.api_support import (
     OPERATOR_TOKEN,
     OTHER_TOKEN,
@@ -279,6 +280,28 @@ async def test_a_request_is_never_pending_without_its_card_posts(tmp_path: Path)
         opened = await http.post("/api/v1/approvals", json=DEPLOY, headers={"Idempotency-Key": "k-2"})
         assert opened.status_code == 201
         await door.telegram.wait_until(lambda: bool(cards(door.telegram)), timeout=20)
+
+
+async def test_a_store_failure_after_the_open_committed_names_the_request_instead_of_nothing_opened(
+    tmp_path: Path,
+) -> None:
+    """The request, its cards and its key committed, then the store failed before the answer: the 503 must not
+    say "nothing was opened" (a person can decide its live card); it names the request, and the same key gets it."""
+    async with kazma_door(tmp_path) as door, client(door) as http:
+        failpoints.arm_for_test("api.open=1*error")
+        try:
+            refused = await http.post("/api/v1/approvals", json=DEPLOY, headers={"Idempotency-Key": "k-3"})
+        finally:
+            failpoints.disarm()
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert "nothing was opened" not in error
+        [opened] = await door.app.service.store.requests(limit=10)
+        assert opened.id in error
+        assert "same Idempotency-Key" in error
+        again = await http.post("/api/v1/approvals", json=DEPLOY, headers={"Idempotency-Key": "k-3"})
+        assert again.status_code == 200
+        assert again.json()["id"] == opened.id
 
 
 # --------------------------------------------------------------------------- quota, fairness, metrics

@@ -236,7 +236,19 @@ class ApprovalsApi:
                 started_by=token.owner,  # a policy's forbid_requester refuses the token's owner
             )
             if failpoints.armed and created:  # committed with its key, the caller not answered: it asks again
-                await failpoints.reached("api.open", lambda: simulated_failure(self.service.store.tables, "api"))
+                try:
+                    await failpoints.reached("api.open", lambda: simulated_failure(self.service.store.tables, "api"))
+                except store_errors() as exc:
+                    raise _OpenedUnanswered(opened.id) from exc
+        except _OpenedUnanswered as exc:
+            count_failure("api_open")
+            log.warning("api.open_unanswered", token=caller.name, tool=tool, request_id=exc.request_id)
+            retry = "ask again with the same Idempotency-Key to get it" if key is not None else "read it with GET"
+            raise _error(
+                web.HTTPServiceUnavailable,
+                f"the request was opened ({exc.request_id}: its cards are up), but the approvals store failed before "
+                f"the answer; {retry}",
+            ) from None
         except ApprovalRefused as exc:
             await self._audit(None, "api_refused", caller, str(exc)[:300])
             raise _error(web.HTTPUnprocessableEntity, str(exc)) from None
@@ -352,6 +364,14 @@ _KEY_REUSED = (
     "or use a new key for a new request"
 )
 _TOO_DEEP = f"arguments may nest at most {MAX_ARGUMENT_DEPTH} levels deep (the limit agents are held to)"
+
+
+class _OpenedUnanswered(Exception):
+    """The request was committed (cards, key and all), then the store failed before the caller was answered."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(request_id)
+        self.request_id = request_id
 
 
 class _NotJson(ValueError):
@@ -521,8 +541,9 @@ OPENAPI: dict[str, Any] = {
                         **_ERROR,
                     },
                     "503": {
-                        "description": "no platform can show an approval card now, or the store could not record "
-                        "the request (nothing was opened)",
+                        "description": "no platform can show an approval card now, the store could not record "
+                        "the request (nothing was opened), or it failed after opening it (the error names the request: "
+                        "ask again with the same Idempotency-Key)",
                         **_ERROR,
                     },
                 },
