@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -90,6 +91,12 @@ class Lifecycle(ABC):
     _live: set[str] = field(init=False, default_factory=set)  # the replicas alive at the leader's last look
     _recovery_due: bool = field(init=False, default=False)  # the leader has yet to judge what gone replicas left
     _serving: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    # Recovery notices not yet sent, oldest first: the background notices send them, and a stop that cancelled
+    # those sends what is left before the platforms stop (a SIGTERM soon after a start lost them).
+    _untold: deque[tuple[str, str]] = field(init=False, default_factory=deque)
+    _telling: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
+    # The orphans this start fenced while their cancelling runs: the stop tells those it already cancelled.
+    _orphans: Orphans | None = field(init=False, default=None)
 
     @property
     @abstractmethod
@@ -217,6 +224,7 @@ class Lifecycle(ABC):
         """Cancel the orphans the start fenced, a batch at a time, each batch's cards edited as it commits;
         then tell their conversations and start the sweeps (an overdue orphan ends "cancelled" at a restart,
         as it always did, not "timeout")."""
+        self._orphans = orphans
         if len(orphans):
             found = len(orphans)
             log.info("app.orphans_cancelling", requests=found)
@@ -224,6 +232,7 @@ class Lifecycle(ABC):
             await orphans.cancel_all(committed=bus.rescan if isinstance(bus, FanOutBus) else lambda: None)
             log.info("app.orphans_cancelled", requests=found, cancelled=len(orphans.cancelled))
         self.service.orphans = None
+        self._orphans = None  # from here the notices queue holds what is left to say
         self._tasks.keep(self._sweep, name="kazma-approvals-sweep", backoff=LOOP_RESTART)
         if orphans.cancelled:
             await self._say(Recovery(orphans.cancelled, []), [])
@@ -244,16 +253,39 @@ class Lifecycle(ABC):
             await self.bus.stop_ingress()  # another replica may be opening them already
 
     async def _tell(self, recovery: Recovery) -> None:
-        for conversation, text in recovery.messages():
-            try:
-                to = Address.parse(conversation)
-            except AddressError:
-                # A swarm worker's call ("swarm"): no chat to tell; its task's own report says what became of
-                # it, and its cards. This raised and ended the start: Kazma did not come up again after being
-                # killed while a worker's approved call ran.
-                log.info("app.recovery_notice_unaddressed", conversation=conversation[:80])
-                continue
-            await self.bus.send(to, Outgoing(text, agent=self.conversations.lead.name))
+        self._untold.extend(recovery.messages())
+        await self._tell_untold()
+
+    async def _tell_untold(self) -> None:
+        """Send the notices waiting, one at a time; one is dropped from the queue only once it was sent (a send
+        cancelled half-way may be sent again by the stop: once more rather than never)."""
+        async with self._telling:
+            while self._untold:
+                conversation, text = self._untold[0]
+                try:
+                    to = Address.parse(conversation)
+                except AddressError:
+                    # A swarm worker's call ("swarm"): no chat to tell; its task's own report says what became of
+                    # it, and its cards. This raised and ended the start: Kazma did not come up again after being
+                    # killed while a worker's approved call ran.
+                    log.info("app.recovery_notice_unaddressed", conversation=conversation[:80])
+                else:
+                    await self.bus.send(to, Outgoing(text, agent=self.conversations.lead.name))
+                self._untold.popleft()
+
+    async def _tell_at_stop(self) -> None:
+        """What the background notices had not sent yet (and the orphans cancelled so far, when the stop cut
+        their cancelling short: the rest stay pending, and the next start cancels them and says so)."""
+        orphans, self._orphans = self._orphans, None
+        if orphans is not None:
+            self._untold.extend(Recovery(orphans.cancelled, []).messages())
+        if not self._untold:
+            return
+        try:
+            await self._tell_untold()
+        except Exception as exc:
+            count_failure("recovery_notice")
+            log.warning("app.recovery_notice_failed", error=str(exc), untold=len(self._untold))
 
     async def _withdraw_turns(self) -> None:
         """At a clean stop, while the store and the platforms are up (the swarm's tasks closed already): the
@@ -340,6 +372,7 @@ class Lifecycle(ABC):
         if self.mcp is not None:
             await self.mcp.stop()
         await self._withdraw_turns()  # the platforms still up: the cards settle as the bus stops
+        await self._tell_at_stop()
         await self.bus.stop()
         if self.executions is not None:  # a call still running says "may have run" before the store closes
             try:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from kazma.adapters.bus import FanOutBus
+from kazma.adapters.web.adapter import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore
 from kazma.approvals.card import button_data
 from kazma.approvals.model import Decision, PressVerdict, Status
@@ -119,3 +121,46 @@ async def test_presses_racing_the_batches_never_approve_an_orphan(tmp_path: Path
             assert await app.service.store.events(request_id, event="decided") == []
     finally:
         await app.stop()
+
+
+async def test_a_stop_while_the_batches_run_still_tells_every_conversation_whose_orphan_it_cancelled(
+    tmp_path: Path,
+) -> None:
+    """The notices of cancelled orphans were said only after the last batch, in the background: a SIGTERM soon
+    after the start cancelled them, and the requests it had cancelled were never said anywhere (the next start
+    finds them ended). The stop now says what was cancelled; what was not stays pending for the next start."""
+    loaded = _loaded(tmp_path)
+    ids = await _orphans(loaded, ORPHANS)
+    web = WebAdapter()  # the orphans' conversation ("web:console"): where the notices are said
+    app = await build_app(loaded, adapters=[web], provider=ScriptedProvider([]), workspace_root=tmp_path / "ws")
+    await app.start()
+    bus = app.bus
+    assert isinstance(bus, FanOutBus)
+    first_batch = asyncio.Event()
+
+    async def held_after_the_first_batch() -> None:  # the stop arrives while the second batch would begin
+        first_batch.set()
+        await asyncio.Event().wait()
+
+    bus.rescan = held_after_the_first_batch  # type: ignore[method-assign]
+    try:
+        await asyncio.wait_for(first_batch.wait(), 60)
+    finally:
+        await app.stop()
+    told = [m.text for m in web.messages("console") if "was cancelled" in m.text]
+    rows = {request_id: await _status(loaded, request_id) for request_id in ids}
+    cancelled = [request_id for request_id, status in rows.items() if status is Status.CANCELLED]
+    assert len(cancelled) == BATCH  # one batch ran before the stop
+    for request_id in cancelled:
+        assert sum(request_id in text for text in told) == 1, request_id
+    assert all(status is Status.PENDING for request_id, status in rows.items() if request_id not in cancelled)
+
+
+async def _status(loaded: LoadedConfig, request_id: str) -> Status:
+    conn = await open_store(loaded.config)
+    try:
+        row = await ApprovalStore(conn).get(request_id)
+    finally:
+        await conn.close()
+    assert row is not None
+    return row.status
