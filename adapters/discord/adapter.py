@@ -374,9 +374,10 @@ class DiscordAdapter(PlatformBase):
             # ``guilds`` narrows every served channel, ``"*"`` included, to those servers: the door's space check.
             # The gateway never delivers a message again, to this replica or the next leader: it is kept with
             # its claim, so a leader taking over from a replica that died before taking it in hands it over.
-            await self.deliver(
-                inbound, key=f"message:{message.id}", space=space, kept=kept_message(inbound, message, space)
-            )
+            handlers = self._handlers
+            claimed = handlers is not None and handlers.claim_inbound is not None  # among replicas only
+            kept = kept_message(inbound, message, space) if claimed else None
+            await self.deliver(inbound, key=f"message:{message.id}", space=space, kept=kept)
 
     async def _hand_over_kept(self) -> None:
         """Messages a gone leader claimed and never took in, now this replica's (the claims took them over):
