@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from kazma.config.store.backend import StoreConnection, tables_of
+from kazma.config.store.backend import StoreConnection, Tx, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 from kazma.engine.plan import OnFailure, Plan, PlanOrigin, PlanSpec, Step, StepRecord, StepSpec, StepStatus
@@ -409,12 +409,7 @@ class PlanStore:
             "INSERT INTO plan_questions (id, plan_id, step, attempt, kind, conversation, asked_by, question, choices,"
             " answerer, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
         )
-        if self.replica is None:
-            await self.tables.run(insert, row)
-        else:
-            async with self.tables.transaction() as tx:
-                await tx.run(insert, row)
-                await tx.run(_OWN, (self.replica, plan_id))
+        await self._moved(plan_id, insert, row)
         found = await self.question(qid)
         assert found is not None
         return found
@@ -455,16 +450,11 @@ class PlanStore:
             " WHERE id = ? AND status = 'pending'"
         )
         params = (status, answer, actor, self.clock(), question_id)
-        if self.replica is None:
-            return await self.tables.run(settle, params) == 1
-        async with self.tables.transaction() as tx:
-            changed = await tx.run(settle, params)
-            if changed == 1:
-                await tx.run(
-                    "UPDATE plans SET owner = ? WHERE id = (SELECT plan_id FROM plan_questions WHERE id = ?)",
-                    (self.replica, question_id),
-                )
-        return changed == 1
+        plan_id = None
+        if self.replica is not None:
+            row = await self.tables.one("SELECT plan_id FROM plan_questions WHERE id = ?", (question_id,))
+            plan_id = None if row is None else str(row[0])
+        return await self._moved(plan_id, settle, params) == 1
 
     async def load(self, plan_id: str) -> Plan | None:
         async with self.tables.locked() as db:
@@ -536,13 +526,23 @@ class PlanStore:
             params.append(self.replica)
         params.extend([plan_id, index, expected.value])
         update = f"UPDATE plan_steps SET {', '.join(sets)} WHERE plan_id = ? AND idx = ? AND status = ?"  # noqa: S608
-        if self.replica is None:
-            return await self.tables.run(update, params) == 1
-        async with self.tables.transaction() as tx:  # the step moves, and the plan is this replica's to drive
-            changed = await tx.run(update, params)
-            if changed == 1:
-                await tx.run(_OWN, (self.replica, plan_id))
-        return changed == 1
+        return await self._moved(plan_id, update, params) == 1
+
+    async def _moved(self, plan_id: str | None, sql: str, params: Sequence[Any]) -> int:
+        """Run ``sql`` (a write that moves the plan); among replicas the plan is this replica's to drive from the
+        same commit on (one group commit of the writer: both or neither). How many rows ``sql`` changed."""
+        if self.replica is None or plan_id is None:
+            return await self.tables.run(sql, params)
+        replica = self.replica
+
+        def op(tx: Tx) -> int:
+            changed = tx.run(sql, params)
+            if changed:
+                tx.run(_OWN, (replica, plan_id))
+            return changed
+
+        writer = await self.tables.writer()
+        return await writer.submit(op)
 
     async def set_plan_status(self, plan_id: str, status: str) -> None:
         await self.tables.run("UPDATE plans SET status = ? WHERE id = ?", (status, plan_id))
