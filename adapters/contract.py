@@ -133,9 +133,19 @@ class ChatMove:
 InboundHandler = Callable[[Inbound], Awaitable[None]]
 PressHandler = Callable[[Press], Awaitable[PressResult]]
 ChatMoveHandler = Callable[[ChatMove], Awaitable[None]]
-# (platform, event key) -> True when this replica may handle the event (it was the first to claim it)
-InboundClaim = Callable[[str, str], Awaitable[bool]]
-InboundDone = Callable[[str, str], Awaitable[None]]
+
+
+class InboundClaim(Protocol):
+    def __call__(self, platform: str, key: str, payload: str | None = None, /) -> Awaitable[bool]:
+        """True when this replica may handle the event ``key`` (it was the first to claim it). ``payload``: the
+        event, kept with the claim where the platform never delivers it again (a Discord gateway message), so
+        that a replica taking the claim over from a dead one can hand it over in its place."""
+        ...
+
+
+# (platform, event key) -> False when the claim is no longer this replica's (taken over by another, which hands
+# the event over instead); True or None: hand it over here
+InboundDone = Callable[[str, str], Awaitable[bool | None]]
 SignedCheck = Callable[[str, Sequence[str]], Awaitable[bool]]
 
 

@@ -40,6 +40,9 @@ class Arrival:
     key: str | None = None  # the platform's id of the event: claimed across replicas
     space: int | str | None = None  # the server (Discord's guild) the event came from, where a platform has one
     signed: tuple[str, ...] = ()  # what makes a signed request unique (its signature, event id, trigger id)
+    # The event as the adapter can read it back, kept with its claim where the platform never delivers it again
+    # (a Discord gateway message): a replica taking over a dead claimer's claim hands it over from there.
+    kept: str | None = None
 
 
 @dataclass(frozen=True)
@@ -146,11 +149,11 @@ def chat_served(serves: Callable[[Inbound], bool], *, refusal: str | None = None
     return Check("chat_served", run)
 
 
-def claimed_here(claim: Callable[[str | None], Awaitable[bool]]) -> Check:
-    """Only the replica that claims the event handles it."""
+def claimed_here(claim: Callable[[str | None, str | None], Awaitable[bool]]) -> Check:
+    """Only the replica that claims the event handles it (claimed with what is kept of it, see ``Arrival.kept``)."""
 
     async def run(arrival: Arrival) -> Verdict:
-        if arrival.inbound is not None and not await claim(arrival.key):
+        if arrival.inbound is not None and not await claim(arrival.key, arrival.kept):
             return Stopped("claimed_here", "claimed_elsewhere", taken_in=False)
         return arrival
 

@@ -429,7 +429,7 @@ class PlatformBase(PressPolicy):
     def actor(self, user_id: object) -> str:
         return str(Actor(self.name, str(user_id)))
 
-    async def _claim(self, key: str | None) -> bool:
+    async def _claim(self, key: str | None, kept: str | None = None) -> bool:
         """Whether this replica handles the inbound event ``key`` (True without a key or a claim handler).
 
         A claim that cannot be recorded is handled here anyway: the platform has been told the event
@@ -440,7 +440,7 @@ class PlatformBase(PressPolicy):
         if key is None or handlers is None or handlers.claim_inbound is None:
             return True
         try:
-            claimed = await handlers.claim_inbound(self.name, key)
+            claimed = await handlers.claim_inbound(self.name, key, kept)
         except Exception:
             count_failure("inbound_claim", self.name)
             log.exception("platform.inbound_claim_failed", platform=self.name, key=key)
@@ -449,16 +449,22 @@ class PlatformBase(PressPolicy):
             log.info("platform.inbound_claimed_elsewhere", platform=self.name, key=key)
         return claimed
 
-    async def _taken_in(self, key: str | None) -> None:
-        """Tell the claims that the event ``key`` is taken in here (never raises: the event is handled anyway)."""
+    async def _taken_in(self, key: str | None) -> bool:
+        """Tell the claims that the event ``key`` is taken in here; False when its claim is another replica's now.
+
+        A replica counted gone (its lease session dropped) may still be running: its claim, taken over by the
+        leader, is handed over there, and here it is dropped, so the event is handled once. A store that cannot
+        say lets the event through (never raises): the platform was told it arrived, and losing it is worse.
+        """
         handlers = self._handlers
         if key is None or handlers is None or handlers.inbound_done is None:
-            return
+            return True
         try:
-            await handlers.inbound_done(self.name, key)
+            return await handlers.inbound_done(self.name, key) is not False
         except Exception as exc:
             count_failure("inbound_claim", self.name)
             log.warning("platform.inbound_done_failed", platform=self.name, key=key, error=str(exc))
+            return True
 
     # -- the door (adapters/ingress.py) -----------------------------------------------------------
 
@@ -531,11 +537,14 @@ class PlatformBase(PressPolicy):
                 space=arrival.space,
             )
 
-    async def deliver(self, inbound: Inbound, *, key: str | None = None, space: int | str | None = None) -> bool:
+    async def deliver(
+        self, inbound: Inbound, *, key: str | None = None, space: int | str | None = None, kept: str | None = None
+    ) -> bool:
         """The one inbound door: ``inbound`` (``key``: the platform's id of the event; ``space``: the server it
-        came from) passes the door's checks, then the handler has it; a failing handler is counted and logged,
-        never raised. True when the message was handed to the handler."""
-        admitted = await self.admit(Arrival(self.name, inbound, key=key, space=space))
+        came from; ``kept``: the event as the adapter reads it back, kept with its claim) passes the door's
+        checks, then the handler has it; a failing handler is counted and logged, never raised. True when the
+        message was handed to the handler."""
+        admitted = await self.admit(Arrival(self.name, inbound, key=key, space=space, kept=kept))
         handlers = self._handlers
         if admitted is None or admitted.inbound is None or handlers is None:
             return False
@@ -551,7 +560,9 @@ class PlatformBase(PressPolicy):
         )
         # Taken in as it is handed over: the conversation's own recovery covers a turn cut short by a crash,
         # and a message taken over again after that would run its turn twice.
-        await self._taken_in(key)
+        if not await self._taken_in(key):
+            log.warning("platform.inbound_taken_over", platform=self.name, key=key, chat=inbound.chat)
+            return False
         try:
             await handlers.on_inbound(inbound)
         except Exception:

@@ -54,12 +54,12 @@ class PressPolicy(ABC):
         """Run ``work`` as tracked work (drained on stop); ``awaited``: its failure is the caller's to handle."""
 
     @abstractmethod
-    async def _claim(self, key: str | None) -> bool:
+    async def _claim(self, key: str | None, kept: str | None = None) -> bool:
         """Whether this replica handles the event ``key``."""
 
     @abstractmethod
-    async def _taken_in(self, key: str | None) -> None:
-        """Record that the event ``key`` is taken in here."""
+    async def _taken_in(self, key: str | None) -> bool:
+        """Record that the event ``key`` is taken in here (False: its claim is another replica's now)."""
 
     @abstractmethod
     def classify(self, site: str, exc: BaseException) -> PlatformError:

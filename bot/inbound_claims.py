@@ -96,7 +96,8 @@ _SIGNED: Final = (
     " ON CONFLICT DO NOTHING"
 )
 _CLAIM: Final = (
-    "INSERT INTO inbound_claims (platform, event_key, claimed_at, replica) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING"
+    "INSERT INTO inbound_claims (platform, event_key, claimed_at, replica, payload) VALUES (?, ?, ?, ?, ?)"
+    " ON CONFLICT DO NOTHING"
 )
 
 
@@ -119,15 +120,19 @@ class InboundClaims:
         # Events this process has let through: one it fetched itself (its own claim) is let through once.
         self._handling: OrderedDict[tuple[str, str], None] = OrderedDict()
 
-    async def claim(self, platform: str, key: str) -> bool:
+    async def claim(self, platform: str, key: str, payload: str | None = None, /) -> bool:
         """True when this call recorded the claim (handle the event here); False when it was claimed before.
 
         Through the store's group-committing writer (what ``Tables.run`` does with a writer attached), on
         either backend: answered once the commit holding the claim is durable. A claim held by a replica
         that is gone and that never took the event in (see :meth:`done`) is taken over: the platform
         delivered the event again because that replica never confirmed it, and nobody else will handle it.
+
+        ``payload``: the event, kept in the same row (one statement: no claim without it) where the platform
+        never delivers it again (Discord's gateway): the leader after this one hands it over from the row
+        (:meth:`unfinished`) when this replica dies before taking it in. Cleared once taken in (:meth:`done`).
         """
-        row = (platform, key, self.clock(), self.replica)
+        row = (platform, key, self.clock(), self.replica, payload)
         writer = await self.tables.writer()
         inserted = await writer.submit(lambda tx: tx.run(_CLAIM, row))
         if inserted == 1:
@@ -232,16 +237,30 @@ class InboundClaims:
                 found.append(str(payload))
         return found
 
-    async def done(self, platform: str, key: str) -> None:
+    async def done(self, platform: str, key: str) -> bool:
         """The event is taken in here (a message handed to its conversation, a press decided): no replica
-        takes the claim over any more, even once this one is gone."""
+        takes the claim over any more, even once this one is gone. The event kept with it is dropped (it was
+        kept only to be handed over; the conversation keeps what it keeps).
+
+        False when the claim is another replica's now: this one was counted gone (its lease session dropped)
+        and the leader took the claim over, so the leader hands the event over and this replica must not.
+        One compare-and-set decides, so exactly one replica hands each kept event over.
+        """
         writer = await self.tables.writer()
-        await writer.submit(
+        marked = await writer.submit(
             lambda tx: tx.run(
-                "UPDATE inbound_claims SET done_at = ? WHERE platform = ? AND event_key = ? AND replica = ?",
+                "UPDATE inbound_claims SET done_at = ?, payload = NULL"
+                " WHERE platform = ? AND event_key = ? AND replica = ?",
                 (self.clock(), platform, key, self.replica),
             )
         )
+        if marked:
+            return True
+        holder = await self.holder(platform, key)  # none: never claimed (a claim that failed is let through)
+        if holder is None or holder == self.replica:
+            return True
+        log.warning("inbound.claim_lost", platform=platform, key=key, holder=holder)
+        return False
 
     async def first_signed(self, platform: str, keys: Sequence[str]) -> bool:
         """True when none of ``keys`` of one signed request was recorded before (each is recorded now).

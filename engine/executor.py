@@ -210,7 +210,9 @@ class PlanExecutor:
         interrupted: its question is shown again.
 
         Among replicas (``live``: the replicas alive now) only steps a replica that is gone started are
-        interrupted, and questions are not shown again (their replica, or the one before, showed them).
+        interrupted, and only plans whose owner is gone are repaired, each by the one replica that takes it over
+        (a compare-and-set on its owner): their open questions shown again, an answer taken and never resumed
+        resumed, an idle plan moved on. A plan whose owner lives is its owner's to move, never touched here.
         """
         interrupted = await self.store.with_steps_in(StepStatus.IN_PROGRESS, live=live)
         actions: list[Action] = []
@@ -238,24 +240,29 @@ class PlanExecutor:
                 count_failure("step_interrupted")
                 failed.append((plan_id, index))
                 actions += await self._after_failure(plan_id, index, OnFailure.ASK_LEAD, reason)
-        for question in [] if live is not None else await self.store.open_questions():
-            plan = await self.store.load(question.plan_id)
+        taken: set[str] | None = None  # the plans to repair; None: every one (the only process on its store)
+        if live is not None:
+            taken = set(await self.store.take_over_plans(live))
+            if taken:
+                log.warning("plan.taken_over", plans=sorted(taken))
+        for question in await self.store.open_questions():
+            plan = await self.store.load(question.plan_id) if taken is None or question.plan_id in taken else None
             if plan is not None:
                 log.info("plan.question_shown_again", plan_id=plan.id, question=question.id)
                 actions.append(Action(ActionKind.ASK_USER, plan, plan.steps.get(question.step), question=question))
-        if live is None:
-            for question in await self.store.answered_unresumed():
-                plan = await self.store.load(question.plan_id)
-                if plan is None or question.answer is None:
-                    continue
-                log.warning("plan.answer_taken_at_start", plan_id=plan.id, question=question.id)
-                async with self._locks[plan.conversation]:
-                    actions += await self._take_answer(plan.id, question, question.answer, question.answered_by or "")
-            actions += await self._move_idle_plans_on(skip={plan_id for plan_id, _ in failed})
+        for question in await self.store.answered_unresumed():
+            plan = await self.store.load(question.plan_id) if taken is None or question.plan_id in taken else None
+            if plan is None or question.answer is None:
+                continue
+            log.warning("plan.answer_taken_at_start", plan_id=plan.id, question=question.id)
+            async with self._locks[plan.conversation]:
+                actions += await self._take_answer(plan.id, question, question.answer, question.answered_by or "")
+        actions += await self._move_idle_plans_on(skip={plan_id for plan_id, _ in failed}, only=taken)
         return failed, actions
 
-    async def _move_idle_plans_on(self, skip: Collection[str]) -> list[Action]:
-        """At the start of the one process on its store: active plans with nothing running and nobody asked.
+    async def _move_idle_plans_on(self, skip: Collection[str], only: Collection[str] | None = None) -> list[Action]:
+        """At the start of the one process on its store (among replicas: the plans taken over from a gone owner,
+        ``only``): active plans with nothing running and nobody asked.
 
         A step's ending commits before the plan moves on (the lead asked about a failure, the next step handed
         out); a process that died between the two, or during the lead's turn about a failure, leaves the plan
@@ -264,7 +271,7 @@ class PlanExecutor:
         finishes."""
         actions: list[Action] = []
         for plan_id in await self.store.active_plans():
-            if plan_id in skip:
+            if plan_id in skip or (only is not None and plan_id not in only):
                 continue
             plan = await self.store.load(plan_id)
             if plan is None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
-from kazma.config.store.backend import StoreConnection, tables_of
+from kazma.config.store.backend import StoreConnection, Tx, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 from kazma.engine.plan import OnFailure, Plan, PlanOrigin, PlanSpec, Step, StepRecord, StepSpec, StepStatus
@@ -116,6 +116,10 @@ MIGRATIONS = [
     ),
     # What the step's latest attempt's tools did (engine/tools/executions.py): ran, did not run, may have run.
     Migration("plans", 5, ("ALTER TABLE plan_steps ADD COLUMN execution_json TEXT",)),
+    # The replica driving the plan: the last to move it (start it, a step's ending, a question asked or answered).
+    # Among replicas a plan left idle is repaired only by a survivor that takes it over from an owner that is gone.
+    # NULL: the only process on its store (or before this).
+    Migration("plans", 6, ("ALTER TABLE plans ADD COLUMN owner TEXT",)),
 ]
 
 # The same tables on PostgreSQL, version for version: double precision for REAL, an identity column where
@@ -212,7 +216,10 @@ PG_MIGRATIONS = [
         ),
     ),
     PgMigration("plans", 5, ("ALTER TABLE plan_steps ADD COLUMN execution_json text",)),
+    PgMigration("plans", 6, ("ALTER TABLE plans ADD COLUMN owner text",)),
 ]
+
+_OWN: Final = "UPDATE plans SET owner = ? WHERE id = ?"
 
 # Done and skipped are never left. A failed or blocked step returns to pending only by a repair the lead
 # asked for (retry_step, replace_steps); a running one returns to pending only for a transient retry.
@@ -313,8 +320,8 @@ class PlanStore:
         origin = origin or PlanOrigin()
         async with self.tables.transaction() as tx:
             await tx.run(
-                "INSERT INTO plans (id, conversation, goal, created_at, request_text, requested_by, request_files)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO plans (id, conversation, goal, created_at, request_text, requested_by, request_files,"
+                " owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     plan_id,
                     conversation,
@@ -323,6 +330,7 @@ class PlanStore:
                     origin.text,
                     origin.requested_by,
                     json.dumps(list(origin.files)),
+                    self.replica,
                 ),
             )
             await tx.run_many(_INSERT_STEP, [_step_row(plan_id, s, now) for s in spec.steps])
@@ -395,12 +403,13 @@ class PlanStore:
         answerer: str,
     ) -> Question:
         qid = secrets.token_urlsafe(12)
-        await self.tables.run(
+        row = (qid, plan_id, step, attempt, kind, conversation, asked_by, question, json.dumps(list(choices)),
+               answerer, self.clock())  # fmt: skip
+        insert = (
             "INSERT INTO plan_questions (id, plan_id, step, attempt, kind, conversation, asked_by, question, choices,"
-            " answerer, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (qid, plan_id, step, attempt, kind, conversation, asked_by, question, json.dumps(list(choices)),
-             answerer, self.clock()),
-        )  # fmt: skip
+            " answerer, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        )
+        await self._moved(plan_id, insert, row)
         found = await self.question(qid)
         assert found is not None
         return found
@@ -436,12 +445,16 @@ class PlanStore:
 
     async def settle_question(self, question_id: str, status: str, *, answer: str | None, actor: str | None) -> bool:
         """Compare-and-set: the first answer (or cancellation) wins; False when it was settled already."""
-        changed = await self.tables.run(
+        settle = (
             "UPDATE plan_questions SET status = ?, answer = ?, answered_by = ?, answered_at = ?"
-            " WHERE id = ? AND status = 'pending'",
-            (status, answer, actor, self.clock(), question_id),
+            " WHERE id = ? AND status = 'pending'"
         )
-        return changed == 1
+        params = (status, answer, actor, self.clock(), question_id)
+        plan_id = None
+        if self.replica is not None:
+            row = await self.tables.one("SELECT plan_id FROM plan_questions WHERE id = ?", (question_id,))
+            plan_id = None if row is None else str(row[0])
+        return await self._moved(plan_id, settle, params) == 1
 
     async def load(self, plan_id: str) -> Plan | None:
         async with self.tables.locked() as db:
@@ -512,14 +525,52 @@ class PlanStore:
             sets.append("replica = ?")
             params.append(self.replica)
         params.extend([plan_id, index, expected.value])
-        changed = await self.tables.run(
-            f"UPDATE plan_steps SET {', '.join(sets)} WHERE plan_id = ? AND idx = ? AND status = ?",  # noqa: S608
-            params,
-        )
-        return changed == 1
+        update = f"UPDATE plan_steps SET {', '.join(sets)} WHERE plan_id = ? AND idx = ? AND status = ?"  # noqa: S608
+        return await self._moved(plan_id, update, params) == 1
+
+    async def _moved(self, plan_id: str | None, sql: str, params: Sequence[Any]) -> int:
+        """Run ``sql`` (a write that moves the plan); among replicas the plan is this replica's to drive from the
+        same commit on (one group commit of the writer: both or neither). How many rows ``sql`` changed."""
+        if self.replica is None or plan_id is None:
+            return await self.tables.run(sql, params)
+        replica = self.replica
+
+        def op(tx: Tx) -> int:
+            changed = tx.run(sql, params)
+            if changed:
+                tx.run(_OWN, (replica, plan_id))
+            return changed
+
+        writer = await self.tables.writer()
+        return await writer.submit(op)
 
     async def set_plan_status(self, plan_id: str, status: str) -> None:
         await self.tables.run("UPDATE plans SET status = ? WHERE id = ?", (status, plan_id))
+
+    async def take_over_plans(self, live: Collection[str]) -> list[str]:
+        """Active plans whose owner is not in ``live`` (the replicas alive now), each now this replica's: a
+        compare-and-set on the owner, so one survivor repairs each, and a plan whose owner lives (its lead
+        deciding, a turn running there) is never touched. A plan with no owner recorded (the only process on
+        its store, or from before owners) cannot be told dead and is left."""
+        rows = await self.tables.all(
+            "SELECT id, owner FROM plans WHERE status = 'active' AND owner IS NOT NULL ORDER BY created_at", ()
+        )
+        taken: list[str] = []
+        for plan_id, owner in rows:
+            if owner in live:
+                continue
+            changed = await self.tables.run(
+                "UPDATE plans SET owner = ? WHERE id = ? AND owner = ? AND status = 'active'",
+                (self.replica, plan_id, owner),
+            )
+            if changed == 1:
+                taken.append(str(plan_id))
+        return taken
+
+    async def owner(self, plan_id: str) -> str | None:
+        """The replica driving ``plan_id`` (None: the only process on its store, or no such plan)."""
+        row = await self.tables.one("SELECT owner FROM plans WHERE id = ?", (plan_id,))
+        return None if row is None or row[0] is None else str(row[0])
 
     async def plan_status(self, plan_id: str) -> str | None:
         row = await self.tables.one("SELECT status FROM plans WHERE id = ?", (plan_id,))

@@ -43,7 +43,7 @@ class Replica:
         await self._notify()
         return PressResult(PressVerdict.WON, "Approved.", request_id="r")
 
-    async def claim_inbound(self, platform: str, key: str) -> bool:
+    async def claim_inbound(self, platform: str, key: str, payload: str | None = None, /) -> bool:
         assert self._claim is not None
         claimed = await self._claim(platform, key)
         self.claims.append((platform, key, claimed))

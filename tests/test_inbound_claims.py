@@ -137,6 +137,32 @@ async def test_the_inbox_hands_what_a_gone_replica_kept_and_never_took_in_to_the
     assert not await b.claim("telegram", "bot:1")
 
 
+async def test_a_message_kept_with_its_claim_is_handed_over_by_exactly_one_replica(replicas: Replicas) -> None:
+    """A gateway message (Discord) is kept with its claim: the claimer counted gone while it still runs (its
+    lease session dropped) loses the compare-and-set at taking it in, and the replica that took the claim over
+    hands it over instead; the body is dropped once taken in."""
+    clock = Clock()
+    alive = {"a", "b"}
+
+    async def live() -> set[str]:
+        return set(alive)
+
+    a, b = [await replicas(name, clock) for name in ("a", "b")]
+    a.live = b.live = live
+    assert await a.claim("discord", "message:1", '{"text": "hello"}')
+    assert await a.claim("discord", "message:2", '{"text": "taken in"}')
+    assert await a.done("discord", "message:2")
+    assert await b.unfinished("discord") == []  # a is alive: message:1 is still a's to take in
+    alive.discard("a")  # a's lease session drops; a itself is slow, not dead
+    assert await b.unfinished("discord") == ['{"text": "hello"}']  # message:2 was taken in: never again
+    assert not await a.done("discord", "message:1")  # a comes back to it: not a's any more, a drops it
+    assert await b.claim("discord", "message:1")  # b hands it over, once
+    assert not await b.claim("discord", "message:1")
+    assert await b.done("discord", "message:1")
+    assert await b.tables.all("SELECT event_key FROM inbound_claims WHERE payload IS NOT NULL") == []
+    assert await b.unfinished("discord") == []
+
+
 async def test_a_poller_that_stops_gives_back_what_it_kept_and_never_let_through(replicas: Replicas) -> None:
     clock = Clock()
     a, b = [await replicas(name, clock) for name in ("a", "b")]

@@ -50,8 +50,10 @@ from kazma.adapters.discord.inbound import (
     PRESS_PREFIXES,
     channel_chat,
     command_inbound,
+    kept_message,
     message_inbound,
     modal_value,
+    revived_message,
 )
 from kazma.adapters.discord.render import (
     CONTENT_MAX,
@@ -67,6 +69,7 @@ from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
+from kazma.config.metrics import count_failure
 from kazma.config.models import DiscordConfig
 
 STREAM_EDIT_GAP: Final = 1.0  # seconds between two edits of a streamed reply in one channel
@@ -224,6 +227,7 @@ class DiscordAdapter(PlatformBase):
         )
         if ready in done:
             log.info("discord.ready", user_id=client.user.id if client.user else None, guilds=len(client.guilds))
+            self.spawn(self._hand_over_kept(), name="kazma-discord-kept")
             return
         ready.cancel()
         task = self._task
@@ -365,12 +369,46 @@ class DiscordAdapter(PlatformBase):
         if message.type not in (discord.MessageType.default, discord.MessageType.reply):
             return
         with self.tracking():
-            # ``guilds`` narrows every served channel, ``"*"`` included, to those servers: the door's space check
-            await self.deliver(
-                message_inbound(message, actor=self.actor, is_admin=self.is_admin, fetcher=self._fetcher),
-                key=f"message:{message.id}",
-                space=message.guild.id if message.guild else None,
-            )
+            inbound = message_inbound(message, actor=self.actor, is_admin=self.is_admin, fetcher=self._fetcher)
+            space = message.guild.id if message.guild else None
+            # ``guilds`` narrows every served channel, ``"*"`` included, to those servers: the door's space check.
+            # The gateway never delivers a message again, to this replica or the next leader: it is kept with
+            # its claim, so a leader taking over from a replica that died before taking it in hands it over.
+            handlers = self._handlers
+            claimed = handlers is not None and handlers.claim_inbound is not None  # among replicas only
+            kept = kept_message(inbound, message, space) if claimed else None
+            await self.deliver(inbound, key=f"message:{message.id}", space=space, kept=kept)
+
+    async def _hand_over_kept(self) -> None:
+        """Messages a gone leader claimed and never took in, now this replica's (the claims took them over):
+        each through the door again, which lets it through once here, in the order they were claimed."""
+        handlers = self._handlers
+        inbox = None if handlers is None else handlers.inbox
+        if inbox is None:
+            return
+        try:
+            kept = await inbox.unfinished(PLATFORM)
+        except Exception as exc:
+            count_failure("inbound_inbox", PLATFORM)
+            log.warning("discord.kept_unread", error=describe(exc))
+            return
+        for payload in kept:
+            try:
+                inbound, space = revived_message(payload, fetcher=self._cdn_fetcher)
+            except (ValueError, KeyError, TypeError) as exc:
+                count_failure("inbound_inbox", PLATFORM)
+                log.warning("discord.kept_unreadable", error=describe(exc))
+                continue
+            log.warning("discord.message_taken_over", message_id=inbound.message_id, chat=inbound.chat)
+            await self.deliver(inbound, key=f"message:{inbound.message_id}", space=space)
+        log.info("discord.kept_handed_over", messages=len(kept))
+
+    def _cdn_fetcher(self, url: str) -> Callable[[], Awaitable[bytes]]:
+        async def fetch() -> bytes:
+            data: bytes = await self._rest("file_fetch", lambda: self._connected("file_fetch").http.get_from_cdn(url))
+            return data
+
+        return fetch
 
     def _fetcher(self, attachment: discord.Attachment) -> Callable[[], Awaitable[bytes]]:
         async def fetch() -> bytes:

@@ -4,6 +4,7 @@ payload translation only; the adapter receives, the kit's door decides what pass
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -66,6 +67,60 @@ def message_inbound(
         attachments=tuple(Attachment(a.filename, a.size, fetcher(a)) for a in message.attachments),
         chat_title=channel_title(message.channel),
     )
+
+
+def kept_message(inbound: Inbound, message: discord.Message, space: int | None) -> str:
+    """What is kept of a message with its claim: the neutral message as the bot would have handled it, its
+    files by URL (fetched, within the bounds, when handed over), and its server. The same text the
+    conversation receives; dropped from the claim once taken in."""
+    fields = {
+        "chat": inbound.chat,
+        "thread": inbound.thread,
+        "message_id": inbound.message_id,
+        "author": inbound.author,
+        "author_name": inbound.author_name,
+        "text": inbound.text,
+        "mentions": list(inbound.mentions),
+        "from_bot": inbound.from_bot,
+        "is_admin": inbound.is_admin,
+        "direct": inbound.direct,
+        "reply_to": inbound.reply_to,
+        "chat_title": inbound.chat_title,
+        "files": [{"name": a.filename, "size": a.size, "url": a.url} for a in message.attachments],
+        "space": space,
+    }
+    return json.dumps(fields, ensure_ascii=False, separators=(",", ":"))
+
+
+def revived_message(
+    payload: str, *, fetcher: Callable[[str], Callable[[], Awaitable[bytes]]]
+) -> tuple[Inbound, int | None]:
+    """The message and its server from what :func:`kept_message` kept (``fetcher``: a file's URL → its fetch).
+    Raises ``ValueError`` (or ``KeyError``/``TypeError``) when the payload is not one."""
+    fields = json.loads(payload)
+    if not isinstance(fields, dict):
+        raise ValueError("a kept Discord message is a JSON object")
+    space = fields.get("space")
+    inbound = Inbound(
+        platform=PLATFORM,
+        chat=str(fields["chat"]),
+        thread=None if fields.get("thread") is None else str(fields["thread"]),
+        message_id=str(fields["message_id"]),
+        author=str(fields["author"]),
+        author_name=str(fields["author_name"]),
+        text=str(fields["text"]),
+        mentions=tuple(str(m) for m in fields.get("mentions") or ()),
+        from_bot=bool(fields.get("from_bot")),
+        is_admin=bool(fields.get("is_admin")),
+        direct=bool(fields.get("direct")),
+        reply_to=None if fields.get("reply_to") is None else str(fields["reply_to"]),
+        attachments=tuple(
+            Attachment(str(f["name"]), None if f.get("size") is None else int(f["size"]), fetcher(str(f["url"])))
+            for f in fields.get("files") or ()
+        ),
+        chat_title=str(fields.get("chat_title") or ""),
+    )
+    return inbound, None if space is None else int(space)
 
 
 def command_inbound(

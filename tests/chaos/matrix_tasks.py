@@ -99,25 +99,10 @@ PLAN_ERROR: Final[dict[str, str]] = {
 _CRASH: Final = {**SWARM_CRASH, **MCP_CRASH, **PLAN_CRASH}
 _ERROR: Final = {**SWARM_ERROR, **MCP_ERROR, **PLAN_ERROR}
 
-# Among replicas (PostgreSQL: the restarted process is a replica under its own name, and the leader's sweep
-# finds what a gone replica left) an idle plan is not moved on: the sweep cannot tell a plan left idle by a
-# dead process from one whose lead is deciding in a live replica. Those cells stay broken until it can.
-_IDLE_AMONG_REPLICAS = (
-    "among replicas a plan left idle by a dead replica (a step's ending written, the plan not moved on) is not "
-    "moved on at the restart: the plan stays active, nobody asked (Executor._move_idle_plans_on runs only for "
-    "the one process on its store)"
-)
-KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {
-    ("plan.complete", "crash", "postgresql"): _IDLE_AMONG_REPLICAS,
-    ("plan.question.asked", "crash", "postgresql"): (
-        "among replicas open questions are not shown again at a restart (their replica showed them): one written "
-        "and never posted, its replica dead, is never shown, and the plan waits for an answer nobody can give"
-    ),
-    ("plan.question.answered", "crash", "postgresql"): (
-        "among replicas a step whose answer was recorded just before its replica died is not resumed (the "
-        "restart resumes it only for the one process on its store): the plan waits for good"
-    ),
-}
+# Among replicas (PostgreSQL: the restarted process is a replica under its own name) a plan is owned by the
+# replica driving it; at its restart the replica takes over what its previous life owned (plans.owner) and
+# repairs it as the one process does: the same endings as on SQLite.
+KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {}
 
 PINNED: Final[dict[tuple[str, str, str], str]] = {
     (point, "crash", store): ending

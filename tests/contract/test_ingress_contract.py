@@ -19,7 +19,7 @@ async def test_every_platform_walks_the_kits_door_in_order(harness: Harness) -> 
     claimed: list[str] = []
     taken_in: list[str] = []
 
-    async def claim(platform: str, key: str) -> bool:
+    async def claim(platform: str, key: str, payload: str | None = None, /) -> bool:
         claimed.append(key)
         return True
 
