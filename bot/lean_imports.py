@@ -1,0 +1,43 @@
+"""structlog and httpx, imported without the optional extras they load whenever those are installed.
+
+structlog's package imports its Twisted integration when ``twisted`` can be
+imported, and its console renderer imports ``rich`` for tracebacks; httpx
+imports its command line (``rich``, ``pygments``) when they can be imported.
+Kazma uses none of it, and no runtime dependency installs it, yet the dev
+extra does (matrix-synapse for the Matrix tests brings Twisted, import-linter
+brings rich): with it, every `kazma run` held about 19 MB more and spent a
+fifth of its imports on them, and console-log tracebacks looked different on a
+developer's machine than in production. Hidden while these two are first
+imported, the extras stay importable for anything else that asks for them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+_EXTRAS = ("twisted", "rich", "pygments", "better_exceptions")
+_LIBRARIES = ("structlog", "httpx")
+
+
+def _import_without_extras() -> None:
+    first = [name for name in _LIBRARIES if name not in sys.modules]  # one imported already stays as it is
+    if not first:
+        return
+    hidden = [name for name in _EXTRAS if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]  # an import of it raises ImportError
+    try:
+        for name in first:
+            importlib.import_module(name)
+    finally:
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
+
+
+_import_without_extras()
+
+import structlog  # noqa: E402 - after the import above, which decided what structlog loaded
+
+__all__ = ["structlog"]
