@@ -1,4 +1,4 @@
-"""structlog and httpx, imported without the optional extras they load whenever those are installed.
+"""Libraries imported without the optional extras they load whenever those are installed.
 
 structlog's package imports its Twisted integration when ``twisted`` can be
 imported, and its console renderer imports ``rich`` for tracebacks; httpx
@@ -9,31 +9,42 @@ brings rich): with it, every `kazma run` held about 19 MB more and spent a
 fifth of its imports on them, and console-log tracebacks looked different on a
 developer's machine than in production. Hidden while these two are first
 imported, the extras stay importable for anything else that asks for them.
+
+:func:`without` does the same for a platform library: python-telegram-bot
+imports its webhook server (Tornado, about 4 MB) whenever it is installed,
+which long polling never uses (config/registry: ``unused_imports``).
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _EXTRAS = ("twisted", "rich", "pygments", "better_exceptions")
 _LIBRARIES = ("structlog", "httpx")
 
 
-def _import_without_extras() -> None:
-    first = [name for name in _LIBRARIES if name not in sys.modules]  # one imported already stays as it is
-    if not first:
-        return
-    hidden = [name for name in _EXTRAS if name not in sys.modules]
+@contextmanager
+def without(names: tuple[str, ...]) -> Iterator[None]:
+    """While inside, importing any of ``names`` (not imported yet) raises ImportError; afterwards they import."""
+    hidden = [name for name in names if name not in sys.modules]
     for name in hidden:
         sys.modules[name] = None  # type: ignore[assignment]  # an import of it raises ImportError
     try:
-        for name in first:
-            importlib.import_module(name)
+        yield
     finally:
         for name in hidden:
             if name in sys.modules and sys.modules[name] is None:
                 del sys.modules[name]
+
+
+def _import_without_extras() -> None:
+    first = [name for name in _LIBRARIES if name not in sys.modules]  # one imported already stays as it is
+    with without(_EXTRAS if first else ()):
+        for name in first:
+            importlib.import_module(name)
 
 
 _import_without_extras()
