@@ -63,8 +63,9 @@ COMPONENTS = (
 )  # fmt: skip
 KAZMA_ITSELF = ("kazma.bot.app", "kazma.bot.console.server")  # the rest: Kazma's own modules
 # First, where the tree has it: structlog and httpx as `kazma run` imports them (without the dev extra's rich and
-# Twisted), so the probe loads what the child loaded; an older tree without it skips it (ImportError).
-LEAN = "kazma.bot.lean_imports"
+# Twisted), so the probe loads what the child loaded. Only a tree that has the file: the editable install's
+# finder would otherwise find this checkout's copy for an older tree.
+LEAN = ("kazma.bot.lean_imports", Path("bot") / "lean_imports.py")
 
 # Run inside the child instead of `python -m kazma.bot.cli`: on SIGUSR1 it writes the top-level packages it
 # has imported to the file named by KAZMA_BENCH_MODULES, then goes on serving.
@@ -209,13 +210,16 @@ async def bench(args: argparse.Namespace) -> None:
     # this checkout as it is, or as revision --tree is (so the checkout may change while the bench runs)
     trees = {"this tree": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
     compile_tree(REPO)
+    roots = {"this tree": REPO}
     if args.tree:
         trees = {f"tree {args.tree[:10]}": os.pathsep.join([str(anchor_path(args.tree, work / "tree")), str(REPO)])}
         compile_tree(work / "tree" / "src")
+        roots = {f"tree {args.tree[:10]}": work / "tree" / "src"}
     if args.anchor:
         anchor = anchor_path(args.anchor, work / "anchor")
         trees[f"anchor {args.anchor[:10]}"] = os.pathsep.join([str(anchor), str(REPO)])
         compile_tree(work / "anchor" / "src")
+        roots[f"anchor {args.anchor[:10]}"] = work / "anchor" / "src"
     try:
         async with three_fakes() as fakes:
             template = None
@@ -250,8 +254,9 @@ async def bench(args: argparse.Namespace) -> None:
             for tree, pythonpath in trees.items():
                 held = [c for c in COMPONENTS if c.split(".")[0] in imported.get(tree, [])]
                 env = {**os.environ, "PYTHONPATH": pythonpath}
+                lean = [LEAN[0]] if (roots[tree] / LEAN[1]).exists() else []
                 probe = await asyncio.create_subprocess_exec(
-                    sys.executable, "-c", PROBE, LEAN, *held, *KAZMA_ITSELF, stdout=asyncio.subprocess.PIPE, env=env
+                    sys.executable, "-c", PROBE, *lean, *held, *KAZMA_ITSELF, stdout=asyncio.subprocess.PIPE, env=env
                 )
                 out, _ = await probe.communicate()
                 sizes: dict[str, int] = json.loads(out)
