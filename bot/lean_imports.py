@@ -5,13 +5,13 @@ imported, and its console renderer imports ``rich`` for tracebacks; httpx
 imports its command line (``rich``, ``pygments``) when they can be imported.
 Kazma uses none of it, and no runtime dependency installs it, yet the dev
 extra does (matrix-synapse for the Matrix tests brings Twisted, import-linter
-brings rich): with it, every `kazma run` held about 19 MB more and spent a
-fifth of its imports on them, and console-log tracebacks looked different on a
+brings rich): with it, an idle `kazma run` held about 6 MB more (bench/idle_rss.py)
+and spent a tenth of its imports on them, and console-log tracebacks looked different on a
 developer's machine than in production. Hidden while these two are first
 imported, the extras stay importable for anything else that asks for them.
 
 :func:`without` does the same for a platform library: python-telegram-bot
-imports its webhook server (Tornado, about 4 MB) whenever it is installed,
+imports its webhook server (Tornado, 2 to 4 MB) whenever it is installed,
 which long polling never uses (config/registry: ``unused_imports``).
 """
 
