@@ -14,12 +14,12 @@ as it commits.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 import structlog
 
 from kazma.approvals.model import ApprovalRequest, Status, Waits
-from kazma.approvals.service import RESTARTED, ApprovalService
+from kazma.approvals.service import REPLICA_GONE, RESTARTED, ApprovalService
 from kazma.approvals.withdrawal import Gone, withdrawn
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_decided, count_failure
@@ -34,15 +34,19 @@ RETRY = Backoff(base=0.5, cap=30.0)  # a batch the store refused is tried again
 class Orphans:
     """The orphans one start found, oldest first, until each is cancelled (here, or by a press or a sweep)."""
 
-    def __init__(self, service: ApprovalService, requests: list[ApprovalRequest]) -> None:
+    def __init__(
+        self, service: ApprovalService, requests: list[ApprovalRequest], live: Collection[str] | None = None
+    ) -> None:
         self.service = service
+        self._live = live  # None: the only process on its store; else the replicas alive (this one's past life not)
         self._waiting = {r.id: r for r in requests}
         self.cancelled: list[ApprovalRequest] = []  # what this start cancelled: the conversations are told
 
     @classmethod
-    async def find(cls, service: ApprovalService) -> Orphans:
-        """Every pending request of a process that is gone (the only process on this store: all of them)."""
-        return cls(service, await service.store.orphans(None))
+    async def find(cls, service: ApprovalService, live: Collection[str] | None = None) -> Orphans:
+        """Every pending request of a process that is gone: on a store of its own, all of them; among replicas
+        (``live``: every replica but this one), what this replica's previous life left."""
+        return cls(service, await service.store.orphans(live), live)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._waiting
@@ -80,7 +84,11 @@ class Orphans:
 
     async def _cancel(self, request: ApprovalRequest) -> bool:
         # an /mcp call's connection died with that process: its request is withdrawn, nobody denied it
-        reason = withdrawn(Gone.RESTARTED) if request.waits is Waits.CONNECTION else RESTARTED
+        # (the reasons ApprovalService.recover gives, alone or among replicas)
+        if request.waits is Waits.CONNECTION:
+            reason = withdrawn(Gone.RESTARTED if self._live is None else Gone.REPLICA_STOPPED)
+        else:
+            reason = RESTARTED if self._live is None else REPLICA_GONE
         try:
             won, after = await self.service.store.finish(
                 request.id, Status.CANCELLED, actor=None, platform=None, reason=reason

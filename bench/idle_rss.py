@@ -14,6 +14,11 @@ three cases, ``--runs`` times each, interleaved:
 * idle RSS: ``VmRSS`` of the child ``--idle`` seconds after ready, and which
   heavy packages it had imported (read from the child itself on SIGUSR1).
 
+Each tree's modules are compiled to bytecode first, as ``pip install`` does
+(and as the first start of a checkout does, unless PYTHONDONTWRITEBYTECODE is
+set, as it is on some machines: then every start compiled Kazma afresh, and
+the bench measured the compiler).
+
 Then RSS per component: a fresh interpreter imports the packages the child held,
 one at a time in the order below, and prints what each added (a package another
 one pulled in first is counted with that one).
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import compileall
 import json
 import os
 import shutil
@@ -56,6 +62,10 @@ COMPONENTS = (
     "anyio", "starlette", "webauthn",
 )  # fmt: skip
 KAZMA_ITSELF = ("kazma.bot.app", "kazma.bot.console.server")  # the rest: Kazma's own modules
+# First, where the tree has it: structlog and httpx as `kazma run` imports them (without the dev extra's rich and
+# Twisted), so the probe loads what the child loaded. Only a tree that has the file: the editable install's
+# finder would otherwise find this checkout's copy for an older tree.
+LEAN = ("kazma.bot.lean_imports", Path("bot") / "lean_imports.py")
 
 # Run inside the child instead of `python -m kazma.bot.cli`: on SIGUSR1 it writes the top-level packages it
 # has imported to the file named by KAZMA_BENCH_MODULES, then goes on serving.
@@ -96,6 +106,13 @@ def anchor_path(rev: str, into: Path) -> Path:
     for layer in LAYERS:
         (path / "kazma" / layer).symlink_to(src / layer)
     return path
+
+
+def compile_tree(root: Path) -> None:
+    """Bytecode for every module of the tree at ``root`` (a checkout, or an exported revision)."""
+    for layer in LAYERS:
+        if not compileall.compile_dir(str(root / layer), quiet=1):
+            raise RuntimeError(f"{root / layer} does not compile")
 
 
 def rss_of(pid: int) -> int:
@@ -192,11 +209,17 @@ async def bench(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="kazma-bench-start-"))
     # this checkout as it is, or as revision --tree is (so the checkout may change while the bench runs)
     trees = {"this tree": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+    compile_tree(REPO)
+    roots = {"this tree": REPO}
     if args.tree:
         trees = {f"tree {args.tree[:10]}": os.pathsep.join([str(anchor_path(args.tree, work / "tree")), str(REPO)])}
+        compile_tree(work / "tree" / "src")
+        roots = {f"tree {args.tree[:10]}": work / "tree" / "src"}
     if args.anchor:
         anchor = anchor_path(args.anchor, work / "anchor")
         trees[f"anchor {args.anchor[:10]}"] = os.pathsep.join([str(anchor), str(REPO)])
+        compile_tree(work / "anchor" / "src")
+        roots[f"anchor {args.anchor[:10]}"] = work / "anchor" / "src"
     try:
         async with three_fakes() as fakes:
             template = None
@@ -231,8 +254,9 @@ async def bench(args: argparse.Namespace) -> None:
             for tree, pythonpath in trees.items():
                 held = [c for c in COMPONENTS if c.split(".")[0] in imported.get(tree, [])]
                 env = {**os.environ, "PYTHONPATH": pythonpath}
+                lean = [LEAN[0]] if (roots[tree] / LEAN[1]).exists() else []
                 probe = await asyncio.create_subprocess_exec(
-                    sys.executable, "-c", PROBE, *held, *KAZMA_ITSELF, stdout=asyncio.subprocess.PIPE, env=env
+                    sys.executable, "-c", PROBE, *lean, *held, *KAZMA_ITSELF, stdout=asyncio.subprocess.PIPE, env=env
                 )
                 out, _ = await probe.communicate()
                 sizes: dict[str, int] = json.loads(out)

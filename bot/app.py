@@ -38,6 +38,7 @@ from kazma.bot.chat_moves import ChatMoves, config_lines_for_move
 from kazma.bot.console.services import ConsoleServices
 from kazma.bot.inbound_claims import InboundClaims
 from kazma.bot.keys import decision_keys_folder, load_audit_signer, load_decision_keyring
+from kazma.bot.lean_imports import without
 from kazma.bot.lifecycle import Lifecycle
 from kazma.bot.services import KazmaServices
 from kazma.bot.store_handles import open_handles
@@ -87,8 +88,9 @@ def build_adapters(loaded: LoadedConfig, *, paced: bool = True) -> list[Platform
     adapters: list[PlatformAdapter] = []
     for name in enabled_platforms(loaded):
         spec = CHAT_PLATFORMS[name]
-        factory = load_named(spec.adapter)
         section = spec.section(platforms)
+        with without(spec.unused_imports(section)):
+            factory = load_named(spec.adapter)
         # "approvers" in dm_policy: the approvers written for this platform and its admins, as for cards
         direct = DirectPolicy.of(getattr(section, "dm_policy", "off"), config.roster.approvers_for(name))
         extra: dict[str, object] = {}

@@ -150,15 +150,19 @@ class Lifecycle(ABC):
             self.executions.replica = self.replica
         await replication.start()  # its lease session is up: no leader takes what it starts for a dead one's
         await self._start_audit()
-        # What this replica's previous life (same name) left: the others may never have seen it gone.
+        # What this replica's previous life (same name) left: the others may never have seen it gone. Its
+        # orphans are fenced here and cancelled in batches once it serves, as on a store of its own.
         await self.swarm.restore_breakers()
-        told = await self._recover_replicas(AllBut(self.replica), claims=False)
+        orphans = await Orphans.find(self.service, AllBut(self.replica))
+        self.service.orphans = orphans
+        told = await self._recover_replicas(AllBut(self.replica), claims=False, orphans=False)
         await self._follow_chat_moves()
         if self.mcp is not None:
             await self.mcp.start(wait=10.0)
         await self.bus.start(self.handlers, ingress=False)  # the leader's own, opened with the lease
         self._serving.set()
         self._tasks.spawn(self._say(*told), name="kazma-recovery-notices")
+        self._tasks.spawn(self._end_orphans(orphans, sweep=False), name="kazma-orphans")  # the leader sweeps
         log.info("app.started", platforms=sorted(self.bus.adapters), store="postgresql", replica=self.replica)
 
     async def lead(self) -> None:
@@ -193,9 +197,12 @@ class Lifecycle(ABC):
                 log.warning("app.ingress_retry", platforms=missing, attempt=failures)
             await asyncio.sleep(INGRESS_RETRY.delay(failures - 1) if missing else INGRESS_CHECK_SECONDS)
 
-    async def _recover_replicas(self, live: Collection[str], *, claims: bool = True) -> tuple[Recovery, list[Action]]:
-        """End what replicas not in ``live`` left running: pending requests, plan steps, swarm tasks (and
-        release their post and edit claims); what to tell people and the lead is returned, not said."""
+    async def _recover_replicas(
+        self, live: Collection[str], *, claims: bool = True, orphans: bool = True
+    ) -> tuple[Recovery, list[Action]]:
+        """End what replicas not in ``live`` left running: pending requests (unless ``orphans`` is False: a
+        start leaves its own to :class:`Orphans`), plan steps, swarm tasks (and release their post and edit
+        claims); what to tell people and the lead is returned, not said."""
         replication = self.replication
         assert replication is not None
         await self._executions_lost(live)
@@ -206,7 +213,7 @@ class Lifecycle(ABC):
         if claims:
             recovery = await replication.recover_gone(set(live))
         else:
-            recovery = await self.service.recover(live)
+            recovery = await self.service.recover(live, orphans=orphans)
         return recovery, tell_lead
 
     async def _executions_lost(self, live: Collection[str] | None) -> None:
@@ -220,10 +227,10 @@ class Lifecycle(ABC):
             count_failure("execution_record")
             log.warning("app.executions_unmarked", error=str(exc))
 
-    async def _end_orphans(self, orphans: Orphans) -> None:
+    async def _end_orphans(self, orphans: Orphans, *, sweep: bool = True) -> None:
         """Cancel the orphans the start fenced, a batch at a time, each batch's cards edited as it commits;
         then tell their conversations and start the sweeps (an overdue orphan ends "cancelled" at a restart,
-        as it always did, not "timeout")."""
+        as it always did, not "timeout"; among replicas the sweeps are the leader's, started with the lease)."""
         self._orphans = orphans
         if len(orphans):
             found = len(orphans)
@@ -233,7 +240,8 @@ class Lifecycle(ABC):
             log.info("app.orphans_cancelled", requests=found, cancelled=len(orphans.cancelled))
         self.service.orphans = None
         self._orphans = None  # from here the notices queue holds what is left to say
-        self._tasks.keep(self._sweep, name="kazma-approvals-sweep", backoff=LOOP_RESTART)
+        if sweep:
+            self._tasks.keep(self._sweep, name="kazma-approvals-sweep", backoff=LOOP_RESTART)
         if orphans.cancelled:
             await self._say(Recovery(orphans.cancelled, []), [])
 

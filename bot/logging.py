@@ -12,8 +12,7 @@ import logging
 import sys
 from typing import Any, Literal
 
-import structlog
-
+from kazma.bot.lean_imports import structlog
 from kazma.config.redaction import redact, redact_config_secrets, redact_secret
 from kazma.config.registry import CHAT_PLATFORMS
 

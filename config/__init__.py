@@ -9,13 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kazma.config.version import __version__
-
 if TYPE_CHECKING:
     from kazma.config.errors import ConfigError, Problem
     from kazma.config.loader import LoadedConfig, load_config, load_config_text
     from kazma.config.models import DangerLevel, KazmaConfig
     from kazma.config.platforms import PlatformStatus, enabled_platforms, platform_statuses
+    from kazma.config.version import __version__
 
 _HOME = {
     "ConfigError": "errors",
@@ -28,6 +27,7 @@ _HOME = {
     "PlatformStatus": "platforms",
     "enabled_platforms": "platforms",
     "platform_statuses": "platforms",
+    "__version__": "version",
 }
 
 __all__ = [

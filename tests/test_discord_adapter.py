@@ -252,6 +252,37 @@ async def test_start_returns_after_ready_with_intents_and_swarm_command(
     assert library_endpoints == (discord.http.Route.BASE, discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY)
 
 
+async def test_start_serves_once_every_guild_arrived_without_waiting_out_the_library_ready(
+    fake: FakeDiscord, library_endpoints: tuple[str, yarl.URL]
+) -> None:
+    """discord.py dispatches its READY only after ``guild_ready_timeout`` of silence following the last guild;
+    the start must not wait that out (it held every `kazma run` start). With a wait longer than the start's own
+    bound, the start still returns, every guild cached, and a message and a press arriving meanwhile are
+    delivered while discord.py has still not called itself ready."""
+    recorder = Recorder()
+    adapter = DiscordAdapter(make_config(fake), guild_ready_timeout=3600.0, request_timeout=1.0, start_timeout=10.0)
+    await adapter.start(recorder.handlers())
+    try:
+        client = adapter._client
+        assert client is not None
+        assert not client.is_ready()  # the library's own wait is still running
+        assert [g.id for g in client.guilds if not g.unavailable] == [GUILD_ID]
+        assert client.get_channel(HOME_CHANNEL_ID) is not None
+        card = make_card({"command": "rm -rf /tmp/early"})
+        ref = await adapter.post_card(card)
+        await fake.user_message(HOME_CHANNEL_ID, "@researcher early bird", author=fake.alice)
+        await fake.press_button(int(ref.message_id), card.button_data(Decision.APPROVE))
+        message = await recorder.inbound_where(lambda i: i.text == "@researcher early bird")
+        assert message.author == f"discord:{ALICE_ID}"
+        await recorder.wait_until(lambda: recorder.presses)
+        assert [(p.data, p.actor) for p in recorder.presses] == [
+            (card.button_data(Decision.APPROVE), f"discord:{ALICE_ID}")
+        ]
+        assert not client.is_ready()
+    finally:
+        await adapter.stop()
+
+
 async def test_bad_token_is_a_non_retryable_platform_error(
     fake: FakeDiscord, library_endpoints: tuple[str, yarl.URL]
 ) -> None:

@@ -11,6 +11,7 @@ configured; Matrix and the PostgreSQL driver never on SQLite.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
+import pytest
 
 from tests.api_support import REPO, REQUESTER_TOKEN
 from tests.fakes.telegram import FakeTelegram
@@ -35,6 +37,7 @@ signal.signal(signal.SIGUSR1, dump)
 from kazma.bot.cli import main
 main(sys.argv[1:], prog_name="kazma")
 """
+DEV_EXTRAS = ("twisted", "zope", "rich", "pygments")
 OPTIONAL = (
     "mcp",
     "starlette",
@@ -115,6 +118,19 @@ async def test_without_an_api_token_the_mcp_sdk_is_never_imported_and_mcp_still_
         loaded = await running.modules()
         assert not loaded & set(OPTIONAL), sorted(loaded & set(OPTIONAL))
         assert "mcp.endpoint_started" not in running.events()
+
+
+async def test_structlog_and_httpx_extras_stay_out_even_when_installed(tmp_path: Path) -> None:
+    """structlog imports Twisted and rich, and httpx its rich/pygments command line, whenever they can be
+    imported; the dev extra installs all three. `kazma run` imports neither (bot/lean_imports.py): about
+    19 MB of idle memory that a production install never had."""
+    installed = [name for name in DEV_EXTRAS if importlib.util.find_spec(name) is not None]
+    if not installed:
+        pytest.skip("none of the dev extra's twisted, rich, pygments is installed here")
+    async with kazma_run(tmp_path, "") as running:
+        loaded = await running.modules()
+    assert {"structlog", "httpx"} <= loaded  # the libraries that would pull them in were imported
+    assert not loaded & set(DEV_EXTRAS), sorted(loaded & set(DEV_EXTRAS))
 
 
 async def test_with_an_api_token_the_mcp_endpoint_starts_and_serves(tmp_path: Path) -> None:

@@ -13,17 +13,21 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from kazma.adapters.bus import FanOutBus
 from kazma.adapters.web.adapter import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore
 from kazma.approvals.card import button_data
 from kazma.approvals.model import Decision, PressVerdict, Status
 from kazma.approvals.orphans import BATCH, Orphans
-from kazma.approvals.service import RESTARTED
+from kazma.approvals.service import REPLICA_GONE, RESTARTED
 from kazma.bot.app import App, build_app
-from kazma.bot.store import open_store
+from kazma.bot.store import open_store, pg_migrations
 from kazma.config import LoadedConfig, load_config_text
+from kazma.config.store.postgres import open_pg_store
 from kazma.engine.model import ScriptedProvider
+from tests.audit_support import AUDIT_KEY
 
 ORPHANS = 2 * BATCH + 1  # three batches: the last one's orphan is pressed while the first batch commits
 
@@ -164,3 +168,56 @@ async def _status(loaded: LoadedConfig, request_id: str) -> Status:
         await conn.close()
     assert row is not None
     return row.status
+
+
+async def test_attack_a_replica_restarted_serves_first_and_its_orphans_cannot_be_approved_meanwhile(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica on PostgreSQL killed with requests pending, started again under its name: its previous
+    life's orphans are fenced and cancelled after the start, as on SQLite (they used to be cancelled one
+    commit each before it served); a stale Approve on one the batches have not reached cannot approve it."""
+    monkeypatch.setenv("KAZMA_REPLICA", "r1")
+    monkeypatch.chdir(tmp_path)  # the keys' default place is beside the working directory
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)  # shared by replicas, as kazma run requires
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    loaded = load_config_text(
+        f"""
+store: {{url: '{pg_dsn}'}}
+approvals: {{deadline_seconds: 600, approvers: ["telegram:111"]}}
+""",
+        environ={},
+    )
+    # the previous life of replica r1: its requests, owned by it, pending when it was killed
+    store = await open_pg_store(pg_dsn, migrations=pg_migrations())
+    previous = ApprovalService(ApprovalStore(store, replica="r1"), loaded.config)
+    try:
+        opened = await asyncio.gather(
+            *(
+                previous.open("shell", {"command": f"rm /srv/{n}"}, "agent:builder", "web:console")
+                for n in range(ORPHANS)
+            )
+        )
+    finally:
+        await store.close()
+    ids = [r.id for r in opened]
+    app = await _started(loaded, tmp_path)
+    try:
+        fenced = app.service.orphans
+        assert isinstance(fenced, Orphans)  # nothing awaited since the start returned: every one still fenced
+        assert len(fenced) == ORPHANS
+        pressed = ids[-1]
+        result = await app.service.decide_from_button(
+            button_data(pressed, Decision.APPROVE), actor="telegram:111", platform="telegram"
+        )
+        assert result.verdict is not PressVerdict.WON, result
+        assert "cancelled" in result.message.lower(), result.message
+        async with asyncio.timeout(60):
+            while app.service.orphans is not None:
+                await asyncio.sleep(0.02)
+        for request_id in ids:
+            row = await app.service.store.get(request_id)
+            assert row is not None
+            assert (row.status, row.reason) == (Status.CANCELLED, REPLICA_GONE), request_id
+            assert await app.service.store.events(request_id, event="decided") == []
+    finally:
+        await app.stop()

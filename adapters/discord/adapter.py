@@ -121,7 +121,13 @@ class _Client(discord.Client):
     async def setup_hook(self) -> None:
         await self.adapter._sync_commands(self.tree)
 
-    async def on_ready(self) -> None:
+    async def on_connect(self) -> None:
+        self.adapter._guilds_arrived(self)
+
+    async def on_guild_available(self, guild: discord.Guild) -> None:
+        self.adapter._guilds_arrived(self)
+
+    async def on_ready(self) -> None:  # discord.py's own: a guild Discord never sent ends its wait
         self.adapter._ready.set()
 
     async def on_message(self, message: discord.Message) -> None:
@@ -165,8 +171,8 @@ class DiscordAdapter(PlatformBase):
         config: DiscordConfig,
         *,
         # discord.py dispatches READY this long after the last guild arrived (its own default is 2 s, all of it
-        # in every start): Discord sends a bot's guilds right after READY, and a channel not cached yet is
-        # fetched over REST (webhooks.py), so a shorter wait loses nothing.
+        # in every start). Kazma does not wait for it: the gateway serves once every guild READY named has
+        # arrived (:meth:`_guilds_arrived`); this only bounds a guild Discord never sends.
         guild_ready_timeout: float = 0.5,
         request_timeout: float = 10.0,
         start_timeout: float = 60.0,
@@ -214,8 +220,15 @@ class DiscordAdapter(PlatformBase):
         user = client.user
         log.info("discord.logged_in", user_id=user.id if user else None)
 
+    def _guilds_arrived(self, client: _Client) -> None:
+        """READY named the bot's guilds (unavailable until each one's GUILD_CREATE): once every one has arrived,
+        its channels are cached and events flow, so the gateway serves. discord.py's own READY comes a
+        ``guild_ready_timeout`` of silence later, which every start would otherwise wait out."""
+        if client is self._client and all(not guild.unavailable for guild in client.guilds):
+            self._ready.set()
+
     async def _open_ingress(self) -> None:
-        """The gateway, until READY (the guilds and channels cached, the bot's webhooks usable)."""
+        """The gateway, until every guild has arrived (the guilds and channels cached, the bot's webhooks usable)."""
         client = self._client
         if client is None:
             raise self.refuse("ingress_start", "not logged in", retryable=True)

@@ -87,6 +87,9 @@ class PlatformSpec:
     doctor: str = ""
     setup_commands: dict[str, str] = field(default_factory=dict)  # `kazma setup <name>` -> "module:command"
     failpoints: tuple[str, ...] = ()  # the fault-injection points its adapter names (config/failpoints.py)
+    # Optional libraries its library imports whenever installed that these settings never use: hidden while
+    # its adapter is imported (bot/lean_imports.py), they cost neither memory nor start-up time.
+    unused_imports: Callable[[Any], tuple[str, ...]] = lambda section: ()
 
     @property
     def chat_word(self) -> str:

@@ -66,4 +66,6 @@ SPEC: Final = PlatformSpec(
     transport=lambda section: f"{section.mode} mode",
     doctor="kazma.adapters.telegram.doctor:check",
     failpoints=("telegram.inbox",),  # the webhook inbox, among replicas
+    # python-telegram-bot's webhook server ([webhooks] extra): long polling never starts it
+    unused_imports=lambda section: () if section.mode == "webhook" else ("tornado",),
 )

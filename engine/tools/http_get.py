@@ -11,7 +11,7 @@ from pydantic import Field
 
 from kazma.config.limits import MIB
 from kazma.config.models import DangerLevel
-from kazma.config.version import __version__
+from kazma.config.version import kazma_version
 from kazma.engine.tools.netguard import (
     AddressPolicy,
     AddressRefused,
@@ -126,7 +126,7 @@ class HttpGetTool(Tool[HttpGetArgs]):
             follow_redirects=False,  # followed in _fetch, each hop resolved and checked
             trust_env=False,  # no HTTP(S)_PROXY / ALL_PROXY, no .netrc
             verify=self.ssl_context if self.ssl_context is not None else True,
-            headers={"User-Agent": f"kazma/{__version__}"},
+            headers={"User-Agent": f"kazma/{kazma_version()}"},
         )
 
     async def _connect(

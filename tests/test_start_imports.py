@@ -1,0 +1,49 @@
+"""What building the platforms imports: a library's optional parts the settings never use stay out.
+
+python-telegram-bot imports its webhook server (Tornado) whenever the
+[webhooks] extra is installed, as it is with Kazma; long polling never uses it.
+Each case is a fresh interpreter (this test process has imported everything).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.process_support import REPO
+
+PROBE = """
+import sys
+from kazma.bot.app import build_adapters
+from kazma.config import load_config_text
+loaded = load_config_text(sys.argv[1], environ={})
+adapters = build_adapters(loaded)
+from telegram.ext._updater import WEBHOOKS_AVAILABLE
+print(sorted(a.name for a in adapters), "tornado" in sys.modules, WEBHOOKS_AVAILABLE)
+"""
+
+
+def _built(tmp: Path, telegram: str) -> str:
+    yaml = (
+        f"store: {{path: '{tmp / 'k.db'}'}}\n"
+        f"platforms:\n  telegram: {{token: '1:t', chats: [-1001], home_chat: -1001, admins: [111]{telegram}}}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, yaml], capture_output=True, text=True, timeout=120, check=False, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_long_polling_does_not_import_the_webhook_server(tmp_path: Path) -> None:
+    pytest.importorskip("tornado", reason="python-telegram-bot[webhooks] is not installed here")
+    assert _built(tmp_path, "") == "['telegram'] False False"
+
+
+def test_a_webhook_still_has_its_server(tmp_path: Path) -> None:
+    pytest.importorskip("tornado", reason="python-telegram-bot[webhooks] is not installed here")
+    hook = ", mode: webhook, webhook: {url: 'https://bot.example.org/telegram', secret_token: 's3cret-token'}"
+    assert _built(tmp_path, hook) == "['telegram'] True True"
