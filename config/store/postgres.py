@@ -66,8 +66,18 @@ STALE_GUESS = "KZ001"
 # serialization_failure. None of them leaves anything of the transaction behind.
 _RUN_ALONE = frozenset({"55P03", "40P01", "40001"})
 
-# Every NOTIFY of a transaction in one statement, in the order they were asked for.
+# Every NOTIFY of a transaction in one statement, in the order they were asked for. Given value by value, not as
+# arrays (psycopg dumps a list element by element in Python); past _NOTIFY_VALUES notices the text would be long.
 _NOTIFY_ALL = "SELECT pg_notify(c, p) FROM unnest(%s::text[], %s::text[]) WITH ORDINALITY AS n(c, p, i) ORDER BY i"
+_NOTIFY_ONE = "SELECT pg_notify(%s, %s)"
+_NOTIFY_VALUES = 32
+
+
+@functools.lru_cache(maxsize=_NOTIFY_VALUES)
+def _notify_values(notices: int) -> str:
+    rows = ", ".join(f"({i}, %s, %s)" for i in range(notices))
+    return f"SELECT pg_notify(n.c, n.p) FROM (VALUES {rows}) AS n(i, c, p) ORDER BY n.i"  # noqa: S608
+
 
 _SCHEMA_TABLE = """
 CREATE TABLE IF NOT EXISTS kazma_schema (
@@ -166,11 +176,16 @@ class PgTx(Deferred):
         self._notices.append((channel, payload))
 
     def _send_notices(self) -> None:
-        if not self._notices:
+        notices, self._notices = self._notices, []
+        if not notices:
             return
-        channels, payloads = zip(*self._notices, strict=True)
-        self._notices = []
-        self._cursor.execute(_NOTIFY_ALL, (list(channels), list(payloads)))
+        if len(notices) == 1:
+            self._cursor.execute(_NOTIFY_ONE, notices[0])
+        elif len(notices) <= _NOTIFY_VALUES:
+            self._cursor.execute(_notify_values(len(notices)), [value for notice in notices for value in notice])
+        else:
+            channels, payloads = zip(*notices, strict=True)
+            self._cursor.execute(_NOTIFY_ALL, (list(channels), list(payloads)))
 
 
 class _SwallowedError(psycopg.Error):
@@ -391,23 +406,24 @@ class PgWriter(GroupQueue):
         failure: Exception | None = None
         committed = False
         try:
-            with conn.pipeline() as pipeline, conn.cursor() as cursor:
-                try:
-                    cursor.execute("BEGIN")
-                    if bounded:
-                        cursor.execute(f"SET LOCAL lock_timeout = {int(self.lock_timeout_ms)}")
-                    tx = PgTx(cursor, pipeline)
-                    for job in jobs:
-                        job.result, job.error = None, None
-                        job.result = job.op(tx)
-                    tx._resolve_laters()
-                    tx._run_deferred()
-                    tx._send_notices()
-                    cursor.execute("COMMIT")
-                    pipeline.sync()
-                    committed = cursor.statusmessage == "COMMIT"  # an aborted transaction answers ROLLBACK
-                except Exception as exc:  # caught here, so the pipeline's end is no error psycopg logs as ignored
-                    failure = exc
+            with conn.cursor() as cursor:
+                with conn.pipeline() as pipeline:
+                    try:
+                        cursor.execute("BEGIN")
+                        if bounded:
+                            cursor.execute(f"SET LOCAL lock_timeout = {int(self.lock_timeout_ms)}")
+                        tx = PgTx(cursor, pipeline)
+                        for job in jobs:
+                            job.result, job.error = None, None
+                            job.result = job.op(tx)
+                        tx._resolve_laters()
+                        tx._run_deferred()
+                        tx._send_notices()
+                        cursor.execute("COMMIT")
+                    except Exception as exc:  # caught here, so the pipeline's end is no error psycopg logs as ignored
+                        failure = exc
+                # The pipeline's end sent the one sync and read every answer, the COMMIT's among them.
+                committed = failure is None and cursor.statusmessage == "COMMIT"  # an aborted one answers ROLLBACK
         except Exception as exc:  # the pipeline's end: the sync of what an aborted transaction still had out
             failure = failure or exc
         except BaseException:
