@@ -91,6 +91,33 @@ END
 $$
 """
 
+# The press sent on a guess of what it finds (see press_guessed): kazma_press, and KZ001 when its outcome or the
+# request's status afterwards is not the one guessed (approvals PG migration 14).
+PG_PRESS_GUESSED_FUNCTION: Final = """
+CREATE OR REPLACE FUNCTION kazma_press_guessed(
+    p_outcome text, p_standing text,
+    p_id text, p_status text, p_actor text, p_platform text, p_now double precision, p_reason text,
+    p_mac text, p_key_id text, p_person text, p_tool text, p_args_hash text, p_reviewer text, p_decision text,
+    p_card boolean, p_chat text, p_message_id text, p_needs_whole boolean)
+RETURNS TABLE (outcome text, id text, tool text, args_hash text, conversation text, deadline double precision,
+               status text, decided_by text, decided_via text, decided_at double precision, reason text,
+               decided_person text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    got record;
+BEGIN
+    SELECT k.* INTO got FROM kazma_press(p_id, p_status, p_actor, p_platform, p_now, p_reason, p_mac, p_key_id,
+        p_person, p_tool, p_args_hash, p_reviewer, p_decision, p_card, p_chat, p_message_id, p_needs_whole) AS k;
+    IF NOT FOUND OR got.outcome IS DISTINCT FROM p_outcome OR got.status IS DISTINCT FROM p_standing THEN
+        RAISE EXCEPTION 'a press guessed % (standing %) found otherwise', p_outcome, p_standing
+            USING ERRCODE = 'KZ001';
+    END IF;
+    RETURN QUERY SELECT got.outcome, got.id, got.tool, got.args_hash, got.conversation, got.deadline, got.status,
+        got.decided_by, got.decided_via, got.decided_at, got.reason, got.decided_person;
+END
+$$
+"""
+
 # The chain's append: the lock, the head, and the events when the head is the expected one (see the module).
 PG_AUDIT_APPEND_FUNCTION: Final = """
 CREATE OR REPLACE FUNCTION kazma_audit_append(
@@ -130,6 +157,10 @@ $$
 _PRESS_CALL: Final = (
     "SELECT outcome, id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at,"
     " reason, decided_person FROM kazma_press(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_PRESS_GUESSED_CALL: Final = (
+    "SELECT outcome, id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at,"
+    " reason, decided_person FROM kazma_press_guessed(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 # The append's columns, each an array of one value per event row. Sent as ``ARRAY[?, ?, …]`` of plain values, not
 # as arrays: psycopg dumps a Python list element by element in Python (about a tenth of a millisecond per call for
@@ -187,6 +218,33 @@ class LaterTx(Tx, Protocol):
     def later(self, sql: str, params: Iterable[Any], then: Callable[[Any], T]) -> Later[T]: ...
 
 
+class GuessTx(Tx, Protocol):
+    """The PostgreSQL writer's transaction when it may send statements on a guess of their answers
+    (:attr:`kazma.config.store.postgres.PgTx.guessing`)."""
+
+    guessing: bool
+    notes: dict[str, Any]
+
+    def guess(self, sql: str, params: Iterable[Any], then: Callable[[Any], T]) -> Later[T]: ...
+
+
+def guessing(tx: Tx) -> GuessTx | None:
+    """``tx`` when a press may be sent on a guess in it, else None (SQLite, a group run again, no pipeline)."""
+    return cast(GuessTx, tx) if getattr(tx, "guessing", False) else None
+
+
+def press_guessed(
+    tx: GuessTx, call: PressCall, outcome: str, standing: str, then: Callable[[tuple[Any, ...]], T]
+) -> Later[T]:
+    """One press sent on a guess of what it finds, its answer read only once the transaction committed: ``WON``
+    (then the request's status is the press's own), or ``LOST`` to the status ``standing`` (a decision earlier
+    in the same transaction). What the press writes with it (its audit event, its notification) is written
+    beside it without waiting; a wrong guess fails the transaction with SQLSTATE ``KZ001``
+    (:data:`kazma.config.store.postgres.STALE_GUESS`), and the writer runs the group again without guessing.
+    ``then`` is given the request's standing row and must run no statement."""
+    return tx.guess(_PRESS_GUESSED_CALL, (outcome, standing, *_press_params(call)), lambda row: then(tuple(row[1:])))
+
+
 def press(tx: Tx, call: PressCall, then: Callable[[tuple[str, tuple[Any, ...]] | None], T]) -> Later[T]:
     """One press in one statement; ``then`` is given (``WON``/``LOST``/``MISS``, the request's standing row), or
     None (no such request), once its answer is in."""
@@ -194,13 +252,13 @@ def press(tx: Tx, call: PressCall, then: Callable[[tuple[str, tuple[Any, ...]] |
     def answered(row: Any) -> T:
         return then(None if row is None else (str(row[0]), tuple(row[1:])))
 
-    return cast(LaterTx, tx).later(
-        _PRESS_CALL,
-        (call.request_id, call.status, call.actor, call.platform, call.now, call.reason, call.mac, call.key_id,
-         call.person, call.tool, call.args_hash, call.reviewer, call.decision, call.card, call.chat,
-         call.message_id, call.needs_whole),
-        answered,
-    )  # fmt: skip
+    return cast(LaterTx, tx).later(_PRESS_CALL, _press_params(call), answered)
+
+
+def _press_params(call: PressCall) -> tuple[Any, ...]:
+    return (call.request_id, call.status, call.actor, call.platform, call.now, call.reason, call.mac, call.key_id,
+            call.person, call.tool, call.args_hash, call.reviewer, call.decision, call.card, call.chat,
+            call.message_id, call.needs_whole)  # fmt: skip
 
 
 def append(
