@@ -12,6 +12,7 @@ appended to the audit chain (:mod:`kazma.approvals.chain`) in the transaction of
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import time
@@ -766,7 +767,7 @@ class ApprovalStore:
             self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now, args_hash=digest,
                               detail=decided_detail(status, reason), person=person)  # fmt: skip
             tx.notify(DECIDED_CHANNEL, request_id)
-            tx.after_commit(lambda: self._sealed_fields.pop(request_id, None))  # no press of it can win again
+            tx.after_commit(functools.partial(self._forget_sealed, request_id))  # no press of it can win again
             won = pg_press.press_guessed(
                 tx, call, pg_press.WON, status.value, lambda row: Pressed(None, True, _standing(row))
             )
@@ -775,6 +776,9 @@ class ApprovalStore:
                           detail=f"standing: {first}", person=person)  # fmt: skip
         lost = pg_press.press_guessed(tx, call, pg_press.LOST, first, lambda row: Pressed(None, False, _standing(row)))
         return cast(Pressed, lost)
+
+    def _forget_sealed(self, request_id: str) -> None:
+        self._sealed_fields.pop(request_id, None)
 
     def _opened(self, new: NewRequest) -> None:
         """A request this store opened committed: a press of it reads neither its policy nor its sealed fields."""
