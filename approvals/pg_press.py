@@ -92,10 +92,11 @@ $$
 """
 
 # The press sent on a guess of what it finds (see press_guessed): kazma_press, and KZ001 when its outcome or the
-# request's status afterwards is not the one guessed (approvals PG migration 14).
+# request's status afterwards is not the one guessed; a press that won notifies ``p_channel`` (when given) with its
+# request id in the same call (approvals PG migration 14).
 PG_PRESS_GUESSED_FUNCTION: Final = """
 CREATE OR REPLACE FUNCTION kazma_press_guessed(
-    p_outcome text, p_standing text,
+    p_outcome text, p_standing text, p_channel text,
     p_id text, p_status text, p_actor text, p_platform text, p_now double precision, p_reason text,
     p_mac text, p_key_id text, p_person text, p_tool text, p_args_hash text, p_reviewer text, p_decision text,
     p_card boolean, p_chat text, p_message_id text, p_needs_whole boolean)
@@ -111,6 +112,9 @@ BEGIN
     IF NOT FOUND OR got.outcome IS DISTINCT FROM p_outcome OR got.status IS DISTINCT FROM p_standing THEN
         RAISE EXCEPTION 'a press guessed % (standing %) found otherwise', p_outcome, p_standing
             USING ERRCODE = 'KZ001';
+    END IF;
+    IF got.outcome = 'won' AND p_channel IS NOT NULL THEN
+        PERFORM pg_notify(p_channel, p_id);
     END IF;
     RETURN QUERY SELECT got.outcome, got.id, got.tool, got.args_hash, got.conversation, got.deadline, got.status,
         got.decided_by, got.decided_via, got.decided_at, got.reason, got.decided_person;
@@ -160,7 +164,7 @@ _PRESS_CALL: Final = (
 )
 _PRESS_GUESSED_CALL: Final = (
     "SELECT outcome, id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at,"
-    " reason, decided_person FROM kazma_press_guessed(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " reason, decided_person FROM kazma_press_guessed(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 # The append's columns, each an array of one value per event row. Sent as ``ARRAY[?, ?, …]`` of plain values, not
 # as arrays: psycopg dumps a Python list element by element in Python (about a tenth of a millisecond per call for
@@ -234,15 +238,23 @@ def guessing(tx: Tx) -> GuessTx | None:
 
 
 def press_guessed(
-    tx: GuessTx, call: PressCall, outcome: str, standing: str, then: Callable[[tuple[Any, ...]], T]
+    tx: GuessTx,
+    call: PressCall,
+    outcome: str,
+    standing: str,
+    then: Callable[[tuple[Any, ...]], T],
+    *,
+    notify: str | None = None,
 ) -> Later[T]:
     """One press sent on a guess of what it finds, its answer read only once the transaction committed: ``WON``
     (then the request's status is the press's own), or ``LOST`` to the status ``standing`` (a decision earlier
-    in the same transaction). What the press writes with it (its audit event, its notification) is written
-    beside it without waiting; a wrong guess fails the transaction with SQLSTATE ``KZ001``
-    (:data:`kazma.config.store.postgres.STALE_GUESS`), and the writer runs the group again without guessing.
+    in the same transaction). What the press writes with it (its audit event) is written beside it without
+    waiting, and a press that won notifies the channel ``notify`` (its request id) in the same call; a wrong
+    guess fails the transaction with SQLSTATE ``KZ001`` (:data:`kazma.config.store.postgres.STALE_GUESS`), and
+    the writer runs the group again without guessing.
     ``then`` is given the request's standing row and must run no statement."""
-    return tx.guess(_PRESS_GUESSED_CALL, (outcome, standing, *_press_params(call)), lambda row: then(tuple(row[1:])))
+    params = (outcome, standing, notify, *_press_params(call))
+    return tx.guess(_PRESS_GUESSED_CALL, params, lambda row: then(tuple(row[1:])))
 
 
 def press(tx: Tx, call: PressCall, then: Callable[[tuple[str, tuple[Any, ...]] | None], T]) -> Later[T]:

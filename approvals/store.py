@@ -756,9 +756,9 @@ class ApprovalStore:
         digest: str,
     ) -> Pressed:
         """:meth:`_press_in_one` without waiting for its answer: the first press of a request in a transaction is
-        guessed to win, the others of it there to lose to it; their audit events and notification go out beside
-        them, and a wrong guess (another replica decided, the deadline passed, a card problem) runs the group
-        again without guessing (:func:`kazma.approvals.pg_press.press_guessed`)."""
+        guessed to win (its NOTIFY made by the same call), the others of it there to lose to it; their audit
+        events go out beside them, and a wrong guess (another replica decided, the deadline passed, a card
+        problem) runs the group again without guessing (:func:`kazma.approvals.pg_press.press_guessed`)."""
         request_id = call.request_id
         decided: dict[str, str] = tx.notes.setdefault(_PRESS_GUESSES, {})
         first = decided.get(request_id)
@@ -766,11 +766,11 @@ class ApprovalStore:
             decided[request_id] = status.value
             self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now, args_hash=digest,
                               detail=decided_detail(status, reason), person=person)  # fmt: skip
-            tx.notify(DECIDED_CHANNEL, request_id)
             tx.after_commit(functools.partial(self._forget_sealed, request_id))  # no press of it can win again
             won = pg_press.press_guessed(
-                tx, call, pg_press.WON, status.value, lambda row: Pressed(None, True, _standing(row))
-            )
+                tx, call, pg_press.WON, status.value, lambda row: Pressed(None, True, _standing(row)),
+                notify=DECIDED_CHANNEL,
+            )  # fmt: skip
             return cast(Pressed, won)
         self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now, args_hash=digest,
                           detail=f"standing: {first}", person=person)  # fmt: skip
