@@ -26,6 +26,7 @@ PostgreSQL stores escaped (:mod:`kazma.config.store.pg_text`) and prints its own
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar, cast
@@ -90,6 +91,37 @@ END
 $$
 """
 
+# The press sent on a guess of what it finds (see press_guessed): kazma_press, and KZ001 when its outcome or the
+# request's status afterwards is not the one guessed; a press that won notifies ``p_channel`` (when given) with its
+# request id in the same call (approvals PG migration 14).
+PG_PRESS_GUESSED_FUNCTION: Final = """
+CREATE OR REPLACE FUNCTION kazma_press_guessed(
+    p_outcome text, p_standing text, p_channel text,
+    p_id text, p_status text, p_actor text, p_platform text, p_now double precision, p_reason text,
+    p_mac text, p_key_id text, p_person text, p_tool text, p_args_hash text, p_reviewer text, p_decision text,
+    p_card boolean, p_chat text, p_message_id text, p_needs_whole boolean)
+RETURNS TABLE (outcome text, id text, tool text, args_hash text, conversation text, deadline double precision,
+               status text, decided_by text, decided_via text, decided_at double precision, reason text,
+               decided_person text)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    got record;
+BEGIN
+    SELECT k.* INTO got FROM kazma_press(p_id, p_status, p_actor, p_platform, p_now, p_reason, p_mac, p_key_id,
+        p_person, p_tool, p_args_hash, p_reviewer, p_decision, p_card, p_chat, p_message_id, p_needs_whole) AS k;
+    IF NOT FOUND OR got.outcome IS DISTINCT FROM p_outcome OR got.status IS DISTINCT FROM p_standing THEN
+        RAISE EXCEPTION 'a press guessed % (standing %) found otherwise', p_outcome, p_standing
+            USING ERRCODE = 'KZ001';
+    END IF;
+    IF got.outcome = 'won' AND p_channel IS NOT NULL THEN
+        PERFORM pg_notify(p_channel, p_id);
+    END IF;
+    RETURN QUERY SELECT got.outcome, got.id, got.tool, got.args_hash, got.conversation, got.deadline, got.status,
+        got.decided_by, got.decided_via, got.decided_at, got.reason, got.decided_person;
+END
+$$
+"""
+
 # The chain's append: the lock, the head, and the events when the head is the expected one (see the module).
 PG_AUDIT_APPEND_FUNCTION: Final = """
 CREATE OR REPLACE FUNCTION kazma_audit_append(
@@ -130,11 +162,30 @@ _PRESS_CALL: Final = (
     "SELECT outcome, id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at,"
     " reason, decided_person FROM kazma_press(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
-_APPEND_CALL: Final = (
-    "SELECT appended, last_seq, last_hash, checkpoint_seq FROM kazma_audit_append(?, ?, ?, ?::bigint[],"
-    " ?::text[], ?::text[], ?::text[], ?::text[], ?::double precision[], ?::text[], ?::text[], ?::text[],"
-    " ?::text[], ?::text[], ?::text[], ?)"
+_PRESS_GUESSED_CALL: Final = (
+    "SELECT outcome, id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at,"
+    " reason, decided_person FROM kazma_press_guessed(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
+# The append's columns, each an array of one value per event row. Sent as ``ARRAY[?, ?, …]`` of plain values, not
+# as arrays: psycopg dumps a Python list element by element in Python (about a tenth of a millisecond per call for
+# twelve one-element lists), a plain value in C; past _SCALAR_ROWS rows the statement's text would be long, and
+# the rows go as arrays after all.
+_COLUMN_TYPES: Final = ("bigint", "text", "text", "text", "text", "double precision", "text", "text", "text",
+                        "text", "text", "text")  # fmt: skip
+_APPEND_HEAD: Final = "SELECT appended, last_seq, last_hash, checkpoint_seq FROM kazma_audit_append(?, ?, ?, "
+_SCALAR_ROWS: Final = 64
+
+
+@functools.lru_cache(maxsize=_SCALAR_ROWS + 1)
+def _append_call(rows: int) -> str:
+    """The call to ``kazma_audit_append`` for ``rows`` event rows, value by value (past _SCALAR_ROWS, as arrays)."""
+    if rows > _SCALAR_ROWS:
+        columns = [f"?::{kind}[]" for kind in _COLUMN_TYPES]
+    else:
+        marks = ", ".join("?" * rows)
+        columns = [f"ARRAY[{marks}]::{kind}[]" for kind in _COLUMN_TYPES]
+    return f"{_APPEND_HEAD}{', '.join(columns)}, ?)"
+
 
 WON: Final = "won"
 LOST: Final = "lost"
@@ -171,6 +222,41 @@ class LaterTx(Tx, Protocol):
     def later(self, sql: str, params: Iterable[Any], then: Callable[[Any], T]) -> Later[T]: ...
 
 
+class GuessTx(Tx, Protocol):
+    """The PostgreSQL writer's transaction when it may send statements on a guess of their answers
+    (:attr:`kazma.config.store.postgres.PgTx.guessing`)."""
+
+    guessing: bool
+    notes: dict[str, Any]
+
+    def guess(self, sql: str, params: Iterable[Any], then: Callable[[Any], T]) -> Later[T]: ...
+
+
+def guessing(tx: Tx) -> GuessTx | None:
+    """``tx`` when a press may be sent on a guess in it, else None (SQLite, a group run again, no pipeline)."""
+    return cast(GuessTx, tx) if getattr(tx, "guessing", False) else None
+
+
+def press_guessed(
+    tx: GuessTx,
+    call: PressCall,
+    outcome: str,
+    standing: str,
+    then: Callable[[tuple[Any, ...]], T],
+    *,
+    notify: str | None = None,
+) -> Later[T]:
+    """One press sent on a guess of what it finds, its answer read only once the transaction committed: ``WON``
+    (then the request's status is the press's own), or ``LOST`` to the status ``standing`` (a decision earlier
+    in the same transaction). What the press writes with it (its audit event) is written beside it without
+    waiting, and a press that won notifies the channel ``notify`` (its request id) in the same call; a wrong
+    guess fails the transaction with SQLSTATE ``KZ001`` (:data:`kazma.config.store.postgres.STALE_GUESS`), and
+    the writer runs the group again without guessing.
+    ``then`` is given the request's standing row and must run no statement."""
+    params = (outcome, standing, notify, *_press_params(call))
+    return tx.guess(_PRESS_GUESSED_CALL, params, lambda row: then(tuple(row[1:])))
+
+
 def press(tx: Tx, call: PressCall, then: Callable[[tuple[str, tuple[Any, ...]] | None], T]) -> Later[T]:
     """One press in one statement; ``then`` is given (``WON``/``LOST``/``MISS``, the request's standing row), or
     None (no such request), once its answer is in."""
@@ -178,13 +264,13 @@ def press(tx: Tx, call: PressCall, then: Callable[[tuple[str, tuple[Any, ...]] |
     def answered(row: Any) -> T:
         return then(None if row is None else (str(row[0]), tuple(row[1:])))
 
-    return cast(LaterTx, tx).later(
-        _PRESS_CALL,
-        (call.request_id, call.status, call.actor, call.platform, call.now, call.reason, call.mac, call.key_id,
-         call.person, call.tool, call.args_hash, call.reviewer, call.decision, call.card, call.chat,
-         call.message_id, call.needs_whole),
-        answered,
-    )  # fmt: skip
+    return cast(LaterTx, tx).later(_PRESS_CALL, _press_params(call), answered)
+
+
+def _press_params(call: PressCall) -> tuple[Any, ...]:
+    return (call.request_id, call.status, call.actor, call.platform, call.now, call.reason, call.mac, call.key_id,
+            call.person, call.tool, call.args_hash, call.reviewer, call.decision, call.card, call.chat,
+            call.message_id, call.needs_whole)  # fmt: skip
 
 
 def append(
@@ -194,7 +280,7 @@ def append(
     the commit seal last) in the same call when the head is ``expect`` (seq, hash). (appended, head seq, head
     hash, last checkpoint's seq)."""
     expect_seq, expect_hash = expect if expect is not None else (-1, "")
-    found = tx.one(_APPEND_CALL, (lock_key, expect_seq, expect_hash, *_columns(rows), False))
+    found = tx.one(_append_call(len(rows)), (lock_key, expect_seq, expect_hash, *_columns(rows), False))
     appended, last_seq, last_hash, signed = tuple(found)
     return bool(appended), last_seq, last_hash, signed
 
@@ -202,8 +288,11 @@ def append(
 def append_or_fail(tx: Tx, lock_key: int, expect: tuple[int, str], rows: Sequence[tuple[Any, ...]]) -> None:
     """:func:`append`, its answer not waited for: when the head is not ``expect`` the statement fails the
     transaction with SQLSTATE ``KZ001`` (:data:`kazma.config.store.postgres.STALE_GUESS`)."""
-    tx.send(_APPEND_CALL, (lock_key, expect[0], expect[1], *_columns(rows), True))
+    tx.send(_append_call(len(rows)), (lock_key, expect[0], expect[1], *_columns(rows), True))
 
 
-def _columns(rows: Sequence[tuple[Any, ...]]) -> list[list[Any]]:
-    return [[row[i] for row in rows] for i in range(12)]
+def _columns(rows: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """The rows' values column by column: flat (``ARRAY[?, …]``) or one list per column (see _append_call)."""
+    if len(rows) > _SCALAR_ROWS:
+        return [[row[i] for row in rows] for i in range(12)]
+    return [row[i] for i in range(12) for row in rows]

@@ -3,7 +3,7 @@ and the audit append-only (what proves it was not rewritten around Kazma is the 
 
 from __future__ import annotations
 
-from kazma.approvals.pg_press import PG_AUDIT_APPEND_FUNCTION, PG_PRESS_FUNCTION
+from kazma.approvals.pg_press import PG_AUDIT_APPEND_FUNCTION, PG_PRESS_FUNCTION, PG_PRESS_GUESSED_FUNCTION
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 
@@ -262,6 +262,8 @@ MIGRATIONS = [
     Migration("approvals", 12, ("ALTER TABLE approval_cards ADD COLUMN bound_to TEXT",)),
     # PostgreSQL's press and audit append as one statement each (approvals/pg_press.py); nothing on SQLite.
     Migration("approvals", 13, ()),
+    # PostgreSQL's press sent on a guess of what it finds (approvals/pg_press.py); nothing on SQLite.
+    Migration("approvals", 14, ()),
 ]
 
 # The same tables on PostgreSQL, version for version: REAL is double precision there (its REAL has 6
@@ -539,4 +541,5 @@ PG_MIGRATIONS = [
     ),
     PgMigration("approvals", 12, ("ALTER TABLE approval_cards ADD COLUMN bound_to text",)),
     PgMigration("approvals", 13, (PG_PRESS_FUNCTION, PG_AUDIT_APPEND_FUNCTION)),
+    PgMigration("approvals", 14, (PG_PRESS_GUESSED_FUNCTION,)),
 ]

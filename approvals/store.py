@@ -12,6 +12,7 @@ appended to the audit chain (:mod:`kazma.approvals.chain`) in the transaction of
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import time
@@ -90,6 +91,8 @@ _DECISION_SEQ = (
 )
 # Requests whose sealed fields a store remembers at most (then it forgets them all and reads them again).
 _SEALED_KEPT = 4096
+# A transaction's notes (PgTx.notes): each request a press of it was guessed to decide, and the status it set.
+_PRESS_GUESSES = "approvals.press_guesses"
 # The claimer's name when no replica name is given: the only process on its store.
 LOCAL = "local"
 # Told at every decision: each replica wakes the call waiting for it and settles the cards (PostgreSQL NOTIFY).
@@ -711,6 +714,10 @@ class ApprovalStore:
             None if card is None else card.message_id, card is not None and card.needs_whole,
         )  # fmt: skip
 
+        guessed = pg_press.guessing(tx)
+        if guessed is not None:
+            return self._press_guessed(guessed, call, status, actor, platform, reason, now, person, digest)
+
         def then(found: tuple[str, tuple[Any, ...]] | None) -> Pressed:
             if found is None:
                 return Pressed(None, False, None)
@@ -735,6 +742,43 @@ class ApprovalStore:
             return later.value
         # In a pipeline the writer answers the caller with the Later's value once its transaction filled it.
         return cast(Pressed, later)
+
+    def _press_guessed(
+        self,
+        tx: pg_press.GuessTx,
+        call: PressCall,
+        status: Status,
+        actor: str,
+        platform: str,
+        reason: str | None,
+        now: float,
+        person: str | None,
+        digest: str,
+    ) -> Pressed:
+        """:meth:`_press_in_one` without waiting for its answer: the first press of a request in a transaction is
+        guessed to win (its NOTIFY made by the same call), the others of it there to lose to it; their audit
+        events go out beside them, and a wrong guess (another replica decided, the deadline passed, a card
+        problem) runs the group again without guessing (:func:`kazma.approvals.pg_press.press_guessed`)."""
+        request_id = call.request_id
+        decided: dict[str, str] = tx.notes.setdefault(_PRESS_GUESSES, {})
+        first = decided.get(request_id)
+        if first is None:
+            decided[request_id] = status.value
+            self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now, args_hash=digest,
+                              detail=decided_detail(status, reason), person=person)  # fmt: skip
+            tx.after_commit(functools.partial(self._forget_sealed, request_id))  # no press of it can win again
+            won = pg_press.press_guessed(
+                tx, call, pg_press.WON, status.value, lambda row: Pressed(None, True, _standing(row)),
+                notify=DECIDED_CHANNEL,
+            )  # fmt: skip
+            return cast(Pressed, won)
+        self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now, args_hash=digest,
+                          detail=f"standing: {first}", person=person)  # fmt: skip
+        lost = pg_press.press_guessed(tx, call, pg_press.LOST, first, lambda row: Pressed(None, False, _standing(row)))
+        return cast(Pressed, lost)
+
+    def _forget_sealed(self, request_id: str) -> None:
+        self._sealed_fields.pop(request_id, None)
 
     def _opened(self, new: NewRequest) -> None:
         """A request this store opened committed: a press of it reads neither its policy nor its sealed fields."""

@@ -66,8 +66,18 @@ STALE_GUESS = "KZ001"
 # serialization_failure. None of them leaves anything of the transaction behind.
 _RUN_ALONE = frozenset({"55P03", "40P01", "40001"})
 
-# Every NOTIFY of a transaction in one statement, in the order they were asked for.
+# Every NOTIFY of a transaction in one statement, in the order they were asked for. Given value by value, not as
+# arrays (psycopg dumps a list element by element in Python); past _NOTIFY_VALUES notices the text would be long.
 _NOTIFY_ALL = "SELECT pg_notify(c, p) FROM unnest(%s::text[], %s::text[]) WITH ORDINALITY AS n(c, p, i) ORDER BY i"
+_NOTIFY_ONE = "SELECT pg_notify(%s, %s)"
+_NOTIFY_VALUES = 32
+
+
+@functools.lru_cache(maxsize=_NOTIFY_VALUES)
+def _notify_values(notices: int) -> str:
+    rows = ", ".join(f"({i}, %s, %s)" for i in range(notices))
+    return f"SELECT pg_notify(n.c, n.p) FROM (VALUES {rows}) AS n(i, c, p) ORDER BY n.i"  # noqa: S608
+
 
 _SCHEMA_TABLE = """
 CREATE TABLE IF NOT EXISTS kazma_schema (
@@ -109,12 +119,20 @@ class PgTx(Deferred):
     ever waited for at the commit.
     """
 
-    def __init__(self, cursor: psycopg.Cursor[Any], pipeline: psycopg.Pipeline | None = None) -> None:
+    def __init__(
+        self, cursor: psycopg.Cursor[Any], pipeline: psycopg.Pipeline | None = None, *, guessing: bool = False
+    ) -> None:
         super().__init__()
         self._cursor = cursor
         self._pipeline = pipeline
         self._notices: list[tuple[str, str]] = []
         self._laters: list[tuple[psycopg.Cursor[Any], Callable[[Any], Any], Later[Any]]] = []
+        self._guesses: list[tuple[psycopg.Cursor[Any], Callable[[Any], Any], Later[Any]]] = []
+        # Whether an operation may send a statement on a guess of its answer (:meth:`guess`): pipelined, and not
+        # a group run again because a guess was stale.
+        self.guessing = guessing and pipeline is not None
+        # What the operations of this transaction note for each other (keyed by a name of the component's).
+        self.notes: dict[str, Any] = {}
 
     def later(self, sql: str, params: Iterable[Any], then: Callable[[Any], T]) -> Later[T]:
         """One statement whose single row (or None) ``then`` turns into an operation's result; in pipeline mode
@@ -128,6 +146,29 @@ class PgTx(Deferred):
         cursor.execute(pyformat(sql), tuple(params))
         self._laters.append((cursor, then, later))
         return later
+
+    def guess(self, sql: str, params: Iterable[Any], then: Callable[[Any], T]) -> Later[T]:
+        """One statement sent on a guess of its answer, which fails the transaction with :data:`STALE_GUESS` when
+        the guess is wrong. Nothing waits for it: its single row is read once the transaction committed, and
+        ``then`` (which must run no statement) turns it into an operation's result. Only while :attr:`guessing`."""
+        if not self.guessing:
+            raise RuntimeError("a statement was sent on a guess in a transaction that does not guess")
+        later: Later[T] = Later()
+        cursor = self._cursor.connection.cursor()
+        cursor.execute(pyformat(sql), tuple(params))
+        self._guesses.append((cursor, then, later))
+        return later
+
+    def _resolve_guesses(self) -> None:
+        guesses, self._guesses = self._guesses, []
+        for cursor, then, later in guesses:
+            with cursor:
+                later.set(then(cursor.fetchone()))
+
+    def _drop_guesses(self) -> None:
+        guesses, self._guesses = self._guesses, []
+        for cursor, _, _ in guesses:
+            cursor.close()
 
     def _resolve_laters(self) -> None:
         laters, self._laters = self._laters, []
@@ -166,11 +207,16 @@ class PgTx(Deferred):
         self._notices.append((channel, payload))
 
     def _send_notices(self) -> None:
-        if not self._notices:
+        notices, self._notices = self._notices, []
+        if not notices:
             return
-        channels, payloads = zip(*self._notices, strict=True)
-        self._notices = []
-        self._cursor.execute(_NOTIFY_ALL, (list(channels), list(payloads)))
+        if len(notices) == 1:
+            self._cursor.execute(_NOTIFY_ONE, notices[0])
+        elif len(notices) <= _NOTIFY_VALUES:
+            self._cursor.execute(_notify_values(len(notices)), [value for notice in notices for value in notice])
+        else:
+            channels, payloads = zip(*notices, strict=True)
+            self._cursor.execute(_NOTIFY_ALL, (list(channels), list(payloads)))
 
 
 class _SwallowedError(psycopg.Error):
@@ -369,8 +415,8 @@ class PgWriter(GroupQueue):
         Raises when the connection itself fails, or the ``COMMIT`` does.
         """
         if self.pipelined:
-            for _ in range(2):  # once more when a guess was stale
-                committed, again = self._attempt_pipelined(conn, jobs, bounded=bounded)
+            for guessing in (True, False):  # once more, guessing nothing, when a guess was stale
+                committed, again = self._attempt_pipelined(conn, jobs, bounded=bounded, guessing=guessing)
                 if committed:
                     return None
                 if not again:
@@ -378,52 +424,57 @@ class PgWriter(GroupQueue):
         return self._attempt_plain(conn, jobs, bounded=bounded)
 
     def _attempt_pipelined(
-        self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool
+        self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool, guessing: bool = False
     ) -> tuple[bool, bool]:
         """``jobs`` in one transaction in pipeline mode: (committed, whether to try again so because a guess was
         stale, :data:`STALE_GUESS`). Rolled back unless committed.
 
         A statement whose answer nobody waits for (``BEGIN``, ``send``, the notifications, the audit rows) goes
-        out with the next one that is waited for, so a group costs a round trip per read, not per statement. An
+        out with the next one that is waited for, so a group costs a round trip per read, not per statement (one
+        in all when its operations read nothing before the commit: ``guessing``, see :meth:`PgTx.guess`). An
         error surfaces at the next read, possibly inside another operation than the one that caused it: any
         failure here therefore rolls the whole group back and leaves it to the plain path to run again.
         """
         failure: Exception | None = None
         committed = False
+        tx: PgTx | None = None
         try:
-            with conn.pipeline() as pipeline, conn.cursor() as cursor:
-                try:
-                    cursor.execute("BEGIN")
-                    if bounded:
-                        cursor.execute(f"SET LOCAL lock_timeout = {int(self.lock_timeout_ms)}")
-                    tx = PgTx(cursor, pipeline)
-                    for job in jobs:
-                        job.result, job.error = None, None
-                        job.result = job.op(tx)
-                    tx._resolve_laters()
-                    tx._run_deferred()
-                    tx._send_notices()
-                    cursor.execute("COMMIT")
-                    pipeline.sync()
-                    committed = cursor.statusmessage == "COMMIT"  # an aborted transaction answers ROLLBACK
-                except Exception as exc:  # caught here, so the pipeline's end is no error psycopg logs as ignored
-                    failure = exc
+            with conn.cursor() as cursor:
+                with conn.pipeline() as pipeline:
+                    try:
+                        cursor.execute("BEGIN")
+                        if bounded:
+                            cursor.execute(f"SET LOCAL lock_timeout = {int(self.lock_timeout_ms)}")
+                        tx = PgTx(cursor, pipeline, guessing=guessing)
+                        for job in jobs:
+                            job.result, job.error = None, None
+                            job.result = job.op(tx)
+                        tx._resolve_laters()
+                        tx._run_deferred()
+                        tx._send_notices()
+                        cursor.execute("COMMIT")
+                    except Exception as exc:  # caught here, so the pipeline's end is no error psycopg logs as ignored
+                        failure = exc
+                # The pipeline's end sent the one sync and read every answer, the COMMIT's among them.
+                committed = failure is None and cursor.statusmessage == "COMMIT"  # an aborted one answers ROLLBACK
         except Exception as exc:  # the pipeline's end: the sync of what an aborted transaction still had out
             failure = failure or exc
         except BaseException:
+            if tx is not None:
+                tx._drop_guesses()
             if not conn.broken and not conn.closed:
                 self._roll_back(conn)
             raise
-        if failure is not None:
-            if conn.broken or conn.closed:
+        assert tx is not None or failure is not None
+        if failure is not None or not committed or tx is None:
+            if tx is not None:
+                tx._drop_guesses()
+            if failure is not None and (conn.broken or conn.closed):
                 raise failure
             self._roll_back(conn)
             self.pipeline_retries += 1
-            return False, _sqlstate(failure) == STALE_GUESS
-        if not committed:
-            self._roll_back(conn)
-            self.pipeline_retries += 1
-            return False, False
+            return False, failure is not None and _sqlstate(failure) == STALE_GUESS
+        tx._resolve_guesses()  # their answers came in with the COMMIT's
         tx._committed()
         return True, False
 
