@@ -146,7 +146,7 @@ async def test_a_stop_while_the_batches_run_still_tells_every_conversation_whose
         first_batch.set()
         await asyncio.Event().wait()
 
-    bus.rescan = held_after_the_first_batch  # type: ignore[method-assign]
+    bus.rescan = held_after_the_first_batch  # type: ignore[method-assign,assignment]
     try:
         await asyncio.wait_for(first_batch.wait(), 60)
     finally:
