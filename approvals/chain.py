@@ -43,9 +43,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring
 from typing import Any, Final
 
 import structlog
@@ -61,6 +63,7 @@ GENESIS: Final = "0" * 64  # what the first event of a chain follows
 _DOMAIN: Final = "kazma-audit-v1"
 # Compact JSON, UTF-8 as is, no NaN: an event's canonical form (what ``json.dumps`` with these options writes).
 _CANONICAL: Final = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+_DOMAIN_TEXT: Final = encode_basestring(_DOMAIN)
 # Taken by the transaction that appends, from its flush to its commit (PostgreSQL; SQLite has its write lock).
 CHAIN_LOCK: Final = 0x6B617A6D61_0029  # "kazma", issue 29
 # The decision of a request, as the compare-and-set writes it: ``decided`` for a person, else the outcome.
@@ -79,9 +82,23 @@ _HEAD_SQLITE = (
     " (SELECT chain_hash FROM approval_events ORDER BY seq DESC LIMIT 1),"
     " (SELECT seq FROM audit_checkpoints ORDER BY seq DESC LIMIT 1)"
 )
+# The checkpointer's read (ensure_history): the head and the last checkpoint (seq, head, time) in one statement.
+_HEAD_AND_CHECKPOINT_SQLITE = (
+    "SELECT e.seq, e.chain_hash, c.seq, c.head, c.at FROM (SELECT 1)"
+    " LEFT JOIN (SELECT seq, chain_hash FROM approval_events ORDER BY seq DESC LIMIT 1) e"
+    " LEFT JOIN (SELECT seq, head, at FROM audit_checkpoints ORDER BY seq DESC LIMIT 1) c"
+)
+LAST_CHECKPOINT: Final = "SELECT seq, head, at FROM audit_checkpoints ORDER BY seq DESC LIMIT 1"
 _RUNS_KEPT: Final = 4096  # committed runs remembered for the checkpointer at most (then it reads the events back)
 # Takes CHAIN_LOCK (waiting as long as it takes: the holder waits for nobody), then reads the head.
 _HEAD_POSTGRES = "SELECT last_seq, last_hash, checkpoint_seq FROM kazma_audit_head(?)"
+# The same and the last checkpoint's head and time. The join reads with the statement's snapshot, taken before the
+# lock: a checkpoint another replica committed while this one waited is seen by the function (its seq) but not by
+# the join (no head), and is then read on its own (ensure_history).
+_HEAD_AND_CHECKPOINT_POSTGRES = (
+    "SELECT h.last_seq, h.last_hash, h.checkpoint_seq, c.head, c.at FROM kazma_audit_head(?) h"
+    " LEFT JOIN audit_checkpoints c ON c.seq = h.checkpoint_seq"
+)
 
 
 class _FromRequest:
@@ -107,10 +124,30 @@ def event_hash(
 ) -> str:
     """The chain hash of one event after ``prev_hash``. The person who owns the actor, when there is one, is one
     more field: a person added to a row, removed from it or changed changes its hash all the same."""
-    fields = [_DOMAIN, prev_hash, request_id, event, actor, platform, at, args_hash, detail]
-    if person is not None:
-        fields.append(person)
-    return hashlib.sha256(_CANONICAL.encode(fields).encode("utf-8")).hexdigest()
+    if type(at) is float and math.isfinite(at):
+        # What _CANONICAL writes for these fields, byte for byte, without building an encoder per call (json's
+        # C encoder is made anew on every encode, with a Python callback for the float): a third of the cost.
+        # Any other value of ``at`` (an int, a subclass, NaN) takes json's own path: refused or written its way.
+        text = (
+            f"[{_DOMAIN_TEXT},{_text(prev_hash)},{_text(request_id)},{_text(event)},{_text(actor)},"
+            f"{_text(platform)},{at!r},{_text(args_hash)},{_text(detail)}"
+            + ("]" if person is None else f",{_text(person)}]")
+        )
+    else:
+        fields = [_DOMAIN, prev_hash, request_id, event, actor, platform, at, args_hash, detail]
+        if person is not None:
+            fields.append(person)
+        text = _CANONICAL.encode(fields)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _text(value: str | None) -> str:
+    """One text field (or null) as _CANONICAL writes it: json's own string escaping, UTF-8 kept as is."""
+    if value is None:
+        return "null"
+    if type(value) is not str:  # a str subclass or anything else: whatever json makes of it
+        return _CANONICAL.encode(value)
+    return encode_basestring(value)
 
 
 @dataclass(frozen=True)
@@ -199,10 +236,21 @@ class AuditChain:
         """Chain what was there before the chain began, if that is still to be done (no event of its own)."""
         tx.defer(self._flush, None)
 
-    def ensure_history(self, tx: Tx) -> tuple[str, int]:
+    def ensure_history(self, tx: Tx) -> tuple[str, int, tuple[int, str, float] | None]:
         """Take the chain's order in ``tx`` now, and chain what was there before the chain began if still due.
-        Returns the head: (the hash the next event follows, the sequence number it comes after)."""
-        return self._read_head(tx)
+        Returns the head (the hash the next event follows, the sequence number it comes after) and the last
+        checkpoint (seq, head, time), read in the same statement (one round trip on PostgreSQL, under the lock)."""
+        if self.postgres:
+            found = tx.one(_HEAD_AND_CHECKPOINT_POSTGRES, (CHAIN_LOCK,))
+        else:
+            found = tx.one(_HEAD_AND_CHECKPOINT_SQLITE)
+        last_seq, last_hash, signed_seq, signed_head, signed_at = found
+        prev, seq = self._head(tx, last_seq, last_hash, signed_seq)
+        if last_hash is None or (signed_seq is not None and signed_head is None):
+            # The one-time chaining may just have written a checkpoint, or the join did not see the newest one.
+            last = tx.one(LAST_CHECKPOINT)
+            return prev, seq, None if last is None else (int(last[0]), str(last[1]), float(last[2]))
+        return prev, seq, None if signed_seq is None else (int(signed_seq), str(signed_head), float(signed_at))
 
     def appended_all(self, after: int, prev: str, seq: int, head: str) -> bool:
         """Whether the events after ``after`` (which follow ``prev``) up to ``seq`` (whose hash is ``head``) are all
@@ -378,7 +426,7 @@ class AuditChain:
         return prev
 
     def _request_hashes(self, tx: Tx, events: Iterable[_Pending]) -> dict[str | None, str | None]:
-        wanted = sorted({e.request_id for e in events if isinstance(e.args_hash, _FromRequest) and e.request_id})
+        wanted = sorted({e.request_id for e in events if e.args_hash is FROM_REQUEST and e.request_id})
         if not wanted:
             return {}
         rows = tx.all(
