@@ -76,8 +76,9 @@ def test_the_event_hash_of_a_known_event_is_unchanged() -> None:
 
 async def test_a_checkpoint_committed_while_the_checkpointer_waited_for_the_lock_is_gone_on_after(pg_dsn: str) -> None:
     # Replica A holds the chain's lock and writes a checkpoint; this process's pass starts meanwhile (its statement's
-    # snapshot taken before the lock is granted), then A commits. The pass must go on after A's checkpoint: it
-    # signs nothing again (a second checkpoint at the same seq would fail the pass), and the log verifies.
+    # snapshot taken before the lock is granted), then A commits. The pass must go on after A's checkpoint at the
+    # first try: it signs nothing again (a second checkpoint at the same seq fails the pass, which the writer then
+    # runs again), and the log verifies.
     engine = Engine("postgresql", pg_dsn)
     async with open_store(engine) as conn:
         service = ApprovalService(ApprovalStore(conn, keyring=TEST_KEYRING, audit=TEST_SIGNER), approvals_config())
@@ -93,6 +94,8 @@ async def test_a_checkpoint_committed_while_the_checkpointer_waited_for_the_lock
                 " VALUES (%s, %s, %s, %s, %s, %s, %s)",
                 (theirs.kind, theirs.first_seq, theirs.seq, theirs.head, theirs.at, theirs.key_id, theirs.signature),
             )
+            writer: Any = await service.store.tables.writer()
+            retries = writer.pipeline_retries
             passing = asyncio.create_task(Checkpointer(service.store, TEST_SIGNER).sign())
             waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
             async with asyncio.timeout(10):
@@ -101,6 +104,8 @@ async def test_a_checkpoint_committed_while_the_checkpointer_waited_for_the_lock
             replica.commit()
         judged = await asyncio.wait_for(passing, 10)
         assert judged.signed == []
+        # ... at the first try: a pass that signed again (and failed on the checkpoint's seq) was run again.
+        assert writer.pipeline_retries == retries
         assert judged.newest == (theirs.seq, theirs.at)
         checkpoints = await service.store.chain_checkpoints(limit=100)
         assert [(c.first_seq, c.seq, c.key_id) for c in checkpoints] == [(theirs.first_seq, theirs.seq, "a1")]
