@@ -205,5 +205,24 @@ def append_or_fail(tx: Tx, lock_key: int, expect: tuple[int, str], rows: Sequenc
     tx.send(_APPEND_CALL, (lock_key, expect[0], expect[1], *_columns(rows), True))
 
 
-def _columns(rows: Sequence[tuple[Any, ...]]) -> list[list[Any]]:
-    return [[row[i] for row in rows] for i in range(12)]
+def _columns(rows: Sequence[tuple[Any, ...]]) -> list[str]:
+    """Each of the 12 columns as one PostgreSQL array literal (the call casts it): psycopg adapting 12 lists cost
+    ~50 us of the client's CPU per append, a text each ~2 us. The connection's text dumper still escapes U+0000
+    (config/store/pg_text.py) inside the literal, as it did in each element."""
+    return [_array([row[i] for row in rows]) for i in range(12)]
+
+
+def _array(values: list[Any]) -> str:
+    items = []
+    for value in values:
+        if value is None:
+            items.append("NULL")
+        elif isinstance(value, str):
+            items.append('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
+        elif isinstance(value, float):
+            items.append(repr(value))  # the shortest text that reads back as the same double
+        elif isinstance(value, int) and not isinstance(value, bool):
+            items.append(str(value))
+        else:
+            raise TypeError(f"an audit event column holds a {type(value).__name__}")
+    return "{" + ",".join(items) + "}"

@@ -111,3 +111,29 @@ async def test_a_checkpoint_committed_while_the_checkpointer_waited_for_the_lock
         assert [(c.first_seq, c.seq, c.key_id) for c in checkpoints] == [(theirs.first_seq, theirs.seq, "a1")]
         report = verify(events, checkpoints, TEST_SIGNER.public_keys())
         assert report.ok, [p.line() for p in report.problems]
+
+
+async def test_events_with_hostile_text_read_back_as_written_and_verify(store_engine: Engine) -> None:
+    # On PostgreSQL the chain's columns travel as array literals built by Kazma: quotes, backslashes, braces,
+    # commas, the word NULL, U+0000 and U+FDD0 must come back exactly (the hash is over what was given).
+    hostile = ['say "hi"\\n', "{a,b}", "NULL", "", "nul\x00here", "\ufdd0\ufdd0", "  spaced  ", "é😀\u202e"]
+    async with open_store(store_engine) as conn:
+        store = ApprovalStore(conn, keyring=TEST_KEYRING, audit=TEST_SIGNER)
+        service = ApprovalService(store, approvals_config())
+        request = await service.open("shell", {"command": "deploy"}, "agent:builder", "telegram:-100")
+
+        def hostile_events(tx: Any) -> None:
+            for n, text in enumerate(hostile):
+                store.chain.append(tx, request.id, "note", actor=text, platform=None, at=1764640000.0 + n / 3,
+                                   args_hash=None, detail=text, person=text or None)  # fmt: skip
+
+        await store.write(hostile_events)
+        await Checkpointer(store, TEST_SIGNER).sign()
+        events = await store.chain_events(limit=100)
+        checkpoints = await store.chain_checkpoints(limit=100)
+    notes = [e for e in events if e.event == "note"]
+    assert [(e.actor, e.detail, e.person, e.at) for e in notes] == [
+        (t, t, t or None, 1764640000.0 + n / 3) for n, t in enumerate(hostile)
+    ]
+    report = verify(events, checkpoints, TEST_SIGNER.public_keys())
+    assert report.ok, [p.line() for p in report.problems]
