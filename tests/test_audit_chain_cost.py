@@ -1,0 +1,139 @@
+"""What the audit chain does to be cheaper must not change what it proves.
+
+The event hash is written without json's encoder on the common path: it must hash the very bytes json writes for
+the field list (compact separators, UTF-8 as is, no NaN), for any text and any time, or every chain written before
+would stop verifying. And the checkpointer reads the head and the last
+checkpoint in one statement: on PostgreSQL that statement's snapshot is older than the chain's lock, so a
+checkpoint another replica committed while it waited must still be the one it goes on after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from typing import Any
+
+import psycopg
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kazma.approvals import ApprovalService, ApprovalStore, Decision
+from kazma.approvals.audit_verify import verify
+from kazma.approvals.chain import CHAIN_LOCK, event_hash
+from kazma.approvals.checkpointer import Checkpointer
+from tests.approvals_support import TEST_KEYRING, TEST_SIGNER, approvals_config
+from tests.store_backends import Engine, open_store, raw_rows
+
+# Every code point, surrogates and controls included: a lone surrogate cannot be UTF-8, and both ways must refuse it.
+_ANY_TEXT = st.text(alphabet=st.characters(codec=None, exclude_categories=()), max_size=40)
+_FIELD = st.one_of(st.none(), _ANY_TEXT, st.sampled_from(["decided", "telegram:111", "approved\u202e", '"\\\n\x00']))
+_AT = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**70), 2**70), st.just(-0.0))
+
+
+def _reference(fields: list[Any]) -> str:
+    """The chain's canonical hash as it was first written: json's encoder over the field list."""
+    text = json.dumps(fields, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _outcome(call: Any) -> tuple[str, str]:
+    try:
+        return "hash", call()
+    except (ValueError, UnicodeEncodeError) as exc:  # NaN or infinity; text that is not Unicode
+        return "refused", type(exc).__name__
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    prev=st.one_of(st.just("0" * 64), _ANY_TEXT),
+    fields=st.tuples(_FIELD, _ANY_TEXT, _FIELD, _FIELD),
+    at=_AT,
+    args_hash=_FIELD,
+    detail=_FIELD,
+    person=_FIELD,
+)
+def test_the_event_hash_is_json_canonical_byte_for_byte(
+    prev: str, fields: tuple[Any, ...], at: Any, args_hash: Any, detail: Any, person: Any
+) -> None:
+    request_id, event, actor, platform = fields
+    listed = ["kazma-audit-v1", prev, request_id, event, actor, platform, at, args_hash, detail]
+    if person is not None:
+        listed.append(person)
+    got = _outcome(lambda: event_hash(prev, request_id, event, actor, platform, at, args_hash, detail, person))
+    assert got == _outcome(lambda: _reference(listed))
+
+
+def test_the_event_hash_of_a_known_event_is_unchanged() -> None:
+    # A chain written by an earlier Kazma keeps verifying: this digest was computed with json's encoder.
+    digest = event_hash("0" * 64, "req-1", "decided", "telegram:111", "telegram", 1764640000.25, "a" * 64, "approved")
+    assert digest == _reference(
+        ["kazma-audit-v1", "0" * 64, "req-1", "decided", "telegram:111", "telegram", 1764640000.25, "a" * 64,
+         "approved"]
+    )  # fmt: skip
+
+
+async def test_a_checkpoint_committed_while_the_checkpointer_waited_for_the_lock_is_gone_on_after(pg_dsn: str) -> None:
+    # Replica A holds the chain's lock and writes a checkpoint; this process's pass starts meanwhile (its statement's
+    # snapshot taken before the lock is granted), then A commits. The pass must go on after A's checkpoint at the
+    # first try: it signs nothing again (a second checkpoint at the same seq fails the pass, which the writer then
+    # runs again), and the log verifies.
+    engine = Engine("postgresql", pg_dsn)
+    async with open_store(engine) as conn:
+        service = ApprovalService(ApprovalStore(conn, keyring=TEST_KEYRING, audit=TEST_SIGNER), approvals_config())
+        request = await service.open("shell", {"command": "deploy"}, "agent:builder", "telegram:-100")
+        assert (await service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
+        events = await service.store.chain_events(limit=100)
+        last = events[-1]
+        theirs = TEST_SIGNER.sign("head", events[0].seq, last.seq, last.chain_hash or "", time.time())
+        with psycopg.connect(pg_dsn, autocommit=False) as replica:
+            replica.execute("SELECT pg_advisory_xact_lock(%s)", (CHAIN_LOCK,))
+            replica.execute(
+                "INSERT INTO audit_checkpoints (kind, first_seq, seq, head, at, key_id, signature)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                (theirs.kind, theirs.first_seq, theirs.seq, theirs.head, theirs.at, theirs.key_id, theirs.signature),
+            )
+            writer: Any = await service.store.tables.writer()
+            retries = writer.pipeline_retries
+            passing = asyncio.create_task(Checkpointer(service.store, TEST_SIGNER).sign())
+            waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            async with asyncio.timeout(10):
+                while raw_rows(engine, waiting)[0][0] == 0:
+                    await asyncio.sleep(0.005)
+            replica.commit()
+        judged = await asyncio.wait_for(passing, 10)
+        assert judged.signed == []
+        # ... at the first try: a pass that signed again (and failed on the checkpoint's seq) was run again.
+        assert writer.pipeline_retries == retries
+        assert judged.newest == (theirs.seq, theirs.at)
+        checkpoints = await service.store.chain_checkpoints(limit=100)
+        assert [(c.first_seq, c.seq, c.key_id) for c in checkpoints] == [(theirs.first_seq, theirs.seq, "a1")]
+        report = verify(events, checkpoints, TEST_SIGNER.public_keys())
+        assert report.ok, [p.line() for p in report.problems]
+
+
+async def test_events_with_hostile_text_read_back_as_written_and_verify(store_engine: Engine) -> None:
+    # On PostgreSQL the chain's columns travel as array literals built by Kazma: quotes, backslashes, braces,
+    # commas, the word NULL, U+0000 and U+FDD0 must come back exactly (the hash is over what was given).
+    hostile = ['say "hi"\\n', "{a,b}", "NULL", "", "nul\x00here", "\ufdd0\ufdd0", "  spaced  ", "é😀\u202e"]
+    async with open_store(store_engine) as conn:
+        store = ApprovalStore(conn, keyring=TEST_KEYRING, audit=TEST_SIGNER)
+        service = ApprovalService(store, approvals_config())
+        request = await service.open("shell", {"command": "deploy"}, "agent:builder", "telegram:-100")
+
+        def hostile_events(tx: Any) -> None:
+            for n, text in enumerate(hostile):
+                store.chain.append(tx, request.id, "note", actor=text, platform=None, at=1764640000.0 + n / 3,
+                                   args_hash=None, detail=text, person=text or None)  # fmt: skip
+
+        await store.write(hostile_events)
+        await Checkpointer(store, TEST_SIGNER).sign()
+        events = await store.chain_events(limit=100)
+        checkpoints = await store.chain_checkpoints(limit=100)
+    notes = [e for e in events if e.event == "note"]
+    assert [(e.actor, e.detail, e.person, e.at) for e in notes] == [
+        (t, t, t or None, 1764640000.0 + n / 3) for n, t in enumerate(hostile)
+    ]
+    report = verify(events, checkpoints, TEST_SIGNER.public_keys())
+    assert report.ok, [p.line() for p in report.problems]
