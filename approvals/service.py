@@ -309,7 +309,9 @@ class ApprovalService:
         self.config = config
         self.publisher = publisher
         self.clock = clock
-        self._waiters = Waiters(store.ended_among, poll_interval, clock, store.commits_seen)
+        self._waiters = Waiters(
+            store.ended_among, poll_interval, clock, store.commits_seen, lambda request_id: self.store.get(request_id)
+        )
         self._ended_here: dict[str, None] = {}  # requests this process ended (and told the bus), newest last
         self._refusals = RefusalWindow(clock=clock)
         self._looked: dict[str, float] = {}  # request id -> when this process last wrote its asker's last_seen
@@ -1103,7 +1105,7 @@ class ApprovalService:
                 else:
                     if request is None:
                         raise KeyError(f"unknown approval request {request_id!r}")
-                    if request.outcome() is not None:
+                    if request.status.final:  # not outcome(): built per waiter, for nothing
                         if request_id not in self._ended_here and self.publisher is not None:
                             # Decided by another process (the CLI, another replica): this process's cards
                             # settle now, not at the bus's slow safety scan.
