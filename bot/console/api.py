@@ -27,7 +27,6 @@ through them, and ``/api/v1/openapi.json`` is generated from the same models.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import json
@@ -306,8 +305,7 @@ class ApprovalsApi:
             # cancel_with_waiter=False: a client that stops polling withdraws nothing. The ended request is
             # read once for every waiter of it here, not once per long-poll.
             try:
-                async with asyncio.timeout(wait):
-                    ended = await self.service.wait_request(found.id, cancel_with_waiter=False)
+                ended = await self.service.wait_request(found.id, cancel_with_waiter=False, within=wait)
             except TimeoutError:
                 found = await self.service.store.get(found.id) or found
             else:
