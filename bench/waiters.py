@@ -24,6 +24,7 @@ import asyncio
 import base64
 import contextlib
 import cProfile
+import functools
 import json
 import os
 import pstats
@@ -234,7 +235,10 @@ async def long_polls(api: str, request_ids: list[str]) -> AsyncIterator[list[asy
                 f"GET {url.raw_path}?wait=60 HTTP/1.1\r\nHost: {url.raw_authority}\r\n"
                 f"Authorization: Bearer {TOKEN}\r\n\r\n"
             ).encode()
-            opened.append(await loop.create_connection(lambda ask=ask: LongPoll(ask), url.host, url.port))
+            host, port = url.host, url.port
+            assert host is not None
+            assert port is not None
+            opened.append(await loop.create_connection(functools.partial(LongPoll, ask), host, port))
         yield [poll.ended for _, poll in opened]
     finally:
         for transport, poll in opened:

@@ -127,7 +127,7 @@ async def test_a_decision_wakes_each_waiter_of_its_request_once_with_the_outcome
         ]
         await _until(_waiting(service, request.id, len(waiters)))
         watch = service._waiters.watches[request.id]
-        await _until(lambda: len(watch.event._waiters) == len(waiters))  # type: ignore[attr-defined]  # all asleep
+        await _until(lambda: len(watch.event._waiters) == len(waiters))  # all asleep on the event
         steps[0] = 0
         assert (await service.decide(request.id, Decision.APPROVE, actor="web:admin", platform="web")).won
         ended = await asyncio.wait_for(asyncio.gather(*waiters), timeout=10)

@@ -179,7 +179,7 @@ async def test_a_witness_asked_for_while_a_pass_rides_costs_that_pass_alone(stor
 
             async def idle() -> None:  # the loop waits to be woken, no pass under way or riding
                 async with asyncio.timeout(10):
-                    while not (checkpointer._due._waiters and writer.riders == 0):  # type: ignore[attr-defined]
+                    while not (checkpointer._due._waiters and writer.riders == 0):
                         await asyncio.sleep(0.001)
 
             checkpointer.wake()
