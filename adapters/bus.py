@@ -69,11 +69,17 @@ REPOSTED = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Decided:
+    """A request decided here, read once for every platform's worker: the card edits start from this."""
+
     request: ApprovalRequest | None
     cards: list[PostedCard]
     witness: Witness | None = None
+    # The card every platform writes in its dialect, built once (None: each builds its own, as a scan does).
+    card: ApprovalCard | None = None
+    # Its cards still to be edited by a worker: the last one settled is when "decision to settled" is observed.
+    unsettled: int = 0
 
 
 class Witnesses(Protocol):
@@ -328,10 +334,20 @@ class FanOutBus:
             worker.kick.set()
 
     async def _decided(self, request_id: str) -> _Decided:
-        """The request, its cards and its decision's audit checkpoint, read once for every platform."""
-        request = await self.store.get(request_id)
-        cards = await self.store.cards(request_id)
-        return _Decided(request, cards, await self._witness(request_id))
+        """The request, its cards, its decision's audit checkpoint and its card, read and built once for every
+        platform. The three reads go together: the checkpoint is what takes long (a signature, committed), and
+        the two reads need not wait for it, nor it for them."""
+        request, cards, witness = await asyncio.gather(
+            self.store.get(request_id), self.store.cards(request_id), self._witness(request_id)
+        )
+        decided = _Decided(request, cards, witness, unsettled=sum(1 for c in cards if c.settled_at is None))
+        if request is not None and request.outcome() is not None:
+            try:
+                decided.card = self._card_for(request, await self._reviews(request))
+            except CardIntegrityError:
+                # Settled all the same (the buttons must go), but showing no value from the changed row.
+                decided.card = integrity_card(request, public_url=self.config.web.public_url)
+        return decided
 
     async def _witness(self, request_id: str) -> Witness | None:
         """The signed checkpoint holding ``request_id``'s decision; a card settles without it (counted) only
@@ -727,7 +743,7 @@ class FanOutBus:
                 decided = await loaded
                 for posted in decided.cards:
                     if posted.platform == adapter.name and posted.settled_at is None and not self._stopping:
-                        await self._settle_one(worker, posted, decided.request, decided.witness)
+                        await self._settle_one(worker, posted, decided.request, decided.witness, decided=decided)
             finally:
                 del worker.to_settle[request_id]
                 if not worker.to_settle:
@@ -795,13 +811,15 @@ class FanOutBus:
         witness: Witness | None = None,
         *,
         force: bool = False,
+        decided: _Decided | None = None,
     ) -> None:
         """Edit ``posted`` to its request's outcome. ``force``: even when its row says it is settled already
-        (a progress edit may have landed over that edit)."""
+        (a progress edit may have landed over that edit). ``decided``: the request decided here that ``request``
+        and ``witness`` come from, with its card built already."""
         adapter = worker.adapter
         if request is None or request.id != posted.request_id:
             request = await self.store.get(posted.request_id)
-            witness = None
+            witness = decided = None
         if request is None:
             return
         outcome = request.outcome()
@@ -815,11 +833,13 @@ class FanOutBus:
             # then is the note read: a first settle never pays for it.
             afterwards = await self.store.execution_note(request.id)
         outcome = replace(outcome, witness=witness, afterwards=afterwards)
-        try:
-            card = self._card_for(request, await self._reviews(request))
-        except CardIntegrityError:
-            # Settled all the same (the buttons must go), but showing no value from the changed row.
-            card = integrity_card(request, public_url=self.config.web.public_url)
+        card = None if decided is None else decided.card
+        if card is None:
+            try:
+                card = self._card_for(request, await self._reviews(request))
+            except CardIntegrityError:
+                # Settled all the same (the buttons must go), but showing no value from the changed row.
+                card = integrity_card(request, public_url=self.config.web.public_url)
         if self.shared and not force and not await self.store.claim_settle(posted, self.claim_seconds):
             # Another replica edits it (or it waits out a failed edit): look again when that claim has run out.
             due = self.clock() + self.claim_seconds
@@ -843,6 +863,8 @@ class FanOutBus:
                 # it is as settled as it will ever be, so the worker stops trying.
                 log.error("bus.card_settle_gave_up", platform=adapter.name, request_id=request.id, error=str(exc))
                 await self.store.mark_card_settled(posted, request.status)
+                if decided is not None:
+                    decided.unsettled -= 1
                 return
             attempts = await self.store.settle_attempts(posted)
             delay = RETRY.delay(attempts + 1, retry_after=retry_after)
@@ -864,7 +886,12 @@ class FanOutBus:
                 "bus.settle.recorded", lambda: simulated_failure(self.store.tables, "card_settled"), where=adapter.name
             )
         await self.store.mark_card_settled(posted, request.status)
-        if request.decided_at is not None and all(c.settled_at for c in await self.store.cards(request.id)):
+        if decided is not None:  # its cards are counted here: no read of them after each edit
+            decided.unsettled -= 1
+            last = decided.unsettled == 0
+        else:
+            last = all(c.settled_at for c in await self.store.cards(request.id))
+        if request.decided_at is not None and last:
             DECISION_TO_SETTLED.observe(max(0.0, time.time() - request.decided_at.timestamp()))
         log.info("bus.card_settled", platform=adapter.name, request_id=request.id, status=request.status.value)
 

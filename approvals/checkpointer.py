@@ -176,10 +176,13 @@ class Checkpointer:
                 await self.sign()
                 return await self.store.witness(request_id)
             signed = self._signed
-            self._wanted = True
-            self.wake()
             if self._riding:
+                # A pass waits to ride: it covers this decision (committed before the witness was asked for), so
+                # it goes now, and that is all. Waking the loop too made a second, empty pass right behind it.
                 await self.store.release_riders()
+            else:
+                self._wanted = True
+                self.wake()
             await until_set(signed, remaining)
 
     # -- in the transaction --------------------------------------------------------------------------

@@ -309,7 +309,9 @@ class ApprovalService:
         self.config = config
         self.publisher = publisher
         self.clock = clock
-        self._waiters = Waiters(store.ended_among, poll_interval, clock, store.commits_seen)
+        self._waiters = Waiters(
+            store.ended_among, poll_interval, clock, store.commits_seen, lambda request_id: self.store.get(request_id)
+        )
         self._ended_here: dict[str, None] = {}  # requests this process ended (and told the bus), newest last
         self._refusals = RefusalWindow(clock=clock)
         self._looked: dict[str, float] = {}  # request id -> when this process last wrote its asker's last_seen
@@ -1072,13 +1074,21 @@ class ApprovalService:
         assert outcome is not None  # wait_request returns only an ended request
         return outcome
 
-    async def wait_request(self, request_id: str, *, cancel_with_waiter: bool = True) -> ApprovalRequest:
+    async def wait_request(
+        self, request_id: str, *, cancel_with_waiter: bool = True, within: float | None = None
+    ) -> ApprovalRequest:
         """:meth:`wait`, answering the ended request itself (read once for all its waiters in this process).
 
         A decision made here wakes every waiter at once; one made by another replica, when its ``NOTIFY``
         arrives (:meth:`wake`). Anything neither says (another process on the same SQLite file, a lost
         notification) is found by the waiters' sweep, every ``poll_interval`` seconds, one query for all.
+
+        ``within``: this waiter gives up after that many seconds (:class:`TimeoutError`; with
+        ``cancel_with_waiter`` False the request is left as it is): an API long-poll's ``?wait=``, on the one
+        timer the wait has anyway rather than a second one around it.
         """
+        loop = asyncio.get_running_loop()
+        give_up = None if within is None else loop.time() + within
         watch = self._waiters.join(request_id)
         deadline: float | None = None
         first_failed: float | None = None  # when its first read failed (no read has succeeded yet)
@@ -1100,13 +1110,18 @@ class ApprovalService:
                         first_failed = self.clock() if first_failed is None else first_failed
                         if self.clock() - first_failed > self.config.approvals.deadline_seconds:
                             raise
-                        await until_set(watch.event, WAIT_READ_RETRY.delay(failed_reads))
+                        pause = WAIT_READ_RETRY.delay(failed_reads)
+                        if give_up is not None:
+                            if give_up <= loop.time():
+                                raise TimeoutError(f"no outcome for {request_id} within {within} s") from exc
+                            pause = min(pause, give_up - loop.time())
+                        await until_set(watch.event, pause)
                         failed_reads += 1
                         continue  # the read clears the event first: a decision meanwhile is read, never lost
                 else:
                     if request is None:
                         raise KeyError(f"unknown approval request {request_id!r}")
-                    if request.outcome() is not None:
+                    if request.status.final:  # not outcome(): built per waiter, for nothing
                         if request_id not in self._ended_here and self.publisher is not None:
                             # Decided by another process (the CLI, another replica): this process's cards
                             # settle now, not at the bus's slow safety scan.
@@ -1118,8 +1133,13 @@ class ApprovalService:
                 if remaining <= 0:
                     await watch.expire(lambda: self._expire(request_id))  # one compare-and-set for all waiters
                     continue  # read again: the outcome that stands, shared with the other waiters
-                # Asleep until a wake-up or the deadline: no timer per waiter. The sweep wakes what ended unheard,
-                # and what its deadline passed by ``clock`` (which need not be the loop's).
+                if give_up is not None:
+                    left = give_up - loop.time()
+                    if left <= 0:
+                        raise TimeoutError(f"no outcome for {request_id} within {within} s")
+                    remaining = min(remaining, left)
+                # Asleep until a wake-up or the deadline (or ``within``): one timer per waiter. The sweep wakes what
+                # ended unheard, and what its deadline passed by ``clock`` (which need not be the loop's).
                 await until_set(watch.event, remaining)
         except asyncio.CancelledError:
             if cancel_with_waiter:

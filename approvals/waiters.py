@@ -5,8 +5,11 @@ event, set the moment the request ends here (``ApprovalService._ended``, right a
 replica says so (``NOTIFY``). The event lives as long as anybody waits for the request: a waiter that gives up
 (a long-poll's own timeout) never takes it away from the others.
 
-A wake-up is read once for all of them: the first waiter to run reads the request, the rest take that read,
-so 500 waiters of one request cost one query, not 500. What ended stays known while anybody waits.
+A wake-up is read once for all of them, before any of them runs: the wake-up itself reads the request and
+sets the event when the read is in, so each waiter runs once and takes what was read (500 waiters of one
+request cost one query and 500 task steps, not 500 reads, nor twice 500 steps each parked on the read). A
+waiter that finds no outcome read (the read failed, or the request is still pending) reads itself, shared
+with the others as before. What ended stays known while anybody waits.
 
 Decisions this process cannot hear of (another process on the same SQLite file, the CLI; a ``NOTIFY`` lost
 with its connection) are found by one sweep every ``every`` seconds: a single query for all the waited
@@ -30,6 +33,8 @@ log = structlog.get_logger("kazma.approvals")
 SWEEP_CHUNK = 500
 
 Load = Callable[[], Awaitable[ApprovalRequest | None]]
+# request id -> the request as stored now (what a wake-up reads for every waiter of it)
+LoadById = Callable[[str], Awaitable[ApprovalRequest | None]]
 # (waited request ids) -> those of them that ended
 EndedAmong = Callable[[Sequence[str]], Awaitable[list[str]]]
 # A number that changes whenever the store may have changed (None: it cannot say, so always look)
@@ -51,13 +56,25 @@ class Watch:
         """The request as stored now; a read already under way is shared, an ended request is not read again."""
         if self.ended is not None:
             return self.ended
+        # Shielded: a waiter cancelled mid-read (a long-poll that timed out) must not cancel the others' read.
+        return await asyncio.shield(self._start_read(load))
+
+    def woken(self, load: Load) -> None:
+        """Something may have ended the request: read it once, then wake every waiter (each finds it read)."""
+        if self.ended is not None:
+            self.event.set()
+            return
+        # Set whatever the read found (or if it failed): a waiter that finds no outcome reads again itself, and a
+        # wake-up during this read is not lost (the read after it is the waiter's).
+        self._start_read(load).add_done_callback(lambda _: self.event.set())
+
+    def _start_read(self, load: Load) -> asyncio.Future[ApprovalRequest | None]:
         if self._reading is None:
             # Cleared before the read: a wake-up that lands while it runs is read again, never lost.
             self.event.clear()
             self._reading = asyncio.ensure_future(load())
             self._reading.add_done_callback(self._read_done)
-        # Shielded: a waiter cancelled mid-read (a long-poll that timed out) must not cancel the others' read.
-        return await asyncio.shield(self._reading)
+        return self._reading
 
     async def expire(self, end: Callable[[], Awaitable[object]]) -> None:
         """End the request at its deadline once for all its waiters (``end``); one that failed is tried again."""
@@ -83,9 +100,15 @@ class Waiters:
     """The requests waited for in this process, and the sweep that finds what ended elsewhere unheard."""
 
     def __init__(
-        self, ended_among: EndedAmong, every: float, clock: Callable[[], float], commits_seen: CommitsSeen | None = None
+        self,
+        ended_among: EndedAmong,
+        every: float,
+        clock: Callable[[], float],
+        commits_seen: CommitsSeen | None = None,
+        load: LoadById | None = None,
     ) -> None:
         self.ended_among = ended_among
+        self.load = load  # None: a wake-up only sets the event, and the first waiter to run reads for all
         self.commits_seen = commits_seen
         self._seen: int | None = None  # what commits_seen said at the last sweep that looked
         self.every = every
@@ -112,12 +135,17 @@ class Waiters:
 
     def wake(self, request_id: str) -> None:
         watch = self.watches.get(request_id)
-        if watch is not None:
+        if watch is None:
+            return
+        load = self.load
+        if load is None:
             watch.event.set()
+        else:
+            watch.woken(lambda: load(request_id))
 
     def wake_all(self) -> None:
-        for watch in self.watches.values():
-            watch.event.set()
+        for request_id in list(self.watches):
+            self.wake(request_id)
 
     async def _sweeping(self) -> None:
         while self.watches:

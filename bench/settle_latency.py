@@ -12,6 +12,10 @@ on all three platforms). For each N it measures:
 * bus overhead: from the decision (the bus told to settle) until the last
   platform's edit call starts — what Kazma adds before the platforms' own
   time (the client libraries and the fakes, in this process, are the rest);
+* commits before edits: the store's group commits from the press until the
+  last platform's edit starts (one that wrote nothing, as a checkpoint pass
+  with nothing new, costs no fsync), a count the machine's load does not
+  change (p50 and max);
 * idle: CPU seconds this process spends per wall second with nothing to do
   (the fakes' own idle work included), over ``--idle`` seconds.
 
@@ -79,8 +83,15 @@ async def measure(fakes: Fakes, store_path: Path, seeded: int, rounds: int, idle
         "all settled": [],
         "telegram, reply racing": [],
         "bus overhead": [],
+        "commits before edits": [],
         "idle cpu %": [],
     }
+    writer = await app.service.store.tables.writer()
+    commits: dict[str, int] = {}  # the store's committed groups when the press left the bench, when each edit began
+
+    def committed() -> int:
+        return int(getattr(writer, "groups", 0))  # every write of the press commits through this one writer
+
     reply_to: list[str] = []
     marks: dict[str, float] = {}
     # Timestamps only: the bench wraps Kazma's own bus and adapters, never a client library.
@@ -96,6 +107,7 @@ async def measure(fakes: Fakes, store_path: Path, seeded: int, rounds: int, idle
 
         async def timed_edit(ref: Any, card: Any, outcome: Any, *, edit: Any = edit, name: str = adapter.name) -> None:
             marks.setdefault(name, time.perf_counter())
+            commits.setdefault(name, committed())
             await edit(ref, card, outcome)
 
         adapter.settle_card = timed_edit  # type: ignore[method-assign]
@@ -113,6 +125,8 @@ async def measure(fakes: Fakes, store_path: Path, seeded: int, rounds: int, idle
             await asyncio.sleep(1.2)  # a person takes longer than the 1 s per-chat pacing to press
             reply_to.append(request.id)
             marks.clear()
+            commits.clear()
+            commits["press"] = committed()
             start = time.perf_counter()
             # The press's own HTTP answer is not waited for: what counts is what people see change.
             press = asyncio.create_task(fakes.press("slack", Decision.APPROVE))
@@ -122,6 +136,8 @@ async def measure(fakes: Fakes, store_path: Path, seeded: int, rounds: int, idle
             results["all settled"].append(time.perf_counter() - start)
             await press
             results["bus overhead"].append(max(marks[p] for p in PLATFORMS) - marks["decided"])
+            # Group commits between the press and the last platform's edit starting: what waits on the disk.
+            results["commits before edits"].append(max(commits[p] for p in PLATFORMS) - commits["press"])
             await asyncio.sleep(1.2)
         cpu, wall = time.process_time(), time.perf_counter()
         await asyncio.sleep(idle)  # nothing to do: what does waiting cost?
@@ -160,6 +176,8 @@ async def main() -> None:
                 results = await measure(fakes, Path(tmp) / "k.db", seeded, args.rounds, args.idle)
         for name in ("all settled", "telegram, reply racing", "bus overhead"):
             print(f"{seeded:<16,}{name:<26}{ms(results[name])}")
+        before = sorted(results["commits before edits"])
+        print(f"{seeded:<16,}{'commits before edits':<26}{statistics.median(before):>8.0f}{'':>8}{before[-1]:>8.0f}")
         print(f"{seeded:<16,}{'idle CPU':<26}{results['idle cpu %'][0]:>7.2f}%")
 
 

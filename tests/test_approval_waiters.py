@@ -10,7 +10,7 @@ the wake-up can explain a waiter answered within the test's bound.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,50 @@ async def test_many_waiters_of_one_request_read_it_once_after_its_decision(
         ended = await asyncio.wait_for(asyncio.gather(*waiters), timeout=10)
         assert {(r.status, r.reason) for r in ended} == {(Status.DENIED, "no")}
         assert len(reads) == 1  # one read for all 200, not one each
+
+
+class _Steps(Coroutine[Any, Any, ApprovalRequest]):
+    """A waiter's coroutine, counting each time its task runs it (a step of the task: one resumption)."""
+
+    def __init__(self, inner: Coroutine[Any, Any, ApprovalRequest], counter: list[int]) -> None:
+        self.inner = inner
+        self.counter = counter
+
+    def send(self, value: Any) -> Any:
+        self.counter[0] += 1
+        return self.inner.send(value)
+
+    def throw(self, *exc: Any) -> Any:
+        self.counter[0] += 1
+        return self.inner.throw(*exc)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __await__(self) -> Generator[Any, None, ApprovalRequest]:
+        raise NotImplementedError  # only ever run as a task's coroutine
+
+
+async def test_a_decision_wakes_each_waiter_of_its_request_once_with_the_outcome_already_read(
+    store_engine: Engine,
+) -> None:
+    # 500 long-polls of one request answered at once: each waiter's task running twice (woken, then parked on the
+    # one read, then woken again by it) was twice the work of the wake-up, before any answer is written.
+    async with approval_service(store_engine.where, poll_interval=HOUR) as service:
+        request = await service.open("shell", ARGS, "api:ci", "api:ci")
+        steps = [0]
+        waiters = [
+            asyncio.create_task(_Steps(service.wait_request(request.id, cancel_with_waiter=False), steps))
+            for _ in range(100)
+        ]
+        await _until(_waiting(service, request.id, len(waiters)))
+        watch = service._waiters.watches[request.id]
+        await _until(lambda: len(watch.event._waiters) == len(waiters))  # all asleep on the event
+        steps[0] = 0
+        assert (await service.decide(request.id, Decision.APPROVE, actor="web:admin", platform="web")).won
+        ended = await asyncio.wait_for(asyncio.gather(*waiters), timeout=10)
+        assert {(r.status, r.decided_by) for r in ended} == {(Status.APPROVED, "web:admin")}
+        assert steps[0] == len(waiters)  # once each, not twice
 
 
 async def test_a_decision_nobody_here_heard_of_still_ends_the_wait_by_the_safety_sweep(store_engine: Engine) -> None:

@@ -156,6 +156,52 @@ async def test_a_checkpoint_rides_with_the_next_decision_and_a_witness_sends_it_
     assert report.ok, [p.line() for p in report.problems]
 
 
+async def test_a_witness_asked_for_while_a_pass_rides_costs_that_pass_alone(store_engine: Engine) -> None:
+    # Press -> card settled: the bus asks for the decision's witness while the pass the decision woke waits to
+    # ride. That pass covers the decision (committed before it was asked for): sending it at once is all it
+    # takes. Waking the loop as well made a second, empty pass right behind it, on the settled card's way.
+    async with services(store_engine, 1) as [service]:
+        writer: Any = await service.store.tables.writer()
+        checkpointer = Checkpointer(service.store, TEST_SIGNER, min_interval=0.0, ride=3600.0)
+        passes: list[None] = []
+        sign = checkpointer.sign
+
+        async def counted(**kwargs: Any) -> Any:
+            try:
+                return await sign(**kwargs)
+            finally:
+                passes.append(None)  # counted as it ends: the pass riding when the witness is asked ends after
+
+        checkpointer.sign = counted  # type: ignore[method-assign]
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        running = asyncio.create_task(checkpointer.run())
+        try:
+
+            async def idle() -> None:  # the loop waits to be woken, no pass under way or riding
+                async with asyncio.timeout(10):
+                    while not (checkpointer._due._waiters and writer.riders == 0):
+                        await asyncio.sleep(0.001)
+
+            checkpointer.wake()
+            async with asyncio.timeout(10):
+                while writer.riders == 0:
+                    await asyncio.sleep(0.001)
+            await checkpointer.sign()  # the open's events signed; the riding pass boards this one's group
+            await idle()
+            assert (await service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
+            async with asyncio.timeout(10):
+                while writer.riders == 0:  # the pass the decision woke, riding
+                    await asyncio.sleep(0.001)
+            passes.clear()
+            witness = await checkpointer.witness(request.id, patience=10)
+            assert witness is not None
+            await idle()
+            assert len(passes) == 1  # the riding pass, sent at once; no second one after it
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+
 async def test_a_checkpoint_signs_the_head_kazma_computed_and_a_row_changed_before_it_is_still_caught(
     store_engine: Engine,
 ) -> None:

@@ -9,13 +9,20 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import pytest
+from prometheus_client import REGISTRY
+
+from kazma.adapters import bus as bus_module
 from kazma.adapters.bus import SAFETY_SCAN_SECONDS, FanOutBus
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press
 from kazma.adapters.outbox import MIGRATIONS as OUTBOX
 from kazma.adapters.outbox import Outbox
 from kazma.approvals import MIGRATIONS as APPROVALS
 from kazma.approvals import ApprovalCard, ApprovalService, ApprovalStore, Decision, Outcome, PressResult, Status
+from kazma.approvals.card import build_card
+from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.store import PostedCard
 from kazma.config.store.database import connect, open_database
 from tests.approvals_support import approvals_config
@@ -23,13 +30,18 @@ from tests.test_bus import MemoryPlatform
 
 
 class CountingStore(ApprovalStore):
-    """The real store, counting its full scans for unsettled cards."""
+    """The real store, counting its full scans for unsettled cards and its reads of one request's cards."""
 
     scans = 0
+    card_reads = 0
 
     async def unsettled_cards(self, platform: str | None = None, *, due_by: float | None = None) -> list[PostedCard]:
         self.scans += 1
         return await super().unsettled_cards(platform, due_by=due_by)
+
+    async def cards(self, request_id: str) -> list[PostedCard]:
+        self.card_reads += 1
+        return await super().cards(request_id)
 
 
 @dataclass
@@ -62,12 +74,16 @@ async def _noop_inbound(message: Inbound) -> None:
 
 
 @asynccontextmanager
-async def rig(path: Path, platform: MemoryPlatform, *, poll_interval: float = 3600.0) -> AsyncIterator[Rig]:
+async def rig(
+    path: Path, platform: MemoryPlatform, *others: MemoryPlatform, poll_interval: float = 3600.0
+) -> AsyncIterator[Rig]:
     conn = await open_database(path, migrations=[*APPROVALS, *OUTBOX])
     outbox_conn = await connect(path)
     config = approvals_config()
     store = CountingStore(conn)
-    bus = FanOutBus([platform], store=store, outbox=Outbox(outbox_conn), config=config, poll_interval=poll_interval)
+    bus = FanOutBus(
+        [platform, *others], store=store, outbox=Outbox(outbox_conn), config=config, poll_interval=poll_interval
+    )
     service = ApprovalService(store, config, publisher=bus)
 
     async def on_press(press: Press) -> PressResult:
@@ -120,6 +136,45 @@ async def test_a_decision_settles_its_cards_without_scanning_the_store(tmp_path:
         assert r.store.scans == scans_at_start  # settled by its id, not found by a scan
         cards = await r.store.cards(request.id)
         assert [c.settled_status for c in cards] == ["approved"]
+
+
+async def test_a_decision_builds_its_card_once_and_reads_its_cards_once_for_every_platform(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Press -> every card settled: each platform's worker built the same platform-neutral card again, and read
+    # the request's cards again after its edit to see whether it was the last, all on the loop the other
+    # platforms' edits wait for.
+    platforms = [MemoryPlatform(name) for name in ("telegram", "slack", "discord")]
+    async with rig(tmp_path / "k.db", *platforms) as r:
+        request = await r.service.open("shell", {"command": "ls"}, "agent:b", "web:c")
+        for platform in platforms:
+            await asyncio.wait_for(platform.posted.wait(), timeout=20)
+        builds: list[str] = []
+
+        def counted(request: ApprovalRequest, **kwargs: Any) -> ApprovalCard:
+            builds.append(request.id)
+            return build_card(request, **kwargs)
+
+        monkeypatch.setattr(bus_module, "build_card", counted)
+        r.store.card_reads = 0
+        observed = _settled_observations()
+        assert (await r.service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
+        for platform in platforms:
+            await asyncio.wait_for(platform.settled_event.wait(), timeout=20)
+        workers = r.bus._workers.values()
+        await until(lambda: all(w.drained.is_set() for w in workers))  # every edit's after-work done
+        shown = [[summary.split(" by ")[0] for _, summary in p.settled] for p in platforms]
+        assert shown == [["denied"]] * 3  # every card, once, the one outcome
+        assert builds == [request.id]  # once, not once per platform
+        assert r.store.card_reads == 1  # once for all, not once more after each edit
+        assert _settled_observations() == observed + 1  # the last of the three edits said so, it alone
+        assert {c.settled_status for c in await r.store.cards(request.id)} == {"denied"}
+
+
+def _settled_observations() -> float:
+    """How many times "decision to every card settled" was observed in this process."""
+    value = REGISTRY.get_sample_value("kazma_decision_to_settled_seconds_count")
+    return 0.0 if value is None else value
 
 
 async def test_an_idle_bus_sleeps_until_its_slow_safety_scan(tmp_path: Path) -> None:

@@ -27,7 +27,6 @@ through them, and ``/api/v1/openapi.json`` is generated from the same models.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import json
@@ -38,7 +37,7 @@ from itertools import accumulate
 from typing import Any
 
 import structlog
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from kazma.approvals.card import ASKED_THROUGH_API, ON_BEHALF_OF, REASON_GIVEN
 from kazma.approvals.hashing import args_hash, canonical_json, text_hash
@@ -154,8 +153,8 @@ class ApprovalsApi:
         self.services = services
         self.service = services.approvals
         self.keys = services.api_keys
-        # request id -> (the ended request as one wake-up read it, its answer): see _ended_answer
-        self._described: dict[str, tuple[ApprovalRequest, str]] = {}
+        # request id -> (the ended request as one wake-up read it, its answer's body): see _ended_answer
+        self._described: dict[str, tuple[ApprovalRequest, bytes]] = {}
 
     @property
     def config(self) -> KazmaConfig:
@@ -318,8 +317,7 @@ class ApprovalsApi:
             # cancel_with_waiter=False: a client that stops polling withdraws nothing. The ended request is
             # read once for every waiter of it here, not once per long-poll.
             try:
-                async with asyncio.timeout(wait):
-                    ended = await self.service.wait_request(found.id, cancel_with_waiter=False)
+                ended = await self.service.wait_request(found.id, cancel_with_waiter=False, within=wait)
             except TimeoutError:
                 found = await self.service.store.get(found.id) or found
             else:
@@ -327,15 +325,16 @@ class ApprovalsApi:
         return web.json_response(describe(self.service, found))
 
     def _ended_answer(self, ended: ApprovalRequest) -> web.Response:
-        """The answer to every long-poll woken by one read of an ended request: described once for all of them
-        (the same object is what that read gave each), not once per waiter."""
+        """The answer to every long-poll woken by one read of an ended request: described and encoded once for all
+        of them (the same object is what that read gave each), not once per waiter; each answer only copies it."""
         kept = self._described.get(ended.id)
         if kept is None or kept[0] is not ended:
-            kept = (ended, json.dumps(describe(self.service, ended)))
+            body = json.dumps(describe(self.service, ended)).encode()
+            kept = (ended, body)
             self._described[ended.id] = kept
             while len(self._described) > _DESCRIBED_KEPT:
                 del self._described[next(iter(self._described))]
-        return web.Response(text=kept[1], content_type="application/json")
+        return web.Response(body=kept[1], headers=_JSON_HEADERS)
 
     async def withdraw(self, request: web.Request) -> web.Response:
         caller = caller_of(self.config, request)
@@ -359,6 +358,8 @@ class ApprovalsApi:
 
 
 _DESCRIBED_KEPT = 256
+# What json_response says of a body, as one ready mapping (a woken long-poll's answer copies it, nothing to parse)
+_JSON_HEADERS = {hdrs.CONTENT_TYPE: "application/json; charset=utf-8"}
 _KEY_REUSED = (
     "this Idempotency-Key was already used with a different body; send the same body to get that request, "
     "or use a new key for a new request"
