@@ -1,4 +1,5 @@
-"""Signing the audit chain's head: within a tenth of a second of every decision, and at least every minute.
+"""Signing the audit chain's head: within a tenth of a second of every decision (a fiftieth when a settling card
+waits for it), and at least every minute.
 
 Each process that appends runs one :class:`Checkpointer`. A commit that appended
 audit events wakes it; it waits out :data:`MIN_INTERVAL` since its last signature
@@ -53,6 +54,9 @@ log = structlog.get_logger("kazma.approvals.checkpointer")
 # signature and, on PostgreSQL, a round trip holding the chain's lock: at 20 ms, a process deciding a few hundred
 # times a second (one PostgreSQL writer, a disk's fsync) paid a pass every few decisions (bench/audit_chain.py).
 MIN_INTERVAL: Final = 0.1
+# ... but a card waiting to settle with its witness (the checkpoint holding its decision) waits no longer than
+# this since the last pass: the edit of every card waits for that signature.
+WITNESS_INTERVAL: Final = 0.02
 RIDE: Final = 0.02  # how long a pass waits for other writes to commit with before it commits alone
 EVERY: Final = 60.0  # at least this often while events arrive (events of other processes included)
 WITNESS_WAIT: Final = 5.0  # the longest a settled card waits for the checkpoint of its decision
@@ -96,6 +100,7 @@ class Checkpointer:
         self._running = False  # run() is signing: a witness waits for it, else signs itself
         self._reported: set[int] = set()  # unvouched rows already logged by this process
         self._wanted = False  # a witness waits: the next pass goes at once instead of riding
+        self._hurry = asyncio.Event()  # set with _wanted: the pause between passes shortens to WITNESS_INTERVAL
         self._riding = False  # a pass waits to ride with other writes
         store.appended_listeners.append(self.wake)
 
@@ -119,6 +124,10 @@ class Checkpointer:
             await until_set(self._due, self.every)
             self._due.clear()
             gap = self._last_pass + self.min_interval - time.monotonic()
+            if gap > 0 and not self._wanted:
+                self._hurry.clear()
+                await until_set(self._hurry, gap)  # a witness asking cuts the pause short
+            gap = self._last_pass + min(self.min_interval, WITNESS_INTERVAL) - time.monotonic()
             if gap > 0:
                 await asyncio.sleep(gap)
             ride, self._wanted = (0.0 if self._wanted else self.ride), False
@@ -182,6 +191,7 @@ class Checkpointer:
                 await self.store.release_riders()
             else:
                 self._wanted = True
+                self._hurry.set()
                 self.wake()
             await until_set(signed, remaining)
 

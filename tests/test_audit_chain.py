@@ -202,6 +202,27 @@ async def test_a_witness_asked_for_while_a_pass_rides_costs_that_pass_alone(stor
             await asyncio.gather(running, return_exceptions=True)
 
 
+async def test_a_settling_card_does_not_wait_out_the_pause_between_passes(store_engine: Engine) -> None:
+    # Passes are at most one per min_interval so a burst of decisions shares a signature; but every card's edit
+    # waits for the checkpoint holding its decision, so a witness asked for cuts the pause short (to
+    # WITNESS_INTERVAL). With the pause an hour long, the witness is found within its patience only if so.
+    async with services(store_engine, 1) as [service]:
+        checkpointer = Checkpointer(service.store, TEST_SIGNER, min_interval=3600.0, ride=0.0)
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        running = asyncio.create_task(checkpointer.run())
+        try:
+            checkpointer.wake()  # the open's pass: the next one is an hour away
+            async with asyncio.timeout(10):
+                while checkpointer._last_pass == 0.0:
+                    await asyncio.sleep(0.005)
+            assert (await service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
+            witness = await checkpointer.witness(request.id, patience=10)
+            assert witness is not None
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+
 async def test_a_checkpoint_signs_the_head_kazma_computed_and_a_row_changed_before_it_is_still_caught(
     store_engine: Engine,
 ) -> None:
