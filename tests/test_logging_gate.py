@@ -65,7 +65,8 @@ async def test_a_press_at_warning_builds_no_info_line_and_at_info_writes_it(
         )
         assert won.verdict is PressVerdict.WON
     assert '"event": "approvals.decided"' in out.getvalue()
-    assert other.id in out.getvalue() and request.id not in out.getvalue()
+    assert other.id in out.getvalue()
+    assert request.id not in out.getvalue()
 
 
 async def test_the_test_routing_captures_the_decided_line_after_a_configuration(tmp_path: Path) -> None:
