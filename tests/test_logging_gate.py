@@ -21,18 +21,19 @@ from tests.approvals_support import approval_service
 
 def test_the_gate_follows_the_configured_levels_and_is_open_before_configuration() -> None:
     gate = LevelGate("kazma.test_gate", logging.INFO)
-    assert gate.on  # not configured (the test routing): a capture sees every level
+    seen = [gate.on]  # not configured (the test routing): a capture sees every level
     configure_logging("warning", "json", io.StringIO())
-    assert not gate.on
+    seen.append(gate.on)
     logging.getLogger("kazma.test_gate").setLevel(logging.DEBUG)  # a logger's own level counts, as in the chain
     try:
-        assert gate.on
+        seen.append(gate.on)
     finally:
         logging.getLogger("kazma.test_gate").setLevel(logging.NOTSET)
     configure_logging("info", "json", io.StringIO())
-    assert gate.on
+    seen.append(gate.on)
     logging_configured(False)
-    assert gate.on
+    seen.append(gate.on)
+    assert seen == [True, False, True, True, True]
 
 
 async def test_a_press_at_warning_builds_no_info_line_and_at_info_writes_it(
