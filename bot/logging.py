@@ -13,6 +13,7 @@ import sys
 from typing import Any, Literal
 
 from kazma.bot.lean_imports import structlog
+from kazma.config.log_gate import logging_configured
 from kazma.config.redaction import redact, redact_config_secrets, redact_secret
 from kazma.config.registry import CHAT_PLATFORMS
 
@@ -120,6 +121,7 @@ def configure_logging(level: str = "info", fmt: LogFormat = "auto", stream: obje
     root.setLevel(numeric)
     for name in _NOISY:
         logging.getLogger(name).setLevel(logging.DEBUG if numeric <= logging.DEBUG else max(numeric, logging.WARNING))
+    logging_configured()  # hot paths may now skip a call below its logger's level before binding (log_gate)
 
 
 __all__ = ["LogFormat", "configure_logging", "redact", "redact_config_secrets", "redact_secret"]

@@ -26,6 +26,9 @@ def _route_structlog_to_logging() -> None:
     """Send structlog events through stdlib logging so pytest captures them per test."""
     import structlog
 
+    from kazma.config.log_gate import logging_configured
+
+    logging_configured(False)  # every level reaches these processors again (a capture sees what is below WARNING)
     structlog.configure(
         processors=[
             structlog.stdlib.add_log_level,

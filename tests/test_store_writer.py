@@ -214,3 +214,38 @@ async def test_after_commit_runs_only_for_what_committed(writer: StoreWriter) ->
         await writer.submit(put_telling("d", orphan=True))
     assert told == ["a", "c"]
     assert rows(writer.path) == {"a": 0, "c": 0}
+
+
+async def test_a_lone_write_is_answered_in_the_turn_its_group_runs(writer: StoreWriter) -> None:
+    """The caller that starts a group runs it itself after one yield: a lone write run on the loop thread costs
+    its caller one turn of the loop, not a flush callback and then a turn to be woken."""
+    writer.inline_commit_seconds = 60.0  # on the loop thread however slow a busy machine's commits are
+    loop = asyncio.get_running_loop()
+    turns = 0
+
+    def tick() -> None:
+        nonlocal turns
+        turns += 1
+        loop.call_soon(tick)
+
+    await writer.submit(put("warm", 0))  # the connection opened, commits known to be quick: inline from here
+    loop.call_soon(tick)
+    await asyncio.sleep(0)
+    before = turns
+    assert await writer.submit(put("lone", 1)) == 1
+    assert turns - before == 1
+    assert writer.inline_groups == writer.groups == 2
+    assert rows(writer.path) == {"warm": 0, "lone": 1}
+
+
+async def test_a_group_starter_cancelled_before_its_turn_still_commits_the_others(writer: StoreWriter) -> None:
+    """The caller that starts a group is cancelled during the turn it yields: the group runs all the same (its
+    own write too, as any cancelled caller's), and the others are answered."""
+    first = asyncio.ensure_future(writer.submit(put("starter", 1)))
+    await asyncio.sleep(0)  # ``first`` submitted: it starts the group and yields its turn
+    second = asyncio.ensure_future(writer.submit(put("other", 2)))
+    first.cancel()
+    assert await asyncio.wait_for(second, timeout=5) == 1
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert rows(writer.path) == {"starter": 1, "other": 2}

@@ -17,7 +17,8 @@ of its own, and it never waits in front of a decision.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -77,6 +78,12 @@ class Deferred:
                 by_flush.setdefault(flush, []).append(item)
             for flush, items in by_flush.items():
                 flush(self, items)
+
+
+@types.coroutine
+def _one_turn() -> Generator[None, None, None]:
+    """Give the loop one turn (what ``asyncio.sleep(0)`` does, without its call)."""
+    yield
 
 
 class Later(Generic[T]):
@@ -154,10 +161,20 @@ class GroupQueue:
             return await future
         self._track(future)
         self._pending.append(Job(op, future))
-        if not self._flush_scheduled:
-            # Everything submitted during this turn of the loop joins the same group.
-            self._flush_scheduled = True
+        if self._flush_scheduled:
+            return await future
+        # This caller starts the group, and runs it itself one turn later: everything submitted during this turn
+        # of the loop joins it, and a group run on the loop thread answers this caller in that same turn (a
+        # flush callback, then a turn to wake this caller, cost a lone press a second turn of the loop).
+        self._flush_scheduled = True
+        try:
+            await _one_turn()
+        except BaseException:  # cancelled meanwhile: the group still runs, for the others and for this write
             loop.call_soon(self._flush)
+            raise
+        self._flush()
+        if future.done():
+            return future.result()
         return await future
 
     @property
