@@ -107,16 +107,19 @@ _IDLE_AMONG_REPLICAS = (
     "moved on at the restart: the plan stays active, nobody asked (Executor._move_idle_plans_on runs only for "
     "the one process on its store)"
 )
+_ANSWER_NOT_RESUMED = (
+    "among replicas a step whose answer was recorded just before its replica died is not resumed (the "
+    "restart resumes it only for the one process on its store): the plan waits for good"
+)
 KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {
     ("plan.complete", "crash", "postgresql"): _IDLE_AMONG_REPLICAS,
     ("plan.question.asked", "crash", "postgresql"): (
         "among replicas open questions are not shown again at a restart (their replica showed them): one written "
         "and never posted, its replica dead, is never shown, and the plan waits for an answer nobody can give"
     ),
-    ("plan.question.answered", "crash", "postgresql"): (
-        "among replicas a step whose answer was recorded just before its replica died is not resumed (the "
-        "restart resumes it only for the one process on its store): the plan waits for good"
-    ),
+    ("plan.question.answered", "crash", "postgresql"): _ANSWER_NOT_RESUMED,
+    # stuck right after the answer is recorded, killed as stuck: the same replica's restart, the same loss
+    ("plan.question.answered", "hang", "postgresql"): _ANSWER_NOT_RESUMED,
 }
 
 PINNED: Final[dict[tuple[str, str, str], str]] = {
