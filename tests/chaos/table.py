@@ -43,7 +43,7 @@ def table(rows: list[dict[str, Any]], wall: str | None = None, workers: str | No
     total = sum(float(r.get("seconds", 0)) for r in rows)
     counts: dict[str, int] = {}
     for r in rows:
-        said = verdict(tuple(r["cell"]), r["ending"], r["broken"], r["fired"])  # type: ignore[arg-type]
+        said = verdict((r["cell"][0], r["cell"][1], r["cell"][2]), r["ending"], r["broken"], r["fired"])
         counts[said] = counts.get(said, 0) + 1
     summary = ", ".join(f"{n} {said}" for said, n in sorted(counts.items()))
     run = f", {wall} s of wall time with {workers} at once" if wall else ""
