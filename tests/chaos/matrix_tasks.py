@@ -111,12 +111,18 @@ _ANSWER_NOT_RESUMED = (
     "among replicas a step whose answer was recorded just before its replica died is not resumed (the "
     "restart resumes it only for the one process on its store): the plan waits for good"
 )
+_QUESTION_NOT_SHOWN = (
+    "among replicas open questions are not shown again at a restart (their replica showed them): one written "
+    "and never posted, its replica dead, is never shown, and the plan waits for an answer nobody can give"
+)
 KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {
     ("plan.complete", "crash", "postgresql"): _IDLE_AMONG_REPLICAS,
-    ("plan.question.asked", "crash", "postgresql"): (
-        "among replicas open questions are not shown again at a restart (their replica showed them): one written "
-        "and never posted, its replica dead, is never shown, and the plan waits for an answer nobody can give"
-    ),
+    ("plan.question.asked", "crash", "postgresql"): _QUESTION_NOT_SHOWN,
+    # error: the plan left idle in the live process (PLAN_ERROR), killed as stuck; the replica's restart then
+    # meets the crash cells' defects
+    ("plan.complete", "error", "postgresql"): _IDLE_AMONG_REPLICAS,
+    ("plan.question.asked", "error", "postgresql"): _QUESTION_NOT_SHOWN,
+    ("plan.question.answered", "error", "postgresql"): _ANSWER_NOT_RESUMED,
     ("plan.question.answered", "crash", "postgresql"): _ANSWER_NOT_RESUMED,
     # stuck right after the answer is recorded, killed as stuck: the same replica's restart, the same loss
     ("plan.question.answered", "hang", "postgresql"): _ANSWER_NOT_RESUMED,
@@ -128,8 +134,9 @@ KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {
 _HANG: Final[dict[str, str]] = {
     point: ending.replace(_RESTART, _HUNG, 1) for point, ending in {**SWARM_CRASH, **PLAN_CRASH}.items()
 } | {
-    # the MCP call stuck before it reached the server, its row written: after the kill it reads "may have run"
-    "mcp.call": f"{_HUNG} · approved · tool did not run (may have run: recorded lost)",
+    # the MCP call stuck before it reached the server: its call_timeout_seconds (10 s) ends it, the person is told
+    # it did not reach the server, the process runs on
+    "mcp.call": "ran on · approved · tool did not run",
 }
 
 # delay:300: every point a little late; nothing changes, on either store.
@@ -145,6 +152,12 @@ PINNED: Final[dict[tuple[str, str, str], str]] = {
     for action, column in (("crash", _CRASH), ("error", _ERROR), ("hang", _HANG), ("delay:300", _DELAY))
     for point, ending in column.items()
     if (point, action, store) not in KNOWN_BROKEN
+} | {
+    # On PostgreSQL the checkpoint's transaction refused once is written on the writer's next try (the point
+    # fires once): card and paused row both there, the person approves, the task succeeds
+    ("swarm.checkpoint.card", "error", "postgresql"): (
+        "ran on · task succeeded · checkpoint approved · 2 stage answer(s) kept"
+    ),
 }
 
 
