@@ -123,6 +123,9 @@ KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {
     ("plan.complete", "error", "postgresql"): _IDLE_AMONG_REPLICAS,
     ("plan.question.asked", "error", "postgresql"): _QUESTION_NOT_SHOWN,
     ("plan.question.answered", "error", "postgresql"): _ANSWER_NOT_RESUMED,
+    # hang: killed as stuck at the point, the replica's restart meets the same defects
+    ("plan.complete", "hang", "postgresql"): _IDLE_AMONG_REPLICAS,
+    ("plan.question.asked", "hang", "postgresql"): _QUESTION_NOT_SHOWN,
     ("plan.question.answered", "crash", "postgresql"): _ANSWER_NOT_RESUMED,
     # stuck right after the answer is recorded, killed as stuck: the same replica's restart, the same loss
     ("plan.question.answered", "hang", "postgresql"): _ANSWER_NOT_RESUMED,
