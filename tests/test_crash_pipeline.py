@@ -29,9 +29,9 @@ def asked(model: FakeOpenAI, prompt: str) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("latency", [0.0, 2.5], ids=["quick-start", "slow-start"])
+@pytest.mark.parametrize("latency", [0.0, 5.0], ids=["quick-start", "slow-start"])
 async def test_sigkill_mid_pipeline_then_restart_reports_the_step(tmp_path: Path, latency: float) -> None:
-    """``slow-start``: the restart's Telegram answers each call 2.5 s late, so its platforms are up well after
+    """``slow-start``: the restart's Telegram answers each call 5 s late, so its platforms are up well after
     the progress reporter's 3 s interval; the report of the interrupted task waits for them (it was sent to a
     Telegram adapter not started yet, and lost: found by the chaos matrix, swarm.step.started=hang on
     PostgreSQL)."""
