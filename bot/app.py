@@ -434,7 +434,7 @@ def _swarm(
         workers,
         config,
         approvals=approvals,
-        reporter=CoalescingReporter(report, send_lines=report_lines),
+        reporter=CoalescingReporter(report, send_lines=report_lines, held=True),  # until the platforms are up
         synthesizer=synthesis.synthesizer(model),
         chooser=synthesis.chooser(model),
         refiner=synthesis.refiner(model),

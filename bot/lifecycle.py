@@ -115,7 +115,7 @@ class Lifecycle(ABC):
         interrupted, tell_lead = await self.executor.mark_interrupted()
         if interrupted:
             log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
-        await self.swarm.recover()  # its reports are coalesced and sent once the platforms are up
+        await self.swarm.recover()  # its reports are held until the platforms are up (swarm.serving below)
         # Orphans are fenced before anyone can press their stale buttons (a press ends one first), and
         # cancelled in batches once this process serves: thousands of them no longer hold the start.
         orphans = await Orphans.find(self.service)
@@ -128,6 +128,7 @@ class Lifecycle(ABC):
         if self.mcp is not None:  # tools listed before the first turn when the servers are quick; later otherwise
             await self.mcp.start(wait=10.0)
         await self.bus.start(self.handlers)
+        self.swarm.serving()
         await self._tell(recovery)
         await self.executor.perform(tell_lead)
         self._tasks.spawn(self._end_orphans(orphans), name="kazma-orphans")  # then the sweeps
@@ -160,6 +161,7 @@ class Lifecycle(ABC):
         if self.mcp is not None:
             await self.mcp.start(wait=10.0)
         await self.bus.start(self.handlers, ingress=False)  # the leader's own, opened with the lease
+        self.swarm.serving()
         self._serving.set()
         self._tasks.spawn(self._say(*told), name="kazma-recovery-notices")
         self._tasks.spawn(self._end_orphans(orphans, sweep=False), name="kazma-orphans")  # the leader sweeps

@@ -73,12 +73,25 @@ class CoalescingReporter:
     (a home chat that a task's result is delivered to is not told the ending twice); else ``send`` gets them joined.
     """
 
-    def __init__(self, send: Report, *, interval: float = 3.0, send_lines: ReportLines | None = None) -> None:
+    def __init__(
+        self, send: Report, *, interval: float = 3.0, send_lines: ReportLines | None = None, held: bool = False
+    ) -> None:
         self.send = send
         self.send_lines = send_lines
         self.interval = interval
         self._lines: list[ProgressLine] = []
         self._task: asyncio.Task[None] | None = None
+        # held: lines gathered before the platforms are up (a restart's "interrupted" reports) wait for
+        # release(); a timer alone sent them to platforms a slow start had not started yet, and they were lost
+        self._open = asyncio.Event()
+        if not held:
+            self._open.set()
+
+    def release(self) -> None:
+        """The platforms are up: what was held goes out (coalesced, after the interval)."""
+        self._open.set()
+        if self._lines and (self._task is None or self._task.done()):
+            self._task = asyncio.create_task(self._flush_later())
 
     def add(self, line: str, *, heard_in: str | None = None) -> None:
         self._lines.append(ProgressLine(line, heard_in))
@@ -87,6 +100,7 @@ class CoalescingReporter:
 
     async def _flush_later(self) -> None:
         await asyncio.sleep(self.interval)
+        await self._open.wait()
         await self.flush()
 
     async def flush(self) -> None:
@@ -696,6 +710,11 @@ class SwarmService:
         if not changed:
             return f"swarm task {task_id} could not be cancelled"
         return f"swarm task {task_id} cancelled by {actor}; tools: {(await self._execution(task_id)).line()}"
+
+    def serving(self) -> None:
+        """The platforms are up: the progress lines held until now (what the recovery found) go out."""
+        if self.reporter is not None:
+            self.reporter.release()
 
     async def recover(self) -> list[str]:
         """Rows left RUNNING are reported interrupted (never re-run); paused pipelines wait again; breakers return."""

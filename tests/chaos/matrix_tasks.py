@@ -104,12 +104,37 @@ _ERROR: Final = {**SWARM_ERROR, **MCP_ERROR, **PLAN_ERROR}
 # repairs it as the one process does: the same endings as on SQLite.
 KNOWN_BROKEN: Final[dict[tuple[str, str, str], str]] = {}
 
+# hang: the point never returns; the rig calls the process stuck when the task (or plan) shows no progress within
+# its bound, kills it and starts it again. Each ends as its crash does, the process "hung, killed" instead of
+# "died": what the point had not written is not there, the restart says so (each cell looked at, on both stores).
+_HANG: Final[dict[str, str]] = {
+    point: ending.replace(_RESTART, _HUNG, 1) for point, ending in {**SWARM_CRASH, **PLAN_CRASH}.items()
+} | {
+    # the MCP call stuck before it reached the server: its call_timeout_seconds (10 s) ends it, the person is told
+    # it did not reach the server, the process runs on
+    "mcp.call": "ran on · approved · tool did not run",
+}
+
+# delay:300: every point a little late; nothing changes, on either store.
+_DELAY: Final[dict[str, str]] = (
+    dict.fromkeys(SWARM_CRASH, "ran on · task succeeded · checkpoint approved · 2 stage answer(s) kept")
+    | dict.fromkeys(PLAN_CRASH, f"ran on · {_DONE}")
+    | {"mcp.call": "ran on · approved · tool ran once"}
+)
+
 PINNED: Final[dict[tuple[str, str, str], str]] = {
-    (point, "crash", store): ending
+    (point, action, store): ending
     for store in ("sqlite", "postgresql")
-    for point, ending in _CRASH.items()
-    if (point, "crash", store) not in KNOWN_BROKEN
-} | {(point, "error", "sqlite"): ending for point, ending in _ERROR.items()}
+    for action, column in (("crash", _CRASH), ("error", _ERROR), ("hang", _HANG), ("delay:300", _DELAY))
+    for point, ending in column.items()
+    if (point, action, store) not in KNOWN_BROKEN
+} | {
+    # On PostgreSQL the checkpoint's transaction refused once is written on the writer's next try (the point
+    # fires once): card and paused row both there, the person approves, the task succeeds
+    ("swarm.checkpoint.card", "error", "postgresql"): (
+        "ran on · task succeeded · checkpoint approved · 2 stage answer(s) kept"
+    ),
+}
 
 
 # With the suite (matrix.CI): two cells of the crash column on SQLite whose endings rest on a restart finishing

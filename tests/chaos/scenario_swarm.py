@@ -160,7 +160,8 @@ async def _drive(s: Rig, proc: asyncio.subprocess.Process, h: History, ask: bool
         s.telegram.push_message(TG_CHAT, TG_ADMIN, ASK, username="ops")
     seconds = STEP_SECONDS if ask else RESTART_SECONDS
     # a checkpoint card to press (after a restart: a paused task's card, still live), or the task's end
-    await _until(lambda: bool(s.tg_live()) or s.ended(), proc, seconds)
+    if not await _until(lambda: bool(s.tg_live()) or s.ended(), proc, seconds) and ask:
+        return False  # asked, and within the bound neither a card nor an ending: stuck (not a second bound more)
     if s.tg_live() and not s.ended():
         s.press()
         h.presses += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -28,11 +29,14 @@ async def test_cell(cell: tuple[str, str, str], tmp_path: Path, request: pytest.
         request.applymarker(pytest.mark.xfail(reason=KNOWN_BROKEN[cell], strict=True))
     if cell in SOMETIMES_BROKEN:
         request.applymarker(pytest.mark.xfail(reason=SOMETIMES_BROKEN[cell], strict=False))
+    began = time.monotonic()
     judged = await scenario_of(point).run(tmp_path, cell, dsn)
+    seconds = round(time.monotonic() - began, 1)
     got, broken = judged.ending, judged.broken
     if RESULTS:
+        row = {"cell": cell, "ending": got, "broken": broken, "fired": judged.fired, "seconds": seconds}
         with Path(RESULTS).open("a") as out:
-            out.write(json.dumps({"cell": cell, "ending": got, "broken": broken, "fired": judged.fired}) + "\n")
+            out.write(json.dumps(row) + "\n")
     assert judged.fired, "the failpoint never fired: the scenario did not reach it"
     assert broken == []
     assert cell in PINNED, f"not pinned: {got}"
