@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,39 @@ from kazma.approvals.model import utc_text
 from kazma.bot.logging import configure_logging
 from kazma.config.log_gate import LevelGate, logging_configured
 from tests.approvals_support import approval_service
+
+
+def _state() -> str:
+    """What besides configure_logging decides a kazma logger's levels: said when an assertion fails (CI once saw
+    the gate shut at INFO after configure_logging("info") in a worker that had run other tests first)."""
+    kazma = logging.getLogger("kazma")
+    approvals = logging.getLogger("kazma.approvals")
+    return (
+        f"disable={logging.root.manager.disable} root={logging.root.level} kazma={kazma.level}/{kazma.disabled} "
+        f"approvals={approvals.level}/{approvals.disabled}/{approvals.getEffectiveLevel()}"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _kazma_loggers_as_configured() -> Iterator[None]:
+    """Each case starts from loggers only configure_logging set: no level another test left on a kazma logger,
+    no ``logging.disable``."""
+    manager = logging.root.manager
+    disabled_below = manager.disable
+    touched = [
+        (logger, logger.level, logger.disabled)
+        for name, logger in list(manager.loggerDict.items())
+        if isinstance(logger, logging.Logger) and (name == "kazma" or name.startswith("kazma."))
+    ]
+    logging.disable(logging.NOTSET)
+    for logger, _, _ in touched:
+        logger.disabled = False
+        logger.setLevel(logging.NOTSET)
+    yield
+    for logger, level, disabled in touched:
+        logger.setLevel(level)
+        logger.disabled = disabled
+    logging.disable(disabled_below)
 
 
 def test_the_gate_follows_the_configured_levels_and_is_open_before_configuration() -> None:
@@ -33,7 +67,7 @@ def test_the_gate_follows_the_configured_levels_and_is_open_before_configuration
     seen.append(gate.on)
     logging_configured(False)
     seen.append(gate.on)
-    assert seen == [True, False, True, True, True]
+    assert seen == [True, False, True, True, True], _state()
 
 
 async def test_a_press_at_warning_builds_no_info_line_and_at_info_writes_it(
@@ -65,7 +99,7 @@ async def test_a_press_at_warning_builds_no_info_line_and_at_info_writes_it(
             button_data(other.id, Decision.DENY), actor="slack:U111", platform="slack"
         )
         assert won.verdict is PressVerdict.WON
-    assert '"event": "approvals.decided"' in out.getvalue()
+    assert '"event": "approvals.decided"' in out.getvalue(), _state()
     assert other.id in out.getvalue()
     assert request.id not in out.getvalue()
 
