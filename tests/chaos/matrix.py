@@ -122,9 +122,10 @@ HANG: Final[dict[str, Ending]] = {
     # bus's scan, the call runs once
     "approvals.decide.after_commit": _ON,
     "approvals.decide.before_answer": _ON,
-    # an edit that never returns leaves its card live until the kill (the call ran); its record never written:
-    # the card shows the outcome already
-    "bus.settle.sent": f"{_HUNG} · approved · tool ran once",
+    # an edit that never returns leaves its card live until the kill (the call ran); or the bus's scan edits
+    # that card again meanwhile (each card's edit counted in memory since i31/wake-settle: seen once on SQLite)
+    # and nothing is stuck; its record never written: the card shows the outcome already
+    "bus.settle.sent": (f"{_HUNG} · approved · tool ran once", _ON),
     "bus.settle.recorded": _ON,
     # the execution stuck before its row, before the tool (its row reads "may have run" after the kill), after
     # the tool (ran, its ending lost: may have run), or on its way back to the model (ran, recorded)
@@ -144,20 +145,29 @@ def _on(store: str, ending: Ending) -> Ending:
     return tuple(e.format(cancelled=_CANCELLED[store]) for e in ending)
 
 
-_APPROVAL_PINNED: Final[dict[tuple[str, str, str], Ending]] = {
-    (point, action, store): _on(store, ending)
-    for store in STORES
-    for action, column in (("crash", CRASH), ("error", ERROR))
-    for point, ending in column.items()
-} | {
-    # hang and delay:300 on PostgreSQL (a replica, restarted under its name): every cell ended as on SQLite,
-    # {cancelled} in the replica's words, no invariant broken (a full run of both columns, each ending looked
-    # at; bus.post=hang ended "ran on": the Discord post hung, one of the two endings seen on SQLite)
-    (point, action, store): _on(store, ending)
-    for store in STORES
-    for action, column in (("hang", HANG), ("delay:300", DELAY))
-    for point, ending in column.items()
-}
+_APPROVAL_PINNED: Final[dict[tuple[str, str, str], Ending]] = (
+    {
+        (point, action, store): _on(store, ending)
+        for store in STORES
+        for action, column in (("crash", CRASH), ("error", ERROR))
+        for point, ending in column.items()
+    }
+    | {
+        # hang and delay:300 on PostgreSQL (a replica, restarted under its name): every cell ended as on SQLite,
+        # {cancelled} in the replica's words, no invariant broken (a full run of both columns, each ending looked
+        # at; bus.post=hang ended "ran on": the Discord post hung, one of the two endings seen on SQLite)
+        (point, action, store): _on(store, ending)
+        for store in STORES
+        for action, column in (("hang", HANG), ("delay:300", DELAY))
+        for point, ending in column.items()
+    }
+    | {
+        # PostgreSQL's writer runs a pipelined group that failed again statement by statement (i31/pg-thin): the
+        # point fires once, so the card job's refused write is written on that second run and the request opens
+        # (each error that recurs still reaches its own operation)
+        ("approvals.open.card_job", "error", "postgresql"): _ON,
+    }
+)
 
 # The scenarios of tests/chaos/doors.py and tests/chaos/replicas.py: one point each, (action, store) -> ending.
 _TOLD = "approved · client told approved"
