@@ -135,8 +135,3 @@ PINNED: Final[dict[tuple[str, str, str], str]] = {
         "ran on · task succeeded · checkpoint approved · 2 stage answer(s) kept"
     ),
 }
-
-
-# With the suite (matrix.CI): two cells of the crash column on SQLite whose endings rest on a restart finishing
-# what a dead process left (a plan step's recorded answer resumed; a swarm task's journaled answers shown).
-CI: Final = frozenset({("plan.question.answered", "crash", "sqlite"), ("swarm.result.stored", "crash", "sqlite")})
