@@ -19,7 +19,7 @@ hashes them and inserts them, the last one carrying the transaction's commit sea
 (:meth:`~kazma.approvals.checkpoints.AuditSigner.commit_seal`). Appends of several
 replicas are therefore serialised for the last few statements of their
 transactions only, and a chain never forks: sequence numbers follow commit order.
-The Ed25519 checkpoint over them follows within a tenth of a second, by a pass of its own
+The Ed25519 checkpoint over them follows within a fiftieth of a second, by a pass of its own
 that rides in the next group of writes (:mod:`kazma.approvals.checkpointer`): a
 signature costs more than the rest of the chain together, and one may cover many
 transactions. An event's hash is the one cost paid per event: :func:`event_hash`

@@ -1,5 +1,4 @@
-"""Signing the audit chain's head: within a tenth of a second of every decision (a fiftieth when a settling card
-waits for it), and at least every minute.
+"""Signing the audit chain's head: within a fiftieth of a second of every decision, and at least every minute.
 
 Each process that appends runs one :class:`Checkpointer`. A commit that appended
 audit events wakes it; it waits out :data:`MIN_INTERVAL` since its last signature
@@ -51,11 +50,12 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kazma.approvals.checkpointer")
 
 # Seconds between two signatures of one process: the decisions of that time share one. A pass costs an Ed25519
-# signature and, on PostgreSQL, a round trip holding the chain's lock: at 20 ms, a process deciding a few hundred
-# times a second (one PostgreSQL writer, a disk's fsync) paid a pass every few decisions (bench/audit_chain.py).
-MIN_INTERVAL: Final = 0.1
-# ... but a card waiting to settle with its witness (the checkpoint holding its decision) waits no longer than
-# this since the last pass: the edit of every card waits for that signature.
+# signature and, on PostgreSQL, a round trip holding the chain's lock. 100 ms made passes a fifth as many, but every
+# card's edit waits for the checkpoint holding its decision: press -> all cards settled went from 15.0/25.6 ms to
+# 17.5/88.8 ms (p50/p95, bench/settle_latency.py), so it stays at 20 ms.
+MIN_INTERVAL: Final = 0.02
+# A longer pause (``min_interval``) is cut short to this for a card waiting to settle with its witness (the
+# checkpoint holding its decision): the edit of every card waits for that signature.
 WITNESS_INTERVAL: Final = 0.02
 RIDE: Final = 0.02  # how long a pass waits for other writes to commit with before it commits alone
 EVERY: Final = 60.0  # at least this often while events arrive (events of other processes included)

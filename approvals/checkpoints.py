@@ -3,7 +3,7 @@ the store; and the commit seals that let Kazma tell its own appends from anybody
 
 A checkpoint says "the chain's event ``seq`` hashes to ``head``, and the events
 ``first_seq`` … ``seq`` are Kazma's own". The checkpointer
-(:mod:`kazma.approvals.checkpointer`) writes one within a tenth of a second of every
+(:mod:`kazma.approvals.checkpointer`) writes one within a fiftieth of a second of every
 decision, and at least every minute while events arrive; the events that were
 there before the chain began get one of ``kind`` ``history``, once (see
 :mod:`kazma.approvals.chain`).
