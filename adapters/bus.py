@@ -571,6 +571,12 @@ class FanOutBus:
             recorded.add(ref.chat)
             log.info("bus.card_posted", platform=adapter.name, request_id=request.id, chat=ref.chat,
                      message=ref.message_id, person=place.person)  # fmt: skip
+        worker = self._workers.get(adapter.name)
+        if worker is not None and request.id in worker.to_settle:
+            # Decided while this post was under way: the decision's one read of the request's cards (shared by
+            # every platform) may have been made before this card was recorded. Read them again for this
+            # platform, or the card keeps its buttons until the slow safety scan.
+            worker.to_settle[request.id] = asyncio.ensure_future(self._decided(request.id))
         if retry is not None:
             retry_after = retry.retry_after if isinstance(retry, PlatformError) else None
             delay = RETRY.delay(job.attempts, retry_after=retry_after)

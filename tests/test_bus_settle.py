@@ -50,8 +50,10 @@ class GatedPlatform(MemoryPlatform):
 
     tickets: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
     log: list[tuple[str, str]] = field(default_factory=list)
+    held: asyncio.Event = field(default_factory=asyncio.Event)  # set: a post waits for its ticket
 
     async def post_card(self, card: ApprovalCard) -> CardRef:
+        self.held.set()
         await self.tickets.acquire()
         ref = await super().post_card(card)
         self.log.append(("post", card.request_id))
@@ -220,3 +222,21 @@ async def test_a_card_edit_goes_before_the_posts_queued_on_its_platform(tmp_path
         await until(lambda: len(platform.log) == 12)
         edit_at = platform.log.index(("settle", first.id))
         assert edit_at <= 2, platform.log  # at most the one post already under way went before it
+
+
+async def test_a_card_posted_while_its_request_was_decided_is_settled_at_once(tmp_path: Path) -> None:
+    # Chaos CI (swarm.checkpoint.paused, crash, restarted): Discord's post of a card was under way when the
+    # person pressed on Telegram; the decision's one read of the request's cards missed the card not recorded
+    # yet, so it kept its buttons until the slow safety scan.
+    fast, slow = MemoryPlatform("telegram"), GatedPlatform("discord")
+    async with rig(tmp_path / "k.db", fast, slow) as r:
+        request = await r.service.open("shell", {"command": "ls"}, "agent:b", "web:c")
+        await asyncio.wait_for(fast.posted.wait(), timeout=20)
+        await asyncio.wait_for(slow.held.wait(), timeout=20)  # Discord's post is under way, held at the platform
+        assert (await r.service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
+        await asyncio.wait_for(fast.settled_event.wait(), timeout=20)  # the decision's read of its cards is done
+        slow.tickets.release()
+        await asyncio.wait_for(slow.settled_event.wait(), timeout=20)
+        assert slow.log == [("post", request.id), ("settle", request.id)]
+        cards = await r.store.cards(request.id)
+        assert sorted((c.platform, c.settled_status) for c in cards) == [("discord", "denied"), ("telegram", "denied")]
