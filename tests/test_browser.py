@@ -324,108 +324,111 @@ async def test_every_conversation_in_the_console_after_a_restart(tmp_path: Path)
     """A Telegram group's plan (dispatches that carry fenced output) and a DM run on the fake; Kazma restarts; the
     console lists both with their badges, reads them from the store without a fence in sight, follows a new
     Telegram message live, and every page is photographed for the docs (light and dark)."""
-    DOCS.mkdir(parents=True, exist_ok=True)
-    telegram = FakeTelegram()
-    await telegram.start()
-    try:
-        async with kazma_on(tmp_path, telegram) as k:
-            telegram.push_message(CHAT, PERSON, REQUEST)
-            await telegram.wait_until(lambda: any(m.buttons for m in telegram.bot_messages(CHAT)), timeout=30)
-            card = next(m for m in telegram.bot_messages(CHAT) if m.buttons)
-            approve = next(b["callback_data"] for b in card.buttons if str(b["callback_data"]).endswith(":a"))
-            telegram.push_callback(CHAT, card.message_id, PERSON, approve)
-            await telegram.wait_until(
-                lambda: any("The script works." in m.text for m in telegram.bot_messages(CHAT)), timeout=30
-            )
-            telegram.push_message(PERSON, PERSON, "@kazma a word in private")  # a DM (dm_policy: approvers)
-            await telegram.wait_until(lambda: bool(telegram.bot_messages(PERSON)), timeout=30)
-            assert telegram.chat_actions, "the working sign was shown while agents worked"
-            await k.app.conversations.drain()
-        every_text = [m.text for m in telegram.bot_messages(CHAT) + telegram.bot_messages(PERSON)]
-        assert any("from @researcher" in t for t in every_text)
-        assert not [t for t in every_text if any(word in t for word in FENCE_WORDS)]
+    # CI once saw this test hang past pytest-timeout (300 s, a normal run takes ~30 s) with no asyncio stack in
+    # its report: bounded here, a hang fails with the traceback of the line it waited on.
+    async with asyncio.timeout(240):
+        DOCS.mkdir(parents=True, exist_ok=True)
+        telegram = FakeTelegram()
+        await telegram.start()
+        try:
+            async with kazma_on(tmp_path, telegram) as k:
+                telegram.push_message(CHAT, PERSON, REQUEST)
+                await telegram.wait_until(lambda: any(m.buttons for m in telegram.bot_messages(CHAT)), timeout=30)
+                card = next(m for m in telegram.bot_messages(CHAT) if m.buttons)
+                approve = next(b["callback_data"] for b in card.buttons if str(b["callback_data"]).endswith(":a"))
+                telegram.push_callback(CHAT, card.message_id, PERSON, approve)
+                await telegram.wait_until(
+                    lambda: any("The script works." in m.text for m in telegram.bot_messages(CHAT)), timeout=30
+                )
+                telegram.push_message(PERSON, PERSON, "@kazma a word in private")  # a DM (dm_policy: approvers)
+                await telegram.wait_until(lambda: bool(telegram.bot_messages(PERSON)), timeout=30)
+                assert telegram.chat_actions, "the working sign was shown while agents worked"
+                await k.app.conversations.drain()
+            every_text = [m.text for m in telegram.bot_messages(CHAT) + telegram.bot_messages(PERSON)]
+            assert any("from @researcher" in t for t in every_text)
+            assert not [t for t in every_text if any(word in t for word in FENCE_WORDS)]
 
-        async with kazma_on(tmp_path, telegram, quiet=True) as k, async_playwright() as pw:  # the same store
-            browser = await pw.chromium.launch(
-                executable_path=CHROMIUM,
-                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                      "--disable-component-update", "--disable-sync", "--no-first-run"],
-            )  # fmt: skip
-            try:
-                for scheme in ("light", "dark"):
-                    context = await browser.new_context(
-                        viewport={"width": 1280, "height": 900}, color_scheme=scheme, timezone_id="Europe/Paris"
-                    )
-                    page = await context.new_page()
-                    await login(page, k)
-                    suffix = "" if scheme == "light" else "-dark"
-                    if scheme == "light":  # a file from the console reaches the workspace, and the agent answers
-                        await page.locator("#live", has_text="live").wait_for(timeout=10_000)
-                        await page.set_input_files(
-                            "form.upload input[type=file]",
-                            files=[FilePayload(name="notes.txt", mimeType="text/plain", buffer=b"release notes\n")],
+            async with kazma_on(tmp_path, telegram, quiet=True) as k, async_playwright() as pw:  # the same store
+                browser = await pw.chromium.launch(
+                    executable_path=CHROMIUM,
+                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                          "--disable-component-update", "--disable-sync", "--no-first-run"],
+                )  # fmt: skip
+                try:
+                    for scheme in ("light", "dark"):
+                        context = await browser.new_context(
+                            viewport={"width": 1280, "height": 900}, color_scheme=scheme, timezone_id="Europe/Paris"
                         )
-                        await page.fill("form.upload input[name=text]", "@kazma the notes")
-                        await page.click("form.upload button")
-                        await page.locator("#messages", has_text="📎 notes.txt (14 bytes)").wait_for(timeout=20_000)
-                        await page.locator("#messages", has_text="Noted.").wait_for(timeout=20_000)
-                        saved = tmp_path / "ws"
-                        assert [p.read_bytes() for p in saved.rglob("incoming/notes.txt")] == [b"release notes\n"]
-                    await assert_no_fence(page)
-                    await page.screenshot(path=str(DOCS / f"console{suffix}.png"), full_page=True)
+                        page = await context.new_page()
+                        await login(page, k)
+                        suffix = "" if scheme == "light" else "-dark"
+                        if scheme == "light":  # a file from the console reaches the workspace, and the agent answers
+                            await page.locator("#live", has_text="live").wait_for(timeout=10_000)
+                            await page.set_input_files(
+                                "form.upload input[type=file]",
+                                files=[FilePayload(name="notes.txt", mimeType="text/plain", buffer=b"release notes\n")],
+                            )
+                            await page.fill("form.upload input[name=text]", "@kazma the notes")
+                            await page.click("form.upload button")
+                            await page.locator("#messages", has_text="📎 notes.txt (14 bytes)").wait_for(timeout=20_000)
+                            await page.locator("#messages", has_text="Noted.").wait_for(timeout=20_000)
+                            saved = tmp_path / "ws"
+                            assert [p.read_bytes() for p in saved.rglob("incoming/notes.txt")] == [b"release notes\n"]
+                        await assert_no_fence(page)
+                        await page.screenshot(path=str(DOCS / f"console{suffix}.png"), full_page=True)
 
-                    await page.goto(f"{k.base}/conversations")
-                    group = page.locator(f"#conversations li[data-conversation='telegram:{CHAT}']")
-                    await group.wait_for(timeout=10_000)
-                    assert "Telegram" in await group.inner_text()
-                    dm = page.locator(f"#conversations li[data-conversation='telegram:{PERSON}']")
-                    assert "DM" in await dm.inner_text()
-                    await assert_no_fence(page)
-                    await page.screenshot(path=str(DOCS / f"conversations{suffix}.png"), full_page=True)
+                        await page.goto(f"{k.base}/conversations")
+                        group = page.locator(f"#conversations li[data-conversation='telegram:{CHAT}']")
+                        await group.wait_for(timeout=10_000)
+                        assert "Telegram" in await group.inner_text()
+                        dm = page.locator(f"#conversations li[data-conversation='telegram:{PERSON}']")
+                        assert "DM" in await dm.inner_text()
+                        await assert_no_fence(page)
+                        await page.screenshot(path=str(DOCS / f"conversations{suffix}.png"), full_page=True)
 
-                    await group.locator("a").click()
-                    await page.locator("#transcript .message").first.wait_for(timeout=10_000)
-                    shown = await page.locator("#transcript").inner_text()
-                    assert REQUEST in shown  # what the person said, kept across the restart
-                    assert "from @researcher" in shown
-                    assert shown.index(REQUEST) < shown.index("@researcher") < shown.index("The script works.")
-                    times = await page.locator("#transcript time").all_inner_texts()
-                    assert times
-                    assert all(t.endswith("Europe/Paris") for t in times)
-                    await assert_no_fence(page)
-                    if scheme == "light":  # live: a new message appears without a reload
-                        await page.locator("#live", has_text="live").wait_for(timeout=10_000)
-                        telegram.push_message(CHAT, PERSON, "one more thing, live")
-                        await page.locator("#transcript", has_text="one more thing, live").wait_for(timeout=20_000)
-                    await page.screenshot(path=str(DOCS / f"conversation-telegram{suffix}.png"), full_page=True)
+                        await group.locator("a").click()
+                        await page.locator("#transcript .message").first.wait_for(timeout=10_000)
+                        shown = await page.locator("#transcript").inner_text()
+                        assert REQUEST in shown  # what the person said, kept across the restart
+                        assert "from @researcher" in shown
+                        assert shown.index(REQUEST) < shown.index("@researcher") < shown.index("The script works.")
+                        times = await page.locator("#transcript time").all_inner_texts()
+                        assert times
+                        assert all(t.endswith("Europe/Paris") for t in times)
+                        await assert_no_fence(page)
+                        if scheme == "light":  # live: a new message appears without a reload
+                            await page.locator("#live", has_text="live").wait_for(timeout=10_000)
+                            telegram.push_message(CHAT, PERSON, "one more thing, live")
+                            await page.locator("#transcript", has_text="one more thing, live").wait_for(timeout=20_000)
+                        await page.screenshot(path=str(DOCS / f"conversation-telegram{suffix}.png"), full_page=True)
 
-                    await page.goto(f"{k.base}/swarm")
-                    await assert_no_fence(page)
-                    dashboard = page.locator("#dashboard")
-                    assert await page.locator("#dashboard figure.chart").count() == 4
-                    assert await page.locator("#dashboard figure.chart svg[role=img]").count() >= 2
-                    if scheme == "light":  # live: a decision shows up without a reload
-                        await page.locator("#live", has_text="live").wait_for(timeout=10_000)
-                        await page.evaluate("window.kazmaNotReloaded = true")
-                        summary = page.locator("#chart-approvals desc")  # the chart's text equivalent
-                        assert "1 approved, 0 denied" in (await summary.text_content() or "")
-                        request = await k.app.service.open(
-                            "shell", {"command": "ls"}, "agent:builder", f"telegram:{CHAT}"
-                        )
-                        await k.app.service.decide(request.id, Decision.DENY, actor="web:alice", platform="web")
-                        denied = dashboard.locator("tr", has_text="denied").filter(has_text="agent:builder")
-                        await denied.first.wait_for(timeout=20_000)  # the recent approvals table, pushed
-                        assert "1 approved, 1 denied" in (await summary.text_content() or "")  # and the chart
-                        assert await page.evaluate("window.kazmaNotReloaded === true")
-                    times = await page.locator("#dashboard time").all_text_contents()
-                    assert times
-                    assert all(t.endswith("Europe/Paris") for t in times), times
-                    await page.screenshot(path=str(DOCS / f"swarm{suffix}.png"), full_page=True)
-                    await context.close()
-            finally:
-                await browser.close()
-            await k.app.conversations.drain()
-    finally:
-        await telegram.stop()
+                        await page.goto(f"{k.base}/swarm")
+                        await assert_no_fence(page)
+                        dashboard = page.locator("#dashboard")
+                        assert await page.locator("#dashboard figure.chart").count() == 4
+                        assert await page.locator("#dashboard figure.chart svg[role=img]").count() >= 2
+                        if scheme == "light":  # live: a decision shows up without a reload
+                            await page.locator("#live", has_text="live").wait_for(timeout=10_000)
+                            await page.evaluate("window.kazmaNotReloaded = true")
+                            summary = page.locator("#chart-approvals desc")  # the chart's text equivalent
+                            assert "1 approved, 0 denied" in (await summary.text_content() or "")
+                            request = await k.app.service.open(
+                                "shell", {"command": "ls"}, "agent:builder", f"telegram:{CHAT}"
+                            )
+                            await k.app.service.decide(request.id, Decision.DENY, actor="web:alice", platform="web")
+                            denied = dashboard.locator("tr", has_text="denied").filter(has_text="agent:builder")
+                            await denied.first.wait_for(timeout=20_000)  # the recent approvals table, pushed
+                            assert "1 approved, 1 denied" in (await summary.text_content() or "")  # and the chart
+                            assert await page.evaluate("window.kazmaNotReloaded === true")
+                        times = await page.locator("#dashboard time").all_text_contents()
+                        assert times
+                        assert all(t.endswith("Europe/Paris") for t in times), times
+                        await page.screenshot(path=str(DOCS / f"swarm{suffix}.png"), full_page=True)
+                        await context.close()
+                finally:
+                    await browser.close()
+                await k.app.conversations.drain()
+        finally:
+            await telegram.stop()
     for name in ("console", "conversations", "conversation-telegram", "swarm"):
         assert (DOCS / f"{name}.png").stat().st_size > 10_000
