@@ -25,6 +25,7 @@ import base64
 import contextlib
 import cProfile
 import functools
+import io
 import json
 import os
 import pstats
@@ -117,7 +118,10 @@ async def _serve_control(app: App, api: str) -> None:
             return web.json_response({})
         profile = profiles.pop()
         profile.disable()
-        return web.json_response({"calls": pstats.Stats(profile).total_calls})  # type: ignore[attr-defined]
+        stats = pstats.Stats(profile, stream=(text := io.StringIO()))
+        if request.query.get("top"):  # the functions that took the most time, for a person reading the profile
+            stats.sort_stats(request.query["top"]).print_stats(40)
+        return web.json_response({"calls": stats.total_calls, "top": text.getvalue()})  # type: ignore[attr-defined]
 
     control = web.Application()
     routes = [web.post("/decide/{id}", decide), web.get("/waiting", waiting), web.get("/cpu", cpu)]

@@ -348,8 +348,7 @@ async def test_the_checkpoint_sweep_reads_checkpoint_requests_only(tmp_path: Pat
     (reading and decoding every pending request was most of an idle replica's CPU)."""
     async with rig(tmp_path / "a.db", two_files=True) as r:
         others = [
-            await r.approvals.open("shell", {"n": n}, "agent:builder", "telegram:-1001", durable=True)
-            for n in range(5)
+            await r.approvals.open("shell", {"n": n}, "agent:builder", "telegram:-1001", durable=True) for n in range(5)
         ]
         run = await r.service.store.admit(Pattern.PIPELINE, {"prompt": "p", "preset": "standard"}, owner="telegram:111")
         await r.service.store.cancel(run.task_id, actor="telegram:111")  # ended: its checkpoint card is stale
