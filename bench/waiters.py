@@ -181,6 +181,8 @@ async def _serve_control(app: App, api: str, marks: Marks) -> None:
         stats = pstats.Stats(profile, stream=(text := io.StringIO()))
         if request.query.get("top"):  # the functions that took the most time, for a person reading the profile
             stats.sort_stats(request.query["top"]).print_stats(40)
+            if request.query.get("callers"):
+                stats.print_callers(request.query["callers"])
         return web.json_response({"calls": stats.total_calls, "top": text.getvalue()})  # type: ignore[attr-defined]
 
     control = web.Application()
