@@ -6,7 +6,9 @@ platform) runs in a child process, so its CPU is its own: this process holds the
 ``/proc``. Two measurements per run:
 
 * idle: ``--waiters`` long-polls, one per pending request, nothing decided for ``--idle`` seconds: the child's
-  CPU as a share of one core (goal <= 1 %);
+  CPU as a share of one core (goal <= 1 %). The window starts right after the long-polls were asked (``wait=60``),
+  so the default 10 s holds none of their asking again: ``--idle 75`` holds one round of it (each poll read and
+  answered again: three reads of its request and a ``last_seen`` write each), the steady state's cost;
 * wake: ``--waiters`` long-polls of one request; the child decides it (a bench-only control port calls
   ``ApprovalService.decide`` and says when it started, by the system-wide monotonic clock). Two times:
   ``wake ms``, from that to the last long-poll answered *here* (the figure this bench printed first), and
@@ -405,6 +407,8 @@ async def wake(
 async def main(args: argparse.Namespace) -> None:
     backend = "PostgreSQL" if args.postgres else "SQLite (WAL, synchronous=FULL)"
     print(f"{args.waiters} long-poll waiters on {backend}; idle window {args.idle:g} s; {args.wakes} wake-ups per run")
+    if args.idle < 60:
+        print("(the idle window holds none of the long-polls' asking again after wait=60: --idle 75 holds a round)")
     print("wake: decision -> last long-poll answered here, in this client (the figure printed before; it holds this")
     print("process reading 500 answers); server: the decision's commit -> the last answer's bytes written, measured")
     print("in Kazma (the client's reading is not in it); medians of the run's wake-ups. CPU ms per wake-up of Kazma")
