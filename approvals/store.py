@@ -507,11 +507,21 @@ class ApprovalStore:
         )
         return [str(row[0]) for row in rows]
 
-    async def requests(self, *, pending_only: bool = False, limit: int = 100) -> list[ApprovalRequest]:
-        where = "WHERE status = 'pending'" if pending_only else ""
+    async def requests(
+        self, *, pending_only: bool = False, limit: int = 100, tool: str | None = None
+    ) -> list[ApprovalRequest]:
+        """The newest ``limit`` requests (only pending ones, only one ``tool``'s when asked). ``tool`` is chosen in
+        the query: a sweep after one tool's requests (the swarm's checkpoints, every 5 s) must not read and decode
+        every other pending request (500 API waiters' requests cost it most of an idle replica's CPU)."""
+        terms = ["status = 'pending'"] if pending_only else []
+        params: list[object] = []
+        if tool is not None:
+            terms.append("tool = ?")
+            params.append(tool)
+        where = f"WHERE {' AND '.join(terms)}" if terms else ""
         rows = await self.tables.all(
             f"SELECT {_COLUMNS} FROM approval_requests {where} ORDER BY created_at DESC LIMIT ?",  # noqa: S608
-            (limit,),
+            (*params, limit),
         )
         return [_row_to_request(row) for row in rows]
 

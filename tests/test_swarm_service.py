@@ -13,7 +13,7 @@ import pytest
 
 from kazma.approvals import ApprovalService
 from kazma.approvals.card import ApprovalCard
-from kazma.approvals.model import Decision, Status
+from kazma.approvals.model import ApprovalRequest, Decision, Status
 from kazma.config import KazmaConfig, failpoints, load_config_text
 from kazma.config.store.database import open_database
 from kazma.engine.swarm.checkpoints import CHECKPOINT_TOOL
@@ -340,6 +340,38 @@ async def test_a_checkpoint_card_whose_task_ended_without_pausing_is_withdrawn_a
         assert after.status is Status.CANCELLED
         assert "the task is interrupted without it" in (after.reason or "")
         assert approval.id in r.publisher.settled
+
+
+async def test_the_checkpoint_sweep_reads_checkpoint_requests_only(tmp_path: Path) -> None:
+    """The sweep runs every 5 s on the leader: with many other requests pending (500 API long-polls' requests)
+    it still withdraws a stale checkpoint card, and what it reads from the store is checkpoint requests only
+    (reading and decoding every pending request was most of an idle replica's CPU)."""
+    async with rig(tmp_path / "a.db", two_files=True) as r:
+        others = [
+            await r.approvals.open("shell", {"n": n}, "agent:builder", "telegram:-1001", durable=True) for n in range(5)
+        ]
+        run = await r.service.store.admit(Pattern.PIPELINE, {"prompt": "p", "preset": "standard"}, owner="telegram:111")
+        await r.service.store.cancel(run.task_id, actor="telegram:111")  # ended: its checkpoint card is stale
+        stale = await r.approvals.open(
+            CHECKPOINT_TOOL, {"task": run.task_id}, f"swarm:{run.task_id}", "telegram:-1001",
+            task_id=run.task_id, durable=True,
+        )  # fmt: skip
+        store = r.approvals.store
+        read: list[str] = []
+        requests = store.requests
+
+        async def recorded(**kw: object) -> list[ApprovalRequest]:
+            found = await requests(**kw)  # type: ignore[arg-type]
+            read.extend(request.tool for request in found)
+            return found
+
+        store.requests = recorded  # type: ignore[method-assign]
+        assert await r.service.sweep_checkpoints() == [stale.id]
+        assert read == [CHECKPOINT_TOOL]
+        for other in others:
+            still = await store.get(other.id)
+            assert still is not None
+            assert still.status is Status.PENDING
 
 
 async def test_a_checkpoint_that_fails_while_waiting_withdraws_its_card(tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ from psycopg.rows import TupleRow
 
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
+from kazma.config.store.pg_listen import until_readable
 from kazma.config.waits import until_set
 
 log = structlog.get_logger("kazma.leader")
@@ -352,8 +353,14 @@ class LeaderLease:
         """Wait on the connection itself, so a server that ends the session is noticed at once."""
 
         async def wait() -> None:
-            async for _ in conn.notifies(timeout=max(seconds, 0.01)):
-                pass
+            # On the socket itself (psycopg's own wait looks every 0.1 s); what the server sends is read at once,
+            # and a session it ended raises there.
+            loop = asyncio.get_running_loop()
+            until = loop.time() + max(seconds, 0.01)
+            while (left := until - loop.time()) > 0:
+                if await until_readable(conn, left):
+                    async for _ in conn.notifies(timeout=0):
+                        pass
 
         await self._bounded(wait(), seconds + self.timing.check_timeout, "the connection stopped answering")
 

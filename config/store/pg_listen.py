@@ -34,6 +34,28 @@ log = structlog.get_logger("kazma.store")
 OnNotify = Callable[[str, str, int], None]
 
 
+async def until_readable(conn: psycopg.AsyncConnection[Any], seconds: float) -> bool:
+    """Wait until the server sends something on ``conn`` (a notification, an error, the end of the session) or
+    ``seconds`` pass; whether it sent something (read it with ``conn.notifies(timeout=0)``, which raises if the
+    session ended). One wake-up of the loop: psycopg's own wait (``notifies(timeout=…)``) wakes it every 0.1 s
+    to look, and an idle replica's two waiting connections (this listener, the lease) made twenty a second."""
+    loop = asyncio.get_running_loop()
+    fd = conn.fileno()
+    ready: asyncio.Future[bool] = loop.create_future()
+
+    def settle(value: bool) -> None:
+        if not ready.done():
+            ready.set_result(value)
+
+    loop.add_reader(fd, settle, True)
+    timer = loop.call_later(seconds, settle, False)
+    try:
+        return await ready
+    finally:
+        timer.cancel()
+        loop.remove_reader(fd)
+
+
 class PgListener:
     """Listens on ``channels`` until stopped, reconnecting with backoff; ``connected`` says whether it hears now."""
 
@@ -118,15 +140,19 @@ class PgListener:
 
     async def _hear(self, conn: psycopg.AsyncConnection[Any]) -> None:
         while True:
+            # What came (on the socket, or kept by psycopg while a query ran) is read without waiting; then one
+            # wait on the socket itself, not psycopg's, which looks every 0.1 s even when nothing comes.
             heard = False
-            async for notify in conn.notifies(timeout=self.check_every):
+            async for notify in conn.notifies(timeout=0):
                 heard = True
                 try:
                     self.on_notify(notify.channel, notify.payload, notify.pid)
                 except Exception:  # one bad handler must not deafen the replica
                     count_failure("store_listen_handler")
                     log.exception("store.listen_handler_failed", channel=notify.channel)
-            if not heard:
+            if heard:
+                continue
+            if not await until_readable(conn, self.check_every):
                 # Nothing for a while: prove the link (a dead one raises here, and the loop reconnects).
                 await asyncio.wait_for(conn.execute("SELECT 1"), timeout=self.connect_timeout)
 
