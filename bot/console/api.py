@@ -481,19 +481,17 @@ class _Sent(web.StreamResponse):
 
 
 def _wire(response: web.Response) -> bytes | None:
-    """A prepared response as it went on the wire (HTTP/1.1, kept alive): status line, headers (encoded as aiohttp
-    encodes them), body. None when it cannot stand for another connection's answer as it is: the connection is
-    not kept (a server shutting down closes it: each is answered by aiohttp, and closed), or a header holds a
-    line break (aiohttp would have refused it anyway)."""
+    """A prepared response as it went on the wire (HTTP/1.1): status line, headers, body; None when a header
+    could not be repeated as it is (a line break in it: aiohttp would have refused it anyway)."""
     body = response.body
-    if not isinstance(body, bytes) or response.keep_alive is not True or hdrs.CONNECTION in response.headers:
+    if not isinstance(body, bytes):
         return None
     lines = [f"HTTP/1.1 {response.status} {response.reason}"]
     for name, value in response.headers.items():
         if "\r" in name or "\n" in name or "\r" in value or "\n" in value:
             return None
         lines.append(f"{name}: {value}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 class _OpenedUnanswered(Exception):
