@@ -27,7 +27,6 @@ through them, and ``/api/v1/openapi.json`` is generated from the same models.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import json
@@ -38,8 +37,7 @@ from itertools import accumulate
 from typing import Any
 
 import structlog
-from aiohttp import HttpVersion11, hdrs, web
-from prometheus_client import Counter
+from aiohttp import hdrs, web
 
 from kazma.approvals.card import ASKED_THROUGH_API, ON_BEHALF_OF, REASON_GIVEN
 from kazma.approvals.hashing import args_hash, canonical_json, text_hash
@@ -62,14 +60,6 @@ from kazma.config.store.errors import simulated_failure, store_errors
 from kazma.engine.agent import MAX_ARGUMENT_DEPTH, nesting_depth
 
 log = structlog.get_logger("kazma.api")
-
-# Woken long-polls answered by another one's handler in its one step (see ApprovalsApi._answer_woken): counted once
-# per batch, so an operator sees whether woken polls are answered at once (a client on HTTP/1.0 or one that closes
-# each connection is answered by aiohttp alone, and is not counted here).
-LONG_POLLS_BATCHED = Counter(
-    "kazma_api_long_polls_batched",
-    "Woken API long-polls whose answer another long-poll of the same request wrote with its own, in one step.",
-)
 
 REQUESTER = "approval_requester"
 VIEWER = "approval_viewer"
@@ -165,8 +155,6 @@ class ApprovalsApi:
         self.keys = services.api_keys
         # request id -> (the ended request as one wake-up read it, its answer's body): see _ended_answer
         self._described: dict[str, tuple[ApprovalRequest, bytes]] = {}
-        # request id -> the long-polls waiting for it that the first woken one answers too: see _answer_woken
-        self._parked: dict[str, dict[int, _Parked]] = {}
 
     @property
     def config(self) -> KazmaConfig:
@@ -314,7 +302,7 @@ class ApprovalsApi:
             raise _error(web.HTTPNotFound, "no such approval request for this token")
         return found
 
-    async def read(self, request: web.Request) -> web.StreamResponse:
+    async def read(self, request: web.Request) -> web.Response:
         caller = caller_of(self.config, request)
         if REQUESTER not in caller.roles and VIEWER not in caller.roles:
             raise _error(web.HTTPForbidden, f"the token {caller.name!r} has no approvals role")
@@ -328,76 +316,13 @@ class ApprovalsApi:
         if wait > 0 and not found.status.final:
             # cancel_with_waiter=False: a client that stops polling withdraws nothing. The ended request is
             # read once for every waiter of it here, not once per long-poll.
-            parked = self._park(request, found.id)
             try:
                 ended = await self.service.wait_request(found.id, cancel_with_waiter=False, within=wait)
             except TimeoutError:
-                if parked is not None and await parked.sent():
-                    return _Sent()  # answered with the others of its request as its own wait ran out
                 found = await self.service.store.get(found.id) or found
             else:
-                if parked is not None and await parked.sent():
-                    return _Sent()
-                return await self._answer_woken(request, ended, parked)
-            finally:
-                if parked is not None:
-                    self._unpark(found.id, parked)
+                return self._ended_answer(ended)
         return web.json_response(describe(self.service, found))
-
-    def _park(self, request: web.Request, request_id: str) -> _Parked | None:
-        """Keep a long-poll's connection where the first of its request's woken long-polls finds it (None: this one
-        is answered by aiohttp alone). Only a GET over HTTP/1.1 that keeps its connection is parked: its answer
-        is the status line, headers and body the first one's aiohttp wrote, no ``Connection`` header to add."""
-        transport = request.transport
-        if request.method != hdrs.METH_GET or request.version != HttpVersion11 or not request.keep_alive:
-            return None
-        if transport is None or transport.is_closing():
-            return None
-        parked = _Parked(transport)
-        self._parked.setdefault(request_id, {})[id(parked)] = parked
-        return parked
-
-    def _unpark(self, request_id: str, parked: _Parked) -> None:
-        waiting = self._parked.get(request_id)
-        if waiting is not None:
-            waiting.pop(id(parked), None)
-            if not waiting:
-                del self._parked[request_id]
-
-    async def _answer_woken(self, request: web.Request, ended: ApprovalRequest, parked: _Parked | None) -> web.Response:
-        """The first woken long-poll of a request to run answers every long-poll of it parked here: its own through
-        aiohttp (every header hook runs), then the same bytes on each other connection, in one step. The last
-        answer leaves within one pass of the loop after the decision, not after 500 handler steps each preparing,
-        serialising and writing a response of its own through aiohttp.
-
-        The others are claimed before the first await: a handler that runs meanwhile waits for its bytes to be
-        written (and a connection's next request is not read before its handler returns), and if this one
-        fails or is cancelled before writing them, each answers itself as before."""
-        response = self._ended_answer(ended)
-        if parked is None:
-            return response
-        others = [p for p in self._parked.get(ended.id, {}).values() if p is not parked and p.batch is None]
-        if not others:
-            return response
-        batch: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        for other in others:
-            other.batch = batch
-        written = False
-        try:
-            await response.prepare(request)
-            await response.write_eof()
-            wire = _wire(response)
-            if wire is not None:  # None: a header this writer does not repeat; each is answered by aiohttp
-                answered = 0
-                for other in others:
-                    if not other.transport.is_closing():  # else its client went: nothing to answer
-                        other.transport.write(wire)
-                        answered += 1
-                written = True
-                LONG_POLLS_BATCHED.inc(answered)
-        finally:
-            batch.set_result(written)
-        return response
 
     def _ended_answer(self, ended: ApprovalRequest) -> web.Response:
         """The answer to every long-poll woken by one read of an ended request: described and encoded once for all
@@ -440,58 +365,6 @@ _KEY_REUSED = (
     "or use a new key for a new request"
 )
 _TOO_DEEP = f"arguments may nest at most {MAX_ARGUMENT_DEPTH} levels deep (the limit agents are held to)"
-
-
-class _Parked:
-    """A long-poll's connection, while it waits; ``batch`` once another long-poll's handler took on its answer
-    (its result: whether that handler wrote it)."""
-
-    __slots__ = ("batch", "transport")
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
-        self.batch: asyncio.Future[bool] | None = None
-
-    async def sent(self) -> bool:
-        """Whether its answer was written by another long-poll's handler (waiting until that one says)."""
-        batch = self.batch
-        if batch is None:
-            return False
-        if not batch.done():
-            await asyncio.shield(batch)  # shielded: this handler cancelled must not cancel the others' batch
-        return batch.result()
-
-
-class _Sent(web.StreamResponse):
-    """The answer of a long-poll that another one's handler already wrote on its connection (HTTP/1.1, kept
-    alive): aiohttp has nothing left to write, and the connection serves the client's next request."""
-
-    def __init__(self) -> None:
-        super().__init__(status=200)
-
-    @property
-    def keep_alive(self) -> bool:
-        return True
-
-    async def prepare(self, request: web.BaseRequest) -> None:
-        return None
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        return None
-
-
-def _wire(response: web.Response) -> bytes | None:
-    """A prepared response as it went on the wire (HTTP/1.1): status line, headers, body; None when a header
-    could not be repeated as it is (a line break in it: aiohttp would have refused it anyway)."""
-    body = response.body
-    if not isinstance(body, bytes):
-        return None
-    lines = [f"HTTP/1.1 {response.status} {response.reason}"]
-    for name, value in response.headers.items():
-        if "\r" in name or "\n" in name or "\r" in value or "\n" in value:
-            return None
-        lines.append(f"{name}: {value}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 class _OpenedUnanswered(Exception):
