@@ -515,6 +515,16 @@ class ApprovalStore:
         )
         return [_row_to_request(row) for row in rows]
 
+    async def pending_of(self, tool: str) -> list[ApprovalRequest]:
+        """Every pending request for ``tool``, newest first: only theirs are read (a sweep for one kind read every
+        pending row, 10,000 of them at a start after a crash, and every five seconds after)."""
+        rows = await self.tables.all(
+            f"SELECT {_COLUMNS} FROM approval_requests WHERE status = 'pending' AND tool = ?"  # noqa: S608
+            " ORDER BY created_at DESC",
+            (tool,),
+        )
+        return [_row_to_request(row) for row in rows]
+
     async def requests_in(self, conversation: str, *, limit: int = 200) -> list[ApprovalRequest]:
         """The newest ``limit`` requests asked in one conversation (``telegram:-100…``), oldest first."""
         rows = await self.tables.all(

@@ -8,12 +8,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kazma.approvals import ApprovalService
+from kazma.approvals import store as approval_store
 from kazma.approvals.card import ApprovalCard
-from kazma.approvals.model import Decision, Status
+from kazma.approvals.model import ApprovalRequest, Decision, Status
 from kazma.config import KazmaConfig, failpoints, load_config_text
 from kazma.config.store.database import open_database
 from kazma.engine.swarm.checkpoints import CHECKPOINT_TOOL
@@ -340,6 +342,40 @@ async def test_a_checkpoint_card_whose_task_ended_without_pausing_is_withdrawn_a
         assert after.status is Status.CANCELLED
         assert "the task is interrupted without it" in (after.reason or "")
         assert approval.id in r.publisher.settled
+
+
+async def test_the_starts_checkpoint_sweep_reads_no_other_pending_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep for stale checkpoint cards read every pending request's row (up to 10,000: after a crash with
+    10,000 orphans it was most of the start's CPU, and it ran again every five seconds): it reads only
+    checkpoints' rows, and still withdraws the stale one."""
+    path = tmp_path / "a.db"
+    async with rig(path, two_files=True) as r:
+        run = await r.service.store.admit(Pattern.PIPELINE, {"prompt": "p", "preset": "standard"}, owner="telegram:111")
+        approval = await r.approvals.open(
+            CHECKPOINT_TOOL, {"task": run.task_id}, f"swarm:{run.task_id}", "telegram:-1001",
+            task_id=run.task_id, durable=True,
+        )  # fmt: skip
+        for n in range(5):
+            await r.approvals.open("shell", {"command": f"ls /srv/{n}"}, "agent:builder", "telegram:-1001")
+    others: list[str] = []
+    real = approval_store._row_to_request
+
+    def counted(row: Any) -> ApprovalRequest:
+        built = real(row)
+        if built.tool != CHECKPOINT_TOOL:
+            others.append(built.id)
+        return built
+
+    async with rig(path, two_files=True) as r:
+        monkeypatch.setattr(approval_store, "_row_to_request", counted)
+        await r.service.recover()
+        monkeypatch.undo()
+        assert others == []
+        after = await r.approvals.store.get(approval.id)
+        assert after is not None
+        assert after.status is Status.CANCELLED
 
 
 async def test_a_checkpoint_that_fails_while_waiting_withdraws_its_card(tmp_path: Path) -> None:
