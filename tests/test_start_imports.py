@@ -72,3 +72,12 @@ def test_a_webhook_still_has_its_server(tmp_path: Path) -> None:
     pytest.importorskip("tornado", reason="python-telegram-bot[webhooks] is not installed here")
     hook = ", mode: webhook, webhook: {url: 'https://bot.example.org/telegram', secret_token: 's3cret-token'}"
     assert _built(tmp_path, hook) == "['telegram'] True True"
+
+
+def test_the_run_commands_module_leaves_doctors_checks_out() -> None:
+    """`kazma run` imports the module of the commands that run Kazma; `kazma doctor`'s checks (the audit
+    verifier among them) are imported by that command alone."""
+    probe = "import sys, kazma.bot.cli.core_cli; print(sorted(m for m in sys.modules if '.cli.' in m and 'check' in m))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -23,7 +23,6 @@ from kazma.approvals.model import Decision
 from kazma.bot.app import App, build_app
 from kazma.bot.cli.context import Context
 from kazma.bot.cli.demo import run_demo
-from kazma.bot.cli.doctor import Level, run_checks
 from kazma.bot.cli.log_options import log_settings
 from kazma.bot.console.server import WebServer
 from kazma.bot.logging import redact_secret
@@ -87,6 +86,8 @@ def doctor(obj: Context, model_timeout: float, platform_timeout: float, as_json:
     """Check the configuration, each platform's tokens with the platform, the store and the model endpoint."""
     # A secret not exported is one failed check, not the end of the checklist: every other check still runs.
     loaded = obj.load()
+    from kazma.bot.cli.doctor import Level, run_checks  # its checks' modules: only this command needs them
+
     checks = asyncio.run(run_checks(loaded, model_timeout=model_timeout, platform_timeout=platform_timeout))
     failed = [c for c in checks if c.level is Level.FAIL]
     warned = [c for c in checks if c.level is Level.WARN]
