@@ -8,7 +8,10 @@ PYTHONPATH as ``kazma.<layer>`` links, the way scripts/check makes .typecheck),
 three cases, ``--runs`` times each, interleaved:
 
 * ready: spawn → the ``kazma is running; web console at …`` line (printed right
-  after the ``web.started`` event: the web server answers ``/healthz`` from then);
+  after the ``web.started`` event: the web server answers ``/healthz`` from then),
+  and the CPU seconds the child had used by then (user + system, read from
+  ``/proc`` at that line: on a loaded machine wall time measures the neighbours,
+  CPU time much less);
 * ready with ``--orphans`` pending requests a killed process left (opened into a
   template store once, copied for each run): the same moment;
 * idle RSS: ``VmRSS`` of the child ``--idle`` seconds after ready, and which
@@ -43,6 +46,8 @@ import time
 from pathlib import Path
 
 from kazma.approvals import ApprovalService, ApprovalStore
+from kazma.approvals.checkpointer import Checkpointer
+from kazma.bot.keys import load_audit_signer, load_decision_keyring
 from kazma.bot.store import open_store
 from kazma.config import load_config
 from tests.platforms_support import Fakes, three_fakes
@@ -54,8 +59,12 @@ CONVERSATION = "web:console"
 LAYERS = ("config", "approvals", "adapters", "engine", "bot")
 # What a `kazma run` may import, heaviest first among the optional ones; the probe imports them in this order.
 # twisted and rich come with the dev extra (matrix-synapse), and structlog imports these parts of them whenever
-# they are installed: listed before it, so what a production install does not load shows apart.
-DEV_ONLY = ("twisted.python.log", "twisted.python.failure", "zope.interface", "rich.console", "rich.traceback")
+# they are installed: listed before it, so what a production install does not load shows apart. So do PyNaCl
+# (discord.py's voice, kept out by config/registry/discord.py) and bcrypt (cryptography's SSH key loader).
+DEV_ONLY = (
+    "twisted.python.log", "twisted.python.failure", "zope.interface", "rich.console", "rich.traceback", "nacl.secret",
+    "bcrypt",
+)  # fmt: skip
 COMPONENTS = (
     *DEV_ONLY, "yaml", "pydantic", "structlog", "aiosqlite", "cryptography", "aiohttp", "prometheus_client", "httpx",
     "jsonschema", "telegram", "discord", "slack_bolt", "slack_sdk", "mcp", "mautrix", "psycopg", "psycopg_pool",
@@ -115,6 +124,13 @@ def compile_tree(root: Path) -> None:
             raise RuntimeError(f"{root / layer} does not compile")
 
 
+def cpu_of(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (every thread)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_of(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) * 1024
@@ -125,11 +141,17 @@ def load() -> str:
 
 
 async def make_orphans(config: Path, count: int) -> None:
-    """``count`` pending requests opened as a killed `kazma run` leaves them (no waiter, no owner, no card)."""
+    """``count`` pending requests opened as a killed `kazma run` leaves them (no waiter, no owner, no card): with
+    its keys, so its commits are sealed, and its audit events signed by a checkpoint, as its checkpointer signs
+    them within a fiftieth of a second. (Opened without keys, every start judged 10,000 events no seal vouched
+    for and logged audit.unvouched_events: the store of a tampering, not of a crash.)"""
     loaded = load_config(config, environ={})
     conn = await open_store(loaded.config)
-    service = ApprovalService(ApprovalStore(conn), loaded.config)
+    signer = load_audit_signer(loaded.config)
+    store = ApprovalStore(conn, keyring=load_decision_keyring(loaded.config), audit=signer)
+    service = ApprovalService(store, loaded.config)
     try:
+        await store.start_chain()
         for start in range(0, count, 200):
             await asyncio.gather(
                 *(
@@ -137,12 +159,15 @@ async def make_orphans(config: Path, count: int) -> None:
                     for n in range(start, min(count, start + 200))
                 )
             )
+        judged = await Checkpointer(store, signer).sign()
+        assert not judged.unvouched, judged.unvouched[:5]
     finally:
         await conn.close()
 
 
-async def one_run(config: Path, pythonpath: str, *, idle: float) -> tuple[float, int, list[str], list[str]]:
-    """(seconds to ready, idle RSS bytes, top-level packages imported, the log's events up to ready)."""
+async def one_run(config: Path, pythonpath: str, *, idle: float) -> tuple[float, float, int, list[str], list[str]]:
+    """(seconds to ready, CPU seconds to ready, idle RSS bytes, top-level packages imported, the log's events up to
+    ready)."""
     modules = config.parent / "modules.txt"
     env = {**os.environ, "PYTHONPATH": pythonpath, "NO_PROXY": "127.0.0.1,localhost"}
     env["KAZMA_BENCH_MODULES"] = str(modules)
@@ -161,6 +186,7 @@ async def one_run(config: Path, pythonpath: str, *, idle: float) -> tuple[float,
                     raise RuntimeError(f"kazma run ended before it was ready: {events[-5:]}")
                 if line.startswith("kazma is running"):
                     ready = time.perf_counter() - start
+                    cpu = cpu_of(child.pid)
                     break
                 if line.startswith("{"):
                     record = json.loads(line)
@@ -190,7 +216,7 @@ async def one_run(config: Path, pythonpath: str, *, idle: float) -> tuple[float,
             child.kill()
         await asyncio.wait_for(child.wait(), 60)
     draining.cancel()
-    return ready, rss, imported, events
+    return ready, cpu, rss, imported, events
 
 
 def fresh_state(template: Path | None, into: Path, fakes: Fakes) -> Path:
@@ -229,7 +255,7 @@ async def bench(args: argparse.Namespace) -> None:
                 began = time.perf_counter()
                 await make_orphans(config, args.orphans)
                 print(f"{args.orphans} orphans made in {time.perf_counter() - began:.1f} s")
-            results: dict[tuple[str, str], list[tuple[float, int, str]]] = {}
+            results: dict[tuple[str, str], list[tuple[float, float, int, str]]] = {}
             imported: dict[str, list[str]] = {}
             for run in range(args.runs):
                 for tree, pythonpath in trees.items():  # interleaved: the machine's load falls on both alike
@@ -237,19 +263,27 @@ async def bench(args: argparse.Namespace) -> None:
                         if case.startswith("+") and state is None:
                             continue
                         config = fresh_state(state, work / "run", fakes)
-                        ready, rss, mods, events = await one_run(config, pythonpath, idle=args.idle)
-                        results.setdefault((tree, case), []).append((ready, rss, load()))
+                        ready, cpu, rss, mods, events = await one_run(config, pythonpath, idle=args.idle)
+                        results.setdefault((tree, case), []).append((ready, cpu, rss, load()))
                         imported[tree] = mods
                         if args.timeline and run == 0:
                             print(f"-- {tree}, {case}: timeline (s since spawn)")
                             print("\n".join(events))
-            print(f"\n{'tree':<22}{'case':<22}{'ready s (3 runs)':<26}{'idle RSS MB':<22}load (1 min)")
+            print(
+                f"\n{'tree':<22}{'case':<22}{'ready s (3 runs)':<26}{'CPU s to ready':<26}"
+                f"{'idle RSS MB':<16}load (1 min)"
+            )
             for (tree, case), values in results.items():
-                readies = " ".join(f"{r:.3f}" for r, _, _ in values)
-                rsses = " ".join(f"{m / 1e6:.0f}" for _, m, _ in values)
-                loads = " ".join(x for _, _, x in values)
-                median = statistics.median(r for r, _, _ in values)
-                print(f"{tree:<22}{case:<22}{readies + f' (med {median:.3f})':<26}{rsses:<22}{loads}")
+                readies = " ".join(f"{r:.3f}" for r, _, _, _ in values)
+                cpus = " ".join(f"{c:.2f}" for _, c, _, _ in values)
+                rsses = " ".join(f"{m / 1e6:.0f}" for _, _, m, _ in values)
+                loads = " ".join(x for _, _, _, x in values)
+                median = statistics.median(r for r, _, _, _ in values)
+                cpu_median = statistics.median(c for _, c, _, _ in values)
+                print(
+                    f"{tree:<22}{case:<22}{readies + f' (med {median:.3f})':<26}"
+                    f"{cpus + f' (med {cpu_median:.2f})':<26}{rsses:<16}{loads}"
+                )
             print("\nRSS per component (MB added when imported in this order; what the child held)")
             for tree, pythonpath in trees.items():
                 held = [c for c in COMPONENTS if c.split(".")[0] in imported.get(tree, [])]

@@ -13,6 +13,7 @@ web server may use of it is :attr:`App.console` (:mod:`kazma.bot.services`).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ from kazma.engine.tools.executions import ExecutionRecord
 from kazma.engine.tools.mcp_launch import places_for
 from kazma.engine.tools.mcp_tools import MCPSources
 from kazma.engine.tools.registry import ToolRegistry
-from kazma.engine.tools.sandbox import resolve_sandbox
+from kazma.engine.tools.sandbox import Sandbox, resolve_sandbox
 from kazma.engine.tools.send_file import SendFileTool
 from kazma.engine.transcript import RecordingSink, TranscriptStore
 from kazma.engine.types import ModelProvider
@@ -229,6 +230,13 @@ async def build_app(
         from kazma.bot.replication import replica_name
 
         replica = replica_name()
+    # bubblewrap's trial run is a process of its own (tens of ms): it runs on a thread while the store opens and the
+    # platforms' libraries are imported, instead of holding the event loop before them
+    sandbox = (
+        None
+        if registry is not None
+        else asyncio.ensure_future(asyncio.to_thread(resolve_sandbox, config.tools.sandbox))
+    )
     stores = await open_handles(config, replica=replica)
     try:
         keyring = load_decision_keyring(config)  # seals every outcome; made at first start on SQLite
@@ -271,7 +279,10 @@ async def build_app(
 
     # The agents, their tools, the swarm and the conversations.
     model = provider or provider_for(config)
-    tools = registry or _builtin_tools(config)
+    if registry is None:
+        assert sandbox is not None  # started above for exactly this case
+        registry = _builtin_tools(config, await sandbox)
+    tools = registry
     if "send_file" not in tools:
         tools.register(_send_file(sink, config))
     # An agent's own tools start plans and swarm work, which run agents on this runner: they are made below
@@ -378,10 +389,10 @@ async def build_app(
     return app
 
 
-def _builtin_tools(config: KazmaConfig) -> ToolRegistry:
+def _builtin_tools(config: KazmaConfig, sandbox: Sandbox) -> ToolRegistry:
     state = config.store.path.parent
     return default_registry(
-        sandbox=resolve_sandbox(config.tools.sandbox),
+        sandbox=sandbox,
         shell_network=config.tools.shell_network,
         # The store, the tokens, the sessions, the decision and audit keys: never visible to a command.
         hidden=[state.resolve(), decision_keys_folder(config).resolve()],

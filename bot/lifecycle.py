@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -103,10 +103,13 @@ class Lifecycle(ABC):
     def handlers(self) -> Handlers:
         """What the platforms call (the app's)."""
 
-    async def start(self) -> None:
+    async def start(self, *, serving: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Recover, then open the platforms; ``serving`` is called as soon as they answer (the web console opens
+        there, and says Kazma runs), before what may come after: recovery's notices, the orphans' cancelling,
+        the sweeps. That work no longer holds the moment Kazma answers presses and messages."""
         log.info("app.model", provider=self.provider.label)
         if self.replication is not None:
-            await self._start_replica(self.replication)
+            await self._start_replica(self.replication, serving)
             return
         # Recover before any platform can start new work: a task or step started by
         # this process must never be mistaken for one a dead process left running.
@@ -129,6 +132,8 @@ class Lifecycle(ABC):
             await self.mcp.start(wait=10.0)
         await self.bus.start(self.handlers)
         self.swarm.serving()
+        if serving is not None:
+            await serving()
         await self._tell(recovery)
         await self.executor.perform(tell_lead)
         self._tasks.spawn(self._end_orphans(orphans), name="kazma-orphans")  # then the sweeps
@@ -138,7 +143,9 @@ class Lifecycle(ABC):
             self._tasks.keep(self.store_watch.run, name="kazma-store-watch", backoff=LOOP_RESTART)
         log.info("app.started", platforms=sorted(self.bus.adapters), store=str(self.loaded.config.store.path))
 
-    async def _start_replica(self, replication: Replication) -> None:
+    async def _start_replica(
+        self, replication: Replication, serving: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
         """One of several replicas: visible to the others first, then what its previous life left, then serve.
         The sweeps and the singleton ingress wait for the lease (:meth:`lead`)."""
         from kazma.bot.replication import AllBut
@@ -162,6 +169,8 @@ class Lifecycle(ABC):
             await self.mcp.start(wait=10.0)
         await self.bus.start(self.handlers, ingress=False)  # the leader's own, opened with the lease
         self.swarm.serving()
+        if serving is not None:
+            await serving()
         self._serving.set()
         self._tasks.spawn(self._say(*told), name="kazma-recovery-notices")
         self._tasks.spawn(self._end_orphans(orphans, sweep=False), name="kazma-orphans")  # the leader sweeps

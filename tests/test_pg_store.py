@@ -105,31 +105,6 @@ async def test_insert_then_get_and_list(backend: Backend) -> None:
     ]
 
 
-async def test_requests_of_one_tool_are_chosen_in_the_query(backend: Backend) -> None:
-    """``tool=``: only that tool's requests come back (pending or all), the newest first, however many others
-    are pending: the swarm's checkpoint sweep asks for its own and decodes nothing else."""
-    clock = ManualClock()
-    store = ApprovalStore(backend.store, clock=clock)
-    shells = []
-    for n in range(3):
-        shells.append(await _open(store, clock, n))
-        clock.advance(1)
-    checkpoint = await store.insert(
-        tool="pipeline_checkpoint", args_json="{}", args_hash="hash-c", requested_by="swarm:t1",
-        conversation="web:c", deadline=clock.now + 600, task_id="t1", notes=(),
-    )  # fmt: skip
-    clock.advance(1)
-    ended = await store.insert(
-        tool="pipeline_checkpoint", args_json="{}", args_hash="hash-e", requested_by="swarm:t2",
-        conversation="web:c", deadline=clock.now + 600, task_id="t2", notes=(),
-    )  # fmt: skip
-    assert (await store.finish(ended.id, Status.CANCELLED, actor=None, platform=None, reason="gone"))[0]
-    assert [r.id for r in await store.requests(pending_only=True, tool="pipeline_checkpoint")] == [checkpoint.id]
-    assert [r.id for r in await store.requests(tool="pipeline_checkpoint")] == [ended.id, checkpoint.id]
-    assert [r.id for r in await store.requests(pending_only=True, tool="shell", limit=2)] == shells[:0:-1]
-    assert len(await store.requests(pending_only=True)) == 4  # without tool=: every pending request, as before
-
-
 async def test_finish_is_one_compare_and_set(backend: Backend) -> None:
     clock = ManualClock()
     store = ApprovalStore(backend.store, clock=clock)

@@ -43,7 +43,41 @@ def test_long_polling_does_not_import_the_webhook_server(tmp_path: Path) -> None
     assert _built(tmp_path, "") == "['telegram'] False False"
 
 
+DISCORD_PROBE = """
+import sys
+from kazma.bot.app import build_adapters
+from kazma.config import load_config_text
+adapters = build_adapters(load_config_text(sys.argv[1], environ={}))
+import discord.voice_client
+print(sorted(a.name for a in adapters), "nacl" in sys.modules, discord.voice_client.has_nacl)
+"""
+
+
+def test_discord_does_not_import_its_voice_library(tmp_path: Path) -> None:
+    """discord.py imports PyNaCl for voice whenever it is installed; Kazma never joins a voice channel."""
+    pytest.importorskip("nacl", reason="PyNaCl is not installed here")
+    yaml = (
+        f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
+        "platforms:\n  discord: {token: 'x.y.z', channels: [123456789012345678], home_channel: 123456789012345678,"
+        " admins: [223456789012345678]}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", DISCORD_PROBE, yaml], capture_output=True, text=True, timeout=120, check=False, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "['discord'] False False"
+
+
 def test_a_webhook_still_has_its_server(tmp_path: Path) -> None:
     pytest.importorskip("tornado", reason="python-telegram-bot[webhooks] is not installed here")
     hook = ", mode: webhook, webhook: {url: 'https://bot.example.org/telegram', secret_token: 's3cret-token'}"
     assert _built(tmp_path, hook) == "['telegram'] True True"
+
+
+def test_the_run_commands_module_leaves_doctors_checks_out() -> None:
+    """`kazma run` imports the module of the commands that run Kazma; `kazma doctor`'s checks (the audit
+    verifier among them) are imported by that command alone."""
+    probe = "import sys, kazma.bot.cli.core_cli; print(sorted(m for m in sys.modules if '.cli.' in m and 'check' in m))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -20,10 +20,9 @@ import structlog
 from kazma.adapters.admission import FileBounds
 from kazma.adapters.web import WebAdapter
 from kazma.approvals.model import Decision
-from kazma.bot.app import build_app
+from kazma.bot.app import App, build_app
 from kazma.bot.cli.context import Context
 from kazma.bot.cli.demo import run_demo
-from kazma.bot.cli.doctor import Level, run_checks
 from kazma.bot.cli.log_options import log_settings
 from kazma.bot.console.server import WebServer
 from kazma.bot.logging import redact_secret
@@ -87,6 +86,8 @@ def doctor(obj: Context, model_timeout: float, platform_timeout: float, as_json:
     """Check the configuration, each platform's tokens with the platform, the store and the model endpoint."""
     # A secret not exported is one failed check, not the end of the checklist: every other check still runs.
     loaded = obj.load()
+    from kazma.bot.cli.doctor import Level, run_checks  # its checks' modules: only this command needs them
+
     checks = asyncio.run(run_checks(loaded, model_timeout=model_timeout, platform_timeout=platform_timeout))
     failed = [c for c in checks if c.level is Level.FAIL]
     warned = [c for c in checks if c.level is Level.WARN]
@@ -162,37 +163,46 @@ async def _serve(loaded: LoadedConfig, poll_interval: float, *, paced: bool = Tr
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        await app.start()
+
+    async def serving() -> None:
+        """The platforms answer: the web console opens, and Kazma says it runs (what a start does after that, the
+        orphans' cancelling and recovery's notices, no longer holds this line)."""
         await server.start()
-        if server.auth is not None:
-            redact_secret(server.auth.tokens.operator)
-            redact_secret(server.auth.tokens.reader)
-        # Generated tokens go to their 0600 files, and to the screen only when there is one: stderr is also
-        # where the log goes, and a redirected stderr is a log file or the journal.
-        message = server.first_start_message(show_tokens=sys.stderr.isatty())
-        if message:
-            click.echo(message, err=True)
-        keyring = app.service.store.keyring
-        if keyring is not None and keyring.generated and keyring.path is not None:
-            click.echo(
-                f"decision key made at {keyring.path.resolve()} (mode 0600): it seals every approval; back it up "
-                "apart from the store",
-                err=True,
-            )
-        signer = app.service.store.chain.signer
-        if signer is not None and signer.keyring.generated and signer.keyring.path is not None:
-            click.echo(
-                f"audit key made at {signer.keyring.path.resolve()} (mode 0600): it signs the audit log's checkpoints; "
-                "back it up apart from the store, and give `kazma audit public-key` to whoever verifies the log",
-                err=True,
-            )
-        click.echo(f"kazma is running; web console at {server.url}; press Ctrl-C to stop", err=True)
+        _say_running(app, server)
+
+    try:
+        await app.start(serving=serving)
         await stop.wait()
         log.info("app.stopping")
     finally:
         await server.stop()
         await app.stop()
+
+
+def _say_running(app: App, server: WebServer) -> None:
+    if server.auth is not None:
+        redact_secret(server.auth.tokens.operator)
+        redact_secret(server.auth.tokens.reader)
+    # Generated tokens go to their 0600 files, and to the screen only when there is one: stderr is also
+    # where the log goes, and a redirected stderr is a log file or the journal.
+    message = server.first_start_message(show_tokens=sys.stderr.isatty())
+    if message:
+        click.echo(message, err=True)
+    keyring = app.service.store.keyring
+    if keyring is not None and keyring.generated and keyring.path is not None:
+        click.echo(
+            f"decision key made at {keyring.path.resolve()} (mode 0600): it seals every approval; back it up "
+            "apart from the store",
+            err=True,
+        )
+    signer = app.service.store.chain.signer
+    if signer is not None and signer.keyring.generated and signer.keyring.path is not None:
+        click.echo(
+            f"audit key made at {signer.keyring.path.resolve()} (mode 0600): it signs the audit log's checkpoints; "
+            "back it up apart from the store, and give `kazma audit public-key` to whoever verifies the log",
+            err=True,
+        )
+    click.echo(f"kazma is running; web console at {server.url}; press Ctrl-C to stop", err=True)
 
 
 def _require_shared_console_tokens(loaded: LoadedConfig) -> None:

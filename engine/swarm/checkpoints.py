@@ -196,8 +196,8 @@ class Checkpoints:
         if self.approvals is None:
             return []
         withdrawn: list[str] = []
-        for request in await self.approvals.store.requests(pending_only=True, limit=10_000, tool=CHECKPOINT_TOOL):
-            if request.tool != CHECKPOINT_TOOL or not request.requested_by.startswith("swarm:"):
+        for request in await self.approvals.store.pending_of(CHECKPOINT_TOOL):
+            if not request.requested_by.startswith("swarm:"):
                 continue
             task_id = request.task_id or request.requested_by.removeprefix("swarm:")
             record = await self.store.get(task_id)
