@@ -209,6 +209,9 @@ class _Pending(NamedTuple):
     person: str | None
 
 
+_new_pending: Final = tuple.__new__
+
+
 class AuditChain:
     """Appends a store's audit events to the chain, at the end of the transaction that records them."""
 
@@ -243,7 +246,10 @@ class AuditChain:
         person: str | None = None,
     ) -> None:
         """One audit event, written with the transaction ``tx`` commits (and only if it commits)."""
-        tx.defer(self._flush, _Pending(request_id, event, actor, platform, at, args_hash, detail, person))
+        # tuple.__new__ directly: a NamedTuple's own __new__ is one more Python call on every operation's path.
+        tx.defer(
+            self._flush, _new_pending(_Pending, (request_id, event, actor, platform, at, args_hash, detail, person))
+        )
 
     def start(self, tx: Tx) -> None:
         """Chain what was there before the chain began, if that is still to be done (no event of its own)."""
@@ -290,9 +296,12 @@ class AuditChain:
 
     # -- the end of the transaction ---------------------------------------------------------------
 
-    def _flush(self, tx: Tx, items: list[_Pending | None]) -> None:
+    def _flush(self, tx: Tx, items: list[Any]) -> None:
+        # items: each a _Pending, or None (start(): no event of its own); the list is passed on as it is when it
+        # holds no None, which is every operation's case.
+        events: list[_Pending] = items if None not in items else [item for item in items if item is not None]
         try:
-            self._link(tx, items if None not in items else [item for item in items if item is not None])
+            self._link(tx, events)
         except Exception as exc:
             # The transaction is undone: the decision it held is not recorded either (it stays pending).
             count_failure("audit_chain")
