@@ -69,6 +69,9 @@ _CANONICAL: Final = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), 
 _quote: Final = encode_basestring  # json's escaping of one text (the C function its encoder calls)
 _DOMAIN_TEXT: Final = _quote(_DOMAIN)
 _NULL: Final = "null"
+# An empty SHA-256, copied for each event: hashlib.sha256() looks the digest up by name in OpenSSL on every call
+# (about a third of a short text's hashing).
+_SHA256: Final = hashlib.sha256()
 # Taken by the transaction that appends, from its flush to its commit (PostgreSQL; SQLite has its write lock).
 CHAIN_LOCK: Final = 0x6B617A6D61_0029  # "kazma", issue 29
 # The decision of a request, as the compare-and-set writes it: ``decided`` for a person, else the outcome.
@@ -146,7 +149,9 @@ def event_hash(
             text = _canonical(prev_hash, request_id, event, actor, platform, at, args_hash, detail, person)
     else:
         text = _canonical(prev_hash, request_id, event, actor, platform, at, args_hash, detail, person)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    digest = _SHA256.copy()
+    digest.update(text.encode("utf-8"))
+    return digest.hexdigest()
 
 
 def _canonical(*fields: Any) -> str:
@@ -204,6 +209,9 @@ class _Pending(NamedTuple):
     person: str | None
 
 
+_new_pending: Final = tuple.__new__
+
+
 class AuditChain:
     """Appends a store's audit events to the chain, at the end of the transaction that records them."""
 
@@ -238,7 +246,10 @@ class AuditChain:
         person: str | None = None,
     ) -> None:
         """One audit event, written with the transaction ``tx`` commits (and only if it commits)."""
-        tx.defer(self._flush, _Pending(request_id, event, actor, platform, at, args_hash, detail, person))
+        # tuple.__new__ directly: a NamedTuple's own __new__ is one more Python call on every operation's path.
+        tx.defer(
+            self._flush, _new_pending(_Pending, (request_id, event, actor, platform, at, args_hash, detail, person))
+        )
 
     def start(self, tx: Tx) -> None:
         """Chain what was there before the chain began, if that is still to be done (no event of its own)."""
@@ -285,9 +296,12 @@ class AuditChain:
 
     # -- the end of the transaction ---------------------------------------------------------------
 
-    def _flush(self, tx: Tx, items: list[_Pending | None]) -> None:
+    def _flush(self, tx: Tx, items: list[Any]) -> None:
+        # items: each a _Pending, or None (start(): no event of its own); the list is passed on as it is when it
+        # holds no None, which is every operation's case.
+        events: list[_Pending] = items if None not in items else [item for item in items if item is not None]
         try:
-            self._link(tx, [item for item in items if item is not None])
+            self._link(tx, events)
         except Exception as exc:
             # The transaction is undone: the decision it held is not recorded either (it stays pending).
             count_failure("audit_chain")
@@ -298,10 +312,16 @@ class AuditChain:
         if self.postgres and events:
             self._link_postgres(tx, events)
             return
-        prev, seq = self._read_head(tx)
+        last_seq, last_hash, signed_seq = (
+            tx.one(_HEAD_POSTGRES, (CHAIN_LOCK,)) if self.postgres else tx.one(_HEAD_SQLITE)
+        )
+        if last_hash is not None and (signed_seq is None or signed_seq <= last_seq):
+            prev, seq = last_hash, last_seq  # the common case: a chained row is the head, nothing signed past it
+        else:
+            prev, seq = self._head(tx, last_seq, last_hash, signed_seq)
         if not events:
             return
-        rows = self._rows(events, self._request_hashes(tx, events), prev, seq)
+        rows = self._rows(events, None, prev, seq, tx)
         tx.after_commit(functools.partial(self._committed, prev, seq + 1, int(rows[-1][0]), str(rows[-1][9])))
         if len(rows) == 1:
             tx.send(_INSERT_EVENT, rows[0])
@@ -319,7 +339,7 @@ class AuditChain:
         """
         hashes = self._request_hashes(tx, events)
         expect = self._last_head
-        guessed = [] if expect is None else self._rows(events, hashes, expect[1], expect[0])
+        guessed = [] if expect is None else self._rows(events, hashes, expect[1], expect[0], tx)
         if expect is not None and self._guesses_hold and getattr(tx, "pipelined", False):
             self._guesses_hold = False  # until this transaction commits
             pg_press.append_or_fail(tx, CHAIN_LOCK, expect, guessed)
@@ -329,7 +349,7 @@ class AuditChain:
             rows, held = guessed, appended
             if not appended:
                 prev, seq = self._head(tx, last_seq, last_hash, signed_seq)
-                rows = self._rows(events, hashes, prev, seq)
+                rows = self._rows(events, hashes, prev, seq, tx)
                 values = ", ".join([_ROW_MARKS] * len(rows))
                 # Also moves the identity past them: a row inserted without a seq (by hand, around Kazma) must
                 # not take a number the chain gave, or the chain's next append would fail. Nobody reads its answer.
@@ -344,31 +364,21 @@ class AuditChain:
         )
         self.appended = True
 
-    def _read_head(self, tx: Tx) -> tuple[str, int]:
-        if self.postgres:
-            last_seq, last_hash, signed_seq = tx.one(_HEAD_POSTGRES, (CHAIN_LOCK,))
-        else:
-            last_seq, last_hash, signed_seq = tx.one(_HEAD_SQLITE)
-        return self._head(tx, last_seq, last_hash, signed_seq)
-
     def _rows(
-        self, events: list[_Pending], hashes: dict[str | None, str | None], prev: str, seq: int
+        self, events: list[_Pending], hashes: dict[str | None, str | None] | None, prev: str, seq: int, tx: Tx
     ) -> list[tuple[Any, ...]]:
+        """The events as rows after ``prev`` (number ``seq``), the last one sealed; ``hashes``: the arguments hashes
+        of their requests, read here from ``tx`` when None and an event wants one."""
         rows: list[tuple[Any, ...]] = []
         first = seq + 1
-        for pending in events:
+        for request_id, event, actor, platform, at, digest, detail, person in events:
+            if isinstance(digest, _FromRequest):
+                if hashes is None:
+                    hashes = self._request_hashes(tx, events)
+                digest = hashes.get(request_id)
             seq += 1
-            digest = (
-                hashes.get(pending.request_id) if isinstance(pending.args_hash, _FromRequest) else pending.args_hash
-            )
-            chained = event_hash(
-                prev, pending.request_id, pending.event, pending.actor, pending.platform, pending.at, digest,
-                pending.detail, pending.person,
-            )  # fmt: skip
-            rows.append(
-                (seq, pending.request_id, pending.event, pending.actor, pending.platform, pending.at, digest,
-                 pending.detail, prev, chained, pending.person, None)
-            )  # fmt: skip
+            chained = event_hash(prev, request_id, event, actor, platform, at, digest, detail, person)
+            rows.append((seq, request_id, event, actor, platform, at, digest, detail, prev, chained, person, None))
             prev = chained
         if self.signer is not None:  # the last event carries what vouches for them all
             rows[-1] = (*rows[-1][:-1], self.signer.commit_seal(first, seq, prev))

@@ -5,7 +5,7 @@
 events handed to the end of the transaction, numbered and hashed after the head
 (under the chain's lock on PostgreSQL), the last one carrying the transaction's
 commit seal (an HMAC), and a checkpointer per store signing the head with Ed25519
-within a tenth of a second of each decision (at most every 100 ms: a burst shares one).
+within a fiftieth of a second of each decision (at most every 20 ms: a burst shares one).
 Everything else (the service, the card check, the sealed compare-and-set, group
 commit) is the same code on both sides.
 
