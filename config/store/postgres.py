@@ -529,7 +529,10 @@ class PgWriter(GroupQueue):
         self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool
     ) -> tuple[bool, bool]:
         """``jobs`` in one transaction sent as one string (see the module): (committed, whether a guess was stale).
-        When an operation asks for an answer nothing was sent: (False, False). Rolled back unless committed."""
+        When an operation asks for an answer nothing was sent: (False, False), and the work its group did in Python
+        is done again pipelined. Rolled back unless committed."""
+        if any(job.rides for job in jobs):
+            return False, False  # a rider (the audit checkpoint) reads the chain's head: the group would ask
         if self._client is None or self._client.connection is not conn:
             self._client = psycopg.ClientCursor(conn)
         cursor = self._client
