@@ -257,9 +257,11 @@ class _NeedsAnswers(BaseException):
 class PgBatchTx(PgTx):
     """A transaction whose statements are collected, bound on the client, and sent as one string at its commit.
 
-    Only for operations that wait for no answer: ``send``, ``guess`` and ``notify`` are collected; ``one``,
-    ``all``, ``run``, ``run_many`` and ``later`` stop the attempt (:class:`_NeedsAnswers`) before anything went
-    out, and the writer runs the group pipelined instead (operations are pure functions of the transaction).
+    Every statement given must be one statement (no ``;`` between two): its answer is found by its place among
+    the string's results. Only for operations that wait for no answer: ``send``, ``guess`` and ``notify`` are
+    collected; ``one``, ``all``, ``run``, ``run_many`` and ``later`` stop the attempt (:class:`_NeedsAnswers`)
+    before anything went out, and the writer runs the group pipelined instead (operations are pure functions of
+    the transaction).
     """
 
     def __init__(self, cursor: psycopg.ClientCursor[Any]) -> None:
