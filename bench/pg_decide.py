@@ -11,6 +11,15 @@ every ``--chunk`` requests so the machine's other load hits both alike; every
 request is opened (and the tables warmed) before timing starts. Prints every run
 with the 1-minute load average beside it, then the medians; asserts nothing.
 
+Beside the rates, each side's CPU per press in this process (``time.process_time``: the event loop and the
+writer thread together, not the server's): on a shared machine the rates move with the other load, the CPU a
+press costs here much less.
+
+What the two sides do is not the same work: "raw" writes one row of a three-column table and nothing else
+(no audit event, no review row, no NOTIFY, no seal), one transaction (one commit) per press; the product
+writes the request's outcome, its review row, its audit event on the chain and its NOTIFY, one transaction
+per group (a lone press is a group of one, so the "1 press" row commits once per press on both sides).
+
     python bench/pg_decide.py [--dsn postgresql://…] [--requests 1200] [--runs 3] [--chunk 60]
 
 Without ``--dsn`` it starts a throwaway server with the test suite's
@@ -64,6 +73,13 @@ CASES = (
 class Side:
     seconds: float = 0.0
     decisions: int = 0
+    cpu: float = 0.0  # process CPU seconds spent on this side (time.process_time)
+    presses: int = 0
+
+    @property
+    def cpu_per_press(self) -> float:
+        """Microseconds of this process's CPU per press."""
+        return 1e6 * self.cpu / self.presses if self.presses else 0.0
 
     @property
     def rate(self) -> float:
@@ -117,13 +133,17 @@ async def run_case(dsn: str, case: Case, requests: int, chunk: int) -> tuple[Sid
             numbers = range(start, min(start + size, requests))
             order = ("product", "raw") if (start // size) % 2 == 0 else ("raw", "product")
             for side in order:
-                began = time.perf_counter()
+                began, cpu = time.perf_counter(), time.process_time()
                 if side == "product":
                     product.decisions += await _product_chunk(service, [opened[n].id for n in numbers], case)
                     product.seconds += time.perf_counter() - began
+                    product.cpu += time.process_time() - cpu
+                    product.presses += len(numbers) * case.presses
                 else:
                     bare.decisions += await _raw_chunk(raw, [f"r{n}" for n in numbers], case)
                     bare.seconds += time.perf_counter() - began
+                    bare.cpu += time.process_time() - cpu
+                    bare.presses += len(numbers) * case.presses
         again = getattr(writer, "pipeline_retries", 0) - retries
         note = f"{writer.groups - groups} groups, {again} pipelined groups run again"
         return product, bare, note
@@ -187,11 +207,12 @@ async def main() -> None:
     args = parser.parse_args()
     configure_logging("warning")  # measure the store, not the log sink
     ratios: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     with server(args.dsn) as (admin_dsn, where, switchable):
         modes = [False, True] if args.fsync == "both" else [args.fsync == "on"]
         print(f"{where} (pid {os.getpid()}): {args.requests} requests per row, sides interleaved every {args.chunk}")
         print(f"{'run':<5}{'durability':<12}{'case':<26}{'product/s':>11}{'raw CAS/s':>11}{'product ÷ raw':>15}"
-              f"{'load 1m':>9}  writer")  # fmt: skip
+              f"{'load 1m':>9}{'CPU µs/press product':>22}{'raw':>6}  writer")  # fmt: skip
         for run in range(1, args.runs + 1):
             for fsync in modes:
                 durability = set_fsync(admin_dsn, fsync) if switchable else current_fsync(admin_dsn)
@@ -201,13 +222,18 @@ async def main() -> None:
                     ratio = product.rate / bare.rate
                     ratios.setdefault(f"{durability:<12}{case.name}", []).append(ratio)
                     print(f"{run:<5}{durability:<12}{case.name:<26}{product.rate:>11,.0f}{bare.rate:>11,.0f}"
-                          f"{ratio:>15.3f}{os.getloadavg()[0]:>9.2f}  {note}")  # fmt: skip
+                          f"{ratio:>15.3f}{os.getloadavg()[0]:>9.2f}{product.cpu_per_press:>22.0f}"
+                          f"{bare.cpu_per_press:>6.0f}  {note}")  # fmt: skip
+                    cpu.setdefault(f"{durability:<12}{case.name}", []).append(product.cpu_per_press)
                     for label, side in (("product", product), ("raw", bare)):
                         if side.decisions != args.requests:
                             print(f"  !! {label} decided {side.decisions} of {args.requests}")
     print("median product ÷ raw psycopg compare-and-set:")
     for name, values in ratios.items():
         print(f"     {name:<38}{statistics.median(values):>8.3f}   runs: {', '.join(f'{v:.3f}' for v in values)}")
+    print("median product CPU µs per press (this process, loop and writer thread):")
+    for name, values in cpu.items():
+        print(f"     {name:<38}{statistics.median(values):>8.0f}   runs: {', '.join(f'{v:.0f}' for v in values)}")
 
 
 if __name__ == "__main__":

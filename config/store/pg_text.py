@@ -20,7 +20,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from psycopg.abc import AdaptContext, Buffer
+import psycopg
+from psycopg.abc import AdaptContext, Buffer, Dumper, Loader
+from psycopg.adapt import PyFormat
+from psycopg.pq import Format
 from psycopg.types.string import StrDumperUnknown, TextLoader
 
 ESCAPE = "\ufdd0"
@@ -48,26 +51,47 @@ def decode(text: str) -> str:
     return _PAIR.sub(_pair, text)
 
 
+_TEXT_TYPES = ("text", "varchar", "bpchar", "name")
+# The driver's own text adapters, before any connection's escaping is registered: with psycopg[binary] they are
+# its C ones. The escaping wraps them, so text that needs none (nearly all) costs a check and a call, not
+# psycopg's pure-Python encoding (a press sends about twenty text values and reads eight).
+_PLAIN_DUMPER: type[Dumper] = psycopg.adapters.get_dumper(str, PyFormat.TEXT)
+_PLAIN_LOADERS: dict[int, type[Loader]] = {}
+for _name in _TEXT_TYPES:
+    _oid = psycopg.adapters.types[_name].oid
+    _PLAIN_LOADERS[_oid] = psycopg.adapters.get_loader(_oid, Format.TEXT) or TextLoader
+
+
 class NulSafeStrDumper(StrDumperUnknown):
     """Python text as PostgreSQL text, U+0000 escaped (see the module)."""
 
+    def __init__(self, cls: type, context: AdaptContext | None = None) -> None:
+        super().__init__(cls, context)
+        self._plain = _PLAIN_DUMPER(cls, context).dump
+
     def dump(self, obj: str) -> Buffer | None:
-        return super().dump(encode(obj))
+        if "\x00" in obj or ESCAPE in obj:
+            obj = encode(obj)
+        return self._plain(obj)
 
 
 class NulSafeTextLoader(TextLoader):
     """PostgreSQL text as Python text, U+0000 restored."""
 
+    def __init__(self, oid: int, context: AdaptContext | None = None) -> None:
+        super().__init__(oid, context)
+        self._plain = _PLAIN_LOADERS.get(oid, TextLoader)(oid, context).load
+
     def load(self, data: Buffer) -> bytes | str:
-        value = super().load(data)
-        return decode(value) if isinstance(value, str) else value
+        value = self._plain(data)
+        return decode(value) if type(value) is str and ESCAPE in value else value
 
 
 def nul_safe(context: AdaptContext) -> None:
     """Register the escaping on a connection (or any adapters context): text in, text out, NUL kept."""
     adapters = context.adapters
     adapters.register_dumper(str, NulSafeStrDumper)
-    for oid_name in ("text", "varchar", "bpchar", "name"):
+    for oid_name in _TEXT_TYPES:
         adapters.register_loader(oid_name, NulSafeTextLoader)
 
 

@@ -25,6 +25,15 @@ is bounded (``lock_timeout``), so two replicas' groups that lock rows in
 opposite orders cannot deadlock for long: the one that times out rolls back,
 letting the other commit, and runs its operations one per transaction (the
 held-up one last), where each may wait as long as it takes.
+
+A group whose operations wait for no answer before the commit (presses sent on
+a guess, the audit chain's append on the head it expects, notifications) goes
+out as one string of statements, bound on the client, in one simple-protocol
+query: one send and one read. In psycopg's pipeline mode each statement costs a
+cursor, a send and a poll of the socket, and the pipeline's end a sync; a lone
+press cost about four times the client CPU so. An operation that asks for an
+answer there stops the attempt before anything was sent, and the group goes
+pipelined as before.
 """
 
 from __future__ import annotations
@@ -109,6 +118,26 @@ def pyformat(sql: str) -> str:
         else:
             out.append(char)
     return "".join(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pieces(sql: str) -> tuple[str, ...]:
+    """``sql`` cut at its ``?`` placeholders (quoted text left alone, as :func:`pyformat` reads it): the text
+    around them, one piece more than there are placeholders."""
+    pieces: list[str] = []
+    start = 0
+    quote: str | None = None
+    for at, char in enumerate(sql):
+        if quote is not None:
+            if char == quote:
+                quote = None
+        elif char in ("'", '"'):
+            quote = char
+        elif char == "?":
+            pieces.append(sql[start:at])
+            start = at + 1
+    pieces.append(sql[start:])
+    return tuple(pieces)
 
 
 class PgTx(Deferred):
@@ -219,6 +248,107 @@ class PgTx(Deferred):
             self._cursor.execute(_NOTIFY_ALL, (list(channels), list(payloads)))
 
 
+class _NeedsAnswers(BaseException):
+    """An operation asked for a statement's answer in a transaction sent as one string (:class:`PgBatchTx`).
+
+    A BaseException, so an operation's ``except Exception`` cannot take it for a database error and go on."""
+
+
+class PgBatchTx(PgTx):
+    """A transaction whose statements are collected, bound on the client, and sent as one string at its commit.
+
+    Every statement given must be one statement (no ``;`` between two): its answer is found by its place among
+    the string's results. Only for operations that wait for no answer: ``send``, ``guess`` and ``notify`` are
+    collected; ``one``, ``all``, ``run``, ``run_many`` and ``later`` stop the attempt (:class:`_NeedsAnswers`)
+    before anything went out, and the writer runs the group pipelined instead (operations are pure functions of
+    the transaction).
+    """
+
+    def __init__(self, cursor: psycopg.ClientCursor[Any]) -> None:
+        super().__init__(cursor)
+        self.guessing = True
+        self.asked = False  # an operation asked for an answer (set even if it swallowed the stop)
+        self.statements: list[str] = []
+        self._answers: list[tuple[int, Callable[[Any], Any], Later[Any]]] = []
+        # Each value as the literal psycopg's client-side binding makes of it (the connection's adapters: text
+        # through pg_text's escaping), one transformer for the whole transaction. Not ClientCursor.mogrify: it
+        # parses a statement of more than 50 values again every time (the chain's append of four events or more
+        # has 52), about 40 µs per event row against 8 here.
+        self._literals = psycopg.adapt.Transformer(cursor)
+        self._encoding = cursor.connection.info.encoding
+
+    @property
+    def pipelined(self) -> bool:
+        return True  # nothing is waited for before the commit, as in pipeline mode
+
+    def _add(self, sql: str, params: Iterable[Any]) -> None:
+        pieces = _pieces(sql)
+        values = tuple(params)
+        if len(values) != len(pieces) - 1:
+            raise psycopg.ProgrammingError(
+                f"the statement has {len(pieces) - 1} placeholders but {len(values)} values were given"
+            )
+        literal = self._literals.as_literal
+        out = [pieces[0]]
+        for value, piece in zip(values, pieces[1:], strict=True):
+            out.append("NULL" if value is None else literal(value).decode(self._encoding))
+            out.append(piece)
+        self.statements.append("".join(out))
+
+    def _ask(self) -> Any:
+        self.asked = True
+        raise _NeedsAnswers
+
+    def guess(self, sql: str, params: Iterable[Any], then: Callable[[Any], T]) -> Later[T]:
+        later: Later[T] = Later()
+        self._answers.append((len(self.statements), then, later))
+        self._add(sql, params)
+        return later
+
+    def send(self, sql: str, params: Iterable[Any] = ()) -> None:
+        self._add(sql, params)
+
+    def later(self, sql: str, params: Iterable[Any], then: Callable[[Any], T]) -> Later[T]:
+        return self._ask()  # type: ignore[no-any-return]
+
+    def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        return self._ask()
+
+    def all(self, sql: str, params: Iterable[Any] = ()) -> list[Any]:
+        return self._ask()  # type: ignore[no-any-return]
+
+    def run(self, sql: str, params: Iterable[Any] = ()) -> int:
+        return self._ask()  # type: ignore[no-any-return]
+
+    def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
+        self._ask()
+
+    def _send_notices(self) -> None:
+        notices, self._notices = self._notices, []
+        for notice in notices:  # one statement each, in the order asked for: the string is one send anyway
+            self._add("SELECT pg_notify(?, ?)", notice)
+
+    def _read_answers(self, cursor: psycopg.ClientCursor[Any], first: int) -> list[Any]:
+        """Each guess's row, in order, from the results of the string (its statements' start at result ``first``);
+        the cursor is left on the last result (the ``COMMIT``'s)."""
+        rows: list[Any] = []
+        at = 0
+        for index, _, _ in self._answers:
+            while at < first + index:
+                cursor.nextset()
+                at += 1
+            rows.append(cursor.fetchone())
+        while cursor.nextset():
+            pass
+        return rows
+
+    def _resolve_answers(self, rows: list[Any]) -> None:
+        """The transaction committed: each guess's ``then`` turns its row into an operation's result."""
+        answers, self._answers = self._answers, []
+        for (_, then, later), row in zip(answers, rows, strict=True):
+            later.set(then(row))
+
+
 class _SwallowedError(psycopg.Error):
     """An operation caught a database error and returned: its transaction is aborted, so it failed."""
 
@@ -251,6 +381,8 @@ class PgWriter(GroupQueue):
         # Groups run in pipeline mode (see _attempt_pipelined); off: every statement waits for its answer.
         self.pipelined = pipelined
         self.pipeline_retries = 0  # pipelined groups rolled back and run again statement by statement
+        self.batched = 0  # groups committed as one string of statements (see _attempt_batched)
+        self._client: psycopg.ClientCursor[Any] | None = None  # the writer connection's, for _attempt_batched
         # The server process of the writer's connection: a NOTIFY this process sent carries it, so the
         # replica's listener can tell its own notifications from the others'.
         self.backend_pid: int | None = None
@@ -415,13 +547,69 @@ class PgWriter(GroupQueue):
         Raises when the connection itself fails, or the ``COMMIT`` does.
         """
         if self.pipelined:
-            for guessing in (True, False):  # once more, guessing nothing, when a guess was stale
+            guesses: tuple[bool, ...] = (True, False)
+            committed, stale = self._attempt_batched(conn, jobs, bounded=bounded)
+            if committed:
+                return None
+            if stale:
+                guesses = (False,)
+            for guessing in guesses:  # once more, guessing nothing, when a guess was stale
                 committed, again = self._attempt_pipelined(conn, jobs, bounded=bounded, guessing=guessing)
                 if committed:
                     return None
                 if not again:
                     break
         return self._attempt_plain(conn, jobs, bounded=bounded)
+
+    def _attempt_batched(
+        self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool
+    ) -> tuple[bool, bool]:
+        """``jobs`` in one transaction sent as one string (see the module): (committed, whether a guess was stale).
+        When an operation asks for an answer nothing was sent: (False, False), and the work its group did in Python
+        is done again pipelined. Rolled back unless committed."""
+        if any(job.rides for job in jobs):
+            return False, False  # a rider (the audit checkpoint) reads the chain's head: the group would ask
+        if self._client is None or self._client.connection is not conn:
+            self._client = psycopg.ClientCursor(conn)
+        cursor = self._client
+        tx = PgBatchTx(cursor)
+        try:
+            for job in jobs:
+                job.result, job.error = None, None
+                job.result = job.op(tx)
+                if tx.asked:
+                    return False, False
+            tx._run_deferred()
+            if tx.asked:
+                return False, False
+            tx._send_notices()
+        except (_NeedsAnswers, Exception):  # nothing was sent: the pipelined path runs them (and tells who failed)
+            return False, False
+        head = ["BEGIN"]
+        if bounded:
+            head.append(f"SET LOCAL lock_timeout = {int(self.lock_timeout_ms)}")
+        try:
+            cursor.execute(";\n".join([*head, *tx.statements, "COMMIT"]))
+            rows = tx._read_answers(cursor, len(head))
+            committed = cursor.statusmessage == "COMMIT"  # a transaction aborted unseen would answer ROLLBACK
+        except psycopg.Error as exc:
+            if conn.broken or conn.closed:
+                raise
+            self._roll_back(conn)
+            self.pipeline_retries += 1
+            return False, _sqlstate(exc) == STALE_GUESS
+        except BaseException:
+            if not conn.broken and not conn.closed:
+                self._roll_back(conn)
+            raise
+        if not committed:
+            self._roll_back(conn)
+            self.pipeline_retries += 1
+            return False, False
+        self.batched += 1
+        tx._resolve_answers(rows)
+        tx._committed()
+        return True, False
 
     def _attempt_pipelined(
         self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool, guessing: bool = False
