@@ -353,6 +353,10 @@ class ApprovalStore:
         self.chain = AuditChain(postgres=not isinstance(self.tables, Tables), signer=audit, clock=lambda: self.clock())
         # Told after a commit that appended audit events (the checkpointer, the audit sink).
         self.appended_listeners: list[Callable[[], None]] = []
+        # Called at the end of the transaction of a decision a press won (SQLite), after its events are chained,
+        # with the ids decided there: the checkpointer signs the head in that very commit, so the settled cards
+        # have their witness without a commit of its own (None: no checkpointer here).
+        self.decided_in_commit: Callable[[Tx, list[str]], None] | None = None
         # Written as the owner of every request this process opens (None: the only process on the store).
         self.replica = replica
         # Seals every outcome this store writes (approvals/seal.py). None: outcomes are written unsealed, and an
@@ -672,6 +676,8 @@ class ApprovalStore:
             self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
                               args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
             tx.notify(DECIDED_CHANNEL, request_id)
+            if self.decided_in_commit is not None and not self.chain.postgres:
+                tx.defer(self._after_chaining, request_id)
             return Pressed(None, True, request)
 
         return op
@@ -776,6 +782,12 @@ class ApprovalStore:
                           detail=f"standing: {first}", person=person)  # fmt: skip
         lost = pg_press.press_guessed(tx, call, pg_press.LOST, first, lambda row: Pressed(None, False, _standing(row)))
         return cast(Pressed, lost)
+
+    def _after_chaining(self, tx: Tx, request_ids: list[str]) -> None:
+        # Run with the chain's own flush (same round): handed on once more, so it runs after every event of the
+        # transaction is chained, whatever order the flushes were first asked for in.
+        for request_id in request_ids if self.decided_in_commit is not None else ():
+            tx.defer(self.decided_in_commit, request_id)
 
     def _forget_sealed(self, request_id: str) -> None:
         self._sealed_fields.pop(request_id, None)
