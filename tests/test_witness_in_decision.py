@@ -116,7 +116,8 @@ async def test_a_forged_event_before_a_decision_is_never_signed_by_the_decisions
         assert not any(c.first_seq <= forged <= c.seq for c in signed)
         events = await service.store.chain_events(limit=100_000)
     report = verify(events, signed, TEST_SIGNER.public_keys())
-    assert report.problems and report.problems[0].seq == forged
+    assert report.problems
+    assert report.problems[0].seq == forged
     assert report.problems[0].kind == "unsigned", report.problems[0].line()
 
 
@@ -148,7 +149,8 @@ async def test_a_signature_that_fails_in_a_decisions_commit_costs_the_decision_n
         assert pressed.won
         assert failure_count("audit_checkpoint") == failed + 1
         stored = await service.store.get(request.id)
-        assert stored is not None and stored.status is Status.APPROVED  # committed, with its audit row
+        assert stored is not None
+        assert stored.status is Status.APPROVED
         assert [e.event for e in await service.store.events(request.id)] == ["opened", "decided"]
         # Nothing was signed in that commit; the loop's pass (woken by it) signs the decision instead.
         witness = await checkpointer.witness(request.id, patience=10)
