@@ -264,6 +264,8 @@ MIGRATIONS = [
     Migration("approvals", 13, ()),
     # PostgreSQL's press sent on a guess of what it finds (approvals/pg_press.py); nothing on SQLite.
     Migration("approvals", 14, ()),
+    # A card posted again says so (an earlier attempt may have landed unrecorded): its edits keep saying it.
+    Migration("approvals", 18, ("ALTER TABLE approval_cards ADD COLUMN reposted INTEGER NOT NULL DEFAULT 0",)),
 ]
 
 # The same tables on PostgreSQL, version for version: REAL is double precision there (its REAL has 6
@@ -542,4 +544,5 @@ PG_MIGRATIONS = [
     PgMigration("approvals", 12, ("ALTER TABLE approval_cards ADD COLUMN bound_to text",)),
     PgMigration("approvals", 13, (PG_PRESS_FUNCTION, PG_AUDIT_APPEND_FUNCTION)),
     PgMigration("approvals", 14, (PG_PRESS_GUESSED_FUNCTION,)),
+    PgMigration("approvals", 18, ("ALTER TABLE approval_cards ADD COLUMN reposted integer NOT NULL DEFAULT 0",)),
 ]

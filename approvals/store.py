@@ -97,7 +97,9 @@ _PRESS_GUESSES = "approvals.press_guesses"
 LOCAL = "local"
 # Told at every decision: each replica wakes the call waiting for it and settles the cards (PostgreSQL NOTIFY).
 DECIDED_CHANNEL = "kazma_decided"
-_CARD_COLUMNS = "request_id, platform, chat, message_id, posted_at, settled_at, settled_status, whole, bound_to"
+_CARD_COLUMNS = (
+    "request_id, platform, chat, message_id, posted_at, settled_at, settled_status, whole, bound_to, reposted"
+)
 
 # A card recorded after its request ended (found by its nonce, or pressed): when a stopped process left an approved
 # call unrun, ``execution_lost`` already marked the cards it knew of; this one is marked the same way in the write
@@ -251,6 +253,7 @@ class PostedCard:
     settled_status: str | None
     whole: bool = True  # the card showed the whole call
     bound_to: str | None = None  # a card in a direct message: the person it was sent to (only they press it)
+    reposted: bool = False  # posted again, marked so (an earlier attempt may have landed unrecorded): kept marked
 
 
 @dataclass(frozen=True)
@@ -1129,14 +1132,18 @@ class ApprovalStore:
         whole: bool = True,
         ended: bool = False,
         bound_to: str | None = None,
+        reposted: bool = False,
     ) -> None:
         """Record a posted card. ``ended``: found after its request ended (Discord's nonce gives back a post a
         stopped process never recorded): it is marked the way ``execution_lost`` marks every card, so its edit
-        reads that note too. ``bound_to``: the person a card in a direct message was sent to (only they press it)."""
+        reads that note too. ``bound_to``: the person a card in a direct message was sent to (only they press it).
+        ``reposted``: the card says it was posted again (every later edit of it says so too)."""
         now = self.clock()
         detail = f"{chat}/{message_id}" + ("" if whole else " (not the whole call)")
         if bound_to is not None:
             detail += f" (a direct message to {bound_to})"
+        if reposted:
+            detail += " (posted again, marked so)"
 
         def op(tx: Tx) -> None:
             if ended:
@@ -1144,9 +1151,9 @@ class ApprovalStore:
                                             request_id))  # fmt: skip
             else:
                 tx.run(
-                    "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole, bound_to)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                    (request_id, platform, chat, message_id, now, int(whole), bound_to),
+                    "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole, bound_to,"
+                    " reposted) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    (request_id, platform, chat, message_id, now, int(whole), bound_to, int(reposted)),
                 )
             self.chain.append(
                 tx,
@@ -1343,8 +1350,8 @@ def _gone(owner: str | None, live: Collection[str] | None) -> bool:
 
 
 def _card(row: Iterable[Any]) -> PostedCard:
-    request_id, platform, chat, message_id, posted, settled, status, whole, bound_to = tuple(row)
+    request_id, platform, chat, message_id, posted, settled, status, whole, bound_to, reposted = tuple(row)
     return PostedCard(
         request_id, platform, chat, message_id, datetime.fromtimestamp(posted, UTC), ts(settled), status, bool(whole),
-        bound_to,
+        bound_to, bool(reposted),
     )  # fmt: skip
