@@ -314,6 +314,10 @@ class ReviewState:
     REPEATED = "repeated"  # its person reviewed the request already (perhaps on another platform)
 
 
+# A write a press carries into its own transaction (SQLite): True when it may go on (a signed request's first use).
+FirstUse = Callable[[Tx], bool]
+
+
 @dataclass(frozen=True)
 class Pressed:
     """What a press did: refused by its admission or a card problem (nothing written), or the compare-and-set's
@@ -324,6 +328,7 @@ class Pressed:
     request: Standing | None
     review: str | None = None  # a ReviewState when the press was a review that did not decide
     refused: tuple[str, str] | None = None  # what its admission said: (for the audit, for the presser)
+    replayed: bool = False  # its ``first_use`` said the signed request that carried it was seen before
 
 
 def _rules_of_press(head: Sequence[Any]) -> Rules:
@@ -571,19 +576,30 @@ class ApprovalStore:
         card: CardCheck | None,
         person: str | None = None,
         admit: Admission | None = None,
+        first_use: FirstUse | None = None,
     ) -> Pressed:
         """A person's decision: its admission and the card it came from checked, the compare-and-set and its audit
         row, as one write.
 
         A press that loses is audited ``press_lost`` in the same group commit; one refused by ``admit`` or with a
-        card problem writes nothing (the caller decides what to audit, and whether to look again).
+        card problem writes nothing (the caller decides what to audit, and whether to look again). ``first_use``
+        (SQLite): a write of the same transaction run first, the record of the signed request that carried the
+        press; when it says False, nothing else is written (``replayed``).
         """
-        return await self._write(
-            self.press_op(
-                request_id, status, actor=actor, platform=platform, reason=reason, card=card, person=person,
-                admit=admit,
-            )
+        op = self.press_op(
+            request_id, status, actor=actor, platform=platform, reason=reason, card=card, person=person, admit=admit,
         )  # fmt: skip
+        if first_use is None:
+            return await self._write(op)
+        if self.chain.postgres:
+            raise ValueError("a press's first_use rides in its transaction on SQLite only")
+
+        def first_then_press(tx: Tx) -> Pressed:
+            if not first_use(tx):
+                return Pressed(None, False, None, replayed=True)
+            return op(tx)
+
+        return await self._write(first_then_press)
 
     def press_op(
         self,
@@ -789,8 +805,11 @@ class ApprovalStore:
     def _after_chaining(self, tx: Tx, request_ids: list[str]) -> None:
         # Run with the chain's own flush (same round): handed on once more, so it runs after every event of the
         # transaction is chained, whatever order the flushes were first asked for in.
-        for request_id in request_ids if self.decided_in_commit is not None else ():
-            tx.defer(self.decided_in_commit, request_id)
+        sign = self.decided_in_commit
+        if sign is None:
+            return
+        for request_id in request_ids:
+            tx.defer(sign, request_id)
 
     def _forget_sealed(self, request_id: str) -> None:
         self._sealed_fields.pop(request_id, None)
