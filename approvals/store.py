@@ -1224,7 +1224,7 @@ class ApprovalStore:
         """``request_id``'s cards on ``platform`` that still show buttons although it has an outcome."""
         rows = await self.tables.all(
             "SELECT c.request_id, c.platform, c.chat, c.message_id, c.posted_at, c.settled_at, c.settled_status,"
-            " c.whole, c.bound_to FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
+            " c.whole, c.bound_to, c.reposted FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
             " WHERE c.request_id = ? AND c.platform = ? AND c.settled_at IS NULL AND r.status != 'pending'"
             " ORDER BY c.posted_at",
             (request_id, platform),
@@ -1244,7 +1244,7 @@ class ApprovalStore:
             params.append(due_by)
         rows = await self.tables.all(
             "SELECT c.request_id, c.platform, c.chat, c.message_id, c.posted_at, c.settled_at, c.settled_status,"  # noqa: S608
-            " c.whole, c.bound_to FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
+            " c.whole, c.bound_to, c.reposted FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
             f" WHERE {' AND '.join(clauses)} ORDER BY r.decided_at",
             params,
         )
