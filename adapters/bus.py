@@ -567,7 +567,7 @@ class FanOutBus:
                 continue
             if place.person is not None:
                 self._dm_refused.discard((adapter.name, place.person))
-            await self._record_post(request.id, ref, bound_to=place.person)
+            await self._record_post(request.id, ref, bound_to=place.person, reposted=_reposts(adapter, job))
             recorded.add(ref.chat)
             log.info("bus.card_posted", platform=adapter.name, request_id=request.id, chat=ref.chat,
                      message=ref.message_id, person=place.person)  # fmt: skip
@@ -619,11 +619,11 @@ class FanOutBus:
     async def _post_one(self, adapter: PlatformAdapter, job: PostJob, card: ApprovalCard, chat: str | None) -> CardRef:
         """Post ``card`` into ``chat`` (None: the home chat), said to be a second copy when an earlier attempt may
         have landed unrecorded (where the platform cannot make a post idempotent). Raises on failure."""
-        if job.attempts and not (isinstance(adapter, IdempotentPosts) and adapter.idempotent_posts):
+        if _reposts(adapter, job):
             # That attempt may have landed, unrecorded: its copy's buttons are refused (not a recorded card of
-            # the request), but it still shows them. This copy says so. On Discord the nonce gives the first
-            # message back instead.
-            card = replace(card, warnings=(*card.warnings, REPOSTED))
+            # the request), but it still shows them. This copy says so (and every later edit of it: the card's
+            # row remembers). On Discord the nonce gives the first message back instead.
+            card = _marked(card)
             count_failure("card_reposted", adapter.name)
             log.warning("bus.card_reposted", platform=adapter.name, request_id=card.request_id,
                         attempt=job.attempts + 1)  # fmt: skip
@@ -685,7 +685,13 @@ class FanOutBus:
             await self.settle(request.id)
 
     async def _record_post(
-        self, request_id: str, ref: CardRef, *, ended: bool = False, bound_to: str | None = None
+        self,
+        request_id: str,
+        ref: CardRef,
+        *,
+        ended: bool = False,
+        bound_to: str | None = None,
+        reposted: bool = False,
     ) -> None:
         """Record a posted card's message id. The card is out: a write that fails is tried again for a few
         seconds before giving up (then the post is tried again when its claim runs out, marked as such)."""
@@ -699,7 +705,7 @@ class FanOutBus:
                     )
                 await self.store.record_card(
                     request_id, ref.platform, ref.chat, ref.message_id, whole=ref.whole, ended=ended,
-                    bound_to=bound_to,
+                    bound_to=bound_to, reposted=reposted,
                 )  # fmt: skip
                 return
             except store_errors() as exc:
@@ -776,8 +782,9 @@ class FanOutBus:
                 if posted.platform != adapter.name or posted.settled_at is not None:
                     continue
                 ref = CardRef(posted.platform, posted.chat, posted.message_id)
+                shown = _marked(card) if posted.reposted else card
                 try:
-                    await asyncio.wait_for(adapter.update_card(ref, card), timeout=self.platform_timeout)
+                    await asyncio.wait_for(adapter.update_card(ref, shown), timeout=self.platform_timeout)
                 except (PlatformError, TimeoutError) as exc:
                     count_failure("card_progress", adapter.name)
                     log.warning("bus.card_progress_failed", platform=adapter.name, request_id=request_id,
@@ -846,6 +853,8 @@ class FanOutBus:
             except CardIntegrityError:
                 # Settled all the same (the buttons must go), but showing no value from the changed row.
                 card = integrity_card(request, public_url=self.config.web.public_url)
+        if posted.reposted:  # it said it was posted again: its edit says so still
+            card = _marked(card)
         if self.shared and not force and not await self.store.claim_settle(posted, self.claim_seconds):
             # Another replica edits it (or it waits out a failed edit): look again when that claim has run out.
             due = self.clock() + self.claim_seconds
@@ -900,6 +909,17 @@ class FanOutBus:
         if request.decided_at is not None and last:
             DECISION_TO_SETTLED.observe(max(0.0, time.time() - request.decided_at.timestamp()))
         log.info("bus.card_settled", platform=adapter.name, request_id=request.id, status=request.status.value)
+
+
+def _reposts(adapter: PlatformAdapter, job: PostJob) -> bool:
+    """Whether a post of ``job`` is a second copy that says so: an earlier attempt may have landed unrecorded, on a
+    platform that cannot make a post idempotent."""
+    return bool(job.attempts) and not (isinstance(adapter, IdempotentPosts) and adapter.idempotent_posts)
+
+
+def _marked(card: ApprovalCard) -> ApprovalCard:
+    """``card`` saying it was posted again."""
+    return card if REPOSTED in card.warnings else replace(card, warnings=(*card.warnings, REPOSTED))
 
 
 class NullBus:

@@ -107,6 +107,9 @@ class Press:
     message_id: str | None = None  # which message the pressed card is, when the platform says
     is_admin: bool = False  # the presser is one of this platform's configured admins
     reason: str | None = None  # a Deny's reason, as the presser wrote it (a modal, a reply); None: none given
+    # What makes the signed request that carried it unique, not yet in the store's memory of signed requests:
+    # recorded in the press's own commit (``Handlers.signed_with_press``), and a replay decides nothing there.
+    signed: tuple[str, ...] = ()
 
     @property
     def where(self) -> Address | None:
@@ -187,6 +190,9 @@ class Handlers:
     # remembered in the store, so a captured request posted again after a restart, or to another replica, is
     # dropped inside its signature window too. None: the adapter's own memory alone (it ends with the process).
     first_signed: SignedCheck | None = None
+    # on_press records a press's signed request (``Press.signed``) in the transaction of its decision, and answers
+    # a replay with ``PressVerdict.REPLAYED``: the adapter checks only its own memory before handing it over.
+    signed_with_press: bool = False
     # A platform's own home page for one person (Slack's App Home): what waits for a decision, and whether this
     # person may decide. None: the adapter shows none.
     home: HomeHandler | None = None

@@ -62,6 +62,10 @@ class PressPolicy(ABC):
         """Record that the event ``key`` is taken in here (False: its claim is another replica's now)."""
 
     @abstractmethod
+    async def _first_in_store(self, keys: list[str]) -> bool:
+        """Whether the store had never seen these keys of one signed request (each is recorded now)."""
+
+    @abstractmethod
     def classify(self, site: str, exc: BaseException) -> PlatformError:
         """The platform's failure as a :class:`PlatformError`."""
 
@@ -72,6 +76,9 @@ class PressPolicy(ABC):
         handlers = self._handlers
         log.info("platform.press", platform=self.name, actor=press.actor, chat=press.chat, data=press.data[:80])
         if handlers is None or not press.data:
+            if press.signed and not await self._first_in_store(list(press.signed)):
+                self._replayed(press)
+                return
             await self._reply(reply.notify, PRESS_INACTIVE)
             return
         if not await self._claim(key):
@@ -117,10 +124,18 @@ class PressPolicy(ABC):
             verdict=result.verdict.value,
             request_id=result.request_id,
         )
-        if result.verdict is PressVerdict.WON:
+        if result.verdict is PressVerdict.REPLAYED:
+            self._replayed(press)
+        elif result.verdict is PressVerdict.WON:
             await self._reply(reply.acknowledge, result.message)
         else:
             await self._reply(reply.notify, result.message)
+
+    def _replayed(self, press: Press) -> None:
+        """The signed request that carried ``press`` was seen before (the store said so): nothing ran, nobody is
+        told; counted, as evidence of an attack or a retry storm."""
+        count_failure("replay_dropped", self.name)
+        log.warning("platform.replay_dropped", platform=self.name, keys=[k.split(":", 1)[0] for k in press.signed])
 
     async def _reply(self, say: Callable[[str], Awaitable[None]], text: str) -> None:
         try:

@@ -271,6 +271,11 @@ class AuditChain:
             return prev, seq, None if last is None else (int(last[0]), str(last[1]), float(last[2]))
         return prev, seq, None if signed_seq is None else (int(signed_seq), str(signed_head), float(signed_at))
 
+    @property
+    def last_committed_seq(self) -> int | None:
+        """The sequence number of the last event this chain appended in a transaction that committed."""
+        return None if self._last_head is None else self._last_head[0]
+
     def appended_all(self, after: int, prev: str, seq: int, head: str) -> bool:
         """Whether the events after ``after`` (which follow ``prev``) up to ``seq`` (whose hash is ``head``) are all
         this chain's own appends, each in a transaction that committed. Called holding the chain's order."""

@@ -19,6 +19,13 @@ Several replicas each run one; they take turns on the chain's lock, so each sign
 what the others have not. A settled card waits (briefly) for the checkpoint that
 holds its decision: :meth:`Checkpointer.witness`.
 
+A decision a press wins on SQLite is signed in its own commit when no pass was made
+within :data:`MIN_INTERVAL` (the same budget as the passes: a burst still shares
+one signature): the pass runs at the end of the decision's transaction, after its
+events are chained, so its cards have their witness as the decision commits, with
+no commit, read or wait of their own. Its loses nothing: a transaction that rolls
+back takes the checkpoint with it, and the next pass signs what is there.
+
 A pass woken by appends *rides* (:mod:`kazma.config.store.group_commit`): it joins
 the next group of writes the store commits anyway, after theirs, and commits alone
 only when none comes within :data:`RIDE`. While decisions arrive a
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -62,7 +70,13 @@ EVERY: Final = 60.0  # at least this often while events arrive (events of other 
 WITNESS_WAIT: Final = 5.0  # the longest a settled card waits for the checkpoint of its decision
 RETRY: Final = Backoff(base=0.5, cap=30.0)
 
+WITNESSES_KEPT: Final = 1000  # decisions signed in their own commit whose witness nobody asked for yet, at most
+
 _SINCE = f"SELECT {EVENT_COLUMNS}, commit_seal FROM approval_events WHERE seq > ? ORDER BY seq"  # noqa: S608
+_DECISION_SEQS = (
+    "SELECT request_id, MIN(seq) FROM approval_events WHERE request_id IN ({}) AND event IN ('decided', 'timeout',"
+    " 'cancelled') GROUP BY request_id"
+)
 
 
 @dataclass
@@ -87,6 +101,7 @@ class Checkpointer:
         every: float = EVERY,
         ride: float = RIDE,
         clock: Callable[[], float] = time.time,
+        in_decisions: bool = True,
     ) -> None:
         self.store = store
         self.signer = signer
@@ -94,6 +109,9 @@ class Checkpointer:
         self.every = every
         self.ride = ride
         self.clock = clock
+        # While it runs, a decision a press wins on SQLite is signed in its own commit when no pass is due sooner
+        # (False: only by passes, as on PostgreSQL).
+        self.in_decisions = in_decisions
         self._due = asyncio.Event()
         self._signed = asyncio.Event()  # replaced after every pass: whoever waits on the old one wakes
         self._last_pass = 0.0  # monotonic
@@ -102,10 +120,20 @@ class Checkpointer:
         self._wanted = False  # a witness waits: the next pass goes at once instead of riding
         self._hurry = asyncio.Event()  # set with _wanted: the pause between passes shortens to WITNESS_INTERVAL
         self._riding = False  # a pass waits to ride with other writes
+        # Decisions signed in their own commit: the checkpoint holding each, until its cards ask (witness()).
+        self._witnessed: OrderedDict[str, Checkpoint] = OrderedDict()
+        self._signed_through = 0  # the last seq a checkpoint made in a decision's commit covers
+        self._in_commits: list[Judged] = []  # those passes, committed, not yet told on the loop (wake)
         store.appended_listeners.append(self.wake)
+        store.decided_in_commit = self._sign_in_commit
 
     def wake(self) -> None:
-        """Something was appended: sign soon."""
+        """Something was appended: sign soon (unless the decision's own commit signed all of it)."""
+        while self._in_commits:  # passes made in a decision's commit, told here on the loop
+            self._passed(self._in_commits.pop(0))
+        last = self.store.chain.last_committed_seq
+        if last is not None and last <= self._signed_through:
+            return
         self._due.set()
 
     async def run(self) -> None:
@@ -150,6 +178,11 @@ class Checkpointer:
             judged: Judged = await self.store.write(self._judge, ride=ride)
         finally:
             self._riding = False
+        self._passed(judged)
+        return judged
+
+    def _passed(self, judged: Judged) -> None:
+        """A pass committed: its metric, what it found wrong, and every witness waiting for it woken."""
         if judged.newest is not None:
             audit_checkpoint_seen(*judged.newest)
         fresh = [seq for seq in judged.unvouched if seq not in self._reported]
@@ -168,10 +201,53 @@ class Checkpointer:
             log.error("audit.events_missing", last=judged.missing_after, detail="a checkpoint signs past the log's end")
         signed, self._signed = self._signed, asyncio.Event()
         signed.set()
-        return judged
+
+    def _sign_in_commit(self, tx: Tx, request_ids: list[str]) -> None:
+        """At the end of the transaction of decisions ``request_ids`` (their events chained): a pass in it, unless
+        one was made within :attr:`min_interval` (then the next pass, woken by this commit, signs them)."""
+        now = time.monotonic()
+        if not (self.in_decisions and self._running) or self._riding or now - self._last_pass < self.min_interval:
+            # Not signing on its own (a store opened by a tool), a pass on its way (riding with this group or the
+            # next), or one made just now: the decision is the next pass's.
+            return
+        self._last_pass = now
+        # In a savepoint: a pass that fails here costs the decision nothing (the loop's next pass signs it).
+        tx.run("SAVEPOINT checkpoint_in_decision")
+        try:
+            judged = self._judge(tx)
+            marks = ", ".join("?" * len(request_ids))
+            seqs = {str(r[0]): int(r[1]) for r in tx.all(_DECISION_SEQS.format(marks), request_ids)}
+        except Exception as exc:
+            tx.run("ROLLBACK TO checkpoint_in_decision")
+            tx.run("RELEASE checkpoint_in_decision")
+            count_failure("audit_checkpoint")
+            log.warning("audit.checkpoint_failed", attempt=1, error=f"{type(exc).__name__}: {exc}", where="decision")
+            return
+        tx.run("RELEASE checkpoint_in_decision")
+        if not judged.signed:
+            return
+        held = {
+            request_id: checkpoint
+            for request_id, seq in seqs.items()
+            for checkpoint in judged.signed
+            if checkpoint.first_seq <= seq <= checkpoint.seq
+        }
+        tx.after_commit(lambda: self._committed_in_decision(judged, held))
+
+    def _committed_in_decision(self, judged: Judged, held: dict[str, Checkpoint]) -> None:
+        # In the writer (maybe its thread): plain data only. The loop hears of it in wake(), which the commit
+        # calls (it appended events) before anyone is answered.
+        self._signed_through = max(self._signed_through, judged.signed[-1].seq)
+        self._witnessed.update(held)
+        while len(self._witnessed) > WITNESSES_KEPT:
+            self._witnessed.popitem(last=False)
+        self._in_commits.append(judged)
 
     async def witness(self, request_id: str, *, patience: float = WITNESS_WAIT) -> Checkpoint | None:
         """The checkpoint holding ``request_id``'s decision, waiting up to ``patience`` seconds for it to be signed."""
+        signed_with_it = self._witnessed.pop(request_id, None)
+        if signed_with_it is not None:  # signed in the decision's own commit: nothing to read or wait for
+            return signed_with_it
         loop = asyncio.get_running_loop()
         deadline = loop.time() + patience
         while True:

@@ -187,6 +187,7 @@ class PressVerdict(StrEnum):
     REPEATED = "repeated"  # this person reviewed the request already (perhaps on another platform)
     LOST = "lost"  # someone decided first; ``outcome`` is what stands
     REFUSED = "refused"  # nothing changed: bad data, unknown id, not an approver, store down
+    REPLAYED = "replayed"  # the signed request that carried it was seen before: nothing changed, nobody is told
 
 
 @dataclass(frozen=True)

@@ -266,6 +266,8 @@ MIGRATIONS = [
     Migration("approvals", 14, ()),
     # PostgreSQL's audit append inserts its rows by subscript (approvals/pg_press.py); nothing on SQLite.
     Migration("approvals", 15, ()),
+    # A card posted again says so (an earlier attempt may have landed unrecorded): its edits keep saying it.
+    Migration("approvals", 16, ("ALTER TABLE approval_cards ADD COLUMN reposted INTEGER NOT NULL DEFAULT 0",)),
 ]
 
 # The same tables on PostgreSQL, version for version: REAL is double precision there (its REAL has 6
@@ -545,4 +547,5 @@ PG_MIGRATIONS = [
     PgMigration("approvals", 13, (PG_PRESS_FUNCTION, PG_AUDIT_APPEND_FUNCTION)),
     PgMigration("approvals", 14, (PG_PRESS_GUESSED_FUNCTION,)),
     PgMigration("approvals", 15, (PG_AUDIT_APPEND_FUNCTION,)),
+    PgMigration("approvals", 16, ("ALTER TABLE approval_cards ADD COLUMN reposted integer NOT NULL DEFAULT 0",)),
 ]

@@ -8,6 +8,7 @@ adapters never decide anything themselves: they forward a press here with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import re
@@ -48,6 +49,7 @@ from kazma.approvals.store import (
     CardCheck,
     CardProblem,
     Clock,
+    FirstUse,
     NewRequest,
     ReviewState,
     Rules,
@@ -653,14 +655,18 @@ class ApprovalService:
         chat: str | None = None,
         message_id: str | None = None,
         reason: str | None = None,
+        first_use: FirstUse | None = None,
     ) -> PressResult:
         """A button press from any platform: validate, authorise, check the card it came from, then compare-and-set.
 
         ``chat`` and ``message_id`` say where the pressed card is, when the
         platform says: a press counts only from a card of that request posted
         there, and Approve only from a card that showed the whole call.
+        ``first_use``: the store's record of the signed request that carried the press, written in the press's
+        own transaction; when it says the request was seen before, nothing is decided (``REPLAYED``).
         """
         began = time.perf_counter()  # (the histogram's own timer is an object and two calls more per press)
+        once = [] if first_use is None else [first_use]  # taken by the first write of the press
         try:
             try:
                 parsed = parse_button(data)
@@ -675,9 +681,13 @@ class ApprovalService:
                 card=CardLocation(chat, message_id),
                 remember=parsed.remember,
                 reason=reason if parsed.decision is Decision.DENY else None,
+                first_use=once,
             )
         finally:
             PRESS_TO_DECISION.observe(time.perf_counter() - began)
+            if once:  # the press ended before its compare-and-set: the record goes on its own
+                with contextlib.suppress(*store_errors()):
+                    await self.store.write(once.pop())
 
     async def decide(
         self,
@@ -690,6 +700,7 @@ class ApprovalService:
         card: CardLocation | None = None,
         remember: bool = False,
         stepped_up: bool = False,
+        first_use: list[FirstUse] | None = None,
     ) -> PressResult:
         """Authorise ``actor``, then decide ``request_id`` once: whether this call won and, if not, what stands.
 
@@ -750,8 +761,10 @@ class ApprovalService:
                 )
             pressed = await self.store.press(
                 request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person,
-                admit=admit,
+                admit=admit, first_use=first_use.pop() if first_use else None,
             )  # fmt: skip
+            if pressed.replayed:
+                return PressResult(PressVerdict.REPLAYED, "", request_id=request_id)
             if failpoints.armed and pressed.won:  # the decision is committed, nobody told yet
                 await failpoints.reached(
                     "approvals.decide.after_commit", lambda: simulated_failure(self.store.tables, "decide")

@@ -97,7 +97,9 @@ _PRESS_GUESSES = "approvals.press_guesses"
 LOCAL = "local"
 # Told at every decision: each replica wakes the call waiting for it and settles the cards (PostgreSQL NOTIFY).
 DECIDED_CHANNEL = "kazma_decided"
-_CARD_COLUMNS = "request_id, platform, chat, message_id, posted_at, settled_at, settled_status, whole, bound_to"
+_CARD_COLUMNS = (
+    "request_id, platform, chat, message_id, posted_at, settled_at, settled_status, whole, bound_to, reposted"
+)
 
 # A card recorded after its request ended (found by its nonce, or pressed): when a stopped process left an approved
 # call unrun, ``execution_lost`` already marked the cards it knew of; this one is marked the same way in the write
@@ -251,6 +253,7 @@ class PostedCard:
     settled_status: str | None
     whole: bool = True  # the card showed the whole call
     bound_to: str | None = None  # a card in a direct message: the person it was sent to (only they press it)
+    reposted: bool = False  # posted again, marked so (an earlier attempt may have landed unrecorded): kept marked
 
 
 @dataclass(frozen=True)
@@ -311,6 +314,10 @@ class ReviewState:
     REPEATED = "repeated"  # its person reviewed the request already (perhaps on another platform)
 
 
+# A write a press carries into its own transaction (SQLite): True when it may go on (a signed request's first use).
+FirstUse = Callable[[Tx], bool]
+
+
 @dataclass(frozen=True)
 class Pressed:
     """What a press did: refused by its admission or a card problem (nothing written), or the compare-and-set's
@@ -321,6 +328,7 @@ class Pressed:
     request: Standing | None
     review: str | None = None  # a ReviewState when the press was a review that did not decide
     refused: tuple[str, str] | None = None  # what its admission said: (for the audit, for the presser)
+    replayed: bool = False  # its ``first_use`` said the signed request that carried it was seen before
 
 
 def _rules_of_press(head: Sequence[Any]) -> Rules:
@@ -353,6 +361,10 @@ class ApprovalStore:
         self.chain = AuditChain(postgres=not isinstance(self.tables, Tables), signer=audit, clock=lambda: self.clock())
         # Told after a commit that appended audit events (the checkpointer, the audit sink).
         self.appended_listeners: list[Callable[[], None]] = []
+        # Called at the end of the transaction of a decision a press won (SQLite), after its events are chained,
+        # with the ids decided there: the checkpointer signs the head in that very commit, so the settled cards
+        # have their witness without a commit of its own (None: no checkpointer here).
+        self.decided_in_commit: Callable[[Tx, list[str]], None] | None = None
         # Written as the owner of every request this process opens (None: the only process on the store).
         self.replica = replica
         # Seals every outcome this store writes (approvals/seal.py). None: outcomes are written unsealed, and an
@@ -574,19 +586,30 @@ class ApprovalStore:
         card: CardCheck | None,
         person: str | None = None,
         admit: Admission | None = None,
+        first_use: FirstUse | None = None,
     ) -> Pressed:
         """A person's decision: its admission and the card it came from checked, the compare-and-set and its audit
         row, as one write.
 
         A press that loses is audited ``press_lost`` in the same group commit; one refused by ``admit`` or with a
-        card problem writes nothing (the caller decides what to audit, and whether to look again).
+        card problem writes nothing (the caller decides what to audit, and whether to look again). ``first_use``
+        (SQLite): a write of the same transaction run first, the record of the signed request that carried the
+        press; when it says False, nothing else is written (``replayed``).
         """
-        return await self._write(
-            self.press_op(
-                request_id, status, actor=actor, platform=platform, reason=reason, card=card, person=person,
-                admit=admit,
-            )
+        op = self.press_op(
+            request_id, status, actor=actor, platform=platform, reason=reason, card=card, person=person, admit=admit,
         )  # fmt: skip
+        if first_use is None:
+            return await self._write(op)
+        if self.chain.postgres:
+            raise ValueError("a press's first_use rides in its transaction on SQLite only")
+
+        def first_then_press(tx: Tx) -> Pressed:
+            if not first_use(tx):
+                return Pressed(None, False, None, replayed=True)
+            return op(tx)
+
+        return await self._write(first_then_press)
 
     def press_op(
         self,
@@ -682,6 +705,8 @@ class ApprovalStore:
             self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
                               args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
             tx.notify(DECIDED_CHANNEL, request_id)
+            if self.decided_in_commit is not None and not self.chain.postgres:
+                tx.defer(self._after_chaining, request_id)
             return Pressed(None, True, request)
 
         return op
@@ -786,6 +811,15 @@ class ApprovalStore:
                           detail=f"standing: {first}", person=person)  # fmt: skip
         lost = pg_press.press_guessed(tx, call, pg_press.LOST, first, lambda row: Pressed(None, False, _standing(row)))
         return cast(Pressed, lost)
+
+    def _after_chaining(self, tx: Tx, request_ids: list[str]) -> None:
+        # Run with the chain's own flush (same round): handed on once more, so it runs after every event of the
+        # transaction is chained, whatever order the flushes were first asked for in.
+        sign = self.decided_in_commit
+        if sign is None:
+            return
+        for request_id in request_ids:
+            tx.defer(sign, request_id)
 
     def _forget_sealed(self, request_id: str) -> None:
         self._sealed_fields.pop(request_id, None)
@@ -1136,14 +1170,18 @@ class ApprovalStore:
         whole: bool = True,
         ended: bool = False,
         bound_to: str | None = None,
+        reposted: bool = False,
     ) -> None:
         """Record a posted card. ``ended``: found after its request ended (Discord's nonce gives back a post a
         stopped process never recorded): it is marked the way ``execution_lost`` marks every card, so its edit
-        reads that note too. ``bound_to``: the person a card in a direct message was sent to (only they press it)."""
+        reads that note too. ``bound_to``: the person a card in a direct message was sent to (only they press it).
+        ``reposted``: the card says it was posted again (every later edit of it says so too)."""
         now = self.clock()
         detail = f"{chat}/{message_id}" + ("" if whole else " (not the whole call)")
         if bound_to is not None:
             detail += f" (a direct message to {bound_to})"
+        if reposted:
+            detail += " (posted again, marked so)"
 
         def op(tx: Tx) -> None:
             if ended:
@@ -1151,9 +1189,9 @@ class ApprovalStore:
                                             request_id))  # fmt: skip
             else:
                 tx.run(
-                    "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole, bound_to)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                    (request_id, platform, chat, message_id, now, int(whole), bound_to),
+                    "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole, bound_to,"
+                    " reposted) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    (request_id, platform, chat, message_id, now, int(whole), bound_to, int(reposted)),
                 )
             self.chain.append(
                 tx,
@@ -1205,7 +1243,7 @@ class ApprovalStore:
         """``request_id``'s cards on ``platform`` that still show buttons although it has an outcome."""
         rows = await self.tables.all(
             "SELECT c.request_id, c.platform, c.chat, c.message_id, c.posted_at, c.settled_at, c.settled_status,"
-            " c.whole, c.bound_to FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
+            " c.whole, c.bound_to, c.reposted FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
             " WHERE c.request_id = ? AND c.platform = ? AND c.settled_at IS NULL AND r.status != 'pending'"
             " ORDER BY c.posted_at",
             (request_id, platform),
@@ -1225,7 +1263,7 @@ class ApprovalStore:
             params.append(due_by)
         rows = await self.tables.all(
             "SELECT c.request_id, c.platform, c.chat, c.message_id, c.posted_at, c.settled_at, c.settled_status,"  # noqa: S608
-            " c.whole, c.bound_to FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
+            " c.whole, c.bound_to, c.reposted FROM approval_cards c JOIN approval_requests r ON r.id = c.request_id"
             f" WHERE {' AND '.join(clauses)} ORDER BY r.decided_at",
             params,
         )
@@ -1350,8 +1388,8 @@ def _gone(owner: str | None, live: Collection[str] | None) -> bool:
 
 
 def _card(row: Iterable[Any]) -> PostedCard:
-    request_id, platform, chat, message_id, posted, settled, status, whole, bound_to = tuple(row)
+    request_id, platform, chat, message_id, posted, settled, status, whole, bound_to, reposted = tuple(row)
     return PostedCard(
         request_id, platform, chat, message_id, datetime.fromtimestamp(posted, UTC), ts(settled), status, bool(whole),
-        bound_to,
+        bound_to, bool(reposted),
     )  # fmt: skip

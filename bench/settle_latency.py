@@ -17,13 +17,17 @@ on all three platforms). For each N it measures:
   with nothing new, costs no fsync), a count the machine's load does not
   change (p50 and max);
 * idle: CPU seconds this process spends per wall second with nothing to do
-  (the fakes' own idle work included), over ``--idle`` seconds.
+  (the fakes' own idle work included), over ``--idle`` seconds;
+* with ``--stages``: where a press's time goes, each stage from the press (p50 ms since the press left the
+  bench, and the CPU seconds this process spent by then: the fakes run in it too): the Slack request
+  through the replay guard, the decision committed, the checkpoint holding it signed and committed, the
+  bus's edits started and each platform's edit returned (its fake saw it).
 
 With ``--latency`` the fakes answer every API call after a fixed delay
 (Telegram 50 ms, Slack 150 ms, Discord 300 ms) instead of at once. Prints
 numbers; asserts nothing.
 
-    PYTHONPATH=. python bench/settle_latency.py [--rounds 20] [--open 0,1000,10000] [--idle 10] [--latency]
+    PYTHONPATH=. python bench/settle_latency.py [--rounds 20] [--open 0,1000,10000] [--idle 10] [--latency] [--stages]
 """
 
 from __future__ import annotations
@@ -73,10 +77,60 @@ async def until(predicate: Callable[[], bool], *, every: float = 0.001, limit: f
             await asyncio.sleep(every)
 
 
-async def measure(fakes: Fakes, store_path: Path, seeded: int, rounds: int, idle: float) -> dict[str, list[float]]:
+STAGES = (
+    "replay guard in",
+    "replay guard committed",
+    "decision in",
+    "decision committed",
+    "bus told",
+    "checkpoint committed",
+    "witness read",
+    "edit started telegram",
+    "edit started slack",
+    "edit started discord",
+    "edit done telegram",
+    "edit done slack",
+    "edit done discord",
+)
+
+
+def stage_marks(app: App, marks: dict[str, tuple[float, float]]) -> None:
+    """Wrap Kazma's own steps of a press (never a client library) to stamp (wall, CPU) when each is reached."""
+
+    def mark(name: str) -> None:
+        marks.setdefault(name, (time.perf_counter(), time.process_time()))
+
+    def wrap(owner: Any, attr: str, before: str, after: str) -> None:
+        inner = getattr(owner, attr)
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            mark(before)
+            result = await inner(*args, **kwargs)
+            mark(after)
+            return result
+
+        setattr(owner, attr, timed)
+
+    if app.signed_requests is not None:
+        wrap(app.signed_requests, "first_signed", "replay guard in", "replay guard committed")
+    wrap(app.service.store, "press", "decision in", "decision committed")
+    if app.checkpointer is not None:
+        wrap(app.checkpointer, "sign", "checkpoint in", "checkpoint committed")
+    wrap(app.bus, "_witness", "witness in", "witness read")
+    wrap(app.bus, "settle", "bus told", "bus told")
+    for adapter in app.bus.adapters.values():
+        wrap(adapter, "settle_card", f"edit started {adapter.name}", f"edit done {adapter.name}")
+
+
+async def measure(
+    fakes: Fakes, store_path: Path, seeded: int, rounds: int, idle: float, *, stages: bool = False
+) -> dict[str, list[float]]:
     loaded = load_config_text(fakes.config_yaml(store_path), environ={})
     app: App = await build_app(loaded, adapters=adapters_for(loaded), workspace_root=store_path.parent / "ws")
     await seed_open(app.service.store, seeded)
+    staged: dict[str, tuple[float, float]] = {}
+    if stages:
+        stage_marks(app, staged)
     await app.start()
     fakes.slack_events_url = app.bus.adapters["slack"].events_url  # type: ignore[attr-defined]
     results: dict[str, list[float]] = {
@@ -85,6 +139,8 @@ async def measure(fakes: Fakes, store_path: Path, seeded: int, rounds: int, idle
         "bus overhead": [],
         "commits before edits": [],
         "idle cpu %": [],
+        **{f"at {name}": [] for name in STAGES},
+        **{f"cpu {name}": [] for name in STAGES},
     }
     writer = await app.service.store.tables.writer()
     commits: dict[str, int] = {}  # the store's committed groups when the press left the bench, when each edit began
@@ -127,7 +183,8 @@ async def measure(fakes: Fakes, store_path: Path, seeded: int, rounds: int, idle
             marks.clear()
             commits.clear()
             commits["press"] = committed()
-            start = time.perf_counter()
+            staged.clear()
+            start, cpu_start = time.perf_counter(), time.process_time()
             # The press's own HTTP answer is not waited for: what counts is what people see change.
             press = asyncio.create_task(fakes.press("slack", Decision.APPROVE))
             await until(lambda: not fakes.has_buttons("telegram"))
@@ -138,6 +195,10 @@ async def measure(fakes: Fakes, store_path: Path, seeded: int, rounds: int, idle
             results["bus overhead"].append(max(marks[p] for p in PLATFORMS) - marks["decided"])
             # Group commits between the press and the last platform's edit starting: what waits on the disk.
             results["commits before edits"].append(max(commits[p] for p in PLATFORMS) - commits["press"])
+            for name in STAGES if stages else ():
+                if name in staged:
+                    results[f"at {name}"].append(staged[name][0] - start)
+                    results[f"cpu {name}"].append(staged[name][1] - cpu_start)
             await asyncio.sleep(1.2)
         cpu, wall = time.process_time(), time.perf_counter()
         await asyncio.sleep(idle)  # nothing to do: what does waiting cost?
@@ -159,6 +220,7 @@ async def main() -> None:
     parser.add_argument("--open", default="0,1000,10000", help="open approvals in the store, comma-separated")
     parser.add_argument("--idle", type=float, default=10.0, help="seconds of idling measured per case")
     parser.add_argument("--latency", action="store_true", help="fixed per-call latency on the fakes")
+    parser.add_argument("--stages", action="store_true", help="where a press's time goes, stage by stage")
     args = parser.parse_args()
     configure_logging("error")
     where = "fixed-latency fakes (" if args.latency else "zero-latency fakes"
@@ -173,12 +235,18 @@ async def main() -> None:
                 fakes.slack.latency = LATENCY["slack"]
                 fakes.discord.latency = LATENCY["discord"]
             with tempfile.TemporaryDirectory() as tmp:
-                results = await measure(fakes, Path(tmp) / "k.db", seeded, args.rounds, args.idle)
+                results = await measure(fakes, Path(tmp) / "k.db", seeded, args.rounds, args.idle, stages=args.stages)
         for name in ("all settled", "telegram, reply racing", "bus overhead"):
             print(f"{seeded:<16,}{name:<26}{ms(results[name])}")
         before = sorted(results["commits before edits"])
         print(f"{seeded:<16,}{'commits before edits':<26}{statistics.median(before):>8.0f}{'':>8}{before[-1]:>8.0f}")
         print(f"{seeded:<16,}{'idle CPU':<26}{results['idle cpu %'][0]:>7.2f}%")
+        for name in STAGES if args.stages else ():
+            at, cpu = results[f"at {name}"], results[f"cpu {name}"]
+            if at:  # p50 ms since the press, and p50 CPU ms this process spent by then
+                wall = statistics.median(at) * 1000
+                spent = statistics.median(cpu) * 1000
+                print(f"{seeded:<16,}{'  ' + name:<26}{wall:>8.1f}{'':>8}{'':>8}  cpu {spent:6.1f} ms ({len(at)})")
 
 
 if __name__ == "__main__":

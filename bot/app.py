@@ -30,7 +30,7 @@ from kazma.adapters.web import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore, PressResult, SafetyPolicy
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.honesty import reveal_line
-from kazma.approvals.model import decider_text
+from kazma.approvals.model import PressVerdict, decider_text
 from kazma.approvals.rules import RuleStore
 from kazma.approvals.waiting import WaitingForYou
 from kazma.bot.api_store import IdempotencyKeys
@@ -112,8 +112,17 @@ class App(Lifecycle):
     console: ConsoleServices  # what the web server may use (it never sees the app itself)
     # Among replicas, which replica handles each inbound event (None on SQLite: one process, nobody to race).
     inbound_claims: InboundClaims | None = None
+    # The memory of signed requests and the approvals share one writer (SQLite): a press's signed request is
+    # recorded in the commit of its decision (``Handlers.signed_with_press``).
+    signed_with_press: bool = False
 
     async def on_press(self, press: Press) -> PressResult:
+        first_use = None
+        if press.signed and self.signed_requests is not None:
+            if self.signed_with_press and not is_question_button(press.data):
+                first_use = self.signed_requests.first_signed_op(press.platform, press.signed)
+            elif not await self._first_signed(press):
+                return PressResult(PressVerdict.REPLAYED, "", request_id=None)
         if is_question_button(press.data):
             return await self.conversations.answer_press(press, is_admin=press.is_admin)
         return await self.service.decide_from_button(
@@ -123,7 +132,19 @@ class App(Lifecycle):
             chat=press.chat,
             message_id=press.message_id,
             reason=press.reason,
+            first_use=first_use,
         )
+
+    async def _first_signed(self, press: Press) -> bool:
+        """The store's memory of signed requests, asked on its own (a press no decision records it with). One it
+        cannot ask lets the press through, counted, as the adapters' door does."""
+        assert self.signed_requests is not None
+        try:
+            return await self.signed_requests.first_signed(press.platform, press.signed)
+        except Exception as exc:
+            count_failure("replay_check", press.platform)
+            log.warning("platform.replay_check_failed", platform=press.platform, error=str(exc))
+            return True
 
     async def on_inbound(self, message: Inbound) -> None:
         if not message.from_bot:  # our own posts come back on some platforms; they were kept when sent
@@ -164,6 +185,7 @@ class App(Lifecycle):
             inbound_done=None if self.inbound_claims is None else self.inbound_claims.done,
             inbox=self.inbound_claims,
             first_signed=None if self.signed_requests is None else self.signed_requests.first_signed,
+            signed_with_press=self.signed_with_press and self.signed_requests is not None,
             home=self.home,
         )
 
@@ -370,6 +392,8 @@ async def build_app(
         replication=replication,
         inbound_claims=inbound_claims,
         signed_requests=inbound_claims or InboundClaims(stores.primary, replica=replica),
+        # One SQLite file: the approvals store and that memory of signed requests write through one writer.
+        signed_with_press=inbound_claims is None,
         api_keys=api_keys,
         executions=executions,
         checkpointer=checkpointer,

@@ -268,14 +268,19 @@ class InboundClaims:
         Kept as claims of ``<platform>:signed``, already taken in: never an inbox entry, never taken over,
         and gone with the day's retention like every claim (a signature is refused after five minutes).
         """
+        writer = await self.tables.writer()
+        return await writer.submit(self.first_signed_op(platform, keys))
+
+    def first_signed_op(self, platform: str, keys: Sequence[str]) -> Callable[[Tx], bool]:
+        """:meth:`first_signed` as an operation of a transaction (a press's decision: it is recorded in that
+        commit, and the press decides nothing when this says False)."""
         now = self.clock()
         rows = [(f"{platform}:signed", key, now, self.replica, now) for key in keys]
 
-        def op(tx: Tx) -> int:
-            return sum(tx.run(_SIGNED, row) for row in rows)
+        def op(tx: Tx) -> bool:
+            return sum(tx.run(_SIGNED, row) for row in rows) == len(rows)
 
-        writer = await self.tables.writer()
-        return await writer.submit(op) == len(rows)
+        return op
 
     async def forget_older_than(self, seconds: float = RETENTION_SECONDS) -> int:
         """Drop claims older than ``seconds`` (a day by default, see :data:`RETENTION_SECONDS`); how many."""

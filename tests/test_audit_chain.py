@@ -162,7 +162,8 @@ async def test_a_witness_asked_for_while_a_pass_rides_costs_that_pass_alone(stor
     # takes. Waking the loop as well made a second, empty pass right behind it, on the settled card's way.
     async with services(store_engine, 1) as [service]:
         writer: Any = await service.store.tables.writer()
-        checkpointer = Checkpointer(service.store, TEST_SIGNER, min_interval=0.0, ride=3600.0)
+        # Passes only: a lone decision is otherwise signed in its own commit, and no pass rides after it.
+        checkpointer = Checkpointer(service.store, TEST_SIGNER, min_interval=0.0, ride=3600.0, in_decisions=False)
         passes: list[None] = []
         sign = checkpointer.sign
 

@@ -90,3 +90,31 @@ async def test_a_post_tried_again_is_one_card_on_discord_and_one_marked_copy_els
 def test_the_mark_says_what_happened() -> None:
     assert "Posted again" in REPOSTED
     assert "buttons do nothing" in REPOSTED
+
+
+async def test_a_card_posted_again_keeps_its_mark_when_it_settles(tmp_path: Path) -> None:
+    store = tmp_path / "k.db"
+    async with three_fakes() as fakes, kazma_on(fakes, store) as app:
+        request_id = await _posted_by_a_process_that_died(app, store)
+        app.bus.posts_waiting()  # type: ignore[union-attr]
+        async with asyncio.timeout(20):
+            while len(await app.service.store.cards(request_id)) < len(PLATFORMS):
+                await asyncio.sleep(0.02)
+        marked = [m for m in fakes.telegram.bot_messages(TG_CHAT) if m.buttons][-1]
+        assert "Posted again" in marked.text
+        approve = next(str(b["callback_data"]) for b in marked.buttons if str(b["callback_data"]).endswith(":a"))
+        fakes.telegram.push_callback(TG_CHAT, marked.message_id, 111, approve)
+        outcome = await asyncio.wait_for(app.service.wait(request_id), timeout=20)
+        assert outcome.status is Status.APPROVED
+        async with asyncio.timeout(20):
+            while not all(c.settled_at for c in await app.service.store.cards(request_id)):
+                await asyncio.sleep(0.02)
+        settled = next(m for m in fakes.telegram.bot_messages(TG_CHAT) if m.message_id == marked.message_id)
+        assert not settled.buttons
+        assert "APPROVED" in settled.text
+        assert "Posted again" in settled.text  # the edit to the outcome says it still
+        slack_again = [" ".join(m.texts()) for m in fakes.slack.channel(SLACK_CHANNEL) if m.blocks][-1]
+        assert "APPROVED" in slack_again.upper()
+        assert "Posted again" in slack_again
+        (discord_card,) = [m for m in fakes.discord.channel_messages(HOME_CHANNEL_ID) if m.get("embeds")]
+        assert "Posted again" not in str(discord_card)  # the nonce gave the first message back: one copy, unmarked

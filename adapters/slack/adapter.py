@@ -49,7 +49,7 @@ from kazma.adapters.deny_reason import (
     deny_data,
     reason_request,
 )
-from kazma.adapters.ingress import Arrival
+from kazma.adapters.ingress import Arrival, Stopped
 from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, error_code
@@ -89,6 +89,9 @@ AGENT_ICON: Final = ":robot_face:"
 
 
 REASON_VIEW = "kazma_deny_reason"  # the modal's callback id
+# The buttons _on_action hands over as presses, and where the middleware leaves a press's signed request for it.
+_PRESS_ACTIONS: Final = frozenset((APPROVE_ACTION, DENY_ACTION, REMEMBER_ACTION, CHOICE_ACTION))
+_SIGNED: Final = "kazma_signed"
 REASON_BLOCK = "kazma_reason"
 REASON_INPUT = "reason"
 
@@ -290,9 +293,29 @@ class SlackAdapter(PlatformBase):
     ) -> BoltResponse:
         """Bolt's hook into the kit's door: a signed request walks it (its replay guard) before any listener."""
         keys = replay_keys(req, body)
+        if keys and self._pressed(body) and self._handlers is not None and self._handlers.signed_with_press:
+            # A button press: the store remembers its signed request in the commit of the decision it makes (one
+            # commit before the press is answered), and a replay decides nothing there. Here, this process's
+            # own memory only.
+            if not self._signed.first_time(keys):
+                self._stopped(Stopped("replay_guard", "replayed"), Arrival(PLATFORM, signed=tuple(keys)))
+                return BoltResponse(status=200, body="")
+            req.context[_SIGNED] = tuple(keys)
+            return await next()
         if keys and await self.admit(Arrival(PLATFORM, signed=tuple(keys))) is None:
             return BoltResponse(status=200, body="")  # acknowledged, so Slack does not retry; nothing runs
         return await next()
+
+    @staticmethod
+    def _pressed(body: dict[str, Any]) -> bool:
+        """Whether ``body`` is a press of a button that :meth:`_on_action` hands over as a :class:`Press`."""
+        actions = body.get("actions") if body.get("type") == "block_actions" else None
+        return (
+            isinstance(actions, list)
+            and len(actions) == 1
+            and isinstance(actions[0], dict)
+            and actions[0].get("action_id") in _PRESS_ACTIONS
+        )
 
     async def _on_message(self, event: dict[str, Any]) -> None:
         with self.tracking():
@@ -410,7 +433,9 @@ class SlackAdapter(PlatformBase):
         with self.tracking():
             await self.deliver(inbound, key=f"command:{trigger}" if trigger else None)
 
-    async def _on_action(self, ack: AsyncAck, body: dict[str, Any], action: dict[str, Any]) -> None:
+    async def _on_action(
+        self, ack: AsyncAck, body: dict[str, Any], action: dict[str, Any], context: dict[str, Any]
+    ) -> None:
         # Acknowledge before any work: a slow decision must not cost the 3-second window.
         await ack()
         with self.tracking():
@@ -426,6 +451,7 @@ class SlackAdapter(PlatformBase):
                 chat=channel or None,
                 message_id=str(message_ts) if message_ts else None,
                 is_admin=self.is_admin(user),
+                signed=tuple(context.get(_SIGNED, ())),
             )
             await self.press(press, _EphemeralReply(self, channel, user), key=interaction_key(body, action))
 
