@@ -143,12 +143,15 @@ async def test_presses_of_one_request_in_one_group_decide_it_once_with_one_read(
             for i, result in told:
                 if i in ELIGIBLE and i != won[0]:
                     assert result.verdict is LOST, (i, result)
-                    assert result.outcome is not None and result.outcome.status is row.status
+                    assert result.outcome is not None
+                    assert result.outcome.status is row.status
                     assert result.message.startswith("Already "), result.message
                 elif i in (0, 6):
-                    assert result.verdict is REFUSED and "not an approver" in result.message, (i, result)
+                    assert result.verdict is REFUSED, (i, result)
+                    assert "not an approver" in result.message, result.message
                 elif i == 1:
-                    assert result.verdict is REFUSED and "does not show the whole call" in result.message, result
+                    assert result.verdict is REFUSED, (i, result)
+                    assert "does not show the whole call" in result.message, result.message
         # One outcome and one review per request; a press_lost row for every loser, none for a refused press.
         assert _events(path, "decided") == dict.fromkeys(ids, 1)
         assert _events(path, "press_lost") == dict.fromkeys(ids, len(ELIGIBLE) - 1)
