@@ -260,9 +260,9 @@ class PostedCard:
     bound_to: str | None = None  # a card in a direct message: the person it was sent to (only they press it)
 
 
-@dataclass(frozen=True)
-class CardCheck:
-    """Where a press came from, held against the cards recorded for its request (in the press's transaction)."""
+class CardCheck(NamedTuple):
+    """Where a press came from, held against the cards recorded for its request (in the press's transaction).
+    (A named tuple: every press from a card makes one.)"""
 
     platform: str
     chat: str | None
@@ -279,36 +279,68 @@ class CardProblem:
     NOT_YOURS = "not_yours"  # a card in someone else's direct message (bound to another person)
 
 
-@dataclass(frozen=True)
 class Standing:
     """What a press needs to know of its request: how it stands, without its arguments (never parsed on
-    this path: nothing here renders or runs the call)."""
+    this path: nothing here renders or runs the call). Read-only by convention; a plain class with slots, not a
+    frozen dataclass, because every press makes one (a frozen dataclass's fields cost a call each to set), and
+    the presses that lose to a decision made in their group share the winner's, and its outcome."""
 
-    id: str
-    tool: str
-    args_hash: str
-    conversation: str
-    deadline: datetime
-    status: Status
-    decided_by: str | None
-    decided_via: str | None
-    decided_at: datetime | None
-    reason: str | None
-    decided_person: str | None = None
+    __slots__ = (
+        "_outcome",
+        "args_hash",
+        "conversation",
+        "deadline",
+        "decided_at",
+        "decided_by",
+        "decided_person",
+        "decided_via",
+        "id",
+        "reason",
+        "status",
+        "tool",
+    )
+
+    def __init__(
+        self,
+        id: str,
+        tool: str,
+        args_hash: str,
+        conversation: str,
+        deadline: datetime,
+        status: Status,
+        decided_by: str | None,
+        decided_via: str | None,
+        decided_at: datetime | None,
+        reason: str | None,
+        decided_person: str | None = None,
+    ) -> None:
+        self.id, self.tool, self.args_hash, self.conversation = id, tool, args_hash, conversation
+        self.deadline, self.status, self.decided_by, self.decided_via = deadline, status, decided_by, decided_via
+        self.decided_at, self.reason, self.decided_person = decided_at, reason, decided_person
+        self._outcome: Outcome | None = None
 
     def outcome(self) -> Outcome | None:
-        return outcome_of(self)
+        """How the request ended (None while pending); made once, however many presses are told it."""
+        if self._outcome is None:
+            self._outcome = outcome_of(self)
+        return self._outcome
+
+    def __repr__(self) -> str:
+        return f"Standing({self.id!r}, {self.status.value}, decided_by={self.decided_by!r})"
 
 
 _STANDING = (
     "id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at, reason, decided_person"
 )
+# A status column's value to its Status: a dict lookup, where Status(value) costs a press two microseconds.
+_STATUS_OF = {status.value: status for status in Status}
 
 
 def _standing(row: Iterable[Any]) -> Standing:
     rid, tool, digest, conversation, deadline, status, by, via, at, why, person = tuple(row)
     deadline_at = datetime.fromtimestamp(deadline, UTC)
-    return Standing(rid, tool, digest, conversation, deadline_at, Status(status), by, via, ts(at), why, person)
+    at_time = None if at is None else datetime.fromtimestamp(at, UTC)
+    return Standing(rid, tool, digest, conversation, deadline_at, _STATUS_OF[status], by, via, at_time, why, person)
 
 
 class ReviewState:
@@ -318,10 +350,9 @@ class ReviewState:
     REPEATED = "repeated"  # its person reviewed the request already (perhaps on another platform)
 
 
-@dataclass(frozen=True)
-class Pressed:
+class Pressed(NamedTuple):
     """What a press did: refused by its admission or a card problem (nothing written), or the compare-and-set's
-    result."""
+    result. (A named tuple: every press makes one.)"""
 
     problem: str | None
     won: bool
