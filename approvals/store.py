@@ -775,7 +775,7 @@ class ApprovalStore:
             return [p.alone(tx) for p in presses]
         now = self.clock()
         # How the request stands once decided (here or before): every later press that gets that far loses to it.
-        standing = None if head[5] == Status.PENDING.value and float(head[4]) > now else _standing(head[:11])
+        standing = None if head[5] == Status.PENDING and float(head[4]) > now else _standing(head[:11])
         results: list[Pressed] = []
         for p in presses:
             if p.admit is not None:
