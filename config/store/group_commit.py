@@ -167,7 +167,7 @@ def run_batch(tx: Any, batch: list[Job[Any]]) -> None:
         return
     first = batch[0].op
     assert isinstance(first, Together)
-    results = first.together(tx, [cast("Together[Any]", job.op).part for job in batch])
+    results = first.together(tx, [cast(Together[Any], job.op).part for job in batch])
     if len(results) != len(batch):
         raise RuntimeError(f"{len(batch)} operations run together gave {len(results)} results")
     for job, result in zip(batch, results, strict=True):
@@ -215,15 +215,11 @@ class GroupQueue:
             self._riders.append(Job(op, future, rides=True))
             if self._riders_due is None:
                 self._riders_due = loop.call_later(ride, self.release_riders)
-            return await self._answered(future)
+            return await future
         self._track(future)
         self._pending.append(Job(op, future))
         if self._flush_scheduled:
-            try:
-                return await future
-            except asyncio.CancelledError:
-                self._unanswered.discard(future)  # a caller who gave up is not waited for; its write stands
-                raise
+            return await future
         # This caller starts the group, and runs it itself one turn later: everything submitted during this turn
         # of the loop joins it, and a group run on the loop thread answers this caller in that same turn (a
         # flush callback, then a turn to wake this caller, cost a lone press a second turn of the loop).
@@ -236,19 +232,7 @@ class GroupQueue:
         self._flush()
         if future.done():
             return future.result()
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self._unanswered.discard(future)
-            raise
-
-    async def _answered(self, future: asyncio.Future[T]) -> T:
-        """``future``'s result; a caller who gives up is no longer waited for (its write stands all the same)."""
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self._unanswered.discard(future)
-            raise
+        return await future
 
     @property
     def riders(self) -> int:
@@ -298,15 +282,13 @@ class GroupQueue:
         return True
 
     def _track(self, future: asyncio.Future[Any]) -> None:
-        # Dropped where it is answered (or its caller gives up): a done callback cost every write a loop turn's
-        # handle of its own.
         if not future.done():
             self._unanswered.add(future)
+            future.add_done_callback(self._unanswered.discard)
 
-    def _answer_jobs(self, jobs: Sequence[Job[Any]], error: BaseException | None) -> None:
-        unanswered = self._unanswered
+    @staticmethod
+    def _answer_jobs(jobs: Sequence[Job[Any]], error: BaseException | None) -> None:
         for job in jobs:
-            unanswered.discard(job.future)
             if job.future.done():
                 continue  # its caller was cancelled; the write stands all the same
             failure = error or job.error
