@@ -167,7 +167,7 @@ def run_batch(tx: Any, batch: list[Job[Any]]) -> None:
         return
     first = batch[0].op
     assert isinstance(first, Together)
-    results = first.together(tx, [cast(Together[Any], job.op).part for job in batch])
+    results = first.together(tx, [cast("Together[Any]", job.op).part for job in batch])
     if len(results) != len(batch):
         raise RuntimeError(f"{len(batch)} operations run together gave {len(results)} results")
     for job, result in zip(batch, results, strict=True):
