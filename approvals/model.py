@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -154,6 +155,11 @@ class Outcome:
 
     def summary(self) -> str:
         """One line for notices, e.g. ``approved by alice (slack:U123) via slack at 12:03:04 UTC``."""
+        return self._summary
+
+    @functools.cached_property
+    def _summary(self) -> str:
+        # Made once per outcome: every press that lost to it in its group is told this line.
         words = "timed out" if self.status is Status.TIMEOUT else self.status.value
         return f"{words} {self.details()}"
 

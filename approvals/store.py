@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import aiosqlite
 
@@ -40,6 +40,7 @@ from kazma.approvals.seal import seal
 from kazma.config.keyring import Keyring
 from kazma.config.store.backend import StoreBackend, Tx, Writer, backend_of, held_by_gone
 from kazma.config.store.database import Tables
+from kazma.config.store.group_commit import Together
 
 Clock = Callable[[], float]
 T = TypeVar("T")
@@ -73,6 +74,12 @@ _PRESS_CARDS = (
     " FROM approval_requests r LEFT JOIN approval_cards c ON c.request_id = r.id AND c.platform = ? WHERE r.id = ?"
 )
 _PRESS_CARD_AT = 16  # where a card's columns start in a row of _PRESS_CARDS
+# The presses of one request in one group (ApprovalStore._press_together): its cards on every platform, each
+# row naming its platform (at _PRESS_CARD_AT) before the columns _PRESS_CARDS gives.
+_PRESS_ALL_CARDS = (
+    f"SELECT {_PRESS_FIELDS}, c.platform, c.chat, c.message_id, c.whole, c.bound_to"  # noqa: S608
+    " FROM approval_requests r LEFT JOIN approval_cards c ON c.request_id = r.id WHERE r.id = ?"
+)
 # A review's first statement: the request's row locked while it is pending and before its deadline, so that on
 # PostgreSQL reviews of one request follow one another (each count below then sees every review committed
 # before it) and a decision made meanwhile is seen. Changes nothing (the final-outcome triggers watch only a
@@ -256,9 +263,9 @@ class PostedCard:
     reposted: bool = False  # posted again, marked so (an earlier attempt may have landed unrecorded): kept marked
 
 
-@dataclass(frozen=True)
-class CardCheck:
-    """Where a press came from, held against the cards recorded for its request (in the press's transaction)."""
+class CardCheck(NamedTuple):
+    """Where a press came from, held against the cards recorded for its request (in the press's transaction).
+    (A named tuple: every press from a card makes one.)"""
 
     platform: str
     chat: str | None
@@ -275,36 +282,68 @@ class CardProblem:
     NOT_YOURS = "not_yours"  # a card in someone else's direct message (bound to another person)
 
 
-@dataclass(frozen=True)
 class Standing:
     """What a press needs to know of its request: how it stands, without its arguments (never parsed on
-    this path: nothing here renders or runs the call)."""
+    this path: nothing here renders or runs the call). Read-only by convention; a plain class with slots, not a
+    frozen dataclass, because every press makes one (a frozen dataclass's fields cost a call each to set), and
+    the presses that lose to a decision made in their group share the winner's, and its outcome."""
 
-    id: str
-    tool: str
-    args_hash: str
-    conversation: str
-    deadline: datetime
-    status: Status
-    decided_by: str | None
-    decided_via: str | None
-    decided_at: datetime | None
-    reason: str | None
-    decided_person: str | None = None
+    __slots__ = (
+        "_outcome",
+        "args_hash",
+        "conversation",
+        "deadline",
+        "decided_at",
+        "decided_by",
+        "decided_person",
+        "decided_via",
+        "id",
+        "reason",
+        "status",
+        "tool",
+    )
+
+    def __init__(
+        self,
+        id: str,
+        tool: str,
+        args_hash: str,
+        conversation: str,
+        deadline: datetime,
+        status: Status,
+        decided_by: str | None,
+        decided_via: str | None,
+        decided_at: datetime | None,
+        reason: str | None,
+        decided_person: str | None = None,
+    ) -> None:
+        self.id, self.tool, self.args_hash, self.conversation = id, tool, args_hash, conversation
+        self.deadline, self.status, self.decided_by, self.decided_via = deadline, status, decided_by, decided_via
+        self.decided_at, self.reason, self.decided_person = decided_at, reason, decided_person
+        self._outcome: Outcome | None = None
 
     def outcome(self) -> Outcome | None:
-        return outcome_of(self)
+        """How the request ended (None while pending); made once, however many presses are told it."""
+        if self._outcome is None:
+            self._outcome = outcome_of(self)
+        return self._outcome
+
+    def __repr__(self) -> str:
+        return f"Standing({self.id!r}, {self.status.value}, decided_by={self.decided_by!r})"
 
 
 _STANDING = (
     "id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at, reason, decided_person"
 )
+# A status column's value to its Status: a dict lookup, where Status(value) costs a press two microseconds.
+_STATUS_OF = {status.value: status for status in Status}
 
 
 def _standing(row: Iterable[Any]) -> Standing:
     rid, tool, digest, conversation, deadline, status, by, via, at, why, person = tuple(row)
     deadline_at = datetime.fromtimestamp(deadline, UTC)
-    return Standing(rid, tool, digest, conversation, deadline_at, Status(status), by, via, ts(at), why, person)
+    at_time = None if at is None else datetime.fromtimestamp(at, UTC)
+    return Standing(rid, tool, digest, conversation, deadline_at, _STATUS_OF[status], by, via, at_time, why, person)
 
 
 class ReviewState:
@@ -318,10 +357,9 @@ class ReviewState:
 FirstUse = Callable[[Tx], bool]
 
 
-@dataclass(frozen=True)
-class Pressed:
+class Pressed(NamedTuple):
     """What a press did: refused by its admission or a card problem (nothing written), or the compare-and-set's
-    result."""
+    result. (A named tuple: every press makes one.)"""
 
     problem: str | None
     won: bool
@@ -329,6 +367,20 @@ class Pressed:
     review: str | None = None  # a ReviewState when the press was a review that did not decide
     refused: tuple[str, str] | None = None  # what its admission said: (for the audit, for the presser)
     replayed: bool = False  # its ``first_use`` said the signed request that carried it was seen before
+
+
+class _Press(NamedTuple):
+    """One press's part in :meth:`ApprovalStore._press_together` (what :meth:`ApprovalStore.press_op` was given)."""
+
+    request_id: str
+    status: Status
+    actor: str
+    platform: str
+    reason: str | None
+    card: CardCheck | None
+    person: str | None
+    admit: Admission | None
+    alone: Callable[[Tx], Pressed]  # the press run on its own
 
 
 def _rules_of_press(head: Sequence[Any]) -> Rules:
@@ -693,23 +745,97 @@ class ApprovalStore:
                                       args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
                     tx.notify(DECIDED_CHANNEL, request_id)
                     return Pressed(None, False, request, ReviewState.COUNTED)
-            sealed = self._seal(request_id, str(head[1]), str(head[2]), status, actor, platform, now, person)
-            params = (status.value, actor, platform, now, reason, *sealed, person, request_id, now)
-            row = tx.one(f"{_CAS_BEFORE_DEADLINE} RETURNING {_STANDING}", params)
-            if row is None:
-                return self._lost(tx, request_id, actor, platform, now, person)
-            request = _standing(row)
-            if not reviewed:  # one press decides: its review is written with the outcome
-                tx.run(_REVIEW, (request_id, reviewer, actor, platform, decision.value, reason, now))
-            detail = decided_detail(status, reason)
-            self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
-                              args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
-            tx.notify(DECIDED_CHANNEL, request_id)
-            if self.decided_in_commit is not None and not self.chain.postgres:
-                tx.defer(self._after_chaining, request_id)
-            return Pressed(None, True, request)
+            return self._set(tx, request_id, head, status, actor, platform, reason, person, now, reviewed=reviewed)
 
-        return op
+        if self._one_statement:
+            return op
+        # SQLite: the presses of this request in the same group run together (_press_together).
+        part = _Press(request_id, status, actor, platform, reason, card, person, admit, general)
+        return Together(general, (self, request_id), part, self._press_together)
+
+    def _set(
+        self,
+        tx: Tx,
+        request_id: str,
+        head: Sequence[Any],
+        status: Status,
+        actor: str,
+        platform: str,
+        reason: str | None,
+        person: str | None,
+        now: float,
+        *,
+        reviewed: bool,
+    ) -> Pressed:
+        """A press's compare-and-set on the request ``head`` read (pending, before its deadline, admitted): the
+        outcome sealed, its review unless the press was already counted as one, its audit row; lost if another
+        write got there first."""
+        sealed = self._seal(request_id, str(head[1]), str(head[2]), status, actor, platform, now, person)
+        params = (status.value, actor, platform, now, reason, *sealed, person, request_id, now)
+        row = tx.one(f"{_CAS_BEFORE_DEADLINE} RETURNING {_STANDING}", params)
+        if row is None:
+            return self._lost(tx, request_id, actor, platform, now, person)
+        request = _standing(row)
+        if not reviewed:  # one press decides: its review is written with the outcome
+            decision = Decision.APPROVE if status is Status.APPROVED else Decision.DENY
+            tx.run(_REVIEW, (request_id, person or actor, actor, platform, decision.value, reason, now))
+        detail = decided_detail(status, reason)
+        self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
+                          args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
+        tx.notify(DECIDED_CHANNEL, request_id)
+        if self.decided_in_commit is not None and not self.chain.postgres:
+            tx.defer(self._after_chaining, request_id)
+        return Pressed(None, True, request)
+
+    def _press_together(self, tx: Tx, presses: list[_Press]) -> list[Pressed]:
+        """The presses of one request in one group, decided as :meth:`press_op` run one after another would decide
+        them, with one read of the request and all its cards and at most one compare-and-set: in their order, a
+        press refused by its admission or from no card of the request writes nothing; the first other one, while
+        the request is pending and before its deadline, decides it; every one after that loses to the outcome
+        it set (their ``press_lost`` rows go in the chain's one insert at the end of the transaction). Under a
+        policy of several people each press is a review that must see the ones before it: they run one by one.
+        """
+        request_id = presses[0].request_id
+        if any(p.card is not None for p in presses):
+            rows = tx.all(_PRESS_ALL_CARDS, (request_id,))
+            head = rows[0] if rows else None
+        else:
+            rows = []
+            head = tx.one(_PRESS_HEAD, (request_id,))
+        if head is None:
+            return [Pressed(None, False, None, refused=None if p.admit is None else p.admit(None)) for p in presses]
+        rules = _rules_of_press(head)
+        self._remember_rules(request_id, rules)
+        if (rules.approve_needed, rules.deny_needed) != (1, 1):
+            return [p.alone(tx) for p in presses]
+        now = self.clock()
+        # How the request stands once decided (here or before): every later press that gets that far loses to it.
+        standing = None if head[5] == Status.PENDING and float(head[4]) > now else _standing(head[:11])
+        results: list[Pressed] = []
+        for p in presses:
+            if p.admit is not None:
+                refused = p.admit(rules)
+                if refused is not None:
+                    results.append(Pressed(None, False, None, refused=refused))
+                    continue
+            if p.card is not None:
+                on = p.card.platform
+                cards = [tuple(r[_PRESS_CARD_AT + 1 :]) for r in rows if r[_PRESS_CARD_AT] == on]
+                problem = _card_problem(cards, p.card, p.person or p.actor)
+                if problem is not None:
+                    results.append(Pressed(problem, False, None))
+                    continue
+            if standing is not None:
+                results.append(self._lost_as(tx, standing, p.actor, p.platform, now, p.person))
+                continue
+            pressed = self._set(tx, request_id, head, p.status, p.actor, p.platform, p.reason, p.person, now,
+                                reviewed=False)  # fmt: skip
+            standing = pressed.request
+            results.append(pressed)
+            if standing is None:  # the request is gone (never: its row cannot be deleted): the rest alone
+                results += [q.alone(tx) for q in presses[len(results) :]]
+                break
+        return results
 
     def _press_in_one(
         self,

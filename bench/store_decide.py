@@ -1,6 +1,6 @@
 """Decisions per second: the approvals service against raw compare-and-set loops, interleaved.
 
-For each case, the same number of requests is decided three ways, in one
+For each case, the same number of requests is decided several ways, in one
 process, alternating every ``--chunk`` requests so disk noise hits all alike:
 
 * product: ``ApprovalService.decide_from_button`` (authorisation, the card check,
@@ -15,7 +15,12 @@ process, alternating every ``--chunk`` requests so disk noise hits all alike:
   ``sqlite3`` on the loop thread with no service, writer or event loop around
   them. ``ceiling`` is its rate ÷ raw sqlite3: what the product's schema and
   audit allow before any of its own code runs; ``÷op`` is the product ÷ these
-  same writes by hand in one commit.
+  same writes by hand in one commit;
+* product op together: the statements the product runs for a request's
+  presses that share a group commit on SQLite (``ApprovalStore.press_op``'s
+  ``Together``: one read of the request and its cards, one compare-and-set,
+  the losers' audit rows in the chain's one insert), by hand the same way;
+  ``÷tog`` is the product ÷ these. For one press it is ``op alone`` again.
 
 Every file is WAL with ``synchronous=FULL``. The cases: one press per request,
 one request at a time; three presses per request (one winner, two losers), one
@@ -37,15 +42,17 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import aiosqlite
 
 from kazma.approvals import MIGRATIONS, ApprovalService, ApprovalStore, Decision, Status, button_data
-from kazma.approvals.store import CardCheck
+from kazma.approvals.store import CardCheck, Pressed
 from kazma.bot.logging import configure_logging
 from kazma.config import load_config_text
 from kazma.config.keyring import DECISION_KEYS, Keyring
 from kazma.config.store.database import connect, open_database
+from kazma.config.store.group_commit import Together
 from kazma.config.store.writer import Tx
 
 CONFIG = load_config_text('approvals: {approvers: ["telegram:1", "slack:U1", "discord:2"]}').config
@@ -146,7 +153,9 @@ async def sqlite3_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Ca
     return chunk, close
 
 
-async def op_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Callable[[], Awaitable[None]]]:
+async def op_side(
+    path: Path, requests: int, case: Case, *, together: bool = False
+) -> tuple[Chunk, Callable[[], Awaitable[None]]]:
     setup, service, ids = await opened(path, requests)
     await close_product(setup, service)  # from here on, only stdlib sqlite3 touches the file
     store = service.store
@@ -158,10 +167,18 @@ async def op_side(path: Path, requests: int, case: Case) -> tuple[Chunk, Callabl
         won = 0
         for n in numbers:
             conn.execute("BEGIN IMMEDIATE")
-            for actor, platform in PRESSERS[: case.presses]:
-                check = CardCheck(platform, None, None, needs_whole=True)
-                op = store.press_op(ids[n], Status.APPROVED, actor=actor, platform=platform, reason=None, card=check)
-                won += op(tx).won
+            ops = [
+                store.press_op(
+                    ids[n], Status.APPROVED, actor=actor, platform=platform, reason=None,
+                    card=CardCheck(platform, None, None, needs_whole=True),
+                )
+                for actor, platform in PRESSERS[: case.presses]
+            ]  # fmt: skip
+            first = ops[0]
+            if together and len(ops) > 1 and isinstance(first, Together):
+                won += sum(p.won for p in first.together(tx, [cast(Together[Pressed], op).part for op in ops]))
+            else:
+                won += sum(op(tx).won for op in ops)
             tx._run_deferred()  # the audit rows, linked to the chain at the end of the transaction as the writer does
             conn.execute("COMMIT")
             tx._committed()
@@ -207,6 +224,7 @@ async def run_case(folder: Path, case: Case, requests: int, chunk_size: int) -> 
         "raw sqlite3": await sqlite3_side(folder / "sqlite3.db", requests, case),
         "raw aiosqlite": await aiosqlite_side(folder / "aiosqlite.db", requests, case),
         "op alone": await op_side(folder / "op.db", requests, case),
+        "op together": await op_side(folder / "op2.db", requests, case, together=True),
     }
     tallies = {name: Tally() for name in sides}
     size = max(chunk_size, case.in_flight)
@@ -239,19 +257,19 @@ async def main() -> None:
     for run in range(1, args.runs + 1):
         print(f"run {run}: {args.requests} requests per case, sides interleaved every {args.chunk} requests")
         header = f"{'where':<10}{'case':<46}{'product/s':>11}{'sqlite3/s':>11}{'aiosql/s':>10}{'op/s':>9}"
-        print(header + f"{'÷sqlite3':>10}{'÷aiosql':>9}{'goal':>7}{'ceiling':>9}{'÷op':>7}{'load':>7}")
+        print(header + f"{'÷sqlite3':>10}{'÷aiosql':>9}{'goal':>7}{'ceiling':>9}{'÷op':>7}{'÷tog':>7}{'load':>7}")
         for label, folder in places:
             for case in CASES:
                 with tempfile.TemporaryDirectory(dir=folder) as tmp:
                     tallies = await run_case(Path(tmp), case, args.requests, args.chunk)
-                product, raw, aio, alone = (
-                    tallies[k].rate for k in ("product", "raw sqlite3", "raw aiosqlite", "op alone")
+                product, raw, aio, alone, joint = (
+                    tallies[k].rate for k in ("product", "raw sqlite3", "raw aiosqlite", "op alone", "op together")
                 )
                 goal = case.goal if label == "store dir" else 0.25
                 print(
                     f"{label:<10}{case.name:<46}{product:>11,.0f}{raw:>11,.0f}{aio:>10,.0f}{alone:>9,.0f}"
                     f"{product / raw:>10.2f}{product / aio:>9.2f}{'≥' + str(goal):>7}{alone / raw:>9.2f}"
-                    f"{product / alone:>7.2f}{os.getloadavg()[0]:>7.2f}"
+                    f"{product / alone:>7.2f}{product / joint:>7.2f}{os.getloadavg()[0]:>7.2f}"
                 )
                 for name, tally in tallies.items():
                     if tally.decisions != args.requests:

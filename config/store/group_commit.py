@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import types
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import structlog
 
@@ -106,6 +106,31 @@ class Later(Generic[T]):
         return self._value  # type: ignore[return-value]  # set: a T (which may itself be None)
 
 
+class Together(Generic[T]):
+    """An operation that runs in one go with the others of its ``key`` in a group (a writer that can, SQLite's).
+
+    Called alone it is ``op``. When a group holds several of one key, the writer calls the first one's
+    ``together`` once, where the first stood, with every one's ``part`` in their order, and takes each one's
+    result from the list it returns: what running them one after another would give (the presses of one request
+    that arrive together, decided by one compare-and-set). The group's other operations keep their order around
+    them; none of theirs was answered before the group, so either order is one its callers could have seen.
+    """
+
+    __slots__ = ("key", "op", "part", "together")
+
+    def __init__(
+        self,
+        op: Callable[[Any], T],
+        key: Hashable,
+        part: Any,
+        together: Callable[[Any, list[Any]], list[T]],
+    ) -> None:
+        self.op, self.key, self.part, self.together = op, key, part, together
+
+    def __call__(self, tx: Any) -> T:
+        return self.op(tx)
+
+
 @dataclass
 class Job(Generic[T]):
     """One submitted operation, its caller's future, and what running it gave."""
@@ -115,6 +140,38 @@ class Job(Generic[T]):
     result: Any = None
     error: BaseException | None = None
     rides: bool = False  # submitted to ride: it never makes a group count as bigger than its other operations
+
+
+def batches(jobs: Sequence[Job[Any]]) -> list[list[Job[Any]]]:
+    """``jobs`` in their order, those of one :class:`Together` key gathered at the place of the first of them."""
+    out: list[list[Job[Any]]] = []
+    keyed: dict[Hashable, list[Job[Any]]] = {}
+    for job in jobs:
+        op = job.op
+        if type(op) is Together:
+            same = keyed.get(op.key)
+            if same is not None:
+                same.append(job)
+                continue
+            keyed[op.key] = same = [job]
+            out.append(same)
+        else:
+            out.append([job])
+    return out
+
+
+def run_batch(tx: Any, batch: list[Job[Any]]) -> None:
+    """Each job's result: one call of its op, or, for several of one :class:`Together` key, one call of theirs."""
+    if len(batch) == 1:
+        batch[0].result = batch[0].op(tx)
+        return
+    first = batch[0].op
+    assert isinstance(first, Together)
+    results = first.together(tx, [cast("Together[Any]", job.op).part for job in batch])
+    if len(results) != len(batch):
+        raise RuntimeError(f"{len(batch)} operations run together gave {len(results)} results")
+    for job, result in zip(batch, results, strict=True):
+        job.result = result
 
 
 def own_operations(jobs: Sequence[Job[Any]]) -> int:

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import structlog
 
 from kazma.config.metrics import count_failure
-from kazma.config.store.group_commit import Deferred, GroupQueue, Job, own_operations
+from kazma.config.store.group_commit import Deferred, GroupQueue, Job, batches, own_operations, run_batch
 
 log = structlog.get_logger("kazma.store")
 
@@ -303,9 +303,11 @@ class StoreWriter(GroupQueue):
                 self._rollback(conn)
                 return
         elif not careful:
-            for job in group.jobs:
+            # Operations of one Together key run in one go (one press of several decides, the others lose in the
+            # same statements); the careful pass below runs each alone, which gives the same results.
+            for batch in batches(group.jobs):
                 try:
-                    job.result = job.op(tx)
+                    run_batch(tx, batch)
                 except Exception as exc:
                     if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
                         raise
