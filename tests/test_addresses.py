@@ -33,6 +33,7 @@ NOT_ADDRESSES: dict[tuple[str, str], str] = {
         "a platform's admins as actors: the registry sits below Actor (whose parser reads the registry)"
     ),
     ("config/registry/__init__.py", 'reference.partition(":")'): "a registry entry's module:attribute",
+    ("adapters/press_policy.py", 'k.split(":", 1)'): "a replay key's kind (sig:…): logged without the key itself",
     ("config/failpoints.py", 'action.partition(":")'): "a failpoint's action and its argument (delay:50)",
     ("config/keyring.py", 'entry.partition(":")'): "a key id and its key",
     ("config/keyring.py", 'f"{key_id}:{written}"'): "a key id and its key",
