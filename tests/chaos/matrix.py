@@ -52,8 +52,13 @@ CRASH: Final[dict[str, Ending]] = {
     "approvals.open.committed": f"{_RESTART} · {{cancelled}} · tool did not run",
     "bus.post": f"{_RESTART} · {{cancelled}} · tool did not run",
     # the card posted, its message id never recorded: Discord finds it again by its nonce at the restart, a
-    # press on the Telegram one edits it to the outcome (the request ended: the press decides nothing)
-    "bus.post.recorded": f"{_RESTART} · {{cancelled}} · tool did not run",
+    # press on the Telegram one edits it to the outcome (the request ended: the press decides nothing). The
+    # restart serves before it cancels its orphans: when its card worker gets there first, Telegram (no nonce)
+    # shows the card once more, marked "Posted again", and it settles with the rest.
+    "bus.post.recorded": (
+        f"{_RESTART} · {{cancelled}} · tool did not run",
+        f"{_RESTART} · {{cancelled}} · tool did not run · telegram card posted again, marked",
+    ),
     "approvals.decide.before_commit": f"{_RESTART} · {{cancelled}} · tool did not run",
     # decided, then the process died before the call ran: the approval stands, the call never runs by itself
     "approvals.decide.after_commit": f"{_RESTART} · approved · tool did not run",
