@@ -23,12 +23,12 @@ from kazma.approvals import ApprovalService, ApprovalStore
 from kazma.approvals.card import button_data
 from kazma.approvals.model import Decision, PressVerdict, Status
 from kazma.approvals.orphans import BATCH, Orphans
-from kazma.approvals.service import RESTARTED
 from kazma.bot.app import build_app
 from kazma.bot.store import open_store
 from kazma.config import load_config_text
 from kazma.engine.model import ScriptedProvider
 from kazma.engine.tools.shell import ShellTool
+from tests.test_orphans_after_start import _all_cancelled
 
 # A bwrap that says it started, then succeeds only once something else answered it: only a loop that is free
 # while the trial runs can (bounded: it gives up after about five seconds and fails the trial).
@@ -134,13 +134,7 @@ approvals: {{deadline_seconds: 600, approvers: ["telegram:111"]}}
         assert won.verdict is PressVerdict.WON, won
         assert stale.verdict is not PressVerdict.WON, stale
         go_on.set()
-        async with asyncio.timeout(60):
-            while app.service.orphans is not None:
-                await asyncio.sleep(0.02)
-        for request_id in ids:
-            row = await app.service.store.get(request_id)
-            assert row is not None
-            assert (row.status, row.reason) == (Status.CANCELLED, RESTARTED), request_id
+        await _all_cancelled(app, ids)
         decided = await app.service.store.get(fresh.id)
         assert decided is not None
         assert decided.status is Status.APPROVED
