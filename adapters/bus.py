@@ -52,7 +52,7 @@ from kazma.config.registry import CHAT_PLATFORMS
 from kazma.config.store.backend import Tx
 from kazma.config.store.errors import simulated_failure, store_errors
 from kazma.config.supervisor import Supervisor
-from kazma.config.waits import until_set
+from kazma.config.waits import bounded, until_set
 
 log = structlog.get_logger("kazma.bus")
 
@@ -238,7 +238,7 @@ class FanOutBus:
 
     async def _stop_one(self, adapter: PlatformAdapter) -> None:
         try:
-            await asyncio.wait_for(adapter.stop(), timeout=self.platform_timeout)
+            await bounded(adapter.stop(), self.platform_timeout)
         except Exception as exc:
             log.warning("bus.platform_stop_failed", platform=adapter.name, error=str(exc))
 
@@ -380,7 +380,7 @@ class FanOutBus:
             return None
         try:
             # a file may be megabytes: it has longer than a text
-            return await asyncio.wait_for(adapter.send(to, message), timeout=self.platform_timeout * (4 if file else 1))
+            return await bounded(adapter.send(to, message), self.platform_timeout * (4 if file else 1))
         except (PlatformError, TimeoutError) as exc:
             if file:
                 count_failure("send_file", to.platform)
@@ -404,9 +404,9 @@ class FanOutBus:
         if not isinstance(adapter, ShowsText):
             return None
         try:
-            return await asyncio.wait_for(
+            return await bounded(
                 adapter.show_text(to.chat, shown, message.text, agent=message.agent, thread=to.thread),
-                timeout=self.platform_timeout,
+                self.platform_timeout,
             )
         except (PlatformError, TimeoutError) as exc:
             if isinstance(exc, TimeoutError):  # a refused or failed call is counted by the adapter already
@@ -424,7 +424,7 @@ class FanOutBus:
         if not isinstance(adapter, FileAdapter):
             return False
         try:
-            return await asyncio.wait_for(adapter.working(at.chat, thread=at.thread), timeout=self.platform_timeout)
+            return await bounded(adapter.working(at.chat, thread=at.thread), self.platform_timeout)
         except TimeoutError:
             return False
 
@@ -612,7 +612,7 @@ class FanOutBus:
             raise PlatformError(adapter.name, "card_post", "this platform posts cards only in its home chat",
                                 retryable=False)  # fmt: skip
         if place.user is not None:
-            return await asyncio.wait_for(adapter.direct_chat(place.user), timeout=self.platform_timeout)
+            return await bounded(adapter.direct_chat(place.user), self.platform_timeout)
         assert place.chat is not None
         return place.chat
 
@@ -634,9 +634,9 @@ class FanOutBus:
                 where=adapter.name,
             )
         if chat is None:
-            return await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
+            return await bounded(adapter.post_card(card), self.platform_timeout)
         assert isinstance(adapter, RoutesCards)
-        return await asyncio.wait_for(adapter.post_card_in(card, chat), timeout=self.platform_timeout)
+        return await bounded(adapter.post_card_in(card, chat), self.platform_timeout)
 
     async def _find_by_nonce(
         self,
@@ -663,10 +663,10 @@ class FanOutBus:
                 if chat in recorded:
                     continue
                 if chat == adapter.home_chat:
-                    ref = await asyncio.wait_for(adapter.post_card(card), timeout=self.platform_timeout)
+                    ref = await bounded(adapter.post_card(card), self.platform_timeout)
                 else:
                     assert isinstance(adapter, RoutesCards)  # _chat_of refuses a route elsewhere
-                    ref = await asyncio.wait_for(adapter.post_card_in(card, chat), timeout=self.platform_timeout)
+                    ref = await bounded(adapter.post_card_in(card, chat), self.platform_timeout)
             except (PlatformError, TimeoutError) as exc:
                 count_failure("card_post", adapter.name)
                 if isinstance(exc, TimeoutError) or exc.retryable:
@@ -784,7 +784,7 @@ class FanOutBus:
                 ref = CardRef(posted.platform, posted.chat, posted.message_id)
                 shown = _marked(card) if posted.reposted else card
                 try:
-                    await asyncio.wait_for(adapter.update_card(ref, shown), timeout=self.platform_timeout)
+                    await bounded(adapter.update_card(ref, shown), self.platform_timeout)
                 except (PlatformError, TimeoutError) as exc:
                     count_failure("card_progress", adapter.name)
                     log.warning("bus.card_progress_failed", platform=adapter.name, request_id=request_id,
@@ -868,7 +868,7 @@ class FanOutBus:
                     lambda: PlatformError(adapter.name, "card_settle", "503 (failpoint)", retryable=True),
                     where=adapter.name,
                 )
-            await asyncio.wait_for(adapter.settle_card(ref, card, outcome), timeout=self.platform_timeout)
+            await bounded(adapter.settle_card(ref, card, outcome), self.platform_timeout)
         except (PlatformError, TimeoutError) as exc:
             retryable = isinstance(exc, TimeoutError) or exc.retryable
             retry_after = exc.retry_after if isinstance(exc, PlatformError) else None

@@ -20,6 +20,7 @@ import structlog
 from kazma.adapters.contract import Handlers, PlatformError, Press
 from kazma.approvals.model import PressResult, PressVerdict
 from kazma.config.metrics import count_failure
+from kazma.config.waits import bounded
 
 log = structlog.get_logger("kazma.adapters")
 
@@ -86,7 +87,7 @@ class PressPolicy(ABC):
         decision = self.spawn(self._decide(handlers, press, key), name=f"{self.name}-press", awaited=True)
         try:
             # Shielded: a slow decision keeps running after we answer; only our wait ends.
-            result = await asyncio.wait_for(asyncio.shield(decision), timeout=self.press_timeout)
+            result = await bounded(asyncio.shield(decision), self.press_timeout)
         except TimeoutError:
             log.info("platform.press_pending", platform=self.name, actor=press.actor)
             await self._reply(reply.acknowledge, PRESS_PENDING)

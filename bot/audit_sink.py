@@ -45,7 +45,7 @@ from kazma.config.metrics import count_failure
 from kazma.config.store.backend import StoreConnection, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
-from kazma.config.waits import until_set
+from kazma.config.waits import bounded, until_set
 
 log = structlog.get_logger("kazma.audit.sink")
 
@@ -360,7 +360,7 @@ class AuditSink:
         if not records:
             return False
         try:
-            await asyncio.wait_for(self.target.deliver(records), timeout=self.timeout)
+            await bounded(self.target.deliver(records), self.timeout)
         except (SinkError, TimeoutError) as exc:
             self.failures += 1
             count_failure("audit_sink", self.target.kind)

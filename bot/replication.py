@@ -11,7 +11,6 @@ through ``LISTEN``/``NOTIFY`` (:class:`~kazma.config.store.pg_listen.PgListener`
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import time
@@ -33,6 +32,7 @@ from kazma.config.store.pg_listen import PgListener
 from kazma.config.store.postgres import PgStore
 from kazma.config.store.replicas import lease_holder, live_replicas
 from kazma.config.supervisor import Supervisor
+from kazma.config.waits import bounded
 
 log = structlog.get_logger("kazma.replicas")
 
@@ -211,7 +211,7 @@ class Replication:
         problem: str | None = None
         reachable = True
         try:
-            holder = await asyncio.wait_for(lease_holder(self.store.pool, self.lease.key), HEALTH_TIMEOUT)
+            holder = await bounded(lease_holder(self.store.pool, self.lease.key), HEALTH_TIMEOUT)
         except Exception as exc:
             reachable, problem = False, str(exc).strip() or type(exc).__name__
         if problem is None and not self.listener.connected:

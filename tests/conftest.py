@@ -9,8 +9,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 # A real PostgreSQL server per test process and an empty database per test: pg_server, pg_database, pg_dsn;
-# store_engine: a store-level test on SQLite and on PostgreSQL.
-pytest_plugins = ["tests.pg_support", "tests.store_backends"]
+# store_engine: a store-level test on SQLite and on PostgreSQL; hang_report: a hung test prints its tasks.
+pytest_plugins = ["tests.pg_support", "tests.store_backends", "tests.hang_report"]
 
 # Every test talks to 127.0.0.1 only; a proxy from the environment must not intercept.
 os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +32,7 @@ from kazma.config.metrics import failure_count
 from kazma.config.store.backend import StoreConnection
 from tests.approvals_support import TEST_KEYRING, TEST_SIGNER, approvals_config
 from tests.audit_support import Attacker
-from tests.contract.harness import free_port
+from tests.hang_report import awaits
 from tests.process_support import REPO
 from tests.store_backends import Engine, open_store, raw_rows
 
@@ -64,9 +65,13 @@ async def until(condition: Callable[[], bool], *, within: float = 60.0, what: st
 class Receiver:
     """An audit webhook: keeps every POSTed batch as it came; can hang a request, or act on one before answering."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}/audit"
+    def __init__(self) -> None:
+        # The port is held from the start by a bound socket that does not listen: a connection to it is refused
+        # (the webhook is down) and no other test's server can take the port before this one serves on it.
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/audit"
         self.batches: list[list[dict[str, Any]]] = []
         self.hang = False
         self.hanging = asyncio.Event()  # a request is held open
@@ -90,12 +95,13 @@ class Receiver:
         app.router.add_post("/audit", self.handle)
         runner = web.AppRunner(app)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+        await web.SockSite(runner, self.socket).start()
         try:
             yield self
         finally:
             self.release.set()
-            await runner.cleanup()
+            async with asyncio.timeout(90):  # aiohttp waits up to 60 s for handlers still running
+                await runner.cleanup()
 
     def records(self) -> list[dict[str, Any]]:
         return [record for batch in self.batches for record in batch]
@@ -167,7 +173,7 @@ async def test_a_sink_killed_between_a_delivery_and_its_position_sends_it_again_
 ) -> None:
     async with kazma_store(store_engine) as (_, service, checkpointer):
         await decisions(service, checkpointer, 6, tag="before")
-        receiver = Receiver(free_port())
+        receiver = Receiver()
         async with receiver.serving():
             first = await sink_child(store_engine, receiver.url)
             # The first batch is kept by the receiver, then the sink is killed before it hears the answer: it
@@ -245,8 +251,7 @@ async def test_a_file_sink_restarted_ahead_of_its_stored_position_writes_each_re
 async def test_a_webhook_that_refuses_then_hangs_delays_no_decision_and_gets_everything_after(
     store_engine: Engine,
 ) -> None:
-    port = free_port()
-    receiver = Receiver(port)
+    receiver = Receiver()
     config = AuditSinkConfig(
         webhook=receiver.url, batch=50, timeout_seconds=300, retry_base_seconds=0.05, retry_cap_seconds=0.2
     )
@@ -263,8 +268,12 @@ async def test_a_webhook_that_refuses_then_hangs_delays_no_decision_and_gets_eve
             # Then up but hanging: the sink's delivery waits on an answer that does not come.
             receiver.hang = True
             async with receiver.serving():
-                async with asyncio.timeout(60):
-                    await receiver.hanging.wait()
+                try:
+                    async with asyncio.timeout(60):
+                        await receiver.hanging.wait()
+                except TimeoutError:
+                    where = "\n".join(awaits(running))
+                    raise AssertionError(f"no delivery reached the webhook in 60 s; the sink is at:\n{where}") from None
                 async with asyncio.timeout(60):  # decisions go on, every one, while the delivery hangs
                     await decisions(service, checkpointer, 20, tag="while the webhook hangs")
                 assert not receiver.batches  # the hung delivery is still open: nothing was answered
@@ -281,7 +290,8 @@ async def test_a_webhook_that_refuses_then_hangs_delays_no_decision_and_gets_eve
                 )
         finally:
             running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
+            async with asyncio.timeout(60):  # a sink that does not end when cancelled fails here, by name
+                await asyncio.gather(running, return_exceptions=True)
     kept = deduplicated(receiver.records())
     assert kinds(kept, "event") == events
     assert kinds(kept, "checkpoint") == checkpoints

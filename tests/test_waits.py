@@ -1,4 +1,5 @@
-"""Bounded waits for an event keep a cancel (kazma.config.waits), and every such wait in the source uses them."""
+"""Bounded waits keep a cancel (kazma.config.waits), for an event and for any awaitable, and every bounded wait in
+the source uses them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import re
 
 import pytest
 
-from kazma.config.waits import until_set
+from kazma.config.waits import bounded, until_set
 from tests.conftest import REPO
 
 SOURCE = ("adapters", "approvals", "bot", "config", "engine")
@@ -45,8 +46,38 @@ async def test_it_says_whether_the_event_was_set() -> None:
     assert await until_set(event, 0) is True  # already set: no wait at all
 
 
-def test_no_bounded_wait_for_an_event_in_the_source_uses_wait_for() -> None:
-    pattern = re.compile(r"wait_for\(\s*[\w.]+\.wait\(\)")
+async def test_a_cancel_that_arrives_as_the_awaited_call_finishes_is_kept() -> None:
+    # The audit sink's delivery: answered in the very turn its sink was cancelled. wait_for returned the answer
+    # and the sink went on delivering; the stop that cancelled it waited for it for good.
+    answered: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    started = asyncio.Event()
+
+    async def deliver() -> str:
+        started.set()
+        return await bounded(answered, 3600)
+
+    task = asyncio.create_task(deliver())
+    await started.wait()
+    answered.set_result("ok")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_bounded_gives_the_result_or_times_out_and_cancels_what_it_waited_for() -> None:
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int] = loop.create_future()
+    loop.call_soon(done.set_result, 7)
+    assert await bounded(done, 60) == 7
+    never: asyncio.Future[int] = loop.create_future()
+    with pytest.raises(TimeoutError):
+        await bounded(never, 0.01)
+    assert never.cancelled()  # as wait_for did: what timed out is not left running
+    assert await bounded(asyncio.sleep(0, result="unbounded"), None) == "unbounded"
+
+
+def test_no_bounded_wait_in_the_source_uses_wait_for() -> None:
+    pattern = re.compile(r"asyncio\.wait_for\(")
     found = [
         f"{path.relative_to(REPO)}:{number}"
         for folder in SOURCE
@@ -54,4 +85,4 @@ def test_no_bounded_wait_for_an_event_in_the_source_uses_wait_for() -> None:
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if pattern.search(line) and not line.lstrip().startswith(("#", "On Python"))
     ]
-    assert found == [], f"use kazma.config.waits.until_set: {found}"
+    assert found == [], f"use kazma.config.waits.until_set or bounded: {found}"

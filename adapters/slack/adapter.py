@@ -17,7 +17,6 @@ folds the ``message`` and ``app_mention`` events of one post into one).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -80,6 +79,7 @@ from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
 from kazma.config.metrics import count_failure
 from kazma.config.models import SlackConfig
+from kazma.config.waits import bounded
 
 log = structlog.get_logger("kazma.adapters.slack")
 CODE_FENCE: Final = "```"
@@ -265,7 +265,7 @@ class SlackAdapter(PlatformBase):
         handler = AsyncSocketModeHandler(self.app, self.config.app_token, web_client=self.client)
         handler.client.wss_uri = str(opened["url"])
         try:
-            await asyncio.wait_for(handler.connect_async(), timeout=max(self._timeout, 1))  # type: ignore[no-untyped-call]
+            await bounded(handler.connect_async(), max(self._timeout, 1))  # type: ignore[no-untyped-call]
         except BaseException:
             await handler.close_async()  # type: ignore[no-untyped-call]
             raise

@@ -35,6 +35,7 @@ from kazma.bot.console.mcp_askers import ConnectionAsker, OpenCalls, jsonrpc
 from kazma.bot.console.mcp_tool import Asked, answer, build_server
 from kazma.config.metrics import count_failure
 from kazma.config.store.errors import store_errors
+from kazma.config.waits import bounded
 
 log = structlog.get_logger("kazma.mcp_server")
 
@@ -118,7 +119,7 @@ class MCPEndpoint:
         self._stop.set()
         if self._task is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._task, 5)
+                await bounded(self._task, 5)
 
     async def handle(self, request: web.Request, caller: ApiCaller) -> web.StreamResponse:
         """One ``/mcp`` call of ``caller`` (its token already checked) through the SDK."""

@@ -44,7 +44,7 @@ from psycopg.rows import TupleRow
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
 from kazma.config.store.pg_listen import until_readable
-from kazma.config.waits import until_set
+from kazma.config.waits import bounded, until_set
 
 log = structlog.get_logger("kazma.leader")
 
@@ -250,7 +250,7 @@ class LeaderLease:
             " -c tcp_keepalives_idle=1 -c tcp_keepalives_interval=1 -c tcp_keepalives_count=3"
             f" -c tcp_user_timeout={int(t.server_drop_after * 1000)}"
         )
-        conn = await asyncio.wait_for(
+        conn = await bounded(
             psycopg.AsyncConnection.connect(
                 self.dsn,
                 autocommit=True,
@@ -264,7 +264,7 @@ class LeaderLease:
                 tcp_user_timeout=int(t.server_drop_after * 1000),
                 options=options,
             ),
-            timeout=max(2, t.connect_timeout) + 1,
+            max(2, t.connect_timeout) + 1,
         )
         # A server that ends the session says why (57P01 "terminating connection due to administrator
         # command", an idle-session timeout …) in a FATAL message that libpq hands to the notice

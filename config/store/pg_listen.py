@@ -26,7 +26,7 @@ from psycopg import sql
 
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
-from kazma.config.waits import until_set
+from kazma.config.waits import bounded, until_set
 
 log = structlog.get_logger("kazma.store")
 
@@ -154,7 +154,7 @@ class PgListener:
                 continue
             if not await until_readable(conn, self.check_every):
                 # Nothing for a while: prove the link (a dead one raises here, and the loop reconnects).
-                await asyncio.wait_for(conn.execute("SELECT 1"), timeout=self.connect_timeout)
+                await bounded(conn.execute("SELECT 1"), self.connect_timeout)
 
     async def _resync(self) -> None:
         try:
