@@ -37,6 +37,7 @@ sends the pass at once.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -114,7 +115,8 @@ class Checkpointer:
         self.in_decisions = in_decisions
         self._due = asyncio.Event()
         self._signed = asyncio.Event()  # replaced after every pass: whoever waits on the old one wakes
-        self._last_pass = 0.0  # monotonic
+        # Monotonic; -inf: no pass yet (0.0 is not "long ago": the clock starts at boot, younger than min_interval)
+        self._last_pass = -math.inf
         self._running = False  # run() is signing: a witness waits for it, else signs itself
         self._reported: set[int] = set()  # unvouched rows already logged by this process
         self._wanted = False  # a witness waits: the next pass goes at once instead of riding
