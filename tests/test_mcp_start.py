@@ -37,7 +37,7 @@ signal.signal(signal.SIGUSR1, dump)
 from kazma.bot.cli import main
 main(sys.argv[1:], prog_name="kazma")
 """
-DEV_EXTRAS = ("twisted", "zope", "rich", "pygments")
+DEV_EXTRAS = ("twisted", "zope", "rich", "pygments", "greenlet")
 OPTIONAL = (
     "mcp",
     "starlette",
