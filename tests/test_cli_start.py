@@ -66,12 +66,13 @@ try:
     main(["-c", sys.argv[1], "run"], prog_name="kazma")
 except SystemExit as exc:
     code = exc.code
-print(code, young, gc.get_threshold())
+from kazma.bot.start_gc import START_YOUNG
+print(code, young == [START_YOUNG], gc.get_threshold())
 """
 
 
 def test_run_starts_with_a_large_young_generation_and_a_failed_start_gives_the_collector_back(tmp_path: Path) -> None:
-    """`kazma run` collects garbage every 100,000 allocations while it starts (kazma.bot.start_gc); a start that
+    """`kazma run` collects young garbage every 300,000 allocations while it starts (kazma.bot.start_gc); a start that
     ends before it serves (here its configuration is missing) leaves the thresholds as they were."""
     done = subprocess.run(
         [sys.executable, "-c", GC_PROBE, str(tmp_path / "missing.yaml")],
@@ -80,4 +81,4 @@ def test_run_starts_with_a_large_young_generation_and_a_failed_start_gives_the_c
         check=False,
         timeout=120,
     )
-    assert done.stdout.strip().splitlines()[-1] == "2 [100000] (700, 10, 10)", done.stdout + done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "2 True (700, 10, 10)", done.stdout + done.stderr[-3000:]
