@@ -138,9 +138,9 @@ async def test_without_an_api_token_the_mcp_sdk_is_never_imported_and_mcp_still_
 
 
 async def test_structlog_and_httpx_extras_stay_out_even_when_installed(tmp_path: Path) -> None:
-    """structlog imports Twisted and rich, and httpx its rich/pygments command line, whenever they can be
-    imported; the dev extra installs all three. `kazma run` imports neither (bot/lean_imports.py): about
-    19 MB of idle memory that a production install never had."""
+    """structlog imports Twisted, rich and greenlet, and httpx its rich/pygments command line, whenever they can be
+    imported; the dev extra installs them all. `kazma run` imports none (bot/lean_imports.py): about
+    20 MB of idle memory that a production install never had."""
     installed = [name for name in DEV_EXTRAS if importlib.util.find_spec(name) is not None]
     if not installed:
         pytest.skip("none of the dev extra's twisted, rich, pygments is installed here")
