@@ -28,15 +28,21 @@ import base64
 import binascii
 import hashlib
 import hmac
+import importlib.util
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from typing import TYPE_CHECKING
 
 from kazma.config.keyring import Keyring
+
+# cryptography is imported by the first signature or key it handles, not with this module: its OpenSSL binding is
+# about 9 MB of a started `kazma run`'s memory (bench/idle_rss.py), and a process that has decided nothing since
+# it started has signed nothing. Its presence is still checked when a signer is made (AuditSigner), so an install
+# without it fails at start, not at the first decision. Only the Ed25519 module is imported: the serialization
+# package would bring the SSH key loader (and bcrypt, where installed) for two enum values.
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 _DOMAIN = "kazma-audit-checkpoint-v1"  # a signature over anything else can never pass for a checkpoint's
 _COMMIT_DOMAIN = "kazma-audit-commit-v1"
@@ -99,8 +105,10 @@ class AuditSigner:
     """Signs checkpoints with the audit keyring's current key; knows the public half of every key in it."""
 
     def __init__(self, keyring: Keyring) -> None:
+        if importlib.util.find_spec("cryptography") is None:  # looked up, not imported (see the imports)
+            raise ImportError("the audit chain's checkpoints are signed with cryptography, which is not installed")
         self.keyring = keyring
-        self._private = Ed25519PrivateKey.from_private_bytes(keyring.current.secret)
+        self._private: Ed25519PrivateKey | None = None  # made at the first signature
         self.key_id = keyring.current.id
         # HMAC-SHA256's two keyed states (RFC 2104: the key, 32 bytes, zero-padded to SHA-256's 64-byte block,
         # XOR 0x36 and 0x5c), made once: each seal copies them. A seal is on every appending transaction's path,
@@ -134,6 +142,8 @@ class AuditSigner:
         return int(first) if hmac.compare_digest(expected.encode(), mac.encode("utf-8")) else None
 
     def sign(self, kind: str, first_seq: int, seq: int, head: str, at: float) -> Checkpoint:
+        if self._private is None:
+            self._private = _private_key(self.keyring.current.secret)
         signature = self._private.sign(message(kind, self.key_id, first_seq, seq, head, at))
         return Checkpoint(kind, first_seq, seq, head, at, self.key_id, _b64(signature))
 
@@ -144,7 +154,13 @@ class AuditSigner:
 
 def public_keys_of(keyring: Keyring) -> PublicKeys:
     held = [key for key in (keyring.find(key_id) for key_id in keyring.ids) if key is not None]
-    return PublicKeys({key.id: Ed25519PrivateKey.from_private_bytes(key.secret).public_key() for key in held})
+    return PublicKeys({key.id: _private_key(key.secret).public_key() for key in held})
+
+
+def _private_key(seed: bytes) -> Ed25519PrivateKey:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    return Ed25519PrivateKey.from_private_bytes(seed)
 
 
 class PublicKeyError(ValueError):
@@ -167,12 +183,12 @@ class PublicKeys:
     def text(self) -> str:
         """``<id>:<URL-safe base64 of the raw 32-byte public key>`` lines: what ``kazma audit public-key`` prints
         and ``kazma audit verify --public-key`` reads."""
-        return "".join(
-            f"{key_id}:{_b64(key.public_bytes(Encoding.Raw, PublicFormat.Raw))}\n" for key_id, key in self._keys.items()
-        )
+        return "".join(f"{key_id}:{_b64(key.public_bytes_raw())}\n" for key_id, key in self._keys.items())
 
     @classmethod
     def parse(cls, text: str, *, source: str) -> PublicKeys:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
         keys: dict[str, Ed25519PublicKey] = {}
         for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip() or line.lstrip().startswith("#"):
@@ -200,6 +216,8 @@ class PublicKeys:
 
     def problem(self, checkpoint: Checkpoint) -> str | None:
         """Why ``checkpoint``'s signature does not verify, or None when it does."""
+        from cryptography.exceptions import InvalidSignature
+
         if checkpoint.signature is None or checkpoint.key_id is None:
             return "it is not signed (written without an audit key)"
         key = self._keys.get(checkpoint.key_id)

@@ -60,10 +60,11 @@ LAYERS = ("config", "approvals", "adapters", "engine", "bot")
 # What a `kazma run` may import, heaviest first among the optional ones; the probe imports them in this order.
 # twisted and rich come with the dev extra (matrix-synapse), and structlog imports these parts of them whenever
 # they are installed: listed before it, so what a production install does not load shows apart. So do PyNaCl
-# (discord.py's voice, kept out by config/registry/discord.py) and bcrypt (cryptography's SSH key loader).
+# (discord.py's voice, kept out by config/registry/discord.py), bcrypt (cryptography's SSH key loader) and greenlet
+# (Playwright's; structlog's threadlocal imports it, kept out by bot/lean_imports.py).
 DEV_ONLY = (
     "twisted.python.log", "twisted.python.failure", "zope.interface", "rich.console", "rich.traceback", "nacl.secret",
-    "bcrypt",
+    "bcrypt", "greenlet",
 )  # fmt: skip
 COMPONENTS = (
     *DEV_ONLY, "yaml", "pydantic", "structlog", "aiosqlite", "cryptography", "aiohttp", "prometheus_client", "httpx",

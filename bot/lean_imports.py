@@ -1,12 +1,13 @@
 """Libraries imported without the optional extras they load whenever those are installed.
 
 structlog's package imports its Twisted integration when ``twisted`` can be
-imported, and its console renderer imports ``rich`` for tracebacks; httpx
-imports its command line (``rich``, ``pygments``) when they can be imported.
+imported, its console renderer imports ``rich`` for tracebacks, and its
+deprecated ``threadlocal`` module imports ``greenlet``; httpx imports its
+command line (``rich``, ``pygments``) when they can be imported.
 Kazma uses none of it, and no runtime dependency installs it, yet the dev
 extra does (matrix-synapse for the Matrix tests brings Twisted, import-linter
-brings rich): with it, an idle `kazma run` held about 6 MB more (bench/idle_rss.py)
-and spent a tenth of its imports on them, and console-log tracebacks looked different on a
+brings rich, Playwright greenlet): with it, an idle `kazma run` held about 7 MB more (bench/idle_rss.py;
+greenlet 1.2 MB of it) and spent a tenth of its imports on them, and console-log tracebacks looked different on a
 developer's machine than in production. Hidden while these two are first
 imported, the extras stay importable for anything else that asks for them.
 
@@ -22,7 +23,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-_EXTRAS = ("twisted", "rich", "pygments", "better_exceptions")
+_EXTRAS = ("twisted", "rich", "pygments", "better_exceptions", "greenlet")
 _LIBRARIES = ("structlog", "httpx")
 
 

@@ -11,6 +11,7 @@ configured; Matrix and the PostgreSQL driver never on SQLite.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import json
 import os
@@ -34,10 +35,16 @@ def dump(*_):
         out.write("\\n".join(sorted(sys.modules)))
     os.replace(os.environ["KAZMA_TEST_MODULES"] + ".part", os.environ["KAZMA_TEST_MODULES"])
 signal.signal(signal.SIGUSR1, dump)
+def dump_gc(*_):
+    import gc
+    with open(os.environ["KAZMA_TEST_MODULES"] + ".gc.part", "w") as out:
+        out.write(" ".join(map(str, gc.get_threshold())))
+    os.replace(os.environ["KAZMA_TEST_MODULES"] + ".gc.part", os.environ["KAZMA_TEST_MODULES"] + ".gc")
+signal.signal(signal.SIGUSR2, dump_gc)
 from kazma.bot.cli import main
 main(sys.argv[1:], prog_name="kazma")
 """
-DEV_EXTRAS = ("twisted", "zope", "rich", "pygments")
+DEV_EXTRAS = ("twisted", "zope", "rich", "pygments", "greenlet")
 OPTIONAL = (
     "mcp",
     "starlette",
@@ -69,6 +76,16 @@ class Running:
             while not self.modules_file.exists():
                 await asyncio.sleep(0.02)
         return {name.split(".")[0] for name in self.modules_file.read_text().split()}
+
+    async def gc_thresholds(self) -> tuple[int, ...]:
+        """The child's garbage collector thresholds, read now."""
+        answer = self.modules_file.with_name(self.modules_file.name + ".gc")
+        answer.unlink(missing_ok=True)
+        self.process.send_signal(signal.SIGUSR2)
+        async with asyncio.timeout(30):
+            while not answer.exists():
+                await asyncio.sleep(0.02)
+        return tuple(int(n) for n in answer.read_text().split())
 
     def events(self) -> list[str]:
         found = []
@@ -121,9 +138,9 @@ async def test_without_an_api_token_the_mcp_sdk_is_never_imported_and_mcp_still_
 
 
 async def test_structlog_and_httpx_extras_stay_out_even_when_installed(tmp_path: Path) -> None:
-    """structlog imports Twisted and rich, and httpx its rich/pygments command line, whenever they can be
-    imported; the dev extra installs all three. `kazma run` imports neither (bot/lean_imports.py): about
-    19 MB of idle memory that a production install never had."""
+    """structlog imports Twisted, rich and greenlet, and httpx its rich/pygments command line, whenever they can be
+    imported; the dev extra installs them all. `kazma run` imports none (bot/lean_imports.py): about
+    20 MB of idle memory that a production install never had."""
     installed = [name for name in DEV_EXTRAS if importlib.util.find_spec(name) is not None]
     if not installed:
         pytest.skip("none of the dev extra's twisted, rich, pygments is installed here")
@@ -159,3 +176,27 @@ async def test_only_the_configured_platform_s_library_is_imported(tmp_path: Path
         await telegram.stop()
     assert "telegram" in loaded
     assert not loaded & (set(OPTIONAL) - {"telegram"}), sorted(loaded & set(OPTIONAL))
+
+
+async def test_a_started_run_holds_no_cryptography_and_collects_garbage_as_python_does(tmp_path: Path) -> None:
+    """Until its first decision a started `kazma run` has signed nothing: cryptography (about 9 MB) is not
+    imported, python-telegram-bot's passport support included. Once it serves, the collector's thresholds are
+    Python's defaults again (its start ran with a large young generation: kazma.bot.start_gc)."""
+    telegram = FakeTelegram()
+    await telegram.start()
+    try:
+        yaml = (
+            f"platforms:\n  telegram: {{token: '{telegram.token}', api_base_url: '{telegram.base_url}', "
+            "chats: [-1001], home_chat: -1001, admins: [111]}\n"
+        )
+        async with kazma_run(tmp_path, yaml) as running:
+            async with asyncio.timeout(60):
+                while "kazma is running" not in running.log.read_text():
+                    await asyncio.sleep(0.05)
+            loaded = await running.modules()
+            thresholds = await running.gc_thresholds()
+    finally:
+        await telegram.stop()
+    assert {"telegram", "structlog"} <= loaded
+    assert "cryptography" not in loaded
+    assert thresholds == gc.get_threshold()  # this interpreter's defaults, as the child's were before it started

@@ -81,3 +81,45 @@ def test_the_run_commands_module_leaves_doctors_checks_out() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_telegram_does_not_import_cryptography_for_its_passports(tmp_path: Path) -> None:
+    """python-telegram-bot imports cryptography whenever it is installed, for Telegram Passport data Kazma never
+    decrypts; cryptography (installed for the audit signatures) then held about 9 MB of every idle `kazma run`."""
+    pytest.importorskip("cryptography", reason="cryptography is not installed here")
+    probe = PROBE.replace('"tornado" in sys.modules', '"cryptography" in sys.modules')
+    for telegram in ("", ", mode: webhook, webhook: {url: 'https://bot.example.org/telegram', secret_token: 's3cret'}"):
+        yaml = (
+            f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
+            f"platforms:\n  telegram: {{token: '1:t', chats: [-1001], home_chat: -1001, admins: [111]{telegram}}}\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", probe, yaml], capture_output=True, text=True, timeout=120, check=False, cwd=REPO
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.strip().splitlines()[-1].startswith("['telegram'] False"), (telegram, done.stdout)
+
+
+SIGNER_PROBE = """
+import sys
+from kazma.approvals.checkpoints import AuditSigner, PublicKeys
+from kazma.config.keyring import AUDIT_KEYS, Keyring
+signer = AuditSigner(Keyring.of(AUDIT_KEYS, ("a1", AUDIT_KEYS.generate())))
+before = "cryptography" in sys.modules
+checkpoint = signer.sign("head", 1, 7, "ab" * 32, 1700000000.0)
+keys = signer.public_keys()
+again = PublicKeys.parse(keys.text(), source="probe")
+tampered = checkpoint.__class__(**{**checkpoint.__dict__, "seq": 8})
+print(before, "cryptography" in sys.modules, keys.problem(checkpoint), again.problem(checkpoint),
+      again.problem(tampered) is not None, "bcrypt" in sys.modules)
+"""
+
+
+def test_the_audit_signer_imports_cryptography_at_its_first_signature() -> None:
+    """A signer is made at every start; cryptography (its Ed25519) is imported by the first checkpoint it signs,
+    and what it signs verifies as before: with its public keys, also written out and read back."""
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNER_PROBE], capture_output=True, text=True, timeout=120, check=False, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "False True None None True False"

@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from kazma.bot import start_gc
 from kazma.bot.cli.log_options import FORMATS, LEVELS, log_settings, set_log, with_log_options
 
 # name: (module, attribute, the one line `kazma --help` shows). test_cli checks each line against the command's own.
@@ -72,6 +73,13 @@ class LazyGroup(click.Group):
             return None
         return load_command(cmd_name)
 
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and args[0] == "run":  # from before its module is imported: most of a start is imports
+            start_gc.begin()  # until it serves (core_cli.run) or ends (invoke)
+        return super().resolve_command(ctx, args)
+
     def invoke(self, ctx: click.Context) -> Any:
         """A configuration problem met inside any command (a store it cannot open yet, a bad value)
         ends the command with one line per problem and exit code 2, never a traceback."""
@@ -84,6 +92,8 @@ class LazyGroup(click.Group):
             for line in exc.lines:
                 click.echo(line, err=True)
             ctx.exit(EXIT_CONFIG)
+        finally:
+            start_gc.end()  # a start that failed, or a command run in-process (tests): the collector as it was
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]

@@ -20,6 +20,7 @@ import structlog
 from kazma.adapters.admission import FileBounds
 from kazma.adapters.web import WebAdapter
 from kazma.approvals.model import Decision
+from kazma.bot import start_gc
 from kazma.bot.app import App, build_app
 from kazma.bot.cli.context import Context
 from kazma.bot.cli.demo import run_demo
@@ -169,6 +170,7 @@ async def _serve(loaded: LoadedConfig, poll_interval: float, *, paced: bool = Tr
         orphans' cancelling and recovery's notices, no longer holds this line)."""
         await server.start()
         _say_running(app, server)
+        start_gc.end()  # the collector's own thresholds from here (see kazma.bot.start_gc)
 
     try:
         await app.start(serving=serving)

@@ -66,6 +66,9 @@ SPEC: Final = PlatformSpec(
     transport=lambda section: f"{section.mode} mode",
     doctor="kazma.adapters.telegram.doctor:check",
     failpoints=("telegram.inbox",),  # the webhook inbox, among replicas
-    # python-telegram-bot's webhook server ([webhooks] extra): long polling never starts it
-    unused_imports=lambda section: () if section.mode == "webhook" else ("tornado",),
+    # python-telegram-bot's webhook server ([webhooks] extra): long polling never starts it. And its Telegram
+    # Passport decryption, which imports cryptography whenever it is installed (Kazma's audit signatures need it):
+    # Kazma passes no passport key, and cryptography's binding is about 9 MB of a started `kazma run`'s memory
+    # until the first checkpoint is signed (approvals/checkpoints.py imports it then).
+    unused_imports=lambda section: ("cryptography",) if section.mode == "webhook" else ("tornado", "cryptography"),
 )
