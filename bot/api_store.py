@@ -121,8 +121,9 @@ class ApiOpen:
     now: float
 
     def admit(self, tx: Tx, request_id: str) -> str | None:
-        # The token's turn: nobody else opens for it until this transaction ends.
-        tx.run(
+        # The token's turn: nobody else opens for it until this transaction ends (held from this statement on,
+        # whether or not its answer was waited for: the reads below come after it on the same connection).
+        tx.send(
             "INSERT INTO api_token_gate (token_name, last_open_at) VALUES (?, ?)"
             " ON CONFLICT (token_name) DO UPDATE SET last_open_at = excluded.last_open_at",
             (self.token, self.now),

@@ -20,6 +20,7 @@ from kazma.approvals.model import Status
 from kazma.approvals.seal import seal_problem
 from kazma.bot.store import pg_migrations
 from kazma.config.store.backend import Tx
+from kazma.config.store.group_commit import Unasking
 from kazma.config.store.postgres import PgStore, PgWriter, open_pg_store
 from tests.approvals_support import TEST_KEYRING, TEST_SIGNER, approvals_config
 from tests.pg_support import find_bindir
@@ -99,9 +100,10 @@ async def test_an_operation_that_asks_after_sending_gets_the_answer_and_its_stat
             tx.send("INSERT INTO t VALUES (?)", (2,))
             return "sent"
 
-        assert await writer.submit(sends) == "sent"
+        assert await writer.submit(Unasking(sends)) == "sent"
         assert writer.batched == 1  # nothing asked: one string
-        assert await writer.submit(sends_then_asks) == 2
+        # Marked as asking nothing, yet it asks: the hint is wrong, the answer still right.
+        assert await writer.submit(Unasking(sends_then_asks)) == 2
         assert writer.batched == 1  # it asked: the group went pipelined
     finally:
         await writer.close()
@@ -126,7 +128,7 @@ async def test_an_operation_that_swallows_errors_still_gets_the_real_answer(pg_d
             tx.send("INSERT INTO t VALUES (?)", (100 + seen,))
             return seen
 
-        assert await writer.submit(counts_or_guesses) == 3
+        assert await writer.submit(Unasking(counts_or_guesses)) == 3
     finally:
         await writer.close()
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
@@ -148,7 +150,10 @@ async def test_a_failed_statement_in_the_string_fails_its_own_operation_and_the_
             return op
 
         results = await asyncio.gather(
-            writer.submit(inserts(2)), writer.submit(inserts(1)), writer.submit(inserts(3)), return_exceptions=True
+            writer.submit(Unasking(inserts(2))),
+            writer.submit(Unasking(inserts(1))),
+            writer.submit(Unasking(inserts(3))),
+            return_exceptions=True,
         )
     finally:
         await writer.close()
@@ -158,3 +163,35 @@ async def test_a_failed_statement_in_the_string_fails_its_own_operation_and_the_
     assert writer.pipeline_retries >= 1  # the string failed as a whole, and the group ran again
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
         assert admin.execute("SELECT id FROM t ORDER BY id").fetchall() == [(1,), (2,), (3,)]
+
+
+async def test_only_a_group_whose_every_operation_asks_nothing_tries_the_one_string(pg_dsn: str) -> None:
+    """An operation not marked :class:`Unasking` (an open, a claim: they read) keeps its whole group off the one
+    string, so its Python is never run twice; a group of marked ones goes as one."""
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute("CREATE TABLE t (id integer PRIMARY KEY)")
+    writer = PgWriter(pg_dsn)
+    runs: list[int] = []
+    try:
+
+        def sends(value: int) -> Callable[[Tx], int]:
+            def op(tx: Tx) -> int:
+                runs.append(value)
+                tx.send("INSERT INTO t VALUES (?)", (value,))
+                return value
+
+            return op
+
+        assert list(await asyncio.gather(writer.submit(Unasking(sends(1))), writer.submit(sends(2)))) == [1, 2]
+        assert writer.batched == 0  # one of them was not marked: pipelined at once
+        assert runs == [1, 2]  # each operation's Python ran once
+        assert list(await asyncio.gather(writer.submit(Unasking(sends(3))), writer.submit(Unasking(sends(4))))) == [
+            3,
+            4,
+        ]
+        assert writer.batched == 1
+        assert writer.groups == 2
+    finally:
+        await writer.close()
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        assert admin.execute("SELECT id FROM t ORDER BY id").fetchall() == [(1,), (2,), (3,), (4,)]

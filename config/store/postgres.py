@@ -31,8 +31,10 @@ a guess, the audit chain's append on the head it expects, notifications) goes
 out as one string of statements, bound on the client, in one simple-protocol
 query: one send and one read. In psycopg's pipeline mode each statement costs a
 cursor, a send and a poll of the socket, and the pipeline's end a sync; a lone
-press cost about four times the client CPU so. An operation that asks for an
-answer there stops the attempt before anything was sent, and the group goes
+press cost about four times the client CPU so. Only a group whose every
+operation is marked :class:`~kazma.config.store.group_commit.Unasking` by its
+maker tries it (most groups ask: an open, a card's claim); when one asks after
+all, it stops the attempt before anything was sent, and the group goes
 pipelined as before.
 """
 
@@ -52,7 +54,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from kazma.config.metrics import count_failure
-from kazma.config.store.group_commit import Deferred, GroupQueue, Job, Later, own_operations
+from kazma.config.store.group_commit import Deferred, GroupQueue, Job, Later, Unasking, own_operations
 from kazma.config.store.migrations import Migration, run_migrations
 from kazma.config.store.pg_text import nul_safe, nul_safe_async
 
@@ -548,11 +550,14 @@ class PgWriter(GroupQueue):
         """
         if self.pipelined:
             guesses: tuple[bool, ...] = (True, False)
-            committed, stale = self._attempt_batched(conn, jobs, bounded=bounded)
-            if committed:
-                return None
-            if stale:
-                guesses = (False,)
+            # Only a group of operations that said they ask nothing tries the one string: any other would run
+            # its first operations' Python (and bind their values) only to find one asking, then run it all again.
+            if all(type(job.op) is Unasking for job in jobs):
+                committed, stale = self._attempt_batched(conn, jobs, bounded=bounded)
+                if committed:
+                    return None
+                if stale:
+                    guesses = (False,)
             for guessing in guesses:  # once more, guessing nothing, when a guess was stale
                 committed, again = self._attempt_pipelined(conn, jobs, bounded=bounded, guessing=guessing)
                 if committed:
