@@ -17,6 +17,7 @@ import aiosqlite
 from kazma.approvals.model import API_REQUESTER_PREFIX
 from kazma.config.store.backend import StoreBackend, Tx, backend_of, held_by_gone
 from kazma.config.store.database import Migration
+from kazma.config.store.group_commit import Unasking
 from kazma.config.store.pg_schema import PgMigration
 
 # Who claims when no replica name is given: the only process on its store.
@@ -108,7 +109,12 @@ class Outbox:
     async def _write(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
         """Through the store's group-committing writer (see :mod:`kazma.config.store.writer`), on either backend."""
         writer = await self.tables.writer()
-        await writer.submit(lambda tx: tx.run_many(sql, rows))
+
+        def op(tx: Tx) -> None:
+            for row in rows:  # nothing waits for their answers: on PostgreSQL the group may go as one string
+                tx.send(sql, row)
+
+        await writer.submit(Unasking(op))
 
     async def enqueue(self, request_id: str, platforms: list[str]) -> None:
         writer = await self.tables.writer()

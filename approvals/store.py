@@ -40,7 +40,7 @@ from kazma.approvals.seal import seal
 from kazma.config.keyring import Keyring
 from kazma.config.store.backend import StoreBackend, Tx, Writer, backend_of, held_by_gone
 from kazma.config.store.database import Tables
-from kazma.config.store.group_commit import Together
+from kazma.config.store.group_commit import Together, Unasking
 
 Clock = Callable[[], float]
 T = TypeVar("T")
@@ -534,7 +534,7 @@ class ApprovalStore:
                 if found is None:
                     raise LookupError(f"approval request {standing} is gone")
                 return _row_to_request(found), False
-            tx.run(
+            tx.send(  # nothing waits for it on PostgreSQL: a failure fails the transaction all the same
                 f"INSERT INTO approval_requests ({_COLUMNS}, owner) VALUES ({', '.join('?' * (len(row) + 1))})",  # noqa: S608
                 (*row, self.replica),
             )
@@ -748,6 +748,13 @@ class ApprovalStore:
             return self._set(tx, request_id, head, status, actor, platform, reason, person, now, reviewed=reviewed)
 
         if self._one_statement:
+            if (
+                request_id in self._sealed_fields
+                and request_id in self._rules
+                and (card is None or card.platform == platform)
+            ):
+                # One statement sent on a guess (_press_in_one), asking nothing: its group may go as one string.
+                return Unasking(op)
             return op
         # SQLite: the presses of this request in the same group run together (_press_together).
         part = _Press(request_id, status, actor, platform, reason, card, person, admit, general)
@@ -1311,10 +1318,10 @@ class ApprovalStore:
 
         def op(tx: Tx) -> None:
             if ended:
-                tx.run(_INSERT_FOUND_CARD, (request_id, platform, chat, message_id, now, int(whole), bound_to,
+                tx.send(_INSERT_FOUND_CARD, (request_id, platform, chat, message_id, now, int(whole), bound_to,
                                             request_id))  # fmt: skip
             else:
-                tx.run(
+                tx.send(
                     "INSERT INTO approval_cards (request_id, platform, chat, message_id, posted_at, whole, bound_to,"
                     " reposted) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                     (request_id, platform, chat, message_id, now, int(whole), bound_to, int(reposted)),

@@ -105,6 +105,20 @@ class QuotaFull(Exception):
         self.retry_after = retry_after
 
 
+# The token's requests pending now: how many, and the first deadline among them (when one frees a place).
+_PENDING = (
+    "SELECT COUNT(*), MIN(deadline) FROM approval_requests"
+    " WHERE requested_by = ? AND status = 'pending' AND deadline > ?"
+)
+# The same beside the row of an Idempotency-Key (the key's columns NULL while it is new).
+_KEY_AND_PENDING = (
+    "SELECT k.request_id, k.body_hash, q.pending, q.earliest"
+    " FROM (SELECT COUNT(*) AS pending, MIN(deadline) AS earliest FROM approval_requests"
+    " WHERE requested_by = ? AND status = 'pending' AND deadline > ?) q"
+    " LEFT JOIN api_idempotency k ON k.token_name = ? AND k.idem_key = ?"
+)
+
+
 @dataclass(frozen=True)
 class ApiOpen:
     """One ``POST /api/v1/approvals`` inside the transaction that opens its request (the approvals service's
@@ -121,21 +135,23 @@ class ApiOpen:
     now: float
 
     def admit(self, tx: Tx, request_id: str) -> str | None:
-        # The token's turn: nobody else opens for it until this transaction ends.
-        tx.run(
+        # The token's turn: nobody else opens for it until this transaction ends (held from this statement on,
+        # whether or not its answer was waited for: the reads below come after it on the same connection).
+        tx.send(
             "INSERT INTO api_token_gate (token_name, last_open_at) VALUES (?, ?)"
             " ON CONFLICT (token_name) DO UPDATE SET last_open_at = excluded.last_open_at",
             (self.token, self.now),
         )
-        if self.key is not None:
-            standing = self._replayed(tx)
-            if standing is not None:
-                return standing
-        pending, earliest = tx.one(
-            "SELECT COUNT(*), MIN(deadline) FROM approval_requests"
-            " WHERE requested_by = ? AND status = 'pending' AND deadline > ?",
-            (self.actor, self.now),
-        )
+        if self.key is None:
+            pending, earliest = tx.one(_PENDING, (self.actor, self.now))
+        else:
+            # The key's row and the quota's count in one statement: one round trip fewer on PostgreSQL, where the
+            # writer waits for each answer an open reads.
+            known, first_hash, pending, earliest = tx.one(
+                _KEY_AND_PENDING, (self.actor, self.now, self.token, self.key)
+            )
+            if known is not None:
+                return self._replay(tx, str(known), str(first_hash))
         if int(pending) >= self.max_pending:
             wait = MAX_RETRY_AFTER if earliest is None else math.ceil(float(earliest) - self.now)
             raise QuotaFull(int(pending), max(1, min(MAX_RETRY_AFTER, wait)))
@@ -146,23 +162,23 @@ class ApiOpen:
                 (self.token, self.key, self.body_hash, request_id, self.now, self.expires_at),
             )
             if kept != 1:  # taken meanwhile (only possible without the turn): the first one stands
-                return self._replayed(tx)
+                row = tx.one(
+                    "SELECT request_id, body_hash FROM api_idempotency WHERE token_name = ? AND idem_key = ?",
+                    (self.token, self.key),
+                )
+                if row is not None:
+                    return self._replay(tx, str(row[0]), str(row[1]))
         return None
 
-    def _replayed(self, tx: Tx) -> str | None:
-        row = tx.one(
-            "SELECT request_id, body_hash FROM api_idempotency WHERE token_name = ? AND idem_key = ?",
-            (self.token, self.key),
-        )
-        if row is None:
-            return None
-        if str(row[1]) != self.body_hash:
-            raise KeyReused(str(row[0]))
+    def _replay(self, tx: Tx, request_id: str, first_hash: str) -> str:
+        """The key opened ``request_id`` before (with a body of hash ``first_hash``): that request stands."""
+        if first_hash != self.body_hash:
+            raise KeyReused(request_id)
         tx.run(
             "UPDATE api_idempotency SET replays = replays + 1 WHERE token_name = ? AND idem_key = ?",
             (self.token, self.key),
         )
-        return str(row[0])
+        return request_id
 
     def opened(self, tx: Tx, request_id: str, audit: AuditChain) -> None:
         audit.append(

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator, Callable
+from decimal import Decimal
 
 import psycopg
 import pytest
@@ -20,7 +22,9 @@ from kazma.approvals.model import Status
 from kazma.approvals.seal import seal_problem
 from kazma.bot.store import pg_migrations
 from kazma.config.store.backend import Tx
-from kazma.config.store.postgres import PgStore, PgWriter, open_pg_store
+from kazma.config.store.group_commit import Unasking
+from kazma.config.store.pg_text import nul_safe
+from kazma.config.store.postgres import PgBatchTx, PgStore, PgWriter, open_pg_store
 from tests.approvals_support import TEST_KEYRING, TEST_SIGNER, approvals_config
 from tests.pg_support import find_bindir
 
@@ -99,9 +103,10 @@ async def test_an_operation_that_asks_after_sending_gets_the_answer_and_its_stat
             tx.send("INSERT INTO t VALUES (?)", (2,))
             return "sent"
 
-        assert await writer.submit(sends) == "sent"
+        assert await writer.submit(Unasking(sends)) == "sent"
         assert writer.batched == 1  # nothing asked: one string
-        assert await writer.submit(sends_then_asks) == 2
+        # Marked as asking nothing, yet it asks: the hint is wrong, the answer still right.
+        assert await writer.submit(Unasking(sends_then_asks)) == 2
         assert writer.batched == 1  # it asked: the group went pipelined
     finally:
         await writer.close()
@@ -126,7 +131,7 @@ async def test_an_operation_that_swallows_errors_still_gets_the_real_answer(pg_d
             tx.send("INSERT INTO t VALUES (?)", (100 + seen,))
             return seen
 
-        assert await writer.submit(counts_or_guesses) == 3
+        assert await writer.submit(Unasking(counts_or_guesses)) == 3
     finally:
         await writer.close()
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
@@ -148,7 +153,10 @@ async def test_a_failed_statement_in_the_string_fails_its_own_operation_and_the_
             return op
 
         results = await asyncio.gather(
-            writer.submit(inserts(2)), writer.submit(inserts(1)), writer.submit(inserts(3)), return_exceptions=True
+            writer.submit(Unasking(inserts(2))),
+            writer.submit(Unasking(inserts(1))),
+            writer.submit(Unasking(inserts(3))),
+            return_exceptions=True,
         )
     finally:
         await writer.close()
@@ -158,3 +166,93 @@ async def test_a_failed_statement_in_the_string_fails_its_own_operation_and_the_
     assert writer.pipeline_retries >= 1  # the string failed as a whole, and the group ran again
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
         assert admin.execute("SELECT id FROM t ORDER BY id").fetchall() == [(1,), (2,), (3,)]
+
+
+async def test_only_a_group_whose_every_operation_asks_nothing_tries_the_one_string(pg_dsn: str) -> None:
+    """An operation not marked :class:`Unasking` (an open, a claim: they read) keeps its whole group off the one
+    string, so its Python is never run twice; a group of marked ones goes as one."""
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute("CREATE TABLE t (id integer PRIMARY KEY)")
+    writer = PgWriter(pg_dsn)
+    runs: list[int] = []
+    try:
+
+        def sends(value: int) -> Callable[[Tx], int]:
+            def op(tx: Tx) -> int:
+                runs.append(value)
+                tx.send("INSERT INTO t VALUES (?)", (value,))
+                return value
+
+            return op
+
+        assert list(await asyncio.gather(writer.submit(Unasking(sends(1))), writer.submit(sends(2)))) == [1, 2]
+        assert writer.batched == 0  # one of them was not marked: pipelined at once
+        assert runs == [1, 2]  # each operation's Python ran once
+        assert list(await asyncio.gather(writer.submit(Unasking(sends(3))), writer.submit(Unasking(sends(4))))) == [
+            3,
+            4,
+        ]
+        assert writer.batched == 1
+        assert writer.groups == 2
+    finally:
+        await writer.close()
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        assert admin.execute("SELECT id FROM t ORDER BY id").fetchall() == [(1,), (2,), (3,), (4,)]
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["literals written here", "psycopg's literals"])
+def test_every_value_bound_into_the_string_reads_back_as_given(pg_dsn: str, on: bool) -> None:
+    """Text, integers, floats and booleans are written as literals by PgBatchTx itself (psycopg's as_literal for
+    anything else, or where quoting differs): each must read back as the very value, with psycopg's types, also
+    after a minus sign (a negative number must not start a ``--`` comment)."""
+    values: list[object] = [
+        TRICKY,
+        "'",
+        "''",
+        "\\",
+        "\\'",
+        "x'; SELECT 1; --",
+        "\x00",
+        "\ufdd0\ufdd0",
+        "",
+        0,
+        -1,
+        2**63 - 1,
+        -(2**63),
+        2**70,
+        0.1,
+        -0.0,
+        -1.5e-300,
+        5e-324,
+        1e300,
+        1764670000.123456,
+        float("inf"),
+        float("-inf"),
+        True,
+        False,
+    ]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        nul_safe(conn)
+        tx = PgBatchTx(psycopg.ClientCursor(conn))
+        tx._plain = tx._plain and on
+        for value in values:
+            # 1 - value: a negative number right after a minus sign (ints past 2**62 would overflow bigint).
+            subtracted = value if type(value) is float or (type(value) is int and abs(value) < 2**62) else 0
+            tx.send("SELECT ?, 1 -?", (value, subtracted))  # "1 -" then "-1": no comment
+        cursor = conn.cursor()
+        for statement, value in zip(tx.statements, values, strict=True):
+            row = cursor.execute(statement.encode()).fetchone()
+            assert row is not None
+            if type(value) is float:  # a float's literal is PostgreSQL's numeric (as psycopg writes it), exact
+                assert float(row[0]) == value, statement
+                assert float(row[1]) == 1 - value, statement
+            else:
+                assert type(row[0]) is type(value) or type(row[0]) is Decimal, statement
+                assert row[0] == value, statement
+                if type(value) is int and abs(value) < 2**62:
+                    assert row[1] == 1 - value, statement
+        nan = PgBatchTx(psycopg.ClientCursor(conn))
+        nan.send("SELECT ?", (float("nan"),))
+        row = cursor.execute(nan.statements[0].encode()).fetchone()
+        assert row is not None
+        assert math.isnan(row[0])

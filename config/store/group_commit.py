@@ -131,6 +131,21 @@ class Together(Generic[T]):
         return self.op(tx)
 
 
+class Unasking(Generic[T]):
+    """An operation whose maker expects it to wait for no statement's answer before the commit (it only sends,
+    guesses and notifies: a press of a request whose seal and rules this process knows). A hint, for a writer that
+    can send such a group as one string of statements (PostgreSQL's): it tries that only when every operation of
+    the group is one, and runs the group as any other when one asks after all. Called, it is ``op``."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: Callable[[Any], T]) -> None:
+        self.op = op
+
+    def __call__(self, tx: Any) -> T:
+        return self.op(tx)
+
+
 @dataclass
 class Job(Generic[T]):
     """One submitted operation, its caller's future, and what running it gave."""
