@@ -227,6 +227,11 @@ class AuditChain:
         # (first seq, last seq, head) by the hash it followed. A checkpointer that finds every event since the
         # last checkpoint here signs the head this chain computed instead of reading the events back.
         self._committed_runs: dict[str, tuple[int, int, str]] = {}
+        # The run the transaction being written appended, until it commits: (its Tx, the hash it followed, first
+        # seq, last seq, head). A pass in that same transaction (a decision signed in its own commit) counts it as
+        # this chain's own: the checkpoint commits with these events or not at all. Without it, that pass read every
+        # event since the last checkpoint back and hashed it again (nearly every event, once).
+        self._open_run: tuple[Tx, str, int, int, str] | None = None
         # The head this chain last committed (seq, hash): on PostgreSQL the next append is hashed after it before
         # the head is read, and inserted in the same statement when it still is the head (pg_press.append).
         self._last_head: tuple[int, str] | None = None
@@ -276,12 +281,16 @@ class AuditChain:
         """The sequence number of the last event this chain appended in a transaction that committed."""
         return None if self._last_head is None else self._last_head[0]
 
-    def appended_all(self, after: int, prev: str, seq: int, head: str) -> bool:
+    def appended_all(self, after: int, prev: str, seq: int, head: str, tx: Tx | None = None) -> bool:
         """Whether the events after ``after`` (which follow ``prev``) up to ``seq`` (whose hash is ``head``) are all
-        this chain's own appends, each in a transaction that committed. Called holding the chain's order."""
+        this chain's own appends, each in a transaction that committed, or in ``tx`` itself (what is signed in it
+        commits with them). Called holding the chain's order."""
         at, link = after, prev
+        open_run = self._open_run
         while at < seq:
             run = self._committed_runs.get(link)
+            if run is None and open_run is not None and open_run[0] is tx and open_run[1] == link:
+                run = open_run[2:]
             if run is None or run[0] != at + 1:
                 return False
             at, link = run[1], run[2]
@@ -293,6 +302,7 @@ class AuditChain:
             del self._committed_runs[link]
 
     def _committed(self, prev: str, first: int, last: int, head: str, held: bool = False) -> None:
+        self._open_run = None
         self._last_head = (last, head)
         self._guesses_hold = held
         if len(self._committed_runs) >= _RUNS_KEPT:  # nobody signs (no checkpointer here): keep memory bounded
@@ -327,11 +337,17 @@ class AuditChain:
         if not events:
             return
         rows = self._rows(events, None, prev, seq, tx)
-        tx.after_commit(functools.partial(self._committed, prev, seq + 1, int(rows[-1][0]), str(rows[-1][9])))
         if len(rows) == 1:
             tx.send(_INSERT_EVENT, rows[0])
         else:
             tx.run_many(_INSERT_EVENT, rows)
+        self._appended(tx, prev, seq + 1, rows)
+
+    def _appended(self, tx: Tx, prev: str, first: int, rows: list[tuple[Any, ...]]) -> None:
+        """``rows`` (from ``first``, after ``prev``) are written in ``tx``: this chain's own once it commits."""
+        last, head = int(rows[-1][0]), str(rows[-1][9])
+        self._open_run = (tx, prev, first, last, head)
+        tx.after_commit(functools.partial(self._committed, prev, first, last, head))
         self.appended = True
 
     def _link_postgres(self, tx: Tx, events: list[_Pending]) -> None:

@@ -9,7 +9,8 @@ vouches for the transaction that appended it, and signs one checkpoint over each
 unbroken run of such events. An event no seal vouches for (a row written around
 Kazma) is never signed: it is logged and counted (``audit_unvouched_events``),
 and a verifier names it. When every event since the last checkpoint is one this
-process appended itself, in transactions it saw commit, ending at the head the
+process appended itself, in transactions it saw commit (or in the transaction
+the pass runs in: a decision signed in its own commit), ending at the head the
 store holds (:meth:`~kazma.approvals.chain.AuditChain.appended_all`), the pass signs the head it
 computed then instead of reading them back: what it signs is what Kazma wrote,
 so a row changed since no longer matches the signature, and every verifier
@@ -128,6 +129,7 @@ class Checkpointer:
         self._in_commits: list[Judged] = []  # those passes, committed, not yet told on the loop (wake)
         store.appended_listeners.append(self.wake)
         store.decided_in_commit = self._sign_in_commit
+        store.sign_in_commit_due = self._due_in_commit
 
     def wake(self) -> None:
         """Something was appended: sign soon (unless the decision's own commit signed all of it)."""
@@ -203,6 +205,16 @@ class Checkpointer:
             log.error("audit.events_missing", last=judged.missing_after, detail="a checkpoint signs past the log's end")
         signed, self._signed = self._signed, asyncio.Event()
         signed.set()
+
+    def _due_in_commit(self) -> bool:
+        """Whether a decision's own commit would sign now (asked as a press wins: most of them would not, and they
+        then hand nothing to the end of their transaction)."""
+        return (
+            self.in_decisions
+            and self._running
+            and not self._riding
+            and time.monotonic() - self._last_pass >= self.min_interval
+        )
 
     def _sign_in_commit(self, tx: Tx, request_ids: list[str]) -> None:
         """At the end of the transaction of decisions ``request_ids`` (their events chained): a pass in it, unless
@@ -281,7 +293,7 @@ class Checkpointer:
         head, head_seq, last = chain.ensure_history(tx)
         after, prev = (0, GENESIS) if last is None else (last[0], last[1])
         judged = Judged(newest=None if last is None else (after, last[2]))
-        if head_seq > after and chain.appended_all(after, prev, head_seq, head):
+        if head_seq > after and chain.appended_all(after, prev, head_seq, head, tx):
             # Every event since the last checkpoint is this process's own, appended in transactions that committed:
             # the head it computed from them is what it signs (reading them back would hash and check its own
             # work again). A row changed since is caught by every verifier against this very signature.

@@ -417,6 +417,9 @@ class ApprovalStore:
         # with the ids decided there: the checkpointer signs the head in that very commit, so the settled cards
         # have their witness without a commit of its own (None: no checkpointer here).
         self.decided_in_commit: Callable[[Tx, list[str]], None] | None = None
+        # Whether that would sign now (None: always ask it): a decision whose commit would not sign (a pass was made
+        # within the checkpointer's interval, or one rides) defers nothing to the end of its transaction.
+        self.sign_in_commit_due: Callable[[], bool] | None = None
         # Written as the owner of every request this process opens (None: the only process on the store).
         self.replica = replica
         # Seals every outcome this store writes (approvals/seal.py). None: outcomes are written unsealed, and an
@@ -790,7 +793,11 @@ class ApprovalStore:
         self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
                           args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
         tx.notify(DECIDED_CHANNEL, request_id)
-        if self.decided_in_commit is not None and not self.chain.postgres:
+        if (
+            self.decided_in_commit is not None
+            and not self.chain.postgres
+            and (self.sign_in_commit_due is None or self.sign_in_commit_due())
+        ):
             tx.defer(self._after_chaining, request_id)
         return Pressed(None, True, request)
 

@@ -159,3 +159,33 @@ async def test_a_signature_that_fails_in_a_decisions_commit_costs_the_decision_n
         checkpoints = await service.store.chain_checkpoints(limit=100_000)
     report = verify(events, checkpoints, TEST_SIGNER.public_keys())
     assert report.ok, [p.line() for p in report.problems]
+
+
+async def test_a_decisions_own_commit_signs_what_it_chained_without_reading_the_events_back(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    import kazma.approvals.checkpointer as checkpointer_module
+
+    read_back: list[int] = []
+    judge_rows = checkpointer_module._vouched_runs
+
+    def counted(signer: AuditSigner, rows: list[Any], prev: str, judged: Any) -> list[tuple[int, int, str]]:
+        read_back.append(len(rows))
+        return judge_rows(signer, rows, prev, judged)
+
+    monkeypatch.setattr(checkpointer_module, "_vouched_runs", counted)
+    async with running(tmp_path / "k.db") as (service, checkpointer):
+        requests = [await service.open("shell", {"n": n}, "agent:builder", "telegram:-100") for n in range(3)]
+        await idle(service, checkpointer)
+        for request in requests:
+            assert (await service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
+            # Signed in the decision's own commit, over the events this very transaction chained: the head it
+            # computed is what is signed, as for the runs of commits before it (no event read back and hashed again).
+            witness = await checkpointer.witness(request.id, patience=0)
+            assert witness is not None
+        assert read_back == []
+        events = await service.store.chain_events(limit=100_000)
+        checkpoints = await service.store.chain_checkpoints(limit=100_000)
+    report = verify(events, checkpoints, TEST_SIGNER.public_keys())
+    assert report.ok, [p.line() for p in report.problems]
+    assert report.pending == 0
