@@ -686,15 +686,6 @@ class ApprovalStore:
         statements with no service, writer or event loop around them: the most any code around them could reach.
         """
 
-        def op(tx: Tx) -> Pressed:
-            if self._one_statement:
-                pressed = self._press_in_one(
-                    tx, request_id, status, actor, platform, reason, card, person, admit, general
-                )
-                if pressed is not None:
-                    return pressed
-            return general(tx)
-
         def general(tx: Tx) -> Pressed:
             if card is not None:
                 rows = tx.all(_PRESS_CARDS, (card.platform, request_id))
@@ -707,16 +698,9 @@ class ApprovalStore:
             rules = _rules_of_press(head)
             self._remember_rules(request_id, rules)
             self._sealed_over(request_id, (head[1], head[2], rules.approve_needed, rules.deny_needed))
-            if admit is not None:
-                refused = admit(rules)
-                if refused is not None:
-                    return Pressed(None, False, None, refused=refused)
-            if card is not None:
-                # Only a card of this request on that platform, at the place pressed, whole for an Approve.
-                cards = [tuple(r[_PRESS_CARD_AT:]) for r in rows if r[_PRESS_CARD_AT] is not None]
-                problem = _card_problem(cards, card, person or actor)
-                if problem is not None:
-                    return Pressed(problem, False, None)
+            stopped = _stopped(rules, admit, card, rows, None, person or actor)
+            if stopped is not None:
+                return stopped
             now = self.clock()
             if head[5] != Status.PENDING.value or float(head[4]) <= now:
                 # Decided already (final: the triggers keep it so) or past its deadline: lost, as the
@@ -751,6 +735,13 @@ class ApprovalStore:
             return self._set(tx, request_id, head, status, actor, platform, reason, person, now, reviewed=reviewed)
 
         if self._one_statement:
+
+            def op(tx: Tx) -> Pressed:
+                pressed = self._press_in_one(
+                    tx, request_id, status, actor, platform, reason, card, person, admit, general
+                )
+                return general(tx) if pressed is None else pressed
+
             if (
                 request_id in self._sealed_fields
                 and request_id in self._rules
@@ -827,18 +818,11 @@ class ApprovalStore:
         standing = None if head[5] == Status.PENDING and float(head[4]) > now else _standing(head[:11])
         results: list[Pressed] = []
         for p in presses:
-            if p.admit is not None:
-                refused = p.admit(rules)
-                if refused is not None:
-                    results.append(Pressed(None, False, None, refused=refused))
-                    continue
-            if p.card is not None:
-                on = p.card.platform
-                cards = [tuple(r[_PRESS_CARD_AT + 1 :]) for r in rows if r[_PRESS_CARD_AT] == on]
-                problem = _card_problem(cards, p.card, p.person or p.actor)
-                if problem is not None:
-                    results.append(Pressed(problem, False, None))
-                    continue
+            on = None if p.card is None else p.card.platform
+            stopped = _stopped(rules, p.admit, p.card, rows, on, p.person or p.actor)
+            if stopped is not None:
+                results.append(stopped)
+                continue
             if standing is not None:
                 results.append(self._lost_as(tx, standing, p.actor, p.platform, now, p.person))
                 continue
@@ -1495,6 +1479,34 @@ class ApprovalStore:
 def decided_detail(status: Status, reason: str | None) -> str:
     """The ``decided`` audit row's detail: the outcome, then the decider's reason if any."""
     return status.value if not reason else f"{status.value}: {reason}"
+
+
+def _stopped(
+    rules: Rules,
+    admit: Admission | None,
+    card: CardCheck | None,
+    rows: Sequence[Sequence[Any]],
+    on: str | None,
+    presser: str,
+) -> Pressed | None:
+    """What a press comes to before its compare-and-set when it goes no further (nothing written), or None: its
+    admission held to ``rules``, then the card it came from held to the request's cards in ``rows`` (read by the
+    press's first statement: a row of _PRESS_CARDS when ``on`` is None, else of _PRESS_ALL_CARDS, whose cards on
+    platform ``on`` are the press's). One function for a press alone and for presses decided together, so the two
+    paths cannot come to differ."""
+    if admit is not None:
+        refused = admit(rules)
+        if refused is not None:
+            return Pressed(None, False, None, refused=refused)
+    if card is None:
+        return None
+    # Only a card of this request on that platform, at the place pressed, whole for an Approve.
+    if on is None:
+        cards = [tuple(r[_PRESS_CARD_AT:]) for r in rows if r[_PRESS_CARD_AT] is not None]
+    else:
+        cards = [tuple(r[_PRESS_CARD_AT + 1 :]) for r in rows if r[_PRESS_CARD_AT] == on]
+    problem = _card_problem(cards, card, presser)
+    return None if problem is None else Pressed(problem, False, None)
 
 
 def _card_problem(cards: list[tuple[Any, ...]], check: CardCheck, presser: str) -> str | None:

@@ -249,3 +249,30 @@ async def test_a_group_starter_cancelled_before_its_turn_still_commits_the_other
     with pytest.raises(asyncio.CancelledError):
         await first
     assert rows(writer.path) == {"starter": 1, "other": 2}
+
+
+async def test_an_answered_write_is_no_longer_unanswered_when_its_caller_resumes(writer: StoreWriter) -> None:
+    """A write leaves the unanswered ones as it is answered, not by a done callback the loop runs a turn later
+    (one more callback for every write: on the old code the set still held a lone write after its answer)."""
+    writer.inline_commit_seconds = 60.0  # on the loop thread however slow a busy machine's commits are
+    await writer.submit(put("warm", 0))
+    assert await writer.submit(put("lone", 1)) == 1
+    assert writer._unanswered == set()
+    together = await asyncio.gather(*(writer.submit(put(k, 1)) for k in ("a", "b", "c")))
+    assert together == [1, 1, 1]
+    assert writer._unanswered == set()
+
+
+async def test_a_cancelled_caller_leaves_nothing_unanswered_and_its_write_commits(writer: StoreWriter) -> None:
+    """A caller that gives up is taken out by its future's done callback (the answer skips it): nothing of it is
+    left among the unanswered for a close or a read's catching up to wait on, and its write commits all the same."""
+    first = asyncio.ensure_future(writer.submit(put("gave_up", 1)))
+    await asyncio.sleep(0)  # ``first`` submitted: it starts the group and yields its turn
+    second = asyncio.ensure_future(writer.submit(put("stays", 2)))
+    first.cancel()
+    assert await asyncio.wait_for(second, timeout=5) == 1
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert writer._unanswered == set()
+    await asyncio.wait_for(writer.caught_up(), timeout=5)
+    assert rows(writer.path) == {"gave_up": 1, "stays": 2}

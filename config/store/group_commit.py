@@ -297,20 +297,27 @@ class GroupQueue:
         return True
 
     def _track(self, future: asyncio.Future[Any]) -> None:
+        # The callback takes out a future its caller cancelled; one answered is taken out by _answer_jobs.
         if not future.done():
             self._unanswered.add(future)
             future.add_done_callback(self._unanswered.discard)
 
-    @staticmethod
-    def _answer_jobs(jobs: Sequence[Job[Any]], error: BaseException | None) -> None:
+    def _answer_jobs(self, jobs: Sequence[Job[Any]], error: BaseException | None) -> None:
+        unanswered = self._unanswered
+        discard = unanswered.discard
         for job in jobs:
-            if job.future.done():
-                continue  # its caller was cancelled; the write stands all the same
+            future = job.future
+            if future.done():
+                continue  # its caller was cancelled (and its callback took it out); the write stands all the same
+            # Out of the unanswered here, its callback taken off first: left on, it would be one more callback the
+            # loop schedules and runs for every write (a third of a lone press's loop callbacks).
+            future.remove_done_callback(discard)
+            unanswered.discard(future)
             failure = error or job.error
             if failure is not None:
-                job.future.set_exception(failure)
+                future.set_exception(failure)
             else:
-                job.future.set_result(job.result)
+                future.set_result(job.result)
 
     def _group_returned(self) -> None:
         """The group on its way is back (and answered): the next one may go."""
