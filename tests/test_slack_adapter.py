@@ -714,3 +714,48 @@ async def test_socket_mode_with_a_bad_app_token_fails_start(fake: FakeSlack, rec
     assert info.value.retryable is False
     assert "invalid_auth" in str(info.value)
     assert not fake.socket_connected
+
+
+class _DebugLines(logging.Handler):
+    """Every record slack-sdk's client logger hands on, whatever its level."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.parametrize("level", [logging.WARNING, logging.DEBUG])
+async def test_slack_sdk_formats_its_debug_lines_only_when_debug_logging_is_on(
+    start_adapter: StartAdapter, level: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # slack-sdk tests its logger's own level (``logger.level <= DEBUG``), 0 when unset: it built a debug line of
+    # every request's and answer's parameters (a card's blocks, both ways) at any log level.
+    sdk = logging.getLogger("slack_sdk")
+    monkeypatch.setattr(sdk, "level", level)
+    seen = _DebugLines()
+    sdk.addHandler(seen)
+    formatted: list[str] = []
+    original = logging.Logger.debug
+
+    def counted(self: logging.Logger, msg: object, *args: Any, **kwargs: Any) -> None:
+        if self.name.startswith("slack_sdk.web"):
+            formatted.append(str(msg))
+        original(self, msg, *args, **kwargs)
+
+    monkeypatch.setattr(logging.Logger, "debug", counted)
+    try:
+        adapter = await start_adapter()
+        card = make_card({"path": "/etc/hosts"})
+        ref = await adapter.post_card(card)
+        await adapter.settle_card(ref, card, outcome_for(card))
+    finally:
+        sdk.removeHandler(seen)
+    requests = [line for line in formatted if line.startswith("Sending a request")]
+    if level == logging.DEBUG:
+        assert len(requests) >= 3  # auth.test, the post, the edit: the debug lines are still there when wanted
+        assert any("chat.update" in line for line in seen.lines)
+    else:
+        assert requests == []  # not even formatted

@@ -18,6 +18,7 @@ folds the ``message`` and ``app_mention`` events of one post into one).
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Unpack
@@ -82,6 +83,11 @@ from kazma.config.models import SlackConfig
 from kazma.config.waits import bounded
 
 log = structlog.get_logger("kazma.adapters.slack")
+# slack-sdk's client logger. slack-sdk formats every request's parameters and every answer (a card's blocks, both
+# ways) for a debug line whenever the logger's own level is unset (it tests ``logger.level <= DEBUG``, not the
+# effective level): ~80 us of CPU per card edit, for a line nobody sees. Its level is pinned to the effective one
+# at each start, so the debug lines still come whenever debug logging is on.
+_CLIENT_LOG = logging.getLogger("slack_sdk.web.async_client.kazma")
 CODE_FENCE: Final = "```"
 ZWSP: Final = "\u200b"  # after a backtick inside a code block, so no run of them closes it early
 
@@ -152,6 +158,7 @@ class SlackAdapter(PlatformBase):
             base_url=config.api_base_url,
             timeout=request_timeout,
             retry_handlers=[AsyncConnectionErrorRetryHandler()],
+            logger=_CLIENT_LOG,
         )
         # slack-sdk reads HTTP(S)_PROXY but ignores NO_PROXY; honour it.
         host = urlsplit(config.api_base_url).hostname or ""
@@ -189,6 +196,8 @@ class SlackAdapter(PlatformBase):
     # -- lifecycle --------------------------------------------------------
 
     async def _connect(self) -> None:
+        parent = _CLIENT_LOG.parent
+        _CLIENT_LOG.setLevel(logging.NOTSET if parent is None else parent.getEffectiveLevel())
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout))
         self.client.session = self._session
         auth = await self.client.auth_test()

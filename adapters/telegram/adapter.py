@@ -52,7 +52,6 @@ from telegram.ext import (
     Updater,
     filters,
 )
-from telegram.request import HTTPXRequest
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.chat_commands import CHAT_COMMANDS
@@ -75,6 +74,7 @@ from kazma.adapters.telegram.render import (
     utf16_units,
     with_button,
 )
+from kazma.adapters.telegram.transport import AiohttpRequest
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
 from kazma.config import failpoints
@@ -150,7 +150,7 @@ class TelegramAdapter(PlatformBase):
         self._app: AnyApplication | None = None
         self._bot_username = ""
         self._bot_id = ""
-        self._requests: tuple[HTTPXRequest, ...] = ()
+        self._requests: tuple[AiohttpRequest, ...] = ()
         self._tls: ssl.SSLContext | None = None  # one for both HTTP clients, made at the first start
 
     @property
@@ -171,7 +171,8 @@ class TelegramAdapter(PlatformBase):
         # We own the HTTP clients so that a start that fails half-way (PTB then considers itself
         # not initialised and its shutdown does nothing) can still close them. They share one TLS context, made
         # as httpx makes its own (certifi's roots, or SSL_CERT_FILE/SSL_CERT_DIR): each client made its own, and
-        # each one loads every root certificate (about 3 MB and 30 ms of CPU, at every start).
+        # each one loads every root certificate (about 3 MB and 30 ms of CPU, at every start). They are aiohttp's,
+        # not PTB's default httpx (transport.py: a tenth of the CPU per call).
         if self._tls is None:
             self._tls = httpx.create_ssl_context()
         self._requests = tuple(
@@ -181,9 +182,10 @@ class TelegramAdapter(PlatformBase):
                 read_timeout=self.request_timeout,  # for getUpdates PTB adds the long-poll timeout on top
                 write_timeout=self.request_timeout,
                 pool_timeout=self.request_timeout,
-                httpx_kwargs={"verify": self._tls},
+                tls=self._tls,
+                api_url=self.config.api_base_url,
             )
-            for kind, size in ((HTTPXRequest, 64), (InboxRequest, 1))
+            for kind, size in ((AiohttpRequest, 64), (InboxRequest, 1))
         )
         general, polling = self._requests
         if isinstance(polling, InboxRequest):

@@ -13,11 +13,11 @@ import structlog
 from telegram import CallbackQuery
 from telegram.error import NetworkError, RetryAfter
 from telegram.ext import BaseRateLimiter
-from telegram.request import HTTPXRequest
 
 from kazma.adapters.pacing import Pacing
 from kazma.adapters.telegram.errors import PLATFORM, retry_after_seconds
 from kazma.adapters.telegram.render import ANSWER_LIMIT
+from kazma.adapters.telegram.transport import AiohttpRequest
 from kazma.config.metrics import count_failure
 
 # Calls that post into a chat: these share the chat's send budget. Answers to button presses must be quick
@@ -41,7 +41,7 @@ def _retry_after_of(exc: BaseException) -> float | None:
     return retry_after_seconds(exc) if isinstance(exc, RetryAfter) else None
 
 
-class InboxRequest(HTTPXRequest):
+class InboxRequest(AiohttpRequest):
     """The poller's HTTP client: what ``getUpdates`` returns is kept in the inbox before PTB sees it.
 
     PTB confirms a batch with its next ``getUpdates`` (the offset), which it sends as soon as it has queued
