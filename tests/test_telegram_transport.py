@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import BodyPartReader, web
 from telegram import InputFile
-from telegram.error import NetworkError, TimedOut
+from telegram.error import NetworkError, TelegramError, TimedOut
 from telegram.request import RequestData
 from telegram.request._requestparameter import RequestParameter
 
@@ -38,6 +38,9 @@ async def bot_api() -> AsyncIterator[BotApi]:
     async def answer(request: web.Request) -> web.Response:
         if request.path.endswith("/hang"):
             await asyncio.wait_for(api.hold.wait(), 30)
+        if request.path.endswith("/moved"):
+            api.seen.append((request.path, request.content_type, {}))
+            raise web.HTTPTemporaryRedirect(request.path.replace("/moved", "/elsewhere"))
         fields: dict[str, str] = {}
         if request.content_type == "multipart/form-data":
             reader = await request.multipart()
@@ -151,3 +154,16 @@ async def test_an_answer_that_does_not_come_is_timed_out(bot_api: BotApi, monkey
 
 async def _request_with(request: AiohttpRequest, url: str) -> object:
     return await request.post(url, None, read_timeout=0.1)
+
+
+async def test_a_redirect_is_not_followed(bot_api: BotApi, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As under PTB's httpx transport: the call and its fields go to the Bot API's address and nowhere else.
+    _no_proxies(monkeypatch)
+    request = _request(bot_api.base)
+    await request.initialize()
+    try:
+        with pytest.raises(TelegramError):
+            await request.post(f"{bot_api.base}/botT/moved", RequestData([RequestParameter.from_input("text", "x")]))
+    finally:
+        await request.shutdown()
+    assert [seen[0] for seen in bot_api.seen] == ["/botT/moved"]

@@ -10,6 +10,7 @@ the same errors (``TimedOut``, ``NetworkError``) as PTB's httpx transport raises
 
 from __future__ import annotations
 
+import logging
 import ssl
 import urllib.request
 from typing import Any
@@ -20,6 +21,9 @@ from telegram.error import NetworkError, TimedOut
 from telegram.request import BaseRequest, RequestData
 
 _TIMEOUT_DEFAULT = BaseRequest.DEFAULT_NONE
+# A line per call at debug level, as httpx wrote under PTB's own transport (the token in its URL is cut out by
+# kazma.bot.logging on the way out, as it was from httpx's).
+_http_log = logging.getLogger("kazma.adapters.telegram.http")
 
 
 class AiohttpRequest(BaseRequest):
@@ -108,8 +112,14 @@ class AiohttpRequest(BaseRequest):
                 form.add_field(name, content, filename=filename, content_type=mimetype)
             body = form
         try:
-            async with session.request(method, url, data=body, headers=self._headers, timeout=timeout) as answer:
-                return answer.status, await answer.read()
+            # No redirects followed, as under PTB's httpx transport: the Bot API answers, it does not send us on.
+            async with session.request(
+                method, url, data=body, headers=self._headers, timeout=timeout, allow_redirects=False
+            ) as answer:
+                payload = await answer.read()
+                if _http_log.isEnabledFor(logging.DEBUG):
+                    _http_log.debug('HTTP Request: %s %s "%s %s"', method, url, answer.status, answer.reason)
+                return answer.status, payload
         except TimeoutError as exc:  # aiohttp's timeouts are TimeoutError too
             raise TimedOut from exc
         except aiohttp.ClientError as exc:
