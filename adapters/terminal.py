@@ -22,9 +22,6 @@ from kazma.approvals.model import Decision, Outcome
 from kazma.config.address import Actor, Address
 from kazma.config.outgoing import Outgoing
 from kazma.config.supervisor import Supervisor
-from kazma.config.waits import until_set
-
-ANSWER_FIRST_SECONDS = 10.0  # how long a card's settle waits for the answer to the press made here
 
 
 class TerminalAdapter:
@@ -49,8 +46,6 @@ class TerminalAdapter:
         self._ids = itertools.count(1)
         self._handlers: Handlers | None = None
         self._presses = Supervisor("terminal_task")  # each card waiting for a keypress
-        # A press made here and not yet answered, per request: its card settles after its answer is printed.
-        self._answering: dict[str, asyncio.Event] = {}
 
     @property
     def home_chat(self) -> str | None:
@@ -110,22 +105,12 @@ class TerminalAdapter:
         else:
             return  # someone presses elsewhere (the web console)
         assert self._handlers is not None
-        answered = self._answering[card.request_id] = asyncio.Event()
-        try:
-            result = await self._handlers.on_press(
-                Press(self.name, card.button_data(decision), str(Actor("cli", self.login)), self.chat, None)
-            )
-            self._print(f"  → {result.message}")
-        finally:
-            answered.set()
-            self._answering.pop(card.request_id, None)
+        result = await self._handlers.on_press(
+            Press(self.name, card.button_data(decision), str(Actor("cli", self.login)), self.chat, None)
+        )
+        self._print(f"  → {result.message}")
 
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
-        answering = self._answering.get(card.request_id)
-        if answering is not None:
-            # Decided by the press made here: the bus can settle the card before that press's own answer is
-            # back (it settles from the decision's commit); the person reads their answer first, then the card.
-            await until_set(answering, ANSWER_FIRST_SECONDS)
         self._presses.cancel()  # decided elsewhere: stop waiting for a keypress
         self._print(f"[card {card.request_id}] {reveal_line(outcome.summary())}; its buttons are gone")
 

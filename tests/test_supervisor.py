@@ -13,11 +13,11 @@ from structlog.testing import capture_logs
 
 from kazma.adapters.contract import Handlers, Inbound, Press
 from kazma.adapters.terminal import TerminalAdapter
-from kazma.approvals.model import Decision, PressResult, PressVerdict
+from kazma.approvals.model import Decision, PressResult
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
 from kazma.config.supervisor import Supervisor
-from tests.ingress_support import approved, make_card
+from tests.ingress_support import make_card
 
 WAIT = 10.0
 
@@ -260,37 +260,3 @@ async def test_a_terminal_press_that_fails_is_reported_not_lost() -> None:
     assert [(e["site"], e["task"], e["error"]) for e in failed] == [
         ("terminal_task", f"terminal-press-{card.request_id}", "Boom: the decision could not be stored")
     ]
-
-
-async def test_a_terminal_press_prints_its_answer_before_its_card_settles() -> None:
-    """The bus settles a card from the decision's commit, which can come before the press's own answer is back
-    (seen in `kazma demo` on a loaded machine): the person reads their answer first, then the settled card, and
-    the settle does not cancel the press it came from."""
-    out = io.StringIO()
-    adapter = TerminalAdapter(out=out, interactive=False, auto=Decision.APPROVE)
-    card = make_card("cli:terminal")
-    outcome = approved(card, "cli:demo")
-    settled: list[asyncio.Task[None]] = []
-
-    async def on_press(_press: Press) -> PressResult:
-        # The decision is committed: the bus settles the card at once, in a task of its own.
-        settling = asyncio.create_task(adapter.settle_card(ref, card, outcome))
-        settled.append(settling)
-        done, _ = await asyncio.wait({settling}, timeout=0.5)  # left to run before this answer is returned
-        assert not done, "the card settled before the press it came from was answered"
-        return PressResult(PressVerdict.WON, "Approved. Recorded as demo (cli:demo).", outcome, card.request_id)
-
-    async def on_inbound(_message: Inbound) -> None:
-        return None
-
-    await adapter.start(Handlers(on_inbound=on_inbound, on_press=on_press))
-    ref = await adapter.post_card(card)
-    async with asyncio.timeout(WAIT):
-        while not settled:
-            await asyncio.sleep(0.01)
-        await settled[0]
-    await adapter.stop()
-    lines = out.getvalue().splitlines()
-    answer = next(i for i, line in enumerate(lines) if "→ Approved. Recorded as demo" in line)
-    card_settled = next(i for i, line in enumerate(lines) if "its buttons are gone" in line)
-    assert answer < card_settled, lines
