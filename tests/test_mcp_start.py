@@ -162,7 +162,9 @@ async def test_with_an_api_token_the_mcp_endpoint_starts_and_serves(tmp_path: Pa
         assert [tool["name"] for tool in listed.json()["result"]["tools"]] == ["request_approval"]
 
 
-async def test_only_the_configured_platform_s_library_is_imported(tmp_path: Path) -> None:
+@asynccontextmanager
+async def telegram_run(tmp_path: Path) -> AsyncIterator[Running]:
+    """`kazma run` with Telegram alone (a fake), no API token: no MCP."""
     telegram = FakeTelegram()
     await telegram.start()
     try:
@@ -171,9 +173,14 @@ async def test_only_the_configured_platform_s_library_is_imported(tmp_path: Path
             "chats: [-1001], home_chat: -1001, admins: [111]}\n"
         )
         async with kazma_run(tmp_path, yaml) as running:
-            loaded = await running.modules()
+            yield running
     finally:
         await telegram.stop()
+
+
+async def test_only_the_configured_platform_s_library_is_imported(tmp_path: Path) -> None:
+    async with telegram_run(tmp_path) as running:
+        loaded = await running.modules()
     assert "telegram" in loaded
     assert not loaded & (set(OPTIONAL) - {"telegram"}), sorted(loaded & set(OPTIONAL))
 
@@ -182,21 +189,12 @@ async def test_a_started_run_holds_no_cryptography_and_collects_garbage_as_pytho
     """Until its first decision a started `kazma run` has signed nothing: cryptography (about 9 MB) is not
     imported, python-telegram-bot's passport support included. Once it serves, the collector's thresholds are
     Python's defaults again (its start ran with a large young generation: kazma.bot.start_gc)."""
-    telegram = FakeTelegram()
-    await telegram.start()
-    try:
-        yaml = (
-            f"platforms:\n  telegram: {{token: '{telegram.token}', api_base_url: '{telegram.base_url}', "
-            "chats: [-1001], home_chat: -1001, admins: [111]}\n"
-        )
-        async with kazma_run(tmp_path, yaml) as running:
-            async with asyncio.timeout(60):
-                while "kazma is running" not in running.log.read_text():
-                    await asyncio.sleep(0.05)
-            loaded = await running.modules()
-            thresholds = await running.gc_thresholds()
-    finally:
-        await telegram.stop()
+    async with telegram_run(tmp_path) as running:
+        async with asyncio.timeout(60):
+            while "kazma is running" not in running.log.read_text():
+                await asyncio.sleep(0.05)
+        loaded = await running.modules()
+        thresholds = await running.gc_thresholds()
     assert {"telegram", "structlog"} <= loaded
     assert "cryptography" not in loaded
     assert thresholds == gc.get_threshold()  # this interpreter's defaults, as the child's were before it started
