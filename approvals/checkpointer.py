@@ -206,23 +206,23 @@ class Checkpointer:
         signed, self._signed = self._signed, asyncio.Event()
         signed.set()
 
-    def _due_in_commit(self) -> bool:
-        """Whether a decision's own commit would sign now (asked as a press wins: most of them would not, and they
-        then hand nothing to the end of their transaction)."""
+    def _due_in_commit(self, now: float | None = None) -> bool:
+        """Whether a decision's own commit would sign now (asked as a press wins, and again at its commit: most
+        would not, and they then hand nothing to the end of their transaction). Not when this store does not sign
+        on its own (a store opened by a tool), a pass is on its way (riding with this group or the next), or one
+        was made within :attr:`min_interval`: the decision is then the next pass's."""
         return (
             self.in_decisions
             and self._running
             and not self._riding
-            and time.monotonic() - self._last_pass >= self.min_interval
+            and (time.monotonic() if now is None else now) - self._last_pass >= self.min_interval
         )
 
     def _sign_in_commit(self, tx: Tx, request_ids: list[str]) -> None:
         """At the end of the transaction of decisions ``request_ids`` (their events chained): a pass in it, unless
         one was made within :attr:`min_interval` (then the next pass, woken by this commit, signs them)."""
         now = time.monotonic()
-        if not (self.in_decisions and self._running) or self._riding or now - self._last_pass < self.min_interval:
-            # Not signing on its own (a store opened by a tool), a pass on its way (riding with this group or the
-            # next), or one made just now: the decision is the next pass's.
+        if not self._due_in_commit(now):
             return
         self._last_pass = now
         # In a savepoint: a pass that fails here costs the decision nothing (the loop's next pass signs it).
