@@ -7,7 +7,7 @@ import json
 import socket
 import sys
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,11 +56,12 @@ class Seen:
 
 
 @asynccontextmanager
-async def tracker_http(log: Path) -> AsyncIterator[str]:
-    """The tracker over streamable HTTP in its own process; yields its URL once it answers."""
+async def mcp_server_over_http(script: Path, *args: str) -> AsyncIterator[str]:
+    """An MCP server script run over streamable HTTP in its own process (``script *args http PORT``); yields its
+    URL once it answers."""
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(TRACKER), str(log), "http", str(port),
+        sys.executable, str(script), *args, "http", str(port),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -77,6 +78,11 @@ async def tracker_http(log: Path) -> AsyncIterator[str]:
     finally:
         proc.kill()
         await proc.wait()
+
+
+def tracker_http(log: Path) -> AbstractAsyncContextManager[str]:
+    """The tracker over streamable HTTP in its own process; yields its URL once it answers."""
+    return mcp_server_over_http(TRACKER, str(log))
 
 
 def tracker_log(tmp: Path) -> Path:
@@ -113,6 +119,17 @@ async def kazma_with_tracker(
     remember: bool = False,
 ) -> AsyncIterator[tuple[App, FakeTelegram, Path]]:
     log = tracker_log(tmp)
+    servers = server_yaml(log, url=url, call_timeout=call_timeout) + extra
+    async with kazma_with_mcp(tmp, lead_steps, servers, tools="tracker/*", remember=remember) as (app, telegram):
+        yield app, telegram, log
+
+
+@asynccontextmanager
+async def kazma_with_mcp(
+    tmp: Path, lead_steps: list[ScriptStep], servers: str, *, tools: str, remember: bool = False
+) -> AsyncIterator[tuple[App, FakeTelegram]]:
+    """Kazma on one Telegram group whose lead (scripted by ``lead_steps``) may use ``tools`` of the MCP servers
+    that ``servers`` (``mcp_servers:`` entries, indented) configures."""
     telegram = FakeTelegram()
     await telegram.start()
     text = f"""
@@ -120,9 +137,9 @@ store: {{path: '{tmp / "state" / "kazma.db"}'}}
 web: {{port: 0}}
 approvals: {{deadline_seconds: 60, approvers: ["telegram:{TG_ADMIN}"], remember: {{enabled: {str(remember).lower()}}}}}
 agents:
-  lead: {{name: kazma, tools: ["tracker/*"]}}
+  lead: {{name: kazma, tools: ["{tools}"]}}
 mcp_servers:
-{server_yaml(log, url=url, call_timeout=call_timeout)}{extra}
+{servers}
 platforms:
   telegram:
     token: '{telegram.token}'
@@ -137,7 +154,7 @@ platforms:
     app = await build_app(loaded, adapters=[adapter], provider=provider, poll_interval=0.05, workspace_root=tmp / "ws")
     await app.start()
     try:
-        yield app, telegram, log
+        yield app, telegram
     finally:
         await app.stop()
         await telegram.stop()

@@ -24,7 +24,6 @@ from typing import Any
 import httpx
 import structlog
 
-from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.web import WebAdapter
 from kazma.approvals.tool_names import MCP_TOOL_RULE, TOOL_RULE
 from kazma.bot.app import App, build_app
@@ -36,7 +35,6 @@ from kazma.config import load_config_text
 from kazma.config.metrics import failure_count
 from kazma.config.models import MCPServerConfig
 from kazma.engine.model import ScriptStep
-from kazma.engine.scenario import PerAgentScript, agent_prompts
 from kazma.engine.tools.mcp_tools import model_name
 from tests.approvals_support import APPROVERS_YAML, approval_service
 from tests.card_lines_support import (
@@ -50,7 +48,7 @@ from tests.card_lines_support import (
 )
 from tests.fakes.discord import HOME_CHANNEL_ID
 from tests.fakes.telegram import FakeTelegram
-from tests.mcp_support import TG_ADMIN, TG_CHAT, Seen, call, cards
+from tests.mcp_support import TG_CHAT, Seen, call, cards, kazma_with_mcp
 from tests.platforms_support import (
     PLATFORMS,
     SLACK_CHANNEL,
@@ -82,34 +80,9 @@ def forger_config(log: Path) -> MCPServerConfig:
 @asynccontextmanager
 async def kazma_with_forger(tmp: Path, lead: list[ScriptStep]) -> AsyncIterator[tuple[App, FakeTelegram, Path]]:
     log = tmp / "forger.log"
-    telegram = FakeTelegram()
-    await telegram.start()
-    text = f"""
-store: {{path: '{tmp / "state" / "kazma.db"}'}}
-web: {{port: 0}}
-approvals: {{deadline_seconds: 60, approvers: ["telegram:{TG_ADMIN}"]}}
-agents:
-  lead: {{name: kazma, tools: ["forger/*"]}}
-mcp_servers:
-  forger: {{command: '{sys.executable}', args: ['{FORGER}', '{log}']}}
-platforms:
-  telegram:
-    token: '{telegram.token}'
-    api_base_url: '{telegram.base_url}'
-    chats: [{TG_CHAT}]
-    home_chat: {TG_CHAT}
-    admins: [{TG_ADMIN}]
-"""
-    loaded = load_config_text(text, environ={})
-    provider = PerAgentScript({"kazma": lead}, agent_prompts(loaded.config))
-    adapter = TelegramAdapter(loaded.config.platforms.telegram, poll_timeout=1, request_timeout=2)
-    app = await build_app(loaded, adapters=[adapter], provider=provider, poll_interval=0.05, workspace_root=tmp / "ws")
-    await app.start()
-    try:
+    servers = f"  forger: {{command: '{sys.executable}', args: ['{FORGER}', '{log}']}}\n"
+    async with kazma_with_mcp(tmp, lead, servers, tools="forger/*") as (app, telegram):
         yield app, telegram, log
-    finally:
-        await app.stop()
-        await telegram.stop()
 
 
 async def test_attack_an_mcp_tool_name_with_card_lines_is_refused_at_listing(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ read from /proc/self/status (its peak reset through /proc/self/clear_refs before
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import sys
@@ -22,7 +21,7 @@ from hypothesis import strategies as st
 from kazma.config.models import MCPServerConfig
 from kazma.engine.tools.mcp_stdio import Envelope, LineCutter, Oversize
 from kazma.engine.tools.mcp_tools import MCPConnection
-from tests.mcp_support import free_port
+from tests.mcp_support import mcp_server_over_http
 
 SPY = Path(__file__).resolve().parent / "mcp_servers" / "spy.py"
 TEN_MB = 10_000_000
@@ -82,31 +81,11 @@ async def test_a_10_mb_stdio_answer_is_cut_while_it_arrives(tmp_path: Path) -> N
         assert connection.starts == 1
 
 
-@asynccontextmanager
-async def _spy_over_http() -> AsyncIterator[str]:
-    port = free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(SPY), "http", str(port),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        async with asyncio.timeout(30):
-            while True:
-                try:
-                    _, writer = await asyncio.open_connection("127.0.0.1", port)
-                except OSError:
-                    await asyncio.sleep(0.05)
-                    continue
-                writer.close()
-                break
-        yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        proc.kill()
-        await proc.wait()
-
-
 async def test_a_10_mb_http_answer_is_cut_while_it_arrives() -> None:
-    async with _spy_over_http() as url, _running(MCPServerConfig(url=url, call_timeout_seconds=120)) as connection:
+    async with (
+        mcp_server_over_http(SPY) as url,
+        _running(MCPServerConfig(url=url, call_timeout_seconds=120)) as connection,
+    ):
         result, grown = await _flood_costs(connection)
         assert grown < 40, f"the peak RSS grew by {grown:.0f} MB for a 10 MB answer"
         assert not result.ok
