@@ -17,8 +17,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiosqlite
-
 from kazma.approvals import ApprovalService, SafetyPolicy
 from kazma.approvals.model import Decision
 from kazma.bot.console.dashboard_data import DashboardData
@@ -42,7 +40,7 @@ from kazma.engine.tools.executions import MIGRATIONS as EXECUTIONS
 from kazma.engine.tools.executions import Ended, ExecutionRecord
 from tests.approvals_support import RecordingPublisher, approval_service
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall
-from tests.swarm_support import ScriptedWorker
+from tests.swarm_support import Locker, ScriptedWorker
 
 CONFIG = """
 approvals: {approvers: ["telegram:111"], deadline_seconds: 600}
@@ -180,24 +178,6 @@ def _answer(worker: str, text: str) -> WorkerResult:
 
 
 # -- an ending the store refuses ----------------------------------------------------------------------------
-
-
-class Locker:
-    """Another connection holding the store's write lock, taken and given back on cue."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.conn: aiosqlite.Connection | None = None
-
-    async def lock(self) -> None:
-        self.conn = await aiosqlite.connect(str(self.path), isolation_level=None, timeout=0)
-        await self.conn.execute("BEGIN IMMEDIATE")
-
-    async def unlock(self) -> None:
-        if self.conn is not None:
-            await self.conn.execute("ROLLBACK")
-            await self.conn.close()
-            self.conn = None
 
 
 async def test_a_result_the_store_refuses_is_kept_reported_shown_and_stored_later(tmp_path: Path) -> None:

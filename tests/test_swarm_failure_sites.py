@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import aiosqlite
 import pytest
 
 from kazma.approvals import ApprovalService
@@ -25,7 +24,7 @@ from kazma.engine.swarm.types import ErrorKind, TaskStatus, WorkerResult
 from tests.approvals_support import RecordingPublisher, approval_service
 from tests.fakes.openai import FakeOpenAI
 from tests.swarm_rig import Rig, config, failures, rig
-from tests.swarm_support import ScriptedWorker
+from tests.swarm_support import Locker, ScriptedWorker, store_locked
 
 REPO = Path(__file__).resolve().parent.parent
 # The design's §9 and §1.0f name these sites.
@@ -59,24 +58,6 @@ agents:
 pipelines: {two: [a, b]}
 swarm: {retries: 0, checkpoints: {two: [1]}, workers: {b: {breaker_threshold: 1}}}
 """
-
-
-class Locker:
-    """Another process's connection holding the store's write lock, taken and given back on cue."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.conn: aiosqlite.Connection | None = None
-
-    async def lock(self) -> None:
-        self.conn = await aiosqlite.connect(str(self.path), isolation_level=None, timeout=0)
-        await self.conn.execute("BEGIN IMMEDIATE")
-
-    async def unlock(self) -> None:
-        if self.conn is not None:
-            await self.conn.execute("ROLLBACK")
-            await self.conn.close()
-            self.conn = None
 
 
 def answering(name: str, *, before: Callable[[], Awaitable[None]] | None = None, ok: bool = True) -> ScriptedWorker:
@@ -120,13 +101,12 @@ async def paused_pipeline(r: Rig) -> str:
 
 
 async def running_row(tmp_path: Path) -> None:
-    async with rig(tmp_path / "s.db", {"a": answering("a"), "b": answering("b")}, config(CFG)) as r:
-        locker = Locker(r.path)
-        await locker.lock()
-        try:
-            assert "task store unavailable" in await r.send("dispatch a go")
-        finally:
-            await locker.unlock()
+    path = tmp_path / "s.db"
+    async with (
+        rig(path, {"a": answering("a"), "b": answering("b")}, config(CFG)) as r,
+        store_locked(path),
+    ):
+        assert "task store unavailable" in await r.send("dispatch a go")
 
 
 async def _locked_from_the_worker_on(tmp_path: Path) -> None:
@@ -169,12 +149,8 @@ async def orphan_evidence(tmp_path: Path) -> None:
 
 async def recovery_read(tmp_path: Path) -> None:
     async with rig(tmp_path / "s.db", {"a": answering("a"), "b": answering("b")}, config(CFG)) as r:
-        locker = Locker(r.path)
-        await locker.lock()
-        try:
+        async with store_locked(r.path):
             lines = await r.service.recover()
-        finally:
-            await locker.unlock()
         assert any("could not be read to recover them" in line for line in lines)
 
 
@@ -183,12 +159,8 @@ async def gate_register(tmp_path: Path) -> None:
         with_approvals(tmp_path) as (approvals, _, path),
         rig(tmp_path / "s.db", {"a": answering("a"), "b": answering("b")}, config(CFG), approvals=approvals) as r,
     ):
-        locker = Locker(path)
-        await locker.lock()
-        try:
+        async with store_locked(path):
             record = await r.ended(await r.send("pipeline two build it"))
-        finally:
-            await locker.unlock()
         assert record.status is TaskStatus.FAILED
         assert "could not be opened" in (record.error or "")
 
@@ -199,12 +171,8 @@ async def gate_settle(tmp_path: Path) -> None:
         rig(tmp_path / "s.db", {"a": answering("a"), "b": answering("b")}, config(CFG), approvals=approvals) as r,
     ):
         task_id = await paused_pipeline(r)
-        locker = Locker(path)
-        await locker.lock()
-        try:
+        async with store_locked(path):
             assert "cancelled by telegram:111" in await r.send(f"cancel {task_id}")
-        finally:
-            await locker.unlock()
 
 
 async def approval_resolve(tmp_path: Path) -> None:
@@ -213,12 +181,8 @@ async def approval_resolve(tmp_path: Path) -> None:
         rig(tmp_path / "s.db", {"a": answering("a"), "b": answering("b")}, config(CFG), approvals=approvals) as r,
     ):
         task_id = await paused_pipeline(r)
-        locker = Locker(path)
-        await locker.lock()
-        try:
+        async with store_locked(path):
             assert "could not be recorded" in await r.send(f"approve {task_id}")
-        finally:
-            await locker.unlock()
         assert (await r.service.store.get(task_id)).status is TaskStatus.PAUSED  # type: ignore[union-attr]
 
 
@@ -300,13 +264,12 @@ async def deliver(tmp_path: Path) -> None:
 
 
 async def retention(tmp_path: Path) -> None:
-    async with rig(tmp_path / "s.db", {"a": answering("a"), "b": answering("b")}, config(CFG)) as r:
-        locker = Locker(r.path)
-        await locker.lock()
-        try:
-            assert await r.service.sweep_retention() == 0
-        finally:
-            await locker.unlock()
+    path = tmp_path / "s.db"
+    async with (
+        rig(path, {"a": answering("a"), "b": answering("b")}, config(CFG)) as r,
+        store_locked(path),
+    ):
+        assert await r.service.sweep_retention() == 0
 
 
 DRIVERS: dict[str, Callable[[Path], Awaitable[None]]] = {
