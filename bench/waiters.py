@@ -20,7 +20,7 @@ platform) runs in a child process, so its CPU is its own: this process holds the
 Long-polls are asked again as soon as they end without an outcome (``wait`` is at most 60 s). Prints numbers
 with the load average beside them; asserts nothing.
 
-    python bench/waiters.py [--waiters 500] [--idle 10] [--runs 3] [--postgres]
+    python bench/waiters.py [--waiters 500] [--idle 10] [--runs 3] [--postgres] [--calls [--top tottime]]
 """
 
 from __future__ import annotations
@@ -396,8 +396,12 @@ async def wake(
         async with s.get(f"{control}/written") as answer:
             marks = await answer.json()
         if args.calls:
-            async with s.post(f"{control}/calls", params={"do": "stop"}) as answer:
-                kazma_cpu = float((await answer.json())["calls"])  # reported in place of the CPU time
+            params = {"do": "stop"} if args.top is None else {"do": "stop", "top": args.top}
+            async with s.post(f"{control}/calls", params=params) as answer:
+                profile = await answer.json()
+            kazma_cpu = float(profile["calls"])  # reported in place of the CPU time
+            if args.top is not None and round_no == 0:
+                print(profile["top"], flush=True)
         if spy is not None:
             await spy.wait()
     server = float(marks["written"]) - float(marks["committed"])
@@ -445,6 +449,9 @@ if __name__ == "__main__":
     parser.add_argument("--log-level", default="warning", help="Kazma's log level (default warning)")
     parser.add_argument(
         "--calls", action="store_true", help="count Kazma's Python calls per wake-up (cProfile) instead of its CPU"
+    )
+    parser.add_argument(
+        "--top", default=None, help="with --calls: print the first wake-up's profile sorted by this (e.g. tottime)"
     )
     parser.add_argument("--spy", type=Path, default=None, help="py-spy the idle window into this file")
     parser.add_argument("--serve", type=Path, default=None, help=argparse.SUPPRESS)

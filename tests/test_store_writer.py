@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -276,3 +277,91 @@ async def test_a_cancelled_caller_leaves_nothing_unanswered_and_its_write_commit
     assert writer._unanswered == set()
     await asyncio.wait_for(writer.caught_up(), timeout=5)
     assert rows(writer.path) == {"gave_up": 1, "stays": 2}
+
+
+def _where(ran: list[int]) -> Callable[[Tx], int]:
+    """An operation that records the thread it ran on."""
+
+    def op(tx: Tx) -> int:
+        ran.append(threading.get_ident())
+        return tx.run("INSERT INTO t (k, v) VALUES (?, ?)", (f"k{len(ran)}", 0))
+
+    return op
+
+
+def _loop_runs_meanwhile(loop: asyncio.AbstractEventLoop, seen: list[bool]) -> Callable[[Tx], int]:
+    """An operation that asks the loop to run a callback and waits for it: the loop ran while the group was on its
+    way (True), or it was held by the group (False, after the wait's guard ran out)."""
+
+    def op(tx: Tx) -> int:
+        done = threading.Event()
+        loop.call_soon_threadsafe(done.set)
+        seen.append(done.wait(timeout=5))
+        return tx.run("INSERT INTO t (k, v) VALUES ('meanwhile', 1)")
+
+    return op
+
+
+async def test_a_commit_a_little_slow_goes_inline_on_an_idle_loop(writer: StoreWriter) -> None:
+    """Commits averaging more than the quick bound but under the idle cap: a lone write on a loop with nothing else
+    ready runs on the loop thread (no hop for a press nobody else waits behind). The old rule sent it to the thread."""
+    await writer.submit(put("warm", 0))
+    writer.inline_commit_seconds, writer.inline_idle_commit_seconds = 1.0, 10.0  # the same whatever the machine
+    writer._commit_ewma = 2.0
+    ran: list[int] = []
+    assert await writer.submit(_where(ran)) == 1
+    assert ran == [threading.get_ident()]
+
+
+async def test_a_commit_a_little_slow_goes_to_the_thread_while_the_loop_is_busy(writer: StoreWriter) -> None:
+    """The same commit time, but other callbacks are ready on the loop: the group goes to the thread, and the loop
+    keeps running them while it commits."""
+    await writer.submit(put("warm", 0))
+    writer.inline_commit_seconds, writer.inline_idle_commit_seconds = 1.0, 10.0
+    average = 2.0
+    loop = asyncio.get_running_loop()
+    running = True
+
+    def busy() -> None:  # always one callback ready, as on a loop serving other presses
+        if running:
+            loop.call_soon(busy)
+
+    loop.call_soon(busy)
+    seen: list[bool] = []
+    try:
+        writer._commit_ewma = average
+        assert await writer.submit(_loop_runs_meanwhile(loop, seen)) == 1
+    finally:
+        running = False
+    assert seen == [True]
+    assert writer.inline_groups == 1  # only the warm-up
+
+
+async def test_a_slow_disk_never_holds_the_loop_even_when_idle(writer: StoreWriter) -> None:
+    """Commits averaging over the idle cap (a slow disk): even a lone write on an idle loop goes to the thread, and
+    the loop runs other callbacks while it commits."""
+    await writer.submit(put("warm", 0))
+    writer._commit_ewma = writer.inline_idle_commit_seconds * 2
+    seen: list[bool] = []
+    ran: list[int] = []
+    assert await writer.submit(_loop_runs_meanwhile(asyncio.get_running_loop(), seen)) == 1
+    writer._commit_ewma = writer.inline_idle_commit_seconds * 2
+    assert await writer.submit(_where(ran)) == 1
+    assert seen == [True]
+    assert ran != [threading.get_ident()]
+    assert writer.inline_groups == 1  # only the warm-up
+
+
+async def test_a_timer_due_during_the_commit_keeps_a_little_slow_commit_off_the_loop(writer: StoreWriter) -> None:
+    """A timer due before the commit should be done counts as somebody waiting for the loop: the thread."""
+    await writer.submit(put("warm", 0))
+    loop = asyncio.get_running_loop()
+    writer.inline_commit_seconds, writer.inline_idle_commit_seconds = 1.0, 10.0
+    writer._commit_ewma = 2.0
+    due = loop.call_later(1.0, lambda: None)  # due before the commit's 2 s (on average) would be done
+    ran: list[int] = []
+    try:
+        assert await writer.submit(_where(ran)) == 1
+    finally:
+        due.cancel()
+    assert ran != [threading.get_ident()]

@@ -14,8 +14,12 @@ Where the group runs: a writer thread with its own ``sqlite3`` connection,
 so the event loop never waits for the disk. A lone operation on a disk whose
 commits have been quick runs on the loop thread instead: a thread hop and the
 wake-ups it costs are dearer than such a commit (measured in
-``bench/store_decide.py``); when commits slow down, or another process holds
-the write lock, everything goes through the thread again.
+``bench/store_decide.py``). A commit that is not that quick, but still no
+slow disk's, also runs on the loop when the loop has nothing else to do: no
+other callback ready, no timer due before the commit should be done (see
+:meth:`StoreWriter._goes_inline`). When commits slow down further, the loop
+is busy, or another process holds the write lock, the group goes through the
+thread.
 """
 
 from __future__ import annotations
@@ -39,8 +43,11 @@ log = structlog.get_logger("kazma.store")
 
 T = TypeVar("T")
 
-# A lone operation runs on the loop thread only while commits have averaged under this.
+# A lone operation runs on the loop thread while commits have averaged under this ...
 INLINE_COMMIT_SECONDS = 0.001
+# ... or under this while nothing else waits for the loop: the most a commit may hold an idle loop, on average. A
+# healthy SSD's fsync stays under it even with busy neighbours; a spinning or network disk's does not.
+INLINE_IDLE_COMMIT_SECONDS = 0.005
 # ... and only this many operations at a time: a bigger group is worth the hop.
 INLINE_MAX_OPS = 4
 # How often the writer thread tries again for a write lock another process holds.
@@ -98,6 +105,7 @@ class StoreWriter(GroupQueue):
         *,
         busy_timeout_ms: int = 5000,
         inline_commit_seconds: float = INLINE_COMMIT_SECONDS,
+        inline_idle_commit_seconds: float = INLINE_IDLE_COMMIT_SECONDS,
         idle_seconds: float = IDLE_SECONDS,
     ) -> None:
         self.path = str(path)
@@ -105,6 +113,7 @@ class StoreWriter(GroupQueue):
             raise ValueError("the store writer needs a file: an in-memory database is private to one connection")
         self.busy_timeout_ms = busy_timeout_ms
         self.inline_commit_seconds = inline_commit_seconds
+        self.inline_idle_commit_seconds = inline_idle_commit_seconds
         self.idle_seconds = idle_seconds
         super().__init__()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -130,11 +139,7 @@ class StoreWriter(GroupQueue):
             return  # the group on its way collects these when it is back
         jobs = self._take()
         group = _Group(jobs)
-        if (
-            own_operations(jobs) <= INLINE_MAX_OPS
-            and self._commit_ewma < self.inline_commit_seconds
-            and self._lock.acquire(blocking=False)
-        ):
+        if own_operations(jobs) <= INLINE_MAX_OPS and self._goes_inline() and self._lock.acquire(blocking=False):
             try:
                 self._run_group(group, inline=True)
             finally:
@@ -150,6 +155,24 @@ class StoreWriter(GroupQueue):
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="kazma-store-writer", daemon=True)
                 self._thread.start()
+
+    def _goes_inline(self) -> bool:
+        """Whether a small group commits on the loop thread now, by what its commit should cost (the average).
+
+        On the thread a group costs its callers a hand-off there and a wake-up back: two thread switches, which on
+        a loaded machine take the scheduler's time (a 3-press request on disk with ~3 ms commits: 8-15 ms per
+        request through the thread, ~6 ms inline, in one probe), and it frees the loop for others while the
+        disk works. Holding the loop costs whoever else wants it during the commit. So: under
+        ``inline_commit_seconds`` nobody waits long, always inline. Up to ``inline_idle_commit_seconds``, only
+        when nobody is known to want the loop: no callback ready, no timer due before the commit should be done.
+        What arrives by socket meanwhile waits at most that commit, and a press among it would have waited for
+        this commit anyway (one group is on its way at a time). Above the cap (a slow disk) or on a busy loop,
+        the thread: other platforms' presses and card edits go on while the disk works.
+        """
+        average = self._commit_ewma
+        if average < self.inline_commit_seconds:
+            return True
+        return average < self.inline_idle_commit_seconds and _loop_idle(asyncio.get_running_loop(), average)
 
     def _answer(self, group: _Group) -> None:
         self.groups += 1
@@ -348,6 +371,20 @@ class StoreWriter(GroupQueue):
                 conn.execute("ROLLBACK")
             except sqlite3.Error as exc:  # the original error matters more than a failed rollback
                 log.warning("store.rollback_failed", error=f"{type(exc).__name__}: {exc}")
+
+
+def _loop_idle(loop: asyncio.AbstractEventLoop, within: float) -> bool:
+    """Whether no callback of ``loop`` is ready to run and no timer falls due within ``within`` seconds.
+
+    Read from asyncio's own queues (``_ready``, ``_scheduled``: the pure-Python loop's, the one Kazma runs on); a
+    loop that keeps them elsewhere says nothing, and counts as busy: the thread, as before this rule.
+    """
+    ready = getattr(loop, "_ready", None)
+    timers = getattr(loop, "_scheduled", None)
+    if ready is None or timers is None or ready:
+        return False
+    # A cancelled timer at the head of the heap counts as due: at worst a group goes to the thread.
+    return not timers or timers[0].when() > loop.time() + within
 
 
 def _is_locked(exc: sqlite3.OperationalError) -> bool:
