@@ -35,7 +35,10 @@ press cost about four times the client CPU so. Only a group whose every
 operation is marked :class:`~kazma.config.store.group_commit.Unasking` by its
 maker tries it (most groups ask: an open, a card's claim); when one asks after
 all, it stops the attempt before anything was sent, and the group goes
-pipelined as before.
+pipelined as before. Such a group is sent from the event loop itself (libpq's
+non-blocking send, its results read by a reader on the socket), not by the
+thread, once the connection is open: a hand-off to the thread and back cost a
+lone press two thread wake-ups (see :meth:`PgWriter._send_on_loop`).
 """
 
 from __future__ import annotations
