@@ -35,7 +35,10 @@ press cost about four times the client CPU so. Only a group whose every
 operation is marked :class:`~kazma.config.store.group_commit.Unasking` by its
 maker tries it (most groups ask: an open, a card's claim); when one asks after
 all, it stops the attempt before anything was sent, and the group goes
-pipelined as before.
+pipelined as before. Such a group is sent from the event loop itself (libpq's
+non-blocking send, its results read by a reader on the socket), not by the
+thread, once the connection is open: a hand-off to the thread and back cost a
+lone press two thread wake-ups (see :meth:`PgWriter._send_on_loop`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from typing import Any, TypeVar
 
 import psycopg
 import structlog
-from psycopg.pq import TransactionStatus
+from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from kazma.config.metrics import count_failure
@@ -267,17 +270,19 @@ class PgBatchTx(PgTx):
     the transaction).
     """
 
-    def __init__(self, cursor: psycopg.ClientCursor[Any]) -> None:
+    def __init__(self, cursor: psycopg.ClientCursor[Any], literals: psycopg.abc.Transformer | None = None) -> None:
         super().__init__(cursor)
         self.guessing = True
         self.asked = False  # an operation asked for an answer (set even if it swallowed the stop)
         self.statements: list[str] = []
+        self.first = 0  # the results before the first statement's (BEGIN, and SET LOCAL when bounded)
         self._answers: list[tuple[int, Callable[[Any], Any], Later[Any]]] = []
         # Each value as the literal psycopg's client-side binding makes of it (the connection's adapters: text
         # through pg_text's escaping), one transformer for the whole transaction. Not ClientCursor.mogrify: it
         # parses a statement of more than 50 values again every time (the chain's append of four events or more
-        # has 52), about 40 µs per event row against 8 here.
-        self._literals = psycopg.adapt.Transformer(cursor)
+        # has 52), about 40 µs per event row against 8 here. The writer keeps one per connection (``literals``):
+        # making one per transaction was a fifth of what a lone press's binding cost.
+        self._literals = literals if literals is not None else psycopg.adapt.Transformer(cursor)
         info = cursor.connection.info
         self._encoding = info.encoding
         # Text, integers, floats and booleans are written here instead (the same literals, without psycopg's
@@ -297,27 +302,33 @@ class PgBatchTx(PgTx):
                 f"the statement has {len(pieces) - 1} placeholders but {len(values)} values were given"
             )
         literal = self._literals.as_literal
-        plain = self._plain
         out = [pieces[0]]
+        append = out.append
+        if not self._plain:
+            for value, piece in zip(values, pieces[1:], strict=True):
+                append("NULL" if value is None else literal(value).decode(self._encoding))
+                append(piece)
+            self.statements.append("".join(out))
+            return
         for value, piece in zip(values, pieces[1:], strict=True):
             kind = type(value)
-            if value is None:
-                out.append("NULL")
-            elif plain and kind is str:
+            if kind is str:  # the common case first
                 if "\x00" in value or ESCAPE in value:
                     value = encode(value)  # as the connection's text dumper writes it (pg_text)
-                out.append("'" + value.replace("'", "''") + "'")
-            elif plain and kind is int:
+                append(f"'{value}'" if "'" not in value else "'" + value.replace("'", "''") + "'")
+            elif value is None:
+                append("NULL")
+            elif kind is int:
                 # A leading space, as psycopg writes it: "- -1" must not read as a comment.
-                out.append(str(value) if value >= 0 else f" {value}")
-            elif plain and kind is float and math.isfinite(value):
+                append(str(value) if value >= 0 else f" {value}")
+            elif kind is float and math.isfinite(value):
                 text = repr(value)  # the shortest text that reads back as the same double
-                out.append(f" {text}" if text[0] == "-" else text)
-            elif plain and kind is bool:
-                out.append("true" if value else "false")
+                append(f" {text}" if text[0] == "-" else text)
+            elif kind is bool:
+                append("true" if value else "false")
             else:
-                out.append(literal(value).decode(self._encoding))
-            out.append(piece)
+                append(literal(value).decode(self._encoding))
+            append(piece)
         self.statements.append("".join(out))
 
     def _ask(self) -> Any:
@@ -367,6 +378,23 @@ class PgBatchTx(PgTx):
             pass
         return rows
 
+    def _rows_of(self, results: Sequence[psycopg.pq.abc.PGresult], first: int) -> list[Any]:
+        """Each guess's row (a tuple, or None), in order, from the string's results (its statements' start at
+        result ``first``), loaded by the connection's loaders as a cursor loads them."""
+        rows: list[Any] = []
+        literals = self._literals
+        for index, _, _ in self._answers:
+            result = results[first + index]
+            if result.ntuples == 0:
+                rows.append(None)
+                continue
+            literals.set_pgresult(result)
+            rows.append(literals.load_row(0, tuple))
+        return rows
+
+    def _drop_answers(self) -> None:
+        self._answers = []
+
     def _resolve_answers(self, rows: list[Any]) -> None:
         """The transaction committed: each guess's ``then`` turns its row into an operation's result."""
         answers, self._answers = self._answers, []
@@ -376,6 +404,18 @@ class PgBatchTx(PgTx):
 
 class _SwallowedError(psycopg.Error):
     """An operation caught a database error and returned: its transaction is aborted, so it failed."""
+
+
+class _LoopGroup:
+    """A group sent as one string from the loop (:meth:`PgWriter._send_on_loop`), while its results come in."""
+
+    __slots__ = ("fd", "first", "flushing", "jobs", "results", "tx")
+
+    def __init__(self, jobs: list[Job[Any]], tx: PgBatchTx, fd: int) -> None:
+        self.jobs, self.tx, self.fd = jobs, tx, fd
+        self.first = tx.first
+        self.results: list[psycopg.pq.abc.PGresult] = []
+        self.flushing = False  # the query is not all sent yet: a writer callback sends the rest
 
 
 class PgWriter(GroupQueue):
@@ -398,7 +438,9 @@ class PgWriter(GroupQueue):
         self.connect_timeout = connect_timeout
         super().__init__()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: queue.SimpleQueue[list[Job[Any]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[list[Job[Any]], bool | None] | None] = queue.SimpleQueue()
+        self._on_loop: _LoopGroup | None = None  # the group sent from the loop, whose answers are awaited
+        self._reading: int | None = None  # the connection's socket, while the loop's reader watches it
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection[Any] | None = None  # the writer thread's own
         self.groups = 0  # committed groups, for tests and benchmarks
@@ -407,7 +449,11 @@ class PgWriter(GroupQueue):
         self.pipelined = pipelined
         self.pipeline_retries = 0  # pipelined groups rolled back and run again statement by statement
         self.batched = 0  # groups committed as one string of statements (see _attempt_batched)
+        # Such a group is sent from the loop when the connection is open (see _send_on_loop); off: by the thread.
+        self.send_from_loop = True
+        self.sent_from_loop = 0  # groups sent so, committed or not
         self._client: psycopg.ClientCursor[Any] | None = None  # the writer connection's, for _attempt_batched
+        self._literals: psycopg.abc.Transformer | None = None  # its, for every PgBatchTx on it
         # The server process of the writer's connection: a NOTIFY this process sent carries it, so the
         # replica's listener can tell its own notifications from the others'.
         self.backend_pid: int | None = None
@@ -426,10 +472,174 @@ class PgWriter(GroupQueue):
         jobs = self._take(self.max_group)
         self._in_flight = True
         self._loop = asyncio.get_running_loop()  # the thread answers on the loop that handed it the group
+        if self._send_on_loop(jobs):
+            return
+        self._to_thread(jobs, None)
+
+    def _to_thread(self, jobs: list[Job[Any]], batch_failed: bool | None) -> None:
+        """The group in flight to the writer thread (``batch_failed``: see :meth:`_commit`)."""
+        self._stop_reading()  # the thread reads the socket now
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="kazma-pg-writer", daemon=True)
             self._thread.start()
-        self._queue.put(jobs)
+        self._queue.put((jobs, batch_failed))
+
+    # -- one string, from the loop ----------------------------------------------------------------
+
+    def _send_on_loop(self, jobs: list[Job[Any]]) -> bool:
+        """Send a group that goes as one string (see :meth:`_attempt_batched`) from the loop, without the writer
+        thread; whether it went. Its answers are read by a reader callback on the connection's socket, which
+        answers the callers once the ``COMMIT``'s result is in.
+
+        A lone press handed to the thread cost two thread wake-ups (loop to thread, thread back to the loop's
+        self-pipe) besides the server's: on a busy machine each is a wait for a core, and the press took several
+        times its CPU in wall time. Only one group is ever in flight, so the thread never uses the connection
+        meanwhile; anything but a clean commit hands the group to the thread (the transaction left to roll back
+        there), which runs it as it runs any other."""
+        conn = self._conn
+        if (
+            not self.send_from_loop
+            or not self.pipelined
+            or conn is None
+            or conn.closed
+            or conn.broken
+            or conn.info.transaction_status != TransactionStatus.IDLE
+            or not all(type(job.op) is Unasking and not job.rides for job in jobs)
+        ):
+            return False
+        built = self._build_batch(conn, jobs, bounded=own_operations(jobs) > 1)
+        if built is None:
+            return False
+        tx, query = built
+        pgconn = conn.pgconn
+        try:
+            pgconn.send_query(query.encode(tx._encoding))
+            flushed = pgconn.flush() == 0
+        except psycopg.Error:
+            self._to_thread(jobs, False)  # the thread finds the connection broken and opens another
+            return True
+        loop = self._loop
+        assert loop is not None
+        group = _LoopGroup(jobs, tx, pgconn.socket)
+        self._on_loop = group
+        self.sent_from_loop += 1
+        if self._reading != group.fd:
+            # Left registered between groups (adding and removing a reader per group was a tenth of a lone
+            # press's CPU): taken off only when the thread is handed a group or the connection ends.
+            self._stop_reading()
+            loop.add_reader(group.fd, self._read_on_loop)
+            self._reading = group.fd
+        if not flushed:
+            group.flushing = True
+            loop.add_writer(group.fd, self._flush_on_loop)
+        return True
+
+    def _flush_on_loop(self) -> None:
+        group, conn = self._on_loop, self._conn
+        if group is None or conn is None:  # never: the callback is removed as the group ends
+            return
+        try:
+            done = conn.pgconn.flush() == 0
+        except BaseException as exc:
+            self._loop_group_failed(group, exc)
+            return
+        if done:
+            group.flushing = False
+            asyncio.get_running_loop().remove_writer(group.fd)
+
+    def _read_on_loop(self) -> None:
+        group, conn = self._on_loop, self._conn
+        if conn is None:  # never: the reader is taken off before the connection goes
+            self._stop_reading()
+            return
+        if group is None:
+            # Between groups the server says nothing unasked, but for ending the session: read what it said
+            # (libpq keeps it), and stop watching a connection that is gone (the next group reconnects).
+            try:
+                conn.pgconn.consume_input()
+            except psycopg.Error:
+                self._stop_reading()
+                return
+            if conn.broken:
+                self._stop_reading()
+            return
+        try:
+            pgconn = conn.pgconn
+            pgconn.consume_input()
+            while not pgconn.is_busy():
+                result = pgconn.get_result()
+                if result is None:
+                    self._loop_group_read(group)
+                    return
+                group.results.append(result)
+        except BaseException as exc:
+            self._loop_group_failed(group, exc)
+
+    def _end_loop_group(self, group: _LoopGroup) -> None:
+        if group.flushing:
+            asyncio.get_running_loop().remove_writer(group.fd)
+        self._on_loop = None
+
+    def _stop_reading(self) -> None:
+        fd, self._reading = self._reading, None
+        if fd is not None and self._loop is not None:
+            self._loop.remove_reader(fd)
+
+    def _loop_group_read(self, group: _LoopGroup) -> None:
+        """Every result of the string is in: answer the group, or hand it to the thread when it did not commit."""
+        self._end_loop_group(group)
+        conn = self._conn
+        assert conn is not None
+        tx = group.tx
+        failed: psycopg.Error | None = None
+        for result in group.results:
+            if result.status == ExecStatus.FATAL_ERROR:
+                failed = psycopg.errors.error_from_result(result, encoding=tx._encoding)
+                break
+        last = group.results[-1] if group.results else None
+        committed = failed is None and last is not None and last.command_status == b"COMMIT"
+        if not committed and (conn.broken or conn.closed):
+            # Whether the COMMIT was kept is unknown (the thread's path fails such a group the same way): the
+            # group must not run again, a press that won would be told it lost to itself.
+            self._loop_group_failed(group, failed or psycopg.OperationalError("the writer's connection was lost"))
+            return
+        if not committed:
+            tx._drop_answers()
+            self.pipeline_retries += 1
+            # Rolled back by the thread (the transaction is still open, aborted), then run as after a failed string.
+            self._to_thread(group.jobs, failed is not None and _sqlstate(failed) == STALE_GUESS)
+            return
+        try:
+            tx._resolve_answers(tx._rows_of(group.results, group.first))
+            tx._committed()
+        except BaseException as exc:  # committed: what the answers made of the rows failed (a bug)
+            log.exception("store.writer_failed", backend="postgresql")
+            self.batched += 1
+            self.groups += 1
+            self._returned(group.jobs, exc, True)
+            return
+        self.batched += 1
+        self.groups += 1
+        for job in group.jobs:
+            if isinstance(job.result, Later):
+                job.result = job.result.value if job.result.done else None
+        self._returned(group.jobs, None, True)
+
+    def _loop_group_failed(self, group: _LoopGroup, exc: BaseException) -> None:
+        """Reading or sending failed: the connection is gone, and nobody's write is known to be kept."""
+        if self._on_loop is group:
+            self._end_loop_group(group)
+        self._stop_reading()
+        group.tx._drop_answers()
+        if isinstance(exc, psycopg.Error):
+            error: BaseException = self._failed(exc, len(group.jobs))
+        else:
+            log.error("store.writer_failed", backend="postgresql", error=f"{type(exc).__name__}: {exc}")
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            error = exc
+        self._returned(group.jobs, error, True)
 
     def _returned(self, jobs: Sequence[Job[Any]], error: BaseException | None, last: bool) -> None:
         self._answer_jobs(jobs, error)
@@ -439,6 +649,7 @@ class PgWriter(GroupQueue):
     async def close(self) -> None:
         """Commit what is queued, then end the thread and close the connection."""
         await self._drain()
+        self._stop_reading()
         self._finished = True
         thread, self._thread = self._thread, None
         if thread is not None:
@@ -452,12 +663,13 @@ class PgWriter(GroupQueue):
 
     def _serve(self) -> None:
         while True:
-            jobs = self._queue.get()
-            if jobs is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            jobs, batch_failed = item
             alone: list[Job[Any]] = []
             try:
-                error = self._commit(jobs, alone)
+                error = self._commit(jobs, alone, batch_failed)
             except BaseException as exc:  # a bug here must fail the group, not leave its callers waiting forever
                 log.exception("store.writer_failed", backend="postgresql")
                 error, alone = exc, []
@@ -505,18 +717,24 @@ class PgWriter(GroupQueue):
             self.backend_pid = self._conn.info.backend_pid
         return self._conn
 
-    def _commit(self, jobs: list[Job[Any]], alone: list[Job[Any]]) -> BaseException | None:
+    def _commit(
+        self, jobs: list[Job[Any]], alone: list[Job[Any]], batch_failed: bool | None = None
+    ) -> BaseException | None:
         """Run ``jobs`` to a commit; the error that failed all of them, or None (each job may have its own).
 
         When one waits too long for another replica's row lock, it and the jobs not yet committed are put
-        in ``alone`` (it last), to run one per transaction.
+        in ``alone`` (it last), to run one per transaction. ``batch_failed``: the group was already sent as one
+        string from the loop and did not commit (True: because a guess was stale); its transaction is rolled
+        back first, and it is not tried as one string again.
         """
         try:
             conn = self._connection()
+            self._roll_back(conn)  # what a string sent from the loop left open (nothing, usually)
             todo = list(jobs)
             while todo:
                 # A rider (a checkpoint) makes no group bounded: a lone press with one waits for locks as before.
-                failed = self._attempt(conn, todo, bounded=own_operations(todo) > 1)
+                failed = self._attempt(conn, todo, bounded=own_operations(todo) > 1, batch_failed=batch_failed)
+                batch_failed = None
                 if failed is None:
                     break
                 job, exc = failed
@@ -563,7 +781,12 @@ class PgWriter(GroupQueue):
                 return
 
     def _attempt(
-        self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool
+        self,
+        conn: psycopg.Connection[Any],
+        jobs: Sequence[Job[Any]],
+        *,
+        bounded: bool,
+        batch_failed: bool | None = None,
     ) -> tuple[Job[Any], Exception] | None:
         """One transaction for ``jobs``: None once committed, or the job that failed (all rolled back).
 
@@ -575,7 +798,10 @@ class PgWriter(GroupQueue):
             guesses: tuple[bool, ...] = (True, False)
             # Only a group of operations that said they ask nothing tries the one string: any other would run
             # its first operations' Python (and bind their values) only to find one asking, then run it all again.
-            if all(type(job.op) is Unasking for job in jobs):
+            if batch_failed is not None:  # tried as one string from the loop already
+                if batch_failed:
+                    guesses = (False,)
+            elif all(type(job.op) is Unasking for job in jobs):
                 committed, stale = self._attempt_batched(conn, jobs, bounded=bounded)
                 if committed:
                     return None
@@ -595,30 +821,15 @@ class PgWriter(GroupQueue):
         """``jobs`` in one transaction sent as one string (see the module): (committed, whether a guess was stale).
         When an operation asks for an answer nothing was sent: (False, False), and the work its group did in Python
         is done again pipelined. Rolled back unless committed."""
-        if any(job.rides for job in jobs):
-            return False, False  # a rider (the audit checkpoint) reads the chain's head: the group would ask
-        if self._client is None or self._client.connection is not conn:
-            self._client = psycopg.ClientCursor(conn)
-        cursor = self._client
-        tx = PgBatchTx(cursor)
-        try:
-            for job in jobs:
-                job.result, job.error = None, None
-                job.result = job.op(tx)
-                if tx.asked:
-                    return False, False
-            tx._run_deferred()
-            if tx.asked:
-                return False, False
-            tx._send_notices()
-        except (_NeedsAnswers, Exception):  # nothing was sent: the pipelined path runs them (and tells who failed)
+        built = self._build_batch(conn, jobs, bounded=bounded)
+        if built is None:
             return False, False
-        head = ["BEGIN"]
-        if bounded:
-            head.append(f"SET LOCAL lock_timeout = {int(self.lock_timeout_ms)}")
+        tx, query = built
+        cursor = self._client
+        assert cursor is not None
         try:
-            cursor.execute(";\n".join([*head, *tx.statements, "COMMIT"]))
-            rows = tx._read_answers(cursor, len(head))
+            cursor.execute(query)
+            rows = tx._read_answers(cursor, tx.first)
             committed = cursor.statusmessage == "COMMIT"  # a transaction aborted unseen would answer ROLLBACK
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
@@ -638,6 +849,35 @@ class PgWriter(GroupQueue):
         tx._resolve_answers(rows)
         tx._committed()
         return True, False
+
+    def _build_batch(
+        self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool
+    ) -> tuple[PgBatchTx, str] | None:
+        """``jobs`` run into a :class:`PgBatchTx`, and the string of their transaction; None when one asked for
+        an answer or failed (nothing was sent: the pipelined path runs them, and tells who failed)."""
+        if any(job.rides for job in jobs):
+            return None  # a rider (the audit checkpoint) reads the chain's head: the group would ask
+        if self._client is None or self._client.connection is not conn:
+            self._client = psycopg.ClientCursor(conn)
+            self._literals = psycopg.adapt.Transformer(self._client)
+        tx = PgBatchTx(self._client, self._literals)
+        try:
+            for job in jobs:
+                job.result, job.error = None, None
+                job.result = job.op(tx)
+                if tx.asked:
+                    return None
+            tx._run_deferred()
+            if tx.asked:
+                return None
+            tx._send_notices()
+        except (_NeedsAnswers, Exception):
+            return None
+        head = ["BEGIN"]
+        if bounded:
+            head.append(f"SET LOCAL lock_timeout = {int(self.lock_timeout_ms)}")
+        tx.first = len(head)
+        return tx, ";\n".join([*head, *tx.statements, "COMMIT"])
 
     def _attempt_pipelined(
         self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool, guessing: bool = False

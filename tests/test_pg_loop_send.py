@@ -1,0 +1,104 @@
+"""A PostgreSQL group that goes as one string is sent from the event loop (PgWriter._send_on_loop), not by the
+writer thread: attacked where that could change what a caller is told. It runs on the loop's thread, commits before
+its caller is answered, a failed string still fails only its own operation, and a connection lost under it fails
+the group (never runs it again: whether its COMMIT was kept is unknown) while the next group opens a new one."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import psycopg
+import pytest
+
+from kazma.config.store.backend import Tx
+from kazma.config.store.group_commit import Unasking
+from kazma.config.store.postgres import PgWriter
+from tests.pg_support import find_bindir
+
+pytestmark = pytest.mark.skipif(find_bindir() is None, reason="PostgreSQL server binaries are not installed")
+
+
+def inserts(value: int, threads: list[int]) -> Callable[[Tx], int]:
+    def op(tx: Tx) -> int:
+        threads.append(threading.get_ident())
+        tx.send("INSERT INTO t VALUES (?)", (value,))
+        return value
+
+    return op
+
+
+def rows(dsn: str) -> list[int]:
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        return [row[0] for row in admin.execute("SELECT id FROM t ORDER BY id").fetchall()]
+
+
+async def test_a_group_that_asks_nothing_runs_and_commits_on_the_loop_before_its_caller_is_answered(
+    pg_dsn: str,
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute("CREATE TABLE t (id integer PRIMARY KEY)")
+    writer = PgWriter(pg_dsn)
+    threads: list[int] = []
+    try:
+        assert await writer.submit(Unasking(inserts(1, threads))) == 1  # the first group opens the connection
+        for value in (2, 3):
+            assert await writer.submit(Unasking(inserts(value, threads))) == value
+            assert rows(pg_dsn)[-1] == value  # committed when answered
+        assert await asyncio.gather(*(writer.submit(Unasking(inserts(v, threads))) for v in (4, 5))) == [4, 5]
+    finally:
+        await writer.close()
+    assert threads[1:] == [threading.get_ident()] * 4  # every group after the first ran on the loop's thread
+    assert writer.sent_from_loop == 3
+    assert writer.groups == 4
+    assert rows(pg_dsn) == [1, 2, 3, 4, 5]
+
+
+async def test_a_failed_string_sent_from_the_loop_fails_its_own_operation_and_the_others_commit(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute("CREATE TABLE t (id integer PRIMARY KEY)")
+    writer = PgWriter(pg_dsn)
+    threads: list[int] = []
+    try:
+        await writer.submit(Unasking(inserts(1, threads)))
+        results = await asyncio.gather(
+            writer.submit(Unasking(inserts(2, threads))),
+            writer.submit(Unasking(inserts(1, threads))),
+            writer.submit(Unasking(inserts(3, threads))),
+            return_exceptions=True,
+        )
+        assert writer.sent_from_loop == 1
+        # The transaction the string left aborted was rolled back: the writer goes on.
+        assert await writer.submit(Unasking(inserts(4, threads))) == 4
+    finally:
+        await writer.close()
+    assert results[0] == 2
+    assert isinstance(results[1], psycopg.errors.UniqueViolation)
+    assert results[2] == 3
+    assert writer.pipeline_retries >= 1
+    assert rows(pg_dsn) == [1, 2, 3, 4]
+
+
+async def test_a_connection_lost_under_a_string_sent_from_the_loop_fails_the_group_and_the_next_reconnects(
+    pg_dsn: str,
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute("CREATE TABLE t (id integer PRIMARY KEY)")
+    writer = PgWriter(pg_dsn)
+    threads: list[int] = []
+    try:
+        await writer.submit(Unasking(inserts(1, threads)))
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s, 5000)", (writer.backend_pid,))
+        outcome = await asyncio.gather(writer.submit(Unasking(inserts(2, threads))), return_exceptions=True)
+        assert await writer.submit(Unasking(inserts(3, threads))) == 3
+    finally:
+        await writer.close()
+    if isinstance(outcome[0], BaseException):
+        # Lost while the string was out: failed, never run again on the new connection.
+        assert isinstance(outcome[0], psycopg.OperationalError)
+        assert rows(pg_dsn) == [1, 3]
+    else:  # the send itself failed first (nothing reached the server): the thread ran it on a new connection
+        assert outcome[0] == 2
+        assert rows(pg_dsn) == [1, 2, 3]
