@@ -270,6 +270,8 @@ class Checkpointer:
         # In the writer (maybe its thread): plain data only. The loop hears of it in wake(), which the commit
         # calls (it appended events) before anyone is answered.
         self._signed_through = max(self._signed_through, judged.signed[-1].seq)
+        if judged.newest is not None:  # before any later pass can read it (wake() tells the loop after the commit)
+            self._own_newest = judged.newest
         self._witnessed.update(held)
         while len(self._witnessed) > WITNESSES_KEPT:
             self._witnessed.popitem(last=False)
