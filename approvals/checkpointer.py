@@ -17,7 +17,10 @@ so a row changed since no longer matches the signature, and every verifier
 names it.
 
 Several replicas each run one; they take turns on the chain's lock, so each signs
-what the others have not. A settled card waits (briefly) for the checkpoint that
+what the others have not. A pass that finds another process's checkpoint younger
+than :data:`MIN_INTERVAL` signs nothing and goes again when it is that old (unless
+a card waits for its witness): the whole chain, not each replica, gets about one
+signature per interval. A settled card waits (briefly) for the checkpoint that
 holds its decision: :meth:`Checkpointer.witness`.
 
 A decision a press wins on SQLite is signed in its own commit when no pass was made
@@ -38,6 +41,7 @@ sends the pass at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections import OrderedDict
@@ -89,6 +93,9 @@ class Judged:
     newest: tuple[int, float] | None = None  # (seq, at) of the newest checkpoint after this pass
     unvouched: list[int] = field(default_factory=list)  # rows no commit seal vouches for
     missing_after: int | None = None  # a checkpoint signs past the last event: the log was cut here
+    # Seconds until the newest checkpoint, another process's, is min_interval old: this pass signed nothing and the
+    # next goes then (see Checkpointer._judge). 0.0: it did not wait.
+    wait: float = 0.0
 
 
 class Checkpointer:
@@ -127,6 +134,8 @@ class Checkpointer:
         self._witnessed: OrderedDict[str, Checkpoint] = OrderedDict()
         self._signed_through = 0  # the last seq a checkpoint made in a decision's commit covers
         self._in_commits: list[Judged] = []  # those passes, committed, not yet told on the loop (wake)
+        # The newest checkpoint this process wrote, (seq, at): a pass yields to a fresh one only if it is not this.
+        self._own_newest: tuple[int, float] | None = None
         store.appended_listeners.append(self.wake)
         store.decided_in_commit = self._sign_in_commit
         store.sign_in_commit_due = self._due_in_commit
@@ -162,10 +171,15 @@ class Checkpointer:
             gap = self._last_pass + min(self.min_interval, WITNESS_INTERVAL) - time.monotonic()
             if gap > 0:
                 await asyncio.sleep(gap)
+            patient = not self._wanted  # nobody waits for a witness: the pass may yield to another process's
             ride, self._wanted = (0.0 if self._wanted else self.ride), False
             try:
-                await self.sign(ride=ride)
+                judged = await self.sign(ride=ride, yield_to_fresh=patient)
                 failures = 0
+                if judged.wait > 0:
+                    # The next pass goes when that checkpoint is min_interval old (or at once for a witness).
+                    self._last_pass = time.monotonic() - self.min_interval + judged.wait
+                    self._due.set()
             except Exception as exc:
                 count_failure("audit_checkpoint")
                 log.warning("audit.checkpoint_failed", attempt=failures + 1, error=f"{type(exc).__name__}: {exc}")
@@ -173,13 +187,15 @@ class Checkpointer:
                 failures += 1
                 self._due.set()
 
-    async def sign(self, *, ride: float = 0.0) -> Judged:
+    async def sign(self, *, ride: float = 0.0, yield_to_fresh: bool = False) -> Judged:
         """One pass now (``ride`` > 0: with the next writes, or within that many seconds): sign every vouched event
-        after the last checkpoint."""
+        after the last checkpoint. ``yield_to_fresh``: sign nothing when another process signed the chain within
+        :attr:`min_interval` (``Judged.wait`` says how long until it is that old)."""
         self._last_pass = time.monotonic()
         self._riding = ride > 0
         try:
-            judged: Judged = await self.store.write(self._judge, ride=ride)
+            judge = functools.partial(self._judge, yield_to_fresh=True) if yield_to_fresh else self._judge
+            judged: Judged = await self.store.write(judge, ride=ride)
         finally:
             self._riding = False
         self._passed(judged)
@@ -189,6 +205,8 @@ class Checkpointer:
         """A pass committed: its metric, what it found wrong, and every witness waiting for it woken."""
         if judged.newest is not None:
             audit_checkpoint_seen(*judged.newest)
+        if judged.signed and judged.newest is not None:
+            self._own_newest = judged.newest
         fresh = [seq for seq in judged.unvouched if seq not in self._reported]
         if fresh:
             self._reported.update(fresh)
@@ -252,6 +270,8 @@ class Checkpointer:
         # In the writer (maybe its thread): plain data only. The loop hears of it in wake(), which the commit
         # calls (it appended events) before anyone is answered.
         self._signed_through = max(self._signed_through, judged.signed[-1].seq)
+        if judged.newest is not None:  # before any later pass can read it (wake() tells the loop after the commit)
+            self._own_newest = judged.newest
         self._witnessed.update(held)
         while len(self._witnessed) > WITNESSES_KEPT:
             self._witnessed.popitem(last=False)
@@ -287,12 +307,23 @@ class Checkpointer:
 
     # -- in the transaction --------------------------------------------------------------------------
 
-    def _judge(self, tx: Tx) -> Judged:
+    def _judge(self, tx: Tx, *, yield_to_fresh: bool = False) -> Judged:
         # The chain's order first (nobody appends while this reads), and the one-time chaining if still due.
         chain = self.store.chain
         head, head_seq, last = chain.ensure_history(tx)
         after, prev = (0, GENESIS) if last is None else (last[0], last[1])
         judged = Judged(newest=None if last is None else (after, last[2]))
+        if yield_to_fresh and last is not None and head_seq > after and (last[0], last[2]) != self._own_newest:
+            # Another process (a replica) signed the chain less than min_interval ago. Each process keeps to
+            # min_interval between its own passes, so N replicas signed N times as often as one: on PostgreSQL
+            # with 3 replicas deciding one at a time, a pass (and an Ed25519 signature) for 3 decisions in 4.
+            # Yielding keeps the whole chain to about one signature per min_interval; what this process appended
+            # is signed by the next pass of any of them, at the latest when that checkpoint is min_interval old.
+            # A clock behind or ahead of the other's by more than that makes the age fall outside: no wait.
+            age = self.clock() - last[2]
+            if 0 <= age < self.min_interval:
+                judged.wait = self.min_interval - age
+                return judged
         if head_seq > after and chain.appended_all(after, prev, head_seq, head, tx):
             # Every event since the last checkpoint is this process's own, appended in transactions that committed:
             # the head it computed from them is what it signs (reading them back would hash and check its own

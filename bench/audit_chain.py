@@ -20,7 +20,13 @@ cost round trips, not disk flushes), or ``--dsn``; with ``--replicas N`` each si
 gets N stores (N writers, N connections: what N ``kazma run`` replicas are to the
 database) and the presses are spread over them, so the chain's lock is contended.
 
-    python bench/audit_chain.py [--requests 1500] [--runs 3] [--dir PATH] [--postgres] [--replicas 3]
+    python bench/audit_chain.py [--requests 1500] [--runs 3] [--dir PATH] [--postgres] [--replicas 3] [--split]
+
+Beside the totals it prints the median over chunks of each side's CPU per decision (a chunk the machine's other
+load hit hard moves a median less than a sum) and the checkpoints the chain-on side signed per 100 decisions while
+timed. ``--split`` adds a third side, interleaved with the other two: the chain without its checkpointer (events
+chained and sealed, nothing signed), so that what the chain costs a transaction and what the signatures cost
+show apart (on ÷ chain-only is the checkpointer's share, chain-only ÷ off the chain's own).
 
 ``--tx-cpu`` measures instead what the chain itself costs a transaction on SQLite, little blurred by the
 machine's other load: the CPU time of this thread (not the wall clock) for one transaction appending 1 or 3
@@ -41,7 +47,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +119,12 @@ class Side:
     seconds: float = 0.0
     cpu: float = 0.0  # CPU seconds of the whole process (every thread) while this side ran
     decisions: int = 0
+    chunk_cpu: list[float] = field(default_factory=list)  # CPU µs per decision of each chunk
+    checkpoints: int = 0  # checkpoints written while timed (the chain-on side)
+
+    @property
+    def cpu_median(self) -> float:
+        return statistics.median(self.chunk_cpu) if self.chunk_cpu else 0.0
 
     @property
     def rate(self) -> float:
@@ -122,13 +134,14 @@ class Side:
 Opener = Callable[[str], Awaitable[Any]]
 
 
-async def side_of(backends: list[Any], requests: int, *, chained: bool) -> Side:
+async def side_of(backends: list[Any], requests: int, *, chained: bool, signing: bool = True) -> Side:
     services = []
     tasks = []
     for backend in backends:
         store = ApprovalStore(backend, keyring=KEYS, audit=SIGNER)
         if chained:
-            tasks.append(asyncio.create_task(Checkpointer(store, SIGNER).run()))
+            if signing:
+                tasks.append(asyncio.create_task(Checkpointer(store, SIGNER).run()))
         else:
             store.chain = PlainEvents(postgres=store.chain.postgres)
         services.append(ApprovalService(store, CONFIG))
@@ -149,26 +162,48 @@ async def decide(side: Side, n: int, case: Case) -> int:
     return sum(r.won for r in await asyncio.gather(*presses))
 
 
+async def checkpoints_of(side: Side) -> int:
+    total = 0
+    for service in side.services:
+        total += int((await service.store.tables.one("SELECT count(*) FROM audit_checkpoints"))[0])
+    return total
+
+
 async def run_case(
-    make: Callable[[str], contextlib.AbstractAsyncContextManager[list[Any]]], case: Case, requests: int, chunk: int
-) -> tuple[Side, Side]:
-    async with make("on") as on_backends, make("off") as off_backends:
-        on = await side_of(on_backends, requests, chained=True)
-        off = await side_of(off_backends, requests, chained=False)
+    make: Callable[[str], contextlib.AbstractAsyncContextManager[list[Any]]],
+    case: Case,
+    requests: int,
+    chunk: int,
+    *,
+    split: bool = False,
+) -> tuple[Side, Side, Side | None]:
+    async with contextlib.AsyncExitStack() as stack:
+        on = await side_of(await stack.enter_async_context(make("on")), requests, chained=True)
+        off = await side_of(await stack.enter_async_context(make("off")), requests, chained=False)
+        bare = None
+        if split:
+            bare = await side_of(await stack.enter_async_context(make("bare")), requests, chained=True, signing=False)
+        sides = [on, off] if bare is None else [on, bare, off]
+        signed_before = await checkpoints_of(on)
         size = max(chunk, case.in_flight)
         for start in range(0, requests, size):
             numbers = list(range(start, min(start + size, requests)))
-            for side in (on, off) if (start // size) % 2 == 0 else (off, on):
+            for side in sides if (start // size) % 2 == 0 else sides[::-1]:
                 began, cpu = time.perf_counter(), time.process_time()
+                decided = 0
                 for first in range(0, len(numbers), case.in_flight):
                     batch = numbers[first : first + case.in_flight]
-                    side.decisions += sum(await asyncio.gather(*(decide(side, n, case) for n in batch)))
+                    decided += sum(await asyncio.gather(*(decide(side, n, case) for n in batch)))
+                spent = time.process_time() - cpu
                 side.seconds += time.perf_counter() - began
-                side.cpu += time.process_time() - cpu
+                side.cpu += spent
+                side.decisions += decided
+                side.chunk_cpu.append(1e6 * spent / max(decided, 1))
         for task in on.checkpointers:
             task.cancel()
         await asyncio.gather(*on.checkpointers, return_exceptions=True)
-        return on, off
+        on.checkpoints = await checkpoints_of(on) - signed_before
+        return on, off, bare
 
 
 def sqlite_stores(folder: Path, replicas: int) -> Callable[[str], Any]:
@@ -209,7 +244,7 @@ def pg_databases(dsn: str | None) -> Iterator[tuple[dict[str, str], str]]:
 
         import psycopg
 
-        names = {side: f"kazma_bench_{side}_{uuid.uuid4().hex[:8]}" for side in ("on", "off")}
+        names = {side: f"kazma_bench_{side}_{uuid.uuid4().hex[:8]}" for side in ("on", "off", "bare")}
         with psycopg.connect(dsn, autocommit=True) as admin:
             for name in names.values():
                 admin.execute(f'CREATE DATABASE "{name}"')
@@ -222,8 +257,8 @@ def pg_databases(dsn: str | None) -> Iterator[tuple[dict[str, str], str]]:
         return
     from tests.pg_support import PostgresServer  # the suite's throwaway server: run from the repository root
 
-    with PostgresServer() as server, server.database() as on, server.database() as off:
-        yield {"on": on.dsn, "off": off.dsn}, "PostgreSQL (a throwaway test server, fsync off)"
+    with PostgresServer() as server, server.database() as on, server.database() as off, server.database() as bare:
+        yield {"on": on.dsn, "off": off.dsn, "bare": bare.dsn}, "PostgreSQL (a throwaway test server, fsync off)"
 
 
 async def tx_cpu(folder: Path, rounds: int = 60, per_round: int = 100) -> None:
@@ -278,6 +313,7 @@ async def main() -> None:
     parser.add_argument("--dsn", default=None, help="a PostgreSQL server to make scratch databases on")
     parser.add_argument("--replicas", type=int, default=1, help="PostgreSQL: stores (writers) per side")
     parser.add_argument("--tx-cpu", action="store_true", help="the chain's own CPU per transaction (SQLite)")
+    parser.add_argument("--split", action="store_true", help="a third side: the chain without its checkpointer")
     args = parser.parse_args()
     configure_logging("warning")  # measure the store, not the log sink
     if args.tx_cpu:
@@ -286,6 +322,7 @@ async def main() -> None:
         return
     ratios: dict[str, list[float]] = {case.name: [] for case in CASES}
     cpu_ratios: dict[str, list[float]] = {case.name: [] for case in CASES}
+    median_ratios: dict[str, list[float]] = {case.name: [] for case in CASES}
     with contextlib.ExitStack() as stack:
         if args.postgres:
             dsns, where = stack.enter_context(pg_databases(args.dsn))
@@ -296,7 +333,8 @@ async def main() -> None:
         print(f"{where}: {args.requests} requests per case, sides interleaved every {args.chunk} requests")
         print(
             f"{'run':<5}{'case':<40}{'chain on/s':>12}{'chain off/s':>13}{'on ÷ off':>10}"
-            f"{'CPU µs on':>11}{'CPU µs off':>11}{'off ÷ on':>10}{'load 1m':>9}"
+            f"{'CPU µs on':>11}{'CPU µs off':>11}{'off ÷ on':>10}{'chunk med':>11}{'ckpt/100':>10}{'load 1m':>9}"
+            + (f"{'CPU µs bare':>13}{'off ÷ bare':>12}{'bare ÷ on':>11}" if args.split else "")
         )
         for run in range(1, args.runs + 1):
             for case in CASES:
@@ -311,22 +349,32 @@ async def main() -> None:
                     case_dir = folder / f"run{run}-{case.in_flight}-{case.presses}"
                     case_dir.mkdir()
                     make = sqlite_stores(case_dir, 1)
-                on, off = await run_case(make, case, args.requests, args.chunk)
+                on, off, bare = await run_case(make, case, args.requests, args.chunk, split=args.split)
                 ratio = on.rate / off.rate
                 ratios[case.name].append(ratio)
                 # CPU per decision: what the chain costs the process, less blurred by the machine's other load.
                 cpu_on, cpu_off = (1e6 * side.cpu / max(side.decisions, 1) for side in (on, off))
                 cpu_ratios[case.name].append(cpu_off / cpu_on)
-                print(
+                # The same from the median chunk of each side: a chunk a neighbour's burst hit weighs less.
+                median_ratios[case.name].append(off.cpu_median / on.cpu_median)
+                line = (
                     f"{run:<5}{case.name:<40}{on.rate:>12,.0f}{off.rate:>13,.0f}{ratio:>10.3f}"
-                    f"{cpu_on:>11,.0f}{cpu_off:>11,.0f}{cpu_off / cpu_on:>10.3f}{os.getloadavg()[0]:>9.2f}"
+                    f"{cpu_on:>11,.0f}{cpu_off:>11,.0f}{cpu_off / cpu_on:>10.3f}{off.cpu_median / on.cpu_median:>11.3f}"
+                    f"{100 * on.checkpoints / max(on.decisions, 1):>10.1f}{os.getloadavg()[0]:>9.2f}"
                 )
-                for label, side in (("on", on), ("off", off)):
-                    if side.decisions != args.requests:
+                if bare is not None:
+                    cpu_bare = 1e6 * bare.cpu / max(bare.decisions, 1)
+                    line += f"{cpu_bare:>13,.0f}{cpu_off / cpu_bare:>12.3f}{cpu_bare / cpu_on:>11.3f}"
+                print(line)
+                for label, side in (("on", on), ("off", off), ("without checkpointer", bare)):
+                    if side is not None and side.decisions != args.requests:
                         print(f"  !! chain {label} decided {side.decisions} of {args.requests}")
-        print("median on ÷ off (throughput), off ÷ on (CPU per decision):")
+        print("median on ÷ off (throughput), off ÷ on (CPU per decision; and from each side's median chunk):")
         for name, values in ratios.items():
-            print(f"     {name:<40}{statistics.median(values):>35.3f}{statistics.median(cpu_ratios[name]):>32.3f}")
+            print(
+                f"     {name:<40}{statistics.median(values):>35.3f}{statistics.median(cpu_ratios[name]):>32.3f}"
+                f"{statistics.median(median_ratios[name]):>11.3f}"
+            )
 
 
 if __name__ == "__main__":

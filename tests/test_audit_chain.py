@@ -370,3 +370,62 @@ async def test_a_witness_asked_for_when_no_checkpointer_runs_is_signed_at_once(s
         assert witness is not None
         [decided] = await service.store.events(request.id, event="decided")
         assert witness.first_seq <= decided.seq <= witness.seq
+
+
+async def test_a_pass_yields_to_another_process_that_signed_within_min_interval(store_engine: Engine) -> None:
+    # Replicas (or processes sharing a file) each kept min_interval between their own passes only: three of them
+    # signed three times as often as one. A pass now signs nothing while another process's checkpoint is younger
+    # than min_interval, says how long until it is not, and signs then; its own fresh checkpoint is no reason.
+    now = [1_000_000.0]
+    async with services(store_engine, 2) as [a, b]:
+        signs_a = Checkpointer(a.store, TEST_SIGNER, clock=lambda: now[0])
+        signs_b = Checkpointer(b.store, TEST_SIGNER, clock=lambda: now[0])
+        first = await a.open("shell", ARGS, "agent:builder", "telegram:-100")
+        await a.decide(first.id, Decision.DENY, actor="telegram:111", platform="telegram")
+        [by_a] = (await signs_a.sign()).signed
+        second = await b.open("shell", ARGS, "agent:builder", "telegram:-100")
+        await b.decide(second.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
+
+        now[0] += 0.005
+        yielded = await signs_b.sign(yield_to_fresh=True)
+        assert yielded.signed == []
+        assert yielded.wait == pytest.approx(signs_b.min_interval - 0.005)
+        assert await b.store.witness(second.id) is None
+
+        now[0] += yielded.wait
+        [by_b] = (await signs_b.sign(yield_to_fresh=True)).signed
+        [decided] = await b.store.events(second.id, event="decided")
+        assert by_a.seq < decided.seq <= by_b.seq
+        assert by_b.first_seq == by_a.seq + 1
+
+        third = await b.open("shell", ARGS, "agent:builder", "telegram:-100")
+        await b.decide(third.id, Decision.DENY, actor="telegram:111", platform="telegram")
+        now[0] += 0.001  # B's own checkpoint is fresh: B does not wait for itself
+        assert len((await signs_b.sign(yield_to_fresh=True)).signed) == 1
+        report = verify(*await whole_log(b), TEST_SIGNER.public_keys())
+        assert report.ok, report
+
+
+async def test_a_witness_is_signed_at_once_though_another_process_just_signed(store_engine: Engine) -> None:
+    # The clock stands still just after A's checkpoint: B's passes would yield for good. A settling card's
+    # witness does not wait for that: the pass it asks for signs.
+    now = [1_000_000.0]
+    async with services(store_engine, 2) as [a, b]:
+        signs_a = Checkpointer(a.store, TEST_SIGNER, clock=lambda: now[0])
+        signs_b = Checkpointer(b.store, TEST_SIGNER, clock=lambda: now[0])
+        first = await a.open("shell", ARGS, "agent:builder", "telegram:-100")
+        await a.decide(first.id, Decision.DENY, actor="telegram:111", platform="telegram")
+        await signs_a.sign()
+        now[0] += 0.001
+        running = asyncio.create_task(signs_b.run())
+        try:
+            second = await b.open("shell", ARGS, "agent:builder", "telegram:-100")
+            await b.decide(second.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
+            async with asyncio.timeout(30):
+                witness = await signs_b.witness(second.id, patience=3600)
+            assert witness is not None
+            [decided] = await b.store.events(second.id, event="decided")
+            assert witness.first_seq <= decided.seq <= witness.seq
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
