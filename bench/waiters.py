@@ -130,11 +130,11 @@ def _mark_commits(app: App, marks: Marks) -> None:
     service = app.service
     ended = service._ended
 
-    async def ended_marked(request_id: str) -> None:
+    async def ended_marked(request_id: str, *decided: Any) -> None:
         marks.committed = time.monotonic()
-        await ended(request_id)
+        await ended(request_id, *decided)
 
-    service._ended = ended_marked  # type: ignore[method-assign]
+    service._ended = ended_marked  # type: ignore[method-assign,assignment]
 
 
 async def _serve_control(app: App, api: str, marks: Marks) -> None:
@@ -396,8 +396,12 @@ async def wake(
         async with s.get(f"{control}/written") as answer:
             marks = await answer.json()
         if args.calls:
-            async with s.post(f"{control}/calls", params={"do": "stop"}) as answer:
-                kazma_cpu = float((await answer.json())["calls"])  # reported in place of the CPU time
+            stop = {"do": "stop", **({"top": args.top} if args.top and round_no == 0 else {})}
+            async with s.post(f"{control}/calls", params=stop) as answer:
+                profiled = await answer.json()
+                kazma_cpu = float(profiled["calls"])  # reported in place of the CPU time
+                if profiled["top"]:
+                    print(profiled["top"], file=sys.stderr)
         if spy is not None:
             await spy.wait()
     server = float(marks["written"]) - float(marks["committed"])
@@ -445,6 +449,9 @@ if __name__ == "__main__":
     parser.add_argument("--log-level", default="warning", help="Kazma's log level (default warning)")
     parser.add_argument(
         "--calls", action="store_true", help="count Kazma's Python calls per wake-up (cProfile) instead of its CPU"
+    )
+    parser.add_argument(
+        "--top", default=None, help="with --calls: print the first wake-up's profile sorted by this key to stderr"
     )
     parser.add_argument("--spy", type=Path, default=None, help="py-spy the idle window into this file")
     parser.add_argument("--serve", type=Path, default=None, help=argparse.SUPPRESS)
