@@ -303,7 +303,14 @@ class FanOutBus:
 
     async def settle(self, request_id: str) -> None:
         """``request_id`` has its outcome: every platform edits its cards now, ahead of queued posts."""
-        loaded: asyncio.Future[_Decided] = asyncio.ensure_future(self._decided(request_id))
+        self._settle_from(request_id, asyncio.ensure_future(self._decided(request_id)))
+
+    async def settle_decided(self, request: ApprovalRequest, cards: list[PostedCard]) -> None:
+        """:meth:`settle`, with ``request`` and its cards as its decision's transaction committed them (read at its
+        end): no read of either between the commit and the edits."""
+        self._settle_from(request.id, asyncio.ensure_future(self._decided(request.id, (request, cards))))
+
+    def _settle_from(self, request_id: str, loaded: asyncio.Future[_Decided]) -> None:
         for worker in self._workers.values():
             adapter = worker.adapter
             if isinstance(adapter, UrgentEdits) and adapter.home_chat and request_id not in worker.to_settle:
@@ -333,13 +340,19 @@ class FanOutBus:
             worker.scan_at = 0.0
             worker.kick.set()
 
-    async def _decided(self, request_id: str) -> _Decided:
+    async def _decided(
+        self, request_id: str, known: tuple[ApprovalRequest, list[PostedCard]] | None = None
+    ) -> _Decided:
         """The request, its cards, its decision's audit checkpoint and its card, read and built once for every
         platform. The three reads go together: the checkpoint is what takes long (a signature, committed), and
-        the two reads need not wait for it, nor it for them."""
-        request, cards, witness = await asyncio.gather(
-            self.store.get(request_id), self.store.cards(request_id), self._witness(request_id)
-        )
+        the two reads need not wait for it, nor it for them. ``known``: the request and its cards, as committed."""
+        request: ApprovalRequest | None
+        if known is not None:
+            (request, cards), witness = known, await self._witness(request_id)
+        else:
+            request, cards, witness = await asyncio.gather(
+                self.store.get(request_id), self.store.cards(request_id), self._witness(request_id)
+            )
         decided = _Decided(request, cards, witness, unsettled=sum(1 for c in cards if c.settled_at is None))
         if request is not None and request.outcome() is not None:
             try:

@@ -49,8 +49,10 @@ from kazma.approvals.store import (
     CardCheck,
     CardProblem,
     Clock,
+    Decided,
     FirstUse,
     NewRequest,
+    PostedCard,
     ReviewState,
     Rules,
     new_request_id,
@@ -102,6 +104,15 @@ class CardPublisher(Protocol):
 
     async def settle(self, request_id: str) -> None:
         """A request of ours reached an outcome: edit its cards. Must not raise."""
+        ...
+
+
+@runtime_checkable
+class SettlesDecided(Protocol):
+    """A publisher that settles a request from the request and its cards as its decision committed them."""
+
+    async def settle_decided(self, request: ApprovalRequest, cards: list[PostedCard]) -> None:
+        """:meth:`CardPublisher.settle` without reading the request or its cards again. Must not raise."""
         ...
 
 
@@ -855,7 +866,9 @@ class ApprovalService:
                     request_id, "rule_created", actor, platform, f"{rule.id} until {rule.expires_at:.0f}", person=person
                 )
                 log.info("approvals.rule_created", rule=rule.id, request_id=request_id, actor=actor)
-            await self._ended(request_id)
+            # What the decision's transaction read of the request and its cards holds only while nothing else
+            # was awaited since its commit (a card recorded meanwhile would be missing from it).
+            await self._ended(request_id, None if remember or failpoints.armed else pressed.decided)
             if failpoints.armed:  # decided, the waiter woken and the cards settling: the presser not answered yet
                 await failpoints.reached(
                     "approvals.decide.before_answer", lambda: simulated_failure(self.store.tables, "decide")
@@ -1367,14 +1380,21 @@ class ApprovalService:
         """End every request past its deadline (requests whose waiter died with a process)."""
         return [await self._expire(request_id) for request_id in await self.store.overdue()]
 
-    async def _ended(self, request_id: str) -> None:
+    async def _ended(self, request_id: str, decided: Decided | None = None) -> None:
+        """``request_id`` ended here: its cards settle, its waiters wake, its listeners are told. ``decided``: the
+        request and its cards as the commit that ended it left them, read in that transaction (a press on
+        SQLite), and nothing awaited since: neither the bus nor the waiters read them again."""
         self._ended_here[request_id] = None
         while len(self._ended_here) > 10_000:  # bounded: only a waiter's recent request is looked up
             del self._ended_here[next(iter(self._ended_here))]
+        known = None if decided is None else decided.request
         if self.publisher is not None:
             # Before the waiter wakes: the bus puts the card edits ahead of the reply to this decision.
-            await self.publisher.settle(request_id)
-        self._waiters.wake(request_id)
+            if known is not None and decided is not None and isinstance(self.publisher, SettlesDecided):
+                await self.publisher.settle_decided(known, decided.cards)
+            else:
+                await self.publisher.settle(request_id)
+        self._waiters.wake(request_id, known)
         self._tell(request_id)
 
     # -- executing -------------------------------------------------------------------------------

@@ -357,6 +357,19 @@ class ReviewState:
 FirstUse = Callable[[Tx], bool]
 
 
+class Decided:
+    """A request a press decided on SQLite, and all its cards, as its decision's transaction committed them: read
+    in that transaction, after the group's last operation (a card recorded in the same group is among them), so
+    the bus edits the cards and the waiters answer without reading again (a read is a hop to the reader's thread
+    and back, between the commit and the first card edit). Filled before the commit; empty when not read."""
+
+    __slots__ = ("cards", "request")
+
+    def __init__(self) -> None:
+        self.request: ApprovalRequest | None = None
+        self.cards: list[PostedCard] = []
+
+
 class Pressed(NamedTuple):
     """What a press did: refused by its admission or a card problem (nothing written), or the compare-and-set's
     result. (A named tuple: every press makes one.)"""
@@ -367,6 +380,7 @@ class Pressed(NamedTuple):
     review: str | None = None  # a ReviewState when the press was a review that did not decide
     refused: tuple[str, str] | None = None  # what its admission said: (for the audit, for the presser)
     replayed: bool = False  # its ``first_use`` said the signed request that carried it was seen before
+    decided: Decided | None = None  # won on SQLite: the request and its cards as committed
 
 
 class _Press(NamedTuple):
@@ -417,8 +431,8 @@ class ApprovalStore:
         # with the ids decided there: the checkpointer signs the head in that very commit, so the settled cards
         # have their witness without a commit of its own (None: no checkpointer here).
         self.decided_in_commit: Callable[[Tx, list[str]], None] | None = None
-        # Whether that would sign now (None: always ask it): a decision whose commit would not sign (a pass was made
-        # within the checkpointer's interval, or one rides) defers nothing to the end of its transaction.
+        # Whether that would sign (None: always ask it): a decision whose commit would not sign (no checkpointer runs
+        # here, as in a store a tool opened, or a pass rides) defers nothing to the end of its transaction.
         self.sign_in_commit_due: Callable[[], bool] | None = None
         # Written as the owner of every request this process opens (None: the only process on the store).
         self.replica = replica
@@ -784,13 +798,13 @@ class ApprovalStore:
         self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now,
                           args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
         tx.notify(DECIDED_CHANNEL, request_id)
-        if (
-            self.decided_in_commit is not None
-            and not self.chain.postgres
-            and (self.sign_in_commit_due is None or self.sign_in_commit_due())
-        ):
+        if self.chain.postgres:
+            return Pressed(None, True, request)
+        if self.decided_in_commit is not None and (self.sign_in_commit_due is None or self.sign_in_commit_due()):
             tx.defer(self._after_chaining, request_id)
-        return Pressed(None, True, request)
+        decided = Decided()
+        tx.defer(_read_decided, (request_id, decided))
+        return Pressed(None, True, request, decided=decided)
 
     def _press_together(self, tx: Tx, presses: list[_Press]) -> list[Pressed]:
         """The presses of one request in one group, decided as :meth:`press_op` run one after another would decide
@@ -1537,6 +1551,21 @@ def _card_problem(cards: list[tuple[Any, ...]], check: CardCheck, presser: str) 
 def _gone(owner: str | None, live: Collection[str] | None) -> bool:
     """Whether a request's waiter is gone: the only process restarted (``live`` None), or its replica left."""
     return live is None or (owner is not None and owner not in live)
+
+
+def _read_decided(tx: Tx, items: list[tuple[str, Decided]]) -> None:
+    """The decided requests of a transaction and their cards, read at its end (a deferred flush: after every
+    operation of the group, before the commit)."""
+    for request_id, decided in items:
+        row = tx.one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
+        if row is None:
+            continue
+        rows = tx.all(
+            f"SELECT {_CARD_COLUMNS} FROM approval_cards WHERE request_id = ? ORDER BY posted_at",  # noqa: S608
+            (request_id,),
+        )
+        decided.cards = [_card(r) for r in rows]
+        decided.request = _row_to_request(row)
 
 
 def _card(row: Iterable[Any]) -> PostedCard:

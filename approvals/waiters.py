@@ -133,9 +133,16 @@ class Waiters:
             self._sweep.cancel()  # nobody waits: no sweeping either
             self._sweep = None
 
-    def wake(self, request_id: str) -> None:
+    def wake(self, request_id: str, ended: ApprovalRequest | None = None) -> None:
+        """Something may have ended ``request_id``: its waiters read it (once for all). ``ended``: it ended, and
+        this is the request as that commit left it: nothing to read."""
         watch = self.watches.get(request_id)
         if watch is None:
+            return
+        if ended is not None and ended.status.final:
+            if watch.ended is None:
+                watch.ended = ended
+            watch.event.set()
             return
         load = self.load
         if load is None:

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kazma.adapters.bus import FanOutBus
 from kazma.approvals.model import Decision
 from kazma.approvals.store import ApprovalStore
 from kazma.bot.app import App, build_app
@@ -118,6 +119,7 @@ def stage_marks(app: App, marks: dict[str, tuple[float, float]]) -> None:
         wrap(app.checkpointer, "sign", "checkpoint in", "checkpoint committed")
     wrap(app.bus, "_witness", "witness in", "witness read")
     wrap(app.bus, "settle", "bus told", "bus told")
+    wrap(app.bus, "settle_decided", "bus told", "bus told")  # a press's: the request and cards as committed
     for adapter in app.bus.adapters.values():
         wrap(adapter, "settle_card", f"edit started {adapter.name}", f"edit done {adapter.name}")
 
@@ -158,6 +160,14 @@ async def measure(
         await settle(request_id)
 
     app.bus.settle = timed_settle  # type: ignore[method-assign]
+    assert isinstance(app.bus, FanOutBus)  # three platforms
+    settle_decided = app.bus.settle_decided
+
+    async def timed_settle_decided(request: Any, cards: Any) -> None:
+        marks.setdefault("decided", time.perf_counter())
+        await settle_decided(request, cards)
+
+    app.bus.settle_decided = timed_settle_decided  # type: ignore[method-assign]
     for adapter in app.bus.adapters.values():
         edit = adapter.settle_card
 

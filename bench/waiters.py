@@ -130,11 +130,11 @@ def _mark_commits(app: App, marks: Marks) -> None:
     service = app.service
     ended = service._ended
 
-    async def ended_marked(request_id: str) -> None:
+    async def ended_marked(request_id: str, *decided: Any) -> None:
         marks.committed = time.monotonic()
-        await ended(request_id)
+        await ended(request_id, *decided)
 
-    service._ended = ended_marked  # type: ignore[method-assign]
+    service._ended = ended_marked  # type: ignore[method-assign,assignment]
 
 
 async def _serve_control(app: App, api: str, marks: Marks) -> None:

@@ -140,7 +140,7 @@ async def test_a_decision_settles_its_cards_without_scanning_the_store(tmp_path:
         assert [c.settled_status for c in cards] == ["approved"]
 
 
-async def test_a_decision_builds_its_card_once_and_reads_its_cards_once_for_every_platform(
+async def test_a_decision_builds_its_card_once_and_reads_no_cards_for_any_platform(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Press -> every card settled: each platform's worker built the same platform-neutral card again, and read
@@ -168,9 +168,50 @@ async def test_a_decision_builds_its_card_once_and_reads_its_cards_once_for_ever
         shown = [[summary.split(" by ")[0] for _, summary in p.settled] for p in platforms]
         assert shown == [["denied"]] * 3  # every card, once, the one outcome
         assert builds == [request.id]  # once, not once per platform
-        assert r.store.card_reads == 1  # once for all, not once more after each edit
+        # None at all: the decision's transaction read them for the bus (not once more after each edit either)
+        assert r.store.card_reads == 0
         assert _settled_observations() == observed + 1  # the last of the three edits said so, it alone
         assert {c.settled_status for c in await r.store.cards(request.id)} == {"denied"}
+
+
+async def test_a_request_ended_by_other_than_a_press_reads_its_cards_once_for_every_platform(tmp_path: Path) -> None:
+    # A cancel (or a deadline, a withdrawal, another process's decision) carries no cards: the bus reads them.
+    platforms = [MemoryPlatform(name) for name in ("telegram", "slack", "discord")]
+    async with rig(tmp_path / "k.db", *platforms) as r:
+        request = await r.service.open("shell", {"command": "ls"}, "agent:b", "web:c")
+        for platform in platforms:
+            await asyncio.wait_for(platform.posted.wait(), timeout=20)
+        r.store.card_reads = 0
+        await r.service.cancel(request.id, reason="bench")
+        for platform in platforms:
+            await asyncio.wait_for(platform.settled_event.wait(), timeout=20)
+        await until(lambda: all(w.drained.is_set() for w in r.bus._workers.values()))
+        assert r.store.card_reads == 1
+        assert {c.settled_status for c in await r.store.cards(request.id)} == {"cancelled"}
+
+
+async def test_a_press_hands_over_the_cards_its_group_committed_with_it(tmp_path: Path) -> None:
+    # The cards a won press hands to the bus are read at the end of its transaction, after the group's last
+    # operation: a card recorded in the same group commit (its post landed as the press came in) is among them,
+    # or it would keep its buttons until the slow safety scan.
+    platforms = [MemoryPlatform(name) for name in ("telegram", "slack")]
+    async with rig(tmp_path / "k.db", *platforms) as r:
+        request = await r.service.open("shell", {"command": "ls"}, "agent:b", "web:c")
+        for platform in platforms:
+            await asyncio.wait_for(platform.posted.wait(), timeout=20)
+        # Submitted in one turn of the loop: one group, the press first, the card's record after it.
+        pressed, _ = await asyncio.gather(
+            r.store.press(request.id, Status.APPROVED, actor="web:admin", platform="web", reason=None, card=None),
+            r.store.record_card(request.id, "discord", "c9", "m9"),
+        )
+        assert pressed.won
+        assert pressed.decided is not None
+        assert pressed.decided.request is not None
+        assert pressed.decided.request.status is Status.APPROVED
+        assert {c.platform for c in pressed.decided.cards} == {"telegram", "slack", "discord"}
+        assert sorted(pressed.decided.cards, key=lambda c: c.platform) == sorted(
+            await r.store.cards(request.id), key=lambda c: c.platform
+        )
 
 
 def _settled_observations() -> float:

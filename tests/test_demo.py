@@ -27,11 +27,10 @@ async def test_demo_plays_the_whole_loop_and_approves() -> None:
     ]
     positions = [next(i for i, line in enumerate(lines) if needle in line) for needle in order]
     assert positions == sorted(positions), positions
-    # The card shows the outcome after the press and before the demo ends. Against the builder's report of the
-    # run it is not ordered: in CI on this session's tree it came after that report 4 times in 5 (never here);
-    # see the session's note. The tool ran after the approval all the same (the order above).
+    # The card shows the outcome before the builder reports the run the approval let through: the decision's
+    # commit signs the checkpoint its card's footer names, so the settle waits for no checkpointer pass.
     settled = next(i for i, line in enumerate(lines) if "approved by demo (cli:demo) via cli" in line)
-    assert positions[5] < settled < len(lines), (settled, positions)
+    assert positions[4] < settled < positions[6], (settled, positions)
     # the researcher's output reaches the builder fenced as data, not instructions
     assert "from @researcher" in text  # the dispatch carries the step's output under a quiet label
     assert "Untrusted data" not in text
