@@ -23,14 +23,12 @@ a card waits for its witness): the whole chain, not each replica, gets about one
 signature per interval. A settled card waits (briefly) for the checkpoint that
 holds its decision: :meth:`Checkpointer.witness`.
 
-A decision a press wins on SQLite is signed in its own commit, whenever a pass was
-last made (unless one rides): the pass runs at the end of the decision's transaction, after its events
-are chained, so its cards have their witness as the decision commits, with no
-commit, read or wait of their own (the decisions of one group commit share one
-signature). The pause between passes is not applied to it: a card waiting out that
-pause settled up to :data:`MIN_INTERVAL` late, after the agent its decision woke had
-already run the tool and reported. It loses nothing: a transaction that rolls back
-takes the checkpoint with it, and the next pass signs what is there.
+A decision a press wins on SQLite is signed in its own commit when no pass was made
+within :data:`MIN_INTERVAL` (the same budget as the passes: a burst still shares
+one signature): the pass runs at the end of the decision's transaction, after its
+events are chained, so its cards have their witness as the decision commits, with
+no commit, read or wait of their own. Its loses nothing: a transaction that rolls
+back takes the checkpoint with it, and the next pass signs what is there.
 
 A pass woken by appends *rides* (:mod:`kazma.config.store.group_commit`): it joins
 the next group of writes the store commits anyway, after theirs, and commits alone
@@ -65,15 +63,18 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("kazma.approvals.checkpointer")
 
-# Seconds between two passes of one process' loop: the appends of that time share one signature. A pass costs an
-# Ed25519 signature and a commit (on PostgreSQL, a round trip holding the chain's lock). A decision on SQLite is
-# signed in its own commit, whatever this pause (see _due_in_commit); on PostgreSQL its card waits for a pass.
-# 100 ms made passes a fifth as many, but every card's edit waits for the checkpoint holding its decision: press ->
-# all cards settled went from 15.0/25.6 ms to 17.5/88.8 ms (p50/p95, bench/settle_latency.py), so it stays at 20 ms.
+# Seconds between two signatures of one process: the decisions of that time share one. A pass costs an Ed25519
+# signature and, on PostgreSQL, a round trip holding the chain's lock. 100 ms made passes a fifth as many, but every
+# card's edit waits for the checkpoint holding its decision: press -> all cards settled went from 15.0/25.6 ms to
+# 17.5/88.8 ms (p50/p95, bench/settle_latency.py), so it stays at 20 ms.
 MIN_INTERVAL: Final = 0.02
-# A longer pause (``min_interval``) is cut short to this for a card waiting to settle with its witness (the
-# checkpoint holding its decision): the edit of every card waits for that signature.
-WITNESS_INTERVAL: Final = 0.02
+# The pause between passes (``min_interval``) is cut short to this for a card waiting to settle with its witness
+# (the checkpoint holding its decision): the edit of every card waits for that signature. At 20 ms a card pressed
+# right after it showed (kazma demo; the benches), within 20 ms of the pass that signed its post, waited out that
+# pause: it settled 17-25 ms after the press, after the agent its decision woke had run the tool (bare, 13-24 ms)
+# and reported. 2 ms keeps witnesses asked for in a burst to one signature per 2 ms (a pass costs an Ed25519
+# signature, ~35 us, and a commit) while a card waits at most that. Decisions nobody waits for keep to min_interval.
+WITNESS_INTERVAL: Final = 0.002
 RIDE: Final = 0.02  # how long a pass waits for other writes to commit with before it commits alone
 EVERY: Final = 60.0  # at least this often while events arrive (events of other processes included)
 WITNESS_WAIT: Final = 5.0  # the longest a settled card waits for the checkpoint of its decision
@@ -121,7 +122,7 @@ class Checkpointer:
         self.every = every
         self.ride = ride
         self.clock = clock
-        # While it runs, a decision a press wins on SQLite is signed in its own commit, however recently a pass ran
+        # While it runs, a decision a press wins on SQLite is signed in its own commit when no pass is due sooner
         # (False: only by passes, as on PostgreSQL).
         self.in_decisions = in_decisions
         self._due = asyncio.Event()
@@ -227,23 +228,25 @@ class Checkpointer:
         signed, self._signed = self._signed, asyncio.Event()
         signed.set()
 
-    def _due_in_commit(self) -> bool:
-        """Whether a decision's own commit signs (asked as a press wins, and again at its commit): whenever this
-        store signs on its own (not a store opened by a tool, nor one whose checkpointer is not running) and no pass
-        is on its way (riding with this group or the next: a witness asked for sends it at once).
-
-        The pause since the last pass does not hold it back: its cards' edits wait for the checkpoint holding the
-        decision, and a decision pressed within :attr:`min_interval` of the pass that signed its card's post (a
-        press right after the card showed) waited out the rest of that pause and a commit of its own before its
-        card settled (``kazma demo``: after the builder's report of the run it approved)."""
-        return self.in_decisions and self._running and not self._riding
+    def _due_in_commit(self, now: float | None = None) -> bool:
+        """Whether a decision's own commit would sign now (asked as a press wins, and again at its commit: most
+        would not, and they then hand nothing to the end of their transaction). Not when this store does not sign
+        on its own (a store opened by a tool), a pass is on its way (riding with this group or the next), or one
+        was made within :attr:`min_interval`: the decision is then the next pass's."""
+        return (
+            self.in_decisions
+            and self._running
+            and not self._riding
+            and (time.monotonic() if now is None else now) - self._last_pass >= self.min_interval
+        )
 
     def _sign_in_commit(self, tx: Tx, request_ids: list[str]) -> None:
-        """At the end of the transaction of decisions ``request_ids`` (their events chained): a pass in it, the
-        checkpoint committing with them (see :meth:`_due_in_commit`)."""
-        if not self._due_in_commit():
+        """At the end of the transaction of decisions ``request_ids`` (their events chained): a pass in it, unless
+        one was made within :attr:`min_interval` (then the next pass, woken by this commit, signs them)."""
+        now = time.monotonic()
+        if not self._due_in_commit(now):
             return
-        self._last_pass = time.monotonic()
+        self._last_pass = now
         # In a savepoint: a pass that fails here costs the decision nothing (the loop's next pass signs it).
         tx.run("SAVEPOINT checkpoint_in_decision")
         try:

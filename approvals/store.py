@@ -431,8 +431,8 @@ class ApprovalStore:
         # with the ids decided there: the checkpointer signs the head in that very commit, so the settled cards
         # have their witness without a commit of its own (None: no checkpointer here).
         self.decided_in_commit: Callable[[Tx, list[str]], None] | None = None
-        # Whether that would sign (None: always ask it): a decision whose commit would not sign (no checkpointer runs
-        # here, as in a store a tool opened, or a pass rides) defers nothing to the end of its transaction.
+        # Whether that would sign now (None: always ask it): a decision whose commit would not sign (a pass was made
+        # within the checkpointer's interval, or one rides) defers nothing to the end of its transaction.
         self.sign_in_commit_due: Callable[[], bool] | None = None
         # Written as the owner of every request this process opens (None: the only process on the store).
         self.replica = replica

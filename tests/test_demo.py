@@ -27,8 +27,11 @@ async def test_demo_plays_the_whole_loop_and_approves() -> None:
     ]
     positions = [next(i for i, line in enumerate(lines) if needle in line) for needle in order]
     assert positions == sorted(positions), positions
-    # The card shows the outcome before the builder reports the run the approval let through: the decision's
-    # commit signs the checkpoint its card's footer names, so the settle waits for no checkpointer pass.
+    # The card shows the outcome before the builder reports the run the approval let through. The demo presses
+    # at once, within the checkpointer's pause of the pass that signed the card's post, so the decision's commit
+    # does not sign; the card's witness then cuts the pause short (to WITNESS_INTERVAL). When that was the whole
+    # 20 ms pause, the card came after the report (in CI 4 runs in 5: the tool runs bare where bubblewrap cannot
+    # make namespaces, and reported 13-24 ms after the press).
     settled = next(i for i, line in enumerate(lines) if "approved by demo (cli:demo) via cli" in line)
     assert positions[4] < settled < positions[6], (settled, positions)
     # the researcher's output reaches the builder fenced as data, not instructions
