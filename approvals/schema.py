@@ -3,7 +3,12 @@ and the audit append-only (what proves it was not rewritten around Kazma is the 
 
 from __future__ import annotations
 
-from kazma.approvals.pg_press import PG_AUDIT_APPEND_FUNCTION, PG_PRESS_FUNCTION, PG_PRESS_GUESSED_FUNCTION
+from kazma.approvals.pg_press import (
+    PG_AUDIT_APPEND_FUNCTION,
+    PG_PRESS_FUNCTION,
+    PG_PRESS_GUESSED_FUNCTION,
+    PG_PRESS_ON_GUESS_FUNCTION,
+)
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 
@@ -268,6 +273,8 @@ MIGRATIONS = [
     Migration("approvals", 15, ()),
     # A card posted again says so (an earlier attempt may have landed unrecorded): its edits keep saying it.
     Migration("approvals", 16, ("ALTER TABLE approval_cards ADD COLUMN reposted INTEGER NOT NULL DEFAULT 0",)),
+    # PostgreSQL's guessed press as one function (approvals/pg_press.py); nothing on SQLite.
+    Migration("approvals", 17, ()),
 ]
 
 # The same tables on PostgreSQL, version for version: REAL is double precision there (its REAL has 6
@@ -548,4 +555,5 @@ PG_MIGRATIONS = [
     PgMigration("approvals", 14, (PG_PRESS_GUESSED_FUNCTION,)),
     PgMigration("approvals", 15, (PG_AUDIT_APPEND_FUNCTION,)),
     PgMigration("approvals", 16, ("ALTER TABLE approval_cards ADD COLUMN reposted integer NOT NULL DEFAULT 0",)),
+    PgMigration("approvals", 17, (PG_PRESS_ON_GUESS_FUNCTION,)),
 ]
