@@ -60,6 +60,7 @@ from psycopg_pool import AsyncConnectionPool
 from kazma.config.metrics import count_failure
 from kazma.config.store.group_commit import Deferred, GroupQueue, Job, Later, Unasking, own_operations
 from kazma.config.store.migrations import Migration, run_migrations
+from kazma.config.store.pg_schema import PREPARED
 from kazma.config.store.pg_text import ESCAPE, encode, nul_safe, nul_safe_async
 
 log = structlog.get_logger("kazma.store")
@@ -77,6 +78,9 @@ ALONE_ATTEMPTS = 5
 # Raised by a statement that was sent on a guess (its answer not waited for) and found the guess stale: the group
 # is rolled back and run again, in pipeline mode, the operations now asking instead of guessing.
 STALE_GUESS = "KZ001"
+# SQLSTATEs after which a connection's prepared statements are not used again (see PgWriter._prepare): no such
+# prepared statement, its cached plan's result type changed, or the function it calls is gone (a later migration).
+_UNPREPARED = frozenset({"26000", "0A000", "42883"})
 # SQLSTATEs after which an operation is run again on its own: lock_not_available, deadlock_detected,
 # serialization_failure. None of them leaves anything of the transaction behind.
 _RUN_ALONE = frozenset({"55P03", "40P01", "40001"})
@@ -270,8 +274,15 @@ class PgBatchTx(PgTx):
     the transaction).
     """
 
-    def __init__(self, cursor: psycopg.ClientCursor[Any], literals: psycopg.abc.Transformer | None = None) -> None:
+    def __init__(
+        self,
+        cursor: psycopg.ClientCursor[Any],
+        literals: psycopg.abc.Transformer | None = None,
+        executes: dict[str, tuple[str, ...]] | None = None,
+    ) -> None:
         super().__init__(cursor)
+        # Statements prepared on the connection: each one's EXECUTE, cut at its values (see PgWriter._prepare).
+        self._executes = executes if executes is not None else {}
         self.guessing = True
         self.asked = False  # an operation asked for an answer (set even if it swallowed the stop)
         self.statements: list[str] = []
@@ -295,7 +306,7 @@ class PgBatchTx(PgTx):
         return True  # nothing is waited for before the commit, as in pipeline mode
 
     def _add(self, sql: str, params: Iterable[Any]) -> None:
-        pieces = _pieces(sql)
+        pieces = self._executes.get(sql) or _pieces(sql)
         values = tuple(params)
         if len(values) != len(pieces) - 1:
             raise psycopg.ProgrammingError(
@@ -454,6 +465,7 @@ class PgWriter(GroupQueue):
         self.sent_from_loop = 0  # groups sent so, committed or not
         self._client: psycopg.ClientCursor[Any] | None = None  # the writer connection's, for _attempt_batched
         self._literals: psycopg.abc.Transformer | None = None  # its, for every PgBatchTx on it
+        self._executes: dict[str, tuple[str, ...]] = {}  # the connection's prepared statements (see _prepare)
         # The server process of the writer's connection: a NOTIFY this process sent carries it, so the
         # replica's listener can tell its own notifications from the others'.
         self.backend_pid: int | None = None
@@ -605,6 +617,7 @@ class PgWriter(GroupQueue):
             return
         if not committed:
             tx._drop_answers()
+            self._unprepare(failed)
             self.pipeline_retries += 1
             # Rolled back by the thread (the transaction is still open, aborted), then run as after a failed string.
             self._to_thread(group.jobs, failed is not None and _sqlstate(failed) == STALE_GUESS)
@@ -715,7 +728,40 @@ class PgWriter(GroupQueue):
             # statements are function calls, whose plans PostgreSQL caches per session anyway.
             self._conn.prepare_threshold = None
             self.backend_pid = self._conn.info.backend_pid
+            self._executes = self._prepare(self._conn)
         return self._conn
+
+    @staticmethod
+    def _prepare(conn: psycopg.Connection[Any]) -> dict[str, tuple[str, ...]]:
+        """``PREPARE`` the statements components registered (:func:`kazma.config.store.pg_schema.prepared`) on a new
+        connection; for each that was, its ``EXECUTE`` cut at its values, as :func:`_pieces` cuts a statement.
+
+        Only a group sent as one string uses them: its statements are literals in a simple query, which the server
+        parses and plans again every time (a press's call, once per press); ``EXECUTE name(literals)`` is planned
+        once per session. Not psycopg's own preparing (see above): these are SQL statements on the autocommit
+        connection, outside any pipeline. A statement that cannot be prepared here (a database without that
+        component's migrations) is sent as itself."""
+        executes: dict[str, tuple[str, ...]] = {}
+        for sql, (name, types) in PREPARED.items():
+            pieces = _pieces(sql)
+            numbered = "".join(f"{piece}${n}" for n, piece in enumerate(pieces[:-1], start=1)) + pieces[-1]
+            try:
+                # No values given: psycopg sends the text as it is (no placeholders, no % read).
+                conn.execute(f"PREPARE {name} ({', '.join(types)}) AS {numbered}")
+            except psycopg.Error as exc:
+                if conn.broken or conn.closed:
+                    raise
+                log.debug("store.not_prepared", backend="postgresql", statement=name, error=str(exc))
+                continue
+            executes[sql] = (
+                (f"EXECUTE {name}(", *([", "] * (len(pieces) - 2)), ")") if len(pieces) > 1 else (f"EXECUTE {name}",)
+            )
+        return executes
+
+    def _unprepare(self, exc: BaseException | None) -> None:
+        """A string failed for want of a prepared statement or of what it calls: the connection's go unused."""
+        if exc is not None and _sqlstate(exc) in _UNPREPARED:
+            self._executes = {}
 
     def _commit(
         self, jobs: list[Job[Any]], alone: list[Job[Any]], batch_failed: bool | None = None
@@ -835,6 +881,7 @@ class PgWriter(GroupQueue):
             if conn.broken or conn.closed:
                 raise
             self._roll_back(conn)
+            self._unprepare(exc)
             self.pipeline_retries += 1
             return False, _sqlstate(exc) == STALE_GUESS
         except BaseException:
@@ -860,7 +907,7 @@ class PgWriter(GroupQueue):
         if self._client is None or self._client.connection is not conn:
             self._client = psycopg.ClientCursor(conn)
             self._literals = psycopg.adapt.Transformer(self._client)
-        tx = PgBatchTx(self._client, self._literals)
+        tx = PgBatchTx(self._client, self._literals, self._executes)
         try:
             for job in jobs:
                 job.result, job.error = None, None
