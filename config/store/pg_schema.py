@@ -2,8 +2,10 @@
 
 SQLite states a trigger's body inline; PostgreSQL calls a function, created or
 replaced next to it. Replacing a function or trigger changes no data, so it
-keeps the rule that a later release still reads an older database. Kept free
-of the driver: component schemas import this without importing psycopg.
+keeps the rule that a later release still reads an older database. Also the
+statements a component has the writer prepare on its connections
+(:func:`prepared`). Kept free of the driver: component schemas import this
+without importing psycopg.
 """
 
 from __future__ import annotations
