@@ -125,12 +125,14 @@ $$
 
 # kazma_press_guessed as one function, kazma_press_on_guess (approvals PG migration 17; a new name, since a function's
 # result type cannot be replaced, and an older release still calls the old one): kazma_press's body inlined instead
-# of called, the answer in OUT parameters instead of a set, and a press guessed to lose reading the row without the
-# compare-and-set that could only miss. Each saves the server work: the nested plpgsql call and its tuplestore,
-# RETURN QUERY's tuplestore, and for the losers an UPDATE's plan and index probe. Server CPU of "BEGIN; press;
-# COMMIT" (the backend's /proc schedstat, 9 interleaved rounds, load 4.4): 1 press 193 -> 175 us, 3 presses
-# 342 -> 315 us. The answers are kazma_press_guessed's of migration 14 in every case: a miss, an unknown id, a
-# standing other than the one guessed fail with KZ001, and a press that won notifies ``p_channel``.
+# of called, the answer in OUT parameters instead of a set, a press guessed to win one statement (its card check in
+# the compare-and-set's predicate, its review row inserted from the RETURNING), and a press guessed to lose reading
+# the row without the compare-and-set that could only miss. Each saves the server work: the nested plpgsql call and
+# its tuplestore, RETURN QUERY's tuplestore, two statements of a winner's, an UPDATE's plan and index probe of a
+# loser's. Server CPU of "BEGIN; press; COMMIT" (the backend's /proc schedstat, 9 interleaved rounds): 1 press
+# 193 -> 175 us (load 4.4) with the winner's three statements, 267 -> 234 us more with them as one (load 12).
+# The answers are kazma_press_guessed's of migration 14 in every case: a miss, an unknown id, a standing other
+# than the one guessed fail with KZ001, and a press that won notifies ``p_channel``.
 PG_PRESS_ON_GUESS_FUNCTION: Final = """
 CREATE OR REPLACE FUNCTION kazma_press_on_guess(
     p_outcome text, p_standing text, p_channel text,
@@ -146,39 +148,59 @@ DECLARE
     usable bigint;
     cut bigint;
 BEGIN
-    IF p_card THEN
-        -- kazma_press's card check, word for word.
-        SELECT count(*),
-               count(*) FILTER (WHERE (p_chat IS NULL OR c.chat = p_chat)
-                   AND (p_message_id IS NULL OR c.message_id = p_message_id)
-                   AND (c.bound_to IS NULL OR c.bound_to = coalesce(p_person, p_actor))),
-               count(*) FILTER (WHERE (p_chat IS NULL OR c.chat = p_chat)
-                   AND (p_message_id IS NULL OR c.message_id = p_message_id)
-                   AND (c.bound_to IS NULL OR c.bound_to = coalesce(p_person, p_actor)) AND c.whole = 0)
-          INTO posted, usable, cut
-          FROM approval_cards c WHERE c.request_id = p_id AND c.platform = p_platform;
-        IF (posted = 0 AND (p_chat IS NOT NULL OR p_message_id IS NOT NULL))
-           OR (posted > 0 AND (usable = 0 OR (p_needs_whole AND cut > 0))) THEN
-            -- kazma_press would answer a miss, which is never a guess.
-            RAISE EXCEPTION 'a press guessed % (standing %) found a card problem', p_outcome, p_standing
-                USING ERRCODE = 'KZ001';
-        END IF;
-    END IF;
     IF p_outcome = 'won' THEN
-        UPDATE approval_requests r SET status = p_status, decided_by = p_actor, decided_via = p_platform,
-                decided_at = p_now, reason = p_reason, decision_mac = p_mac, decision_key_id = p_key_id,
-                decided_person = p_person
-            WHERE r.id = p_id AND r.status = 'pending' AND r.deadline > p_now AND r.tool = p_tool
-                AND r.args_hash = p_args_hash AND r.approve_needed = 1 AND r.deny_needed = 1
-            RETURNING 'won', r.id, r.tool, r.args_hash, r.conversation, r.deadline, r.status, r.decided_by,
-                r.decided_via, r.decided_at, r.reason, r.decided_person
-            INTO outcome, id, tool, args_hash, conversation, deadline, status, decided_by, decided_via,
-                decided_at, reason, decided_person;
-        IF FOUND THEN
+        -- One statement: the card check (kazma_press's rule, as the predicate "no problem") folded into the
+        -- compare-and-set, the review row inserted from its RETURNING. A card problem makes it miss, and the
+        -- miss fails the guess below; the group run again without guessing names the problem.
+        WITH won AS (
+            UPDATE approval_requests r SET status = p_status, decided_by = p_actor, decided_via = p_platform,
+                    decided_at = p_now, reason = p_reason, decision_mac = p_mac, decision_key_id = p_key_id,
+                    decided_person = p_person
+                WHERE r.id = p_id AND r.status = 'pending' AND r.deadline > p_now AND r.tool = p_tool
+                    AND r.args_hash = p_args_hash AND r.approve_needed = 1 AND r.deny_needed = 1
+                    AND (NOT p_card OR (
+                        SELECT CASE WHEN count(*) = 0 THEN p_chat IS NULL AND p_message_id IS NULL
+                                    ELSE count(*) FILTER (WHERE cards.usable) > 0
+                                         AND NOT (p_needs_whole AND count(*) FILTER (WHERE cards.usable
+                                                                                      AND cards.whole = 0) > 0)
+                               END
+                          FROM (SELECT (p_chat IS NULL OR c.chat = p_chat)
+                                       AND (p_message_id IS NULL OR c.message_id = p_message_id)
+                                       AND (c.bound_to IS NULL OR c.bound_to = coalesce(p_person, p_actor))
+                                       AS usable,
+                                       c.whole
+                                  FROM approval_cards c
+                                 WHERE c.request_id = p_id AND c.platform = p_platform) AS cards))
+                RETURNING r.id, r.tool, r.args_hash, r.conversation, r.deadline, r.status, r.decided_by,
+                    r.decided_via, r.decided_at, r.reason, r.decided_person),
+        review AS (
             INSERT INTO approval_reviews (request_id, reviewer, actor, platform, decision, reason, at)
-                VALUES (p_id, p_reviewer, p_actor, p_platform, p_decision, p_reason, p_now) ON CONFLICT DO NOTHING;
-        END IF;
+                SELECT p_id, p_reviewer, p_actor, p_platform, p_decision, p_reason, p_now FROM won
+                ON CONFLICT DO NOTHING)
+        SELECT 'won', w.id, w.tool, w.args_hash, w.conversation, w.deadline, w.status, w.decided_by,
+               w.decided_via, w.decided_at, w.reason, w.decided_person
+          INTO outcome, id, tool, args_hash, conversation, deadline, status, decided_by, decided_via,
+               decided_at, reason, decided_person
+          FROM won w;
     ELSE
+        IF p_card THEN
+            -- kazma_press's card check, word for word.
+            SELECT count(*),
+                   count(*) FILTER (WHERE (p_chat IS NULL OR c.chat = p_chat)
+                       AND (p_message_id IS NULL OR c.message_id = p_message_id)
+                       AND (c.bound_to IS NULL OR c.bound_to = coalesce(p_person, p_actor))),
+                   count(*) FILTER (WHERE (p_chat IS NULL OR c.chat = p_chat)
+                       AND (p_message_id IS NULL OR c.message_id = p_message_id)
+                       AND (c.bound_to IS NULL OR c.bound_to = coalesce(p_person, p_actor)) AND c.whole = 0)
+              INTO posted, usable, cut
+              FROM approval_cards c WHERE c.request_id = p_id AND c.platform = p_platform;
+            IF (posted = 0 AND (p_chat IS NOT NULL OR p_message_id IS NOT NULL))
+               OR (posted > 0 AND (usable = 0 OR (p_needs_whole AND cut > 0))) THEN
+                -- kazma_press would answer a miss, which is never a guess.
+                RAISE EXCEPTION 'a press guessed % (standing %) found a card problem', p_outcome, p_standing
+                    USING ERRCODE = 'KZ001';
+            END IF;
+        END IF;
         -- A press guessed to lose follows one of the same request that won earlier in this transaction (else the
         -- transaction failed there): the row is decided, and kazma_press's compare-and-set would miss it. Its
         -- read-back alone gives the same answer; should the row be pending after all, the check below fails.
@@ -186,7 +208,7 @@ BEGIN
             r.id, r.tool, r.args_hash, r.conversation, r.deadline, r.status, r.decided_by, r.decided_via,
             r.decided_at, r.reason, r.decided_person
           INTO outcome, id, tool, args_hash, conversation, deadline, status, decided_by, decided_via,
-                decided_at, reason, decided_person
+               decided_at, reason, decided_person
           FROM approval_requests r WHERE r.id = p_id;
     END IF;
     IF outcome IS DISTINCT FROM p_outcome OR status IS DISTINCT FROM p_standing THEN
