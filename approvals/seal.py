@@ -24,6 +24,7 @@ import hmac
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from json.encoder import encode_basestring
 
 from kazma.approvals.model import ApprovalRequest
 from kazma.config.keyring import Keyring
@@ -81,8 +82,54 @@ def _message(
     return json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
+_quote = encode_basestring  # json's escaping of one text with ensure_ascii=False (the C function its encoder calls)
+_DOMAIN_V2_TEXT = _quote(_DOMAIN_V2)
+_NULL = "null"
+
+
+def _message_v2(
+    key_id: str,
+    request_id: str,
+    tool: str,
+    args_hash: str,
+    status: str,
+    decided_by: str | None,
+    decided_via: str | None,
+    decided_at: int,
+    person: str | None,
+) -> bytes:
+    """:func:`_message`'s bytes for a v2 seal, written as json writes them without building json's encoder (which
+    ``json.dumps`` with options makes anew on every call: most of a seal's cost). Anything that is not text where
+    text is expected, or a time that is not an int, goes json's own way."""
+    if type(decided_at) is int:
+        try:
+            text = (
+                f"[{_DOMAIN_V2_TEXT},{_quote(key_id)},{_quote(request_id)},{_quote(tool)},{_quote(args_hash)},"
+                f"{_quote(status)},{_NULL if decided_by is None else _quote(decided_by)},"
+                f"{_NULL if decided_via is None else _quote(decided_via)},{decided_at!r},"
+                f"{_NULL if person is None else _quote(person)}]"
+            )
+            return text.encode("utf-8")
+        except TypeError:
+            pass
+    return _message(
+        key_id=key_id, request_id=request_id, tool=tool, args_hash=args_hash, status=status, decided_by=decided_by,
+        decided_via=decided_via, decided_at=decided_at, person=person, version=2,
+    )  # fmt: skip
+
+
+# The current key's HMAC state after its key is mixed in, copied for each seal (one key at a time: the current one).
+_keyed: tuple[bytes, hmac.HMAC] | None = None
+
+
 def _mac(secret: bytes, message: bytes) -> str:
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+    global _keyed
+    keyed = _keyed
+    if keyed is None or keyed[0] is not secret:
+        keyed = _keyed = (secret, hmac.new(secret, digestmod=hashlib.sha256))
+    mac = keyed[1].copy()
+    mac.update(message)
+    return mac.hexdigest()
 
 
 def seal(
@@ -101,18 +148,8 @@ def seal(
     stores (epoch seconds); it is bound as the store gives it back, in microseconds. ``decided_person``: the
     person under ``people:`` who owns ``decided_by`` (None: an identity that is nobody's, or no person)."""
     key = keyring.current
-    message = _message(
-        key_id=key.id,
-        request_id=request_id,
-        tool=tool,
-        args_hash=args_hash,
-        status=status,
-        decided_by=decided_by,
-        decided_via=decided_via,
-        decided_at=micros(datetime.fromtimestamp(decided_at, UTC)),
-        person=decided_person,
-        version=2,
-    )
+    at = micros(datetime.fromtimestamp(decided_at, UTC))
+    message = _message_v2(key.id, request_id, tool, args_hash, status, decided_by, decided_via, at, decided_person)
     return Seal(key.id, V2 + _mac(key.secret, message))
 
 

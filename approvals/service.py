@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
 import structlog
 
@@ -87,6 +87,8 @@ REASON_CODE = "n"  # deny, with a reason the platform asks for first (a modal, a
 STORE_SITE = "approval_resolve"
 # A waiter whose first read of its request failed reads again this soon (then ever later, up to 5 s).
 WAIT_READ_RETRY = Backoff(base=0.1, cap=5.0)
+_NO_PUBLISHER = object()  # no publisher was checked yet (None is a publisher's value: none)
+_CONFIG_READS_KEPT = 4096  # persons and admissions a service keeps of its configuration at most (then starts again)
 _RECORD_GRACE = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)  # seconds, about 1.6 in all
 
 
@@ -271,8 +273,25 @@ class ButtonError(ValueError):
     pass
 
 
+# Buttons parsed lately, by their data: a request's presses on several platforms carry the same text, and a button
+# is pressed again and again; only what parsed is kept (a parsed button is immutable). Emptied when full.
+_PARSED: dict[str, ParsedButton] = {}
+_PARSED_KEPT = 4096
+
+
 def parse_button(data: str) -> ParsedButton:
     """Validate ``kz1:<id>:a|d`` strictly; anything else is refused with the reason."""
+    known = _PARSED.get(data) if type(data) is str else None
+    if known is not None:
+        return known
+    parsed = _parse_button(data)
+    if len(_PARSED) >= _PARSED_KEPT:
+        _PARSED.clear()
+    _PARSED[data] = parsed
+    return parsed
+
+
+def _parse_button(data: str) -> ParsedButton:
     if not isinstance(data, str) or len(data) > 100:
         raise ButtonError("garbled button data")
     match = _BUTTON.fullmatch(data)
@@ -345,6 +364,16 @@ class ApprovalService:
         # told the request id whenever a request opens or ends, or a remembered approval is revoked (the live
         # dashboard); a listener must be quick and must not raise (one that does is logged and skipped)
         self.listeners: list[Callable[[str], None]] = []
+        # What a press asks of the configuration, kept while ``config`` is the object they were read from (a new
+        # configuration empties them): each press's person, and which presses its admission let through (only
+        # those: a refusal's words name the request). The configuration and a request's rules never change
+        # under them, and an admission reads nothing else.
+        self._config_seen: KazmaConfig | None = None
+        self._persons: dict[str, str | None] = {}
+        self._admitted: set[tuple[Rules | None, Decision, str, str, str | None, bool]] = set()
+        # Which optional protocols the publisher speaks, asked once per publisher object (see _publisher_is).
+        self._checked_publisher: object = _NO_PUBLISHER
+        self._publisher_kinds: dict[type, bool] = {}
 
     @property
     def poll_interval(self) -> float:
@@ -354,6 +383,18 @@ class ApprovalService:
     @poll_interval.setter
     def poll_interval(self, seconds: float) -> None:
         self._waiters.every = seconds
+
+    def _publisher_is(self, protocol: type) -> bool:
+        """``isinstance(self.publisher, protocol)`` for a runtime-checkable protocol, asked once per publisher: the
+        check walks the protocol's members by ``getattr`` (~12 µs), and every decision and every opening asks."""
+        publisher = self.publisher
+        if publisher is not self._checked_publisher:
+            self._checked_publisher = publisher
+            self._publisher_kinds.clear()
+        known = self._publisher_kinds.get(protocol)
+        if known is None:
+            known = self._publisher_kinds[protocol] = isinstance(publisher, protocol)
+        return known
 
     def _tell(self, request_id: str) -> None:
         for listener in list(self.listeners):
@@ -460,8 +501,7 @@ class ApprovalService:
             task_id,
             Rules(name, chosen.approve, chosen.deny, chosen.step_up, started_by),
         )
-        publisher: object = self.publisher  # (a protocol narrowed to another protocol reads as unreachable)
-        queuer = publisher if isinstance(publisher, QueuesCards) else None
+        queuer = cast(QueuesCards, self.publisher) if self._publisher_is(QueuesCards) else None
         queue = None if queuer is None else await queuer.queue_statements(new.id, name)
         also: list[Callable[[Tx], object]] = (
             [] if gate is None else [lambda tx: gate.opened(tx, new.id, self.store.chain)]
@@ -744,10 +784,30 @@ class ApprovalService:
         if request_id in self._unwaited:
             return await self._press_unwaited(request_id, actor, platform)
         reason = clean_reason(reason)
-        person = self.config.roster.person_of(actor)
+        if self._config_seen is not self.config:
+            self._config_seen = self.config
+            self._persons.clear()
+            self._admitted.clear()
+        persons = self._persons
+        if actor in persons:
+            person = persons[actor]
+        else:
+            person = self.config.roster.person_of(actor)
+            if len(persons) >= _CONFIG_READS_KEPT:
+                persons.clear()
+            persons[actor] = person
 
         def admit(rules: Rules | None) -> tuple[str, str] | None:
-            return self._admission(request_id, rules, decision, actor, platform, person, stepped_up=stepped_up)
+            key = (rules, decision, actor, platform, person, stepped_up)
+            admitted = self._admitted
+            if key in admitted:
+                return None
+            refused = self._admission(request_id, rules, decision, actor, platform, person, stepped_up=stepped_up)
+            if refused is None and rules is not None:
+                if len(admitted) >= _CONFIG_READS_KEPT:
+                    admitted.clear()
+                admitted.add(key)
+            return refused
 
         if remember:
             # A rare path, checked the old way round: who may decide first, then whether it may be remembered.
@@ -989,9 +1049,8 @@ class ApprovalService:
 
     async def _progressed(self, request_id: str) -> None:
         """A review was counted: every card of the request shows the progress (its publisher edits them)."""
-        publisher: object = self.publisher
-        if isinstance(publisher, ShowsProgress):
-            await publisher.refresh(request_id)
+        if self._publisher_is(ShowsProgress):
+            await cast(ShowsProgress, self.publisher).refresh(request_id)
         self._tell(request_id)
 
     async def _remember_problem(self, request_id: str, where: CardLocation | None) -> str | None:
@@ -1390,8 +1449,8 @@ class ApprovalService:
         known = None if decided is None else decided.request
         if self.publisher is not None:
             # Before the waiter wakes: the bus puts the card edits ahead of the reply to this decision.
-            if known is not None and decided is not None and isinstance(self.publisher, SettlesDecided):
-                await self.publisher.settle_decided(known, decided.cards)
+            if known is not None and decided is not None and self._publisher_is(SettlesDecided):
+                await cast(SettlesDecided, self.publisher).settle_decided(known, decided.cards)
             else:
                 await self.publisher.settle(request_id)
         self._waiters.wake(request_id, known)

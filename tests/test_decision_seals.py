@@ -9,6 +9,8 @@ and on PostgreSQL (``store_engine``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import os
 import sqlite3
 import stat
@@ -590,3 +592,31 @@ async def test_an_approval_made_by_another_process_runs_here_and_a_forged_one_do
     assert "it cannot run" in shown.stdout
     shown = await asyncio.to_thread(_kazma, tmp_path, "approvals", "show", genuine.id)
     assert "seal       verified (key k1)" in shown.stdout
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["telegram:1", 'quote " and \\ backslash', "line\nbreak\ttab\x01", "naïve ünïcode — ✓", "emoji 🙂", "</script>"],
+)
+def test_a_seals_message_is_the_very_json_text_whatever_its_fields_hold(text: str) -> None:
+    # seal() writes the message itself (json's encoder made per call was most of a seal's cost); verification
+    # writes it with json: each must give the other's bytes, byte for byte, or no approval would ever run.
+    from kazma.approvals.seal import _message, _message_v2
+
+    for person in (None, text):
+        fields: dict[str, Any] = dict(
+            key_id="k1", request_id="r" * 20, tool=text, args_hash="a" * 64, status="approved", decided_by=text,
+            decided_via=None, decided_at=1764681234123456, person=person,
+        )  # fmt: skip
+        assert _message_v2(**fields) == _message(**fields, version=2)
+    # ... and the seal is json's message's HMAC with the current key, the first time and again (a kept keyed state)
+    key = TEST_KEYRING.current
+    message = _message(key_id=key.id, request_id="r" * 20, tool=text, args_hash="a" * 64, status="approved",
+                       decided_by=text, decided_via="telegram", decided_at=1764681234123456, person=text,
+                       version=2)  # fmt: skip
+    expected = "v2:" + hmac.new(key.secret, message, hashlib.sha256).hexdigest()
+    for _ in range(2):
+        made = seal(TEST_KEYRING, request_id="r" * 20, tool=text, args_hash="a" * 64, status="approved",
+                    decided_by=text, decided_via="telegram", decided_at=1764681234.123456,
+                    decided_person=text)  # fmt: skip
+        assert made.mac == expected

@@ -139,7 +139,8 @@ class StoreWriter(GroupQueue):
             return  # the group on its way collects these when it is back
         jobs = self._take()
         group = _Group(jobs)
-        if own_operations(jobs) <= INLINE_MAX_OPS and self._goes_inline() and self._lock.acquire(blocking=False):
+        small = len(jobs) <= INLINE_MAX_OPS or own_operations(jobs) <= INLINE_MAX_OPS  # (riders never count)
+        if small and self._goes_inline() and self._lock.acquire(blocking=False):
             try:
                 self._run_group(group, inline=True)
             finally:
