@@ -74,6 +74,8 @@ _NULL: Final = "null"
 _SHA256: Final = hashlib.sha256()
 # Taken by the transaction that appends, from its flush to its commit (PostgreSQL; SQLite has its write lock).
 CHAIN_LOCK: Final = 0x6B617A6D61_0029  # "kazma", issue 29
+# SQLSTATE of a statement sent on a guess that found otherwise (kazma.config.store.postgres.STALE_GUESS).
+_STALE_GUESS: Final = "KZ001"
 # The decision of a request, as the compare-and-set writes it: ``decided`` for a person, else the outcome.
 DECISION_EVENTS: Final = ("decided", "timeout", "cancelled")
 
@@ -318,6 +320,11 @@ class AuditChain:
         try:
             self._link(tx, events)
         except Exception as exc:
+            if getattr(exc, "sqlstate", None) == _STALE_GUESS:
+                # A statement sent on a guess earlier in the transaction (a press's, or this chain's) found
+                # otherwise, and its error surfaced at this append's answer: the writer runs the group again
+                # without guessing. Neither the chain's failure nor an error (3 replicas, 3 presses: one a decision).
+                raise
             # The transaction is undone: the decision it held is not recorded either (it stays pending).
             count_failure("audit_chain")
             log.error("audit.append_failed", events=len(items), error=f"{type(exc).__name__}: {exc}")
@@ -357,11 +364,15 @@ class AuditChain:
         In pipeline mode, while this chain's guesses hold (its last append found the head it expected), the call
         is sent without waiting for its answer: a head that moved fails the transaction with
         :data:`~kazma.config.store.postgres.STALE_GUESS`, and the writer runs the group again, this time asking.
+        While they do not hold (another replica appended since this one did: with N replicas taking turns, every
+        time), the call carries no rows: the events are hashed and sealed once, after the head it answers, not
+        first after a head that is gone and then again.
         """
         hashes = self._request_hashes(tx, events)
         expect = self._last_head
-        guessed = [] if expect is None else self._rows(events, hashes, expect[1], expect[0], tx)
-        if expect is not None and self._guesses_hold and getattr(tx, "pipelined", False):
+        likely = expect is not None and self._guesses_hold
+        guessed = self._rows(events, hashes, expect[1], expect[0], tx) if likely and expect is not None else []
+        if likely and expect is not None and getattr(tx, "pipelined", False):
             self._guesses_hold = False  # until this transaction commits
             pg_press.append_or_fail(tx, CHAIN_LOCK, expect, guessed)
             rows, held = guessed, True
@@ -369,6 +380,14 @@ class AuditChain:
             appended, last_seq, last_hash, signed_seq = pg_press.append(tx, CHAIN_LOCK, expect, guessed)
             rows, held = guessed, appended
             if not appended:
+                # The head this one found: when it is the one expected after all (nothing appended by anyone
+                # else since), the next append guesses again.
+                held = (
+                    expect is not None
+                    and last_seq is not None
+                    and (int(last_seq), last_hash) == expect
+                    and (signed_seq is None or int(signed_seq) <= expect[0])
+                )
                 prev, seq = self._head(tx, last_seq, last_hash, signed_seq)
                 rows = self._rows(events, hashes, prev, seq, tx)
                 values = ", ".join([_ROW_MARKS] * len(rows))
@@ -384,6 +403,12 @@ class AuditChain:
             functools.partial(self._committed, str(first[8]), int(first[0]), int(last[0]), str(last[9]), held)
         )
         self.appended = True
+
+    @property
+    def guesses_hold(self) -> bool:
+        """Whether the next append on PostgreSQL is expected to be sent on its guess of the head, waiting for no
+        answer (see _link_postgres): a press may then go with its group as one string of statements."""
+        return self._guesses_hold
 
     def _rows(
         self, events: list[_Pending], hashes: dict[str | None, str | None] | None, prev: str, seq: int, tx: Tx

@@ -760,8 +760,11 @@ class ApprovalStore:
                 request_id in self._sealed_fields
                 and request_id in self._rules
                 and (card is None or card.platform == platform)
+                and self.chain.guesses_hold
             ):
                 # One statement sent on a guess (_press_in_one), asking nothing: its group may go as one string.
+                # Not while the chain's head guesses fail (another replica appended since): its append asks for
+                # the head, and the one string was abandoned after the group's Python had run, then all run again.
                 return Unasking(op)
             return op
         # SQLite: the presses of this request in the same group run together (_press_together).

@@ -18,6 +18,7 @@ from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.model import Status
 from kazma.approvals.seal import seal_problem
 from kazma.bot.store import pg_migrations
+from kazma.config.metrics import failure_count
 from kazma.config.store.postgres import PgStore, PgWriter, open_pg_store
 from tests.approvals_support import TEST_KEYRING, TEST_SIGNER, approvals_config
 from tests.pg_support import find_bindir
@@ -101,6 +102,20 @@ async def test_a_press_guessed_to_win_that_another_replica_beat_loses_and_is_aud
         ("decided", request.id, "slack:U111"),
         ("press_lost", request.id, "telegram:111"),
     ]
+
+
+async def test_a_stale_press_guess_surfacing_at_the_chains_append_is_no_chain_failure(pg_dsn: str) -> None:
+    # The press guessed to win fails its transaction (KZ001); in pipeline mode the error comes back as the answer
+    # the chain's append waits for. The writer runs the group again by design: not an audit chain failure.
+    async with replicas(pg_dsn, 2) as [(opener, writer), (other, _)]:
+        request = await opener.open("shell", {"command": "ls"}, "agent:builder", "telegram:-100")
+        assert (await other.decide(request.id, Decision.DENY, actor="slack:U111", platform="slack")).won
+        retries, failures = writer.pipeline_retries, failure_count("audit_chain")
+        late = await opener.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
+        assert writer.pipeline_retries == retries + 1  # the stale guess was met, and the group ran again
+        assert not late.won
+        assert failure_count("audit_chain") == failures
+        await checked_log(opener)
 
 
 async def test_a_press_guessed_to_win_past_its_deadline_loses_and_the_request_times_out(pg_dsn: str) -> None:
