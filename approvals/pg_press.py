@@ -27,6 +27,7 @@ PostgreSQL stores escaped (:mod:`kazma.config.store.pg_text`) and prints its own
 from __future__ import annotations
 
 import functools
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar, cast
@@ -37,8 +38,28 @@ from kazma.config.store.pg_schema import prepared
 
 T = TypeVar("T")
 
+
+def _indent(text: str, spaces: int) -> str:
+    return textwrap.indent(text, " " * spaces)
+
+
+# The card check of a press (the rule of approvals.store._card_problem, as a yes/no) up to its THEN: the counts of
+# the request's cards on the platform, of those the press may be from, and of those cut; kazma_press answers a miss
+# after it, kazma_press_on_guess fails the guess. One text, so the two functions cannot come to differ.
+_CARD_PROBLEM: Final = """SELECT count(*),
+       count(*) FILTER (WHERE (p_chat IS NULL OR c.chat = p_chat)
+           AND (p_message_id IS NULL OR c.message_id = p_message_id)
+           AND (c.bound_to IS NULL OR c.bound_to = coalesce(p_person, p_actor))),
+       count(*) FILTER (WHERE (p_chat IS NULL OR c.chat = p_chat)
+           AND (p_message_id IS NULL OR c.message_id = p_message_id)
+           AND (c.bound_to IS NULL OR c.bound_to = coalesce(p_person, p_actor)) AND c.whole = 0)
+  INTO posted, usable, cut
+  FROM approval_cards c WHERE c.request_id = p_id AND c.platform = p_platform;
+IF (posted = 0 AND (p_chat IS NOT NULL OR p_message_id IS NOT NULL))
+   OR (posted > 0 AND (usable = 0 OR (p_needs_whole AND cut > 0))) THEN"""
+
 # The press: returns one row (what became of it, then the request's standing), or none for an unknown id.
-PG_PRESS_FUNCTION: Final = """
+PG_PRESS_FUNCTION: Final = f"""
 CREATE OR REPLACE FUNCTION kazma_press(
     p_id text, p_status text, p_actor text, p_platform text, p_now double precision, p_reason text,
     p_mac text, p_key_id text, p_person text, p_tool text, p_args_hash text, p_reviewer text, p_decision text,
@@ -54,17 +75,7 @@ DECLARE
 BEGIN
     IF p_card THEN
         -- The rule of approvals.store._card_problem, as a yes/no: a miss lets Python say which problem it is.
-        SELECT count(*),
-               count(*) FILTER (WHERE (p_chat IS NULL OR c.chat = p_chat)
-                   AND (p_message_id IS NULL OR c.message_id = p_message_id)
-                   AND (c.bound_to IS NULL OR c.bound_to = coalesce(p_person, p_actor))),
-               count(*) FILTER (WHERE (p_chat IS NULL OR c.chat = p_chat)
-                   AND (p_message_id IS NULL OR c.message_id = p_message_id)
-                   AND (c.bound_to IS NULL OR c.bound_to = coalesce(p_person, p_actor)) AND c.whole = 0)
-          INTO posted, usable, cut
-          FROM approval_cards c WHERE c.request_id = p_id AND c.platform = p_platform;
-        IF (posted = 0 AND (p_chat IS NOT NULL OR p_message_id IS NOT NULL))
-           OR (posted > 0 AND (usable = 0 OR (p_needs_whole AND cut > 0))) THEN
+{_indent(_CARD_PROBLEM, 8)}
             RETURN QUERY SELECT 'miss'::text, r.id, r.tool, r.args_hash, r.conversation, r.deadline, r.status,
                 r.decided_by, r.decided_via, r.decided_at, r.reason, r.decided_person
                 FROM approval_requests r WHERE r.id = p_id;
@@ -90,7 +101,7 @@ BEGIN
         FROM approval_requests r WHERE r.id = p_id;
 END
 $$
-"""
+"""  # noqa: S608 - constant SQL, one fragment of it shared
 
 # The press sent on a guess of what it finds (see press_guessed): kazma_press, and KZ001 when its outcome or the
 # request's status afterwards is not the one guessed; a press that won notifies ``p_channel`` (when given) with its
@@ -133,7 +144,7 @@ $$
 # 193 -> 175 us (load 4.4) with the winner's three statements, 267 -> 234 us more with them as one (load 12).
 # The answers are kazma_press_guessed's of migration 14 in every case: a miss, an unknown id, a standing other
 # than the one guessed fail with KZ001, and a press that won notifies ``p_channel``.
-PG_PRESS_ON_GUESS_FUNCTION: Final = """
+PG_PRESS_ON_GUESS_FUNCTION: Final = f"""
 CREATE OR REPLACE FUNCTION kazma_press_on_guess(
     p_outcome text, p_standing text, p_channel text,
     p_id text, p_status text, p_actor text, p_platform text, p_now double precision, p_reason text,
@@ -185,17 +196,7 @@ BEGIN
     ELSE
         IF p_card THEN
             -- kazma_press's card check, word for word.
-            SELECT count(*),
-                   count(*) FILTER (WHERE (p_chat IS NULL OR c.chat = p_chat)
-                       AND (p_message_id IS NULL OR c.message_id = p_message_id)
-                       AND (c.bound_to IS NULL OR c.bound_to = coalesce(p_person, p_actor))),
-                   count(*) FILTER (WHERE (p_chat IS NULL OR c.chat = p_chat)
-                       AND (p_message_id IS NULL OR c.message_id = p_message_id)
-                       AND (c.bound_to IS NULL OR c.bound_to = coalesce(p_person, p_actor)) AND c.whole = 0)
-              INTO posted, usable, cut
-              FROM approval_cards c WHERE c.request_id = p_id AND c.platform = p_platform;
-            IF (posted = 0 AND (p_chat IS NOT NULL OR p_message_id IS NOT NULL))
-               OR (posted > 0 AND (usable = 0 OR (p_needs_whole AND cut > 0))) THEN
+{_indent(_CARD_PROBLEM, 12)}
                 -- kazma_press would answer a miss, which is never a guess.
                 RAISE EXCEPTION 'a press guessed % (standing %) found a card problem', p_outcome, p_standing
                     USING ERRCODE = 'KZ001';
@@ -220,7 +221,7 @@ BEGIN
     END IF;
 END
 $$
-"""
+"""  # noqa: S608 - constant SQL, one fragment of it shared
 
 # The chain's append: the lock, the head, and the events when the head is the expected one (see the module). Created
 # by approvals migration 13, its insert rewritten by 15.
