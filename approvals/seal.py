@@ -60,7 +60,7 @@ def micros(moment: datetime) -> int:
     return (moment - _EPOCH) // _MICROSECOND
 
 
-def _message(
+def _fields(
     *,
     key_id: str,
     request_id: str,
@@ -72,50 +72,40 @@ def _message(
     decided_at: int,
     person: str | None,
     version: int,
-) -> bytes:
-    # A JSON array: each field is delimited unambiguously whatever characters it holds.
+) -> list[object]:
+    """What a seal of ``version`` binds, in its order (the one place that says so)."""
     fields: list[object] = [key_id, request_id, tool, args_hash, status, decided_by, decided_via, decided_at]
     if version == 1:
         fields.insert(0, _DOMAIN_V1)
     else:
         fields = [_DOMAIN_V2, *fields, person]
+    return fields
+
+
+def _as_json(fields: list[object]) -> bytes:
+    """The bytes a seal is the HMAC of: :func:`_fields` as a JSON array, so each field is delimited unambiguously
+    whatever characters it holds. Verification writes it so."""
     return json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 _quote = encode_basestring  # json's escaping of one text with ensure_ascii=False (the C function its encoder calls)
-_DOMAIN_V2_TEXT = _quote(_DOMAIN_V2)
-_NULL = "null"
 
 
-def _message_v2(
-    key_id: str,
-    request_id: str,
-    tool: str,
-    args_hash: str,
-    status: str,
-    decided_by: str | None,
-    decided_via: str | None,
-    decided_at: int,
-    person: str | None,
-) -> bytes:
-    """:func:`_message`'s bytes for a v2 seal, written as json writes them without building json's encoder (which
-    ``json.dumps`` with options makes anew on every call: most of a seal's cost). Anything that is not text where
-    text is expected, or a time that is not an int, goes json's own way."""
-    if type(decided_at) is int:
-        try:
-            text = (
-                f"[{_DOMAIN_V2_TEXT},{_quote(key_id)},{_quote(request_id)},{_quote(tool)},{_quote(args_hash)},"
-                f"{_quote(status)},{_NULL if decided_by is None else _quote(decided_by)},"
-                f"{_NULL if decided_via is None else _quote(decided_via)},{decided_at!r},"
-                f"{_NULL if person is None else _quote(person)}]"
-            )
-            return text.encode("utf-8")
-        except TypeError:
-            pass
-    return _message(
-        key_id=key_id, request_id=request_id, tool=tool, args_hash=args_hash, status=status, decided_by=decided_by,
-        decided_via=decided_via, decided_at=decided_at, person=person, version=2,
-    )  # fmt: skip
+def _as_json_quickly(fields: list[object]) -> bytes:
+    """:func:`_as_json`'s bytes, written as json writes them without building json's encoder (which ``json.dumps``
+    with options makes anew on every call: most of a seal's cost). A field that is not text, None or an int goes
+    json's own way. Sealing writes the message so; verification with json checks every seal against it."""
+    parts: list[str] = []
+    for value in fields:
+        if isinstance(value, str):  # a subclass too: json writes it as text as well
+            parts.append(_quote(value))
+        elif value is None:
+            parts.append("null")
+        elif type(value) is int:  # not a bool: json writes true, repr True
+            parts.append(repr(value))
+        else:
+            return _as_json(fields)
+    return ("[" + ",".join(parts) + "]").encode("utf-8")
 
 
 # The current key's HMAC state after its key is mixed in, copied for each seal (one key at a time: the current one).
@@ -149,7 +139,12 @@ def seal(
     person under ``people:`` who owns ``decided_by`` (None: an identity that is nobody's, or no person)."""
     key = keyring.current
     at = micros(datetime.fromtimestamp(decided_at, UTC))
-    message = _message_v2(key.id, request_id, tool, args_hash, status, decided_by, decided_via, at, decided_person)
+    message = _as_json_quickly(
+        _fields(
+            key_id=key.id, request_id=request_id, tool=tool, args_hash=args_hash, status=status,
+            decided_by=decided_by, decided_via=decided_via, decided_at=at, person=decided_person, version=2,
+        )
+    )  # fmt: skip
     return Seal(key.id, V2 + _mac(key.secret, message))
 
 
@@ -178,17 +173,19 @@ def seal_problem(keyring: Keyring | None, request: ApprovalRequest) -> SealProbl
             "the person was written outside Kazma",
             FORGED,
         )
-    message = _message(
-        key_id=key.id,
-        request_id=request.id,
-        tool=request.tool,
-        args_hash=request.args_hash,
-        status=request.status.value,
-        decided_by=request.decided_by,
-        decided_via=request.decided_via,
-        decided_at=micros(request.decided_at),
-        person=request.decided_person,
-        version=version,
+    message = _as_json(
+        _fields(
+            key_id=key.id,
+            request_id=request.id,
+            tool=request.tool,
+            args_hash=request.args_hash,
+            status=request.status.value,
+            decided_by=request.decided_by,
+            decided_via=request.decided_via,
+            decided_at=micros(request.decided_at),
+            person=request.decided_person,
+            version=version,
+        )
     )
     expected = (V2 if version == 2 else "") + _mac(key.secret, message)
     # As bytes: compare_digest refuses a str with non-ASCII characters, and a forged value may hold some.

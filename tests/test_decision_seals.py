@@ -601,19 +601,19 @@ async def test_an_approval_made_by_another_process_runs_here_and_a_forged_one_do
 def test_a_seals_message_is_the_very_json_text_whatever_its_fields_hold(text: str) -> None:
     # seal() writes the message itself (json's encoder made per call was most of a seal's cost); verification
     # writes it with json: each must give the other's bytes, byte for byte, or no approval would ever run.
-    from kazma.approvals.seal import _message, _message_v2
+    from kazma.approvals.seal import _as_json, _as_json_quickly, _fields
 
     for person in (None, text):
         fields: dict[str, Any] = dict(
             key_id="k1", request_id="r" * 20, tool=text, args_hash="a" * 64, status="approved", decided_by=text,
             decided_via=None, decided_at=1764681234123456, person=person,
         )  # fmt: skip
-        assert _message_v2(**fields) == _message(**fields, version=2)
+        assert _as_json_quickly(_fields(**fields, version=2)) == _as_json(_fields(**fields, version=2))
     # ... and the seal is json's message's HMAC with the current key, the first time and again (a kept keyed state)
     key = TEST_KEYRING.current
-    message = _message(key_id=key.id, request_id="r" * 20, tool=text, args_hash="a" * 64, status="approved",
-                       decided_by=text, decided_via="telegram", decided_at=1764681234123456, person=text,
-                       version=2)  # fmt: skip
+    message = _as_json(_fields(key_id=key.id, request_id="r" * 20, tool=text, args_hash="a" * 64, status="approved",
+                               decided_by=text, decided_via="telegram", decided_at=1764681234123456, person=text,
+                               version=2))  # fmt: skip
     expected = "v2:" + hmac.new(key.secret, message, hashlib.sha256).hexdigest()
     for _ in range(2):
         made = seal(TEST_KEYRING, request_id="r" * 20, tool=text, args_hash="a" * 64, status="approved",
