@@ -107,6 +107,9 @@ DECIDED_CHANNEL = "kazma_decided"
 _CARD_COLUMNS = (
     "request_id, platform, chat, message_id, posted_at, settled_at, settled_status, whole, bound_to, reposted"
 )
+# One request, and its cards in the order they were posted (read through the store, or in a transaction).
+_REQUEST_BY_ID = f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?"  # noqa: S608
+_CARDS_OF = f"SELECT {_CARD_COLUMNS} FROM approval_cards WHERE request_id = ? ORDER BY posted_at"  # noqa: S608
 
 # A card recorded after its request ended (found by its nonce, or pressed): when a stopped process left an approved
 # call unrun, ``execution_lost`` already marked the cards it knew of; this one is marked the same way in the write
@@ -547,7 +550,7 @@ class ApprovalStore:
         def op(tx: Tx) -> tuple[ApprovalRequest, bool]:
             standing = None if guard is None else guard(tx, new.id)
             if standing is not None:
-                found = tx.one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (standing,))  # noqa: S608
+                found = tx.one(_REQUEST_BY_ID, (standing,))
                 if found is None:
                     raise LookupError(f"approval request {standing} is gone")
                 return _row_to_request(found), False
@@ -565,7 +568,7 @@ class ApprovalStore:
         return await self._write(op)
 
     async def get(self, request_id: str) -> ApprovalRequest | None:
-        row = await self.tables.one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
+        row = await self.tables.one(_REQUEST_BY_ID, (request_id,))
         return None if row is None else _row_to_request(row)
 
     async def commits_seen(self) -> int | None:
@@ -1074,7 +1077,7 @@ class ApprovalStore:
         row = tx.one(sql + _RETURNING, params)
         won = row is not None
         if not won:
-            row = tx.one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
+            row = tx.one(_REQUEST_BY_ID, (request_id,))
         request = None if row is None else _row_to_request(row)
         if request is None:
             return False, None
@@ -1374,11 +1377,7 @@ class ApprovalStore:
         return await self._write(op)
 
     async def cards(self, request_id: str) -> list[PostedCard]:
-        rows = await self.tables.all(
-            f"SELECT {_CARD_COLUMNS} FROM approval_cards WHERE request_id = ? ORDER BY posted_at",  # noqa: S608
-            (request_id,),
-        )
-        return [_card(r) for r in rows]
+        return [_card(r) for r in await self.tables.all(_CARDS_OF, (request_id,))]
 
     async def cards_to_settle(self, request_id: str, platform: str) -> list[PostedCard]:
         """``request_id``'s cards on ``platform`` that still show buttons although it has an outcome."""
@@ -1560,14 +1559,10 @@ def _read_decided(tx: Tx, items: list[tuple[str, Decided]]) -> None:
     """The decided requests of a transaction and their cards, read at its end (a deferred flush: after every
     operation of the group, before the commit)."""
     for request_id, decided in items:
-        row = tx.one(f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
+        row = tx.one(_REQUEST_BY_ID, (request_id,))
         if row is None:
             continue
-        rows = tx.all(
-            f"SELECT {_CARD_COLUMNS} FROM approval_cards WHERE request_id = ? ORDER BY posted_at",  # noqa: S608
-            (request_id,),
-        )
-        decided.cards = [_card(r) for r in rows]
+        decided.cards = [_card(r) for r in tx.all(_CARDS_OF, (request_id,))]
         decided.request = _row_to_request(row)
 
 
