@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import psycopg
 import pytest
@@ -34,21 +35,28 @@ def rows(dsn: str) -> list[int]:
         return [row[0] for row in admin.execute("SELECT id FROM t ORDER BY id").fetchall()]
 
 
+@asynccontextmanager
+async def table_t_and_writer(dsn: str) -> AsyncIterator[tuple[PgWriter, list[int]]]:
+    """A fresh table ``t``, and a writer on ``dsn`` (closed after the block) with the list of threads its
+    operations ran on (see :func:`inserts`)."""
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("CREATE TABLE t (id integer PRIMARY KEY)")
+    writer = PgWriter(dsn)
+    try:
+        yield writer, []
+    finally:
+        await writer.close()
+
+
 async def test_a_group_that_asks_nothing_runs_and_commits_on_the_loop_before_its_caller_is_answered(
     pg_dsn: str,
 ) -> None:
-    with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        admin.execute("CREATE TABLE t (id integer PRIMARY KEY)")
-    writer = PgWriter(pg_dsn)
-    threads: list[int] = []
-    try:
+    async with table_t_and_writer(pg_dsn) as (writer, threads):
         assert await writer.submit(Unasking(inserts(1, threads))) == 1  # the first group opens the connection
         for value in (2, 3):
             assert await writer.submit(Unasking(inserts(value, threads))) == value
             assert rows(pg_dsn)[-1] == value  # committed when answered
         assert await asyncio.gather(*(writer.submit(Unasking(inserts(v, threads))) for v in (4, 5))) == [4, 5]
-    finally:
-        await writer.close()
     assert threads[1:] == [threading.get_ident()] * 4  # every group after the first ran on the loop's thread
     assert writer.sent_from_loop == 3
     assert writer.groups == 4
@@ -56,11 +64,7 @@ async def test_a_group_that_asks_nothing_runs_and_commits_on_the_loop_before_its
 
 
 async def test_a_failed_string_sent_from_the_loop_fails_its_own_operation_and_the_others_commit(pg_dsn: str) -> None:
-    with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        admin.execute("CREATE TABLE t (id integer PRIMARY KEY)")
-    writer = PgWriter(pg_dsn)
-    threads: list[int] = []
-    try:
+    async with table_t_and_writer(pg_dsn) as (writer, threads):
         await writer.submit(Unasking(inserts(1, threads)))
         results = await asyncio.gather(
             writer.submit(Unasking(inserts(2, threads))),
@@ -71,8 +75,6 @@ async def test_a_failed_string_sent_from_the_loop_fails_its_own_operation_and_th
         assert writer.sent_from_loop == 1
         # The transaction the string left aborted was rolled back: the writer goes on.
         assert await writer.submit(Unasking(inserts(4, threads))) == 4
-    finally:
-        await writer.close()
     assert results[0] == 2
     assert isinstance(results[1], psycopg.errors.UniqueViolation)
     assert results[2] == 3
@@ -83,18 +85,12 @@ async def test_a_failed_string_sent_from_the_loop_fails_its_own_operation_and_th
 async def test_a_connection_lost_under_a_string_sent_from_the_loop_fails_the_group_and_the_next_reconnects(
     pg_dsn: str,
 ) -> None:
-    with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        admin.execute("CREATE TABLE t (id integer PRIMARY KEY)")
-    writer = PgWriter(pg_dsn)
-    threads: list[int] = []
-    try:
+    async with table_t_and_writer(pg_dsn) as (writer, threads):
         await writer.submit(Unasking(inserts(1, threads)))
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             admin.execute("SELECT pg_terminate_backend(%s, 5000)", (writer.backend_pid,))
         outcome = await asyncio.gather(writer.submit(Unasking(inserts(2, threads))), return_exceptions=True)
         assert await writer.submit(Unasking(inserts(3, threads))) == 3
-    finally:
-        await writer.close()
     if isinstance(outcome[0], BaseException):
         # Lost while the string was out: failed, never run again on the new connection.
         assert isinstance(outcome[0], psycopg.OperationalError)
