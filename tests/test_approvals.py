@@ -26,6 +26,7 @@ from kazma.approvals import (
 )
 from kazma.approvals.service import ButtonError
 from kazma.approvals.store import new_request_id
+from kazma.config import load_config_text
 from kazma.config.metrics import failure_count
 from kazma.config.store.database import Tables
 from kazma.config.store.postgres import PgStore, pyformat
@@ -418,3 +419,23 @@ async def test_metrics_count_opened_decided_and_time_presses(store_engine: Engin
         sample("kazma_approvals_decided_total", {"outcome": "denied", "platform": "slack", "person": ""}) == decided + 1
     )
     assert sample("kazma_press_to_decision_seconds_count", {}) == presses + 1
+
+
+async def test_an_approver_removed_by_a_new_configuration_is_refused_though_admitted_before(
+    store_engine: Engine,
+) -> None:
+    # The service keeps which presses its configuration admitted (and each presser's person) while that
+    # configuration is the one it holds. A press admitted once must not carry over to a configuration that no
+    # longer names the presser: the same rules, decision, actor and place, now refused.
+    async with approval_service(store_engine.where) as service:
+        first = await service.open("shell", ARGS, "agent:b", "web:c")
+        second = await service.open("shell", ARGS, "agent:b", "web:c")
+        assert (await service.decide_from_button(f"kz1:{first.id}:a", actor="telegram:111", platform="telegram")).won
+        service.config = load_config_text('approvals: {approvers: ["slack:U111"]}').config
+        refused = await service.decide_from_button(f"kz1:{second.id}:a", actor="telegram:111", platform="telegram")
+        assert refused.verdict is PressVerdict.REFUSED
+        assert "not an approver here" in refused.message
+        row = await service.store.get(second.id)
+        assert row is not None
+        assert row.status is Status.PENDING
+        assert (await service.decide_from_button(f"kz1:{second.id}:a", actor="slack:U111", platform="slack")).won
