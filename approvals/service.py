@@ -326,6 +326,42 @@ def _integrity_problem(request: ApprovalRequest) -> str | None:
     return None
 
 
+class _Admit:
+    """A press's admission (what :meth:`ApprovalStore.press` holds it to, in its transaction), kept per configuration
+    when it admits. An object, not a closure in ``decide``: a closure made every variable it reads a cell there,
+    about ten objects per press for the garbage collector to count and, with many presses in flight, to trace."""
+
+    __slots__ = ("actor", "decision", "person", "platform", "request_id", "service", "stepped_up")
+
+    def __init__(
+        self,
+        service: ApprovalService,
+        request_id: str,
+        decision: Decision,
+        actor: str,
+        platform: str,
+        person: str | None,
+        stepped_up: bool,
+    ) -> None:
+        self.service, self.request_id, self.decision = service, request_id, decision
+        self.actor, self.platform, self.person, self.stepped_up = actor, platform, person, stepped_up
+
+    def __call__(self, rules: Rules | None) -> tuple[str, str] | None:
+        key = (rules, self.decision, self.actor, self.platform, self.person, self.stepped_up)
+        service = self.service
+        admitted = service._admitted
+        if key in admitted:
+            return None
+        refused = service._admission(
+            self.request_id, rules, self.decision, self.actor, self.platform, self.person, stepped_up=self.stepped_up
+        )
+        if refused is None and rules is not None:
+            if len(admitted) >= _CONFIG_READS_KEPT:
+                admitted.clear()
+            admitted.add(key)
+        return refused
+
+
 class ApprovalService:
     def __init__(
         self,
@@ -717,7 +753,7 @@ class ApprovalService:
         own transaction; when it says the request was seen before, nothing is decided (``REPLAYED``).
         """
         began = time.perf_counter()  # (the histogram's own timer is an object and two calls more per press)
-        once = [] if first_use is None else [first_use]  # taken by the first write of the press
+        once = None if first_use is None else [first_use]  # taken by the first write of the press
         try:
             try:
                 parsed = parse_button(data)
@@ -797,18 +833,7 @@ class ApprovalService:
                 persons.clear()
             persons[actor] = person
 
-        def admit(rules: Rules | None) -> tuple[str, str] | None:
-            key = (rules, decision, actor, platform, person, stepped_up)
-            admitted = self._admitted
-            if key in admitted:
-                return None
-            refused = self._admission(request_id, rules, decision, actor, platform, person, stepped_up=stepped_up)
-            if refused is None and rules is not None:
-                if len(admitted) >= _CONFIG_READS_KEPT:
-                    admitted.clear()
-                admitted.add(key)
-            return refused
-
+        admit = _Admit(self, request_id, decision, actor, platform, person, stepped_up)
         if remember:
             # A rare path, checked the old way round: who may decide first, then whether it may be remembered.
             refused = admit(await self._rules(request_id))
@@ -827,9 +852,7 @@ class ApprovalService:
             check = CardCheck(platform, card.chat, card.message_id, needs_whole)
         try:
             if failpoints.armed:  # nothing written: the presser is told to press again
-                await failpoints.reached(
-                    "approvals.decide.before_commit", lambda: simulated_failure(self.store.tables, "decide")
-                )
+                await failpoints.reached("approvals.decide.before_commit", self._decide_failure)
             pressed = await self.store.press(
                 request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person,
                 admit=admit, first_use=first_use.pop() if first_use else None,
@@ -837,9 +860,7 @@ class ApprovalService:
             if pressed.replayed:
                 return PressResult(PressVerdict.REPLAYED, "", request_id=request_id)
             if failpoints.armed and pressed.won:  # the decision is committed, nobody told yet
-                await failpoints.reached(
-                    "approvals.decide.after_commit", lambda: simulated_failure(self.store.tables, "decide")
-                )
+                await failpoints.reached("approvals.decide.after_commit", self._decide_failure)
             # A press can land between a card's post and the bus recording it (a person is not that fast,
             # a script is): give the record a moment before judging the press by it.
             for pause in _RECORD_GRACE if pressed.problem == CardProblem.NOT_RECORDED else ():
@@ -930,9 +951,7 @@ class ApprovalService:
             # was awaited since its commit (a card recorded meanwhile would be missing from it).
             await self._ended(request_id, None if remember or failpoints.armed else pressed.decided)
             if failpoints.armed:  # decided, the waiter woken and the cards settling: the presser not answered yet
-                await failpoints.reached(
-                    "approvals.decide.before_answer", lambda: simulated_failure(self.store.tables, "decide")
-                )
+                await failpoints.reached("approvals.decide.before_answer", self._decide_failure)
             verb = "Approved" if decision is Decision.APPROVE else "Denied"
             return PressResult(PressVerdict.WON, f"{verb}. Recorded as {outcome.decider}.", outcome, request_id)
         # still pending but the compare-and-set failed: the deadline has passed
@@ -970,6 +989,9 @@ class ApprovalService:
             return await self.store.rules_of(request_id)
         except store_errors():
             return None  # the press below meets the same store and says so
+
+    def _decide_failure(self) -> BaseException:
+        return simulated_failure(self.store.tables, "decide")
 
     def _admission(
         self,

@@ -387,8 +387,12 @@ class Pressed(NamedTuple):
 
 
 class _Press(NamedTuple):
-    """One press's part in :meth:`ApprovalStore._press_together` (what :meth:`ApprovalStore.press_op` was given)."""
+    """One press as :meth:`ApprovalStore.press_op` was given it: its part in :meth:`ApprovalStore._press_together`,
+    and, called, the press run on its own. A tuple that is its own operation, where closures over ``press_op``'s
+    arguments made each of them a cell: about a dozen objects per press for the garbage collector to count, and
+    with many presses waiting for one group commit, to trace (bench/store_decide.py, 60 in flight)."""
 
+    store: ApprovalStore
     request_id: str
     status: Status
     actor: str
@@ -397,7 +401,22 @@ class _Press(NamedTuple):
     card: CardCheck | None
     person: str | None
     admit: Admission | None
-    alone: Callable[[Tx], Pressed]  # the press run on its own
+
+    def __call__(self, tx: Tx) -> Pressed:
+        return self.store._press_alone(tx, self)
+
+
+def _first_then(first_use: FirstUse, op: Callable[[Tx], Pressed], tx: Tx) -> Pressed:
+    """A press whose signed request's record (``first_use``) is written first in its transaction: nothing else when
+    that request was seen before."""
+    if not first_use(tx):
+        return Pressed(None, False, None, replayed=True)
+    return op(tx)
+
+
+def _presses_together(tx: Tx, presses: list[_Press]) -> list[Pressed]:
+    # A function, not the store's bound method: that was one more object per press, alive until its group ran.
+    return presses[0].store._press_together(tx, presses)
 
 
 def _rules_of_press(head: Sequence[Any]) -> Rules:
@@ -675,13 +694,7 @@ class ApprovalStore:
             return await self._write(op)
         if self.chain.postgres:
             raise ValueError("a press's first_use rides in its transaction on SQLite only")
-
-        def first_then_press(tx: Tx) -> Pressed:
-            if not first_use(tx):
-                return Pressed(None, False, None, replayed=True)
-            return op(tx)
-
-        return await self._write(first_then_press)
+        return await self._write(functools.partial(_first_then, first_use, op))
 
     def press_op(
         self,
@@ -702,77 +715,81 @@ class ApprovalStore:
         is lost there, without a seal or another read. Public so ``bench/store_decide.py`` can run exactly these
         statements with no service, writer or event loop around them: the most any code around them could reach.
         """
-
-        def general(tx: Tx) -> Pressed:
-            if card is not None:
-                rows = tx.all(_PRESS_CARDS, (card.platform, request_id))
-                head = rows[0] if rows else None
-            else:
-                rows = []
-                head = tx.one(_PRESS_HEAD, (request_id,))
-            if head is None:
-                return Pressed(None, False, None, refused=None if admit is None else admit(None))
-            rules = _rules_of_press(head)
-            self._remember_rules(request_id, rules)
-            self._sealed_over(request_id, (head[1], head[2], rules.approve_needed, rules.deny_needed))
-            stopped = _stopped(rules, admit, card, rows, None, person or actor)
-            if stopped is not None:
-                return stopped
-            now = self.clock()
-            if head[5] != Status.PENDING.value or float(head[4]) <= now:
-                # Decided already (final: the triggers keep it so) or past its deadline: lost, as the
-                # compare-and-set below would find it.
-                return self._lost_as(tx, _standing(head[:11]), actor, platform, now, person)
-            decision = Decision.APPROVE if status is Status.APPROVED else Decision.DENY
-            reviewer = person or actor  # one person counts once, whatever the platform
-            needed = rules.approve_needed if decision is Decision.APPROVE else rules.deny_needed
-            reviewed = (rules.approve_needed, rules.deny_needed) != (1, 1)
-            if reviewed:
-                if tx.run(_REVIEW_LOCK, (request_id, now)) == 0:
-                    return self._lost(tx, request_id, actor, platform, now, person)
-                if tx.run(_REVIEW, (request_id, reviewer, actor, platform, decision.value, reason, now)) == 0:
-                    standing = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
-                    request = _standing(standing)
-                    self.chain.append(tx, request_id, "review_repeated", actor=actor, platform=platform, at=now,
-                                      args_hash=request.args_hash, detail=f"{reviewer} reviewed it already",
-                                      person=person)  # fmt: skip
-                    return Pressed(None, False, request, ReviewState.REPEATED)
-                counted = tx.one(
-                    "SELECT COUNT(*) FROM approval_reviews WHERE request_id = ? AND decision = ?",
-                    (request_id, decision.value),
-                )
-                if int(counted[0]) < needed:
-                    standing = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
-                    request = _standing(standing)
-                    detail = f"{decision.value} {int(counted[0])} of {needed}" + (f": {reason}" if reason else "")
-                    self.chain.append(tx, request_id, "reviewed", actor=actor, platform=platform, at=now,
-                                      args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
-                    tx.notify(DECIDED_CHANNEL, request_id)
-                    return Pressed(None, False, request, ReviewState.COUNTED)
-            return self._set(tx, request_id, head, status, actor, platform, reason, person, now, reviewed=reviewed)
-
+        part = _Press(self, request_id, status, actor, platform, reason, card, person, admit)
         if self._one_statement:
-
-            def op(tx: Tx) -> Pressed:
-                pressed = self._press_in_one(
-                    tx, request_id, status, actor, platform, reason, card, person, admit, general
-                )
-                return general(tx) if pressed is None else pressed
-
-            if (
-                request_id in self._sealed_fields
-                and request_id in self._rules
-                and (card is None or card.platform == platform)
-                and self.chain.guesses_hold
-            ):
-                # One statement sent on a guess (_press_in_one), asking nothing: its group may go as one string.
-                # Not while the chain's head guesses fail (another replica appended since): its append asks for
-                # the head, and the one string was abandoned after the group's Python had run, then all run again.
-                return Unasking(op)
-            return op
+            return self._one_statement_op(part)
         # SQLite: the presses of this request in the same group run together (_press_together).
-        part = _Press(request_id, status, actor, platform, reason, card, person, admit, general)
-        return Together(general, (self, request_id), part, self._press_together)
+        return Together(part, (self, request_id), part, _presses_together)
+
+    def _one_statement_op(self, part: _Press) -> Callable[[Tx], Pressed]:
+        """:meth:`press_op` on PostgreSQL: the press as one statement when it can be (:meth:`_press_in_one`)."""
+        _, request_id, status, actor, platform, reason, card, person, admit = part
+
+        def op(tx: Tx) -> Pressed:
+            pressed = self._press_in_one(tx, request_id, status, actor, platform, reason, card, person, admit, part)
+            return part(tx) if pressed is None else pressed
+
+        if (
+            request_id in self._sealed_fields
+            and request_id in self._rules
+            and (card is None or card.platform == platform)
+            and self.chain.guesses_hold
+        ):
+            # One statement sent on a guess (_press_in_one), asking nothing: its group may go as one string.
+            # Not while the chain's head guesses fail (another replica appended since): its append asks for
+            # the head, and the one string was abandoned after the group's Python had run, then all run again.
+            return Unasking(op)
+        return op
+
+    def _press_alone(self, tx: Tx, press: _Press) -> Pressed:
+        """:meth:`press_op`'s statements for one press on its own (see there)."""
+        _, request_id, status, actor, platform, reason, card, person, admit = press
+        if card is not None:
+            rows = tx.all(_PRESS_CARDS, (card.platform, request_id))
+            head = rows[0] if rows else None
+        else:
+            rows = []
+            head = tx.one(_PRESS_HEAD, (request_id,))
+        if head is None:
+            return Pressed(None, False, None, refused=None if admit is None else admit(None))
+        rules = _rules_of_press(head)
+        self._remember_rules(request_id, rules)
+        self._sealed_over(request_id, (head[1], head[2], rules.approve_needed, rules.deny_needed))
+        stopped = _stopped(rules, admit, card, rows, None, person or actor)
+        if stopped is not None:
+            return stopped
+        now = self.clock()
+        if head[5] != Status.PENDING.value or float(head[4]) <= now:
+            # Decided already (final: the triggers keep it so) or past its deadline: lost, as the
+            # compare-and-set below would find it.
+            return self._lost_as(tx, _standing(head[:11]), actor, platform, now, person)
+        decision = Decision.APPROVE if status is Status.APPROVED else Decision.DENY
+        reviewer = person or actor  # one person counts once, whatever the platform
+        needed = rules.approve_needed if decision is Decision.APPROVE else rules.deny_needed
+        reviewed = (rules.approve_needed, rules.deny_needed) != (1, 1)
+        if reviewed:
+            if tx.run(_REVIEW_LOCK, (request_id, now)) == 0:
+                return self._lost(tx, request_id, actor, platform, now, person)
+            if tx.run(_REVIEW, (request_id, reviewer, actor, platform, decision.value, reason, now)) == 0:
+                standing = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
+                request = _standing(standing)
+                self.chain.append(tx, request_id, "review_repeated", actor=actor, platform=platform, at=now,
+                                  args_hash=request.args_hash, detail=f"{reviewer} reviewed it already",
+                                  person=person)  # fmt: skip
+                return Pressed(None, False, request, ReviewState.REPEATED)
+            counted = tx.one(
+                "SELECT COUNT(*) FROM approval_reviews WHERE request_id = ? AND decision = ?",
+                (request_id, decision.value),
+            )
+            if int(counted[0]) < needed:
+                standing = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
+                request = _standing(standing)
+                detail = f"{decision.value} {int(counted[0])} of {needed}" + (f": {reason}" if reason else "")
+                self.chain.append(tx, request_id, "reviewed", actor=actor, platform=platform, at=now,
+                                  args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
+                tx.notify(DECIDED_CHANNEL, request_id)
+                return Pressed(None, False, request, ReviewState.COUNTED)
+        return self._set(tx, request_id, head, status, actor, platform, reason, person, now, reviewed=reviewed)
 
     def _set(
         self,
@@ -832,7 +849,7 @@ class ApprovalStore:
         rules = _rules_of_press(head)
         self._remember_rules(request_id, rules)
         if (rules.approve_needed, rules.deny_needed) != (1, 1):
-            return [p.alone(tx) for p in presses]
+            return [p(tx) for p in presses]
         now = self.clock()
         # How the request stands once decided (here or before): every later press that gets that far loses to it.
         standing = None if head[5] == Status.PENDING and float(head[4]) > now else _standing(head[:11])
@@ -851,7 +868,7 @@ class ApprovalStore:
             standing = pressed.request
             results.append(pressed)
             if standing is None:  # the request is gone (never: its row cannot be deleted): the rest alone
-                results += [q.alone(tx) for q in presses[len(results) :]]
+                results += [q(tx) for q in presses[len(results) :]]
                 break
         return results
 
