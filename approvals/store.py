@@ -386,21 +386,28 @@ class Pressed(NamedTuple):
     decided: Decided | None = None  # won on SQLite: the request and its cards as committed
 
 
-class _Press(NamedTuple):
+class _Press:
     """One press as :meth:`ApprovalStore.press_op` was given it: its part in :meth:`ApprovalStore._press_together`,
-    and, called, the press run on its own. A tuple that is its own operation, where closures over ``press_op``'s
+    and, called, the press run on its own. One object that is its own operation, where closures over ``press_op``'s
     arguments made each of them a cell: about a dozen objects per press for the garbage collector to count, and
     with many presses waiting for one group commit, to trace (bench/store_decide.py, 60 in flight)."""
 
-    store: ApprovalStore
-    request_id: str
-    status: Status
-    actor: str
-    platform: str
-    reason: str | None
-    card: CardCheck | None
-    person: str | None
-    admit: Admission | None
+    __slots__ = ("actor", "admit", "card", "person", "platform", "reason", "request_id", "status", "store")
+
+    def __init__(
+        self,
+        store: ApprovalStore,
+        request_id: str,
+        status: Status,
+        actor: str,
+        platform: str,
+        reason: str | None,
+        card: CardCheck | None,
+        person: str | None,
+        admit: Admission | None,
+    ) -> None:
+        self.store, self.request_id, self.status, self.actor, self.platform = store, request_id, status, actor, platform
+        self.reason, self.card, self.person, self.admit = reason, card, person, admit
 
     def __call__(self, tx: Tx) -> Pressed:
         return self.store._press_alone(tx, self)
@@ -723,7 +730,14 @@ class ApprovalStore:
 
     def _one_statement_op(self, part: _Press) -> Callable[[Tx], Pressed]:
         """:meth:`press_op` on PostgreSQL: the press as one statement when it can be (:meth:`_press_in_one`)."""
-        _, request_id, status, actor, platform, reason, card, person, admit = part
+        request_id, status, actor, platform, reason = (
+            part.request_id,
+            part.status,
+            part.actor,
+            part.platform,
+            part.reason,
+        )
+        card, person, admit = part.card, part.person, part.admit
 
         def op(tx: Tx) -> Pressed:
             pressed = self._press_in_one(tx, request_id, status, actor, platform, reason, card, person, admit, part)
@@ -743,7 +757,14 @@ class ApprovalStore:
 
     def _press_alone(self, tx: Tx, press: _Press) -> Pressed:
         """:meth:`press_op`'s statements for one press on its own (see there)."""
-        _, request_id, status, actor, platform, reason, card, person, admit = press
+        request_id, status, actor, platform, reason = (
+            press.request_id,
+            press.status,
+            press.actor,
+            press.platform,
+            press.reason,
+        )
+        card, person, admit = press.card, press.person, press.admit
         if card is not None:
             rows = tx.all(_PRESS_CARDS, (card.platform, request_id))
             head = rows[0] if rows else None
