@@ -8,7 +8,11 @@ on all three platforms). For each N it measures:
 * press → settled: a press on Slack, then every platform's card polled every
   1 ms until none shows buttons; and the Telegram card alone, while a reply to
   that very decision races the card edit for the chat's send slot (as the
-  lead's answer does), p50 / p95 / worst;
+  lead's answer does), p50 / p95 / worst. The poll reads the card's own
+  message in each fake (``card``); ``--observers card,scan`` alternates rounds
+  with the older poll (``scan``: every message of each chat, ~30 µs of this
+  process's CPU per look and growing with the chat, 1-3 ms of the window it
+  measures: the observer's own work delayed what it observed);
 * bus overhead: from the decision (the bus told to settle) until the last
   platform's edit call starts — what Kazma adds before the platforms' own
   time (the client libraries and the fakes, in this process, are the rest);
@@ -37,7 +41,7 @@ import asyncio
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +128,37 @@ def stage_marks(app: App, marks: dict[str, tuple[float, float]]) -> None:
         wrap(adapter, "settle_card", f"edit started {adapter.name}", f"edit done {adapter.name}")
 
 
+def card_watch(fakes: Fakes) -> Callable[[str], bool]:
+    """Whether each platform's card (the one with buttons now: the earlier rounds' are settled) still shows them,
+    read from that one message in its fake: a look costs a dict lookup, whatever the chat holds."""
+    tg = next(m.message_id for m in fakes.telegram.bot_messages(TG_CHAT) if m.buttons)
+    sl = next(m.ts for m in fakes.slack.channel(SLACK_CHANNEL) if m.block("kazma_actions"))
+    dc = next(int(m["id"]) for m in fakes.discord.channel_messages(HOME_CHANNEL_ID) if m.get("components"))
+
+    def shows(platform: str) -> bool:
+        if platform == "telegram":
+            return bool(fakes.telegram.message(TG_CHAT, tg).buttons)
+        if platform == "slack":
+            return bool(fakes.slack.message(SLACK_CHANNEL, sl).block("kazma_actions"))
+        return bool(fakes.discord.messages[dc].get("components"))
+
+    return shows
+
+
+def gone(shows: Callable[[str], bool], platforms: Sequence[str]) -> Callable[[], bool]:
+    """Whether none of ``platforms``' cards shows buttons any more."""
+    return lambda: not any(shows(p) for p in platforms)
+
+
 async def measure(
-    fakes: Fakes, store_path: Path, seeded: int, rounds: int, idle: float, *, stages: bool = False
+    fakes: Fakes,
+    store_path: Path,
+    seeded: int,
+    rounds: int,
+    idle: float,
+    *,
+    stages: bool = False,
+    observers: tuple[str, ...] = ("card",),
 ) -> dict[str, list[float]]:
     loaded = load_config_text(fakes.config_yaml(store_path), environ={})
     app: App = await build_app(loaded, adapters=adapters_for(loaded), workspace_root=store_path.parent / "ws")
@@ -141,6 +174,8 @@ async def measure(
         "bus overhead": [],
         "commits before edits": [],
         "idle cpu %": [],
+        **{f"all settled ({o})": [] for o in observers[1:]},
+        **{f"telegram, reply racing ({o})": [] for o in observers[1:]},
         **{f"at {name}": [] for name in STAGES},
         **{f"cpu {name}": [] for name in STAGES},
     }
@@ -194,13 +229,16 @@ async def measure(
             commits.clear()
             commits["press"] = committed()
             staged.clear()
+            observer = observers[n % len(observers)]
+            shows = card_watch(fakes) if observer == "card" else fakes.has_buttons
+            suffix = "" if observer == observers[0] else f" ({observer})"
             start, cpu_start = time.perf_counter(), time.process_time()
             # The press's own HTTP answer is not waited for: what counts is what people see change.
             press = asyncio.create_task(fakes.press("slack", Decision.APPROVE))
-            await until(lambda: not fakes.has_buttons("telegram"))
-            results["telegram, reply racing"].append(time.perf_counter() - start)
-            await until(lambda: not any(fakes.has_buttons(p) for p in PLATFORMS))
-            results["all settled"].append(time.perf_counter() - start)
+            await until(gone(shows, ("telegram",)))
+            results["telegram, reply racing" + suffix].append(time.perf_counter() - start)
+            await until(gone(shows, PLATFORMS))
+            results["all settled" + suffix].append(time.perf_counter() - start)
             await press
             results["bus overhead"].append(max(marks[p] for p in PLATFORMS) - marks["decided"])
             # Group commits between the press and the last platform's edit starting: what waits on the disk.
@@ -231,6 +269,11 @@ async def main() -> None:
     parser.add_argument("--idle", type=float, default=10.0, help="seconds of idling measured per case")
     parser.add_argument("--latency", action="store_true", help="fixed per-call latency on the fakes")
     parser.add_argument("--stages", action="store_true", help="where a press's time goes, stage by stage")
+    parser.add_argument(
+        "--observers",
+        default="card",
+        help="how a card's buttons are polled, rounds alternating: card (its own message), scan (every message)",
+    )
     args = parser.parse_args()
     configure_logging("error")
     where = "fixed-latency fakes (" if args.latency else "zero-latency fakes"
@@ -245,8 +288,12 @@ async def main() -> None:
                 fakes.slack.latency = LATENCY["slack"]
                 fakes.discord.latency = LATENCY["discord"]
             with tempfile.TemporaryDirectory() as tmp:
-                results = await measure(fakes, Path(tmp) / "k.db", seeded, args.rounds, args.idle, stages=args.stages)
-        for name in ("all settled", "telegram, reply racing", "bus overhead"):
+                observers = tuple(args.observers.split(","))
+                results = await measure(
+                    fakes, Path(tmp) / "k.db", seeded, args.rounds, args.idle, stages=args.stages, observers=observers
+                )
+        shown = [n for n in results if n.startswith(("all settled", "telegram, reply racing")) and results[n]]
+        for name in (*shown, "bus overhead"):
             print(f"{seeded:<16,}{name:<26}{ms(results[name])}")
         before = sorted(results["commits before edits"])
         print(f"{seeded:<16,}{'commits before edits':<26}{statistics.median(before):>8.0f}{'':>8}{before[-1]:>8.0f}")

@@ -8,10 +8,12 @@ import html
 import secrets
 import socket
 import ssl
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import httpx
 import pytest
 
 from kazma.adapters.card_layout import CardTooLarge, lay_out, outcome_line
@@ -211,6 +213,41 @@ async def test_a_start_loads_the_root_certificates_once_for_both_http_clients(ma
     await bot.stop()
     await bot.start(Recorder().handlers())
     assert _tls_contexts() - before == 1
+
+
+async def test_the_root_certificates_load_on_a_thread_while_the_start_waits_for_nothing(
+    make_adapter: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading every root certificate (20-30 ms, in OpenSSL with the GIL released) held the event loop while the
+    platforms started; it runs on a thread of its own from the adapter's making, once, and the start takes it."""
+    loaded_on: list[int] = []
+    real = httpx.create_ssl_context
+
+    def watched(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        loaded_on.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(httpx, "create_ssl_context", watched)
+    bot, _ = await make_adapter()
+    assert len(loaded_on) == 1
+    assert loaded_on[0] != threading.get_ident()  # not the event loop's thread
+    await bot.stop()
+    await bot.start(Recorder().handlers())
+    assert len(loaded_on) == 1
+
+
+async def test_a_tls_context_that_cannot_be_made_fails_the_start(
+    fake: FakeTelegram, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Made on a thread, its failure (a bad SSL_CERT_FILE, say) still reaches the start that needs it."""
+
+    def broken(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        raise ssl.SSLError("no roots here")
+
+    monkeypatch.setattr(httpx, "create_ssl_context", broken)
+    bot = TelegramAdapter(TelegramConfig(token=fake.token, api_base_url=fake.base_url), poll_timeout=1.0)
+    with pytest.raises(ssl.SSLError, match="no roots here"):
+        bot._build_application()
 
 
 async def test_home_chat_unset(fake: FakeTelegram) -> None:

@@ -23,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import json
 import ssl
+import threading
 from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, Final, Unpack
 
@@ -151,7 +153,11 @@ class TelegramAdapter(PlatformBase):
         self._bot_username = ""
         self._bot_id = ""
         self._requests: tuple[AiohttpRequest, ...] = ()
-        self._tls: ssl.SSLContext | None = None  # one for both HTTP clients, made at the first start
+        self._tls: ssl.SSLContext | None = None  # one for both HTTP clients, taken at the first start
+        # Loading every root certificate takes ~20-30 ms, nearly all of it in OpenSSL with the GIL released: made
+        # on a thread from here, it is ready by the time the platforms connect (the other platforms' libraries
+        # import meanwhile) instead of holding the event loop while all three platforms start.
+        self._tls_made = _tls_soon()
 
     @property
     def bot_username(self) -> str:
@@ -174,7 +180,7 @@ class TelegramAdapter(PlatformBase):
         # each one loads every root certificate (about 3 MB and 30 ms of CPU, at every start). They are aiohttp's,
         # not PTB's default httpx (transport.py: a tenth of the CPU per call).
         if self._tls is None:
-            self._tls = httpx.create_ssl_context()
+            self._tls = self._tls_made.result()  # raises what making it raised (a bad SSL_CERT_FILE, say)
         self._requests = tuple(
             kind(
                 connection_pool_size=size,
@@ -645,3 +651,17 @@ class TelegramAdapter(PlatformBase):
             return True
 
         return await self.call(site, ref.chat, edit, paced=False, wait_out_429=False)
+
+
+def _tls_soon() -> Future[ssl.SSLContext]:
+    """httpx's TLS context (certifi's roots, or SSL_CERT_FILE/SSL_CERT_DIR), made on a thread of its own."""
+    made: Future[ssl.SSLContext] = Future()
+
+    def make() -> None:
+        try:
+            made.set_result(httpx.create_ssl_context())
+        except BaseException as exc:  # handed to whoever takes it, as if it had been made there
+            made.set_exception(exc)
+
+    threading.Thread(target=make, name="kazma-telegram-tls", daemon=True).start()
+    return made
