@@ -13,10 +13,11 @@ the hot statements one each:
   outcome that beat it. Anything else (a card problem, a policy of several
   people, a request whose tool and hash this process did not know) is answered
   as a *miss*, and the press runs the general statements instead.
-- ``kazma_audit_append``: the chain's lock, the head, and the events inserted
-  in the same call when the head is the one this process last committed (its
-  hashes computed in Python before the call). Otherwise it inserts nothing and
-  returns the head, and the chain hashes after it and inserts (one more round
+- ``kazma_audit_link`` (``kazma_audit_append`` before approvals migration 19):
+  the chain's lock, the head, and the events inserted in the same call when the
+  head is the one this process last committed (its hashes computed in Python
+  before the call). Otherwise it inserts nothing and returns the head, and the
+  chain hashes after it and inserts (one more round
   trip: another replica appended in between).
 
 The hashes stay in Python: the chain's canonical form is Python's JSON of the
@@ -263,6 +264,58 @@ END
 $$
 """
 
+# kazma_audit_append as approvals migration 19 has it (a new name: a function's result type cannot be replaced, and an
+# older release still calls the old one). The same answers; less server work per call: the answer in OUT parameters
+# instead of a set (RETURN QUERY's tuplestore), the chain's lock tried first (lock_timeout is set to wait without
+# bound only when another transaction holds it), the head and the last checkpoint read in one statement, and a lone
+# row inserted by VALUES instead of generate_subscripts. Server CPU of "BEGIN; append of one row; COMMIT", both
+# prepared (raw psycopg, the backend's /proc schedstat, 9 interleaved rounds of 300): 142 -> 121 us (min 120 -> 113).
+PG_AUDIT_LINK_FUNCTION: Final = """
+CREATE OR REPLACE FUNCTION kazma_audit_link(
+    lock_key bigint, expect_seq bigint, expect_hash text, p_seq bigint[], p_request_id text[], p_event text[],
+    p_actor text[], p_platform text[], p_at double precision[], p_args_hash text[], p_detail text[],
+    p_prev_hash text[], p_chain_hash text[], p_person text[], p_commit_seal text[], p_strict boolean,
+    OUT appended boolean, OUT last_seq bigint, OUT last_hash text, OUT checkpoint_seq bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    n integer := cardinality(p_seq);
+BEGIN
+    IF NOT pg_try_advisory_xact_lock(lock_key) THEN
+        -- Held by another transaction, which waits for nobody: wait as long as it takes (a bounded group's
+        -- lock_timeout is for row locks).
+        PERFORM set_config('lock_timeout', '0', true);
+        PERFORM pg_advisory_xact_lock(lock_key);
+    END IF;
+    -- A statement after the lock, so a fresh snapshot: the previous holder's commit is seen.
+    SELECT e.seq, e.chain_hash INTO last_seq, last_hash FROM approval_events e ORDER BY e.seq DESC LIMIT 1;
+    SELECT c.seq INTO checkpoint_seq FROM audit_checkpoints c ORDER BY c.seq DESC LIMIT 1;
+    IF n > 0 AND last_seq = expect_seq AND last_hash = expect_hash
+       AND (checkpoint_seq IS NULL OR checkpoint_seq <= expect_seq) THEN
+        IF n = 1 THEN
+            INSERT INTO approval_events (seq, request_id, event, actor, platform, at, args_hash, detail, prev_hash,
+                                         chain_hash, person, commit_seal)
+                VALUES (p_seq[1], p_request_id[1], p_event[1], p_actor[1], p_platform[1], p_at[1], p_args_hash[1],
+                        p_detail[1], p_prev_hash[1], p_chain_hash[1], p_person[1], p_commit_seal[1]);
+        ELSE
+            INSERT INTO approval_events (seq, request_id, event, actor, platform, at, args_hash, detail, prev_hash,
+                                         chain_hash, person, commit_seal)
+                SELECT p_seq[i], p_request_id[i], p_event[i], p_actor[i], p_platform[i], p_at[i], p_args_hash[i],
+                       p_detail[i], p_prev_hash[i], p_chain_hash[i], p_person[i], p_commit_seal[i]
+                  FROM generate_subscripts(p_seq, 1) AS i ORDER BY i;
+        END IF;
+        -- A row inserted by hand without a seq must not take a number the chain gave.
+        PERFORM setval('approval_events_seq_seq', p_seq[n]);
+        appended := true;
+        RETURN;
+    END IF;
+    IF p_strict THEN
+        RAISE EXCEPTION 'the audit chain head moved (another writer appended)' USING ERRCODE = 'KZ001';
+    END IF;
+    appended := false;
+END
+$$
+"""
+
 _PRESS_CALL: Final = (
     "SELECT outcome, id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at,"
     " reason, decided_person FROM kazma_press(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -283,13 +336,13 @@ _PRESS_GUESSED_CALL: Final = prepared(
 # the rows go as arrays after all.
 _COLUMN_TYPES: Final = ("bigint", "text", "text", "text", "text", "double precision", "text", "text", "text",
                         "text", "text", "text")  # fmt: skip
-_APPEND_HEAD: Final = "SELECT appended, last_seq, last_hash, checkpoint_seq FROM kazma_audit_append(?, ?, ?, "
+_APPEND_HEAD: Final = "SELECT appended, last_seq, last_hash, checkpoint_seq FROM kazma_audit_link(?, ?, ?, "
 _SCALAR_ROWS: Final = 64
 
 
 @functools.lru_cache(maxsize=_SCALAR_ROWS + 1)
 def _append_call(rows: int) -> str:
-    """The call to ``kazma_audit_append`` for ``rows`` event rows, value by value (past _SCALAR_ROWS, as arrays)."""
+    """The call to ``kazma_audit_link`` for ``rows`` event rows, value by value (past _SCALAR_ROWS, as arrays)."""
     if rows > _SCALAR_ROWS:
         columns = [f"?::{kind}[]" for kind in _COLUMN_TYPES]
     else:
@@ -306,7 +359,7 @@ def _append_call(rows: int) -> str:
 _PREPARED_ROWS: Final = 4
 for _rows in range(1, _PREPARED_ROWS + 1):
     prepared(
-        f"kazma_audit_append_{_rows}",
+        f"kazma_audit_link_{_rows}",
         _append_call(_rows),
         ("bigint", "bigint", "text", *(kind for kind in _COLUMN_TYPES for _ in range(_rows)), "boolean"),
     )

@@ -165,16 +165,15 @@ async def server_pids(side: Side) -> list[int]:
     if not store.chain.postgres:
         return []
     row = await store.tables.one("SELECT array_agg(pid) FROM pg_stat_activity WHERE datname = current_database()")
-    return [pid for pid in (row[0] or []) if os.path.exists(f"/proc/{pid}/schedstat")]
+    return [pid for pid in (row[0] or []) if Path(f"/proc/{pid}/schedstat").exists()]  # noqa: ASYNC240 - /proc
 
 
 def server_seconds(pids: list[int]) -> float:
     """CPU seconds the processes ``pids`` ran so far (their schedstat's first field, in nanoseconds)."""
     total = 0
     for pid in pids:
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/schedstat") as stat:
-                total += int(stat.read().split()[0])
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/schedstat") as stat:
+            total += int(stat.read().split()[0])
     return total / 1e9
 
 
