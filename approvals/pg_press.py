@@ -316,6 +316,40 @@ END
 $$
 """
 
+# A checkpoint pass sent on a guess (approvals migration 19; see kazma.approvals.checkpointer): the chain's lock, and
+# the checkpoint inserted only when the head is still (expect_seq, expect_hash) and the newest checkpoint is still
+# expect_signed, the one the pass signed after; else KZ001, and the writer runs the group again, the pass asking.
+PG_AUDIT_CHECKPOINT_FUNCTION: Final = """
+CREATE OR REPLACE FUNCTION kazma_audit_checkpoint_on_guess(
+    lock_key bigint, expect_seq bigint, expect_hash text, expect_signed bigint, p_kind text, p_first_seq bigint,
+    p_seq bigint, p_head text, p_at double precision, p_key_id text, p_signature text)
+RETURNS void LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    head_seq bigint;
+    head_hash text;
+    signed bigint;
+BEGIN
+    IF NOT pg_try_advisory_xact_lock(lock_key) THEN
+        PERFORM set_config('lock_timeout', '0', true);
+        PERFORM pg_advisory_xact_lock(lock_key);
+    END IF;
+    SELECT e.seq, e.chain_hash INTO head_seq, head_hash FROM approval_events e ORDER BY e.seq DESC LIMIT 1;
+    SELECT c.seq INTO signed FROM audit_checkpoints c ORDER BY c.seq DESC LIMIT 1;
+    IF head_seq IS DISTINCT FROM expect_seq OR head_hash IS DISTINCT FROM expect_hash
+       OR signed IS DISTINCT FROM expect_signed THEN
+        RAISE EXCEPTION 'the audit chain moved since this process last signed it' USING ERRCODE = 'KZ001';
+    END IF;
+    INSERT INTO audit_checkpoints (kind, first_seq, seq, head, at, key_id, signature)
+        VALUES (p_kind, p_first_seq, p_seq, p_head, p_at, p_key_id, p_signature);
+END
+$$
+"""
+_CHECKPOINT_GUESSED_CALL: Final = prepared(
+    "kazma_audit_checkpoint_on_guess_call",
+    "SELECT kazma_audit_checkpoint_on_guess(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    ("bigint", "bigint", "text", "bigint", "text", "bigint", "bigint", "text", "double precision", "text", "text"),
+)
+
 _PRESS_CALL: Final = (
     "SELECT outcome, id, tool, args_hash, conversation, deadline, status, decided_by, decided_via, decided_at,"
     " reason, decided_person FROM kazma_press(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -474,3 +508,13 @@ def _columns(rows: Sequence[tuple[Any, ...]]) -> list[Any]:
     if len(rows) > _SCALAR_ROWS:
         return [[row[i] for row in rows] for i in range(12)]
     return [row[i] for i in range(12) for row in rows]
+
+
+def checkpoint_or_fail(
+    tx: GuessTx, lock_key: int, expect: tuple[int, str], signed: int, checkpoint: tuple[Any, ...]
+) -> None:
+    """A checkpoint (its row: kind, first seq, seq, head, time, key id, signature) written in ``tx`` without waiting
+    for an answer, guessing that the chain's head is ``expect`` (seq, hash) and its newest checkpoint ``signed``: when
+    either moved the statement fails the transaction with SQLSTATE ``KZ001``
+    (:data:`kazma.config.store.postgres.STALE_GUESS`), and the writer runs the group again without guessing."""
+    tx.send(_CHECKPOINT_GUESSED_CALL, (lock_key, expect[0], expect[1], signed, *checkpoint))
