@@ -36,6 +36,13 @@ only when none comes within :data:`RIDE`. While decisions arrive a
 checkpoint therefore costs no commit (no fsync) of its own, and never holds a
 decision up behind it. Someone waiting for a checkpoint (a settled card's witness)
 sends the pass at once.
+
+On PostgreSQL a pass that read the head under the chain's lock waited for that
+answer, so its group (and the press it rode with) could not go as one string of
+statements. While this process's chain guesses hold, a pass instead signs the
+head its chain last committed, after the checkpoint it last wrote, asking
+nothing; the statement fails as a stale guess when another replica appended or
+signed meanwhile, and the group runs again with the pass reading the head.
 """
 
 from __future__ import annotations
