@@ -283,6 +283,11 @@ class AuditChain:
         """The sequence number of the last event this chain appended in a transaction that committed."""
         return None if self._last_head is None else self._last_head[0]
 
+    @property
+    def last_committed_head(self) -> tuple[int, str] | None:
+        """(seq, hash) of the last event this chain appended in a transaction that committed."""
+        return self._last_head
+
     def appended_all(self, after: int, prev: str, seq: int, head: str, tx: Tx | None = None) -> bool:
         """Whether the events after ``after`` (which follow ``prev``) up to ``seq`` (whose hash is ``head``) are all
         this chain's own appends, each in a transaction that committed, or in ``tx`` itself (what is signed in it

@@ -125,6 +125,10 @@ class Side:
     decisions: int = 0
     chunk_cpu: list[float] = field(default_factory=list)  # CPU µs per decision of each chunk
     checkpoints: int = 0  # checkpoints written while timed (the chain-on side)
+    # PostgreSQL: the server processes of the side's database (its writers' and pooled connections) and their CPU
+    # while this side ran, from /proc/<pid>/schedstat (a local server only; empty elsewhere).
+    server_pids: list[int] = field(default_factory=list)
+    server_cpu: float = 0.0
 
     @property
     def cpu_median(self) -> float:
@@ -153,6 +157,24 @@ async def side_of(backends: list[Any], requests: int, *, chained: bool, signing:
         *(services[i % len(services)].open("shell", {"n": i}, "bench", "bench") for i in range(requests))
     )
     return Side(services, [r.id for r in opened], tasks)
+
+
+async def server_pids(side: Side) -> list[int]:
+    """The local server processes of the side's database, for their CPU (none on SQLite or a remote server)."""
+    store = side.services[0].store
+    if not store.chain.postgres:
+        return []
+    row = await store.tables.one("SELECT array_agg(pid) FROM pg_stat_activity WHERE datname = current_database()")
+    return [pid for pid in (row[0] or []) if Path(f"/proc/{pid}/schedstat").exists()]  # noqa: ASYNC240 - /proc
+
+
+def server_seconds(pids: list[int]) -> float:
+    """CPU seconds the processes ``pids`` ran so far (their schedstat's first field, in nanoseconds)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/schedstat") as stat:
+            total += int(stat.read().split()[0])
+    return total / 1e9
 
 
 async def decide(side: Side, n: int, case: Case) -> int:
@@ -188,11 +210,13 @@ async def run_case(
             bare = await side_of(await stack.enter_async_context(make("bare")), requests, chained=True, signing=False)
         sides = [on, off] if bare is None else [on, bare, off]
         signed_before = await checkpoints_of(on)
+        for side in sides:
+            side.server_pids = await server_pids(side)
         size = max(chunk, case.in_flight)
         for start in range(0, requests, size):
             numbers = list(range(start, min(start + size, requests)))
             for side in sides if (start // size) % 2 == 0 else sides[::-1]:
-                began, cpu = time.perf_counter(), time.process_time()
+                began, cpu, served = time.perf_counter(), time.process_time(), server_seconds(side.server_pids)
                 decided = 0
                 for first in range(0, len(numbers), case.in_flight):
                     batch = numbers[first : first + case.in_flight]
@@ -200,6 +224,7 @@ async def run_case(
                 spent = time.process_time() - cpu
                 side.seconds += time.perf_counter() - began
                 side.cpu += spent
+                side.server_cpu += server_seconds(side.server_pids) - served
                 side.decisions += decided
                 side.chunk_cpu.append(1e6 * spent / max(decided, 1))
         for task in on.checkpointers:
@@ -368,6 +393,12 @@ async def main() -> None:
                 if bare is not None:
                     cpu_bare = 1e6 * bare.cpu / max(bare.decisions, 1)
                     line += f"{cpu_bare:>13,.0f}{cpu_off / cpu_bare:>12.3f}{cpu_bare / cpu_on:>11.3f}"
+                if on.server_pids:
+                    line += "  server µs " + " ".join(
+                        f"{name} {1e6 * side.server_cpu / max(side.decisions, 1):,.0f}"
+                        for name, side in (("on", on), ("bare", bare), ("off", off))
+                        if side is not None
+                    )
                 print(line)
                 for label, side in (("on", on), ("off", off), ("without checkpointer", bare)):
                     if side is not None and side.decisions != args.requests:

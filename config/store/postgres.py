@@ -516,7 +516,7 @@ class PgWriter(GroupQueue):
             or conn.closed
             or conn.broken
             or conn.info.transaction_status != TransactionStatus.IDLE
-            or not all(type(job.op) is Unasking and not job.rides for job in jobs)
+            or not all(type(job.op) is Unasking for job in jobs)
         ):
             return False
         built = self._build_batch(conn, jobs, bounded=own_operations(jobs) > 1)
@@ -902,8 +902,6 @@ class PgWriter(GroupQueue):
     ) -> tuple[PgBatchTx, str] | None:
         """``jobs`` run into a :class:`PgBatchTx`, and the string of their transaction; None when one asked for
         an answer or failed (nothing was sent: the pipelined path runs them, and tells who failed)."""
-        if any(job.rides for job in jobs):
-            return None  # a rider (the audit checkpoint) reads the chain's head: the group would ask
         if self._client is None or self._client.connection is not conn:
             self._client = psycopg.ClientCursor(conn)
             self._literals = psycopg.adapt.Transformer(self._client)
