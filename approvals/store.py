@@ -939,21 +939,34 @@ class ApprovalStore:
         events go out beside them, and a wrong guess (another replica decided, the deadline passed, a card
         problem) runs the group again without guessing (:func:`kazma.approvals.pg_press.press_guessed`)."""
         request_id = call.request_id
-        decided: dict[str, str] = tx.notes.setdefault(_PRESS_GUESSES, {})
-        first = decided.get(request_id)
-        if first is None:
-            decided[request_id] = status.value
+        # Per request guessed to win here: its status, and the winner's row once the answers are in (a list the
+        # winner's answer fills, read by the losers' answers after it: answers are read in the order sent).
+        decided: dict[str, tuple[str, list[Any]]] = tx.notes.setdefault(_PRESS_GUESSES, {})
+        guessed = decided.get(request_id)
+        if guessed is None:
+            winner: list[Any] = []
+            decided[request_id] = (status.value, winner)
             self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now, args_hash=digest,
                               detail=decided_detail(status, reason), person=person)  # fmt: skip
             tx.after_commit(functools.partial(self._forget_sealed, request_id))  # no press of it can win again
-            won = pg_press.press_guessed(
-                tx, call, pg_press.WON, status.value, lambda row: Pressed(None, True, _standing(row)),
-                notify=DECIDED_CHANNEL,
-            )  # fmt: skip
-            return cast(Pressed, won)
+
+            def won(row: tuple[Any, ...]) -> Pressed:
+                winner.append(row)
+                return Pressed(None, True, _standing(row))
+
+            return cast(Pressed, pg_press.press_guessed(tx, call, pg_press.WON, status.value, won,
+                                                        notify=DECIDED_CHANNEL))  # fmt: skip
+        first, winner = guessed
         self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now, args_hash=digest,
                           detail=f"standing: {first}", person=person)  # fmt: skip
-        lost = pg_press.press_guessed(tx, call, pg_press.LOST, first, lambda row: Pressed(None, False, _standing(row)))
+        if call.card and pg_press.lost_check_prepared(tx):
+            # Told the request as its winner left it (final: nothing after it in the transaction can change it);
+            # the server checks only the card (pg_press.lost_on_guess).
+            lost = pg_press.lost_on_guess(tx, call, first, lambda: Pressed(None, False, _standing(winner[0])))
+        else:
+            lost = pg_press.press_guessed(
+                tx, call, pg_press.LOST, first, lambda row: Pressed(None, False, _standing(row))
+            )
         return cast(Pressed, lost)
 
     def _after_chaining(self, tx: Tx, request_ids: list[str]) -> None:
