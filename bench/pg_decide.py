@@ -40,6 +40,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import psycopg
 
@@ -140,7 +141,7 @@ async def _backends(conn: psycopg.AsyncConnection[object]) -> list[int]:
     cursor = await conn.execute(
         "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
     )
-    return [int(row[0]) for row in await cursor.fetchall()]
+    return [int(cast(tuple[Any, ...], row)[0]) for row in await cursor.fetchall()]
 
 
 async def run_case(dsn: str, case: Case, requests: int, chunk: int) -> tuple[Side, Side, str]:
@@ -246,7 +247,8 @@ async def main() -> None:
         modes = [False, True] if args.fsync == "both" else [args.fsync == "on"]
         print(f"{where} (pid {os.getpid()}): {args.requests} requests per row, sides interleaved every {args.chunk}")
         print(f"{'run':<5}{'durability':<12}{'case':<26}{'product/s':>11}{'raw CAS/s':>11}{'product ÷ raw':>15}"
-              f"{'load 1m':>9}{'CPU µs/press product':>22}{'raw':>6}{'server µs/press product':>25}{'raw':>6}  writer")  # fmt: skip
+              f"{'load 1m':>9}{'CPU µs/press product':>22}{'raw':>6}{'server µs/press product':>25}{'raw':>6}"
+              "  writer")  # fmt: skip
         for run in range(1, args.runs + 1):
             for fsync in modes:
                 durability = set_fsync(admin_dsn, fsync) if switchable else current_fsync(admin_dsn)
