@@ -163,3 +163,38 @@ async def test_the_losers_card_check_refuses_exactly_what_the_press_function_ref
                 assert _raises_stale(conn, _LOST_CARD_CHECK, check) == expected, (request.id, chat, message, person)
                 refused += expected
     assert refused > 0  # the matrix holds presses the function refuses, and (above) presses it lets lose
+
+
+async def test_a_press_in_the_group_after_its_requests_winner_still_goes_as_one_string(pg_dsn: str) -> None:
+    # Three presses of one request, at most two operations per group: the third lands in the next group, after the
+    # winner committed. Guessed to lose to the outcome committed here, its group goes as one string too.
+    async with one_replica(pg_dsn) as (service, writer):
+        # Two opens: the chain's second append found the head it expected, so its guesses hold from then on.
+        await service.open("shell", {"command": "pwd"}, "agent:builder", "telegram:-100")
+        request = await service.open("shell", {"command": "ls"}, "agent:builder", "telegram:-100")
+        writer.max_group = 2
+        retries, from_loop, groups = writer.pipeline_retries, writer.sent_from_loop, writer.groups
+        results = await asyncio.gather(
+            *(
+                service.decide_from_button(button_data(request.id, decision), actor=actor, platform=platform)
+                for decision, actor, platform in (
+                    (Decision.DENY, "telegram:111", "telegram"),
+                    (Decision.APPROVE, "slack:U111", "slack"),
+                    (Decision.APPROVE, "discord:222", "discord"),
+                )
+            )
+        )
+        assert writer.groups - groups == 2
+        assert writer.sent_from_loop - from_loop == 2  # neither group went to the writer thread
+        assert writer.pipeline_retries == retries
+        assert [r.won for r in results] == [True, False, False]
+        for lost in results[1:]:
+            assert lost.outcome is not None
+            assert lost.outcome.status is Status.DENIED
+            assert lost.outcome.decided_by == "telegram:111"
+        log = await checked_log(service)
+    assert [(e, a) for e, _, a in log if e in ("decided", "press_lost")] == [
+        ("decided", "telegram:111"),
+        ("press_lost", "slack:U111"),
+        ("press_lost", "discord:222"),
+    ]
