@@ -368,6 +368,29 @@ _PRESS_GUESSED_CALL: Final = prepared(
     ("text", "text", "text", "text", "text", "text", "text", "double precision", "text", "text", "text", "text",
      "text", "text", "text", "text", "boolean", "text", "text", "boolean"),
 )  # fmt: skip
+# A press guessed to lose to one of its request's that was guessed to win earlier in the same transaction: what it
+# is answered (the request as that winner left it) is that winner's row, which nothing can change after it in the
+# transaction (a decided row is final), so the server is asked only for its card check. The check is
+# kazma_press_on_guess's (_CARD_PROBLEM's rule) in plain SQL, and only a problem found calls that function, which
+# fails the guess with KZ001 as it always did (the group run again without guessing names the problem); it decides,
+# this text only whether to ask it. Its parameters: chat, message, needs whole, chat twice, message twice, the
+# person a bound card must be (the person, else the actor), the request, the platform, then the function's own.
+# Server instructions per press of a 3-press request in one string (postgres --single under callgrind, 20 and 40
+# requests): 866,000 with kazma_press_on_guess per loser, 766,000 so.
+_LOST_CARD_CHECK: Final = prepared(
+    "kazma_press_lost_check",
+    "SELECT CASE WHEN (SELECT (count(*) = 0 AND (?::text IS NOT NULL OR ?::text IS NOT NULL))"
+    " OR (count(*) > 0 AND (count(*) FILTER (WHERE cards.usable) = 0"
+    " OR (?::boolean AND count(*) FILTER (WHERE cards.usable AND cards.whole = 0) > 0)))"
+    " FROM (SELECT (?::text IS NULL OR c.chat = ?) AND (?::text IS NULL OR c.message_id = ?)"
+    " AND (c.bound_to IS NULL OR c.bound_to = ?) AS usable, c.whole"
+    " FROM approval_cards c WHERE c.request_id = ? AND c.platform = ?) AS cards)"
+    " THEN (SELECT f.outcome FROM kazma_press_on_guess(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) f)"
+    " END",
+    ("text", "text", "boolean", "text", "text", "text", "text", "text", "text", "text",
+     "text", "text", "text", "text", "text", "text", "text", "double precision", "text", "text", "text", "text",
+     "text", "text", "text", "text", "boolean", "text", "text", "boolean"),
+)  # fmt: skip
 # The append's columns, each an array of one value per event row. Sent as ``ARRAY[?, ?, …]`` of plain values, not
 # as arrays: psycopg dumps a Python list element by element in Python (about a tenth of a millisecond per call for
 # twelve one-element lists), a plain value in C; past _SCALAR_ROWS rows the statement's text would be long, and
@@ -447,6 +470,8 @@ class GuessTx(Tx, Protocol):
 
     def guess(self, sql: str, params: Iterable[Any], then: Callable[[Any], T]) -> Later[T]: ...
 
+    def prepares(self, sql: str) -> bool: ...
+
 
 def guessing(tx: Tx) -> GuessTx | None:
     """``tx`` when a press may be sent on a guess in it, else None (SQLite, a group run again, no pipeline)."""
@@ -471,6 +496,28 @@ def press_guessed(
     ``then`` is given the request's standing row and must run no statement."""
     params = (outcome, standing, notify, *_press_params(call))
     return tx.guess(_PRESS_GUESSED_CALL, params, lambda row: then(tuple(row[1:])))
+
+
+def lost_check_prepared(tx: GuessTx) -> bool:
+    """Whether :func:`lost_on_guess` pays in ``tx``: its statement goes as a prepared one's EXECUTE (a group sent as
+    one string). Parsed and planned for each press (a pipelined group on the writer thread, a connection behind a
+    pooler), its text costs the server more than kazma_press_on_guess's short call: 3 presses, 60 in flight (half
+    the groups go on the thread there), 108-119 us of server CPU per press with it against 100-110 without
+    (interleaved, three runs)."""
+    return tx.prepares(_LOST_CARD_CHECK)
+
+
+def lost_on_guess(tx: GuessTx, call: PressCall, standing: str, then: Callable[[], T]) -> Later[T]:
+    """A press from a card (``call.card``) of a request whose press guessed to win (to the status ``standing``) was
+    sent earlier in this transaction, guessed to lose to it: only its card check is sent (see _LOST_CARD_CHECK),
+    and a card problem fails the transaction with SQLSTATE ``KZ001`` as :func:`press_guessed` would. ``then``
+    makes its result once the transaction committed (from the winner's row: the answer carries none)."""
+    if not call.card:
+        raise ValueError("a press without a card check has nothing to ask the server: use press_guessed")
+    bound = call.actor if call.person is None else call.person  # coalesce(p_person, p_actor), as the function
+    params = (call.chat, call.message_id, call.needs_whole, call.chat, call.chat, call.message_id, call.message_id,
+              bound, call.request_id, call.platform, LOST, standing, None, *_press_params(call))  # fmt: skip
+    return tx.guess(_LOST_CARD_CHECK, params, lambda _: then())
 
 
 def press(tx: Tx, call: PressCall, then: Callable[[tuple[str, tuple[Any, ...]] | None], T]) -> Later[T]:

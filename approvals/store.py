@@ -471,6 +471,9 @@ class ApprovalStore:
         # PostgreSQL: a press is one statement when this process knows what its seal binds (pg_press.py).
         self._one_statement = not isinstance(self.tables, Tables)
         self._sealed_fields: dict[str, tuple[str, str]] = {}
+        # The outcome of each request a press guessed here won, once committed (final): a later press of it, in a
+        # later group, is guessed to lose to it (a burst of presses split between two groups stays one string).
+        self._decided_here: dict[str, str] = {}
         # The policy each request opened under, as read or written here (it never changes: rules_of).
         self._rules: dict[str, Rules] = {}
 
@@ -977,21 +980,42 @@ class ApprovalStore:
         events go out beside them, and a wrong guess (another replica decided, the deadline passed, a card
         problem) runs the group again without guessing (:func:`kazma.approvals.pg_press.press_guessed`)."""
         request_id = call.request_id
-        decided: dict[str, str] = tx.notes.setdefault(_PRESS_GUESSES, {})
-        first = decided.get(request_id)
-        if first is None:
-            decided[request_id] = status.value
+        # Per request guessed to win here: its status, and the winner's row once the answers are in (a list the
+        # winner's answer fills, read by the losers' answers after it: answers are read in the order sent).
+        decided: dict[str, tuple[str, list[Any]]] = tx.notes.setdefault(_PRESS_GUESSES, {})
+        guessed = decided.get(request_id)
+        committed = self._decided_here.get(request_id) if guessed is None else None
+        if committed is not None:
+            # Decided by a press of an earlier group of this process: guessed to lose to that outcome, checked by
+            # the press function (the row is final; should it say otherwise, the group runs again unguessed).
+            self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now, args_hash=digest,
+                              detail=f"standing: {committed}", person=person)  # fmt: skip
+            return cast(Pressed, pg_press.press_guessed(tx, call, pg_press.LOST, committed,
+                                                        lambda row: Pressed(None, False, _standing(row))))  # fmt: skip
+        if guessed is None:
+            winner: list[Any] = []
+            decided[request_id] = (status.value, winner)
             self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now, args_hash=digest,
                               detail=decided_detail(status, reason), person=person)  # fmt: skip
-            tx.after_commit(functools.partial(self._forget_sealed, request_id))  # no press of it can win again
-            won = pg_press.press_guessed(
-                tx, call, pg_press.WON, status.value, lambda row: Pressed(None, True, _standing(row)),
-                notify=DECIDED_CHANNEL,
-            )  # fmt: skip
-            return cast(Pressed, won)
+            tx.after_commit(functools.partial(self._decided_by_guess, request_id, status.value))
+
+            def won(row: tuple[Any, ...]) -> Pressed:
+                winner.append(row)
+                return Pressed(None, True, _standing(row))
+
+            return cast(Pressed, pg_press.press_guessed(tx, call, pg_press.WON, status.value, won,
+                                                        notify=DECIDED_CHANNEL))  # fmt: skip
+        first, winner = guessed
         self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now, args_hash=digest,
                           detail=f"standing: {first}", person=person)  # fmt: skip
-        lost = pg_press.press_guessed(tx, call, pg_press.LOST, first, lambda row: Pressed(None, False, _standing(row)))
+        if call.card and pg_press.lost_check_prepared(tx):
+            # Told the request as its winner left it (final: nothing after it in the transaction can change it);
+            # the server checks only the card (pg_press.lost_on_guess).
+            lost = pg_press.lost_on_guess(tx, call, first, lambda: Pressed(None, False, _standing(winner[0])))
+        else:
+            lost = pg_press.press_guessed(
+                tx, call, pg_press.LOST, first, lambda row: Pressed(None, False, _standing(row))
+            )
         return cast(Pressed, lost)
 
     def _after_chaining(self, tx: Tx, request_ids: list[str]) -> None:
@@ -1003,8 +1027,12 @@ class ApprovalStore:
         for request_id in request_ids:
             tx.defer(sign, request_id)
 
-    def _forget_sealed(self, request_id: str) -> None:
-        self._sealed_fields.pop(request_id, None)
+    def _decided_by_guess(self, request_id: str, status: str) -> None:
+        """A press guessed here won ``request_id`` and committed: no press of it can win again, and each later one
+        here is guessed to lose to ``status`` (its sealed fields are kept for that call)."""
+        if len(self._decided_here) >= _SEALED_KEPT:
+            self._decided_here.clear()
+        self._decided_here[request_id] = status
 
     def _opened(self, new: NewRequest) -> None:
         """A request this store opened committed: a press of it reads neither its policy nor its sealed fields."""

@@ -13,7 +13,8 @@ with the 1-minute load average beside it, then the medians; asserts nothing.
 
 Beside the rates, each side's CPU per press in this process (``time.process_time``: the event loop and the
 writer thread together, not the server's): on a shared machine the rates move with the other load, the CPU a
-press costs here much less.
+press costs here much less. And the server's CPU per press, read from its processes' ``/proc/<pid>/schedstat``
+(the product's: every session on the scratch database but the raw side's; 0 when the server runs elsewhere).
 
 What the two sides do is not the same work: "raw" writes one row of a three-column table and nothing else
 (no audit event, no review row, no NOTIFY, no seal), one transaction (one commit) per press; the product
@@ -39,6 +40,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import psycopg
 
@@ -75,6 +77,12 @@ class Side:
     decisions: int = 0
     cpu: float = 0.0  # process CPU seconds spent on this side (time.process_time)
     presses: int = 0
+    server: float = 0.0  # CPU seconds of this side's server processes (their /proc/<pid>/schedstat)
+
+    @property
+    def server_per_press(self) -> float:
+        """Microseconds of the server's CPU per press (0 when its processes cannot be read from here)."""
+        return 1e6 * self.server / self.presses if self.presses else 0.0
 
     @property
     def cpu_per_press(self) -> float:
@@ -114,6 +122,28 @@ async def _raw_chunk(conn: psycopg.AsyncConnection[object], ids: list[str], case
     return won
 
 
+def _server_cpu(pids: list[int]) -> float:
+    """CPU seconds the server processes ``pids`` have run so far (their /proc schedstat: nanoseconds on a core);
+    0 for one this process cannot read (a server on another machine, or one that has ended)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/schedstat") as stat:
+                total += int(stat.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
+async def _backends(conn: psycopg.AsyncConnection[object]) -> list[int]:
+    """The server processes of the product's side: every session on this database but ``conn``'s own (the raw
+    side's), whichever of the writer's connection and the pool's read connections it is."""
+    cursor = await conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
+    return [int(cast(tuple[Any, ...], row)[0]) for row in await cursor.fetchall()]
+
+
 async def run_case(dsn: str, case: Case, requests: int, chunk: int) -> tuple[Side, Side, str]:
     backend: PgStore = await open_pg_store(dsn, migrations=pg_migrations(), application_name="bench")
     raw = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
@@ -132,17 +162,21 @@ async def run_case(dsn: str, case: Case, requests: int, chunk: int) -> tuple[Sid
         for start in range(0, requests, size):
             numbers = range(start, min(start + size, requests))
             order = ("product", "raw") if (start // size) % 2 == 0 else ("raw", "product")
+            # Read before each chunk: the pool may open a connection between chunks.
+            pids = {"product": await _backends(raw), "raw": [raw.info.backend_pid]}
             for side in order:
-                began, cpu = time.perf_counter(), time.process_time()
+                began, cpu, server = time.perf_counter(), time.process_time(), _server_cpu(pids[side])
                 if side == "product":
                     product.decisions += await _product_chunk(service, [opened[n].id for n in numbers], case)
                     product.seconds += time.perf_counter() - began
                     product.cpu += time.process_time() - cpu
+                    product.server += _server_cpu(pids[side]) - server
                     product.presses += len(numbers) * case.presses
                 else:
                     bare.decisions += await _raw_chunk(raw, [f"r{n}" for n in numbers], case)
                     bare.seconds += time.perf_counter() - began
                     bare.cpu += time.process_time() - cpu
+                    bare.server += _server_cpu(pids[side]) - server
                     bare.presses += len(numbers) * case.presses
         again = getattr(writer, "pipeline_retries", 0) - retries
         note = f"{writer.groups - groups} groups, {again} pipelined groups run again"
@@ -208,11 +242,13 @@ async def main() -> None:
     configure_logging("warning")  # measure the store, not the log sink
     ratios: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
+    server_cpu: dict[str, list[tuple[float, float]]] = {}
     with server(args.dsn) as (admin_dsn, where, switchable):
         modes = [False, True] if args.fsync == "both" else [args.fsync == "on"]
         print(f"{where} (pid {os.getpid()}): {args.requests} requests per row, sides interleaved every {args.chunk}")
         print(f"{'run':<5}{'durability':<12}{'case':<26}{'product/s':>11}{'raw CAS/s':>11}{'product ÷ raw':>15}"
-              f"{'load 1m':>9}{'CPU µs/press product':>22}{'raw':>6}  writer")  # fmt: skip
+              f"{'load 1m':>9}{'CPU µs/press product':>22}{'raw':>6}{'server µs/press product':>25}{'raw':>6}"
+              "  writer")  # fmt: skip
         for run in range(1, args.runs + 1):
             for fsync in modes:
                 durability = set_fsync(admin_dsn, fsync) if switchable else current_fsync(admin_dsn)
@@ -223,8 +259,12 @@ async def main() -> None:
                     ratios.setdefault(f"{durability:<12}{case.name}", []).append(ratio)
                     print(f"{run:<5}{durability:<12}{case.name:<26}{product.rate:>11,.0f}{bare.rate:>11,.0f}"
                           f"{ratio:>15.3f}{os.getloadavg()[0]:>9.2f}{product.cpu_per_press:>22.0f}"
-                          f"{bare.cpu_per_press:>6.0f}  {note}")  # fmt: skip
+                          f"{bare.cpu_per_press:>6.0f}{product.server_per_press:>25.0f}{bare.server_per_press:>6.0f}"
+                          f"  {note}")  # fmt: skip
                     cpu.setdefault(f"{durability:<12}{case.name}", []).append(product.cpu_per_press)
+                    server_cpu.setdefault(f"{durability:<12}{case.name}", []).append(
+                        (product.server_per_press, bare.server_per_press)
+                    )
                     for label, side in (("product", product), ("raw", bare)):
                         if side.decisions != args.requests:
                             print(f"  !! {label} decided {side.decisions} of {args.requests}")
@@ -234,6 +274,12 @@ async def main() -> None:
     print("median product CPU µs per press (this process, loop and writer thread):")
     for name, values in cpu.items():
         print(f"     {name:<38}{statistics.median(values):>8.0f}   runs: {', '.join(f'{v:.0f}' for v in values)}")
+    print("median server CPU µs per press, product / raw (the backends' /proc/<pid>/schedstat):")
+    for name, pairs in server_cpu.items():
+        runs = ", ".join(f"{p:.0f}/{r:.0f}" for p, r in pairs)
+        product_median = statistics.median(p for p, _ in pairs)
+        raw_median = statistics.median(r for _, r in pairs)
+        print(f"     {name:<38}{product_median:>8.0f} / {raw_median:.0f}   runs: {runs}")
 
 
 if __name__ == "__main__":

@@ -221,6 +221,11 @@ class PgTx(Deferred):
         """Whether statements go out without waiting (an answer nobody waits for may fail the commit instead)."""
         return self._pipeline is not None
 
+    def prepares(self, sql: str) -> bool:
+        """Whether ``sql`` reaches the server as the ``EXECUTE`` of a statement prepared on the connection (planned
+        once per session), not as a statement parsed and planned each time: never here (see PgWriter._connection)."""
+        return False
+
     def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
         return self._cursor.execute(pyformat(sql), tuple(params)).fetchone()
 
@@ -304,6 +309,9 @@ class PgBatchTx(PgTx):
     @property
     def pipelined(self) -> bool:
         return True  # nothing is waited for before the commit, as in pipeline mode
+
+    def prepares(self, sql: str) -> bool:
+        return sql in self._executes
 
     def _add(self, sql: str, params: Iterable[Any]) -> None:
         pieces = self._executes.get(sql) or _pieces(sql)
