@@ -13,7 +13,7 @@ the hot statements one each:
   outcome that beat it. Anything else (a card problem, a policy of several
   people, a request whose tool and hash this process did not know) is answered
   as a *miss*, and the press runs the general statements instead.
-- ``kazma_audit_link`` (``kazma_audit_append`` before approvals migration 19):
+- ``kazma_audit_link`` (``kazma_audit_append`` before approvals migration 18):
   the chain's lock, the head, and the events inserted in the same call when the
   head is the one this process last committed (its hashes computed in Python
   before the call). Otherwise it inserts nothing and returns the head, and the
@@ -264,7 +264,7 @@ END
 $$
 """
 
-# kazma_audit_append as approvals migration 19 has it (a new name: a function's result type cannot be replaced, and an
+# kazma_audit_append as approvals migration 18 has it (a new name: a function's result type cannot be replaced, and an
 # older release still calls the old one). The same answers; less server work per call: the answer in OUT parameters
 # instead of a set (RETURN QUERY's tuplestore), the chain's lock tried first (lock_timeout is set to wait without
 # bound only when another transaction holds it), the head and the last checkpoint read in one statement, and a lone
@@ -320,7 +320,7 @@ END
 $$
 """
 
-# A checkpoint pass sent on a guess (approvals migration 19; see kazma.approvals.checkpointer): the chain's lock, and
+# A checkpoint pass sent on a guess (approvals migration 18; see kazma.approvals.checkpointer): the chain's lock, and
 # the checkpoint inserted only when the head is still (expect_seq, expect_hash) and the newest checkpoint is still
 # expect_signed, the one the pass signed after; else KZ001, and the writer runs the group again, the pass asking.
 PG_AUDIT_CHECKPOINT_FUNCTION: Final = """

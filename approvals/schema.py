@@ -279,7 +279,7 @@ MIGRATIONS = [
     Migration("approvals", 17, ()),
     # PostgreSQL's audit append with less server work, kazma_audit_link, and a checkpoint pass sent on a guess
     # (approvals/pg_press.py); nothing on SQLite.
-    Migration("approvals", 19, ()),
+    Migration("approvals", 18, ()),
 ]
 
 # The same tables on PostgreSQL, version for version: REAL is double precision there (its REAL has 6
@@ -561,5 +561,5 @@ PG_MIGRATIONS = [
     PgMigration("approvals", 15, (PG_AUDIT_APPEND_FUNCTION,)),
     PgMigration("approvals", 16, ("ALTER TABLE approval_cards ADD COLUMN reposted integer NOT NULL DEFAULT 0",)),
     PgMigration("approvals", 17, (PG_PRESS_ON_GUESS_FUNCTION,)),
-    PgMigration("approvals", 19, (PG_AUDIT_LINK_FUNCTION, PG_AUDIT_CHECKPOINT_FUNCTION)),
+    PgMigration("approvals", 18, (PG_AUDIT_LINK_FUNCTION, PG_AUDIT_CHECKPOINT_FUNCTION)),
 ]

@@ -1,4 +1,4 @@
-"""A checkpoint pass on PostgreSQL sent on a guess (approvals PG migration 19): while a process's chain guesses hold,
+"""A checkpoint pass on PostgreSQL sent on a guess (approvals PG migration 18): while a process's chain guesses hold,
 its pass signs the head it last committed after the checkpoint it last wrote, asking nothing, so a pass riding with
 a press goes with it as one string from the loop. Every way the guess can be wrong (another replica appended, or
 signed, since) must end as the pass would have ended unguessed: one chain, every checkpoint where a pass that read
