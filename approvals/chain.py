@@ -229,6 +229,11 @@ class AuditChain:
         # (first seq, last seq, head) by the hash it followed. A checkpointer that finds every event since the
         # last checkpoint here signs the head this chain computed instead of reading the events back.
         self._committed_runs: dict[str, tuple[int, int, str]] = {}
+        # On SQLite (one writer) each commit's run usually follows the one before it: it extends that run rather
+        # than adding one, so a pass walks one run, not one per transaction since the last checkpoint. Never a run
+        # a checkpoint ends in (the next pass looks its runs up from that checkpoint's head).
+        self._tail: str | None = None  # the key of the run appended last
+        self._forgotten = 0  # the highest seq a checkpoint covered (forget_through)
         # The run the transaction being written appended, until it commits: (its Tx, the hash it followed, first
         # seq, last seq, head). A pass in that same transaction (a decision signed in its own commit) counts it as
         # this chain's own: the checkpoint commits with these events or not at all. Without it, that pass read every
@@ -300,6 +305,7 @@ class AuditChain:
 
     def forget_through(self, seq: int) -> None:
         """A checkpoint covers everything up to ``seq``: its runs are no longer needed."""
+        self._forgotten = max(self._forgotten, seq)
         for link in [k for k, run in self._committed_runs.items() if run[1] <= seq]:
             del self._committed_runs[link]
 
@@ -307,9 +313,16 @@ class AuditChain:
         self._open_run = None
         self._last_head = (last, head)
         self._guesses_hold = held
-        if len(self._committed_runs) >= _RUNS_KEPT:  # nobody signs (no checkpointer here): keep memory bounded
-            self._committed_runs.clear()
-        self._committed_runs[prev] = (first, last, head)
+        runs, tail = self._committed_runs, self._tail
+        if tail is not None and not self.postgres:
+            run = runs.get(tail)
+            if run is not None and run[2] == prev and run[1] + 1 == first and run[1] > self._forgotten:
+                runs[tail] = (run[0], last, head)
+                return
+        if len(runs) >= _RUNS_KEPT:  # nobody signs (no checkpointer here): keep memory bounded
+            runs.clear()
+        runs[prev] = (first, last, head)
+        self._tail = prev
 
     # -- the end of the transaction ---------------------------------------------------------------
 

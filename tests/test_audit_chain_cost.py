@@ -219,3 +219,26 @@ async def test_events_with_hostile_text_read_back_as_written_and_verify(store_en
     ]
     report = verify(events, checkpoints, TEST_SIGNER.public_keys())
     assert report.ok, [p.line() for p in report.problems]
+
+
+async def test_a_pass_finds_the_transactions_since_the_last_checkpoint_as_one_run(tmp_path: Any) -> None:
+    # One SQLite writer: each transaction's events follow the last one's, so the chain keeps one run growing,
+    # not one per transaction (a pass walked them all, and dropped them one by one). A run a checkpoint ends in
+    # is never extended: the next pass looks its run up from that checkpoint's head, and signs without reading
+    # the events back, every time.
+    async with open_store(Engine("sqlite", str(tmp_path / "k.db"))) as conn:
+        store = ApprovalStore(conn, keyring=TEST_KEYRING, audit=TEST_SIGNER)
+        service = ApprovalService(store, approvals_config())
+        checkpointer = Checkpointer(store, TEST_SIGNER)
+        for _ in range(3):
+            for _ in range(4):
+                await service.open("shell", {"command": "deploy"}, "agent:builder", "telegram:-100")
+            assert len(store.chain._committed_runs) == 1
+            judged = await checkpointer.sign()
+            assert not judged.unvouched
+            assert len(judged.signed) == 1
+            assert store.chain._committed_runs == {}
+        events = await store.chain_events(limit=100)
+        checkpoints = await store.chain_checkpoints(limit=100)
+    assert [c.seq for c in checkpoints] == [4, 8, 12]
+    assert verify(events, checkpoints, TEST_SIGNER.public_keys()).ok
