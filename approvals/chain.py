@@ -229,6 +229,11 @@ class AuditChain:
         # (first seq, last seq, head) by the hash it followed. A checkpointer that finds every event since the
         # last checkpoint here signs the head this chain computed instead of reading the events back.
         self._committed_runs: dict[str, tuple[int, int, str]] = {}
+        # On SQLite (one writer) each commit's run usually follows the one before it: it extends that run rather
+        # than adding one, so a pass walks one run, not one per transaction since the last checkpoint. Never a run
+        # a checkpoint ends in (the next pass looks its runs up from that checkpoint's head).
+        self._tail: str | None = None  # the key of the run appended last
+        self._forgotten = 0  # the highest seq a checkpoint covered (forget_through)
         # The run the transaction being written appended, until it commits: (its Tx, the hash it followed, first
         # seq, last seq, head). A pass in that same transaction (a decision signed in its own commit) counts it as
         # this chain's own: the checkpoint commits with these events or not at all. Without it, that pass read every
@@ -305,6 +310,7 @@ class AuditChain:
 
     def forget_through(self, seq: int) -> None:
         """A checkpoint covers everything up to ``seq``: its runs are no longer needed."""
+        self._forgotten = max(self._forgotten, seq)
         for link in [k for k, run in self._committed_runs.items() if run[1] <= seq]:
             del self._committed_runs[link]
 
@@ -312,9 +318,16 @@ class AuditChain:
         self._open_run = None
         self._last_head = (last, head)
         self._guesses_hold = held
-        if len(self._committed_runs) >= _RUNS_KEPT:  # nobody signs (no checkpointer here): keep memory bounded
-            self._committed_runs.clear()
-        self._committed_runs[prev] = (first, last, head)
+        runs, tail = self._committed_runs, self._tail
+        if tail is not None and not self.postgres:
+            run = runs.get(tail)
+            if run is not None and run[2] == prev and run[1] + 1 == first and run[1] > self._forgotten:
+                runs[tail] = (run[0], last, head)
+                return
+        if len(runs) >= _RUNS_KEPT:  # nobody signs (no checkpointer here): keep memory bounded
+            runs.clear()
+        runs[prev] = (first, last, head)
+        self._tail = prev
 
     # -- the end of the transaction ---------------------------------------------------------------
 
@@ -422,15 +435,48 @@ class AuditChain:
         of their requests, read here from ``tx`` when None and an event wants one."""
         rows: list[tuple[Any, ...]] = []
         first = seq + 1
+        # The events of one transaction mostly share their time and their request (a request's presses in one
+        # group: decided, press_lost, press_lost): each field's canonical text is written once and kept while the
+        # next event has the same (repr of a time is ~10,000 instructions, more than the rest of an event's text).
+        # The hash an event follows is, after the first, one this loop computed: hex, quoted as it is.
+        prev_text = _quote(prev)
+        at_kept: float | None = None
+        at_text = id_text = digest_text = ""
+        id_kept: str | None = None
+        digest_kept: str | None = None
         for request_id, event, actor, platform, at, digest, detail, person in events:
             if isinstance(digest, _FromRequest):
                 if hashes is None:
                     hashes = self._request_hashes(tx, events)
                 digest = hashes.get(request_id)
             seq += 1
-            chained = event_hash(prev, request_id, event, actor, platform, at, digest, detail, person)
+            if type(at) is float and math.isfinite(at) and type(request_id) is str and type(digest) is str:
+                if at != at_kept or not at:  # (0.0 == -0.0, written apart)
+                    at_kept, at_text = at, repr(at)
+                if request_id != id_kept:
+                    id_kept, id_text = request_id, _quote(request_id)
+                if digest != digest_kept:
+                    digest_kept, digest_text = digest, _quote(digest)
+                try:
+                    # event_hash's text, byte for byte (tests/test_audit_chain_cost.py holds the two together).
+                    text = (
+                        f"[{_DOMAIN_TEXT},{prev_text},{id_text},{_quote(event)},"
+                        f"{_NULL if actor is None else _quote(actor)},"
+                        f"{_NULL if platform is None else _quote(platform)},{at_text},{digest_text},"
+                        f"{_NULL if detail is None else _quote(detail)}"
+                        f"{']' if person is None else f',{_quote(person)}]'}"
+                    )
+                except TypeError:  # a field that is not text: json's own path, as event_hash takes it
+                    chained = event_hash(prev, request_id, event, actor, platform, at, digest, detail, person)
+                else:
+                    hashed = _SHA256.copy()
+                    hashed.update(text.encode("utf-8"))
+                    chained = hashed.hexdigest()
+            else:
+                chained = event_hash(prev, request_id, event, actor, platform, at, digest, detail, person)
             rows.append((seq, request_id, event, actor, platform, at, digest, detail, prev, chained, person, None))
             prev = chained
+            prev_text = f'"{chained}"'
         if self.signer is not None:  # the last event carries what vouches for them all
             rows[-1] = (*rows[-1][:-1], self.signer.commit_seal(first, seq, prev))
         return rows

@@ -33,6 +33,11 @@ machine's other load: the CPU time of this thread (not the wall clock) for one t
 events through the chain (head, hashes, commit seal, insert) and through the plain ``INSERT`` of the chain-off
 side, on the writer's own ``Tx``, interleaved; the minimum and the median of many rounds.
 
+``--account`` adds, per case, where each side's CPU per decision goes, measured in the decision flow itself
+(thread CPU around the calls, so with their cache misses; each wrapped call costs ~1 us more): the chain's end of
+transaction (head, hashes, seal, insert: ``AuditChain._flush``) against the chain-off side's ``INSERT``, and the
+checkpointer's passes (in their own group or a decision's commit) per decision and per pass, with passes per 100.
+
 Prints numbers; asserts nothing.
 """
 
@@ -212,6 +217,7 @@ async def run_case(
         signed_before = await checkpoints_of(on)
         for side in sides:
             side.server_pids = await server_pids(side)
+        SPENT.clear()  # --account: the timed decisions only
         size = max(chunk, case.in_flight)
         for start in range(0, requests, size):
             numbers = list(range(start, min(start + size, requests)))
@@ -289,6 +295,60 @@ def pg_databases(dsn: str | None) -> Iterator[tuple[dict[str, str], str]]:
         yield {"on": on.dsn, "off": off.dsn, "bare": bare.dsn}, "PostgreSQL (a throwaway test server, fsync off)"
 
 
+# --account: thread CPU (ns) spent in the wrapped calls, by the store whose chain or checkpointer made them.
+SPENT: dict[tuple[int, str], list[int]] = {}
+
+
+def account() -> None:
+    """Wrap the chain's and the checkpointer's calls to time them (see --account in the module's docstring)."""
+
+    def timed(cls: Any, name: str, label: str, store_of: Callable[[Any], Any]) -> None:
+        original = getattr(cls, name)
+
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            began = time.thread_time_ns()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                SPENT.setdefault((id(store_of(self)), label), []).append(time.thread_time_ns() - began)
+
+        setattr(cls, name, wrapper)
+
+    timed(AuditChain, "_flush", "chain", lambda chain: chain)
+    timed(PlainEvents, "append", "chain", lambda chain: chain)
+    timed(Checkpointer, "_judge", "pass", lambda checkpointer: checkpointer.store.chain)
+    # Counted, not timed: its _judge is (its savepoint and its read of the decisions' seqs are not).
+    signing = Checkpointer._sign_in_commit
+
+    def in_commit(self: Checkpointer, tx: Tx, request_ids: list[str]) -> None:
+        before = len(SPENT.get((id(self.store.chain), "pass"), []))
+        signing(self, tx, request_ids)
+        if len(SPENT.get((id(self.store.chain), "pass"), [])) > before:
+            SPENT.setdefault((id(self.store.chain), "in commit"), []).append(0)
+
+    Checkpointer._sign_in_commit = in_commit  # type: ignore[method-assign]
+
+
+def accounted(side: Side, label: str) -> list[int]:
+    return [v for service in side.services for v in SPENT.get((id(service.store.chain), label), [])]
+
+
+def print_account(sides: dict[str, Side | None]) -> None:
+    line = "  account, µs per decision:"
+    for name, side in sides.items():
+        if side is None:
+            continue
+        n = max(side.decisions, 1)
+        chain, passes, in_commit = (accounted(side, label) for label in ("chain", "pass", "in commit"))
+        line += f"  {name}: chain/insert {sum(chain) / 1e3 / n:.1f}"
+        if passes:
+            line += (
+                f", passes {sum(passes) / 1e3 / n:.1f} ({100 * len(passes) / n:.1f}/100,"
+                f" median {statistics.median(passes) / 1e3:.0f} µs, {len(in_commit)} in commit)"
+            )
+    print(line)
+
+
 async def tx_cpu(folder: Path, rounds: int = 60, per_round: int = 100) -> None:
     """Thread CPU per transaction, chain vs plain INSERT (see the module's docstring)."""
 
@@ -342,8 +402,11 @@ async def main() -> None:
     parser.add_argument("--replicas", type=int, default=1, help="PostgreSQL: stores (writers) per side")
     parser.add_argument("--tx-cpu", action="store_true", help="the chain's own CPU per transaction (SQLite)")
     parser.add_argument("--split", action="store_true", help="a third side: the chain without its checkpointer")
+    parser.add_argument("--account", action="store_true", help="where each side's CPU per decision goes (see above)")
     args = parser.parse_args()
     configure_logging("warning")  # measure the store, not the log sink
+    if args.account:
+        account()
     if args.tx_cpu:
         with tempfile.TemporaryDirectory(dir=args.dir or Path.cwd()) as scratch:
             await tx_cpu(Path(scratch))
@@ -400,6 +463,9 @@ async def main() -> None:
                         if side is not None
                     )
                 print(line)
+                if args.account:
+                    print_account({"on": on, "bare": bare, "off": off})
+                    SPENT.clear()
                 for label, side in (("on", on), ("off", off), ("without checkpointer", bare)):
                     if side is not None and side.decisions != args.requests:
                         print(f"  !! chain {label} decided {side.decisions} of {args.requests}")

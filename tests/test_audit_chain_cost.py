@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 from kazma.approvals import ApprovalService, ApprovalStore, Decision
 from kazma.approvals.audit_verify import verify
-from kazma.approvals.chain import CHAIN_LOCK, event_hash
+from kazma.approvals.chain import CHAIN_LOCK, AuditChain, _Pending, event_hash
 from kazma.approvals.checkpointer import Checkpointer
-from kazma.approvals.checkpoints import AuditSigner
+from kazma.approvals.checkpoints import AuditSigner, message
 from kazma.config.keyring import AUDIT_KEYS, Keyring
 from tests.approvals_support import TEST_KEYRING, TEST_SIGNER, approvals_config
 from tests.store_backends import Engine, open_store, raw_rows
@@ -67,6 +67,65 @@ def test_the_event_hash_is_json_canonical_byte_for_byte(
         listed.append(person)
     got = _outcome(lambda: event_hash(prev, request_id, event, actor, platform, at, args_hash, detail, person))
     assert got == _outcome(lambda: _reference(listed))
+
+
+_SHARED = st.sampled_from(["req-1", "a" * 64, '"\\\n'])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prev=st.one_of(st.just("0" * 64), _ANY_TEXT),
+    events=st.lists(
+        st.tuples(
+            st.one_of(_SHARED, _FIELD),  # request id: mostly one per transaction
+            _FIELD,
+            _FIELD,
+            _FIELD,
+            st.one_of(st.sampled_from([1764640000.25, 0.0, -0.0]), _AT),  # time: mostly one per transaction
+            st.one_of(_SHARED, _FIELD),
+            _FIELD,
+            _FIELD,
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+)
+def test_a_transactions_rows_hash_as_json_canonical_one_by_one(prev: str, events: list[tuple[Any, ...]]) -> None:
+    # The chain writes the text of the fields a transaction's events share once (time, request, arguments hash):
+    # every row must still hash as json's encoder writes it, after the row before.
+    pending = [_Pending(*event) for event in events]
+    got = _outcome(lambda: [row[9] for row in AuditChain(postgres=False)._rows(pending, {}, prev, 0, None)])  # type: ignore[arg-type]
+    hashes: list[str] = []
+    refused: tuple[str, str] | None = None
+    for request_id, event, actor, platform, at, digest, detail, person in events:
+        listed = ["kazma-audit-v1", prev, request_id, event, actor, platform, at, digest, detail]
+        if person is not None:
+            listed.append(person)
+        outcome = _outcome(lambda: _reference(listed))  # noqa: B023
+        if outcome[0] == "refused":
+            refused = outcome
+            break
+        prev = outcome[1]
+        hashes.append(prev)
+    assert got == (refused or ("hash", hashes))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kind=st.one_of(st.sampled_from(["head", "history"]), _ANY_TEXT),
+    key_id=st.one_of(st.none(), st.just("a1"), _ANY_TEXT),
+    first_seq=st.one_of(st.integers(-(2**70), 2**70), st.booleans()),
+    seq=st.integers(0, 2**64),
+    head=st.one_of(st.just("f" * 64), _ANY_TEXT),
+    at=st.one_of(st.just(1764640000.25), _AT),
+)
+def test_a_checkpoints_signed_bytes_are_json_byte_for_byte(
+    kind: str, key_id: str | None, first_seq: int, seq: int, head: str, at: float
+) -> None:
+    # Checkpoints signed before are verified with these bytes: they are json's, whatever the fields hold.
+    fields = ["kazma-audit-checkpoint-v1", key_id, kind, first_seq, seq, head, at]
+    expected = _outcome(lambda: json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+    assert _outcome(lambda: message(kind, key_id, first_seq, seq, head, at)) == expected
 
 
 def test_the_event_hash_of_a_known_event_is_unchanged() -> None:
@@ -161,3 +220,26 @@ async def test_events_with_hostile_text_read_back_as_written_and_verify(store_en
     ]
     report = verify(events, checkpoints, TEST_SIGNER.public_keys())
     assert report.ok, [p.line() for p in report.problems]
+
+
+async def test_a_pass_finds_the_transactions_since_the_last_checkpoint_as_one_run(tmp_path: Any) -> None:
+    # One SQLite writer: each transaction's events follow the last one's, so the chain keeps one run growing,
+    # not one per transaction (a pass walked them all, and dropped them one by one). A run a checkpoint ends in
+    # is never extended: the next pass looks its run up from that checkpoint's head, and signs without reading
+    # the events back, every time.
+    async with open_store(Engine("sqlite", str(tmp_path / "k.db"))) as conn:
+        store = ApprovalStore(conn, keyring=TEST_KEYRING, audit=TEST_SIGNER)
+        service = ApprovalService(store, approvals_config())
+        checkpointer = Checkpointer(store, TEST_SIGNER)
+        for _ in range(3):
+            for _ in range(4):
+                await service.open("shell", {"command": "deploy"}, "agent:builder", "telegram:-100")
+            assert len(store.chain._committed_runs) == 1
+            judged = await checkpointer.sign()
+            assert not judged.unvouched
+            assert len(judged.signed) == 1
+            assert store.chain._committed_runs == {}
+        events = await store.chain_events(limit=100)
+        checkpoints = await store.chain_checkpoints(limit=100)
+    assert [c.seq for c in checkpoints] == [4, 8, 12]
+    assert verify(events, checkpoints, TEST_SIGNER.public_keys()).ok
