@@ -62,6 +62,7 @@ from kazma.approvals import ApprovalService, ApprovalStore, Decision, button_dat
 from kazma.approvals.chain import AuditChain
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.checkpoints import AuditSigner
+from kazma.bot import start_gc
 from kazma.bot.logging import configure_logging
 from kazma.bot.store import all_migrations, pg_migrations
 from kazma.config import load_config_text
@@ -405,6 +406,7 @@ async def main() -> None:
     parser.add_argument("--account", action="store_true", help="where each side's CPU per decision goes (see above)")
     args = parser.parse_args()
     configure_logging("warning")  # measure the store, not the log sink
+    start_gc.served()  # as `kazma run` does once it serves: what the start holds frozen (kazma.bot.start_gc)
     if args.account:
         account()
     if args.tx_cpu:

@@ -45,6 +45,7 @@ from typing import Any, cast
 import psycopg
 
 from kazma.approvals import ApprovalService, ApprovalStore, Decision, button_data
+from kazma.bot import start_gc
 from kazma.bot.logging import configure_logging
 from kazma.bot.store import pg_migrations
 from kazma.config import load_config_text
@@ -240,6 +241,7 @@ async def main() -> None:
     parser.add_argument("--fsync", choices=("both", "on", "off"), default="both")
     args = parser.parse_args()
     configure_logging("warning")  # measure the store, not the log sink
+    start_gc.served()  # as `kazma run` does once it serves: what the start holds frozen (kazma.bot.start_gc)
     ratios: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
     server_cpu: dict[str, list[tuple[float, float]]] = {}

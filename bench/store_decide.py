@@ -51,6 +51,7 @@ import aiosqlite
 
 from kazma.approvals import MIGRATIONS, ApprovalService, ApprovalStore, Decision, Status, button_data
 from kazma.approvals.store import CardCheck, Pressed
+from kazma.bot import start_gc
 from kazma.bot.logging import configure_logging
 from kazma.config import load_config_text
 from kazma.config.keyring import DECISION_KEYS, Keyring
@@ -260,6 +261,7 @@ async def main() -> None:
     parser.add_argument("--runs", type=int, default=1)
     args = parser.parse_args()
     configure_logging("warning")  # measure the store, not the log sink
+    start_gc.served()  # as `kazma run` does once it serves: what the start holds frozen (kazma.bot.start_gc)
     places = [("store dir", args.dir or Path.cwd())]
     if args.tmpfs is not None:
         places.append(("tmpfs", args.tmpfs))

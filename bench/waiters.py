@@ -72,6 +72,7 @@ api:
 
 
 async def serve(folder: Path, store: str, log_level: str) -> None:
+    from kazma.bot import start_gc
     from kazma.bot.logging import configure_logging
     from tests.console_support import console_only
 
@@ -83,6 +84,7 @@ async def serve(folder: Path, store: str, log_level: str) -> None:
     marks = _mark_writes()  # before the server accepts anything: every connection of its port is watched
     async with console_only(folder, _config(store)) as (app, server):
         marks.port = yarl.URL(server.url).port
+        start_gc.served()  # as `kazma run` does once it serves: what the start holds frozen (kazma.bot.start_gc)
         _mark_commits(app, marks)
         await _serve_control(app, f"{server.url}/api/v1/approvals", marks)
 

@@ -38,7 +38,7 @@ signal.signal(signal.SIGUSR1, dump)
 def dump_gc(*_):
     import gc
     with open(os.environ["KAZMA_TEST_MODULES"] + ".gc.part", "w") as out:
-        out.write(" ".join(map(str, gc.get_threshold())))
+        out.write(" ".join(map(str, (*gc.get_threshold(), gc.get_freeze_count()))))
     os.replace(os.environ["KAZMA_TEST_MODULES"] + ".gc.part", os.environ["KAZMA_TEST_MODULES"] + ".gc")
 signal.signal(signal.SIGUSR2, dump_gc)
 from kazma.bot.cli import main
@@ -77,8 +77,8 @@ class Running:
                 await asyncio.sleep(0.02)
         return {name.split(".")[0] for name in self.modules_file.read_text().split()}
 
-    async def gc_thresholds(self) -> tuple[int, ...]:
-        """The child's garbage collector thresholds, read now."""
+    async def gc_state(self) -> tuple[int, ...]:
+        """The child's garbage collector thresholds and the count of objects it froze, read now."""
         answer = self.modules_file.with_name(self.modules_file.name + ".gc")
         answer.unlink(missing_ok=True)
         self.process.send_signal(signal.SIGUSR2)
@@ -188,13 +188,16 @@ async def test_only_the_configured_platform_s_library_is_imported(tmp_path: Path
 async def test_a_started_run_holds_no_cryptography_and_collects_garbage_as_python_does(tmp_path: Path) -> None:
     """Until its first decision a started `kazma run` has signed nothing: cryptography (about 9 MB) is not
     imported, python-telegram-bot's passport support included. Once it serves, the collector's thresholds are
-    Python's defaults again (its start ran with a large young generation: kazma.bot.start_gc)."""
+    Python's defaults again (its start ran with a large young generation: kazma.bot.start_gc), and what the start
+    holds is frozen."""
     async with telegram_run(tmp_path) as running:
         async with asyncio.timeout(60):
             while "kazma is running" not in running.log.read_text():
                 await asyncio.sleep(0.05)
         loaded = await running.modules()
-        thresholds = await running.gc_thresholds()
+        *thresholds, frozen = await running.gc_state()
     assert {"telegram", "structlog"} <= loaded
     assert "cryptography" not in loaded
-    assert thresholds == gc.get_threshold()  # this interpreter's defaults, as the child's were before it started
+    assert tuple(thresholds) == gc.get_threshold()  # this interpreter's defaults, as the child's were before it started
+    # What the start made and holds is frozen: full collections of the serving process pass over it no more.
+    assert frozen > 50_000, frozen

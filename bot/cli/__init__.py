@@ -94,6 +94,7 @@ class LazyGroup(click.Group):
             ctx.exit(EXIT_CONFIG)
         finally:
             start_gc.end()  # a start that failed, or a command run in-process (tests): the collector as it was
+            start_gc.thawed()
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]

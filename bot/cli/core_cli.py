@@ -170,7 +170,7 @@ async def _serve(loaded: LoadedConfig, poll_interval: float, *, paced: bool = Tr
         orphans' cancelling and recovery's notices, no longer holds this line)."""
         await server.start()
         _say_running(app, server)
-        start_gc.end()  # the collector's own thresholds from here (see kazma.bot.start_gc)
+        start_gc.served()  # the collector's own thresholds from here, the start's objects frozen (kazma.bot.start_gc)
 
     try:
         await app.start(serving=serving)
