@@ -16,7 +16,7 @@ from kazma.adapters.card_layout import cut_marker, outcome_line
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.slack import SlackAdapter
-from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION
+from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION, REMEMBER_ACTION
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
@@ -550,6 +550,27 @@ async def test_press_is_acknowledged_first_then_handed_to_the_approvals_layer(
     recorder.hold.set()
     await logs.wait_for("platform.press_result", platform="slack", verdict="won")
     assert fake.ephemerals == []  # a winning press is answered by the edited card
+
+
+async def test_every_button_a_card_or_question_shows_is_handed_over_and_no_other(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    # The card's three buttons share one listener (the first Bolt tries); a question's choices have their own.
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    pressed = [APPROVE_ACTION, DENY_ACTION, REMEMBER_ACTION, "kazma_choice_0", "kazma_choice_12"]
+
+    def handed_over(count: int) -> Callable[[], bool]:
+        return lambda: len(recorder.presses) == count
+
+    for n, action_id in enumerate([*pressed, "kazma_approved", "my_kazma_deny", "kazma_choice_x"]):
+        response = await fake.post_block_action(
+            events_url(adapter), action_id=action_id, value=f"v{n}", user=ADMIN, channel=HOME, message_ts=ref.message_id
+        )
+        assert (action_id, response.status) == (action_id, 200 if action_id in pressed else 404)
+        if action_id in pressed:
+            await recorder.signal.wait_until(handed_over(n + 1))
+    assert [p.data for p in recorder.presses] == [f"v{n}" for n in range(len(pressed))]
 
 
 # -- sending text ------------------------------------------------------------------
