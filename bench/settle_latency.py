@@ -48,6 +48,7 @@ from typing import Any
 from kazma.adapters.bus import FanOutBus
 from kazma.approvals.model import Decision
 from kazma.approvals.store import ApprovalStore
+from kazma.bot import start_gc
 from kazma.bot.app import App, build_app
 from kazma.bot.logging import configure_logging
 from kazma.config import load_config_text
@@ -167,6 +168,7 @@ async def measure(
     if stages:
         stage_marks(app, staged)
     await app.start()
+    start_gc.served()  # as `kazma run` does once it serves: what the start holds frozen (kazma.bot.start_gc)
     fakes.slack_events_url = app.bus.adapters["slack"].events_url  # type: ignore[attr-defined]
     results: dict[str, list[float]] = {
         "all settled": [],
