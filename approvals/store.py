@@ -733,23 +733,16 @@ class ApprovalStore:
 
     def _one_statement_op(self, part: _Press) -> Callable[[Tx], Pressed]:
         """:meth:`press_op` on PostgreSQL: the press as one statement when it can be (:meth:`_press_in_one`)."""
-        request_id, status, actor, platform, reason = (
-            part.request_id,
-            part.status,
-            part.actor,
-            part.platform,
-            part.reason,
-        )
-        card, person, admit = part.card, part.person, part.admit
 
         def op(tx: Tx) -> Pressed:
-            pressed = self._press_in_one(tx, request_id, status, actor, platform, reason, card, person, admit, part)
+            pressed = self._press_in_one(tx, part)
             return part(tx) if pressed is None else pressed
 
+        request_id, card = part.request_id, part.card
         if (
             request_id in self._sealed_fields
             and request_id in self._rules
-            and (card is None or card.platform == platform)
+            and (card is None or card.platform == part.platform)
             and self.chain.guesses_hold
         ):
             # One statement sent on a guess (_press_in_one), asking nothing: its group may go as one string.
@@ -896,26 +889,22 @@ class ApprovalStore:
                 break
         return results
 
-    def _press_in_one(
-        self,
-        tx: Tx,
-        request_id: str,
-        status: Status,
-        actor: str,
-        platform: str,
-        reason: str | None,
-        card: CardCheck | None,
-        person: str | None,
-        admit: Admission | None,
-        general: Callable[[Tx], Pressed],
-    ) -> Pressed | None:
+    def _press_in_one(self, tx: Tx, press: _Press) -> Pressed | None:
         """:meth:`press_op` on PostgreSQL as one statement (:mod:`kazma.approvals.pg_press`), or None: the
-        general statements decide it now (a request whose policy or sealed fields this process has not read).
-        A request of a policy of several people, a card problem to name, or fields changed around Kazma make the
-        statement a miss, and ``general`` decides it once the statement's answer is in.
+        general statements (``press`` called) decide it now (a request whose policy or sealed fields this process
+        has not read). A request of a policy of several people, a card problem to name, or fields changed around
+        Kazma make the statement a miss, and the general statements decide it once the statement's answer is in.
 
         In pipeline mode the statement's answer is waited for with the group's others (what is returned is a
         :class:`~kazma.config.store.group_commit.Later` the writer fills before the commit)."""
+        request_id, status, actor, platform, reason = (
+            press.request_id,
+            press.status,
+            press.actor,
+            press.platform,
+            press.reason,
+        )
+        card, person, admit = press.card, press.person, press.admit
         known = self._sealed_fields.get(request_id)
         rules = self._rules.get(request_id)
         if known is None or rules is None or (card is not None and card.platform != platform):
@@ -943,7 +932,7 @@ class ApprovalStore:
                 return Pressed(None, False, None)
             outcome, row = found
             if outcome == pg_press.MISS:
-                return general(tx)
+                return press(tx)
             request = _standing(row)
             if outcome == pg_press.WON:
                 self._sealed_fields.pop(request_id, None)  # decided: no press of it can win again
@@ -984,34 +973,33 @@ class ApprovalStore:
         # winner's answer fills, read by the losers' answers after it: answers are read in the order sent).
         decided: dict[str, tuple[str, list[Any]]] = tx.notes.setdefault(_PRESS_GUESSES, {})
         guessed = decided.get(request_id)
-        committed = self._decided_here.get(request_id) if guessed is None else None
-        if committed is not None:
+        winner: list[Any] | None
+        if guessed is not None:
+            first, winner = guessed
+        elif (committed := self._decided_here.get(request_id)) is not None:
             # Decided by a press of an earlier group of this process: guessed to lose to that outcome, checked by
             # the press function (the row is final; should it say otherwise, the group runs again unguessed).
-            self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now, args_hash=digest,
-                              detail=f"standing: {committed}", person=person)  # fmt: skip
-            return cast(Pressed, pg_press.press_guessed(tx, call, pg_press.LOST, committed,
-                                                        lambda row: Pressed(None, False, _standing(row))))  # fmt: skip
-        if guessed is None:
-            winner: list[Any] = []
-            decided[request_id] = (status.value, winner)
+            first, winner = committed, None
+        else:
+            row_of_winner: list[Any] = []
+            decided[request_id] = (status.value, row_of_winner)
             self.chain.append(tx, request_id, "decided", actor=actor, platform=platform, at=now, args_hash=digest,
                               detail=decided_detail(status, reason), person=person)  # fmt: skip
             tx.after_commit(functools.partial(self._decided_by_guess, request_id, status.value))
 
             def won(row: tuple[Any, ...]) -> Pressed:
-                winner.append(row)
+                row_of_winner.append(row)
                 return Pressed(None, True, _standing(row))
 
             return cast(Pressed, pg_press.press_guessed(tx, call, pg_press.WON, status.value, won,
                                                         notify=DECIDED_CHANNEL))  # fmt: skip
-        first, winner = guessed
         self.chain.append(tx, request_id, "press_lost", actor=actor, platform=platform, at=now, args_hash=digest,
                           detail=f"standing: {first}", person=person)  # fmt: skip
-        if call.card and pg_press.lost_check_prepared(tx):
+        if winner is not None and call.card and pg_press.lost_check_prepared(tx):
             # Told the request as its winner left it (final: nothing after it in the transaction can change it);
             # the server checks only the card (pg_press.lost_on_guess).
-            lost = pg_press.lost_on_guess(tx, call, first, lambda: Pressed(None, False, _standing(winner[0])))
+            left = winner  # its row is in once the winner's answer was read, before this one's
+            lost = pg_press.lost_on_guess(tx, call, first, lambda: Pressed(None, False, _standing(left[0])))
         else:
             lost = pg_press.press_guessed(
                 tx, call, pg_press.LOST, first, lambda row: Pressed(None, False, _standing(row))
