@@ -140,13 +140,10 @@ def event_hash(
         # Text is escaped by json's own function; a field that is not text, or an ``at`` that is not a finite
         # float (an int, NaN), takes json's own path: written its way, or refused.
         try:
-            text = (
-                f"[{_DOMAIN_TEXT},{_NULL if prev_hash is None else _quote(prev_hash)},"
-                f"{_NULL if request_id is None else _quote(request_id)},{_quote(event)},"
-                f"{_NULL if actor is None else _quote(actor)},{_NULL if platform is None else _quote(platform)},"
-                f"{at!r},{_NULL if args_hash is None else _quote(args_hash)},"
-                f"{_NULL if detail is None else _quote(detail)}{']' if person is None else f',{_quote(person)}]'}"
-            )
+            text = _written(
+                _NULL if prev_hash is None else _quote(prev_hash), _NULL if request_id is None else _quote(request_id),
+                event, actor, platform, repr(at), _NULL if args_hash is None else _quote(args_hash), detail, person,
+            )  # fmt: skip
         except TypeError:
             text = _canonical(prev_hash, request_id, event, actor, platform, at, args_hash, detail, person)
     else:
@@ -154,6 +151,28 @@ def event_hash(
     digest = _SHA256.copy()
     digest.update(text.encode("utf-8"))
     return digest.hexdigest()
+
+
+def _written(
+    prev_text: str,
+    id_text: str,
+    event: str,
+    actor: str | None,
+    platform: str | None,
+    at_text: str,
+    digest_text: str,
+    detail: str | None,
+    person: str | None,
+) -> str:
+    """What _CANONICAL writes for an event, given its previous hash, request id, time and arguments hash already
+    written (the fields a transaction's events mostly share: AuditChain._rows writes them once). TypeError for a
+    field that is not text: the caller takes json's own path."""
+    return (
+        f"[{_DOMAIN_TEXT},{prev_text},{id_text},{_quote(event)},"
+        f"{_NULL if actor is None else _quote(actor)},{_NULL if platform is None else _quote(platform)},"
+        f"{at_text},{digest_text},{_NULL if detail is None else _quote(detail)}"
+        f"{']' if person is None else f',{_quote(person)}]'}"
+    )
 
 
 def _canonical(*fields: Any) -> str:
@@ -458,14 +477,7 @@ class AuditChain:
                 if digest != digest_kept:
                     digest_kept, digest_text = digest, _quote(digest)
                 try:
-                    # event_hash's text, byte for byte (tests/test_audit_chain_cost.py holds the two together).
-                    text = (
-                        f"[{_DOMAIN_TEXT},{prev_text},{id_text},{_quote(event)},"
-                        f"{_NULL if actor is None else _quote(actor)},"
-                        f"{_NULL if platform is None else _quote(platform)},{at_text},{digest_text},"
-                        f"{_NULL if detail is None else _quote(detail)}"
-                        f"{']' if person is None else f',{_quote(person)}]'}"
-                    )
+                    text = _written(prev_text, id_text, event, actor, platform, at_text, digest_text, detail, person)
                 except TypeError:  # a field that is not text: json's own path, as event_hash takes it
                     chained = event_hash(prev, request_id, event, actor, platform, at, digest, detail, person)
                 else:
