@@ -29,13 +29,11 @@ import binascii
 import hashlib
 import hmac
 import importlib.util
-import json
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from json.encoder import encode_basestring
 from typing import TYPE_CHECKING
 
+from kazma.approvals.hashing import compact_json
 from kazma.config.keyring import Keyring
 
 # cryptography is imported by the first signature or key it handles, not with this module: its OpenSSL binding is
@@ -47,8 +45,6 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 _DOMAIN = "kazma-audit-checkpoint-v1"  # a signature over anything else can never pass for a checkpoint's
-_DOMAIN_TEXT = encode_basestring(_DOMAIN)
-_quote = encode_basestring  # json's escaping of one text (ensure_ascii=False)
 _COMMIT_DOMAIN = "kazma-audit-commit-v1"
 _SHA256_BLOCK = 64  # bytes: an HMAC key no longer than this is zero-padded to it
 
@@ -79,20 +75,8 @@ def witness_text(seq: int, head: str) -> str:
 
 def message(kind: str, key_id: str | None, first_seq: int, seq: int, head: str, at: float) -> bytes:
     """The bytes a checkpoint's signature covers (a JSON array: every field delimited whatever it holds)."""
-    if type(first_seq) is int and type(seq) is int and type(at) is float and math.isfinite(at):
-        # What json.dumps writes for these fields, byte for byte, without an encoder made per call (a pass signs
-        # one, and a verifier checks each): text escaped by json's own function, numbers as json writes them.
-        try:
-            text = (
-                f"[{_DOMAIN_TEXT},{'null' if key_id is None else _quote(key_id)},{_quote(kind)},"
-                f"{first_seq!r},{seq!r},{_quote(head)},{at!r}]"
-            )
-        except TypeError:  # a field that is not text: json's own path
-            pass
-        else:
-            return text.encode("utf-8")
-    fields = [_DOMAIN, key_id, kind, first_seq, seq, head, at]
-    return json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    # json.dumps's bytes without an encoder made per call (a pass signs one, and a verifier checks each).
+    return compact_json([_DOMAIN, key_id, kind, first_seq, seq, head, at])
 
 
 def _b64(data: bytes) -> str:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
+from json.encoder import encode_basestring
 from typing import Any
 
 
@@ -62,3 +63,25 @@ def args_hash(args: Mapping[str, Any]) -> str:
 def text_hash(args_json: str) -> str:
     """SHA-256 (hex) of already-canonical JSON text, e.g. a stored ``args_json``."""
     return hashlib.sha256(args_json.encode("utf-8")).hexdigest()
+
+
+_quote = encode_basestring  # json's escaping of one text with ensure_ascii=False (the C function its encoder calls)
+
+
+def compact_json(fields: list[object]) -> bytes:
+    """``json.dumps(fields, ensure_ascii=False, separators=(",", ":"))`` as UTF-8, the same bytes, written without
+    building json's encoder (``json.dumps`` with options makes one anew on every call: most of what a seal or a
+    checkpoint's message costs). Text, None, ints and finite floats are written here; any other field sends the
+    whole list json's own way. What the decision seals and the audit checkpoints sign (their verification writes
+    with json and checks against it)."""
+    parts: list[str] = []
+    for value in fields:
+        if isinstance(value, str):  # a subclass too: json writes it as text as well
+            parts.append(_quote(value))
+        elif value is None:
+            parts.append("null")
+        elif type(value) is int or (type(value) is float and math.isfinite(value)):  # not a bool: json writes true
+            parts.append(repr(value))
+        else:
+            return json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return ("[" + ",".join(parts) + "]").encode("utf-8")

@@ -24,8 +24,8 @@ import hmac
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from json.encoder import encode_basestring
 
+from kazma.approvals.hashing import compact_json
 from kazma.approvals.model import ApprovalRequest
 from kazma.config.keyring import Keyring
 
@@ -88,24 +88,9 @@ def _as_json(fields: list[object]) -> bytes:
     return json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-_quote = encode_basestring  # json's escaping of one text with ensure_ascii=False (the C function its encoder calls)
-
-
-def _as_json_quickly(fields: list[object]) -> bytes:
-    """:func:`_as_json`'s bytes, written as json writes them without building json's encoder (which ``json.dumps``
-    with options makes anew on every call: most of a seal's cost). A field that is not text, None or an int goes
-    json's own way. Sealing writes the message so; verification with json checks every seal against it."""
-    parts: list[str] = []
-    for value in fields:
-        if isinstance(value, str):  # a subclass too: json writes it as text as well
-            parts.append(_quote(value))
-        elif value is None:
-            parts.append("null")
-        elif type(value) is int:  # not a bool: json writes true, repr True
-            parts.append(repr(value))
-        else:
-            return _as_json(fields)
-    return ("[" + ",".join(parts) + "]").encode("utf-8")
+# :func:`_as_json`'s bytes without json's encoder built per call (most of a seal's cost). Sealing writes the message
+# so; verification writes it with json and checks every seal against it.
+_as_json_quickly = compact_json
 
 
 # The current key's HMAC state after its key is mixed in, copied for each seal (one key at a time: the current one).
