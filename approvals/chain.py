@@ -85,6 +85,15 @@ CHECKPOINT_COLUMNS: Final = "kind, first_seq, seq, head, at, key_id, signature"
 _INSERT_EVENT_ROWS = f"INSERT INTO approval_events ({EVENT_COLUMNS}, commit_seal) VALUES"
 _ROW_MARKS = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 _INSERT_EVENT = f"{_INSERT_EVENT_ROWS} {_ROW_MARKS}"
+_GUESSED_ROWS_MAX = 16  # SQLite: a transaction's events inserted after the remembered head in one statement, at most
+
+
+@functools.lru_cache(maxsize=_GUESSED_ROWS_MAX)
+def _insert_events(count: int) -> str:
+    """One INSERT of ``count`` event rows: they are written all or none."""
+    return f"{_INSERT_EVENT_ROWS} {', '.join([_ROW_MARKS] * count)}"
+
+
 _PG_SEQUENCE = "approval_events_seq_seq"  # the identity of approval_events.seq on PostgreSQL
 _INSERT_CHECKPOINT = f"INSERT INTO audit_checkpoints ({CHECKPOINT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
 _HEAD_SQLITE = (
@@ -371,6 +380,9 @@ class AuditChain:
         if self.postgres and events:
             self._link_postgres(tx, events)
             return
+        own = self._last_head
+        if own is not None and 0 < len(events) <= _GUESSED_ROWS_MAX and self._appended_after_own(tx, events, own):
+            return
         last_seq, last_hash, signed_seq = (
             tx.one(_HEAD_POSTGRES, (CHAIN_LOCK,)) if self.postgres else tx.one(_HEAD_SQLITE)
         )
@@ -386,6 +398,27 @@ class AuditChain:
         else:
             tx.run_many(_INSERT_EVENT, rows)
         self._appended(tx, prev, seq + 1, rows)
+
+    def _appended_after_own(self, tx: Tx, events: list[_Pending], own: tuple[int, str]) -> bool:
+        """SQLite: the events hashed after the head this chain last committed and inserted in one statement, without
+        reading the head first (a statement: ~3 us hot, ~6 in the decision flow, of the ~10-18 the chain adds).
+        Their numbers follow that head's, and ``seq`` is the table's primary key: if anyone else appended since
+        (another process on the file, a row written around Kazma at that number), the statement fails whole, writes
+        nothing, and False sends the caller to read the head. A row removed around Kazma since leaves these linked
+        to what it was: the verifier names the gap, as a checkpoint signed over it would."""
+        seq, head = own
+        rows = self._rows(events, None, head, seq, tx)
+        try:
+            if len(rows) == 1:
+                tx.send(_INSERT_EVENT, rows[0])
+            else:
+                tx.send(_insert_events(len(rows)), [value for row in rows for value in row])
+        except Exception as exc:
+            if getattr(exc, "sqlite_errorname", None) != "SQLITE_CONSTRAINT_PRIMARYKEY":
+                raise
+            return False
+        self._appended(tx, head, seq + 1, rows)
+        return True
 
     def _appended(self, tx: Tx, prev: str, first: int, rows: list[tuple[Any, ...]]) -> None:
         """``rows`` (from ``first``, after ``prev``) are written in ``tx``: this chain's own once it commits."""

@@ -14,6 +14,7 @@ import base64
 import hashlib
 import hmac
 import json
+import sqlite3
 import time
 from typing import Any
 
@@ -26,8 +27,12 @@ from kazma.approvals.audit_verify import verify
 from kazma.approvals.chain import CHAIN_LOCK, AuditChain, _Pending, event_hash
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.checkpoints import AuditSigner, message
+from kazma.bot.store import all_migrations
 from kazma.config.keyring import AUDIT_KEYS, Keyring
+from kazma.config.store.database import open_database
+from kazma.config.store.writer import Tx as SqliteTx
 from tests.approvals_support import TEST_KEYRING, TEST_SIGNER, approvals_config
+from tests.audit_support import Attacker
 from tests.store_backends import Engine, open_store, raw_rows
 
 # Every code point, surrogates and controls included: a lone surrogate cannot be UTF-8, and both ways must refuse it.
@@ -243,3 +248,79 @@ async def test_a_pass_finds_the_transactions_since_the_last_checkpoint_as_one_ru
         checkpoints = await store.chain_checkpoints(limit=100)
     assert [c.seq for c in checkpoints] == [4, 8, 12]
     assert verify(events, checkpoints, TEST_SIGNER.public_keys()).ok
+
+
+async def test_sqlite_appends_after_the_head_it_remembers_and_reads_the_head_when_someone_else_wrote(
+    tmp_path: Any,
+) -> None:
+    # One SQLite writer knows the head it last committed: it inserts after it without reading the head first. A
+    # row another process (or someone around Kazma) wrote at the next number makes that insert fail whole (the
+    # number is the table's key): nothing of the transaction's events is written twice or half, the head is read,
+    # and the events go after what is there.
+    path = tmp_path / "k.db"
+    async with open_store(Engine("sqlite", str(path))) as conn:
+        store = ApprovalStore(conn, keyring=TEST_KEYRING, audit=TEST_SIGNER)
+        service = ApprovalService(store, approvals_config())
+        first = await service.open("shell", {"command": "deploy"}, "agent:builder", "telegram:-100")
+        writer = await store.tables.writer()
+        heads: list[str] = []
+        writer._connection().set_trace_callback(  # type: ignore[attr-defined]
+            lambda sql: heads.append(sql) if sql.startswith("SELECT (SELECT seq FROM approval_events") else None
+        )
+        await service.decide(first.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
+        assert heads == []  # decided: appended after the head it remembered, none read
+        Attacker(Engine("sqlite", str(path))).run(
+            ("INSERT INTO approval_events (seq, request_id, event, actor, at) VALUES (3, NULL, 'decided', 'x', 1)", ())
+        )
+        second = await service.open("shell", {"command": "deploy"}, "agent:builder", "telegram:-100")
+        assert len(heads) == 1  # its insert at 3 failed: the head was read, the event went after the stray row
+        await service.decide(second.id, Decision.DENY, actor="telegram:111", platform="telegram")
+        assert len(heads) == 1  # and the head it then committed is remembered again
+        assert (await Checkpointer(store, TEST_SIGNER).sign()).unvouched == [3]
+        events = await store.chain_events(limit=100)
+        checkpoints = await store.chain_checkpoints(limit=100)
+    assert [(e.seq, e.event) for e in events] == [
+        (1, "opened"),
+        (2, "decided"),
+        (3, "decided"),
+        (4, "opened"),
+        (5, "decided"),
+    ]
+    report = verify(events, checkpoints, TEST_SIGNER.public_keys())
+    assert report.first is not None
+    assert (report.first.seq, report.first.kind) == (3, "inserted")
+
+
+async def test_sqlite_events_of_one_transaction_are_written_all_or_none_after_the_remembered_head(
+    tmp_path: Any,
+) -> None:
+    # Three events of one transaction (a decision and two lost presses) go in one insert after the remembered
+    # head. A row around Kazma at the second of their numbers fails it whole: none of the three is left at 2
+    # (under a row it did not follow), and all three go after the stray row, one chain.
+    path = tmp_path / "k.db"
+    await (await open_database(path, migrations=all_migrations())).close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    chain = AuditChain(postgres=False, signer=TEST_SIGNER)
+
+    def transaction(*events: str) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        tx = SqliteTx(conn)
+        for event in events:
+            chain.append(tx, "r1", event, actor="telegram:111", platform="telegram", at=1.5, args_hash="a" * 64)
+        tx._run_deferred()
+        conn.execute("COMMIT")
+        tx._committed()
+
+    try:
+        transaction("opened")
+        Attacker(Engine("sqlite", str(path))).run(
+            ("INSERT INTO approval_events (seq, request_id, event, actor, at) VALUES (3, NULL, 'decided', 'x', 1)", ())
+        )
+        transaction("decided", "press_lost", "press_lost")
+        rows = conn.execute("SELECT seq, event, prev_hash FROM approval_events ORDER BY seq").fetchall()
+    finally:
+        conn.close()
+    assert [(seq, event) for seq, event, _ in rows] == [
+        (1, "opened"), (3, "decided"), (4, "decided"), (5, "press_lost"), (6, "press_lost"),
+    ]  # fmt: skip
+    assert chain.last_committed_seq == 6
