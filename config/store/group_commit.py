@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import types
 from collections.abc import Callable, Generator, Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
 import structlog
@@ -153,15 +152,20 @@ class Unasking(Generic[T]):
         return self.op(tx)
 
 
-@dataclass
 class Job(Generic[T]):
-    """One submitted operation, its caller's future, and what running it gave."""
+    """One submitted operation, its caller's future, and what running it gave. (A class with slots, not a
+    dataclass: one is made for every write, and a dataclass's instance dictionary and keyword call cost more.)"""
 
-    op: Callable[[Any], T]
-    future: asyncio.Future[T]
-    result: Any = None
-    error: BaseException | None = None
-    rides: bool = False  # submitted to ride: it never makes a group count as bigger than its other operations
+    __slots__ = ("error", "future", "op", "result", "rides")
+
+    def __init__(self, op: Callable[[Any], T], future: asyncio.Future[T], *, rides: bool = False) -> None:
+        self.op, self.future = op, future
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.rides = rides  # submitted to ride: it never makes a group count as bigger than its other operations
+
+    def __repr__(self) -> str:
+        return f"Job({self.op!r}, rides={self.rides})"
 
 
 def batches(jobs: Sequence[Job[Any]]) -> list[list[Job[Any]]]:
