@@ -13,6 +13,7 @@ import hashlib
 import logging
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
@@ -89,6 +90,7 @@ STORE_SITE = "approval_resolve"
 WAIT_READ_RETRY = Backoff(base=0.1, cap=5.0)
 _NO_PUBLISHER = object()  # no publisher was checked yet (None is a publisher's value: none)
 _CONFIG_READS_KEPT = 4096  # persons and admissions a service keeps of its configuration at most (then starts again)
+_RECENT_KEPT = 10_000  # requests ended here, and asked after, a service remembers (the oldest go first)
 _RECORD_GRACE = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)  # seconds, about 1.6 in all
 
 
@@ -383,9 +385,13 @@ class ApprovalService:
         self._waiters = Waiters(
             store.ended_among, poll_interval, clock, store.commits_seen, lambda request_id: self.store.get(request_id)
         )
-        self._ended_here: dict[str, None] = {}  # requests this process ended (and told the bus), newest last
+        # Requests this process ended (and told the bus), newest last; and, by request id, when this process last
+        # wrote its asker's last_seen. Ordered dictionaries: each is trimmed from its oldest end, and a plain dict
+        # finds its first live entry by stepping over every one deleted before it (about 3 microseconds a press
+        # once 10,000 requests had ended).
+        self._ended_here: OrderedDict[str, None] = OrderedDict()
         self._refusals = RefusalWindow(clock=clock)
-        self._looked: dict[str, float] = {}  # request id -> when this process last wrote its asker's last_seen
+        self._looked: OrderedDict[str, float] = OrderedDict()
         self.halted: str | None = None  # why no decision is taken right now (the store vanished), or None
         # Orphans a start found and has yet to cancel (:mod:`kazma.approvals.orphans`): a press on one ends it
         # first. None: nothing is fenced.
@@ -1309,8 +1315,8 @@ class ApprovalService:
         if last is not None and now - last < SEEN_EVERY:
             return
         self._looked[request_id] = now
-        while len(self._looked) > 10_000:  # bounded: only recent polls are throttled here
-            del self._looked[next(iter(self._looked))]
+        if len(self._looked) > _RECENT_KEPT:  # bounded: only recent polls are throttled here
+            self._looked.popitem(last=False)
         try:
             written = await self.store.seen(request_id, every=SEEN_EVERY)
         except store_errors() as exc:  # a lost look costs the asker nothing while it keeps asking
@@ -1465,9 +1471,10 @@ class ApprovalService:
         """``request_id`` ended here: its cards settle, its waiters wake, its listeners are told. ``decided``: the
         request and its cards as the commit that ended it left them, read in that transaction (a press on
         SQLite), and nothing awaited since: neither the bus nor the waiters read them again."""
-        self._ended_here[request_id] = None
-        while len(self._ended_here) > 10_000:  # bounded: only a waiter's recent request is looked up
-            del self._ended_here[next(iter(self._ended_here))]
+        ended = self._ended_here
+        ended[request_id] = None
+        if len(ended) > _RECENT_KEPT:  # bounded: only a waiter's recent request is looked up
+            ended.popitem(last=False)
         known = None if decided is None else decided.request
         if self.publisher is not None:
             # Before the waiter wakes: the bus puts the card edits ahead of the reply to this decision.

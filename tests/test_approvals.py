@@ -24,6 +24,7 @@ from kazma.approvals import (
     button_data,
     parse_button,
 )
+from kazma.approvals import service as service_module
 from kazma.approvals.service import ButtonError
 from kazma.approvals.store import new_request_id
 from kazma.config import load_config_text
@@ -137,6 +138,22 @@ async def test_decision_is_final_and_losers_are_told_what_stands(store_engine: E
             await raw(service, "UPDATE approval_requests SET status = 'denied' WHERE id = ?", (request.id,))
         events = [(e.event, e.actor) for e in await service.store.events(request.id)]
         assert events == [("opened", "agent:builder"), ("decided", "slack:U111"), ("press_lost", "telegram:111")]
+
+
+async def test_requests_ended_here_are_remembered_newest_first_within_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The requests a service ended are kept, the oldest dropped first once the bound is passed (a waiter looks up
+    only a recent one)."""
+    monkeypatch.setattr(service_module, "_RECENT_KEPT", 3)
+    async with approval_service(tmp_path / "a.db") as service:
+        ids = [(await service.open("shell", {"n": n}, "agent:builder", "telegram:-100")).id for n in range(5)]
+        for request_id in ids:
+            won = await service.decide_from_button(
+                button_data(request_id, Decision.DENY), actor="slack:U111", platform="slack"
+            )
+            assert won.verdict is PressVerdict.WON
+        assert list(service._ended_here) == ids[2:]
 
 
 async def test_audit_trail_is_append_only(store_engine: Engine) -> None:

@@ -239,6 +239,33 @@ async def test_a_lone_write_is_answered_in_the_turn_its_group_runs(writer: Store
     assert rows(writer.path) == {"warm": 0, "lone": 1}
 
 
+def test_a_lone_write_with_nothing_else_ready_is_answered_without_a_turn(tmp_path: Path) -> None:
+    """With no callback ready, a turn would gather no other write (what the next turn polls is queued after the
+    starter): the starter runs its group at once, and its caller is answered without yielding to the loop."""
+    path = tmp_path / "lone.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("CREATE TABLE t (k TEXT PRIMARY KEY, v INTEGER NOT NULL)")
+    conn.close()
+
+    async def main() -> None:
+        writer = StoreWriter(path, inline_commit_seconds=60.0)  # on the loop thread however slow the commits
+        try:
+            await writer.submit(put("warm", 0))
+            loop = asyncio.get_running_loop()
+            assert not loop._ready  # type: ignore[attr-defined]  # this task's step is all that runs
+            lone = writer.submit(put("lone", 1))
+            with pytest.raises(StopIteration) as answered:
+                lone.send(None)  # one step: the group ran and the caller is answered, never suspended
+            assert answered.value.value == 1
+            assert writer.inline_groups == writer.groups == 2
+        finally:
+            await writer.close()
+
+    asyncio.run(main())  # a loop of its own: nothing but this test's task is ready on it
+    assert rows(str(path)) == {"warm": 0, "lone": 1}
+
+
 async def test_a_group_starter_cancelled_before_its_turn_still_commits_the_others(writer: StoreWriter) -> None:
     """The caller that starts a group is cancelled during the turn it yields: the group runs all the same (its
     own write too, as any cancelled caller's), and the others are answered."""

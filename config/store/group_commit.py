@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import types
 from collections.abc import Callable, Generator, Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
 import structlog
@@ -86,6 +85,13 @@ def _one_turn() -> Generator[None, None, None]:
     yield
 
 
+def _callbacks_ready(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether some callback is queued to run in this turn of ``loop`` or the next, before anything the next turn
+    polls. Read from asyncio's own queue (``_ready``: the pure-Python loop's, the one Kazma runs on); a loop that
+    keeps it elsewhere says nothing, and counts as having some."""
+    return bool(getattr(loop, "_ready", True))
+
+
 class Later(Generic[T]):
     """An operation's result given before its statements' answers are in (PostgreSQL's pipeline mode): filled by
     the end of its transaction; the writer answers the caller with the value."""
@@ -146,15 +152,20 @@ class Unasking(Generic[T]):
         return self.op(tx)
 
 
-@dataclass
 class Job(Generic[T]):
-    """One submitted operation, its caller's future, and what running it gave."""
+    """One submitted operation, its caller's future, and what running it gave. (A class with slots, not a
+    dataclass: one is made for every write, and a dataclass's instance dictionary and keyword call cost more.)"""
 
-    op: Callable[[Any], T]
-    future: asyncio.Future[T]
-    result: Any = None
-    error: BaseException | None = None
-    rides: bool = False  # submitted to ride: it never makes a group count as bigger than its other operations
+    __slots__ = ("error", "future", "op", "result", "rides")
+
+    def __init__(self, op: Callable[[Any], T], future: asyncio.Future[T], *, rides: bool = False) -> None:
+        self.op, self.future = op, future
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.rides = rides  # submitted to ride: it never makes a group count as bigger than its other operations
+
+    def __repr__(self) -> str:
+        return f"Job({self.op!r}, rides={self.rides})"
 
 
 def batches(jobs: Sequence[Job[Any]]) -> list[list[Job[Any]]]:
@@ -237,10 +248,13 @@ class GroupQueue:
             return await future
         # This caller starts the group, and runs it itself one turn later: everything submitted during this turn
         # of the loop joins it, and a group run on the loop thread answers this caller in that same turn (a
-        # flush callback, then a turn to wake this caller, cost a lone press a second turn of the loop).
+        # flush callback, then a turn to wake this caller, cost a lone press a second turn of the loop). When no
+        # callback is ready, nothing runs before this caller's next step anyway (what the next turn's poll and
+        # timers bring is queued after it): the group is this write (and riders), and the turn is skipped.
         self._flush_scheduled = True
         try:
-            await _one_turn()
+            if _callbacks_ready(loop):
+                await _one_turn()
         except BaseException:  # cancelled meanwhile: the group still runs, for the others and for this write
             loop.call_soon(self._flush)
             raise

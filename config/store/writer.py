@@ -30,7 +30,6 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -87,13 +86,17 @@ class Tx(Deferred):
 Op = Callable[[Tx], T]
 
 
-@dataclass
 class _Group:
-    jobs: list[Job[Any]]
-    committed_in: float = 0.0
-    error: BaseException | None = None
-    inline: bool = False
-    busy: bool = field(default=False)  # the loop thread met another process's write lock: go to the thread
+    """The jobs of one transaction, and how it went. (Slots, not a dataclass: one is made for every group.)"""
+
+    __slots__ = ("busy", "committed_in", "error", "inline", "jobs")
+
+    def __init__(self, jobs: list[Job[Any]]) -> None:
+        self.jobs = jobs
+        self.committed_in = 0.0
+        self.error: BaseException | None = None
+        self.inline = False
+        self.busy = False  # the loop thread met another process's write lock: go to the thread
 
 
 class StoreWriter(GroupQueue):
