@@ -85,13 +85,23 @@ CHECKPOINT_COLUMNS: Final = "kind, first_seq, seq, head, at, key_id, signature"
 _INSERT_EVENT_ROWS = f"INSERT INTO approval_events ({EVENT_COLUMNS}, commit_seal) VALUES"
 _ROW_MARKS = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 _INSERT_EVENT = f"{_INSERT_EVENT_ROWS} {_ROW_MARKS}"
-_GUESSED_ROWS_MAX = 16  # SQLite: a transaction's events inserted after the remembered head in one statement, at most
+_ONE_INSERT_MAX = 16  # a transaction's event rows written by one INSERT (all or none), at most; more go row by row
 
 
-@functools.lru_cache(maxsize=_GUESSED_ROWS_MAX)
+@functools.lru_cache(maxsize=_ONE_INSERT_MAX)
 def _insert_events(count: int) -> str:
     """One INSERT of ``count`` event rows: they are written all or none."""
     return f"{_INSERT_EVENT_ROWS} {', '.join([_ROW_MARKS] * count)}"
+
+
+def _send_rows(tx: Tx, rows: list[tuple[Any, ...]]) -> None:
+    """The event rows inserted: in one statement (all or none) up to :data:`_ONE_INSERT_MAX` of them."""
+    if len(rows) == 1:
+        tx.send(_INSERT_EVENT, rows[0])
+    elif len(rows) <= _ONE_INSERT_MAX:
+        tx.send(_insert_events(len(rows)), [value for row in rows for value in row])
+    else:
+        tx.run_many(_INSERT_EVENT, rows)
 
 
 _PG_SEQUENCE = "approval_events_seq_seq"  # the identity of approval_events.seq on PostgreSQL
@@ -381,7 +391,7 @@ class AuditChain:
             self._link_postgres(tx, events)
             return
         own = self._last_head
-        if own is not None and 0 < len(events) <= _GUESSED_ROWS_MAX and self._appended_after_own(tx, events, own):
+        if own is not None and 0 < len(events) <= _ONE_INSERT_MAX and self._appended_after_own(tx, events, own):
             return
         last_seq, last_hash, signed_seq = (
             tx.one(_HEAD_POSTGRES, (CHAIN_LOCK,)) if self.postgres else tx.one(_HEAD_SQLITE)
@@ -393,10 +403,7 @@ class AuditChain:
         if not events:
             return
         rows = self._rows(events, None, prev, seq, tx)
-        if len(rows) == 1:
-            tx.send(_INSERT_EVENT, rows[0])
-        else:
-            tx.run_many(_INSERT_EVENT, rows)
+        _send_rows(tx, rows)
         self._appended(tx, prev, seq + 1, rows)
 
     def _appended_after_own(self, tx: Tx, events: list[_Pending], own: tuple[int, str]) -> bool:
@@ -409,10 +416,7 @@ class AuditChain:
         seq, head = own
         rows = self._rows(events, None, head, seq, tx)
         try:
-            if len(rows) == 1:
-                tx.send(_INSERT_EVENT, rows[0])
-            else:
-                tx.send(_insert_events(len(rows)), [value for row in rows for value in row])
+            _send_rows(tx, rows)  # (one statement: the caller sends at most _ONE_INSERT_MAX events here)
         except Exception as exc:
             if getattr(exc, "sqlite_errorname", None) != "SQLITE_CONSTRAINT_PRIMARYKEY":
                 raise
@@ -460,11 +464,10 @@ class AuditChain:
                 )
                 prev, seq = self._head(tx, last_seq, last_hash, signed_seq)
                 rows = self._rows(events, hashes, prev, seq, tx)
-                values = ", ".join([_ROW_MARKS] * len(rows))
                 # Also moves the identity past them: a row inserted without a seq (by hand, around Kazma) must
                 # not take a number the chain gave, or the chain's next append would fail. Nobody reads its answer.
                 tx.send(
-                    f"WITH added AS ({_INSERT_EVENT_ROWS} {values} RETURNING seq)"  # noqa: S608
+                    f"WITH added AS ({_insert_events(len(rows))} RETURNING seq)"  # noqa: S608
                     f" SELECT setval('{_PG_SEQUENCE}', (SELECT max(seq) FROM added))",
                     [value for row in rows for value in row],
                 )
