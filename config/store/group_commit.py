@@ -85,7 +85,7 @@ def _one_turn() -> Generator[None, None, None]:
     yield
 
 
-def _callbacks_ready(loop: asyncio.AbstractEventLoop) -> bool:
+def callbacks_ready(loop: asyncio.AbstractEventLoop) -> bool:
     """Whether some callback is queued to run in this turn of ``loop`` or the next, before anything the next turn
     polls. Read from asyncio's own queue (``_ready``: the pure-Python loop's, the one Kazma runs on); a loop that
     keeps it elsewhere says nothing, and counts as having some."""
@@ -253,7 +253,7 @@ class GroupQueue:
         # timers bring is queued after it): the group is this write (and riders), and the turn is skipped.
         self._flush_scheduled = True
         try:
-            if _callbacks_ready(loop):
+            if callbacks_ready(loop):
                 await _one_turn()
         except BaseException:  # cancelled meanwhile: the group still runs, for the others and for this write
             loop.call_soon(self._flush)

@@ -36,7 +36,15 @@ from typing import Any, TypeVar
 import structlog
 
 from kazma.config.metrics import count_failure
-from kazma.config.store.group_commit import Deferred, GroupQueue, Job, batches, own_operations, run_batch
+from kazma.config.store.group_commit import (
+    Deferred,
+    GroupQueue,
+    Job,
+    batches,
+    callbacks_ready,
+    own_operations,
+    run_batch,
+)
 
 log = structlog.get_logger("kazma.store")
 
@@ -383,9 +391,8 @@ def _loop_idle(loop: asyncio.AbstractEventLoop, within: float) -> bool:
     Read from asyncio's own queues (``_ready``, ``_scheduled``: the pure-Python loop's, the one Kazma runs on); a
     loop that keeps them elsewhere says nothing, and counts as busy: the thread, as before this rule.
     """
-    ready = getattr(loop, "_ready", None)
     timers = getattr(loop, "_scheduled", None)
-    if ready is None or timers is None or ready:
+    if timers is None or callbacks_ready(loop):
         return False
     # A cancelled timer at the head of the heap counts as due: at worst a group goes to the thread.
     return not timers or timers[0].when() > loop.time() + within
