@@ -426,10 +426,23 @@ class AuditChain:
 
     def _appended(self, tx: Tx, prev: str, first: int, rows: list[tuple[Any, ...]]) -> None:
         """``rows`` (from ``first``, after ``prev``) are written in ``tx``: this chain's own once it commits."""
-        last, head = int(rows[-1][0]), str(rows[-1][9])
-        self._open_run = (tx, prev, first, last, head)
-        tx.after_commit(functools.partial(self._committed, prev, first, last, head))
+        last = rows[-1]
+        run = self._open_run
+        if run is None or run[0] is not tx:
+            self._open_run = (tx, prev, first, last[0], last[9])
+            tx.after_commit(self._open_run_committed)
+        elif run[4] == prev and run[3] + 1 == first:  # a second append in one transaction goes on from the first
+            self._open_run = (tx, run[1], run[2], last[0], last[9])
+        else:  # (not seen: one transaction's appends follow each other) told after the open run, in its order
+            tx.after_commit(functools.partial(self._committed, prev, first, last[0], last[9]))
         self.appended = True
+
+    def _open_run_committed(self) -> None:
+        # SQLite: one transaction is written at a time and its after-commit calls run before the next is, so the
+        # open run is the one that committed (None: it was told already, by a registration a retry repeated).
+        run = self._open_run
+        if run is not None:
+            self._committed(*run[1:])
 
     def _link_postgres(self, tx: Tx, events: list[_Pending]) -> None:
         """The lock, the head and the insert in one statement when the head is the one this chain last committed
@@ -489,7 +502,7 @@ class AuditChain:
         """The events as rows after ``prev`` (number ``seq``), the last one sealed; ``hashes``: the arguments hashes
         of their requests, read here from ``tx`` when None and an event wants one."""
         rows: list[tuple[Any, ...]] = []
-        first = seq + 1
+        first, last = seq + 1, seq + len(events)
         # The events of one transaction mostly share their time and their request (a request's presses in one
         # group: decided, press_lost, press_lost): each field's canonical text is written once and kept while the
         # next event has the same (repr of a time is ~10,000 instructions, more than the rest of an event's text).
@@ -522,11 +535,11 @@ class AuditChain:
                     chained = hashed.hexdigest()
             else:
                 chained = event_hash(prev, request_id, event, actor, platform, at, digest, detail, person)
-            rows.append((seq, request_id, event, actor, platform, at, digest, detail, prev, chained, person, None))
+            # The last event carries what vouches for them all (its tuple made once, with the seal in it).
+            seal = None if seq != last or self.signer is None else self.signer.commit_seal(first, seq, chained)
+            rows.append((seq, request_id, event, actor, platform, at, digest, detail, prev, chained, person, seal))
             prev = chained
             prev_text = f'"{chained}"'
-        if self.signer is not None:  # the last event carries what vouches for them all
-            rows[-1] = (*rows[-1][:-1], self.signer.commit_seal(first, seq, prev))
         return rows
 
     def _head(self, tx: Tx, last_seq: int | None, last_hash: str | None, signed_seq: int | None) -> tuple[str, int]:

@@ -324,3 +324,35 @@ async def test_sqlite_events_of_one_transaction_are_written_all_or_none_after_th
         (1, "opened"), (3, "decided"), (4, "decided"), (5, "press_lost"), (6, "press_lost"),
     ]  # fmt: skip
     assert chain.last_committed_seq == 6
+
+
+async def test_two_appends_in_one_sqlite_transaction_are_one_committed_run(tmp_path: Any) -> None:
+    # The chain's flush runs once per transaction today; a flush that hands the chain more events in a later round
+    # of the same transaction appends a second time. What commits must still be this chain's own, one run from the
+    # head it followed to the last event: the checkpointer then signs the head it computed, reading nothing back.
+    path = tmp_path / "k.db"
+    await (await open_database(path, migrations=all_migrations())).close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    chain = AuditChain(postgres=False, signer=TEST_SIGNER)
+
+    def append(tx: Any, event: str) -> None:
+        chain.append(tx, "r1", event, actor="telegram:111", platform="telegram", at=1.5, args_hash="a" * 64)
+
+    def later_round(tx: Any, items: list[Any]) -> None:
+        for event in items:
+            append(tx, event)
+
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        tx = SqliteTx(conn)
+        append(tx, "opened")
+        tx.defer(later_round, "decided")  # runs in the first round, hands "decided" to the chain for the second
+        tx._run_deferred()
+        conn.execute("COMMIT")
+        tx._committed()
+        rows = conn.execute("SELECT seq, event, chain_hash FROM approval_events ORDER BY seq").fetchall()
+    finally:
+        conn.close()
+    assert [(seq, event) for seq, event, _ in rows] == [(1, "opened"), (2, "decided")]
+    assert chain.last_committed_head == (2, rows[-1][2])
+    assert chain.appended_all(0, "0" * 64, 2, rows[-1][2])
