@@ -46,13 +46,6 @@ from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest, Status,
 from kazma.approvals.service import ApprovalRefused, ApprovalService
 from kazma.approvals.withdrawal import POLL_GRACE, Gone, by_asker
 from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, KeyReused, QuotaFull
-from kazma.bot.console.api_models import (
-    UNVERIFIED,
-    Approval,
-    BodyRefused,
-    component_schemas,
-    new_approval,
-)
 from kazma.bot.console.services import ApprovalsServices
 from kazma.config import failpoints
 from kazma.config.metrics import count_failure
@@ -114,6 +107,9 @@ def caller_of(config: KazmaConfig, request: web.Request) -> ApiCaller:
 
 
 def describe(service: ApprovalService, request: ApprovalRequest) -> dict[str, Any]:
+    # The API's pydantic models: built when the API first answers, not by every start
+    from kazma.bot.console.api_models import UNVERIFIED, Approval
+
     outcome = request.outcome()
     status = request.status.value
     decided_by = None if outcome is None or not outcome.status.human else outcome.decided_by
@@ -454,6 +450,8 @@ def _validated(
     body: dict[str, Any], caller: ApiCaller, config: KazmaConfig
 ) -> tuple[str, dict[str, Any], tuple[str, ...], float | None]:
     # What JSON cannot carry first (a lone surrogate reads as a bad tool name otherwise), then the model.
+    from kazma.bot.console.api_models import BodyRefused, new_approval
+
     problem = _unrepresentable(body)
     if problem is not None:
         raise _error(web.HTTPBadRequest, f"{problem}; send it as JSON can carry it")
@@ -490,7 +488,9 @@ _ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/sche
 @functools.cache
 def openapi_document() -> dict[str, Any]:
     """The API's OpenAPI document, made when first asked for: generating its schemas from the models costs a
-    start ~4 ms that nothing before the first ``GET /api/openapi.json`` needs."""
+    start ~4 ms that nothing before the first ``GET /api/v1/openapi.json`` needs."""
+    from kazma.bot.console.api_models import component_schemas
+
     return {
         "openapi": "3.1.0",
         "info": {"title": "Kazma approvals API", "version": "1"},
