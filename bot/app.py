@@ -64,8 +64,6 @@ from kazma.engine.swarm.store import SwarmTaskStore
 from kazma.engine.swarm.workers import AgentWorker
 from kazma.engine.tools.builtin import default_registry
 from kazma.engine.tools.executions import ExecutionRecord
-from kazma.engine.tools.mcp_launch import places_for
-from kazma.engine.tools.mcp_tools import MCPSources
 from kazma.engine.tools.registry import ToolRegistry
 from kazma.engine.tools.sandbox import Sandbox, resolve_sandbox
 from kazma.engine.tools.send_file import SendFileTool
@@ -329,7 +327,10 @@ async def build_app(
         executions=executions,
     )
     mcp = None
-    if config.mcp_servers:
+    if config.mcp_servers:  # MCP's client machinery (anyio, the stdio launcher) is imported only when configured
+        from kazma.engine.tools.mcp_launch import places_for
+        from kazma.engine.tools.mcp_tools import MCPSources
+
         places = places_for(config, config_file=loaded.source, workspace_root=workspace_root)
         mcp = MCPSources(config.mcp_servers, tools, config.danger_level, places=places)
     agents = agents_from_config(config)

@@ -42,11 +42,11 @@ from kazma.engine.conversation import Conversations
 from kazma.engine.executor import Action, PlanExecutor
 from kazma.engine.swarm.service import SwarmService
 from kazma.engine.tools.executions import ExecutionRecord
-from kazma.engine.tools.mcp_tools import MCPSources
 from kazma.engine.types import ModelProvider
 
 if TYPE_CHECKING:
     from kazma.bot.replication import Replication
+    from kazma.engine.tools.mcp_tools import MCPSources
 
 log = structlog.get_logger("kazma.app")
 

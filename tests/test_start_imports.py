@@ -123,3 +123,33 @@ def test_the_audit_signer_imports_cryptography_at_its_first_signature() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "False True None None True False"
+
+
+RUN_PROBE = """
+import sys
+import kazma.bot.cli.core_cli
+from kazma.bot.app import build_adapters
+from kazma.config import load_config_text
+adapters = build_adapters(load_config_text(sys.argv[1], environ={}))
+held = [m for m in sys.modules if m.startswith(("kazma.bot.cli.demo", "kazma.engine.tools.mcp_", "anyio",
+                                                "slack_bolt.adapter.socket_mode", "slack_sdk.socket_mode",
+                                                "kazma.engine.swarm.grammar", "kazma.bot.console.api_models"))]
+print(sorted(a.name for a in adapters), sorted(held))
+"""
+
+
+def test_a_start_without_mcp_or_socket_mode_leaves_their_machinery_out(tmp_path: Path) -> None:
+    """What `kazma run` imports before it is ready, with Slack over HTTP and no MCP server configured: not the
+    demo's scenario, not the MCP client (its stdio launcher, anyio), not Slack's socket-mode client, not the
+    swarm's command grammar, not the API's pydantic models (nor the OpenAPI document generated from them): each is
+    imported where it is first used."""
+    yaml = (
+        f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
+        "platforms:\n  slack: {bot_token: 'xoxb-kazma-fake-token', signing_secret: 'kazma-fake-signing-secret',"
+        " channels: [C0HOME0001], home_channel: C0HOME0001, admins: [U0ADMIN01]}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_PROBE, yaml], capture_output=True, text=True, timeout=120, check=False, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "['slack'] []"

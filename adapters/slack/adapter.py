@@ -22,7 +22,7 @@ import logging
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final, Unpack
+from typing import TYPE_CHECKING, Any, Final, Unpack
 from urllib.parse import urlsplit
 from urllib.request import proxy_bypass
 
@@ -30,7 +30,6 @@ import aiohttp
 import structlog
 from aiohttp import web
 from slack_bolt.adapter.aiohttp import to_aiohttp_response, to_bolt_request
-from slack_bolt.adapter.socket_mode.async_handler import AsyncSocketModeHandler
 from slack_bolt.async_app import AsyncApp
 from slack_bolt.context.ack.async_ack import AsyncAck
 from slack_bolt.middleware.async_middleware import AsyncMiddleware
@@ -83,6 +82,9 @@ from kazma.approvals.model import Outcome
 from kazma.config.metrics import count_failure
 from kazma.config.models import SlackConfig
 from kazma.config.waits import bounded
+
+if TYPE_CHECKING:
+    from slack_bolt.adapter.socket_mode.async_handler import AsyncSocketModeHandler
 
 log = structlog.get_logger("kazma.adapters.slack")
 # slack-sdk's client logger. slack-sdk formats every request's parameters and every answer (a card's blocks, both
@@ -292,6 +294,9 @@ class SlackAdapter(PlatformBase):
         # slack-sdk retries a failed connect forever, so a bad app token would hang
         # start; asking for the socket URL first turns it into a clear error.
         opened = await self.client.apps_connections_open(app_token=self.config.app_token)
+        # Socket mode's client (slack_sdk.socket_mode, its aiohttp websocket): imported only by a socket-mode start
+        from slack_bolt.adapter.socket_mode.async_handler import AsyncSocketModeHandler
+
         handler = AsyncSocketModeHandler(self.app, self.config.app_token, web_client=self.client)
         handler.client.wss_uri = str(opened["url"])
         try:

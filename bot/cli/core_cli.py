@@ -23,7 +23,6 @@ from kazma.approvals.model import Decision
 from kazma.bot import start_gc
 from kazma.bot.app import App, build_app
 from kazma.bot.cli.context import Context
-from kazma.bot.cli.demo import run_demo
 from kazma.bot.cli.log_options import log_settings
 from kazma.bot.console.server import WebServer
 from kazma.bot.logging import redact_secret
@@ -244,6 +243,8 @@ def demo(ctx: click.Context, deny: bool, terminal_only: bool, port: int, no_brow
     opened when there is one) and the card can be pressed there or here; without
     one it plays in this terminal and presses the card itself.
     """
+    from kazma.bot.cli.demo import run_demo  # its scenario and terminal adapter: only this command needs them
+
     settings = log_settings(ctx)
     if not settings.level_given:  # the transcript is the point: only problems are logged unless asked
         settings.level = "warning"

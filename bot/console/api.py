@@ -28,6 +28,7 @@ through them, and ``/api/v1/openapi.json`` is generated from the same models.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
 import math
@@ -45,13 +46,6 @@ from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest, Status,
 from kazma.approvals.service import ApprovalRefused, ApprovalService
 from kazma.approvals.withdrawal import POLL_GRACE, Gone, by_asker
 from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, KeyReused, QuotaFull
-from kazma.bot.console.api_models import (
-    UNVERIFIED,
-    Approval,
-    BodyRefused,
-    component_schemas,
-    new_approval,
-)
 from kazma.bot.console.services import ApprovalsServices
 from kazma.config import failpoints
 from kazma.config.metrics import count_failure
@@ -113,6 +107,9 @@ def caller_of(config: KazmaConfig, request: web.Request) -> ApiCaller:
 
 
 def describe(service: ApprovalService, request: ApprovalRequest) -> dict[str, Any]:
+    # The API's pydantic models: built when the API first answers, not by every start
+    from kazma.bot.console.api_models import UNVERIFIED, Approval
+
     outcome = request.outcome()
     status = request.status.value
     decided_by = None if outcome is None or not outcome.status.human else outcome.decided_by
@@ -354,7 +351,7 @@ class ApprovalsApi:
         return web.json_response(describe(self.service, after))
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(OPENAPI)
+        return web.json_response(openapi_document())
 
 
 _DESCRIBED_KEPT = 256
@@ -453,6 +450,8 @@ def _validated(
     body: dict[str, Any], caller: ApiCaller, config: KazmaConfig
 ) -> tuple[str, dict[str, Any], tuple[str, ...], float | None]:
     # What JSON cannot carry first (a lone surrogate reads as a bad tool name otherwise), then the model.
+    from kazma.bot.console.api_models import BodyRefused, new_approval
+
     problem = _unrepresentable(body)
     if problem is not None:
         raise _error(web.HTTPBadRequest, f"{problem}; send it as JSON can carry it")
@@ -484,87 +483,102 @@ def _policy(body: dict[str, Any], config: KazmaConfig) -> str | None:
 
 _OK = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Approval"}}}}
 _ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ApiError"}}}}
-OPENAPI: dict[str, Any] = {
-    "openapi": "3.1.0",
-    "info": {"title": "Kazma approvals API", "version": "1"},
-    "components": {
-        "securitySchemes": {"token": {"type": "http", "scheme": "bearer"}},
-        # Generated from the models the API validates and answers with (api_models): they cannot drift apart.
-        "schemas": component_schemas(),
-    },
-    "security": [{"token": []}],
-    "paths": {
-        "/api/v1/approvals": {
-            "post": {
-                "summary": "Ask for a human's approval of one call (a card on every platform)",
-                "parameters": [
-                    {
-                        "name": "Idempotency-Key",
-                        "in": "header",
-                        "description": "1-200 visible ASCII characters. The same key and body return the request it "
-                        "opened, from any replica, until a day past that request's deadline (then the key is "
-                        "forgotten); the same key with another body is refused (422).",
-                        "schema": {"type": "string", "pattern": "^[\\x21-\\x7e]{1,200}$"},
-                    },
-                    {
-                        "name": WAIT_HEADER,
-                        "in": "header",
-                        "description": "sync: the caller waits and keeps asking (GET); the request is withdrawn "
-                        f"when it stops asking for {POLL_GRACE:g} s",
-                        "schema": {"type": "string", "enum": ["sync"]},
-                    },
-                ],
-                "requestBody": {
-                    "required": True,
-                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/NewApproval"}}},
-                },
-                "responses": {
-                    "201": {"description": "opened", **_OK},
-                    "200": {"description": "the request this Idempotency-Key already opened", **_OK},
-                    "400": {
-                        "description": "the body is not a request JSON can carry: not a JSON object, NaN or an "
-                        "infinity, a lone surrogate, arguments nested deeper than "
-                        f"{MAX_ARGUMENT_DEPTH} levels, an unknown field or a field of the wrong kind",
-                        **_ERROR,
-                    },
-                    "401": {"description": "no valid API token", **_ERROR},
-                    "403": {"description": "the token lacks the approval_requester role", **_ERROR},
-                    "404": {"description": "the request this Idempotency-Key opened is gone", **_ERROR},
-                    "422": {
-                        "description": "the call cannot be shown faithfully, or the Idempotency-Key was used "
-                        "with another body",
-                        **_ERROR,
-                    },
-                    "429": {
-                        "description": "the token has api.tokens.<name>.max_pending requests pending; ask again "
-                        "after Retry-After seconds, once one was decided or withdrawn",
-                        "headers": {"Retry-After": {"schema": {"type": "integer"}}},
-                        **_ERROR,
-                    },
-                    "503": {
-                        "description": "no platform can show an approval card now, the store could not record "
-                        "the request (nothing was opened), or it failed after opening it (the error names the request: "
-                        "ask again with the same Idempotency-Key)",
-                        **_ERROR,
-                    },
-                },
-            }
+
+
+@functools.cache
+def openapi_document() -> dict[str, Any]:
+    """The API's OpenAPI document, made when first asked for: generating its schemas from the models costs a
+    start ~4 ms that nothing before the first ``GET /api/v1/openapi.json`` needs."""
+    from kazma.bot.console.api_models import component_schemas
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Kazma approvals API", "version": "1"},
+        "components": {
+            "securitySchemes": {"token": {"type": "http", "scheme": "bearer"}},
+            # Generated from the models the API validates and answers with (api_models): they cannot drift apart.
+            "schemas": component_schemas(),
         },
-        "/api/v1/approvals/{id}": {
-            "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}],
-            "get": {
-                "summary": "The request and its outcome; ?wait=<s> (at most 60) waits for one",
-                "parameters": [{"name": "wait", "in": "query", "schema": {"type": "number", "maximum": MAX_WAIT}}],
-                "responses": {"200": {"description": "the request", **_OK}, "404": {"description": "not yours"}},
+        "security": [{"token": []}],
+        "paths": {
+            "/api/v1/approvals": {
+                "post": {
+                    "summary": "Ask for a human's approval of one call (a card on every platform)",
+                    "parameters": [
+                        {
+                            "name": "Idempotency-Key",
+                            "in": "header",
+                            "description": "1-200 visible ASCII characters. The same key and body return the "
+                            "request it opened, from any replica, until a day past that request's deadline (then the "
+                            "key is forgotten); the same key with another body is refused (422).",
+                            "schema": {"type": "string", "pattern": "^[\\x21-\\x7e]{1,200}$"},
+                        },
+                        {
+                            "name": WAIT_HEADER,
+                            "in": "header",
+                            "description": "sync: the caller waits and keeps asking (GET); the request is withdrawn "
+                            f"when it stops asking for {POLL_GRACE:g} s",
+                            "schema": {"type": "string", "enum": ["sync"]},
+                        },
+                    ],
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/NewApproval"}}},
+                    },
+                    "responses": {
+                        "201": {"description": "opened", **_OK},
+                        "200": {"description": "the request this Idempotency-Key already opened", **_OK},
+                        "400": {
+                            "description": "the body is not a request JSON can carry: not a JSON object, NaN or an "
+                            "infinity, a lone surrogate, arguments nested deeper than "
+                            f"{MAX_ARGUMENT_DEPTH} levels, an unknown field or a field of the wrong kind",
+                            **_ERROR,
+                        },
+                        "401": {"description": "no valid API token", **_ERROR},
+                        "403": {"description": "the token lacks the approval_requester role", **_ERROR},
+                        "404": {"description": "the request this Idempotency-Key opened is gone", **_ERROR},
+                        "422": {
+                            "description": "the call cannot be shown faithfully, or the Idempotency-Key was used "
+                            "with another body",
+                            **_ERROR,
+                        },
+                        "429": {
+                            "description": "the token has api.tokens.<name>.max_pending requests pending; ask again "
+                            "after Retry-After seconds, once one was decided or withdrawn",
+                            "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+                            **_ERROR,
+                        },
+                        "503": {
+                            "description": "no platform can show an approval card now, the store could not "
+                            "record the request (nothing was opened), or it failed after opening it (the error names "
+                            "the request: ask again with the same Idempotency-Key)",
+                            **_ERROR,
+                        },
+                    },
+                }
             },
-            "delete": {
-                "summary": "Withdraw a pending request (it ends cancelled); ?why= says why the asker went away",
-                "parameters": [{"name": "why", "in": "query", "schema": {"type": "string", "enum": list(WHY)}}],
-                "responses": {"200": {"description": "the request", **_OK}, "400": {"description": "unknown why"}},
+            "/api/v1/approvals/{id}": {
+                "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "get": {
+                    "summary": "The request and its outcome; ?wait=<s> (at most 60) waits for one",
+                    "parameters": [{"name": "wait", "in": "query", "schema": {"type": "number", "maximum": MAX_WAIT}}],
+                    "responses": {"200": {"description": "the request", **_OK}, "404": {"description": "not yours"}},
+                },
+                "delete": {
+                    "summary": "Withdraw a pending request (it ends cancelled); ?why= says why the asker went away",
+                    "parameters": [{"name": "why", "in": "query", "schema": {"type": "string", "enum": list(WHY)}}],
+                    "responses": {"200": {"description": "the request", **_OK}, "400": {"description": "unknown why"}},
+                },
             },
         },
-    },
-}
+    }
+
+
+def __getattr__(name: str) -> Any:
+    """``OPENAPI``: the same document, as a module attribute."""
+    if name == "OPENAPI":
+        return openapi_document()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register(application: web.Application, services: ApprovalsServices) -> ApprovalsApi:

@@ -76,7 +76,6 @@ from kazma.bot.console.upload import UploadRefused, read_upload
 from kazma.bot.console.waiting_page import NOBODY, waiting_page
 from kazma.config.address import Address
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure, with_label
-from kazma.engine.swarm.grammar import parse
 from kazma.engine.swarm.limits import MAX_COMMAND_BYTES, MAX_PROMPT_BYTES
 from kazma.engine.swarm.roles import Role as SwarmRole
 from kazma.engine.swarm.roles import required_role
@@ -647,6 +646,8 @@ class WebServer:
     async def _swarm_text(self, session: Session, text: str) -> str:
         """Run a ``/swarm`` command for a console person: operators count as admins, readers may only read."""
         if not session.is_operator:
+            from kazma.engine.swarm.grammar import parse  # the swarm's grammar: imported by the first command
+
             config = self.services.config
             try:
                 command = parse(text, workers=config.agents.workers, pipelines=config.pipelines)

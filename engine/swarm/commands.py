@@ -13,23 +13,6 @@ from kazma.config.address import Address
 from kazma.config.models import KazmaConfig
 from kazma.engine.swarm.call_records import CallRecord
 from kazma.engine.swarm.endings import ending_lines, execution_of
-from kazma.engine.swarm.grammar import (
-    ApproveCommand,
-    BreakerResetCommand,
-    CancelCommand,
-    ConfigCommand,
-    HelpCommand,
-    HistoryCommand,
-    ListCommand,
-    MetricsCommand,
-    RejectCommand,
-    RetryCommand,
-    StatusCommand,
-    TasksCommand,
-    WorkersCommand,
-    help_text,
-    parse,
-)
 from kazma.engine.swarm.patterns import handoff_paths
 from kazma.engine.swarm.roles import authorize
 from kazma.engine.swarm.service import SwarmService, request_from
@@ -57,6 +40,8 @@ class SwarmCommands:
 
         ``context`` (``kazma swarm --context-file``) goes with work the command starts, fenced as data.
         """
+        from kazma.engine.swarm.grammar import parse  # the grammar: imported by the first /swarm command
+
         try:
             command = parse(text, workers=self.config.agents.workers, pipelines=self.config.pipelines)
         except GrammarError as exc:
@@ -76,12 +61,14 @@ class SwarmCommands:
             return f"The swarm's task store is unavailable ({exc.operation}); nothing changed, send again."
 
     async def _execute(self, command: SwarmCommand, *, actor: str, platform: str, chat: str, context: str) -> str:
+        from kazma.engine.swarm import grammar as g  # imported already: run() parsed the command with it
+
         service = self.service
         route = command.route.conversation if command.route is not None else None
         origin = Address(platform, chat).conversation
-        if isinstance(command, HelpCommand):
-            return help_text()
-        if isinstance(command, StatusCommand):
+        if isinstance(command, g.HelpCommand):
+            return g.help_text()
+        if isinstance(command, g.StatusCommand):
             if command.task_id is None:
                 running = await service.store.count(TaskStatus.RUNNING)
                 paused = await service.store.count(TaskStatus.PAUSED)
@@ -89,22 +76,22 @@ class SwarmCommands:
             record = await service.task(command.task_id)
             calls = await service.store.calls(command.task_id) if record is not None else []
             return _describe(record, command.task_id, calls)
-        if isinstance(command, TasksCommand):
+        if isinstance(command, g.TasksCommand):
             if command.worker is None:
                 return "\n".join(_line(r) for r in await service.store.list(limit=20)) or "no swarm tasks yet"
             found = await service.store.tasks_of(command.worker, limit=20)
             return "\n".join(_line(r) for r in found) or f"no swarm task named or ran {command.worker}"
-        if isinstance(command, ListCommand):
+        if isinstance(command, g.ListCommand):
             records = [
                 *await service.store.list(TaskStatus.RUNNING, limit=20),
                 *await service.store.list(TaskStatus.PAUSED, limit=20),
             ]
             return "\n".join(_line(r) for r in records) or "no running or paused swarm tasks"
-        if isinstance(command, HistoryCommand):
+        if isinstance(command, g.HistoryCommand):
             return "\n".join(_line(r) for r in await service.store.history(limit=20)) or "no swarm tasks yet"
-        if isinstance(command, WorkersCommand):
+        if isinstance(command, g.WorkersCommand):
             return "\n".join(service.worker_lines()) or "no workers configured"
-        if isinstance(command, ConfigCommand):
+        if isinstance(command, g.ConfigCommand):
             swarm = self.config.swarm
             presets = "; ".join(f"{n}: {', '.join(s)}" for n, s in self.config.pipelines.items())
             lines = [
@@ -115,16 +102,16 @@ class SwarmCommands:
                 *(f"{name}: {swarm.reliability(name).line()}" for name in self.config.agents.workers),
             ]
             return "\n".join(lines)
-        if isinstance(command, CancelCommand):
+        if isinstance(command, g.CancelCommand):
             return await service.cancel(command.task_id, actor=actor)
-        if isinstance(command, ApproveCommand | RejectCommand):
-            decision = Decision.APPROVE if isinstance(command, ApproveCommand) else Decision.DENY
+        if isinstance(command, g.ApproveCommand | g.RejectCommand):
+            decision = Decision.APPROVE if isinstance(command, g.ApproveCommand) else Decision.DENY
             return await service.decide_checkpoint(command.task_id, decision, actor=actor, platform=platform)
-        if isinstance(command, BreakerResetCommand):
+        if isinstance(command, g.BreakerResetCommand):
             return await service.reset_breaker(command.worker, actor=actor)
-        if isinstance(command, MetricsCommand):
+        if isinstance(command, g.MetricsCommand):
             return await service.metrics_text(command.days)
-        if isinstance(command, RetryCommand):
+        if isinstance(command, g.RetryCommand):
             return await self._retry(command.task_id, actor=actor, origin=origin, route=route)
         request = replace(_request(command, owner=actor, origin=origin, route=route), context=context)
         task_id = await service.submit(request)
