@@ -16,11 +16,13 @@ case runs ``--runs`` times; the table prints every run and the median ratio.
 
 SQLite: a file in ``--dir`` (disk), WAL, ``synchronous=FULL``. PostgreSQL
 (``--postgres``): a throwaway server from the test suite (fsync off, so commits
-cost round trips, not disk flushes), or ``--dsn``; with ``--replicas N`` each side
-gets N stores (N writers, N connections: what N ``kazma run`` replicas are to the
-database) and the presses are spread over them, so the chain's lock is contended.
+cost round trips, not disk flushes; ``--fsync`` turns it on, as in production),
+or ``--dsn``; with ``--replicas N`` each side gets N stores (N writers, N connections:
+what N ``kazma run`` replicas are to the database) and the presses are spread over them,
+so the chain's lock is contended.
 
-    python bench/audit_chain.py [--requests 1500] [--runs 3] [--dir PATH] [--postgres] [--replicas 3] [--split]
+    python bench/audit_chain.py [--requests 1500] [--runs 3] [--dir PATH] [--postgres [--fsync]]
+        [--replicas 3] [--split]
 
 Beside the totals it prints the median over chunks of each side's CPU per decision (a chunk the machine's other
 load hit hard moves a median less than a sum) and the checkpoints the chain-on side signed per 100 decisions while
@@ -296,6 +298,25 @@ def pg_databases(dsn: str | None) -> Iterator[tuple[dict[str, str], str]]:
         yield {"on": on.dsn, "off": off.dsn, "bare": bare.dsn}, "PostgreSQL (a throwaway test server, fsync off)"
 
 
+def durable(dsn: str, ours: bool) -> None:
+    """--fsync: the throwaway server's commits wait for the disk, as a production server's do (server-wide)."""
+    import psycopg
+
+    if not ours:
+        raise SystemExit("--fsync switches the throwaway server only: give a --dsn server's own settings instead")
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        for name in ("fsync", "synchronous_commit", "full_page_writes"):
+            admin.execute(f"ALTER SYSTEM SET {name} = on")
+        admin.execute("SELECT pg_reload_conf()")
+    for _ in range(100):  # the reload is a signal the server takes in its own time: until a new session sees it
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            row = admin.execute("SELECT current_setting('fsync'), current_setting('synchronous_commit')").fetchone()
+        if row == ("on", "on"):
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"the server did not take fsync on: {row}")
+
+
 # --account: thread CPU (ns) spent in the wrapped calls, by the store whose chain or checkpointer made them.
 SPENT: dict[tuple[int, str], list[int]] = {}
 
@@ -404,6 +425,9 @@ async def main() -> None:
     parser.add_argument("--tx-cpu", action="store_true", help="the chain's own CPU per transaction (SQLite)")
     parser.add_argument("--split", action="store_true", help="a third side: the chain without its checkpointer")
     parser.add_argument("--account", action="store_true", help="where each side's CPU per decision goes (see above)")
+    parser.add_argument(
+        "--fsync", action="store_true", help="PostgreSQL's throwaway server with fsync and synchronous_commit on"
+    )
     args = parser.parse_args()
     configure_logging("warning")  # measure the store, not the log sink
     start_gc.served()  # as `kazma run` does once it serves: what the start holds frozen (kazma.bot.start_gc)
@@ -419,6 +443,9 @@ async def main() -> None:
     with contextlib.ExitStack() as stack:
         if args.postgres:
             dsns, where = stack.enter_context(pg_databases(args.dsn))
+            if args.fsync:
+                where = where.replace("fsync off", "fsync on") if args.dsn is None else where
+                durable(dsns["on"], args.dsn is None)
             where += f", {args.replicas} writer(s) per side"
         else:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir or Path.cwd())))
