@@ -15,6 +15,16 @@ import pytest
 
 from tests.process_support import REPO
 
+
+def _probe(script: str, *args: str) -> str:
+    """The last line a fresh interpreter running ``script`` (with ``args``) printed; it must exit cleanly."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120, check=False, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
 PROBE = """
 import sys
 from kazma.bot.app import build_adapters
@@ -31,11 +41,7 @@ def _built(tmp: Path, telegram: str) -> str:
         f"store: {{path: '{tmp / 'k.db'}'}}\n"
         f"platforms:\n  telegram: {{token: '1:t', chats: [-1001], home_chat: -1001, admins: [111]{telegram}}}\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE, yaml], capture_output=True, text=True, timeout=120, check=False, cwd=REPO
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip().splitlines()[-1]
+    return _probe(PROBE, yaml)
 
 
 def test_long_polling_does_not_import_the_webhook_server(tmp_path: Path) -> None:
@@ -61,11 +67,7 @@ def test_discord_does_not_import_its_voice_library(tmp_path: Path) -> None:
         "platforms:\n  discord: {token: 'x.y.z', channels: [123456789012345678], home_channel: 123456789012345678,"
         " admins: [223456789012345678]}\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", DISCORD_PROBE, yaml], capture_output=True, text=True, timeout=120, check=False, cwd=REPO
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "['discord'] False False"
+    assert _probe(DISCORD_PROBE, yaml) == "['discord'] False False"
 
 
 def test_a_webhook_still_has_its_server(tmp_path: Path) -> None:
@@ -93,11 +95,8 @@ def test_telegram_does_not_import_cryptography_for_its_passports(tmp_path: Path)
             f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
             f"platforms:\n  telegram: {{token: '1:t', chats: [-1001], home_chat: -1001, admins: [111]{telegram}}}\n"
         )
-        done = subprocess.run(
-            [sys.executable, "-c", probe, yaml], capture_output=True, text=True, timeout=120, check=False, cwd=REPO
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stdout.strip().splitlines()[-1].startswith("['telegram'] False"), (telegram, done.stdout)
+        last = _probe(probe, yaml)
+        assert last.startswith("['telegram'] False"), (telegram, last)
 
 
 SIGNER_PROBE = """
@@ -118,11 +117,7 @@ print(before, "cryptography" in sys.modules, keys.problem(checkpoint), again.pro
 def test_the_audit_signer_imports_cryptography_at_its_first_signature() -> None:
     """A signer is made at every start; cryptography (its Ed25519) is imported by the first checkpoint it signs,
     and what it signs verifies as before: with its public keys, also written out and read back."""
-    done = subprocess.run(
-        [sys.executable, "-c", SIGNER_PROBE], capture_output=True, text=True, timeout=120, check=False, cwd=REPO
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "False True None None True False"
+    assert _probe(SIGNER_PROBE) == "False True None None True False"
 
 
 RUN_PROBE = """
@@ -148,8 +143,4 @@ def test_a_start_without_mcp_or_socket_mode_leaves_their_machinery_out(tmp_path:
         "platforms:\n  slack: {bot_token: 'xoxb-kazma-fake-token', signing_secret: 'kazma-fake-signing-secret',"
         " channels: [C0HOME0001], home_channel: C0HOME0001, admins: [U0ADMIN01]}\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", RUN_PROBE, yaml], capture_output=True, text=True, timeout=120, check=False, cwd=REPO
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "['slack'] []"
+    assert _probe(RUN_PROBE, yaml) == "['slack'] []"
