@@ -426,23 +426,10 @@ class AuditChain:
 
     def _appended(self, tx: Tx, prev: str, first: int, rows: list[tuple[Any, ...]]) -> None:
         """``rows`` (from ``first``, after ``prev``) are written in ``tx``: this chain's own once it commits."""
-        last = rows[-1]
-        run = self._open_run
-        if run is None or run[0] is not tx:
-            self._open_run = (tx, prev, first, last[0], last[9])
-            tx.after_commit(self._open_run_committed)
-        elif run[4] == prev and run[3] + 1 == first:  # a second append in one transaction goes on from the first
-            self._open_run = (tx, run[1], run[2], last[0], last[9])
-        else:  # (not seen: one transaction's appends follow each other) told after the open run, in its order
-            tx.after_commit(functools.partial(self._committed, prev, first, last[0], last[9]))
+        last, head = int(rows[-1][0]), str(rows[-1][9])
+        self._open_run = (tx, prev, first, last, head)
+        tx.after_commit(functools.partial(self._committed, prev, first, last, head))
         self.appended = True
-
-    def _open_run_committed(self) -> None:
-        # SQLite: one transaction is written at a time and its after-commit calls run before the next is, so the
-        # open run is the one that committed (None: it was told already, by a registration a retry repeated).
-        run = self._open_run
-        if run is not None:
-            self._committed(*run[1:])
 
     def _link_postgres(self, tx: Tx, events: list[_Pending]) -> None:
         """The lock, the head and the insert in one statement when the head is the one this chain last committed

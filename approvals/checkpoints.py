@@ -121,7 +121,7 @@ class AuditSigner:
     def commit_seal(self, first_seq: int, seq: int, head: str) -> str:
         """``<key id>:<first seq>:<HMAC>``: what an appending transaction writes on its last event."""
         inner = self._inner.copy()
-        inner.update(f"{self.key_id}|{first_seq}|{seq}|{head}".encode("ascii"))  # _commit_message, inline
+        inner.update(_commit_message(self.key_id, first_seq, seq, head))
         outer = self._outer.copy()
         outer.update(inner.digest())
         return f"{self.key_id}:{first_seq}:{outer.hexdigest()}"
