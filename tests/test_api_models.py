@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kazma.bot.console.api import OPENAPI
+from kazma.bot.console.api import openapi_document
 from kazma.bot.console.api_models import BodyRefused, component_schemas, new_approval
 
+OPENAPI = openapi_document()
 NEW = OPENAPI["components"]["schemas"]["NewApproval"]
 _SCHEMA = jsonschema.Draft202012Validator(NEW)
 

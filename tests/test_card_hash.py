@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kazma.approvals.client import canonical_hash
 from kazma.approvals.hashing import args_hash, canonical_json
-from kazma.bot.console.api import OPENAPI
+from kazma.bot.console.api import openapi_document
 from kazma.bot.console.api_models import HASH_RULE
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -42,7 +42,7 @@ def test_the_readme_vector_is_what_kazma_computes() -> None:
 
 
 def test_the_openapi_document_names_the_rule_on_hash() -> None:
-    approval = OPENAPI["components"]["schemas"]["Approval"]
+    approval = openapi_document()["components"]["schemas"]["Approval"]
     assert approval["properties"]["hash"]["description"] == HASH_RULE
     for words in ("sort_keys=True", "code point", "\\u00xx", "repr of a double", "1e2 hashes as 100.0", "-4 to 15"):
         assert words in HASH_RULE, words

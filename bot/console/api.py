@@ -574,13 +574,6 @@ def openapi_document() -> dict[str, Any]:
     }
 
 
-def __getattr__(name: str) -> Any:
-    """``OPENAPI``: the same document, as a module attribute."""
-    if name == "OPENAPI":
-        return openapi_document()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def register(application: web.Application, services: ApprovalsServices) -> ApprovalsApi:
     """Add the approvals API to the web server's application (``/mcp`` is served through what this returns)."""
     api = ApprovalsApi(services)
