@@ -160,10 +160,8 @@ class Checkpointer:
         """Something was appended: sign soon (unless the decision's own commit signed all of it)."""
         while self._in_commits:  # passes made in a decision's commit, told here on the loop
             self._passed(self._in_commits.pop(0))
-        last = self.store.chain.last_committed_seq
-        if last is not None and last <= self._signed_through:
-            return
-        self._due.set()
+        if not self._signed_all_appended():
+            self._due.set()
 
     async def run(self) -> None:
         """Sign whenever woken (at most every :attr:`min_interval`) and at least every :attr:`every` seconds."""
@@ -180,10 +178,14 @@ class Checkpointer:
             # this loop); asyncio.wait_for dropped it on Python 3.11, and stop waited for good.
             await until_set(self._due, self.every)
             self._due.clear()
-            gap = self._last_pass + self.min_interval - time.monotonic()
-            if gap > 0 and not self._wanted:
+            paused_from = self._last_pass
+            # The pause runs from the last pass, which a decision's own commit may make while this waits (SQLite):
+            # measured again after each wait, or a second signature followed that one within WITNESS_INTERVAL.
+            while not self._wanted and (gap := self._last_pass + self.min_interval - time.monotonic()) > 0:
                 self._hurry.clear()
                 await until_set(self._hurry, gap)  # a witness asking cuts the pause short
+            if self._last_pass != paused_from and not self._wanted and self._signed_all_appended():
+                continue  # that commit's pass signed everything appended meanwhile
             gap = self._last_pass + min(self.min_interval, WITNESS_INTERVAL) - time.monotonic()
             if gap > 0:
                 await asyncio.sleep(gap)
@@ -202,6 +204,11 @@ class Checkpointer:
                 await asyncio.sleep(RETRY.delay(failures))
                 failures += 1
                 self._due.set()
+
+    def _signed_all_appended(self) -> bool:
+        """Whether a pass in a decision's commit signed everything this process has appended (see wake())."""
+        last = self.store.chain.last_committed_seq
+        return last is not None and last <= self._signed_through
 
     async def sign(self, *, ride: float = 0.0, yield_to_fresh: bool = False) -> Judged:
         """One pass now (``ride`` > 0: with the next writes, or within that many seconds): sign every vouched event

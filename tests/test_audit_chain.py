@@ -9,11 +9,13 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from kazma.approvals import ApprovalService, ApprovalStore, Decision
+from kazma.approvals import checkpointer as checkpointer_module
 from kazma.approvals.audit_verify import verify
 from kazma.approvals.chain import FROM_REQUEST, GENESIS
 from kazma.approvals.checkpointer import Checkpointer
@@ -222,6 +224,59 @@ async def test_a_settling_card_does_not_wait_out_the_pause_between_passes(store_
         finally:
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
+
+
+async def test_a_pass_in_a_decisions_commit_restarts_the_pause_between_passes(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On SQLite a decision is signed in its own commit when no pass was made within min_interval. When that commit
+    # came while the loop waited out the pause after its own pass, the loop still measured the pause from its own
+    # pass and signed again WITNESS_INTERVAL after the commit's checkpoint: under a stream of decisions a fifth of
+    # all passes (bench/audit_chain.py). The pause runs from the commit's pass: what was appended after it is the
+    # next pass's, min_interval later. The checkpointer's monotonic clock is this test's, so "min_interval later"
+    # is a step of it; the loop's timer running out is _hurry set without a witness asked for.
+    now = [1000.0]
+    monkeypatch.setattr(checkpointer_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    async with services(Engine("sqlite", str(tmp_path / "k.db")), 1) as [service]:
+        checkpointer = Checkpointer(service.store, TEST_SIGNER, min_interval=10.0, ride=0.0, every=3600.0)
+        first = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        running = asyncio.create_task(checkpointer.run())
+        try:
+
+            async def checkpoints() -> int:
+                return len(await service.store.chain_checkpoints(limit=100))
+
+            checkpointer.wake()
+            async with asyncio.timeout(10):
+                while await checkpoints() < 1:  # the loop's pass over the first open, at 1000
+                    await asyncio.sleep(0.001)
+            await service.open("shell", ARGS, "agent:builder", "telegram:-100")  # wakes the loop: it waits to 1010
+            async with asyncio.timeout(10):
+                while not checkpointer._hurry._waiters:
+                    await asyncio.sleep(0.001)
+            now[0] = 1010.0
+            assert (await service.decide(first.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
+            assert await checkpoints() == 2  # signed in the decision's commit, at 1010
+            await service.open("shell", ARGS, "agent:builder", "telegram:-100")  # appended after it
+            now[0] = 1010.5
+            signed = checkpointer._signed
+            checkpointer._hurry.set()  # the pause the loop measured from 1000 is over
+            async with asyncio.timeout(10):  # the loop waits again (or it signed)
+                while checkpointer._hurry.is_set() and checkpointer._signed is signed:
+                    await asyncio.sleep(0.001)
+            assert checkpointer._signed is signed
+            assert await checkpoints() == 2  # the third open waits for the pass at 1020
+            now[0] = 1020.0
+            checkpointer._hurry.set()  # that pause over too
+            async with asyncio.timeout(10):
+                while await checkpoints() < 3:
+                    await asyncio.sleep(0.001)
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+        events, checkpoints_made = await whole_log(service)
+    assert verify(events, checkpoints_made, TEST_SIGNER.public_keys()).first is None
+    assert checkpoints_made[-1].seq == events[-1].seq  # every event signed, the last open by the third checkpoint
 
 
 async def test_a_checkpoint_signs_the_head_kazma_computed_and_a_row_changed_before_it_is_still_caught(
