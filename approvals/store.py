@@ -1532,7 +1532,9 @@ class ApprovalStore:
         )
         return 0 if row is None else int(row[0])
 
-    async def mark_card_settled(self, card: PostedCard, status: Status) -> None:
+    async def mark_card_settled(self, card: PostedCard, status: Status, *, ride: float = 0.0) -> None:
+        """The card shows ``status``: it is not edited again. ``ride`` > 0: committed with the next group of writes,
+        or alone after that many seconds."""
         now = self.clock()
         detail = f"{card.chat}/{card.message_id} -> {status.value}"
 
@@ -1549,7 +1551,7 @@ class ApprovalStore:
                     args_hash=FROM_REQUEST, detail=detail,
                 )  # fmt: skip
 
-        await self._write(op)
+        await self._write(op, ride=ride)
 
 
 def decided_detail(status: Status, reason: str | None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ from kazma.approvals import (
     Status,
 )
 from kazma.approvals.checkpoints import AuditSigner
+from kazma.approvals.store import PostedCard
 from kazma.bot.store import pg_migrations
 from kazma.config import KazmaConfig, load_config_text
 from kazma.config.keyring import AUDIT_KEYS, DECISION_KEYS, Keyring
@@ -124,3 +126,14 @@ def assert_one_winner_each(
             else:
                 assert verdict == PressVerdict.LOST.value
     assert set(wins.values()) == {1}
+
+
+async def settled_rows(store: ApprovalStore, request_id: str, timeout: float = 20.0) -> list[PostedCard]:
+    """The request's card rows once each says it is settled: an edit's row commits after it (riding with other
+    writes when its worker has nothing else to edit: bus.SETTLED_RIDE)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            cards = await store.cards(request_id)
+            if all(card.settled_status is not None for card in cards):
+                return cards
+            await asyncio.sleep(0.005)

@@ -27,7 +27,7 @@ from kazma.config.address import Address
 from kazma.config.metrics import failure_count
 from kazma.config.outgoing import Outgoing
 from kazma.config.store.database import connect, open_database
-from tests.approvals_support import approvals_config
+from tests.approvals_support import approvals_config, settled_rows
 
 
 @dataclass
@@ -146,7 +146,7 @@ async def test_card_reaches_every_platform_and_every_card_settles(tmp_path: Path
             await wait_for(p.settled_event)
             assert len(p.settled) == 1
             assert p.settled[0][1].startswith("approved by discord:222 via discord")
-        cards = await r.service.store.cards(request.id)
+        cards = await settled_rows(r.service.store, request.id)
         assert sorted(c.platform for c in cards) == ["discord", "slack", "telegram"]
         assert all(c.settled_status == "approved" for c in cards)
 

@@ -25,7 +25,7 @@ from kazma.approvals.card import build_card
 from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.store import PostedCard
 from kazma.config.store.database import connect, open_database
-from tests.approvals_support import approvals_config
+from tests.approvals_support import approvals_config, settled_rows
 from tests.test_bus import MemoryPlatform
 
 
@@ -136,8 +136,34 @@ async def test_a_decision_settles_its_cards_without_scanning_the_store(tmp_path:
         await asyncio.wait_for(platform.settled_event.wait(), timeout=20)
         assert [ref.message_id for ref, _ in platform.settled] == ["1"]
         assert r.store.scans == scans_at_start  # settled by its id, not found by a scan
-        cards = await r.store.cards(request.id)
+        cards = await settled_rows(r.store, request.id)
         assert [c.settled_status for c in cards] == ["approved"]
+        assert r.store.scans == scans_at_start
+
+
+async def test_the_rows_of_a_decisions_settled_cards_commit_together_after_their_edits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Press -> every card settled: each worker committed its card's row on its own as its edit returned, a commit
+    # (and an fsync) per platform among the other platforms' edits, on the loop they wait for. A worker with no
+    # other card to edit lets its row ride: the rows of one decision commit together, after the edits. (The ride
+    # is a second here, so that all three rows are in its window however slow the machine.)
+    monkeypatch.setattr(bus_module, "SETTLED_RIDE", 1.0)
+    platforms = [MemoryPlatform(name) for name in ("telegram", "slack", "discord")]
+    async with rig(tmp_path / "k.db", *platforms) as r:
+        request = await r.service.open("shell", {"command": "ls"}, "agent:b", "web:c")
+        for platform in platforms:
+            await asyncio.wait_for(platform.posted.wait(), timeout=20)
+        writer: Any = await r.store.tables.writer()
+        assert (await r.service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
+        decided_at = writer.groups
+        for platform in platforms:
+            await asyncio.wait_for(platform.settled_event.wait(), timeout=20)
+        cards = await settled_rows(r.store, request.id)
+        assert sorted((c.platform, c.settled_status) for c in cards) == [
+            ("discord", "denied"), ("slack", "denied"), ("telegram", "denied"),
+        ]  # fmt: skip
+        assert writer.groups - decided_at == 1  # the three rows, one commit
 
 
 async def test_a_decision_builds_its_card_once_and_reads_no_cards_for_any_platform(
@@ -279,5 +305,5 @@ async def test_a_card_posted_while_its_request_was_decided_is_settled_at_once(tm
         slow.tickets.release()
         await asyncio.wait_for(slow.settled_event.wait(), timeout=20)
         assert slow.log == [("post", request.id), ("settle", request.id)]
-        cards = await r.store.cards(request.id)
+        cards = await settled_rows(r.store, request.id)
         assert sorted((c.platform, c.settled_status) for c in cards) == [("discord", "denied"), ("telegram", "denied")]
