@@ -32,12 +32,21 @@ as ``kazma.<layer>`` (bench/idle_rss.py's ``anchor_path``), its own child and fa
 started together and their rounds alternate one by one, so the machine's load falls on both alike. ``--runs``
 times, each with fresh children and stores.
 
+With ``--pin`` each child runs on CPU 0 and this process (the fakes, the press, the poll) on CPU 1: the fakes stand
+for platforms on other machines, and unpinned, the scheduler often ran this process on the child's CPU as a card's
+request woke it (Linux prefers the waker's CPU), holding the child's next request back by the fake's work (~1 ms).
+Kazma then has one CPU for its loop and its store's thread, where unpinned it has two.
+
+With ``--steps`` each child also times its event loop's callbacks (bench/loop_steps/sitecustomize.py, ~2 µs a
+callback more) and, after each run, the median round of each tree is printed step by step: every callback of
+30 µs or more between the press leaving this process and its last card edited, with its wall and CPU time.
+
 Fan-out ≤ 1.1 × the slowest platform is not measured here: every fake answers at once, so there is no slowest
 platform to compare with (bench/fanout_settle.py measures it with fixed per-call latency). The per-platform
 p50s show how far apart the three edits land. Prints numbers; asserts nothing.
 
     PYTHONPATH=. python bench/settle_blackbox.py [--rounds 30] [--warmup 5] [--runs 3] [--anchor main]
-        [--no-pacing] [--log-level warning]
+        [--no-pacing] [--log-level warning] [--pin] [--steps]
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ PRESS_GAP = 1.2  # seconds between a card being up and the press: longer than th
 # each card waits for a slot, and then its edit waits (by a few ms, in step with the sends of a minute before).
 ROUND_EVERY = 6.5
 READY = "kazma is running"
+LOOP_STEPS = REPO / "bench" / "loop_steps"  # --steps: its sitecustomize times the child's loop
 
 
 def cpu_ns(pid: int) -> int:
@@ -104,6 +114,8 @@ class Child:
     paced: bool
     log_level: str
     folder: Path
+    steps: bool = False  # time the child's event-loop callbacks (--steps)
+    cpus: set[int] | None = None  # the CPUs the child runs on (--pin)
     web_port: int = field(default_factory=free_port)
     slack_port: int = field(default_factory=free_port)
     process: asyncio.subprocess.Process | None = None
@@ -112,6 +124,10 @@ class Child:
     @property
     def log(self) -> Path:
         return self.folder / "kazma.log"
+
+    @property
+    def steps_file(self) -> Path:
+        return self.folder / "loop-steps.txt"
 
     def write_config(self) -> Path:
         api = f"api:\n  tokens:\n    bench: {{token: '{API_TOKEN}', roles: [approval_requester], max_pending: 100}}\n"
@@ -128,12 +144,17 @@ class Child:
         self.folder.mkdir(parents=True)
         config = self.write_config()
         env = {**os.environ, "PYTHONPATH": self.pythonpath, "NO_PROXY": "127.0.0.1,localhost"}
+        if self.steps:
+            env["PYTHONPATH"] = os.pathsep.join([str(LOOP_STEPS), self.pythonpath])
+            env["KAZMA_LOOP_STEPS"] = str(self.steps_file)
         with self.log.open("wb") as log:  # a file, not a pipe: reading the child's log is no work of this process
             self.process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "kazma.bot.cli", "-c", str(config), "--log-format", "json", "run",
                 *([] if self.paced else ["--no-pacing"]), *(["--log-level", self.log_level] if self.log_level else []),
                 stdout=asyncio.subprocess.DEVNULL, stderr=log, env=env, cwd=self.folder,
             )  # fmt: skip
+        if self.cpus is not None:  # before it has imported anything: every thread it starts inherits it
+            os.sched_setaffinity(self.process.pid, self.cpus)
 
     async def ready(self) -> None:
         async with asyncio.timeout(120):
@@ -273,14 +294,31 @@ def timeline(log: Path, done: list[Round]) -> dict[str, list[float]]:
     return out
 
 
+def print_steps(child: Child, done: list[Round]) -> None:
+    """The child's loop, step by step, over its median round (--steps): ms from the press leaving this process."""
+    middle = sorted(done, key=lambda r: r.settled)[len(done) // 2]
+    seen = ", ".join(f"{p} {middle.platforms[p] * 1000:.1f}" for p in PLATFORMS)
+    print(f"{child.tree}: its median round, {middle.settled * 1000:.1f} ms (cards seen without buttons: {seen})")
+    print(f"{'ms':>8}{'wall':>8}{'cpu':>8}  what ran")
+    for line in child.steps_file.read_text().splitlines():
+        began, wall, cpu, what = line.split(" ", 3)
+        at = float(began) - middle.sent_at
+        if 0.0 <= at <= middle.settled:
+            print(f"{at * 1000:>8.2f}{float(wall):>8.3f}{float(cpu):>8.3f}  {what[:110]}")
+
+
 @contextlib.asynccontextmanager
-async def children(trees: dict[str, str], work: Path, *, paced: bool, log_level: str) -> AsyncIterator[list[Child]]:
+async def children(
+    trees: dict[str, str], work: Path, *, paced: bool, log_level: str, steps: bool = False, pin: bool = False
+) -> AsyncIterator[list[Child]]:
     """One child per tree, each with its own three fakes, started together and ready."""
     async with contextlib.AsyncExitStack() as stack:
         made = []
         for n, (tree, pythonpath) in enumerate(trees.items()):
             fakes = await stack.enter_async_context(three_fakes())
-            made.append(Child(tree, pythonpath, fakes, paced, log_level, work / f"child-{n}"))
+            made.append(
+                Child(tree, pythonpath, fakes, paced, log_level, work / f"child-{n}", steps, {0} if pin else None)
+            )
         try:
             for child in made:
                 await child.start()
@@ -299,6 +337,10 @@ def ms(values: list[float]) -> tuple[float, float, float]:
 
 
 async def bench(args: argparse.Namespace) -> None:
+    if args.pin:
+        if len(os.sched_getaffinity(0)) < 2:
+            raise SystemExit("--pin needs two CPUs: one for the children, one for this process and the fakes")
+        os.sched_setaffinity(0, {1})
     work = Path(tempfile.mkdtemp(prefix="kazma-bench-blackbox-"))
     trees = {"this tree": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
     compile_tree(REPO)
@@ -308,7 +350,7 @@ async def bench(args: argparse.Namespace) -> None:
         trees[f"anchor {args.anchor[:10]}"] = os.pathsep.join([str(anchor), str(REPO)])
     print(
         f"zero-latency fakes, {'no pacing' if args.no_pacing else f'pacing on, rounds {ROUND_EVERY} s apart'}, "
-        f"log level {args.log_level or 'default'}; "
+        f"log level {args.log_level or 'default'}{', children on CPU 0, fakes on CPU 1' if args.pin else ''}; "
         f"press on Slack (signed POST) -> every card without buttons; {args.rounds} rounds "
         f"per tree per run after {args.warmup} warm-up rounds, trees alternating round by round; load {load()}"
     )
@@ -321,7 +363,12 @@ async def bench(args: argparse.Namespace) -> None:
         async with aiohttp.ClientSession(trust_env=False) as http:
             for run in range(args.runs):
                 async with children(
-                    trees, work / f"run-{run}", paced=not args.no_pacing, log_level=args.log_level
+                    trees,
+                    work / f"run-{run}",
+                    paced=not args.no_pacing,
+                    log_level=args.log_level,
+                    steps=args.steps,
+                    pin=args.pin,
                 ) as kids:
                     for n in range(args.warmup):
                         for child in kids:
@@ -344,6 +391,8 @@ async def bench(args: argparse.Namespace) -> None:
                             f"{tree:<20}{run + 1:>4}{p50:>8.1f}{p95:>8.1f}{worst:>8.1f}   {each:<24}"
                             f"{window:>21.1f}{whole:>9.1f}{mine:>14.1f}{load():>7}"
                         )
+                for child in kids if args.steps else ():  # stopped: each wrote its steps as it exited
+                    print_steps(child, rounds[child.tree])
         print("all runs:")
         for tree, done in summary.items():
             p50, p95, worst = ms([r.settled for r in done])
@@ -374,6 +423,8 @@ def main() -> None:
         default="",
         help="the children's --log-level (default: kazma run's own, info; the timeline needs it)",
     )
+    parser.add_argument("--pin", action="store_true", help="children on CPU 0, this process and the fakes on CPU 1")
+    parser.add_argument("--steps", action="store_true", help="print each tree's median round, loop step by step")
     asyncio.run(bench(parser.parse_args()))
 
 
