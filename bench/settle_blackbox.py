@@ -32,7 +32,8 @@ as ``kazma.<layer>`` (bench/idle_rss.py's ``anchor_path``), its own child and fa
 started together and their rounds alternate one by one, so the machine's load falls on both alike. ``--runs``
 times, each with fresh children and stores.
 
-With ``--pin`` each child runs on CPU 0 and this process (the fakes, the press, the poll) on CPU 1: the fakes stand
+With ``--pin`` each child runs on one CPU and this process (the fakes, the press, the poll) on another (the first two
+this process may use): the fakes stand
 for platforms on other machines, and unpinned, the scheduler often ran this process on the child's CPU as a card's
 request woke it (Linux prefers the waker's CPU), holding the child's next request back by the fake's work (~1 ms).
 Kazma then has one CPU for its loop and its store's thread, where unpinned it has two.
@@ -309,16 +310,14 @@ def print_steps(child: Child, done: list[Round]) -> None:
 
 @contextlib.asynccontextmanager
 async def children(
-    trees: dict[str, str], work: Path, *, paced: bool, log_level: str, steps: bool = False, pin: bool = False
+    trees: dict[str, str], work: Path, *, paced: bool, log_level: str, steps: bool = False, cpus: set[int] | None = None
 ) -> AsyncIterator[list[Child]]:
     """One child per tree, each with its own three fakes, started together and ready."""
     async with contextlib.AsyncExitStack() as stack:
         made = []
         for n, (tree, pythonpath) in enumerate(trees.items()):
             fakes = await stack.enter_async_context(three_fakes())
-            made.append(
-                Child(tree, pythonpath, fakes, paced, log_level, work / f"child-{n}", steps, {0} if pin else None)
-            )
+            made.append(Child(tree, pythonpath, fakes, paced, log_level, work / f"child-{n}", steps, cpus))
         try:
             for child in made:
                 await child.start()
@@ -337,10 +336,13 @@ def ms(values: list[float]) -> tuple[float, float, float]:
 
 
 async def bench(args: argparse.Namespace) -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    children_cpus: set[int] | None = None
     if args.pin:
-        if len(os.sched_getaffinity(0)) < 2:
+        if len(usable) < 2:
             raise SystemExit("--pin needs two CPUs: one for the children, one for this process and the fakes")
-        os.sched_setaffinity(0, {1})
+        children_cpus = {usable[0]}
+        os.sched_setaffinity(0, {usable[1]})
     work = Path(tempfile.mkdtemp(prefix="kazma-bench-blackbox-"))
     trees = {"this tree": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
     compile_tree(REPO)
@@ -348,9 +350,10 @@ async def bench(args: argparse.Namespace) -> None:
         anchor = anchor_path(args.anchor, work / "anchor")
         compile_tree(work / "anchor" / "src")
         trees[f"anchor {args.anchor[:10]}"] = os.pathsep.join([str(anchor), str(REPO)])
+    pinned = f", children on CPU {usable[0]}, fakes on CPU {usable[1]}" if children_cpus is not None else ""
     print(
         f"zero-latency fakes, {'no pacing' if args.no_pacing else f'pacing on, rounds {ROUND_EVERY} s apart'}, "
-        f"log level {args.log_level or 'default'}{', children on CPU 0, fakes on CPU 1' if args.pin else ''}; "
+        f"log level {args.log_level or 'default'}{pinned}; "
         f"press on Slack (signed POST) -> every card without buttons; {args.rounds} rounds "
         f"per tree per run after {args.warmup} warm-up rounds, trees alternating round by round; load {load()}"
     )
@@ -368,7 +371,7 @@ async def bench(args: argparse.Namespace) -> None:
                     paced=not args.no_pacing,
                     log_level=args.log_level,
                     steps=args.steps,
-                    pin=args.pin,
+                    cpus=children_cpus,
                 ) as kids:
                     for n in range(args.warmup):
                         for child in kids:
@@ -423,7 +426,7 @@ def main() -> None:
         default="",
         help="the children's --log-level (default: kazma run's own, info; the timeline needs it)",
     )
-    parser.add_argument("--pin", action="store_true", help="children on CPU 0, this process and the fakes on CPU 1")
+    parser.add_argument("--pin", action="store_true", help="children on one CPU, this process and the fakes on another")
     parser.add_argument("--steps", action="store_true", help="print each tree's median round, loop step by step")
     asyncio.run(bench(parser.parse_args()))
 
