@@ -321,6 +321,12 @@ class AuditChain:
             return prev, seq, None if last is None else (int(last[0]), str(last[1]), float(last[2]))
         return prev, seq, None if signed_seq is None else (int(signed_seq), str(signed_head), float(signed_at))
 
+    def appended_in(self, tx: Tx) -> tuple[int, int] | None:
+        """(first seq, last seq) of the events ``tx`` appended, once its end of transaction chained them and until it
+        commits (SQLite); None when it appended none, or on PostgreSQL."""
+        run = self._open_run
+        return None if run is None or run[0] is not tx else (run[2], run[3])
+
     @property
     def last_committed_seq(self) -> int | None:
         """The sequence number of the last event this chain appended in a transaction that committed."""

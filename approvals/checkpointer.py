@@ -276,8 +276,7 @@ class Checkpointer:
         tx.run("SAVEPOINT checkpoint_in_decision")
         try:
             judged = self._judge(tx)
-            marks = ", ".join("?" * len(request_ids))
-            seqs = {str(r[0]): int(r[1]) for r in tx.all(_DECISION_SEQS.format(marks), request_ids)}
+            held = self._held(tx, judged, request_ids)
         except Exception as exc:
             tx.run("ROLLBACK TO checkpoint_in_decision")
             tx.run("RELEASE checkpoint_in_decision")
@@ -287,13 +286,26 @@ class Checkpointer:
         tx.run("RELEASE checkpoint_in_decision")
         if not judged.signed:
             return
-        held = {
+        tx.after_commit(lambda: self._committed_in_decision(judged, held))
+
+    def _held(self, tx: Tx, judged: Judged, request_ids: list[str]) -> dict[str, Checkpoint]:
+        """The checkpoint of this pass holding each decision of ``request_ids`` (their events appended in ``tx``)."""
+        if not judged.signed:
+            return {}
+        span, last = self.store.chain.appended_in(tx), judged.signed[-1]
+        if span is not None and last.first_seq <= span[0] and span[1] <= last.seq:
+            # Every event this transaction appended, these decisions' among them, is in that checkpoint: nothing to
+            # read (a statement in every decision's commit that signs, ~30 us of a lone press's ~1.7 ms).
+            return dict.fromkeys(request_ids, last)
+        # Not all of them in one checkpoint (rows around Kazma split the runs): where each decision's event is.
+        marks = ", ".join("?" * len(request_ids))
+        seqs = {str(r[0]): int(r[1]) for r in tx.all(_DECISION_SEQS.format(marks), request_ids)}
+        return {
             request_id: checkpoint
             for request_id, seq in seqs.items()
             for checkpoint in judged.signed
             if checkpoint.first_seq <= seq <= checkpoint.seq
         }
-        tx.after_commit(lambda: self._committed_in_decision(judged, held))
 
     def _committed_in_decision(self, judged: Judged, held: dict[str, Checkpoint]) -> None:
         # In the writer (maybe its thread): plain data only. The loop hears of it in wake(), which the commit

@@ -189,3 +189,36 @@ async def test_a_decisions_own_commit_signs_what_it_chained_without_reading_the_
     report = verify(events, checkpoints, TEST_SIGNER.public_keys())
     assert report.ok, [p.line() for p in report.problems]
     assert report.pending == 0
+
+
+async def test_a_decisions_own_commit_knows_its_witness_without_reading_where_its_decision_is(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Every event the decision's transaction appended is in the checkpoint signed at its end: which checkpoint holds
+    the decision needs no read of the log (it took one statement in every decision's commit that signed)."""
+    from kazma.config.store import writer as writer_module
+
+    reads: list[str] = []
+    read_all = writer_module.Tx.all
+
+    def counted(self: Any, sql: str, params: Any = ()) -> list[Any]:
+        reads.append(sql)
+        return read_all(self, sql, params)
+
+    monkeypatch.setattr(writer_module.Tx, "all", counted)
+    async with running(tmp_path / "k.db") as (service, checkpointer):
+        requests = [await service.open("shell", {"n": n}, "agent:builder", "telegram:-100") for n in range(2)]
+        await idle(service, checkpointer)
+        for request in requests:
+            reads.clear()
+            assert (await service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
+            assert [sql for sql in reads if "approval_events" in sql] == []
+            witness = await checkpointer.witness(request.id, patience=0)
+            assert witness is not None
+            assert witness == await service.store.witness(request.id)
+            [decided] = await service.store.events(request.id, event="decided")
+            assert witness.first_seq <= decided.seq <= witness.seq
+        events = await service.store.chain_events(limit=100_000)
+        checkpoints = await service.store.chain_checkpoints(limit=100_000)
+    report = verify(events, checkpoints, TEST_SIGNER.public_keys())
+    assert report.ok, [p.line() for p in report.problems]
