@@ -297,7 +297,8 @@ class Checkpointer:
             # Every event this transaction appended, these decisions' among them, is in that checkpoint: nothing to
             # read (a statement in every decision's commit that signs, ~30 us of a lone press's ~1.7 ms).
             return dict.fromkeys(request_ids, last)
-        # Not all of them in one checkpoint (rows around Kazma split the runs): where each decision's event is.
+        # This transaction's events not all in that checkpoint (a commit seal the pass could not verify, say):
+        # where each decision's event is, and only the checkpoints that hold one.
         marks = ", ".join("?" * len(request_ids))
         seqs = {str(r[0]): int(r[1]) for r in tx.all(_DECISION_SEQS.format(marks), request_ids)}
         return {

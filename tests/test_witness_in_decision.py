@@ -213,7 +213,7 @@ async def test_a_decisions_own_commit_knows_its_witness_without_reading_where_it
             reads.clear()
             assert (await service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
             assert [sql for sql in reads if "approval_events" in sql] == []
-            witness = await checkpointer.witness(request.id, patience=0)
+            witness = checkpointer._witnessed.get(request.id)  # known from the commit: no read, no pass
             assert witness is not None
             assert witness == await service.store.witness(request.id)
             [decided] = await service.store.events(request.id, event="decided")
@@ -222,3 +222,34 @@ async def test_a_decisions_own_commit_knows_its_witness_without_reading_where_it
         checkpoints = await service.store.chain_checkpoints(limit=100_000)
     report = verify(events, checkpoints, TEST_SIGNER.public_keys())
     assert report.ok, [p.line() for p in report.problems]
+
+
+async def test_without_the_transactions_run_the_decisions_own_commit_reads_where_its_decision_is(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """When the chain cannot say which events the transaction appended, the pass reads where each decision's event
+    is: the witness is the same checkpoint."""
+    from kazma.approvals.chain import AuditChain
+    from kazma.config.store import writer as writer_module
+
+    reads: list[str] = []
+    read_all = writer_module.Tx.all
+
+    def counted(self: Any, sql: str, params: Any = ()) -> list[Any]:
+        reads.append(sql)
+        return read_all(self, sql, params)
+
+    monkeypatch.setattr(writer_module.Tx, "all", counted)
+    monkeypatch.setattr(AuditChain, "appended_in", lambda self, tx: None)
+    async with running(tmp_path / "k.db") as (service, checkpointer):
+        request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        await idle(service, checkpointer)
+        reads.clear()
+        assert (await service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
+        assert len([sql for sql in reads if "approval_events" in sql]) == 1
+        # Known from the decision's own commit (what witness() hands out without a read).
+        witness = checkpointer._witnessed.get(request.id)
+        assert witness is not None
+        assert witness == await service.store.witness(request.id)
+        [decided] = await service.store.events(request.id, event="decided")
+        assert witness.first_seq <= decided.seq <= witness.seq
