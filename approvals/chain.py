@@ -433,7 +433,13 @@ class AuditChain:
     def _appended(self, tx: Tx, prev: str, first: int, rows: list[tuple[Any, ...]]) -> None:
         """``rows`` (from ``first``, after ``prev``) are written in ``tx``: this chain's own once it commits."""
         last, head = int(rows[-1][0]), str(rows[-1][9])
-        self._open_run = (tx, prev, first, last, head)
+        run = self._open_run
+        if run is not None and run[0] is tx and run[3] + 1 == first and run[4] == prev:
+            # A second flush of the same transaction (a later round handed the chain more events): one open run
+            # from the first's start, so a pass in this transaction finds all of its events its own.
+            self._open_run = (tx, run[1], run[2], last, head)
+        else:
+            self._open_run = (tx, prev, first, last, head)
         tx.after_commit(functools.partial(self._committed, prev, first, last, head))
         self.appended = True
 

@@ -356,3 +356,38 @@ async def test_two_appends_in_one_sqlite_transaction_are_one_committed_run(tmp_p
     assert [(seq, event) for seq, event, _ in rows] == [(1, "opened"), (2, "decided")]
     assert chain.last_committed_head == (2, rows[-1][2])
     assert chain.appended_all(0, "0" * 64, 2, rows[-1][2])
+
+
+async def test_two_appends_in_one_sqlite_transaction_are_one_open_run_before_it_commits(tmp_path: Any) -> None:
+    # A pass in the same transaction (a decision signed in its own commit) must find both appends this chain's own,
+    # and which events the transaction appended: the second flush continues the first's run.
+    path = tmp_path / "k.db"
+    await (await open_database(path, migrations=all_migrations())).close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    chain = AuditChain(postgres=False, signer=TEST_SIGNER)
+    seen: list[Any] = []
+
+    def append(tx: Any, event: str) -> None:
+        chain.append(tx, "r1", event, actor="telegram:111", platform="telegram", at=1.5, args_hash="a" * 64)
+
+    def later_round(tx: Any, items: list[Any]) -> None:
+        for event in items:
+            append(tx, event)
+        tx.defer(look, None)  # runs after the chain's second flush (deferred before it in this round)
+
+    def look(tx: Any, items: list[Any]) -> None:
+        head = tx.one("SELECT seq, chain_hash FROM approval_events ORDER BY seq DESC LIMIT 1")
+        seen.append((chain.appended_in(tx), chain.appended_all(0, "0" * 64, int(head[0]), str(head[1]), tx)))
+
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        tx = SqliteTx(conn)
+        append(tx, "opened")
+        tx.defer(later_round, "decided")
+        tx._run_deferred()
+        conn.execute("COMMIT")
+        tx._committed()
+    finally:
+        conn.close()
+    assert seen == [((1, 2), True)]
+    assert chain.appended_in(tx) is None  # committed: no open run
