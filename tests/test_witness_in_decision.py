@@ -191,11 +191,8 @@ async def test_a_decisions_own_commit_signs_what_it_chained_without_reading_the_
     assert report.pending == 0
 
 
-async def test_a_decisions_own_commit_knows_its_witness_without_reading_where_its_decision_is(
-    tmp_path: Path, monkeypatch: Any
-) -> None:
-    """Every event the decision's transaction appended is in the checkpoint signed at its end: which checkpoint holds
-    the decision needs no read of the log (it took one statement in every decision's commit that signed)."""
+def log_reads(monkeypatch: Any) -> list[str]:
+    """Every read the writer's transactions make from here (their SQL), in order."""
     from kazma.config.store import writer as writer_module
 
     reads: list[str] = []
@@ -206,18 +203,36 @@ async def test_a_decisions_own_commit_knows_its_witness_without_reading_where_it
         return read_all(self, sql, params)
 
     monkeypatch.setattr(writer_module.Tx, "all", counted)
+    return reads
+
+
+async def decided_with_its_witness(
+    service: ApprovalService, checkpointer: Checkpointer, request_id: str, reads: list[str]
+) -> int:
+    """Decide ``request_id``; its witness is known from the decision's own commit (what witness() hands out with
+    no read or pass) and holds the decision. Returns the reads of the log the decision's transaction made."""
+    reads.clear()
+    assert (await service.decide(request_id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
+    log_read = len([sql for sql in reads if "approval_events" in sql])
+    witness = checkpointer._witnessed.get(request_id)
+    assert witness is not None
+    assert witness == await service.store.witness(request_id)
+    [decided] = await service.store.events(request_id, event="decided")
+    assert witness.first_seq <= decided.seq <= witness.seq
+    return log_read
+
+
+async def test_a_decisions_own_commit_knows_its_witness_without_reading_where_its_decision_is(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Every event the decision's transaction appended is in the checkpoint signed at its end: which checkpoint holds
+    the decision needs no read of the log (it took one statement in every decision's commit that signed)."""
+    reads = log_reads(monkeypatch)
     async with running(tmp_path / "k.db") as (service, checkpointer):
         requests = [await service.open("shell", {"n": n}, "agent:builder", "telegram:-100") for n in range(2)]
         await idle(service, checkpointer)
         for request in requests:
-            reads.clear()
-            assert (await service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
-            assert [sql for sql in reads if "approval_events" in sql] == []
-            witness = checkpointer._witnessed.get(request.id)  # known from the commit: no read, no pass
-            assert witness is not None
-            assert witness == await service.store.witness(request.id)
-            [decided] = await service.store.events(request.id, event="decided")
-            assert witness.first_seq <= decided.seq <= witness.seq
+            assert await decided_with_its_witness(service, checkpointer, request.id, reads) == 0
         events = await service.store.chain_events(limit=100_000)
         checkpoints = await service.store.chain_checkpoints(limit=100_000)
     report = verify(events, checkpoints, TEST_SIGNER.public_keys())
@@ -230,26 +245,10 @@ async def test_without_the_transactions_run_the_decisions_own_commit_reads_where
     """When the chain cannot say which events the transaction appended, the pass reads where each decision's event
     is: the witness is the same checkpoint."""
     from kazma.approvals.chain import AuditChain
-    from kazma.config.store import writer as writer_module
 
-    reads: list[str] = []
-    read_all = writer_module.Tx.all
-
-    def counted(self: Any, sql: str, params: Any = ()) -> list[Any]:
-        reads.append(sql)
-        return read_all(self, sql, params)
-
-    monkeypatch.setattr(writer_module.Tx, "all", counted)
+    reads = log_reads(monkeypatch)
     monkeypatch.setattr(AuditChain, "appended_in", lambda self, tx: None)
     async with running(tmp_path / "k.db") as (service, checkpointer):
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         await idle(service, checkpointer)
-        reads.clear()
-        assert (await service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
-        assert len([sql for sql in reads if "approval_events" in sql]) == 1
-        # Known from the decision's own commit (what witness() hands out without a read).
-        witness = checkpointer._witnessed.get(request.id)
-        assert witness is not None
-        assert witness == await service.store.witness(request.id)
-        [decided] = await service.store.events(request.id, event="decided")
-        assert witness.first_seq <= decided.seq <= witness.seq
+        assert await decided_with_its_witness(service, checkpointer, request.id, reads) == 1
