@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 
-from kazma.approvals import Decision
+from kazma.approvals import ApprovalService, Decision
 from kazma.approvals.chain import EVENT_COLUMNS, GENESIS, ChainedEvent
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.checkpoints import AuditSigner, Checkpoint
@@ -28,6 +28,13 @@ from tests.approvals_support import APPROVERS_YAML, TEST_AUDIT_KEY, TEST_KEY, TE
 from tests.store_backends import Engine
 
 ARGS = {"command": "deploy --prod"}
+
+
+async def whole_log(service: ApprovalService) -> tuple[list[Any], list[Any]]:
+    """Every event and every checkpoint of the service's audit chain, as a verifier reads them."""
+    return await service.store.chain_events(limit=100_000), await service.store.chain_checkpoints(limit=100_000)
+
+
 # A key of the attacker's own, under the id the real one has: what a forger without the key can sign with.
 FORGER = AuditSigner(Keyring.of(AUDIT_KEYS, (TEST_AUDIT_KEY[0], "Zm9yZ2VyLWtleS1vZi0zMi1ieXRlcy1vbmx5LWZha2U")))
 # The audit keyring replicas share through the environment, as KAZMA_AUDIT_KEY holds it.

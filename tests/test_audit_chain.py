@@ -25,7 +25,7 @@ from kazma.config.metrics import failure_count
 from kazma.config.store.backend import Tx
 from kazma.config.store.database import Migration
 from tests.approvals_support import TEST_KEYRING, TEST_SIGNER, approvals_config
-from tests.audit_support import Attacker
+from tests.audit_support import Attacker, whole_log
 from tests.store_backends import Engine, open_store, raw_rows
 
 ARGS = {"command": "deploy --prod"}
@@ -41,10 +41,6 @@ async def services(engine: Engine, count: int) -> AsyncIterator[list[ApprovalSer
             ApprovalService(ApprovalStore(conn, keyring=TEST_KEYRING, audit=TEST_SIGNER), approvals_config())
             for conn in opened
         ]
-
-
-async def whole_log(service: ApprovalService) -> tuple[list[Any], list[Any]]:
-    return await service.store.chain_events(limit=100_000), await service.store.chain_checkpoints(limit=100_000)
 
 
 async def test_writers_appending_at_once_make_one_chain_in_commit_order(store_engine: Engine) -> None:

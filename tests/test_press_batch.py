@@ -24,6 +24,7 @@ from kazma.approvals.checkpointer import Checkpointer
 from kazma.config.store.backend import Tx
 from kazma.config.store.writer import StoreWriter
 from tests.approvals_support import TEST_SIGNER, ManualClock, approval_service
+from tests.audit_support import whole_log
 from tests.policy_support import ALICE_ON_SLACK, FIVE, policy_config
 
 WON, LOST, REFUSED, COUNTED, REPEATED = (
@@ -95,8 +96,7 @@ def _press(service: ApprovalService, rid: str, press: Press) -> Any:
 
 async def _signed_chain_verifies(service: ApprovalService) -> None:
     await Checkpointer(service.store, TEST_SIGNER, min_interval=0.0).sign()
-    events = await service.store.chain_events(limit=100_000)
-    checkpoints = await service.store.chain_checkpoints(limit=100_000)
+    events, checkpoints = await whole_log(service)
     report = verify(events, checkpoints, TEST_SIGNER.public_keys())
     assert report.ok, [p.line() for p in report.problems]
 

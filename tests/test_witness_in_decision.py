@@ -19,7 +19,7 @@ from kazma.approvals.checkpoints import AuditSigner, Checkpoint
 from kazma.approvals.model import Status
 from kazma.config.metrics import failure_count
 from tests.approvals_support import TEST_KEYRING, TEST_SIGNER, approvals_config
-from tests.audit_support import Attacker
+from tests.audit_support import Attacker, whole_log
 from tests.store_backends import Engine, open_store
 
 ARGS = {"command": "deploy --prod"}
@@ -80,8 +80,7 @@ async def test_a_lone_decision_commits_with_its_checkpoint_and_its_witness_needs
         await idle(service, checkpointer)
         assert passes == []  # the decision's commit woke no pass: there was nothing left to sign
         assert writer.groups == groups + 1
-        events = await store.chain_events(limit=100_000)
-        checkpoints = await store.chain_checkpoints(limit=100_000)
+        events, checkpoints = await whole_log(service)
     report = verify(events, checkpoints, TEST_SIGNER.public_keys())
     assert report.ok, [p.line() for p in report.problems]
     assert report.pending == 0
@@ -155,8 +154,7 @@ async def test_a_signature_that_fails_in_a_decisions_commit_costs_the_decision_n
         # Nothing was signed in that commit; the loop's pass (woken by it) signs the decision instead.
         witness = await checkpointer.witness(request.id, patience=10)
         assert witness is not None
-        events = await service.store.chain_events(limit=100_000)
-        checkpoints = await service.store.chain_checkpoints(limit=100_000)
+        events, checkpoints = await whole_log(service)
     report = verify(events, checkpoints, TEST_SIGNER.public_keys())
     assert report.ok, [p.line() for p in report.problems]
 
@@ -184,8 +182,7 @@ async def test_a_decisions_own_commit_signs_what_it_chained_without_reading_the_
             witness = await checkpointer.witness(request.id, patience=0)
             assert witness is not None
         assert read_back == []
-        events = await service.store.chain_events(limit=100_000)
-        checkpoints = await service.store.chain_checkpoints(limit=100_000)
+        events, checkpoints = await whole_log(service)
     report = verify(events, checkpoints, TEST_SIGNER.public_keys())
     assert report.ok, [p.line() for p in report.problems]
     assert report.pending == 0
@@ -233,8 +230,7 @@ async def test_a_decisions_own_commit_knows_its_witness_without_reading_where_it
         await idle(service, checkpointer)
         for request in requests:
             assert await decided_with_its_witness(service, checkpointer, request.id, reads) == 0
-        events = await service.store.chain_events(limit=100_000)
-        checkpoints = await service.store.chain_checkpoints(limit=100_000)
+        events, checkpoints = await whole_log(service)
     report = verify(events, checkpoints, TEST_SIGNER.public_keys())
     assert report.ok, [p.line() for p in report.problems]
 
