@@ -42,6 +42,11 @@ With ``--steps`` each child also times its event loop's callbacks (bench/loop_st
 callback more) and, after each run, the median round of each tree is printed step by step: every callback of
 30 µs or more between the press leaving this process and its last card edited, with its wall and CPU time.
 
+First, this machine's floor (:func:`machine_floor`): a bare aiohttp POST to another process, after the idle a
+press comes after and back to back. Every figure above it holds at least two such hops (the press in, the
+edits out); on a machine whose idle CPUs wake slowly that floor is a large part of the window, and figures
+from two machines compare only beside their floors.
+
 Fan-out ≤ 1.1 × the slowest platform is not measured here: every fake answers at once, so there is no slowest
 platform to compare with (bench/fanout_settle.py measures it with fixed per-call latency). The per-platform
 p50s show how far apart the three edits land. Prints numbers; asserts nothing.
@@ -82,6 +87,18 @@ PRESS_GAP = 1.2  # seconds between a card being up and the press: longer than th
 ROUND_EVERY = 6.5
 READY = "kazma is running"
 LOOP_STEPS = REPO / "bench" / "loop_steps"  # --steps: its sitecustomize times the child's loop
+# The floor: a bare aiohttp server in another process, answering a POST with nothing done (see machine_floor).
+FLOOR_SERVER = """
+import sys
+from aiohttp import web
+async def answer(request):
+    await request.read()
+    return web.Response(text="ok")
+app = web.Application()
+app.router.add_post("/", answer)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+FLOOR_IDLE = 0.5  # seconds between the floor's spaced POSTs: long enough for an idle CPU to sleep, as between rounds
 
 
 def cpu_ns(pid: int) -> int:
@@ -329,6 +346,51 @@ async def children(
                 await child.stop()
 
 
+async def machine_floor(http: aiohttp.ClientSession, cpus: set[int] | None, spaced: int = 12) -> str:
+    """What one hop costs on this machine with nothing done at either end: a bare aiohttp POST answered by another
+    process on 127.0.0.1 (placed as the children are), p50 over ``spaced`` POSTs each after ``FLOOR_IDLE`` s idle
+    and over 200 back to back. A press reaches Kazma in one hop and each card's edit is one more, so the window
+    above holds at least about two of these; on a machine whose idle CPUs wake slowly the floor says how much of
+    the window is the machine's (seen here on 2026-12-03, --pin: 8.4 and 9.2 ms after idle, 0.7 back to back,
+    where a socket ping-pong between two processes took 145 us across the two CPUs and 7 us on one)."""
+    port = free_port()
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", FLOOR_SERVER, str(port), stdout=asyncio.subprocess.DEVNULL
+    )
+    if cpus is not None:
+        os.sched_setaffinity(server.pid, cpus)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        async with asyncio.timeout(60):
+            while True:  # until it listens
+                try:
+                    async with http.post(url, data=b"") as answer:
+                        await answer.read()
+                    break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.05)  # polling another process's start, not synchronising with our own
+
+        async def one() -> float:
+            began = time.perf_counter()
+            async with http.post(url, data=b"x" * 600) as answer:  # about a block_actions POST's size
+                await answer.read()
+            return time.perf_counter() - began
+
+        close = [await one() for _ in range(200)]
+        apart = []
+        for _ in range(spaced):
+            await asyncio.sleep(FLOOR_IDLE)  # the idle being measured, not a synchronisation
+            apart.append(await one())
+    finally:
+        server.kill()
+        await server.wait()
+    return (
+        f"this machine's floor, a bare aiohttp POST answered by another process on 127.0.0.1: p50 "
+        f"{statistics.median(apart) * 1000:.2f} ms after {FLOOR_IDLE} s idle, "
+        f"{statistics.median(close) * 1000:.2f} ms back to back"
+    )
+
+
 def ms(values: list[float]) -> tuple[float, float, float]:
     ordered = sorted(v * 1000 for v in values)
     p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
@@ -359,11 +421,12 @@ async def bench(args: argparse.Namespace) -> None:
     )
     head = f"{'tree':<20}{'run':>4}{'p50 ms':>8}{'p95 ms':>8}{'max ms':>8}   {'tg / slack / dc p50 ms':<24}"
     head += f"{'kazma CPU ms: window':>21}{'/ round':>9}{'bench CPU ms':>14}{'load':>7}"
-    print(head)
     summary: dict[str, list[Round]] = {}
     stages: dict[str, dict[str, list[float]]] = {}
     try:
         async with aiohttp.ClientSession(trust_env=False) as http:
+            print(await machine_floor(http, children_cpus))
+            print(head)
             for run in range(args.runs):
                 async with children(
                     trees,
