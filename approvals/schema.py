@@ -7,6 +7,7 @@ from kazma.approvals.pg_press import (
     PG_AUDIT_APPEND_FUNCTION,
     PG_AUDIT_CHECKPOINT_FUNCTION,
     PG_AUDIT_LINK_FUNCTION,
+    PG_AUDIT_STALE_GUESS_FUNCTION,
     PG_PRESS_FUNCTION,
     PG_PRESS_GUESSED_FUNCTION,
     PG_PRESS_ON_GUESS_FUNCTION,
@@ -562,4 +563,5 @@ PG_MIGRATIONS = [
     PgMigration("approvals", 16, ("ALTER TABLE approval_cards ADD COLUMN reposted integer NOT NULL DEFAULT 0",)),
     PgMigration("approvals", 17, (PG_PRESS_ON_GUESS_FUNCTION,)),
     PgMigration("approvals", 18, (PG_AUDIT_LINK_FUNCTION, PG_AUDIT_CHECKPOINT_FUNCTION)),
+    PgMigration("approvals", 19, (PG_AUDIT_STALE_GUESS_FUNCTION,)),
 ]
