@@ -281,6 +281,9 @@ MIGRATIONS = [
     # PostgreSQL's audit append with less server work, kazma_audit_link, and a checkpoint pass sent on a guess
     # (approvals/pg_press.py); nothing on SQLite.
     Migration("approvals", 18, ()),
+    # PostgreSQL's guessed audit append as a plain statement, and the function that fails its stale guess
+    # (approvals/pg_press.py); nothing on SQLite.
+    Migration("approvals", 19, ()),
 ]
 
 # The same tables on PostgreSQL, version for version: REAL is double precision there (its REAL has 6
