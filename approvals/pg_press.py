@@ -593,8 +593,9 @@ def append(
 
 def append_or_fail(tx: Tx, lock_key: int, expect: tuple[int, str], rows: Sequence[tuple[Any, ...]]) -> None:
     """:func:`append`, its answer not waited for, of ``rows`` numbered and hashed after ``expect`` (seq, hash): when
-    the head is not ``expect`` (or, up to _GUESSED_ROWS rows, when another transaction holds the chain's lock) the
-    statement fails the transaction with SQLSTATE ``KZ001`` (:data:`kazma.config.store.postgres.STALE_GUESS`)."""
+    the head moved past ``expect`` (up to _GUESSED_ROWS rows: one of their numbers is taken, or another transaction
+    holds the chain's lock; beyond: the head is not ``expect``) the statement fails the transaction with SQLSTATE
+    ``KZ001`` (:data:`kazma.config.store.postgres.STALE_GUESS`)."""
     if len(rows) <= _GUESSED_ROWS:
         tx.send(_guessed_append(len(rows)), (lock_key, *(value for row in rows for value in row)))
         return
