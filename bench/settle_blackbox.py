@@ -43,9 +43,9 @@ callback more) and, after each run, the median round of each tree is printed ste
 30 µs or more between the press leaving this process and its last card edited, with its wall and CPU time.
 
 First, this machine's floor (:func:`machine_floor`): a bare aiohttp POST to another process, after the idle a
-press comes after and back to back. Every figure above it holds at least two such hops (the press in, the
-edits out); on a machine whose idle CPUs wake slowly that floor is a large part of the window, and figures
-from two machines compare only beside their floors.
+press comes after and back to back, printed before the table. Every window in the table holds at least two
+such hops (the press in, the edits out); on a machine whose idle CPUs wake slowly that floor is a large part
+of the window, and figures from two machines compare only beside their floors.
 
 Fan-out ≤ 1.1 × the slowest platform is not measured here: every fake answers at once, so there is no slowest
 platform to compare with (bench/fanout_settle.py measures it with fixed per-call latency). The per-platform
@@ -349,8 +349,8 @@ async def children(
 async def machine_floor(http: aiohttp.ClientSession, cpus: set[int] | None, spaced: int = 12) -> str:
     """What one hop costs on this machine with nothing done at either end: a bare aiohttp POST answered by another
     process on 127.0.0.1 (placed as the children are), p50 over ``spaced`` POSTs each after ``FLOOR_IDLE`` s idle
-    and over 200 back to back. A press reaches Kazma in one hop and each card's edit is one more, so the window
-    above holds at least about two of these; on a machine whose idle CPUs wake slowly the floor says how much of
+    and over 200 back to back. A press reaches Kazma in one hop and each card's edit is one more, so the press ->
+    cards window holds at least about two of these; on a machine whose idle CPUs wake slowly the floor says how much of
     the window is the machine's (seen here on 2026-12-03, --pin: 8.4 and 9.2 ms after idle, 0.7 back to back,
     where a socket ping-pong between two processes took 145 us across the two CPUs and 7 us on one)."""
     port = free_port()
