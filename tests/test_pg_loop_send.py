@@ -6,6 +6,7 @@ the group (never runs it again: whether its COMMIT was kept is unknown) while th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -98,3 +99,56 @@ async def test_a_connection_lost_under_a_string_sent_from_the_loop_fails_the_gro
     else:  # the send itself failed first (nothing reached the server): the thread ran it on a new connection
         assert outcome[0] == 2
         assert rows(pg_dsn) == [1, 2, 3]
+
+
+def counts_text(text: str) -> Callable[[Tx], str]:
+    def op(tx: Tx) -> str:
+        tx.send("INSERT INTO t VALUES (100 + length(?))", (text,))
+        return text
+
+    return op
+
+
+@pytest.mark.parametrize("from_loop", [True, False], ids=["sent from the loop", "sent by the thread"])
+async def test_a_value_no_string_can_carry_fails_its_own_operation_and_the_writer_goes_on(
+    pg_dsn: str, from_loop: bool
+) -> None:
+    """A lone surrogate is no UTF-8, so a group binding one cannot be sent as one string. Found only as the string
+    was sent, it left a group sent from the loop in flight for good (it and every later write waited forever) and,
+    on the thread, failed the whole group; the pipelined path binds each operation's values apart."""
+    # A writer left waiting fails here (its close waits for the group in flight too), not by holding the suite.
+    async with asyncio.timeout(60), table_t_and_writer(pg_dsn) as (writer, threads):
+        writer.send_from_loop = from_loop
+        await writer.submit(Unasking(inserts(1, threads)))  # the connection is open: the next group may go as one
+        results = await asyncio.gather(
+            writer.submit(Unasking(inserts(2, threads))),
+            writer.submit(Unasking(counts_text("x\udcffy"))),
+            writer.submit(Unasking(inserts(3, threads))),
+            return_exceptions=True,
+        )
+        assert await writer.submit(Unasking(inserts(4, threads))) == 4
+    assert results[0] == 2
+    assert isinstance(results[1], UnicodeEncodeError), results[1]
+    assert results[2] == 3
+    assert rows(pg_dsn) == [1, 2, 3, 4]
+
+
+async def test_a_transaction_aborted_unseen_answers_nobody_as_if_it_committed(pg_dsn: str) -> None:
+    """What runs at a transaction's end (a deferred flush) swallowed a database error: the server answers the
+    COMMIT with ROLLBACK and keeps nothing. Statement by statement, the writer still answered every operation with
+    its result, a press told it won a decision that was never written."""
+
+    def swallows(tx: Tx, items: list[object]) -> None:
+        with contextlib.suppress(psycopg.Error):  # the transaction is aborted, and nothing here says so
+            tx.run("SELECT 1 / 0")
+
+    def op(tx: Tx) -> int:
+        tx.send("INSERT INTO t VALUES (?)", (7,))
+        tx.defer(swallows, None)
+        return 7
+
+    async with table_t_and_writer(pg_dsn) as (writer, _):
+        with pytest.raises(psycopg.Error, match="aborted unseen"):
+            await writer.submit(op)
+        assert await writer.submit(inserts(8, [])) == 8  # the writer goes on
+    assert rows(pg_dsn) == [8]

@@ -425,6 +425,10 @@ class _SwallowedError(psycopg.Error):
     """An operation caught a database error and returned: its transaction is aborted, so it failed."""
 
 
+class _UnseenRollback(psycopg.Error):
+    """A group's COMMIT answered ROLLBACK: something swallowed a database error after its operations ran."""
+
+
 class _LoopGroup:
     """A group sent as one string from the loop (:meth:`PgWriter._send_on_loop`), while its results come in."""
 
@@ -533,7 +537,7 @@ class PgWriter(GroupQueue):
         tx, query = built
         pgconn = conn.pgconn
         try:
-            pgconn.send_query(query.encode(tx._encoding))
+            pgconn.send_query(query)
             flushed = pgconn.flush() == 0
         except psycopg.Error:
             self._to_thread(jobs, False)  # the thread finds the connection broken and opens another
@@ -907,9 +911,10 @@ class PgWriter(GroupQueue):
 
     def _build_batch(
         self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool
-    ) -> tuple[PgBatchTx, str] | None:
-        """``jobs`` run into a :class:`PgBatchTx`, and the string of their transaction; None when one asked for
-        an answer or failed (nothing was sent: the pipelined path runs them, and tells who failed)."""
+    ) -> tuple[PgBatchTx, bytes] | None:
+        """``jobs`` run into a :class:`PgBatchTx`, and the string of their transaction (encoded); None when one asked
+        for an answer, failed, or bound a value the string cannot carry (nothing was sent: the pipelined path runs
+        them, and tells who failed)."""
         if self._client is None or self._client.connection is not conn:
             self._client = psycopg.ClientCursor(conn)
             self._literals = psycopg.adapt.Transformer(self._client)
@@ -930,7 +935,13 @@ class PgWriter(GroupQueue):
         if bounded:
             head.append(f"SET LOCAL lock_timeout = {int(self.lock_timeout_ms)}")
         tx.first = len(head)
-        return tx, ";\n".join([*head, *tx.statements, "COMMIT"])
+        try:
+            return tx, ";\n".join([*head, *tx.statements, "COMMIT"]).encode(tx._encoding)
+        except UnicodeEncodeError:
+            # A value that is no text in the connection's encoding (a lone surrogate, say): the pipelined path binds
+            # each operation's values apart, so that operation alone fails. Raised here, it left a group sent from
+            # the loop in flight for good (every later write waited), and failed a whole group on the thread.
+            return None
 
     def _attempt_pipelined(
         self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool, guessing: bool = False
@@ -1022,8 +1033,13 @@ class PgWriter(GroupQueue):
                 tx._run_deferred()
                 tx._send_notices()
                 cursor.execute("COMMIT")
-                if cursor.statusmessage == "COMMIT":  # a transaction aborted unseen would answer ROLLBACK
-                    tx._committed()
+                if cursor.statusmessage != "COMMIT":
+                    # Aborted unseen (what ran at its end swallowed a database error): the server answered the
+                    # COMMIT with ROLLBACK and kept nothing, so no operation may be answered as if it had.
+                    raise _UnseenRollback(
+                        f"the transaction was aborted unseen: its COMMIT answered {cursor.statusmessage}"
+                    )
+                tx._committed()
             except BaseException:
                 if not conn.broken and not conn.closed:
                     self._roll_back(conn)
