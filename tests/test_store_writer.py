@@ -392,3 +392,76 @@ async def test_a_timer_due_during_the_commit_keeps_a_little_slow_commit_off_the_
     finally:
         due.cancel()
     assert ran != [threading.get_ident()]
+
+
+def _goes(writer: StoreWriter, where: str) -> None:
+    """The next group runs on the loop thread (``loop``) or on the writer's thread (``thread``)."""
+    if where == "loop":
+        writer.inline_commit_seconds = 60.0  # however slow a busy machine's commits are
+    else:
+        writer._commit_ewma = writer.inline_idle_commit_seconds * 2  # a slow disk: never on the loop
+
+
+@pytest.mark.parametrize("where", ["loop", "thread"])
+async def test_an_operation_raising_stop_iteration_is_answered_and_the_writer_goes_on(
+    writer: StoreWriter, where: str
+) -> None:
+    """asyncio refuses a StopIteration in a future (a TypeError from set_exception). Given one raw, the answering
+    of the group stopped there: the operations after it were never answered and, from the thread, the writer stayed
+    in flight for good (every later write and read waited)."""
+
+    def empty(tx: Tx) -> int:
+        return int(next(iter(tx.all("SELECT v FROM t WHERE k = 'nobody'"))))
+
+    await writer.submit(put("warm", 0))
+    _goes(writer, where)
+    async with asyncio.timeout(30):
+        outcomes = await asyncio.gather(
+            writer.submit(put("a", 1)), writer.submit(empty), writer.submit(put("b", 2)), return_exceptions=True
+        )
+        _goes(writer, where)
+        assert await writer.submit(put("c", 3)) == 1
+    assert outcomes[0] == 1
+    assert outcomes[2] == 1
+    assert isinstance(outcomes[1], RuntimeError), outcomes[1]
+    assert isinstance(outcomes[1].__cause__, StopIteration)
+    assert rows(writer.path) == {"warm": 0, "a": 1, "b": 2, "c": 3}
+
+
+class _Interrupt(BaseException):
+    """What an interrupt or an exit is to the writer: no Exception."""
+
+
+@pytest.mark.parametrize("where", ["loop", "thread"])
+async def test_an_interrupt_inside_an_operation_undoes_its_group_answers_everyone_and_frees_the_file(
+    writer: StoreWriter, where: str
+) -> None:
+    """A BaseException from inside an operation (a second Ctrl-C in a command, an exit) left the transaction open,
+    the write lock held from every other process, and nobody answered (a close or a read then waited forever); on
+    the thread it ended the thread, and every later write with it. Now the group is undone, every caller told, and
+    on the loop the interrupt goes on through the coroutine that ran the group."""
+
+    def interrupted(tx: Tx) -> int:
+        tx.run("INSERT INTO t (k, v) VALUES ('half', 1)")
+        raise _Interrupt
+
+    await writer.submit(put("warm", 0))
+    _goes(writer, where)
+    async with asyncio.timeout(30):
+        outcomes = await asyncio.gather(writer.submit(put("a", 1)), writer.submit(interrupted), return_exceptions=True)
+        other = sqlite3.connect(writer.path, timeout=0)  # the write lock is free: another process writes at once
+        try:
+            other.execute("INSERT INTO t (k, v) VALUES ('other', 9)")
+            other.commit()
+        finally:
+            other.close()
+        _goes(writer, where)
+        assert await writer.submit(put("c", 3)) == 1
+    told = outcomes[1]
+    assert isinstance(told, RuntimeError), told
+    assert isinstance(told.__cause__, _Interrupt)
+    if where == "loop":  # the caller whose turn ran the group carries the interrupt on
+        assert isinstance(outcomes[0], _Interrupt), outcomes[0]
+    else:
+        assert isinstance(outcomes[0], RuntimeError), outcomes[0]
+    assert rows(writer.path) == {"warm": 0, "other": 9, "c": 3}  # nothing of the interrupted group

@@ -79,6 +79,26 @@ class Deferred:
                 flush(self, items)
 
 
+def answerable(error: BaseException) -> BaseException:
+    """``error`` as a caller's future can be given it. asyncio refuses a ``StopIteration`` (a ``TypeError`` from
+    ``set_exception``: it would end the awaiting coroutine as a return): given one, the answering of a group stopped
+    there, and its callers and every later write waited forever. It is said in a ``RuntimeError`` instead."""
+    if isinstance(error, StopIteration | StopAsyncIteration):
+        wrapped = RuntimeError(f"the operation raised {type(error).__name__}: {error}")
+        wrapped.__cause__ = error
+        return wrapped
+    return error
+
+
+def interrupted(error: BaseException) -> Exception:
+    """What the callers of a group an interrupt (or an exit, or any other ``BaseException``) undid are told."""
+    if isinstance(error, Exception):
+        return error
+    told = RuntimeError(f"the write was interrupted ({type(error).__name__}); nothing of it was kept")
+    told.__cause__ = error
+    return told
+
+
 @types.coroutine
 def _one_turn() -> Generator[None, None, None]:
     """Give the loop one turn (what ``asyncio.sleep(0)`` does, without its call)."""
@@ -327,7 +347,7 @@ class GroupQueue:
                 continue  # its caller was cancelled; the write stands all the same
             failure = error or job.error
             if failure is not None:
-                future.set_exception(failure)
+                future.set_exception(answerable(failure))
             else:
                 future.set_result(job.result)
 

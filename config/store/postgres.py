@@ -58,7 +58,7 @@ from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from kazma.config.metrics import count_failure
-from kazma.config.store.group_commit import Deferred, GroupQueue, Job, Later, Unasking, own_operations
+from kazma.config.store.group_commit import Deferred, GroupQueue, Job, Later, Unasking, interrupted, own_operations
 from kazma.config.store.migrations import Migration, run_migrations
 from kazma.config.store.pg_schema import PREPARED
 from kazma.config.store.pg_text import ESCAPE, encode, nul_safe, nul_safe_async
@@ -531,7 +531,13 @@ class PgWriter(GroupQueue):
             or not all(type(job.op) is Unasking for job in jobs)
         ):
             return False
-        built = self._build_batch(conn, jobs, bounded=own_operations(jobs) > 1)
+        try:
+            built = self._build_batch(conn, jobs, bounded=own_operations(jobs) > 1)
+        except BaseException as exc:
+            # An interrupt or an exit while an operation ran (nothing went out): every caller told, then it goes
+            # on. Escaping here, it left the group in flight for good, and every later write waiting.
+            self._returned(jobs, interrupted(exc), True)
+            raise
         if built is None:
             return False
         tx, query = built

@@ -42,6 +42,7 @@ from kazma.config.store.group_commit import (
     Job,
     batches,
     callbacks_ready,
+    interrupted,
     own_operations,
     run_batch,
 )
@@ -97,7 +98,7 @@ Op = Callable[[Tx], T]
 class _Group:
     """The jobs of one transaction, and how it went. (Slots, not a dataclass: one is made for every group.)"""
 
-    __slots__ = ("busy", "committed_in", "error", "inline", "jobs")
+    __slots__ = ("busy", "committed_in", "error", "inline", "interrupt", "jobs")
 
     def __init__(self, jobs: list[Job[Any]]) -> None:
         self.jobs = jobs
@@ -105,6 +106,8 @@ class _Group:
         self.error: BaseException | None = None
         self.inline = False
         self.busy = False  # the loop thread met another process's write lock: go to the thread
+        # An interrupt met on the loop thread (KeyboardInterrupt, SystemExit...): raised again once all are answered.
+        self.interrupt: BaseException | None = None
 
 
 class StoreWriter(GroupQueue):
@@ -158,6 +161,8 @@ class StoreWriter(GroupQueue):
                 self._lock.release()
             if not group.busy:
                 self._answer(group)
+                if group.interrupt is not None:
+                    raise group.interrupt
                 return
             group = _Group(jobs)  # another process holds the write lock: wait for it on the thread
         self._in_flight = True
@@ -320,6 +325,17 @@ class StoreWriter(GroupQueue):
                 self._failed(group, exc)
                 if self._conn is not None:
                     self._rollback(self._conn)
+                return
+            except BaseException as exc:
+                # An interrupt or an exit from inside an operation (a second Ctrl-C in a command on the loop
+                # thread): undone, every caller told, and on the loop the interrupt goes on once they are. It left
+                # the transaction open (the write lock held from every other process) and nobody answered, so a
+                # close or any read waited forever; on the thread it ended the thread, and every write with it.
+                if self._conn is not None:
+                    self._rollback(self._conn)
+                self._failed(group, interrupted(exc))
+                if inline:
+                    group.interrupt = exc
                 return
             time.sleep(LOCK_RETRY_SECONDS)
 
