@@ -29,6 +29,7 @@ last, marked as cut, so it offers Approve only where the whole call is seen.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from datetime import datetime
@@ -146,8 +147,32 @@ def button_data(request_id: str, decision: Decision) -> str:
 
 
 def render_value(value: Any) -> str:
-    """Text as itself; everything else as compact canonical JSON (the value as it runs, before escaping)."""
-    return value if isinstance(value, str) else canonical_json(value)
+    """Text as itself, unless it reads as JSON: then as its JSON string, quotes and all. Everything else as compact
+    canonical JSON (the value as it runs, before escaping).
+
+    So no two different values look the same on a card. Shown as itself, the text ``false`` was the boolean
+    ``false`` to a reader (``"42"`` and ``42``, ``"null"`` and ``null``, ``'["a"]'`` and ``["a"]`` too), and a tool
+    that tests its argument for truth (``if args.force``) runs the one as the other. Text that reads as a JSON
+    string (``"x"``, quotes in it) is quoted as well, so the quoted ``"false"`` can only be the text ``false``.
+    """
+    if not isinstance(value, str):
+        return canonical_json(value)
+    return canonical_json(value) if _reads_as_json(value) else value
+
+
+# What a JSON text can start with, after blanks (NaN and Infinity: Python's reader takes them).
+_JSON_STARTS: Final = frozenset('{["-0123456789tfnNI')
+
+
+def _reads_as_json(text: str) -> bool:
+    start = text.lstrip(" \t\n\r")[:1]
+    if start not in _JSON_STARTS or not start:
+        return False  # the usual text (a command, a path, a name): not read at all
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):  # not JSON (or nested too deep to read: never a value of ours either)
+        return False
+    return True
 
 
 def _tail_of(shown: str, limit: int) -> str:

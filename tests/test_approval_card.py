@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from kazma.approvals import (
@@ -82,6 +82,32 @@ def test_card_shows_every_name_and_marks_every_cut(args: dict[str, Any], limit: 
             assert arg.full == full
     assert card.args_hash == args_hash(args)
     assert card.link == f"http://x.test/swarm?approval={card.request_id}"
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("false", False), ("true", True), ("42", 42), ("-1.5", -1.5), ("null", None), ('["a"]', ["a"]),
+     ('{"a":1}', {"a": 1}), (" 7 ", 7)],
+)  # fmt: skip
+def test_text_that_reads_as_another_value_is_shown_as_text(text: str, value: Any) -> None:
+    """The text ``false`` and the boolean ``false`` looked the same on every card; a tool testing its argument for
+    truth (``if args.force``) runs one as the other. Text that reads as JSON is shown as its JSON string."""
+    as_text = build_card(request_for({"force": text}), value_limit=400, public_url="http://x.test").arguments[0]
+    as_value = build_card(request_for({"force": value}), value_limit=400, public_url="http://x.test").arguments[0]
+    assert as_text.head != as_value.head
+    assert as_text.head == reveal(json.dumps(text, ensure_ascii=False))
+    assert as_value.head == canonical_json(value)
+
+
+@settings(max_examples=500, deadline=None)
+@given(a=json_values, b=json_values)
+@example(a="false", b=False)
+@example(a='"false"', b="false")
+@example(a="[]", b=[])
+@example(a=" 1", b=1)
+def test_no_two_different_values_are_shown_alike(a: Any, b: Any) -> None:
+    assume(canonical_json(a) != canonical_json(b))
+    assert reveal(render_value(a)) != reveal(render_value(b))
 
 
 @given(text=st.text(min_size=0, max_size=50))
