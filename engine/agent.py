@@ -111,6 +111,9 @@ class TurnContext:
     request_text: str = ""  # what the turn was asked (a plan written in it remembers it)
     step: StepRef | None = None  # the plan step this turn works on, if any
     files: tuple[str, ...] = ()  # workspace paths of files sent with the message (a plan written in it keeps them)
+    # Who started the work this turn serves, when it is not ``requested_by`` (a plan's step: the person whose
+    # message started the plan): whom a policy's forbid_requester refuses.
+    started_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -238,13 +241,15 @@ class AgentRunner:
         files: Sequence[str] = (),
         request_text: str | None = None,
         stream: AnswerStream | None = None,
+        started_by: str | None = None,
     ) -> TurnResult:
         """One turn: the agent answers ``text``, calling tools as it goes, at most ``max_steps`` model calls.
 
         ``extra_tools`` are internal tools offered for this turn only (the swarm's handoff tool). ``files`` are
         the workspace paths of files sent with the message, and ``request_text`` what the person wrote (default
         ``text``): a plan written in the turn keeps both. ``stream`` is shown each reply's text while the model
-        writes it (model calls only: the tools the turn runs write into nothing of it).
+        writes it (model calls only: the tools the turn runs write into nothing of it). ``started_by``: who started
+        the work when that is not ``requested_by`` (a plan's steps run for the person who asked for the plan).
         """
         ctx = TurnContext(
             conversation,
@@ -254,6 +259,7 @@ class AgentRunner:
             request_text=text if request_text is None else request_text,
             step=step,
             files=tuple(files),
+            started_by=started_by,
         )
         sent: list[Message] = [
             messages.system(agent.system_prompt),
@@ -416,7 +422,7 @@ class AgentRunner:
             task_id=ctx.task_id,
             notes=notes,
             skip_rules=earlier is not None,
-            started_by=ctx.requested_by if ":" in ctx.requested_by else None,
+            started_by=ctx.started_by or (ctx.requested_by if ":" in ctx.requested_by else None),
         )
         if not verdict.allowed:
             result.tool_runs.append(

@@ -37,6 +37,7 @@ from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, StepRef, Tu
 from kazma.engine.attachments import Saved, describe, save_attachments
 from kazma.engine.executor import Action, ActionKind, AnswerVerdict, DispatchFailed, PlanExecutor, StepResult
 from kazma.engine.fence import fence_untrusted
+from kazma.engine.plan import Plan
 from kazma.engine.plan_store import PlanStore, Question
 from kazma.engine.plan_tools import ask_user_tool, lead_plan_tools
 from kazma.engine.streamed_reply import StreamedReply, stream_at
@@ -79,6 +80,7 @@ class _Dispatch:
     plan_id: str
     index: int
     attempt: int
+    started_by: str | None = None  # who asked for the plan (its steps' calls are theirs: forbid_requester)
 
 
 @dataclass
@@ -264,7 +266,10 @@ class Conversations:
     async def _run_step(self, worker: AgentSpec, conversation: str, message: Inbound, dispatch: _Dispatch) -> None:
         step = StepRef(dispatch.plan_id, dispatch.index, dispatch.attempt)
         async with self.working(message.where):
-            result = await self.runner.run(worker, conversation, message.text, requested_by=message.author, step=step)
+            result = await self.runner.run(
+                worker, conversation, message.text, requested_by=message.author, step=step,
+                started_by=dispatch.started_by,
+            )  # fmt: skip
         await self._post_result(message, worker, result)
         if self.executor is None:
             return
@@ -366,8 +371,7 @@ class Conversations:
                 "replace_steps, skip_step or abort_plan. If you do none of them, the steps that need this one are "
                 "dropped and the rest of the plan goes on."
             )
-            self._tasks.spawn(self._ask_lead(action.plan.id, step.index, action.plan.conversation, prompt),
-                              name=f"ask-lead-{action.plan.id}")  # fmt: skip
+            self._tasks.spawn(self._ask_lead(action.plan, step.index, prompt), name=f"ask-lead-{action.plan.id}")
         elif action.kind is ActionKind.FINISHED:
             summaries = "\n".join(
                 f"Step {s.index} ({s.spec.assignee}, {s.status.value}): "
@@ -375,7 +379,10 @@ class Conversations:
                 for s in action.plan.steps.values()
             )
             prompt = f"The plan for '{action.plan.goal}' has finished. Report the result to the team.\n{summaries}"
-            self._tasks.spawn(self._lead_says(action.plan.conversation, prompt), name=f"finish-{action.plan.id}")
+            self._tasks.spawn(
+                self._lead_says(action.plan.conversation, prompt, started_by=action.plan.origin.requested_by or None),
+                name=f"finish-{action.plan.id}",
+            )
 
     async def _dispatch(self, action: Action, assignee: str, index: int, attempt: int) -> None:
         where = Address.parse(action.plan.conversation)
@@ -384,7 +391,9 @@ class Conversations:
         message_id = await self._say(where, text, agent=self.lead.name)
         if message_id is None:
             raise DispatchFailed(f"the dispatch to @{assignee} could not be posted", transient=True)
-        self._dispatches[(platform, chat, message_id)] = _Dispatch(action.plan.id, index, attempt)
+        self._dispatches[(platform, chat, message_id)] = _Dispatch(
+            action.plan.id, index, attempt, started_by=action.plan.origin.requested_by or None
+        )
         inbound = Inbound(
             platform=platform,
             chat=chat,
@@ -425,6 +434,7 @@ class Conversations:
             action.text or action.step.spec.title,
             requested_by="executor",
             step=step,
+            started_by=action.plan.origin.requested_by or None,
         )
         await self.executor.complete(
             action.plan.id,
@@ -442,18 +452,20 @@ class Conversations:
             attempt=action.step.attempts,
         )
 
-    async def _ask_lead(self, plan_id: str, index: int, conversation: str, prompt: str) -> None:
+    async def _ask_lead(self, plan: Plan, index: int, prompt: str) -> None:
         try:
-            await self._lead_says(conversation, prompt)
+            await self._lead_says(plan.conversation, prompt, started_by=plan.origin.requested_by or None)
         finally:
             if self.executor is not None:
-                await self.executor.lead_decided(plan_id, index)
+                await self.executor.lead_decided(plan.id, index)
 
-    async def _lead_says(self, conversation: str, prompt: str) -> None:
+    async def _lead_says(self, conversation: str, prompt: str, *, started_by: str | None = None) -> None:
         where = Address.parse(conversation)
         async with self._announcing(self.lead, conversation):
             async with self.working(where):
-                result = await self.runner.run(self.lead, conversation, prompt, requested_by="executor")
+                result = await self.runner.run(
+                    self.lead, conversation, prompt, requested_by="executor", started_by=started_by
+                )
             text = result.text if result.ok else f"I could not finish: {result.error}"
             if text:
                 await self._say(where, text, agent=self.lead.name)
