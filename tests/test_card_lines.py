@@ -36,6 +36,7 @@ from kazma.adapters.slack.render import SlackCard, SlackWriter
 from kazma.adapters.telegram.render import TelegramCard, TelegramWriter
 from kazma.adapters.web.render import HtmlWriter
 from kazma.approvals import UnrenderableArguments, args_hash, build_card, canonical_json
+from kazma.approvals.card import render_value
 from kazma.approvals.honesty import unreveal, unreveal_line
 from kazma.approvals.model import ApprovalRequest, Outcome, Status, Witness
 from tests.card_lines_support import (
@@ -244,7 +245,7 @@ def test_no_text_can_start_a_line_that_looks_like_the_cards_own(case: Case) -> N
     for arg in card.arguments:
         if not arg.cut:
             value = case.args[unreveal_line(arg.name)]
-            assert unreveal(arg.head) == (value if isinstance(value, str) else canonical_json(value))
+            assert unreveal(arg.head) == render_value(value)  # text as itself, or its JSON string if it reads as JSON
     for where, (writer, lines_of) in WRITERS.items():
         try:
             laid: LaidOut[Any] = lay_out(card, writer, outcome=outcome_of(case))
