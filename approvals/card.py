@@ -166,7 +166,7 @@ _JSON_STARTS: Final = frozenset('{["-0123456789tfnNI')
 
 def _reads_as_json(text: str) -> bool:
     start = text.lstrip(" \t\n\r")[:1]
-    if start not in _JSON_STARTS or not start:
+    if start not in _JSON_STARTS:
         return False  # the usual text (a command, a path, a name): not read at all
     try:
         json.loads(text)

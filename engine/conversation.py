@@ -380,7 +380,7 @@ class Conversations:
             )
             prompt = f"The plan for '{action.plan.goal}' has finished. Report the result to the team.\n{summaries}"
             self._tasks.spawn(
-                self._lead_says(action.plan.conversation, prompt, started_by=action.plan.origin.requested_by or None),
+                self._lead_says(action.plan.conversation, prompt, started_by=action.plan.origin.started_by),
                 name=f"finish-{action.plan.id}",
             )
 
@@ -392,7 +392,7 @@ class Conversations:
         if message_id is None:
             raise DispatchFailed(f"the dispatch to @{assignee} could not be posted", transient=True)
         self._dispatches[(platform, chat, message_id)] = _Dispatch(
-            action.plan.id, index, attempt, started_by=action.plan.origin.requested_by or None
+            action.plan.id, index, attempt, started_by=action.plan.origin.started_by
         )
         inbound = Inbound(
             platform=platform,
@@ -434,7 +434,7 @@ class Conversations:
             action.text or action.step.spec.title,
             requested_by="executor",
             step=step,
-            started_by=action.plan.origin.requested_by or None,
+            started_by=action.plan.origin.started_by,
         )
         await self.executor.complete(
             action.plan.id,
@@ -454,7 +454,7 @@ class Conversations:
 
     async def _ask_lead(self, plan: Plan, index: int, prompt: str) -> None:
         try:
-            await self._lead_says(plan.conversation, prompt, started_by=plan.origin.requested_by or None)
+            await self._lead_says(plan.conversation, prompt, started_by=plan.origin.started_by)
         finally:
             if self.executor is not None:
                 await self.executor.lead_decided(plan.id, index)

@@ -209,6 +209,11 @@ class PlanOrigin:
     requested_by: str = ""  # the actor ("telegram:111") who may answer the plan's questions, with admins
     files: tuple[str, ...] = ()  # workspace paths of attachments
 
+    @property
+    def started_by(self) -> str | None:
+        """Whom the plan's steps work for, as a policy's forbid_requester sees it (None: nobody known)."""
+        return self.requested_by or None
+
 
 def _bounded(text: str, limit: int = CONTEXT_LIMIT) -> str:
     if len(text) <= limit:
