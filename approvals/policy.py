@@ -63,7 +63,7 @@ class SafetyPolicy:
         chosen = config.policy(name)
         # A remembered approval is one person's press: never for a policy of several people or a passkey.
         rememberable = chosen is not None and chosen.single and not skip_rules
-        rule = await self.service.remembered(tool, args, conversation) if rememberable else None
+        rule = await self.service.remembered(tool, args, conversation, started_by=started_by) if rememberable else None
         if rule is not None:
             return PolicyVerdict(
                 True,

@@ -5,6 +5,12 @@ at ``expires_at`` or when revoked. It is made only by a person's press that won
 the compare-and-set on a whole, warning-free card (see the service), and every
 use of it is audited and said in the conversation. A call differing in one
 byte has another hash and gets a card; so does the same call elsewhere.
+
+Each rule row is sealed with the decision key when it is made
+(:func:`kazma.approvals.seal.seal_rule`): the service lets only a rule whose
+seal verifies stand for a call. Rows made before rules were sealed carry none
+and are refused (the call gets a card; they expire within
+``approvals.remember.max_seconds`` anyway).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Final
 
+from kazma.approvals.seal import SealProblem, rule_seal_problem, seal_rule
+from kazma.config.keyring import Keyring
 from kazma.config.store.backend import StoreConnection, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
@@ -38,7 +46,12 @@ MIGRATIONS: Final = [
             )""",
             "CREATE INDEX IF NOT EXISTS approval_rules_call ON approval_rules (tool, args_hash, conversation)",
         ),
-    )
+    ),
+    Migration(
+        "approval_rules",
+        2,
+        ("ALTER TABLE approval_rules ADD COLUMN seal_key_id TEXT", "ALTER TABLE approval_rules ADD COLUMN seal TEXT"),
+    ),
 ]
 PG_MIGRATIONS: Final = [
     PgMigration(
@@ -60,7 +73,12 @@ PG_MIGRATIONS: Final = [
             )""",
             "CREATE INDEX IF NOT EXISTS approval_rules_call ON approval_rules (tool, args_hash, conversation)",
         ),
-    )
+    ),
+    PgMigration(
+        "approval_rules",
+        2,
+        ("ALTER TABLE approval_rules ADD COLUMN seal_key_id text", "ALTER TABLE approval_rules ADD COLUMN seal text"),
+    ),
 ]
 # The requesters whose calls consult a remembered approval before asking: agents' tool calls (the safety
 # policy). Nothing else does (the approvals API and ``/mcp`` always ask; a checkpoint is never the same call).
@@ -73,7 +91,10 @@ def rules_consulted_for(requested_by: str) -> bool:
     return requested_by.startswith(CONSULTING_REQUESTERS)
 
 
-_COLUMNS = "id, tool, args_hash, conversation, created_by, created_via, request_id, created_at, expires_at, revoked_at"
+_COLUMNS = (
+    "id, tool, args_hash, conversation, created_by, created_via, request_id, created_at, expires_at, revoked_at,"
+    " seal_key_id, seal"
+)
 
 
 @dataclass(frozen=True)
@@ -88,16 +109,28 @@ class Rule:
     created_at: float
     expires_at: float
     revoked_at: float | None
+    seal_key_id: str | None = None
+    seal: str | None = None  # made by :func:`~kazma.approvals.seal.seal_rule`; None: not sealed (refused)
 
     def active(self, now: float) -> bool:
         return self.revoked_at is None and now < self.expires_at
 
+    def seal_problem(self, keyring: Keyring | None) -> SealProblem | None:
+        """Why this row is not a rule Kazma made and sealed as it stands, or None when its seal verifies."""
+        return rule_seal_problem(
+            keyring, seal_key_id=self.seal_key_id, mac=self.seal, rule_id=self.id, tool=self.tool,
+            args_hash=self.args_hash, conversation=self.conversation, created_by=self.created_by,
+            created_via=self.created_via, request_id=self.request_id, created_at=self.created_at,
+            expires_at=self.expires_at,
+        )  # fmt: skip
+
 
 def _rule(row: tuple[object, ...]) -> Rule:
-    revoked = row[9]
+    revoked, key_id, mac = row[9:12]
     return Rule(
         str(row[0]), str(row[1]), str(row[2]), str(row[3]), str(row[4]), str(row[5]), str(row[6]),
         float(str(row[7])), float(str(row[8])), None if revoked is None else float(str(revoked)),
+        None if key_id is None else str(key_id), None if mac is None else str(mac),
     )  # fmt: skip
 
 
@@ -111,17 +144,28 @@ class RuleStore:
 
     async def add(
         self, *, tool: str, args_hash: str, conversation: str, created_by: str, created_via: str, request_id: str,
-        seconds: float,
+        seconds: float, keyring: Keyring | None = None,
     ) -> Rule:  # fmt: skip
+        """A new rule, sealed with ``keyring``'s current key (None: unsealed, so never let stand for a call)."""
         now = self._now()
+        rule_id = "rule_" + secrets.token_urlsafe(12)
+        key_id = mac = None
+        if keyring is not None:
+            made = seal_rule(
+                keyring, rule_id=rule_id, tool=tool, args_hash=args_hash, conversation=conversation,
+                created_by=created_by, created_via=created_via, request_id=request_id, created_at=now,
+                expires_at=now + seconds,
+            )  # fmt: skip
+            key_id, mac = made.key_id, made.mac
         rule = Rule(
-            "rule_" + secrets.token_urlsafe(12), tool, args_hash, conversation, created_by, created_via, request_id,
-            now, now + seconds, None,
+            rule_id, tool, args_hash, conversation, created_by, created_via, request_id, now, now + seconds, None,
+            key_id, mac,
         )  # fmt: skip
         await self.tables.run(
-            f"INSERT INTO approval_rules ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",  # noqa: S608
-            (rule.id, tool, args_hash, conversation, created_by, created_via, request_id, now, rule.expires_at, None),
-        )
+            f"INSERT INTO approval_rules ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",  # noqa: S608
+            (rule_id, tool, args_hash, conversation, created_by, created_via, request_id, now, rule.expires_at, None,
+             key_id, mac),
+        )  # fmt: skip
         return rule
 
     async def match(self, tool: str, args_hash: str, conversation: str) -> Rule | None:

@@ -15,6 +15,12 @@ or kept while any of those is changed, does not verify.
 Seals are versioned by their text: a seal made since people are recorded
 reads ``v2:<hex>`` and binds the person; an older one is plain hex, binds no
 person, and still verifies as it was made — on a row that names no person.
+
+A remembered approval ("Approve for 1 h") is an approval too, and is sealed the
+same way under its own domain (:func:`seal_rule`): a rule row written by hand,
+or one made by Kazma and then stretched to another call, place, person or
+time, does not verify, so a plain Approve can never be turned into a standing
+one outside Kazma.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from kazma.config.keyring import Keyring
 # A seal of anything else made with the same key can never pass for one of these; nor a v1 seal for a v2 one.
 _DOMAIN_V1 = "kazma-decision-v1"
 _DOMAIN_V2 = "kazma-decision-v2"
+_DOMAIN_RULE = "kazma-rule-v1"
 V2 = "v2:"  # how a seal that binds the person begins
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
@@ -179,5 +186,57 @@ def seal_problem(keyring: Keyring | None, request: ApprovalRequest) -> SealProbl
             f"its decision seal does not verify with key {key.id} (the row was changed outside Kazma, or a "
             f"process holding another key named {key.id} sealed it)",
             FORGED,
+        )
+    return None
+
+
+def _rule_fields(
+    key_id: str, rule_id: str, tool: str, args_hash: str, conversation: str, created_by: str, created_via: str,
+    request_id: str, created_at: float, expires_at: float,
+) -> list[object]:  # fmt: skip
+    """What a remembered approval's seal binds, in its order: everything the rule row says but its revocation
+    (a revoked rule is refused by its row and by the audit's ``rule_revoked``). Times in whole microseconds."""
+    at, until = (round(moment * 1_000_000) for moment in (created_at, expires_at))
+    made = [key_id, rule_id, tool, args_hash, conversation, created_by, created_via, request_id]
+    return [_DOMAIN_RULE, *made, at, until]
+
+
+def seal_rule(
+    keyring: Keyring, *, rule_id: str, tool: str, args_hash: str, conversation: str, created_by: str,
+    created_via: str, request_id: str, created_at: float, expires_at: float,
+) -> Seal:  # fmt: skip
+    """The seal of one remembered approval, with the current key, made where the person's press made the rule."""
+    key = keyring.current
+    fields = _rule_fields(
+        key.id, rule_id, tool, args_hash, conversation, created_by, created_via, request_id, created_at, expires_at
+    )
+    return Seal(key.id, V2 + _mac(key.secret, _as_json(fields)))
+
+
+def rule_seal_problem(
+    keyring: Keyring | None, *, seal_key_id: str | None, mac: str | None, rule_id: str, tool: str, args_hash: str,
+    conversation: str, created_by: str, created_via: str, request_id: str, created_at: float, expires_at: float,
+) -> SealProblem | None:  # fmt: skip
+    """Why a remembered approval's row is not one Kazma made and sealed as it stands, or None when it is."""
+    if keyring is None:
+        return SealProblem("no decision key is loaded here, so no remembered approval can be verified", KEY_UNKNOWN)
+    if mac is None or seal_key_id is None:
+        return SealProblem(
+            "it carries no seal (made before Kazma sealed remembered approvals, or written outside Kazma)", FORGED
+        )
+    key = keyring.find(seal_key_id)
+    if key is None:
+        return SealProblem(
+            f"its seal was made with key {seal_key_id!r}, which is not in the decision keyring here "
+            f"({keyring.source}: {', '.join(keyring.ids)})",
+            KEY_UNKNOWN,
+        )
+    fields = _rule_fields(
+        key.id, rule_id, tool, args_hash, conversation, created_by, created_via, request_id, created_at, expires_at
+    )
+    expected = V2 + _mac(key.secret, _as_json(fields))
+    if not hmac.compare_digest(expected.encode(), mac.encode("utf-8")):
+        return SealProblem(
+            f"its seal does not verify with key {key.id} (the row was changed or written outside Kazma)", FORGED
         )
     return None

@@ -676,8 +676,13 @@ class ApprovalService:
         self._tell(found[0].request_id)
         return found[0]
 
-    async def remembered(self, tool: str, args: Mapping[str, Any], conversation: str) -> Rule | None:
-        """The standing rule that lets exactly this call run here without a card (audited and said), or None."""
+    async def remembered(
+        self, tool: str, args: Mapping[str, Any], conversation: str, *, started_by: str | None = None
+    ) -> Rule | None:
+        """The standing rule that lets exactly this call run here without a card (audited and said), or None.
+
+        ``started_by``: whose message started the work. Under a policy with ``forbid_requester`` a rule its
+        maker made never lets their own work run: they could not approve that call on a card either."""
         if self.rules is None or not self.config.approvals.remember.enabled:
             return None
         try:
@@ -695,6 +700,9 @@ class ApprovalService:
             count_failure(FORGED)
             await self._audit_safely(rule.request_id, "rule_refused", None, None, f"{rule.id}: {forged}")
             log.error("approvals.forged_rule", rule=rule.id, request_id=rule.request_id, detail=forged)
+            return None
+        if started_by is not None and self._asked_by(tool, started_by, rule.created_by):
+            log.info("approvals.rule_not_for_requester", rule=rule.id, tool=tool, started_by=started_by)
             return None
         detail = f"{rule.id} ({tool} {digest[:12]}… in {conversation}; made by {rule.created_by})"
         await self._audit_safely(
@@ -720,6 +728,12 @@ class ApprovalService:
 
     async def _rule_problem(self, rule: Rule, tool: str, digest: str, conversation: str) -> str | None:
         """Why ``rule`` is not one a person's sealed "Approve for …" made for this call here, or None."""
+        sealed = rule.seal_problem(self.store.keyring)
+        if sealed is not None:
+            return sealed.detail
+        revoked = [e for e in await self.store.events(rule.request_id, event="rule_revoked") if e.detail == rule.id]
+        if revoked:
+            return f"it was revoked by {revoked[0].actor} (the audit says so), but its row says it is in force"
         request = await self.store.get(rule.request_id)
         if request is None:
             return "it names no request"
@@ -948,6 +962,7 @@ class ApprovalService:
                     created_via=platform,
                     request_id=request_id,
                     seconds=self.config.approvals.remember.max_seconds,
+                    keyring=self.store.keyring,
                 )
                 await self._audit_safely(
                     request_id, "rule_created", actor, platform, f"{rule.id} until {rule.expires_at:.0f}", person=person
@@ -1028,19 +1043,27 @@ class ApprovalService:
             return self._approve_barred(request_id, rules, policy, actor, stepped_up=stepped_up)
         return None
 
+    def _same_person(self, started_by: str, actor: str) -> bool:
+        """Whether ``actor`` is the one who started the work (``started_by``: a person's name or an identity)."""
+        people = self.config.people
+        asker = started_by if ":" not in started_by else person_key(people, started_by)
+        return person_key(people, actor) == asker
+
+    def _asked_by(self, tool: str, started_by: str, maker: str) -> bool:
+        """Whether ``tool``'s policy forbids the requester and ``maker`` (who remembered a call) started this work."""
+        policy = self.config.policy(self.config.policy_name_for(tool))
+        return policy is not None and policy.forbid_requester and self._same_person(started_by, maker)
+
     def _approve_barred(
         self, request_id: str, rules: Rules, policy: PolicyConfig, actor: str, *, stepped_up: bool
     ) -> tuple[str, str] | None:
         """Why ``actor``'s Approve may not count under the request's policy (audit, presser), or None."""
-        people = self.config.people
-        if policy.forbid_requester and rules.started_by is not None:
-            asker = rules.started_by if ":" not in rules.started_by else person_key(people, rules.started_by)
-            if person_key(people, actor) == asker:
-                return (
-                    "forbid_requester: the requester may not approve",
-                    f"You asked for this call, so under policy {rules.policy} you cannot approve it; someone else "
-                    "must. Nothing was recorded.",
-                )
+        if policy.forbid_requester and rules.started_by is not None and self._same_person(rules.started_by, actor):
+            return (
+                "forbid_requester: the requester may not approve",
+                f"You asked for this call, so under policy {rules.policy} you cannot approve it; someone else must. "
+                "Nothing was recorded.",
+            )
         if rules.step_up and not stepped_up:
             return (
                 "step_up: approve needs a passkey on the approval page",

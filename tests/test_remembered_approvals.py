@@ -33,12 +33,14 @@ ARGS = {"env": "prod", "version": 42}
 
 
 @asynccontextmanager
-async def remembering(tmp: Path, clock: ManualClock) -> AsyncIterator[tuple[SafetyPolicy, RecordingPublisher]]:
+async def remembering(
+    tmp: Path, clock: ManualClock, config: str = CONFIG
+) -> AsyncIterator[tuple[SafetyPolicy, RecordingPublisher]]:
     conn = await open_database(tmp / "kazma.db", busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
     publisher = RecordingPublisher()
     service = ApprovalService(
         ApprovalStore(conn, clock=clock, keyring=TEST_KEYRING),
-        load_config_text(CONFIG, environ={}).config,
+        load_config_text(config, environ={}).config,
         publisher=publisher,
         clock=clock,
         poll_interval=0.02,
@@ -50,10 +52,14 @@ async def remembering(tmp: Path, clock: ManualClock) -> AsyncIterator[tuple[Safe
         await conn.close()
 
 
-async def _asks_for_a_card(policy: SafetyPolicy, publisher: RecordingPublisher, args: Any, where: str) -> bool:
+async def _asks_for_a_card(
+    policy: SafetyPolicy, publisher: RecordingPublisher, args: Any, where: str, *, started_by: str | None = None
+) -> bool:
     """Whether this call gets a card (then it is denied, so nothing is left pending)."""
     before = len(publisher.published)
-    task = asyncio.create_task(policy.check("deploy", args, requested_by="agent:kazma", conversation=where))
+    task = asyncio.create_task(
+        policy.check("deploy", args, requested_by="agent:kazma", conversation=where, started_by=started_by)
+    )
     async with asyncio.timeout(10):
         while len(publisher.published) == before and not task.done():
             await asyncio.sleep(0.01)
@@ -66,8 +72,12 @@ async def _asks_for_a_card(policy: SafetyPolicy, publisher: RecordingPublisher, 
     return True
 
 
-async def _remember(policy: SafetyPolicy, publisher: RecordingPublisher) -> PolicyVerdict:
-    task = asyncio.create_task(policy.check("deploy", ARGS, requested_by="agent:kazma", conversation=HERE))
+async def _remember(
+    policy: SafetyPolicy, publisher: RecordingPublisher, *, started_by: str | None = None
+) -> PolicyVerdict:
+    task = asyncio.create_task(
+        policy.check("deploy", ARGS, requested_by="agent:kazma", conversation=HERE, started_by=started_by)
+    )
     async with asyncio.timeout(10):
         while not publisher.published:
             await asyncio.sleep(0.01)

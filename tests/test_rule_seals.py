@@ -1,0 +1,207 @@
+"""A remembered approval is an approval: only a rule Kazma made from a person's "Approve for …" press, sealed and
+unchanged since, lets a call run without a card.
+
+Each attack writes the store around Kazma (the writer of the database file, not a caller of Kazma's code) and
+checks that the call gets a card instead, the refusal is counted and audited, and, for the requester, that a
+rule never lets someone's own work past a policy that would not let them approve it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from kazma.approvals import Decision, PressVerdict, SafetyPolicy
+from kazma.approvals.rules import Rule, RuleStore
+from kazma.approvals.seal import FORGED, KEY_UNKNOWN
+from kazma.config.keyring import DECISION_KEYS, Keyring
+from kazma.config.metrics import failure_count
+from tests.approvals_support import TEST_KEY, TEST_KEYRING, ManualClock, RecordingPublisher
+from tests.store_backends import Engine, open_store
+from tests.test_remembered_approvals import ARGS, CONFIG, HERE, _asks_for_a_card, _remember, remembering
+
+_INSERT = (
+    "INSERT INTO approval_rules (id, tool, args_hash, conversation, created_by, created_via, request_id, created_at,"
+    " expires_at, seal_key_id, seal) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+async def _approve_once(policy: SafetyPolicy, publisher: RecordingPublisher) -> str:
+    """The call approved on its card with plain Approve (no rule); its request id."""
+    before = len(publisher.published)
+    task = asyncio.create_task(
+        policy.check("deploy", ARGS, requested_by="agent:kazma", conversation=HERE, skip_rules=True)
+    )
+    async with asyncio.timeout(10):
+        while len(publisher.published) == before:
+            await asyncio.sleep(0.01)
+    card = publisher.published[-1]
+    pressed = await policy.service.decide_from_button(
+        card.button_data(Decision.APPROVE), actor="telegram:111", platform="telegram"
+    )
+    assert pressed.verdict is PressVerdict.WON
+    assert (await task).allowed
+    assert card.request_id is not None
+    return card.request_id
+
+
+async def _write_around_kazma(policy: SafetyPolicy, sql: str, params: tuple[object, ...] = ()) -> None:
+    conn = policy.service.store.conn
+    await conn.execute(sql, params)
+    await conn.commit()
+
+
+async def _refused_with(policy: SafetyPolicy, request_id: str, words: str) -> None:
+    [*_, last] = await policy.service.store.events(request_id)
+    assert last.event == "rule_refused"
+    assert last.detail is not None
+    assert words in last.detail, last.detail
+
+
+async def test_a_rule_written_by_hand_turns_no_plain_approval_into_a_standing_one(tmp_path: Path) -> None:
+    clock = ManualClock()
+    async with remembering(tmp_path, clock) as (policy, publisher):
+        request_id = await _approve_once(policy, publisher)
+        request = await policy.service.store.get(request_id)
+        assert request is not None
+        assert request.decided_by == "telegram:111"
+        # Everything the genuine decision can account for: its call, place, person, within max_seconds.
+        await _write_around_kazma(
+            policy, _INSERT,
+            ("rule_byhand", "deploy", request.args_hash, HERE, "telegram:111", "telegram", request_id, clock.now,
+             clock.now + 600, None, None),
+        )  # fmt: skip
+        before = failure_count(FORGED)
+        assert await _asks_for_a_card(policy, publisher, ARGS, HERE)
+        assert failure_count(FORGED) == before + 1
+        await _refused_with(policy, request_id, "carries no seal")
+
+
+async def test_a_genuine_rules_seal_moved_to_a_later_approval_does_not_verify(tmp_path: Path) -> None:
+    # The forger's aim: stretch a rule past its end by pinning it on a later plain Approve of the same call.
+    clock = ManualClock()
+    async with remembering(tmp_path, clock) as (policy, publisher):
+        await _remember(policy, publisher)
+        rules = policy.service.rules
+        assert rules is not None
+        [genuine] = await rules.list()
+        assert genuine.seal is not None
+        clock.advance(3000)
+        later = await _approve_once(policy, publisher)
+        clock.advance(700)  # the genuine rule has ended; the later approval is 700 s old
+        assert await rules.match("deploy", genuine.args_hash, HERE) is None
+        await _write_around_kazma(
+            policy, _INSERT,
+            ("rule_moved", "deploy", genuine.args_hash, HERE, "telegram:111", "telegram", later, clock.now - 700,
+             clock.now + 2900, genuine.seal_key_id, genuine.seal),
+        )  # fmt: skip
+        before = failure_count(FORGED)
+        assert await _asks_for_a_card(policy, publisher, ARGS, HERE)
+        assert failure_count(FORGED) == before + 1
+        await _refused_with(policy, later, "does not verify")
+
+
+async def test_a_revoked_rule_set_back_in_force_by_hand_is_refused(tmp_path: Path) -> None:
+    async with remembering(tmp_path, ManualClock()) as (policy, publisher):
+        await _remember(policy, publisher)
+        rules = policy.service.rules
+        assert rules is not None
+        [rule] = await rules.list()
+        assert await policy.service.revoke_rule(rule.id, actor="telegram:111", platform="telegram") is not None
+        await _write_around_kazma(policy, "UPDATE approval_rules SET revoked_at = NULL, revoked_by = NULL")
+        assert [r.id for r in await rules.list()] == [rule.id]  # in force, as far as its row says
+        assert await _asks_for_a_card(policy, publisher, ARGS, HERE)
+        await _refused_with(policy, rule.request_id, "revoked by telegram:111")
+
+
+async def test_a_rule_made_under_an_older_key_still_holds_and_one_under_an_unknown_key_does_not(
+    tmp_path: Path,
+) -> None:
+    async with remembering(tmp_path, ManualClock()) as (policy, publisher):
+        await _remember(policy, publisher)
+        rules = policy.service.rules
+        assert rules is not None
+        [rule] = await rules.list()
+        assert rule.seal_problem(TEST_KEYRING) is None
+        rotated = Keyring.of(DECISION_KEYS, ("k2", "another-decision-key-" + "1" * 32), TEST_KEY)
+        assert rule.seal_problem(rotated) is None  # rotation keeps what the older key sealed valid
+        assert rule.seal_problem(Keyring.of(DECISION_KEYS, ("k1", "not-the-same-secret-" + "2" * 32))) is not None
+        renamed = dataclasses.replace(rule, seal_key_id="k-elsewhere")
+        problem = renamed.seal_problem(TEST_KEYRING)
+        assert problem is not None
+        assert problem.site == KEY_UNKNOWN
+
+
+NOT_MINE = """
+people:
+  alice: {telegram: 111}
+  bob: {telegram: 222}
+approvals:
+  approvers: [alice, bob]
+  remember: {enabled: true, max_seconds: 3600}
+  policies:
+    not-mine: {forbid_requester: true}
+tools:
+  deploy: {policy: not-mine}
+"""
+
+
+async def test_under_forbid_requester_a_rule_never_lets_its_makers_own_work_run(tmp_path: Path) -> None:
+    async with remembering(tmp_path, ManualClock(), NOT_MINE) as (policy, publisher):
+        # Bob's work asks; Alice (telegram:111) approves it for an hour.
+        assert (await _remember(policy, publisher, started_by="telegram:222")).allowed
+        # Her own work, the identical call: she could not approve it on a card, so no rule of hers stands for it.
+        assert await _asks_for_a_card(policy, publisher, ARGS, HERE, started_by="telegram:111")
+        assert await _asks_for_a_card(policy, publisher, ARGS, HERE, started_by="alice")  # named as a person
+        # Bob's work again: the rule stands, without a card.
+        before = len(publisher.published)
+        again = await policy.check(
+            "deploy", ARGS, requested_by="agent:kazma", conversation=HERE, started_by="telegram:222"
+        )
+        assert again.allowed
+        assert "remembered approval" in again.reason
+        assert len(publisher.published) == before
+
+
+async def test_without_forbid_requester_the_maker_s_own_work_uses_the_rule(tmp_path: Path) -> None:
+    # The control for the test above: the same presses where the policy lets the requester approve.
+    async with remembering(tmp_path, ManualClock(), CONFIG) as (policy, publisher):
+        assert (await _remember(policy, publisher, started_by="telegram:222")).allowed
+        before = len(publisher.published)
+        mine = await policy.check(
+            "deploy", ARGS, requested_by="agent:kazma", conversation=HERE, started_by="telegram:111"
+        )
+        assert mine.allowed
+        assert len(publisher.published) == before
+
+
+async def test_a_rules_seal_reads_back_whole_and_binds_every_field(store_engine: Engine) -> None:
+    # On both backends: what the row gives back verifies (the times round-trip to the microsecond), and
+    # each field the seal binds, changed alone, does not.
+    async with open_store(store_engine) as conn:
+        made = await RuleStore(conn, clock=lambda: 1_800_000_000.123456).add(
+            tool="shell", args_hash="ab" * 32, conversation="slack:C1", created_by="slack:U1", created_via="slack",
+            request_id="req_1", seconds=3600, keyring=TEST_KEYRING,
+        )  # fmt: skip
+        read = await RuleStore(conn, clock=lambda: 1_800_000_001.0).match("shell", "ab" * 32, "slack:C1")
+        assert read == made
+        assert read.seal_problem(TEST_KEYRING) is None
+        changes: dict[str, Any] = {
+            "id": "rule_other", "tool": "shell2", "args_hash": "cd" * 32, "conversation": "slack:C2",
+            "created_by": "slack:U2", "created_via": "telegram", "request_id": "req_2",
+            "created_at": made.created_at + 0.000001, "expires_at": made.expires_at + 1,
+        }  # fmt: skip
+        for name, value in changes.items():
+            problem = dataclasses.replace(read, **{name: value}).seal_problem(TEST_KEYRING)
+            assert problem is not None, name
+            assert (problem.site, "does not verify" in problem.detail) == (FORGED, True), name
+        unsealed = await RuleStore(conn).add(
+            tool="shell", args_hash="ef" * 32, conversation="slack:C1", created_by="slack:U1", created_via="slack",
+            request_id="req_3", seconds=3600,
+        )  # fmt: skip
+        assert isinstance(unsealed, Rule)
+        problem = unsealed.seal_problem(TEST_KEYRING)
+        assert problem is not None
+        assert "carries no seal" in problem.detail
