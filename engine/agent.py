@@ -115,6 +115,12 @@ class TurnContext:
     # message started the plan): whom a policy's forbid_requester refuses.
     started_by: str | None = None
 
+    @property
+    def starter(self) -> str | None:
+        """Whom the work this turn serves is for, as a policy's forbid_requester sees it: ``started_by``, else
+        ``requested_by`` when that is an identity (a person's message), else nobody known."""
+        return self.started_by or (self.requested_by if ":" in self.requested_by else None)
+
 
 @dataclass(frozen=True)
 class ToolRun:
@@ -422,7 +428,7 @@ class AgentRunner:
             task_id=ctx.task_id,
             notes=notes,
             skip_rules=earlier is not None,
-            started_by=ctx.started_by or (ctx.requested_by if ":" in ctx.requested_by else None),
+            started_by=ctx.starter,
         )
         if not verdict.allowed:
             result.tool_runs.append(

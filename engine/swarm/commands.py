@@ -146,6 +146,7 @@ class SwarmCommands:
             expect=earlier.expect,
             deadline_seconds=earlier.deadline_seconds,
             context=earlier.context,
+            started_by=actor,
         )
         new_id = await self.service.submit(request)
         return f"swarm task {task_id} retried as {new_id}"
@@ -178,6 +179,7 @@ def _request(command: SwarmCommand, *, owner: str, origin: str, route: str | Non
         conversation=origin,
         expect=command.expect,
         deadline_seconds=command.deadline,
+        started_by=owner,
     )
     return replace(base, **command.request_fields())
 

@@ -65,8 +65,9 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             )
         # starting swarm work is itself a call the policy sees: dangerous unless tools.dispatch_swarm says otherwise
         verdict = await policy.check(
-            "dispatch_swarm", dict(arguments), requested_by=f"agent:{ctx.agent.name}", conversation=ctx.conversation
-        )
+            "dispatch_swarm", dict(arguments), requested_by=f"agent:{ctx.agent.name}", conversation=ctx.conversation,
+            started_by=ctx.starter,
+        )  # fmt: skip
         if not verdict.allowed:
             return ToolResult(ok=False, output="", error=f"not started: {verdict.reason}")
         request = SwarmRequest(
@@ -81,6 +82,7 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             expect=args.expect,
             deadline_seconds=args.deadline_seconds,
             context=args.context,
+            started_by=ctx.starter,
         )
         try:
             task_id = await service.submit(request)

@@ -39,7 +39,15 @@ from kazma.engine.swarm.store import (
     TaskRecord,
     TaskRun,
 )
-from kazma.engine.swarm.types import ErrorKind, SwarmRefused, SwarmRequest, TaskStatus, Worker, WorkerResult
+from kazma.engine.swarm.types import (
+    ErrorKind,
+    SwarmRefused,
+    SwarmRequest,
+    TaskStatus,
+    Worker,
+    WorkerResult,
+    working_for,
+)
 from kazma.engine.tools.executions import Effects, ExecutionRecord, ExecutionSummary, Outcome, tracking
 from kazma.engine.types import Usage
 
@@ -374,7 +382,7 @@ class SwarmService:
             limit = asyncio.timeout(deadline)
             self._deadlines[run.task_id] = limit
             try:
-                with tracking(effects):
+                with tracking(effects), working_for(request.started_by):
                     async with limit:
                         call = self._task_call(request, task, finished)
                         outcome = await self._pattern(run, request, workers, done, call, task)
@@ -867,6 +875,7 @@ def request_from(record: TaskRecord) -> SwarmRequest:
         expect=data.get("expect"),
         deadline_seconds=data.get("deadline_seconds"),
         context=str(data.get("context") or ""),
+        started_by=None if data.get("started_by") is None else str(data["started_by"]),
     )
 
 

@@ -43,6 +43,9 @@ class SwarmRequest:
     expect: str | None = None  # "json" or a schema name from swarm.schemas: every worker answer must match
     deadline_seconds: int | None = None  # None: swarm.task_deadline_seconds
     context: str = ""  # material every worker gets with the task, fenced as data (the lead's, or a file's)
+    # Who asked for the work (the /swarm command's sender, or the person whose message started the lead's turn
+    # that dispatched it): its workers' dangerous calls are theirs, so a forbid_requester policy bars them.
+    started_by: str | None = None
 
     def metadata(self) -> dict[str, Any]:
         """Everything but the prompt and the context: what the metadata limit bounds."""
@@ -54,6 +57,7 @@ class SwarmRequest:
             "routes": [list(pair) for pair in self.routes],
             "expect": self.expect,
             "deadline_seconds": self.deadline_seconds,
+            "started_by": self.started_by,
         }
 
     def as_json(self) -> dict[str, Any]:
@@ -161,6 +165,25 @@ def step_named(label: str) -> Iterator[None]:
 
 def current_step() -> str:
     return _STEP.get()
+
+
+# Who the task a worker call serves was asked for by, beside the call like the offer (every layer between a
+# pattern and a worker stays as it is).
+_STARTER: ContextVar[str | None] = ContextVar("kazma_swarm_started_by", default=None)
+
+
+@contextmanager
+def working_for(started_by: str | None) -> Iterator[None]:
+    token = _STARTER.set(started_by)
+    try:
+        yield
+    finally:
+        _STARTER.reset(token)
+
+
+def current_starter() -> str | None:
+    """Who asked for the swarm task running now (None: nobody known, or outside a task)."""
+    return _STARTER.get()
 
 
 class Worker(Protocol):
