@@ -85,10 +85,17 @@ PG_MIGRATIONS: Final = [
 CONSULTING_REQUESTERS: Final = ("agent:",)
 
 
-def rules_consulted_for(requested_by: str) -> bool:
-    """Whether a rule made from a request of ``requested_by`` would ever let a later call run: only then may a
-    card offer "Approve for …"."""
-    return requested_by.startswith(CONSULTING_REQUESTERS)
+def in_a_chat(conversation: str) -> bool:
+    """Whether ``conversation`` is a chat (``<platform>:<chat>``), where a rule's use is said. A swarm worker's
+    calls are in no chat ("swarm", shared by every task and every asker): nothing is remembered there."""
+    platform, sep, chat = conversation.partition(":")
+    return bool(sep and platform and chat)
+
+
+def rules_consulted_for(requested_by: str, conversation: str) -> bool:
+    """Whether a rule made from a request of ``requested_by`` in ``conversation`` would ever let a later call run:
+    only then may a card offer "Approve for …"."""
+    return requested_by.startswith(CONSULTING_REQUESTERS) and in_a_chat(conversation)
 
 
 _COLUMNS = (

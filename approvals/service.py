@@ -43,7 +43,7 @@ from kazma.approvals.model import (
     decider_text,
 )
 from kazma.approvals.progress import Progress, progress_line, progress_of
-from kazma.approvals.rules import Rule, RuleStore, rules_consulted_for
+from kazma.approvals.rules import Rule, RuleStore, in_a_chat, rules_consulted_for
 from kazma.approvals.seal import FORGED, SealProblem, seal_problem
 from kazma.approvals.store import (
     ApprovalStore,
@@ -311,9 +311,10 @@ def _parse_button(data: str) -> ParsedButton:
 def remember_offer(config: KazmaConfig, request: ApprovalRequest) -> int | None:
     """How long "Approve for …" would remember ``request``'s call, or None where the button is not offered: the
     team did not enable it, or no later call of this requester ever consults a rule (a request from the
-    approvals API or ``/mcp``: the button would promise something that never happens)."""
+    approvals API or ``/mcp``, or a call in no chat: the button would promise something that never happens)."""
     remember = config.approvals.remember
-    if not remember.enabled or not rules_consulted_for(request.requested_by) or not request.rememberable:
+    consulted = rules_consulted_for(request.requested_by, request.conversation)
+    if not remember.enabled or not consulted or not request.rememberable:
         return None  # (a policy of several people or a passkey is never remembered)
     return remember.max_seconds
 
@@ -683,7 +684,7 @@ class ApprovalService:
 
         ``started_by``: whose message started the work. Under a policy with ``forbid_requester`` a rule its
         maker made never lets their own work run: they could not approve that call on a card either."""
-        if self.rules is None or not self.config.approvals.remember.enabled:
+        if self.rules is None or not self.config.approvals.remember.enabled or not in_a_chat(conversation):
             return None
         try:
             check_arguments(args)
@@ -1113,8 +1114,11 @@ class ApprovalService:
         request = await self.store.get(request_id)
         if request is None:
             return None  # the compare-and-set reports the unknown id
-        if not rules_consulted_for(request.requested_by):
-            return "This call cannot be remembered: a remembered approval only ever lets an agent's tool call run"
+        if not rules_consulted_for(request.requested_by, request.conversation):
+            return (
+                "This call cannot be remembered: a remembered approval only ever lets an agent's tool call in a chat "
+                "run"
+            )
         if not request.rememberable:
             return "This call cannot be remembered: its policy needs more than one person's press, or a passkey"
         if self.card(request).remember_seconds is None:

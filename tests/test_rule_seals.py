@@ -205,3 +205,24 @@ async def test_a_rules_seal_reads_back_whole_and_binds_every_field(store_engine:
         problem = unsealed.seal_problem(TEST_KEYRING)
         assert problem is not None
         assert "carries no seal" in problem.detail
+
+
+async def test_a_call_in_no_chat_is_never_remembered(tmp_path: Path) -> None:
+    # A swarm worker's calls are in "swarm", shared by every task and whoever asked for it: a rule made there
+    # would let another task's identical call run unseen, and its use could be said nowhere.
+    async with remembering(tmp_path, ManualClock()) as (policy, publisher):
+        task = asyncio.create_task(policy.check("deploy", ARGS, requested_by="agent:builder", conversation="swarm"))
+        async with asyncio.timeout(10):
+            while not publisher.published:
+                await asyncio.sleep(0.01)
+        card = publisher.published[-1]
+        assert card.remember_seconds is None  # no "Approve for" button
+        pressed = await policy.service.decide_from_button(card.remember_data, actor="telegram:111", platform="telegram")
+        assert pressed.verdict is PressVerdict.REFUSED
+        assert "in a chat" in pressed.message
+        assert await policy.service.rules.list() == []  # type: ignore[union-attr]
+        approved = await policy.service.decide_from_button(
+            card.button_data(Decision.APPROVE), actor="telegram:111", platform="telegram"
+        )
+        assert approved.verdict is PressVerdict.WON
+        assert (await task).allowed
