@@ -20,7 +20,7 @@ from kazma.config import KazmaConfig, failpoints, load_config_text
 from kazma.config.store.database import open_database
 from kazma.engine.swarm.checkpoints import CHECKPOINT_TOOL
 from kazma.engine.swarm.commands import SwarmCommands
-from kazma.engine.swarm.service import CoalescingReporter, SwarmService
+from kazma.engine.swarm.service import CoalescingReporter, SwarmService, request_from
 from kazma.engine.swarm.store import MIGRATIONS, SwarmTaskStore
 from kazma.engine.swarm.types import ErrorKind, Pattern, SwarmRefused, SwarmRequest, TaskStatus, WorkerResult
 from kazma.engine.types import Usage
@@ -208,6 +208,44 @@ async def test_checkpoint_approved_by_a_press_resumes_after_the_journal(tmp_path
         assert await finished(r.service, task) is TaskStatus.SUCCEEDED
         assert len(r.workers["researcher"].seen) == 1  # the journaled stage did not run again
         assert len(r.workers["validator"].seen) == 1
+
+
+NO_SELF = """
+approvals:
+  approvers: ["telegram:111", "telegram:222"]
+  deadline_seconds: 600
+  policies: {not-mine: {forbid_requester: true}}
+platforms: {telegram: {admins: [111]}}
+swarm: {checkpoints: {standard: [1]}, max_parallel: 4}
+tools: {pipeline_checkpoint: {policy: not-mine}}
+"""
+
+
+async def test_who_asked_for_a_pipeline_may_not_approve_its_checkpoint_under_a_no_self_policy(
+    tmp_path: Path,
+) -> None:
+    cfg = load_config_text(NO_SELF).config
+    async with rig(tmp_path / "a.db", config=cfg) as r:
+        task = await r.service.submit(
+            request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard", started_by="telegram:111")
+        )
+        await paused(r, task)
+        stored = await r.service.store.get(task)
+        assert stored is not None
+        assert request_from(stored).started_by == "telegram:111"  # what a resume after a restart runs for
+        card = r.publisher.published[0]
+        assert card.request_id is not None
+        opened = await r.approvals.store.get(card.request_id)
+        assert opened is not None
+        assert (opened.tool, opened.policy, opened.started_by) == (CHECKPOINT_TOOL, "not-mine", "telegram:111")
+        mine = await r.approvals.decide_from_button(card.button_data(Decision.APPROVE), actor="telegram:111",
+                                                    platform="telegram")  # fmt: skip
+        assert not mine.won
+        assert "You asked for this call" in mine.message
+        theirs = await r.approvals.decide_from_button(card.button_data(Decision.APPROVE), actor="telegram:222",
+                                                      platform="telegram")  # fmt: skip
+        assert theirs.won
+        assert await finished(r.service, task) is TaskStatus.SUCCEEDED
 
 
 async def test_a_checkpoint_approved_in_the_store_not_by_a_press_ends_the_task(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from kazma.engine.swarm.store import (
     TaskRun,
     UnknownTask,
 )
-from kazma.engine.swarm.types import TaskStatus, WorkerResult
+from kazma.engine.swarm.types import TaskStatus, WorkerResult, current_starter
 
 log = structlog.get_logger("kazma.swarm")
 
@@ -157,6 +157,7 @@ class Checkpoints:
                 task_id=run.task_id,
                 durable=True,  # the paused pipeline picks it up again after a restart: not an orphan
                 gate=gate,
+                started_by=current_starter(),  # the task's asker: a no-self policy bars their Approve
             )
         except _NotPaused:  # cancelled meanwhile (or a stale run): nothing was opened, the canceller ends it
             await self.store.pause_refused(run, step_of("-"))
@@ -172,8 +173,9 @@ class Checkpoints:
         assert self.approvals is not None
         try:
             approval = await self.approvals.open(
-                CHECKPOINT_TOOL, args, f"swarm:{run.task_id}", conversation, task_id=run.task_id, durable=True
-            )
+                CHECKPOINT_TOOL, args, f"swarm:{run.task_id}", conversation, task_id=run.task_id, durable=True,
+                started_by=current_starter(),
+            )  # fmt: skip
         except Exception as exc:  # ApprovalRefused, a store error: no gate, no pause
             await self._gate_failed(run, index, exc)
             return None
