@@ -697,10 +697,10 @@ class ApprovalService:
         forged = await self._rule_problem(rule, tool, digest, conversation)
         if forged is not None:
             # A rule row is an approval too: one the decision it names cannot account for was written
-            # outside Kazma. The call gets a card instead.
-            count_failure(FORGED)
-            await self._audit_safely(rule.request_id, "rule_refused", None, None, f"{rule.id}: {forged}")
-            log.error("approvals.forged_rule", rule=rule.id, request_id=rule.request_id, detail=forged)
+            # outside Kazma (or sealed with a key not held here). The call gets a card instead.
+            count_failure(forged.site)
+            await self._audit_safely(rule.request_id, "rule_refused", None, None, f"{rule.id}: {forged.detail}")
+            log.error("approvals.forged_rule", rule=rule.id, request_id=rule.request_id, detail=forged.detail)
             return None
         if started_by is not None and self._asked_by(tool, started_by, rule.created_by):
             log.info("approvals.rule_not_for_requester", rule=rule.id, tool=tool, started_by=started_by)
@@ -727,26 +727,28 @@ class ApprovalService:
             )
         return rule
 
-    async def _rule_problem(self, rule: Rule, tool: str, digest: str, conversation: str) -> str | None:
+    async def _rule_problem(self, rule: Rule, tool: str, digest: str, conversation: str) -> SealProblem | None:
         """Why ``rule`` is not one a person's sealed "Approve for …" made for this call here, or None."""
         sealed = rule.seal_problem(self.store.keyring)
         if sealed is not None:
-            return sealed.detail
+            return sealed
         revoked = [e for e in await self.store.events(rule.request_id, event="rule_revoked") if e.detail == rule.id]
         if revoked:
-            return f"it was revoked by {revoked[0].actor} (the audit says so), but its row says it is in force"
+            return SealProblem(
+                f"it was revoked by {revoked[0].actor} (the audit says so), but its row says it is in force", FORGED
+            )
         request = await self.store.get(rule.request_id)
         if request is None:
-            return "it names no request"
+            return SealProblem("it names no request", FORGED)
         problem = self.approval_problem(request)
         if problem is not None:
-            return f"its approval {request.id} does not hold: {problem.detail}"
+            return SealProblem(f"its approval {request.id} does not hold: {problem.detail}", problem.site)
         made_for = (request.tool, request.args_hash, request.conversation, request.decided_by)
         if made_for != (tool, digest, conversation, rule.created_by):
-            return f"its approval {request.id} was for another call, place or person"
+            return SealProblem(f"its approval {request.id} was for another call, place or person", FORGED)
         assert request.decided_at is not None  # sealed: decided
         if self.clock() >= request.decided_at.timestamp() + self.config.approvals.remember.max_seconds:
-            return f"it outlives approvals.remember.max_seconds from its approval {request.id}"
+            return SealProblem(f"it outlives approvals.remember.max_seconds from its approval {request.id}", FORGED)
         return None
 
     # -- deciding --------------------------------------------------------------------------------

@@ -226,3 +226,64 @@ async def test_a_call_in_no_chat_is_never_remembered(tmp_path: Path) -> None:
         )
         assert approved.verdict is PressVerdict.WON
         assert (await task).allowed
+
+
+async def test_a_sealed_rule_still_stands_only_for_the_approval_it_names(tmp_path: Path) -> None:
+    # Past the seal, the rule must agree with its sealed approval: these rules are sealed with the key itself
+    # (what a process holding the key but no decision could make), one at a time, each refused for its reason.
+    clock = ManualClock()
+    async with remembering(tmp_path, clock) as (policy, publisher):
+        rules = policy.service.rules
+        assert rules is not None
+        approved = await _approve_once(policy, publisher)
+        request = await policy.service.store.get(approved)
+        assert request is not None
+        denied_task = asyncio.create_task(
+            policy.check("deploy", ARGS, requested_by="agent:kazma", conversation=HERE, skip_rules=True)
+        )
+        async with asyncio.timeout(10):
+            while publisher.published[-1].request_id == approved:
+                await asyncio.sleep(0.01)
+        denied = publisher.published[-1].request_id
+        assert denied is not None
+        await policy.service.decide_from_button(
+            publisher.published[-1].button_data(Decision.DENY), actor="telegram:111", platform="telegram"
+        )
+        assert not (await denied_task).allowed
+
+        async def refused(made_by: str, request_id: str, words: str, *, site: str = FORGED) -> None:
+            rule = await rules.add(
+                tool="deploy", args_hash=request.args_hash, conversation=HERE, created_by=made_by,
+                created_via="telegram", request_id=request_id, seconds=3600, keyring=TEST_KEYRING,
+            )  # fmt: skip
+            assert rule.seal_problem(TEST_KEYRING) is None
+            before = failure_count(site)
+            assert await _asks_for_a_card(policy, publisher, ARGS, HERE)
+            assert failure_count(site) == before + 1
+            [*_, last] = await policy.service.store.events(request_id)
+            assert (last.event, words in str(last.detail)) == ("rule_refused", True), last.detail
+            assert await rules.revoke(rule.id, actor="test")
+
+        await refused("telegram:111", "req_nowhere", "names no request")
+        await refused("telegram:111", denied, "does not hold")
+        await refused("telegram:222", approved, "another call, place or person")
+        clock.advance(3601)  # the approval is older than max_seconds; a rule made now would outlive it
+        await refused("telegram:111", approved, "outlives approvals.remember.max_seconds")
+
+
+async def test_a_rule_sealed_with_a_key_not_held_here_is_counted_as_such(tmp_path: Path) -> None:
+    async with remembering(tmp_path, ManualClock()) as (policy, publisher):
+        rules = policy.service.rules
+        assert rules is not None
+        approved = await _approve_once(policy, publisher)
+        request = await policy.service.store.get(approved)
+        assert request is not None
+        elsewhere = Keyring.of(DECISION_KEYS, ("k9", "a-key-this-process-never-held-" + "3" * 32))
+        await rules.add(
+            tool="deploy", args_hash=request.args_hash, conversation=HERE, created_by="telegram:111",
+            created_via="telegram", request_id=approved, seconds=3600, keyring=elsewhere,
+        )  # fmt: skip
+        unknown, forged = failure_count(KEY_UNKNOWN), failure_count(FORGED)
+        assert await _asks_for_a_card(policy, publisher, ARGS, HERE)
+        assert (failure_count(KEY_UNKNOWN), failure_count(FORGED)) == (unknown + 1, forged)
+        await _refused_with(policy, approved, "'k9', which is not in the decision keyring here")

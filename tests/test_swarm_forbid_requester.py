@@ -10,9 +10,11 @@ task approved its calls under a no-self policy.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
-from kazma.approvals.model import ApprovalRequest, Status
+from kazma.approvals.model import ApprovalRequest, Decision, Status
 from kazma.bot.app import App
 from kazma.engine.model import ScriptStep
 from kazma.engine.types import ModelReply
@@ -33,6 +35,17 @@ tools:
   dispatch_swarm: {{policy: not-mine}}
 swarm: {{allow_shared_operators: true}}
 """
+
+
+@asynccontextmanager
+async def _nothing_left_pending(app: App) -> AsyncIterator[None]:
+    """A failed check denies what is still pending, so the app can stop and the failure is told (not a hang)."""
+    try:
+        yield
+    except BaseException:
+        for request in await app.service.store.requests(pending_only=True):
+            await app.service.decide(request.id, Decision.DENY, actor=f"telegram:{ALICE}", platform="telegram")
+        raise
 
 
 async def _decided_by_alice_after_bob_is_refused(app: App, fake: FakeTelegram, tool: str) -> ApprovalRequest:
@@ -63,7 +76,7 @@ async def test_who_sent_swarm_may_not_approve_its_workers_calls_under_a_no_self_
     scripts: dict[str, list[ScriptStep]] = {
         "builder": [call("shell", {"command": "echo hi"}), ModelReply(content="Said hi.")],
     }
-    async with kazma(tmp_path, scripts, extra=POLICY) as (app, fake):
+    async with kazma(tmp_path, scripts, extra=POLICY) as (app, fake), _nothing_left_pending(app):
         fake.push_message(CHAT, BOB, "/swarm dispatch builder say hi", username="bob")
         await _decided_by_alice_after_bob_is_refused(app, fake, "shell")
         await said(fake, "Said hi.")
@@ -75,7 +88,7 @@ async def test_who_asked_the_lead_may_approve_neither_its_dispatch_nor_the_worke
         "kazma": [call("dispatch_swarm", dispatch), ModelReply(content="Handed to the builder.")],
         "builder": [call("shell", {"command": "echo hi"}), ModelReply(content="Said hi.")],
     }
-    async with kazma(tmp_path, scripts, extra=POLICY) as (app, fake):
+    async with kazma(tmp_path, scripts, extra=POLICY) as (app, fake), _nothing_left_pending(app):
         fake.push_message(CHAT, BOB, "@kazma have the builder say hi", username="bob")
         await _decided_by_alice_after_bob_is_refused(app, fake, "dispatch_swarm")
         await _decided_by_alice_after_bob_is_refused(app, fake, "shell")
