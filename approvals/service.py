@@ -1531,6 +1531,15 @@ class ApprovalService:
             return SealProblem(f"{request.decided_by} may not approve (not an approver now)", FORGED)
         return None
 
+    def stored_approval_problem(self, request: ApprovalRequest) -> SealProblem | None:
+        """:meth:`approval_problem`, and first whether the stored call still hashes to the sealed hash: the seal
+        binds the hash, not the arguments, and a door that hands the arguments back (the API, ``/mcp``) hands
+        back what its caller will run."""
+        changed = _integrity_problem(request)
+        if changed is not None:
+            return SealProblem(f"its stored call was changed ({changed}) outside Kazma", FORGED)
+        return self.approval_problem(request)
+
     async def verify_approval(self, request_id: str) -> ApprovalRequest:
         """The request if it is an approval Kazma made and sealed; otherwise refused (raises
         :class:`ExecutionMismatch`), counted, audited ``execution_refused`` and logged. For what runs on an
@@ -1539,12 +1548,7 @@ class ApprovalService:
         if request is None or request.status is not Status.APPROVED:
             state = "unknown" if request is None else request.status.value
             raise ExecutionMismatch(f"request {request_id} is {state}, not approved")
-        changed = _integrity_problem(request)
-        problem: SealProblem | None
-        if changed is not None:
-            problem = SealProblem(f"its stored call was changed ({changed}) outside Kazma", FORGED)
-        else:
-            problem = self.approval_problem(request)
+        problem = self.stored_approval_problem(request)
         if problem is None and not await self._decided_on_record(request):
             problem = SealProblem("it was approved without its decided audit row (changed outside Kazma)", FORGED)
         if problem is None:

@@ -403,6 +403,33 @@ async def test_api_cards_offer_no_remembered_approval_and_refuse_one(tmp_path: P
         assert await door.app.service.rules.list() == []
 
 
+async def test_an_approval_whose_arguments_were_changed_in_the_store_is_reported_unverified(tmp_path: Path) -> None:
+    # Attack: a genuine, sealed approval; then its stored arguments are changed around Kazma (the seal binds their
+    # hash, which is left as it was). The API hands the arguments back and the caller runs them: not "approved".
+    from kazma.approvals.model import Decision
+    from tests.store_backends import Engine
+    from tests.test_decision_seals import forge
+
+    async with kazma_door(tmp_path) as door, client(door) as http:
+        opened = (await http.post("/api/v1/approvals", json=DEPLOY)).json()
+        won = await door.app.service.decide(
+            opened["id"], Decision.APPROVE, actor=f"telegram:{TG_ADMIN}", platform="telegram"
+        )
+        assert won.won
+        found = (await http.get(f"/api/v1/approvals/{opened['id']}")).json()
+        assert (found["status"], found["arguments"]) == ("approved", DEPLOY["arguments"])  # the control
+        changed = json.dumps({"env": "prod", "version": 43})
+        forge(
+            Engine("sqlite", str(tmp_path / "state" / "kazma.db")),
+            [("UPDATE approval_requests SET args_json = ? WHERE id = ?", (changed, opened["id"]))],
+            no_triggers=True,
+        )
+        found = (await http.get(f"/api/v1/approvals/{opened['id']}")).json()
+        assert found["status"] == "unverified"
+        assert found["decided_by"] is None
+        assert "stored call was changed" in found["reason"]
+
+
 async def test_a_row_forged_to_approved_in_the_store_is_reported_unverified_never_approved(tmp_path: Path) -> None:
     # Attack: something that can write the store sets the API request's row to approved by a real approver,
     # with the matching decided audit row. The caller acts on "approved", so the API must not say it.

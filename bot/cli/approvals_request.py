@@ -66,7 +66,7 @@ def request(
       4  Kazma could not be asked
       5  interrupted (SIGINT/Ctrl-C, SIGTERM): the request is withdrawn on every
          card; if Kazma cannot be told, it withdraws it once nobody asks (90 s)
-      6  unverified: the store says approved, but Kazma did not seal it
+      6  unverified: the store says approved, but Kazma did not seal it (or its arguments changed since)
     """
     import httpx
 

@@ -117,8 +117,9 @@ def describe(service: ApprovalService, request: ApprovalRequest) -> dict[str, An
     reason = None if outcome is None else outcome.reason
     if request.status is Status.APPROVED:
         # The caller runs its action on "approved": a row that no decision path of Kazma sealed (written into
-        # the store by something else) is reported as what it is, never as an approval.
-        problem = service.approval_problem(request)
+        # the store by something else), or whose arguments were changed since, is reported as what it is, never
+        # as an approval.
+        problem = service.stored_approval_problem(request)
         if problem is not None:
             count_failure(problem.site)
             log.warning("api.approval_unverified", request_id=request.id, problem=problem.detail)
