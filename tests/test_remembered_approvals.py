@@ -191,23 +191,29 @@ async def test_on_telegram_a_remembered_mcp_call_runs_again_and_says_so(tmp_path
 
 
 async def test_rules_cli_lists_and_revokes(tmp_path: Path) -> None:
+    from kazma.bot.keys import load_decision_keyring
     from kazma.bot.store import open_store
 
     config_file = tmp_path / "kazma.yaml"
     config_file.write_text(f"store: {{path: '{tmp_path / 'state' / 'kazma.db'}'}}\n", encoding="utf-8")
     config = load_config_text(config_file.read_text(), environ={}).config
+    ring = load_decision_keyring(config, environ={})  # what `kazma run` makes at its first start
     conn = await open_store(config)
     try:
         rule = await RuleStore(conn).add(
             tool="deploy", args_hash="ab" * 32, conversation=HERE, created_by="telegram:111",
             created_via="telegram", request_id="r" * 22, seconds=3600,
         )  # fmt: skip
+        sealed = await RuleStore(conn).add(
+            tool="deploy", args_hash="cd" * 32, conversation=HERE, created_by="telegram:111",
+            created_via="telegram", request_id="s" * 22, seconds=3600, keyring=ring,
+        )  # fmt: skip
     finally:
         await conn.close()
 
     async def kazma(*args: str) -> tuple[int, str]:
         # a child process: the CLI configures logging for its whole process
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("KAZMA_")}, "PYTHONPATH": str(REPO)}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", "-c", str(config_file), "approvals", "rules", *args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
@@ -217,8 +223,10 @@ async def test_rules_cli_lists_and_revokes(tmp_path: Path) -> None:
         return proc.returncode, out.decode()
 
     _, listed = await kazma("list")
-    assert rule.id in listed
-    assert "telegram:111" in listed
+    lines = {line.split()[0]: line for line in listed.splitlines() if line.startswith("rule_")}
+    assert "telegram:111" in lines[rule.id]
+    assert "REFUSED: it carries no seal" in lines[rule.id]  # a row that lets nothing run says so
+    assert "REFUSED" not in lines[sealed.id]
     code, revoked = await kazma("revoke", rule.id)
     assert code == 0, revoked
     _, after = await kazma("list")

@@ -13,7 +13,7 @@ from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.rules import RuleStore
 from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
-from kazma.bot.keys import load_audit_signer
+from kazma.bot.keys import load_audit_signer, read_decision_keyring
 from kazma.bot.store import store_for_command
 from kazma.config.address import Actor
 
@@ -40,11 +40,15 @@ def list_rules(obj: Context, everything: bool) -> None:
         if not found:
             click.echo("no remembered approvals in force" if not everything else "no remembered approvals")
         now = time.time()
+        keyring = read_decision_keyring(config)
         for rule in found:
             state = "active" if rule.active(now) else ("revoked" if rule.revoked_at else "expired")
+            # A row whose seal does not hold lets nothing run: said, so nobody takes it for one in force.
+            problem = rule.seal_problem(keyring) if state == "active" and keyring is not None else None
+            refused = "" if problem is None else f"  REFUSED: {problem.detail}"
             click.echo(
                 f"{rule.id}  {state:<7} {rule.tool}  sha256 {rule.args_hash[:16]}…  in {rule.conversation}  "
-                f"by {rule.created_by}  until {_when(rule.expires_at)}  (request {rule.request_id})"
+                f"by {rule.created_by}  until {_when(rule.expires_at)}  (request {rule.request_id}){refused}"
             )
 
     asyncio.run(run())
