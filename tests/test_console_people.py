@@ -18,7 +18,7 @@ from kazma.approvals.model import Status
 from kazma.approvals.rules import RuleStore
 from kazma.bot.console.auth import SESSION_COOKIE
 from kazma.bot.console.signin import CEREMONY_COOKIE
-from tests.passkey_support import CeremonyRefused, SoftAuthenticator, b64url, enrol, sign_in
+from tests.passkey_support import CeremonyRefused, SoftAuthenticator, b64url, csrf_of, enrol, sign_in
 from tests.test_web_server import OPERATOR, READER, Console, console
 
 
@@ -211,9 +211,41 @@ async def test_the_operator_token_enrols_the_first_account_only(tmp_path: Path) 
             csrf = await con.login_with_token(later, "mallory", OPERATOR)
             assert "Enrol the first account" not in await (await later.get(f"{con.base}/")).text()
             again = await later.post(f"{con.base}/people/bootstrap", data={"csrf": csrf, "person": "alice"})
-            assert "Somebody holds a passkey already" in await again.text()
+            assert "Somebody has enrolled a passkey" in await again.text()
         assert con.server.signin is not None
         assert len(await con.server.signin.accounts.passkeys()) == 1
+
+
+async def test_the_operator_token_never_enrols_again_after_a_revocation_nor_with_a_link_made_before(
+    tmp_path: Path,
+) -> None:
+    # Attack: whoever holds the shared token enrols their own authenticator as an approver, and decides as them.
+    async with console(tmp_path) as con, con.client() as first, con.client() as mallory:
+        await con.login_with_token(first, "alice", OPERATOR)
+        await con.login_with_token(mallory, "mallory", OPERATOR)
+        links = []
+        for client in (first, mallory):  # two first-account links, both before anybody enrolled
+            csrf = await csrf_of(client, con.base)
+            moved = await client.post(
+                f"{con.base}/people/bootstrap", data={"csrf": csrf, "person": "alice"}, allow_redirects=False
+            )
+            assert moved.status == 303
+            links.append(f"{con.base}{moved.headers['Location']}")
+        await enrol(first, con.base, links[0], SoftAuthenticator())
+        with pytest.raises(CeremonyRefused, match="for the first account, and somebody has enrolled since"):
+            await enrol(mallory, con.base, links[1], SoftAuthenticator())
+        assert con.server.signin is not None
+        accounts = con.server.signin.accounts
+        [held] = await accounts.passkeys()
+        # alice's passkey revoked (after a compromise): nobody holds one in force, and still no first account
+        assert await accounts.revoke(person="alice", credential_id=None, by="cli:root")
+        assert await accounts.passkeys(revoked=False) == []
+        page = await (await mallory.get(f"{con.base}/")).text()
+        assert "Enrol the first account" not in page
+        csrf = await csrf_of(mallory, con.base)
+        again = await mallory.post(f"{con.base}/people/bootstrap", data={"csrf": csrf, "person": "alice"})
+        assert "Somebody has enrolled a passkey" in await again.text()
+        assert [p.credential_id for p in await accounts.passkeys()] == [held.credential_id]
 
 
 async def test_the_login_page_offers_passkeys_by_name_and_says_why_not_at_an_address(tmp_path: Path) -> None:

@@ -132,6 +132,14 @@ class Challenge:
     subject: str | None  # what it was made for: the invite's hash (enrol), or what a step-up approves
 
 
+# How a first-account invite made with the shared operator token ends its ``created_by`` (see ``enrol``).
+FIRST_ACCOUNT = "(operator token, first account)"
+FIRST_ACCOUNT_TAKEN = (
+    "this link was for the first account, and somebody has enrolled since: ask for a new one (kazma people invite "
+    "<person>)"
+)
+
+
 class EnrolRefused(Exception):
     """The invite cannot enrol a passkey (used, expired, unknown) or the passkey is enrolled already."""
 
@@ -227,6 +235,12 @@ class AccountStore:
                 raise EnrolRefused("the invite is another person's")
             if tx.one("SELECT 1 FROM people_passkeys WHERE credential_id = ?", (passkey.credential_id,)):
                 raise EnrolRefused("this passkey is enrolled already")
+            if tx.one(
+                "SELECT 1 FROM people_invites WHERE token_hash = ? AND created_by LIKE ?", (hashed, "%" + FIRST_ACCOUNT)
+            ) and tx.one("SELECT 1 FROM people_passkeys LIMIT 1"):
+                # A first-account link made with the shared token is good only while it is the first: one made
+                # before somebody enrolled does not add a passkey to anyone afterwards.
+                raise EnrolRefused(FIRST_ACCOUNT_TAKEN)
             tx.run(
                 f"INSERT INTO people_passkeys ({_PASSKEY}) VALUES (?, ?, ?, ?, ?, ?, NULL, NULL, NULL)",  # noqa: S608
                 (passkey.credential_id, passkey.person, passkey.public_key, passkey.sign_count, passkey.label, now),
@@ -261,8 +275,10 @@ class AccountStore:
         return [_passkey(r) for r in rows]
 
     async def any_enrolled(self) -> bool:
-        """Whether anybody holds a passkey that is not revoked (the shared token may enrol the first one only)."""
-        return await self.tables.one("SELECT 1 FROM people_passkeys WHERE revoked_at IS NULL LIMIT 1") is not None
+        """Whether anybody ever enrolled a passkey, revoked since or not: the shared token may enrol the first one
+        only. (Counting only those in force reopened it to whoever holds the token once a person's passkeys were
+        revoked, the usual step after a compromise: they would enrol their own as that person.)"""
+        return await self.tables.one("SELECT 1 FROM people_passkeys LIMIT 1") is not None
 
     async def used(self, credential_id: str, sign_count: int) -> bool:
         """A sign-in with this passkey: its signature counter moves on; False when it was revoked meanwhile."""

@@ -19,7 +19,15 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from kazma.bot.console.accounts import CHALLENGE_SECONDS, AccountStore, EnrolRefused, InviteState, Purpose, digest
+from kazma.bot.console.accounts import (
+    CHALLENGE_SECONDS,
+    FIRST_ACCOUNT,
+    AccountStore,
+    EnrolRefused,
+    InviteState,
+    Purpose,
+    digest,
+)
 from kazma.bot.console.auth import Proof, WebAuth, html_response, safe_next
 from kazma.bot.console.login_throttle import LOGINS
 from kazma.bot.console.passkeys import (
@@ -241,14 +249,14 @@ class SignIn:
         if session.proof is not Proof.OPERATOR_TOKEN:
             refusal = "Only the shared operator token enrols the first account."
         elif await self.accounts.any_enrolled():
-            refusal = "Somebody holds a passkey already: further enrolment links come from `kazma people invite`."
+            refusal = "Somebody has enrolled a passkey: further enrolment links come from `kazma people invite`."
         elif login is None or not self.config.roster.is_operator(str(Actor("web", login)), "web"):
             refusal = f"{person!r} is no person whose console identity is an operator (approvals.approvers)."
         if refusal is not None:
             log.warning("web.bootstrap_refused", login=session.login, person=person, reason=refusal)
             session.flash.append(refusal)
             raise web.HTTPSeeOther("/")
-        token, _ = await self.accounts.invite(person, created_by=f"web:{session.login} (operator token, first account)")
+        token, _ = await self.accounts.invite(person, created_by=f"web:{session.login} {FIRST_ACCOUNT}")
         log.warning("web.bootstrap_invite", login=session.login, person=person)
         raise web.HTTPSeeOther(f"/enrol/{token}")
 
