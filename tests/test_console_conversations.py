@@ -181,3 +181,25 @@ async def test_an_approval_arrives_and_settles_live_in_its_conversation(tmp_path
         events.close()
         script = await (await client.get(f"{con.base}/static/console.js")).text()
         assert 'data.type === "approval"' in script
+
+
+async def test_an_open_event_stream_ends_with_its_session_and_carries_nothing_after(tmp_path: Path) -> None:
+    """The stream was let in once, at the door: a passkey revoked while it is open (after a compromise) must not
+    leave it reading every conversation and every call's arguments."""
+    async with console(tmp_path) as con, con.client() as client:
+        await con.login(client, "alice", OPERATOR)
+        events = await client.get(f"{con.base}/events")
+        async with asyncio.timeout(10):
+            while (await events.content.readline()).decode().strip() != ": ready":
+                pass
+        before = await con.app.service.open("shell", {"command": "ls /srv"}, "agent:builder", "telegram:-1001")
+        await _approval_event(events, before.id, "ls /srv")  # the control: the stream carries cards
+        assert con.server.signin is not None
+        assert await con.server.signin.accounts.revoke(person="alice", credential_id=None, by="cli:root")
+        await con.app.service.open("shell", {"command": "cat /srv/secret"}, "agent:builder", "telegram:-1001")
+        rest = b""
+        async with asyncio.timeout(20):
+            while line := await events.content.readline():  # b"": the server ended the stream
+                rest += line
+        assert b"/srv/secret" not in rest
+        assert (await client.get(f"{con.base}/events")).status == 401

@@ -445,6 +445,20 @@ class WebAuth:
             served.append(session)
         return session
 
+    async def still_open(self, session: Session) -> bool:
+        """Whether ``session`` is still live: not ended (signed out, its passkey revoked, replaced), not expired,
+        its token not rotated. A response that lasts (the event stream) asks again before it sends more."""
+        stored = await self.store.find(session_hash(session.id))
+        if stored is None:
+            return False
+        try:
+            role = Role(stored.role)
+        except ValueError:
+            return False
+        proof = session.proof
+        bound = _proof_digest(proof, stored.identity or "") if proof.proves_a_person else self._current_digest(role)
+        return _same(stored.binding, session_binding(session.id, bound))
+
     @web.middleware
     async def keep_flash(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """After each request, write back the session's flash lines if the handler changed them, so the

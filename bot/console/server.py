@@ -437,7 +437,8 @@ class WebServer:
     async def events(self, request: web.Request) -> web.StreamResponse:
         """Server-Sent Events: every console change and every conversation's new messages (from the transcript),
         as one JSON ``data:`` line each, working signs, and a heartbeat comment."""
-        session = self._auth().current()
+        auth = self._auth()
+        session = auth.current()
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
         )
@@ -487,10 +488,16 @@ class WebServer:
                     getting.cancel()
                     if closing in done:
                         break
+                    if not await auth.still_open(session):
+                        break
                     await response.write(b": heartbeat\n\n")
                     continue
                 event = getting.result()
-                if event is None:
+                # The session was checked once, at the door: one ended since (signed out, its passkey revoked,
+                # expired, its token rotated) must not go on reading every conversation and every call.
+                if event is None or not await auth.still_open(session):
+                    if event is not None:
+                        log.info("web.events_ended", login=session.login, reason="the session ended")
                     break
                 inline = None
                 if event.get("type") in ("message", "settled"):
