@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from kazma.approvals.seal import SealProblem, rule_seal_problem, seal_rule
+from kazma.config.address import Address, AddressError
 from kazma.config.keyring import Keyring
 from kazma.config.store.backend import StoreConnection, tables_of
 from kazma.config.store.database import Migration
@@ -88,8 +89,10 @@ CONSULTING_REQUESTERS: Final = ("agent:",)
 def in_a_chat(conversation: str) -> bool:
     """Whether ``conversation`` is a chat (``<platform>:<chat>``), where a rule's use is said. A swarm worker's
     calls are in no chat ("swarm", shared by every task and every asker): nothing is remembered there."""
-    platform, sep, chat = conversation.partition(":")
-    return bool(sep and platform and chat)
+    try:
+        return bool(Address.parse(conversation).chat)
+    except AddressError:
+        return False
 
 
 def rules_consulted_for(requested_by: str, conversation: str) -> bool:

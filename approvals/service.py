@@ -705,6 +705,12 @@ class ApprovalService:
         if started_by is not None and self._asked_by(tool, started_by, rule.created_by):
             log.info("approvals.rule_not_for_requester", rule=rule.id, tool=tool, started_by=started_by)
             return None
+        policy = self.config.policy(self.config.policy_name_for(tool))
+        if policy is None or not self.config.roster.may_decide(rule.created_by, rule.created_via, policy.approvers):
+            # Who may approve this tool was narrowed since the rule was made: its maker could not approve the
+            # call on a card now, so no rule of theirs stands for it either.
+            log.info("approvals.rule_maker_not_approver", rule=rule.id, tool=tool, maker=rule.created_by)
+            return None
         detail = f"{rule.id} ({tool} {digest[:12]}… in {conversation}; made by {rule.created_by})"
         await self._audit_safely(
             rule.request_id, "rule_used", rule.created_by, rule.created_via, detail,
@@ -749,6 +755,8 @@ class ApprovalService:
         assert request.decided_at is not None  # sealed: decided
         if self.clock() >= request.decided_at.timestamp() + self.config.approvals.remember.max_seconds:
             return SealProblem(f"it outlives approvals.remember.max_seconds from its approval {request.id}", FORGED)
+        if not await self._decided_on_record(request):  # as an approval run from its card is held to
+            return SealProblem(f"its approval {request.id} has no decided audit row (changed outside Kazma)", FORGED)
         return None
 
     # -- deciding --------------------------------------------------------------------------------

@@ -53,8 +53,9 @@ async def remembering(
 
 
 async def _asks_for_a_card(
-    policy: SafetyPolicy, publisher: RecordingPublisher, args: Any, where: str, *, started_by: str | None = None
-) -> bool:
+    policy: SafetyPolicy, publisher: RecordingPublisher, args: Any, where: str, *, started_by: str | None = None,
+    decider: str = "telegram:111",
+) -> bool:  # fmt: skip
     """Whether this call gets a card (then it is denied, so nothing is left pending)."""
     before = len(publisher.published)
     task = asyncio.create_task(
@@ -66,8 +67,9 @@ async def _asks_for_a_card(
     if task.done():
         return False
     card = publisher.published[-1]
-    await policy.service.decide_from_button(card.button_data(Decision.DENY), actor="telegram:111", platform="telegram")
-    verdict = await task
+    await policy.service.decide_from_button(card.button_data(Decision.DENY), actor=decider, platform="telegram")
+    async with asyncio.timeout(10):
+        verdict = await task
     assert not verdict.allowed
     return True
 

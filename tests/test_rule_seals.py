@@ -287,3 +287,41 @@ async def test_a_rule_sealed_with_a_key_not_held_here_is_counted_as_such(tmp_pat
         assert await _asks_for_a_card(policy, publisher, ARGS, HERE)
         assert (failure_count(KEY_UNKNOWN), failure_count(FORGED)) == (unknown + 1, forged)
         await _refused_with(policy, approved, "'k9', which is not in the decision keyring here")
+
+
+async def test_a_rule_stands_only_while_its_maker_may_still_approve_the_tool(tmp_path: Path) -> None:
+    # An operator narrows who may approve deploy (and restarts): a rule its old approver made an hour ago must not
+    # go on letting the call run for the rest of its time.
+    clock = ManualClock()
+    async with remembering(tmp_path, clock) as (policy, publisher):
+        await _remember(policy, publisher)
+    narrowed = CONFIG.replace('approvers: ["telegram:111"]', 'approvers: ["telegram:111"]\n  policies: {ops: '
+                              '{approvers: ["telegram:222"]}}') + "tools: {deploy: {policy: ops}}\n"  # fmt: skip
+    async with remembering(tmp_path, clock, narrowed) as (policy, publisher):
+        assert policy.service.config.policy_name_for("deploy") == "ops"
+        rules = policy.service.rules
+        assert rules is not None
+        assert len(await rules.list()) == 1  # still in force on its row
+        assert await _asks_for_a_card(policy, publisher, ARGS, HERE, decider="telegram:222")
+    async with remembering(tmp_path, clock) as (policy, publisher):  # the control: as it was, it stands
+        async with asyncio.timeout(10):
+            verdict = await policy.check("deploy", ARGS, requested_by="agent:kazma", conversation=HERE)
+        assert verdict.allowed
+        assert not publisher.published
+
+
+async def test_a_rule_whose_approval_lost_its_decided_audit_row_is_refused(tmp_path: Path) -> None:
+    async with remembering(tmp_path, ManualClock()) as (policy, publisher):
+        await _remember(policy, publisher)
+        rules = policy.service.rules
+        assert rules is not None
+        [rule] = await rules.list()
+        # the file's owner may take the append-only trigger away, and the decided row with it
+        await _write_around_kazma(policy, "DROP TRIGGER approval_events_append_only_delete")
+        await _write_around_kazma(
+            policy, "DELETE FROM approval_events WHERE request_id = ? AND event = 'decided'", (rule.request_id,)
+        )
+        before = failure_count(FORGED)
+        assert await _asks_for_a_card(policy, publisher, ARGS, HERE)
+        assert failure_count(FORGED) == before + 1
+        await _refused_with(policy, rule.request_id, "has no decided audit row")
