@@ -123,6 +123,7 @@ class ApprovalCard:
     progress: str = ""
     step_up: bool = False  # Approve only on its page with a passkey: chat cards carry Deny and the link
     about: tuple[str, ...] = ()  # what the asker said of the request (who for, why): shown plainly, not warned
+    policy: str | None = None  # the policy that decides it (None: the default): who may press its buttons
 
     @property
     def remember_data(self) -> str:
@@ -312,6 +313,7 @@ def build_card(
         remember_seconds=None if findings or request.step_up else remember_seconds,
         progress=progress,
         step_up=request.step_up,
+        policy=request.policy,
     )
 
 

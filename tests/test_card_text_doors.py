@@ -233,6 +233,10 @@ class _Viewer:
     csrf: str = "c" * 32
     is_operator: bool = True
     may_decide: bool = True
+
+    def may_decide_under(self, policy: str | None) -> bool:
+        return self.may_decide
+
     proven: bool = True
     who: str = "admin (web:admin, passkey)"
 

@@ -258,3 +258,29 @@ async def test_the_login_page_offers_passkeys_by_name_and_says_why_not_at_an_add
         page = await (await client.get(f"{con.base}/login")).text()
         assert 'id="passkey-sign-in"' not in page
         assert "browsers make passkeys only for a name" in page
+
+
+async def test_the_approval_page_offers_its_buttons_by_the_requests_policy_not_the_global_approvers(
+    tmp_path: Path,
+) -> None:
+    # bob approves only under "steps" (its own approvers), alice only elsewhere: each page must say what the
+    # service will do with their press (a step_up policy can be approved only on its page).
+    approvers = "['web:alice'], policies: {steps: {approvers: [bob], step_up: true}}"
+    async with console(tmp_path, approvers=approvers) as con, con.client() as bob, con.client() as alice:
+        request = await con.app.service.open("shell", {"command": "make"}, "agent:builder", "web:console",
+                                             policy="steps")  # fmt: skip
+        page_of = f"{con.base}/swarm?approval={request.id}"
+        await con.login(bob, "bob", OPERATOR)
+        his = await (await bob.get(page_of)).text()
+        assert 'id="passkey-step-up"' in his
+        assert f'action="/approvals/{request.id}/decide"' in his  # Deny, one press
+        await con.login(alice, "alice", OPERATOR)
+        hers = await (await alice.get(page_of)).text()
+        assert 'id="passkey-step-up"' not in hers
+        assert f'action="/approvals/{request.id}/decide"' not in hers
+        assert "may not decide under policy steps" in hers
+        other = await con.app.service.open("shell", {"command": "ls"}, "agent:builder", "web:console")
+        assert f'action="/approvals/{other.id}/decide"' in await (await alice.get(
+            f"{con.base}/swarm?approval={other.id}")).text()  # fmt: skip
+        assert f'action="/approvals/{other.id}/decide"' not in await (await bob.get(
+            f"{con.base}/swarm?approval={other.id}")).text()  # fmt: skip

@@ -39,7 +39,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import StrEnum
@@ -56,6 +56,7 @@ from kazma.bot.console.sessions import Opening, SessionStore
 from kazma.config.address import Actor
 from kazma.config.identity import Roster, platform_of
 from kazma.config.metrics import count_failure
+from kazma.config.models import DEFAULT_POLICY, KazmaConfig
 
 log = structlog.get_logger("kazma.web.auth")
 
@@ -127,6 +128,12 @@ class Session:
     identity: str | None = None  # what the proof established: web:alice, telegram:111 (None: a token)
     credential_id: str | None = None  # the passkey that opened it
     may_decide: bool = False  # proven, and an approver on the identity's own platform (read per request)
+    deciding: frozenset[str] = frozenset()  # the policies it may decide under (may_decide: any at all)
+
+    def may_decide_under(self, policy: str | None) -> bool:
+        """Whether this session's Approve and Deny count under ``policy`` (None: the default policy), as the
+        service will judge them: a policy's own ``approvers`` replace approvals.approvers for its calls."""
+        return (policy or DEFAULT_POLICY) in self.deciding
 
     @property
     def is_operator(self) -> bool:
@@ -276,6 +283,13 @@ def html_response(body: str, *, status: int = 200) -> web.Response:
     return web.Response(text=body, status=status, content_type="text/html", charset="utf-8")
 
 
+def deciding_policies(config: KazmaConfig) -> dict[str, tuple[str, ...]]:
+    """Every policy a request may be decided under ("default" among them) and its approvers: what a session's
+    Approve and Deny are judged by, as the approvals service judges them."""
+    names = {DEFAULT_POLICY, *config.approvals.policies}
+    return {name: tuple(found.approvers) for name in sorted(names) if (found := config.policy(name)) is not None}
+
+
 class WebAuth:
     def __init__(
         self,
@@ -288,9 +302,12 @@ class WebAuth:
         reload: Callable[[], Tokens] | None = None,
         origins: tuple[str, ...] = (),
         clients: ClientAddresses | None = None,
+        policies: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.tokens = tokens
         self.roster = roster  # what a proven person may do here, read at every request
+        # policy name -> its approvers (empty: approvals.approvers), "default" among them
+        self.policies: Mapping[str, Sequence[str]] = policies if policies is not None else {DEFAULT_POLICY: ()}
         self.choices = SignInChoices()  # how people can sign in here (the server says, once it knows)
         self.secure = secure
         self.clock = clock
@@ -371,12 +388,16 @@ class WebAuth:
         """What a proven session may do, from the roster as it is now: steer (an operator on the identity's
         own platform, signed in at the console itself) and press Approve or Deny (an approver there)."""
         if not session.proven or session.identity is None:
-            session.role, session.may_decide = Role.READER, False
+            session.role, session.may_decide, session.deciding = Role.READER, False, frozenset()
             return
         platform = platform_of(session.identity)
         steers = session.proof in (Proof.PASSKEY, Proof.LOCAL) and self.roster.is_operator(session.identity, platform)
         session.role = Role.OPERATOR if steers else Role.READER
-        session.may_decide = self.roster.is_approver(session.identity, platform)
+        identity = session.identity
+        session.deciding = frozenset(
+            name for name, approvers in self.policies.items() if self.roster.may_decide(identity, platform, approvers)
+        )
+        session.may_decide = bool(session.deciding)
 
     def set_cookie(self, response: web.StreamResponse, session: Session) -> None:
         response.set_cookie(

@@ -153,6 +153,8 @@ class Viewer(Protocol):
     @property
     def may_decide(self) -> bool: ...
 
+    def may_decide_under(self, policy: str | None) -> bool: ...
+
     @property
     def proven(self) -> bool: ...
 
@@ -332,7 +334,7 @@ def card_html(card: ApprovalCard, outcome: Outcome | None, viewer: Viewer, *, ne
     """A console card: the one card layout, with Approve/Deny forms for operators (back to ``next_path``)."""
 
     def buttons(view: CardView) -> str:
-        if not viewer.may_decide:
+        if not viewer.may_decide_under(card.policy):
             return ""
         approve = any(b.kind is ButtonKind.APPROVE for b in view.buttons)
         return decide_buttons(viewer, card.request_id, next_path, approve=approve)
@@ -615,13 +617,14 @@ def approval_page(
         for c in cards
     )
     buttons = ""
+    deciding = viewer.may_decide_under(request.policy)
     if request.status is Status.PENDING:
         buttons = (
             decide_buttons(viewer, request.id, approval_href(request.id), approve=not changed and not request.step_up)
-            if viewer.may_decide
-            else f"<p>Pending. {e(cannot_decide_here(viewer))}</p>"
+            if deciding
+            else f"<p>Pending. {e(cannot_decide_here(viewer, request.policy))}</p>"
         )
-        if viewer.may_decide and request.step_up and not changed:
+        if deciding and request.step_up and not changed:
             buttons = step_up_button(viewer, request.id) + buttons
         # After the call, never above it: read first, then decide. Sticky, so a long call's buttons stay in
         # reach at the foot of the screen while it is read, and settle below its last line.
@@ -639,7 +642,7 @@ def approval_page(
         '<h2>Cards posted</h2><div class="wide"><table><tr><th>platform</th><th>chat</th><th>message</th>'
         f"<th>posted</th><th>settled</th><th>shows</th></tr>{posted}</table></div>"
     )
-    stepping = viewer.may_decide and request.step_up and request.status is Status.PENDING
+    stepping = deciding and request.step_up and request.status is Status.PENDING
     return layout(
         f"Approval {request.id}", body, viewer=viewer, flash=flash, script=PEOPLE_SCRIPT if stepping else None
     )
@@ -654,13 +657,15 @@ def policy_text(request: ApprovalRequest) -> str:
     return f"{request.policy or 'default'}: {', '.join(said)}"
 
 
-def cannot_decide_here(viewer: Viewer) -> str:
+def cannot_decide_here(viewer: Viewer, policy: str | None = None) -> str:
     """Why this viewer has no Approve or Deny, and what would give them one."""
     if not viewer.proven:
         return (
             "A shared token reads only: to decide, sign in with a passkey (kazma people invite <you> prints an "
             "enrolment link), or open this page from the card's button in Telegram."
         )
+    if viewer.may_decide and policy is not None:
+        return f"{viewer.who} may not decide under policy {policy}: only its approvers can."
     return f"{viewer.who} is not an approver here: only approvers (approvals.approvers) can decide."
 
 

@@ -40,6 +40,7 @@ from kazma.bot.console.auth import (
     Session,
     Tokens,
     WebAuth,
+    deciding_policies,
     html_response,
     load_tokens,
     reader_token_path,
@@ -198,6 +199,7 @@ class WebServer:
             origins=(str(URL(public_url).origin()),),
             clients=ClientAddresses(config.web.trusted_proxies),
             roster=config.roster,
+            policies=deciding_policies(config),
         )
         auth = self.auth
         signin = SignIn(auth, AccountStore(self.services.store), config, local=self.local_login)
