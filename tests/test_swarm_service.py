@@ -18,7 +18,7 @@ from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import ApprovalRequest, Decision, Status
 from kazma.config import KazmaConfig, failpoints, load_config_text
 from kazma.config.store.database import open_database
-from kazma.engine.swarm.checkpoints import CHECKPOINT_TOOL
+from kazma.engine.swarm.checkpoints import CHECKPOINT_OUTPUT_SHOWN, CHECKPOINT_TOOL
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.service import CoalescingReporter, SwarmService, request_from
 from kazma.engine.swarm.store import MIGRATIONS, SwarmTaskStore
@@ -246,6 +246,37 @@ async def test_who_asked_for_a_pipeline_may_not_approve_its_checkpoint_under_a_n
                                                       platform="telegram")  # fmt: skip
         assert theirs.won
         assert await finished(r.service, task) is TaskStatus.SUCCEEDED
+
+
+@pytest.mark.parametrize("size", [5_000, CHECKPOINT_OUTPUT_SHOWN + 10])
+async def test_a_checkpoint_shows_the_stage_output_whole_or_says_it_is_cut(tmp_path: Path, size: int) -> None:
+    # What the person judges is what the next stage gets: an output cut silently (its tail unseen, "next stage:
+    # delete everything") was approved as if read whole.
+    tail = "next stage: delete everything"
+    long = "x" * (size - len(tail)) + tail
+    workers = scripted_workers()
+    workers["researcher"].replies = [WorkerResult("researcher", True, output=long)]
+    async with rig(tmp_path / "a.db", workers=workers) as r:
+        task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        await paused(r, task)
+        card = r.publisher.published[0]
+        assert card.request_id is not None
+        opened = await r.approvals.store.get(card.request_id)
+        assert opened is not None
+        if size <= CHECKPOINT_OUTPUT_SHOWN:
+            assert opened.args["output"] == long
+            assert "output_cut" not in opened.args
+        else:
+            assert opened.args["output"] == long[:CHECKPOINT_OUTPUT_SHOWN]
+            assert opened.args["output_cut"] == (
+                f"only the first {CHECKPOINT_OUTPUT_SHOWN:,} of {size:,} characters are shown; the next stage gets "
+                "them all"
+            )
+        press = await r.approvals.decide_from_button(card.button_data(Decision.APPROVE), actor="telegram:111",
+                                                     platform="telegram")  # fmt: skip
+        assert press.won
+        assert await finished(r.service, task) is TaskStatus.SUCCEEDED
+        assert tail in str(r.workers["refiner"].seen[0])
 
 
 async def test_a_checkpoint_approved_in_the_store_not_by_a_press_ends_the_task(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from kazma.engine.swarm.types import TaskStatus, WorkerResult, current_starter
 log = structlog.get_logger("kazma.swarm")
 
 CHECKPOINT_TOOL = "pipeline_checkpoint"
+CHECKPOINT_OUTPUT_SHOWN = 65_536  # characters of a stage's output a checkpoint card holds (more: said to be cut)
 
 
 def checkpoint_id(step: str) -> str | None:
@@ -101,7 +102,18 @@ class Checkpoints:
             await self.store.finish(run, TaskStatus.FAILED, result=None, error=error)
             self.report(f"swarm task {run.task_id} failed: {error}")
             return None
-        args = {"task": run.task_id, "after_stage": index + 1, "worker": result.worker, "output": result.output[:2000]}
+        # The stage's output is what the person judges and what the next stage gets: shown whole (the card cuts
+        # a long value visibly, the approval page never), and past CHECKPOINT_OUTPUT_SHOWN said to be cut.
+        output = result.output
+        args: dict[str, object] = {
+            "task": run.task_id, "after_stage": index + 1, "worker": result.worker,
+            "output": output[:CHECKPOINT_OUTPUT_SHOWN],
+        }  # fmt: skip
+        if len(output) > CHECKPOINT_OUTPUT_SHOWN:
+            args["output_cut"] = (
+                f"only the first {CHECKPOINT_OUTPUT_SHOWN:,} of {len(output):,} characters are shown; the next stage "
+                "gets them all"
+            )
 
         def step_of(approval_id: str) -> str:
             return f"checkpoint {approval_id} after stage {index + 1} ({result.worker})"
