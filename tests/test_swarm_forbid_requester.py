@@ -20,21 +20,11 @@ from kazma.engine.model import ScriptStep
 from kazma.engine.types import ModelReply
 from tests.fakes.telegram import FakeTelegram
 from tests.test_e2e_plans import ALICE, CHAT, call, kazma, said
+from tests.test_plan_forbid_requester import BOB
+from tests.test_plan_forbid_requester import POLICY as PLAN_POLICY
 
-BOB = 111  # the chat's admin, so an operator: he asks for the work; Alice is the other approver
-POLICY = f"""
-people:
-  alice: {{telegram: {ALICE}}}
-  bob: {{telegram: {BOB}}}
-approvals:
-  approvers: [alice, bob]
-  policies:
-    not-mine: {{forbid_requester: true}}
-tools:
-  shell: {{policy: not-mine}}
-  dispatch_swarm: {{policy: not-mine}}
-swarm: {{allow_shared_operators: true}}
-"""
+# The plans' no-self policy, and for the lead's dispatch_swarm too; two approvers are two operators here
+POLICY = PLAN_POLICY + "  dispatch_swarm: {policy: not-mine}\nswarm: {allow_shared_operators: true}\n"
 
 
 @asynccontextmanager

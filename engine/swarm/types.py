@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kazma.engine.fence import NOTHING, Fenced
 from kazma.engine.types import ToolUse, Usage
+
+T = TypeVar("T")
 
 
 class Pattern(StrEnum):
@@ -137,12 +139,17 @@ _OFFER: ContextVar[HandoffOffer | None] = ContextVar("kazma_swarm_handoff_offer"
 
 
 @contextmanager
-def offering(offer: HandoffOffer | None) -> Iterator[None]:
-    token = _OFFER.set(offer)
+def _holding(var: ContextVar[T], value: T) -> Iterator[None]:
+    """``var`` set to ``value`` for the calls made inside (and the tasks they start), as it was after."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _OFFER.reset(token)
+        var.reset(token)
+
+
+def offering(offer: HandoffOffer | None) -> AbstractContextManager[None]:
+    return _holding(_OFFER, offer)
 
 
 def current_offer() -> HandoffOffer | None:
@@ -154,13 +161,8 @@ def current_offer() -> HandoffOffer | None:
 _STEP: ContextVar[str] = ContextVar("kazma_swarm_step", default="")
 
 
-@contextmanager
-def step_named(label: str) -> Iterator[None]:
-    token = _STEP.set(label)
-    try:
-        yield
-    finally:
-        _STEP.reset(token)
+def step_named(label: str) -> AbstractContextManager[None]:
+    return _holding(_STEP, label)
 
 
 def current_step() -> str:
@@ -172,13 +174,8 @@ def current_step() -> str:
 _STARTER: ContextVar[str | None] = ContextVar("kazma_swarm_started_by", default=None)
 
 
-@contextmanager
-def working_for(started_by: str | None) -> Iterator[None]:
-    token = _STARTER.set(started_by)
-    try:
-        yield
-    finally:
-        _STARTER.reset(token)
+def working_for(started_by: str | None) -> AbstractContextManager[None]:
+    return _holding(_STARTER, started_by)
 
 
 def current_starter() -> str | None:
