@@ -301,7 +301,7 @@ async def build_app(
     model = provider or provider_for(config)
     if registry is None:
         assert sandbox is not None  # started above for exactly this case
-        registry = _builtin_tools(config, await sandbox)
+        registry = _builtin_tools(config, await sandbox, config_file=loaded.source)
     tools = registry
     if "send_file" not in tools:
         tools.register(_send_file(sink, config))
@@ -414,14 +414,15 @@ async def build_app(
     return app
 
 
-def _builtin_tools(config: KazmaConfig, sandbox: Sandbox) -> ToolRegistry:
+def _builtin_tools(config: KazmaConfig, sandbox: Sandbox, *, config_file: Path | None = None) -> ToolRegistry:
     state = config.store.path.parent
-    return default_registry(
-        sandbox=sandbox,
-        shell_network=config.tools.shell_network,
-        # The store, the tokens, the sessions, the decision and audit keys: never visible to a command.
-        hidden=[state.resolve(), decision_keys_folder(config).resolve()],
-    )
+    # The store, the tokens, the sessions, the decision and audit keys, and kazma.yaml (it may hold platform
+    # tokens; kept where the sandbox binds system files, /usr/local/etc, it was readable): never visible to a
+    # command, as to an MCP server.
+    hidden = [state.resolve(), decision_keys_folder(config).resolve()]
+    if config_file is not None:
+        hidden.append(config_file.resolve())
+    return default_registry(sandbox=sandbox, shell_network=config.tools.shell_network, hidden=hidden)
 
 
 def _send_file(sink: RecordingSink, config: KazmaConfig) -> SendFileTool:

@@ -101,3 +101,23 @@ async def test_the_console_services_answer_from_the_parts_the_app_runs(tmp_path:
     finally:
         stop()
         await app.stop()
+
+
+async def test_the_shell_hides_kazma_yaml_from_its_commands_as_the_mcp_servers_do(tmp_path: Path) -> None:
+    # kazma.yaml may hold platform tokens; kept where the sandbox binds system files (/usr/local/etc/kazma) a
+    # command read it. The shell's hidden paths are the ones the sandbox covers (tests/test_sandbox.py).
+    from kazma.config import load_config
+    from kazma.engine.tools.shell import ShellTool
+
+    config_file = tmp_path / "etc" / "kazma.yaml"
+    config_file.parent.mkdir()
+    config_file.write_text(_config(tmp_path), encoding="utf-8")
+    app = await build_app(load_config(config_file, environ={}), provider=ScriptedProvider([]), adapters=[])
+    try:
+        shell = app.conversations.runner.registry.get("shell")
+        assert isinstance(shell, ShellTool)
+        hidden = set(shell.hidden_paths)
+        assert config_file.resolve() in hidden
+        assert (tmp_path / "state").resolve() in hidden
+    finally:
+        await app.stop()
