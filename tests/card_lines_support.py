@@ -116,11 +116,14 @@ def telegram_html_lines(source: str) -> list[Line]:
 def slack_lines(blocks: list[dict[str, Any]]) -> list[Line]:
     lines: list[Line] = []
     for block in blocks:
-        texts = [block["text"]["text"]] if "text" in block else []
-        texts += [field["text"] for field in block.get("fields", [])]
+        texts = [block["text"]] if "text" in block else []
+        texts += block.get("fields", [])
         for text in texts:  # every block and every field starts a line of its own
-            shown = text.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
-            lines += _fenced(shown)  # zero-width spaces between backticks keep them from making a fence
+            shown = text["text"].replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+            if text.get("type") == "plain_text":  # a header: Slack shows it as written, no markup at all
+                lines += _split(shown, value=False)
+            else:
+                lines += _fenced(shown)  # zero-width spaces between backticks keep them from making a fence
     return [Line(line.text.replace(ZWSP, ""), line.value) for line in lines]
 
 

@@ -232,6 +232,8 @@ def plain_twin(view: CardView) -> CardView:
 # Found by this test: discord.py's escape_markdown skips what looks like a link, and the backticks after it
 # opened a code block in the Discord embed that took the card's own lines for a value.
 @example(case=Case("", "", "Full call: http://evil.example```", (), {"\u2028": ""}, None, "", "", 24))
+# Found by this test (the model's fault, not a card's): a Slack header is plain_text, where ``` opens nothing.
+@example(case=Case("``````Tool: github/list_issues", "", "", (), {"\u2028": ""}, None, "", "", 24))
 def test_no_text_can_start_a_line_that_looks_like_the_cards_own(case: Case) -> None:
     try:
         card = build_card(request_of(case), value_limit=case.limit, public_url="http://127.0.0.1:8765")
