@@ -347,4 +347,5 @@ def integrity_card(request: ApprovalRequest, *, public_url: str) -> ApprovalCard
         deadline=request.deadline,
         link=f"{public_url.rstrip('/')}/swarm?approval={request.id}",
         warnings=(INTEGRITY_WARNING,),
+        policy=request.policy,
     )

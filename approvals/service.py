@@ -694,6 +694,11 @@ class ApprovalService:
         rule = await self.rules.match(tool, digest, conversation)
         if rule is None:
             return None
+        if rule.seal_problem(self.store.keyring) is None and not self._may_decide_now(tool, rule):
+            # Who may approve this tool was narrowed since the rule was made (a configuration change, not a
+            # forgery): its maker could not approve the call on a card now, so no rule of theirs stands for it.
+            log.info("approvals.rule_maker_not_approver", rule=rule.id, tool=tool, maker=rule.created_by)
+            return None
         forged = await self._rule_problem(rule, tool, digest, conversation)
         if forged is not None:
             # A rule row is an approval too: one the decision it names cannot account for was written
@@ -704,12 +709,6 @@ class ApprovalService:
             return None
         if started_by is not None and self._asked_by(tool, started_by, rule.created_by):
             log.info("approvals.rule_not_for_requester", rule=rule.id, tool=tool, started_by=started_by)
-            return None
-        policy = self.config.policy(self.config.policy_name_for(tool))
-        if policy is None or not self.config.roster.may_decide(rule.created_by, rule.created_via, policy.approvers):
-            # Who may approve this tool was narrowed since the rule was made: its maker could not approve the
-            # call on a card now, so no rule of theirs stands for it either.
-            log.info("approvals.rule_maker_not_approver", rule=rule.id, tool=tool, maker=rule.created_by)
             return None
         detail = f"{rule.id} ({tool} {digest[:12]}… in {conversation}; made by {rule.created_by})"
         await self._audit_safely(
@@ -1059,6 +1058,11 @@ class ApprovalService:
         people = self.config.people
         asker = started_by if ":" not in started_by else person_key(people, started_by)
         return person_key(people, actor) == asker
+
+    def _may_decide_now(self, tool: str, rule: Rule) -> bool:
+        """Whether the maker of ``rule`` may decide ``tool``'s calls under its policy as configured now."""
+        policy = self.config.policy(self.config.policy_name_for(tool))
+        return policy is not None and self.config.roster.may_decide(rule.created_by, rule.created_via, policy.approvers)
 
     def _asked_by(self, tool: str, started_by: str, maker: str) -> bool:
         """Whether ``tool``'s policy forbids the requester and ``maker`` (who remembered a call) started this work."""

@@ -232,7 +232,8 @@ async def test_a_sealed_rule_still_stands_only_for_the_approval_it_names(tmp_pat
     # Past the seal, the rule must agree with its sealed approval: these rules are sealed with the key itself
     # (what a process holding the key but no decision could make), one at a time, each refused for its reason.
     clock = ManualClock()
-    async with remembering(tmp_path, clock) as (policy, publisher):
+    both = CONFIG.replace('["telegram:111"]', '["telegram:111", "telegram:222"]')  # 222: an approver, not the decider
+    async with remembering(tmp_path, clock, both) as (policy, publisher):
         rules = policy.service.rules
         assert rules is not None
         approved = await _approve_once(policy, publisher)
@@ -325,3 +326,19 @@ async def test_a_rule_whose_approval_lost_its_decided_audit_row_is_refused(tmp_p
         assert await _asks_for_a_card(policy, publisher, ARGS, HERE)
         assert failure_count(FORGED) == before + 1
         await _refused_with(policy, rule.request_id, "has no decided audit row")
+
+
+async def test_an_approver_removed_from_the_configuration_is_no_forgery(tmp_path: Path) -> None:
+    # The rule's maker is taken off approvals.approvers (and Kazma restarted): the call gets a card, quietly; a
+    # configuration change is not counted, audited or logged as a forged rule.
+    clock = ManualClock()
+    async with remembering(tmp_path, clock) as (policy, publisher):
+        await _remember(policy, publisher)
+    async with remembering(tmp_path, clock, CONFIG.replace("telegram:111", "telegram:222")) as (policy, publisher):
+        rules = policy.service.rules
+        assert rules is not None
+        [rule] = await rules.list()
+        before = failure_count(FORGED)
+        assert await _asks_for_a_card(policy, publisher, ARGS, HERE, decider="telegram:222")
+        assert failure_count(FORGED) == before
+        assert "rule_refused" not in [e.event for e in await policy.service.store.events(rule.request_id)]

@@ -77,6 +77,7 @@ from kazma.bot.console.upload import UploadRefused, read_upload
 from kazma.bot.console.waiting_page import NOBODY, waiting_page
 from kazma.config.address import Address
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure, with_label
+from kazma.config.store.errors import store_errors
 from kazma.engine.swarm.limits import MAX_COMMAND_BYTES, MAX_PROMPT_BYTES
 from kazma.engine.swarm.roles import Role as SwarmRole
 from kazma.engine.swarm.roles import required_role
@@ -436,6 +437,16 @@ class WebServer:
         session.flash.append(result.message)
         raise web.HTTPSeeOther("/")
 
+    @staticmethod
+    async def _still_open(auth: WebAuth, session: Session) -> bool:
+        """Whether the stream's session still holds; a store that cannot say now ends the stream quietly (the
+        browser comes back in three seconds, through the door)."""
+        try:
+            return await auth.still_open(session)
+        except store_errors() as exc:
+            log.info("web.events_ended", login=session.login, reason=f"the session could not be read: {exc}")
+            return False
+
     async def events(self, request: web.Request) -> web.StreamResponse:
         """Server-Sent Events: every console change and every conversation's new messages (from the transcript),
         as one JSON ``data:`` line each, working signs, and a heartbeat comment."""
@@ -490,14 +501,14 @@ class WebServer:
                     getting.cancel()
                     if closing in done:
                         break
-                    if not await auth.still_open(session):
+                    if not await self._still_open(auth, session):
                         break
                     await response.write(b": heartbeat\n\n")
                     continue
                 event = getting.result()
                 # The session was checked once, at the door: one ended since (signed out, its passkey revoked,
                 # expired, its token rotated) must not go on reading every conversation and every call.
-                if event is None or not await auth.still_open(session):
+                if event is None or not await self._still_open(auth, session):
                     if event is not None:
                         log.info("web.events_ended", login=session.login, reason="the session ended")
                     break
