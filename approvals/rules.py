@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
-from kazma.approvals.seal import SealProblem, rule_seal_problem, seal_rule
+from kazma.approvals.seal import RuleFields, SealProblem, rule_seal_problem, seal_rule
 from kazma.config.address import Address, AddressError
 from kazma.config.keyring import Keyring
 from kazma.config.store.backend import StoreConnection, tables_of
@@ -125,14 +125,17 @@ class Rule:
     def active(self, now: float) -> bool:
         return self.revoked_at is None and now < self.expires_at
 
+    @property
+    def bound(self) -> RuleFields:
+        """What its seal binds (:data:`~kazma.approvals.seal.RuleFields`)."""
+        return (
+            self.id, self.tool, self.args_hash, self.conversation, self.created_by, self.created_via, self.request_id,
+            self.created_at, self.expires_at,
+        )  # fmt: skip
+
     def seal_problem(self, keyring: Keyring | None) -> SealProblem | None:
         """Why this row is not a rule Kazma made and sealed as it stands, or None when its seal verifies."""
-        return rule_seal_problem(
-            keyring, seal_key_id=self.seal_key_id, mac=self.seal, rule_id=self.id, tool=self.tool,
-            args_hash=self.args_hash, conversation=self.conversation, created_by=self.created_by,
-            created_via=self.created_via, request_id=self.request_id, created_at=self.created_at,
-            expires_at=self.expires_at,
-        )  # fmt: skip
+        return rule_seal_problem(keyring, self.seal_key_id, self.seal, self.bound)
 
 
 def _rule(row: tuple[object, ...]) -> Rule:
@@ -158,24 +161,17 @@ class RuleStore:
     ) -> Rule:  # fmt: skip
         """A new rule, sealed with ``keyring``'s current key (None: unsealed, so never let stand for a call)."""
         now = self._now()
-        rule_id = "rule_" + secrets.token_urlsafe(12)
-        key_id = mac = None
-        if keyring is not None:
-            made = seal_rule(
-                keyring, rule_id=rule_id, tool=tool, args_hash=args_hash, conversation=conversation,
-                created_by=created_by, created_via=created_via, request_id=request_id, created_at=now,
-                expires_at=now + seconds,
-            )  # fmt: skip
-            key_id, mac = made.key_id, made.mac
         rule = Rule(
-            rule_id, tool, args_hash, conversation, created_by, created_via, request_id, now, now + seconds, None,
-            key_id, mac,
+            "rule_" + secrets.token_urlsafe(12), tool, args_hash, conversation, created_by, created_via, request_id,
+            now, now + seconds, None,
         )  # fmt: skip
+        if keyring is not None:
+            made = seal_rule(keyring, rule.bound)
+            rule = replace(rule, seal_key_id=made.key_id, seal=made.mac)
         await self.tables.run(
             f"INSERT INTO approval_rules ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",  # noqa: S608
-            (rule_id, tool, args_hash, conversation, created_by, created_via, request_id, now, rule.expires_at, None,
-             key_id, mac),
-        )  # fmt: skip
+            (*rule.bound, None, rule.seal_key_id, rule.seal),
+        )
         return rule
 
     async def match(self, tool: str, args_hash: str, conversation: str) -> Rule | None:

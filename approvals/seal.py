@@ -190,33 +190,27 @@ def seal_problem(keyring: Keyring | None, request: ApprovalRequest) -> SealProbl
     return None
 
 
-def _rule_fields(
-    key_id: str, rule_id: str, tool: str, args_hash: str, conversation: str, created_by: str, created_via: str,
-    request_id: str, created_at: float, expires_at: float,
-) -> list[object]:  # fmt: skip
-    """What a remembered approval's seal binds, in its order: everything the rule row says but its revocation
-    (a revoked rule is refused by its row and by the audit's ``rule_revoked``). Times in whole microseconds."""
-    at, until = (round(moment * 1_000_000) for moment in (created_at, expires_at))
-    made = [key_id, rule_id, tool, args_hash, conversation, created_by, created_via, request_id]
-    return [_DOMAIN_RULE, *made, at, until]
+# What a remembered approval's seal binds: everything its row says but its revocation (a revoked rule is refused by
+# its row and by the audit's ``rule_revoked``): id, tool, args_hash, conversation, created_by, created_via,
+# request_id, created_at, expires_at.
+RuleFields = tuple[str, str, str, str, str, str, str, float, float]
 
 
-def seal_rule(
-    keyring: Keyring, *, rule_id: str, tool: str, args_hash: str, conversation: str, created_by: str,
-    created_via: str, request_id: str, created_at: float, expires_at: float,
-) -> Seal:  # fmt: skip
+def _rule_message(key_id: str, bound: RuleFields) -> bytes:
+    """The bytes a rule's seal is the HMAC of, its times in whole microseconds."""
+    *made, created_at, expires_at = bound
+    return _as_json([_DOMAIN_RULE, key_id, *made, round(created_at * 1_000_000), round(expires_at * 1_000_000)])
+
+
+def seal_rule(keyring: Keyring, bound: RuleFields) -> Seal:
     """The seal of one remembered approval, with the current key, made where the person's press made the rule."""
     key = keyring.current
-    fields = _rule_fields(
-        key.id, rule_id, tool, args_hash, conversation, created_by, created_via, request_id, created_at, expires_at
-    )
-    return Seal(key.id, V2 + _mac(key.secret, _as_json(fields)))
+    return Seal(key.id, V2 + _mac(key.secret, _rule_message(key.id, bound)))
 
 
 def rule_seal_problem(
-    keyring: Keyring | None, *, seal_key_id: str | None, mac: str | None, rule_id: str, tool: str, args_hash: str,
-    conversation: str, created_by: str, created_via: str, request_id: str, created_at: float, expires_at: float,
-) -> SealProblem | None:  # fmt: skip
+    keyring: Keyring | None, seal_key_id: str | None, mac: str | None, bound: RuleFields
+) -> SealProblem | None:
     """Why a remembered approval's row is not one Kazma made and sealed as it stands, or None when it is."""
     if keyring is None:
         return SealProblem("no decision key is loaded here, so no remembered approval can be verified", KEY_UNKNOWN)
@@ -231,10 +225,7 @@ def rule_seal_problem(
             f"({keyring.source}: {', '.join(keyring.ids)})",
             KEY_UNKNOWN,
         )
-    fields = _rule_fields(
-        key.id, rule_id, tool, args_hash, conversation, created_by, created_via, request_id, created_at, expires_at
-    )
-    expected = V2 + _mac(key.secret, _as_json(fields))
+    expected = V2 + _mac(key.secret, _rule_message(key.id, bound))
     if not hmac.compare_digest(expected.encode(), mac.encode("utf-8")):
         return SealProblem(
             f"its seal does not verify with key {key.id} (the row was changed or written outside Kazma)", FORGED

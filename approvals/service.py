@@ -694,12 +694,16 @@ class ApprovalService:
         rule = await self.rules.match(tool, digest, conversation)
         if rule is None:
             return None
-        if rule.seal_problem(self.store.keyring) is None and not self._may_decide_now(tool, rule):
+        policy = self.config.policy(self.config.policy_name_for(tool))
+        sealed = rule.seal_problem(self.store.keyring)
+        if sealed is None and (
+            policy is None or not self.config.roster.may_decide(rule.created_by, rule.created_via, policy.approvers)
+        ):
             # Who may approve this tool was narrowed since the rule was made (a configuration change, not a
             # forgery): its maker could not approve the call on a card now, so no rule of theirs stands for it.
             log.info("approvals.rule_maker_not_approver", rule=rule.id, tool=tool, maker=rule.created_by)
             return None
-        forged = await self._rule_problem(rule, tool, digest, conversation)
+        forged = sealed or await self._rule_problem(rule, tool, digest, conversation)
         if forged is not None:
             # A rule row is an approval too: one the decision it names cannot account for was written
             # outside Kazma (or sealed with a key not held here). The call gets a card instead.
@@ -707,7 +711,8 @@ class ApprovalService:
             await self._audit_safely(rule.request_id, "rule_refused", None, None, f"{rule.id}: {forged.detail}")
             log.error("approvals.forged_rule", rule=rule.id, request_id=rule.request_id, detail=forged.detail)
             return None
-        if started_by is not None and self._asked_by(tool, started_by, rule.created_by):
+        assert policy is not None  # the maker may decide under it (above)
+        if started_by is not None and policy.forbid_requester and self._same_person(started_by, rule.created_by):
             log.info("approvals.rule_not_for_requester", rule=rule.id, tool=tool, started_by=started_by)
             return None
         detail = f"{rule.id} ({tool} {digest[:12]}… in {conversation}; made by {rule.created_by})"
@@ -733,10 +738,7 @@ class ApprovalService:
         return rule
 
     async def _rule_problem(self, rule: Rule, tool: str, digest: str, conversation: str) -> SealProblem | None:
-        """Why ``rule`` is not one a person's sealed "Approve for …" made for this call here, or None."""
-        sealed = rule.seal_problem(self.store.keyring)
-        if sealed is not None:
-            return sealed
+        """Why ``rule``, its seal verified, is not one a person's "Approve for …" made for this call here, or None."""
         revoked = [e for e in await self.store.events(rule.request_id, event="rule_revoked") if e.detail == rule.id]
         if revoked:
             return SealProblem(
@@ -1058,16 +1060,6 @@ class ApprovalService:
         people = self.config.people
         asker = started_by if ":" not in started_by else person_key(people, started_by)
         return person_key(people, actor) == asker
-
-    def _may_decide_now(self, tool: str, rule: Rule) -> bool:
-        """Whether the maker of ``rule`` may decide ``tool``'s calls under its policy as configured now."""
-        policy = self.config.policy(self.config.policy_name_for(tool))
-        return policy is not None and self.config.roster.may_decide(rule.created_by, rule.created_via, policy.approvers)
-
-    def _asked_by(self, tool: str, started_by: str, maker: str) -> bool:
-        """Whether ``tool``'s policy forbids the requester and ``maker`` (who remembered a call) started this work."""
-        policy = self.config.policy(self.config.policy_name_for(tool))
-        return policy is not None and policy.forbid_requester and self._same_person(started_by, maker)
 
     def _approve_barred(
         self, request_id: str, rules: Rules, policy: PolicyConfig, actor: str, *, stepped_up: bool

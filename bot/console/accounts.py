@@ -221,7 +221,7 @@ class AccountStore:
         def op(tx: Tx) -> Passkey:
             used = tx.one(
                 "UPDATE people_invites SET used_at = ?, credential_id = ? WHERE token_hash = ? AND used_at IS NULL"
-                " AND expires_at > ? RETURNING person",
+                " AND expires_at > ? RETURNING person, created_by",
                 (now, passkey.credential_id, hashed, now),
             )
             if used is None:
@@ -235,9 +235,7 @@ class AccountStore:
                 raise EnrolRefused("the invite is another person's")
             if tx.one("SELECT 1 FROM people_passkeys WHERE credential_id = ?", (passkey.credential_id,)):
                 raise EnrolRefused("this passkey is enrolled already")
-            if tx.one(
-                "SELECT 1 FROM people_invites WHERE token_hash = ? AND created_by LIKE ?", (hashed, "%" + FIRST_ACCOUNT)
-            ) and tx.one("SELECT 1 FROM people_passkeys LIMIT 1"):
+            if str(used[1]).endswith(FIRST_ACCOUNT) and tx.one("SELECT 1 FROM people_passkeys LIMIT 1"):
                 # A first-account link made with the shared token is good only while it is the first: one made
                 # before somebody enrolled does not add a passkey to anyone afterwards.
                 raise EnrolRefused(FIRST_ACCOUNT_TAKEN)

@@ -52,7 +52,7 @@ from aiohttp import web
 from kazma.bot.console.forwarded import ClientAddresses
 from kazma.bot.console.login_throttle import LOGINS, LoginThrottle
 from kazma.bot.console.pages import SignInChoices, login_page, message_page
-from kazma.bot.console.sessions import Opening, SessionStore
+from kazma.bot.console.sessions import Opening, SessionStore, StoredSession
 from kazma.config.address import Actor
 from kazma.config.identity import Roster, platform_of
 from kazma.config.metrics import count_failure
@@ -127,8 +127,13 @@ class Session:
     person: str | None = None  # the person under people: (None: a token's session, or nobody's identity)
     identity: str | None = None  # what the proof established: web:alice, telegram:111 (None: a token)
     credential_id: str | None = None  # the passkey that opened it
-    may_decide: bool = False  # proven, and an approver on the identity's own platform (read per request)
-    deciding: frozenset[str] = frozenset()  # the policies it may decide under (may_decide: any at all)
+    # The policies it may decide under, proven, on the identity's own platform (read per request).
+    deciding: frozenset[str] = frozenset()
+
+    @property
+    def may_decide(self) -> bool:
+        """An approver under some policy: Approve and Deny count somewhere."""
+        return bool(self.deciding)
 
     def may_decide_under(self, policy: str | None) -> bool:
         """Whether this session's Approve and Deny count under ``policy`` (None: the default policy), as the
@@ -388,7 +393,7 @@ class WebAuth:
         """What a proven session may do, from the roster as it is now: steer (an operator on the identity's
         own platform, signed in at the console itself) and press Approve or Deny (an approver there)."""
         if not session.proven or session.identity is None:
-            session.role, session.may_decide, session.deciding = Role.READER, False, frozenset()
+            session.role, session.deciding = Role.READER, frozenset()
             return
         platform = platform_of(session.identity)
         steers = session.proof in (Proof.PASSKEY, Proof.LOCAL) and self.roster.is_operator(session.identity, platform)
@@ -397,7 +402,6 @@ class WebAuth:
         session.deciding = frozenset(
             name for name, approvers in self.policies.items() if self.roster.may_decide(identity, platform, approvers)
         )
-        session.may_decide = bool(session.deciding)
 
     def set_cookie(self, response: web.StreamResponse, session: Session) -> None:
         response.set_cookie(
@@ -437,9 +441,7 @@ class WebAuth:
             await self.store.end(key)
             log.info("web.session_ended", login=stored.login, reason="made before people signed in")
             return None
-        proven = proof.proves_a_person
-        bound = _proof_digest(proof, stored.identity or "") if proven else self._current_digest(role)
-        if not _same(stored.binding, session_binding(sid, bound)):
+        if not self._bound(sid, proof, role, stored):
             await self.store.end(key)
             log.info("web.session_ended", login=stored.login, reason="token rotated")
             return None
@@ -476,9 +478,13 @@ class WebAuth:
             role = Role(stored.role)
         except ValueError:
             return False
-        proof = session.proof
+        return self._bound(session.id, session.proof, role, stored)
+
+    def _bound(self, sid: str, proof: Proof, role: Role, stored: StoredSession) -> bool:
+        """Whether the stored session is still bound to what made it: the person's proof, or the shared token
+        as it is now (a rotated token ends the sessions made with it)."""
         bound = _proof_digest(proof, stored.identity or "") if proof.proves_a_person else self._current_digest(role)
-        return _same(stored.binding, session_binding(session.id, bound))
+        return _same(stored.binding, session_binding(sid, bound))
 
     @web.middleware
     async def keep_flash(self, request: web.Request, handler: Handler) -> web.StreamResponse:

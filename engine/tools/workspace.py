@@ -96,18 +96,17 @@ def _inside(root: Path, raw: str, *, as_named: bool = False) -> tuple[str, ...]:
         resolved = target.resolve()
     except (OSError, RuntimeError) as exc:  # 3.11 raises RuntimeError on symlink loops
         raise PathRefused(f"{raw!r} cannot be resolved: {exc}") from exc
+    named = Path(os.path.normpath(target))
     if not resolved.is_relative_to(root):
-        if Path(os.path.normpath(target)).is_relative_to(root):
+        if named.is_relative_to(root):
             raise PathRefused(f"{raw!r} leads outside the workspace through a symbolic link")
         raise PathRefused(f"{raw!r} is outside the workspace; use a path relative to the workspace")
-    named = Path(os.path.normpath(target))
-    if as_named and resolved != named:
-        shown = "/".join(resolved.relative_to(root).parts)
-        raise PathRefused(
-            f"{raw!r} goes through a symbolic link (to {shown!r}): it would write somewhere other than it says; "
-            "name the real path"
-        )
     parts = resolved.relative_to(root).parts
+    if as_named and resolved != named:
+        raise PathRefused(
+            f"{raw!r} goes through a symbolic link (to {'/'.join(parts)!r}): it would write somewhere other than it "
+            "says; name the real path"
+        )
     if not parts:
         raise PathRefused(f"{raw!r} names the workspace directory itself, not a file")
     return parts
