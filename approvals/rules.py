@@ -23,7 +23,7 @@ from typing import Final
 from kazma.approvals.seal import RuleFields, SealProblem, rule_seal_problem, seal_rule
 from kazma.config.address import Address, AddressError
 from kazma.config.keyring import Keyring
-from kazma.config.store.backend import StoreConnection, tables_of
+from kazma.config.store.backend import StoreConnection, Tx, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 
@@ -105,6 +105,8 @@ _COLUMNS = (
     "id, tool, args_hash, conversation, created_by, created_via, request_id, created_at, expires_at, revoked_at,"
     " seal_key_id, seal"
 )
+_INSERT = f"INSERT INTO approval_rules ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
+_REVOKE = "UPDATE approval_rules SET revoked_at = ?, revoked_by = ? WHERE id = ? AND revoked_at IS NULL"
 
 
 @dataclass(frozen=True)
@@ -155,11 +157,12 @@ class RuleStore:
     def _now(self) -> float:
         return float(self.clock())  # type: ignore[operator]
 
-    async def add(
+    def made(
         self, *, tool: str, args_hash: str, conversation: str, created_by: str, created_via: str, request_id: str,
         seconds: float, keyring: Keyring | None = None,
     ) -> Rule:  # fmt: skip
-        """A new rule, sealed with ``keyring``'s current key (None: unsealed, so never let stand for a call)."""
+        """A new rule (not yet stored), sealed with ``keyring``'s current key (None: unsealed, so never let stand
+        for a call)."""
         now = self._now()
         rule = Rule(
             "rule_" + secrets.token_urlsafe(12), tool, args_hash, conversation, created_by, created_via, request_id,
@@ -168,10 +171,27 @@ class RuleStore:
         if keyring is not None:
             made = seal_rule(keyring, rule.bound)
             rule = replace(rule, seal_key_id=made.key_id, seal=made.mac)
-        await self.tables.run(
-            f"INSERT INTO approval_rules ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",  # noqa: S608
-            (*rule.bound, None, rule.seal_key_id, rule.seal),
-        )
+        return rule
+
+    @staticmethod
+    def insert(tx: Tx, rule: Rule) -> None:
+        """``rule`` written in ``tx`` (with the audit event that records it: the service's ``rule_created``)."""
+        tx.send(_INSERT, (*rule.bound, None, rule.seal_key_id, rule.seal))
+
+    def revoke_in(self, tx: Tx, rule_id: str, *, actor: str) -> bool:
+        """``rule_id`` ended in ``tx`` (with the audit event that records it); False: not in force."""
+        return tx.run(_REVOKE, (self._now(), actor, rule_id)) == 1
+
+    async def add(
+        self, *, tool: str, args_hash: str, conversation: str, created_by: str, created_via: str, request_id: str,
+        seconds: float, keyring: Keyring | None = None,
+    ) -> Rule:  # fmt: skip
+        """A new rule, stored on its own (no audit event: the service writes a rule with its ``rule_created``)."""
+        rule = self.made(
+            tool=tool, args_hash=args_hash, conversation=conversation, created_by=created_by,
+            created_via=created_via, request_id=request_id, seconds=seconds, keyring=keyring,
+        )  # fmt: skip
+        await self.tables.run(_INSERT, (*rule.bound, None, rule.seal_key_id, rule.seal))
         return rule
 
     async def match(self, tool: str, args_hash: str, conversation: str) -> Rule | None:
@@ -193,8 +213,5 @@ class RuleStore:
         return [_rule(tuple(row)) for row in rows]
 
     async def revoke(self, rule_id: str, *, actor: str) -> bool:
-        changed = await self.tables.run(
-            "UPDATE approval_rules SET revoked_at = ?, revoked_by = ? WHERE id = ? AND revoked_at IS NULL",
-            (self._now(), actor, rule_id),
-        )
-        return changed == 1
+        """``rule_id`` ended on its own (no audit event: the service and the CLI revoke with ``rule_revoked``)."""
+        return await self.tables.run(_REVOKE, (self._now(), actor, rule_id)) == 1

@@ -56,6 +56,7 @@ from kazma.approvals.store import (
     PostedCard,
     ReviewState,
     Rules,
+    Standing,
     new_request_id,
 )
 from kazma.approvals.waiters import Waiters
@@ -668,11 +669,23 @@ class ApprovalService:
         if self.rules is None:
             return None
         found = [r for r in await self.rules.list(active_only=True, limit=100_000) if r.id == rule_id]
-        if not found or not await self.rules.revoke(rule_id, actor=actor):
+        if not found:
             return None
-        await self._audit_safely(
-            found[0].request_id, "rule_revoked", actor, platform, rule_id, person=self.config.roster.person_of(actor)
-        )
+        rules, person = self.rules, self.config.roster.person_of(actor)
+
+        def end(tx: Tx) -> bool:
+            # The row and the audit's rule_revoked in one transaction: a revocation the audit does not show
+            # would let an un-revoke by hand pass the rule check (which consults rule_revoked).
+            if not rules.revoke_in(tx, rule_id, actor=actor):
+                return False
+            self.store.record(
+                tx, request_id=found[0].request_id, event="rule_revoked", actor=actor, platform=platform,
+                detail=rule_id, person=person,
+            )  # fmt: skip
+            return True
+
+        if not await self.store.write(end):
+            return None
         log.info("approvals.rule_revoked", rule=rule_id, actor=actor, platform=platform)
         self._tell(found[0].request_id)
         return found[0]
@@ -966,20 +979,9 @@ class ApprovalService:
             # People are configured, so the person label is bounded (an identity nobody claimed counts as "").
             count_decided(outcome.status.value, platform, person or "")
             if remember and self.rules is not None and outcome.approved:
-                rule = await self.rules.add(
-                    tool=request.tool,
-                    args_hash=request.args_hash,
-                    conversation=request.conversation,
-                    created_by=actor,
-                    created_via=platform,
-                    request_id=request_id,
-                    seconds=self.config.approvals.remember.max_seconds,
-                    keyring=self.store.keyring,
-                )
-                await self._audit_safely(
-                    request_id, "rule_created", actor, platform, f"{rule.id} until {rule.expires_at:.0f}", person=person
-                )
-                log.info("approvals.rule_created", rule=rule.id, request_id=request_id, actor=actor)
+                rule = await self._make_rule(request, actor, platform, person)
+                if rule is not None:
+                    log.info("approvals.rule_created", rule=rule.id, request_id=request_id, actor=actor)
             # What the decision's transaction read of the request and its cards holds only while nothing else
             # was awaited since its commit (a card recorded meanwhile would be missing from it).
             await self._ended(request_id, None if remember or failpoints.armed else pressed.decided)
@@ -1194,6 +1196,32 @@ class ApprovalService:
             count_failure("press_refused_unaudited", platform)
             return
         await self._audit_safely(request_id, "press_refused", actor, platform, why, person=person)
+
+    async def _make_rule(self, request: Standing, actor: str, platform: str, person: str | None) -> Rule | None:
+        """The rule an "Approve for …" press that won asks for, written with its ``rule_created`` in one
+        transaction (a rule the audit does not show is never made). None when the store could not: the decision
+        stands, and the next identical call gets a card (the safe side), counted and logged."""
+        assert self.rules is not None
+        rule = self.rules.made(
+            tool=request.tool, args_hash=request.args_hash, conversation=request.conversation, created_by=actor,
+            created_via=platform, request_id=request.id, seconds=self.config.approvals.remember.max_seconds,
+            keyring=self.store.keyring,
+        )  # fmt: skip
+
+        def write(tx: Tx) -> None:
+            RuleStore.insert(tx, rule)
+            self.store.record(
+                tx, request_id=request.id, event="rule_created", actor=actor, platform=platform,
+                detail=f"{rule.id} until {rule.expires_at:.0f}", person=person,
+            )  # fmt: skip
+
+        try:
+            await self.store.write(write)
+        except store_errors() as exc:
+            count_failure("approval_rule")
+            log.warning("approvals.rule_not_made", request_id=request.id, actor=actor, error=str(exc))
+            return None
+        return rule
 
     async def _audit_safely(
         self,

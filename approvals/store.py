@@ -1170,20 +1170,31 @@ class ApprovalStore:
         detail: str | None = None,
         person: str | None = None,
     ) -> None:
-        at = self.clock()
         await self._write(
-            lambda tx: self.chain.append(
-                tx,
-                request_id,
-                event,
-                actor=actor,
-                platform=platform,
-                at=at,
-                args_hash=FROM_REQUEST,
-                detail=detail,
-                person=person,
+            functools.partial(
+                self.record, request_id=request_id, event=event, actor=actor, platform=platform, detail=detail,
+                person=person, at=self.clock(),
             )
-        )
+        )  # fmt: skip
+
+    def record(
+        self,
+        tx: Tx,
+        *,
+        request_id: str | None,
+        event: str,
+        actor: str | None = None,
+        platform: str | None = None,
+        detail: str | None = None,
+        person: str | None = None,
+        at: float | None = None,
+    ) -> None:
+        """One audit event, written with what else ``tx`` writes (a rule with its ``rule_created``; its end with
+        its ``rule_revoked``): both or neither. ``at``: now, when not given."""
+        self.chain.append(
+            tx, request_id, event, actor=actor, platform=platform, at=self.clock() if at is None else at,
+            args_hash=FROM_REQUEST, detail=detail, person=person,
+        )  # fmt: skip
 
     async def start_chain(self) -> None:
         """Chain the events written before the audit chain began, once (``kazma run`` does it at start, so the

@@ -16,6 +16,7 @@ from kazma.approvals import MIGRATIONS, ApprovalService, ApprovalStore, Decision
 from kazma.approvals.policy import PolicyVerdict
 from kazma.approvals.rules import MIGRATIONS as RULES
 from kazma.approvals.rules import RuleStore
+from kazma.bot.cli.cli_identity import system_login
 from kazma.config import load_config_text
 from kazma.config.store.database import open_database
 from kazma.engine.model import ScriptStep
@@ -229,8 +230,35 @@ async def test_rules_cli_lists_and_revokes(tmp_path: Path) -> None:
     assert "telegram:111" in lines[rule.id]
     assert "REFUSED: it carries no seal" in lines[rule.id]  # a row that lets nothing run says so
     assert "REFUSED" not in lines[sealed.id]
+
+    async def around_kazma(sql: str) -> None:
+        conn = await open_store(config)
+        try:
+            await conn.execute(sql)
+            await conn.commit()
+        finally:
+            await conn.close()
+
+    # The row and its rule_revoked are one transaction: when the audit cannot take the event, nothing changes.
+    await around_kazma(
+        "CREATE TRIGGER refuse_revoked BEFORE INSERT ON approval_events WHEN NEW.event = 'rule_revoked'"
+        " BEGIN SELECT RAISE(ABORT, 'the audit is full (test)'); END"
+    )
+    code, failed = await kazma("revoke", rule.id)
+    assert code == 1
+    assert f"could not revoke {rule.id}" in failed
+    assert "nothing changed" in failed
+    assert "Traceback" not in failed
+    assert rule.id in (await kazma("list"))[1]
+    await around_kazma("DROP TRIGGER refuse_revoked")
     code, revoked = await kazma("revoke", rule.id)
     assert code == 0, revoked
+    conn = await open_store(config)
+    try:
+        events = await ApprovalStore(conn).events("r" * 22, event="rule_revoked")
+    finally:
+        await conn.close()
+    assert [(e.actor, e.platform, e.detail) for e in events] == [(f"cli:{system_login()}", "cli", rule.id)]
     _, after = await kazma("list")
     assert rule.id not in after
     again, _ = await kazma("revoke", rule.id)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sqlite3
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kazma.approvals import Decision, PressVerdict, SafetyPolicy
 from kazma.approvals.rules import Rule, RuleStore
@@ -342,3 +345,42 @@ async def test_an_approver_removed_from_the_configuration_is_no_forgery(tmp_path
         assert await _asks_for_a_card(policy, publisher, ARGS, HERE, decider="telegram:222")
         assert failure_count(FORGED) == before
         assert "rule_refused" not in [e.event for e in await policy.service.store.events(rule.request_id)]
+
+
+_REFUSE_EVENT = (
+    "CREATE TRIGGER refuse_{event} BEFORE INSERT ON approval_events WHEN NEW.event = '{event}'"
+    " BEGIN SELECT RAISE(ABORT, 'the audit cannot take {event} (test)'); END"
+)
+
+
+async def test_a_revocation_the_audit_cannot_record_revokes_nothing(tmp_path: Path) -> None:
+    # The rule check consults the audit's rule_revoked: a row revoked without it could be set back in force by
+    # hand and pass. Both are one transaction, so a failed audit write leaves the rule as it was, and says so.
+    async with remembering(tmp_path, ManualClock()) as (policy, publisher):
+        await _remember(policy, publisher)
+        rules = policy.service.rules
+        assert rules is not None
+        [rule] = await rules.list()
+        await _write_around_kazma(policy, _REFUSE_EVENT.format(event="rule_revoked"))
+        with pytest.raises(sqlite3.IntegrityError, match="the audit cannot take rule_revoked"):
+            await policy.service.revoke_rule(rule.id, actor="telegram:111", platform="telegram")
+        assert [r.id for r in await rules.list()] == [rule.id]  # still in force: nothing half done
+        assert "rule_revoked" not in [e.event for e in await policy.service.store.events(rule.request_id)]
+        await _write_around_kazma(policy, "DROP TRIGGER refuse_rule_revoked")
+        assert await policy.service.revoke_rule(rule.id, actor="telegram:111", platform="telegram") is not None
+        assert await rules.list() == []
+        assert "rule_revoked" in [e.event for e in await policy.service.store.events(rule.request_id)]
+
+
+async def test_a_rule_the_audit_cannot_record_is_not_made_and_the_approval_stands(tmp_path: Path) -> None:
+    async with remembering(tmp_path, ManualClock()) as (policy, publisher):
+        await _write_around_kazma(policy, _REFUSE_EVENT.format(event="rule_created"))
+        before = failure_count("approval_rule")
+        verdict = await _remember(policy, publisher)  # the press won: "Approve for 1 h" approved this call
+        assert verdict.allowed
+        assert failure_count("approval_rule") == before + 1
+        rules = policy.service.rules
+        assert rules is not None
+        assert await rules.list(active_only=False) == []  # no rule the audit does not show
+        await _write_around_kazma(policy, "DROP TRIGGER refuse_rule_created")
+        assert await _asks_for_a_card(policy, publisher, ARGS, HERE)  # the next identical call: a card

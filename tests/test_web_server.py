@@ -664,6 +664,19 @@ async def test_remembered_approvals_are_listed_and_revoked_in_the_console(tmp_pa
         assert refused.status == 403
         assert await rules.match("shell", "ab" * 32, "web:console") is not None
         assert f"/approvals/rules/{rule.id}/revoke" in await (await op.get(f"{con.base}/swarm")).text()
+        # A revocation the audit cannot record changes nothing, and the page says so (not a 500).
+        conn = con.app.service.store.conn
+        await conn.execute(
+            "CREATE TRIGGER refuse_revoked BEFORE INSERT ON approval_events WHEN NEW.event = 'rule_revoked'"
+            " BEGIN SELECT RAISE(ABORT, 'the audit is full (test)'); END"
+        )
+        await conn.commit()
+        failed = await op.post(f"{con.base}/approvals/rules/{rule.id}/revoke", data={"csrf": csrf})
+        assert failed.status == 200
+        assert f"Remembered approval {rule.id} could not be revoked" in await failed.text()
+        assert await rules.match("shell", "ab" * 32, "web:console") is not None
+        await conn.execute("DROP TRIGGER refuse_revoked")
+        await conn.commit()
         page = await (await op.post(f"{con.base}/approvals/rules/{rule.id}/revoke", data={"csrf": csrf})).text()
         assert f"Remembered approval {rule.id} revoked by web:alice" in page
         assert await rules.match("shell", "ab" * 32, "web:console") is None

@@ -16,6 +16,8 @@ from kazma.bot.cli.context import Context
 from kazma.bot.keys import load_audit_signer, read_decision_keyring
 from kazma.bot.store import store_for_command
 from kazma.config.address import Actor
+from kazma.config.store.backend import Tx
+from kazma.config.store.errors import store_errors
 
 
 @click.group()
@@ -67,15 +69,32 @@ def revoke(obj: Context, rule_id: str, login: str | None) -> None:
         async with store_for_command(config) as store:
             rules_store = RuleStore(store)
             match = [r for r in await rules_store.list(active_only=False, limit=100_000) if r.id == rule_id]
-            done = await rules_store.revoke(rule_id, actor=actor)
-            if done and match:
-                signer = load_audit_signer(config)
-                approvals = ApprovalStore(store, audit=signer)
-                await approvals.audit(match[0].request_id, "rule_revoked", actor=actor, platform="cli", detail=rule_id)
+            if not match:
+                return False
+            signer = load_audit_signer(config)
+            approvals = ApprovalStore(store, audit=signer)
+
+            def end(tx: Tx) -> bool:
+                # The row and its rule_revoked both or neither (see ApprovalService.revoke_rule).
+                if not rules_store.revoke_in(tx, rule_id, actor=actor):
+                    return False
+                approvals.record(
+                    tx, request_id=match[0].request_id, event="rule_revoked", actor=actor, platform="cli",
+                    detail=rule_id, person=config.roster.person_of(actor),
+                )  # fmt: skip
+                return True
+
+            done = await approvals.write(end)
+            if done:
                 await Checkpointer(approvals, signer).sign()
             return done
 
-    if not asyncio.run(run()):
+    try:
+        done = asyncio.run(run())
+    except store_errors() as exc:
+        click.echo(f"could not revoke {rule_id}: the store did not take the change ({exc}); nothing changed", err=True)
+        sys.exit(1)
+    if not done:
         click.echo(f"no rule {rule_id!r} in force", err=True)
         sys.exit(1)
     click.echo(f"revoked {rule_id}; recorded as {actor}")

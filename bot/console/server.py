@@ -694,7 +694,15 @@ class WebServer:
     async def revoke_rule(self, request: web.Request) -> web.Response:
         session, _ = await self._auth().form(request)
         rule_id = request.match_info["id"]
-        revoked = await self.services.approvals.revoke_rule(rule_id, actor=session.actor, platform=session.platform)
+        try:
+            revoked = await self.services.approvals.revoke_rule(rule_id, actor=session.actor, platform=session.platform)
+        except store_errors() as exc:
+            log.warning("web.rule_revoke_failed", rule=rule_id, actor=session.actor, error=str(exc))
+            session.flash.append(
+                f"Remembered approval {rule_id} could not be revoked: the approvals store did not take the change"
+                " (nothing changed, the rule is still in force). Try again."
+            )
+            raise web.HTTPSeeOther("/swarm") from None
         session.flash.append(
             f"Remembered approval {rule_id} revoked by {session.actor}: the next identical call gets a card."
             if revoked is not None
