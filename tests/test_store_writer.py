@@ -465,3 +465,25 @@ async def test_an_interrupt_inside_an_operation_undoes_its_group_answers_everyon
     else:
         assert isinstance(outcomes[0], RuntimeError), outcomes[0]
     assert rows(writer.path) == {"warm": 0, "other": 9, "c": 3}  # nothing of the interrupted group
+
+
+async def test_an_operation_that_fills_the_disk_fails_alone_with_the_disks_error(writer: StoreWriter) -> None:
+    # SQLITE_FULL rolls the whole transaction back, savepoints and all: the careful pass's ROLLBACK TO then
+    # failed with "no such savepoint", and every caller of the group was told that instead of the real error.
+    pages = await writer.submit(lambda tx: int(tx.one("PRAGMA page_count")[0]))
+    await writer.submit(lambda tx: tx.one(f"PRAGMA max_page_count = {pages + 3}"))  # the writer's connection
+
+    def huge(tx: Tx) -> int:
+        return tx.run("INSERT INTO t (k, v) VALUES (?, 0)", ("x" * 200_000,))
+
+    outcomes = await asyncio.gather(
+        writer.submit(put("a", 1)), writer.submit(huge), writer.submit(put("b", 2)), return_exceptions=True
+    )
+    assert outcomes[0] == 1
+    assert outcomes[2] == 1
+    assert isinstance(outcomes[1], sqlite3.OperationalError)
+    assert "database or disk is full" in str(outcomes[1])
+    assert rows(writer.path) == {"a": 1, "b": 2}
+    with pytest.raises(sqlite3.OperationalError, match="database or disk is full"):  # alone: the same words
+        await writer.submit(huge)
+    assert await writer.submit(put("c", 3)) == 1  # and the writer goes on

@@ -290,12 +290,21 @@ class StoreWriter(GroupQueue):
         group.inline = inline
         patience = time.monotonic() + self.busy_timeout_ms / 1000
         careful = False
+        dropped: set[Job[Any]] = set()  # operations whose failure undid the whole transaction: not run again
         while True:
             for job in group.jobs:
-                job.result, job.error = None, None
+                if job not in dropped:
+                    job.result, job.error = None, None
             try:
-                self._attempt(group, careful=careful)
+                self._attempt(group, careful=careful, dropped=dropped)
                 return
+            except _Undone as undone:
+                # SQLite rolled the whole transaction back under an operation (SQLITE_FULL, an I/O error), so
+                # there was no savepoint to go back to: the group runs again without it, and its caller gets
+                # that error (not "no such savepoint", as every caller of the group did before).
+                dropped.add(undone.job)
+                careful = True
+                continue
             except _FlushFailed as failed:
                 # What the operations deferred to the end could not be written: none of them is kept.
                 if self._conn is not None:
@@ -339,7 +348,7 @@ class StoreWriter(GroupQueue):
                 return
             time.sleep(LOCK_RETRY_SECONDS)
 
-    def _attempt(self, group: _Group, *, careful: bool) -> None:
+    def _attempt(self, group: _Group, *, careful: bool, dropped: set[Job[Any]]) -> None:
         conn = self._connection()
         conn.execute("BEGIN IMMEDIATE")
         tx = Tx(conn)
@@ -365,6 +374,8 @@ class StoreWriter(GroupQueue):
                     raise _OpFailed from exc
         else:
             for job in group.jobs:
+                if job in dropped:
+                    continue
                 conn.execute("SAVEPOINT op")
                 mark = tx._mark()
                 try:
@@ -373,6 +384,8 @@ class StoreWriter(GroupQueue):
                     if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
                         raise
                     job.error = exc
+                    if not conn.in_transaction:
+                        raise _Undone(job) from exc
                     tx._discard_since(mark)
                     conn.execute("ROLLBACK TO op")
                 conn.execute("RELEASE op")
@@ -420,6 +433,14 @@ def _is_locked(exc: sqlite3.OperationalError) -> bool:
 
 class _OpFailed(Exception):
     """An operation raised during a group's optimistic pass (see :meth:`StoreWriter._run_group`)."""
+
+
+class _Undone(Exception):
+    """An operation of the careful pass failed, and SQLite had rolled the whole transaction back under it."""
+
+    def __init__(self, job: Job[Any]) -> None:
+        super().__init__()
+        self.job = job
 
 
 class _FlushFailed(Exception):
