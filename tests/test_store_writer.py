@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kazma.config.store.database import Tables, connect
+from kazma.config.store.errors import is_busy
 from kazma.config.store.writer import StoreWriter, Tx
 
 
@@ -487,3 +488,38 @@ async def test_an_operation_that_fills_the_disk_fails_alone_with_the_disks_error
     with pytest.raises(sqlite3.OperationalError, match="database or disk is full"):  # alone: the same words
         await writer.submit(huge)
     assert await writer.submit(put("c", 3)) == 1  # and the writer goes on
+
+
+async def test_an_error_that_only_mentions_a_lock_is_not_waited_for(tmp_path: Path) -> None:
+    # The lock test read the message: "no such column: locked" (a schema error) was taken for another
+    # process's lock, and the operation was run again every millisecond until busy_timeout_ms ran out.
+    path = tmp_path / "w.db"
+    setup = sqlite3.connect(path, isolation_level=None)
+    setup.execute("PRAGMA journal_mode = WAL")
+    setup.execute("CREATE TABLE t (k TEXT PRIMARY KEY, v INTEGER NOT NULL)")
+    setup.close()
+    writer = StoreWriter(path, busy_timeout_ms=30_000)
+    runs = 0
+
+    def misspelt(tx: Tx) -> None:
+        nonlocal runs
+        runs += 1
+        tx.run("UPDATE t SET v = locked")
+
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="no such column: locked"):
+            await writer.submit(misspelt)
+        assert runs == 1
+        assert await writer.submit(put("a", 1)) == 1
+    finally:
+        await writer.close()
+
+
+def test_busy_is_told_by_sqlites_code_not_by_words() -> None:
+    held = sqlite3.connect(":memory:")
+    with pytest.raises(sqlite3.OperationalError) as schema_error:
+        held.execute("SELECT locked")
+    held.close()
+    assert not is_busy(schema_error.value)
+    assert is_busy(sqlite3.OperationalError("database is locked"))  # raised by Python code: SQLite's own words
+    assert not is_busy(sqlite3.OperationalError("disk I/O error (failpoint)"))

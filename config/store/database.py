@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import aiosqlite
 import structlog
 
+from kazma.config.store.errors import is_busy
 from kazma.config.store.migrations import Migration as Migration  # where the components import it from
 from kazma.config.store.migrations import MigrationError as MigrationError
 from kazma.config.store.migrations import run_migrations
@@ -68,7 +69,7 @@ async def _switch_to_wal(conn: aiosqlite.Connection, patience: float) -> None:
                 return
             raise sqlite3.OperationalError(f"journal_mode stayed {row[0] if row else 'unknown'!r}, expected 'wal'")
         except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() >= deadline:
+            if not is_busy(exc) or time.monotonic() >= deadline:
                 raise
             await asyncio.sleep(0.02)
 

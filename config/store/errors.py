@@ -25,3 +25,17 @@ def simulated_failure(where: object, what: str) -> BaseException:
         psycopg = sys.modules["psycopg"]
         return psycopg.OperationalError(f"{what}: the server closed the connection (failpoint)")  # type: ignore[no-any-return]
     return sqlite3.OperationalError(f"{what}: disk I/O error (failpoint)")
+
+
+# SQLite's primary result codes for "another connection holds the lock" (SQLITE_BUSY, SQLITE_LOCKED).
+_BUSY_CODES = (5, 6)
+
+
+def is_busy(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` says another connection holds the database's lock (worth waiting for), by SQLite's result
+    code: a message is no test ("no such column: locked" is a schema error, not a lock). An error raised by
+    Python code carries no code: then by SQLite's own words for it."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in _BUSY_CODES
+    return str(exc).startswith(("database is locked", "database table is locked"))

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import structlog
 
 from kazma.config.metrics import count_failure
+from kazma.config.store.errors import is_busy
 from kazma.config.store.group_commit import (
     Deferred,
     GroupQueue,
@@ -321,7 +322,7 @@ class StoreWriter(GroupQueue):
             except sqlite3.OperationalError as exc:
                 if self._conn is not None:
                     self._rollback(self._conn)
-                if not _is_locked(exc):
+                if not is_busy(exc):
                     self._failed(group, exc)
                     return
                 if inline:
@@ -357,7 +358,7 @@ class StoreWriter(GroupQueue):
             try:
                 job.result = job.op(tx)
             except Exception as exc:  # the caller gets it; nothing of this operation is kept
-                if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
+                if isinstance(exc, sqlite3.OperationalError) and is_busy(exc):
                     raise
                 job.error = exc
                 self._rollback(conn)
@@ -369,7 +370,7 @@ class StoreWriter(GroupQueue):
                 try:
                     run_batch(tx, batch)
                 except Exception as exc:
-                    if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
+                    if isinstance(exc, sqlite3.OperationalError) and is_busy(exc):
                         raise
                     raise _OpFailed from exc
         else:
@@ -381,7 +382,7 @@ class StoreWriter(GroupQueue):
                 try:
                     job.result = job.op(tx)
                 except Exception as exc:  # this operation's statements go; the group's others stay
-                    if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
+                    if isinstance(exc, sqlite3.OperationalError) and is_busy(exc):
                         raise
                     job.error = exc
                     if not conn.in_transaction:
@@ -392,7 +393,7 @@ class StoreWriter(GroupQueue):
         try:
             tx._run_deferred()
         except Exception as exc:
-            if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
+            if isinstance(exc, sqlite3.OperationalError) and is_busy(exc):
                 raise
             raise _FlushFailed from exc
         started = time.perf_counter()
@@ -425,10 +426,6 @@ def _loop_idle(loop: asyncio.AbstractEventLoop, within: float) -> bool:
         return False
     # A cancelled timer at the head of the heap counts as due: at worst a group goes to the thread.
     return not timers or timers[0].when() > loop.time() + within
-
-
-def _is_locked(exc: sqlite3.OperationalError) -> bool:
-    return "locked" in str(exc) or "busy" in str(exc)
 
 
 class _OpFailed(Exception):
