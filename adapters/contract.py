@@ -204,6 +204,7 @@ class HomeItem:
 
     text: str  # "shell, asked by agent:builder in telegram:-1001" (plain text: the writer escapes it)
     link: str  # its approval page, where the whole call is shown
+    yours: bool = True  # whether this person's press counts under the request's policy
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,7 @@ class Home:
     """A person's home page on a platform: who they are to Kazma and what waits for a decision."""
 
     who: str  # "alice (slack:U1)", or the identity alone
-    may_decide: bool
+    may_decide: bool  # under some policy (each item says whether under its own)
     waiting: tuple[HomeItem, ...]
     more: int = 0  # waiting beyond those listed
     console: str = ""  # the console's address, for what the page cannot show

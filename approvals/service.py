@@ -778,6 +778,17 @@ class ApprovalService:
     def is_approver(self, actor: str, platform: str) -> bool:
         return self.config.roster.is_approver(actor, platform)
 
+    def may_decide_under(self, actor: str, platform: str, policy: str | None) -> bool:
+        """Whether ``actor``'s press counts under the request policy ``policy`` (None: the default), as a press is
+        judged: a policy's own ``approvers`` replace approvals.approvers; a policy no longer configured, nobody."""
+        found = self.config.policy(policy or DEFAULT_POLICY)
+        return found is not None and self.config.roster.may_decide(actor, platform, found.approvers)
+
+    def decides_anywhere(self, actor: str, platform: str) -> bool:
+        """Whether ``actor`` may decide under some configured policy (the default among them)."""
+        names = {DEFAULT_POLICY, *self.config.approvals.policies}
+        return any(self.may_decide_under(actor, platform, name) for name in names)
+
     async def decide_from_button(
         self,
         data: str,

@@ -193,16 +193,19 @@ class App(Lifecycle):
         config = self.service.config
         pending = await self.service.store.requests(pending_only=True, limit=HOME_COUNTED)
         listed = sorted(pending[:HOME_LIMIT], key=lambda r: r.created_at)
+        # Judged by each request's policy, as its press will be: an approver named only by a policy (a deploy
+        # policy's approvers) decides its requests and no others; approvals.approvers alone said neither.
         waiting = tuple(
             HomeItem(
                 f"{reveal_line(r.tool)}, asked by {reveal_line(r.requested_by)} in {reveal_line(r.conversation)}",
                 self.service.link(r.id),
+                yours=self.service.may_decide_under(actor, platform, r.policy),
             )
             for r in listed
         )
         return Home(
             who=decider_text(config.roster.person_of(actor), actor),
-            may_decide=self.service.is_approver(actor, platform),
+            may_decide=self.service.decides_anywhere(actor, platform),
             waiting=waiting,
             more=max(0, len(pending) - HOME_LIMIT),
             console=str(config.web.public_url).rstrip("/"),

@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kazma.approvals.model import Status
+from kazma.approvals.model import Decision, PressVerdict, Status
 from kazma.approvals.rules import RuleStore
 from kazma.bot.console.auth import SESSION_COOKIE
 from kazma.bot.console.signin import CEREMONY_COOKIE
@@ -284,3 +284,20 @@ async def test_the_approval_page_offers_its_buttons_by_the_requests_policy_not_t
             f"{con.base}/swarm?approval={other.id}")).text()  # fmt: skip
         assert f'action="/approvals/{other.id}/decide"' not in await (await bob.get(
             f"{con.base}/swarm?approval={other.id}")).text()  # fmt: skip
+
+
+async def test_a_request_whose_policy_was_taken_out_of_the_configuration_says_nobody_can_decide_it(
+    tmp_path: Path,
+) -> None:
+    # A request that outlives a restart (an API asker may come back for it) keeps the policy it opened under; when
+    # that policy is gone from kazma.yaml, every press is refused, and the page said "only its approvers can".
+    async with console(tmp_path, approvers="['web:alice'], policies: {retired: {approvers: [bob]}}") as con:
+        request = await con.app.service.open("shell", {"command": "make"}, "agent:builder", "web:console",
+                                             policy="retired", durable=True)  # fmt: skip
+    async with console(tmp_path) as con, con.client() as alice:
+        await con.login(alice, "alice", OPERATOR)
+        page = await (await alice.get(f"{con.base}/swarm?approval={request.id}")).text()
+        assert f'action="/approvals/{request.id}/decide"' not in page
+        assert "policy &#x27;retired&#x27; is no longer configured, so nobody can decide it" in page
+        pressed = await con.app.service.decide(request.id, Decision.DENY, actor="web:alice", platform="web")
+        assert pressed.verdict is PressVerdict.REFUSED  # what the page says is what a press gets

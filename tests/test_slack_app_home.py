@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kazma.adapters.slack.setup import slack_manifest
-from kazma.approvals.model import Decision
+from kazma.approvals.model import Decision, PressVerdict
 from kazma.config import load_config_text
 from tests.platforms_support import SLACK_ADMIN, kazma_on, three_fakes
 
@@ -77,3 +77,53 @@ def test_the_manifest_turns_on_the_home_and_messages_tabs_and_asks_for_the_event
         "messages_tab_read_only_enabled": False,
     }
     assert "app_home_opened" in manifest["settings"]["event_subscriptions"]["bot_events"]
+
+
+DAVE = "U0DAVE0001"
+# dave approves only what the deploys policy covers (shell here); alice only what the default policy covers.
+BY_POLICY = f"""
+people:
+  alice: {{slack: {SLACK_ADMIN}}}
+  dave: {{slack: {DAVE}}}
+tools:
+  shell: {{policy: deploys}}
+"""
+
+
+async def test_the_home_tab_judges_each_request_by_its_policy_as_a_press_is_judged(tmp_path: Path) -> None:
+    # The home page asked approvals.approvers alone: dave, named only by a policy's approvers, was told he could
+    # not decide anything, though his presses on its cards count; alice was shown as deciding everything.
+    async with (
+        three_fakes() as fakes,
+        kazma_on(
+            fakes, tmp_path / "k.db", approvals=", approvers: [alice], policies: {deploys: {approvers: [dave]}}",
+            extra=BY_POLICY,
+        ) as app,
+    ):  # fmt: skip
+        deploy = await app.service.open("shell", {"command": "make deploy"}, "agent:builder", "telegram:-1001")
+        write = await app.service.open("write_file", {"path": "a.txt", "content": "x"}, "agent:builder", "web:c")
+        assert fakes.slack_events_url is not None
+
+        async def home_of(user: str) -> dict[str, str]:
+            await fakes.slack.post_event(fakes.slack_events_url or "", fakes.slack.app_home_opened(user))
+            await fakes.slack.wait_for(lambda: user in fakes.slack.home_tabs, timeout=20)
+            texts = _texts(fakes.slack.home_tabs[user])
+            lines = {r.id: next(t for t in texts if f"approval={r.id}|" in t) for r in (deploy, write)}
+            return {"standing": next(t for t in texts if t.startswith("You are")), **lines}
+
+        dave = await home_of(DAVE)
+        assert dave["standing"] == f"You are *dave (slack:{DAVE})*: an approver here."
+        assert "not yours to decide" not in dave[deploy.id]
+        assert "not yours to decide under its policy" in dave[write.id]
+        alice = await home_of(SLACK_ADMIN)
+        assert alice["standing"] == f"You are *alice (slack:{SLACK_ADMIN})*: an approver here."
+        assert "not yours to decide under its policy" in alice[deploy.id]
+        assert "not yours to decide" not in alice[write.id]
+        stranger = await home_of(STRANGER)
+        assert "not an approver here" in stranger["standing"]
+        assert "not yours to decide" not in stranger[deploy.id] + stranger[write.id]  # said once, above
+        # what the page says is what a press gets
+        refused = await app.service.decide(write.id, Decision.DENY, actor=f"slack:{DAVE}", platform="slack")
+        assert refused.verdict is PressVerdict.REFUSED
+        won = await app.service.decide(deploy.id, Decision.DENY, actor=f"slack:{DAVE}", platform="slack")
+        assert won.verdict is PressVerdict.WON

@@ -301,6 +301,8 @@ def home_view(home: Home) -> dict[str, Any]:
     for item in home.waiting:
         # the text cut before escaping (an escape is never split), well inside a section's 3,000 characters
         line = f"{escape(item.text[:HOME_ITEM_TEXT])}\n<{escape(item.link)}|Full call>"
+        if home.may_decide and not item.yours:
+            line += " · _not yours to decide under its policy_"
         blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": line}})
     if not home.waiting:
         blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": "Nothing waits for a decision."}})

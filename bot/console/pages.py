@@ -571,6 +571,7 @@ def approval_page(
     *,
     public_url: str,
     flash: Sequence[str] = (),
+    policy_configured: bool = True,
 ) -> str:
     try:
         whole = build_card(request, value_limit=WHOLE, public_url=public_url, cut_padding=False)
@@ -622,7 +623,7 @@ def approval_page(
         buttons = (
             decide_buttons(viewer, request.id, approval_href(request.id), approve=not changed and not request.step_up)
             if deciding
-            else f"<p>Pending. {e(cannot_decide_here(viewer, request.policy))}</p>"
+            else f"<p>Pending. {e(cannot_decide_here(viewer, request.policy, configured=policy_configured))}</p>"
         )
         if deciding and request.step_up and not changed:
             buttons = step_up_button(viewer, request.id) + buttons
@@ -657,8 +658,14 @@ def policy_text(request: ApprovalRequest) -> str:
     return f"{request.policy or 'default'}: {', '.join(said)}"
 
 
-def cannot_decide_here(viewer: Viewer, policy: str | None = None) -> str:
-    """Why this viewer has no Approve or Deny, and what would give them one."""
+def cannot_decide_here(viewer: Viewer, policy: str | None = None, *, configured: bool = True) -> str:
+    """Why this viewer has no Approve or Deny, and what would give them one. ``configured``: whether the
+    request's policy is still configured (when not, nobody's press counts)."""
+    if not configured:
+        return (
+            f"Its approvals policy {policy or 'default'!r} is no longer configured, so nobody can decide it: it "
+            "ends at its deadline (or configure the policy again)."
+        )
     if not viewer.proven:
         return (
             "A shared token reads only: to decide, sign in with a passkey (kazma people invite <you> prints an "

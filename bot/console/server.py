@@ -77,6 +77,7 @@ from kazma.bot.console.upload import UploadRefused, read_upload
 from kazma.bot.console.waiting_page import NOBODY, waiting_page
 from kazma.config.address import Address
 from kazma.config.metrics import PRESS_TO_DECISION, count_failure, with_label
+from kazma.config.models import DEFAULT_POLICY
 from kazma.config.store.errors import store_errors
 from kazma.engine.swarm.limits import MAX_COMMAND_BYTES, MAX_PROMPT_BYTES
 from kazma.engine.swarm.roles import Role as SwarmRole
@@ -658,6 +659,7 @@ class WebServer:
                 record.cards,
                 public_url=self.services.config.web.public_url,
                 flash=session.take_flash(),
+                policy_configured=self.services.config.policy(record.request.policy or DEFAULT_POLICY) is not None,
             )
         )
 
