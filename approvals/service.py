@@ -1355,6 +1355,10 @@ class ApprovalService:
         """End a pending request ``cancelled`` (its requester withdrew it); the outcome that stands, None if unknown."""
         return (await self._cancel_now(request_id, reason))[1]
 
+    async def cancel_asked(self, request_id: str, *, reason: str) -> tuple[bool, Outcome | None]:
+        """:meth:`cancel`, and whether this call ended it (False: a decision or another ending came first)."""
+        return await self._cancel_now(request_id, reason)
+
     async def _cancel_now(self, request_id: str, reason: str) -> tuple[bool, Outcome | None]:
         won, request = await self.store.finish(request_id, Status.CANCELLED, actor=None, platform=None, reason=reason)
         if won:
@@ -1591,11 +1595,7 @@ class ApprovalService:
         if request is None or request.status is not Status.APPROVED:
             state = "unknown" if request is None else request.status.value
             raise ExecutionMismatch(f"request {request_id} is {state}, not approved")
-        problem = self.stored_approval_problem(request)
-        if problem is None and not await self._decided_on_record(request):
-            problem = SealProblem("it was approved without its decided audit row (changed outside Kazma)", FORGED)
-        if problem is None:
-            problem = await self._reviews_problem(request)
+        problem = await self.approval_to_act_on_problem(request)
         if problem is not None:
             count_failure(problem.site)
             await self._audit_safely(request_id, "execution_refused", None, None, problem.detail)
@@ -1608,6 +1608,18 @@ class ApprovalService:
             )
             raise ExecutionMismatch(f"request {request_id} is marked approved, but {problem.detail}: it will not run")
         return request
+
+    async def approval_to_act_on_problem(self, request: ApprovalRequest) -> SealProblem | None:
+        """Why the approved ``request`` is not one to act on, by every check Kazma makes before it runs an approved
+        call itself (:meth:`stored_approval_problem`, the ``decided`` audit row, the reviews a policy of several
+        people needs), or None. The doors that answer "approved" to a caller who then acts (the API, ``/mcp``)
+        ask the same: nothing is told "approved" that Kazma would refuse to run."""
+        problem = self.stored_approval_problem(request)
+        if problem is None and not await self._decided_on_record(request):
+            problem = SealProblem("it was approved without its decided audit row (changed outside Kazma)", FORGED)
+        if problem is None:
+            problem = await self._reviews_problem(request)
+        return problem
 
     async def _reviews_problem(self, request: ApprovalRequest) -> SealProblem | None:
         """An approval under a policy of several people stands on that many approving reviews, each by a

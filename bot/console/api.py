@@ -27,6 +27,7 @@ through them, and ``/api/v1/openapi.json`` is generated from the same models.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hmac
@@ -106,7 +107,11 @@ def caller_of(config: KazmaConfig, request: web.Request) -> ApiCaller:
     return found
 
 
-def describe(service: ApprovalService, request: ApprovalRequest) -> dict[str, Any]:
+async def describe(service: ApprovalService, request: ApprovalRequest) -> dict[str, Any]:
+    """``request`` as the API and ``/mcp`` answer it. The caller acts on "approved": an approved row Kazma itself
+    would refuse to run (no decision path of Kazma sealed it, its arguments changed since, its decided audit row
+    or the reviews its policy needs are missing, its decider may not approve now) is reported as what it is,
+    never as an approval."""
     # The API's pydantic models: built when the API first answers, not by every start
     from kazma.bot.console.api_models import UNVERIFIED, Approval
 
@@ -116,10 +121,7 @@ def describe(service: ApprovalService, request: ApprovalRequest) -> dict[str, An
     decided_person = None if outcome is None or not outcome.status.human else outcome.person
     reason = None if outcome is None else outcome.reason
     if request.status is Status.APPROVED:
-        # The caller runs its action on "approved": a row that no decision path of Kazma sealed (written into
-        # the store by something else), or whose arguments were changed since, is reported as what it is, never
-        # as an approval.
-        problem = service.stored_approval_problem(request)
+        problem = await service.approval_to_act_on_problem(request)
         if problem is not None:
             count_failure(problem.site)
             log.warning("api.approval_unverified", request_id=request.id, problem=problem.detail)
@@ -152,7 +154,7 @@ class ApprovalsApi:
         self.service = services.approvals
         self.keys = services.api_keys
         # request id -> (the ended request as one wake-up read it, its answer's body): see _ended_answer
-        self._described: dict[str, tuple[ApprovalRequest, bytes]] = {}
+        self._described: dict[str, tuple[ApprovalRequest, asyncio.Future[bytes]]] = {}
 
     @property
     def config(self) -> KazmaConfig:
@@ -175,7 +177,7 @@ class ApprovalsApi:
         body = await _json_object(request)
         waits = _waits(request)
         opened, created = await self.open_for(caller, body, request.headers.get("Idempotency-Key"), waits=waits)
-        return web.json_response(describe(self.service, opened), status=201 if created else 200)
+        return web.json_response(await describe(self.service, opened), status=201 if created else 200)
 
     async def open_for(
         self, caller: ApiCaller, body: dict[str, Any], key: str | None, *, waits: Waits | None = None
@@ -319,20 +321,29 @@ class ApprovalsApi:
             except TimeoutError:
                 found = await self.service.store.get(found.id) or found
             else:
-                return self._ended_answer(ended)
-        return web.json_response(describe(self.service, found))
+                return await self._ended_answer(ended)
+        return web.json_response(await describe(self.service, found))
 
-    def _ended_answer(self, ended: ApprovalRequest) -> web.Response:
+    async def _ended_answer(self, ended: ApprovalRequest) -> web.Response:
         """The answer to every long-poll woken by one read of an ended request: described and encoded once for all
-        of them (the same object is what that read gave each), not once per waiter; each answer only copies it."""
+        of them (the same object is what that read gave each), not once per waiter; each answer only copies it.
+        The first waiter's description is awaited by the others (it reads the store for an approval)."""
         kept = self._described.get(ended.id)
         if kept is None or kept[0] is not ended:
-            body = json.dumps(describe(self.service, ended)).encode()
-            kept = (ended, body)
+            kept = (ended, asyncio.ensure_future(self._encoded(ended)))
             self._described[ended.id] = kept
             while len(self._described) > _DESCRIBED_KEPT:
                 del self._described[next(iter(self._described))]
-        return web.Response(body=kept[1], headers=_JSON_HEADERS)
+        try:
+            body = await asyncio.shield(kept[1])  # one waiter going away does not end the others' answer
+        except Exception:
+            if self._described.get(ended.id) is kept:  # a failed read is not kept for later waiters
+                del self._described[ended.id]
+            raise
+        return web.Response(body=body, headers=_JSON_HEADERS)
+
+    async def _encoded(self, ended: ApprovalRequest) -> bytes:
+        return json.dumps(await describe(self.service, ended)).encode()
 
     async def withdraw(self, request: web.Request) -> web.Response:
         caller = caller_of(self.config, request)
@@ -344,12 +355,16 @@ class ApprovalsApi:
         if why_given is not None and why is None:
             raise _error(web.HTTPBadRequest, f"why must be one of: {', '.join(WHY)}")
         if why is None:
-            await self.service.cancel(found.id, reason=by_asker(caller.actor))
+            won, _ = await self.service.cancel_asked(found.id, reason=by_asker(caller.actor))
         else:
-            await self.service.withdraw(found.id, why)
-        await self._audit(found.id, "api_withdrawn", caller, "DELETE" if why is None else f"DELETE why={why_given}")
+            won, _ = await self.service.withdraw(found.id, why)
         after = await self.service.store.get(found.id) or found
-        return web.json_response(describe(self.service, after))
+        asked = "DELETE" if why is None else f"DELETE why={why_given}"
+        if won:
+            await self._audit(found.id, "api_withdrawn", caller, asked)
+        else:  # a decision (or another ending) came first and stands: the audit says so, not "withdrawn"
+            await self._audit(found.id, "api_withdraw_late", caller, f"{asked}: it was {after.status.value} already")
+        return web.json_response(await describe(self.service, after))
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_document())

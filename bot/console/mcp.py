@@ -30,7 +30,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 
 from kazma.approvals.model import Waits
 from kazma.approvals.withdrawal import Gone
-from kazma.bot.console.api import ApiCaller, ApprovalsApi, caller_of, describe
+from kazma.bot.console.api import ApiCaller, ApprovalsApi, describe
 from kazma.bot.console.mcp_askers import ConnectionAsker, OpenCalls, jsonrpc
 from kazma.bot.console.mcp_tool import Asked, answer, build_server
 from kazma.config.metrics import count_failure
@@ -40,6 +40,7 @@ from kazma.config.waits import bounded
 log = structlog.get_logger("kazma.mcp_server")
 
 ASKER_KEY = "kazma.asker"  # the ASGI scope's entry carrying the aiohttp side of the call to the tool
+CALLER_KEY = "kazma.caller"  # ... and the API caller its token was checked as (once, by the door)
 
 
 class MCPEndpoint:
@@ -56,19 +57,27 @@ class MCPEndpoint:
         self._task: asyncio.Task[None] | None = None
         self._manager: Any = None
 
-    async def _withdraw(self, request_id: str, why: Gone) -> None:
+    async def _withdraw(self, request_id: str, why: Gone) -> bool | None:
+        """Whether the withdrawal ended the request (False: a decision came first and stands); None when the
+        store did not answer (the next start, or a surviving replica, withdraws it instead)."""
         try:
-            await self.api.service.withdraw(request_id, why)
-        except store_errors() as exc:  # the next start (or a surviving replica) withdraws it instead
+            won, _ = await self.api.service.withdraw(request_id, why)
+        except store_errors() as exc:
             count_failure("approval_withdraw")
             log.warning("mcp.withdraw_failed", request_id=request_id, why=why.value, error=str(exc))
+            return None
+        return won
 
     async def _ask(self, asked: Asked) -> dict[str, Any]:
         api = self.api
         http_request = asked.context.request_context.request
-        headers = {k: v for k, v in http_request.headers.items()} if http_request is not None else {}
-        caller = caller_of(api.config, _HeadersOnly(headers))  # type: ignore[arg-type]
-        asker = http_request.scope.get(ASKER_KEY) if http_request is not None else None
+        scope = http_request.scope if http_request is not None else {}
+        # The caller the door checked, not one read again from the headers: with two Authorization headers the
+        # door read the first and a dict of the headers kept the last (one call, two identities).
+        caller = scope.get(CALLER_KEY)
+        if not isinstance(caller, ApiCaller):
+            raise ToolError("refused: this call did not come through Kazma's /mcp door")
+        asker = scope.get(ASKER_KEY)
         try:
             opened, _ = await api.open_for(caller, asked.body(), None, waits=Waits.CONNECTION)
         except web.HTTPException as exc:
@@ -88,10 +97,21 @@ class MCPEndpoint:
             for task in (outcome, gone):
                 task.cancel()
         if not outcome.cancelled() and outcome.done():
-            return answer(describe(api.service, outcome.result()))
+            return answer(await describe(api.service, outcome.result()))
         why = gone.result()
         log.warning("mcp.asker_gone", request_id=opened.id, why=why.value, token=caller.name)
-        await self._withdraw(opened.id, why)
+        withdrawn = await self._withdraw(opened.id, why)
+        if withdrawn is None:
+            raise ToolError(
+                f"the request {opened.id} could not be withdrawn ({why.value}): the approvals store did not answer. "
+                "It may still be decided: ask for it again by its id before acting on it."
+            )
+        if not withdrawn:
+            # A decision came first (made here, on a replica or from the command line, its waiter not woken yet):
+            # it stands, and the asker hears it, not "nothing was decided".
+            ended = await api.service.store.get(opened.id)
+            if ended is not None and ended.status.final:
+                return answer(await describe(api.service, ended))
         raise ToolError(f"the request was withdrawn: {why.value}; nothing was decided")
 
     async def start(self) -> None:
@@ -127,16 +147,7 @@ class MCPEndpoint:
         self.calls.cancelled(caller.name, request, message)
         asker = ConnectionAsker(request, self.stopping, self.stopped)
         with self.calls.holding(caller.name, request, message, asker):
-            return await _asgi(self._manager.handle_request, request, {ASKER_KEY: asker})
-
-
-class _HeadersOnly:
-    """The part of a request :func:`caller_of` reads, for a request that reached us through the SDK."""
-
-    def __init__(self, headers: dict[str, str]) -> None:
-        self.headers = {k.title(): v for k, v in headers.items()}
-        self.path = "/mcp"
-        self.remote = None
+            return await _asgi(self._manager.handle_request, request, {ASKER_KEY: asker, CALLER_KEY: caller})
 
 
 async def _asgi(app: Callable[..., Awaitable[None]], request: web.Request, extra: dict[str, Any]) -> web.StreamResponse:
