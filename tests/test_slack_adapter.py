@@ -358,6 +358,24 @@ async def test_swarm_command_in_an_unserved_channel_is_refused_politely(
     assert recorder.inbound == []
 
 
+async def test_a_command_typed_in_a_dm_is_judged_by_dm_policy_not_by_the_channels(
+    fake: FakeSlack, start_adapter: StartAdapter, recorder: Recorder
+) -> None:
+    # channels: ["*"] serves every channel the bot is in, never every person who writes to it: a slash command in
+    # a DM was taken in as a channel's (direct=False), so dm_policy: off let anyone read the swarm through it.
+    adapter = await start_adapter(config=slack_config(fake, channels=["*"], dm_policy="off"))
+    response = await fake.post_command(events_url(adapter), text="tasks", channel="DPERSON01", user="UPERSON01")
+    assert response.status == 200
+    assert "does not serve this chat" in response.body
+    assert recorder.inbound == []
+    await adapter.stop()
+    admitted = await start_adapter(config=slack_config(fake, dm_policy="approvers"))  # its admins among them
+    response = await fake.post_command(events_url(admitted), text="tasks", channel="DADMIN001", user=ADMIN)
+    assert response.status == 200
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) == 1)
+    assert (recorder.inbound[0].chat, recorder.inbound[0].direct) == ("DADMIN001", True)
+
+
 # -- cards ---------------------------------------------------------------------
 
 

@@ -462,6 +462,9 @@ class SlackAdapter(PlatformBase):
             mentions=mentions_in(raw),
             command=str(command.get("command") or "/swarm").removeprefix("/"),
             is_admin=self.is_admin(user),
+            # A command typed in a DM is a DM: dm_policy decides, as for a message there ("*" serves every
+            # channel the bot is in, never every person who writes to it).
+            direct=command.get("channel_name") == "directmessage" or channel.startswith("D"),
         )
         if not await self.screen(inbound):
             await ack(text=NOT_SERVED)

@@ -786,7 +786,7 @@ class FakeSlack:
             "team_id": self.team_id,
             "team_domain": "kazma-fake",
             "channel_id": channel,
-            "channel_name": "general",
+            "channel_name": "directmessage" if channel.startswith("D") else "general",  # as Slack names a DM
             "user_id": user,
             "user_name": user_name,
             "command": command,
