@@ -120,8 +120,10 @@ class _Walk:
         anchored: bool,
         history: Checkpoint | None,
         pending: Collection[int],
+        since: int | None = None,
     ) -> None:
         self.keys = keys
+        self.since = since  # an export's first sequence number, as its header says (None: a store's log)
         self.pending = pending
         self.report = Report(history=history)
         self.history = history
@@ -152,6 +154,7 @@ def verify(
     heads: Iterable[Head] = (),
     anchored: bool = True,
     pending: Collection[int] = (),
+    since: int | None = None,
 ) -> Report:
     """Check ``events`` (in sequence order) against their chain fields, ``checkpoints`` against ``keys`` and the
     events, and ``heads`` seen elsewhere against the log.
@@ -159,10 +162,11 @@ def verify(
     ``anchored=False``: the events start after the beginning of the log (an export with ``--since``): the first
     one's ``prev_hash`` is taken as given, and only a checkpoint or head can vouch for it. ``pending``: events
     after the last checkpoint whose commit seals Kazma verified (only where its audit key is): not yet signed,
-    not a problem.
+    not a problem. ``since``: an export's first sequence number (its header's): a chained first event after it
+    means the events before were removed from the export.
     """
     ordered = sorted(checkpoints, key=lambda c: c.seq)
-    walk = _Walk(keys, heads, anchored, next((c for c in ordered if c.kind == HISTORY), None), pending)
+    walk = _Walk(keys, heads, anchored, next((c for c in ordered if c.kind == HISTORY), None), pending, since)
     index = 0
     for event in events:
         _event(walk, event)
@@ -187,6 +191,10 @@ def _event(walk: _Walk, event: ChainedEvent) -> None:
     if last is None:
         report.first_seq = event.seq
         expected = (walk.history.first_seq if walk.history is not None else 1) if walk.anchored else event.seq
+        if not walk.anchored and walk.since is not None and event.chain_hash is not None:
+            # Chained events are numbered without gaps (events before the chain may have some): an export from
+            # `since` whose first chained event comes later lost the ones between.
+            expected = min(expected, walk.since)
         if event.seq > expected:
             _gap(walk, expected, event.seq)
         walk.prev = GENESIS if walk.anchored or event.prev_hash is None else event.prev_hash
@@ -198,9 +206,20 @@ def _event(walk: _Walk, event: ChainedEvent) -> None:
         # Before the chain began (its history checkpoint vouches for it), or written around Kazma.
         if not in_history:
             walk.problem(event.seq, INSERTED, "it carries no chain fields: written outside Kazma")
-        _link(walk, event, event.hash_after(prev), misplaced=False)
+        try:
+            computed = event.hash_after(prev)
+        except (TypeError, ValueError) as exc:
+            walk.problem(event.seq, CHANGED, f"it holds what Kazma never writes ({exc})")
+            computed = prev  # what follows is judged against the link before it
+        _link(walk, event, computed, misplaced=False)
         return
-    if event.prev_hash is None or event.hash_after(event.prev_hash) != event.chain_hash:
+    try:
+        recomputed = None if event.prev_hash is None else event.hash_after(event.prev_hash)
+    except (TypeError, ValueError) as exc:  # a field of a type or value Kazma never writes (bytes, NaN time)
+        walk.problem(event.seq, CHANGED, f"it holds what Kazma never writes ({exc})")
+        _link(walk, event, event.chain_hash, misplaced=False)
+        return
+    if recomputed is None or recomputed != event.chain_hash:
         walk.problem(
             event.seq, CHANGED, f"it no longer hashes to the chain hash written with it ({event.chain_hash[:12]}…)"
         )
@@ -278,11 +297,23 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
     if last is None or checkpoint.seq > last.seq:
         end = "the log is empty" if last is None else f"the log ends at seq {last.seq}"
         walk.problem(1 if last is None else last.seq + 1, TRUNCATED, f"{where} signs seq {checkpoint.seq}, but {end}")
+        if last is not None:
+            # Its events before the cut were signed (by this checkpoint, whose head went with the cut): what is
+            # wrong with them is the cut, not that nobody signed them.
+            if checkpoint.first_seq > walk.covered_to + 1:
+                _uncovered(walk, walk.covered_to + 1, checkpoint.first_seq - 1)
+            walk.covered_to = max(walk.covered_to, last.seq)
         return
     computed = walk.links.get(checkpoint.seq)
     if computed is None:
-        if walk.report.first_seq is not None and checkpoint.seq >= walk.report.first_seq:
+        first = walk.report.first_seq
+        if first is not None and checkpoint.seq >= first:
             walk.problem(checkpoint.seq, MISSING, f"{where} signs seq {checkpoint.seq}, which is not in the log")
+        elif first is not None:
+            # An export holds only checkpoints from its first event on: one before it lost its events.
+            walk.problem(
+                checkpoint.seq, MISSING, f"{where} signs seq {checkpoint.seq}, but the events here start at seq {first}"
+            )
         return
     if computed != checkpoint.head:
         if checkpoint.kind == HISTORY:
@@ -339,6 +370,14 @@ def _ends(walk: _Walk) -> None:
         elif walk.anchored or seq >= first:
             walk.problem(
                 seq, MISSING, f"seq {seq} is named by the head seen {heads[0].source}, but it is not in the log"
+            )
+        else:
+            # Not skipped: a head this log cannot show proves nothing, and silence would read as "it extends it".
+            walk.problem(
+                seq,
+                MISSING,
+                f"seq {seq} is named by the head seen {heads[0].source}, but this log starts at seq {first}: it "
+                "cannot show that it extends that head (verify the store, or an export from before it)",
             )
 
 

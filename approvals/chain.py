@@ -228,7 +228,11 @@ class ChainedEvent:
     @classmethod
     def of_row(cls, row: Sequence[Any]) -> ChainedEvent:
         seq, request_id, event, actor, platform, at, digest, detail, prev, chain, person = tuple(row)
-        return cls(int(seq), request_id, str(event), actor, platform, float(at), digest, detail, prev, chain, person)
+        try:
+            when = float(at)
+        except (TypeError, ValueError):  # a time Kazma never writes (text, by hand): it hashes to nothing
+            when = math.nan
+        return cls(int(seq), request_id, str(event), actor, platform, when, digest, detail, prev, chain, person)
 
 
 def checkpoint_of_row(row: Sequence[Any]) -> Checkpoint:

@@ -17,7 +17,7 @@ import pytest
 
 from kazma.approvals.audit_export import ExportError, checkpoints_in_order, events_in_order, read_export
 from kazma.approvals.audit_verify import verify
-from tests.approvals_support import TEST_SIGNER
+from tests.approvals_support import TEST_SIGNER, approval_service
 from tests.audit_support import KEY_ENV, Log, config_text, make_log, run_async
 from tests.process_support import REPO
 from tests.store_backends import Engine
@@ -117,3 +117,62 @@ def test_an_export_since_a_sequence_number_verifies_on_its_own_and_extends_an_ea
     done = kazma(here, "audit", "verify", "--heads-from", str(earlier))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "head(s) seen elsewhere are in it" in done.stdout
+
+
+def test_an_export_whose_first_events_were_removed_fails_and_a_head_it_cannot_show_is_said(
+    exported: tuple[Path, Path, Log],
+) -> None:
+    # The decisions at the start cut out of the export (header and checkpoints kept): it verified "ok" from its
+    # new first event, and a head from a card before that was skipped without a word.
+    export, _, log = exported
+    elsewhere = export.parent
+    cut_to = log.seqs["decided:drop"]
+    witness = next(c for c in read_export(export.read_text(), source="x").checkpoints if c.seq >= cut_to)
+    kept = [
+        line for line in export.read_text().splitlines()
+        if '"type":"event"' not in line or int(line.split('"seq":')[1].split(",")[0]) > witness.seq
+    ]  # fmt: skip
+    export.write_text("\n".join(kept) + "\n")
+
+    def verified(*more: str) -> subprocess.CompletedProcess[str]:
+        return kazma(elsewhere, "audit", "verify", "--from-export", "audit.jsonl", "--public-key", "audit.pub",
+                     *more, keys=False)  # fmt: skip
+
+    done = verified()
+    assert done.returncode == 1, done.stdout
+    assert f"first bad sequence seq 1: missing: seqs 1..{witness.seq} are not in the log" in done.stdout, done.stdout
+    # The header and the checkpoints before the cut taken out too: consistent in itself, but a head seen on a card
+    # before the cut is said, not skipped.
+    text = export.read_text().splitlines()
+    header = text[0].replace('"since":1', f'"since":{witness.seq + 1}')
+    rest = [line for line in text[1:] if '"type":"checkpoint"' not in line or f'"seq":{witness.seq},' not in line]
+    rest = [
+        line for line in rest if '"type":"event"' in line or int(line.split('"seq":')[1].split(",")[0]) > witness.seq
+    ]
+    export.write_text("\n".join([header, *rest]) + "\n")
+    assert verified().returncode == 0  # nothing inside the export can tell now (as the README says) ...
+    done = verified("--head", f"{witness.seq}:{witness.head[:12]}")  # ... a head seen outside it can
+    assert done.returncode == 1, done.stdout
+    assert f"seq {witness.seq}: missing:" in done.stdout
+    assert "cannot show that it extends that head" in done.stdout
+
+
+def test_events_not_yet_signed_are_left_out_of_an_export_so_it_verifies_elsewhere(
+    store_engine: Engine, tmp_path: Path, exported: tuple[Path, Path, Log]
+) -> None:
+    # An export taken while Kazma appends (or after a crash left a tail unsigned) failed elsewhere: the tail, which
+    # only the audit key can vouch for, read as "written outside Kazma".
+    _, public, log = exported
+    here = tmp_path / "kazma"
+
+    async def one_more() -> None:
+        async with approval_service(store_engine.where) as service:
+            await service.open("shell", {"command": "uptime"}, "agent:builder", "telegram:-100")
+
+    run_async(one_more())
+    done = kazma(here, "audit", "export", "--out", "busy.jsonl")
+    assert done.returncode == 0, done.stderr
+    assert f"not exported: 1 event after seq {log.last}, not signed yet" in done.stderr
+    assert f"exported {log.last} events" in done.stderr
+    done = kazma(here, "audit", "verify", "--from-export", "busy.jsonl", "--public-key", str(public), keys=False)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -211,3 +211,34 @@ def test_a_person_written_onto_a_decision_in_the_store_fails_at_its_event(
     approved = log.seqs["decided:deploy"]  # decided by an identity that is nobody's: no person recorded
     Attacker(store_engine).run(("UPDATE approval_events SET person = 'mallory' WHERE seq = ?", (approved,)))
     failed_at(verify(tmp_path, store_engine), approved, "changed")
+
+
+def test_the_last_event_cut_from_inside_a_checkpoint_fails_as_truncated_there_not_as_unsigned(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    # The cut blamed Kazma's own intact events before it: "first bad sequence <the checkpoint's first>:
+    # unsigned: ... written outside Kazma".
+    attacker = Attacker(store_engine)
+    last = attacker.checkpoints()[-1]
+    assert last.first_seq < last.seq == log.last  # the cut falls inside its range
+    attacker.run(("DELETE FROM approval_events WHERE seq = ?", (log.last,)))
+    result = verify(tmp_path, store_engine)
+    failed_at(result, log.last, "truncated")
+    assert "unsigned" not in result.stdout, result.stdout
+
+
+def test_a_row_holding_what_kazma_never_writes_is_named_not_a_crash(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    if store_engine.name != "sqlite":
+        pytest.skip("PostgreSQL's column types refuse text in a time and bytes in a text")
+    attacker = Attacker(store_engine)
+    seq, later = log.seqs["decided:drop"], log.seqs["decided:deploy"]
+    attacker.run(
+        ("UPDATE approval_events SET detail = X'64656e696564' WHERE seq = ?", (seq,)),  # bytes where text was
+        ("UPDATE approval_events SET at = 'yesterday' WHERE seq = ?", (later,)),  # text where a time was
+    )
+    result = verify(tmp_path, store_engine)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    failed_at(result, min(seq, later), "changed")
+    assert f"seq {max(seq, later)}: changed: it holds what Kazma never writes" in result.stdout, result.stdout

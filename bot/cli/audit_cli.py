@@ -148,7 +148,7 @@ def verify_command(
         except ExportError as exc:
             _fail(f"{from_export}: {exc}", EXIT_FAILED)
         keys = _public_keys(public_key, None if public_key is not None else _config_if_any(obj))
-        report = verify(events, checkpoints, keys, heads=given, anchored=export.anchored)
+        report = verify(events, checkpoints, keys, heads=given, anchored=export.anchored, since=export.since)
     else:
         config = obj.load().config
         keys = _public_keys(public_key, config)
@@ -178,9 +178,11 @@ async def _verify_store(config: KazmaConfig, keys: PublicKeys, heads: list[Head]
     return verify(events, checkpoints, keys, heads=heads, pending=pending)
 
 
-async def _pages(store: ApprovalStore, after: int = 0) -> AsyncIterator[list[ChainedEvent]]:
+async def _pages(store: ApprovalStore, after: int = 0, *, upto: int | None = None) -> AsyncIterator[list[ChainedEvent]]:
     while True:
         batch = await store.chain_events(after, limit=PAGE)
+        if upto is not None:
+            batch = [event for event in batch if event.seq <= upto]
         if not batch:
             return
         yield batch
@@ -222,11 +224,23 @@ async def _export(config: KazmaConfig, since: int, out: TextIO) -> tuple[int, in
         if history is not None and history.first_seq < since <= history.seq:
             since = history.first_seq  # events before the chain can only be checked from their first one
         kept = [c for c in checkpoints if c.seq >= since]
+        # Only what a checkpoint read here signs: an event appended since (Kazma runs) or left unsigned by a crash
+        # can be vouched for only with the audit key, which a verifier elsewhere does not hold, so it would fail
+        # there as "written outside Kazma". The next export (after the next checkpoint) holds it.
+        signed_to = max((c.seq for c in checkpoints), default=None)
         out.write(line(header_record(since=since, key_ids=[] if signer is None else signer.keyring.ids)))
         events = 0
-        async for record in export_records(_pages(store, since - 1), kept):
+        async for record in export_records(_pages(store, since - 1, upto=signed_to), kept):
             out.write(line(record))
             events += record["type"] == "event"
+        newest = await store.last_event_seq()
+        if signed_to is not None and newest > signed_to:
+            left = newest - signed_to
+            click.echo(
+                f"not exported: {left} event{'s' if left != 1 else ''} after seq {signed_to}, not signed yet (export"
+                " again after the next checkpoint, within a minute while Kazma runs)",
+                err=True,
+            )
         return events, len(kept), since
 
 
