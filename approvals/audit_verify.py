@@ -141,6 +141,8 @@ class _Walk:
         self.links: dict[int, str] = {}  # seq -> the chain hash there, as recomputed
         self.covered_to = 0  # the last seq a checkpoint covers
         self.mismatches: list[tuple[Checkpoint, Problem]] = []  # checkpoints whose head the events do not reach
+        self.held: list[Checkpoint] = []  # signed checkpoints whose head the events reach
+        self.signed_heads: dict[int, str] = {}  # seq -> the head a checkpoint with a good signature signed there
 
     def problem(self, seq: int, kind: str, detail: str) -> None:
         self.report.problems.append(Problem(seq, kind, detail))
@@ -315,6 +317,10 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
                 checkpoint.seq, MISSING, f"{where} signs seq {checkpoint.seq}, but the events here start at seq {first}"
             )
         return
+    if problem is None:
+        walk.signed_heads[checkpoint.seq] = checkpoint.head
+        if computed == checkpoint.head:
+            walk.held.append(checkpoint)
     if computed != checkpoint.head:
         if checkpoint.kind == HISTORY:
             detail = (
@@ -347,7 +353,32 @@ def _uncovered(walk: _Walk, first: int, last: int) -> None:
         )
 
 
+def _changed_and_rehashed(walk: _Walk) -> None:
+    """An event "missing" before seq s, where the signed chain had, at s - 1, the event s follows: a checkpoint
+    that still holds covers s - 1 and s, or one signed exactly that hash at s - 1. The row at s - 1 hashes to
+    something else, though to its own chain hash (changed and hashed again, the algorithm being public): it is
+    the first bad one, not s."""
+    problems = walk.report.problems
+    for prev_hash, index in walk.orphans.items():
+        seq = problems[index].seq
+        before = walk.links.get(seq - 1)
+        if before is None or before == prev_hash:
+            continue
+        if walk.signed_heads.get(seq - 1) == prev_hash:
+            signed: int | None = seq - 1
+        else:
+            signed = next((c.seq for c in walk.held if c.first_seq <= seq - 1 and c.seq >= seq), None)
+        if signed is not None:
+            problems[index] = Problem(
+                seq - 1,
+                CHANGED,
+                f"it hashes to {before[:12]}…, but seq {seq} follows {prev_hash[:12]}… in the chain checkpoint "
+                f"#{signed} signed: it was changed (and its chain hash written again)",
+            )
+
+
 def _ends(walk: _Walk) -> None:
+    _changed_and_rehashed(walk)
     found = list(walk.report.problems)
     for checkpoint, problem in walk.mismatches:
         if not any(checkpoint.first_seq <= p.seq <= checkpoint.seq for p in found):

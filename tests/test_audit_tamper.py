@@ -66,6 +66,30 @@ def test_a_decided_outcome_changed_in_the_store_fails_at_its_event(
     failed_at(verify(tmp_path, store_engine), denied, "changed")
 
 
+def test_a_decided_outcome_changed_and_hashed_again_fails_at_its_event_not_the_next(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    # The algorithm is public: the forger writes the changed row's own chain hash again, so the row is consistent
+    # in itself. Verify named the next event ("missing: the event it was chained after is not in the log").
+    attacker = Attacker(store_engine)
+    rows = {e.seq: e for e in attacker.events()}
+    # Both decisions: the first inside a checkpoint's range, the second the last event a checkpoint signs.
+    for name, outcome in (("decided:deploy", "denied"), ("decided:drop", "approved")):
+        seq = log.seqs[name]
+        row = rows[seq]
+        assert row.prev_hash is not None
+        attacker.run(
+            ("UPDATE approval_events SET detail = ?, chain_hash = ? WHERE seq = ?",
+             (outcome, replace(row, detail=outcome).hash_after(row.prev_hash), seq)),
+        )  # fmt: skip
+        result = verify(tmp_path, store_engine)
+        failed_at(result, seq, "changed")
+        assert "it was changed (and its chain hash written again)" in result.stdout, result.stdout
+        attacker.run(("UPDATE approval_events SET detail = ?, chain_hash = ? WHERE seq = ?",
+                      (row.detail, row.chain_hash, seq)))  # fmt: skip
+        assert verify(tmp_path, store_engine).exit_code == 0  # put back: it holds again
+
+
 def test_an_event_deleted_fails_as_missing_whether_the_rest_is_renumbered_or_not(
     store_engine: Engine, tmp_path: Path, log: Log
 ) -> None:
