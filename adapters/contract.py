@@ -196,6 +196,10 @@ class Handlers:
     # A platform's own home page for one person (Slack's App Home): what waits for a decision, and whether this
     # person may decide. None: the adapter shows none.
     home: HomeHandler | None = None
+    # Whether a press of (identity, platform) on request id would count (its policy's approvers): asked before a
+    # step that posts in the chat for a press (Telegram's "Deny with reason" prompt), so nobody who may not decide
+    # makes the bot post. None, or an error: the step goes on (the press itself is judged as every press is).
+    may_decide: DecidesCheck | None = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,7 @@ class Home:
 
 
 HomeHandler = Callable[[str, str], Awaitable[Home]]  # (identity, platform) -> that person's home page
+DecidesCheck = Callable[[str, str, str], Awaitable[bool]]  # (identity, platform, request id) -> their press counts
 
 
 @runtime_checkable

@@ -449,6 +449,18 @@ class PlatformBase(PressPolicy):
             log.info("platform.inbound_claimed_elsewhere", platform=self.name, key=key)
         return claimed
 
+    async def _may_decide(self, actor: str, request_id: str) -> bool:
+        """Whether ``actor``'s press on ``request_id`` would count (see ``Handlers.may_decide``); True when there is
+        nobody to ask or the asking fails (the press itself is judged as every press is)."""
+        handlers = self._handlers
+        if handlers is None or handlers.may_decide is None:
+            return True
+        try:
+            return await handlers.may_decide(actor, self.name, request_id)
+        except Exception as exc:
+            log.warning("platform.may_decide_unknown", platform=self.name, request_id=request_id, error=str(exc))
+            return True
+
     async def _taken_in(self, key: str | None) -> bool:
         """Tell the claims that the event ``key`` is taken in here; False when its claim is another replica's now.
 

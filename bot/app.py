@@ -185,7 +185,14 @@ class App(Lifecycle):
             first_signed=None if self.signed_requests is None else self.signed_requests.first_signed,
             signed_with_press=self.signed_with_press and self.signed_requests is not None,
             home=self.home,
+            may_decide=self.may_decide,
         )
+
+    async def may_decide(self, actor: str, platform: str, request_id: str) -> bool:
+        """Whether ``actor``'s press on ``request_id`` would count under its policy (an unknown request: True, so
+        the press itself says what it is)."""
+        request = await self.service.store.get(request_id)
+        return request is None or self.service.may_decide_under(actor, platform, request.policy)
 
     async def home(self, actor: str, platform: str) -> Home:
         """A person's home page on a platform (Slack's App Home): the newest requests waiting for a decision, in

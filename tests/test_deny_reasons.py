@@ -189,6 +189,26 @@ async def test_a_telegram_reply_is_the_reason_only_from_the_presser_and_in_time(
         assert (await app.service.store.get(late.id)).status is Status.PENDING  # type: ignore[union-attr]
 
 
+async def test_a_telegram_reason_prompt_is_posted_only_for_someone_whose_press_counts(tmp_path: Path) -> None:
+    # Anyone in the group pressing "Deny with reason" made the bot post a public prompt (their reply was then
+    # refused): nobody who may not decide makes the bot post.
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        request = await app.service.open("shell", ARGS, "agent:builder", f"telegram:{TG_CHAT}")
+        await fakes.wait(lambda: all(fakes.has_buttons(p) for p in PLATFORMS))
+        card = next(m for m in fakes.telegram.bot_messages(TG_CHAT) if m.buttons)
+        before = len(fakes.telegram.bot_messages(TG_CHAT))
+        query = fakes.telegram.push_callback(TG_CHAT, card.message_id, 999, _reason_button(fakes, "telegram"))
+        answer = await fakes.telegram.wait_for_answer(query, timeout=10)
+        assert "not an approver for this request" in str(answer.get("text")), answer
+        # the approver's press still gets its prompt, so nothing queued is waiting behind the refused one
+        query = fakes.telegram.push_callback(TG_CHAT, card.message_id, TG_ADMIN, _reason_button(fakes, "telegram"))
+        await fakes.telegram.wait_for_answer(query, timeout=10)
+        await fakes.wait(lambda: any("reply to this message" in m.text for m in fakes.telegram.bot_messages(TG_CHAT)))
+        prompts = [m for m in fakes.telegram.bot_messages(TG_CHAT)[before:] if "reply to this message" in m.text]
+        assert len(prompts) == 1  # the approver's, none for 999
+        assert (await app.service.store.get(request.id)).status is Status.PENDING  # type: ignore[union-attr]
+
+
 async def test_a_bare_deny_is_still_one_press(tmp_path: Path) -> None:
     async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
         request = await app.service.open("shell", ARGS, "agent:builder", f"telegram:{TG_CHAT}")

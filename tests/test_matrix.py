@@ -215,6 +215,19 @@ async def test_deny_with_a_reason_is_asked_then_taken_from_the_pressers_reply(ha
     )
 
 
+async def test_deny_with_a_reason_from_someone_whose_press_would_not_count_asks_for_nothing(
+    harness: MatrixHarness,
+) -> None:
+    harness.recorder.deciders = {f"matrix:{harness.admin}"}
+    adapter = await harness.start()
+    ref = await adapter.post_card(make_card({"path": "/tmp/x"}))
+    await asyncio.to_thread(harness.people[harness.member].react, ref.chat, ref.message_id, "💬")
+    [told] = await harness.wait_for_notices(harness.member, 1)
+    assert "not an approver for this request" in told
+    assert "reply to this message" not in told
+    assert harness.recorder.presses == []
+
+
 # --------------------------------------------------------------------------- encrypted rooms
 
 

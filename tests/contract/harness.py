@@ -69,6 +69,7 @@ class Recorder:
         self.result: PressResult | Exception = PressResult(PressVerdict.WON, "Approved. Recorded.", request_id="r")
         self.hold: asyncio.Event | None = None  # when set, presses wait for it
         self.finished = 0
+        self.deciders: set[str] | None = None  # whose press would count (None: everyone's), for may_decide
         self._changed = asyncio.Condition()
 
     async def on_inbound(self, inbound: Inbound) -> None:
@@ -92,8 +93,11 @@ class Recorder:
         async with self._changed:
             self._changed.notify_all()
 
+    async def may_decide(self, actor: str, platform: str, request_id: str) -> bool:
+        return self.deciders is None or actor in self.deciders
+
     def handlers(self) -> Handlers:
-        return Handlers(on_inbound=self.on_inbound, on_press=self.on_press)
+        return Handlers(on_inbound=self.on_inbound, on_press=self.on_press, may_decide=self.may_decide)
 
     async def wait_until(self, predicate: Callable[[], T], timeout: float = WAIT) -> T:
         async with asyncio.timeout(timeout), self._changed:
