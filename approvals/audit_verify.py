@@ -208,20 +208,17 @@ def _event(walk: _Walk, event: ChainedEvent) -> None:
         # Before the chain began (its history checkpoint vouches for it), or written around Kazma.
         if not in_history:
             walk.problem(event.seq, INSERTED, "it carries no chain fields: written outside Kazma")
-        try:
-            computed = event.hash_after(prev)
-        except (TypeError, ValueError) as exc:
-            walk.problem(event.seq, CHANGED, f"it holds what Kazma never writes ({exc})")
-            computed = prev  # what follows is judged against the link before it
-        _link(walk, event, computed, misplaced=False)
+        computed = _hash_after(walk, event, prev)
+        # One that cannot be hashed: what follows is judged against the link before it.
+        _link(walk, event, prev if computed is None else computed, misplaced=False)
         return
-    try:
-        recomputed = None if event.prev_hash is None else event.hash_after(event.prev_hash)
-    except (TypeError, ValueError) as exc:  # a field of a type or value Kazma never writes (bytes, NaN time)
-        walk.problem(event.seq, CHANGED, f"it holds what Kazma never writes ({exc})")
-        _link(walk, event, event.chain_hash, misplaced=False)
-        return
-    if recomputed is None or recomputed != event.chain_hash:
+    recomputed = None
+    if event.prev_hash is not None:
+        recomputed = _hash_after(walk, event, event.prev_hash)
+        if recomputed is None:  # said; what follows is judged against what it said
+            _link(walk, event, event.chain_hash, misplaced=False)
+            return
+    if recomputed != event.chain_hash:
         walk.problem(
             event.seq, CHANGED, f"it no longer hashes to the chain hash written with it ({event.chain_hash[:12]}…)"
         )
@@ -244,6 +241,16 @@ def _event(walk: _Walk, event: ChainedEvent) -> None:
     if misplaced:
         _misplaced(walk, event)
     _link(walk, event, event.chain_hash, misplaced=misplaced)
+
+
+def _hash_after(walk: _Walk, event: ChainedEvent, prev: str) -> str | None:
+    """``event``'s chain hash after ``prev``; None, the problem said, when a field holds a type or value Kazma
+    never writes (bytes, a time that is text)."""
+    try:
+        return event.hash_after(prev)
+    except (TypeError, ValueError) as exc:
+        walk.problem(event.seq, CHANGED, f"it holds what Kazma never writes ({exc})")
+        return None
 
 
 def _gap(walk: _Walk, first: int, after: int) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, replace
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from kazma.approvals.seal import RuleFields, SealProblem, rule_seal_problem, seal_rule
 from kazma.config.address import Address, AddressError
@@ -26,6 +26,9 @@ from kazma.config.keyring import Keyring
 from kazma.config.store.backend import StoreConnection, Tx, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
+
+if TYPE_CHECKING:
+    from kazma.approvals.store import ApprovalStore
 
 MIGRATIONS: Final = [
     Migration(
@@ -140,6 +143,11 @@ class Rule:
         return rule_seal_problem(keyring, self.seal_key_id, self.seal, self.bound)
 
 
+def _row(rule: Rule) -> tuple[object, ...]:
+    """``rule`` as _INSERT's values."""
+    return (*rule.bound, None, rule.seal_key_id, rule.seal)
+
+
 def _rule(row: tuple[object, ...]) -> Rule:
     revoked, key_id, mac = row[9:12]
     return Rule(
@@ -173,14 +181,39 @@ class RuleStore:
             rule = replace(rule, seal_key_id=made.key_id, seal=made.mac)
         return rule
 
-    @staticmethod
-    def insert(tx: Tx, rule: Rule) -> None:
-        """``rule`` written in ``tx`` (with the audit event that records it: the service's ``rule_created``)."""
-        tx.send(_INSERT, (*rule.bound, None, rule.seal_key_id, rule.seal))
+    async def add_recorded(
+        self, store: ApprovalStore, rule: Rule, *, actor: str, platform: str, person: str | None
+    ) -> None:
+        """Store ``rule`` (from :meth:`made`) with the audit's ``rule_created`` in one transaction of ``store``:
+        both or neither (a rule the audit does not show is never made)."""
 
-    def revoke_in(self, tx: Tx, rule_id: str, *, actor: str) -> bool:
-        """``rule_id`` ended in ``tx`` (with the audit event that records it); False: not in force."""
-        return tx.run(_REVOKE, (self._now(), actor, rule_id)) == 1
+        def write(tx: Tx) -> None:
+            tx.send(_INSERT, _row(rule))
+            store.record(
+                tx, request_id=rule.request_id, event="rule_created", actor=actor, platform=platform,
+                detail=f"{rule.id} until {rule.expires_at:.0f}", person=person,
+            )  # fmt: skip
+
+        await store.write(write)
+
+    async def revoke_recorded(
+        self, store: ApprovalStore, rule: Rule, *, actor: str, platform: str, person: str | None
+    ) -> bool:
+        """End ``rule`` with the audit's ``rule_revoked`` in one transaction of ``store``: both or neither (the
+        rule check consults rule_revoked, so a revocation the audit did not show could be undone by hand and
+        pass). False: it was not in force."""
+        now = self._now()
+
+        def end(tx: Tx) -> bool:
+            if tx.run(_REVOKE, (now, actor, rule.id)) != 1:
+                return False
+            store.record(
+                tx, request_id=rule.request_id, event="rule_revoked", actor=actor, platform=platform,
+                detail=rule.id, person=person,
+            )  # fmt: skip
+            return True
+
+        return await store.write(end)
 
     async def add(
         self, *, tool: str, args_hash: str, conversation: str, created_by: str, created_via: str, request_id: str,
@@ -191,7 +224,7 @@ class RuleStore:
             tool=tool, args_hash=args_hash, conversation=conversation, created_by=created_by,
             created_via=created_via, request_id=request_id, seconds=seconds, keyring=keyring,
         )  # fmt: skip
-        await self.tables.run(_INSERT, (*rule.bound, None, rule.seal_key_id, rule.seal))
+        await self.tables.run(_INSERT, _row(rule))
         return rule
 
     async def match(self, tool: str, args_hash: str, conversation: str) -> Rule | None:

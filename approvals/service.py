@@ -671,20 +671,8 @@ class ApprovalService:
         found = [r for r in await self.rules.list(active_only=True, limit=100_000) if r.id == rule_id]
         if not found:
             return None
-        rules, person = self.rules, self.config.roster.person_of(actor)
-
-        def end(tx: Tx) -> bool:
-            # The row and the audit's rule_revoked in one transaction: a revocation the audit does not show
-            # would let an un-revoke by hand pass the rule check (which consults rule_revoked).
-            if not rules.revoke_in(tx, rule_id, actor=actor):
-                return False
-            self.store.record(
-                tx, request_id=found[0].request_id, event="rule_revoked", actor=actor, platform=platform,
-                detail=rule_id, person=person,
-            )  # fmt: skip
-            return True
-
-        if not await self.store.write(end):
+        person = self.config.roster.person_of(actor)
+        if not await self.rules.revoke_recorded(self.store, found[0], actor=actor, platform=platform, person=person):
             return None
         log.info("approvals.rule_revoked", rule=rule_id, actor=actor, platform=platform)
         self._tell(found[0].request_id)
@@ -786,8 +774,7 @@ class ApprovalService:
 
     def decides_anywhere(self, actor: str, platform: str) -> bool:
         """Whether ``actor`` may decide under some configured policy (the default among them)."""
-        names = {DEFAULT_POLICY, *self.config.approvals.policies}
-        return any(self.may_decide_under(actor, platform, name) for name in names)
+        return any(self.may_decide_under(actor, platform, name) for name in self.config.policy_names)
 
     async def decide_from_button(
         self,
@@ -1218,16 +1205,8 @@ class ApprovalService:
             created_via=platform, request_id=request.id, seconds=self.config.approvals.remember.max_seconds,
             keyring=self.store.keyring,
         )  # fmt: skip
-
-        def write(tx: Tx) -> None:
-            RuleStore.insert(tx, rule)
-            self.store.record(
-                tx, request_id=request.id, event="rule_created", actor=actor, platform=platform,
-                detail=f"{rule.id} until {rule.expires_at:.0f}", person=person,
-            )  # fmt: skip
-
         try:
-            await self.store.write(write)
+            await self.rules.add_recorded(self.store, rule, actor=actor, platform=platform, person=person)
         except store_errors() as exc:
             count_failure("approval_rule")
             log.warning("approvals.rule_not_made", request_id=request.id, actor=actor, error=str(exc))

@@ -1347,6 +1347,11 @@ class KazmaConfig(Strict):
             named = self.tools.policies.get(f"{server}/*")
         return named or DEFAULT_POLICY
 
+    @property
+    def policy_names(self) -> list[str]:
+        """Every policy a request may be decided under, "default" among them, by name."""
+        return sorted({DEFAULT_POLICY, *self.approvals.policies})
+
     def policy(self, name: str) -> PolicyConfig | None:
         """The policy called ``name``; "default" is today's rule unless approvals.policies.default says more."""
         found = self.approvals.policies.get(name)

@@ -16,7 +16,6 @@ from kazma.bot.cli.context import Context
 from kazma.bot.keys import load_audit_signer, read_decision_keyring
 from kazma.bot.store import store_for_command
 from kazma.config.address import Actor
-from kazma.config.store.backend import Tx
 from kazma.config.store.errors import store_errors
 
 
@@ -73,18 +72,10 @@ def revoke(obj: Context, rule_id: str, login: str | None) -> None:
                 return False
             signer = load_audit_signer(config)
             approvals = ApprovalStore(store, audit=signer)
-
-            def end(tx: Tx) -> bool:
-                # The row and its rule_revoked both or neither (see ApprovalService.revoke_rule).
-                if not rules_store.revoke_in(tx, rule_id, actor=actor):
-                    return False
-                approvals.record(
-                    tx, request_id=match[0].request_id, event="rule_revoked", actor=actor, platform="cli",
-                    detail=rule_id, person=config.roster.person_of(actor),
-                )  # fmt: skip
-                return True
-
-            done = await approvals.write(end)
+            # The row and its rule_revoked both or neither (see RuleStore.revoke_recorded).
+            done = await rules_store.revoke_recorded(
+                approvals, match[0], actor=actor, platform="cli", person=config.roster.person_of(actor)
+            )
             if done:
                 await Checkpointer(approvals, signer).sign()
             return done

@@ -291,8 +291,7 @@ def html_response(body: str, *, status: int = 200) -> web.Response:
 def deciding_policies(config: KazmaConfig) -> dict[str, tuple[str, ...]]:
     """Every policy a request may be decided under ("default" among them) and its approvers: what a session's
     Approve and Deny are judged by, as the approvals service judges them."""
-    names = {DEFAULT_POLICY, *config.approvals.policies}
-    return {name: tuple(found.approvers) for name in sorted(names) if (found := config.policy(name)) is not None}
+    return {name: tuple(found.approvers) for name in config.policy_names if (found := config.policy(name)) is not None}
 
 
 class WebAuth:
