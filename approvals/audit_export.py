@@ -9,15 +9,18 @@ One record per line, in sequence order:
 * ``{"type": "checkpoint", "kind": …, "first_seq": …, "seq": …, "head": …, "at": …, "key_id": …,
   "signature": …}`` after the event it signs.
 
-``at`` is epoch seconds as the store holds it (JSON keeps a float exactly). Everything an event's hash and a
-checkpoint's signature cover is in its record, so ``kazma audit verify --from-export FILE --public-key KEYS``
-needs nothing else: not the store, not a secret. The public keys are *not* in the file: a verifier must hold
-them already (``kazma audit public-key``), or whoever forged the file would bring their own.
+``at`` is epoch seconds as the store holds it (JSON keeps a float exactly). A field that holds what Kazma never
+writes (changed around it) is ``{"never_written": "<repr>"}``: it leaves the store all the same, and fails
+verification there. Everything an event's hash and a checkpoint's signature cover is in its record, so ``kazma audit
+verify --from-export FILE --public-key KEYS`` needs nothing else: not the store, not a secret. The public keys are
+*not* in the file: a verifier must hold them already (``kazma audit public-key``), or whoever forged the file would
+bring their own.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -34,12 +37,55 @@ _EVENT_FIELDS: Final = (
 _CHECKPOINT_FIELDS: Final = ("kind", "first_seq", "seq", "head", "at", "key_id", "signature")
 
 
+# A field that holds what Kazma never writes (a row changed around it: bytes where text was, a time that is text or
+# not a finite number) is written as {"never_written": "<its repr>"}: JSON holds it, the export (or a sink) does not
+# fail on it, and the reader gives the verifier a value no event hashes from, so the verifier names that event
+# "changed", as verify on the store does.
+NEVER_WRITTEN: Final = "never_written"
+_TEXT_FIELDS: Final = frozenset(
+    ("request_id", "event", "actor", "platform", "args_hash", "detail", "prev_hash", "chain_hash", "person")
+)
+
+
 class ExportError(ValueError):
     """A line of an export that is not a record of this format: says which line and why."""
 
 
+class NeverWritten:
+    """A field's value as an export read it back when the store held what Kazma never writes: it hashes to
+    nothing (event_hash raises TypeError), so the verifier names the event changed."""
+
+    __slots__ = ("shown",)
+
+    def __init__(self, shown: str) -> None:
+        self.shown = shown
+
+    def __repr__(self) -> str:
+        return f"never written: {self.shown}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NeverWritten) and other.shown == self.shown
+
+    def __hash__(self) -> int:
+        return hash(self.shown)
+
+
+def _as_written(name: str, value: Any) -> Any:
+    """``value`` of field ``name`` as the export writes it (see NEVER_WRITTEN)."""
+    if name in _TEXT_FIELDS:
+        if value is None or type(value) is str:
+            return value
+    elif name == "at":
+        if type(value) is int or (type(value) is float and math.isfinite(value)):
+            return value
+    else:  # seq: the table's integer key
+        return value
+    shown = value.shown if isinstance(value, NeverWritten) else repr(value)
+    return {NEVER_WRITTEN: shown}
+
+
 def event_record(event: ChainedEvent) -> dict[str, Any]:
-    return {"type": "event", **{name: getattr(event, name) for name in _EVENT_FIELDS}}
+    return {"type": "event", **{name: _as_written(name, getattr(event, name)) for name in _EVENT_FIELDS}}
 
 
 def checkpoint_record(checkpoint: Checkpoint) -> dict[str, Any]:
@@ -141,10 +187,19 @@ def _fields(record: dict[str, Any], names: tuple[str, ...]) -> None:
         raise ValueError(f"fields missing: {missing or '-'}; unknown: {unknown or '-'}")
 
 
+def _never_written(value: Any) -> NeverWritten | None:
+    if isinstance(value, dict) and set(value) == {NEVER_WRITTEN} and isinstance(value[NEVER_WRITTEN], str):
+        return NeverWritten(value[NEVER_WRITTEN])
+    return None
+
+
 def _text(record: dict[str, Any], name: str, *, optional: bool = True) -> str | None:
     value = record[name]
     if value is None and optional:
         return None
+    odd = _never_written(value)
+    if odd is not None:
+        return odd  # type: ignore[return-value]  # hashes to nothing: the verifier names the event changed
     if not isinstance(value, str):
         raise ValueError(f"{name} must be text{' or null' if optional else ''}, got {value!r}")
     return value
@@ -159,13 +214,14 @@ def _float(record: dict[str, Any], name: str) -> float:
 
 def _event(record: dict[str, Any]) -> ChainedEvent:
     _fields(record, _EVENT_FIELDS)
+    event = _text(record, "event", optional=False)
     return ChainedEvent(
         seq=_int(record, "seq"),
         request_id=_text(record, "request_id"),
-        event=str(_text(record, "event", optional=False)),
+        event=event if isinstance(event, NeverWritten) else str(event),
         actor=_text(record, "actor"),
         platform=_text(record, "platform"),
-        at=_float(record, "at"),
+        at=math.nan if _never_written(record["at"]) is not None else _float(record, "at"),
         args_hash=_text(record, "args_hash"),
         detail=_text(record, "detail"),
         prev_hash=_text(record, "prev_hash"),

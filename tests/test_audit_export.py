@@ -18,7 +18,7 @@ import pytest
 from kazma.approvals.audit_export import ExportError, checkpoints_in_order, events_in_order, read_export
 from kazma.approvals.audit_verify import verify
 from tests.approvals_support import TEST_SIGNER, approval_service
-from tests.audit_support import KEY_ENV, Log, config_text, make_log, run_async
+from tests.audit_support import KEY_ENV, Attacker, Log, config_text, make_log, run_async
 from tests.process_support import REPO
 from tests.store_backends import Engine
 
@@ -176,3 +176,28 @@ def test_events_not_yet_signed_are_left_out_of_an_export_so_it_verifies_elsewher
     assert f"exported {log.last} events" in done.stderr
     done = kazma(here, "audit", "verify", "--from-export", "busy.jsonl", "--public-key", str(public), keys=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_rows_holding_what_kazma_never_writes_are_exported_and_named_changed_elsewhere(
+    store_engine: Engine, tmp_path: Path, exported: tuple[Path, Path, Log]
+) -> None:
+    # The export crashed on them (json refuses NaN and bytes), and so did a sink reading them back: the evidence
+    # of the change could not leave the machine. Now they are written as what they are and fail verification.
+    if store_engine.name != "sqlite":
+        pytest.skip("PostgreSQL's column types refuse text in a time and bytes in a text")
+    _, public, log = exported
+    here = tmp_path / "kazma"
+    seq, later = log.seqs["decided:drop"], log.seqs["decided:deploy"]
+    Attacker(store_engine).run(
+        ("UPDATE approval_events SET detail = X'64656e696564' WHERE seq = ?", (seq,)),  # bytes where text was
+        ("UPDATE approval_events SET at = 'yesterday' WHERE seq = ?", (later,)),  # text where a time was
+    )
+    done = kazma(here, "audit", "export", "--out", "odd.jsonl")
+    assert done.returncode == 0, done.stderr
+    assert f"exported {log.last} events" in done.stderr
+    exported_lines = (here / "odd.jsonl").read_text().splitlines()
+    assert any('"detail":{"never_written":"b\'denied\'"}' in line for line in exported_lines), exported_lines
+    done = kazma(here, "audit", "verify", "--from-export", "odd.jsonl", "--public-key", str(public), keys=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"first bad sequence seq {min(seq, later)}: changed" in done.stdout, done.stdout
+    assert f"seq {max(seq, later)}: changed: it holds what Kazma never writes" in done.stdout, done.stdout

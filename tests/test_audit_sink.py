@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp import web
 from click.testing import CliRunner
 
@@ -246,6 +247,36 @@ async def test_a_file_sink_restarted_ahead_of_its_stored_position_writes_each_re
         main, ["audit", "verify", "--from-export", str(path), "--public-key", str(keys)], env={"KAZMA_AUDIT_KEY": ""}
     )
     assert result.exit_code == 0, result.stdout
+
+
+async def test_a_row_changed_around_kazma_into_what_it_never_writes_still_leaves_and_fails_verification(
+    store_engine: Engine, tmp_path: Path
+) -> None:
+    # json refused the row (a time that is text reads back as NaN): the sink's task ended there, and nothing after
+    # that row ever left the store.
+    if store_engine.name != "sqlite":
+        pytest.skip("PostgreSQL's column types refuse text in a time")
+    path = tmp_path / "kazma-audit.jsonl"
+    config = AuditSinkConfig(file=path, batch=100, retry_base_seconds=0.05, retry_cap_seconds=0.2)
+    async with kazma_store(store_engine) as (conn, service, checkpointer):
+        await decisions(service, checkpointer, 2, tag="before")
+        changed = (await service.store.chain_events(0, limit=100))[1].seq
+        Attacker(store_engine).run(("UPDATE approval_events SET at = 'yesterday' WHERE seq = ?", (changed,)))
+        await decisions(service, checkpointer, 1, tag="after")
+        sink = AuditSink.of(service.store, conn, config)
+        await sink.start()
+        while await sink.deliver_once():
+            pass
+        events, _ = await in_store(service.store)
+    lines = [json.loads(text) for text in path.read_text(encoding="utf-8").splitlines()]
+    assert kinds(lines, "event") == events
+    keys = tmp_path / "audit.pub"
+    keys.write_text(TEST_SIGNER.public_keys().text(), encoding="utf-8")
+    result = CliRunner().invoke(
+        main, ["audit", "verify", "--from-export", str(path), "--public-key", str(keys)], env={"KAZMA_AUDIT_KEY": ""}
+    )
+    assert result.exit_code == 1, result.stdout
+    assert f"first bad sequence seq {changed}: changed: it holds what Kazma never writes" in result.stdout
 
 
 async def test_a_webhook_that_refuses_then_hangs_delays_no_decision_and_gets_everything_after(
