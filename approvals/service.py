@@ -1389,7 +1389,7 @@ class ApprovalService:
         """
         self.stopping = True
         if self._withdrawals:  # their cards' edits are queued before the bus drains
-            await asyncio.gather(*self._withdrawals, return_exceptions=True)
+            await asyncio.wait(set(self._withdrawals))  # (not gather: a stop cut short must not cancel them)
         ended: list[ApprovalRequest] = []
         for request_id in [*self._turns, *self._unwaited]:
             try:

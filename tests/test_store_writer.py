@@ -104,6 +104,26 @@ async def test_a_lock_held_by_another_process_is_waited_for_off_the_loop(writer:
     assert rows(writer.path) == {"theirs": 0, "mine": 1}
 
 
+async def test_a_reader_cancelled_while_it_waits_for_writes_leaves_their_callers_answered(writer: StoreWriter) -> None:
+    # A read waiting for the writes before it (caught_up) that was cancelled (a long-poll whose client left, a task
+    # stopped) cancelled those writes' futures: their callers got CancelledError for writes that committed.
+    other = sqlite3.connect(writer.path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    pending = asyncio.create_task(writer.submit(put("mine", 1)))
+    async with asyncio.timeout(10):
+        while not writer._in_flight:  # the write waits for the lock on the writer's thread
+            await asyncio.sleep(0)
+    reader = asyncio.create_task(writer.caught_up())
+    await asyncio.sleep(0)  # the reader is waiting for the write
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    other.execute("COMMIT")
+    other.close()
+    assert await asyncio.wait_for(pending, timeout=10) == 1  # answered, not cancelled
+    assert rows(writer.path) == {"mine": 1}
+
+
 async def test_a_read_after_a_write_sees_it(tmp_path: Path, writer: StoreWriter) -> None:
     conn = await connect(writer.path)
     other = sqlite3.connect(writer.path, isolation_level=None, check_same_thread=False)

@@ -363,14 +363,16 @@ class GroupQueue:
         still waiting to ride: its own caller waits for it)."""
         waiting = self._waited_for()
         if waiting:
-            await asyncio.gather(*waiting, return_exceptions=True)
+            # asyncio.wait, not gather: a reader cancelled meanwhile must not cancel the writes it waits for (gather
+            # cancels what it gathers), whose callers would be told CancelledError for writes that commit.
+            await asyncio.wait(waiting)
 
     async def _drain(self) -> None:
         """Refuse new operations and wait until every submitted one is answered (the start of a close)."""
         self._closed = True
         self.release_riders()
         while waiting := self._waited_for():
-            await asyncio.gather(*waiting, return_exceptions=True)
+            await asyncio.wait(waiting)  # (not gather: see caught_up)
 
     def _waited_for(self) -> list[asyncio.Future[Any]]:
         """The unanswered writes whose callers still wait (one cancelled is left among them until its group is
