@@ -55,6 +55,9 @@ log = structlog.get_logger("kazma.swarm")
 
 CHECK_DEFAULT_WAIT = 60.0
 CANCEL_WAIT_SECONDS = 10.0  # how long /swarm cancel waits for the task's tools to stop before it answers
+# How often a process that runs tasks asks whether another ended one of them (`kazma swarm cancel` in a terminal,
+# /swarm cancel heard by another replica): such a task stops here within this, its tools with it.
+ENDED_POLL_SECONDS = 1.0
 CHECK_MAX_WAIT = 90.0
 STORE_UNAVAILABLE = "task store unavailable — nothing started, send again"
 # A task's ending the store refused is stored again after 1, 2, 4 … up to 60 seconds.
@@ -162,6 +165,11 @@ class SwarmService:
     # endings decided (stored, or kept) and being said: a stop or cancel then lets the saying finish (once) and
     # never says "cancelled" over them
     _saying: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    # tasks whose ending this process is writing: a row it reads as ended meanwhile is its own ending, not a cancel
+    _finishing: set[str] = field(default_factory=set)
+    _ended_elsewhere: dict[str, TaskRecord] = field(default_factory=dict)  # why a running task was stopped here
+    _watcher: asyncio.Task[None] | None = None
+    ended_poll_seconds: float = ENDED_POLL_SECONDS
     # told (no arguments) whenever a task's state or a worker's numbers may have changed: the live dashboard
     listeners: list[Callable[[], None]] = field(default_factory=list)
 
@@ -339,6 +347,31 @@ class SwarmService:
         self._finished.setdefault(run.task_id, asyncio.Event())
         task = self._tasks.spawn(self._run(run, request, list(workers), list(done)), name=f"swarm-{run.task_id}")
         self._running[run.task_id] = task
+        if self._watcher is None or self._watcher.done():
+            self._watcher = self._tasks.spawn(self._watch_ended(), name="swarm-ended-elsewhere")
+
+    async def _watch_ended(self) -> None:
+        """While tasks run here: stop those another process ended (a cancel from a terminal or another replica
+        changes only the row; nothing else tells this process). The row refusing a stage's mark says it sooner."""
+        while self._running:
+            await asyncio.sleep(self.ended_poll_seconds)
+            try:
+                await self._stop_ended(list(self._running))
+            except StoreUnavailable as exc:  # asked again next time
+                swarm_failure("recovery_read")
+                log.warning("swarm.ended_unread", error=str(exc))
+
+    async def _stop_ended(self, task_ids: Collection[str]) -> None:
+        """Cancel, here, each of ``task_ids`` whose row another process ended."""
+        for task_id, record in (await self.store.ended(task_ids)).items():
+            task = self._running.get(task_id)
+            if task is None or task.done() or task_id in self._finishing or task_id in self._saying:
+                continue  # not running here any more, or the ending read is this process's own
+            self._ended_elsewhere[task_id] = record
+            log.warning(
+                "swarm.ended_elsewhere", task_id=task_id, status=record.status.value, error=record.error or ""
+            )
+            task.cancel()
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -416,7 +449,13 @@ class SwarmService:
                 await saying
                 raise
             execution = await self._execution(run.task_id)
-            self._report(f"swarm task {run.task_id} cancelled; tools: {execution.line()}")
+            elsewhere = self._ended_elsewhere.pop(run.task_id, None)
+            if elsewhere is None:
+                self._report(f"swarm task {run.task_id} cancelled; tools: {execution.line()}")
+            else:
+                how = elsewhere.error or elsewhere.status.value
+                self._report(f"swarm task {run.task_id} stopped here: it was ended elsewhere ({how}); tools: "
+                             f"{execution.line()}")  # fmt: skip
             await asyncio.shield(self._keep_execution(run.task_id, execution))
             raise
         except Exception as exc:
@@ -428,6 +467,8 @@ class SwarmService:
             await self._end(run, request, TaskStatus.FAILED, {"execution": execution.as_json()}, text, text, execution)
         finally:
             self._running.pop(run.task_id, None)
+            self._finishing.discard(run.task_id)
+            self._ended_elsewhere.pop(run.task_id, None)
             self._current.pop(run.task_id, None)
             self._deadlines.pop(run.task_id, None)
             self._effects.pop(run.task_id, None)
@@ -466,6 +507,7 @@ class SwarmService:
         execution: ExecutionSummary,
     ) -> None:
         """Store a run's ending and say it; one the store refuses to take is kept, said, and stored later."""
+        self._finishing.add(run.task_id)
         try:
             if failpoints.armed:
                 await failpoints.reached(
@@ -547,10 +589,14 @@ class SwarmService:
     async def _mark(self, run: TaskRun, step: str) -> None:
         """Record where the run is; a mark that cannot be written is counted and the run goes on."""
         try:
-            await self.store.step(run, step)
+            marked = await self.store.step(run, step)
         except StoreUnavailable as exc:
             swarm_failure("step_journal")
             log.warning("swarm.step_unrecorded", task_id=run.task_id, step=step, error=str(exc))
+            return
+        if not marked:  # refused: ended elsewhere (a cancel), it stops here before this step starts
+            await self._stop_ended([run.task_id])
+            await asyncio.sleep(0)  # the cancel lands here, not inside the step
 
     async def _pattern(
         self,
@@ -598,10 +644,14 @@ class SwarmService:
         async def journal(index: int, result: WorkerResult) -> None:
             done.append(result)
             try:
-                await self.store.journal(self._current[task_id], index, result.worker, result)
+                kept = await self.store.journal(self._current[task_id], index, result.worker, result)
             except StoreUnavailable as exc:  # the stage stays done in this run; a resume after a crash redoes it
                 swarm_failure("step_journal")
                 log.warning("swarm.journal_unrecorded", task_id=task_id, stage=index + 1, error=str(exc))
+                return
+            if not kept:  # refused: ended elsewhere (a cancel) stops it here before the next stage
+                await self._stop_ended([task_id])
+                await asyncio.sleep(0)
 
         async def checkpoint(index: int, result: WorkerResult) -> bool:
             if index + 1 not in checkpoints:
@@ -717,7 +767,15 @@ class SwarmService:
             await asyncio.wait({task}, timeout=CANCEL_WAIT_SECONDS)
         if not changed:
             return f"swarm task {task_id} could not be cancelled"
-        return f"swarm task {task_id} cancelled by {actor}; tools: {(await self._execution(task_id)).line()}"
+        tools = (await self._execution(task_id)).line()
+        if task is None and record.status is TaskStatus.RUNNING:
+            # Run by another process (`kazma run` for a terminal's cancel, another replica): it learns of this from
+            # the row and stops the task within ENDED_POLL_SECONDS; until then its tools may still be working.
+            return (
+                f"swarm task {task_id} cancelled by {actor}; the Kazma process running it stops it within "
+                f"{self.ended_poll_seconds:g} s and says what its tools did (tools so far: {tools})"
+            )
+        return f"swarm task {task_id} cancelled by {actor}; tools: {tools}"
 
     def serving(self) -> None:
         """The platforms are up: the progress lines held until now (what the recovery found) go out."""

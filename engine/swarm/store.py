@@ -961,6 +961,21 @@ class SwarmTaskStore(CallRecords):
         rows = await self._tasks("get", f"SELECT {_TASK_COLUMNS} FROM swarm_tasks WHERE id = ?", (task_id,))  # noqa: S608
         return rows[0] if rows else None
 
+    async def ended(self, task_ids: Collection[str]) -> dict[str, TaskRecord]:
+        """Those of ``task_ids`` whose rows have ended (or are gone: absent from the answer's keys and not asked
+        again), each with its row: what a process running them learns of a cancel made elsewhere."""
+        if not task_ids:
+            return {}
+        wanted = sorted(task_ids)
+        terminal = [status.value for status in TaskStatus if status.terminal]
+        rows = await self._tasks(
+            "ended",
+            f"SELECT {_TASK_COLUMNS} FROM swarm_tasks WHERE id IN ({', '.join('?' * len(wanted))})"  # noqa: S608
+            f" AND status IN ({', '.join('?' * len(terminal))})",
+            (*wanted, *terminal),
+        )
+        return {record.id: record for record in rows}
+
     async def list(self, status: TaskStatus | None = None, limit: int = 50) -> builtins.list[TaskRecord]:
         """Tasks newest first, optionally only those in ``status``."""
         if status is None:
