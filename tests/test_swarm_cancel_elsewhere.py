@@ -65,7 +65,8 @@ async def test_a_cancel_from_another_process_stops_the_running_stage_and_no_late
         gate.set()
         assert record is not None
         assert record.status is TaskStatus.CANCELLED
-        assert workers["builder"].seen == [] and workers["validator"].seen == []
+        assert workers["builder"].seen == []
+        assert workers["validator"].seen == []
         await until(lambda: any("stopped here: it was ended elsewhere" in r for r in a.reports), "A said it")
 
 
@@ -86,5 +87,6 @@ async def test_a_stage_boundary_refused_by_the_row_stops_the_task_before_the_nex
             record = await a.service.wait(task_id, 20)
         assert record is not None
         assert record.status is TaskStatus.CANCELLED
-        assert workers["builder"].seen == [] and workers["validator"].seen == []
+        assert workers["builder"].seen == []
+        assert workers["validator"].seen == []
         assert task_id not in a.service._running

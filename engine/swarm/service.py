@@ -368,9 +368,7 @@ class SwarmService:
             if task is None or task.done() or task_id in self._finishing or task_id in self._saying:
                 continue  # not running here any more, or the ending read is this process's own
             self._ended_elsewhere[task_id] = record
-            log.warning(
-                "swarm.ended_elsewhere", task_id=task_id, status=record.status.value, error=record.error or ""
-            )
+            log.warning("swarm.ended_elsewhere", task_id=task_id, status=record.status.value, error=record.error or "")
             task.cancel()
 
     # -- running ---------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import zlib
 from collections.abc import Iterable, Sequence
 
 import httpx
@@ -31,6 +32,7 @@ class HttpGetArgs(ToolArgs):
 
 
 _REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
+_ZLIB_ENCODINGS = frozenset({"gzip", "x-gzip", "deflate"})
 
 
 class _FetchFailed(Exception):
@@ -126,7 +128,9 @@ class HttpGetTool(Tool[HttpGetArgs]):
             follow_redirects=False,  # followed in _fetch, each hop resolved and checked
             trust_env=False,  # no HTTP(S)_PROXY / ALL_PROXY, no .netrc
             verify=self.ssl_context if self.ssl_context is not None else True,
-            headers={"User-Agent": f"kazma/{kazma_version()}"},
+            # Only what _result decodes itself, bounded (httpx would undo any stack of encodings whole: 661 bytes of
+            # "gzip, gzip" became 300 MiB in memory before the body's cap was looked at).
+            headers={"User-Agent": f"kazma/{kazma_version()}", "Accept-Encoding": "gzip, deflate"},
         )
 
     async def _connect(
@@ -143,14 +147,37 @@ class HttpGetTool(Tool[HttpGetArgs]):
         raise _Unreachable(f"could not connect to {url.host}: " + "; ".join(failures))
 
     async def _result(self, url: httpx.URL, final: httpx.URL, response: httpx.Response) -> ToolResult:
+        encodings = [e.strip().lower() for e in response.headers.get("content-encoding", "").split(",")]
+        encodings = [e for e in encodings if e not in ("", "identity")]
+        if len(encodings) > 1 or (encodings and encodings[0] not in _ZLIB_ENCODINGS):
+            return ToolResult(
+                ok=False,
+                output="",
+                error=f"{url} answered with content-encoding {', '.join(encodings)!r}; Kazma decodes at most one "
+                "layer of gzip or deflate",
+            )
+        # gzip or zlib-wrapped deflate, told apart by its header (32 + MAX_WBITS); never more than the cap decoded.
+        decoder = zlib.decompressobj(32 + zlib.MAX_WBITS) if encodings else None
         body = bytearray()
         truncated = False
-        async for chunk in response.aiter_bytes():
-            body += chunk
-            if len(body) > self.max_bytes:
-                del body[self.max_bytes :]
-                truncated = True
-                break
+        try:
+            async for chunk in response.aiter_raw():
+                if decoder is not None:
+                    # At most what is left of the cap (+1: to know it was passed); the rest stays undecoded.
+                    chunk = decoder.decompress(decoder.unconsumed_tail + chunk, self.max_bytes + 1 - len(body))
+                body += chunk
+                if len(body) > self.max_bytes:
+                    del body[self.max_bytes :]
+                    truncated = True
+                    break
+            else:
+                if decoder is not None:
+                    body += decoder.flush()  # what zlib still holds of input it took (the cap was not reached)
+                    if len(body) > self.max_bytes:
+                        del body[self.max_bytes :]
+                        truncated = True
+        except zlib.error as exc:
+            return ToolResult(ok=False, output="", error=f"{url}: the {encodings[0]} body could not be decoded ({exc})")
         try:
             text = bytes(body).decode(response.encoding or "utf-8", errors="replace")
         except LookupError:  # a charset Python does not know
