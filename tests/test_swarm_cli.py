@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 from kazma.bot.cli.cli_identity import system_login
+from kazma.engine.swarm.commands import ASK_AGAIN
 from tests.fakes.openai import Completion, FakeOpenAI
 
 
@@ -64,5 +66,52 @@ async def test_swarm_cli_reads_refuses_and_runs(tmp_path: Path) -> None:
         unknown = await asyncio.to_thread(kazma, config, "--as", "ops", "dispatch", "--expect", "nope", "builder", "x")
         assert unknown.returncode == 1
         assert unknown.stdout.startswith("Not started: unknown output schema 'nope'")
+    finally:
+        await model.stop()
+
+
+async def test_a_retry_from_the_terminal_runs_the_new_task_and_a_risky_one_is_confirmed_in_the_same_process(
+    tmp_path: Path,
+) -> None:
+    # The CLI waited only for answers saying "started": a retry ("retried as <id>") exited at once and its stop
+    # cancelled the new task; and a retry that must be asked twice could never be, a new process for each send.
+    model = FakeOpenAI(models=("llama3.1",))
+    await model.start()
+    try:
+        config = tmp_path / "kazma.yaml"
+        me = system_login()
+        config.write_text(
+            f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
+            f"model: {{base_url: '{model.base_url}', max_retries: 0}}\n"
+            f"people: {{ops: {{cli: '{me}'}}}}\n"
+            "approvals: {approvers: [ops]}\n"
+        )
+        model.script(Completion(content="built it"))
+        ran = await asyncio.to_thread(kazma, config, "--as", "ops", "dispatch", "builder", "make", "it")
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        first = ran.stdout.split()[2]
+
+        model.script(Completion(content="built it again"))
+        again = await asyncio.to_thread(kazma, config, "--as", "ops", "retry", first)
+        assert again.returncode == 0, again.stdout + again.stderr
+        lines = again.stdout.strip().splitlines()
+        assert lines[0].startswith(f"swarm task {first} retried as ")
+        second = lines[0].split()[-1]
+        assert "succeeded: built it again" in lines, again.stdout
+        status = await asyncio.to_thread(kazma, config, "status", second)
+        assert "succeeded" in status.stdout, status.stdout
+
+        # Its outcome unknown (the process running it died): asked twice; --yes is the second ask.
+        with sqlite3.connect(tmp_path / "k.db") as db:
+            db.execute("UPDATE swarm_tasks SET status = 'interrupted' WHERE id = ?", (second,))
+        asked = await asyncio.to_thread(kazma, config, "--as", "ops", "retry", second)
+        assert asked.returncode == 1, asked.stdout + asked.stderr
+        assert ASK_AGAIN in asked.stdout
+        assert "run it again with --yes" in asked.stderr
+        model.script(Completion(content="built it a third time"))
+        confirmed = await asyncio.to_thread(kazma, config, "--as", "ops", "retry", "--yes", second)
+        assert confirmed.returncode == 0, confirmed.stdout + confirmed.stderr
+        assert f"swarm task {second} retried as " in confirmed.stdout
+        assert "succeeded: built it a third time" in confirmed.stdout.splitlines()
     finally:
         await model.stop()

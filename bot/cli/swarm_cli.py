@@ -21,6 +21,7 @@ from kazma.bot.cli.context import Context
 from kazma.config import LoadedConfig
 from kazma.config.address import Actor, Address, AddressError
 from kazma.config.registry import ROUTE_PLATFORMS
+from kazma.engine.swarm.commands import ASK_AGAIN, started_task
 from kazma.engine.swarm.endings import ending_lines
 from kazma.engine.swarm.grammar import USAGES, parse
 from kazma.engine.swarm.limits import LimitExceeded, check_context
@@ -40,7 +41,7 @@ def _context() -> Context:
     return found if found is not None else Context(None)
 
 
-def _run(verb: str, *words: str, to: str | None = None, context: str = "") -> None:
+def _run(verb: str, *words: str, to: str | None = None, context: str = "", confirm: bool | None = None) -> None:
     text = " ".join([verb, *words])
     if to is not None:
         text = f"{text} -> {to}"
@@ -56,20 +57,36 @@ def _run(verb: str, *words: str, to: str | None = None, context: str = "") -> No
         click.echo(json.dumps(command.to_json(), ensure_ascii=False))
         return
     login = cli_login(loaded.config, state.login if state is not None else None)
-    sys.exit(asyncio.run(_execute(loaded, text, login, context)))
+    sys.exit(asyncio.run(_execute(loaded, text, login, context, confirm)))
 
 
-async def _execute(loaded: LoadedConfig, text: str, login: str, context: str = "") -> int:
-    """Carry the command out like chat does, as ``cli:<login>``; wait for work it starts."""
+async def _execute(loaded: LoadedConfig, text: str, login: str, context: str = "", confirm: bool | None = None) -> int:
+    """Carry the command out like chat does, as ``cli:<login>``; wait for work it starts.
+
+    ``confirm`` (retry): a retry that must be asked twice (its outcome unknown, or its tools ran) is asked again
+    here, in this process, when True (``--yes``) or when the person answers yes at the terminal; chat's second
+    send within five minutes, which a new process for each command could never make."""
     # No platform is started from the CLI: results are printed here, cards need `kazma run`.
     app = await build_app(loaded, adapters=[])
     try:
-        answer = await app.conversations.swarm.run(  # type: ignore[union-attr]
-            text, actor=str(Actor("cli", login)), platform="cli", chat="terminal", is_admin=False, context=context
-        )
+        swarm = app.conversations.swarm
+        assert swarm is not None
+
+        async def send() -> str:
+            return await swarm.run(
+                text, actor=str(Actor("cli", login)), platform="cli", chat="terminal", is_admin=False, context=context
+            )
+
+        answer = await send()
         click.echo(answer)
-        if answer.startswith("swarm task ") and " started " in answer:
-            task_id = answer.split()[2]
+        if confirm is not None and ASK_AGAIN in answer:
+            if not (confirm or (sys.stdin.isatty() and click.confirm("Run it anew?", err=True))):
+                click.echo("Not retried: run it again with --yes to run it anew.", err=True)
+                return 1
+            answer = await send()
+            click.echo(answer)
+        task_id = started_task(answer)
+        if task_id is not None:
             while (record := await app.swarm.wait(task_id, 90)) is not None and not record.status.terminal:
                 click.echo(f"… {record.status.value}: {record.current_step}", err=True)
             if record is not None:
@@ -361,7 +378,19 @@ def _task_command(verb: str) -> Callable[[str, str | None], None]:
     return command
 
 
-for _verb in ("cancel", "approve", "reject", "retry"):
+for _verb in ("cancel", "approve", "reject"):
     swarm.command(_verb, help=_help(_verb))(
         click.argument("task_id", callback=_word_callback)(_to_option(_task_command(_verb)))
     )
+
+
+@swarm.command("retry", help=_help("retry"))
+@click.argument("task_id", callback=_word_callback)
+@_to_option
+@click.option(
+    "--yes",
+    is_flag=True,
+    help="Run it anew without asking, where a retry must be confirmed (its outcome unknown, or its tools ran).",
+)
+def retry(task_id: str, to: str | None, yes: bool) -> None:
+    _run("retry", task_id, to=to, confirm=yes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field, replace
 from datetime import UTC
@@ -24,6 +25,14 @@ from kazma.engine.types import tools_line
 log = structlog.get_logger("kazma.swarm.commands")
 
 CONFIRM_WINDOW = 300.0
+ASK_AGAIN = "again within 5 minutes to run it anew"  # a retry that needs a second send says this (the CLI asks)
+_STARTED = re.compile(r"swarm task (?P<id>\S+) started \(|swarm task \S+ retried as (?P<retry>\S+)$")
+
+
+def started_task(answer: str) -> str | None:
+    """The id of the task a command's answer says it started (new work, or a retry), or None."""
+    found = _STARTED.match(answer)
+    return None if found is None else found.group("id") or found.group("retry")
 
 
 @dataclass
@@ -130,7 +139,7 @@ class SwarmCommands:
             asked = self._confirm.get(key)
             if asked is None or self._now() - asked > CONFIRM_WINDOW:
                 self._confirm[key] = self._now()
-                return f"{why} Send /swarm retry {task_id} again within 5 minutes to run it anew."
+                return f"{why} Send /swarm retry {task_id} {ASK_AGAIN}."
             del self._confirm[key]
         earlier = request_from(record)
         request = SwarmRequest(
