@@ -21,7 +21,7 @@ from kazma.config.store.database import open_database
 from kazma.engine.swarm.checkpoints import CHECKPOINT_OUTPUT_SHOWN, CHECKPOINT_TOOL
 from kazma.engine.swarm.commands import SwarmCommands
 from kazma.engine.swarm.service import CoalescingReporter, SwarmService, request_from
-from kazma.engine.swarm.store import MIGRATIONS, SwarmTaskStore
+from kazma.engine.swarm.store import MIGRATIONS, StoreUnavailable, SwarmTaskStore
 from kazma.engine.swarm.types import ErrorKind, Pattern, SwarmRefused, SwarmRequest, TaskStatus, WorkerResult
 from kazma.engine.types import Usage
 from tests.approvals_support import ManualClock, RecordingPublisher, approval_service
@@ -595,3 +595,74 @@ async def test_lead_swarm_tools_need_approval_then_start_and_check(tmp_path: Pat
         assert checked.output.startswith("status: succeeded")
         too_long = await check.handler({"task_id": task_id, "wait_seconds": 91}, ctx)
         assert not too_long.ok
+
+
+async def test_a_paused_pipeline_whose_stage_worker_is_gone_after_a_restart_fails_instead_of_skipping_it(
+    tmp_path: Path,
+) -> None:
+    # The resumed pipeline was handed the stages still configured, by position after the journal: with the refiner
+    # gone it ran builder and validator and called the task succeeded, a stage the person approved never run.
+    path = tmp_path / "a.db"
+    async with rig(path) as r:
+        task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        await paused(r, task)
+        card = r.publisher.published[0]
+    workers = scripted_workers()
+    del workers["refiner"]
+    async with rig(path, workers=workers) as r:
+        assert await r.service.recover() == []
+        await r.approvals.decide_from_button(card.button_data(Decision.APPROVE), actor="telegram:111",
+                                             platform="telegram")  # fmt: skip
+        record = await r.service.wait(task, 30)
+        assert record is not None
+        assert record.status is TaskStatus.FAILED
+        assert "its stage worker refiner is no longer configured" in (record.error or "")
+        assert [name for name, worker in workers.items() if worker.seen] == []  # nothing after the checkpoint ran
+
+
+async def test_a_stage_whose_journal_write_failed_is_written_before_the_pause_and_never_runs_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The pause went ahead without stage 1 in the journal: approved after a restart, stage 1 (its tools too) ran
+    # again, and the pipeline paused at the same checkpoint a second time.
+    path = tmp_path / "a.db"
+    async with rig(path) as r:
+        real = r.service.store.journal
+        failures: list[int] = []
+
+        async def refused_once(run: Any, idx: int, worker: str, result: WorkerResult) -> bool:
+            if not failures:
+                failures.append(idx)
+                raise StoreUnavailable("journal", "database is locked")
+            return await real(run, idx, worker, result)
+
+        monkeypatch.setattr(r.service.store, "journal", refused_once)
+        task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        await paused(r, task)
+        card = r.publisher.published[0]
+        assert failures == [0]
+        assert [step.idx for step in await r.service.store.journaled(task)] == [0]
+    async with rig(path) as r:  # a new process on the same files
+        assert await r.service.recover() == []
+        await r.approvals.decide_from_button(card.button_data(Decision.APPROVE), actor="telegram:111",
+                                             platform="telegram")  # fmt: skip
+        assert await finished(r.service, task) is TaskStatus.SUCCEEDED
+        assert r.workers["researcher"].seen == []  # stage 1 came from the journal, not from running it again
+
+
+async def test_a_stage_the_journal_still_refuses_at_the_checkpoint_ends_the_task_instead_of_pausing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with rig(tmp_path / "a.db") as r:
+
+        async def refused(run: Any, idx: int, worker: str, result: WorkerResult) -> bool:
+            raise StoreUnavailable("journal", "database is locked")
+
+        monkeypatch.setattr(r.service.store, "journal", refused)
+        task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        record = await r.service.wait(task, 30)
+        assert record is not None
+        assert record.status is TaskStatus.FAILED
+        assert "stage 1 (researcher)'s result could not be recorded" in (record.error or "")
+        assert "pausing at the checkpoint would run it again after a restart" in (record.error or "")
+        assert r.publisher.published == []  # no checkpoint card for a pause that did not happen

@@ -68,6 +68,10 @@ BUILTIN_PATTERNS = builtin_patterns.PATTERNS  # registered on import: a task nam
 Report = Callable[[str], Awaitable[None]]
 
 
+class StageUnrecorded(Exception):
+    """A pipeline cannot pause: a finished stage is missing from the journal a resume would start from."""
+
+
 @dataclass(frozen=True)
 class ProgressLine:
     text: str
@@ -639,6 +643,8 @@ class SwarmService:
             self._report(f"swarm task {run.task_id}: {step} started")
             return await task_call(worker, prompt, context)
 
+        unkept: dict[int, WorkerResult] = {}  # stages whose journal write failed (asked again before a pause)
+
         async def journal(index: int, result: WorkerResult) -> None:
             done.append(result)
             try:
@@ -646,6 +652,7 @@ class SwarmService:
             except StoreUnavailable as exc:  # the stage stays done in this run; a resume after a crash redoes it
                 swarm_failure("step_journal")
                 log.warning("swarm.journal_unrecorded", task_id=task_id, stage=index + 1, error=str(exc))
+                unkept[index] = result
                 return
             if not kept:  # refused: ended elsewhere (a cancel) stops it here before the next stage
                 await self._stop_ended([task_id])
@@ -654,6 +661,17 @@ class SwarmService:
         async def checkpoint(index: int, result: WorkerResult) -> bool:
             if index + 1 not in checkpoints:
                 return True
+            for stage in sorted(unkept):
+                # A pause outlives this process: a stage the journal lacks would run again (its tools too) when a
+                # restarted Kazma resumes it. Asked once more; still refused, the task ends here instead.
+                try:
+                    await self.store.journal(self._current[task_id], stage, unkept[stage].worker, unkept[stage])
+                except StoreUnavailable as exc:
+                    raise StageUnrecorded(
+                        f"stage {stage + 1} ({unkept[stage].worker})'s result could not be recorded ({exc.reason}); "
+                        "pausing at the checkpoint would run it again after a restart, so the task ends here"
+                    ) from None
+                del unkept[stage]
             # The task's deadline counts running time: a pipeline waiting for a person at its checkpoint is not
             # running (the checkpoint's own deadline is its approval request's).
             with self._clock_stopped(task_id):
@@ -863,9 +881,33 @@ class SwarmService:
                 event.set()
             return
         request = request_from(record)
-        workers = [self.workers[n] for n in record.request.get("resolved", []) if n in self.workers]
+        resolved = [str(name) for name in record.request.get("resolved", [])]
+        missing = [name for name in resolved if name not in self.workers]
+        if missing:
+            # Stages run by position after the journal: a stage left out would shift the rest (one skipped, or a
+            # later one run in its place). What was approved cannot run as it was: the task ends failed.
+            await self._unresumable(resumed, request, missing)
+            return
         done = [step.to_result() for step in await self.store.journaled(record.id)]
-        self._spawn(resumed, request, workers, done=done)
+        self._spawn(resumed, request, [self.workers[name] for name in resolved], done=done)
+
+    async def _unresumable(self, run: TaskRun, request: SwarmRequest, missing: list[str]) -> None:
+        names = ", ".join(missing)
+        error = (
+            f"not resumed: its stage worker{'s' if len(missing) > 1 else ''} {names} "
+            f"{'are' if len(missing) > 1 else 'is'} no longer configured (agents.workers); nothing after the "
+            "checkpoint ran"
+        )
+        log.warning("swarm.resume_refused", task_id=run.task_id, missing=missing)
+        execution = await self._execution(run.task_id)
+        try:
+            await self._end(run, request, TaskStatus.FAILED, {"execution": execution.as_json()}, error, error,
+                            execution)  # fmt: skip
+        finally:
+            self._finishing.discard(run.task_id)
+            event = self._finished.get(run.task_id)
+            if event is not None:
+                event.set()
 
     def worker_lines(self) -> list[str]:
         return [f"{name}: breaker {self.breakers[name].state}" for name in self.workers]
