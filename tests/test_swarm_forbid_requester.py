@@ -57,3 +57,24 @@ async def test_who_asked_the_lead_may_approve_neither_its_dispatch_nor_the_worke
         await refused_then_decided(app, fake, "dispatch_swarm", asker=BOB, other=ALICE)
         await refused_then_decided(app, fake, "shell", asker=BOB, other=ALICE)
         await said(fake, "Said hi.")
+
+
+async def test_an_approved_dispatch_that_started_its_task_is_never_reported_as_not_run_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    # dispatch_swarm's approval was verified (execution_started) but its end never audited: the next start's
+    # recovery found it "verified, never ended, no execution row" and told every card it did not run.
+    dispatch = {"pattern": "dispatch", "task": "say hi", "workers": ["builder"]}
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [call("dispatch_swarm", dispatch), ModelReply(content="Handed to the builder.")],
+        "builder": [ModelReply(content="Said hi.")],
+    }
+    async with kazma(tmp_path, scripts, extra=POLICY) as (app, fake), _nothing_left_pending(app):
+        fake.push_message(CHAT, BOB, "@kazma have the builder say hi", username="bob")
+        decided = await refused_then_decided(app, fake, "dispatch_swarm", asker=BOB, other=ALICE)
+        await said(fake, "Handed to the builder.")
+        events = [e.event for e in await app.service.store.events(decided.id)]
+        assert "execution_finished" in events, events
+        recovery = await app.service.recover(orphans=False)
+        assert [r.id for r in recovery.never_ran] == []
+        assert "execution_lost" not in [e.event for e in await app.service.store.events(decided.id)]

@@ -87,8 +87,13 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
         try:
             task_id = await service.submit(request)
         except SwarmRefused as exc:
-            return ToolResult(ok=False, output="", error=str(exc))
-        return ToolResult(ok=True, output=f"swarm task {task_id} started; check it with check_swarm_task")
+            result = ToolResult(ok=False, output="", error=str(exc))
+        else:
+            result = ToolResult(ok=True, output=f"swarm task {task_id} started; check it with check_swarm_task")
+        # The approved call ended (started, or refused): said on the audit chain, as every tool's end is. Without
+        # it a restart found the approval verified and never ended, and reported it "did not run" on every card.
+        await policy.ran(verdict, ok=result.ok, output=result.output, error=result.error)
+        return result
 
     async def check(arguments: Mapping[str, Any], ctx: TurnContext) -> ToolResult:
         try:
