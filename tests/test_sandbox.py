@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -515,3 +516,29 @@ def test_argv_cuts_the_network_only_when_asked(tmp_path: Path) -> None:
         assert argv[argv.index("--cap-drop") + 1] == "ALL"
         assert argv[-2:] == ["--", "true"]
         assert "--clearenv" in argv
+
+
+async def test_a_setuid_program_a_call_leaves_is_out_of_every_other_users_reach(sandbox: Sandbox) -> None:
+    # The sandbox drops every capability, but the command may still chmod u+s a file it made (nosuid holds only
+    # inside the sandbox) and open its workspace to all: any local user then ran it as Kazma's user (root here).
+    if os.geteuid() != 0 or shutil.which("runuser") is None:
+        pytest.skip("needs root and runuser to try it as another user")
+    base = Path(tempfile.mkdtemp(prefix="kazma-setuid-"))
+    try:
+        base.chmod(0o755)  # a state folder others may list, as a deployment's often is
+        ctx = ToolContext(workspace=base / "workspaces" / "conv", conversation="conv")
+        result = await _run(
+            ShellTool(sandbox=sandbox), ctx, "cp /bin/cat ./suidcat && chmod 4755 ./suidcat && chmod 755 . && echo made"
+        )
+        assert result.ok, result
+        planted = ctx.workspace / "suidcat"
+        assert planted.stat().st_mode & 0o4000  # the bit is there on the host: what must not be reachable
+        tried = subprocess.run(
+            ["runuser", "-u", "nobody", "--", str(planted), "/etc/hostname"], capture_output=True, text=True,
+            timeout=30, check=False,
+        )  # fmt: skip
+        assert tried.returncode != 0, tried.stdout
+        assert "Permission denied" in tried.stderr, tried.stderr
+        assert (base / "workspaces").stat().st_mode & 0o077 == 0
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

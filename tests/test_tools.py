@@ -843,3 +843,15 @@ async def test_http_get_refuses_private_addresses_by_default(ctx: ToolContext, u
     assert not result.ok
     assert result.error is not None
     assert "an address inside this machine or its network" in result.error
+
+
+def test_the_workspaces_folder_is_made_private_and_an_open_one_is_tightened(tmp_path: Path) -> None:
+    fresh = ToolContext(workspace=tmp_path / "new-root" / "conv", conversation="conv")
+    fresh.ensure_workspace()
+    assert (tmp_path / "new-root").stat().st_mode & 0o777 == 0o700
+    assert fresh.workspace.stat().st_mode & 0o777 == 0o700
+    opened = tmp_path / "old-root"
+    (opened / "conv").mkdir(parents=True)
+    opened.chmod(0o755)  # made by an older Kazma, or by hand
+    ToolContext(workspace=opened / "conv", conversation="conv").ensure_workspace()
+    assert opened.stat().st_mode & 0o777 == 0o700

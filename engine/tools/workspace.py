@@ -15,6 +15,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
+log = structlog.get_logger("kazma.engine.tools")
+
 
 @dataclass(frozen=True)
 class ToolContext:
@@ -60,11 +64,26 @@ def _workspace_root(ctx: ToolContext) -> Path:
         try:
             check()
         except FileNotFoundError:
-            ctx.workspace.mkdir(parents=True, exist_ok=True)
+            ctx.workspace.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            ctx.workspace.mkdir(mode=0o700, exist_ok=True)
             check()
+        _private(ctx.workspace.parent)
         return ctx.workspace.resolve(strict=True)
     except OSError as exc:
         raise PathRefused(f"the workspace directory cannot be used: {exc.strerror or exc}") from exc
+
+
+def _private(root: Path) -> None:
+    """The folder holding the workspaces reachable by Kazma's user alone.
+
+    A sandboxed command runs as Kazma's user without capabilities, but may still ``chmod u+s`` a file it made
+    (the mount is nosuid only inside the sandbox), or open its own workspace to everyone: a setuid program any
+    local user could run as Kazma's user (as root, when Kazma runs as root). The workspaces' folder is outside
+    every sandbox, so behind it nobody else reaches what a command left. Tightened once when found open."""
+    info = os.stat(root)
+    if info.st_mode & 0o077 and info.st_uid == os.geteuid():
+        os.chmod(root, 0o700)
+        log.warning("tools.workspace_root_tightened", root=str(root), was=oct(stat.S_IMODE(info.st_mode)))
 
 
 def _refuse_hard_links(shown: str, info: os.stat_result) -> str | None:
