@@ -415,5 +415,10 @@ async def _stop(process: Process) -> None:
     if process.returncode is None:
         log.warning("mcp.server_unkillable", pid=process.pid)
         return
+    # A server that left on its own (stdin closed) may have left children in its group (``sleep &``): killed too,
+    # as the shell's are. Its pid is not handed out again while that group still has a member, so this reaches
+    # only what is left of it.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
     with contextlib.suppress(OSError):
         await process.aclose()
