@@ -104,6 +104,11 @@ NOT_PUBLIC = [
     "64:ff9b:1::808:808",  # local-use NAT64 is a translator inside some network, whatever it embeds
     "2001:0:a01:203::1",  # Teredo with a private server
     "2001:0:4136:e378:8000:63bf:3fff:fdd2",  # Teredo
+    "::ffff:0:7f00:1",  # IPv4-translated 127.0.0.1 (RFC 2765): Python's is_global says True
+    "::ffff:0:808:808",  # IPv4-translated, whatever it carries: reserved space, not global unicast
+    "1::1",  # unassigned (outside 2000::/3)
+    "4000::1",  # unassigned
+    "e000::1",  # unassigned
 ]
 
 

@@ -100,6 +100,10 @@ _V6_NOT_PUBLIC = _networks(
 )
 
 _IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+# Where a public IPv6 address can be at all: global unicast (RFC 4291 2000::/3), or the well-known NAT64 prefix (a
+# public IPv4 address behind the translator, checked by what it carries). Everything else is reserved or unassigned
+# (::ffff:0:0/96, the IPv4-translated form of RFC 2765, among them: Python calls ::ffff:0:7f00:1 global).
+_MAY_BE_PUBLIC_V6 = _networks("2000::/3", "64:ff9b::/96")
 _NAT64 = _networks("64:ff9b::/96", "64:ff9b:1::/48")
 
 
@@ -140,6 +144,8 @@ def is_public_address(address: IPAddress) -> bool:
         # ::ffff:a.b.c.d is an IPv4 address spelled for an IPv6 socket: it is exactly as public as a.b.c.d.
         return _public_v4(address.ipv4_mapped)
     if not all(_public_v4(inner) for inner in embedded_ipv4(address)):
+        return False
+    if not any(address in network for network in _MAY_BE_PUBLIC_V6):
         return False
     return (
         address.is_global
