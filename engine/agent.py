@@ -464,7 +464,7 @@ class AgentRunner:
             raise
         except OSError as exc:
             outcome = ToolResult(ok=False, output="", error=f"{call.name} could not start: {exc}")
-        ran.ended = Ended.OK if outcome.ok else Ended.FAILED
+        ran.ended = Ended.INTERRUPTED if outcome.outcome_unknown else Ended.OK if outcome.ok else Ended.FAILED
         ran.exit_code = outcome.exit_code
         await self._finish_record(ran, "" if outcome.ok else (outcome.error or "failed"))
         await self.policy.ran(verdict, ok=outcome.ok, output=outcome.output, error=outcome.error)

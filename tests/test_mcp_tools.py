@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,12 @@ async def test_a_classified_tool_runs_without_a_card(tmp_path: Path) -> None:
         assert len(calls_logged(log, "lookup")) == 1
 
 
+def executions_of(tmp: Path, tool: str) -> list[str]:
+    """How each execution of ``tool`` ended, from the execution record (the store, read directly)."""
+    with sqlite3.connect(tmp / "state" / "kazma.db") as db:
+        return [str(r[0]) for r in db.execute("SELECT outcome FROM tool_executions WHERE tool = ?", (tool,))]
+
+
 async def test_a_crash_mid_call_is_a_clear_error_and_the_server_comes_back(tmp_path: Path) -> None:
     first, second = Seen(), Seen()
     extra = "tools: {tracker/crash: write, tracker/create_issue: write}\n"
@@ -124,6 +131,7 @@ async def test_a_crash_mid_call_is_a_clear_error_and_the_server_comes_back(tmp_p
         telegram.push_message(TG_CHAT, 42, "crash it", username="alice")
         await telegram.wait_until(lambda: bool(first.tool_messages), timeout=20)
         assert "failed during the call" in first.tool_messages[0]
+        assert executions_of(tmp_path, "tracker/crash") == ["interrupted"]
         assert len(calls_logged(log, "crash")) == 1
         await telegram.wait_until(lambda: connection.starts >= 2 and connection.session is not None, timeout=30)
         telegram.push_message(TG_CHAT, 42, "now file the bug", username="alice")
@@ -144,6 +152,9 @@ async def test_a_hung_call_times_out_and_the_server_restarts(tmp_path: Path) -> 
         telegram.push_message(TG_CHAT, 42, "hang", username="alice")
         await telegram.wait_until(lambda: bool(seen.tool_messages), timeout=20)
         assert "timed out after 1 s" in seen.tool_messages[0]
+        # Whether the server acted is unknown: its execution row says "may have run" (interrupted), not "ran, failed"
+        # (which a remembered approval would repeat without a word).
+        assert executions_of(tmp_path, "tracker/hang") == ["interrupted"]
         await telegram.wait_until(lambda: connection.starts >= 2 and connection.session is not None, timeout=30)
 
 

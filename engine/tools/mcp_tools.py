@@ -232,6 +232,7 @@ class MCPConnection:
                 error=f"{self.name}/{tool} timed out after {self.config.call_timeout_seconds:g} s; "
                 "the server is being restarted and may or may not have acted",
                 changed_state=True,
+                outcome_unknown=True,
             )
         except Exception as exc:
             from mcp import MCPError
@@ -243,6 +244,7 @@ class MCPConnection:
                     error=f"{self.name}/{tool}: {exc.message}. The tool may have acted.",
                     changed_state=True,
                     truncated=True,
+                    outcome_unknown=True,
                 )
             if isinstance(exc, MCPError) and "closed" not in str(exc).lower():
                 # the server answered with a protocol error: it is alive, the call failed
@@ -254,6 +256,7 @@ class MCPConnection:
                 error=f"the MCP server {self.name!r} failed during the call ({_describe(exc)}); "
                 "it is being restarted. The call may or may not have acted.",
                 changed_state=True,
+                outcome_unknown=True,
             )
         return _result(self.name, tool, result, self.config.max_output_chars)
 

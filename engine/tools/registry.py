@@ -40,6 +40,9 @@ class ToolResult:
     changed_state: bool = False
     truncated: bool = False
     exit_code: int | None = None  # a command's exit code, where the tool runs one (the execution record keeps it)
+    # Nobody can say whether it acted: the call went out and its answer never came (an MCP server that timed out or
+    # broke mid-call). Recorded as interrupted ("may have run"), not as a call that ran and failed.
+    outcome_unknown: bool = False
 
 
 class ToolArgs(BaseModel):
