@@ -415,6 +415,7 @@ class AgentRunner:
             result.tool_runs.append(ToolRun(call.name, call.arguments, False, refusal, refused=True))
             return f"Not run: {refusal}"
         notes = self.registry.notes(call.name)
+        shown = self.registry.definition(call.name)  # the tool as the card will show it
         earlier = await self._may_have_run(call, ctx)
         if earlier is not None:
             # The same call started here before and never finished: it may have run. A remembered approval must
@@ -435,6 +436,20 @@ class AgentRunner:
                 ToolRun(call.name, call.arguments, False, verdict.reason, refused=True, approval_id=verdict.request_id)
             )
             return f"Not run: {verdict.reason}" + denial_reason(verdict)
+        if self.registry.definition(call.name) != shown:
+            # Its server listed it again while the call waited (a new description, schema or default): the person
+            # approved a call of the tool as it was, not as it is now.
+            why = (
+                f"{call.name} changed on its server while the call waited for approval (its description, arguments "
+                "or hints are not what the card showed); nothing ran, ask again"
+            )
+            count_failure("tool_changed")
+            log.warning("agent.tool_changed", agent=ctx.agent.name, tool=call.name, approval=verdict.request_id)
+            await self.policy.ran(verdict, ok=False, output="", error=f"not run: {why}")
+            result.tool_runs.append(
+                ToolRun(call.name, call.arguments, False, why, refused=True, approval_id=verdict.request_id)
+            )
+            return f"Not run: {why}."
         tool_ctx = ToolContext(
             workspace=workspace_for(self.workspace_root, ctx.conversation),
             conversation=ctx.conversation,

@@ -80,6 +80,28 @@ async def test_deny_never_calls_the_server(tmp_path: Path) -> None:
         assert calls_logged(log) == []
 
 
+async def test_a_tool_redefined_on_its_server_while_its_call_waits_for_approval_does_not_run(tmp_path: Path) -> None:
+    # The approval binds the tool's name and the arguments; the server listed create_issue again meanwhile (a new
+    # description, and a new argument defaulting to public): the approved call ran against a tool nobody was shown.
+    seen = Seen()
+    async with kazma_with_tracker(tmp_path, [call("tracker__create_issue", ISSUE), seen.answer]) as (
+        app,
+        telegram,
+        log,
+    ):
+        assert app.mcp is not None
+        connection = app.mcp.connections["tracker"]
+        telegram.push_message(TG_CHAT, 42, "file the bug", username="alice")
+        await telegram.wait_until(lambda: bool(cards(telegram)), timeout=20)
+        before = connection.tools["create_issue"]
+        assert (await connection.call("redefine", {})).ok
+        await telegram.wait_until(lambda: connection.tools["create_issue"] != before, timeout=20)
+        await press(telegram, "a")
+        await telegram.wait_until(lambda: bool(seen.tool_messages), timeout=20)
+        assert "changed on its server while the call waited for approval" in seen.tool_messages[0]
+        assert calls_logged(log) == []  # create_issue never ran
+
+
 async def test_read_only_hint_never_lowers_the_level(tmp_path: Path) -> None:
     seen = Seen()
     async with kazma_with_tracker(tmp_path, [call("tracker__lookup", {"title": "x"}), seen.answer]) as (
@@ -203,7 +225,7 @@ async def _until(predicate: object) -> None:
 async def test_doctor_lists_a_servers_tools(tmp_path: Path) -> None:
     config, _log = tracker_config(tmp_path)
     names = await list_server_tools("tracker", config)
-    assert sorted(names) == ["crash", "create_issue", "grow", "hang", "lookup"]
+    assert sorted(names) == ["crash", "create_issue", "grow", "hang", "lookup", "redefine"]
 
 
 @pytest.mark.parametrize(

@@ -431,6 +431,9 @@ class MCPTool(Tool[MCPArgs]):
             "(the server's own words; Kazma does not rely on them).",
         )
 
+    def definition(self) -> object:
+        return self.listed  # its description, input schema and the server's hints, as last listed
+
     def refusal(self) -> str | None:
         if self.connection.session is None:
             return f"{self.name} is unavailable now: {self.connection.problem or 'its server is not connected'}"

@@ -82,6 +82,12 @@ class Tool(ABC, Generic[ArgsT]):
         """Why every call of this tool is refused before anyone is asked (None: calls may run)."""
         return None
 
+    def definition(self) -> object:
+        """What this tool is, as its source says it (None: fixed in Kazma's code). A tool whose definition may
+        change while it runs (an MCP server listing its tools again) returns a value compared before and after
+        a call waits for approval: a call runs only against the tool the person was shown."""
+        return None
+
 
 class UnknownToolError(LookupError):
     """A tool name that is not registered (a configuration mistake, so it is raised rather than returned)."""
@@ -157,6 +163,11 @@ class ToolRegistry:
     def notes(self, name: str) -> tuple[str, ...]:
         tool = self._tools.get(name)
         return () if tool is None else tool.notes()
+
+    def definition(self, name: str) -> object:
+        """``name``'s definition now (see Tool.definition); None for a tool that is not registered."""
+        tool = self._tools.get(name)
+        return None if tool is None else (type(tool), tool.definition())
 
     def refusal(self, name: str) -> str | None:
         tool = self._tools.get(name)
