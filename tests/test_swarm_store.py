@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import sqlite3
+import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,6 +25,7 @@ import pytest
 from kazma.config.metrics import failure_count
 from kazma.config.store.database import apply_migrations, connect
 from kazma.engine.swarm.endings import ending_lines
+from kazma.engine.swarm.owners import this_terminal
 from kazma.engine.swarm.store import (
     MIGRATIONS,
     PG_MIGRATIONS,
@@ -595,3 +597,24 @@ async def test_a_task_id_never_starts_with_a_dash(tmp_path: Path, monkeypatch: p
     async with opened(tmp_path / "s.db") as store:
         run = await admit(store)
     assert run.task_id == "EGGT4WeXA1tx"
+
+
+async def test_recover_leaves_a_task_a_live_terminal_runs_and_ends_one_whose_terminal_is_gone(
+    store_engine: Engine,
+) -> None:
+    # `kazma run` starting while `kazma swarm dispatch …` ran its task in a terminal marked that live task
+    # interrupted: its worker went on, its real result was refused, the row kept "interrupted".
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)  # fmt: skip
+    dead_owner = this_terminal().rsplit(":", 2)[0] + f":{gone.stdout.strip()}:1"
+    async with opened(store_engine) as store:
+        store.replica = this_terminal()  # as `kazma swarm …` sets it
+        live = await admit(store)
+        store.replica = dead_owner
+        dead = await admit(store)
+    async with opened(store_engine) as store:  # `kazma run` starting on the same store
+        assert [t.task_id for t in await store.recover()] == [dead.task_id]
+        record = await store.get(live.task_id)
+        assert record is not None
+        assert record.status is TaskStatus.RUNNING
+        assert await store.finish(live, TaskStatus.SUCCEEDED, result={"output": "ok"}, error=None)

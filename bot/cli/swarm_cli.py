@@ -25,6 +25,7 @@ from kazma.engine.swarm.commands import ASK_AGAIN, started_task
 from kazma.engine.swarm.endings import ending_lines
 from kazma.engine.swarm.grammar import USAGES, parse
 from kazma.engine.swarm.limits import LimitExceeded, check_context
+from kazma.engine.swarm.owners import this_terminal
 from kazma.engine.swarm.records import task_json
 from kazma.engine.swarm.registry import for_verb, registered
 from kazma.engine.swarm.syntax import GrammarError
@@ -68,6 +69,8 @@ async def _execute(loaded: LoadedConfig, text: str, login: str, context: str = "
     send within five minutes, which a new process for each command could never make."""
     # No platform is started from the CLI: results are printed here, cards need `kazma run`.
     app = await build_app(loaded, adapters=[])
+    # The tasks this process runs are marked as its own: `kazma run` starting meanwhile leaves them running.
+    app.swarm.store.replica = this_terminal()
     try:
         swarm = app.conversations.swarm
         assert swarm is not None

@@ -34,6 +34,7 @@ from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 from kazma.engine.swarm.call_records import TASK_WORKER, CallRecords
 from kazma.engine.swarm.metrics import swarm_failure
+from kazma.engine.swarm.owners import held_by_a_terminal
 from kazma.engine.swarm.types import ErrorKind, TaskStatus, WorkerResult
 
 log = structlog.get_logger("kazma.swarm")
@@ -880,7 +881,8 @@ class SwarmTaskStore(CallRecords):
         Call it once at start, before this process admits work, and only when no
         other live process shares the file — it cannot tell their runs from dead ones.
         Among replicas the leader passes ``live`` (the replicas alive now): only tasks a replica that is
-        gone was running are interrupted (a task with no replica recorded is left).
+        gone was running are interrupted (a task with no replica recorded is left). A task a terminal runs
+        (``kazma swarm …``) is left while that terminal is alive (:mod:`~kazma.engine.swarm.owners`).
         """
 
         async def body(db: SqlStatements) -> builtins.list[InterruptedTask]:
@@ -892,6 +894,8 @@ class SwarmTaskStore(CallRecords):
             changed: builtins.list[InterruptedTask] = []
             for task_id, pattern, generation, step, owner, route, replica in rows:
                 if live is not None and (replica is None or replica in live):
+                    continue
+                if held_by_a_terminal(replica):  # `kazma swarm …` runs it, alive (see owners)
                     continue
                 reason = interrupted_reason(str(step))
                 existing = await db.one("SELECT result_json FROM swarm_tasks WHERE id = ?", (task_id,))
