@@ -319,6 +319,14 @@ async def test_checkpoint_rejected_ends_the_task(tmp_path: Path) -> None:
         assert answer.startswith("Denied.")
         assert await finished(r.service, task) is TaskStatus.CANCELLED
         assert r.workers["refiner"].seen == []
+        # Its row and its chat say how it ended (it read "cancelled by telegram:111", and only the home chats'
+        # progress lines said "rejected": the chat that asked for the work heard nothing).
+        record = await r.service.store.get(task)
+        assert record is not None
+        assert record.error == "ended at its checkpoint: rejected"
+        async with asyncio.timeout(10):
+            while not any(t == "telegram:-1001" and "ended at its checkpoint: rejected" in m for t, m in r.delivered):
+                await asyncio.sleep(0.01)
 
 
 async def test_checkpoint_deadline_auto_rejects(tmp_path: Path) -> None:
@@ -329,6 +337,12 @@ async def test_checkpoint_deadline_auto_rejects(tmp_path: Path) -> None:
         clock.advance(601)
         assert await finished(r.service, task) is TaskStatus.CANCELLED
         assert r.workers["refiner"].seen == []
+        record = await r.service.store.get(task)
+        assert record is not None
+        assert record.error == "ended at its checkpoint: timeout"
+        async with asyncio.timeout(10):
+            while not any("ended at its checkpoint: timeout" in m for _, m in r.delivered):
+                await asyncio.sleep(0.01)
 
 
 async def test_paused_pipeline_survives_a_restart(tmp_path: Path) -> None:

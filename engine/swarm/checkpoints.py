@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -78,12 +78,15 @@ class Checkpoints:
         approvals: ApprovalService | None,
         capacity: asyncio.Event,  # set whenever a task stops running in this process
         report: Callable[[str], None],
+        ended: Callable[[str, str], Awaitable[None]] | None = None,
     ) -> None:
         self.store = store
         self.config = config
         self.approvals = approvals
         self.capacity = capacity
         self.report = report
+        # says a task's ending at its checkpoint where its result would have gone (task id, the ending's line)
+        self.ended = ended
         self._shared: bool | None = None  # the task store and the approvals write to one database
 
     async def pause(self, run: TaskRun, conversation: str, index: int, result: WorkerResult) -> TaskRun | None:
@@ -263,9 +266,16 @@ class Checkpoints:
         why = "rejected" if outcome.status is Status.DENIED else outcome.status.value
         if forged is not None:
             why = f"refused: {forged}"
+        line = f"swarm task {task_id} ended at its checkpoint: {why} ({outcome.summary()})"
+        ended = False
         with contextlib.suppress(UnknownTask):
-            await self.store.cancel(task_id, actor=outcome.decided_by or "the checkpoint deadline")
-        self.report(f"swarm task {task_id} ended at its checkpoint: {why} ({outcome.summary()})")
+            ended = await self.store.cancel(
+                task_id, actor=outcome.decided_by or "the checkpoint deadline", error=f"ended at its checkpoint: {why}"
+            )
+        if ended and self.ended is not None:
+            await self.ended(task_id, line)  # its chat (or route) hears it, as it would have heard its result
+        else:
+            self.report(line)
         return None
 
     async def _resume_when_room(self, task_id: str) -> TaskRun | None:

@@ -190,7 +190,27 @@ class SwarmService:
         )
         for name in self.workers:
             self.calls.breaker(name)
-        self.checkpoints = Checkpoints(self.store, self.config, self.approvals, self._capacity, self._report)
+        self.checkpoints = Checkpoints(
+            self.store, self.config, self.approvals, self._capacity, self._report, ended=self._ended_at_checkpoint
+        )
+
+    async def _ended_at_checkpoint(self, task_id: str, line: str) -> None:
+        """A pipeline rejected (or timed out, or refused) at its checkpoint: said in the progress lines and, like a
+        result, in its chat or its route."""
+        try:
+            record = await self.store.get(task_id)
+        except StoreUnavailable as exc:
+            swarm_failure("deliver")
+            log.warning("swarm.ending_unread", task_id=task_id, error=str(exc))
+            record = None
+        if record is None:
+            self._report(line)
+            return
+        execution = await self._execution(task_id)
+        message = "\n".join([line, *ending_lines(record)])
+        if not any(text.startswith("tools:") for text in message.splitlines()):
+            message += f"\ntools: {execution.line()}"
+        await self._say_ending(request_from(record), line, message)
 
     async def restore_breakers(self) -> list[str]:
         """Breakers as they were saved before this start; returns the workers still resting."""

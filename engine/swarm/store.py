@@ -823,8 +823,10 @@ class SwarmTaskStore(CallRecords):
         actor: str,
         result: dict[str, Any] | None = None,
         only: Iterable[TaskStatus] | None = None,
+        error: str | None = None,
     ) -> bool:
-        """An operator cancels a RUNNING or PAUSED task, whatever its generation.
+        """An operator cancels a RUNNING or PAUSED task, whatever its generation (``error``: what its row says of
+        why, "cancelled by <actor>" unless given).
 
         False when the task already ended. Later writes of its run are refused as
         stale; stopping the coroutine itself is the caller's job. Raises :class:`UnknownTask`.
@@ -843,7 +845,15 @@ class SwarmTaskStore(CallRecords):
                 "UPDATE swarm_tasks SET status = ?, error = ?, result_json = COALESCE(?, result_json),"  # noqa: S608
                 " updated_at = ?, finished_at = ?"
                 f" WHERE id = ? AND status IN ({', '.join('?' for _ in sources)})",
-                (TaskStatus.CANCELLED.value, f"cancelled by {actor}", result_json, now, now, task_id, *sources),
+                (
+                    TaskStatus.CANCELLED.value,
+                    error or f"cancelled by {actor}",
+                    result_json,
+                    now,
+                    now,
+                    task_id,
+                    *sources,
+                ),
             )
             if changed == 0 and await db.one("SELECT 1 FROM swarm_tasks WHERE id = ?", (task_id,)) is None:
                 raise UnknownTask(task_id)
