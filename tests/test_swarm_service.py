@@ -680,3 +680,16 @@ async def test_a_stage_the_journal_still_refuses_at_the_checkpoint_ends_the_task
         assert "stage 1 (researcher)'s result could not be recorded" in (record.error or "")
         assert "pausing at the checkpoint would run it again after a restart" in (record.error or "")
         assert r.publisher.published == []  # no checkpoint card for a pause that did not happen
+
+
+async def test_a_route_on_a_command_that_starts_no_work_posts_its_answer_there(tmp_path: Path) -> None:
+    # Help says "End any command with -> <platform>:<chat> to post the result in another chat": for status,
+    # history or workers the route was accepted (admins only) and then ignored, the answer given in place.
+    async with rig(tmp_path / "a.db") as r:
+        commands = SwarmCommands(r.service, r.service.config)
+        answer = await commands.run("workers -> telegram:-100999", actor="telegram:111", platform="telegram",
+                                    chat="-1001", is_admin=True)  # fmt: skip
+        assert answer == "Posted to telegram:-100999."
+        [(target, text)] = r.delivered
+        assert target == "telegram:-100999"
+        assert "researcher: breaker closed" in text

@@ -14,6 +14,7 @@ from kazma.config.address import Address
 from kazma.config.models import KazmaConfig
 from kazma.engine.swarm.call_records import CallRecord
 from kazma.engine.swarm.endings import ending_lines, execution_of
+from kazma.engine.swarm.metrics import swarm_failure
 from kazma.engine.swarm.patterns import handoff_paths
 from kazma.engine.swarm.roles import authorize
 from kazma.engine.swarm.service import SwarmService, request_from
@@ -49,7 +50,7 @@ class SwarmCommands:
 
         ``context`` (``kazma swarm --context-file``) goes with work the command starts, fenced as data.
         """
-        from kazma.engine.swarm.grammar import parse  # the grammar: imported by the first /swarm command
+        from kazma.engine.swarm.grammar import RetryCommand, parse  # imported by the first /swarm command
 
         try:
             command = parse(text, workers=self.config.agents.workers, pipelines=self.config.pipelines)
@@ -61,13 +62,28 @@ class SwarmCommands:
             return refusal.message
         log.info("swarm.command", verb=command.verb, actor=actor, platform=platform)
         try:
-            return await self._execute(command, actor=actor, platform=platform, chat=chat, context=context)
+            answer = await self._execute(command, actor=actor, platform=platform, chat=chat, context=context)
+            if command.route is None or isinstance(command, StartCommand | RetryCommand):
+                return answer  # (work's route is where its result goes, when it comes)
+            return await self._posted(command.route.conversation, answer)
         except SwarmRefused as exc:
             return f"Not started: {exc}"
         except StoreUnavailable as exc:
             # the person always hears back: a store that cannot answer is said, never swallowed
             log.error("swarm.command_store_unavailable", verb=command.verb, error=str(exc))
             return f"The swarm's task store is unavailable ({exc.operation}); nothing changed, send again."
+
+    async def _posted(self, target: str, answer: str) -> str:
+        """A command's answer posted in the chat its route names (help: "to post the result in another chat")."""
+        if self.service.deliver is None:
+            return f"{answer}\n(not posted to {target}: no platform runs in this process; `kazma run` posts there)"
+        try:
+            await self.service.deliver(target, answer)
+        except Exception as exc:
+            swarm_failure("deliver")
+            log.warning("swarm.deliver_failed", target=target, error=str(exc))
+            return f"{answer}\n(could not be posted to {target}: {exc})"
+        return f"Posted to {target}."
 
     async def _execute(self, command: SwarmCommand, *, actor: str, platform: str, chat: str, context: str) -> str:
         from kazma.engine.swarm import grammar as g  # imported already: run() parsed the command with it
