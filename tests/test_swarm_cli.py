@@ -6,6 +6,7 @@ import asyncio
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from kazma.bot.cli.cli_identity import system_login
@@ -113,5 +114,38 @@ async def test_a_retry_from_the_terminal_runs_the_new_task_and_a_risky_one_is_co
         assert confirmed.returncode == 0, confirmed.stdout + confirmed.stderr
         assert f"swarm task {second} retried as " in confirmed.stdout
         assert "succeeded: built it a third time" in confirmed.stdout.splitlines()
+    finally:
+        await model.stop()
+
+
+async def test_the_terminal_shows_and_resets_the_breakers_kazma_saved(tmp_path: Path) -> None:
+    # The terminal never read the saved breakers: `workers` said "closed" for one saved open, and a reset said
+    # "it was closed" while saving closed over it.
+    model = FakeOpenAI(models=("llama3.1",))
+    await model.start()
+    try:
+        config = tmp_path / "kazma.yaml"
+        me = system_login()
+        config.write_text(
+            f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
+            f"model: {{base_url: '{model.base_url}', max_retries: 0}}\n"
+            f"people: {{ops: {{cli: '{me}'}}}}\n"
+            "approvals: {approvers: [ops]}\n"
+        )
+        first = await asyncio.to_thread(kazma, config, "workers")  # creates the store
+        assert first.returncode == 0, first.stderr
+        with sqlite3.connect(tmp_path / "k.db") as db:  # what a kazma run whose builder kept failing saved
+            db.execute(
+                "INSERT INTO swarm_breakers (worker, state, failures, retry_at, updated_at) VALUES (?, ?, ?, ?, ?)",
+                ("builder", "open", 5, time.time() + 600, time.time()),
+            )
+        shown = await asyncio.to_thread(kazma, config, "workers")
+        assert "builder: breaker open" in shown.stdout, shown.stdout
+        reset = await asyncio.to_thread(kazma, config, "--as", "ops", "breaker", "reset", "builder")
+        assert reset.returncode == 0, reset.stderr
+        assert "builder's breaker is closed (it was open)" in reset.stdout, reset.stdout
+        assert "a running `kazma run` keeps its own breaker" in reset.stderr
+        again = await asyncio.to_thread(kazma, config, "workers")
+        assert "builder: breaker closed" in again.stdout, again.stdout
     finally:
         await model.stop()

@@ -72,6 +72,9 @@ async def _execute(loaded: LoadedConfig, text: str, login: str, context: str = "
     # The tasks this process runs are marked as its own: `kazma run` starting meanwhile leaves them running.
     app.swarm.store.replica = this_terminal()
     try:
+        # Breakers are per process, saved for its next start: what this one shows and resets starts from the
+        # saved states (every breaker showed closed here, and a reset saved "closed" over an open one unseen).
+        await app.swarm.restore_breakers()
         swarm = app.conversations.swarm
         assert swarm is not None
 
@@ -82,6 +85,12 @@ async def _execute(loaded: LoadedConfig, text: str, login: str, context: str = "
 
         answer = await send()
         click.echo(answer)
+        if text.split()[:2] == ["breaker", "reset"] and "'s breaker is closed" in answer:
+            click.echo(
+                "(saved for the next start; a running `kazma run` keeps its own breaker until then: reset it there "
+                "with /swarm breaker reset)",
+                err=True,
+            )
         if confirm is not None and ASK_AGAIN in answer:
             if not (confirm or (sys.stdin.isatty() and click.confirm("Run it anew?", err=True))):
                 click.echo("Not retried: run it again with --yes to run it anew.", err=True)
