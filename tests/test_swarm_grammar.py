@@ -265,6 +265,9 @@ MALFORMED: list[tuple[str, str]] = [
     ),
     ("consult refiner,builder,refiner go", "worker 'refiner' is listed twice"),
     ("pipeline builder,Builder go", "worker 'builder' is listed twice"),
+    # options a steering command would drop (they were read and ignored: the person saw nothing happen)
+    ("cancel --deadline 5 abcd", "cancel takes a task id only: --deadline would change nothing"),
+    ("retry --expect json abcd", "retry takes a task id only: --expect would change nothing"),
     # routes
     ("-> telegram:1", "a route needs a command before it: /swarm <subcommand> … -> <platform>:<chat>"),
     ("  -> slack:C0123ABCD  ", "a route needs a command before it"),

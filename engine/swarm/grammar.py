@@ -257,7 +257,9 @@ def _own(verb: str, p: Arguments, rest: str) -> SwarmCommand:
             if not rest.isdigit() or not 1 <= int(rest) <= 366:
                 raise p.fail("metrics takes a number of days from 1 to 366")
             return MetricsCommand(int(rest))
-    _, rest = p.options(rest)  # as every steering subcommand has always: leading options are read, then dropped
+    given, rest = p.options(rest)
+    if given:  # read, and then dropped, they would have done nothing the person could see
+        raise p.fail(f"{verb} takes a task id only: {', '.join('--' + name for name in given)} would change nothing")
     match verb:
         case "cancel":
             return CancelCommand(p.task_id(rest))
