@@ -210,6 +210,11 @@ async def test_a_result_the_store_refuses_is_kept_reported_shown_and_stored_late
             assert "status: succeeded" in shown["check_swarm_task"]
             assert "the script is written: build.sh" in shown["delivered"]
             assert "succeeded" in shown["console"]
+            # /swarm list and tasks read the rows: they said "running" where /swarm status said succeeded.
+            assert record.id not in await r.send("list")
+            tasks = await r.send("tasks")
+            assert record.id in tasks
+            assert "running" not in next(line for line in tasks.splitlines() if record.id in line)
         finally:
             await locker.unlock()
         async with asyncio.timeout(20):  # the store answers again: the kept ending is written

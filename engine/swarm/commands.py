@@ -103,14 +103,19 @@ class SwarmCommands:
             return _describe(record, command.task_id, calls)
         if isinstance(command, g.TasksCommand):
             if command.worker is None:
-                return "\n".join(_line(r) for r in await service.store.list(limit=20)) or "no swarm tasks yet"
-            found = await service.store.tasks_of(command.worker, limit=20)
+                listed = service.as_ended(await service.store.list(limit=20))
+                return "\n".join(_line(r) for r in listed) or "no swarm tasks yet"
+            found = service.as_ended(await service.store.tasks_of(command.worker, limit=20))
             return "\n".join(_line(r) for r in found) or f"no swarm task named or ran {command.worker}"
         if isinstance(command, g.ListCommand):
-            records = [
-                *await service.store.list(TaskStatus.RUNNING, limit=20),
-                *await service.store.list(TaskStatus.PAUSED, limit=20),
-            ]
+            # An ending kept here while the store refused it is laid over its row, as /swarm status does: ended.
+            records = service.as_ended(
+                [
+                    *await service.store.list(TaskStatus.RUNNING, limit=20),
+                    *await service.store.list(TaskStatus.PAUSED, limit=20),
+                ]
+            )
+            records = [r for r in records if not r.status.terminal]
             return "\n".join(_line(r) for r in records) or "no running or paused swarm tasks"
         if isinstance(command, g.HistoryCommand):
             return "\n".join(_line(r) for r in await service.store.history(limit=20)) or "no swarm tasks yet"
