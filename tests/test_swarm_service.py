@@ -693,3 +693,23 @@ async def test_a_route_on_a_command_that_starts_no_work_posts_its_answer_there(t
         [(target, text)] = r.delivered
         assert target == "telegram:-100999"
         assert "researcher: breaker closed" in text
+
+
+async def test_every_paused_pipeline_waits_again_after_a_restart_even_past_a_lowered_limit(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    async with rig(path) as r:
+        first = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        await paused(r, first)
+        second = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        async with asyncio.timeout(20):
+            while len(r.publisher.published) < 2:
+                await asyncio.sleep(0.01)
+        cards = {card.request_id: card for card in r.publisher.published}
+    lowered = load_config_text(CONFIG.replace("max_parallel: 4}", "max_parallel: 4, max_paused_pipelines: 1}")).config
+    async with rig(path, config=lowered) as r:  # restarted with room for one paused pipeline
+        await r.service.recover()
+        for card in cards.values():  # the older card too
+            await r.approvals.decide_from_button(card.button_data(Decision.APPROVE), actor="telegram:111",
+                                                 platform="telegram")  # fmt: skip
+        assert await finished(r.service, first) is TaskStatus.SUCCEEDED
+        assert await finished(r.service, second) is TaskStatus.SUCCEEDED

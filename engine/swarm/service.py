@@ -825,7 +825,9 @@ class SwarmService:
             lines.append(f"{worker} is still resting after repeated failures (its breaker was open before the restart)")
         try:
             interrupted = await self.store.recover()
-            paused = await self.store.list(TaskStatus.PAUSED, limit=self.config.swarm.max_paused_pipelines)
+            # Every paused one, not just as many as may be paused now: with the limit lowered across a restart, an
+            # Approve on an older card was recorded and nothing resumed it.
+            paused = await self.store.list(TaskStatus.PAUSED, limit=max(1, await self.store.count(TaskStatus.PAUSED)))
         except StoreUnavailable as exc:  # nothing was changed: the next start (or sweep) recovers them
             swarm_failure("recovery_read")
             log.warning("swarm.recovery_unread", error=str(exc))
