@@ -5,6 +5,7 @@ and ``kazma doctor``."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from urllib.parse import quote
 
@@ -18,12 +19,13 @@ from kazma.adapters.matrix import MatrixAdapter
 from kazma.adapters.matrix.doctor import check as check_matrix
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE
 from kazma.adapters.matrix.position import ACCOUNT_DATA_TYPE
+from kazma.adapters.matrix.render import CARD_BUDGET, EDIT_POINTER, edit_content, render_card
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.platform_cli import Level
 from kazma.approvals.model import Decision
 from kazma.config.metrics import failure_count
 from kazma.config.models import MatrixConfig
-from tests.contract.harness import MatrixHarness, make_card
+from tests.contract.harness import MatrixHarness, make_card, outcome_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*retry_after.*:telegram.warnings.PTBDeprecationWarning")
 
@@ -405,3 +407,39 @@ async def test_an_upgraded_room_is_served_as_its_replacement(harness: MatrixHarn
         e["content"].get("body") for e in events if e.get("sender") == bot.user_id and e["type"] == "m.room.message"
     ]
     assert said == ["sent to the old room's id"]
+
+
+# --------------------------------------------------------------------------- cards at their budget
+
+
+def test_an_edit_carries_the_card_once_so_it_fits_where_the_post_fits() -> None:
+    card = make_card({"script": "echo one line of a long script\n" * 6_000}, value_limit=500_000)
+    for outcome in (None, outcome_of(card)):
+        laid = render_card(card, outcome=outcome)
+        edit = edit_content(laid.written, laid.view, "$card")
+        assert edit["m.new_content"] == laid.written.content()
+        assert len(json.dumps(laid.written.content(), ensure_ascii=False).encode()) <= CARD_BUDGET
+        # the fallback a client without edits shows: one line pointing at the card, never the card again
+        assert len(json.dumps(edit, ensure_ascii=False).encode()) <= CARD_BUDGET + 1_000
+        assert "\n" not in edit["body"]
+        assert edit["body"].endswith(EDIT_POINTER)
+    assert edit["body"].startswith("* APPROVED by telegram:111")
+
+
+async def test_a_card_laid_out_at_its_budget_is_updated_and_settled(harness: MatrixHarness) -> None:
+    """The post is sized to fit one event; its edits must fit too (the homeserver refuses an event over 64 KiB
+    with M_TOO_LARGE, which no retry mends: the bus would give the settle up while the card shows Approve)."""
+    adapter = await harness.start()
+    card = make_card({"script": "echo one line of a long script\n" * 6_000}, value_limit=500_000)
+    ref = await adapter.post_card(card)
+    posted = await asyncio.to_thread(harness.people[harness.admin].event, ref.chat, ref.message_id)
+    size = len(json.dumps(posted["content"], ensure_ascii=False).encode())
+    assert CARD_BUDGET - 2_000 < size <= CARD_BUDGET  # the card is at its budget: the test means something
+    offered = harness.card(ref).buttons  # cut to fit, so Deny alone (approved where the whole call is shown)
+    assert offered
+    await adapter.update_card(ref, card)  # a policy's progress: the card as it is now, reactions kept
+    assert harness.card(ref).buttons == offered
+    await adapter.settle_card(ref, card, outcome_of(card))
+    shown = harness.card(ref)
+    assert shown.text.startswith("APPROVED")
+    assert shown.buttons == []

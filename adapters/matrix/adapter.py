@@ -46,6 +46,7 @@ from kazma.adapters.matrix.render import (
     TEXT_LIMIT,
     Choice,
     MatrixCard,
+    edit_content,
     json_units,
     legend,
     message_content,
@@ -607,16 +608,9 @@ class MatrixAdapter(PlatformBase):
     ) -> bool:
         client = self._api(site)
         written: MatrixCard = laid.written
-        new = written.content()
-        content = {
-            **{k: v for k, v in new.items() if k != CHOICES_KEY},
-            "body": f"* {written.body}",
-            "formatted_body": f"* {written.html}",
-            "m.new_content": new,
-            "m.relates_to": {"rel_type": "m.replace", "event_id": ref.message_id},
-        }
+        content = edit_content(written, laid.view, ref.message_id)
         # The same edit twice is one transaction: a settle repeated after a restart is one edit on the room.
-        txn = f"kazma-edit-{_short(ref.message_id)}-{_short(json.dumps(new, sort_keys=True))}"
+        txn = f"kazma-edit-{_short(ref.message_id)}-{_short(json.dumps(content['m.new_content'], sort_keys=True))}"
         await self.call(site, ref.chat, lambda: self._send(client, ref.chat, content, txn=txn))
         return True
 
