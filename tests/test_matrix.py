@@ -16,6 +16,7 @@ import structlog
 from kazma.adapters.admission import DirectPolicy
 from kazma.adapters.contract import PlatformError
 from kazma.adapters.matrix import MatrixAdapter
+from kazma.adapters.matrix import adapter as matrix_adapter
 from kazma.adapters.matrix.doctor import check as check_matrix
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE
 from kazma.adapters.matrix.position import ACCOUNT_DATA_TYPE
@@ -25,6 +26,7 @@ from kazma.adapters.platform_cli import Level
 from kazma.approvals.model import Decision
 from kazma.config.metrics import failure_count
 from kazma.config.models import MatrixConfig
+from kazma.config.waits import until_set
 from tests.contract.harness import MatrixHarness, make_card, outcome_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*retry_after.*:telegram.warnings.PTBDeprecationWarning")
@@ -167,6 +169,28 @@ async def test_the_homeservers_own_429_is_waited_out_and_every_message_sent_once
         assert sent == [f"burst {index}" for index in range(8)]
     finally:
         await adapter.stop()
+
+
+async def test_a_429_on_sync_waits_as_long_as_the_homeserver_asks(
+    harness: MatrixHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    waits: list[float] = []
+
+    async def waiting(event: asyncio.Event, seconds: float | None) -> bool:
+        waits.append(seconds or 0.0)
+        return await until_set(event, 0.05)  # what was asked is recorded; the test need not wait it out
+
+    monkeypatch.setattr(matrix_adapter, "until_set", waiting)
+    await harness.start()
+    harness.proxy.fail("GET", r"/sync$", 429, retry_after_ms=7_000)
+    await harness.say(harness.home, harness.admin, "wakes the long poll; the next sync meets the 429")
+    await texts_arrived(harness, 1)
+    async with asyncio.timeout(30):
+        while not waits:
+            await asyncio.sleep(0.05)
+    assert waits[0] == 7.0
+    await harness.say(harness.home, harness.admin, "after")
+    assert await texts_arrived(harness, 2) == ["wakes the long poll; the next sync meets the 429", "after"]
 
 
 # --------------------------------------------------------------------------- reactions

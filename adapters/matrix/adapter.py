@@ -233,8 +233,10 @@ class MatrixAdapter(PlatformBase):
                 await self._take(await self._filled(client, asking.result(), self._kept.since))
             except Exception as exc:  # the batch comes again, from what was kept of it
                 failures += 1
-                self.failed("sync", None, self.classify("sync", exc))
-                await until_set(self._stop_sync, min(2.0 ** min(failures, 5), 30.0))
+                error = self.classify("sync", exc)
+                self.failed("sync", None, error)
+                # Backing off, and never sooner than a 429 asked (its retry_after_ms).
+                await until_set(self._stop_sync, max(min(2.0 ** min(failures, 5), 30.0), error.retry_after or 0.0))
                 continue
             failures = 0
 
