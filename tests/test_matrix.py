@@ -221,6 +221,23 @@ async def test_a_reaction_with_the_variation_selector_is_the_same_press(harness:
     assert press.data == card.button_data(Decision.APPROVE)
 
 
+async def test_a_press_whose_card_the_homeserver_failed_to_show_once_is_taken_when_the_batch_comes_again(
+    harness: MatrixHarness,
+) -> None:
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await adapter.stop()
+    await harness.start()  # a new process: it reads which reaction means what from the card on the homeserver
+    before = failure_count("sync", "matrix")
+    harness.proxy.fail("GET", r"/rooms/[^/]+/event/", 500, times=1)
+    await harness.press(ref, card.button_data(Decision.APPROVE), harness.admin)
+    [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses, timeout=30)
+    assert press.data == card.button_data(Decision.APPROVE)
+    assert harness.proxy.count("GET", r"/rooms/[^/]+/event/") == 2
+    assert failure_count("sync", "matrix") == before + 1  # the batch failed once and came again
+
+
 async def test_deny_with_a_reason_is_asked_then_taken_from_the_pressers_reply(harness: MatrixHarness) -> None:
     adapter = await harness.start()
     card = make_card({"path": "/tmp/x"})

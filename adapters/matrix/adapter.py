@@ -413,7 +413,11 @@ class MatrixAdapter(PlatformBase):
     # ----------------------------------------------------------------- presses
 
     async def _choices_of(self, room: str, event_id: str) -> dict[str, str]:
-        """Which key means which data on ``event_id``: only an event the bot itself sent has any."""
+        """Which key means which data on ``event_id``: only an event the bot itself sent has any.
+
+        An event the homeserver says is not there (or not to be seen by the bot) is no card. A failure that may
+        pass (a 5xx, no answer) raises: the batch is taken again from the kept position, so the reaction is read
+        again rather than dropped (the homeserver would not take the same reaction from that person twice)."""
         known = self._choices.get(event_id)
         if known is not None:
             return known
@@ -422,7 +426,9 @@ class MatrixAdapter(PlatformBase):
             event = await self.call(
                 "press", None, lambda: client.api.request(Method.GET, Path.v3.rooms[room].event[event_id]), paced=False
             )
-        except PlatformError:
+        except PlatformError as exc:
+            if exc.retryable:
+                raise
             return {}
         if event.get("sender") != self.user_id:
             return {}
