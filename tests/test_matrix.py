@@ -348,6 +348,39 @@ async def test_the_bot_joins_a_direct_room_only_from_someone_dm_policy_allows(ha
     assert allowed in direct[harness.admin]  # kept with the account, as clients keep direct rooms
 
 
+async def joined_rooms(harness: MatrixHarness) -> list[str]:
+    answer = await asyncio.to_thread(harness.bot.request, "GET", "/_matrix/client/v3/joined_rooms")
+    return list(answer["joined_rooms"])
+
+
+async def until_joined(harness: MatrixHarness, room: str) -> None:
+    async with asyncio.timeout(30):
+        while room not in await joined_rooms(harness):
+            await asyncio.sleep(0.1)  # polled: the bot's membership is the homeserver's
+
+
+async def test_an_invite_whose_join_failed_once_is_joined_when_the_batch_comes_again(harness: MatrixHarness) -> None:
+    alice = harness.people[harness.admin]
+    room = await asyncio.to_thread(alice.create_room, name="served, invited later")
+    await harness.start(chats=[harness.home, room])
+    harness.proxy.fail("POST", r"/join$", 502, times=1)
+    path = f"/_matrix/client/v3/rooms/{quote(room)}/invite"
+    await asyncio.to_thread(alice.request, "POST", path, {"user_id": harness.bot.user_id})
+    await until_joined(harness, room)
+    assert harness.proxy.count("POST", r"/join$") == 2
+
+
+async def test_an_invite_seen_at_the_first_start_whose_join_failed_once_is_joined(harness: MatrixHarness) -> None:
+    """The first start's sync is the only one that shows an invite made before it: a join that fails there is
+    tried again before the position moves past that sync."""
+    alice = harness.people[harness.admin]
+    room = await asyncio.to_thread(alice.create_room, invite=[harness.bot.user_id], name="invited before start")
+    harness.proxy.fail("POST", r"/join$", 502, times=1)
+    await harness.start(chats=[harness.home, room])
+    await until_joined(harness, room)
+    assert harness.proxy.count("POST", r"/join$") == 2
+
+
 async def test_a_position_the_homeserver_would_not_keep_repeats_nothing(harness: MatrixHarness) -> None:
     await harness.start()
     before = failure_count("sync", "matrix")

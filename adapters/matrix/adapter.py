@@ -180,14 +180,27 @@ class MatrixAdapter(PlatformBase):
         position = self._position
         assert position is not None
         kept = await position.load()
+        first: dict[str, Any] | None = None
         if kept is None:  # the first start: begin now, never answering the room's history
             first = await self._sync(client, None, timeout=0)
             kept = Position(str(first["next_batch"]), ())
-            await position.save(kept)
-            await self._invites(first)
+            try:
+                await self._begin(first)
+                first = None
+            except Exception as exc:  # tried again by the sync loop, before anything else
+                self.failed("sync", None, self.classify("sync", exc))
         self._stop_sync = asyncio.Event()
-        self._syncing = asyncio.create_task(self._sync_loop(client, kept), name="matrix-sync")
+        self._syncing = asyncio.create_task(self._sync_loop(client, kept, first), name="matrix-sync")
         log.info("matrix.syncing", user=self.user_id, since=kept.since)
+
+    async def _begin(self, first: dict[str, Any]) -> None:
+        """Take the first sync ever: its invites (the only sync that shows an invite made before it), then keep
+        where it ends. A join that fails for now raises before the position is kept, so it is tried again (in
+        this process by the sync loop, else by the next start, which is a first one again)."""
+        position = self._position
+        assert position is not None
+        await self._invites(first)
+        await position.save(Position(str(first["next_batch"]), ()))
 
     async def _close_ingress(self) -> None:
         """Stop syncing between two batches (a batch under way is handed to the kit first)."""
@@ -216,21 +229,18 @@ class MatrixAdapter(PlatformBase):
             answer = await client.api.request(Method.GET, Path.v3.sync, query_params=query, retry_count=0)
         return dict(answer)
 
-    async def _sync_loop(self, client: ClientAPI, kept: Position) -> None:
+    async def _sync_loop(self, client: ClientAPI, kept: Position, first: dict[str, Any] | None = None) -> None:
+        """Sync and take each batch in, backing off after a failure (``first``: the first sync ever, not yet
+        taken, see :meth:`_begin`)."""
         self._kept = kept
         failures = 0
         while not self._stop_sync.is_set():
-            asking = asyncio.create_task(self._sync(client, self._kept.since, timeout=self.poll_timeout))
-            stopping = asyncio.create_task(self._stop_sync.wait())
-            await asyncio.wait({asking, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            stopping.cancel()
-            if not asking.done():  # stopped during the long poll: nothing of it was taken
-                asking.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await asking
-                return
             try:
-                await self._take(await self._filled(client, asking.result(), self._kept.since))
+                if first is not None:
+                    await self._begin(first)
+                    first = None
+                elif not await self._sync_once(client):
+                    return
             except Exception as exc:  # the batch comes again, from what was kept of it
                 failures += 1
                 error = self.classify("sync", exc)
@@ -239,6 +249,21 @@ class MatrixAdapter(PlatformBase):
                 await until_set(self._stop_sync, max(min(2.0 ** min(failures, 5), 30.0), error.retry_after or 0.0))
                 continue
             failures = 0
+
+    async def _sync_once(self, client: ClientAPI) -> bool:
+        """One long poll from the kept position, and its batch taken in; False when stopped during the poll
+        (nothing of it was taken)."""
+        asking = asyncio.create_task(self._sync(client, self._kept.since, timeout=self.poll_timeout))
+        stopping = asyncio.create_task(self._stop_sync.wait())
+        await asyncio.wait({asking, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not asking.done():
+            asking.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asking
+            return False
+        await self._take(await self._filled(client, asking.result(), self._kept.since))
+        return True
 
     async def _filled(self, client: ClientAPI, batch: dict[str, Any], since: str | None) -> dict[str, Any]:
         """``batch`` with each room's whole timeline since ``since``: a room whose timeline the homeserver cut
@@ -296,7 +321,8 @@ class MatrixAdapter(PlatformBase):
         await position.save(self._kept)
 
     async def _invites(self, batch: dict[str, Any]) -> None:
-        """Join the rooms Kazma serves when invited, and direct chats from people ``dm_policy`` allows."""
+        """Join the rooms Kazma serves when invited, and direct chats from people ``dm_policy`` allows. A join
+        that may work later (a 5xx, no answer) raises, failing the batch; one the homeserver refuses is logged."""
         invites = (batch.get("rooms") or {}).get("invite") or {}
         for room, data in invites.items():
             states = ((data or {}).get("invite_state") or {}).get("events") or []
@@ -312,7 +338,10 @@ class MatrixAdapter(PlatformBase):
             client = self._api("join")
             try:
                 await self.call("join", None, self._joiner(client, str(room)))
-            except PlatformError:
+            except PlatformError as exc:
+                if exc.retryable:  # the batch comes again with the invite in it: a sync shows an invite once
+                    raise
+                log.warning("matrix.join_refused", room=room, inviter=inviter, error=str(exc))
                 continue
             if direct and not listed:
                 await self._remember_direct(client, inviter, room)
