@@ -196,6 +196,26 @@ async def test_a_429_on_sync_waits_as_long_as_the_homeserver_asks(
 # --------------------------------------------------------------------------- reactions
 
 
+async def test_a_press_still_being_decided_when_kazma_stops_is_taken_at_the_next_start(
+    harness: MatrixHarness,
+) -> None:
+    """The sync moves past a press only once it is decided: a process that ends before that (a crash, or a
+    stop whose grace the decision outlives) leaves it to the next start, which takes it again. The homeserver
+    would not take the same reaction twice, so nobody could press it again."""
+    adapter = await harness.start(stop_grace=0.5)
+    harness.recorder.hold = asyncio.Event()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await harness.press(ref, card.button_data(Decision.APPROVE), harness.admin)
+    await harness.recorder.wait_until(lambda: harness.recorder.presses)  # being decided, held
+    await adapter.stop()  # the decision outlives the grace: cut off, as a crash cuts it
+    harness.recorder.hold = None
+    await harness.start()
+    await harness.recorder.wait_until(lambda: len(harness.recorder.presses) == 2)
+    assert [p.data for p in harness.recorder.presses] == [card.button_data(Decision.APPROVE)] * 2
+    assert harness.recorder.presses[1].actor == f"matrix:{harness.admin}"
+
+
 async def test_a_reaction_counts_only_on_the_bots_own_card(harness: MatrixHarness) -> None:
     """Someone posts a look-alike "card" carrying choices of their own: a ✅ on it presses nothing."""
     await harness.start()

@@ -11,7 +11,9 @@ the event's ``sender``. A card is settled by an edit (``m.replace``), which ever
 
 ``/sync`` is the singleton ingress: only the leader replica syncs. Where it stands is kept on the homeserver
 (``position.py``): the token the batch began at and the events of that batch already taken in, so a restart
-or a new leader neither loses nor repeats an event. Every replica sends.
+or a new leader neither loses nor repeats an event. Events are taken in one at a time, and the position moves
+past one only once the kit has it for good (a message handed to its conversation, a press decided): a process
+that ends before that leaves it to the next start. Every replica sends.
 
 Encrypted rooms are not supported (their messages cannot be read without keys this adapter does not keep):
 the first encrypted event in a room gets a notice saying so and how to make an unencrypted room.
@@ -25,6 +27,7 @@ import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final, Unpack
 from urllib.parse import quote
 
@@ -34,7 +37,7 @@ from mautrix.client import ClientAPI
 from mautrix.types import RoomCreatePreset, RoomID, UserID
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
-from kazma.adapters.contract import CardRef, PlatformError, Press
+from kazma.adapters.contract import CardRef, Handlers, PlatformError, Press
 from kazma.adapters.deny_reason import REPLY_WINDOW_SECONDS, deny_data, reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.matrix.client import close_client, make_client
@@ -57,7 +60,7 @@ from kazma.adapters.matrix.render import (
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.press_policy import NOT_YOURS
 from kazma.approvals.card import ApprovalCard
-from kazma.approvals.model import Outcome
+from kazma.approvals.model import Outcome, PressResult
 from kazma.config.metrics import count_failure
 from kazma.config.models import MatrixConfig
 from kazma.config.waits import until_set
@@ -130,6 +133,7 @@ class MatrixAdapter(PlatformBase):
         self._direct: set[str] = set()  # rooms that are direct chats of the bot's account (m.direct)
         self._choices: dict[str, dict[str, str]] = {}  # the bot's own events with choices: key -> data
         self._reasons: dict[str, tuple[str, str, str, float]] = {}  # prompt event -> (user, data, card, until)
+        self._taking: dict[str, _Taking] = {}  # presses handed over, by key: the sync waits for their decision
         self._told_encrypted: set[str] = set()
         self._position: SyncPosition | None = None
         self._kept = Position("", ())  # where the sync stands, as last kept on the homeserver
@@ -203,12 +207,18 @@ class MatrixAdapter(PlatformBase):
         await position.save(Position(str(first["next_batch"]), ()))
 
     async def _close_ingress(self) -> None:
-        """Stop syncing between two batches (a batch under way is handed to the kit first)."""
+        """Stop syncing between two events. The one being taken in is waited for within the stop grace; one
+        still not taken in then (a decision held up) is left before the kept position, for the next start."""
         self._stop_sync.set()
         task, self._syncing = self._syncing, None
-        if task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if task is None:
+            return
+        done, _ = await asyncio.wait({task}, timeout=self.stop_grace)
+        if not done:
+            task.cancel()
+            await asyncio.wait({task})
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            task.result()
 
     async def _stop_receiving(self) -> None:
         await self._close_ingress()
@@ -299,8 +309,8 @@ class MatrixAdapter(PlatformBase):
         return found[::-1]
 
     async def _take(self, batch: dict[str, Any]) -> None:
-        """Hand every new event of ``batch`` to the kit, keeping after each one where the sync stands; the
-        next token once the batch is done (:attr:`_kept` follows what was kept)."""
+        """Hand every new event of ``batch`` to the kit, one at a time, keeping after each one is taken in where
+        the sync stands; the next token once the batch is done (:attr:`_kept` follows what was kept)."""
         position = self._position
         assert position is not None
         kept = self._kept
@@ -308,6 +318,8 @@ class MatrixAdapter(PlatformBase):
         await self._invites(batch)
         for room, events in _timelines(batch, self.user_id):
             for event in events:
+                if self._stop_sync.is_set():
+                    return  # stopped: the rest of the batch comes again, from the kept position
                 event_id = str(event.get("event_id", ""))
                 if event_id in kept.done:
                     continue  # taken in before a restart
@@ -383,7 +395,8 @@ class MatrixAdapter(PlatformBase):
             self.failed("direct", room, self.classify("direct", exc))
 
     async def _event(self, room: str, event: dict[str, Any]) -> bool:
-        """One timeline event: True when it was handed to the kit (a message, a press, a reason)."""
+        """One timeline event: True when it was handed to the kit (a message, a press, a reason) and taken in
+        there, so the position may move past it (a process that ends before that takes it again at its start)."""
         etype = event.get("type")
         if etype in ("m.room.encrypted", "m.room.encryption"):
             await self._encrypted(room)
@@ -399,7 +412,7 @@ class MatrixAdapter(PlatformBase):
         content = event.get("content")
         replying = reply_target(content) if isinstance(content, dict) else None
         if replying is not None and replying in self._reasons:
-            return self._reason_given(room, event, replying)
+            return await self._reason_given(room, event, replying)
         inbound = normalise(
             event,
             room,
@@ -410,7 +423,9 @@ class MatrixAdapter(PlatformBase):
         )
         if inbound is None:
             return False
-        self.spawn(self.deliver(inbound, key=inbound.message_id), name=f"matrix-inbound-{inbound.message_id}")
+        # Handed over and taken in (the door passed, the handler has it) before the sync moves past it.
+        key = inbound.message_id
+        await _ended(self.spawn(self.deliver(inbound, key=key), name=f"matrix-inbound-{key}"))
         return True
 
     async def _upgraded(self, room: str, content: object) -> None:
@@ -475,8 +490,8 @@ class MatrixAdapter(PlatformBase):
         if data is None:
             return False  # a reaction to anything else, or with another key: people react freely
         asked = reason_request(data)
-        if asked is not None:
-            self.spawn(self._ask_reason(room, reaction, asked), name=f"matrix-reason-{reaction.event_id}")
+        if asked is not None:  # taken in once the prompt is out
+            await _ended(self.spawn(self._ask_reason(room, reaction, asked), name=f"matrix-reason-{reaction.event_id}"))
             return True
         press = Press(
             platform=PLATFORM,
@@ -486,9 +501,34 @@ class MatrixAdapter(PlatformBase):
             message_id=reaction.target,
             is_admin=self.is_admin(reaction.sender),
         )
-        reply = _Notice(self, room, reaction.target, reaction.sender)
-        self.spawn(self.press(press, reply, key=reaction.event_id), name=f"matrix-press-{reaction.event_id}")
+        await self._hand_over(press, _Notice(self, room, reaction.target, reaction.sender), reaction.event_id)
         return True
+
+    async def _hand_over(self, press: Press, reply: _Notice, key: str) -> None:
+        """Hand ``press`` to the press policy (tracked work) and return once it is taken in: its decision ended,
+        however long after the policy's own answer (a decision slower than ``press_timeout`` is answered
+        "recorded, updating" and goes on), or the policy answered it without one. Cancelled (the sync cut
+        off), the press goes on; only the position stays before it."""
+        taking = _Taking(asyncio.get_running_loop().create_future())
+        self._taking[key] = taking
+        try:
+            pressing = self.spawn(self.press(press, reply, key=key), name=f"matrix-press-{key}")
+            await asyncio.wait({pressing, taking.decided}, return_when=asyncio.FIRST_COMPLETED)
+            if taking.deciding and not taking.decided.done():
+                await asyncio.wait({taking.decided})
+        finally:
+            self._taking.pop(key, None)
+
+    async def _decide(self, handlers: Handlers, press: Press, key: str | None) -> PressResult:
+        """The press policy's decision, and :meth:`_hand_over` told when it ends (however it ends)."""
+        taking = None if key is None else self._taking.get(key)
+        if taking is not None:
+            taking.deciding = True
+        try:
+            return await super()._decide(handlers, press, key)
+        finally:
+            if taking is not None and not taking.decided.done():
+                taking.decided.set_result(None)
 
     async def _ask_reason(self, room: str, reaction: Reaction, request_id: str) -> None:
         """ "Deny with reason": a prompt replying to the card, answered by a reply from the presser alone."""
@@ -507,7 +547,7 @@ class MatrixAdapter(PlatformBase):
             del self._reasons[stale]  # prompts nobody answered in time
         self._reasons[prompt] = (reaction.sender, deny_data(request_id), reaction.target, now + REPLY_WINDOW_SECONDS)
 
-    def _reason_given(self, room: str, event: dict[str, Any], prompt: str) -> bool:
+    async def _reason_given(self, room: str, event: dict[str, Any], prompt: str) -> bool:
         user, data, card, until = self._reasons[prompt]
         sender = str(event.get("sender", ""))
         if sender != user or time.monotonic() > until:
@@ -516,8 +556,7 @@ class MatrixAdapter(PlatformBase):
         content = event.get("content") or {}
         reason = without_reply_fallback(str(content.get("body", ""))).strip()
         press = Press(PLATFORM, data, self.actor(sender), room, card, self.is_admin(sender), reason=reason)
-        event_id = str(event.get("event_id", ""))
-        self.spawn(self.press(press, _Notice(self, room, card, sender), key=event_id), name=f"matrix-reason-{event_id}")
+        await self._hand_over(press, _Notice(self, room, card, sender), str(event.get("event_id", "")))
         return True
 
     async def notice(self, room: str, user: str, text: str, *, reply_to: str | None = None) -> str:
@@ -650,6 +689,19 @@ class MatrixAdapter(PlatformBase):
         txn = f"kazma-edit-{_short(ref.message_id)}-{_short(json.dumps(content['m.new_content'], sort_keys=True))}"
         await self.call(site, ref.chat, lambda: self._send(client, ref.chat, content, txn=txn))
         return True
+
+
+@dataclass
+class _Taking:
+    """A press handed to the press policy, as the sync waits for it: whether its decision began, and its end."""
+
+    decided: asyncio.Future[None]
+    deciding: bool = False
+
+
+async def _ended(task: asyncio.Task[Any]) -> None:
+    """Wait for ``task`` to end without ending it when this wait is cancelled (tracked work goes on)."""
+    await asyncio.wait({task})
 
 
 def _short(text: str) -> str:
