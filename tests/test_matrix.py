@@ -14,7 +14,7 @@ import pytest
 import structlog
 
 from kazma.adapters.admission import DirectPolicy
-from kazma.adapters.contract import PlatformError
+from kazma.adapters.contract import Inbound, PlatformError
 from kazma.adapters.matrix import MatrixAdapter
 from kazma.adapters.matrix import adapter as matrix_adapter
 from kazma.adapters.matrix.doctor import check as check_matrix
@@ -95,14 +95,73 @@ async def test_a_batch_cut_short_resumes_after_the_events_it_took_in(harness: Ma
     await texts_arrived(harness, 2)
     await harness.adapter.stop()
     first = next(i for i in harness.recorder.inbound if i.text == "first of the batch")
-    # what a kill after the first event was taken in leaves behind
-    await asyncio.to_thread(harness.bot.set_account_data, ACCOUNT_DATA_TYPE, {**cut, "done": [first.message_id]})
+    # what a kill after the first event was taken in leaves behind: the batch's token, the room's mark
+    kill = {**cut, "rooms": {harness.home: first.message_id}}
+    await asyncio.to_thread(harness.bot.set_account_data, ACCOUNT_DATA_TYPE, kill)
     harness.recorder.inbound.clear()
     await harness.start()
     found = await texts_arrived(harness, 1)
     await harness.say(harness.home, harness.admin, "later")
     found = await texts_arrived(harness, 2)
     assert found == ["second of the batch", "later"]
+
+
+async def test_a_restart_deep_in_a_long_batch_repeats_nothing_it_took_in(harness: MatrixHarness) -> None:
+    """A batch after an outage holds up to 2,000 events a room, read back: a position kept after more than a
+    thousand of them were taken in is read back whole (an earlier Kazma listed each event it took in)."""
+    adapter = await harness.start()
+    await adapter.stop()
+    cut = await asyncio.to_thread(harness.bot.account_data, ACCOUNT_DATA_TYPE)
+    assert cut is not None
+    await harness.say(harness.home, harness.admin, "first of the batch")
+    await harness.say(harness.home, harness.admin, "second of the batch")
+    await harness.start()
+    await texts_arrived(harness, 2)
+    await harness.adapter.stop()
+    first = next(i for i in harness.recorder.inbound if i.text == "first of the batch")
+    done = [*(f"$taken-in-before-{n}" for n in range(1_200)), first.message_id]
+    await asyncio.to_thread(harness.bot.set_account_data, ACCOUNT_DATA_TYPE, {**cut, "done": done})
+    harness.recorder.inbound.clear()
+    await harness.start()
+    await texts_arrived(harness, 1)
+    await harness.say(harness.home, harness.admin, "later")
+    assert await texts_arrived(harness, 2) == ["second of the batch", "later"]
+
+
+async def test_a_stop_in_the_middle_of_a_long_catch_up_loses_and_repeats_nothing(harness: MatrixHarness) -> None:
+    adapter = await harness.start()
+    await adapter.stop()
+    cut = await asyncio.to_thread(harness.bot.account_data, ACCOUNT_DATA_TYPE)
+    assert cut is not None
+    said = [f"while down {n:03d}" for n in range(130)]  # more than one sync holds: read back, one batch
+    for text in said:
+        await harness.say(harness.home, harness.admin, text)
+    recorder = harness.recorder
+    stopping: list[asyncio.Task[None]] = []
+    taken_in = recorder.on_inbound
+
+    async def stop_after_the_30th(inbound: Inbound) -> None:
+        await taken_in(inbound)
+        if len(recorder.inbound) == 30:  # the stop is asked while the 30th is taken in: it ends the batch there
+            stopping.append(asyncio.create_task(harness.adapter.stop()))
+
+    recorder.on_inbound = stop_after_the_30th  # type: ignore[method-assign]
+    await harness.start()
+    await recorder.wait_until(lambda: stopping)
+    await stopping[0]
+    recorder.on_inbound = taken_in  # type: ignore[method-assign]
+    kept = await asyncio.to_thread(harness.bot.account_data, ACCOUNT_DATA_TYPE)
+    assert kept is not None
+    assert kept["since"] == cut["since"]  # the batch is not through
+    # one mark a room for what was taken in, however long the batch: not a list of every event
+    assert kept["rooms"] == {harness.home: recorder.inbound[29].message_id}
+    assert len(json.dumps(kept)) < 1_000
+    await harness.start()
+    await harness.recorder.wait_until(lambda: len(harness.recorder.inbound) >= len(said), timeout=90)
+    await harness.say(harness.home, harness.admin, "after")
+    found = await texts_arrived(harness, len(said) + 1)
+    await harness.settled()
+    assert found == [*said, "after"]
 
 
 async def test_the_first_start_never_takes_a_rooms_history_as_requests(harness: MatrixHarness) -> None:

@@ -10,7 +10,7 @@ reaction counts only on an event the bot itself sent. The homeserver proves who 
 the event's ``sender``. A card is settled by an edit (``m.replace``), which every client shows in place.
 
 ``/sync`` is the singleton ingress: only the leader replica syncs. Where it stands is kept on the homeserver
-(``position.py``): the token the batch began at and the events of that batch already taken in, so a restart
+(``position.py``): the token the batch began at and each room's last event of it taken in, so a restart
 or a new leader neither loses nor repeats an event. Events are taken in one at a time, and the position moves
 past one only once the kit has it for good (a message handed to its conversation, a press decided): a process
 that ends before that leaves it to the next start. Every replica sends.
@@ -136,7 +136,7 @@ class MatrixAdapter(PlatformBase):
         self._taking: dict[str, _Taking] = {}  # presses handed over, by key: the sync waits for their decision
         self._told_encrypted: set[str] = set()
         self._position: SyncPosition | None = None
-        self._kept = Position("", ())  # where the sync stands, as last kept on the homeserver
+        self._kept = Position("")  # where the sync stands: what was taken in, kept on the homeserver or to be
         self._syncing: asyncio.Task[None] | None = None
         self._stop_sync = asyncio.Event()
         self._opening_direct = asyncio.Lock()  # two cards for one person at once open one direct room
@@ -187,7 +187,7 @@ class MatrixAdapter(PlatformBase):
         first: dict[str, Any] | None = None
         if kept is None:  # the first start: begin now, never answering the room's history
             first = await self._sync(client, None, timeout=0)
-            kept = Position(str(first["next_batch"]), ())
+            kept = Position(str(first["next_batch"]))
             try:
                 await self._begin(first)
                 first = None
@@ -204,7 +204,7 @@ class MatrixAdapter(PlatformBase):
         position = self._position
         assert position is not None
         await self._invites(first)
-        await position.save(Position(str(first["next_batch"]), ()))
+        await position.save(Position(str(first["next_batch"])))
 
     async def _close_ingress(self) -> None:
         """Stop syncing between two events. The one being taken in is waited for within the stop grace; one
@@ -309,27 +309,25 @@ class MatrixAdapter(PlatformBase):
         return found[::-1]
 
     async def _take(self, batch: dict[str, Any]) -> None:
-        """Hand every new event of ``batch`` to the kit, one at a time, keeping after each one is taken in where
-        the sync stands; the next token once the batch is done (:attr:`_kept` follows what was kept)."""
+        """Hand every new event of ``batch`` to the kit, one at a time in each room's order, keeping after each
+        one is taken in where the sync stands (its room's mark); the next token once the batch is done.
+
+        :attr:`_kept` moves past each event as it is passed, whether or not the homeserver keeps it now: the
+        batch, should it come again in this process (a failure part-way), skips it; the next save that succeeds
+        records it. Stopped part-way, the marks are kept and the rest of the batch comes at the next start."""
         position = self._position
         assert position is not None
-        kept = self._kept
-        done = list(kept.done)
         await self._invites(batch)
         for room, events in _timelines(batch, self.user_id):
-            for event in events:
+            for event in self._kept.after(room, events):
                 if self._stop_sync.is_set():
-                    return  # stopped: the rest of the batch comes again, from the kept position
-                event_id = str(event.get("event_id", ""))
-                if event_id in kept.done:
-                    continue  # taken in before a restart
-                if await self._event(room, event):
-                    done.append(event_id)
-                    # Taken in whether or not the homeserver keeps it now: the batch, should it come again in
-                    # this process, skips it; the next save that succeeds records it.
-                    self._kept = Position(kept.since, tuple(done))
+                    await position.save(self._kept)  # with what was passed since the last event taken in
+                    return
+                handled = await self._event(room, event)
+                self._kept = self._kept.passed(room, str(event.get("event_id", "")))
+                if handled:
                     await position.save(self._kept)
-        self._kept = Position(str(batch["next_batch"]), ())
+        self._kept = Position(str(batch["next_batch"]))
         await position.save(self._kept)
 
     async def _invites(self, batch: dict[str, Any]) -> None:
