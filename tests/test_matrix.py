@@ -5,6 +5,7 @@ and ``kazma doctor``."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from urllib.parse import quote
 
@@ -13,17 +14,20 @@ import pytest
 import structlog
 
 from kazma.adapters.admission import DirectPolicy
-from kazma.adapters.contract import PlatformError
+from kazma.adapters.contract import Inbound, PlatformError
 from kazma.adapters.matrix import MatrixAdapter
+from kazma.adapters.matrix import adapter as matrix_adapter
 from kazma.adapters.matrix.doctor import check as check_matrix
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE
 from kazma.adapters.matrix.position import ACCOUNT_DATA_TYPE
+from kazma.adapters.matrix.render import CARD_BUDGET, EDIT_POINTER, edit_content, render_card
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.platform_cli import Level
 from kazma.approvals.model import Decision
 from kazma.config.metrics import failure_count
 from kazma.config.models import MatrixConfig
-from tests.contract.harness import MatrixHarness, make_card
+from kazma.config.waits import until_set
+from tests.contract.harness import MatrixHarness, make_card, outcome_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*retry_after.*:telegram.warnings.PTBDeprecationWarning")
 
@@ -91,14 +95,73 @@ async def test_a_batch_cut_short_resumes_after_the_events_it_took_in(harness: Ma
     await texts_arrived(harness, 2)
     await harness.adapter.stop()
     first = next(i for i in harness.recorder.inbound if i.text == "first of the batch")
-    # what a kill after the first event was taken in leaves behind
-    await asyncio.to_thread(harness.bot.set_account_data, ACCOUNT_DATA_TYPE, {**cut, "done": [first.message_id]})
+    # what a kill after the first event was taken in leaves behind: the batch's token, the room's mark
+    kill = {**cut, "rooms": {harness.home: first.message_id}}
+    await asyncio.to_thread(harness.bot.set_account_data, ACCOUNT_DATA_TYPE, kill)
     harness.recorder.inbound.clear()
     await harness.start()
     found = await texts_arrived(harness, 1)
     await harness.say(harness.home, harness.admin, "later")
     found = await texts_arrived(harness, 2)
     assert found == ["second of the batch", "later"]
+
+
+async def test_a_restart_deep_in_a_long_batch_repeats_nothing_it_took_in(harness: MatrixHarness) -> None:
+    """A batch after an outage holds up to 2,000 events a room, read back: a position kept after more than a
+    thousand of them were taken in is read back whole (an earlier Kazma listed each event it took in)."""
+    adapter = await harness.start()
+    await adapter.stop()
+    cut = await asyncio.to_thread(harness.bot.account_data, ACCOUNT_DATA_TYPE)
+    assert cut is not None
+    await harness.say(harness.home, harness.admin, "first of the batch")
+    await harness.say(harness.home, harness.admin, "second of the batch")
+    await harness.start()
+    await texts_arrived(harness, 2)
+    await harness.adapter.stop()
+    first = next(i for i in harness.recorder.inbound if i.text == "first of the batch")
+    done = [*(f"$taken-in-before-{n}" for n in range(1_200)), first.message_id]
+    await asyncio.to_thread(harness.bot.set_account_data, ACCOUNT_DATA_TYPE, {**cut, "done": done})
+    harness.recorder.inbound.clear()
+    await harness.start()
+    await texts_arrived(harness, 1)
+    await harness.say(harness.home, harness.admin, "later")
+    assert await texts_arrived(harness, 2) == ["second of the batch", "later"]
+
+
+async def test_a_stop_in_the_middle_of_a_long_catch_up_loses_and_repeats_nothing(harness: MatrixHarness) -> None:
+    adapter = await harness.start()
+    await adapter.stop()
+    cut = await asyncio.to_thread(harness.bot.account_data, ACCOUNT_DATA_TYPE)
+    assert cut is not None
+    said = [f"while down {n:03d}" for n in range(130)]  # more than one sync holds: read back, one batch
+    for text in said:
+        await harness.say(harness.home, harness.admin, text)
+    recorder = harness.recorder
+    stopping: list[asyncio.Task[None]] = []
+    taken_in = recorder.on_inbound
+
+    async def stop_after_the_30th(inbound: Inbound) -> None:
+        await taken_in(inbound)
+        if len(recorder.inbound) == 30:  # the stop is asked while the 30th is taken in: it ends the batch there
+            stopping.append(asyncio.create_task(harness.adapter.stop()))
+
+    recorder.on_inbound = stop_after_the_30th  # type: ignore[method-assign]
+    await harness.start()
+    await recorder.wait_until(lambda: stopping)
+    await stopping[0]
+    recorder.on_inbound = taken_in  # type: ignore[method-assign]
+    kept = await asyncio.to_thread(harness.bot.account_data, ACCOUNT_DATA_TYPE)
+    assert kept is not None
+    assert kept["since"] == cut["since"]  # the batch is not through
+    # one mark a room for what was taken in, however long the batch: not a list of every event
+    assert kept["rooms"] == {harness.home: recorder.inbound[29].message_id}
+    assert len(json.dumps(kept)) < 1_000
+    await harness.start()
+    await harness.recorder.wait_until(lambda: len(harness.recorder.inbound) >= len(said), timeout=90)
+    await harness.say(harness.home, harness.admin, "after")
+    found = await texts_arrived(harness, len(said) + 1)
+    await harness.settled()
+    assert found == [*said, "after"]
 
 
 async def test_the_first_start_never_takes_a_rooms_history_as_requests(harness: MatrixHarness) -> None:
@@ -167,7 +230,49 @@ async def test_the_homeservers_own_429_is_waited_out_and_every_message_sent_once
         await adapter.stop()
 
 
+async def test_a_429_on_sync_waits_as_long_as_the_homeserver_asks(
+    harness: MatrixHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    waits: list[float] = []
+
+    async def waiting(event: asyncio.Event, seconds: float | None) -> bool:
+        waits.append(seconds or 0.0)
+        return await until_set(event, 0.05)  # what was asked is recorded; the test need not wait it out
+
+    monkeypatch.setattr(matrix_adapter, "until_set", waiting)
+    await harness.start()
+    harness.proxy.fail("GET", r"/sync$", 429, retry_after_ms=7_000)
+    await harness.say(harness.home, harness.admin, "wakes the long poll; the next sync meets the 429")
+    await texts_arrived(harness, 1)
+    async with asyncio.timeout(30):
+        while not waits:
+            await asyncio.sleep(0.05)
+    assert waits[0] == 7.0
+    await harness.say(harness.home, harness.admin, "after")
+    assert await texts_arrived(harness, 2) == ["wakes the long poll; the next sync meets the 429", "after"]
+
+
 # --------------------------------------------------------------------------- reactions
+
+
+async def test_a_press_still_being_decided_when_kazma_stops_is_taken_at_the_next_start(
+    harness: MatrixHarness,
+) -> None:
+    """The sync moves past a press only once it is decided: a process that ends before that (a crash, or a
+    stop whose grace the decision outlives) leaves it to the next start, which takes it again. The homeserver
+    would not take the same reaction twice, so nobody could press it again."""
+    adapter = await harness.start(stop_grace=0.5)
+    harness.recorder.hold = asyncio.Event()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await harness.press(ref, card.button_data(Decision.APPROVE), harness.admin)
+    await harness.recorder.wait_until(lambda: harness.recorder.presses)  # being decided, held
+    await adapter.stop()  # the decision outlives the grace: cut off, as a crash cuts it
+    harness.recorder.hold = None
+    await harness.start()
+    await harness.recorder.wait_until(lambda: len(harness.recorder.presses) == 2)
+    assert [p.data for p in harness.recorder.presses] == [card.button_data(Decision.APPROVE)] * 2
+    assert harness.recorder.presses[1].actor == f"matrix:{harness.admin}"
 
 
 async def test_a_reaction_counts_only_on_the_bots_own_card(harness: MatrixHarness) -> None:
@@ -193,6 +298,23 @@ async def test_a_reaction_with_the_variation_selector_is_the_same_press(harness:
     await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "✅\ufe0f")
     [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses)
     assert press.data == card.button_data(Decision.APPROVE)
+
+
+async def test_a_press_whose_card_the_homeserver_failed_to_show_once_is_taken_when_the_batch_comes_again(
+    harness: MatrixHarness,
+) -> None:
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await adapter.stop()
+    await harness.start()  # a new process: it reads which reaction means what from the card on the homeserver
+    before = failure_count("sync", "matrix")
+    harness.proxy.fail("GET", r"/rooms/[^/]+/event/", 500, times=1)
+    await harness.press(ref, card.button_data(Decision.APPROVE), harness.admin)
+    [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses, timeout=30)
+    assert press.data == card.button_data(Decision.APPROVE)
+    assert harness.proxy.count("GET", r"/rooms/[^/]+/event/") == 2
+    assert failure_count("sync", "matrix") == before + 1  # the batch failed once and came again
 
 
 async def test_deny_with_a_reason_is_asked_then_taken_from_the_pressers_reply(harness: MatrixHarness) -> None:
@@ -305,6 +427,39 @@ async def test_the_bot_joins_a_direct_room_only_from_someone_dm_policy_allows(ha
     assert allowed in direct[harness.admin]  # kept with the account, as clients keep direct rooms
 
 
+async def joined_rooms(harness: MatrixHarness) -> list[str]:
+    answer = await asyncio.to_thread(harness.bot.request, "GET", "/_matrix/client/v3/joined_rooms")
+    return list(answer["joined_rooms"])
+
+
+async def until_joined(harness: MatrixHarness, room: str) -> None:
+    async with asyncio.timeout(30):
+        while room not in await joined_rooms(harness):
+            await asyncio.sleep(0.1)  # polled: the bot's membership is the homeserver's
+
+
+async def test_an_invite_whose_join_failed_once_is_joined_when_the_batch_comes_again(harness: MatrixHarness) -> None:
+    alice = harness.people[harness.admin]
+    room = await asyncio.to_thread(alice.create_room, name="served, invited later")
+    await harness.start(chats=[harness.home, room])
+    harness.proxy.fail("POST", r"/join$", 502, times=1)
+    path = f"/_matrix/client/v3/rooms/{quote(room)}/invite"
+    await asyncio.to_thread(alice.request, "POST", path, {"user_id": harness.bot.user_id})
+    await until_joined(harness, room)
+    assert harness.proxy.count("POST", r"/join$") == 2
+
+
+async def test_an_invite_seen_at_the_first_start_whose_join_failed_once_is_joined(harness: MatrixHarness) -> None:
+    """The first start's sync is the only one that shows an invite made before it: a join that fails there is
+    tried again before the position moves past that sync."""
+    alice = harness.people[harness.admin]
+    room = await asyncio.to_thread(alice.create_room, invite=[harness.bot.user_id], name="invited before start")
+    harness.proxy.fail("POST", r"/join$", 502, times=1)
+    await harness.start(chats=[harness.home, room])
+    await until_joined(harness, room)
+    assert harness.proxy.count("POST", r"/join$") == 2
+
+
 async def test_a_position_the_homeserver_would_not_keep_repeats_nothing(harness: MatrixHarness) -> None:
     await harness.start()
     before = failure_count("sync", "matrix")
@@ -405,3 +560,39 @@ async def test_an_upgraded_room_is_served_as_its_replacement(harness: MatrixHarn
         e["content"].get("body") for e in events if e.get("sender") == bot.user_id and e["type"] == "m.room.message"
     ]
     assert said == ["sent to the old room's id"]
+
+
+# --------------------------------------------------------------------------- cards at their budget
+
+
+def test_an_edit_carries_the_card_once_so_it_fits_where_the_post_fits() -> None:
+    card = make_card({"script": "echo one line of a long script\n" * 6_000}, value_limit=500_000)
+    for outcome in (None, outcome_of(card)):
+        laid = render_card(card, outcome=outcome)
+        edit = edit_content(laid.written, laid.view, "$card")
+        assert edit["m.new_content"] == laid.written.content()
+        assert len(json.dumps(laid.written.content(), ensure_ascii=False).encode()) <= CARD_BUDGET
+        # the fallback a client without edits shows: one line pointing at the card, never the card again
+        assert len(json.dumps(edit, ensure_ascii=False).encode()) <= CARD_BUDGET + 1_000
+        assert "\n" not in edit["body"]
+        assert edit["body"].endswith(EDIT_POINTER)
+    assert edit["body"].startswith("* APPROVED by telegram:111")
+
+
+async def test_a_card_laid_out_at_its_budget_is_updated_and_settled(harness: MatrixHarness) -> None:
+    """The post is sized to fit one event; its edits must fit too (the homeserver refuses an event over 64 KiB
+    with M_TOO_LARGE, which no retry mends: the bus would give the settle up while the card shows Approve)."""
+    adapter = await harness.start()
+    card = make_card({"script": "echo one line of a long script\n" * 6_000}, value_limit=500_000)
+    ref = await adapter.post_card(card)
+    posted = await asyncio.to_thread(harness.people[harness.admin].event, ref.chat, ref.message_id)
+    size = len(json.dumps(posted["content"], ensure_ascii=False).encode())
+    assert CARD_BUDGET - 2_000 < size <= CARD_BUDGET  # the card is at its budget: the test means something
+    offered = harness.card(ref).buttons  # cut to fit, so Deny alone (approved where the whole call is shown)
+    assert offered
+    await adapter.update_card(ref, card)  # a policy's progress: the card as it is now, reactions kept
+    assert harness.card(ref).buttons == offered
+    await adapter.settle_card(ref, card, outcome_of(card))
+    shown = harness.card(ref)
+    assert shown.text.startswith("APPROVED")
+    assert shown.buttons == []

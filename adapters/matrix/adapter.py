@@ -10,8 +10,10 @@ reaction counts only on an event the bot itself sent. The homeserver proves who 
 the event's ``sender``. A card is settled by an edit (``m.replace``), which every client shows in place.
 
 ``/sync`` is the singleton ingress: only the leader replica syncs. Where it stands is kept on the homeserver
-(``position.py``): the token the batch began at and the events of that batch already taken in, so a restart
-or a new leader neither loses nor repeats an event. Every replica sends.
+(``position.py``): the token the batch began at and each room's last event of it taken in, so a restart
+or a new leader neither loses nor repeats an event. Events are taken in one at a time, and the position moves
+past one only once the kit has it for good (a message handed to its conversation, a press decided): a process
+that ends before that leaves it to the next start. Every replica sends.
 
 Encrypted rooms are not supported (their messages cannot be read without keys this adapter does not keep):
 the first encrypted event in a room gets a notice saying so and how to make an unencrypted room.
@@ -25,6 +27,7 @@ import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final, Unpack
 from urllib.parse import quote
 
@@ -34,7 +37,7 @@ from mautrix.client import ClientAPI
 from mautrix.types import RoomCreatePreset, RoomID, UserID
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
-from kazma.adapters.contract import CardRef, PlatformError, Press
+from kazma.adapters.contract import CardRef, Handlers, PlatformError, Press
 from kazma.adapters.deny_reason import REPLY_WINDOW_SECONDS, deny_data, reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.matrix.client import close_client, make_client
@@ -46,6 +49,7 @@ from kazma.adapters.matrix.render import (
     TEXT_LIMIT,
     Choice,
     MatrixCard,
+    edit_content,
     json_units,
     legend,
     message_content,
@@ -56,7 +60,7 @@ from kazma.adapters.matrix.render import (
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.press_policy import NOT_YOURS
 from kazma.approvals.card import ApprovalCard
-from kazma.approvals.model import Outcome
+from kazma.approvals.model import Outcome, PressResult
 from kazma.config.metrics import count_failure
 from kazma.config.models import MatrixConfig
 from kazma.config.waits import until_set
@@ -129,9 +133,10 @@ class MatrixAdapter(PlatformBase):
         self._direct: set[str] = set()  # rooms that are direct chats of the bot's account (m.direct)
         self._choices: dict[str, dict[str, str]] = {}  # the bot's own events with choices: key -> data
         self._reasons: dict[str, tuple[str, str, str, float]] = {}  # prompt event -> (user, data, card, until)
+        self._taking: dict[str, _Taking] = {}  # presses handed over, by key: the sync waits for their decision
         self._told_encrypted: set[str] = set()
         self._position: SyncPosition | None = None
-        self._kept = Position("", ())  # where the sync stands, as last kept on the homeserver
+        self._kept = Position("")  # where the sync stands: what was taken in, kept on the homeserver or to be
         self._syncing: asyncio.Task[None] | None = None
         self._stop_sync = asyncio.Event()
         self._opening_direct = asyncio.Lock()  # two cards for one person at once open one direct room
@@ -179,22 +184,41 @@ class MatrixAdapter(PlatformBase):
         position = self._position
         assert position is not None
         kept = await position.load()
+        first: dict[str, Any] | None = None
         if kept is None:  # the first start: begin now, never answering the room's history
             first = await self._sync(client, None, timeout=0)
-            kept = Position(str(first["next_batch"]), ())
-            await position.save(kept)
-            await self._invites(first)
+            kept = Position(str(first["next_batch"]))
+            try:
+                await self._begin(first)
+                first = None
+            except Exception as exc:  # tried again by the sync loop, before anything else
+                self.failed("sync", None, self.classify("sync", exc))
         self._stop_sync = asyncio.Event()
-        self._syncing = asyncio.create_task(self._sync_loop(client, kept), name="matrix-sync")
+        self._syncing = asyncio.create_task(self._sync_loop(client, kept, first), name="matrix-sync")
         log.info("matrix.syncing", user=self.user_id, since=kept.since)
 
+    async def _begin(self, first: dict[str, Any]) -> None:
+        """Take the first sync ever: its invites (the only sync that shows an invite made before it), then keep
+        where it ends. A join that fails for now raises before the position is kept, so it is tried again (in
+        this process by the sync loop, else by the next start, which is a first one again)."""
+        position = self._position
+        assert position is not None
+        await self._invites(first)
+        await position.save(Position(str(first["next_batch"])))
+
     async def _close_ingress(self) -> None:
-        """Stop syncing between two batches (a batch under way is handed to the kit first)."""
+        """Stop syncing between two events. The one being taken in is waited for within the stop grace; one
+        still not taken in then (a decision held up) is left before the kept position, for the next start."""
         self._stop_sync.set()
         task, self._syncing = self._syncing, None
-        if task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if task is None:
+            return
+        done, _ = await asyncio.wait({task}, timeout=self.stop_grace)
+        if not done:
+            task.cancel()
+            await asyncio.wait({task})
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            task.result()
 
     async def _stop_receiving(self) -> None:
         await self._close_ingress()
@@ -215,27 +239,41 @@ class MatrixAdapter(PlatformBase):
             answer = await client.api.request(Method.GET, Path.v3.sync, query_params=query, retry_count=0)
         return dict(answer)
 
-    async def _sync_loop(self, client: ClientAPI, kept: Position) -> None:
+    async def _sync_loop(self, client: ClientAPI, kept: Position, first: dict[str, Any] | None = None) -> None:
+        """Sync and take each batch in, backing off after a failure (``first``: the first sync ever, not yet
+        taken, see :meth:`_begin`)."""
         self._kept = kept
         failures = 0
         while not self._stop_sync.is_set():
-            asking = asyncio.create_task(self._sync(client, self._kept.since, timeout=self.poll_timeout))
-            stopping = asyncio.create_task(self._stop_sync.wait())
-            await asyncio.wait({asking, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            stopping.cancel()
-            if not asking.done():  # stopped during the long poll: nothing of it was taken
-                asking.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await asking
-                return
             try:
-                await self._take(await self._filled(client, asking.result(), self._kept.since))
+                if first is not None:
+                    await self._begin(first)
+                    first = None
+                elif not await self._sync_once(client):
+                    return
             except Exception as exc:  # the batch comes again, from what was kept of it
                 failures += 1
-                self.failed("sync", None, self.classify("sync", exc))
-                await until_set(self._stop_sync, min(2.0 ** min(failures, 5), 30.0))
+                error = self.classify("sync", exc)
+                self.failed("sync", None, error)
+                # Backing off, and never sooner than a 429 asked (its retry_after_ms).
+                await until_set(self._stop_sync, max(min(2.0 ** min(failures, 5), 30.0), error.retry_after or 0.0))
                 continue
             failures = 0
+
+    async def _sync_once(self, client: ClientAPI) -> bool:
+        """One long poll from the kept position, and its batch taken in; False when stopped during the poll
+        (nothing of it was taken)."""
+        asking = asyncio.create_task(self._sync(client, self._kept.since, timeout=self.poll_timeout))
+        stopping = asyncio.create_task(self._stop_sync.wait())
+        await asyncio.wait({asking, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not asking.done():
+            asking.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asking
+            return False
+        await self._take(await self._filled(client, asking.result(), self._kept.since))
+        return True
 
     async def _filled(self, client: ClientAPI, batch: dict[str, Any], since: str | None) -> dict[str, Any]:
         """``batch`` with each room's whole timeline since ``since``: a room whose timeline the homeserver cut
@@ -271,29 +309,30 @@ class MatrixAdapter(PlatformBase):
         return found[::-1]
 
     async def _take(self, batch: dict[str, Any]) -> None:
-        """Hand every new event of ``batch`` to the kit, keeping after each one where the sync stands; the
-        next token once the batch is done (:attr:`_kept` follows what was kept)."""
+        """Hand every new event of ``batch`` to the kit, one at a time in each room's order, keeping after each
+        one is taken in where the sync stands (its room's mark); the next token once the batch is done.
+
+        :attr:`_kept` moves past each event as it is passed, whether or not the homeserver keeps it now: the
+        batch, should it come again in this process (a failure part-way), skips it; the next save that succeeds
+        records it. Stopped part-way, the marks are kept and the rest of the batch comes at the next start."""
         position = self._position
         assert position is not None
-        kept = self._kept
-        done = list(kept.done)
         await self._invites(batch)
         for room, events in _timelines(batch, self.user_id):
-            for event in events:
-                event_id = str(event.get("event_id", ""))
-                if event_id in kept.done:
-                    continue  # taken in before a restart
-                if await self._event(room, event):
-                    done.append(event_id)
-                    # Taken in whether or not the homeserver keeps it now: the batch, should it come again in
-                    # this process, skips it; the next save that succeeds records it.
-                    self._kept = Position(kept.since, tuple(done))
+            for event in self._kept.after(room, events):
+                if self._stop_sync.is_set():
+                    await position.save(self._kept)  # with what was passed since the last event taken in
+                    return
+                handled = await self._event(room, event)
+                self._kept = self._kept.passed(room, str(event.get("event_id", "")))
+                if handled:
                     await position.save(self._kept)
-        self._kept = Position(str(batch["next_batch"]), ())
+        self._kept = Position(str(batch["next_batch"]))
         await position.save(self._kept)
 
     async def _invites(self, batch: dict[str, Any]) -> None:
-        """Join the rooms Kazma serves when invited, and direct chats from people ``dm_policy`` allows."""
+        """Join the rooms Kazma serves when invited, and direct chats from people ``dm_policy`` allows. A join
+        that may work later (a 5xx, no answer) raises, failing the batch; one the homeserver refuses is logged."""
         invites = (batch.get("rooms") or {}).get("invite") or {}
         for room, data in invites.items():
             states = ((data or {}).get("invite_state") or {}).get("events") or []
@@ -309,7 +348,10 @@ class MatrixAdapter(PlatformBase):
             client = self._api("join")
             try:
                 await self.call("join", None, self._joiner(client, str(room)))
-            except PlatformError:
+            except PlatformError as exc:
+                if exc.retryable:  # the batch comes again with the invite in it: a sync shows an invite once
+                    raise
+                log.warning("matrix.join_refused", room=room, inviter=inviter, error=str(exc))
                 continue
             if direct and not listed:
                 await self._remember_direct(client, inviter, room)
@@ -351,7 +393,8 @@ class MatrixAdapter(PlatformBase):
             self.failed("direct", room, self.classify("direct", exc))
 
     async def _event(self, room: str, event: dict[str, Any]) -> bool:
-        """One timeline event: True when it was handed to the kit (a message, a press, a reason)."""
+        """One timeline event: True when it was handed to the kit (a message, a press, a reason) and taken in
+        there, so the position may move past it (a process that ends before that takes it again at its start)."""
         etype = event.get("type")
         if etype in ("m.room.encrypted", "m.room.encryption"):
             await self._encrypted(room)
@@ -367,7 +410,7 @@ class MatrixAdapter(PlatformBase):
         content = event.get("content")
         replying = reply_target(content) if isinstance(content, dict) else None
         if replying is not None and replying in self._reasons:
-            return self._reason_given(room, event, replying)
+            return await self._reason_given(room, event, replying)
         inbound = normalise(
             event,
             room,
@@ -378,7 +421,9 @@ class MatrixAdapter(PlatformBase):
         )
         if inbound is None:
             return False
-        self.spawn(self.deliver(inbound, key=inbound.message_id), name=f"matrix-inbound-{inbound.message_id}")
+        # Handed over and taken in (the door passed, the handler has it) before the sync moves past it.
+        key = inbound.message_id
+        await _ended(self.spawn(self.deliver(inbound, key=key), name=f"matrix-inbound-{key}"))
         return True
 
     async def _upgraded(self, room: str, content: object) -> None:
@@ -410,7 +455,11 @@ class MatrixAdapter(PlatformBase):
     # ----------------------------------------------------------------- presses
 
     async def _choices_of(self, room: str, event_id: str) -> dict[str, str]:
-        """Which key means which data on ``event_id``: only an event the bot itself sent has any."""
+        """Which key means which data on ``event_id``: only an event the bot itself sent has any.
+
+        An event the homeserver says is not there (or not to be seen by the bot) is no card. A failure that may
+        pass (a 5xx, no answer) raises: the batch is taken again from the kept position, so the reaction is read
+        again rather than dropped (the homeserver would not take the same reaction from that person twice)."""
         known = self._choices.get(event_id)
         if known is not None:
             return known
@@ -419,7 +468,9 @@ class MatrixAdapter(PlatformBase):
             event = await self.call(
                 "press", None, lambda: client.api.request(Method.GET, Path.v3.rooms[room].event[event_id]), paced=False
             )
-        except PlatformError:
+        except PlatformError as exc:
+            if exc.retryable:
+                raise
             return {}
         if event.get("sender") != self.user_id:
             return {}
@@ -437,8 +488,8 @@ class MatrixAdapter(PlatformBase):
         if data is None:
             return False  # a reaction to anything else, or with another key: people react freely
         asked = reason_request(data)
-        if asked is not None:
-            self.spawn(self._ask_reason(room, reaction, asked), name=f"matrix-reason-{reaction.event_id}")
+        if asked is not None:  # taken in once the prompt is out
+            await _ended(self.spawn(self._ask_reason(room, reaction, asked), name=f"matrix-reason-{reaction.event_id}"))
             return True
         press = Press(
             platform=PLATFORM,
@@ -448,9 +499,34 @@ class MatrixAdapter(PlatformBase):
             message_id=reaction.target,
             is_admin=self.is_admin(reaction.sender),
         )
-        reply = _Notice(self, room, reaction.target, reaction.sender)
-        self.spawn(self.press(press, reply, key=reaction.event_id), name=f"matrix-press-{reaction.event_id}")
+        await self._hand_over(press, _Notice(self, room, reaction.target, reaction.sender), reaction.event_id)
         return True
+
+    async def _hand_over(self, press: Press, reply: _Notice, key: str) -> None:
+        """Hand ``press`` to the press policy (tracked work) and return once it is taken in: its decision ended,
+        however long after the policy's own answer (a decision slower than ``press_timeout`` is answered
+        "recorded, updating" and goes on), or the policy answered it without one. Cancelled (the sync cut
+        off), the press goes on; only the position stays before it."""
+        taking = _Taking(asyncio.get_running_loop().create_future())
+        self._taking[key] = taking
+        try:
+            pressing = self.spawn(self.press(press, reply, key=key), name=f"matrix-press-{key}")
+            await asyncio.wait({pressing, taking.decided}, return_when=asyncio.FIRST_COMPLETED)
+            if taking.deciding and not taking.decided.done():
+                await asyncio.wait({taking.decided})
+        finally:
+            self._taking.pop(key, None)
+
+    async def _decide(self, handlers: Handlers, press: Press, key: str | None) -> PressResult:
+        """The press policy's decision, and :meth:`_hand_over` told when it ends (however it ends)."""
+        taking = None if key is None else self._taking.get(key)
+        if taking is not None:
+            taking.deciding = True
+        try:
+            return await super()._decide(handlers, press, key)
+        finally:
+            if taking is not None and not taking.decided.done():
+                taking.decided.set_result(None)
 
     async def _ask_reason(self, room: str, reaction: Reaction, request_id: str) -> None:
         """ "Deny with reason": a prompt replying to the card, answered by a reply from the presser alone."""
@@ -469,7 +545,7 @@ class MatrixAdapter(PlatformBase):
             del self._reasons[stale]  # prompts nobody answered in time
         self._reasons[prompt] = (reaction.sender, deny_data(request_id), reaction.target, now + REPLY_WINDOW_SECONDS)
 
-    def _reason_given(self, room: str, event: dict[str, Any], prompt: str) -> bool:
+    async def _reason_given(self, room: str, event: dict[str, Any], prompt: str) -> bool:
         user, data, card, until = self._reasons[prompt]
         sender = str(event.get("sender", ""))
         if sender != user or time.monotonic() > until:
@@ -478,8 +554,7 @@ class MatrixAdapter(PlatformBase):
         content = event.get("content") or {}
         reason = without_reply_fallback(str(content.get("body", ""))).strip()
         press = Press(PLATFORM, data, self.actor(sender), room, card, self.is_admin(sender), reason=reason)
-        event_id = str(event.get("event_id", ""))
-        self.spawn(self.press(press, _Notice(self, room, card, sender), key=event_id), name=f"matrix-reason-{event_id}")
+        await self._hand_over(press, _Notice(self, room, card, sender), str(event.get("event_id", "")))
         return True
 
     async def notice(self, room: str, user: str, text: str, *, reply_to: str | None = None) -> str:
@@ -607,18 +682,24 @@ class MatrixAdapter(PlatformBase):
     ) -> bool:
         client = self._api(site)
         written: MatrixCard = laid.written
-        new = written.content()
-        content = {
-            **{k: v for k, v in new.items() if k != CHOICES_KEY},
-            "body": f"* {written.body}",
-            "formatted_body": f"* {written.html}",
-            "m.new_content": new,
-            "m.relates_to": {"rel_type": "m.replace", "event_id": ref.message_id},
-        }
+        content = edit_content(written, laid.view, ref.message_id)
         # The same edit twice is one transaction: a settle repeated after a restart is one edit on the room.
-        txn = f"kazma-edit-{_short(ref.message_id)}-{_short(json.dumps(new, sort_keys=True))}"
+        txn = f"kazma-edit-{_short(ref.message_id)}-{_short(json.dumps(content['m.new_content'], sort_keys=True))}"
         await self.call(site, ref.chat, lambda: self._send(client, ref.chat, content, txn=txn))
         return True
+
+
+@dataclass
+class _Taking:
+    """A press handed to the press policy, as the sync waits for it: whether its decision began, and its end."""
+
+    decided: asyncio.Future[None]
+    deciding: bool = False
+
+
+async def _ended(task: asyncio.Task[Any]) -> None:
+    """Wait for ``task`` to end without ending it when this wait is cancelled (tracked work goes on)."""
+    await asyncio.wait({task})
 
 
 def _short(text: str) -> str:

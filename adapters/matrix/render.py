@@ -34,7 +34,11 @@ from kazma.approvals.model import Outcome
 
 HTML_FORMAT: Final = "org.matrix.custom.html"
 CHOICES_KEY: Final = "org.kazma.choices"  # on the bot's own card: which reaction key means which button's data
-CARD_BUDGET: Final = 48_000  # bytes of content JSON: well under the 65,536 of a whole event with its envelope
+# Bytes of content JSON: well under the 65,536 of a whole event with its envelope. An edit carries the card once,
+# in ``m.new_content``, beside a one-line fallback (:func:`edit_content`), so the same budget holds for edits.
+CARD_BUDGET: Final = 48_000
+FALLBACK_MAX: Final = 200  # characters of the headline an edit's fallback line repeats
+EDIT_POINTER: Final = "see the card above"
 TEXT_LIMIT: Final = 8_000  # bytes of one text message's body as JSON: a few screens, one message each
 INLINE_VALUE_MAX: Final = 60
 # The reaction that stands for each button. ✅ and ❌ are what people already use for yes and no.
@@ -86,6 +90,26 @@ def message_content(body: str, formatted: str | None, choices: tuple[Choice, ...
     if choices:
         content[CHOICES_KEY] = [{"key": c.key, "label": c.label, "data": c.data} for c in choices]
     return content
+
+
+def edit_content(written: MatrixCard, view: CardView, target: str) -> dict[str, Any]:
+    """The ``m.replace`` edit of the card ``target`` to ``written``: the card once, in ``m.new_content``, which every
+    client that shows edits shows in place; the fallback a client without edits shows is one line pointing at the
+    card (its outcome, else its title). The card twice would make an edit of a card at :data:`CARD_BUDGET` larger
+    than an event may be (the homeserver refuses it, M_TOO_LARGE, and no retry mends that)."""
+    headline = view.outcome_text or view.title
+    if len(headline) > FALLBACK_MAX:
+        headline = headline[: FALLBACK_MAX - 1] + "…"
+    new = written.content()
+    return {
+        "msgtype": new["msgtype"],
+        "body": f"* {headline} — {EDIT_POINTER}",
+        "format": HTML_FORMAT,
+        "formatted_body": f"* {_e(headline)} — {EDIT_POINTER}",
+        "m.mentions": {},
+        "m.new_content": new,
+        "m.relates_to": {"rel_type": "m.replace", "event_id": target},
+    }
 
 
 def legend(choices: tuple[Choice, ...]) -> str:
