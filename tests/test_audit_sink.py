@@ -29,6 +29,8 @@ from kazma.approvals.checkpointer import Checkpointer
 from kazma.bot.audit_sink import SINK_BEHIND, AuditSink
 from kazma.bot.cli import main
 from kazma.config.audit_config import AuditSinkConfig
+from kazma.config.errors import ConfigError
+from kazma.config.loader import load_config_text
 from kazma.config.metrics import failure_count
 from kazma.config.store.backend import StoreConnection
 from tests.approvals_support import TEST_KEYRING, TEST_SIGNER, approvals_config
@@ -327,3 +329,25 @@ async def test_a_webhook_that_refuses_then_hangs_delays_no_decision_and_gets_eve
     assert kinds(kept, "event") == events
     assert kinds(kept, "checkpoint") == checkpoints
     assert sink.failures == 0
+
+
+@pytest.mark.parametrize(
+    ("sink", "says"),
+    [
+        ("webhook: 'https://audit.example:99999/in'", "port"),
+        ("webhook: 'https://audit.example:https/in'", "port"),
+        ("webhook: 'https://audit.example:0/in'", "port"),
+        ("syslog: 'tcp://127.0.0.1:65536'", "port"),
+        ("syslog: 'udp://127.0.0.1:five'", "port"),
+        ("webhook: 'https://audit.example/in', headers: {X-Key: 'clé'}", "header 'X-Key'"),
+        ("webhook: 'https://audit.example/in', headers: {X-Key: \"a\\x01b\"}", "header 'X-Key'"),
+        ("webhook: 'https://audit.example/in', headers: {X-Key: \"a\\x7fb\"}", "header 'X-Key'"),
+        ("webhook: 'https://audit.example/in', headers: {X-Key: ' padded'}", "header 'X-Key'"),
+    ],
+)
+def test_an_audit_sink_that_kazma_run_could_not_start_fails_the_config_check(sink: str, says: str) -> None:
+    # The webhook's passed `kazma config check` and then crashed `kazma run` (the port read as the sink was made, a
+    # header value httpx cannot encode) or failed every delivery (a value h11 refuses). Syslog's ports were refused
+    # already, in the words of urllib.
+    with pytest.raises(ConfigError, match=f"(?i)audit.sink.*{says}"):
+        load_config_text(f"audit: {{sink: {{{sink}}}}}", environ={})
