@@ -26,7 +26,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -225,8 +225,9 @@ class WebhookTarget:
 
     kind = "webhook"
 
-    def __init__(self, url: str, *, headers: dict[str, str], timeout: float) -> None:
+    def __init__(self, url: str, *, name: str = "", headers: dict[str, str], timeout: float) -> None:
         self.url = url
+        self.name = name or "webhook"  # what messages show of it: never the URL (its path may be the secret)
         self._client = httpx.AsyncClient(timeout=timeout, headers=headers, follow_redirects=False)
 
     async def deliver(self, records: list[dict[str, Any]]) -> None:
@@ -236,7 +237,7 @@ class WebhookTarget:
                 self.url, content=body.encode("utf-8"), headers={"Content-Type": "application/json"}
             )
         except httpx.HTTPError as exc:
-            raise SinkError(f"webhook: {type(exc).__name__}: {exc}") from None
+            raise SinkError(f"webhook: {type(exc).__name__}: {str(exc).replace(self.url, self.name)}") from None
         if not 200 <= response.status_code < 300:
             raise SinkError(
                 f"webhook answered {response.status_code}",
@@ -266,7 +267,9 @@ def target_of(config: AuditSinkConfig) -> Target:
         return FileTarget(config.file)
     if config.syslog:
         return SyslogTarget(config.syslog, timeout=config.timeout_seconds)
-    return WebhookTarget(config.webhook, headers=dict(config.headers), timeout=config.timeout_seconds)
+    return WebhookTarget(
+        config.webhook, name=config.target, headers=dict(config.headers), timeout=config.timeout_seconds
+    )
 
 
 class SinkPositions:
@@ -275,7 +278,19 @@ class SinkPositions:
     def __init__(self, conn: StoreConnection) -> None:
         self.tables = tables_of(conn)
 
-    async def get(self, sink: str) -> tuple[int, int]:
+    async def get(self, sink: str, *, formerly: Sequence[str] = ()) -> tuple[int, int]:
+        """The position of ``sink``; one kept under a name it had ``formerly`` is moved to its name first (that
+        row goes: a webhook's old name held its URL's path)."""
+        for old in formerly:
+            if old != sink and await self.tables.one("SELECT 1 FROM audit_sink_positions WHERE sink = ?", (old,)):
+                async with self.tables.transaction() as tx:
+                    await tx.run(
+                        "INSERT INTO audit_sink_positions (sink, event_seq, checkpoint_seq, at)"
+                        " SELECT ?, event_seq, checkpoint_seq, at FROM audit_sink_positions WHERE sink = ?"
+                        " ON CONFLICT (sink) DO NOTHING",
+                        (sink, old),
+                    )
+                    await tx.run("DELETE FROM audit_sink_positions WHERE sink = ?", (old,))
         row = await self.tables.one(
             "SELECT event_seq, checkpoint_seq FROM audit_sink_positions WHERE sink = ?", (sink,)
         )
@@ -300,6 +315,7 @@ class AuditSink:
         target: Target,
         *,
         name: str,
+        formerly: Sequence[str] = (),
         batch: int = 100,
         timeout: float = 10.0,
         backoff: Backoff | None = None,
@@ -310,6 +326,7 @@ class AuditSink:
         self.positions = positions
         self.target = target
         self.name = name
+        self.formerly = tuple(formerly)  # names its position was kept under before (carried over at start)
         self.batch = batch
         self.timeout = timeout
         self.backoff = backoff or Backoff(base=1.0, cap=300.0)
@@ -328,6 +345,7 @@ class AuditSink:
             SinkPositions(conn),
             target_of(config),
             name=config.target,
+            formerly=config.legacy_targets,
             batch=config.batch,
             timeout=config.timeout_seconds,
             backoff=Backoff(base=config.retry_base_seconds, cap=config.retry_cap_seconds),
@@ -338,7 +356,7 @@ class AuditSink:
 
     async def start(self) -> None:
         """The position to go on from: the store's, or further where the target itself knows it has more."""
-        stored = await self.positions.get(self.name)
+        stored = await self.positions.get(self.name, formerly=self.formerly)
         own = await self.target.delivered()
         self.position = stored if own is None else (max(stored[0], own[0]), max(stored[1], own[1]))
         log.info("audit.sink_started", sink=self.name, event_seq=self.position[0], checkpoint_seq=self.position[1])

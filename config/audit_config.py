@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 from urllib.parse import SplitResult, urlsplit
@@ -111,14 +112,33 @@ class AuditSinkConfig(_Strict):
 
     @property
     def target(self) -> str:
-        """The sink's name, which its delivered position is kept under: a new target starts from the beginning."""
+        """The sink's name, which its delivered position is kept under (and which its log lines show): a new target
+        starts from the beginning. A webhook's is its scheme, host and port and a short hash of the whole URL: the
+        path and query are often the secret (Slack, Discord, Sumo Logic), and the name is logged and stored."""
         if self.file is not None:
             return f"file:{self.file}"
         if self.syslog:
             return f"syslog:{self.syslog}"
-        parts = urlsplit(self.webhook)  # without credentials a URL may carry (the name is stored)
+        digest = hashlib.sha256(self.webhook.encode("utf-8")).hexdigest()[:12]
+        return f"webhook:{_shown(urlsplit(self.webhook))}#{digest}"
+
+    @property
+    def legacy_targets(self) -> tuple[str, ...]:
+        """Names this target's position was kept under before (a webhook's held its path): carried over once."""
+        if not self.webhook:
+            return ()
+        parts = urlsplit(self.webhook)
         port = f":{parts.port}" if parts.port else ""
-        return f"webhook:{parts.scheme}://{parts.hostname}{port}{parts.path}"
+        return (f"webhook:{parts.scheme}://{parts.hostname}{port}{parts.path}",)
+
+    def secrets(self) -> tuple[str, ...]:
+        """What must never reach a log line: the webhook's URL (whole, and its path and query, the part that is a
+        Slack, Discord or Sumo Logic webhook's secret), its credentials, and every header's value."""
+        if not self.webhook:
+            return ()
+        parts = urlsplit(self.webhook)
+        rest = parts.path + (f"?{parts.query}" if parts.query else "")
+        return (self.webhook, rest, parts.password or "", *self.headers.values())
 
 
 def _shown(parts: SplitResult) -> str:

@@ -9,6 +9,7 @@ the stores are real SQLite files and real PostgreSQL databases. Waits are on con
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -23,15 +24,18 @@ from typing import Any
 import pytest
 from aiohttp import web
 from click.testing import CliRunner
+from structlog.testing import capture_logs
 
 from kazma.approvals import ApprovalService, ApprovalStore, Decision
 from kazma.approvals.checkpointer import Checkpointer
-from kazma.bot.audit_sink import SINK_BEHIND, AuditSink
+from kazma.bot.audit_sink import SINK_BEHIND, AuditSink, SinkPositions
 from kazma.bot.cli import main
 from kazma.config.audit_config import AuditSinkConfig
+from kazma.config.backoff import Backoff
 from kazma.config.errors import ConfigError
 from kazma.config.loader import load_config_text
 from kazma.config.metrics import failure_count
+from kazma.config.redaction import redact, redact_config_secrets
 from kazma.config.store.backend import StoreConnection
 from tests.approvals_support import TEST_KEYRING, TEST_SIGNER, approvals_config
 from tests.audit_support import Attacker
@@ -351,3 +355,159 @@ def test_an_audit_sink_that_kazma_run_could_not_start_fails_the_config_check(sin
     # already, in the words of urllib.
     with pytest.raises(ConfigError, match=f"(?i)audit.sink.*{says}"):
         load_config_text(f"audit: {{sink: {{{sink}}}}}", environ={})
+
+
+# --- The sink's targets, each against a real receiver on 127.0.0.1 (review findings) ---------------------------------
+
+
+@pytest.fixture
+def lite(tmp_path: Path) -> Engine:
+    """A SQLite store: what these tests check is the sink's and its target's, the same on either engine."""
+    return Engine("sqlite", str(tmp_path / "k.db"))
+
+
+async def caught_up(store: ApprovalStore, records: Callable[[], list[dict[str, Any]]], *, within: float = 60.0) -> None:
+    """Until ``records()`` holds the store's last event (a bounded wait; fails naming what was received)."""
+    last = await store.last_event_seq()
+    await until(lambda: last in kinds(records(), "event"), within=within, what=f"event {last} received")
+
+
+async def delivered_all(sink: AuditSink) -> None:
+    while await sink.deliver_once():
+        pass
+
+
+@asynccontextmanager
+async def http(path: str, handler: Callable[[web.Request], Any]) -> AsyncIterator[str]:
+    """One POST route served on 127.0.0.1; its URL."""
+    app = web.Application()
+    app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}{path}"
+    finally:
+        async with asyncio.timeout(90):
+            await runner.cleanup()
+
+
+def free_port(kind: socket.SocketKind) -> int:
+    """A port of 127.0.0.1 that nothing holds now (bound, then let go)."""
+    with socket.socket(socket.AF_INET, kind) as held:
+        held.bind(("127.0.0.1", 0))
+        return int(held.getsockname()[1])
+
+
+def syslog_record(message: bytes) -> dict[str, Any]:
+    """The audit record an RFC 5424 message of the sink carries (after its header's `- MSGID -`)."""
+    return dict(json.loads(message.split(b" - ", 2)[2]))
+
+
+class TcpCollector:
+    """A syslog collector over TCP (octet-counted frames, RFC 6587) on 127.0.0.1; can go away and come back."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._peers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._peers.add(writer)
+        try:
+            while True:
+                size = await reader.readuntil(b" ")
+                self.records.append(syslog_record(await reader.readexactly(int(size))))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self._peers.discard(writer)
+            writer.close()
+
+    async def stop(self) -> None:
+        """Gone as a restarted collector is: the listener and every connection closed."""
+        assert self._server is not None
+        self._server.close()
+        peers = list(self._peers)
+        for writer in peers:
+            writer.close()
+        for writer in peers:
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        await self._server.wait_closed()
+
+
+SECRET_PATH = "/hooks/T0SECRETPATH/B0SECRETPATH/x0secretpathtoken"
+
+
+async def test_a_webhook_url_s_path_is_not_in_the_sink_s_name_its_logs_or_its_position(lite: Engine) -> None:
+    # The path (the secret of a Slack, Discord or Sumo Logic webhook) was the sink's name: logged at every start and
+    # failure, and kept in audit_sink_positions.
+    received: list[dict[str, Any]] = []
+
+    async def keep(request: web.Request) -> web.Response:
+        received.extend((await request.json())["records"])
+        return web.json_response({"ok": True})
+
+    async with kazma_store(lite) as (conn, service, checkpointer), http(SECRET_PATH, keep) as url:
+        await decisions(service, checkpointer, 1, tag="one")
+        config = AuditSinkConfig(webhook=url)
+        assert config.target.startswith("webhook:http://127.0.0.1:")
+        assert "SECRET" not in config.target.upper()
+        assert AuditSinkConfig(webhook=url + "-other").target != config.target  # each URL its own position
+        sink = AuditSink.of(service.store, conn, config)
+        with capture_logs() as logged:
+            await sink.start()
+            await delivered_all(sink)
+            await sink.target.close()
+            failing = AuditSink.of(service.store, conn, AuditSinkConfig(webhook=url.replace("/hooks", "/gone")))
+            failing.backoff = Backoff(base=0.01, cap=0.01)
+            await failing.start()
+            assert not await failing.deliver_once()  # a 404: its failure logged
+            await failing.target.close()
+    assert received
+    assert {e["event"] for e in logged} >= {"audit.sink_started", "audit.sink_failed"}
+    assert "SECRET" not in repr(logged).upper()
+    assert "SECRET" not in repr(raw_rows(lite, "SELECT * FROM audit_sink_positions")).upper()
+
+
+async def test_a_webhook_sink_s_position_under_its_old_name_is_carried_over(store_engine: Engine) -> None:
+    # A deployment from before the name changed goes on from where it was, and the old row (the URL whole) goes.
+    url = f"https://audit.example{SECRET_PATH}"
+    config = AuditSinkConfig(webhook=url)
+    async with kazma_store(store_engine) as (conn, service, checkpointer):
+        await decisions(service, checkpointer, 2, tag="one")
+        await SinkPositions(conn).save(f"webhook:{url}", 3, 1, 0.0)
+        sink = AuditSink.of(service.store, conn, config)
+        await sink.start()
+        await sink.target.close()
+        assert sink.position == (3, 1)
+    rows = raw_rows(store_engine, "SELECT sink, event_seq, checkpoint_seq FROM audit_sink_positions")
+    assert rows == [(config.target, 3, 1)]
+
+
+def test_a_webhook_s_url_and_headers_are_never_logged() -> None:
+    # The header values (an Authorization, a collector's token) and the URL reached the log as any text does.
+    loaded = load_config_text(
+        "audit: {sink: {webhook: 'https://audit.example/in/0urlsecret0token0', headers: {X-Key: '${KEY}'}}}",
+        environ={"KEY": "0headersecret0value0"},
+    )
+    redact_config_secrets(loaded.config)
+    shown = redact("POST https://audit.example/in/0urlsecret0token0 with X-Key: 0headersecret0value0")
+    assert "secret" not in shown
+
+
+def test_a_valid_webhook_config_makes_a_sink_target() -> None:
+    loaded = load_config_text(
+        "audit: {sink: {webhook: 'https://audit.example:8443/in', headers: {Authorization: 'Bearer a b\tc'}}}",
+        environ={},
+    )
+    assert loaded.config.audit.sink is not None
+    assert loaded.config.audit.sink.target.startswith("webhook:https://audit.example:8443#")
