@@ -105,7 +105,9 @@ class Target(Protocol):
         """(event seq, checkpoint seq) the target itself knows it has (a file), or None (it cannot say)."""
         ...
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Let go of connections; a delivery after it opens them again (the sink is run again after a stop)."""
+        ...
 
 
 class FileTarget:
@@ -221,19 +223,28 @@ class SyslogTarget:
 
 
 class WebhookTarget:
-    """``POST {"records": [...]}`` as JSON; a 2xx answer is a delivery, anything else a failure to retry."""
+    """``POST {"records": [...]}`` as JSON; a 2xx answer is a delivery, anything else a failure to retry. The
+    client is made when first needed, and again after it was closed (the sink is run again after a stop: by its
+    supervisor, or when a replica leads again)."""
 
     kind = "webhook"
 
     def __init__(self, url: str, *, name: str = "", headers: dict[str, str], timeout: float) -> None:
         self.url = url
         self.name = name or "webhook"  # what messages show of it: never the URL (its path may be the secret)
-        self._client = httpx.AsyncClient(timeout=timeout, headers=headers, follow_redirects=False)
+        self._headers = headers
+        self._timeout = timeout
+        self._client: httpx.AsyncClient | None = None
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None or self._client.is_closed:
+            self._client = httpx.AsyncClient(timeout=self._timeout, headers=self._headers, follow_redirects=False)
+        return self._client
 
     async def deliver(self, records: list[dict[str, Any]]) -> None:
         body = json.dumps({"records": records}, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         try:
-            response = await self._client.post(
+            response = await self._http().post(
                 self.url, content=body.encode("utf-8"), headers={"Content-Type": "application/json"}
             )
         except httpx.HTTPError as exc:
@@ -248,7 +259,9 @@ class WebhookTarget:
         return None
 
     async def close(self) -> None:
-        await self._client.aclose()
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -306,7 +319,8 @@ class SinkPositions:
 
 
 class AuditSink:
-    """Streams the audit chain to one target, in order, never in a decision's way."""
+    """Streams the audit chain to one target, in order, never in a decision's way. Run again after it stopped (the
+    supervisor restarts it; a replica that leads again), it goes on from the stored position."""
 
     def __init__(
         self,
@@ -379,18 +393,20 @@ class AuditSink:
             return False
         try:
             await bounded(self.target.deliver(records), self.timeout)
-        except (SinkError, TimeoutError) as exc:
+        except Exception as exc:  # SinkError, its time limit, or what no target should raise: a failed delivery
             self.failures += 1
             count_failure("audit_sink", self.target.kind)
             retry_after = exc.retry_after if isinstance(exc, SinkError) else None
             delay = self.backoff.delay(self.failures - 1, retry_after=retry_after)
+            unexpected = {} if isinstance(exc, SinkError | TimeoutError) else {"exc_info": exc}
             log.warning(
                 "audit.sink_failed",
                 sink=self.name,
                 attempt=self.failures,
                 behind=self.behind,
                 retry_in=round(delay, 2),
-                error=str(exc) or type(exc).__name__,
+                error=str(exc) if isinstance(exc, SinkError) else f"{type(exc).__name__}: {exc}".rstrip(": "),
+                **unexpected,
             )
             await asyncio.sleep(delay)
             return False

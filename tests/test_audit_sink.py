@@ -511,3 +511,66 @@ def test_a_valid_webhook_config_makes_a_sink_target() -> None:
     )
     assert loaded.config.audit.sink is not None
     assert loaded.config.audit.sink.target.startswith("webhook:https://audit.example:8443#")
+
+
+async def test_a_webhook_sink_run_again_after_it_stopped_delivers_again(lite: Engine) -> None:
+    # Its run closed the HTTP client for good: a sink the supervisor restarts, or that a replica runs again once it
+    # wins the lease back, failed every delivery ("the client has been closed"), uncounted, and its task died.
+    receiver = Receiver()
+    config = AuditSinkConfig(webhook=receiver.url, retry_base_seconds=0.05, retry_cap_seconds=0.2)
+    async with kazma_store(lite) as (conn, service, checkpointer), receiver.serving():
+        sink = AuditSink.of(service.store, conn, config)
+        await decisions(service, checkpointer, 2, tag="first run")
+        first = asyncio.create_task(sink.run())
+        await caught_up(service.store, receiver.records)
+        first.cancel()  # the lease lost, or app stop
+        await asyncio.gather(first, return_exceptions=True)
+
+        await decisions(service, checkpointer, 2, tag="second run")
+        second = asyncio.create_task(sink.run())
+        try:
+            last = await service.store.last_event_seq()
+            await until(lambda: second.done() or last in kinds(receiver.records(), "event"), what="delivered again")
+            assert not second.done(), f"the sink's run ended: {second.exception()!r}"
+        finally:
+            second.cancel()
+            await asyncio.gather(second, return_exceptions=True)
+
+
+class Flaky:
+    """A target whose first delivery fails with what no target is meant to raise."""
+
+    kind = "flaky"
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.calls = 0
+
+    async def deliver(self, records: list[dict[str, Any]]) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("a bug in a target")
+        self.records += records
+
+    async def delivered(self) -> None:
+        return None
+
+    async def start_over(self) -> str:
+        raise AssertionError("never asked")
+
+    async def close(self) -> None:
+        return
+
+
+async def test_an_unexpected_error_in_a_delivery_is_a_counted_failed_delivery(lite: Engine) -> None:
+    async with kazma_store(lite) as (conn, service, checkpointer):
+        await decisions(service, checkpointer, 1, tag="one")
+        target = Flaky()
+        sink = AuditSink(service.store, SinkPositions(conn), target, name="flaky", backoff=Backoff(base=0.01, cap=0.01))
+        failed = failure_count("audit_sink", "flaky")
+        await sink.start()
+        assert not await sink.deliver_once()  # failed, counted, waited out: not raised out of the sink's loop
+        assert failure_count("audit_sink", "flaky") == failed + 1
+        assert sink.failures == 1
+        await delivered_all(sink)
+        assert kinds(target.records, "event") == (await in_store(service.store))[0]
