@@ -4,7 +4,8 @@ The sink reads the chain from its last delivered position (kept in the store,
 ``audit_sink_positions``), delivers a batch to its target, then moves the
 position on. It runs apart from every decision (a target that is down, slow or
 refusing delays no press; see :class:`AuditSink`), retries with the one backoff
-(:mod:`kazma.config.backoff`) and says how far behind it is
+(:mod:`kazma.config.backoff`; a target's ``Retry-After`` is heeded up to
+``retry_cap_seconds``) and says how far behind it is
 (``kazma_audit_sink_behind_events``; each failed delivery counts at site
 ``audit_sink``).
 
@@ -397,6 +398,8 @@ class AuditSink:
             self.failures += 1
             count_failure("audit_sink", self.target.kind)
             retry_after = exc.retry_after if isinstance(exc, SinkError) else None
+            if retry_after is not None:  # heeded, up to retry_cap_seconds: never silenced for as long as it says
+                retry_after = min(retry_after, self.backoff.cap)
             delay = self.backoff.delay(self.failures - 1, retry_after=retry_after)
             unexpected = {} if isinstance(exc, SinkError | TimeoutError) else {"exc_info": exc}
             log.warning(

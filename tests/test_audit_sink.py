@@ -574,3 +574,25 @@ async def test_an_unexpected_error_in_a_delivery_is_a_counted_failed_delivery(li
         assert sink.failures == 1
         await delivered_all(sink)
         assert kinds(target.records, "event") == (await in_store(service.store))[0]
+
+
+async def test_retry_after_is_capped_at_retry_cap_seconds(lite: Engine) -> None:
+    # A 503 with Retry-After: 86400 silenced the sink for a day, whatever retry_cap_seconds said.
+    async def busy(request: web.Request) -> web.Response:
+        return web.Response(status=503, headers={"Retry-After": "86400"})
+
+    async with kazma_store(lite) as (conn, service, checkpointer), http("/audit", busy) as url:
+        await decisions(service, checkpointer, 1, tag="one")
+        config = AuditSinkConfig(webhook=url, retry_base_seconds=0.1, retry_cap_seconds=0.5)
+        sink = AuditSink.of(service.store, conn, config)
+        await sink.start()
+        with capture_logs() as logged:
+            attempt = asyncio.create_task(sink.deliver_once())
+            try:
+                await until(lambda: any(e["event"] == "audit.sink_failed" for e in logged), what="the attempt failed")
+            finally:
+                attempt.cancel()
+                await asyncio.gather(attempt, return_exceptions=True)
+                await sink.target.close()
+    [failed] = [e for e in logged if e["event"] == "audit.sink_failed"]
+    assert failed["retry_in"] <= 0.5
