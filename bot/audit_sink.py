@@ -27,11 +27,11 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, cast
 from urllib.parse import urlsplit
 
 import httpx
@@ -223,10 +223,14 @@ class SyslogTarget:
                 await writer.wait_closed()
 
 
+_ANSWER_READ: Final = 65_536  # of a 2xx answer's body: read to let the connection be used again, no more
+_ERROR_SHOWN: Final = 200  # characters of an error answer's body in the failure's message
+
+
 class WebhookTarget:
     """``POST {"records": [...]}`` as JSON; a 2xx answer is a delivery, anything else a failure to retry. The
-    client is made when first needed, and again after it was closed (the sink is run again after a stop: by its
-    supervisor, or when a replica leads again)."""
+    answer's body is never read whole: at most its first bytes. The client is made when first needed, and again
+    after it was closed (the sink is run again after a stop: by its supervisor, or when a replica leads again)."""
 
     kind = "webhook"
 
@@ -244,17 +248,19 @@ class WebhookTarget:
 
     async def deliver(self, records: list[dict[str, Any]]) -> None:
         body = json.dumps({"records": records}, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         try:
-            response = await self._http().post(
-                self.url, content=body.encode("utf-8"), headers={"Content-Type": "application/json"}
-            )
+            async with self._http().stream("POST", self.url, content=body.encode("utf-8"), headers=headers) as answer:
+                if 200 <= answer.status_code < 300:
+                    await _first_bytes(answer, _ANSWER_READ)
+                    return
+                said = _printable((await _first_bytes(answer, _ERROR_SHOWN * 4)).decode("utf-8", "replace"))
+                status, retry_after = answer.status_code, _retry_after(answer.headers.get("Retry-After"))
         except httpx.HTTPError as exc:
             raise SinkError(f"webhook: {type(exc).__name__}: {str(exc).replace(self.url, self.name)}") from None
-        if not 200 <= response.status_code < 300:
-            raise SinkError(
-                f"webhook answered {response.status_code}",
-                retry_after=_retry_after(response.headers.get("Retry-After")),
-            )
+        raise SinkError(
+            f"webhook answered {status}" + (f": {said[:_ERROR_SHOWN]}" if said else ""), retry_after=retry_after
+        )
 
     async def delivered(self) -> tuple[int, int] | None:
         return None
@@ -263,6 +269,22 @@ class WebhookTarget:
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
+
+
+async def _first_bytes(answer: httpx.Response, limit: int) -> bytes:
+    """Up to ``limit`` bytes of the answer's body, as sent; an answer longer than that is closed unread."""
+    got = bytearray()
+    # Closed when left early, not at garbage collection: it is an async generator (httpx types it an iterator).
+    async with contextlib.aclosing(cast(AsyncGenerator[bytes, None], answer.aiter_raw())) as chunks:
+        async for chunk in chunks:
+            got += chunk
+            if len(got) >= limit:
+                break
+    return bytes(got[:limit])
+
+
+def _printable(text: str) -> str:
+    return " ".join("".join(c if c.isprintable() else " " for c in text).split())
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -596,3 +596,39 @@ async def test_retry_after_is_capped_at_retry_cap_seconds(lite: Engine) -> None:
                 await sink.target.close()
     [failed] = [e for e in logged if e["event"] == "audit.sink_failed"]
     assert failed["retry_in"] <= 0.5
+
+
+async def test_a_webhook_s_error_answer_is_not_read_whole(lite: Engine) -> None:
+    # The body of an answer was read whole, whatever its size: a 400 MB error page took 900 MB of memory.
+    size = 64 * 1024 * 1024
+    served = {"sent": 0, "whole": False}
+    ended = asyncio.Event()
+
+    async def huge(request: web.Request) -> web.StreamResponse:
+        try:
+            answer = web.StreamResponse(status=400, headers={"Content-Type": "text/plain"})
+            answer.content_length = size
+            await answer.prepare(request)
+            chunk = b"refused: " + b"x" * (65536 - 9)
+            while served["sent"] < size:
+                await answer.write(chunk)
+                served["sent"] += len(chunk)
+            served["whole"] = True
+            return answer
+        finally:
+            ended.set()
+
+    async with kazma_store(lite) as (conn, service, checkpointer), http("/audit", huge) as url:
+        await decisions(service, checkpointer, 1, tag="one")
+        sink = AuditSink.of(service.store, conn, AuditSinkConfig(webhook=url, timeout_seconds=120))
+        sink.backoff = Backoff(base=0.01, cap=0.01)
+        await sink.start()
+        with capture_logs() as logged:
+            assert not await sink.deliver_once()
+        await sink.target.close()
+        async with asyncio.timeout(60):
+            await ended.wait()
+    assert not served["whole"], f"the whole {served['sent']} bytes were read"
+    [failed] = [e for e in logged if e["event"] == "audit.sink_failed"]
+    assert failed["error"].startswith("webhook answered 400: refused: xxx")
+    assert len(failed["error"]) < 1000
