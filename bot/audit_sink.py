@@ -9,11 +9,20 @@ refusing delays no press; see :class:`AuditSink`), retries with the one backoff
 (``kazma_audit_sink_behind_events``; each failed delivery counts at site
 ``audit_sink``).
 
-Delivery is in sequence order and at least once: a crash between a delivery and
-the write of its position sends that batch again after the restart. Every record
-carries its sequence number, so a receiver that drops what it has (an event by
-``seq``; a checkpoint by ``seq``) sees each one exactly once, in order. The file
-target does that itself: at start it reads the last record it wrote.
+Delivery is in sequence order and at least once to the file and the webhook: a
+crash between a delivery and the write of its position sends that batch again
+after the restart. Every record carries its sequence number, so a receiver that
+drops what it has (an event by ``seq``; a checkpoint by ``seq``) sees each one
+exactly once, in order. The file target does that itself: at start it reads the
+last record it wrote.
+
+Syslog has no acknowledgement. Over TCP a record counts as delivered once the
+kernel took it: a connection the collector closed is found before each write
+(and counted, ``audit_sink_connection_lost``), but what was written just before
+the collector went away may be lost without Kazma knowing. Over UDP a datagram
+may be dropped anywhere; only a refusal (nothing listens) is seen, counted and
+retried. Syslog is best effort: where every record must arrive, use the file
+(a log shipper can follow it) or the webhook.
 
 Records are those of ``kazma audit export`` (:mod:`kazma.approvals.audit_export`):
 the file a file sink writes is verified by ``kazma audit verify --from-export``.
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -173,7 +183,12 @@ class FileTarget:
 
 
 class SyslogTarget:
-    """RFC 5424 messages, facility log audit: one UDP datagram per record, or octet-counted frames over TCP."""
+    """RFC 5424 messages, facility log audit: one UDP datagram per record, or octet-counted frames over TCP.
+
+    Neither has an acknowledgement (see the module's docstring). Over TCP the connection is checked before each
+    write: one the collector closed (a restart) is counted and opened again, never written into. Over UDP the
+    socket is connected, so a refusal (nothing listens) comes back as an error and fails the delivery.
+    """
 
     kind = "syslog"
 
@@ -182,7 +197,8 @@ class SyslogTarget:
         self.tcp = parts.scheme == "tcp"
         self.host, self.port = str(parts.hostname), int(parts.port or 514)
         self.timeout = timeout
-        self._writer: asyncio.StreamWriter | None = None
+        self._socket: socket.socket | None = None
+        self._written = 0  # the last event seq written on the TCP connection open now
         self._hostname = socket.gethostname()
 
     def _message(self, record: dict[str, Any]) -> bytes:
@@ -191,36 +207,86 @@ class SyslogTarget:
         return f"<{_SYSLOG_AUDIT_INFO}>1 {stamp} {self._hostname} kazma - {msgid} - {line(record).strip()}".encode()
 
     async def deliver(self, records: list[dict[str, Any]]) -> None:
+        messages = [self._message(record) for record in records]
         try:
             if self.tcp:
-                await self._send_tcp(records)
+                await self._send_tcp(b"".join(b"%d %s" % (len(m), m) for m in messages))
+                self._written = max((int(r["seq"]) for r in records if r.get("type") == "event"), default=self._written)
             else:
-                await asyncio.to_thread(self._send_udp, records)
+                await self._send_udp(messages)
         except OSError as exc:
             await self.close()
             raise SinkError(f"syslog {self.host}:{self.port}: {exc}") from None
+        except BaseException:  # cancelled (the delivery's limit) half-way: a frame may be cut, the stream is lost
+            await self.close()
+            raise
 
-    def _send_udp(self, records: list[dict[str, Any]]) -> None:
-        with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_DGRAM) as udp:
-            for record in records:
-                udp.sendto(self._message(record), (self.host, self.port))
+    async def _connect(self, kind: socket.SocketKind) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        error: OSError = OSError(errno.EADDRNOTAVAIL, f"no address for {self.host}")
+        for family, _, proto, _, address in await loop.getaddrinfo(self.host, self.port, type=kind):
+            connection = socket.socket(family, kind, proto)
+            connection.setblocking(False)
+            try:
+                await loop.sock_connect(connection, address)
+            except OSError as exc:
+                connection.close()
+                error = exc
+                continue
+            except BaseException:
+                connection.close()
+                raise
+            return connection
+        raise error
 
-    async def _send_tcp(self, records: list[dict[str, Any]]) -> None:
-        if self._writer is None or self._writer.is_closing():
-            _, self._writer = await asyncio.open_connection(self.host, self.port)
-        frames = b"".join(b"%d %s" % (len(m), m) for m in (self._message(r) for r in records))
-        self._writer.write(frames)
-        await self._writer.drain()
+    async def _send_udp(self, messages: list[bytes]) -> None:
+        if self._socket is None:
+            self._socket = await self._connect(socket.SOCK_DGRAM)
+        loop = asyncio.get_running_loop()
+        for message in messages:
+            await loop.sock_sendall(self._socket, message)
+        refused = self._socket.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)  # an ICMP answer that came already
+        if refused:
+            raise OSError(refused, os.strerror(refused))
+
+    async def _send_tcp(self, frames: bytes) -> None:
+        if self._socket is not None and not _still_open(self._socket):
+            # The collector closed it (a restart, an idle timeout): written into, it would take the bytes and lose
+            # them. What was written on it last may be lost as well: nothing acknowledges a syslog frame.
+            count_failure("audit_sink_connection_lost", self.kind)
+            log.warning(
+                "audit.sink_connection_lost",
+                syslog=f"tcp://{self.host}:{self.port}",
+                last_event_written=self._written,
+                note="closed by the collector; records written just before may not have reached it",
+            )
+            await self.close()
+        if self._socket is None:
+            self._socket = await self._connect(socket.SOCK_STREAM)
+        await asyncio.get_running_loop().sock_sendall(self._socket, frames)
 
     async def delivered(self) -> tuple[int, int] | None:
         return None
 
     async def close(self) -> None:
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+        held, self._socket = self._socket, None
+        if held is not None:
+            held.close()
+
+
+def _still_open(connection: socket.socket) -> bool:
+    """Whether the peer of a TCP connection has not closed it (nor reset it), without waiting: a syslog collector
+    says nothing, so what it sent (read and dropped here) only delays the answer, and the end of the stream (or an
+    error) means it is gone."""
+    try:
+        for _ in range(16):
+            if not connection.recv(65_536):
+                return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return True
 
 
 _ANSWER_READ: Final = 65_536  # of a 2xx answer's body: read to let the connection be used again, no more

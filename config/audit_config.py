@@ -37,7 +37,8 @@ class _Strict(BaseModel):
 
 class AuditSinkConfig(_Strict):
     """Exactly one of ``file``, ``syslog`` and ``webhook``; every event (and every signed checkpoint) is delivered
-    in sequence order, at least once, each carrying its sequence number (a receiver drops one it has)."""
+    in sequence order, each carrying its sequence number (a receiver drops one it has): at least once to the file
+    and the webhook, best effort to syslog (it has no acknowledgement)."""
 
     file: Path | None = None  # JSON lines appended (and fsynced); what `kazma audit verify --from-export` reads
     syslog: str = ""  # udp://host:port or tcp://host:port: one RFC 5424 message per record, facility log audit

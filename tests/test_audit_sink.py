@@ -632,3 +632,79 @@ async def test_a_webhook_s_error_answer_is_not_read_whole(lite: Engine) -> None:
     [failed] = [e for e in logged if e["event"] == "audit.sink_failed"]
     assert failed["error"].startswith("webhook answered 400: refused: xxx")
     assert len(failed["error"]) < 1000
+
+
+async def test_tcp_syslog_to_a_collector_that_restarted_reconnects_before_it_writes(lite: Engine) -> None:
+    # The connection the collector closed still took writes (its FIN does not make it "closing"): the next batch
+    # went into it, counted as delivered, and never reached anyone.
+    collector = TcpCollector()
+    await collector.start()
+    config = AuditSinkConfig(syslog=f"tcp://127.0.0.1:{collector.port}", retry_base_seconds=0.05, retry_cap_seconds=0.2)
+    async with kazma_store(lite) as (conn, service, checkpointer):
+        sink = AuditSink.of(service.store, conn, config)
+        await sink.start()
+        try:
+            await decisions(service, checkpointer, 2, tag="before the restart")
+            await delivered_all(sink)
+            await caught_up(service.store, lambda: collector.records)
+            lost_before = failure_count("audit_sink_connection_lost", "syslog")
+
+            await collector.stop()  # restarted: the old connection closed, a new listener on the same port
+            await collector.start()
+            await decisions(service, checkpointer, 2, tag="after the restart")
+            await delivered_all(sink)
+            await caught_up(service.store, lambda: collector.records, within=10)
+            assert failure_count("audit_sink_connection_lost", "syslog") == lost_before + 1
+            events, checkpoints = await in_store(service.store)
+        finally:
+            await sink.target.close()
+            await collector.stop()
+    kept = deduplicated(collector.records)
+    assert kinds(kept, "event") == events
+    assert kinds(kept, "checkpoint") == checkpoints
+
+
+async def test_udp_syslog_with_nothing_listening_is_a_counted_failed_delivery(lite: Engine) -> None:
+    # Datagrams to a port nobody listens on were "delivered": nothing was lost as far as the sink knew.
+    port = free_port(socket.SOCK_DGRAM)
+    config = AuditSinkConfig(syslog=f"udp://127.0.0.1:{port}", retry_base_seconds=0.01, retry_cap_seconds=0.01)
+    async with kazma_store(lite) as (conn, service, checkpointer):
+        await decisions(service, checkpointer, 1, tag="nobody listens")
+        sink = AuditSink.of(service.store, conn, config)
+        await sink.start()
+        failed = failure_count("audit_sink", "syslog")
+        try:
+            assert not await sink.deliver_once()
+        finally:
+            await sink.target.close()
+        assert failure_count("audit_sink", "syslog") == failed + 1
+        assert sink.position == (0, 0)
+        assert raw_rows(lite, "SELECT event_seq FROM audit_sink_positions") in ([], [(0,)])
+
+
+async def test_udp_syslog_delivers_every_record_to_a_listening_collector(lite: Engine) -> None:
+    received: list[dict[str, Any]] = []
+
+    class Collect(asyncio.DatagramProtocol):
+        def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
+            received.append(syslog_record(data))
+
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(Collect, local_addr=("127.0.0.1", 0))
+    port = transport.get_extra_info("sockname")[1]
+    config = AuditSinkConfig(syslog=f"udp://127.0.0.1:{port}", batch=7)
+    try:
+        async with kazma_store(lite) as (conn, service, checkpointer):
+            await decisions(service, checkpointer, 3, tag="udp")
+            sink = AuditSink.of(service.store, conn, config)
+            await sink.start()
+            try:
+                await delivered_all(sink)
+            finally:
+                await sink.target.close()
+            await caught_up(service.store, lambda: received)
+            events, checkpoints = await in_store(service.store)
+    finally:
+        transport.close()
+    assert kinds(received, "event") == events
+    assert kinds(received, "checkpoint") == checkpoints
