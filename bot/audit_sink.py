@@ -122,28 +122,54 @@ class Target(Protocol):
 
 
 class FileTarget:
-    """JSON lines appended to a file and fsynced per delivery; reads its own last record at start."""
+    """JSON lines appended to a file and fsynced per delivery (all of a batch or none of it); reads its own last
+    record at start."""
 
     kind = "file"
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._entry_synced = False  # the folder fsynced since the file was made (or first written here)
 
     async def deliver(self, records: list[dict[str, Any]]) -> None:
-        text = "".join(line(record) for record in records)
+        data = "".join(line(record) for record in records).encode("utf-8")
         try:
-            await asyncio.to_thread(self._append, text)
+            await asyncio.to_thread(self._append, data)
         except OSError as exc:
             raise SinkError(f"cannot write {self.path}: {exc}") from None
 
-    def _append(self, text: str) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    def _append(self, data: bytes) -> None:
+        """Every byte written and fsynced, or none: a short write (the file size limit, a full disk) or a failed
+        fsync cuts the file back to where it was and raises. The folder holding a new file (and each folder made
+        for it) is fsynced too: the file's entry is as durable as its lines."""
+        for made in _missing_folders(self.path.parent):
+            made.mkdir(exist_ok=True)
+            _fsync_folder(made.parent)
         try:
-            os.write(fd, text.encode("utf-8"))
-            os.fsync(fd)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o600)
+            self._entry_synced = False
+        except FileExistsError:
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+        try:
+            size = _whole_lines(fd)  # a line an earlier failure left cut (its cut back failed too) was never delivered
+            try:
+                view = memoryview(data)
+                while view:
+                    written = os.write(fd, view)
+                    if written <= 0:
+                        raise OSError(errno.EIO, "the file took none of the bytes written")
+                    view = view[written:]
+                os.fsync(fd)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)
+                    os.fsync(fd)
+                raise
         finally:
             os.close(fd)
+        if not self._entry_synced:  # once per file: made by this process, or found at its first delivery
+            _fsync_folder(self.path.parent)
+            self._entry_synced = True
 
     async def delivered(self) -> tuple[int, int] | None:
         return await asyncio.to_thread(self._last_records)
@@ -180,6 +206,41 @@ class FileTarget:
 
     async def close(self) -> None:
         return
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """The folders of ``folder``'s path that do not exist yet, outermost first."""
+    missing: list[Path] = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing[::-1]
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _whole_lines(fd: int) -> int:
+    """The file's size once a last line without its newline (cut by a crash or a failed write) is removed."""
+    size = os.fstat(fd).st_size
+    if not size or os.pread(fd, 1, size - 1) == b"\n":
+        return size
+    end = size
+    while end > 0:
+        start = max(0, end - 65_536)
+        cut = os.pread(fd, end - start, start).rfind(b"\n")
+        if cut >= 0:
+            end = start + cut + 1
+            break
+        end = start
+    os.ftruncate(fd, end)
+    os.fsync(fd)
+    return end
 
 
 class SyslogTarget:

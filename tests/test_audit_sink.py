@@ -28,7 +28,7 @@ from structlog.testing import capture_logs
 
 from kazma.approvals import ApprovalService, ApprovalStore, Decision
 from kazma.approvals.checkpointer import Checkpointer
-from kazma.bot.audit_sink import SINK_BEHIND, AuditSink, SinkPositions
+from kazma.bot.audit_sink import SINK_BEHIND, AuditSink, FileTarget, SinkPositions
 from kazma.bot.cli import main
 from kazma.config.audit_config import AuditSinkConfig
 from kazma.config.backoff import Backoff
@@ -708,3 +708,66 @@ async def test_udp_syslog_delivers_every_record_to_a_listening_collector(lite: E
         transport.close()
     assert kinds(received, "event") == events
     assert kinds(received, "checkpoint") == checkpoints
+
+
+CUT_SHORT = textwrap.dedent(
+    """
+    import asyncio, resource, sys
+    from pathlib import Path
+    from kazma.bot.audit_sink import FileTarget, SinkError
+
+    def record(seq):
+        return {"type": "event", "seq": seq, "detail": "x" * 200}
+
+    async def main(path):
+        target = FileTarget(Path(path))
+        await target.deliver([record(1)])
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (Path(path).stat().st_size + 300, hard))  # a full disk, as near
+        try:
+            await target.deliver([record(2), record(3)])
+        except SinkError as exc:
+            print("failed:", exc)
+        else:
+            print("delivered")
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        await target.deliver([record(2), record(3)])  # the retry, once there is room
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+async def test_a_file_sink_that_cannot_write_a_whole_batch_fails_it_and_leaves_the_file_whole(tmp_path: Path) -> None:
+    # A short write (the file size limit; a full disk) was counted as delivered: half a batch in the file, the next
+    # append glued to its cut line, and the file no longer read back.
+    path = tmp_path / "kazma-audit.jsonl"
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CUT_SHORT, str(path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        out, err = await child.communicate()
+    assert child.returncode == 0, err.decode()
+    assert out.decode().startswith("failed: cannot write"), out.decode()
+    lines = [json.loads(text) for text in path.read_text(encoding="utf-8").splitlines()]
+    assert kinds(lines, "event") == [1, 2, 3]
+
+
+async def test_a_file_sink_makes_its_file_durable_in_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The file was fsynced, its folder's entry for it never: a crash could lose the whole new file.
+    synced: list[int] = []
+    fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.fstat(fd).st_ino)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    path = tmp_path / "audit" / "kazma-audit.jsonl"
+    await FileTarget(path).deliver([{"type": "event", "seq": 1}])
+    assert path.stat().st_ino in synced
+    assert path.parent.stat().st_ino in synced
