@@ -14,7 +14,8 @@ crash between a delivery and the write of its position sends that batch again
 after the restart. Every record carries its sequence number, so a receiver that
 drops what it has (an event by ``seq``; a checkpoint by ``seq``) sees each one
 exactly once, in order. The file target does that itself: at start it reads the
-last record it wrote.
+last record it wrote, and checks that record is the store's (a file that went
+past the store, or holds another chain, is set aside and a new one begun).
 
 Syslog has no acknowledgement. Over TCP a record counts as delivered once the
 kernel took it: a connection the collector closed is found before each write
@@ -38,6 +39,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -105,20 +107,36 @@ class SinkError(Exception):
         self.retry_after = retry_after
 
 
+@dataclass(frozen=True)
+class Held:
+    """What a target holds itself (a file), as its last records say."""
+
+    event_seq: int  # its last event's (0: it holds none)
+    checkpoint_seq: int  # its last checkpoint's (0: none)
+    chain_hash: Any = None  # its last event's chain hash, as written
+
+
 class Target(Protocol):
     kind: str
 
     async def deliver(self, records: list[dict[str, Any]]) -> None:
-        """Deliver every record, in order, or raise."""
+        """Deliver every record, in order, or raise (:class:`SinkError`)."""
         ...
 
-    async def delivered(self) -> tuple[int, int] | None:
-        """(event seq, checkpoint seq) the target itself knows it has (a file), or None (it cannot say)."""
+    async def delivered(self) -> Held | None:
+        """What the target itself knows it has (a file), or None (it cannot say)."""
+        ...
+
+    async def start_over(self) -> str:
+        """What it holds is not the store's chain: keep it aside and begin anew; where it was kept ("" nowhere)."""
         ...
 
     async def close(self) -> None:
         """Let go of connections; a delivery after it opens them again (the sink is run again after a stop)."""
         ...
+
+
+_TAIL_BYTES: Final = 1_048_576  # how far back from its end a file sink looks for its last records
 
 
 class FileTarget:
@@ -171,24 +189,24 @@ class FileTarget:
             _fsync_folder(self.path.parent)
             self._entry_synced = True
 
-    async def delivered(self) -> tuple[int, int] | None:
+    async def delivered(self) -> Held | None:
         return await asyncio.to_thread(self._last_records)
 
-    def _last_records(self) -> tuple[int, int] | None:
-        """The last event and checkpoint seq in the file; a line cut by a crash is removed first."""
+    def _last_records(self) -> Held | None:
+        """The last event (seq and chain hash) and checkpoint seq in the file; a line cut by a crash is removed
+        first."""
         try:
-            with self.path.open("rb+") as handle:
-                size = handle.seek(0, os.SEEK_END)
-                start = max(0, size - 1_048_576)
-                handle.seek(start)
-                tail = handle.read()
-                if tail and not tail.endswith(b"\n"):  # torn by a crash mid-write: it was never delivered
-                    cut = tail.rfind(b"\n") + 1
-                    handle.truncate(start + cut)
-                    tail = tail[:cut]
+            fd = os.open(self.path, os.O_RDWR)
         except FileNotFoundError:
             return None
-        event_seq = checkpoint_seq = 0
+        try:
+            size = _whole_lines(fd)
+            start = max(0, size - _TAIL_BYTES)
+            tail = os.pread(fd, size - start, start)
+        finally:
+            os.close(fd)
+        event: dict[str, Any] | None = None
+        checkpoint_seq = 0
         for raw in reversed(tail.splitlines()):
             try:
                 record = json.loads(raw)
@@ -196,13 +214,35 @@ class FileTarget:
                 continue
             if not isinstance(record, dict):
                 continue
-            if record.get("type") == "event" and not event_seq:
-                event_seq = int(record["seq"])
+            if record.get("type") == "event" and event is None:
+                event = record
             if record.get("type") == "checkpoint" and not checkpoint_seq:
                 checkpoint_seq = int(record["seq"])
-            if event_seq and checkpoint_seq:
+            if event is not None and checkpoint_seq:
                 break
-        return event_seq, checkpoint_seq
+        if event is None:
+            return Held(0, checkpoint_seq)
+        return Held(int(event["seq"]), checkpoint_seq, event.get("chain_hash"))
+
+    async def start_over(self) -> str:
+        return await asyncio.to_thread(self._set_aside)
+
+    def _set_aside(self) -> str:
+        """The file renamed to ``<name>.diverged-<UTC time>`` beside it (never over another); the next delivery
+        begins a new one."""
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        for n in range(1, 1000):
+            aside = self.path.with_name(f"{self.path.name}.diverged-{stamp}" + (f"-{n}" if n > 1 else ""))
+            if aside.exists():
+                continue
+            try:
+                self.path.rename(aside)
+            except FileNotFoundError:
+                return ""
+            _fsync_folder(self.path.parent)
+            self._entry_synced = False
+            return str(aside)
+        raise SinkError(f"cannot set {self.path} aside: too many diverged files beside it")
 
     async def close(self) -> None:
         return
@@ -326,8 +366,11 @@ class SyslogTarget:
             self._socket = await self._connect(socket.SOCK_STREAM)
         await asyncio.get_running_loop().sock_sendall(self._socket, frames)
 
-    async def delivered(self) -> tuple[int, int] | None:
+    async def delivered(self) -> Held | None:
         return None
+
+    async def start_over(self) -> str:
+        return ""
 
     async def close(self) -> None:
         held, self._socket = self._socket, None
@@ -389,8 +432,11 @@ class WebhookTarget:
             f"webhook answered {status}" + (f": {said[:_ERROR_SHOWN]}" if said else ""), retry_after=retry_after
         )
 
-    async def delivered(self) -> tuple[int, int] | None:
+    async def delivered(self) -> Held | None:
         return None
+
+    async def start_over(self) -> str:
+        return ""
 
     async def close(self) -> None:
         client, self._client = self._client, None
@@ -519,11 +565,47 @@ class AuditSink:
         self._due.set()
 
     async def start(self) -> None:
-        """The position to go on from: the store's, or further where the target itself knows it has more."""
+        """The position to go on from: the store's, or further where the target itself knows it has more (and
+        what it has is the store's chain: else it is set aside and the target begins again from the first event)."""
         stored = await self.positions.get(self.name, formerly=self.formerly)
-        own = await self.target.delivered()
-        self.position = stored if own is None else (max(stored[0], own[0]), max(stored[1], own[1]))
+        held = await self.target.delivered()
+        if held is None:
+            self.position = stored
+        elif await self._continues(held):
+            self.position = (max(stored[0], held.event_seq), max(stored[1], held.checkpoint_seq))
+        else:
+            await self._diverged(held)
         log.info("audit.sink_started", sink=self.name, event_seq=self.position[0], checkpoint_seq=self.position[1])
+
+    async def _continues(self, held: Held) -> bool:
+        """Whether the target's last event is the store's event of that seq (a store restored from an older
+        backup, or another store, has other events under the seqs the target holds, or none)."""
+        if not held.event_seq:
+            return True
+        found = await self.store.chain_events(held.event_seq - 1, limit=1)
+        return (
+            bool(found) and found[0].seq == held.event_seq and event_record(found[0])["chain_hash"] == held.chain_hash
+        )
+
+    async def _diverged(self, held: Held) -> None:
+        """The target holds what the store does not: appending would skip the store's new events under seqs it
+        has (or write a chain that never verifies). It is kept aside, whole, and a new one gets the store's chain
+        from its first event, so it verifies on its own. The position is reset first: a crash in between sets the
+        same target aside again, never resumes a new one half-way."""
+        last = await self.store.last_event_seq()
+        await self.positions.save(self.name, 0, 0, self.clock())
+        aside = await self.target.start_over()
+        self.position = (0, 0)
+        count_failure("audit_sink_diverged", self.target.kind)
+        log.error(
+            "audit.sink_diverged",
+            sink=self.name,
+            target_event_seq=held.event_seq,
+            store_last_event_seq=last,
+            kept_aside=aside,
+            note="the target's last event is not the store's (a store restored from a backup, or another store):"
+            " it was set aside as it was, and the store's chain is delivered again from its first event",
+        )
 
     async def run(self) -> None:
         await self.start()

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -771,3 +772,74 @@ async def test_a_file_sink_makes_its_file_durable_in_its_folder(
     await FileTarget(path).deliver([{"type": "event", "seq": 1}])
     assert path.stat().st_ino in synced
     assert path.parent.stat().st_ino in synced
+
+
+def copy_store(source: Path, to: Path) -> None:
+    """A backup of a SQLite store that is closed (its WAL folded in)."""
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            (to.parent / (to.name + suffix)).unlink()
+        if (source.parent / (source.name + suffix)).exists():
+            shutil.copyfile(source.parent / (source.name + suffix), to.parent / (to.name + suffix))
+
+
+@pytest.mark.parametrize("after_restore", [1, 6], ids=["store-shorter", "same-seq-other-event"])
+async def test_a_file_sink_whose_file_goes_past_a_store_restored_from_backup_starts_a_new_file(
+    lite: Engine, tmp_path: Path, after_restore: int
+) -> None:
+    # The file's last seq won over the store's: a store restored from an older backup went on appending events under
+    # seqs the file had already, and the sink skipped each of them (and later wrote a chain that did not verify).
+    db, backup = Path(lite.where), tmp_path / "backup.db"
+    path = tmp_path / "kazma-audit.jsonl"
+    config = AuditSinkConfig(file=path, retry_base_seconds=0.05, retry_cap_seconds=0.2)
+    async with kazma_store(lite) as (conn, service, checkpointer):
+        await decisions(service, checkpointer, 2, tag="backed up")
+    copy_store(db, backup)
+    async with kazma_store(lite) as (conn, service, checkpointer):
+        await decisions(service, checkpointer, 2, tag="lost with the store")
+        sink = AuditSink.of(service.store, conn, config)
+        await sink.start()
+        await delivered_all(sink)
+    written = path.read_bytes()
+    copy_store(backup, db)  # the store restored from its backup; the file keeps what it had
+    diverged_before = failure_count("audit_sink_diverged", "file")
+    async with kazma_store(lite) as (conn, service, checkpointer):
+        await decisions(service, checkpointer, after_restore, tag="after the restore")
+        restarted = AuditSink.of(service.store, conn, config)
+        with capture_logs() as logged:
+            await restarted.start()
+        await delivered_all(restarted)
+        events, checkpoints = await in_store(service.store)
+    lines = [json.loads(text) for text in path.read_text(encoding="utf-8").splitlines()]
+    assert kinds(lines, "event") == events  # the new file: the store's whole chain, from its first event
+    assert kinds(lines, "checkpoint") == checkpoints
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("kazma-audit.jsonl.diverged-")]
+    assert len(aside) == 1
+    assert aside[0].read_bytes() == written  # kept as it was: it holds events the store no longer has
+    assert failure_count("audit_sink_diverged", "file") == diverged_before + 1
+    assert [e["log_level"] for e in logged if e["event"] == "audit.sink_diverged"] == ["error"]
+    keys = tmp_path / "audit.pub"
+    keys.write_text(TEST_SIGNER.public_keys().text(), encoding="utf-8")
+    result = CliRunner().invoke(
+        main, ["audit", "verify", "--from-export", str(path), "--public-key", str(keys)], env={"KAZMA_AUDIT_KEY": ""}
+    )
+    assert result.exit_code == 0, result.stdout
+
+
+async def test_a_file_sink_whose_file_continues_the_store_goes_on_from_the_file(lite: Engine, tmp_path: Path) -> None:
+    path = tmp_path / "kazma-audit.jsonl"
+    config = AuditSinkConfig(file=path)
+    async with kazma_store(lite) as (conn, service, checkpointer):
+        await decisions(service, checkpointer, 2, tag="one")
+        sink = AuditSink.of(service.store, conn, config)
+        await sink.start()
+        await delivered_all(sink)
+        await decisions(service, checkpointer, 1, tag="two")
+        again = AuditSink.of(service.store, conn, config)
+        await again.start()
+        assert again.position == sink.position
+        await delivered_all(again)
+        events, _ = await in_store(service.store)
+    assert not [p for p in tmp_path.iterdir() if ".diverged-" in p.name]
+    lines = [json.loads(text) for text in path.read_text(encoding="utf-8").splitlines()]
+    assert kinds(lines, "event") == events
