@@ -6,7 +6,8 @@ position on. It runs apart from every decision (a target that is down, slow or
 refusing delays no press; see :class:`AuditSink`), retries with the one backoff
 (:mod:`kazma.config.backoff`; a target's ``Retry-After`` is heeded up to
 ``retry_cap_seconds``) and says how far behind it is
-(``kazma_audit_sink_behind_events``; each failed delivery counts at site
+(``kazma_audit_sink_behind_events``, kept current while it waits, and 0 on a
+process that stopped sinking; each failed delivery counts at site
 ``audit_sink``).
 
 Delivery is in sequence order and at least once to the file and the webhook: a
@@ -576,6 +577,7 @@ class AuditSink:
         else:
             await self._diverged(held)
         log.info("audit.sink_started", sink=self.name, event_seq=self.position[0], checkpoint_seq=self.position[1])
+        await self._measure()
 
     async def _continues(self, held: Held) -> bool:
         """Whether the target's last event is the store's event of that seq (a store restored from an older
@@ -608,14 +610,23 @@ class AuditSink:
         )
 
     async def run(self) -> None:
-        await self.start()
         try:
+            await self.start()
             while True:
-                if not await self.deliver_once():
+                if not await self.deliver_once() and not self.failures:
                     self._due.clear()
                     await until_set(self._due, self.poll_seconds)
+        except asyncio.CancelledError:  # no longer sinking here (a stop, or the lease went to another replica)
+            self.stopped()
+            raise
         finally:
             await self.target.close()
+
+    def stopped(self) -> None:
+        """This process no longer sinks: its gauge says nothing is behind here (the replica that leads says how far
+        behind it is), rather than what it measured last, for good."""
+        self.behind = 0
+        SINK_BEHIND.set(0)
 
     async def deliver_once(self) -> bool:
         """One batch delivered (True), or nothing to deliver or a failed delivery, waited out (False)."""
@@ -642,7 +653,7 @@ class AuditSink:
                 error=str(exc) if isinstance(exc, SinkError) else f"{type(exc).__name__}: {exc}".rstrip(": "),
                 **unexpected,
             )
-            await asyncio.sleep(delay)
+            await self._wait_out(delay)
             return False
         if self.failures:
             log.info("audit.sink_recovered", sink=self.name, after_failures=self.failures)
@@ -655,6 +666,16 @@ class AuditSink:
             log.warning("audit.sink_position_not_saved", sink=self.name, error=str(exc))
         await self._measure()
         return True
+
+    async def _wait_out(self, delay: float) -> None:
+        """The wait before the next attempt, saying how far behind all along: measured at each append here, and
+        each poll (other processes append)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + delay
+        while (left := end - loop.time()) > 0:
+            self._due.clear()
+            await until_set(self._due, min(left, self.poll_seconds))
+            await self._measure()
 
     async def _batch(self) -> tuple[list[dict[str, Any]], int, int]:
         """The next records in order: events after the position, and each checkpoint after the event it signs."""

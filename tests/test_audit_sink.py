@@ -843,3 +843,25 @@ async def test_a_file_sink_whose_file_continues_the_store_goes_on_from_the_file(
     assert not [p for p in tmp_path.iterdir() if ".diverged-" in p.name]
     lines = [json.loads(text) for text in path.read_text(encoding="utf-8").splitlines()]
     assert kinds(lines, "event") == events
+
+
+async def test_the_behind_gauge_follows_the_store_while_the_sink_waits_and_resets_when_it_stops(lite: Engine) -> None:
+    # It was measured only around attempts: during a long retry wait it said what it said at the last attempt, and on
+    # a replica that lost the lease it said that for good.
+    receiver = Receiver()  # nothing listens: every attempt is refused
+    config = AuditSinkConfig(webhook=receiver.url, retry_base_seconds=600, retry_cap_seconds=600)
+    async with kazma_store(lite) as (conn, service, checkpointer):
+        await decisions(service, checkpointer, 1, tag="before")
+        sink = AuditSink.of(service.store, conn, config)
+        failed = failure_count("audit_sink", "webhook")
+        running = asyncio.create_task(sink.run())
+        try:
+            await until(lambda: failure_count("audit_sink", "webhook") == failed + 1, what="the first attempt failed")
+            await decisions(service, checkpointer, 2, tag="while it waits")
+            last = await service.store.last_event_seq()
+            await until(lambda: SINK_BEHIND._value.get() == last, within=30, what="the gauge followed the store")
+            assert failure_count("audit_sink", "webhook") == failed + 1  # measured while waiting: no new attempt
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+        assert SINK_BEHIND._value.get() == 0  # this process no longer sinks: it says nothing is behind here
