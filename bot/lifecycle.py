@@ -268,6 +268,8 @@ class Lifecycle(ABC):
     async def follow(self, reason: str) -> None:
         """The lease is gone (another replica leads, or the database cannot be reached): stop the sweeps."""
         await self._leader_tasks.stop()
+        if self.audit_sink is not None and self.replication is not None:
+            self.audit_sink.stopped()  # stopped wherever its task was (a restart's wait too): its gauge says so
         if self.replication is not None and isinstance(self.bus, FanOutBus):
             await self.bus.stop_ingress()  # another replica may be opening them already
 

@@ -32,11 +32,13 @@ def redact_secret(value: str) -> None:
 
 
 def redact_config_secrets(config: KazmaConfig) -> None:
-    """Every secret a configuration holds, whatever its shape: tokens, signing secrets, the model's key."""
+    """Every secret a configuration holds, whatever its shape: tokens, signing secrets, the model's key, the audit
+    webhook's URL and headers."""
     for value in (
         *(secret for spec in CHAT_PLATFORMS.values() for secret in spec.secret_values(config.platforms)),
         config.model.api_key,
         config.store.secret,  # the password inside a postgresql:// store.url
+        *(config.audit.sink.secrets() if config.audit.sink is not None else ()),  # a webhook's URL and headers
     ):
         if value:
             redact_secret(value)
