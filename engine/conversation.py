@@ -37,7 +37,7 @@ from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, StepRef, Tu
 from kazma.engine.attachments import Saved, describe, save_attachments
 from kazma.engine.executor import Action, ActionKind, AnswerVerdict, DispatchFailed, PlanExecutor, StepResult
 from kazma.engine.fence import fence_untrusted
-from kazma.engine.plan import Plan
+from kazma.engine.plan import Plan, PlanOrigin
 from kazma.engine.plan_store import PlanStore, Question
 from kazma.engine.plan_tools import ask_user_tool, lead_plan_tools
 from kazma.engine.streamed_reply import StreamedReply, stream_at
@@ -380,7 +380,7 @@ class Conversations:
             )
             prompt = f"The plan for '{action.plan.goal}' has finished. Report the result to the team.\n{summaries}"
             self._tasks.spawn(
-                self._lead_says(action.plan.conversation, prompt, started_by=action.plan.origin.started_by),
+                self._lead_says(action.plan.conversation, prompt, origin=action.plan.origin),
                 name=f"finish-{action.plan.id}",
             )
 
@@ -454,17 +454,26 @@ class Conversations:
 
     async def _ask_lead(self, plan: Plan, index: int, prompt: str) -> None:
         try:
-            await self._lead_says(plan.conversation, prompt, started_by=plan.origin.started_by)
+            await self._lead_says(plan.conversation, prompt, origin=plan.origin)
         finally:
             if self.executor is not None:
                 await self.executor.lead_decided(plan.id, index)
 
-    async def _lead_says(self, conversation: str, prompt: str, *, started_by: str | None = None) -> None:
+    async def _lead_says(self, conversation: str, prompt: str, *, origin: PlanOrigin | None = None) -> None:
+        """A lead turn the executor asks for about a plan (a failure, the report). ``origin``: that plan's; a plan
+        the lead writes in the turn keeps it (the person's words and files, and who asked: whom forbid_requester
+        refuses and who may answer its questions), not "executor" and the executor's prompt."""
         where = Address.parse(conversation)
         async with self._announcing(self.lead, conversation):
             async with self.working(where):
                 result = await self.runner.run(
-                    self.lead, conversation, prompt, requested_by="executor", started_by=started_by
+                    self.lead,
+                    conversation,
+                    prompt,
+                    requested_by="executor",
+                    started_by=None if origin is None else origin.started_by,
+                    request_text=None if origin is None else origin.text,
+                    files=() if origin is None else origin.files,
                 )
             text = result.text if result.ok else f"I could not finish: {result.error}"
             if text:

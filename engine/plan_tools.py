@@ -80,7 +80,10 @@ def lead_plan_tools(executor: PlanExecutor) -> list[InternalTool]:
     async def write_plan(arguments: Mapping[str, Any], ctx: TurnContext) -> ToolResult:
         try:
             spec = PlanSpec.model_validate(dict(arguments))
-            origin = PlanOrigin(text=ctx.request_text, requested_by=ctx.requested_by, files=ctx.files)
+            # Whom the work is for: the person (ctx.starter), also in a turn the executor asked for about their
+            # plan ("executor" named nobody: forbid_requester let them approve its calls, and only admins could
+            # answer its questions).
+            origin = PlanOrigin(text=ctx.request_text, requested_by=ctx.starter or ctx.requested_by, files=ctx.files)
             plan = await executor.start(ctx.conversation, spec, origin)
         except ValidationError as exc:
             return ToolResult(ok=False, output="", error=f"the plan is malformed: {_problems(exc)}")

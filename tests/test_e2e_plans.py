@@ -211,3 +211,34 @@ async def test_the_lead_repairs_a_failed_step_with_new_input_and_the_plan_goes_o
         dispatches = [t for t in texts(fake) if t.startswith("[kazma] @")]
         assert [d.split()[1] for d in dispatches] == ["@researcher", "@refiner", "@refiner", "@builder", "@validator"]
         assert [e.kind for e in await app.executor.store.events(plan_id)] == ["retried"]
+
+
+async def test_a_plan_the_lead_writes_when_asked_about_a_failure_is_still_the_asking_persons(tmp_path: Path) -> None:
+    # The lead's turn about a failed step runs as "executor": a plan written in it named "executor" as who asked
+    # (forbid_requester then let the person approve its calls, only admins could answer its questions) and the
+    # executor's prompt as the person's words.
+    first = {"goal": "ship", "steps": [{"index": 1, "title": "fetch", "assignee": "refiner", "input": "Fetch it."}]}
+    second = {"goal": "ship anew", "steps": [{"index": 1, "title": "build", "assignee": "builder", "input": "Go."}]}
+
+    def unreachable(messages: Sequence[Message]) -> ModelReply:
+        raise ModelError("the server is unreachable", permanent=True)
+
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [
+            call("write_plan", first),
+            ModelReply(content="Planned."),
+            call("abort_plan", {"reason": "the server is gone"}),  # asked about step 1
+            call("write_plan", second),
+            ModelReply(content="A new plan."),
+            ModelReply(content="Shipped."),
+        ],
+        "refiner": [unreachable],
+        "builder": [ModelReply(content="Built.")],
+    }
+    async with kazma(tmp_path, scripts) as (app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma ship it please", username="alice")
+        await said(fake, "[builder] Built.")
+        loaded = await last_plan(app)
+        assert loaded.goal == "ship anew"
+        assert loaded.origin.requested_by == f"telegram:{ALICE}"
+        assert loaded.origin.text == "@kazma ship it please"
