@@ -150,7 +150,18 @@ class PlanExecutor:
         ``@sub-agent`` message, in the order the plan was meant.
         """
         validate_plan(spec, self.assignees | {self.lead_name})
-        plan = await self.store.create(conversation, spec, origin)
+        async with self._locks[conversation]:
+            # One active plan a conversation: the repairs, /plan and the lead's questions name no plan, so with two
+            # a repair asked about one landed on the other (another person's plan aborted, its step still running).
+            active = await self.store.active_plan(conversation)
+            if active is not None:
+                running = await self.store.load(active)
+                goal = "" if running is None else f" ({running.goal})"
+                raise PlanError(
+                    [f"plan {active}{goal} is still active in this conversation: let it finish, repair it, or abort "
+                     "it (abort_plan) before writing another"]
+                )  # fmt: skip
+            plan = await self.store.create(conversation, spec, origin)
         log.info("plan.created", plan_id=plan.id, conversation=conversation, steps=len(plan.steps))
         if self._speaking[conversation]:
             self._written[conversation].append(plan.id)

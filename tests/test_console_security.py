@@ -93,16 +93,11 @@ async def test_a_reader_cannot_answer_a_question_even_under_the_requesters_name(
         "builder": [call("ask_user", {"question": "Which region?", "choices": ["eu", "us"]}), ModelReply("Waiting.")],
     }
     async with console(tmp_path, scripts=scripts) as con, con.client() as client:
+        # One active plan a conversation: the typed question's plan first, then (aborted) the pressed one's.
         typed = PlanSpec(goal="budget", steps=[StepSpec(index=1, title="budget", assignee="user", input="Budget?")])
         typed_plan = await con.app.executor.start("web:console", typed, PlanOrigin("set it up", "web:rita"))
-        pressed = PlanSpec(goal="deploy", steps=[StepSpec(index=1, title="deploy", assignee="builder", input="Go.")])
-        pressed_plan = await con.app.executor.start("web:console", pressed, PlanOrigin("deploy it", "web:rita"))
-        await until(con.web, lambda: any(m.choices for m in con.web.messages()))
         await until(con.web, lambda: any("Budget?" in m.text for m in con.web.messages()))
-        await con.app.conversations.drain()
         [typed_question] = [m for m in con.web.messages() if "Budget?" in m.text]
-        [pressed_question] = [m for m in con.web.messages() if m.choices]
-        asked = con.provider.calls
 
         csrf = await con.login(client, "rita", READER)
         replied = await client.post(
@@ -111,6 +106,18 @@ async def test_a_reader_cannot_answer_a_question_even_under_the_requesters_name(
             allow_redirects=False,
         )
         assert replied.status == 403
+        await con.app.conversations.drain()
+        still = await con.app.executor.store.load(typed_plan.id)
+        assert still is not None
+        assert still.steps[1].status is StepStatus.WAITING_FOR_USER
+        await con.app.executor.abort_plan("web:console", "the next check needs its own plan", by="web:admin")
+
+        pressed = PlanSpec(goal="deploy", steps=[StepSpec(index=1, title="deploy", assignee="builder", input="Go.")])
+        pressed_plan = await con.app.executor.start("web:console", pressed, PlanOrigin("deploy it", "web:rita"))
+        await until(con.web, lambda: any(m.choices for m in con.web.messages()))
+        await con.app.conversations.drain()
+        [pressed_question] = [m for m in con.web.messages() if m.choices]
+        asked = con.provider.calls
         chose = await client.post(
             f"{con.base}/console/choose",
             data={"csrf": csrf, "message": pressed_question.id, "choice": "1"},
@@ -119,10 +126,9 @@ async def test_a_reader_cannot_answer_a_question_even_under_the_requesters_name(
         assert chose.status == 403
         await con.app.conversations.drain()
         assert con.provider.calls == asked  # the builder was not resumed
-        for plan in (typed_plan, pressed_plan):
-            loaded = await con.app.executor.store.load(plan.id)
-            assert loaded is not None
-            assert loaded.steps[1].status is StepStatus.WAITING_FOR_USER
+        loaded = await con.app.executor.store.load(pressed_plan.id)
+        assert loaded is not None
+        assert loaded.steps[1].status is StepStatus.WAITING_FOR_USER
         assert not any(m.author == "web:rita" for m in con.web.messages())
 
 

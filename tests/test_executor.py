@@ -605,3 +605,23 @@ async def test_a_restart_resumes_a_step_whose_answer_was_recorded_just_before_th
     async with executor(store_engine.where) as (ex, d):  # resumed once: a later start does not again
         assert await ex.recover() == [(plan.id, 2)]
         assert not [a for a in d.actions if a.kind is ActionKind.RESUME]
+
+
+async def test_a_second_plan_in_a_conversation_with_an_active_one_is_refused(store_engine: Engine) -> None:
+    # With two active plans the repairs (which name no plan) landed on the newest: the lead, asked about plan A's
+    # failed step, aborted plan B, another person's, whose running step kept running.
+    async with executor(store_engine.where) as (ex, _d):
+        first = await ex.start("c", spec(step(1), step(2)), PlanOrigin("release notes", "telegram:111"))
+        with pytest.raises(PlanError, match=f"plan {first.id} \\(.*\\) is still active in this conversation"):
+            await ex.start("c", spec(step(1)), PlanOrigin("migrate the db", "telegram:222"))
+        elsewhere = await ex.start("other", spec(step(1)), PlanOrigin("migrate the db", "telegram:222"))
+        await ex.complete(first.id, 1, StepResult(ok=False, error="no access"))
+        await ex.abort_plan("c", "hopeless", by="agent:kazma")
+        aborted = await ex.store.load(first.id)
+        assert aborted is not None
+        assert aborted.status == "aborted"
+        untouched = await ex.store.load(elsewhere.id)
+        assert untouched is not None
+        assert untouched.status == "active"
+        again = await ex.start("c", spec(step(1)), PlanOrigin("try again", "telegram:111"))  # the first has ended
+        assert again.id != first.id
