@@ -371,7 +371,9 @@ class Conversations:
                 "replace_steps, skip_step or abort_plan. If you do none of them, the steps that need this one are "
                 "dropped and the rest of the plan goes on."
             )
-            self._tasks.spawn(self._ask_lead(action.plan, step.index, prompt), name=f"ask-lead-{action.plan.id}")
+            self._tasks.spawn(
+                self._ask_lead(action.plan, step.index, step.attempts, prompt), name=f"ask-lead-{action.plan.id}"
+            )
         elif action.kind is ActionKind.FINISHED:
             summaries = "\n".join(
                 f"Step {s.index} ({s.spec.assignee}, {s.status.value}): "
@@ -452,12 +454,12 @@ class Conversations:
             attempt=action.step.attempts,
         )
 
-    async def _ask_lead(self, plan: Plan, index: int, prompt: str) -> None:
+    async def _ask_lead(self, plan: Plan, index: int, attempt: int, prompt: str) -> None:
         try:
             await self._lead_says(plan.conversation, prompt, origin=plan.origin)
         finally:
             if self.executor is not None:
-                await self.executor.lead_decided(plan.id, index)
+                await self.executor.lead_decided(plan.id, index, attempt)
 
     async def _lead_says(self, conversation: str, prompt: str, *, origin: PlanOrigin | None = None) -> None:
         """A lead turn the executor asks for about a plan (a failure, the report). ``origin``: that plan's; a plan

@@ -139,6 +139,9 @@ class PlanExecutor:
     # Conversations where the lead is speaking (how many turns), and the plans it wrote meanwhile.
     _speaking: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     _written: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    # Failed steps the lead is being asked about: (plan, step) -> the step's attempt then. While one is, its plan
+    # does not finish (the last step failing under ask_lead finished it at once, refusing the lead's repair).
+    _deciding: dict[tuple[str, int], int] = field(default_factory=dict)
 
     # -- starting and completing -----------------------------------------------------------------
 
@@ -304,6 +307,7 @@ class PlanExecutor:
                     step = undecided[0]
                     log.warning("plan.lead_asked_again", plan_id=plan_id, step=step.index)
                     text = _failure_for_lead(step.index, step.failure_reason or "failed")
+                    self._deciding[(plan_id, step.index)] = step.attempts
                     actions.append(Action(ActionKind.ASK_LEAD, plan, step, text))
                     continue
                 moved = await self._next_actions(plan_id)
@@ -400,6 +404,7 @@ class PlanExecutor:
             return []
         # ask_lead: the steps that depend on the failed one wait (pending) while the lead decides; they are
         # blocked only when the lead gives up (see lead_decided) or the plan is aborted
+        self._deciding[(plan_id, index)] = plan.steps[index].attempts
         return [Action(ActionKind.ASK_LEAD, plan, plan.steps[index], _failure_for_lead(index, reason))]
 
     async def _next_actions(self, plan_id: str) -> list[Action]:
@@ -407,6 +412,8 @@ class PlanExecutor:
         if plan is None or plan.status != "active":
             return []
         if plan.finished:
+            if any(key[0] == plan_id for key in self._deciding):
+                return []  # the lead decides about a failed step first: it may retry it (see lead_decided)
             await self.store.set_plan_status(plan_id, "finished")
             log.info("plan.finished", plan_id=plan_id)
             return [Action(ActionKind.FINISHED, plan)]
@@ -691,9 +698,12 @@ class PlanExecutor:
             actions = [Action(ActionKind.NOTICE, plan, None, line)]
         return await self._repaired(plan.id, "abort_plan", actions, line, by=by)
 
-    async def lead_decided(self, plan_id: str, index: int) -> None:
+    async def lead_decided(self, plan_id: str, index: int, attempt: int | None = None) -> None:
         """The lead's turn about a failed step ended. If it did not repair the step, it gave up on it:
-        the steps that depend on it are blocked, and the plan goes on (or finishes) without them."""
+        the steps that depend on it are blocked, and the plan goes on (or finishes) without them.
+
+        ``attempt``: the step's attempt the turn was asked about. A turn that retried the step, whose new attempt
+        failed too (and asked the lead again) before this turn ended, leaves that newer failure to its own turn."""
         plan = await self.store.load(plan_id)
         if plan is None:
             return
@@ -701,19 +711,28 @@ class PlanExecutor:
             plan = await self.store.load(plan_id)
             assert plan is not None
             step = plan.steps.get(index)
-            if plan.status != "active" or step is None or step.status is not StepStatus.FAILED:
-                return  # repaired (retried, skipped) or the plan ended meanwhile
-            blocked = _dependents(plan, index, StepStatus.PENDING)
-            for dependent in blocked:
-                await self.store.set_status(
-                    plan_id,
-                    dependent,
-                    StepStatus.PENDING,
-                    StepStatus.BLOCKED,
-                    failure_reason=f"blocked: step {index} failed",
-                )
-            await self.store.record(plan_id, "gave_up", step=index, actor=self.lead_name, detail=str(blocked))
-            actions = await self._next_actions(plan_id)
+            key = (plan_id, index)
+            if attempt is None or self._deciding.get(key) == attempt:
+                self._deciding.pop(key, None)  # (a newer attempt's failure, asked about since, keeps its own)
+            if plan.status != "active":
+                return
+            newer = attempt is not None and step is not None and step.attempts != attempt
+            if newer or step is None or step.status is not StepStatus.FAILED:
+                # Repaired (retried, skipped), or a newer attempt is the lead's to decide: nothing given up. The
+                # plan moves on, and finishes if all that is left has ended.
+                actions = await self._next_actions(plan_id)
+            else:
+                blocked = _dependents(plan, index, StepStatus.PENDING)
+                for dependent in blocked:
+                    await self.store.set_status(
+                        plan_id,
+                        dependent,
+                        StepStatus.PENDING,
+                        StepStatus.BLOCKED,
+                        failure_reason=f"blocked: step {index} failed",
+                    )
+                await self.store.record(plan_id, "gave_up", step=index, actor=self.lead_name, detail=str(blocked))
+                actions = await self._next_actions(plan_id)
         await self.perform(actions)
 
     async def _abort(self, plan: Plan, reason: str) -> None:

@@ -625,3 +625,50 @@ async def test_a_second_plan_in_a_conversation_with_an_active_one_is_refused(sto
         assert untouched.status == "active"
         again = await ex.start("c", spec(step(1)), PlanOrigin("try again", "telegram:111"))  # the first has ended
         assert again.id != first.id
+
+
+async def test_the_last_step_failing_under_ask_lead_leaves_the_plan_open_for_the_leads_repair(
+    store_engine: Engine,
+) -> None:
+    # The failed last step made every step terminal: the plan finished at once, beside the ASK_LEAD, and the
+    # lead's retry_step was refused ("there is no active plan in this conversation").
+    async with executor(store_engine.where) as (ex, d):
+        plan = await ex.start("c", spec(step(1), step(2)))
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"))
+        await ex.complete(plan.id, 2, StepResult(ok=False, error="no access"))
+        assert last_kind(d) is ActionKind.ASK_LEAD
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.status == "active"
+        assert await ex.retry_step("c", 2, None, by="agent:kazma") == "Plan: step 2 (step 2) runs again, as it was."
+        await ex.complete(plan.id, 2, StepResult(ok=True, summary="two"), attempt=2)
+        assert last_kind(d) is not ActionKind.FINISHED  # the lead's turn is still going
+        await ex.lead_decided(plan.id, 2, 1)  # the turn that retried ends
+        assert last_kind(d) is ActionKind.FINISHED
+        done = await ex.store.load(plan.id)
+        assert done is not None
+        assert done.status == "finished"
+
+
+async def test_an_earlier_leads_turn_ending_leaves_a_newer_failure_to_the_turn_asked_about_it(
+    store_engine: Engine,
+) -> None:
+    # Turn 1 retried step 1, whose new attempt failed at once (turn 2 asked); turn 1 then ended and its
+    # lead_decided gave the step up: the plan finished, and turn 2's retry was refused.
+    async with executor(store_engine.where) as (ex, d):
+        plan = await ex.start("c", spec(step(1), step(2)))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="flaky"))
+        await ex.retry_step("c", 1, None, by="agent:kazma")  # turn 1
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="flaky again"), attempt=2)  # turn 2 is asked
+        await ex.lead_decided(plan.id, 1, 1)  # turn 1 ends
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.status == "active"
+        assert loaded.steps[2].status is StepStatus.PENDING  # not blocked
+        assert (
+            await ex.retry_step("c", 1, None, by="agent:kazma") == "Plan: step 1 (step 1) runs again, as it was."
+        )  # turn 2
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"), attempt=3)
+        await ex.lead_decided(plan.id, 1, 2)
+        await ex.complete(plan.id, 2, StepResult(ok=True, summary="two"))
+        assert last_kind(d) is ActionKind.FINISHED
