@@ -284,7 +284,11 @@ class Conversations:
             usage=result.usage,
             execution=result.execution,
         )
-        # When the turn asked a person (ask_user), the step waits and this completion is stale: ignored.
+        if any(run.name == "ask_user" and run.ok for run in result.tool_runs):
+            # The turn asked a person: the step waits, and the turn resumed with the answer completes it. An answer
+            # given before this turn ended has resumed the step already (the same attempt): this turn's closing line
+            # would have been taken as the step's result, and the next step started while the resumed one ran.
+            return
         await self.executor.complete(dispatch.plan_id, dispatch.index, outcome, attempt=dispatch.attempt)
 
     async def _post_result(

@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import structlog
 from pydantic import ValidationError
@@ -543,12 +543,12 @@ class PlanExecutor:
             return AnswerResult(
                 AnswerVerdict.REFUSED, f"Only {question.answerer} (or an admin) may answer this question."
             )
-        if question.choices and text not in question.choices:
+        answer = text.strip()[:ANSWER_LIMIT]  # ("us-east\n" from a chat is the choice "us-east")
+        if question.choices and answer not in question.choices:
             return AnswerResult(AnswerVerdict.REFUSED, f"Choose one of: {', '.join(question.choices)}.")
         plan = await self.store.load(question.plan_id)
         if plan is None:
             return AnswerResult(AnswerVerdict.REFUSED, "That question's plan is gone; nothing was recorded.")
-        answer = text.strip()[:ANSWER_LIMIT]
         async with self._locks[plan.conversation]:
             if not await self.store.settle_question(question_id, "answered", answer=answer, actor=actor):
                 again = await self.store.question(question_id)
@@ -575,9 +575,14 @@ class PlanExecutor:
             return await self._next_actions(plan_id)
         await self.store.set_status(plan_id, step.index, StepStatus.WAITING_FOR_USER, StepStatus.IN_PROGRESS)
         reply = fence_untrusted(f"Q: {question.question}\nA: {answer}", source=f"the answer from {actor}")
-        text = f"Your question was answered. Go on with your step from where you stopped.\n{reply}"
         loaded = await self.store.load(plan_id)
         assert loaded is not None
+        # The step itself again: the turn that asked may never have ended (a crash before it was kept in the
+        # history), or its messages have been pushed out of the history since; the answer alone is no step.
+        text = (
+            f"Your question was answered. Go on with your step from where you stopped.\n{reply}\n"
+            f"Your step, as it was given to you:\n{loaded.render_input(loaded.steps[step.index])}"
+        )
         return [Action(ActionKind.RESUME, loaded, loaded.steps[step.index], text)]
 
     async def question_posted(self, question_id: str, message_id: str) -> None:
@@ -764,7 +769,7 @@ class PlanExecutor:
             return "There is no plan in this conversation yet."
         lines = [f"Plan {plan.id} ({plan.status}): {plan.goal}"]
         for step in plan.steps.values():
-            detail = step.output_summary or step.failure_reason
+            detail = step.output_summary or (step.failure_reason if step.status in _ENDED_WITHOUT else "")
             line = f"{step.index}. [{step.status.value}] {step.spec.title} — @{step.spec.assignee}"
             if detail:
                 line += f": {' '.join(detail.split())[:200]}"
@@ -778,6 +783,11 @@ class PlanExecutor:
             if question.plan_id == plan.id:
                 lines.append(f"Waiting for {question.answerer} to answer: {question.question[:200]}")
         return "\n".join(lines)
+
+
+# Steps whose failure reason is their story (/plan shows it); a step running again after a transient failure, or
+# done, is not described by its earlier attempt's.
+_ENDED_WITHOUT: Final = frozenset({StepStatus.FAILED, StepStatus.SKIPPED, StepStatus.BLOCKED})
 
 
 def _unblocked(plan: Plan, index: int) -> list[int]:

@@ -512,6 +512,8 @@ class PlanStore:
                 record.usage.cost,
                 None if record.execution is None else json.dumps(record.execution.as_json()),
             ]
+        if new is StepStatus.DONE and "failure_reason" not in fields:
+            fields = {**fields, "failure_reason": ""}  # an earlier attempt's failure is not this step's story
         for name in ("output_summary", "failure_reason"):
             if name in fields:
                 sets.append(f"{name} = ?")

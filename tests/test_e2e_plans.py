@@ -7,11 +7,13 @@ reaches the sub-agent when it goes on.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.telegram import TelegramAdapter
@@ -242,3 +244,52 @@ async def test_a_plan_the_lead_writes_when_asked_about_a_failure_is_still_the_as
         assert loaded.goal == "ship anew"
         assert loaded.origin.requested_by == f"telegram:{ALICE}"
         assert loaded.origin.text == "@kazma ship it please"
+
+
+async def test_an_answer_given_before_the_asking_turn_ends_leaves_the_step_to_the_resumed_turn(tmp_path: Path) -> None:
+    # The answer resumed the step (same attempt) while the asking turn's closing line was being posted: that line
+    # became the step's result, the next step started, and the real result came after and was dropped as stale.
+    plan = {
+        "goal": "deploy",
+        "steps": [
+            {"index": 1, "title": "deploy", "assignee": "builder", "input": "Deploy the service."},
+            {"index": 2, "title": "check", "assignee": "validator", "input": "Check {{step_1.output_summary}}"},
+        ],
+    }
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [call("write_plan", plan), ModelReply(content="Planned."), ModelReply(content="Report.")],
+        "builder": [
+            call("ask_user", {"question": "Which region?"}),
+            ModelReply(content="Waiting for the region."),
+            ModelReply(content="Deployed to us-east."),
+        ],
+        "validator": [ModelReply(content="It is up.")],
+    }
+    async with kazma(tmp_path, scripts) as (app, fake):
+        posting, running = app.conversations._post_result, app.conversations._run_step
+        asking_turn_over = asyncio.Event()
+
+        async def answered_first(message: Any, agent: Any, result: Any, stream: Any = None) -> None:
+            if result.text == "Waiting for the region.":  # the asking turn's closing line: the answer comes first
+                question = next(m for m in fake.bot_messages(CHAT) if "Which region?" in m.text)
+                [asked] = await app.executor.store.open_questions(f"telegram:{CHAT}")
+                fake.push_message(CHAT, ALICE, "us-east", reply_to=question.message_id)
+                async with asyncio.timeout(20):
+                    while (found := await app.executor.store.question(asked.id)) is None or found.status == "pending":
+                        await asyncio.sleep(0.01)
+            elif result.text == "Deployed to us-east.":  # the resumed turn ends after the asking one
+                await asking_turn_over.wait()
+            await posting(message, agent, result, stream)
+
+        async def step_turn(*args: Any) -> None:
+            await running(*args)
+            asking_turn_over.set()  # (the first to end is the asking turn: the resumed one waits for it)
+
+        app.conversations._post_result = answered_first  # type: ignore[method-assign]
+        app.conversations._run_step = step_turn  # type: ignore[method-assign]
+        fake.push_message(CHAT, ALICE, "@kazma deploy it", username="alice")
+        await said(fake, "Report.")
+        loaded = await last_plan(app)
+        assert loaded.steps[1].output_summary == "Deployed to us-east."
+        check = next(t for t in texts(fake) if t.startswith("[kazma] @validator"))
+        assert "Deployed to us-east." in check

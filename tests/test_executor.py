@@ -465,6 +465,9 @@ async def test_asking_a_person_mid_step_pauses_the_plan_and_resumes_with_the_ans
         assert resume.kind is ActionKind.RESUME
         assert "staging" in resume.text
         assert "prod or staging?" in resume.text
+        # and the step itself: the asking turn may never have reached the history (a crash) or left it since
+        assert "Your step, as it was given to you:" in resume.text
+        assert "The request that started it by telegram:111:\ngo" in resume.text
         assert await ex.complete(plan.id, 1, StepResult(ok=True, summary="deployed to staging"), attempt=1)
         assert d.dispatched() == [(plan.id, 1), (plan.id, 2)]
 
@@ -672,3 +675,18 @@ async def test_an_earlier_leads_turn_ending_leaves_a_newer_failure_to_the_turn_a
         await ex.lead_decided(plan.id, 1, 2)
         await ex.complete(plan.id, 2, StepResult(ok=True, summary="two"))
         assert last_kind(d) is ActionKind.FINISHED
+
+
+async def test_a_step_that_succeeded_after_a_transient_failure_shows_no_old_error(store_engine: Engine) -> None:
+    # /plan said "[done] step 1 — @researcher: model timed out" and the finish report fed that to the lead.
+    async with executor(store_engine.where) as (ex, _d):
+        plan = await ex.start("c", spec(step(1)))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="model timed out after 60 s", transient=True))
+        running = await ex.describe("c")
+        assert "[in_progress] step 1 — @researcher" in running
+        assert "timed out" not in running
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary=""), attempt=2)
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.steps[1].failure_reason == ""
+        assert "timed out" not in await ex.describe("c")
