@@ -690,3 +690,16 @@ async def test_a_step_that_succeeded_after_a_transient_failure_shows_no_old_erro
         assert loaded is not None
         assert loaded.steps[1].failure_reason == ""
         assert "timed out" not in await ex.describe("c")
+
+
+async def test_a_reply_with_spaces_or_a_newline_around_a_choice_is_that_choice(store_engine: Engine) -> None:
+    # Chat text comes unstripped (Matrix, Slack, Discord): "staging\n" was refused as no choice, and the chat side
+    # took the refusal for a stranger's reply and said nothing.
+    async with executor(store_engine.where) as (ex, _d):
+        plan = await ex.start("telegram:-1", spec(step(1)), PlanOrigin("go", REQUESTER))
+        question = await ex.ask_user(plan.id, 1, 1, "prod or staging?", ["prod", "staging"], asked_by="researcher")
+        taken = await ex.answer(question.id, "  staging\n", actor=REQUESTER)
+        assert taken.verdict is AnswerVerdict.TAKEN
+        settled = await ex.store.question(question.id)
+        assert settled is not None
+        assert settled.answer == "staging"
