@@ -20,6 +20,9 @@ USER = "user"
 _REFERENCE = re.compile(r"\{\{\s*step_(\d+)\.(output_summary|output_files)\s*\}\}")
 CONTEXT_LIMIT = 4_000  # characters of the original request carried to every step (head and tail, cut marked)
 MAX_STEP_INPUT = 16_000  # characters of a step's input, as planned and as given again to a retry
+MAX_FILES_SHOWN = 50  # of a step's output files, named to a later step (the rest counted)
+_LEAST_SHOWN = 200  # a reference with less room than this left is left out, not cut to nothing
+_FENCE_COST = 400  # the characters fencing one reference adds (its two markers, the lines naming its source)
 
 
 class StepStatus(StrEnum):
@@ -258,18 +261,38 @@ class Plan:
         its cut marked, like every other context.
         """
 
+        # What earlier steps produced, all references together, about MAX_STEP_INPUT characters at most (fences
+        # included): each one is bounded, but not how many a step's input names (70 references of 1,500 characters
+        # each: 1.2 MB posted, kept and sent to a model). Past the budget a reference is cut (marked) or left out.
+        left = [MAX_STEP_INPUT]
+        dropped: list[str] = []
+
+        def within(content: str, source: str, what: str) -> str:
+            room = left[0] - _FENCE_COST
+            if room < _LEAST_SHOWN:
+                dropped.append(f"{source}'s {what}")
+                return "(left out)"
+            shown = content if len(content) <= room else _bounded(content, room)
+            left[0] -= len(shown) + _FENCE_COST
+            return "\n" + fence_untrusted(shown, source=source if what == "summary" else f"files of {source}")
+
         def fill(match: re.Match[str]) -> str:
             ref = self.steps.get(int(match.group(1)))
             source = f"step {ref.index} ({ref.spec.assignee})" if ref else "a step"
             if match.group(2) == "output_files":
                 if ref is None or not ref.output_files:
                     return "(no files)"
-                return "\n" + fence_untrusted("\n".join(ref.output_files), source=f"files of {source}")
+                files = ref.output_files[:MAX_FILES_SHOWN]
+                more = len(ref.output_files) - len(files)
+                return within("\n".join(files) + (f"\n(+{more} more files)" if more else ""), source, "files")
             if ref is None or not ref.output_summary:
                 return "(no summary)"
-            return "\n" + fence_untrusted(ref.output_summary, source=source)
+            return within(ref.output_summary, source, "summary")
 
         text = _REFERENCE.sub(fill, step.spec.input)
+        if dropped:
+            shown = ", ".join(dropped[:5]) + (f" and {len(dropped) - 5} more" if len(dropped) > 5 else "")
+            text += f"\n[left out, this step's input being at its limit: {shown}]"
         if not context:
             return text
         lines = [f"Plan goal: {self.goal}"]

@@ -26,6 +26,7 @@ from kazma.engine.executor import (
     StepResult,
 )
 from kazma.engine.plan import (
+    MAX_STEP_INPUT,
     OnFailure,
     PlanError,
     PlanOrigin,
@@ -703,3 +704,28 @@ async def test_a_reply_with_spaces_or_a_newline_around_a_choice_is_that_choice(s
         settled = await ex.store.question(question.id)
         assert settled is not None
         assert settled.answer == "staging"
+
+
+async def test_a_step_input_naming_many_outputs_is_bounded_with_the_cut_said(store_engine: Engine) -> None:
+    # Each {{step_N.output_summary}} is bounded, but not how many an input names: 70 of them made 1.2 MB that was
+    # posted, kept in the history and sent to a model; 20,000 output files made 380 KB.
+    refs = " ".join(f"{{{{step_{i}.output_summary}}}}" for i in range(1, 21))
+    steps = [
+        *(step(i, wait_for=[]) for i in range(1, 21)),
+        step(21, input="{{step_1.output_files}}", wait_for=[1]),
+        step(22, input=refs, wait_for=list(range(1, 21))),
+    ]
+    async with executor(store_engine.where) as (ex, _d):
+        plan = await ex.start("c", PlanSpec(goal="many", steps=steps))
+        for i in range(1, 21):
+            files = [f"f{n}.txt" for n in range(2_000)] if i == 1 else []
+            await ex.complete(plan.id, i, StepResult(ok=True, summary="x" * 1_500, files=files))
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        listed = loaded.render_input(loaded.steps[21], context=False)
+        assert "f49.txt" in listed
+        assert "f50.txt" not in listed
+        assert "(+1950 more files)" in listed
+        summaries = loaded.render_input(loaded.steps[22], context=False)
+        assert len(summaries) < MAX_STEP_INPUT + 1_000, len(summaries)  # the budget, fences included, and the note
+        assert "[left out, this step's input being at its limit: step 10 (researcher)'s summary" in summaries
