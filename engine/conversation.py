@@ -30,6 +30,7 @@ from kazma.adapters.human_text import for_humans
 from kazma.approvals.model import PressResult, PressVerdict
 from kazma.approvals.waiting import WaitingForYou
 from kazma.config.address import Address
+from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
 from kazma.config.outgoing import Outgoing
 from kazma.config.supervisor import Supervisor
@@ -100,6 +101,8 @@ class Conversations:
     # told of every executor action after it is carried out (the demo and tests watch plans end)
     listeners: list[Callable[[Action], None]] = field(default_factory=list)
     working_every: float = WORKING_EVERY
+    # between posts of a plan's question that did not go out (the platform down): it is posted again until it is
+    question_backoff: Backoff = field(default_factory=lambda: Backoff(base=1.0, cap=60.0))
 
     # -- what people see ---------------------------------------------------------------------------
 
@@ -427,8 +430,27 @@ class Conversations:
         if message_id is None:
             count_failure("question_post")
             log.warning("plan.question_not_posted", question=question.id, conversation=question.conversation)
+            # Nobody can answer a question nobody saw, and the plan waits for it: posted again (backing off)
+            # while it is still open. It waited for ever (until a restart showed it again).
+            self._tasks.spawn(self._ask_again(where, question, asked), name=f"question-{question.id}")
             return
         await self.executor.question_posted(question.id, message_id)
+
+    async def _ask_again(self, where: Address, question: Question, asked: Outgoing) -> None:
+        assert self.executor is not None
+        retry = 0
+        while True:
+            await asyncio.sleep(self.question_backoff.delay(retry))
+            retry += 1
+            still = await self.executor.store.question(question.id)
+            if still is None or still.status != "pending" or still.message_id is not None:
+                return
+            message_id = await self.sink.send(where, asked)
+            if message_id is not None:
+                await self.executor.question_posted(question.id, message_id)
+                log.info("plan.question_posted_late", question=question.id, attempts=retry + 1)
+                return
+            count_failure("question_post")
 
     async def _lead_step(self, action: Action) -> None:
         assert action.step is not None

@@ -781,7 +781,11 @@ class PlanExecutor:
                 lines.append(f"   {done}")
         for question in await self.store.open_questions(conversation):
             if question.plan_id == plan.id:
-                lines.append(f"Waiting for {question.answerer} to answer: {question.question[:200]}")
+                unseen = " (not posted yet: the platform did not take it; Kazma posts it again)"
+                lines.append(
+                    f"Waiting for {question.answerer} to answer: {question.question[:200]}"
+                    + (unseen if question.message_id is None else "")
+                )
         return "\n".join(lines)
 
 

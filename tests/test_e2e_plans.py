@@ -19,11 +19,12 @@ from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.bot.app import App, build_app
 from kazma.config import load_config_text
+from kazma.config.backoff import Backoff
 from kazma.engine.model import ScriptStep
 from kazma.engine.plan import Plan, StepStatus
 from kazma.engine.scenario import PerAgentScript, agent_prompts
 from kazma.engine.types import Message, ModelError, ModelReply, ToolCall
-from tests.fakes.telegram import FakeTelegram
+from tests.fakes.telegram import FakeTelegram, Fault
 
 CHAT = -1001
 ALICE = 42
@@ -293,3 +294,29 @@ async def test_an_answer_given_before_the_asking_turn_ends_leaves_the_step_to_th
         assert loaded.steps[1].output_summary == "Deployed to us-east."
         check = next(t for t in texts(fake) if t.startswith("[kazma] @validator"))
         assert "Deployed to us-east." in check
+
+
+async def test_a_question_the_platform_did_not_take_is_posted_again_while_it_is_open(tmp_path: Path) -> None:
+    # A question whose post failed was only logged: nobody could answer it, and the plan waited for ever.
+    plan = {"goal": "deploy", "steps": [{"index": 1, "title": "deploy", "assignee": "builder", "input": "Deploy."}]}
+
+    def asks(messages: Sequence[Message]) -> ModelReply:
+        fake_holder[0].script("sendMessage", *[Fault.server_error()] * 8)  # the platform fails from here on
+        return call("ask_user", {"question": "Which region?"})
+
+    def resumed(messages: Sequence[Message]) -> ModelReply:
+        return ModelReply(content="Deployed to eu." if "A: eu" in str(messages[-1]["content"]) else "??")
+
+    fake_holder: list[FakeTelegram] = []
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [call("write_plan", plan), ModelReply(content="Planned."), ModelReply(content="Done.")],
+        "builder": [asks, ModelReply(content="Waiting."), resumed],
+    }
+    async with kazma(tmp_path, scripts) as (app, fake):
+        fake_holder.append(fake)
+        app.conversations.question_backoff = Backoff(base=0.05, cap=0.2)
+        fake.push_message(CHAT, ALICE, "@kazma deploy it", username="alice")
+        await said(fake, "Which region?")  # posted once the platform takes it again
+        question = next(m for m in fake.bot_messages(CHAT) if "Which region?" in m.text)
+        fake.push_message(CHAT, ALICE, "eu", reply_to=question.message_id)
+        await said(fake, "[builder] Deployed to eu.")
