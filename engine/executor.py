@@ -100,6 +100,9 @@ class Dispatcher(Protocol):
         ...
 
 
+MAX_STEP_ATTEMPTS: Final = 8  # runs of one step, retries by the lead included; then it is replaced, skipped or dropped
+
+
 class DispatchFailed(Exception):
     def __init__(self, message: str, *, transient: bool) -> None:
         super().__init__(message)
@@ -620,6 +623,12 @@ class PlanExecutor:
                 raise RepairRefused(f"there is no step {index} (steps 1..{len(plan.steps)})")
             if step.status is not StepStatus.FAILED:
                 raise RepairRefused(f"step {index} is {step.status.value}; only a failed step can be retried")
+            if step.attempts >= MAX_STEP_ATTEMPTS:
+                # A lead that always retries would loop failure, ask, retry for ever (each turn a model's cost).
+                raise RepairRefused(
+                    f"step {index} has run {step.attempts} times; it is not retried again: replace_steps, skip_step "
+                    "or abort_plan"
+                )
             if new_input is not None:
                 candidate = step.spec.model_copy(update={"input": new_input})
                 self._validate([candidate if s.index == index else s.spec for s in plan.steps.values()], plan.goal)

@@ -17,6 +17,7 @@ from kazma.config.store.database import open_database
 from kazma.config.store.postgres import open_pg_store
 from kazma.engine.executor import (
     INTERRUPTED,
+    MAX_STEP_ATTEMPTS,
     Action,
     ActionKind,
     AnswerVerdict,
@@ -729,3 +730,18 @@ async def test_a_step_input_naming_many_outputs_is_bounded_with_the_cut_said(sto
         summaries = loaded.render_input(loaded.steps[22], context=False)
         assert len(summaries) < MAX_STEP_INPUT + 1_000, len(summaries)  # the budget, fences included, and the note
         assert "[left out, this step's input being at its limit: step 10 (researcher)'s summary" in summaries
+
+
+async def test_a_step_retried_again_and_again_is_refused_at_its_limit(store_engine: Engine) -> None:
+    # retry_step had no limit: a lead that always retried looped failure -> ask -> retry for ever.
+    async with executor(store_engine.where) as (ex, _d):
+        plan = await ex.start("c", spec(step(1)))
+        attempt = 1
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="no"), attempt=attempt)
+        while attempt < MAX_STEP_ATTEMPTS:
+            await ex.retry_step("c", 1, None, by="agent:kazma")
+            attempt += 1
+            await ex.complete(plan.id, 1, StepResult(ok=False, error="no"), attempt=attempt)
+        with pytest.raises(RepairRefused, match=f"step 1 has run {MAX_STEP_ATTEMPTS} times; it is not retried again"):
+            await ex.retry_step("c", 1, None, by="agent:kazma")
+        assert "skipped" in await ex.skip_step("c", 1, "it will not work", by="agent:kazma")
