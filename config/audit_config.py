@@ -148,8 +148,8 @@ def _shown(parts: SplitResult) -> str:
     host = f"[{host}]" if ":" in host else host
     try:
         port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        port = ":" + parts.netloc.rpartition(":")[2]
+    except ValueError:  # not a port (the model refuses such a URL; shown as written, after the last colon)
+        port = parts.netloc[parts.netloc.rfind(":") :]
     return f"{parts.scheme}://{host}{port}"
 
 

@@ -24,6 +24,10 @@ _PARSE = "an unparsable value from outside is one of the inputs this function ex
 _CANCELLED = "waiting for a task this code itself cancelled: its cancellation is the expected end"
 
 QUIET_HANDLERS: Mapping[str, str] = {
+    "swarm/owners.py:_boot_id:OSError": "no boot id to read (not Linux): owners are told apart by host and pid alone",
+    "swarm/owners.py:_started:OSError": "no such process: the answer is that it is gone",
+    "swarm/owners.py:held_by_a_terminal:ValueError": "a replica's name, not a terminal's: judged as a replica is",
+    "tools/http_get.py:HttpGetTool._result:zlib.error": "the model is told the body could not be decoded (the result)",
     "attachments.py:_write_new:FileExistsError": "a file of that name is there: the next free name is tried",
     "conversation.py:Conversations.working.keep_showing:suppress(Exception)": "the typing sign is a courtesy: a "
     "platform that cannot show it is told again in a few seconds, and the turn goes on",

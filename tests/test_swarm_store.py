@@ -606,7 +606,8 @@ async def test_recover_leaves_a_task_a_live_terminal_runs_and_ends_one_whose_ter
     # interrupted: its worker went on, its real result was refused, the row kept "interrupted".
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)  # fmt: skip
-    dead_owner = this_terminal().rsplit(":", 2)[0] + f":{gone.stdout.strip()}:1"
+    prefix, host, boot, _pid, started = this_terminal().split("/")  # this terminal: prefix, host, boot, pid, start
+    dead_owner = "/".join((prefix, host, boot, gone.stdout.strip(), started))  # a pid that has exited
     async with opened(store_engine) as store:
         store.replica = this_terminal()  # as `kazma swarm …` sets it
         live = await admit(store)

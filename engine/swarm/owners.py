@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Final
 
-PREFIX: Final = "cli:"
+PREFIX: Final = "terminal/"
 
 
 @cache
@@ -35,9 +35,9 @@ def _started(pid: int) -> str | None:
 
 
 def this_terminal() -> str:
-    """The owner a terminal's tasks carry: ``cli:<host>:<boot>:<pid>:<started>``."""
+    """The owner a terminal's tasks carry: ``terminal/<host>/<boot>/<pid>/<started>`` (no name holds a slash)."""
     pid = os.getpid()
-    return f"{PREFIX}{socket.gethostname()}:{_boot_id()}:{pid}:{_started(pid) or '?'}"
+    return "/".join((PREFIX.rstrip("/"), socket.gethostname(), _boot_id(), str(pid), _started(pid) or "?"))
 
 
 def held_by_a_terminal(owner: str | None) -> bool:
@@ -45,7 +45,7 @@ def held_by_a_terminal(owner: str | None) -> bool:
     if owner is None or not owner.startswith(PREFIX):
         return False
     try:
-        host, boot, pid, started = owner[len(PREFIX) :].rsplit(":", 3)
+        host, boot, pid, started = owner[len(PREFIX) :].split("/")
     except ValueError:
         return False
     if host != socket.gethostname():
