@@ -7,6 +7,8 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from kazma.bot.cli.cli_identity import system_login
@@ -71,22 +73,30 @@ async def test_swarm_cli_reads_refuses_and_runs(tmp_path: Path) -> None:
         await model.stop()
 
 
+@asynccontextmanager
+async def operated(tmp_path: Path) -> AsyncIterator[tuple[FakeOpenAI, Path]]:
+    """A model server and a kazma.yaml whose operator (ops) is the system user running the tests."""
+    model = FakeOpenAI(models=("llama3.1",))
+    await model.start()
+    try:
+        config = tmp_path / "kazma.yaml"
+        config.write_text(
+            f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
+            f"model: {{base_url: '{model.base_url}', max_retries: 0}}\n"
+            f"people: {{ops: {{cli: '{system_login()}'}}}}\n"
+            "approvals: {approvers: [ops]}\n"
+        )
+        yield model, config
+    finally:
+        await model.stop()
+
+
 async def test_a_retry_from_the_terminal_runs_the_new_task_and_a_risky_one_is_confirmed_in_the_same_process(
     tmp_path: Path,
 ) -> None:
     # The CLI waited only for answers saying "started": a retry ("retried as <id>") exited at once and its stop
     # cancelled the new task; and a retry that must be asked twice could never be, a new process for each send.
-    model = FakeOpenAI(models=("llama3.1",))
-    await model.start()
-    try:
-        config = tmp_path / "kazma.yaml"
-        me = system_login()
-        config.write_text(
-            f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
-            f"model: {{base_url: '{model.base_url}', max_retries: 0}}\n"
-            f"people: {{ops: {{cli: '{me}'}}}}\n"
-            "approvals: {approvers: [ops]}\n"
-        )
+    async with operated(tmp_path) as (model, config):
         model.script(Completion(content="built it"))
         ran = await asyncio.to_thread(kazma, config, "--as", "ops", "dispatch", "builder", "make", "it")
         assert ran.returncode == 0, ran.stdout + ran.stderr
@@ -114,24 +124,12 @@ async def test_a_retry_from_the_terminal_runs_the_new_task_and_a_risky_one_is_co
         assert confirmed.returncode == 0, confirmed.stdout + confirmed.stderr
         assert f"swarm task {second} retried as " in confirmed.stdout
         assert "succeeded: built it a third time" in confirmed.stdout.splitlines()
-    finally:
-        await model.stop()
 
 
 async def test_the_terminal_shows_and_resets_the_breakers_kazma_saved(tmp_path: Path) -> None:
     # The terminal never read the saved breakers: `workers` said "closed" for one saved open, and a reset said
     # "it was closed" while saving closed over it.
-    model = FakeOpenAI(models=("llama3.1",))
-    await model.start()
-    try:
-        config = tmp_path / "kazma.yaml"
-        me = system_login()
-        config.write_text(
-            f"store: {{path: '{tmp_path / 'k.db'}'}}\n"
-            f"model: {{base_url: '{model.base_url}', max_retries: 0}}\n"
-            f"people: {{ops: {{cli: '{me}'}}}}\n"
-            "approvals: {approvers: [ops]}\n"
-        )
+    async with operated(tmp_path) as (_model, config):
         first = await asyncio.to_thread(kazma, config, "workers")  # creates the store
         assert first.returncode == 0, first.stderr
         with sqlite3.connect(tmp_path / "k.db") as db:  # what a kazma run whose builder kept failing saved
@@ -147,5 +145,3 @@ async def test_the_terminal_shows_and_resets_the_breakers_kazma_saved(tmp_path: 
         assert "a running `kazma run` keeps its own breaker" in reset.stderr
         again = await asyncio.to_thread(kazma, config, "workers")
         assert "builder: breaker closed" in again.stdout, again.stdout
-    finally:
-        await model.stop()
