@@ -287,7 +287,7 @@ async def test_an_answer_given_before_the_asking_turn_ends_leaves_the_step_to_th
             asking_turn_over.set()  # (the first to end is the asking turn: the resumed one waits for it)
 
         app.conversations._post_result = answered_first  # type: ignore[method-assign]
-        app.conversations._run_step = step_turn  # type: ignore[method-assign]
+        app.conversations._run_step = step_turn  # type: ignore[method-assign,assignment]
         fake.push_message(CHAT, ALICE, "@kazma deploy it", username="alice")
         await said(fake, "Report.")
         loaded = await last_plan(app)

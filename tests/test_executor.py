@@ -719,7 +719,7 @@ async def test_a_step_input_naming_many_outputs_is_bounded_with_the_cut_said(sto
     async with executor(store_engine.where) as (ex, _d):
         plan = await ex.start("c", PlanSpec(goal="many", steps=steps))
         for i in range(1, 21):
-            files = [f"f{n}.txt" for n in range(2_000)] if i == 1 else []
+            files = tuple(f"f{n}.txt" for n in range(2_000)) if i == 1 else ()
             await ex.complete(plan.id, i, StepResult(ok=True, summary="x" * 1_500, files=files))
         loaded = await ex.store.load(plan.id)
         assert loaded is not None
