@@ -713,3 +713,31 @@ async def test_every_paused_pipeline_waits_again_after_a_restart_even_past_a_low
                                                  platform="telegram")  # fmt: skip
         assert await finished(r.service, first) is TaskStatus.SUCCEEDED
         assert await finished(r.service, second) is TaskStatus.SUCCEEDED
+
+
+async def test_a_pipeline_ending_at_its_checkpoint_is_said_whole_while_the_poller_runs(tmp_path: Path) -> None:
+    # The poller for cancels made elsewhere took this process's own checkpoint ending (the row it had just
+    # written) for one: it cancelled the task while its ending was being delivered, and the chat heard nothing.
+    async with rig(tmp_path / "a.db") as r:
+        r.service.ended_poll_seconds = 0.01
+        slow: list[str] = []
+        delivered_then = r.service.deliver
+        assert delivered_then is not None
+
+        async def slow_platform(target: str, text: str) -> None:
+            slow.append(text)
+            polled = r.service.polls
+            async with asyncio.timeout(20):
+                while r.service.polls < polled + 3:  # the poller looks at the ended row meanwhile
+                    await asyncio.sleep(0.005)
+            await delivered_then(target, text)
+
+        r.service.deliver = slow_platform
+        commands = SwarmCommands(r.service, r.service.config)
+        task = await r.service.submit(request(Pattern.PIPELINE, ["researcher", "refiner"], preset="standard"))
+        await paused(r, task)
+        await commands.run(f"reject {task}", actor="telegram:111", platform="telegram", chat="-1001", is_admin=True)
+        async with asyncio.timeout(20):
+            while not any("ended at its checkpoint: rejected" in m for _, m in r.delivered):
+                await asyncio.sleep(0.01)
+        assert not any("ended elsewhere" in line for line in r.reports)

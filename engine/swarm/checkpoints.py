@@ -79,6 +79,7 @@ class Checkpoints:
         capacity: asyncio.Event,  # set whenever a task stops running in this process
         report: Callable[[str], None],
         ended: Callable[[str, str], Awaitable[None]] | None = None,
+        ending: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
         self.config = config
@@ -87,6 +88,9 @@ class Checkpoints:
         self.report = report
         # says a task's ending at its checkpoint where its result would have gone (task id, the ending's line)
         self.ended = ended
+        # told (task id) before this writes a task's ending: a row this process ends is its own ending, not a cancel
+        # made elsewhere that stops the task here (SwarmService._stop_ended)
+        self.ending = ending if ending is not None else (lambda _task_id: None)
         self._shared: bool | None = None  # the task store and the approvals write to one database
 
     async def pause(self, run: TaskRun, conversation: str, index: int, result: WorkerResult) -> TaskRun | None:
@@ -102,6 +106,7 @@ class Checkpoints:
         limit = self.config.swarm.max_paused_pipelines
         if await self.store.count(TaskStatus.PAUSED) >= limit:
             error = f"{limit} pipelines are already paused at checkpoints; approve or reject some first"
+            self.ending(run.task_id)
             await self.store.finish(run, TaskStatus.FAILED, result=None, error=error)
             self.report(f"swarm task {run.task_id} failed: {error}")
             return None
@@ -154,6 +159,7 @@ class Checkpoints:
         swarm_failure("gate_register")
         log.warning("swarm.checkpoint_unopened", task_id=run.task_id, error=f"{type(exc).__name__}: {exc}")
         error = f"the checkpoint after stage {index + 1} could not be opened: {exc}"
+        self.ending(run.task_id)
         await self.store.finish(run, TaskStatus.FAILED, result=None, error=error)
         self.report(f"swarm task {run.task_id} failed: {error}")
 
@@ -268,6 +274,7 @@ class Checkpoints:
             why = f"refused: {forged}"
         line = f"swarm task {task_id} ended at its checkpoint: {why} ({outcome.summary()})"
         ended = False
+        self.ending(task_id)
         with contextlib.suppress(UnknownTask):
             ended = await self.store.cancel(
                 task_id, actor=outcome.decided_by or "the checkpoint deadline", error=f"ended at its checkpoint: {why}"

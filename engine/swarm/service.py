@@ -174,6 +174,7 @@ class SwarmService:
     _ended_elsewhere: dict[str, TaskRecord] = field(default_factory=dict)  # why a running task was stopped here
     _watcher: asyncio.Task[None] | None = None
     ended_poll_seconds: float = ENDED_POLL_SECONDS
+    polls: int = 0  # rounds of that asking done (tests wait on it)
     # told (no arguments) whenever a task's state or a worker's numbers may have changed: the live dashboard
     listeners: list[Callable[[], None]] = field(default_factory=list)
 
@@ -191,12 +192,20 @@ class SwarmService:
         for name in self.workers:
             self.calls.breaker(name)
         self.checkpoints = Checkpoints(
-            self.store, self.config, self.approvals, self._capacity, self._report, ended=self._ended_at_checkpoint
+            self.store,
+            self.config,
+            self.approvals,
+            self._capacity,
+            self._report,
+            ended=self._ended_at_checkpoint,
+            ending=self._finishing.add,
         )
 
     async def _ended_at_checkpoint(self, task_id: str, line: str) -> None:
         """A pipeline rejected (or timed out, or refused) at its checkpoint: said in the progress lines and, like a
         result, in its chat or its route."""
+        if task_id not in self._running:  # (waited for after a restart: no run here to end; the mark is done with)
+            self._finishing.discard(task_id)
         try:
             record = await self.store.get(task_id)
         except StoreUnavailable as exc:
@@ -381,6 +390,7 @@ class SwarmService:
             await asyncio.sleep(self.ended_poll_seconds)
             try:
                 await self._stop_ended(list(self._running))
+                self.polls += 1
             except StoreUnavailable as exc:  # asked again next time
                 swarm_failure("recovery_read")
                 log.warning("swarm.ended_unread", error=str(exc))
@@ -790,6 +800,10 @@ class SwarmService:
             return f"no swarm task {task_id!r}"
         if record.status.terminal:
             return f"swarm task {task_id} already ended: {record.status.value}"
+        running_here = task_id in self._running
+        if running_here:
+            self._finishing.add(task_id)  # this cancel is this process's own (the poller must not take it for one made
+            # elsewhere); the task is cancelled below, after its checkpoint card is withdrawn
         changed = await self.store.cancel(task_id, actor=actor)
         if changed:
             self._changed()
