@@ -26,6 +26,11 @@ CAP = 64 * 1024
 ZEROS = 64 * 1024 * 1024  # what the bomb decodes to: a thousand times the cap
 
 
+def _raw_deflate(data: bytes) -> bytes:
+    packer = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return packer.compress(data) + packer.flush()
+
+
 def bodies() -> dict[str, tuple[bytes, str]]:
     zeros = gzip.compress(bytes(ZEROS), compresslevel=9)
     text = b"hello from a compressed answer\n" * 10
@@ -34,6 +39,7 @@ def bodies() -> dict[str, tuple[bytes, str]]:
         "/double": (gzip.compress(zeros, compresslevel=9), "gzip, gzip"),
         "/small-gzip": (gzip.compress(text), "gzip"),
         "/small-deflate": (zlib.compress(text), "deflate"),
+        "/raw-deflate": (_raw_deflate(text), "deflate"),  # what some servers send as "deflate"
         "/broken": (b"\x1f\x8b\x08\x00not gzip at all", "gzip"),
         "/brotli": (b"\x0b\x02\x80hello\x03", "br"),
     }
@@ -89,7 +95,7 @@ async def test_stacked_or_unknown_encodings_are_refused_with_what_was_sent(serve
 
 
 async def test_ordinary_gzip_and_deflate_answers_read_as_before(server: str, tmp_path: Path) -> None:
-    for path in ("/small-gzip", "/small-deflate"):
+    for path in ("/small-gzip", "/small-deflate", "/raw-deflate"):
         result = await get(f"{server}{path}", tmp_path)
         assert result.ok, result
         assert not result.truncated

@@ -156,12 +156,21 @@ class HttpGetTool(Tool[HttpGetArgs]):
                 error=f"{url} answered with content-encoding {', '.join(encodings)!r}; Kazma decodes at most one "
                 "layer of gzip or deflate",
             )
-        # gzip or zlib-wrapped deflate, told apart by its header (32 + MAX_WBITS); never more than the cap decoded.
-        decoder = zlib.decompressobj(32 + zlib.MAX_WBITS) if encodings else None
+        # Never more than the cap decoded. "deflate" is zlib-wrapped by the standard, raw deflate by some servers:
+        # told apart by the first two bytes, as httpx does (decoder made once they are in).
+        decoder = zlib.decompressobj(16 + zlib.MAX_WBITS) if encodings and encodings[0] != "deflate" else None
+        raw_or_zlib = bool(encodings) and encodings[0] == "deflate"
+        head = b""
         body = bytearray()
         truncated = False
         try:
             async for chunk in response.aiter_raw():
+                if raw_or_zlib and decoder is None:
+                    head += chunk
+                    if len(head) < 2:
+                        continue
+                    decoder = zlib.decompressobj(zlib.MAX_WBITS if _zlib_header(head) else -zlib.MAX_WBITS)
+                    chunk, head = head, b""
                 if decoder is not None:
                     # At most what is left of the cap (+1: to know it was passed); the rest stays undecoded.
                     chunk = decoder.decompress(decoder.unconsumed_tail + chunk, self.max_bytes + 1 - len(body))
@@ -171,6 +180,9 @@ class HttpGetTool(Tool[HttpGetArgs]):
                     truncated = True
                     break
             else:
+                if raw_or_zlib and decoder is None and head:  # a body of one byte
+                    decoder = zlib.decompressobj(-zlib.MAX_WBITS)
+                    body += decoder.decompress(head, self.max_bytes + 1)
                 if decoder is not None:
                     body += decoder.flush()  # what zlib still holds of input it took (the cap was not reached)
                     if len(body) > self.max_bytes:
@@ -192,6 +204,11 @@ class HttpGetTool(Tool[HttpGetArgs]):
         ok = response.is_success
         error = None if ok else f"HTTP {response.status_code} {response.reason_phrase}".rstrip()
         return ToolResult(ok=ok, output=output, error=error, truncated=truncated)
+
+
+def _zlib_header(head: bytes) -> bool:
+    """Whether ``head`` starts a zlib stream (RFC 1950: deflate method, header check a multiple of 31)."""
+    return head[0] & 0x0F == 8 and (head[0] << 8 | head[1]) % 31 == 0
 
 
 def _fetchable(url: httpx.URL) -> bool:
