@@ -855,3 +855,12 @@ def test_the_workspaces_folder_is_made_private_and_an_open_one_is_tightened(tmp_
     opened.chmod(0o755)  # made by an older Kazma, or by hand
     ToolContext(workspace=opened / "conv", conversation="conv").ensure_workspace()
     assert opened.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_shared_sticky_folder_named_as_the_workspaces_root_is_left_as_it_is(tmp_path: Path) -> None:
+    # Tightening ran on whatever tools.workspace_root named: /tmp (1777) became 0700, everyone else locked out.
+    shared = tmp_path / "shared-tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    ToolContext(workspace=shared / "conv", conversation="conv").ensure_workspace()
+    assert shared.stat().st_mode & 0o7777 == 0o1777

@@ -79,11 +79,30 @@ def _private(root: Path) -> None:
     A sandboxed command runs as Kazma's user without capabilities, but may still ``chmod u+s`` a file it made
     (the mount is nosuid only inside the sandbox), or open its own workspace to everyone: a setuid program any
     local user could run as Kazma's user (as root, when Kazma runs as root). The workspaces' folder is outside
-    every sandbox, so behind it nobody else reaches what a command left. Tightened once when found open."""
+    every sandbox, so behind it nobody else reaches what a command left. Tightened once when found open.
+
+    A folder others share on purpose (the sticky bit: /tmp and the like), or one of another user, is never changed:
+    it is said instead (``tools.workspace_root_shared``), once a process; the README says to name a folder of
+    Kazma's own."""
     info = os.stat(root)
-    if info.st_mode & 0o077 and info.st_uid == os.geteuid():
-        os.chmod(root, 0o700)
-        log.warning("tools.workspace_root_tightened", root=str(root), was=oct(stat.S_IMODE(info.st_mode)))
+    if not info.st_mode & 0o077:
+        return
+    if info.st_uid != os.geteuid() or info.st_mode & stat.S_ISVTX:
+        if str(root) not in _SAID_SHARED:
+            _SAID_SHARED.add(str(root))
+            log.warning(
+                "tools.workspace_root_shared",
+                root=str(root),
+                mode=oct(stat.S_IMODE(info.st_mode)),
+                detail="other users can reach what commands leave in the workspaces (a setuid program among them): "
+                "set tools.workspace_root to a folder of Kazma's own",
+            )
+        return
+    os.chmod(root, 0o700)
+    log.warning("tools.workspace_root_tightened", root=str(root), was=oct(stat.S_IMODE(info.st_mode)))
+
+
+_SAID_SHARED: set[str] = set()  # shared workspace folders already warned about in this process
 
 
 def _refuse_hard_links(shown: str, info: os.stat_result) -> str | None:
