@@ -163,9 +163,15 @@ class PlanExecutor:
             if active is not None:
                 running = await self.store.load(active)
                 goal = "" if running is None else f" ({running.goal})"
+                who = (
+                    ""
+                    if running is None or not running.origin.requested_by
+                    else (f", asked for by {running.origin.requested_by}")
+                )
                 raise PlanError(
-                    [f"plan {active}{goal} is still active in this conversation: let it finish, repair it, or abort "
-                     "it (abort_plan) before writing another"]
+                    [f"plan {active}{goal}{who} is still active in this conversation, and a conversation has one plan "
+                     "at a time: tell the person so; it ends when it finishes, or when whoever asked for it (or an "
+                     "admin) has it aborted"]
                 )  # fmt: skip
             plan = await self.store.create(conversation, spec, origin)
         log.info("plan.created", plan_id=plan.id, conversation=conversation, steps=len(plan.steps))
@@ -299,13 +305,7 @@ class PlanExecutor:
                     continue
                 if any(s.status is StepStatus.WAITING_FOR_USER for s in plan.steps.values()):
                     continue  # its question is shown again above
-                undecided = [
-                    step
-                    for _, step in sorted(plan.steps.items())
-                    if step.status is StepStatus.FAILED
-                    and step.spec.on_failure is OnFailure.ASK_LEAD
-                    and _dependents(plan, step.index, StepStatus.PENDING)
-                ]
+                undecided = await self._undecided(plan)
                 if undecided:
                     step = undecided[0]
                     log.warning("plan.lead_asked_again", plan_id=plan_id, step=step.index)
@@ -396,6 +396,25 @@ class PlanExecutor:
             return False, []
         log.warning("plan.step_failed", plan_id=plan_id, step=index, on_failure=step.spec.on_failure.value)
         return True, await self._after_failure(plan_id, index, step.spec.on_failure, reason)
+
+    async def _undecided(self, plan: Plan) -> list[Step]:
+        """Failed ask_lead steps the lead never decided about (its turn died with a process): one whose dependents
+        still wait, or one (the last step, say) with no "gave up" on record since it failed."""
+        failed = [
+            step
+            for _, step in sorted(plan.steps.items())
+            if step.status is StepStatus.FAILED and step.spec.on_failure is OnFailure.ASK_LEAD
+        ]
+        if not failed:
+            return []
+        events = await self.store.events(plan.id)
+        undecided = []
+        for step in failed:
+            since = step.record.finished_at or step.record.started_at or 0.0
+            gave_up = any(e.kind == "gave_up" and e.step == step.index and e.at >= since for e in events)
+            if _dependents(plan, step.index, StepStatus.PENDING) or not gave_up:
+                undecided.append(step)
+        return undecided
 
     async def _after_failure(self, plan_id: str, index: int, policy: OnFailure, reason: str) -> list[Action]:
         plan = await self.store.load(plan_id)

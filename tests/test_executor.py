@@ -617,7 +617,7 @@ async def test_a_second_plan_in_a_conversation_with_an_active_one_is_refused(sto
     # failed step, aborted plan B, another person's, whose running step kept running.
     async with executor(store_engine.where) as (ex, _d):
         first = await ex.start("c", spec(step(1), step(2)), PlanOrigin("release notes", "telegram:111"))
-        with pytest.raises(PlanError, match=f"plan {first.id} \\(.*\\) is still active in this conversation"):
+        with pytest.raises(PlanError, match=f"plan {first.id} \\(.*\\), asked for by telegram:111, is still active"):
             await ex.start("c", spec(step(1)), PlanOrigin("migrate the db", "telegram:222"))
         elsewhere = await ex.start("other", spec(step(1)), PlanOrigin("migrate the db", "telegram:222"))
         await ex.complete(first.id, 1, StepResult(ok=False, error="no access"))
@@ -745,3 +745,24 @@ async def test_a_step_retried_again_and_again_is_refused_at_its_limit(store_engi
         with pytest.raises(RepairRefused, match=f"step 1 has run {MAX_STEP_ATTEMPTS} times; it is not retried again"):
             await ex.retry_step("c", 1, None, by="agent:kazma")
         assert "skipped" in await ex.skip_step("c", 1, "it will not work", by="agent:kazma")
+
+
+async def test_the_last_step_failed_and_undecided_when_kazma_stopped_asks_the_lead_again_at_start(
+    tmp_path: Path,
+) -> None:
+    # The lead was asked only again about a failed step whose dependents still waited: the last step has none, so
+    # after a restart the plan finished at once and the lead's repair was refused.
+    path = tmp_path / "p.db"
+    async with executor(path) as (ex, d):
+        plan = await ex.start("c", spec(step(1), step(2)))
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"))
+        await ex.complete(plan.id, 2, StepResult(ok=False, error="no access"))
+        assert last_kind(d) is ActionKind.ASK_LEAD
+    async with executor(path) as (ex, d):  # Kazma stopped during the lead's turn, and started again
+        await ex.recover()
+        assert [a.kind for a in d.actions] == [ActionKind.ASK_LEAD]
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.status == "active"
+        await ex.lead_decided(plan.id, 2, 1)  # this time the lead gives up: the plan finishes
+        assert last_kind(d) is ActionKind.FINISHED
