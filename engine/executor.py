@@ -163,11 +163,8 @@ class PlanExecutor:
             if active is not None:
                 running = await self.store.load(active)
                 goal = "" if running is None else f" ({running.goal})"
-                who = (
-                    ""
-                    if running is None or not running.origin.requested_by
-                    else (f", asked for by {running.origin.requested_by}")
-                )
+                asker = "" if running is None else running.origin.requested_by
+                who = f", asked for by {asker}," if asker else ""
                 raise PlanError(
                     [f"plan {active}{goal}{who} is still active in this conversation, and a conversation has one plan "
                      "at a time: tell the person so; it ends when it finishes, or when whoever asked for it (or an "
