@@ -275,6 +275,23 @@ async def test_a_press_still_being_decided_when_kazma_stops_is_taken_at_the_next
     assert harness.recorder.presses[1].actor == f"matrix:{harness.admin}"
 
 
+async def test_a_press_whose_decision_hangs_holds_the_sync_only_so_long(harness: MatrixHarness) -> None:
+    """A decision that hangs (a store that stopped answering) held every room's events behind it for good."""
+    adapter = await harness.start()
+    adapter.decision_wait = 0.2
+    harness.recorder.hold = asyncio.Event()
+    try:
+        card = make_card({"path": "/tmp/x"})
+        ref = await adapter.post_card(card)
+        await harness.press(ref, card.button_data(Decision.APPROVE), harness.admin)
+        await harness.recorder.wait_until(lambda: harness.recorder.presses)  # being decided, held
+        await harness.say(harness.home, harness.admin, "still heard")
+        assert await texts_arrived(harness, 1) == ["still heard"]
+    finally:
+        harness.recorder.hold.set()
+        harness.recorder.hold = None
+
+
 async def test_a_reaction_counts_only_on_the_bots_own_card(harness: MatrixHarness) -> None:
     """Someone posts a look-alike "card" carrying choices of their own: a ✅ on it presses nothing."""
     await harness.start()

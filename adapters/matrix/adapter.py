@@ -90,6 +90,9 @@ DIRECT_TYPE: Final = "m.direct"  # the account's direct rooms, as every client k
 GAP_LIMIT: Final = 2_000
 _GAP_FILTER: Final = json.dumps({"types": _TIMELINE_TYPES, "lazy_load_members": True}, separators=(",", ":"))
 TYPING_MS: Final = 5_000
+# How long the sync waits for a press's decision before it moves on (the press is decided on all the same, and its
+# presser told how it ends): a store that stops answering would otherwise hold every room's events behind one press.
+DECISION_WAIT_SECONDS: Final = 30.0
 
 
 class _Notice:
@@ -128,6 +131,7 @@ class MatrixAdapter(PlatformBase):
         self.config: MatrixConfig = config
         self.request_timeout = request_timeout
         self.poll_timeout = poll_timeout
+        self.decision_wait = DECISION_WAIT_SECONDS
         self._client: ClientAPI | None = None
         self.user_id = ""
         self._direct: set[str] = set()  # rooms that are direct chats of the bot's account (m.direct)
@@ -513,7 +517,15 @@ class MatrixAdapter(PlatformBase):
             pressing = self.spawn(self.press(press, reply, key=key), name=f"matrix-press-{key}")
             await asyncio.wait({pressing, taking.decided}, return_when=asyncio.FIRST_COMPLETED)
             if taking.deciding and not taking.decided.done():
-                await asyncio.wait({taking.decided})
+                await asyncio.wait({taking.decided}, timeout=self.decision_wait)
+                if not taking.decided.done():
+                    count_failure("matrix_press_slow", "matrix")
+                    log.warning(
+                        "matrix.press_slow",
+                        key=key,
+                        waited=self.decision_wait,
+                        detail="the sync goes on; the press is still being decided and its presser told",
+                    )
         finally:
             self._taking.pop(key, None)
 
