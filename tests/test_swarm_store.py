@@ -25,7 +25,7 @@ import pytest
 from kazma.config.metrics import failure_count
 from kazma.config.store.database import apply_migrations, connect
 from kazma.engine.swarm.endings import ending_lines
-from kazma.engine.swarm.owners import this_terminal
+from kazma.engine.swarm.owners import SILENT_SECONDS, this_terminal
 from kazma.engine.swarm.store import (
     MIGRATIONS,
     PG_MIGRATIONS,
@@ -619,3 +619,20 @@ async def test_recover_leaves_a_task_a_live_terminal_runs_and_ends_one_whose_ter
         assert record is not None
         assert record.status is TaskStatus.RUNNING
         assert await store.finish(live, TaskStatus.SUCCEEDED, result={"output": "ok"}, error=None)
+
+
+async def test_a_task_of_a_terminal_elsewhere_is_left_while_touched_and_ended_once_it_falls_silent(
+    store_engine: Engine,
+) -> None:
+    # A terminal on another host (another container) was taken for alive for ever: a dead one's task stayed
+    # running and held a place under max_parallel.
+    clock = [1_000_000.0]
+    elsewhere = "terminal/another-host/0000abcd/42/12345"
+    async with opened(store_engine, clock=lambda: clock[0]) as store:
+        store.replica = elsewhere
+        task = await admit(store)
+        clock[0] += 60
+        assert await store.recover() == []  # touched a minute ago: alive
+        await store.touch([task.task_id])
+        clock[0] += SILENT_SECONDS + 1
+        assert [t.task_id for t in await store.recover()] == [task.task_id]

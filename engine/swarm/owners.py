@@ -2,8 +2,9 @@
 
 Such a task's row names its process: this host, this boot, its pid and the moment that pid started (so a pid the
 kernel handed out again is not taken for it). ``kazma run`` starting, or a leader recovering what dead replicas
-left, leaves a task alone while the terminal running it is alive; a terminal on another host cannot be asked, so
-its tasks are left to it (it ends them at its exit; one that died is ended with ``/swarm cancel``).
+left, leaves a task alone while the terminal running it is alive; a terminal on another host (or in another
+container) cannot be asked, so it touches its running tasks' rows every second, and is taken for gone when it
+has not for :data:`SILENT_SECONDS`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Final
 
 PREFIX: Final = "terminal/"
+# A terminal elsewhere whose tasks' rows were not touched for this long is gone (they are ended as interrupted).
+SILENT_SECONDS: Final = 120.0
 
 
 @cache
@@ -40,14 +43,20 @@ def this_terminal() -> str:
     return "/".join((PREFIX.rstrip("/"), socket.gethostname(), _boot_id(), str(pid), _started(pid) or "?"))
 
 
-def held_by_a_terminal(owner: str | None) -> bool:
-    """Whether ``owner`` is a terminal that is alive here, or on another host (which nobody here can ask)."""
+def held_by_a_terminal(owner: str | None, updated_at: float, now: float) -> bool:
+    """Whether ``owner`` is a terminal that is alive: here, its process is; on another host (or in another
+    container), its task's row was touched within :data:`SILENT_SECONDS` (a terminal touches its running tasks'
+    rows every second)."""
     if owner is None or not owner.startswith(PREFIX):
         return False
     try:
         host, boot, pid, started = owner[len(PREFIX) :].split("/")
     except ValueError:
         return False
-    if host != socket.gethostname():
-        return True
-    return boot == _boot_id() and pid.isdigit() and _started(int(pid)) == started
+    if host != socket.gethostname() or boot != _boot_id():
+        return now - updated_at < SILENT_SECONDS
+    return pid.isdigit() and _started(int(pid)) == started
+
+
+def is_terminal(owner: str | None) -> bool:
+    return owner is not None and owner.startswith(PREFIX)

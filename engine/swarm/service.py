@@ -28,6 +28,7 @@ from kazma.engine.swarm.checkpoints import Checkpoints, checkpoint_id
 from kazma.engine.swarm.endings import Unsaved, ending_lines
 from kazma.engine.swarm.limits import LimitExceeded, check_context, check_metadata, check_prompt
 from kazma.engine.swarm.metrics import ROUTING, swarm_failure
+from kazma.engine.swarm.owners import is_terminal
 from kazma.engine.swarm.registry import PatternRun, Stages, SwarmPattern, named, registered
 from kazma.engine.swarm.reliability import CircuitBreaker, OutputValidator
 from kazma.engine.swarm.routing import EmbeddingRouter
@@ -390,6 +391,8 @@ class SwarmService:
             await asyncio.sleep(self.ended_poll_seconds)
             try:
                 await self._stop_ended(list(self._running))
+                if is_terminal(self.store.replica):  # alive, for a kazma run elsewhere that cannot ask the process
+                    await self.store.touch(list(self._running))
                 self.polls += 1
             except StoreUnavailable as exc:  # asked again next time
                 swarm_failure("recovery_read")

@@ -897,15 +897,16 @@ class SwarmTaskStore(CallRecords):
 
         async def body(db: SqlStatements) -> builtins.list[InterruptedTask]:
             rows = await db.all(
-                "SELECT id, pattern, generation, current_step, owner, route, replica FROM swarm_tasks WHERE status = ?",
+                "SELECT id, pattern, generation, current_step, owner, route, replica, updated_at FROM swarm_tasks"
+                " WHERE status = ?",
                 (TaskStatus.RUNNING.value,),
             )
             now = self.clock()
             changed: builtins.list[InterruptedTask] = []
-            for task_id, pattern, generation, step, owner, route, replica in rows:
+            for task_id, pattern, generation, step, owner, route, replica, updated in rows:
                 if live is not None and (replica is None or replica in live):
                     continue
-                if held_by_a_terminal(replica):  # `kazma swarm …` runs it, alive (see owners)
+                if held_by_a_terminal(replica, float(updated), now):  # `kazma swarm …` runs it, alive (see owners)
                     continue
                 reason = interrupted_reason(str(step))
                 existing = await db.one("SELECT result_json FROM swarm_tasks WHERE id = ?", (task_id,))
@@ -974,6 +975,21 @@ class SwarmTaskStore(CallRecords):
     async def get(self, task_id: str) -> TaskRecord | None:
         rows = await self._tasks("get", f"SELECT {_TASK_COLUMNS} FROM swarm_tasks WHERE id = ?", (task_id,))  # noqa: S608
         return rows[0] if rows else None
+
+    async def touch(self, task_ids: Collection[str]) -> None:
+        """The running ``task_ids`` are alive here (a terminal's heartbeat: see owners)."""
+        if not task_ids:
+            return
+        wanted = sorted(task_ids)
+
+        async def body(db: SqlStatements) -> None:
+            await db.run(
+                f"UPDATE swarm_tasks SET updated_at = ? WHERE id IN ({', '.join('?' * len(wanted))})"  # noqa: S608
+                " AND status = ?",
+                (self.clock(), *wanted, TaskStatus.RUNNING.value),
+            )
+
+        await self._attempt("touch", body, transaction=True)
 
     async def ended(self, task_ids: Collection[str]) -> dict[str, TaskRecord]:
         """Those of ``task_ids`` whose rows have ended (or are gone: absent from the answer's keys and not asked
