@@ -278,6 +278,7 @@ async def test_a_press_still_being_decided_when_kazma_stops_is_taken_at_the_next
 async def test_a_press_whose_decision_hangs_holds_the_sync_only_so_long(harness: MatrixHarness) -> None:
     """A decision that hangs (a store that stopped answering) held every room's events behind it for good."""
     adapter = await harness.start()
+    assert isinstance(adapter, MatrixAdapter)
     adapter.decision_wait = 0.2
     harness.recorder.hold = asyncio.Event()
     try:
