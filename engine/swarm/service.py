@@ -408,6 +408,12 @@ class SwarmService:
             log.warning("swarm.ended_elsewhere", task_id=task_id, status=record.status.value, error=record.error or "")
             task.cancel()
 
+    async def _stop_if_ended(self, task_id: str) -> None:
+        """From inside the task: its row refused a write; ended elsewhere, the task's cancel lands here (at this
+        await), not inside the work that would come next."""
+        await self._stop_ended([task_id])
+        await asyncio.sleep(0)
+
     # -- running ---------------------------------------------------------------------------------
 
     def _task_calls(self, run: TaskRun) -> TaskCalls:
@@ -630,8 +636,7 @@ class SwarmService:
             log.warning("swarm.step_unrecorded", task_id=run.task_id, step=step, error=str(exc))
             return
         if not marked:  # refused: ended elsewhere (a cancel), it stops here before this step starts
-            await self._stop_ended([run.task_id])
-            await asyncio.sleep(0)  # the cancel lands here, not inside the step
+            await self._stop_if_ended(run.task_id)
 
     async def _pattern(
         self,
@@ -688,8 +693,7 @@ class SwarmService:
                 unkept[index] = result
                 return
             if not kept:  # refused: ended elsewhere (a cancel) stops it here before the next stage
-                await self._stop_ended([task_id])
-                await asyncio.sleep(0)
+                await self._stop_if_ended(task_id)
 
         async def checkpoint(index: int, result: WorkerResult) -> bool:
             if index + 1 not in checkpoints:
