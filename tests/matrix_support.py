@@ -150,8 +150,9 @@ class Person:
         raise SynapseError(f"{method} {path} as {self.user_id}: still rate limited")
 
     def create_room(self, *, invite: Sequence[str] = (), encrypted: bool = False, direct: bool = False,
-                    name: str = "") -> str:  # fmt: skip
-        body: dict[str, Any] = {"preset": "private_chat", "invite": list(invite), "is_direct": direct}
+                    name: str = "", public: bool = False) -> str:  # fmt: skip
+        preset = "public_chat" if public else "private_chat"
+        body: dict[str, Any] = {"preset": preset, "invite": list(invite), "is_direct": direct}
         if name:
             body["name"] = name
         if encrypted:

@@ -93,6 +93,10 @@ TYPING_MS: Final = 5_000
 # How long the sync waits for a press's decision before it moves on (the press is decided on all the same, and its
 # presser told how it ends): a store that stops answering would otherwise hold every room's events behind one press.
 DECISION_WAIT_SECONDS: Final = 30.0
+# How many times the sync takes a batch again for one card the homeserver fails to show (a 5xx, no answer) before it
+# passes that reaction by (counted): with the sync's backoff, about two minutes. A card event the homeserver can never
+# serve would otherwise hold every room's later events behind it for ever.
+CARD_READ_TRIES: Final = 8
 
 
 class _Notice:
@@ -132,6 +136,8 @@ class MatrixAdapter(PlatformBase):
         self.request_timeout = request_timeout
         self.poll_timeout = poll_timeout
         self.decision_wait = DECISION_WAIT_SECONDS
+        self.card_read_tries = CARD_READ_TRIES
+        self._card_read_failures: dict[str, int] = {}  # card event -> reads that failed and may pass (see above)
         self._client: ClientAPI | None = None
         self.user_id = ""
         self._direct: set[str] = set()  # rooms that are direct chats of the bot's account (m.direct)
@@ -436,14 +442,18 @@ class MatrixAdapter(PlatformBase):
         and join it. Joining fails while the bot is not invited to an invite-only room: it joins at the invite,
         the new room being served by then."""
         replacement = content.get("replacement_room") if isinstance(content, dict) else None
-        if not isinstance(replacement, str) or not replacement.startswith("!") or room not in self.served:
+        if not isinstance(replacement, str) or not replacement.startswith("!"):
+            return
+        if room not in self.served and self.moved_to(room) != replacement:  # (moved already: the join failed)
             return
         await self.chat_moved(room, replacement)
         client = self._api("join")
         try:
             await self.call("join", None, self._joiner(client, replacement))
-        except PlatformError:
-            log.info("matrix.upgrade_join_waits_for_invite", room=room, replacement=replacement)
+        except PlatformError as exc:
+            if exc.retryable:  # a 5xx, no answer: the batch comes again with the tombstone, and the join is tried again
+                raise
+            log.info("matrix.upgrade_join_waits_for_invite", room=room, replacement=replacement, error=str(exc))
             return
         log.info("matrix.joined", room=replacement, upgraded_from=room)
 
@@ -463,7 +473,8 @@ class MatrixAdapter(PlatformBase):
 
         An event the homeserver says is not there (or not to be seen by the bot) is no card. A failure that may
         pass (a 5xx, no answer) raises: the batch is taken again from the kept position, so the reaction is read
-        again rather than dropped (the homeserver would not take the same reaction from that person twice)."""
+        again rather than dropped (the homeserver would not take the same reaction from that person twice), up to
+        :attr:`card_read_tries` times for one card; then the reaction is passed by, counted."""
         known = self._choices.get(event_id)
         if known is not None:
             return known
@@ -473,9 +484,18 @@ class MatrixAdapter(PlatformBase):
                 "press", None, lambda: client.api.request(Method.GET, Path.v3.rooms[room].event[event_id]), paced=False
             )
         except PlatformError as exc:
-            if exc.retryable:
+            if not exc.retryable:
+                return {}
+            failed = self._card_read_failures.get(event_id, 0) + 1
+            if failed < self.card_read_tries:
+                self._card_read_failures[event_id] = failed
                 raise
+            # The press is lost (its presser can press again once the homeserver serves the card): said and counted.
+            self._card_read_failures.pop(event_id, None)
+            count_failure("matrix_press_card_unreadable", PLATFORM)
+            log.error("matrix.press_card_unreadable", room=room, card=event_id, tries=failed, error=str(exc))
             return {}
+        self._card_read_failures.pop(event_id, None)
         if event.get("sender") != self.user_id:
             return {}
         listed = (event.get("content") or {}).get(CHOICES_KEY)
