@@ -7,8 +7,10 @@ import re
 from pathlib import Path
 from urllib.parse import SplitResult, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from kazma.config.strict_model import StrictModel
 
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,100}$")
@@ -31,8 +33,8 @@ def _port(parts: SplitResult, value: str) -> int | None:
     return port
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Strict(StrictModel):
+    pass
 
 
 class AuditSinkConfig(_Strict):

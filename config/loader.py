@@ -53,6 +53,9 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
     seen: dict[Any, Any] = {}
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, list | dict):  # "? [a]": YAML allows it, no setting is named so (and it is unhashable)
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(None, None, f"a key must be a name, got {_kind(key)}", mark)
         if key in seen:
             mark = key_node.start_mark
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", mark)
@@ -144,6 +147,11 @@ def load_config_text(
             for where, var in subst.missing
         ]
         raise ConfigError(name, problems)
+    nul = list(_with_nul(subst.tree, ()))
+    if nul:
+        # No setting means a NUL (a path with one cannot be opened; a token or a header with one is a forgery's
+        # tool): said where it is, not "embedded null byte" from deep inside a validator.
+        raise ConfigError(name, [Problem(format_path(where), "may not contain a NUL character (\\0)") for where in nul])
     try:
         config = KazmaConfig.model_validate(subst.tree)
     except ValidationError as exc:
@@ -151,6 +159,22 @@ def load_config_text(
     if base_dir is not None:
         config = _resolved(config, base_dir)
     return LoadedConfig(config=config, source=source, references=subst.references, unset_secrets=unset)
+
+
+def _with_nul(node: Any, where: tuple[str | int, ...]) -> typing.Iterator[tuple[str | int, ...]]:
+    """Where a key or a text value under ``node`` holds a NUL character."""
+    if isinstance(node, str):
+        if "\0" in node:
+            yield where
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            here = (*where, str(key))
+            if isinstance(key, str) and "\0" in key:
+                yield here
+            yield from _with_nul(value, here)
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _with_nul(value, (*where, index))
 
 
 def _turn_off(tree: dict[str, Any], unset: list[tuple[str, str]]) -> None:

@@ -17,9 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     PlainValidator,
     field_validator,
@@ -38,6 +36,7 @@ from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, EVERY_CHAT, u
 from kazma.config.registry import matrix as matrix_ids
 from kazma.config.registry.slack import app_token_problem as slack_app_token_problem
 from kazma.config.registry.slack import bot_token_problem as slack_bot_token_problem
+from kazma.config.strict_model import StrictModel
 
 APPROVER_PLATFORMS = ACTOR_PLATFORMS
 _WORKER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -45,8 +44,8 @@ _SLACK_CHANNEL = re.compile(r"^[CGD][A-Z0-9]{2,}$")
 _SLACK_USER = re.compile(r"^[UW][A-Z0-9]{2,}$")
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class Strict(StrictModel):
+    pass
 
 
 def _strict_int(kind: str) -> Any:

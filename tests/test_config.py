@@ -169,6 +169,37 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         ["kazma.yaml: line 2, column 1: invalid YAML: duplicate key 'web'"],
     ),
     (
+        # pydantic read true as 1: a one-second deadline, one worker, without a word
+        "true for a number",
+        "approvals: {deadline_seconds: true}\nswarm: {max_parallel: false}\n",
+        {},
+        [
+            "kazma.yaml: approvals.deadline_seconds: expected a number, got true",
+            "kazma.yaml: swarm.max_parallel: expected a number, got false",
+        ],
+    ),
+    (
+        "true for a number in the audit sink",
+        "audit: {sink: {file: audit.jsonl, timeout_seconds: yes}}",
+        {},
+        ["kazma.yaml: audit.sink.timeout_seconds: expected a number, got true"],
+    ),
+    (
+        "a list as a key",  # a traceback: the list is unhashable
+        "? [web]\n: 1\n",
+        {},
+        ["kazma.yaml: line 1, column 3: invalid YAML: a key must be a name, got a list"],
+    ),
+    (
+        "a NUL in a path and a token",  # "value error, embedded null byte", at no key
+        'tools: {workspace_root: "ws\\0x"}\nplatforms: {telegram: {token: "12:\\0"}}\n',
+        {},
+        [
+            "kazma.yaml: tools.workspace_root: may not contain a NUL character (\\0)",
+            "kazma.yaml: platforms.telegram.token: may not contain a NUL character (\\0)",
+        ],
+    ),
+    (
         "top level is a list",
         "- a\n- b\n",
         {},
