@@ -36,7 +36,7 @@ from enum import StrEnum
 from typing import Final, Generic, Protocol, TypeVar
 
 from kazma.approvals.card import ApprovalCard, CardArgument
-from kazma.approvals.honesty import reveal_line, safe_prefix, safe_suffix
+from kazma.approvals.honesty import ESCAPE_OPEN, reveal_line, safe_prefix, safe_suffix
 from kazma.approvals.model import Decision, Outcome, Status
 
 # -- wording: every label a card shows, once ----------------------------------------------------
@@ -216,16 +216,25 @@ def _shown(arg: CardArgument, limit: int | None) -> ShownArgument:
     if limit is not None and len(head) + len(tail) > limit:
         keep_tail = max(limit // 3, 1)
         if not cut:  # both excerpts come from the whole value
-            tail = safe_suffix(head, keep_tail)
-            head = safe_prefix(head, limit - keep_tail)
+            tail = _end_of(head, keep_tail)
+            head = safe_prefix(head, max(limit - len(tail), 0))
         else:
-            tail = safe_suffix(tail, min(len(tail), keep_tail))
+            tail = _end_of(tail, keep_tail)
             head = safe_prefix(head, max(limit - len(tail), 0))
         cut = True
     if not cut:
         return ShownArgument(arg.name, head, "", False, "")
     omitted = arg.original_length - len(head) - len(tail)
     return ShownArgument(arg.name, head, tail, True, cut_marker(arg.original_length, omitted))
+
+
+def _end_of(shown: str, keep: int) -> str:
+    """The last ``keep`` characters of ``shown``, never cut inside an escape; when those fall inside the final
+    escape (longer than ``keep``), that escape whole: a tail is never empty, or the end of the value would be
+    hidden behind a harmless start (as :func:`kazma.approvals.card.bound_value` keeps it)."""
+    if len(shown) <= keep:
+        return shown
+    return safe_suffix(shown, keep) or shown[shown.rfind(ESCAPE_OPEN) :]
 
 
 # -- the layout ---------------------------------------------------------------------------------

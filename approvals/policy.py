@@ -51,10 +51,13 @@ class SafetyPolicy:
         notes: tuple[str, ...] = (),
         skip_rules: bool = False,
         started_by: str | None = None,
+        defined_since: float | None = None,
     ) -> PolicyVerdict:
         """``notes``: how the call would run, said on its card (e.g. "runs unsandboxed on this host").
         ``skip_rules``: a card even where a remembered approval would let the call run (it may have run already).
-        ``started_by``: whose message started the work (a policy's ``forbid_requester`` refuses their Approve)."""
+        ``started_by``: whose message started the work (a policy's ``forbid_requester`` refuses their Approve).
+        ``defined_since``: when the tool's definition as it stands was first seen (epoch seconds; None: fixed in
+        Kazma's code): a remembered approval made on a card shown before it was made for another tool."""
         level = self.level(tool)
         if level is not DangerLevel.DANGEROUS:
             return PolicyVerdict(True, f"{tool} is classified {level.value}")
@@ -63,7 +66,11 @@ class SafetyPolicy:
         chosen = config.policy(name)
         # A remembered approval is one person's press: never for a policy of several people or a passkey.
         rememberable = chosen is not None and chosen.single and not skip_rules
-        rule = await self.service.remembered(tool, args, conversation, started_by=started_by) if rememberable else None
+        rule = (
+            await self.service.remembered(tool, args, conversation, started_by=started_by, defined_since=defined_since)
+            if rememberable
+            else None
+        )
         if rule is not None:
             return PolicyVerdict(
                 True,

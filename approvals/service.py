@@ -679,12 +679,22 @@ class ApprovalService:
         return found[0]
 
     async def remembered(
-        self, tool: str, args: Mapping[str, Any], conversation: str, *, started_by: str | None = None
+        self,
+        tool: str,
+        args: Mapping[str, Any],
+        conversation: str,
+        *,
+        started_by: str | None = None,
+        defined_since: float | None = None,
     ) -> Rule | None:
         """The standing rule that lets exactly this call run here without a card (audited and said), or None.
 
         ``started_by``: whose message started the work. Under a policy with ``forbid_requester`` a rule its
-        maker made never lets their own work run: they could not approve that call on a card either."""
+        maker made never lets their own work run: they could not approve that call on a card either.
+        ``defined_since``: when the tool as it stands now was first seen (None: fixed in Kazma's code). A rule
+        whose card was opened before it approved the same arguments for a tool defined otherwise (an MCP server
+        listed it again with another description, schema or hints, or it was listed anew after a restart): the
+        call gets a card, as a call whose tool changed while it waited does not run."""
         if self.rules is None or not self.config.approvals.remember.enabled or not in_a_chat(conversation):
             return None
         try:
@@ -716,6 +726,11 @@ class ApprovalService:
         if started_by is not None and policy.forbid_requester and self._same_person(started_by, rule.created_by):
             log.info("approvals.rule_not_for_requester", rule=rule.id, tool=tool, started_by=started_by)
             return None
+        if defined_since is not None:
+            made_on = await self.store.get(rule.request_id)
+            if made_on is None or made_on.created_at.timestamp() < defined_since:
+                log.info("approvals.rule_tool_redefined", rule=rule.id, tool=tool, request_id=rule.request_id)
+                return None
         detail = f"{rule.id} ({tool} {digest[:12]}… in {conversation}; made by {rule.created_by})"
         await self._audit_safely(
             rule.request_id, "rule_used", rule.created_by, rule.created_via, detail,

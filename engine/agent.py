@@ -430,6 +430,7 @@ class AgentRunner:
             notes=notes,
             skip_rules=earlier is not None,
             started_by=ctx.starter,
+            defined_since=self.registry.defined_since(call.name),
         )
         if not verdict.allowed:
             result.tool_runs.append(

@@ -275,3 +275,23 @@ def test_who_asked_and_why_is_said_plainly_and_a_warning_stays_a_warning(where: 
         if "runs unsandboxed" in line:
             assert "⚠" in line or ":warning:" in line, (where, line)
     assert "Reason given: nightly clean-up" in text, where
+
+
+@pytest.mark.parametrize("limit", range(MIN_EXCERPT, 64, 3))
+@pytest.mark.parametrize("value_limit", [100, 2_000])  # cut when the card was built, or whole until laid out
+def test_a_shrunk_value_ending_in_an_escape_keeps_its_end(limit: int, value_limit: int) -> None:
+    # The last escape (13 characters) is longer than a short excerpt's tail budget: the tail came out empty, and
+    # the card showed "echo fine xxx…" and a cut, never the "rm -rf" it ends with.
+    card = make_card({"command": "echo fine " + "x" * 400 + "; rm -rf /srv\t"}, value_limit=value_limit)
+    shown = view_of(card, limit=limit).arguments[0]
+    assert shown.cut
+    assert shown.tail.endswith("⟨U+0009 TAB⟩")
+    assert shown.head.startswith("echo fine")
+
+
+def test_a_telegram_card_shrunk_to_short_excerpts_shows_every_values_end() -> None:
+    args = {f"s{'p' * 89}{i:02d}": "echo fine " + "x" * 400 + f"; rm -rf /srv/{i}\t" for i in range(21)}
+    laid = lay_out(make_card(args), TelegramWriter())
+    assert laid.view.arguments
+    assert all(a.cut and a.tail.endswith("⟨U+0009 TAB⟩") for a in laid.view.arguments)
+    assert TelegramWriter().fits(laid.written)

@@ -263,3 +263,36 @@ async def test_rules_cli_lists_and_revokes(tmp_path: Path) -> None:
     assert rule.id not in after
     again, _ = await kazma("revoke", rule.id)
     assert again == 1
+
+
+async def test_a_remembered_mcp_call_gets_a_card_again_once_its_tool_is_redefined(tmp_path: Path) -> None:
+    # The rule was made on a card of create_issue as its server first listed it; the server then listed it again
+    # with another description and a new argument defaulting to public. The same arguments now run another tool:
+    # the person never saw it, so the rule must not let it run unasked.
+    first, second = Seen(), Seen()
+    issue = {"title": "Bug", "body": "b"}
+    steps: list[ScriptStep] = [
+        call("tracker__create_issue", issue),
+        first.answer,
+        call("tracker__create_issue", issue),
+        second.answer,
+    ]
+    async with kazma_with_tracker(tmp_path, steps, remember=True) as (app, telegram, log):
+        assert app.mcp is not None
+        connection = app.mcp.connections["tracker"]
+        telegram.push_message(TG_CHAT, 42, "file it", username="alice")
+        await telegram.wait_until(lambda: bool(cards(telegram)), timeout=20)
+        await press(telegram, "r")
+        await telegram.wait_until(lambda: bool(first.tool_messages), timeout=20)
+        assert len(calls_logged(log)) == 1
+        before = connection.tools["create_issue"]
+        assert (await connection.call("redefine", {})).ok
+        await telegram.wait_until(lambda: connection.tools["create_issue"] != before, timeout=20)
+        telegram.push_message(TG_CHAT, 42, "file it again", username="alice")
+        await telegram.wait_until(lambda: len(cards(telegram)) == 2 or bool(second.tool_messages), timeout=20)
+        assert len(cards(telegram)) == 2  # asked again: the rule stood for the tool as it was
+        assert len(calls_logged(log)) == 1  # nothing ran unasked
+        await press(telegram, "d")
+        await telegram.wait_until(lambda: bool(second.tool_messages), timeout=20)
+        assert "Denied" in second.tool_messages[0]
+        assert len(calls_logged(log)) == 1

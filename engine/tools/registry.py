@@ -11,8 +11,9 @@ registry only runs what it is given.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -94,9 +95,13 @@ class UnknownToolError(LookupError):
 
 
 class ToolRegistry:
-    def __init__(self, tools: Iterable[Tool[Any]] = ()) -> None:
+    def __init__(self, tools: Iterable[Tool[Any]] = (), *, clock: Callable[[], float] = time.time) -> None:
         self._tools: dict[str, Tool[Any]] = {}
         self._aliases: dict[str, str] = {}
+        # A tool whose definition may change (Tool.definition): that definition, and when it was first put here.
+        # Kept when the tool is removed, so a tool offered again as it was keeps its time.
+        self._defined: dict[str, tuple[object, float]] = {}
+        self._clock = clock
         for tool in tools:
             self.register(tool)
 
@@ -118,6 +123,12 @@ class ToolRegistry:
         self._tools[tool.name] = tool
         if spec_name != tool.name:
             self._aliases[spec_name] = tool.name
+        definition = tool.definition()
+        if definition is not None:
+            now = (type(tool), definition)
+            known = self._defined.get(tool.name)
+            if known is None or known[0] != now:
+                self._defined[tool.name] = (now, self._clock())
 
     def remove(self, name: str) -> None:
         tool = self._tools.pop(name, None)
@@ -168,6 +179,16 @@ class ToolRegistry:
         """``name``'s definition now (see Tool.definition); None for a tool that is not registered."""
         tool = self._tools.get(name)
         return None if tool is None else (type(tool), tool.definition())
+
+    def defined_since(self, name: str) -> float | None:
+        """When ``name``'s definition as it stands was first put here (epoch seconds), or None for a tool fixed in
+        Kazma's code (or not registered). An approval made before it was made for another tool: a remembered one
+        does not stand for a call of it now (see :meth:`SafetyPolicy.check`)."""
+        tool = self._tools.get(name)
+        if tool is None or tool.definition() is None:
+            return None
+        known = self._defined.get(name)
+        return None if known is None else known[1]
 
     def refusal(self, name: str) -> str | None:
         tool = self._tools.get(name)
