@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import structlog
 
@@ -52,6 +53,16 @@ MAY_HAVE_RUN_NOTE = (
 )
 MAX_ARGUMENT_DEPTH = 32  # no real tool needs more; deeper values are a way to break renderers and hashers
 _SAFE_SEGMENT = re.compile(r"[^A-Za-z0-9_-]+")
+_WORKSPACE_NAME_LIMIT = 100
+# Conversation ids whose plain workspace name (see workspace_for) no other id of these shapes has: each shape's
+# names decode back to the id (a platform has no "_"; a chat neither starts nor ends with one; a Matrix room's
+# localpart and server labels have none), and the shapes' names differ (no "_", "<platform>_" with a platform
+# other than matrix, "matrix_").
+_PLAIN_IDS: Final = (
+    re.compile(r"[A-Za-z0-9-]+"),  # an id of Kazma's own ("swarm")
+    re.compile(r"(?!matrix:)[a-z]+:[A-Za-z0-9-](?:[A-Za-z0-9_-]*[A-Za-z0-9-])?"),  # telegram:-100…, slack:C…, web:…
+    re.compile(r"matrix:![A-Za-z0-9]+:[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"),  # a room !opaque:server (no port)
+)
 
 
 @dataclass(frozen=True)
@@ -190,9 +201,21 @@ def offers(patterns: tuple[str, ...], name: str) -> bool:
 
 
 def workspace_for(root: Path, conversation: str) -> Path:
-    """One directory per conversation, named so that no conversation id can escape ``root``."""
-    safe = _SAFE_SEGMENT.sub("_", conversation).strip("._") or "conversation"
-    return root / safe[:100]
+    """One directory per conversation, named so that no conversation id can escape ``root`` and no two
+    conversations share one.
+
+    The name is the id with every run of other characters than letters, digits, ``_`` and ``-`` turned into
+    ``_`` (the name workspaces always had) where that cannot be another conversation's too: an id of the shapes
+    in :data:`_PLAIN_IDS` (Telegram, Discord, Slack, the console, a Matrix room ``!id:server``, the swarm's), at
+    most 100 characters. Any other id (one whose name would have lost characters: ``!a.b:x`` and ``!a~b:x``, or
+    been cut at 100 characters) is named by that same text, shortened, a ``.`` and a digest of the whole id: a
+    name with a dot, which a name of the first kind never has.
+    """
+    safe = _SAFE_SEGMENT.sub("_", conversation).strip("._")
+    if len(safe) <= _WORKSPACE_NAME_LIMIT and any(shape.fullmatch(conversation) for shape in _PLAIN_IDS):
+        return root / safe
+    digest = hashlib.sha256(conversation.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+    return root / f"{safe[:60].rstrip('._') or 'conversation'}.{digest}"
 
 
 class AgentRunner:

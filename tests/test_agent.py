@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -152,3 +153,39 @@ def test_workspace_names_cannot_escape_the_root(tmp_path: Path) -> None:
         path = workspace_for(tmp_path, conversation)
         assert path.parent == tmp_path
         assert ".." not in path.name
+
+
+def test_no_two_conversations_share_a_workspace(tmp_path: Path) -> None:
+    # Matrix room ids may hold '.', '~', '+', '/', '=' (all of which once became '_'), a web chat may end in '_'
+    # (once stripped), and an id may run past 100 characters (once cut): each of these pairs shared one folder.
+    server = "x" * 80
+    pairs = [
+        ("matrix:!abc.def:example.org", "matrix:!abc~def:example.org"),
+        ("matrix:!abc:def.example.org", "matrix:!abc.def:example.org"),
+        (f"matrix:!{'a' * 18}:{server}.one.org", f"matrix:!{'a' * 18}:{server}.two.org"),
+        ("web:team_", "web:team"),
+    ]
+    for one, other in pairs:
+        assert workspace_for(tmp_path, one) != workspace_for(tmp_path, other), (one, other)
+    # every short id over the characters that used to merge, under the prefixes real ids have
+    ids = ["swarm", *("".join(p) for n in range(5) for p in itertools.product("a_.:!-", repeat=n))]
+    ids += [prefix + rest for prefix in ("matrix:!", "matrix:", "web:", "telegram:") for rest in ids]
+    names: dict[Path, str] = {}
+    for conversation in ids:
+        path = workspace_for(tmp_path, conversation)
+        assert path.parent == tmp_path
+        assert not path.name.startswith(".")
+        assert names.setdefault(path, conversation) == conversation, (conversation, names[path])
+
+
+def test_workspaces_of_real_conversations_keep_the_names_they_always_had(tmp_path: Path) -> None:
+    kept = {
+        "telegram:-1001234567890": "telegram_-1001234567890",
+        "discord:112233445566778899": "discord_112233445566778899",
+        "slack:C0HOME0001": "slack_C0HOME0001",
+        "web:console": "web_console",
+        "matrix:!AbCdEfGhIjKlMnOpQr:matrix.example.org": "matrix_AbCdEfGhIjKlMnOpQr_matrix_example_org",
+        "swarm": "swarm",
+    }
+    for conversation, name in kept.items():
+        assert workspace_for(tmp_path, conversation) == tmp_path / name
