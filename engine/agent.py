@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -200,6 +201,24 @@ def offers(patterns: tuple[str, ...], name: str) -> bool:
     return any(p == name or (p.endswith("/*") and name.startswith(p[:-1])) for p in patterns)
 
 
+def own_ids(calls: Sequence[ToolCall], taken: set[str]) -> tuple[ToolCall, ...]:
+    """``calls`` with an id each that no other call of the turn has (``taken``: the turn's ids so far, added to).
+
+    Some servers give several calls one id (in one reply, or ``call_0`` in every reply); sent back so, the result
+    of each is not told from the others', and OpenAI-compatible servers refuse the request ("Duplicate value for
+    'tool_call_id'"). A repeated id gets a suffix; the model reads its calls back under the ids sent with them.
+    """
+    unique: list[ToolCall] = []
+    for call in calls:
+        call_id, n = call.id, 1
+        while call_id in taken:
+            n += 1
+            call_id = f"{call.id}_{n}"
+        taken.add(call_id)
+        unique.append(call if call_id == call.id else dataclasses.replace(call, id=call_id))
+    return tuple(unique)
+
+
 def workspace_for(root: Path, conversation: str) -> Path:
     """One directory per conversation, named so that no conversation id can escape ``root`` and no two
     conversations share one.
@@ -315,6 +334,7 @@ class AgentRunner:
     ) -> None:
         specs = self._specs(agent, extra_tools)
         internal = self._internal(agent, extra_tools)
+        answered: set[str] = set()  # the tool-call ids this turn has sent back
         for _ in range(self.max_steps):
             try:
                 if failpoints.armed and result.tool_runs:  # a tool's result recorded, on its way back to the model
@@ -335,8 +355,9 @@ class AgentRunner:
                 result.text = (reply.content or "").strip()
                 await self._remember(conversation, agent.name, text, result)
                 return
-            sent.append(messages.assistant_calls(reply.content, reply.tool_calls))
-            for call in reply.tool_calls:
+            calls = own_ids(reply.tool_calls, answered)
+            sent.append(messages.assistant_calls(reply.content, calls))
+            for call in calls:
                 content = await self._call(call, ctx, result, internal)
                 sent.append(messages.tool_reply(call.id, content))
         result.error = f"stopped after {self.max_steps} model calls without a final answer"

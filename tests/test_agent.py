@@ -5,16 +5,19 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from kazma.approvals import SafetyPolicy
+from kazma.config.models import ModelConfig
 from kazma.config.store.database import open_database
 from kazma.engine.agent import AgentRunner, AgentSpec, workspace_for
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
-from kazma.engine.model import ScriptedProvider, ScriptStep
+from kazma.engine.model import OpenAIProvider, ScriptedProvider, ScriptStep
 from kazma.engine.tools.builtin import default_registry
-from kazma.engine.types import ModelError, ModelReply, ToolCall
+from kazma.engine.types import ModelError, ModelProvider, ModelReply, ToolCall
 from tests.approvals_support import approval_service
+from tests.fakes.openai import Completion, FakeOpenAI, FakeResponse, FakeToolCall, HttpError
 
 BUILDER = AgentSpec("builder", "You build.", ("shell", "read_file", "write_file"))
 
@@ -24,12 +27,14 @@ def call(name: str, args: dict[str, object], raw: str | None = None, error: str 
 
 
 @asynccontextmanager
-async def runner(tmp_path: Path, script: list[ScriptStep], *, max_history: int = 40) -> AsyncIterator[AgentRunner]:
+async def runner(
+    tmp_path: Path, script: list[ScriptStep], *, max_history: int = 40, provider: ModelProvider | None = None
+) -> AsyncIterator[AgentRunner]:
     conn = await open_database(tmp_path / "h.db", migrations=HISTORY)
     async with approval_service(tmp_path / "a.db") as service:  # no publisher: dangerous tools fail closed
         try:
             yield AgentRunner(
-                ScriptedProvider(script),
+                provider or ScriptedProvider(script),
                 default_registry(),
                 SafetyPolicy(service),
                 HistoryStore(conn, max_messages=max_history),
@@ -189,3 +194,47 @@ def test_workspaces_of_real_conversations_keep_the_names_they_always_had(tmp_pat
     }
     for conversation, name in kept.items():
         assert workspace_for(tmp_path, conversation) == tmp_path / name
+
+
+def _openai_checks_tool_call_ids(body: Any) -> FakeResponse | None:
+    """What OpenAI answers a request whose tool messages repeat a ``tool_call_id``; None: the scripted reply."""
+    seen: set[str] = set()
+    for message in body.get("messages", []):
+        call_id = message.get("tool_call_id") if isinstance(message, dict) else None
+        if call_id is None:
+            continue
+        if call_id in seen:
+            error = {"message": f"Invalid parameter: Duplicate value for 'tool_call_id' of '{call_id}'."}
+            return HttpError(400, {"error": {**error, "type": "invalid_request_error"}})
+        seen.add(call_id)
+    return None
+
+
+async def test_tool_calls_sharing_an_id_are_answered_each_under_an_id_of_its_own(tmp_path: Path) -> None:
+    # Some servers (Kimi behind proxies, MiMo, servers giving no ids at all) send one id for several calls, in one
+    # reply or in each reply of a turn. Sent back as they came, OpenAI-compatible servers refuse the next request
+    # (HTTP 400), after the tools already ran, and the model could not tell which result is which call's.
+    async with FakeOpenAI(models=("m",)) as fake:
+        fake.responder = _openai_checks_tool_call_ids
+        reads = tuple(FakeToolCall("read_file", json.dumps({"path": f"{n}.txt"}), id="call_0") for n in "ab")
+        fake.script(
+            Completion(tool_calls=reads),
+            Completion(tool_calls=(FakeToolCall("read_file", json.dumps({"path": "c.txt"}), id="call_0"),)),
+            Completion(content="read all three"),
+        )
+        provider = OpenAIProvider(ModelConfig(base_url=fake.base_url, name="m", api_key="", max_retries=0))
+        async with runner(tmp_path, [], provider=provider) as r:
+            workspace = workspace_for(r.workspace_root, "c")
+            workspace.mkdir(parents=True)
+            for n in "abc":
+                (workspace / f"{n}.txt").write_text(f"contents of {n}")
+            result = await r.run(BUILDER, "c", "read a, b and c", requested_by="u")
+            await provider.aclose()
+        assert result.error is None
+        assert result.text == "read all three"
+        sent = fake.completions[-1].body["messages"]
+        asked = [call["id"] for m in sent if m["role"] == "assistant" for call in m.get("tool_calls", [])]
+        answered = [(m["tool_call_id"], m["content"]) for m in sent if m["role"] == "tool"]
+        assert len(set(asked)) == 3
+        assert [call_id for call_id, _ in answered] == asked  # each result under its own call's id, in order
+        assert [n for n in "abc" if f"contents of {n}" in answered["abc".index(n)][1]] == list("abc")
