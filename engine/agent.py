@@ -418,11 +418,10 @@ class AgentRunner:
                 await asyncio.sleep(pause)
 
     async def _remember(self, conversation: str, agent: str, text: str, result: TurnResult) -> None:
-        await self.history.append(conversation, agent, "user", text)
-        await self.history.append(
+        await self.history.append_exchange(
             conversation,
             agent,
-            "assistant",
+            text,
             result.text,
             prompt_tokens=result.usage.prompt_tokens,
             completion_tokens=result.usage.completion_tokens,

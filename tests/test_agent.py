@@ -1,8 +1,9 @@
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import OpenAIProvider, ScriptedProvider, ScriptStep
 from kazma.engine.tools.builtin import default_registry
-from kazma.engine.types import ModelError, ModelProvider, ModelReply, ToolCall
+from kazma.engine.types import Message, ModelError, ModelProvider, ModelReply, ToolCall, ToolSpec
 from tests.approvals_support import approval_service
 from tests.fakes.openai import Completion, FakeOpenAI, FakeResponse, FakeToolCall, HttpError
 
@@ -238,3 +239,39 @@ async def test_tool_calls_sharing_an_id_are_answered_each_under_an_id_of_its_own
         assert len(set(asked)) == 3
         assert [call_id for call_id, _ in answered] == asked  # each result under its own call's id, in order
         assert [n for n in "abc" if f"contents of {n}" in answered["abc".index(n)][1]] == list("abc")
+
+
+class HeldModel:
+    """Answers each turn's question with its own answer, all at once: once ``expected`` calls are waiting."""
+
+    label = "held replies (no model is called)"
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.waiting = 0
+        self.all_here = asyncio.Event()
+
+    async def complete(
+        self, messages: Sequence[Message], tools: Sequence[ToolSpec] = (), *, model: str | None = None
+    ) -> ModelReply:
+        self.waiting += 1
+        if self.waiting == self.expected:
+            self.all_here.set()
+        await self.all_here.wait()
+        return ModelReply(content=f"answer to {messages[-1]['content']}")
+
+
+async def test_turns_at_once_in_one_conversation_keep_each_question_beside_its_answer(tmp_path: Path) -> None:
+    # Messages arriving together run their turns at once. Each turn wrote its question and its answer as two
+    # separate rows, so the rows of turns ending together interleaved: the history later turns are given read
+    # "question 1, question 2, answer 1, answer 2", pairing questions with the wrong answers.
+    turns = 12
+    model = HeldModel(turns)
+    async with runner(tmp_path, [], provider=model) as r:
+        results = await asyncio.gather(*(r.run(BUILDER, "c", f"question {n}", requested_by="u") for n in range(turns)))
+        history = await r.history.recent("c", "builder")
+    assert all(result.ok for result in results)
+    assert len(history) == 2 * turns
+    for question, answer in zip(history[::2], history[1::2], strict=True):
+        assert question["role"] == "user"
+        assert answer == {"role": "assistant", "content": f"answer to {question['content']}"}
