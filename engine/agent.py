@@ -418,14 +418,20 @@ class AgentRunner:
                 await asyncio.sleep(pause)
 
     async def _remember(self, conversation: str, agent: str, text: str, result: TurnResult) -> None:
-        await self.history.append_exchange(
-            conversation,
-            agent,
-            text,
-            result.text,
-            prompt_tokens=result.usage.prompt_tokens,
-            completion_tokens=result.usage.completion_tokens,
-        )
+        """The finished exchange into the agent's history. A store that cannot take it (locked past its busy
+        timeout, gone) costs the next turns this exchange, never this turn its answer."""
+        try:
+            await self.history.append_exchange(
+                conversation,
+                agent,
+                text,
+                result.text,
+                prompt_tokens=result.usage.prompt_tokens,
+                completion_tokens=result.usage.completion_tokens,
+            )
+        except Exception as exc:
+            count_failure("history")
+            log.warning("agent.history_unrecorded", agent=agent, conversation=conversation, error=str(exc))
 
     async def _call(
         self, call: ToolCall, ctx: TurnContext, result: TurnResult, tools: Mapping[str, InternalTool]

@@ -3,12 +3,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from structlog.testing import capture_logs
+
 from kazma.approvals import SafetyPolicy
+from kazma.config.metrics import failure_count
 from kazma.config.models import ModelConfig
 from kazma.config.store.database import open_database
 from kazma.engine.agent import AgentRunner, AgentSpec, workspace_for
@@ -275,3 +279,35 @@ async def test_turns_at_once_in_one_conversation_keep_each_question_beside_its_a
     for question, answer in zip(history[::2], history[1::2], strict=True):
         assert question["role"] == "user"
         assert answer == {"role": "assistant", "content": f"answer to {question['content']}"}
+
+
+async def test_an_answer_the_history_cannot_keep_is_still_the_turns_answer(tmp_path: Path) -> None:
+    # The store is locked by someone else (another process writing, a copy being taken) past the busy timeout when
+    # the turn's exchange is written: the model had answered, and the write's error threw that answer away (the
+    # person was sent nothing). Now the answer stands; the history misses the exchange, counted and logged.
+    conn = await open_database(tmp_path / "h.db", migrations=HISTORY, busy_timeout_ms=50)
+    before = failure_count("history")
+    try:
+        async with approval_service(tmp_path / "a.db") as service:
+            r = AgentRunner(
+                ScriptedProvider([ModelReply(content="the answer")]),
+                default_registry(),
+                SafetyPolicy(service),
+                HistoryStore(conn),
+                workspace_root=tmp_path / "ws",
+            )
+            holder = sqlite3.connect(tmp_path / "h.db")
+            holder.execute("BEGIN EXCLUSIVE")
+            try:
+                with capture_logs() as logs:
+                    result = await r.run(BUILDER, "c", "the question", requested_by="u")
+            finally:
+                holder.rollback()
+                holder.close()
+            assert result.ok
+            assert result.text == "the answer"
+            assert failure_count("history") == before + 1
+            assert [e["conversation"] for e in logs if e["event"] == "agent.history_unrecorded"] == ["c"]
+            assert await r.history.recent("c", "builder") == []
+    finally:
+        await conn.close()
