@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import structlog
 
@@ -52,6 +54,16 @@ MAY_HAVE_RUN_NOTE = (
 )
 MAX_ARGUMENT_DEPTH = 32  # no real tool needs more; deeper values are a way to break renderers and hashers
 _SAFE_SEGMENT = re.compile(r"[^A-Za-z0-9_-]+")
+_WORKSPACE_NAME_LIMIT = 100
+# Conversation ids whose plain workspace name (see workspace_for) no other id of these shapes has: each shape's
+# names decode back to the id (a platform has no "_"; a chat neither starts nor ends with one; a Matrix room's
+# localpart and server labels have none), and the shapes' names differ (no "_", "<platform>_" with a platform
+# other than matrix, "matrix_").
+_PLAIN_IDS: Final = (
+    re.compile(r"[A-Za-z0-9-]+"),  # an id of Kazma's own ("swarm")
+    re.compile(r"(?!matrix:)[a-z]+:[A-Za-z0-9-](?:[A-Za-z0-9_-]*[A-Za-z0-9-])?"),  # telegram:-100…, slack:C…, web:…
+    re.compile(r"matrix:![A-Za-z0-9]+:[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"),  # a room !opaque:server (no port)
+)
 
 
 @dataclass(frozen=True)
@@ -189,10 +201,40 @@ def offers(patterns: tuple[str, ...], name: str) -> bool:
     return any(p == name or (p.endswith("/*") and name.startswith(p[:-1])) for p in patterns)
 
 
+def own_ids(calls: Sequence[ToolCall], taken: set[str]) -> tuple[ToolCall, ...]:
+    """``calls`` with an id each that no other call of the turn has (``taken``: the turn's ids so far, added to).
+
+    Some servers give several calls one id (in one reply, or ``call_0`` in every reply); sent back so, the result
+    of each is not told from the others', and OpenAI-compatible servers refuse the request ("Duplicate value for
+    'tool_call_id'"). A repeated id gets a suffix; the model reads its calls back under the ids sent with them.
+    """
+    unique: list[ToolCall] = []
+    for call in calls:
+        call_id, n = call.id, 1
+        while call_id in taken:
+            n += 1
+            call_id = f"{call.id}_{n}"
+        taken.add(call_id)
+        unique.append(call if call_id == call.id else dataclasses.replace(call, id=call_id))
+    return tuple(unique)
+
+
 def workspace_for(root: Path, conversation: str) -> Path:
-    """One directory per conversation, named so that no conversation id can escape ``root``."""
-    safe = _SAFE_SEGMENT.sub("_", conversation).strip("._") or "conversation"
-    return root / safe[:100]
+    """One directory per conversation, named so that no conversation id can escape ``root`` and no two
+    conversations share one.
+
+    The name is the id with every run of other characters than letters, digits, ``_`` and ``-`` turned into
+    ``_`` (the name workspaces always had) where that cannot be another conversation's too: an id of the shapes
+    in :data:`_PLAIN_IDS` (Telegram, Discord, Slack, the console, a Matrix room ``!id:server``, the swarm's), at
+    most 100 characters. Any other id (one whose name would have lost characters: ``!a.b:x`` and ``!a~b:x``, or
+    been cut at 100 characters) is named by that same text, shortened, a ``.`` and a digest of the whole id: a
+    name with a dot, which a name of the first kind never has.
+    """
+    safe = _SAFE_SEGMENT.sub("_", conversation).strip("._")
+    if len(safe) <= _WORKSPACE_NAME_LIMIT and any(shape.fullmatch(conversation) for shape in _PLAIN_IDS):
+        return root / safe
+    digest = hashlib.sha256(conversation.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+    return root / f"{safe[:60].rstrip('._') or 'conversation'}.{digest}"
 
 
 class AgentRunner:
@@ -292,6 +334,7 @@ class AgentRunner:
     ) -> None:
         specs = self._specs(agent, extra_tools)
         internal = self._internal(agent, extra_tools)
+        answered: set[str] = set()  # the tool-call ids this turn has sent back
         for _ in range(self.max_steps):
             try:
                 if failpoints.armed and result.tool_runs:  # a tool's result recorded, on its way back to the model
@@ -312,8 +355,9 @@ class AgentRunner:
                 result.text = (reply.content or "").strip()
                 await self._remember(conversation, agent.name, text, result)
                 return
-            sent.append(messages.assistant_calls(reply.content, reply.tool_calls))
-            for call in reply.tool_calls:
+            calls = own_ids(reply.tool_calls, answered)
+            sent.append(messages.assistant_calls(reply.content, calls))
+            for call in calls:
                 content = await self._call(call, ctx, result, internal)
                 sent.append(messages.tool_reply(call.id, content))
         result.error = f"stopped after {self.max_steps} model calls without a final answer"
@@ -374,15 +418,20 @@ class AgentRunner:
                 await asyncio.sleep(pause)
 
     async def _remember(self, conversation: str, agent: str, text: str, result: TurnResult) -> None:
-        await self.history.append(conversation, agent, "user", text)
-        await self.history.append(
-            conversation,
-            agent,
-            "assistant",
-            result.text,
-            prompt_tokens=result.usage.prompt_tokens,
-            completion_tokens=result.usage.completion_tokens,
-        )
+        """The finished exchange into the agent's history. A store that cannot take it (locked past its busy
+        timeout, gone) costs the next turns this exchange, never this turn its answer."""
+        try:
+            await self.history.append_exchange(
+                conversation,
+                agent,
+                text,
+                result.text,
+                prompt_tokens=result.usage.prompt_tokens,
+                completion_tokens=result.usage.completion_tokens,
+            )
+        except Exception as exc:
+            count_failure("history")
+            log.warning("agent.history_unrecorded", agent=agent, conversation=conversation, error=str(exc))
 
     async def _call(
         self, call: ToolCall, ctx: TurnContext, result: TurnResult, tools: Mapping[str, InternalTool]

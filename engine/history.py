@@ -84,6 +84,21 @@ class HistoryStore:
             (conversation, agent, role, content, prompt_tokens, completion_tokens, self.clock()),
         )
 
+    async def append_exchange(
+        self, conversation: str, agent: str, question: str, answer: str, *, prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+    ) -> None:  # fmt: skip
+        """A finished turn's question and answer, written together: another turn's rows never come between."""
+        now = self.clock()
+        await self.tables.run_many(
+            "INSERT INTO agent_history (conversation, agent, role, content, prompt_tokens, completion_tokens,"
+            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [
+                (conversation, agent, "user", question, 0, 0, now),
+                (conversation, agent, "assistant", answer, prompt_tokens, completion_tokens, now),
+            ],
+        )
+
     async def recent(self, conversation: str, agent: str) -> list[Message]:
         """The newest messages, oldest first; if older ones were left out, a marker says how many."""
         async with self.tables.locked() as db:

@@ -342,6 +342,15 @@ class OpenAIProvider:
             raise _Retryable(f"could not connect to {self._base_url} ({str(exc) or type(exc).__name__})") from None
         except httpx.TransportError as exc:
             raise _Retryable(f"the connection failed ({type(exc).__name__}: {exc})") from None
+        except httpx.DecodingError as exc:
+            # The server answered (not retried: asking again would pay twice), in a body its own Content-Encoding
+            # does not decode; not a transport error, and anything but a ModelError would leave the turn unanswered.
+            message = self._redact(
+                f"the model server at {self._base_url} answered for model {name!r}, but its body could not be "
+                f"decoded ({_truncate(str(exc), 120)}): check what sits between Kazma and model.base_url"
+            )
+            log.warning("model.error", model=name, url=self._url, status=None, permanent=False, reason=message)
+            raise ModelError(message, permanent=False) from None
 
         status = response.status_code
         if status >= 400:

@@ -1,19 +1,28 @@
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
-from collections.abc import AsyncIterator
+import sqlite3
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
+
+from structlog.testing import capture_logs
 
 from kazma.approvals import SafetyPolicy
+from kazma.config.metrics import failure_count
+from kazma.config.models import ModelConfig
 from kazma.config.store.database import open_database
 from kazma.engine.agent import AgentRunner, AgentSpec, workspace_for
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
-from kazma.engine.model import ScriptedProvider, ScriptStep
+from kazma.engine.model import OpenAIProvider, ScriptedProvider, ScriptStep
 from kazma.engine.tools.builtin import default_registry
-from kazma.engine.types import ModelError, ModelReply, ToolCall
+from kazma.engine.types import Message, ModelError, ModelProvider, ModelReply, ToolCall, ToolSpec
 from tests.approvals_support import approval_service
+from tests.fakes.openai import Completion, FakeOpenAI, FakeResponse, FakeToolCall, HttpError
 
 BUILDER = AgentSpec("builder", "You build.", ("shell", "read_file", "write_file"))
 
@@ -23,12 +32,14 @@ def call(name: str, args: dict[str, object], raw: str | None = None, error: str 
 
 
 @asynccontextmanager
-async def runner(tmp_path: Path, script: list[ScriptStep], *, max_history: int = 40) -> AsyncIterator[AgentRunner]:
+async def runner(
+    tmp_path: Path, script: list[ScriptStep], *, max_history: int = 40, provider: ModelProvider | None = None
+) -> AsyncIterator[AgentRunner]:
     conn = await open_database(tmp_path / "h.db", migrations=HISTORY)
     async with approval_service(tmp_path / "a.db") as service:  # no publisher: dangerous tools fail closed
         try:
             yield AgentRunner(
-                ScriptedProvider(script),
+                provider or ScriptedProvider(script),
                 default_registry(),
                 SafetyPolicy(service),
                 HistoryStore(conn, max_messages=max_history),
@@ -152,3 +163,151 @@ def test_workspace_names_cannot_escape_the_root(tmp_path: Path) -> None:
         path = workspace_for(tmp_path, conversation)
         assert path.parent == tmp_path
         assert ".." not in path.name
+
+
+def test_no_two_conversations_share_a_workspace(tmp_path: Path) -> None:
+    # Matrix room ids may hold '.', '~', '+', '/', '=' (all of which once became '_'), a web chat may end in '_'
+    # (once stripped), and an id may run past 100 characters (once cut): each of these pairs shared one folder.
+    server = "x" * 80
+    pairs = [
+        ("matrix:!abc.def:example.org", "matrix:!abc~def:example.org"),
+        ("matrix:!abc:def.example.org", "matrix:!abc.def:example.org"),
+        (f"matrix:!{'a' * 18}:{server}.one.org", f"matrix:!{'a' * 18}:{server}.two.org"),
+        ("web:team_", "web:team"),
+    ]
+    for one, other in pairs:
+        assert workspace_for(tmp_path, one) != workspace_for(tmp_path, other), (one, other)
+    # every short id over the characters that used to merge, under the prefixes real ids have
+    ids = ["swarm", *("".join(p) for n in range(5) for p in itertools.product("a_.:!-", repeat=n))]
+    ids += [prefix + rest for prefix in ("matrix:!", "matrix:", "web:", "telegram:") for rest in ids]
+    names: dict[Path, str] = {}
+    for conversation in ids:
+        path = workspace_for(tmp_path, conversation)
+        assert path.parent == tmp_path
+        assert not path.name.startswith(".")
+        assert names.setdefault(path, conversation) == conversation, (conversation, names[path])
+
+
+def test_workspaces_of_real_conversations_keep_the_names_they_always_had(tmp_path: Path) -> None:
+    kept = {
+        "telegram:-1001234567890": "telegram_-1001234567890",
+        "discord:112233445566778899": "discord_112233445566778899",
+        "slack:C0HOME0001": "slack_C0HOME0001",
+        "web:console": "web_console",
+        "matrix:!AbCdEfGhIjKlMnOpQr:matrix.example.org": "matrix_AbCdEfGhIjKlMnOpQr_matrix_example_org",
+        "swarm": "swarm",
+    }
+    for conversation, name in kept.items():
+        assert workspace_for(tmp_path, conversation) == tmp_path / name
+
+
+def _openai_checks_tool_call_ids(body: Any) -> FakeResponse | None:
+    """What OpenAI answers a request whose tool messages repeat a ``tool_call_id``; None: the scripted reply."""
+    seen: set[str] = set()
+    for message in body.get("messages", []):
+        call_id = message.get("tool_call_id") if isinstance(message, dict) else None
+        if call_id is None:
+            continue
+        if call_id in seen:
+            error = {"message": f"Invalid parameter: Duplicate value for 'tool_call_id' of '{call_id}'."}
+            return HttpError(400, {"error": {**error, "type": "invalid_request_error"}})
+        seen.add(call_id)
+    return None
+
+
+async def test_tool_calls_sharing_an_id_are_answered_each_under_an_id_of_its_own(tmp_path: Path) -> None:
+    # Some servers (Kimi behind proxies, MiMo, servers giving no ids at all) send one id for several calls, in one
+    # reply or in each reply of a turn. Sent back as they came, OpenAI-compatible servers refuse the next request
+    # (HTTP 400), after the tools already ran, and the model could not tell which result is which call's.
+    async with FakeOpenAI(models=("m",)) as fake:
+        fake.responder = _openai_checks_tool_call_ids
+        reads = tuple(FakeToolCall("read_file", json.dumps({"path": f"{n}.txt"}), id="call_0") for n in "ab")
+        fake.script(
+            Completion(tool_calls=reads),
+            Completion(tool_calls=(FakeToolCall("read_file", json.dumps({"path": "c.txt"}), id="call_0"),)),
+            Completion(content="read all three"),
+        )
+        provider = OpenAIProvider(ModelConfig(base_url=fake.base_url, name="m", api_key="", max_retries=0))
+        async with runner(tmp_path, [], provider=provider) as r:
+            workspace = workspace_for(r.workspace_root, "c")
+            workspace.mkdir(parents=True)
+            for n in "abc":
+                (workspace / f"{n}.txt").write_text(f"contents of {n}")
+            result = await r.run(BUILDER, "c", "read a, b and c", requested_by="u")
+            await provider.aclose()
+        assert result.error is None
+        assert result.text == "read all three"
+        sent = fake.completions[-1].body["messages"]
+        asked = [call["id"] for m in sent if m["role"] == "assistant" for call in m.get("tool_calls", [])]
+        answered = [(m["tool_call_id"], m["content"]) for m in sent if m["role"] == "tool"]
+        assert len(set(asked)) == 3
+        assert [call_id for call_id, _ in answered] == asked  # each result under its own call's id, in order
+        assert [n for n in "abc" if f"contents of {n}" in answered["abc".index(n)][1]] == list("abc")
+
+
+class HeldModel:
+    """Answers each turn's question with its own answer, all at once: once ``expected`` calls are waiting."""
+
+    label = "held replies (no model is called)"
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.waiting = 0
+        self.all_here = asyncio.Event()
+
+    async def complete(
+        self, messages: Sequence[Message], tools: Sequence[ToolSpec] = (), *, model: str | None = None
+    ) -> ModelReply:
+        self.waiting += 1
+        if self.waiting == self.expected:
+            self.all_here.set()
+        await self.all_here.wait()
+        return ModelReply(content=f"answer to {messages[-1]['content']}")
+
+
+async def test_turns_at_once_in_one_conversation_keep_each_question_beside_its_answer(tmp_path: Path) -> None:
+    # Messages arriving together run their turns at once. Each turn wrote its question and its answer as two
+    # separate rows, so the rows of turns ending together interleaved: the history later turns are given read
+    # "question 1, question 2, answer 1, answer 2", pairing questions with the wrong answers.
+    turns = 12
+    model = HeldModel(turns)
+    async with runner(tmp_path, [], provider=model) as r:
+        results = await asyncio.gather(*(r.run(BUILDER, "c", f"question {n}", requested_by="u") for n in range(turns)))
+        history = await r.history.recent("c", "builder")
+    assert all(result.ok for result in results)
+    assert len(history) == 2 * turns
+    for question, answer in zip(history[::2], history[1::2], strict=True):
+        assert question["role"] == "user"
+        assert answer == {"role": "assistant", "content": f"answer to {question['content']}"}
+
+
+async def test_an_answer_the_history_cannot_keep_is_still_the_turns_answer(tmp_path: Path) -> None:
+    # The store is locked by someone else (another process writing, a copy being taken) past the busy timeout when
+    # the turn's exchange is written: the model had answered, and the write's error threw that answer away (the
+    # person was sent nothing). Now the answer stands; the history misses the exchange, counted and logged.
+    conn = await open_database(tmp_path / "h.db", migrations=HISTORY, busy_timeout_ms=50)
+    before = failure_count("history")
+    try:
+        async with approval_service(tmp_path / "a.db") as service:
+            r = AgentRunner(
+                ScriptedProvider([ModelReply(content="the answer")]),
+                default_registry(),
+                SafetyPolicy(service),
+                HistoryStore(conn),
+                workspace_root=tmp_path / "ws",
+            )
+            holder = sqlite3.connect(tmp_path / "h.db")
+            holder.execute("BEGIN EXCLUSIVE")
+            try:
+                with capture_logs() as logs:
+                    result = await r.run(BUILDER, "c", "the question", requested_by="u")
+            finally:
+                holder.rollback()
+                holder.close()
+            assert result.ok
+            assert result.text == "the answer"
+            assert failure_count("history") == before + 1
+            assert [e["conversation"] for e in logs if e["event"] == "agent.history_unrecorded"] == ["c"]
+            assert await r.history.recent("c", "builder") == []
+    finally:
+        await conn.close()

@@ -17,6 +17,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from kazma.config.models import ModelConfig
+from kazma.engine import answer_stream
 from kazma.engine.model import _BACKOFF, OpenAIProvider, ScriptedProvider
 from kazma.engine.types import Message, ModelError, ModelProvider, ModelReply, ToolCall, ToolSpec, Usage
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall, Garbage, Hang, HttpError
@@ -435,6 +436,30 @@ async def test_garbage_body_is_a_clear_error(fake: FakeOpenAI, make: Make) -> No
     assert caught.value.permanent is False
     assert "not JSON" in str(caught.value)
     assert "<html>" in str(caught.value)
+    assert len(fake.completions) == 1  # the server answered; asking again would pay twice
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_body_that_does_not_decode_is_a_model_error_not_a_crash(
+    fake: FakeOpenAI, make: Make, stream: bool
+) -> None:
+    # A proxy or server saying "Content-Encoding: gzip" over a body that is not: httpx raises DecodingError, which
+    # is none of the transport errors the client sorted, and it left the turn as an exception nobody answered.
+    fake.script(Garbage('{"choices": []}', "application/json", headers=(("Content-Encoding", "gzip"),)))
+    shown: list[str] = []
+
+    class Shown:
+        def grew(self, text: str) -> None:
+            shown.append(text)
+
+        def dropped(self) -> None:
+            shown.append("")
+
+    with pytest.raises(ModelError) as caught, answer_stream.feeding(Shown() if stream else None):
+        await make(stream=stream).complete(MESSAGES)
+
+    assert caught.value.permanent is False
+    assert "could not be decoded" in str(caught.value)
     assert len(fake.completions) == 1  # the server answered; asking again would pay twice
 
 

@@ -223,6 +223,17 @@ async def test_history_is_bounded_with_a_marker_and_sums_usage(store_engine: Eng
         assert await history.usage("web:none") == (0, 0)
 
 
+async def test_a_turns_question_and_answer_are_written_as_one_pair(store_engine: Engine) -> None:
+    async with open_store(store_engine) as conn:
+        history = HistoryStore(conn)
+        await history.append_exchange("web:c", "lead", "q\x00uestion", "answer", prompt_tokens=7, completion_tokens=3)
+        assert await history.recent("web:c", "lead") == [
+            {"role": "user", "content": "q\x00uestion"},
+            {"role": "assistant", "content": "answer"},
+        ]
+        assert await history.usage("web:c") == (7, 3)
+
+
 # -- swarm state -------------------------------------------------------------------------------------
 
 

@@ -72,6 +72,7 @@ class Hang:
 class Garbage:
     body: str = "<html><body><h1>It works!</h1></body></html>"
     content_type: str = "text/html"
+    headers: tuple[tuple[str, str], ...] = ()  # more headers, as sent ("Content-Encoding" a body is not in)
 
 
 FakeResponse = Completion | HttpError | Hang | Garbage
@@ -267,7 +268,10 @@ class FakeOpenAI:
             return await self._answer(recorded, _error(503, "the fake stopped", "server_error"))
         if isinstance(scripted, Garbage):
             return await self._answer(
-                recorded, web.Response(status=200, text=scripted.body, content_type=scripted.content_type)
+                recorded,
+                web.Response(
+                    status=200, text=scripted.body, content_type=scripted.content_type, headers=dict(scripted.headers)
+                ),
             )
         if isinstance(scripted, HttpError):
             headers = {"Retry-After": scripted.retry_after} if scripted.retry_after is not None else {}
