@@ -388,6 +388,17 @@ class WebAuth:
         )  # fmt: skip
         return session
 
+    def knows(self, identity: str) -> bool:
+        """Whether ``identity`` is somebody this Kazma knows: a person's under ``people:``, an operator on its
+        platform, or an approver under some policy there. A platform's proof of anyone else (any Telegram user
+        can open a Mini App, anyone can sign in with Slack) opens no session: it would read the whole console."""
+        platform = platform_of(identity)
+        return (
+            self.roster.person_of(identity) is not None
+            or self.roster.is_operator(identity, platform)
+            or any(self.roster.may_decide(identity, platform, approvers) for approvers in self.policies.values())
+        )
+
     def _grant(self, session: Session) -> None:
         """What a proven session may do, from the roster as it is now: steer (an operator on the identity's
         own platform, signed in at the console itself) and press Approve or Deny (an approver there)."""
