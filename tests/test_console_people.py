@@ -143,6 +143,32 @@ async def test_a_revoked_passkey_signs_nobody_in_and_its_sessions_end(tmp_path: 
             await sign_in(again, con.base, phone)  # the other passkey still works
 
 
+async def test_a_session_ends_once_its_person_is_taken_out_of_the_configuration(tmp_path: Path) -> None:
+    """Sign-in refuses a passkey whose person is no longer under people:; a session it opened before stops too
+    when Kazma next runs without them (it read every conversation for up to 12 hours more), while a person who
+    stays keeps theirs."""
+    jar = aiohttp.CookieJar(unsafe=True)
+    async with aiohttp.ClientSession(cookie_jar=jar) as alices, aiohttp.ClientSession(
+        cookie_jar=aiohttp.CookieJar(unsafe=True)
+    ) as bobs:
+        async with console(tmp_path, approvers="['web:alice', 'web:bob']") as con:
+            alice = SoftAuthenticator()
+            await enrol(alices, con.base, await con.invite("alice"), alice)
+            await enrol(bobs, con.base, await con.invite("bob"), SoftAuthenticator())
+            assert (await alices.get(f"{con.base}/", allow_redirects=False)).status == 200
+        # alice leaves the team: out of people: and the approvers; her passkey is not revoked
+        async with console(tmp_path, people="people:\n  bob: {web: bob}\n", approvers="['web:bob']") as con:
+            assert (await bobs.get(f"{con.base}/", allow_redirects=False)).status == 200
+            for path in ("/", "/conversations", "/events"):
+                answer = await alices.get(f"{con.base}{path}", allow_redirects=False)
+                assert answer.status in (302, 401), (path, answer.status)
+            assert con.server.auth is not None
+            assert await con.server.auth.store.count() == 1  # hers ended, bob's stands
+            with pytest.raises(CeremonyRefused) as refused:
+                await sign_in(alices, con.base, alice)
+            assert refused.value.status == 401
+
+
 async def test_a_passkey_without_user_verification_is_refused(tmp_path: Path) -> None:
     async with console(tmp_path) as con, con.client() as client:
         link = await con.invite("alice")
