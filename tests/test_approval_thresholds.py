@@ -71,6 +71,21 @@ def test_a_policy_that_can_never_be_met_is_a_config_error_naming_its_key(policie
     assert said in problem, problem
 
 
+def test_an_api_tokens_owner_is_one_person_never_a_group() -> None:
+    """forbid_requester refuses the token owner's Approve; a group's name is nobody's, so a group as owner forbade
+    nobody (alice, in the group, approved what her team's token asked). A configuration error now, naming the key."""
+    groups = POLICY_PEOPLE_YAML.replace(
+        '  erin: {discord: "222222222222222222"}\n',
+        '  erin: {discord: "222222222222222222"}\n  groups:\n    ops: [alice, bob]\n',
+    )
+    token = "t" * 40
+    problem = _problem(groups + f"api:\n  tokens:\n    ci: {{token: {token}, owner: ops}}\n")
+    assert "api.tokens.ci.owner" in problem, problem
+    assert "'ops' is a group" in problem, problem
+    for owner in ("alice", "'telegram:111'"):  # a person, or an identity: still fine
+        load_config_text(groups + f"api:\n  tokens:\n    ci: {{token: {token}, owner: {owner}}}\n")
+
+
 def test_a_tool_naming_an_unknown_policy_or_a_read_level_is_refused() -> None:
     assert "tools.shell.policy" in _problem("tools:\n  shell: {policy: nope}\n")
     problem = _problem(POLICY_PEOPLE_YAML.replace("shell: {policy: two}", "read_file: {level: read, policy: two}"))
