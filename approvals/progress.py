@@ -50,6 +50,12 @@ def _count(done: int, needed: int, noun: str, who: Sequence[str]) -> str:
     return f"{done} of {needed} {plural}" + (f": {', '.join(who)}" if who else "")
 
 
+def reviewed_by(config: KazmaConfig, reviews: Sequence[Review]) -> set[str]:
+    """Who has reviewed, by name (identity when nobody's): as each review was recorded, and whose its identity is
+    now (an identity linked to its person after it reviewed is that person's review)."""
+    return {r.reviewer for r in reviews} | {person_key(config.people, r.actor) for r in reviews}
+
+
 def progress_of(config: KazmaConfig, request: ApprovalRequest, reviews: Sequence[Review]) -> Progress | None:
     """``request``'s progress (None when one press decides it: its card says nothing new)."""
     if request.approve_needed == 1 and request.deny_needed == 1:
@@ -59,7 +65,7 @@ def progress_of(config: KazmaConfig, request: ApprovalRequest, reviews: Sequence
     denials = tuple(f"{r.reviewer} on {door_title(r.platform)}" for r in reviews if r.decision is Decision.DENY)
     waiting: list[str] = []
     if policy is not None and request.status.value == "pending":
-        reviewed = {r.reviewer for r in reviews}
+        reviewed = reviewed_by(config, reviews)
         asker = None
         if policy.forbid_requester and request.started_by is not None:
             started = request.started_by

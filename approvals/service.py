@@ -913,7 +913,7 @@ class ApprovalService:
                 await failpoints.reached("approvals.decide.before_commit", self._decide_failure)
             pressed = await self.store.press(
                 request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person,
-                admit=admit, first_use=first_use.pop() if first_use else None,
+                admit=admit, first_use=first_use.pop() if first_use else None, person_of=self._person_now,
             )  # fmt: skip
             if pressed.replayed:
                 return PressResult(PressVerdict.REPLAYED, "", request_id=request_id)
@@ -925,7 +925,7 @@ class ApprovalService:
                 await asyncio.sleep(pause)
                 pressed = await self.store.press(
                     request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check,
-                    person=person, admit=admit,
+                    person=person, admit=admit, person_of=self._person_now,
                 )  # fmt: skip
                 if pressed.problem != CardProblem.NOT_RECORDED:
                     break
@@ -958,7 +958,7 @@ class ApprovalService:
             # again against it, and loses (nothing pending is ever decided from a card found this way).
             pressed = await self.store.press(
                 request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person,
-                admit=admit,
+                admit=admit, person_of=self._person_now,
             )  # fmt: skip
         if pressed.problem is not None:
             refusal = await self._card_refusal(request_id, pressed.problem, card)
@@ -968,7 +968,7 @@ class ApprovalService:
                 return PressResult(PressVerdict.REFUSED, message, request_id=request_id)
             pressed = await self.store.press(
                 request_id, decision.status, actor=actor, platform=platform, reason=reason, card=None, person=person,
-                admit=admit,
+                admit=admit, person_of=self._person_now,
             )  # fmt: skip
         won, request = pressed.won, pressed.request
         if request is None:
@@ -1069,6 +1069,10 @@ class ApprovalService:
         if rules is not None and policy is not None and decision is Decision.APPROVE:
             return self._approve_barred(request_id, rules, policy, actor, stepped_up=stepped_up)
         return None
+
+    def _person_now(self, actor: str) -> str | None:
+        """Whose ``actor`` is under the configuration running now (a review's store weighs earlier reviews by it)."""
+        return self.config.roster.person_of(actor)
 
     def _same_person(self, started_by: str, actor: str) -> bool:
         """Whether ``actor`` is the one who started the work (``started_by``: a person's name or an identity)."""

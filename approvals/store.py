@@ -90,6 +90,8 @@ _REVIEW = (
     " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
 )
 _REVIEW_COLUMNS = "request_id, reviewer, actor, platform, decision, reason, at"
+# A request's reviews, as a press under a policy of several people weighs them (after _REVIEW_LOCK).
+_REVIEWS_OF = "SELECT reviewer, actor, decision FROM approval_reviews WHERE request_id = ?"
 _RETURNING = f" RETURNING {_COLUMNS}"
 # The checkpoint that signs a request's decision: the first one at or after the event the compare-and-set wrote.
 _DECISION_SEQ = (
@@ -364,6 +366,9 @@ class ReviewState:
 
 # A write a press carries into its own transaction (SQLite): True when it may go on (a signed request's first use).
 FirstUse = Callable[[Tx], bool]
+# Whose an identity is under the configuration a press runs with (people:), or None: a review made before an
+# identity was linked to its person is then still that person's.
+PersonOf = Callable[[str], "str | None"]
 
 
 class Decided:
@@ -398,7 +403,9 @@ class _Press:
     arguments made each of them a cell: about a dozen objects per press for the garbage collector to count, and
     with many presses waiting for one group commit, to trace (bench/store_decide.py, 60 in flight)."""
 
-    __slots__ = ("actor", "admit", "card", "person", "platform", "reason", "request_id", "status", "store")
+    __slots__ = (
+        "actor", "admit", "card", "person", "person_of", "platform", "reason", "request_id", "status", "store",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -411,9 +418,10 @@ class _Press:
         card: CardCheck | None,
         person: str | None,
         admit: Admission | None,
+        person_of: PersonOf | None = None,
     ) -> None:
         self.store, self.request_id, self.status, self.actor, self.platform = store, request_id, status, actor, platform
-        self.reason, self.card, self.person, self.admit = reason, card, person, admit
+        self.reason, self.card, self.person, self.admit, self.person_of = reason, card, person, admit, person_of
 
     def __call__(self, tx: Tx) -> Pressed:
         return self.store._press_alone(tx, self)
@@ -694,6 +702,7 @@ class ApprovalStore:
         person: str | None = None,
         admit: Admission | None = None,
         first_use: FirstUse | None = None,
+        person_of: PersonOf | None = None,
     ) -> Pressed:
         """A person's decision: its admission and the card it came from checked, the compare-and-set and its audit
         row, as one write.
@@ -701,10 +710,13 @@ class ApprovalStore:
         A press that loses is audited ``press_lost`` in the same group commit; one refused by ``admit`` or with a
         card problem writes nothing (the caller decides what to audit, and whether to look again). ``first_use``
         (SQLite): a write of the same transaction run first, the record of the signed request that carried the
-        press; when it says False, nothing else is written (``replayed``).
+        press; when it says False, nothing else is written (``replayed``). ``person_of``: whose an identity is under
+        the configuration running now, so that under a policy of several people a review an identity made before it
+        was linked to its person is that person's too (one person counts once, whenever their doors were linked).
         """
         op = self.press_op(
             request_id, status, actor=actor, platform=platform, reason=reason, card=card, person=person, admit=admit,
+            person_of=person_of,
         )  # fmt: skip
         if first_use is None:
             return await self._write(op)
@@ -723,6 +735,7 @@ class ApprovalStore:
         card: CardCheck | None,
         person: str | None = None,
         admit: Admission | None = None,
+        person_of: PersonOf | None = None,
     ) -> Callable[[Tx], Pressed]:
         """The statements of :meth:`press`, as the writer runs them inside its transaction.
 
@@ -731,7 +744,7 @@ class ApprovalStore:
         is lost there, without a seal or another read. Public so ``bench/store_decide.py`` can run exactly these
         statements with no service, writer or event loop around them: the most any code around them could reach.
         """
-        part = _Press(self, request_id, status, actor, platform, reason, card, person, admit)
+        part = _Press(self, request_id, status, actor, platform, reason, card, person, admit, person_of)
         if self._one_statement:
             return self._one_statement_op(part)
         # SQLite: the presses of this request in the same group run together (_press_together).
@@ -793,21 +806,22 @@ class ApprovalStore:
         if reviewed:
             if tx.run(_REVIEW_LOCK, (request_id, now)) == 0:
                 return self._lost(tx, request_id, actor, platform, now, person)
-            if tx.run(_REVIEW, (request_id, reviewer, actor, platform, decision.value, reason, now)) == 0:
+            earlier = tx.all(_REVIEWS_OF, (request_id,))
+            of = press.person_of
+            repeated = any(_same_reviewer(row, reviewer, actor, person, of) for row in earlier)
+            if repeated or tx.run(_REVIEW, (request_id, reviewer, actor, platform, decision.value, reason, now)) == 0:
                 standing = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
                 request = _standing(standing)
                 self.chain.append(tx, request_id, "review_repeated", actor=actor, platform=platform, at=now,
                                   args_hash=request.args_hash, detail=f"{reviewer} reviewed it already",
                                   person=person)  # fmt: skip
                 return Pressed(None, False, request, ReviewState.REPEATED)
-            counted = tx.one(
-                "SELECT COUNT(*) FROM approval_reviews WHERE request_id = ? AND decision = ?",
-                (request_id, decision.value),
-            )
-            if int(counted[0]) < needed:
+            # People, not rows: two reviews by identities linked to one person since they were made count once.
+            counted = {_reviewer_now(row, of) for row in earlier if row[2] == decision.value} | {reviewer}
+            if len(counted) < needed:
                 standing = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
                 request = _standing(standing)
-                detail = f"{decision.value} {int(counted[0])} of {needed}" + (f": {reason}" if reason else "")
+                detail = f"{decision.value} {len(counted)} of {needed}" + (f": {reason}" if reason else "")
                 self.chain.append(tx, request_id, "reviewed", actor=actor, platform=platform, at=now,
                                   args_hash=request.args_hash, detail=detail, person=person)  # fmt: skip
                 tx.notify(DECIDED_CHANNEL, request_id)
@@ -1621,6 +1635,24 @@ def _card_problem(cards: list[tuple[Any, ...]], check: CardCheck, presser: str) 
     if check.needs_whole and not all(r[2] for r in here):
         return CardProblem.CUT
     return None
+
+
+def _reviewer_now(row: Sequence[Any], person_of: PersonOf | None) -> str:
+    """Who made the review ``row`` (reviewer, actor, decision) by the configuration running now: the person its
+    identity belongs to, else who it was recorded as."""
+    found = None if person_of is None else person_of(str(row[1]))
+    return found if found is not None else str(row[0])
+
+
+def _same_reviewer(
+    row: Sequence[Any], reviewer: str, actor: str, person: str | None, person_of: PersonOf | None
+) -> bool:
+    """Whether the review ``row`` (reviewer, actor, decision) is by whoever presses now (``reviewer``: their person,
+    or their identity when nobody's): recorded as them or made by this identity, or by an identity that is their
+    person's now (linked to them after it reviewed)."""
+    if row[0] == reviewer or row[1] == actor:
+        return True
+    return person is not None and person_of is not None and person_of(str(row[1])) == person
 
 
 def _gone(owner: str | None, live: Collection[str] | None) -> bool:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from kazma.approvals.honesty import reveal_line
 from kazma.approvals.model import ApprovalRequest
-from kazma.approvals.progress import progress_of
+from kazma.approvals.progress import progress_of, reviewed_by
 from kazma.config.models import DEFAULT_POLICY
 from kazma.config.people import person_key
 
@@ -90,7 +90,7 @@ class WaitingForYou:
                 if (started if ":" not in started else person_key(config.people, started)) == who:
                     continue
             reviews = await store.reviews(request.id)
-            if any(r.reviewer == who for r in reviews):
+            if who in reviewed_by(config, reviews):
                 continue
             progress = progress_of(config, request, reviews)
             found.append(Waiting(request, self.service.link(request.id), "" if progress is None else progress.line()))

@@ -1137,6 +1137,16 @@ class KazmaConfig(Strict):
                         "known": ", ".join([*self.people.persons, *self.people.groups]) or "none configured",
                     },
                 )
+        for name, token in self.api.tokens.items():
+            if token.owner is not None and token.owner in self.people.groups:
+                # forbid_requester compares the person pressing with the owner: a group's name is no person's,
+                # so it would forbid nobody, its members' own Approve included
+                raise PydanticCustomError(
+                    "kazma_people",
+                    "{name} is a group: a token's owner is one person (or an identity), whom forbid_requester "
+                    "refuses; give each person their own token",
+                    {"subpath": f"api.tokens.{name}.owner", "name": repr(token.owner)},
+                )
         return self
 
     @model_validator(mode="after")

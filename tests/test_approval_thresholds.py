@@ -27,10 +27,12 @@ from kazma.approvals import (
 from kazma.approvals.rules import MIGRATIONS as RULES
 from kazma.approvals.rules import RuleStore
 from kazma.approvals.service import CardLocation
+from kazma.approvals.waiting import WaitingForYou
 from kazma.config import ConfigError, load_config_text
 from kazma.config.store.database import open_database
 from tests.approvals_support import TEST_KEYRING, ManualClock, RecordingPublisher, approval_service
 from tests.policy_support import ALICE_ON_SLACK, POLICY_PEOPLE_YAML, policy_config
+from tests.store_backends import Engine
 
 
 def _problem(text: str) -> str:
@@ -67,6 +69,21 @@ def test_a_policy_that_can_never_be_met_is_a_config_error_naming_its_key(policie
     problem = _problem(text)
     assert key in problem, problem
     assert said in problem, problem
+
+
+def test_an_api_tokens_owner_is_one_person_never_a_group() -> None:
+    """forbid_requester refuses the token owner's Approve; a group's name is nobody's, so a group as owner forbade
+    nobody (alice, in the group, approved what her team's token asked). A configuration error now, naming the key."""
+    groups = POLICY_PEOPLE_YAML.replace(
+        '  erin: {discord: "222222222222222222"}\n',
+        '  erin: {discord: "222222222222222222"}\n  groups:\n    ops: [alice, bob]\n',
+    )
+    token = "t" * 40
+    problem = _problem(groups + f"api:\n  tokens:\n    ci: {{token: {token}, owner: ops}}\n")
+    assert "api.tokens.ci.owner" in problem, problem
+    assert "'ops' is a group" in problem, problem
+    for owner in ("alice", "'telegram:111'"):  # a person, or an identity: still fine
+        load_config_text(groups + f"api:\n  tokens:\n    ci: {{token: {token}, owner: {owner}}}\n")
 
 
 def test_a_tool_naming_an_unknown_policy_or_a_read_level_is_refused() -> None:
@@ -110,6 +127,40 @@ async def test_two_people_decide_and_the_same_person_on_two_platforms_counts_onc
         assert "review_repeated" in events
         assert "press_lost" in events
         await service.verify_execution(request.id, "shell", {"command": "rm -rf build"})  # two people: runs
+
+
+# An identity that decided while nobody's (a raw approver), linked to alice afterwards: one more door of hers.
+_UNLINKED = POLICY_PEOPLE_YAML.replace(
+    "approvers: [alice, bob, carol, dave, erin]", "approvers: [alice, bob, carol, dave, erin, 'telegram:999']"
+)
+_LINKED = _UNLINKED.replace("alice: {telegram: 111,", "alice: {telegram: [111, 999],")
+
+
+async def test_an_identity_linked_to_its_person_after_it_reviewed_counts_for_that_person_once(
+    store_engine: Engine,
+) -> None:
+    """A request waits across a restart (an API call's does); meanwhile people: links telegram:999 to alice. Her
+    press on another door is her second review, not a second person's: the call still waits for someone else."""
+    unlinked, linked = load_config_text(_UNLINKED).config, load_config_text(_LINKED).config
+    async with approval_service(store_engine.where, config=unlinked, publisher=RecordingPublisher()) as service:
+        request = await service.open("shell", {"command": "rm -rf /srv"}, "agent:b", "telegram:-100", durable=True)
+        first = await service.decide(request.id, Decision.APPROVE, actor="telegram:999", platform="telegram")
+        assert first.verdict is PressVerdict.COUNTED
+    async with approval_service(store_engine.where, config=linked, publisher=RecordingPublisher()) as service:
+        progress = await service.progress(request.id)
+        assert progress is not None
+        assert "alice" not in progress.waiting_for  # her review is in, made on the door linked to her since
+        for actor, platform in (("telegram:111", "telegram"), ALICE_ON_SLACK):
+            again = await service.decide(request.id, Decision.APPROVE, actor=actor, platform=platform)
+            assert again.verdict is PressVerdict.REPEATED, (actor, again.message)
+        assert (await service.store.get(request.id)).status is Status.PENDING  # type: ignore[union-attr]
+        waiting = await WaitingForYou(service).for_actor("slack:U0ALICE01")
+        assert [w.request.id for w in waiting.items] == []  # nothing waits for her: she reviewed it
+        assert [w.request.id for w in (await WaitingForYou(service).for_actor("telegram:333")).items] == [request.id]
+        second = await service.decide(request.id, Decision.APPROVE, actor="telegram:333", platform="telegram")
+        assert second.verdict is PressVerdict.WON  # bob: the second person
+        reviews = await service.store.reviews(request.id)
+        assert [(r.reviewer, r.actor) for r in reviews] == [("telegram:999", "telegram:999"), ("bob", "telegram:333")]
 
 
 async def test_a_denial_reaching_its_threshold_wins_over_later_approvals(tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ WebAuthn data, verified by the console with py_webauthn as a browser's would be 
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import re
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from kazma.approvals.model import Decision, PressVerdict, Status
 from kazma.approvals.rules import RuleStore
 from kazma.bot.console.auth import SESSION_COOKIE
 from kazma.bot.console.signin import CEREMONY_COOKIE
-from tests.passkey_support import CeremonyRefused, SoftAuthenticator, b64url, csrf_of, enrol, sign_in
+from tests.passkey_support import CeremonyRefused, SoftAuthenticator, _post, b64url, csrf_of, enrol, sign_in
 from tests.test_web_server import OPERATOR, READER, Console, console
 
 
@@ -141,6 +143,61 @@ async def test_a_revoked_passkey_signs_nobody_in_and_its_sessions_end(tmp_path: 
             assert "this passkey was revoked" in refused.value.message
             assert SESSION_COOKIE not in {c.key for c in again.cookie_jar}
             await sign_in(again, con.base, phone)  # the other passkey still works
+
+
+async def test_a_session_ends_once_its_person_is_taken_out_of_the_configuration(tmp_path: Path) -> None:
+    """Sign-in refuses a passkey whose person is no longer under people:; a session it opened before stops too
+    when Kazma next runs without them (it read every conversation for up to 12 hours more), while a person who
+    stays keeps theirs."""
+    jar = aiohttp.CookieJar(unsafe=True)
+    async with (
+        aiohttp.ClientSession(cookie_jar=jar) as alices,
+        aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as bobs,
+    ):
+        async with console(tmp_path, approvers="['web:alice', 'web:bob']") as con:
+            alice = SoftAuthenticator()
+            await enrol(alices, con.base, await con.invite("alice"), alice)
+            await enrol(bobs, con.base, await con.invite("bob"), SoftAuthenticator())
+            assert (await alices.get(f"{con.base}/", allow_redirects=False)).status == 200
+        # alice leaves the team: out of people: and the approvers; her passkey is not revoked
+        async with console(tmp_path, people="people:\n  bob: {web: bob}\n", approvers="['web:bob']") as con:
+            assert (await bobs.get(f"{con.base}/", allow_redirects=False)).status == 200
+            for path in ("/", "/conversations", "/events"):
+                answer = await alices.get(f"{con.base}{path}", allow_redirects=False)
+                assert answer.status in (302, 401), (path, answer.status)
+            assert con.server.auth is not None
+            assert await con.server.auth.store.count() == 1  # hers ended, bob's stands
+            with pytest.raises(CeremonyRefused) as refused:
+                await sign_in(alices, con.base, alice)
+            assert refused.value.status == 401
+
+
+async def test_a_cloned_passkey_answering_beside_the_real_one_signs_in_once(tmp_path: Path) -> None:
+    """The signature counter is what tells a copied authenticator: two assertions with the same counter, sent at
+    once, both passed the library's check against the counter read before it; only one signs in now, and a
+    counter behind the one kept never moves it back (a later replay of an old counter would pass again)."""
+    async with console(tmp_path) as con, con.client() as first, con.client() as second, con.client() as third:
+        alice = SoftAuthenticator()
+        await enrol(first, con.base, await con.invite("alice"), alice)
+        clone = SoftAuthenticator(credentials=[dataclasses.replace(alice.credentials[0])])
+        options = [await _post(c, f"{con.base}/login/passkey/options") for c in (second, third)]
+        answers = [alice.get(options[0]["publicKey"], con.base), clone.get(options[1]["publicKey"], con.base)]
+        results = await asyncio.gather(
+            *(_post(c, f"{con.base}/login/passkey", a) for c, a in zip((second, third), answers, strict=True)),
+            return_exceptions=True,
+        )
+        refused = [r for r in results if isinstance(r, CeremonyRefused)]
+        assert len(refused) == 1, results
+        assert refused[0].status == 401
+        assert "did not move on past 1" in refused[0].message
+        assert con.server.signin is not None
+        accounts = con.server.signin.accounts
+        credential = b64url(alice.credentials[0].id)
+        assert await accounts.used(credential, 7) is None
+        assert "did not move on past 7" in (await accounts.used(credential, 5) or "")
+        kept = await accounts.passkey(credential)
+        assert kept is not None
+        assert kept.sign_count == 7
 
 
 async def test_a_passkey_without_user_verification_is_refused(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from tests.fakes.telegram import FakeTelegram
 
 PUBLIC = "https://kazma.example.org"
 ALICE, MALLORY = 111, 666
+STRANGER = 999  # a Telegram user nobody named
 GROUP = -1001234567890
 
 
@@ -209,6 +210,26 @@ async def test_a_person_telegram_names_who_is_no_approver_reads_but_cannot_decid
         row = await k.app.service.store.get(request.id)
         assert row is not None
         assert row.status is Status.PENDING
+
+
+async def test_a_telegram_user_nobody_named_opens_no_session_and_reads_nothing(tmp_path: Path) -> None:
+    """Telegram vouches for every one of its users, and anyone can open a bot's Mini App: a stranger (under no
+    person, no approver, no admin) is refused like at Sign in with Slack, and never reads the call's arguments."""
+    async with kazma_with_telegram(tmp_path, home=ALICE) as k, browser(k.base) as http:
+        request = await k.app.service.open(
+            "shell", {"command": "curl -H 'Authorization: secret-4711' x"}, "agent:builder", "web:console"
+        )
+        before = refused_count()
+        answer = await open_in_telegram(http, k.base, request.id, k.telegram.mini_app_init_data(STRANGER))
+        assert answer.status == 403
+        assert f"telegram:{STRANGER}, who is nobody this Kazma knows" in (await answer.json())["error"]
+        assert refused_count() == before + 1
+        assert SESSION_COOKIE not in {c.key for c in http.cookie_jar.filter_cookies(URL(k.base)).values()}
+        page = await http.get(f"{k.base}/swarm?approval={request.id}", allow_redirects=False)
+        assert (page.status, URL(page.headers["Location"]).path) == (302, "/login")
+        assert "secret-4711" not in await page.text()
+        for path in ("/conversations", "/"):
+            assert (await http.get(f"{k.base}{path}", allow_redirects=False)).status == 302, path
 
 
 def test_verify_init_data_checks_the_signature_the_age_and_the_bot() -> None:

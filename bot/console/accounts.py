@@ -140,6 +140,9 @@ FIRST_ACCOUNT_TAKEN = (
 )
 
 
+REVOKED_MEANWHILE: Final = "this passkey was revoked"  # what used() says of a passkey revoked meanwhile
+
+
 class EnrolRefused(Exception):
     """The invite cannot enrol a passkey (used, expired, unknown) or the passkey is enrolled already."""
 
@@ -278,14 +281,34 @@ class AccountStore:
         revoked, the usual step after a compromise: they would enrol their own as that person.)"""
         return await self.tables.one("SELECT 1 FROM people_passkeys LIMIT 1") is not None
 
-    async def used(self, credential_id: str, sign_count: int) -> bool:
-        """A sign-in with this passkey: its signature counter moves on; False when it was revoked meanwhile."""
-        changed = await self.tables.run(
-            "UPDATE people_passkeys SET sign_count = ?, last_used_at = ? WHERE credential_id = ?"
-            " AND revoked_at IS NULL",
-            (sign_count, self.clock(), credential_id),
-        )
-        return changed == 1
+    async def used(self, credential_id: str, sign_count: int) -> str | None:
+        """Record an assertion by this passkey, whose signature counter is now ``sign_count``: None when recorded,
+        else why it is refused — revoked meanwhile, or its counter did not move on past the one kept *now*.
+
+        A compare-and-set: the library checked the counter against the one read before it verified, and two
+        assertions verified at once (a cloned authenticator answering beside the real one) both passed that
+        check; only one of them moves the counter here, and it never moves back. An authenticator that keeps
+        no counter (always 0) is let through, as WebAuthn says."""
+        now = self.clock()
+
+        def op(tx: Tx) -> str | None:
+            changed = tx.run(
+                "UPDATE people_passkeys SET sign_count = ?, last_used_at = ? WHERE credential_id = ?"
+                " AND revoked_at IS NULL AND (sign_count < ? OR (sign_count = 0 AND ? = 0))",
+                (sign_count, now, credential_id, sign_count, sign_count),
+            )
+            if changed == 1:
+                return None
+            row = tx.one("SELECT revoked_at, sign_count FROM people_passkeys WHERE credential_id = ?", (credential_id,))
+            if row is None or row[0] is not None:
+                return REVOKED_MEANWHILE
+            return (
+                f"its signature counter ({sign_count}) did not move on past {int(row[1])}: an answer used already, "
+                "or a copy of this passkey"
+            )
+
+        writer = await self.tables.writer()
+        return await writer.submit(op)
 
     async def revoke(self, *, person: str, credential_id: str | None, by: str) -> list[str]:
         """Revoke one passkey of ``person`` (a credential id or its first characters), or all of theirs; every

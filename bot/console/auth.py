@@ -388,6 +388,17 @@ class WebAuth:
         )  # fmt: skip
         return session
 
+    def knows(self, identity: str) -> bool:
+        """Whether ``identity`` is somebody this Kazma knows: a person's under ``people:``, an operator on its
+        platform, or an approver under some policy there. A platform's proof of anyone else (any Telegram user
+        can open a Mini App, anyone can sign in with Slack) opens no session: it would read the whole console."""
+        platform = platform_of(identity)
+        return (
+            self.roster.person_of(identity) is not None
+            or self.roster.is_operator(identity, platform)
+            or any(self.roster.may_decide(identity, platform, approvers) for approvers in self.policies.values())
+        )
+
     def _grant(self, session: Session) -> None:
         """What a proven session may do, from the roster as it is now: steer (an operator on the identity's
         own platform, signed in at the console itself) and press Approve or Deny (an approver there)."""
@@ -444,6 +455,11 @@ class WebAuth:
             await self.store.end(key)
             log.info("web.session_ended", login=stored.login, reason="token rotated")
             return None
+        gone = self._no_longer_known(proof, stored)
+        if gone is not None:
+            await self.store.end(key)
+            log.info("web.session_ended", login=stored.login, reason=gone)
+            return None
         if self.store.clock() - stored.last_seen >= SEEN_EVERY:
             await self.store.seen(key)
         session = Session(
@@ -477,7 +493,22 @@ class WebAuth:
             role = Role(stored.role)
         except ValueError:
             return False
-        return self._bound(session.id, session.proof, role, stored)
+        return (
+            self._bound(session.id, session.proof, role, stored)
+            and self._no_longer_known(session.proof, stored) is None
+        )
+
+    def _no_longer_known(self, proof: Proof, stored: StoredSession) -> str | None:
+        """Why a person's session no longer stands under the configuration running now, or None: its identity
+        is nobody Kazma knows any longer (taken out of people: and the approvers), or the person a passkey
+        proved no longer holds that web identity. Sign-in refuses both; a session opened before stops too."""
+        if not proof.proves_a_person or stored.identity is None:
+            return None
+        if not self.knows(stored.identity):
+            return "nobody this Kazma knows any longer"
+        if proof is Proof.PASSKEY and self.roster.person_of(stored.identity) != stored.person:
+            return "the passkey's person no longer holds this identity"
+        return None
 
     def _bound(self, sid: str, proof: Proof, role: Role, stored: StoredSession) -> bool:
         """Whether the stored session is still bound to what made it: the person's proof, or the shared token

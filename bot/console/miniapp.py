@@ -154,6 +154,17 @@ class TelegramApp:
             raise _json_error(
                 web.HTTPForbidden, f"Telegram did not vouch for this ({exc}): open the page again from the card."
             ) from None
+        if not self.auth.knows(visitor.identity):
+            # Telegram vouches for every one of its users, and anyone can open a bot's Mini App: only somebody
+            # Kazma knows is let in (as Sign in with Slack and Discord do), never a stranger reading the console.
+            LOGINS.labels(outcome="telegram_refused").inc()
+            log.warning("web.telegram_app_refused", reason="nobody this Kazma knows", identity=visitor.identity,
+                        remote=self.auth.clients.of(request).address)  # fmt: skip
+            raise _json_error(
+                web.HTTPForbidden,
+                f"Telegram says you are {visitor.identity}, who is nobody this Kazma knows (under people:, or an "
+                "approver): ask an operator to add you.",
+            )
         await self.auth.end_previous(request)
         session = await self.auth.open_person_session(Proof.TELEGRAM, visitor.identity, lifetime=SESSION_SECONDS)
         LOGINS.labels(outcome="telegram").inc()

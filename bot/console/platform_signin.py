@@ -38,7 +38,6 @@ from kazma.bot.console.login_throttle import LOGINS
 from kazma.bot.console.pages import layout, message_page
 from kazma.bot.console.passkeys import RelyingParty
 from kazma.config.address import Actor
-from kazma.config.identity import platform_of
 from kazma.config.models import KazmaConfig
 
 log = structlog.get_logger("kazma.web.platform_signin")
@@ -182,7 +181,7 @@ class PlatformSignIn:
             raise self._off(provider)
         try:
             identity = await self._prove(request, provider)
-            if not self._known(identity):
+            if not self.auth.knows(identity):
                 raise SignInRefused(f"{identity} is nobody this Kazma knows (under people:, or an approver there)")
         except SignInRefused as exc:
             LOGINS.labels(outcome=f"{provider.name}_refused").inc()
@@ -209,15 +208,6 @@ class PlatformSignIn:
         response.del_cookie(STATE_COOKIE, path="/login/")
         response.del_cookie(NEXT_COOKIE, path="/login/")
         return response
-
-    def _known(self, identity: str) -> bool:
-        roster = self.config.roster
-        platform = platform_of(identity)
-        return (
-            roster.person_of(identity) is not None
-            or roster.is_approver(identity, platform)
-            or roster.is_operator(identity, platform)
-        )
 
     async def _prove(self, request: web.Request, provider: Provider) -> str:
         challenge = await self.accounts.take_challenge(request.cookies.get(STATE_COOKIE, ""), Purpose.PLATFORM)

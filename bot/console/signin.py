@@ -22,6 +22,7 @@ from aiohttp import web
 from kazma.bot.console.accounts import (
     CHALLENGE_SECONDS,
     FIRST_ACCOUNT,
+    REVOKED_MEANWHILE,
     AccountStore,
     EnrolRefused,
     InviteState,
@@ -225,8 +226,11 @@ class SignIn:
             count = verify_assertion(
                 self.rp, answer, challenge=challenge.challenge, origins=self._origins(request), passkey=passkey
             )
-            if not await self.accounts.used(passkey.credential_id, count):
+            refused = await self.accounts.used(passkey.credential_id, count)
+            if refused == REVOKED_MEANWHILE:
                 raise PasskeyRefused("this passkey was revoked: sign in with another of yours")
+            if refused is not None:
+                raise PasskeyRefused(refused)
         except PasskeyRefused as exc:
             LOGINS.labels(outcome="passkey_refused").inc()
             log.warning("web.passkey_refused", reason=str(exc), remote=self.auth.clients.of(request).address)

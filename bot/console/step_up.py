@@ -115,8 +115,9 @@ class StepUp:
                 self.rp, answer, challenge=challenge.challenge, origins=self.rp.origins(str(request.url.origin())),
                 passkey=passkey,
             )  # fmt: skip
-            if not await self.accounts.used(passkey.credential_id, count):
-                raise PasskeyRefused("this passkey was revoked")
+            refused = await self.accounts.used(passkey.credential_id, count)
+            if refused is not None:
+                raise PasskeyRefused(refused)
         except PasskeyRefused as exc:
             count_failure("step_up_refused")
             log.warning("web.step_up_refused", request_id=request_id, person=person, reason=str(exc))
