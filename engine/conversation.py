@@ -84,6 +84,15 @@ class _Dispatch:
     started_by: str | None = None  # who asked for the plan (its steps' calls are theirs: forbid_requester)
 
 
+def turn_failed_text(exc: BaseException) -> str:
+    """What a person is told of a turn that failed inside Kazma (not the model's or a tool's failure: those are
+    the turn's own result)."""
+    return (
+        f"Kazma failed while working on this ({type(exc).__name__}: {str(exc)[:200]}); nothing more will come of "
+        "it. It is logged; please try again."
+    )
+
+
 @dataclass
 class Conversations:
     sink: MessageSink
@@ -171,6 +180,13 @@ class Conversations:
         except Exception as exc:
             count_failure("inbound")
             log.exception("inbound.failed", platform=message.platform, chat=message.chat, error=str(exc))
+            if message.from_bot:
+                return
+            # The person is told (they waited for an answer that will not come), never left to silence.
+            try:
+                await self._say(message.where, turn_failed_text(exc))
+            except Exception as told:
+                log.warning("inbound.failure_untold", platform=message.platform, chat=message.chat, error=str(told))
 
     async def _route(self, message: Inbound) -> None:
         conversation = message.where.conversation
@@ -268,11 +284,18 @@ class Conversations:
 
     async def _run_step(self, worker: AgentSpec, conversation: str, message: Inbound, dispatch: _Dispatch) -> None:
         step = StepRef(dispatch.plan_id, dispatch.index, dispatch.attempt)
-        async with self.working(message.where):
-            result = await self.runner.run(
-                worker, conversation, message.text, requested_by=message.author, step=step,
-                started_by=dispatch.started_by,
-            )  # fmt: skip
+        try:
+            async with self.working(message.where):
+                result = await self.runner.run(
+                    worker, conversation, message.text, requested_by=message.author, step=step,
+                    started_by=dispatch.started_by,
+                )  # fmt: skip
+        except Exception as exc:
+            # The step ends failed (not transient: its tools may have run), so its plan goes on to the lead's
+            # decision instead of holding the step in progress until a restart.
+            count_failure("step_turn")
+            log.exception("plan.step_turn_failed", plan=dispatch.plan_id, step=dispatch.index, error=str(exc))
+            result = TurnResult(text="", error=turn_failed_text(exc))
         await self._post_result(message, worker, result)
         if self.executor is None:
             return

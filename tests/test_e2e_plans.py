@@ -320,3 +320,43 @@ async def test_a_question_the_platform_did_not_take_is_posted_again_while_it_is_
         question = next(m for m in fake.bot_messages(CHAT) if "Which region?" in m.text)
         fake.push_message(CHAT, ALICE, "eu", reply_to=question.message_id)
         await said(fake, "[builder] Deployed to eu.")
+
+
+async def test_a_step_whose_turn_fails_inside_kazma_ends_failed_and_the_lead_decides(tmp_path: Path) -> None:
+    # Something other than the model's or a tool's failure (here the model provider itself breaking: a bug, not a
+    # ModelError) escaped the step's turn: nothing was posted, the step stayed in progress until a restart, and the
+    # plan waited for it for good.
+    plan = {
+        "goal": "ship",
+        "steps": [{"index": 1, "title": "build", "assignee": "builder", "input": "Build it."}],
+    }
+
+    def broken(messages: Sequence[Message]) -> ModelReply:
+        raise RuntimeError("the provider broke")
+
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [
+            call("write_plan", plan),
+            ModelReply(content="Planned."),
+            call("abort_plan", {"reason": "the builder broke"}),  # asked about step 1
+            ModelReply(content="Stopped: the builder broke."),
+        ],
+        "builder": [broken],
+    }
+    async with kazma(tmp_path, scripts) as (app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma ship it", username="alice")
+        await said(fake, "[builder] I could not finish: Kazma failed while working on this (RuntimeError: the provider")
+        await said(fake, "Stopped: the builder broke.")
+        loaded = await last_plan(app)
+        assert loaded.steps[1].status is StepStatus.FAILED
+
+
+async def test_a_lead_turn_that_fails_inside_kazma_tells_the_person(tmp_path: Path) -> None:
+    def broken(messages: Sequence[Message]) -> ModelReply:
+        raise RuntimeError("the provider broke")
+
+    async with kazma(tmp_path, {"kazma": [broken, ModelReply(content="Here now.")]}) as (_app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma hello", username="alice")
+        await said(fake, "Kazma failed while working on this (RuntimeError: the provider broke)")
+        fake.push_message(CHAT, ALICE, "@kazma hello again", username="alice")
+        await said(fake, "Here now.")
