@@ -545,6 +545,31 @@ async def test_429_without_end_gives_up_retryable(fake: FakeTelegram, make_adapt
     assert failure_count("send", "telegram") == before + 1
 
 
+async def test_a_reason_prompt_is_paced_once_like_every_send(fake: FakeTelegram, make_adapter: Factory) -> None:
+    """The "Deny with reason" prompt went through the kit's pacing and then PTB's rate-limit hook again: it took
+    two of the group's twenty sends a minute (and waited two gaps), and a 429 was tried max_attempts squared
+    times. It is paced by the hook alone, as every send is."""
+    time = FakeTime(fake)
+    bot, _ = await make_adapter(limiter=time.limiter(), max_attempts=2)
+    card = make_card({"cmd": "ls"})
+    ref = await bot.post_card(card)
+    slept = len(time.sleeps)
+    fake.push_callback(GROUP, int(ref.message_id), ADMIN, f"kz1:{card.request_id}:n")
+    await fake.wait_until(lambda: len(fake.calls_to("sendMessage")) == 2)
+    await bot.quiesce()
+    assert [seconds for seconds, _ in time.sleeps[slept:]] == [1.0]  # one gap after the card, not two
+    prompt = fake.bot_messages(GROUP)[-1]
+    assert "reply to this message with your reason" in prompt.text
+    assert bot.reasons.is_open(str(GROUP), str(prompt.message_id))
+
+    fake.script("sendMessage", *[Fault.too_many_requests(1)] * 4)
+    sends = len(fake.calls_to("sendMessage"))
+    fake.push_callback(GROUP, int(ref.message_id), ADMIN, f"kz1:{card.request_id}:n")
+    await fake.wait_until(lambda: len(fake.calls_to("answerCallbackQuery")) == 2)
+    await bot.quiesce()
+    assert [c.status for c in fake.calls_to("sendMessage")[sends:]] == [429, 429]  # max_attempts, then given up
+
+
 async def test_bad_request_is_not_retryable(fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]) -> None:
     bot, _ = adapter
     fake.script("sendMessage", Fault.server_error(400, "Bad Request: chat not found"))

@@ -110,11 +110,12 @@ class _ChatReply:
 
     async def notify(self, text: str) -> None:
         app = self.adapter._bot_app("press_reply")
-        await self.adapter.call(
+        # Paced, and a 429 waited out, by PTB's rate-limit hook like every send: not a second time around it.
+        await self.adapter._send(
             "press_reply",
             self.chat,
-            lambda: app.bot.send_message(
-                chat_id=int(self.chat), text=clip(text, 4000),
+            lambda chat_id: app.bot.send_message(
+                chat_id=chat_id, text=clip(text, 4000),
                 reply_parameters=ReplyParameters(message_id=self.message_id, allow_sending_without_reply=True),
             ),
         )  # fmt: skip
@@ -430,11 +431,11 @@ class TelegramAdapter(PlatformBase):
             await self.call("press_reply", chat, lambda: query.answer(text="Reply to my message with your reason."),
                             paced=False)  # fmt: skip
         try:
-            sent = await self.call(
+            sent = await self._send(  # paced by PTB's rate-limit hook, as every send is
                 "reason_prompt",
                 chat,
-                lambda: app.bot.send_message(
-                    chat_id=message.chat.id,
+                lambda chat_id: app.bot.send_message(
+                    chat_id=chat_id,
                     text=reply_prompt(request_id, who),
                     reply_parameters=ReplyParameters(message_id=message.message_id, allow_sending_without_reply=True),
                     reply_markup=ForceReply(selective=True),
@@ -442,7 +443,7 @@ class TelegramAdapter(PlatformBase):
             )
         except PlatformError:
             return  # counted and logged by the kit; the person can press again
-        self.reasons.open(chat, str(sent.message_id), user=query.from_user.id, data=deny_data(request_id),
+        self.reasons.open(str(sent.chat_id), str(sent.message_id), user=query.from_user.id, data=deny_data(request_id),
                           card_message=str(message.message_id))  # fmt: skip
 
     async def _reason_given(self, message: Message, prompt: Prompt | None, refusal: str | None, update: Update) -> None:
