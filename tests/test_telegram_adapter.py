@@ -19,7 +19,7 @@ import pytest
 from kazma.adapters.card_layout import CardTooLarge, lay_out, outcome_line
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
 from kazma.adapters.pacing import ChatRateLimiter
-from kazma.adapters.press_policy import PRESS_PENDING
+from kazma.adapters.press_policy import PRESS_NOT_ON_MESSAGE, PRESS_PENDING
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.telegram.adapter import DRAFTS_LEAVE
 from kazma.adapters.telegram.render import CARD_BUDGET, MAX_ENTITIES, TEXT_LIMIT, TelegramWriter, render_card, utf16_len
@@ -420,6 +420,34 @@ async def test_a_won_press_is_answered_with_a_quiet_toast(
     answer = await fake.wait_for_answer(query)
     assert answer == {**answer, "text": "Approved: the call runs now.", "show_alert": False}
     assert recorder.presses[0].actor == f"telegram:{ADMIN}"
+
+
+async def test_data_that_is_no_button_of_the_pressed_message_is_refused_before_the_press_policy(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
+    """Telegram does not check a callback's data against the pressed message (a modified client sends any data on
+    any of the bot's messages). Another request's Deny (or Deny with reason) pressed on this card was handed on as
+    a press from this card: an ended request's data on an open card got that card recorded as the ended request's
+    ("card found") and edited to its outcome, its own buttons gone. It is refused here, counted; nothing is
+    decided and no reason prompt is posted."""
+    bot, recorder = adapter
+    card = make_card({"path": "/tmp/x"})
+    other = make_card({"path": "/etc"})
+    ref = await bot.post_card(card)
+    before = failure_count("press_unbound", "telegram")
+    sends = len(fake.calls_to("sendMessage"))
+    for data in (other.button_data(Decision.DENY), f"kz1:{other.request_id}:n", "kz1:abc:a"):
+        answer = await fake.wait_for_answer(fake.push_callback(GROUP, ref.message_id, ADMIN, data))
+        assert answer["text"] == PRESS_NOT_ON_MESSAGE
+        assert answer["show_alert"] is True
+    await bot.quiesce()
+    assert recorder.presses == []
+    assert len(fake.calls_to("sendMessage")) == sends  # no reason prompt
+    assert failure_count("press_unbound", "telegram") == before + 3
+    # the card's own buttons still press as ever
+    answer = await fake.wait_for_answer(fake.push_callback(GROUP, ref.message_id, ADMIN, card.button_data(Decision.DENY)))
+    assert answer["text"] == "Approved: the call runs now."  # the recorder's answer
+    assert [p.data for p in recorder.presses] == [card.button_data(Decision.DENY)]
 
 
 async def test_answers_are_clipped_to_telegrams_200_characters(

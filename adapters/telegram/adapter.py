@@ -62,7 +62,7 @@ from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
 from kazma.adapters.deny_reason import deny_data, reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
-from kazma.adapters.press_policy import NOT_YOURS
+from kazma.adapters.press_policy import NOT_YOURS, PRESS_NOT_ON_MESSAGE
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified
 from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip, streamed_edit
 from kazma.adapters.telegram.inbound import normalise
@@ -399,6 +399,20 @@ class TelegramAdapter(PlatformBase):
         if query is None:
             return
         message = query.message
+        if not _on_its_message(query):
+            # Telegram does not check a query's data against the pressed message: a modified client sends any
+            # data on any of the bot's messages (a Deny of an ended request on another request's open card, whose
+            # buttons the "card found" path would then take away). Refused here, counted as evidence.
+            count_failure("press_unbound", PLATFORM)
+            log.warning(
+                "telegram.press_unbound",
+                actor=self.actor(query.from_user.id),
+                chat=message.chat.id if message is not None else None,
+                message_id=message.message_id if message is not None else None,
+                data=(query.data or "")[:80],
+            )
+            self.spawn(self._reply(QueryReply(query).notify, PRESS_NOT_ON_MESSAGE), name=f"telegram-press-{query.id}")
+            return
         asked = reason_request(query.data or "")
         if asked is not None and message is not None:
             self.spawn(self._ask_reason(query, asked), name=f"telegram-reason-{query.id}")
@@ -660,6 +674,18 @@ class TelegramAdapter(PlatformBase):
             return True
 
         return await self.call(site, ref.chat, edit, paced=False, wait_out_429=False)
+
+
+def _on_its_message(query: CallbackQuery) -> bool:
+    """Whether ``query``'s data is a button of the message it says was pressed (the message as Telegram holds it
+    now). A message Telegram no longer shows the bot (too old, deleted) or an inline one cannot be checked: its
+    press goes on to be judged by where it came from, as every press is."""
+    message = query.message
+    if not isinstance(message, Message):
+        return True
+    markup = message.reply_markup
+    rows = markup.inline_keyboard if markup is not None else ()
+    return any(button.callback_data == query.data for row in rows for button in row)
 
 
 def _tls_soon() -> Future[ssl.SSLContext]:
