@@ -19,7 +19,7 @@ import pytest
 from kazma.adapters.card_layout import CardTooLarge, lay_out, outcome_line
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
 from kazma.adapters.pacing import ChatRateLimiter
-from kazma.adapters.press_policy import PRESS_NOT_ON_MESSAGE, PRESS_PENDING
+from kazma.adapters.press_policy import PRESS_APOLOGY, PRESS_NOT_ON_MESSAGE, PRESS_PENDING
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.telegram.adapter import DRAFTS_LEAVE
 from kazma.adapters.telegram.render import CARD_BUDGET, MAX_ENTITIES, TEXT_LIMIT, TelegramWriter, render_card, utf16_len
@@ -445,7 +445,9 @@ async def test_data_that_is_no_button_of_the_pressed_message_is_refused_before_t
     assert len(fake.calls_to("sendMessage")) == sends  # no reason prompt
     assert failure_count("press_unbound", "telegram") == before + 3
     # the card's own buttons still press as ever
-    answer = await fake.wait_for_answer(fake.push_callback(GROUP, ref.message_id, ADMIN, card.button_data(Decision.DENY)))
+    answer = await fake.wait_for_answer(
+        fake.push_callback(GROUP, ref.message_id, ADMIN, card.button_data(Decision.DENY))
+    )
     assert answer["text"] == "Approved: the call runs now."  # the recorder's answer
     assert [p.data for p in recorder.presses] == [card.button_data(Decision.DENY)]
 
@@ -470,6 +472,39 @@ async def test_a_slow_press_is_answered_at_once_and_keeps_running(fake: FakeTele
     assert not recorder.press_finished.is_set()  # the decision was not cut short by the answer
     recorder.hold.set()
     await asyncio.wait_for(recorder.press_finished.wait(), WAIT)
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        PressResult(PressVerdict.REFUSED, "You are not an approver for this request; nothing was recorded."),
+        PressResult(PressVerdict.LOST, "Already denied by telegram:333."),
+        RuntimeError("the store went away"),
+    ],
+    ids=["refused", "lost", "failed"],
+)
+async def test_a_slow_press_that_does_not_count_is_still_told_to_its_presser(
+    fake: FakeTelegram, make_adapter: Factory, result: PressResult | Exception
+) -> None:
+    """A press slower than ``press_timeout`` is answered "Recorded, updating…"; Telegram answers a query once, so
+    the refusal, the loss or the apology that came after was dropped: the presser believed their press counted
+    while nothing was recorded. It reaches them as a reply to the card, naming them."""
+    bot, recorder = await make_adapter(press_timeout=0.2)
+    card = make_card({"path": "/tmp/x"})
+    ref = await bot.post_card(card)
+    recorder.hold = asyncio.Event()
+    recorder.result = result
+    query = fake.push_callback(GROUP, ref.message_id, MEMBER, card.button_data(Decision.APPROVE), username="mia")
+    assert (await fake.wait_for_answer(query))["text"] == PRESS_PENDING
+    recorder.hold.set()
+    await asyncio.wait_for(recorder.press_finished.wait(), WAIT)
+    await bot.quiesce()
+    expected = result.message if isinstance(result, PressResult) else PRESS_APOLOGY
+    (notice,) = [m for m in fake.bot_messages(GROUP) if m.message_id != int(ref.message_id)]
+    assert notice.text == f"@mia: {expected}"
+    replying = fake.calls_to("sendMessage")[-1].params["reply_parameters"]
+    assert replying["message_id"] == int(ref.message_id)
+    assert len(fake.calls_to("answerCallbackQuery")) == 1
 
 
 # --------------------------------------------------------------------------- settling (dialect)

@@ -24,7 +24,7 @@ import contextlib
 import json
 import ssl
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, Final, Unpack
@@ -425,7 +425,20 @@ class TelegramAdapter(PlatformBase):
             message_id=str(message.message_id) if message is not None else None,
             is_admin=self.is_admin(query.from_user.id),
         )
-        self.spawn(self.press(press, QueryReply(query), key=self.update_key(update)), name=f"telegram-press-{query.id}")
+        reply = QueryReply(
+            query, late=None if message is None else self._late_notice(query, message.chat.id, message.message_id)
+        )
+        self.spawn(self.press(press, reply, key=self.update_key(update)), name=f"telegram-press-{query.id}")
+
+    def _late_notice(self, query: CallbackQuery, chat: int, card: int) -> Callable[[str], Awaitable[None]]:
+        """A notice for the presser after their press was answered already: Telegram answers a query once, so it
+        is a reply to the card, naming them."""
+        who = f"@{query.from_user.username}" if query.from_user.username else query.from_user.first_name
+
+        async def notice(text: str) -> None:
+            await _ChatReply(self, str(chat), card).notify(f"{who}: {text}")
+
+        return notice
 
     async def _ask_reason(self, query: CallbackQuery, request_id: str) -> None:
         """ "Deny with reason": a prompt replying to the card, bound to the presser for a short window."""
