@@ -36,6 +36,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*retry_after.*:telegram.warning
 
 GROUP = -1001234567890
 ADMIN = 111
+CARD_MESSAGE = 9_000  # a card message the fake never saw: it shows the pressed button (message 1 is a person's)
 CHANNEL = "CHOME0001"
 SLACK_ADMIN = "UADMIN001"
 
@@ -103,7 +104,7 @@ async def test_telegram_updates_left_unconfirmed_by_a_leader_are_handled_once_af
         fake.script("getUpdates", Fault.hang(), Fault.server_error())
         fake.push_message(GROUP, ADMIN, "two")
         fake.push_message(GROUP, ADMIN, "three")
-        fake.push_callback(GROUP, 1, ADMIN, "kz1:abc:a")
+        fake.push_callback(GROUP, CARD_MESSAGE, ADMIN, "kz1:abc:a")
         await a.wait_until(lambda: a.texts() == ["one", "two", "three"] and len(a.presses) == 1)
         await fake.wait_until(lambda: len(fake.calls_to("getUpdates")) > polls)  # the hanging poll
         fake.push_message(GROUP, ADMIN, "four")  # nobody receives it while that poll hangs
@@ -276,7 +277,7 @@ async def test_telegram_updates_a_leader_confirmed_and_never_took_in_reach_the_n
     try:
         fake.push_message(GROUP, ADMIN, "one")
         fake.push_message(GROUP, ADMIN, "two")
-        fake.push_callback(GROUP, 1, ADMIN, "kz1:abc:a")
+        fake.push_callback(GROUP, CARD_MESSAGE, ADMIN, "kz1:abc:a")
         async with asyncio.timeout(10):  # it kept them all in the store...
             while (await kept_b.tables.one("SELECT COUNT(*) FROM inbound_claims WHERE payload IS NOT NULL"))[0] < 3:
                 await asyncio.sleep(0.02)

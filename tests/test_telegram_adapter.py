@@ -19,7 +19,7 @@ import pytest
 from kazma.adapters.card_layout import CardTooLarge, lay_out, outcome_line
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
 from kazma.adapters.pacing import ChatRateLimiter
-from kazma.adapters.press_policy import PRESS_PENDING
+from kazma.adapters.press_policy import PRESS_APOLOGY, PRESS_NOT_ON_MESSAGE, PRESS_PENDING
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.telegram.adapter import DRAFTS_LEAVE
 from kazma.adapters.telegram.render import CARD_BUDGET, MAX_ENTITIES, TEXT_LIMIT, TelegramWriter, render_card, utf16_len
@@ -422,6 +422,36 @@ async def test_a_won_press_is_answered_with_a_quiet_toast(
     assert recorder.presses[0].actor == f"telegram:{ADMIN}"
 
 
+async def test_data_that_is_no_button_of_the_pressed_message_is_refused_before_the_press_policy(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
+    """Telegram does not check a callback's data against the pressed message (a modified client sends any data on
+    any of the bot's messages). Another request's Deny (or Deny with reason) pressed on this card was handed on as
+    a press from this card: an ended request's data on an open card got that card recorded as the ended request's
+    ("card found") and edited to its outcome, its own buttons gone. It is refused here, counted; nothing is
+    decided and no reason prompt is posted."""
+    bot, recorder = adapter
+    card = make_card({"path": "/tmp/x"})
+    other = make_card({"path": "/etc"})
+    ref = await bot.post_card(card)
+    before = failure_count("press_unbound", "telegram")
+    sends = len(fake.calls_to("sendMessage"))
+    for data in (other.button_data(Decision.DENY), f"kz1:{other.request_id}:n", "kz1:abc:a"):
+        answer = await fake.wait_for_answer(fake.push_callback(GROUP, ref.message_id, ADMIN, data))
+        assert answer["text"] == PRESS_NOT_ON_MESSAGE
+        assert answer["show_alert"] is True
+    await bot.quiesce()
+    assert recorder.presses == []
+    assert len(fake.calls_to("sendMessage")) == sends  # no reason prompt
+    assert failure_count("press_unbound", "telegram") == before + 3
+    # the card's own buttons still press as ever
+    answer = await fake.wait_for_answer(
+        fake.push_callback(GROUP, ref.message_id, ADMIN, card.button_data(Decision.DENY))
+    )
+    assert answer["text"] == "Approved: the call runs now."  # the recorder's answer
+    assert [p.data for p in recorder.presses] == [card.button_data(Decision.DENY)]
+
+
 async def test_answers_are_clipped_to_telegrams_200_characters(
     fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
 ) -> None:
@@ -442,6 +472,39 @@ async def test_a_slow_press_is_answered_at_once_and_keeps_running(fake: FakeTele
     assert not recorder.press_finished.is_set()  # the decision was not cut short by the answer
     recorder.hold.set()
     await asyncio.wait_for(recorder.press_finished.wait(), WAIT)
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        PressResult(PressVerdict.REFUSED, "You are not an approver for this request; nothing was recorded."),
+        PressResult(PressVerdict.LOST, "Already denied by telegram:333."),
+        RuntimeError("the store went away"),
+    ],
+    ids=["refused", "lost", "failed"],
+)
+async def test_a_slow_press_that_does_not_count_is_still_told_to_its_presser(
+    fake: FakeTelegram, make_adapter: Factory, result: PressResult | Exception
+) -> None:
+    """A press slower than ``press_timeout`` is answered "Recorded, updating…"; Telegram answers a query once, so
+    the refusal, the loss or the apology that came after was dropped: the presser believed their press counted
+    while nothing was recorded. It reaches them as a reply to the card, naming them."""
+    bot, recorder = await make_adapter(press_timeout=0.2)
+    card = make_card({"path": "/tmp/x"})
+    ref = await bot.post_card(card)
+    recorder.hold = asyncio.Event()
+    recorder.result = result
+    query = fake.push_callback(GROUP, ref.message_id, MEMBER, card.button_data(Decision.APPROVE), username="mia")
+    assert (await fake.wait_for_answer(query))["text"] == PRESS_PENDING
+    recorder.hold.set()
+    await asyncio.wait_for(recorder.press_finished.wait(), WAIT)
+    await bot.quiesce()
+    expected = result.message if isinstance(result, PressResult) else PRESS_APOLOGY
+    (notice,) = [m for m in fake.bot_messages(GROUP) if m.message_id != int(ref.message_id)]
+    assert notice.text == f"@mia: {expected}"
+    replying = fake.calls_to("sendMessage")[-1].params["reply_parameters"]
+    assert replying["message_id"] == int(ref.message_id)
+    assert len(fake.calls_to("answerCallbackQuery")) == 1
 
 
 # --------------------------------------------------------------------------- settling (dialect)
@@ -543,6 +606,31 @@ async def test_429_without_end_gives_up_retryable(fake: FakeTelegram, make_adapt
     assert caught.value.retry_after == 2.0
     assert len(fake.calls_to("sendMessage")) == 3
     assert failure_count("send", "telegram") == before + 1
+
+
+async def test_a_reason_prompt_is_paced_once_like_every_send(fake: FakeTelegram, make_adapter: Factory) -> None:
+    """The "Deny with reason" prompt went through the kit's pacing and then PTB's rate-limit hook again: it took
+    two of the group's twenty sends a minute (and waited two gaps), and a 429 was tried max_attempts squared
+    times. It is paced by the hook alone, as every send is."""
+    time = FakeTime(fake)
+    bot, _ = await make_adapter(limiter=time.limiter(), max_attempts=2)
+    card = make_card({"cmd": "ls"})
+    ref = await bot.post_card(card)
+    slept = len(time.sleeps)
+    fake.push_callback(GROUP, int(ref.message_id), ADMIN, f"kz1:{card.request_id}:n")
+    await fake.wait_until(lambda: len(fake.calls_to("sendMessage")) == 2)
+    await bot.quiesce()
+    assert [seconds for seconds, _ in time.sleeps[slept:]] == [1.0]  # one gap after the card, not two
+    prompt = fake.bot_messages(GROUP)[-1]
+    assert "reply to this message with your reason" in prompt.text
+    assert bot.reasons.is_open(str(GROUP), str(prompt.message_id))
+
+    fake.script("sendMessage", *[Fault.too_many_requests(1)] * 4)
+    sends = len(fake.calls_to("sendMessage"))
+    fake.push_callback(GROUP, int(ref.message_id), ADMIN, f"kz1:{card.request_id}:n")
+    await fake.wait_until(lambda: len(fake.calls_to("answerCallbackQuery")) == 2)
+    await bot.quiesce()
+    assert [c.status for c in fake.calls_to("sendMessage")[sends:]] == [429, 429]  # max_attempts, then given up
 
 
 async def test_bad_request_is_not_retryable(fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]) -> None:

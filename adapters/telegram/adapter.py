@@ -24,7 +24,7 @@ import contextlib
 import json
 import ssl
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, Final, Unpack
@@ -62,7 +62,7 @@ from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
 from kazma.adapters.deny_reason import deny_data, reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
-from kazma.adapters.press_policy import NOT_YOURS
+from kazma.adapters.press_policy import NOT_YOURS, PRESS_NOT_ON_MESSAGE
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified
 from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip, streamed_edit
 from kazma.adapters.telegram.inbound import normalise
@@ -110,11 +110,12 @@ class _ChatReply:
 
     async def notify(self, text: str) -> None:
         app = self.adapter._bot_app("press_reply")
-        await self.adapter.call(
+        # Paced, and a 429 waited out, by PTB's rate-limit hook like every send: not a second time around it.
+        await self.adapter._send(
             "press_reply",
             self.chat,
-            lambda: app.bot.send_message(
-                chat_id=int(self.chat), text=clip(text, 4000),
+            lambda chat_id: app.bot.send_message(
+                chat_id=chat_id, text=clip(text, 4000),
                 reply_parameters=ReplyParameters(message_id=self.message_id, allow_sending_without_reply=True),
             ),
         )  # fmt: skip
@@ -398,6 +399,20 @@ class TelegramAdapter(PlatformBase):
         if query is None:
             return
         message = query.message
+        if not _on_its_message(query):
+            # Telegram does not check a query's data against the pressed message: a modified client sends any
+            # data on any of the bot's messages (a Deny of an ended request on another request's open card, whose
+            # buttons the "card found" path would then take away). Refused here, counted as evidence.
+            count_failure("press_unbound", PLATFORM)
+            log.warning(
+                "telegram.press_unbound",
+                actor=self.actor(query.from_user.id),
+                chat=message.chat.id if message is not None else None,
+                message_id=message.message_id if message is not None else None,
+                data=(query.data or "")[:80],
+            )
+            self.spawn(self._reply(QueryReply(query).notify, PRESS_NOT_ON_MESSAGE), name=f"telegram-press-{query.id}")
+            return
         asked = reason_request(query.data or "")
         if asked is not None and message is not None:
             self.spawn(self._ask_reason(query, asked), name=f"telegram-reason-{query.id}")
@@ -410,7 +425,20 @@ class TelegramAdapter(PlatformBase):
             message_id=str(message.message_id) if message is not None else None,
             is_admin=self.is_admin(query.from_user.id),
         )
-        self.spawn(self.press(press, QueryReply(query), key=self.update_key(update)), name=f"telegram-press-{query.id}")
+        reply = QueryReply(
+            query, late=None if message is None else self._late_notice(query, message.chat.id, message.message_id)
+        )
+        self.spawn(self.press(press, reply, key=self.update_key(update)), name=f"telegram-press-{query.id}")
+
+    def _late_notice(self, query: CallbackQuery, chat: int, card: int) -> Callable[[str], Awaitable[None]]:
+        """A notice for the presser after their press was answered already: Telegram answers a query once, so it
+        is a reply to the card, naming them."""
+        who = f"@{query.from_user.username}" if query.from_user.username else query.from_user.first_name
+
+        async def notice(text: str) -> None:
+            await _ChatReply(self, str(chat), card).notify(f"{who}: {text}")
+
+        return notice
 
     async def _ask_reason(self, query: CallbackQuery, request_id: str) -> None:
         """ "Deny with reason": a prompt replying to the card, bound to the presser for a short window."""
@@ -430,11 +458,11 @@ class TelegramAdapter(PlatformBase):
             await self.call("press_reply", chat, lambda: query.answer(text="Reply to my message with your reason."),
                             paced=False)  # fmt: skip
         try:
-            sent = await self.call(
+            sent = await self._send(  # paced by PTB's rate-limit hook, as every send is
                 "reason_prompt",
                 chat,
-                lambda: app.bot.send_message(
-                    chat_id=message.chat.id,
+                lambda chat_id: app.bot.send_message(
+                    chat_id=chat_id,
                     text=reply_prompt(request_id, who),
                     reply_parameters=ReplyParameters(message_id=message.message_id, allow_sending_without_reply=True),
                     reply_markup=ForceReply(selective=True),
@@ -442,7 +470,7 @@ class TelegramAdapter(PlatformBase):
             )
         except PlatformError:
             return  # counted and logged by the kit; the person can press again
-        self.reasons.open(chat, str(sent.message_id), user=query.from_user.id, data=deny_data(request_id),
+        self.reasons.open(str(sent.chat_id), str(sent.message_id), user=query.from_user.id, data=deny_data(request_id),
                           card_message=str(message.message_id))  # fmt: skip
 
     async def _reason_given(self, message: Message, prompt: Prompt | None, refusal: str | None, update: Update) -> None:
@@ -659,6 +687,18 @@ class TelegramAdapter(PlatformBase):
             return True
 
         return await self.call(site, ref.chat, edit, paced=False, wait_out_429=False)
+
+
+def _on_its_message(query: CallbackQuery) -> bool:
+    """Whether ``query``'s data is a button of the message it says was pressed (the message as Telegram holds it
+    now). A message Telegram no longer shows the bot (too old, deleted) or an inline one cannot be checked: its
+    press goes on to be judged by where it came from, as every press is."""
+    message = query.message
+    if not isinstance(message, Message):
+        return True
+    markup = message.reply_markup
+    rows = markup.inline_keyboard if markup is not None else ()
+    return any(button.callback_data == query.data for row in rows for button in row)
 
 
 def _tls_soon() -> Future[ssl.SSLContext]:

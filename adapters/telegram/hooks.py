@@ -102,16 +102,23 @@ class KazmaPacing(BaseRateLimiter[None]):
 
 
 class QueryReply:
-    """A press on Telegram is answered exactly once (``answerCallbackQuery``): the first reply wins."""
+    """A press on Telegram is answered exactly once (``answerCallbackQuery``): the first reply wins. A notice that
+    comes after it (a press answered "Recorded, updating…" and then refused, lost, or not recorded at all) goes
+    to ``late`` instead (a reply in the chat), so the presser is never left believing a press counted."""
 
-    def __init__(self, query: CallbackQuery) -> None:
+    def __init__(self, query: CallbackQuery, *, late: Callable[[str], Awaitable[None]] | None = None) -> None:
         self.query = query
+        self.late = late
         self.answered = False
 
     async def acknowledge(self, text: str) -> None:
         await self._answer(text, alert=False)
 
     async def notify(self, text: str) -> None:
+        if self.answered and self.late is not None:
+            log.info("telegram.press_reply_late", query=self.query.id)
+            await self.late(text)
+            return
         await self._answer(text, alert=True)
 
     async def _answer(self, text: str, *, alert: bool) -> None:

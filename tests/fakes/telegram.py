@@ -619,9 +619,16 @@ class FakeTelegram:
             user["username"] = username
         stored = self._chats.get(chat_id, {}).get(int(message_id))
         if stored is not None:
+            # The message as it is now, its buttons included: Telegram does not check that ``data`` is one of
+            # them (a modified client sends any data), so neither does the fake.
             message = self._message_json(stored)
-        else:
-            message = {"message_id": int(message_id), "date": int(time.time()), "chat": self._chat_json(chat_id)}
+        else:  # a message the fake never saw: one that shows the pressed button
+            message = {
+                "message_id": int(message_id),
+                "date": int(time.time()),
+                "chat": self._chat_json(chat_id),
+                "reply_markup": {"inline_keyboard": [[{"text": "button", "callback_data": data}]]},
+            }
         self._open_queries.add(query_id)
         self._push_update(
             {
