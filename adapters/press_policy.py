@@ -31,8 +31,6 @@ PRESS_PENDING: Final = "Recorded, updating…"
 PRESS_INACTIVE: Final = "This button is not active right now; nothing was recorded."
 # A press whose data is not a button of the message it came from (a modified client; a card edited meanwhile).
 PRESS_NOT_ON_MESSAGE: Final = "That button is no longer on this message, so nothing was recorded."
-# A press on a message with no buttons left (a settled card, pressed as its edit was on the way).
-PRESS_NO_BUTTONS: Final = "This card has no buttons any more (it is decided or closed), so nothing was recorded."
 NOT_YOURS: Final = "You are not an approver for this request, so there is nothing to give a reason for."
 
 

@@ -52,6 +52,7 @@ from kazma.approvals.store import (
     Clock,
     Decided,
     FirstUse,
+    FoundCard,
     NewRequest,
     PostedCard,
     ReviewState,
@@ -1168,7 +1169,14 @@ class ApprovalService:
             log.warning("approvals.stale_card_unrecorded", request_id=request_id, platform=where.platform,
                         chat=where.chat, message_id=where.message_id, error=str(exc))  # fmt: skip
             return False
-        if not found:
+        if found is FoundCard.ANOTHERS:
+            # The press's data names this request on another request's card: forged (a client that sends any
+            # data, as Telegram's can), never a card lost here. That card is left as it is.
+            count_failure("card_found_elsewhere")
+            log.warning("approvals.stale_card_of_another", request_id=request_id, platform=where.platform,
+                        chat=where.chat, message_id=where.message_id)  # fmt: skip
+            return False
+        if found is not FoundCard.RECORDED:
             return False
         log.warning("approvals.stale_card_found", request_id=request_id, platform=where.platform,
                     chat=where.chat, message_id=where.message_id)  # fmt: skip

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any, NamedTuple, TypeVar, cast
 
 import aiosqlite
@@ -369,6 +370,14 @@ FirstUse = Callable[[Tx], bool]
 # Whose an identity is under the configuration a press runs with (people:), or None: a review made before an
 # identity was linked to its person is then still that person's.
 PersonOf = Callable[[str], "str | None"]
+
+
+class FoundCard(StrEnum):
+    """What :meth:`ApprovalStore.record_stale_card` made of a message pressed with a request's data."""
+
+    RECORDED = "recorded"  # the ended request's card now, to be edited to its outcome
+    NOT_ENDED = "not_ended"  # the request is pending or unknown: nothing written
+    ANOTHERS = "anothers"  # the message is another request's card: the data on it is forged; nothing written
 
 
 class Decided:
@@ -1435,17 +1444,26 @@ class ApprovalStore:
 
         await self._write(op)
 
-    async def record_stale_card(self, request_id: str, platform: str, chat: str, message_id: str) -> bool:
+    async def record_stale_card(self, request_id: str, platform: str, chat: str, message_id: str) -> FoundCard:
         """A card message of ``request_id`` nobody recorded (a crash took its post's answer), found when someone
         pressed it: recorded so the bus edits it to the outcome, but only once the request has ended (checked in
-        the same write), so a card found this way can never carry a decision. False: the request is pending or
-        unknown, nothing written."""
+        the same write), so a card found this way can never carry a decision. Otherwise nothing is written: the
+        request is pending or unknown, or the message is recorded as another request's card."""
         now = self.clock()
 
-        def op(tx: Tx) -> bool:
+        def op(tx: Tx) -> FoundCard:
             ended = tx.one("SELECT 1 FROM approval_requests WHERE id = ? AND status <> 'pending'", (request_id,))
             if ended is None:
-                return False
+                return FoundCard.NOT_ENDED
+            # A message recorded as another request's card is that request's: data naming this one on it is
+            # forged (a platform that lets a client send any data, as Telegram does), never a card lost here.
+            other = tx.one(
+                "SELECT request_id FROM approval_cards WHERE platform = ? AND chat = ? AND message_id = ?"
+                " AND request_id <> ? LIMIT 1",
+                (platform, chat, message_id, request_id),
+            )
+            if other is not None:
+                return FoundCard.ANOTHERS
             tx.run(_INSERT_FOUND_CARD, (request_id, platform, chat, message_id, now, 1, None, request_id))
             self.chain.append(
                 tx,
@@ -1457,7 +1475,7 @@ class ApprovalStore:
                 args_hash=FROM_REQUEST,
                 detail=f"{chat}/{message_id}: pressed after the request ended, its post never recorded",
             )
-            return True
+            return FoundCard.RECORDED
 
         return await self._write(op)
 

@@ -25,8 +25,8 @@ from kazma.approvals import (
     parse_button,
 )
 from kazma.approvals import service as service_module
-from kazma.approvals.service import ButtonError
-from kazma.approvals.store import new_request_id
+from kazma.approvals.service import ButtonError, CardLocation
+from kazma.approvals.store import FoundCard, new_request_id
 from kazma.config import load_config_text
 from kazma.config.metrics import failure_count
 from kazma.config.store.database import Tables
@@ -456,3 +456,26 @@ async def test_an_approver_removed_by_a_new_configuration_is_refused_though_admi
         assert row is not None
         assert row.status is Status.PENDING
         assert (await service.decide_from_button(f"kz1:{second.id}:a", actor="slack:U111", platform="slack")).won
+
+
+async def test_a_message_recorded_as_one_requests_card_is_never_found_as_anothers(store_engine: Engine) -> None:
+    # An ended request's data pressed on another request's card (Telegram lets a modified client send any data on
+    # any message): the "card found" path recorded that card as the ended request's too, and the bus edited it to
+    # that outcome while its own request was pending, its buttons gone.
+    async with approval_service(store_engine.where) as service:
+        ended = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+        open_ = await service.open("shell", {"command": "ls"}, "agent:builder", "telegram:-100")
+        await service.store.record_card(open_.id, "telegram", "-100", "5")
+        assert (await service.decide(ended.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
+        before = failure_count("card_found_elsewhere")
+        with capture_logs() as logs:
+            refused = await service.decide(ended.id, Decision.APPROVE, actor="telegram:111", platform="telegram",
+                                           card=CardLocation("-100", "5"))  # fmt: skip
+        assert not refused.won
+        assert failure_count("card_found_elsewhere") == before + 1
+        assert [e["request_id"] for e in logs if e["event"] == "approvals.stale_card_of_another"] == [ended.id]
+        assert [c.request_id for c in await service.store.cards(ended.id)] == []
+        assert [c.request_id for c in await service.store.cards(open_.id)] == [open_.id]
+        # a message nobody recorded is still found as the ended request's card
+        assert await service.store.record_stale_card(ended.id, "telegram", "-100", "6") is FoundCard.RECORDED
+        assert [c.message_id for c in await service.store.cards(ended.id)] == ["6"]

@@ -19,7 +19,7 @@ import pytest
 from kazma.adapters.card_layout import CardTooLarge, lay_out, outcome_line
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
 from kazma.adapters.pacing import ChatRateLimiter
-from kazma.adapters.press_policy import PRESS_APOLOGY, PRESS_NO_BUTTONS, PRESS_NOT_ON_MESSAGE, PRESS_PENDING
+from kazma.adapters.press_policy import PRESS_APOLOGY, PRESS_NOT_ON_MESSAGE, PRESS_PENDING
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.telegram.adapter import DRAFTS_LEAVE
 from kazma.adapters.telegram.render import CARD_BUDGET, MAX_ENTITIES, TEXT_LIMIT, TelegramWriter, render_card, utf16_len
@@ -452,11 +452,11 @@ async def test_data_that_is_no_button_of_the_pressed_message_is_refused_before_t
     assert [p.data for p in recorder.presses] == [card.button_data(Decision.DENY)]
 
 
-async def test_a_press_on_a_settled_card_is_refused_without_being_counted_as_forged(
+async def test_a_press_on_a_settled_card_goes_on_to_be_told_what_stands(
     fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
 ) -> None:
-    # A card settled as someone pressed it (their client still showed the buttons): nothing forged, so not counted
-    # as press_unbound evidence; the presser is told the card has no buttons, nothing recorded.
+    # A card settled as someone pressed it (their client still showed the buttons): nothing forged, not counted as
+    # press_unbound evidence; the press goes on, and its presser is told what stands (the store's answer).
     bot, recorder = adapter
     card = make_card({"path": "/tmp/x"})
     ref = await bot.post_card(card)
@@ -465,9 +465,8 @@ async def test_a_press_on_a_settled_card_is_refused_without_being_counted_as_for
     answer = await fake.wait_for_answer(
         fake.push_callback(GROUP, ref.message_id, ADMIN, card.button_data(Decision.DENY))
     )
-    assert answer["text"] == PRESS_NO_BUTTONS
-    await bot.quiesce()
-    assert recorder.presses == []
+    assert answer["text"] == "Approved: the call runs now."  # the recorder's answer
+    assert [p.data for p in recorder.presses] == [card.button_data(Decision.DENY)]
     assert failure_count("press_unbound", "telegram") == before
 
 

@@ -62,7 +62,7 @@ from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
 from kazma.adapters.deny_reason import deny_data, reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
-from kazma.adapters.press_policy import NOT_YOURS, PRESS_NO_BUTTONS, PRESS_NOT_ON_MESSAGE
+from kazma.adapters.press_policy import NOT_YOURS, PRESS_NOT_ON_MESSAGE
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified
 from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip, streamed_edit
 from kazma.adapters.telegram.inbound import normalise
@@ -399,26 +399,19 @@ class TelegramAdapter(PlatformBase):
         if query is None:
             return
         message = query.message
-        bound = _on_its_message(query)
-        if bound is not True:
+        if not _on_its_message(query):
             # Telegram does not check a query's data against the pressed message: a modified client sends any
             # data on any of the bot's messages (a Deny of an ended request on another request's open card, whose
-            # buttons the "card found" path would then take away). Refused here; counted as evidence unless the
-            # message has no buttons left (a settled card pressed just before its edit showed: nothing forged).
-            where = {
-                "actor": self.actor(query.from_user.id),
-                "chat": message.chat.id if message is not None else None,
-                "message_id": message.message_id if message is not None else None,
-                "data": (query.data or "")[:80],
-            }
-            if bound is False:
-                count_failure("press_unbound", PLATFORM)
-                log.warning("telegram.press_unbound", **where)
-                answer = PRESS_NOT_ON_MESSAGE
-            else:
-                log.info("telegram.press_on_settled", **where)
-                answer = PRESS_NO_BUTTONS
-            self.spawn(self._reply(QueryReply(query).notify, answer), name=f"telegram-press-{query.id}")
+            # buttons the "card found" path would then take away). Refused here, counted as evidence.
+            count_failure("press_unbound", PLATFORM)
+            log.warning(
+                "telegram.press_unbound",
+                actor=self.actor(query.from_user.id),
+                chat=message.chat.id if message is not None else None,
+                message_id=message.message_id if message is not None else None,
+                data=(query.data or "")[:80],
+            )
+            self.spawn(self._reply(QueryReply(query).notify, PRESS_NOT_ON_MESSAGE), name=f"telegram-press-{query.id}")
             return
         asked = reason_request(query.data or "")
         if asked is not None and message is not None:
@@ -696,18 +689,19 @@ class TelegramAdapter(PlatformBase):
         return await self.call(site, ref.chat, edit, paced=False, wait_out_429=False)
 
 
-def _on_its_message(query: CallbackQuery) -> bool | None:
+def _on_its_message(query: CallbackQuery) -> bool:
     """Whether ``query``'s data is a button of the message it says was pressed (the message as Telegram holds it
-    now); None when that message has no buttons at all (a settled card). A message Telegram no longer shows the
-    bot (too old, deleted) or an inline one cannot be checked: its press goes on to be judged by where it came
-    from, as every press is."""
+    now). A message with no buttons left (a card settled as it was pressed: its presser is told what stands), one
+    Telegram no longer shows the bot (too old, deleted) or an inline one cannot be checked: its press goes on to be
+    judged by where it came from, as every press is (the store never takes another request's card for one of a
+    request found late: FoundCard.ANOTHERS)."""
     message = query.message
     if not isinstance(message, Message):
         return True
     markup = message.reply_markup
     rows = markup.inline_keyboard if markup is not None else ()
     if not any(rows):
-        return None
+        return True
     return any(button.callback_data == query.data for row in rows for button in row)
 
 
