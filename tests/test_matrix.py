@@ -348,6 +348,7 @@ async def test_a_card_the_homeserver_never_shows_holds_the_sync_for_a_bounded_nu
     ref = await adapter.post_card(card)
     await adapter.stop()
     adapter = await harness.start()  # a new process: it must read the card to know what the reaction means
+    assert isinstance(adapter, MatrixAdapter)
     adapter.card_read_tries = 2
     before = failure_count("matrix_press_card_unreadable", "matrix")
     harness.proxy.fail("GET", r"/rooms/[^/]+/event/", 500, times=1_000)
