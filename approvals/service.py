@@ -1504,9 +1504,13 @@ class ApprovalService:
             detail = STOPPED_BEFORE_IT_RAN
             if problem is not None:
                 # Decided before seals (an upgrade), or written outside Kazma: nothing may run it, ever.
-                unrunnable[request.id] = problem.detail
                 detail = f"approved, but it cannot run: {problem.detail}; it did not run"
-            await self._execution_lost(request.id, detail)
+            if await self._execution_lost(request.id, detail, unless_started=True) is False:
+                # Its replica, judged gone, started it (or another leader reported it) meanwhile: nothing to say.
+                log.info("approvals.never_ran_started_meanwhile", request_id=request.id)
+                continue
+            if problem is not None:
+                unrunnable[request.id] = problem.detail
             count_failure("approval_never_ran")
             log.warning(
                 "approvals.approved_never_ran",
@@ -1534,16 +1538,19 @@ class ApprovalService:
             # else it ran to its end; only its audit row was lost with the process
         return Recovery(cancelled, never_ran, unrunnable, may_have_run)
 
-    async def _execution_lost(self, request_id: str, detail: str) -> None:
-        """Audit what became of an approved call a stopped process did not finish, and have its cards say it."""
+    async def _execution_lost(self, request_id: str, detail: str, *, unless_started: bool = False) -> bool | None:
+        """Audit what became of an approved call a stopped process did not finish, and have its cards say it.
+        True: written; False: not, ``unless_started`` and an execution of it was audited first; None: the store
+        failed (reported all the same, as before)."""
         try:
-            await self.store.execution_lost(request_id, detail)
+            written = await self.store.execution_lost(request_id, detail, unless_started=unless_started)
         except store_errors() as exc:
             count_failure("approval_audit")
             log.warning("approvals.audit_failed", request_id=request_id, audit_event="execution_lost", error=str(exc))
-            return
-        if self.publisher is not None:
+            return None
+        if written and self.publisher is not None:
             await self.publisher.settle(request_id)
+        return written
 
     async def expire_overdue(self) -> list[Outcome]:
         """End every request past its deadline (requests whose waiter died with a process)."""
@@ -1677,7 +1684,22 @@ class ApprovalService:
             raise ExecutionMismatch(
                 f"the arguments changed after approval (approved {request.args_hash[:12]}…, now {actual[:12]}…)"
             )
-        await self._audit_safely(request_id, "execution_started", None, None, f"tool={tool}")
+        try:
+            reported = await self.store.execution_starts(request_id, f"tool={tool}")
+        except store_errors() as exc:  # as any audit row: the call goes on, the failure counted and logged
+            count_failure("approval_audit")
+            log.warning(
+                "approvals.audit_failed", request_id=request_id, audit_event="execution_started", error=str(exc)
+            )
+            return
+        if reported is not None:
+            # A leader judged this replica gone (its link to the database was down, or it was paused) and told
+            # the conversation and every card that the call did not run and will not on its own: it does not.
+            count_failure("approval_reported_not_run")
+            log.error("approvals.execution_after_report", request_id=request_id, tool=tool, reported=reported)
+            raise ExecutionMismatch(
+                f"request {request_id} was already reported as not run ({reported}): it does not run now; ask again"
+            )
 
     async def execution_finished(self, request_id: str, *, ok: bool, output: str, error: str | None) -> None:
         """After an approved call ran: how it ended, audited. The output itself stays out of the audit (it goes

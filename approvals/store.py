@@ -1317,12 +1317,57 @@ class ApprovalStore:
         )
         return [_row_to_request(row[:-1]) for row in rows if _gone(row[-1], live)]
 
-    async def execution_lost(self, request_id: str, detail: str) -> None:
-        """An approved call that never ran (or may have run) because a process stopped: audited, and its cards
-        asked to be edited (again) so they say it too."""
+    def _hold_request(self, tx: Tx, request_id: str) -> None:
+        """Take ``request_id``'s row for the rest of ``tx`` (PostgreSQL: a row lock; SQLite's one writer already
+        holds the file's): what a transaction reads of its execution events after this, no other can change."""
+        if self.chain.postgres:
+            tx.one("SELECT 1 FROM approval_requests WHERE id = ? FOR UPDATE", (request_id,))
+
+    async def execution_starts(self, request_id: str, detail: str) -> str | None:
+        """An approved call is about to run: audited ``execution_started``, unless a recovery already reported it
+        as never run (``execution_lost``: its replica was judged gone while it waited, or paused, or cut off).
+        Then it must not run, since that report told people it will not: the refusal is audited in the same
+        transaction and the report's detail returned. None: it may run. One lock on the request's row orders
+        this against :meth:`execution_lost` on any replica."""
         at = self.clock()
 
-        def op(tx: Tx) -> None:
+        def op(tx: Tx) -> str | None:
+            self._hold_request(tx, request_id)
+            row = tx.one(
+                "SELECT detail FROM approval_events WHERE request_id = ? AND event = 'execution_lost'"
+                " ORDER BY seq DESC LIMIT 1",
+                (request_id,),
+            )
+            if row is not None:
+                reported = str(row[0] or "reported as not run")
+                self.chain.append(tx, request_id, "execution_refused", actor=None, platform=None, at=at,
+                                  args_hash=FROM_REQUEST, detail=f"{detail}: already reported: {reported}")  # fmt: skip
+                return reported
+            self.chain.append(tx, request_id, "execution_started", actor=None, platform=None, at=at,
+                              args_hash=FROM_REQUEST, detail=detail)  # fmt: skip
+            return None
+
+        return await self._write(op)
+
+    async def execution_lost(self, request_id: str, detail: str, *, unless_started: bool = False) -> bool:
+        """An approved call that never ran (or may have run) because a process stopped: audited, and its cards
+        asked to be edited (again) so they say it too. ``unless_started``: only if no execution of it was audited
+        (started, refused or reported) by the time this transaction holds the request, for the report that it
+        never ran: its replica, judged gone, may have started it meanwhile. Whether it was written."""
+        at = self.clock()
+
+        def op(tx: Tx) -> bool:
+            if unless_started:
+                self._hold_request(tx, request_id)
+                if (
+                    tx.one(
+                        "SELECT 1 FROM approval_events WHERE request_id = ?"
+                        " AND event IN ('execution_started', 'execution_lost', 'execution_refused') LIMIT 1",
+                        (request_id,),
+                    )
+                    is not None
+                ):
+                    return False
             self.chain.append(tx, request_id, "execution_lost", actor=None, platform=None, at=at,
                               args_hash=FROM_REQUEST, detail=detail)  # fmt: skip
             # Every card edited (again): settled_status set even on one not yet settled is what tells the bus
@@ -1332,8 +1377,9 @@ class ApprovalStore:
                 " settle_claimed_by = NULL, settled_status = 'approved' WHERE request_id = ?",
                 (request_id,),
             )
+            return True
 
-        await self._write(op)
+        return await self._write(op)
 
     async def execution_note(self, request_id: str) -> str | None:
         """What became of an approved call that a stopped process never ran (``execution_lost``'s detail), or None."""
