@@ -1291,6 +1291,7 @@ class ApprovalService:
         deadline: float | None = None
         first_failed: float | None = None  # when its first read failed (no read has succeeded yet)
         failed_reads = 0
+        failed_expiries = 0
         if cancel_with_waiter:
             self._turns[request_id] = None
         try:
@@ -1329,7 +1330,22 @@ class ApprovalService:
                 assert deadline is not None
                 remaining = deadline - self.clock()
                 if remaining <= 0:
-                    await watch.expire(lambda: self._expire(request_id))  # one compare-and-set for all waiters
+                    try:
+                        await watch.expire(lambda: self._expire(request_id))  # one compare-and-set for all waiters
+                    except store_errors() as exc:
+                        # The store refused the timeout for now (another process holds the write lock, the
+                        # database is unreachable): a press past the deadline loses, so nothing else can end it
+                        # now. It is tried again after the one backoff, woken at once by an ending seen here; this
+                        # raised the store's error out of the wait (the agent's turn ended in it, not "timeout").
+                        count_failure("approval_wait")
+                        log.warning("approvals.expire_failed", request_id=request_id, error=str(exc))
+                        pause = WAIT_READ_RETRY.delay(failed_expiries)
+                        failed_expiries += 1
+                        if give_up is not None:
+                            if give_up <= loop.time():
+                                raise TimeoutError(f"no outcome for {request_id} within {within} s") from exc
+                            pause = min(pause, give_up - loop.time())
+                        await until_set(watch.event, pause)
                     continue  # read again: the outcome that stands, shared with the other waiters
                 if give_up is not None:
                     left = give_up - loop.time()
