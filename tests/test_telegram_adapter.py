@@ -294,6 +294,22 @@ async def test_topics_bots_and_admins_are_read_from_telegrams_fields(
     assert (other.is_admin, other.from_bot, other.thread, other.author) == (False, True, "7", f"telegram:{MEMBER}")
 
 
+async def test_a_message_sent_on_behalf_of_a_chat_is_that_chats_and_nobodys_to_authorise(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
+) -> None:
+    # Telegram puts a fake user in "from" when a message is sent on behalf of a chat: GroupAnonymousBot (a bot) for
+    # the group's anonymous admins, whose messages were dropped as a bot's posts; "Telegram" (777000, no bot) for
+    # a linked channel, who was taken for a person.
+    _, recorder = adapter
+    fake.push_message(GROUP, ADMIN, "@kazma deploy it", on_behalf_of=GROUP)
+    anonymous = await recorder.next_inbound()
+    assert (anonymous.author, anonymous.from_bot, anonymous.is_admin) == (f"telegram:{GROUP}", False, False)
+    assert anonymous.author_name == f"Group {GROUP}"
+    fake.push_message(GROUP, ADMIN, "@kazma a post", on_behalf_of=-1009999)
+    channel = await recorder.next_inbound()
+    assert (channel.author, channel.from_bot, channel.is_admin) == ("telegram:-1009999", False, False)
+
+
 async def test_short_agent_names_are_mentions_even_where_telegram_makes_no_entity(
     fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder]
 ) -> None:

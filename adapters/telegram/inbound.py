@@ -48,10 +48,13 @@ def normalise(
         command = word.lower()
         body = text[len(value) :].strip()
     user = message.from_user
-    if user is not None:
+    if user is not None and message.sender_chat is None:
         author, author_name = actor(user.id), user.full_name or (user.username or str(user.id))
         from_bot, admin = user.is_bot, is_admin(user.id)
-    else:  # posted as a channel or anonymously: nobody we can authorise
+    else:
+        # Posted on behalf of a chat (an anonymous admin of this group, a linked channel): nobody we can authorise.
+        # Telegram then puts a fake user in "from" (GroupAnonymousBot, a bot: the message was dropped as a bot's
+        # post; or "Telegram", 777000, who would have been taken for a person).
         sender = message.sender_chat
         author = actor(sender.id if sender else "unknown")
         author_name = (sender.title or "") if sender else ""

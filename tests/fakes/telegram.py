@@ -274,6 +274,7 @@ class FakeMessage:
     reply_to: int | None = None  # the message this one replies to
     document: JsonDict | None = None  # a file sent with the message (Telegram's Document object)
     photo: list[JsonDict] | None = None  # a photo, in the sizes Telegram made of it
+    sender_chat: JsonDict | None = None  # sent on behalf of a chat (an anonymous admin, a linked channel)
 
     @property
     def from_bot(self) -> bool:
@@ -495,11 +496,22 @@ class FakeTelegram:
         thread_id: int | None = None,
         entities: list[JsonDict] | None = None,
         reply_to: int | str | None = None,
+        on_behalf_of: int | None = None,
     ) -> int:
-        """A user's message arrives in ``chat_id`` (a reply to ``reply_to`` when given); returns its message id."""
+        """A user's message arrives in ``chat_id`` (a reply to ``reply_to`` when given); returns its message id.
+        ``on_behalf_of``: sent on behalf of that chat, as Telegram sends it: ``sender_chat`` is the chat and
+        ``from`` a fake user (GroupAnonymousBot for the group's own anonymous admins, "Telegram" for a channel)."""
         user: JsonDict = {"id": user_id, "is_bot": is_bot, "first_name": first_name or f"User {user_id}"}
         if username:
             user["username"] = username
+        sender_chat: JsonDict | None = None
+        if on_behalf_of is not None:
+            sender_chat = self._chat_json(on_behalf_of, kind=None if on_behalf_of == chat_id else "channel")
+            user = (
+                {"id": 1087968824, "is_bot": True, "first_name": "Group", "username": "GroupAnonymousBot"}
+                if on_behalf_of == chat_id
+                else {"id": 777000, "is_bot": False, "first_name": "Telegram"}
+            )
         message = FakeMessage(
             chat_id=chat_id,
             message_id=self._new_message_id(chat_id),
@@ -512,6 +524,7 @@ class FakeTelegram:
             date=int(time.time()),
             thread_id=thread_id,
             reply_to=None if reply_to is None else int(reply_to),
+            sender_chat=sender_chat,
         )
         self._store(message)
         self._push_update({"message": self._message_json(message)})
@@ -694,6 +707,8 @@ class FakeTelegram:
             "chat": self._chat_json(message.chat_id),
             "from": message.sender,
         }
+        if message.sender_chat is not None:
+            body["sender_chat"] = message.sender_chat
         if message.document is not None or message.photo is not None:
             if message.document is not None:
                 body["document"] = message.document
