@@ -26,7 +26,7 @@ async def test_a_slow_press_refused_while_the_adapter_stops_is_still_told(
     bot, recorder = await make_adapter(press_timeout=0.2, stop_grace=WAIT)
     card = make_card({"path": "/tmp/x"})
     ref = await bot.post_card(card)
-    recorder.hold = asyncio.Event()
+    hold = recorder.hold = asyncio.Event()
     refusal = "You are not an approver for this request; nothing was recorded."
     recorder.result = PressResult(PressVerdict.REFUSED, refusal)
     query = fake.push_callback(GROUP, ref.message_id, MEMBER, card.button_data(Decision.APPROVE), username="mia")
@@ -36,7 +36,7 @@ async def test_a_slow_press_refused_while_the_adapter_stops_is_still_told(
 
     async def stop_receiving(self: TelegramAdapter) -> None:
         await receiving_stopped(self)
-        recorder.hold.set()  # the decision comes back as the stop starts draining the work in flight
+        hold.set()  # the decision comes back as the stop starts draining the work in flight
 
     bot._stop_receiving = stop_receiving.__get__(bot)  # type: ignore[method-assign]
     fake.script("sendMessage", Fault.too_many_requests(1))  # the notice waits its turn a second
