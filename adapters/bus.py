@@ -97,6 +97,7 @@ class Witnesses(Protocol):
 SAFETY_SCAN_SECONDS = 120.0
 # At stop, the card edits already asked for (a request ended as Kazma stops: an /mcp call withdrawn because
 # its connection goes with the process) get this long to be made; what is left is made at the next start.
+# The same seconds also bound a post or an edit a worker has under way as it stops (see FanOutBus.stop).
 STOP_SETTLE_SECONDS = 5.0
 
 
@@ -225,11 +226,18 @@ class FanOutBus:
         await asyncio.gather(*(one(name, single) for name, single in targets))
 
     async def stop(self) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + STOP_SETTLE_SECONDS
         await self._finish_settles(STOP_SETTLE_SECONDS)
         self._stopping = True
         for worker in self._workers.values():
             worker.kick.set()
-        await self._tasks.stop()
+        # Within what is left of those seconds, each worker ends after the post or edit it has under way (it looks
+        # at _stopping between them); one still busy then is cancelled. Cut off at once, a card the platform had
+        # already shown stayed unrecorded: posted again at the next start, or left showing its buttons.
+        late = await self._tasks.stop(grace=max(0.0, until - loop.time()), patience=self.platform_timeout)
+        if late:
+            log.warning("bus.stop_cut_work", platforms=sorted(t.get_name() for t in late))
         await asyncio.gather(*(self._stop_one(a) for a in self.adapters.values()))
 
     async def _finish_settles(self, seconds: float) -> None:

@@ -105,12 +105,17 @@ class Supervisor:
     # -- stopping --------------------------------------------------------------------------------
 
     async def wait(self, within: float | None = None) -> set[asyncio.Task[Any]]:
-        """Wait up to ``within`` seconds for the tasks running now; the ones still running after it."""
-        pending = self._others()
-        if not pending:
-            return set()
-        _, late = await asyncio.wait(pending, timeout=within)
-        return late
+        """Wait up to ``within`` seconds until no task is left, those started meanwhile included (a press decided
+        during a stop's grace starts the notice that tells its presser); the ones still running after it.
+        Waiting only for the tasks running when it began, a stop closed the platform under the notice."""
+        loop = asyncio.get_running_loop()
+        until = None if within is None else loop.time() + within
+        while pending := self._others():
+            left = None if until is None else until - loop.time()
+            if left is not None and left <= 0:
+                return {task for task in pending if not task.done()}
+            await asyncio.wait(pending, timeout=left)
+        return set()
 
     async def drain(self) -> None:
         """Wait until no task is left, those started meanwhile included."""
@@ -128,11 +133,20 @@ class Supervisor:
         """Let the tasks finish for ``grace`` seconds, then cancel the rest and wait for them to end (at most
         ``patience`` seconds; None: as long as they take). Returns the tasks it cancelled."""
         late = await self.wait(grace) if grace > 0 else self._others()
-        for task in late:
-            task.cancel()
-        if late:
-            await asyncio.wait(late, timeout=patience)
-        return late
+        cancelled: set[asyncio.Task[Any]] = set()
+        loop = asyncio.get_running_loop()
+        until = None if patience is None else loop.time() + patience
+        # Past the grace: what is still running is cancelled, and so is what a cancelled task starts as it ends.
+        while late:
+            for task in late - cancelled:
+                task.cancel()
+            cancelled |= late
+            left = None if until is None else until - loop.time()
+            if left is not None and left <= 0:
+                break
+            await asyncio.wait(late, timeout=left)
+            late = self._others()
+        return cancelled
 
     # -- the one failure path --------------------------------------------------------------------
 

@@ -291,10 +291,11 @@ class FakeMessage:
 class Fault:
     """A scripted failure, consumed by the next call of its method before normal handling."""
 
-    kind: Literal["status", "retry_after", "hang"]
+    kind: Literal["status", "retry_after", "hang", "answer_held"]
     status: int = 500
     retry_after: int = 1
     description: str = "Internal Server Error"
+    release: asyncio.Event | None = None
 
     @classmethod
     def server_error(cls, status: int = 500, description: str = "Internal Server Error") -> Fault:
@@ -308,6 +309,12 @@ class Fault:
     def hang(cls) -> Fault:
         """Never answer (until the fake stops)."""
         return cls("hang")
+
+    @classmethod
+    def answer_held(cls, release: asyncio.Event) -> Fault:
+        """Do the call (a post lands in its chat), then answer only once ``release`` is set: a slow answer that a
+        client which gives up meanwhile never reads, while what it asked for is done, as on Telegram."""
+        return cls("answer_held", release=release)
 
 
 @dataclass
@@ -749,12 +756,15 @@ class FakeTelegram:
             if self.latency:
                 await asyncio.sleep(self.latency)
             queue = self._faults.get(method.lower())
-            if queue:
+            held = queue.popleft() if queue and queue[0].kind == "answer_held" else None
+            if queue and held is None:
                 await self._apply_fault(queue.popleft())
             handler = self._methods().get(method.lower())
             if handler is None:
                 raise ApiError(404, "Not Found")
             result = await handler(params)
+            if held is not None and held.release is not None:
+                await held.release.wait()
         except ApiError as error:
             body: JsonDict = {"ok": False, "error_code": error.status, "description": error.description}
             if error.parameters:
