@@ -683,6 +683,25 @@ async def test_server_errors_are_retryable(fake: FakeSlack, adapter: SlackAdapte
     assert failure_count(site, "slack") == before + 1
 
 
+async def test_a_card_post_whose_answer_was_lost_is_not_posted_again_unmarked(
+    fake: FakeSlack, adapter: SlackAdapter
+) -> None:
+    """Slack posted the card and the connection dropped before its answer: the post fails (retryable), so the bus
+    posts it again marked as a repost, never a silent second copy with live buttons nobody settles."""
+    card = make_card({"command": "deploy"})
+    before = failure_count("card_post", "slack")
+    fake.fail("chat.postMessage", "lost")
+    with pytest.raises(PlatformError) as info:
+        await adapter.post_card(card)
+    assert (info.value.retryable, info.value.site) == (True, "card_post")
+    assert failure_count("card_post", "slack") == before + 1
+    assert len(fake.channel(HOME)) == 1  # the one Slack posted; nothing posted behind the bus's back
+    # Texts are not posted again by anyone else, so their client still repeats a post whose answer was lost.
+    fake.fail("chat.postMessage", "lost")
+    await adapter.send_text(HOME, "the agent's answer")
+    assert [m.text for m in fake.channel(HOME)][1:] == ["the agent's answer"] * 2
+
+
 async def test_a_hanging_slack_is_a_retryable_timeout(fake: FakeSlack, adapter: SlackAdapter) -> None:
     fake.fail("chat.postMessage", "hang")
     with pytest.raises(PlatformError) as info:
