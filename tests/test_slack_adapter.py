@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import socket
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import aiohttp
 import pytest
 
 from kazma.adapters.card_layout import cut_marker, outcome_line
@@ -322,6 +324,22 @@ async def test_forged_signatures_are_rejected_and_nothing_is_delivered(
     await recorder.signal.wait_until(lambda: len(recorder.inbound) >= 1)
     assert [m.text for m in recorder.inbound] == ["genuine"]
     assert recorder.presses == []
+
+
+async def test_a_timestamp_that_is_not_a_number_is_refused_like_any_unverified_request(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = json.dumps(fake.event_envelope(fake.message_event(channel=HOME, user=ADMIN, text="forged")))
+    headers = {"Content-Type": "application/json", "X-Slack-Request-Timestamp": "soon", "X-Slack-Signature": "v0=00"}
+    url = events_url(adapter)
+    with caplog.at_level(logging.ERROR):
+        async with aiohttp.ClientSession() as session, session.post(url, data=body, headers=headers) as response:
+            assert (response.status, await response.json()) == (401, {"error": "invalid request"})
+    assert [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR] == []
+    genuine = fake.message_event(channel=HOME, user=ADMIN, text="genuine")
+    assert (await fake.post_event(events_url(adapter), genuine)).status == 200
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) >= 1)
+    assert [m.text for m in recorder.inbound] == ["genuine"]
 
 
 async def test_url_verification_is_answered(fake: FakeSlack, adapter: SlackAdapter) -> None:
@@ -681,6 +699,25 @@ async def test_server_errors_are_retryable(fake: FakeSlack, adapter: SlackAdapte
         await operation()
     assert (info.value.retryable, info.value.site) == (True, site)
     assert failure_count(site, "slack") == before + 1
+
+
+async def test_a_card_post_whose_answer_was_lost_is_not_posted_again_unmarked(
+    fake: FakeSlack, adapter: SlackAdapter
+) -> None:
+    """Slack posted the card and the connection dropped before its answer: the post fails (retryable), so the bus
+    posts it again marked as a repost, never a silent second copy with live buttons nobody settles."""
+    card = make_card({"command": "deploy"})
+    before = failure_count("card_post", "slack")
+    fake.fail("chat.postMessage", "lost")
+    with pytest.raises(PlatformError) as info:
+        await adapter.post_card(card)
+    assert (info.value.retryable, info.value.site) == (True, "card_post")
+    assert failure_count("card_post", "slack") == before + 1
+    assert len(fake.channel(HOME)) == 1  # the one Slack posted; nothing posted behind the bus's back
+    # Texts are not posted again by anyone else, so their client still repeats a post whose answer was lost.
+    fake.fail("chat.postMessage", "lost")
+    await adapter.send_text(HOME, "the agent's answer")
+    assert [m.text for m in fake.channel(HOME)][1:] == ["the agent's answer"] * 2
 
 
 async def test_a_hanging_slack_is_a_retryable_timeout(fake: FakeSlack, adapter: SlackAdapter) -> None:

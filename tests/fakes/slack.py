@@ -77,7 +77,7 @@ METHOD_SCOPES = {
     "files.completeUploadExternal": "files:write",
 }
 
-FaultKind = Literal["500", "429", "hang", "error"]
+FaultKind = Literal["500", "429", "hang", "error", "lost"]
 
 
 @dataclass(frozen=True)
@@ -348,7 +348,8 @@ class FakeSlack:
 
         ``500``: an HTTP 500 with a text body. ``429``: ``ratelimited`` with a ``Retry-After``
         header. ``hang``: no answer until :meth:`release_hangs` or :meth:`stop`. ``error``: HTTP
-        200 with ``{"ok": false, "error": error}``.
+        200 with ``{"ok": false, "error": error}``. ``lost``: the call is carried out, then the connection
+        drops before its answer is written (the client cannot know whether it happened).
         """
         self._faults.setdefault(method, []).append(Fault(kind, times, retry_after, error))
 
@@ -439,7 +440,7 @@ class FakeSlack:
             return web.json_response({"ok": False, "error": "invalid_auth"})
         granted = {"x-oauth-scopes": ",".join(self.scopes)} if token == self.bot_token else {}
         fault = self._take_fault(method)
-        if fault is not None:
+        if fault is not None and fault.kind != "lost":
             return await self._fault(fault, record)
         needed = METHOD_SCOPES.get(method)
         if token == self.bot_token and needed is not None and needed not in self.scopes:
@@ -456,6 +457,10 @@ class FakeSlack:
             record(error=refusal.error)
             return web.json_response({"ok": False, "error": refusal.error, **refusal.extra}, headers=granted)
         record()
+        if fault is not None:  # "lost": done, and the connection drops before the answer is written
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response(status=200)  # never reaches the client
         return web.json_response({"ok": True, **result}, headers=granted)
 
     async def _fault(self, fault: Fault, record: Callable[[int, str | None], None]) -> web.StreamResponse:
