@@ -598,6 +598,44 @@ async def test_a_replacement_room_the_homeserver_failed_to_join_once_is_joined_w
     assert await texts_arrived(harness, 2) == ["before the upgrade", "in the replacement"]
 
 
+async def test_a_replacement_room_the_homeserver_never_joins_holds_the_sync_for_a_bounded_number_of_tries(
+    harness: MatrixHarness,
+) -> None:
+    # The join at a tombstone is tried again with the batch while it fails with a 5xx: one that fails for ever (the
+    # replacement's only server down: "Failed to make_join via any server", a 502) held every room's later events
+    # behind the tombstone for ever, as a card the homeserver never shows did. After upgrade_join_tries the
+    # tombstone is passed by (the room served as its replacement all the same), counted.
+    alice, bot = harness.people[harness.admin], harness.bot
+
+    def make_room() -> str:
+        room = alice.create_room(invite=[bot.user_id], name="public, to be upgraded", public=True)
+        bot.join(room)
+        return room
+
+    room = await asyncio.to_thread(make_room)
+    adapter = await harness.start(chats=[harness.home, room])
+    assert isinstance(adapter, MatrixAdapter)
+    adapter.upgrade_join_tries = 2
+    await harness.say(room, harness.admin, "before the upgrade")
+    await texts_arrived(harness, 1)
+    before = failure_count("matrix_upgrade_join_failed", "matrix")
+    harness.proxy.fail("POST", JOIN, 502, times=1_000)
+
+    def upgrade() -> str:
+        upgraded = alice.request("POST", f"/_matrix/client/v3/rooms/{quote(room)}/upgrade", {"new_version": "10"})
+        return str(upgraded["replacement_room"])
+
+    new = await asyncio.to_thread(upgrade)
+    async with asyncio.timeout(60):  # the batch with the tombstone, then once again (tries: 2), then passed by
+        while failure_count("matrix_upgrade_join_failed", "matrix") == before:
+            await asyncio.sleep(0.1)
+    await harness.say(harness.home, harness.admin, "after the upgrade")
+    assert await texts_arrived(harness, 2, timeout=60) == ["before the upgrade", "after the upgrade"]
+    assert harness.proxy.count("POST", JOIN) == 2  # not tried again: the sync has moved past the tombstone
+    assert adapter.moved_to(room) == new
+    assert failure_count("matrix_upgrade_join_failed", "matrix") == before + 1
+
+
 async def test_an_upgraded_room_is_served_as_its_replacement(harness: MatrixHarness) -> None:
     alice, bot = harness.people[harness.admin], harness.bot
 

@@ -97,6 +97,9 @@ DECISION_WAIT_SECONDS: Final = 30.0
 # passes that reaction by (counted): with the sync's backoff, about two minutes. A card event the homeserver can never
 # serve would otherwise hold every room's later events behind it for ever.
 CARD_READ_TRIES: Final = 8
+# The same bound for the join of an upgraded room's replacement that fails with a 5xx or no answer (its only server
+# down: "Failed to make_join via any server"): then the tombstone is passed by, counted, and the bot joins at an invite.
+UPGRADE_JOIN_TRIES: Final = 8
 
 
 class _Notice:
@@ -138,6 +141,8 @@ class MatrixAdapter(PlatformBase):
         self.decision_wait = DECISION_WAIT_SECONDS
         self.card_read_tries = CARD_READ_TRIES
         self._card_read_failures: dict[str, int] = {}  # card event -> reads that failed and may pass (see above)
+        self.upgrade_join_tries = UPGRADE_JOIN_TRIES
+        self._join_failures: dict[str, int] = {}  # replacement room -> joins at its tombstone that failed and may pass
         self._client: ClientAPI | None = None
         self.user_id = ""
         self._direct: set[str] = set()  # rooms that are direct chats of the bot's account (m.direct)
@@ -452,9 +457,20 @@ class MatrixAdapter(PlatformBase):
             await self.call("join", None, self._joiner(client, replacement))
         except PlatformError as exc:
             if exc.retryable:  # a 5xx, no answer: the batch comes again with the tombstone, and the join is tried again
-                raise
+                failed = self._join_failures.get(replacement, 0) + 1
+                if failed < self.upgrade_join_tries:
+                    self._join_failures[replacement] = failed
+                    raise
+                # Up to upgrade_join_tries: a join that never works would hold every later event behind the
+                # tombstone for ever. The room stays served as its replacement; the bot joins it at an invite.
+                self._join_failures.pop(replacement, None)
+                count_failure("matrix_upgrade_join_failed", PLATFORM)
+                log.error("matrix.upgrade_join_failed", room=room, replacement=replacement, tries=failed,
+                          error=str(exc))  # fmt: skip
+                return
             log.info("matrix.upgrade_join_waits_for_invite", room=room, replacement=replacement, error=str(exc))
             return
+        self._join_failures.pop(replacement, None)
         log.info("matrix.joined", room=replacement, upgraded_from=room)
 
     async def _encrypted(self, room: str) -> None:
