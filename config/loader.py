@@ -53,7 +53,8 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
     seen: dict[Any, Any] = {}
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=deep)
-        if isinstance(key, list | dict):  # "? [a]": YAML allows it, no setting is named so (and it is unhashable)
+        if isinstance(key, list | dict | set):  # "? [a]", "? !!set {a}": YAML allows them, no setting is named so
+            # (and they are unhashable)
             mark = key_node.start_mark
             raise yaml.constructor.ConstructorError(None, None, f"a key must be a name, got {_kind(key)}", mark)
         if key in seen:
@@ -222,6 +223,8 @@ def _kind(value: Any) -> str:
         return "a mapping"
     if isinstance(value, list):
         return "a list"
+    if isinstance(value, set):
+        return "a set"
     if isinstance(value, str):
         return f"the text {_show(value)}"
     return f"{type(value).__name__} {_show(value)}"

@@ -191,6 +191,12 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         ["kazma.yaml: line 1, column 3: invalid YAML: a key must be a name, got a list"],
     ),
     (
+        "a set as a key",  # a traceback: the set is unhashable too (YAML's !!set tag, which SafeLoader builds)
+        "platforms:\n  ? !!set {web: null}\n  : 1\n",
+        {},
+        ["kazma.yaml: line 2, column 5: invalid YAML: a key must be a name, got a set"],
+    ),
+    (
         "a NUL in a path and a token",  # "value error, embedded null byte", at no key
         'tools: {workspace_root: "ws\\0x"}\nplatforms: {telegram: {token: "12:\\0"}}\n',
         {},
