@@ -56,13 +56,28 @@ def reviewed_by(config: KazmaConfig, reviews: Sequence[Review]) -> set[str]:
     return {r.reviewer for r in reviews} | {person_key(config.people, r.actor) for r in reviews}
 
 
+def _by_person(config: KazmaConfig, reviews: Sequence[Review], decision: Decision) -> tuple[str, ...]:
+    """The reviews making ``decision``, one per person as the store counts them (whose each identity is now, else
+    who it was recorded as): "alice on Telegram", "bob on Slack and the web", in the order they came."""
+    doors: dict[str, list[str]] = {}
+    for review in reviews:
+        if review.decision is not decision:
+            continue
+        who = config.roster.person_of(review.actor) or review.reviewer
+        seen = doors.setdefault(who, [])
+        title = door_title(review.platform)
+        if title not in seen:
+            seen.append(title)
+    return tuple(f"{who} on {' and '.join(titles)}" for who, titles in doors.items())
+
+
 def progress_of(config: KazmaConfig, request: ApprovalRequest, reviews: Sequence[Review]) -> Progress | None:
     """``request``'s progress (None when one press decides it: its card says nothing new)."""
     if request.approve_needed == 1 and request.deny_needed == 1:
         return None
     policy = config.policy(request.policy or DEFAULT_POLICY)
-    approvals = tuple(f"{r.reviewer} on {door_title(r.platform)}" for r in reviews if r.decision is Decision.APPROVE)
-    denials = tuple(f"{r.reviewer} on {door_title(r.platform)}" for r in reviews if r.decision is Decision.DENY)
+    approvals = _by_person(config, reviews, Decision.APPROVE)
+    denials = _by_person(config, reviews, Decision.DENY)
     waiting: list[str] = []
     if policy is not None and request.status.value == "pending":
         reviewed = reviewed_by(config, reviews)

@@ -163,6 +163,36 @@ async def test_an_identity_linked_to_its_person_after_it_reviewed_counts_for_tha
         assert [(r.reviewer, r.actor) for r in reviews] == [("telegram:999", "telegram:999"), ("bob", "telegram:333")]
 
 
+_THREE_UNLINKED = POLICY_PEOPLE_YAML.replace(
+    "approvers: [alice, bob, carol, dave, erin]",
+    "approvers: [alice, bob, carol, dave, erin, 'telegram:998', 'telegram:999']",
+).replace("two: {approve: 2}", "two: {approve: 3}")
+_THREE_LINKED = _THREE_UNLINKED.replace("alice: {telegram: 111,", "alice: {telegram: [111, 998, 999],")
+
+
+async def test_the_progress_counts_reviews_by_person_as_the_store_does(store_engine: Engine) -> None:
+    """Two identities reviewed while nobody's, both linked to alice since: the store counts them as one person,
+    so bob's approval is the second of three. The card and bob's answer said "3 of 3 approvals" (one per review
+    row) while the call still waited for a third person."""
+    unlinked, linked = load_config_text(_THREE_UNLINKED).config, load_config_text(_THREE_LINKED).config
+    async with approval_service(store_engine.where, config=unlinked, publisher=RecordingPublisher()) as service:
+        request = await service.open("shell", {"command": "rm -rf /srv"}, "agent:b", "telegram:-100", durable=True)
+        for actor in ("telegram:998", "telegram:999"):
+            pressed = await service.decide(request.id, Decision.APPROVE, actor=actor, platform="telegram")
+            assert pressed.verdict is PressVerdict.COUNTED
+    async with approval_service(store_engine.where, config=linked, publisher=RecordingPublisher()) as service:
+        progress = await service.progress(request.id)
+        assert progress is not None
+        assert progress.line().startswith("1 of 3 approvals: alice on Telegram;"), progress.line()
+        bobs = await service.decide(request.id, Decision.APPROVE, actor="telegram:333", platform="telegram")
+        assert bobs.verdict is PressVerdict.COUNTED
+        assert "2 of 3 approvals: alice on Telegram, bob on Telegram;" in bobs.message, bobs.message
+        assert (await service.store.get(request.id)).status is Status.PENDING  # type: ignore[union-attr]
+        progress = await service.progress(request.id)
+        assert progress is not None
+        assert progress.approvals == ("alice on Telegram", "bob on Telegram")
+
+
 async def test_a_denial_reaching_its_threshold_wins_over_later_approvals(tmp_path: Path) -> None:
     async with approval_service(tmp_path / "k.db", config=policy_config(), publisher=RecordingPublisher()) as service:
         request = await service.open("shell", {"command": "deploy"}, "agent:builder", "telegram:-100")
