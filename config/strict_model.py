@@ -23,16 +23,42 @@ def _numeric(annotation: Any) -> bool:
     return bool not in members and any(member in (int, float) for member in members)
 
 
+def _boolean_at(annotation: Any, value: Any, where: str) -> tuple[str, bool] | None:
+    """Where ``value``, read as ``annotation``, holds true/false for a number (and which): ``where`` itself, or an
+    item of a list or a mapping of numbers under it (``swarm.checkpoints.<pipeline>: [true]`` was a pause after
+    stage 1)."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return None  # a type with validators of its own (a Telegram chat id), which say what they expect
+    if isinstance(value, bool):
+        return (where, value) if _numeric(annotation) else None
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        members = [member for member in args if member is not type(None)]
+        return _boolean_at(members[0], value, where) if len(members) == 1 else None
+    homogeneous = origin in (list, set, frozenset) or (origin is tuple and len(args) == 2 and args[1] is Ellipsis)
+    if homogeneous and isinstance(value, list) and args:
+        for index, item in enumerate(value):
+            found = _boolean_at(args[0], item, f"{where}[{index}]")
+            if found is not None:
+                return found
+    elif origin is dict and isinstance(value, dict) and len(args) == 2:
+        for key, item in value.items():
+            found = _boolean_at(args[1], item, f"{where}.{key}")
+            if found is not None:
+                return found
+    return None
+
+
 @functools.cache
-def _numeric_keys(model: type[BaseModel]) -> frozenset[str]:
-    """The keys (names and aliases) of ``model``'s number fields."""
-    keys: set[str] = set()
+def _field_types(model: type[BaseModel]) -> dict[str, Any]:
+    """The keys (names and aliases) of ``model``'s fields, each with its type (what may hold a number)."""
+    keys: dict[str, Any] = {}
     for name, info in model.model_fields.items():
-        if _numeric(info.annotation):
-            keys.add(name)
-            if info.alias:
-                keys.add(info.alias)
-    return frozenset(keys)
+        keys[name] = info.annotation
+        if info.alias:
+            keys[info.alias] = info.annotation
+    return keys
 
 
 class StrictModel(BaseModel):
@@ -42,12 +68,16 @@ class StrictModel(BaseModel):
     @classmethod
     def _no_boolean_numbers(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            numeric = _numeric_keys(cls)
+            fields = _field_types(cls)
             for key, value in data.items():
-                if isinstance(value, bool) and key in numeric:
+                if key not in fields or isinstance(value, BaseModel):
+                    continue
+                found = _boolean_at(fields[key], value, str(key))
+                if found is not None:
+                    where, got = found
                     raise PydanticCustomError(
                         "kazma_number",
                         "expected a number, got {got}",
-                        {"got": "true" if value else "false", "subpath": key},
+                        {"got": "true" if got else "false", "subpath": where},
                     )
         return data

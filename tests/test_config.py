@@ -185,6 +185,13 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         ["kazma.yaml: audit.sink.timeout_seconds: expected a number, got true"],
     ),
     (
+        "true for a number in a list of numbers",  # read as 1: a pause after stage 1
+        "agents: {workers: {a: {system_prompt: x}, b: {system_prompt: y}}}\npipelines: {p: [a, b]}\n"
+        "swarm: {checkpoints: {p: [true]}}\n",
+        {},
+        ["kazma.yaml: swarm.checkpoints.p[0]: expected a number, got true"],
+    ),
+    (
         "a list as a key",  # a traceback: the list is unhashable
         "? [web]\n: 1\n",
         {},
