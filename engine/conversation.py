@@ -87,8 +87,9 @@ class _Dispatch:
 def turn_failed_text(exc: BaseException) -> str:
     """What a person is told of a turn that failed inside Kazma (not the model's or a tool's failure: those are
     the turn's own result)."""
+    # The error's own text stays in the log: in a group everyone would read it (paths, statements, addresses).
     return (
-        f"Kazma failed while working on this ({type(exc).__name__}: {str(exc)[:200]}); nothing more will come of "
+        f"Kazma failed while working on this (an internal error, {type(exc).__name__}); nothing more will come of "
         "it. It is logged; please try again."
     )
 
