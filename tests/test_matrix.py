@@ -492,6 +492,26 @@ async def test_an_invite_whose_join_failed_once_is_joined_when_the_batch_comes_a
     assert harness.proxy.count("POST", r"/join$") == 2
 
 
+async def test_an_invite_whose_join_never_works_holds_the_sync_for_a_bounded_number_of_tries(
+    harness: MatrixHarness,
+) -> None:
+    # A join failing with a 5xx for ever (the room's only server down) failed the batch for ever: every room's
+    # later events waited behind the invite. After upgrade_join_tries the invite is passed by, counted.
+    alice = harness.people[harness.admin]
+    room = await asyncio.to_thread(alice.create_room, name="served, its server down")
+    adapter = await harness.start(chats=[harness.home, room])
+    assert isinstance(adapter, MatrixAdapter)
+    adapter.upgrade_join_tries = 2
+    before = failure_count("matrix_invite_join_failed", "matrix")
+    harness.proxy.fail("POST", r"/join$", 502, times=1_000)
+    path = f"/_matrix/client/v3/rooms/{quote(room)}/invite"
+    await asyncio.to_thread(alice.request, "POST", path, {"user_id": harness.bot.user_id})
+    await harness.say(harness.home, harness.admin, "after the invite")
+    assert await texts_arrived(harness, 1, timeout=60) == ["after the invite"]
+    assert harness.proxy.count("POST", r"/join$") == 2
+    assert failure_count("matrix_invite_join_failed", "matrix") == before + 1
+
+
 async def test_an_invite_seen_at_the_first_start_whose_join_failed_once_is_joined(harness: MatrixHarness) -> None:
     """The first start's sync is the only one that shows an invite made before it: a join that fails there is
     tried again before the position moves past that sync."""

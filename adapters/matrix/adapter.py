@@ -365,9 +365,20 @@ class MatrixAdapter(PlatformBase):
                 await self.call("join", None, self._joiner(client, str(room)))
             except PlatformError as exc:
                 if exc.retryable:  # the batch comes again with the invite in it: a sync shows an invite once
-                    raise
+                    failed = self._join_failures.get(str(room), 0) + 1
+                    if failed < self.upgrade_join_tries:
+                        self._join_failures[str(room)] = failed
+                        raise
+                    # As many tries as an upgrade's join: one that never works held every room's later events
+                    # behind this invite for ever. Passed by, said and counted: the room must invite the bot again.
+                    self._join_failures.pop(str(room), None)
+                    count_failure("matrix_invite_join_failed", PLATFORM)
+                    log.error("matrix.invite_join_failed", room=room, inviter=inviter, tries=failed, error=str(exc),
+                              detail="invite the bot again once the room's server answers")  # fmt: skip
+                    continue
                 log.warning("matrix.join_refused", room=room, inviter=inviter, error=str(exc))
                 continue
+            self._join_failures.pop(str(room), None)
             if direct and not listed:
                 await self._remember_direct(client, inviter, room)
             log.info("matrix.joined", room=room, inviter=inviter, direct=direct)
