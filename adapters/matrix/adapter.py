@@ -102,6 +102,26 @@ CARD_READ_TRIES: Final = 8
 UPGRADE_JOIN_TRIES: Final = 8
 
 
+class _Tries:
+    """Failures that may pass (a 5xx, no answer), counted per thing (a card event, a room's join): the batch comes
+    again for it until ``limit`` tries, then it is passed by, so that one thing never holds every later event."""
+
+    def __init__(self) -> None:
+        self._failed: dict[str, int] = {}
+
+    def again(self, key: str, limit: int) -> int | None:
+        """None: take the batch again for ``key``; else its tries, now given up (and forgotten)."""
+        failed = self._failed.get(key, 0) + 1
+        if failed < limit:
+            self._failed[key] = failed
+            return None
+        self._failed.pop(key, None)
+        return failed
+
+    def forget(self, key: str) -> None:
+        self._failed.pop(key, None)
+
+
 class _Notice:
     """The answer to a press: Matrix has no private message in a room, so a notice replies to the card and
     mentions the presser alone (``m.mentions``), which notifies them and nobody else."""
@@ -140,9 +160,9 @@ class MatrixAdapter(PlatformBase):
         self.poll_timeout = poll_timeout
         self.decision_wait = DECISION_WAIT_SECONDS
         self.card_read_tries = CARD_READ_TRIES
-        self._card_read_failures: dict[str, int] = {}  # card event -> reads that failed and may pass (see above)
+        self._card_read_failures = _Tries()  # card events whose reads failed and may pass (see above)
         self.upgrade_join_tries = UPGRADE_JOIN_TRIES
-        self._join_failures: dict[str, int] = {}  # replacement room -> joins at its tombstone that failed and may pass
+        self._join_failures = _Tries()  # rooms whose joins (an invite's, an upgrade's) failed and may pass
         self._client: ClientAPI | None = None
         self.user_id = ""
         self._direct: set[str] = set()  # rooms that are direct chats of the bot's account (m.direct)
@@ -365,20 +385,18 @@ class MatrixAdapter(PlatformBase):
                 await self.call("join", None, self._joiner(client, str(room)))
             except PlatformError as exc:
                 if exc.retryable:  # the batch comes again with the invite in it: a sync shows an invite once
-                    failed = self._join_failures.get(str(room), 0) + 1
-                    if failed < self.upgrade_join_tries:
-                        self._join_failures[str(room)] = failed
+                    failed = self._join_failures.again(str(room), self.upgrade_join_tries)
+                    if failed is None:
                         raise
                     # As many tries as an upgrade's join: one that never works held every room's later events
                     # behind this invite for ever. Passed by, said and counted: the room must invite the bot again.
-                    self._join_failures.pop(str(room), None)
                     count_failure("matrix_invite_join_failed", PLATFORM)
                     log.error("matrix.invite_join_failed", room=room, inviter=inviter, tries=failed, error=str(exc),
                               detail="invite the bot again once the room's server answers")  # fmt: skip
                     continue
                 log.warning("matrix.join_refused", room=room, inviter=inviter, error=str(exc))
                 continue
-            self._join_failures.pop(str(room), None)
+            self._join_failures.forget(str(room))
             if direct and not listed:
                 await self._remember_direct(client, inviter, room)
             log.info("matrix.joined", room=room, inviter=inviter, direct=direct)
@@ -468,20 +486,18 @@ class MatrixAdapter(PlatformBase):
             await self.call("join", None, self._joiner(client, replacement))
         except PlatformError as exc:
             if exc.retryable:  # a 5xx, no answer: the batch comes again with the tombstone, and the join is tried again
-                failed = self._join_failures.get(replacement, 0) + 1
-                if failed < self.upgrade_join_tries:
-                    self._join_failures[replacement] = failed
+                failed = self._join_failures.again(replacement, self.upgrade_join_tries)
+                if failed is None:
                     raise
                 # Up to upgrade_join_tries: a join that never works would hold every later event behind the
                 # tombstone for ever. The room stays served as its replacement; the bot joins it at an invite.
-                self._join_failures.pop(replacement, None)
                 count_failure("matrix_upgrade_join_failed", PLATFORM)
                 log.error("matrix.upgrade_join_failed", room=room, replacement=replacement, tries=failed,
                           error=str(exc))  # fmt: skip
                 return
             log.info("matrix.upgrade_join_waits_for_invite", room=room, replacement=replacement, error=str(exc))
             return
-        self._join_failures.pop(replacement, None)
+        self._join_failures.forget(replacement)
         log.info("matrix.joined", room=replacement, upgraded_from=room)
 
     async def _encrypted(self, room: str) -> None:
@@ -513,16 +529,14 @@ class MatrixAdapter(PlatformBase):
         except PlatformError as exc:
             if not exc.retryable:
                 return {}
-            failed = self._card_read_failures.get(event_id, 0) + 1
-            if failed < self.card_read_tries:
-                self._card_read_failures[event_id] = failed
+            failed = self._card_read_failures.again(event_id, self.card_read_tries)
+            if failed is None:
                 raise
             # The press is lost (its presser can press again once the homeserver serves the card): said and counted.
-            self._card_read_failures.pop(event_id, None)
             count_failure("matrix_press_card_unreadable", PLATFORM)
             log.error("matrix.press_card_unreadable", room=room, card=event_id, tries=failed, error=str(exc))
             return {}
-        self._card_read_failures.pop(event_id, None)
+        self._card_read_failures.forget(event_id)
         if event.get("sender") != self.user_id:
             return {}
         listed = (event.get("content") or {}).get(CHOICES_KEY)
