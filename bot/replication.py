@@ -138,8 +138,11 @@ class Replication:
         )
         self._tasks = Supervisor("replica_task")  # card edits another replica's decision asked for
         self.absence = self.lease.timing.takeover_bound  # missing this long: gone (see settled_live)
-        self._first_look: float | None = None
-        self._seen: dict[str, float] = {}
+        self.clock: Callable[[], float] = time.monotonic
+        self._first_look: float | None = None  # when the looks this replica judges by began
+        self._last_look: float | None = None
+        self._missing: dict[str, float] = {}  # a replica seen, missing from every look since this one
+        self._seen: set[str] = set()
         self._stopping = False
 
     @property
@@ -167,26 +170,39 @@ class Replication:
     async def live(self) -> set[str]:
         """The replicas alive now (this one included, even while its lease connection reconnects)."""
         current = {*await live_replicas(self.store.pool), self.replica}
-        now = time.monotonic()
-        if self._first_look is None:
+        now = self.clock()
+        if self._last_look is None or now - self._last_look > self.absence:
+            # No look for longer than a replica may be missing while it reconnects: what the earlier looks saw says
+            # nothing of how long one missing now has been missing. The looks begin again.
             self._first_look = now
+            self._missing.clear()
+            self._seen.clear()
+        self._last_look = now
         for name in current:
-            self._seen[name] = now
+            self._missing.pop(name, None)
+        for name in self._seen - current:
+            self._missing.setdefault(name, now)
+        self._seen |= current
         return current
 
     async def settled_live(self) -> set[str] | None:
         """The replicas to count as alive when judging what others left behind; None: too early to judge.
 
         A lease session drops and comes back in the ordinary course (a slow check, a server restart), so a
-        replica missing from one look may only be reconnecting. It counts as gone once it has been missing
-        for longer than the lease's own takeover bound — and not before this replica has looked that long.
+        replica missing from one look may only be reconnecting. It counts as gone once it has been missing from
+        every look for longer than the lease's own takeover bound — and not before this replica has looked that
+        long, without a pause as long: a replica seen at a look long ago and missing now may have been there until
+        a moment ago (a follower looks only now and then; its last sighting said nothing of the time since).
         """
         current = await self.live()
-        now = time.monotonic()
+        now = self.clock()
         assert self._first_look is not None
         if now - self._first_look < self.absence:
             return None
-        return current | {name for name, seen in self._seen.items() if now - seen <= self.absence}
+        for name in [n for n, since in self._missing.items() if now - since >= self.absence]:
+            del self._missing[name]  # gone: from here it is simply not among the live
+            self._seen.discard(name)
+        return current | set(self._missing)
 
     async def recover_gone(self, live: set[str]) -> Recovery:
         """The approvals' part of recovery among replicas: what replicas not in ``live`` left behind.

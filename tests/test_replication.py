@@ -27,6 +27,7 @@ from kazma.bot.replication import Replication
 from kazma.bot.store import pg_migrations
 from kazma.config.store.leader import LeaseTiming
 from kazma.config.store.postgres import PgStore, open_pg_store
+from kazma.config.store.replicas import live_replicas
 from tests.approvals_support import approvals_config
 from tests.test_bus import MemoryPlatform
 
@@ -256,6 +257,53 @@ async def test_a_replica_counts_as_gone_only_after_missing_longer_than_the_lease
         await until(lambda: _live_now(a.replication, {"a"}), timeout=5)
         assert await a.replication.settled_live() == {"a", "b"}
         await until(lambda: _settled(a.replication, {"a"}), timeout=15)
+
+
+async def test_a_replica_missing_a_moment_is_not_gone_however_long_ago_the_last_look_was(dsn: str) -> None:
+    """The leader judges what gone replicas left by who has been missing longer than the takeover bound. A replica
+    that looked once (a follower's inbound claim) and not again until it led counted one missing at that moment as
+    gone at once: its last sighting was old, though it said nothing of the time since. The missing one's pending
+    requests were cancelled and its running calls marked lost while it lived (its lease session reconnected)."""
+    platforms = [MemoryPlatform("telegram")]
+    now = [1000.0]
+    async with replica(dsn, "a", platforms) as a, replica(dsn, "b", platforms) as b:
+        b.replication.clock = lambda: now[0]
+        request = await a.service.open("shell", {"command": "ls"}, "agent:b", "web:c")
+        assert await b.replication.live() == {"a", "b"}  # one look, long before the next
+        now[0] += 10 * b.replication.absence
+        await a.replication.lease.stop()  # a's lease session drops (as when it reconnects)
+        await until(lambda: _not_listed(b.store, "a"))
+        live = await b.replication.settled_live()
+        if live is not None:  # what the leader's sweep does with it
+            await b.replication.recover_gone(live)
+        assert live is None  # missing from the first look after so long: too early to say for how long
+        pending = await b.approvals.get(request.id)
+        assert pending is not None
+        assert pending.status is Status.PENDING
+        now[0] += 0.6 * b.replication.absence
+        assert await b.replication.settled_live() is None
+        now[0] += 0.6 * b.replication.absence
+        assert await b.replication.settled_live() == {"b"}  # missing from every look for longer: gone
+        a.replication.lease.start()
+        await until(lambda: _listed(b.store, "a"))
+        now[0] += 0.6 * b.replication.absence
+        assert await b.replication.settled_live() == {"a", "b"}  # back
+        await a.replication.lease.stop()
+        await until(lambda: _not_listed(b.store, "a"))
+        now[0] += 0.6 * b.replication.absence
+        assert await b.replication.settled_live() == {"a", "b"}  # missing from one look: maybe reconnecting
+        now[0] += 0.6 * b.replication.absence
+        assert await b.replication.settled_live() == {"a", "b"}  # missing for less than the bound since
+        now[0] += 0.6 * b.replication.absence
+        assert await b.replication.settled_live() == {"b"}
+
+
+async def _listed(store: PgStore, name: str) -> bool:
+    return name in await live_replicas(store.pool)
+
+
+async def _not_listed(store: PgStore, name: str) -> bool:
+    return name not in await live_replicas(store.pool)
 
 
 async def _settled(replication: Replication, expected: set[str]) -> bool:
