@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
+from typing import Any, Final, NamedTuple, Protocol, cast, runtime_checkable
 
 import structlog
 
@@ -158,6 +158,10 @@ class OpenGate(Protocol):
     def opened(self, tx: Tx, request_id: str, audit: AuditChain) -> None:
         """After the request's rows: the door's own rows of it (its audit events through ``audit``)."""
         ...
+
+
+# Orphans a recovery cancels together (one group commit a batch), as kazma.approvals.orphans.BATCH at a start.
+RECOVER_BATCH: Final = 200
 
 
 class CardLocation(NamedTuple):
@@ -1502,16 +1506,12 @@ class ApprovalService:
         ``orphans=False``: the pending ones are left to :class:`kazma.approvals.orphans.Orphans`.
         """
         cancelled: list[ApprovalRequest] = []
-        for request in await self.store.orphans(live) if orphans else ():
-            if request.waits is Waits.CONNECTION:  # an /mcp call whose connection died with that process
-                reason = withdrawn(Gone.RESTARTED if live is None else Gone.REPLICA_STOPPED)
-            else:
-                reason = RESTARTED if live is None else REPLICA_GONE
-            won, after = await self.store.finish(request.id, Status.CANCELLED, actor=None, platform=None, reason=reason)
-            if won and after is not None:
-                count_decided("cancelled", "", "")
-                log.warning("approvals.orphan_cancelled", request_id=request.id, tool=request.tool)
-                cancelled.append(after)
+        found = await self.store.orphans(live) if orphans else []
+        # Written together in batches (group commit), as a start's Orphans does: one commit each held the leader's
+        # sweep 2.4 s for a dead replica's 500 (about 50 s for 10,000), every card waiting for the last.
+        for start in range(0, len(found), RECOVER_BATCH):
+            ended = await asyncio.gather(*(self._cancel_orphan(r, live) for r in found[start : start + RECOVER_BATCH]))
+            cancelled.extend(after for after in ended if after is not None)
         never_ran: list[ApprovalRequest] = []
         unrunnable: dict[str, str] = {}
         may_have_run: list[ApprovalRequest] = []
@@ -1553,6 +1553,19 @@ class ApprovalService:
                 may_have_run.append(request)
             # else it ran to its end; only its audit row was lost with the process
         return Recovery(cancelled, never_ran, unrunnable, may_have_run)
+
+    async def _cancel_orphan(self, request: ApprovalRequest, live: Collection[str] | None) -> ApprovalRequest | None:
+        """``request``, left pending by a process that is gone, ended cancelled; None when something else ended it."""
+        if request.waits is Waits.CONNECTION:  # an /mcp call whose connection died with that process
+            reason = withdrawn(Gone.RESTARTED if live is None else Gone.REPLICA_STOPPED)
+        else:
+            reason = RESTARTED if live is None else REPLICA_GONE
+        won, after = await self.store.finish(request.id, Status.CANCELLED, actor=None, platform=None, reason=reason)
+        if not won or after is None:
+            return None
+        count_decided("cancelled", "", "")
+        log.warning("approvals.orphan_cancelled", request_id=request.id, tool=request.tool)
+        return after
 
     async def _execution_lost(self, request_id: str, detail: str, *, unless_started: bool = False) -> bool | None:
         """Audit what became of an approved call a stopped process did not finish, and have its cards say it.
