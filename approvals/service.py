@@ -1490,7 +1490,9 @@ class ApprovalService:
         assert outcome is not None
         return outcome
 
-    async def recover(self, live: Collection[str] | None = None, *, orphans: bool = True) -> Recovery:
+    async def recover(
+        self, live: Collection[str] | None = None, *, orphans: bool = True, batch: int = RECOVER_BATCH
+    ) -> Recovery:
         """At start, before any platform: end what the process that died left hanging, and say so.
 
         Every pending request whose waiter died with that process ends
@@ -1503,14 +1505,15 @@ class ApprovalService:
 
         With several replicas on one database (``live``: the replicas alive now), only what a replica that
         is gone left behind: the leader runs this when it takes the lease and at every sweep.
-        ``orphans=False``: the pending ones are left to :class:`kazma.approvals.orphans.Orphans`.
+        ``orphans=False``: the pending ones are left to :class:`kazma.approvals.orphans.Orphans`. ``batch``: how
+        many are cancelled together (``bench/recover_orphans.py`` sets 1, one commit each, to compare).
         """
         cancelled: list[ApprovalRequest] = []
         found = await self.store.orphans(live) if orphans else []
         # Written together in batches (group commit), as a start's Orphans does: one commit each held the leader's
         # sweep 2.4 s for a dead replica's 500 (about 50 s for 10,000), every card waiting for the last.
-        for start in range(0, len(found), RECOVER_BATCH):
-            ended = await asyncio.gather(*(self._cancel_orphan(r, live) for r in found[start : start + RECOVER_BATCH]))
+        for start in range(0, len(found), batch):
+            ended = await asyncio.gather(*(self._cancel_orphan(r, live) for r in found[start : start + batch]))
             cancelled.extend(after for after in ended if after is not None)
         never_ran: list[ApprovalRequest] = []
         unrunnable: dict[str, str] = {}
