@@ -581,11 +581,8 @@ async def test_a_notice_is_a_bots_message(harness: MatrixHarness) -> None:
 JOIN = r"/rooms/[^/]+/join$"
 
 
-async def test_a_replacement_room_the_homeserver_failed_to_join_once_is_joined_when_the_batch_comes_again(
-    harness: MatrixHarness,
-) -> None:
-    # A public room's replacement needs no invite: the join at the tombstone is the only one. A 5xx there was taken
-    # for "not invited yet" and the bot never joined the room it now served.
+async def served_public_room(harness: MatrixHarness) -> tuple[MatrixAdapter, str]:
+    """A public room the bot is in and serves (its replacement needs no invite), one message in it taken in."""
     alice, bot = harness.people[harness.admin], harness.bot
 
     def make_room() -> str:
@@ -595,15 +592,28 @@ async def test_a_replacement_room_the_homeserver_failed_to_join_once_is_joined_w
 
     room = await asyncio.to_thread(make_room)
     adapter = await harness.start(chats=[harness.home, room])
+    assert isinstance(adapter, MatrixAdapter)
     await harness.say(room, harness.admin, "before the upgrade")
     await texts_arrived(harness, 1)
+    return adapter, room
+
+
+async def upgraded(harness: MatrixHarness, room: str) -> str:
+    """``room`` upgraded by its admin: the replacement's id."""
+    path = f"/_matrix/client/v3/rooms/{quote(room)}/upgrade"
+    answer = await asyncio.to_thread(harness.people[harness.admin].request, "POST", path, {"new_version": "10"})
+    return str(answer["replacement_room"])
+
+
+async def test_a_replacement_room_the_homeserver_failed_to_join_once_is_joined_when_the_batch_comes_again(
+    harness: MatrixHarness,
+) -> None:
+    # A public room's replacement needs no invite: the join at the tombstone is the only one. A 5xx there was taken
+    # for "not invited yet" and the bot never joined the room it now served.
+    alice, bot = harness.people[harness.admin], harness.bot
+    adapter, room = await served_public_room(harness)
     harness.proxy.fail("POST", JOIN, 500, times=1)
-
-    def upgrade() -> str:
-        upgraded = alice.request("POST", f"/_matrix/client/v3/rooms/{quote(room)}/upgrade", {"new_version": "10"})
-        return str(upgraded["replacement_room"])
-
-    new = await asyncio.to_thread(upgrade)
+    new = await upgraded(harness, room)
 
     def bot_joined() -> bool:
         members = alice.request("GET", f"/_matrix/client/v3/rooms/{quote(new)}/joined_members")["joined"]
@@ -625,27 +635,11 @@ async def test_a_replacement_room_the_homeserver_never_joins_holds_the_sync_for_
     # replacement's only server down: "Failed to make_join via any server", a 502) held every room's later events
     # behind the tombstone for ever, as a card the homeserver never shows did. After upgrade_join_tries the
     # tombstone is passed by (the room served as its replacement all the same), counted.
-    alice, bot = harness.people[harness.admin], harness.bot
-
-    def make_room() -> str:
-        room = alice.create_room(invite=[bot.user_id], name="public, to be upgraded", public=True)
-        bot.join(room)
-        return room
-
-    room = await asyncio.to_thread(make_room)
-    adapter = await harness.start(chats=[harness.home, room])
-    assert isinstance(adapter, MatrixAdapter)
+    adapter, room = await served_public_room(harness)
     adapter.upgrade_join_tries = 2
-    await harness.say(room, harness.admin, "before the upgrade")
-    await texts_arrived(harness, 1)
     before = failure_count("matrix_upgrade_join_failed", "matrix")
     harness.proxy.fail("POST", JOIN, 502, times=1_000)
-
-    def upgrade() -> str:
-        upgraded = alice.request("POST", f"/_matrix/client/v3/rooms/{quote(room)}/upgrade", {"new_version": "10"})
-        return str(upgraded["replacement_room"])
-
-    new = await asyncio.to_thread(upgrade)
+    new = await upgraded(harness, room)
     async with asyncio.timeout(60):  # the batch with the tombstone, then once again (tries: 2), then passed by
         while failure_count("matrix_upgrade_join_failed", "matrix") == before:
             await asyncio.sleep(0.1)
