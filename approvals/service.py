@@ -387,6 +387,7 @@ class ApprovalService:
         self.executions_of: ExecutionLookup | None = None
         self.store = store
         self.config = config
+        store.person_of = self._person_now  # reviews weighed by whose each identity is under this configuration
         self.publisher = publisher
         self.clock = clock
         self._waiters = Waiters(
@@ -918,7 +919,7 @@ class ApprovalService:
                 await failpoints.reached("approvals.decide.before_commit", self._decide_failure)
             pressed = await self.store.press(
                 request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person,
-                admit=admit, first_use=first_use.pop() if first_use else None, person_of=self._person_now,
+                admit=admit, first_use=first_use.pop() if first_use else None,
             )  # fmt: skip
             if pressed.replayed:
                 return PressResult(PressVerdict.REPLAYED, "", request_id=request_id)
@@ -930,7 +931,7 @@ class ApprovalService:
                 await asyncio.sleep(pause)
                 pressed = await self.store.press(
                     request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check,
-                    person=person, admit=admit, person_of=self._person_now,
+                    person=person, admit=admit,
                 )  # fmt: skip
                 if pressed.problem != CardProblem.NOT_RECORDED:
                     break
@@ -963,7 +964,7 @@ class ApprovalService:
             # again against it, and loses (nothing pending is ever decided from a card found this way).
             pressed = await self.store.press(
                 request_id, decision.status, actor=actor, platform=platform, reason=reason, card=check, person=person,
-                admit=admit, person_of=self._person_now,
+                admit=admit,
             )  # fmt: skip
         if pressed.problem is not None:
             refusal = await self._card_refusal(request_id, pressed.problem, card)
@@ -973,7 +974,7 @@ class ApprovalService:
                 return PressResult(PressVerdict.REFUSED, message, request_id=request_id)
             pressed = await self.store.press(
                 request_id, decision.status, actor=actor, platform=platform, reason=reason, card=None, person=person,
-                admit=admit, person_of=self._person_now,
+                admit=admit,
             )  # fmt: skip
         won, request = pressed.won, pressed.request
         if request is None:

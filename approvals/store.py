@@ -412,9 +412,7 @@ class _Press:
     arguments made each of them a cell: about a dozen objects per press for the garbage collector to count, and
     with many presses waiting for one group commit, to trace (bench/store_decide.py, 60 in flight)."""
 
-    __slots__ = (
-        "actor", "admit", "card", "person", "person_of", "platform", "reason", "request_id", "status", "store",
-    )  # fmt: skip
+    __slots__ = ("actor", "admit", "card", "person", "platform", "reason", "request_id", "status", "store")
 
     def __init__(
         self,
@@ -427,10 +425,9 @@ class _Press:
         card: CardCheck | None,
         person: str | None,
         admit: Admission | None,
-        person_of: PersonOf | None = None,
     ) -> None:
         self.store, self.request_id, self.status, self.actor, self.platform = store, request_id, status, actor, platform
-        self.reason, self.card, self.person, self.admit, self.person_of = reason, card, person, admit, person_of
+        self.reason, self.card, self.person, self.admit = reason, card, person, admit
 
     def __call__(self, tx: Tx) -> Pressed:
         return self.store._press_alone(tx, self)
@@ -499,6 +496,10 @@ class ApprovalStore:
         self._decided_here: dict[str, str] = {}
         # The policy each request opened under, as read or written here (it never changes: rules_of).
         self._rules: dict[str, Rules] = {}
+        # Whose an identity is under the configuration running now (set by the ApprovalService over this store;
+        # None: as each review was recorded): under a policy of several people, a review an identity made before
+        # it was linked to its person is that person's too (one person counts once, whenever their doors were linked).
+        self.person_of: PersonOf | None = None
 
     @property
     def conn(self) -> aiosqlite.Connection:
@@ -711,7 +712,6 @@ class ApprovalStore:
         person: str | None = None,
         admit: Admission | None = None,
         first_use: FirstUse | None = None,
-        person_of: PersonOf | None = None,
     ) -> Pressed:
         """A person's decision: its admission and the card it came from checked, the compare-and-set and its audit
         row, as one write.
@@ -719,13 +719,10 @@ class ApprovalStore:
         A press that loses is audited ``press_lost`` in the same group commit; one refused by ``admit`` or with a
         card problem writes nothing (the caller decides what to audit, and whether to look again). ``first_use``
         (SQLite): a write of the same transaction run first, the record of the signed request that carried the
-        press; when it says False, nothing else is written (``replayed``). ``person_of``: whose an identity is under
-        the configuration running now, so that under a policy of several people a review an identity made before it
-        was linked to its person is that person's too (one person counts once, whenever their doors were linked).
+        press; when it says False, nothing else is written (``replayed``).
         """
         op = self.press_op(
             request_id, status, actor=actor, platform=platform, reason=reason, card=card, person=person, admit=admit,
-            person_of=person_of,
         )  # fmt: skip
         if first_use is None:
             return await self._write(op)
@@ -744,7 +741,6 @@ class ApprovalStore:
         card: CardCheck | None,
         person: str | None = None,
         admit: Admission | None = None,
-        person_of: PersonOf | None = None,
     ) -> Callable[[Tx], Pressed]:
         """The statements of :meth:`press`, as the writer runs them inside its transaction.
 
@@ -753,7 +749,7 @@ class ApprovalStore:
         is lost there, without a seal or another read. Public so ``bench/store_decide.py`` can run exactly these
         statements with no service, writer or event loop around them: the most any code around them could reach.
         """
-        part = _Press(self, request_id, status, actor, platform, reason, card, person, admit, person_of)
+        part = _Press(self, request_id, status, actor, platform, reason, card, person, admit)
         if self._one_statement:
             return self._one_statement_op(part)
         # SQLite: the presses of this request in the same group run together (_press_together).
@@ -816,7 +812,7 @@ class ApprovalStore:
             if tx.run(_REVIEW_LOCK, (request_id, now)) == 0:
                 return self._lost(tx, request_id, actor, platform, now, person)
             earlier = tx.all(_REVIEWS_OF, (request_id,))
-            of = press.person_of
+            of = self.person_of
             repeated = any(_same_reviewer(row, reviewer, actor, person, of) for row in earlier)
             if repeated or tx.run(_REVIEW, (request_id, reviewer, actor, platform, decision.value, reason, now)) == 0:
                 standing = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
