@@ -1297,6 +1297,16 @@ class ApprovalService:
         first_failed: float | None = None  # when its first read failed (no read has succeeded yet)
         failed_reads = 0
         failed_expiries = 0
+
+        async def after_backoff(failures: int, error: BaseException) -> None:
+            """The one backoff after a store failure, never past ``within``; woken at once by an ending here."""
+            pause = WAIT_READ_RETRY.delay(failures)
+            if give_up is not None:
+                if give_up <= loop.time():
+                    raise TimeoutError(f"no outcome for {request_id} within {within} s") from error
+                pause = min(pause, give_up - loop.time())
+            await until_set(watch.event, pause)
+
         if cancel_with_waiter:
             self._turns[request_id] = None
         try:
@@ -1314,12 +1324,7 @@ class ApprovalService:
                         first_failed = self.clock() if first_failed is None else first_failed
                         if self.clock() - first_failed > self.config.approvals.deadline_seconds:
                             raise
-                        pause = WAIT_READ_RETRY.delay(failed_reads)
-                        if give_up is not None:
-                            if give_up <= loop.time():
-                                raise TimeoutError(f"no outcome for {request_id} within {within} s") from exc
-                            pause = min(pause, give_up - loop.time())
-                        await until_set(watch.event, pause)
+                        await after_backoff(failed_reads, exc)
                         failed_reads += 1
                         continue  # the read clears the event first: a decision meanwhile is read, never lost
                 else:
@@ -1344,13 +1349,8 @@ class ApprovalService:
                         # raised the store's error out of the wait (the agent's turn ended in it, not "timeout").
                         count_failure("approval_wait")
                         log.warning("approvals.expire_failed", request_id=request_id, error=str(exc))
-                        pause = WAIT_READ_RETRY.delay(failed_expiries)
+                        await after_backoff(failed_expiries, exc)
                         failed_expiries += 1
-                        if give_up is not None:
-                            if give_up <= loop.time():
-                                raise TimeoutError(f"no outcome for {request_id} within {within} s") from exc
-                            pause = min(pause, give_up - loop.time())
-                        await until_set(watch.event, pause)
                     continue  # read again: the outcome that stands, shared with the other waiters
                 if give_up is not None:
                     left = give_up - loop.time()
