@@ -119,8 +119,7 @@ class Supervisor:
 
     async def drain(self) -> None:
         """Wait until no task is left, those started meanwhile included."""
-        while pending := self._others():
-            await asyncio.wait(pending)
+        await self.wait()
 
     def cancel(self) -> int:
         """Cancel every task now, without waiting for them to end; how many were cancelled."""

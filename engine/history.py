@@ -57,6 +57,12 @@ PG_MIGRATIONS = [
 ]
 
 
+_INSERT = (
+    "INSERT INTO agent_history (conversation, agent, role, content, prompt_tokens, completion_tokens, created_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+
+
 class HistoryStore:
     """Only the text of finished exchanges is kept: tool calls stay inside their turn."""
 
@@ -79,8 +85,7 @@ class HistoryStore:
         completion_tokens: int = 0,
     ) -> None:
         await self.tables.run(
-            "INSERT INTO agent_history (conversation, agent, role, content, prompt_tokens, completion_tokens,"
-            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            _INSERT,
             (conversation, agent, role, content, prompt_tokens, completion_tokens, self.clock()),
         )
 
@@ -91,8 +96,7 @@ class HistoryStore:
         """A finished turn's question and answer, written together: another turn's rows never come between."""
         now = self.clock()
         await self.tables.run_many(
-            "INSERT INTO agent_history (conversation, agent, role, content, prompt_tokens, completion_tokens,"
-            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            _INSERT,
             [
                 (conversation, agent, "user", question, 0, 0, now),
                 (conversation, agent, "assistant", answer, prompt_tokens, completion_tokens, now),
