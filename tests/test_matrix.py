@@ -14,7 +14,7 @@ import pytest
 import structlog
 
 from kazma.adapters.admission import DirectPolicy
-from kazma.adapters.contract import Inbound, PlatformError
+from kazma.adapters.contract import CardRef, Inbound, PlatformError
 from kazma.adapters.matrix import MatrixAdapter
 from kazma.adapters.matrix import adapter as matrix_adapter
 from kazma.adapters.matrix.doctor import check as check_matrix
@@ -23,6 +23,7 @@ from kazma.adapters.matrix.position import ACCOUNT_DATA_TYPE
 from kazma.adapters.matrix.render import CARD_BUDGET, EDIT_POINTER, edit_content, render_card
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.platform_cli import Level
+from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Decision
 from kazma.config.metrics import failure_count
 from kazma.config.models import MatrixConfig
@@ -321,14 +322,22 @@ async def test_a_reaction_with_the_variation_selector_is_the_same_press(harness:
     assert press.data == card.button_data(Decision.APPROVE)
 
 
-async def test_a_press_whose_card_the_homeserver_failed_to_show_once_is_taken_when_the_batch_comes_again(
-    harness: MatrixHarness,
-) -> None:
+async def card_posted_by_an_earlier_process(harness: MatrixHarness) -> tuple[MatrixAdapter, ApprovalCard, CardRef]:
+    """A card posted, then a new process (the adapter started again): it must read the card on the homeserver to
+    know which reaction means what."""
     adapter = await harness.start()
     card = make_card({"path": "/tmp/x"})
     ref = await adapter.post_card(card)
     await adapter.stop()
-    await harness.start()  # a new process: it reads which reaction means what from the card on the homeserver
+    again = await harness.start()
+    assert isinstance(again, MatrixAdapter)
+    return again, card, ref
+
+
+async def test_a_press_whose_card_the_homeserver_failed_to_show_once_is_taken_when_the_batch_comes_again(
+    harness: MatrixHarness,
+) -> None:
+    _, card, ref = await card_posted_by_an_earlier_process(harness)
     before = failure_count("sync", "matrix")
     harness.proxy.fail("GET", r"/rooms/[^/]+/event/", 500, times=1)
     await harness.press(ref, card.button_data(Decision.APPROVE), harness.admin)
@@ -343,12 +352,7 @@ async def test_a_card_the_homeserver_never_shows_holds_the_sync_for_a_bounded_nu
 ) -> None:
     # A card event every read of which fails (a 5xx for ever) was read again with the batch for ever: every room's
     # later messages and presses waited behind it. After card_read_tries the reaction is passed by, counted.
-    adapter = await harness.start()
-    card = make_card({"path": "/tmp/x"})
-    ref = await adapter.post_card(card)
-    await adapter.stop()
-    adapter = await harness.start()  # a new process: it must read the card to know what the reaction means
-    assert isinstance(adapter, MatrixAdapter)
+    adapter, card, ref = await card_posted_by_an_earlier_process(harness)
     adapter.card_read_tries = 2
     before = failure_count("matrix_press_card_unreadable", "matrix")
     harness.proxy.fail("GET", r"/rooms/[^/]+/event/", 500, times=1_000)

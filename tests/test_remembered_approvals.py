@@ -171,7 +171,8 @@ async def _stop(task: asyncio.Task[Any]) -> None:
         await task
 
 
-async def test_on_telegram_a_remembered_mcp_call_runs_again_and_says_so(tmp_path: Path) -> None:
+def the_same_issue_filed_twice() -> tuple[Seen, Seen, list[ScriptStep]]:
+    """The model's script: create_issue with the same arguments in two turns, what each turn saw kept apart."""
     first, second = Seen(), Seen()
     issue = {"title": "Bug", "body": "b"}
     steps: list[ScriptStep] = [
@@ -180,6 +181,11 @@ async def test_on_telegram_a_remembered_mcp_call_runs_again_and_says_so(tmp_path
         call("tracker__create_issue", issue),
         second.answer,
     ]
+    return first, second, steps
+
+
+async def test_on_telegram_a_remembered_mcp_call_runs_again_and_says_so(tmp_path: Path) -> None:
+    first, second, steps = the_same_issue_filed_twice()
     async with kazma_with_tracker(tmp_path, steps, remember=True) as (_app, telegram, log):
         telegram.push_message(TG_CHAT, 42, "file it", username="alice")
         await telegram.wait_until(lambda: bool(cards(telegram)), timeout=20)
@@ -269,14 +275,7 @@ async def test_a_remembered_mcp_call_gets_a_card_again_once_its_tool_is_redefine
     # The rule was made on a card of create_issue as its server first listed it; the server then listed it again
     # with another description and a new argument defaulting to public. The same arguments now run another tool:
     # the person never saw it, so the rule must not let it run unasked.
-    first, second = Seen(), Seen()
-    issue = {"title": "Bug", "body": "b"}
-    steps: list[ScriptStep] = [
-        call("tracker__create_issue", issue),
-        first.answer,
-        call("tracker__create_issue", issue),
-        second.answer,
-    ]
+    first, second, steps = the_same_issue_filed_twice()
     async with kazma_with_tracker(tmp_path, steps, remember=True) as (app, telegram, log):
         assert app.mcp is not None
         connection = app.mcp.connections["tracker"]
