@@ -90,6 +90,9 @@ REASON_CODE = "n"  # deny, with a reason the platform asks for first (a modal, a
 STORE_SITE = "approval_resolve"
 # A waiter whose first read of its request failed reads again this soon (then ever later, up to 5 s).
 WAIT_READ_RETRY = Backoff(base=0.1, cap=5.0)
+# How long an approved call waits for its start to be recorded (``execution_started``) through store failures, tried
+# again after WAIT_READ_RETRY's pauses; then it does not run (see ApprovalService.verify_execution).
+START_RECORD_WITHIN = 10.0
 _NO_PUBLISHER = object()  # no publisher was checked yet (None is a publisher's value: none)
 _CONFIG_READS_KEPT = 4096  # persons and admissions a service keeps of its configuration at most (then starts again)
 _RECENT_KEPT = 10_000  # requests ended here, and asked after, a service remembers (the oldest go first)
@@ -1717,14 +1720,7 @@ class ApprovalService:
             raise ExecutionMismatch(
                 f"the arguments changed after approval (approved {request.args_hash[:12]}…, now {actual[:12]}…)"
             )
-        try:
-            reported = await self.store.execution_starts(request_id, f"tool={tool}")
-        except store_errors() as exc:  # as any audit row: the call goes on, the failure counted and logged
-            count_failure("approval_audit")
-            log.warning(
-                "approvals.audit_failed", request_id=request_id, audit_event="execution_started", error=str(exc)
-            )
-            return
+        reported = await self._record_start(request_id, tool)
         if reported is not None:
             # A leader judged this replica gone (its link to the database was down, or it was paused) and told
             # the conversation and every card that the call did not run and will not on its own: it does not.
@@ -1733,6 +1729,42 @@ class ApprovalService:
             raise ExecutionMismatch(
                 f"request {request_id} was already reported as not run ({reported}): it does not run now; ask again"
             )
+
+    async def _record_start(self, request_id: str, tool: str) -> str | None:
+        """``execution_started`` written (None), or the detail of a report that the call will not run.
+
+        A call whose start is not on the record does not run: the start is what fences it against a recovery
+        on another replica reporting it never ran (``execution_lost``), and what tells an auditor it ran. A
+        passing failure (a lock, a dropped connection) is tried again for :data:`START_RECORD_WITHIN` seconds;
+        then the call is refused, and the approval stands unrun (a recovery reports it as never run, which is
+        then true)."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + START_RECORD_WITHIN
+        failures = 0
+        while True:
+            try:
+                return await self.store.execution_starts(request_id, f"tool={tool}")
+            except store_errors() as exc:
+                count_failure("approval_audit")
+                log.warning(
+                    "approvals.audit_failed", request_id=request_id, audit_event="execution_started",
+                    attempt=failures + 1, error=str(exc),
+                )  # fmt: skip
+                pause = WAIT_READ_RETRY.delay(failures)
+                failures += 1
+                if loop.time() + pause > give_up:
+                    count_failure("approval_start_unrecorded")
+                    log.error("approvals.start_unrecorded", request_id=request_id, tool=tool, attempts=failures)
+                    # Said on the record when the store takes it again (a recovery reports it otherwise).
+                    await self._audit_safely(
+                        request_id, "execution_refused", None, None,
+                        f"tool={tool}: its start could not be recorded ({exc}); not run",
+                    )  # fmt: skip
+                    raise ExecutionMismatch(
+                        f"request {request_id} was approved, but its start could not be recorded in the approvals "
+                        f"store within {START_RECORD_WITHIN:g} s ({exc}): it did not run; ask again"
+                    ) from exc
+                await asyncio.sleep(pause)
 
     async def execution_finished(self, request_id: str, *, ok: bool, output: str, error: str | None) -> None:
         """After an approved call ran: how it ended, audited. The output itself stays out of the audit (it goes

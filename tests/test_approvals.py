@@ -419,6 +419,71 @@ async def test_failed_audit_write_is_counted(tmp_path: Path, caplog: pytest.LogC
         assert failure_count("approval_audit") == before + 1
 
 
+async def _approved_with_start_watched(service: ApprovalService) -> tuple[str, asyncio.Event]:
+    """An approved request, and an event set when its start's first record fails (the store's own call, watched)."""
+    request = await service.open("shell", ARGS, "lead", "conv-1")
+    await service.decide(request.id, Decision.APPROVE, actor="web:admin", platform="web")
+    failed = asyncio.Event()
+    record = service.store.execution_starts
+
+    async def watched(request_id: str, detail: str) -> str | None:
+        try:
+            return await record(request_id, detail)
+        except Exception:
+            failed.set()
+            raise
+
+    service.store.execution_starts = watched  # type: ignore[method-assign]
+    return request.id, failed
+
+
+async def test_an_approved_call_whose_start_is_locked_out_runs_once_the_store_takes_its_record(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "k.db"
+    async with approval_service(path, busy_timeout_ms=50) as service:
+        request_id, failed = await _approved_with_start_watched(service)
+        blocker = await aiosqlite.connect(str(path), isolation_level=None)
+        unrecorded = failure_count("approval_start_unrecorded")
+        try:
+            await blocker.execute("BEGIN EXCLUSIVE")
+            verifying = asyncio.create_task(service.verify_execution(request_id, "shell", ARGS))
+            await failed.wait()
+            assert not verifying.done()  # a failed record is no permission to run: it waits and tries again
+        finally:
+            await blocker.execute("ROLLBACK")
+            await blocker.close()
+        await verifying  # allowed to run now, with its start on the record
+        events = [e.event for e in await service.store.events(request_id)]
+        assert events.count("execution_started") == 1
+        assert "execution_refused" not in events
+        assert failure_count("approval_start_unrecorded") == unrecorded
+
+
+async def test_an_approved_call_whose_start_cannot_be_recorded_does_not_run_and_is_reported_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(service_module, "START_RECORD_WITHIN", 0.3)
+    path = tmp_path / "k.db"
+    async with approval_service(path, busy_timeout_ms=50) as service:
+        request_id, failed = await _approved_with_start_watched(service)
+        blocker = await aiosqlite.connect(str(path), isolation_level=None)
+        unrecorded = failure_count("approval_start_unrecorded")
+        try:
+            await blocker.execute("BEGIN EXCLUSIVE")
+            with pytest.raises(ExecutionMismatch, match=r"start could not be recorded .* it did not run; ask again"):
+                await service.verify_execution(request_id, "shell", ARGS)
+        finally:
+            await blocker.execute("ROLLBACK")
+            await blocker.close()
+        assert failed.is_set()
+        assert failure_count("approval_start_unrecorded") == unrecorded + 1
+        events = [e.event for e in await service.store.events(request_id)]
+        assert "execution_started" not in events
+        # Nothing on the record says it ran: a recovery reports it as never run, which is true.
+        assert request_id in [r.id for r in await service.store.approved_not_started()]
+
+
 async def test_metrics_count_opened_decided_and_time_presses(store_engine: Engine) -> None:
     from prometheus_client import REGISTRY
 
