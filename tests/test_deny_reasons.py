@@ -30,7 +30,7 @@ from kazma.engine.model import ScriptedProvider, ScriptStep
 from kazma.engine.tools.builtin import default_registry
 from kazma.engine.types import ModelReply
 from tests.approvals_support import RecordingPublisher, approval_service
-from tests.fakes.discord import HOME_CHANNEL_ID
+from tests.fakes.discord import EPHEMERAL, HOME_CHANNEL_ID
 from tests.platforms_support import (
     PLATFORMS,
     SLACK_ADMIN,
@@ -206,6 +206,46 @@ async def test_a_telegram_reason_prompt_is_posted_only_for_someone_whose_press_c
         await fakes.wait(lambda: any("reply to this message" in m.text for m in fakes.telegram.bot_messages(TG_CHAT)))
         prompts = [m for m in fakes.telegram.bot_messages(TG_CHAT)[before:] if "reply to this message" in m.text]
         assert len(prompts) == 1  # the approver's, none for 999
+        assert (await app.service.store.get(request.id)).status is Status.PENDING  # type: ignore[union-attr]
+
+
+async def test_a_slack_reason_modal_opens_only_for_someone_whose_press_counts(tmp_path: Path) -> None:
+    # Anyone in the channel pressing "Deny with reason" got the modal, typed a reason, and only then heard that
+    # their Deny does not count: they are told at the press, privately, and nothing opens.
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        request = await app.service.open("shell", ARGS, "agent:builder", f"telegram:{TG_CHAT}")
+        await fakes.wait(lambda: all(fakes.has_buttons(p) for p in PLATFORMS))
+        msg = next(m for m in fakes.slack.channel(SLACK_CHANNEL) if m.block("kazma_actions"))
+        assert fakes.slack_events_url is not None
+        for user in ("U0STRANGER", SLACK_ADMIN):
+            await fakes.slack.post_block_action(
+                fakes.slack_events_url, action_id="kazma_deny_reason", value=_reason_button(fakes, "slack"),
+                user=user, channel=SLACK_CHANNEL, message_ts=msg.ts,
+            )  # fmt: skip
+        await fakes.wait(lambda: bool(fakes.slack.views))
+        await fakes.wait(lambda: any(e.user == "U0STRANGER" for e in fakes.slack.ephemerals))
+        assert len(fakes.slack.views) == 1
+        [told] = [e for e in fakes.slack.ephemerals if e.user == "U0STRANGER"]
+        assert "not an approver for this request" in told.text
+        assert told.channel == SLACK_CHANNEL
+        assert (await app.service.store.get(request.id)).status is Status.PENDING  # type: ignore[union-attr]
+
+
+async def test_a_discord_reason_modal_opens_only_for_someone_whose_press_counts(tmp_path: Path) -> None:
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        request = await app.service.open("shell", ARGS, "agent:builder", f"telegram:{TG_CHAT}")
+        await fakes.wait(lambda: all(fakes.has_buttons(p) for p in PLATFORMS))
+        message = next(m for m in fakes.discord.channel_messages(HOME_CHANNEL_ID) if m.get("components"))
+        data = _reason_button(fakes, "discord")
+        refused = await fakes.discord.press_button(int(message["id"]), data, user=fakes.discord.bob)
+        await fakes.wait(lambda: refused.callback_type is not None)
+        assert refused.modal is None
+        assert refused.callback_type == 4  # answered with a message, not a modal
+        answer = fakes.discord.messages[refused.original_message_id or 0]
+        assert "not an approver for this request" in answer["content"]
+        assert int(answer["flags"]) & EPHEMERAL
+        asked = await fakes.discord.press_button(int(message["id"]), data)  # alice, an approver
+        await fakes.wait(lambda: asked.modal is not None)
         assert (await app.service.store.get(request.id)).status is Status.PENDING  # type: ignore[union-attr]
 
 

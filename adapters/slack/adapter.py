@@ -17,6 +17,7 @@ folds the ``message`` and ``app_mention`` events of one post into one).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -53,6 +54,7 @@ from kazma.adapters.deny_reason import (
 from kazma.adapters.ingress import Arrival, Stopped
 from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
+from kazma.adapters.press_policy import NOT_YOURS
 from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, error_code
 from kazma.adapters.slack.inbound import (
     MESSAGE_SUBTYPES,
@@ -529,6 +531,13 @@ class SlackAdapter(PlatformBase):
                 (body.get("channel") or {}).get("id") or (body.get("container") or {}).get("channel_id") or ""
             )
             message_ts = (body.get("container") or {}).get("message_ts") or (body.get("message") or {}).get("ts")
+            user = str((body.get("user") or {}).get("id", ""))
+            if not await self._may_decide(self.actor(user), request_id):
+                # Told now, privately, not after typing a reason into a modal whose Deny would not count.
+                log.info("slack.reason_refused", actor=self.actor(user), request_id=request_id)
+                with contextlib.suppress(PlatformError):
+                    await _EphemeralReply(self, channel, user).notify(NOT_YOURS)
+                return
             meta = json.dumps({"data": deny_data(request_id), "channel": channel, "ts": message_ts})
             view = {
                 "type": "modal",
