@@ -9,12 +9,15 @@ from collections.abc import Mapping
 from json.encoder import encode_basestring
 from typing import Any
 
+MAX_ARGUMENT_DEPTH = 32  # no real tool needs more; deeper values are a way to break renderers and hashers
+
 
 class UnrenderableArguments(ValueError):
     """The arguments cannot be shown faithfully, so the call must not run."""
 
 
-def _check(value: Any, path: str) -> None:
+def _check(value: Any, path: str, depth: int) -> None:
+    """``depth``: how deep a list or object ``value`` is would nest (the arguments' own mapping is 1)."""
     if value is None or isinstance(value, bool | str):
         return
     if isinstance(value, int):
@@ -23,31 +26,55 @@ def _check(value: Any, path: str) -> None:
         if not math.isfinite(value):
             raise UnrenderableArguments(f"{path}: {value!r} is not a finite number")
         return
+    if isinstance(value, list | tuple | Mapping) and depth > MAX_ARGUMENT_DEPTH:
+        where = path if len(path) <= 120 else f"{path[:60]}…{path[-40:]}"  # 32 names of any length
+        raise UnrenderableArguments(f"{where}: arguments nested deeper than {MAX_ARGUMENT_DEPTH} levels")
     if isinstance(value, list | tuple):
         for index, item in enumerate(value):
-            _check(item, f"{path}[{index}]")
+            _check(item, f"{path}[{index}]", depth + 1)
         return
     if isinstance(value, Mapping):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise UnrenderableArguments(f"{path}: key {key!r} is not text")
-            _check(item, f"{path}.{key}")
+            _check(item, f"{path}.{key}", depth + 1)
         return
     raise UnrenderableArguments(f"{path}: a {type(value).__name__} is not JSON data")
 
 
 def check_arguments(args: Mapping[str, Any]) -> None:
-    """Refuse anything that JSON cannot carry exactly (non-finite numbers, objects, non-text keys)."""
+    """Refuse anything that JSON cannot carry exactly (non-finite numbers, objects, non-text keys), and values
+    nested deeper than :data:`MAX_ARGUMENT_DEPTH` (every door refuses those first; here for any caller of
+    ``open``, whose checks, card and hash would otherwise end in a RecursionError)."""
     if not isinstance(args, Mapping):
         raise UnrenderableArguments(f"arguments must be a mapping, got {type(args).__name__}")
     for key, value in args.items():
         if not isinstance(key, str):
             raise UnrenderableArguments(f"argument name {key!r} is not text")
-        _check(value, key)
+        _check(value, key, 2)
     try:
         canonical_json(args).encode("utf-8")
     except UnicodeEncodeError as exc:  # lone surrogates cannot be shown or hashed
         raise UnrenderableArguments(f"arguments contain text that is not valid Unicode ({exc.reason})") from None
+
+
+def nesting_depth(value: Any) -> int:
+    """How deeply ``value`` nests lists and objects, counted without recursion (so no depth can crash it)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        if deepest > MAX_ARGUMENT_DEPTH:
+            return deepest  # enough to refuse; no need to walk the rest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def canonical_json(value: Any) -> str:

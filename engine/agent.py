@@ -13,7 +13,7 @@ from typing import Any, Final
 
 import structlog
 
-from kazma.approvals.hashing import args_hash
+from kazma.approvals.hashing import MAX_ARGUMENT_DEPTH, args_hash, nesting_depth
 from kazma.approvals.model import Status
 from kazma.approvals.policy import PolicyVerdict, SafetyPolicy
 from kazma.config import failpoints
@@ -52,7 +52,6 @@ MAY_HAVE_RUN_NOTE = (
     "This exact call started here before and never finished (Kazma stopped, or it was cut off): it may have "
     "run already. Check before approving it again."
 )
-MAX_ARGUMENT_DEPTH = 32  # no real tool needs more; deeper values are a way to break renderers and hashers
 _SAFE_SEGMENT = re.compile(r"[^A-Za-z0-9_-]+")
 _WORKSPACE_NAME_LIMIT = 100
 # Conversation ids whose plain workspace name (see workspace_for) no other id of these shapes has: each shape's
@@ -175,25 +174,6 @@ class TurnResult:
         """Workspace paths this turn wrote, in order, once each: a step's output files."""
         paths = [str(run.arguments.get("path")) for run in self.tool_runs if run.name == "write_file" and run.ok]
         return tuple(dict.fromkeys(p for p in paths if p and p != "None"))
-
-
-def nesting_depth(value: Any) -> int:
-    """How deeply ``value`` nests lists and objects, counted without recursion (so no depth can crash it)."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list | tuple):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth + 1)
-        if deepest > MAX_ARGUMENT_DEPTH:
-            return deepest  # enough to refuse; no need to walk the rest
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
 
 
 def offers(patterns: tuple[str, ...], name: str) -> bool:

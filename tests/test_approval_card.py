@@ -129,6 +129,27 @@ def test_unrenderable_values_are_refused(bad: object, path: str) -> None:
         check_arguments(args)
 
 
+def _nested_args(depth: int) -> dict[str, Any]:
+    """Arguments whose objects nest ``depth`` levels (their own mapping the first), a list at the bottom."""
+    args: dict[str, Any] = {"k": ["bottom"]} if depth > 1 else {}
+    for _ in range(depth - 2):
+        args = {"k": args}
+    return args
+
+
+@pytest.mark.parametrize("depth", [33, 900, 5000])
+def test_arguments_deeper_than_every_door_allows_are_refused_by_any_caller_not_a_recursion_error(depth: int) -> None:
+    args = _nested_args(depth)
+    with pytest.raises(UnrenderableArguments, match="nested deeper than 32 levels"):
+        check_arguments(args)
+
+
+def test_arguments_as_deep_as_every_door_allows_are_checked_and_shown() -> None:
+    args = _nested_args(32)
+    check_arguments(args)
+    assert build_card(request_for(args), value_limit=4000, public_url="http://x.test").arguments
+
+
 def test_refusal_type_is_what_callers_catch() -> None:
     assert issubclass(ApprovalRefused, Exception)
 

@@ -42,7 +42,7 @@ import structlog
 from aiohttp import hdrs, web
 
 from kazma.approvals.card import ASKED_THROUGH_API, ON_BEHALF_OF, REASON_GIVEN
-from kazma.approvals.hashing import args_hash, canonical_json, text_hash
+from kazma.approvals.hashing import MAX_ARGUMENT_DEPTH, args_hash, canonical_json, nesting_depth, text_hash
 from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest, Status, Waits
 from kazma.approvals.service import ApprovalRefused, ApprovalService
 from kazma.approvals.withdrawal import POLL_GRACE, Gone, by_asker
@@ -52,7 +52,6 @@ from kazma.config import failpoints
 from kazma.config.metrics import count_failure
 from kazma.config.models import DEFAULT_POLICY, KazmaConfig
 from kazma.config.store.errors import simulated_failure, store_errors
-from kazma.engine.agent import MAX_ARGUMENT_DEPTH, nesting_depth
 
 log = structlog.get_logger("kazma.api")
 
