@@ -44,6 +44,10 @@ from kazma.engine.types import Message, ModelError, ModelProvider, ToolCall, Too
 log = structlog.get_logger("kazma.agent")
 
 MAX_TOOL_OUTPUT_TO_MODEL = MAX_TOOL_OUTPUT_CHARS
+# Tool calls one model reply may make; the rest are answered "not run" (each call needs an answer) without running.
+# A reply of hundreds of calls (a model looping, or told to by text it read) put a card after card in front of
+# people, each waited for in turn, for as long as every deadline together.
+MAX_CALLS_PER_REPLY = 32
 # An execution's ending that could not be written is written again after these pauses (seconds).
 FINISH_RETRIES = (0.05, 0.25, 1.0)
 DANGEROUS = DangerLevel.DANGEROUS
@@ -337,8 +341,18 @@ class AgentRunner:
                 return
             calls = own_ids(reply.tool_calls, answered)
             sent.append(messages.assistant_calls(reply.content, calls))
-            for call in calls:
-                content = await self._call(call, ctx, result, internal)
+            if len(calls) > MAX_CALLS_PER_REPLY:
+                log.warning("agent.too_many_calls", agent=agent.name, conversation=conversation, calls=len(calls),
+                            ran=MAX_CALLS_PER_REPLY)  # fmt: skip
+            for index, call in enumerate(calls):
+                if index < MAX_CALLS_PER_REPLY:
+                    content = await self._call(call, ctx, result, internal)
+                else:
+                    problem = f"one reply may make at most {MAX_CALLS_PER_REPLY} tool calls; this was call {index + 1}"
+                    result.tool_runs.append(ToolRun(call.name, {}, False, problem, refused=True))
+                    content = (
+                        f"Error: the call to {call.name} was not run: {problem}. Send it again in your next reply."
+                    )
                 sent.append(messages.tool_reply(call.id, content))
         result.error = f"stopped after {self.max_steps} model calls without a final answer"
         log.warning("agent.turn_limit", agent=agent.name, conversation=conversation)

@@ -15,7 +15,7 @@ from kazma.approvals import SafetyPolicy
 from kazma.config.metrics import failure_count
 from kazma.config.models import ModelConfig
 from kazma.config.store.database import open_database
-from kazma.engine.agent import AgentRunner, AgentSpec, workspace_for
+from kazma.engine.agent import MAX_CALLS_PER_REPLY, AgentRunner, AgentSpec, workspace_for
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import OpenAIProvider, ScriptedProvider, ScriptStep
@@ -311,3 +311,25 @@ async def test_an_answer_the_history_cannot_keep_is_still_the_turns_answer(tmp_p
             assert await r.history.recent("c", "builder") == []
     finally:
         await conn.close()
+
+
+async def test_a_reply_of_more_tool_calls_than_one_reply_may_make_runs_the_first_and_answers_the_rest(
+    tmp_path: Path,
+) -> None:
+    workspace = workspace_for(tmp_path / "ws", "telegram:-100")
+    workspace.mkdir(parents=True)
+    (workspace / "notes.txt").write_text("n")
+    many = MAX_CALLS_PER_REPLY + 8
+    calls = tuple(ToolCall(f"c{i}", "read_file", {"path": "notes.txt"}, '{"path": "notes.txt"}') for i in range(many))
+    script: list[ScriptStep] = [ModelReply(content=None, tool_calls=calls), ModelReply(content="done")]
+    async with runner(tmp_path, script) as r:
+        result = await r.run(BUILDER, "telegram:-100", "read it many times", requested_by="telegram:1")
+        assert result.ok
+        assert result.text == "done"
+        ran = [t for t in result.tool_runs if t.ok]
+        refused = [t for t in result.tool_runs if t.refused]
+        assert (len(ran), len(refused)) == (MAX_CALLS_PER_REPLY, 8)
+        fed = tool_messages(r)
+        assert len(fed) == many  # every call answered, so the model's next request is well formed
+        assert all(f"at most {MAX_CALLS_PER_REPLY} tool calls" in text for text in fed[MAX_CALLS_PER_REPLY:])
+        assert not any("at most" in text for text in fed[:MAX_CALLS_PER_REPLY])
