@@ -550,7 +550,7 @@ class _Assembly:
 
     def _call_piece(self, piece: dict[str, Any]) -> None:
         index = piece.get("index")
-        key = index if isinstance(index, int) and not isinstance(index, bool) else len(self.calls)
+        key = index if isinstance(index, int) and not isinstance(index, bool) else self._unindexed_key(piece)
         call = self.calls.setdefault(key, {"type": "function", "function": {"name": "", "arguments": ""}})
         if isinstance(piece.get("id"), str) and piece["id"]:
             call["id"] = piece["id"]
@@ -565,6 +565,25 @@ class _Assembly:
             sent["arguments"] += arguments
         elif arguments is not None:
             sent["arguments"] = arguments  # a server sending the object itself, as some Ollama builds do
+
+    def _unindexed_key(self, piece: dict[str, Any]) -> int:
+        """Where a piece without an ``index`` goes (servers that stream calls so): a piece that begins a call (an
+        id other than the last call's, or a name when the last call has one) is a new call; any other continues
+        the last call. Each piece a call of its own split one call's arguments into several broken calls."""
+        if not self.calls:
+            return 0
+        last = max(self.calls)
+        current = self.calls[last]
+        piece_id = piece.get("id")
+        function = piece.get("function")
+        named = isinstance(function, dict) and isinstance(function.get("name"), str) and bool(function["name"])
+        has_id = isinstance(piece_id, str) and bool(piece_id)
+        current_id = current.get("id")
+        if has_id and current_id is not None and piece_id != current_id:
+            return last + 1
+        if named and current["function"]["name"] and not (has_id and piece_id == current_id):
+            return last + 1
+        return last
 
     def reply(self, name: str) -> ModelReply:
         calls = _parse_tool_calls([self.calls[index] for index in sorted(self.calls)])

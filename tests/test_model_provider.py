@@ -141,6 +141,40 @@ async def test_two_tool_calls_in_one_reply(fake: FakeOpenAI, make: Make) -> None
     assert all(call.error is None for call in reply.tool_calls)
 
 
+@pytest.mark.parametrize("indexed", [True, False], ids=["indexed", "unindexed"])
+async def test_streamed_tool_calls_are_put_together_whether_or_not_their_pieces_carry_an_index(
+    fake: FakeOpenAI, make: Make, indexed: bool
+) -> None:
+    # Some OpenAI-compatible servers stream tool-call pieces without "index": each piece became a call of its own,
+    # the name in one, the arguments spread over others ("names no function", "invalid JSON").
+    fake.stream_index = indexed
+    fake.argument_chunk = 4
+    fake.script(
+        Completion(
+            tool_calls=(
+                FakeToolCall("shell", '{"command": "ls -la"}', id="call_a"),
+                FakeToolCall("read_file", '{"path": "README.md", "limit": 20}', id="call_b"),
+            )
+        )
+    )
+
+    class Shown:
+        def grew(self, text: str) -> None:
+            return None
+
+        def dropped(self) -> None:
+            return None
+
+    with answer_stream.feeding(Shown()):
+        reply = await make(stream=True).complete(MESSAGES, [SHELL, READ_FILE])
+
+    assert [(c.id, c.name, c.arguments, c.error) for c in reply.tool_calls] == [
+        ("call_a", "shell", {"command": "ls -la"}, None),
+        ("call_b", "read_file", {"path": "README.md", "limit": 20}, None),
+    ]
+    assert fake.completions[-1].body["stream"] is True  # it was streamed
+
+
 async def test_request_carries_messages_tools_and_key(fake: FakeOpenAI, make: Make) -> None:
     fake.script(Completion(content="ok"))
 

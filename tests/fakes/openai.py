@@ -105,6 +105,9 @@ class FakeOpenAI:
         self._by_prompt: dict[str, deque[FakeResponse]] = {}
         self.chunk_size: int | None = None
         self.argument_chunk = 5
+        # False: tool-call pieces carry no "index" (some OpenAI-compatible servers stream them so): a call is begun
+        # by a piece with its id and name, and continued by pieces with neither.
+        self.stream_index = True
         self.gate: asyncio.Semaphore | None = None
         self.pieces_sent = 0
         self._ids = itertools.count(1)
@@ -316,12 +319,13 @@ class FakeOpenAI:
             await self._notify()
         calls = answer["choices"][0]["message"].get("tool_calls", [])
         for index, call in enumerate(calls):
-            head = {"index": index, "id": call["id"], "type": "function"}
+            where = {"index": index} if self.stream_index else {}
+            head = {**where, "id": call["id"], "type": "function"}
             await send({"tool_calls": [{**head, "function": {"name": call["function"]["name"], "arguments": ""}}]})
             arguments = call["function"]["arguments"]
             for start in range(0, len(arguments), self.argument_chunk):
                 piece = arguments[start : start + self.argument_chunk]
-                await send({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+                await send({"tool_calls": [{**where, "function": {"arguments": piece}}]})
         await send({}, answer["choices"][0]["finish_reason"])
         if isinstance(options, dict) and options.get("include_usage") and "usage" in answer:
             await response.write(f"data: {json.dumps({**base, 'choices': [], 'usage': answer['usage']})}\n\n".encode())
