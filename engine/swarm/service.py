@@ -456,7 +456,7 @@ class SwarmService:
             limit = asyncio.timeout(deadline)
             self._deadlines[run.task_id] = limit
             try:
-                with tracking(effects), working_for(request.started_by):
+                with tracking(effects), working_for(request.started_by, run.task_id):
                     async with limit:
                         call = self._task_call(request, task, finished)
                         outcome = await self._pattern(run, request, workers, done, call, task)

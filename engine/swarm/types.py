@@ -174,13 +174,28 @@ def current_step() -> str:
 _STARTER: ContextVar[str | None] = ContextVar("kazma_swarm_started_by", default=None)
 
 
-def working_for(started_by: str | None) -> AbstractContextManager[None]:
-    return _holding(_STARTER, started_by)
+# The task a worker call serves: its worker's history and workspace are that task's (see task_conversation).
+_TASK: ContextVar[str | None] = ContextVar("kazma_swarm_task", default=None)
+
+
+@contextmanager
+def working_for(started_by: str | None, task_id: str | None = None) -> Iterator[None]:
+    with _holding(_STARTER, started_by), _holding(_TASK, task_id):
+        yield
 
 
 def current_starter() -> str | None:
     """Who asked for the swarm task running now (None: nobody known, or outside a task)."""
     return _STARTER.get()
+
+
+def task_conversation(base: str) -> str:
+    """The conversation a worker's call runs in: ``base`` ("swarm") and the task running now, so each task's
+    workers have a history and a workspace of their own. Every task's workers shared "swarm": a task read the
+    earlier tasks' prompts and answers (any chat's, anyone's) as its own history, and their files. No ``:``, so
+    it is never taken for a chat (nothing is remembered or told there, as with "swarm")."""
+    task_id = _TASK.get()
+    return base if task_id is None else f"{base}-{task_id}"
 
 
 class Worker(Protocol):

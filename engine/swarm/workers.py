@@ -18,7 +18,14 @@ from kazma.config.limits import KIB
 from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, TurnContext
 from kazma.engine.fence import NOTHING, Fenced
 from kazma.engine.swarm.metrics import HANDOFFS
-from kazma.engine.swarm.types import ErrorKind, HandoffOffer, WorkerResult, current_offer, current_starter
+from kazma.engine.swarm.types import (
+    ErrorKind,
+    HandoffOffer,
+    WorkerResult,
+    current_offer,
+    current_starter,
+    task_conversation,
+)
 from kazma.engine.tools.registry import ToolResult
 from kazma.engine.types import ToolSpec
 
@@ -93,7 +100,7 @@ class AgentWorker:
         chosen = _Handoff()
         extra = [handoff_tool(offer, chosen)] if offer is not None and offer.targets and not self.spec.is_lead else []
         result = await self.runner.run(
-            self.spec, self.conversation, text, requested_by=self.requested_by, extra_tools=extra,
+            self.spec, task_conversation(self.conversation), text, requested_by=self.requested_by, extra_tools=extra,
             started_by=current_starter(),
         )  # fmt: skip
         if result.ok:
