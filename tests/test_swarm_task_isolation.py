@@ -48,3 +48,26 @@ def test_a_tasks_conversation_is_its_own_and_never_a_chat() -> None:
     assert mine != other
     assert ":" not in mine  # no address: nothing is remembered or told in it
     assert workspace_for(root, mine) != workspace_for(root, other) != workspace_for(root, "swarm")
+
+
+async def test_a_retried_task_works_in_the_conversation_of_the_task_it_runs_again(tmp_path: Path) -> None:
+    # Its workspace (what the first attempt left) and the note on a card of a call that may have run are that
+    # line's: a retry in a conversation of its own lost both.
+    cfg = config(CFG)
+    async with agent_workers(tmp_path, ["a"], cfg) as agents:
+        agents.model.script_agent("You are a.", say("first answer"), say("second answer"), say("third answer"))
+        async with rig(tmp_path / "swarm.db", agents.workers, cfg) as r:
+            first = await r.ended(await r.send("dispatch a count the sheep"))
+            answer = await r.send(f"retry {first.id}")
+            again = await r.ended(f"swarm task {answer.split()[-1]}")
+            third = await r.ended(await r.send(f"retry {again.id}"))  # a retry of a retry: still the first's line
+            other = await r.ended(await r.send("dispatch a something else"))
+        assert again.id != first.id
+        assert again.request["lineage"] == third.request["lineage"] == first.id
+        asked = requests_of(agents.model, "a")
+        assert len(asked) == 4
+        seen = [" ".join(str(m["content"]) for m in request.body["messages"]) for request in asked]
+        assert "first answer" in seen[1]  # the retry's worker has the first attempt's exchange
+        assert "second answer" in seen[2]
+        assert "sheep" not in seen[3]  # another task: none of that line's
+        assert other.request["lineage"] is None

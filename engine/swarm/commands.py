@@ -177,6 +177,7 @@ class SwarmCommands:
             deadline_seconds=earlier.deadline_seconds,
             context=earlier.context,
             started_by=actor,
+            lineage=earlier.lineage or record.id,
         )
         new_id = await self.service.submit(request)
         return f"swarm task {task_id} retried as {new_id}"

@@ -456,7 +456,7 @@ class SwarmService:
             limit = asyncio.timeout(deadline)
             self._deadlines[run.task_id] = limit
             try:
-                with tracking(effects), working_for(request.started_by, run.task_id):
+                with tracking(effects), working_for(request.started_by, request.lineage or run.task_id):
                     async with limit:
                         call = self._task_call(request, task, finished)
                         outcome = await self._pattern(run, request, workers, done, call, task)
@@ -1017,6 +1017,7 @@ def request_from(record: TaskRecord) -> SwarmRequest:
         deadline_seconds=data.get("deadline_seconds"),
         context=str(data.get("context") or ""),
         started_by=None if data.get("started_by") is None else str(data["started_by"]),
+        lineage=None if data.get("lineage") is None else str(data["lineage"]),
     )
 
 

@@ -48,6 +48,10 @@ class SwarmRequest:
     # Who asked for the work (the /swarm command's sender, or the person whose message started the lead's turn
     # that dispatched it): its workers' dangerous calls are theirs, so a forbid_requester policy bars them.
     started_by: str | None = None
+    # The task this one runs again (the first of its line, for a retry of a retry): its workers work in that task's
+    # conversation (see task_conversation), with its workspace, and a call of it that may have run is said so on
+    # the card again. None: a task of its own.
+    lineage: str | None = None
 
     def metadata(self) -> dict[str, Any]:
         """Everything but the prompt and the context: what the metadata limit bounds."""
@@ -60,6 +64,7 @@ class SwarmRequest:
             "expect": self.expect,
             "deadline_seconds": self.deadline_seconds,
             "started_by": self.started_by,
+            "lineage": self.lineage,
         }
 
     def as_json(self) -> dict[str, Any]:
@@ -190,10 +195,11 @@ def current_starter() -> str | None:
 
 
 def task_conversation(base: str) -> str:
-    """The conversation a worker's call runs in: ``base`` ("swarm") and the task running now, so each task's
-    workers have a history and a workspace of their own. Every task's workers shared "swarm": a task read the
-    earlier tasks' prompts and answers (any chat's, anyone's) as its own history, and their files. No ``:``, so
-    it is never taken for a chat (nothing is remembered or told there, as with "swarm")."""
+    """The conversation a worker's call runs in: ``base`` ("swarm") and the task running now (the first of its line
+    for a retry), so each task's workers have a history and a workspace of their own. Every task's workers shared
+    "swarm": a task read the earlier tasks' prompts and answers (any chat's, anyone's) as its own history, and
+    their files. No ``:``, so it is never taken for a chat (nothing is remembered or told there, as with
+    "swarm")."""
     task_id = _TASK.get()
     return base if task_id is None else f"{base}-{task_id}"
 
