@@ -835,3 +835,19 @@ async def test_slack_sdk_formats_its_debug_lines_only_when_debug_logging_is_on(
         assert any("chat.update" in line for line in seen.lines)
     else:
         assert requests == []  # not even formatted
+
+
+async def test_a_long_title_is_cut_before_an_escape_never_inside_one(fake: FakeSlack, adapter: SlackAdapter) -> None:
+    # Escaped first and cut after, a title of "<" and "&" ended in half an entity ("&l…"); each start of the cut
+    # (one to five characters of a five-character escape) is tried.
+    for pad in range(5):
+        card = make_card({"cwd": "/srv"}, tool="t" * pad + "<&" * 80)
+        ref = await adapter.post_card(card)
+        msg = fake.message(HOME, ref.message_id)
+        header = msg.block("kazma_title")["text"]["text"]  # type: ignore[index]
+        assert len(header) <= 150
+        assert header.endswith("…")
+        body = header.removeprefix("Approval needed: " + "t" * pad).removesuffix("…")
+        assert re.fullmatch(r"(&lt;|&amp;)*", body), header[-12:]
+        assert len(msg.text) <= 3000
+        assert re.search(r"&[a-z]{0,3}…", msg.text) is None

@@ -110,8 +110,21 @@ def _plain(text: str) -> dict[str, Any]:
     return {"type": "plain_text", "text": text, "emoji": False}
 
 
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+def _clip_escaped(text: str, limit: int) -> str:
+    """``text`` escaped, in at most ``limit`` characters: cut (with "…") before a whole character's escape, never
+    inside one (``&am…`` showed a broken entity, and the cut's budget was spent on half an escape)."""
+    escaped = escape(text)
+    if len(escaped) <= limit:
+        return escaped
+    kept: list[str] = []
+    used = 1  # the "…"
+    for char in text:
+        piece = escape(char)
+        if used + len(piece) > limit:
+            break
+        kept.append(piece)
+        used += len(piece)
+    return "".join(kept) + "…"
 
 
 def _link(url: str, label: str) -> str:
@@ -173,8 +186,9 @@ class SlackWriter:
                     "text": _mrkdwn(f"{emoji} *{_inert(view.outcome_text)}*"),
                 }
             )
-        title = escape(view.title)  # plain text is not parsed, but nothing from a tool reaches Slack unescaped
-        blocks.append({"type": "header", "block_id": "kazma_title", "text": _plain(_clip(title, MAX_HEADER_TEXT))})
+        # plain text is not parsed, but nothing from a tool reaches Slack unescaped
+        title = _clip_escaped(view.title, MAX_HEADER_TEXT)
+        blocks.append({"type": "header", "block_id": "kazma_title", "text": _plain(title)})
         for index, line in enumerate(view.about):
             blocks.append({"type": "section", "block_id": f"kazma_about_{index}", "text": _mrkdwn(_inert(line))})
         for index, warning in enumerate(view.warnings):
@@ -254,7 +268,7 @@ class SlackWriter:
         parts = [view.title, *(f"{label} {facts[label]}" for label in (REQUESTED_BY_LABEL, HASH_LABEL))]
         if view.outcome is not None:
             parts.insert(0, view.outcome_text)
-        return _clip(escape(" — ".join(parts) + f". {view.link_label}: {view.link}"), MAX_SECTION_TEXT)
+        return _clip_escaped(" — ".join(parts) + f". {view.link_label}: {view.link}", MAX_SECTION_TEXT)
 
     def fits(self, written: SlackCard) -> bool:
         # One block stays free on a pending card for the outcome a settle puts in place of the buttons.
