@@ -5,6 +5,8 @@ import hashlib
 import logging
 import re
 import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -437,22 +439,29 @@ async def _approved_with_start_watched(service: ApprovalService) -> tuple[str, a
     return request.id, failed
 
 
+@asynccontextmanager
+async def _locked_out(path: Path) -> AsyncIterator[None]:
+    """Another connection holds the file's write lock (BEGIN EXCLUSIVE) for the block's length."""
+    blocker = await aiosqlite.connect(str(path), isolation_level=None)
+    try:
+        await blocker.execute("BEGIN EXCLUSIVE")
+        yield
+    finally:
+        await blocker.execute("ROLLBACK")
+        await blocker.close()
+
+
 async def test_an_approved_call_whose_start_is_locked_out_runs_once_the_store_takes_its_record(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "k.db"
     async with approval_service(path, busy_timeout_ms=50) as service:
         request_id, failed = await _approved_with_start_watched(service)
-        blocker = await aiosqlite.connect(str(path), isolation_level=None)
         unrecorded = failure_count("approval_start_unrecorded")
-        try:
-            await blocker.execute("BEGIN EXCLUSIVE")
+        async with _locked_out(path):
             verifying = asyncio.create_task(service.verify_execution(request_id, "shell", ARGS))
             await failed.wait()
             assert not verifying.done()  # a failed record is no permission to run: it waits and tries again
-        finally:
-            await blocker.execute("ROLLBACK")
-            await blocker.close()
         await verifying  # allowed to run now, with its start on the record
         events = [e.event for e in await service.store.events(request_id)]
         assert events.count("execution_started") == 1
@@ -467,15 +476,10 @@ async def test_an_approved_call_whose_start_cannot_be_recorded_does_not_run_and_
     path = tmp_path / "k.db"
     async with approval_service(path, busy_timeout_ms=50) as service:
         request_id, failed = await _approved_with_start_watched(service)
-        blocker = await aiosqlite.connect(str(path), isolation_level=None)
         unrecorded = failure_count("approval_start_unrecorded")
-        try:
-            await blocker.execute("BEGIN EXCLUSIVE")
+        async with _locked_out(path):
             with pytest.raises(ExecutionMismatch, match=r"start could not be recorded .* it did not run; ask again"):
                 await service.verify_execution(request_id, "shell", ARGS)
-        finally:
-            await blocker.execute("ROLLBACK")
-            await blocker.close()
         assert failed.is_set()
         assert failure_count("approval_start_unrecorded") == unrecorded + 1
         events = [e.event for e in await service.store.events(request_id)]
