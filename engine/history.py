@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import aiosqlite
+
 from kazma.config.store.backend import StoreConnection, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
@@ -73,6 +75,7 @@ class HistoryStore:
         self.max_messages = max_messages
         self.clock = clock
         self.tables = tables_of(conn)
+        self.postgres = not isinstance(conn, aiosqlite.Connection)
 
     async def append(
         self,
@@ -95,13 +98,20 @@ class HistoryStore:
     ) -> None:  # fmt: skip
         """A finished turn's question and answer, written together: another turn's rows never come between."""
         now = self.clock()
-        await self.tables.run_many(
-            _INSERT,
-            [
-                (conversation, agent, "user", question, 0, 0, now),
-                (conversation, agent, "assistant", answer, prompt_tokens, completion_tokens, now),
-            ],
-        )
+        rows = [
+            (conversation, agent, "user", question, 0, 0, now),
+            (conversation, agent, "assistant", answer, prompt_tokens, completion_tokens, now),
+        ]
+        if not self.postgres:
+            await self.tables.run_many(_INSERT, rows)  # one writer at a time: nobody's rows come between
+            return
+        # PostgreSQL: in a transaction of its own under the store's transaction lock, so another replica's exchange
+        # never takes a number between the two. Sent with the writer's group, two replicas appending at once
+        # interleaved question, question, answer, answer: read back, each question had another's answer. (Not a
+        # lock of its own in the group: the group takes the audit chain's lock too, and two orders of two locks
+        # deadlock.)
+        async with self.tables.transaction() as tx:
+            await tx.run_many(_INSERT, rows)
 
     async def recent(self, conversation: str, agent: str) -> list[Message]:
         """The newest messages, oldest first; if older ones were left out, a marker says how many."""

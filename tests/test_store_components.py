@@ -234,6 +234,19 @@ async def test_a_turns_question_and_answer_are_written_as_one_pair(store_engine:
         assert await history.usage("web:c") == (7, 3)
 
 
+async def test_exchanges_appended_at_once_by_two_replicas_stay_in_pairs(store_engine: Engine) -> None:
+    # On PostgreSQL two replicas' exchanges, sent with their writers' groups, took interleaved numbers: question,
+    # question, answer, answer, so the history read back paired each question with another's answer.
+    async with open_store(store_engine) as one, open_store(store_engine, application_name="kazma-test-2") as two:
+        stores = [HistoryStore(one, max_messages=1000), HistoryStore(two, max_messages=1000)]
+        await asyncio.gather(*(stores[i % 2].append_exchange("web:c", "lead", f"q{i}", f"a{i}") for i in range(300)))
+        contents = [m["content"] for m in await stores[0].recent("web:c", "lead")]
+        assert len(contents) == 600
+        pairs = list(zip(contents[0::2], contents[1::2], strict=True))
+        assert [(q[1:], a[0]) for q, a in pairs if q[0] != "q" or a != "a" + q[1:]] == []
+        assert sorted(int(q[1:]) for q, _ in pairs) == list(range(300))
+
+
 # -- swarm state -------------------------------------------------------------------------------------
 
 
