@@ -103,7 +103,7 @@ class HistoryStore:
             (conversation, agent, "assistant", answer, prompt_tokens, completion_tokens, now),
         ]
         if not self.postgres:
-            await self.tables.run_many(_INSERT, rows)  # one writer at a time: nobody's rows come between
+            await self.tables.run_many(_INSERT, rows)  # one transaction, and one writer of the file at a time
             return
         # PostgreSQL: in a transaction of its own under the store's transaction lock, so another replica's exchange
         # never takes a number between the two. Sent with the writer's group, two replicas appending at once

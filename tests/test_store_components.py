@@ -236,7 +236,8 @@ async def test_a_turns_question_and_answer_are_written_as_one_pair(store_engine:
 
 async def test_exchanges_appended_at_once_by_two_replicas_stay_in_pairs(store_engine: Engine) -> None:
     # On PostgreSQL two replicas' exchanges, sent with their writers' groups, took interleaved numbers: question,
-    # question, answer, answer, so the history read back paired each question with another's answer.
+    # question, answer, answer, so the history read back paired each question with another's answer. On SQLite
+    # two connections without a writer did the same: each row of a run_many was a transaction of its own.
     async with open_store(store_engine) as one, open_store(store_engine, application_name="kazma-test-2") as two:
         stores = [HistoryStore(one, max_messages=1000), HistoryStore(two, max_messages=1000)]
         await asyncio.gather(*(stores[i % 2].append_exchange("web:c", "lead", f"q{i}", f"a{i}") for i in range(300)))

@@ -219,12 +219,14 @@ class Tables:
             return await self._statements.run(sql, params)
 
     async def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
+        """The statement once per row, all in one transaction (one commit): another connection's rows never come
+        between them. Without a writer each row was its own transaction (the connection is in autocommit)."""
         if self._writer is not None:
             values = [tuple(row) for row in rows]
             await self._writer.submit(lambda tx: tx.run_many(sql, values))
             return
-        async with self._lock:
-            await self._statements.run_many(sql, rows)
+        async with self.transaction() as statements:
+            await statements.run_many(sql, rows)
 
     @asynccontextmanager
     async def locked(self) -> AsyncIterator[Statements]:
