@@ -13,7 +13,7 @@ from typing import Any, Final
 
 import structlog
 
-from kazma.approvals.hashing import MAX_ARGUMENT_DEPTH, args_hash, nesting_depth
+from kazma.approvals.hashing import MAX_ARGUMENT_DEPTH, UnrenderableArguments, args_hash, check_arguments, nesting_depth
 from kazma.approvals.model import Status
 from kazma.approvals.policy import PolicyVerdict, SafetyPolicy
 from kazma.config import failpoints
@@ -453,6 +453,14 @@ class AgentRunner:
             allowed = ", ".join([*tools, *ctx.agent.tools]) or "none"
             result.tool_runs.append(ToolRun(call.name, call.arguments, False, "not available", refused=True))
             return f"Error: {call.name} is not one of your tools (yours: {allowed})."
+        try:
+            # Here, not only when a card is opened: a call that needs no card is still hashed for its execution
+            # record, and one whose arguments cannot be (a lone surrogate, NaN) read "the store is unavailable".
+            check_arguments(call.arguments)
+        except UnrenderableArguments as exc:
+            problem = f"its arguments cannot be shown or recorded exactly ({exc})"
+            result.tool_runs.append(ToolRun(call.name, {}, False, problem, refused=True))
+            return f"Error: the call to {call.name} was not run: {problem}. Send valid text and finite numbers."
         refusal = self.registry.refusal(call.name)
         if refusal is not None:
             result.tool_runs.append(ToolRun(call.name, call.arguments, False, refusal, refused=True))

@@ -109,6 +109,8 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "in the progress reports; the capacity check is the design's, not a failure",
     "swarm/workers.py:handoff_tool.handle:ValidationError": _ANSWERED,
     "agent.py:AgentRunner._call:OSError": _TOOL_RESULT + " (it could not start: it did not run)",
+    "agent.py:AgentRunner._call:UnrenderableArguments": _ANSWERED
+    + " (arguments no card or record can hold: it did not run)",
     "agent.py:AgentRunner._may_have_run:ValueError": "arguments nothing can hash are refused by the policy anyway",
     "swarm/checkpoints.py:Checkpoints._open_paused:_NotPaused": "cancelled meanwhile: nothing was opened, and the "
     "canceller ends the task and says so",

@@ -20,6 +20,8 @@ from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import OpenAIProvider, ScriptedProvider, ScriptStep
 from kazma.engine.tools.builtin import default_registry
+from kazma.engine.tools.executions import MIGRATIONS as EXECUTIONS
+from kazma.engine.tools.executions import ExecutionRecord
 from kazma.engine.types import Message, ModelError, ModelProvider, ModelReply, ToolCall, ToolSpec
 from tests.approvals_support import approval_service
 from tests.fakes.openai import Completion, FakeOpenAI, FakeResponse, FakeToolCall, HttpError
@@ -33,7 +35,12 @@ def call(name: str, args: dict[str, object], raw: str | None = None, error: str 
 
 @asynccontextmanager
 async def runner(
-    tmp_path: Path, script: list[ScriptStep], *, max_history: int = 40, provider: ModelProvider | None = None
+    tmp_path: Path,
+    script: list[ScriptStep],
+    *,
+    max_history: int = 40,
+    provider: ModelProvider | None = None,
+    executions: ExecutionRecord | None = None,
 ) -> AsyncIterator[AgentRunner]:
     conn = await open_database(tmp_path / "h.db", migrations=HISTORY)
     async with approval_service(tmp_path / "a.db") as service:  # no publisher: dangerous tools fail closed
@@ -44,6 +51,7 @@ async def runner(
                 SafetyPolicy(service),
                 HistoryStore(conn, max_messages=max_history),
                 workspace_root=tmp_path / "ws",
+                executions=executions,
             )
         finally:
             await conn.close()
@@ -333,3 +341,32 @@ async def test_a_reply_of_more_tool_calls_than_one_reply_may_make_runs_the_first
         assert len(fed) == many  # every call answered, so the model's next request is well formed
         assert all(f"at most {MAX_CALLS_PER_REPLY} tool calls" in text for text in fed[MAX_CALLS_PER_REPLY:])
         assert not any("at most" in text for text in fed[:MAX_CALLS_PER_REPLY])
+
+
+async def test_arguments_no_record_can_hold_are_refused_as_such_not_blamed_on_the_store(tmp_path: Path) -> None:
+    # JSON from a model may carry a lone surrogate or NaN (json.loads takes both); a read tool needs no card, so
+    # the execution record's hash was the first to choke on them, and the model was told the store was down.
+    raws = ('{"path": "\\ud800"}', '{"url": "https://example.com/", "n": NaN}')
+    calls = tuple(
+        ToolCall(f"id-{n}", name, json.loads(raw), raw, None)
+        for n, (name, raw) in enumerate(zip(("read_file", "http_get"), raws, strict=True))
+    )
+    script: list[ScriptStep] = [ModelReply(content=None, tool_calls=calls), ModelReply(content="ok")]
+    store = await open_database(tmp_path / "e.db", migrations=EXECUTIONS)
+    before = failure_count("execution_record")
+    try:
+        records = ExecutionRecord(store)
+        async with runner(tmp_path, script, executions=records) as r:
+            reader = AgentSpec("reader", "You read.", ("read_file", "http_get"))
+            result = await r.run(reader, "c", "read", requested_by="u")
+            fed = tool_messages(r)
+            assert fed[0].startswith("Error: the call to read_file was not run: its arguments cannot be shown")
+            assert "not valid Unicode" in fed[0]
+            assert fed[1].startswith("Error: the call to http_get was not run: its arguments cannot be shown")
+            assert "n: nan is not a finite number" in fed[1]
+            assert all("store" not in text for text in fed)
+            assert [(run.name, run.refused) for run in result.tool_runs] == [("read_file", True), ("http_get", True)]
+        assert failure_count("execution_record") == before
+        assert await records.of_scope("") == []  # nothing started, so nothing recorded as started
+    finally:
+        await store.close()
