@@ -203,6 +203,21 @@ def own_ids(calls: Sequence[ToolCall], taken: set[str]) -> tuple[ToolCall, ...]:
     return tuple(unique)
 
 
+def cut_for_model(text: str, limit: int = MAX_TOOL_OUTPUT_TO_MODEL) -> str:
+    """``text`` whole when it fits in ``limit`` characters; else its head and tail around a marker saying how much
+    is left out.
+
+    Tools bound their own output more loosely (a shell's 64 KiB, a file's 256 KiB), and end it with what matters
+    most: a command's exit code, the last lines of its errors. Cut at the front alone, the model read the first
+    16,000 characters as the whole output, with no exit code and no sign that anything was missing."""
+    if len(text) <= limit:
+        return text
+    head = limit // 2
+    tail = limit - head
+    cut = len(text) - head - tail
+    return f"{text[:head]}\n[… {cut} of {len(text)} characters cut here …]\n{text[-tail:]}"
+
+
 def workspace_for(root: Path, conversation: str) -> Path:
     """One directory per conversation, named so that no conversation id can escape ``root`` and no two
     conversations share one.
@@ -547,7 +562,7 @@ class AgentRunner:
             )
         )
         log.info("agent.tool_ran", agent=ctx.agent.name, tool=call.name, ok=outcome.ok)
-        body = outcome.output[:MAX_TOOL_OUTPUT_TO_MODEL]
+        body = cut_for_model(outcome.output)
         if not outcome.ok:
             body = f"{outcome.error or 'failed'}\n{body}"
         return fence_untrusted(body, source=f"the {call.name} tool")

@@ -15,7 +15,7 @@ from kazma.approvals import SafetyPolicy
 from kazma.config.metrics import failure_count
 from kazma.config.models import ModelConfig
 from kazma.config.store.database import open_database
-from kazma.engine.agent import MAX_CALLS_PER_REPLY, AgentRunner, AgentSpec, workspace_for
+from kazma.engine.agent import MAX_CALLS_PER_REPLY, MAX_TOOL_OUTPUT_TO_MODEL, AgentRunner, AgentSpec, workspace_for
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import OpenAIProvider, ScriptedProvider, ScriptStep
@@ -341,6 +341,26 @@ async def test_a_reply_of_more_tool_calls_than_one_reply_may_make_runs_the_first
         assert len(fed) == many  # every call answered, so the model's next request is well formed
         assert all(f"at most {MAX_CALLS_PER_REPLY} tool calls" in text for text in fed[MAX_CALLS_PER_REPLY:])
         assert not any("at most" in text for text in fed[:MAX_CALLS_PER_REPLY])
+
+
+async def test_output_over_what_a_model_reads_keeps_its_head_and_tail_and_says_what_is_cut(tmp_path: Path) -> None:
+    # read_file returns up to 256 KiB (a shell 64 KiB, with its exit code last): more than a model is handed.
+    workspace = workspace_for(tmp_path / "ws", "c")
+    workspace.mkdir(parents=True)
+    middle = "m" * (3 * MAX_TOOL_OUTPUT_TO_MODEL)
+    (workspace / "big.txt").write_text(f"FIRST LINE\n{middle}\nLAST LINE")
+    script: list[ScriptStep] = [
+        ModelReply(content=None, tool_calls=(call("read_file", {"path": "big.txt"}),)),
+        ModelReply(content="read"),
+    ]
+    async with runner(tmp_path, script) as r:
+        await r.run(BUILDER, "c", "read big.txt", requested_by="u")
+        (fed,) = tool_messages(r)
+        assert "FIRST LINE" in fed
+        assert "LAST LINE" in fed  # the end of an output is where a command's exit code and errors are
+        whole = len(middle) + len("FIRST LINE\n\nLAST LINE")
+        assert f"[… {whole - MAX_TOOL_OUTPUT_TO_MODEL} of {whole} characters cut here …]" in fed
+        assert len(fed) < MAX_TOOL_OUTPUT_TO_MODEL + 1000
 
 
 async def test_arguments_no_record_can_hold_are_refused_as_such_not_blamed_on_the_store(tmp_path: Path) -> None:
