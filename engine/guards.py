@@ -137,6 +137,8 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "tools/files.py:ReadFileTool._read:UnicodeDecodeError": _TOOL_RESULT,
     "tools/files.py:WriteFileTool._write:PathRefused": _TOOL_RESULT,
     "tools/files.py:WriteFileTool._write:FileNotFoundError": _TOOL_RESULT,
+    "tools/files.py:ReadFileTool._read:OSError": _TOOL_RESULT + " (a path it cannot open: a socket, a name too long)",
+    "tools/files.py:WriteFileTool._write:OSError": _TOOL_RESULT + " (a path it cannot write: a name too long, no room)",
     "tools/files.py:WriteFileTool._write:suppress(OSError)": "removing the temporary file after a failed write, which "
     "the write's result reports",
     "tools/http_get.py:HttpGetTool.run:httpx.InvalidURL": _TOOL_RESULT,
