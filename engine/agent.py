@@ -562,7 +562,7 @@ class AgentRunner:
             )
         )
         log.info("agent.tool_ran", agent=ctx.agent.name, tool=call.name, ok=outcome.ok)
-        body = cut_for_model(outcome.output)
+        body = cut_for_model(outcome.output, self.registry.output_limit(call.name))
         if not outcome.ok:
             body = f"{outcome.error or 'failed'}\n{body}"
         return fence_untrusted(body, source=f"the {call.name} tool")

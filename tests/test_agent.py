@@ -4,6 +4,7 @@ import asyncio
 import itertools
 import json
 import sqlite3
+import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 from structlog.testing import capture_logs
 
 from kazma.approvals import SafetyPolicy
+from kazma.config import load_config_text
 from kazma.config.metrics import failure_count
 from kazma.config.models import ModelConfig
 from kazma.config.store.database import open_database
@@ -22,6 +24,8 @@ from kazma.engine.model import OpenAIProvider, ScriptedProvider, ScriptStep
 from kazma.engine.tools.builtin import default_registry
 from kazma.engine.tools.executions import MIGRATIONS as EXECUTIONS
 from kazma.engine.tools.executions import ExecutionRecord
+from kazma.engine.tools.mcp_tools import MCPSources
+from kazma.engine.tools.registry import ToolRegistry
 from kazma.engine.types import Message, ModelError, ModelProvider, ModelReply, ToolCall, ToolSpec
 from tests.approvals_support import approval_service
 from tests.fakes.openai import Completion, FakeOpenAI, FakeResponse, FakeToolCall, HttpError
@@ -390,3 +394,38 @@ async def test_arguments_no_record_can_hold_are_refused_as_such_not_blamed_on_th
         assert await records.of_scope("") == []  # nothing started, so nothing recorded as started
     finally:
         await store.close()
+
+
+async def test_an_mcp_servers_max_output_chars_above_the_default_reaches_the_model_whole(tmp_path: Path) -> None:
+    # README: a result is cut at mcp_servers.<name>.max_output_chars. Set above 16,000, the agent still cut every
+    # result at 16,000: the setting could lower the bound, never raise it.
+    spy = Path(__file__).resolve().parent / "mcp_servers" / "spy.py"
+    cfg = load_config_text(
+        "approvals: {approvers: ['web:alice']}\ntools: {spy/flood: read}\n"
+        f"mcp_servers: {{spy: {{command: '{sys.executable}', args: ['{spy}'], sandbox: none,"
+        " max_output_chars: 50000}}\n"
+    ).config
+    registry = ToolRegistry()
+    sources = MCPSources(cfg.mcp_servers, registry, cfg.danger_level)
+    size = 3 * MAX_TOOL_OUTPUT_TO_MODEL
+    script: list[ScriptStep] = [
+        ModelReply(content=None, tool_calls=(call("spy__flood", {"size": size}),)),
+        ModelReply(content="done"),
+    ]
+    history = await open_database(tmp_path / "h.db", migrations=HISTORY)
+    await sources.start(wait=60)
+    try:
+        assert "spy/flood" in registry, [c.problem for c in sources.connections.values()]
+        async with approval_service(tmp_path / "a.db", config=cfg) as service:
+            provider = ScriptedProvider(script)
+            runner = AgentRunner(
+                provider, registry, SafetyPolicy(service), HistoryStore(history), workspace_root=tmp_path / "ws"
+            )
+            result = await runner.run(AgentSpec("reader", "You read.", ("spy/*",)), "c", "flood", requested_by="u")
+            assert [(run.name, run.ok) for run in result.tool_runs] == [("spy/flood", True)]
+            (fed,) = [str(m["content"]) for m in provider.requests[-1].messages if m["role"] == "tool"]
+            assert "x" * size in fed
+            assert "cut" not in fed
+    finally:
+        await sources.stop()
+        await history.close()
