@@ -13,7 +13,7 @@ from typing import Any, Final
 
 import structlog
 
-from kazma.approvals.hashing import MAX_ARGUMENT_DEPTH, args_hash, nesting_depth
+from kazma.approvals.hashing import MAX_ARGUMENT_DEPTH, UnrenderableArguments, args_hash, check_arguments, nesting_depth
 from kazma.approvals.model import Status
 from kazma.approvals.policy import PolicyVerdict, SafetyPolicy
 from kazma.config import failpoints
@@ -201,6 +201,21 @@ def own_ids(calls: Sequence[ToolCall], taken: set[str]) -> tuple[ToolCall, ...]:
         taken.add(call_id)
         unique.append(call if call_id == call.id else dataclasses.replace(call, id=call_id))
     return tuple(unique)
+
+
+def cut_for_model(text: str, limit: int = MAX_TOOL_OUTPUT_TO_MODEL) -> str:
+    """``text`` whole when it fits in ``limit`` characters; else its head and tail around a marker saying how much
+    is left out.
+
+    Tools bound their own output more loosely (a shell's 64 KiB, a file's 256 KiB), and end it with what matters
+    most: a command's exit code, the last lines of its errors. Cut at the front alone, the model read the first
+    16,000 characters as the whole output, with no exit code and no sign that anything was missing."""
+    if len(text) <= limit:
+        return text
+    head = limit // 2
+    tail = limit - head
+    cut = len(text) - head - tail
+    return f"{text[:head]}\n[… {cut} of {len(text)} characters cut here …]\n{text[-tail:]}"
 
 
 def workspace_for(root: Path, conversation: str) -> Path:
@@ -453,6 +468,14 @@ class AgentRunner:
             allowed = ", ".join([*tools, *ctx.agent.tools]) or "none"
             result.tool_runs.append(ToolRun(call.name, call.arguments, False, "not available", refused=True))
             return f"Error: {call.name} is not one of your tools (yours: {allowed})."
+        try:
+            # Here, not only when a card is opened: a call that needs no card is still hashed for its execution
+            # record, and one whose arguments cannot be (a lone surrogate, NaN) read "the store is unavailable".
+            check_arguments(call.arguments)
+        except UnrenderableArguments as exc:
+            problem = f"its arguments cannot be shown or recorded exactly ({exc})"
+            result.tool_runs.append(ToolRun(call.name, {}, False, problem, refused=True))
+            return f"Error: the call to {call.name} was not run: {problem}. Send valid text and finite numbers."
         refusal = self.registry.refusal(call.name)
         if refusal is not None:
             result.tool_runs.append(ToolRun(call.name, call.arguments, False, refusal, refused=True))
@@ -539,7 +562,7 @@ class AgentRunner:
             )
         )
         log.info("agent.tool_ran", agent=ctx.agent.name, tool=call.name, ok=outcome.ok)
-        body = outcome.output[:MAX_TOOL_OUTPUT_TO_MODEL]
+        body = cut_for_model(outcome.output, self.registry.output_limit(call.name))
         if not outcome.ok:
             body = f"{outcome.error or 'failed'}\n{body}"
         return fence_untrusted(body, source=f"the {call.name} tool")

@@ -109,6 +109,8 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "in the progress reports; the capacity check is the design's, not a failure",
     "swarm/workers.py:handoff_tool.handle:ValidationError": _ANSWERED,
     "agent.py:AgentRunner._call:OSError": _TOOL_RESULT + " (it could not start: it did not run)",
+    "agent.py:AgentRunner._call:UnrenderableArguments": _ANSWERED
+    + " (arguments no card or record can hold: it did not run)",
     "agent.py:AgentRunner._may_have_run:ValueError": "arguments nothing can hash are refused by the policy anyway",
     "swarm/checkpoints.py:Checkpoints._open_paused:_NotPaused": "cancelled meanwhile: nothing was opened, and the "
     "canceller ends the task and says so",
@@ -135,6 +137,8 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "tools/files.py:ReadFileTool._read:UnicodeDecodeError": _TOOL_RESULT,
     "tools/files.py:WriteFileTool._write:PathRefused": _TOOL_RESULT,
     "tools/files.py:WriteFileTool._write:FileNotFoundError": _TOOL_RESULT,
+    "tools/files.py:ReadFileTool._read:OSError": _TOOL_RESULT + " (a path it cannot open: a socket, a name too long)",
+    "tools/files.py:WriteFileTool._write:OSError": _TOOL_RESULT + " (a path it cannot write: a name too long, no room)",
     "tools/files.py:WriteFileTool._write:suppress(OSError)": "removing the temporary file after a failed write, which "
     "the write's result reports",
     "tools/http_get.py:HttpGetTool.run:httpx.InvalidURL": _TOOL_RESULT,

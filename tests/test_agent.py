@@ -4,6 +4,7 @@ import asyncio
 import itertools
 import json
 import sqlite3
+import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -12,14 +13,19 @@ from typing import Any
 from structlog.testing import capture_logs
 
 from kazma.approvals import SafetyPolicy
+from kazma.config import load_config_text
 from kazma.config.metrics import failure_count
 from kazma.config.models import ModelConfig
 from kazma.config.store.database import open_database
-from kazma.engine.agent import MAX_CALLS_PER_REPLY, AgentRunner, AgentSpec, workspace_for
+from kazma.engine.agent import MAX_CALLS_PER_REPLY, MAX_TOOL_OUTPUT_TO_MODEL, AgentRunner, AgentSpec, workspace_for
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import OpenAIProvider, ScriptedProvider, ScriptStep
 from kazma.engine.tools.builtin import default_registry
+from kazma.engine.tools.executions import MIGRATIONS as EXECUTIONS
+from kazma.engine.tools.executions import ExecutionRecord
+from kazma.engine.tools.mcp_tools import MCPSources
+from kazma.engine.tools.registry import ToolRegistry
 from kazma.engine.types import Message, ModelError, ModelProvider, ModelReply, ToolCall, ToolSpec
 from tests.approvals_support import approval_service
 from tests.fakes.openai import Completion, FakeOpenAI, FakeResponse, FakeToolCall, HttpError
@@ -33,7 +39,12 @@ def call(name: str, args: dict[str, object], raw: str | None = None, error: str 
 
 @asynccontextmanager
 async def runner(
-    tmp_path: Path, script: list[ScriptStep], *, max_history: int = 40, provider: ModelProvider | None = None
+    tmp_path: Path,
+    script: list[ScriptStep],
+    *,
+    max_history: int = 40,
+    provider: ModelProvider | None = None,
+    executions: ExecutionRecord | None = None,
 ) -> AsyncIterator[AgentRunner]:
     conn = await open_database(tmp_path / "h.db", migrations=HISTORY)
     async with approval_service(tmp_path / "a.db") as service:  # no publisher: dangerous tools fail closed
@@ -44,6 +55,7 @@ async def runner(
                 SafetyPolicy(service),
                 HistoryStore(conn, max_messages=max_history),
                 workspace_root=tmp_path / "ws",
+                executions=executions,
             )
         finally:
             await conn.close()
@@ -333,3 +345,87 @@ async def test_a_reply_of_more_tool_calls_than_one_reply_may_make_runs_the_first
         assert len(fed) == many  # every call answered, so the model's next request is well formed
         assert all(f"at most {MAX_CALLS_PER_REPLY} tool calls" in text for text in fed[MAX_CALLS_PER_REPLY:])
         assert not any("at most" in text for text in fed[:MAX_CALLS_PER_REPLY])
+
+
+async def test_output_over_what_a_model_reads_keeps_its_head_and_tail_and_says_what_is_cut(tmp_path: Path) -> None:
+    # read_file returns up to 256 KiB (a shell 64 KiB, with its exit code last): more than a model is handed.
+    workspace = workspace_for(tmp_path / "ws", "c")
+    workspace.mkdir(parents=True)
+    middle = "m" * (3 * MAX_TOOL_OUTPUT_TO_MODEL)
+    (workspace / "big.txt").write_text(f"FIRST LINE\n{middle}\nLAST LINE")
+    script: list[ScriptStep] = [
+        ModelReply(content=None, tool_calls=(call("read_file", {"path": "big.txt"}),)),
+        ModelReply(content="read"),
+    ]
+    async with runner(tmp_path, script) as r:
+        await r.run(BUILDER, "c", "read big.txt", requested_by="u")
+        (fed,) = tool_messages(r)
+        assert "FIRST LINE" in fed
+        assert "LAST LINE" in fed  # the end of an output is where a command's exit code and errors are
+        whole = len(middle) + len("FIRST LINE\n\nLAST LINE")
+        assert f"[… {whole - MAX_TOOL_OUTPUT_TO_MODEL} of {whole} characters cut here …]" in fed
+        assert len(fed) < MAX_TOOL_OUTPUT_TO_MODEL + 1000
+
+
+async def test_arguments_no_record_can_hold_are_refused_as_such_not_blamed_on_the_store(tmp_path: Path) -> None:
+    # JSON from a model may carry a lone surrogate or NaN (json.loads takes both); a read tool needs no card, so
+    # the execution record's hash was the first to choke on them, and the model was told the store was down.
+    raws = ('{"path": "\\ud800"}', '{"url": "https://example.com/", "n": NaN}')
+    calls = tuple(
+        ToolCall(f"id-{n}", name, json.loads(raw), raw, None)
+        for n, (name, raw) in enumerate(zip(("read_file", "http_get"), raws, strict=True))
+    )
+    script: list[ScriptStep] = [ModelReply(content=None, tool_calls=calls), ModelReply(content="ok")]
+    store = await open_database(tmp_path / "e.db", migrations=EXECUTIONS)
+    before = failure_count("execution_record")
+    try:
+        records = ExecutionRecord(store)
+        async with runner(tmp_path, script, executions=records) as r:
+            reader = AgentSpec("reader", "You read.", ("read_file", "http_get"))
+            result = await r.run(reader, "c", "read", requested_by="u")
+            fed = tool_messages(r)
+            assert fed[0].startswith("Error: the call to read_file was not run: its arguments cannot be shown")
+            assert "not valid Unicode" in fed[0]
+            assert fed[1].startswith("Error: the call to http_get was not run: its arguments cannot be shown")
+            assert "n: nan is not a finite number" in fed[1]
+            assert all("store" not in text for text in fed)
+            assert [(run.name, run.refused) for run in result.tool_runs] == [("read_file", True), ("http_get", True)]
+        assert failure_count("execution_record") == before
+        assert await records.of_scope("") == []  # nothing started, so nothing recorded as started
+    finally:
+        await store.close()
+
+
+async def test_an_mcp_servers_max_output_chars_above_the_default_reaches_the_model_whole(tmp_path: Path) -> None:
+    # README: a result is cut at mcp_servers.<name>.max_output_chars. Set above 16,000, the agent still cut every
+    # result at 16,000: the setting could lower the bound, never raise it.
+    spy = Path(__file__).resolve().parent / "mcp_servers" / "spy.py"
+    cfg = load_config_text(
+        "approvals: {approvers: ['web:alice']}\ntools: {spy/flood: read}\n"
+        f"mcp_servers: {{spy: {{command: '{sys.executable}', args: ['{spy}'], sandbox: none,"
+        " max_output_chars: 50000}}\n"
+    ).config
+    registry = ToolRegistry()
+    sources = MCPSources(cfg.mcp_servers, registry, cfg.danger_level)
+    size = 3 * MAX_TOOL_OUTPUT_TO_MODEL
+    script: list[ScriptStep] = [
+        ModelReply(content=None, tool_calls=(call("spy__flood", {"size": size}),)),
+        ModelReply(content="done"),
+    ]
+    history = await open_database(tmp_path / "h.db", migrations=HISTORY)
+    await sources.start(wait=60)
+    try:
+        assert "spy/flood" in registry, [c.problem for c in sources.connections.values()]
+        async with approval_service(tmp_path / "a.db", config=cfg) as service:
+            provider = ScriptedProvider(script)
+            runner = AgentRunner(
+                provider, registry, SafetyPolicy(service), HistoryStore(history), workspace_root=tmp_path / "ws"
+            )
+            result = await runner.run(AgentSpec("reader", "You read.", ("spy/*",)), "c", "flood", requested_by="u")
+            assert [(run.name, run.ok) for run in result.tool_runs] == [("spy/flood", True)]
+            (fed,) = [str(m["content"]) for m in provider.requests[-1].messages if m["role"] == "tool"]
+            assert "x" * size in fed
+            assert "cut" not in fed
+    finally:
+        await sources.stop()
+        await history.close()

@@ -24,6 +24,7 @@ import pytest
 from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from kazma.engine.tools.http_get import HttpGetTool
 from kazma.engine.tools.netguard import (
@@ -353,6 +354,37 @@ async def test_redirects_to_other_schemes_are_refused(servers: Servers, ctx: Too
     assert result.error is not None
     assert result.error.startswith(f"refused to follow a redirect from http://public.test:{servers.port}/redirect")
     assert result.error.endswith("only http:// and https:// URLs are fetched")
+
+
+@pytest.mark.parametrize(
+    ("target", "said"),
+    [
+        ("http://xn--/", "its Location names no valid host"),  # a malformed A-label: httpx raises decoding it
+        ("http://a..b/", "could not resolve a..b: it is not a valid host name"),  # the idna codec refuses the label
+        (f"http://{'a' * 64}.example/", "it is not a valid host name"),  # a label over 63 characters
+    ],
+)
+async def test_a_malformed_host_name_is_refused_in_words_not_as_a_crash(
+    servers: Servers, ctx: ToolContext, target: str, said: str
+) -> None:
+    # Any server's redirect (or a model) chooses the name; the system resolver meets it, as in production.
+    registry = ToolRegistry([HttpGetTool(also_allow=["127.0.0.2/32"])])
+    with capture_logs() as logs:
+        result = await _get(registry, ctx, f"http://127.0.0.2:{servers.port}/redirect?to={target}")
+    assert not result.ok
+    assert result.error is not None
+    assert said in result.error
+    assert "unexpectedly" not in result.error
+    assert [entry for entry in logs if entry["event"] == "tool.crashed"] == []
+    assert [seen.path for seen in servers.log] == ["/redirect"]
+
+
+async def test_a_malformed_international_name_asked_for_is_refused_in_words(ctx: ToolContext) -> None:
+    with capture_logs() as logs:
+        result = await _get(_tool(ScriptedResolver({})), ctx, "http://xn--/")
+    assert result.error is not None
+    assert result.error.startswith("could not resolve xn--: ")
+    assert [entry for entry in logs if entry["event"] == "tool.crashed"] == []
 
 
 async def test_redirects_are_bounded(servers: Servers, ctx: ToolContext) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from structlog.testing import capture_logs
 
 from kazma.config.models import DangerLevel
 from kazma.engine.fence import fence_untrusted
@@ -24,6 +25,7 @@ from kazma.engine.tools.files import ReadFileTool, WriteFileTool
 from kazma.engine.tools.http_get import HttpGetTool
 from kazma.engine.tools.registry import Tool, ToolArgs, ToolRegistry, ToolResult, UnknownToolError
 from kazma.engine.tools.sandbox import Sandbox, SandboxMode, resolve_sandbox
+from kazma.engine.tools.send_file import SendFileTool
 from kazma.engine.tools.shell import ShellTool
 from kazma.engine.tools.workspace import ToolContext
 
@@ -578,6 +580,44 @@ async def test_read_missing_directory_and_fifo(registry: ToolRegistry, ctx: Tool
     fifo = await registry.execute("read_file", {"path": "pipe"}, ctx)  # must not wait for a writer
     assert fifo.error is not None
     assert "not a regular file" in fifo.error
+
+
+async def test_what_a_command_can_leave_in_the_workspace_is_refused_in_words(
+    registry: ToolRegistry, ctx: ToolContext, ws: Path
+) -> None:
+    # A socket (opening it fails with ENXIO) and a name longer than the file system takes: paths the tools
+    # cannot use, which ended each call as a crash ("failed unexpectedly", a traceback logged as tool.crashed).
+    ws.mkdir(parents=True)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(ws / "sock"))
+    long_name = "n" * 300
+    sent: list[str] = []
+
+    async def poster(conversation: str, name: str, data: bytes, agent: str) -> str | None:
+        sent.append(name)
+        return "m1"
+
+    tools = ToolRegistry([*(t for n in registry.names() if (t := registry.get(n)) is not None), SendFileTool(poster)])
+    try:
+        with capture_logs() as logs:
+            for tool in ("read_file", "send_file"):
+                result = await tools.execute(tool, {"path": "sock"}, ctx)
+                assert result.error == "'sock' is not a regular file (a socket or a device); refused", tool
+            for tool, args in (
+                ("read_file", {"path": long_name}),
+                ("send_file", {"path": long_name}),
+                ("write_file", {"path": long_name, "content": "x"}),
+                ("write_file", {"path": f"{long_name}/inner.txt", "content": "x"}),
+            ):
+                result = await tools.execute(tool, args, ctx)
+                assert result.error is not None
+                assert result.error.endswith("a name in the path is too long for the file system"), (tool, args)
+                assert not result.changed_state
+        assert [entry for entry in logs if entry["event"] == "tool.crashed"] == []
+        assert sent == []
+        assert sorted(os.listdir(ws)) == ["sock"]  # no temporary file or folder left behind
+    finally:
+        listener.close()
 
 
 async def test_hard_links_to_files_outside_are_refused(

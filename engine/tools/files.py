@@ -20,6 +20,7 @@ from kazma.engine.tools.workspace import (
     ToolContext,
     _inside,
     _open_parent,
+    _os_refusal,
     _refuse_hard_links,
     _workspace_root,
 )
@@ -58,7 +59,7 @@ class ReadFileTool(Tool[ReadFileArgs]):
             except OSError as exc:
                 if exc.errno == errno.ELOOP:
                     return ToolResult(ok=False, output="", error=f"{shown!r} changed into a symbolic link; refused")
-                raise
+                return ToolResult(ok=False, output="", error=str(_os_refusal(shown, exc)))
         finally:
             os.close(parent)
         with os.fdopen(fd, "rb") as handle:
@@ -126,6 +127,8 @@ class WriteFileTool(Tool[WriteFileArgs]):
                 existing = os.stat(name, dir_fd=parent, follow_symlinks=False)
             except FileNotFoundError:
                 mode = None
+            except OSError as exc:
+                return ToolResult(ok=False, output="", error=str(_os_refusal(shown, exc)), changed_state=created)
             else:
                 if stat.S_ISDIR(existing.st_mode):
                     return ToolResult(
@@ -147,9 +150,12 @@ class WriteFileTool(Tool[WriteFileArgs]):
             # Write a temporary sibling and rename it over the target: readers see
             # the old file or the new one, never a half-written one.
             temp = f".kazma-{secrets.token_hex(8)}.tmp"
-            fd = os.open(
-                temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=parent
-            )
+            try:
+                fd = os.open(
+                    temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=parent
+                )
+            except OSError as exc:
+                return ToolResult(ok=False, output="", error=str(_os_refusal(shown, exc)), changed_state=created)
             try:
                 with os.fdopen(fd, "wb") as handle:
                     handle.write(data)

@@ -144,7 +144,13 @@ class HttpGetTool(Tool[HttpGetArgs]):
                 return await client.send(request, stream=True)
             except httpx.ConnectError as exc:
                 failures.append(f"{address}: {exc or type(exc).__name__}")
-        raise _Unreachable(f"could not connect to {url.host}: " + "; ".join(failures))
+            except UnicodeError as exc:
+                # httpx reads every redirect's Location (for response.next_request) even when it follows none,
+                # decoding its host: a malformed "xn--" label raises idna's error out of send() unwrapped.
+                raise _FetchFailed(
+                    f"refused to follow a redirect from {url}: its Location names no valid host ({exc})"
+                ) from exc
+        raise _Unreachable(f"could not connect to {url.raw_host.decode('ascii')}: " + "; ".join(failures))
 
     async def _result(self, url: httpx.URL, final: httpx.URL, response: httpx.Response) -> ToolResult:
         encodings = [e.strip().lower() for e in response.headers.get("content-encoding", "").split(",")]
@@ -212,7 +218,9 @@ def _zlib_header(head: bytes) -> bool:
 
 
 def _fetchable(url: httpx.URL) -> bool:
-    return url.scheme in ("http", "https") and bool(url.host)
+    # raw_host, not host: httpx decodes an "xn--" label for ``host`` and raises on a malformed one ("http://xn--/",
+    # from a model or any server's redirect), which ended the call as a crash with a traceback in the log.
+    return url.scheme in ("http", "https") and bool(url.raw_host)
 
 
 def _pinned_request(client: httpx.AsyncClient, url: httpx.URL, address: IPAddress) -> httpx.Request:

@@ -374,6 +374,9 @@ def admitted(server: str, listed: list[ListedTool]) -> list[ListedTool]:
     return kept
 
 
+_CUT_MARKER_ROOM = 80  # "\n[… result cut at N of M characters …]", with room for long numbers
+
+
 def _result(server: str, tool: str, result: Any, limit: int) -> ToolResult:
     parts: list[str] = []
     for item in getattr(result, "content", None) or []:
@@ -430,6 +433,11 @@ class MCPTool(Tool[MCPArgs]):
             f"MCP tool from server {self.connection.name!r}, which calls it {' and '.join(said)} "
             "(the server's own words; Kazma does not rely on them).",
         )
+
+    def output_limit(self) -> int:
+        # The server's own max_output_chars, with room for the cut marker _result adds: set above the default, it
+        # was still cut at the default by the agent, so the setting could only ever lower the limit.
+        return self.connection.config.max_output_chars + _CUT_MARKER_ROOM
 
     def definition(self) -> object:
         return self.listed  # its description, input schema and the server's hints, as last listed

@@ -303,6 +303,11 @@ async def resolve_checked(host: str, *, resolver: Resolver, policy: AddressPolic
         except OSError as exc:
             log.info("netguard.unresolved", host=host, reason=str(exc))
             raise AddressRefused(f"could not resolve {host}: {exc}") from exc
+        except UnicodeError as exc:
+            # getaddrinfo encodes the name with the idna codec first, which refuses an empty label or one over 63
+            # characters ("a..b", from a model or a redirect) before any lookup: a bad name, not a crash.
+            log.info("netguard.unresolved", host=host, reason=str(exc))
+            raise AddressRefused(f"could not resolve {host}: it is not a valid host name ({exc})") from exc
         addresses = tuple(dict.fromkeys(_parse_answer(host, raw) for raw in answers))
         if not addresses:
             log.info("netguard.unresolved", host=host, reason="no addresses")

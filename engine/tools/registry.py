@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import structlog
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kazma.config.limits import MAX_TOOL_OUTPUT_CHARS
 from kazma.config.models import DangerLevel
 from kazma.engine.tools.workspace import ToolContext
 from kazma.engine.types import ToolSpec
@@ -82,6 +83,10 @@ class Tool(ABC, Generic[ArgsT]):
     def refusal(self) -> str | None:
         """Why every call of this tool is refused before anyone is asked (None: calls may run)."""
         return None
+
+    def output_limit(self) -> int:
+        """The most of one result a model is handed (characters); beyond it the agent keeps its head and tail."""
+        return MAX_TOOL_OUTPUT_CHARS
 
     def definition(self) -> object:
         """What this tool is, as its source says it (None: fixed in Kazma's code). A tool whose definition may
@@ -189,6 +194,11 @@ class ToolRegistry:
             return None
         known = self._defined.get(name)
         return None if known is None else known[1]
+
+    def output_limit(self, name: str) -> int:
+        """The most of one result of ``name`` a model is handed (see :meth:`Tool.output_limit`)."""
+        tool = self._tools.get(name)
+        return MAX_TOOL_OUTPUT_CHARS if tool is None else tool.output_limit()
 
     def refusal(self, name: str) -> str | None:
         tool = self._tools.get(name)

@@ -25,6 +25,7 @@ from kazma.engine.tools.workspace import (
     ToolContext,
     _inside,
     _open_parent,
+    _os_refusal,
     _refuse_hard_links,
     _workspace_root,
 )
@@ -82,7 +83,7 @@ class SendFileTool(Tool[SendFileArgs]):
             except OSError as exc:
                 if exc.errno == errno.ELOOP:
                     raise PathRefused(f"{shown!r} is a symbolic link; refused") from exc
-                raise
+                raise _os_refusal(shown, exc) from exc
         finally:
             os.close(parent)
         with os.fdopen(fd, "rb") as handle:

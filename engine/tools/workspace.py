@@ -120,6 +120,19 @@ def _refuse_hard_links(shown: str, info: os.stat_result) -> str | None:
     )
 
 
+def _os_refusal(shown: str, exc: OSError) -> PathRefused:
+    """What an operating-system error on a workspace path says to the model.
+
+    A command can leave anything in its workspace: a socket (opening it fails with ENXIO), a name too long
+    for the file system, a folder it made unreadable. Each ended the call as a crash ("failed unexpectedly",
+    a traceback logged as ``tool.crashed``) though it is only a path the tool cannot use."""
+    if exc.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):
+        return PathRefused(f"{shown!r} is not a regular file (a socket or a device); refused")
+    if exc.errno == errno.ENAMETOOLONG:
+        return PathRefused(f"{shown!r}: a name in the path is too long for the file system")
+    return PathRefused(f"{shown!r} cannot be used: {exc.strerror or exc}")
+
+
 def _inside(root: Path, raw: str, *, as_named: bool = False) -> tuple[str, ...]:
     """The components, relative to ``root``, of the real path ``raw`` names; refused if it leaves ``root``.
 
@@ -180,5 +193,5 @@ def _open_parent(root: Path, parts: tuple[str, ...], *, create: bool) -> tuple[i
             raise PathRefused(f"{shown!r}: a parent is not a directory (or changed into a symbolic link)") from exc
         if isinstance(exc, FileNotFoundError):
             raise PathRefused(f"no such file: {shown!r}") from exc
-        raise
+        raise _os_refusal(shown, exc) from exc
     return fd, created
