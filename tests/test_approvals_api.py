@@ -96,6 +96,17 @@ async def test_roles_and_credentials_stay_apart(tmp_path: Path) -> None:
         assert await door.app.service.store.requests(limit=10) == []
 
 
+@pytest.mark.parametrize("path", ["/api/v1/approvals", "/mcp"])
+async def test_attack_a_bearer_token_that_is_not_utf8_is_a_401_never_a_500(tmp_path: Path, path: str) -> None:
+    """aiohttp keeps such header bytes as surrogates, which the token check encoded strictly: a 500 before."""
+    async with kazma_door(tmp_path) as door, client(door, None) as http:
+        for supplied in (b"Bearer \xff\xfe", b"Bearer " + REQUESTER_TOKEN.encode() + b"\xff"):
+            answer = await http.post(path, json=DEPLOY, headers={b"Authorization": supplied})
+            assert answer.status_code == 401, answer.text
+            assert answer.json() == {"error": "an API token is required"}
+        assert await door.app.service.store.requests(limit=10) == []
+
+
 async def test_attack_a_token_cannot_read_or_withdraw_another_tokens_request(tmp_path: Path) -> None:
     async with kazma_door(tmp_path) as door, client(door) as ci, client(door, OTHER_TOKEN) as other:
         opened = (await ci.post("/api/v1/approvals", json=DEPLOY)).json()

@@ -96,9 +96,11 @@ def caller_of(config: KazmaConfig, request: web.Request) -> ApiCaller:
     header = request.headers.get("Authorization", "")
     scheme, _, supplied = header.partition(" ")
     found: ApiCaller | None = None
-    if scheme.lower() == "bearer" and supplied:
+    # aiohttp keeps header bytes that are not UTF-8 as surrogates: compared as the bytes sent, never a 500.
+    given = supplied.strip().encode("utf-8", "surrogateescape")
+    if scheme.lower() == "bearer" and given:
         for name, token in config.api.tokens.items():
-            if hmac.compare_digest(supplied.strip().encode(), token.token.encode()):
+            if hmac.compare_digest(given, token.token.encode()):
                 found = ApiCaller(name, tuple(token.roles))
     if found is None:
         log.warning("api.unauthorised", path=request.path, remote=request.remote)
