@@ -124,3 +124,15 @@ async def test_attack_a_browser_preflight_to_mcp_is_refused_without_a_token(tmp_
         )
         assert preflight.status_code == 401
         assert "access-control-allow-origin" not in preflight.headers
+
+
+async def test_a_get_on_mcp_is_refused_not_held_open_as_a_stream(tmp_path: Path) -> None:
+    """The stateless endpoint has no stream to offer: before, a GET got a text/event-stream that never ended."""
+    async with (
+        kazma_door(tmp_path) as door,
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {REQUESTER_TOKEN}"}, trust_env=False) as http,
+        http.stream("GET", f"{door.url}/mcp", headers={"Accept": "text/event-stream"}) as answer,
+    ):
+        assert answer.status_code == 405
+        assert answer.headers["allow"] == "POST"
+        assert "POST" in json.loads(await answer.aread())["error"]
