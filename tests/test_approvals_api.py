@@ -15,6 +15,7 @@ import pytest
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.approvals.hashing import args_hash
 from kazma.bot.api_store import IdempotencyKeys
+from kazma.bot.console.api import openapi_document
 from kazma.config import failpoints
 from tests.api_support import (
     OPERATOR_TOKEN,
@@ -222,6 +223,19 @@ async def test_attack_input_json_cannot_carry_is_a_400_with_its_reason_never_a_5
         # the door still works, and the key was not taken by the refused body
         fine = await http.post("/api/v1/approvals", json=DEPLOY, headers={"Idempotency-Key": "k-1"})
         assert fine.status_code == 201
+
+
+async def test_attack_a_body_over_the_size_limit_is_a_413_in_json_that_says_so(tmp_path: Path) -> None:
+    """Before, aiohttp's plain-text 413 answered it: the API's only error that was not JSON."""
+    async with kazma_door(tmp_path) as door, client(door) as http:
+        big = {"tool": "deploy", "arguments": {"blob": "a" * (300 * 1024)}}
+        answer = await http.post("/api/v1/approvals", json=big, headers={"Idempotency-Key": "big-1"})
+        assert answer.status_code == 413
+        assert answer.json() == {
+            "error": "the body is larger than the 256 KiB a request may be: send smaller arguments"
+        }
+        assert await door.app.service.store.requests(limit=10) == []
+    assert "413" in openapi_document()["paths"]["/api/v1/approvals"]["post"]["responses"]
 
 
 async def test_arguments_as_deep_as_agents_may_nest_are_accepted(tmp_path: Path) -> None:

@@ -416,6 +416,13 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
         text = (await request.read()).decode("utf-8")
     except UnicodeDecodeError:
         raise _error(web.HTTPBadRequest, "the body must be a JSON object in UTF-8") from None
+    except web.HTTPRequestEntityTooLarge:
+        # aiohttp's own answer is plain text; every answer of this API is JSON that says what to change
+        limit = request.client_max_size
+        said = f"the body is larger than the {limit // 1024} KiB a request may be: send smaller arguments"
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=limit, text=json.dumps({"error": said}), content_type="application/json"
+        ) from None
     # The body is an object, so its arguments' levels are one fewer than the body's.
     if _depth_of(text) - 1 > MAX_ARGUMENT_DEPTH:
         raise _error(web.HTTPBadRequest, f"the body nests too deeply: {_TOO_DEEP}")
@@ -554,6 +561,7 @@ def openapi_document() -> dict[str, Any]:
                         "401": {"description": "no valid API token", **_ERROR},
                         "403": {"description": "the token lacks the approval_requester role", **_ERROR},
                         "404": {"description": "the request this Idempotency-Key opened is gone", **_ERROR},
+                        "413": {"description": "the body is larger than the web server accepts (256 KiB)", **_ERROR},
                         "422": {
                             "description": "the call cannot be shown faithfully, or the Idempotency-Key was used "
                             "with another body",
