@@ -156,6 +156,7 @@ class ApprovalsApi:
         self.keys = services.api_keys
         # request id -> (the ended request as one wake-up read it, its answer's body): see _ended_answer
         self._described: dict[str, tuple[ApprovalRequest, asyncio.Future[bytes]]] = {}
+        self.stopping = asyncio.Event()  # set as the web server shuts down: open long-polls answer at once
 
     @property
     def config(self) -> KazmaConfig:
@@ -318,12 +319,28 @@ class ApprovalsApi:
             # cancel_with_waiter=False: a client that stops polling withdraws nothing. The ended request is
             # read once for every waiter of it here, not once per long-poll.
             try:
-                ended = await self.service.wait_request(found.id, cancel_with_waiter=False, within=wait)
+                ended = await self._ended_within(found.id, wait)
             except TimeoutError:
                 found = await self.service.store.get(found.id) or found
             else:
                 return await self._ended_answer(ended)
         return web.json_response(await describe(self.service, found))
+
+    async def _ended_within(self, request_id: str, wait: float) -> ApprovalRequest:
+        """The request once it ended; TimeoutError after ``wait`` seconds, or as soon as this web server stops: the
+        poller is answered with what is known now and asks again (a replica, or this Kazma once it is back),
+        rather than held until the shutdown timeout and then cut off without an answer."""
+        ending = asyncio.ensure_future(self.service.wait_request(request_id, cancel_with_waiter=False, within=wait))
+        stopping = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait((ending, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not ending.done():  # the server stops first (or this poller was cancelled): its waiter leaves
+                ending.cancel()
+        if not ending.done():
+            raise TimeoutError(f"the web server stops before {request_id} ended")
+        return ending.result()
 
     async def _ended_answer(self, ended: ApprovalRequest) -> web.Response:
         """The answer to every long-poll woken by one read of an ended request: described and encoded once for all
@@ -603,4 +620,9 @@ def register(application: web.Application, services: ApprovalsServices) -> Appro
     """Add the approvals API to the web server's application (``/mcp`` is served through what this returns)."""
     api = ApprovalsApi(services)
     application.add_routes(api.routes())
+
+    async def stopping(_: web.Application) -> None:
+        api.stopping.set()  # before the server waits for open requests: each long-poll answers and ends
+
+    application.on_shutdown.append(stopping)
     return api
