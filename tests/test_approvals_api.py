@@ -219,6 +219,12 @@ BAD_BODIES = [
     ("900 deep", json.dumps({"tool": "deploy", "arguments": _nested(900)}), "at most 32 levels deep"),
     ("not JSON", '{"tool": "deploy", ', "the body must be a JSON object"),
     ("not UTF-8", b'{"tool": "d\xffeploy"}', "UTF-8"),
+    (
+        "twice",
+        '{"tool": "deploy", "arguments": {"env": "staging"}, "arguments": {"env": "prod"}}',
+        "'arguments' is named",
+    ),
+    ("twice inside", '{"tool": "deploy", "arguments": {"env": "staging", "env": "prod"}}', "'env' is named twice"),
     ("policy not text", '{"tool": "deploy", "policy": 5}', "policy must be the name"),
     ("policy too long", json.dumps({"tool": "deploy", "policy": "p" * 65}), "at most 64 characters"),
 ]

@@ -19,7 +19,7 @@ same request from any replica, a replay is counted on the key rather than
 audited, and another body with the key is refused (422). A token has at most
 ``api.tokens.<name>.max_pending`` requests pending (429 beyond). Input JSON
 cannot carry is refused with 400 and a reason, never a 500: NaN and infinities,
-lone surrogates, and arguments nested deeper than agents may nest theirs.
+lone surrogates, arguments nested deeper than agents may nest theirs, and a name given twice in one object.
 
 A body is validated with the pydantic models of :mod:`kazma.bot.console.api_models`, every answer is written
 through them, and ``/api/v1/openapi.json`` is generated from the same models.
@@ -410,6 +410,19 @@ class _NotJson(ValueError):
     """A number JSON cannot carry (NaN, an infinity, or one too big to be finite)."""
 
 
+class _Ambiguous(ValueError):
+    """An object naming one member twice: parsers differ on which value counts (Python's keeps the last)."""
+
+
+def _members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in found:
+            raise _Ambiguous(f"{name[:100]!r} is named twice in one object")
+        found[name] = value
+    return found
+
+
 def _no_constant(name: str) -> Any:
     raise _NotJson(f"{name} is not a JSON number")
 
@@ -444,9 +457,12 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     if _depth_of(text) - 1 > MAX_ARGUMENT_DEPTH:
         raise _error(web.HTTPBadRequest, f"the body nests too deeply: {_TOO_DEEP}")
     try:
-        body = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+        body = json.loads(text, parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_members)
     except _NotJson as exc:
         raise _error(web.HTTPBadRequest, f"the body is not valid JSON: {exc}") from None
+    except _Ambiguous as exc:
+        # The card, the hash and the answer would show the last value, a caller's own parser may run the first.
+        raise _error(web.HTTPBadRequest, f"the body is ambiguous: {exc}; send each name once") from None
     except RecursionError:
         raise _error(web.HTTPBadRequest, f"the body nests too deeply: {_TOO_DEEP}") from None
     except ValueError as exc:
@@ -572,7 +588,8 @@ def openapi_document() -> dict[str, Any]:
                         "400": {
                             "description": "the body is not a request JSON can carry: not a JSON object, NaN or an "
                             "infinity, a lone surrogate, arguments nested deeper than "
-                            f"{MAX_ARGUMENT_DEPTH} levels, an unknown field or a field of the wrong kind",
+                            f"{MAX_ARGUMENT_DEPTH} levels, a name given twice in one object, an unknown field or a "
+                            "field of the wrong kind",
                             **_ERROR,
                         },
                         "401": {"description": "no valid API token", **_ERROR},
