@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kazma.bot.console.api import openapi_document
-from kazma.bot.console.api_models import BodyRefused, component_schemas, new_approval
+from kazma.bot.console.api_models import BodyRefused, NewApproval, component_schemas, new_approval
 
 OPENAPI = openapi_document()
 NEW = OPENAPI["components"]["schemas"]["NewApproval"]
@@ -50,6 +50,9 @@ BODIES: list[dict[str, Any]] = [
     {"tool": "a/"},
     {"tool": "ünï"},
     {"tool": "deploy\n"},
+    {"tool": "deploy", "policy": "two-people"},
+    {"tool": "deploy", "policy": 5},
+    {"tool": "deploy", "policy": "p" * 65},
 ]
 
 
@@ -96,3 +99,12 @@ def test_a_refused_field_is_one_sentence_naming_it() -> None:
         "'/', each part 1-128 characters of A-Z, a-z, 0-9, '_', '.' and '-'",
         "arguments must be a JSON object",
     ]
+
+
+@pytest.mark.parametrize("field", sorted(NewApproval.model_fields))
+def test_every_field_refused_gets_its_sentence_never_an_error(field: str) -> None:
+    """A field of the wrong kind is a 400 naming it: before, ``"policy": 5`` had no sentence and was a 500."""
+    body: dict[str, Any] = {"tool": "deploy", field: [1]}
+    with pytest.raises(BodyRefused) as refused:
+        new_approval(body)
+    assert str(refused.value).startswith(f"{field} must ")

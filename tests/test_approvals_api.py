@@ -15,6 +15,7 @@ import pytest
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.approvals.hashing import args_hash
 from kazma.bot.api_store import IdempotencyKeys
+from kazma.bot.console.api import openapi_document
 from kazma.config import failpoints
 from tests.api_support import (
     OPERATOR_TOKEN,
@@ -96,6 +97,17 @@ async def test_roles_and_credentials_stay_apart(tmp_path: Path) -> None:
         assert await door.app.service.store.requests(limit=10) == []
 
 
+@pytest.mark.parametrize("path", ["/api/v1/approvals", "/mcp"])
+async def test_attack_a_bearer_token_that_is_not_utf8_is_a_401_never_a_500(tmp_path: Path, path: str) -> None:
+    """aiohttp keeps such header bytes as surrogates, which the token check encoded strictly: a 500 before."""
+    async with kazma_door(tmp_path) as door, client(door, None) as http:
+        for supplied in (b"Bearer \xff\xfe", b"Bearer " + REQUESTER_TOKEN.encode() + b"\xff"):
+            answer = await http.post(path, json=DEPLOY, headers={b"Authorization": supplied})
+            assert answer.status_code == 401, answer.text
+            assert answer.json() == {"error": "an API token is required"}
+        assert await door.app.service.store.requests(limit=10) == []
+
+
 async def test_attack_a_token_cannot_read_or_withdraw_another_tokens_request(tmp_path: Path) -> None:
     async with kazma_door(tmp_path) as door, client(door) as ci, client(door, OTHER_TOKEN) as other:
         opened = (await ci.post("/api/v1/approvals", json=DEPLOY)).json()
@@ -122,6 +134,20 @@ async def test_openapi_document_describes_the_routes(tmp_path: Path) -> None:
         refused = await http.post("/api/v1/approvals", json={"tool": "deploy", "colour": "red"})
         assert (refused.status_code, refused.json()) == (400, {"error": "unknown fields: colour"})
         jsonschema.validate(refused.json(), schemas["ApiError"])
+
+
+async def test_a_long_poll_open_when_the_server_stops_is_answered_not_cut_off(tmp_path: Path) -> None:
+    """Before, the poll held the stop for the whole shutdown timeout and then lost its connection unanswered."""
+    async with kazma_door(tmp_path) as door, client(door) as http:
+        opened = (await http.post("/api/v1/approvals", json=DEPLOY)).json()
+        poll = asyncio.create_task(http.get(f"/api/v1/approvals/{opened['id']}", params={"wait": "60"}))
+        while opened["id"] not in door.app.service._waiters.watches:  # the long-poll is waiting
+            await asyncio.sleep(0)
+        await asyncio.wait_for(door.server.stop(), 10)
+        answered = await poll
+        assert answered.status_code == 200
+        assert answered.json()["status"] == "pending"  # what is known: the poller asks again, elsewhere or later
+        assert opened["id"] not in door.app.service._waiters.watches
 
 
 # --------------------------------------------------------------------------- kazma approvals request --wait
@@ -193,6 +219,14 @@ BAD_BODIES = [
     ("900 deep", json.dumps({"tool": "deploy", "arguments": _nested(900)}), "at most 32 levels deep"),
     ("not JSON", '{"tool": "deploy", ', "the body must be a JSON object"),
     ("not UTF-8", b'{"tool": "d\xffeploy"}', "UTF-8"),
+    (
+        "twice",
+        '{"tool": "deploy", "arguments": {"env": "staging"}, "arguments": {"env": "prod"}}',
+        "'arguments' is named",
+    ),
+    ("twice inside", '{"tool": "deploy", "arguments": {"env": "staging", "env": "prod"}}', "'env' is named twice"),
+    ("policy not text", '{"tool": "deploy", "policy": 5}', "policy must be the name"),
+    ("policy too long", json.dumps({"tool": "deploy", "policy": "p" * 65}), "at most 64 characters"),
 ]
 
 
@@ -209,6 +243,19 @@ async def test_attack_input_json_cannot_carry_is_a_400_with_its_reason_never_a_5
         # the door still works, and the key was not taken by the refused body
         fine = await http.post("/api/v1/approvals", json=DEPLOY, headers={"Idempotency-Key": "k-1"})
         assert fine.status_code == 201
+
+
+async def test_attack_a_body_over_the_size_limit_is_a_413_in_json_that_says_so(tmp_path: Path) -> None:
+    """Before, aiohttp's plain-text 413 answered it: the API's only error that was not JSON."""
+    async with kazma_door(tmp_path) as door, client(door) as http:
+        big = {"tool": "deploy", "arguments": {"blob": "a" * (300 * 1024)}}
+        answer = await http.post("/api/v1/approvals", json=big, headers={"Idempotency-Key": "big-1"})
+        assert answer.status_code == 413
+        assert answer.json() == {
+            "error": "the body is larger than the 256 KiB a request may be: send smaller arguments"
+        }
+        assert await door.app.service.store.requests(limit=10) == []
+    assert "413" in openapi_document()["paths"]["/api/v1/approvals"]["post"]["responses"]
 
 
 async def test_arguments_as_deep_as_agents_may_nest_are_accepted(tmp_path: Path) -> None:

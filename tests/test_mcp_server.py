@@ -88,3 +88,51 @@ async def test_attack_mcp_endpoint_refuses_console_and_viewer_tokens(tmp_path: P
             result = await session.call_tool("request_approval", ASK)
             assert result.is_error
         assert await door.app.service.store.requests(limit=5) == []
+
+
+async def test_sdk_client_reaching_kazma_by_its_public_name_gets_the_outcome(tmp_path: Path) -> None:
+    """A client of ``<public_url>/mcp`` sends that name as Host (a proxy passes it on): before, the SDK's
+    localhost-only DNS-rebinding check answered every such call 421 "Invalid Host header". Its headers may also
+    hold UTF-8 (here "€"), which the bridge to the SDK re-encoded as latin-1: a 500."""
+    async with kazma_door(tmp_path) as door:
+        headers = {
+            b"Authorization": f"Bearer {REQUESTER_TOKEN}".encode(),
+            b"Host": b"kazma.example.com",
+            b"X-Client-Note": "déploiement à 5 €".encode(),
+        }
+        async with (
+            httpx2.AsyncClient(headers=headers, timeout=60, trust_env=False) as http,
+            streamable_http_client(f"{door.url}/mcp", http_client=http) as streams,
+            ClientSession(streams[0], streams[1]) as session,
+        ):
+            answer = await _ask_and_press(door, session, "a")
+        assert answer["outcome"] == "approved"
+        assert answer["hash"] == args_hash(ASK["arguments"])
+
+
+async def test_attack_a_browser_preflight_to_mcp_is_refused_without_a_token(tmp_path: Path) -> None:
+    """What stands in for the SDK's Host check: a page on another origin cannot send the bearer token, because the
+    preflight its Authorization header needs gets no CORS answer from the door."""
+    async with kazma_door(tmp_path) as door, httpx2.AsyncClient(trust_env=False) as http:
+        preflight = await http.options(
+            f"{door.url}/mcp",
+            headers={
+                "Origin": "http://evil.example",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        )
+        assert preflight.status_code == 401
+        assert "access-control-allow-origin" not in preflight.headers
+
+
+async def test_a_get_on_mcp_is_refused_not_held_open_as_a_stream(tmp_path: Path) -> None:
+    """The stateless endpoint has no stream to offer: before, a GET got a text/event-stream that never ended."""
+    async with (
+        kazma_door(tmp_path) as door,
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {REQUESTER_TOKEN}"}, trust_env=False) as http,
+        http.stream("GET", f"{door.url}/mcp", headers={"Accept": "text/event-stream"}) as answer,
+    ):
+        assert answer.status_code == 405
+        assert answer.headers["allow"] == "POST"
+        assert "POST" in json.loads(await answer.aread())["error"]

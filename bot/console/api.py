@@ -19,7 +19,7 @@ same request from any replica, a replay is counted on the key rather than
 audited, and another body with the key is refused (422). A token has at most
 ``api.tokens.<name>.max_pending`` requests pending (429 beyond). Input JSON
 cannot carry is refused with 400 and a reason, never a 500: NaN and infinities,
-lone surrogates, and arguments nested deeper than agents may nest theirs.
+lone surrogates, arguments nested deeper than agents may nest theirs, and a name given twice in one object.
 
 A body is validated with the pydantic models of :mod:`kazma.bot.console.api_models`, every answer is written
 through them, and ``/api/v1/openapi.json`` is generated from the same models.
@@ -96,9 +96,11 @@ def caller_of(config: KazmaConfig, request: web.Request) -> ApiCaller:
     header = request.headers.get("Authorization", "")
     scheme, _, supplied = header.partition(" ")
     found: ApiCaller | None = None
-    if scheme.lower() == "bearer" and supplied:
+    # aiohttp keeps header bytes that are not UTF-8 as surrogates: compared as the bytes sent, never a 500.
+    given = supplied.strip().encode("utf-8", "surrogateescape")
+    if scheme.lower() == "bearer" and given:
         for name, token in config.api.tokens.items():
-            if hmac.compare_digest(supplied.strip().encode(), token.token.encode()):
+            if hmac.compare_digest(given, token.token.encode()):
                 found = ApiCaller(name, tuple(token.roles))
     if found is None:
         log.warning("api.unauthorised", path=request.path, remote=request.remote)
@@ -154,6 +156,7 @@ class ApprovalsApi:
         self.keys = services.api_keys
         # request id -> (the ended request as one wake-up read it, its answer's body): see _ended_answer
         self._described: dict[str, tuple[ApprovalRequest, asyncio.Future[bytes]]] = {}
+        self.stopping = asyncio.Event()  # set as the web server shuts down: open long-polls answer at once
 
     @property
     def config(self) -> KazmaConfig:
@@ -316,12 +319,28 @@ class ApprovalsApi:
             # cancel_with_waiter=False: a client that stops polling withdraws nothing. The ended request is
             # read once for every waiter of it here, not once per long-poll.
             try:
-                ended = await self.service.wait_request(found.id, cancel_with_waiter=False, within=wait)
+                ended = await self._ended_within(found.id, wait)
             except TimeoutError:
                 found = await self.service.store.get(found.id) or found
             else:
                 return await self._ended_answer(ended)
         return web.json_response(await describe(self.service, found))
+
+    async def _ended_within(self, request_id: str, wait: float) -> ApprovalRequest:
+        """The request once it ended; TimeoutError after ``wait`` seconds, or as soon as this web server stops: the
+        poller is answered with what is known now and asks again (a replica, or this Kazma once it is back),
+        rather than held until the shutdown timeout and then cut off without an answer."""
+        ending = asyncio.ensure_future(self.service.wait_request(request_id, cancel_with_waiter=False, within=wait))
+        stopping = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait((ending, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not ending.done():  # the server stops first (or this poller was cancelled): its waiter leaves
+                ending.cancel()
+        if not ending.done():
+            raise TimeoutError(f"the web server stops before {request_id} ended")
+        return ending.result()
 
     async def _ended_answer(self, ended: ApprovalRequest) -> web.Response:
         """The answer to every long-poll woken by one read of an ended request: described and encoded once for all
@@ -391,6 +410,19 @@ class _NotJson(ValueError):
     """A number JSON cannot carry (NaN, an infinity, or one too big to be finite)."""
 
 
+class _Ambiguous(ValueError):
+    """An object naming one member twice: parsers differ on which value counts (Python's keeps the last)."""
+
+
+def _members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in found:
+            raise _Ambiguous(f"{name[:100]!r} is named twice in one object")
+        found[name] = value
+    return found
+
+
 def _no_constant(name: str) -> Any:
     raise _NotJson(f"{name} is not a JSON number")
 
@@ -414,13 +446,23 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
         text = (await request.read()).decode("utf-8")
     except UnicodeDecodeError:
         raise _error(web.HTTPBadRequest, "the body must be a JSON object in UTF-8") from None
+    except web.HTTPRequestEntityTooLarge:
+        # aiohttp's own answer is plain text; every answer of this API is JSON that says what to change
+        limit = request.client_max_size
+        said = f"the body is larger than the {limit // 1024} KiB a request may be: send smaller arguments"
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=limit, text=json.dumps({"error": said}), content_type="application/json"
+        ) from None
     # The body is an object, so its arguments' levels are one fewer than the body's.
     if _depth_of(text) - 1 > MAX_ARGUMENT_DEPTH:
         raise _error(web.HTTPBadRequest, f"the body nests too deeply: {_TOO_DEEP}")
     try:
-        body = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+        body = json.loads(text, parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_members)
     except _NotJson as exc:
         raise _error(web.HTTPBadRequest, f"the body is not valid JSON: {exc}") from None
+    except _Ambiguous as exc:
+        # The card, the hash and the answer would show the last value, a caller's own parser may run the first.
+        raise _error(web.HTTPBadRequest, f"the body is ambiguous: {exc}; send each name once") from None
     except RecursionError:
         raise _error(web.HTTPBadRequest, f"the body nests too deeply: {_TOO_DEEP}") from None
     except ValueError as exc:
@@ -546,12 +588,14 @@ def openapi_document() -> dict[str, Any]:
                         "400": {
                             "description": "the body is not a request JSON can carry: not a JSON object, NaN or an "
                             "infinity, a lone surrogate, arguments nested deeper than "
-                            f"{MAX_ARGUMENT_DEPTH} levels, an unknown field or a field of the wrong kind",
+                            f"{MAX_ARGUMENT_DEPTH} levels, a name given twice in one object, an unknown field or a "
+                            "field of the wrong kind",
                             **_ERROR,
                         },
                         "401": {"description": "no valid API token", **_ERROR},
                         "403": {"description": "the token lacks the approval_requester role", **_ERROR},
                         "404": {"description": "the request this Idempotency-Key opened is gone", **_ERROR},
+                        "413": {"description": "the body is larger than the web server accepts (256 KiB)", **_ERROR},
                         "422": {
                             "description": "the call cannot be shown faithfully, or the Idempotency-Key was used "
                             "with another body",
@@ -593,4 +637,9 @@ def register(application: web.Application, services: ApprovalsServices) -> Appro
     """Add the approvals API to the web server's application (``/mcp`` is served through what this returns)."""
     api = ApprovalsApi(services)
     application.add_routes(api.routes())
+
+    async def stopping(_: web.Application) -> None:
+        api.stopping.set()  # before the server waits for open requests: each long-poll answers and ends
+
+    application.on_shutdown.append(stopping)
     return api

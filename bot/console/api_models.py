@@ -18,6 +18,7 @@ MAX_TOOL = 100
 MAX_REASON = 1000
 MAX_REQUESTER = 100
 MAX_DEADLINE = 7 * 24 * 3600
+MAX_POLICY = 64
 # An approved row whose seal does not verify: reported so, never as "approved" (the caller would act on it).
 UNVERIFIED = "unverified"
 
@@ -62,7 +63,9 @@ class NewApproval(BaseModel):
         description="then it ends as a timeout (default: approvals.deadline_seconds)",
     )
     policy: str | None = Field(
-        default=None, max_length=64, description="the approvals policy it is decided under (approvals.policies)"
+        default=None,
+        max_length=MAX_POLICY,
+        description="the approvals policy it is decided under (approvals.policies)",
     )
 
 
@@ -109,6 +112,7 @@ _FIELD_RULES = {
     "reason": f"reason must be text of at most {MAX_REASON} characters",
     "requester": f"requester must be text of at most {MAX_REQUESTER} characters",
     "deadline_seconds": "deadline_seconds must be a number of seconds, up to 7 days",
+    "policy": f"policy must be the name (text of at most {MAX_POLICY} characters) of a policy under approvals.policies",
 }
 
 

@@ -27,6 +27,7 @@ import anyio
 import structlog
 from aiohttp import web
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.transport_security import TransportSecuritySettings
 
 from kazma.approvals.model import Waits
 from kazma.approvals.withdrawal import Gone
@@ -116,7 +117,14 @@ class MCPEndpoint:
 
     async def start(self) -> None:
         server = build_server(self._ask)
-        server.streamable_http_app(streamable_http_path="/mcp", stateless_http=True, json_response=True)
+        # The SDK's DNS-rebinding check, on by default, answers 421 to any Host but localhost: every client of
+        # <public_url>/mcp behind a proxy or on another address was refused. It guards servers nobody has to sign
+        # in to; here no byte reaches the SDK without an API token (the door checks it first), which a rebound
+        # page cannot send, as a cross-origin Authorization header needs a preflight that the door refuses.
+        open_hosts = TransportSecuritySettings(enable_dns_rebinding_protection=False)
+        server.streamable_http_app(
+            streamable_http_path="/mcp", stateless_http=True, json_response=True, transport_security=open_hosts
+        )
         manager = server.session_manager
         ready = asyncio.Event()
 
@@ -160,10 +168,12 @@ async def _asgi(app: Callable[..., Awaitable[None]], request: web.Request, extra
         "method": request.method,
         "scheme": request.scheme,
         "path": request.path,
-        "raw_path": request.raw_path.encode("latin-1"),
+        "raw_path": request.raw_path.encode("latin-1"),  # ASCII: aiohttp refuses any other byte in a request line
         "query_string": request.query_string.encode("latin-1"),
         "root_path": "",
-        "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers.items()],
+        # The header bytes as sent (ASGI carries bytes): text re-encoded as latin-1 failed on a header holding a
+        # character beyond it (a UTF-8 "€" from a client), a 500 for an authenticated caller.
+        "headers": [(name.lower(), value) for name, value in request.raw_headers],
         "client": (request.remote or "", 0),
         "server": ("127.0.0.1", 0),
     }

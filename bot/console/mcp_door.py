@@ -11,6 +11,7 @@ keeps answering presses meanwhile), and a call that arrives first waits for it.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import TYPE_CHECKING
 
 import structlog
@@ -97,6 +98,16 @@ class MCPDoor:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         caller = caller_of(self.api.config, request)  # 401 before anything reaches (or loads) the SDK
+        if request.method == "GET":
+            # Stateless, answering in JSON, /mcp has no stream of its own to offer; the SDK held such a GET open
+            # for good (a client gone was found only by its next ping, ~15 s later, logged as an error). Refused
+            # as the MCP specification allows, before the SDK is loaded.
+            raise web.HTTPMethodNotAllowed(
+                request.method,
+                ["POST"],
+                text=json.dumps({"error": "/mcp offers no event stream: send JSON-RPC messages with POST"}),
+                content_type="application/json",
+            )
         try:
             endpoint = await asyncio.shield(self._endpoint())
         except Exception:
