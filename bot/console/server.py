@@ -102,6 +102,7 @@ SWARM_TASKS = Gauge("kazma_swarm_tasks", "Swarm tasks in the store, by status (r
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TASK_ACTIONS = ("cancel", "retry", "approve", "reject")
+_MAX_VERSION_DIGITS = 20  # a dashboard's version is a count of changes: anything longer is no version of ours
 
 
 def _swarm_too_long(length: int) -> str:
@@ -483,7 +484,8 @@ class WebServer:
         since = request.query.get("dashboard")
         if since is not None and self.feed is not None:
             # a dashboard page: it says which version it shows, so a change it missed is sent at once
-            version = int(since) if since.isdecimal() else -1
+            # bounded first: int() of more than 4,300 digits raises, inside a stream already answered 200
+            version = int(since) if since.isdecimal() and len(since) <= _MAX_VERSION_DIGITS else -1
             pumps.append(asyncio.create_task(pump_dashboard(self.feed, version)))
         closing = asyncio.create_task(self._closing.wait())
         try:
