@@ -420,3 +420,14 @@ async def test_the_dashboard_lists_a_tool_name_from_the_approvals_api_escaped(tm
         assert RLO not in page
         assert "deploy⟨U+202E RLO⟩" in page
         assert "api:bot⟨U+202E RLO⟩" in page
+
+
+async def test_an_https_console_tells_browsers_never_to_open_it_over_plain_http(tmp_path: Path) -> None:
+    # behind a TLS proxy: without HSTS a stripped http:// copy of the sign-in form would take the shared token
+    async with console(tmp_path, extra="web: {public_url: 'https://kazma.example.org'}") as con, con.client() as c:
+        for path in ("/login", "/healthz", "/", "/nowhere"):
+            response = await c.get(con.base + path, allow_redirects=False)
+            assert response.headers.get("Strict-Transport-Security") == "max-age=31536000", path
+    async with console(tmp_path / "plain") as con, con.client() as c:
+        response = await c.get(con.base + "/login")
+        assert "Strict-Transport-Security" not in response.headers  # http://localhost: nothing to pin

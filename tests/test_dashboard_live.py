@@ -109,3 +109,20 @@ async def test_swarm_work_reaches_an_operators_dashboard_with_its_forms(tmp_path
         assert f'name="csrf" value="{csrf}"' in fragment  # …signed with the operator's session
         assert "1 swarm tasks and 0 plan steps" in fragment
         events.close()
+
+
+async def test_a_version_too_long_to_be_a_number_is_answered_with_the_dashboard_not_a_cut_stream(
+    tmp_path: Path,
+) -> None:
+    async with console(tmp_path) as con, con.client() as rd:
+        await con.login(rd, "rita", READER)
+        # 5,000 digits: past Python's int() limit of 4,300, which raised inside the already started stream
+        events = await rd.get(f"{con.base}/events?dashboard={'9' * 5000}")
+        assert events.status == 200
+        lines: list[str] = []
+        async with asyncio.timeout(10):
+            while not any(line.startswith("data: ") and '"dashboard"' in line for line in lines):
+                line = (await events.content.readline()).decode()
+                assert line, f"the stream ended before any dashboard: {lines}"
+                lines.append(line)
+        events.close()

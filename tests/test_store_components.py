@@ -345,13 +345,16 @@ async def test_sessions_open_find_expire_and_sweep(store_engine: Engine) -> None
         reader = Opening(login="b", role="reader", proof="reader-token")
         await sessions.open("h2", reader, binding="b2", lifetime=120, max_sessions=2)
         await sessions.open("h3", reader, binding="b3", lifetime=120, max_sessions=2)
-        assert await sessions.count() == 2
-        assert await sessions.find("h1") is None  # the one closest to expiring made room
+        await sessions.open("h4", reader, binding="b4", lifetime=300, max_sessions=2)
+        assert await sessions.count() == 3  # the limit holds per opener: the reader token's two, and alice's
+        assert await sessions.find("h2") is None  # the reader token's closest to expiring made room
+        assert await sessions.find("h1") is not None  # never alice's, which expires first of all
         clock.now += 200
-        assert await sessions.find("h2") is None  # expired: refused and deleted
+        assert await sessions.find("h3") is None  # expired: refused and deleted
+        assert await sessions.find("h1") is None
         assert await sessions.count() == 1
-        assert await sessions.end("h3")
-        assert not await sessions.end("h3")
+        assert await sessions.end("h4")
+        assert not await sessions.end("h4")
 
 
 # -- remembered approvals ----------------------------------------------------------------------------

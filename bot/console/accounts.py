@@ -75,7 +75,7 @@ PG_MIGRATIONS: Final = [
 
 INVITE_SECONDS: Final = 24 * 3600  # an enrolment link is good for a day
 CHALLENGE_SECONDS: Final = 300  # a ceremony's challenge, from options to answer
-MAX_CHALLENGES: Final = 10_000  # kept at once; past it the oldest go (a flood of options costs rows, not memory)
+MAX_CHALLENGES: Final = 10_000  # kept at once per purpose and person; past it their oldest go (rows, not memory)
 
 
 def digest(token: str) -> str:
@@ -338,20 +338,30 @@ class AccountStore:
     async def challenge(
         self, purpose: Purpose, *, person: str | None = None, subject: str | None = None
     ) -> tuple[str, bytes]:
-        """A new challenge for one ceremony: (the handle the browser keeps, the challenge's bytes)."""
+        """A new challenge for one ceremony: (the handle the browser keeps, the challenge's bytes).
+
+        Past :data:`MAX_CHALLENGES` of the same purpose for the same person (or for nobody yet: sign-in), the
+        oldest of those go, never others': anybody may ask for sign-in options, and a flood of them pushed out
+        a person's step-up (an approval) and enrolment in progress, answered "not begun on this page".
+        """
         handle = secrets.token_urlsafe(32)
         value = secrets.token_bytes(32)
         now = self.clock()
+        key: tuple[str, ...]
+        if person is None:
+            same, key = "purpose = ? AND person IS NULL", (purpose.value,)
+        else:
+            same, key = "purpose = ? AND person = ?", (purpose.value, person)
 
         def op(tx: Tx) -> None:
             tx.run("DELETE FROM people_challenges WHERE expires_at <= ?", (now,))
-            row = tx.one("SELECT COUNT(*) FROM people_challenges")
+            row = tx.one(f"SELECT COUNT(*) FROM people_challenges WHERE {same}", key)  # noqa: S608
             over = int(row[0]) - MAX_CHALLENGES + 1 if row else 0
             if over > 0:
                 tx.run(
-                    "DELETE FROM people_challenges WHERE handle_hash IN"
-                    " (SELECT handle_hash FROM people_challenges ORDER BY expires_at LIMIT ?)",
-                    (over,),
+                    "DELETE FROM people_challenges WHERE handle_hash IN"  # noqa: S608
+                    f" (SELECT handle_hash FROM people_challenges WHERE {same} ORDER BY expires_at LIMIT ?)",
+                    (*key, over),
                 )
             tx.run(
                 "INSERT INTO people_challenges (handle_hash, purpose, person, subject, challenge, expires_at)"

@@ -17,7 +17,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,7 @@ SWARM_TASKS = Gauge("kazma_swarm_tasks", "Swarm tasks in the store, by status (r
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TASK_ACTIONS = ("cancel", "retry", "approve", "reject")
+_MAX_VERSION_DIGITS = 20  # a dashboard's version is a count of changes: anything longer is no version of ours
 
 
 def _swarm_too_long(length: int) -> str:
@@ -120,11 +121,23 @@ def _not_found(text: str, session: Session | None = None) -> web.HTTPNotFound:
     return web.HTTPNotFound(text=message_page("Not found", text, viewer=session), content_type="text/html")
 
 
-async def _add_security_headers(request: web.Request, response: web.StreamResponse) -> None:
-    # on_response_prepare runs for every response, errors and streams included, before headers go out
-    response.headers.update(SECURITY_HEADERS)  # one call: it runs for each of 500 long-polls woken at once
-    if not request.path.startswith("/static/"):
-        response.headers.setdefault("Cache-Control", "no-store")
+# Sent when web.public_url is https://: a browser that has seen the console once never again opens it over
+# plain http, where a stripped copy of the sign-in form would take the shared token (the shipped nginx files
+# answer no port 80, and say nothing of it). The console's own host only: its siblings are not ours to bind.
+HSTS = "max-age=31536000"
+
+
+def security_headers(*, secure: bool) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    """The ``on_response_prepare`` hook that puts :data:`SECURITY_HEADERS` (and HSTS when ``secure``) on every
+    response, errors and streams included, before its headers go out."""
+    headers = {**SECURITY_HEADERS, **({"Strict-Transport-Security": HSTS} if secure else {})}
+
+    async def add(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers.update(headers)  # one call: it runs for each of 500 long-polls woken at once
+        if not request.path.startswith("/static/"):
+            response.headers.setdefault("Cache-Control", "no-store")
+
+    return add
 
 
 class WebServer:
@@ -213,7 +226,7 @@ class WebServer:
         doors = Doors(auth, lambda request: caller_of(config, request))
         # keep_flash outside the door: it writes back the flash lines of the session the door found
         application = web.Application(client_max_size=self.BODY_LIMIT, middlewares=[auth.keep_flash, doors.guard])
-        application.on_response_prepare.append(_add_security_headers)
+        application.on_response_prepare.append(security_headers(secure=auth.secure))
         add_routes(
             application,
             {
@@ -483,7 +496,8 @@ class WebServer:
         since = request.query.get("dashboard")
         if since is not None and self.feed is not None:
             # a dashboard page: it says which version it shows, so a change it missed is sent at once
-            version = int(since) if since.isdecimal() else -1
+            # bounded first: int() of more than 4,300 digits raises, inside a stream already answered 200
+            version = int(since) if since.isdecimal() and len(since) <= _MAX_VERSION_DIGITS else -1
             pumps.append(asyncio.create_task(pump_dashboard(self.feed, version)))
         closing = asyncio.create_task(self._closing.wait())
         try:

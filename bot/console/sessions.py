@@ -134,17 +134,26 @@ class SessionStore:
     async def open(
         self, token_hash: str, opening: Opening, *, binding: str, lifetime: float, max_sessions: int
     ) -> float:
-        """Keep a new session; returns its expiry. Sweeps expired rows and, past ``max_sessions``, the
-        sessions closest to expiring."""
+        """Keep a new session; returns its expiry. Sweeps expired rows and, past ``max_sessions`` of the same
+        opener (one shared token, or one proven identity), that opener's sessions closest to expiring.
+
+        Room is made only among the opener's own sessions: a reader-token holder signing in a thousand times
+        (every new session expires last) would otherwise push every approver's session out of the table.
+        """
         now = self.clock()
         await self.tables.run("DELETE FROM web_sessions WHERE expires_at <= ?", (now,))
-        row = await self.tables.one("SELECT COUNT(*) FROM web_sessions")
+        key: tuple[str, ...]
+        if opening.identity is None:  # a shared token's: its sessions are those of the same token
+            same, key = "proof = ? AND identity IS NULL", (opening.proof,)
+        else:
+            same, key = "proof = ? AND identity = ?", (opening.proof, opening.identity)
+        row = await self.tables.one(f"SELECT COUNT(*) FROM web_sessions WHERE {same}", key)  # noqa: S608
         over = int(row[0]) - max_sessions + 1 if row else 0
         if over > 0:
             await self.tables.run(
-                "DELETE FROM web_sessions WHERE token_hash IN"
-                " (SELECT token_hash FROM web_sessions ORDER BY expires_at, created_at LIMIT ?)",
-                (over,),
+                "DELETE FROM web_sessions WHERE token_hash IN"  # noqa: S608
+                f" (SELECT token_hash FROM web_sessions WHERE {same} ORDER BY expires_at, created_at LIMIT ?)",
+                (*key, over),
             )
         expires = now + lifetime
         await self.tables.run(
