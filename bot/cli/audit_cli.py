@@ -67,8 +67,8 @@ def _heads(given: tuple[str, ...], files: tuple[Path, ...]) -> list[Head]:
 
 def _read_export(path: Path) -> Export:
     try:
-        return read_export(path.read_text(encoding="utf-8"), source=str(path))
-    except (OSError, UnicodeDecodeError) as exc:
+        return read_export(path.read_bytes(), source=str(path))  # a line not UTF-8 is named by read_export
+    except OSError as exc:
         _fail(f"cannot read {path}: {exc}")
     except ExportError as exc:
         _fail(f"not an audit export: {exc}", EXIT_FAILED)

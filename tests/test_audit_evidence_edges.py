@@ -1,0 +1,119 @@
+"""Evidence read from outside the store (an export, a head copied off a card) and checkpoint rows changed into what
+Kazma never writes: `kazma audit verify` names what is wrong (the line, or the sequence number), never stops at a
+traceback, and never walks a gap number by number; an export of a legitimate log reads back whatever its texts hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from kazma.approvals.audit_export import (
+    checkpoint_record,
+    checkpoints_in_order,
+    event_record,
+    events_in_order,
+    header_record,
+    line,
+    read_export,
+)
+from kazma.approvals.audit_verify import verify
+from kazma.bot.cli import main
+from tests.approvals_support import TEST_SIGNER
+from tests.audit_support import KEY_ENV, Attacker, Log, config_text, make_log, rechained, resigned, run_async
+from tests.store_backends import Engine
+
+ELSEWHERE: dict[str, str | None] = {name: None for name in KEY_ENV}  # the verifier's machine: no key in its environment
+
+
+def kazma(*args: str, env: Mapping[str, str | None] | None = None) -> Result:
+    return CliRunner().invoke(main, list(args), env=KEY_ENV if env is None else env)
+
+
+def export_of(tmp_path: Path, engine: Engine) -> tuple[Path, Path]:
+    """The store's export and its public keys, written by the CLI."""
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, engine))
+    export, public = tmp_path / "audit.jsonl", tmp_path / "audit.pub"
+    done = kazma("-c", str(config), "audit", "export", "--out", str(export))
+    assert done.exit_code == 0, done.output
+    done = kazma("-c", str(config), "audit", "public-key", "--out", str(public))
+    assert done.exit_code == 0, done.output
+    return export, public
+
+
+def verify_export(export: Path, public: Path, *args: str) -> Result:
+    return kazma("audit", "verify", "--from-export", str(export), "--public-key", str(public), *args, env=ELSEWHERE)
+
+
+@pytest.fixture
+def sqlite(tmp_path: Path) -> Engine:
+    return Engine("sqlite", str(tmp_path / "k.db"))
+
+
+@pytest.fixture
+def log(sqlite: Engine) -> Log:
+    made: Log = run_async(make_log(sqlite.where))
+    return made
+
+
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "not a record (nested too deep)"),
+        (
+            b'{"type":"event","seq":' + b"9" * 5000 + b"}",
+            "not a record (a number of more digits than any record holds)",
+        ),
+        (b'{"type":"event","detail":"\xff\xfe"}', "not UTF-8 (invalid start byte at byte 27)"),
+        (b'{"type":"header","format":"kazma-audit-v1","since":1,"key_ids":5}', "key_ids must be a list of key ids"),
+    ],
+    ids=["nested", "digits", "not-utf8", "key-ids"],
+)
+def test_a_malformed_line_in_an_export_is_named_by_its_number_never_a_traceback(
+    tmp_path: Path, sqlite: Engine, log: Log, line: bytes, said: str
+) -> None:
+    export, public = export_of(tmp_path, sqlite)
+    lines = export.read_bytes().splitlines()
+    export.write_bytes(b"\n".join([*lines, line]) + b"\n")
+    done = verify_export(export, public)
+    assert done.exit_code == 1, done.output
+    assert isinstance(done.exception, SystemExit), done.exception
+    assert f"not an audit export: {export}, line {len(lines) + 1}: {said}" in done.output, done.output
+
+
+@pytest.mark.parametrize("seq", [0, -5])
+def test_a_sequence_number_the_store_never_gives_is_not_a_record(
+    tmp_path: Path, sqlite: Engine, log: Log, seq: int
+) -> None:
+    export, public = export_of(tmp_path, sqlite)
+    text = export.read_text()
+    export.write_text(text.replace('"seq":1,', f'"seq":{seq},', 1))
+    done = verify_export(export, public)
+    assert done.exit_code == 1, done.output
+    assert f"line 2: seq must be a sequence number (an integer from 1), got {seq}" in done.output, done.output
+
+
+def test_texts_holding_line_separators_are_read_back_whole(sqlite: Engine, log: Log) -> None:
+    """JSON leaves U+2028 and U+0085 raw in a text (an export is written with ensure_ascii off): they are not the
+    end of a record, whether the export is read as text or as the file's bytes."""
+    attacker = Attacker(sqlite)
+    events = [
+        replace(event, detail=f"{event.detail}\u2028and\u0085more") if event.seq == 2 else event
+        for event in attacker.events()
+    ]
+    events = rechained(events)
+    checkpoints = resigned(events, attacker.checkpoints(), TEST_SIGNER)
+    records = [header_record(since=1, key_ids=["a1"])]
+    records += [event_record(e) for e in events] + [checkpoint_record(c) for c in checkpoints]
+    text = "".join(line(record) for record in records)
+    assert "\u2028" in text
+    for written in (text, text.encode("utf-8")):
+        export = read_export(written, source="export")
+        report = verify(events_in_order(export), checkpoints_in_order(export), TEST_SIGNER.public_keys())
+        assert report.ok, report.summary()
+        assert report.events == log.last
