@@ -5,6 +5,7 @@ traceback, and never walks a gap number by number; an export of a legitimate log
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -96,6 +97,27 @@ def test_a_sequence_number_the_store_never_gives_is_not_a_record(
     done = verify_export(export, public)
     assert done.exit_code == 1, done.output
     assert f"line 2: seq must be a sequence number (an integer from 1), got {seq}" in done.output, done.output
+
+
+@pytest.mark.timeout(60)  # before: a range over every number of the gap, for hours
+@pytest.mark.parametrize("record", ["event", "checkpoint"])
+def test_a_sequence_number_far_past_the_log_is_judged_at_once(
+    tmp_path: Path, sqlite: Engine, log: Log, record: str
+) -> None:
+    export, public = export_of(tmp_path, sqlite)
+    lines = export.read_text().splitlines()
+    far = 2**62
+    copied = json.loads(next(line for line in lines if f'"type":"{record}"' in line))
+    copied["seq"] = far
+    if record == "checkpoint":
+        copied["first_seq"] = far - 1
+    export.write_text("\n".join([*lines, json.dumps(copied)]) + "\n")
+    done = verify_export(export, public)
+    assert done.exit_code == 1, done.output
+    if record == "event":
+        assert f"FAILED: first bad sequence seq {log.last + 1}: missing: seqs {log.last + 1}..{far - 1}" in done.output
+    else:
+        assert f"FAILED: first bad sequence seq {log.last + 1}: truncated: checkpoint #{far}" in done.output
 
 
 def test_texts_holding_line_separators_are_read_back_whole(sqlite: Engine, log: Log) -> None:
