@@ -22,12 +22,12 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kazma.approvals.chain import GENESIS, ChainedEvent
-from kazma.approvals.checkpoints import Checkpoint
+from kazma.approvals.checkpoints import Checkpoint, checkpoint_of
 
 FORMAT: Final = "kazma-audit-v1"
 _EVENT_FIELDS: Final = (
@@ -93,7 +93,14 @@ def event_record(event: ChainedEvent) -> dict[str, Any]:
 
 
 def checkpoint_record(checkpoint: Checkpoint) -> dict[str, Any]:
-    return {"type": "checkpoint", **{name: getattr(checkpoint, name) for name in _CHECKPOINT_FIELDS}}
+    odd = dict(checkpoint.never_written)  # a field changed around Kazma leaves as what the store held (NEVER_WRITTEN)
+    return {
+        "type": "checkpoint",
+        **{
+            name: {NEVER_WRITTEN: odd[name]} if name in odd else getattr(checkpoint, name)
+            for name in _CHECKPOINT_FIELDS
+        },
+    }
 
 
 def header_record(*, since: int, key_ids: Iterable[str], exported_at: float | None = None) -> dict[str, Any]:
@@ -267,15 +274,19 @@ def _event(record: dict[str, Any]) -> ChainedEvent:
 
 def _checkpoint(record: dict[str, Any]) -> Checkpoint:
     _fields(record, _CHECKPOINT_FIELDS)
-    return Checkpoint(
-        kind=str(_text(record, "kind", optional=False)),
-        first_seq=_int(record, "first_seq"),
-        seq=_int(record, "seq"),
-        head=str(_text(record, "head", optional=False)),
-        at=_float(record, "at"),
-        key_id=_text(record, "key_id"),
-        signature=_text(record, "signature"),
-    )
+    odd = {name: found.shown for name in _CHECKPOINT_FIELDS if (found := _never_written(record[name])) is not None}
+    seq = _int(record, "seq")  # the table's key: always an integer there
+    # Every other field is what Kazma writes, or what the store held instead (odd): then the verifier names it.
+    readers: dict[str, Callable[[], Any]] = {
+        "kind": lambda: _text(record, "kind", optional=False),
+        "first_seq": lambda: _int(record, "first_seq"),
+        "head": lambda: _text(record, "head", optional=False),
+        "at": lambda: _float(record, "at"),
+        "key_id": lambda: _text(record, "key_id"),
+        "signature": lambda: _text(record, "signature"),
+    }
+    values: dict[str, Any] = {name: None if name in odd else read() for name, read in readers.items()}
+    return checkpoint_of({**values, "seq": seq}, never_written=odd)
 
 
 async def export_records(

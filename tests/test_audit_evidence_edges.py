@@ -139,3 +139,34 @@ def test_texts_holding_line_separators_are_read_back_whole(sqlite: Engine, log: 
         report = verify(events_in_order(export), checkpoints_in_order(export), TEST_SIGNER.public_keys())
         assert report.ok, report.summary()
         assert report.events == log.last
+
+
+@pytest.mark.parametrize(
+    ("change", "shown"),
+    [
+        ("at = 'soon'", "at is 'soon'"),
+        ("signature = X'00ff'", "signature is b'\\x00\\xff'"),
+        ("key_id = X'6131'", "key_id is b'a1'"),
+        ("first_seq = 'x'", "first_seq is 'x'"),
+    ],
+    ids=["at", "signature", "key-id", "first-seq"],
+)
+def test_a_checkpoint_changed_into_what_kazma_never_writes_is_named_in_the_store_and_in_its_export(
+    tmp_path: Path, sqlite: Engine, log: Log, change: str, shown: str
+) -> None:
+    """SQLite keeps any type in any column: a checkpoint row so changed is read, exported and named, and nothing
+    stops at it (on PostgreSQL the columns' types refuse such a change)."""
+    signed = log.seqs["decided:drop"]  # the second checkpoint signs up to the two decisions
+    Attacker(sqlite).run((f"UPDATE audit_checkpoints SET {change} WHERE seq = ?", (signed,)))  # noqa: S608
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, sqlite))
+    done = kazma("-c", str(config), "audit", "verify")
+    assert done.exit_code == 1, done.output
+    assert isinstance(done.exception, SystemExit), done.exception
+    said = f"bad signature: checkpoint #{signed} (head): it holds what Kazma never writes ({shown})"
+    assert said in done.output, done.output
+
+    export, public = export_of(tmp_path, sqlite)  # the export does not stop at it either
+    done = verify_export(export, public)
+    assert done.exit_code == 1, done.output
+    assert said in done.output, done.output
