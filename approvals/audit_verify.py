@@ -38,7 +38,8 @@ UNSIGNED = "unsigned"
 TRUNCATED = "truncated"
 BAD_SIGNATURE = "bad signature"
 
-_HEAD = re.compile(r"^#?(\d+)[:\s]+([0-9a-fA-F]{6,64})$")
+# SEQ:HEX, or a settled card's footer as copied off it, its label too ("Audit checkpoint: #SEQ HEX").
+_HEAD = re.compile(r"^(?:audit checkpoint:?\s*)?#?(\d+)[:\s]+([0-9a-fA-F]{6,64})$", re.IGNORECASE)
 
 
 class HeadError(ValueError):
@@ -295,10 +296,12 @@ def _link(walk: _Walk, event: ChainedEvent, computed: str, *, misplaced: bool) -
     for head in walk.heads.pop(event.seq, []):
         walk.report.heads_checked += 1
         if not computed.startswith(head.prefix):
+            # As many hex as the head holds: cut to 12, a head that differs after them read as the same twice.
+            shown = max(12, len(head.prefix))
             walk.problem(
                 event.seq,
                 CHANGED,
-                f"it hashes to {computed[:12]}…, but the head seen {head.source} says {head.prefix[:12]}…",
+                f"it hashes to {computed[:shown]}…, but the head seen {head.source} says {head.prefix}",
             )
 
 

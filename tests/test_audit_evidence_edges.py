@@ -170,3 +170,20 @@ def test_a_checkpoint_changed_into_what_kazma_never_writes_is_named_in_the_store
     done = verify_export(export, public)
     assert done.exit_code == 1, done.output
     assert said in done.output, done.output
+
+
+def test_a_head_pasted_with_the_footers_label_is_read_and_a_longer_head_is_shown_whole(
+    tmp_path: Path, sqlite: Engine, log: Log
+) -> None:
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, sqlite))
+    full = next(event.chain_hash for event in Attacker(sqlite).events() if event.seq == log.last)
+    assert full is not None
+    done = kazma("-c", str(config), "audit", "verify", "--head", f"Audit checkpoint: #{log.last} {full[:12]}")
+    assert done.exit_code == 0, done.output
+    assert "1 head(s) seen elsewhere are in it" in done.output
+    # Right in its first 12 hex, wrong after them: both sides shown as far as the head given goes.
+    wrong = full[:12] + ("1" if full[12] == "0" else "0") * 2
+    done = kazma("-c", str(config), "audit", "verify", "--head", f"{log.last}:{wrong}")
+    assert done.exit_code == 1, done.output
+    assert f"it hashes to {full[:14]}…, but the head seen --head {log.last}:{wrong} says {wrong}" in done.output
