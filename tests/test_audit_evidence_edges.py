@@ -187,3 +187,30 @@ def test_a_head_pasted_with_the_footers_label_is_read_and_a_longer_head_is_shown
     done = kazma("-c", str(config), "audit", "verify", "--head", f"{log.last}:{wrong}")
     assert done.exit_code == 1, done.output
     assert f"it hashes to {full[:14]}…, but the head seen --head {log.last}:{wrong} says {wrong}" in done.output
+
+
+def test_heads_from_a_file_holding_no_checkpoint_is_refused_never_read_as_proof(
+    tmp_path: Path, sqlite: Engine, log: Log
+) -> None:
+    export, _ = export_of(tmp_path, sqlite)
+    events_only = tmp_path / "events-only.jsonl"
+    events_only.write_text("".join(f"{text}\n" for text in export.read_text().splitlines() if "checkpoint" not in text))
+    done = kazma("-c", str(tmp_path / "kazma.yaml"), "audit", "verify", "--heads-from", str(events_only))
+    assert done.exit_code == 2, done.output
+    assert f"{events_only} holds no checkpoint: it proves nothing about the log" in done.output, done.output
+
+
+def test_an_empty_file_is_not_an_export_and_an_export_to_a_missing_folder_says_so(
+    tmp_path: Path, sqlite: Engine, log: Log
+) -> None:
+    _, public = export_of(tmp_path, sqlite)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    done = verify_export(empty, public)
+    assert done.exit_code == 1, done.output
+    assert f"not an audit export: {empty} holds no record" in done.output, done.output
+    nowhere = tmp_path / "missing" / "audit.jsonl"
+    done = kazma("-c", str(tmp_path / "kazma.yaml"), "audit", "export", "--out", str(nowhere))
+    assert done.exit_code == 2, done.output
+    assert isinstance(done.exception, SystemExit), done.exception
+    assert f"cannot write {nowhere}:" in done.output, done.output
