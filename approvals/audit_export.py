@@ -22,12 +22,12 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kazma.approvals.chain import GENESIS, ChainedEvent
-from kazma.approvals.checkpoints import Checkpoint
+from kazma.approvals.checkpoints import Checkpoint, checkpoint_of
 
 FORMAT: Final = "kazma-audit-v1"
 _EVENT_FIELDS: Final = (
@@ -45,6 +45,10 @@ NEVER_WRITTEN: Final = "never_written"
 _TEXT_FIELDS: Final = frozenset(
     ("request_id", "event", "actor", "platform", "args_hash", "detail", "prev_hash", "chain_hash", "person")
 )
+
+
+_SEQ_MAX: Final = 2**63 - 1  # the largest key either store holds (SQLite's INTEGER, PostgreSQL's bigint)
+_SHOWN: Final = 80  # characters of a bad value shown in an error
 
 
 class ExportError(ValueError):
@@ -89,7 +93,14 @@ def event_record(event: ChainedEvent) -> dict[str, Any]:
 
 
 def checkpoint_record(checkpoint: Checkpoint) -> dict[str, Any]:
-    return {"type": "checkpoint", **{name: getattr(checkpoint, name) for name in _CHECKPOINT_FIELDS}}
+    odd = dict(checkpoint.never_written)  # a field changed around Kazma leaves as what the store held (NEVER_WRITTEN)
+    return {
+        "type": "checkpoint",
+        **{
+            name: {NEVER_WRITTEN: odd[name]} if name in odd else getattr(checkpoint, name)
+            for name in _CHECKPOINT_FIELDS
+        },
+    }
 
 
 def header_record(*, since: int, key_ids: Iterable[str], exported_at: float | None = None) -> dict[str, Any]:
@@ -122,17 +133,27 @@ class Export:
         return not self.events or min(self.events, key=lambda e: e.seq).prev_hash in (None, GENESIS)
 
 
-def read_export(text: str, *, source: str) -> Export:
-    """The records of an export (or a sink's file), checked field by field; ExportError names the bad line."""
+def read_export(text: str | bytes, *, source: str) -> Export:
+    """The records of an export (or a sink's file), checked field by field; ExportError names the bad line.
+
+    ``bytes`` (a file as read): each line is decoded on its own, so one that is not UTF-8 is named by its number."""
     export = Export()
-    for number, raw in enumerate(text.splitlines(), start=1):
+    # Split at "\n" alone: str.splitlines also splits at U+2028, U+0085 and more, which JSON leaves raw inside a
+    # text (a reason someone typed), cutting a record in two. A "\r" left at a line's end is JSON whitespace.
+    lines: list[str | bytes] = [*(text.split(b"\n") if isinstance(text, bytes) else text.split("\n"))]
+    for number, written in enumerate(lines, start=1):
+        where = f"{source}, line {number}"
+        raw = _decoded(written, where)
         if not raw.strip():
             continue
-        where = f"{source}, line {number}"
         try:
             record = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise ExportError(f"{where}: not JSON ({exc.msg})") from None
+        except RecursionError:  # arrays or objects nested deeper than any record: crafted, never written
+            raise ExportError(f"{where}: not a record (nested too deep)") from None
+        except ValueError:  # an integer of more digits than Python reads (int_max_str_digits)
+            raise ExportError(f"{where}: not a record (a number of more digits than any record holds)") from None
         if not isinstance(record, dict):
             raise ExportError(f"{where}: expected a JSON object")
         kind = record.get("type")
@@ -143,14 +164,23 @@ def read_export(text: str, *, source: str) -> Export:
                 export.checkpoints.append(_checkpoint(record))
             elif kind == "header":
                 if record.get("format") != FORMAT:
-                    raise ExportError(f"format {record.get('format')!r} is not {FORMAT!r}")
+                    raise ExportError(f"format {_shown(record.get('format'))} is not {FORMAT!r}")
                 export.since = _int(record, "since")
-                export.key_ids = [str(k) for k in record.get("key_ids", [])]
+                export.key_ids = _key_ids(record.get("key_ids", []))
             else:
-                raise ExportError(f"unknown record type {kind!r}")
+                raise ExportError(f"unknown record type {_shown(kind)}")
         except (ExportError, KeyError, TypeError, ValueError) as exc:
             raise ExportError(f"{where}: {exc}") from None
     return export
+
+
+def _decoded(written: str | bytes, where: str) -> str:
+    if isinstance(written, str):
+        return written
+    try:
+        return written.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ExportError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start + 1})") from None
 
 
 def events_in_order(export: Export) -> list[ChainedEvent]:
@@ -173,10 +203,22 @@ def checkpoints_in_order(export: Export) -> list[Checkpoint]:
 
 
 def _int(record: dict[str, Any], name: str) -> int:
+    """A sequence number: the store numbers events and checkpoints from 1, and no further than a 64-bit key."""
     value = record[name]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _SEQ_MAX:
+        raise ValueError(f"{name} must be a sequence number (an integer from 1), got {_shown(value)}")
     return value
+
+
+def _key_ids(value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"key_ids must be a list of key ids, got {_shown(value)}")
+    return value
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}… ({len(text)} characters)"
 
 
 def _fields(record: dict[str, Any], names: tuple[str, ...]) -> None:
@@ -184,7 +226,7 @@ def _fields(record: dict[str, Any], names: tuple[str, ...]) -> None:
     expected = {"type", *names}
     if set(record) != expected:
         missing, unknown = sorted(expected - set(record)), sorted(set(record) - expected)
-        raise ValueError(f"fields missing: {missing or '-'}; unknown: {unknown or '-'}")
+        raise ValueError(f"fields missing: {missing or '-'}; unknown: {_shown(unknown) if unknown else '-'}")
 
 
 def _never_written(value: Any) -> NeverWritten | None:
@@ -201,14 +243,14 @@ def _text(record: dict[str, Any], name: str, *, optional: bool = True) -> str | 
     if odd is not None:
         return odd  # type: ignore[return-value]  # hashes to nothing: the verifier names the event changed
     if not isinstance(value, str):
-        raise ValueError(f"{name} must be text{' or null' if optional else ''}, got {value!r}")
+        raise ValueError(f"{name} must be text{' or null' if optional else ''}, got {_shown(value)}")
     return value
 
 
 def _float(record: dict[str, Any], name: str) -> float:
     value = record[name]
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ValueError(f"{name} must be a number, got {_shown(value)}")
     return float(value)
 
 
@@ -232,15 +274,19 @@ def _event(record: dict[str, Any]) -> ChainedEvent:
 
 def _checkpoint(record: dict[str, Any]) -> Checkpoint:
     _fields(record, _CHECKPOINT_FIELDS)
-    return Checkpoint(
-        kind=str(_text(record, "kind", optional=False)),
-        first_seq=_int(record, "first_seq"),
-        seq=_int(record, "seq"),
-        head=str(_text(record, "head", optional=False)),
-        at=_float(record, "at"),
-        key_id=_text(record, "key_id"),
-        signature=_text(record, "signature"),
-    )
+    odd = {name: found.shown for name in _CHECKPOINT_FIELDS if (found := _never_written(record[name])) is not None}
+    seq = _int(record, "seq")  # the table's key: always an integer there
+    # Every other field is what Kazma writes, or what the store held instead (odd): then the verifier names it.
+    readers: dict[str, Callable[[], Any]] = {
+        "kind": lambda: _text(record, "kind", optional=False),
+        "first_seq": lambda: _int(record, "first_seq"),
+        "head": lambda: _text(record, "head", optional=False),
+        "at": lambda: _float(record, "at"),
+        "key_id": lambda: _text(record, "key_id"),
+        "signature": lambda: _text(record, "signature"),
+    }
+    values: dict[str, Any] = {name: None if name in odd else read() for name, read in readers.items()}
+    return checkpoint_of({**values, "seq": seq}, never_written=odd)
 
 
 async def export_records(

@@ -23,6 +23,7 @@ bad sequence number. Nothing here needs a secret: only the public keys.
 from __future__ import annotations
 
 import re
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -37,7 +38,8 @@ UNSIGNED = "unsigned"
 TRUNCATED = "truncated"
 BAD_SIGNATURE = "bad signature"
 
-_HEAD = re.compile(r"^#?(\d+)[:\s]+([0-9a-fA-F]{6,64})$")
+# SEQ:HEX, or a settled card's footer as copied off it, its label too ("Audit checkpoint: #SEQ HEX").
+_HEAD = re.compile(r"^(?:audit checkpoint:?\s*)?#?(\d+)[:\s]+([0-9a-fA-F]{6,64})$", re.IGNORECASE)
 
 
 class HeadError(ValueError):
@@ -139,6 +141,9 @@ class _Walk:
         # turns up later in the log: then "reordered").
         self.orphans: dict[str, int] = {}
         self.links: dict[int, str] = {}  # seq -> the chain hash there, as recomputed
+        # The seqs of links, sorted: a span between two numbers is looked up by them, never walked number by number
+        # (an export may name seq 2**62: a range over the gap would never end).
+        self.order: list[int] = []
         self.covered_to = 0  # the last seq a checkpoint covers
         self.mismatches: list[tuple[Checkpoint, Problem]] = []  # checkpoints whose head the events do not reach
         self.held: list[Checkpoint] = []  # signed checkpoints whose head the events reach
@@ -282,6 +287,8 @@ def _link(walk: _Walk, event: ChainedEvent, computed: str, *, misplaced: bool) -
     walk.prev = computed
     walk.last = event
     walk.last_misplaced = misplaced
+    if event.seq not in walk.links:
+        insort(walk.order, event.seq)
     walk.links[event.seq] = computed
     walk.seen.setdefault(computed, event.seq)
     walk.report.last_seq = event.seq
@@ -289,10 +296,12 @@ def _link(walk: _Walk, event: ChainedEvent, computed: str, *, misplaced: bool) -
     for head in walk.heads.pop(event.seq, []):
         walk.report.heads_checked += 1
         if not computed.startswith(head.prefix):
+            # As many hex as the head holds: cut to 12, a head that differs after them read as the same twice.
+            shown = max(12, len(head.prefix))
             walk.problem(
                 event.seq,
                 CHANGED,
-                f"it hashes to {computed[:12]}…, but the head seen {head.source} says {head.prefix[:12]}…",
+                f"it hashes to {computed[:shown]}…, but the head seen {head.source} says {head.prefix}",
             )
 
 
@@ -347,7 +356,7 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
 
 
 def _uncovered(walk: _Walk, first: int, last: int) -> None:
-    present = [seq for seq in range(first, last + 1) if seq in walk.links]
+    present = walk.order[bisect_left(walk.order, first) : bisect_right(walk.order, last)]
     waiting = [seq for seq in present if seq in walk.pending and seq > walk.covered_to]
     walk.report.pending += len(waiting)
     present = [seq for seq in present if seq not in walk.pending or seq <= walk.covered_to]

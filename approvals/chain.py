@@ -56,7 +56,8 @@ from typing import Any, Final, NamedTuple
 import structlog
 
 from kazma.approvals import pg_press
-from kazma.approvals.checkpoints import HISTORY, AuditSigner, Checkpoint
+from kazma.approvals.checkpoints import FIELDS as CHECKPOINT_FIELDS
+from kazma.approvals.checkpoints import HISTORY, AuditSigner, Checkpoint, checkpoint_of
 from kazma.config.metrics import count_failure
 from kazma.config.store.backend import Tx
 
@@ -236,8 +237,9 @@ class ChainedEvent:
 
 
 def checkpoint_of_row(row: Sequence[Any]) -> Checkpoint:
-    kind, first_seq, seq, head, at, key_id, signature = tuple(row)
-    return Checkpoint(str(kind), int(first_seq), int(seq), str(head), float(at), key_id, signature)
+    """A checkpoint row; one changed around Kazma into what it never writes is read all the same (see
+    checkpoint_of), so it is named by the verifier, exported and sunk, never a stop for any of them."""
+    return checkpoint_of(dict(zip(CHECKPOINT_FIELDS, row, strict=True)))
 
 
 class _Pending(NamedTuple):

@@ -29,9 +29,10 @@ import binascii
 import hashlib
 import hmac
 import importlib.util
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Final
 
 from kazma.approvals.hashing import compact_json
 from kazma.config.keyring import Keyring
@@ -62,11 +63,52 @@ class Checkpoint:
     at: float  # epoch seconds when it was made
     key_id: str | None  # None: written without an audit key (never by a configured Kazma)
     signature: str | None  # URL-safe base64 of the Ed25519 signature
+    # (field, what the store held) for each field changed around Kazma into what it never writes (see checkpoint_of):
+    # that field holds a stand-in, and the checkpoint never verifies.
+    never_written: tuple[tuple[str, str], ...] = ()
 
     @property
     def witness(self) -> str:
         """What a settled card shows: ``#<seq> <first 12 hex of the head>``."""
         return witness_text(self.seq, self.head)
+
+
+FIELDS: Final = ("kind", "first_seq", "seq", "head", "at", "key_id", "signature")
+# What stands in for a field that holds what Kazma never writes: values every reader of a checkpoint can handle (the
+# verifier, an export's JSON, the sink), none of which makes a signature verify (never_written says it does not).
+_STAND_INS: Final[dict[str, Any]] = {"kind": HEAD, "head": "", "at": 0.0, "key_id": None, "signature": None}
+
+
+def _as_kazma_writes(name: str, value: Any, seq: int) -> bool:
+    if name == "first_seq":
+        return type(value) is int and 1 <= value <= seq
+    if name == "at":
+        return type(value) is int or (type(value) is float and math.isfinite(value))
+    if name in ("key_id", "signature"):
+        return value is None or type(value) is str
+    return type(value) is str  # kind, head
+
+
+def checkpoint_of(held: Mapping[str, Any], *, never_written: Mapping[str, str] | None = None) -> Checkpoint:
+    """A checkpoint from its fields as a store row (or an export's record) held them. A field changed around Kazma
+    into what it never writes (bytes where text was, a time that is text, a range that ends before it begins) is
+    kept as ``never_written`` with a stand-in in its place, so the verifier, an export and the sink read the row
+    and name it, rather than stopping at it. ``seq`` is the table's integer key. ``never_written``: fields already
+    found so (an export's ``{"never_written": …}``), by name, as shown there."""
+    seq = held["seq"]
+    odd = dict(never_written or {})
+    values: dict[str, Any] = {"seq": seq}
+    for name in FIELDS:
+        if name == "seq":
+            continue
+        value = held[name]
+        if name not in odd and not _as_kazma_writes(name, value, seq):
+            odd[name] = repr(value)
+        if name in odd:
+            values[name] = seq if name == "first_seq" else _STAND_INS[name]
+        else:
+            values[name] = float(value) if name == "at" else value
+    return Checkpoint(**values, never_written=tuple((name, odd[name]) for name in FIELDS if name in odd))
 
 
 def witness_text(seq: int, head: str) -> str:
@@ -218,6 +260,9 @@ class PublicKeys:
         """Why ``checkpoint``'s signature does not verify, or None when it does."""
         from cryptography.exceptions import InvalidSignature
 
+        if checkpoint.never_written:
+            shown = "; ".join(f"{name} is {held}" for name, held in checkpoint.never_written)
+            return f"it holds what Kazma never writes ({shown}): changed around Kazma"
         if checkpoint.signature is None or checkpoint.key_id is None:
             return "it is not signed (written without an audit key)"
         key = self._keys.get(checkpoint.key_id)

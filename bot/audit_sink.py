@@ -115,6 +115,7 @@ class Held:
     event_seq: int  # its last event's (0: it holds none)
     checkpoint_seq: int  # its last checkpoint's (0: none)
     chain_hash: Any = None  # its last event's chain hash, as written
+    foreign: str = ""  # why what it holds last is no record of an audit sink (then it is set aside), "" when it is
 
 
 class Target(Protocol):
@@ -206,24 +207,30 @@ class FileTarget:
             tail = os.pread(fd, size - start, start)
         finally:
             os.close(fd)
-        event: dict[str, Any] | None = None
-        checkpoint_seq = 0
-        for raw in reversed(tail.splitlines()):
-            try:
-                record = json.loads(raw)
-            except ValueError:
+        lines = tail.splitlines()
+        if start > 0:
+            lines = lines[1:]  # the window began inside that line
+        event_seq = checkpoint_seq = 0
+        chain_hash: Any = None
+        for raw in reversed(lines):
+            if not raw.strip():
                 continue
-            if not isinstance(record, dict):
+            record = _sink_record(raw)
+            if record is None:
+                # Not this sink's: appended after it, the file would no longer verify (nor be read back here).
+                return Held(0, 0, foreign=f"its line {raw[:80]!r} is no audit record")
+            kind, seq = record["type"], record.get("seq")
+            if kind == "header":
                 continue
-            if record.get("type") == "event" and event is None:
-                event = record
-            if record.get("type") == "checkpoint" and not checkpoint_seq:
-                checkpoint_seq = int(record["seq"])
-            if event is not None and checkpoint_seq:
+            if type(seq) is not int or seq < 1:
+                return Held(0, 0, foreign=f"a {kind} record holds seq {seq!r}")
+            if kind == "event" and not event_seq:
+                event_seq, chain_hash = seq, record.get("chain_hash")
+            if kind == "checkpoint" and not checkpoint_seq:
+                checkpoint_seq = seq
+            if event_seq and checkpoint_seq:
                 break
-        if event is None:
-            return Held(0, checkpoint_seq)
-        return Held(int(event["seq"]), checkpoint_seq, event.get("chain_hash"))
+        return Held(event_seq, checkpoint_seq, chain_hash)
 
     async def start_over(self) -> str:
         return await asyncio.to_thread(self._set_aside)
@@ -247,6 +254,20 @@ class FileTarget:
 
     async def close(self) -> None:
         return
+
+
+_RECORD_TYPES: Final = frozenset({"event", "checkpoint", "header"})
+
+
+def _sink_record(raw: bytes) -> dict[str, Any] | None:
+    """A line as an audit record (a JSON object of a record type), or None."""
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON, or nested (or a number) past what json reads
+        return None
+    if not isinstance(record, dict) or record.get("type") not in _RECORD_TYPES:
+        return None
+    return record
 
 
 def _missing_folders(folder: Path) -> list[Path]:
@@ -582,6 +603,8 @@ class AuditSink:
     async def _continues(self, held: Held) -> bool:
         """Whether the target's last event is the store's event of that seq (a store restored from an older
         backup, or another store, has other events under the seqs the target holds, or none)."""
+        if held.foreign:
+            return False
         if not held.event_seq:
             return True
         found = await self.store.chain_events(held.event_seq - 1, limit=1)
@@ -604,6 +627,7 @@ class AuditSink:
             sink=self.name,
             target_event_seq=held.event_seq,
             store_last_event_seq=last,
+            **({"foreign": held.foreign} if held.foreign else {}),
             kept_aside=aside,
             note="the target's last event is not the store's (a store restored from a backup, or another store):"
             " it was set aside as it was, and the store's chain is delivered again from its first event",

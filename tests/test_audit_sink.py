@@ -28,6 +28,8 @@ from click.testing import CliRunner
 from structlog.testing import capture_logs
 
 from kazma.approvals import ApprovalService, ApprovalStore, Decision
+from kazma.approvals.audit_export import checkpoints_in_order, events_in_order, read_export
+from kazma.approvals.audit_verify import verify
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.bot.audit_sink import SINK_BEHIND, AuditSink, FileTarget, SinkPositions
 from kazma.bot.cli import main
@@ -865,3 +867,65 @@ async def test_the_behind_gauge_follows_the_store_while_the_sink_waits_and_reset
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
         assert SINK_BEHIND._value.get() == 0  # this process no longer sinks: it says nothing is behind here
+
+
+async def test_a_checkpoint_changed_into_what_kazma_never_writes_is_sunk_and_named_in_the_file(
+    lite: Engine, tmp_path: Path
+) -> None:
+    """A checkpoint row whose time was made text around Kazma (SQLite keeps it) stops no delivery: the file gets
+    every record, that checkpoint as it was held, and a verifier of the file names it."""
+    path = tmp_path / "audit.jsonl"
+    async with kazma_store(lite) as (conn, service, checkpointer):
+        await decisions(service, checkpointer, 2, tag="one")
+        signed = (await in_store(service.store))[1][0]
+        Attacker(lite).run(("UPDATE audit_checkpoints SET at = 'soon' WHERE seq = ?", (signed,)))
+        sink = AuditSink(service.store, SinkPositions(conn), FileTarget(path), name="file")
+        await sink.start()
+        await delivered_all(sink)
+        events, checkpoints = await in_store(service.store)
+    export = read_export(path.read_bytes(), source=str(path))
+    assert [e.seq for e in events_in_order(export)] == events
+    assert [c.seq for c in checkpoints_in_order(export)] == checkpoints
+    report = verify(events_in_order(export), checkpoints_in_order(export), TEST_SIGNER.public_keys())
+    assert report.first is not None
+    assert report.first.kind == "bad signature"
+    assert f"checkpoint #{signed} (head): it holds what Kazma never writes (at is 'soon')" in report.first.detail
+
+
+@pytest.mark.parametrize(
+    "last",
+    [
+        b'{"type":"event"}\n',
+        b'{"type":"event","seq":"7"}\n',
+        b'{"type":"checkpoint","seq":1e400}\n',
+        b"2026-12-04 12:00:01 INFO app started\n",
+    ],
+    ids=["no-seq", "seq-text", "seq-infinite", "another-log"],
+)
+async def test_a_file_sink_whose_file_ends_in_what_no_sink_writes_sets_it_aside_and_starts_a_new_file(
+    lite: Engine, tmp_path: Path, last: bytes
+) -> None:
+    # Before: its start raised (KeyError, ValueError, OverflowError) at every restart and nothing was delivered
+    # again; or, for lines of another log, the chain was appended to them and the file no longer verified.
+    path = tmp_path / "kazma-audit.jsonl"
+    config = AuditSinkConfig(file=path)
+    async with kazma_store(lite) as (conn, service, checkpointer):
+        await decisions(service, checkpointer, 2, tag="one")
+        sink = AuditSink.of(service.store, conn, config)
+        await sink.start()
+        await delivered_all(sink)
+        with path.open("ab") as handle:
+            handle.write(last)
+        written = path.read_bytes()
+        await decisions(service, checkpointer, 1, tag="two")
+        again = AuditSink.of(service.store, conn, config)
+        with capture_logs() as logged:
+            await again.start()
+        await delivered_all(again)
+        events, checkpoints = await in_store(service.store)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("kazma-audit.jsonl.diverged-")]
+    assert [p.read_bytes() for p in aside] == [written]
+    assert [e["foreign"] for e in logged if e["event"] == "audit.sink_diverged"]
+    lines = [json.loads(text) for text in path.read_text(encoding="utf-8").splitlines()]
+    assert kinds(lines, "event") == events
+    assert kinds(lines, "checkpoint") == checkpoints

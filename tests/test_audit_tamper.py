@@ -266,3 +266,13 @@ def test_a_row_holding_what_kazma_never_writes_is_named_not_a_crash(
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     failed_at(result, min(seq, later), "changed")
     assert f"seq {max(seq, later)}: changed: it holds what Kazma never writes" in result.stdout, result.stdout
+
+
+def test_doctor_names_a_log_whose_last_signed_events_were_removed(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    # Before: doctor left out every checkpoint past the last event it read, so this cut read "OK … verify".
+    Attacker(store_engine).run(("DELETE FROM approval_events WHERE seq = ?", (log.last,)))
+    line = doctor(tmp_path, store_engine)
+    assert line.startswith("FAIL"), line
+    assert f"FAILED: first bad sequence seq {log.last}: truncated: checkpoint #{log.last} (head)" in line, line

@@ -60,18 +60,28 @@ def _heads(given: tuple[str, ...], files: tuple[Path, ...]) -> list[Head]:
         except HeadError as exc:
             _fail(str(exc))
     for path in files:
-        earlier = _read_export(path)
-        heads += heads_of(checkpoints_in_order(earlier), source=f"in {path}")
+        found = list(heads_of(checkpoints_in_order(_read_export(path)), source=f"in {path}"))
+        if not found:  # silence would read as "the log extends it"
+            _fail(
+                f"{path} holds no checkpoint: it proves nothing about the log (give an export or a sink's file "
+                "made after a checkpoint was signed)"
+            )
+        heads += found
     return heads
 
 
 def _read_export(path: Path) -> Export:
     try:
-        return read_export(path.read_text(encoding="utf-8"), source=str(path))
-    except (OSError, UnicodeDecodeError) as exc:
+        export = read_export(path.read_bytes(), source=str(path))  # a line not UTF-8 is named by read_export
+    except OSError as exc:
         _fail(f"cannot read {path}: {exc}")
     except ExportError as exc:
         _fail(f"not an audit export: {exc}", EXIT_FAILED)
+    else:
+        # An export has its header, and a sink's file its first event: an empty file (one cut to nothing) is neither.
+        if export.since is None and not export.events and not export.checkpoints:
+            _fail(f"not an audit export: {path} holds no record", EXIT_FAILED)
+        return export
     raise AssertionError("unreachable")
 
 
@@ -210,7 +220,12 @@ def export_command(obj: Context, since: int, fmt: str, out: Path | None) -> None
     if out is None:
         written = asyncio.run(_export(config, since, sys.stdout))
     else:
-        with out.open("w", encoding="utf-8") as handle:
+        try:
+            handle = out.open("w", encoding="utf-8")
+        except OSError as exc:
+            _fail(f"cannot write {out}: {exc}")
+            return
+        with handle:
             written = asyncio.run(_export(config, since, handle))
     click.echo(f"exported {written[0]} events and {written[1]} checkpoints from seq {written[2]}", err=True)
 
