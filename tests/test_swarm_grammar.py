@@ -110,6 +110,8 @@ WELL_FORMED: list[tuple[str, SwarmCommand]] = [
     ("breaker reset builder", BreakerResetCommand("builder")),
     ("metrics", MetricsCommand()),
     ("metrics 30", MetricsCommand(30)),
+    ("metrics 0007", MetricsCommand(7)),
+    ("dispatch builder --deadline 000060 go", DispatchCommand("builder", "go", deadline=60)),
     ("cancel abcd", CancelCommand("abcd")),
     ("approve task_42", ApproveCommand("task_42")),
     ("reject Task-42", RejectCommand("Task-42")),
@@ -294,6 +296,18 @@ MALFORMED: list[tuple[str, str]] = [
     ("dispatch builder go -> slak:C0123ABCD", "did you mean 'slack'?"),
     # a route that is not recognised stays as arguments, and arguments are checked
     ("list -> tv:1", "list takes no arguments"),
+    # numbers: ASCII digits only ("²" passed str.isdigit() and then crashed int(), "٣" was read as 3), and a
+    # string of digits too long for int() is refused, not a crash
+    ("dispatch builder --deadline ² go", "--deadline takes whole seconds from 1 to 86400"),
+    ("dispatch builder --deadline ٣ go", "--deadline takes whole seconds from 1 to 86400"),
+    ("dispatch builder --deadline " + "9" * 5000 + " go", "--deadline takes whole seconds from 1 to 86400"),
+    ("dispatch builder --deadline 0 go", "--deadline takes whole seconds from 1 to 86400"),
+    ("dispatch builder --deadline -5 go", "--deadline takes whole seconds from 1 to 86400"),
+    ("dispatch builder --deadline 86401 go", "--deadline takes whole seconds from 1 to 86400"),
+    ("dispatch builder --deadline 1e3 go", "--deadline takes whole seconds from 1 to 86400"),
+    ("metrics ³", "metrics takes a number of days from 1 to 366"),
+    ("metrics ٣", "metrics takes a number of days from 1 to 366"),
+    ("metrics " + "7" * 5000, "metrics takes a number of days from 1 to 366"),
 ]
 
 

@@ -21,7 +21,17 @@ from kazma.config.address import Address, AddressError
 from kazma.config.registry import ROUTE_PLATFORMS, chat_id_problem
 from kazma.engine.swarm import builtin_patterns
 from kazma.engine.swarm.registry import for_verb, registered
-from kazma.engine.swarm.syntax import Access, Arguments, GrammarError, Route, SwarmCommand, Usage, first_word, shown
+from kazma.engine.swarm.syntax import (
+    Access,
+    Arguments,
+    GrammarError,
+    Route,
+    SwarmCommand,
+    Usage,
+    first_word,
+    shown,
+    small_count,
+)
 
 # A near miss of a platform name after "->" is far more likely a typo in a route
 # than task text, so it is refused with a suggestion instead of being dispatched.
@@ -254,9 +264,10 @@ def _own(verb: str, p: Arguments, rest: str) -> SwarmCommand:
         case "metrics":
             if not rest:
                 return MetricsCommand()
-            if not rest.isdigit() or not 1 <= int(rest) <= 366:
+            days = small_count(rest)
+            if days is None or not 1 <= days <= 366:
                 raise p.fail("metrics takes a number of days from 1 to 366")
-            return MetricsCommand(int(rest))
+            return MetricsCommand(days)
     given, rest = p.options(rest)
     if given:  # read, and then dropped, they would have done nothing the person could see
         raise p.fail(f"{verb} takes a task id only: {', '.join('--' + name for name in given)} would change nothing")

@@ -22,6 +22,14 @@ from kazma.engine.swarm.limits import LimitExceeded, check_prompt
 AUTO = "auto"
 
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{4,32}")
+# ASCII digits only, and few of them: str.isdigit() also takes "²" and "٣", which int() refuses or reads as
+# another number, and int() refuses a string of more than 4,300 digits; either escaped as a crash, not a refusal.
+_COUNT = re.compile(r"0*[0-9]{1,6}")
+
+
+def small_count(text: str) -> int | None:
+    """``text`` as a whole number written in ASCII digits with at most six significant ones, else None."""
+    return int(text) if _COUNT.fullmatch(text) else None
 
 
 class Access(StrEnum):
@@ -200,12 +208,13 @@ class Arguments:
 
     def start(self, opts: dict[str, str]) -> StartOptions:
         deadline = opts.get("deadline")
-        if deadline is not None and (not deadline.isdigit() or not 1 <= int(deadline) <= 86400):
+        seconds = None if deadline is None else small_count(deadline)
+        if deadline is not None and (seconds is None or not 1 <= seconds <= 86400):
             raise self.fail("--deadline takes whole seconds from 1 to 86400")
         expect = opts.get("expect")
         if expect is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", expect):
             raise self.fail("--expect takes json or a schema name from swarm.schemas")
-        return {"expect": expect, "deadline": None if deadline is None else int(deadline)}
+        return {"expect": expect, "deadline": seconds}
 
     def strategy(self, value: str) -> str:
         if value.lower() not in self._STRATEGIES:
