@@ -16,7 +16,7 @@ from kazma.engine.agent import AgentSpec, TurnContext
 from kazma.engine.swarm.lead_tools import swarm_tools
 from kazma.engine.swarm.limits import MAX_CONTEXT_BYTES, MAX_METADATA_BYTES, MAX_PROMPT_BYTES
 from kazma.engine.swarm.types import TaskStatus, WorkerResult
-from tests.approvals_support import approval_service
+from tests.approvals_support import RecordingPublisher, approval_service
 from tests.swarm_rig import config, rig
 from tests.swarm_support import ScriptedWorker
 from tests.test_web_server import OPERATOR, console
@@ -69,6 +69,34 @@ async def test_the_leads_tool_refuses_each_limit_by_name(tmp_path: Path) -> None
         assert await r.service.store.list() == []
         ok = await dispatch.handler({"pattern": "dispatch", "task": "go", "workers": ["a"], "context": "notes"}, ctx)
         assert ok.ok, ok.error
+
+
+async def test_the_leads_tool_refuses_before_asking_anyone_to_approve(tmp_path: Path) -> None:
+    """dispatch_swarm needs approval by default: a request over a limit (or naming an unknown worker) was put on an
+    approval card first, and refused only once a person had approved it; the card held the whole oversized task."""
+    cfg = config(CFG.replace("tools: {dispatch_swarm: read}\n", ""))
+    publisher = RecordingPublisher()
+    async with (
+        rig(tmp_path / "s.db", {"a": ScriptedWorker("a"), "b": ScriptedWorker("b")}, cfg) as r,
+        approval_service(tmp_path / "ap.db", config=cfg, publisher=publisher) as approvals,
+    ):
+        dispatch, _ = swarm_tools(r.service, SafetyPolicy(approvals))
+        ctx = TurnContext("telegram:-1001", AgentSpec("kazma", "lead", is_lead=True), "telegram:111")
+        refused = [
+            ({"pattern": "dispatch", "task": "x" * (MAX_PROMPT_BYTES + 1), "workers": ["a"]}, PROMPT_LIMIT),
+            (
+                {"pattern": "dispatch", "task": "go", "workers": ["a"], "context": "x" * (MAX_CONTEXT_BYTES + 1)},
+                CONTEXT_LIMIT,
+            ),
+            ({"pattern": "fan_out", "task": "go", "workers": ["a", "nobody"]}, "unknown worker(s): nobody"),
+        ]
+        async with asyncio.timeout(20):  # before, each waited here for a person's decision on its card
+            for arguments, expected in refused:
+                result = await dispatch.handler(arguments, ctx)
+                assert not result.ok
+                assert expected in (result.error or "")
+        assert publisher.published == []
+        assert await r.service.store.list() == []
 
 
 async def test_the_context_given_with_a_task_reaches_every_worker_fenced(tmp_path: Path) -> None:

@@ -63,13 +63,6 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
                 output="",
                 error=f"not started: {len(operators)} human operators are configured and {SHARED_OPERATORS_HINT}",
             )
-        # starting swarm work is itself a call the policy sees: dangerous unless tools.dispatch_swarm says otherwise
-        verdict = await policy.check(
-            "dispatch_swarm", dict(arguments), requested_by=f"agent:{ctx.agent.name}", conversation=ctx.conversation,
-            started_by=ctx.starter,
-        )  # fmt: skip
-        if not verdict.allowed:
-            return ToolResult(ok=False, output="", error=f"not started: {verdict.reason}")
         request = SwarmRequest(
             pattern=args.pattern,
             workers=tuple(args.workers),
@@ -84,6 +77,19 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             context=args.context,
             started_by=ctx.starter,
         )
+        try:
+            # The limits, workers and options first, as every other surface refuses them before anything runs:
+            # else a person was asked to approve a task the swarm then refused (an oversized one, an unknown worker).
+            service.check(request, route=False)
+        except SwarmRefused as exc:
+            return ToolResult(ok=False, output="", error=str(exc))
+        # starting swarm work is itself a call the policy sees: dangerous unless tools.dispatch_swarm says otherwise
+        verdict = await policy.check(
+            "dispatch_swarm", dict(arguments), requested_by=f"agent:{ctx.agent.name}", conversation=ctx.conversation,
+            started_by=ctx.starter,
+        )  # fmt: skip
+        if not verdict.allowed:
+            return ToolResult(ok=False, output="", error=f"not started: {verdict.reason}")
         try:
             task_id = await service.submit(request)
         except SwarmRefused as exc:
