@@ -89,6 +89,9 @@ async def test_the_leads_tool_refuses_before_asking_anyone_to_approve(tmp_path: 
                 CONTEXT_LIMIT,
             ),
             ({"pattern": "fan_out", "task": "go", "workers": ["a", "nobody"]}, "unknown worker(s): nobody"),
+            # as /swarm fanout a,a is refused ("listed twice"), so is the lead's
+            ({"pattern": "fan_out", "task": "go", "workers": ["a", "b", "a"]}, "worker(s) listed twice: a"),
+            ({"pattern": "consult", "task": "go", "workers": ["b", "b"]}, "worker(s) listed twice: b"),
         ]
         async with asyncio.timeout(20):  # before, each waited here for a person's decision on its card
             for arguments, expected in refused:

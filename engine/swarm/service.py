@@ -284,6 +284,10 @@ class SwarmService:
             names = list(stages)
         if len(names) > MAX_WORKERS:
             raise SwarmRefused(f"{len(names)} workers requested; at most {MAX_WORKERS}")
+        twice = sorted({n for n in request.workers if request.workers.count(n) > 1})
+        if twice:
+            # as /swarm refuses "researcher,researcher": the same worker twice would run twice, in one workspace
+            raise SwarmRefused(f"worker(s) listed twice: {', '.join(twice)}")
         if pattern.resolve is not None:
             names = pattern.resolve(request, names, list(self.workers))
         if request.expect is not None:
