@@ -682,10 +682,34 @@ async def test_a_stage_the_journal_still_refuses_at_the_checkpoint_ends_the_task
         assert r.publisher.published == []  # no checkpoint card for a pause that did not happen
 
 
+WITH_TELEGRAM = CONFIG.replace("{admins: [111]}", '{token: "123456:telegram-token", admins: [111]}')
+
+
+async def test_a_route_to_a_platform_that_is_not_configured_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    # Only telegram runs: the bus drops a post to slack with a log line, so "workers -> slack:…" answered
+    # "Posted to slack:C0123ABCD." and a task routed there started, its result lost where it was said to go.
+    async with rig(tmp_path / "a.db", config=load_config_text(WITH_TELEGRAM).config) as r:
+        commands = SwarmCommands(r.service, r.service.config)
+        for text, target, setting in (
+            ("workers -> slack:C0123ABCD", "slack:C0123ABCD", "platforms.slack.bot_token"),
+            ("dispatch researcher find it -> discord:123456", "discord:123456", "platforms.discord.token"),
+        ):
+            answer = await commands.run(text, actor="telegram:111", platform="telegram", chat="-1001", is_admin=True)
+            assert answer.startswith(f"cannot route to {target}: "), answer
+            assert f"is not configured here ({setting} is empty), so nothing could be posted there" in answer
+        assert r.delivered == []
+        assert await r.service.store.list() == []
+        # the configured platform and the console still take routes
+        assert await commands.run("workers -> telegram:-100999", actor="telegram:111", platform="telegram",
+                                  chat="-1001", is_admin=True) == "Posted to telegram:-100999."  # fmt: skip
+        assert await commands.run("workers -> web:ops", actor="telegram:111", platform="telegram",
+                                  chat="-1001", is_admin=True) == "Posted to web:ops."  # fmt: skip
+
+
 async def test_a_route_on_a_command_that_starts_no_work_posts_its_answer_there(tmp_path: Path) -> None:
     # Help says "End any command with -> <platform>:<chat> to post the result in another chat": for status,
     # history or workers the route was accepted (admins only) and then ignored, the answer given in place.
-    async with rig(tmp_path / "a.db") as r:
+    async with rig(tmp_path / "a.db", config=load_config_text(WITH_TELEGRAM).config) as r:
         commands = SwarmCommands(r.service, r.service.config)
         answer = await commands.run("workers -> telegram:-100999", actor="telegram:111", platform="telegram",
                                     chat="-1001", is_admin=True)  # fmt: skip

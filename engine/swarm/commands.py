@@ -12,6 +12,7 @@ import structlog
 from kazma.approvals.model import Decision
 from kazma.config.address import Address
 from kazma.config.models import KazmaConfig
+from kazma.config.registry import CHAT_PLATFORMS
 from kazma.engine.swarm.call_records import CallRecord
 from kazma.engine.swarm.endings import ending_lines, execution_of
 from kazma.engine.swarm.metrics import swarm_failure
@@ -60,6 +61,10 @@ class SwarmCommands:
         if refusal is not None:
             log.info("swarm.command_refused", verb=command.verb, actor=actor, platform=platform)
             return refusal.message
+        unroutable = _unroutable(command, self.config)
+        if unroutable is not None:
+            log.info("swarm.route_refused", verb=command.verb, actor=actor, platform=platform)
+            return unroutable
         log.info("swarm.command", verb=command.verb, actor=actor, platform=platform)
         try:
             answer = await self._execute(command, actor=actor, platform=platform, chat=chat, context=context)
@@ -181,6 +186,22 @@ class SwarmCommands:
         )
         new_id = await self.service.submit(request)
         return f"swarm task {task_id} retried as {new_id}"
+
+
+def _unroutable(command: SwarmCommand, config: KazmaConfig) -> str | None:
+    """Why ``command``'s route cannot be posted to, or None. A chat platform without its token never runs, and
+    the bus drops a post to a platform it does not run with only a log line: a route there answered "Posted to …"
+    and a task's result sent there was lost, while the person had been told that is where it goes."""
+    if command.route is None:
+        return None
+    spec = CHAT_PLATFORMS.get(command.route.platform)
+    if spec is None or spec.token(config.platforms):
+        return None  # the console (web) is served by every `kazma run`
+    return (
+        f"cannot route to {command.route.conversation}: {command.route.platform} is not configured here "
+        f"(platforms.{command.route.platform}.{spec.token_key} is empty), so nothing could be posted there; "
+        "nothing was done"
+    )
 
 
 def _retry_risk(record: TaskRecord) -> str | None:
