@@ -198,6 +198,35 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         ["kazma.yaml: line 1, column 3: invalid YAML: a key must be a name, got a list"],
     ),
     (
+        # nine aliases of nine aliases, eight levels: minutes of CPU and gigabytes once expanded
+        "an alias bomb",
+        "a: &a [x, x, x, x, x, x, x, x, x]\n"
+        + "".join(
+            f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]\n"
+            for prev, name in zip("abcdefg", "bcdefgh", strict=True)
+        ),
+        {},
+        ["kazma.yaml: line 6, column 4: invalid YAML: holds more than 100000 values once its aliases are expanded"],
+    ),
+    (
+        "a list that holds itself",  # a RecursionError traceback
+        "web: &w [*w]\n",
+        {},
+        ["kazma.yaml: line 1, column 6: invalid YAML: an alias refers to a value that holds it"],
+    ),
+    (
+        "nested too deep",
+        "web: " + "[" * 100 + "]" * 100 + "\n",
+        {},
+        ["kazma.yaml: line 1, column 70: invalid YAML: nested more than 64 levels deep"],
+    ),
+    (
+        "a number too long to read",  # a ValueError traceback from int()
+        "web: {port: " + "1" * 5000 + "}\n",
+        {},
+        ["kazma.yaml: line 1, column 13: invalid YAML: a number of 5000 characters is too long"],
+    ),
+    (
         "a set as a key",  # a traceback: the set is unhashable too (YAML's !!set tag, which SafeLoader builds)
         "platforms:\n  ? !!set {web: null}\n  : 1\n",
         {},
@@ -318,3 +347,13 @@ def test_missing_and_unreadable_files(tmp_path: Path) -> None:
     binary.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         load_config(binary)
+
+
+def test_yaml_nested_deeper_than_the_parser_recurses_is_refused_with_its_line() -> None:
+    # PyYAML's composer recurses once per level: a thousand levels was a RecursionError traceback. Where it gave
+    # out depends on the stack the test runs on, so only the line is pinned.
+    with pytest.raises(ConfigError) as caught:
+        load_config_text("web: " + "[" * 1000 + "]" * 1000 + "\n")
+    [line] = caught.value.lines
+    assert line.startswith("kazma.yaml: line 1, column ")
+    assert line.endswith(": invalid YAML: nested more than 64 levels deep")
