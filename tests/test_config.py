@@ -209,6 +209,22 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         ["kazma.yaml: line 6, column 4: invalid YAML: holds more than 100000 values once its aliases are expanded"],
     ),
     (
+        # psycopg refused it only when a command opened the store: a traceback, or doctor quoting the password
+        "a PostgreSQL password with a bad percent escape",
+        "store: {url: 'postgresql://kazma:hunter2%zz@db/kazma'}",
+        {},
+        ["kazma.yaml: store.url: not a PostgreSQL URL libpq can read: invalid percent-encoded token"],
+    ),
+    (
+        "a PostgreSQL URL with an unclosed IPv6 bracket",
+        "store: {url: 'postgresql://kazma:hunter2@[::1/kazma'}",
+        {},
+        [
+            "kazma.yaml: store.url: not a PostgreSQL URL libpq can read: end of string reached when looking for "
+            'matching "]" in IPv6 host address in URI'
+        ],
+    ),
+    (
         "a list that holds itself",  # a RecursionError traceback
         "web: &w [*w]\n",
         {},
