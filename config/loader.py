@@ -143,7 +143,8 @@ def _check_size(root: yaml.Node) -> None:
 def resolve_path(path: str | Path | None) -> Path:
     if path is not None:
         return Path(path)
-    return Path(os.environ.get(CONFIG_ENV, str(DEFAULT_PATH)))
+    # An empty KAZMA_CONFIG (compose's `${KAZMA_CONFIG:-}`) is unset, as click reads it for --config: it named "."
+    return Path(os.environ.get(CONFIG_ENV) or DEFAULT_PATH)
 
 
 def load_config(

@@ -373,3 +373,13 @@ def test_yaml_nested_deeper_than_the_parser_recurses_is_refused_with_its_line() 
     [line] = caught.value.lines
     assert line.startswith("kazma.yaml: line 1, column ")
     assert line.endswith(": invalid YAML: nested more than 64 levels deep")
+
+
+def test_an_empty_kazma_config_variable_means_the_default_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `KAZMA_CONFIG=` (compose's `${KAZMA_CONFIG:-}`) named "." and every command said ".: is a directory".
+    (tmp_path / "kazma.yaml").write_text("web: {port: 9001}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_CONFIG", "")
+    loaded = load_config()
+    assert loaded.source == Path("kazma.yaml")
+    assert loaded.config.web.port == 9001
