@@ -49,17 +49,32 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate keys instead of keeping the last silently."""
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    # `<<: *defaults` (a worker's shared settings) was "could not determine a constructor for the tag
+    # 'tag:yaml.org,2002:merge'": merges are flattened as SafeLoader does, the merged pairs first. A key of the
+    # mapping's own overrides a merged one, as YAML says; written twice by hand it is still refused.
+    own_count = sum(1 for key_node, _ in node.value if key_node.tag != _MERGE_TAG)
+    loader.flatten_mapping(node)
+    merged_count = len(node.value) - own_count
     seen: dict[Any, Any] = {}
-    for key_node, value_node in node.value:
+    own: set[Any] = set()
+    for index, (key_node, value_node) in enumerate(node.value):
         key = loader.construct_object(key_node, deep=deep)
         if isinstance(key, list | dict | set):  # "? [a]", "? !!set {a}": YAML allows them, no setting is named so
             # (and they are unhashable)
             mark = key_node.start_mark
             raise yaml.constructor.ConstructorError(None, None, f"a key must be a name, got {_kind(key)}", mark)
-        if key in seen:
+        if index < merged_count:
+            if key not in seen:  # `<<: [*a, *b]`: the earlier mapping's key wins, as the merge spec says
+                seen[key] = loader.construct_object(value_node, deep=deep)
+            continue
+        if key in own:
             mark = key_node.start_mark
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", mark)
+        own.add(key)
         seen[key] = loader.construct_object(value_node, deep=deep)
     return seen
 

@@ -383,3 +383,30 @@ def test_an_empty_kazma_config_variable_means_the_default_file(tmp_path: Path, m
     loaded = load_config()
     assert loaded.source == Path("kazma.yaml")
     assert loaded.config.web.port == 9001
+
+
+def test_yaml_merge_keys_share_settings_and_a_key_written_twice_is_still_refused() -> None:
+    # `<<: *a` was "could not determine a constructor for the tag 'tag:yaml.org,2002:merge'"
+    loaded = load_config_text(
+        "agents:\n"
+        "  workers:\n"
+        "    a: &shared {system_prompt: A, tools: [read_file], expertise: [x]}\n"
+        "    b:\n"
+        "      <<: *shared\n"
+        "      system_prompt: B\n"  # the mapping's own key overrides the merged one
+        "      expertise: [y]\n"
+        "pipelines: {}\n"
+        "web: {<<: [{port: 9001}, {port: 9002, host: 127.0.0.2}]}\n"  # the earlier mapping wins
+    )
+    b = loaded.config.agents.workers["b"]
+    assert (b.system_prompt, b.tools, b.expertise) == ("B", ["read_file"], ["y"])
+    assert (loaded.config.web.port, loaded.config.web.host) == (9001, "127.0.0.2")
+    with pytest.raises(ConfigError) as caught:
+        load_config_text("web: &w {port: 1}\napi: {<<: *w, port: 2, port: 3}\n")
+    assert caught.value.lines == ["kazma.yaml: line 2, column 24: invalid YAML: duplicate key 'port'"]
+    with pytest.raises(ConfigError) as caught:
+        load_config_text("web: {<<: 1}\n")
+    assert caught.value.lines == [
+        "kazma.yaml: line 1, column 11: invalid YAML: expected a mapping or list of mappings for merging, "
+        "but found scalar"
+    ]
