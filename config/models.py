@@ -283,9 +283,18 @@ _HEADER = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 
 
 def _variable_name(value: Any) -> Any:
-    if not isinstance(value, str) or not _VARIABLE.match(value):
+    if not isinstance(value, str):
         raise PydanticCustomError(
-            "kazma_variable", "expected the name of an environment variable, got {got}", {"got": repr(value)}
+            "kazma_variable", "expected the name of an environment variable, got {got}", {"got": type(value).__name__}
+        )
+    if not _VARIABLE.match(value):
+        # Where a name belongs (a header's value, an env entry) the mistake is pasting the secret itself: the
+        # error line reaches the terminal, CI logs and `kazma doctor`'s report, so the value is never repeated.
+        raise PydanticCustomError(
+            "kazma_variable",
+            "expected the name of an environment variable that holds the value (A-Z, 0-9, _), got text that is "
+            "not one (not shown: it may be the secret itself)",
+            {},
         )
     if value in KEY_VARIABLES:  # handed to an MCP server, the key would let it seal approvals
         raise PydanticCustomError(

@@ -410,3 +410,20 @@ def test_yaml_merge_keys_share_settings_and_a_key_written_twice_is_still_refused
         "kazma.yaml: line 1, column 11: invalid YAML: expected a mapping or list of mappings for merging, "
         "but found scalar"
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("mcp_servers: {s: {url: 'http://mcp.test/', headers: {Authorization: 'Bearer s3cr3t-t0ken'}}}\n", "headers"),
+        ("mcp_servers: {s: {command: srv, env: ['s3cr3t-t0ken']}}\n", "env[0]"),
+    ],
+)
+def test_a_secret_written_where_a_variable_name_belongs_is_not_repeated(text: str, where: str) -> None:
+    # The error line goes to the terminal, CI logs and doctor's report: it echoed 'Bearer s3cr3t-t0ken'.
+    with pytest.raises(ConfigError) as caught:
+        load_config_text(text)
+    [line] = caught.value.lines
+    assert line.startswith(f"kazma.yaml: mcp_servers.s.{where}")
+    assert "expected the name of an environment variable" in line
+    assert "s3cr3t" not in line
