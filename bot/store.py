@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ from kazma.config import KazmaConfig
 from kazma.config.errors import ConfigError, Problem
 from kazma.config.metrics import count_failure
 from kazma.config.store.database import Migration, open_database
+from kazma.config.store.errors import is_busy
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import PG_MIGRATIONS as HISTORY_PG
 from kazma.engine.plan_store import MIGRATIONS as PLANS
@@ -162,18 +164,35 @@ def private_files(store_path: Path) -> None:
                 os.chmod(path, 0o600)
 
 
-async def open_store(config: KazmaConfig, path: Path | None = None) -> aiosqlite.Connection:
+async def open_store(
+    config: KazmaConfig, path: Path | None = None, *, source: str = "kazma.yaml"
+) -> aiosqlite.Connection:
     """The SQLite store, migrated (a PostgreSQL store is opened with :func:`open_pg_store`)."""
     if path is None and config.store.backend != "sqlite":
         raise ValueError("store.url names PostgreSQL: open it with open_pg_store")
     store_path = path or config.store.path
-    if str(store_path) != ":memory:":
-        prepare_state_dir(store_path)
-    conn = await open_database(
-        store_path,
-        busy_timeout_ms=config.store.busy_timeout_ms,
-        migrations=all_migrations(),
-    )
+    try:
+        if str(store_path) != ":memory:":
+            prepare_state_dir(store_path)
+        conn = await open_database(
+            store_path,
+            busy_timeout_ms=config.store.busy_timeout_ms,
+            migrations=all_migrations(),
+        )
+    except (OSError, sqlite3.DatabaseError) as exc:
+        if isinstance(exc, sqlite3.OperationalError) and is_busy(exc):
+            raise  # another process holds the lock: nothing is wrong with store.path
+        # A store.path under a file, a folder where the file should be, a file that is not SQLite: every command
+        # that opens the store (approvals list, people list, swarm status, run) ended in a traceback.
+        if store_path.is_dir():
+            said = "it is a folder"
+        elif isinstance(exc, FileExistsError | NotADirectoryError) and exc.filename:
+            said = f"{exc.filename} is a file, not a folder"
+        else:
+            said = " ".join(str(exc).split()) or type(exc).__name__
+        raise ConfigError(
+            source, [Problem("store.path", f"cannot open the SQLite store {store_path}: {said}")]
+        ) from None
     if str(store_path) != ":memory:":
         private_files(store_path)
     return conn

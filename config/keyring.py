@@ -320,7 +320,12 @@ def _create(spec: KeySpec, folder: Path) -> Keyring:
 
 def _written_entries(path: Path, spec: KeySpec) -> tuple[tuple[str, str], ...]:
     """The file's ``(id, written secret)`` pairs (checked by :func:`parse_keys` first)."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError) as exc:  # `kazma keys rotate` ended in a traceback: say it as keys list does
+        raise KeyringError(f"{path} cannot be read: {exc}") from None
     parse_keys(text, spec, source=str(path))
     pairs = []
     for line in text.splitlines():

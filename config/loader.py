@@ -49,28 +49,117 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate keys instead of keeping the last silently."""
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    # `<<: *defaults` (a worker's shared settings) was "could not determine a constructor for the tag
+    # 'tag:yaml.org,2002:merge'": merges are flattened as SafeLoader does, the merged pairs first. A key of the
+    # mapping's own overrides a merged one, as YAML says; written twice by hand it is still refused.
+    own_count = sum(1 for key_node, _ in node.value if key_node.tag != _MERGE_TAG)
+    loader.flatten_mapping(node)
+    merged_count = len(node.value) - own_count
     seen: dict[Any, Any] = {}
-    for key_node, value_node in node.value:
+    own: set[Any] = set()
+    for index, (key_node, value_node) in enumerate(node.value):
         key = loader.construct_object(key_node, deep=deep)
         if isinstance(key, list | dict | set):  # "? [a]", "? !!set {a}": YAML allows them, no setting is named so
             # (and they are unhashable)
             mark = key_node.start_mark
             raise yaml.constructor.ConstructorError(None, None, f"a key must be a name, got {_kind(key)}", mark)
-        if key in seen:
+        if index < merged_count:
+            if key not in seen:  # `<<: [*a, *b]`: the earlier mapping's key wins, as the merge spec says
+                seen[key] = loader.construct_object(value_node, deep=deep)
+            continue
+        if key in own:
             mark = key_node.start_mark
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", mark)
+        own.add(key)
         seen[key] = loader.construct_object(value_node, deep=deep)
     return seen
 
 
+def _construct_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> int:
+    try:
+        return int(yaml.constructor.SafeConstructor.construct_yaml_int(loader, node))
+    except ValueError:  # Python refuses to read more than 4300 digits: no setting holds such a number
+        raise yaml.constructor.ConstructorError(
+            None, None, f"a number of {len(str(node.value))} characters is too long", node.start_mark
+        ) from None
+
+
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+# What a kazma.yaml may grow to once its aliases are expanded, and how deep it may nest. Every pass over the
+# settings (substitution, validation) walks the expanded tree: nine aliases of nine aliases of ... ("billion
+# laughs") is a few lines that took minutes and all the memory, and a list nested a thousand deep, or one that
+# holds itself (`a: &a [*a]`), ended in a RecursionError traceback.
+MAX_VALUES = 100_000
+MAX_DEPTH = 64
+
+
+def _parse(text: str) -> Any:
+    """The YAML document in ``text``, refused before it is built when it would be too large or too deep."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+        except RecursionError:  # PyYAML's composer recurses once per level: it gave up long before MAX_DEPTH did
+            raise yaml.constructor.ConstructorError(
+                None, None, f"nested more than {MAX_DEPTH} levels deep", loader.get_mark()
+            ) from None
+        if node is None:
+            return None
+        _check_size(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _check_size(root: yaml.Node) -> None:
+    """Refuse a document whose expanded tree holds more than :data:`MAX_VALUES` values, nests deeper than
+    :data:`MAX_DEPTH`, or contains itself; the sizes of shared (aliased) nodes are counted once each and reused."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node, depth: int) -> int:
+        if depth > MAX_DEPTH:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"nested more than {MAX_DEPTH} levels deep", node.start_mark
+            )
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        if id(node) in open_nodes:
+            raise yaml.constructor.ConstructorError(
+                None, None, "an alias refers to a value that holds it", node.start_mark
+            )
+        open_nodes.add(id(node))
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            total += sum(size(item, depth + 1) for item in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total += sum(size(key, depth + 1) + size(value, depth + 1) for key, value in node.value)
+        open_nodes.discard(id(node))
+        if total > MAX_VALUES:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"holds more than {MAX_VALUES} values once its aliases are expanded",
+                node.start_mark,
+            )
+        sizes[id(node)] = total
+        return total
+
+    size(root, 0)
 
 
 def resolve_path(path: str | Path | None) -> Path:
     if path is not None:
         return Path(path)
-    return Path(os.environ.get(CONFIG_ENV, str(DEFAULT_PATH)))
+    # An empty KAZMA_CONFIG (compose's `${KAZMA_CONFIG:-}`) is unset, as click reads it for --config: it named "."
+    return Path(os.environ.get(CONFIG_ENV) or DEFAULT_PATH)
 
 
 def load_config(
@@ -115,7 +204,7 @@ def load_config_text(
     platform_secrets: bool = True,
 ) -> LoadedConfig:
     try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        raw = _parse(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

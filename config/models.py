@@ -127,6 +127,23 @@ class DangerLevel(StrEnum):
 _POSTGRES_SCHEMES = ("postgresql", "postgres")
 
 
+def _postgres_url_problem(url: str) -> str:
+    """Why libpq cannot read ``url`` as a connection URL (empty when it can), without any part of the URL.
+
+    Unread, such a URL reached psycopg only when a command opened the store: `kazma approvals list` ended in a
+    ProgrammingError traceback and `kazma doctor` printed libpq's words, which quote the password (a bad
+    percent escape in it) or the whole URL (an unclosed IPv6 bracket)."""
+    import psycopg.conninfo  # only for a PostgreSQL store, which needs psycopg anyway
+
+    try:
+        psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        # libpq ends its message with the token it could not read, in quotes: the password, or the whole URL
+        said = re.sub(r':?\s*"[^"]*"\s*$', "", " ".join(str(exc).split()))
+        return said or "unreadable"
+    return ""
+
+
 class StoreConfig(Strict):
     path: Path = Path(".kazma/kazma.db")
     # sqlite:///relative/path, sqlite:////absolute/path (stored as ``path``) or postgresql://user:pw@host/db.
@@ -160,6 +177,13 @@ class StoreConfig(Strict):
                     "kazma_store",
                     "store.path is the SQLite file: leave it out with a postgresql:// store.url",
                     {"subpath": "path"},
+                )
+            problem = _postgres_url_problem(url)
+            if problem:
+                raise PydanticCustomError(
+                    "kazma_store",
+                    "not a PostgreSQL URL libpq can read: {problem}",
+                    {"subpath": "url", "problem": problem},
                 )
             return data
         raise PydanticCustomError(
@@ -259,9 +283,18 @@ _HEADER = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 
 
 def _variable_name(value: Any) -> Any:
-    if not isinstance(value, str) or not _VARIABLE.match(value):
+    if not isinstance(value, str):
         raise PydanticCustomError(
-            "kazma_variable", "expected the name of an environment variable, got {got}", {"got": repr(value)}
+            "kazma_variable", "expected the name of an environment variable, got {got}", {"got": type(value).__name__}
+        )
+    if not _VARIABLE.match(value):
+        # Where a name belongs (a header's value, an env entry) the mistake is pasting the secret itself: the
+        # error line reaches the terminal, CI logs and `kazma doctor`'s report, so the value is never repeated.
+        raise PydanticCustomError(
+            "kazma_variable",
+            "expected the name of an environment variable that holds the value (A-Z, 0-9, _), got text that is "
+            "not one (not shown: it may be the secret itself)",
+            {},
         )
     if value in KEY_VARIABLES:  # handed to an MCP server, the key would let it seal approvals
         raise PydanticCustomError(

@@ -491,3 +491,29 @@ async def test_a_row_forged_to_approved_in_the_store_is_reported_unverified_neve
         assert found["decided_by"] is None
         assert "not an approval Kazma made" in found["reason"]
         assert "carries no decision seal" in found["reason"]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "said"),
+    [
+        # was a ValueError traceback: json.loads read NaN, which no JSON body may carry; now the text "NaN"
+        (["--arg", "v=NaN", "--url", "http://127.0.0.1:1"], 4, "could not reach Kazma at http://127.0.0.1:1: "),
+        (["--deadline", "nan"], 2, "Invalid value for --deadline: expected a number of seconds, got nan"),
+        (["--url", "http://[::1"], 4, "could not reach Kazma at http://[::1: "),  # httpx.InvalidURL traceback
+    ],
+)
+def test_approvals_request_with_odd_arguments_says_what_is_wrong(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], code: int, said: str
+) -> None:
+    from click.testing import CliRunner
+
+    from kazma.bot.cli.approvals_request import request
+    from kazma.bot.cli.context import Context
+
+    monkeypatch.setenv("KAZMA_API_TOKEN", "t" * 40)
+    config = tmp_path / "kazma.yaml"
+    config.write_text(f"store: {{path: '{tmp_path / 'k.db'}'}}\n")
+    result = CliRunner().invoke(request, ["--tool", "deploy", *args], obj=Context(config))
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == code
+    assert said in result.stderr, result.stderr

@@ -184,3 +184,29 @@ def test_json_logs_when_not_a_terminal_and_console_on_request(tmp_path: Path) ->
     console = run(["-c", str(config), "--log-format", "console", "doctor", "--model-timeout", "1"], cwd=tmp_path)
     assert "doctor.finished" in console.stderr
     assert not console.stderr.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize(
+    ("store", "said"),
+    [
+        ("folder", "it is a folder"),
+        ("file/k.db", "{tmp}/file is a file, not a folder"),
+        ("garbage.db", "file is not a database"),
+    ],
+)
+@pytest.mark.parametrize("command", [["approvals", "list"], ["people", "list"], ["swarm", "status"]])
+def test_a_store_path_that_cannot_be_opened_is_one_line_not_a_traceback(
+    tmp_path: Path, store: str, said: str, command: list[str]
+) -> None:
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "garbage.db").write_text("not SQLite")
+    config = tmp_path / "kazma.yaml"
+    config.write_text(f"store: {{path: {store}}}\n")
+    result = CliRunner().invoke(main, ["-c", str(config), *command])
+    assert isinstance(result.exception, SystemExit), result.exception  # was sqlite3.OperationalError, FileExistsError
+    assert result.exit_code == 2
+    where = tmp_path / store
+    assert result.stderr.splitlines()[-1] == (
+        f"kazma.yaml: store.path: cannot open the SQLite store {where}: {said.format(tmp=tmp_path)}"
+    )

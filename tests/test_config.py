@@ -198,6 +198,51 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
         ["kazma.yaml: line 1, column 3: invalid YAML: a key must be a name, got a list"],
     ),
     (
+        # nine aliases of nine aliases, eight levels: minutes of CPU and gigabytes once expanded
+        "an alias bomb",
+        "a: &a [x, x, x, x, x, x, x, x, x]\n"
+        + "".join(
+            f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]\n"
+            for prev, name in zip("abcdefg", "bcdefgh", strict=True)
+        ),
+        {},
+        ["kazma.yaml: line 6, column 4: invalid YAML: holds more than 100000 values once its aliases are expanded"],
+    ),
+    (
+        # psycopg refused it only when a command opened the store: a traceback, or doctor quoting the password
+        "a PostgreSQL password with a bad percent escape",
+        "store: {url: 'postgresql://kazma:hunter2%zz@db/kazma'}",
+        {},
+        ["kazma.yaml: store.url: not a PostgreSQL URL libpq can read: invalid percent-encoded token"],
+    ),
+    (
+        "a PostgreSQL URL with an unclosed IPv6 bracket",
+        "store: {url: 'postgresql://kazma:hunter2@[::1/kazma'}",
+        {},
+        [
+            "kazma.yaml: store.url: not a PostgreSQL URL libpq can read: end of string reached when looking for "
+            'matching "]" in IPv6 host address in URI'
+        ],
+    ),
+    (
+        "a list that holds itself",  # a RecursionError traceback
+        "web: &w [*w]\n",
+        {},
+        ["kazma.yaml: line 1, column 6: invalid YAML: an alias refers to a value that holds it"],
+    ),
+    (
+        "nested too deep",
+        "web: " + "[" * 100 + "]" * 100 + "\n",
+        {},
+        ["kazma.yaml: line 1, column 70: invalid YAML: nested more than 64 levels deep"],
+    ),
+    (
+        "a number too long to read",  # a ValueError traceback from int()
+        "web: {port: " + "1" * 5000 + "}\n",
+        {},
+        ["kazma.yaml: line 1, column 13: invalid YAML: a number of 5000 characters is too long"],
+    ),
+    (
         "a set as a key",  # a traceback: the set is unhashable too (YAML's !!set tag, which SafeLoader builds)
         "platforms:\n  ? !!set {web: null}\n  : 1\n",
         {},
@@ -318,3 +363,67 @@ def test_missing_and_unreadable_files(tmp_path: Path) -> None:
     binary.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         load_config(binary)
+
+
+def test_yaml_nested_deeper_than_the_parser_recurses_is_refused_with_its_line() -> None:
+    # PyYAML's composer recurses once per level: a thousand levels was a RecursionError traceback. Where it gave
+    # out depends on the stack the test runs on, so only the line is pinned.
+    with pytest.raises(ConfigError) as caught:
+        load_config_text("web: " + "[" * 1000 + "]" * 1000 + "\n")
+    [line] = caught.value.lines
+    assert line.startswith("kazma.yaml: line 1, column ")
+    assert line.endswith(": invalid YAML: nested more than 64 levels deep")
+
+
+def test_an_empty_kazma_config_variable_means_the_default_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `KAZMA_CONFIG=` (compose's `${KAZMA_CONFIG:-}`) named "." and every command said ".: is a directory".
+    (tmp_path / "kazma.yaml").write_text("web: {port: 9001}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_CONFIG", "")
+    loaded = load_config()
+    assert loaded.source == Path("kazma.yaml")
+    assert loaded.config.web.port == 9001
+
+
+def test_yaml_merge_keys_share_settings_and_a_key_written_twice_is_still_refused() -> None:
+    # `<<: *a` was "could not determine a constructor for the tag 'tag:yaml.org,2002:merge'"
+    loaded = load_config_text(
+        "agents:\n"
+        "  workers:\n"
+        "    a: &shared {system_prompt: A, tools: [read_file], expertise: [x]}\n"
+        "    b:\n"
+        "      <<: *shared\n"
+        "      system_prompt: B\n"  # the mapping's own key overrides the merged one
+        "      expertise: [y]\n"
+        "pipelines: {}\n"
+        "web: {<<: [{port: 9001}, {port: 9002, host: 127.0.0.2}]}\n"  # the earlier mapping wins
+    )
+    b = loaded.config.agents.workers["b"]
+    assert (b.system_prompt, b.tools, b.expertise) == ("B", ["read_file"], ["y"])
+    assert (loaded.config.web.port, loaded.config.web.host) == (9001, "127.0.0.2")
+    with pytest.raises(ConfigError) as caught:
+        load_config_text("web: &w {port: 1}\napi: {<<: *w, port: 2, port: 3}\n")
+    assert caught.value.lines == ["kazma.yaml: line 2, column 24: invalid YAML: duplicate key 'port'"]
+    with pytest.raises(ConfigError) as caught:
+        load_config_text("web: {<<: 1}\n")
+    assert caught.value.lines == [
+        "kazma.yaml: line 1, column 11: invalid YAML: expected a mapping or list of mappings for merging, "
+        "but found scalar"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("mcp_servers: {s: {url: 'http://mcp.test/', headers: {Authorization: 'Bearer s3cr3t-t0ken'}}}\n", "headers"),
+        ("mcp_servers: {s: {command: srv, env: ['s3cr3t-t0ken']}}\n", "env[0]"),
+    ],
+)
+def test_a_secret_written_where_a_variable_name_belongs_is_not_repeated(text: str, where: str) -> None:
+    # The error line goes to the terminal, CI logs and doctor's report: it echoed 'Bearer s3cr3t-t0ken'.
+    with pytest.raises(ConfigError) as caught:
+        load_config_text(text)
+    [line] = caught.value.lines
+    assert line.startswith(f"kazma.yaml: mcp_servers.s.{where}")
+    assert "expected the name of an environment variable" in line
+    assert "s3cr3t" not in line

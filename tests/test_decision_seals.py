@@ -620,3 +620,28 @@ def test_a_seals_message_is_the_very_json_text_whatever_its_fields_hold(text: st
                     decided_by=text, decided_via="telegram", decided_at=1764681234.123456,
                     decided_person=text)  # fmt: skip
         assert made.mac == expected
+
+
+@pytest.mark.parametrize("damage", ["a folder", "not UTF-8"])
+def test_keys_rotate_and_retire_on_an_unreadable_key_file_say_so_without_a_traceback(
+    tmp_path: Path, damage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from kazma.bot.cli.context import Context
+    from kazma.bot.cli.keys_cli import keys
+
+    monkeypatch.delenv(DECISION_KEYS.env, raising=False)
+    config = tmp_path / "kazma.yaml"
+    config.write_text(f"store: {{path: '{tmp_path / 'state' / 'k.db'}'}}\n")
+    path = DECISION_KEYS.file(tmp_path / "state-keys")  # beside the store's folder, as `kazma run` makes it
+    path.parent.mkdir(mode=0o700)
+    if damage == "a folder":
+        path.mkdir()
+    else:
+        path.write_bytes(b"k1:\xff\xfe" + b"x" * 40 + b"\n")
+    for args in (["rotate"], ["retire", "k1"]):
+        result = CliRunner().invoke(keys, args, obj=Context(config))
+        assert isinstance(result.exception, SystemExit), result.exception  # was IsADirectoryError, UnicodeDecodeError
+        assert result.exit_code == 1
+        assert result.stderr.startswith(f"{path} cannot be read: "), result.stderr

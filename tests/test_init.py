@@ -189,3 +189,56 @@ def test_rendered_ids_are_read_back_exactly() -> None:
     assert config.platforms.discord.home_channel == 1100000000000000101
     assert config.approvals.approvers == ["a-b-c_d"]
     assert config.people.persons == {"a-b-c_d": ("web:a.b-c_d", "discord:1100000000000000301")}
+
+
+@pytest.mark.parametrize(
+    ("mine", "said"),
+    [
+        # a typo was "held no settings to keep: written anew": every setting replaced, the copy the only trace
+        (
+            b"web: {port: 9001\n",
+            "kazma.yaml: line 2, column 1: invalid YAML: expected ',' or '}', but got '<stream end>'",
+        ),
+        (b"web: {port: 1}\nweb: {port: 2}\n", "kazma.yaml: line 2, column 1: invalid YAML: found duplicate key"),
+        (b"web: {port: \xff}\n", "kazma.yaml cannot be read ('utf-8' codec can't decode byte 0xff"),  # a traceback
+    ],
+)
+def test_force_on_a_file_it_cannot_read_says_why_and_changes_nothing(
+    tmp_path: Path, mine: bytes, said: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kazma.yaml").write_bytes(mine)
+    result = CliRunner().invoke(main, ["init", "--web-login", "bob", "--no-input", "--force"])
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 2
+    assert result.stderr.startswith(said), result.stderr
+    assert result.stderr.rstrip().endswith("nothing was written")
+    assert (tmp_path / "kazma.yaml").read_bytes() == mine
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kazma.yaml"]  # no copy made either
+
+
+def test_two_forced_runs_in_one_second_keep_both_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both copies were named by the second: the second overwrote the first, which held the original file.
+    from datetime import datetime, tzinfo
+
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import init_cli, main
+
+    class Frozen(datetime):
+        @classmethod
+        def now(cls, tz: tzinfo | None = None) -> Frozen:
+            return cls(2026, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(init_cli, "datetime", Frozen)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kazma.yaml").write_text("web: {port: 9001}\n")
+    for login in ("bob", "bob"):
+        result = CliRunner().invoke(main, ["init", "--web-login", login, "--no-input", "--force"])
+        assert result.exit_code == 0, result.output
+    assert (tmp_path / "kazma.yaml.20260102-030405.bak").read_text() == "web: {port: 9001}\n"
+    assert (tmp_path / "kazma.yaml.20260102-030405-2.bak").read_text() != "web: {port: 9001}\n"

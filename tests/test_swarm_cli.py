@@ -145,3 +145,30 @@ async def test_the_terminal_shows_and_resets_the_breakers_kazma_saved(tmp_path: 
         assert "a running `kazma run` keeps its own breaker" in reset.stderr
         again = await asyncio.to_thread(kazma, config, "workers")
         assert "builder: breaker closed" in again.stdout, again.stdout
+
+
+def test_a_refused_or_unknown_task_command_ends_non_zero(tmp_path: Path) -> None:
+    # The answer is chat's sentence on stdout; a script (or cron) only sees the exit code, which was 0 for a
+    # refused cancel and for a cancel, retry, approve, reject or status of a task id that does not exist.
+    from click.testing import CliRunner
+
+    from kazma.bot.cli.context import Context
+    from kazma.bot.cli.swarm_cli import swarm
+
+    path = tmp_path / "kazma.yaml"
+    path.write_text(
+        f"store: {{path: '{tmp_path / 'k.db'}'}}\napprovals: {{approvers: ['cli:ops'], cli_identity: declared}}\n"
+    )
+
+    def invoke(*args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(swarm, list(args), obj=Context(path))
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+        return result.exit_code, result.stdout.strip().splitlines()[-1]
+
+    code, said = invoke("--as", "mallory", "cancel", "t-0001")
+    assert code == 1
+    assert said.startswith("/swarm cancel starts, changes or steers work, so it needs an approver")
+    for verb in ("cancel", "retry", "approve", "reject", "status"):
+        assert invoke("--as", "ops", verb, "t-0001") == (1, "no swarm task 't-0001'"), verb
+    assert invoke("--as", "ops", "status") == (0, "swarm: 0 running, 0 paused, 4 workers")
+    assert invoke("--as", "mallory", "history") == (0, "no swarm tasks yet")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -35,9 +36,15 @@ WITHDRAW_TIMEOUT = 5.0
 def _value(raw: str) -> Any:
     """``k=v``: v as JSON when it parses (numbers, true, lists), else as text."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_not_json)
     except ValueError:
         return raw
+
+
+def _not_json(word: str) -> Any:
+    # json.loads reads NaN and Infinity, which no JSON body may carry: `--arg x=NaN` ended in a ValueError traceback
+    # when the request was sent. They are the text they say.
+    raise ValueError(word)
 
 
 @click.command("request")
@@ -80,6 +87,8 @@ def request(
         if not sep or not key:
             raise click.BadParameter(f"expected K=V, got {item!r}", param_hint="--arg")
         arguments[key] = _value(raw)
+    if deadline is not None and math.isnan(deadline):  # FloatRange lets NaN through: every comparison is false
+        raise click.BadParameter("expected a number of seconds, got nan", param_hint="--deadline")
     body: dict[str, Any] = {"tool": tool, "arguments": arguments}
     if reason:
         body["reason"] = reason
@@ -104,7 +113,7 @@ def request(
                 found = _poll(client, found)
             except KeyboardInterrupt:
                 _interrupted(client, found)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL (`--url http://[::1`) is no HTTPError
         click.echo(f"could not reach Kazma at {base}: {exc}", err=True)
         sys.exit(EXIT_UNASKED)
     assert found is not None

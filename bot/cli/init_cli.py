@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 import click
+from ruamel.yaml.error import YAMLError
 
 from kazma.bot.cli.cli_identity import system_login
 from kazma.bot.cli.context import Context
@@ -256,8 +257,20 @@ def _write(target: Path, text: str, *, force: bool) -> None:
 
 def _merge_and_back_up(target: Path, text: str, answers: InitAnswers) -> None:
     """``--force`` on an existing file: the person's file with what the answers add, after a dated copy of it."""
-    old = target.read_text(encoding="utf-8")
-    merged = merge_into(old, text, person=answers.person)
+    try:
+        old = target.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        click.echo(f"{target} cannot be read ({exc}); nothing was written", err=True)
+        sys.exit(2)
+    try:
+        merged = merge_into(old, text, person=answers.person)
+    except YAMLError as exc:
+        # It was "held no settings to keep: written anew": one typo replaced every setting (the copy kept them).
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        click.echo(f"{target}: {where}invalid YAML: {problem}; fix it and run again, nothing was written", err=True)
+        sys.exit(2)
     if merged is not None:
         try:
             # Their file may read variables of its own: validate as `kazma run` would here, platforms aside.
@@ -271,6 +284,10 @@ def _merge_and_back_up(target: Path, text: str, answers: InitAnswers) -> None:
         text = merged.text
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     backup = target.with_name(f"{target.name}.{stamp}.bak")
+    number = 1
+    while backup.exists():  # two --force runs in one second: the second copy overwrote the first, the original
+        number += 1
+        backup = target.with_name(f"{target.name}.{stamp}-{number}.bak")
     shutil.copy2(target, backup)
     _write(target, text, force=True)
     click.echo(f"Kept a copy of the old file: {backup}")

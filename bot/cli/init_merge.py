@@ -32,12 +32,15 @@ def _yaml() -> YAML:
 
 
 def merge_into(old_text: str, new_text: str, *, person: str) -> Merged | None:
-    """``old_text`` with what ``new_text`` adds, or None when the old file holds no settings to keep (empty,
-    only comments, or not YAML at all: the backup keeps it, and the new file is written whole)."""
+    """``old_text`` with what ``new_text`` adds, or None when the old file holds no settings to keep (empty, only
+    comments, or YAML that is no mapping: the backup keeps it, and the new file is written whole). Settings that
+    are not valid YAML (a typo, a key written twice) raise ruamel's YAMLError."""
     yaml = _yaml()
     try:
         old = yaml.load(old_text)
     except YAMLError:
+        if _has_content(old_text):
+            raise  # a typo in a person's settings: said, never a reason to write the file anew
         return None
     if not isinstance(old, CommentedMap) or not old:
         return None
@@ -64,6 +67,11 @@ def merge_into(old_text: str, new_text: str, *, person: str) -> Merged | None:
     yaml.dump(old, out)
     merged.text = out.getvalue()
     return merged
+
+
+def _has_content(text: str) -> bool:
+    """Whether ``text`` holds more than blank lines and comments."""
+    return any(line.strip() and not line.lstrip().startswith("#") for line in text.splitlines())
 
 
 def _add_missing(old: Any, new: Any, where: str, merged: Merged, *, depth: int) -> None:

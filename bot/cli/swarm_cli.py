@@ -28,6 +28,7 @@ from kazma.engine.swarm.limits import LimitExceeded, check_context
 from kazma.engine.swarm.owners import this_terminal
 from kazma.engine.swarm.records import task_json
 from kazma.engine.swarm.registry import for_verb, registered
+from kazma.engine.swarm.roles import authorize
 from kazma.engine.swarm.syntax import GrammarError
 
 EXIT_USAGE = 2
@@ -58,10 +59,25 @@ def _run(verb: str, *words: str, to: str | None = None, context: str = "", confi
         click.echo(json.dumps(command.to_json(), ensure_ascii=False))
         return
     login = cli_login(loaded.config, state.login if state is not None else None)
-    sys.exit(asyncio.run(_execute(loaded, text, login, context, confirm)))
+    # The same question swarm.run asks first: its answer is a sentence, and a script needs the exit code to
+    # tell "refused" from "done" (a refused cancel or retry ended 0).
+    refused = authorize(command, actor=str(Actor("cli", login)), platform="cli", is_admin=False, config=loaded.config)
+    sys.exit(asyncio.run(_execute(loaded, text, login, context, confirm, refused=refused is not None)))
 
 
-async def _execute(loaded: LoadedConfig, text: str, login: str, context: str = "", confirm: bool | None = None) -> int:
+# Answers that say nothing was done: the command ends 1 (an unknown task id, a store that did not answer).
+_NOT_DONE = ("Not started:", "no swarm task '", 'no swarm task "', "The swarm's task store is unavailable")
+
+
+async def _execute(
+    loaded: LoadedConfig,
+    text: str,
+    login: str,
+    context: str = "",
+    confirm: bool | None = None,
+    *,
+    refused: bool = False,
+) -> int:
     """Carry the command out like chat does, as ``cli:<login>``; wait for work it starts.
 
     ``confirm`` (retry): a retry that must be asked twice (its outcome unknown, or its tools ran) is asked again
@@ -107,7 +123,7 @@ async def _execute(loaded: LoadedConfig, text: str, login: str, context: str = "
                 for line in ending_lines(record):  # what its tools did, the answers it kept
                     click.echo(line)
                 return 0 if record.status.value in ("succeeded", "partial") else 1
-        return 1 if answer.startswith("Not started:") else 0
+        return 1 if refused or answer.startswith(_NOT_DONE) else 0
     finally:
         await app.stop()
 
