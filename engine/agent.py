@@ -218,6 +218,12 @@ def cut_for_model(text: str, limit: int = MAX_TOOL_OUTPUT_TO_MODEL) -> str:
     return f"{text[:head]}\n[… {cut} of {len(text)} characters cut here …]\n{text[-tail:]}"
 
 
+def _not_run(call: ToolCall, result: TurnResult, problem: str, hint: str) -> str:
+    """A call refused before anything ran: recorded as refused (its arguments not kept), and the model told why."""
+    result.tool_runs.append(ToolRun(call.name, {}, False, problem, refused=True))
+    return f"Error: the call to {call.name} was not run: {problem}. {hint}"
+
+
 def workspace_for(root: Path, conversation: str) -> Path:
     """One directory per conversation, named so that no conversation id can escape ``root`` and no two
     conversations share one.
@@ -364,10 +370,7 @@ class AgentRunner:
                     content = await self._call(call, ctx, result, internal)
                 else:
                     problem = f"one reply may make at most {MAX_CALLS_PER_REPLY} tool calls; this was call {index + 1}"
-                    result.tool_runs.append(ToolRun(call.name, {}, False, problem, refused=True))
-                    content = (
-                        f"Error: the call to {call.name} was not run: {problem}. Send it again in your next reply."
-                    )
+                    content = _not_run(call, result, problem, "Send it again in your next reply.")
                 sent.append(messages.tool_reply(call.id, content))
         result.error = f"stopped after {self.max_steps} model calls without a final answer"
         log.warning("agent.turn_limit", agent=agent.name, conversation=conversation)
@@ -474,8 +477,7 @@ class AgentRunner:
             check_arguments(call.arguments)
         except UnrenderableArguments as exc:
             problem = f"its arguments cannot be shown or recorded exactly ({exc})"
-            result.tool_runs.append(ToolRun(call.name, {}, False, problem, refused=True))
-            return f"Error: the call to {call.name} was not run: {problem}. Send valid text and finite numbers."
+            return _not_run(call, result, problem, "Send valid text and finite numbers.")
         refusal = self.registry.refusal(call.name)
         if refusal is not None:
             result.tool_runs.append(ToolRun(call.name, call.arguments, False, refusal, refused=True))
