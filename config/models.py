@@ -1203,6 +1203,16 @@ class KazmaConfig(Strict):
     @model_validator(mode="after")
     def _pipelines_name_workers(self) -> KazmaConfig:
         known = sorted(self.agents.workers)
+        seen: dict[str, str] = {}
+        for name in self.pipelines:
+            # a preset is named in any case on every surface, as a worker is: two such names would be one
+            earlier = seen.setdefault(name.lower(), name)
+            if earlier != name:
+                raise PydanticCustomError(
+                    "kazma_pipeline",
+                    "{earlier} and {name} differ only in case; a preset is named in any case, so rename one",
+                    {"subpath": f"pipelines.{name}", "earlier": repr(earlier), "name": repr(name)},
+                )
         for name, stages in self.pipelines.items():
             if not stages:
                 raise PydanticCustomError(

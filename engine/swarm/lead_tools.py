@@ -15,6 +15,7 @@ from kazma.engine.swarm.registry import named, registered
 from kazma.engine.swarm.roles import SHARED_OPERATORS_HINT
 from kazma.engine.swarm.service import BUILTIN_PATTERNS, CHECK_DEFAULT_WAIT, CHECK_MAX_WAIT, SwarmService
 from kazma.engine.swarm.store import StoreUnavailable
+from kazma.engine.swarm.syntax import BRANCH, preset_named
 from kazma.engine.swarm.types import SwarmRefused, SwarmRequest
 from kazma.engine.tools.registry import ToolResult
 from kazma.engine.types import ToolSpec
@@ -29,7 +30,9 @@ class DispatchSwarmArgs(BaseModel):
     )
     preset: str | None = Field(default=None, description="a pipeline preset from kazma.yaml")
     aggregation: Literal["collect", "merge_all", "vote", "best", "synthesize", "first_valid"] = "collect"
-    routes: dict[str, str] = Field(default_factory=dict, description="conditional: branch name -> worker")
+    routes: dict[str, str] = Field(
+        default_factory=dict, description="conditional: branch name (1 to 32 of a-z 0-9 _ -) -> worker"
+    )
     expect: str | None = Field(default=None, description="'json' or a schema name: every answer must match")
     deadline_seconds: int | None = Field(default=None, ge=1, le=86400)
     context: str = Field(default="", description="material every worker gets with the task, as data (256 KiB)")
@@ -40,6 +43,27 @@ class DispatchSwarmArgs(BaseModel):
         if named(value) is None:
             raise ValueError(f"unknown pattern {value!r} (patterns: {', '.join(p.name for p in registered())})")
         return value
+
+    # Names as /swarm reads them (syntax.Arguments), so the lead's tool takes and refuses what every surface does.
+
+    @field_validator("workers")
+    @classmethod
+    def _worker_names(cls, value: list[str]) -> list[str]:
+        return [name.lower() for name in value]
+
+    @field_validator("routes")
+    @classmethod
+    def _branches(cls, value: dict[str, str]) -> dict[str, str]:
+        routes: dict[str, str] = {}
+        for branch, worker in value.items():
+            name = branch.lower()
+            if not BRANCH.fullmatch(name):
+                # a router's answer is read for such words only: any other branch could never be chosen
+                raise ValueError(f"branch {name[:40]!r} is not 1 to 32 of a-z, 0-9, '_' and '-'")
+            if name in routes:
+                raise ValueError(f"branch {name!r} is listed twice")
+            routes[name] = worker.lower()
+        return routes
 
 
 class CheckSwarmArgs(BaseModel):
@@ -69,7 +93,8 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             prompt=args.task,
             owner=f"agent:{ctx.agent.name}",
             aggregation=args.aggregation,
-            preset=args.preset,
+            # the configured spelling, as /swarm records it; an unknown one as written, for check() to refuse
+            preset=None if args.preset is None else preset_named(args.preset, config.pipelines) or args.preset,
             conversation=ctx.conversation,
             routes=tuple(args.routes.items()),
             expect=args.expect,

@@ -59,6 +59,8 @@ Chooser = Callable[[str, Sequence[WorkerResult]], Awaitable["str | Synthesis"]]
 MAX_HANDOFF_DEPTH = 5
 MAX_VISITS = 2  # a worker runs at most twice in one chain
 _WORD = re.compile(r"[a-z0-9]+")
+# A branch may hold '-' and '_' (syntax.BRANCH): read as _WORD alone, "needs-review" was never found in any answer.
+_BRANCH_WORD = re.compile(r"[a-z0-9_-]+")
 
 
 class Aggregation(StrEnum):
@@ -459,8 +461,10 @@ async def routed(
         return SwarmOutcome(
             TaskStatus.FAILED, f"the router {router.name} failed: {decision.error}", [decision], {"router": router.name}
         )
-    words = _WORD.findall(decision.output.lower())
-    branch = next((w for w in words if w in routes), words[0] if words else "")
+    answer = decision.output.lower()
+    words = _BRANCH_WORD.findall(answer)
+    # whole branch-shaped words first; then plain words, so "ok-ish" still names the branch "ok" as it always did
+    branch = next((w for w in (*words, *_WORD.findall(answer)) if w in routes), words[0] if words else "")
 
     async def chosen(_: str) -> str:
         return branch

@@ -25,6 +25,17 @@ _TASK_ID = re.compile(r"[A-Za-z0-9_-]{4,32}")
 # ASCII digits only, and few of them: str.isdigit() also takes "²" and "٣", which int() refuses or reads as
 # another number, and int() refuses a string of more than 4,300 digits; either escaped as a crash, not a refusal.
 _COUNT = re.compile(r"0*[0-9]{1,6}")
+# A conditional's branch, written lowercase: what a router's answer is read for (patterns.routed), on every surface.
+BRANCH = re.compile(r"[a-z0-9_-]{1,32}")
+
+
+def preset_named(written: str, pipelines: Collection[str]) -> str | None:
+    """The configured pipeline preset ``written`` names, in any case (as a worker's name is), else None.
+
+    The configuration refuses two presets that differ only in case, so at most one matches."""
+    if written in pipelines:
+        return written
+    return next((name for name in pipelines if name.lower() == written.lower()), None)
 
 
 def small_count(text: str) -> int | None:
@@ -225,7 +236,7 @@ class Arguments:
         pairs: list[tuple[str, str]] = []
         for item in token.split(","):
             branch, eq, worker = item.partition("=")
-            if not eq or not re.fullmatch(r"[a-z0-9_-]{1,32}", branch.lower()):
+            if not eq or not BRANCH.fullmatch(branch.lower()):
                 raise self.fail(f"the route map {shown(token)} needs branch=worker pairs separated by commas")
             self.check_worker(worker.lower())
             if any(b == branch.lower() for b, _ in pairs):
@@ -264,12 +275,13 @@ class Arguments:
         return name
 
     def pipeline_stages(self, token: str) -> tuple[str | None, tuple[str, ...]]:
-        if token in self.pipelines:
-            stages = tuple(self.pipelines[token])
+        preset = preset_named(token, self.pipelines)
+        if preset is not None:
+            stages = tuple(self.pipelines[preset])
             for stage in stages:
                 if stage not in self.workers:
-                    raise self.fail(f"pipeline preset {token!r} names unknown worker {stage!r}")
-            return token, stages
+                    raise self.fail(f"pipeline preset {preset!r} names unknown worker {stage!r}")
+            return preset, stages
         if "," in token or token.lower() in self.workers:
             return None, self.worker_list(token)
         if token.lower() == AUTO:
