@@ -135,7 +135,6 @@ WELL_FORMED: list[tuple[str, SwarmCommand]] = [
     ("dispatch builder map a -> b:c", DispatchCommand("builder", "map a -> b:c")),
     ("dispatch builder send -> telegram:1 later", DispatchCommand("builder", "send -> telegram:1 later")),
     ("dispatch builder x ->telegram:1", DispatchCommand("builder", "x ->telegram:1")),
-    ("dispatch builder ends with ->", DispatchCommand("builder", "ends with ->")),
     (
         "dispatch builder a -> telegram:1 -> slack:C0123ABCD",
         DispatchCommand("builder", "a -> telegram:1", route=Route("slack", "C0123ABCD")),
@@ -273,6 +272,13 @@ MALFORMED: list[tuple[str, str]] = [
     # routes
     ("-> telegram:1", "a route needs a command before it: /swarm <subcommand> … -> <platform>:<chat>"),
     ("  -> slack:C0123ABCD  ", "a route needs a command before it"),
+    # a bare trailing arrow is a route begun and never finished: it was taken as task text, and the result came back
+    # to this chat instead of the one meant
+    ("dispatch builder ends with ->", "a route needs <platform>:<chat> after '->' (telegram"),
+    ("broadcast go ->  \n", "a route needs <platform>:<chat> after '->'"),
+    ("status ->", "/swarm <subcommand> … -> <platform>:<chat>"),
+    ("->", "a route needs <platform>:<chat> after '->'"),
+    ("broadcast -> -> ->", "a route needs <platform>:<chat> after '->'"),
     ("dispatch builder -> telegram:1", "dispatch needs a worker and a task"),
     ("broadcast -> discord:1", "broadcast needs a task"),
     ("status -> telegram:abc", "cannot route to 'telegram:abc': a Telegram chat id is a non-zero integer"),

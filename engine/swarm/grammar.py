@@ -286,6 +286,11 @@ def _own(verb: str, p: Arguments, rest: str) -> SwarmCommand:
 def _split_route(text: str) -> tuple[str, Route | None]:
     """Take a final ``-> platform:chat`` token pair off ``text``; anything earlier is task text."""
     parts = text.rsplit(None, 2)
+    if parts and parts[-1] == "->":
+        # a route begun and never finished: taken as task text, the result came back here, not where it was meant
+        raise GrammarError(
+            f"a route needs <platform>:<chat> after '->' ({', '.join(ROUTE_PLATFORMS)}): {ROUTE_USAGE}", ROUTE_USAGE
+        )
     if len(parts) < 2 or parts[-2] != "->":
         return text, None
     try:
