@@ -98,7 +98,7 @@ def pg_migrations() -> list[Migration]:
 
 
 async def open_pg_store(
-    config: KazmaConfig, *, application_name: str = "kazma", source: str = "kazma.yaml", connect_timeout: float = 10.0
+    config: KazmaConfig, *, application_name: str = "kazma", connect_timeout: float = 10.0
 ) -> PgStore:
     """Every component's backend on the configured PostgreSQL database, migrated.
 
@@ -121,7 +121,7 @@ async def open_pg_store(
         if config.store.secret:
             said = said.replace(config.store.secret, "***")
         raise ConfigError(
-            source, [Problem("store.url", f"cannot use PostgreSQL at {config.store.redacted_url}: {said}")]
+            config.source, [Problem("store.url", f"cannot use PostgreSQL at {config.store.redacted_url}: {said}")]
         ) from None
 
 
@@ -164,9 +164,7 @@ def private_files(store_path: Path) -> None:
                 os.chmod(path, 0o600)
 
 
-async def open_store(
-    config: KazmaConfig, path: Path | None = None, *, source: str = "kazma.yaml"
-) -> aiosqlite.Connection:
+async def open_store(config: KazmaConfig, path: Path | None = None) -> aiosqlite.Connection:
     """The SQLite store, migrated (a PostgreSQL store is opened with :func:`open_pg_store`)."""
     if path is None and config.store.backend != "sqlite":
         raise ValueError("store.url names PostgreSQL: open it with open_pg_store")
@@ -191,7 +189,7 @@ async def open_store(
         else:
             said = " ".join(str(exc).split()) or type(exc).__name__
         raise ConfigError(
-            source, [Problem("store.path", f"cannot open the SQLite store {store_path}: {said}")]
+            config.source, [Problem("store.path", f"cannot open the SQLite store {store_path}: {said}")]
         ) from None
     if str(store_path) != ":memory:":
         private_files(store_path)

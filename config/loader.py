@@ -246,6 +246,7 @@ def load_config_text(
         config = KazmaConfig.model_validate(subst.tree)
     except ValidationError as exc:
         raise ConfigError(name, [_problem(err) for err in exc.errors()]) from None
+    config._source = name  # copies made from it below keep it
     if base_dir is not None:
         config = _resolved(config, base_dir)
     return LoadedConfig(config=config, source=source, references=subst.references, unset_secrets=unset)

@@ -20,6 +20,7 @@ from pydantic import (
     BeforeValidator,
     Field,
     PlainValidator,
+    PrivateAttr,
     field_validator,
     model_validator,
 )
@@ -1085,6 +1086,14 @@ class KazmaConfig(Strict):
     files: FilesConfig = Field(default_factory=FilesConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     people: PeopleConfig = Field(default_factory=PeopleConfig)
+    # The file this was read from, set by the loader: a problem met later (a store that cannot be opened) names the
+    # file really used (-c other.yaml, $KAZMA_CONFIG), not kazma.yaml. Not a setting: no key can write it.
+    _source: str = PrivateAttr(default="kazma.yaml")
+
+    @property
+    def source(self) -> str:
+        """The name of the file this configuration was read from (``kazma.yaml`` when read from text)."""
+        return self._source
 
     @model_validator(mode="before")
     @classmethod

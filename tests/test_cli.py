@@ -195,18 +195,23 @@ def test_json_logs_when_not_a_terminal_and_console_on_request(tmp_path: Path) ->
     ],
 )
 @pytest.mark.parametrize("command", [["approvals", "list"], ["people", "list"], ["swarm", "status"]])
+@pytest.mark.parametrize("named_by", ["-c", "KAZMA_CONFIG"])
 def test_a_store_path_that_cannot_be_opened_is_one_line_not_a_traceback(
-    tmp_path: Path, store: str, said: str, command: list[str]
+    tmp_path: Path, store: str, said: str, command: list[str], named_by: str
 ) -> None:
+    """The line names the file the configuration was read from: it said "kazma.yaml:" whatever file that was."""
     (tmp_path / "folder").mkdir()
     (tmp_path / "file").write_text("x")
     (tmp_path / "garbage.db").write_text("not SQLite")
-    config = tmp_path / "kazma.yaml"
+    config = tmp_path / "other.yaml"
     config.write_text(f"store: {{path: {store}}}\n")
-    result = CliRunner().invoke(main, ["-c", str(config), *command])
+    if named_by == "-c":
+        result = CliRunner().invoke(main, ["-c", str(config), *command])
+    else:
+        result = CliRunner().invoke(main, command, env={"KAZMA_CONFIG": str(config)})
     assert isinstance(result.exception, SystemExit), result.exception  # was sqlite3.OperationalError, FileExistsError
     assert result.exit_code == 2
     where = tmp_path / store
     assert result.stderr.splitlines()[-1] == (
-        f"kazma.yaml: store.path: cannot open the SQLite store {where}: {said.format(tmp=tmp_path)}"
+        f"{config}: store.path: cannot open the SQLite store {where}: {said.format(tmp=tmp_path)}"
     )

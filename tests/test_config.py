@@ -27,7 +27,8 @@ def test_committed_default_is_valid_with_no_tokens() -> None:
 def test_empty_file_gives_documented_defaults() -> None:
     cfg = load_config_text("", base_dir=REPO).config  # relative paths start at the file's folder
     committed = load_config(REPO / "kazma.yaml", environ={}).config
-    assert cfg == committed
+    assert cfg.model_dump() == committed.model_dump()  # the settings; each knows the file it came from
+    assert (cfg.source, committed.source) == ("kazma.yaml", str(REPO / "kazma.yaml"))
 
 
 def test_env_substitution_turns_platform_on() -> None:
