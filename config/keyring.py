@@ -39,6 +39,7 @@ log = structlog.get_logger("kazma.config.keyring")
 
 _KEY_ID = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 _NUMBERED = re.compile(r"k([0-9]{1,9})")
+_ANOTHER_KEY = re.compile(r",[A-Za-z0-9_.-]{1,32}:")  # a comma, then what reads as the next entry's "<id>:"
 
 
 class KeyringError(Exception):
@@ -142,6 +143,12 @@ def parse_keys(text: str, spec: KeySpec, *, source: str) -> tuple[Key, ...]:
                 raise KeyringError(f"{where}: expected <id>:<secret> entries, got one without ':'")
             if not _KEY_ID.fullmatch(key_id):
                 raise KeyringError(f"{where}: a key id is 1 to 32 of A-Z a-z 0-9 _ . -, got {key_id[:40]!r}")
+            if written.endswith(",") or _ANOTHER_KEY.search(written):
+                # "k1:…,k2:…" was read as one key k1 whose secret ran on past the comma: a keyring other replicas
+                # (or this one, once written right) do not share, so their seals failed to verify, without a word
+                raise KeyringError(
+                    f"{where}: key {key_id} runs on past a comma; separate keys with spaces or new lines, not commas"
+                )
             if len(written) < spec.min_length:
                 raise KeyringError(
                     f"{where}: key {key_id} is {len(written)} characters; at least {spec.min_length} are required"

@@ -353,6 +353,10 @@ def test_the_environment_variable_wins_and_its_first_key_is_current(tmp_path: Pa
         (f"bad/id:{'a' * 40}", "a key id is 1 to 32"),
         (f"k1:{'a' * 40} k1:{'b' * 40}", "appears twice"),
         ("# only a comment\n", "holds no key"),
+        # several keys written with commas were read as one key k1 whose secret held the rest
+        (f"k1:{'a' * 40},k2:{'b' * 40}", "key k1 runs on past a comma; separate keys with spaces or new lines"),
+        (f"k1:{'a' * 40}, k2:{'b' * 40}", "key k1 runs on past a comma"),
+        (f"k2:{'b' * 40} k1:{'a' * 40},", "key k1 runs on past a comma"),
     ],
 )
 def test_unusable_keys_are_refused_with_the_reason(text: str, problem: str) -> None:
