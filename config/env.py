@@ -22,6 +22,8 @@ class Substitution:
     tree: Any
     references: dict[str, list[str]] = field(default_factory=dict)
     missing: list[tuple[str, str]] = field(default_factory=list)
+    # (key path, variable) whose value ended in white space that was dropped (see _expand)
+    trimmed: list[tuple[str, str]] = field(default_factory=list)
 
 
 def format_path(parts: tuple[str | int, ...]) -> str:
@@ -67,4 +69,14 @@ def _expand(text: str, path: tuple[str | int, ...], environ: Mapping[str, str], 
         result.missing.append((where, name))
         return ""
 
+    whole = _REFERENCE.fullmatch(text)
+    if whole is not None and whole.group(1) is not None:
+        # A value that is one variable is a token, a password, a URL: a trailing line break or space there is what
+        # reading a secret from a file (a Kubernetes secret, "$(<file)" of a file with a blank line) brings with
+        # it, never part of the secret; kept, the platform refused the token while `kazma doctor` said why.
+        value = replace(whole)
+        kept = value.rstrip()
+        if kept != value:
+            result.trimmed.append((where, whole.group(1)))
+        return kept
     return _REFERENCE.sub(replace, text)

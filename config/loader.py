@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
 import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
@@ -20,6 +21,7 @@ from kazma.config.keyring import KEY_VARIABLES
 from kazma.config.models import KazmaConfig
 from kazma.config.registry import CHAT_PLATFORMS
 
+log = structlog.get_logger("kazma.config.loader")
 DEFAULT_PATH = Path("kazma.yaml")
 CONFIG_ENV = "KAZMA_CONFIG"
 # The folder relative paths in kazma.yaml are resolved against, when it is not the file's own folder: a
@@ -231,6 +233,8 @@ def load_config_text(
         if unset:
             _turn_off(subst.tree, unset)
             subst.missing = [missing for missing in subst.missing if missing not in unset]
+    for where, var in subst.trimmed:  # the key and the variable, never the value: it is most likely a secret
+        log.warning("config.env_value_trimmed", key=where, variable=var)
     if subst.missing:
         problems = [
             Problem(where, f"environment variable {var} is not set (write ${{{var}:-}} to make it optional)")

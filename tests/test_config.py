@@ -3,8 +3,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from kazma.config import ConfigError, DangerLevel, enabled_platforms, load_config, load_config_text, platform_statuses
+from kazma.config.registry.telegram import token_problem as telegram_token_problem
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -428,3 +430,40 @@ def test_a_secret_written_where_a_variable_name_belongs_is_not_repeated(text: st
     assert line.startswith(f"kazma.yaml: mcp_servers.s.{where}")
     assert "expected the name of an environment variable" in line
     assert "s3cr3t" not in line
+
+
+@pytest.mark.parametrize("pasted", ["\n", "\r\n", "  \n\n", "\t"])
+def test_a_secret_read_with_a_trailing_line_break_is_trimmed_and_said(pasted: str) -> None:
+    """A token in the environment read from a file with its newline (a Kubernetes secret, `export T="$(<f)"` with a
+    blank line) loaded as is: kazma run then met "invalid token" from the platform, while doctor said "contains a
+    line break". The trailing white space is dropped at load, with a warning naming the key and the variable."""
+    token = "123456789:AAE" + "x" * 30
+    text = "platforms: {telegram: {token: '${TELEGRAM_BOT_TOKEN}', home_chat: -1001}}\n"
+    with capture_logs() as logged:
+        loaded = load_config_text(text, environ={"TELEGRAM_BOT_TOKEN": token + pasted})
+    assert loaded.config.platforms.telegram.token == token
+    assert telegram_token_problem(loaded.config.platforms.telegram.token) is None  # what doctor judges
+    trimmed = [e for e in logged if e["event"] == "config.env_value_trimmed"]
+    assert trimmed == [
+        {
+            "event": "config.env_value_trimmed",
+            "key": "platforms.telegram.token",
+            "variable": "TELEGRAM_BOT_TOKEN",
+            "log_level": "warning",
+        }
+    ]
+    assert token not in repr(logged)
+
+
+def test_only_trailing_white_space_of_a_whole_value_is_trimmed() -> None:
+    """White space inside a token is a paste gone wrong that only a person can fix: kept, for doctor to name; a
+    variable within a longer text is that text's own affair."""
+    text = "platforms: {telegram: {token: '${T}', home_chat: -1001}}\nagents: {lead: {system_prompt: 'Hi ${P}'}}\n"
+    with capture_logs() as logged:
+        loaded = load_config_text(text, environ={"T": "123456789:AAE xx\n", "P": "there\n"})
+    assert loaded.config.platforms.telegram.token == "123456789:AAE xx"
+    assert loaded.config.agents.lead.system_prompt == "Hi there\n"
+    assert telegram_token_problem(loaded.config.platforms.telegram.token) == (
+        "contains spaces or a line break: copy it again, without anything around it"
+    )
+    assert [e["variable"] for e in logged if e["event"] == "config.env_value_trimmed"] == ["T"]
