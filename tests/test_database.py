@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -163,3 +165,31 @@ async def test_a_transaction_cancelled_while_its_begin_waits_leaves_the_connecti
             await tx.run("CREATE TABLE IF NOT EXISTS t (x INTEGER)")
     finally:
         await conn.close()
+
+
+def test_a_store_that_cannot_be_opened_leaves_no_thread_to_fail_after_the_loop(tmp_path: Path) -> None:
+    """aiosqlite stops its worker thread after a failed connect without waiting for it: the command said its one
+    line ("cannot open the SQLite store …: it is a folder"), asyncio.run closed the loop, and the thread's last
+    answer then died on the closed loop, a RuntimeError traceback on stderr after the clean line."""
+    (tmp_path / "folder").mkdir()
+    failed: list[BaseException | None] = []
+    before = threading.excepthook
+
+    earlier = set(threading.enumerate())
+
+    def workers_left() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t not in earlier and t.name.endswith("(_connection_worker_thread)")]
+
+    async def attempt() -> None:
+        with pytest.raises(sqlite3.OperationalError):
+            await connect(tmp_path / "folder")
+        assert workers_left() == []  # ended while the loop could still take its answer
+
+    threading.excepthook = lambda args: failed.append(args.exc_value)
+    try:
+        asyncio.run(attempt())
+        for thread in workers_left():
+            thread.join(10)
+    finally:
+        threading.excepthook = before
+    assert failed == []

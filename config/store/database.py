@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -44,7 +45,12 @@ async def connect(path: Path | str, *, busy_timeout_ms: int = 5000) -> aiosqlite
     target = Path(path)
     if str(target) != ":memory:":
         target.parent.mkdir(parents=True, exist_ok=True)
-    conn = await aiosqlite.connect(str(target), isolation_level=None, timeout=busy_timeout_ms / 1000)
+    opening = aiosqlite.connect(str(target), isolation_level=None, timeout=busy_timeout_ms / 1000)
+    try:
+        conn = await opening
+    except BaseException:
+        await _worker_stopped(opening)
+        raise
     try:
         # busy_timeout first: switching to WAL takes a lock another process may hold.
         await conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
@@ -55,6 +61,18 @@ async def connect(path: Path | str, *, busy_timeout_ms: int = 5000) -> aiosqlite
         await conn.close()
         raise
     return conn
+
+
+async def _worker_stopped(conn: aiosqlite.Connection) -> None:
+    """Wait, with the loop running, for the worker thread of a connection that failed to open to end.
+
+    aiosqlite stops that thread without waiting for it: a command that then ended (its one line said, the loop
+    closed by asyncio.run) left the thread answering a closed loop, a RuntimeError traceback after the clean line.
+    """
+    # 0.22 keeps the thread apart (a private attribute); before, the connection was the thread
+    worker = getattr(conn, "_thread", conn)
+    if isinstance(worker, threading.Thread) and worker.ident is not None:
+        await asyncio.to_thread(worker.join, 10)
 
 
 async def _switch_to_wal(conn: aiosqlite.Connection, patience: float) -> None:
