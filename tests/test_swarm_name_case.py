@@ -127,3 +127,27 @@ async def test_a_branch_in_another_case_or_with_a_dash_is_reachable(tmp_path: Pa
     assert cased.status is TaskStatus.SUCCEEDED, cased
     assert cased.request["routes"] == [["yes", "b"], ["no", "a"]]
     assert [prompt for prompt, _ in b.seen] == ["check this", "go"]
+
+
+async def test_the_leads_tool_refuses_arguments_its_task_would_run_without(tmp_path: Path) -> None:
+    """A preset beside workers ran the preset alone, a conditional's second worker never ran, routes given to
+    another pattern did nothing: each started a task and told the lead it ran what it named."""
+    cfg = config(CFG)
+    async with (
+        rig(tmp_path / "s.db", {"a": ScriptedWorker("a"), "b": ScriptedWorker("b")}, cfg) as r,
+        approval_service(tmp_path / "ap.db", config=cfg) as approvals,
+    ):
+        dispatch, _ = swarm_tools(r.service, SafetyPolicy(approvals))
+        refused = [
+            (
+                {"pattern": "pipeline", "preset": "both", "workers": ["b"]},
+                "give a pipeline preset or workers, not both",
+            ),
+            ({"pattern": "conditional", "workers": ["a", "b"], "routes": {"x": "a"}}, "one router worker, 2 given"),
+            ({"pattern": "fan_out", "workers": ["a", "b"], "routes": {"x": "a"}}, "fan_out would not use them"),
+        ]
+        for arguments, expected in refused:
+            result = await dispatch.handler({**arguments, "task": "go"}, LEAD)
+            assert not result.ok
+            assert expected in (result.error or "")
+        assert await r.service.store.list() == []

@@ -225,6 +225,8 @@ def _router_and_branches(request: SwarmRequest, names: list[str], every: Sequenc
         raise SwarmRefused(f"{len(request.routes)} branches given; at most {MAX_WORKERS}")
     if not request.routes:
         raise SwarmRefused("conditional needs a route map: branch=worker,…")
+    if len(names) != 1:  # a second worker named was never run, nor said to be left out
+        raise SwarmRefused(f"conditional takes one router worker, {len(names)} given")
     return [*names[:1], *(worker for _, worker in request.routes)]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -66,6 +67,17 @@ class DispatchSwarmArgs(BaseModel):
         return routes
 
 
+def _ignored(args: DispatchSwarmArgs) -> str | None:
+    """Arguments the task would run without, said instead of dropped: the lead was told the task started and
+    took it to be running what it named (/swarm has no way to write them)."""
+    if args.preset is not None and args.workers:
+        return "give a pipeline preset or workers, not both: the preset's stages would run and the workers not"
+    pattern = named(args.pattern)
+    if args.routes and pattern is not None and "routes" not in {f.name for f in dataclasses.fields(pattern.command)}:
+        return f"routes are a conditional's branches; {args.pattern} would not use them"
+    return None
+
+
 class CheckSwarmArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     task_id: str
@@ -78,6 +90,9 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             args = DispatchSwarmArgs.model_validate(dict(arguments))
         except ValidationError as exc:
             return ToolResult(ok=False, output="", error=f"invalid arguments: {exc.errors()[0]['msg']}")
+        ignored = _ignored(args)
+        if ignored is not None:
+            return ToolResult(ok=False, output="", error=f"not started: {ignored}")
         config = service.config
         operators = config.roster.human_operators()
         if len(operators) > 1 and not config.swarm.allow_shared_operators:
