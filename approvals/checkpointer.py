@@ -454,5 +454,8 @@ async def vouched_tail(store: ApprovalStore, signer: AuditSigner) -> set[int]:
     signed (read only; a verifier on Kazma's own machine, with its audit key, tells them from forged rows)."""
     last = await store.tables.one(LAST_CHECKPOINT)
     after, prev = (0, GENESIS) if last is None else (int(last[0]), str(last[1]))
-    runs = _vouched_runs(signer, await store.tables.all(_SINCE, (after,)), prev, Judged())
+    rows = await store.audit_rows(
+        f"{EVENT_COLUMNS}, commit_seal", "FROM approval_events WHERE seq > ? ORDER BY seq", (after,)
+    )
+    runs = _vouched_runs(signer, rows, prev, Judged())
     return {seq for first, end, _ in runs for seq in range(first, end + 1)}

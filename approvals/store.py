@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import secrets
+import sqlite3
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -1225,34 +1226,45 @@ class ApprovalStore:
         found = await self.tables.one(_DECISION_SEQ, (request_id,))
         if found is None:
             return None
-        row = await self.tables.one(
-            f"SELECT {CHECKPOINT_COLUMNS} FROM audit_checkpoints WHERE seq >= ? AND first_seq <= ?"  # noqa: S608
-            " ORDER BY seq LIMIT 1",
+        rows = await self.audit_rows(
+            CHECKPOINT_COLUMNS,
+            "FROM audit_checkpoints WHERE seq >= ? AND first_seq <= ? ORDER BY seq LIMIT 1",
             (found[0], found[0]),
         )
-        return None if row is None else checkpoint_of_row(row)
+        return checkpoint_of_row(rows[0]) if rows else None
+
+    async def audit_rows(self, columns: str, rest: str, params: Sequence[Any] = ()) -> list[Sequence[Any]]:
+        """``SELECT columns rest`` over the audit tables, readable whatever a row holds.
+
+        SQLite keeps whatever bytes a text column is given, and hands a text back as str: one that is not UTF-8
+        (written around Kazma, whose own texts are all str) fails the whole read, so verify, export, the sink and
+        doctor stopped at a traceback naming no row. Read again as bytes, such a text comes back as ``bytes``: what
+        Kazma never writes, so its event hashes to nothing and the verifier names it at its sequence number."""
+        try:
+            return list(await self.tables.all(f"SELECT {columns} {rest}", tuple(params)))
+        except sqlite3.OperationalError as exc:
+            if _UNDECODABLE not in str(exc):
+                raise
+        rows = await self.tables.all(f"SELECT {_byte_safe(columns)} {rest}", tuple(params))
+        return [_from_byte_safe(row) for row in rows]
 
     async def chain_events(self, after: int = 0, *, limit: int = 1000) -> list[ChainedEvent]:
         """Audit events with their chain fields, in sequence order, from the first after ``after``."""
-        rows = await self.tables.all(
-            f"SELECT {EVENT_COLUMNS} FROM approval_events WHERE seq > ? ORDER BY seq LIMIT ?",  # noqa: S608
-            (after, limit),
+        rows = await self.audit_rows(
+            EVENT_COLUMNS, "FROM approval_events WHERE seq > ? ORDER BY seq LIMIT ?", (after, limit)
         )
         return [ChainedEvent.of_row(row) for row in rows]
 
     async def chain_checkpoints(self, after: int = 0, *, limit: int = 1000) -> list[Checkpoint]:
         """Signed checkpoints in sequence order, from the first whose head comes after ``after``."""
-        rows = await self.tables.all(
-            f"SELECT {CHECKPOINT_COLUMNS} FROM audit_checkpoints WHERE seq > ? ORDER BY seq LIMIT ?",  # noqa: S608
-            (after, limit),
+        rows = await self.audit_rows(
+            CHECKPOINT_COLUMNS, "FROM audit_checkpoints WHERE seq > ? ORDER BY seq LIMIT ?", (after, limit)
         )
         return [checkpoint_of_row(row) for row in rows]
 
     async def last_checkpoint(self) -> Checkpoint | None:
-        row = await self.tables.one(
-            f"SELECT {CHECKPOINT_COLUMNS} FROM audit_checkpoints ORDER BY seq DESC LIMIT 1"  # noqa: S608
-        )
-        return None if row is None else checkpoint_of_row(row)
+        rows = await self.audit_rows(CHECKPOINT_COLUMNS, "FROM audit_checkpoints ORDER BY seq DESC LIMIT 1")
+        return checkpoint_of_row(rows[0]) if rows else None
 
     async def last_event_seq(self) -> int:
         row = await self.tables.one("SELECT seq FROM approval_events ORDER BY seq DESC LIMIT 1")
@@ -1737,3 +1749,28 @@ def _card(row: Iterable[Any]) -> PostedCard:
         request_id, platform, chat, message_id, datetime.fromtimestamp(posted, UTC), ts(settled), status, bool(whole),
         bound_to, bool(reposted),
     )  # fmt: skip
+
+
+_UNDECODABLE = "Could not decode to UTF-8"  # sqlite3's error for a text column whose bytes are not UTF-8
+
+
+def _byte_safe(columns: str) -> str:
+    """Each column as two: its value unless it is a text, and a text's bytes (SQLite's typeof and CAST)."""
+    parts: list[str] = []
+    for name in (column.strip() for column in columns.split(",")):
+        parts.append(f"CASE WHEN typeof({name}) = 'text' THEN NULL ELSE {name} END")
+        parts.append(f"CASE WHEN typeof({name}) = 'text' THEN CAST({name} AS BLOB) END")
+    return ", ".join(parts)
+
+
+def _from_byte_safe(row: Sequence[Any]) -> tuple[Any, ...]:
+    values: list[Any] = []
+    for value, text in zip(row[0::2], row[1::2], strict=True):
+        if text is None:
+            values.append(value)
+            continue
+        try:
+            values.append(bytes(text).decode("utf-8"))
+        except UnicodeDecodeError:
+            values.append(bytes(text))  # what Kazma never writes: its event hashes to nothing (see audit_rows)
+    return tuple(values)
