@@ -63,6 +63,56 @@ def _write(export: Path, records: list[dict[str, object]]) -> None:
     export.write_text("".join(json.dumps(record) + "\n" for record in records))
 
 
+def test_an_export_cut_at_its_front_is_a_slice_and_passes_only_where_a_slice_is_expected(
+    tmp_path: Path, config: Path, log: Log
+) -> None:
+    export, public = export_of(tmp_path, config)
+    done = verify_export(export, public)
+    assert done.exit_code == 0, done.output
+    assert "from the start of the log (seq 1, chained from its first link)" in done.output, done.output
+    # The events before (and the checkpoints over) the first checkpoint's head removed, and the header with them:
+    # what is left is consistent in itself, and read "ok" as if it were the whole log.
+    records = _records(export)
+    cut = min(int(str(r["seq"])) for r in records if r["type"] == "checkpoint")
+    kept = [r for r in records if r["type"] != "header" and int(str(r["seq"])) > cut]
+    _write(export, kept)
+    done = verify_export(export, public)
+    assert done.exit_code == 1, done.output
+    said = f"slice from seq {cut + 1}: the events before it are not in this file"
+    assert f"FAILED: first bad sequence seq 1: missing: {said}" in done.output, done.output
+    # Named as a slice, it verifies as one, and says so.
+    done = verify_export(export, public, "--since", str(cut + 1))
+    assert done.exit_code == 0, done.output
+    assert f"a slice from seq {cut + 1}: nothing in it proves the events before it" in done.output, done.output
+    # A header claiming the slice is what was asked is not signed: it changes nothing.
+    header = {"type": "header", "format": "kazma-audit-v1", "since": cut + 1, "key_ids": ["a1"], "exported_at": 1.0}
+    _write(export, [header, *kept])
+    done = verify_export(export, public)
+    assert done.exit_code == 1, done.output
+    assert said in done.output, done.output
+    assert f"its header says --since {cut + 1}, but the header is not signed" in done.output, done.output
+    # A slice expected from earlier than it starts lost the events between.
+    done = verify_export(export, public, "--since", "2")
+    assert done.exit_code == 1, done.output
+    span = "seq 2 is" if cut == 2 else f"seqs 2..{cut} are"
+    assert f"FAILED: first bad sequence seq 2: missing: {span} not in this file" in done.output, done.output
+
+
+def test_an_export_asked_since_a_sequence_number_verifies_as_a_slice_when_told_so(
+    tmp_path: Path, config: Path, log: Log
+) -> None:
+    since = log.seqs["execution_started:deploy"]
+    export = tmp_path / "later.jsonl"
+    done = kazma("-c", str(config), "audit", "export", "--since", str(since), "--out", str(export))
+    assert done.exit_code == 0, done.output
+    _, public = export_of(tmp_path, config)
+    done = verify_export(export, public)
+    assert done.exit_code == 1, done.output
+    assert f"slice from seq {since}: the events before it are not in this file" in done.output, done.output
+    done = verify_export(export, public, "--since", str(since))
+    assert done.exit_code == 0, done.output
+
+
 def test_a_row_whose_text_is_not_utf8_is_named_at_its_sequence_by_verify_export_and_doctor(
     tmp_path: Path, config: Path, sqlite: Engine, log: Log
 ) -> None:
