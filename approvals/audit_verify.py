@@ -38,8 +38,14 @@ UNSIGNED = "unsigned"
 TRUNCATED = "truncated"
 BAD_SIGNATURE = "bad signature"
 
-# SEQ:HEX, or a settled card's footer as copied off it, its label too ("Audit checkpoint: #SEQ HEX").
-_HEAD = re.compile(r"^(?:audit checkpoint:?\s*)?#?(\d+)[:\s]+([0-9a-fA-F]{6,64})$", re.IGNORECASE)
+# SEQ:HEX, or a settled card's footer as copied off it, its label too ("Audit checkpoint: #SEQ HEX"). The hex is
+# checked for its length apart, so a short one is told why.
+_HEAD = re.compile(r"^(?:audit checkpoint:?\s*)?#?(\d+)[:\s]+([0-9a-fA-F]*)$", re.IGNORECASE)
+# The fewest hex of a chain hash a head may give: what a settled card shows. Fewer prove nothing: a log whose hash
+# starts with 6 given hex (24 bits) is found in seconds.
+HEAD_MIN_HEX = 12
+_HASH_HEX = 64
+_HEX = frozenset("0123456789abcdef")
 
 
 class HeadError(ValueError):
@@ -51,8 +57,16 @@ class Head:
     """A checkpoint seen elsewhere: a sequence number and (a prefix of) the chain hash there."""
 
     seq: int
-    prefix: str  # lower-case hex, 6 to 64 characters
+    prefix: str  # lower-case hex, HEAD_MIN_HEX to 64 characters
     source: str = "given"
+
+    def __post_init__(self) -> None:
+        if not HEAD_MIN_HEX <= len(self.prefix) <= _HASH_HEX or not _HEX.issuperset(self.prefix):
+            raise HeadError(
+                f"head #{self.seq} {self.prefix[: _HASH_HEX + 1]!r} ({self.source}) is not a chain hash: a head "
+                f"needs at least {HEAD_MIN_HEX} hex digits of it (a settled card shows {HEAD_MIN_HEX}, an export all "
+                f"{_HASH_HEX}); fewer prove nothing, since a log whose hash starts with them is easily made"
+            )
 
     @classmethod
     def parse(cls, text: str, *, source: str = "given") -> Head:

@@ -113,6 +113,28 @@ def test_an_export_asked_since_a_sequence_number_verifies_as_a_slice_when_told_s
     assert done.exit_code == 0, done.output
 
 
+@pytest.mark.parametrize("hex_digits", [0, 6, 11])
+def test_a_head_too_short_to_prove_anything_is_refused(
+    tmp_path: Path, config: Path, sqlite: Engine, log: Log, hex_digits: int
+) -> None:
+    full = next(event.chain_hash for event in Attacker(sqlite).events() if event.seq == log.last)
+    assert full is not None
+    head = f"{log.last}:{full[:hex_digits]}"
+    done = kazma("-c", str(config), "audit", "verify", "--head", head)
+    assert done.exit_code == 2, done.output
+    assert "at least 12 hex digits" in done.output, done.output
+    # The same in an earlier export's checkpoint (a file anyone could have edited).
+    export, _ = export_of(tmp_path, config)
+    records = _records(export)
+    for record in records:
+        if record["type"] == "checkpoint":
+            record["head"] = str(record["head"])[:hex_digits]
+    _write(export, records)
+    done = kazma("-c", str(config), "audit", "verify", "--heads-from", str(export))
+    assert done.exit_code == 2, done.output
+    assert "at least 12 hex digits" in done.output, done.output
+
+
 def test_a_row_whose_text_is_not_utf8_is_named_at_its_sequence_by_verify_export_and_doctor(
     tmp_path: Path, config: Path, sqlite: Engine, log: Log
 ) -> None:

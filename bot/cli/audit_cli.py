@@ -62,7 +62,10 @@ def _heads(given: tuple[str, ...], files: tuple[Path, ...]) -> list[Head]:
         except HeadError as exc:
             _fail(str(exc))
     for path in files:
-        found = list(heads_of(checkpoints_in_order(_read_export(path)), source=f"in {path}"))
+        try:
+            found = list(heads_of(checkpoints_in_order(_read_export(path)), source=f"in {path}"))
+        except (HeadError, ExportError) as exc:
+            _fail(f"{path}: {exc}")
         if not found:  # silence would read as "the log extends it"
             _fail(
                 f"{path} holds no checkpoint: it proves nothing about the log (give an export or a sink's file "
