@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
+from kazma.approvals.checkpoints import PublicKeyError, PublicKeys
 from kazma.bot.cli import main
-from tests.audit_support import KEY_ENV, Attacker, Log, config_text, make_log, run_async
+from tests.approvals_support import TEST_SIGNER
+from tests.audit_support import FORGER, KEY_ENV, Attacker, Log, config_text, make_log, run_async
 from tests.store_backends import Engine
 
 ELSEWHERE: dict[str, str | None] = {name: None for name in KEY_ENV}  # the verifier's machine: no key in its environment
@@ -133,6 +135,19 @@ def test_a_head_too_short_to_prove_anything_is_refused(
     done = kazma("-c", str(config), "audit", "verify", "--heads-from", str(export))
     assert done.exit_code == 2, done.output
     assert "at least 12 hex digits" in done.output, done.output
+
+
+def test_a_public_key_file_naming_one_key_id_twice_is_refused_naming_the_line_and_the_id() -> None:
+    ours, key_id = TEST_SIGNER.public_keys().text().strip(), TEST_SIGNER.key_id
+    other = FORGER.public_keys().text().strip()  # another key under the same id
+    assert other != ours
+    assert FORGER.key_id == key_id
+    with pytest.raises(
+        PublicKeyError, match=rf"keys\.pub \(line 3\): key id {key_id} is given twice \(first on line 1\)"
+    ):
+        PublicKeys.parse(f"{ours}\n# a comment\n{other}\n", source="keys.pub")
+    # The same key twice (two `kazma audit public-key` outputs joined) replaces nothing: read.
+    assert PublicKeys.parse(f"{ours}\n{ours}\n", source="keys.pub").ids == (key_id,)
 
 
 def test_a_row_whose_text_is_not_utf8_is_named_at_its_sequence_by_verify_export_and_doctor(
