@@ -119,7 +119,7 @@ class Report:
             tail = f" ({more} more problem{'s' if more != 1 else ''} after it)" if more else ""
             return f"FAILED: first bad sequence {self.first.line()}{tail}"
         if not self.events:
-            return "ok: the audit log is empty"
+            return "ok: the audit log is empty" if self.from_start else "ok: this slice holds no event"
         span = f"{self.first_seq}..{self.last_seq}"
         heads = f"; {self.heads_checked} head(s) seen elsewhere are in it" if self.heads_checked else ""
         pending = f"; the last {self.pending} are sealed by Kazma and not signed yet" if self.pending else ""
@@ -434,6 +434,16 @@ def _ends(walk: _Walk) -> None:
             walk.report.problems.append(problem)
     last = walk.last
     if last is None:
+        walk.report.from_start = walk.since is None or walk.since == 1
+        if walk.since == 1:
+            # A file expected to hold the whole log: an empty log has nothing signed, so an export cut down to its
+            # header (or nothing but checkpoints' absence) would read "ok, empty" with nothing to vouch for it.
+            walk.problem(
+                1,
+                MISSING,
+                "this file holds no event: it proves nothing about the log (an empty log has nothing signed, and an "
+                "export cut down to its header reads the same): verify the store itself",
+            )
         for seq in sorted(walk.heads):
             walk.problem(1, TRUNCATED, f"the log is empty, but a head seen elsewhere names seq {seq}")
         return

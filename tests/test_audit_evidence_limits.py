@@ -100,6 +100,22 @@ def test_an_export_cut_at_its_front_is_a_slice_and_passes_only_where_a_slice_is_
     assert f"FAILED: first bad sequence seq 2: missing: {span} not in this file" in done.output, done.output
 
 
+def test_an_export_cut_down_to_its_header_proves_nothing_and_fails(tmp_path: Path, config: Path, log: Log) -> None:
+    export, public = export_of(tmp_path, config)
+    _write(export, _records(export)[:1])  # every event and checkpoint removed: it read "ok: the audit log is empty"
+    done = verify_export(export, public)
+    assert done.exit_code == 1, done.output
+    assert "FAILED: first bad sequence seq 1: missing: this file holds no event: it proves nothing" in done.output
+    # Its header says it holds the log from seq 1: a slice expected does not excuse it ...
+    assert verify_export(export, public, "--since", str(log.last + 1)).exit_code == 1
+    # ... but an empty slice asked for (`audit export --since` past the last event) is what it is.
+    done = kazma("-c", str(config), "audit", "export", "--since", str(log.last + 1), "--out", str(export))
+    assert done.exit_code == 0, done.output
+    done = verify_export(export, public, "--since", str(log.last + 1))
+    assert done.exit_code == 0, done.output
+    assert "ok: this slice holds no event" in done.output, done.output
+
+
 def test_an_export_asked_since_a_sequence_number_verifies_as_a_slice_when_told_so(
     tmp_path: Path, config: Path, log: Log
 ) -> None:
