@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import secrets
-import sqlite3
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -33,7 +32,10 @@ from kazma.approvals.chain import (
     FROM_REQUEST,
     AuditChain,
     ChainedEvent,
+    byte_safe,
     checkpoint_of_row,
+    from_byte_safe,
+    undecodable,
 )
 from kazma.approvals.checkpoints import AuditSigner, Checkpoint
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, Review, Status, Waits, outcome_of
@@ -1242,11 +1244,11 @@ class ApprovalStore:
         Kazma never writes, so its event hashes to nothing and the verifier names it at its sequence number."""
         try:
             return list(await self.tables.all(f"SELECT {columns} {rest}", tuple(params)))
-        except sqlite3.OperationalError as exc:
-            if _UNDECODABLE not in str(exc):
+        except Exception as exc:
+            if not undecodable(exc):
                 raise
-        rows = await self.tables.all(f"SELECT {_byte_safe(columns)} {rest}", tuple(params))
-        return [_from_byte_safe(row) for row in rows]
+        rows = await self.tables.all(f"SELECT {byte_safe(columns)} {rest}", tuple(params))
+        return [from_byte_safe(row) for row in rows]
 
     async def chain_events(self, after: int = 0, *, limit: int = 1000) -> list[ChainedEvent]:
         """Audit events with their chain fields, in sequence order, from the first after ``after``."""
@@ -1749,28 +1751,3 @@ def _card(row: Iterable[Any]) -> PostedCard:
         request_id, platform, chat, message_id, datetime.fromtimestamp(posted, UTC), ts(settled), status, bool(whole),
         bound_to, bool(reposted),
     )  # fmt: skip
-
-
-_UNDECODABLE = "Could not decode to UTF-8"  # sqlite3's error for a text column whose bytes are not UTF-8
-
-
-def _byte_safe(columns: str) -> str:
-    """Each column as two: its value unless it is a text, and a text's bytes (SQLite's typeof and CAST)."""
-    parts: list[str] = []
-    for name in (column.strip() for column in columns.split(",")):
-        parts.append(f"CASE WHEN typeof({name}) = 'text' THEN NULL ELSE {name} END")
-        parts.append(f"CASE WHEN typeof({name}) = 'text' THEN CAST({name} AS BLOB) END")
-    return ", ".join(parts)
-
-
-def _from_byte_safe(row: Sequence[Any]) -> tuple[Any, ...]:
-    values: list[Any] = []
-    for value, text in zip(row[0::2], row[1::2], strict=True):
-        if text is None:
-            values.append(value)
-            continue
-        try:
-            values.append(bytes(text).decode("utf-8"))
-        except UnicodeDecodeError:
-            values.append(bytes(text))  # what Kazma never writes: its event hashes to nothing (see audit_rows)
-    return tuple(values)

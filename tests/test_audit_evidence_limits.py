@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
+from kazma.approvals.checkpointer import Checkpointer, Judged
 from kazma.approvals.checkpoints import PublicKeyError, PublicKeys
 from kazma.bot.cli import main
-from tests.approvals_support import TEST_SIGNER
+from tests.approvals_support import TEST_SIGNER, approval_service
 from tests.audit_support import FORGER, KEY_ENV, Attacker, Log, config_text, make_log, run_async
 from tests.store_backends import Engine
 
@@ -188,4 +189,35 @@ def test_a_row_whose_text_is_not_utf8_is_named_at_its_sequence_by_verify_export_
     doctor = kazma("-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1")
     [line] = [text for text in doctor.output.splitlines() if "audit chain" in text]
     assert line.startswith("FAIL"), line
+    assert f"first bad sequence seq {seq}: changed" in line, line
+
+
+@pytest.mark.parametrize("written", ["CAST(X'ff64' AS TEXT)", "X'6464'"], ids=["not-utf8", "bytes"])
+def test_a_row_kazma_never_writes_in_the_unsigned_tail_stops_neither_the_checkpointer_nor_verify(
+    config: Path, sqlite: Engine, log: Log, written: str
+) -> None:
+    """The events after the last checkpoint are read by every signing pass and by verify and doctor (to tell
+    Kazma's own from forged rows): one holding bytes, or a text not UTF-8, raised there. Signing stopped for good
+    (every later decision unsigned), verify ended in a traceback, doctor said "cannot read the audit log"."""
+    seq = log.last + 1
+
+    async def appended() -> None:
+        async with approval_service(sqlite.where) as service:
+            await service.open("shell", {"command": "uptime"}, "agent:builder", "telegram:-100")
+            await service.open("shell", {"command": "date"}, "agent:builder", "telegram:-100")
+
+    async def signed() -> Judged:  # a process that did not append them reads them back
+        async with approval_service(sqlite.where) as service:
+            return await Checkpointer(service.store, TEST_SIGNER).sign()
+
+    run_async(appended())
+    Attacker(sqlite).run((f"UPDATE approval_events SET detail = {written} WHERE seq = ?", (seq,)))  # noqa: S608
+    judged: Judged = run_async(signed())
+    assert seq in judged.unvouched
+    done = kazma("-c", str(config), "audit", "verify")
+    assert done.exit_code == 1, done.output
+    assert isinstance(done.exception, SystemExit), done.exception
+    assert f"FAILED: first bad sequence seq {seq}: changed: it holds what Kazma never writes" in done.output
+    doctor = kazma("-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1")
+    [line] = [text for text in doctor.output.splitlines() if "audit chain" in text]
     assert f"first bad sequence seq {seq}: changed" in line, line
