@@ -38,8 +38,14 @@ UNSIGNED = "unsigned"
 TRUNCATED = "truncated"
 BAD_SIGNATURE = "bad signature"
 
-# SEQ:HEX, or a settled card's footer as copied off it, its label too ("Audit checkpoint: #SEQ HEX").
-_HEAD = re.compile(r"^(?:audit checkpoint:?\s*)?#?(\d+)[:\s]+([0-9a-fA-F]{6,64})$", re.IGNORECASE)
+# SEQ:HEX, or a settled card's footer as copied off it, its label too ("Audit checkpoint: #SEQ HEX"). The hex is
+# checked for its length apart, so a short one is told why.
+_HEAD = re.compile(r"^(?:audit checkpoint:?\s*)?#?(\d+)[:\s]+([0-9a-fA-F]*)$", re.IGNORECASE)
+# The fewest hex of a chain hash a head may give: what a settled card shows. Fewer prove nothing: a log whose hash
+# starts with 6 given hex (24 bits) is found in seconds.
+HEAD_MIN_HEX = 12
+_HASH_HEX = 64
+_HEX = frozenset("0123456789abcdef")
 
 
 class HeadError(ValueError):
@@ -51,8 +57,16 @@ class Head:
     """A checkpoint seen elsewhere: a sequence number and (a prefix of) the chain hash there."""
 
     seq: int
-    prefix: str  # lower-case hex, 6 to 64 characters
+    prefix: str  # lower-case hex, HEAD_MIN_HEX to 64 characters
     source: str = "given"
+
+    def __post_init__(self) -> None:
+        if not HEAD_MIN_HEX <= len(self.prefix) <= _HASH_HEX or not _HEX.issuperset(self.prefix):
+            raise HeadError(
+                f"head #{self.seq} {self.prefix[: _HASH_HEX + 1]!r} ({self.source}) is not a chain hash: a head "
+                f"needs at least {HEAD_MIN_HEX} hex digits of it (a settled card shows {HEAD_MIN_HEX}, an export all "
+                f"{_HASH_HEX}); fewer prove nothing, since a log whose hash starts with them is easily made"
+            )
 
     @classmethod
     def parse(cls, text: str, *, source: str = "given") -> Head:
@@ -86,6 +100,9 @@ class Report:
     heads_checked: int = 0
     pending: int = 0  # events after the last checkpoint that Kazma's commit seals vouch for: signed any moment
     history: Checkpoint | None = None  # the one-time chaining's checkpoint, if the log had events before the chain
+    # Whether the events start where the chain starts (its first link, or the history's first event): what the
+    # signatures prove then covers the log from its beginning. Else a slice: its first link is taken as given.
+    from_start: bool = True
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -102,13 +119,18 @@ class Report:
             tail = f" ({more} more problem{'s' if more != 1 else ''} after it)" if more else ""
             return f"FAILED: first bad sequence {self.first.line()}{tail}"
         if not self.events:
-            return "ok: the audit log is empty"
+            return "ok: the audit log is empty" if self.from_start else "ok: this slice holds no event"
         span = f"{self.first_seq}..{self.last_seq}"
         heads = f"; {self.heads_checked} head(s) seen elsewhere are in it" if self.heads_checked else ""
         pending = f"; the last {self.pending} are sealed by Kazma and not signed yet" if self.pending else ""
+        start = (
+            f"from the start of the log (seq {self.first_seq}, chained from its first link)"
+            if self.from_start
+            else f"a slice from seq {self.first_seq}: nothing in it proves the events before it"
+        )
         return (
             f"ok: {self.events} events (seq {span}) chained, {self.checkpoints} checkpoints signed; "
-            f"head #{self.last_seq} {(self.head or '')[:12]}{heads}{pending}"
+            f"head #{self.last_seq} {(self.head or '')[:12]}{heads}{pending}; {start}"
         )
 
 
@@ -125,9 +147,9 @@ class _Walk:
         since: int | None = None,
     ) -> None:
         self.keys = keys
-        self.since = since  # an export's first sequence number, as its header says (None: a store's log)
+        self.since = since  # the first sequence number the events must reach back to (None: any, doctor's tail)
         self.pending = pending
-        self.report = Report(history=history)
+        self.report = Report(history=history, from_start=anchored)
         self.history = history
         self.heads: dict[int, list[Head]] = {}
         for head in heads:
@@ -166,11 +188,13 @@ def verify(
     """Check ``events`` (in sequence order) against their chain fields, ``checkpoints`` against ``keys`` and the
     events, and ``heads`` seen elsewhere against the log.
 
-    ``anchored=False``: the events start after the beginning of the log (an export with ``--since``): the first
-    one's ``prev_hash`` is taken as given, and only a checkpoint or head can vouch for it. ``pending``: events
-    after the last checkpoint whose commit seals Kazma verified (only where its audit key is): not yet signed,
-    not a problem. ``since``: an export's first sequence number (its header's): a chained first event after it
-    means the events before were removed from the export.
+    ``anchored=False``: the events start after the beginning of the log (an export with ``--since``, or one whose
+    front was cut): the first one's ``prev_hash`` is taken as given, and only a checkpoint or head can vouch for
+    it. ``pending``: events after the last checkpoint whose commit seals Kazma verified (only where its audit key
+    is): not yet signed, not a problem. ``since``: where such a slice must start, at the latest: 1 when the whole
+    log is expected (a slice then fails, ``missing``), the verifier's own ``--since`` for a slice. Never an
+    export header's alone: the header is not signed, so whoever cut the front could write it too. None: any
+    start (doctor's tail, read as a slice on purpose).
     """
     ordered = sorted(checkpoints, key=lambda c: c.seq)
     walk = _Walk(keys, heads, anchored, next((c for c in ordered if c.kind == HISTORY), None), pending, since)
@@ -203,7 +227,15 @@ def _event(walk: _Walk, event: ChainedEvent) -> None:
             # `since` whose first chained event comes later lost the ones between.
             expected = min(expected, walk.since)
         if event.seq > expected:
-            _gap(walk, expected, event.seq)
+            if walk.anchored or expected != 1:
+                _gap(walk, expected, event.seq)
+            else:
+                walk.problem(
+                    1,
+                    MISSING,
+                    f"slice from seq {event.seq}: the events before it are not in this file, and nothing signed "
+                    f"in it shows where it starts (verify it as a slice with --since {event.seq})",
+                )
         walk.prev = GENESIS if walk.anchored or event.prev_hash is None else event.prev_hash
         walk.covered_to = 0 if walk.anchored else event.seq - 1
     elif event.seq != last.seq + 1 and not in_history:
@@ -260,7 +292,8 @@ def _hash_after(walk: _Walk, event: ChainedEvent, prev: str) -> str | None:
 
 def _gap(walk: _Walk, first: int, after: int) -> None:
     span = f"seq {first} is" if after == first + 1 else f"seqs {first}..{after - 1} are"
-    walk.problem(first, MISSING, f"{span} not in the log")
+    where = "this file" if walk.report.last_seq is None and not walk.anchored else "the log"
+    walk.problem(first, MISSING, f"{span} not in {where}")
 
 
 def _misplaced(walk: _Walk, event: ChainedEvent) -> None:
@@ -401,6 +434,16 @@ def _ends(walk: _Walk) -> None:
             walk.report.problems.append(problem)
     last = walk.last
     if last is None:
+        walk.report.from_start = walk.since is None or walk.since == 1
+        if walk.since == 1:
+            # A file expected to hold the whole log: an empty log has nothing signed, so an export cut down to its
+            # header (or nothing but checkpoints' absence) would read "ok, empty" with nothing to vouch for it.
+            walk.problem(
+                1,
+                MISSING,
+                "this file holds no event: it proves nothing about the log (an empty log has nothing signed, and an "
+                "export cut down to its header reads the same): verify the store itself",
+            )
         for seq in sorted(walk.heads):
             walk.problem(1, TRUNCATED, f"the log is empty, but a head seen elsewhere names seq {seq}")
         return

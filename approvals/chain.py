@@ -47,6 +47,7 @@ import functools
 import hashlib
 import json
 import math
+import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -630,3 +631,34 @@ def write_checkpoint(
         made = signer.sign(kind, first_seq, seq, head, at)
     tx.send(_INSERT_CHECKPOINT, (made.kind, made.first_seq, made.seq, made.head, made.at, made.key_id, made.signature))
     return made
+
+
+_UNDECODABLE: Final = "Could not decode to UTF-8"  # sqlite3's error for a text column whose bytes are not UTF-8
+
+
+def undecodable(exc: BaseException) -> bool:
+    """Whether ``exc`` is SQLite failing a read at a text whose bytes are not UTF-8 (SQLite keeps any bytes in a
+    text column; only a write around Kazma puts such bytes there): read it again with :func:`byte_safe`."""
+    return isinstance(exc, sqlite3.OperationalError) and _UNDECODABLE in str(exc)
+
+
+def byte_safe(columns: str) -> str:
+    """Each column as two: its value unless it is a text, and a text's bytes (SQLite's typeof and CAST)."""
+    parts: list[str] = []
+    for name in (column.strip() for column in columns.split(",")):
+        parts.append(f"CASE WHEN typeof({name}) = 'text' THEN NULL ELSE {name} END")
+        parts.append(f"CASE WHEN typeof({name}) = 'text' THEN CAST({name} AS BLOB) END")
+    return ", ".join(parts)
+
+
+def from_byte_safe(row: Sequence[Any]) -> tuple[Any, ...]:
+    values: list[Any] = []
+    for value, text in zip(row[0::2], row[1::2], strict=True):
+        if text is None:
+            values.append(value)
+            continue
+        try:
+            values.append(bytes(text).decode("utf-8"))
+        except UnicodeDecodeError:
+            values.append(bytes(text))  # what Kazma never writes: its event hashes to nothing (see undecodable)
+    return tuple(values)

@@ -59,7 +59,17 @@ from typing import TYPE_CHECKING, Any, Final
 import structlog
 
 from kazma.approvals import pg_press
-from kazma.approvals.chain import CHAIN_LOCK, EVENT_COLUMNS, GENESIS, LAST_CHECKPOINT, ChainedEvent, write_checkpoint
+from kazma.approvals.chain import (
+    CHAIN_LOCK,
+    EVENT_COLUMNS,
+    GENESIS,
+    LAST_CHECKPOINT,
+    ChainedEvent,
+    byte_safe,
+    from_byte_safe,
+    undecodable,
+    write_checkpoint,
+)
 from kazma.approvals.checkpoints import HEAD, AuditSigner, Checkpoint
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import audit_checkpoint_seen, count_failure
@@ -91,7 +101,9 @@ RETRY: Final = Backoff(base=0.5, cap=30.0)
 
 WITNESSES_KEPT: Final = 1000  # decisions signed in their own commit whose witness nobody asked for yet, at most
 
-_SINCE = f"SELECT {EVENT_COLUMNS}, commit_seal FROM approval_events WHERE seq > ? ORDER BY seq"  # noqa: S608
+_SINCE_FROM = "FROM approval_events WHERE seq > ? ORDER BY seq"
+_SINCE = f"SELECT {EVENT_COLUMNS}, commit_seal {_SINCE_FROM}"
+_SINCE_BYTE_SAFE = f"SELECT {byte_safe(f'{EVENT_COLUMNS}, commit_seal')} {_SINCE_FROM}"
 _DECISION_SEQS = (
     "SELECT request_id, MIN(seq) FROM approval_events WHERE request_id IN ({}) AND event IN ('decided', 'timeout',"
     " 'cancelled') GROUP BY request_id"
@@ -378,7 +390,12 @@ class Checkpointer:
             judged.newest = (head_seq, now)
             chain.forget_through(head_seq)
             return judged
-        rows = tx.all(_SINCE, (after,))
+        try:
+            rows = tx.all(_SINCE, (after,))
+        except Exception as exc:  # a text not UTF-8 (SQLite): every pass failed at it, and nothing was signed again
+            if not undecodable(exc):
+                raise
+            rows = [from_byte_safe(row) for row in tx.all(_SINCE_BYTE_SAFE, (after,))]
         if not rows:
             top = tx.one("SELECT MAX(seq) FROM approval_events")
             if last is not None and (top is None or top[0] is None or int(top[0]) < after):
@@ -429,8 +446,9 @@ def _vouched_runs(signer: AuditSigner, rows: list[Any], prev: str, judged: Judge
     for row in rows:
         event = ChainedEvent.of_row(row[:-1])
         seal = row[-1]
-        right = event.chain_hash is not None and event.prev_hash == prev and event.hash_after(prev) == event.chain_hash
-        prev = event.chain_hash if event.chain_hash is not None else event.hash_after(prev)
+        computed = _hash_or_none(event, prev)
+        right = event.chain_hash is not None and event.prev_hash == prev and computed == event.chain_hash
+        prev = event.chain_hash if event.chain_hash is not None else (computed or "")
         pending.append((event, right))
         if seal is None:
             continue
@@ -449,10 +467,21 @@ def _vouched_runs(signer: AuditSigner, rows: list[Any], prev: str, judged: Judge
     return runs
 
 
+def _hash_or_none(event: ChainedEvent, prev: str) -> str | None:
+    """``event``'s chain hash after ``prev``; None when it holds what Kazma never writes (bytes where a text was,
+    changed around Kazma): never vouched for. Raising stopped every pass (nothing was signed again) and every
+    verify or doctor reading the unsigned tail, at a row none of them named."""
+    try:
+        return event.hash_after(prev)
+    except (TypeError, ValueError):
+        return None
+
+
 async def vouched_tail(store: ApprovalStore, signer: AuditSigner) -> set[int]:
     """The events after the last checkpoint that Kazma's commit seals vouch for: appended by Kazma and about to be
     signed (read only; a verifier on Kazma's own machine, with its audit key, tells them from forged rows)."""
     last = await store.tables.one(LAST_CHECKPOINT)
     after, prev = (0, GENESIS) if last is None else (int(last[0]), str(last[1]))
-    runs = _vouched_runs(signer, await store.tables.all(_SINCE, (after,)), prev, Judged())
+    rows = await store.audit_rows(f"{EVENT_COLUMNS}, commit_seal", _SINCE_FROM, (after,))
+    runs = _vouched_runs(signer, rows, prev, Judged())
     return {seq for first, end, _ in runs for seq in range(first, end + 1)}

@@ -232,6 +232,7 @@ class PublicKeys:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
         keys: dict[str, Ed25519PublicKey] = {}
+        lines: dict[str, int] = {}  # key id -> the line that gave it
         for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip() or line.lstrip().startswith("#"):
                 continue
@@ -241,11 +242,21 @@ class PublicKeys:
                     raise PublicKeyError(f"{source} (line {number}): expected <id>:<public key>, got {entry[:40]!r}")
                 try:
                     raw = _unb64(written)
-                    keys[key_id] = Ed25519PublicKey.from_public_bytes(raw)
+                    key = Ed25519PublicKey.from_public_bytes(raw)
                 except (ValueError, binascii.Error):
                     raise PublicKeyError(
                         f"{source} (line {number}): key {key_id} is not a 32-byte Ed25519 public key in URL-safe base64"
                     ) from None
+                held = keys.get(key_id)
+                if held is not None and held.public_bytes_raw() != raw:
+                    # The later one silently replaced the earlier: which key verifies depended on the order of
+                    # lines, and a line added at the end swapped the key a checkpoint is checked with.
+                    raise PublicKeyError(
+                        f"{source} (line {number}): key id {key_id} is given twice (first on line {lines[key_id]}) "
+                        "with two different keys: keep the one `kazma audit public-key` printed"
+                    )
+                keys[key_id] = key
+                lines.setdefault(key_id, number)
         if not keys:
             raise PublicKeyError(f"{source} holds no public key")
         return cls(keys)

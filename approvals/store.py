@@ -32,7 +32,10 @@ from kazma.approvals.chain import (
     FROM_REQUEST,
     AuditChain,
     ChainedEvent,
+    byte_safe,
     checkpoint_of_row,
+    from_byte_safe,
+    undecodable,
 )
 from kazma.approvals.checkpoints import AuditSigner, Checkpoint
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, Review, Status, Waits, outcome_of
@@ -1225,34 +1228,45 @@ class ApprovalStore:
         found = await self.tables.one(_DECISION_SEQ, (request_id,))
         if found is None:
             return None
-        row = await self.tables.one(
-            f"SELECT {CHECKPOINT_COLUMNS} FROM audit_checkpoints WHERE seq >= ? AND first_seq <= ?"  # noqa: S608
-            " ORDER BY seq LIMIT 1",
+        rows = await self.audit_rows(
+            CHECKPOINT_COLUMNS,
+            "FROM audit_checkpoints WHERE seq >= ? AND first_seq <= ? ORDER BY seq LIMIT 1",
             (found[0], found[0]),
         )
-        return None if row is None else checkpoint_of_row(row)
+        return checkpoint_of_row(rows[0]) if rows else None
+
+    async def audit_rows(self, columns: str, rest: str, params: Sequence[Any] = ()) -> list[Sequence[Any]]:
+        """``SELECT columns rest`` over the audit tables, readable whatever a row holds.
+
+        SQLite keeps whatever bytes a text column is given, and hands a text back as str: one that is not UTF-8
+        (written around Kazma, whose own texts are all str) fails the whole read, so verify, export, the sink and
+        doctor stopped at a traceback naming no row. Read again as bytes, such a text comes back as ``bytes``: what
+        Kazma never writes, so its event hashes to nothing and the verifier names it at its sequence number."""
+        try:
+            return list(await self.tables.all(f"SELECT {columns} {rest}", tuple(params)))
+        except Exception as exc:
+            if not undecodable(exc):
+                raise
+        rows = await self.tables.all(f"SELECT {byte_safe(columns)} {rest}", tuple(params))
+        return [from_byte_safe(row) for row in rows]
 
     async def chain_events(self, after: int = 0, *, limit: int = 1000) -> list[ChainedEvent]:
         """Audit events with their chain fields, in sequence order, from the first after ``after``."""
-        rows = await self.tables.all(
-            f"SELECT {EVENT_COLUMNS} FROM approval_events WHERE seq > ? ORDER BY seq LIMIT ?",  # noqa: S608
-            (after, limit),
+        rows = await self.audit_rows(
+            EVENT_COLUMNS, "FROM approval_events WHERE seq > ? ORDER BY seq LIMIT ?", (after, limit)
         )
         return [ChainedEvent.of_row(row) for row in rows]
 
     async def chain_checkpoints(self, after: int = 0, *, limit: int = 1000) -> list[Checkpoint]:
         """Signed checkpoints in sequence order, from the first whose head comes after ``after``."""
-        rows = await self.tables.all(
-            f"SELECT {CHECKPOINT_COLUMNS} FROM audit_checkpoints WHERE seq > ? ORDER BY seq LIMIT ?",  # noqa: S608
-            (after, limit),
+        rows = await self.audit_rows(
+            CHECKPOINT_COLUMNS, "FROM audit_checkpoints WHERE seq > ? ORDER BY seq LIMIT ?", (after, limit)
         )
         return [checkpoint_of_row(row) for row in rows]
 
     async def last_checkpoint(self) -> Checkpoint | None:
-        row = await self.tables.one(
-            f"SELECT {CHECKPOINT_COLUMNS} FROM audit_checkpoints ORDER BY seq DESC LIMIT 1"  # noqa: S608
-        )
-        return None if row is None else checkpoint_of_row(row)
+        rows = await self.audit_rows(CHECKPOINT_COLUMNS, "FROM audit_checkpoints ORDER BY seq DESC LIMIT 1")
+        return checkpoint_of_row(rows[0]) if rows else None
 
     async def last_event_seq(self) -> int:
         row = await self.tables.one("SELECT seq FROM approval_events ORDER BY seq DESC LIMIT 1")

@@ -112,7 +112,12 @@ def test_an_export_since_a_sequence_number_verifies_on_its_own_and_extends_an_ea
     assert later.events[0].seq == since
     assert not later.anchored
     done = kazma(here, "audit", "verify", "--from-export", "later.jsonl", "--public-key", str(public), keys=False)
+    assert done.returncode == 1, done.stdout + done.stderr  # its header is not signed: a slice is said to be one
+    assert f"slice from seq {since}: the events before it are not in this file" in done.stdout, done.stdout
+    done = kazma(here, "audit", "verify", "--from-export", "later.jsonl", "--public-key", str(public), "--since",
+                 str(since), keys=False)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    assert f"a slice from seq {since}: nothing in it proves the events before it" in done.stdout, done.stdout
     # The store still holds every checkpoint of the earlier export.
     done = kazma(here, "audit", "verify", "--heads-from", str(earlier))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -140,9 +145,10 @@ def test_an_export_whose_first_events_were_removed_fails_and_a_head_it_cannot_sh
 
     done = verified()
     assert done.returncode == 1, done.stdout
-    assert f"first bad sequence seq 1: missing: seqs 1..{witness.seq} are not in the log" in done.stdout, done.stdout
-    # The header and the checkpoints before the cut taken out too: consistent in itself, but a head seen on a card
-    # before the cut is said, not skipped.
+    said = f"first bad sequence seq 1: missing: slice from seq {witness.seq + 1}: the events before it are not in"
+    assert said in done.stdout, done.stdout
+    # The header and the checkpoints before the cut taken out too: consistent in itself, but the header is not
+    # signed, so it is still a slice; verified as one, a head seen on a card before the cut is said, not skipped.
     text = export.read_text().splitlines()
     header = text[0].replace('"since":1', f'"since":{witness.seq + 1}')
     rest = [line for line in text[1:] if '"type":"checkpoint"' not in line or f'"seq":{witness.seq},' not in line]
@@ -150,8 +156,11 @@ def test_an_export_whose_first_events_were_removed_fails_and_a_head_it_cannot_sh
         line for line in rest if '"type":"event"' in line or int(line.split('"seq":')[1].split(",")[0]) > witness.seq
     ]
     export.write_text("\n".join([header, *rest]) + "\n")
-    assert verified().returncode == 0  # nothing inside the export can tell now (as the README says) ...
-    done = verified("--head", f"{witness.seq}:{witness.head[:12]}")  # ... a head seen outside it can
+    done = verified()
+    assert done.returncode == 1, done.stdout
+    assert said in done.stdout, done.stdout
+    assert verified("--since", str(witness.seq + 1)).returncode == 0  # a slice expected: nothing inside can tell ...
+    done = verified("--since", str(witness.seq + 1), "--head", f"{witness.seq}:{witness.head[:12]}")  # ... a head can
     assert done.returncode == 1, done.stdout
     assert f"seq {witness.seq}: missing:" in done.stdout
     assert "cannot show that it extends that head" in done.stdout
