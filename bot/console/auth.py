@@ -50,6 +50,7 @@ import structlog
 from aiohttp import web
 
 from kazma.bot.console.forwarded import ClientAddresses
+from kazma.bot.console.hosts import Hosts
 from kazma.bot.console.login_throttle import LOGINS, LoginThrottle
 from kazma.bot.console.pages import SignInChoices, login_page, message_page
 from kazma.bot.console.sessions import Opening, SessionStore, StoredSession
@@ -307,6 +308,7 @@ class WebAuth:
         origins: tuple[str, ...] = (),
         clients: ClientAddresses | None = None,
         policies: Mapping[str, Sequence[str]] | None = None,
+        hosts: Hosts | None = None,
     ) -> None:
         self.tokens = tokens
         self.roster = roster  # what a proven person may do here, read at every request
@@ -321,6 +323,7 @@ class WebAuth:
         self._reload = reload  # re-reads the token files, so a rotated token ends the sessions made with it
         self._checked = clock()
         self.origins = origins  # the console's own origins (its public URL); a POST from elsewhere is refused
+        self.hosts = hosts  # the names the console answers to: only their origins count as the request's own
 
     def _current_digest(self, role: Role) -> str:
         if self._reload is not None and self.clock() - self._checked >= TOKEN_RECHECK:
@@ -542,7 +545,10 @@ class WebAuth:
         """
         site = request.headers.get("Sec-Fetch-Site")
         origin = request.headers.get("Origin")
-        own = {*self.origins, str(request.url.origin())}
+        # the request's own origin is built from its Host: a rebound name's page would vouch for itself
+        own = set(self.origins)
+        if self.hosts is None or self.hosts.ours(request.headers.get("Host")):
+            own.add(str(request.url.origin()))
         if site is not None and site not in ("same-origin", "none"):
             refused = f"{origin or ''} ({site})".strip()
         elif origin is None or origin == "null" or origin in own:
