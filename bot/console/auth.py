@@ -63,7 +63,10 @@ log = structlog.get_logger("kazma.web.auth")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-SESSION_COOKIE = "kazma_session"
+SESSION_COOKIE = "kazma_session"  # over plain http (localhost): browsers refuse a __Host- cookie there
+# Over https: the __Host- prefix makes a browser take the cookie only Secure, for Path=/ and with no Domain,
+# so a sibling host (or a plain-http page on this name) cannot plant or replace a session in its place.
+SECURE_SESSION_COOKIE = "__Host-kazma_session"
 LOGIN_CSRF_COOKIE = "kazma_login_csrf"
 CSRF_HEADER = "X-CSRF-Token"
 SESSION_SECONDS = 12 * 3600
@@ -324,6 +327,8 @@ class WebAuth:
         self._checked = clock()
         self.origins = origins  # the console's own origins (its public URL); a POST from elsewhere is refused
         self.hosts = hosts  # the names the console answers to: only their origins count as the request's own
+        # one name for signing in, out and every read of the cookie
+        self.session_cookie = SECURE_SESSION_COOKIE if secure else SESSION_COOKIE
 
     def _current_digest(self, role: Role) -> str:
         if self._reload is not None and self.clock() - self._checked >= TOKEN_RECHECK:
@@ -418,7 +423,7 @@ class WebAuth:
 
     def set_cookie(self, response: web.StreamResponse, session: Session) -> None:
         response.set_cookie(
-            SESSION_COOKIE,
+            self.session_cookie,
             session.id,
             httponly=True,
             samesite="Strict",
@@ -429,7 +434,7 @@ class WebAuth:
 
     async def end_previous(self, request: web.Request) -> None:
         """A fresh session token at every sign-in: the one the browser held (if any) ends (no session fixation)."""
-        previous = request.cookies.get(SESSION_COOKIE)
+        previous = request.cookies.get(self.session_cookie)
         if previous and len(previous) <= _MAX_COOKIE:
             await self.store.end(session_hash(previous))
 
@@ -438,7 +443,7 @@ class WebAuth:
         served = _SERVED.get()
         if served:
             return served[0]
-        sid = request.cookies.get(SESSION_COOKIE)
+        sid = request.cookies.get(self.session_cookie)
         if not sid or len(sid) > _MAX_COOKIE:
             return None
         key = session_hash(sid)
@@ -674,5 +679,5 @@ class WebAuth:
         await self.store.end(session_hash(session.id))
         log.info("web.logout", login=session.login)
         response = web.HTTPSeeOther("/login")
-        response.del_cookie(SESSION_COOKIE, path="/")
+        response.del_cookie(self.session_cookie, path="/", secure=self.secure)  # Secure, or __Host- is kept
         raise response
