@@ -15,20 +15,22 @@ page has none of ours, but the anonymous routes need none). So the console answe
 
 Ports are not compared: a proxy may send ``Host`` with or without the public port, and a rebinding page
 must use the console's own port anyway. A request with no ``Host`` at all (HTTP/1.0) comes from no browser.
+
+The door (:mod:`~kazma.bot.console.doors`) checks it on every route but the approvals API and ``/mcp``: those
+need an API token in ``Authorization``, which a rebound page cannot send (the cross-origin header needs a
+preflight the door never answers), and their clients may reach Kazma by an internal name.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 
 import structlog
 from aiohttp import web
 from yarl import URL
 
 log = structlog.get_logger("kazma.web")
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 LOOPBACK_NAMES = frozenset({"localhost"})
 _MAX_LOGGED = 200  # a Host header is the client's words: logged bounded
@@ -74,18 +76,18 @@ class Hosts:
         name = host_name(host)
         return name is not None and (name in self.names or _is_address(name))
 
-    @web.middleware
-    async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+    def check(self, request: web.Request) -> None:
+        """Raise 421 unless the request's ``Host`` is one of ours."""
         host = request.headers.get("Host")
-        if not self.ours(host):
-            said = (host or "")[:_MAX_LOGGED]
-            log.warning("web.host_refused", host=said, path=request.path, expected=sorted(self.names))
-            raise web.HTTPMisdirectedRequest(
-                text=(
-                    f"This Kazma console does not answer to the name {said!r}. It is served as {self.public} "
-                    "(web.public_url), localhost or an IP address; open it at one of those, or list the name in "
-                    "web.allowed_hosts.\n"
-                ),
-                content_type="text/plain",
-            )
-        return await handler(request)
+        if self.ours(host):
+            return
+        said = (host or "")[:_MAX_LOGGED]
+        log.warning("web.host_refused", host=said, path=request.path, expected=sorted(self.names))
+        raise web.HTTPMisdirectedRequest(
+            text=(
+                f"This Kazma console does not answer to the name {said!r}. It is served as {self.public} "
+                "(web.public_url), localhost or an IP address; open it at one of those, or list the name in "
+                "web.allowed_hosts.\n"
+            ),
+            content_type="text/plain",
+        )

@@ -226,12 +226,9 @@ class WebServer:
         auth.choices = SignInChoices(passkey_problem=signin.rp.problem, platforms=platforms.offered())
         telegram = TelegramApp(auth, config)
         step_up = StepUp(auth, signin.accounts, signin.rp, self.services.approvals)
-        doors = Doors(auth, lambda request: caller_of(config, request))
-        # a name not ours first (DNS rebinding: no route answers it); keep_flash outside the door: it writes back
-        # the flash lines of the session the door found
-        application = web.Application(
-            client_max_size=self.BODY_LIMIT, middlewares=[hosts.guard, auth.keep_flash, doors.guard]
-        )
+        doors = Doors(auth, lambda request: caller_of(config, request), hosts)
+        # keep_flash outside the door: it writes back the flash lines of the session the door found
+        application = web.Application(client_max_size=self.BODY_LIMIT, middlewares=[auth.keep_flash, doors.guard])
         application.on_response_prepare.append(security_headers(secure=auth.secure))
         add_routes(
             application,
