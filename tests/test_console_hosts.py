@@ -3,13 +3,17 @@ refused on every route, while 127.0.0.1, localhost, the public URL's host and we
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
+from playwright.async_api import async_playwright
 from yarl import URL
 
 from kazma.config import ConfigError, load_config_text
 from tests.test_web_server import console
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 async def test_a_rebound_name_reads_neither_metrics_nor_health_nor_starts_a_sign_in(tmp_path: Path) -> None:
@@ -52,3 +56,28 @@ def test_allowed_hosts_are_names_not_urls() -> None:
             load_config_text(f"web: {{allowed_hosts: [{bad!r}]}}\n", environ={})
     loaded = load_config_text("web: {allowed_hosts: ['Kazma-A', 'kazma.internal:8765']}\n", environ={})
     assert loaded.config.web.allowed_hosts == ["kazma-a", "kazma.internal"]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (scripts/install-test-deps)")
+async def test_a_real_browser_on_a_name_pointed_at_us_reads_nothing(tmp_path: Path) -> None:
+    # Chromium resolves evil.example to 127.0.0.1, as a rebinding attacker's DNS answers once the page is loaded
+    async with console(tmp_path) as con, async_playwright() as pw:
+        port = URL(con.base).port
+        browser = await pw.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--no-first-run", "--no-proxy-server",
+                  "--host-resolver-rules=MAP evil.example 127.0.0.1"],
+        )  # fmt: skip
+        try:
+            page = await browser.new_page()
+            landed = await page.goto(f"http://evil.example:{port}/login")
+            assert landed is not None
+            assert landed.status == 421
+            # the page's own same-origin fetches, as its script would make them
+            read = await page.evaluate("Promise.all(['/metrics', '/healthz'].map(p => fetch(p).then(r => r.status)))")
+            assert read == [421, 421]
+            ours = await page.goto(f"{con.base}/healthz")  # the console by its own name still answers
+            assert ours is not None
+            assert ours.status == 200
+        finally:
+            await browser.close()
