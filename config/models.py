@@ -223,6 +223,19 @@ class StoreConfig(Strict):
 
 
 _LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+_HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*")
+_HOST_PORT = re.compile(r":[0-9]{1,5}")
+
+
+def _host_name(value: str) -> str | None:
+    """A host name as ``web.allowed_hosts`` takes it (a port after it is dropped: ports are not compared),
+    lower case; None when it is no host name."""
+    name = value.strip().lower()
+    port = _HOST_PORT.search(name)
+    if port is not None and port.end() == len(name):
+        name = name[: port.start()]
+    name = name.rstrip(".")
+    return name if len(name) <= 253 and _HOST_NAME.fullmatch(name) else None
 
 
 class WebConfig(Strict):
@@ -234,6 +247,9 @@ class WebConfig(Strict):
     # Reverse proxies whose X-Forwarded-For / Forwarded is believed (addresses or CIDRs); none: the socket's peer
     # is the client.
     trusted_proxies: list[str] = Field(default_factory=list)
+    # Names the console also answers to, besides public_url's host, localhost and IP addresses (a request for
+    # any other name is refused: DNS rebinding); a service name a scraper uses, a second name at the proxy.
+    allowed_hosts: list[str] = Field(default_factory=list)
 
     @field_validator("public_url")
     @classmethod
@@ -253,6 +269,21 @@ class WebConfig(Strict):
                     "{got} is not an IP address or network (e.g. 10.0.0.5, 10.0.0.0/8, fd00::/8)",
                     {"got": repr(value)},
                 ) from None
+        return found
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, values: list[str]) -> list[str]:
+        found: list[str] = []
+        for value in values:
+            name = _host_name(value)
+            if name is None:
+                raise PydanticCustomError(
+                    "kazma_web",
+                    "{got} is not a host name (e.g. kazma-a, kazma.internal; no scheme, path or spaces)",
+                    {"got": repr(value)},
+                )
+            found.append(name)
         return found
 
     @model_validator(mode="after")

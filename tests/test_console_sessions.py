@@ -130,3 +130,41 @@ async def test_logins_sweep_expired_sessions_and_keep_at_most_the_limit(tmp_path
         assert sorted(r[0] for r in await Tables.of(conn).all("SELECT token_hash FROM web_sessions")) == ["h3", "h4"]
     finally:
         await conn.close()
+
+
+async def test_an_https_console_names_its_session_cookie_with_the_host_prefix(tmp_path: Path) -> None:
+    # __Host-: Secure, Path=/, no Domain, so a sibling host or a plain-http page cannot plant or replace it
+    extra = "web: {public_url: 'https://kazma.example.org'}"
+    async with console(tmp_path, extra=extra) as con, aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as c:
+        form = await c.get(f"{con.base}/login")
+        login_csrf = form.cookies["kazma_login_csrf"].value
+        page = await form.text()
+        field = page.split('name="csrf" value="', 1)[1].split('"', 1)[0]
+        opened = await c.post(
+            f"{con.base}/login",
+            data={"csrf": field, "name": "rita", "token": OPERATOR},
+            headers={"Cookie": f"kazma_login_csrf={login_csrf}"},
+            allow_redirects=False,
+        )
+        assert opened.status == 303, await opened.text()
+        set_cookie = [v for v in opened.headers.getall("Set-Cookie") if "session=" in v]
+        assert len(set_cookie) == 1
+        cookie = set_cookie[0]
+        assert cookie.startswith("__Host-kazma_session=")
+        assert "Secure" in cookie
+        assert "Path=/;" in cookie or cookie.endswith("Path=/")
+        assert "Domain" not in cookie
+        sid = opened.cookies["__Host-kazma_session"].value
+        prefixed = {"Cookie": f"__Host-kazma_session={sid}"}
+        served = await c.get(f"{con.base}/", headers=prefixed, allow_redirects=False)
+        assert served.status == 200
+        # the unprefixed name is one any sibling host could have set: it opens nothing here
+        plain = await c.get(f"{con.base}/", headers={"Cookie": f"kazma_session={sid}"}, allow_redirects=False)
+        assert plain.status == 302
+        csrf = session_csrf(sid)
+        out = await c.post(f"{con.base}/logout", data={"csrf": csrf}, headers=prefixed, allow_redirects=False)
+        assert out.status == 303
+        ended = next(v for v in out.headers.getall("Set-Cookie") if v.startswith("__Host-kazma_session="))
+        assert "Secure" in ended  # a browser ignores a __Host- cookie's deletion without it
+        assert "Max-Age=0" in ended
+        assert (await c.get(f"{con.base}/", headers=prefixed, allow_redirects=False)).status == 302

@@ -15,7 +15,9 @@ import pytest
 from yarl import URL
 
 from kazma.approvals.model import Status
+from kazma.bot.console.accounts import CHALLENGE_SECONDS
 from kazma.bot.console.auth import SESSION_COOKIE
+from kazma.bot.console.challenge_share import CLIENT_CHALLENGES
 from kazma.bot.console.platform_signin import NEXT_COOKIE, STATE_COOKIE
 from tests.fakes.discord import ALICE_ID, FakeDiscord
 from tests.fakes.slack import FakeSlack
@@ -191,3 +193,19 @@ async def test_discord_refusals_a_wrong_secret_a_stranger_and_a_person_who_said_
             assert refused.status == 403
             assert "Discord refused the code" in await refused.text()
             assert not signed_in(client, con)
+
+
+async def test_one_client_starting_sign_ins_without_pause_is_told_to_wait(tmp_path: Path) -> None:
+    # each start is a challenge in the store; one client past its share would push out others' sign-ins
+    async with with_platforms(tmp_path) as (con, _, _), con.client() as client:
+        for _ in range(CLIENT_CHALLENGES):
+            started = await client.get(f"{con.base}/login/slack", allow_redirects=False)
+            assert started.status == 302
+        for platform in ("slack", "discord"):  # one share: both keep their challenges in the same pool
+            over = await client.get(f"{con.base}/login/{platform}", allow_redirects=False)
+            assert over.status == 429, platform
+            assert 0 < int(over.headers["Retry-After"]) <= CHALLENGE_SECONDS
+            assert "Too many sign-in challenges asked for from here" in await over.text()
+        # a passkey sign-in is another pool, with its own share
+        async with client.post(f"{con.base}/login/passkey/options", json={}) as passkey:
+            assert passkey.status == 200

@@ -49,7 +49,9 @@ from urllib.parse import urlencode
 import structlog
 from aiohttp import web
 
+from kazma.bot.console.challenge_share import ChallengeShare
 from kazma.bot.console.forwarded import ClientAddresses
+from kazma.bot.console.hosts import Hosts
 from kazma.bot.console.login_throttle import LOGINS, LoginThrottle
 from kazma.bot.console.pages import SignInChoices, login_page, message_page
 from kazma.bot.console.sessions import Opening, SessionStore, StoredSession
@@ -62,7 +64,10 @@ log = structlog.get_logger("kazma.web.auth")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-SESSION_COOKIE = "kazma_session"
+SESSION_COOKIE = "kazma_session"  # over plain http (localhost): browsers refuse a __Host- cookie there
+# Over https: the __Host- prefix makes a browser take the cookie only Secure, for Path=/ and with no Domain,
+# so a sibling host (or a plain-http page on this name) cannot plant or replace a session in its place.
+SECURE_SESSION_COOKIE = "__Host-kazma_session"
 LOGIN_CSRF_COOKIE = "kazma_login_csrf"
 CSRF_HEADER = "X-CSRF-Token"
 SESSION_SECONDS = 12 * 3600
@@ -307,6 +312,7 @@ class WebAuth:
         origins: tuple[str, ...] = (),
         clients: ClientAddresses | None = None,
         policies: Mapping[str, Sequence[str]] | None = None,
+        hosts: Hosts | None = None,
     ) -> None:
         self.tokens = tokens
         self.roster = roster  # what a proven person may do here, read at every request
@@ -317,10 +323,14 @@ class WebAuth:
         self.clock = clock
         self.store = store
         self.throttle = LoginThrottle(clock=clock)
+        self.challenges = ChallengeShare(clock=clock)  # each client's share of the anonymous sign-in challenges
         self.clients = clients or ClientAddresses()  # who is asking, behind web.trusted_proxies
         self._reload = reload  # re-reads the token files, so a rotated token ends the sessions made with it
         self._checked = clock()
         self.origins = origins  # the console's own origins (its public URL); a POST from elsewhere is refused
+        self.hosts = hosts  # the names the console answers to: only their origins count as the request's own
+        # one name for signing in, out and every read of the cookie
+        self.session_cookie = SECURE_SESSION_COOKIE if secure else SESSION_COOKIE
 
     def _current_digest(self, role: Role) -> str:
         if self._reload is not None and self.clock() - self._checked >= TOKEN_RECHECK:
@@ -415,7 +425,7 @@ class WebAuth:
 
     def set_cookie(self, response: web.StreamResponse, session: Session) -> None:
         response.set_cookie(
-            SESSION_COOKIE,
+            self.session_cookie,
             session.id,
             httponly=True,
             samesite="Strict",
@@ -426,7 +436,7 @@ class WebAuth:
 
     async def end_previous(self, request: web.Request) -> None:
         """A fresh session token at every sign-in: the one the browser held (if any) ends (no session fixation)."""
-        previous = request.cookies.get(SESSION_COOKIE)
+        previous = request.cookies.get(self.session_cookie)
         if previous and len(previous) <= _MAX_COOKIE:
             await self.store.end(session_hash(previous))
 
@@ -435,7 +445,7 @@ class WebAuth:
         served = _SERVED.get()
         if served:
             return served[0]
-        sid = request.cookies.get(SESSION_COOKIE)
+        sid = request.cookies.get(self.session_cookie)
         if not sid or len(sid) > _MAX_COOKIE:
             return None
         key = session_hash(sid)
@@ -534,6 +544,21 @@ class WebAuth:
                     count_failure("web_session")
                     log.warning("web.flash_not_kept", login=session.login, error=f"{type(exc).__name__}: {exc}")
 
+    def challenge_wait(self, request: web.Request, purpose: str) -> int:
+        """0 when the request's client may have one more anonymous ``purpose`` challenge (counted now), else
+        the whole seconds it must wait: its share is taken (see :mod:`.challenge_share`)."""
+        client = self.clients.of(request)
+        wait = self.challenges.take(client.throttle_key, purpose)
+        if wait <= 0:
+            return 0
+        seconds = int(wait) + 1
+        log.warning("web.challenge_refused", purpose=purpose, remote=client.address, peer=client.peer, wait=seconds)
+        return seconds
+
+    def challenge_answered(self, request: web.Request, purpose: str) -> None:
+        """A ``purpose`` challenge was used up by this request's client: one fewer held in its share."""
+        self.challenges.release(self.clients.of(request).throttle_key, purpose)
+
     def check_origin(self, request: web.Request) -> None:
         """A state-changing request must come from the console itself, when the browser says where it comes from.
 
@@ -542,7 +567,10 @@ class WebAuth:
         """
         site = request.headers.get("Sec-Fetch-Site")
         origin = request.headers.get("Origin")
-        own = {*self.origins, str(request.url.origin())}
+        # the request's own origin is built from its Host: a rebound name's page would vouch for itself
+        own = set(self.origins)
+        if self.hosts is None or self.hosts.ours(request.headers.get("Host")):
+            own.add(str(request.url.origin()))
         if site is not None and site not in ("same-origin", "none"):
             refused = f"{origin or ''} ({site})".strip()
         elif origin is None or origin == "null" or origin in own:
@@ -668,5 +696,5 @@ class WebAuth:
         await self.store.end(session_hash(session.id))
         log.info("web.logout", login=session.login)
         response = web.HTTPSeeOther("/login")
-        response.del_cookie(SESSION_COOKIE, path="/")
+        response.del_cookie(self.session_cookie, path="/", secure=self.secure)  # Secure, or __Host- is kept
         raise response

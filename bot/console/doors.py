@@ -24,6 +24,7 @@ import structlog
 from aiohttp import web
 
 from kazma.bot.console.auth import OPERATORS_ONLY, Session, WebAuth, login_href
+from kazma.bot.console.hosts import Hosts
 from kazma.bot.console.pages import message_page
 
 log = structlog.get_logger("kazma.web")
@@ -154,17 +155,20 @@ def add_routes(application: web.Application, handlers: Mapping[tuple[str, str], 
 class Doors:
     """The one place roles are enforced: an aiohttp middleware over the table."""
 
-    def __init__(self, auth: WebAuth, api_caller: Callable[[web.Request], object]) -> None:
+    def __init__(self, auth: WebAuth, api_caller: Callable[[web.Request], object], hosts: Hosts | None = None) -> None:
         self.auth = auth
         self.api_caller = api_caller  # raises 401 unless the request carries a configured API token
+        self.hosts = hosts  # the names the console answers to (DNS rebinding); None: any
 
     @web.middleware
     async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         route = request.match_info.route
         resource = route.resource
+        door = TABLE.get(route_key(route.method, resource.canonical)) if resource is not None else None
+        if self.hosts is not None and (door is None or door.access is not Access.API_TOKEN):
+            self.hosts.check(request)  # a rebound name's page reads nothing, not even a 404
         if resource is None:  # nothing matched: the handler is aiohttp's own 404 / 405
             return await handler(request)
-        door = TABLE.get(route_key(route.method, resource.canonical))
         if door is None:
             # fail closed: a route nobody gave a role opens for nobody (the server refuses to start with one)
             log.error("web.undeclared_route", method=request.method, path=resource.canonical)

@@ -34,6 +34,7 @@ from aiohttp import web
 from kazma.adapters.web.render import e
 from kazma.bot.console.accounts import CHALLENGE_SECONDS, AccountStore, Purpose
 from kazma.bot.console.auth import Proof, WebAuth, html_response, safe_next
+from kazma.bot.console.challenge_share import too_many_challenges
 from kazma.bot.console.login_throttle import LOGINS
 from kazma.bot.console.pages import layout, message_page
 from kazma.bot.console.passkeys import RelyingParty
@@ -142,6 +143,10 @@ class PlatformSignIn:
         settings = getattr(self.config.platforms, provider.name).sign_in
         if not settings.on:
             raise self._off(provider)
+        wait = self.auth.challenge_wait(request, Purpose.PLATFORM.value)
+        if wait:  # one client starting without pause would push out everyone's sign-in in progress
+            page = message_page("Too many sign-ins", too_many_challenges(wait), link=("/login", "Sign in"))
+            raise web.HTTPTooManyRequests(text=page, content_type="text/html", headers={"Retry-After": str(wait)})
         state = secrets.token_urlsafe(32)
         handle, nonce = await self.accounts.challenge(Purpose.PLATFORM, subject=f"{provider.name}:{state}")
         query = {
@@ -211,6 +216,8 @@ class PlatformSignIn:
 
     async def _prove(self, request: web.Request, provider: Provider) -> str:
         challenge = await self.accounts.take_challenge(request.cookies.get(STATE_COOKIE, ""), Purpose.PLATFORM)
+        if challenge is not None:
+            self.auth.challenge_answered(request, Purpose.PLATFORM.value)
         state = request.query.get("state", "")
         if challenge is None or not state or challenge.subject != f"{provider.name}:{state}":
             raise SignInRefused("this sign-in was not begun in this browser, or took too long")

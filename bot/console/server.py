@@ -50,6 +50,7 @@ from kazma.bot.console.dashboard_data import DashboardData, DashboardQueries, pr
 from kazma.bot.console.doors import Doors, add_routes, reader_refused, undeclared
 from kazma.bot.console.feed import ChangeFeed
 from kazma.bot.console.forwarded import ClientAddresses
+from kazma.bot.console.hosts import Hosts
 from kazma.bot.console.mcp_door import MCPDoor
 from kazma.bot.console.miniapp import TelegramApp
 from kazma.bot.console.pages import (
@@ -206,12 +207,14 @@ class WebServer:
         tokens = read_tokens()
         config = self.services.config
         public_url = str(config.web.public_url)
+        hosts = Hosts(public_url, bind=config.web.host, allowed=config.web.allowed_hosts)
         self.auth = WebAuth(
             tokens,
             store=SessionStore(self.services.store),
             secure=public_url.startswith("https://"),
             reload=read_tokens,
             origins=(str(URL(public_url).origin()),),
+            hosts=hosts,
             clients=ClientAddresses(config.web.trusted_proxies),
             roster=config.roster,
             policies=deciding_policies(config),
@@ -223,7 +226,7 @@ class WebServer:
         auth.choices = SignInChoices(passkey_problem=signin.rp.problem, platforms=platforms.offered())
         telegram = TelegramApp(auth, config)
         step_up = StepUp(auth, signin.accounts, signin.rp, self.services.approvals)
-        doors = Doors(auth, lambda request: caller_of(config, request))
+        doors = Doors(auth, lambda request: caller_of(config, request), hosts)
         # keep_flash outside the door: it writes back the flash lines of the session the door found
         application = web.Application(client_max_size=self.BODY_LIMIT, middlewares=[auth.keep_flash, doors.guard])
         application.on_response_prepare.append(security_headers(secure=auth.secure))

@@ -30,6 +30,7 @@ from kazma.bot.console.accounts import (
     digest,
 )
 from kazma.bot.console.auth import Proof, WebAuth, html_response, safe_next
+from kazma.bot.console.challenge_share import too_many_challenges
 from kazma.bot.console.login_throttle import LOGINS
 from kazma.bot.console.passkeys import (
     PasskeyRefused,
@@ -201,6 +202,13 @@ class SignIn:
     async def sign_in_options(self, request: web.Request) -> web.Response:
         self.auth.check_origin(request)
         self._refuse_without_passkeys()
+        wait = self.auth.challenge_wait(request, Purpose.SIGN_IN.value)
+        if wait:  # one client asking without pause would push out everyone's sign-in in progress
+            raise web.HTTPTooManyRequests(
+                text=json.dumps({"error": too_many_challenges(wait)}),
+                content_type="application/json",
+                headers={"Retry-After": str(wait)},
+            )
         handle, challenge = await self.accounts.challenge(Purpose.SIGN_IN)
         response = web.json_response({"publicKey": assertion_options(self.rp, challenge=challenge)})
         self._ceremony(response, handle)
@@ -210,6 +218,8 @@ class SignIn:
         self.auth.check_origin(request)
         answer = await self._answer(request)
         challenge = await self.accounts.take_challenge(request.cookies.get(CEREMONY_COOKIE, ""), Purpose.SIGN_IN)
+        if challenge is not None:
+            self.auth.challenge_answered(request, Purpose.SIGN_IN.value)
         if challenge is None:
             raise _json_error(web.HTTPForbidden, "this sign-in was not begun in this browser, or took too long")
         try:
