@@ -284,6 +284,24 @@ async def test_breakers_and_worker_days_add_up(store_engine: Engine) -> None:
         assert [d.day for d in await state.worker_days(1)] == [day_of(T0)]
 
 
+async def test_a_retry_ask_is_confirmed_once_whichever_replica_hears_the_confirmations(store_engine: Engine) -> None:
+    clock = Clock()
+    async with open_store(store_engine) as one, open_store(store_engine, application_name="kazma-test-2") as two:
+        states = [SwarmStateStore(one, clock=clock), SwarmStateStore(two, clock=clock)]
+        assert not await states[0].asked_again("slack:U1", "t1", 300.0)
+        assert await states[1].asked_again("slack:U1", "t1", 300.0)  # the other replica's ask counts
+        # 2 x 40 asks at once, from both: every confirmation uses one ask, none uses one twice
+        answers = await asyncio.gather(*(states[i % 2].asked_again("slack:U1", "t2", 300.0) for i in range(80)))
+        confirmed = answers.count(True)
+        assert 1 <= confirmed <= answers.count(False)  # each confirmation used an ask of its own
+        if not store_engine.postgres:
+            assert confirmed == 40  # one writer at a time on the file: ask, confirm, ask, confirm...
+        clock.now += 301.0
+        assert not await states[0].asked_again("slack:U1", "t3", 300.0)
+        clock.now += 301.0
+        assert not await states[1].asked_again("slack:U1", "t3", 300.0)  # too late: a first ask again
+
+
 # -- transcript --------------------------------------------------------------------------------------
 
 

@@ -20,7 +20,7 @@ from kazma.engine.swarm.metrics import DESIGN_SITES_NOT_HERE, FAILURE_SITES
 from kazma.engine.swarm.patterns import Synthesis
 from kazma.engine.swarm.routing import EmbeddingRouter
 from kazma.engine.swarm.service import CoalescingReporter
-from kazma.engine.swarm.types import ErrorKind, TaskStatus, WorkerResult
+from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
 from tests.approvals_support import RecordingPublisher, approval_service
 from tests.fakes.openai import FakeOpenAI
 from tests.swarm_rig import Rig, config, failures, rig
@@ -272,6 +272,17 @@ async def retention(tmp_path: Path) -> None:
         assert await r.service.sweep_retention() == 0
 
 
+async def retry_ask(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    async with rig(path, {"a": answering("a"), "b": answering("b")}, config(CFG)) as r:
+        record = await r.ended(await r.send("dispatch a go"))
+        run = await r.service.store.admit(Pattern.DISPATCH, record.request, owner="telegram:111")
+        await r.service.store.step(run, "a")
+        await r.service.store.recover()  # interrupted: its retry must be asked twice, the first ask kept
+        async with store_locked(path):
+            assert "unavailable" in await r.send(f"retry {run.task_id}")
+
+
 DRIVERS: dict[str, Callable[[Path], Awaitable[None]]] = {
     "running_row": running_row,
     "task_write": _locked_from_the_worker_on,
@@ -291,6 +302,7 @@ DRIVERS: dict[str, Callable[[Path], Awaitable[None]]] = {
     "report": report,
     "deliver": deliver,
     "retention": retention,
+    "retry_ask": retry_ask,
 }
 
 

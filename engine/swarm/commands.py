@@ -41,10 +41,26 @@ def started_task(answer: str) -> str | None:
 class SwarmCommands:
     service: SwarmService
     config: KazmaConfig
-    _confirm: dict[tuple[str, str], float] = field(default_factory=dict)  # (actor, task) -> asked at
+    # (actor, task) -> asked at: only without a state store (tests); kept there otherwise (see SwarmStateStore)
+    _confirm: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def _now(self) -> float:
         return time.monotonic()
+
+    async def _asked_again(self, actor: str, task_id: str) -> bool:
+        state = self.service.state
+        if state is not None:
+            try:
+                return await state.asked_again(actor, task_id, CONFIRM_WINDOW)
+            except Exception as exc:  # answered "unavailable … send again": nothing ran, nothing was kept
+                swarm_failure("retry_ask")
+                raise StoreUnavailable("retry confirmation", str(exc) or type(exc).__name__) from exc
+        key = (actor, task_id)
+        asked = self._confirm.pop(key, None)
+        if asked is not None and self._now() - asked <= CONFIRM_WINDOW:
+            return True
+        self._confirm[key] = self._now()
+        return False
 
     async def run(self, text: str, *, actor: str, platform: str, chat: str, is_admin: bool, context: str = "") -> str:
         """The answer to one `/swarm` command, always a sentence a person can act on.
@@ -160,13 +176,8 @@ class SwarmCommands:
         if not record.status.terminal:
             return f"swarm task {task_id} is still {record.status.value}; cancel it first"
         why = _retry_risk(record)
-        if why is not None:
-            key = (actor, task_id)
-            asked = self._confirm.get(key)
-            if asked is None or self._now() - asked > CONFIRM_WINDOW:
-                self._confirm[key] = self._now()
-                return f"{why} Send /swarm retry {task_id} {ASK_AGAIN}."
-            del self._confirm[key]
+        if why is not None and not await self._asked_again(actor, task_id):
+            return f"{why} Send /swarm retry {task_id} {ASK_AGAIN}."
         earlier = request_from(record)
         request = SwarmRequest(
             pattern=earlier.pattern,

@@ -53,6 +53,7 @@ FAILURE_SITES: Mapping[str, str] = {
     "report": "a progress line could not be sent",
     "deliver": "a task's result could not be posted to its route",
     "retention": "the periodic retention sweep failed",
+    "retry_ask": "a /swarm retry's ask could not be kept or read: nothing ran, the person was told to send again",
 }
 
 # The design's sites Kazma has nothing to count at, and why (the README's swarm section says the same).

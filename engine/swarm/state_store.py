@@ -1,8 +1,13 @@
-"""What the swarm remembers beyond tasks: breaker states and per-worker numbers per day.
+"""What the swarm remembers beyond tasks: breaker states, per-worker numbers per day, and retries asked once.
 
 Breakers are saved on every state change and restored at start, so a worker that
 was resting before a restart is still resting after it. Worker numbers are one
 row per worker and UTC day, added to with each call; SQL that ports to PostgreSQL.
+
+A ``/swarm retry`` of a task that may have done part of its work runs only when asked twice within
+:data:`~kazma.engine.swarm.commands.CONFIRM_WINDOW`. The first ask is kept here, not in one process: with
+replicas, the second ask may reach another one (a Slack event, the console, `kazma swarm` in a terminal),
+which before asked again, and a third ask ran it wherever it landed on the first one's record.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from kazma.config.store.backend import StoreConnection, tables_of
+from kazma.config.store.backend import StoreConnection, Tx, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 
@@ -44,7 +49,21 @@ MIGRATIONS = [
             )
             """,
         ),
-    )
+    ),
+    Migration(
+        "swarm_state",
+        2,
+        (
+            """
+            CREATE TABLE IF NOT EXISTS swarm_retry_asks (
+                actor TEXT NOT NULL,
+                task_id TEXT NOT NULL,
+                asked_at REAL NOT NULL,
+                PRIMARY KEY (actor, task_id)
+            )
+            """,
+        ),
+    ),
 ]
 
 # The same tables on PostgreSQL (REAL is double precision there: epoch seconds need its 15 digits).
@@ -76,7 +95,21 @@ PG_MIGRATIONS = [
             )
             """,
         ),
-    )
+    ),
+    PgMigration(
+        "swarm_state",
+        2,
+        (
+            """
+            CREATE TABLE IF NOT EXISTS swarm_retry_asks (
+                actor text NOT NULL,
+                task_id text NOT NULL,
+                asked_at double precision NOT NULL,
+                PRIMARY KEY (actor, task_id)
+            )
+            """,
+        ),
+    ),
 ]
 
 
@@ -158,3 +191,29 @@ class SwarmStateStore:
             WorkerDay(str(r[0]), str(r[1]), int(r[2]), int(r[3]), float(r[4]), int(r[5]), int(r[6]), float(r[7]))
             for r in rows
         ]
+
+    async def asked_again(self, actor: str, task_id: str, window: float) -> bool:
+        """Whether ``actor`` asked to retry ``task_id`` before, within ``window`` seconds: then that ask is used up
+        and this one confirms it. Otherwise this ask is kept (the next within the window confirms it).
+
+        One transaction; the used-up ask is deleted, so of two replicas hearing the second ask at once, one
+        confirms (the other's delete finds nothing, after the first one's commit, and keeps a new ask)."""
+        now = self.clock()
+
+        def ask(tx: Tx) -> bool:
+            if tx.run(
+                "DELETE FROM swarm_retry_asks WHERE actor = ? AND task_id = ? AND asked_at >= ?",
+                (actor, task_id, now - window),
+            ):
+                return True
+            tx.run(
+                "INSERT INTO swarm_retry_asks (actor, task_id, asked_at) VALUES (?, ?, ?)"
+                " ON CONFLICT (actor, task_id) DO UPDATE SET asked_at = excluded.asked_at",
+                (actor, task_id, now),
+            )
+            # asks nobody confirmed are dropped here, so the table holds at most what the window saw
+            tx.run("DELETE FROM swarm_retry_asks WHERE asked_at < ?", (now - window,))
+            return False
+
+        writer = await self.tables.writer()
+        return await writer.submit(ask)
