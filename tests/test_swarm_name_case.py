@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -138,7 +139,7 @@ async def test_the_leads_tool_refuses_arguments_its_task_would_run_without(tmp_p
         approval_service(tmp_path / "ap.db", config=cfg) as approvals,
     ):
         dispatch, _ = swarm_tools(r.service, SafetyPolicy(approvals))
-        refused = [
+        refused: list[tuple[dict[str, Any], str]] = [
             (
                 {"pattern": "pipeline", "preset": "both", "workers": ["b"]},
                 "give a pipeline preset or workers, not both",
