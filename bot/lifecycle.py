@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import structlog
@@ -42,6 +43,7 @@ from kazma.engine.conversation import Conversations
 from kazma.engine.executor import Action, PlanExecutor
 from kazma.engine.swarm.service import SwarmService
 from kazma.engine.tools.executions import ExecutionRecord
+from kazma.engine.transcript import TranscriptStore
 from kazma.engine.types import ModelProvider
 
 if TYPE_CHECKING:
@@ -84,6 +86,8 @@ class Lifecycle(ABC):
     checkpointer: Checkpointer | None = None
     # audit.sink: streams the audit chain out as it commits (the leader's duty among replicas).
     audit_sink: AuditSink | None = None
+    # The console's transcript, pruned by the retention sweep (web.transcript_retention_days; None: not here).
+    transcript: TranscriptStore | None = None
     sweep_interval: float = 5.0
     store_watch: StoreWatch | None = field(init=False, default=None)
     _tasks: Supervisor = field(init=False, default_factory=lambda: Supervisor("app_task"))  # sweeps, watch, notices
@@ -364,12 +368,13 @@ class Lifecycle(ABC):
         self._live = live
 
     async def _retention(self) -> None:
-        """Swarm tasks older than ``swarm.retention_days`` go at start and then every sweep (0 keeps all);
-        inbound claims and signed requests older than a day too (no platform delivers an event again after
-        that, and Slack refuses a signature after five minutes), and the approvals API's idempotency keys a
-        day past their request's deadline."""
+        """Swarm tasks older than ``swarm.retention_days`` go at start and then every sweep (0 keeps all), with
+        the history, transcript and plans :meth:`prune_kept` prunes; inbound claims and signed requests older
+        than a day too (no platform delivers an event again after that, and Slack refuses a signature after five
+        minutes), and the approvals API's idempotency keys a day past their request's deadline."""
         while True:
             await self.swarm.sweep_retention()
+            await self.prune_kept()
             if self.signed_requests is not None:  # the same table as the replicas' inbound claims
                 try:
                     await self.signed_requests.forget_older_than()
@@ -383,6 +388,26 @@ class Lifecycle(ABC):
                 except Exception as exc:
                     log.warning("api.keys_sweep_failed", error=str(exc))
             await asyncio.sleep(self.loaded.config.swarm.retention_sweep_seconds)
+
+    async def prune_kept(self) -> None:
+        """What grew without end before: each agent's history past what a turn can ever read (always), the
+        transcript past ``web.transcript_retention_days`` and ended plans past ``agents.plan_retention_days``
+        (0 keeps them). Each part on its own: one that fails is counted and logged, and the others still run."""
+        config = self.loaded.config
+        parts: list[tuple[str, Callable[[], Awaitable[int]]]] = [("history", self.conversations.runner.history.prune)]
+        if self.transcript is not None and config.web.transcript_retention_days:
+            parts.append(("transcript", partial(self.transcript.prune, config.web.transcript_retention_days)))
+        if config.agents.plan_retention_days:
+            parts.append(("plans", partial(self.executor.store.prune, config.agents.plan_retention_days)))
+        for part, prune in parts:
+            try:
+                pruned = await prune()
+            except Exception as exc:  # kept until the next sweep: nothing is lost but space
+                count_failure("retention")
+                log.warning("retention.sweep_failed", part=part, error=str(exc))
+            else:
+                if pruned:
+                    log.info("retention.pruned", part=part, rows=pruned)
 
     async def stop(self) -> None:
         if self.replication is not None:

@@ -250,6 +250,9 @@ class WebConfig(Strict):
     # Names the console also answers to, besides public_url's host, localhost and IP addresses (a request for
     # any other name is refused: DNS rebinding); a service name a scraper uses, a second name at the proxy.
     allowed_hosts: list[str] = Field(default_factory=list)
+    # The console's transcript of every conversation: messages older than this go at the retention sweep (0 keeps
+    # every message).
+    transcript_retention_days: int = Field(default=90, ge=0, le=3650)
 
     @field_validator("public_url")
     @classmethod
@@ -521,6 +524,9 @@ def _default_workers() -> dict[str, WorkerConfig]:
 class AgentsConfig(Strict):
     lead: LeadAgentConfig = Field(default_factory=LeadAgentConfig)
     workers: dict[str, WorkerConfig] = Field(default_factory=_default_workers)
+    # Plans that finished or were aborted longer ago than this go at the retention sweep, with their steps, events
+    # and questions (0 keeps every plan); an active plan is never pruned.
+    plan_retention_days: int = Field(default=90, ge=0, le=3650)
 
     @field_validator("workers")
     @classmethod

@@ -32,7 +32,25 @@ MIGRATIONS = [
             """,
             "CREATE INDEX IF NOT EXISTS agent_history_lookup ON agent_history (conversation, agent, seq)",
         ),
-    )
+    ),
+    # What the retention sweep deleted of each (conversation, agent): rows older than recent() can ever return.
+    # Kept so the marker still says exactly how many earlier messages there were, and usage() still adds up.
+    Migration(
+        "history",
+        2,
+        (
+            """
+            CREATE TABLE IF NOT EXISTS agent_history_dropped (
+                conversation TEXT NOT NULL,
+                agent TEXT NOT NULL,
+                messages INTEGER NOT NULL DEFAULT 0,
+                prompt_tokens INTEGER NOT NULL DEFAULT 0,
+                completion_tokens INTEGER NOT NULL DEFAULT 0,
+                PRIMARY KEY (conversation, agent)
+            )
+            """,
+        ),
+    ),
 ]
 
 # The same table on PostgreSQL: an identity column for AUTOINCREMENT, double precision for REAL.
@@ -55,7 +73,23 @@ PG_MIGRATIONS = [
             """,
             "CREATE INDEX IF NOT EXISTS agent_history_lookup ON agent_history (conversation, agent, seq)",
         ),
-    )
+    ),
+    PgMigration(
+        "history",
+        2,
+        (
+            """
+            CREATE TABLE IF NOT EXISTS agent_history_dropped (
+                conversation text NOT NULL,
+                agent text NOT NULL,
+                messages bigint NOT NULL DEFAULT 0,
+                prompt_tokens bigint NOT NULL DEFAULT 0,
+                completion_tokens bigint NOT NULL DEFAULT 0,
+                PRIMARY KEY (conversation, agent)
+            )
+            """,
+        ),
+    ),
 ]
 
 
@@ -116,10 +150,14 @@ class HistoryStore:
     async def recent(self, conversation: str, agent: str) -> list[Message]:
         """The newest messages, oldest first; if older ones were left out, a marker says how many."""
         async with self.tables.locked() as db:
+            # One statement: the rows kept and the count the sweep moved out of them are read from one snapshot,
+            # so a sweep committing meanwhile never counts a message twice or not at all.
             row = await db.one(
-                "SELECT COUNT(*) FROM agent_history WHERE conversation = ? AND agent = ?", (conversation, agent)
+                "SELECT (SELECT COUNT(*) FROM agent_history WHERE conversation = ? AND agent = ?),"
+                " (SELECT COALESCE(SUM(messages), 0) FROM agent_history_dropped WHERE conversation = ? AND agent = ?)",
+                (conversation, agent, conversation, agent),
             )
-            total = int(row[0]) if row else 0
+            total = int(row[0]) + int(row[1]) if row else 0
             rows = await db.all(
                 "SELECT role, content FROM agent_history WHERE conversation = ? AND agent = ?"
                 " ORDER BY seq DESC LIMIT ?",
@@ -133,9 +171,58 @@ class HistoryStore:
         return messages
 
     async def usage(self, conversation: str) -> tuple[int, int]:
+        """Tokens of every exchange of ``conversation``, those of the rows the sweep deleted included."""
         row = await self.tables.one(
-            "SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0)"
-            " FROM agent_history WHERE conversation = ?",
-            (conversation,),
+            "SELECT COALESCE(SUM(p), 0), COALESCE(SUM(c), 0) FROM ("
+            " SELECT prompt_tokens AS p, completion_tokens AS c FROM agent_history WHERE conversation = ?"
+            " UNION ALL"
+            " SELECT prompt_tokens, completion_tokens FROM agent_history_dropped WHERE conversation = ?) AS spent",
+            (conversation, conversation),
         )
         return (int(row[0]), int(row[1])) if row else (0, 0)
+
+    async def prune(self) -> int:
+        """Delete what :meth:`recent` can never return again: of each (conversation, agent), every row but the
+        newest ``max_messages``. What goes is added to ``agent_history_dropped`` in the same transaction, so
+        the marker's count and :meth:`usage` stay exact, and ``recent`` counts a bounded number of rows.
+        Returns how many rows went."""
+        if self.max_messages < 1:
+            return 0
+        over = await self.tables.all(
+            "SELECT conversation, agent FROM agent_history GROUP BY conversation, agent HAVING COUNT(*) > ?",
+            (self.max_messages,),
+        )
+        pruned = 0
+        for conversation, agent in over:
+            pruned += await self._prune_one(str(conversation), str(agent))
+        return pruned
+
+    async def _prune_one(self, conversation: str, agent: str) -> int:
+        key = (conversation, agent)
+        async with self.tables.transaction() as tx:
+            # The oldest row recent() still returns: everything before it goes (a row appended meanwhile is newer
+            # than the cut and stays).
+            first_kept = await tx.one(
+                "SELECT seq FROM agent_history WHERE conversation = ? AND agent = ? ORDER BY seq DESC LIMIT 1 OFFSET ?",
+                (*key, self.max_messages - 1),
+            )
+            if first_kept is None:
+                return 0
+            # What was deleted is counted from the delete itself: on PostgreSQL a row numbered before the cut may
+            # commit only now, and it goes (and is counted) with the rest.
+            gone = await tx.all(
+                "DELETE FROM agent_history WHERE conversation = ? AND agent = ? AND seq < ?"
+                " RETURNING prompt_tokens, completion_tokens",
+                (*key, first_kept[0]),
+            )
+            if not gone:
+                return 0
+            await tx.run(
+                "INSERT INTO agent_history_dropped (conversation, agent, messages, prompt_tokens, completion_tokens)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (conversation, agent) DO UPDATE SET"
+                " messages = agent_history_dropped.messages + excluded.messages,"
+                " prompt_tokens = agent_history_dropped.prompt_tokens + excluded.prompt_tokens,"
+                " completion_tokens = agent_history_dropped.completion_tokens + excluded.completion_tokens",
+                (*key, len(gone), sum(int(r[0]) for r in gone), sum(int(r[1]) for r in gone)),
+            )
+        return len(gone)

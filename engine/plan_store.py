@@ -120,6 +120,9 @@ MIGRATIONS = [
     # Among replicas a plan left idle is repaired only by a survivor that takes it over from an owner that is gone.
     # NULL: the only process on its store (or before this).
     Migration("plans", 6, ("ALTER TABLE plans ADD COLUMN owner TEXT",)),
+    # When the plan finished or was aborted: the retention sweep prunes by it (agents.plan_retention_days). NULL
+    # on a plan that ended before this: its last step's update stands in.
+    Migration("plans", 7, ("ALTER TABLE plans ADD COLUMN ended_at REAL",)),
 ]
 
 # The same tables on PostgreSQL, version for version: double precision for REAL, an identity column where
@@ -217,6 +220,7 @@ PG_MIGRATIONS = [
     ),
     PgMigration("plans", 5, ("ALTER TABLE plan_steps ADD COLUMN execution_json text",)),
     PgMigration("plans", 6, ("ALTER TABLE plans ADD COLUMN owner text",)),
+    PgMigration("plans", 7, ("ALTER TABLE plans ADD COLUMN ended_at double precision",)),
 ]
 
 _OWN: Final = "UPDATE plans SET owner = ? WHERE id = ?"
@@ -547,7 +551,32 @@ class PlanStore:
         return await writer.submit(op)
 
     async def set_plan_status(self, plan_id: str, status: str) -> None:
-        await self.tables.run("UPDATE plans SET status = ? WHERE id = ?", (status, plan_id))
+        ended_at = None if status == "active" else self.clock()
+        await self.tables.run("UPDATE plans SET status = ?, ended_at = ? WHERE id = ?", (status, ended_at, plan_id))
+
+    async def prune(self, older_than_days: int) -> int:
+        """Delete plans that ended (finished or aborted) more than ``older_than_days`` ago, with their steps,
+        events and questions. A plan still active is never pruned, nor one with a step still running or waiting
+        for a person, or a question still open. Returns how many plans went."""
+        cutoff = self.clock() - older_than_days * 86400.0
+        waiting = (StepStatus.IN_PROGRESS.value, StepStatus.WAITING_FOR_USER.value)
+        # A plan that ended before ended_at was recorded: its steps' last update (or its creation) is its end.
+        doomed = (
+            "SELECT p.id FROM plans p WHERE p.status IN ('finished', 'aborted')"
+            " AND COALESCE(p.ended_at, (SELECT MAX(s.updated_at) FROM plan_steps s WHERE s.plan_id = p.id),"
+            " p.created_at) < ?"
+            " AND NOT EXISTS (SELECT 1 FROM plan_steps s WHERE s.plan_id = p.id AND s.status IN (?, ?))"
+            " AND NOT EXISTS (SELECT 1 FROM plan_questions q WHERE q.plan_id = p.id AND q.status = 'pending')"
+        )
+        params = (cutoff, *waiting)
+        async with self.tables.transaction() as tx:
+            ids = [str(r[0]) for r in await tx.all(doomed, params)]
+            if not ids:
+                return 0
+            marks = ", ".join("?" for _ in ids)
+            for table in ("plan_questions", "plan_events", "plan_steps"):
+                await tx.run(f"DELETE FROM {table} WHERE plan_id IN ({marks})", ids)  # noqa: S608 - fixed names
+            return await tx.run(f"DELETE FROM plans WHERE id IN ({marks})", ids)  # noqa: S608
 
     async def take_over_plans(self, live: Collection[str]) -> list[str]:
         """Active plans whose owner is not in ``live`` (the replicas alive now), each now this replica's: a

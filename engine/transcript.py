@@ -1,7 +1,8 @@
 """Every conversation Kazma serves, as people saw it: what was said in, what Kazma posted out.
 
 The agents' history (``history.py``) is what a model reads; this is what a person reads in the
-console — every platform, direct messages included, kept across restarts, in the order it happened.
+console — every platform, direct messages included, kept across restarts (for
+``web.transcript_retention_days``: the retention sweep prunes older messages), in the order it happened.
 Text is stored as people saw it (fences already turned into "from" labels). Listeners hear each new
 entry at once, so the console follows conversations live.
 """
@@ -237,6 +238,20 @@ class TranscriptStore:
             (conversation, limit),
         )
         return [_entry(tuple(r)) for r in reversed(rows)]
+
+    async def prune(self, older_than_days: int) -> int:
+        """Delete messages recorded more than ``older_than_days`` ago, and the title of a conversation left with
+        none (its next message names it again). Returns how many messages went."""
+        cutoff = self.clock() - older_than_days * 86400.0
+        async with self.tables.transaction() as tx:
+            pruned = await tx.run("DELETE FROM transcript WHERE at < ?", (cutoff,))
+            if pruned:
+                await tx.run(
+                    "DELETE FROM conversation_titles WHERE at < ? AND NOT EXISTS"
+                    " (SELECT 1 FROM transcript t WHERE t.conversation = conversation_titles.conversation)",
+                    (cutoff,),
+                )
+        return pruned
 
     async def follow(self) -> AsyncIterator[Entry | Working]:
         """Every entry recorded from now on, and working signs (the console's live view)."""

@@ -3,15 +3,22 @@ and the services the console is handed answering from the same parts the app run
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
 
 from kazma.adapters.contract import Inbound
 from kazma.adapters.web import CONSOLE
 from kazma.approvals.model import Status
-from kazma.bot.app import build_app
+from kazma.bot.app import App, build_app
 from kazma.bot.console.services import SwarmCommand
 from kazma.config import load_config_text
+from kazma.config.metrics import failure_count
 from kazma.engine.model import ScriptedProvider
+from kazma.engine.plan import PlanSpec, StepSpec
 from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.types import ModelReply
 
@@ -119,5 +126,66 @@ async def test_the_shell_hides_kazma_yaml_from_its_commands_as_the_mcp_servers_d
         hidden = set(shell.hidden_paths)
         assert config_file.resolve() in hidden
         assert (tmp_path / "state").resolve() in hidden
+    finally:
+        await app.stop()
+
+
+async def _aged_parts(app: App, days: float) -> tuple[str, str]:
+    """A long history, a transcript message and an ended and an active plan, the latter ``days`` old; returns
+    (the ended plan, the active plan)."""
+    old = time.time() - days * 86400.0
+    history = app.conversations.runner.history
+    for i in range(history.max_messages + 6):
+        await history.append("web:c", "kazma", "user" if i % 2 == 0 else "assistant", f"m{i}")
+    app.transcript.clock = lambda: old
+    await app.transcript.record("web", CONSOLE, author="web:alice", name="alice", text="long ago", direction="in")
+    plans = app.executor.store
+    plans.clock = lambda: old
+    spec = PlanSpec(goal="g", steps=[StepSpec(index=1, title="t", assignee="builder", input="i")])
+    ended, active = await plans.create("web:c", spec), await plans.create("web:c", spec)
+    await plans.set_plan_status(ended.id, "finished")
+    app.transcript.clock = plans.clock = time.time
+    return ended.id, active.id
+
+
+@pytest.mark.parametrize("days", [0, 30])
+async def test_the_retention_sweep_prunes_history_transcript_and_ended_plans(tmp_path: Path, days: int) -> None:
+    # Only swarm tasks were ever pruned: the lead's history, the console's transcript and every finished plan grew
+    # for as long as Kazma ran. 0 keeps the transcript and the plans; the history past what a turn reads always goes.
+    text = _config(tmp_path) + f"web: {{transcript_retention_days: {days}}}\n"
+    text = text.replace("agents:\n", f"agents:\n  plan_retention_days: {days}\n")
+    app = await build_app(load_config_text(text, environ={}), provider=ScriptedProvider([]), adapters=[])
+    try:
+        ended, active = await _aged_parts(app, 31)
+        history = app.conversations.runner.history
+        before = await history.recent("web:c", "kazma")
+        await app.prune_kept()
+        kept = await app.transcript.messages(f"web:{CONSOLE}")
+        assert [e.text for e in kept] == ([] if days else ["long ago"])
+        assert (await app.executor.store.load(ended) is None) == bool(days)
+        assert await app.executor.store.load(active) is not None
+        assert await history.recent("web:c", "kazma") == before
+        rows = await history.tables.one("SELECT COUNT(*) FROM agent_history")
+        assert int(rows[0]) == history.max_messages
+    finally:
+        await app.stop()
+
+
+async def test_a_failing_part_of_the_retention_sweep_is_counted_and_the_others_still_run(tmp_path: Path) -> None:
+    app = await build_app(load_config_text(_config(tmp_path), environ={}), provider=ScriptedProvider([]), adapters=[])
+    try:
+        ended, _ = await _aged_parts(app, 91)
+        raw = sqlite3.connect(app.loaded.config.store.path)
+        raw.execute("ALTER TABLE conversation_titles RENAME TO titles_elsewhere")  # the transcript's delete fails
+        raw.commit()
+        raw.close()
+        before = failure_count("retention")
+        with capture_logs() as logs:
+            await app.prune_kept()
+        assert failure_count("retention") == before + 1
+        failed = [e for e in logs if e["event"] == "retention.sweep_failed"]
+        assert [(e["part"], e["log_level"]) for e in failed] == [("transcript", "warning")]
+        assert [e.text for e in await app.transcript.messages(f"web:{CONSOLE}")] == ["long ago"]  # rolled back
+        assert await app.executor.store.load(ended) is None  # the plans were pruned all the same
     finally:
         await app.stop()

@@ -201,6 +201,64 @@ async def test_replacing_steps_refuses_when_one_starts_in_between(store_engine: 
             assert loaded.steps[1].status is StepStatus.IN_PROGRESS
 
 
+async def test_ended_plans_older_than_the_retention_go_and_unfinished_ones_stay(store_engine: Engine) -> None:
+    clock = Clock()
+    day = 86400.0
+    async with open_store(store_engine) as conn:
+        plans = PlanStore(conn, clock=clock)
+        finished = await plans.create("web:c", _spec("a"))
+        await plans.record(finished.id, "repair", step=1, detail="retried")
+        asked = await plans.ask(plan_id=finished.id, step=1, attempt=1, kind="ask_user", conversation="web:c",
+                                asked_by="builder", question="which?", choices=("x",), answerer="web:a")  # fmt: skip
+        await plans.settle_question(asked.id, "answered", answer="x", actor="web:a")
+        await plans.set_plan_status(finished.id, "finished")
+        aborted = await plans.create("web:c", _spec("a"))
+        await plans.set_plan_status(aborted.id, "aborted")
+        active = await plans.create("web:c", _spec("a"))  # never finished: kept however old
+        open_question = await plans.create("web:c", _spec("a"))  # ended, but a person is still asked
+        await plans.ask(plan_id=open_question.id, step=1, attempt=1, kind="ask_user", conversation="web:c",
+                        asked_by="builder", question="still?", choices=(), answerer="web:a")  # fmt: skip
+        await plans.set_plan_status(open_question.id, "finished")
+        # Ended before ended_at was recorded: its steps' last update stands in.
+        legacy = await plans.create("web:c", _spec("a"))
+        await tables_of(conn).run("UPDATE plans SET status = 'finished' WHERE id = ?", (legacy.id,))
+        clock.now += 10 * day
+        recent = await plans.create("web:c", _spec("a"))
+        await plans.set_plan_status(recent.id, "finished")
+        clock.now += 1.0
+
+        assert await plans.prune(11) == 0
+        assert await plans.prune(10) == 3
+        left = {str(r[0]) for r in raw_rows(store_engine, "SELECT id FROM plans")}
+        assert left == {active.id, open_question.id, recent.id}
+        for table in ("plan_steps", "plan_events", "plan_questions"):
+            owners = raw_rows(store_engine, f"SELECT DISTINCT plan_id FROM {table}")  # noqa: S608 - fixed names
+            assert {str(r[0]) for r in owners} <= left
+            assert {str(r[0]) for r in owners} & {finished.id, aborted.id, legacy.id} == set()
+        assert await plans.load(finished.id) is None
+        assert await plans.load(active.id) is not None
+
+
+async def test_transcript_older_than_the_retention_goes_with_titles_left_unused(store_engine: Engine) -> None:
+    clock = Clock()
+    day = 86400.0
+    async with open_store(store_engine) as conn:
+        transcript = TranscriptStore(conn, clock=clock)
+        await transcript.record("telegram", "-1", author="telegram:1", name="a", text="old", direction="in",
+                                title="Old group")  # fmt: skip
+        await transcript.record("telegram", "-2", author="telegram:1", name="a", text="old too", direction="in",
+                                title="Busy group")  # fmt: skip
+        clock.now += 10 * day
+        await transcript.record("telegram", "-2", author="agent:kazma", name="kazma", text="new", direction="out")
+        clock.now += 1.0
+        assert await transcript.prune(11) == 0
+        assert await transcript.prune(10) == 2
+        assert [e.text for e in await transcript.messages("telegram:-2")] == ["new"]
+        assert await transcript.messages("telegram:-1") == []
+        listed = await transcript.conversations()
+        assert [(s.conversation, s.title, s.messages) for s in listed] == [("telegram:-2", "Busy group", 1)]
+
+
 # -- history -----------------------------------------------------------------------------------------
 
 
@@ -221,6 +279,40 @@ async def test_history_is_bounded_with_a_marker_and_sums_usage(store_engine: Eng
         assert [m["content"] for m in await history.recent("web:c", "builder")] == ["other agent"]
         assert await history.usage("web:c") == (100, 10)
         assert await history.usage("web:none") == (0, 0)
+
+
+async def test_history_pruned_to_what_a_turn_reads_keeps_the_marker_and_usage_true(store_engine: Engine) -> None:
+    # Every exchange added two rows forever, and recent() counted them all on every turn: a turn cost more as the
+    # conversation aged. The sweep keeps the newest max_messages of each (conversation, agent) and remembers how
+    # many went, so the marker still says exactly how many earlier messages there were.
+    async with open_store(store_engine) as conn:
+        history = HistoryStore(conn, max_messages=3)
+        for i in range(7):
+            await history.append("web:c", "lead", "user" if i % 2 == 0 else "assistant", f"m{i}",
+                                 prompt_tokens=10 * i, completion_tokens=i)  # fmt: skip
+        await history.append("web:c", "builder", "user", "other agent")
+        before = await history.recent("web:c", "lead")
+        assert before[0]["content"] == (
+            "[4 earlier messages of this conversation were dropped to keep the history bounded]"
+        )
+        assert await history.prune() == 4
+        lead_rows = "SELECT content FROM agent_history WHERE agent = 'lead' ORDER BY seq"
+        assert raw_rows(store_engine, lead_rows) == [("m4",), ("m5",), ("m6",)]
+        assert await history.recent("web:c", "lead") == before
+        assert [m["content"] for m in await history.recent("web:c", "builder")] == ["other agent"]
+        assert await history.usage("web:c") == (210, 21)
+        assert await history.prune() == 0  # nothing left beyond the bound
+
+        await history.append_exchange("web:c", "lead", "q", "a", prompt_tokens=5, completion_tokens=1)
+        assert await history.prune() == 2  # added to what went before
+        recent = await history.recent("web:c", "lead")
+        assert [m["content"] for m in recent] == [
+            "[6 earlier messages of this conversation were dropped to keep the history bounded]",
+            "m6",
+            "q",
+            "a",
+        ]
+        assert await history.usage("web:c") == (215, 22)
 
 
 async def test_a_turns_question_and_answer_are_written_as_one_pair(store_engine: Engine) -> None:
