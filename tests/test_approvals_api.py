@@ -147,6 +147,33 @@ async def test_a_viewer_token_reads_any_request_and_changes_nothing(tmp_path: Pa
         assert (decided["status"], decided["decided_by"]) == ("approved", "telegram:111")
 
 
+async def test_a_request_row_that_cannot_be_read_is_named_and_never_approved(tmp_path: Path) -> None:
+    """A text not UTF-8 written into the row around Kazma: before, SQLite's error went up as a bare 500 page that
+    named no row (and a viewer's listing of the table would stop at it)."""
+    async with kazma_door(tmp_path) as door, client(door) as ci, client(door, VIEWER_TOKEN) as viewer:
+        opened = (await ci.post("/api/v1/approvals", json=DEPLOY)).json()
+        path = door.app.loaded.config.store.path
+
+        def spoil() -> None:
+            raw = sqlite3.connect(path, timeout=60)  # in a thread: Kazma's writer shares this event loop
+            try:
+                raw.execute("UPDATE approval_requests SET reason = CAST(X'ff64' AS TEXT) WHERE id = ?", (opened["id"],))
+                raw.commit()
+            finally:
+                raw.close()
+
+        await asyncio.to_thread(spoil)
+        for http in (ci, viewer):
+            answer = await http.get(f"/api/v1/approvals/{opened['id']}")
+            assert answer.status_code == 500, answer.text
+            said = answer.json()["error"]
+            assert f"approval request {opened['id']} cannot be read: reason holds bytes that are not UTF-8" in said
+            assert "do not act on it" in said
+        withdrawn = await ci.delete(f"/api/v1/approvals/{opened['id']}")
+        assert withdrawn.status_code == 500, withdrawn.text
+        assert opened["id"] in withdrawn.json()["error"]
+
+
 async def test_attack_a_token_cannot_read_or_withdraw_another_tokens_request(tmp_path: Path) -> None:
     async with kazma_door(tmp_path) as door, client(door) as ci, client(door, OTHER_TOKEN) as other:
         opened = (await ci.post("/api/v1/approvals", json=DEPLOY)).json()

@@ -35,6 +35,7 @@ import hmac
 import json
 import math
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -46,6 +47,7 @@ from kazma.approvals.card import ASKED_THROUGH_API, ON_BEHALF_OF, REASON_GIVEN
 from kazma.approvals.hashing import MAX_ARGUMENT_DEPTH, args_hash, canonical_json, nesting_depth, text_hash
 from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest, Status, Waits
 from kazma.approvals.service import ApprovalRefused, ApprovalService
+from kazma.approvals.store import UnreadableRequest
 from kazma.approvals.withdrawal import POLL_GRACE, Gone, by_asker
 from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, KeyReused, QuotaFull
 from kazma.bot.console.services import ApprovalsServices
@@ -166,8 +168,8 @@ class ApprovalsApi:
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/api/v1/approvals", self.create),
-            web.get("/api/v1/approvals/{id}", self.read),
-            web.delete("/api/v1/approvals/{id}", self.withdraw),
+            web.get("/api/v1/approvals/{id}", _readable(self.read)),
+            web.delete("/api/v1/approvals/{id}", _readable(self.withdraw)),
             web.get("/api/v1/openapi.json", self.openapi),
         ]
 
@@ -408,6 +410,23 @@ _KEY_REUSED = (
     "or use a new key for a new request"
 )
 _TOO_DEEP = f"arguments may nest at most {MAX_ARGUMENT_DEPTH} levels deep (the limit agents are held to)"
+
+
+def _readable(
+    handler: Callable[[web.Request], Awaitable[web.Response]],
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """``handler``, answering a request row that cannot be read (a text not UTF-8, written around Kazma) with a
+    JSON 500 that names it, never SQLite's traceback: such a row is no approval, and the caller must not act."""
+
+    @functools.wraps(handler)
+    async def answer(request: web.Request) -> web.Response:
+        try:
+            return await handler(request)
+        except UnreadableRequest as exc:
+            log.warning("api.request_unreadable", request_id=exc.request_id, columns=list(exc.columns))
+            raise _error(web.HTTPInternalServerError, f"{exc}; do not act on it") from None
+
+    return answer
 
 
 class _OpenedUnanswered(Exception):
