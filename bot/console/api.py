@@ -454,6 +454,19 @@ def _members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return found
 
 
+def ambiguity(body: bytes) -> str | None:
+    """Why ``body`` (JSON naming a member twice in one object) is ambiguous, or None: for a door whose parser is
+    not this module's (``/mcp``, behind the MCP SDK, which keeps the last value). A body that is not JSON at all is
+    that parser's to refuse, in its own words."""
+    try:
+        json.loads(body, object_pairs_hook=_members)
+    except _Ambiguous as exc:
+        return f"the body is ambiguous: {exc}; send each name once"
+    except (ValueError, RecursionError):
+        return None
+    return None
+
+
 def _no_constant(name: str) -> Any:
     raise _NotJson(f"{name} is not a JSON number")
 
