@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kazma.approvals.model import Decision
+from kazma.approvals.model import Decision, PressVerdict
 from kazma.approvals.store import UnreadableRequest
 from kazma.bot.cli import main
 from kazma.config.metrics import failure_count
@@ -73,13 +73,10 @@ def test_lists_and_a_start_go_on_past_an_unreadable_row_and_it_is_never_approved
             # a start ends the readable orphan as before (it stopped at the unreadable one, ending none)
             recovery = await service.recover(None)
             assert [r.id for r in recovery.cancelled] == [kept]
-            # a press on it decides nothing: the row cannot be read, so it is no approval
-            try:
-                pressed = await service.decide(spoilt, Decision.APPROVE, actor="telegram:111", platform="telegram")
-            except UnreadableRequest:
-                pass
-            else:
-                assert not pressed.won
+            # a press on it decides nothing, and the presser is told why rather than to press again
+            pressed = await service.decide(spoilt, Decision.APPROVE, actor="telegram:111", platform="telegram")
+            assert pressed.verdict is PressVerdict.REFUSED
+            assert pressed.message.startswith("This request cannot be decided: its record in the approvals store")
 
     run_async(after())
     raw = sqlite3.connect(sqlite.where)
