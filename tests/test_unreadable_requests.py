@@ -4,6 +4,7 @@ approval: doctor's seal check, the request lists, a start's recovery and the swe
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from kazma.config.metrics import failure_count
 from tests.approvals_support import approval_service
 from tests.audit_support import KEY_ENV, Attacker, Log, config_text, make_log, run_async
 from tests.store_backends import Engine
+from tests.test_web_server import OPERATOR, console
 
 NOT_UTF8 = "CAST(X'ff64' AS TEXT)"
 
@@ -84,3 +86,33 @@ def test_lists_and_a_start_go_on_past_an_unreadable_row_and_it_is_never_approved
         assert raw.execute("SELECT status FROM approval_requests WHERE id = ?", (spoilt,)).fetchall() == [("pending",)]
     finally:
         raw.close()
+
+
+async def test_the_console_lists_the_others_and_names_the_row_on_its_page(tmp_path: Path) -> None:
+    """Before, the approval page of such a row was aiohttp's bare "500 Internal Server Error" naming nothing."""
+    async with console(tmp_path) as con:
+        spoilt = await con.open_approval({"command": "a"})
+        kept = await con.open_approval({"command": "b"})
+        path = con.app.loaded.config.store.path
+
+        def spoil() -> None:
+            raw = sqlite3.connect(path, timeout=60)  # in a thread: Kazma's writer shares this event loop
+            try:
+                raw.execute(f"UPDATE approval_requests SET reason = {NOT_UTF8} WHERE id = ?", (spoilt.id,))  # noqa: S608
+                raw.commit()
+            finally:
+                raw.close()
+
+        await asyncio.to_thread(spoil)
+        async with con.client() as alice:
+            await con.login(alice, "alice", OPERATOR)
+            waiting = await alice.get(f"{con.base}/approvals")
+            assert waiting.status == 200
+            listed = await waiting.text()
+            assert f"/swarm?approval={kept.id}" in listed
+            assert f"/swarm?approval={spoilt.id}" not in listed
+            page = await alice.get(f"{con.base}/swarm?approval={spoilt.id}")
+            assert page.status == 500
+            assert f"approval request {spoilt.id} cannot be read: reason holds bytes that are not UTF-8" in (
+                await page.text()
+            )
