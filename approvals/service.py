@@ -28,7 +28,7 @@ from kazma.approvals.card import (
     check_names,
     verify_integrity,
 )
-from kazma.approvals.chain import AuditChain
+from kazma.approvals.chain import AuditChain, undecodable
 from kazma.approvals.hashing import args_hash, canonical_json, check_arguments
 from kazma.approvals.model import (
     ApprovalRequest,
@@ -949,6 +949,15 @@ class ApprovalService:
                 decision=decision.value,
                 error=str(exc),
             )
+            if undecodable(exc):
+                # Its row was changed outside Kazma (a text not UTF-8): no press can ever decide it, so "press
+                # again" would be a lie; it stays undecided (nothing it asked runs) and doctor names it.
+                return PressResult(
+                    PressVerdict.REFUSED,
+                    "This request cannot be decided: its record in the approvals store cannot be read (it was "
+                    "changed outside Kazma). Nothing it asks for will run; tell an operator (kazma doctor names it).",
+                    request_id=request_id,
+                )
             stands = await self._decided_meanwhile(request_id, decision, actor=actor, platform=platform)
             if stands is not None:
                 return stands

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import secrets
+import sqlite3
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from enum import StrEnum
 from typing import Any, NamedTuple, TypeVar, cast
 
 import aiosqlite
+import structlog
 
 from kazma.approvals import pg_press
 from kazma.approvals.chain import (
@@ -42,9 +44,12 @@ from kazma.approvals.model import ApprovalRequest, Decision, Outcome, Review, St
 from kazma.approvals.pg_press import PressCall
 from kazma.approvals.seal import seal
 from kazma.config.keyring import Keyring
+from kazma.config.metrics import count_failure
 from kazma.config.store.backend import StoreBackend, Tx, Writer, backend_of, held_by_gone
 from kazma.config.store.database import Tables
 from kazma.config.store.group_commit import Together, Unasking
+
+log = structlog.get_logger("kazma.approvals")
 
 Clock = Callable[[], float]
 T = TypeVar("T")
@@ -125,6 +130,20 @@ _INSERT_FOUND_CARD = (
     " VALUES (?, ?, ?, ?, ?, ?, ?, (SELECT 'approved' FROM approval_events"
     " WHERE request_id = ? AND event = 'execution_lost' LIMIT 1)) ON CONFLICT DO NOTHING"
 )
+
+
+class UnreadableRequest(sqlite3.OperationalError):
+    """A request row holding a text whose bytes are not UTF-8 (or bytes where Kazma writes text): only a write
+    around Kazma puts them there. A store error (callers already fail closed on those: nothing it says runs, no
+    press decides it), which names the row and its columns where SQLite's own error named neither."""
+
+    def __init__(self, request_id: str, columns: Sequence[str]) -> None:
+        self.request_id = request_id
+        self.columns = tuple(columns)
+        super().__init__(
+            f"approval request {request_id} cannot be read: {', '.join(self.columns)} holds bytes that are not "
+            "UTF-8 text (written around Kazma); it counts as no decision and nothing it approved runs"
+        )
 
 
 class Rules(NamedTuple):
@@ -624,8 +643,64 @@ class ApprovalStore:
         return await self._write(op)
 
     async def get(self, request_id: str) -> ApprovalRequest | None:
-        row = await self.tables.one(_REQUEST_BY_ID, (request_id,))
+        """The request, or None; :class:`UnreadableRequest` for a row that cannot be read (see
+        :meth:`_request_rows`)."""
+        try:
+            row = await self.tables.one(_REQUEST_BY_ID, (request_id,))
+        except Exception as exc:
+            if not undecodable(exc):
+                raise
+            rows, unreadable = await self._read_byte_safe(
+                _COLUMNS, "FROM approval_requests WHERE id = ?", (request_id,)
+            )
+            if unreadable:
+                raise unreadable[0] from None
+            row = rows[0] if rows else None
         return None if row is None else _row_to_request(row)
+
+    async def _request_rows(self, columns: str, rest: str, params: Sequence[Any] = ()) -> list[Sequence[Any]]:
+        """``SELECT columns rest`` over approval_requests (``columns`` start with the id), without the rows that
+        cannot be read: each is logged by its id and counted, and the others are read on.
+
+        SQLite keeps whatever bytes a text column is given and hands a text back as str: one that is not UTF-8
+        (written around Kazma) failed the whole read with an error naming no row, so doctor's seal check, the
+        pending lists of a start and the sweeps all stopped at it. A row left out is never taken as approved:
+        what is not read is not run, and a press on it fails in the store."""
+        rows, _ = await self._request_rows_and_unreadable(columns, rest, params)
+        return rows
+
+    async def _request_rows_and_unreadable(
+        self, columns: str, rest: str, params: Sequence[Any] = ()
+    ) -> tuple[list[Sequence[Any]], list[UnreadableRequest]]:
+        try:
+            return list(await self.tables.all(f"SELECT {columns} {rest}", tuple(params))), []
+        except Exception as exc:
+            if not undecodable(exc):
+                raise
+        rows, unreadable = await self._read_byte_safe(columns, rest, params)
+        for bad in unreadable:
+            count_failure("approval_row_unreadable")
+            log.warning("approvals.request_unreadable", request_id=bad.request_id, columns=list(bad.columns))
+        return rows, unreadable
+
+    async def _read_byte_safe(
+        self, columns: str, rest: str, params: Sequence[Any]
+    ) -> tuple[list[Sequence[Any]], list[UnreadableRequest]]:
+        names = [column.strip() for column in columns.split(",")]
+        rows: list[Sequence[Any]] = []
+        unreadable: list[UnreadableRequest] = []
+        for row in (
+            from_byte_safe(found)
+            for found in await self.tables.all(f"SELECT {byte_safe(columns)} {rest}", tuple(params))
+        ):
+            bad = [name for name, value in zip(names, row, strict=True) if isinstance(value, bytes)]
+            if not bad:
+                rows.append(row)
+                continue
+            rid = row[0]
+            # An id that is itself not text is shown as the bytes it holds: still the row to look for.
+            unreadable.append(UnreadableRequest(rid.hex() if isinstance(rid, bytes) else str(rid), bad))
+        return rows, unreadable
 
     async def commits_seen(self) -> int | None:
         """A number that changes whenever another connection committed to the SQLite file (``PRAGMA
@@ -649,8 +724,9 @@ class ApprovalStore:
 
     async def requests(self, *, pending_only: bool = False, limit: int = 100) -> list[ApprovalRequest]:
         where = "WHERE status = 'pending'" if pending_only else ""
-        rows = await self.tables.all(
-            f"SELECT {_COLUMNS} FROM approval_requests {where} ORDER BY created_at DESC LIMIT ?",  # noqa: S608
+        rows = await self._request_rows(
+            _COLUMNS,
+            f"FROM approval_requests {where} ORDER BY created_at DESC LIMIT ?",
             (limit,),
         )
         return [_row_to_request(row) for row in rows]
@@ -658,17 +734,18 @@ class ApprovalStore:
     async def pending_of(self, tool: str) -> list[ApprovalRequest]:
         """Every pending request for ``tool``, newest first: only theirs are read (a sweep for one kind read every
         pending row, 10,000 of them at a start after a crash, and every five seconds after)."""
-        rows = await self.tables.all(
-            f"SELECT {_COLUMNS} FROM approval_requests WHERE status = 'pending' AND tool = ?"  # noqa: S608
-            " ORDER BY created_at DESC",
+        rows = await self._request_rows(
+            _COLUMNS,
+            "FROM approval_requests WHERE status = 'pending' AND tool = ? ORDER BY created_at DESC",
             (tool,),
         )
         return [_row_to_request(row) for row in rows]
 
     async def requests_in(self, conversation: str, *, limit: int = 200) -> list[ApprovalRequest]:
         """The newest ``limit`` requests asked in one conversation (``telegram:-100…``), oldest first."""
-        rows = await self.tables.all(
-            f"SELECT {_COLUMNS} FROM approval_requests WHERE conversation = ? ORDER BY created_at DESC LIMIT ?",  # noqa: S608
+        rows = await self._request_rows(
+            _COLUMNS,
+            "FROM approval_requests WHERE conversation = ? ORDER BY created_at DESC LIMIT ?",
             (conversation, limit),
         )
         return [_row_to_request(row) for row in reversed(rows)]
@@ -1295,13 +1372,14 @@ class ApprovalStore:
         ``live``, only those whose owner is not a live replica (a live one may be about to start its call)."""
         # Only requests decided since executions are recorded (approvals schema v3): older ones ran, or not,
         # before anyone wrote it down, and must not all be reported after an upgrade.
-        rows = await self.tables.all(
-            f"SELECT {_COLUMNS}, owner FROM approval_requests r WHERE r.status = 'approved' AND r.durable = 0"  # noqa: S608
+        rows = await self._request_rows(
+            _COLUMNS + ", owner",
+            "FROM approval_requests r WHERE r.status = 'approved' AND r.durable = 0"
             " AND r.decided_at >= COALESCE((SELECT applied_at FROM kazma_schema"
             " WHERE component = 'approvals' AND version = 3), 0)"
             " AND NOT EXISTS (SELECT 1 FROM approval_events e WHERE e.request_id = r.id"
             " AND e.event IN ('execution_started', 'execution_lost', 'execution_refused'))"
-            " ORDER BY r.decided_at"
+            " ORDER BY r.decided_at",
         )
         return [_row_to_request(row[:-1]) for row in rows if _gone(row[-1], live)]
 
@@ -1318,12 +1396,13 @@ class ApprovalStore:
         """Approved requests whose call was verified to run (``execution_started``) and never reported ended
         (no ``execution_finished``, ``execution_lost`` or ``execution_refused``): a process stopped between the
         check and the end of the call. Whether the call started is the execution record's to say."""
-        rows = await self.tables.all(
-            f"SELECT {_COLUMNS}, owner FROM approval_requests r WHERE r.status = 'approved' AND r.durable = 0"  # noqa: S608
+        rows = await self._request_rows(
+            _COLUMNS + ", owner",
+            "FROM approval_requests r WHERE r.status = 'approved' AND r.durable = 0"
             " AND EXISTS (SELECT 1 FROM approval_events e WHERE e.request_id = r.id AND e.event = 'execution_started')"
             " AND NOT EXISTS (SELECT 1 FROM approval_events e WHERE e.request_id = r.id"
             " AND e.event IN ('execution_finished', 'execution_lost', 'execution_refused'))"
-            " ORDER BY r.decided_at"
+            " ORDER BY r.decided_at",
         )
         return [_row_to_request(row[:-1]) for row in rows if _gone(row[-1], live)]
 
@@ -1401,11 +1480,17 @@ class ApprovalStore:
         return None if row is None or row[0] is None else str(row[0])
 
     async def decided(self) -> list[ApprovalRequest]:
-        """Every request with an outcome, in the order they were decided (``kazma doctor`` checks their seals)."""
-        rows = await self.tables.all(
-            f"SELECT {_COLUMNS} FROM approval_requests WHERE status != 'pending' ORDER BY decided_at"  # noqa: S608
+        """Every request with an outcome that can be read, in the order they were decided."""
+        readable, _ = await self.decided_rows()
+        return readable
+
+    async def decided_rows(self) -> tuple[list[ApprovalRequest], list[UnreadableRequest]]:
+        """Every request with an outcome, in the order they were decided, and the rows that cannot be read (named
+        by id): ``kazma doctor`` checks the seals of the first and names the second."""
+        rows, unreadable = await self._request_rows_and_unreadable(
+            _COLUMNS, "FROM approval_requests WHERE status != 'pending' ORDER BY decided_at"
         )
-        return [_row_to_request(row) for row in rows]
+        return [_row_to_request(row) for row in rows], unreadable
 
     async def sealed_since(self) -> float | None:
         """When this store began sealing outcomes (approvals schema v7 applied), or None (not yet)."""
@@ -1418,9 +1503,10 @@ class ApprovalStore:
         whose owner is a replica not in ``live``. A request with no owner was opened by a process that is no
         replica (a CLI command, an older release): nobody can tell whether it still waits, so among replicas
         only its deadline ends it."""
-        rows = await self.tables.all(
-            f"SELECT {_COLUMNS}, owner FROM approval_requests WHERE status = 'pending'"  # noqa: S608
-            " AND (durable = 0 OR waits = 'connection') ORDER BY created_at"
+        rows = await self._request_rows(
+            _COLUMNS + ", owner",
+            "FROM approval_requests WHERE status = 'pending'"
+            " AND (durable = 0 OR waits = 'connection') ORDER BY created_at",
         )
         return [_row_to_request(row[:-1]) for row in rows if _gone(row[-1], live)]
 

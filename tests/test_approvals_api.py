@@ -108,6 +108,72 @@ async def test_attack_a_bearer_token_that_is_not_utf8_is_a_401_never_a_500(tmp_p
         assert await door.app.service.store.requests(limit=10) == []
 
 
+async def test_a_viewer_token_reads_any_request_and_changes_nothing(tmp_path: Path) -> None:
+    """Before, a viewer could only follow requests it opened, and it may open none: it could never read anything."""
+    async with kazma_door(tmp_path) as door, client(door) as ci, client(door, VIEWER_TOKEN) as viewer:
+        opened = (await ci.post("/api/v1/approvals", json=DEPLOY)).json()
+        path = door.app.loaded.config.store.path
+
+        def age_last_seen() -> None:
+            raw = sqlite3.connect(path, timeout=60)  # in a thread: Kazma's writer shares this event loop
+            try:
+                raw.execute("UPDATE approval_requests SET last_seen = 1000 WHERE id = ?", (opened["id"],))
+                raw.commit()
+            finally:
+                raw.close()
+
+        await asyncio.to_thread(age_last_seen)
+        seen = await viewer.get(f"/api/v1/approvals/{opened['id']}")
+        assert seen.status_code == 200, seen.text
+        assert {k: seen.json()[k] for k in ("status", "tool", "arguments", "hash", "requested_by")} == {
+            "status": "pending",
+            "tool": "deploy",
+            "arguments": DEPLOY["arguments"],
+            "hash": opened["hash"],
+            "requested_by": "api:ci",
+        }
+        # a viewer's reading is not the asker asking: it must not keep a deserted request alive
+        row = await door.app.service.store.get(opened["id"])
+        assert row is not None
+        assert row.last_seen is not None
+        assert row.last_seen.timestamp() == 1000
+        # read only: it cannot withdraw, nor open
+        assert (await viewer.delete(f"/api/v1/approvals/{opened['id']}")).status_code == 403
+        assert (await viewer.post("/api/v1/approvals", json=DEPLOY)).status_code == 403
+        assert (await viewer.get("/api/v1/approvals/" + "x" * 22)).status_code == 404
+        waiting = asyncio.create_task(viewer.get(f"/api/v1/approvals/{opened['id']}", params={"wait": "20"}))
+        await door.press("a")
+        decided = (await waiting).json()
+        assert (decided["status"], decided["decided_by"]) == ("approved", "telegram:111")
+
+
+async def test_a_request_row_that_cannot_be_read_is_named_and_never_approved(tmp_path: Path) -> None:
+    """A text not UTF-8 written into the row around Kazma: before, SQLite's error went up as a bare 500 page that
+    named no row (and a viewer's listing of the table would stop at it)."""
+    async with kazma_door(tmp_path) as door, client(door) as ci, client(door, VIEWER_TOKEN) as viewer:
+        opened = (await ci.post("/api/v1/approvals", json=DEPLOY)).json()
+        path = door.app.loaded.config.store.path
+
+        def spoil() -> None:
+            raw = sqlite3.connect(path, timeout=60)  # in a thread: Kazma's writer shares this event loop
+            try:
+                raw.execute("UPDATE approval_requests SET reason = CAST(X'ff64' AS TEXT) WHERE id = ?", (opened["id"],))
+                raw.commit()
+            finally:
+                raw.close()
+
+        await asyncio.to_thread(spoil)
+        for http in (ci, viewer):
+            answer = await http.get(f"/api/v1/approvals/{opened['id']}")
+            assert answer.status_code == 500, answer.text
+            said = answer.json()["error"]
+            assert f"approval request {opened['id']} cannot be read: reason holds bytes that are not UTF-8" in said
+            assert "do not act on it" in said
+        withdrawn = await ci.delete(f"/api/v1/approvals/{opened['id']}")
+        assert withdrawn.status_code == 500, withdrawn.text
+        assert opened["id"] in withdrawn.json()["error"]
+
+
 async def test_attack_a_token_cannot_read_or_withdraw_another_tokens_request(tmp_path: Path) -> None:
     async with kazma_door(tmp_path) as door, client(door) as ci, client(door, OTHER_TOKEN) as other:
         opened = (await ci.post("/api/v1/approvals", json=DEPLOY)).json()

@@ -90,6 +90,40 @@ async def test_attack_mcp_endpoint_refuses_console_and_viewer_tokens(tmp_path: P
         assert await door.app.service.store.requests(limit=5) == []
 
 
+async def test_attack_a_body_naming_a_member_twice_is_refused_before_the_sdk(tmp_path: Path) -> None:
+    """The SDK's parser keeps the last of a name given twice: before, the card asked about env=staging while a
+    client whose own parser keeps the first meant env=prod. /api/v1 answered such a body 400; /mcp now does too."""
+    headers = {
+        "Authorization": f"Bearer {REQUESTER_TOKEN}",
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+    }
+    call = (
+        b'{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"request_approval","arguments":'
+        b'{"tool":"deploy","arguments":{"env":"prod","env":"staging"},"deadline_seconds":1}}}'
+    )
+    listing = b'{"jsonrpc":"2.0","id":1,"method":"tools/list","method":"tools/call"}'
+    async with kazma_door(tmp_path) as door, httpx2.AsyncClient(timeout=30, trust_env=False) as http:
+        for body, name in ((call, "env"), (listing, "method")):
+            refused = await http.post(f"{door.url}/mcp", content=body, headers=headers)
+            assert refused.status_code == 400, refused.text
+            assert refused.json() == {
+                "jsonrpc": "2.0",
+                "id": None,
+                "error": {
+                    "code": -32600,
+                    "message": f"the body is ambiguous: {name!r} is named twice in one object; send each name once",
+                },
+            }
+        assert await door.app.service.store.requests(limit=5) == []
+        # the same call with each name once still reaches the SDK and its tool
+        listed = await http.post(
+            f"{door.url}/mcp", content=b'{"jsonrpc":"2.0","id":1,"method":"tools/list"}', headers=headers
+        )
+        assert listed.status_code == 200, listed.text
+        assert [tool["name"] for tool in listed.json()["result"]["tools"]] == ["request_approval"]
+
+
 async def test_sdk_client_reaching_kazma_by_its_public_name_gets_the_outcome(tmp_path: Path) -> None:
     """A client of ``<public_url>/mcp`` sends that name as Host (a proxy passes it on): before, the SDK's
     localhost-only DNS-rebinding check answered every such call 421 "Invalid Host header". Its headers may also

@@ -84,7 +84,7 @@ async def check_decision_seals(loaded: LoadedConfig) -> tuple[Check, int]:
     try:
         async with store_for_command(loaded.config) as opened:
             store = ApprovalStore(opened, keyring=keyring)
-            rows = await store.decided()
+            rows, unreadable = await store.decided_rows()
             since = await store.sealed_since()
     except Exception as exc:
         said = str(exc).strip() or type(exc).__name__
@@ -102,6 +102,17 @@ async def check_decision_seals(loaded: LoadedConfig) -> tuple[Check, int]:
             continue
         (unknown if problem.site == KEY_UNKNOWN else forged).append((row, problem.detail))
     sealed = sum(1 for row in rows if row.decision_mac is not None)
+    if unreadable:
+        # Its seal cannot be checked and none of it can run: a write around Kazma, named so it can be found.
+        shown = "; ".join(f"{bad.request_id} ({', '.join(bad.columns)})" for bad in unreadable[:_SHOWN])
+        more = f"; and {len(unreadable) - _SHOWN} more" if len(unreadable) > _SHOWN else ""
+        also = f"; of the others, {len(forged)} do not verify: {_named(forged)}" if forged else ""
+        return Check(
+            SEAL_CHECK,
+            Level.FAIL,
+            f"{len(unreadable)} decided rows cannot be read, a text in them not UTF-8 (written outside Kazma: "
+            f"whoever did it can write the store; none of them will run): {shown}{more}{also}",
+        ), sealed
     before = f"; {historic} decided before seals (they can never run)" if historic else ""
     if forged:
         approved = sum(1 for r, _ in forged if r.status.value == "approved")

@@ -4,8 +4,9 @@ Machines authenticate with API tokens (``api.tokens`` in ``kazma.yaml``), sent
 as ``Authorization: Bearer …``. They are a separate kind of credential from the
 console's logins: a console token is refused here, and an API token cannot log
 in to the console (the console only knows its own two tokens). A token's roles
-say what it may do: ``approval_requester`` opens requests and follows its own,
-``approval_viewer`` only follows its own. Every request opened or refused is
+say what it may do: ``approval_requester`` opens requests, follows its own and withdraws them;
+``approval_viewer`` reads any request by its id (read only: it opens, decides and withdraws nothing, and its
+reading is not the asker's). Every request opened or refused is
 audited with the token's name (``api:<name>``); a replay is counted on its key.
 
 A request opened here is the same kind of request an agent's tool call opens:
@@ -34,6 +35,7 @@ import hmac
 import json
 import math
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -45,6 +47,7 @@ from kazma.approvals.card import ASKED_THROUGH_API, ON_BEHALF_OF, REASON_GIVEN
 from kazma.approvals.hashing import MAX_ARGUMENT_DEPTH, args_hash, canonical_json, nesting_depth, text_hash
 from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest, Status, Waits
 from kazma.approvals.service import ApprovalRefused, ApprovalService
+from kazma.approvals.store import UnreadableRequest
 from kazma.approvals.withdrawal import POLL_GRACE, Gone, by_asker
 from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, KeyReused, QuotaFull
 from kazma.bot.console.services import ApprovalsServices
@@ -165,8 +168,8 @@ class ApprovalsApi:
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/api/v1/approvals", self.create),
-            web.get("/api/v1/approvals/{id}", self.read),
-            web.delete("/api/v1/approvals/{id}", self.withdraw),
+            web.get("/api/v1/approvals/{id}", _readable(self.read)),
+            web.delete("/api/v1/approvals/{id}", _readable(self.withdraw)),
             web.get("/api/v1/openapi.json", self.openapi),
         ]
 
@@ -297,23 +300,34 @@ class ApprovalsApi:
         return existing
 
     async def _own(self, request: web.Request, caller: ApiCaller) -> ApprovalRequest:
-        request_id = request.match_info["id"]
-        found = await self.service.store.get(request_id) if _REQUEST_ID.fullmatch(request_id) else None
-        # A token sees only what it opened: an id learnt elsewhere (a card, a log) reads as unknown.
+        found = await self._found(request)
+        # A token acts only on what it opened: an id learnt elsewhere (a card, a log) reads as unknown.
         if found is None or found.requested_by != caller.actor:
             raise _error(web.HTTPNotFound, "no such approval request for this token")
         return found
+
+    async def _found(self, request: web.Request) -> ApprovalRequest | None:
+        request_id = request.match_info["id"]
+        return await self.service.store.get(request_id) if _REQUEST_ID.fullmatch(request_id) else None
 
     async def read(self, request: web.Request) -> web.Response:
         caller = caller_of(self.config, request)
         if REQUESTER not in caller.roles and VIEWER not in caller.roles:
             raise _error(web.HTTPForbidden, f"the token {caller.name!r} has no approvals role")
-        found = await self._own(request, caller)
+        if VIEWER in caller.roles:
+            # A viewer reads any request by its id (a dashboard, a monitor): it can neither open nor end one.
+            found = await self._found(request)
+            if found is None:
+                raise _error(web.HTTPNotFound, "no such approval request")
+        else:
+            found = await self._own(request, caller)
         try:
             wait = min(MAX_WAIT, max(0.0, float(request.query.get("wait", "0"))))
         except ValueError:
             raise _error(web.HTTPBadRequest, "wait must be a number of seconds") from None
-        if not found.status.final:
+        # Only the asker's own asking counts as the asker still waiting: a viewer polling a request whose asker
+        # went away must not keep it from being withdrawn.
+        if not found.status.final and found.requested_by == caller.actor:
             await self.service.looked(found.id)  # the approval page says when the asker last asked
         if wait > 0 and not found.status.final:
             # cancel_with_waiter=False: a client that stops polling withdraws nothing. The ended request is
@@ -398,6 +412,23 @@ _KEY_REUSED = (
 _TOO_DEEP = f"arguments may nest at most {MAX_ARGUMENT_DEPTH} levels deep (the limit agents are held to)"
 
 
+def _readable(
+    handler: Callable[[web.Request], Awaitable[web.Response]],
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """``handler``, answering a request row that cannot be read (a text not UTF-8, written around Kazma) with a
+    JSON 500 that names it, never SQLite's traceback: such a row is no approval, and the caller must not act."""
+
+    @functools.wraps(handler)
+    async def answer(request: web.Request) -> web.Response:
+        try:
+            return await handler(request)
+        except UnreadableRequest as exc:
+            log.warning("api.request_unreadable", request_id=exc.request_id, columns=list(exc.columns))
+            raise _error(web.HTTPInternalServerError, f"{exc}; do not act on it") from None
+
+    return answer
+
+
 class _OpenedUnanswered(Exception):
     """The request was committed (cards, key and all), then the store failed before the caller was answered."""
 
@@ -421,6 +452,19 @@ def _members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise _Ambiguous(f"{name[:100]!r} is named twice in one object")
         found[name] = value
     return found
+
+
+def ambiguity(body: bytes) -> str | None:
+    """Why ``body`` (JSON naming a member twice in one object) is ambiguous, or None: for a door whose parser is
+    not this module's (``/mcp``, behind the MCP SDK, which keeps the last value). A body that is not JSON at all is
+    that parser's to refuse, in its own words."""
+    try:
+        json.loads(body, object_pairs_hook=_members)
+    except _Ambiguous as exc:
+        return f"the body is ambiguous: {exc}; send each name once"
+    except (ValueError, RecursionError):
+        return None
+    return None
 
 
 def _no_constant(name: str) -> Any:
@@ -621,7 +665,11 @@ def openapi_document() -> dict[str, Any]:
                 "get": {
                     "summary": "The request and its outcome; ?wait=<s> (at most 60) waits for one",
                     "parameters": [{"name": "wait", "in": "query", "schema": {"type": "number", "maximum": MAX_WAIT}}],
-                    "responses": {"200": {"description": "the request", **_OK}, "404": {"description": "not yours"}},
+                    "responses": {
+                        "200": {"description": "the request", **_OK},
+                        "403": {"description": "the token has no approvals role", **_ERROR},
+                        "404": {"description": "unknown, or (without approval_viewer) not this token's", **_ERROR},
+                    },
                 },
                 "delete": {
                     "summary": "Withdraw a pending request (it ends cancelled); ?why= says why the asker went away",

@@ -108,7 +108,12 @@ DOORS: tuple[Door, ...] = (
     Door("GET", "/static/people.js", _A, "the sign-in pages' script (passkeys, the Telegram Mini App)"),
     # the approvals API and MCP (bot/console/api.py, bot/console/mcp_door.py): API tokens, never console sessions
     Door("POST", "/api/v1/approvals", _T, "open an approval request (approval_requester)"),
-    Door("GET", "/api/v1/approvals/{id}", _T, "read or wait for a request this token opened"),
+    Door(
+        "GET",
+        "/api/v1/approvals/{id}",
+        _T,
+        "read or wait for a request this token opened (any request: approval_viewer)",
+    ),
     Door("DELETE", "/api/v1/approvals/{id}", _T, "withdraw a request this token opened (approval_requester)"),
     Door("GET", "/api/v1/openapi.json", _A, "the approvals API's OpenAPI description (no data)"),
     Door("*", "/mcp", _T, "the MCP endpoint (streamable HTTP) for coding agents"),

@@ -17,13 +17,15 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
-from kazma.bot.console.api import ApprovalsApi, caller_of
+from kazma.bot.console.api import ApprovalsApi, ambiguity, caller_of
 from kazma.config.metrics import count_failure
 
 if TYPE_CHECKING:
     from kazma.bot.console.mcp import MCPEndpoint
 
 log = structlog.get_logger("kazma.mcp_server")
+
+_INVALID_REQUEST = -32600  # JSON-RPC 2.0's code for a message that is not a valid request
 
 
 def _endpoint_class() -> type[MCPEndpoint]:
@@ -108,6 +110,14 @@ class MCPDoor:
                 text=json.dumps({"error": "/mcp offers no event stream: send JSON-RPC messages with POST"}),
                 content_type="application/json",
             )
+        problem = ambiguity(await request.read())
+        if problem is not None:
+            # The SDK's parser keeps the last of a name given twice, where the client's own may have acted on the
+            # first: the card would show another call than the one the client meant. Refused as /api/v1 refuses
+            # it, in JSON-RPC's words, before the SDK (the body is read whole here as the bridge reads it anyway).
+            log.warning("mcp.body_ambiguous", token=caller.name, problem=problem[:200])
+            refused = {"jsonrpc": "2.0", "id": None, "error": {"code": _INVALID_REQUEST, "message": problem}}
+            raise web.HTTPBadRequest(text=json.dumps(refused), content_type="application/json")
         try:
             endpoint = await asyncio.shield(self._endpoint())
         except Exception:

@@ -30,6 +30,7 @@ from kazma.adapters.admission import FileBounds
 from kazma.adapters.contract import Attachment, PlatformError
 from kazma.adapters.web import CONSOLE, WebAdapter
 from kazma.approvals.model import Decision
+from kazma.approvals.store import UnreadableRequest
 from kazma.approvals.waiting import WaitingForYou, WaitingList
 from kazma.bot.console.accounts import AccountStore
 from kazma.bot.console.api import caller_of
@@ -665,7 +666,15 @@ class WebServer:
         )
 
     async def _approval(self, session: Session, request_id: str) -> web.Response:
-        record = await self.services.approval_record(request_id) if _REQUEST_ID.fullmatch(request_id) else None
+        try:
+            record = await self.services.approval_record(request_id) if _REQUEST_ID.fullmatch(request_id) else None
+        except UnreadableRequest as exc:
+            # Changed outside Kazma: a page that says which request and why, not aiohttp's bare 500
+            log.warning("web.approval_unreadable", request_id=exc.request_id, columns=list(exc.columns))
+            raise web.HTTPInternalServerError(
+                text=message_page("Approval request cannot be read", str(exc), viewer=session),
+                content_type="text/html",
+            ) from None
         if record is None:
             raise _not_found("No such approval request.", session)
         return html_response(

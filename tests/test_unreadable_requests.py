@@ -1,0 +1,118 @@
+"""A request row whose text is not UTF-8 (SQLite keeps whatever bytes it is given; only a write around Kazma puts
+such bytes there) is named by its id and left out, never a read of the whole table failing at it, and never an
+approval: doctor's seal check, the request lists, a start's recovery and the sweeps go on with the other rows."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kazma.approvals.model import Decision, PressVerdict
+from kazma.approvals.store import UnreadableRequest
+from kazma.bot.cli import main
+from kazma.config.metrics import failure_count
+from tests.approvals_support import approval_service
+from tests.audit_support import KEY_ENV, Attacker, Log, config_text, make_log, run_async
+from tests.store_backends import Engine
+from tests.test_web_server import OPERATOR, console
+
+NOT_UTF8 = "CAST(X'ff64' AS TEXT)"
+
+
+@pytest.fixture
+def sqlite(tmp_path: Path) -> Engine:
+    return Engine("sqlite", str(tmp_path / "k.db"))
+
+
+async def _open_pending(where: str) -> tuple[str, str]:
+    async with approval_service(where) as service:
+        spoilt = await service.open("shell", {"command": "a"}, "agent:builder", "telegram:-100", deadline=600)
+        kept = await service.open("shell", {"command": "b"}, "agent:builder", "telegram:-100", deadline=600)
+        return spoilt.id, kept.id
+
+
+def test_doctor_names_a_decided_row_it_cannot_read_and_checks_the_others(tmp_path: Path, sqlite: Engine) -> None:
+    """Before: "decision seals: cannot read the store: Could not decode to UTF-8 column 'reason'", no row named,
+    and no other seal checked."""
+    log: Log = run_async(make_log(sqlite.where))
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, sqlite))
+    drop = log.requests["drop"]
+    Attacker(sqlite).run((f"UPDATE approval_requests SET reason = {NOT_UTF8} WHERE id = ?", (drop,)))  # noqa: S608
+    doctor = CliRunner().invoke(
+        main, ["-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1"], env=KEY_ENV
+    )
+    [line] = [text for text in doctor.output.splitlines() if "decision seals" in text]
+    assert line.startswith("FAIL"), line
+    assert "1 decided rows cannot be read, a text in them not UTF-8" in line, line
+    assert f"{drop} (reason)" in line, line
+    assert "cannot read the store" not in line, line
+
+    async def read() -> None:
+        async with approval_service(sqlite.where) as service:
+            readable, unreadable = await service.store.decided_rows()
+            assert {r.id for r in readable} == {log.requests["deploy"], log.requests["late"]}
+            assert [(u.request_id, u.columns) for u in unreadable] == [(drop, ("reason",))]
+
+    run_async(read())
+
+
+def test_lists_and_a_start_go_on_past_an_unreadable_row_and_it_is_never_approved(sqlite: Engine) -> None:
+    spoilt, kept = run_async(_open_pending(sqlite.where))
+    Attacker(sqlite).run((f"UPDATE approval_requests SET tool = {NOT_UTF8} WHERE id = ?", (spoilt,)))  # noqa: S608
+
+    async def after() -> None:
+        async with approval_service(sqlite.where) as service:
+            before = failure_count("approval_row_unreadable")
+            assert [r.id for r in await service.store.requests(pending_only=True)] == [kept]
+            assert failure_count("approval_row_unreadable") == before + 1
+            with pytest.raises(UnreadableRequest, match=rf"approval request {spoilt} cannot be read: tool holds"):
+                await service.store.get(spoilt)
+            # a start ends the readable orphan as before (it stopped at the unreadable one, ending none)
+            recovery = await service.recover(None)
+            assert [r.id for r in recovery.cancelled] == [kept]
+            # a press on it decides nothing, and the presser is told why rather than to press again
+            pressed = await service.decide(spoilt, Decision.APPROVE, actor="telegram:111", platform="telegram")
+            assert pressed.verdict is PressVerdict.REFUSED
+            assert pressed.message.startswith("This request cannot be decided: its record in the approvals store")
+
+    run_async(after())
+    raw = sqlite3.connect(sqlite.where)
+    try:
+        assert raw.execute("SELECT status FROM approval_requests WHERE id = ?", (spoilt,)).fetchall() == [("pending",)]
+    finally:
+        raw.close()
+
+
+async def test_the_console_lists_the_others_and_names_the_row_on_its_page(tmp_path: Path) -> None:
+    """Before, the approval page of such a row was aiohttp's bare "500 Internal Server Error" naming nothing."""
+    async with console(tmp_path) as con:
+        spoilt = await con.open_approval({"command": "a"})
+        kept = await con.open_approval({"command": "b"})
+        path = con.app.loaded.config.store.path
+
+        def spoil() -> None:
+            raw = sqlite3.connect(path, timeout=60)  # in a thread: Kazma's writer shares this event loop
+            try:
+                raw.execute(f"UPDATE approval_requests SET reason = {NOT_UTF8} WHERE id = ?", (spoilt.id,))  # noqa: S608
+                raw.commit()
+            finally:
+                raw.close()
+
+        await asyncio.to_thread(spoil)
+        async with con.client() as alice:
+            await con.login(alice, "alice", OPERATOR)
+            waiting = await alice.get(f"{con.base}/approvals")
+            assert waiting.status == 200
+            listed = await waiting.text()
+            assert f"/swarm?approval={kept.id}" in listed
+            assert f"/swarm?approval={spoilt.id}" not in listed
+            page = await alice.get(f"{con.base}/swarm?approval={spoilt.id}")
+            assert page.status == 500
+            assert f"approval request {spoilt.id} cannot be read: reason holds bytes that are not UTF-8" in (
+                await page.text()
+            )
