@@ -193,3 +193,27 @@ def test_a_store_that_cannot_be_opened_leaves_no_thread_to_fail_after_the_loop(t
     finally:
         threading.excepthook = before
     assert failed == []
+
+
+async def test_a_read_that_fails_part_way_leaves_the_connection_seeing_later_commits(tmp_path: Path) -> None:
+    # A text that is not UTF-8 (written around Kazma) fails a read after its first row. aiosqlite's cursor of that
+    # read lived on in the exception's traceback with its statement unreset, so the connection kept its snapshot:
+    # it never saw another commit (an approval decided elsewhere stayed "pending" to it for good).
+    path = tmp_path / "k.db"
+    conn = await connect(path)
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, s TEXT, v INTEGER)")
+        other.execute("INSERT INTO t VALUES (1, 'ok', 0), (2, CAST(X'ff64' AS TEXT), 0)")
+        tables = Tables.of(conn)
+        for _ in range(2):
+            with pytest.raises(sqlite3.OperationalError, match="decode"):
+                await tables.all("SELECT s FROM t ORDER BY id")
+            with pytest.raises(sqlite3.OperationalError, match="decode"):
+                await tables.one("SELECT s FROM t WHERE id = 2")
+        for expected in (1, 2):
+            other.execute("UPDATE t SET v = v + 1 WHERE id = 1")
+            assert await tables.one("SELECT v FROM t WHERE id = 1") == (expected,)
+    finally:
+        other.close()
+        await conn.close()

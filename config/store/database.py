@@ -13,6 +13,7 @@ import contextlib
 import sqlite3
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -158,11 +159,15 @@ class Statements:
     # cancelled mid-read would pin an old snapshot, and this connection would stop seeing the
     # writer's commits.
     async def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
-        rows = list(await self.conn.execute_fetchall(sql, tuple(params)))
+        rows = await self.all(sql, params)
         return rows[0] if rows else None
 
     async def all(self, sql: str, params: Iterable[Any] = ()) -> list[Any]:
-        return list(await self.conn.execute_fetchall(sql, tuple(params)))
+        try:
+            return list(await self.conn.execute_fetchall(sql, tuple(params)))
+        except BaseException as exc:
+            _release_cursor(exc)
+            raise
 
     async def run(self, sql: str, params: Iterable[Any] = ()) -> int:
         """One statement; the number of rows it changed."""
@@ -173,6 +178,17 @@ class Statements:
 
     async def run_many(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
         await self.conn.executemany(sql, [tuple(row) for row in rows])
+
+
+def _release_cursor(exc: BaseException) -> None:
+    """Let go of the cursor of a read that failed part way (a row SQLite could not hand back, a disk error).
+
+    aiosqlite's fetch runs in the connection's thread, and its cursor stays referenced from the exception's
+    traceback, which outlives the read (the failed future keeps it): its statement was never reset, so the
+    connection kept its read snapshot open, and every later read on it saw the store as it was before the
+    failure, the writer's commits never. Clearing the finished frames drops the cursor, which resets it. (Frames
+    still running, this one's and the connection thread's, are left as they are.)"""
+    traceback.clear_frames(exc.__traceback__)
 
 
 class Tables:
