@@ -20,7 +20,7 @@ from kazma.approvals import SafetyPolicy
 from kazma.approvals.hashing import args_hash
 from kazma.approvals.model import ApprovalRequest, Decision
 from kazma.config.store.database import open_database
-from kazma.engine.agent import AgentRunner, AgentSpec
+from kazma.engine.agent import AgentRunner, AgentSpec, workspace_for
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import ScriptedProvider, ScriptStep
@@ -91,6 +91,40 @@ async def _turn(r: AgentRunner) -> tuple[list[ApprovalRequest], list[str]]:
     turn = asyncio.create_task(r.run(BUILDER, CONVERSATION, "do it", requested_by="telegram:111"))
     approved = await _approve_each(r, turn)
     return approved, _fed(r)
+
+
+@pytest.mark.parametrize(
+    ("path", "said"),
+    [("notes/", "write 'notes'"), ("a/../b.txt", "contains '..'"), ("./c.txt", "write 'c.txt'"),
+     ("d//e.txt", "write 'd/e.txt'"), ("/d//e.txt", "write '/d/e.txt'")],
+)  # fmt: skip
+async def test_a_write_file_path_not_in_normal_form_is_refused_before_any_card(
+    tmp_path: Path, path: str, said: str
+) -> None:
+    # The card would show the path as sent while the file written is another name: "notes/" wrote "notes".
+    script: list[ScriptStep] = [
+        ModelReply(content=None, tool_calls=(_call("write_file", {"path": path, "content": "x"}),)),
+        ModelReply(content="ok"),
+    ]
+    async with _runner(tmp_path, script) as r:
+        approved, fed = await _turn(r)
+        assert approved == []  # nobody was asked to approve a path that would not run as shown
+        ws = workspace_for(tmp_path / "ws", CONVERSATION)
+        assert not ws.exists() or list(ws.iterdir()) == []
+        (answer,) = fed
+        assert answer.startswith("Error: the call to write_file was not run: invalid arguments for write_file: path:")
+        assert said in answer  # the model is told how to write it
+
+
+async def test_a_write_file_path_in_normal_form_writes_the_file_the_card_named(tmp_path: Path) -> None:
+    script: list[ScriptStep] = [
+        ModelReply(content=None, tool_calls=(_call("write_file", {"path": "d/e.txt", "content": "x"}),)),
+        ModelReply(content="ok"),
+    ]
+    async with _runner(tmp_path, script) as r:
+        (request,), _ = await _turn(r)
+        assert request.args == {"path": "d/e.txt", "content": "x"}
+        assert (workspace_for(tmp_path / "ws", CONVERSATION) / "d" / "e.txt").read_text() == "x"
 
 
 @pytest.mark.parametrize("timeout", ["5", True, 5.0, "60"])
