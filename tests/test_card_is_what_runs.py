@@ -31,6 +31,8 @@ from kazma.engine.tools.shell import ShellTool
 from kazma.engine.tools.workspace import ToolContext
 from kazma.engine.types import ModelReply, ToolCall
 from tests.approvals_support import RecordingPublisher, approval_service
+from tests.test_e2e_plans import ALICE, CHAT, kazma
+from tests.test_e2e_plans import call as e2e_call
 
 BUILDER = AgentSpec("builder", "You build.", ("shell", "read_file", "write_file"))
 CONVERSATION = "telegram:-100"
@@ -199,3 +201,27 @@ async def test_a_default_left_out_of_the_approved_arguments_does_not_run_unshown
     result = await registry.execute("shell", {"command": "echo ran"}, ctx)
     assert not result.ok
     assert "ran\n" not in result.output
+
+
+async def test_the_leads_dispatch_swarm_card_shows_the_call_as_it_starts(tmp_path: Path) -> None:
+    # deadline_seconds true was shown as "true" and started a task with a deadline of 1 s; the aggregation,
+    # deadline and options that applied by default were on no card.
+    bad = {"pattern": "dispatch", "task": "say hi", "workers": ["builder"], "deadline_seconds": True}
+    good = {"pattern": "dispatch", "task": "say hi", "workers": ["builder"]}
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [e2e_call("dispatch_swarm", bad), e2e_call("dispatch_swarm", good), ModelReply(content="Asked.")],
+        "builder": [ModelReply(content="Said hi.")],
+    }
+    async with kazma(tmp_path, scripts) as (app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma have the builder say hi", username="alice")
+        shown: list[dict[str, Any]] = []
+        async with asyncio.timeout(30):
+            while not any("Asked." in m.text for m in fake.bot_messages(CHAT)):
+                for request in await app.service.store.requests(pending_only=True):  # every card denied: none hangs
+                    shown.append(request.args)
+                    await app.service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")
+                await asyncio.sleep(0.02)
+        assert shown == [
+            {**good, "preset": None, "aggregation": "collect", "routes": {}, "expect": None, "deadline_seconds": None,
+             "context": ""},
+        ]  # fmt: skip
