@@ -98,7 +98,10 @@ async def _turn(r: AgentRunner) -> tuple[list[ApprovalRequest], list[str]]:
 @pytest.mark.parametrize(
     ("path", "said"),
     [("notes/", "write 'notes'"), ("a/../b.txt", "contains '..'"), ("./c.txt", "write 'c.txt'"),
-     ("d//e.txt", "write 'd/e.txt'"), ("/d//e.txt", "write '/d/e.txt'")],
+     ("d//e.txt", "write 'd/e.txt'"), ("/d//e.txt", "write '/d/e.txt'"),
+     # a card shows a trailing blank as nothing at all, and a line break as a second line
+     ("notes.txt ", "blank space"), ("d /e.txt", "blank space"), ("\u00a0e.txt", "blank space"),
+     ("a.txt\nb.txt", "control character")],
 )  # fmt: skip
 async def test_a_write_file_path_not_in_normal_form_is_refused_before_any_card(
     tmp_path: Path, path: str, said: str

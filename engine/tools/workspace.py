@@ -13,6 +13,7 @@ import errno
 import os
 import posixpath
 import stat
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -144,6 +145,14 @@ def normal_path(raw: str) -> str:
     audited and run, and what the model believes it asked for, are then one and the same text."""
     if not raw or "\x00" in raw:
         raise ValueError("expected a file path relative to the workspace")
+    control = next((c for c in raw if unicodedata.category(c) == "Cc"), None)
+    if control is not None:
+        raise ValueError(f"{raw!r} contains a control character ({control!r}); name the file without it")
+    # Blanks at either end of a name are the one difference a card cannot show ("notes.txt " reads "notes.txt"),
+    # and the card's own checks let trailing blanks pass: in a command they change nothing, in a file name all.
+    padded = next((part for part in raw.split("/") if part != part.strip()), None)
+    if padded is not None:
+        raise ValueError(f"{raw!r}: the name {padded!r} begins or ends with blank space; name the file without it")
     normal = posixpath.normpath(raw)
     if normal.startswith("//"):  # kept by normpath (POSIX leaves a leading "//" to the system); it names "/"
         normal = "/" + normal.lstrip("/")
