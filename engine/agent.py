@@ -490,7 +490,7 @@ class AgentRunner:
             log.info("agent.invalid_arguments", agent=ctx.agent.name, tool=call.name, problems=exc.problems)
             return _not_run(call, result, str(exc), "Send the arguments its schema asks for, of the types it names.")
         call = ToolCall(call.id, call.name, prepared, call.raw_arguments, call.error)
-        notes = self.registry.notes(call.name)
+        notes = (*self.registry.notes(call.name), *self.registry.call_notes(call.name, call.arguments))
         shown = self.registry.definition(call.name)  # the tool as the card will show it
         earlier = await self._may_have_run(call, ctx)
         if earlier is not None:

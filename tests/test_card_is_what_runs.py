@@ -19,18 +19,22 @@ import pytest
 from kazma.approvals import SafetyPolicy
 from kazma.approvals.hashing import args_hash
 from kazma.approvals.model import ApprovalRequest, Decision
+from kazma.config.models import DangerLevel
 from kazma.config.store.database import open_database
 from kazma.engine.agent import AgentRunner, AgentSpec, workspace_for
 from kazma.engine.history import MIGRATIONS as HISTORY
 from kazma.engine.history import HistoryStore
 from kazma.engine.model import ScriptedProvider, ScriptStep
 from kazma.engine.tools.builtin import default_registry
+from kazma.engine.tools.mcp_tools import MCPConnection, MCPTool
 from kazma.engine.tools.registry import ToolRegistry, ToolResult
 from kazma.engine.tools.sandbox import resolve_sandbox
 from kazma.engine.tools.shell import ShellTool
 from kazma.engine.tools.workspace import ToolContext
 from kazma.engine.types import ModelReply, ToolCall
 from tests.approvals_support import RecordingPublisher, approval_service
+from tests.mcp_support import TG_ADMIN, TG_CHAT, Seen, calls_logged, kazma_with_tracker, tracker_config
+from tests.mcp_support import call as mcp_call
 from tests.test_e2e_plans import ALICE, CHAT, kazma
 from tests.test_e2e_plans import call as e2e_call
 
@@ -228,3 +232,41 @@ async def test_the_leads_dispatch_swarm_card_shows_the_call_as_it_starts(tmp_pat
             {**good, "preset": None, "aggregation": "collect", "routes": {}, "expect": None, "deadline_seconds": None,
              "context": ""},
         ]  # fmt: skip
+
+
+async def test_an_mcp_calls_card_says_which_server_defaults_apply_to_what_was_not_sent(tmp_path: Path) -> None:
+    # Sent as shown (the server applies its own defaults, Kazma does not fill them in), but not unsaid: the
+    # redefined create_issue files issues publicly unless "public" is sent.
+    config, _log = tracker_config(tmp_path)
+    connection = MCPConnection("tracker", config)
+    connection.start()
+    try:
+        assert await connection.wait_ready(30)
+        registry = ToolRegistry(
+            [MCPTool(connection, connection.tools["create_issue"], lambda _n: DangerLevel.DANGEROUS)]
+        )
+        assert registry.call_notes("tracker/create_issue", {"title": "Bug"}) == (
+            'Not sent, so the server\'s own defaults apply (as its schema declares them): body = "".',
+        )
+        assert registry.call_notes("tracker/create_issue", {"title": "Bug", "body": "x"}) == ()
+        assert default_registry().call_notes("shell", {"command": "ls"}) == ()  # filled in before its card instead
+    finally:
+        await connection.stop()
+
+
+async def test_the_card_of_an_mcp_call_carries_the_servers_defaults(tmp_path: Path) -> None:
+    seen = Seen()
+    steps: list[ScriptStep] = [mcp_call("tracker__create_issue", {"title": "Bug"}), seen.answer]
+    async with kazma_with_tracker(tmp_path, steps) as (app, telegram, log):
+        telegram.push_message(TG_CHAT, 42, "file it", username="alice")
+        async with asyncio.timeout(20):
+            while not (pending := await app.service.store.requests(pending_only=True)):
+                await asyncio.sleep(0.02)
+        [request] = pending
+        await app.service.decide(request.id, Decision.DENY, actor=f"telegram:{TG_ADMIN}", platform="telegram")
+        assert request.args == {"title": "Bug"}  # sent as shown: the server fills in its own
+        assert 'Not sent, so the server\'s own defaults apply (as its schema declares them): body = "".' in (
+            request.notes
+        )
+        await telegram.wait_until(lambda: bool(seen.tool_messages), timeout=20)
+        assert calls_logged(log) == []

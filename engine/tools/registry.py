@@ -85,6 +85,10 @@ class Tool(ABC, Generic[ArgsT]):
         """What every approval card of this tool must say about how the call would run (empty: nothing)."""
         return ()
 
+    def call_notes(self, arguments: Mapping[str, Any]) -> tuple[str, ...]:
+        """What the card of this one call must say about how it would run beyond its arguments (empty: nothing)."""
+        return ()
+
     def as_run(self, args: ArgsT) -> dict[str, Any]:
         """``args`` as they run, defaults filled in: what a card shows and its hash covers
         (:meth:`ToolRegistry.prepare`), and what is hashed again just before the call runs."""
@@ -197,6 +201,10 @@ class ToolRegistry:
     def notes(self, name: str) -> tuple[str, ...]:
         tool = self._tools.get(name)
         return () if tool is None else tool.notes()
+
+    def call_notes(self, name: str, arguments: Mapping[str, Any]) -> tuple[str, ...]:
+        tool = self._tools.get(name)
+        return () if tool is None else tool.call_notes(arguments)
 
     def definition(self, name: str) -> object:
         """``name``'s definition now (see Tool.definition); None for a tool that is not registered."""

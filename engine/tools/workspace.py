@@ -28,8 +28,9 @@ log = structlog.get_logger("kazma.engine.tools")
 class ToolContext:
     """Where a call runs: ``workspace`` is the conversation's own directory, created on first use.
 
-    ``approved_hash``: the argument hash a person approved for this call (None when it needed no approval);
-    a tool that sends its arguments elsewhere re-hashes what it sends against it.
+    ``approved_hash``: the argument hash a person approved for this call (None when it needed no approval); the
+    registry hashes what is about to run against it before any tool runs, and a tool that sends its arguments
+    elsewhere (MCP) re-hashes the very payload it sends too.
     """
 
     workspace: Path
