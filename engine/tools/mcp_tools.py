@@ -489,10 +489,9 @@ _DEFAULT_CHARS = 80
 
 
 def _shown_default(value: object) -> str:
-    try:
-        text = canonical_json(value)
-    except ValueError:  # a schema's own NaN: said as such, the call is not the server's schema
-        text = repr(value)
+    # Plain json, not canonical_json: a schema's own NaN is said as NaN, not a reason to refuse the call. ASCII:
+    # the note is Kazma's words on the card, so a server's text in it (a bidi control, a line break) is escaped.
+    text = json.dumps(value, sort_keys=True, default=repr)
     return text if len(text) <= _DEFAULT_CHARS else f"{text[: _DEFAULT_CHARS - 1]}…"
 
 
