@@ -37,7 +37,7 @@ from kazma.engine.tools.executions import (
     step_scope,
     tracking,
 )
-from kazma.engine.tools.registry import ToolRegistry, ToolResult
+from kazma.engine.tools.registry import InvalidArguments, ToolRegistry, ToolResult
 from kazma.engine.tools.workspace import ToolContext
 from kazma.engine.types import Message, ModelError, ModelProvider, ToolCall, ToolSpec, ToolUse, Usage
 
@@ -482,7 +482,15 @@ class AgentRunner:
         if refusal is not None:
             result.tool_runs.append(ToolRun(call.name, call.arguments, False, refusal, refused=True))
             return f"Not run: {refusal}"
-        notes = self.registry.notes(call.name)
+        try:
+            # The call as it would run, defaults filled in: the card shows it, its hash covers it, and that hash is
+            # checked again just before it runs. Arguments its tool refuses are refused here, before any card.
+            prepared = self.registry.prepare(call.name, call.arguments)
+        except InvalidArguments as exc:
+            log.info("agent.invalid_arguments", agent=ctx.agent.name, tool=call.name, problems=exc.problems)
+            return _not_run(call, result, str(exc), "Send the arguments its schema asks for, of the types it names.")
+        call = ToolCall(call.id, call.name, prepared, call.raw_arguments, call.error)
+        notes = (*self.registry.notes(call.name), *self.registry.call_notes(call.name, call.arguments))
         shown = self.registry.definition(call.name)  # the tool as the card will show it
         earlier = await self._may_have_run(call, ctx)
         if earlier is not None:

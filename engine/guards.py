@@ -111,6 +111,8 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "agent.py:AgentRunner._call:OSError": _TOOL_RESULT + " (it could not start: it did not run)",
     "agent.py:AgentRunner._call:UnrenderableArguments": _ANSWERED
     + " (arguments no card or record can hold: it did not run)",
+    "agent.py:AgentRunner._call:InvalidArguments": _ANSWERED
+    + " (arguments its tool refuses, before any card: it did not run; logged at INFO, the model's mistake)",
     "agent.py:AgentRunner._may_have_run:ValueError": "arguments nothing can hash are refused by the policy anyway",
     "swarm/checkpoints.py:Checkpoints._open_paused:_NotPaused": "cancelled meanwhile: nothing was opened, and the "
     "canceller ends the task and says so",

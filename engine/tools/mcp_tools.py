@@ -29,7 +29,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -434,6 +434,24 @@ class MCPTool(Tool[MCPArgs]):
             "(the server's own words; Kazma does not rely on them).",
         )
 
+    def call_notes(self, arguments: Mapping[str, Any]) -> tuple[str, ...]:
+        # Built-in tools' defaults are filled into the call before its card; an MCP server applies its own, so
+        # the arguments are sent as the card shows them and the defaults its schema declares are said beside them
+        # (the tracker's create_issue filing issues publicly unless told otherwise).
+        properties = self.listed.schema.get("properties")
+        if not isinstance(properties, dict):
+            return ()
+        unsent = [
+            f"{name} = {_shown_default(spec['default'])}"
+            for name, spec in properties.items()
+            if isinstance(spec, dict) and "default" in spec and name not in arguments
+        ]
+        if not unsent:
+            return ()
+        listed = "; ".join(unsent[:_MAX_DEFAULTS_SHOWN])
+        more = f" (and {len(unsent) - _MAX_DEFAULTS_SHOWN} more)" if len(unsent) > _MAX_DEFAULTS_SHOWN else ""
+        return (f"Not sent, so the server's own defaults apply (as its schema declares them): {listed}{more}.",)
+
     def output_limit(self) -> int:
         # The server's own max_output_chars, with room for the cut marker _result adds: set above the default, it
         # was still cut at the default by the agent, so the setting could only ever lower the limit.
@@ -464,6 +482,17 @@ class MCPTool(Tool[MCPArgs]):
             )
         log.info("mcp.call", tool=self.name, conversation=ctx.conversation, hash=actual)
         return await self.connection.call(self.listed.name, payload)
+
+
+_MAX_DEFAULTS_SHOWN = 10
+_DEFAULT_CHARS = 80
+
+
+def _shown_default(value: object) -> str:
+    # Plain json, not canonical_json: a schema's own NaN is said as NaN, not a reason to refuse the call. ASCII:
+    # the note is Kazma's words on the card, so a server's text in it (a bidi control, a line break) is escaped.
+    text = json.dumps(value, sort_keys=True, default=repr)
+    return text if len(text) <= _DEFAULT_CHARS else f"{text[: _DEFAULT_CHARS - 1]}…"
 
 
 class MCPSources:

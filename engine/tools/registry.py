@@ -20,7 +20,9 @@ from typing import Any, ClassVar, Generic, TypeVar
 import structlog
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kazma.approvals.hashing import args_hash
 from kazma.config.limits import MAX_TOOL_OUTPUT_CHARS
+from kazma.config.metrics import count_failure
 from kazma.config.models import DangerLevel
 from kazma.engine.tools.workspace import ToolContext
 from kazma.engine.types import ToolSpec
@@ -48,9 +50,12 @@ class ToolResult:
 
 
 class ToolArgs(BaseModel):
-    """Base of every tool's arguments: unknown arguments are errors, not silently dropped."""
+    """Base of every tool's arguments: unknown arguments are errors, not silently dropped.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Strict: a value of the wrong type (``"5"`` or ``true`` for a number) is refused, never converted. The card
+    shows and hashes the arguments as sent; a conversion after it would run a call nobody was shown."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 ArgsT = TypeVar("ArgsT", bound=ToolArgs)
@@ -80,6 +85,15 @@ class Tool(ABC, Generic[ArgsT]):
         """What every approval card of this tool must say about how the call would run (empty: nothing)."""
         return ()
 
+    def call_notes(self, arguments: Mapping[str, Any]) -> tuple[str, ...]:
+        """What the card of this one call must say about how it would run beyond its arguments (empty: nothing)."""
+        return ()
+
+    def as_run(self, args: ArgsT) -> dict[str, Any]:
+        """``args`` as they run, defaults filled in: what a card shows and its hash covers
+        (:meth:`ToolRegistry.prepare`), and what is hashed again just before the call runs."""
+        return args.model_dump(mode="json")
+
     def refusal(self) -> str | None:
         """Why every call of this tool is refused before anyone is asked (None: calls may run)."""
         return None
@@ -93,6 +107,14 @@ class Tool(ABC, Generic[ArgsT]):
         change while it runs (an MCP server listing its tools again) returns a value compared before and after
         a call waits for approval: a call runs only against the tool the person was shown."""
         return None
+
+
+class InvalidArguments(ValueError):
+    """A call's arguments its tool's model refuses; ``problems`` say each one to the model."""
+
+    def __init__(self, name: str, problems: list[str]) -> None:
+        super().__init__(f"invalid arguments for {name}: " + "; ".join(problems))
+        self.problems = problems
 
 
 class UnknownToolError(LookupError):
@@ -180,6 +202,10 @@ class ToolRegistry:
         tool = self._tools.get(name)
         return () if tool is None else tool.notes()
 
+    def call_notes(self, name: str, arguments: Mapping[str, Any]) -> tuple[str, ...]:
+        tool = self._tools.get(name)
+        return () if tool is None else tool.call_notes(arguments)
+
     def definition(self, name: str) -> object:
         """``name``'s definition now (see Tool.definition); None for a tool that is not registered."""
         tool = self._tools.get(name)
@@ -209,8 +235,24 @@ class ToolRegistry:
         tool = self._tools.get(name)
         return True if tool is None else tool.changes_state
 
+    def prepare(self, name: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """The call of ``name`` as it would run (:meth:`Tool.as_run`: validated, every default filled in), for the
+        card and the hash, before anyone is asked; :class:`InvalidArguments` when its model refuses them, so a
+        person is never asked to approve a call that cannot run as shown. An unknown tool: ``arguments`` as
+        they are (it never runs)."""
+        tool = self._tools.get(name)
+        if tool is None:
+            return dict(arguments)
+        try:
+            return tool.as_run(tool.Args.model_validate(dict(arguments)))
+        except (TypeError, ValueError) as exc:
+            raise InvalidArguments(name, _describe_validation(exc)) from None
+
     async def execute(self, name: str, arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
-        """Validate and run one call. Problems with the call or inside the tool become error results."""
+        """Validate and run one call. Problems with the call or inside the tool become error results.
+
+        With ``ctx.approved_hash`` (a person approved the call), what is about to run is hashed again against it
+        first: arguments changed since the card, or a default it did not show, do not run."""
         tool = self._tools.get(name)
         if tool is None:
             return ToolResult(ok=False, output="", error=f"unknown tool {name!r}; known tools: {self._known()}")
@@ -220,6 +262,18 @@ class ToolRegistry:
             problems = _describe_validation(exc)
             log.info("tool.invalid_arguments", tool=name, conversation=ctx.conversation, problems=problems)
             return ToolResult(ok=False, output="", error=f"invalid arguments for {name}: " + "; ".join(problems))
+        if ctx.approved_hash is not None:
+            actual = args_hash(tool.as_run(args))
+            if actual != ctx.approved_hash:
+                count_failure("tool_hash_mismatch")
+                log.warning("tool.hash_mismatch", tool=name, conversation=ctx.conversation,
+                            approved=ctx.approved_hash, actual=actual)  # fmt: skip
+                return ToolResult(
+                    ok=False,
+                    output="",
+                    error=f"refused: the arguments about to run {name} hash to {actual[:12]}…, not to what was "
+                    f"approved ({ctx.approved_hash[:12]}…); nothing ran",
+                )
         try:
             return await tool.run(args, ctx)
         except Exception as exc:

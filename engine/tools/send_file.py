@@ -23,6 +23,7 @@ from kazma.engine.tools.registry import Tool, ToolArgs, ToolResult
 from kazma.engine.tools.workspace import (
     PathRefused,
     ToolContext,
+    WorkspacePath,
     _inside,
     _open_parent,
     _os_refusal,
@@ -38,7 +39,9 @@ DEFAULT_MAX_BYTES: Final = 10 * MIB  # within every platform's upload limit for 
 
 
 class SendFileArgs(ToolArgs):
-    path: str = Field(description="Path of a file in the workspace (relative to it) to post into this conversation.")
+    path: WorkspacePath = Field(
+        description="Path of a file in the workspace (relative to it) to post into this conversation."
+    )
 
 
 class SendFileTool(Tool[SendFileArgs]):

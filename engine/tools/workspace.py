@@ -11,11 +11,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import posixpath
 import stat
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import structlog
+from pydantic import AfterValidator
 
 log = structlog.get_logger("kazma.engine.tools")
 
@@ -24,8 +28,9 @@ log = structlog.get_logger("kazma.engine.tools")
 class ToolContext:
     """Where a call runs: ``workspace`` is the conversation's own directory, created on first use.
 
-    ``approved_hash``: the argument hash a person approved for this call (None when it needed no approval);
-    a tool that sends its arguments elsewhere re-hashes what it sends against it.
+    ``approved_hash``: the argument hash a person approved for this call (None when it needed no approval); the
+    registry hashes what is about to run against it before any tool runs, and a tool that sends its arguments
+    elsewhere (MCP) re-hashes the very payload it sends too.
     """
 
     workspace: Path
@@ -131,6 +136,44 @@ def _os_refusal(shown: str, exc: OSError) -> PathRefused:
     if exc.errno == errno.ENAMETOOLONG:
         return PathRefused(f"{shown!r}: a name in the path is too long for the file system")
     return PathRefused(f"{shown!r} cannot be used: {exc.strerror or exc}")
+
+
+def normal_path(raw: str) -> str:
+    """``raw`` when it is written the one way it runs, else :class:`ValueError` saying how to write it.
+
+    A card shows a path as the model sent it and the tool then opens the file it resolves to: ``notes/`` wrote
+    ``notes``, ``a/../b`` wrote ``b``. Refused here, before any card (not rewritten): the call that is approved,
+    audited and run, and what the model believes it asked for, are then one and the same text."""
+    if not raw or "\x00" in raw:
+        raise ValueError("expected a file path relative to the workspace")
+    control = next((c for c in raw if unicodedata.category(c) == "Cc"), None)
+    if control is not None:
+        raise ValueError(f"{raw!r} contains a control character ({control!r}); name the file without it")
+    # Blanks at either end of a name are the one difference a card cannot show ("notes.txt " reads "notes.txt"),
+    # and the card's own checks let trailing blanks pass: in a command they change nothing, in a file name all.
+    padded = next((part for part in raw.split("/") if part != part.strip()), None)
+    if padded is not None:
+        raise ValueError(f"{raw!r}: the name {padded!r} begins or ends with blank space; name the file without it")
+    normal = posixpath.normpath(raw)
+    if normal.startswith("//"):  # kept by normpath (POSIX leaves a leading "//" to the system); it names "/"
+        normal = "/" + normal.lstrip("/")
+    if normal == ".":
+        raise ValueError(f"{raw!r} names the workspace directory itself, not a file")
+    if normal == ".." or normal.startswith("../"):
+        raise ValueError(f"{raw!r} is outside the workspace; use a path relative to the workspace")
+    if ".." in raw.split("/"):
+        # No rewrite offered: "docs/.." is where the link "docs" points up from, not the folder holding "docs".
+        raise ValueError(f"{raw!r} contains '..'; name the file by its path from the workspace down, without '..'")
+    if normal != raw:
+        raise ValueError(
+            f"{raw!r} is not written the way it would run: write {normal!r} (no '.' or empty parts, no '/' at "
+            "the end), so that what is shown is the very file used"
+        )
+    return raw
+
+
+WorkspacePath = Annotated[str, AfterValidator(normal_path)]
+"""A tool argument naming a file in the workspace, refused unless written in normal form (:func:`normal_path`)."""
 
 
 def _inside(root: Path, raw: str, *, as_named: bool = False) -> tuple[str, ...]:
