@@ -38,8 +38,13 @@ def safe_name(name: str) -> str:
     base = name.replace("\\", "/").rsplit("/", 1)[-1]
     cleaned = _UNSAFE.sub("_", base).strip(" .") or "file"
     if len(cleaned) > _NAME_LIMIT:
+        # The cut may fall after a blank or a dot: taken off again, as the whole name's were above. A name ending in
+        # a blank is one no file tool takes (a card cannot show it), so the agent could not open what it was sent.
         stem, dot, ext = cleaned.rpartition(".")
-        cleaned = (stem[: _NAME_LIMIT - len(ext) - 1] + dot + ext) if dot and len(ext) < 12 else cleaned[:_NAME_LIMIT]
+        if dot and len(ext) < 12:
+            cleaned = (stem[: _NAME_LIMIT - len(ext) - 1].rstrip(" .") or "file") + dot + ext
+        else:
+            cleaned = cleaned[:_NAME_LIMIT].rstrip(" .") or "file"
     return cleaned
 
 

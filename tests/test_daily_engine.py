@@ -6,13 +6,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from kazma.adapters.contract import Attachment
 from kazma.adapters.human_text import for_humans, has_fence
 from kazma.config.models import DangerLevel
 from kazma.engine.attachments import describe, safe_name, save_attachments
 from kazma.engine.fence import fence_untrusted
 from kazma.engine.tools.send_file import SendFileTool
-from kazma.engine.tools.workspace import ToolContext
+from kazma.engine.tools.workspace import ToolContext, normal_path
 
 
 class Poster:
@@ -63,6 +65,16 @@ async def test_attachments_are_saved_under_incoming_and_never_overwrite(tmp_path
     assert (tmp_path / "ws" / "incoming" / "passwd-2").read_bytes() == b"data"
     assert "incoming/passwd (4 bytes)" in describe(saved)
     assert safe_name(".hidden") == "hidden"
+
+
+@pytest.mark.parametrize("name", ["a" * 99 + " b" * 20, "a" * 99 + ". b" * 20, "a" * 95 + " " * 20 + "x.txt"])
+def test_a_long_name_cut_to_size_is_one_the_file_tools_open(name: str) -> None:
+    # Cut at 100 characters, the name could end in a blank, which read_file refuses (a card cannot show it): the
+    # agent was told of a file it could never open.
+    saved = safe_name(name)
+    assert len(saved) <= 100
+    assert normal_path(saved) == saved
+    assert normal_path(f"incoming/{saved}") == f"incoming/{saved}"
 
 
 def test_fences_become_a_quiet_label_for_people() -> None:
