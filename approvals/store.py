@@ -1075,6 +1075,16 @@ class ApprovalStore:
                           args_hash=request.args_hash, detail=f"standing: {standing}", person=person)  # fmt: skip
         return Pressed(None, False, request)
 
+    async def press_on_record(self, request_id: str, actor: str) -> bool:
+        """Whether a press of ``actor`` on ``request_id`` is on the record: its decision, its review, or its loss
+        to a decision made before it (each is audited in the press's own commit)."""
+        row = await self.tables.one(
+            "SELECT 1 FROM approval_events WHERE request_id = ? AND actor = ?"
+            " AND event IN ('decided', 'reviewed', 'review_repeated', 'press_lost') LIMIT 1",
+            (request_id, actor),
+        )
+        return row is not None
+
     async def reviews(self, request_id: str) -> list[Review]:
         """Every review of ``request_id``, in the order they were made."""
         rows = await self.tables.all(

@@ -488,6 +488,22 @@ async def test_an_approved_call_whose_start_cannot_be_recorded_does_not_run_and_
         assert request_id in [r.id for r in await service.store.approved_not_started()]
 
 
+async def test_whether_a_cut_off_press_committed_is_read_from_the_record(store_engine: Engine) -> None:
+    """What a platform asks when a press's decision was cancelled midway (the process stopping): the presser is
+    told to press again only when their press is not on the record."""
+    async with approval_service(store_engine.where) as service:
+        request = await service.open("shell", ARGS, "lead", "conv-1")
+        data = f"kz1:{request.id}:a"
+        assert await service.press_recorded(data, actor="telegram:111") is False
+        assert (await service.decide_from_button(data, actor="telegram:111", platform="telegram")).won
+        assert await service.press_recorded(data, actor="telegram:111") is True
+        assert await service.press_recorded(data, actor="slack:U111") is False
+        lost = await service.decide_from_button(f"kz1:{request.id}:d", actor="slack:U111", platform="slack")
+        assert not lost.won
+        assert await service.press_recorded(data, actor="slack:U111") is True  # its loss is on the record
+        assert await service.press_recorded("garbage", actor="telegram:111") is False
+
+
 async def test_metrics_count_opened_decided_and_time_presses(store_engine: Engine) -> None:
     from prometheus_client import REGISTRY
 
