@@ -1753,7 +1753,8 @@ class ApprovalService:
         failures = 0
         while True:
             try:
-                return await self.store.execution_starts(request_id, f"tool={tool}")
+                # A retry must not write the start twice: the failed attempt may have committed, its answer lost.
+                return await self.store.execution_starts(request_id, f"tool={tool}", again=failures > 0)
             except store_errors() as exc:
                 count_failure("approval_audit")
                 log.warning(
