@@ -98,3 +98,28 @@ async def test_a_pending_press_cancelled_by_the_stop_after_it_committed_is_not_t
     assert len(asked) == 1
     assert notices == []  # "Recorded, updating…" was true; the card's edit says the rest
     assert failure_count("press_cut_off", "telegram") == before
+
+
+async def test_a_press_not_yet_answered_when_the_stop_cancels_its_decision_is_told_in_its_answer(
+    fake: FakeTelegram, make_adapter: Factory
+) -> None:
+    """The stop's grace ends before ``press_timeout``: the press was not answered at all yet. Its query's answer
+    says it was not recorded (an alert), rather than a spinner that stops with nothing said."""
+    bot, _ = await make_adapter(press_timeout=30.0, stop_grace=0.5)
+    deciding = asyncio.Event()
+
+    async def held(press: Press) -> PressResult:
+        deciding.set()
+        await asyncio.Event().wait()  # the decision never comes back
+        raise AssertionError("unreachable")
+
+    assert bot._handlers is not None
+    bot._handlers = replace(bot._handlers, on_press=held)
+    card = make_card({"path": "/tmp/x"})
+    ref = await bot.post_card(card)
+    query = fake.push_callback(GROUP, ref.message_id, MEMBER, card.button_data(Decision.APPROVE), username="mia")
+    await asyncio.wait_for(deciding.wait(), WAIT)
+    await asyncio.wait_for(bot.stop(), 3 * WAIT)
+    answer = await fake.wait_for_answer(query)
+    assert answer["text"] == PRESS_CUT_OFF
+    assert answer.get("show_alert") in (True, "true", "True")
