@@ -54,6 +54,7 @@ class PressPolicy(ABC):
 
     name: ClassVar[str]
     press_timeout: float
+    stop_grace: float  # how long a stop lets work finish, and then waits for what it cancelled
     _handlers: Handlers | None
 
     @abstractmethod
@@ -125,7 +126,9 @@ class PressPolicy(ABC):
         recorded: bool | None = None
         if handlers.press_recorded is not None:
             try:
-                recorded = await bounded(handlers.press_recorded(press), self.press_timeout)
+                # Half the stop's patience at most: the notice needs the rest before the platform closes.
+                within = min(self.press_timeout, self.stop_grace / 2)
+                recorded = await bounded(handlers.press_recorded(press), within)
             except Exception as exc:
                 log.warning("platform.press_check_failed", platform=self.name, actor=press.actor, error=repr(exc))
         if recorded:

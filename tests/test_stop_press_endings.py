@@ -104,8 +104,9 @@ async def test_a_press_not_yet_answered_when_the_stop_cancels_its_decision_is_to
     fake: FakeTelegram, make_adapter: Factory
 ) -> None:
     """The stop's grace ends before ``press_timeout``: the press was not answered at all yet. Its query's answer
-    says it was not recorded (an alert), rather than a spinner that stops with nothing said."""
-    bot, _ = await make_adapter(press_timeout=30.0, stop_grace=0.5)
+    says it was not recorded (an alert), rather than a spinner that stops with nothing said. The store, asked,
+    never answers: the check gets half the stop's patience, not ``press_timeout`` (the platform closed first)."""
+    bot, _ = await make_adapter(press_timeout=30.0, stop_grace=1.0)
     deciding = asyncio.Event()
 
     async def held(press: Press) -> PressResult:
@@ -113,8 +114,12 @@ async def test_a_press_not_yet_answered_when_the_stop_cancels_its_decision_is_to
         await asyncio.Event().wait()  # the decision never comes back
         raise AssertionError("unreachable")
 
+    async def unanswered(press: Press) -> bool | None:
+        await asyncio.Event().wait()  # the store never answers
+        raise AssertionError("unreachable")
+
     assert bot._handlers is not None
-    bot._handlers = replace(bot._handlers, on_press=held)
+    bot._handlers = replace(bot._handlers, on_press=held, press_recorded=unanswered)
     card = make_card({"path": "/tmp/x"})
     ref = await bot.post_card(card)
     query = fake.push_callback(GROUP, ref.message_id, MEMBER, card.button_data(Decision.APPROVE), username="mia")
