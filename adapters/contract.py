@@ -135,6 +135,9 @@ class ChatMove:
 
 InboundHandler = Callable[[Inbound], Awaitable[None]]
 PressHandler = Callable[[Press], Awaitable[PressResult]]
+# Whether a press is on the record (True), is not (False), or nobody can say (None): asked when its decision was
+# cut off midway (the process stopping), so its presser is told the truth.
+PressRecorded = Callable[[Press], Awaitable[bool | None]]
 ChatMoveHandler = Callable[[ChatMove], Awaitable[None]]
 
 
@@ -200,6 +203,9 @@ class Handlers:
     # step that posts in the chat for a press (Telegram's "Deny with reason" prompt), so nobody who may not decide
     # makes the bot post. None, or an error: the step goes on (the press itself is judged as every press is).
     may_decide: DecidesCheck | None = None
+    # Whether a press whose decision was cancelled midway (the process stopping past its grace) committed anyway.
+    # None: the adapter cannot look, and tells its presser the press was not recorded.
+    press_recorded: PressRecorded | None = None
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ The platform acknowledges a press itself (each has its own deadline for that) an
 acknowledgement to the winner (the edited card is the public record), a private notice to a loser or a
 refused presser, and one apology that never shows exception text when the press could not be recorded.
 A decision slower than ``press_timeout`` is answered "recorded, updating" and goes on; its outcome still
-reaches the presser.
+reaches the presser. A decision cut off midway (the process stopped past its grace) looks in the store: a press
+that did not commit (or that nobody can check) is told so, and asked to press again.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ T = TypeVar("T")
 
 PRESS_APOLOGY: Final = "Kazma could not record your press, so nothing changed. Please press again."
 PRESS_PENDING: Final = "Recorded, updating…"
+# A decision cancelled midway (Kazma stopped) whose press is not on the record, or nobody could check it.
+PRESS_CUT_OFF: Final = "Kazma stopped before your press was recorded, so nothing changed. Please press again."
 PRESS_INACTIVE: Final = "This button is not active right now; nothing was recorded."
 # A press whose data is not a button of the message it came from (a modified client; a card edited meanwhile).
 PRESS_NOT_ON_MESSAGE: Final = "That button is no longer on this message, so nothing was recorded."
@@ -51,6 +54,7 @@ class PressPolicy(ABC):
 
     name: ClassVar[str]
     press_timeout: float
+    stop_grace: float  # how long a stop lets work finish, and then waits for what it cancelled
     _handlers: Handlers | None
 
     @abstractmethod
@@ -87,7 +91,7 @@ class PressPolicy(ABC):
             return
         if not await self._claim(key):
             return
-        decision = self.spawn(self._decide(handlers, press, key), name=f"{self.name}-press", awaited=True)
+        decision = self.spawn(self._decide(handlers, press, key, reply), name=f"{self.name}-press", awaited=True)
         try:
             # Shielded: a slow decision keeps running after we answer; only our wait ends.
             result = await bounded(asyncio.shield(decision), self.press_timeout)
@@ -103,14 +107,39 @@ class PressPolicy(ABC):
             return
         await self._answer(result, press, reply)
 
-    async def _decide(self, handlers: Handlers, press: Press, key: str | None) -> PressResult:
+    async def _decide(self, handlers: Handlers, press: Press, key: str | None, reply: PressReply) -> PressResult:
         """The decision, then the press is taken in (a replica dying before that leaves it to another)."""
-        result = await handlers.on_press(press)
-        await self._taken_in(key)
+        try:
+            result = await handlers.on_press(press)
+            await self._taken_in(key)
+        except asyncio.CancelledError:
+            # Here, not in _late: a stop cancels what a cancelled task starts, so a notice spawned then never ran.
+            await self._cut_off(handlers, press, reply)
+            raise
         return result
 
+    async def _cut_off(self, handlers: Handlers, press: Press, reply: PressReply) -> None:
+        """The decision of ``press`` was cancelled (a stop past its grace): its presser may have been told
+        "Recorded, updating…", or nothing yet. The store says whether it committed; when it did not, or cannot
+        say, the presser is told it was not recorded. The stop does not cancel this task again, and waits for it
+        up to its patience; a notice that cannot be sent any more is counted by :meth:`_reply`."""
+        recorded: bool | None = None
+        if handlers.press_recorded is not None:
+            try:
+                # Half the stop's patience at most: the notice needs the rest before the platform closes.
+                within = min(self.press_timeout, self.stop_grace / 2)
+                recorded = await bounded(handlers.press_recorded(press), within)
+            except Exception as exc:
+                log.warning("platform.press_check_failed", platform=self.name, actor=press.actor, error=repr(exc))
+        if recorded:
+            log.info("platform.press_cut_off", platform=self.name, actor=press.actor, recorded=True)
+            return
+        count_failure("press_cut_off", self.name)
+        log.warning("platform.press_cut_off", platform=self.name, actor=press.actor, recorded=recorded)
+        await self._reply(reply.notify, PRESS_CUT_OFF)
+
     async def _late(self, decision: asyncio.Future[PressResult], press: Press, reply: PressReply) -> None:
-        if decision.cancelled():
+        if decision.cancelled():  # its presser was told how it ended by _cut_off
             return
         error = decision.exception()
         if error is not None:

@@ -843,6 +843,16 @@ class ApprovalService:
                 with contextlib.suppress(*store_errors()):
                     await self.store.write(once.pop())
 
+    async def press_recorded(self, data: str, *, actor: str) -> bool:
+        """Whether the press of a button ``data`` by ``actor`` committed (asked when its decision was cut off midway:
+        the answer it would have had is gone). Button data that is not valid was never recorded. A store error
+        propagates: then nobody can say."""
+        try:
+            parsed = parse_button(data)
+        except ButtonError:
+            return False
+        return await self.store.press_on_record(parsed.request_id, actor)
+
     async def decide(
         self,
         request_id: str,
@@ -1752,7 +1762,8 @@ class ApprovalService:
         failures = 0
         while True:
             try:
-                return await self.store.execution_starts(request_id, f"tool={tool}")
+                # A retry must not write the start twice: the failed attempt may have committed, its answer lost.
+                return await self.store.execution_starts(request_id, f"tool={tool}", again=failures > 0)
             except store_errors() as exc:
                 count_failure("approval_audit")
                 log.warning(

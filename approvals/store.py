@@ -1155,6 +1155,16 @@ class ApprovalStore:
                           args_hash=request.args_hash, detail=f"standing: {standing}", person=person)  # fmt: skip
         return Pressed(None, False, request)
 
+    async def press_on_record(self, request_id: str, actor: str) -> bool:
+        """Whether a press of ``actor`` on ``request_id`` is on the record: its decision, its review, or its loss
+        to a decision made before it (each is audited in the press's own commit)."""
+        row = await self.tables.one(
+            "SELECT 1 FROM approval_events WHERE request_id = ? AND actor = ?"
+            " AND event IN ('decided', 'reviewed', 'review_repeated', 'press_lost') LIMIT 1",
+            (request_id, actor),
+        )
+        return row is not None
+
     async def reviews(self, request_id: str) -> list[Review]:
         """Every review of ``request_id``, in the order they were made."""
         rows = await self.tables.all(
@@ -1412,12 +1422,16 @@ class ApprovalStore:
         if self.chain.postgres:
             tx.one("SELECT 1 FROM approval_requests WHERE id = ? FOR UPDATE", (request_id,))
 
-    async def execution_starts(self, request_id: str, detail: str) -> str | None:
+    async def execution_starts(self, request_id: str, detail: str, *, again: bool = False) -> str | None:
         """An approved call is about to run: audited ``execution_started``, unless a recovery already reported it
         as never run (``execution_lost``: its replica was judged gone while it waited, or paused, or cut off).
         Then it must not run, since that report told people it will not: the refusal is audited in the same
         transaction and the report's detail returned. None: it may run. One lock on the request's row orders
-        this against :meth:`execution_lost` on any replica."""
+        this against :meth:`execution_lost` on any replica.
+
+        ``again``: a retry after a failed attempt whose commit may still have happened (the connection dropped
+        after COMMIT was sent). A start with this ``detail`` already on the record is that attempt's own, since
+        a request has one asker and its start is recorded once: it is not written a second time."""
         at = self.clock()
 
         def op(tx: Tx) -> str | None:
@@ -1432,6 +1446,12 @@ class ApprovalStore:
                 self.chain.append(tx, request_id, "execution_refused", actor=None, platform=None, at=at,
                                   args_hash=FROM_REQUEST, detail=f"{detail}: already reported: {reported}")  # fmt: skip
                 return reported
+            if again and tx.one(
+                "SELECT 1 FROM approval_events WHERE request_id = ? AND event = 'execution_started' AND detail = ?"
+                " LIMIT 1",
+                (request_id, detail),
+            ):
+                return None
             self.chain.append(tx, request_id, "execution_started", actor=None, platform=None, at=at,
                               args_hash=FROM_REQUEST, detail=detail)  # fmt: skip
             return None

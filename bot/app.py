@@ -186,7 +186,15 @@ class App(Lifecycle):
             signed_with_press=self.signed_with_press and self.signed_requests is not None,
             home=self.home,
             may_decide=self.may_decide,
+            press_recorded=self.press_recorded,
         )
+
+    async def press_recorded(self, press: Press) -> bool | None:
+        """Whether a press whose decision was cut off midway committed; None for a question's button (its answer
+        is the conversation's, which keeps no record to ask)."""
+        if is_question_button(press.data):
+            return None
+        return await self.service.press_recorded(press.data, actor=press.actor)
 
     async def may_decide(self, actor: str, platform: str, request_id: str) -> bool:
         """Whether ``actor``'s press on ``request_id`` would count under its policy (an unknown request: True, so

@@ -32,6 +32,7 @@ from kazma.approvals.store import FoundCard, new_request_id
 from kazma.config import load_config_text
 from kazma.config.metrics import failure_count
 from kazma.config.store.database import Tables
+from kazma.config.store.errors import simulated_failure
 from kazma.config.store.postgres import PgStore, pyformat
 from tests.approvals_support import ManualClock, RecordingPublisher, approval_service
 from tests.store_backends import Engine
@@ -428,9 +429,9 @@ async def _approved_with_start_watched(service: ApprovalService) -> tuple[str, a
     failed = asyncio.Event()
     record = service.store.execution_starts
 
-    async def watched(request_id: str, detail: str) -> str | None:
+    async def watched(request_id: str, detail: str, **options: Any) -> str | None:
         try:
-            return await record(request_id, detail)
+            return await record(request_id, detail, **options)
         except Exception:
             failed.set()
             raise
@@ -486,6 +487,47 @@ async def test_an_approved_call_whose_start_cannot_be_recorded_does_not_run_and_
         assert "execution_started" not in events
         # Nothing on the record says it ran: a recovery reports it as never run, which is true.
         assert request_id in [r.id for r in await service.store.approved_not_started()]
+
+
+async def test_a_start_whose_commit_answer_was_lost_is_recorded_once(store_engine: Engine) -> None:
+    """The first record of the start commits, but its answer is lost (the connection dropped after COMMIT was
+    sent: the store's own error reaches the caller). The retry used to write ``execution_started`` a second
+    time: the record said the call started twice, and an auditor counts two runs of one approval."""
+    async with approval_service(store_engine.where) as service:
+        request = await service.open("shell", ARGS, "lead", "conv-1")
+        await service.decide(request.id, Decision.APPROVE, actor="web:admin", platform="web")
+        record = service.store.execution_starts
+        lost: list[str] = []
+
+        async def answer_lost(request_id: str, detail: str, **options: Any) -> str | None:
+            reported = await record(request_id, detail, **options)
+            if not lost:  # committed; the store's error it would raise had the link dropped before the answer
+                lost.append(request_id)
+                raise simulated_failure(service.store.tables, "execution start")
+            return reported
+
+        service.store.execution_starts = answer_lost  # type: ignore[method-assign]
+        await service.verify_execution(request.id, "shell", ARGS)
+        assert lost == [request.id]
+        events = [e.event for e in await service.store.events(request.id)]
+        assert events.count("execution_started") == 1
+        assert "execution_refused" not in events
+
+
+async def test_whether_a_cut_off_press_committed_is_read_from_the_record(store_engine: Engine) -> None:
+    """What a platform asks when a press's decision was cancelled midway (the process stopping): the presser is
+    told to press again only when their press is not on the record."""
+    async with approval_service(store_engine.where) as service:
+        request = await service.open("shell", ARGS, "lead", "conv-1")
+        data = f"kz1:{request.id}:a"
+        assert await service.press_recorded(data, actor="telegram:111") is False
+        assert (await service.decide_from_button(data, actor="telegram:111", platform="telegram")).won
+        assert await service.press_recorded(data, actor="telegram:111") is True
+        assert await service.press_recorded(data, actor="slack:U111") is False
+        lost = await service.decide_from_button(f"kz1:{request.id}:d", actor="slack:U111", platform="slack")
+        assert not lost.won
+        assert await service.press_recorded(data, actor="slack:U111") is True  # its loss is on the record
+        assert await service.press_recorded("garbage", actor="telegram:111") is False
 
 
 async def test_metrics_count_opened_decided_and_time_presses(store_engine: Engine) -> None:

@@ -58,7 +58,7 @@ from kazma.adapters.matrix.render import (
     same_key,
 )
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
-from kazma.adapters.press_policy import NOT_YOURS
+from kazma.adapters.press_policy import NOT_YOURS, PressReply
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome, PressResult
 from kazma.config.metrics import count_failure
@@ -590,13 +590,13 @@ class MatrixAdapter(PlatformBase):
         finally:
             self._taking.pop(key, None)
 
-    async def _decide(self, handlers: Handlers, press: Press, key: str | None) -> PressResult:
+    async def _decide(self, handlers: Handlers, press: Press, key: str | None, reply: PressReply) -> PressResult:
         """The press policy's decision, and :meth:`_hand_over` told when it ends (however it ends)."""
         taking = None if key is None else self._taking.get(key)
         if taking is not None:
             taking.deciding = True
         try:
-            return await super()._decide(handlers, press, key)
+            return await super()._decide(handlers, press, key, reply)
         finally:
             if taking is not None and not taking.decided.done():
                 taking.decided.set_result(None)
