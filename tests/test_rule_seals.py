@@ -186,7 +186,7 @@ async def test_a_rules_seal_reads_back_whole_and_binds_every_field(store_engine:
     async with open_store(store_engine) as conn:
         made = await RuleStore(conn, clock=lambda: 1_800_000_000.123456).add(
             tool="shell", args_hash="ab" * 32, conversation="slack:C1", created_by="slack:U1", created_via="slack",
-            request_id="req_1", seconds=3600, keyring=TEST_KEYRING,
+            request_id="req_1", seconds=3600, keyring=TEST_KEYRING, definition_hash="de" * 32,
         )  # fmt: skip
         read = await RuleStore(conn, clock=lambda: 1_800_000_001.0).match("shell", "ab" * 32, "slack:C1")
         assert read == made
@@ -195,11 +195,16 @@ async def test_a_rules_seal_reads_back_whole_and_binds_every_field(store_engine:
             "id": "rule_other", "tool": "shell2", "args_hash": "cd" * 32, "conversation": "slack:C2",
             "created_by": "slack:U2", "created_via": "telegram", "request_id": "req_2",
             "created_at": made.created_at + 0.000001, "expires_at": made.expires_at + 1,
+            "definition_hash": "df" * 32,
         }  # fmt: skip
         for name, value in changes.items():
             problem = dataclasses.replace(read, **{name: value}).seal_problem(TEST_KEYRING)
             assert problem is not None, name
             assert (problem.site, "does not verify" in problem.detail) == (FORGED, True), name
+        # A rule bound to a definition, its digest cleared by hand, would keep only the weaker check by time.
+        cleared = dataclasses.replace(read, definition_hash=None).seal_problem(TEST_KEYRING)
+        assert cleared is not None
+        assert cleared.site == FORGED
         unsealed = await RuleStore(conn).add(
             tool="shell", args_hash="ef" * 32, conversation="slack:C1", created_by="slack:U1", created_via="slack",
             request_id="req_3", seconds=3600,
