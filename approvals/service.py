@@ -22,6 +22,7 @@ import structlog
 
 from kazma.approvals.card import (
     BUTTON_PREFIX,
+    TOOL_DEFINITION,
     ApprovalCard,
     CardIntegrityError,
     build_card,
@@ -547,6 +548,8 @@ class ApprovalService:
                 f"unknown approvals policy {name!r} (approvals.policies: "
                 f"{', '.join(self.config.approvals.policies) or 'none configured'}), so the call will not run"
             )
+        if definition_hash is not None:
+            notes = (*notes, f"{TOOL_DEFINITION}{definition_hash[:16]}…")
         new = NewRequest(
             new_request_id(),
             tool,

@@ -318,6 +318,7 @@ async def test_a_remembered_mcp_call_runs_without_a_card_after_a_restart(tmp_pat
     async with kazma_with_tracker(tmp_path, steps, remember=True) as (_app, telegram, log):
         telegram.push_message(TG_CHAT, 42, "file it", username="alice")
         await telegram.wait_until(lambda: bool(cards(telegram)), timeout=20)
+        assert "Definition SHA-256: " in cards(telegram)[0]  # which definition the person approves
         await press(telegram, "r")
         await telegram.wait_until(lambda: bool(first.tool_messages), timeout=20)
         assert len(calls_logged(log)) == 1
@@ -419,6 +420,7 @@ async def test_a_remembered_approval_stands_across_a_restart_for_its_definition_
             while not publisher.published:
                 await asyncio.sleep(0.01)
         card = publisher.published[-1]
+        assert card.about == (f"Definition SHA-256: {approved[:16]}…",)  # what the person approves
         pressed = await policy.service.decide_from_button(card.remember_data, actor="telegram:111", platform="telegram")
         assert pressed.verdict is PressVerdict.WON
         assert (await task).allowed
