@@ -450,3 +450,29 @@ async def test_a_rule_made_before_definitions_were_recorded_keeps_the_check_by_t
         assert rule.definition_hash is None
         assert not await _gets_a_card(policy, publisher, "a" * 64, clock.now - 1)  # seen before its card: stands
         assert await _gets_a_card(policy, publisher, "a" * 64, clock.now + 1)  # (re)defined since: a card
+
+
+async def test_a_remembered_mcp_call_gets_a_card_after_a_restart_onto_another_server(tmp_path: Path) -> None:
+    # Two servers list create_issue word for word; the operator points "tracker" from the first to the second and
+    # restarts. The rule was approved for a tool served from the first: the same name, description and schema
+    # elsewhere is another tool, so the call is put to a person again.
+    first, again = Seen(), Seen()
+    issue = {"title": "Bug", "body": "b"}
+    log = tracker_log(tmp_path)
+    async with tracker_http(log) as old_url, tracker_http(log) as new_url:
+        steps: list[ScriptStep] = [call("tracker__create_issue", issue), first.answer]
+        async with kazma_with_tracker(tmp_path, steps, url=old_url, remember=True) as (_app, telegram, _):
+            telegram.push_message(TG_CHAT, 42, "file it", username="alice")
+            await telegram.wait_until(lambda: bool(cards(telegram)), timeout=20)
+            await press(telegram, "r")
+            await telegram.wait_until(lambda: bool(first.tool_messages), timeout=20)
+            assert len(calls_logged(log)) == 1
+        steps = [call("tracker__create_issue", issue), again.answer]
+        async with kazma_with_tracker(tmp_path, steps, url=new_url, remember=True) as (_app, telegram, _):
+            telegram.push_message(TG_CHAT, 42, "file it again", username="alice")
+            await telegram.wait_until(lambda: bool(cards(telegram)) or bool(again.tool_messages), timeout=20)
+            assert len(cards(telegram)) == 1  # asked: the rule stood for the tool of the first server
+            assert len(calls_logged(log)) == 1
+            await press(telegram, "d")
+            await telegram.wait_until(lambda: bool(again.tool_messages), timeout=20)
+            assert len(calls_logged(log)) == 1
