@@ -241,12 +241,17 @@ class RuleStore:
         await self.tables.run(_INSERT, _row(rule))
         return rule
 
-    async def match(self, tool: str, args_hash: str, conversation: str) -> Rule | None:
-        """The active rule for exactly this call in exactly this conversation, or None."""
+    async def match(
+        self, tool: str, args_hash: str, conversation: str, definition_hash: str | None = None
+    ) -> Rule | None:
+        """The active rule for exactly this call in exactly this conversation, or None: one made for the tool's
+        definition ``definition_hash`` first (a rule for another definition, made later, must not hide it), else
+        the one that lasts longest."""
         row = await self.tables.one(
             f"SELECT {_COLUMNS} FROM approval_rules WHERE tool = ? AND args_hash = ? AND conversation = ?"  # noqa: S608
-            " AND revoked_at IS NULL AND expires_at > ? ORDER BY expires_at DESC LIMIT 1",
-            (tool, args_hash, conversation, self._now()),
+            " AND revoked_at IS NULL AND expires_at > ?"
+            " ORDER BY CASE WHEN definition_hash = ? THEN 0 ELSE 1 END, expires_at DESC LIMIT 1",
+            (tool, args_hash, conversation, self._now(), definition_hash),
         )
         return None if row is None else _rule(tuple(row))
 

@@ -723,7 +723,7 @@ class ApprovalService:
             digest = args_hash(args)
         except ValueError:
             return None
-        rule = await self.rules.match(tool, digest, conversation)
+        rule = await self.rules.match(tool, digest, conversation, definition_hash)
         if rule is None:
             return None
         policy = self.config.policy(self.config.policy_name_for(tool))

@@ -476,3 +476,40 @@ async def test_a_remembered_mcp_call_gets_a_card_after_a_restart_onto_another_se
             await press(telegram, "d")
             await telegram.wait_until(lambda: bool(again.tool_messages), timeout=20)
             assert len(calls_logged(log)) == 1
+
+
+async def _remember_for(policy: SafetyPolicy, publisher: RecordingPublisher, definition: str, since: float) -> None:
+    """The call of the tool defined as ``definition`` gets a card, and "Approve for …" is pressed on it."""
+    before = len(publisher.published)
+    task = asyncio.create_task(
+        policy.check(
+            "deploy",
+            ARGS,
+            requested_by="agent:kazma",
+            conversation=HERE,
+            definition_hash=definition,
+            defined_since=since,
+        )
+    )
+    async with asyncio.timeout(10):
+        while len(publisher.published) == before:
+            await asyncio.sleep(0.01)
+    card = publisher.published[-1]
+    pressed = await policy.service.decide_from_button(card.remember_data, actor="telegram:111", platform="telegram")
+    assert pressed.verdict is PressVerdict.WON
+    assert (await task).allowed
+
+
+async def test_a_rule_for_one_definition_does_not_hide_the_rule_for_another(tmp_path: Path) -> None:
+    # Replicas whose servers list two versions of the tool (a rolling upgrade): a rule was approved for each. The
+    # newer rule must not shadow the older one: a call of the tool as first defined still runs under its own rule.
+    clock = ManualClock()
+    first, second = "a" * 64, "b" * 64
+    async with remembering(tmp_path, clock) as (policy, publisher):
+        await _remember_for(policy, publisher, first, clock.now)
+        clock.advance(60)
+        await _remember_for(policy, publisher, second, clock.now)
+        assert len(await policy.service.rules.list()) == 2  # type: ignore[union-attr]
+        assert not await _gets_a_card(policy, publisher, first, clock.now)
+        assert not await _gets_a_card(policy, publisher, second, clock.now)
+        assert await _gets_a_card(policy, publisher, "c" * 64, clock.now)
