@@ -66,6 +66,7 @@ from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdraw
 from kazma.config import failpoints
 from kazma.config.address import Address, AddressError
 from kazma.config.backoff import Backoff
+from kazma.config.limits import MAX_REMEMBER_SECONDS
 from kazma.config.log_gate import LevelGate
 from kazma.config.metrics import (
     APPROVALS_OPENED,
@@ -96,6 +97,10 @@ WAIT_READ_RETRY = Backoff(base=0.1, cap=5.0)
 START_RECORD_WITHIN = 10.0
 _NO_PUBLISHER = object()  # no publisher was checked yet (None is a publisher's value: none)
 _CONFIG_READS_KEPT = 4096  # persons and admissions a service keeps of its configuration at most (then starts again)
+# How long after the press that approved a request its rule may have been made (the rule is written right after the
+# decision's commit; generous for a slow store and replicas' clocks) and the most any rule lasts after it.
+_RULE_MADE_WITHIN: Final = 300.0
+_LONGEST_RULE: Final = MAX_REMEMBER_SECONDS + _RULE_MADE_WITHIN
 _RECENT_KEPT = 10_000  # requests ended here, and asked after, a service remembers (the oldest go first)
 _RECORD_GRACE = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)  # seconds, about 1.6 in all
 
@@ -743,6 +748,11 @@ class ApprovalService:
             await self._audit_safely(rule.request_id, "rule_refused", None, None, f"{rule.id}: {forged.detail}")
             log.error("approvals.forged_rule", rule=rule.id, request_id=rule.request_id, detail=forged.detail)
             return None
+        if await self._past_max_seconds(rule):
+            # approvals.remember.max_seconds was lowered since the rule was made: a configuration change, not a
+            # forgery, so not counted or audited as one; the call gets a card.
+            log.info("approvals.rule_past_max_seconds", rule=rule.id, tool=tool, request_id=rule.request_id)
+            return None
         assert policy is not None  # the maker may decide under it (above)
         if started_by is not None and policy.forbid_requester and self._same_person(started_by, rule.created_by):
             log.info("approvals.rule_not_for_requester", rule=rule.id, tool=tool, started_by=started_by)
@@ -780,6 +790,13 @@ class ApprovalService:
             )
         return rule
 
+    async def _past_max_seconds(self, rule: Rule) -> bool:
+        """Whether ``rule``'s approval is older than approvals.remember.max_seconds as configured now."""
+        request = await self.store.get(rule.request_id)
+        if request is None or request.decided_at is None:
+            return True  # (refused as a forgery before this is asked)
+        return self.clock() >= request.decided_at.timestamp() + self.config.approvals.remember.max_seconds
+
     async def _rule_problem(self, rule: Rule, tool: str, digest: str, conversation: str) -> SealProblem | None:
         """Why ``rule``, its seal verified, is not one a person's "Approve for …" made for this call here, or None."""
         revoked = [e for e in await self.store.events(rule.request_id, event="rule_revoked") if e.detail == rule.id]
@@ -799,8 +816,16 @@ class ApprovalService:
         if rule.definition_hash is not None and rule.definition_hash != await self.store.definition_of(request.id):
             return SealProblem(f"its approval {request.id} was for another definition of {tool}", FORGED)
         assert request.decided_at is not None  # sealed: decided
-        if self.clock() >= request.decided_at.timestamp() + self.config.approvals.remember.max_seconds:
-            return SealProblem(f"it outlives approvals.remember.max_seconds from its approval {request.id}", FORGED)
+        decided = request.decided_at.timestamp()
+        # Kazma makes a rule with the press that approved (moments after the decision) and never for longer than
+        # max_seconds can ever be. One made later, or lasting longer, is no rule Kazma made: a forgery. A genuine
+        # rule past the max_seconds configured now (lowered since) is only ended (see remembered).
+        if rule.created_at - decided > _RULE_MADE_WITHIN or rule.expires_at - decided > _LONGEST_RULE:
+            return SealProblem(
+                f"it outlives approvals.remember.max_seconds from its approval {request.id} (made "
+                f"{rule.created_at - decided:.0f} s after it, until {rule.expires_at - decided:.0f} s after it)",
+                FORGED,
+            )
         if not await self._decided_on_record(request):  # as an approval run from its card is held to
             return SealProblem(f"its approval {request.id} has no decided audit row (changed outside Kazma)", FORGED)
         return None

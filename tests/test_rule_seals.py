@@ -389,3 +389,22 @@ async def test_a_rule_the_audit_cannot_record_is_not_made_and_the_approval_stand
         assert await rules.list(active_only=False) == []  # no rule the audit does not show
         await _write_around_kazma(policy, "DROP TRIGGER refuse_rule_created")
         assert await _asks_for_a_card(policy, publisher, ARGS, HERE)  # the next identical call: a card
+
+
+async def test_a_shorter_max_seconds_ends_older_rules_and_is_no_forgery(tmp_path: Path) -> None:
+    # The team lowers approvals.remember.max_seconds (and restarts): a rule made under the longer one no longer
+    # stands once older than the new limit, quietly; a configuration change is not counted, audited or logged as a
+    # forged rule (an operator told "forged" would look for an attacker who is not there).
+    clock = ManualClock()
+    async with remembering(tmp_path, clock) as (policy, publisher):
+        await _remember(policy, publisher)
+    clock.advance(700)
+    shorter = CONFIG.replace("max_seconds: 3600", "max_seconds: 600")
+    async with remembering(tmp_path, clock, shorter) as (policy, publisher):
+        rules = policy.service.rules
+        assert rules is not None
+        [rule] = await rules.list()
+        before = failure_count(FORGED)
+        assert await _asks_for_a_card(policy, publisher, ARGS, HERE)
+        assert failure_count(FORGED) == before
+        assert "rule_refused" not in [e.event for e in await policy.service.store.events(rule.request_id)]
