@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 
-from kazma.approvals import Decision, PressVerdict, SafetyPolicy
+from kazma.approvals import MIGRATIONS, Decision, PressVerdict, SafetyPolicy
+from kazma.approvals.rules import MIGRATIONS as RULES
 from kazma.approvals.rules import Rule, RuleStore
 from kazma.approvals.seal import FORGED, KEY_UNKNOWN
 from kazma.config.keyring import DECISION_KEYS, Keyring
 from kazma.config.metrics import failure_count
+from kazma.config.store.database import open_database, schema_versions
 from tests.approvals_support import TEST_KEY, TEST_KEYRING, ManualClock, RecordingPublisher
 from tests.store_backends import Engine, open_store
 from tests.test_remembered_approvals import ARGS, CONFIG, HERE, _asks_for_a_card, _remember, remembering
@@ -408,3 +410,31 @@ async def test_a_shorter_max_seconds_ends_older_rules_and_is_no_forgery(tmp_path
         assert await _asks_for_a_card(policy, publisher, ARGS, HERE)
         assert failure_count(FORGED) == before
         assert "rule_refused" not in [e.event for e in await policy.service.store.events(rule.request_id)]
+
+
+async def test_a_store_migrated_from_before_definitions_keeps_its_rules_as_they_were(tmp_path: Path) -> None:
+    # A store whose rules predate the definition digest (approvals 19, approval_rules 2) is migrated at start: its
+    # rows gain an empty digest, their seals still verify as they were made, and they keep the check by time.
+    path = tmp_path / "kazma.db"
+    old = await open_database(path, busy_timeout_ms=5000, migrations=[*MIGRATIONS[:-1], *RULES[:-1]])
+    try:
+        assert await schema_versions(old) == {"approvals": 19, "approval_rules": 2}
+        made = RuleStore(old, clock=lambda: 1_800_000_000.0).made(
+            tool="deploy", args_hash="ab" * 32, conversation=HERE, created_by="telegram:111", created_via="telegram",
+            request_id="req_1", seconds=3600, keyring=TEST_KEYRING,
+        )  # fmt: skip
+        await old.execute(_INSERT, (*made.bound, made.seal_key_id, made.seal))
+        await old.commit()
+    finally:
+        await old.close()
+    new = await open_database(path, busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
+    try:
+        assert await schema_versions(new) == {"approvals": 20, "approval_rules": 3}
+        [read] = await RuleStore(new, clock=lambda: 1_800_000_001.0).list()
+        assert read == made
+        assert read.definition_hash is None
+        assert read.seal_problem(TEST_KEYRING) is None
+        columns = [row[1] for row in await new.execute_fetchall("PRAGMA table_info(approval_requests)")]
+        assert "definition_hash" in columns
+    finally:
+        await new.close()
