@@ -324,7 +324,10 @@ ASKED_THROUGH_API: Final = "Asked through the approvals API by "
 ON_BEHALF_OF: Final = "On behalf of: "
 REASON_GIVEN: Final = "Reason given: "
 ASKER_WAITS: Final = "The asker "
-ABOUT_PREFIXES: Final = (ASKED_THROUGH_API, ON_BEHALF_OF, REASON_GIVEN, ASKER_WAITS)
+# Which definition of the tool (an MCP server's description, schema and hints) the card was opened for: the
+# digest the request records and a remembered approval made from it stands for (the audit has it whole).
+TOOL_DEFINITION: Final = "Definition SHA-256: "
+ABOUT_PREFIXES: Final = (ASKED_THROUGH_API, ON_BEHALF_OF, REASON_GIVEN, ASKER_WAITS, TOOL_DEFINITION)
 
 
 INTEGRITY_WARNING = (

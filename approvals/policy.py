@@ -52,12 +52,15 @@ class SafetyPolicy:
         skip_rules: bool = False,
         started_by: str | None = None,
         defined_since: float | None = None,
+        definition_hash: str | None = None,
     ) -> PolicyVerdict:
         """``notes``: how the call would run, said on its card (e.g. "runs unsandboxed on this host").
         ``skip_rules``: a card even where a remembered approval would let the call run (it may have run already).
         ``started_by``: whose message started the work (a policy's ``forbid_requester`` refuses their Approve).
-        ``defined_since``: when the tool's definition as it stands was first seen (epoch seconds; None: fixed in
-        Kazma's code): a remembered approval made on a card shown before it was made for another tool."""
+        ``definition_hash``: the digest of the tool's definition now (None: fixed in Kazma's code): the request
+        records it, and a remembered approval stands only for the definition it was made for.
+        ``defined_since``: when that definition was first seen (epoch seconds): a remembered approval that names no
+        definition (made before they were recorded) made on a card shown before it was made for another tool."""
         level = self.level(tool)
         if level is not DangerLevel.DANGEROUS:
             return PolicyVerdict(True, f"{tool} is classified {level.value}")
@@ -66,11 +69,12 @@ class SafetyPolicy:
         chosen = config.policy(name)
         # A remembered approval is one person's press: never for a policy of several people or a passkey.
         rememberable = chosen is not None and chosen.single and not skip_rules
-        rule = (
-            await self.service.remembered(tool, args, conversation, started_by=started_by, defined_since=defined_since)
-            if rememberable
-            else None
-        )
+        rule = None
+        if rememberable:
+            rule = await self.service.remembered(
+                tool, args, conversation, started_by=started_by, defined_since=defined_since,
+                definition_hash=definition_hash,
+            )  # fmt: skip
         if rule is not None:
             return PolicyVerdict(
                 True,
@@ -90,7 +94,7 @@ class SafetyPolicy:
         try:
             request = await self.service.open(
                 tool, args, requested_by, conversation, deadline=deadline, task_id=task_id, notes=notes,
-                started_by=started_by,
+                started_by=started_by, definition_hash=definition_hash,
             )  # fmt: skip
         except ApprovalRefused as exc:
             return PolicyVerdict(False, str(exc))

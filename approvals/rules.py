@@ -56,6 +56,9 @@ MIGRATIONS: Final = [
         2,
         ("ALTER TABLE approval_rules ADD COLUMN seal_key_id TEXT", "ALTER TABLE approval_rules ADD COLUMN seal TEXT"),
     ),
+    # The digest of the tool definition its card was opened for, sealed with it (NULL: a tool fixed in Kazma's
+    # code, or a rule made before it was recorded, which keeps the older check by time).
+    Migration("approval_rules", 3, ("ALTER TABLE approval_rules ADD COLUMN definition_hash TEXT",)),
 ]
 PG_MIGRATIONS: Final = [
     PgMigration(
@@ -83,6 +86,7 @@ PG_MIGRATIONS: Final = [
         2,
         ("ALTER TABLE approval_rules ADD COLUMN seal_key_id text", "ALTER TABLE approval_rules ADD COLUMN seal text"),
     ),
+    PgMigration("approval_rules", 3, ("ALTER TABLE approval_rules ADD COLUMN definition_hash text",)),
 ]
 # The requesters whose calls consult a remembered approval before asking: agents' tool calls (the safety
 # policy). Nothing else does (the approvals API and ``/mcp`` always ask; a checkpoint is never the same call).
@@ -106,9 +110,9 @@ def rules_consulted_for(requested_by: str, conversation: str) -> bool:
 
 _COLUMNS = (
     "id, tool, args_hash, conversation, created_by, created_via, request_id, created_at, expires_at, revoked_at,"
-    " seal_key_id, seal"
+    " seal_key_id, seal, definition_hash"
 )
-_INSERT = f"INSERT INTO approval_rules ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
+_INSERT = f"INSERT INTO approval_rules ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
 _REVOKE = "UPDATE approval_rules SET revoked_at = ?, revoked_by = ? WHERE id = ? AND revoked_at IS NULL"
 
 
@@ -126,6 +130,9 @@ class Rule:
     revoked_at: float | None
     seal_key_id: str | None = None
     seal: str | None = None  # made by :func:`~kazma.approvals.seal.seal_rule`; None: not sealed (refused)
+    # The digest of the tool definition its card was opened for (sealed with it); None: a tool fixed in Kazma's
+    # code, or a rule made before definitions were recorded (then the time its request opened is compared).
+    definition_hash: str | None = None
 
     def active(self, now: float) -> bool:
         return self.revoked_at is None and now < self.expires_at
@@ -140,21 +147,27 @@ class Rule:
 
     def seal_problem(self, keyring: Keyring | None) -> SealProblem | None:
         """Why this row is not a rule Kazma made and sealed as it stands, or None when its seal verifies."""
-        return rule_seal_problem(keyring, self.seal_key_id, self.seal, self.bound)
+        return rule_seal_problem(keyring, self.seal_key_id, self.seal, self.bound, self.definition_hash)
 
 
 def _row(rule: Rule) -> tuple[object, ...]:
     """``rule`` as _INSERT's values."""
-    return (*rule.bound, None, rule.seal_key_id, rule.seal)
+    return (*rule.bound, None, rule.seal_key_id, rule.seal, rule.definition_hash)
 
 
 def _rule(row: tuple[object, ...]) -> Rule:
-    revoked, key_id, mac = row[9:12]
+    revoked, key_id, mac, definition = row[9:13]
     return Rule(
         str(row[0]), str(row[1]), str(row[2]), str(row[3]), str(row[4]), str(row[5]), str(row[6]),
         float(str(row[7])), float(str(row[8])), None if revoked is None else float(str(revoked)),
         None if key_id is None else str(key_id), None if mac is None else str(mac),
+        None if definition is None else str(definition),
     )  # fmt: skip
+
+
+def _for_definition(definition_hash: str | None) -> str:
+    """What an audit row adds about the tool definition a rule stands for (nothing for a tool fixed in code)."""
+    return "" if definition_hash is None else f" for tool definition {definition_hash}"
 
 
 class RuleStore:
@@ -167,17 +180,17 @@ class RuleStore:
 
     def made(
         self, *, tool: str, args_hash: str, conversation: str, created_by: str, created_via: str, request_id: str,
-        seconds: float, keyring: Keyring | None = None,
+        seconds: float, keyring: Keyring | None = None, definition_hash: str | None = None,
     ) -> Rule:  # fmt: skip
         """A new rule (not yet stored), sealed with ``keyring``'s current key (None: unsealed, so never let stand
-        for a call)."""
+        for a call). ``definition_hash``: the tool definition its card was opened for (None: fixed in code)."""
         now = self._now()
         rule = Rule(
             "rule_" + secrets.token_urlsafe(12), tool, args_hash, conversation, created_by, created_via, request_id,
-            now, now + seconds, None,
+            now, now + seconds, None, definition_hash=definition_hash,
         )  # fmt: skip
         if keyring is not None:
-            made = seal_rule(keyring, rule.bound)
+            made = seal_rule(keyring, rule.bound, definition_hash)
             rule = replace(rule, seal_key_id=made.key_id, seal=made.mac)
         return rule
 
@@ -191,7 +204,7 @@ class RuleStore:
             tx.send(_INSERT, _row(rule))
             store.record(
                 tx, request_id=rule.request_id, event="rule_created", actor=actor, platform=platform,
-                detail=f"{rule.id} until {rule.expires_at:.0f}", person=person,
+                detail=f"{rule.id} until {rule.expires_at:.0f}" + _for_definition(rule.definition_hash), person=person,
             )  # fmt: skip
 
         await store.write(write)
@@ -217,22 +230,28 @@ class RuleStore:
 
     async def add(
         self, *, tool: str, args_hash: str, conversation: str, created_by: str, created_via: str, request_id: str,
-        seconds: float, keyring: Keyring | None = None,
+        seconds: float, keyring: Keyring | None = None, definition_hash: str | None = None,
     ) -> Rule:  # fmt: skip
         """A new rule, stored on its own (no audit event: the service writes a rule with its ``rule_created``)."""
         rule = self.made(
             tool=tool, args_hash=args_hash, conversation=conversation, created_by=created_by,
             created_via=created_via, request_id=request_id, seconds=seconds, keyring=keyring,
+            definition_hash=definition_hash,
         )  # fmt: skip
         await self.tables.run(_INSERT, _row(rule))
         return rule
 
-    async def match(self, tool: str, args_hash: str, conversation: str) -> Rule | None:
-        """The active rule for exactly this call in exactly this conversation, or None."""
+    async def match(
+        self, tool: str, args_hash: str, conversation: str, definition_hash: str | None = None
+    ) -> Rule | None:
+        """The active rule for exactly this call in exactly this conversation, or None: one made for the tool's
+        definition ``definition_hash`` first (a rule for another definition, made later, must not hide it), else
+        the one that lasts longest."""
         row = await self.tables.one(
             f"SELECT {_COLUMNS} FROM approval_rules WHERE tool = ? AND args_hash = ? AND conversation = ?"  # noqa: S608
-            " AND revoked_at IS NULL AND expires_at > ? ORDER BY expires_at DESC LIMIT 1",
-            (tool, args_hash, conversation, self._now()),
+            " AND revoked_at IS NULL AND expires_at > ?"
+            " ORDER BY CASE WHEN definition_hash = ? THEN 0 ELSE 1 END, expires_at DESC LIMIT 1",
+            (tool, args_hash, conversation, self._now(), definition_hash),
         )
         return None if row is None else _rule(tuple(row))
 

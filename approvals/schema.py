@@ -284,6 +284,10 @@ MIGRATIONS = [
     # PostgreSQL's guessed audit append as a plain statement, and the function that fails its stale guess
     # (approvals/pg_press.py); nothing on SQLite.
     Migration("approvals", 19, ()),
+    # The digest of the tool's definition the card was opened for (engine/tools/registry.py definition_digest;
+    # NULL: a tool fixed in Kazma's code, or a request opened before it was recorded): a remembered approval made
+    # from the request stands only for that definition.
+    Migration("approvals", 20, ("ALTER TABLE approval_requests ADD COLUMN definition_hash TEXT",)),
 ]
 
 # The same tables on PostgreSQL, version for version: REAL is double precision there (its REAL has 6
@@ -567,4 +571,5 @@ PG_MIGRATIONS = [
     PgMigration("approvals", 17, (PG_PRESS_ON_GUESS_FUNCTION,)),
     PgMigration("approvals", 18, (PG_AUDIT_LINK_FUNCTION, PG_AUDIT_CHECKPOINT_FUNCTION)),
     PgMigration("approvals", 19, (PG_AUDIT_STALE_GUESS_FUNCTION,)),
+    PgMigration("approvals", 20, ("ALTER TABLE approval_requests ADD COLUMN definition_hash text",)),
 ]

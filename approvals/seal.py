@@ -196,21 +196,27 @@ def seal_problem(keyring: Keyring | None, request: ApprovalRequest) -> SealProbl
 RuleFields = tuple[str, str, str, str, str, str, str, float, float]
 
 
-def _rule_message(key_id: str, bound: RuleFields) -> bytes:
-    """The bytes a rule's seal is the HMAC of, its times in whole microseconds."""
+def _rule_message(key_id: str, bound: RuleFields, definition_hash: str | None) -> bytes:
+    """The bytes a rule's seal is the HMAC of, its times in whole microseconds. A rule bound to a tool definition
+    binds its digest last: a list one longer, so a seal made without it (a rule made before definitions were
+    recorded) still verifies as it was made, and neither can pass for the other."""
     *made, created_at, expires_at = bound
-    return _as_json([_DOMAIN_RULE, key_id, *made, round(created_at * 1_000_000), round(expires_at * 1_000_000)])
+    fields: list[object] = [_DOMAIN_RULE, key_id, *made, round(created_at * 1_000_000), round(expires_at * 1_000_000)]
+    if definition_hash is not None:
+        fields.append(definition_hash)
+    return _as_json(fields)
 
 
-def seal_rule(keyring: Keyring, bound: RuleFields) -> Seal:
+def seal_rule(keyring: Keyring, bound: RuleFields, definition_hash: str | None = None) -> Seal:
     """The seal of one remembered approval, with the current key, made where the person's press made the rule."""
     key = keyring.current
-    return Seal(key.id, V2 + _mac(key.secret, _rule_message(key.id, bound)))
+    return Seal(key.id, V2 + _mac(key.secret, _rule_message(key.id, bound, definition_hash)))
 
 
 def rule_seal_problem(
-    keyring: Keyring | None, seal_key_id: str | None, mac: str | None, bound: RuleFields
-) -> SealProblem | None:
+    keyring: Keyring | None, seal_key_id: str | None, mac: str | None, bound: RuleFields,
+    definition_hash: str | None = None,
+) -> SealProblem | None:  # fmt: skip
     """Why a remembered approval's row is not one Kazma made and sealed as it stands, or None when it is."""
     if keyring is None:
         return SealProblem("no decision key is loaded here, so no remembered approval can be verified", KEY_UNKNOWN)
@@ -225,7 +231,7 @@ def rule_seal_problem(
             f"({keyring.source}: {', '.join(keyring.ids)})",
             KEY_UNKNOWN,
         )
-    expected = V2 + _mac(key.secret, _rule_message(key.id, bound))
+    expected = V2 + _mac(key.secret, _rule_message(key.id, bound, definition_hash))
     if not hmac.compare_digest(expected.encode(), mac.encode("utf-8")):
         return SealProblem(
             f"its seal does not verify with key {key.id} (the row was changed or written outside Kazma)", FORGED

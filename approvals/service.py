@@ -22,6 +22,7 @@ import structlog
 
 from kazma.approvals.card import (
     BUTTON_PREFIX,
+    TOOL_DEFINITION,
     ApprovalCard,
     CardIntegrityError,
     build_card,
@@ -65,6 +66,7 @@ from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdraw
 from kazma.config import failpoints
 from kazma.config.address import Address, AddressError
 from kazma.config.backoff import Backoff
+from kazma.config.limits import MAX_REMEMBER_SECONDS
 from kazma.config.log_gate import LevelGate
 from kazma.config.metrics import (
     APPROVALS_OPENED,
@@ -95,6 +97,10 @@ WAIT_READ_RETRY = Backoff(base=0.1, cap=5.0)
 START_RECORD_WITHIN = 10.0
 _NO_PUBLISHER = object()  # no publisher was checked yet (None is a publisher's value: none)
 _CONFIG_READS_KEPT = 4096  # persons and admissions a service keeps of its configuration at most (then starts again)
+# How long after the press that approved a request its rule may have been made (the rule is written right after the
+# decision's commit; generous for a slow store and replicas' clocks) and the most any rule lasts after it.
+_RULE_MADE_WITHIN: Final = 300.0
+_LONGEST_RULE: Final = MAX_REMEMBER_SECONDS + _RULE_MADE_WITHIN
 _RECENT_KEPT = 10_000  # requests ended here, and asked after, a service remembers (the oldest go first)
 _RECORD_GRACE = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)  # seconds, about 1.6 in all
 
@@ -479,6 +485,7 @@ class ApprovalService:
         seen: bool = False,
         policy: str | None = None,
         started_by: str | None = None,
+        definition_hash: str | None = None,
     ) -> ApprovalRequest:
         """Record a new request and put its card on every platform.
 
@@ -491,12 +498,14 @@ class ApprovalService:
         ``deadline`` is in seconds from now (default ``approvals.deadline_seconds``).
         ``policy`` names the approvals policy it is decided under (None: the tool's own, else the default);
         ``started_by`` is who started the work (a person or an identity), whom ``forbid_requester`` refuses.
+        ``definition_hash``: the digest of the tool's definition as the card shows it (None: a tool fixed in
+        Kazma's code); a remembered approval made from the request stands only for that definition.
 
         Raises :class:`ApprovalRefused` when the arguments cannot be shown faithfully.
         """
         request, _ = await self.open_once(
             tool, args, requested_by, conversation, deadline, task_id, notes=notes, durable=durable, waits=waits,
-            seen=seen, policy=policy, started_by=started_by,
+            seen=seen, policy=policy, started_by=started_by, definition_hash=definition_hash,
         )  # fmt: skip
         return request
 
@@ -516,6 +525,7 @@ class ApprovalService:
         gate: OpenGate | None = None,
         policy: str | None = None,
         started_by: str | None = None,
+        definition_hash: str | None = None,
     ) -> tuple[ApprovalRequest, bool]:
         """:meth:`open`, with a door's ``gate`` in the opening transaction: the request and whether this call
         opened it (False: the gate named the request that stands instead, and nothing was opened).
@@ -543,6 +553,8 @@ class ApprovalService:
                 f"unknown approvals policy {name!r} (approvals.policies: "
                 f"{', '.join(self.config.approvals.policies) or 'none configured'}), so the call will not run"
             )
+        if definition_hash is not None:
+            notes = (*notes, f"{TOOL_DEFINITION}{definition_hash[:16]}…")
         new = NewRequest(
             new_request_id(),
             tool,
@@ -571,6 +583,7 @@ class ApprovalService:
             seen=seen,
             guard=None if gate is None else gate.admit,
             also=also,
+            definition_hash=definition_hash,
         )
         if not opened:
             return request, False
@@ -695,15 +708,19 @@ class ApprovalService:
         *,
         started_by: str | None = None,
         defined_since: float | None = None,
+        definition_hash: str | None = None,
     ) -> Rule | None:
         """The standing rule that lets exactly this call run here without a card (audited and said), or None.
 
         ``started_by``: whose message started the work. Under a policy with ``forbid_requester`` a rule its
         maker made never lets their own work run: they could not approve that call on a card either.
-        ``defined_since``: when the tool as it stands now was first seen (None: fixed in Kazma's code). A rule
-        whose card was opened before it approved the same arguments for a tool defined otherwise (an MCP server
-        listed it again with another description, schema or hints, or it was listed anew after a restart): the
-        call gets a card, as a call whose tool changed while it waited does not run."""
+        ``definition_hash``: the digest of the tool's definition now (None: fixed in Kazma's code). A rule stands
+        only for the definition its card was opened for: one made for the tool defined otherwise (an MCP server
+        listed it again with another description, schema or hints) does not, as a call whose tool changed while it
+        waited does not run; the same definition listed again (after a restart) keeps it.
+        ``defined_since``: when the tool as it stands now was first seen here; consulted only for a rule made
+        before definitions were recorded (it names none): one whose card was opened before it may have approved
+        another definition, so the call gets a card."""
         if self.rules is None or not self.config.approvals.remember.enabled or not in_a_chat(conversation):
             return None
         try:
@@ -711,7 +728,7 @@ class ApprovalService:
             digest = args_hash(args)
         except ValueError:
             return None
-        rule = await self.rules.match(tool, digest, conversation)
+        rule = await self.rules.match(tool, digest, conversation, definition_hash)
         if rule is None:
             return None
         policy = self.config.policy(self.config.policy_name_for(tool))
@@ -731,16 +748,27 @@ class ApprovalService:
             await self._audit_safely(rule.request_id, "rule_refused", None, None, f"{rule.id}: {forged.detail}")
             log.error("approvals.forged_rule", rule=rule.id, request_id=rule.request_id, detail=forged.detail)
             return None
+        if await self._past_max_seconds(rule):
+            # approvals.remember.max_seconds was lowered since the rule was made: a configuration change, not a
+            # forgery, so not counted or audited as one; the call gets a card.
+            log.info("approvals.rule_past_max_seconds", rule=rule.id, tool=tool, request_id=rule.request_id)
+            return None
         assert policy is not None  # the maker may decide under it (above)
         if started_by is not None and policy.forbid_requester and self._same_person(started_by, rule.created_by):
             log.info("approvals.rule_not_for_requester", rule=rule.id, tool=tool, started_by=started_by)
             return None
-        if defined_since is not None:
+        if rule.definition_hash is not None:
+            if rule.definition_hash != definition_hash:
+                log.info("approvals.rule_tool_redefined", rule=rule.id, tool=tool, request_id=rule.request_id,
+                         approved=rule.definition_hash, now=definition_hash)  # fmt: skip
+                return None
+        elif defined_since is not None:
             made_on = await self.store.get(rule.request_id)
             if made_on is None or made_on.created_at.timestamp() < defined_since:
                 log.info("approvals.rule_tool_redefined", rule=rule.id, tool=tool, request_id=rule.request_id)
                 return None
-        detail = f"{rule.id} ({tool} {digest[:12]}… in {conversation}; made by {rule.created_by})"
+        definition = "" if rule.definition_hash is None else f", tool definition {rule.definition_hash[:12]}…"
+        detail = f"{rule.id} ({tool} {digest[:12]}… in {conversation}{definition}; made by {rule.created_by})"
         await self._audit_safely(
             rule.request_id, "rule_used", rule.created_by, rule.created_via, detail,
             person=self.config.roster.person_of(rule.created_by),
@@ -762,6 +790,13 @@ class ApprovalService:
             )
         return rule
 
+    async def _past_max_seconds(self, rule: Rule) -> bool:
+        """Whether ``rule``'s approval is older than approvals.remember.max_seconds as configured now."""
+        request = await self.store.get(rule.request_id)
+        if request is None or request.decided_at is None:
+            return True  # (refused as a forgery before this is asked)
+        return self.clock() >= request.decided_at.timestamp() + self.config.approvals.remember.max_seconds
+
     async def _rule_problem(self, rule: Rule, tool: str, digest: str, conversation: str) -> SealProblem | None:
         """Why ``rule``, its seal verified, is not one a person's "Approve for …" made for this call here, or None."""
         revoked = [e for e in await self.store.events(rule.request_id, event="rule_revoked") if e.detail == rule.id]
@@ -778,9 +813,19 @@ class ApprovalService:
         made_for = (request.tool, request.args_hash, request.conversation, request.decided_by)
         if made_for != (tool, digest, conversation, rule.created_by):
             return SealProblem(f"its approval {request.id} was for another call, place or person", FORGED)
+        if rule.definition_hash is not None and rule.definition_hash != await self.store.definition_of(request.id):
+            return SealProblem(f"its approval {request.id} was for another definition of {tool}", FORGED)
         assert request.decided_at is not None  # sealed: decided
-        if self.clock() >= request.decided_at.timestamp() + self.config.approvals.remember.max_seconds:
-            return SealProblem(f"it outlives approvals.remember.max_seconds from its approval {request.id}", FORGED)
+        decided = request.decided_at.timestamp()
+        # Kazma makes a rule with the press that approved (moments after the decision) and never for longer than
+        # max_seconds can ever be. One made later, or lasting longer, is no rule Kazma made: a forgery. A genuine
+        # rule past the max_seconds configured now (lowered since) is only ended (see remembered).
+        if rule.created_at - decided > _RULE_MADE_WITHIN or rule.expires_at - decided > _LONGEST_RULE:
+            return SealProblem(
+                f"it outlives approvals.remember.max_seconds from its approval {request.id} (made "
+                f"{rule.created_at - decided:.0f} s after it, until {rule.expires_at - decided:.0f} s after it)",
+                FORGED,
+            )
         if not await self._decided_on_record(request):  # as an approval run from its card is held to
             return SealProblem(f"its approval {request.id} has no decided audit row (changed outside Kazma)", FORGED)
         return None
@@ -1254,12 +1299,14 @@ class ApprovalService:
         transaction (a rule the audit does not show is never made). None when the store could not: the decision
         stands, and the next identical call gets a card (the safe side), counted and logged."""
         assert self.rules is not None
-        rule = self.rules.made(
-            tool=request.tool, args_hash=request.args_hash, conversation=request.conversation, created_by=actor,
-            created_via=platform, request_id=request.id, seconds=self.config.approvals.remember.max_seconds,
-            keyring=self.store.keyring,
-        )  # fmt: skip
         try:
+            # The definition the card was opened for: the rule stands for it alone (None: fixed in Kazma's code).
+            definition = await self.store.definition_of(request.id)
+            rule = self.rules.made(
+                tool=request.tool, args_hash=request.args_hash, conversation=request.conversation, created_by=actor,
+                created_via=platform, request_id=request.id, seconds=self.config.approvals.remember.max_seconds,
+                keyring=self.store.keyring, definition_hash=definition,
+            )  # fmt: skip
             await self.rules.add_recorded(self.store, rule, actor=actor, platform=platform, person=person)
         except store_errors() as exc:
             count_failure("approval_rule")

@@ -584,9 +584,11 @@ class ApprovalStore:
         seen: bool = False,
         guard: Guard | None = None,
         also: Sequence[Callable[[Tx], object]] = (),
+        definition_hash: str | None = None,
     ) -> tuple[ApprovalRequest, bool]:
         """The request's row and its ``opened`` audit row, and ``also``'s statements, in one transaction.
         ``waits``: how a synchronous asker waits; ``seen``: the asker is an API caller, seen asking now.
+        ``definition_hash``: the digest of the tool definition the card is opened for (None: fixed in code).
 
         ``guard`` runs first in that transaction: when it names another request, that one is read and
         returned (False) and nothing else is written; None lets this one open (True). Whatever ``guard`` or
@@ -630,11 +632,14 @@ class ApprovalStore:
                     raise LookupError(f"approval request {standing} is gone")
                 return _row_to_request(found), False
             tx.send(  # nothing waits for it on PostgreSQL: a failure fails the transaction all the same
-                f"INSERT INTO approval_requests ({_COLUMNS}, owner) VALUES ({', '.join('?' * (len(row) + 1))})",  # noqa: S608
-                (*row, self.replica),
+                f"INSERT INTO approval_requests ({_COLUMNS}, owner, definition_hash)"  # noqa: S608
+                f" VALUES ({', '.join('?' * (len(row) + 2))})",
+                (*row, self.replica, definition_hash),
             )
+            # The audit says which definition of the tool was put to people, so a rule made from it can be traced.
+            opened = f"tool={new.tool}" if definition_hash is None else f"tool={new.tool} definition={definition_hash}"
             self.chain.append(tx, new.id, "opened", actor=new.requested_by, at=now, args_hash=new.args_hash,
-                              detail=f"tool={new.tool}")  # fmt: skip
+                              detail=opened)  # fmt: skip
             for statements in also:
                 statements(tx)
             tx.after_commit(lambda: self._opened(new))
@@ -701,6 +706,12 @@ class ApprovalStore:
             # An id that is itself not text is shown as the bytes it holds: still the row to look for.
             unreadable.append(UnreadableRequest(rid.hex() if isinstance(rid, bytes) else str(rid), bad))
         return rows, unreadable
+
+    async def definition_of(self, request_id: str) -> str | None:
+        """The digest of the tool definition ``request_id`` was opened for (None: a tool fixed in Kazma's code, a
+        request opened before definitions were recorded, or no such request)."""
+        row = await self.tables.one("SELECT definition_hash FROM approval_requests WHERE id = ?", (request_id,))
+        return None if row is None or row[0] is None else str(row[0])
 
     async def commits_seen(self) -> int | None:
         """A number that changes whenever another connection committed to the SQLite file (``PRAGMA

@@ -18,3 +18,5 @@ MAX_TOOL_OUTPUT_CHARS: Final = 16_000
 # ``files:``: the bounds of what one message may carry, unless the configuration says otherwise.
 DEFAULT_FILE_BYTES: Final = 10 * MIB
 DEFAULT_FILE_COUNT: Final = 5
+# ``approvals.remember.max_seconds`` at most: no remembered approval Kazma makes lasts longer after its approval.
+MAX_REMEMBER_SECONDS: Final = 24 * 3600

@@ -31,7 +31,14 @@ from kazma.config.audit_config import AuditConfig
 from kazma.config.card_routes import CardTarget, RouteEntry, card_targets, parse_route_entry, route_problems
 from kazma.config.identity import Roster
 from kazma.config.keyring import KEY_VARIABLES, keys_folder
-from kazma.config.limits import DEFAULT_FILE_BYTES, DEFAULT_FILE_COUNT, MAX_TOOL_OUTPUT_CHARS, MAX_WORKERS, MIB
+from kazma.config.limits import (
+    DEFAULT_FILE_BYTES,
+    DEFAULT_FILE_COUNT,
+    MAX_REMEMBER_SECONDS,
+    MAX_TOOL_OUTPUT_CHARS,
+    MAX_WORKERS,
+    MIB,
+)
 from kazma.config.people import PERSON_NAME, PeopleConfig, parse_people, person_key
 from kazma.config.registry import ACTOR_PLATFORMS, CHAT_PLATFORMS, EVERY_CHAT, user_id_problem
 from kazma.config.registry import matrix as matrix_ids
@@ -596,7 +603,7 @@ class RememberConfig(Strict):
     """The "Approve for 1 h" button: a rule that lets the identical call run again in its conversation."""
 
     enabled: bool = False
-    max_seconds: int = Field(default=3600, ge=60, le=24 * 3600)
+    max_seconds: int = Field(default=3600, ge=60, le=MAX_REMEMBER_SECONDS)
 
 
 DEFAULT_POLICY = "default"

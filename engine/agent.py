@@ -507,6 +507,7 @@ class AgentRunner:
             skip_rules=earlier is not None,
             started_by=ctx.starter,
             defined_since=self.registry.defined_since(call.name),
+            definition_hash=self.registry.definition_digest(call.name),
         )
         if not verdict.allowed:
             result.tool_runs.append(

@@ -11,7 +11,8 @@ import pytest
 from kazma.approvals.hashing import args_hash
 from kazma.config.models import DangerLevel, MCPServerConfig
 from kazma.engine.model import ScriptStep
-from kazma.engine.tools.mcp_tools import MCPArgs, MCPConnection, MCPTool, list_server_tools
+from kazma.engine.tools.mcp_tools import ListedTool, MCPArgs, MCPConnection, MCPTool, list_server_tools
+from kazma.engine.tools.registry import definition_digest
 from kazma.engine.tools.workspace import ToolContext
 from tests.mcp_support import (
     TG_CHAT,
@@ -257,3 +258,28 @@ async def test_a_list_changed_notice_relists_the_servers_tools(tmp_path: Path) -
         assert {"create_issue", "lookup", "grow", "triage"} <= set(connection.tools)
     finally:
         await connection.stop()
+
+
+def test_a_tools_definition_digest_is_canonical_and_covers_what_it_is_and_where_it_runs() -> None:
+    # The digest a remembered approval is bound to, across restarts: the same tool built again (its schema's keys
+    # listed in another order) has the same one; any other description, schema, hint, server or sandbox has another.
+    def digest(listed: ListedTool, **server: object) -> str | None:
+        config = MCPServerConfig.model_validate({"command": "/usr/bin/tracker", "args": ["--db", "/srv/t"], **server})
+        return definition_digest(MCPTool(MCPConnection("tracker", config), listed, lambda _: DangerLevel.DANGEROUS))
+
+    schema = {"type": "object", "properties": {"title": {"type": "string"}, "body": {"type": "string"}}}
+    listed = ListedTool("create_issue", "Create an issue.", schema, None, True)
+    reordered = {"properties": {"body": {"type": "string"}, "title": {"type": "string"}}, "type": "object"}
+    first = digest(listed)
+    assert first is not None
+    assert len(first) == 64
+    assert digest(ListedTool("create_issue", "Create an issue.", reordered, None, True)) == first
+    others = [
+        digest(ListedTool("create_issue", "Create an issue, publicly.", schema, None, True)),
+        digest(ListedTool("create_issue", "Create an issue.", {**schema, "required": ["title"]}, None, True)),
+        digest(ListedTool("create_issue", "Create an issue.", schema, None, False)),
+        digest(listed, sandbox="none"),
+        digest(listed, args=["--db", "/srv/other"]),
+    ]
+    assert first not in others
+    assert len(set(others)) == len(others)

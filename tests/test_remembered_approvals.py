@@ -22,7 +22,18 @@ from kazma.config.store.database import open_database
 from kazma.engine.model import ScriptStep
 from tests.api_support import REPO
 from tests.approvals_support import TEST_KEYRING, ManualClock, RecordingPublisher
-from tests.mcp_support import TG_CHAT, Seen, call, calls_logged, cards, kazma_with_tracker, press
+from tests.mcp_support import (
+    TG_CHAT,
+    Seen,
+    call,
+    calls_logged,
+    cards,
+    kazma_with_tracker,
+    press,
+    tracker_http,
+    tracker_log,
+)
+from tests.store_backends import Engine, open_store
 
 CONFIG = """
 approvals:
@@ -295,3 +306,210 @@ async def test_a_remembered_mcp_call_gets_a_card_again_once_its_tool_is_redefine
         await telegram.wait_until(lambda: bool(second.tool_messages), timeout=20)
         assert "Denied" in second.tool_messages[0]
         assert len(calls_logged(log)) == 1
+
+
+async def test_a_remembered_mcp_call_runs_without_a_card_after_a_restart(tmp_path: Path) -> None:
+    # The rule was made for create_issue as its server lists it; Kazma restarts on the same store and the server
+    # lists the very same tool again. The rule stood for that definition, so it still stands: a restart is no
+    # reason to ask the person again.
+    first, again = Seen(), Seen()
+    issue = {"title": "Bug", "body": "b"}
+    steps: list[ScriptStep] = [call("tracker__create_issue", issue), first.answer]
+    async with kazma_with_tracker(tmp_path, steps, remember=True) as (_app, telegram, log):
+        telegram.push_message(TG_CHAT, 42, "file it", username="alice")
+        await telegram.wait_until(lambda: bool(cards(telegram)), timeout=20)
+        assert "Definition SHA-256: " in cards(telegram)[0]  # which definition the person approves
+        await press(telegram, "r")
+        await telegram.wait_until(lambda: bool(first.tool_messages), timeout=20)
+        assert len(calls_logged(log)) == 1
+    steps = [call("tracker__create_issue", issue), again.answer]
+    async with kazma_with_tracker(tmp_path, steps, remember=True) as (_app, telegram, log):
+        telegram.push_message(TG_CHAT, 42, "file it again", username="alice")
+        await telegram.wait_until(lambda: bool(cards(telegram)) or bool(again.tool_messages), timeout=20)
+        assert not cards(telegram)  # no card: the rule stood for this very definition
+        assert len(calls_logged(log)) == 2
+        texts = [m.text for m in telegram.bot_messages(TG_CHAT)]
+        assert any("remembered approval rule_" in t for t in texts)
+
+
+async def test_a_remembered_mcp_call_gets_a_card_after_a_restart_once_its_tool_is_redefined(tmp_path: Path) -> None:
+    # The rule was made for create_issue as first listed; the server (which outlives Kazma) then redefined it, and
+    # Kazma restarted: the tool it lists now is not the one the person approved, so the rule does not stand (a
+    # restart must not carry an approval over to another definition).
+    first, again = Seen(), Seen()
+    issue = {"title": "Bug", "body": "b"}
+    log = tracker_log(tmp_path)
+    async with tracker_http(log) as url:
+        steps: list[ScriptStep] = [call("tracker__create_issue", issue), first.answer]
+        async with kazma_with_tracker(tmp_path, steps, url=url, remember=True) as (app, telegram, _):
+            assert app.mcp is not None
+            connection = app.mcp.connections["tracker"]
+            telegram.push_message(TG_CHAT, 42, "file it", username="alice")
+            await telegram.wait_until(lambda: bool(cards(telegram)), timeout=20)
+            await press(telegram, "r")
+            await telegram.wait_until(lambda: bool(first.tool_messages), timeout=20)
+            assert len(calls_logged(log)) == 1
+            assert (await connection.call("redefine", {})).ok
+        steps = [call("tracker__create_issue", issue), again.answer]
+        async with kazma_with_tracker(tmp_path, steps, url=url, remember=True) as (app, telegram, _):
+            telegram.push_message(TG_CHAT, 42, "file it again", username="alice")
+            await telegram.wait_until(lambda: bool(cards(telegram)) or bool(again.tool_messages), timeout=20)
+            assert len(cards(telegram)) == 1  # asked: the rule stood for the tool as it was
+            assert len(calls_logged(log)) == 1  # nothing ran unasked
+            await press(telegram, "d")
+            await telegram.wait_until(lambda: bool(again.tool_messages), timeout=20)
+            assert "Denied" in again.tool_messages[0]
+            assert len(calls_logged(log)) == 1
+
+
+@asynccontextmanager
+async def remembering_on(engine: Engine, clock: ManualClock) -> AsyncIterator[tuple[SafetyPolicy, RecordingPublisher]]:
+    """:func:`remembering` on either engine's store (every component migrated): entered again, a restart."""
+    async with open_store(engine) as conn:
+        publisher = RecordingPublisher()
+        service = ApprovalService(
+            ApprovalStore(conn, clock=clock, keyring=TEST_KEYRING), load_config_text(CONFIG, environ={}).config,
+            publisher=publisher, clock=clock, poll_interval=0.02, rules=RuleStore(conn, clock=clock),
+        )  # fmt: skip
+        yield SafetyPolicy(service), publisher
+
+
+async def _gets_a_card(policy: SafetyPolicy, publisher: RecordingPublisher, definition: str, since: float) -> bool:
+    """Whether the call of a tool defined as ``definition`` (first seen here at ``since``) gets a card."""
+    before = len(publisher.published)
+    task = asyncio.create_task(
+        policy.check(
+            "deploy",
+            ARGS,
+            requested_by="agent:kazma",
+            conversation=HERE,
+            definition_hash=definition,
+            defined_since=since,
+        )
+    )
+    async with asyncio.timeout(10):
+        while len(publisher.published) == before and not task.done():
+            await asyncio.sleep(0.01)
+    if task.done():
+        assert (await task).allowed
+        return False
+    card = publisher.published[-1]
+    await policy.service.decide_from_button(card.button_data(Decision.DENY), actor="telegram:111", platform="telegram")
+    async with asyncio.timeout(10):
+        assert not (await task).allowed
+    return True
+
+
+async def test_a_remembered_approval_stands_across_a_restart_for_its_definition_only(store_engine: Engine) -> None:
+    # On SQLite and on PostgreSQL (the migrations applied there): the rule is bound to the digest of the tool's
+    # definition its card was opened for, not to when this process first saw the tool.
+    clock = ManualClock()
+    approved, other = "a" * 64, "b" * 64
+    async with remembering_on(store_engine, clock) as (policy, publisher):
+        task = asyncio.create_task(
+            policy.check(
+                "deploy",
+                ARGS,
+                requested_by="agent:kazma",
+                conversation=HERE,
+                definition_hash=approved,
+                defined_since=clock.now,
+            )
+        )
+        async with asyncio.timeout(10):
+            while not publisher.published:
+                await asyncio.sleep(0.01)
+        card = publisher.published[-1]
+        assert card.about == (f"Definition SHA-256: {approved[:16]}…",)  # what the person approves
+        pressed = await policy.service.decide_from_button(card.remember_data, actor="telegram:111", platform="telegram")
+        assert pressed.verdict is PressVerdict.WON
+        assert (await task).allowed
+        [rule] = await policy.service.rules.list()  # type: ignore[union-attr]
+        assert rule.definition_hash == approved
+        assert rule.seal_problem(TEST_KEYRING) is None
+        events = await policy.service.store.events(rule.request_id)
+        assert [e.detail for e in events if e.event == "opened"] == [f"tool=deploy definition={approved}"]
+        assert [e.detail for e in events if e.event == "rule_created"] == [
+            f"{rule.id} until {rule.expires_at:.0f} for tool definition {approved}"
+        ]
+    clock.advance(60)
+    async with remembering_on(store_engine, clock) as (policy, publisher):  # a restart: the tool first seen now
+        assert not await _gets_a_card(policy, publisher, approved, clock.now)
+        used = await policy.service.store.events(rule.request_id, event="rule_used")
+        assert used
+        assert approved[:12] in str(used[-1].detail)
+        assert await _gets_a_card(policy, publisher, other, clock.now - 3600)  # redefined: asked again
+        assert not await _gets_a_card(policy, publisher, approved, clock.now)  # as approved again: it stands
+
+
+async def test_a_rule_made_before_definitions_were_recorded_keeps_the_check_by_time(tmp_path: Path) -> None:
+    clock = ManualClock()
+    async with remembering(tmp_path, clock) as (policy, publisher):
+        await _remember(policy, publisher)  # no definition recorded: as a rule made before the migration
+        [rule] = await policy.service.rules.list()  # type: ignore[union-attr]
+        assert rule.definition_hash is None
+        assert not await _gets_a_card(policy, publisher, "a" * 64, clock.now - 1)  # seen before its card: stands
+        assert await _gets_a_card(policy, publisher, "a" * 64, clock.now + 1)  # (re)defined since: a card
+
+
+async def test_a_remembered_mcp_call_gets_a_card_after_a_restart_onto_another_server(tmp_path: Path) -> None:
+    # Two servers list create_issue word for word; the operator points "tracker" from the first to the second and
+    # restarts. The rule was approved for a tool served from the first: the same name, description and schema
+    # elsewhere is another tool, so the call is put to a person again.
+    first, again = Seen(), Seen()
+    issue = {"title": "Bug", "body": "b"}
+    log = tracker_log(tmp_path)
+    async with tracker_http(log) as old_url, tracker_http(log) as new_url:
+        steps: list[ScriptStep] = [call("tracker__create_issue", issue), first.answer]
+        async with kazma_with_tracker(tmp_path, steps, url=old_url, remember=True) as (_app, telegram, _):
+            telegram.push_message(TG_CHAT, 42, "file it", username="alice")
+            await telegram.wait_until(lambda: bool(cards(telegram)), timeout=20)
+            await press(telegram, "r")
+            await telegram.wait_until(lambda: bool(first.tool_messages), timeout=20)
+            assert len(calls_logged(log)) == 1
+        steps = [call("tracker__create_issue", issue), again.answer]
+        async with kazma_with_tracker(tmp_path, steps, url=new_url, remember=True) as (_app, telegram, _):
+            telegram.push_message(TG_CHAT, 42, "file it again", username="alice")
+            await telegram.wait_until(lambda: bool(cards(telegram)) or bool(again.tool_messages), timeout=20)
+            assert len(cards(telegram)) == 1  # asked: the rule stood for the tool of the first server
+            assert len(calls_logged(log)) == 1
+            await press(telegram, "d")
+            await telegram.wait_until(lambda: bool(again.tool_messages), timeout=20)
+            assert len(calls_logged(log)) == 1
+
+
+async def _remember_for(policy: SafetyPolicy, publisher: RecordingPublisher, definition: str, since: float) -> None:
+    """The call of the tool defined as ``definition`` gets a card, and "Approve for …" is pressed on it."""
+    before = len(publisher.published)
+    task = asyncio.create_task(
+        policy.check(
+            "deploy",
+            ARGS,
+            requested_by="agent:kazma",
+            conversation=HERE,
+            definition_hash=definition,
+            defined_since=since,
+        )
+    )
+    async with asyncio.timeout(10):
+        while len(publisher.published) == before:
+            await asyncio.sleep(0.01)
+    card = publisher.published[-1]
+    pressed = await policy.service.decide_from_button(card.remember_data, actor="telegram:111", platform="telegram")
+    assert pressed.verdict is PressVerdict.WON
+    assert (await task).allowed
+
+
+async def test_a_rule_for_one_definition_does_not_hide_the_rule_for_another(tmp_path: Path) -> None:
+    # Replicas whose servers list two versions of the tool (a rolling upgrade): a rule was approved for each. The
+    # newer rule must not shadow the older one: a call of the tool as first defined still runs under its own rule.
+    clock = ManualClock()
+    first, second = "a" * 64, "b" * 64
+    async with remembering(tmp_path, clock) as (policy, publisher):
+        await _remember_for(policy, publisher, first, clock.now)
+        clock.advance(60)
+        await _remember_for(policy, publisher, second, clock.now)
+        assert len(await policy.service.rules.list()) == 2  # type: ignore[union-attr]
+        assert not await _gets_a_card(policy, publisher, first, clock.now)
+        assert not await _gets_a_card(policy, publisher, second, clock.now)
+        assert await _gets_a_card(policy, publisher, "c" * 64, clock.now)

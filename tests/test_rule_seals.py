@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 
-from kazma.approvals import Decision, PressVerdict, SafetyPolicy
+from kazma.approvals import MIGRATIONS, Decision, PressVerdict, SafetyPolicy
+from kazma.approvals.rules import MIGRATIONS as RULES
 from kazma.approvals.rules import Rule, RuleStore
 from kazma.approvals.seal import FORGED, KEY_UNKNOWN
 from kazma.config.keyring import DECISION_KEYS, Keyring
 from kazma.config.metrics import failure_count
+from kazma.config.store.database import open_database, schema_versions
 from tests.approvals_support import TEST_KEY, TEST_KEYRING, ManualClock, RecordingPublisher
 from tests.store_backends import Engine, open_store
 from tests.test_remembered_approvals import ARGS, CONFIG, HERE, _asks_for_a_card, _remember, remembering
@@ -186,7 +188,7 @@ async def test_a_rules_seal_reads_back_whole_and_binds_every_field(store_engine:
     async with open_store(store_engine) as conn:
         made = await RuleStore(conn, clock=lambda: 1_800_000_000.123456).add(
             tool="shell", args_hash="ab" * 32, conversation="slack:C1", created_by="slack:U1", created_via="slack",
-            request_id="req_1", seconds=3600, keyring=TEST_KEYRING,
+            request_id="req_1", seconds=3600, keyring=TEST_KEYRING, definition_hash="de" * 32,
         )  # fmt: skip
         read = await RuleStore(conn, clock=lambda: 1_800_000_001.0).match("shell", "ab" * 32, "slack:C1")
         assert read == made
@@ -195,11 +197,16 @@ async def test_a_rules_seal_reads_back_whole_and_binds_every_field(store_engine:
             "id": "rule_other", "tool": "shell2", "args_hash": "cd" * 32, "conversation": "slack:C2",
             "created_by": "slack:U2", "created_via": "telegram", "request_id": "req_2",
             "created_at": made.created_at + 0.000001, "expires_at": made.expires_at + 1,
+            "definition_hash": "df" * 32,
         }  # fmt: skip
         for name, value in changes.items():
             problem = dataclasses.replace(read, **{name: value}).seal_problem(TEST_KEYRING)
             assert problem is not None, name
             assert (problem.site, "does not verify" in problem.detail) == (FORGED, True), name
+        # A rule bound to a definition, its digest cleared by hand, would keep only the weaker check by time.
+        cleared = dataclasses.replace(read, definition_hash=None).seal_problem(TEST_KEYRING)
+        assert cleared is not None
+        assert cleared.site == FORGED
         unsealed = await RuleStore(conn).add(
             tool="shell", args_hash="ef" * 32, conversation="slack:C1", created_by="slack:U1", created_via="slack",
             request_id="req_3", seconds=3600,
@@ -384,3 +391,50 @@ async def test_a_rule_the_audit_cannot_record_is_not_made_and_the_approval_stand
         assert await rules.list(active_only=False) == []  # no rule the audit does not show
         await _write_around_kazma(policy, "DROP TRIGGER refuse_rule_created")
         assert await _asks_for_a_card(policy, publisher, ARGS, HERE)  # the next identical call: a card
+
+
+async def test_a_shorter_max_seconds_ends_older_rules_and_is_no_forgery(tmp_path: Path) -> None:
+    # The team lowers approvals.remember.max_seconds (and restarts): a rule made under the longer one no longer
+    # stands once older than the new limit, quietly; a configuration change is not counted, audited or logged as a
+    # forged rule (an operator told "forged" would look for an attacker who is not there).
+    clock = ManualClock()
+    async with remembering(tmp_path, clock) as (policy, publisher):
+        await _remember(policy, publisher)
+    clock.advance(700)
+    shorter = CONFIG.replace("max_seconds: 3600", "max_seconds: 600")
+    async with remembering(tmp_path, clock, shorter) as (policy, publisher):
+        rules = policy.service.rules
+        assert rules is not None
+        [rule] = await rules.list()
+        before = failure_count(FORGED)
+        assert await _asks_for_a_card(policy, publisher, ARGS, HERE)
+        assert failure_count(FORGED) == before
+        assert "rule_refused" not in [e.event for e in await policy.service.store.events(rule.request_id)]
+
+
+async def test_a_store_migrated_from_before_definitions_keeps_its_rules_as_they_were(tmp_path: Path) -> None:
+    # A store whose rules predate the definition digest (approvals 19, approval_rules 2) is migrated at start: its
+    # rows gain an empty digest, their seals still verify as they were made, and they keep the check by time.
+    path = tmp_path / "kazma.db"
+    old = await open_database(path, busy_timeout_ms=5000, migrations=[*MIGRATIONS[:-1], *RULES[:-1]])
+    try:
+        assert await schema_versions(old) == {"approvals": 19, "approval_rules": 2}
+        made = RuleStore(old, clock=lambda: 1_800_000_000.0).made(
+            tool="deploy", args_hash="ab" * 32, conversation=HERE, created_by="telegram:111", created_via="telegram",
+            request_id="req_1", seconds=3600, keyring=TEST_KEYRING,
+        )  # fmt: skip
+        await old.execute(_INSERT, (*made.bound, made.seal_key_id, made.seal))
+        await old.commit()
+    finally:
+        await old.close()
+    new = await open_database(path, busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
+    try:
+        assert await schema_versions(new) == {"approvals": 20, "approval_rules": 3}
+        [read] = await RuleStore(new, clock=lambda: 1_800_000_001.0).list()
+        assert read == made
+        assert read.definition_hash is None
+        assert read.seal_problem(TEST_KEYRING) is None
+        columns = [row[1] for row in await new.execute_fetchall("PRAGMA table_info(approval_requests)")]
+        assert "definition_hash" in columns
+    finally:
+        await new.close()

@@ -104,6 +104,16 @@ class ListedTool:
     destructive: bool | None
 
 
+@dataclass(frozen=True)
+class MCPDefinition:
+    """What an MCP tool is (:meth:`Tool.definition`): the tool as its server lists it, and that server as
+    configured (where it is reached or what runs it, its sandbox). A remembered approval is bound to its digest and
+    now outlives a restart, so pointing the name at another server, or unsandboxing it, must not inherit one."""
+
+    listed: ListedTool
+    server: dict[str, Any]
+
+
 class ServerUnavailable(Exception):
     """The server is not connected now (starting, crashed, restarting)."""
 
@@ -458,7 +468,8 @@ class MCPTool(Tool[MCPArgs]):
         return self.connection.config.max_output_chars + _CUT_MARKER_ROOM
 
     def definition(self) -> object:
-        return self.listed  # its description, input schema and the server's hints, as last listed
+        # Its description, input schema and the server's hints as last listed, and the server's configuration.
+        return MCPDefinition(self.listed, self.connection.config.model_dump(mode="json"))
 
     def refusal(self) -> str | None:
         if self.connection.session is None:

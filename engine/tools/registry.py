@@ -11,6 +11,9 @@ registry only runs what it is given.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
@@ -117,6 +120,29 @@ class InvalidArguments(ValueError):
         self.problems = problems
 
 
+def definition_digest(tool: Tool[Any]) -> str | None:
+    """The SHA-256 of the canonical JSON of ``tool``'s definition and its kind, or None for a tool fixed in Kazma's
+    code. Stable across processes (unlike when a definition was first seen): a remembered approval is bound to it,
+    so it stands after a restart for the very tool it was made for, and for no other."""
+    definition = tool.definition()
+    if definition is None:
+        return None
+    if isinstance(definition, BaseModel):
+        described: object = definition.model_dump(mode="json")
+    elif dataclasses.is_dataclass(definition) and not isinstance(definition, type):
+        described = dataclasses.asdict(definition)
+    else:
+        described = definition
+    kind = f"{type(tool).__module__}.{type(tool).__qualname__}"
+    # Sorted keys, compact separators, UTF-8, as every hash Kazma shows; a value JSON has no form for is hashed by
+    # its repr (deterministic for what a definition holds), never dropped.
+    text = json.dumps(
+        {"kind": kind, "definition": described}, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+        default=repr,
+    )  # fmt: skip
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 class UnknownToolError(LookupError):
     """A tool name that is not registered (a configuration mistake, so it is raised rather than returned)."""
 
@@ -211,10 +237,16 @@ class ToolRegistry:
         tool = self._tools.get(name)
         return None if tool is None else (type(tool), tool.definition())
 
+    def definition_digest(self, name: str) -> str | None:
+        """``name``'s definition now as a digest (see :func:`definition_digest`); None for a tool fixed in Kazma's
+        code or not registered."""
+        tool = self._tools.get(name)
+        return None if tool is None else definition_digest(tool)
+
     def defined_since(self, name: str) -> float | None:
         """When ``name``'s definition as it stands was first put here (epoch seconds), or None for a tool fixed in
-        Kazma's code (or not registered). An approval made before it was made for another tool: a remembered one
-        does not stand for a call of it now (see :meth:`SafetyPolicy.check`)."""
+        Kazma's code (or not registered). A remembered approval that names no definition (made before they were
+        recorded) and was made before it does not stand for a call of it now (see :meth:`SafetyPolicy.check`)."""
         tool = self._tools.get(name)
         if tool is None or tool.definition() is None:
             return None
