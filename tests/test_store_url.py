@@ -111,8 +111,8 @@ def test_commands_run_on_a_postgresql_store(tmp_path: Path, pg_dsn: str) -> None
     # people (v9), the audit chain (v10), policies (v11), bound cards (v12), the one-statement press (v13),
     # the press sent on a guess (v14), the audit append's rows by subscript (v15), reposted cards (v16), the
     # guessed press as one function (v17), the leaner audit append and the checkpoint on a guess (v18), the
-    # guessed audit append's stale guess (v19)
-    assert "approvals v19" in store_line
+    # guessed audit append's stale guess (v19), the tool definition a request was opened for (v20)
+    assert "approvals v20" in store_line
     assert "audit_sink v1" in store_line
     [replicas_line] = [line for line in doctor.stdout.splitlines() if " replicas " in f" {line} "]
     assert replicas_line.split() == ["OK", "replicas", "none", "running"]
