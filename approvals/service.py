@@ -740,7 +740,9 @@ class ApprovalService:
             # forgery): its maker could not approve the call on a card now, so no rule of theirs stands for it.
             log.info("approvals.rule_maker_not_approver", rule=rule.id, tool=tool, maker=rule.created_by)
             return None
-        forged = sealed or await self._rule_problem(rule, tool, digest, conversation)
+        # The request the rule was made from, read once: its checks below all look at this one row.
+        request = None if sealed is not None else await self.store.get(rule.request_id)
+        forged = sealed or await self._rule_problem(rule, request, tool, digest, conversation)
         if forged is not None:
             # A rule row is an approval too: one the decision it names cannot account for was written
             # outside Kazma (or sealed with a key not held here). The call gets a card instead.
@@ -748,7 +750,9 @@ class ApprovalService:
             await self._audit_safely(rule.request_id, "rule_refused", None, None, f"{rule.id}: {forged.detail}")
             log.error("approvals.forged_rule", rule=rule.id, request_id=rule.request_id, detail=forged.detail)
             return None
-        if await self._past_max_seconds(rule):
+        assert request is not None  # else refused as a forgery above
+        assert request.decided_at is not None
+        if self.clock() >= request.decided_at.timestamp() + self.config.approvals.remember.max_seconds:
             # approvals.remember.max_seconds was lowered since the rule was made: a configuration change, not a
             # forgery, so not counted or audited as one; the call gets a card.
             log.info("approvals.rule_past_max_seconds", rule=rule.id, tool=tool, request_id=rule.request_id)
@@ -762,11 +766,9 @@ class ApprovalService:
                 log.info("approvals.rule_tool_redefined", rule=rule.id, tool=tool, request_id=rule.request_id,
                          approved=rule.definition_hash, now=definition_hash)  # fmt: skip
                 return None
-        elif defined_since is not None:
-            made_on = await self.store.get(rule.request_id)
-            if made_on is None or made_on.created_at.timestamp() < defined_since:
-                log.info("approvals.rule_tool_redefined", rule=rule.id, tool=tool, request_id=rule.request_id)
-                return None
+        elif defined_since is not None and request.created_at.timestamp() < defined_since:
+            log.info("approvals.rule_tool_redefined", rule=rule.id, tool=tool, request_id=rule.request_id)
+            return None
         definition = "" if rule.definition_hash is None else f", tool definition {rule.definition_hash[:12]}…"
         detail = f"{rule.id} ({tool} {digest[:12]}… in {conversation}{definition}; made by {rule.created_by})"
         await self._audit_safely(
@@ -790,21 +792,16 @@ class ApprovalService:
             )
         return rule
 
-    async def _past_max_seconds(self, rule: Rule) -> bool:
-        """Whether ``rule``'s approval is older than approvals.remember.max_seconds as configured now."""
-        request = await self.store.get(rule.request_id)
-        if request is None or request.decided_at is None:
-            return True  # (refused as a forgery before this is asked)
-        return self.clock() >= request.decided_at.timestamp() + self.config.approvals.remember.max_seconds
-
-    async def _rule_problem(self, rule: Rule, tool: str, digest: str, conversation: str) -> SealProblem | None:
-        """Why ``rule``, its seal verified, is not one a person's "Approve for …" made for this call here, or None."""
+    async def _rule_problem(
+        self, rule: Rule, request: ApprovalRequest | None, tool: str, digest: str, conversation: str
+    ) -> SealProblem | None:
+        """Why ``rule``, its seal verified, is not one a person's "Approve for …" made from ``request`` (its row, as
+        read; None: none) for this call here, or None."""
         revoked = [e for e in await self.store.events(rule.request_id, event="rule_revoked") if e.detail == rule.id]
         if revoked:
             return SealProblem(
                 f"it was revoked by {revoked[0].actor} (the audit says so), but its row says it is in force", FORGED
             )
-        request = await self.store.get(rule.request_id)
         if request is None:
             return SealProblem("it names no request", FORGED)
         problem = self.approval_problem(request)
