@@ -694,10 +694,7 @@ class ApprovalStore:
         names = [column.strip() for column in columns.split(",")]
         rows: list[Sequence[Any]] = []
         unreadable: list[UnreadableRequest] = []
-        for row in (
-            from_byte_safe(found)
-            for found in await self.tables.all(f"SELECT {byte_safe(columns)} {rest}", tuple(params))
-        ):
+        for row in await self._byte_safe_rows(columns, rest, params):
             bad = [name for name, value in zip(names, row, strict=True) if isinstance(value, bytes)]
             if not bad:
                 rows.append(row)
@@ -1345,6 +1342,10 @@ class ApprovalStore:
         except Exception as exc:
             if not undecodable(exc):
                 raise
+        return await self._byte_safe_rows(columns, rest, params)
+
+    async def _byte_safe_rows(self, columns: str, rest: str, params: Sequence[Any]) -> list[Sequence[Any]]:
+        """``SELECT columns rest`` again after SQLite failed to decode a text: such a text comes back as ``bytes``."""
         rows = await self.tables.all(f"SELECT {byte_safe(columns)} {rest}", tuple(params))
         return [from_byte_safe(row) for row in rows]
 

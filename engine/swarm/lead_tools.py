@@ -18,7 +18,7 @@ from kazma.engine.swarm.service import BUILTIN_PATTERNS, CHECK_DEFAULT_WAIT, CHE
 from kazma.engine.swarm.store import StoreUnavailable
 from kazma.engine.swarm.syntax import BRANCH, preset_named
 from kazma.engine.swarm.types import SwarmRefused, SwarmRequest
-from kazma.engine.tools.registry import ToolResult
+from kazma.engine.tools.registry import ToolResult, validation_problems
 from kazma.engine.types import ToolSpec
 
 
@@ -90,7 +90,7 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
         try:
             args = DispatchSwarmArgs.model_validate(dict(arguments))
         except ValidationError as exc:
-            return ToolResult(ok=False, output="", error=f"invalid arguments: {_problems(exc)}")
+            return ToolResult(ok=False, output="", error=f"invalid arguments: {'; '.join(validation_problems(exc))}")
         ignored = _ignored(args)
         if ignored is not None:
             return ToolResult(ok=False, output="", error=f"not started: {ignored}")
@@ -148,7 +148,7 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
         try:
             args = CheckSwarmArgs.model_validate(dict(arguments))
         except ValidationError as exc:
-            return ToolResult(ok=False, output="", error=f"invalid arguments: {_problems(exc)}")
+            return ToolResult(ok=False, output="", error=f"invalid arguments: {'; '.join(validation_problems(exc))}")
         try:
             record = await service.wait(args.task_id, args.wait_seconds)
         except StoreUnavailable:
@@ -183,12 +183,3 @@ def swarm_tools(service: SwarmService, policy: SafetyPolicy) -> list[InternalToo
             check,
         ),
     ]
-
-
-def _problems(exc: ValidationError) -> str:
-    """Every problem with where it is (``deadline_seconds: Input should be a valid integer``): the first message
-    alone did not say which argument it was about."""
-    return "; ".join(
-        f"{'.'.join(str(part) for part in error['loc']) or '(arguments)'}: {error['msg']}"
-        for error in exc.errors(include_url=False)
-    )

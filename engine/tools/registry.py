@@ -278,7 +278,7 @@ class ToolRegistry:
         try:
             return tool.as_run(tool.Args.model_validate(dict(arguments)))
         except (TypeError, ValueError) as exc:
-            raise InvalidArguments(name, _describe_validation(exc)) from None
+            raise InvalidArguments(name, validation_problems(exc)) from None
 
     async def execute(self, name: str, arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
         """Validate and run one call. Problems with the call or inside the tool become error results.
@@ -291,7 +291,7 @@ class ToolRegistry:
         try:
             args = tool.Args.model_validate(dict(arguments))
         except (TypeError, ValueError) as exc:
-            problems = _describe_validation(exc)
+            problems = validation_problems(exc)
             log.info("tool.invalid_arguments", tool=name, conversation=ctx.conversation, problems=problems)
             return ToolResult(ok=False, output="", error=f"invalid arguments for {name}: " + "; ".join(problems))
         if ctx.approved_hash is not None:
@@ -319,7 +319,8 @@ class ToolRegistry:
             )
 
 
-def _describe_validation(exc: Exception) -> list[str]:
+def validation_problems(exc: Exception) -> list[str]:
+    """Each problem pydantic found, with where it is (``timeout_s: Input should be a valid integer``)."""
     if not isinstance(exc, ValidationError):
         return [f"(arguments): expected a JSON object of named arguments ({exc})"]
     problems = []
