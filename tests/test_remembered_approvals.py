@@ -374,8 +374,11 @@ async def remembering_on(engine: Engine, clock: ManualClock) -> AsyncIterator[tu
         yield SafetyPolicy(service), publisher
 
 
-async def _gets_a_card(policy: SafetyPolicy, publisher: RecordingPublisher, definition: str, since: float) -> bool:
-    """Whether the call of a tool defined as ``definition`` (first seen here at ``since``) gets a card."""
+async def _checked(
+    policy: SafetyPolicy, publisher: RecordingPublisher, definition: str, since: float
+) -> tuple[asyncio.Task[Any], bool]:
+    """The call of the tool defined as ``definition`` (first seen here at ``since``), checked by the policy, and
+    whether it got a card (False: the check ended without one)."""
     before = len(publisher.published)
     task = asyncio.create_task(
         policy.check(
@@ -390,7 +393,13 @@ async def _gets_a_card(policy: SafetyPolicy, publisher: RecordingPublisher, defi
     async with asyncio.timeout(10):
         while len(publisher.published) == before and not task.done():
             await asyncio.sleep(0.01)
-    if task.done():
+    return task, len(publisher.published) > before
+
+
+async def _gets_a_card(policy: SafetyPolicy, publisher: RecordingPublisher, definition: str, since: float) -> bool:
+    """Whether the call of a tool defined as ``definition`` (first seen here at ``since``) gets a card."""
+    task, carded = await _checked(policy, publisher, definition, since)
+    if not carded:
         assert (await task).allowed
         return False
     card = publisher.published[-1]
@@ -480,20 +489,8 @@ async def test_a_remembered_mcp_call_gets_a_card_after_a_restart_onto_another_se
 
 async def _remember_for(policy: SafetyPolicy, publisher: RecordingPublisher, definition: str, since: float) -> None:
     """The call of the tool defined as ``definition`` gets a card, and "Approve for …" is pressed on it."""
-    before = len(publisher.published)
-    task = asyncio.create_task(
-        policy.check(
-            "deploy",
-            ARGS,
-            requested_by="agent:kazma",
-            conversation=HERE,
-            definition_hash=definition,
-            defined_since=since,
-        )
-    )
-    async with asyncio.timeout(10):
-        while len(publisher.published) == before:
-            await asyncio.sleep(0.01)
+    task, carded = await _checked(policy, publisher, definition, since)
+    assert carded
     card = publisher.published[-1]
     pressed = await policy.service.decide_from_button(card.remember_data, actor="telegram:111", platform="telegram")
     assert pressed.verdict is PressVerdict.WON
