@@ -532,7 +532,7 @@ async def test_an_approval_whose_arguments_were_changed_in_the_store_is_reported
         found = (await http.get(f"/api/v1/approvals/{opened['id']}")).json()
         assert (found["status"], found["arguments"]) == ("approved", DEPLOY["arguments"])  # the control
         changed = json.dumps({"env": "prod", "version": 43})
-        forge(
+        await forge(
             Engine("sqlite", str(tmp_path / "state" / "kazma.db")),
             [("UPDATE approval_requests SET args_json = ? WHERE id = ?", (changed, opened["id"]))],
             no_triggers=True,
@@ -551,7 +551,9 @@ async def test_a_row_forged_to_approved_in_the_store_is_reported_unverified_neve
 
     async with kazma_door(tmp_path) as door, client(door) as http:
         opened = (await http.post("/api/v1/approvals", json=DEPLOY)).json()
-        forge(Engine("sqlite", str(tmp_path / "state" / "kazma.db")), approve_by_hand(opened["id"], opened["hash"]))
+        await forge(
+            Engine("sqlite", str(tmp_path / "state" / "kazma.db")), approve_by_hand(opened["id"], opened["hash"])
+        )
         found = (await http.get(f"/api/v1/approvals/{opened['id']}")).json()
         assert found["status"] == "unverified"
         assert found["decided_by"] is None

@@ -51,9 +51,18 @@ ARGS = {"command": "deploy --prod"}
 OTHER_KEY = ("k1", "an-attackers-guess-at-the-key-" + "x" * 20)
 
 
-def forge(engine: Engine, statements: Iterable[tuple[str, tuple[Any, ...]]], *, no_triggers: bool = False) -> None:
+async def forge(
+    engine: Engine, statements: Iterable[tuple[str, tuple[Any, ...]]], *, no_triggers: bool = False
+) -> None:
     """Write around Kazma, as anything that can write the store could: a connection of its own, committed.
-    ``no_triggers``: first take away the triggers that keep outcomes final (the file's or the table's owner may)."""
+    ``no_triggers``: first take away the triggers that keep outcomes final (the file's or the table's owner may).
+
+    The write runs in a thread: a live Kazma may hold SQLite's write lock across event-loop turns, and a blocking
+    connect on the loop would then wait for a commit that cannot come until it gives up ("database is locked")."""
+    await asyncio.to_thread(_forge_now, engine, list(statements), no_triggers=no_triggers)
+
+
+def _forge_now(engine: Engine, statements: list[tuple[str, tuple[Any, ...]]], *, no_triggers: bool) -> None:
     if engine.postgres:
         with psycopg.connect(engine.where, autocommit=True) as pg:
             if no_triggers:
@@ -135,7 +144,7 @@ async def test_a_sealed_outcome_cannot_be_resealed_in_the_store(store_engine: En
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         assert (await service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
         with pytest.raises((sqlite3.IntegrityError, psycopg.IntegrityError), match="final"):
-            forge(store_engine, [("UPDATE approval_requests SET decision_mac = 'x' WHERE id = ?", (request.id,))])
+            await forge(store_engine, [("UPDATE approval_requests SET decision_mac = 'x' WHERE id = ?", (request.id,))])
 
 
 # --------------------------------------------------------------------------- forgeries
@@ -144,7 +153,7 @@ async def test_a_sealed_outcome_cannot_be_resealed_in_the_store(store_engine: En
 async def test_a_row_forged_to_approved_with_a_decided_row_by_a_real_approver_never_runs(store_engine: Engine) -> None:
     async with approval_service(store_engine.where) as service:
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
-        forge(store_engine, approve_by_hand(request.id, request.args_hash))
+        await forge(store_engine, approve_by_hand(request.id, request.args_hash))
         row = await service.store.get(request.id)
         assert row is not None
         assert (row.status, row.decided_by) == (Status.APPROVED, "telegram:111")  # it looks approved
@@ -172,7 +181,7 @@ async def test_a_seal_made_with_another_key_never_runs(store_engine: Engine) -> 
             )
         )
         # The seal columns first, while the row is still pending (the trigger keeps a decided one final).
-        forge(store_engine, [forged[2], forged[0], forged[1]])
+        await forge(store_engine, [forged[2], forged[0], forged[1]])
         await refused(service, request.id, "seal does not verify with key k1")
 
 
@@ -184,7 +193,7 @@ async def test_a_seal_moved_from_one_request_to_another_never_runs(store_engine:
         row = await service.store.get(genuine.id)
         assert row is not None
         assert row.decided_at is not None
-        forge(
+        await forge(
             store_engine,
             [
                 (
@@ -219,7 +228,7 @@ async def test_another_call_put_under_an_approved_seal_never_runs(store_engine: 
         assert (await service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
         from kazma.approvals.hashing import args_hash, canonical_json
 
-        forge(
+        await forge(
             store_engine,
             [
                 (
@@ -244,7 +253,7 @@ async def test_changing_who_decided_after_the_fact_breaks_the_seal(store_engine:
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         assert (await service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
         # Another real approver, and an audit row to match; the triggers that keep outcomes final taken away.
-        forge(
+        await forge(
             store_engine,
             [
                 (
@@ -266,7 +275,7 @@ async def test_a_denial_turned_into_an_approval_never_runs(store_engine: Engine)
     async with approval_service(store_engine.where) as service:
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         assert (await service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
-        forge(
+        await forge(
             store_engine,
             [("UPDATE approval_requests SET status = 'approved' WHERE id = ?", (request.id,))],
             no_triggers=True,
@@ -404,7 +413,7 @@ async def test_doctor_names_a_forged_row_and_a_missing_key(
     assert (key.name, key.level, seals.name, seals.level) == (KEY_CHECK, Level.OK, SEAL_CHECK, Level.OK), seals
     assert "1 decisions verified" in seals.detail
 
-    forge(Engine(store_engine.name, where), approve_by_hand(forged.id, forged.args_hash))
+    await forge(Engine(store_engine.name, where), approve_by_hand(forged.id, forged.args_hash))
     key, seals = await check_decisions(loaded)
     assert seals.level is Level.FAIL
     assert forged.id in seals.detail
@@ -516,7 +525,7 @@ async def test_a_forged_remembered_rule_lets_nothing_run_without_a_card(tmp_path
         )
         # A request someone approved once, plainly; then a rule row written by hand that remembers it.
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
-        forge(Engine("sqlite", str(tmp_path / "k.db")), approve_by_hand(request.id, request.args_hash))
+        await forge(Engine("sqlite", str(tmp_path / "k.db")), approve_by_hand(request.id, request.args_hash))
         await conn.execute(
             "INSERT INTO approval_rules (id, tool, args_hash, conversation, created_by, created_via, request_id,"
             " created_at, expires_at) VALUES ('r1', 'shell', ?, 'telegram:-100', 'telegram:111', 'telegram', ?, 1,"
@@ -589,7 +598,7 @@ async def test_an_approval_made_by_another_process_runs_here_and_a_forged_one_do
         assert (outcome.status, outcome.decided_by) == (Status.APPROVED, f"cli:{me}")
         await service.verify_execution(genuine.id, "shell", ARGS)
 
-        forge(Engine("sqlite", str(db)), approve_by_hand(forged.id, forged.args_hash, by=f"cli:{me}", via="cli"))
+        await forge(Engine("sqlite", str(db)), approve_by_hand(forged.id, forged.args_hash, by=f"cli:{me}", via="cli"))
         await refused(service, forged.id, "carries no decision seal")
     shown = await asyncio.to_thread(_kazma, tmp_path, "approvals", "show", forged.id)
     assert "seal       does not hold: it carries no decision seal" in shown.stdout

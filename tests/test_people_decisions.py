@@ -99,7 +99,7 @@ async def test_changing_the_person_after_the_fact_breaks_the_seal(store_engine: 
     async with approval_service(store_engine.where, config=PEOPLE) as service:
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         assert (await service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
-        forge(
+        await forge(
             store_engine,
             [
                 ("UPDATE approval_requests SET decided_person = 'mallory' WHERE id = ?", (request.id,)),
@@ -120,7 +120,7 @@ async def test_the_person_is_final_with_the_outcome(store_engine: Engine) -> Non
         assert (await service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
     final = (sqlite3.IntegrityError, psycopg.errors.IntegrityError)
     with pytest.raises(final, match="approval outcomes are final"):
-        forge(store_engine, [("UPDATE approval_requests SET decided_person = 'bob' WHERE id = ?", (request.id,))])
+        await forge(store_engine, [("UPDATE approval_requests SET decided_person = 'bob' WHERE id = ?", (request.id,))])
     assert raw_rows(store_engine, "SELECT decided_person FROM approval_requests WHERE id = ?", (request.id,)) == [
         ("alice",)
     ]
@@ -226,7 +226,7 @@ async def test_a_store_made_before_people_keeps_every_past_decision(store_engine
         # the old approval is a genuine one: it still runs
         await service.verify_execution("OldApproved00000000000a1", "shell", OLD_ARGS)
         # a person written onto a decision sealed before people is refused, not believed
-        forge(
+        await forge(
             store_engine,
             [("UPDATE approval_requests SET decided_person = 'alice' WHERE id = 'OldApproved00000000000a1'", ())],
             no_triggers=True,
