@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kazma.engine.agent import InternalTool, TurnContext
 from kazma.engine.executor import MAX_CHOICES, PlanExecutor, RepairRefused
 from kazma.engine.plan import MAX_STEP_INPUT, PlanError, PlanOrigin, PlanSpec, StepSpec
-from kazma.engine.tools.registry import ToolResult
+from kazma.engine.tools.registry import ToolResult, validation_problems
 from kazma.engine.types import ToolSpec
 
 PLAN_TOOL = "write_plan"
@@ -56,7 +56,7 @@ class AskUserArgs(_Args):
 
 
 def _problems(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'arguments'}: {e['msg']}" for e in exc.errors())
+    return "; ".join(validation_problems(exc))  # worded as every other tool's refusal
 
 
 async def _repair(
