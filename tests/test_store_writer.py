@@ -104,6 +104,17 @@ async def test_a_lock_held_by_another_process_is_waited_for_off_the_loop(writer:
     assert rows(writer.path) == {"theirs": 0, "mine": 1}
 
 
+async def test_the_writer_a_connection_makes_is_as_patient_as_the_connection(tmp_path: Path) -> None:
+    # Tables.writer() made its writer with the default busy_timeout_ms (5 s), whatever the store was configured with.
+    conn = await connect(tmp_path / "patience.db", busy_timeout_ms=1234)
+    try:
+        writer = await Tables(conn).writer()
+        assert writer.busy_timeout_ms == 1234
+        await writer.close()
+    finally:
+        await conn.close()
+
+
 async def test_a_reader_cancelled_while_it_waits_for_writes_leaves_their_callers_answered(writer: StoreWriter) -> None:
     # A read waiting for the writes before it (caught_up) that was cancelled (a long-poll whose client left, a task
     # stopped) cancelled those writes' futures: their callers got CancelledError for writes that committed.
