@@ -93,8 +93,12 @@ STORE_SITE = "approval_resolve"
 # A waiter whose first read of its request failed reads again this soon (then ever later, up to 5 s).
 WAIT_READ_RETRY = Backoff(base=0.1, cap=5.0)
 # How long an approved call waits for its start to be recorded (``execution_started``) through store failures, tried
-# again after WAIT_READ_RETRY's pauses; then it does not run (see ApprovalService.verify_execution).
+# again after WAIT_READ_RETRY's pauses; then it does not run (see ApprovalService.verify_execution). A bound, lock or
+# no lock: an attempt still waiting for another process's lock then is given up, never to commit.
 START_RECORD_WITHIN = 10.0
+# How long past that the refusal's own record (``execution_refused``) may wait before the call is told: on the
+# record if the store takes it by then; otherwise a recovery reports the call as never run, which is true.
+REFUSAL_RECORD_WITHIN = 1.0
 _NO_PUBLISHER = object()  # no publisher was checked yet (None is a publisher's value: none)
 _CONFIG_READS_KEPT = 4096  # persons and admissions a service keeps of its configuration at most (then starts again)
 # How long after the press that approved a request its rule may have been made (the rule is written right after the
@@ -1320,9 +1324,12 @@ class ApprovalService:
         detail: str,
         *,
         person: str | None = None,
+        deadline: float | None = None,
     ) -> None:
         try:
-            await self.store.audit(request_id, event, actor=actor, platform=platform, detail=detail, person=person)
+            await self.store.audit(
+                request_id, event, actor=actor, platform=platform, detail=detail, person=person, deadline=deadline
+            )
         except store_errors() as exc:
             count_failure("approval_audit")
             log.warning("approvals.audit_failed", request_id=request_id, audit_event=event, actor=actor, error=str(exc))
@@ -1800,14 +1807,18 @@ class ApprovalService:
         on another replica reporting it never ran (``execution_lost``), and what tells an auditor it ran. A
         passing failure (a lock, a dropped connection) is tried again for :data:`START_RECORD_WITHIN` seconds;
         then the call is refused, and the approval stands unrun (a recovery reports it as never run, which is
-        then true)."""
+        then true). Every attempt carries that deadline: one still waiting for another process's lock then is given
+        up by the writer and never commits (on SQLite it used to wait out ``busy_timeout_ms`` first, and a caller
+        that stopped waiting instead would have left a start that commits after its refusal)."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + START_RECORD_WITHIN
         failures = 0
         while True:
             try:
                 # A retry must not write the start twice: the failed attempt may have committed, its answer lost.
-                return await self.store.execution_starts(request_id, f"tool={tool}", again=failures > 0)
+                return await self.store.execution_starts(
+                    request_id, f"tool={tool}", again=failures > 0, deadline=give_up
+                )
             except store_errors() as exc:
                 count_failure("approval_audit")
                 log.warning(
@@ -1823,6 +1834,7 @@ class ApprovalService:
                     await self._audit_safely(
                         request_id, "execution_refused", None, None,
                         f"tool={tool}: its start could not be recorded ({exc}); not run",
+                        deadline=max(loop.time(), give_up) + REFUSAL_RECORD_WITHIN,
                     )  # fmt: skip
                     raise ExecutionMismatch(
                         f"request {request_id} was approved, but its start could not be recorded in the approvals "

@@ -530,10 +530,11 @@ class ApprovalStore:
             raise RuntimeError("this approvals store is not on SQLite: it has no SQLite connection")
         return self._conn
 
-    async def _write(self, op: Callable[[Tx], T], *, ride: float = 0.0) -> T:
-        """Every write: one operation in the store's next group commit (see :mod:`kazma.config.store.writer`)."""
+    async def _write(self, op: Callable[[Tx], T], *, ride: float = 0.0, deadline: float | None = None) -> T:
+        """Every write: one operation in the store's next group commit (see :mod:`kazma.config.store.writer`);
+        ``deadline`` (the loop's time): given up past it while it waits, never to commit (``WriteGivenUp``)."""
         writer: Writer = await self.tables.writer()
-        result = await writer.submit(op, ride=ride)
+        result = await writer.submit(op, ride=ride, deadline=deadline)
         if self.chain.appended:  # audit events committed: the checkpointer signs them, the sink sends them
             self.chain.appended = False
             for listener in self.appended_listeners:
@@ -1286,12 +1287,14 @@ class ApprovalStore:
         platform: str | None = None,
         detail: str | None = None,
         person: str | None = None,
+        deadline: float | None = None,
     ) -> None:
         await self._write(
             functools.partial(
                 self.record, request_id=request_id, event=event, actor=actor, platform=platform, detail=detail,
                 person=person, at=self.clock(),
-            )
+            ),
+            deadline=deadline,
         )  # fmt: skip
 
     def record(
@@ -1434,7 +1437,9 @@ class ApprovalStore:
         if self.chain.postgres:
             tx.one("SELECT 1 FROM approval_requests WHERE id = ? FOR UPDATE", (request_id,))
 
-    async def execution_starts(self, request_id: str, detail: str, *, again: bool = False) -> str | None:
+    async def execution_starts(
+        self, request_id: str, detail: str, *, again: bool = False, deadline: float | None = None
+    ) -> str | None:
         """An approved call is about to run: audited ``execution_started``, unless a recovery already reported it
         as never run (``execution_lost``: its replica was judged gone while it waited, or paused, or cut off).
         Then it must not run, since that report told people it will not: the refusal is audited in the same
@@ -1443,7 +1448,10 @@ class ApprovalStore:
 
         ``again``: a retry after a failed attempt whose commit may still have happened (the connection dropped
         after COMMIT was sent). A start with this ``detail`` already on the record is that attempt's own, since
-        a request has one asker and its start is recorded once: it is not written a second time."""
+        a request has one asker and its start is recorded once: it is not written a second time.
+
+        ``deadline`` (the loop's time): past it, a start still waiting (for another process's lock) is given up
+        and never recorded (``WriteGivenUp``): the caller may refuse the call knowing no start turns up later."""
         at = self.clock()
 
         def op(tx: Tx) -> str | None:
@@ -1468,7 +1476,7 @@ class ApprovalStore:
                               args_hash=FROM_REQUEST, detail=detail)  # fmt: skip
             return None
 
-        return await self._write(op)
+        return await self._write(op, deadline=deadline)
 
     async def execution_lost(self, request_id: str, detail: str, *, unless_started: bool = False) -> bool:
         """An approved call that never ran (or may have run) because a process stopped: audited, and its cards

@@ -489,6 +489,33 @@ async def test_an_approved_call_whose_start_cannot_be_recorded_does_not_run_and_
         assert request_id in [r.id for r in await service.store.approved_not_started()]
 
 
+async def test_a_start_locked_out_past_its_bound_is_refused_while_the_lock_is_held_and_never_recorded_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """START_RECORD_WITHIN bounds the refusal whatever the store's patience: the attempt under way when it passes is
+    given up, not waited out. The writer used to wait for another process's lock up to ``busy_timeout_ms`` past the
+    bound (here ten minutes), twice over (the start, then the refusal's own record)."""
+    monkeypatch.setattr(service_module, "START_RECORD_WITHIN", 0.3)
+    monkeypatch.setattr(service_module, "REFUSAL_RECORD_WITHIN", 0.1)
+    path = tmp_path / "k.db"
+    async with approval_service(path, busy_timeout_ms=600_000) as service:
+        request_id, failed = await _approved_with_start_watched(service)
+        async with _locked_out(path):
+            # A guard against a hang, not a measure: the bound is 0.4 s, the writer's patience ten minutes.
+            async with asyncio.timeout(60):
+                with pytest.raises(
+                    ExecutionMismatch, match=r"start could not be recorded .*given up at its deadline.* it did not run"
+                ):
+                    await service.verify_execution(request_id, "shell", ARGS)
+            assert failed.is_set()  # refused here, while the other connection still holds the lock
+        # The lock is free: a start the writer still held would commit now. One group goes at a time, so once a
+        # write submitted after the refusal is answered, every group before it has returned.
+        await service.store.write(lambda tx: tx.one("SELECT 1"))
+        events = [e.event for e in await service.store.events(request_id)]
+        assert "execution_started" not in events  # refused as not recorded, and not recorded later either
+        assert request_id in [r.id for r in await service.store.approved_not_started()]
+
+
 async def test_a_start_whose_commit_answer_was_lost_is_recorded_once(store_engine: Engine) -> None:
     """The first record of the start commits, but its answer is lost (the connection dropped after COMMIT was
     sent: the store's own error reaches the caller). The retry used to write ``execution_started`` a second

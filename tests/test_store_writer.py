@@ -6,12 +6,14 @@ import asyncio
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+import aiosqlite
 import pytest
 
 from kazma.config.store.database import Tables, connect
-from kazma.config.store.errors import is_busy
+from kazma.config.store.errors import WriteGivenUp, is_busy
 from kazma.config.store.writer import StoreWriter, Tx
 
 
@@ -102,6 +104,79 @@ async def test_a_lock_held_by_another_process_is_waited_for_off_the_loop(writer:
     other.close()
     assert await asyncio.wait_for(pending, timeout=10) == 1
     assert rows(writer.path) == {"theirs": 0, "mine": 1}
+
+
+@asynccontextmanager
+async def lock_held(path: str) -> AsyncIterator[aiosqlite.Connection]:
+    """Another connection holds the file's write lock for the block's length (from aiosqlite's thread: the loop
+    never waits on it)."""
+    holder = await aiosqlite.connect(path, isolation_level=None)
+    try:
+        await holder.execute("BEGIN IMMEDIATE")
+        yield holder
+    finally:
+        await holder.execute("ROLLBACK")
+        await holder.close()
+
+
+async def test_a_write_past_its_deadline_under_a_held_lock_is_given_up_and_never_commits(writer: StoreWriter) -> None:
+    """Its group's other write waits on with its own patience, and commits once the lock is free; the one given up
+    does not, then or ever (its caller was told it was not written). The writer used to wait for the lock past any
+    caller's deadline, up to ``busy_timeout_ms`` (here ten minutes, were it not given up)."""
+    patient_writer = StoreWriter(writer.path, busy_timeout_ms=600_000)
+    try:
+        async with lock_held(writer.path):
+            loop = asyncio.get_running_loop()
+            late = asyncio.ensure_future(patient_writer.submit(put("late", 1), deadline=loop.time() + 0.2))
+            patient = asyncio.ensure_future(patient_writer.submit(put("patient", 2)))  # the same turn: one group
+            async with asyncio.timeout(60):  # a guard against a hang, not a measure: the deadline is 0.2 s away
+                with pytest.raises(WriteGivenUp, match="given up at its deadline"):
+                    await late
+            assert not patient.done()  # told while the lock is still held; the other write waits on
+            assert patient_writer._in_flight  # ... in the group on the writer's thread
+        assert await asyncio.wait_for(patient, timeout=60) == 1
+        await patient_writer.submit(put("after", 3))  # one group at a time: everything before it has returned
+        assert rows(writer.path) == {"patient": 2, "after": 3}
+    finally:
+        await patient_writer.close()
+
+
+async def test_a_write_past_its_deadline_while_it_waits_for_its_group_is_given_up(writer: StoreWriter) -> None:
+    """A group on its way waits for the lock; a write submitted meanwhile waits for that group to return, and its
+    deadline passes there: it is given up without ever going into a group, and the earlier write stands."""
+    patient_writer = StoreWriter(writer.path, busy_timeout_ms=600_000)
+    try:
+        async with lock_held(writer.path):
+            first = asyncio.ensure_future(patient_writer.submit(put("first", 1)))
+            async with asyncio.timeout(60):
+                while not patient_writer._in_flight:  # the loop thread met the lock and handed the group on
+                    await asyncio.sleep(0)
+            loop = asyncio.get_running_loop()
+            late = asyncio.ensure_future(patient_writer.submit(put("late", 2), deadline=loop.time() + 0.2))
+            async with asyncio.timeout(60):
+                with pytest.raises(WriteGivenUp, match="waited for the writer"):
+                    await late
+            assert not first.done()
+        assert await asyncio.wait_for(first, timeout=60) == 1
+        await patient_writer.submit(put("after", 3))
+        assert rows(writer.path) == {"first": 1, "after": 3}
+        with pytest.raises(WriteGivenUp, match="before it was submitted"):
+            await patient_writer.submit(put("too late", 4), deadline=asyncio.get_running_loop().time())
+        await patient_writer.caught_up()
+        assert "too late" not in rows(writer.path)
+    finally:
+        await patient_writer.close()
+
+
+async def test_the_writer_a_connection_makes_is_as_patient_as_the_connection(tmp_path: Path) -> None:
+    # Tables.writer() made its writer with the default busy_timeout_ms (5 s), whatever the store was configured with.
+    conn = await connect(tmp_path / "patience.db", busy_timeout_ms=1234)
+    try:
+        writer = await Tables(conn).writer()
+        assert writer.busy_timeout_ms == 1234
+        await writer.close()
+    finally:
+        await conn.close()
 
 
 async def test_a_reader_cancelled_while_it_waits_for_writes_leaves_their_callers_answered(writer: StoreWriter) -> None:

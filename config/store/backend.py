@@ -56,9 +56,11 @@ class Tx(Protocol):
 
 
 class Writer(Protocol):
-    async def submit(self, op: Callable[[Tx], T], *, ride: float = 0.0) -> T:
+    async def submit(self, op: Callable[[Tx], T], *, ride: float = 0.0, deadline: float | None = None) -> T:
         """Run ``op`` in the next group commit; its result once that commit is durable. ``ride`` > 0: in the next
-        group other operations start, or alone after ``ride`` seconds (see :mod:`kazma.config.store.group_commit`)."""
+        group other operations start, or alone after ``ride`` seconds (see :mod:`kazma.config.store.group_commit`).
+        ``deadline`` (the loop's time): given up past it, never to commit, while it waits for its group or (SQLite)
+        for another connection's lock; on PostgreSQL a group already sent is not given up."""
         ...
 
     def release_riders(self) -> None:

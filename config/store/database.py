@@ -213,12 +213,15 @@ class Tables:
         self._writer = writer
 
     async def writer(self) -> StoreWriter:
-        """The group-committing writer for this connection's file (one is made on first use)."""
+        """The group-committing writer for this connection's file (one is made on first use), as patient with
+        another process's lock as this connection is (its ``busy_timeout``, which :func:`connect` set from the
+        store's ``busy_timeout_ms``: the writer made here waited its own default of 5 s whatever that was)."""
         if self._writer is None:
             rows = await self.all("PRAGMA database_list")
             path = next((str(row[2]) for row in rows if row[1] == "main"), "")
+            busy = await self.one("PRAGMA busy_timeout")
             if self._writer is None:  # another caller may have made it while this one read the path
-                self._writer = StoreWriter(path or ":memory:")
+                self._writer = StoreWriter(path or ":memory:", busy_timeout_ms=int(busy[0]))
         return self._writer
 
     @classmethod

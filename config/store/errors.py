@@ -39,3 +39,10 @@ def is_busy(exc: sqlite3.Error) -> bool:
     if code is not None:
         return code & 0xFF in _BUSY_CODES
     return str(exc).startswith(("database is locked", "database table is locked"))
+
+
+class WriteGivenUp(sqlite3.OperationalError):
+    """A write given up at its caller's deadline before it could commit (another connection held the lock until
+    then): nothing of it was committed, and nothing of it ever will be. A store error like any other to a caller
+    that survives one; one with a deadline to keep (an approved call's start) is told in time, and may say "not
+    recorded" knowing the record will not turn up later."""

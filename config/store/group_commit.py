@@ -17,11 +17,14 @@ of its own, and it never waits in front of a decision.
 from __future__ import annotations
 
 import asyncio
+import time
 import types
 from collections.abc import Callable, Generator, Hashable, Sequence
 from typing import Any, Generic, TypeVar, cast
 
 import structlog
+
+from kazma.config.store.errors import WriteGivenUp
 
 log = structlog.get_logger("kazma.store")
 
@@ -176,13 +179,16 @@ class Job(Generic[T]):
     """One submitted operation, its caller's future, and what running it gave. (A class with slots, not a
     dataclass: one is made for every write, and a dataclass's instance dictionary and keyword call cost more.)"""
 
-    __slots__ = ("error", "future", "op", "result", "rides")
+    __slots__ = ("deadline", "error", "future", "op", "result", "rides")
 
     def __init__(self, op: Callable[[Any], T], future: asyncio.Future[T], *, rides: bool = False) -> None:
         self.op, self.future = op, future
         self.result: Any = None
         self.error: BaseException | None = None
         self.rides = rides  # submitted to ride: it never makes a group count as bigger than its other operations
+        # When its caller stops waiting (``time.monotonic()``), or None: a writer waiting for a lock past it gives
+        # the job up (see :meth:`GroupQueue.submit`).
+        self.deadline: float | None = None
 
     def __repr__(self) -> str:
         return f"Job({self.op!r}, rides={self.rides})"
@@ -246,24 +252,35 @@ class GroupQueue:
         """Take pending jobs and run them as a group (or hand them to a thread)."""
         raise NotImplementedError
 
-    async def submit(self, op: Callable[[Any], T], *, ride: float = 0.0) -> T:
+    async def submit(self, op: Callable[[Any], T], *, ride: float = 0.0, deadline: float | None = None) -> T:
         """Run ``op`` in the next group commit; its result once that commit returned.
 
         ``ride`` > 0: ``op`` starts no group; it joins the next one other operations start (after theirs), or goes
         alone once ``ride`` seconds passed without one (see the module's docstring).
+
+        ``deadline`` (the loop's time): past it, ``op`` is given up while it waits for its group, or while the
+        writer waits for a lock another connection holds (SQLite's writer), and its caller gets
+        :class:`WriteGivenUp`: it did not commit, and never will. Its group's other operations wait on. A
+        transaction already under way when it passes is not stopped: its caller is answered how it ended. (A
+        caller that merely stopped waiting, cancelled, leaves its write to commit whenever it can.)
         """
         if self._closed:
             raise self._closed_error()
         loop = asyncio.get_running_loop()
+        if deadline is not None and deadline <= loop.time():
+            raise WriteGivenUp("the write's deadline had passed before it was submitted: nothing was written")
         future: asyncio.Future[T] = loop.create_future()
+        job = Job(op, future, rides=ride > 0)
+        if deadline is not None:
+            self._give_up_at(job, loop, deadline)
         if ride > 0:
             # Not yet among the unanswered: a read (``caught_up``) does not wait for a write that waits to ride.
-            self._riders.append(Job(op, future, rides=True))
+            self._riders.append(job)
             if self._riders_due is None:
                 self._riders_due = loop.call_later(ride, self.release_riders)
             return await future
         self._track(future)
-        self._pending.append(Job(op, future))
+        self._pending.append(job)
         if self._flush_scheduled:
             return await future
         # This caller starts the group, and runs it itself one turn later: everything submitted during this turn
@@ -282,6 +299,30 @@ class GroupQueue:
         if future.done():
             return future.result()
         return await future
+
+    def _give_up_at(self, job: Job[Any], loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """Give ``job`` up at ``deadline`` (the loop's time) if it still waits for its group then; a writer gives
+        it up after that while it waits for a lock (it reads :attr:`Job.deadline`, on its own clock)."""
+        job.deadline = time.monotonic() + (deadline - loop.time())
+        timer = loop.call_at(deadline, self._given_up_waiting, job)
+        job.future.add_done_callback(lambda _: timer.cancel())
+
+    def _given_up_waiting(self, job: Job[Any]) -> None:
+        """``job``'s deadline passed: given up if it has not gone into a group yet (one that has is the writer's)."""
+        for waiting in (self._pending, self._riders):
+            if job in waiting:
+                waiting.remove(job)
+                job.error = WriteGivenUp(
+                    "the write was given up at its deadline while it waited for the writer (busy with an earlier"
+                    " group, which may be waiting for another connection's lock): nothing was written"
+                )
+                self._answer_jobs([job], None)
+                log.warning("store.write_given_up", waiting_for="group")
+                return
+
+    def _answer_given_up(self, jobs: Sequence[Job[Any]]) -> None:
+        """Jobs a writer gave up (each with its :class:`WriteGivenUp`) while their group goes on: told now."""
+        self._answer_jobs(jobs, None)
 
     @property
     def riders(self) -> int:

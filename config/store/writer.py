@@ -25,6 +25,7 @@ thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import sqlite3
 import threading
@@ -36,7 +37,7 @@ from typing import Any, TypeVar
 import structlog
 
 from kazma.config.metrics import count_failure
-from kazma.config.store.errors import is_busy
+from kazma.config.store.errors import WriteGivenUp, is_busy
 from kazma.config.store.group_commit import (
     Deferred,
     GroupQueue,
@@ -287,17 +288,26 @@ class StoreWriter(GroupQueue):
         at all (the group goes to the writer thread), on the writer thread every millisecond until
         ``busy_timeout_ms`` has passed. Polling this often is fairer than SQLite's own growing sleeps,
         which let a second process committing group after group starve this one.
+
+        A job whose deadline (:attr:`Job.deadline`) has passed is given up before the next attempt: its caller
+        is told at once, and the group goes on without it, so it never commits after its caller was told it did
+        not. (Patience alone outlasted a caller's deadline by up to ``busy_timeout_ms``; and a caller that gave
+        up by cancelling only stopped listening, so its write still committed once the lock was free.)
         """
         group.inline = inline
         patience = time.monotonic() + self.busy_timeout_ms / 1000
         careful = False
         dropped: set[Job[Any]] = set()  # operations whose failure undid the whole transaction: not run again
+        live = group.jobs
         while True:
-            for job in group.jobs:
+            live = self._give_up_late(live, inline=inline)
+            if not live:
+                return
+            for job in live:
                 if job not in dropped:
                     job.result, job.error = None, None
             try:
-                self._attempt(group, careful=careful, dropped=dropped)
+                self._attempt(group, live, careful=careful, dropped=dropped)
                 return
             except _Undone as undone:
                 # SQLite rolled the whole transaction back under an operation (SQLITE_FULL, an I/O error), so
@@ -349,12 +359,34 @@ class StoreWriter(GroupQueue):
                 return
             time.sleep(LOCK_RETRY_SECONDS)
 
-    def _attempt(self, group: _Group, *, careful: bool, dropped: set[Job[Any]]) -> None:
+    def _give_up_late(self, jobs: list[Job[Any]], *, inline: bool) -> list[Job[Any]]:
+        """``jobs`` but those whose deadline has passed: those are given up, and their callers told now (from the
+        thread, on the loop: the group's other jobs may wait on for the lock)."""
+        now = time.monotonic()
+        late = [job for job in jobs if job.deadline is not None and job.deadline <= now]
+        if not late:
+            return jobs
+        for job in late:
+            job.result = None
+            job.error = WriteGivenUp(
+                f"the write was given up at its deadline before it could commit (another connection held the"
+                f" write lock of {self.path}, or the writer was busy before it): nothing of it was committed"
+            )
+        log.warning("store.write_given_up", path=self.path, operations=len(late), waiting_for="lock")
+        if inline:
+            self._answer_given_up(late)
+        elif self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for an answer
+                self._loop.call_soon_threadsafe(self._answer_given_up, late)
+        return [job for job in jobs if job.deadline is None or job.deadline > now]
+
+    def _attempt(self, group: _Group, jobs: list[Job[Any]], *, careful: bool, dropped: set[Job[Any]]) -> None:
+        """One transaction for ``jobs`` (the group's that are still wanted)."""
         conn = self._connection()
         conn.execute("BEGIN IMMEDIATE")
         tx = Tx(conn)
-        if len(group.jobs) == 1:
-            job = group.jobs[0]
+        if len(jobs) == 1:
+            job = jobs[0]
             try:
                 job.result = job.op(tx)
             except Exception as exc:  # the caller gets it; nothing of this operation is kept
@@ -366,7 +398,7 @@ class StoreWriter(GroupQueue):
         elif not careful:
             # Operations of one Together key run in one go (one press of several decides, the others lose in the
             # same statements); the careful pass below runs each alone, which gives the same results.
-            for batch in batches(group.jobs):
+            for batch in batches(jobs):
                 try:
                     run_batch(tx, batch)
                 except Exception as exc:
@@ -374,7 +406,7 @@ class StoreWriter(GroupQueue):
                         raise
                     raise _OpFailed from exc
         else:
-            for job in group.jobs:
+            for job in jobs:
                 if job in dropped:
                     continue
                 conn.execute("SAVEPOINT op")
