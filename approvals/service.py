@@ -810,7 +810,7 @@ class ApprovalService:
         made_for = (request.tool, request.args_hash, request.conversation, request.decided_by)
         if made_for != (tool, digest, conversation, rule.created_by):
             return SealProblem(f"its approval {request.id} was for another call, place or person", FORGED)
-        if rule.definition_hash is not None and rule.definition_hash != await self.store.definition_of(request.id):
+        if rule.definition_hash is not None and rule.definition_hash != request.definition_hash:
             return SealProblem(f"its approval {request.id} was for another definition of {tool}", FORGED)
         assert request.decided_at is not None  # sealed: decided
         decided = request.decided_at.timestamp()

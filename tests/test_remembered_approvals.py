@@ -510,3 +510,26 @@ async def test_a_rule_for_one_definition_does_not_hide_the_rule_for_another(tmp_
         assert not await _gets_a_card(policy, publisher, first, clock.now)
         assert not await _gets_a_card(policy, publisher, second, clock.now)
         assert await _gets_a_card(policy, publisher, "c" * 64, clock.now)
+
+
+async def test_a_request_reads_back_with_its_definition_and_a_rule_for_another_is_refused(store_engine: Engine) -> None:
+    # The definition a request was opened for comes back with its row (the rule check on the dangerous-call path
+    # reads that row once, where it used to read the definition again), on SQLite and on PostgreSQL. A rule whose
+    # sealed definition is not the one its request was opened for is still refused as no rule Kazma made.
+    clock = ManualClock()
+    approved = "a" * 64
+    async with remembering_on(store_engine, clock) as (policy, publisher):
+        await _remember_for(policy, publisher, approved, clock.now)
+        [rule] = await policy.service.rules.list()  # type: ignore[union-attr]
+        request = await policy.service.store.get(rule.request_id)
+        assert request is not None
+        assert request.definition_hash == approved
+        assert not await _gets_a_card(policy, publisher, approved, clock.now)
+        await policy.service.store.write(
+            lambda tx: tx.run(
+                "UPDATE approval_requests SET definition_hash = ? WHERE id = ?", ("b" * 64, rule.request_id)
+            )
+        )
+        assert await _gets_a_card(policy, publisher, approved, clock.now)
+        [*_, refused] = await policy.service.store.events(rule.request_id, event="rule_refused")
+        assert "was for another definition of deploy" in str(refused.detail)
