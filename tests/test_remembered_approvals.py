@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -533,3 +534,80 @@ async def test_a_request_reads_back_with_its_definition_and_a_rule_for_another_i
         assert await _gets_a_card(policy, publisher, approved, clock.now)
         [*_, refused] = await policy.service.store.events(rule.request_id, event="rule_refused")
         assert "was for another definition of deploy" in str(refused.detail)
+
+
+def _rules_listed(tmp_path: Path, remember: str, *args: str) -> dict[str, str]:
+    """``kazma approvals rules list`` on the store at ``tmp_path`` under ``approvals.remember: {remember}``: each
+    rule's line by its id."""
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+    from tests.audit_support import KEY_ENV
+
+    config = tmp_path / "kazma.yaml"
+    config.write_text(
+        f"store: {{path: '{tmp_path / 'kazma.db'}'}}\n"
+        f"approvals:\n  approvers: ['telegram:111']\n  remember: {remember}\n",
+        encoding="utf-8",
+    )
+    result = CliRunner().invoke(main, ["-c", str(config), "approvals", "rules", "list", *args], env=KEY_ENV)
+    assert result.exit_code == 0, result.output
+    return {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("rule_")}
+
+
+def test_rules_list_shows_each_definition_and_says_which_rules_a_lowered_max_seconds_ended(tmp_path: Path) -> None:
+    # Two rules for the same call of an MCP tool in two definitions: one approved 3000 s ago, one 50 s ago. The
+    # team lowers max_seconds to 600: the older no longer lets anything run (the service ends it quietly), so the
+    # listing must not call it active; each line shows the definition digest its rule is bound to, as the card did.
+    clock = ManualClock(time.time() - 3000)
+    old, new = "a" * 64, "b" * 64
+
+    async def made() -> None:
+        async with remembering(tmp_path, clock) as (policy, publisher):
+            await _remember_for(policy, publisher, old, clock.now)
+            clock.advance(2950)
+            await _remember_for(policy, publisher, new, clock.now)
+
+    asyncio.run(made())
+    lines = _rules_listed(tmp_path, "{enabled: true, max_seconds: 600}")
+    [older] = [line for line in lines.values() if f"definition {old[:16]}… " in line]
+    [newer] = [line for line in lines.values() if f"definition {new[:16]}… " in line]
+    assert older.split()[1] == "ended"
+    assert "ENDED: approvals.remember.max_seconds is 600 s now, so it ended at " in older
+    assert "REFUSED" not in older  # a configuration change, no forgery
+    assert newer.split()[1] == "active"
+    assert "ENDED" not in newer
+    assert "REFUSED" not in newer
+    # Under the longer limit both stand; with remembering off, neither does.
+    assert [line.split()[1] for line in _rules_listed(tmp_path, "{enabled: true, max_seconds: 3600}").values()] == [
+        "active",
+        "active",
+    ]
+    off = _rules_listed(tmp_path, "{enabled: false, max_seconds: 3600}").values()
+    assert [line.split()[1] for line in off] == ["ended", "ended"]
+    assert all("ENDED: approvals.remember.enabled is off" in line for line in off)
+
+
+def test_rules_list_prints_a_row_written_around_kazma_on_one_line(tmp_path: Path) -> None:
+    # A rule row is a store row: whoever writes the store around Kazma can put a line break (or an escape sequence)
+    # in its text. Printed raw, a refused row could push its REFUSED mark away and print a forged "active" line.
+    forged = "deploy\nrule_FAKE  active  deploy  sha256 0000"
+
+    async def written() -> None:
+        conn = await open_database(tmp_path / "kazma.db", busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
+        try:
+            await RuleStore(conn).add(
+                tool=forged, args_hash="ab" * 32, conversation=HERE + "\x1b[2K", created_by="telegram:111",
+                created_via="telegram", request_id="r" * 22, seconds=3600,
+            )  # fmt: skip
+        finally:
+            await conn.close()
+
+    asyncio.run(written())
+    lines = _rules_listed(tmp_path, "{enabled: true, max_seconds: 3600}")
+    assert "rule_FAKE" not in lines
+    [line] = lines.values()
+    assert line.split()[1] == "refused"
+    assert "⟨U+000A LF⟩rule_FAKE" in line
+    assert "\x1b" not in line
+    assert "REFUSED: it carries no seal" in line

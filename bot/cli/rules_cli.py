@@ -10,7 +10,8 @@ import click
 
 from kazma.approvals import ApprovalStore
 from kazma.approvals.checkpointer import Checkpointer
-from kazma.approvals.rules import RuleStore
+from kazma.approvals.honesty import reveal_line
+from kazma.approvals.rules import RuleStore, definition_text, rule_states
 from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
 from kazma.bot.keys import load_audit_signer, read_decision_keyring
@@ -32,25 +33,30 @@ def _when(seconds: float) -> str:
 @click.option("--all", "everything", is_flag=True, help="Also expired and revoked rules.")
 @click.pass_obj
 def list_rules(obj: Context, everything: bool) -> None:
-    """Each rule: id, tool, hash, conversation, who made it, until when."""
+    """Each rule: id, state, tool, hash, definition, conversation, who made it, until when."""
     config = obj.load().config
 
     async def run() -> None:
-        async with store_for_command(config) as store:
-            found = await RuleStore(store).list(active_only=not everything, limit=1000)
-        if not found:
-            click.echo("no remembered approvals in force" if not everything else "no remembered approvals")
         now = time.time()
         keyring = read_decision_keyring(config)
-        for rule in found:
-            state = "active" if rule.active(now) else ("revoked" if rule.revoked_at else "expired")
-            # A row whose seal does not hold lets nothing run: said, so nobody takes it for one in force.
-            problem = rule.seal_problem(keyring) if state == "active" and keyring is not None else None
-            refused = "" if problem is None else f"  REFUSED: {problem.detail}"
-            click.echo(
-                f"{rule.id}  {state:<7} {rule.tool}  sha256 {rule.args_hash[:16]}…  in {rule.conversation}  "
-                f"by {rule.created_by}  until {_when(rule.expires_at)}  (request {rule.request_id}){refused}"
+        async with store_for_command(config) as store:
+            found = await RuleStore(store, clock=lambda: now).list(active_only=not everything, limit=1000)
+            # Judged as the service judges a rule before it lets a call run: a row in force that the
+            # configuration now ends (max_seconds lowered, say) or whose seal does not hold lets nothing run, and
+            # is said so rather than listed as active.
+            states = await rule_states(ApprovalStore(store), found, config=config, keyring=keyring, now=now)
+        if not found:
+            click.echo("no remembered approvals in force" if not everything else "no remembered approvals")
+        for rule, state in zip(found, states, strict=True):
+            said = "" if state.why is None else f"  {state.name.upper()}: {state.why}"
+            line = (
+                f"{rule.id}  {state.name:<7} {rule.tool}  sha256 {rule.args_hash[:16]}…  {definition_text(rule)}  "
+                f"in {rule.conversation}  by {rule.created_by}  until {_when(rule.expires_at)}  "
+                f"(request {rule.request_id}){said}"
             )
+            # A row's text is the store's: one written around Kazma could hold a line break that prints a line of
+            # its own (a forged "active" rule) or a terminal escape. One rule, one line, as kazma approvals list.
+            click.echo(reveal_line(line))
 
     asyncio.run(run())
 
