@@ -116,7 +116,10 @@ _COLUMNS = (
     " seal_key_id, seal, definition_hash"
 )
 _INSERT = f"INSERT INTO approval_rules ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
-_REVOKE = "UPDATE approval_rules SET revoked_at = ?, revoked_by = ? WHERE id = ? AND revoked_at IS NULL"
+# Only a rule in force is revoked: an expired one ended on its own, and a rule_revoked for it would say otherwise.
+_REVOKE = (
+    "UPDATE approval_rules SET revoked_at = ?, revoked_by = ? WHERE id = ? AND revoked_at IS NULL AND expires_at > ?"
+)
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,7 @@ class RuleStore:
         now = self._now()
 
         def end(tx: Tx) -> bool:
-            if tx.run(_REVOKE, (now, actor, rule.id)) != 1:
+            if tx.run(_REVOKE, (now, actor, rule.id, now)) != 1:
                 return False
             store.record(
                 tx, request_id=rule.request_id, event="rule_revoked", actor=actor, platform=platform,
@@ -258,6 +261,14 @@ class RuleStore:
         )
         return None if row is None else _rule(tuple(row))
 
+    async def in_force(self, rule_id: str) -> Rule | None:
+        """The rule ``rule_id`` while its row is in force (neither revoked nor expired), or None."""
+        row = await self.tables.one(
+            f"SELECT {_COLUMNS} FROM approval_rules WHERE id = ? AND revoked_at IS NULL AND expires_at > ?",  # noqa: S608
+            (rule_id, self._now()),
+        )
+        return None if row is None else _rule(tuple(row))
+
     async def list(self, *, active_only: bool = True, limit: int = 100) -> list[Rule]:
         where = " WHERE revoked_at IS NULL AND expires_at > ?" if active_only else ""
         params: tuple[object, ...] = (self._now(),) if active_only else ()
@@ -269,7 +280,8 @@ class RuleStore:
 
     async def revoke(self, rule_id: str, *, actor: str) -> bool:
         """``rule_id`` ended on its own (no audit event: the service and the CLI revoke with ``rule_revoked``)."""
-        return await self.tables.run(_REVOKE, (self._now(), actor, rule_id)) == 1
+        now = self._now()
+        return await self.tables.run(_REVOKE, (now, actor, rule_id, now)) == 1
 
 
 def definition_text(rule: Rule) -> str:

@@ -690,15 +690,15 @@ class ApprovalService:
         """End a remembered approval now (the next identical call gets a card again); audited. None: not in force."""
         if self.rules is None:
             return None
-        found = [r for r in await self.rules.list(active_only=True, limit=100_000) if r.id == rule_id]
-        if not found:
+        found = await self.rules.in_force(rule_id)
+        if found is None:
             return None
         person = self.config.roster.person_of(actor)
-        if not await self.rules.revoke_recorded(self.store, found[0], actor=actor, platform=platform, person=person):
+        if not await self.rules.revoke_recorded(self.store, found, actor=actor, platform=platform, person=person):
             return None
         log.info("approvals.rule_revoked", rule=rule_id, actor=actor, platform=platform)
-        self._tell(found[0].request_id)
-        return found[0]
+        self._tell(found.request_id)
+        return found
 
     async def remembered(
         self,

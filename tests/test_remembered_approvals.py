@@ -611,3 +611,40 @@ def test_rules_list_prints_a_row_written_around_kazma_on_one_line(tmp_path: Path
     assert "⟨U+000A LF⟩rule_FAKE" in line
     assert "\x1b" not in line
     assert "REFUSED: it carries no seal" in line
+
+
+def test_rules_revoke_refuses_a_rule_no_longer_in_force_as_the_console_does(tmp_path: Path) -> None:
+    # An expired rule is in force nowhere: `rules revoke` said "revoked" for it and wrote a rule_revoked the audit
+    # then shows for a rule that ended an hour before, where the console's Revoke says none is in force.
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+    from tests.audit_support import KEY_ENV
+
+    clock = ManualClock(time.time() - 7200)
+
+    async def made() -> str:
+        async with remembering(tmp_path, clock) as (policy, publisher):
+            await _remember(policy, publisher)
+            [rule] = await policy.service.rules.list()  # type: ignore[union-attr]
+            return rule.id
+
+    rule_id = asyncio.run(made())
+    config = tmp_path / "kazma.yaml"
+    config.write_text(
+        f"store: {{path: '{tmp_path / 'kazma.db'}'}}\napprovals:\n  approvers: ['telegram:111']\n", encoding="utf-8"
+    )
+    result = CliRunner().invoke(main, ["-c", str(config), "approvals", "rules", "revoke", rule_id], env=KEY_ENV)
+    assert result.exit_code == 1, result.output
+    assert f"no rule {rule_id!r} in force" in result.stderr
+
+    async def revocations() -> list[str]:
+        conn = await open_database(tmp_path / "kazma.db", busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
+        try:
+            [rule] = await RuleStore(conn).list(active_only=False)
+            assert rule.revoked_at is None
+            return [e.event for e in await ApprovalStore(conn).events(rule.request_id, event="rule_revoked")]
+        finally:
+            await conn.close()
+
+    assert asyncio.run(revocations()) == []

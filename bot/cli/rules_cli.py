@@ -73,14 +73,15 @@ def revoke(obj: Context, rule_id: str, login: str | None) -> None:
     async def run() -> bool:
         async with store_for_command(config) as store:
             rules_store = RuleStore(store)
-            match = [r for r in await rules_store.list(active_only=False, limit=100_000) if r.id == rule_id]
-            if not match:
+            # In force only, as the console's Revoke: an expired rule ended on its own.
+            found = await rules_store.in_force(rule_id)
+            if found is None:
                 return False
             signer = load_audit_signer(config)
             approvals = ApprovalStore(store, audit=signer)
             # The row and its rule_revoked both or neither (see RuleStore.revoke_recorded).
             done = await rules_store.revoke_recorded(
-                approvals, match[0], actor=actor, platform="cli", person=config.roster.person_of(actor)
+                approvals, found, actor=actor, platform="cli", person=config.roster.person_of(actor)
             )
             if done:
                 await Checkpointer(approvals, signer).sign()
