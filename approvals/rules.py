@@ -294,8 +294,9 @@ def definition_text(rule: Rule) -> str:
 class RuleState:
     """How a rule stands now, as ``kazma approvals rules list`` and the dashboard say it: ``active`` (it lets its
     call run), ``ended`` (its row says in force, but the configuration now lets it run no more: quietly, no
-    forgery), ``refused`` (a row no "Approve for …" made as it stands: it lets nothing run), ``expired`` or
-    ``revoked``. ``why``: said for ``ended`` and ``refused``."""
+    forgery), ``refused`` (a row no "Approve for …" made as it stands: it lets nothing run), ``unchecked`` (it
+    would stand if its seal holds, which cannot be checked without the decision key), ``expired`` or ``revoked``.
+    ``why``: said for ``ended``, ``refused`` and ``unchecked``."""
 
     name: str
     why: str | None = None
@@ -314,8 +315,9 @@ async def rule_states(
 ) -> list[RuleState]:
     """How each of ``rules`` stands at ``now`` under ``config``, judged as the service judges a rule before it
     lets a call run (see ApprovalService.remembered), short of what only a live call knows: whether an MCP tool's
-    definition now is the one the rule is bound to (its digest is shown instead). ``keyring`` None: seals are
-    not checked (no key readable here). Reads each in-force rule's approval, as the service does."""
+    definition now is the one the rule is bound to (its digest is shown instead). ``keyring`` None: seals cannot
+    be checked here (no usable decision key), so a rule nothing else ends is ``unchecked``, never ``active``.
+    Reads each in-force rule's approval, as the service does."""
     remember = config.approvals.remember
     states = []
     for rule in rules:
@@ -336,7 +338,13 @@ async def rule_states(
         if policy is None or not config.roster.may_decide(rule.created_by, rule.created_via, policy.approvers):
             states.append(RuleState("ended", f"{rule.created_by} may no longer approve {rule.tool}"))
             continue
-        states.append(await _against_its_approval(store, rule, remember.max_seconds, now))
+        state = await _against_its_approval(store, rule, remember.max_seconds, now)
+        if state.stands and keyring is None:
+            # A row written around Kazma would look active too: without the key nothing here says it is not.
+            state = RuleState(
+                "unchecked", "its seal cannot be checked here: no usable decision key (kazma doctor says why)"
+            )
+        states.append(state)
     return states
 
 

@@ -648,3 +648,35 @@ def test_rules_revoke_refuses_a_rule_no_longer_in_force_as_the_console_does(tmp_
             await conn.close()
 
     assert asyncio.run(revocations()) == []
+
+
+def test_rules_list_without_a_decision_key_calls_no_rule_active(tmp_path: Path) -> None:
+    # Without a usable decision key the listing cannot tell a rule Kazma sealed from a row written by hand: it
+    # listed both as active. It now says the seal could not be checked, as kazma approvals show does.
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+
+    clock = ManualClock(time.time() - 60)
+
+    async def made() -> None:
+        async with remembering(tmp_path, clock) as (policy, publisher):
+            await _remember(policy, publisher)
+
+    asyncio.run(made())
+    config = tmp_path / "kazma.yaml"
+    config.write_text(
+        f"store: {{path: '{tmp_path / 'kazma.db'}'}}\n"
+        "approvals:\n  approvers: ['telegram:111']\n  remember: {enabled: true, max_seconds: 3600}\n",
+        encoding="utf-8",
+    )
+    result = CliRunner().invoke(
+        main, ["-c", str(config), "approvals", "rules", "list"], env={"KAZMA_DECISION_KEY": None}
+    )
+    assert result.exit_code == 0, result.output
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("rule_")]
+    assert line.split()[1] == "unchecked"
+    assert "UNCHECKED: its seal cannot be checked here: no usable decision key (kazma doctor says why)" in line
+    # With the key, the same rule is active: the rule is genuine, only the listing could not tell.
+    keyed = _rules_listed(tmp_path, "{enabled: true, max_seconds: 3600}")
+    assert [listed.split()[1] for listed in keyed.values()] == ["active"]
