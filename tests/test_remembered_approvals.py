@@ -12,6 +12,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kazma.adapters.card_layout import ButtonKind, view_of
 from kazma.approvals import MIGRATIONS, ApprovalService, ApprovalStore, Decision, PressVerdict, SafetyPolicy
 from kazma.approvals.policy import PolicyVerdict
@@ -680,3 +682,42 @@ def test_rules_list_without_a_decision_key_calls_no_rule_active(tmp_path: Path) 
     # With the key, the same rule is active: the rule is genuine, only the listing could not tell.
     keyed = _rules_listed(tmp_path, "{enabled: true, max_seconds: 3600}")
     assert [listed.split()[1] for listed in keyed.values()] == ["active"]
+
+
+def test_rules_list_says_when_older_rules_are_left_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --all lists every rule ever made, which grows without bound; past the listing's limit the oldest were left
+    # off without a word, so a rule looked up there seemed never to have existed.
+    from kazma.bot.cli import rules_cli
+
+    monkeypatch.setattr(rules_cli, "LISTED", 2, raising=False)  # (before: a fixed 1000, none said)
+
+    async def written() -> list[str]:
+        conn = await open_database(tmp_path / "kazma.db", busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
+        clock = ManualClock(time.time() - 10_000)
+        made = []
+        try:
+            for n in range(3):
+                clock.advance(60)
+                rule = await RuleStore(conn, clock=clock).add(
+                    tool="deploy", args_hash=f"{n:02}" * 32, conversation=HERE, created_by="telegram:111",
+                    created_via="telegram", request_id="r" * 22, seconds=600,
+                )  # fmt: skip
+                made.append(rule.id)
+        finally:
+            await conn.close()
+        return made
+
+    oldest, *newest = asyncio.run(written())
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+    from tests.audit_support import KEY_ENV
+
+    config = tmp_path / "kazma.yaml"
+    config.write_text(f"store: {{path: '{tmp_path / 'kazma.db'}'}}\n", encoding="utf-8")
+    result = CliRunner().invoke(main, ["-c", str(config), "approvals", "rules", "list", "--all"], env=KEY_ENV)
+    assert result.exit_code == 0, result.output
+    listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("rule_")]
+    assert listed == newest[::-1]
+    assert oldest not in result.stdout
+    assert "only the newest 2 rules are listed; older ones are left off" in result.stderr

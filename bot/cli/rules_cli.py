@@ -29,6 +29,10 @@ def _when(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
 
 
+# Rules a listing prints at most, newest first (``--all`` keeps every rule ever made: it grows without bound).
+LISTED = 1000
+
+
 @rules.command("list")
 @click.option("--all", "everything", is_flag=True, help="Also expired and revoked rules.")
 @click.pass_obj
@@ -40,14 +44,14 @@ def list_rules(obj: Context, everything: bool) -> None:
         now = time.time()
         keyring = read_decision_keyring(config)
         async with store_for_command(config) as store:
-            found = await RuleStore(store, clock=lambda: now).list(active_only=not everything, limit=1000)
+            found = await RuleStore(store, clock=lambda: now).list(active_only=not everything, limit=LISTED + 1)
             # Judged as the service judges a rule before it lets a call run: a row in force that the
             # configuration now ends (max_seconds lowered, say) or whose seal does not hold lets nothing run, and
             # is said so rather than listed as active.
-            states = await rule_states(ApprovalStore(store), found, config=config, keyring=keyring, now=now)
+            states = await rule_states(ApprovalStore(store), found[:LISTED], config=config, keyring=keyring, now=now)
         if not found:
             click.echo("no remembered approvals in force" if not everything else "no remembered approvals")
-        for rule, state in zip(found, states, strict=True):
+        for rule, state in zip(found[:LISTED], states, strict=True):
             said = "" if state.why is None else f"  {state.name.upper()}: {state.why}"
             line = (
                 f"{rule.id}  {state.name:<7} {rule.tool}  sha256 {rule.args_hash[:16]}…  {definition_text(rule)}  "
@@ -57,6 +61,9 @@ def list_rules(obj: Context, everything: bool) -> None:
             # A row's text is the store's: one written around Kazma could hold a line break that prints a line of
             # its own (a forged "active" rule) or a terminal escape. One rule, one line, as kazma approvals list.
             click.echo(reveal_line(line))
+        if len(found) > LISTED:
+            # Said, so that a rule left off is not taken for one that does not exist.
+            click.echo(f"only the newest {LISTED} rules are listed; older ones are left off", err=True)
 
     asyncio.run(run())
 
