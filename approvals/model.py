@@ -94,6 +94,9 @@ class ApprovalRequest:
     deny_needed: int = 1  # distinct people whose denial ends it
     step_up: bool = False  # Approve only on its page, after a fresh passkey assertion
     started_by: str | None = None  # who started the work (a person or an identity): forbid_requester
+    # The digest of the tool definition its card was opened for (None: a tool fixed in Kazma's code, or opened
+    # before definitions were recorded): read with the row, so a rule's check needs no second read.
+    definition_hash: str | None = None
 
     def outcome(self) -> Outcome | None:
         return outcome_of(self)

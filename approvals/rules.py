@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final
 
 from kazma.approvals.seal import RuleFields, SealProblem, rule_seal_problem, seal_rule
+from kazma.approvals.store import UnreadableRequest
 from kazma.config.address import Address, AddressError
 from kazma.config.keyring import Keyring
 from kazma.config.store.backend import StoreConnection, Tx, tables_of
@@ -29,6 +31,7 @@ from kazma.config.store.pg_schema import PgMigration
 
 if TYPE_CHECKING:
     from kazma.approvals.store import ApprovalStore
+    from kazma.config.models import KazmaConfig
 
 MIGRATIONS: Final = [
     Migration(
@@ -113,7 +116,10 @@ _COLUMNS = (
     " seal_key_id, seal, definition_hash"
 )
 _INSERT = f"INSERT INTO approval_rules ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
-_REVOKE = "UPDATE approval_rules SET revoked_at = ?, revoked_by = ? WHERE id = ? AND revoked_at IS NULL"
+# Only a rule in force is revoked: an expired one ended on its own, and a rule_revoked for it would say otherwise.
+_REVOKE = (
+    "UPDATE approval_rules SET revoked_at = ?, revoked_by = ? WHERE id = ? AND revoked_at IS NULL AND expires_at > ?"
+)
 
 
 @dataclass(frozen=True)
@@ -218,7 +224,7 @@ class RuleStore:
         now = self._now()
 
         def end(tx: Tx) -> bool:
-            if tx.run(_REVOKE, (now, actor, rule.id)) != 1:
+            if tx.run(_REVOKE, (now, actor, rule.id, now)) != 1:
                 return False
             store.record(
                 tx, request_id=rule.request_id, event="rule_revoked", actor=actor, platform=platform,
@@ -255,6 +261,14 @@ class RuleStore:
         )
         return None if row is None else _rule(tuple(row))
 
+    async def in_force(self, rule_id: str) -> Rule | None:
+        """The rule ``rule_id`` while its row is in force (neither revoked nor expired), or None."""
+        row = await self.tables.one(
+            f"SELECT {_COLUMNS} FROM approval_rules WHERE id = ? AND revoked_at IS NULL AND expires_at > ?",  # noqa: S608
+            (rule_id, self._now()),
+        )
+        return None if row is None else _rule(tuple(row))
+
     async def list(self, *, active_only: bool = True, limit: int = 100) -> list[Rule]:
         where = " WHERE revoked_at IS NULL AND expires_at > ?" if active_only else ""
         params: tuple[object, ...] = (self._now(),) if active_only else ()
@@ -266,4 +280,84 @@ class RuleStore:
 
     async def revoke(self, rule_id: str, *, actor: str) -> bool:
         """``rule_id`` ended on its own (no audit event: the service and the CLI revoke with ``rule_revoked``)."""
-        return await self.tables.run(_REVOKE, (self._now(), actor, rule_id)) == 1
+        now = self._now()
+        return await self.tables.run(_REVOKE, (now, actor, rule_id, now)) == 1
+
+
+def definition_text(rule: Rule) -> str:
+    """What a listing says of the tool definition ``rule`` is bound to: its digest as a card shows it (16 hex
+    digits), or ``none`` (a tool fixed in Kazma's code, or a rule made before definitions were recorded)."""
+    return "definition none" if rule.definition_hash is None else f"definition {rule.definition_hash[:16]}…"
+
+
+@dataclass(frozen=True)
+class RuleState:
+    """How a rule stands now, as ``kazma approvals rules list`` and the dashboard say it: ``active`` (it lets its
+    call run), ``ended`` (its row says in force, but the configuration now lets it run no more: quietly, no
+    forgery), ``refused`` (a row no "Approve for …" made as it stands: it lets nothing run), ``unchecked`` (it
+    would stand if its seal holds, which cannot be checked without the decision key), ``expired`` or ``revoked``.
+    ``why``: said for ``ended``, ``refused`` and ``unchecked``."""
+
+    name: str
+    why: str | None = None
+
+    @property
+    def stands(self) -> bool:
+        return self.name == "active"
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
+async def rule_states(
+    store: ApprovalStore, rules: Sequence[Rule], *, config: KazmaConfig, keyring: Keyring | None, now: float
+) -> list[RuleState]:
+    """How each of ``rules`` stands at ``now`` under ``config``, judged as the service judges a rule before it
+    lets a call run (see ApprovalService.remembered), short of what only a live call knows: whether an MCP tool's
+    definition now is the one the rule is bound to (its digest is shown instead). ``keyring`` None: seals cannot
+    be checked here (no usable decision key), so a rule nothing else ends is ``unchecked``, never ``active``.
+    Reads each in-force rule's approval, as the service does."""
+    remember = config.approvals.remember
+    states = []
+    for rule in rules:
+        if rule.revoked_at is not None:
+            states.append(RuleState("revoked"))
+            continue
+        if now >= rule.expires_at:
+            states.append(RuleState("expired"))
+            continue
+        problem = None if keyring is None else rule.seal_problem(keyring)
+        if problem is not None:
+            states.append(RuleState("refused", problem.detail))
+            continue
+        if not remember.enabled:
+            states.append(RuleState("ended", "approvals.remember.enabled is off: no rule is consulted"))
+            continue
+        policy = config.policy(config.policy_name_for(rule.tool))
+        if policy is None or not config.roster.may_decide(rule.created_by, rule.created_via, policy.approvers):
+            states.append(RuleState("ended", f"{rule.created_by} may no longer approve {rule.tool}"))
+            continue
+        state = await _against_its_approval(store, rule, remember.max_seconds, now)
+        if state.stands and keyring is None:
+            # A row written around Kazma would look active too: without the key nothing here says it is not.
+            state = RuleState(
+                "unchecked", "its seal cannot be checked here: no usable decision key (kazma doctor says why)"
+            )
+        states.append(state)
+    return states
+
+
+async def _against_its_approval(store: ApprovalStore, rule: Rule, max_seconds: int, now: float) -> RuleState:
+    """``rule`` (in force, its seal holding) judged by its approval's time against max_seconds now."""
+    try:
+        request = await store.get(rule.request_id)
+    except UnreadableRequest as exc:  # a text in its row that is not UTF-8 (written around Kazma)
+        return RuleState("refused", f"its approval {rule.request_id} cannot be read ({exc})")
+    if request is None or request.decided_at is None:
+        return RuleState("refused", f"its approval {rule.request_id} is not on record as decided")
+    ends = request.decided_at.timestamp() + max_seconds
+    if now >= ends:
+        # The same test the service makes: a rule Kazma made lasts max_seconds from its approval, as configured now.
+        return RuleState("ended", f"approvals.remember.max_seconds is {max_seconds} s now, so it ended at {_utc(ends)}")
+    return RuleState("active")

@@ -694,15 +694,15 @@ class ApprovalService:
         """End a remembered approval now (the next identical call gets a card again); audited. None: not in force."""
         if self.rules is None:
             return None
-        found = [r for r in await self.rules.list(active_only=True, limit=100_000) if r.id == rule_id]
-        if not found:
+        found = await self.rules.in_force(rule_id)
+        if found is None:
             return None
         person = self.config.roster.person_of(actor)
-        if not await self.rules.revoke_recorded(self.store, found[0], actor=actor, platform=platform, person=person):
+        if not await self.rules.revoke_recorded(self.store, found, actor=actor, platform=platform, person=person):
             return None
         log.info("approvals.rule_revoked", rule=rule_id, actor=actor, platform=platform)
-        self._tell(found[0].request_id)
-        return found[0]
+        self._tell(found.request_id)
+        return found
 
     async def remembered(
         self,
@@ -814,7 +814,7 @@ class ApprovalService:
         made_for = (request.tool, request.args_hash, request.conversation, request.decided_by)
         if made_for != (tool, digest, conversation, rule.created_by):
             return SealProblem(f"its approval {request.id} was for another call, place or person", FORGED)
-        if rule.definition_hash is not None and rule.definition_hash != await self.store.definition_of(request.id):
+        if rule.definition_hash is not None and rule.definition_hash != request.definition_hash:
             return SealProblem(f"its approval {request.id} was for another definition of {tool}", FORGED)
         assert request.decided_at is not None  # sealed: decided
         decided = request.decided_at.timestamp()

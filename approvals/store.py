@@ -57,7 +57,7 @@ T = TypeVar("T")
 _COLUMNS = (
     "id, tool, args_json, args_hash, requested_by, conversation, task_id, created_at, deadline, "
     "status, decided_by, decided_via, decided_at, reason, notes, durable, waits, last_seen, decision_mac,"
-    " decision_key_id, decided_person, policy, approve_needed, deny_needed, step_up, started_by"
+    " decision_key_id, decided_person, policy, approve_needed, deny_needed, step_up, started_by, definition_hash"
 )
 
 
@@ -233,6 +233,7 @@ def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
         deny_needed,
         step_up,
         started_by,
+        definition_hash,
     ) = tuple(row)
     return ApprovalRequest(
         id=rid,
@@ -262,6 +263,7 @@ def _row_to_request(row: Iterable[Any]) -> ApprovalRequest:
         deny_needed=int(deny_needed),
         step_up=bool(step_up),
         started_by=started_by,
+        definition_hash=definition_hash,
     )
 
 
@@ -623,6 +625,7 @@ class ApprovalStore:
             new.rules.deny_needed,
             int(new.rules.step_up),
             new.rules.started_by,
+            definition_hash,
         )
 
         def op(tx: Tx) -> tuple[ApprovalRequest, bool]:
@@ -633,9 +636,9 @@ class ApprovalStore:
                     raise LookupError(f"approval request {standing} is gone")
                 return _row_to_request(found), False
             tx.send(  # nothing waits for it on PostgreSQL: a failure fails the transaction all the same
-                f"INSERT INTO approval_requests ({_COLUMNS}, owner, definition_hash)"  # noqa: S608
-                f" VALUES ({', '.join('?' * (len(row) + 2))})",
-                (*row, self.replica, definition_hash),
+                f"INSERT INTO approval_requests ({_COLUMNS}, owner)"  # noqa: S608
+                f" VALUES ({', '.join('?' * (len(row) + 1))})",
+                (*row, self.replica),
             )
             # The audit says which definition of the tool was put to people, so a rule made from it can be traced.
             opened = f"tool={new.tool}" if definition_hash is None else f"tool={new.tool} definition={definition_hash}"

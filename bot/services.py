@@ -5,11 +5,13 @@ knows which store, service or engine part answers each of its calls."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from kazma.approvals.card import CardIntegrityError, integrity_card
 from kazma.approvals.hashing import UnrenderableArguments
+from kazma.approvals.rules import rule_states
 from kazma.approvals.service import ApprovalService
 from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.console.services import ApprovalRecord, DashboardReads, InlineApproval, SwarmCommand
@@ -118,7 +120,13 @@ class KazmaServices:
         approvals = await self.approvals.store.requests(limit=DASHBOARD_APPROVALS)
         state = self._swarm.state
         days = await state.worker_days(DASHBOARD_DAYS) if state is not None else []
-        rules = await self.approvals.rules.list() if self.approvals.rules is not None else ()
+        found = await self.approvals.rules.list() if self.approvals.rules is not None else []
+        # Each as the service would judge it for a call now: a row the configuration has ended (max_seconds
+        # lowered, say) or whose seal does not hold is not shown as one in force.
+        states = await rule_states(
+            self.approvals.store, found, config=self.config, keyring=self.approvals.store.keyring, now=time.time()
+        )
+        rules = list(zip(found, states, strict=True))
         return DashboardReads(tasks, calls, counts, approvals, self._swarm.worker_lines(), days, rules)
 
     async def task_counts(self) -> dict[TaskStatus, int]:

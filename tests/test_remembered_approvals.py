@@ -6,10 +6,13 @@ import asyncio
 import contextlib
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kazma.adapters.card_layout import ButtonKind, view_of
 from kazma.approvals import MIGRATIONS, ApprovalService, ApprovalStore, Decision, PressVerdict, SafetyPolicy
@@ -510,3 +513,211 @@ async def test_a_rule_for_one_definition_does_not_hide_the_rule_for_another(tmp_
         assert not await _gets_a_card(policy, publisher, first, clock.now)
         assert not await _gets_a_card(policy, publisher, second, clock.now)
         assert await _gets_a_card(policy, publisher, "c" * 64, clock.now)
+
+
+async def test_a_request_reads_back_with_its_definition_and_a_rule_for_another_is_refused(store_engine: Engine) -> None:
+    # The definition a request was opened for comes back with its row (the rule check on the dangerous-call path
+    # reads that row once, where it used to read the definition again), on SQLite and on PostgreSQL. A rule whose
+    # sealed definition is not the one its request was opened for is still refused as no rule Kazma made.
+    clock = ManualClock()
+    approved = "a" * 64
+    async with remembering_on(store_engine, clock) as (policy, publisher):
+        await _remember_for(policy, publisher, approved, clock.now)
+        [rule] = await policy.service.rules.list()  # type: ignore[union-attr]
+        request = await policy.service.store.get(rule.request_id)
+        assert request is not None
+        assert request.definition_hash == approved
+        assert not await _gets_a_card(policy, publisher, approved, clock.now)
+        await policy.service.store.write(
+            lambda tx: tx.run(
+                "UPDATE approval_requests SET definition_hash = ? WHERE id = ?", ("b" * 64, rule.request_id)
+            )
+        )
+        assert await _gets_a_card(policy, publisher, approved, clock.now)
+        [*_, refused] = await policy.service.store.events(rule.request_id, event="rule_refused")
+        assert "was for another definition of deploy" in str(refused.detail)
+
+
+def _rules_listed(tmp_path: Path, remember: str, *args: str) -> dict[str, str]:
+    """``kazma approvals rules list`` on the store at ``tmp_path`` under ``approvals.remember: {remember}``: each
+    rule's line by its id."""
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+    from tests.audit_support import KEY_ENV
+
+    config = tmp_path / "kazma.yaml"
+    config.write_text(
+        f"store: {{path: '{tmp_path / 'kazma.db'}'}}\n"
+        f"approvals:\n  approvers: ['telegram:111']\n  remember: {remember}\n",
+        encoding="utf-8",
+    )
+    result = CliRunner().invoke(main, ["-c", str(config), "approvals", "rules", "list", *args], env=KEY_ENV)
+    assert result.exit_code == 0, result.output
+    return {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("rule_")}
+
+
+def test_rules_list_shows_each_definition_and_says_which_rules_a_lowered_max_seconds_ended(tmp_path: Path) -> None:
+    # Two rules for the same call of an MCP tool in two definitions: one approved 3000 s ago, one 50 s ago. The
+    # team lowers max_seconds to 600: the older no longer lets anything run (the service ends it quietly), so the
+    # listing must not call it active; each line shows the definition digest its rule is bound to, as the card did.
+    clock = ManualClock(time.time() - 3000)
+    old, new = "a" * 64, "b" * 64
+
+    async def made() -> None:
+        async with remembering(tmp_path, clock) as (policy, publisher):
+            await _remember_for(policy, publisher, old, clock.now)
+            clock.advance(2950)
+            await _remember_for(policy, publisher, new, clock.now)
+
+    asyncio.run(made())
+    lines = _rules_listed(tmp_path, "{enabled: true, max_seconds: 600}")
+    [older] = [line for line in lines.values() if f"definition {old[:16]}… " in line]
+    [newer] = [line for line in lines.values() if f"definition {new[:16]}… " in line]
+    assert older.split()[1] == "ended"
+    assert "ENDED: approvals.remember.max_seconds is 600 s now, so it ended at " in older
+    assert "REFUSED" not in older  # a configuration change, no forgery
+    assert newer.split()[1] == "active"
+    assert "ENDED" not in newer
+    assert "REFUSED" not in newer
+    # Under the longer limit both stand; with remembering off, neither does.
+    assert [line.split()[1] for line in _rules_listed(tmp_path, "{enabled: true, max_seconds: 3600}").values()] == [
+        "active",
+        "active",
+    ]
+    off = _rules_listed(tmp_path, "{enabled: false, max_seconds: 3600}").values()
+    assert [line.split()[1] for line in off] == ["ended", "ended"]
+    assert all("ENDED: approvals.remember.enabled is off" in line for line in off)
+
+
+def test_rules_list_prints_a_row_written_around_kazma_on_one_line(tmp_path: Path) -> None:
+    # A rule row is a store row: whoever writes the store around Kazma can put a line break (or an escape sequence)
+    # in its text. Printed raw, a refused row could push its REFUSED mark away and print a forged "active" line.
+    forged = "deploy\nrule_FAKE  active  deploy  sha256 0000"
+
+    async def written() -> None:
+        conn = await open_database(tmp_path / "kazma.db", busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
+        try:
+            await RuleStore(conn).add(
+                tool=forged, args_hash="ab" * 32, conversation=HERE + "\x1b[2K", created_by="telegram:111",
+                created_via="telegram", request_id="r" * 22, seconds=3600,
+            )  # fmt: skip
+        finally:
+            await conn.close()
+
+    asyncio.run(written())
+    lines = _rules_listed(tmp_path, "{enabled: true, max_seconds: 3600}")
+    assert "rule_FAKE" not in lines
+    [line] = lines.values()
+    assert line.split()[1] == "refused"
+    assert "⟨U+000A LF⟩rule_FAKE" in line
+    assert "\x1b" not in line
+    assert "REFUSED: it carries no seal" in line
+
+
+def test_rules_revoke_refuses_a_rule_no_longer_in_force_as_the_console_does(tmp_path: Path) -> None:
+    # An expired rule is in force nowhere: `rules revoke` said "revoked" for it and wrote a rule_revoked the audit
+    # then shows for a rule that ended an hour before, where the console's Revoke says none is in force.
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+    from tests.audit_support import KEY_ENV
+
+    clock = ManualClock(time.time() - 7200)
+
+    async def made() -> str:
+        async with remembering(tmp_path, clock) as (policy, publisher):
+            await _remember(policy, publisher)
+            [rule] = await policy.service.rules.list()  # type: ignore[union-attr]
+            return rule.id
+
+    rule_id = asyncio.run(made())
+    config = tmp_path / "kazma.yaml"
+    config.write_text(
+        f"store: {{path: '{tmp_path / 'kazma.db'}'}}\napprovals:\n  approvers: ['telegram:111']\n", encoding="utf-8"
+    )
+    result = CliRunner().invoke(main, ["-c", str(config), "approvals", "rules", "revoke", rule_id], env=KEY_ENV)
+    assert result.exit_code == 1, result.output
+    assert f"no rule {rule_id!r} in force" in result.stderr
+
+    async def revocations() -> list[str]:
+        conn = await open_database(tmp_path / "kazma.db", busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
+        try:
+            [rule] = await RuleStore(conn).list(active_only=False)
+            assert rule.revoked_at is None
+            return [e.event for e in await ApprovalStore(conn).events(rule.request_id, event="rule_revoked")]
+        finally:
+            await conn.close()
+
+    assert asyncio.run(revocations()) == []
+
+
+def test_rules_list_without_a_decision_key_calls_no_rule_active(tmp_path: Path) -> None:
+    # Without a usable decision key the listing cannot tell a rule Kazma sealed from a row written by hand: it
+    # listed both as active. It now says the seal could not be checked, as kazma approvals show does.
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+
+    clock = ManualClock(time.time() - 60)
+
+    async def made() -> None:
+        async with remembering(tmp_path, clock) as (policy, publisher):
+            await _remember(policy, publisher)
+
+    asyncio.run(made())
+    config = tmp_path / "kazma.yaml"
+    config.write_text(
+        f"store: {{path: '{tmp_path / 'kazma.db'}'}}\n"
+        "approvals:\n  approvers: ['telegram:111']\n  remember: {enabled: true, max_seconds: 3600}\n",
+        encoding="utf-8",
+    )
+    result = CliRunner().invoke(
+        main, ["-c", str(config), "approvals", "rules", "list"], env={"KAZMA_DECISION_KEY": None}
+    )
+    assert result.exit_code == 0, result.output
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("rule_")]
+    assert line.split()[1] == "unchecked"
+    assert "UNCHECKED: its seal cannot be checked here: no usable decision key (kazma doctor says why)" in line
+    # With the key, the same rule is active: the rule is genuine, only the listing could not tell.
+    keyed = _rules_listed(tmp_path, "{enabled: true, max_seconds: 3600}")
+    assert [listed.split()[1] for listed in keyed.values()] == ["active"]
+
+
+def test_rules_list_says_when_older_rules_are_left_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --all lists every rule ever made, which grows without bound; past the listing's limit the oldest were left
+    # off without a word, so a rule looked up there seemed never to have existed.
+    from kazma.bot.cli import rules_cli
+
+    monkeypatch.setattr(rules_cli, "LISTED", 2, raising=False)  # (before: a fixed 1000, none said)
+
+    async def written() -> list[str]:
+        conn = await open_database(tmp_path / "kazma.db", busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
+        clock = ManualClock(time.time() - 10_000)
+        made = []
+        try:
+            for n in range(3):
+                clock.advance(60)
+                rule = await RuleStore(conn, clock=clock).add(
+                    tool="deploy", args_hash=f"{n:02}" * 32, conversation=HERE, created_by="telegram:111",
+                    created_via="telegram", request_id="r" * 22, seconds=600,
+                )  # fmt: skip
+                made.append(rule.id)
+        finally:
+            await conn.close()
+        return made
+
+    oldest, *newest = asyncio.run(written())
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+    from tests.audit_support import KEY_ENV
+
+    config = tmp_path / "kazma.yaml"
+    config.write_text(f"store: {{path: '{tmp_path / 'kazma.db'}'}}\n", encoding="utf-8")
+    result = CliRunner().invoke(main, ["-c", str(config), "approvals", "rules", "list", "--all"], env=KEY_ENV)
+    assert result.exit_code == 0, result.output
+    listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("rule_")]
+    assert listed == newest[::-1]
+    assert oldest not in result.stdout
+    assert "only the newest 2 rules are listed; older ones are left off" in result.stderr

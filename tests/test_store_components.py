@@ -487,8 +487,12 @@ async def test_rules_match_exactly_expire_and_revoke(store_engine: Engine) -> No
         clock.now += 20
         assert [r.id for r in await rules.list()] == [rule.id]
         assert [r.id for r in await rules.list(active_only=False)] == [short.id, rule.id]
+        assert not await rules.revoke(short.id, actor="web:a")  # expired: it ended on its own, nothing to revoke
+        assert await rules.in_force(short.id) is None
+        assert await rules.in_force(rule.id) == rule
         assert await rules.revoke(rule.id, actor="web:a")
         assert not await rules.revoke(rule.id, actor="web:a")
+        assert await rules.in_force(rule.id) is None
         assert await rules.match("shell", "h", "web:c") is None
         revoked = {r.id: r.revoked_at for r in await rules.list(active_only=False)}
         assert revoked == {rule.id: T0 + 21, short.id: None}

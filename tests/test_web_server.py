@@ -657,6 +657,9 @@ async def test_remembered_approvals_are_listed_and_revoked_in_the_console(tmp_pa
         reader_csrf = await con.login(rd, "rita", READER)
         seen = await (await rd.get(f"{con.base}/swarm")).text()
         assert rule.id in seen
+        # A row no "Approve for …" sealed lets nothing run: it is not shown as a rule in force (the CLI says the same).
+        assert "refused: it carries no seal" in seen
+        assert "definition none" in seen  # a tool fixed in Kazma's code: bound to no MCP definition
         assert f"/approvals/rules/{rule.id}/revoke" not in seen  # readers get no forms
         refused = await rd.post(
             f"{con.base}/approvals/rules/{rule.id}/revoke", data={"csrf": reader_csrf}, allow_redirects=False

@@ -10,7 +10,8 @@ import click
 
 from kazma.approvals import ApprovalStore
 from kazma.approvals.checkpointer import Checkpointer
-from kazma.approvals.rules import RuleStore
+from kazma.approvals.honesty import reveal_line
+from kazma.approvals.rules import RuleStore, definition_text, rule_states
 from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
 from kazma.bot.keys import load_audit_signer, read_decision_keyring
@@ -28,29 +29,41 @@ def _when(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
 
 
+# Rules a listing prints at most, newest first (``--all`` keeps every rule ever made: it grows without bound).
+LISTED = 1000
+
+
 @rules.command("list")
 @click.option("--all", "everything", is_flag=True, help="Also expired and revoked rules.")
 @click.pass_obj
 def list_rules(obj: Context, everything: bool) -> None:
-    """Each rule: id, tool, hash, conversation, who made it, until when."""
+    """Each rule: id, state, tool, hash, definition, conversation, who made it, until when."""
     config = obj.load().config
 
     async def run() -> None:
-        async with store_for_command(config) as store:
-            found = await RuleStore(store).list(active_only=not everything, limit=1000)
-        if not found:
-            click.echo("no remembered approvals in force" if not everything else "no remembered approvals")
         now = time.time()
         keyring = read_decision_keyring(config)
-        for rule in found:
-            state = "active" if rule.active(now) else ("revoked" if rule.revoked_at else "expired")
-            # A row whose seal does not hold lets nothing run: said, so nobody takes it for one in force.
-            problem = rule.seal_problem(keyring) if state == "active" and keyring is not None else None
-            refused = "" if problem is None else f"  REFUSED: {problem.detail}"
-            click.echo(
-                f"{rule.id}  {state:<7} {rule.tool}  sha256 {rule.args_hash[:16]}…  in {rule.conversation}  "
-                f"by {rule.created_by}  until {_when(rule.expires_at)}  (request {rule.request_id}){refused}"
+        async with store_for_command(config) as store:
+            found = await RuleStore(store, clock=lambda: now).list(active_only=not everything, limit=LISTED + 1)
+            # Judged as the service judges a rule before it lets a call run: a row in force that the
+            # configuration now ends (max_seconds lowered, say) or whose seal does not hold lets nothing run, and
+            # is said so rather than listed as active.
+            states = await rule_states(ApprovalStore(store), found[:LISTED], config=config, keyring=keyring, now=now)
+        if not found:
+            click.echo("no remembered approvals in force" if not everything else "no remembered approvals")
+        for rule, state in zip(found[:LISTED], states, strict=True):
+            said = "" if state.why is None else f"  {state.name.upper()}: {state.why}"
+            line = (
+                f"{rule.id}  {state.name:<7} {rule.tool}  sha256 {rule.args_hash[:16]}…  {definition_text(rule)}  "
+                f"in {rule.conversation}  by {rule.created_by}  until {_when(rule.expires_at)}  "
+                f"(request {rule.request_id}){said}"
             )
+            # A row's text is the store's: one written around Kazma could hold a line break that prints a line of
+            # its own (a forged "active" rule) or a terminal escape. One rule, one line, as kazma approvals list.
+            click.echo(reveal_line(line))
+        if len(found) > LISTED:
+            # Said, so that a rule left off is not taken for one that does not exist.
+            click.echo(f"only the newest {LISTED} rules are listed; older ones are left off", err=True)
 
     asyncio.run(run())
 
@@ -67,14 +80,15 @@ def revoke(obj: Context, rule_id: str, login: str | None) -> None:
     async def run() -> bool:
         async with store_for_command(config) as store:
             rules_store = RuleStore(store)
-            match = [r for r in await rules_store.list(active_only=False, limit=100_000) if r.id == rule_id]
-            if not match:
+            # In force only, as the console's Revoke: an expired rule ended on its own.
+            found = await rules_store.in_force(rule_id)
+            if found is None:
                 return False
             signer = load_audit_signer(config)
             approvals = ApprovalStore(store, audit=signer)
             # The row and its rule_revoked both or neither (see RuleStore.revoke_recorded).
             done = await rules_store.revoke_recorded(
-                approvals, match[0], actor=actor, platform="cli", person=config.roster.person_of(actor)
+                approvals, found, actor=actor, platform="cli", person=config.roster.person_of(actor)
             )
             if done:
                 await Checkpointer(approvals, signer).sign()

@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from prometheus_client import Histogram
 
 from kazma.approvals.model import ApprovalRequest
-from kazma.approvals.rules import Rule
+from kazma.approvals.rules import Rule, RuleState
 from kazma.config.metrics import PRESS_TO_DECISION
 from kazma.config.store.backend import StoreConnection, tables_of
 from kazma.engine.swarm.call_records import CallRecord
@@ -91,7 +91,7 @@ class DashboardData:
     approvals: Sequence[ApprovalRequest]
     counts: dict[str, int]
     worker_days: Sequence[WorkerDay] = ()
-    rules: Sequence[Rule] = ()
+    rules: Sequence[tuple[Rule, RuleState]] = ()  # rows in force, each as it stands (approvals.rules)
     hours: Sequence[HourOutcomes] = ()
     waits: Sequence[float] = ()  # seconds from open to the deciding press, human decisions of the last 24 h
     plan_steps: dict[str, int] = field(default_factory=dict)

@@ -22,7 +22,7 @@ from kazma.adapters.web.render import e
 from kazma.approvals.card import ApprovalCard, CardIntegrityError, build_card, integrity_card
 from kazma.approvals.honesty import reveal, reveal_line
 from kazma.approvals.model import MAX_REASON, ApprovalRequest, Outcome, Status, Waits, decider_text, outcome_of
-from kazma.approvals.rules import Rule
+from kazma.approvals.rules import Rule, RuleState, definition_text
 from kazma.approvals.store import AuditEvent, PostedCard
 from kazma.approvals.withdrawal import POLL_GRACE
 from kazma.bot.console.charts import CHART_STYLE
@@ -783,22 +783,27 @@ def _ending_html(task: TaskRecord) -> str:
     return '<div class="ending">' + "".join(f"<div>{e(reveal_line(line))}</div>" for line in lines) + "</div>"
 
 
-def rules_section(viewer: Viewer, rules: Sequence[Rule]) -> str:
-    """Remembered approvals in force ("Approve for 1 h"): each lets one exact call run again without a card."""
+def rules_section(viewer: Viewer, rules: Sequence[tuple[Rule, RuleState]]) -> str:
+    """Remembered approvals whose rows are in force ("Approve for 1 h"): each lets one exact call run again
+    without a card while its state is ``active``; one the configuration ended, or whose seal does not hold, says
+    so (and keeps its Revoke: an ended rule stands again if the configuration changes back)."""
     if not rules:
         return "<h2>Remembered approvals</h2><p>None in force.</p>"
     rows = []
-    for r in rules:
+    for r, state in rules:
+        said = state.name if state.why is None else f"{state.name}: {state.why}"
         revoke = (
             form(f"/approvals/rules/{quote(r.id, safe='')}/revoke", viewer, {}, "Revoke") if viewer.is_operator else ""
         )
         rows.append(
-            f"<tr><td><code>{e(r.id)}</code></td><td>{e(reveal_line(r.tool))}</td><td><code>{e(r.args_hash[:16])}…</code></td>"
+            f"<tr><td><code>{e(r.id)}</code></td><td>{e(said)}</td><td>{e(reveal_line(r.tool))}</td>"
+            f"<td><code>{e(r.args_hash[:16])}…</code></td><td><code>{e(definition_text(r))}</code></td>"
             f"<td>{e(r.conversation)}</td><td>{e(r.created_by)}</td>"
             f"<td>{when_html(datetime.fromtimestamp(r.expires_at, UTC))}</td><td>{revoke}</td></tr>"
         )
     return (
-        "<h2>Remembered approvals</h2><p>Each lets the identical call (same tool, same argument hash) run again "
-        "in its conversation without a card until it ends.</p><table><tr><th>rule</th><th>tool</th><th>sha256</th>"
+        "<h2>Remembered approvals</h2><p>Each active one lets the identical call (same tool, same argument hash, "
+        "and for an MCP tool the definition its card showed) run again in its conversation without a card until it "
+        "ends.</p><table><tr><th>rule</th><th>state</th><th>tool</th><th>sha256</th><th>definition</th>"
         f"<th>conversation</th><th>made by</th><th>until</th><th></th></tr>{''.join(rows)}</table>"
     )

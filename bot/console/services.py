@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import ApprovalRequest
-from kazma.approvals.rules import Rule
+from kazma.approvals.rules import Rule, RuleState
 from kazma.approvals.service import ApprovalService
 from kazma.approvals.store import AuditEvent, PostedCard
 from kazma.bot.api_store import IdempotencyKeys
@@ -75,7 +75,7 @@ class DashboardReads:
     approvals: Sequence[ApprovalRequest]
     worker_lines: Sequence[str]
     worker_days: Sequence[WorkerDay]
-    rules: Sequence[Rule]  # remembered approvals in force
+    rules: Sequence[tuple[Rule, RuleState]]  # remembered approvals whose rows are in force, each as it stands
 
 
 class ApprovalsServices(Protocol):
