@@ -189,3 +189,47 @@ async def test_a_failing_part_of_the_retention_sweep_is_counted_and_the_others_s
         assert await app.executor.store.load(ended) is None  # the plans were pruned all the same
     finally:
         await app.stop()
+
+
+async def test_the_claims_and_keys_sweeps_are_counted_when_they_fail_and_run_again_next_time(tmp_path: Path) -> None:
+    """Before, the inbound claims' and the approvals API keys' sweeps failing were logged (under names of their
+    own) and counted nowhere: tables that could not be swept for weeks showed on no dashboard."""
+    app = await build_app(load_config_text(_config(tmp_path), environ={}), provider=ScriptedProvider([]), adapters=[])
+    try:
+        ended, _ = await _aged_parts(app, 91)
+        assert app.signed_requests is not None
+        assert app.api_keys is not None
+        old = time.time() - 3 * 86400.0
+        app.signed_requests.clock = lambda: old
+        assert await app.signed_requests.first_signed("slack", ["sig-1"])
+        app.signed_requests.clock = time.time
+        assert await app.api_keys.keep("ci", "key-1", "h", "req-1", expires_at=old)
+        path = app.loaded.config.store.path
+
+        def rename(pairs: list[tuple[str, str]]) -> None:
+            raw = sqlite3.connect(path)
+            try:
+                for table, to in pairs:
+                    raw.execute(f"ALTER TABLE {table} RENAME TO {to}")
+                raw.commit()
+            finally:
+                raw.close()
+
+        rename([("inbound_claims", "claims_elsewhere"), ("api_idempotency", "keys_elsewhere")])
+        before = failure_count("retention")
+        with capture_logs() as logs:
+            await app.prune_kept()
+        assert failure_count("retention") == before + 2
+        failed = [(e["part"], e["log_level"]) for e in logs if e["event"] == "retention.sweep_failed"]
+        assert failed == [("inbound_claims", "warning"), ("api_keys", "warning")]
+        assert await app.executor.store.load(ended) is None  # the other parts ran all the same
+
+        rename([("claims_elsewhere", "inbound_claims"), ("keys_elsewhere", "api_idempotency")])
+        with capture_logs() as logs:
+            await app.prune_kept()  # the next sweep: both go now
+        assert failure_count("retention") == before + 2
+        pruned = {e["part"]: e["rows"] for e in logs if e["event"] == "retention.pruned"}
+        assert (pruned.get("inbound_claims"), pruned.get("api_keys")) == (1, 1)
+        assert await app.api_keys.replays("ci", "key-1") is None
+    finally:
+        await app.stop()
