@@ -345,17 +345,30 @@ class Lifecycle(ABC):
         """End requests whose waiter died with an earlier process (or, among replicas, with a replica that is
         gone), or whose polling asker stopped asking, so their cards settle too."""
         while True:
-            try:
-                for outcome in await self.service.expire_overdue():
-                    log.info("approvals.swept", request_id=outcome.request_id, status=outcome.status.value)
-                await self.service.withdraw_silent()  # polling askers gone quiet (a script killed mid-wait)
-                await self.swarm.sweep_checkpoints()  # a checkpoint card whose task is not paused at it
-                if self.replication is not None:
-                    await self._judge_replicas(self.replication)
-            except Exception as exc:
-                count_failure("approval_sweep")
-                log.warning("approvals.sweep_failed", error=str(exc))
+            await self.sweep_once()
             await asyncio.sleep(self.sweep_interval)
+
+    async def sweep_once(self) -> None:
+        """One pass of the approvals sweep, each part on its own: one that fails is counted and logged, and the
+        others still run (a deadline that could not be ended held up, every pass, the withdrawals, the checkpoint
+        cards and, among replicas, the recovery of what a gone replica left)."""
+        parts: list[tuple[str, Callable[[], Awaitable[object]]]] = [
+            ("deadlines", self._expire_overdue),
+            ("silent", self.service.withdraw_silent),  # polling askers gone quiet (a script killed mid-wait)
+            ("checkpoints", self.swarm.sweep_checkpoints),  # a checkpoint card whose task is not paused at it
+        ]
+        if self.replication is not None:
+            parts.append(("replicas", partial(self._judge_replicas, self.replication)))
+        for part, run in parts:
+            try:
+                await run()
+            except Exception as exc:  # the next pass tries again
+                count_failure("approval_sweep")
+                log.warning("approvals.sweep_failed", part=part, error=str(exc))
+
+    async def _expire_overdue(self) -> None:
+        for outcome in await self.service.expire_overdue():
+            log.info("approvals.swept", request_id=outcome.request_id, status=outcome.status.value)
 
     async def _judge_replicas(self, replication: Replication) -> None:
         """What a replica that left ran ends now: at takeover, when one goes missing for good, after a failure."""

@@ -12,7 +12,8 @@ from structlog.testing import capture_logs
 
 from kazma.adapters.contract import Inbound
 from kazma.adapters.web import CONSOLE
-from kazma.approvals.model import Status
+from kazma.approvals.model import Status, Waits
+from kazma.approvals.withdrawal import POLL_GRACE
 from kazma.bot.app import App, build_app
 from kazma.bot.console.services import SwarmCommand
 from kazma.config import load_config_text
@@ -21,6 +22,7 @@ from kazma.engine.model import ScriptedProvider
 from kazma.engine.plan import PlanSpec, StepSpec
 from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.types import ModelReply
+from tests.approvals_support import ManualClock
 
 PLAN_TOOLS = ["write_plan", "retry_step", "replace_steps", "skip_step", "abort_plan"]
 SWARM_TOOLS = ["dispatch_swarm", "check_swarm_task"]
@@ -231,5 +233,40 @@ async def test_the_claims_and_keys_sweeps_are_counted_when_they_fail_and_run_aga
         pruned = {e["part"]: e["rows"] for e in logs if e["event"] == "retention.pruned"}
         assert (pruned.get("inbound_claims"), pruned.get("api_keys")) == (1, 1)
         assert await app.api_keys.replays("ci", "key-1") is None
+    finally:
+        await app.stop()
+
+
+async def test_a_failing_part_of_the_approvals_sweep_is_counted_and_the_others_still_run(tmp_path: Path) -> None:
+    """Before, the approvals sweep was one try: a deadline the store would not end failed the pass at its first
+    part, every pass, and the withdrawal of requests whose polling askers went quiet (and the checkpoint cards,
+    and among replicas the recovery of a gone replica) never ran."""
+    app = await build_app(load_config_text(_config(tmp_path), environ={}), provider=ScriptedProvider([]), adapters=[])
+    try:
+        clock = ManualClock(time.time())
+        app.service.clock = app.service.store.clock = clock
+        late = await app.service.open("shell", {"c": "late"}, "agent:b", "web:c", deadline=60)
+        quiet = await app.service.open(
+            "deploy", {"c": "quiet"}, "api:ci", "api:ci", durable=True, waits=Waits.POLLING, seen=True, deadline=3600
+        )
+        raw = sqlite3.connect(app.loaded.config.store.path)
+        raw.execute(  # the store refuses every timeout (as a full disk would refuse the write)
+            "CREATE TRIGGER refuse_timeouts BEFORE UPDATE OF status ON approval_requests"
+            " WHEN NEW.status = 'timeout' BEGIN SELECT RAISE(ABORT, 'the store refused it'); END"
+        )
+        raw.commit()
+        raw.close()
+        clock.advance(POLL_GRACE + 1)
+        before = failure_count("approval_sweep")
+        with capture_logs() as logs:
+            await app.sweep_once()
+        withdrawn, still = await app.service.store.get(quiet.id), await app.service.store.get(late.id)
+        assert withdrawn is not None
+        assert withdrawn.status is Status.CANCELLED  # the next part ran all the same
+        assert still is not None
+        assert still.status is Status.PENDING
+        assert failure_count("approval_sweep") == before + 1
+        failed = [(e.get("part"), e["log_level"]) for e in logs if e["event"] == "approvals.sweep_failed"]
+        assert failed == [("deadlines", "warning")]
     finally:
         await app.stop()
