@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from structlog.testing import capture_logs
 
 from kazma.approvals.model import Decision, PressVerdict
 from kazma.approvals.store import UnreadableRequest
@@ -116,3 +117,30 @@ async def test_the_console_lists_the_others_and_names_the_row_on_its_page(tmp_pa
             assert f"approval request {spoilt.id} cannot be read: reason holds bytes that are not UTF-8" in (
                 await page.text()
             )
+
+
+@pytest.mark.parametrize("column", ["tool", "conversation", "reason"])
+def test_a_press_on_an_unreadable_row_names_it_and_counts_it_as_unreadable(sqlite: Engine, column: str) -> None:
+    """Before, a press's own reads of the row (_PRESS_HEAD and the rest) raised SQLite's error, which named a
+    column and no row: it was logged ``approvals.store_unavailable`` and counted at ``approval_resolve`` (a store
+    that did answer), never at ``approval_row_unreadable`` as every list's read of the same row is."""
+    spoilt, kept = run_async(_open_pending(sqlite.where))
+    Attacker(sqlite).run((f"UPDATE approval_requests SET {column} = {NOT_UTF8} WHERE id = ?", (spoilt,)))  # noqa: S608
+
+    async def press() -> None:
+        async with approval_service(sqlite.where) as service:
+            unreadable, resolve = failure_count("approval_row_unreadable"), failure_count("approval_resolve")
+            with capture_logs() as logs:
+                pressed = await service.decide(spoilt, Decision.APPROVE, actor="telegram:111", platform="telegram")
+            assert pressed.verdict is PressVerdict.REFUSED
+            assert pressed.message.startswith("This request cannot be decided: its record in the approvals store")
+            assert failure_count("approval_row_unreadable") == unreadable + 1
+            assert failure_count("approval_resolve") == resolve
+            named = [(e["request_id"], e["columns"]) for e in logs if e["event"] == "approvals.request_unreadable"]
+            assert named == [(spoilt, [column])]
+            assert not [e for e in logs if e["event"] == "approvals.store_unavailable"]
+            # the other request is decided as ever
+            other = await service.decide(kept, Decision.APPROVE, actor="telegram:111", platform="telegram")
+            assert other.verdict is PressVerdict.WON
+
+    run_async(press())
