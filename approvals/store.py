@@ -1565,8 +1565,11 @@ class ApprovalStore:
 
     async def silent(self, before: float) -> list[str]:
         """Pending requests whose polling asker has not asked for its answer since ``before``."""
-        rows = await self.tables.all(
-            "SELECT id FROM approval_requests WHERE status = 'pending' AND waits = 'polling'"
+        # Whole rows, read as the lists read them: an unreadable one is named and left out, since its withdrawal
+        # would fail at every sweep, and the readable ones after it with it.
+        rows = await self._request_rows(
+            _COLUMNS,
+            "FROM approval_requests WHERE status = 'pending' AND waits = 'polling'"
             " AND (last_seen IS NULL OR last_seen < ?) ORDER BY created_at",
             (before,),
         )
@@ -1588,8 +1591,10 @@ class ApprovalStore:
         )
 
     async def overdue(self) -> list[str]:
-        rows = await self.tables.all(
-            "SELECT id FROM approval_requests WHERE status = 'pending' AND deadline <= ?", (self.clock(),)
+        """Pending requests past their deadline. Whole rows, read as the lists read them: an unreadable one is
+        named and left out, since its timeout would fail at every sweep, and the readable ones after it with it."""
+        rows = await self._request_rows(
+            _COLUMNS, "FROM approval_requests WHERE status = 'pending' AND deadline <= ?", (self.clock(),)
         )
         return [str(r[0]) for r in rows]
 

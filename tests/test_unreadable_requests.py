@@ -12,11 +12,12 @@ import pytest
 from click.testing import CliRunner
 from structlog.testing import capture_logs
 
-from kazma.approvals.model import Decision, PressVerdict
+from kazma.approvals.model import Decision, PressVerdict, Status, Waits
 from kazma.approvals.store import UnreadableRequest
+from kazma.approvals.withdrawal import POLL_GRACE
 from kazma.bot.cli import main
 from kazma.config.metrics import failure_count
-from tests.approvals_support import approval_service
+from tests.approvals_support import ManualClock, approval_service
 from tests.audit_support import KEY_ENV, Attacker, Log, config_text, make_log, run_async
 from tests.store_backends import Engine
 from tests.test_web_server import OPERATOR, console
@@ -144,3 +145,47 @@ def test_a_press_on_an_unreadable_row_names_it_and_counts_it_as_unreadable(sqlit
             assert other.verdict is PressVerdict.WON
 
     run_async(press())
+
+
+def test_the_deadline_and_silence_sweeps_go_on_past_an_unreadable_row(sqlite: Engine) -> None:
+    """Before, the deadline sweep listed ids only and failed at the unreadable row's timeout, every pass: the
+    overdue requests after it never ended, and the rest of the approvals sweep never ran. So did the withdrawal
+    of polling requests whose askers went quiet."""
+    clock = ManualClock()
+
+    async def open_them() -> dict[str, str]:
+        async with approval_service(sqlite.where, clock=clock) as service:
+            opened = {}
+            for name in ("late_spoilt", "late_kept"):
+                opened[name] = (await service.open("shell", {"c": name}, "agent:b", "telegram:-100", deadline=60)).id
+            for name in ("quiet_spoilt", "quiet_kept"):  # polling askers, to go quiet
+                polled = await service.open(
+                    "deploy",
+                    {"c": name},
+                    "api:ci",
+                    "api:ci",
+                    durable=True,
+                    waits=Waits.POLLING,
+                    seen=True,
+                    deadline=3600,
+                )
+                opened[name] = polled.id
+            return opened
+
+    opened = run_async(open_them())
+    for name in ("late_spoilt", "quiet_spoilt"):
+        Attacker(sqlite).run((f"UPDATE approval_requests SET tool = {NOT_UTF8} WHERE id = ?", (opened[name],)))  # noqa: S608
+    clock.advance(POLL_GRACE + 1)
+
+    async def sweep() -> None:
+        async with approval_service(sqlite.where, clock=clock) as service:
+            before = failure_count("approval_row_unreadable")
+            assert [o.request_id for o in await service.expire_overdue()] == [opened["late_kept"]]
+            assert await service.withdraw_silent() == [opened["quiet_kept"]]
+            assert failure_count("approval_row_unreadable") == before + 2
+            for name in ("late_kept", "quiet_kept"):
+                request = await service.store.get(opened[name])
+                assert request is not None
+                assert request.status is not Status.PENDING, name
+
+    run_async(sweep())
