@@ -59,6 +59,7 @@ from kazma.approvals.store import (
     ReviewState,
     Rules,
     Standing,
+    UnreadableRequest,
     new_request_id,
 )
 from kazma.approvals.waiters import Waiters
@@ -90,6 +91,11 @@ _CODES = {"a": Decision.APPROVE, "d": Decision.DENY, "r": Decision.APPROVE, "n":
 REMEMBER_CODE = "r"  # approve, and remember the identical call in its conversation (approvals.remember)
 REASON_CODE = "n"  # deny, with a reason the platform asks for first (a modal, a reply); pressed bare: a plain Deny
 STORE_SITE = "approval_resolve"
+# What a press on a request whose record cannot be read is told (its row, or one of its cards, changed outside Kazma).
+UNREADABLE_ANSWER = (
+    "This request cannot be decided: its record in the approvals store cannot be read (it was changed outside "
+    "Kazma). Nothing it asks for will run; tell an operator (kazma doctor names it)."
+)
 # A waiter whose first read of its request failed reads again this soon (then ever later, up to 5 s).
 WAIT_READ_RETRY = Backoff(base=0.1, cap=5.0)
 # How long an approved call waits for its start to be recorded (``execution_started``) through store failures, tried
@@ -994,6 +1000,11 @@ class ApprovalService:
                 )  # fmt: skip
                 if pressed.problem != CardProblem.NOT_RECORDED:
                     break
+        except UnreadableRequest:
+            # Its row was changed outside Kazma (a text not UTF-8; the store named, logged and counted it): no
+            # press can ever decide it, so "press again" would be a lie; it stays undecided (nothing it asked runs)
+            # and doctor names it. Not "the store is unavailable": it answered.
+            return PressResult(PressVerdict.REFUSED, UNREADABLE_ANSWER, request_id=request_id)
         except store_errors() as exc:
             count_failure(STORE_SITE)
             log.warning(
@@ -1005,15 +1016,8 @@ class ApprovalService:
                 decision=decision.value,
                 error=str(exc),
             )
-            if undecodable(exc):
-                # Its row was changed outside Kazma (a text not UTF-8): no press can ever decide it, so "press
-                # again" would be a lie; it stays undecided (nothing it asked runs) and doctor names it.
-                return PressResult(
-                    PressVerdict.REFUSED,
-                    "This request cannot be decided: its record in the approvals store cannot be read (it was "
-                    "changed outside Kazma). Nothing it asks for will run; tell an operator (kazma doctor names it).",
-                    request_id=request_id,
-                )
+            if undecodable(exc):  # a text not UTF-8 elsewhere than the request's row (one of its cards)
+                return PressResult(PressVerdict.REFUSED, UNREADABLE_ANSWER, request_id=request_id)
             stands = await self._decided_meanwhile(request_id, decision, actor=actor, platform=platform)
             if stands is not None:
                 return stands

@@ -656,16 +656,23 @@ class ApprovalStore:
         :meth:`_request_rows`)."""
         try:
             row = await self.tables.one(_REQUEST_BY_ID, (request_id,))
-        except Exception as exc:
-            if not undecodable(exc):
+        except sqlite3.OperationalError as exc:
+            unreadable = await self._unreadable(request_id, exc)
+            if unreadable is None:
                 raise
-            rows, unreadable = await self._read_byte_safe(
-                _COLUMNS, "FROM approval_requests WHERE id = ?", (request_id,)
-            )
-            if unreadable:
-                raise unreadable[0] from None
-            row = rows[0] if rows else None
+            raise unreadable from None
         return None if row is None else _row_to_request(row)
+
+    async def _unreadable(self, request_id: str, exc: BaseException) -> UnreadableRequest | None:
+        """After a statement about ``request_id`` failed with ``exc``: when SQLite could not decode a text of that
+        request's row, the error naming it and its columns (logged and counted as the lists do); else None (the
+        text was elsewhere: a card's, a review's)."""
+        if not undecodable(exc):
+            return None
+        _, unreadable = await self._request_rows_and_unreadable(
+            _COLUMNS, "FROM approval_requests WHERE id = ?", (request_id,)
+        )
+        return unreadable[0] if unreadable else None
 
     async def _request_rows(self, columns: str, rest: str, params: Sequence[Any] = ()) -> list[Sequence[Any]]:
         """``SELECT columns rest`` over approval_requests (``columns`` start with the id), without the rows that
@@ -779,18 +786,24 @@ class ApprovalStore:
         it stands after the call (None for an unknown id). With ``lost_event``, a
         call that did not win is audited under that name in the same transaction.
         """
-        return await self._write(
-            lambda tx: self._finish(
-                tx,
-                request_id,
-                status,
-                actor=actor,
-                platform=platform,
-                reason=reason,
-                require_before_deadline=require_before_deadline,
-                lost_event=lost_event,
+        try:
+            return await self._write(
+                lambda tx: self._finish(
+                    tx,
+                    request_id,
+                    status,
+                    actor=actor,
+                    platform=platform,
+                    reason=reason,
+                    require_before_deadline=require_before_deadline,
+                    lost_event=lost_event,
+                )
             )
-        )
+        except sqlite3.OperationalError as exc:
+            unreadable = await self._unreadable(request_id, exc)
+            if unreadable is None:
+                raise
+            raise unreadable from exc
 
     async def press(
         self,
@@ -816,11 +829,19 @@ class ApprovalStore:
         op = self.press_op(
             request_id, status, actor=actor, platform=platform, reason=reason, card=card, person=person, admit=admit,
         )  # fmt: skip
-        if first_use is None:
-            return await self._write(op)
-        if self.chain.postgres:
+        if first_use is not None and self.chain.postgres:
             raise ValueError("a press's first_use rides in its transaction on SQLite only")
-        return await self._write(functools.partial(_first_then, first_use, op))
+        try:
+            if first_use is None:
+                return await self._write(op)
+            return await self._write(functools.partial(_first_then, first_use, op))
+        except sqlite3.OperationalError as exc:
+            # A press's own reads of its row (_PRESS_HEAD, _STANDING, …) fail with SQLite's error, which names a
+            # column and no row: the row is named, logged and counted here as every list of requests does.
+            unreadable = await self._unreadable(request_id, exc)
+            if unreadable is None:
+                raise
+            raise unreadable from exc
 
     def press_op(
         self,
@@ -1555,8 +1576,11 @@ class ApprovalStore:
 
     async def silent(self, before: float) -> list[str]:
         """Pending requests whose polling asker has not asked for its answer since ``before``."""
-        rows = await self.tables.all(
-            "SELECT id FROM approval_requests WHERE status = 'pending' AND waits = 'polling'"
+        # Whole rows, read as the lists read them: an unreadable one is named and left out, since its withdrawal
+        # would fail at every sweep, and the readable ones after it with it.
+        rows = await self._request_rows(
+            _COLUMNS,
+            "FROM approval_requests WHERE status = 'pending' AND waits = 'polling'"
             " AND (last_seen IS NULL OR last_seen < ?) ORDER BY created_at",
             (before,),
         )
@@ -1578,8 +1602,10 @@ class ApprovalStore:
         )
 
     async def overdue(self) -> list[str]:
-        rows = await self.tables.all(
-            "SELECT id FROM approval_requests WHERE status = 'pending' AND deadline <= ?", (self.clock(),)
+        """Pending requests past their deadline. Whole rows, read as the lists read them: an unreadable one is
+        named and left out, since its timeout would fail at every sweep, and the readable ones after it with it."""
+        rows = await self._request_rows(
+            _COLUMNS, "FROM approval_requests WHERE status = 'pending' AND deadline <= ?", (self.clock(),)
         )
         return [str(r[0]) for r in rows]
 

@@ -345,17 +345,30 @@ class Lifecycle(ABC):
         """End requests whose waiter died with an earlier process (or, among replicas, with a replica that is
         gone), or whose polling asker stopped asking, so their cards settle too."""
         while True:
-            try:
-                for outcome in await self.service.expire_overdue():
-                    log.info("approvals.swept", request_id=outcome.request_id, status=outcome.status.value)
-                await self.service.withdraw_silent()  # polling askers gone quiet (a script killed mid-wait)
-                await self.swarm.sweep_checkpoints()  # a checkpoint card whose task is not paused at it
-                if self.replication is not None:
-                    await self._judge_replicas(self.replication)
-            except Exception as exc:
-                count_failure("approval_sweep")
-                log.warning("approvals.sweep_failed", error=str(exc))
+            await self.sweep_once()
             await asyncio.sleep(self.sweep_interval)
+
+    async def sweep_once(self) -> None:
+        """One pass of the approvals sweep, each part on its own: one that fails is counted and logged, and the
+        others still run (a deadline that could not be ended held up, every pass, the withdrawals, the checkpoint
+        cards and, among replicas, the recovery of what a gone replica left)."""
+        parts: list[tuple[str, Callable[[], Awaitable[object]]]] = [
+            ("deadlines", self._expire_overdue),
+            ("silent", self.service.withdraw_silent),  # polling askers gone quiet (a script killed mid-wait)
+            ("checkpoints", self.swarm.sweep_checkpoints),  # a checkpoint card whose task is not paused at it
+        ]
+        if self.replication is not None:
+            parts.append(("replicas", partial(self._judge_replicas, self.replication)))
+        for part, run in parts:
+            try:
+                await run()
+            except Exception as exc:  # the next pass tries again
+                count_failure("approval_sweep")
+                log.warning("approvals.sweep_failed", part=part, error=str(exc))
+
+    async def _expire_overdue(self) -> None:
+        for outcome in await self.service.expire_overdue():
+            log.info("approvals.swept", request_id=outcome.request_id, status=outcome.status.value)
 
     async def _judge_replicas(self, replication: Replication) -> None:
         """What a replica that left ran ends now: at takeover, when one goes missing for good, after a failure."""
@@ -369,36 +382,30 @@ class Lifecycle(ABC):
 
     async def _retention(self) -> None:
         """Swarm tasks older than ``swarm.retention_days`` go at start and then every sweep (0 keeps all), with
-        the history, transcript and plans :meth:`prune_kept` prunes; inbound claims and signed requests older
-        than a day too (no platform delivers an event again after that, and Slack refuses a signature after five
-        minutes), and the approvals API's idempotency keys a day past their request's deadline."""
+        what :meth:`prune_kept` prunes. A pass never ends the loop: each part that fails is counted and logged,
+        and tried again at the next sweep."""
         while True:
             await self.swarm.sweep_retention()
             await self.prune_kept()
-            if self.signed_requests is not None:  # the same table as the replicas' inbound claims
-                try:
-                    await self.signed_requests.forget_older_than()
-                except Exception as exc:
-                    log.warning("inbound.claims_sweep_failed", error=str(exc))
-            if self.api_keys is not None:  # a day past their request's deadline (bot/api_store.py)
-                try:
-                    forgotten = await self.api_keys.forget_expired()
-                    if forgotten:
-                        log.info("api.keys_swept", keys=forgotten)
-                except Exception as exc:
-                    log.warning("api.keys_sweep_failed", error=str(exc))
             await asyncio.sleep(self.loaded.config.swarm.retention_sweep_seconds)
 
     async def prune_kept(self) -> None:
         """What grew without end before: each agent's history past what a turn can ever read (always), the
         transcript past ``web.transcript_retention_days`` and ended plans past ``agents.plan_retention_days``
-        (0 keeps them). Each part on its own: one that fails is counted and logged, and the others still run."""
+        (0 keeps them); inbound claims and signed requests older than a day (no platform delivers an event again
+        after that, and Slack refuses a signature after five minutes), and the approvals API's idempotency keys a
+        day past their request's deadline (bot/api_store.py). Each part on its own: one that fails is counted and
+        logged, and the others still run."""
         config = self.loaded.config
         parts: list[tuple[str, Callable[[], Awaitable[int]]]] = [("history", self.conversations.runner.history.prune)]
         if self.transcript is not None and config.web.transcript_retention_days:
             parts.append(("transcript", partial(self.transcript.prune, config.web.transcript_retention_days)))
         if config.agents.plan_retention_days:
             parts.append(("plans", partial(self.executor.store.prune, config.agents.plan_retention_days)))
+        if self.signed_requests is not None:  # the same table as the replicas' inbound claims
+            parts.append(("inbound_claims", self.signed_requests.forget_older_than))
+        if self.api_keys is not None:
+            parts.append(("api_keys", self.api_keys.forget_expired))
         for part, prune in parts:
             try:
                 pruned = await prune()

@@ -12,7 +12,8 @@ from structlog.testing import capture_logs
 
 from kazma.adapters.contract import Inbound
 from kazma.adapters.web import CONSOLE
-from kazma.approvals.model import Status
+from kazma.approvals.model import Status, Waits
+from kazma.approvals.withdrawal import POLL_GRACE
 from kazma.bot.app import App, build_app
 from kazma.bot.console.services import SwarmCommand
 from kazma.config import load_config_text
@@ -21,6 +22,7 @@ from kazma.engine.model import ScriptedProvider
 from kazma.engine.plan import PlanSpec, StepSpec
 from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.types import ModelReply
+from tests.approvals_support import ManualClock
 
 PLAN_TOOLS = ["write_plan", "retry_step", "replace_steps", "skip_step", "abort_plan"]
 SWARM_TOOLS = ["dispatch_swarm", "check_swarm_task"]
@@ -187,5 +189,84 @@ async def test_a_failing_part_of_the_retention_sweep_is_counted_and_the_others_s
         assert [(e["part"], e["log_level"]) for e in failed] == [("transcript", "warning")]
         assert [e.text for e in await app.transcript.messages(f"web:{CONSOLE}")] == ["long ago"]  # rolled back
         assert await app.executor.store.load(ended) is None  # the plans were pruned all the same
+    finally:
+        await app.stop()
+
+
+async def test_the_claims_and_keys_sweeps_are_counted_when_they_fail_and_run_again_next_time(tmp_path: Path) -> None:
+    """Before, the inbound claims' and the approvals API keys' sweeps failing were logged (under names of their
+    own) and counted nowhere: tables that could not be swept for weeks showed on no dashboard."""
+    app = await build_app(load_config_text(_config(tmp_path), environ={}), provider=ScriptedProvider([]), adapters=[])
+    try:
+        ended, _ = await _aged_parts(app, 91)
+        assert app.signed_requests is not None
+        assert app.api_keys is not None
+        old = time.time() - 3 * 86400.0
+        app.signed_requests.clock = lambda: old
+        assert await app.signed_requests.first_signed("slack", ["sig-1"])
+        app.signed_requests.clock = time.time
+        assert await app.api_keys.keep("ci", "key-1", "h", "req-1", expires_at=old)
+        path = app.loaded.config.store.path
+
+        def rename(pairs: list[tuple[str, str]]) -> None:
+            raw = sqlite3.connect(path)
+            try:
+                for table, to in pairs:
+                    raw.execute(f"ALTER TABLE {table} RENAME TO {to}")
+                raw.commit()
+            finally:
+                raw.close()
+
+        rename([("inbound_claims", "claims_elsewhere"), ("api_idempotency", "keys_elsewhere")])
+        before = failure_count("retention")
+        with capture_logs() as logs:
+            await app.prune_kept()
+        assert failure_count("retention") == before + 2
+        failed = [(e["part"], e["log_level"]) for e in logs if e["event"] == "retention.sweep_failed"]
+        assert failed == [("inbound_claims", "warning"), ("api_keys", "warning")]
+        assert await app.executor.store.load(ended) is None  # the other parts ran all the same
+
+        rename([("claims_elsewhere", "inbound_claims"), ("keys_elsewhere", "api_idempotency")])
+        with capture_logs() as logs:
+            await app.prune_kept()  # the next sweep: both go now
+        assert failure_count("retention") == before + 2
+        pruned = {e["part"]: e["rows"] for e in logs if e["event"] == "retention.pruned"}
+        assert (pruned.get("inbound_claims"), pruned.get("api_keys")) == (1, 1)
+        assert await app.api_keys.replays("ci", "key-1") is None
+    finally:
+        await app.stop()
+
+
+async def test_a_failing_part_of_the_approvals_sweep_is_counted_and_the_others_still_run(tmp_path: Path) -> None:
+    """Before, the approvals sweep was one try: a deadline the store would not end failed the pass at its first
+    part, every pass, and the withdrawal of requests whose polling askers went quiet (and the checkpoint cards,
+    and among replicas the recovery of a gone replica) never ran."""
+    app = await build_app(load_config_text(_config(tmp_path), environ={}), provider=ScriptedProvider([]), adapters=[])
+    try:
+        clock = ManualClock(time.time())
+        app.service.clock = app.service.store.clock = clock
+        late = await app.service.open("shell", {"c": "late"}, "agent:b", "web:c", deadline=60)
+        quiet = await app.service.open(
+            "deploy", {"c": "quiet"}, "api:ci", "api:ci", durable=True, waits=Waits.POLLING, seen=True, deadline=3600
+        )
+        raw = sqlite3.connect(app.loaded.config.store.path)
+        raw.execute(  # the store refuses every timeout (as a full disk would refuse the write)
+            "CREATE TRIGGER refuse_timeouts BEFORE UPDATE OF status ON approval_requests"
+            " WHEN NEW.status = 'timeout' BEGIN SELECT RAISE(ABORT, 'the store refused it'); END"
+        )
+        raw.commit()
+        raw.close()
+        clock.advance(POLL_GRACE + 1)
+        before = failure_count("approval_sweep")
+        with capture_logs() as logs:
+            await app.sweep_once()
+        withdrawn, still = await app.service.store.get(quiet.id), await app.service.store.get(late.id)
+        assert withdrawn is not None
+        assert withdrawn.status is Status.CANCELLED  # the next part ran all the same
+        assert still is not None
+        assert still.status is Status.PENDING
+        assert failure_count("approval_sweep") == before + 1
+        failed = [(e.get("part"), e["log_level"]) for e in logs if e["event"] == "approvals.sweep_failed"]
+        assert failed == [("deadlines", "warning")]
     finally:
         await app.stop()

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from structlog.testing import capture_logs
 
-from kazma.approvals.model import Decision, PressVerdict
+from kazma.approvals.model import Decision, PressVerdict, Status, Waits
 from kazma.approvals.store import UnreadableRequest
+from kazma.approvals.withdrawal import POLL_GRACE
 from kazma.bot.cli import main
 from kazma.config.metrics import failure_count
-from tests.approvals_support import approval_service
+from tests.approvals_support import ManualClock, approval_service
 from tests.audit_support import KEY_ENV, Attacker, Log, config_text, make_log, run_async
 from tests.store_backends import Engine
 from tests.test_web_server import OPERATOR, console
@@ -116,3 +118,74 @@ async def test_the_console_lists_the_others_and_names_the_row_on_its_page(tmp_pa
             assert f"approval request {spoilt.id} cannot be read: reason holds bytes that are not UTF-8" in (
                 await page.text()
             )
+
+
+@pytest.mark.parametrize("column", ["tool", "conversation", "reason"])
+def test_a_press_on_an_unreadable_row_names_it_and_counts_it_as_unreadable(sqlite: Engine, column: str) -> None:
+    """Before, a press's own reads of the row (_PRESS_HEAD and the rest) raised SQLite's error, which named a
+    column and no row: it was logged ``approvals.store_unavailable`` and counted at ``approval_resolve`` (a store
+    that did answer), never at ``approval_row_unreadable`` as every list's read of the same row is."""
+    spoilt, kept = run_async(_open_pending(sqlite.where))
+    Attacker(sqlite).run((f"UPDATE approval_requests SET {column} = {NOT_UTF8} WHERE id = ?", (spoilt,)))  # noqa: S608
+
+    async def press() -> None:
+        async with approval_service(sqlite.where) as service:
+            unreadable, resolve = failure_count("approval_row_unreadable"), failure_count("approval_resolve")
+            with capture_logs() as logs:
+                pressed = await service.decide(spoilt, Decision.APPROVE, actor="telegram:111", platform="telegram")
+            assert pressed.verdict is PressVerdict.REFUSED
+            assert pressed.message.startswith("This request cannot be decided: its record in the approvals store")
+            assert failure_count("approval_row_unreadable") == unreadable + 1
+            assert failure_count("approval_resolve") == resolve
+            named = [(e["request_id"], e["columns"]) for e in logs if e["event"] == "approvals.request_unreadable"]
+            assert named == [(spoilt, [column])]
+            assert not [e for e in logs if e["event"] == "approvals.store_unavailable"]
+            # the other request is decided as ever
+            other = await service.decide(kept, Decision.APPROVE, actor="telegram:111", platform="telegram")
+            assert other.verdict is PressVerdict.WON
+
+    run_async(press())
+
+
+def test_the_deadline_and_silence_sweeps_go_on_past_an_unreadable_row(sqlite: Engine) -> None:
+    """Before, the deadline sweep listed ids only and failed at the unreadable row's timeout, every pass: the
+    overdue requests after it never ended, and the rest of the approvals sweep never ran. So did the withdrawal
+    of polling requests whose askers went quiet."""
+    clock = ManualClock()
+
+    async def open_them() -> dict[str, str]:
+        async with approval_service(sqlite.where, clock=clock) as service:
+            opened = {}
+            for name in ("late_spoilt", "late_kept"):
+                opened[name] = (await service.open("shell", {"c": name}, "agent:b", "telegram:-100", deadline=60)).id
+            for name in ("quiet_spoilt", "quiet_kept"):  # polling askers, to go quiet
+                polled = await service.open(
+                    "deploy",
+                    {"c": name},
+                    "api:ci",
+                    "api:ci",
+                    durable=True,
+                    waits=Waits.POLLING,
+                    seen=True,
+                    deadline=3600,
+                )
+                opened[name] = polled.id
+            return opened
+
+    opened = run_async(open_them())
+    for name in ("late_spoilt", "quiet_spoilt"):
+        Attacker(sqlite).run((f"UPDATE approval_requests SET tool = {NOT_UTF8} WHERE id = ?", (opened[name],)))  # noqa: S608
+    clock.advance(POLL_GRACE + 1)
+
+    async def sweep() -> None:
+        async with approval_service(sqlite.where, clock=clock) as service:
+            before = failure_count("approval_row_unreadable")
+            assert [o.request_id for o in await service.expire_overdue()] == [opened["late_kept"]]
+            assert await service.withdraw_silent() == [opened["quiet_kept"]]
+            assert failure_count("approval_row_unreadable") == before + 2
+            for name in ("late_kept", "quiet_kept"):
+                request = await service.store.get(opened[name])
+                assert request is not None
+                assert request.status is not Status.PENDING, name
+
+    run_async(sweep())
