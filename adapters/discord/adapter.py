@@ -25,9 +25,12 @@ import base64
 import contextlib
 import hashlib
 import io
+import time
 from collections.abc import Awaitable, Callable, Sequence
+from types import SimpleNamespace
 from typing import Any, Final, TypeVar, Unpack
 
+import aiohttp
 import discord
 import structlog
 import yarl
@@ -45,7 +48,16 @@ from kazma.adapters.deny_reason import (
     deny_data,
     reason_request,
 )
-from kazma.adapters.discord.errors import PLATFORM, classify, describe
+from kazma.adapters.discord.errors import (
+    CALL_WITNESS,
+    PLATFORM,
+    CallWitness,
+    RateLimit,
+    classify,
+    describe,
+    rate_limit_of,
+    route_of,
+)
 from kazma.adapters.discord.inbound import (
     PRESS_PREFIXES,
     channel_chat,
@@ -102,7 +114,7 @@ def _chunks(safe: str, limit: int, *, columns: bool) -> list[str]:
 class _Client(discord.Client):
     """discord.py calls ``on_<event>`` methods; each forwards to the adapter."""
 
-    def __init__(self, adapter: DiscordAdapter, *, guild_ready_timeout: float) -> None:
+    def __init__(self, adapter: DiscordAdapter, *, guild_ready_timeout: float, http_trace: aiohttp.TraceConfig) -> None:
         intents = discord.Intents.none()
         intents.guilds = True
         intents.guild_messages = True
@@ -114,6 +126,7 @@ class _Client(discord.Client):
             guild_ready_timeout=guild_ready_timeout,
             # Longer waits raise RateLimited (with retry_after) instead of sleeping inside a call.
             max_ratelimit_timeout=30.0,
+            http_trace=http_trace,  # what each call's requests were answered (a 429 it waits out)
         )
         self.adapter = adapter
         self.tree: app_commands.CommandTree[_Client] = app_commands.CommandTree(self)
@@ -194,9 +207,59 @@ class DiscordAdapter(PlatformBase):
         self._ready = asyncio.Event()
         self._hooks = AgentWebhooks(self._rest)
         self._saved_endpoints: tuple[str, yarl.URL] | None = None
+        self._last_429: RateLimit | None = None  # the last 429 Discord answered any call
 
     def classify(self, site: str, exc: BaseException) -> PlatformError:
-        return classify(site, exc, timeout=self.request_timeout)
+        witness = CALL_WITNESS.get()
+        now = time.monotonic()
+        return classify(site, exc, timeout=self.request_timeout, witness=witness, held_by=self._last_429, now=now)
+
+    async def call(
+        self,
+        site: str,
+        chat: str | None,
+        operation: Callable[[], Awaitable[T]],
+        *,
+        paced: bool = True,
+        wait_out_429: bool = True,
+        timeout: float | None = None,  # noqa: ASYNC109 - per attempt, as the kit's
+    ) -> T:
+        """The kit's call, watched: a timeout while discord.py sleeps out a 429 is told as the rate limit it is."""
+        token = CALL_WITNESS.set(CallWitness())
+        try:
+            return await super().call(site, chat, operation, paced=paced, wait_out_429=wait_out_429, timeout=timeout)
+        finally:
+            CALL_WITNESS.reset(token)
+
+    def _http_trace(self) -> aiohttp.TraceConfig:
+        """aiohttp's trace of discord.py's session: its callbacks run in the task making the request, so each
+        adapter call sees its own requests (``CALL_WITNESS``), and the adapter the last 429 of any."""
+        trace = aiohttp.TraceConfig()
+
+        async def started(session: aiohttp.ClientSession, context: SimpleNamespace,
+                          params: aiohttp.TraceRequestStartParams) -> None:  # fmt: skip
+            witness = CALL_WITNESS.get()
+            if witness is not None:
+                witness.requests += 1
+                witness.waiting = None  # discord.py waited it out and tried again
+
+        async def answered(session: aiohttp.ClientSession, context: SimpleNamespace,
+                           params: aiohttp.TraceRequestEndParams) -> None:  # fmt: skip
+            route = f"{params.method} {route_of(params.url)}"
+            limit = await rate_limit_of(params.response, route, time.monotonic())
+            if limit is None:
+                return
+            self._last_429 = limit
+            witness = CALL_WITNESS.get()
+            if witness is not None:
+                witness.waiting = limit
+            # Told when it happens: a bound around the whole call (the bus's) may end it without asking why.
+            log.warning("discord.rate_limited", route=route, retry_after=limit.retry_after, scope=limit.scope,
+                        via=params.response.headers.get("Via") is not None)  # fmt: skip
+
+        trace.on_request_start.append(started)
+        trace.on_request_end.append(answered)
+        return trace
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -210,7 +273,7 @@ class DiscordAdapter(PlatformBase):
             raise PlatformError(PLATFORM, "start", "no bot token configured", retryable=False)
         self._ready = asyncio.Event()
         self._point_library_at_config()
-        client = _Client(self, guild_ready_timeout=self._guild_ready_timeout)
+        client = _Client(self, guild_ready_timeout=self._guild_ready_timeout, http_trace=self._http_trace())
         self._client = client
         try:
             async with asyncio.timeout(self._start_timeout):

@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import email.parser
 import email.policy
+import hashlib
 import itertools
 import json
+import math
 import re
 import secrets
 import time
@@ -296,6 +298,10 @@ class FakeDiscord:
         /api/v10, matched whole) with ``kind``: a 500 or 503, a 429 (with or without Discord's ``Via``
         header), or no answer until the fake stops."""
         self._faults.append(_Fault(method.upper(), re.compile(path), kind, times, retry_after))
+
+    def clear_faults(self) -> None:
+        """No more scripted faults: every request is answered as usual again."""
+        self._faults.clear()
 
     def calls_to(self, method: str, path: str) -> list[RecordedCall]:
         pattern = re.compile(path)
@@ -726,9 +732,19 @@ class FakeDiscord:
             await self._release.wait()
             return self._error(503, 0, "released at shutdown")
         if fault.kind in ("429", "429-no-via"):
-            headers = {"Retry-After": str(max(1, round(fault.retry_after)))}
+            # Discord's headers on a route's 429: whole seconds in Retry-After, the exact wait in the body and
+            # X-RateLimit-Reset-After. Cloudflare's block (no Via) carries Retry-After only.
+            headers = {"Retry-After": str(max(1, math.ceil(fault.retry_after)))}
             if fault.kind == "429":
-                headers["Via"] = "1.1 google"
+                headers.update({
+                    "Via": "1.1 google",
+                    "X-RateLimit-Limit": "5",
+                    "X-RateLimit-Remaining": "0",
+                    "X-RateLimit-Reset": f"{time.time() + fault.retry_after:.3f}",
+                    "X-RateLimit-Reset-After": f"{fault.retry_after:.3f}",
+                    "X-RateLimit-Bucket": hashlib.sha256(fault.pattern.pattern.encode()).hexdigest()[:32],
+                    "X-RateLimit-Scope": "user",
+                })  # fmt: skip
             body = {"message": "You are being rate limited.", "retry_after": fault.retry_after, "global": False}
             return self._json(body, 429, headers)
         return self._error(int(fault.kind), 0, "Internal Server Error" if fault.kind == "500" else "Unavailable")
