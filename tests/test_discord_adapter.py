@@ -331,6 +331,25 @@ async def test_messages_from_users_and_bots_are_delivered_with_from_bot(running:
     assert bot.mentions == ("builder",)
 
 
+async def test_a_message_or_command_the_gateway_delivers_again_is_handled_once(running: Running) -> None:
+    """Discord may deliver a gateway event again (around a RESUME, in its incidents): an agent must not get the
+    same message, or the same /swarm, twice."""
+    fake, recorder = running.fake, running.recorder
+    await fake.user_message(HOME_CHANNEL_ID, "@builder deploy once")
+    (first,) = fake.dispatched("MESSAGE_CREATE")
+    await fake.dispatch("MESSAGE_CREATE", first)
+    await fake.user_message(HOME_CHANNEL_ID, "@builder and then this")
+    await recorder.inbound_where(lambda i: i.text == "@builder and then this")
+    command = await fake.slash_command(HOME_CHANNEL_ID, options={"args": "status"})
+    await recorder.inbound_where(lambda i: i.command is not None)
+    (pressed,) = [d for d in fake.dispatched("INTERACTION_CREATE") if d["id"] == str(command.id)]
+    await fake.dispatch("INTERACTION_CREATE", pressed)
+    await fake.user_message(HOME_CHANNEL_ID, "@builder last")
+    await recorder.inbound_where(lambda i: i.text == "@builder last")
+    assert [i.text for i in recorder.inbound if i.text == "@builder deploy once"] == ["@builder deploy once"]
+    assert len([i for i in recorder.inbound if i.command is not None]) == 1
+
+
 async def test_swarm_command_is_acknowledged_then_delivered_then_answered(running: Running) -> None:
     fake, recorder = running.fake, running.recorder
     acks_at_delivery: list[list[tuple[Any, int | None]]] = []

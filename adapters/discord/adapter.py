@@ -77,6 +77,7 @@ from kazma.adapters.discord.render import (
     render_card,
 )
 from kazma.adapters.discord.webhooks import AgentWebhooks
+from kazma.adapters.ingress import REPLAY_WINDOW, SignedRequests
 from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.press_policy import NOT_YOURS
@@ -208,6 +209,9 @@ class DiscordAdapter(PlatformBase):
         self._hooks = AgentWebhooks(self._rest)
         self._saved_endpoints: tuple[str, yarl.URL] | None = None
         self._last_429: RateLimit | None = None  # the last 429 Discord answered any call
+        # Gateway events handled lately, by their id: Discord may deliver one again (around a RESUME, or during
+        # its own incidents), and a message run twice or a press decided "lost" by its own winner must not follow.
+        self._handled = SignedRequests(window=REPLAY_WINDOW)
 
     def classify(self, site: str, exc: BaseException) -> PlatformError:
         witness = CALL_WITNESS.get()
@@ -406,7 +410,16 @@ class DiscordAdapter(PlatformBase):
             commands = await self.call("commands", None, tree.sync, timeout=self.request_timeout)
             log.info("discord.commands_synced", commands=[c.name for c in commands])
 
+    def _first_delivery(self, key: str) -> bool:
+        """Whether the gateway event ``key`` arrives here for the first time (within the replay window)."""
+        if self._handled.first_time([key]):
+            return True
+        log.info("discord.event_repeated", key=key)
+        return False
+
     async def _on_command(self, interaction: discord.Interaction[_Client], name: str, args: str) -> None:
+        if not self._first_delivery(f"interaction:{interaction.id}"):
+            return
         with self.tracking():
             chat, thread = self._interaction_chat(interaction)
             inbound = None
@@ -444,6 +457,8 @@ class DiscordAdapter(PlatformBase):
 
     async def _on_message(self, message: discord.Message) -> None:
         if message.type not in (discord.MessageType.default, discord.MessageType.reply):
+            return
+        if not self._first_delivery(f"message:{message.id}"):
             return
         with self.tracking():
             inbound = message_inbound(message, actor=self.actor, is_admin=self.is_admin, fetcher=self._fetcher)
@@ -496,12 +511,15 @@ class DiscordAdapter(PlatformBase):
 
     async def _on_interaction(self, interaction: discord.Interaction[_Client]) -> None:
         if interaction.type is discord.InteractionType.modal_submit and interaction.data:
-            await self._on_reason(interaction)
+            if self._first_delivery(f"interaction:{interaction.id}"):
+                await self._on_reason(interaction)
             return
         if interaction.type is not discord.InteractionType.component or not interaction.data:
             return
         custom_id = interaction.data.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id.startswith(PRESS_PREFIXES):
+            return
+        if not self._first_delivery(f"interaction:{interaction.id}"):
             return
         asked = reason_request(custom_id)
         if asked is not None:
