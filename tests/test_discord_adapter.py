@@ -708,6 +708,22 @@ async def test_a_429_waited_out_past_the_request_timeout_is_told_as_a_rate_limit
     assert fake.messages[int(message_id)]["content"] == "after the limit"
 
 
+async def test_a_global_429_cut_short_by_the_request_timeout_does_not_stop_every_later_request(
+    running: Running,
+) -> None:
+    """discord.py closes its global lock while it sleeps out a global 429 and reopens it only after the sleep: a
+    timeout ending that sleep left it closed, and every later request of the process waited on it for good."""
+    fake, adapter = running.fake, running.adapter
+    adapter.request_timeout = 0.2
+    fake.inject_fault("POST", CHANNEL_POST, "429-global", retry_after=0.4)
+    first = await adapter.send_text(str(HOME_CHANNEL_ID), "first")  # the kit waits out what is left, then sends
+    assert fake.messages[int(first)]["content"] == "first"
+    adapter.request_timeout = 1.0
+    second = await adapter.send_text(str(OTHER_CHANNEL_ID), "second")
+    assert fake.messages[int(second)]["content"] == "second"
+    assert [c.status for c in fake.calls_to("POST", CHANNEL_POST)] == [429, 200, 200]
+
+
 def test_a_rate_limited_route_is_logged_without_its_token() -> None:
     token = "aW50ZXJhY3Rpb246MTIzNDU2Nzg5MDEyMzQ1Njc4OTpzZWNyZXQ"
     url = yarl.URL(f"https://discord.com/api/v10/webhooks/{APP_ID}/{token}/messages/@original")

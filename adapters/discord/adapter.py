@@ -229,11 +229,34 @@ class DiscordAdapter(PlatformBase):
         timeout: float | None = None,  # noqa: ASYNC109 - per attempt, as the kit's
     ) -> T:
         """The kit's call, watched: a timeout while discord.py sleeps out a 429 is told as the rate limit it is."""
-        token = CALL_WITNESS.set(CallWitness())
+        witness = CallWitness()
+
+        async def watched() -> T:
+            try:
+                return await operation()
+            except BaseException:
+                self._reopen_global_lock(witness)
+                raise
+
+        token = CALL_WITNESS.set(witness)
         try:
-            return await super().call(site, chat, operation, paced=paced, wait_out_429=wait_out_429, timeout=timeout)
+            return await super().call(site, chat, watched, paced=paced, wait_out_429=wait_out_429, timeout=timeout)
         finally:
             CALL_WITNESS.reset(token)
+
+    def _reopen_global_lock(self, witness: CallWitness) -> None:
+        """A call ended (a timeout, a cancellation) while discord.py slept out a global 429: it closed its global
+        lock for that sleep and reopens it only after the sleep, outside any ``finally``, so cut short it stays
+        closed and every later request of the process waits on it for good. Reopen it when the limit ends."""
+        limit = witness.waiting
+        client = self._client
+        if limit is None or not limit.is_global or client is None:
+            return
+        over = getattr(client.http, "_global_over", None)
+        if not isinstance(over, asyncio.Event) or over.is_set():
+            return
+        log.warning("discord.global_limit_reopened", route=limit.route, retry_after=limit.retry_after)
+        asyncio.get_running_loop().call_later(limit.left(time.monotonic()), over.set)
 
     def _http_trace(self) -> aiohttp.TraceConfig:
         """aiohttp's trace of discord.py's session: its callbacks run in the task making the request, so each

@@ -33,6 +33,7 @@ class RateLimit:
     retry_after: float
     scope: str | None  # X-RateLimit-Scope: user, shared or global
     at: float
+    is_global: bool = False  # every request waits it out (discord.py closes its global lock meanwhile)
 
     def left(self, now: float) -> float:
         return max(0.0, self.at + self.retry_after - now)
@@ -58,14 +59,16 @@ async def rate_limit_of(response: aiohttp.ClientResponse, route: str, now: float
         return None
     headers = response.headers
     scope = headers.get("X-RateLimit-Scope")
+    is_global = headers.get("X-RateLimit-Global", "").lower() == "true"
     with contextlib.suppress(aiohttp.ClientError, ValueError):
         body = await response.json(content_type=None)
         if isinstance(body, dict) and isinstance(body.get("retry_after"), int | float):
-            return RateLimit(route, max(0.0, float(body["retry_after"])), scope, now)
+            is_global = is_global or body.get("global") is True
+            return RateLimit(route, max(0.0, float(body["retry_after"])), scope, now, is_global)
     for name in ("X-RateLimit-Reset-After", "Retry-After"):
         with contextlib.suppress(ValueError):
-            return RateLimit(route, max(0.0, float(headers.get(name, ""))), scope, now)
-    return RateLimit(route, 0.0, scope, now)
+            return RateLimit(route, max(0.0, float(headers.get(name, ""))), scope, now, is_global)
+    return RateLimit(route, 0.0, scope, now, is_global)
 
 
 def describe(exc: BaseException) -> str:

@@ -69,7 +69,7 @@ GATEWAY_MESSAGE_CONTENT_LIMITED = 1 << 19  # application flag: the intent is on 
 EPHEMERAL = 1 << 6
 LOADING = 1 << 7
 
-FaultKind = Literal["500", "503", "429", "429-no-via", "hang"]
+FaultKind = Literal["500", "503", "429", "429-global", "429-no-via", "hang"]
 
 SYNC_FLUSH_SUFFIX = b"\x00\x00\xff\xff"
 
@@ -807,9 +807,10 @@ class FakeDiscord:
         if fault.kind == "hang":
             await self._release.wait()
             return self._error(503, 0, "released at shutdown")
-        if fault.kind in ("429", "429-no-via"):
+        if fault.kind in ("429", "429-global", "429-no-via"):
             # Discord's headers on a route's 429: whole seconds in Retry-After, the exact wait in the body and
-            # X-RateLimit-Reset-After. Cloudflare's block (no Via) carries Retry-After only.
+            # X-RateLimit-Reset-After. A global one says so instead of naming a bucket. Cloudflare's block (no
+            # Via) carries Retry-After only.
             headers = {"Retry-After": str(max(1, math.ceil(fault.retry_after)))}
             if fault.kind == "429":
                 headers.update({
@@ -821,7 +822,13 @@ class FakeDiscord:
                     "X-RateLimit-Bucket": hashlib.sha256(fault.pattern.pattern.encode()).hexdigest()[:32],
                     "X-RateLimit-Scope": "user",
                 })  # fmt: skip
-            body = {"message": "You are being rate limited.", "retry_after": fault.retry_after, "global": False}
+            elif fault.kind == "429-global":
+                headers.update({"Via": "1.1 google", "X-RateLimit-Global": "true", "X-RateLimit-Scope": "global"})
+            body = {
+                "message": "You are being rate limited.",
+                "retry_after": fault.retry_after,
+                "global": fault.kind == "429-global",
+            }
             return self._json(body, 429, headers)
         return self._error(int(fault.kind), 0, "Internal Server Error" if fault.kind == "500" else "Unavailable")
 
