@@ -98,3 +98,25 @@ async def test_after_an_invalid_session_the_gateway_identifies_again_and_a_new_p
         await fakes.wait(lambda: not fakes.has_buttons("discord"))
         await _settled(app, request.id)
         assert len(await app.service.store.events(request.id, event="decided")) == 1
+
+
+async def test_a_press_replayed_too_late_to_acknowledge_still_decides_once_and_edits_the_card(tmp_path: Path) -> None:
+    """The gateway was down longer than Discord's window to answer a press: the replayed press cannot be
+    acknowledged (10062), but the person did press it, so it decides, and the card shows it."""
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        fake = fakes.discord
+        fake.interaction_window = 0.0  # any answer is too late
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+        await fakes.wait(lambda: fakes.has_buttons("discord"))
+        fake.gateway_open.clear()
+        assert await fake.drop_gateway() == 1
+        await fakes.press("discord", Decision.DENY)
+        fake.gateway_open.set()
+        outcome = await asyncio.wait_for(app.service.wait(request.id), timeout=20)
+        assert (outcome.status, outcome.decided_by) == (Status.DENIED, f"discord:{DISCORD_ADMIN}")
+        await fakes.wait(lambda: not fakes.has_buttons("discord"))
+        await _settled(app, request.id)
+        assert "DENIED" in fakes.card_text("discord")
+        callbacks = fake.calls_to("POST", r"/interactions/\d+/[^/]+/callback")
+        assert [c.status for c in callbacks] == [404]
+        assert len(await app.service.store.events(request.id, event="decided")) == 1

@@ -128,6 +128,7 @@ class FakeInteraction:
     original_message_id: int | None = None
     followup_ids: list[int] = field(default_factory=list)
     modal: Json | None = None  # the modal it was answered with (callback type 9)
+    created: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -272,6 +273,8 @@ class FakeDiscord:
         self.interactions: dict[str, FakeInteraction] = {}
         self.identifies: list[Json] = []
         self.heartbeats = 0
+        # Seconds an interaction may be answered in (Discord: 3); None: not enforced (slow machines, most tests).
+        self.interaction_window: float | None = None
         self._faults: list[_Fault] = []
         self._gateways: list[_Gateway] = []
         self._sessions: dict[str, _Session] = {}
@@ -1265,6 +1268,9 @@ class FakeDiscord:
             return self._not_found(10062, "interaction")
         if interaction.callback_type is not None:
             return self._error(400, 40060, "Interaction has already been acknowledged.")
+        window = self.interaction_window
+        if window is not None and time.monotonic() - interaction.created > window:
+            return self._not_found(10062, "interaction")  # too late: the token is gone
         payload = await self._body(request)
         kind = payload.get("type")
         data = payload.get("data") or {}
