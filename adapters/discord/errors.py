@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
 import aiohttp
@@ -45,7 +45,6 @@ class CallWitness:
 
     requests: int = 0  # requests that went out
     waiting: RateLimit | None = None  # the last answer was a 429, and no request has gone out since
-    seen: list[RateLimit] = field(default_factory=list)
 
 
 # The witness of the adapter call running in this task (see DiscordAdapter.call); None outside one.
