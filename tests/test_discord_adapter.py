@@ -17,6 +17,7 @@ import yarl
 from kazma.adapters.card_layout import cut_marker, outcome_line
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
 from kazma.adapters.discord import DiscordAdapter
+from kazma.adapters.discord.errors import route_of
 from kazma.adapters.discord.render import ARGUMENT_MARK, ZWSP, render_card
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
@@ -328,6 +329,25 @@ async def test_messages_from_users_and_bots_are_delivered_with_from_bot(running:
     assert bot.from_bot
     assert not bot.is_admin
     assert bot.mentions == ("builder",)
+
+
+async def test_a_message_or_command_the_gateway_delivers_again_is_handled_once(running: Running) -> None:
+    """Discord may deliver a gateway event again (around a RESUME, in its incidents): an agent must not get the
+    same message, or the same /swarm, twice."""
+    fake, recorder = running.fake, running.recorder
+    await fake.user_message(HOME_CHANNEL_ID, "@builder deploy once")
+    (first,) = fake.dispatched("MESSAGE_CREATE")
+    await fake.dispatch("MESSAGE_CREATE", first)
+    await fake.user_message(HOME_CHANNEL_ID, "@builder and then this")
+    await recorder.inbound_where(lambda i: i.text == "@builder and then this")
+    command = await fake.slash_command(HOME_CHANNEL_ID, options={"args": "status"})
+    await recorder.inbound_where(lambda i: i.command is not None)
+    (pressed,) = [d for d in fake.dispatched("INTERACTION_CREATE") if d["id"] == str(command.id)]
+    await fake.dispatch("INTERACTION_CREATE", pressed)
+    await fake.user_message(HOME_CHANNEL_ID, "@builder last")
+    await recorder.inbound_where(lambda i: i.text == "@builder last")
+    assert [i.text for i in recorder.inbound if i.text == "@builder deploy once"] == ["@builder deploy once"]
+    assert len([i for i in recorder.inbound if i.command is not None]) == 1
 
 
 async def test_swarm_command_is_acknowledged_then_delivered_then_answered(running: Running) -> None:
@@ -660,6 +680,70 @@ async def test_a_hanging_server_becomes_a_retryable_error_and_the_next_call_work
     assert "no answer within 1 s" in str(caught.value)
     await adapter.settle_card(ref, card, outcome_of(card, Status.DENIED))
     assert fake.messages[int(ref.message_id)]["components"] == []
+
+
+async def test_a_429_waited_out_past_the_request_timeout_is_told_as_a_rate_limit(running: Running) -> None:
+    """discord.py sleeps out a 429's retry_after inside the call; when the request timeout ends that sleep, the
+    error says Discord rate limited the call (with how long to wait), not that nothing answered."""
+    fake, adapter = running.fake, running.adapter
+    adapter.request_timeout = 0.2
+    # Longer than the timeout, every time: the kit waits out what is left and tries again, then gives up.
+    fake.inject_fault("POST", CHANNEL_POST, "429", retry_after=0.5, times=20)
+    with pytest.raises(PlatformError) as caught:
+        await adapter.send_text(str(HOME_CHANNEL_ID), "slow down")
+    error = caught.value
+    assert "no answer" not in str(error)
+    assert "rate limited" in str(error)
+    assert "429" in str(error)
+    assert "retry after 0.5 s" in str(error)
+    assert f"POST /api/v10/channels/{HOME_CHANNEL_ID}/messages" in str(error)
+    assert error.retryable is True
+    assert error.retry_after is not None
+    assert 0 < error.retry_after <= 0.5
+    statuses = [c.status for c in fake.calls_to("POST", CHANNEL_POST)]
+    assert len(statuses) > 1  # tried again after each wait
+    assert statuses == [429] * len(statuses)
+    fake.clear_faults()
+    message_id = await adapter.send_text(str(HOME_CHANNEL_ID), "after the limit")
+    assert fake.messages[int(message_id)]["content"] == "after the limit"
+
+
+async def test_a_global_429_cut_short_by_the_request_timeout_does_not_stop_every_later_request(
+    running: Running,
+) -> None:
+    """discord.py closes its global lock while it sleeps out a global 429 and reopens it only after the sleep: a
+    timeout ending that sleep left it closed, and every later request of the process waited on it for good."""
+    fake, adapter = running.fake, running.adapter
+    adapter.request_timeout = 0.2
+    fake.inject_fault("POST", CHANNEL_POST, "429-global", retry_after=0.4)
+    first = await adapter.send_text(str(HOME_CHANNEL_ID), "first")  # the kit waits out what is left, then sends
+    assert fake.messages[int(first)]["content"] == "first"
+    adapter.request_timeout = 1.0
+    second = await adapter.send_text(str(OTHER_CHANNEL_ID), "second")
+    assert fake.messages[int(second)]["content"] == "second"
+    assert [c.status for c in fake.calls_to("POST", CHANNEL_POST)] == [429, 200, 200]
+
+
+def test_a_rate_limited_route_is_logged_without_its_token() -> None:
+    token = "aW50ZXJhY3Rpb246MTIzNDU2Nzg5MDEyMzQ1Njc4OTpzZWNyZXQ"
+    url = yarl.URL(f"https://discord.com/api/v10/webhooks/{APP_ID}/{token}/messages/@original")
+    assert route_of(url) == f"/api/v10/webhooks/{APP_ID}/***/messages/@original"
+    assert route_of(yarl.URL(f"https://discord.com/api/v10/interactions/1/{token}/callback")).count("***") == 1
+
+
+async def test_a_call_held_behind_another_calls_429_waits_it_out_and_is_sent(running: Running) -> None:
+    """discord.py holds a request on a bucket another request is sleeping a 429 out on: nothing was sent when the
+    request timeout ran out, so it is the rate limit's wait (what is left of it), then sent; not "no answer"."""
+    fake, adapter = running.fake, running.adapter
+    fake.inject_fault("POST", CHANNEL_POST, "429", retry_after=1.0)
+    first = asyncio.ensure_future(adapter.send_text(str(HOME_CHANNEL_ID), "first"))  # sleeps the 429 out
+    await fake.wait_for_call("POST", CHANNEL_POST)
+    adapter.request_timeout = 0.2
+    second = await adapter.send_text(str(HOME_CHANNEL_ID), "second")
+    assert fake.messages[int(second)]["content"] == "second"
+    assert fake.messages[int(await first)]["content"] == "first"
+    contents = [(c.json.get("content"), c.status) for c in fake.calls_to("POST", CHANNEL_POST)]
+    assert sorted(contents, key=str) == sorted([("first", 429), ("first", 200), ("second", 200)], key=str)
 
 
 async def test_client_errors_are_not_retryable(running: Running) -> None:

@@ -328,3 +328,40 @@ async def test_channel_webhooks_post_under_a_chosen_name(fake: FakeDiscord, http
     fake.manage_webhooks = False
     async with http.get(f"{fake.api_base}/channels/{HOME_CHANNEL_ID}/webhooks") as response:
         assert (response.status, (await response.json())["code"]) == (403, 50013)
+
+
+async def test_resume_replays_what_was_missed_after_seq_then_resumed_and_an_unknown_session_is_invalid(
+    fake: FakeDiscord, gateway: Gateway
+) -> None:
+    await gateway.receive()  # HELLO
+    ready, _ = await gateway.identify(fake.token)
+    session_id = ready["d"]["session_id"]
+    await fake.user_message(HOME_CHANNEL_ID, "seen")
+    seen = await gateway.receive()
+    assert (seen["t"], seen["s"]) == ("MESSAGE_CREATE", 3)
+    assert await fake.drop_gateway() == 1
+    assert fake.gateway_sessions() == (0, 1)
+    await fake.user_message(HOME_CHANNEL_ID, "missed")  # kept for the dropped session
+    url = f"{fake.gateway_url}?v=10&encoding=json&compress=zlib-stream"
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(url) as ws:
+            again = Gateway(ws)
+            assert (await again.receive())["op"] == 10
+            await ws.send_json({"op": 6, "d": {"token": fake.token, "session_id": session_id, "seq": 3}})
+            missed, resumed = await again.receive(), await again.receive()
+            assert (missed["t"], missed["s"], missed["d"]["content"]) == ("MESSAGE_CREATE", 4, "missed")
+            assert (resumed["t"], resumed["s"]) == ("RESUMED", 5)
+            assert fake.gateway_sessions() == (1, 1)
+            await fake.user_message(HOME_CHANNEL_ID, "live")
+            live = await again.receive()
+            assert (live["s"], live["d"]["content"]) == (6, "live")
+            await ws.close(code=1000)  # the client ends its session
+        await fake.wait_until(lambda: fake.gateway_sessions() == (0, 0))
+        async with session.ws_connect(url) as ws:
+            late = Gateway(ws)
+            await late.receive()
+            await ws.send_json({"op": 6, "d": {"token": fake.token, "session_id": session_id, "seq": 6}})
+            assert await late.receive() == {"op": 9, "d": False}
+    assert [r["outcome"] for r in fake.resumes] == ["resumed", "invalid"]
+    with pytest.raises(RuntimeError):  # no session left to send to
+        await fake.user_message(HOME_CHANNEL_ID, "nobody")

@@ -25,9 +25,12 @@ import base64
 import contextlib
 import hashlib
 import io
+import time
 from collections.abc import Awaitable, Callable, Sequence
+from types import SimpleNamespace
 from typing import Any, Final, TypeVar, Unpack
 
+import aiohttp
 import discord
 import structlog
 import yarl
@@ -45,7 +48,16 @@ from kazma.adapters.deny_reason import (
     deny_data,
     reason_request,
 )
-from kazma.adapters.discord.errors import PLATFORM, classify, describe
+from kazma.adapters.discord.errors import (
+    CALL_WITNESS,
+    PLATFORM,
+    CallWitness,
+    RateLimit,
+    classify,
+    describe,
+    rate_limit_of,
+    route_of,
+)
 from kazma.adapters.discord.inbound import (
     PRESS_PREFIXES,
     channel_chat,
@@ -65,6 +77,7 @@ from kazma.adapters.discord.render import (
     render_card,
 )
 from kazma.adapters.discord.webhooks import AgentWebhooks
+from kazma.adapters.ingress import REPLAY_WINDOW, SignedRequests
 from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.press_policy import NOT_YOURS
@@ -102,7 +115,7 @@ def _chunks(safe: str, limit: int, *, columns: bool) -> list[str]:
 class _Client(discord.Client):
     """discord.py calls ``on_<event>`` methods; each forwards to the adapter."""
 
-    def __init__(self, adapter: DiscordAdapter, *, guild_ready_timeout: float) -> None:
+    def __init__(self, adapter: DiscordAdapter, *, guild_ready_timeout: float, http_trace: aiohttp.TraceConfig) -> None:
         intents = discord.Intents.none()
         intents.guilds = True
         intents.guild_messages = True
@@ -114,6 +127,7 @@ class _Client(discord.Client):
             guild_ready_timeout=guild_ready_timeout,
             # Longer waits raise RateLimited (with retry_after) instead of sleeping inside a call.
             max_ratelimit_timeout=30.0,
+            http_trace=http_trace,  # what each call's requests were answered (a 429 it waits out)
         )
         self.adapter = adapter
         self.tree: app_commands.CommandTree[_Client] = app_commands.CommandTree(self)
@@ -194,9 +208,85 @@ class DiscordAdapter(PlatformBase):
         self._ready = asyncio.Event()
         self._hooks = AgentWebhooks(self._rest)
         self._saved_endpoints: tuple[str, yarl.URL] | None = None
+        self._last_429: RateLimit | None = None  # the last 429 Discord answered any call
+        # Gateway events handled lately, by their id: Discord may deliver one again (around a RESUME, or during
+        # its own incidents), and a message run twice or a press decided "lost" by its own winner must not follow.
+        self._handled = SignedRequests(window=REPLAY_WINDOW)
 
     def classify(self, site: str, exc: BaseException) -> PlatformError:
-        return classify(site, exc, timeout=self.request_timeout)
+        witness = CALL_WITNESS.get()
+        now = time.monotonic()
+        return classify(site, exc, timeout=self.request_timeout, witness=witness, held_by=self._last_429, now=now)
+
+    async def call(
+        self,
+        site: str,
+        chat: str | None,
+        operation: Callable[[], Awaitable[T]],
+        *,
+        paced: bool = True,
+        wait_out_429: bool = True,
+        timeout: float | None = None,  # noqa: ASYNC109 - per attempt, as the kit's
+    ) -> T:
+        """The kit's call, watched: a timeout while discord.py sleeps out a 429 is told as the rate limit it is."""
+        witness = CallWitness()
+
+        async def watched() -> T:
+            try:
+                return await operation()
+            except BaseException:
+                self._reopen_global_lock(witness)
+                raise
+
+        token = CALL_WITNESS.set(witness)
+        try:
+            return await super().call(site, chat, watched, paced=paced, wait_out_429=wait_out_429, timeout=timeout)
+        finally:
+            CALL_WITNESS.reset(token)
+
+    def _reopen_global_lock(self, witness: CallWitness) -> None:
+        """A call ended (a timeout, a cancellation) while discord.py slept out a global 429: it closed its global
+        lock for that sleep and reopens it only after the sleep, outside any ``finally``, so cut short it stays
+        closed and every later request of the process waits on it for good. Reopen it when the limit ends."""
+        limit = witness.waiting
+        client = self._client
+        if limit is None or not limit.is_global or client is None:
+            return
+        over = getattr(client.http, "_global_over", None)
+        if not isinstance(over, asyncio.Event) or over.is_set():
+            return
+        log.warning("discord.global_limit_reopened", route=limit.route, retry_after=limit.retry_after)
+        asyncio.get_running_loop().call_later(limit.left(time.monotonic()), over.set)
+
+    def _http_trace(self) -> aiohttp.TraceConfig:
+        """aiohttp's trace of discord.py's session: its callbacks run in the task making the request, so each
+        adapter call sees its own requests (``CALL_WITNESS``), and the adapter the last 429 of any."""
+        trace = aiohttp.TraceConfig()
+
+        async def started(session: aiohttp.ClientSession, context: SimpleNamespace,
+                          params: aiohttp.TraceRequestStartParams) -> None:  # fmt: skip
+            witness = CALL_WITNESS.get()
+            if witness is not None:
+                witness.requests += 1
+                witness.waiting = None  # discord.py waited it out and tried again
+
+        async def answered(session: aiohttp.ClientSession, context: SimpleNamespace,
+                           params: aiohttp.TraceRequestEndParams) -> None:  # fmt: skip
+            route = f"{params.method} {route_of(params.url)}"
+            limit = await rate_limit_of(params.response, route, time.monotonic())
+            if limit is None:
+                return
+            self._last_429 = limit
+            witness = CALL_WITNESS.get()
+            if witness is not None:
+                witness.waiting = limit
+            # Told when it happens: a bound around the whole call (the bus's) may end it without asking why.
+            log.warning("discord.rate_limited", route=route, retry_after=limit.retry_after, scope=limit.scope,
+                        via=params.response.headers.get("Via") is not None)  # fmt: skip
+
+        trace.on_request_start.append(started)
+        trace.on_request_end.append(answered)
+        return trace
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -210,7 +300,7 @@ class DiscordAdapter(PlatformBase):
             raise PlatformError(PLATFORM, "start", "no bot token configured", retryable=False)
         self._ready = asyncio.Event()
         self._point_library_at_config()
-        client = _Client(self, guild_ready_timeout=self._guild_ready_timeout)
+        client = _Client(self, guild_ready_timeout=self._guild_ready_timeout, http_trace=self._http_trace())
         self._client = client
         try:
             async with asyncio.timeout(self._start_timeout):
@@ -343,7 +433,16 @@ class DiscordAdapter(PlatformBase):
             commands = await self.call("commands", None, tree.sync, timeout=self.request_timeout)
             log.info("discord.commands_synced", commands=[c.name for c in commands])
 
+    def _first_delivery(self, key: str) -> bool:
+        """Whether the gateway event ``key`` arrives here for the first time (within the replay window)."""
+        if self._handled.first_time([key]):
+            return True
+        log.info("discord.event_repeated", key=key)
+        return False
+
     async def _on_command(self, interaction: discord.Interaction[_Client], name: str, args: str) -> None:
+        if not self._first_delivery(f"interaction:{interaction.id}"):
+            return
         with self.tracking():
             chat, thread = self._interaction_chat(interaction)
             inbound = None
@@ -381,6 +480,8 @@ class DiscordAdapter(PlatformBase):
 
     async def _on_message(self, message: discord.Message) -> None:
         if message.type not in (discord.MessageType.default, discord.MessageType.reply):
+            return
+        if not self._first_delivery(f"message:{message.id}"):
             return
         with self.tracking():
             inbound = message_inbound(message, actor=self.actor, is_admin=self.is_admin, fetcher=self._fetcher)
@@ -433,12 +534,15 @@ class DiscordAdapter(PlatformBase):
 
     async def _on_interaction(self, interaction: discord.Interaction[_Client]) -> None:
         if interaction.type is discord.InteractionType.modal_submit and interaction.data:
-            await self._on_reason(interaction)
+            if self._first_delivery(f"interaction:{interaction.id}"):
+                await self._on_reason(interaction)
             return
         if interaction.type is not discord.InteractionType.component or not interaction.data:
             return
         custom_id = interaction.data.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id.startswith(PRESS_PREFIXES):
+            return
+        if not self._first_delivery(f"interaction:{interaction.id}"):
             return
         asked = reason_request(custom_id)
         if asked is not None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import re
+from dataclasses import dataclass
 from typing import Final
 
 import aiohttp
@@ -11,6 +15,60 @@ from kazma.adapters.contract import PlatformError
 
 PLATFORM: Final = "discord"
 
+# A path segment shown as it is: an id or a word. Anything else (an interaction's or webhook's token) is hidden.
+_SHOWN_SEGMENT: Final = re.compile(r"\d+|[A-Za-z@._-]{1,24}|v\d+")
+
+
+def route_of(url: object) -> str:
+    """The path of a Discord URL, safe for a log line: tokens in interaction and webhook paths are hidden."""
+    path = getattr(url, "path", str(url))
+    return "/".join(s if not s or _SHOWN_SEGMENT.fullmatch(s) else "***" for s in str(path).split("/"))
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """A 429 Discord answered: discord.py sleeps ``retry_after`` from ``at`` (``time.monotonic``), then tries again."""
+
+    route: str  # "POST /api/v10/channels/…/messages"
+    retry_after: float
+    scope: str | None  # X-RateLimit-Scope: user, shared or global
+    at: float
+    is_global: bool = False  # every request waits it out (discord.py closes its global lock meanwhile)
+
+    def left(self, now: float) -> float:
+        return max(0.0, self.at + self.retry_after - now)
+
+
+@dataclass
+class CallWitness:
+    """What discord.py's HTTP session did during one adapter call: its trace runs in the calling task."""
+
+    requests: int = 0  # requests that went out
+    waiting: RateLimit | None = None  # the last answer was a 429, and no request has gone out since
+
+
+# The witness of the adapter call running in this task (see DiscordAdapter.call); None outside one.
+CALL_WITNESS: contextvars.ContextVar[CallWitness | None] = contextvars.ContextVar("kazma_discord_call", default=None)
+
+
+async def rate_limit_of(response: aiohttp.ClientResponse, route: str, now: float) -> RateLimit | None:
+    """The 429 in ``response``, or None: the wait discord.py sleeps is the body's ``retry_after`` (read here once;
+    aiohttp keeps the body for discord.py), else the headers' (``Retry-After`` is on every one, in whole seconds)."""
+    if response.status != 429:
+        return None
+    headers = response.headers
+    scope = headers.get("X-RateLimit-Scope")
+    is_global = headers.get("X-RateLimit-Global", "").lower() == "true"
+    with contextlib.suppress(aiohttp.ClientError, ValueError):
+        body = await response.json(content_type=None)
+        if isinstance(body, dict) and isinstance(body.get("retry_after"), int | float):
+            is_global = is_global or body.get("global") is True
+            return RateLimit(route, max(0.0, float(body["retry_after"])), scope, now, is_global)
+    for name in ("X-RateLimit-Reset-After", "Retry-After"):
+        with contextlib.suppress(ValueError):
+            return RateLimit(route, max(0.0, float(headers.get(name, ""))), scope, now, is_global)
+    return RateLimit(route, 0.0, scope, now, is_global)
+
 
 def describe(exc: BaseException) -> str:
     if isinstance(exc, discord.HTTPException):
@@ -18,11 +76,40 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def classify(site: str, exc: BaseException, *, timeout: float | None = None) -> PlatformError:
-    """Map a discord.py / aiohttp failure to the bus's one error type."""
+def _limited(limit: RateLimit, timeout: float | None, now: float) -> str:
+    scope = f", scope {limit.scope}" if limit.scope else ""
+    return (
+        f"rate limited: Discord answered {limit.route} with 429 (retry after {limit.retry_after:g} s{scope}); "
+        f"the {timeout or 0:g} s request timeout ran out while waiting ({limit.left(now):.2g} s still to wait)"
+    )
+
+
+def classify(
+    site: str,
+    exc: BaseException,
+    *,
+    timeout: float | None = None,
+    witness: CallWitness | None = None,
+    held_by: RateLimit | None = None,
+    now: float = 0.0,
+) -> PlatformError:
+    """Map a discord.py / aiohttp failure to the bus's one error type.
+
+    ``witness``: what the call's requests saw; ``held_by``: a 429 another call is still waiting out (discord.py
+    holds later requests on that bucket, or all of them for a global one), read at ``now`` (``time.monotonic``).
+    """
     if isinstance(exc, PlatformError):
         return exc
     if isinstance(exc, TimeoutError):
+        # discord.py sleeps out a 429 inside the call: Discord did answer, it said "slow down". Saying "no answer"
+        # would send a reader looking for a network fault.
+        waiting = witness.waiting if witness is not None else None
+        if waiting is not None:
+            return PlatformError(PLATFORM, site, _limited(waiting, timeout, now), retryable=True,
+                                 retry_after=waiting.left(now))  # fmt: skip
+        if witness is not None and witness.requests == 0 and held_by is not None and held_by.left(now) > 0:
+            message = "not sent: discord.py held it back for Discord's rate limit; " + _limited(held_by, timeout, now)
+            return PlatformError(PLATFORM, site, message, retryable=True, retry_after=held_by.left(now))
         return PlatformError(PLATFORM, site, f"no answer within {timeout or 0:g} s", retryable=True)
     if isinstance(exc, discord.RateLimited):
         return PlatformError(PLATFORM, site, "rate limited", retryable=True, retry_after=exc.retry_after)

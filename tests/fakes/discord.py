@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import email.parser
 import email.policy
+import hashlib
 import itertools
 import json
+import math
 import re
 import secrets
 import time
@@ -67,7 +69,7 @@ GATEWAY_MESSAGE_CONTENT_LIMITED = 1 << 19  # application flag: the intent is on 
 EPHEMERAL = 1 << 6
 LOADING = 1 << 7
 
-FaultKind = Literal["500", "503", "429", "429-no-via", "hang"]
+FaultKind = Literal["500", "503", "429", "429-global", "429-no-via", "hang"]
 
 SYNC_FLUSH_SUFFIX = b"\x00\x00\xff\xff"
 
@@ -126,6 +128,7 @@ class FakeInteraction:
     original_message_id: int | None = None
     followup_ids: list[int] = field(default_factory=list)
     modal: Json | None = None  # the modal it was answered with (callback type 9)
+    created: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -137,6 +140,45 @@ class _Fault:
     retry_after: float
 
 
+@dataclass
+class _Session:
+    """A gateway session, as Discord keeps it across connections: every dispatch numbered and kept, so a client
+    that RESUMEs with the last ``seq`` it saw is sent the ones after it. Ended by a close with 1000/1001 from
+    the client, or by the fake (``invalidate_sessions``): a RESUME then gets op 9 (not resumable)."""
+
+    id: str
+    intents: int  # what identify asked for
+    seq: int = 0
+    events: list[Json] = field(default_factory=list)  # every dispatch sent or kept, in order
+    connection: _Gateway | None = None  # None: dropped, its dispatches kept for a RESUME
+    resumable: bool = True
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # sequence numbers leave in order
+
+    async def dispatch(self, event: str, data: Json) -> None:
+        async with self.lock:
+            self.seq += 1
+            payload = {"op": 0, "t": event, "s": self.seq, "d": data}
+            self.events.append(payload)
+            connection = self.connection
+            if connection is not None and not connection.ws.closed:
+                await connection.send(payload)
+
+    async def attach(self, connection: _Gateway, after: int) -> list[int]:
+        """``connection`` RESUMEd this session having seen ``after``: the dispatches it missed, then RESUMED.
+        The sequence numbers replayed."""
+        async with self.lock:
+            self.connection = connection
+            connection.session = self
+            missed = [e for e in self.events if int(e["s"]) > after]
+            for payload in missed:
+                await connection.send(payload)
+            self.seq += 1
+            resumed = {"op": 0, "t": "RESUMED", "s": self.seq, "d": {}}
+            self.events.append(resumed)
+            await connection.send(resumed)
+            return [int(e["s"]) for e in missed]
+
+
 class _Gateway:
     """One gateway connection: a single zlib compressor for its whole life, as Discord does."""
 
@@ -144,19 +186,25 @@ class _Gateway:
         self.ws = ws
         self.compressor = zlib.compressobj() if compress else None
         self.lock = asyncio.Lock()
-        self.seq = 0
-        self.session_id: str | None = None
-        self.intents = 0  # what identify asked for
+        self.session: _Session | None = None
+        self.dropped = False  # closed by the fake (drop_gateway): its session stays resumable
         self.frames: list[bytes] = []
+
+    @property
+    def session_id(self) -> str | None:
+        return self.session.id if self.session is not None else None
+
+    @property
+    def intents(self) -> int:
+        return self.session.intents if self.session is not None else 0
+
+    @property
+    def live(self) -> bool:
+        return self.session is not None and self.session.connection is self and not self.ws.closed
 
     async def send(self, payload: Json) -> None:
         async with self.lock:
             await self._send(payload)
-
-    async def dispatch(self, event: str, data: Json) -> None:
-        async with self.lock:  # sequence numbers leave in order
-            self.seq += 1
-            await self._send({"op": 0, "t": event, "s": self.seq, "d": data})
 
     async def _send(self, payload: Json) -> None:
         data = json.dumps(payload).encode()
@@ -225,8 +273,14 @@ class FakeDiscord:
         self.interactions: dict[str, FakeInteraction] = {}
         self.identifies: list[Json] = []
         self.heartbeats = 0
+        # Seconds an interaction may be answered in (Discord: 3); None: not enforced (slow machines, most tests).
+        self.interaction_window: float | None = None
         self._faults: list[_Fault] = []
         self._gateways: list[_Gateway] = []
+        self._sessions: dict[str, _Session] = {}
+        self.resumes: list[Json] = []  # every RESUME: its session, seq, and what the fake did ("resumed"/"invalid")
+        self.gateway_open = asyncio.Event()  # cleared: new gateway connections wait (a reconnect held off)
+        self.gateway_open.set()
         self._ids = itertools.count(1_200_000_000_000_000_000)
         self._changed = asyncio.Condition()
         self._release = asyncio.Event()
@@ -273,6 +327,7 @@ class FakeDiscord:
 
     async def stop(self) -> None:
         self._release.set()
+        self.gateway_open.set()
         for gateway in list(self._gateways):
             await gateway.ws.close(code=1001)
         if self._runner is not None:
@@ -296,6 +351,10 @@ class FakeDiscord:
         /api/v10, matched whole) with ``kind``: a 500 or 503, a 429 (with or without Discord's ``Via``
         header), or no answer until the fake stops."""
         self._faults.append(_Fault(method.upper(), re.compile(path), kind, times, retry_after))
+
+    def clear_faults(self) -> None:
+        """No more scripted faults: every request is answered as usual again."""
+        self._faults.clear()
 
     def calls_to(self, method: str, path: str) -> list[RecordedCall]:
         pattern = re.compile(path)
@@ -356,11 +415,38 @@ class FakeDiscord:
 
     async def dispatch(self, event: str, data: Json) -> None:
         """Send a DISPATCH to every identified gateway session."""
-        sessions = [g for g in self._gateways if g.session_id is not None and not g.ws.closed]
+        sessions = self._live_sessions()
         if not sessions:
             raise RuntimeError(f"no identified gateway session to receive {event}")
-        for gateway in sessions:
-            await gateway.dispatch(event, data)
+        for session in sessions:
+            await session.dispatch(event, data)
+
+    def _live_sessions(self) -> list[_Session]:
+        """Sessions Discord sends events to: connected, or dropped and still resumable (kept for a RESUME)."""
+        return [s for s in self._sessions.values() if s.resumable]
+
+    async def drop_gateway(self, *, code: int = 1001) -> int:
+        """Discord closes every gateway connection (``code`` 1001 "going away", or 4000 "unknown error"): the
+        sessions stay resumable and keep what is dispatched until a client RESUMEs. How many were dropped."""
+        dropped = [g for g in self._gateways if g.live]
+        for gateway in dropped:
+            gateway.dropped = True
+            assert gateway.session is not None
+            gateway.session.connection = None
+        for gateway in dropped:
+            await gateway.ws.close(code=code, message=b"dropped by the fake")
+        await self.notify()
+        return len(dropped)
+
+    def dispatched(self, event: str) -> list[Json]:
+        """The data of every ``event`` dispatched to a session, in order (a dropped session's kept ones too)."""
+        return [e["d"] for session in self._sessions.values() for e in session.events if e["t"] == event]
+
+    def invalidate_sessions(self) -> None:
+        """Discord forgets every session (it expired, or Discord lost it): a RESUME is answered op 9, and what
+        was kept for a dropped session is never sent."""
+        for session in self._sessions.values():
+            session.resumable = False
 
     async def user_message(
         self,
@@ -415,9 +501,9 @@ class FakeDiscord:
         channel_id = self.dm_channel(user)
         message = self._new_message(channel_id, user.payload(), {"content": content})
         message["attachments"] = list(attachments)
-        for gateway in [g for g in self._gateways if g.session_id is not None and not g.ws.closed]:
-            if gateway.intents & DIRECT_MESSAGES_INTENT:
-                await gateway.dispatch("MESSAGE_CREATE", message)
+        for session in self._live_sessions():
+            if session.intents & DIRECT_MESSAGES_INTENT:
+                await session.dispatch("MESSAGE_CREATE", message)
         await self.notify()
         return message
 
@@ -633,9 +719,8 @@ class FakeDiscord:
         if not self.echo or int(message.get("flags", 0)) & EPHEMERAL:
             return
         member = None if "webhook_id" in message else self._member(self.bot)
-        sessions = [g for g in self._gateways if g.session_id is not None and not g.ws.closed]
-        for gateway in sessions:
-            await gateway.dispatch(event, self._gateway_message(message, member=member))
+        for session in self._live_sessions():
+            await session.dispatch(event, self._gateway_message(message, member=member))
 
     def _new_interaction(self, kind: int, channel_id: int, user: FakeUser) -> FakeInteraction:
         interaction = FakeInteraction(
@@ -725,11 +810,28 @@ class FakeDiscord:
         if fault.kind == "hang":
             await self._release.wait()
             return self._error(503, 0, "released at shutdown")
-        if fault.kind in ("429", "429-no-via"):
-            headers = {"Retry-After": str(max(1, round(fault.retry_after)))}
+        if fault.kind in ("429", "429-global", "429-no-via"):
+            # Discord's headers on a route's 429: whole seconds in Retry-After, the exact wait in the body and
+            # X-RateLimit-Reset-After. A global one says so instead of naming a bucket. Cloudflare's block (no
+            # Via) carries Retry-After only.
+            headers = {"Retry-After": str(max(1, math.ceil(fault.retry_after)))}
             if fault.kind == "429":
-                headers["Via"] = "1.1 google"
-            body = {"message": "You are being rate limited.", "retry_after": fault.retry_after, "global": False}
+                headers.update({
+                    "Via": "1.1 google",
+                    "X-RateLimit-Limit": "5",
+                    "X-RateLimit-Remaining": "0",
+                    "X-RateLimit-Reset": f"{time.time() + fault.retry_after:.3f}",
+                    "X-RateLimit-Reset-After": f"{fault.retry_after:.3f}",
+                    "X-RateLimit-Bucket": hashlib.sha256(fault.pattern.pattern.encode()).hexdigest()[:32],
+                    "X-RateLimit-Scope": "user",
+                })  # fmt: skip
+            elif fault.kind == "429-global":
+                headers.update({"Via": "1.1 google", "X-RateLimit-Global": "true", "X-RateLimit-Scope": "global"})
+            body = {
+                "message": "You are being rate limited.",
+                "retry_after": fault.retry_after,
+                "global": fault.kind == "429-global",
+            }
             return self._json(body, 429, headers)
         return self._error(int(fault.kind), 0, "Internal Server Error" if fault.kind == "500" else "Unavailable")
 
@@ -1166,6 +1268,9 @@ class FakeDiscord:
             return self._not_found(10062, "interaction")
         if interaction.callback_type is not None:
             return self._error(400, 40060, "Interaction has already been acknowledged.")
+        window = self.interaction_window
+        if window is not None and time.monotonic() - interaction.created > window:
+            return self._not_found(10062, "interaction")  # too late: the token is gone
         payload = await self._body(request)
         kind = payload.get("type")
         data = payload.get("data") or {}
@@ -1286,6 +1391,7 @@ class FakeDiscord:
     # ------------------------------------------------------------------ gateway
 
     async def _gateway(self, request: web.Request) -> web.WebSocketResponse:
+        await self.gateway_open.wait()
         ws = web.WebSocketResponse()
         await ws.prepare(request)
         compress = request.query.get("compress")
@@ -1302,6 +1408,13 @@ class FakeDiscord:
                 await self._on_gateway_message(gateway, json.loads(msg.data))
         finally:
             self._gateways.remove(gateway)
+            session = gateway.session
+            if session is not None and session.connection is gateway:
+                session.connection = None
+                # A client closing with 1000 or 1001 ends its session (Discord: the bot goes offline); any other
+                # end (a dropped connection, a client killed) leaves it resumable for a while.
+                if not gateway.dropped and ws.close_code in (1000, 1001):
+                    session.resumable = False
             await self.notify()
         return ws
 
@@ -1321,24 +1434,44 @@ class FakeDiscord:
                 await gateway.ws.close(code=4014, message=b"Disallowed intent(s).")
                 return
             self.identifies.append(data)
-            gateway.intents = int(data.get("intents") or 0)
-            gateway.session_id = secrets.token_hex(16)
-            await gateway.dispatch("READY", self._ready_payload(gateway, data))
-            await gateway.dispatch("GUILD_CREATE", self._guild_payload())
+            session = _Session(secrets.token_hex(16), intents=int(data.get("intents") or 0))
+            session.connection = gateway
+            gateway.session = session
+            self._sessions[session.id] = session
+            await session.dispatch("READY", self._ready_payload(session, data))
+            await session.dispatch("GUILD_CREATE", self._guild_payload())
         elif op == 6:
-            if isinstance(data, dict) and data.get("token") == self.token and data.get("session_id"):
-                gateway.session_id = str(data["session_id"])
-                await gateway.dispatch("RESUMED", {})
-            else:
-                await gateway.send({"op": 9, "d": False})
+            await self._resume(gateway, data)
         await self.notify()
 
-    def _ready_payload(self, gateway: _Gateway, identify: Json) -> Json:
+    async def _resume(self, gateway: _Gateway, data: Any) -> None:
+        """RESUME (op 6): the missed dispatches after ``seq``, then RESUMED; op 9 ``false`` when the session is
+        unknown, ended or expired (the client must identify again, and what was missed is lost)."""
+        if not isinstance(data, dict) or data.get("token") != self.token:
+            self.resumes.append({"rejected": data})
+            await gateway.ws.close(code=4004, message=b"Authentication failed.")
+            return
+        session = self._sessions.get(str(data.get("session_id")))
+        seq = data.get("seq")
+        record: Json = {"session_id": data.get("session_id"), "seq": seq}
+        self.resumes.append(record)
+        if session is None or not session.resumable or not isinstance(seq, int) or seq > session.seq:
+            record["outcome"] = "invalid"
+            await gateway.send({"op": 9, "d": False})
+            return
+        previous = session.connection
+        if previous is not None and previous is not gateway:
+            previous.dropped = True  # the session moves to this connection; the old one is done
+            await previous.ws.close(code=4000, message=b"session resumed elsewhere")
+        record["outcome"] = "resumed"
+        record["replayed"] = await session.attach(gateway, seq)
+
+    def _ready_payload(self, session: _Session, identify: Json) -> Json:
         ready: Json = {
             "v": 10,
             "user": {**self.bot.payload(), "verified": True, "mfa_enabled": False, "flags": 0},
             "guilds": [{"id": str(GUILD_ID), "unavailable": True}],
-            "session_id": gateway.session_id,
+            "session_id": session.id,
             "session_type": "normal",
             "resume_gateway_url": self.gateway_url,
             "application": {"id": str(APP_ID), "flags": 0},
@@ -1353,9 +1486,14 @@ class FakeDiscord:
             ready["shard"] = identify["shard"]
         return ready
 
+    def gateway_sessions(self) -> tuple[int, int]:
+        """(connected, resumable): sessions with a live connection, and sessions Discord still sends to."""
+        live = self._live_sessions()
+        return sum(1 for s in live if s.connection is not None and s.connection.live), len(live)
+
     @property
     def identified(self) -> bool:
-        return any(g.session_id is not None and not g.ws.closed for g in self._gateways)
+        return any(g.live for g in self._gateways)
 
     @property
     def gateway_frames(self) -> list[bytes]:

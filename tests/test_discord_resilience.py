@@ -1,0 +1,122 @@
+"""Discord's rate limits and gateway drops, end to end: the real discord.py and Kazma against the wire fake."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from kazma.adapters.discord import DiscordAdapter
+from kazma.approvals.model import Decision, Status
+from kazma.bot.app import App
+from tests.fakes.discord import HOME_CHANNEL_ID
+from tests.platforms_support import DISCORD_ADMIN, kazma_on, three_fakes
+
+ARGS = {"command": "make release"}
+HOME_POST = rf"/channels/{HOME_CHANNEL_ID}/messages"
+
+
+async def test_a_card_post_rate_limited_past_the_request_timeout_says_so_and_is_posted_later(tmp_path: Path) -> None:
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        adapter = app.bus.adapters["discord"]
+        assert isinstance(adapter, DiscordAdapter)
+        adapter.request_timeout = 0.2
+        # Discord says "slow down" for longer than a request may take, every time, until it stops.
+        fakes.discord.inject_fault("POST", HOME_POST, "429", retry_after=0.4, times=1000)
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+        outbox = app.bus.outbox  # type: ignore[union-attr]
+
+        async def told() -> list[str]:
+            return [str(e) for r, p, _, e in await outbox.pending() if r == request.id and p == "discord" and e]
+
+        async with asyncio.timeout(20):
+            while not (errors := await told()):
+                await asyncio.sleep(0.02)
+        assert "rate limited" in errors[0], errors
+        assert "retry after 0.4 s" in errors[0]
+        assert "no answer" not in errors[0]
+        assert not fakes.posted("discord")
+        fakes.discord.clear_faults()
+        await fakes.wait(lambda: fakes.posted("discord") and fakes.has_buttons("discord"))
+        async with asyncio.timeout(20):
+            while not [c for c in await app.service.store.cards(request.id) if c.platform == "discord"]:
+                await asyncio.sleep(0.02)
+        cards = [m for m in fakes.discord.channel_messages(HOME_CHANNEL_ID) if m.get("embeds")]
+        assert len(cards) == 1
+
+
+async def _settled(app: App, request_id: str) -> None:
+    async with asyncio.timeout(20):
+        while not all(c.settled_at for c in await app.service.store.cards(request_id)):
+            await asyncio.sleep(0.02)
+
+
+async def test_a_press_made_while_the_gateway_is_down_is_replayed_on_resume_and_decided_once(tmp_path: Path) -> None:
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        fake = fakes.discord
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+        await fakes.wait(lambda: fakes.has_buttons("discord"))
+        identifies = len(fake.identifies)
+        fake.gateway_open.clear()  # discord.py's reconnect waits: the press is made while it is down
+        assert await fake.drop_gateway() == 1
+        await fakes.press("discord", Decision.APPROVE)
+        (pressed,) = fake.dispatched("INTERACTION_CREATE")
+        fake.gateway_open.set()
+        outcome = await asyncio.wait_for(app.service.wait(request.id), timeout=20)
+        assert (outcome.status, outcome.decided_by) == (Status.APPROVED, f"discord:{DISCORD_ADMIN}")
+        (resume,) = fake.resumes
+        assert resume["outcome"] == "resumed"
+        assert len(resume["replayed"]) == 1  # the press, sent after the seq discord.py had seen
+        assert len(fake.identifies) == identifies  # resumed, not identified again
+        # Discord may deliver an event again: the same press once more decides nothing more.
+        await fake.dispatch("INTERACTION_CREATE", pressed)
+        await fakes.wait(lambda: not fakes.has_buttons("discord"))
+        await _settled(app, request.id)
+        assert f"APPROVED by discord:{DISCORD_ADMIN}" in fakes.card_text("discord")
+        assert len(await app.service.store.events(request.id, event="decided")) == 1
+        assert await app.service.store.events(request.id, event="press_lost") == []
+        acknowledged = [i for i in fake.interactions.values() if i.custom_id is not None]
+        assert [i.callback_type for i in acknowledged] == [6]
+
+
+async def test_after_an_invalid_session_the_gateway_identifies_again_and_a_new_press_decides(tmp_path: Path) -> None:
+    """Discord cannot resume (op 9): what was dispatched while down is lost, as on Discord; discord.py identifies
+    again (after its own 5 s wait) and the next press decides and edits the card."""
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        fake = fakes.discord
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+        await fakes.wait(lambda: fakes.has_buttons("discord"))
+        identifies = len(fake.identifies)
+        fake.gateway_open.clear()
+        assert await fake.drop_gateway() == 1
+        fake.invalidate_sessions()
+        fake.gateway_open.set()
+        await fake.wait_until(lambda: len(fake.identifies) > identifies and fake.identified, timeout=20)
+        assert [r["outcome"] for r in fake.resumes] == ["invalid"]
+        await fakes.press("discord", Decision.DENY)
+        outcome = await asyncio.wait_for(app.service.wait(request.id), timeout=20)
+        assert outcome.status is Status.DENIED
+        await fakes.wait(lambda: not fakes.has_buttons("discord"))
+        await _settled(app, request.id)
+        assert len(await app.service.store.events(request.id, event="decided")) == 1
+
+
+async def test_a_press_replayed_too_late_to_acknowledge_still_decides_once_and_edits_the_card(tmp_path: Path) -> None:
+    """The gateway was down longer than Discord's window to answer a press: the replayed press cannot be
+    acknowledged (10062), but the person did press it, so it decides, and the card shows it."""
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        fake = fakes.discord
+        fake.interaction_window = 0.0  # any answer is too late
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+        await fakes.wait(lambda: fakes.has_buttons("discord"))
+        fake.gateway_open.clear()
+        assert await fake.drop_gateway() == 1
+        await fakes.press("discord", Decision.DENY)
+        fake.gateway_open.set()
+        outcome = await asyncio.wait_for(app.service.wait(request.id), timeout=20)
+        assert (outcome.status, outcome.decided_by) == (Status.DENIED, f"discord:{DISCORD_ADMIN}")
+        await fakes.wait(lambda: not fakes.has_buttons("discord"))
+        await _settled(app, request.id)
+        assert "DENIED" in fakes.card_text("discord")
+        callbacks = fake.calls_to("POST", r"/interactions/\d+/[^/]+/callback")
+        assert [c.status for c in callbacks] == [404]
+        assert len(await app.service.store.events(request.id, event="decided")) == 1
