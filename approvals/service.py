@@ -1612,13 +1612,19 @@ class ApprovalService:
         for request in verified:
             outcomes = ran.get(request.id, [])
             if not outcomes:
-                await self._execution_lost(request.id, STOPPED_BEFORE_IT_RAN)
+                if await self._execution_lost(request.id, STOPPED_BEFORE_IT_RAN, unless_ended=True) is False:
+                    # Reported meanwhile by the recovery of another leader (a leader change while both ran), or
+                    # its call's ending came in: said once, by whoever wrote it.
+                    log.info("approvals.never_ran_reported_meanwhile", request_id=request.id)
+                    continue
                 count_failure("approval_never_ran")
                 log.warning("approvals.approved_never_ran", request_id=request.id, tool=request.tool, runnable=True,
                             detail=STOPPED_BEFORE_IT_RAN)  # fmt: skip
                 never_ran.append(request)
             elif any(o is None or o in ("lost", "interrupted") for o in outcomes):
-                await self._execution_lost(request.id, STOPPED_WHILE_IT_RAN)
+                if await self._execution_lost(request.id, STOPPED_WHILE_IT_RAN, unless_ended=True) is False:
+                    log.info("approvals.may_have_run_reported_meanwhile", request_id=request.id)
+                    continue
                 log.warning("approvals.approved_may_have_run", request_id=request.id, tool=request.tool)
                 may_have_run.append(request)
             # else it ran to its end; only its audit row was lost with the process
@@ -1637,12 +1643,16 @@ class ApprovalService:
         log.warning("approvals.orphan_cancelled", request_id=request.id, tool=request.tool)
         return after
 
-    async def _execution_lost(self, request_id: str, detail: str, *, unless_started: bool = False) -> bool | None:
+    async def _execution_lost(
+        self, request_id: str, detail: str, *, unless_started: bool = False, unless_ended: bool = False
+    ) -> bool | None:
         """Audit what became of an approved call a stopped process did not finish, and have its cards say it.
-        True: written; False: not, ``unless_started`` and an execution of it was audited first; None: the store
-        failed (reported all the same, as before)."""
+        True: written; False: not, ``unless_started`` and an execution of it was audited first (or
+        ``unless_ended`` and an ending of it); None: the store failed (reported all the same, as before)."""
         try:
-            written = await self.store.execution_lost(request_id, detail, unless_started=unless_started)
+            written = await self.store.execution_lost(
+                request_id, detail, unless_started=unless_started, unless_ended=unless_ended
+            )
         except store_errors() as exc:
             count_failure("approval_audit")
             log.warning("approvals.audit_failed", request_id=request_id, audit_event="execution_lost", error=str(exc))
