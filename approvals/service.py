@@ -1558,7 +1558,12 @@ class ApprovalService:
         return outcome
 
     async def recover(
-        self, live: Collection[str] | None = None, *, orphans: bool = True, batch: int = RECOVER_BATCH
+        self,
+        live: Collection[str] | None = None,
+        *,
+        orphans: bool = True,
+        batch: int = RECOVER_BATCH,
+        leading: Callable[[], bool] | None = None,
     ) -> Recovery:
         """At start, before any platform: end what the process that died left hanging, and say so.
 
@@ -1574,18 +1579,36 @@ class ApprovalService:
         is gone left behind: the leader runs this when it takes the lease and at every sweep.
         ``orphans=False``: the pending ones are left to :class:`kazma.approvals.orphans.Orphans`. ``batch``: how
         many are cancelled together (``bench/recover_orphans.py`` sets 1, one commit each, to compare).
+        ``leading``: whether this replica still leads, asked before every write; once it says no, the recovery
+        stops with what it did (the new leader recovers the rest).
         """
         cancelled: list[ApprovalRequest] = []
+        never_ran: list[ApprovalRequest] = []
+        unrunnable: dict[str, str] = {}
+        may_have_run: list[ApprovalRequest] = []
+
+        def deposed() -> bool:
+            # A leader that stalled (a paused process, a stuck loop) long enough to lose the lease goes on from
+            # where it stopped with ``live`` as it judged it then: a replica it judged gone may have come back
+            # under its name since, and an approved call it is about to run would be reported as never run (and
+            # so refused). The new leader judges again and recovers what is left.
+            if leading is None or leading():
+                return False
+            log.warning("approvals.recovery_stopped", reason="this replica no longer leads",
+                        cancelled=len(cancelled), reported=len(never_ran) + len(may_have_run))  # fmt: skip
+            return True
+
         found = await self.store.orphans(live) if orphans else []
         # Written together in batches (group commit), as a start's Orphans does: one commit each held the leader's
         # sweep 2.4 s for a dead replica's 500 (about 50 s for 10,000), every card waiting for the last.
         for start in range(0, len(found), batch):
+            if deposed():
+                return Recovery(cancelled, never_ran, unrunnable, may_have_run)
             ended = await asyncio.gather(*(self._cancel_orphan(r, live) for r in found[start : start + batch]))
             cancelled.extend(after for after in ended if after is not None)
-        never_ran: list[ApprovalRequest] = []
-        unrunnable: dict[str, str] = {}
-        may_have_run: list[ApprovalRequest] = []
         for request in await self.store.approved_not_started(live):
+            if deposed():
+                return Recovery(cancelled, never_ran, unrunnable, may_have_run)
             problem = self.approval_problem(request)
             detail = STOPPED_BEFORE_IT_RAN
             if problem is not None:
@@ -1610,6 +1633,8 @@ class ApprovalService:
         verified = await self.store.approved_verified_unfinished(live) if self.executions_of is not None else []
         ran = await self.executions_of([r.id for r in verified]) if self.executions_of is not None and verified else {}
         for request in verified:
+            if deposed():
+                break
             outcomes = ran.get(request.id, [])
             if not outcomes:
                 if await self._execution_lost(request.id, STOPPED_BEFORE_IT_RAN, unless_ended=True) is False:

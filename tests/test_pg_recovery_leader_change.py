@@ -138,3 +138,33 @@ async def test_a_leader_change_mid_recovery_ends_every_orphan_once_and_reports_e
     assert len(taken.may_have_run + resumed.may_have_run) == (VERIFIED if started else 0)
     lost = [r for r, e in events if e == "execution_lost"]
     assert sorted(lost) == sorted([*verified, unstarted])
+
+
+async def test_an_old_leader_that_resumes_after_losing_the_lease_stops_recovering(pg_dsn: str) -> None:
+    """The old leader judged c gone, then stalled; meanwhile the new leader recovered, and c came back under its
+    name and had a call approved that it is about to run. The old leader, resuming with its stale judgement,
+    reported that call as never run (``execution_lost``), and c, reaching it, refused to run an approval a
+    person had just given. A recovery goes on only while its replica leads."""
+    config = approvals_config()
+    leads = {"a": True}
+    async with _store(pg_dsn, "c") as sc, _store(pg_dsn, "a") as sa, _store(pg_dsn, "b") as sb:
+        orphans, _, _ = await _left_by_c(ApprovalService(ApprovalStore(sc, replica="c"), config))
+        old_store = StallingStore(sa, stall="finish", after=2)
+        old = ApprovalService(old_store, config)
+        new = ApprovalService(ApprovalStore(sb, replica="b"), config)
+
+        stalled = asyncio.create_task(old.recover(LIVE, batch=2, leading=lambda: leads["a"]))
+        await _within(old_store.stalled.wait())
+        leads["a"] = False  # its lease ran out while it stalled; b leads and recovers
+        await _within(new.recover(LIVE, batch=2))
+        back = ApprovalService(ApprovalStore(sc, replica="c"), config)  # c, restarted under its name
+        wanted = await back.open("shell", {"again": 1}, "agent:b", "telegram:-100")
+        assert (await back.decide(wanted.id, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
+        old_store.gate.set()
+        resumed: Recovery = await _within(stalled)
+
+        assert wanted.id not in [r.id for r in resumed.never_ran]
+        assert await back.store.execution_starts(wanted.id, "shell") is None  # c runs what was approved
+    events = _events(pg_dsn)
+    assert "execution_refused" not in {e for r, e in events if r == wanted.id}, events
+    assert [e for r, e in events if r in orphans and e == "cancelled"] == ["cancelled"] * len(orphans)
