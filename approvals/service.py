@@ -1569,7 +1569,12 @@ class ApprovalService:
         return outcome
 
     async def recover(
-        self, live: Collection[str] | None = None, *, orphans: bool = True, batch: int = RECOVER_BATCH
+        self,
+        live: Collection[str] | None = None,
+        *,
+        orphans: bool = True,
+        batch: int = RECOVER_BATCH,
+        leading: Callable[[], bool] | None = None,
     ) -> Recovery:
         """At start, before any platform: end what the process that died left hanging, and say so.
 
@@ -1585,18 +1590,36 @@ class ApprovalService:
         is gone left behind: the leader runs this when it takes the lease and at every sweep.
         ``orphans=False``: the pending ones are left to :class:`kazma.approvals.orphans.Orphans`. ``batch``: how
         many are cancelled together (``bench/recover_orphans.py`` sets 1, one commit each, to compare).
+        ``leading``: whether this replica still leads, asked before every write; once it says no, the recovery
+        stops with what it did (the new leader recovers the rest).
         """
         cancelled: list[ApprovalRequest] = []
+        never_ran: list[ApprovalRequest] = []
+        unrunnable: dict[str, str] = {}
+        may_have_run: list[ApprovalRequest] = []
+
+        def deposed() -> bool:
+            # A leader that stalled (a paused process, a stuck loop) long enough to lose the lease goes on from
+            # where it stopped with ``live`` as it judged it then: a replica it judged gone may have come back
+            # under its name since, and an approved call it is about to run would be reported as never run (and
+            # so refused). The new leader judges again and recovers what is left.
+            if leading is None or leading():
+                return False
+            log.warning("approvals.recovery_stopped", reason="this replica no longer leads",
+                        cancelled=len(cancelled), reported=len(never_ran) + len(may_have_run))  # fmt: skip
+            return True
+
         found = await self.store.orphans(live) if orphans else []
         # Written together in batches (group commit), as a start's Orphans does: one commit each held the leader's
         # sweep 2.4 s for a dead replica's 500 (about 50 s for 10,000), every card waiting for the last.
         for start in range(0, len(found), batch):
+            if deposed():
+                return Recovery(cancelled, never_ran, unrunnable, may_have_run)
             ended = await asyncio.gather(*(self._cancel_orphan(r, live) for r in found[start : start + batch]))
             cancelled.extend(after for after in ended if after is not None)
-        never_ran: list[ApprovalRequest] = []
-        unrunnable: dict[str, str] = {}
-        may_have_run: list[ApprovalRequest] = []
         for request in await self.store.approved_not_started(live):
+            if deposed():
+                return Recovery(cancelled, never_ran, unrunnable, may_have_run)
             problem = self.approval_problem(request)
             detail = STOPPED_BEFORE_IT_RAN
             if problem is not None:
@@ -1621,15 +1644,23 @@ class ApprovalService:
         verified = await self.store.approved_verified_unfinished(live) if self.executions_of is not None else []
         ran = await self.executions_of([r.id for r in verified]) if self.executions_of is not None and verified else {}
         for request in verified:
+            if deposed():
+                break
             outcomes = ran.get(request.id, [])
             if not outcomes:
-                await self._execution_lost(request.id, STOPPED_BEFORE_IT_RAN)
+                if await self._execution_lost(request.id, STOPPED_BEFORE_IT_RAN, unless_ended=True) is False:
+                    # Reported meanwhile by the recovery of another leader (a leader change while both ran), or
+                    # its call's ending came in: said once, by whoever wrote it.
+                    log.info("approvals.never_ran_reported_meanwhile", request_id=request.id)
+                    continue
                 count_failure("approval_never_ran")
                 log.warning("approvals.approved_never_ran", request_id=request.id, tool=request.tool, runnable=True,
                             detail=STOPPED_BEFORE_IT_RAN)  # fmt: skip
                 never_ran.append(request)
             elif any(o is None or o in ("lost", "interrupted") for o in outcomes):
-                await self._execution_lost(request.id, STOPPED_WHILE_IT_RAN)
+                if await self._execution_lost(request.id, STOPPED_WHILE_IT_RAN, unless_ended=True) is False:
+                    log.info("approvals.may_have_run_reported_meanwhile", request_id=request.id)
+                    continue
                 log.warning("approvals.approved_may_have_run", request_id=request.id, tool=request.tool)
                 may_have_run.append(request)
             # else it ran to its end; only its audit row was lost with the process
@@ -1648,12 +1679,16 @@ class ApprovalService:
         log.warning("approvals.orphan_cancelled", request_id=request.id, tool=request.tool)
         return after
 
-    async def _execution_lost(self, request_id: str, detail: str, *, unless_started: bool = False) -> bool | None:
+    async def _execution_lost(
+        self, request_id: str, detail: str, *, unless_started: bool = False, unless_ended: bool = False
+    ) -> bool | None:
         """Audit what became of an approved call a stopped process did not finish, and have its cards say it.
-        True: written; False: not, ``unless_started`` and an execution of it was audited first; None: the store
-        failed (reported all the same, as before)."""
+        True: written; False: not, ``unless_started`` and an execution of it was audited first (or
+        ``unless_ended`` and an ending of it); None: the store failed (reported all the same, as before)."""
         try:
-            written = await self.store.execution_lost(request_id, detail, unless_started=unless_started)
+            written = await self.store.execution_lost(
+                request_id, detail, unless_started=unless_started, unless_ended=unless_ended
+            )
         except store_errors() as exc:
             count_failure("approval_audit")
             log.warning("approvals.audit_failed", request_id=request_id, audit_event="execution_lost", error=str(exc))

@@ -1502,21 +1502,27 @@ class ApprovalStore:
 
         return await self._write(op, deadline=deadline)
 
-    async def execution_lost(self, request_id: str, detail: str, *, unless_started: bool = False) -> bool:
+    async def execution_lost(
+        self, request_id: str, detail: str, *, unless_started: bool = False, unless_ended: bool = False
+    ) -> bool:
         """An approved call that never ran (or may have run) because a process stopped: audited, and its cards
         asked to be edited (again) so they say it too. ``unless_started``: only if no execution of it was audited
         (started, refused or reported) by the time this transaction holds the request, for the report that it
-        never ran: its replica, judged gone, may have started it meanwhile. Whether it was written."""
+        never ran: its replica, judged gone, may have started it meanwhile. ``unless_ended``: only if no ending
+        of the call (finished, refused or reported) was audited by then, for the report on a call that was
+        verified to run: two leaders' recoveries overlap after a leader change, and each read the call as
+        unreported before either wrote. Whether it was written."""
         at = self.clock()
+        first = "execution_started" if unless_started else "execution_finished"
 
         def op(tx: Tx) -> bool:
-            if unless_started:
+            if unless_started or unless_ended:
                 self._hold_request(tx, request_id)
                 if (
                     tx.one(
                         "SELECT 1 FROM approval_events WHERE request_id = ?"
-                        " AND event IN ('execution_started', 'execution_lost', 'execution_refused') LIMIT 1",
-                        (request_id,),
+                        " AND event IN (?, 'execution_lost', 'execution_refused') LIMIT 1",
+                        (request_id, first),
                     )
                     is not None
                 ):

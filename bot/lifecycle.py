@@ -220,13 +220,18 @@ class Lifecycle(ABC):
         claims); what to tell people and the lead is returned, not said."""
         replication = self.replication
         assert replication is not None
+        if claims and not replication.is_leader:
+            # The leader's sweep judged ``live``, then this replica stalled and lost the lease: the one leading
+            # now judges again (what replicas it judged gone may have come back since).
+            log.warning("app.recovery_skipped", replica=self.replica, reason="this replica no longer leads")
+            return Recovery([], []), []
         await self._executions_lost(live)
         interrupted, tell_lead = await self.executor.mark_interrupted(live)
         if interrupted:
             log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
         await self.swarm.recover_gone(live)
         if claims:
-            recovery = await replication.recover_gone(set(live))
+            recovery = await replication.recover_gone(set(live), leading=lambda: replication.is_leader)
         else:
             recovery = await self.service.recover(live, orphans=orphans)
         return recovery, tell_lead

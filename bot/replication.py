@@ -204,14 +204,17 @@ class Replication:
             self._seen.discard(name)
         return current | set(self._missing)
 
-    async def recover_gone(self, live: set[str]) -> Recovery:
+    async def recover_gone(self, live: set[str], *, leading: Callable[[], bool] | None = None) -> Recovery:
         """The approvals' part of recovery among replicas: what replicas not in ``live`` left behind.
 
         Their pending requests end cancelled (nobody waits for them any more; nothing ran), approved calls
         they never started are reported, and the posts and edits they had claimed are due at once instead
-        of when the claims run out.
+        of when the claims run out. ``leading``: asked before each write; once it says no, the rest is left to
+        the replica that leads now (the leader's sweep passes :attr:`is_leader`).
         """
-        recovery = await self.service.recover(live)
+        recovery = await self.service.recover(live, leading=leading)
+        if leading is not None and not leading():
+            return recovery
         released = 0
         if self.outbox is not None:
             released += await self.outbox.release_claims(live)

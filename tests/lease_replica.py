@@ -1,7 +1,8 @@
 """One replica competing for the leader lease, as its own OS process (``python -m tests.lease_replica DSN NAME``).
 
-Prints one JSON line per change on stdout — ``{"event": "acquired" | "lost" | "following", "t": <epoch>,
-"replica": NAME, ...}`` — and writes the lease's structlog events as JSON lines on stderr. Runs until killed.
+Prints one JSON line per change on stdout — ``{"event": "acquired" | "lost" | "following" | "woke", "t": <epoch>,
+"replica": NAME, ...}`` (``woke``: its loop ran again after more than a second, with whether it still believed it
+led) — and writes the lease's structlog events as JSON lines on stderr. Runs until killed.
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ async def main(dsn: str, replica: str) -> None:
     async with lease:
         say("started", replica, application_name=lease.application_name)
         state = lease.state
+        last = time.monotonic()
         while True:  # report each time it (re)joins as a follower; a tight poll of local state only
             await asyncio.sleep(0.05)
+            now = time.monotonic()
+            if now - last > 1.0:  # the process was stopped (SIGSTOP) or its loop stuck: what it believes on waking
+                say("woke", replica, leader=lease.is_leader, stalled=now - last)
+            last = now
             if lease.state != state:
                 state = lease.state
                 if state == "follower":

@@ -167,6 +167,45 @@ async def test_lease_waits_for_the_database_and_leads_once_it_answers(pg_server:
             pg_server.drop_database(name)
 
 
+async def test_a_leader_whose_backend_hangs_steps_down_and_one_leads_once_the_backend_runs_again(
+    pg_database: PgDatabase,
+) -> None:
+    """The leader's server process stops running (SIGSTOP: a backend hung in the kernel, say) with the lock
+    held. The server cannot end a session whose process does not run, so nobody can take the lock until it
+    runs again: the leader stops believing within its check and rejoins on a new session, never two lead at
+    once, and once the backend runs again (and sees its client gone) exactly one replica leads."""
+    seen = Seen()  # the default timing: a shorter one flaps on a loaded machine, and the test reads who leads
+    two: list[list[str]] = []
+
+    def one_at_most(*leases: LeaderLease) -> Callable[[], bool]:
+        def check() -> bool:
+            if len(leading(*leases)) > 1:
+                two.append(leading(*leases))
+            return False
+
+        return check
+
+    async with seen.lease(pg_database.dsn, "a") as a:
+        await asyncio.wait_for(a.wait_leader(), WAIT)
+        async with seen.lease(pg_database.dsn, "b") as b:
+            await until(lambda: b.state == "follower")
+            frozen = a.backend_pid
+            assert frozen is not None
+            os.kill(frozen, signal.SIGSTOP)
+            try:
+                await until(lambda: one_at_most(a, b)() or bool(seen.reasons("a")))
+                assert "within" in seen.reasons("a")[0]  # no answer: it stopped believing on its own
+                # it rejoins on a new session while the old one is still there, frozen, holding the lock
+                await until(
+                    lambda: one_at_most(a, b)() or (a.state == "follower" and a.backend_pid not in (None, frozen))
+                )
+                assert leading(a, b) == []
+            finally:
+                os.kill(frozen, signal.SIGCONT)
+            await until(lambda: one_at_most(a, b)() or len(leading(a, b)) == 1)
+    assert two == []
+
+
 # -- a partition: the old session stays open on the server ----------------------------------------
 
 
@@ -386,3 +425,33 @@ async def test_replica_processes_take_over_from_a_killed_or_cut_off_leader(
     lines = (replicas.logs / f"{cut}.log").read_text().splitlines()
     logged = [json.loads(line) for line in lines if line.startswith("{")]
     assert any(e.get("event") == "leader.lost" and "terminating connection" in e.get("reason", "") for e in logged)
+
+
+async def test_a_stopped_leader_process_is_replaced_and_does_not_lead_when_it_wakes(replicas: Replicas) -> None:
+    """A hung leader: the process lives but runs nothing (SIGSTOP, as a stuck event loop or a paused VM), its
+    session open and silent. The server drops the session, another replica leads within the promise, and the
+    stuck one, resumed, no longer believes it leads at its first look, before its lease task has run a check."""
+    for name in ("r1", "r2"):
+        await replicas.start(name)
+    at, first = await replicas.wait(is_("acquired"))
+    stuck = first["replica"]
+    other = next(name for name in replicas.procs if name != stuck)
+    await replicas.wait(is_("following", other))
+
+    stopped_at = time.time()
+    replicas.procs[stuck].send_signal(signal.SIGSTOP)
+    try:
+        at, second = await replicas.wait(is_("acquired"), after=at + 1)
+    finally:
+        replicas.procs[stuck].send_signal(signal.SIGCONT)
+    assert second["replica"] == other
+    print(f"takeover from a stopped leader process: {second['t'] - stopped_at:.2f} s")
+    assert second["t"] - stopped_at <= TAKEOVER_LIMIT
+
+    _, woke = await replicas.wait(is_("woke", stuck), after=at + 1)
+    assert woke["leader"] is False, woke  # its proof ran out while it was stopped
+    _, lost = await replicas.wait(is_("lost", stuck), after=at + 1)
+    assert "terminating connection" in lost["reason"] or "connection" in lost["reason"], lost
+    await replicas.wait(is_("following", stuck), after=at + 1)
+    # it rejoined as a follower: still one leader, the replica that took over
+    assert not any(e["event"] == "acquired" for e in replicas.events[at + 1 :])

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from kazma.adapters.bus import FanOutBus
 from kazma.adapters.contract import Handlers, Inbound, Press
@@ -25,6 +26,7 @@ from kazma.approvals import ApprovalService, ApprovalStore, Decision, PressResul
 from kazma.approvals.service import REPLICA_GONE
 from kazma.bot.replication import Replication
 from kazma.bot.store import pg_migrations
+from kazma.config.metrics import failure_count
 from kazma.config.store.leader import LeaseTiming
 from kazma.config.store.postgres import PgStore, open_pg_store
 from kazma.config.store.replicas import live_replicas
@@ -230,6 +232,55 @@ async def test_a_replica_whose_wake_ups_are_cut_finds_the_decision_when_it_recon
 
 async def _reconnected(replication: Replication, before: int) -> bool:
     return replication.listener.connects > before and replication.listener.connected
+
+
+async def test_a_decision_made_while_the_listener_is_down_reaches_its_waiter_once_it_is_back(dsn: str) -> None:
+    """The listener's backend is ended and it cannot reconnect until the decision is committed (its address,
+    for that while, is a server that hangs up at once): no NOTIFY can carry the decision. The drop is logged
+    and counted once; back, the replica's resync finds it (its waiter polls the store once a minute here),
+    and its next wake-ups come by NOTIFY again."""
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.transport.abort()
+
+    platforms = [MemoryPlatform("telegram")]
+    async with replica(dsn, "a", platforms) as a, replica(dsn, "b", platforms) as b:
+        first = await a.service.open("shell", {"command": "ls"}, "agent:b", "web:c")
+        second = await a.service.open("shell", {"command": "pwd"}, "agent:b", "web:c")
+        waiter = asyncio.create_task(a.service.wait(first.id))
+        listener = a.replication.listener
+        connects = listener.connects
+        counted = failure_count("store_listen")
+        refusing = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+        port = refusing.sockets[0].getsockname()[1]
+        with capture_logs() as logs:
+            try:
+                listener.conninfo = psycopg.conninfo.make_conninfo(dsn, host="127.0.0.1", port=port)
+                with psycopg.connect(dsn, autocommit=True) as admin:
+                    ended = admin.execute(
+                        "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+                        " WHERE application_name = %s AND datname = current_database()",
+                        ("kazma-listen a",),
+                    ).fetchall()
+                assert len(ended) == 1
+                await until(lambda: _true(not listener.connected and listener.problem is not None))
+                result = await b.service.decide(first.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
+                assert result.won
+                assert listener.connects == connects  # it was not listening when the decision was committed
+                assert not waiter.done()
+            finally:
+                listener.conninfo = dsn
+                refusing.close()
+            outcome = await asyncio.wait_for(waiter, timeout=15)  # poll_interval is 60 s: the resync found it
+            assert outcome.status is Status.APPROVED
+            await until(lambda: _reconnected(a.replication, connects))
+        assert failure_count("store_listen") == counted + 1  # one outage, counted once however many attempts
+        said = [e["event"] for e in logs if e["event"].startswith("store.listen_")]
+        assert said == ["store.listen_lost", "store.listen_resumed"]
+        # and heard again: a decision on b reaches a's next waiter by NOTIFY
+        waiter = asyncio.create_task(a.service.wait(second.id))
+        assert (await b.service.decide(second.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
+        assert (await asyncio.wait_for(waiter, timeout=15)).status is Status.DENIED
 
 
 def test_every_metric_sample_says_which_replica_served_it() -> None:

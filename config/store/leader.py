@@ -23,6 +23,11 @@ Two things make "exactly one at a time" hold and the takeover bounded:
 With the defaults (check 1.5 s, timeout 1 s, retry 0.5 s, server drop 3 s) the takeover after a
 leader is SIGKILLed or its backend is terminated takes about ``retry_interval + grace`` (≈ 4 s);
 after a silent partition at most :attr:`LeaseTiming.takeover_bound` (9 s).
+
+Not bounded: a lease *backend* that does not run (stopped, hung in the kernel) holds the lock until it
+runs again, since the server ends a session only through that session's own process (its idle timeout,
+a terminate signal). The leader steps down after a check it does not answer and rejoins on a new session;
+nobody leads meanwhile, and never two.
 """
 
 from __future__ import annotations
