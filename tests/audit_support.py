@@ -127,6 +127,11 @@ class Attacker:
             for sql, params in statements:
                 conn.execute(pyformat(sql) if self.engine.postgres else sql, params)
 
+    async def run_around(self, *statements: tuple[str, tuple[Any, ...]]) -> None:
+        """:meth:`run`, off the event loop: for a test whose loop runs a live Kazma, which may hold the store's
+        write lock across loop turns (a blocking write on the loop would wait for a commit that cannot come)."""
+        await asyncio.to_thread(self.run, *statements)
+
     def events(self) -> list[ChainedEvent]:
         with self._connection() as conn:
             rows = conn.execute(f"SELECT {EVENT_COLUMNS} FROM approval_events ORDER BY seq").fetchall()  # noqa: S608

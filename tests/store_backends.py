@@ -8,6 +8,7 @@ only what was committed.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager
@@ -85,10 +86,16 @@ def raw_rows(engine: Engine, sql: str, params: Iterable[Any] = ()) -> list[tuple
         raw.close()
 
 
-def rename_table(engine: Engine, old: str, new: str) -> None:
+async def rename_table(engine: Engine, old: str, new: str) -> None:
     """Rename a table on the store itself, through a connection of its own: a store's real error for whatever
-    reads or writes it meanwhile ("no such table", "relation does not exist"); renamed back, all is as it was."""
-    sql = f"ALTER TABLE {old} RENAME TO {new}"
+    reads or writes it meanwhile ("no such table", "relation does not exist"); renamed back, all is as it was.
+
+    Off the event loop: a live Kazma in this process may hold a lock on the store across loop turns, and a
+    blocking rename on the loop would wait for an end that cannot come ("database is locked", or for ever)."""
+    await asyncio.to_thread(_rename_table_now, engine, f"ALTER TABLE {old} RENAME TO {new}")
+
+
+def _rename_table_now(engine: Engine, sql: str) -> None:
     if engine.postgres:
         with psycopg.connect(engine.where, autocommit=True) as pg:
             pg.execute(sql.encode())  # two table names the test chose, no input

@@ -3,7 +3,6 @@ and the services the console is handed answering from the same parts the app run
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from kazma.engine.plan import PlanSpec, StepSpec
 from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.types import ModelReply
 from tests.approvals_support import ManualClock
+from tests.outside_writes import write_around
 
 PLAN_TOOLS = ["write_plan", "retry_step", "replace_steps", "skip_step", "abort_plan"]
 SWARM_TOOLS = ["dispatch_swarm", "check_swarm_task"]
@@ -177,10 +177,8 @@ async def test_a_failing_part_of_the_retention_sweep_is_counted_and_the_others_s
     app = await build_app(load_config_text(_config(tmp_path), environ={}), provider=ScriptedProvider([]), adapters=[])
     try:
         ended, _ = await _aged_parts(app, 91)
-        raw = sqlite3.connect(app.loaded.config.store.path)
-        raw.execute("ALTER TABLE conversation_titles RENAME TO titles_elsewhere")  # the transcript's delete fails
-        raw.commit()
-        raw.close()
+        # The transcript's delete fails.
+        await write_around(app.loaded.config.store.path, ["ALTER TABLE conversation_titles RENAME TO titles_elsewhere"])
         before = failure_count("retention")
         with capture_logs() as logs:
             await app.prune_kept()
@@ -208,16 +206,10 @@ async def test_the_claims_and_keys_sweeps_are_counted_when_they_fail_and_run_aga
         assert await app.api_keys.keep("ci", "key-1", "h", "req-1", expires_at=old)
         path = app.loaded.config.store.path
 
-        def rename(pairs: list[tuple[str, str]]) -> None:
-            raw = sqlite3.connect(path)
-            try:
-                for table, to in pairs:
-                    raw.execute(f"ALTER TABLE {table} RENAME TO {to}")
-                raw.commit()
-            finally:
-                raw.close()
+        async def rename(pairs: list[tuple[str, str]]) -> None:
+            await write_around(path, [f"ALTER TABLE {table} RENAME TO {to}" for table, to in pairs])
 
-        rename([("inbound_claims", "claims_elsewhere"), ("api_idempotency", "keys_elsewhere")])
+        await rename([("inbound_claims", "claims_elsewhere"), ("api_idempotency", "keys_elsewhere")])
         before = failure_count("retention")
         with capture_logs() as logs:
             await app.prune_kept()
@@ -226,7 +218,7 @@ async def test_the_claims_and_keys_sweeps_are_counted_when_they_fail_and_run_aga
         assert failed == [("inbound_claims", "warning"), ("api_keys", "warning")]
         assert await app.executor.store.load(ended) is None  # the other parts ran all the same
 
-        rename([("claims_elsewhere", "inbound_claims"), ("keys_elsewhere", "api_idempotency")])
+        await rename([("claims_elsewhere", "inbound_claims"), ("keys_elsewhere", "api_idempotency")])
         with capture_logs() as logs:
             await app.prune_kept()  # the next sweep: both go now
         assert failure_count("retention") == before + 2
@@ -249,13 +241,13 @@ async def test_a_failing_part_of_the_approvals_sweep_is_counted_and_the_others_s
         quiet = await app.service.open(
             "deploy", {"c": "quiet"}, "api:ci", "api:ci", durable=True, waits=Waits.POLLING, seen=True, deadline=3600
         )
-        raw = sqlite3.connect(app.loaded.config.store.path)
-        raw.execute(  # the store refuses every timeout (as a full disk would refuse the write)
-            "CREATE TRIGGER refuse_timeouts BEFORE UPDATE OF status ON approval_requests"
-            " WHEN NEW.status = 'timeout' BEGIN SELECT RAISE(ABORT, 'the store refused it'); END"
+        await write_around(  # the store refuses every timeout (as a full disk would refuse the write)
+            app.loaded.config.store.path,
+            [
+                "CREATE TRIGGER refuse_timeouts BEFORE UPDATE OF status ON approval_requests"
+                " WHEN NEW.status = 'timeout' BEGIN SELECT RAISE(ABORT, 'the store refused it'); END"
+            ],
         )
-        raw.commit()
-        raw.close()
         clock.advance(POLL_GRACE + 1)
         before = failure_count("approval_sweep")
         with capture_logs() as logs:

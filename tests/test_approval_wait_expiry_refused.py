@@ -28,9 +28,11 @@ async def test_a_timeout_the_store_refuses_at_the_deadline_is_written_once_it_ta
         try:
             request = await service.open("write_file", {"path": "a"}, "agent:builder", "discord:5", deadline=60)
             failed = failure_count("approval_wait")
-            holder = sqlite3.connect(path, isolation_level=None)
+            holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             try:
-                holder.execute("BEGIN IMMEDIATE")  # another process's write lock, held past the deadline
+                # Another process's write lock, held past the deadline; taken off the loop, which Kazma may need
+                # to end a transaction it holds.
+                await asyncio.to_thread(holder.execute, "BEGIN IMMEDIATE")
                 waiting = asyncio.create_task(service.wait(request.id))
                 clock.advance(61)
                 async with asyncio.timeout(30):

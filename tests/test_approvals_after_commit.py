@@ -140,7 +140,7 @@ class TableTakingPublisher(RecordingPublisher):
 
     async def publish(self, card: ApprovalCard) -> None:
         self.published.append(card)
-        rename_table(self.engine, "approval_requests", "approval_requests_away")
+        await rename_table(self.engine, "approval_requests", "approval_requests_away")
         raise RuntimeError("the card could not be built")
 
 
@@ -157,7 +157,7 @@ async def test_an_opening_whose_cancel_fails_too_is_cancelled_by_the_next_press_
             with pytest.raises(ApprovalRefused, match="could not be cancelled") as refused:
                 await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         finally:
-            rename_table(store_engine, "approval_requests_away", "approval_requests")
+            await rename_table(store_engine, "approval_requests_away", "approval_requests")
         [request] = await service.store.requests()
         assert request.status is Status.PENDING  # the store refused the cancel: it stands, nobody waits for it
         press = await service.decide_from_button(
@@ -181,7 +181,7 @@ async def test_an_opening_whose_cancel_fails_is_reported_at_the_next_start(store
             with pytest.raises(ApprovalRefused, match="could not be cancelled"):
                 await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         finally:
-            rename_table(store_engine, "approval_requests_away", "approval_requests")
+            await rename_table(store_engine, "approval_requests_away", "approval_requests")
     async with approval_service(store_engine.where, publisher=RecordingPublisher()) as restarted:
         recovery = await restarted.recover()
         [request] = recovery.cancelled

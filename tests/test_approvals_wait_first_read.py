@@ -30,14 +30,14 @@ async def test_a_waiter_whose_first_read_fails_reads_again_and_gets_the_decision
     async with approval_service(store_engine.where, publisher=publisher) as service:
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         failed = failure_count("approval_wait")
-        rename_table(store_engine, "approval_requests", "approval_requests_away")
+        await rename_table(store_engine, "approval_requests", "approval_requests_away")
         try:
             waiter = asyncio.create_task(service.wait(request.id))
             # it failed its first read, and then read again (and failed again): it did not give up
             await _until(lambda: failure_count("approval_wait") >= failed + 2 or waiter.done())
             assert not waiter.done(), f"the waiter gave up on its first failed read: {waiter.exception()!r}"
         finally:
-            rename_table(store_engine, "approval_requests_away", "approval_requests")
+            await rename_table(store_engine, "approval_requests_away", "approval_requests")
         press = await service.decide_from_button(
             button_data(request.id, Decision.APPROVE), actor="telegram:111", platform="telegram"
         )

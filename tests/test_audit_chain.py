@@ -285,7 +285,9 @@ async def test_a_checkpoint_signs_the_head_kazma_computed_and_a_row_changed_befo
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         assert (await service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
         [decided] = await store.events(request.id, event="decided")
-        Attacker(store_engine).run(("UPDATE approval_events SET detail = 'approved' WHERE seq = ?", (decided.seq,)))
+        await Attacker(store_engine).run_around(
+            ("UPDATE approval_events SET detail = 'approved' WHERE seq = ?", (decided.seq,))
+        )
         judged = await Checkpointer(store, TEST_SIGNER).sign()
         assert [(c.first_seq, c.seq) for c in judged.signed] == [(1, decided.seq)]
         events, checkpoints = await whole_log(service)
@@ -374,7 +376,7 @@ async def test_events_from_before_the_chain_are_chained_once_and_their_checkpoin
 async def test_rows_inserted_around_kazma_are_counted_and_never_signed(store_engine: Engine) -> None:
     async with services(store_engine, 1) as [service]:
         await service.open("shell", ARGS, "agent:builder", "telegram:-100")
-        Attacker(store_engine).run(
+        await Attacker(store_engine).run_around(
             (
                 "INSERT INTO approval_events (seq, request_id, event, actor, at) VALUES (2, NULL, 'decided', 'x', 1)",
                 (),

@@ -269,7 +269,7 @@ async def test_sqlite_appends_after_the_head_it_remembers_and_reads_the_head_whe
         )
         await service.decide(first.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
         assert heads == []  # decided: appended after the head it remembered, none read
-        Attacker(Engine("sqlite", str(path))).run(
+        await Attacker(Engine("sqlite", str(path))).run_around(
             ("INSERT INTO approval_events (seq, request_id, event, actor, at) VALUES (3, NULL, 'decided', 'x', 1)", ())
         )
         second = await service.open("shell", {"command": "deploy"}, "agent:builder", "telegram:-100")

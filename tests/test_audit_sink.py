@@ -232,7 +232,7 @@ async def test_a_file_sink_restarted_ahead_of_its_stored_position_writes_each_re
         assert delivered[0] == (await service.store.last_event_seq())
         # A crash after the file's fsync and before the position's write: the store says less was delivered,
         # and the last line was being written when the process died.
-        Attacker(store_engine).run(
+        await Attacker(store_engine).run_around(
             ("UPDATE audit_sink_positions SET event_seq = 2, checkpoint_seq = 0", ()),
         )
         with path.open("a", encoding="utf-8") as handle:
@@ -270,7 +270,9 @@ async def test_a_row_changed_around_kazma_into_what_it_never_writes_still_leaves
     async with kazma_store(store_engine) as (conn, service, checkpointer):
         await decisions(service, checkpointer, 2, tag="before")
         changed = (await service.store.chain_events(0, limit=100))[1].seq
-        Attacker(store_engine).run(("UPDATE approval_events SET at = 'yesterday' WHERE seq = ?", (changed,)))
+        await Attacker(store_engine).run_around(
+            ("UPDATE approval_events SET at = 'yesterday' WHERE seq = ?", (changed,))
+        )
         await decisions(service, checkpointer, 1, tag="after")
         sink = AuditSink.of(service.store, conn, config)
         await sink.start()
@@ -878,7 +880,7 @@ async def test_a_checkpoint_changed_into_what_kazma_never_writes_is_sunk_and_nam
     async with kazma_store(lite) as (conn, service, checkpointer):
         await decisions(service, checkpointer, 2, tag="one")
         signed = (await in_store(service.store))[1][0]
-        Attacker(lite).run(("UPDATE audit_checkpoints SET at = 'soon' WHERE seq = ?", (signed,)))
+        await Attacker(lite).run_around(("UPDATE audit_checkpoints SET at = 'soon' WHERE seq = ?", (signed,)))
         sink = AuditSink(service.store, SinkPositions(conn), FileTarget(path), name="file")
         await sink.start()
         await delivered_all(sink)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import sqlite3
 from pathlib import Path
 
 import aiohttp
@@ -20,6 +19,7 @@ from kazma.config import ConfigError, load_config_text
 from kazma.engine.model import ScriptStep
 from kazma.engine.plan import PlanOrigin, PlanSpec, StepSpec, StepStatus
 from kazma.engine.types import ModelReply
+from tests.outside_writes import write_around
 from tests.test_e2e_plans import call
 from tests.test_web_server import OPERATOR, READER, Console, _field, console, until
 
@@ -384,10 +384,10 @@ async def test_a_20000_character_call_is_approved_on_its_page_not_from_the_conso
 async def test_the_approval_page_of_a_changed_call_shows_none_of_it_and_offers_no_approve(tmp_path: Path) -> None:
     async with console(tmp_path) as con, con.client() as client:
         request = await con.open_approval({"command": "rm -rf /srv/data"})
-        with sqlite3.connect(tmp_path / "k.db") as raw:  # the text a person would read, changed; the hash kept
-            raw.execute(
-                "UPDATE approval_requests SET args_json = ? WHERE id = ?", ('{"command":"echo harmless"}', request.id)
-            )
+        await write_around(  # the text a person would read, changed; the hash kept
+            tmp_path / "k.db",
+            [("UPDATE approval_requests SET args_json = ? WHERE id = ?", ('{"command":"echo harmless"}', request.id))],
+        )
         await con.login(client, "alice", OPERATOR)
         response = await client.get(f"{con.base}/swarm?approval={request.id}")
         assert response.status == 200

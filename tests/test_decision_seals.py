@@ -44,6 +44,7 @@ from kazma.config.keyring import (
 from kazma.config.metrics import failure_count
 from kazma.config.store.postgres import pyformat
 from tests.approvals_support import APPROVERS_YAML, TEST_KEY, TEST_KEYRING, approval_service
+from tests.outside_writes import write_around
 from tests.process_support import REPO
 from tests.store_backends import Engine
 
@@ -59,28 +60,20 @@ async def forge(
 
     The write runs in a thread: a live Kazma may hold SQLite's write lock across event-loop turns, and a blocking
     connect on the loop would then wait for a commit that cannot come until it gives up ("database is locked")."""
-    await asyncio.to_thread(_forge_now, engine, list(statements), no_triggers=no_triggers)
-
-
-def _forge_now(engine: Engine, statements: list[tuple[str, tuple[Any, ...]]], *, no_triggers: bool) -> None:
     if engine.postgres:
-        with psycopg.connect(engine.where, autocommit=True) as pg:
-            if no_triggers:
-                pg.execute("ALTER TABLE approval_requests DISABLE TRIGGER USER")
-            for sql, params in statements:
-                pg.execute(pyformat(sql), params)
+        await asyncio.to_thread(_forge_on_postgres, engine.where, list(statements), no_triggers=no_triggers)
         return
-    lite = sqlite3.connect(engine.where)
-    try:
-        with lite:  # one committed transaction
-            if no_triggers:
-                lite.execute("DROP TRIGGER approval_requests_final")
-                lite.execute("DROP TRIGGER approval_requests_seal_final")
-                lite.execute("DROP TRIGGER approval_requests_person_final")
-            for sql, params in statements:
-                lite.execute(sql, params)
-    finally:
-        lite.close()
+    finals = ("approval_requests_final", "approval_requests_seal_final", "approval_requests_person_final")
+    drops = [f"DROP TRIGGER {name}" for name in finals] if no_triggers else []
+    await write_around(engine.where, [*drops, *statements])
+
+
+def _forge_on_postgres(dsn: str, statements: list[tuple[str, tuple[Any, ...]]], *, no_triggers: bool) -> None:
+    with psycopg.connect(dsn, autocommit=True) as pg:
+        if no_triggers:
+            pg.execute("ALTER TABLE approval_requests DISABLE TRIGGER USER")
+        for sql, params in statements:
+            pg.execute(pyformat(sql), params)
 
 
 def approve_by_hand(

@@ -22,6 +22,7 @@ from kazma.bot.store import all_migrations
 from kazma.config.store.database import open_database
 from tests.api_support import OTHER_TOKEN, REQUESTER_TOKEN, kazma_door
 from tests.approvals_support import RecordingPublisher
+from tests.outside_writes import write_around
 
 ASK: dict[str, Any] = {"tool": "git_push", "arguments": {"branch": "main"}, "reason": "release"}
 TWO = ", policies: {two: {approve: 2, approvers: [telegram:111, telegram:222]}}"
@@ -106,12 +107,19 @@ async def test_the_api_says_unverified_for_an_approval_whose_decided_row_is_gone
         request_id = opened.json()["id"]
         await door.app.service.decide(request_id, Decision.APPROVE, actor="telegram:111", platform="telegram")
         # Whoever can write the file: the audit's guard dropped, the decided row deleted.
-        with sqlite3.connect(tmp_path / "state" / "kazma.db") as raw:
-            for (name,) in raw.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'").fetchall():
-                if "event" in name:
-                    raw.execute(f'DROP TRIGGER "{name}"')
-            raw.execute("DELETE FROM approval_events WHERE request_id = ? AND event = 'decided'", (request_id,))
-        raw.close()
+        store = tmp_path / "state" / "kazma.db"
+        raw = sqlite3.connect(store)  # a read: it waits for no lock
+        try:
+            triggers = [name for (name,) in raw.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")]
+        finally:
+            raw.close()
+        await write_around(
+            store,
+            [
+                *(f'DROP TRIGGER "{name}"' for name in triggers if "event" in name),
+                ("DELETE FROM approval_events WHERE request_id = ? AND event = 'decided'", (request_id,)),
+            ],
+        )
         body = (await http.get(f"{door.url}/api/v1/approvals/{request_id}", headers=door.auth(), timeout=30)).json()
         assert body["status"] == "unverified", body
         assert "decided audit row" in body["reason"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from kazma.engine.swarm.store import MIGRATIONS, StoreUnavailable, SwarmTaskStor
 from kazma.engine.swarm.types import ErrorKind, Pattern, SwarmRefused, SwarmRequest, TaskStatus, WorkerResult
 from kazma.engine.types import Usage
 from tests.approvals_support import ManualClock, RecordingPublisher, approval_service
+from tests.outside_writes import write_around
 from tests.swarm_support import ScriptedWorker
 
 CONFIG = """
@@ -288,18 +288,21 @@ async def test_a_checkpoint_approved_in_the_store_not_by_a_press_ends_the_task(t
             while not r.publisher.published:
                 await asyncio.sleep(0.01)
         card = r.publisher.published[0]
-        with sqlite3.connect(tmp_path / "a.db") as raw:
-            raw.execute(
-                "UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:111',"
-                " decided_via = 'telegram', decided_at = 1 WHERE id = ?",
-                (card.request_id,),
-            )
-            raw.execute(
-                "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
-                " VALUES (?, 'decided', 'telegram:111', 'telegram', 1, ?, 'approved')",
-                (card.request_id, card.args_hash),
-            )
-        raw.close()
+        await write_around(
+            tmp_path / "a.db",
+            [
+                (
+                    "UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:111',"
+                    " decided_via = 'telegram', decided_at = 1 WHERE id = ?",
+                    (card.request_id,),
+                ),
+                (
+                    "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
+                    " VALUES (?, 'decided', 'telegram:111', 'telegram', 1, ?, 'approved')",
+                    (card.request_id, card.args_hash),
+                ),
+            ],
+        )
         assert await finished(r.service, task) is TaskStatus.CANCELLED
         assert r.workers["refiner"].seen == []
         async with asyncio.timeout(10):  # the reporter coalesces: the line arrives a moment later

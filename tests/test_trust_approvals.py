@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from kazma.approvals.service import RESTARTED
 from kazma.config import load_config_text
 from kazma.config.metrics import failure_count
 from tests.approvals_support import APPROVERS_YAML, RecordingPublisher, approval_service
+from tests.outside_writes import write_around
 from tests.test_web_server import console, until
 
 ARGS = {"command": "deploy --prod"}
@@ -22,12 +22,16 @@ async def test_a_row_forged_to_approved_without_its_audit_does_not_run(tmp_path:
     async with approval_service(tmp_path / "k.db") as service:
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
         # What one approved shell command could do to the file if it could reach it: approve in SQL.
-        with sqlite3.connect(tmp_path / "k.db") as raw:
-            raw.execute(
-                "UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:111',"
-                " decided_via = 'telegram', decided_at = 1 WHERE id = ?",
-                (request.id,),
-            )
+        await write_around(
+            tmp_path / "k.db",
+            [
+                (
+                    "UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:111',"
+                    " decided_via = 'telegram', decided_at = 1 WHERE id = ?",
+                    (request.id,),
+                )
+            ],
+        )
         before = failure_count("approval_forged")
         with pytest.raises(ExecutionMismatch, match="carries no decision seal"):
             await service.verify_execution(request.id, "shell", ARGS)
@@ -38,17 +42,21 @@ async def test_a_row_forged_to_approved_without_its_audit_does_not_run(tmp_path:
 async def test_a_forged_approval_with_a_forged_audit_row_by_a_non_approver_does_not_run(tmp_path: Path) -> None:
     async with approval_service(tmp_path / "k.db") as service:
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
-        with sqlite3.connect(tmp_path / "k.db") as raw:  # the row and an audit row, both written by hand
-            raw.execute(
-                "UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:999',"
-                " decided_via = 'telegram', decided_at = 1 WHERE id = ?",
-                (request.id,),
-            )
-            raw.execute(
-                "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash)"
-                " VALUES (?, 'decided', 'telegram:999', 'telegram', 1, ?)",
-                (request.id, request.args_hash),
-            )
+        await write_around(  # the row and an audit row, both written by hand
+            tmp_path / "k.db",
+            [
+                (
+                    "UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:999',"
+                    " decided_via = 'telegram', decided_at = 1 WHERE id = ?",
+                    (request.id,),
+                ),
+                (
+                    "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash)"
+                    " VALUES (?, 'decided', 'telegram:999', 'telegram', 1, ?)",
+                    (request.id, request.args_hash),
+                ),
+            ],
+        )
         before = failure_count("approval_forged")
         with pytest.raises(ExecutionMismatch, match="carries no decision seal"):
             await service.verify_execution(request.id, "shell", ARGS)
@@ -60,10 +68,10 @@ async def test_an_approval_of_a_stored_call_changed_after_it_was_opened_does_not
     # holds still hashes to the approved hash, but what the person read was not it.
     async with approval_service(tmp_path / "k.db") as service:
         request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
-        with sqlite3.connect(tmp_path / "k.db") as raw:
-            raw.execute(
-                "UPDATE approval_requests SET args_json = ? WHERE id = ?", ('{"command":"echo harmless"}', request.id)
-            )
+        await write_around(
+            tmp_path / "k.db",
+            [("UPDATE approval_requests SET args_json = ? WHERE id = ?", ('{"command":"echo harmless"}', request.id))],
+        )
         won = await service.decide(request.id, Decision.APPROVE, actor="cli:ops", platform="cli")
         assert won.verdict is PressVerdict.WON
         before = failure_count("approval_forged")
@@ -82,12 +90,16 @@ async def test_the_policy_refuses_a_forged_approval_a_waiter_sees(tmp_path: Path
         check = asyncio.create_task(policy.check("shell", ARGS, requested_by="agent:b", conversation="telegram:-1"))
         while not publisher.published:
             await asyncio.sleep(0)
-        with sqlite3.connect(tmp_path / "k.db") as raw:
-            raw.execute(
-                "UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:111',"
-                " decided_via = 'telegram', decided_at = 1 WHERE id = ?",
-                (publisher.published[0].request_id,),
-            )
+        await write_around(
+            tmp_path / "k.db",
+            [
+                (
+                    "UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:111',"
+                    " decided_via = 'telegram', decided_at = 1 WHERE id = ?",
+                    (publisher.published[0].request_id,),
+                )
+            ],
+        )
         verdict = await asyncio.wait_for(check, timeout=10)
         assert not verdict.allowed
         assert "carries no decision seal" in verdict.reason
@@ -213,10 +225,10 @@ async def test_the_bus_posts_no_card_for_a_row_changed_before_its_post_and_ends_
         async with approval_service(tmp_path / "k.db", publisher=publisher) as other:
             honest = await other.open("shell", {"command": "ls"}, "agent:builder", "web:console")
             changed = await other.open("shell", {"command": "ls"}, "agent:builder", "web:console")
-        with sqlite3.connect(tmp_path / "k.db") as raw:  # what runs is changed, the hash people see is kept
-            raw.execute(
-                "UPDATE approval_requests SET args_json = ? WHERE id = ?", ('{"command":"rm -rf ~"}', changed.id)
-            )
+        await write_around(  # what runs is changed, the hash people see is kept
+            tmp_path / "k.db",
+            [("UPDATE approval_requests SET args_json = ? WHERE id = ?", ('{"command":"rm -rf ~"}', changed.id))],
+        )
         before = failure_count("card_integrity")
         for card in publisher.published:
             await con.app.bus.publish(card)

@@ -96,7 +96,7 @@ async def test_a_forged_event_before_a_decision_is_never_signed_by_the_decisions
         forged = opened.seq + 1
         digest = event_hash(opened.chain_hash or "", request.id, "decided", "telegram:111", "telegram",
                             opened.at + 1, None, "approved")  # fmt: skip
-        Attacker(Engine("sqlite", str(path))).run(
+        await Attacker(Engine("sqlite", str(path))).run_around(
             (
                 "INSERT INTO approval_events (seq, request_id, event, actor, platform, at, detail, prev_hash,"
                 " chain_hash) VALUES (?, ?, 'decided', 'telegram:111', 'telegram', ?, 'approved', ?, ?)",
