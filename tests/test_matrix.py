@@ -347,6 +347,26 @@ async def test_a_press_whose_card_the_homeserver_failed_to_show_once_is_taken_wh
     assert failure_count("sync", "matrix") == before + 1  # the batch failed once and came again
 
 
+async def test_a_card_read_the_homeserver_never_answers_is_given_up_and_read_again_with_the_batch(
+    harness: MatrixHarness,
+) -> None:
+    # The homeserver takes the card read's connection and says nothing: the read waited for ever, and the sync with
+    # it, so this press and every later message and press were never taken in. Silence now ends the read after the
+    # request timeout, a failure like a 5xx: the batch comes again and the press is taken.
+    first = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await first.post_card(card)
+    await first.stop()
+    await harness.start(request_timeout=1.0)  # a new process: it must read the card to know what ✅ means
+    before = failure_count("sync", "matrix")
+    harness.proxy.fail("GET", r"/rooms/[^/]+/event/", None, times=1)
+    await harness.press(ref, card.button_data(Decision.APPROVE), harness.admin)
+    [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses, timeout=60)
+    assert press.data == card.button_data(Decision.APPROVE)
+    assert harness.proxy.count("GET", r"/rooms/[^/]+/event/") == 2
+    assert failure_count("sync", "matrix") == before + 1  # said and counted as the sync's failure, then tried again
+
+
 async def test_a_card_the_homeserver_never_shows_holds_the_sync_for_a_bounded_number_of_tries(
     harness: MatrixHarness,
 ) -> None:

@@ -40,7 +40,7 @@ from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.contract import CardRef, Handlers, PlatformError, Press
 from kazma.adapters.deny_reason import REPLY_WINDOW_SECONDS, deny_data, reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
-from kazma.adapters.matrix.client import close_client, make_client
+from kazma.adapters.matrix.client import close_client, long_poll, make_client
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE, PLATFORM, classify
 from kazma.adapters.matrix.inbound import Reaction, normalise, reaction_of, reply_target, without_reply_fallback
 from kazma.adapters.matrix.position import Position, SyncPosition
@@ -270,8 +270,10 @@ class MatrixAdapter(PlatformBase):
         query = {"timeout": str(int(timeout * 1000)), "filter": SYNC_FILTER}
         if since:
             query["since"] = since
+        # The long poll is silent until something happens: bounded here, not by the transport's silence limit.
         async with asyncio.timeout(timeout + self.request_timeout):
-            answer = await client.api.request(Method.GET, Path.v3.sync, query_params=query, retry_count=0)
+            with long_poll():
+                answer = await client.api.request(Method.GET, Path.v3.sync, query_params=query, retry_count=0)
         return dict(answer)
 
     async def _sync_loop(self, client: ClientAPI, kept: Position, first: dict[str, Any] | None = None) -> None:
