@@ -5,6 +5,7 @@ and ``kazma doctor``."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from urllib.parse import quote
@@ -718,6 +719,44 @@ async def test_an_upgraded_room_is_served_as_its_replacement(harness: MatrixHarn
         e["content"].get("body") for e in events if e.get("sender") == bot.user_id and e["type"] == "m.room.message"
     ]
     assert said == ["sent to the old room's id"]
+
+
+async def test_the_outcome_shown_again_over_a_progress_edit_is_a_new_edit(harness: MatrixHarness) -> None:
+    # The bus shows the outcome again when a progress edit (another replica's, in flight at the decision) landed
+    # over it. The edit's transaction id was made of its words alone, so the homeserver answered the second settle
+    # with the first one's event and added nothing: the decided card went on showing the progress and its buttons.
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    outcome = outcome_of(card)
+    await adapter.settle_card(ref, card, outcome)
+    await adapter.update_card(ref, dataclasses.replace(card, progress="1 of 2 approvals"))
+    assert harness.card(ref).buttons != []  # the progress edit landed over the outcome
+    await adapter.settle_card(ref, card, outcome)
+    shown = harness.card(ref)
+    assert shown.buttons == []
+    assert shown.text.startswith("APPROVED by telegram:111")
+
+
+async def test_a_settle_repeated_is_one_edit_and_a_look_alike_edit_by_someone_else_is_not_the_bots(
+    harness: MatrixHarness,
+) -> None:
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    outcome = outcome_of(card)
+    # Someone relates an "edit" to the bot's card saying what its settle will say; clients show only the sender's
+    # own edits, so it must not pass for the bot's (and spare the settle).
+    laid = render_card(card, outcome=outcome)
+    forged = edit_content(laid.written, laid.view, ref.message_id)
+    await asyncio.to_thread(harness.people[harness.member].send, ref.chat, forged)
+    await adapter.settle_card(ref, card, outcome)
+    await adapter.settle_card(ref, card, outcome)  # repeated (a restart, a lost answer): nothing new on the room
+    edits = await asyncio.to_thread(harness.people[harness.admin].request, "GET",
+        f"/_matrix/client/v1/rooms/{quote(ref.chat)}/relations/{quote(ref.message_id)}/m.replace")  # fmt: skip
+    senders = sorted(e["sender"] for e in edits["chunk"])
+    assert senders == sorted([harness.bot.user_id, harness.member])
+    assert harness.card(ref).buttons == []
 
 
 # --------------------------------------------------------------------------- cards at their budget

@@ -100,6 +100,8 @@ CARD_READ_TRIES: Final = 8
 # The same bound for the join of an upgraded room's replacement that fails with a 5xx or no answer (its only server
 # down: "Failed to make_join via any server"): then the tombstone is passed by, counted, and the bot joins at an invite.
 UPGRADE_JOIN_TRIES: Final = 8
+# How many of a card's newest edits are read before editing it, to find the bot's own among any others'.
+EDITS_PAGE: Final = 50
 
 
 class _Tries:
@@ -758,10 +760,32 @@ class MatrixAdapter(PlatformBase):
         client = self._api(site)
         written: MatrixCard = laid.written
         content = edit_content(written, laid.view, ref.message_id)
-        # The same edit twice is one transaction: a settle repeated after a restart is one edit on the room.
-        txn = f"kazma-edit-{_short(ref.message_id)}-{_short(json.dumps(content['m.new_content'], sort_keys=True))}"
+        newest = await self.call(site, ref.chat, lambda: self._newest_edit(client, ref), paced=False)
+        if newest is not None and newest[1] == content["m.new_content"]:
+            return False  # shows this already: a settle repeated (after a lost answer, a restart) edits nothing
+        # The transaction names what the edit goes over as well as what it says: the same edit tried again (its
+        # answer lost) is one event, yet the same words again over another edit (the outcome again after a
+        # progress edit landed on it) are a new edit. Named by its words alone, the homeserver answered that
+        # one with the first settle's event and the card went on showing the progress, with its buttons.
+        over = "unknown" if newest is None else newest[0]
+        words = _short(json.dumps(content["m.new_content"], sort_keys=True))
+        txn = f"kazma-edit-{_short(ref.message_id)}-{words}-{_short(over)}"
         await self.call(site, ref.chat, lambda: self._send(client, ref.chat, content, txn=txn))
         return True
+
+    async def _newest_edit(self, client: ClientAPI, ref: CardRef) -> tuple[str, dict[str, Any]] | None:
+        """The card's newest edit by the bot (its id and what it shows), ``("", {})`` when it has none; None when
+        that cannot be told (more edits by others than one page holds: anyone may relate an edit to any event,
+        and clients show only the sender's own)."""
+        path = Path.v1.rooms[RoomID(ref.chat)].relations[ref.message_id]["m.replace"]
+        query = {"dir": "b", "limit": str(EDITS_PAGE)}
+        answer = await client.api.request(Method.GET, path, query_params=query)
+        chunk = [e for e in answer.get("chunk") or [] if isinstance(e, dict)]
+        for event in chunk:
+            shown = (event.get("content") or {}).get("m.new_content")
+            if event.get("sender") == self.user_id and isinstance(shown, dict):
+                return str(event.get("event_id", "")), shown
+        return None if answer.get("next_batch") else ("", {})
 
 
 @dataclass
