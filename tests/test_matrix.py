@@ -495,6 +495,44 @@ async def test_the_bot_joins_a_direct_room_only_from_someone_dm_policy_allows(ha
     assert allowed in direct[harness.admin]  # kept with the account, as clients keep direct rooms
 
 
+DIRECT_LIST = r"/account_data/m\.direct$"
+
+
+async def test_a_direct_room_list_the_homeserver_fails_to_show_is_never_taken_for_an_empty_one(
+    harness: MatrixHarness,
+) -> None:
+    # A 5xx on reading m.direct was taken for "no direct rooms yet": a DM card opened a second room with the
+    # person, and the list written back held that one room alone, every other person's direct room lost.
+    adapter = await harness.start()
+    assert isinstance(adapter, MatrixAdapter)
+    kept = await asyncio.to_thread(harness.bot.account_data, "m.direct")
+    assert kept is not None
+    try:
+        harness.proxy.fail("GET", DIRECT_LIST, 500, times=2)
+        for _ in range(2):
+            with pytest.raises(PlatformError) as failed:
+                await adapter.direct_chat(harness.admin)
+            assert failed.value.retryable  # the card's post is tried again
+        assert await adapter.direct_chat(harness.admin) == harness.direct[harness.admin]
+        assert await asyncio.to_thread(harness.bot.account_data, "m.direct") == kept
+    finally:
+        await asyncio.to_thread(harness.bot.set_account_data, "m.direct", kept)
+
+
+async def test_direct_rooms_the_start_failed_to_read_are_read_before_the_sync_takes_anything_in(
+    harness: MatrixHarness,
+) -> None:
+    # Unread at the start, every direct room was a group room to this process: a person's DM went unanswered.
+    harness.proxy.fail("GET", DIRECT_LIST, 500, times=2)
+    before = failure_count("direct", "matrix")
+    await harness.start(direct=DirectPolicy.of([f"matrix:{harness.admin}"], ()))
+    assert failure_count("direct", "matrix") == before + 1  # said and counted at the start
+    room = await harness.say_direct(harness.admin, "hello in private")
+    [inbound] = await harness.recorder.wait_until(lambda: harness.recorder.inbound, timeout=30)
+    assert (inbound.chat, inbound.direct, inbound.text) == (room, True, "hello in private")
+    assert harness.proxy.count("GET", DIRECT_LIST) == 3  # at the start, before the first batch, then read
+
+
 async def joined_rooms(harness: MatrixHarness) -> list[str]:
     answer = await asyncio.to_thread(harness.bot.request, "GET", "/_matrix/client/v3/joined_rooms")
     return list(answer["joined_rooms"])
