@@ -18,6 +18,7 @@ a server that is installed but fails to start fails the test, with the end of it
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import base64
 import contextlib
@@ -374,7 +375,7 @@ def synapse() -> Synapse:
 class _Fault:
     method: str
     pattern: re.Pattern[str]
-    status: int
+    status: int | None  # None: no answer at all (the request is held until the proxy stops)
     retry_after_ms: int
     times: int
     after: bool  # the request reaches Synapse first, then its answer is lost (replaced by the fault)
@@ -382,7 +383,8 @@ class _Fault:
 
 class FaultProxy:
     """Passes every request through to Synapse, except the next ``times`` matching ones, answered with a 429
-    (``retry_after_ms``, as Synapse words it) or a 5xx. Counts the requests that matched each pattern asked."""
+    (``retry_after_ms``, as Synapse words it) or a 5xx, or not answered at all (``status=None``: a homeserver
+    that took the connection and went quiet). Counts the requests that matched each pattern asked."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
@@ -390,12 +392,13 @@ class FaultProxy:
         self.seen: list[tuple[str, str]] = []  # (method, path) of every request, in order
         self._runner: web.AppRunner | None = None
         self._client: httpx.AsyncClient | None = None
+        self._stopping = asyncio.Event()  # releases the requests held unanswered
         self.url = ""
 
-    def fail(self, method: str, pattern: str, status: int, *, times: int = 1, retry_after_ms: int = 1000,
+    def fail(self, method: str, pattern: str, status: int | None, *, times: int = 1, retry_after_ms: int = 1000,
              after: bool = False) -> None:  # fmt: skip
-        """The next ``times`` matching requests are answered ``status``; ``after``: each is forwarded first (it
-        takes effect on the homeserver) and only its answer is lost."""
+        """The next ``times`` matching requests are answered ``status`` (None: never answered); ``after``: each is
+        forwarded first (it takes effect on the homeserver) and only its answer is lost."""
         self.faults.append(_Fault(method, re.compile(pattern), status, retry_after_ms, times, after))
 
     def count(self, method: str, pattern: str) -> int:
@@ -410,6 +413,9 @@ class FaultProxy:
                 fault.times -= 1
                 if fault.after:
                     await self._forward(request)
+                if fault.status is None:
+                    await self._stopping.wait()
+                    raise web.HTTPServiceUnavailable()
                 if fault.status == 429:
                     body = {"errcode": "M_LIMIT_EXCEEDED", "error": "Too Many Requests",
                             "retry_after_ms": fault.retry_after_ms}  # fmt: skip
@@ -439,6 +445,7 @@ class FaultProxy:
         self.url = f"http://127.0.0.1:{port}"
 
     async def stop(self) -> None:
+        self._stopping.set()
         if self._runner is not None:
             await self._runner.cleanup()
         if self._client is not None:

@@ -5,6 +5,7 @@ and ``kazma doctor``."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from urllib.parse import quote
@@ -347,6 +348,26 @@ async def test_a_press_whose_card_the_homeserver_failed_to_show_once_is_taken_wh
     assert failure_count("sync", "matrix") == before + 1  # the batch failed once and came again
 
 
+async def test_a_card_read_the_homeserver_never_answers_is_given_up_and_read_again_with_the_batch(
+    harness: MatrixHarness,
+) -> None:
+    # The homeserver takes the card read's connection and says nothing: the read waited for ever, and the sync with
+    # it, so this press and every later message and press were never taken in. Silence now ends the read after the
+    # request timeout, a failure like a 5xx: the batch comes again and the press is taken.
+    first = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await first.post_card(card)
+    await first.stop()
+    await harness.start(request_timeout=1.0)  # a new process: it must read the card to know what ✅ means
+    before = failure_count("sync", "matrix")
+    harness.proxy.fail("GET", r"/rooms/[^/]+/event/", None, times=1)
+    await harness.press(ref, card.button_data(Decision.APPROVE), harness.admin)
+    [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses, timeout=60)
+    assert press.data == card.button_data(Decision.APPROVE)
+    assert harness.proxy.count("GET", r"/rooms/[^/]+/event/") == 2
+    assert failure_count("sync", "matrix") == before + 1  # said and counted as the sync's failure, then tried again
+
+
 async def test_a_card_the_homeserver_never_shows_holds_the_sync_for_a_bounded_number_of_tries(
     harness: MatrixHarness,
 ) -> None:
@@ -472,6 +493,44 @@ async def test_the_bot_joins_a_direct_room_only_from_someone_dm_policy_allows(ha
     direct = await asyncio.to_thread(harness.bot.account_data, "m.direct")
     assert direct is not None
     assert allowed in direct[harness.admin]  # kept with the account, as clients keep direct rooms
+
+
+DIRECT_LIST = r"/account_data/m\.direct$"
+
+
+async def test_a_direct_room_list_the_homeserver_fails_to_show_is_never_taken_for_an_empty_one(
+    harness: MatrixHarness,
+) -> None:
+    # A 5xx on reading m.direct was taken for "no direct rooms yet": a DM card opened a second room with the
+    # person, and the list written back held that one room alone, every other person's direct room lost.
+    adapter = await harness.start()
+    assert isinstance(adapter, MatrixAdapter)
+    kept = await asyncio.to_thread(harness.bot.account_data, "m.direct")
+    assert kept is not None
+    try:
+        harness.proxy.fail("GET", DIRECT_LIST, 500, times=2)
+        for _ in range(2):
+            with pytest.raises(PlatformError) as failed:
+                await adapter.direct_chat(harness.admin)
+            assert failed.value.retryable  # the card's post is tried again
+        assert await adapter.direct_chat(harness.admin) == harness.direct[harness.admin]
+        assert await asyncio.to_thread(harness.bot.account_data, "m.direct") == kept
+    finally:
+        await asyncio.to_thread(harness.bot.set_account_data, "m.direct", kept)
+
+
+async def test_direct_rooms_the_start_failed_to_read_are_read_before_the_sync_takes_anything_in(
+    harness: MatrixHarness,
+) -> None:
+    # Unread at the start, every direct room was a group room to this process: a person's DM went unanswered.
+    harness.proxy.fail("GET", DIRECT_LIST, 500, times=2)
+    before = failure_count("direct", "matrix")
+    await harness.start(direct=DirectPolicy.of([f"matrix:{harness.admin}"], ()))
+    assert failure_count("direct", "matrix") == before + 1  # said and counted at the start
+    room = await harness.say_direct(harness.admin, "hello in private")
+    [inbound] = await harness.recorder.wait_until(lambda: harness.recorder.inbound, timeout=30)
+    assert (inbound.chat, inbound.direct, inbound.text) == (room, True, "hello in private")
+    assert harness.proxy.count("GET", DIRECT_LIST) == 3  # at the start, before the first batch, then read
 
 
 async def joined_rooms(harness: MatrixHarness) -> list[str]:
@@ -698,6 +757,44 @@ async def test_an_upgraded_room_is_served_as_its_replacement(harness: MatrixHarn
         e["content"].get("body") for e in events if e.get("sender") == bot.user_id and e["type"] == "m.room.message"
     ]
     assert said == ["sent to the old room's id"]
+
+
+async def test_the_outcome_shown_again_over_a_progress_edit_is_a_new_edit(harness: MatrixHarness) -> None:
+    # The bus shows the outcome again when a progress edit (another replica's, in flight at the decision) landed
+    # over it. The edit's transaction id was made of its words alone, so the homeserver answered the second settle
+    # with the first one's event and added nothing: the decided card went on showing the progress and its buttons.
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    outcome = outcome_of(card)
+    await adapter.settle_card(ref, card, outcome)
+    await adapter.update_card(ref, dataclasses.replace(card, progress="1 of 2 approvals"))
+    assert harness.card(ref).buttons != []  # the progress edit landed over the outcome
+    await adapter.settle_card(ref, card, outcome)
+    shown = harness.card(ref)
+    assert shown.buttons == []
+    assert shown.text.startswith("APPROVED by telegram:111")
+
+
+async def test_a_settle_repeated_is_one_edit_and_a_look_alike_edit_by_someone_else_is_not_the_bots(
+    harness: MatrixHarness,
+) -> None:
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    outcome = outcome_of(card)
+    # Someone relates an "edit" to the bot's card saying what its settle will say; clients show only the sender's
+    # own edits, so it must not pass for the bot's (and spare the settle).
+    laid = render_card(card, outcome=outcome)
+    forged = edit_content(laid.written, laid.view, ref.message_id)
+    await asyncio.to_thread(harness.people[harness.member].send, ref.chat, forged)
+    await adapter.settle_card(ref, card, outcome)
+    await adapter.settle_card(ref, card, outcome)  # repeated (a restart, a lost answer): nothing new on the room
+    edits = await asyncio.to_thread(harness.people[harness.admin].request, "GET",
+        f"/_matrix/client/v1/rooms/{quote(ref.chat)}/relations/{quote(ref.message_id)}/m.replace")  # fmt: skip
+    senders = sorted(e["sender"] for e in edits["chunk"])
+    assert senders == sorted([harness.bot.user_id, harness.member])
+    assert harness.card(ref).buttons == []
 
 
 # --------------------------------------------------------------------------- cards at their budget

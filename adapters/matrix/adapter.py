@@ -34,13 +34,14 @@ from urllib.parse import quote
 import structlog
 from mautrix.api import Method, Path
 from mautrix.client import ClientAPI
+from mautrix.errors import MNotFound
 from mautrix.types import RoomCreatePreset, RoomID, UserID
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.contract import CardRef, Handlers, PlatformError, Press
 from kazma.adapters.deny_reason import REPLY_WINDOW_SECONDS, deny_data, reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
-from kazma.adapters.matrix.client import close_client, make_client
+from kazma.adapters.matrix.client import close_client, long_poll, make_client
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE, PLATFORM, classify
 from kazma.adapters.matrix.inbound import Reaction, normalise, reaction_of, reply_target, without_reply_fallback
 from kazma.adapters.matrix.position import Position, SyncPosition
@@ -100,6 +101,8 @@ CARD_READ_TRIES: Final = 8
 # The same bound for the join of an upgraded room's replacement that fails with a 5xx or no answer (its only server
 # down: "Failed to make_join via any server"): then the tombstone is passed by, counted, and the bot joins at an invite.
 UPGRADE_JOIN_TRIES: Final = 8
+# How many of a card's newest edits are read before editing it, to find the bot's own among any others'.
+EDITS_PAGE: Final = 50
 
 
 class _Tries:
@@ -166,6 +169,7 @@ class MatrixAdapter(PlatformBase):
         self._client: ClientAPI | None = None
         self.user_id = ""
         self._direct: set[str] = set()  # rooms that are direct chats of the bot's account (m.direct)
+        self._direct_known = False  # whether m.direct was read (see _load_direct)
         self._choices: dict[str, dict[str, str]] = {}  # the bot's own events with choices: key -> data
         self._reasons: dict[str, tuple[str, str, str, float]] = {}  # prompt event -> (user, data, card, until)
         self._taking: dict[str, _Taking] = {}  # presses handed over, by key: the sync waits for their decision
@@ -175,6 +179,7 @@ class MatrixAdapter(PlatformBase):
         self._syncing: asyncio.Task[None] | None = None
         self._stop_sync = asyncio.Event()
         self._opening_direct = asyncio.Lock()  # two cards for one person at once open one direct room
+        self._opened: dict[str, list[str]] = {}  # direct rooms this process opened, by person (see direct_chat)
 
     def classify(self, site: str, exc: BaseException) -> PlatformError:
         return classify(site, exc, timeout=self.request_timeout)
@@ -209,9 +214,10 @@ class MatrixAdapter(PlatformBase):
                 f"the access token is {self.user_id}'s, not {self.config.user_id}'s (platforms.matrix.user_id)",
             )
         self._position = SyncPosition(client)
-        with contextlib.suppress(Exception):  # no direct rooms yet: the account data does not exist
-            direct = await client.get_account_data(DIRECT_TYPE)
-            self._direct = {str(room) for rooms in dict(direct).values() for room in rooms}
+        try:
+            await self._load_direct(client)
+        except Exception as exc:  # read before the sync takes anything in (see _take)
+            self.failed("direct", None, self.classify("direct", exc))
         log.info("matrix.connected", user=self.user_id, rooms=sorted(self.served.chats))
 
     async def _open_ingress(self) -> None:
@@ -270,8 +276,10 @@ class MatrixAdapter(PlatformBase):
         query = {"timeout": str(int(timeout * 1000)), "filter": SYNC_FILTER}
         if since:
             query["since"] = since
+        # The long poll is silent until something happens: bounded here, not by the transport's silence limit.
         async with asyncio.timeout(timeout + self.request_timeout):
-            answer = await client.api.request(Method.GET, Path.v3.sync, query_params=query, retry_count=0)
+            with long_poll():
+                answer = await client.api.request(Method.GET, Path.v3.sync, query_params=query, retry_count=0)
         return dict(answer)
 
     async def _sync_loop(self, client: ClientAPI, kept: Position, first: dict[str, Any] | None = None) -> None:
@@ -352,6 +360,8 @@ class MatrixAdapter(PlatformBase):
         records it. Stopped part-way, the marks are kept and the rest of the batch comes at the next start."""
         position = self._position
         assert position is not None
+        if not self._direct_known:  # else a direct room's messages would be taken for a group room's: raises
+            await self._load_direct(self._api("direct"))
         await self._invites(batch)
         for room, events in _timelines(batch, self.user_id):
             for event in self._kept.after(room, events):
@@ -405,31 +415,39 @@ class MatrixAdapter(PlatformBase):
     def _joiner(client: ClientAPI, room: str) -> Callable[[], Awaitable[RoomID]]:
         return lambda: client.join_room_by_id(RoomID(room))
 
+    async def _load_direct(self, client: ClientAPI) -> None:
+        """Which rooms are direct chats (``m.direct``). Unread at the start (a 5xx, no answer), every direct room
+        would have been taken for a group room until the next start: it is read again before each batch."""
+        direct = await _direct_rooms(client)
+        self._direct |= {str(room) for rooms in direct.values() for room in rooms}
+        self._direct_known = True
+
     async def direct_chat(self, user: str) -> str:
         """The bot's direct room with ``user`` (a policy's DM card): the first one the account's ``m.direct``
         names for them, else a new private room with them invited, recorded there so every client and the next
         card find the same one."""
         client = self._api("card_dm")
         async with self._opening_direct:
-            current: dict[str, Any] = {}
-            with contextlib.suppress(Exception):  # no direct rooms yet: the account data does not exist
-                current = dict(await client.get_account_data(DIRECT_TYPE))
-            known = [str(room) for room in current.get(user, [])]
+            # A list that cannot be read fails the card's post (tried again): taken for "no direct rooms", it
+            # opened a second room with the person each time, and the list written back lost everyone else's.
+            current = await self.call("card_dm", None, lambda: _direct_rooms(client), paced=False)
+            known = [str(room) for room in current.get(user, [])] or self._opened.get(user, [])
             if known:
                 return known[0]
             room = await self.call("card_dm", None, lambda: client.create_room(
                 preset=RoomCreatePreset.TRUSTED_PRIVATE, is_direct=True, invitees=[UserID(user)]
             ))  # fmt: skip
+            self._opened[user] = [str(room)]  # the next card finds it even if the list below is not written
             await self._remember_direct(client, user, str(room))
             log.info("matrix.direct_opened", room=str(room), user=user)
             return str(room)
 
     async def _remember_direct(self, client: ClientAPI, user: str, room: str) -> None:
+        """Add ``room`` to the account's direct rooms (``m.direct``), read first so that every other entry is kept:
+        a list that cannot be read is not written (counted), never replaced by this one room."""
         self._direct.add(room)
         try:
-            current: dict[str, Any] = {}
-            with contextlib.suppress(Exception):
-                current = dict(await client.get_account_data(DIRECT_TYPE))
+            current = await _direct_rooms(client)
             rooms = [str(r) for r in current.get(user, [])]
             current[user] = [*rooms, room] if room not in rooms else rooms
             await client.set_account_data(DIRECT_TYPE, current)
@@ -756,10 +774,32 @@ class MatrixAdapter(PlatformBase):
         client = self._api(site)
         written: MatrixCard = laid.written
         content = edit_content(written, laid.view, ref.message_id)
-        # The same edit twice is one transaction: a settle repeated after a restart is one edit on the room.
-        txn = f"kazma-edit-{_short(ref.message_id)}-{_short(json.dumps(content['m.new_content'], sort_keys=True))}"
+        newest = await self.call(site, ref.chat, lambda: self._newest_edit(client, ref), paced=False)
+        if newest is not None and newest[1] == content["m.new_content"]:
+            return False  # shows this already: a settle repeated (after a lost answer, a restart) edits nothing
+        # The transaction names what the edit goes over as well as what it says: the same edit tried again (its
+        # answer lost) is one event, yet the same words again over another edit (the outcome again after a
+        # progress edit landed on it) are a new edit. Named by its words alone, the homeserver answered that
+        # one with the first settle's event and the card went on showing the progress, with its buttons.
+        over = "unknown" if newest is None else newest[0]
+        words = _short(json.dumps(content["m.new_content"], sort_keys=True))
+        txn = f"kazma-edit-{_short(ref.message_id)}-{words}-{_short(over)}"
         await self.call(site, ref.chat, lambda: self._send(client, ref.chat, content, txn=txn))
         return True
+
+    async def _newest_edit(self, client: ClientAPI, ref: CardRef) -> tuple[str, dict[str, Any]] | None:
+        """The card's newest edit by the bot (its id and what it shows), ``("", {})`` when it has none; None when
+        that cannot be told (more edits by others than one page holds: anyone may relate an edit to any event,
+        and clients show only the sender's own)."""
+        path = Path.v1.rooms[RoomID(ref.chat)].relations[ref.message_id]["m.replace"]
+        query = {"dir": "b", "limit": str(EDITS_PAGE)}
+        answer = await client.api.request(Method.GET, path, query_params=query)
+        chunk = [e for e in answer.get("chunk") or [] if isinstance(e, dict)]
+        for event in chunk:
+            shown = (event.get("content") or {}).get("m.new_content")
+            if event.get("sender") == self.user_id and isinstance(shown, dict):
+                return str(event.get("event_id", "")), shown
+        return None if answer.get("next_batch") else ("", {})
 
 
 @dataclass
@@ -768,6 +808,15 @@ class _Taking:
 
     decided: asyncio.Future[None]
     deciding: bool = False
+
+
+async def _direct_rooms(client: ClientAPI) -> dict[str, Any]:
+    """The account's direct rooms by person (``m.direct``); empty when it has none yet. Any other failure raises:
+    an unreadable list is not an empty one."""
+    try:
+        return dict(await client.get_account_data(DIRECT_TYPE))
+    except MNotFound:
+        return {}
 
 
 async def _ended(task: asyncio.Task[Any]) -> None:
