@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import aiosqlite
 import httpx
 
@@ -12,8 +15,9 @@ from kazma.bot.cli.checks import Check, Level
 from kazma.bot.cli.decision_checks import check_decisions
 from kazma.bot.cli.platform_checks import check_platforms, console_checks
 from kazma.bot.cli.policy_checks import check_policy_passkeys
-from kazma.bot.store import open_store, store_for_command
+from kazma.bot.store import open_store, require_existing_store, store_for_command
 from kazma.config import LoadedConfig, platform_statuses
+from kazma.config.errors import ConfigError
 from kazma.config.models import MCPServerConfig, ModelConfig
 from kazma.config.store.backend import backend_of
 from kazma.config.store.database import schema_versions, transaction
@@ -51,9 +55,13 @@ async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0, platfo
     checks.append(check_sandbox(loaded))
     store = await check_store(loaded)
     checks.append(store)
-    checks.extend(await check_decisions(loaded, store_ok=store.level is not Level.FAIL))
-    checks.extend(await check_audit(loaded, store_ok=store.level is not Level.FAIL))
-    if store.level is not Level.FAIL:
+    # Only an opened store is read: a missing one (a warning) has nothing to check, and is not made by reading it.
+    path = loaded.config.store.path
+    made = loaded.config.store.backend == "postgresql" or str(path) == ":memory:" or path.exists()
+    store_ok = store.level is Level.OK and made
+    checks.extend(await check_decisions(loaded, store_ok=store_ok))
+    checks.extend(await check_audit(loaded, store_ok=store_ok))
+    if store_ok:
         checks.extend(await check_policy_passkeys(loaded))
     if loaded.config.store.backend == "postgresql":
         checks.append(await check_replicas(loaded))
@@ -142,8 +150,13 @@ async def check_store(loaded: LoadedConfig) -> Check:
     if loaded.config.store.backend == "postgresql":
         return await check_pg_store(loaded)
     path = loaded.config.store.path
+    if str(path) != ":memory:" and not path.exists() and not path.is_symlink():
+        return missing_store_check(path)
     try:
+        require_existing_store(loaded.config)
         conn = await open_store(loaded.config)
+    except ConfigError as exc:
+        return Check("store", Level.FAIL, exc.problems[0].message)
     except Exception as exc:
         return Check("store", Level.FAIL, f"{path}: cannot open: {exc}")
     try:
@@ -155,6 +168,22 @@ async def check_store(loaded: LoadedConfig) -> Check:
         await conn.close()
     schema = ", ".join(f"{k} v{v}" for k, v in sorted(versions.items())) or "no tables yet"
     return Check("store", Level.OK, f"{path}: writable ({schema})")
+
+
+def missing_store_check(path: Path) -> Check:
+    """No store yet: said, not made. Creating it here answered "writable" for a mistyped store.path (and every
+    later read-only command then found that empty store instead of refusing the path)."""
+    folder = next((p for p in path.parents if p.exists()), None)
+    if folder is not None and not folder.is_dir():
+        return Check("store", Level.FAIL, f"{path}: cannot be created: {folder} is a file, not a folder")
+    if folder is not None and not os.access(folder, os.W_OK | os.X_OK):
+        return Check("store", Level.FAIL, f"{path}: cannot be created: {folder} is not writable by this user")
+    # OK, as before every first start (the first steps run doctor before it); the path is named to be checked.
+    return Check(
+        "store",
+        Level.OK,
+        f"no store at {path} yet: kazma run creates it there; if Kazma has run before, store.path is not its store",
+    )
 
 
 async def check_pg_store(loaded: LoadedConfig) -> Check:
