@@ -25,6 +25,11 @@ READERS = [
     ["people", "list"],
     ["people", "revoke", "alice"],
     ["audit", "export"],
+    ["swarm", "status"],
+    ["swarm", "history"],
+    ["swarm", "workers"],
+    ["swarm", "cancel", "t-0001"],
+    ["swarm", "show", "t-0001"],
 ]
 CONFIG = "store: {{path: {store}}}\npeople: {{alice: {{web: alice, cli: root}}}}\napprovals: {{approvers: [alice]}}\n"
 
@@ -85,7 +90,17 @@ def _foreign(path: Path) -> None:
     ],
     ids=["garbage", "empty", "foreign-sqlite"],
 )
-@pytest.mark.parametrize("command", [["approvals", "list"], ["people", "list"]], ids=" ".join)
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["approvals", "list"],
+        ["people", "list"],
+        ["people", "invite", "alice"],
+        ["swarm", "status"],
+        ["swarm", "dispatch", "builder", "make", "it"],  # work it starts may make a store, never migrate a file
+    ],
+    ids=" ".join,
+)
 def test_a_file_that_is_not_a_kazma_store_is_refused_and_left_as_it_was(
     tmp_path: Path, make: object, said: str, command: list[str]
 ) -> None:

@@ -18,6 +18,7 @@ import click
 from kazma.bot.app import build_app
 from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
+from kazma.bot.store import require_existing_store
 from kazma.config import LoadedConfig
 from kazma.config.address import Actor, Address, AddressError
 from kazma.config.registry import ROUTE_PLATFORMS
@@ -58,6 +59,10 @@ def _run(verb: str, *words: str, to: str | None = None, context: str = "", confi
     if state is not None and state.parse_only:
         click.echo(json.dumps(command.to_json(), ensure_ascii=False))
         return
+    # Only work a command starts may make the store, as `kazma run` would. Reading or steering tasks answered
+    # from an empty store made on the spot at a mistyped store.path ("0 running", "no swarm task"); a file
+    # there that is not a Kazma store is refused either way, never migrated.
+    require_existing_store(loaded.config, missing_ok=for_verb(verb) is not None)
     login = cli_login(loaded.config, state.login if state is not None else None)
     # The same question swarm.run asks first: its answer is a sentence, and a script needs the exit code to
     # tell "refused" from "done" (a refused cancel or retry ended 0).
@@ -235,6 +240,7 @@ def show(task_id: str, as_json: bool) -> None:
 
 
 async def _show(loaded: LoadedConfig, task_id: str, as_json: bool) -> int:
+    require_existing_store(loaded.config)
     app = await build_app(loaded, adapters=[])
     try:
         record = await app.swarm.task(task_id)
