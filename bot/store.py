@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import os
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -108,14 +108,22 @@ async def open_pg_store(
     url = config.store.postgres_url
     if url is None:
         raise ValueError("store.url is not a postgresql:// URL")
-    import psycopg  # only when PostgreSQL is used
+    from kazma.config.store.postgres import open_pg_store as open_pg  # psycopg only when PostgreSQL is used
 
-    from kazma.config.store.postgres import open_pg_store as open_pg
-
-    try:
+    with _pg_unusable(config):
         return await open_pg(
             url, migrations=pg_migrations(), application_name=application_name, connect_timeout=connect_timeout
         )
+    raise AssertionError("unreachable")  # pragma: no cover  (mypy: the context manager may swallow)
+
+
+@contextlib.contextmanager
+def _pg_unusable(config: KazmaConfig) -> Iterator[None]:
+    """A server that cannot be reached or refuses the login, as one ConfigError line without the password."""
+    import psycopg  # only when PostgreSQL is used
+
+    try:
+        yield
     except (psycopg.OperationalError, psycopg.errors.InsufficientPrivilege, TimeoutError) as exc:
         said = " ".join((str(exc).strip() or type(exc).__name__).split())
         if config.store.secret:
@@ -123,6 +131,24 @@ async def open_pg_store(
         raise ConfigError(
             config.source, [Problem("store.url", f"cannot use PostgreSQL at {config.store.redacted_url}: {said}")]
         ) from None
+
+
+async def pg_store_made(config: KazmaConfig, *, connect_timeout: float = 10.0) -> bool:
+    """Whether the PostgreSQL database holds Kazma's store (its ``kazma_schema`` table), changing nothing."""
+    url = config.store.postgres_url
+    if url is None:
+        raise ValueError("store.url is not a postgresql:// URL")
+    import psycopg  # only when PostgreSQL is used
+
+    with _pg_unusable(config):
+        conn = await psycopg.AsyncConnection.connect(
+            url, autocommit=True, connect_timeout=max(1, int(connect_timeout)), application_name="kazma-cli-check"
+        )
+        async with conn:
+            cursor = await conn.execute("SELECT to_regclass('kazma_schema') IS NOT NULL")
+            row = await cursor.fetchone()
+        return bool(row and row[0])
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 _SQLITE_HEADER = b"SQLite format 3\x00"
@@ -202,6 +228,10 @@ async def store_for_command(
     make it before ``kazma run`` does (``kazma people invite``, in the first steps). A file there that is not a
     Kazma store is refused either way."""
     if config.store.backend == "postgresql":
+        # The same refusal as SQLite's missing file: an empty database got Kazma's schema from a read-only command.
+        if not create and not await pg_store_made(config):
+            said = f"no Kazma store in {config.store.redacted_url}: kazma run creates it; check the URL"
+            raise ConfigError(config.source, [Problem("store.url", said)])
         pg = await open_pg_store(config, application_name="kazma-cli")
         try:
             yield pg

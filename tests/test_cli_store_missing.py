@@ -138,7 +138,7 @@ def test_doctor_says_there_is_no_store_yet_and_makes_none(tmp_path: Path) -> Non
     result = CliRunner().invoke(main, ["-c", str(config), "--log-level", "error", "doctor", "--model-timeout", "1"])
     where = tmp_path / "typo" / "kazma.db"
     assert (
-        f"OK    store             no store at {where} yet: kazma run creates it there; "
+        f"OK    store             no Kazma store at {where} yet: kazma run creates it there; "
         "if Kazma has run before, store.path is not its store"
     ) in result.output
     assert "decision seals" not in result.output  # nothing to read: not "cannot read the store"
