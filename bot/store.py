@@ -217,6 +217,16 @@ def require_existing_store(config: KazmaConfig, path: Path | None = None, *, mis
         raise ConfigError(config.source, [Problem(key, f"{store_path} is not a Kazma store: {why}; nothing changed")])
 
 
+async def require_store(config: KazmaConfig, *, missing_ok: bool = False) -> None:
+    """:func:`require_existing_store` on either backend: on PostgreSQL a database without Kazma's schema is the
+    missing file (an empty database got Kazma's schema from a read-only command), asked without changing it."""
+    if config.store.backend != "postgresql":
+        require_existing_store(config, missing_ok=missing_ok)
+    elif not missing_ok and not await pg_store_made(config):
+        said = f"no Kazma store in {config.store.redacted_url}: kazma run creates it; check the URL"
+        raise ConfigError(config.source, [Problem("store.url", said)])
+
+
 @contextlib.asynccontextmanager
 async def store_for_command(
     config: KazmaConfig, *, create: bool = False
@@ -227,18 +237,14 @@ async def store_for_command(
     (:func:`require_existing_store`) instead of creating an empty one; ``create`` is for the few documented to
     make it before ``kazma run`` does (``kazma people invite``, in the first steps). A file there that is not a
     Kazma store is refused either way."""
+    await require_store(config, missing_ok=create)
     if config.store.backend == "postgresql":
-        # The same refusal as SQLite's missing file: an empty database got Kazma's schema from a read-only command.
-        if not create and not await pg_store_made(config):
-            said = f"no Kazma store in {config.store.redacted_url}: kazma run creates it; check the URL"
-            raise ConfigError(config.source, [Problem("store.url", said)])
         pg = await open_pg_store(config, application_name="kazma-cli")
         try:
             yield pg
         finally:
             await pg.close()
         return
-    require_existing_store(config, missing_ok=create)
     conn = await open_store(config)
     try:
         yield conn

@@ -118,6 +118,9 @@ def test_commands_run_on_a_postgresql_store(tmp_path: Path, pg_dsn: str) -> None
     assert refused.stderr.splitlines()[-1].endswith(
         f"store.url: no Kazma store in {redacted}: kazma run creates it; check the URL"
     )
+    swarm = _kazma(tmp_path, "swarm", "status")  # the terminal's swarm builds the app: it migrated too
+    assert swarm.returncode == 2, swarm.stdout + swarm.stderr
+    assert swarm.stderr.splitlines()[-1] == refused.stderr.splitlines()[-1]
     early = _kazma(tmp_path, "doctor")
     assert f"OK    store             no Kazma store in {redacted} yet: kazma run creates it there" in early.stdout
     assert " replicas " not in early.stdout  # nothing to ask before the store is there
