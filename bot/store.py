@@ -233,10 +233,10 @@ async def store_for_command(
 ) -> AsyncIterator[aiosqlite.Connection | PgStore]:
     """The configured store, migrated, for one CLI command: a SQLite connection or the PostgreSQL store.
 
-    A command that reads or acts on what Kazma recorded refuses a SQLite store that does not exist
-    (:func:`require_existing_store`) instead of creating an empty one; ``create`` is for the few documented to
-    make it before ``kazma run`` does (``kazma people invite``, in the first steps). A file there that is not a
-    Kazma store is refused either way."""
+    A command that reads or acts on what Kazma recorded refuses a store that does not exist (a SQLite file, a
+    PostgreSQL database without Kazma's schema: :func:`require_store`) instead of creating an empty one.
+    ``create`` is for the few documented to make it before ``kazma run`` does (``kazma people invite``, in the
+    first steps). A file there that is not a Kazma store is refused either way."""
     await require_store(config, missing_ok=create)
     if config.store.backend == "postgresql":
         pg = await open_pg_store(config, application_name="kazma-cli")
