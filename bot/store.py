@@ -201,7 +201,7 @@ def require_existing_store(config: KazmaConfig, path: Path | None = None, *, mis
     if str(store_path) == ":memory:":
         return
     key = store_key(config)
-    if not store_path.exists() and not store_path.is_symlink():
+    if not store_path.exists():  # a link to nothing too: opening it made the file it points at
         if missing_ok:
             return
         above = next((p for p in store_path.parents if p.exists()), None)

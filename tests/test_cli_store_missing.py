@@ -176,3 +176,18 @@ def test_store_copy_leaves_a_file_that_is_not_a_kazma_store_as_it_was(tmp_path: 
     )
     assert store.read_bytes() == before
     assert _everything(tmp_path) == ["other.db"]
+
+
+def test_a_link_to_no_store_is_a_missing_store(tmp_path: Path) -> None:
+    """A store.path that is a symbolic link whose target is gone: opening it made the file the link names."""
+    (tmp_path / "moved").mkdir()
+    link = tmp_path / "kazma.db"
+    link.symlink_to(tmp_path / "moved" / "kazma.db")
+    config = tmp_path / "kazma.yaml"
+    config.write_text(CONFIG.format(store=link))
+    result = CliRunner().invoke(main, ["-c", str(config), "approvals", "list"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[-1] == (
+        f"{config}: store.path: no Kazma store at {link}: kazma run creates it; check the path"
+    )
+    assert _everything(tmp_path) == ["kazma.db", "kazma.yaml", "moved"]  # the link alone, nothing behind it

@@ -149,7 +149,7 @@ async def check_store(loaded: LoadedConfig) -> tuple[Check, bool]:
     if loaded.config.store.backend == "postgresql":
         return await check_pg_store(loaded)
     path = loaded.config.store.path
-    if str(path) != ":memory:" and not path.exists() and not path.is_symlink():
+    if str(path) != ":memory:" and not path.exists():
         return missing_store_check(path), False
     try:
         require_existing_store(loaded.config)
