@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import os
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -108,14 +108,22 @@ async def open_pg_store(
     url = config.store.postgres_url
     if url is None:
         raise ValueError("store.url is not a postgresql:// URL")
-    import psycopg  # only when PostgreSQL is used
+    from kazma.config.store.postgres import open_pg_store as open_pg  # psycopg only when PostgreSQL is used
 
-    from kazma.config.store.postgres import open_pg_store as open_pg
-
-    try:
+    with _pg_unusable(config):
         return await open_pg(
             url, migrations=pg_migrations(), application_name=application_name, connect_timeout=connect_timeout
         )
+    raise AssertionError("unreachable")  # pragma: no cover  (mypy: the context manager may swallow)
+
+
+@contextlib.contextmanager
+def _pg_unusable(config: KazmaConfig) -> Iterator[None]:
+    """A server that cannot be reached or refuses the login, as one ConfigError line without the password."""
+    import psycopg  # only when PostgreSQL is used
+
+    try:
+        yield
     except (psycopg.OperationalError, psycopg.errors.InsufficientPrivilege, TimeoutError) as exc:
         said = " ".join((str(exc).strip() or type(exc).__name__).split())
         if config.store.secret:
@@ -125,9 +133,111 @@ async def open_pg_store(
         ) from None
 
 
+async def pg_store_made(config: KazmaConfig, *, connect_timeout: float = 10.0) -> bool:
+    """Whether the PostgreSQL database holds Kazma's store (its ``kazma_schema`` table), changing nothing."""
+    url = config.store.postgres_url
+    if url is None:
+        raise ValueError("store.url is not a postgresql:// URL")
+    import psycopg  # only when PostgreSQL is used
+
+    with _pg_unusable(config):
+        conn = await psycopg.AsyncConnection.connect(
+            url, autocommit=True, connect_timeout=max(1, int(connect_timeout)), application_name="kazma-cli-check"
+        )
+        async with conn:
+            cursor = await conn.execute("SELECT to_regclass('kazma_schema') IS NOT NULL")
+            row = await cursor.fetchone()
+        return bool(row and row[0])
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def store_key(config: KazmaConfig) -> str:
+    """The setting that named the SQLite file, as a problem line names it."""
+    return "store.url" if config.store.url else "store.path"
+
+
+def not_a_store(path: Path) -> str | None:
+    """Why the existing file at ``path`` is not a Kazma store, or None when it is one (or cannot be told here).
+
+    Read before any connection that would change it: SQLite's own open switches a file to WAL, and the
+    migrations would add Kazma's tables to whatever database the path names by mistake."""
+    try:
+        with path.open("rb") as file:
+            header = file.read(len(_SQLITE_HEADER))
+    except OSError:
+        return None  # a folder, an unreadable file: open_store's own error says which
+    if not header:
+        return "the file is empty"
+    if header != _SQLITE_HEADER:
+        return "the file is not a SQLite database"
+    # A plain read-write connection, not mode=ro: on a WAL file a read-only one leaves -wal and -shm behind,
+    # while the last read-write connection to close removes them. Reading sqlite_master changes nothing.
+    try:
+        conn = sqlite3.connect(path, isolation_level=None)
+        try:
+            row = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'kazma_schema'").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None  # locked, damaged: open_store's own error says what
+    if row is None:
+        return "a SQLite database without Kazma's tables (no kazma_schema)"
+    return None
+
+
+def require_existing_store(config: KazmaConfig, path: Path | None = None, *, missing_ok: bool = False) -> None:
+    """Refuse a SQLite store.path that holds no Kazma store, creating nothing (``missing_ok``: only a file there
+    that is not one).
+
+    A command that only reads or acts on what Kazma recorded (approvals, rules, people, the audit log, the
+    swarm's tasks) once made an empty store at a mistyped path and answered from it: "no approval requests",
+    "no remembered approvals in force", exit 0, while Kazma's real store was elsewhere."""
+    if config.store.backend != "sqlite":
+        return
+    store_path = path or config.store.path
+    if str(store_path) == ":memory:":
+        return
+    key = store_key(config)
+    if not store_path.exists():  # a link to nothing too: opening it made the file it points at
+        if missing_ok:
+            return
+        above = next((p for p in store_path.parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            said = f"cannot open the SQLite store {store_path}: {above} is a file, not a folder"
+            raise ConfigError(config.source, [Problem(key, said)])
+        raise ConfigError(
+            config.source,
+            [Problem(key, f"no Kazma store at {store_path}: kazma run creates it; check the path")],
+        )
+    why = not_a_store(store_path)
+    if why is not None:
+        raise ConfigError(config.source, [Problem(key, f"{store_path} is not a Kazma store: {why}; nothing changed")])
+
+
+async def require_store(config: KazmaConfig, *, missing_ok: bool = False) -> None:
+    """:func:`require_existing_store` on either backend: on PostgreSQL a database without Kazma's schema is the
+    missing file (an empty database got Kazma's schema from a read-only command), asked without changing it."""
+    if config.store.backend != "postgresql":
+        require_existing_store(config, missing_ok=missing_ok)
+    elif not missing_ok and not await pg_store_made(config):
+        said = f"no Kazma store in {config.store.redacted_url}: kazma run creates it; check the URL"
+        raise ConfigError(config.source, [Problem("store.url", said)])
+
+
 @contextlib.asynccontextmanager
-async def store_for_command(config: KazmaConfig) -> AsyncIterator[aiosqlite.Connection | PgStore]:
-    """The configured store, migrated, for one CLI command: a SQLite connection or the PostgreSQL store."""
+async def store_for_command(
+    config: KazmaConfig, *, create: bool = False
+) -> AsyncIterator[aiosqlite.Connection | PgStore]:
+    """The configured store, migrated, for one CLI command: a SQLite connection or the PostgreSQL store.
+
+    A command that reads or acts on what Kazma recorded refuses a store that does not exist (a SQLite file, a
+    PostgreSQL database without Kazma's schema: :func:`require_store`) instead of creating an empty one.
+    ``create`` is for the few documented to make it before ``kazma run`` does (``kazma people invite``, in the
+    first steps). A file there that is not a Kazma store is refused either way."""
+    await require_store(config, missing_ok=create)
     if config.store.backend == "postgresql":
         pg = await open_pg_store(config, application_name="kazma-cli")
         try:

@@ -125,6 +125,9 @@ def test_doctor_all_good(tmp_path: Path, model_server: str) -> None:
         f"store: {{path: {tmp_path}/db/kazma.db}}\nmodel: {{base_url: '{model_server}'}}\n"
         "people: {alice: {web: alice}}\napprovals: {approvers: ['web:alice']}\n"
     )
+    # The store as the first steps make it, before doctor: doctor only reads a store, it never makes one.
+    invited = run(["-c", str(config), "people", "invite", "alice"], cwd=tmp_path)
+    assert invited.returncode == 0, invited.stderr
     result = run(["-c", str(config), "doctor"], cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK    store" in result.stdout
@@ -191,7 +194,6 @@ def test_json_logs_when_not_a_terminal_and_console_on_request(tmp_path: Path) ->
     [
         ("folder", "it is a folder"),
         ("file/k.db", "{tmp}/file is a file, not a folder"),
-        ("garbage.db", "file is not a database"),
     ],
 )
 @pytest.mark.parametrize("command", [["approvals", "list"], ["people", "list"], ["swarm", "status"]])

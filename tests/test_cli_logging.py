@@ -47,8 +47,8 @@ def test_every_subcommand_takes_the_log_options_after_its_name() -> None:
 
 def test_log_level_after_the_subcommand_wins(tmp_path: Path) -> None:
     config = tmp_path / "kazma.yaml"
-    config.write_text(f"store: {{path: '{tmp_path}/k.db'}}\n")
-    chatty = run(["-c", str(config), "approvals", "list"], cwd=tmp_path)
+    config.write_text(f"store: {{path: '{tmp_path}/k.db'}}\npeople: {{ops: {{web: ops}}}}\n")
+    chatty = run(["-c", str(config), "people", "invite", "ops"], cwd=tmp_path)  # makes the store, as first steps do
     assert "store.migrated" in chatty.stderr
     assert "store.migration_applied" not in chatty.stderr  # one line for a first start's dozens, each at debug
     quiet = run(["-c", str(config), "approvals", "list", "--log-level", "warning"], cwd=tmp_path)

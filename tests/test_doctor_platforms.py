@@ -363,9 +363,9 @@ async def test_doctor_goes_on_past_a_secret_that_is_not_exported(tmp_path: Path)
         assert ran in names, done.stdout  # every other check still ran
     assert [line for line in out if line.startswith("OK    model ")] != []
     assert out[-1] == "1 failed, 0 warnings"
-    # a first run opens (and migrates) the store: one log line says so, never one line per migration
+    # before the first `kazma run` there is no store, and doctor makes none (it made and migrated one)
     assert "store.migration_applied" not in done.stderr
-    assert done.stderr.count("store.migrated") == 1
+    assert "store.migrated" not in done.stderr
 
 
 async def test_doctor_json_is_one_object_a_program_reads(tmp_path: Path) -> None:

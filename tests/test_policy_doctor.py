@@ -7,7 +7,7 @@ from pathlib import Path
 from kazma.bot.cli.checks import Level
 from kazma.bot.cli.policy_checks import check_policy_passkeys
 from kazma.bot.console.accounts import AccountStore, Passkey
-from kazma.bot.store import store_for_command
+from kazma.bot.store import open_store, store_for_command
 from kazma.config import load_config_text
 
 CONFIG = """
@@ -24,6 +24,7 @@ approvals:
 
 async def test_step_up_without_enough_enrolled_passkeys_is_a_doctor_failure(tmp_path: Path) -> None:
     loaded = load_config_text(CONFIG.format(db=tmp_path / "k.db"), environ={})
+    await (await open_store(loaded.config)).close()  # as `kazma run` makes it: the CLI never does
     [nobody] = await check_policy_passkeys(loaded)
     assert nobody.level is Level.FAIL
     assert "approvals.policies.production.step_up" in nobody.detail

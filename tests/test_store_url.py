@@ -3,14 +3,17 @@ and a PostgreSQL it cannot use said in one line."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import psycopg
 import pytest
 
-from kazma.config import load_config_text
+from kazma.bot.store import open_pg_store
+from kazma.config import load_config, load_config_text
 from kazma.config.errors import ConfigError
 
 
@@ -100,8 +103,30 @@ def test_commands_on_a_postgresql_they_cannot_reach_say_so_in_one_line(tmp_path:
     assert result.returncode != 0
 
 
+async def _made_as_kazma_run_makes_it(config: Path) -> None:
+    loaded = load_config(config)
+    await (await open_pg_store(loaded.config)).close()
+
+
 def test_commands_run_on_a_postgresql_store(tmp_path: Path, pg_dsn: str) -> None:
     (tmp_path / "kazma.yaml").write_text(f"store: {{url: '{pg_dsn}'}}\napprovals: {{approvers: ['cli:alice']}}\n")
+    # An empty database is no Kazma store: a read-only command once applied Kazma's schema to it and said
+    # "no approval requests". Doctor says so too, and neither makes it.
+    refused = _kazma(tmp_path, "approvals", "list")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    redacted = load_config_text(f"store: {{url: '{pg_dsn}'}}\n", environ={}).config.store.redacted_url
+    assert refused.stderr.splitlines()[-1].endswith(
+        f"store.url: no Kazma store in {redacted}: kazma run creates it; check the URL"
+    )
+    swarm = _kazma(tmp_path, "swarm", "status")  # the terminal's swarm builds the app: it migrated too
+    assert swarm.returncode == 2, swarm.stdout + swarm.stderr
+    assert swarm.stderr.splitlines()[-1] == refused.stderr.splitlines()[-1]
+    early = _kazma(tmp_path, "doctor")
+    assert f"OK    store             no Kazma store in {redacted} yet: kazma run creates it there" in early.stdout
+    assert " replicas " not in early.stdout  # nothing to ask before the store is there
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute("SELECT to_regclass('kazma_schema')").fetchone() == (None,)
+    asyncio.run(_made_as_kazma_run_makes_it(tmp_path / "kazma.yaml"))
     listed = _kazma(tmp_path, "approvals", "list")
     assert listed.returncode == 0, listed.stderr
     doctor = _kazma(tmp_path, "doctor")

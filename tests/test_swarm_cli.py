@@ -12,6 +12,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from kazma.bot.cli.cli_identity import system_login
+from kazma.bot.store import open_store
+from kazma.config import load_config_text
 from kazma.engine.swarm.commands import ASK_AGAIN
 from tests.fakes.openai import Completion, FakeOpenAI
 
@@ -38,12 +40,17 @@ async def test_swarm_cli_reads_refuses_and_runs(tmp_path: Path) -> None:
             f"people: {{ops: {{cli: '{me}'}}}}\n"
             "approvals: {approvers: []}\n"
         )
-        status = await asyncio.to_thread(kazma, config, "status")
-        assert status.returncode == 0, status.stderr
-        assert status.stdout.strip() == "swarm: 0 running, 0 paused, 4 workers"
+        # Before any store: reading the swarm refuses the path (it answered from an empty store made on the spot)
+        missing = await asyncio.to_thread(kazma, config, "status")
+        assert missing.returncode == 2, missing.stdout + missing.stderr
+        assert f"no Kazma store at {tmp_path / 'k.db'}: kazma run creates it" in missing.stderr
+        assert not (tmp_path / "k.db").exists()
 
         refused = await asyncio.to_thread(kazma, config, "dispatch", "builder", "make", "it")
         assert refused.stdout.startswith("/swarm dispatch starts, changes or steers work")
+        status = await asyncio.to_thread(kazma, config, "status")  # work a command starts may make the store
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.strip() == "swarm: 0 running, 0 paused, 4 workers"
         claimed = await asyncio.to_thread(kazma, config, "--as", "mallory", "dispatch", "builder", "make", "it")
         assert claimed.returncode == 2
         assert "--as mallory would be someone else" in claimed.stderr
@@ -73,6 +80,12 @@ async def test_swarm_cli_reads_refuses_and_runs(tmp_path: Path) -> None:
         await model.stop()
 
 
+async def made_store(path: Path) -> None:
+    """The store as `kazma run` makes it at its first start: the terminal reads and steers only an existing one."""
+    loaded = load_config_text(f"store: {{path: '{path}'}}\n", environ={})
+    await (await open_store(loaded.config)).close()
+
+
 @asynccontextmanager
 async def operated(tmp_path: Path) -> AsyncIterator[tuple[FakeOpenAI, Path]]:
     """A model server and a kazma.yaml whose operator (ops) is the system user running the tests."""
@@ -86,6 +99,7 @@ async def operated(tmp_path: Path) -> AsyncIterator[tuple[FakeOpenAI, Path]]:
             f"people: {{ops: {{cli: '{system_login()}'}}}}\n"
             "approvals: {approvers: [ops]}\n"
         )
+        await made_store(tmp_path / "k.db")
         yield model, config
     finally:
         await model.stop()
@@ -130,7 +144,7 @@ async def test_the_terminal_shows_and_resets_the_breakers_kazma_saved(tmp_path: 
     # The terminal never read the saved breakers: `workers` said "closed" for one saved open, and a reset said
     # "it was closed" while saving closed over it.
     async with operated(tmp_path) as (_model, config):
-        first = await asyncio.to_thread(kazma, config, "workers")  # creates the store
+        first = await asyncio.to_thread(kazma, config, "workers")
         assert first.returncode == 0, first.stderr
         with sqlite3.connect(tmp_path / "k.db") as db:  # what a kazma run whose builder kept failing saved
             db.execute(
@@ -159,6 +173,8 @@ def test_a_refused_or_unknown_task_command_ends_non_zero(tmp_path: Path) -> None
     path.write_text(
         f"store: {{path: '{tmp_path / 'k.db'}'}}\napprovals: {{approvers: ['cli:ops'], cli_identity: declared}}\n"
     )
+
+    asyncio.run(made_store(tmp_path / "k.db"))
 
     def invoke(*args: str) -> tuple[int, str]:
         result = CliRunner().invoke(swarm, list(args), obj=Context(path))

@@ -26,7 +26,7 @@ from kazma.approvals.seal import seal_problem
 from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
 from kazma.bot.keys import load_audit_signer, load_decision_keyring, read_audit_signer, read_decision_keyring
-from kazma.bot.store import store_for_command
+from kazma.bot.store import require_existing_store, store_for_command
 from kazma.config import LoadedConfig
 from kazma.config.address import Actor
 
@@ -39,6 +39,8 @@ def _with_service(
     """``work`` on the configured store. ``deciding``: with the decision keyring every outcome is sealed with
     (made on SQLite if there is none yet; without one, no decision is taken); otherwise with the keyring if
     there is a usable one, to say whether the stored seals verify."""
+    # Before the keys: deciding makes them on a first use, beside a store that is not there (a mistyped path).
+    require_existing_store(loaded.config)
     keyring = load_decision_keyring(loaded.config) if deciding else read_decision_keyring(loaded.config)
     # A decision here is an audit event like any other: chained, sealed, and signed before the command ends.
     signer = load_audit_signer(loaded.config) if deciding else read_audit_signer(loaded.config)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import aiosqlite
 import httpx
 
@@ -12,8 +15,9 @@ from kazma.bot.cli.checks import Check, Level
 from kazma.bot.cli.decision_checks import check_decisions
 from kazma.bot.cli.platform_checks import check_platforms, console_checks
 from kazma.bot.cli.policy_checks import check_policy_passkeys
-from kazma.bot.store import open_store, store_for_command
+from kazma.bot.store import open_store, pg_store_made, require_existing_store, store_for_command
 from kazma.config import LoadedConfig, platform_statuses
+from kazma.config.errors import ConfigError
 from kazma.config.models import MCPServerConfig, ModelConfig
 from kazma.config.store.backend import backend_of
 from kazma.config.store.database import schema_versions, transaction
@@ -49,13 +53,14 @@ async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0, platfo
     checks.extend(console_checks(loaded))
     checks.extend(Check("config", Level.WARN, warning) for warning in loaded.config.warnings())
     checks.append(check_sandbox(loaded))
-    store = await check_store(loaded)
+    store, store_ok = await check_store(loaded)
     checks.append(store)
-    checks.extend(await check_decisions(loaded, store_ok=store.level is not Level.FAIL))
-    checks.extend(await check_audit(loaded, store_ok=store.level is not Level.FAIL))
-    if store.level is not Level.FAIL:
+    # Only a store that is there is read: none yet has nothing to check, and reading must not make it.
+    checks.extend(await check_decisions(loaded, store_ok=store_ok))
+    checks.extend(await check_audit(loaded, store_ok=store_ok))
+    if store_ok:
         checks.extend(await check_policy_passkeys(loaded))
-    if loaded.config.store.backend == "postgresql":
+    if loaded.config.store.backend == "postgresql" and store_ok:
         checks.append(await check_replicas(loaded))
     checks.append(await check_model(loaded, wait_seconds=model_timeout))
     for name, model in loaded.config.models.items():
@@ -138,29 +143,56 @@ def check_sandbox(loaded: LoadedConfig) -> Check:
     return Check("sandbox", Level.OK, f"shell commands run in bubblewrap (network {network})")
 
 
-async def check_store(loaded: LoadedConfig) -> Check:
+async def check_store(loaded: LoadedConfig) -> tuple[Check, bool]:
+    """The store check, and whether there is a store the later checks (seals, audit chain, passkeys) may read:
+    none yet is said, never made, and leaves them nothing to read."""
     if loaded.config.store.backend == "postgresql":
         return await check_pg_store(loaded)
     path = loaded.config.store.path
+    if str(path) != ":memory:" and not path.exists():
+        return missing_store_check(path), False
     try:
+        require_existing_store(loaded.config)
         conn = await open_store(loaded.config)
+    except ConfigError as exc:
+        return Check("store", Level.FAIL, exc.problems[0].message), False
     except Exception as exc:
-        return Check("store", Level.FAIL, f"{path}: cannot open: {exc}")
+        return Check("store", Level.FAIL, f"{path}: cannot open: {exc}"), False
     try:
         async with transaction(conn):  # takes the write lock: proves the file is writable now
             versions = await schema_versions(conn)
     except Exception as exc:
-        return Check("store", Level.FAIL, f"{path}: not writable: {exc}")
+        return Check("store", Level.FAIL, f"{path}: not writable: {exc}"), False
     finally:
         await conn.close()
     schema = ", ".join(f"{k} v{v}" for k, v in sorted(versions.items())) or "no tables yet"
-    return Check("store", Level.OK, f"{path}: writable ({schema})")
+    return Check("store", Level.OK, f"{path}: writable ({schema})"), True
 
 
-async def check_pg_store(loaded: LoadedConfig) -> Check:
+def missing_store_check(path: Path) -> Check:
+    """No store yet: said, not made. Creating it here answered "writable" for a mistyped store.path (and every
+    later read-only command then found that empty store instead of refusing the path)."""
+    folder = next((p for p in path.parents if p.exists()), None)
+    if folder is not None and not folder.is_dir():
+        return Check("store", Level.FAIL, f"{path}: cannot be created: {folder} is a file, not a folder")
+    if folder is not None and not os.access(folder, os.W_OK | os.X_OK):
+        return Check("store", Level.FAIL, f"{path}: cannot be created: {folder} is not writable by this user")
+    # OK, as before every first start (the first steps run doctor before it); the path is named to be checked.
+    return Check(
+        "store",
+        Level.OK,
+        f"no Kazma store at {path} yet: kazma run creates it there; if Kazma has run before, store.path is not "
+        "its store",
+    )
+
+
+async def check_pg_store(loaded: LoadedConfig) -> tuple[Check, bool]:
     """Reachable, migrated, and writable by this user on a primary (not a read-only standby)."""
     where = loaded.config.store.redacted_url
     try:
+        if not await pg_store_made(loaded.config):
+            # Said, not made: doctor once applied Kazma's schema to whatever database store.url named.
+            return Check("store", Level.OK, f"no Kazma store in {where} yet: kazma run creates it there"), False
         async with store_for_command(loaded.config) as opened:
             store = backend_of(opened)
             rows = await store.all("SELECT component, MAX(version) FROM kazma_schema GROUP BY component")
@@ -169,14 +201,14 @@ async def check_pg_store(loaded: LoadedConfig) -> Check:
                 " current_setting('server_version')"
             )
     except Exception as exc:
-        return Check("store", Level.FAIL, f"{where}: cannot open: {str(exc).strip() or type(exc).__name__}")
+        return Check("store", Level.FAIL, f"{where}: cannot open: {str(exc).strip() or type(exc).__name__}"), False
     standby, may_update, version = bool(row[0]), bool(row[1]), str(row[2])
     if standby:
-        return Check("store", Level.FAIL, f"{where}: a read-only standby; point store.url at the primary")
+        return Check("store", Level.FAIL, f"{where}: a read-only standby; point store.url at the primary"), False
     if not may_update:
-        return Check("store", Level.FAIL, f"{where}: this user may not update approval_requests")
+        return Check("store", Level.FAIL, f"{where}: this user may not update approval_requests"), False
     schema = ", ".join(f"{k} v{v}" for k, v in sorted((str(r[0]), int(r[1])) for r in rows)) or "no tables yet"
-    return Check("store", Level.OK, f"{where}: PostgreSQL {version}, writable ({schema})")
+    return Check("store", Level.OK, f"{where}: PostgreSQL {version}, writable ({schema})"), True
 
 
 async def check_replicas(loaded: LoadedConfig) -> Check:

@@ -22,9 +22,11 @@ from kazma.config.address import Actor, platform_of
 T = TypeVar("T")
 
 
-def _with_accounts(config: KazmaConfig, work: Callable[[AccountStore], Awaitable[T]]) -> T:
+def _with_accounts(
+    config: KazmaConfig, work: Callable[[AccountStore], Awaitable[T]], *, create_store: bool = False
+) -> T:
     async def run() -> T:
-        async with store_for_command(config) as store:
+        async with store_for_command(config, create=create_store) as store:
             return await work(AccountStore(store))
 
     return asyncio.run(run())
@@ -101,7 +103,10 @@ def invite(obj: Context, person: str, hours: int) -> None:
         click.echo(f"passkeys cannot work here: {problem}", err=True)
         sys.exit(1)
     by = str(Actor("cli", system_login()))
-    token, expires = _with_accounts(config, lambda a: a.invite(person, created_by=by, lifetime=hours * 3600))
+    # The first steps invite before the first `kazma run`: the link is the store's first row.
+    token, expires = _with_accounts(
+        config, lambda a: a.invite(person, created_by=by, lifetime=hours * 3600), create_store=True
+    )
     click.echo(f"{config.web.public_url}/enrol/{token}")
     click.echo(
         f"One passkey for {person} (web:{login}), once, until {_when(expires)}. Whoever opens it first enrols as "

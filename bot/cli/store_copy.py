@@ -30,7 +30,7 @@ import psycopg
 import structlog
 from psycopg import sql
 
-from kazma.bot.store import all_migrations, pg_migrations
+from kazma.bot.store import all_migrations, not_a_store, pg_migrations
 from kazma.config.env import substitute
 from kazma.config.store.database import Migration, open_database
 from kazma.config.store.pg_text import nul_safe
@@ -309,6 +309,10 @@ async def copy_store(
     shown = redact(target_url)
     if not await asyncio.to_thread(source_path.is_file):
         raise CopyError(f"no SQLite store at {source_path}")
+    # Before the migrations below: they once added Kazma's tables to whatever SQLite file --from named.
+    why = await asyncio.to_thread(not_a_store, source_path)
+    if why is not None:
+        raise CopyError(f"{source_path} is not a Kazma store: {why}; nothing changed")
     # The source gets the migrations every kazma command applies (additive): both sides then have every column.
     await (await open_database(source_path, busy_timeout_ms=busy_timeout_ms, migrations=all_migrations())).close()
     names = tables_in(all_migrations())

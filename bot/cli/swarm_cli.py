@@ -18,6 +18,7 @@ import click
 from kazma.bot.app import build_app
 from kazma.bot.cli.cli_identity import cli_login
 from kazma.bot.cli.context import Context
+from kazma.bot.store import require_store
 from kazma.config import LoadedConfig
 from kazma.config.address import Actor, Address, AddressError
 from kazma.config.registry import ROUTE_PLATFORMS
@@ -62,7 +63,8 @@ def _run(verb: str, *words: str, to: str | None = None, context: str = "", confi
     # The same question swarm.run asks first: its answer is a sentence, and a script needs the exit code to
     # tell "refused" from "done" (a refused cancel or retry ended 0).
     refused = authorize(command, actor=str(Actor("cli", login)), platform="cli", is_admin=False, config=loaded.config)
-    sys.exit(asyncio.run(_execute(loaded, text, login, context, confirm, refused=refused is not None)))
+    starts = for_verb(verb) is not None
+    sys.exit(asyncio.run(_execute(loaded, text, login, context, confirm, refused=refused is not None, starts=starts)))
 
 
 # Answers that say nothing was done: the command ends 1 (an unknown task id, a store that did not answer).
@@ -77,12 +79,17 @@ async def _execute(
     confirm: bool | None = None,
     *,
     refused: bool = False,
+    starts: bool = False,
 ) -> int:
     """Carry the command out like chat does, as ``cli:<login>``; wait for work it starts.
 
     ``confirm`` (retry): a retry that must be asked twice (its outcome unknown, or its tools ran) is asked again
     here, in this process, when True (``--yes``) or when the person answers yes at the terminal; chat's second
     send within five minutes, which a new process for each command could never make."""
+    # Only work a command ``starts`` may make the store, as `kazma run` would. Reading or steering tasks answered
+    # from an empty store made on the spot at a mistyped store.path ("0 running", "no swarm task"); a file there
+    # that is not a Kazma store is refused either way, never migrated.
+    await require_store(loaded.config, missing_ok=starts)
     # No platform is started from the CLI: results are printed here, cards need `kazma run`.
     app = await build_app(loaded, adapters=[])
     # The tasks this process runs are marked as its own: `kazma run` starting meanwhile leaves them running.
@@ -235,6 +242,7 @@ def show(task_id: str, as_json: bool) -> None:
 
 
 async def _show(loaded: LoadedConfig, task_id: str, as_json: bool) -> int:
+    await require_store(loaded.config)
     app = await build_app(loaded, adapters=[])
     try:
         record = await app.swarm.task(task_id)
