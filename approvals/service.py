@@ -1479,7 +1479,32 @@ class ApprovalService:
         withdrawal = asyncio.ensure_future(self._withdraw_now(request_id, why))
         self._withdrawals.add(withdrawal)
         withdrawal.add_done_callback(self._withdrawals.discard)
-        return await asyncio.shield(withdrawal)
+        try:
+            return await asyncio.shield(withdrawal)
+        except asyncio.CancelledError:
+            # Nobody awaits it now: a failure of it is reported here, or it went unseen (the request pending,
+            # its buttons live, its asker gone).
+            withdrawal.add_done_callback(lambda done: self._withdrawal_unawaited(done, request_id, why))
+            raise
+
+    def _withdrawal_unawaited(
+        self, withdrawal: asyncio.Future[tuple[bool, Outcome | None]], request_id: str, why: Gone
+    ) -> None:
+        if withdrawal.cancelled():
+            return
+        error = withdrawal.exception()
+        if error is None:
+            return
+        # The request stays pending: withdrawn by the sweep of silent askers (a polling one), else it ends at its
+        # deadline or as an orphan of the next start.
+        count_failure("approval_withdraw")
+        log.warning(
+            "approvals.withdraw_failed",
+            request_id=request_id,
+            why=why.value,
+            error=str(error) or type(error).__name__,
+            asker="cancelled",
+        )
 
     async def _withdraw_now(self, request_id: str, why: Gone) -> tuple[bool, Outcome | None]:
         won, outcome = await self._cancel_now(request_id, withdrawn(why))

@@ -13,7 +13,10 @@ with the others as before. What ended stays known while anybody waits.
 
 Decisions this process cannot hear of (another process on the same SQLite file, the CLI; a ``NOTIFY`` lost
 with its connection) are found by one sweep every ``every`` seconds: a single query for all the waited
-requests, never one read per waiter.
+requests, never one read per waiter. The sweep is a kept loop of its own supervisor (``approval_wait_task``):
+a store error is one sweep's failure (counted at ``approval_wait``, tried at the next), and anything else is
+logged as ``task.failed``, counted, and the sweep started again after the one backoff. It ended silently on
+anything but a store error, and from then on nothing found what ended unheard until another waiter joined.
 """
 
 from __future__ import annotations
@@ -24,13 +27,17 @@ from collections.abc import Awaitable, Callable, Sequence
 import structlog
 
 from kazma.approvals.model import ApprovalRequest
+from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
 from kazma.config.store.errors import store_errors
+from kazma.config.supervisor import Supervisor
 
 log = structlog.get_logger("kazma.approvals")
 
 # At most this many ids in one sweep query (SQLite's default limit on parameters is far above it).
 SWEEP_CHUNK = 500
+# How soon a sweep that failed unexpectedly starts again (the n-th failure in a row waits longer, up to the cap).
+SWEEP_RESTART = Backoff(base=1.0, cap=30.0)
 
 Load = Callable[[], Awaitable[ApprovalRequest | None]]
 # request id -> the request as stored now (what a wake-up reads for every waiter of it)
@@ -114,6 +121,8 @@ class Waiters:
         self.every = every
         self.clock = clock
         self.watches: dict[str, Watch] = {}
+        self.restart = SWEEP_RESTART
+        self._tasks = Supervisor("approval_wait_task")
         self._sweep: asyncio.Task[None] | None = None
 
     def join(self, request_id: str) -> Watch:
@@ -122,7 +131,7 @@ class Waiters:
             watch = self.watches[request_id] = Watch()
         watch.waiters += 1
         if self._sweep is None or self._sweep.done():
-            self._sweep = asyncio.create_task(self._sweeping(), name="kazma-approval-waiters-sweep")
+            self._sweep = self._tasks.keep(self._sweeping, name="kazma-approval-waiters-sweep", backoff=self.restart)
         return watch
 
     def leave(self, request_id: str, watch: Watch) -> None:

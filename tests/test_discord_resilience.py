@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
+import pytest
+
+from kazma.adapters.bus import FanOutBus
 from kazma.adapters.discord import DiscordAdapter
 from kazma.approvals.model import Decision, Status
 from kazma.bot.app import App
+from kazma.config.metrics import failure_count
 from tests.fakes.discord import HOME_CHANNEL_ID
 from tests.platforms_support import DISCORD_ADMIN, kazma_on, three_fakes
 
@@ -120,3 +125,28 @@ async def test_a_press_replayed_too_late_to_acknowledge_still_decides_once_and_e
         callbacks = fake.calls_to("POST", r"/interactions/\d+/[^/]+/callback")
         assert [c.status for c in callbacks] == [404]
         assert len(await app.service.store.events(request.id, event="decided")) == 1
+
+
+async def test_a_gateway_that_discord_closes_for_good_is_logged_counted_and_reported_missing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Discord ends the session with a code discord.py does not reconnect after (4004: the token was reset while
+    Kazma ran): the gateway task ended with the error and nobody looked at it. Nothing was logged above DEBUG,
+    nothing counted, and the adapter still said its ingress ran: no press or message from Discord came in again,
+    and a leader's ingress check (``ingress_missing``) never tried to open it again."""
+    caplog.set_level(logging.WARNING)
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        adapter = app.bus.adapters["discord"]
+        assert isinstance(adapter, DiscordAdapter)
+        assert isinstance(app.bus, FanOutBus)
+        assert app.bus.ingress_missing() == []
+        lost = failure_count("ingress_lost", "discord")
+        assert await fakes.discord.drop_gateway(code=4004) == 1
+        async with asyncio.timeout(20):
+            while failure_count("ingress_lost", "discord") == lost:
+                await asyncio.sleep(0.02)
+        assert not adapter.ingress_running
+        assert app.bus.ingress_missing() == ["discord"]
+        ended = [r for r in caplog.records if r.getMessage() == "discord.gateway_ended"]
+        assert ended
+        assert "4004" in str(getattr(ended[0], "error", ""))

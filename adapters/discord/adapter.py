@@ -331,6 +331,7 @@ class DiscordAdapter(PlatformBase):
         )
         if ready in done:
             log.info("discord.ready", user_id=client.user.id if client.user else None, guilds=len(client.guilds))
+            self._task.add_done_callback(self._gateway_ended)
             self.spawn(self._hand_over_kept(), name="kazma-discord-kept")
             return
         ready.cancel()
@@ -341,6 +342,23 @@ class DiscordAdapter(PlatformBase):
         if task in done:
             raise PlatformError(PLATFORM, "start", "the gateway closed before READY", retryable=True)
         raise PlatformError(PLATFORM, "start", f"no READY within {self._start_timeout:g} s", retryable=True)
+
+    def _gateway_ended(self, task: asyncio.Task[None]) -> None:
+        """The gateway loop ended by itself, not by a close here (which lets go of it first): Discord closed the
+        session with a code discord.py does not reconnect after (4004: the token was reset; 4014: an intent no
+        longer allowed). Nothing comes in from Discord any more: logged and counted, and the ingress is no longer
+        running (a leader's ingress check sees it missing). It ended unseen, the adapter still saying it ran."""
+        if task is not self._task or task.cancelled():
+            return
+        error = task.exception()
+        self._task = None
+        self._ingress = False
+        count_failure("ingress_lost", PLATFORM)
+        log.error(
+            "discord.gateway_ended",
+            error=describe(error) if error is not None else "the gateway loop returned",
+            code=getattr(error, "code", None),
+        )
 
     async def _close_ingress(self) -> None:
         """Cancel the gateway loop (so it does not reconnect) and close its websocket; REST stays logged in."""
