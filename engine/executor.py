@@ -234,23 +234,28 @@ class PlanExecutor:
         (a compare-and-set on its owner): their open questions shown again, an answer taken and never resumed
         resumed, an idle plan moved on. A plan whose owner lives is its owner's to move, never touched here.
         """
-        interrupted = await self.store.with_steps_in(StepStatus.IN_PROGRESS, live=live)
+        interrupted = await self.store.left_running(live)
         actions: list[Action] = []
         failed: list[tuple[str, int]] = []
-        for plan_id, index in interrupted:
+        for left in interrupted:
+            plan_id, index = left.plan_id, left.index
             plan = await self.store.load(plan_id)
             if plan is None:
                 continue
-            execution = await self._step_execution(plan_id, index, plan.steps[index].attempts)
+            execution = await self._step_execution(plan_id, index, left.attempt)
             reason = f"{INTERRUPTED} (tools: {execution.line()})"
             async with self._locks[plan.conversation]:
-                # Compare-and-set: another recoverer (a replica, the leader's sweep) or the step's own result
-                # may have got there first, and the lead is asked about a failure once.
+                # Compare-and-set on the run judged abandoned (its attempt, its replica): another recoverer (a
+                # replica restarted under its name, the leader's sweep) or the step's own result may have got
+                # there first, and the step may run again since (the lead retried it, an answer resumed it
+                # elsewhere): the lead is asked about a failure once, and a run that goes on is never failed.
                 if not await self.store.set_status(
                     plan_id,
                     index,
                     StepStatus.IN_PROGRESS,
                     StepStatus.FAILED,
+                    attempt=left.attempt,
+                    started_by=left.replica,
                     failure_reason=reason,
                     finished=False,
                     record=replace(plan.steps[index].record, execution=execution),
