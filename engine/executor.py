@@ -359,12 +359,15 @@ class PlanExecutor:
             # the executor only reacts to what is really running
             log.info("plan.stale_completion", plan_id=plan_id, step=index, status=step.status.value)
             return False, []
+        # Each write compares the attempt read above too: the step may have been failed as interrupted since (its
+        # replica judged gone while it still ran) and retried elsewhere, and this result is not the retry's.
         if result.ok:
             changed = await self.store.set_status(
                 plan_id,
                 index,
                 StepStatus.IN_PROGRESS,
                 StepStatus.DONE,
+                attempt=step.attempts,
                 output_summary=result.summary,
                 output_files=list(result.files),
                 record=result.record(),
@@ -378,6 +381,7 @@ class PlanExecutor:
                 index,
                 StepStatus.IN_PROGRESS,
                 StepStatus.PENDING,
+                attempt=step.attempts,
                 failure_reason=result.error,
                 record=result.record(),
             )
@@ -391,6 +395,7 @@ class PlanExecutor:
             index,
             StepStatus.IN_PROGRESS,
             StepStatus.SKIPPED if step.spec.on_failure is OnFailure.CONTINUE else StepStatus.FAILED,
+            attempt=step.attempts,
             failure_reason=reason,
             record=result.record(),
         )

@@ -17,7 +17,7 @@ from typing import Any
 
 from kazma.bot.store import pg_migrations
 from kazma.config.store.postgres import PgStore, open_pg_store
-from kazma.engine.executor import PlanExecutor
+from kazma.engine.executor import PlanExecutor, StepResult
 from kazma.engine.plan import PlanOrigin, PlanSpec, StepSpec, StepStatus
 from kazma.engine.plan_store import PlanStore
 from tests.test_executor import WORKERS, RecordingDispatcher
@@ -103,3 +103,44 @@ async def test_a_step_retried_after_another_recovery_interrupted_it_is_not_inter
         assert (loaded.steps[1].status, loaded.steps[1].attempts) == (StepStatus.IN_PROGRESS, 2)
         assert again == []
         assert on_leader.asked_lead == [], "the lead asked about one interruption twice"
+
+
+class StallingResultStore(PlanStore):
+    """Replica c's plan store: a step's result (the write after its read of the step) waits at the gate."""
+
+    def __init__(self, conn: PgStore, gate: Gate) -> None:
+        super().__init__(conn, replica="c")
+        self.gate = gate
+
+    async def set_status(self, plan_id: str, index: int, expected: StepStatus, new: StepStatus, **kw: Any) -> bool:
+        if expected is StepStatus.IN_PROGRESS and new is StepStatus.DONE:
+            await self.gate.through()
+        return await super().set_status(plan_id, index, expected, new, **kw)
+
+
+async def test_the_result_of_a_step_recovered_meanwhile_never_ends_its_retry(pg_dsn: str) -> None:
+    """c was judged gone while its step still ran (cut off from the database for longer than the takeover
+    bound). Its result came in: c read the step (attempt 1, running) and stalled before writing it; the leader
+    failed the step as interrupted and the lead retried it on b. c's write, going on, ended b's attempt 2 done
+    with attempt 1's output, and b's own result was then refused."""
+    gate = Gate()
+    async with _store(pg_dsn, "c") as sc, _store(pg_dsn, "b") as sb:
+        c, _ = _executor(StallingResultStore(sc, gate))
+        plan = await c.start(CHAT, _plan(), PlanOrigin("ship it", REQUESTER))  # step 1, attempt 1, runs on c
+        finishing = asyncio.create_task(c.complete(plan.id, 1, StepResult(ok=True, summary="from c"), attempt=1))
+        await _within(gate.stalled.wait())
+        leader, _ = _executor(PlanStore(sb, replica="b"))
+        failed, actions = await _within(leader.mark_interrupted(LIVE))  # c judged gone
+        assert failed == [(plan.id, 1)]
+        await leader.perform(actions)
+        await leader.retry_step(CHAT, 1, None, by="kazma")  # attempt 2 runs on b
+        gate.open.set()
+        assert not await _within(finishing), "attempt 1's result recorded over attempt 2"
+
+        loaded = await leader.store.load(plan.id)
+        assert loaded is not None
+        assert (loaded.steps[1].status, loaded.steps[1].attempts) == (StepStatus.IN_PROGRESS, 2)
+        assert await leader.complete(plan.id, 1, StepResult(ok=True, summary="from b"), attempt=2)
+        done = await leader.store.load(plan.id)
+        assert done is not None
+        assert done.steps[1].output_summary == "from b"
