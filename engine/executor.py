@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 from collections import defaultdict
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Final, Protocol
@@ -221,7 +221,9 @@ class PlanExecutor:
         await self.perform(actions)
         return interrupted
 
-    async def mark_interrupted(self, live: Collection[str] | None = None) -> tuple[list[tuple[str, int]], list[Action]]:
+    async def mark_interrupted(
+        self, live: Collection[str] | None = None, *, leading: Callable[[], bool] | None = None
+    ) -> tuple[list[tuple[str, int]], list[Action]]:
         """The store half of :meth:`recover`: fail interrupted steps, return what to tell the lead and people.
 
         Run it before any new work can start (a step started by this process must
@@ -233,6 +235,10 @@ class PlanExecutor:
         interrupted, and only plans whose owner is gone are repaired, each by the one replica that takes it over
         (a compare-and-set on its owner): their open questions shown again, an answer taken and never resumed
         resumed, an idle plan moved on. A plan whose owner lives is its owner's to move, never touched here.
+
+        ``leading`` (the leader's sweep): asked before each write that rests on the judgement of ``live``; once
+        it says no, what is left is the replica's that leads now (a replica judged gone may have come back
+        under its name meanwhile). The plans already taken over are this replica's own: it repairs them.
         """
         interrupted = await self.store.left_running(live)
         actions: list[Action] = []
@@ -245,6 +251,9 @@ class PlanExecutor:
             execution = await self._step_execution(plan_id, index, left.attempt)
             reason = f"{INTERRUPTED} (tools: {execution.line()})"
             async with self._locks[plan.conversation]:
+                if leading is not None and not leading():
+                    log.warning("plan.recovery_stopped", reason="this replica no longer leads", failed=len(failed))
+                    return failed, actions
                 # Compare-and-set on the run judged abandoned (its attempt, its replica): another recoverer (a
                 # replica restarted under its name, the leader's sweep) or the step's own result may have got
                 # there first, and the step may run again since (the lead retried it, an answer resumed it
@@ -267,7 +276,7 @@ class PlanExecutor:
                 actions += await self._after_failure(plan_id, index, OnFailure.ASK_LEAD, reason)
         taken: set[str] | None = None  # the plans to repair; None: every one (the only process on its store)
         if live is not None:
-            taken = set(await self.store.take_over_plans(live))
+            taken = set(await self.store.take_over_plans(live, leading=leading))
             if taken:
                 log.warning("plan.taken_over", plans=sorted(taken))
         for question in await self.store.open_questions():

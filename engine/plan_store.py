@@ -600,11 +600,12 @@ class PlanStore:
                 await tx.run(f"DELETE FROM {table} WHERE plan_id IN ({marks})", ids)  # noqa: S608 - fixed names
             return await tx.run(f"DELETE FROM plans WHERE id IN ({marks})", ids)  # noqa: S608
 
-    async def take_over_plans(self, live: Collection[str]) -> list[str]:
+    async def take_over_plans(self, live: Collection[str], *, leading: Callable[[], bool] | None = None) -> list[str]:
         """Active plans whose owner is not in ``live`` (the replicas alive now), each now this replica's: a
         compare-and-set on the owner, so one survivor repairs each, and a plan whose owner lives (its lead
         deciding, a turn running there) is never touched. A plan with no owner recorded (the only process on
-        its store, or from before owners) cannot be told dead and is left."""
+        its store, or from before owners) cannot be told dead and is left. ``leading``: asked before each
+        take; once it says no, the rest is left (an owner judged gone may be back under its name)."""
         rows = await self.tables.all(
             "SELECT id, owner FROM plans WHERE status = 'active' AND owner IS NOT NULL ORDER BY created_at", ()
         )
@@ -612,6 +613,8 @@ class PlanStore:
         for plan_id, owner in rows:
             if owner in live:
                 continue
+            if leading is not None and not leading():
+                break
             changed = await self.tables.run(
                 "UPDATE plans SET owner = ? WHERE id = ? AND owner = ? AND status = 'active'",
                 (self.replica, plan_id, owner),
