@@ -225,24 +225,27 @@ class Lifecycle(ABC):
             # now judges again (what replicas it judged gone may have come back since).
             log.warning("app.recovery_skipped", replica=self.replica, reason="this replica no longer leads")
             return Recovery([], []), []
-        await self._executions_lost(live)
-        interrupted, tell_lead = await self.executor.mark_interrupted(live)
+        # The leader's sweep asks before each write whether it still leads: one that stalled half-way and lost
+        # the lease stops there (its judgement of ``live`` is stale); a start recovers its own previous life.
+        leading: Callable[[], bool] | None = (lambda: replication.is_leader) if claims else None
+        await self._executions_lost(live, leading)
+        interrupted, tell_lead = await self.executor.mark_interrupted(live, leading=leading)
         if interrupted:
             log.warning("app.steps_interrupted", steps=[f"{p}#{i}" for p, i in interrupted])
-        await self.swarm.recover_gone(live)
+        await self.swarm.recover_gone(live, leading=leading)
         if claims:
-            recovery = await replication.recover_gone(set(live), leading=lambda: replication.is_leader)
+            recovery = await replication.recover_gone(set(live), leading=leading)
         else:
             recovery = await self.service.recover(live, orphans=orphans)
         return recovery, tell_lead
 
-    async def _executions_lost(self, live: Collection[str] | None) -> None:
+    async def _executions_lost(self, live: Collection[str] | None, leading: Callable[[], bool] | None = None) -> None:
         """Executions a process that is gone left running end "lost": they may have run, and every ending that
         names them says so."""
         if self.executions is None:
             return
         try:
-            await self.executions.mark_lost(live)
+            await self.executions.mark_lost(live, leading=leading)
         except Exception as exc:  # they still read "started, not finished"; the next start marks them
             count_failure("execution_record")
             log.warning("app.executions_unmarked", error=str(exc))

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 from collections import defaultdict
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Final, Protocol
@@ -221,7 +221,9 @@ class PlanExecutor:
         await self.perform(actions)
         return interrupted
 
-    async def mark_interrupted(self, live: Collection[str] | None = None) -> tuple[list[tuple[str, int]], list[Action]]:
+    async def mark_interrupted(
+        self, live: Collection[str] | None = None, *, leading: Callable[[], bool] | None = None
+    ) -> tuple[list[tuple[str, int]], list[Action]]:
         """The store half of :meth:`recover`: fail interrupted steps, return what to tell the lead and people.
 
         Run it before any new work can start (a step started by this process must
@@ -233,24 +235,36 @@ class PlanExecutor:
         interrupted, and only plans whose owner is gone are repaired, each by the one replica that takes it over
         (a compare-and-set on its owner): their open questions shown again, an answer taken and never resumed
         resumed, an idle plan moved on. A plan whose owner lives is its owner's to move, never touched here.
+
+        ``leading`` (the leader's sweep): asked before each write that rests on the judgement of ``live``; once
+        it says no, what is left is the replica's that leads now (a replica judged gone may have come back
+        under its name meanwhile). The plans already taken over are this replica's own: it repairs them.
         """
-        interrupted = await self.store.with_steps_in(StepStatus.IN_PROGRESS, live=live)
+        interrupted = await self.store.left_running(live)
         actions: list[Action] = []
         failed: list[tuple[str, int]] = []
-        for plan_id, index in interrupted:
+        for left in interrupted:
+            plan_id, index = left.plan_id, left.index
             plan = await self.store.load(plan_id)
             if plan is None:
                 continue
-            execution = await self._step_execution(plan_id, index, plan.steps[index].attempts)
+            execution = await self._step_execution(plan_id, index, left.attempt)
             reason = f"{INTERRUPTED} (tools: {execution.line()})"
             async with self._locks[plan.conversation]:
-                # Compare-and-set: another recoverer (a replica, the leader's sweep) or the step's own result
-                # may have got there first, and the lead is asked about a failure once.
+                if leading is not None and not leading():
+                    log.warning("plan.recovery_stopped", reason="this replica no longer leads", failed=len(failed))
+                    return failed, actions
+                # Compare-and-set on the run judged abandoned (its attempt, its replica): another recoverer (a
+                # replica restarted under its name, the leader's sweep) or the step's own result may have got
+                # there first, and the step may run again since (the lead retried it, an answer resumed it
+                # elsewhere): the lead is asked about a failure once, and a run that goes on is never failed.
                 if not await self.store.set_status(
                     plan_id,
                     index,
                     StepStatus.IN_PROGRESS,
                     StepStatus.FAILED,
+                    attempt=left.attempt,
+                    started_by=left.replica,
                     failure_reason=reason,
                     finished=False,
                     record=replace(plan.steps[index].record, execution=execution),
@@ -262,7 +276,7 @@ class PlanExecutor:
                 actions += await self._after_failure(plan_id, index, OnFailure.ASK_LEAD, reason)
         taken: set[str] | None = None  # the plans to repair; None: every one (the only process on its store)
         if live is not None:
-            taken = set(await self.store.take_over_plans(live))
+            taken = set(await self.store.take_over_plans(live, leading=leading))
             if taken:
                 log.warning("plan.taken_over", plans=sorted(taken))
         for question in await self.store.open_questions():
@@ -354,12 +368,15 @@ class PlanExecutor:
             # the executor only reacts to what is really running
             log.info("plan.stale_completion", plan_id=plan_id, step=index, status=step.status.value)
             return False, []
+        # Each write compares the attempt read above too: the step may have been failed as interrupted since (its
+        # replica judged gone while it still ran) and retried elsewhere, and this result is not the retry's.
         if result.ok:
             changed = await self.store.set_status(
                 plan_id,
                 index,
                 StepStatus.IN_PROGRESS,
                 StepStatus.DONE,
+                attempt=step.attempts,
                 output_summary=result.summary,
                 output_files=list(result.files),
                 record=result.record(),
@@ -373,6 +390,7 @@ class PlanExecutor:
                 index,
                 StepStatus.IN_PROGRESS,
                 StepStatus.PENDING,
+                attempt=step.attempts,
                 failure_reason=result.error,
                 record=result.record(),
             )
@@ -386,6 +404,7 @@ class PlanExecutor:
             index,
             StepStatus.IN_PROGRESS,
             StepStatus.SKIPPED if step.spec.on_failure is OnFailure.CONTINUE else StepStatus.FAILED,
+            attempt=step.attempts,
             failure_reason=reason,
             record=result.record(),
         )

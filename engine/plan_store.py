@@ -265,6 +265,16 @@ class Question:
 
 
 @dataclass(frozen=True)
+class LeftStep:
+    """A step found running: its attempt and the replica running it (None: the only process on its store)."""
+
+    plan_id: str
+    index: int
+    attempt: int
+    replica: str | None
+
+
+@dataclass(frozen=True)
 class PlanEvent:
     seq: int
     at: float
@@ -484,6 +494,9 @@ class PlanStore:
         index: int,
         expected: StepStatus,
         new: StepStatus,
+        *,
+        attempt: int | None = None,
+        started_by: str | None = None,
         **fields: Any,
     ) -> bool:
         """Compare-and-set one step along the transition table. False when the step was not ``expected``.
@@ -491,6 +504,8 @@ class PlanStore:
         The step's record moves with it: a step that starts (or starts waiting for a person) gets a fresh start
         time and an empty record; one that stops running gets its finish time (``finished=False``: it is not
         known when it stopped, e.g. interrupted by a crash) and what ``record`` says of its turn.
+        ``attempt`` and ``started_by`` narrow the compare to that attempt, run by that replica: a recovery
+        ends the run it judged abandoned, never a later one of the same step (a retry, a resumption elsewhere).
         """
         if new not in TRANSITIONS[expected]:
             raise TransitionError(f"step {index}: {expected.value} -> {new.value} is not allowed")
@@ -531,7 +546,14 @@ class PlanStore:
             sets.append("replica = ?")
             params.append(self.replica)
         params.extend([plan_id, index, expected.value])
-        update = f"UPDATE plan_steps SET {', '.join(sets)} WHERE plan_id = ? AND idx = ? AND status = ?"  # noqa: S608
+        where = ["plan_id = ?", "idx = ?", "status = ?"]
+        if attempt is not None:
+            where.append("attempts = ?")
+            params.append(attempt)
+        if started_by is not None:
+            where.append("replica = ?")
+            params.append(started_by)
+        update = f"UPDATE plan_steps SET {', '.join(sets)} WHERE {' AND '.join(where)}"  # noqa: S608
         return await self._moved(plan_id, update, params) == 1
 
     async def _moved(self, plan_id: str | None, sql: str, params: Sequence[Any]) -> int:
@@ -578,11 +600,12 @@ class PlanStore:
                 await tx.run(f"DELETE FROM {table} WHERE plan_id IN ({marks})", ids)  # noqa: S608 - fixed names
             return await tx.run(f"DELETE FROM plans WHERE id IN ({marks})", ids)  # noqa: S608
 
-    async def take_over_plans(self, live: Collection[str]) -> list[str]:
+    async def take_over_plans(self, live: Collection[str], *, leading: Callable[[], bool] | None = None) -> list[str]:
         """Active plans whose owner is not in ``live`` (the replicas alive now), each now this replica's: a
         compare-and-set on the owner, so one survivor repairs each, and a plan whose owner lives (its lead
         deciding, a turn running there) is never touched. A plan with no owner recorded (the only process on
-        its store, or from before owners) cannot be told dead and is left."""
+        its store, or from before owners) cannot be told dead and is left. ``leading``: asked before each
+        take; once it says no, the rest is left (an owner judged gone may be back under its name)."""
         rows = await self.tables.all(
             "SELECT id, owner FROM plans WHERE status = 'active' AND owner IS NOT NULL ORDER BY created_at", ()
         )
@@ -590,6 +613,8 @@ class PlanStore:
         for plan_id, owner in rows:
             if owner in live:
                 continue
+            if leading is not None and not leading():
+                break
             changed = await self.tables.run(
                 "UPDATE plans SET owner = ? WHERE id = ? AND owner = ? AND status = 'active'",
                 (self.replica, plan_id, owner),
@@ -614,6 +639,19 @@ class PlanStore:
             "SELECT plan_id, idx, replica FROM plan_steps WHERE status = ? ORDER BY plan_id, idx", (status.value,)
         )
         return [(str(r[0]), int(r[1])) for r in rows if live is None or (r[2] is not None and r[2] not in live)]
+
+    async def left_running(self, live: Collection[str] | None = None) -> list[LeftStep]:
+        """The running steps :meth:`with_steps_in` names for ``live``, each with the attempt that runs and the
+        replica running it: what a recovery judged abandoned, to end that run and no later one."""
+        rows = await self.tables.all(
+            "SELECT plan_id, idx, attempts, replica FROM plan_steps WHERE status = ? ORDER BY plan_id, idx",
+            (StepStatus.IN_PROGRESS.value,),
+        )
+        return [
+            LeftStep(str(r[0]), int(r[1]), int(r[2]), None if r[3] is None else str(r[3]))
+            for r in rows
+            if live is None or (r[3] is not None and r[3] not in live)
+        ]
 
     async def last_plan(self, conversation: str) -> str | None:
         row = await self.tables.one(

@@ -894,13 +894,17 @@ class SwarmService:
         self._finished[record.id] = asyncio.Event()
         self._tasks.spawn(self._resume_after_restart(record, approval_id), name=f"swarm-checkpoint-{record.id}")
 
-    async def recover_gone(self, live: Collection[str]) -> list[str]:
+    async def recover_gone(self, live: Collection[str], *, leading: Callable[[], bool] | None = None) -> list[str]:
         """Among replicas: tasks a replica not in ``live`` was running end interrupted (never re-run), reported;
-        pipelines it had paused at a checkpoint wait here now (adopted once, by one replica)."""
+        pipelines it had paused at a checkpoint wait here now (adopted once, by one replica).
+
+        ``leading`` (the leader's sweep): asked before each write that rests on the judgement of ``live``; once
+        it says no, the rest is left to the replica that leads now (a replica judged gone may have come back
+        under its name, running tasks and waiting at checkpoints again). What was adopted is waited for here."""
         lines = []
         try:
-            interrupted = await self.store.recover(live)
-            adopted = await self.store.adopt_paused(live)
+            interrupted = await self.store.recover(live, leading=leading)
+            adopted = await self.store.adopt_paused(live, leading=leading)
         except StoreUnavailable as exc:  # the leader's next sweep tries again
             swarm_failure("recovery_read")
             log.warning("swarm.recovery_unread", error=str(exc))
@@ -917,6 +921,8 @@ class SwarmService:
             record = await self.store.get(task_id)
             if record is not None and record.status is TaskStatus.PAUSED:
                 self._wait_again(record)
+        if leading is not None and not leading():
+            log.warning("swarm.recovery_stopped", reason="this replica no longer leads", interrupted=len(lines))
         await self.sweep_checkpoints()
         return lines
 

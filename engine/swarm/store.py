@@ -884,7 +884,9 @@ class SwarmTaskStore(CallRecords):
 
         return await self._attempt("keep", body, transaction=True)
 
-    async def recover(self, live: Collection[str] | None = None) -> builtins.list[InterruptedTask]:
+    async def recover(
+        self, live: Collection[str] | None = None, *, leading: Callable[[], bool] | None = None
+    ) -> builtins.list[InterruptedTask]:
         """At start, mark every RUNNING row INTERRUPTED (outcome unknown, naming its step); never re-run it.
 
         PAUSED rows stay paused: their pipeline can be resumed after the restart.
@@ -893,6 +895,8 @@ class SwarmTaskStore(CallRecords):
         Among replicas the leader passes ``live`` (the replicas alive now): only tasks a replica that is
         gone was running are interrupted (a task with no replica recorded is left). A task a terminal runs
         (``kazma swarm …``) is left while that terminal is alive (:mod:`~kazma.engine.swarm.owners`).
+        ``leading`` (the leader's sweep): asked before each task is interrupted; once it says no, the rest is
+        left (a replica judged gone may be back under its name, running tasks again).
         """
 
         async def body(db: SqlStatements) -> builtins.list[InterruptedTask]:
@@ -906,6 +910,8 @@ class SwarmTaskStore(CallRecords):
             for task_id, pattern, generation, step, owner, route, replica, updated in rows:
                 if live is not None and (replica is None or replica in live):
                     continue
+                if leading is not None and not leading():
+                    break
                 if held_by_a_terminal(replica, float(updated), now):  # `kazma swarm …` runs it, alive (see owners)
                     continue
                 reason = interrupted_reason(str(step))
@@ -943,10 +949,13 @@ class SwarmTaskStore(CallRecords):
             log.warning("swarm.interrupted", task_id=task.task_id, step=task.step, owner=task.owner)
         return interrupted
 
-    async def adopt_paused(self, live: Collection[str]) -> builtins.list[str]:
+    async def adopt_paused(
+        self, live: Collection[str], *, leading: Callable[[], bool] | None = None
+    ) -> builtins.list[str]:
         """Among replicas: PAUSED tasks whose waiting replica is not in ``live`` (or none is recorded) become this
         replica's, one compare-and-set each, so exactly one replica waits for each checkpoint again. This
-        replica's own count when it is left out of ``live`` (at its start: what its previous life paused)."""
+        replica's own count when it is left out of ``live`` (at its start: what its previous life paused).
+        ``leading``: asked before each adoption; once it says no, the rest is left."""
         rows = await self.tables.all(
             "SELECT id, replica FROM swarm_tasks WHERE status = ? ORDER BY created_at", (TaskStatus.PAUSED.value,)
         )
@@ -954,6 +963,8 @@ class SwarmTaskStore(CallRecords):
         for task_id, replica in rows:
             if replica is not None and replica in live:
                 continue
+            if leading is not None and not leading():
+                break
             held = "replica IS NULL" if replica is None else "replica = ?"
             params = (self.replica, task_id, TaskStatus.PAUSED.value, *(() if replica is None else (replica,)))
             if await self.tables.run(

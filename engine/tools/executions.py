@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -357,21 +357,29 @@ class ExecutionRecord:
     async def summary_of_scope(self, prefix: str) -> ExecutionSummary:
         return ExecutionSummary.of([e.as_ran() for e in await self.of_scope(prefix)])
 
-    async def mark_lost(self, live: Collection[str] | None = None) -> list[Execution]:
+    async def mark_lost(
+        self, live: Collection[str] | None = None, *, leading: Callable[[], bool] | None = None
+    ) -> list[Execution]:
         """At start (``live`` None: the only process), or among replicas for rows of replicas not in ``live``:
         rows left running by a process that died end ``lost`` — started, not finished: they may have run. A row
         with no replica, among replicas, was started by a process that is no replica: left alone. The rows so
-        marked."""
+        marked. ``leading`` (the leader's sweep): asked before each row; once it says no, the rest is left (a
+        replica judged gone may be back under its name, its calls running)."""
         rows = await self.tables.all(f"SELECT {_COLUMNS} FROM tool_executions WHERE outcome IS NULL")  # noqa: S608
         lost = [e for e in (_row(r) for r in rows) if live is None or (e.replica is not None and e.replica not in live)]
+        marked: list[Execution] = []
         for execution in lost:
+            if leading is not None and not leading():
+                log.warning("tools.recovery_stopped", reason="this replica no longer leads", marked=len(marked))
+                break
+            marked.append(execution)
             await self.tables.run(
                 "UPDATE tool_executions SET outcome = ?, error = ? WHERE id = ? AND outcome IS NULL",
                 (Ended.LOST.value, "the process stopped while it ran", execution.id),
             )
             log.warning("tools.execution_lost", execution=execution.id, tool=execution.tool,
                         task_id=execution.task_id, scope=execution.scope)  # fmt: skip
-        return lost
+        return marked
 
     async def outcomes_of_requests(self, request_ids: Sequence[str]) -> dict[str, list[str | None]]:
         """Each approval's executions' outcomes (None: not finished), for those with any: one with none never

@@ -1,0 +1,292 @@
+"""Two recoveries of what a gone replica left overlap, on a real PostgreSQL: the plan steps and swarm tasks.
+
+Replica ``c`` is gone, leaving a plan step running. The leader ``a`` judges it gone and starts recovering; its
+writes stall at a gate this test holds (a paused process, a slow network). Meanwhile another recovery runs (the
+new leader's, or ``c``'s own at its restart under its name) and ``c``, back, goes on working. Then ``a`` goes on.
+Attacked: a step is failed as interrupted once and the lead asked about it once; work that runs now (a retry of
+the step, a plan, a task or a tool call ``c`` started since) is never ended as interrupted (or lost) by the stale
+judgement; what ``c`` owns now stays ``c``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kazma.bot.app import build_app
+from kazma.bot.store import pg_migrations
+from kazma.config import load_config_text
+from kazma.config.store.postgres import PgStore, open_pg_store
+from kazma.engine.executor import PlanExecutor, StepResult
+from kazma.engine.model import ScriptedProvider
+from kazma.engine.plan import PlanOrigin, PlanSpec, StepSpec, StepStatus
+from kazma.engine.plan_store import PlanStore
+from kazma.engine.swarm.service import SwarmService
+from kazma.engine.swarm.state_store import SwarmStateStore
+from kazma.engine.swarm.store import InterruptedTask, SwarmTaskStore
+from kazma.engine.swarm.types import Pattern, TaskStatus
+from kazma.engine.tools.executions import ExecutionRecord
+from tests.audit_support import AUDIT_KEY
+from tests.swarm_rig import config as swarm_config
+from tests.test_executor import WORKERS, RecordingDispatcher
+
+WAIT = 30.0
+CHAT = "telegram:-1"
+OTHER_CHAT = "telegram:-2"
+REQUESTER = "telegram:111"
+LIVE = {"a", "b"}  # c is gone, as a and b judge
+
+
+class Gate:
+    """Where the old leader's recovery stalls: its first write of one kind waits until the test opens it."""
+
+    def __init__(self) -> None:
+        self.stalled = asyncio.Event()
+        self.open = asyncio.Event()
+
+    async def through(self) -> None:
+        self.stalled.set()
+        await self.open.wait()
+
+
+class StallingPlanStore(PlanStore):
+    """The old leader's plan store: failing a running step (the recovery's write) waits at the gate."""
+
+    def __init__(self, conn: PgStore, gate: Gate) -> None:
+        super().__init__(conn, replica="a")
+        self.gate = gate
+
+    async def set_status(self, plan_id: str, index: int, expected: StepStatus, new: StepStatus, **kw: Any) -> bool:
+        if expected is StepStatus.IN_PROGRESS and new is StepStatus.FAILED:
+            await self.gate.through()
+        return await super().set_status(plan_id, index, expected, new, **kw)
+
+
+class StallingTaskStore(SwarmTaskStore):
+    """The old leader's swarm store: the recovery's read-and-interrupt waits at the gate."""
+
+    def __init__(self, conn: PgStore, gate: Gate) -> None:
+        super().__init__(conn, replica="a")
+        self.gate = gate
+
+    async def recover(
+        self, live: Collection[str] | None = None, *, leading: Callable[[], bool] | None = None
+    ) -> list[InterruptedTask]:
+        await self.gate.through()
+        return await super().recover(live, leading=leading)
+
+
+@asynccontextmanager
+async def _store(dsn: str, name: str) -> AsyncIterator[PgStore]:
+    store = await open_pg_store(dsn, migrations=pg_migrations(), application_name=f"kazma {name}")
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def _executor(store: PlanStore) -> tuple[PlanExecutor, RecordingDispatcher]:
+    dispatcher = RecordingDispatcher(store)
+    return PlanExecutor(store, dispatcher, lead_name="kazma", assignees=WORKERS), dispatcher
+
+
+def _plan(*steps: StepSpec) -> PlanSpec:
+    return PlanSpec(goal="ship it", steps=list(steps) or [StepSpec(index=1, title="build", assignee="builder",
+                                                                   input="build")])  # fmt: skip
+
+
+async def _within(work: Awaitable[Any] | Callable[[], Awaitable[Any]]) -> Any:
+    return await asyncio.wait_for(work() if callable(work) else work, WAIT)
+
+
+async def test_a_step_retried_after_another_recovery_interrupted_it_is_not_interrupted_again(pg_dsn: str) -> None:
+    """The leader read c's running step (attempt 1) and stalled before failing it; c restarted under its name,
+    failed it itself, its lead retried it and c runs attempt 2. The leader, going on, failed attempt 2 — a step
+    running on a live replica — as interrupted, and asked the lead about it a second time."""
+    gate = Gate()
+    async with _store(pg_dsn, "c") as sc, _store(pg_dsn, "a") as sa:
+        c, _ = _executor(PlanStore(sc, replica="c"))
+        plan = await c.start(CHAT, _plan(), PlanOrigin("ship it", REQUESTER))  # step 1 runs on c; c dies
+        leader, on_leader = _executor(StallingPlanStore(sa, gate))
+
+        stalled = asyncio.create_task(leader.mark_interrupted(LIVE))  # the leader still leads: no lease lost
+        await _within(gate.stalled.wait())
+        back, on_back = _executor(PlanStore(sc, replica="c"))  # c restarted: its previous life's, at start
+        failed, actions = await _within(back.mark_interrupted(LIVE))
+        assert failed == [(plan.id, 1)]
+        await back.perform(actions)
+        assert on_back.asked_lead == [(plan.id, 1)]
+        await back.retry_step(CHAT, 1, None, by="kazma")  # the lead retries it: attempt 2 runs on c
+        gate.open.set()
+        again, told = await _within(stalled)
+        await leader.perform(told)
+
+        loaded = await back.store.load(plan.id)
+        assert loaded is not None
+        assert (loaded.steps[1].status, loaded.steps[1].attempts) == (StepStatus.IN_PROGRESS, 2)
+        assert again == []
+        assert on_leader.asked_lead == [], "the lead asked about one interruption twice"
+
+
+async def test_an_old_leader_that_resumes_after_losing_the_lease_leaves_the_plans_of_a_replica_back(
+    pg_dsn: str,
+) -> None:
+    """The old leader stalled in the middle of failing c's steps; the new leader recovered them, and c came back
+    under its name and asked a person a question in a new plan. The old leader, going on with its stale
+    judgement, took c's new plan over (it is the old leader's now: nobody repairs it when c dies) and posted
+    c's question a second time."""
+    gate = Gate()
+    leads = {"a": True}
+    async with _store(pg_dsn, "c") as sc, _store(pg_dsn, "a") as sa, _store(pg_dsn, "b") as sb:
+        c, _ = _executor(PlanStore(sc, replica="c"))
+        left = await c.start(CHAT, _plan(), PlanOrigin("ship it", REQUESTER))  # step 1 runs on c; c dies
+        old, _ = _executor(StallingPlanStore(sa, gate))
+        new, _ = _executor(PlanStore(sb, replica="b"))
+
+        stalled = asyncio.create_task(old.mark_interrupted(LIVE, leading=lambda: leads["a"]))
+        await _within(gate.stalled.wait())
+        leads["a"] = False  # its lease ran out while it stalled; b leads and recovers
+        assert (await _within(new.mark_interrupted(LIVE)))[0] == [(left.id, 1)]
+        back, _ = _executor(PlanStore(sc, replica="c"))  # c restarted under its name, asks a person
+        asking = await back.start(OTHER_CHAT, _plan(StepSpec(index=1, title="region", assignee="user", input="which?")),
+                                  PlanOrigin("ship it", REQUESTER))  # fmt: skip
+        gate.open.set()
+        failed, told = await _within(stalled)
+
+        assert failed == []
+        assert [a.kind for a in told if a.plan.id == asking.id] == [], "c's question shown a second time"
+        assert await back.store.owner(asking.id) == "c"
+
+
+async def test_an_old_leader_that_resumes_after_losing_the_lease_leaves_the_swarm_tasks_of_a_replica_back(
+    pg_dsn: str,
+) -> None:
+    """The old leader stalled before interrupting c's swarm tasks; the new leader recovered them, and c came back
+    under its name, started a task and paused a pipeline at a checkpoint. The old leader, going on with its
+    stale judgement, ended c's running task as interrupted (its tools still running on c) and took c's paused
+    pipeline over (two replicas waiting for one checkpoint)."""
+    gate = Gate()
+    leads = {"a": True}
+    cfg = swarm_config()
+    async with _store(pg_dsn, "c") as sc, _store(pg_dsn, "a") as sa, _store(pg_dsn, "b") as sb:
+        on_c = SwarmTaskStore(sc, replica="c")
+        left = await on_c.admit(Pattern.DISPATCH, {"prompt": "p"}, owner="web:x")  # running on c; c dies
+        old = SwarmService(StallingTaskStore(sa, gate), {}, cfg, state=SwarmStateStore(sa))
+        new = SwarmService(SwarmTaskStore(sb, replica="b"), {}, cfg, state=SwarmStateStore(sb))
+        try:
+            stalled = asyncio.create_task(old.recover_gone(LIVE, leading=lambda: leads["a"]))
+            await _within(gate.stalled.wait())
+            leads["a"] = False  # its lease ran out while it stalled; b leads and recovers
+            assert len(await _within(new.recover_gone(LIVE))) == 1
+            assert (await on_c.get(left.task_id)).status is TaskStatus.INTERRUPTED  # type: ignore[union-attr]
+            running = await on_c.admit(Pattern.DISPATCH, {"prompt": "q"}, owner="web:x")  # c, back under its name
+            paused = await on_c.admit(Pattern.PIPELINE, {"prompt": "r"}, owner="web:x")
+            assert await on_c.pause(paused, "checkpoint:req1")
+            gate.open.set()
+            lines = await _within(stalled)
+        finally:
+            await old.close()
+            await new.close()
+
+        assert lines == []
+        assert (await on_c.get(running.task_id)).status is TaskStatus.RUNNING  # type: ignore[union-attr]
+        row = await on_c.tables.one("SELECT replica FROM swarm_tasks WHERE id = ?", (paused.task_id,))
+        assert row is not None
+        assert row[0] == "c", "c's paused pipeline taken over by the old leader"
+
+
+class StallingResultStore(PlanStore):
+    """Replica c's plan store: a step's result (the write after its read of the step) waits at the gate."""
+
+    def __init__(self, conn: PgStore, gate: Gate) -> None:
+        super().__init__(conn, replica="c")
+        self.gate = gate
+
+    async def set_status(self, plan_id: str, index: int, expected: StepStatus, new: StepStatus, **kw: Any) -> bool:
+        if expected is StepStatus.IN_PROGRESS and new is StepStatus.DONE:
+            await self.gate.through()
+        return await super().set_status(plan_id, index, expected, new, **kw)
+
+
+async def test_the_result_of_a_step_recovered_meanwhile_never_ends_its_retry(pg_dsn: str) -> None:
+    """c was judged gone while its step still ran (cut off from the database for longer than the takeover
+    bound). Its result came in: c read the step (attempt 1, running) and stalled before writing it; the leader
+    failed the step as interrupted and the lead retried it on b. c's write, going on, ended b's attempt 2 done
+    with attempt 1's output, and b's own result was then refused."""
+    gate = Gate()
+    async with _store(pg_dsn, "c") as sc, _store(pg_dsn, "b") as sb:
+        c, _ = _executor(StallingResultStore(sc, gate))
+        plan = await c.start(CHAT, _plan(), PlanOrigin("ship it", REQUESTER))  # step 1, attempt 1, runs on c
+        finishing = asyncio.create_task(c.complete(plan.id, 1, StepResult(ok=True, summary="from c"), attempt=1))
+        await _within(gate.stalled.wait())
+        leader, _ = _executor(PlanStore(sb, replica="b"))
+        failed, actions = await _within(leader.mark_interrupted(LIVE))  # c judged gone
+        assert failed == [(plan.id, 1)]
+        await leader.perform(actions)
+        await leader.retry_step(CHAT, 1, None, by="kazma")  # attempt 2 runs on b
+        gate.open.set()
+        assert not await _within(finishing), "attempt 1's result recorded over attempt 2"
+
+        loaded = await leader.store.load(plan.id)
+        assert loaded is not None
+        assert (loaded.steps[1].status, loaded.steps[1].attempts) == (StepStatus.IN_PROGRESS, 2)
+        assert await leader.complete(plan.id, 1, StepResult(ok=True, summary="from b"), attempt=2)
+        done = await leader.store.load(plan.id)
+        assert done is not None
+        assert done.steps[1].output_summary == "from b"
+
+
+async def test_the_leaders_sweep_stops_recovering_steps_tasks_and_calls_once_it_no_longer_leads(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wiring: a Kazma replica leading on PostgreSQL judges c gone and starts recovering; its lease runs
+    out as the recovery begins (a stall). What c runs now (back under its name) — a tool call, a plan step, a
+    swarm task — is left running: each part asks whether this replica still leads before writing."""
+    monkeypatch.setenv("KAZMA_REPLICA", "a")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    loaded = load_config_text(
+        f"store: {{url: '{pg_dsn}'}}\napprovals: {{deadline_seconds: 600, approvers: ['telegram:111']}}\n", environ={}
+    )
+    app = await build_app(loaded, adapters=[], provider=ScriptedProvider([]), workspace_root=tmp_path / "ws")
+    await app.start()
+    try:
+        replication = app.replication
+        executions = app.executions
+        assert replication is not None
+        assert executions is not None
+        await _within(replication.lease.wait_leader())
+        await app._leader_tasks.stop()  # its own sweeps out of the way: this test runs the recovery
+        async with _store(pg_dsn, "c") as sc:  # what c, back under its name, runs now
+            call = await ExecutionRecord(sc, replica="c").started(
+                tool="shell", args_hash="h", request_id=None, conversation=CHAT, agent="builder", changes_state=True
+            )
+            c, _ = _executor(PlanStore(sc, replica="c"))
+            plan = await c.start(CHAT, _plan(), PlanOrigin("ship it", REQUESTER))
+            task = await SwarmTaskStore(sc, replica="c").admit(Pattern.DISPATCH, {"prompt": "p"}, owner="web:x")
+            mark_lost = executions.mark_lost
+
+            async def stalled(*args: Any, **kwargs: Any) -> Any:
+                await replication.lease.stop()  # the stall outlasted its lease: another replica leads now
+                return await mark_lost(*args, **kwargs)
+
+            monkeypatch.setattr(executions, "mark_lost", stalled)
+            await app._recover_replicas({"a"})
+
+            outcome = await c.store.tables.one("SELECT outcome FROM tool_executions WHERE id = ?", (call,))
+            assert outcome is not None
+            assert outcome[0] is None, "c's call running now marked lost"
+            loaded_plan = await c.store.load(plan.id)
+            assert loaded_plan is not None
+            assert loaded_plan.steps[1].status is StepStatus.IN_PROGRESS
+            record = await SwarmTaskStore(sc).get(task.task_id)
+            assert record is not None
+            assert record.status is TaskStatus.RUNNING
+    finally:
+        await app.stop()
