@@ -49,12 +49,12 @@ class CallNote:
         # the call that was under way, where it is not the bound's own site (a card post's direct chat opened)
         call = f" in its {self.site} call" if self.site and self.site != site else ""
         bound = f"Kazma's {seconds:g} s bound on the {site}{call}"
-        answer = (self.answer or "").removeprefix("rate limited: ")
-        before = f"; before that {title} answered {answer}, and it was tried again" if answer else ""
+        answer = self.answer
+        before = f"; before that {answer}, and it was tried again" if answer else ""
         left = self.left(now)
         if self.retry_after is not None and self.phase != "sent" and left > 0:
             message = (
-                f"rate limited: {title} answered {answer} (retry after {self.retry_after:g} s); "
+                f"rate limited: {answer} (retry after {self.retry_after:g} s); "
                 f"{bound} ran out while waiting it out ({left:.2g} s still to wait)"
             )
             return CutShort(platform, site, message, retry_after=left)
@@ -62,7 +62,7 @@ class CallNote:
             message = f"not sent: still waiting for the chat's turn in Kazma's pacing when {bound} ran out{before}"
             return CutShort(platform, site, message)
         if self.phase == "retry" and answer:
-            return CutShort(platform, site, f"{title} answered {answer}, and {bound} ran out before it was tried again")
+            return CutShort(platform, site, f"{answer}, and {bound} ran out before it was tried again")
         return CutShort(platform, site, f"no answer from {title} within {seconds:g} s ({site}{call}){before}")
 
 
@@ -92,13 +92,16 @@ def moved(phase: Phase) -> None:
         note.phase = phase
 
 
-def answered(what: str, retry_after: float | None = None) -> None:
-    """The call under the current bound was answered with a failure (``what``, as its classifier words it) and may
-    be tried again (after ``retry_after`` seconds, a 429's)."""
+def answered(what: str, retry_after: float | None = None, *, kept: bool = False) -> None:
+    """The call under the current bound was answered with a failure (``what``: who answered what, e.g. "Slack
+    answered ratelimited") and may be tried again (after ``retry_after`` seconds, a 429's). ``kept``: an account
+    from afar (the kit's, of the failure its call raised), which leaves one the dialect noted since the request
+    went out (what its library saw on the wire, said more exactly)."""
     note = CALL_NOTE.get()
-    if note is not None:
-        note.phase, note.answer, note.retry_after = "retry", what, retry_after
-        note.answered_at = time.monotonic()
+    if note is None or (kept and note.phase == "retry" and note.answer is not None):
+        return
+    note.phase, note.answer, note.retry_after = "retry", what, retry_after
+    note.answered_at = time.monotonic()
 
 
 def wording(error: PlatformError) -> str:

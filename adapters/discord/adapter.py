@@ -270,6 +270,7 @@ class DiscordAdapter(PlatformBase):
             if witness is not None:
                 witness.requests += 1
                 witness.waiting = None  # discord.py waited it out and tried again
+                witness.retrying = False
             call_note.moved("sent")
 
         async def answered(session: aiohttp.ClientSession, context: SimpleNamespace,
@@ -278,11 +279,15 @@ class DiscordAdapter(PlatformBase):
             limit = await rate_limit_of(params.response, route, time.monotonic())
             status = params.response.status
             if limit is None:
-                if status >= 500:  # discord.py tries a 5xx again after a pause: a bound may end it meanwhile
-                    call_note.answered(f"{route} with {status} {params.response.reason or ''}".rstrip())
+                if status >= 500:  # discord.py tries a 5xx again after a pause: a timeout may end it meanwhile
+                    failed = f"{route} with {status} {params.response.reason or ''}".rstrip()
+                    call_note.answered(f"Discord answered {failed}")
+                    witness = CALL_WITNESS.get()
+                    if witness is not None:
+                        witness.failed, witness.retrying = failed, True
                 return
             scope = f", scope {limit.scope}" if limit.scope else ""
-            call_note.answered(f"{route} with 429{scope}", limit.retry_after)
+            call_note.answered(f"Discord answered {route} with 429{scope}", limit.retry_after)
             self._last_429 = limit
             witness = CALL_WITNESS.get()
             if witness is not None:

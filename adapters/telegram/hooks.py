@@ -42,7 +42,9 @@ def _retry_after_of(exc: BaseException) -> float | None:
     if not isinstance(exc, RetryAfter):
         return None
     wait = retry_after_seconds(exc)
-    call_note.answered(f"flood control: {exc}", wait)  # waited out here, inside PTB's call: a bound may end it
+    call_note.answered(
+        f"Telegram answered flood control: {exc}", wait
+    )  # waited out here, inside PTB's call: a bound may end it
     return wait
 
 
