@@ -52,10 +52,10 @@ class CallNote:
         answer = self.answer
         before = f"; before that {answer}, and it was tried again" if answer else ""
         left = self.left(now)
+        asked = "" if "retry after" in (answer or "") else f" (retry after {self.retry_after or 0:g} s)"
         if self.retry_after is not None and self.phase != "sent" and left > 0:
             message = (
-                f"rate limited: {answer} (retry after {self.retry_after:g} s); "
-                f"{bound} ran out while waiting it out ({left:.2g} s still to wait)"
+                f"rate limited: {answer}{asked}; {bound} ran out while waiting it out ({left:.2g} s still to wait)"
             )
             return CutShort(platform, site, message, retry_after=left)
         if self.phase == "turn":
