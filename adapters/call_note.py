@@ -35,7 +35,7 @@ class CallNote:
     # "sent": a request is out, no answer yet; "turn": waiting for the chat's turn in Kazma's pacing (nothing sent);
     # "retry": answered with a failure (``answer``) and waiting to try again
     phase: Phase = "sent"
-    answer: str | None = None  # the last failed answer, as the platform's classifier says it
+    answer: str | None = None  # the last failed answer: who answered what ("Slack answered ratelimited")
     retry_after: float | None = None  # the wait that answer asked for (a 429)
     answered_at: float = 0.0  # time.monotonic() of that answer
 
