@@ -19,6 +19,7 @@ from typing import Protocol
 
 import structlog
 
+from kazma.adapters.call_note import CutShort, within
 from kazma.adapters.contract import (
     CardRef,
     FileAdapter,
@@ -406,7 +407,12 @@ class FanOutBus:
             return None
         try:
             # a file may be megabytes: it has longer than a text
-            return await bounded(adapter.send(to, message), self.platform_timeout * (4 if file else 1))
+            return await within(
+                adapter.send(to, message),
+                self.platform_timeout * (4 if file else 1),
+                platform=to.platform,
+                site="send_file" if file else "send",
+            )
         except (PlatformError, TimeoutError) as exc:
             if file:
                 count_failure("send_file", to.platform)
@@ -430,12 +436,14 @@ class FanOutBus:
         if not isinstance(adapter, ShowsText):
             return None
         try:
-            return await bounded(
+            return await within(
                 adapter.show_text(to.chat, shown, message.text, agent=message.agent, thread=to.thread),
                 self.platform_timeout,
+                platform=to.platform,
+                site="stream",
             )
         except (PlatformError, TimeoutError) as exc:
-            if isinstance(exc, TimeoutError):  # a refused or failed call is counted by the adapter already
+            if isinstance(exc, CutShort | TimeoutError):  # a refused or failed call is counted by the adapter already
                 count_failure("stream", to.platform)
             log.warning("bus.show_failed", platform=to.platform, chat=to.chat, error=str(exc) or type(exc).__name__)
             return None
@@ -638,7 +646,9 @@ class FanOutBus:
             raise PlatformError(adapter.name, "card_post", "this platform posts cards only in its home chat",
                                 retryable=False)  # fmt: skip
         if place.user is not None:
-            return await bounded(adapter.direct_chat(place.user), self.platform_timeout)
+            return await within(
+                adapter.direct_chat(place.user), self.platform_timeout, platform=adapter.name, site="card_dm"
+            )
         assert place.chat is not None
         return place.chat
 
@@ -660,9 +670,11 @@ class FanOutBus:
                 where=adapter.name,
             )
         if chat is None:
-            return await bounded(adapter.post_card(card), self.platform_timeout)
+            return await within(adapter.post_card(card), self.platform_timeout, platform=adapter.name, site="card_post")
         assert isinstance(adapter, RoutesCards)
-        return await bounded(adapter.post_card_in(card, chat), self.platform_timeout)
+        return await within(
+            adapter.post_card_in(card, chat), self.platform_timeout, platform=adapter.name, site="card_post"
+        )
 
     async def _find_by_nonce(
         self,
@@ -689,10 +701,14 @@ class FanOutBus:
                 if chat in recorded:
                     continue
                 if chat == adapter.home_chat:
-                    ref = await bounded(adapter.post_card(card), self.platform_timeout)
+                    ref = await within(
+                        adapter.post_card(card), self.platform_timeout, platform=adapter.name, site="card_post"
+                    )
                 else:
                     assert isinstance(adapter, RoutesCards)  # _chat_of refuses a route elsewhere
-                    ref = await bounded(adapter.post_card_in(card, chat), self.platform_timeout)
+                    ref = await within(
+                        adapter.post_card_in(card, chat), self.platform_timeout, platform=adapter.name, site="card_post"
+                    )
             except (PlatformError, TimeoutError) as exc:
                 count_failure("card_post", adapter.name)
                 if isinstance(exc, TimeoutError) or exc.retryable:
@@ -816,7 +832,12 @@ class FanOutBus:
                 ref = CardRef(posted.platform, posted.chat, posted.message_id)
                 shown = _marked(card) if posted.reposted else card
                 try:
-                    await bounded(adapter.update_card(ref, shown), self.platform_timeout)
+                    await within(
+                        adapter.update_card(ref, shown),
+                        self.platform_timeout,
+                        platform=adapter.name,
+                        site="card_update",
+                    )
                 except (PlatformError, TimeoutError) as exc:
                     count_failure("card_progress", adapter.name)
                     log.warning("bus.card_progress_failed", platform=adapter.name, request_id=request_id,
@@ -902,7 +923,12 @@ class FanOutBus:
                     lambda: PlatformError(adapter.name, "card_settle", "503 (failpoint)", retryable=True),
                     where=adapter.name,
                 )
-            await bounded(adapter.settle_card(ref, card, outcome), self.platform_timeout)
+            await within(
+                adapter.settle_card(ref, card, outcome),
+                self.platform_timeout,
+                platform=adapter.name,
+                site="card_settle",
+            )
         except (PlatformError, TimeoutError) as exc:
             retryable = isinstance(exc, TimeoutError) or exc.retryable
             retry_after = exc.retry_after if isinstance(exc, PlatformError) else None

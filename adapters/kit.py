@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Final, TypedDict, TypeVar, Unpack
 
 import structlog
 
+from kazma.adapters import call_note
 from kazma.adapters.admission import DirectPolicy, FileBounds, Served
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.chat_text import COLUMNS_FENCES, Columns, split_text
@@ -612,6 +613,7 @@ class PlatformBase(PressPolicy):
         def rate_limited(wait: float, attempt_no: int) -> None:
             self.rate_limited(site, chat, wait, attempt_no)
 
+        call_note.begun(self.name, site)  # a bound around this call (the bus's) can say where it was
         try:
             if wait_out_429:
                 return await self.pacing.run(
@@ -824,6 +826,9 @@ class PlatformBase(PressPolicy):
     def _retry_after_of(self, site: str) -> Callable[[BaseException], float | None]:
         def retry_after(exc: BaseException) -> float | None:
             error = exc if isinstance(exc, PlatformError) else self.classify(site, exc)
+            title = call_note.TITLES.get(self.name, self.name)
+            what = call_note.wording(error).removeprefix("rate limited: ")
+            call_note.answered(f"{title} answered {what}", error.retry_after, kept=True)
             return error.retry_after
 
         return retry_after

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kazma.adapters import call_note
 from kazma.config.waits import until_set
 
 Clock = Callable[[], float]
@@ -193,7 +194,9 @@ class Pacing:
         attempt = 1
         while True:
             if self.limiter is not None and chat is not None:
+                call_note.moved("turn")
                 await self.limiter.acquire(chat, urgent=urgent, draft=draft)
+            call_note.moved("sent")
             try:
                 return await call()
             except Exception as exc:

@@ -150,3 +150,24 @@ async def test_a_gateway_that_discord_closes_for_good_is_logged_counted_and_repo
         ended = [r for r in caplog.records if r.getMessage() == "discord.gateway_ended"]
         assert ended
         assert "4004" in str(getattr(ended[0], "error", ""))
+
+
+async def test_a_request_timeout_in_discord_py_s_pause_after_a_5xx_says_discord_answered_it(tmp_path: Path) -> None:
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        adapter = app.bus.adapters["discord"]
+        assert isinstance(adapter, DiscordAdapter)
+        adapter.request_timeout = 0.2
+        # discord.py pauses 1 s before it tries a 500 again: the request timeout ends that pause, not a wait for bytes
+        fakes.discord.inject_fault("POST", HOME_POST, "500", times=1000)
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+        outbox = app.bus.outbox  # type: ignore[union-attr]
+
+        async def told() -> list[str]:
+            return [str(e) for r, p, _, e in await outbox.pending() if r == request.id and p == "discord" and e]
+
+        async with asyncio.timeout(20):
+            while not (errors := await told()):
+                await asyncio.sleep(0.02)
+        assert f"Discord answered POST /api/v10{HOME_POST} with 500" in errors[0], errors
+        assert "ran out before discord.py tried again" in errors[0], errors
+        assert "no answer" not in errors[0], errors

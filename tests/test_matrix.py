@@ -13,13 +13,17 @@ from urllib.parse import quote
 import httpx
 import pytest
 import structlog
+from aiohttp import web
+from mautrix.api import Method
+from mautrix.errors import MatrixRequestError
 
 from kazma.adapters.admission import DirectPolicy
 from kazma.adapters.contract import CardRef, Inbound, PlatformError
 from kazma.adapters.matrix import MatrixAdapter
 from kazma.adapters.matrix import adapter as matrix_adapter
+from kazma.adapters.matrix.client import close_client, make_client
 from kazma.adapters.matrix.doctor import check as check_matrix
-from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE
+from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE, classify
 from kazma.adapters.matrix.position import ACCOUNT_DATA_TYPE
 from kazma.adapters.matrix.render import CARD_BUDGET, EDIT_POINTER, edit_content, render_card
 from kazma.adapters.pacing import ChatRateLimiter
@@ -598,6 +602,54 @@ async def test_a_position_the_homeserver_would_not_keep_repeats_nothing(harness:
     await harness.settled()
     assert [i.text for i in harness.recorder.inbound] == found == ["one", "two", "three"]
     assert failure_count("sync", "matrix") == before + 1  # counted, and the batch was taken again
+
+
+async def test_a_5xx_or_a_long_429_says_what_the_homeserver_answered(harness: MatrixHarness) -> None:
+    """The words the card outbox and the log keep: the status of a 5xx (Synapse's body says only M_UNKNOWN), and the
+    wait a 429 asked for (here longer than the pacing waits out inside a call, so the error goes up at once)."""
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    harness.proxy.fail("PUT", r"/send/m\.room\.message/kazma-card-", 500)
+    with pytest.raises(PlatformError) as caught:
+        await adapter.post_card(card)
+    assert str(caught.value) == "matrix card_post: HTTP 500 M_UNKNOWN: Internal server error"
+    assert caught.value.retryable
+    harness.proxy.fail("PUT", r"/send/m\.room\.message/kazma-card-", 429, retry_after_ms=60_000)
+    with pytest.raises(PlatformError) as caught:
+        await adapter.post_card(card)
+    assert str(caught.value) == (
+        "matrix card_post: rate limited: HTTP 429 M_LIMIT_EXCEEDED: Too Many Requests (retry after 60 s)"
+    )
+    assert caught.value.retry_after == 60.0
+
+
+NGINX_502 = (
+    "<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n<center><h1>502 Bad Gateway</h1></center>"
+    "\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n"
+)
+
+
+async def test_a_proxy_s_502_page_is_told_by_its_status_not_repeated_whole() -> None:
+    """A reverse proxy in front of the homeserver answers its own HTML page: mautrix's words were that whole page."""
+
+    async def gateway(request: web.Request) -> web.Response:
+        return web.Response(status=502, text=NGINX_502, content_type="text/html")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", gateway)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    client = make_client(f"http://127.0.0.1:{runner.addresses[0][1]}", "token", request_timeout=5)
+    try:
+        with pytest.raises(MatrixRequestError) as caught:
+            await client.api.request(Method.PUT, "/_matrix/client/v3/rooms/!r:x/send/m.room.message/t1", {"body": "x"})
+    finally:
+        await close_client(client)
+        await runner.cleanup()
+    error = classify("card_post", caught.value, timeout=5)
+    assert str(error) == "matrix card_post: HTTP 502"
+    assert error.retryable
 
 
 async def test_a_card_posted_again_is_the_same_event_not_a_second_card(harness: MatrixHarness) -> None:

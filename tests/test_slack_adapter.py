@@ -669,6 +669,8 @@ async def test_rate_limit_surviving_retries_blocks_the_channel(fake: FakeSlack, 
     with pytest.raises(PlatformError) as info:
         await adapter.send_text(HOME, "too fast")
     assert (info.value.retryable, info.value.retry_after) == (True, 7.0)
+    # the card outbox and the log keep the words: they say the wait Slack asked for, not only "ratelimited"
+    assert str(info.value) == "slack send: rate limited: ratelimited (retry after 7 s)"
     assert limiter.delay_for(HOME) == 7.0
     assert limiter.delay_for(OTHER) == 0.0
     assert failure_count("send", "slack") == before + 1

@@ -684,8 +684,23 @@ async def test_a_hung_server_times_out_retryable(fake: FakeTelegram, make_adapte
     with pytest.raises(PlatformError) as caught:
         await bot.post_card(make_card({"a": 1}))
     assert caught.value.retryable is True
-    assert "TimedOut" in str(caught.value)
+    # which bound ran out and how long it was: PTB's own words were a bare "TimedOut: Timed out"
+    assert str(caught.value) == "telegram card_post: no answer from Telegram within 1 s"
     assert fake.calls_to("sendMessage")[0].status is None  # the fake never answered
+
+
+@pytest.mark.parametrize(("status", "words"), [(500, "Internal Server Error"), (502, "Bad Gateway")])
+async def test_a_5xx_is_told_as_telegram_s_answer_with_its_status(
+    fake: FakeTelegram, adapter: tuple[TelegramAdapter, Recorder], status: int, words: str
+) -> None:
+    bot, _ = adapter
+    # as the Bot API answers one: {"ok": false, "error_code": 500, "description": "Internal Server Error"}
+    fake.script("sendMessage", Fault.server_error(status, words))
+    with pytest.raises(PlatformError) as caught:
+        await bot.post_card(make_card({"a": 1}))
+    assert caught.value.retryable is True
+    # PTB's own words were the description alone ("NetworkError: Bad Gateway"), as an unreachable host's are
+    assert str(caught.value) == f"telegram card_post: NetworkError: Telegram answered {status} {words}"
 
 
 # --------------------------------------------------------------------------- plain text (dialect)

@@ -36,6 +36,7 @@ import structlog
 import yarl
 from discord import app_commands
 
+from kazma.adapters import call_note
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.chat_commands import CHAT_COMMANDS, ChatCommand
 from kazma.adapters.chat_text import COLUMNS_FENCES, Columns, split_text
@@ -269,13 +270,24 @@ class DiscordAdapter(PlatformBase):
             if witness is not None:
                 witness.requests += 1
                 witness.waiting = None  # discord.py waited it out and tried again
+                witness.retrying = False
+            call_note.moved("sent")
 
         async def answered(session: aiohttp.ClientSession, context: SimpleNamespace,
                            params: aiohttp.TraceRequestEndParams) -> None:  # fmt: skip
             route = f"{params.method} {route_of(params.url)}"
             limit = await rate_limit_of(params.response, route, time.monotonic())
+            status = params.response.status
             if limit is None:
+                if status >= 500:  # discord.py tries a 5xx again after a pause: a timeout may end it meanwhile
+                    failed = f"{route} with {status} {params.response.reason or ''}".rstrip()
+                    call_note.answered(f"Discord answered {failed}")
+                    witness = CALL_WITNESS.get()
+                    if witness is not None:
+                        witness.failed, witness.retrying = failed, True
                 return
+            scope = f", scope {limit.scope}" if limit.scope else ""
+            call_note.answered(f"Discord answered {route} with 429{scope}", limit.retry_after)
             self._last_429 = limit
             witness = CALL_WITNESS.get()
             if witness is not None:

@@ -45,6 +45,8 @@ class CallWitness:
 
     requests: int = 0  # requests that went out
     waiting: RateLimit | None = None  # the last answer was a 429, and no request has gone out since
+    failed: str | None = None  # the last 5xx Discord answered ("POST /api/v10/… with 503 Service Unavailable")
+    retrying: bool = False  # that 5xx was the last answer: discord.py pauses before it tries again
 
 
 # The witness of the adapter call running in this task (see DiscordAdapter.call); None outside one.
@@ -110,7 +112,14 @@ def classify(
         if witness is not None and witness.requests == 0 and held_by is not None and held_by.left(now) > 0:
             message = "not sent: discord.py held it back for Discord's rate limit; " + _limited(held_by, timeout, now)
             return PlatformError(PLATFORM, site, message, retryable=True, retry_after=held_by.left(now))
-        return PlatformError(PLATFORM, site, f"no answer within {timeout or 0:g} s", retryable=True)
+        failed = witness.failed if witness is not None else None
+        if failed is not None and witness is not None and witness.retrying:
+            # discord.py pauses 1 s, 3 s, … after a 5xx: Discord answered, and the timeout ended that pause
+            message = f"Discord answered {failed}; the {timeout or 0:g} s request timeout ran out before discord.py "
+            message += "tried again"
+            return PlatformError(PLATFORM, site, message, retryable=True)
+        before = f"; before that Discord answered {failed}, and discord.py tried again" if failed else ""
+        return PlatformError(PLATFORM, site, f"no answer within {timeout or 0:g} s{before}", retryable=True)
     if isinstance(exc, discord.RateLimited):
         return PlatformError(PLATFORM, site, "rate limited", retryable=True, retry_after=exc.retry_after)
     if isinstance(exc, discord.HTTPException):

@@ -34,10 +34,14 @@ def classify(site: str, exc: BaseException, *, timeout: float | None = None) -> 
     if isinstance(exc, MatrixRequestError):
         status = getattr(exc, "http_status", 0) or 0
         code = getattr(exc, "errcode", None) or f"HTTP {status}"
-        detail = f"{code}: {getattr(exc, 'message', None) or exc}"
+        said = getattr(exc, "message", None)
+        # The status first: "M_UNKNOWN: Internal server error" hid that the homeserver answered 500. Without the
+        # spec's JSON (a proxy's 502 page) mautrix's own words are the whole page: the status alone says it.
+        detail = f"HTTP {status}" + (f" {code}" if code != f"HTTP {status}" else "") + (f": {said}" if said else "")
         if status == 429 or code == "M_LIMIT_EXCEEDED":
             wait = exc.retry_after if isinstance(exc, RateLimited) else DEFAULT_WAIT
-            return PlatformError(PLATFORM, site, f"rate limited: {detail}", retryable=True, retry_after=wait)
+            message = f"rate limited: {detail} (retry after {wait:g} s)"
+            return PlatformError(PLATFORM, site, message, retryable=True, retry_after=wait)
         if code in REFUSED_TOKEN:
             problem = f"the homeserver refused the access token ({code}): check platforms.matrix.access_token"
             return PlatformError(PLATFORM, site, problem, retryable=False)

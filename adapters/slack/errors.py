@@ -59,8 +59,9 @@ def classify(site: str, exc: BaseException, *, timeout: float | None = None) -> 
         needed = response_field(exc, "needed")
         detail = f"{code} (needs {needed})" if needed else code
         if status == 429 or code == "ratelimited":
+            wait = retry_after(exc)  # said in the words too: the card outbox keeps only the words
             return PlatformError(
-                PLATFORM, site, f"rate limited: {detail}", retryable=True, retry_after=retry_after(exc)
+                PLATFORM, site, f"rate limited: {detail} (retry after {wait:g} s)", retryable=True, retry_after=wait
             )
         if (status is not None and status >= 500) or code in RETRYABLE_CODES:
             return PlatformError(PLATFORM, site, detail, retryable=True)

@@ -68,6 +68,8 @@ def _classify(site: str, exc: BaseException) -> PlatformError:
     # BadRequest is a NetworkError subclass in PTB: the request was refused, sending it again changes nothing.
     if isinstance(exc, BadRequest | Forbidden | InvalidToken):
         return PlatformError(PLATFORM, site, f"{type(exc).__name__}: {exc}", retryable=False)
+    if isinstance(exc, TimedOut) and str(exc) != "Timed out":  # Kazma's transport says which bound and how long
+        return PlatformError(PLATFORM, site, str(exc), retryable=True)
     if isinstance(exc, TimedOut | NetworkError | Conflict | TimeoutError):
         return PlatformError(PLATFORM, site, f"{type(exc).__name__}: {exc}", retryable=True)
     if isinstance(exc, TelegramError):

@@ -14,6 +14,7 @@ from telegram import CallbackQuery
 from telegram.error import NetworkError, RetryAfter
 from telegram.ext import BaseRateLimiter
 
+from kazma.adapters import call_note
 from kazma.adapters.pacing import Pacing
 from kazma.adapters.telegram.errors import PLATFORM, retry_after_seconds
 from kazma.adapters.telegram.render import ANSWER_LIMIT
@@ -38,7 +39,13 @@ def clip(text: str, limit: int) -> str:
 
 
 def _retry_after_of(exc: BaseException) -> float | None:
-    return retry_after_seconds(exc) if isinstance(exc, RetryAfter) else None
+    if not isinstance(exc, RetryAfter):
+        return None
+    wait = retry_after_seconds(exc)
+    call_note.answered(
+        f"Telegram answered flood control: {exc}", wait
+    )  # waited out here, inside PTB's call: a bound may end it
+    return wait
 
 
 class InboxRequest(AiohttpRequest):

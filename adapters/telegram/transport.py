@@ -10,6 +10,7 @@ the same errors (``TimedOut``, ``NetworkError``) as PTB's httpx transport raises
 
 from __future__ import annotations
 
+import json
 import logging
 import ssl
 import urllib.request
@@ -119,11 +120,36 @@ class AiohttpRequest(BaseRequest):
                 payload = await answer.read()
                 if _http_log.isEnabledFor(logging.DEBUG):
                     _http_log.debug('HTTP Request: %s %s "%s %s"', method, url, answer.status, answer.reason)
+                if answer.status >= 500:
+                    # PTB words a 5xx by its body's description alone ("Bad Gateway"), or repeats a proxy's whole
+                    # HTML page: the status, said here, is what tells a reader Telegram answered and failed.
+                    status = f"{answer.status} {answer.reason or ''}".rstrip()
+                    raise NetworkError(f"Telegram answered {status}{_described(payload, answer.reason)}")
                 return answer.status, payload
-        except TimeoutError as exc:  # aiohttp's timeouts are TimeoutError too
-            raise TimedOut from exc
+        # aiohttp's timeouts are TimeoutError too; PTB's bare "Timed out" said neither which nor how long
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise TimedOut(f"no connection to {yarl.URL(url).host} within {_seconds(connect, pool)}") from exc
+        except aiohttp.SocketTimeoutError as exc:
+            raise TimedOut(f"no answer from Telegram within {_seconds(read)}") from exc
+        except TimeoutError as exc:
+            raise TimedOut(f"no answer from Telegram within {_seconds(*phases)} (the call's whole bound)") from exc
         except aiohttp.ClientError as exc:
             raise NetworkError(f"aiohttp.{type(exc).__name__}: {exc}") from exc
+
+
+def _seconds(*bounds: float | None) -> str:
+    """A timeout made of ``bounds`` (summed), as a reader is told it."""
+    return "no bound" if None in bounds else f"{sum(b for b in bounds if b is not None):g} s"
+
+
+def _described(payload: bytes, reason: str | None) -> str:
+    """What a failed answer's JSON says it was (the Bot API's ``description``), when it says more than ``reason``."""
+    try:
+        body = json.loads(payload)
+    except ValueError:
+        return ""
+    description = body.get("description") if isinstance(body, dict) else None
+    return f": {description}" if isinstance(description, str) and description not in ("", reason) else ""
 
 
 def _env_proxy(url: yarl.URL) -> yarl.URL | None:
