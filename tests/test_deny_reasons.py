@@ -209,6 +209,32 @@ async def test_a_telegram_reason_prompt_is_posted_only_for_someone_whose_press_c
         assert (await app.service.store.get(request.id)).status is Status.PENDING  # type: ignore[union-attr]
 
 
+async def test_the_reason_button_of_a_decided_request_tells_the_outcome_and_asks_for_nothing(tmp_path: Path) -> None:
+    # The check before the prompt looked at the policy alone: a decided request's reason button still posted a
+    # prompt, and the reply then met "Already denied". The presser is told the outcome at the press.
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        request = await app.service.open("shell", ARGS, "agent:builder", f"telegram:{TG_CHAT}")
+        await fakes.wait(lambda: all(fakes.has_buttons(p) for p in PLATFORMS))
+        card = next(m for m in fakes.telegram.bot_messages(TG_CHAT) if m.buttons)
+        await app.service.decide(request.id, Decision.DENY, actor=f"telegram:{TG_ADMIN}", platform="telegram")
+        before = len(fakes.telegram.bot_messages(TG_CHAT))
+        query = fakes.telegram.push_callback(TG_CHAT, card.message_id, TG_ADMIN, f"kz1:{request.id}:n")
+        answer = await fakes.telegram.wait_for_answer(query, timeout=10)
+        assert str(answer.get("text")).startswith(f"Already denied by telegram:{TG_ADMIN}"), answer
+        assert not any("reply to this message" in m.text for m in fakes.telegram.bot_messages(TG_CHAT)[before:])
+        # Slack's modal alike: a press that reaches Kazma before its card's buttons are gone opens nothing
+        msg = next(m for m in fakes.slack.channel(SLACK_CHANNEL) if m.ts)
+        assert fakes.slack_events_url is not None
+        await fakes.slack.post_block_action(
+            fakes.slack_events_url, action_id="kazma_deny_reason", value=f"kz1:{request.id}:n",
+            user=SLACK_ADMIN, channel=SLACK_CHANNEL, message_ts=msg.ts,
+        )  # fmt: skip
+        await fakes.wait(lambda: any(e.user == SLACK_ADMIN for e in fakes.slack.ephemerals))
+        [told] = [e for e in fakes.slack.ephemerals if e.user == SLACK_ADMIN]
+        assert told.text.startswith(f"Already denied by telegram:{TG_ADMIN}"), told.text
+        assert fakes.slack.views == []
+
+
 async def test_a_slack_reason_modal_opens_only_for_someone_whose_press_counts(tmp_path: Path) -> None:
     # Anyone in the channel pressing "Deny with reason" got the modal, typed a reason, and only then heard that
     # their Deny does not count: they are told at the press, privately, and nothing opens.

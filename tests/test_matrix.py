@@ -418,6 +418,20 @@ async def test_deny_with_a_reason_from_someone_whose_press_would_not_count_asks_
     assert harness.recorder.presses == []
 
 
+async def test_the_reason_button_of_a_decided_request_asks_for_nothing_and_tells_the_outcome(
+    harness: MatrixHarness,
+) -> None:
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    harness.recorder.outcomes = {card.request_id: "Already denied by bob via telegram."}
+    ref = await adapter.post_card(card)
+    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
+    [told] = await harness.wait_for_notices(harness.admin, 1)
+    assert "Already denied by bob via telegram." in told
+    assert "reply to this message" not in told
+    assert harness.recorder.presses == []
+
+
 # --------------------------------------------------------------------------- encrypted rooms
 
 

@@ -59,7 +59,7 @@ from kazma.adapters.matrix.render import (
     same_key,
 )
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
-from kazma.adapters.press_policy import NOT_YOURS, PressReply
+from kazma.adapters.press_policy import PressReply
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome, PressResult
 from kazma.config.metrics import count_failure
@@ -621,10 +621,12 @@ class MatrixAdapter(PlatformBase):
 
     async def _ask_reason(self, room: str, reaction: Reaction, request_id: str) -> None:
         """ "Deny with reason": a prompt replying to the card, answered by a reply from the presser alone."""
-        if not await self._may_decide(self.actor(reaction.sender), request_id):
-            # Said as a refused press is, in one line: no prompt that waits for words nobody can give.
+        refusal = await self._reason_refusal(self.actor(reaction.sender), request_id)
+        if refusal is not None:
+            # Said as a refused press is, in one line: no prompt that waits for words nobody can give, and none for
+            # a request decided already.
             with contextlib.suppress(PlatformError):
-                await self.notice(room, reaction.sender, NOT_YOURS, reply_to=reaction.target)
+                await self.notice(room, reaction.sender, refusal, reply_to=reaction.target)
             return
         try:
             prompt = await self.notice(room, reaction.sender, reply_prompt(request_id, reaction.sender),

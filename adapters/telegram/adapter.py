@@ -62,7 +62,7 @@ from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
 from kazma.adapters.deny_reason import deny_data, reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
-from kazma.adapters.press_policy import NOT_YOURS, PRESS_NOT_ON_MESSAGE
+from kazma.adapters.press_policy import PRESS_NOT_ON_MESSAGE
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified
 from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip, streamed_edit
 from kazma.adapters.telegram.inbound import normalise
@@ -445,10 +445,12 @@ class TelegramAdapter(PlatformBase):
         message = query.message
         assert message is not None
         chat = str(message.chat.id)
-        if not await self._may_decide(self.actor(query.from_user.id), request_id):
-            # The prompt is posted in the group: nobody whose press would not count makes the bot post it.
+        refusal = await self._reason_refusal(self.actor(query.from_user.id), request_id)
+        if refusal is not None:
+            # The prompt is posted in the group: nobody whose press would not count makes the bot post it, and
+            # nobody is asked for the reason of a request that is decided already.
             with contextlib.suppress(PlatformError):
-                await self.call("press_reply", chat, lambda: query.answer(text=NOT_YOURS, show_alert=True),
+                await self.call("press_reply", chat, lambda: query.answer(text=clip(refusal, 200), show_alert=True),
                                 paced=False)  # fmt: skip
             log.info("telegram.reason_refused", actor=self.actor(query.from_user.id), request_id=request_id)
             return
