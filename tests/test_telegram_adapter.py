@@ -9,6 +9,7 @@ import secrets
 import socket
 import ssl
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -657,7 +658,6 @@ async def test_a_reason_prompt_is_paced_once_like_every_send(fake: FakeTelegram,
     assert [seconds for seconds, _ in time.sleeps[slept:]] == [1.0]  # one gap after the card, not two
     prompt = fake.bot_messages(GROUP)[-1]
     assert "reply to this message with your reason" in prompt.text
-    assert bot.reasons.is_open(str(GROUP), str(prompt.message_id))
 
     fake.script("sendMessage", *[Fault.too_many_requests(1)] * 4)
     sends = len(fake.calls_to("sendMessage"))
@@ -727,3 +727,58 @@ async def test_webhook_mode_receives_updates_with_the_secret(fake: FakeTelegram,
     inbound = await recorder.next_inbound()
     assert (inbound.command, inbound.text) == ("swarm", "status")
     assert fake.calls_to("getUpdates") == []
+
+
+async def test_a_reply_to_a_reason_prompt_after_a_restart_is_still_the_reason_and_never_chat(
+    fake: FakeTelegram, make_adapter: Factory
+) -> None:
+    """The prompts were kept in the process alone: after a restart (or on another replica serving the webhook) a
+    reply to a prompt was no reason, and its words, meant for the approvals record, reached the agents as an
+    ordinary message while the request stayed pending. The prompt is its own record now: the replied-to message
+    Telegram hands with the reply, the bot's own, naming the presser by id."""
+    first, _ = await make_adapter()
+    card = make_card({"cmd": "rm -rf /srv"})
+    ref = await first.post_card(card)
+    fake.push_callback(GROUP, int(ref.message_id), ADMIN, f"kz1:{card.request_id}:n", username="boss")
+    await fake.wait_until(lambda: any("reply to this message" in m.text for m in fake.bot_messages(GROUP)))
+    prompt = fake.bot_messages(GROUP)[-1]
+    await first.quiesce()
+    await first.stop()
+    bot, recorder = await make_adapter()
+
+    fake.push_message(GROUP, 999, "ship it", reply_to=prompt.message_id)  # not the presser
+    await fake.wait_until(lambda: any("only the person who pressed" in m.text for m in fake.bot_messages(GROUP)))
+    fake.push_message(GROUP, ADMIN, "it wipes the backups too", reply_to=prompt.message_id)
+    await asyncio.wait_for(recorder.press_finished.wait(), WAIT)
+    [press] = recorder.presses
+    assert (press.data, press.reason, press.actor, press.chat) == (
+        card.button_data(Decision.DENY),
+        "it wipes the backups too",
+        f"telegram:{ADMIN}",
+        str(GROUP),
+    )
+    # past the window: answered "expired", and still nobody's chat
+    bot.reason_clock = lambda: time.time() + 10_000
+    fake.push_message(GROUP, ADMIN, "late words", reply_to=prompt.message_id)
+    await fake.wait_until(lambda: any("that prompt has expired" in m.text for m in fake.bot_messages(GROUP)))
+    fake.push_message(GROUP, ADMIN, "after the replies")
+    # the replies to the prompt came first: the first chat the agents get is the message after them
+    arrived = await recorder.next_inbound()
+    assert arrived.text == "after the replies"
+    await bot.quiesce()
+    assert recorder.inbound.empty()
+    assert len(recorder.presses) == 1
+
+
+async def test_a_look_alike_of_a_reason_prompt_is_no_prompt(fake: FakeTelegram, make_adapter: Factory) -> None:
+    """Only the bot's own prompt is one: a person's message with the same words, replied to, is chat."""
+    bot, recorder = await make_adapter()
+    card = make_card({"cmd": "ls"})
+    fake.push_callback(GROUP, int((await bot.post_card(card)).message_id), ADMIN, f"kz1:{card.request_id}:n")
+    await fake.wait_until(lambda: any("reply to this message" in m.text for m in fake.bot_messages(GROUP)))
+    words = fake.bot_messages(GROUP)[-1]
+    copied = fake.push_message(GROUP, 999, words.text, entities=words.entities)
+    fake.push_message(GROUP, ADMIN, "a reply to a person", reply_to=copied)
+    assert (await recorder.next_inbound()).text == words.text
+    assert (await recorder.next_inbound()).text == "a reply to a person"
+    assert recorder.presses == []
