@@ -16,13 +16,16 @@ from typing import Any
 
 import httpx
 import pytest
+from telegram import Message
 
 from kazma.adapters.card_layout import CardTooLarge, lay_out, outcome_line
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
+from kazma.adapters.deny_reason import PROMPT_EXPIRED, PROMPT_NOT_YOURS, reply_prompt
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.press_policy import PRESS_APOLOGY, PRESS_NOT_ON_MESSAGE, PRESS_PENDING
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.telegram.adapter import DRAFTS_LEAVE
+from kazma.adapters.telegram.reasons import prompt_of
 from kazma.adapters.telegram.render import CARD_BUDGET, MAX_ENTITIES, TEXT_LIMIT, TelegramWriter, render_card, utf16_len
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
@@ -782,3 +785,39 @@ async def test_a_look_alike_of_a_reason_prompt_is_no_prompt(fake: FakeTelegram, 
     assert (await recorder.next_inbound()).text == words.text
     assert (await recorder.next_inbound()).text == "a reply to a person"
     assert recorder.presses == []
+
+
+def _said_by_bot(text: str, entities: list[dict[str, Any]], *, sender: int = 123456) -> Message:
+    """A message as Telegram hands it in ``reply_to_message`` (read by the real library)."""
+    body = {
+        "message_id": 7,
+        "date": int(time.time()),
+        "chat": {"id": GROUP, "type": "supergroup", "title": "g"},
+        "from": {"id": sender, "is_bot": sender == 123456, "first_name": "Kazma"},
+        "text": text,
+        "entities": entities,
+    }
+    message = Message.de_json(body, None)
+    assert message is not None
+    return message
+
+
+def test_a_prompt_whose_mention_telegram_dropped_is_still_a_prompt_bound_to_the_named_username() -> None:
+    """Telegram drops a mention of a user whose privacy settings hide them from the bot: the prompt is then told
+    by its wording, bound to the @username it names, and a person without one can give no reason through it
+    (answered "expired", never chat)."""
+    request_id = "Rq7xK2mP9vL4nB8cT1wZ5aY3"
+    now = time.time()
+    named = _said_by_bot(reply_prompt(request_id, "@Boss"), [{"type": "mention", "offset": 0, "length": 5}])
+    prompt = prompt_of(named, 123456)
+    assert prompt is not None
+    assert prompt.data == f"kz1:{request_id}:d"
+    assert prompt.refusal(ADMIN, "boss", now) is None
+    assert prompt.refusal(ADMIN, "someone", now) == PROMPT_NOT_YOURS
+    assert prompt.refusal(ADMIN, "boss", now + 10_000) == PROMPT_EXPIRED
+    unnamed = prompt_of(_said_by_bot(reply_prompt(request_id, "Alice: Smith"), []), 123456)
+    assert unnamed is not None
+    assert unnamed.refusal(ADMIN, None, now) == PROMPT_EXPIRED
+    # the same words from anyone but the bot are no prompt
+    assert prompt_of(_said_by_bot(reply_prompt(request_id, "@Boss"), [], sender=ADMIN), 123456) is None
+    assert prompt_of(_said_by_bot("@Boss: approve it", []), 123456) is None

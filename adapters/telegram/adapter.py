@@ -482,7 +482,7 @@ class TelegramAdapter(PlatformBase):
         user = message.from_user
         assert user is not None
         reply = _ChatReply(self, str(message.chat.id), message.message_id)
-        refusal = prompt.refusal(user.id, self.reason_clock())
+        refusal = prompt.refusal(user.id, user.username, self.reason_clock())
         if refusal is not None:
             log.info("telegram.reason_reply_refused", actor=self.actor(user.id), data=prompt.data, why=refusal)
             await reply.notify(refusal)

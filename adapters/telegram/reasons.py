@@ -27,17 +27,21 @@ from kazma.adapters.deny_reason import (
 
 @dataclass(frozen=True)
 class Prompt:
-    user: int | None  # only this person's reply counts; None: the prompt no longer says whose it is
+    user: int | None  # only this person's reply counts; None: the mention is gone (see ``username``)
+    username: str | None  # the presser's @username the prompt names, lowercase, when its mention is gone
     data: str  # the plain Deny's data (kz1:<id>:d)
     asked_at: float  # the prompt's date, as Telegram's server has it (seconds since the epoch)
 
-    def refusal(self, user: int, now: float) -> str | None:
-        """Why ``user``'s reply at ``now`` gives this prompt no reason; None when it does."""
-        if self.user is None or now > self.asked_at + REPLY_WINDOW_SECONDS:
+    def refusal(self, user: int, username: str | None, now: float) -> str | None:
+        """Why the reply of ``user`` (``username``) at ``now`` gives this prompt no reason; None when it does.
+        A prompt that says neither whose id nor whose username it is takes no reason from anybody."""
+        if now > self.asked_at + REPLY_WINDOW_SECONDS:
             return PROMPT_EXPIRED
-        if self.user != user:
-            return PROMPT_NOT_YOURS
-        return None
+        if self.user is not None:
+            return None if self.user == user else PROMPT_NOT_YOURS
+        if self.username is not None:
+            return None if self.username == (username or "").lower() else PROMPT_NOT_YOURS
+        return PROMPT_EXPIRED
 
 
 def who_entity(who: str, user_id: int, length: int) -> MessageEntity:
@@ -58,20 +62,23 @@ def prompt_of(message: Message, bot_id: int) -> Prompt | None:
         named = message.parse_entity(first)
         request_id = prompt_request(message.text[len(named) :])
         user = first.user.id if first.user is not None else None
+        username = None
     else:
-        # Telegram dropped the mention (it may, for a user it cannot show): still a prompt, whose nobody can say.
-        request_id, user = _unnamed(message.text), None
+        # Telegram dropped the mention (it does for a user whose privacy settings hide them from the bot): still a
+        # prompt, whose the @username it names says (a person without one: nobody's, so no reason from anybody).
+        who, request_id = _unnamed(message.text)
+        user, username = None, (who[1:].lower() if who.startswith("@") and len(who) > 1 else None)
     if request_id is None:
         return None
-    return Prompt(user, deny_data(request_id), message.date.timestamp())
+    return Prompt(user, username, deny_data(request_id), message.date.timestamp())
 
 
-def _unnamed(text: str) -> str | None:
-    """The request a prompt asks about when its mention is gone: the name is whatever comes before the wording."""
+def _unnamed(text: str) -> tuple[str, str | None]:
+    """The name and the request of a prompt whose mention is gone: the name is whatever comes before the wording."""
     cut = 0
     while (cut := text.find(": reply to this message", cut)) >= 0:
         request_id = prompt_request(text[cut:])
         if request_id is not None:
-            return request_id
+            return text[:cut], request_id
         cut += 1
-    return None
+    return "", None
