@@ -203,6 +203,10 @@ class Handlers:
     # step that posts in the chat for a press (Telegram's "Deny with reason" prompt), so nobody who may not decide
     # makes the bot post. None, or an error: the step goes on (the press itself is judged as every press is).
     may_decide: DecidesCheck | None = None
+    # The outcome of a request that is decided already, as its presser would be told it ("Already denied by …"):
+    # asked with may_decide, so nobody is asked for the reason of a decision that stands. None (or an error, or
+    # an answer of None): the step goes on, and the press itself meets what stands.
+    decided: DecidedCheck | None = None
     # Whether a press whose decision was cancelled midway (the process stopping past its grace) committed anyway.
     # None: the adapter cannot look, and tells its presser the press was not recorded.
     press_recorded: PressRecorded | None = None
@@ -230,6 +234,7 @@ class Home:
 
 HomeHandler = Callable[[str, str], Awaitable[Home]]  # (identity, platform) -> that person's home page
 DecidesCheck = Callable[[str, str, str], Awaitable[bool]]  # (identity, platform, request id) -> their press counts
+DecidedCheck = Callable[[str], Awaitable[str | None]]  # request id -> its outcome told, or None while pending
 
 
 @runtime_checkable

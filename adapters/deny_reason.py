@@ -1,5 +1,5 @@
 """Deny with a reason, on every chat platform: the card's "Deny with reason" button asks first (a Slack or
-Discord modal, a Telegram reply to a prompt bound to the presser), then the Deny goes through the one press
+Discord modal, a Telegram or Matrix reply to a prompt bound to the presser), then the Deny goes through the one press
 policy with the words attached. A bare Deny stays one press. What is shared lives here: the button's data,
 the wording, and the bound on what is kept (:data:`~kazma.approvals.model.MAX_REASON`)."""
 
@@ -18,8 +18,22 @@ REASON_TITLE: Final = "Deny with a reason"
 REASON_LABEL: Final = "Why deny it? The agent reads this, and every card and the audit show it."
 REASON_SUBMIT: Final = "Deny"
 REASON_MAX: Final = MAX_REASON
-# Telegram has no modal: the presser replies to a prompt, within this many seconds, and only they count.
+# Telegram and Matrix have no modal: the presser replies to a prompt, within this many seconds, and only they count.
 REPLY_WINDOW_SECONDS: Final = 120.0
+# The prompt after the presser's name. It is the prompt's own record of what it asks (Telegram hands the replied-to
+# message with every reply): read back by :func:`prompt_request`, so it is written from this one template.
+_PROMPT_WORDS: Final = (
+    ": reply to this message with your reason for denying {id} within {minutes} minutes (only your reply counts)."
+    " Or press Deny on the card."
+)
+_PROMPT_READ = re.compile(
+    re.escape(_PROMPT_WORDS)
+    .replace(re.escape("{id}"), "(?P<id>[A-Za-z0-9_-]{16,64})")
+    .replace(re.escape("{minutes}"), "[0-9]+")
+)
+# Said to the presser whose reply comes after the window (or to a prompt that no longer says whose it is).
+PROMPT_EXPIRED: Final = "that prompt has expired, so nothing was recorded: press Deny with reason on the card again"
+PROMPT_NOT_YOURS: Final = "only the person who pressed Deny with reason can give its reason"
 
 
 def reason_request(data: str) -> str | None:
@@ -34,7 +48,10 @@ def deny_data(request_id: str) -> str:
 
 
 def reply_prompt(request_id: str, who: str) -> str:
-    return (
-        f"{who}: reply to this message with your reason for denying {request_id} within "
-        f"{int(REPLY_WINDOW_SECONDS // 60)} minutes (only your reply counts). Or press Deny on the card."
-    )
+    return who + _PROMPT_WORDS.format(id=request_id, minutes=int(REPLY_WINDOW_SECONDS // 60))
+
+
+def prompt_request(after_who: str) -> str | None:
+    """The request id a prompt's words (all after the presser's name) ask a reason for; None for other words."""
+    match = _PROMPT_READ.fullmatch(after_who)
+    return None if match is None else match["id"]

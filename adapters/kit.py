@@ -46,7 +46,7 @@ from kazma.adapters.ingress import (
     space_served,
 )
 from kazma.adapters.pacing import Pacing
-from kazma.adapters.press_policy import PressPolicy
+from kazma.adapters.press_policy import NOT_YOURS, PressPolicy
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
 from kazma.config.address import Actor, Address
@@ -461,6 +461,20 @@ class PlatformBase(PressPolicy):
         except Exception as exc:
             log.warning("platform.may_decide_unknown", platform=self.name, request_id=request_id, error=str(exc))
             return True
+
+    async def _reason_refusal(self, actor: str, request_id: str) -> str | None:
+        """Why ``actor`` is not asked for a reason to deny ``request_id`` (a modal, a prompt), or None to ask: the
+        request is decided already (its outcome), or their press would not count (:data:`NOT_YOURS`)."""
+        handlers = self._handlers
+        if handlers is not None and handlers.decided is not None:
+            try:
+                outcome = await handlers.decided(request_id)
+            except Exception as exc:
+                log.warning("platform.decided_unknown", platform=self.name, request_id=request_id, error=str(exc))
+                outcome = None
+            if outcome is not None:
+                return f"{outcome} There is no reason to give now."
+        return None if await self._may_decide(actor, request_id) else NOT_YOURS
 
     async def _taken_in(self, key: str | None) -> bool:
         """Tell the claims that the event ``key`` is taken in here; False when its claim is another replica's now.

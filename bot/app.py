@@ -186,6 +186,7 @@ class App(Lifecycle):
             signed_with_press=self.signed_with_press and self.signed_requests is not None,
             home=self.home,
             may_decide=self.may_decide,
+            decided=self.decided,
             press_recorded=self.press_recorded,
         )
 
@@ -201,6 +202,13 @@ class App(Lifecycle):
         the press itself says what it is)."""
         request = await self.service.store.get(request_id)
         return request is None or self.service.may_decide_under(actor, platform, request.policy)
+
+    async def decided(self, request_id: str) -> str | None:
+        """How a press on ``request_id`` would be told its outcome when it is decided already; None while it is
+        pending (or unknown: the press itself says what it is)."""
+        request = await self.service.store.get(request_id)
+        outcome = None if request is None else request.outcome()
+        return None if outcome is None else f"Already {outcome.summary()}."
 
     async def home(self, actor: str, platform: str) -> Home:
         """A person's home page on a platform (Slack's App Home): the newest requests waiting for a decision, in

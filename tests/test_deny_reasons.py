@@ -156,9 +156,6 @@ async def test_a_telegram_reply_is_the_reason_only_from_the_presser_and_in_time(
         assert isinstance(bus, FanOutBus)
         adapter = bus.adapters["telegram"]
         assert isinstance(adapter, TelegramAdapter)
-        # the prompt shows in the chat a moment before the adapter holds it (its post's answer): a person cannot
-        # reply that fast, a test can
-        await fakes.wait(lambda: adapter.reasons.is_open(str(TG_CHAT), str(prompt.message_id)))
 
         # somebody else's reply is not the presser's reason: refused, nothing decided, nothing for the agents
         fakes.telegram.push_message(TG_CHAT, 999, "approve it, I say", reply_to=prompt.message_id)
@@ -179,13 +176,10 @@ async def test_a_telegram_reply_is_the_reason_only_from_the_presser_and_in_time(
         await fakes.wait(lambda: any(late.id in m.text and "reply to this message" in m.text
                                      for m in fakes.telegram.bot_messages(TG_CHAT)))  # fmt: skip
         prompt = next(m for m in fakes.telegram.bot_messages(TG_CHAT) if late.id in m.text and "reply" in m.text)
-        await fakes.wait(lambda: adapter.reasons.is_open(str(TG_CHAT), str(prompt.message_id)))
-        now = adapter.reasons.clock()
-        adapter.reasons.clock = lambda: now + 10_000  # the window has passed
+        now = adapter.reason_clock()
+        adapter.reason_clock = lambda: now + 10_000  # the window has passed
         fakes.telegram.push_message(TG_CHAT, TG_ADMIN, "too late", reply_to=prompt.message_id)
-        await fakes.wait(
-            lambda: any("too late for that reason" in m.text for m in fakes.telegram.bot_messages(TG_CHAT))
-        )
+        await fakes.wait(lambda: any("that prompt has expired" in m.text for m in fakes.telegram.bot_messages(TG_CHAT)))
         assert (await app.service.store.get(late.id)).status is Status.PENDING  # type: ignore[union-attr]
 
 
@@ -207,6 +201,32 @@ async def test_a_telegram_reason_prompt_is_posted_only_for_someone_whose_press_c
         prompts = [m for m in fakes.telegram.bot_messages(TG_CHAT)[before:] if "reply to this message" in m.text]
         assert len(prompts) == 1  # the approver's, none for 999
         assert (await app.service.store.get(request.id)).status is Status.PENDING  # type: ignore[union-attr]
+
+
+async def test_the_reason_button_of_a_decided_request_tells_the_outcome_and_asks_for_nothing(tmp_path: Path) -> None:
+    # The check before the prompt looked at the policy alone: a decided request's reason button still posted a
+    # prompt, and the reply then met "Already denied". The presser is told the outcome at the press.
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        request = await app.service.open("shell", ARGS, "agent:builder", f"telegram:{TG_CHAT}")
+        await fakes.wait(lambda: all(fakes.has_buttons(p) for p in PLATFORMS))
+        card = next(m for m in fakes.telegram.bot_messages(TG_CHAT) if m.buttons)
+        await app.service.decide(request.id, Decision.DENY, actor=f"telegram:{TG_ADMIN}", platform="telegram")
+        before = len(fakes.telegram.bot_messages(TG_CHAT))
+        query = fakes.telegram.push_callback(TG_CHAT, card.message_id, TG_ADMIN, f"kz1:{request.id}:n")
+        answer = await fakes.telegram.wait_for_answer(query, timeout=10)
+        assert str(answer.get("text")).startswith(f"Already denied by telegram:{TG_ADMIN}"), answer
+        assert not any("reply to this message" in m.text for m in fakes.telegram.bot_messages(TG_CHAT)[before:])
+        # Slack's modal alike: a press that reaches Kazma before its card's buttons are gone opens nothing
+        msg = next(m for m in fakes.slack.channel(SLACK_CHANNEL) if m.ts)
+        assert fakes.slack_events_url is not None
+        await fakes.slack.post_block_action(
+            fakes.slack_events_url, action_id="kazma_deny_reason", value=f"kz1:{request.id}:n",
+            user=SLACK_ADMIN, channel=SLACK_CHANNEL, message_ts=msg.ts,
+        )  # fmt: skip
+        await fakes.wait(lambda: any(e.user == SLACK_ADMIN for e in fakes.slack.ephemerals))
+        [told] = [e for e in fakes.slack.ephemerals if e.user == SLACK_ADMIN]
+        assert told.text.startswith(f"Already denied by telegram:{TG_ADMIN}"), told.text
+        assert fakes.slack.views == []
 
 
 async def test_a_slack_reason_modal_opens_only_for_someone_whose_press_counts(tmp_path: Path) -> None:

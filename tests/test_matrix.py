@@ -422,6 +422,64 @@ async def test_deny_with_a_reason_from_someone_whose_press_would_not_count_asks_
     assert harness.recorder.presses == []
 
 
+async def test_a_reply_to_a_reason_prompt_after_a_restart_is_still_the_reason_and_never_chat(
+    harness: MatrixHarness,
+) -> None:
+    """The prompts were kept in the process alone: after a restart (or on another replica) the presser's reply was
+    no reason, and its words (meant for the approvals record, perhaps saying why the call is dangerous) reached the
+    agents as an ordinary message while the request stayed pending. The prompt carries what it asks now."""
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
+    await harness.wait_for_notices(harness.admin, 1)
+    [prompt] = [e["event_id"] for e in harness._bot_events(harness.home) if e["content"].get("msgtype") == "m.notice"]
+    await adapter.quiesce()
+    await adapter.stop()
+    restarted = await harness.start()
+    relates = {"m.relates_to": {"m.in_reply_to": {"event_id": prompt}}}
+    await asyncio.to_thread(harness.people[harness.member].say, harness.home, "it is fine, ship it", **relates)
+    await asyncio.to_thread(harness.people[harness.admin].say, harness.home, "it drops the prod table", **relates)
+    await harness.say(harness.home, harness.admin, "after the reply")
+    await texts_arrived(harness, 1)
+    [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses)
+    assert (press.data, press.reason, press.actor, press.message_id) == (
+        card.button_data(Decision.DENY),
+        "it drops the prod table",
+        f"matrix:{harness.admin}",
+        ref.message_id,
+    )
+    await harness.settled()
+    # neither reply to the prompt is chat for the agents
+    assert [i.text for i in harness.recorder.inbound] == ["after the reply"]
+
+    # past its window the prompt is answered "expired", still not handed to the agents
+    assert isinstance(restarted, MatrixAdapter)
+    restarted.reason_clock = lambda: 4_000_000_000.0
+    await asyncio.to_thread(harness.people[harness.admin].say, harness.home, "late words", **relates)
+    await harness.say(harness.home, harness.admin, "after the late reply")
+    await texts_arrived(harness, 2)
+    told = await harness.wait_for_notices(harness.admin, 2)
+    assert "that prompt has expired" in told[-1], told
+    await harness.settled()
+    assert [i.text for i in harness.recorder.inbound] == ["after the reply", "after the late reply"]
+    assert len(harness.recorder.presses) == 1
+
+
+async def test_the_reason_button_of_a_decided_request_asks_for_nothing_and_tells_the_outcome(
+    harness: MatrixHarness,
+) -> None:
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    harness.recorder.outcomes = {card.request_id: "Already denied by bob via telegram."}
+    ref = await adapter.post_card(card)
+    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
+    [told] = await harness.wait_for_notices(harness.admin, 1)
+    assert "Already denied by bob via telegram." in told
+    assert "reply to this message" not in told
+    assert harness.recorder.presses == []
+
+
 # --------------------------------------------------------------------------- encrypted rooms
 
 

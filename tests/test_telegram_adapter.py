@@ -9,19 +9,23 @@ import secrets
 import socket
 import ssl
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
+from telegram import Message
 
 from kazma.adapters.card_layout import CardTooLarge, lay_out, outcome_line
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
+from kazma.adapters.deny_reason import PROMPT_EXPIRED, PROMPT_NOT_YOURS, reply_prompt
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.press_policy import PRESS_APOLOGY, PRESS_NOT_ON_MESSAGE, PRESS_PENDING
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.telegram.adapter import DRAFTS_LEAVE
+from kazma.adapters.telegram.reasons import prompt_of
 from kazma.adapters.telegram.render import CARD_BUDGET, MAX_ENTITIES, TEXT_LIMIT, TelegramWriter, render_card, utf16_len
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
@@ -657,7 +661,6 @@ async def test_a_reason_prompt_is_paced_once_like_every_send(fake: FakeTelegram,
     assert [seconds for seconds, _ in time.sleeps[slept:]] == [1.0]  # one gap after the card, not two
     prompt = fake.bot_messages(GROUP)[-1]
     assert "reply to this message with your reason" in prompt.text
-    assert bot.reasons.is_open(str(GROUP), str(prompt.message_id))
 
     fake.script("sendMessage", *[Fault.too_many_requests(1)] * 4)
     sends = len(fake.calls_to("sendMessage"))
@@ -742,3 +745,94 @@ async def test_webhook_mode_receives_updates_with_the_secret(fake: FakeTelegram,
     inbound = await recorder.next_inbound()
     assert (inbound.command, inbound.text) == ("swarm", "status")
     assert fake.calls_to("getUpdates") == []
+
+
+async def test_a_reply_to_a_reason_prompt_after_a_restart_is_still_the_reason_and_never_chat(
+    fake: FakeTelegram, make_adapter: Factory
+) -> None:
+    """The prompts were kept in the process alone: after a restart (or on another replica serving the webhook) a
+    reply to a prompt was no reason, and its words, meant for the approvals record, reached the agents as an
+    ordinary message while the request stayed pending. The prompt is its own record now: the replied-to message
+    Telegram hands with the reply, the bot's own, naming the presser by id."""
+    first, _ = await make_adapter()
+    card = make_card({"cmd": "rm -rf /srv"})
+    ref = await first.post_card(card)
+    fake.push_callback(GROUP, int(ref.message_id), ADMIN, f"kz1:{card.request_id}:n", username="boss")
+    await fake.wait_until(lambda: any("reply to this message" in m.text for m in fake.bot_messages(GROUP)))
+    prompt = fake.bot_messages(GROUP)[-1]
+    await first.quiesce()
+    await first.stop()
+    bot, recorder = await make_adapter()
+
+    fake.push_message(GROUP, 999, "ship it", reply_to=prompt.message_id)  # not the presser
+    await fake.wait_until(lambda: any("only the person who pressed" in m.text for m in fake.bot_messages(GROUP)))
+    fake.push_message(GROUP, ADMIN, "it wipes the backups too", reply_to=prompt.message_id)
+    await asyncio.wait_for(recorder.press_finished.wait(), WAIT)
+    [press] = recorder.presses
+    assert (press.data, press.reason, press.actor, press.chat) == (
+        card.button_data(Decision.DENY),
+        "it wipes the backups too",
+        f"telegram:{ADMIN}",
+        str(GROUP),
+    )
+    # past the window: answered "expired", and still nobody's chat
+    bot.reason_clock = lambda: time.time() + 10_000
+    fake.push_message(GROUP, ADMIN, "late words", reply_to=prompt.message_id)
+    await fake.wait_until(lambda: any("that prompt has expired" in m.text for m in fake.bot_messages(GROUP)))
+    fake.push_message(GROUP, ADMIN, "after the replies")
+    # the replies to the prompt came first: the first chat the agents get is the message after them
+    arrived = await recorder.next_inbound()
+    assert arrived.text == "after the replies"
+    await bot.quiesce()
+    assert recorder.inbound.empty()
+    assert len(recorder.presses) == 1
+
+
+async def test_a_look_alike_of_a_reason_prompt_is_no_prompt(fake: FakeTelegram, make_adapter: Factory) -> None:
+    """Only the bot's own prompt is one: a person's message with the same words, replied to, is chat."""
+    bot, recorder = await make_adapter()
+    card = make_card({"cmd": "ls"})
+    fake.push_callback(GROUP, int((await bot.post_card(card)).message_id), ADMIN, f"kz1:{card.request_id}:n")
+    await fake.wait_until(lambda: any("reply to this message" in m.text for m in fake.bot_messages(GROUP)))
+    words = fake.bot_messages(GROUP)[-1]
+    copied = fake.push_message(GROUP, 999, words.text, entities=words.entities)
+    fake.push_message(GROUP, ADMIN, "a reply to a person", reply_to=copied)
+    assert (await recorder.next_inbound()).text == words.text
+    assert (await recorder.next_inbound()).text == "a reply to a person"
+    assert recorder.presses == []
+
+
+def _said_by_bot(text: str, entities: list[dict[str, Any]], *, sender: int = 123456) -> Message:
+    """A message as Telegram hands it in ``reply_to_message`` (read by the real library)."""
+    body = {
+        "message_id": 7,
+        "date": int(time.time()),
+        "chat": {"id": GROUP, "type": "supergroup", "title": "g"},
+        "from": {"id": sender, "is_bot": sender == 123456, "first_name": "Kazma"},
+        "text": text,
+        "entities": entities,
+    }
+    message = Message.de_json(body, None)
+    assert message is not None
+    return message
+
+
+def test_a_prompt_whose_mention_telegram_dropped_is_still_a_prompt_bound_to_the_named_username() -> None:
+    """Telegram drops a mention of a user whose privacy settings hide them from the bot: the prompt is then told
+    by its wording, bound to the @username it names, and a person without one can give no reason through it
+    (answered "expired", never chat)."""
+    request_id = "Rq7xK2mP9vL4nB8cT1wZ5aY3"
+    now = time.time()
+    named = _said_by_bot(reply_prompt(request_id, "@Boss"), [{"type": "mention", "offset": 0, "length": 5}])
+    prompt = prompt_of(named, 123456)
+    assert prompt is not None
+    assert prompt.data == f"kz1:{request_id}:d"
+    assert prompt.refusal(ADMIN, "boss", now) is None
+    assert prompt.refusal(ADMIN, "someone", now) == PROMPT_NOT_YOURS
+    assert prompt.refusal(ADMIN, "boss", now + 10_000) == PROMPT_EXPIRED
+    unnamed = prompt_of(_said_by_bot(reply_prompt(request_id, "Alice: Smith"), []), 123456)
+    assert unnamed is not None
+    assert unnamed.refusal(ADMIN, None, now) == PROMPT_EXPIRED
+    # the same words from anyone but the bot are no prompt
+    assert prompt_of(_said_by_bot(reply_prompt(request_id, "@Boss"), [], sender=ADMIN), 123456) is None
+    assert prompt_of(_said_by_bot("@Boss: approve it", []), 123456) is None

@@ -81,7 +81,6 @@ from kazma.adapters.discord.webhooks import AgentWebhooks
 from kazma.adapters.ingress import REPLAY_WINDOW, SignedRequests
 from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
-from kazma.adapters.press_policy import NOT_YOURS
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome
 from kazma.config.metrics import count_failure
@@ -604,13 +603,14 @@ class DiscordAdapter(PlatformBase):
 
     async def _ask_reason(self, interaction: discord.Interaction[_Client], request_id: str) -> None:
         """ "Deny with reason": a modal is the press's first answer (it cannot follow a deferral)."""
-        if not await self._may_decide(self.actor(interaction.user.id), request_id):
+        refusal = await self._reason_refusal(self.actor(interaction.user.id), request_id)
+        if refusal is not None:
             # Told now, privately, not after typing a reason into a modal whose Deny would not count.
             log.info("discord.reason_refused", actor=self.actor(interaction.user.id), request_id=request_id)
             with self.tracking(), contextlib.suppress(PlatformError):
                 await self._rest(
                     "press_reply",
-                    lambda: interaction.response.send_message(NOT_YOURS, ephemeral=True, allowed_mentions=NO_MENTIONS),
+                    lambda: interaction.response.send_message(refusal, ephemeral=True, allowed_mentions=NO_MENTIONS),
                 )
             return
         modal = discord.ui.Modal(title=REASON_TITLE, custom_id=deny_data(request_id), timeout=REPLY_WINDOW_SECONDS)

@@ -39,7 +39,7 @@ from mautrix.types import RoomCreatePreset, RoomID, UserID
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.contract import CardRef, Handlers, PlatformError, Press
-from kazma.adapters.deny_reason import REPLY_WINDOW_SECONDS, deny_data, reason_request, reply_prompt
+from kazma.adapters.deny_reason import PROMPT_EXPIRED, REPLY_WINDOW_SECONDS, deny_data, reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.matrix.client import close_client, long_poll, make_client
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE, PLATFORM, classify
@@ -47,6 +47,7 @@ from kazma.adapters.matrix.inbound import Reaction, normalise, reaction_of, repl
 from kazma.adapters.matrix.position import Position, SyncPosition
 from kazma.adapters.matrix.render import (
     CHOICES_KEY,
+    PROMPT_KEY,
     TEXT_LIMIT,
     Choice,
     MatrixCard,
@@ -59,7 +60,7 @@ from kazma.adapters.matrix.render import (
     same_key,
 )
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
-from kazma.adapters.press_policy import NOT_YOURS, PressReply
+from kazma.adapters.press_policy import PressReply
 from kazma.approvals.card import ApprovalCard
 from kazma.approvals.model import Outcome, PressResult
 from kazma.config.metrics import count_failure
@@ -125,6 +126,35 @@ class _Tries:
         self._failed.pop(key, None)
 
 
+# Reason prompts (and events found to be none) remembered at once, the oldest forgotten first: read again if need be.
+PROMPTS_KEPT: Final = 1000
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """A "Deny with reason" prompt, as the prompt event carries it (:data:`PROMPT_KEY`)."""
+
+    user: str  # only this person's reply counts
+    data: str  # the plain Deny's data (kz1:<id>:d)
+    card: str  # the card event the reason button was on
+    until: float  # seconds since the epoch
+
+    def content(self) -> dict[str, Any]:
+        # Whole seconds: a homeserver refuses an event with a float in it (canonical JSON has integers only).
+        return {"user": self.user, "data": self.data, "card": self.card, "until": int(self.until)}
+
+    @classmethod
+    def of(cls, kept: object) -> _Prompt | None:
+        if not isinstance(kept, dict):
+            return None
+        user, data, card, until = (kept.get(k) for k in ("user", "data", "card", "until"))
+        if not (isinstance(user, str) and isinstance(data, str) and isinstance(card, str)):
+            return None
+        if not isinstance(until, int | float) or isinstance(until, bool):
+            return None
+        return cls(user, data, card, float(until))
+
+
 class _Notice:
     """The answer to a press: Matrix has no private message in a room, so a notice replies to the card and
     mentions the presser alone (``m.mentions``), which notifies them and nobody else."""
@@ -171,7 +201,8 @@ class MatrixAdapter(PlatformBase):
         self._direct: set[str] = set()  # rooms that are direct chats of the bot's account (m.direct)
         self._direct_known = False  # whether m.direct was read (see _load_direct)
         self._choices: dict[str, dict[str, str]] = {}  # the bot's own events with choices: key -> data
-        self._reasons: dict[str, tuple[str, str, str, float]] = {}  # prompt event -> (user, data, card, until)
+        self._prompts: dict[str, _Prompt | None] = {}  # events read as reason prompts (None: no prompt), a cache
+        self.reason_clock: Callable[[], float] = time.time  # a prompt's end is wall-clock time: any process reads it
         self._taking: dict[str, _Taking] = {}  # presses handed over, by key: the sync waits for their decision
         self._told_encrypted: set[str] = set()
         self._position: SyncPosition | None = None
@@ -471,8 +502,9 @@ class MatrixAdapter(PlatformBase):
             return await self._reaction(room, reaction)
         content = event.get("content")
         replying = reply_target(content) if isinstance(content, dict) else None
-        if replying is not None and replying in self._reasons:
-            return await self._reason_given(room, event, replying)
+        prompt = None if replying is None else await self._prompt_of(room, replying)
+        if prompt is not None:
+            return await self._reason_given(room, event, prompt)
         inbound = normalise(
             event,
             room,
@@ -539,25 +571,10 @@ class MatrixAdapter(PlatformBase):
         known = self._choices.get(event_id)
         if known is not None:
             return known
-        client = self._api("press")
-        try:
-            event = await self.call(
-                "press", None, lambda: client.api.request(Method.GET, Path.v3.rooms[room].event[event_id]), paced=False
-            )
-        except PlatformError as exc:
-            if not exc.retryable:
-                return {}
-            failed = self._card_read_failures.again(event_id, self.card_read_tries)
-            if failed is None:
-                raise
-            # The press is lost (its presser can press again once the homeserver serves the card): said and counted.
-            count_failure("matrix_press_card_unreadable", PLATFORM)
-            log.error("matrix.press_card_unreadable", room=room, card=event_id, tries=failed, error=str(exc))
+        content = await self._own_event(room, event_id, "press")
+        if content is None:
             return {}
-        self._card_read_failures.forget(event_id)
-        if event.get("sender") != self.user_id:
-            return {}
-        listed = (event.get("content") or {}).get(CHOICES_KEY)
+        listed = content.get(CHOICES_KEY)
         found = {
             same_key(str(c["key"])): str(c["data"])
             for c in (listed if isinstance(listed, list) else [])
@@ -565,6 +582,48 @@ class MatrixAdapter(PlatformBase):
         }
         self._choices[event_id] = found
         return found
+
+    async def _own_event(self, room: str, event_id: str, site: str) -> dict[str, Any] | None:
+        """The content of ``event_id`` when the bot itself sent it, else None (an event the homeserver says is not
+        there, or not to be seen by the bot, is nobody's). A failure that may pass raises, up to
+        :attr:`card_read_tries` times for one event (see :meth:`_choices_of`); then None, counted."""
+        client = self._api(site)
+        try:
+            event = await self.call(
+                site, None, lambda: client.api.request(Method.GET, Path.v3.rooms[room].event[event_id]), paced=False
+            )
+        except PlatformError as exc:
+            if not exc.retryable:
+                return None
+            failed = self._card_read_failures.again(event_id, self.card_read_tries)
+            if failed is None:
+                raise
+            # The press (or the reason) is lost, said and counted: its person can press again once the homeserver
+            # serves the event.
+            count_failure("matrix_press_card_unreadable", PLATFORM)
+            log.error("matrix.press_card_unreadable", room=room, card=event_id, tries=failed, error=str(exc))
+            return None
+        self._card_read_failures.forget(event_id)
+        if event.get("sender") != self.user_id:
+            return None
+        content = event.get("content")
+        return content if isinstance(content, dict) else {}
+
+    async def _prompt_of(self, room: str, event_id: str) -> _Prompt | None:
+        """The reason prompt ``event_id`` is, read from the prompt itself (the bot's own event), or None.
+
+        The prompt carries what it asks (:data:`PROMPT_KEY`), so the process that posted it, the same one after a
+        restart, or another replica reads a reply to it alike; nothing about it lives only in memory."""
+        if event_id in self._prompts:
+            return self._prompts[event_id]
+        if event_id in self._choices:
+            return None  # a card
+        content = await self._own_event(room, event_id, "press")
+        prompt = None if content is None else _Prompt.of(content.get(PROMPT_KEY))
+        while len(self._prompts) >= PROMPTS_KEPT:
+            del self._prompts[next(iter(self._prompts))]
+        self._prompts[event_id] = prompt
+        return prompt
 
     async def _reaction(self, room: str, reaction: Reaction) -> bool:
         data = (await self._choices_of(room, reaction.target)).get(same_key(reaction.key))
@@ -621,34 +680,43 @@ class MatrixAdapter(PlatformBase):
 
     async def _ask_reason(self, room: str, reaction: Reaction, request_id: str) -> None:
         """ "Deny with reason": a prompt replying to the card, answered by a reply from the presser alone."""
-        if not await self._may_decide(self.actor(reaction.sender), request_id):
-            # Said as a refused press is, in one line: no prompt that waits for words nobody can give.
+        refusal = await self._reason_refusal(self.actor(reaction.sender), request_id)
+        if refusal is not None:
+            # Said as a refused press is, in one line: no prompt that waits for words nobody can give, and none for
+            # a request decided already.
             with contextlib.suppress(PlatformError):
-                await self.notice(room, reaction.sender, NOT_YOURS, reply_to=reaction.target)
+                await self.notice(room, reaction.sender, refusal, reply_to=reaction.target)
             return
+        prompt = _Prompt(reaction.sender, deny_data(request_id), reaction.target,
+                         self.reason_clock() + REPLY_WINDOW_SECONDS)  # fmt: skip
         try:
-            prompt = await self.notice(room, reaction.sender, reply_prompt(request_id, reaction.sender),
-                                       reply_to=reaction.target)  # fmt: skip
+            posted = await self.notice(room, reaction.sender, reply_prompt(request_id, reaction.sender),
+                                       reply_to=reaction.target, extra={PROMPT_KEY: prompt.content()})  # fmt: skip
         except PlatformError:
             return
-        now = time.monotonic()
-        for stale in [p for p, (_, _, _, ends) in self._reasons.items() if ends < now]:
-            del self._reasons[stale]  # prompts nobody answered in time
-        self._reasons[prompt] = (reaction.sender, deny_data(request_id), reaction.target, now + REPLY_WINDOW_SECONDS)
+        self._prompts[posted] = prompt
 
-    async def _reason_given(self, room: str, event: dict[str, Any], prompt: str) -> bool:
-        user, data, card, until = self._reasons[prompt]
+    async def _reason_given(self, room: str, event: dict[str, Any], prompt: _Prompt) -> bool:
+        """A reply to a reason prompt, never chat for the agents: the presser's words in time deny the request
+        through the one press policy; their late words are refused, told; anybody else's are passed by."""
         sender = str(event.get("sender", ""))
-        if sender != user or time.monotonic() > until:
+        if sender != prompt.user:
             return False
-        del self._reasons[prompt]
+        if self.reason_clock() > prompt.until:
+            log.info("matrix.reason_reply_refused", actor=self.actor(sender), data=prompt.data, why="expired")
+            with contextlib.suppress(PlatformError):
+                await self.notice(room, sender, PROMPT_EXPIRED, reply_to=str(event.get("event_id", "")) or None)
+            return False
         content = event.get("content") or {}
         reason = without_reply_fallback(str(content.get("body", ""))).strip()
-        press = Press(PLATFORM, data, self.actor(sender), room, card, self.is_admin(sender), reason=reason)
+        card = prompt.card
+        press = Press(PLATFORM, prompt.data, self.actor(sender), room, card, self.is_admin(sender), reason=reason)
         await self._hand_over(press, _Notice(self, room, card, sender), str(event.get("event_id", "")))
         return True
 
-    async def notice(self, room: str, user: str, text: str, *, reply_to: str | None = None) -> str:
+    async def notice(
+        self, room: str, user: str, text: str, *, reply_to: str | None = None, extra: dict[str, Any] | None = None
+    ) -> str:
         """An ``m.notice`` in ``room`` that mentions ``user`` alone (they are notified, nobody else); its id."""
         client = self._api("press_reply")
         pill = f'<a href="https://matrix.to/#/{quote(user)}">{_escape(user)}</a>'
@@ -661,6 +729,7 @@ class MatrixAdapter(PlatformBase):
         }
         if reply_to:
             content["m.relates_to"] = {"m.in_reply_to": {"event_id": reply_to}}
+        content.update(extra or {})
         return await self.call("press_reply", room, lambda: self._send(client, room, content), paced=False)
 
     # ----------------------------------------------------------------- files in

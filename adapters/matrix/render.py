@@ -34,6 +34,7 @@ from kazma.approvals.model import Outcome
 
 HTML_FORMAT: Final = "org.matrix.custom.html"
 CHOICES_KEY: Final = "org.kazma.choices"  # on the bot's own card: which reaction key means which button's data
+PROMPT_KEY: Final = "org.kazma.reason_prompt"  # on the bot's own "Deny with reason" prompt: whose, what, until
 # Bytes of content JSON: well under the 65,536 of a whole event with its envelope. An edit carries the card once,
 # in ``m.new_content``, beside a one-line fallback (:func:`edit_content`), so the same budget holds for edits.
 CARD_BUDGET: Final = 48_000

@@ -54,7 +54,6 @@ from kazma.adapters.deny_reason import (
 from kazma.adapters.ingress import Arrival, Stopped
 from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
-from kazma.adapters.press_policy import NOT_YOURS
 from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, error_code
 from kazma.adapters.slack.inbound import (
     MESSAGE_SUBTYPES,
@@ -532,11 +531,12 @@ class SlackAdapter(PlatformBase):
             )
             message_ts = (body.get("container") or {}).get("message_ts") or (body.get("message") or {}).get("ts")
             user = str((body.get("user") or {}).get("id", ""))
-            if not await self._may_decide(self.actor(user), request_id):
+            refusal = await self._reason_refusal(self.actor(user), request_id)
+            if refusal is not None:
                 # Told now, privately, not after typing a reason into a modal whose Deny would not count.
                 log.info("slack.reason_refused", actor=self.actor(user), request_id=request_id)
                 with contextlib.suppress(PlatformError):
-                    await _EphemeralReply(self, channel, user).notify(NOT_YOURS)
+                    await _EphemeralReply(self, channel, user).notify(refusal)
                 return
             meta = json.dumps({"data": deny_data(request_id), "channel": channel, "ts": message_ts})
             view = {

@@ -24,6 +24,7 @@ import contextlib
 import json
 import ssl
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
@@ -59,14 +60,14 @@ from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.chat_commands import CHAT_COMMANDS
 from kazma.adapters.chat_text import Columns
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
-from kazma.adapters.deny_reason import deny_data, reason_request, reply_prompt
+from kazma.adapters.deny_reason import reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
-from kazma.adapters.press_policy import NOT_YOURS, PRESS_NOT_ON_MESSAGE
+from kazma.adapters.press_policy import PRESS_NOT_ON_MESSAGE
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified
 from kazma.adapters.telegram.hooks import InboxRequest, KazmaPacing, QueryReply, clip, streamed_edit
 from kazma.adapters.telegram.inbound import normalise
-from kazma.adapters.telegram.reasons import Prompt, ReasonPrompts
+from kazma.adapters.telegram.reasons import Prompt, prompt_of, who_entity
 from kazma.adapters.telegram.render import (
     CALLBACK_DATA_LIMIT,
     TEXT_LIMIT,
@@ -150,7 +151,7 @@ class TelegramAdapter(PlatformBase):
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
         self.poll_timeout = poll_timeout
-        self.reasons = ReasonPrompts()  # "Deny with reason" prompts waiting for their presser's reply
+        self.reason_clock: Callable[[], float] = time.time  # against a prompt's date, which is wall-clock time
         self._app: AnyApplication | None = None
         self._bot_username = ""
         self._bot_id = ""
@@ -366,13 +367,12 @@ class TelegramAdapter(PlatformBase):
         message = update.message
         if message is None:
             return
-        if message.reply_to_message is not None and message.from_user is not None:
-            prompt, refusal = self.reasons.answer(
-                str(message.chat.id), str(message.reply_to_message.message_id), message.from_user.id
-            )
-            if prompt is not None or refusal is not None:
-                self.spawn(self._reason_given(message, prompt, refusal, update), name="telegram-reason")
-                return
+        replied = message.reply_to_message
+        prompt = None if replied is None or not self._bot_id else prompt_of(replied, int(self._bot_id))
+        if prompt is not None and message.from_user is not None:
+            # A reply to a reason prompt is never chat for the agents, whoever sends it and however late.
+            self.spawn(self._reason_given(message, prompt, update), name="telegram-reason")
+            return
         inbound = self.normalise(message)
         if inbound is not None:
             # PTB handles updates one at a time: hand the delivery off so a slow turn never holds the poller.
@@ -445,10 +445,12 @@ class TelegramAdapter(PlatformBase):
         message = query.message
         assert message is not None
         chat = str(message.chat.id)
-        if not await self._may_decide(self.actor(query.from_user.id), request_id):
-            # The prompt is posted in the group: nobody whose press would not count makes the bot post it.
+        refusal = await self._reason_refusal(self.actor(query.from_user.id), request_id)
+        if refusal is not None:
+            # The prompt is posted in the group: nobody whose press would not count makes the bot post it, and
+            # nobody is asked for the reason of a request that is decided already.
             with contextlib.suppress(PlatformError):
-                await self.call("press_reply", chat, lambda: query.answer(text=NOT_YOURS, show_alert=True),
+                await self.call("press_reply", chat, lambda: query.answer(text=clip(refusal, 200), show_alert=True),
                                 paced=False)  # fmt: skip
             log.info("telegram.reason_refused", actor=self.actor(query.from_user.id), request_id=request_id)
             return
@@ -464,29 +466,35 @@ class TelegramAdapter(PlatformBase):
                 lambda chat_id: app.bot.send_message(
                     chat_id=chat_id,
                     text=reply_prompt(request_id, who),
+                    entities=[who_entity(who, query.from_user.id, utf16_len(who))],
                     reply_parameters=ReplyParameters(message_id=message.message_id, allow_sending_without_reply=True),
                     reply_markup=ForceReply(selective=True),
                 ),
             )
         except PlatformError:
             return  # counted and logged by the kit; the person can press again
-        self.reasons.open(str(sent.chat_id), str(sent.message_id), user=query.from_user.id, data=deny_data(request_id),
-                          card_message=str(message.message_id))  # fmt: skip
+        log.info("telegram.reason_asked", actor=self.actor(query.from_user.id), request_id=request_id,
+                 prompt=sent.message_id)  # fmt: skip
 
-    async def _reason_given(self, message: Message, prompt: Prompt | None, refusal: str | None, update: Update) -> None:
-        """A reply to a reason prompt: the presser's words deny the request through the one press policy."""
+    async def _reason_given(self, message: Message, prompt: Prompt, update: Update) -> None:
+        """A reply to a reason prompt: the presser's words, in time, deny the request through the one press
+        policy; anybody else's, or late ones, are refused (and handed to nobody)."""
         user = message.from_user
         assert user is not None
         reply = _ChatReply(self, str(message.chat.id), message.message_id)
-        if prompt is None:
-            await reply.notify(refusal or "")
+        refusal = prompt.refusal(user.id, user.username, self.reason_clock())
+        if refusal is not None:
+            log.info("telegram.reason_reply_refused", actor=self.actor(user.id), data=prompt.data, why=refusal)
+            await reply.notify(refusal)
             return
         press = Press(
             platform=PLATFORM,
             data=prompt.data,
             actor=self.actor(user.id),
+            # The card's chat: the prompt replied to the card, which Telegram does not hand with a reply to the
+            # prompt; the press is held to a card of its request in this chat.
             chat=str(message.chat.id),
-            message_id=prompt.card_message,
+            message_id=None,
             is_admin=self.is_admin(user.id),
             reason=message.text or message.caption or "",
         )

@@ -70,6 +70,7 @@ class Recorder:
         self.hold: asyncio.Event | None = None  # when set, presses wait for it
         self.finished = 0
         self.deciders: set[str] | None = None  # whose press would count (None: everyone's), for may_decide
+        self.outcomes: dict[str, str] = {}  # requests decided already: id -> how a press is told, for decided
         self._changed = asyncio.Condition()
 
     async def on_inbound(self, inbound: Inbound) -> None:
@@ -96,8 +97,13 @@ class Recorder:
     async def may_decide(self, actor: str, platform: str, request_id: str) -> bool:
         return self.deciders is None or actor in self.deciders
 
+    async def decided(self, request_id: str) -> str | None:
+        return self.outcomes.get(request_id)
+
     def handlers(self) -> Handlers:
-        return Handlers(on_inbound=self.on_inbound, on_press=self.on_press, may_decide=self.may_decide)
+        return Handlers(
+            on_inbound=self.on_inbound, on_press=self.on_press, may_decide=self.may_decide, decided=self.decided
+        )
 
     async def wait_until(self, predicate: Callable[[], T], timeout: float = WAIT) -> T:
         async with asyncio.timeout(timeout), self._changed:
