@@ -129,6 +129,9 @@ class TurnContext:
     # Who started the work this turn serves, when it is not ``requested_by`` (a plan's step: the person whose
     # message started the plan): whom a policy's forbid_requester refuses.
     started_by: str | None = None
+    # Asked just before each tool starts (a plan step's turn: is the step still this turn's to run?). It stops the
+    # turn by cancelling it, or raises when it cannot tell; a tool starts only once it has returned.
+    before_tool: Callable[[], Awaitable[None]] | None = None
 
     @property
     def starter(self) -> str | None:
@@ -295,6 +298,7 @@ class AgentRunner:
         request_text: str | None = None,
         stream: AnswerStream | None = None,
         started_by: str | None = None,
+        before_tool: Callable[[], Awaitable[None]] | None = None,
     ) -> TurnResult:
         """One turn: the agent answers ``text``, calling tools as it goes, at most ``max_steps`` model calls.
 
@@ -303,6 +307,7 @@ class AgentRunner:
         ``text``): a plan written in the turn keeps both. ``stream`` is shown each reply's text while the model
         writes it (model calls only: the tools the turn runs write into nothing of it). ``started_by``: who started
         the work when that is not ``requested_by`` (a plan's steps run for the person who asked for the plan).
+        ``before_tool`` is awaited just before each tool of the turn starts (see :class:`TurnContext`).
         """
         ctx = TurnContext(
             conversation,
@@ -313,6 +318,7 @@ class AgentRunner:
             step=step,
             files=tuple(files),
             started_by=started_by,
+            before_tool=before_tool,
         )
         sent: list[Message] = [
             messages.system(agent.system_prompt),
@@ -409,6 +415,25 @@ class AgentRunner:
             task_id=task_id or ctx.task_id,
         )
 
+    async def _unasked(
+        self, call: ToolCall, ctx: TurnContext, result: TurnResult, verdict: PolicyVerdict | None
+    ) -> str | None:
+        """The turn's ``before_tool`` asked; None when the call may start, else the model's answer (not run)."""
+        if ctx.before_tool is None:
+            return None
+        try:
+            await ctx.before_tool()
+        except Exception as exc:  # a step that cannot be read back may be another replica's by now
+            count_failure("step_watch")
+            log.warning("agent.step_unread", agent=ctx.agent.name, tool=call.name, error=str(exc))
+            why = (
+                "whether its plan step still runs here could not be read (the store is unavailable), so it did not run"
+            )
+            approval = None if verdict is None else verdict.request_id
+            result.tool_runs.append(ToolRun(call.name, call.arguments, False, why, refused=True, approval_id=approval))
+            return f"Not run: {why}; ask again."
+        return None
+
     async def _finish_record(self, ran: Ran, error: str) -> None:
         """The execution's ending on its row: tried a few times; one never written reads "may have run" later."""
         if self.executions is None or ran.execution_id is None or ran.ended is None:
@@ -462,6 +487,9 @@ class AgentRunner:
             return f"Error: the call to {call.name} was not run: its {problem}. Send flatter arguments."
         internal = tools.get(call.name)
         if internal is not None:
+            unasked = await self._unasked(call, ctx, result, None)
+            if unasked is not None:
+                return unasked
             outcome = await internal.handler(call.arguments, ctx)
             result.tool_runs.append(
                 ToolRun(call.name, call.arguments, outcome.ok, outcome.output or outcome.error or "")
@@ -535,6 +563,16 @@ class AgentRunner:
             agent=ctx.agent.name,
         )
         ran = Ran(call.name, self.registry.changes_state(call.name) or self.policy.level(call.name) is DANGEROUS)
+        # Here, after the approval (a wait of minutes), just before the row: what the turn runs for may have been
+        # taken away meanwhile (its step failed elsewhere as interrupted), and its tool must not act twice.
+        try:
+            unasked = await self._unasked(call, ctx, result, verdict)
+        except asyncio.CancelledError:  # its step taken away: the approved call never runs, said on its chain
+            await asyncio.shield(self.policy.ran(verdict, ok=False, output="", error="not run: the turn was stopped"))
+            raise
+        if unasked is not None:
+            await self.policy.ran(verdict, ok=False, output="", error="not run: whether it may run could not be read")
+            return unasked
         try:
             ran.execution_id = await self._start_record(call, ctx, verdict.request_id, verdict.args_hash, ran)
         except Exception as exc:  # nothing runs that is not on disk first

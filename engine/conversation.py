@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from kazma.engine.fence import fence_untrusted
 from kazma.engine.plan import Plan, PlanOrigin
 from kazma.engine.plan_store import PlanStore, Question
 from kazma.engine.plan_tools import ask_user_tool, lead_plan_tools
+from kazma.engine.step_watch import STEP_POLL_SECONDS, StepWatch
 from kazma.engine.streamed_reply import StreamedReply, stream_at
 
 log = structlog.get_logger("kazma.conversation")
@@ -107,6 +109,8 @@ class Conversations:
     swarm: CommandRunner | None = None
     waiting: WaitingForYou | None = None  # answers /approvals: what waits for the person asking
     executor: PlanExecutor | None = field(init=False, default=None)
+    steps: StepWatch | None = field(init=False, default=None)  # stops a step's turn once it is taken away
+    step_poll_seconds: float = STEP_POLL_SECONDS
     _dispatches: dict[tuple[str, str, str], _Dispatch] = field(default_factory=dict)
     _tasks: Supervisor = field(default_factory=lambda: Supervisor("conversation_task"))  # turns in flight
     # told of every executor action after it is carried out (the demo and tests watch plans end)
@@ -158,6 +162,7 @@ class Conversations:
             assignees=assignees,
             executions=getattr(self.runner, "executions", None),  # what each step's tools did, from their rows
         )
+        self.steps = StepWatch(self.plans, poll_seconds=self.step_poll_seconds)
         asking = ask_user_tool(executor)
         for name, agent in self.agents.items():
             self._plan_tools[name] = lead_plan_tools(executor) if agent.is_lead else [asking]
@@ -284,14 +289,59 @@ class Conversations:
             return "Plans are not available here."
         return await self.executor.describe(conversation)
 
+    @contextlib.asynccontextmanager
+    async def _step_turn(self, step: StepRef, agent: AgentSpec, where: Address) -> AsyncIterator[list[bool]]:
+        """Around a plan step's turn: it is stopped once the step is taken away from it (failed elsewhere as
+        interrupted, run again), said once in the conversation. The list it gives holds True once that happened:
+        the turn's result then belongs to nobody and is not recorded."""
+        stopped: list[bool] = []
+        if self.steps is None:
+            yield stopped
+            return
+        try:
+            with self.steps.watching(step):
+                yield stopped
+        except asyncio.CancelledError:
+            reason = self.steps.taken(step)
+            if reason is None:
+                raise
+            ours = self.steps.forget(step)
+            stopped.append(True)
+            log.warning("plan.step_turn_stopped", plan=step.plan_id, step=step.index, attempt=step.attempt,
+                        agent=agent.name, reason=reason)  # fmt: skip
+            await asyncio.shield(
+                self._say(
+                    where,
+                    f"@{agent.name} stopped working on step {step.index} here (attempt {step.attempt}): {reason}. "
+                    "None of its tools runs from now on; what it did so far is in its tools' records.",
+                    agent=agent.name,
+                )
+            )
+            task = asyncio.current_task()
+            assert task is not None
+            for _ in range(ours):
+                task.uncancel()
+            if task.cancelling():
+                raise  # cancelled for another reason too (a shutdown): that goes on
+        else:
+            # Stopped, and the cancellation swallowed on its way out (its tools were refused all the same): the
+            # result is still nobody's.
+            if self.steps.taken(step) is not None:
+                stopped.append(True)
+                self.steps.forget(step)
+
     async def _run_step(self, worker: AgentSpec, conversation: str, message: Inbound, dispatch: _Dispatch) -> None:
         step = StepRef(dispatch.plan_id, dispatch.index, dispatch.attempt)
+        check = None if self.steps is None else self.steps.check
         try:
-            async with self.working(message.where):
+            async with self._step_turn(step, worker, message.where) as stopped, self.working(message.where):
                 result = await self.runner.run(
                     worker, conversation, message.text, requested_by=message.author, step=step,
                     started_by=dispatch.started_by,
+                    before_tool=None if check is None else functools.partial(check, step),
                 )  # fmt: skip
+            if stopped:
+                return
         except Exception as exc:
             # The step ends failed (not transient: its tools may have run), so its plan goes on to the lead's
             # decision instead of holding the step in progress until a restart.
@@ -503,14 +553,19 @@ class Conversations:
         assert action.step is not None
         assert self.executor is not None
         step = StepRef(action.plan.id, action.step.index, action.step.attempts)
-        result = await self.runner.run(
-            self.lead,
-            action.plan.conversation,
-            action.text or action.step.spec.title,
-            requested_by="executor",
-            step=step,
-            started_by=action.plan.origin.started_by,
-        )
+        check = None if self.steps is None else self.steps.check
+        async with self._step_turn(step, self.lead, Address.parse(action.plan.conversation)) as stopped:
+            result = await self.runner.run(
+                self.lead,
+                action.plan.conversation,
+                action.text or action.step.spec.title,
+                requested_by="executor",
+                step=step,
+                started_by=action.plan.origin.started_by,
+                before_tool=None if check is None else functools.partial(check, step),
+            )
+        if stopped:
+            return
         await self.executor.complete(
             action.plan.id,
             action.step.index,

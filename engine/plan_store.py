@@ -275,6 +275,16 @@ class LeftStep:
 
 
 @dataclass(frozen=True)
+class StepRun:
+    """Where one step's run stands on disk: what a replica running it reads to learn it was taken away."""
+
+    status: StepStatus
+    attempts: int
+    failure_reason: str
+    replica: str | None
+
+
+@dataclass(frozen=True)
 class PlanEvent:
     seq: int
     at: float
@@ -652,6 +662,16 @@ class PlanStore:
             for r in rows
             if live is None or (r[3] is not None and r[3] not in live)
         ]
+
+    async def run_of(self, plan_id: str, index: int) -> StepRun | None:
+        """The step's run as it stands now (None: no such step, its plan pruned)."""
+        row = await self.tables.one(
+            "SELECT status, attempts, failure_reason, replica FROM plan_steps WHERE plan_id = ? AND idx = ?",
+            (plan_id, index),
+        )
+        if row is None:
+            return None
+        return StepRun(StepStatus(row[0]), int(row[1]), str(row[2] or ""), None if row[3] is None else str(row[3]))
 
     async def last_plan(self, conversation: str) -> str | None:
         row = await self.tables.one(
