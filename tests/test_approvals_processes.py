@@ -156,8 +156,10 @@ async def test_cli_decision_in_another_process_wakes_the_waiter(tmp_path: Path) 
 async def test_cli_list_empty(tmp_path: Path) -> None:
     config = tmp_path / "kazma.yaml"
     config.write_text(f"store: {{path: {tmp_path / 'k.db'}}}\n")
+    async with approval_service(tmp_path / "k.db"):
+        pass  # the store Kazma made, with nothing in it (a list never makes one: tests/test_cli_store_missing.py)
     result = await asyncio.to_thread(_cli, ["approvals", "list"], config)
-    assert result.returncode == 0
+    assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "no approval requests"
     assert Decision.APPROVE.code == "a"
 
