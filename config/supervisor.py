@@ -166,13 +166,22 @@ class Supervisor:
 
     def _report(self, name: str, error: BaseException, *, restart_in: float | None = None) -> None:
         self.failures += 1
-        count_failure(self.site, self.platform)
-        log.error(
-            "task.failed",
-            site=self.site,
-            platform=self.platform or None,
-            task=name,
-            error=f"{type(error).__name__}: {error}",
-            restart_in=None if restart_in is None else round(restart_in, 2),
-            exc_info=error,
-        )
+        report_failure(self.site, name, error, platform=self.platform, restart_in=restart_in)
+
+
+def report_failure(
+    site: str, name: str, error: BaseException, *, platform: str = "", restart_in: float | None = None
+) -> None:
+    """The one failure path, for a loop that keeps itself going without a :class:`Supervisor` (the replica's
+    listener and lease, which must tidy up their own connection between runs): logged and counted as a
+    supervised task's failure is."""
+    count_failure(site, platform)
+    log.error(
+        "task.failed",
+        site=site,
+        platform=platform or None,
+        task=name,
+        error=f"{type(error).__name__}: {error}",
+        restart_in=None if restart_in is None else round(restart_in, 2),
+        exc_info=error,
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -10,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
+import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 from kazma.approvals.hashing import args_hash
+from kazma.config.metrics import failure_count
 from tests.api_support import OPERATOR_TOKEN, REPO, REQUESTER_TOKEN, VIEWER_TOKEN, Door, kazma_door
 
 ASK: dict[str, Any] = {"tool": "git_push", "arguments": {"branch": "main", "force": True}, "reason": "hotfix"}
@@ -170,3 +173,35 @@ async def test_a_get_on_mcp_is_refused_not_held_open_as_a_stream(tmp_path: Path)
         assert answer.status_code == 405
         assert answer.headers["allow"] == "POST"
         assert "POST" in json.loads(await answer.aread())["error"]
+
+
+async def _tool_names(door: Door) -> list[str]:
+    headers = {"Authorization": f"Bearer {REQUESTER_TOKEN}"}
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=30, trust_env=False) as http,
+        streamable_http_client(f"{door.url}/mcp", http_client=http) as streams,
+        ClientSession(streams[0], streams[1]) as session,
+    ):
+        await session.initialize()
+        return [tool.name for tool in (await session.list_tools()).tools]
+
+
+async def test_the_sdk_s_session_manager_ending_is_said_counted_and_started_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with kazma_door(tmp_path) as door:
+        assert await _tool_names(door) == ["request_approval"]
+        (manager,) = [task for task in asyncio.all_tasks() if task.get_name() == "kazma-mcp-http"]
+        counted = failure_count("mcp_endpoint")
+        # No request is known to end it; whatever does (an error escaping the SDK's task group), its task ends.
+        # Before, nobody looked at it after start: every later /mcp call answered 500 ("Task group is not
+        # initialized") and nothing was logged or counted.
+        manager.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await manager
+        assert failure_count("mcp_endpoint") == counted + 1
+        assert [r for r in caplog.records if r.getMessage() == "mcp.endpoint_ended"]
+        assert await _tool_names(door) == ["request_approval"]  # the next call starts a new one
+        (again,) = [task for task in asyncio.all_tasks() if task.get_name() == "kazma-mcp-http"]
+        assert again is not manager
+    assert failure_count("mcp_endpoint") == counted + 1  # a stop is no failure

@@ -57,6 +57,12 @@ class MCPEndpoint:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._manager: Any = None
+        self._serving = False  # the manager started and has not ended since
+
+    @property
+    def running(self) -> bool:
+        """The SDK's session manager serves (it started and its task has not ended)."""
+        return self._serving and self._task is not None and not self._task.done()
 
     async def _withdraw(self, request_id: str, why: Gone) -> bool | None:
         """Whether the withdrawal ended the request (False: a decision came first and stands); None when the
@@ -142,12 +148,31 @@ class MCPEndpoint:
             ready_or_failed.cancel()
         if not ready.is_set():
             await self._task  # raises what ended it
+        self._serving = True
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """The manager's task ended. Looked at only during start and stop before, a manager that ended between
+        (an error out of the SDK's task group) left every later /mcp call a 500 with nobody told; now it is said
+        and counted here, and the door starts a new endpoint for the next call (:attr:`running`)."""
+        self._serving = False
+        if self._stop.is_set():
+            return  # stopped: no failure
+        error = None if task.cancelled() else task.exception()
+        count_failure("mcp_endpoint")
+        log.error(
+            "mcp.endpoint_ended",
+            error=f"{type(error).__name__}: {error}" if error is not None else "cancelled",
+            detail="the next /mcp call starts it again",
+            exc_info=error,
+        )
 
     async def stop(self) -> None:
         self._stop.set()
-        if self._task is not None:
+        task = self._task
+        if task is not None and not task.done():
             with contextlib.suppress(Exception):
-                await bounded(self._task, 5)
+                await bounded(task, 5)
 
     async def handle(self, request: web.Request, caller: ApiCaller) -> web.StreamResponse:
         """One ``/mcp`` call of ``caller`` (its token already checked) through the SDK."""

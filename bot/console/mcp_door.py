@@ -49,9 +49,15 @@ class MCPDoor:
 
     @property
     def started(self) -> bool:
-        """The SDK's session manager runs (its start finished and did not fail)."""
+        """The SDK's session manager runs (its start finished and did not fail, and it has not ended since)."""
         task = self._starting
-        return task is not None and task.done() and not task.cancelled() and task.exception() is None
+        return (
+            task is not None
+            and task.done()
+            and not task.cancelled()
+            and task.exception() is None
+            and task.result().running
+        )
 
     def register(self, application: web.Application) -> None:
         application.on_startup.append(self._on_startup)
@@ -60,13 +66,20 @@ class MCPDoor:
         application.router.add_route("*", "/mcp", self.handle)
 
     def _endpoint(self) -> asyncio.Task[MCPEndpoint]:
-        """The endpoint's start, begun now unless it is under way or done (one that failed is tried again)."""
+        """The endpoint's start, begun now unless it is under way or done (one that failed, or whose session
+        manager has ended since, is started again: the SDK's manager runs once per instance)."""
         task = self._starting
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             task = self._starting = asyncio.create_task(self._start(), name="kazma-mcp-start")
+        elif task.done() and not task.result().running:
+            ended = task.result()
+            task = self._starting = asyncio.create_task(self._start(ended), name="kazma-mcp-start")
         return task
 
-    async def _start(self) -> MCPEndpoint:
+    async def _start(self, ended: MCPEndpoint | None = None) -> MCPEndpoint:
+        if ended is not None:
+            await ended.stop()  # its manager's task is over: nothing waits
+            log.warning("mcp.endpoint_restarting")
         try:
             endpoint_class = await asyncio.to_thread(_endpoint_class)
             endpoint = endpoint_class(self.api, self.stopping)

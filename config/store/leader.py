@@ -48,7 +48,8 @@ from psycopg.rows import TupleRow
 
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
-from kazma.config.store.pg_listen import until_readable
+from kazma.config.store.pg_listen import REPLICA_TASK_SITE, until_readable
+from kazma.config.supervisor import report_failure
 from kazma.config.waits import bounded, until_set
 
 log = structlog.get_logger("kazma.leader")
@@ -192,6 +193,10 @@ class LeaderLease:
 
     # -- life -------------------------------------------------------------------------------------
 
+    @property
+    def _task_name(self) -> str:
+        return f"leader-lease-{self.name}"
+
     async def __aenter__(self) -> LeaderLease:
         self.start()
         return self
@@ -201,7 +206,7 @@ class LeaderLease:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"leader-lease-{self.name}")
+            self._task = asyncio.create_task(self._run(), name=self._task_name)
             self._caller = asyncio.create_task(self._call_back(), name=f"leader-lease-{self.name}-callbacks")
 
     async def stop(self) -> None:
@@ -226,11 +231,16 @@ class LeaderLease:
         while True:
             try:
                 conn = await self._connect()
-            except (psycopg.Error, OSError, TimeoutError, _Broken) as exc:
-                if failures == 0:
+            except Exception as exc:
+                delay = self._backoff.delay(failures)
+                if not isinstance(exc, psycopg.Error | OSError | TimeoutError | _Broken):
+                    # Not the server refusing or the network failing (a host name psycopg cannot even encode, say):
+                    # said and counted at every attempt, as a supervised loop's failure is, and tried again.
+                    report_failure(REPLICA_TASK_SITE, self._task_name, exc, restart_in=delay)
+                elif failures == 0:
                     log.warning("leader.connect_failed", lease=self.name, replica=self.replica, error=_short(exc))
                 self.state = "disconnected"
-                await asyncio.sleep(self._backoff.delay(failures))
+                await asyncio.sleep(delay)
                 failures += 1
                 continue
             if failures:
@@ -240,6 +250,13 @@ class LeaderLease:
                 reason = await self._hold(conn)
             except _Broken as exc:
                 reason = str(exc)
+            except Exception as exc:
+                # An error nobody expected while following or leading: this session proves nothing any more. It
+                # goes the way a broken one goes — given up, and leadership with it at once (on_lost told) — rather
+                # than the task ending with is_leader running out only after the grace and on_lost never called,
+                # the duties going on beside the next leader's.
+                reason = f"the lease failed: {_short(exc)}"
+                report_failure(REPLICA_TASK_SITE, self._task_name, exc, restart_in=self.timing.retry_interval)
             finally:
                 self._backend_pid = None
                 self._discard(conn)

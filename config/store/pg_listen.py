@@ -26,9 +26,14 @@ from psycopg import sql
 
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
+from kazma.config.supervisor import report_failure
 from kazma.config.waits import bounded, until_set
 
 log = structlog.get_logger("kazma.store")
+
+# The failure site of the replica's own long-lived loops (this listener, the leader lease) when they fail in a way
+# they do not handle: they are the replica's background tasks, as those its Supervisor runs.
+REPLICA_TASK_SITE = "replica_task"
 
 # (channel, payload, the server process that sent it): called in order, on the loop, never awaited twice at once.
 OnNotify = Callable[[str, str, int], None]
@@ -105,6 +110,7 @@ class PgListener:
         failures = 0
         while True:
             conn: psycopg.AsyncConnection[Any] | None = None
+            unexpected: Exception | None = None
             try:
                 conn = await psycopg.AsyncConnection.connect(
                     self.conninfo,
@@ -131,12 +137,24 @@ class PgListener:
                     count_failure("store_listen")
                     log.warning("store.listen_lost", error=self.problem, detail="the safety scan covers the gap")
                 failures += 1
+            except Exception as exc:
+                # Not the link: the driver could not read what the server sent (a payload it cannot decode, as in a
+                # SQL_ASCII database), or this code failed. The connection is given up as if lost, and a new one
+                # listens (its resync looks for what the lost notification said) instead of the task ending here
+                # with nobody told, every later wake-up lost until stop() raised it.
+                self.connected = False
+                self.problem = f"{type(exc).__name__}: {exc}"
+                unexpected = exc
+                failures += 1
             finally:
                 self.connected = False
                 if conn is not None:
                     with contextlib.suppress(Exception):
                         await conn.close()
-            await asyncio.sleep(self._backoff.delay(max(0, failures - 1)))
+            delay = self._backoff.delay(max(0, failures - 1))
+            if unexpected is not None:
+                report_failure(REPLICA_TASK_SITE, "kazma-pg-listen", unexpected, restart_in=delay)
+            await asyncio.sleep(delay)
 
     async def _hear(self, conn: psycopg.AsyncConnection[Any]) -> None:
         while True:
