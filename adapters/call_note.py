@@ -16,14 +16,20 @@ import contextvars
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Final, Literal, TypeVar
+from typing import Literal, TypeVar
 
 from kazma.adapters.contract import PlatformError
+from kazma.config.registry import CHAT_PLATFORMS
 
 T = TypeVar("T")
 
 Phase = Literal["sent", "turn", "retry"]
-TITLES: Final = {"telegram": "Telegram", "discord": "Discord", "slack": "Slack", "matrix": "the Matrix homeserver"}
+
+
+def title_of(platform: str) -> str:
+    """The platform's name for people ("Telegram"), from its registry entry; the key itself for one not there."""
+    spec = CHAT_PLATFORMS.get(platform)
+    return platform if spec is None else spec.title
 
 
 @dataclass
@@ -45,7 +51,7 @@ class CallNote:
 
     def told(self, platform: str, site: str, seconds: float, now: float) -> CutShort:
         """The bound of ``seconds`` around ``site`` ran out at ``now``: what was happening, as a retryable error."""
-        title = TITLES.get(self.platform or platform, platform)
+        title = title_of(self.platform or platform)
         # the call that was under way, where it is not the bound's own site (a card post's direct chat opened)
         call = f" in its {self.site} call" if self.site and self.site != site else ""
         bound = f"Kazma's {seconds:g} s bound on the {site}{call}"

@@ -840,7 +840,7 @@ class PlatformBase(PressPolicy):
     def _retry_after_of(self, site: str) -> Callable[[BaseException], float | None]:
         def retry_after(exc: BaseException) -> float | None:
             error = exc if isinstance(exc, PlatformError) else self.classify(site, exc)
-            title = call_note.TITLES.get(self.name, self.name)
+            title = self.spec.title
             what = call_note.wording(error).removeprefix("rate limited: ")
             call_note.answered(f"{title} answered {what}", error.retry_after, kept=True)
             return error.retry_after
