@@ -22,7 +22,7 @@ import pytest
 from kazma.bot.store import all_migrations, pg_migrations
 from kazma.config.store.backend import StoreConnection
 from kazma.config.store.database import Migration, open_database
-from kazma.config.store.postgres import open_pg_store, pyformat
+from kazma.config.store.postgres import PgStore, open_pg_store, pyformat
 from tests.pg_support import find_bindir
 
 NO_SERVER = "PostgreSQL server binaries (initdb, pg_ctl, postgres) are not installed: run scripts/install-test-deps"
@@ -72,6 +72,17 @@ async def open_store(
         yield conn
     finally:
         await conn.close()
+
+
+@asynccontextmanager
+async def replica_store(dsn: str, name: str) -> AsyncIterator[PgStore]:
+    """One replica's connection to a shared PostgreSQL store, migrated, its ``application_name`` naming it (``kazma
+    NAME``, as in pg_stat_activity); closed after. The tests that stage two replicas' views of one store use it."""
+    store = await open_pg_store(dsn, migrations=pg_migrations(), application_name=f"kazma {name}")
+    try:
+        yield store
+    finally:
+        await store.close()
 
 
 def raw_rows(engine: Engine, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:

@@ -11,17 +11,15 @@ judgement; what ``c`` owns now stays ``c``'s.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kazma.bot.app import build_app
-from kazma.bot.store import pg_migrations
 from kazma.config import load_config_text
-from kazma.config.store.postgres import PgStore, open_pg_store
+from kazma.config.store.postgres import PgStore
 from kazma.engine.executor import PlanExecutor, StepResult
 from kazma.engine.model import ScriptedProvider
 from kazma.engine.plan import PlanOrigin, PlanSpec, StepSpec, StepStatus
@@ -32,6 +30,7 @@ from kazma.engine.swarm.store import InterruptedTask, SwarmTaskStore
 from kazma.engine.swarm.types import Pattern, TaskStatus
 from kazma.engine.tools.executions import ExecutionRecord
 from tests.audit_support import AUDIT_KEY
+from tests.store_backends import replica_store
 from tests.swarm_rig import config as swarm_config
 from tests.test_executor import WORKERS, RecordingDispatcher
 
@@ -81,15 +80,6 @@ class StallingTaskStore(SwarmTaskStore):
         return await super().recover(live, leading=leading)
 
 
-@asynccontextmanager
-async def _store(dsn: str, name: str) -> AsyncIterator[PgStore]:
-    store = await open_pg_store(dsn, migrations=pg_migrations(), application_name=f"kazma {name}")
-    try:
-        yield store
-    finally:
-        await store.close()
-
-
 def _executor(store: PlanStore) -> tuple[PlanExecutor, RecordingDispatcher]:
     dispatcher = RecordingDispatcher(store)
     return PlanExecutor(store, dispatcher, lead_name="kazma", assignees=WORKERS), dispatcher
@@ -109,7 +99,7 @@ async def test_a_step_retried_after_another_recovery_interrupted_it_is_not_inter
     failed it itself, its lead retried it and c runs attempt 2. The leader, going on, failed attempt 2 — a step
     running on a live replica — as interrupted, and asked the lead about it a second time."""
     gate = Gate()
-    async with _store(pg_dsn, "c") as sc, _store(pg_dsn, "a") as sa:
+    async with replica_store(pg_dsn, "c") as sc, replica_store(pg_dsn, "a") as sa:
         c, _ = _executor(PlanStore(sc, replica="c"))
         plan = await c.start(CHAT, _plan(), PlanOrigin("ship it", REQUESTER))  # step 1 runs on c; c dies
         leader, on_leader = _executor(StallingPlanStore(sa, gate))
@@ -142,7 +132,7 @@ async def test_an_old_leader_that_resumes_after_losing_the_lease_leaves_the_plan
     c's question a second time."""
     gate = Gate()
     leads = {"a": True}
-    async with _store(pg_dsn, "c") as sc, _store(pg_dsn, "a") as sa, _store(pg_dsn, "b") as sb:
+    async with replica_store(pg_dsn, "c") as sc, replica_store(pg_dsn, "a") as sa, replica_store(pg_dsn, "b") as sb:
         c, _ = _executor(PlanStore(sc, replica="c"))
         left = await c.start(CHAT, _plan(), PlanOrigin("ship it", REQUESTER))  # step 1 runs on c; c dies
         old, _ = _executor(StallingPlanStore(sa, gate))
@@ -173,7 +163,7 @@ async def test_an_old_leader_that_resumes_after_losing_the_lease_leaves_the_swar
     gate = Gate()
     leads = {"a": True}
     cfg = swarm_config()
-    async with _store(pg_dsn, "c") as sc, _store(pg_dsn, "a") as sa, _store(pg_dsn, "b") as sb:
+    async with replica_store(pg_dsn, "c") as sc, replica_store(pg_dsn, "a") as sa, replica_store(pg_dsn, "b") as sb:
         on_c = SwarmTaskStore(sc, replica="c")
         left = await on_c.admit(Pattern.DISPATCH, {"prompt": "p"}, owner="web:x")  # running on c; c dies
         old = SwarmService(StallingTaskStore(sa, gate), {}, cfg, state=SwarmStateStore(sa))
@@ -219,7 +209,7 @@ async def test_the_result_of_a_step_recovered_meanwhile_never_ends_its_retry(pg_
     failed the step as interrupted and the lead retried it on b. c's write, going on, ended b's attempt 2 done
     with attempt 1's output, and b's own result was then refused."""
     gate = Gate()
-    async with _store(pg_dsn, "c") as sc, _store(pg_dsn, "b") as sb:
+    async with replica_store(pg_dsn, "c") as sc, replica_store(pg_dsn, "b") as sb:
         c, _ = _executor(StallingResultStore(sc, gate))
         plan = await c.start(CHAT, _plan(), PlanOrigin("ship it", REQUESTER))  # step 1, attempt 1, runs on c
         finishing = asyncio.create_task(c.complete(plan.id, 1, StepResult(ok=True, summary="from c"), attempt=1))
@@ -263,7 +253,7 @@ async def test_the_leaders_sweep_stops_recovering_steps_tasks_and_calls_once_it_
         assert executions is not None
         await _within(replication.lease.wait_leader())
         await app._leader_tasks.stop()  # its own sweeps out of the way: this test runs the recovery
-        async with _store(pg_dsn, "c") as sc:  # what c, back under its name, runs now
+        async with replica_store(pg_dsn, "c") as sc:  # what c, back under its name, runs now
             call = await ExecutionRecord(sc, replica="c").started(
                 tool="shell", args_hash="h", request_id=None, conversation=CHAT, agent="builder", changes_state=True
             )

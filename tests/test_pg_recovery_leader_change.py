@@ -11,8 +11,7 @@ once (one ``execution_lost`` audit row, one notice to its conversation); no audi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -21,9 +20,9 @@ import pytest
 from kazma.approvals import ApprovalService, ApprovalStore, Decision
 from kazma.approvals.model import ApprovalRequest, Status
 from kazma.approvals.service import Recovery
-from kazma.bot.store import pg_migrations
-from kazma.config.store.postgres import PgStore, open_pg_store
+from kazma.config.store.postgres import PgStore
 from tests.approvals_support import approvals_config
+from tests.store_backends import replica_store
 
 WAIT = 30.0
 ORPHANS = 6
@@ -67,15 +66,6 @@ async def _all_lost(ids: Sequence[str]) -> Mapping[str, list[str | None]]:
     return {i: ["lost"] for i in ids}  # each started and never finished: it may have run
 
 
-@asynccontextmanager
-async def _store(dsn: str, name: str) -> AsyncIterator[PgStore]:
-    store = await open_pg_store(dsn, migrations=pg_migrations(), application_name=f"kazma {name}")
-    try:
-        yield store
-    finally:
-        await store.close()
-
-
 async def _left_by_c(service: ApprovalService) -> tuple[list[str], list[str], str]:
     """What replica c leaves behind: pending orphans, approved calls verified and never ended, one never started."""
     orphans = [(await service.open("shell", {"n": n}, "agent:b", "telegram:-100")).id for n in range(ORPHANS)]
@@ -105,7 +95,7 @@ async def test_a_leader_change_mid_recovery_ends_every_orphan_once_and_reports_e
     pg_dsn: str, stall: str, started: bool
 ) -> None:
     config = approvals_config()
-    async with _store(pg_dsn, "c") as sc, _store(pg_dsn, "a") as sa, _store(pg_dsn, "b") as sb:
+    async with replica_store(pg_dsn, "c") as sc, replica_store(pg_dsn, "a") as sa, replica_store(pg_dsn, "b") as sb:
         orphans, verified, unstarted = await _left_by_c(ApprovalService(ApprovalStore(sc, replica="c"), config))
         old_store = StallingStore(sa, stall=stall, after=2 if stall == "finish" else 1)
         old = ApprovalService(old_store, config)
@@ -147,7 +137,7 @@ async def test_an_old_leader_that_resumes_after_losing_the_lease_stops_recoverin
     person had just given. A recovery goes on only while its replica leads."""
     config = approvals_config()
     leads = {"a": True}
-    async with _store(pg_dsn, "c") as sc, _store(pg_dsn, "a") as sa, _store(pg_dsn, "b") as sb:
+    async with replica_store(pg_dsn, "c") as sc, replica_store(pg_dsn, "a") as sa, replica_store(pg_dsn, "b") as sb:
         orphans, _, _ = await _left_by_c(ApprovalService(ApprovalStore(sc, replica="c"), config))
         old_store = StallingStore(sa, stall="finish", after=2)
         old = ApprovalService(old_store, config)

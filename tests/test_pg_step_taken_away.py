@@ -20,10 +20,8 @@ from urllib.parse import urlsplit, urlunsplit
 from structlog.testing import capture_logs
 
 from kazma.approvals import SafetyPolicy
-from kazma.bot.store import pg_migrations
 from kazma.config.address import Address
 from kazma.config.outgoing import Outgoing
-from kazma.config.store.postgres import PgStore, open_pg_store
 from kazma.engine.agent import AgentRunner, AgentSpec, workspace_for
 from kazma.engine.conversation import Conversations
 from kazma.engine.executor import INTERRUPTED, PlanExecutor
@@ -34,6 +32,7 @@ from kazma.engine.tools.builtin import default_registry
 from kazma.engine.tools.executions import ExecutionRecord
 from kazma.engine.types import Message, ModelReply, ToolCall, ToolSpec
 from tests.approvals_support import approval_service, approvals_config
+from tests.store_backends import replica_store
 from tests.tcp_proxy import CuttableProxy
 from tests.test_executor import RecordingDispatcher
 
@@ -98,19 +97,13 @@ class Chat:
 
 
 @asynccontextmanager
-async def _store(dsn: str, name: str) -> AsyncIterator[PgStore]:
-    store = await open_pg_store(dsn, migrations=pg_migrations(), application_name=f"kazma {name}")
-    try:
-        yield store
-    finally:
-        await store.close()
-
-
-@asynccontextmanager
 async def replica_c(
     tmp_path: Path, dsn: str, model: GatedModel, *, poll_seconds: float
 ) -> AsyncIterator[tuple[Conversations, Chat]]:
-    async with _store(dsn, "c") as sc, approval_service(dsn, config=approvals_config(WRITE_UNAPPROVED)) as service:
+    async with (
+        replica_store(dsn, "c") as sc,
+        approval_service(dsn, config=approvals_config(WRITE_UNAPPROVED)) as service,
+    ):
         runner = AgentRunner(
             model,
             default_registry(),
@@ -148,7 +141,7 @@ async def test_a_step_taken_away_runs_none_of_its_tools_after(tmp_path: Path, pg
     c's next tool call (write_file, no approval needed) ran anyway, beside attempt 2 on b. The periodic read is
     kept out of it (an hour): the check just before the tool is what stops it."""
     model = GatedModel([write("a.txt"), write("b.txt"), ModelReply(content="built")], held=1)
-    async with replica_c(tmp_path, pg_dsn, model, poll_seconds=3600.0) as (c, chat), _store(pg_dsn, "b") as sb:
+    async with replica_c(tmp_path, pg_dsn, model, poll_seconds=3600.0) as (c, chat), replica_store(pg_dsn, "b") as sb:
         assert c.executor is not None
         with capture_logs() as logs:
             plan = await c.executor.start(CHAT, _plan(), PlanOrigin("ship it", REQUESTER))
@@ -180,7 +173,7 @@ async def test_a_step_taken_away_is_stopped_while_its_turn_waits_on_the_model(tm
     """The leader failed c's step as interrupted while c's turn waited on its model (a long answer): nothing
     told c, and its turn ran on to its end. The periodic read stops it within the poll interval."""
     model = GatedModel([write("a.txt"), write("b.txt"), ModelReply(content="built")], held=1)
-    async with replica_c(tmp_path, pg_dsn, model, poll_seconds=0.05) as (c, chat), _store(pg_dsn, "b") as sb:
+    async with replica_c(tmp_path, pg_dsn, model, poll_seconds=0.05) as (c, chat), replica_store(pg_dsn, "b") as sb:
         assert c.executor is not None
         plan = await c.executor.start(CHAT, _plan(), PlanOrigin("ship it", REQUESTER))
         await _within(model.reached.wait())
@@ -210,7 +203,10 @@ async def test_a_replica_cut_off_from_the_database_stops_its_step_once_it_is_bac
     proxied = urlunsplit(url._replace(netloc=f"{url.username}@127.0.0.1:{proxy.port}"))
     model = GatedModel([write("a.txt"), write("b.txt"), ModelReply(content="built")], held=1)
     try:
-        async with replica_c(tmp_path, proxied, model, poll_seconds=3600.0) as (c, chat), _store(pg_dsn, "b") as sb:
+        async with (
+            replica_c(tmp_path, proxied, model, poll_seconds=3600.0) as (c, chat),
+            replica_store(pg_dsn, "b") as sb,
+        ):
             assert c.executor is not None
             plan = await c.executor.start(CHAT, _plan(), PlanOrigin("ship it", REQUESTER))
             await _within(model.reached.wait())
