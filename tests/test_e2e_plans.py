@@ -81,6 +81,21 @@ async def said(fake: FakeTelegram, needle: str) -> None:
     await fake.wait_until(lambda: any(needle in t for t in texts(fake)), timeout=20)
 
 
+DEPLOY_PLAN = {"goal": "deploy", "steps": [{"index": 1, "title": "deploy", "assignee": "builder", "input": "Deploy."}]}
+
+
+def _answered_eu(messages: Sequence[Message]) -> ModelReply:
+    return ModelReply(content="Deployed to eu." if "A: eu" in str(messages[-1]["content"]) else "??")
+
+
+def _deploy_scripts(asks: ScriptStep) -> dict[str, list[ScriptStep]]:
+    """The lead plans one step for the builder, which asks "Which region?" (``asks``) and, answered "eu", deploys."""
+    return {
+        "kazma": [call("write_plan", DEPLOY_PLAN), ModelReply(content="Planned."), ModelReply(content="Done.")],
+        "builder": [asks, ModelReply(content="Waiting."), _answered_eu],
+    }
+
+
 async def last_plan(app: App) -> Plan:
     """The chat's current or last plan, as stored."""
     plan_id = await app.executor.store.last_plan(f"telegram:{CHAT}")
@@ -303,20 +318,12 @@ async def test_an_answer_given_before_the_asking_turn_ends_leaves_the_step_to_th
 
 async def test_a_question_the_platform_did_not_take_is_posted_again_while_it_is_open(tmp_path: Path) -> None:
     # A question whose post failed was only logged: nobody could answer it, and the plan waited for ever.
-    plan = {"goal": "deploy", "steps": [{"index": 1, "title": "deploy", "assignee": "builder", "input": "Deploy."}]}
-
     def asks(messages: Sequence[Message]) -> ModelReply:
         fake_holder[0].script("sendMessage", *[Fault.server_error()] * 8)  # the platform fails from here on
         return call("ask_user", {"question": "Which region?"})
 
-    def resumed(messages: Sequence[Message]) -> ModelReply:
-        return ModelReply(content="Deployed to eu." if "A: eu" in str(messages[-1]["content"]) else "??")
-
     fake_holder: list[FakeTelegram] = []
-    scripts: dict[str, list[ScriptStep]] = {
-        "kazma": [call("write_plan", plan), ModelReply(content="Planned."), ModelReply(content="Done.")],
-        "builder": [asks, ModelReply(content="Waiting."), resumed],
-    }
+    scripts = _deploy_scripts(asks)
     async with kazma(tmp_path, scripts) as (app, fake):
         fake_holder.append(fake)
         app.conversations.question_backoff = Backoff(base=0.05, cap=0.2)
@@ -333,20 +340,13 @@ async def test_a_question_whose_repost_meets_a_failing_store_is_posted_once_the_
     # The task posting a question again ended at the first store error (reading whether the question is still
     # open): the supervisor counted it, and the question stayed unseen, its plan waiting, until a restart.
     caplog.set_level(logging.WARNING)
-    plan = {"goal": "deploy", "steps": [{"index": 1, "title": "deploy", "assignee": "builder", "input": "Deploy."}]}
 
     def asks(messages: Sequence[Message]) -> ModelReply:
         fake_holder[0].script("sendMessage", *[Fault.server_error()] * 1000)  # down until the test says
         return call("ask_user", {"question": "Which region?"})
 
-    def resumed(messages: Sequence[Message]) -> ModelReply:
-        return ModelReply(content="Deployed to eu." if "A: eu" in str(messages[-1]["content"]) else "??")
-
     fake_holder: list[FakeTelegram] = []
-    scripts: dict[str, list[ScriptStep]] = {
-        "kazma": [call("write_plan", plan), ModelReply(content="Planned."), ModelReply(content="Done.")],
-        "builder": [asks, ModelReply(content="Waiting."), resumed],
-    }
+    scripts = _deploy_scripts(asks)
     async with kazma(tmp_path, scripts) as (app, fake):
         fake_holder.append(fake)
         app.conversations.question_backoff = Backoff(base=0.05, cap=0.2)
@@ -379,15 +379,7 @@ async def test_a_question_posted_but_not_recorded_is_recorded_later_and_its_repl
     # The question was shown, but the store refused to record its message id: the error escaped the ask, the
     # question stayed without a message, and a reply to what people saw was never taken for its answer.
     caplog.set_level(logging.INFO)
-    plan = {"goal": "deploy", "steps": [{"index": 1, "title": "deploy", "assignee": "builder", "input": "Deploy."}]}
-
-    def resumed(messages: Sequence[Message]) -> ModelReply:
-        return ModelReply(content="Deployed to eu." if "A: eu" in str(messages[-1]["content"]) else "??")
-
-    scripts: dict[str, list[ScriptStep]] = {
-        "kazma": [call("write_plan", plan), ModelReply(content="Planned."), ModelReply(content="Done.")],
-        "builder": [call("ask_user", {"question": "Which region?"}), ModelReply(content="Waiting."), resumed],
-    }
+    scripts = _deploy_scripts(call("ask_user", {"question": "Which region?"}))
     async with kazma(tmp_path, scripts) as (app, fake):
         app.conversations.question_backoff = Backoff(base=0.05, cap=0.2)
         db = tmp_path / "k.db"
