@@ -20,6 +20,19 @@ ARGS = {"command": "make release"}
 HOME_POST = rf"/channels/{HOME_CHANNEL_ID}/messages"
 
 
+async def discord_card_errors(app: App, request_id: str) -> list[str]:
+    """The last errors the card outbox keeps for ``request_id``'s Discord card, once it keeps one (within 20 s)."""
+    outbox = app.bus.outbox  # type: ignore[union-attr]
+
+    async def told() -> list[str]:
+        return [str(e) for r, p, _, e in await outbox.pending() if r == request_id and p == "discord" and e]
+
+    async with asyncio.timeout(20):
+        while not (errors := await told()):
+            await asyncio.sleep(0.02)
+    return errors
+
+
 async def test_a_card_post_rate_limited_past_the_request_timeout_says_so_and_is_posted_later(tmp_path: Path) -> None:
     async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
         adapter = app.bus.adapters["discord"]
@@ -28,14 +41,7 @@ async def test_a_card_post_rate_limited_past_the_request_timeout_says_so_and_is_
         # Discord says "slow down" for longer than a request may take, every time, until it stops.
         fakes.discord.inject_fault("POST", HOME_POST, "429", retry_after=0.4, times=1000)
         request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
-        outbox = app.bus.outbox  # type: ignore[union-attr]
-
-        async def told() -> list[str]:
-            return [str(e) for r, p, _, e in await outbox.pending() if r == request.id and p == "discord" and e]
-
-        async with asyncio.timeout(20):
-            while not (errors := await told()):
-                await asyncio.sleep(0.02)
+        errors = await discord_card_errors(app, request.id)
         assert "rate limited" in errors[0], errors
         assert "retry after 0.4 s" in errors[0]
         assert "no answer" not in errors[0]
@@ -160,14 +166,7 @@ async def test_a_request_timeout_in_discord_py_s_pause_after_a_5xx_says_discord_
         # discord.py pauses 1 s before it tries a 500 again: the request timeout ends that pause, not a wait for bytes
         fakes.discord.inject_fault("POST", HOME_POST, "500", times=1000)
         request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
-        outbox = app.bus.outbox  # type: ignore[union-attr]
-
-        async def told() -> list[str]:
-            return [str(e) for r, p, _, e in await outbox.pending() if r == request.id and p == "discord" and e]
-
-        async with asyncio.timeout(20):
-            while not (errors := await told()):
-                await asyncio.sleep(0.02)
+        errors = await discord_card_errors(app, request.id)
         assert f"Discord answered POST /api/v10{HOME_POST} with 500" in errors[0], errors
         assert "ran out before discord.py tried again" in errors[0], errors
         assert "no answer" not in errors[0], errors
