@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import structlog
 
 from kazma.adapters.card_layout import cut_marker, outcome_line
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
@@ -275,6 +276,24 @@ async def test_message_and_app_mention_of_one_post_are_delivered_once(
         reply_to="1700.000001",  # a reply in a thread answers the thread's first message
         chat_title=f"#channel-{HOME.lower()}",  # conversations.info's name for the channel
     )
+
+
+async def test_a_handled_request_leaves_the_levels_of_kazmas_loggers_alone(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Bolt sets its app's logger to the root's level of the moment on every request. The app was named "kazma", so
+    # that logger was the parent of all of Kazma's: a request handled while the root stood at WARNING pinned every
+    # kazma.* logger there, and their INFO events stayed hidden after the root was lowered (a later test waiting
+    # for an INFO event timed out only when it ran after a Slack test in the same process).
+    kazma = logging.getLogger("kazma")
+    caplog.set_level(logging.WARNING)
+    before = kazma.level
+    await fake.post_event(events_url(adapter), fake.message_event(channel=HOME, user=PERSON, text="hello"))
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) >= 1)
+    caplog.set_level(logging.INFO)
+    structlog.get_logger("kazma.adapters.level_probe").info("slack.level_probe")
+    assert (kazma.level, before) == (logging.NOTSET, logging.NOTSET)
+    assert "slack.level_probe" in [r.getMessage() for r in caplog.records]
 
 
 async def test_other_bots_posts_arrive_marked_and_edits_do_not(

@@ -93,6 +93,7 @@ log = structlog.get_logger("kazma.adapters.slack")
 # effective level): ~80 us of CPU per card edit, for a line nobody sees. Its level is pinned to the effective one
 # at each start, so the debug lines still come whenever debug logging is on.
 _CLIENT_LOG = logging.getLogger("slack_sdk.web.async_client.kazma")
+BOLT_APP_NAME: Final = "slack_bolt.kazma"
 CODE_FENCE: Final = "```"
 ZWSP: Final = "\u200b"  # after a backtick inside a code block, so no run of them closes it early
 
@@ -199,7 +200,11 @@ class SlackAdapter(PlatformBase):
         self.app = AsyncApp(
             client=self.client,
             signing_secret=config.signing_secret,
-            name="kazma",
+            # Bolt names its loggers after the app and, on every request, sets the app's logger to the root's level
+            # of that moment. Named "kazma", that logger was the parent of all of Kazma's: a request handled while
+            # the root stood at WARNING pinned every kazma.* logger there, and their INFO events vanished even after
+            # the root was lowered. Under slack_bolt, Bolt's loggers stay in Bolt's own tree.
+            name=BOLT_APP_NAME,
             # Our own posts (cards, agent messages) must not come back as inbound.
             ignoring_self_events_enabled=True,
             # Kazma registers no workflow functions: a middleware looking for their token on every request
