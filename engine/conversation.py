@@ -34,6 +34,7 @@ from kazma.config.address import Address
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
 from kazma.config.outgoing import Outgoing
+from kazma.config.store.errors import store_errors
 from kazma.config.supervisor import Supervisor
 from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, StepRef, TurnResult, workspace_for
 from kazma.engine.attachments import Saved, describe, save_attachments
@@ -508,23 +509,45 @@ class Conversations:
             # while it is still open. It waited for ever (until a restart showed it again).
             self._tasks.spawn(self._ask_again(where, question, asked), name=f"question-{question.id}")
             return
-        await self.executor.question_posted(question.id, message_id)
+        try:
+            await self.executor.question_posted(question.id, message_id)
+        except store_errors() as exc:
+            # Shown but not recorded: a reply to it would not be taken for its answer. Recorded again (backing
+            # off), never posted a second time.
+            count_failure("question_post")
+            log.warning("plan.question_post_unrecorded", question=question.id, error=str(exc))
+            self._tasks.spawn(
+                self._ask_again(where, question, asked, posted=message_id), name=f"question-{question.id}"
+            )
 
-    async def _ask_again(self, where: Address, question: Question, asked: Outgoing) -> None:
+    async def _ask_again(
+        self, where: Address, question: Question, asked: Outgoing, *, posted: str | None = None
+    ) -> None:
+        """Post an open question nobody saw (or record the post of one, ``posted``: its message id) until it is
+        shown and recorded, or answered, withdrawn, posted by another path meanwhile. A store that fails is one
+        more try after the one backoff: the task ended in the store's error, and the question stayed unseen
+        until a restart."""
         assert self.executor is not None
         retry = 0
         while True:
             await asyncio.sleep(self.question_backoff.delay(retry))
             retry += 1
-            still = await self.executor.store.question(question.id)
-            if still is None or still.status != "pending" or still.message_id is not None:
-                return
-            message_id = await self.sink.send(where, asked)
-            if message_id is not None:
-                await self.executor.question_posted(question.id, message_id)
-                log.info("plan.question_posted_late", question=question.id, attempts=retry + 1)
-                return
-            count_failure("question_post")
+            try:
+                if posted is None:
+                    still = await self.executor.store.question(question.id)
+                    if still is None or still.status != "pending" or still.message_id is not None:
+                        return
+                    posted = await self.sink.send(where, asked)
+                    if posted is None:
+                        count_failure("question_post")
+                        continue
+                await self.executor.question_posted(question.id, posted)
+            except store_errors() as exc:
+                count_failure("question_post")
+                log.warning("plan.question_repost_failed", question=question.id, attempts=retry, error=str(exc))
+                continue
+            log.info("plan.question_posted_late", question=question.id, attempts=retry + 1)
+            return
 
     async def _lead_step(self, action: Action) -> None:
         assert action.step is not None

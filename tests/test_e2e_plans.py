@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.bot.app import App, build_app
 from kazma.config import load_config_text
 from kazma.config.backoff import Backoff
+from kazma.config.metrics import failure_count
 from kazma.engine.model import ScriptStep
 from kazma.engine.plan import Plan, StepStatus
 from kazma.engine.scenario import PerAgentScript, agent_prompts
 from kazma.engine.types import Message, ModelError, ModelReply, ToolCall
 from tests.fakes.telegram import FakeTelegram, Fault
+from tests.outside_writes import write_around
 
 CHAT = -1001
 ALICE = 42
@@ -327,6 +332,90 @@ async def test_a_question_the_platform_did_not_take_is_posted_again_while_it_is_
         question = next(m for m in fake.bot_messages(CHAT) if "Which region?" in m.text)
         fake.push_message(CHAT, ALICE, "eu", reply_to=question.message_id)
         await said(fake, "[builder] Deployed to eu.")
+
+
+async def test_a_question_whose_repost_meets_a_failing_store_is_posted_once_the_store_is_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The task posting a question again ended at the first store error (reading whether the question is still
+    # open): the supervisor counted it, and the question stayed unseen, its plan waiting, until a restart.
+    caplog.set_level(logging.WARNING)
+
+    def asks(messages: Sequence[Message]) -> ModelReply:
+        fake_holder[0].script("sendMessage", *[Fault.server_error()] * 1000)  # down until the test says
+        return call("ask_user", {"question": "Which region?"})
+
+    fake_holder: list[FakeTelegram] = []
+    scripts = _deploy_scripts(asks)
+    async with kazma(tmp_path, scripts) as (app, fake):
+        fake_holder.append(fake)
+        app.conversations.question_backoff = Backoff(base=0.05, cap=0.2)
+        not_posted = failure_count("question_post")
+        crashed = failure_count("conversation_task")
+        fake.push_message(CHAT, ALICE, "@kazma deploy it", username="alice")
+        async with asyncio.timeout(20):
+            while failure_count("question_post") == not_posted:  # the question is open, and nobody saw it
+                await asyncio.sleep(0.02)
+        db = tmp_path / "k.db"
+        await write_around(db, ["ALTER TABLE plan_questions RENAME TO questions_elsewhere"])
+        async with asyncio.timeout(20):
+            while not (
+                failure_count("conversation_task") > crashed
+                or any(r.getMessage() == "plan.question_repost_failed" for r in caplog.records)
+            ):
+                await asyncio.sleep(0.02)
+        await write_around(db, ["ALTER TABLE questions_elsewhere RENAME TO plan_questions"])
+        fake.unscript("sendMessage")
+        await said(fake, "Which region?")  # posted once the store and the platform are back, no restart
+        question = next(m for m in fake.bot_messages(CHAT) if "Which region?" in m.text)
+        fake.push_message(CHAT, ALICE, "eu", reply_to=question.message_id)
+        await said(fake, "[builder] Deployed to eu.")
+        assert failure_count("conversation_task") == crashed
+
+
+async def test_a_question_posted_but_not_recorded_is_recorded_later_and_its_reply_answers_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The question was shown, but the store refused to record its message id: the error escaped the ask, the
+    # question stayed without a message, and a reply to what people saw was never taken for its answer.
+    caplog.set_level(logging.INFO)
+    scripts = _deploy_scripts(call("ask_user", {"question": "Which region?"}))
+    async with kazma(tmp_path, scripts) as (app, fake):
+        app.conversations.question_backoff = Backoff(base=0.05, cap=0.2)
+        db = tmp_path / "k.db"
+        await write_around(
+            db,
+            [
+                "CREATE TRIGGER refuse_posts BEFORE UPDATE OF message_id ON plan_questions"
+                " BEGIN SELECT RAISE(ABORT, 'posts refused'); END"
+            ],
+        )
+        fake.push_message(CHAT, ALICE, "@kazma deploy it", username="alice")
+        await said(fake, "Which region?")
+        async with asyncio.timeout(20):
+            while not any(r.getMessage() == "plan.question_post_unrecorded" for r in caplog.records):
+                await asyncio.sleep(0.02)
+        await write_around(db, ["DROP TRIGGER refuse_posts"])
+        question = next(m for m in fake.bot_messages(CHAT) if "Which region?" in m.text)
+        # The open question's row gets the id of the message people saw, and the retry that recorded it says so (its
+        # line comes after the commit, so both are waited for); a timeout says what Kazma logged meanwhile.
+        try:
+            async with asyncio.timeout(20):
+                while not (
+                    any(
+                        q.message_id == str(question.message_id)
+                        for q in await app.executor.store.open_questions(f"telegram:{CHAT}")
+                    )
+                    and any(r.getMessage() == "plan.question_posted_late" for r in caplog.records)
+                ):
+                    await asyncio.sleep(0.02)
+        except TimeoutError:
+            seen = [r.getMessage() for r in caplog.records if r.name.startswith("kazma")]
+            raise AssertionError(f"the question's post was never recorded; Kazma logged {seen}") from None
+        fake.push_message(CHAT, ALICE, "eu", reply_to=question.message_id)
+        await said(fake, "[builder] Deployed to eu.")
+        asked = [t for t in texts(fake) if t.startswith("[kazma] Question from")]
+        assert len(asked) == 1, asked  # recorded, never posted a second time
 
 
 async def test_a_step_whose_turn_fails_inside_kazma_ends_failed_and_the_lead_decides(tmp_path: Path) -> None:

@@ -444,6 +444,10 @@ class FakeTelegram:
         """Queue ``faults`` for the next calls of ``method`` (case-insensitive, like the API)."""
         self._faults.setdefault(method.lower(), deque()).extend(faults)
 
+    def unscript(self, method: str) -> None:
+        """Drop the faults still queued for ``method``: the platform answers it again."""
+        self._faults.pop(method.lower(), None)
+
     def calls_to(self, method: str) -> list[FakeCall]:
         return [call for call in self.calls if call.method.lower() == method.lower()]
 
