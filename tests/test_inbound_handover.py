@@ -303,3 +303,59 @@ async def test_telegram_updates_a_leader_confirmed_and_never_took_in_reach_the_n
         await follower.stop()
         await first.close()
         await second.close()
+
+
+async def test_telegram_updates_a_leader_answered_without_a_press_are_not_answered_again_by_the_next_leader(
+    telegram: FakeTelegram, tmp_path: Path
+) -> None:
+    """A "Deny with reason" press (answered with a prompt) and somebody else's reply to that prompt (answered
+    with a refusal) were handled without a claim: they stayed in the leader's inbox as never taken in, so the
+    next leader handed them over again and the group saw a second prompt and a second refusal."""
+    fake = telegram
+    path = tmp_path / "kazma.db"
+    first, second = await open_database(path, migrations=MIGRATIONS), await open_database(path, migrations=MIGRATIONS)
+    alive = {"a", "b"}
+
+    async def live() -> set[str]:
+        return set(alive)
+
+    kept_a = InboundClaims(first, replica="a", live=live)
+    kept_b = InboundClaims(second, replica="b", live=live)
+    a, b = Replica("a", kept_a.claim), Replica("b", kept_b.claim)
+    leader, follower = telegram_replica(fake), telegram_replica(fake)
+    await leader.start(dataclasses.replace(a.handlers(), inbox=kept_a, inbound_done=kept_a.done))
+    await follower.start(dataclasses.replace(b.handlers(), inbox=kept_b, inbound_done=kept_b.done), ingress=False)
+
+    def prompts() -> list[int]:
+        return [m.message_id for m in fake.bot_messages(GROUP) if "reply to this message" in m.text]
+
+    def refusals() -> int:
+        return sum("only the person who pressed" in m.text for m in fake.bot_messages(GROUP))
+
+    try:
+        query = fake.push_callback(GROUP, CARD_MESSAGE, ADMIN, f"kz1:{'r' * 24}:n")
+        await fake.wait_for_answer(query)
+        await fake.wait_until(lambda: len(prompts()) == 1)
+        fake.push_message(GROUP, 999, "not mine to give", reply_to=prompts()[0])
+        await fake.wait_until(lambda: refusals() == 1)
+        await leader.quiesce()
+        await fake.wait_until(lambda: fake.pending_updates == 0)  # confirmed: Telegram will not give them again
+
+        alive.discard("a")
+        # It dies: its poller stops on the spot (a dead replica runs none of its own stopping code).
+        app = leader._app
+        assert app is not None
+        assert app.updater is not None
+        await app.updater.stop()
+        await follower.start_ingress()
+        fake.push_message(GROUP, ADMIN, "after")
+        await b.wait_until(lambda: b.texts() == ["after"])
+        await follower.quiesce()
+        assert len(prompts()) == 1
+        assert refusals() == 1
+        assert a.presses == b.presses == []  # neither was a decision
+    finally:
+        await leader.stop()
+        await follower.stop()
+        await first.close()
+        await second.close()

@@ -411,11 +411,15 @@ class TelegramAdapter(PlatformBase):
                 message_id=message.message_id if message is not None else None,
                 data=(query.data or "")[:80],
             )
-            self.spawn(self._reply(QueryReply(query).notify, PRESS_NOT_ON_MESSAGE), name=f"telegram-press-{query.id}")
+            refused = QueryReply(query).notify
+            self.spawn(
+                self._once(update, lambda: self._reply(refused, PRESS_NOT_ON_MESSAGE)),
+                name=f"telegram-press-{query.id}",
+            )
             return
         asked = reason_request(query.data or "")
         if asked is not None and message is not None:
-            self.spawn(self._ask_reason(query, asked), name=f"telegram-reason-{query.id}")
+            self.spawn(self._once(update, lambda: self._ask_reason(query, asked)), name=f"telegram-reason-{query.id}")
             return
         press = Press(
             platform=PLATFORM,
@@ -429,6 +433,20 @@ class TelegramAdapter(PlatformBase):
             query, late=None if message is None else self._late_notice(query, message.chat.id, message.message_id)
         )
         self.spawn(self.press(press, reply, key=self.update_key(update)), name=f"telegram-press-{query.id}")
+
+    async def _once(self, update: Update, answer: Callable[[], Awaitable[None]]) -> None:
+        """``answer`` an update that is no press to decide (a reason prompt, a refusal), on one replica once.
+
+        The poller kept the update in the inbox before confirming it: one never claimed and taken in stays there
+        as unfinished, and the next leader (or this replica's next life) hands it over again, so the group saw a
+        second prompt or refusal. Taken in only once answered: a replica that dies before that leaves it to the
+        next leader, as a press is left.
+        """
+        key = self.update_key(update)
+        if not await self._claim(key):
+            return
+        await answer()
+        await self._taken_in(key)
 
     def _late_notice(self, query: CallbackQuery, chat: int, card: int) -> Callable[[str], Awaitable[None]]:
         """A notice for the presser after their press was answered already: Telegram answers a query once, so it
@@ -484,8 +502,12 @@ class TelegramAdapter(PlatformBase):
         reply = _ChatReply(self, str(message.chat.id), message.message_id)
         refusal = prompt.refusal(user.id, user.username, self.reason_clock())
         if refusal is not None:
-            log.info("telegram.reason_reply_refused", actor=self.actor(user.id), data=prompt.data, why=refusal)
-            await reply.notify(refusal)
+
+            async def refuse() -> None:
+                log.info("telegram.reason_reply_refused", actor=self.actor(user.id), data=prompt.data, why=refusal)
+                await self._reply(reply.notify, refusal)
+
+            await self._once(update, refuse)
             return
         press = Press(
             platform=PLATFORM,
