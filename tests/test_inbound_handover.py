@@ -359,3 +359,29 @@ async def test_telegram_updates_a_leader_answered_without_a_press_are_not_answer
         await follower.stop()
         await first.close()
         await second.close()
+
+
+async def test_telegram_updates_no_handler_takes_in_are_not_left_in_the_inbox(
+    telegram: FakeTelegram, tmp_path: Path
+) -> None:
+    """A command for another bot and a message no handler takes (a sticker: no text, no file) were dropped without
+    being taken in: they stayed in the inbox as unfinished, every next leader took them over (refreshing their
+    age, so the day's retention never dropped them) and handed them to its handlers again, one commit each before
+    it started polling."""
+    fake = telegram
+    db = await open_database(tmp_path / "kazma.db", migrations=MIGRATIONS)
+    kept = InboundClaims(db, replica="a")
+    a = Replica("a", kept.claim)
+    leader = telegram_replica(fake)
+    await leader.start(dataclasses.replace(a.handlers(), inbox=kept, inbound_done=kept.done))
+    try:
+        fake.push_message(GROUP, ADMIN, "/swarm@another_bot status")
+        fake.push_message(GROUP, ADMIN, "")  # what a sticker is to the handlers: no text, caption or file
+        fake.push_message(GROUP, ADMIN, "hello")
+        await a.wait_until(lambda: a.texts() == ["hello"])
+        await leader.quiesce()
+        left = await kept.tables.all("SELECT event_key FROM inbound_claims WHERE done_at IS NULL")
+        assert left == []
+    finally:
+        await leader.stop()
+        await db.close()

@@ -52,6 +52,7 @@ from telegram.ext import (
     CallbackQueryHandler,
     ContextTypes,
     MessageHandler,
+    TypeHandler,
     Updater,
     filters,
 )
@@ -224,6 +225,8 @@ class TelegramAdapter(PlatformBase):
         )
         app.add_handler(CallbackQueryHandler(self._on_callback_query))
         app.add_handler(MessageHandler(filters.StatusUpdate.MIGRATE, self._on_migrate))
+        # Last of its group: PTB calls it only for an update no handler above took (a sticker, a service message).
+        app.add_handler(TypeHandler(Update, self._on_unhandled))
         app.add_error_handler(self._on_error)
         await app.initialize()  # getMe: a bad token or an unreachable server stops us here
         self._bot_username = (app.bot.username or "").lower()
@@ -374,12 +377,24 @@ class TelegramAdapter(PlatformBase):
             self.spawn(self._reason_given(message, prompt, update), name="telegram-reason")
             return
         inbound = self.normalise(message)
-        if inbound is not None:
-            # PTB handles updates one at a time: hand the delivery off so a slow turn never holds the poller.
-            self.spawn(
-                self.deliver(inbound, key=self.update_key(update)),
-                name=f"telegram-inbound-{inbound.chat}-{inbound.message_id}",
-            )
+        if inbound is None:  # a command for another bot
+            self._ignored(update)
+            return
+        # PTB handles updates one at a time: hand the delivery off so a slow turn never holds the poller.
+        self.spawn(
+            self.deliver(inbound, key=self.update_key(update)),
+            name=f"telegram-inbound-{inbound.chat}-{inbound.message_id}",
+        )
+
+    async def _on_unhandled(self, update: Update, _context: ContextTypes.DEFAULT_TYPE) -> None:
+        """An update Kazma does nothing with is taken in all the same: left in the inbox as unfinished, every next
+        leader took it over (renewing its age, so retention never dropped it) and handed it over again."""
+        self._ignored(update)
+
+    def _ignored(self, update: Update) -> None:
+        """Finish ``update``'s inbox entry: only a poller keeps one (a webhook's update has nothing to finish)."""
+        if self.has_singleton_ingress and self._handlers is not None and self._handlers.inbox is not None:
+            self.spawn(self._taken_in(self.update_key(update)), name=f"telegram-ignored-{update.update_id}")
 
     async def _on_migrate(self, update: Update, _context: ContextTypes.DEFAULT_TYPE) -> None:
         """A group became a supergroup (a new chat id): Telegram says so in the old chat and in the new one."""
@@ -392,7 +407,11 @@ class TelegramAdapter(PlatformBase):
             old, new = message.migrate_from_chat_id, message.chat.id
         else:  # pragma: no cover - the filter lets only these two through
             return
-        self.spawn(self.chat_moved(str(old), str(new)), name=f"telegram-chat-moved-{old}")
+        self.spawn(self._moved(update, str(old), str(new)), name=f"telegram-chat-moved-{old}")
+
+    async def _moved(self, update: Update, old: str, new: str) -> None:
+        await self.chat_moved(old, new)  # told twice (once in each chat), the second changes nothing
+        await self._taken_in(self.update_key(update))
 
     async def _on_callback_query(self, update: Update, _context: ContextTypes.DEFAULT_TYPE) -> None:
         query = update.callback_query
