@@ -34,6 +34,10 @@ _PROMPT_READ = re.compile(
 # Said to the presser whose reply comes after the window (or to a prompt that no longer says whose it is).
 PROMPT_EXPIRED: Final = "that prompt has expired, so nothing was recorded: press Deny with reason on the card again"
 PROMPT_NOT_YOURS: Final = "only the person who pressed Deny with reason can give its reason"
+# Said to the presser whose reply has no words (a photo, a file): nothing is decided, the prompt still stands.
+PROMPT_NO_WORDS: Final = (
+    "a reason is words, so nothing was recorded: reply to the prompt again with them, or press Deny on the card"
+)
 
 
 def reason_request(data: str) -> str | None:

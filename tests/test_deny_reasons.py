@@ -341,3 +341,22 @@ async def test_the_console_deny_field_carries_the_reason_and_empty_it_is_one_pre
         assert shown is not None
         assert shown.outcome is not None
         assert f"reason: {SHOWN}" in outcome_line(shown.outcome)
+
+
+async def test_a_telegram_reply_without_words_is_no_reason_and_denies_nothing(tmp_path: Path) -> None:
+    # A photo (a screenshot as the reason) replying to the prompt denied the request with no reason at all: the
+    # picture was dropped, and the agent and every card were told of a bare "denied".
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        request = await app.service.open("shell", ARGS, "agent:builder", f"telegram:{TG_CHAT}")
+        await fakes.wait(lambda: all(fakes.has_buttons(p) for p in PLATFORMS))
+        card = next(m for m in fakes.telegram.bot_messages(TG_CHAT) if m.buttons)
+        query = fakes.telegram.push_callback(TG_CHAT, card.message_id, TG_ADMIN, _reason_button(fakes, "telegram"))
+        await fakes.telegram.wait_for_answer(query, timeout=10)
+        await fakes.wait(lambda: any("reply to this message" in m.text for m in fakes.telegram.bot_messages(TG_CHAT)))
+        prompt = next(m for m in fakes.telegram.bot_messages(TG_CHAT) if "reply to this message" in m.text)
+        fakes.telegram.push_file(TG_CHAT, TG_ADMIN, "why.jpg", b"\xff\xd8", photo=True, reply_to=prompt.message_id)
+        await fakes.wait(lambda: any("a reason is words" in m.text for m in fakes.telegram.bot_messages(TG_CHAT)))
+        assert (await app.service.store.get(request.id)).status is Status.PENDING  # type: ignore[union-attr]
+        # the prompt still stands: words in reply to it deny with them
+        fakes.telegram.push_message(TG_CHAT, TG_ADMIN, REASON, reply_to=prompt.message_id)
+        await _check_everywhere(fakes, app, request.id, f"telegram:{TG_ADMIN}")

@@ -61,7 +61,7 @@ from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.chat_commands import CHAT_COMMANDS
 from kazma.adapters.chat_text import Columns
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
-from kazma.adapters.deny_reason import reason_request, reply_prompt
+from kazma.adapters.deny_reason import PROMPT_NO_WORDS, reason_request, reply_prompt
 from kazma.adapters.kit import KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.press_policy import PRESS_NOT_ON_MESSAGE
@@ -520,6 +520,11 @@ class TelegramAdapter(PlatformBase):
         assert user is not None
         reply = _ChatReply(self, str(message.chat.id), message.message_id)
         refusal = prompt.refusal(user.id, user.username, self.reason_clock())
+        words = (message.text or message.caption or "").strip()
+        if refusal is None and not words:
+            # A photo or a file alone (a screenshot as the reason) denied with no reason at all: the picture was
+            # dropped and everyone was told of a bare denial. The prompt stands for a reply with words.
+            refusal = PROMPT_NO_WORDS
         if refusal is not None:
 
             async def refuse() -> None:
@@ -537,7 +542,7 @@ class TelegramAdapter(PlatformBase):
             chat=str(message.chat.id),
             message_id=None,
             is_admin=self.is_admin(user.id),
-            reason=message.text or message.caption or "",
+            reason=words,
         )
         await self.press(press, reply, key=self.update_key(update))
 

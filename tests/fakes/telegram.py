@@ -558,8 +558,10 @@ class FakeTelegram:
         caption: str = "",
         photo: bool = False,
         declared_size: int | None = None,
+        reply_to: int | None = None,
     ) -> int:
-        """A user sends a document (or a photo) with an optional caption; returns the message id."""
+        """A user sends a document (or a photo) with an optional caption (a reply to ``reply_to`` when given);
+        returns the message id."""
         file_id, unique = self.add_file(data)
         size = len(data) if declared_size is None else declared_size
         user: JsonDict = {"id": user_id, "is_bot": False, "first_name": f"User {user_id}"}
@@ -573,6 +575,7 @@ class FakeTelegram:
             reply_markup=None,
             sender=user,
             date=int(time.time()),
+            reply_to=reply_to,
         )
         if photo:
             message.photo = [
