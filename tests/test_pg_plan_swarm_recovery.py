@@ -23,12 +23,12 @@ from kazma.config.store.postgres import PgStore
 from kazma.engine.executor import PlanExecutor, StepResult
 from kazma.engine.model import ScriptedProvider
 from kazma.engine.plan import PlanOrigin, PlanSpec, StepSpec, StepStatus
-from kazma.engine.plan_store import PlanStore
+from kazma.engine.plan_store import LeftStep, PlanStore
 from kazma.engine.swarm.service import SwarmService
 from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import InterruptedTask, SwarmTaskStore
 from kazma.engine.swarm.types import Pattern, TaskStatus
-from kazma.engine.tools.executions import ExecutionRecord
+from kazma.engine.tools.executions import ExecutionRecord, ExecutionSummary
 from tests.audit_support import AUDIT_KEY
 from tests.store_backends import replica_store
 from tests.swarm_rig import config as swarm_config
@@ -60,10 +60,9 @@ class StallingPlanStore(PlanStore):
         super().__init__(conn, replica="a")
         self.gate = gate
 
-    async def set_status(self, plan_id: str, index: int, expected: StepStatus, new: StepStatus, **kw: Any) -> bool:
-        if expected is StepStatus.IN_PROGRESS and new is StepStatus.FAILED:
-            await self.gate.through()
-        return await super().set_status(plan_id, index, expected, new, **kw)
+    async def fail_interrupted(self, left: LeftStep, *args: Any) -> ExecutionSummary | None:
+        await self.gate.through()
+        return await super().fail_interrupted(left, *args)
 
 
 class StallingTaskStore(SwarmTaskStore):
