@@ -279,3 +279,23 @@ async def test_the_leaders_sweep_stops_recovering_steps_tasks_and_calls_once_it_
             assert record.status is TaskStatus.RUNNING
     finally:
         await app.stop()
+
+
+async def test_the_interrupted_line_does_not_say_a_replica_judged_gone_stopped(pg_dsn: str) -> None:
+    """The leader's line for c's task said "the Kazma replica running it stopped" while c only was judged gone
+    (cut off, paused) and may still run it: its watch then stops the task and says so. The line says what is
+    known: judged gone, and what happens if it still runs."""
+    cfg = swarm_config()
+    async with replica_store(pg_dsn, "c") as sc, replica_store(pg_dsn, "b") as sb:
+        left = await SwarmTaskStore(sc, replica="c").admit(Pattern.DISPATCH, {"prompt": "p"}, owner="web:x")
+        leader = SwarmService(SwarmTaskStore(sb, replica="b"), {}, cfg, state=SwarmStateStore(sb))
+        try:
+            lines = await _within(leader.recover_gone(LIVE))
+        finally:
+            await leader.close()
+
+    assert len(lines) == 1
+    assert left.task_id in lines[0]
+    assert "replica running it stopped" not in lines[0]
+    assert "judged gone" in lines[0]
+    assert "if it still runs, it stops the task" in lines[0]
