@@ -31,6 +31,8 @@ from kazma.engine.tools.executions import (
     Execution,
     ExecutionRecord,
     ExecutionSummary,
+    Fence,
+    FencedOut,
     Ran,
     current_scope,
     note,
@@ -132,6 +134,9 @@ class TurnContext:
     # Asked just before each tool starts (a plan step's turn: is the step still this turn's to run?). It stops the
     # turn by cancelling it, or raises when it cannot tell; a tool starts only once it has returned.
     before_tool: Callable[[], Awaitable[None]] | None = None
+    # What each tool's execution row is written under (a plan step's: the step is still this turn's). The check
+    # and the row are one statement, so a step taken away between ``before_tool`` and the row runs no tool.
+    fence: Fence | None = None
 
     @property
     def starter(self) -> str | None:
@@ -299,6 +304,7 @@ class AgentRunner:
         stream: AnswerStream | None = None,
         started_by: str | None = None,
         before_tool: Callable[[], Awaitable[None]] | None = None,
+        fence: Fence | None = None,
     ) -> TurnResult:
         """One turn: the agent answers ``text``, calling tools as it goes, at most ``max_steps`` model calls.
 
@@ -307,7 +313,8 @@ class AgentRunner:
         ``text``): a plan written in the turn keeps both. ``stream`` is shown each reply's text while the model
         writes it (model calls only: the tools the turn runs write into nothing of it). ``started_by``: who started
         the work when that is not ``requested_by`` (a plan's steps run for the person who asked for the plan).
-        ``before_tool`` is awaited just before each tool of the turn starts (see :class:`TurnContext`).
+        ``before_tool`` is awaited just before each tool of the turn starts, and each tool's execution row is
+        written under ``fence`` (see :class:`TurnContext`).
         """
         ctx = TurnContext(
             conversation,
@@ -319,6 +326,7 @@ class AgentRunner:
             files=tuple(files),
             started_by=started_by,
             before_tool=before_tool,
+            fence=fence,
         )
         sent: list[Message] = [
             messages.system(agent.system_prompt),
@@ -413,6 +421,7 @@ class AgentRunner:
             changes_state=ran.changes_state,
             scope=scope,
             task_id=task_id or ctx.task_id,
+            fence=ctx.fence,
         )
 
     async def _unasked(
@@ -575,6 +584,30 @@ class AgentRunner:
             return unasked
         try:
             ran.execution_id = await self._start_record(call, ctx, verdict.request_id, verdict.args_hash, ran)
+        except FencedOut:
+            # Its step was taken away after the check above (the leader failed it as interrupted, it runs again):
+            # the row was not written and the call never starts.
+            why = (
+                "its plan step is no longer this turn's to run (taken away, or waiting for a person), so it did not run"
+            )
+            log.warning("agent.step_fenced_out", agent=ctx.agent.name, tool=call.name,
+                        plan=None if ctx.step is None else ctx.step.plan_id,
+                        step=None if ctx.step is None else ctx.step.index)  # fmt: skip
+            await asyncio.shield(
+                self.policy.ran(verdict, ok=False, output="", error="not run: its plan step was taken away")
+            )
+            result.tool_runs.append(
+                ToolRun(call.name, call.arguments, False, why, refused=True, approval_id=verdict.request_id)
+            )
+            if ctx.before_tool is not None:
+                # The watch reads the step again and stops the turn here when it was taken away; a step only
+                # waiting for a person leaves the turn to end with this answer.
+                try:
+                    await ctx.before_tool()
+                except Exception as exc:  # the call is refused all the same
+                    count_failure("step_watch")
+                    log.warning("agent.step_unread", agent=ctx.agent.name, tool=call.name, error=str(exc))
+            return f"Not run: {why}. End your turn now."
         except Exception as exc:  # nothing runs that is not on disk first
             count_failure("execution_record")
             log.warning("agent.execution_unrecorded", agent=ctx.agent.name, tool=call.name, error=str(exc))

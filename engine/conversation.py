@@ -41,7 +41,7 @@ from kazma.engine.attachments import Saved, describe, save_attachments
 from kazma.engine.executor import Action, ActionKind, AnswerVerdict, DispatchFailed, PlanExecutor, StepResult
 from kazma.engine.fence import fence_untrusted
 from kazma.engine.plan import Plan, PlanOrigin
-from kazma.engine.plan_store import PlanStore, Question
+from kazma.engine.plan_store import PlanStore, Question, StepFence
 from kazma.engine.plan_tools import ask_user_tool, lead_plan_tools
 from kazma.engine.step_watch import STEP_POLL_SECONDS, StepWatch
 from kazma.engine.streamed_reply import StreamedReply, stream_at
@@ -330,6 +330,10 @@ class Conversations:
                 stopped.append(True)
                 self.steps.forget(step)
 
+    def _fence(self, step: StepRef) -> StepFence | None:
+        """What a tool of ``step``'s turn starts under: the step still this turn's (see :class:`StepFence`)."""
+        return None if self.plans is None else self.plans.fence(step.plan_id, step.index, step.attempt)
+
     async def _run_step(self, worker: AgentSpec, conversation: str, message: Inbound, dispatch: _Dispatch) -> None:
         step = StepRef(dispatch.plan_id, dispatch.index, dispatch.attempt)
         check = None if self.steps is None else self.steps.check
@@ -339,6 +343,7 @@ class Conversations:
                     worker, conversation, message.text, requested_by=message.author, step=step,
                     started_by=dispatch.started_by,
                     before_tool=None if check is None else functools.partial(check, step),
+                    fence=self._fence(step),
                 )  # fmt: skip
             if stopped:
                 return
@@ -563,6 +568,7 @@ class Conversations:
                 step=step,
                 started_by=action.plan.origin.started_by,
                 before_tool=None if check is None else functools.partial(check, step),
+                fence=self._fence(step),
             )
         if stopped:
             return

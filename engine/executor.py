@@ -22,7 +22,7 @@ import contextlib
 import json
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final, Protocol
 
@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from kazma.config import failpoints
 from kazma.config.identity import platform_of
 from kazma.config.metrics import count_failure
+from kazma.config.store.backend import Tx
 from kazma.config.store.errors import simulated_failure
 from kazma.engine.fence import fence_untrusted
 from kazma.engine.plan import (
@@ -248,8 +249,6 @@ class PlanExecutor:
             plan = await self.store.load(plan_id)
             if plan is None:
                 continue
-            execution = await self._step_execution(plan_id, index, left.attempt)
-            reason = f"{INTERRUPTED} (tools: {execution.line()})"
             async with self._locks[plan.conversation]:
                 if leading is not None and not leading():
                     log.warning("plan.recovery_stopped", reason="this replica no longer leads", failed=len(failed))
@@ -258,18 +257,15 @@ class PlanExecutor:
                 # replica restarted under its name, the leader's sweep) or the step's own result may have got
                 # there first, and the step may run again since (the lead retried it, an answer resumed it
                 # elsewhere): the lead is asked about a failure once, and a run that goes on is never failed.
-                if not await self.store.set_status(
-                    plan_id,
-                    index,
-                    StepStatus.IN_PROGRESS,
-                    StepStatus.FAILED,
-                    attempt=left.attempt,
-                    started_by=left.replica,
-                    failure_reason=reason,
-                    finished=False,
-                    record=replace(plan.steps[index].record, execution=execution),
-                ):
+                # Its tools are read in the same transaction, after the write: one that run was starting (the
+                # replica judged gone may still run) is either read there or never starts.
+                execution = await self.store.fail_interrupted(
+                    left, plan.steps[index].record, self._step_tools(step_scope(plan_id, index, left.attempt)),
+                    lambda summary: f"{INTERRUPTED} (tools: {summary.line()})",
+                )  # fmt: skip
+                if execution is None:
                     continue
+                reason = f"{INTERRUPTED} (tools: {execution.line()})"
                 log.warning("plan.step_interrupted", plan_id=plan_id, step=index, tools=execution.line())
                 count_failure("step_interrupted")
                 failed.append((plan_id, index))
@@ -330,16 +326,11 @@ class PlanExecutor:
                 actions += moved
         return actions
 
-    async def _step_execution(self, plan_id: str, index: int, attempt: int) -> ExecutionSummary:
-        """What an interrupted step's tools did, from their rows (said "unknown" when they cannot be read)."""
+    def _step_tools(self, scope: str) -> Callable[[Tx], ExecutionSummary]:
+        """What an interrupted step's tools did, read from their rows in the transaction that fails the step."""
         if self.executions is None:
-            return ExecutionSummary()
-        try:
-            return await self.executions.summary_of_scope(step_scope(plan_id, index, attempt))
-        except Exception as exc:  # the step is still failed as interrupted, its outcome unknown
-            count_failure("execution_record")
-            log.warning("plan.executions_unread", plan_id=plan_id, step=index, error=str(exc))
-            return ExecutionSummary(may_have_run=("its tools (their record could not be read)",))
+            return lambda tx: ExecutionSummary()
+        return lambda tx: ExecutionRecord.summary_in(tx, scope)
 
     async def _at(self, name: str) -> None:
         """A named failpoint (config/failpoints.py) reached here; its error is the plan store's own."""

@@ -6,8 +6,10 @@ import json
 import secrets
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
+
+import aiosqlite
 
 from kazma.config.store.backend import StoreConnection, Tx, tables_of
 from kazma.config.store.database import Migration
@@ -285,6 +287,32 @@ class StepRun:
 
 
 @dataclass(frozen=True)
+class StepFence:
+    """A tool of a step's turn starts only while the step is still that turn's: its row, this attempt, running,
+    on the replica that runs the turn (an :class:`~kazma.engine.tools.executions.Fence`).
+
+    Among replicas the leader fails the running step of a replica it judged gone; that replica may still run.
+    Its turn's check just before a tool and the tool's execution row are one statement here, and on PostgreSQL
+    it holds the step's row (``FOR SHARE``) until its row commits: the leader's write taking the step away waits
+    for it and then reads the row (the tool is reported), or comes first and no row is written (the tool never
+    starts). Never both the retry elsewhere and an unreported tool here."""
+
+    plan_id: str
+    index: int
+    attempt: int
+    replica: str | None
+    postgres: bool
+
+    def source(self) -> tuple[str, tuple[Any, ...]]:
+        replica = "replica IS NULL" if self.replica is None else "replica = ?"
+        sql = f"FROM plan_steps WHERE plan_id = ? AND idx = ? AND attempts = ? AND status = ? AND {replica}" + (
+            " FOR SHARE" if self.postgres else ""
+        )
+        params: tuple[Any, ...] = (self.plan_id, self.index, self.attempt, StepStatus.IN_PROGRESS.value)
+        return sql, params if self.replica is None else (*params, self.replica)
+
+
+@dataclass(frozen=True)
 class PlanEvent:
     seq: int
     at: float
@@ -337,6 +365,11 @@ class PlanStore:
         self.clock = clock
         self.tables = tables_of(conn)
         self.replica = replica  # recorded on each step this process starts (None: the only process)
+        self.postgres = not isinstance(conn, aiosqlite.Connection)
+
+    def fence(self, plan_id: str, index: int, attempt: int) -> StepFence:
+        """What a tool of this step's turn (``attempt``, run here) starts under: see :class:`StepFence`."""
+        return StepFence(plan_id, index, attempt, self.replica, self.postgres)
 
     async def create(self, conversation: str, spec: PlanSpec, origin: PlanOrigin | None = None) -> Plan:
         plan_id = secrets.token_urlsafe(9)
@@ -565,6 +598,54 @@ class PlanStore:
             params.append(started_by)
         update = f"UPDATE plan_steps SET {', '.join(sets)} WHERE {' AND '.join(where)}"  # noqa: S608
         return await self._moved(plan_id, update, params) == 1
+
+    async def fail_interrupted(
+        self,
+        left: LeftStep,
+        record: StepRecord,
+        tools: Callable[[Tx], ExecutionSummary],
+        reason: Callable[[ExecutionSummary], str],
+    ) -> ExecutionSummary | None:
+        """Fail the run ``left`` names as interrupted (a compare-and-set on its attempt and replica, as
+        :meth:`set_status`); what ``tools`` read of its tools, None when it was not that run any more.
+
+        ``tools`` reads in the same transaction, after the write: a tool of that run whose row was going in (it
+        holds the step's row, see :class:`StepFence`) is committed before the write could take the row, so it is
+        read; a later one finds the step failed and never starts. Its ending says what really ran."""
+        where = ["plan_id = ?", "idx = ?", "status = ?", "attempts = ?"]
+        params: list[Any] = [left.plan_id, left.index, StepStatus.IN_PROGRESS.value, left.attempt]
+        if left.replica is not None:
+            where.append("replica = ?")
+            params.append(left.replica)
+        take = f"UPDATE plan_steps SET status = ?, updated_at = ? WHERE {' AND '.join(where)}"  # noqa: S608
+        replica = self.replica
+
+        def op(tx: Tx) -> ExecutionSummary | None:
+            if tx.run(take, (StepStatus.FAILED.value, self.clock(), *params)) != 1:
+                return None
+            summary = tools(tx)
+            ended = replace(record, execution=summary)
+            tx.run(
+                "UPDATE plan_steps SET failure_reason = ?, model = ?, tools_json = ?, prompt_tokens = ?,"
+                " completion_tokens = ?, cost = ?, execution_json = ? WHERE plan_id = ? AND idx = ?",
+                (
+                    reason(summary),
+                    ended.model,
+                    json.dumps([t.as_json() for t in ended.tools]),
+                    ended.usage.prompt_tokens,
+                    ended.usage.completion_tokens,
+                    ended.usage.cost,
+                    json.dumps(summary.as_json()),
+                    left.plan_id,
+                    left.index,
+                ),
+            )
+            if replica is not None:
+                tx.run(_OWN, (replica, left.plan_id))
+            return summary
+
+        writer = await self.tables.writer()
+        return await writer.submit(op)
 
     async def _moved(self, plan_id: str | None, sql: str, params: Sequence[Any]) -> int:
         """Run ``sql`` (a write that moves the plan); among replicas the plan is this replica's to drive from the

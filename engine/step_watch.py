@@ -5,7 +5,9 @@ run the step again elsewhere. A replica judged gone while it still ran (cut off 
 than the takeover bound, or paused) is told by nothing but the step's row: its turn went on beside the retry,
 and its tools acted a second time (only its result was dropped, by the attempt check). Here, like the swarm's
 watch for tasks ended elsewhere, each step turn running here is read back periodically, and once more just
-before each of its tools starts; a run taken away is cancelled before its next tool can start.
+before each of its tools starts; a run taken away is cancelled before its next tool can start. A read that
+came just before the leader's write is closed by the tool's execution row, written only while the step is
+still this run's (:class:`~kazma.engine.plan_store.StepFence`).
 """
 
 from __future__ import annotations

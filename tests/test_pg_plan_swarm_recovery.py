@@ -23,12 +23,12 @@ from kazma.config.store.postgres import PgStore
 from kazma.engine.executor import PlanExecutor, StepResult
 from kazma.engine.model import ScriptedProvider
 from kazma.engine.plan import PlanOrigin, PlanSpec, StepSpec, StepStatus
-from kazma.engine.plan_store import PlanStore
+from kazma.engine.plan_store import LeftStep, PlanStore
 from kazma.engine.swarm.service import SwarmService
 from kazma.engine.swarm.state_store import SwarmStateStore
 from kazma.engine.swarm.store import InterruptedTask, SwarmTaskStore
 from kazma.engine.swarm.types import Pattern, TaskStatus
-from kazma.engine.tools.executions import ExecutionRecord
+from kazma.engine.tools.executions import ExecutionRecord, ExecutionSummary
 from tests.audit_support import AUDIT_KEY
 from tests.store_backends import replica_store
 from tests.swarm_rig import config as swarm_config
@@ -60,10 +60,9 @@ class StallingPlanStore(PlanStore):
         super().__init__(conn, replica="a")
         self.gate = gate
 
-    async def set_status(self, plan_id: str, index: int, expected: StepStatus, new: StepStatus, **kw: Any) -> bool:
-        if expected is StepStatus.IN_PROGRESS and new is StepStatus.FAILED:
-            await self.gate.through()
-        return await super().set_status(plan_id, index, expected, new, **kw)
+    async def fail_interrupted(self, left: LeftStep, *args: Any) -> ExecutionSummary | None:
+        await self.gate.through()
+        return await super().fail_interrupted(left, *args)
 
 
 class StallingTaskStore(SwarmTaskStore):
@@ -280,3 +279,23 @@ async def test_the_leaders_sweep_stops_recovering_steps_tasks_and_calls_once_it_
             assert record.status is TaskStatus.RUNNING
     finally:
         await app.stop()
+
+
+async def test_the_interrupted_line_does_not_say_a_replica_judged_gone_stopped(pg_dsn: str) -> None:
+    """The leader's line for c's task said "the Kazma replica running it stopped" while c only was judged gone
+    (cut off, paused) and may still run it: its watch then stops the task and says so. The line says what is
+    known: judged gone, and what happens if it still runs."""
+    cfg = swarm_config()
+    async with replica_store(pg_dsn, "c") as sc, replica_store(pg_dsn, "b") as sb:
+        left = await SwarmTaskStore(sc, replica="c").admit(Pattern.DISPATCH, {"prompt": "p"}, owner="web:x")
+        leader = SwarmService(SwarmTaskStore(sb, replica="b"), {}, cfg, state=SwarmStateStore(sb))
+        try:
+            lines = await _within(leader.recover_gone(LIVE))
+        finally:
+            await leader.close()
+
+    assert len(lines) == 1
+    assert left.task_id in lines[0]
+    assert "replica running it stopped" not in lines[0]
+    assert "judged gone" in lines[0]
+    assert "if it still runs, it stops the task" in lines[0]

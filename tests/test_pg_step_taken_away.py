@@ -17,17 +17,19 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+import psycopg
 from structlog.testing import capture_logs
 
 from kazma.approvals import SafetyPolicy
 from kazma.config.address import Address
 from kazma.config.outgoing import Outgoing
-from kazma.engine.agent import AgentRunner, AgentSpec, workspace_for
+from kazma.engine.agent import AgentRunner, AgentSpec, StepRef, workspace_for
 from kazma.engine.conversation import Conversations
 from kazma.engine.executor import INTERRUPTED, PlanExecutor
 from kazma.engine.history import HistoryStore
 from kazma.engine.plan import PlanOrigin, PlanSpec, StepSpec, StepStatus
 from kazma.engine.plan_store import PlanStore
+from kazma.engine.step_watch import StepWatch
 from kazma.engine.tools.builtin import default_registry
 from kazma.engine.tools.executions import ExecutionRecord
 from kazma.engine.types import Message, ModelReply, ToolCall, ToolSpec
@@ -226,3 +228,101 @@ async def test_a_replica_cut_off_from_the_database_stops_its_step_once_it_is_bac
             assert model.calls == 2
     finally:
         await proxy.stop()
+
+
+class HeldWatch(StepWatch):
+    """c's step watch, whose check before the ``held``-th tool (counting from 1) waits for the test once it has
+    read the step as still running: the leader's write taking the step away lands right there."""
+
+    def __init__(self, store: PlanStore, held: int) -> None:
+        super().__init__(store, poll_seconds=3600.0)
+        self.held = held
+        self.checks = 0
+        self.checked = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def check(self, step: StepRef) -> None:
+        await super().check(step)
+        self.checks += 1
+        if self.checks == self.held:
+            self.checked.set()
+            await self.go.wait()
+
+
+async def test_a_step_taken_away_right_after_its_check_runs_no_tool(tmp_path: Path, pg_dsn: str) -> None:
+    """c's check read its step as running just before the leader failed it as interrupted and the lead retried
+    it on b: that one tool (write_file b.txt) still started, beside attempt 2 on b, and the leader's ending said
+    nothing of it. The check and the tool's row are one statement now: the row is not written, the tool never
+    starts, and the turn is stopped."""
+    model = GatedModel([write("a.txt"), write("b.txt"), ModelReply(content="built")], held=-1)
+    async with replica_c(tmp_path, pg_dsn, model, poll_seconds=3600.0) as (c, chat), replica_store(pg_dsn, "b") as sb:
+        assert c.executor is not None
+        assert c.plans is not None
+        watch = c.steps = HeldWatch(c.plans, held=2)
+        plan = await c.executor.start(CHAT, _plan(), PlanOrigin("ship it", REQUESTER))
+        await _within(watch.checked.wait())  # a.txt written; b.txt's check read the step as running
+        leader = PlanExecutor(PlanStore(sb, replica="b"), RecordingDispatcher(PlanStore(sb, replica="b")),
+                              lead_name="kazma", assignees={"builder"},
+                              executions=ExecutionRecord(sb, replica="b"))  # fmt: skip
+        failed, actions = await _within(leader.mark_interrupted(LIVE))
+        assert failed == [(plan.id, 1)]
+        await leader.perform(actions)
+        await leader.retry_step(CHAT, 1, None, by="kazma")  # attempt 2 runs on b
+        watch.go.set()
+        await _within(c.drain())
+
+        assert not (workspace_for(tmp_path / "ws", CHAT) / "b.txt").exists(), "c's tool ran beside the retry"
+        rows = await leader.store.tables.all("SELECT tool, replica FROM tool_executions ORDER BY started_at", ())
+        assert [tuple(r) for r in rows] == [("write_file", "c")]
+        assert sum(STOPPED in t for t in chat.texts) == 1
+        assert model.calls == 2
+
+
+async def _blocked_on_a_lock(dsn: str, application: str) -> None:
+    """Return once a session of ``application`` waits for a row lock (the condition is read until it holds)."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        while True:
+            cursor = await conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s AND wait_event_type = 'Lock'",
+                (application,),
+            )
+            row = await cursor.fetchone()
+            if row is not None and row[0] > 0:
+                return
+            await asyncio.sleep(0.01)
+
+
+async def test_a_tool_starting_as_its_step_is_taken_away_is_in_the_steps_ending(pg_dsn: str) -> None:
+    """c's tool row was going in (its transaction holding the step's row, FOR SHARE) as the leader failed the
+    step: the leader read the step's tools before its write, found none, and the ending said no tool ran while
+    write_file did. Now its write waits for c's row and reads the tools after it."""
+    async with replica_store(pg_dsn, "c") as sc, replica_store(pg_dsn, "b") as sb:
+        c = PlanExecutor(PlanStore(sc, replica="c"), RecordingDispatcher(PlanStore(sc, replica="c")),
+                         lead_name="kazma", assignees={"builder"})  # fmt: skip
+        plan = await c.start(CHAT, _plan(), PlanOrigin("ship it", REQUESTER))
+        scope = f"plan:{plan.id}:1:1"
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as tool:  # c's row going in, not committed yet
+            inserted = await tool.execute(
+                "INSERT INTO tool_executions (id, tool, args_hash, conversation, agent, scope, replica, changes_state,"
+                " started_at) SELECT 'x1', 'write_file', 'h', %s, 'builder', %s, 'c', 1, 1.0 FROM plan_steps"
+                " WHERE plan_id = %s AND idx = 1 AND attempts = 1 AND status = 'in_progress' AND replica = 'c'"
+                " FOR SHARE",
+                (CHAT, scope, plan.id),
+            )
+            assert inserted.rowcount == 1
+            leader = PlanExecutor(PlanStore(sb, replica="b"), RecordingDispatcher(PlanStore(sb, replica="b")),
+                                  lead_name="kazma", assignees={"builder"},
+                                  executions=ExecutionRecord(sb, replica="b"))  # fmt: skip
+            taking = asyncio.ensure_future(leader.mark_interrupted(LIVE))
+            await _within(_blocked_on_a_lock(pg_dsn, "kazma b-writer"))
+            await tool.commit()  # the tool starts
+            failed, _ = await _within(taking)
+        assert failed == [(plan.id, 1)]
+        loaded = await leader.store.load(plan.id)
+        assert loaded is not None
+        step = loaded.steps[1]
+        assert step.status is StepStatus.FAILED
+        assert step.failure_reason.startswith(INTERRUPTED)
+        assert "write_file" in step.failure_reason, step.failure_reason
+        assert step.record.execution is not None
+        assert step.record.execution.may_have_run == ("write_file (started, not finished)",)

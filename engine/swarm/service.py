@@ -911,9 +911,13 @@ class SwarmService:
             return [f"the swarm's tasks could not be read to recover them ({exc}); the next sweep tries again"]
         for item in interrupted:
             execution = await self._interrupted_execution(item.task_id)
+            # Judged gone is not known stopped: a replica cut off from the database or paused may still run the
+            # task, and stops it itself once it reads the row (its own line then says what its tools did).
             line = (
-                f"swarm task {item.task_id} was interrupted in {item.step}: the Kazma replica running it stopped; "
-                f"its outcome is unknown (tools: {execution.line()}). Nothing re-ran."
+                f"swarm task {item.task_id} was interrupted in {item.step}: the Kazma replica running it was judged "
+                f"gone (stopped, or cut off from the database); if it still runs, it stops the task once it reads "
+                f"this (every {self.ended_poll_seconds:g} s while it reaches the database) and says what its tools "
+                f"did. Its outcome is unknown (tools so far: {execution.line()}). Nothing re-ran."
             )
             lines.append(line)
             self._report(line)

@@ -26,11 +26,11 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
-from kazma.config.store.backend import StoreConnection, tables_of
+from kazma.config.store.backend import StoreConnection, Tx, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 
@@ -268,6 +268,10 @@ _COLUMNS = (
     " finished_at, outcome, exit_code, error"
 )
 
+_STARTED_COLUMNS = (
+    "id, tool, args_hash, request_id, conversation, agent, scope, task_id, replica, changes_state, started_at"
+)
+
 
 def _row(row: Any) -> Execution:
     (eid, tool, digest, request_id, conversation, agent, scope, task_id, replica, changes, started, finished,
@@ -278,6 +282,20 @@ def _row(row: Any) -> Execution:
         bool(changes), float(started), None if finished is None else float(finished),
         None if ended is None else Ended(ended), None if exit_code is None else int(exit_code), str(error),
     )  # fmt: skip
+
+
+class Fence(Protocol):
+    """What an execution's row is written only while it holds (a plan step's turn: the step is still that turn's).
+
+    The row goes in by ``INSERT … SELECT`` over what :meth:`source` gives (``FROM … WHERE …``, on PostgreSQL
+    locking the row it reads): the check and the row are one statement, so whoever takes that away either waits
+    for the row (and then sees it) or the row is not written and the call never starts."""
+
+    def source(self) -> tuple[str, tuple[Any, ...]]: ...
+
+
+class FencedOut(Exception):
+    """The row of an execution was not written: what its :class:`Fence` holds no longer held. It must not run."""
 
 
 class ExecutionRecord:
@@ -300,16 +318,28 @@ class ExecutionRecord:
         changes_state: bool,
         scope: str = "",
         task_id: str | None = None,
+        fence: Fence | None = None,
     ) -> str:
-        """Write the row of an execution about to start; its id once committed. Raises when it cannot be written:
-        the call must not run then."""
+        """Write the row of an execution about to start; its id once committed. Raises when it cannot be written
+        (:class:`FencedOut`: ``fence`` no longer held): the call must not run then."""
         execution_id = secrets.token_urlsafe(12)
         row = (execution_id, tool, args_hash, request_id, conversation, agent, scope, task_id, self.replica,
-               int(changes_state), self.clock(), None, None, None, "")  # fmt: skip
-        await self.tables.run(
-            f"INSERT INTO tool_executions ({_COLUMNS}) VALUES ({', '.join('?' * len(row))})",  # noqa: S608
-            row,
-        )
+               int(changes_state), self.clock())  # fmt: skip
+        # The columns an execution starts with; its ending's keep their defaults: PostgreSQL reads a bare NULL in
+        # an INSERT's SELECT list as text, which the number columns refuse.
+        columns = _STARTED_COLUMNS
+        values = ", ".join("?" * len(row))
+        if fence is None:
+            await self.tables.run(f"INSERT INTO tool_executions ({columns}) VALUES ({values})", row)  # noqa: S608
+        else:
+            source, params = fence.source()
+            written = await self.tables.run(
+                f"INSERT INTO tool_executions ({columns}) SELECT {values} {source}",
+                (*row, *params),
+            )
+            if written != 1:
+                log.warning("tools.execution_fenced_out", tool=tool, scope=scope, conversation=conversation)
+                raise FencedOut(f"{tool} was not started: what it ran for is no longer this process's to run")
         self._open.add(execution_id)
         return execution_id
 
@@ -350,6 +380,13 @@ class ExecutionRecord:
             (len(prefix), prefix),
         )
         return [_row(r) for r in rows]
+
+    @staticmethod
+    def summary_in(tx: Tx, scope: str) -> ExecutionSummary:
+        """What the executions filed under exactly ``scope`` did, read in a writer's transaction ``tx`` (another
+        component's write, on the same store, that must see every row committed before it)."""
+        rows = tx.all(f"SELECT {_COLUMNS} FROM tool_executions WHERE scope = ? ORDER BY started_at", (scope,))  # noqa: S608
+        return ExecutionSummary.of([_row(r).as_ran() for r in rows])
 
     async def summary_of_task(self, task_id: str) -> ExecutionSummary:
         return ExecutionSummary.of([e.as_ran() for e in await self.of_task(task_id)])
