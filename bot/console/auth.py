@@ -423,6 +423,25 @@ class WebAuth:
             name for name, approvers in self.policies.items() if self.roster.may_decide(identity, platform, approvers)
         )
 
+    def cookie(self, name: str) -> str:
+        """The name a short-lived sign-in cookie (a ceremony's, a platform sign-in's) has here: over https with
+        the ``__Host-`` prefix, as the session's, so that a sibling host cannot plant its own in a browser (its
+        ceremony's handle: the way back from Slack with the attacker's code would sign the victim in as the
+        attacker); the plain name opens nothing then."""
+        return f"__Host-{name}" if self.secure else name
+
+    def set_sign_in_cookie(
+        self, response: web.StreamResponse, name: str, value: str, *, samesite: str, max_age: int
+    ) -> None:
+        """Set :meth:`cookie` ``name``: HttpOnly, ``Path=/`` and no ``Domain`` (a ``__Host-`` cookie must be)."""
+        response.set_cookie(
+            self.cookie(name), value, httponly=True, samesite=samesite, path="/", secure=self.secure, max_age=max_age
+        )
+
+    def drop_sign_in_cookie(self, response: web.StreamResponse, name: str) -> None:
+        # Secure and Path=/ as it was set: a browser ignores a __Host- cookie's deletion without them
+        response.del_cookie(self.cookie(name), path="/", secure=self.secure)
+
     def set_cookie(self, response: web.StreamResponse, session: Session) -> None:
         response.set_cookie(
             self.session_cookie,

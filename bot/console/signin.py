@@ -4,8 +4,9 @@ account's enrolment with the shared operator token, and ``kazma demo``'s local i
 Every ceremony's JSON routes are anonymous doors (nobody is signed in yet), so each is held three ways:
 the browser must not say the request is cross-site (:meth:`WebAuth.check_origin`), the challenge is found
 through an HttpOnly ``SameSite=Strict`` cookie set when the options were given (a page elsewhere can neither
-read it nor send it), and the authenticator signed that challenge for this console's origin. A session is
-opened only when the library verified the answer (:mod:`~kazma.bot.console.passkeys`).
+read it nor send it; over https it is ``__Host-``, so a sibling host cannot plant one either), and the
+authenticator signed that challenge for this console's origin. A session is opened only when the library
+verified the answer (:mod:`~kazma.bot.console.passkeys`).
 """
 
 from __future__ import annotations
@@ -92,10 +93,7 @@ class SignIn:
     # -- helpers -----------------------------------------------------------------------------------
 
     def _ceremony(self, response: web.StreamResponse, handle: str) -> None:
-        response.set_cookie(
-            CEREMONY_COOKIE, handle, httponly=True, samesite="Strict", path="/", secure=self.auth.secure,
-            max_age=CHALLENGE_SECONDS,
-        )  # fmt: skip
+        self.auth.set_sign_in_cookie(response, CEREMONY_COOKIE, handle, samesite="Strict", max_age=CHALLENGE_SECONDS)
 
     async def _answer(self, request: web.Request) -> Any:
         raw = await request.content.read(MAX_ANSWER + 1)
@@ -120,7 +118,7 @@ class SignIn:
         back = safe_next(request.query.get("next"), "/")
         response = web.json_response({"ok": True, "next": back, "who": session.who})
         self.auth.set_cookie(response, session)
-        response.del_cookie(CEREMONY_COOKIE, path="/")
+        self.auth.drop_sign_in_cookie(response, CEREMONY_COOKIE)
         return response
 
     # -- enrolment ---------------------------------------------------------------------------------
@@ -174,7 +172,9 @@ class SignIn:
         self.auth.check_origin(request)
         token = request.match_info["token"]
         answer = await self._answer(request)
-        challenge = await self.accounts.take_challenge(request.cookies.get(CEREMONY_COOKIE, ""), Purpose.ENROL)
+        challenge = await self.accounts.take_challenge(
+            request.cookies.get(self.auth.cookie(CEREMONY_COOKIE), ""), Purpose.ENROL
+        )
         if challenge is None or challenge.subject != digest(token) or challenge.person is None:
             raise _json_error(web.HTTPForbidden, "this enrolment was not begun in this browser, or took too long")
         person = challenge.person
@@ -217,7 +217,9 @@ class SignIn:
     async def sign_in(self, request: web.Request) -> web.Response:
         self.auth.check_origin(request)
         answer = await self._answer(request)
-        challenge = await self.accounts.take_challenge(request.cookies.get(CEREMONY_COOKIE, ""), Purpose.SIGN_IN)
+        challenge = await self.accounts.take_challenge(
+            request.cookies.get(self.auth.cookie(CEREMONY_COOKIE), ""), Purpose.SIGN_IN
+        )
         if challenge is not None:
             self.auth.challenge_answered(request, Purpose.SIGN_IN.value)
         if challenge is None:
