@@ -33,7 +33,7 @@ import structlog
 from aiohttp import web
 
 from kazma.adapters.web.render import e
-from kazma.bot.console.accounts import CHALLENGE_SECONDS, AccountStore, Purpose
+from kazma.bot.console.accounts import CHALLENGE_SECONDS, AccountStore, Purpose, TooManyChallenges
 from kazma.bot.console.auth import Proof, WebAuth, html_response, safe_next
 from kazma.bot.console.challenge_share import too_many_challenges
 from kazma.bot.console.login_throttle import LOGINS
@@ -144,12 +144,17 @@ class PlatformSignIn:
         settings = getattr(self.config.platforms, provider.name).sign_in
         if not settings.on:
             raise self._off(provider)
-        wait = self.auth.challenge_wait(request, Purpose.PLATFORM.value)
-        if wait:  # one client starting without pause would push out everyone's sign-in in progress
-            page = message_page("Too many sign-ins", too_many_challenges(wait), link=("/login", "Sign in"))
-            raise web.HTTPTooManyRequests(text=page, content_type="text/html", headers={"Retry-After": str(wait)})
         state = secrets.token_urlsafe(32)
-        handle, nonce = await self.accounts.challenge(Purpose.PLATFORM, subject=f"{provider.name}:{state}")
+        try:
+            handle, nonce = await self.accounts.challenge(
+                Purpose.PLATFORM, subject=f"{provider.name}:{state}", client=self.auth.challenge_client(request)
+            )
+        except TooManyChallenges as exc:  # one client starting without pause would push out everyone's sign-in
+            wait = self.auth.challenge_refused(request, Purpose.PLATFORM.value, exc.wait)
+            page = message_page("Too many sign-ins", too_many_challenges(wait), link=("/login", "Sign in"))
+            raise web.HTTPTooManyRequests(
+                text=page, content_type="text/html", headers={"Retry-After": str(wait)}
+            ) from None
         query = {
             "response_type": "code",
             "client_id": settings.client_id,
@@ -213,8 +218,6 @@ class PlatformSignIn:
         challenge = await self.accounts.take_challenge(
             request.cookies.get(self.auth.cookie(STATE_COOKIE), ""), Purpose.PLATFORM
         )
-        if challenge is not None:
-            self.auth.challenge_answered(request, Purpose.PLATFORM.value)
         state = request.query.get("state", "")
         if challenge is None or not state or challenge.subject != f"{provider.name}:{state}":
             raise SignInRefused("this sign-in was not begun in this browser, or took too long")

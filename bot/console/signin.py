@@ -28,6 +28,7 @@ from kazma.bot.console.accounts import (
     EnrolRefused,
     InviteState,
     Purpose,
+    TooManyChallenges,
     digest,
 )
 from kazma.bot.console.auth import Proof, WebAuth, html_response, safe_next
@@ -202,14 +203,17 @@ class SignIn:
     async def sign_in_options(self, request: web.Request) -> web.Response:
         self.auth.check_origin(request)
         self._refuse_without_passkeys()
-        wait = self.auth.challenge_wait(request, Purpose.SIGN_IN.value)
-        if wait:  # one client asking without pause would push out everyone's sign-in in progress
+        try:
+            handle, challenge = await self.accounts.challenge(
+                Purpose.SIGN_IN, client=self.auth.challenge_client(request)
+            )
+        except TooManyChallenges as exc:  # one client asking without pause would push out everyone's sign-in
+            wait = self.auth.challenge_refused(request, Purpose.SIGN_IN.value, exc.wait)
             raise web.HTTPTooManyRequests(
                 text=json.dumps({"error": too_many_challenges(wait)}),
                 content_type="application/json",
                 headers={"Retry-After": str(wait)},
-            )
-        handle, challenge = await self.accounts.challenge(Purpose.SIGN_IN)
+            ) from None
         response = web.json_response({"publicKey": assertion_options(self.rp, challenge=challenge)})
         self._ceremony(response, handle)
         return response
@@ -220,8 +224,6 @@ class SignIn:
         challenge = await self.accounts.take_challenge(
             request.cookies.get(self.auth.cookie(CEREMONY_COOKIE), ""), Purpose.SIGN_IN
         )
-        if challenge is not None:
-            self.auth.challenge_answered(request, Purpose.SIGN_IN.value)
         if challenge is None:
             raise _json_error(web.HTTPForbidden, "this sign-in was not begun in this browser, or took too long")
         try:
