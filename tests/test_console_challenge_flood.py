@@ -6,11 +6,21 @@ import asyncio
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from kazma.approvals.model import Status
-from kazma.bot.console.accounts import CHALLENGE_SECONDS, MAX_CHALLENGES
+from kazma.bot.console.accounts import (
+    CHALLENGE_SECONDS,
+    MAX_CHALLENGES,
+    AccountStore,
+    Purpose,
+    TooManyChallenges,
+)
 from kazma.bot.console.challenge_share import CLIENT_CHALLENGES
-from tests.test_web_server import OPERATOR, console
+from kazma.bot.console.server import WebServer
+from tests.passkey_support import SoftAuthenticator, enrol
+from tests.store_backends import Engine, open_store
+from tests.test_web_server import OPERATOR, READER, console
 
 APPROVERS = "['web:alice'], policies: {steps: {approvers: ['web:alice'], step_up: true}}"
 
@@ -94,3 +104,47 @@ async def test_people_who_answer_their_challenges_are_never_held_back(tmp_path: 
         for _ in range(CLIENT_CHALLENGES * 2):
             async with con.client() as browser:
                 await con.login(browser, "alice", OPERATOR)  # a passkey sign-in from 127.0.0.1 each time
+
+
+async def test_a_sign_in_answered_on_another_replica_gives_its_share_back(tmp_path: Path) -> None:
+    """Two replicas behind one load balancer: the options reach one, the answer the other. Each answer uses its
+    challenge up wherever it lands, so one address signing in again and again is never held back."""
+    async with console(tmp_path) as con, con.client() as enrolling:
+        device = SoftAuthenticator()
+        await enrol(enrolling, con.base, await con.invite("alice"), device)
+        # the second replica: its own web server (its own process state) over the same store
+        other = WebServer(
+            con.app.console, con.web, host="127.0.0.1", port=0, token_path=tmp_path / "web-token",
+            operator_token=OPERATOR, reader_token=READER,
+        )  # fmt: skip
+        await other.start()
+        try:
+            there = other.url.replace("127.0.0.1", "localhost")
+            for n in range(CLIENT_CHALLENGES * 2):
+                async with con.client() as browser:
+                    async with browser.post(f"{con.base}/login/passkey/options", json={}) as begun:
+                        assert begun.status == 200, (n, await begun.text())
+                        options = await begun.json()
+                    answer = device.get(options["publicKey"], there)  # the page the answer is sent from
+                    async with browser.post(f"{there}/login/passkey", json=answer) as done:
+                        assert done.status == 200, (n, await done.text())
+        finally:
+            await other.stop()
+
+
+async def test_a_clients_share_is_the_stores_on_either_engine(store_engine: Engine) -> None:
+    """Two replicas' account stores over one database: a client's unanswered challenges count on both, one
+    answered on either gives its place back, and a refused ask keeps nothing."""
+    async with open_store(store_engine) as first, open_store(store_engine) as second:
+        one, two = AccountStore(first), AccountStore(second)
+        handles = [(await one.challenge(Purpose.SIGN_IN, client="198.51.100.7"))[0] for _ in range(CLIENT_CHALLENGES)]
+        with pytest.raises(TooManyChallenges) as refused:
+            await two.challenge(Purpose.SIGN_IN, client="198.51.100.7")
+        assert 0 < refused.value.wait <= CHALLENGE_SECONDS
+        await two.challenge(Purpose.SIGN_IN, client="203.0.113.9")  # another client, its own share
+        await two.challenge(Purpose.PLATFORM, client="198.51.100.7")  # another purpose, its own share
+        assert await two.take_challenge(handles[0], Purpose.SIGN_IN) is not None
+        handle, _ = await one.challenge(Purpose.SIGN_IN, client="198.51.100.7")
+        with pytest.raises(TooManyChallenges):
+            await one.challenge(Purpose.SIGN_IN, client="198.51.100.7")
+        assert await one.take_challenge(handle, Purpose.SIGN_IN) is not None

@@ -66,16 +66,26 @@ _TABLES: Final = (
     "CREATE INDEX IF NOT EXISTS people_challenges_expiry ON people_challenges (expires_at)",
 )
 
+# Which client asked for an anonymous challenge, so that its share is counted where every replica sees it.
+_CLIENT_COLUMN: Final = (
+    "ALTER TABLE people_challenges ADD COLUMN client TEXT",
+    "CREATE INDEX IF NOT EXISTS people_challenges_client ON people_challenges (client, purpose)"
+    " WHERE client IS NOT NULL",
+)
+
 MIGRATIONS: Final = [
     Migration("people", 1, tuple(t.format(real="REAL", bigint="INTEGER") for t in _TABLES)),
+    Migration("people", 2, _CLIENT_COLUMN),
 ]
 PG_MIGRATIONS: Final = [
     PgMigration("people", 1, tuple(t.format(real="double precision", bigint="bigint") for t in _TABLES)),
+    PgMigration("people", 2, _CLIENT_COLUMN),
 ]
 
 INVITE_SECONDS: Final = 24 * 3600  # an enrolment link is good for a day
 CHALLENGE_SECONDS: Final = 300  # a ceremony's challenge, from options to answer
 MAX_CHALLENGES: Final = 10_000  # kept at once per purpose and person; past it their oldest go (rows, not memory)
+CLIENT_CHALLENGES: Final = 20  # unanswered anonymous challenges one client may hold per purpose (challenge_share)
 
 
 def digest(token: str) -> str:
@@ -141,6 +151,14 @@ FIRST_ACCOUNT_TAKEN = (
 
 
 REVOKED_MEANWHILE: Final = "this passkey was revoked"  # what used() says of a passkey revoked meanwhile
+
+
+class TooManyChallenges(Exception):
+    """The client holds its share of unanswered challenges of this purpose: no new one until one leaves."""
+
+    def __init__(self, wait: float) -> None:
+        super().__init__(f"too many unanswered challenges: {wait:.0f} s until the oldest expires")
+        self.wait = wait  # seconds until the client's oldest unanswered challenge expires
 
 
 class EnrolRefused(Exception):
@@ -336,13 +354,25 @@ class AccountStore:
     # -- challenges --------------------------------------------------------------------------------
 
     async def challenge(
-        self, purpose: Purpose, *, person: str | None = None, subject: str | None = None
+        self,
+        purpose: Purpose,
+        *,
+        person: str | None = None,
+        subject: str | None = None,
+        client: str | None = None,
+        share: int = CLIENT_CHALLENGES,
     ) -> tuple[str, bytes]:
         """A new challenge for one ceremony: (the handle the browser keeps, the challenge's bytes).
 
         Past :data:`MAX_CHALLENGES` of the same purpose for the same person (or for nobody yet: sign-in), the
         oldest of those go, never others': anybody may ask for sign-in options, and a flood of them pushed out
         a person's step-up (an approval) and enrolment in progress, answered "not begun on this page".
+
+        ``client`` (an anonymous asker, as :mod:`~kazma.bot.console.forwarded` names it) may hold at most
+        ``share`` unanswered challenges of ``purpose``; past it :class:`TooManyChallenges` is raised and
+        nothing is kept. They are counted here, in the rows, not in a process: an answer uses its row up on
+        whichever replica it reaches, where a count per process was never given back when the answer went to
+        another replica than the options (20 sign-ins so, and that address waited five minutes).
         """
         handle = secrets.token_urlsafe(32)
         value = secrets.token_bytes(32)
@@ -355,6 +385,13 @@ class AccountStore:
 
         def op(tx: Tx) -> None:
             tx.run("DELETE FROM people_challenges WHERE expires_at <= ?", (now,))
+            if client is not None:
+                held = tx.one(
+                    "SELECT COUNT(*), MIN(expires_at) FROM people_challenges WHERE client = ? AND purpose = ?",
+                    (client, purpose.value),
+                )
+                if held is not None and int(held[0]) >= share:
+                    raise TooManyChallenges(max(float(held[1]) - now, 1.0))
             row = tx.one(f"SELECT COUNT(*) FROM people_challenges WHERE {same}", key)  # noqa: S608
             over = int(row[0]) - MAX_CHALLENGES + 1 if row else 0
             if over > 0:
@@ -364,9 +401,9 @@ class AccountStore:
                     (*key, over),
                 )
             tx.run(
-                "INSERT INTO people_challenges (handle_hash, purpose, person, subject, challenge, expires_at)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (digest(handle), purpose.value, person, subject, _b64(value), now + CHALLENGE_SECONDS),
+                "INSERT INTO people_challenges (handle_hash, purpose, person, subject, challenge, expires_at, client)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (digest(handle), purpose.value, person, subject, _b64(value), now + CHALLENGE_SECONDS, client),
             )
 
         writer = await self.tables.writer()

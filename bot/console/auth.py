@@ -49,7 +49,7 @@ from urllib.parse import urlencode
 import structlog
 from aiohttp import web
 
-from kazma.bot.console.challenge_share import ChallengeShare
+from kazma.bot.console.challenge_share import REFUSED
 from kazma.bot.console.forwarded import ClientAddresses
 from kazma.bot.console.hosts import Hosts
 from kazma.bot.console.login_throttle import LOGINS, LoginThrottle
@@ -323,7 +323,6 @@ class WebAuth:
         self.clock = clock
         self.store = store
         self.throttle = LoginThrottle(clock=clock)
-        self.challenges = ChallengeShare(clock=clock)  # each client's share of the anonymous sign-in challenges
         self.clients = clients or ClientAddresses()  # who is asking, behind web.trusted_proxies
         self._reload = reload  # re-reads the token files, so a rotated token ends the sessions made with it
         self._checked = clock()
@@ -422,6 +421,25 @@ class WebAuth:
         session.deciding = frozenset(
             name for name, approvers in self.policies.items() if self.roster.may_decide(identity, platform, approvers)
         )
+
+    def cookie(self, name: str) -> str:
+        """The name a short-lived sign-in cookie (a ceremony's, a platform sign-in's) has here: over https with
+        the ``__Host-`` prefix, as the session's, so that a sibling host cannot plant its own in a browser (its
+        ceremony's handle: the way back from Slack with the attacker's code would sign the victim in as the
+        attacker); the plain name opens nothing then."""
+        return f"__Host-{name}" if self.secure else name
+
+    def set_sign_in_cookie(
+        self, response: web.StreamResponse, name: str, value: str, *, samesite: str, max_age: int
+    ) -> None:
+        """Set :meth:`cookie` ``name``: HttpOnly, ``Path=/`` and no ``Domain`` (a ``__Host-`` cookie must be)."""
+        response.set_cookie(
+            self.cookie(name), value, httponly=True, samesite=samesite, path="/", secure=self.secure, max_age=max_age
+        )
+
+    def drop_sign_in_cookie(self, response: web.StreamResponse, name: str) -> None:
+        # Secure and Path=/ as it was set: a browser ignores a __Host- cookie's deletion without them
+        response.del_cookie(self.cookie(name), path="/", secure=self.secure)
 
     def set_cookie(self, response: web.StreamResponse, session: Session) -> None:
         response.set_cookie(
@@ -544,20 +562,18 @@ class WebAuth:
                     count_failure("web_session")
                     log.warning("web.flash_not_kept", login=session.login, error=f"{type(exc).__name__}: {exc}")
 
-    def challenge_wait(self, request: web.Request, purpose: str) -> int:
-        """0 when the request's client may have one more anonymous ``purpose`` challenge (counted now), else
-        the whole seconds it must wait: its share is taken (see :mod:`.challenge_share`)."""
+    def challenge_client(self, request: web.Request) -> str:
+        """Who asks for an anonymous sign-in challenge, for its share (see :mod:`.challenge_share`)."""
+        return self.clients.of(request).throttle_key
+
+    def challenge_refused(self, request: web.Request, purpose: str, wait: float) -> int:
+        """The request's client holds its share of ``purpose`` challenges: counted and logged; the whole seconds
+        it is told to wait."""
         client = self.clients.of(request)
-        wait = self.challenges.take(client.throttle_key, purpose)
-        if wait <= 0:
-            return 0
         seconds = int(wait) + 1
+        REFUSED.labels(purpose=purpose).inc()
         log.warning("web.challenge_refused", purpose=purpose, remote=client.address, peer=client.peer, wait=seconds)
         return seconds
-
-    def challenge_answered(self, request: web.Request, purpose: str) -> None:
-        """A ``purpose`` challenge was used up by this request's client: one fewer held in its share."""
-        self.challenges.release(self.clients.of(request).throttle_key, purpose)
 
     def check_origin(self, request: web.Request) -> None:
         """A state-changing request must come from the console itself, when the browser says where it comes from.

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from yarl import URL
+
 from kazma.bot.console.accounts import Passkey
 
 LOOPBACK_NAMES = ("localhost",)
@@ -55,7 +57,10 @@ class RelyingParty:
     def of(cls, public_url: str) -> RelyingParty:
         parts = urlsplit(public_url)
         host = (parts.hostname or "").lower()
-        return cls(id=host, origin=f"{parts.scheme}://{parts.netloc}".lower())
+        # As a browser serialises the page's origin into the signed client data: lower case, no default port
+        # (https://kazma.example.org:443 in web.public_url refused every passkey), no user info.
+        origin = str(URL(public_url).origin()) if host else ""
+        return cls(id=host, origin=origin)
 
     @property
     def problem(self) -> str | None:

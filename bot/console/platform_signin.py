@@ -3,7 +3,8 @@ that platform Kazma knows.
 
 Both are the authorization-code flow: the console sends the browser to the platform with a fresh ``state``
 (and, for Slack, a ``nonce``), kept in the store behind an HttpOnly cookie (``SameSite=Lax``: the platform's
-redirect back is a cross-site navigation, which a Strict cookie would not survive); the platform sends the
+redirect back is a cross-site navigation, which a Strict cookie would not survive; over https ``__Host-``, so
+no sibling host can plant its own state in a browser and sign it in as somebody else); the platform sends the
 browser back with a one-time code; the console exchanges it, server to server, with the app's secret:
 
 - **Slack** answers an *id token*: a JWT signed RS256 by one of the keys Slack publishes (its JWKS). It is
@@ -32,7 +33,7 @@ import structlog
 from aiohttp import web
 
 from kazma.adapters.web.render import e
-from kazma.bot.console.accounts import CHALLENGE_SECONDS, AccountStore, Purpose
+from kazma.bot.console.accounts import CHALLENGE_SECONDS, AccountStore, Purpose, TooManyChallenges
 from kazma.bot.console.auth import Proof, WebAuth, html_response, safe_next
 from kazma.bot.console.challenge_share import too_many_challenges
 from kazma.bot.console.login_throttle import LOGINS
@@ -143,12 +144,17 @@ class PlatformSignIn:
         settings = getattr(self.config.platforms, provider.name).sign_in
         if not settings.on:
             raise self._off(provider)
-        wait = self.auth.challenge_wait(request, Purpose.PLATFORM.value)
-        if wait:  # one client starting without pause would push out everyone's sign-in in progress
-            page = message_page("Too many sign-ins", too_many_challenges(wait), link=("/login", "Sign in"))
-            raise web.HTTPTooManyRequests(text=page, content_type="text/html", headers={"Retry-After": str(wait)})
         state = secrets.token_urlsafe(32)
-        handle, nonce = await self.accounts.challenge(Purpose.PLATFORM, subject=f"{provider.name}:{state}")
+        try:
+            handle, nonce = await self.accounts.challenge(
+                Purpose.PLATFORM, subject=f"{provider.name}:{state}", client=self.auth.challenge_client(request)
+            )
+        except TooManyChallenges as exc:  # one client starting without pause would push out everyone's sign-in
+            wait = self.auth.challenge_refused(request, Purpose.PLATFORM.value, exc.wait)
+            page = message_page("Too many sign-ins", too_many_challenges(wait), link=("/login", "Sign in"))
+            raise web.HTTPTooManyRequests(
+                text=page, content_type="text/html", headers={"Retry-After": str(wait)}
+            ) from None
         query = {
             "response_type": "code",
             "client_id": settings.client_id,
@@ -160,16 +166,10 @@ class PlatformSignIn:
         else:
             query |= {"scope": "identify", "prompt": "none"}
         response = web.HTTPFound(f"{settings.authorize_url}?{urlencode(query)}")
-        response.set_cookie(
-            STATE_COOKIE, handle, httponly=True, samesite="Lax", path="/login/", secure=self.auth.secure,
-            max_age=CHALLENGE_SECONDS,
-        )  # fmt: skip
+        self.auth.set_sign_in_cookie(response, STATE_COOKIE, handle, samesite="Lax", max_age=CHALLENGE_SECONDS)
         back = safe_next(request.query.get("next"), "/")
         if back != "/":
-            response.set_cookie(
-                NEXT_COOKIE, back, httponly=True, samesite="Lax", path="/login/", secure=self.auth.secure,
-                max_age=CHALLENGE_SECONDS,
-            )  # fmt: skip
+            self.auth.set_sign_in_cookie(response, NEXT_COOKIE, back, samesite="Lax", max_age=CHALLENGE_SECONDS)
         raise response
 
     # -- the way back ------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ class PlatformSignIn:
                 link=("/login", "Sign in"),
             )
             response = html_response(page, status=403)
-            response.del_cookie(STATE_COOKIE, path="/login/")
+            self.auth.drop_sign_in_cookie(response, STATE_COOKIE)
             return response
         await self.auth.end_previous(request)
         session = await self.auth.open_person_session(provider.proof, identity, lifetime=SESSION_SECONDS)
@@ -205,19 +205,19 @@ class PlatformSignIn:
         log.info("web.platform_sign_in", platform=provider.name, identity=identity, person=session.person)
         # A page, not a redirect: the navigation back from the platform is cross-site, and the session cookie
         # (SameSite=Strict) is sent only on the same-site navigation this page makes.
-        back = safe_next(request.cookies.get(NEXT_COOKIE), "/")
+        back = safe_next(request.cookies.get(self.auth.cookie(NEXT_COOKIE)), "/")
         where = "the console" if back == "/" else "where you were going"
         body = f'<h1>Signed in</h1><p>{e(session.who)}</p><p><a href="{e(back)}">Continue to {where}</a></p>'
         response = html_response(layout("Signed in", body, refresh_to=back))
         self.auth.set_cookie(response, session)
-        response.del_cookie(STATE_COOKIE, path="/login/")
-        response.del_cookie(NEXT_COOKIE, path="/login/")
+        self.auth.drop_sign_in_cookie(response, STATE_COOKIE)
+        self.auth.drop_sign_in_cookie(response, NEXT_COOKIE)
         return response
 
     async def _prove(self, request: web.Request, provider: Provider) -> str:
-        challenge = await self.accounts.take_challenge(request.cookies.get(STATE_COOKIE, ""), Purpose.PLATFORM)
-        if challenge is not None:
-            self.auth.challenge_answered(request, Purpose.PLATFORM.value)
+        challenge = await self.accounts.take_challenge(
+            request.cookies.get(self.auth.cookie(STATE_COOKIE), ""), Purpose.PLATFORM
+        )
         state = request.query.get("state", "")
         if challenge is None or not state or challenge.subject != f"{provider.name}:{state}":
             raise SignInRefused("this sign-in was not begun in this browser, or took too long")

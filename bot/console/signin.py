@@ -4,8 +4,9 @@ account's enrolment with the shared operator token, and ``kazma demo``'s local i
 Every ceremony's JSON routes are anonymous doors (nobody is signed in yet), so each is held three ways:
 the browser must not say the request is cross-site (:meth:`WebAuth.check_origin`), the challenge is found
 through an HttpOnly ``SameSite=Strict`` cookie set when the options were given (a page elsewhere can neither
-read it nor send it), and the authenticator signed that challenge for this console's origin. A session is
-opened only when the library verified the answer (:mod:`~kazma.bot.console.passkeys`).
+read it nor send it; over https it is ``__Host-``, so a sibling host cannot plant one either), and the
+authenticator signed that challenge for this console's origin. A session is opened only when the library
+verified the answer (:mod:`~kazma.bot.console.passkeys`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kazma.bot.console.accounts import (
     EnrolRefused,
     InviteState,
     Purpose,
+    TooManyChallenges,
     digest,
 )
 from kazma.bot.console.auth import Proof, WebAuth, html_response, safe_next
@@ -92,10 +94,7 @@ class SignIn:
     # -- helpers -----------------------------------------------------------------------------------
 
     def _ceremony(self, response: web.StreamResponse, handle: str) -> None:
-        response.set_cookie(
-            CEREMONY_COOKIE, handle, httponly=True, samesite="Strict", path="/", secure=self.auth.secure,
-            max_age=CHALLENGE_SECONDS,
-        )  # fmt: skip
+        self.auth.set_sign_in_cookie(response, CEREMONY_COOKIE, handle, samesite="Strict", max_age=CHALLENGE_SECONDS)
 
     async def _answer(self, request: web.Request) -> Any:
         raw = await request.content.read(MAX_ANSWER + 1)
@@ -120,7 +119,7 @@ class SignIn:
         back = safe_next(request.query.get("next"), "/")
         response = web.json_response({"ok": True, "next": back, "who": session.who})
         self.auth.set_cookie(response, session)
-        response.del_cookie(CEREMONY_COOKIE, path="/")
+        self.auth.drop_sign_in_cookie(response, CEREMONY_COOKIE)
         return response
 
     # -- enrolment ---------------------------------------------------------------------------------
@@ -174,7 +173,9 @@ class SignIn:
         self.auth.check_origin(request)
         token = request.match_info["token"]
         answer = await self._answer(request)
-        challenge = await self.accounts.take_challenge(request.cookies.get(CEREMONY_COOKIE, ""), Purpose.ENROL)
+        challenge = await self.accounts.take_challenge(
+            request.cookies.get(self.auth.cookie(CEREMONY_COOKIE), ""), Purpose.ENROL
+        )
         if challenge is None or challenge.subject != digest(token) or challenge.person is None:
             raise _json_error(web.HTTPForbidden, "this enrolment was not begun in this browser, or took too long")
         person = challenge.person
@@ -202,14 +203,17 @@ class SignIn:
     async def sign_in_options(self, request: web.Request) -> web.Response:
         self.auth.check_origin(request)
         self._refuse_without_passkeys()
-        wait = self.auth.challenge_wait(request, Purpose.SIGN_IN.value)
-        if wait:  # one client asking without pause would push out everyone's sign-in in progress
+        try:
+            handle, challenge = await self.accounts.challenge(
+                Purpose.SIGN_IN, client=self.auth.challenge_client(request)
+            )
+        except TooManyChallenges as exc:  # one client asking without pause would push out everyone's sign-in
+            wait = self.auth.challenge_refused(request, Purpose.SIGN_IN.value, exc.wait)
             raise web.HTTPTooManyRequests(
                 text=json.dumps({"error": too_many_challenges(wait)}),
                 content_type="application/json",
                 headers={"Retry-After": str(wait)},
-            )
-        handle, challenge = await self.accounts.challenge(Purpose.SIGN_IN)
+            ) from None
         response = web.json_response({"publicKey": assertion_options(self.rp, challenge=challenge)})
         self._ceremony(response, handle)
         return response
@@ -217,9 +221,9 @@ class SignIn:
     async def sign_in(self, request: web.Request) -> web.Response:
         self.auth.check_origin(request)
         answer = await self._answer(request)
-        challenge = await self.accounts.take_challenge(request.cookies.get(CEREMONY_COOKIE, ""), Purpose.SIGN_IN)
-        if challenge is not None:
-            self.auth.challenge_answered(request, Purpose.SIGN_IN.value)
+        challenge = await self.accounts.take_challenge(
+            request.cookies.get(self.auth.cookie(CEREMONY_COOKIE), ""), Purpose.SIGN_IN
+        )
         if challenge is None:
             raise _json_error(web.HTTPForbidden, "this sign-in was not begun in this browser, or took too long")
         try:

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from kazma.approvals.model import Decision
 from kazma.approvals.service import ApprovalService
-from kazma.bot.console.accounts import AccountStore, Purpose
+from kazma.bot.console.accounts import CHALLENGE_SECONDS, AccountStore, Purpose
 from kazma.bot.console.auth import CSRF_HEADER, CSRF_REFUSED, Session, WebAuth
 from kazma.bot.console.pages import approval_href
 from kazma.bot.console.passkeys import (
@@ -86,9 +86,7 @@ class StepUp:
             Purpose.ASSERT, person=session.person, subject=step_up_subject(request_id, session.person)
         )
         response = web.json_response({"publicKey": assertion_options(self.rp, challenge=challenge, allow=held)})
-        response.set_cookie(
-            CEREMONY_COOKIE, handle, httponly=True, samesite="Strict", path="/", secure=self.auth.secure
-        )
+        self.auth.set_sign_in_cookie(response, CEREMONY_COOKIE, handle, samesite="Strict", max_age=CHALLENGE_SECONDS)
         return response
 
     async def approve(self, request: web.Request) -> web.Response:
@@ -102,7 +100,9 @@ class StepUp:
             answer: Any = json.loads(raw or b"{}")
         except ValueError:
             raise _json_error(web.HTTPBadRequest, "the answer is not JSON") from None
-        challenge = await self.accounts.take_challenge(request.cookies.get(CEREMONY_COOKIE, ""), Purpose.ASSERT)
+        challenge = await self.accounts.take_challenge(
+            request.cookies.get(self.auth.cookie(CEREMONY_COOKIE), ""), Purpose.ASSERT
+        )
         if challenge is None or challenge.person != person or challenge.subject != step_up_subject(request_id, person):
             # 409: the session may ask, but this answer is not to a challenge made for it (a replay, another
             # request's challenge, a stale page)
@@ -129,5 +129,5 @@ class StepUp:
                  credential=passkey.credential_id[:12], verdict=result.verdict.value)  # fmt: skip
         session.flash.append(result.message)
         response = web.json_response({"ok": True, "next": approval_href(request_id), "message": result.message})
-        response.del_cookie(CEREMONY_COOKIE, path="/")
+        self.auth.drop_sign_in_cookie(response, CEREMONY_COOKIE)
         return response
