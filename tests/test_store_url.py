@@ -186,3 +186,24 @@ def test_a_postgresql_store_an_older_kazma_made_is_read_by_no_command_that_would
     assert len(_pg_schema(pg_dsn)) == len(before) + 1
     listed = CliRunner().invoke(main, ["-c", str(config), "--log-level", "error", "approvals", "list"])
     assert listed.output == "no approval requests\n", listed.output
+
+
+def test_doctor_names_a_postgresql_it_cannot_reach_once_in_its_store_line(tmp_path: Path) -> None:
+    """The line once read "<url>: cannot open: kazma.yaml: store.url: cannot use PostgreSQL at <url>: …"."""
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+
+    config = tmp_path / "kazma.yaml"
+    config.write_text(UNREACHABLE + "model: {base_url: 'http://127.0.0.1:9/v1'}\n")
+    result = CliRunner().invoke(
+        main,
+        ["-c", str(config), "--log-level", "error", "doctor", "--model-timeout", "1"],
+        env={"KAZMA_PG_PASSWORD": "hunter2"},
+    )
+    assert result.exit_code == 1, result.output
+    [line] = [line for line in result.output.splitlines() if line.split()[1:2] == ["store"]]
+    assert line.startswith(
+        "FAIL  store             cannot use PostgreSQL at postgresql://kazma:***@127.0.0.1:1/kazma: connection failed"
+    ), line
+    assert "hunter2" not in result.output

@@ -228,6 +228,10 @@ async def check_pg_store(loaded: LoadedConfig) -> tuple[Check, bool]:
                 "SELECT pg_is_in_recovery(), has_table_privilege('approval_requests', 'UPDATE'),"
                 " current_setting('server_version')"
             )
+    except ConfigError as exc:
+        # Its own line already names the server (without the password) and what it answered; wrapped again it
+        # said the URL twice around "kazma.yaml: store.url:", as if the configuration file were the problem.
+        return Check("store", Level.FAIL, exc.problems[0].message), False
     except Exception as exc:
         return Check("store", Level.FAIL, f"{where}: cannot open: {str(exc).strip() or type(exc).__name__}"), False
     standby, may_update, version = bool(row[0]), bool(row[1]), str(row[2])
