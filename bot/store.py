@@ -135,6 +135,12 @@ def _pg_unusable(config: KazmaConfig) -> Iterator[None]:
 
 async def pg_store_made(config: KazmaConfig, *, connect_timeout: float = 10.0) -> bool:
     """Whether the PostgreSQL database holds Kazma's store (its ``kazma_schema`` table), changing nothing."""
+    return await pg_schema_recorded(config, connect_timeout=connect_timeout) is not None
+
+
+async def pg_schema_recorded(config: KazmaConfig, *, connect_timeout: float = 10.0) -> set[tuple[str, int]] | None:
+    """The migrations the PostgreSQL store records as applied, or None when the database holds no Kazma store;
+    read without changing anything."""
     url = config.store.postgres_url
     if url is None:
         raise ValueError("store.url is not a postgresql:// URL")
@@ -147,8 +153,52 @@ async def pg_store_made(config: KazmaConfig, *, connect_timeout: float = 10.0) -
         async with conn:
             cursor = await conn.execute("SELECT to_regclass('kazma_schema') IS NOT NULL")
             row = await cursor.fetchone()
-        return bool(row and row[0])
+            if not (row and row[0]):
+                return None
+            cursor = await conn.execute("SELECT component, version FROM kazma_schema")
+            return {(str(found[0]), int(found[1])) for found in await cursor.fetchall()}
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def sqlite_schema_recorded(path: Path) -> set[tuple[str, int]] | None:
+    """The migrations the SQLite store at ``path`` records as applied, or None when it cannot be read here (no
+    file, not a Kazma store, locked: :func:`require_existing_store` and ``open_store`` say which)."""
+    if str(path) == ":memory:" or not path.is_file() or not_a_store(path) is not None:
+        return None
+    # A plain read-write connection, as in not_a_store: a mode=ro one leaves -wal and -shm behind.
+    try:
+        conn = sqlite3.connect(path, isolation_level=None)
+        try:
+            rows = conn.execute("SELECT component, version FROM kazma_schema").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None
+    return {(str(row[0]), int(row[1])) for row in rows}
+
+
+def schema_lag(config: KazmaConfig, recorded: set[tuple[str, int]]) -> str | None:
+    """How a store whose ``recorded`` migrations are these is older than this Kazma, or None when it holds every
+    one this Kazma applies (a newer store is fine: migrations are additive, an older release reads a newer store).
+    """
+    needed = [
+        (m.component, m.version)
+        for m in (pg_migrations() if config.store.backend == "postgresql" else all_migrations())
+    ]
+    missing = [f"{component} v{version}" for component, version in needed if (component, version) not in recorded]
+    if not missing:
+        return None
+    named = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    return f"at schema {len(needed) - len(missing)}, this Kazma needs {len(needed)} (missing {named})"
+
+
+def older_store_problem(config: KazmaConfig, where: str, lag: str) -> Problem:
+    """The refusal of a command that only reads: it would otherwise upgrade, under an older Kazma that may be
+    running on it, a store nobody asked to change."""
+    return Problem(
+        "store.url" if config.store.backend == "postgresql" else store_key(config),
+        f"the Kazma store at {where} is {lag}: kazma store migrate (or kazma run) upgrades it; nothing changed",
+    )
 
 
 _SQLITE_HEADER = b"SQLite format 3\x00"
@@ -217,27 +267,41 @@ def require_existing_store(config: KazmaConfig, path: Path | None = None, *, mis
         raise ConfigError(config.source, [Problem(key, f"{store_path} is not a Kazma store: {why}; nothing changed")])
 
 
-async def require_store(config: KazmaConfig, *, missing_ok: bool = False) -> None:
+async def require_store(config: KazmaConfig, *, missing_ok: bool = False, current: bool = False) -> None:
     """:func:`require_existing_store` on either backend: on PostgreSQL a database without Kazma's schema is the
-    missing file (an empty database got Kazma's schema from a read-only command), asked without changing it."""
+    missing file (an empty database got Kazma's schema from a read-only command), asked without changing it.
+
+    ``current`` (the commands that only read): a store an older Kazma made, with fewer migrations applied, is
+    refused too, left exactly as it was; opening it would migrate it under the older Kazma that may be running
+    on it, for a command that writes nothing."""
     if config.store.backend != "postgresql":
         require_existing_store(config, missing_ok=missing_ok)
-    elif not missing_ok and not await pg_store_made(config):
-        said = f"no Kazma store in {config.store.redacted_url}: kazma run creates it; check the URL"
-        raise ConfigError(config.source, [Problem("store.url", said)])
+        recorded = sqlite_schema_recorded(config.store.path) if current else None
+        where = str(config.store.path)
+    elif missing_ok and not current:
+        return  # nothing to ask the server: opening the store makes it or migrates it, as asked
+    else:
+        recorded = await pg_schema_recorded(config)
+        where = config.store.redacted_url
+        if recorded is None and not missing_ok:
+            said = f"no Kazma store in {where}: kazma run creates it; check the URL"
+            raise ConfigError(config.source, [Problem("store.url", said)])
+    if current and recorded is not None and (lag := schema_lag(config, recorded)) is not None:
+        raise ConfigError(config.source, [older_store_problem(config, where, lag)])
 
 
 @contextlib.asynccontextmanager
 async def store_for_command(
-    config: KazmaConfig, *, create: bool = False
+    config: KazmaConfig, *, create: bool = False, read_only: bool = False
 ) -> AsyncIterator[aiosqlite.Connection | PgStore]:
     """The configured store, migrated, for one CLI command: a SQLite connection or the PostgreSQL store.
 
     A command that reads or acts on what Kazma recorded refuses a store that does not exist (a SQLite file, a
     PostgreSQL database without Kazma's schema: :func:`require_store`) instead of creating an empty one.
     ``create`` is for the few documented to make it before ``kazma run`` does (``kazma people invite``, in the
-    first steps). A file there that is not a Kazma store is refused either way."""
-    await require_store(config, missing_ok=create)
+    first steps). A file there that is not a Kazma store is refused either way. ``read_only``: a command that
+    writes nothing also refuses a store an older Kazma made instead of migrating it (:func:`require_store`)."""
+    await require_store(config, missing_ok=create, current=read_only)
     if config.store.backend == "postgresql":
         pg = await open_pg_store(config, application_name="kazma-cli")
         try:

@@ -69,6 +69,9 @@ MIGRATIONS = [
             """,
         ),
     ),
+    # Pruning goes by time: without this, each daily prune read the whole transcript inside the write
+    # transaction, holding the store's one write lock (decisions included) for as long as the scan took.
+    Migration("transcript", 3, ("CREATE INDEX IF NOT EXISTS transcript_by_time ON transcript (at)",)),
 ]
 
 # The same table on PostgreSQL: SQLite's INTEGER PRIMARY KEY numbers rows itself, an identity column does here.
@@ -109,7 +112,11 @@ PG_MIGRATIONS = [
             """,
         ),
     ),
+    PgMigration("transcript", 3, ("CREATE INDEX IF NOT EXISTS transcript_by_time ON transcript (at)",)),
 ]
+
+# The prune's statement, by the transcript_by_time index (tests/test_store_plans.py holds it to that).
+PRUNE: Final = "DELETE FROM transcript WHERE at < ?"
 
 TITLE_LIMIT: Final = 200  # characters of a conversation's title kept (platforms allow 100-255)
 
@@ -244,7 +251,7 @@ class TranscriptStore:
         none (its next message names it again). Returns how many messages went."""
         cutoff = self.clock() - older_than_days * 86400.0
         async with self.tables.transaction() as tx:
-            pruned = await tx.run("DELETE FROM transcript WHERE at < ?", (cutoff,))
+            pruned = await tx.run(PRUNE, (cutoff,))
             if pruned:
                 await tx.run(
                     "DELETE FROM conversation_titles WHERE at < ? AND NOT EXISTS"

@@ -11,7 +11,6 @@ from typing import Any
 import aiosqlite
 
 from kazma.approvals import (
-    MIGRATIONS,
     ApprovalCard,
     ApprovalRequest,
     ApprovalService,
@@ -21,7 +20,7 @@ from kazma.approvals import (
 )
 from kazma.approvals.checkpoints import AuditSigner
 from kazma.approvals.store import PostedCard
-from kazma.bot.store import pg_migrations
+from kazma.bot.store import all_migrations, pg_migrations
 from kazma.config import KazmaConfig, load_config_text
 from kazma.config.keyring import AUDIT_KEYS, DECISION_KEYS, Keyring
 from kazma.config.store.database import open_database
@@ -95,7 +94,8 @@ async def approval_service(
     if isinstance(path, str) and path.startswith("postgresql://"):  # a test database on the suite's server
         conn = await open_pg_store(path, migrations=pg_migrations(), application_name="kazma-test")
     else:
-        conn = await open_database(path, busy_timeout_ms=busy_timeout_ms, migrations=MIGRATIONS)
+        # Every component, as Kazma makes a store: the commands that only read refuse one with fewer migrations.
+        conn = await open_database(path, busy_timeout_ms=busy_timeout_ms, migrations=all_migrations())
     try:
         kwargs: dict[str, Any] = {"clock": clock} if clock is not None else {}
         store = ApprovalStore(conn, keyring=keyring, audit=audit, **kwargs)

@@ -6,6 +6,7 @@ force", both exit 0, while the requests waited in Kazma's real store elsewhere."
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from kazma.bot.cli import main
+from kazma.bot.store import all_migrations
+from kazma.config.store.database import open_database
 
 READERS = [
     ["approvals", "list"],
@@ -191,3 +194,89 @@ def test_a_link_to_no_store_is_a_missing_store(tmp_path: Path) -> None:
         f"{config}: store.path: no Kazma store at {link}: kazma run creates it; check the path"
     )
     assert _everything(tmp_path) == ["kazma.db", "kazma.yaml", "moved"]  # the link alone, nothing behind it
+
+
+READ_ONLY = [
+    ["approvals", "list"],
+    ["approvals", "show", "1"],
+    ["approvals", "rules", "list"],
+    ["people", "list"],
+    ["audit", "export"],
+    ["swarm", "status"],
+    ["swarm", "history"],
+    ["swarm", "workers"],
+    ["swarm", "show", "t-0001"],
+]
+
+
+def _older_store(path: Path) -> str:
+    """A store an earlier Kazma made: every migration of this one but the last; what a refusal says it lacks."""
+    applied = all_migrations()[:-1]
+
+    async def make() -> None:
+        conn = await open_database(path, migrations=applied)
+        await conn.close()
+
+    asyncio.run(make())
+    last = all_migrations()[-1]
+    return f"at schema {len(applied)}, this Kazma needs {len(applied) + 1} (missing {last.component} v{last.version})"
+
+
+@pytest.mark.parametrize("command", READ_ONLY, ids=" ".join)
+def test_a_command_that_only_reads_refuses_an_older_store_and_leaves_it_as_it_was(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """These commands once migrated a store an older Kazma made, under that Kazma if it was still running (after
+    an upgrade, before its restart), to answer a question that writes nothing."""
+    store = tmp_path / "kazma.db"
+    lag = _older_store(store)
+    before = store.read_bytes()
+    config = tmp_path / "kazma.yaml"
+    config.write_text(CONFIG.format(store=store))
+    result = CliRunner().invoke(main, ["-c", str(config), "--log-level", "error", *command])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[-1] == (
+        f"{config}: store.path: the Kazma store at {store} is {lag}: kazma store migrate (or kazma run) upgrades it;"
+        " nothing changed"
+    )
+    assert store.read_bytes() == before
+    assert _everything(tmp_path) == ["kazma.db", "kazma.yaml"]
+
+
+def test_store_migrate_upgrades_an_older_store_and_the_readers_then_read_it(tmp_path: Path) -> None:
+    store = tmp_path / "kazma.db"
+    _older_store(store)
+    config = tmp_path / "kazma.yaml"
+    config.write_text(CONFIG.format(store=store))
+    last = all_migrations()[-1]
+    migrated = CliRunner().invoke(main, ["-c", str(config), "--log-level", "error", "store", "migrate"])
+    assert migrated.exit_code == 0, migrated.output
+    assert migrated.output == f"applied 1 migrations: {last.component} v{last.version}\n"
+    again = CliRunner().invoke(main, ["-c", str(config), "--log-level", "error", "store", "migrate"])
+    assert again.output == "the store is already at this Kazma's schema: nothing changed\n"
+    listed = CliRunner().invoke(main, ["-c", str(config), "--log-level", "error", "approvals", "list"])
+    assert listed.exit_code == 0, listed.output
+    assert listed.output == "no approval requests\n"
+
+
+def test_store_migrate_makes_no_store_at_a_mistyped_path(tmp_path: Path) -> None:
+    config = tmp_path / "kazma.yaml"
+    config.write_text(CONFIG.format(store="typo/kazma.db"))
+    result = CliRunner().invoke(main, ["-c", str(config), "store", "migrate"])
+    assert result.exit_code == 2, result.output
+    assert "no Kazma store at" in result.stderr
+    assert _everything(tmp_path) == ["kazma.yaml"]
+
+
+def test_doctor_says_an_older_store_is_upgraded_by_the_next_start_and_leaves_it(tmp_path: Path) -> None:
+    store = tmp_path / "kazma.db"
+    lag = _older_store(store)
+    before = store.read_bytes()
+    config = tmp_path / "kazma.yaml"
+    config.write_text(CONFIG.format(store=store) + "model: {base_url: 'http://127.0.0.1:9/v1'}\n")
+    result = CliRunner().invoke(main, ["-c", str(config), "--log-level", "error", "doctor", "--model-timeout", "1"])
+    assert (
+        f"WARN  store             {store}: {lag}: kazma run (or kazma store migrate) upgrades it; "
+        "not read further until then"
+    ) in result.output
+    assert store.read_bytes() == before

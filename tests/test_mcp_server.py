@@ -205,3 +205,28 @@ async def test_the_sdk_s_session_manager_ending_is_said_counted_and_started_agai
         (again,) = [task for task in asyncio.all_tasks() if task.get_name() == "kazma-mcp-http"]
         assert again is not manager
     assert failure_count("mcp_endpoint") == counted + 1  # a stop is no failure
+
+
+async def _healthz(door: Door) -> httpx2.Response:
+    async with httpx2.AsyncClient(timeout=30, trust_env=False) as http:
+        return await http.get(f"{door.url}/healthz")
+
+
+async def test_healthz_says_whether_mcp_serves_and_that_an_ended_one_starts_again(tmp_path: Path) -> None:
+    """/healthz said "ok" whatever /mcp's state: an endpoint whose session manager had ended (or whose start
+    kept failing) was seen by no monitor. Said as a line: approvals are still decided, the status stays 200."""
+    async with kazma_door(tmp_path) as door:
+        assert await _tool_names(door) == ["request_approval"]
+        serving = await _healthz(door)
+        assert (serving.status_code, serving.text) == (200, "ok\nmcp: serving\n")
+        (manager,) = [task for task in asyncio.all_tasks() if task.get_name() == "kazma-mcp-http"]
+        manager.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await manager
+        ended = await _healthz(door)
+        assert ended.status_code == 200
+        assert ended.text == (
+            "ok\nmcp: not running (its session manager ended: cancelled): the next /mcp call starts it again\n"
+        )
+        assert await _tool_names(door) == ["request_approval"]
+        assert (await _healthz(door)).text == "ok\nmcp: serving\n"

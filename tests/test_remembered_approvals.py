@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from kazma.adapters.card_layout import ButtonKind, view_of
-from kazma.approvals import MIGRATIONS, ApprovalService, ApprovalStore, Decision, PressVerdict, SafetyPolicy
+from kazma.approvals import ApprovalService, ApprovalStore, Decision, PressVerdict, SafetyPolicy
 from kazma.approvals.policy import PolicyVerdict
-from kazma.approvals.rules import MIGRATIONS as RULES
 from kazma.approvals.rules import RuleStore
 from kazma.bot.cli.cli_identity import system_login
+from kazma.bot.store import all_migrations
 from kazma.config import load_config_text
 from kazma.config.store.database import open_database
 from kazma.engine.model import ScriptStep
@@ -51,7 +51,7 @@ ARGS = {"env": "prod", "version": 42}
 async def remembering(
     tmp: Path, clock: ManualClock, config: str = CONFIG
 ) -> AsyncIterator[tuple[SafetyPolicy, RecordingPublisher]]:
-    conn = await open_database(tmp / "kazma.db", busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
+    conn = await open_database(tmp / "kazma.db", busy_timeout_ms=5000, migrations=all_migrations())
     publisher = RecordingPublisher()
     service = ApprovalService(
         ApprovalStore(conn, clock=clock, keyring=TEST_KEYRING),
@@ -596,7 +596,7 @@ def test_rules_list_prints_a_row_written_around_kazma_on_one_line(tmp_path: Path
     forged = "deploy\nrule_FAKE  active  deploy  sha256 0000"
 
     async def written() -> None:
-        conn = await open_database(tmp_path / "kazma.db", busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
+        conn = await open_database(tmp_path / "kazma.db", busy_timeout_ms=5000, migrations=all_migrations())
         try:
             await RuleStore(conn).add(
                 tool=forged, args_hash="ab" * 32, conversation=HERE + "\x1b[2K", created_by="telegram:111",
@@ -641,7 +641,7 @@ def test_rules_revoke_refuses_a_rule_no_longer_in_force_as_the_console_does(tmp_
     assert f"no rule {rule_id!r} in force" in result.stderr
 
     async def revocations() -> list[str]:
-        conn = await open_database(tmp_path / "kazma.db", busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
+        conn = await open_database(tmp_path / "kazma.db", busy_timeout_ms=5000, migrations=all_migrations())
         try:
             [rule] = await RuleStore(conn).list(active_only=False)
             assert rule.revoked_at is None
@@ -692,7 +692,7 @@ def test_rules_list_says_when_older_rules_are_left_off(tmp_path: Path, monkeypat
     monkeypatch.setattr(rules_cli, "LISTED", 2, raising=False)  # (before: a fixed 1000, none said)
 
     async def written() -> list[str]:
-        conn = await open_database(tmp_path / "kazma.db", busy_timeout_ms=5000, migrations=[*MIGRATIONS, *RULES])
+        conn = await open_database(tmp_path / "kazma.db", busy_timeout_ms=5000, migrations=all_migrations())
         clock = ManualClock(time.time() - 10_000)
         made = []
         try:

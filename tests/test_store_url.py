@@ -141,3 +141,69 @@ def test_commands_run_on_a_postgresql_store(tmp_path: Path, pg_dsn: str) -> None
     assert "audit_sink v1" in store_line
     [replicas_line] = [line for line in doctor.stdout.splitlines() if " replicas " in f" {line} "]
     assert replicas_line.split() == ["OK", "replicas", "none", "running"]
+
+
+def _pg_schema(dsn: str) -> list[tuple[str, int]]:
+    with psycopg.connect(dsn) as conn:
+        return [(str(c), int(v)) for c, v in conn.execute("SELECT component, version FROM kazma_schema ORDER BY 1, 2")]
+
+
+def test_a_postgresql_store_an_older_kazma_made_is_read_by_no_command_that_would_migrate_it(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """A read-only command once applied the missing migrations to the database a running older Kazma served
+    from; it refuses now, in one line, and only `kazma store migrate` (or `kazma run`) upgrades it."""
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+    from kazma.bot.store import pg_migrations
+    from kazma.config.store.postgres import open_pg_store as open_pg
+
+    older = pg_migrations()[:-1]
+
+    async def made_by_an_older_kazma() -> None:
+        await (await open_pg(pg_dsn, migrations=older)).close()
+
+    asyncio.run(made_by_an_older_kazma())
+    before = _pg_schema(pg_dsn)
+    config = tmp_path / "kazma.yaml"
+    config.write_text(f"store: {{url: '{pg_dsn}'}}\nmodel: {{base_url: 'http://127.0.0.1:9/v1'}}\n")
+    redacted = load_config_text(f"store: {{url: '{pg_dsn}'}}\n", environ={}).config.store.redacted_url
+    last = pg_migrations()[-1]
+    lag = f"at schema {len(older)}, this Kazma needs {len(older) + 1} (missing {last.component} v{last.version})"
+    for command in (["approvals", "list"], ["swarm", "status"], ["audit", "export"]):
+        result = CliRunner().invoke(main, ["-c", str(config), "--log-level", "error", *command])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.splitlines()[-1] == (
+            f"{config}: store.url: the Kazma store at {redacted} is {lag}: kazma store migrate (or kazma run) "
+            "upgrades it; nothing changed"
+        )
+    doctor = CliRunner().invoke(main, ["-c", str(config), "--log-level", "error", "doctor", "--model-timeout", "1"])
+    assert f"WARN  store             {redacted}: {lag}: kazma run (or kazma store migrate)" in doctor.output
+    assert _pg_schema(pg_dsn) == before
+    migrated = CliRunner().invoke(main, ["-c", str(config), "--log-level", "error", "store", "migrate"])
+    assert migrated.output == f"applied 1 migrations: {last.component} v{last.version}\n", migrated.output
+    assert len(_pg_schema(pg_dsn)) == len(before) + 1
+    listed = CliRunner().invoke(main, ["-c", str(config), "--log-level", "error", "approvals", "list"])
+    assert listed.output == "no approval requests\n", listed.output
+
+
+def test_doctor_names_a_postgresql_it_cannot_reach_once_in_its_store_line(tmp_path: Path) -> None:
+    """The line once read "<url>: cannot open: kazma.yaml: store.url: cannot use PostgreSQL at <url>: …"."""
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+
+    config = tmp_path / "kazma.yaml"
+    config.write_text(UNREACHABLE + "model: {base_url: 'http://127.0.0.1:9/v1'}\n")
+    result = CliRunner().invoke(
+        main,
+        ["-c", str(config), "--log-level", "error", "doctor", "--model-timeout", "1"],
+        env={"KAZMA_PG_PASSWORD": "hunter2"},
+    )
+    assert result.exit_code == 1, result.output
+    [line] = [line for line in result.output.splitlines() if line.split()[1:2] == ["store"]]
+    assert line.startswith(
+        "FAIL  store             cannot use PostgreSQL at postgresql://kazma:***@127.0.0.1:1/kazma: connection failed"
+    ), line
+    assert "hunter2" not in result.output

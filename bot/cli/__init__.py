@@ -43,7 +43,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "setup",
         "Platform app settings, ready to paste: an app manifest, an invite URL.",
     ),
-    "store": ("kazma.bot.cli.store_cli", "store", "The store itself: copy a SQLite store into PostgreSQL."),
+    "store": ("kazma.bot.cli.store_cli", "store", "The store itself: upgrade it, copy a SQLite store into PostgreSQL."),
     "swarm": ("kazma.bot.cli.swarm_cli", "swarm", "Drive the swarm with the same grammar as /swarm in chat."),
 }
 

@@ -46,7 +46,8 @@ def _with_service(
     signer = load_audit_signer(loaded.config) if deciding else read_audit_signer(loaded.config)
 
     async def run() -> T:
-        async with store_for_command(loaded.config) as store:
+        # Only deciding writes: reading an older Kazma's store must not migrate it under that Kazma.
+        async with store_for_command(loaded.config, read_only=not deciding) as store:
             approvals = ApprovalStore(store, keyring=keyring, audit=signer)
             try:
                 return await work(ApprovalService(approvals, loaded.config))

@@ -50,7 +50,7 @@ async def check_audit_chain(loaded: LoadedConfig) -> Check:
     except KeyringError:
         signer = None
     try:
-        async with store_for_command(loaded.config) as opened:
+        async with store_for_command(loaded.config, read_only=True) as opened:
             store = ApprovalStore(opened)
             last = await store.last_event_seq()
             if last == 0:

@@ -199,7 +199,7 @@ def _config_if_any(obj: Context) -> KazmaConfig | None:
 
 
 async def _verify_store(config: KazmaConfig, keys: PublicKeys, heads: list[Head]) -> Report:
-    async with store_for_command(config) as conn:
+    async with store_for_command(config, read_only=True) as conn:
         store = ApprovalStore(conn)
         events = [event async for batch in _pages(store) for event in batch]
         checkpoints = await _checkpoints(store)
@@ -256,7 +256,7 @@ def export_command(obj: Context, since: int, fmt: str, out: Path | None) -> None
 
 async def _export(config: KazmaConfig, since: int, out: TextIO) -> tuple[int, int, int]:
     signer = read_audit_signer(config)
-    async with store_for_command(config) as conn:
+    async with store_for_command(config, read_only=True) as conn:
         store = ApprovalStore(conn)
         checkpoints = await _checkpoints(store)
         history = next((c for c in checkpoints if c.kind == HISTORY), None)

@@ -82,7 +82,7 @@ async def check_decision_seals(loaded: LoadedConfig) -> tuple[Check, int]:
     """Every decided row's seal, verified with the keys held here; and how many rows carry a seal."""
     keyring = _keyring_or_none(loaded)
     try:
-        async with store_for_command(loaded.config) as opened:
+        async with store_for_command(loaded.config, read_only=True) as opened:
             store = ApprovalStore(opened, keyring=keyring)
             rows, unreadable = await store.decided_rows()
             since = await store.sealed_since()

@@ -15,7 +15,14 @@ from kazma.bot.cli.checks import Check, Level
 from kazma.bot.cli.decision_checks import check_decisions
 from kazma.bot.cli.platform_checks import check_platforms, console_checks
 from kazma.bot.cli.policy_checks import check_policy_passkeys
-from kazma.bot.store import open_store, pg_store_made, require_existing_store, store_for_command
+from kazma.bot.store import (
+    open_store,
+    pg_schema_recorded,
+    require_existing_store,
+    schema_lag,
+    sqlite_schema_recorded,
+    store_for_command,
+)
 from kazma.config import LoadedConfig, platform_statuses
 from kazma.config.errors import ConfigError
 from kazma.config.models import MCPServerConfig, ModelConfig
@@ -153,6 +160,9 @@ async def check_store(loaded: LoadedConfig) -> tuple[Check, bool]:
         return missing_store_check(path), False
     try:
         require_existing_store(loaded.config)
+        older = _older_store_check(loaded, str(path), sqlite_schema_recorded(path))
+        if older is not None:
+            return older, False
         conn = await open_store(loaded.config)
     except ConfigError as exc:
         return Check("store", Level.FAIL, exc.problems[0].message), False
@@ -167,6 +177,20 @@ async def check_store(loaded: LoadedConfig) -> tuple[Check, bool]:
         await conn.close()
     schema = ", ".join(f"{k} v{v}" for k, v in sorted(versions.items())) or "no tables yet"
     return Check("store", Level.OK, f"{path}: writable ({schema})"), True
+
+
+def _older_store_check(loaded: LoadedConfig, where: str, recorded: set[tuple[str, int]] | None) -> Check | None:
+    """A store an older Kazma made, said and left as it is: opening it here migrated it, under the older Kazma
+    that may still be running on it (checked before an upgrade, doctor upgraded the store itself)."""
+    lag = None if recorded is None else schema_lag(loaded.config, recorded)
+    if lag is None:
+        return None
+    # Not a failure: the next `kazma run` (or `kazma store migrate`) upgrades it, as after every update.
+    return Check(
+        "store",
+        Level.WARN,
+        f"{where}: {lag}: kazma run (or kazma store migrate) upgrades it; not read further until then",
+    )
 
 
 def missing_store_check(path: Path) -> Check:
@@ -190,16 +214,24 @@ async def check_pg_store(loaded: LoadedConfig) -> tuple[Check, bool]:
     """Reachable, migrated, and writable by this user on a primary (not a read-only standby)."""
     where = loaded.config.store.redacted_url
     try:
-        if not await pg_store_made(loaded.config):
+        recorded = await pg_schema_recorded(loaded.config)
+        if recorded is None:
             # Said, not made: doctor once applied Kazma's schema to whatever database store.url named.
             return Check("store", Level.OK, f"no Kazma store in {where} yet: kazma run creates it there"), False
-        async with store_for_command(loaded.config) as opened:
+        older = _older_store_check(loaded, where, recorded)
+        if older is not None:
+            return older, False
+        async with store_for_command(loaded.config, read_only=True) as opened:
             store = backend_of(opened)
             rows = await store.all("SELECT component, MAX(version) FROM kazma_schema GROUP BY component")
             row = await store.one(
                 "SELECT pg_is_in_recovery(), has_table_privilege('approval_requests', 'UPDATE'),"
                 " current_setting('server_version')"
             )
+    except ConfigError as exc:
+        # Its own line already names the server (without the password) and what it answered; wrapped again it
+        # said the URL twice around "kazma.yaml: store.url:", as if the configuration file were the problem.
+        return Check("store", Level.FAIL, exc.problems[0].message), False
     except Exception as exc:
         return Check("store", Level.FAIL, f"{where}: cannot open: {str(exc).strip() or type(exc).__name__}"), False
     standby, may_update, version = bool(row[0]), bool(row[1]), str(row[2])
@@ -217,7 +249,7 @@ async def check_replicas(loaded: LoadedConfig) -> Check:
     from kazma.config.store.replicas import lease_holder, live_replicas
 
     try:
-        async with store_for_command(loaded.config) as opened:
+        async with store_for_command(loaded.config, read_only=True) as opened:
             assert not isinstance(opened, aiosqlite.Connection)
             alive = sorted(await live_replicas(opened.pool))
             leader = await lease_holder(opened.pool, lock_key("kazma"))

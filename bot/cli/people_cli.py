@@ -23,10 +23,14 @@ T = TypeVar("T")
 
 
 def _with_accounts(
-    config: KazmaConfig, work: Callable[[AccountStore], Awaitable[T]], *, create_store: bool = False
+    config: KazmaConfig,
+    work: Callable[[AccountStore], Awaitable[T]],
+    *,
+    create_store: bool = False,
+    read_only: bool = False,
 ) -> T:
     async def run() -> T:
-        async with store_for_command(config, create=create_store) as store:
+        async with store_for_command(config, create=create_store, read_only=read_only) as store:
             return await work(AccountStore(store))
 
     return asyncio.run(run())
@@ -76,7 +80,7 @@ def list_people(obj: Context) -> None:
             lines.append(f"group {group}: {', '.join(members)}")
         return lines
 
-    lines = _with_accounts(config, work)
+    lines = _with_accounts(config, work, read_only=True)
     click.echo("\n".join(lines) if lines else "nobody is under people: in kazma.yaml")
 
 

@@ -19,7 +19,7 @@ async def check_policy_passkeys(loaded: LoadedConfig) -> list[Check]:
     if not stepping:
         return []
     try:
-        async with store_for_command(config) as opened:
+        async with store_for_command(config, read_only=True) as opened:
             enrolled = {p.person for p in await AccountStore(opened).passkeys(revoked=False)}
     except Exception as exc:
         said = str(exc).strip() or type(exc).__name__

@@ -43,7 +43,7 @@ def list_rules(obj: Context, everything: bool) -> None:
     async def run() -> None:
         now = time.time()
         keyring = read_decision_keyring(config)
-        async with store_for_command(config) as store:
+        async with store_for_command(config, read_only=True) as store:
             found = await RuleStore(store, clock=lambda: now).list(active_only=not everything, limit=LISTED + 1)
             # Judged as the service judges a rule before it lets a call run: a row in force that the
             # configuration now ends (max_seconds lowered, say) or whose seal does not hold lets nothing run, and

@@ -10,11 +10,53 @@ from pathlib import Path
 import click
 
 from kazma.bot.cli.context import Context
+from kazma.config import KazmaConfig
 
 
 @click.group()
 def store() -> None:
-    """The store itself: copy a SQLite store into PostgreSQL."""
+    """The store itself: upgrade it, copy a SQLite store into PostgreSQL."""
+
+
+@store.command("migrate")
+@click.pass_obj
+def migrate(obj: Context) -> None:
+    """Upgrade the store an older Kazma made to this Kazma's schema, as `kazma run` does at start.
+
+    The commands that only read (approvals list, audit export, swarm status, …) refuse an older store rather than
+    change it under the older Kazma that may be running on it; this is the one that changes it without starting."""
+    config = obj.load().config
+    applied = asyncio.run(_migrate(config))
+    if not applied:
+        click.echo("the store is already at this Kazma's schema: nothing changed")
+        return
+    click.echo(f"applied {len(applied)} migrations: {', '.join(applied)}")
+
+
+async def _migrate(config: KazmaConfig) -> list[str]:
+    """The migrations applied now (component and version), each recorded; the store must exist already."""
+    from kazma.bot.store import (
+        all_migrations,
+        pg_migrations,
+        pg_schema_recorded,
+        require_store,
+        sqlite_schema_recorded,
+        store_for_command,
+    )
+
+    await require_store(config)  # a mistyped path or URL is refused, never made into an empty store here
+
+    async def recorded() -> set[tuple[str, int]]:
+        if config.store.backend == "postgresql":
+            return await pg_schema_recorded(config) or set()
+        return sqlite_schema_recorded(config.store.path) or set()
+
+    before = await recorded()
+    async with store_for_command(config):
+        pass  # opening applies every migration not recorded yet, under the store's lock
+    now = await recorded() - before
+    ordered = pg_migrations() if config.store.backend == "postgresql" else all_migrations()
+    return [f"{m.component} v{m.version}" for m in ordered if (m.component, m.version) in now]
 
 
 @store.command("copy")

@@ -30,7 +30,7 @@ from kazma.engine.swarm.owners import this_terminal
 from kazma.engine.swarm.records import task_json
 from kazma.engine.swarm.registry import for_verb, registered
 from kazma.engine.swarm.roles import authorize
-from kazma.engine.swarm.syntax import GrammarError
+from kazma.engine.swarm.syntax import Access, GrammarError
 
 EXIT_USAGE = 2
 CLI_ONLY = ("show",)  # subcommands of the terminal alone (JSON for scripts), beside the /swarm grammar
@@ -64,7 +64,12 @@ def _run(verb: str, *words: str, to: str | None = None, context: str = "", confi
     # tell "refused" from "done" (a refused cancel or retry ended 0).
     refused = authorize(command, actor=str(Actor("cli", login)), platform="cli", is_admin=False, config=loaded.config)
     starts = for_verb(verb) is not None
-    sys.exit(asyncio.run(_execute(loaded, text, login, context, confirm, refused=refused is not None, starts=starts)))
+    reads = command.access is Access.READ
+    sys.exit(
+        asyncio.run(
+            _execute(loaded, text, login, context, confirm, refused=refused is not None, starts=starts, reads=reads)
+        )
+    )
 
 
 # Answers that say nothing was done: the command ends 1 (an unknown task id, a store that did not answer).
@@ -80,6 +85,7 @@ async def _execute(
     *,
     refused: bool = False,
     starts: bool = False,
+    reads: bool = False,
 ) -> int:
     """Carry the command out like chat does, as ``cli:<login>``; wait for work it starts.
 
@@ -88,8 +94,9 @@ async def _execute(
     send within five minutes, which a new process for each command could never make."""
     # Only work a command ``starts`` may make the store, as `kazma run` would. Reading or steering tasks answered
     # from an empty store made on the spot at a mistyped store.path ("0 running", "no swarm task"); a file there
-    # that is not a Kazma store is refused either way, never migrated.
-    await require_store(loaded.config, missing_ok=starts)
+    # that is not a Kazma store is refused either way, never migrated. A command that only ``reads`` refuses a
+    # store an older Kazma made rather than migrate it under that Kazma.
+    await require_store(loaded.config, missing_ok=starts, current=reads)
     # No platform is started from the CLI: results are printed here, cards need `kazma run`.
     app = await build_app(loaded, adapters=[])
     # The tasks this process runs are marked as its own: `kazma run` starting meanwhile leaves them running.
@@ -242,7 +249,7 @@ def show(task_id: str, as_json: bool) -> None:
 
 
 async def _show(loaded: LoadedConfig, task_id: str, as_json: bool) -> int:
-    await require_store(loaded.config)
+    await require_store(loaded.config, current=True)
     app = await build_app(loaded, adapters=[])
     try:
         record = await app.swarm.task(task_id)

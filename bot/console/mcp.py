@@ -58,6 +58,7 @@ class MCPEndpoint:
         self._task: asyncio.Task[None] | None = None
         self._manager: Any = None
         self._serving = False  # the manager started and has not ended since
+        self.ended_by: str | None = None  # what ended the manager, for /healthz
 
     @property
     def running(self) -> bool:
@@ -159,6 +160,7 @@ class MCPEndpoint:
         if self._stop.is_set():
             return  # stopped: no failure
         error = None if task.cancelled() else task.exception()
+        self.ended_by = f"{type(error).__name__}: {error}" if error is not None else "cancelled"
         count_failure("mcp_endpoint")
         log.error(
             "mcp.endpoint_ended",

@@ -59,6 +59,29 @@ class MCPDoor:
             and task.result().running
         )
 
+    def health(self) -> str | None:
+        """``/healthz``'s line for ``/mcp``, or None when nobody can call it (no API token: the SDK never loads).
+
+        Said, never a 503: approvals are still decided, and the next ``/mcp`` call starts an endpoint that is not
+        running again. Before, a monitor saw "ok" while every MCP client's call waited on a start that kept failing.
+        """
+        if not self.configured:
+            return None
+        task = self._starting
+        if task is None or not task.done():
+            return "mcp: starting"
+        if task.cancelled():
+            return "mcp: not running (its start was cancelled): the next /mcp call starts it"
+        error = task.exception()
+        if error is not None:
+            said = " ".join((str(error) or type(error).__name__).split())[:200]
+            return f"mcp: not running (its start failed: {said}): the next /mcp call tries again"
+        endpoint = task.result()
+        if endpoint.running:
+            return "mcp: serving"
+        ended = " ".join((endpoint.ended_by or "stopped").split())[:200]
+        return f"mcp: not running (its session manager ended: {ended}): the next /mcp call starts it again"
+
     def register(self, application: web.Application) -> None:
         application.on_startup.append(self._on_startup)
         application.on_shutdown.append(self._on_shutdown)

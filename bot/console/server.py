@@ -767,9 +767,11 @@ class WebServer:
         if halted is not None:
             return web.Response(text=f"not deciding: {halted}", status=503)
         health = await self.services.replica_health()
+        # /mcp's state, when it is served: a line, never the status, which says whether approvals are decided.
+        mcp = [] if self.mcp is None or (line := self.mcp.health()) is None else [line]
         if health is None:
-            return web.Response(text="ok")
-        text = "\n".join(["ok" if health.ok else "not deciding: the store cannot be reached", *health.lines()])
+            return web.Response(text="\n".join(["ok", *mcp]) + "\n" if mcp else "ok")
+        text = "\n".join(["ok" if health.ok else "not deciding: the store cannot be reached", *health.lines(), *mcp])
         return web.Response(text=text + "\n", status=200 if health.ok else 503)
 
     async def script(self, request: web.Request) -> web.Response:
