@@ -59,6 +59,17 @@ log = structlog.get_logger("kazma.bus")
 
 # Card posts and edits: from half a second up to a minute; a platform's own retry_after wins when longer.
 RETRY = Backoff(base=0.5, cap=60.0)
+# A platform whose start failed for a fault that may pass (the platform answered 5xx, or nothing) is started again.
+START_RETRY = Backoff(base=1.0, cap=60.0)
+
+
+def _passing(exc: BaseException) -> bool:
+    """Whether a platform's start failed for a fault that may pass by itself (not a refused token or setting)."""
+    if isinstance(exc, PlatformError):
+        return exc.retryable
+    return isinstance(exc, TimeoutError | OSError)
+
+
 # A posted card whose message id could not be recorded: recorded again after these pauses (seconds).
 RECORD_RETRIES = (0.1, 0.5, 2.0)
 # A card post queued in a write of its own (not in its request's transaction) is tried again after these pauses.
@@ -158,6 +169,7 @@ class FanOutBus:
         self._workers = {name: _Worker(adapter) for name, adapter in self.adapters.items()}
         self._started: set[str] = set()
         self._stopping = False
+        self._halt = asyncio.Event()  # set by stop: a platform still being started again gives up
         self._tasks = Supervisor("bus_task")  # one worker per platform
         # (platform, person) whose direct messages refused a card, said in the home chat once until one lands
         self._dm_refused: set[tuple[str, str]] = set()
@@ -183,6 +195,11 @@ class FanOutBus:
             if isinstance(result, BaseException):
                 count_failure("platform_start", name)
                 log.error("bus.platform_start_failed", platform=name, error=str(result))
+                if _passing(result):
+                    # Started only at the next restart, the platform stayed off for good after a moment's fault
+                    # (Slack answering 500 as Kazma started): no presses came in from cards posted there meanwhile.
+                    adapter = self.adapters[name]
+                    self._tasks.spawn(self._start_again(adapter, handlers, ingress), name=f"kazma-bus-start-{name}")
             else:
                 self._started.add(name)
         for name, worker in self._workers.items():
@@ -196,6 +213,31 @@ class FanOutBus:
         else:
             await adapter.start(handlers)
         log.info("bus.platform_started", platform=adapter.name, home_chat=adapter.home_chat, ingress=ingress)
+
+    async def _start_again(self, adapter: PlatformAdapter, handlers: Handlers, ingress: bool) -> None:
+        """Start ``adapter`` again with backoff until it starts, fails for good (a refused token) or the bus stops.
+        Among replicas it starts without its singleton ingress as the others did; the leader's check opens it."""
+        tries = 0
+        while not await until_set(self._halt, START_RETRY.delay(tries)):
+            tries += 1
+            try:
+                await self._start_one(adapter, handlers, ingress)
+            except Exception as exc:  # counted and logged; tried again while the fault may pass
+                count_failure("platform_start", adapter.name)
+                log.warning("bus.platform_start_retry_failed", platform=adapter.name, attempt=tries, error=str(exc))
+                if _passing(exc):
+                    continue
+                log.error("bus.platform_start_given_up", platform=adapter.name, attempt=tries, error=str(exc))
+                return
+            if self._halt.is_set():  # stop began while it started: it must not serve past the bus
+                await self._stop_one(adapter)
+                return
+            self._started.add(adapter.name)
+            log.info("bus.platform_started_late", platform=adapter.name, attempt=tries)
+            worker = self._workers.get(adapter.name)
+            if worker is not None:
+                worker.kick.set()  # what waited for it: unposted cards, unsettled edits
+            return
 
     async def start_ingress(self) -> None:
         """This replica leads now: open every singleton ingress (one that fails is logged and counted)."""
@@ -231,6 +273,7 @@ class FanOutBus:
         until = loop.time() + STOP_SETTLE_SECONDS
         await self._finish_settles(STOP_SETTLE_SECONDS)
         self._stopping = True
+        self._halt.set()
         for worker in self._workers.values():
             worker.kick.set()
         # Within what is left of those seconds, each worker ends after the post or edit it has under way (it looks

@@ -135,6 +135,9 @@ class Lifecycle(ABC):
         if self.mcp is not None:  # tools listed before the first turn when the servers are quick; later otherwise
             await self.mcp.start(wait=10.0)
         await self.bus.start(self.handlers)
+        # Alone on the store this process is the leader for good: an ingress its platform closed (Discord's gateway
+        # after a close discord.py does not reconnect after) stayed closed until a restart, with nothing retrying.
+        self._tasks.keep(self._keep_ingress, name="kazma-ingress", backoff=LOOP_RESTART)
         self.swarm.serving()
         if serving is not None:
             await serving()
@@ -200,12 +203,14 @@ class Lifecycle(ABC):
             self._tasks.keep(self.checkpointer.run, name="kazma-audit-checkpointer", backoff=LOOP_RESTART)
 
     async def _keep_ingress(self) -> None:
-        """While leading: every singleton ingress open, one that failed to open tried again with backoff."""
+        """While leading (or alone on the store): every singleton ingress open; one that failed to open, or that
+        its platform closed later (Discord ending the gateway for good), tried again with backoff."""
         if not isinstance(self.bus, FanOutBus):
             return
         failures = 0
         while True:
-            await self.bus.start_ingress()
+            if self.bus.ingress_missing():  # an open one is left alone: no start (nor its log line) every check
+                await self.bus.start_ingress()
             missing = self.bus.ingress_missing()
             failures = failures + 1 if missing else 0
             if missing:

@@ -7,13 +7,25 @@ from pathlib import Path
 
 import pytest
 
+from kazma.adapters import bus
 from kazma.adapters.contract import Press
 from kazma.adapters.press_policy import PRESS_NOT_ON_MESSAGE
+from kazma.adapters.slack import SlackAdapter
 from kazma.approvals.card import button_data
 from kazma.approvals.model import Decision, Status
+from kazma.config.backoff import Backoff
+from kazma.config.metrics import failure_count
 from tests.fakes.slack import FakeSlack
 from tests.fakes.telegram import Fault
-from tests.platforms_support import DISCORD_ADMIN, PLATFORMS, SLACK_CHANNEL, Fakes, kazma_on, three_fakes
+from tests.platforms_support import (
+    DISCORD_ADMIN,
+    PLATFORMS,
+    SLACK_ADMIN,
+    SLACK_CHANNEL,
+    Fakes,
+    kazma_on,
+    three_fakes,
+)
 
 ARGS = {"command": "rm -rf build/ && make release", "timeout_s": 120}
 
@@ -201,3 +213,42 @@ async def test_a_20000_character_call_cannot_be_approved_from_a_chat_card_only_o
         page = await app.service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
         assert page.won
         await fakes.wait(lambda: not any(fakes.has_buttons(p) for p in PLATFORMS))
+
+
+async def test_a_platform_whose_start_met_a_passing_fault_is_started_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slack answered auth.test with 500 as Kazma started: Slack stayed off until a restart. Its cards were posted
+    all the same (slack-sdk opens a session of its own), and a press on one reached nobody: no events server."""
+    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    async with three_fakes() as fakes:
+        fakes.slack.fail("auth.test", "500", times=2)  # the start, and the first try again
+        before = failure_count("platform_start", "slack")
+        async with kazma_on(fakes, tmp_path / "k.db") as app:
+            slack = app.bus.adapters["slack"]
+            assert isinstance(slack, SlackAdapter)
+            await fakes.wait(lambda: slack.events_url is not None)  # its events server listens: started
+            assert failure_count("platform_start", "slack") == before + 2
+            fakes.slack_events_url = slack.events_url
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+            await fakes.wait(lambda: fakes.posted("slack") and fakes.has_buttons("slack"))
+            await fakes.press("slack", Decision.APPROVE)
+            outcome = await asyncio.wait_for(app.service.wait(request.id), timeout=20)
+            assert (outcome.status, outcome.decided_by) == (Status.APPROVED, f"slack:{SLACK_ADMIN}")
+        assert [c.status for c in fakes.slack.calls_to("auth.test")][:3] == [500, 500, 200]
+
+
+async def test_a_platform_whose_token_was_refused_at_start_is_not_started_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    async with three_fakes() as fakes:
+        fakes.slack.fail("auth.test", "error", error="invalid_auth")
+        async with kazma_on(fakes, tmp_path / "k.db") as app:
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+            await fakes.wait(lambda: fakes.posted("discord"))
+            slack = app.bus.adapters["slack"]
+            assert isinstance(slack, SlackAdapter)
+            assert not slack.started
+            assert await app.service.store.events(request.id, event="decided") == []
+        assert [c.error for c in fakes.slack.calls_to("auth.test")] == ["invalid_auth"]

@@ -11,6 +11,7 @@ import pytest
 from kazma.adapters.bus import FanOutBus
 from kazma.adapters.discord import DiscordAdapter
 from kazma.approvals.model import Decision, Status
+from kazma.bot import lifecycle
 from kazma.bot.app import App
 from kazma.config.metrics import failure_count
 from tests.fakes.discord import HOME_CHANNEL_ID
@@ -156,6 +157,38 @@ async def test_a_gateway_that_discord_closes_for_good_is_logged_counted_and_repo
         ended = [r for r in caplog.records if r.getMessage() == "discord.gateway_ended"]
         assert ended
         assert "4004" in str(getattr(ended[0], "error", ""))
+
+
+@pytest.mark.parametrize("code", [4004, 4014])
+async def test_a_gateway_discord_closed_for_good_is_opened_again_and_cards_made_meanwhile_land(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int
+) -> None:
+    """Kazma alone on its store: after Discord closed the gateway with a code discord.py does not reconnect after,
+    nothing opened it again until a restart. After 4004 (and 4010-4013) discord.py had closed its whole client too:
+    every card posted meanwhile was given up for good with "RuntimeError: Session is closed"."""
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 0.1)
+    caplog.set_level(logging.WARNING)
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        adapter = app.bus.adapters["discord"]
+        assert isinstance(adapter, DiscordAdapter)
+        lost = failure_count("ingress_lost", "discord")
+        assert await fakes.discord.drop_gateway(code=code) == 1
+        async with asyncio.timeout(20):
+            while failure_count("ingress_lost", "discord") == lost:
+                await asyncio.sleep(0.02)
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+
+        def identified() -> int:
+            return len([i for i in fakes.discord.identifies if "rejected" not in i])
+
+        async with asyncio.timeout(30):  # identified again, and the card is out
+            while not (identified() == 2 and "Approval needed" in fakes.card_text("discord")):
+                await asyncio.sleep(0.05)
+        assert adapter.ingress_running
+        gave_up = [r for r in caplog.records if r.getMessage() == "bus.card_post_gave_up"]
+        assert gave_up == [], [getattr(r, "error", "") for r in gave_up]
+        assert not [r for r in caplog.records if "Session is closed" in str(getattr(r, "error", ""))]
+        assert [c.platform for c in await app.service.store.cards(request.id)].count("discord") == 1
 
 
 async def test_a_request_timeout_in_discord_py_s_pause_after_a_5xx_says_discord_answered_it(tmp_path: Path) -> None:

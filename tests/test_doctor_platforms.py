@@ -22,7 +22,7 @@ from kazma.config.registry.slack import bot_token_problem as slack_bot_token_pro
 from kazma.config.registry.telegram import token_problem as telegram_token_problem
 from tests.fakes.discord import ATTACH_FILES, BOT_ID, BOT_ROLE_ID, GUILD_ID, HOME_CHANNEL_ID, VIEW_CHANNEL, FakeDiscord
 from tests.fakes.openai import FakeOpenAI
-from tests.fakes.slack import DEFAULT_SCOPES, FAKE_APP_TOKEN, FAKE_BOT_TOKEN, FAKE_SIGNING_SECRET, FakeSlack
+from tests.fakes.slack import DEFAULT_SCOPES, FAKE_APP_TOKEN, FAKE_BOT_TOKEN, FAKE_SIGNING_SECRET, FakeSlack, FaultKind
 from tests.fakes.telegram import FakeTelegram
 from tests.platforms_support import Fakes, three_fakes
 from tests.test_cli import CLEAN_ENV
@@ -382,3 +382,29 @@ async def test_doctor_json_is_one_object_a_program_reads(tmp_path: Path) -> None
     failed = [c for c in report["checks"] if c["level"] == "fail"]
     assert [c["name"] for c in failed] == ["platform.telegram"]
     assert {c["level"] for c in report["checks"]} <= {"ok", "warn", "fail"}
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "said"), [("500", "", "HTTP 500"), ("error", "internal_error", "internal_error")]
+)
+async def test_slack_failing_to_answer_is_not_blamed_on_the_configuration(
+    kind: FaultKind, error: str, said: str
+) -> None:
+    """Slack answered apps.connections.open with 500 (or internal_error): the doctor asked "is Socket Mode on?",
+    sending people to change a setting that was right; the same for auth.test and the home channel."""
+    async with three_fakes() as fakes:
+        for method in ("auth.test", "apps.connections.open", "conversations.info"):
+            fakes.slack.fail(method, kind, error=error)
+        first = await ask(platforms_yaml(fakes, slack_app=FAKE_APP_TOKEN))
+        second = await ask(platforms_yaml(fakes, slack_app=FAKE_APP_TOKEN))  # auth.test answered now
+    outage = "Slack could not answer just now, which says nothing about the configuration"
+    assert lines(first["slack"], Level.FAIL) == [
+        f"platform.slack auth.test failed ({said}): {outage}; run `kazma doctor` again in a minute"
+    ]
+    failures = lines(second["slack"], Level.FAIL)
+    assert failures == [
+        f"platform.slack apps.connections.open failed ({said}): {outage}; run `kazma doctor` again in a minute",
+        f"platform.slack home_channel C0HOME0001: not checked: conversations.info failed ({said}): {outage}; run "
+        "`kazma doctor` again in a minute",
+    ]
+    assert not any("Socket Mode on" in line for line in failures)

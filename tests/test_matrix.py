@@ -318,6 +318,22 @@ async def test_a_reaction_counts_only_on_the_bots_own_card(harness: MatrixHarnes
     assert harness.recorder.presses == []
 
 
+async def test_reactions_on_a_message_that_is_no_card_read_it_once(harness: MatrixHarness) -> None:
+    """People react to ordinary messages all day: each reaction cost a GET of the message's event (to see whether
+    the bot sent it, as a card), every time, because only the bot's own events were remembered."""
+    await harness.start()
+    member = harness.people[harness.member]
+    event = await asyncio.to_thread(member.send, harness.home, {"msgtype": "m.text", "body": "lunch?"})
+    reads = r"/rooms/[^/]+/event/"
+    before = harness.proxy.count("GET", reads)
+    for person, key in ((harness.admin, "👍"), (harness.member, "🎉"), (harness.admin, "✅")):
+        await asyncio.to_thread(harness.people[person].react, harness.home, event, key)
+    await harness.say(harness.home, harness.admin, "after the reactions")
+    assert await texts_arrived(harness, 2) == ["lunch?", "after the reactions"]  # the reactions were read before
+    assert harness.proxy.count("GET", reads) - before == 1
+    assert harness.recorder.presses == []
+
+
 async def test_a_reaction_with_the_variation_selector_is_the_same_press(harness: MatrixHarness) -> None:
     adapter = await harness.start()
     card = make_card({"path": "/tmp/x"})

@@ -204,6 +204,8 @@ class DiscordAdapter(PlatformBase):
         self._start_timeout = start_timeout
         self._sync_commands_enabled = sync_commands
         self._client: _Client | None = None
+        # Why the gateway ended for good (Discord's close code, as discord.py told it); None while it serves
+        self._ended: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self._hooks = AgentWebhooks(self._rest)
@@ -311,14 +313,23 @@ class DiscordAdapter(PlatformBase):
             raise PlatformError(PLATFORM, "start", "no bot token configured", retryable=False)
         self._ready = asyncio.Event()
         self._point_library_at_config()
+        await self._login()
+
+    async def _login(self) -> None:
+        """A new discord.py client, logged in over REST; it replaces the adapter's only once logged in (a renewal
+        that fails leaves the closed one, whose calls say why nothing is sent)."""
         client = _Client(self, guild_ready_timeout=self._guild_ready_timeout, http_trace=self._http_trace())
-        self._client = client
         try:
             async with asyncio.timeout(self._start_timeout):
                 await client.login(self.config.token)
-        except TimeoutError as exc:
-            message = f"no login within {self._start_timeout:g} s"
-            raise PlatformError(PLATFORM, "start", message, retryable=True) from exc
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await client.close()
+            if isinstance(exc, TimeoutError):
+                message = f"no login within {self._start_timeout:g} s"
+                raise PlatformError(PLATFORM, "start", message, retryable=True) from exc
+            raise
+        self._client = client
         user = client.user
         log.info("discord.logged_in", user_id=user.id if user else None)
 
@@ -334,6 +345,13 @@ class DiscordAdapter(PlatformBase):
         client = self._client
         if client is None:
             raise self.refuse("ingress_start", "not logged in", retryable=True)
+        if client.is_closed():
+            # discord.py closes its whole client (its REST session too) after a close it does not reconnect after
+            # (4004, 4010-4013): that client can never connect again, so a new one logs in first.
+            log.warning("discord.client_renewed", reason=self._ended)
+            await self._login()
+            client = self._client
+            assert client is not None
         self._ready = asyncio.Event()
         self._task = asyncio.create_task(client.connect(reconnect=True), name="kazma-discord-gateway")
         ready = asyncio.create_task(self._ready.wait(), name="kazma-discord-ready")
@@ -342,6 +360,7 @@ class DiscordAdapter(PlatformBase):
         )
         if ready in done:
             log.info("discord.ready", user_id=client.user.id if client.user else None, guilds=len(client.guilds))
+            self._ended = None
             self._task.add_done_callback(self._gateway_ended)
             self.spawn(self._hand_over_kept(), name="kazma-discord-kept")
             return
@@ -364,12 +383,9 @@ class DiscordAdapter(PlatformBase):
         error = task.exception()
         self._task = None
         self._ingress = False
+        self._ended = describe(error) if error is not None else "the gateway loop returned"
         count_failure("ingress_lost", PLATFORM)
-        log.error(
-            "discord.gateway_ended",
-            error=describe(error) if error is not None else "the gateway loop returned",
-            code=getattr(error, "code", None),
-        )
+        log.error("discord.gateway_ended", error=self._ended, code=getattr(error, "code", None))
 
     async def _close_ingress(self) -> None:
         """Cancel the gateway loop (so it does not reconnect) and close its websocket; REST stays logged in."""
@@ -642,6 +658,12 @@ class DiscordAdapter(PlatformBase):
         client = self._client
         if client is None or client.user is None:
             raise self.refuse(site, "not connected", retryable=True)
+        if client.is_closed():
+            # Not "RuntimeError: Session is closed", unretryable: every card posted meanwhile was given up for good.
+            # Kept for later: the ingress check opens the gateway again with a new client, which sends again.
+            why = f"Discord closed the gateway for good ({self._ended or 'no reason given'}), and discord.py closed "
+            raise self.refuse(site, why + "its client with it: nothing is sent until the gateway is open again",
+                              retryable=True)  # fmt: skip
         return client
 
     def _snowflake(self, site: str, value: str) -> int:

@@ -128,6 +128,9 @@ class _Tries:
 
 # Reason prompts (and events found to be none) remembered at once, the oldest forgotten first: read again if need be.
 PROMPTS_KEPT: Final = 1000
+# Events the homeserver said someone else sent, remembered so a reaction (or a reply) to an ordinary message costs
+# no read of it after the first: the oldest forgotten first.
+OTHERS_KEPT: Final = 10_000
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,7 @@ class MatrixAdapter(PlatformBase):
         self._direct_known = False  # whether m.direct was read (see _load_direct)
         self._choices: dict[str, dict[str, str]] = {}  # the bot's own events with choices: key -> data
         self._prompts: dict[str, _Prompt | None] = {}  # events read as reason prompts (None: no prompt), a cache
+        self._others: dict[str, None] = {}  # events not the bot's own (an ordered set, see OTHERS_KEPT)
         self.reason_clock: Callable[[], float] = time.time  # a prompt's end is wall-clock time: any process reads it
         self._taking: dict[str, _Taking] = {}  # presses handed over, by key: the sync waits for their decision
         self._told_encrypted: set[str] = set()
@@ -587,6 +591,8 @@ class MatrixAdapter(PlatformBase):
         """The content of ``event_id`` when the bot itself sent it, else None (an event the homeserver says is not
         there, or not to be seen by the bot, is nobody's). A failure that may pass raises, up to
         :attr:`card_read_tries` times for one event (see :meth:`_choices_of`); then None, counted."""
+        if event_id in self._others:
+            return None  # who sent an event never changes
         client = self._api(site)
         try:
             event = await self.call(
@@ -605,6 +611,9 @@ class MatrixAdapter(PlatformBase):
             return None
         self._card_read_failures.forget(event_id)
         if event.get("sender") != self.user_id:
+            while len(self._others) >= OTHERS_KEPT:
+                del self._others[next(iter(self._others))]
+            self._others[event_id] = None
             return None
         content = event.get("content")
         return content if isinstance(content, dict) else {}

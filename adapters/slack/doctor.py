@@ -9,6 +9,7 @@ from typing import Final
 import httpx
 
 from kazma.adapters.platform_cli import Check, Level, json_body, token_problems
+from kazma.adapters.slack.errors import RETRYABLE_CODES
 from kazma.adapters.slack.setup import BOT_SCOPES, OPTIONAL_SCOPES
 from kazma.config.models import SlackConfig
 from kazma.config.registry.slack import SPEC
@@ -18,6 +19,17 @@ SCOPES_HEADER: Final = "x-oauth-scopes"
 _REFUSALS: Final = frozenset(
     {"invalid_auth", "not_authed", "account_inactive", "token_revoked", "token_expired", "not_allowed_token_type"}
 )
+
+
+def _slack_side(method: str, response: httpx.Response, error: str) -> str | None:
+    """What to say when Slack itself failed to answer ``method`` (a 5xx, ``internal_error``, a rate limit): not a
+    fault of the configuration, so no hint about a token or a setting (that sent people to fix what was right)."""
+    if response.status_code < 500 and response.status_code != 429 and error not in RETRYABLE_CODES:
+        return None
+    return (
+        f"{method} failed ({error}): Slack could not answer just now, which says nothing about the configuration; "
+        "run `kazma doctor` again in a minute"
+    )
 
 
 async def check(config: SlackConfig, client: httpx.AsyncClient) -> list[Check]:
@@ -31,6 +43,8 @@ async def check(config: SlackConfig, client: httpx.AsyncClient) -> list[Check]:
     body = json_body(response)
     if not body.get("ok"):
         error = str(body.get("error") or f"HTTP {response.status_code}")
+        if (outage := _slack_side("auth.test", response, error)) is not None:
+            return [Check(name, Level.FAIL, outage)]
         if error in _REFUSALS:
             fix = (
                 "reinstall the app to the workspace and copy the Bot User OAuth Token (xoxb-) from OAuth & Permissions"
@@ -90,6 +104,8 @@ async def _app_token(config: SlackConfig, client: httpx.AsyncClient) -> Check:
     if body.get("ok"):
         return Check(name, Level.OK, "app token accepted: Socket Mode can connect")
     error = str(body.get("error") or f"HTTP {response.status_code}")
+    if (outage := _slack_side("apps.connections.open", response, error)) is not None:
+        return Check(name, Level.FAIL, outage)
     if error in _REFUSALS:
         return Check(
             name,
@@ -117,6 +133,8 @@ async def home_check(config: SlackConfig, client: httpx.AsyncClient) -> Check | 
     body = json_body(response)
     if not body.get("ok"):
         error = str(body.get("error") or f"HTTP {response.status_code}")
+        if (outage := _slack_side("conversations.info", response, error)) is not None:
+            return Check(name, Level.FAIL, f"home_channel {channel}: not checked: {outage}")
         if error == "missing_scope":
             return Check(
                 name,
