@@ -22,7 +22,8 @@ from tests.approvals_support import approval_service
 
 def _state() -> str:
     """What besides configure_logging decides a kazma logger's levels: said when an assertion fails (CI once saw
-    the gate shut at INFO after configure_logging("info") in a worker that had run other tests first)."""
+    the gate shut at INFO after configure_logging("info") in a worker that had run other tests first: Bolt, its
+    app then named "kazma", had pinned the "kazma" logger at the root's WARNING; see BOLT_APP_NAME)."""
     kazma = logging.getLogger("kazma")
     approvals = logging.getLogger("kazma.approvals")
     return (
