@@ -916,3 +916,4 @@ async def test_a_download_sent_to_the_sign_in_page_names_the_missing_scope(
         await attachment.fetch()
     assert (info.value.retryable, info.value.site) == (False, "file_fetch")
     assert "files:read" in str(info.value)
+    assert f"({fake.url}/signin)" in str(info.value)

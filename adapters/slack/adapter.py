@@ -467,7 +467,9 @@ class SlackAdapter(PlatformBase):
                 headers = {"Authorization": f"Bearer {self.config.bot_token}"}
                 async with session.get(url, headers=headers, allow_redirects=False) as response:
                     if response.status != 200:
-                        raise download_refused(response.status, response.headers.get("Retry-After"))
+                        raise download_refused(
+                            response.status, response.headers.get("Retry-After"), response.headers.get("Location")
+                        )
                     return await response.read()
 
             return await self.call("file_fetch", None, download, paced=False)

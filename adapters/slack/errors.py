@@ -46,7 +46,7 @@ def retry_after(exc: SlackApiError) -> float:
         return 1.0
 
 
-def download_refused(status: int, retry_after_header: str | None) -> PlatformError:
+def download_refused(status: int, retry_after_header: str | None, location: str | None = None) -> PlatformError:
     """A file download (``url_private``) Slack did not answer with the file: these are plain HTTP, not the Web
     API, so Slack's busy and rate-limit answers come as bare statuses."""
     site = "file_fetch"
@@ -62,12 +62,14 @@ def download_refused(status: int, retry_after_header: str | None) -> PlatformErr
         return PlatformError(PLATFORM, site, f"HTTP {status}", retryable=True)
     if 300 <= status < 400:
         # Slack sends a token without files:read to its sign-in page instead of refusing it; sending the file
-        # again cannot help, the app's scopes must change.
+        # again cannot help, the app's scopes must change. Where it was sent is said too, should it be elsewhere.
+        where = f" ({location[:200]})" if location else ""
         return PlatformError(
             PLATFORM,
             site,
-            f"HTTP {status}: Slack sent the download to its sign-in page, so the app lacks the files:read scope; add "
-            "it under OAuth & Permissions → Bot Token Scopes and reinstall the app",
+            f"HTTP {status}: Slack sent the download elsewhere{where}, as it sends an app without the files:read "
+            "scope to its sign-in page; add files:read under OAuth & Permissions → Bot Token Scopes and reinstall "
+            "the app",
             retryable=False,
         )
     return PlatformError(PLATFORM, site, f"HTTP {status}", retryable=False)
