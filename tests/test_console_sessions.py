@@ -137,13 +137,13 @@ async def test_an_https_console_names_its_session_cookie_with_the_host_prefix(tm
     extra = "web: {public_url: 'https://kazma.example.org'}"
     async with console(tmp_path, extra=extra) as con, aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as c:
         form = await c.get(f"{con.base}/login")
-        login_csrf = form.cookies["kazma_login_csrf"].value
+        login_csrf = form.cookies["__Host-kazma_login_csrf"].value
         page = await form.text()
         field = page.split('name="csrf" value="', 1)[1].split('"', 1)[0]
         opened = await c.post(
             f"{con.base}/login",
             data={"csrf": field, "name": "rita", "token": OPERATOR},
-            headers={"Cookie": f"kazma_login_csrf={login_csrf}"},
+            headers={"Cookie": f"__Host-kazma_login_csrf={login_csrf}"},
             allow_redirects=False,
         )
         assert opened.status == 303, await opened.text()

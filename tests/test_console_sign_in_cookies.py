@@ -13,12 +13,13 @@ from pathlib import Path
 import aiohttp
 from yarl import URL
 
+from kazma.bot.console.auth import LOGIN_CSRF_COOKIE
 from kazma.bot.console.platform_signin import STATE_COOKIE
 from kazma.bot.console.signin import CEREMONY_COOKIE
 from tests.fakes.slack import FakeSlack
 from tests.passkey_support import SoftAuthenticator
 from tests.test_platform_signin import SLACK_ALICE
-from tests.test_web_server import console
+from tests.test_web_server import OPERATOR, _field, console
 
 PUBLIC = "https://kazma.example.org"
 PEOPLE = f"people:\n  alice: {{web: alice}}\n  mallory: {{web: mallory, slack: {SLACK_ALICE}}}\n"
@@ -126,3 +127,28 @@ async def test_a_platform_sign_in_planted_by_a_sibling_host_signs_nobody_in(tmp_
             assert "mallory (slack:U0ALICE01, signed in with Slack)" in await own.text()
     finally:
         await slack.stop()
+
+
+async def test_the_token_login_forms_pair_is_found_only_by_its_host_prefixed_cookie(tmp_path: Path) -> None:
+    """The shared-token login's double-submit cookie, as the others: a sibling host that sets the plain name for
+    the whole domain (and writes the same value in its own form) cannot make a login's pair match."""
+    async with (
+        console(tmp_path, extra=f"web: {{public_url: '{PUBLIC}'}}") as con,
+        aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as browser,
+    ):
+        for name, status in ((LOGIN_CSRF_COOKIE, 403), (f"__Host-{LOGIN_CSRF_COOKIE}", 303)):
+            form = await browser.get(f"{con.base}/login")
+            [line] = _set_cookies(form).values()
+            assert _is_host_prefixed(line), line
+            field = _field(await form.text(), "csrf")
+            assert _value(line) == field
+            answer = await browser.post(
+                f"{con.base}/login",
+                data={"csrf": field, "name": "rita", "token": OPERATOR},
+                headers={"Cookie": f"{name}={field}"},
+                allow_redirects=False,
+            )
+            assert answer.status == status, (name, await answer.text())
+        dropped = _set_cookies(answer)[f"__Host-{LOGIN_CSRF_COOKIE}"]
+        assert "Max-Age=0" in dropped
+        assert "Secure" in dropped  # else a browser keeps a __Host- cookie

@@ -22,6 +22,7 @@ from kazma.adapters.discord.render import ARGUMENT_MARK, ZWSP, render_card
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
+from kazma.config.metrics import failure_count
 from kazma.config.models import DiscordConfig
 from tests.fakes.discord import (
     ALICE_ID,
@@ -803,3 +804,35 @@ async def test_a_name_discord_refuses_for_a_webhook_falls_back_to_the_prefix(run
     (refused,) = fake.calls_to("POST", r"/webhooks/\d+/[^/]+")
     assert refused.status == 400
     assert fake.messages[int(message_id)]["content"] == "[discord-helper] hi"
+
+
+@pytest.mark.parametrize("code", [4004, 4013])
+async def test_a_follower_whose_gateway_discord_closed_for_good_still_posts_cards(running: Running, code: int) -> None:
+    """The leader's gateway was closed with a code after which discord.py closes its whole client, then the replica
+    lost the lease: it closed its ingress and no ingress check opens the gateway there any more. Its own REST posts
+    (the cards of the requests it opened) were refused on that replica for good, although REST needs no gateway."""
+    fake, adapter = running.fake, running.adapter
+    await adapter.send_text(str(HOME_CHANNEL_ID), "before", agent="builder")  # its channel's webhook, kept
+    lost = failure_count("ingress_lost", "discord")
+    assert await fake.drop_gateway(code=code) == 1
+    async with asyncio.timeout(10):
+        while failure_count("ingress_lost", "discord") == lost:
+            await asyncio.sleep(0.02)
+    await adapter.stop_ingress()  # what a replica that lost the lease does (Lifecycle.follow)
+    card = make_card({"command": "deploy"})
+    refused: list[PlatformError] = []  # what was refused before a new client served
+    async with asyncio.timeout(10):  # the card outbox tries again: a refusal may come first, each retryable
+        while True:
+            try:
+                ref = await adapter.post_card(card)
+                break
+            except PlatformError as exc:
+                if not exc.retryable:
+                    raise  # the outbox would give the card up
+                refused.append(exc)
+                await asyncio.sleep(0.05)
+    assert fake.messages[int(ref.message_id)]["embeds"]
+    after = await adapter.send_text(str(HOME_CHANNEL_ID), "after", agent="builder")
+    assert fake.messages[int(after)]["content"] == "after"  # through the webhook, under the agent's name
+    assert not adapter.ingress_running  # the gateway stays the leader's: only REST logged in again
+    assert len([i for i in fake.identifies if "rejected" not in i]) == 1

@@ -16,7 +16,7 @@ import pytest
 import structlog
 
 from kazma.adapters.card_layout import cut_marker, outcome_line
-from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
+from kazma.adapters.contract import Attachment, CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.slack import SlackAdapter
 from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION, REMEMBER_ACTION
@@ -25,7 +25,7 @@ from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
 from kazma.config.metrics import failure_count
 from kazma.config.models import SlackConfig, SlackHttpConfig
-from tests.fakes.slack import FakeSlack, StoredMessage
+from tests.fakes.slack import FILE_DOWNLOAD, FakeSlack, StoredMessage
 
 HOME = "CHOME0001"
 OTHER = "CWORK0002"
@@ -872,3 +872,48 @@ async def test_a_long_title_is_cut_before_an_escape_never_inside_one(fake: FakeS
         assert re.fullmatch(r"(&lt;|&amp;)*", body), header[-12:]
         assert len(msg.text) <= 3000
         assert re.search(r"&[a-z]{0,3}…", msg.text) is None
+
+
+async def shared_file(fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder) -> Attachment:
+    """A file a person shares in the home channel, as the adapter hands it over (not yet fetched)."""
+    shared = fake.add_file("build.log", b"line 1\n")
+    event = fake.file_event(channel=HOME, user=PERSON, text="the log", files=[shared])
+    assert (await fake.post_event(events_url(adapter), event)).status == 200
+    await recorder.signal.wait_until(lambda: bool(recorder.inbound))
+    [attachment] = recorder.inbound[0].attachments
+    return attachment
+
+
+async def test_a_file_download_slack_could_not_serve_is_retryable(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    attachment = await shared_file(fake, adapter, recorder)
+    fake.fail(FILE_DOWNLOAD, "500")
+    with pytest.raises(PlatformError) as info:
+        await attachment.fetch()
+    assert (info.value.retryable, info.value.site) == (True, "file_fetch")
+    assert "503" in str(info.value)
+    assert await attachment.fetch() == b"line 1\n"  # Slack is back: the same file comes
+
+
+async def test_a_rate_limited_file_download_is_waited_out(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    attachment = await shared_file(fake, adapter, recorder)
+    fake.fail(FILE_DOWNLOAD, "429", retry_after=0)
+    assert await attachment.fetch() == b"line 1\n"
+    assert len(fake.downloads) == 2
+
+
+async def test_a_download_sent_to_the_sign_in_page_names_the_missing_scope(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    """Slack answers a download by an app without files:read with a redirect to its sign-in page, not an error:
+    the operator is told which scope to add, and sending the file again would not help."""
+    attachment = await shared_file(fake, adapter, recorder)
+    fake.scopes = tuple(s for s in fake.scopes if s != "files:read")
+    with pytest.raises(PlatformError) as info:
+        await attachment.fetch()
+    assert (info.value.retryable, info.value.site) == (False, "file_fetch")
+    assert "files:read" in str(info.value)
+    assert f"({fake.url}/signin)" in str(info.value)

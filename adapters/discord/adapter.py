@@ -206,6 +206,10 @@ class DiscordAdapter(PlatformBase):
         self._client: _Client | None = None
         # Why the gateway ended for good (Discord's close code, as discord.py told it); None while it serves
         self._ended: str | None = None
+        # A client discord.py closed is replaced by one login at a time: the ingress check and a refused call
+        # (a follower's, which never opens the gateway) may both ask for it.
+        self._renewing = asyncio.Lock()
+        self._renewal: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self._hooks = AgentWebhooks(self._rest)
@@ -313,9 +317,9 @@ class DiscordAdapter(PlatformBase):
             raise PlatformError(PLATFORM, "start", "no bot token configured", retryable=False)
         self._ready = asyncio.Event()
         self._point_library_at_config()
-        await self._login()
+        self._client = await self._login()
 
-    async def _login(self) -> None:
+    async def _login(self) -> _Client:
         """A new discord.py client, logged in over REST; it replaces the adapter's only once logged in (a renewal
         that fails leaves the closed one, whose calls say why nothing is sent)."""
         client = _Client(self, guild_ready_timeout=self._guild_ready_timeout, http_trace=self._http_trace())
@@ -329,9 +333,38 @@ class DiscordAdapter(PlatformBase):
                 message = f"no login within {self._start_timeout:g} s"
                 raise PlatformError(PLATFORM, "start", message, retryable=True) from exc
             raise
-        self._client = client
         user = client.user
         log.info("discord.logged_in", user_id=user.id if user else None)
+        return client
+
+    async def _renew(self) -> None:
+        """A new client in place of one discord.py closed with the gateway (after a close it does not reconnect
+        after: 4004, 4010-4013), which can never connect nor post again. REST needs no gateway: a replica that
+        no longer leads, and so never opens the gateway again, posts with the new one."""
+        async with self._renewing:
+            closed = self._client
+            if closed is None or not closed.is_closed():
+                return  # renewed meanwhile, or stopped
+            log.warning("discord.client_renewed", reason=self._ended)
+            client = await self._login()
+            if self._stopping or self._client is not closed:  # stopped while it logged in: nobody would close it
+                with contextlib.suppress(Exception):
+                    await client.close()
+                return
+            self._client = client
+            # The channels' webhooks were fetched with the closed client and post through its closed session
+            self._hooks.clear()
+
+    def _renew_soon(self) -> None:
+        if self._renewal is None or self._renewal.done():
+            self._renewal = self.spawn(self._renew_or_say(), name="kazma-discord-renew")
+
+    async def _renew_or_say(self) -> None:
+        try:
+            await self._renew()
+        except Exception as exc:  # the next refused call asks again, and a leader's ingress check too
+            count_failure("client_renew", PLATFORM)
+            log.warning("discord.client_renew_failed", error=describe(exc))
 
     def _guilds_arrived(self, client: _Client) -> None:
         """READY named the bot's guilds (unavailable until each one's GUILD_CREATE): once every one has arrived,
@@ -348,10 +381,10 @@ class DiscordAdapter(PlatformBase):
         if client.is_closed():
             # discord.py closes its whole client (its REST session too) after a close it does not reconnect after
             # (4004, 4010-4013): that client can never connect again, so a new one logs in first.
-            log.warning("discord.client_renewed", reason=self._ended)
-            await self._login()
+            await self._renew()
             client = self._client
-            assert client is not None
+            if client is None or client.is_closed():
+                raise self.refuse("ingress_start", "the adapter stopped while it logged in again", retryable=True)
         self._ready = asyncio.Event()
         self._task = asyncio.create_task(client.connect(reconnect=True), name="kazma-discord-gateway")
         ready = asyncio.create_task(self._ready.wait(), name="kazma-discord-ready")
@@ -386,6 +419,8 @@ class DiscordAdapter(PlatformBase):
         self._ended = describe(error) if error is not None else "the gateway loop returned"
         count_failure("ingress_lost", PLATFORM)
         log.error("discord.gateway_ended", error=self._ended, code=getattr(error, "code", None))
+        if self._client is not None and self._client.is_closed():
+            self._renew_soon()  # posting goes on before (or without: a follower) the gateway is opened again
 
     async def _close_ingress(self) -> None:
         """Cancel the gateway loop (so it does not reconnect) and close its websocket; REST stays logged in."""
@@ -660,9 +695,10 @@ class DiscordAdapter(PlatformBase):
             raise self.refuse(site, "not connected", retryable=True)
         if client.is_closed():
             # Not "RuntimeError: Session is closed", unretryable: every card posted meanwhile was given up for good.
-            # Kept for later: the ingress check opens the gateway again with a new client, which sends again.
+            # Kept for later: a new client logs in (REST needs no gateway, so a follower's too), which sends again.
+            self._renew_soon()
             why = f"Discord closed the gateway for good ({self._ended or 'no reason given'}), and discord.py closed "
-            raise self.refuse(site, why + "its client with it: nothing is sent until the gateway is open again",
+            raise self.refuse(site, why + "its client with it: a new one is logging in, to send this when tried again",
                               retryable=True)  # fmt: skip
         return client
 

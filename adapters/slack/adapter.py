@@ -54,7 +54,7 @@ from kazma.adapters.deny_reason import (
 from kazma.adapters.ingress import Arrival, Stopped
 from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
-from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, error_code
+from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, download_refused, error_code
 from kazma.adapters.slack.inbound import (
     MESSAGE_SUBTYPES,
     Seen,
@@ -467,7 +467,9 @@ class SlackAdapter(PlatformBase):
                 headers = {"Authorization": f"Bearer {self.config.bot_token}"}
                 async with session.get(url, headers=headers, allow_redirects=False) as response:
                     if response.status != 200:
-                        raise PlatformError(PLATFORM, "file_fetch", f"HTTP {response.status}", retryable=False)
+                        raise download_refused(
+                            response.status, response.headers.get("Retry-After"), response.headers.get("Location")
+                        )
                     return await response.read()
 
             return await self.call("file_fetch", None, download, paced=False)

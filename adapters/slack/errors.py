@@ -46,6 +46,35 @@ def retry_after(exc: SlackApiError) -> float:
         return 1.0
 
 
+def download_refused(status: int, retry_after_header: str | None, location: str | None = None) -> PlatformError:
+    """A file download (``url_private``) Slack did not answer with the file: these are plain HTTP, not the Web
+    API, so Slack's busy and rate-limit answers come as bare statuses."""
+    site = "file_fetch"
+    if status == 429:
+        try:
+            wait = max(float(retry_after_header), 0.0) if retry_after_header is not None else 1.0
+        except ValueError:
+            wait = 1.0
+        return PlatformError(
+            PLATFORM, site, f"rate limited: HTTP 429 (retry after {wait:g} s)", retryable=True, retry_after=wait
+        )
+    if status >= 500:
+        return PlatformError(PLATFORM, site, f"HTTP {status}", retryable=True)
+    if 300 <= status < 400:
+        # Slack sends a token without files:read to its sign-in page instead of refusing it; sending the file
+        # again cannot help, the app's scopes must change. Where it was sent is said too, should it be elsewhere.
+        where = f" ({location[:200]})" if location else ""
+        return PlatformError(
+            PLATFORM,
+            site,
+            f"HTTP {status}: Slack sent the download elsewhere{where}, as it sends an app without the files:read "
+            "scope to its sign-in page; add files:read under OAuth & Permissions → Bot Token Scopes and reinstall "
+            "the app",
+            retryable=False,
+        )
+    return PlatformError(PLATFORM, site, f"HTTP {status}", retryable=False)
+
+
 def error_code(exc: BaseException) -> str:
     return response_field(exc, "error") if isinstance(exc, SlackApiError) else ""
 

@@ -25,10 +25,11 @@ or header ``X-CSRF-Token``), derived from the session token and never stored.
 The login POST has no session yet, so it is protected twice: the session cookie
 is ``SameSite=Strict`` (a cross-site page cannot ride on it anyway), and the
 login form uses a double-submit pair — ``GET /login`` sets a random
-``kazma_login_csrf`` cookie and puts the same value in a hidden field, and the
-POST must present both, equal. A cross-site form can send the field but cannot
-read or set our cookie, so it cannot log a victim into the attacker's session
-(login CSRF).
+``kazma_login_csrf`` cookie (``__Host-kazma_login_csrf`` over https) and puts
+the same value in a hidden field, and the POST must present both, equal. A
+cross-site form can send the field but cannot read or set our cookie (the
+prefix keeps a sibling host from setting one for the whole domain), so it
+cannot log a victim into the attacker's session (login CSRF).
 """
 
 from __future__ import annotations
@@ -423,10 +424,10 @@ class WebAuth:
         )
 
     def cookie(self, name: str) -> str:
-        """The name a short-lived sign-in cookie (a ceremony's, a platform sign-in's) has here: over https with
-        the ``__Host-`` prefix, as the session's, so that a sibling host cannot plant its own in a browser (its
-        ceremony's handle: the way back from Slack with the attacker's code would sign the victim in as the
-        attacker); the plain name opens nothing then."""
+        """The name a short-lived sign-in cookie (a ceremony's, a platform sign-in's, the login form's) has here:
+        over https with the ``__Host-`` prefix, as the session's, so that a sibling host cannot plant its own in a
+        browser (its ceremony's handle: the way back from Slack with the attacker's code would sign the victim in
+        as the attacker); the plain name opens nothing then."""
         return f"__Host-{name}" if self.secure else name
 
     def set_sign_in_cookie(
@@ -634,9 +635,7 @@ class WebAuth:
         value = secrets.token_urlsafe(24)
         back = safe_next(request.query.get("next"), "/")
         response = html_response(login_page(value, choices=self.choices, next_path=back))
-        response.set_cookie(
-            LOGIN_CSRF_COOKIE, value, httponly=True, samesite="Strict", path="/login", secure=self.secure, max_age=3600
-        )
+        self.set_sign_in_cookie(response, LOGIN_CSRF_COOKIE, value, samesite="Strict", max_age=3600)
         return response
 
     async def login(self, request: web.Request) -> web.Response:
@@ -645,7 +644,7 @@ class WebAuth:
         client = self.clients.of(request)
         data = await request.post()
         field = data.get("csrf")
-        cookie = request.cookies.get(LOGIN_CSRF_COOKIE, "")
+        cookie = request.cookies.get(self.cookie(LOGIN_CSRF_COOKIE), "")
         if not isinstance(field, str) or not field or not cookie or not _same(field, cookie):
             raise web.HTTPForbidden(
                 text=message_page("Refused", CSRF_REFUSED, link=("/login", "Log in")), content_type="text/html"
@@ -704,7 +703,7 @@ class WebAuth:
         log.info("web.login", login=name, token=role.value, proof=session.proof.value)
         response = web.HTTPSeeOther(back)
         self.set_cookie(response, session)
-        response.del_cookie(LOGIN_CSRF_COOKIE, path="/login")
+        self.drop_sign_in_cookie(response, LOGIN_CSRF_COOKIE)
         raise response
 
     async def logout(self, request: web.Request) -> web.Response:

@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 from urllib.parse import urlencode
 
 import aiohttp
@@ -78,6 +78,8 @@ METHOD_SCOPES = {
 }
 
 FaultKind = Literal["500", "429", "hang", "error", "lost"]
+# fail(FILE_DOWNLOAD, "500" | "429"): the next download of a url_private answers 503, or 429 with Retry-After.
+FILE_DOWNLOAD: Final = "files-pri"
 
 
 @dataclass(frozen=True)
@@ -672,6 +674,11 @@ class FakeSlack:
         header = request.headers.get("Authorization", "")
         token = header[len("Bearer ") :] if header.startswith("Bearer ") else None
         self.downloads.append((file_id, token))
+        fault = self._take_fault(FILE_DOWNLOAD)
+        if fault is not None and fault.kind == "500":
+            return web.Response(status=503, text="Service Unavailable")
+        if fault is not None and fault.kind == "429":
+            return web.Response(status=429, headers={"Retry-After": str(fault.retry_after)})
         entry = self.files.get(file_id)
         if token != self.bot_token or "files:read" not in self.scopes:
             # Slack answers an unauthorised download with its sign-in page, not an error status.
