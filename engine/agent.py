@@ -34,6 +34,7 @@ from kazma.engine.tools.executions import (
     Fence,
     FencedOut,
     Ran,
+    current_fence,
     current_scope,
     note,
     step_scope,
@@ -421,7 +422,7 @@ class AgentRunner:
             changes_state=ran.changes_state,
             scope=scope,
             task_id=task_id or ctx.task_id,
-            fence=ctx.fence,
+            fence=ctx.fence or current_fence(),
         )
 
     async def _unasked(
@@ -585,17 +586,23 @@ class AgentRunner:
         try:
             ran.execution_id = await self._start_record(call, ctx, verdict.request_id, verdict.args_hash, ran)
         except FencedOut:
-            # Its step was taken away after the check above (the leader failed it as interrupted, it runs again):
-            # the row was not written and the call never starts.
-            why = (
-                "its plan step is no longer this turn's to run (taken away, or waiting for a person), so it did not run"
-            )
-            log.warning("agent.step_fenced_out", agent=ctx.agent.name, tool=call.name,
-                        plan=None if ctx.step is None else ctx.step.plan_id,
-                        step=None if ctx.step is None else ctx.step.index)  # fmt: skip
-            await asyncio.shield(
-                self.policy.ran(verdict, ok=False, output="", error="not run: its plan step was taken away")
-            )
+            # What the turn runs for was taken away after the check above (the leader failed its step as
+            # interrupted, or ended its swarm task; a cancel heard elsewhere): the row was not written and the
+            # call never starts.
+            if ctx.fence is None:  # a swarm task's worker: its fence travels with the task's scope
+                why = "its swarm task was ended elsewhere (cancelled, or interrupted by the leader), so it did not run"
+                taken = "not run: its swarm task was ended elsewhere"
+                log.warning("agent.task_fenced_out", agent=ctx.agent.name, tool=call.name, task_id=current_scope()[1])
+            else:
+                why = (
+                    "its plan step is no longer this turn's to run (taken away, or waiting for a person),"
+                    " so it did not run"
+                )
+                taken = "not run: its plan step was taken away"
+                log.warning("agent.step_fenced_out", agent=ctx.agent.name, tool=call.name,
+                            plan=None if ctx.step is None else ctx.step.plan_id,
+                            step=None if ctx.step is None else ctx.step.index)  # fmt: skip
+            await asyncio.shield(self.policy.ran(verdict, ok=False, output="", error=taken))
             result.tool_runs.append(
                 ToolRun(call.name, call.arguments, False, why, refused=True, approval_id=verdict.request_id)
             )
@@ -607,6 +614,12 @@ class AgentRunner:
                 except Exception as exc:  # the call is refused all the same
                     count_failure("step_watch")
                     log.warning("agent.step_unread", agent=ctx.agent.name, tool=call.name, error=str(exc))
+            fence = ctx.fence or current_fence()
+            if fence is not None:
+                try:
+                    await fence.refused()
+                except Exception as exc:  # the call is refused all the same; the watch stops the work later
+                    log.warning("agent.fence_stop_failed", agent=ctx.agent.name, tool=call.name, error=str(exc))
             return f"Not run: {why}. End your turn now."
         except Exception as exc:  # nothing runs that is not on disk first
             count_failure("execution_record")

@@ -5,9 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import aiosqlite
-
-from kazma.config.store.backend import StoreConnection, tables_of
+from kazma.config.store.backend import StoreConnection, is_postgres, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 from kazma.engine.messages import replayed, user
@@ -109,7 +107,7 @@ class HistoryStore:
         self.max_messages = max_messages
         self.clock = clock
         self.tables = tables_of(conn)
-        self.postgres = not isinstance(conn, aiosqlite.Connection)
+        self.postgres = is_postgres(conn)
 
     async def append(
         self,

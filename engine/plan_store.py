@@ -9,13 +9,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-import aiosqlite
-
-from kazma.config.store.backend import StoreConnection, Tx, tables_of
+from kazma.config.store.backend import StoreConnection, Tx, is_postgres, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 from kazma.engine.plan import OnFailure, Plan, PlanOrigin, PlanSpec, Step, StepRecord, StepSpec, StepStatus
-from kazma.engine.tools.executions import ExecutionSummary
+from kazma.engine.tools.executions import ExecutionSummary, row_fence
 from kazma.engine.types import ToolUse, Usage
 
 MIGRATIONS = [
@@ -304,12 +302,12 @@ class StepFence:
     postgres: bool
 
     def source(self) -> tuple[str, tuple[Any, ...]]:
-        replica = "replica IS NULL" if self.replica is None else "replica = ?"
-        sql = f"FROM plan_steps WHERE plan_id = ? AND idx = ? AND attempts = ? AND status = ? AND {replica}" + (
-            " FOR SHARE" if self.postgres else ""
-        )
-        params: tuple[Any, ...] = (self.plan_id, self.index, self.attempt, StepStatus.IN_PROGRESS.value)
-        return sql, params if self.replica is None else (*params, self.replica)
+        where = {"plan_id": self.plan_id, "idx": self.index, "attempts": self.attempt,
+                 "status": StepStatus.IN_PROGRESS.value}  # fmt: skip
+        return row_fence("plan_steps", where, self.replica, self.postgres)
+
+    async def refused(self) -> None:
+        """Nothing more here: the turn's ``before_tool`` reads the step again and stops the turn."""
 
 
 @dataclass(frozen=True)
@@ -365,7 +363,7 @@ class PlanStore:
         self.clock = clock
         self.tables = tables_of(conn)
         self.replica = replica  # recorded on each step this process starts (None: the only process)
-        self.postgres = not isinstance(conn, aiosqlite.Connection)
+        self.postgres = is_postgres(conn)
 
     def fence(self, plan_id: str, index: int, attempt: int) -> StepFence:
         """What a tool of this step's turn (``attempt``, run here) starts under: see :class:`StepFence`."""

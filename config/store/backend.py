@@ -123,6 +123,11 @@ class StoreTables(SqlStatements, Protocol):
     async def writer(self) -> Writer: ...
 
 
+def is_postgres(conn: StoreConnection) -> bool:
+    """``conn`` is the PostgreSQL backend (its SQL may lock rows it reads: ``FOR SHARE``)."""
+    return not isinstance(conn, aiosqlite.Connection)
+
+
 def tables_of(conn: StoreConnection) -> StoreTables:
     """The one shared ``Tables`` of a SQLite connection, or the one ``PgTables`` of a PostgreSQL backend."""
     if isinstance(conn, aiosqlite.Connection):

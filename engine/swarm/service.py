@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterator, Mapping, Sequence
@@ -37,6 +38,7 @@ from kazma.engine.swarm.store import (
     AtCapacity,
     StoreUnavailable,
     SwarmTaskStore,
+    TaskFence,
     TaskRecord,
     TaskRun,
 )
@@ -390,7 +392,8 @@ class SwarmService:
 
     async def _watch_ended(self) -> None:
         """While tasks run here: stop those another process ended (a cancel from a terminal or another replica
-        changes only the row; nothing else tells this process). The row refusing a stage's mark says it sooner."""
+        changes only the row; nothing else tells this process). The row refusing a stage's mark, or a tool's
+        execution row (see :class:`TaskFence`), says it sooner."""
         while self._running:
             await asyncio.sleep(self.ended_poll_seconds)
             try:
@@ -419,6 +422,14 @@ class SwarmService:
         await asyncio.sleep(0)
 
     # -- running ---------------------------------------------------------------------------------
+
+    def _fence(self, run: TaskRun) -> TaskFence:
+        """What the task's tools start under: its row still says its run now (see :class:`TaskFence`). A tool
+        refused under it stops the task here at once, as the watch would on its next read, and says so."""
+        task_id = run.task_id
+        return self.store.fence(
+            lambda: self._current.get(task_id, run), functools.partial(self._stop_if_ended, task_id)
+        )
 
     def _task_calls(self, run: TaskRun) -> TaskCalls:
         task_id = run.task_id
@@ -456,6 +467,9 @@ class SwarmService:
         task = self._task_calls(run)
         deadline = float(request.deadline_seconds or self.config.swarm.task_deadline_seconds)
         effects = self._effects.setdefault(run.task_id, Effects(task_id=run.task_id))
+        # Its tools start only while the row still says this run, here: a task ended elsewhere (the leader judged
+        # this replica gone, a cancel heard by another process) starts none, whenever this process learns of it.
+        effects.fence = self._fence(run)
         try:
             limit = asyncio.timeout(deadline)
             self._deadlines[run.task_id] = limit
@@ -912,12 +926,15 @@ class SwarmService:
         for item in interrupted:
             execution = await self._interrupted_execution(item.task_id)
             # Judged gone is not known stopped: a replica cut off from the database or paused may still run the
-            # task, and stops it itself once it reads the row (its own line then says what its tools did).
+            # task, and stops it itself once it reads the row (its own line then says what its tools did). Its
+            # tools are read after the write: one whose row was going in (holding the task's row) is committed
+            # first and read; none starts after it (TaskFence).
             line = (
                 f"swarm task {item.task_id} was interrupted in {item.step}: the Kazma replica running it was judged "
                 f"gone (stopped, or cut off from the database); if it still runs, it stops the task once it reads "
-                f"this (every {self.ended_poll_seconds:g} s while it reaches the database) and says what its tools "
-                f"did. Its outcome is unknown (tools so far: {execution.line()}). Nothing re-ran."
+                f"this (every {self.ended_poll_seconds:g} s while it reaches the database; no tool of the task starts "
+                f"there from now on) and says what its tools did. Its outcome is unknown (tools so far: "
+                f"{execution.line()}). Nothing re-ran."
             )
             lines.append(line)
             self._report(line)

@@ -29,13 +29,14 @@ import structlog
 
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import count_failure
-from kazma.config.store.backend import SqlStatements, StoreConnection, Tx, tables_of
+from kazma.config.store.backend import SqlStatements, StoreConnection, Tx, is_postgres, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 from kazma.engine.swarm.call_records import TASK_WORKER, CallRecords
 from kazma.engine.swarm.metrics import swarm_failure
 from kazma.engine.swarm.owners import held_by_a_terminal
 from kazma.engine.swarm.types import ErrorKind, TaskStatus, WorkerResult
+from kazma.engine.tools.executions import row_fence
 
 log = structlog.get_logger("kazma.swarm")
 
@@ -305,6 +306,33 @@ class TaskRun:
 
 
 @dataclass(frozen=True)
+class TaskFence:
+    """A tool of a swarm task starts only while the task is still the run that starts it: its row, that
+    generation and run, RUNNING, on this replica (an :class:`~kazma.engine.tools.executions.Fence`).
+
+    Among replicas the leader ends the running tasks of a replica it judged gone as interrupted, and a cancel
+    heard elsewhere ends one; the process running it may still run, and learns of it only by reading the row
+    (every :data:`~kazma.engine.swarm.service.ENDED_POLL_SECONDS`). The tool's execution row is written over
+    the task's row in one statement (see :func:`~kazma.engine.tools.executions.row_fence`): the ending waits
+    for a row going in and then names the tool, or comes first and the tool never starts."""
+
+    current: Callable[[], TaskRun]  # the run now (a checkpoint's resume moves the task to a new one)
+    replica: str | None
+    postgres: bool
+    stop: Callable[[], Awaitable[None]] | None = None  # stops the task here once it reads it ended elsewhere
+
+    def source(self) -> tuple[str, tuple[Any, ...]]:
+        run = self.current()
+        where = {"id": run.task_id, "generation": run.generation, "run_id": run.run_id,
+                 "status": TaskStatus.RUNNING.value}  # fmt: skip
+        return row_fence("swarm_tasks", where, self.replica, self.postgres)
+
+    async def refused(self) -> None:
+        if self.stop is not None:
+            await self.stop()
+
+
+@dataclass(frozen=True)
 class TaskRecord:
     id: str
     pattern: str  # the registered pattern's name
@@ -458,6 +486,12 @@ class SwarmTaskStore(CallRecords):
         self.sleep = sleep
         self.capacity_retry_in = capacity_retry_in
         self.tables = tables_of(conn)
+        self.postgres = is_postgres(conn)
+
+    def fence(self, current: Callable[[], TaskRun], stop: Callable[[], Awaitable[None]] | None = None) -> TaskFence:
+        """What a tool of the task whose run is ``current()`` (run here) starts under: see :class:`TaskFence`.
+        ``stop`` is awaited once a tool was refused under it."""
+        return TaskFence(current, self.replica, self.postgres, stop)
 
     # -- plumbing ---------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -191,6 +191,10 @@ class Effects:
     scope: str = ""  # what its rows are filed under: "swarm:<task>:<call>", "plan:<plan>:<step>:<attempt>"
     task_id: str | None = None  # the swarm task it belongs to, if any
     runs: list[Ran] = field(default_factory=list)
+    # What each tool started inside writes its row under (a swarm task's: the task is still this run's, here).
+    # It travels beside the calls, as the scope does: the layers between a task and its workers' turns stay as
+    # they are.
+    fence: Fence | None = None
 
     def summary(self) -> ExecutionSummary:
         return ExecutionSummary.of(self.runs)
@@ -231,6 +235,11 @@ def current_scope() -> tuple[str, str | None]:
     scope = next((e.scope for e in reversed(scopes) if e.scope), "")
     task_id = next((e.task_id for e in reversed(scopes) if e.task_id), None)
     return scope, task_id
+
+
+def current_fence() -> Fence | None:
+    """What a tool started now writes its row under: the innermost running scope's fence, if any."""
+    return next((e.fence for e in reversed(_SCOPES.get()) if e.fence is not None), None)
 
 
 def note(ran: Ran) -> None:
@@ -285,13 +294,32 @@ def _row(row: Any) -> Execution:
 
 
 class Fence(Protocol):
-    """What an execution's row is written only while it holds (a plan step's turn: the step is still that turn's).
+    """What an execution's row is written only while it holds (a plan step's turn: the step is still that turn's;
+    a swarm task's: the task is still that run's, here).
 
     The row goes in by ``INSERT … SELECT`` over what :meth:`source` gives (``FROM … WHERE …``, on PostgreSQL
     locking the row it reads): the check and the row are one statement, so whoever takes that away either waits
     for the row (and then sees it) or the row is not written and the call never starts."""
 
     def source(self) -> tuple[str, tuple[Any, ...]]: ...
+
+    async def refused(self) -> None:
+        """Told once a row was not written under it, before the call's refusal is answered: what stops the work
+        it fences out (the rest of it would only be refused one tool at a time)."""
+
+
+def row_fence(table: str, where: Mapping[str, Any], replica: str | None, postgres: bool) -> tuple[str, tuple[Any, ...]]:
+    """A :meth:`Fence.source` over the one row of ``table`` whose columns are ``where`` and that ``replica`` runs
+    (``replica IS NULL``: the only process), held ``FOR SHARE`` on PostgreSQL until the execution's row commits.
+
+    Whoever takes that row away (the leader's write ending a gone replica's work, a cancel) waits on PostgreSQL
+    for a row going in and then sees it, or comes first and no row is written. On SQLite the one statement is
+    atomic among every connection to the file."""
+    conditions = [f"{column} = ?" for column in where]
+    conditions.append("replica IS NULL" if replica is None else "replica = ?")
+    sql = f"FROM {table} WHERE {' AND '.join(conditions)}" + (" FOR SHARE" if postgres else "")
+    params = tuple(where.values())
+    return sql, params if replica is None else (*params, replica)
 
 
 class FencedOut(Exception):
