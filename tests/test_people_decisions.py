@@ -258,15 +258,22 @@ def test_kazma_approvals_show_reads_a_decision_made_before_people(tmp_path: Path
     config = tmp_path / "kazma.yaml"
     config.write_text(f"store: {{path: '{engine.where}'}}\n" + APPROVERS_YAML)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KAZMA_")}
-    shown = subprocess.run(
-        [sys.executable, "-m", "kazma.bot.cli", "-c", str(config), "approvals", "show", "OldApproved00000000000a1"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**clean, "PYTHONPATH": str(REPO), "KAZMA_DECISION_KEY": f"{TEST_KEY[0]}:{TEST_KEY[1]}"},
-        timeout=120,
-        check=False,
-    )
+
+    def kazma(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kazma.bot.cli", "-c", str(config), *args],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**clean, "PYTHONPATH": str(REPO), "KAZMA_DECISION_KEY": f"{TEST_KEY[0]}:{TEST_KEY[1]}"},
+            timeout=120,
+            check=False,
+        )
+
+    # A command that only reads refuses a store this old (it would have to upgrade it); the upgrade is its own step.
+    migrated = kazma("store", "migrate")
+    assert migrated.returncode == 0, migrated.stderr
+    shown = kazma("approvals", "show", "OldApproved00000000000a1")
     assert shown.returncode == 0, shown.stderr
     assert "outcome    approved by telegram:111 via telegram at" in shown.stdout
     assert "seal       verified (key k1)" in shown.stdout
