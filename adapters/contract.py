@@ -309,6 +309,22 @@ class SingletonIngress(Protocol):
         ...
 
 
+@runtime_checkable
+class EndsIngress(Protocol):
+    """A platform whose inbound connection the platform itself may close for good (Discord's gateway after a
+    close discord.py does not reconnect after), and that can say why."""
+
+    @property
+    def ingress_ended(self) -> str | None:
+        """Why the platform closed the inbound connection, until it is open again; None while it serves."""
+        ...
+
+
+def ingress_ended(adapter: object) -> str | None:
+    """Why ``adapter``'s platform closed its inbound connection (see :class:`EndsIngress`), or None."""
+    return adapter.ingress_ended if isinstance(adapter, EndsIngress) else None
+
+
 def singleton_ingress(adapter: object) -> SingletonIngress | None:
     """``adapter`` when it has an ingress only the leader may run (start it with ``ingress=``), else None."""
     if isinstance(adapter, SingletonIngress) and adapter.has_singleton_ingress:
