@@ -334,6 +334,37 @@ async def test_reactions_on_a_message_that_is_no_card_read_it_once(harness: Matr
     assert harness.recorder.presses == []
 
 
+async def test_the_bots_own_cards_are_remembered_bounded_and_a_forgotten_card_still_presses(
+    harness: MatrixHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every card and question the bot posted (and every message of its someone reacted to) stayed in memory until
+    a restart. Bounded now, least recently used first, a settled card before the others: a press on a card that
+    was forgotten reads it back from the homeserver (its content carries its choices) and presses the same."""
+    monkeypatch.setattr(matrix_adapter, "CHOICES_KEPT", 2, raising=False)  # before the bound: fails on the reads
+    adapter = await harness.start()
+    assert isinstance(adapter, MatrixAdapter)
+    # three requests, three cards (one request's card is posted once per room: the same event again)
+    cards = [dataclasses.replace(make_card({"path": f"/tmp/{n}"}), request_id=f"Rq7xK2mP9vL4nB8cT1wZ5aY{n}")
+             for n in range(3)]  # fmt: skip
+    first, second = [await adapter.post_card(card) for card in cards[:2]]
+    await adapter.settle_card(second, cards[1], outcome_of(cards[1]))  # decided: the first forgotten of the two
+    third = await adapter.post_card(cards[2])  # one too many: the settled card is forgotten, not the pending one
+    reads = r"/rooms/[^/]+/event/"
+
+    async def press_reads(ref: CardRef, card: ApprovalCard) -> int:
+        before, pressed = harness.proxy.count("GET", reads), len(harness.recorder.presses)
+        await harness.press(ref, card.button_data(Decision.APPROVE), harness.admin)
+        await harness.recorder.wait_until(lambda: len(harness.recorder.presses) == pressed + 1)
+        assert harness.recorder.presses[-1].data == card.button_data(Decision.APPROVE)
+        assert harness.recorder.presses[-1].message_id == ref.message_id
+        return harness.proxy.count("GET", reads) - before
+
+    assert await press_reads(first, cards[0]) == 0  # still remembered: older, but its request may be decided
+    assert await press_reads(third, cards[2]) == 0
+    assert await press_reads(second, cards[1]) == 1  # forgotten: read back once, pressed the same
+    assert len(adapter._choices) == 2  # the bound itself, which no behaviour shows before it is hit
+
+
 async def test_a_reaction_with_the_variation_selector_is_the_same_press(harness: MatrixHarness) -> None:
     adapter = await harness.start()
     card = make_card({"path": "/tmp/x"})
