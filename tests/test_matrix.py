@@ -513,6 +513,38 @@ async def test_a_reply_to_a_reason_prompt_after_a_restart_is_still_the_reason_an
     assert len(harness.recorder.presses) == 1
 
 
+async def test_a_reaction_on_a_reason_prompt_after_a_restart_leaves_the_reply_the_reason(
+    harness: MatrixHarness,
+) -> None:
+    """Someone reacted (👀) to a reason prompt after a restart: reading the reaction remembered the prompt as one of
+    the bot's own events without choices, and the prompt was then taken for a card, so the presser's reply was no
+    reason but chat for the agents, and the request stayed pending."""
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
+    await harness.wait_for_notices(harness.admin, 1)
+    [prompt] = [e["event_id"] for e in harness._bot_events(harness.home) if e["content"].get("msgtype") == "m.notice"]
+    await adapter.quiesce()
+    await adapter.stop()
+    await harness.start()
+    await asyncio.to_thread(harness.people[harness.member].react, harness.home, prompt, "👀")
+    await harness.say(harness.home, harness.admin, "after the reaction")
+    await texts_arrived(harness, 1)  # the reaction was read before this
+    relates = {"m.relates_to": {"m.in_reply_to": {"event_id": prompt}}}
+    await asyncio.to_thread(harness.people[harness.admin].say, harness.home, "it drops the prod table", **relates)
+    await harness.say(harness.home, harness.admin, "after the reply")
+    await texts_arrived(harness, 2)
+    await harness.settled()
+    assert [i.text for i in harness.recorder.inbound] == ["after the reaction", "after the reply"]
+    [press] = harness.recorder.presses
+    assert (press.data, press.reason, press.message_id) == (
+        card.button_data(Decision.DENY),
+        "it drops the prod table",
+        ref.message_id,
+    )
+
+
 async def test_the_reason_button_of_a_decided_request_asks_for_nothing_and_tells_the_outcome(
     harness: MatrixHarness,
 ) -> None:

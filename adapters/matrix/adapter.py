@@ -640,8 +640,10 @@ class MatrixAdapter(PlatformBase):
         restart, or another replica reads a reply to it alike; nothing about it lives only in memory."""
         if event_id in self._prompts:
             return self._prompts[event_id]
-        if event_id in self._choices:
-            return None  # a card
+        if self._choices.get(event_id):
+            # A card. Not any event of the bot's a reaction was read on: a prompt someone reacted to is remembered
+            # there with no choices, and taken for a card its presser's reply was chat for the agents, not a reason.
+            return None
         content = await self._own_event(room, event_id, "press")
         prompt = None if content is None else _Prompt.of(content.get(PROMPT_KEY))
         while len(self._prompts) >= PROMPTS_KEPT:
