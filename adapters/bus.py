@@ -32,7 +32,7 @@ from kazma.adapters.contract import (
     SingletonIngress,
     UpdatesCards,
     UrgentEdits,
-    ingress_ended,
+    ingress_trouble,
     singleton_ingress,
 )
 from kazma.adapters.outbox import Outbox, PostJob
@@ -317,11 +317,14 @@ class FanOutBus:
                 return PlatformHealth(name, False, f"not started, tried {tries} times and trying again ({error})")
             return PlatformHealth(name, False, "starting")
         single = singleton_ingress(adapter)
+        trouble = ingress_trouble(adapter)
         if single is None or single.ingress_running:
+            if trouble is not None:  # open, yet nothing comes in (Matrix's sync failing again and again)
+                return PlatformHealth(name, False, f"inbound failing ({trouble})")
             return PlatformHealth(name, True, "serving")
         if not self._leading:  # presses reach the leader, whose ingress this is
             return PlatformHealth(name, True, "serving (its inbound connection is the leader's)")
-        why = self._ingress_failed.get(name) or ingress_ended(adapter) or "it closed"
+        why = self._ingress_failed.get(name) or trouble or "it closed"
         return PlatformHealth(name, False, f"inbound connection not open ({why}): opened again with backoff")
 
     async def stop(self) -> None:

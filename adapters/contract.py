@@ -310,19 +310,20 @@ class SingletonIngress(Protocol):
 
 
 @runtime_checkable
-class EndsIngress(Protocol):
-    """A platform whose inbound connection the platform itself may close for good (Discord's gateway after a
-    close discord.py does not reconnect after), and that can say why."""
+class IngressTrouble(Protocol):
+    """A platform that can say why inbound events do not reach it now, though its ingress was opened: Discord
+    closing the gateway for good (a close discord.py does not reconnect after), Matrix's sync failing again and
+    again (a revoked token, a homeserver down)."""
 
     @property
-    def ingress_ended(self) -> str | None:
-        """Why the platform closed the inbound connection, until it is open again; None while it serves."""
+    def ingress_trouble(self) -> str | None:
+        """Why inbound events do not come in now; None while they do."""
         ...
 
 
-def ingress_ended(adapter: object) -> str | None:
-    """Why ``adapter``'s platform closed its inbound connection (see :class:`EndsIngress`), or None."""
-    return adapter.ingress_ended if isinstance(adapter, EndsIngress) else None
+def ingress_trouble(adapter: object) -> str | None:
+    """Why ``adapter``'s inbound events do not come in now (see :class:`IngressTrouble`), or None."""
+    return adapter.ingress_trouble if isinstance(adapter, IngressTrouble) else None
 
 
 def singleton_ingress(adapter: object) -> SingletonIngress | None:

@@ -18,7 +18,7 @@ from mautrix.api import Method
 from mautrix.errors import MatrixRequestError
 
 from kazma.adapters.admission import DirectPolicy
-from kazma.adapters.contract import CardRef, Inbound, PlatformError
+from kazma.adapters.contract import CardRef, Inbound, PlatformError, ingress_trouble
 from kazma.adapters.matrix import MatrixAdapter
 from kazma.adapters.matrix import adapter as matrix_adapter
 from kazma.adapters.matrix.client import close_client, make_client
@@ -237,6 +237,32 @@ async def test_the_homeservers_own_429_is_waited_out_and_every_message_sent_once
         assert sent == [f"burst {index}" for index in range(8)]
     finally:
         await adapter.stop()
+
+
+async def test_a_sync_that_keeps_failing_is_said_as_the_inbound_failing_until_one_succeeds(
+    harness: MatrixHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The homeserver answered every sync with 502: each failure was logged and counted, tried again with backoff,
+    and /healthz said Matrix served (nothing came in from it)."""
+    monkeypatch.setattr(matrix_adapter, "SYNC_TROUBLE_AFTER", 2, raising=False)
+    monkeypatch.setattr(matrix_adapter, "until_set", lambda event, seconds: until_set(event, 0.05))
+    adapter = await harness.start()
+    assert isinstance(adapter, MatrixAdapter)
+    assert ingress_trouble(adapter) is None
+    failed = failure_count("sync", "matrix")
+    harness.proxy.fail("GET", r"/sync$", 502, times=1_000)
+    await harness.say(harness.home, harness.admin, "wakes the long poll; the next syncs meet the 502")
+    async with asyncio.timeout(30):
+        while failure_count("sync", "matrix") < failed + 2:
+            await asyncio.sleep(0.02)
+    trouble = ingress_trouble(adapter)  # what the bus says on /healthz
+    assert trouble is not None
+    assert trouble.startswith("the sync failed "), trouble
+    assert "502" in trouble
+    harness.proxy.faults.clear()
+    await harness.say(harness.home, harness.admin, "after")
+    assert await texts_arrived(harness, 2) == ["wakes the long poll; the next syncs meet the 502", "after"]
+    assert ingress_trouble(adapter) is None
 
 
 async def test_a_429_on_sync_waits_as_long_as_the_homeserver_asks(

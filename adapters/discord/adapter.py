@@ -304,7 +304,7 @@ class DiscordAdapter(PlatformBase):
     # ----------------------------------------------------------------- lifecycle
 
     @property
-    def ingress_ended(self) -> str | None:
+    def ingress_trouble(self) -> str | None:
         return self._ended
 
     @property

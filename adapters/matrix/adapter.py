@@ -136,6 +136,8 @@ OTHERS_KEPT: Final = 10_000
 # forgotten first, a settled card before any other. A forgotten one is read again from the homeserver at its next
 # press (its content carries its choices): one read, the press the same.
 CHOICES_KEPT: Final = 10_000
+# Syncs failed in a row before /healthz says the inbound is failing (one failure is a moment's fault).
+SYNC_TROUBLE_AFTER: Final = 3
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,7 @@ class MatrixAdapter(PlatformBase):
         self._position: SyncPosition | None = None
         self._kept = Position("")  # where the sync stands: what was taken in, kept on the homeserver or to be
         self._syncing: asyncio.Task[None] | None = None
+        self._sync_trouble: str | None = None  # why the sync keeps failing (see SYNC_TROUBLE_AFTER), for /healthz
         self._stop_sync = asyncio.Event()
         self._opening_direct = asyncio.Lock()  # two cards for one person at once open one direct room
         self._opened: dict[str, list[str]] = {}  # direct rooms this process opened, by person (see direct_chat)
@@ -228,6 +231,10 @@ class MatrixAdapter(PlatformBase):
     @property
     def has_singleton_ingress(self) -> bool:
         return True
+
+    @property
+    def ingress_trouble(self) -> str | None:
+        return self._sync_trouble if self._syncing is not None else None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -276,6 +283,7 @@ class MatrixAdapter(PlatformBase):
             except Exception as exc:  # tried again by the sync loop, before anything else
                 self.failed("sync", None, self.classify("sync", exc))
         self._stop_sync = asyncio.Event()
+        self._sync_trouble = None
         self._syncing = asyncio.create_task(self._sync_loop(client, kept, first), name="matrix-sync")
         log.info("matrix.syncing", user=self.user_id, since=kept.since)
 
@@ -339,6 +347,8 @@ class MatrixAdapter(PlatformBase):
                 failures += 1
                 error = self.classify("sync", exc)
                 self.failed("sync", None, error)
+                if failures >= SYNC_TROUBLE_AFTER:  # each failure logged and counted, and no monitor saw it
+                    self._sync_trouble = f"the sync failed {failures} times in a row, tried again with backoff: {error}"
                 # Backing off, and never sooner than a 429 asked (its retry_after_ms).
                 await until_set(self._stop_sync, max(min(2.0 ** min(failures, 5), 30.0), error.retry_after or 0.0))
                 continue
@@ -356,7 +366,9 @@ class MatrixAdapter(PlatformBase):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asking
             return False
-        await self._take(await self._filled(client, asking.result(), self._kept.since))
+        batch = asking.result()
+        self._sync_trouble = None  # the homeserver answers again
+        await self._take(await self._filled(client, batch, self._kept.since))
         return True
 
     async def _filled(self, client: ClientAPI, batch: dict[str, Any], since: str | None) -> dict[str, Any]:
