@@ -32,6 +32,7 @@ from kazma.adapters.contract import (
     SingletonIngress,
     UpdatesCards,
     UrgentEdits,
+    ingress_trouble,
     singleton_ingress,
 )
 from kazma.adapters.outbox import Outbox, PostJob
@@ -68,6 +69,19 @@ def _passing(exc: BaseException) -> bool:
     if isinstance(exc, PlatformError):
         return exc.retryable
     return isinstance(exc, TimeoutError | OSError)
+
+
+@dataclass(frozen=True)
+class PlatformHealth:
+    """One chat platform's state as ``/healthz`` says it: whether a press on one of its cards reaches a decision
+    now, and if not, why and what Kazma does about it."""
+
+    platform: str
+    takes_presses: bool
+    state: str
+
+    def line(self) -> str:
+        return f"platform {self.platform}: {self.state}"
 
 
 # A posted card whose message id could not be recorded: recorded again after these pauses (seconds).
@@ -170,6 +184,12 @@ class FanOutBus:
         self._started: set[str] = set()
         self._stopping = False
         self._halt = asyncio.Event()  # set by stop: a platform still being started again gives up
+        # What /healthz says of a platform that does not serve: its last failed start (and the tries so far), or
+        # why it stays off for good; the last failure to open its singleton ingress.
+        self._start_failed: dict[str, tuple[str, int]] = {}
+        self._off: dict[str, str] = {}
+        self._ingress_failed: dict[str, str] = {}
+        self._leading = True  # whether this process holds the singleton ingress (a replica only while it leads)
         self._tasks = Supervisor("bus_task")  # one worker per platform
         # (platform, person) whose direct messages refused a card, said in the home chat once until one lands
         self._dm_refused: set[tuple[str, str]] = set()
@@ -187,6 +207,7 @@ class FanOutBus:
             released = await self.outbox.release_claims()
             if released:
                 log.warning("bus.post_claims_released", posts=released, detail="left by the previous process")
+        self._leading = ingress
         names = list(self.adapters)
         results = await asyncio.gather(
             *(self._start_one(self.adapters[n], handlers, ingress) for n in names), return_exceptions=True
@@ -195,7 +216,10 @@ class FanOutBus:
             if isinstance(result, BaseException):
                 count_failure("platform_start", name)
                 log.error("bus.platform_start_failed", platform=name, error=str(result))
-                if _passing(result):
+                self._start_failed[name] = (str(result), 1)
+                if not _passing(result):
+                    self._off[name] = str(result)
+                else:
                     # Started only at the next restart, the platform stayed off for good after a moment's fault
                     # (Slack answering 500 as Kazma started): no presses came in from cards posted there meanwhile.
                     adapter = self.adapters[name]
@@ -225,14 +249,17 @@ class FanOutBus:
             except Exception as exc:  # counted and logged; tried again while the fault may pass
                 count_failure("platform_start", adapter.name)
                 log.warning("bus.platform_start_retry_failed", platform=adapter.name, attempt=tries, error=str(exc))
+                self._start_failed[adapter.name] = (str(exc), tries + 1)
                 if _passing(exc):
                     continue
+                self._off[adapter.name] = str(exc)
                 log.error("bus.platform_start_given_up", platform=adapter.name, attempt=tries, error=str(exc))
                 return
             if self._halt.is_set():  # stop began while it started: it must not serve past the bus
                 await self._stop_one(adapter)
                 return
             self._started.add(adapter.name)
+            self._start_failed.pop(adapter.name, None)
             log.info("bus.platform_started_late", platform=adapter.name, attempt=tries)
             worker = self._workers.get(adapter.name)
             if worker is not None:
@@ -241,10 +268,12 @@ class FanOutBus:
 
     async def start_ingress(self) -> None:
         """This replica leads now: open every singleton ingress (one that fails is logged and counted)."""
+        self._leading = True
         await self._each_ingress("start_ingress")
 
     async def stop_ingress(self) -> None:
         """This replica no longer leads: close every singleton ingress, finishing what it took."""
+        self._leading = False
         await self._each_ingress("stop_ingress")
 
     def ingress_missing(self) -> list[str]:
@@ -261,12 +290,42 @@ class FanOutBus:
         async def one(name: str, single: SingletonIngress) -> None:
             try:
                 await (single.start_ingress() if what == "start_ingress" else single.stop_ingress())
+                self._ingress_failed.pop(name, None)
                 log.info("bus.ingress_changed", platform=name, action=what)
             except Exception as exc:  # the other platforms' ingress must not depend on this one
+                if what == "start_ingress":
+                    self._ingress_failed[name] = str(exc)
                 count_failure(what, name)
                 log.error("bus.ingress_change_failed", platform=name, action=what, error=str(exc))
 
         await asyncio.gather(*(one(name, single) for name, single in targets))
+
+    def health(self) -> list[PlatformHealth]:
+        """Each chat platform's state, for ``/healthz``: a platform whose start is being retried, that stays off,
+        or whose inbound connection is closed shows its cards (or not) but no press on them reaches a decision.
+        The console (the web adapter) is not among them: it serves whatever answers ``/healthz``."""
+        return [self._health(name, adapter) for name, adapter in self.adapters.items() if name in CHAT_PLATFORMS]
+
+    def _health(self, name: str, adapter: PlatformAdapter) -> PlatformHealth:
+        if name not in self._started:
+            if name in self._off:
+                return PlatformHealth(
+                    name, False, f"off, its start was refused ({self._off[name]}): fix the setting and restart Kazma"
+                )
+            if name in self._start_failed:
+                error, tries = self._start_failed[name]
+                return PlatformHealth(name, False, f"not started, tried {tries} times and trying again ({error})")
+            return PlatformHealth(name, False, "starting")
+        single = singleton_ingress(adapter)
+        trouble = ingress_trouble(adapter)
+        if single is None or single.ingress_running:
+            if trouble is not None:  # open, yet nothing comes in (Matrix's sync failing again and again)
+                return PlatformHealth(name, False, f"inbound failing ({trouble})")
+            return PlatformHealth(name, True, "serving")
+        if not self._leading:  # presses reach the leader, whose ingress this is
+            return PlatformHealth(name, True, "serving (its inbound connection is the leader's)")
+        why = self._ingress_failed.get(name) or trouble or "it closed"
+        return PlatformHealth(name, False, f"inbound connection not open ({why}): opened again with backoff")
 
     async def stop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -1036,6 +1095,9 @@ class NullBus:
 
     async def stop(self) -> None:
         return
+
+    def health(self) -> list[PlatformHealth]:
+        return []
 
     def can_show_cards(self, policy: str | None = None) -> bool:
         return False

@@ -309,6 +309,23 @@ class SingletonIngress(Protocol):
         ...
 
 
+@runtime_checkable
+class IngressTrouble(Protocol):
+    """A platform that can say why inbound events do not reach it now, though its ingress was opened: Discord
+    closing the gateway for good (a close discord.py does not reconnect after), Matrix's sync failing again and
+    again (a revoked token, a homeserver down)."""
+
+    @property
+    def ingress_trouble(self) -> str | None:
+        """Why inbound events do not come in now; None while they do."""
+        ...
+
+
+def ingress_trouble(adapter: object) -> str | None:
+    """Why ``adapter``'s inbound events do not come in now (see :class:`IngressTrouble`), or None."""
+    return adapter.ingress_trouble if isinstance(adapter, IngressTrouble) else None
+
+
 def singleton_ingress(adapter: object) -> SingletonIngress | None:
     """``adapter`` when it has an ingress only the leader may run (start it with ``ingress=``), else None."""
     if isinstance(adapter, SingletonIngress) and adapter.has_singleton_ingress:

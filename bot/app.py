@@ -435,6 +435,7 @@ async def build_app(
             transcript=transcript,
             replica=replica,
             replication=replication,
+            bus=bus,
         ),
     )
     return app

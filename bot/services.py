@@ -15,6 +15,7 @@ from kazma.approvals.rules import rule_states
 from kazma.approvals.service import ApprovalService
 from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.console.services import ApprovalRecord, DashboardReads, InlineApproval, SwarmCommand
+from kazma.config.address import platform_of
 from kazma.config.models import KazmaConfig
 from kazma.config.store.backend import StoreConnection
 from kazma.engine.conversation import Conversations
@@ -23,6 +24,7 @@ from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.transcript import Entry, Summary, TranscriptStore, Working
 
 if TYPE_CHECKING:
+    from kazma.adapters.bus import FanOutBus, NullBus, PlatformHealth
     from kazma.bot.replication import ReplicaHealth, Replication
 
 DASHBOARD_TASKS = 50
@@ -45,6 +47,7 @@ class KazmaServices:
         transcript: TranscriptStore,
         replica: str,
         replication: Replication | None,
+        bus: FanOutBus | NullBus,
     ) -> None:
         self.config = config
         self.store = store
@@ -55,6 +58,7 @@ class KazmaServices:
         self._conversations = conversations
         self._transcript = transcript
         self._replication = replication
+        self._bus = bus
 
     @property
     def replicated(self) -> bool:
@@ -146,3 +150,16 @@ class KazmaServices:
 
     async def replica_health(self) -> ReplicaHealth | None:
         return None if self._replication is None else await self._replication.health()
+
+    def platform_health(self) -> list[PlatformHealth]:
+        return self._bus.health()
+
+    @property
+    def console_decides(self) -> bool:
+        roster = self.config.roster
+        return any(
+            platform_of(identity) == "web"
+            for name in self.config.policy_names
+            if (policy := self.config.policy(name)) is not None
+            for identity in roster.deciders(policy.approvers)
+        )

@@ -271,7 +271,9 @@ async def test_wheel_init_doctor_run_and_the_first_press_in_the_console_is_decid
                 assert "execution_started" in events, events
                 assert "execution_refused" not in events, events
                 health = await http.get(f"{url}/healthz")
-                assert (health.status, await health.text()) == (200, "ok")
+                said = (await health.text()).splitlines()
+                assert (health.status, said[0]) == (200, "ok")
+                assert sorted(said[1:]) == [f"platform {p}: serving" for p in ("discord", "slack", "telegram")]
 
             # the image's HEALTHCHECK command, run by the fresh install against this Kazma
             (check,) = [i.args for i in stages()[-1] if i.keyword == "HEALTHCHECK"]

@@ -18,7 +18,7 @@ from mautrix.api import Method
 from mautrix.errors import MatrixRequestError
 
 from kazma.adapters.admission import DirectPolicy
-from kazma.adapters.contract import CardRef, Inbound, PlatformError
+from kazma.adapters.contract import CardRef, Inbound, PlatformError, ingress_trouble
 from kazma.adapters.matrix import MatrixAdapter
 from kazma.adapters.matrix import adapter as matrix_adapter
 from kazma.adapters.matrix.client import close_client, make_client
@@ -239,6 +239,32 @@ async def test_the_homeservers_own_429_is_waited_out_and_every_message_sent_once
         await adapter.stop()
 
 
+async def test_a_sync_that_keeps_failing_is_said_as_the_inbound_failing_until_one_succeeds(
+    harness: MatrixHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The homeserver answered every sync with 502: each failure was logged and counted, tried again with backoff,
+    and /healthz said Matrix served (nothing came in from it)."""
+    monkeypatch.setattr(matrix_adapter, "SYNC_TROUBLE_AFTER", 2, raising=False)
+    monkeypatch.setattr(matrix_adapter, "until_set", lambda event, seconds: until_set(event, 0.05))
+    adapter = await harness.start()
+    assert isinstance(adapter, MatrixAdapter)
+    assert ingress_trouble(adapter) is None
+    failed = failure_count("sync", "matrix")
+    harness.proxy.fail("GET", r"/sync$", 502, times=1_000)
+    await harness.say(harness.home, harness.admin, "wakes the long poll; the next syncs meet the 502")
+    async with asyncio.timeout(30):
+        while failure_count("sync", "matrix") < failed + 2:
+            await asyncio.sleep(0.02)
+    trouble = ingress_trouble(adapter)  # what the bus says on /healthz
+    assert trouble is not None
+    assert trouble.startswith("the sync failed "), trouble
+    assert "502" in trouble
+    harness.proxy.faults.clear()
+    await harness.say(harness.home, harness.admin, "after")
+    assert await texts_arrived(harness, 2) == ["wakes the long poll; the next syncs meet the 502", "after"]
+    assert ingress_trouble(adapter) is None
+
+
 async def test_a_429_on_sync_waits_as_long_as_the_homeserver_asks(
     harness: MatrixHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -332,6 +358,37 @@ async def test_reactions_on_a_message_that_is_no_card_read_it_once(harness: Matr
     assert await texts_arrived(harness, 2) == ["lunch?", "after the reactions"]  # the reactions were read before
     assert harness.proxy.count("GET", reads) - before == 1
     assert harness.recorder.presses == []
+
+
+async def test_the_bots_own_cards_are_remembered_bounded_and_a_forgotten_card_still_presses(
+    harness: MatrixHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every card and question the bot posted (and every message of its someone reacted to) stayed in memory until
+    a restart. Bounded now, least recently used first, a settled card before the others: a press on a card that
+    was forgotten reads it back from the homeserver (its content carries its choices) and presses the same."""
+    monkeypatch.setattr(matrix_adapter, "CHOICES_KEPT", 2, raising=False)  # before the bound: fails on the reads
+    adapter = await harness.start()
+    assert isinstance(adapter, MatrixAdapter)
+    # three requests, three cards (one request's card is posted once per room: the same event again)
+    cards = [dataclasses.replace(make_card({"path": f"/tmp/{n}"}), request_id=f"Rq7xK2mP9vL4nB8cT1wZ5aY{n}")
+             for n in range(3)]  # fmt: skip
+    first, second = [await adapter.post_card(card) for card in cards[:2]]
+    await adapter.settle_card(second, cards[1], outcome_of(cards[1]))  # decided: the first forgotten of the two
+    third = await adapter.post_card(cards[2])  # one too many: the settled card is forgotten, not the pending one
+    reads = r"/rooms/[^/]+/event/"
+
+    async def press_reads(ref: CardRef, card: ApprovalCard) -> int:
+        before, pressed = harness.proxy.count("GET", reads), len(harness.recorder.presses)
+        await harness.press(ref, card.button_data(Decision.APPROVE), harness.admin)
+        await harness.recorder.wait_until(lambda: len(harness.recorder.presses) == pressed + 1)
+        assert harness.recorder.presses[-1].data == card.button_data(Decision.APPROVE)
+        assert harness.recorder.presses[-1].message_id == ref.message_id
+        return harness.proxy.count("GET", reads) - before
+
+    assert await press_reads(first, cards[0]) == 0  # still remembered: older, but its request may be decided
+    assert await press_reads(third, cards[2]) == 0
+    assert await press_reads(second, cards[1]) == 1  # forgotten: read back once, pressed the same
+    assert len(adapter._choices) == 2  # the bound itself, which no behaviour shows before it is hit
 
 
 async def test_a_reaction_with_the_variation_selector_is_the_same_press(harness: MatrixHarness) -> None:
@@ -480,6 +537,38 @@ async def test_a_reply_to_a_reason_prompt_after_a_restart_is_still_the_reason_an
     await harness.settled()
     assert [i.text for i in harness.recorder.inbound] == ["after the reply", "after the late reply"]
     assert len(harness.recorder.presses) == 1
+
+
+async def test_a_reaction_on_a_reason_prompt_after_a_restart_leaves_the_reply_the_reason(
+    harness: MatrixHarness,
+) -> None:
+    """Someone reacted (👀) to a reason prompt after a restart: reading the reaction remembered the prompt as one of
+    the bot's own events without choices, and the prompt was then taken for a card, so the presser's reply was no
+    reason but chat for the agents, and the request stayed pending."""
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
+    await harness.wait_for_notices(harness.admin, 1)
+    [prompt] = [e["event_id"] for e in harness._bot_events(harness.home) if e["content"].get("msgtype") == "m.notice"]
+    await adapter.quiesce()
+    await adapter.stop()
+    await harness.start()
+    await asyncio.to_thread(harness.people[harness.member].react, harness.home, prompt, "👀")
+    await harness.say(harness.home, harness.admin, "after the reaction")
+    await texts_arrived(harness, 1)  # the reaction was read before this
+    relates = {"m.relates_to": {"m.in_reply_to": {"event_id": prompt}}}
+    await asyncio.to_thread(harness.people[harness.admin].say, harness.home, "it drops the prod table", **relates)
+    await harness.say(harness.home, harness.admin, "after the reply")
+    await texts_arrived(harness, 2)
+    await harness.settled()
+    assert [i.text for i in harness.recorder.inbound] == ["after the reaction", "after the reply"]
+    [press] = harness.recorder.presses
+    assert (press.data, press.reason, press.message_id) == (
+        card.button_data(Decision.DENY),
+        "it drops the prod table",
+        ref.message_id,
+    )
 
 
 async def test_the_reason_button_of_a_decided_request_asks_for_nothing_and_tells_the_outcome(

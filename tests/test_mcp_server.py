@@ -218,7 +218,7 @@ async def test_healthz_says_whether_mcp_serves_and_that_an_ended_one_starts_agai
     async with kazma_door(tmp_path) as door:
         assert await _tool_names(door) == ["request_approval"]
         serving = await _healthz(door)
-        assert (serving.status_code, serving.text) == (200, "ok\nmcp: serving\n")
+        assert (serving.status_code, serving.text) == (200, "ok\nplatform telegram: serving\nmcp: serving\n")
         (manager,) = [task for task in asyncio.all_tasks() if task.get_name() == "kazma-mcp-http"]
         manager.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -226,7 +226,8 @@ async def test_healthz_says_whether_mcp_serves_and_that_an_ended_one_starts_agai
         ended = await _healthz(door)
         assert ended.status_code == 200
         assert ended.text == (
-            "ok\nmcp: not running (its session manager ended: cancelled): the next /mcp call starts it again\n"
+            "ok\nplatform telegram: serving\n"
+            "mcp: not running (its session manager ended: cancelled): the next /mcp call starts it again\n"
         )
         assert await _tool_names(door) == ["request_approval"]
-        assert (await _healthz(door)).text == "ok\nmcp: serving\n"
+        assert (await _healthz(door)).text == "ok\nplatform telegram: serving\nmcp: serving\n"

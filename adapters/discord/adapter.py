@@ -308,6 +308,10 @@ class DiscordAdapter(PlatformBase):
     # ----------------------------------------------------------------- lifecycle
 
     @property
+    def ingress_trouble(self) -> str | None:
+        return self._ended
+
+    @property
     def has_singleton_ingress(self) -> bool:
         return True  # Discord has no HTTP ingress here: everything inbound comes over the gateway
 

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Unpack
@@ -131,6 +132,12 @@ PROMPTS_KEPT: Final = 1000
 # Events the homeserver said someone else sent, remembered so a reaction (or a reply) to an ordinary message costs
 # no read of it after the first: the oldest forgotten first.
 OTHERS_KEPT: Final = 10_000
+# The bot's own events with choices (cards, questions) remembered with them, the least recently posted or pressed
+# forgotten first, a settled card before any other. A forgotten one is read again from the homeserver at its next
+# press (its content carries its choices): one read, the press the same.
+CHOICES_KEPT: Final = 10_000
+# Syncs failed in a row before /healthz says the inbound is failing (one failure is a moment's fault).
+SYNC_TROUBLE_AFTER: Final = 3
 
 
 @dataclass(frozen=True)
@@ -203,7 +210,8 @@ class MatrixAdapter(PlatformBase):
         self.user_id = ""
         self._direct: set[str] = set()  # rooms that are direct chats of the bot's account (m.direct)
         self._direct_known = False  # whether m.direct was read (see _load_direct)
-        self._choices: dict[str, dict[str, str]] = {}  # the bot's own events with choices: key -> data
+        # the bot's own events with choices: key -> data (least recently used first, see CHOICES_KEPT)
+        self._choices: OrderedDict[str, dict[str, str]] = OrderedDict()
         self._prompts: dict[str, _Prompt | None] = {}  # events read as reason prompts (None: no prompt), a cache
         self._others: dict[str, None] = {}  # events not the bot's own (an ordered set, see OTHERS_KEPT)
         self.reason_clock: Callable[[], float] = time.time  # a prompt's end is wall-clock time: any process reads it
@@ -212,6 +220,7 @@ class MatrixAdapter(PlatformBase):
         self._position: SyncPosition | None = None
         self._kept = Position("")  # where the sync stands: what was taken in, kept on the homeserver or to be
         self._syncing: asyncio.Task[None] | None = None
+        self._sync_trouble: str | None = None  # why the sync keeps failing (see SYNC_TROUBLE_AFTER), for /healthz
         self._stop_sync = asyncio.Event()
         self._opening_direct = asyncio.Lock()  # two cards for one person at once open one direct room
         self._opened: dict[str, list[str]] = {}  # direct rooms this process opened, by person (see direct_chat)
@@ -222,6 +231,10 @@ class MatrixAdapter(PlatformBase):
     @property
     def has_singleton_ingress(self) -> bool:
         return True
+
+    @property
+    def ingress_trouble(self) -> str | None:
+        return self._sync_trouble if self._syncing is not None else None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -270,6 +283,7 @@ class MatrixAdapter(PlatformBase):
             except Exception as exc:  # tried again by the sync loop, before anything else
                 self.failed("sync", None, self.classify("sync", exc))
         self._stop_sync = asyncio.Event()
+        self._sync_trouble = None
         self._syncing = asyncio.create_task(self._sync_loop(client, kept, first), name="matrix-sync")
         log.info("matrix.syncing", user=self.user_id, since=kept.since)
 
@@ -333,6 +347,8 @@ class MatrixAdapter(PlatformBase):
                 failures += 1
                 error = self.classify("sync", exc)
                 self.failed("sync", None, error)
+                if failures >= SYNC_TROUBLE_AFTER:  # each failure logged and counted, and no monitor saw it
+                    self._sync_trouble = f"the sync failed {failures} times in a row, tried again with backoff: {error}"
                 # Backing off, and never sooner than a 429 asked (its retry_after_ms).
                 await until_set(self._stop_sync, max(min(2.0 ** min(failures, 5), 30.0), error.retry_after or 0.0))
                 continue
@@ -350,7 +366,9 @@ class MatrixAdapter(PlatformBase):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asking
             return False
-        await self._take(await self._filled(client, asking.result(), self._kept.since))
+        batch = asking.result()
+        self._sync_trouble = None  # the homeserver answers again
+        await self._take(await self._filled(client, batch, self._kept.since))
         return True
 
     async def _filled(self, client: ClientAPI, batch: dict[str, Any], since: str | None) -> dict[str, Any]:
@@ -574,6 +592,7 @@ class MatrixAdapter(PlatformBase):
         :attr:`card_read_tries` times for one card; then the reaction is passed by, counted."""
         known = self._choices.get(event_id)
         if known is not None:
+            self._choices.move_to_end(event_id)  # pressed: a card in use is the last forgotten
             return known
         content = await self._own_event(room, event_id, "press")
         if content is None:
@@ -584,8 +603,16 @@ class MatrixAdapter(PlatformBase):
             for c in (listed if isinstance(listed, list) else [])
             if isinstance(c, dict) and "key" in c and "data" in c
         }
-        self._choices[event_id] = found
+        self._remember_choices(event_id, found)
         return found
+
+    def _remember_choices(self, event_id: str, choices: dict[str, str]) -> None:
+        """Remember ``event_id``'s choices; past :data:`CHOICES_KEPT`, forget the least recently used: unbounded,
+        the table held every card and question the bot ever posted (or anyone reacted to) until a restart."""
+        self._choices[event_id] = choices
+        self._choices.move_to_end(event_id)
+        while len(self._choices) > CHOICES_KEPT:
+            self._choices.popitem(last=False)
 
     async def _own_event(self, room: str, event_id: str, site: str) -> dict[str, Any] | None:
         """The content of ``event_id`` when the bot itself sent it, else None (an event the homeserver says is not
@@ -625,8 +652,10 @@ class MatrixAdapter(PlatformBase):
         restart, or another replica reads a reply to it alike; nothing about it lives only in memory."""
         if event_id in self._prompts:
             return self._prompts[event_id]
-        if event_id in self._choices:
-            return None  # a card
+        if self._choices.get(event_id):
+            # A card. Not any event of the bot's a reaction was read on: a prompt someone reacted to is remembered
+            # there with no choices, and taken for a card its presser's reply was chat for the agents, not a reason.
+            return None
         content = await self._own_event(room, event_id, "press")
         prompt = None if content is None else _Prompt.of(content.get(PROMPT_KEY))
         while len(self._prompts) >= PROMPTS_KEPT:
@@ -790,7 +819,7 @@ class MatrixAdapter(PlatformBase):
         content = message_content(f"{body}\n{said}" if said else body, None, made, notice=False)
         _in_thread(content, thread)
         event_id = await self.call("send", chat, lambda: self._send(client, chat, content))
-        self._choices[event_id] = {same_key(c.key): c.data for c in made}
+        self._remember_choices(event_id, {same_key(c.key): c.data for c in made})
         self.spawn(self._offer(client, chat, event_id, made), name=f"matrix-offer-{event_id}")
         return event_id
 
@@ -841,7 +870,7 @@ class MatrixAdapter(PlatformBase):
         # One transaction id per card and room: a post tried again (a lost answer) is the same event.
         txn = f"kazma-card-{card.request_id}-{_short(chat)}"
         event_id = await self.call("card_post", chat, lambda: self._send(client, chat, written.content(), txn=txn))
-        self._choices[event_id] = {same_key(c.key): c.data for c in written.choices}
+        self._remember_choices(event_id, {same_key(c.key): c.data for c in written.choices})
         # After the post, not inside it: the card is out once it is posted, and the reactions follow it.
         self.spawn(self._offer(client, chat, event_id, written.choices), name=f"matrix-offer-{event_id}")
         return Posted(chat, event_id)
@@ -849,6 +878,9 @@ class MatrixAdapter(PlatformBase):
     async def _edit_card(
         self, site: str, ref: CardRef, laid: LaidOut[Any], card: ApprovalCard, *, settled: bool
     ) -> bool:
+        if settled and ref.message_id in self._choices:
+            # Its request is decided: a press on it only learns so, and a read of the card finds it again.
+            self._choices.move_to_end(ref.message_id, last=False)
         client = self._api(site)
         written: MatrixCard = laid.written
         content = edit_content(written, laid.view, ref.message_id)

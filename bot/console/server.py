@@ -762,17 +762,31 @@ class WebServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: web.Request) -> web.Response:
-        """``ok`` (200) or why not (503); among replicas also who leads and whether the store answers."""
+        """``ok`` (200) or why not (503), then a line per chat platform; among replicas also who leads and
+        whether the store answers. A platform down is a line, not the status, while a press elsewhere (another
+        platform, the console) still decides: a load balancer taking every replica out helps nobody then."""
         halted = self.services.approvals.halted
         if halted is not None:
             return web.Response(text=f"not deciding: {halted}", status=503)
         health = await self.services.replica_health()
+        platforms = self.services.platform_health()
+        # Each platform's state: one whose start is being retried, or whose inbound connection closed, showed its
+        # cards with buttons nobody's press reached while this answered a bare "ok".
+        lines = [p.line() for p in platforms]
         # /mcp's state, when it is served: a line, never the status, which says whether approvals are decided.
-        mcp = [] if self.mcp is None or (line := self.mcp.health()) is None else [line]
-        if health is None:
-            return web.Response(text="\n".join(["ok", *mcp]) + "\n" if mcp else "ok")
-        text = "\n".join(["ok" if health.ok else "not deciding: the store cannot be reached", *health.lines(), *mcp])
-        return web.Response(text=text + "\n", status=200 if health.ok else 503)
+        if self.mcp is not None and (line := self.mcp.health()) is not None:
+            lines.append(line)
+        stranded = bool(platforms) and not any(p.takes_presses for p in platforms) and not self.services.console_decides
+        head = "ok"
+        if health is not None and not health.ok:
+            head = "not deciding: the store cannot be reached"
+        elif stranded:
+            head = "not deciding: no chat platform takes presses and nobody may decide on the console"
+        replica = health.lines() if health is not None else []
+        if health is None and not lines:
+            return web.Response(text=head, status=503 if stranded else 200)
+        ok = not stranded and (health is None or health.ok)
+        return web.Response(text="\n".join([head, *replica, *lines]) + "\n", status=200 if ok else 503)
 
     async def script(self, request: web.Request) -> web.Response:
         return web.Response(

@@ -33,6 +33,7 @@ from kazma.engine.swarm.types import TaskStatus
 from kazma.engine.transcript import Entry, Summary, Working
 
 if TYPE_CHECKING:  # the replicas' machinery (psycopg) is imported only where replicas run
+    from kazma.adapters.bus import PlatformHealth
     from kazma.bot.replication import ReplicaHealth
 
 
@@ -145,4 +146,14 @@ class ConsoleServices(ApprovalsServices, Protocol):
 
     async def replica_health(self) -> ReplicaHealth | None:
         """Who leads and whether the store answers, among replicas; None for one process on SQLite."""
+        ...
+
+    def platform_health(self) -> Sequence[PlatformHealth]:
+        """Each configured chat platform's state (none configured: empty)."""
+        ...
+
+    @property
+    def console_decides(self) -> bool:
+        """Whether somebody may decide on the console (an approver with a ``web:`` identity): a way to decide
+        that no chat platform's state takes away."""
         ...

@@ -355,6 +355,10 @@ class FakeSlack:
         """
         self._faults.setdefault(method, []).append(Fault(kind, times, retry_after, error))
 
+    def heal(self, method: str) -> None:
+        """Drop the faults still scripted for ``method``: Slack answers it again."""
+        self._faults.pop(method, None)
+
     def release_hangs(self) -> None:
         self._release.set()
 

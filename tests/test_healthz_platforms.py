@@ -1,0 +1,109 @@
+"""/healthz says each chat platform's state, and answers 503 only when no way to decide an approval is left:
+on the real libraries against the wire fakes, over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kazma.adapters import bus
+from kazma.adapters.web import WebAdapter
+from kazma.bot import lifecycle
+from kazma.bot.app import App
+from kazma.bot.console.server import WebServer
+from kazma.config.backoff import Backoff
+from kazma.config.metrics import failure_count
+from tests.fakes.telegram import Fault
+from tests.platforms_support import kazma_on, three_fakes
+
+
+@contextlib.asynccontextmanager
+async def served(app: App, folder: Path) -> AsyncIterator[str]:
+    """``app``'s web server on 127.0.0.1; its address."""
+    server = WebServer(app.console, WebAdapter(), host="127.0.0.1", port=0, token_path=folder / "web-token")
+    await server.start()
+    try:
+        yield server.url
+    finally:
+        await server.stop()
+
+
+async def healthz(url: str) -> tuple[int, list[str]]:
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/healthz") as response:
+        return response.status, (await response.text()).splitlines()
+
+
+async def until(predicate: object, timeout: float = 20.0) -> None:
+    assert callable(predicate)
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+async def test_a_platform_whose_start_is_being_retried_is_a_line_of_healthz_not_a_bare_ok(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slack answered auth.test with 500 at the start and at every try since: its cards were posted with buttons
+    whose presses reached nobody, and /healthz answered "ok" alone."""
+    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    async with three_fakes() as fakes:
+        fakes.slack.fail("auth.test", "500", times=1_000_000)
+        before = failure_count("platform_start", "slack")
+        async with kazma_on(fakes, tmp_path / "k.db") as app, served(app, tmp_path) as url:
+            await until(lambda: failure_count("platform_start", "slack") >= before + 3)
+            status, lines = await healthz(url)
+            assert status == 200  # Telegram and Discord still take presses
+            assert lines[0] == "ok"
+            assert "platform telegram: serving" in lines
+            assert "platform discord: serving" in lines
+            slack = next(line for line in lines if line.startswith("platform slack: "))
+            assert slack.startswith("platform slack: not started, tried "), lines
+            assert "trying again" in slack
+            assert "500" in slack
+
+            fakes.slack.heal("auth.test")  # Slack answers again
+            assert isinstance(app.bus, bus.FanOutBus)
+            fan_out = app.bus
+            await until(lambda: all(p.takes_presses for p in fan_out.health()))
+            status, lines = await healthz(url)
+            assert (status, lines) == (
+                200,
+                ["ok", "platform telegram: serving", "platform slack: serving", "platform discord: serving"],
+            )
+
+
+@pytest.mark.parametrize("web_approver", [False, True])
+async def test_healthz_is_503_only_when_no_platform_takes_presses_and_nobody_may_decide_on_the_console(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, web_approver: bool
+) -> None:
+    """Telegram and Slack failing at every start, Discord's gateway closed for good (4014): no press on any card
+    reached a decision, and /healthz answered "ok". With an approver on the console a decision can still be made
+    there: the platforms are lines, the status stays 200 (a load balancer taking Kazma out would stop that too)."""
+    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    # The ingress check would open the gateway again before /healthz is read: it waits here.
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 3600.0)
+    approvals = ", approvers: ['web:alice']" if web_approver else ""
+    async with three_fakes() as fakes:
+        fakes.telegram.script("getMe", *[Fault("status", status=502, description="Bad Gateway")] * 10_000)
+        fakes.slack.fail("auth.test", "500", times=1_000_000)
+        async with kazma_on(fakes, tmp_path / "k.db", approvals=approvals) as app, served(app, tmp_path) as url:
+            lost = failure_count("ingress_lost", "discord")
+            assert await fakes.discord.drop_gateway(code=4014) == 1
+            await until(lambda: failure_count("ingress_lost", "discord") > lost)
+            status, lines = await healthz(url)
+            discord = next((line for line in lines if line.startswith("platform discord: ")), "")
+            assert discord.startswith("platform discord: inbound connection not open ("), lines
+            assert "PrivilegedIntentsRequired" in discord  # what discord.py says of 4014
+            assert discord.endswith("opened again with backoff")
+            assert any(line.startswith("platform telegram: not started, tried ") for line in lines), lines
+            assert any(line.startswith("platform slack: not started, tried ") for line in lines), lines
+            if web_approver:
+                assert (status, lines[0]) == (200, "ok")
+            else:
+                assert status == 503
+                assert lines[0] == "not deciding: no chat platform takes presses and nobody may decide on the console"
