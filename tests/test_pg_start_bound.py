@@ -86,6 +86,39 @@ async def test_a_start_held_behind_a_row_lock_is_refused_in_time_and_never_recor
         assert "execution_refused" in events  # its refusal needs no lock on the request's row: on the record
 
 
+async def test_a_verification_whose_first_read_waits_behind_a_held_write_is_refused_within_the_bound(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first read waits for this process's earlier writes; one of them (another call's start, with no deadline
+    of its own) waits for another session's row lock as long as it is held. The bound used to start only after."""
+    monkeypatch.setattr(service_module, "START_RECORD_WITHIN", 0.3)
+    monkeypatch.setattr(service_module, "REFUSAL_RECORD_WITHIN", 0.1)
+    async with approval_service(pg_dsn) as service:
+        held, request = [await service.open("shell", {"n": n}, "lead", "conv-1") for n in range(2)]
+        for each in (held, request):
+            await service.decide(each.id, Decision.APPROVE, actor="web:admin", platform="web")
+        writer = await service.store.tables.writer()
+        assert isinstance(writer, PgWriter)
+        async with row_locked(pg_dsn, "approval_requests", held.id):
+            earlier = asyncio.ensure_future(service.store.execution_starts(held.id, "tool=shell"))
+            async with asyncio.timeout(60):
+                while not writer._in_flight:  # on its way, waiting for the lock
+                    await asyncio.sleep(0)
+                with pytest.raises(
+                    ExecutionMismatch,
+                    match=r"start could not be recorded .*did not even answer the reads.* did not run",
+                ):
+                    await service.verify_execution(request.id, "shell", {"n": 1})
+            assert not earlier.done()
+        assert await earlier is None  # the other call's start, free to commit once the lock is
+        await service.store.write(lambda tx: tx.one("SELECT 1"))
+        events = [e.event for e in await service.store.events(request.id)]
+        assert "execution_started" not in events
+        # Its refusal's record waited behind the held write too, and was given up: with nothing on the record saying
+        # it ran, a recovery reports it as never run, which is true.
+        assert request.id in [r.id for r in await service.store.approved_not_started()]
+
+
 @pytest.mark.parametrize("pipelined", [True, False])
 async def test_a_write_past_its_deadline_in_a_group_sent_is_given_up_and_the_others_commit(
     pg_dsn: str, pipelined: bool
