@@ -98,9 +98,10 @@ UNREADABLE_ANSWER = (
 )
 # A waiter whose first read of its request failed reads again this soon (then ever later, up to 5 s).
 WAIT_READ_RETRY = Backoff(base=0.1, cap=5.0)
-# How long an approved call waits for its start to be recorded (``execution_started``) through store failures, tried
-# again after WAIT_READ_RETRY's pauses; then it does not run (see ApprovalService.verify_execution). A bound, lock or
-# no lock: an attempt still waiting for another process's lock then is given up, never to commit.
+# How long an approved call waits, from the start of its verification, for its start to be recorded
+# (``execution_started``) through store failures, tried again after WAIT_READ_RETRY's pauses; then it does not run
+# (see ApprovalService.verify_execution). A bound, lock or no lock, on either store: an attempt still waiting for
+# another process's lock then is given up, never to commit, and so is a read waiting for this process's writes.
 START_RECORD_WITHIN = 10.0
 # How long past that the refusal's own record (``execution_refused``) may wait before the call is told: on the
 # record if the store takes it by then; otherwise a recovery reports the call as never run, which is true.
@@ -1841,8 +1842,26 @@ class ApprovalService:
         store never holds: see :mod:`kazma.approvals.seal`), it has the ``decided`` audit row the
         compare-and-set wrote in the same transaction, its decider is an approver, and its stored call still
         hashes to the approved hash. Anything else does not run, and is counted, audited and logged.
+
+        :data:`START_RECORD_WITHIN` counts from here: the first read waits for the writes this process submitted
+        before it (a read sees them), and one of those may wait for another process's lock as long as it is held
+        (the start's own attempts only began after, each bounded). Past the bound the call is refused unverified.
         """
-        request = await self.verify_approval(request_id)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + START_RECORD_WITHIN
+        bound = asyncio.timeout_at(give_up)
+        try:
+            async with bound:
+                request = await self.verify_approval(request_id)
+        except TimeoutError as exc:
+            if not bound.expired():
+                raise
+            await self._start_unrecorded(request_id, tool, "the approvals store did not answer its reads", give_up)
+            raise ExecutionMismatch(
+                f"request {request_id}: its start could not be recorded in the approvals store within "
+                f"{START_RECORD_WITHIN:g} s (the store did not even answer the reads that verify the approval; "
+                "another process may hold a lock): it did not run; ask again"
+            ) from exc
         if request.tool != tool:
             raise ExecutionMismatch(f"request {request_id} approved {request.tool!r}, not {tool!r}")
         actual = args_hash(args)
@@ -1854,7 +1873,7 @@ class ApprovalService:
             raise ExecutionMismatch(
                 f"the arguments changed after approval (approved {request.args_hash[:12]}…, now {actual[:12]}…)"
             )
-        reported = await self._record_start(request_id, tool)
+        reported = await self._record_start(request_id, tool, give_up)
         if reported is not None:
             # A leader judged this replica gone (its link to the database was down, or it was paused) and told
             # the conversation and every card that the call did not run and will not on its own: it does not.
@@ -1864,7 +1883,7 @@ class ApprovalService:
                 f"request {request_id} was already reported as not run ({reported}): it does not run now; ask again"
             )
 
-    async def _record_start(self, request_id: str, tool: str) -> str | None:
+    async def _record_start(self, request_id: str, tool: str, give_up: float) -> str | None:
         """``execution_started`` written (None), or the detail of a report that the call will not run.
 
         A call whose start is not on the record does not run: the start is what fences it against a recovery
@@ -1873,9 +1892,9 @@ class ApprovalService:
         then the call is refused, and the approval stands unrun (a recovery reports it as never run, which is
         then true). Every attempt carries that deadline: one still waiting for another process's lock then is given
         up by the writer and never commits (on SQLite it used to wait out ``busy_timeout_ms`` first, and a caller
-        that stopped waiting instead would have left a start that commits after its refusal)."""
+        that stopped waiting instead would have left a start that commits after its refusal). ``give_up``: the loop's
+        time the bound ends (set as the verification began)."""
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + START_RECORD_WITHIN
         failures = 0
         while True:
             try:
@@ -1892,19 +1911,27 @@ class ApprovalService:
                 pause = WAIT_READ_RETRY.delay(failures)
                 failures += 1
                 if loop.time() + pause > give_up:
-                    count_failure("approval_start_unrecorded")
-                    log.error("approvals.start_unrecorded", request_id=request_id, tool=tool, attempts=failures)
-                    # Said on the record when the store takes it again (a recovery reports it otherwise).
-                    await self._audit_safely(
-                        request_id, "execution_refused", None, None,
-                        f"tool={tool}: its start could not be recorded ({exc}); not run",
-                        deadline=max(loop.time(), give_up) + REFUSAL_RECORD_WITHIN,
-                    )  # fmt: skip
+                    await self._start_unrecorded(request_id, tool, str(exc), give_up, attempts=failures)
                     raise ExecutionMismatch(
                         f"request {request_id} was approved, but its start could not be recorded in the approvals "
                         f"store within {START_RECORD_WITHIN:g} s ({exc}): it did not run; ask again"
                     ) from exc
                 await asyncio.sleep(pause)
+
+    async def _start_unrecorded(
+        self, request_id: str, tool: str, why: str, give_up: float, *, attempts: int = 0
+    ) -> None:
+        """An approved call refused because its start was not recorded within the bound: counted, logged, and said
+        on the record if the store takes it within :data:`REFUSAL_RECORD_WITHIN` more (a recovery reports it as
+        never run otherwise, which is true)."""
+        count_failure("approval_start_unrecorded")
+        log.error("approvals.start_unrecorded", request_id=request_id, tool=tool, attempts=attempts, error=why)
+        loop = asyncio.get_running_loop()
+        await self._audit_safely(
+            request_id, "execution_refused", None, None,
+            f"tool={tool}: its start could not be recorded ({why}); not run",
+            deadline=max(loop.time(), give_up) + REFUSAL_RECORD_WITHIN,
+        )  # fmt: skip
 
     async def execution_finished(self, request_id: str, *, ok: bool, output: str, error: str | None) -> None:
         """After an approved call ran: how it ended, audited. The output itself stays out of the audit (it goes

@@ -34,6 +34,7 @@ from kazma.config.metrics import failure_count
 from kazma.config.store.database import Tables
 from kazma.config.store.errors import simulated_failure
 from kazma.config.store.postgres import PgStore, pyformat
+from kazma.config.store.writer import StoreWriter
 from tests.approvals_support import ManualClock, RecordingPublisher, approval_service
 from tests.store_backends import Engine
 
@@ -514,6 +515,40 @@ async def test_a_start_locked_out_past_its_bound_is_refused_while_the_lock_is_he
         events = [e.event for e in await service.store.events(request_id)]
         assert "execution_started" not in events  # refused as not recorded, and not recorded later either
         assert request_id in [r.id for r in await service.store.approved_not_started()]
+
+
+async def test_a_verification_whose_first_read_waits_behind_a_locked_out_write_is_refused_within_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first read waits for this process's earlier writes, and one of them waits for another process's lock (up
+    to ``busy_timeout_ms``, here ten minutes): START_RECORD_WITHIN used to start counting only after that read, so no
+    refusal came while the lock was held, and the call ran whenever it was freed."""
+    monkeypatch.setattr(service_module, "START_RECORD_WITHIN", 0.3)
+    monkeypatch.setattr(service_module, "REFUSAL_RECORD_WITHIN", 0.1)
+    path = tmp_path / "k.db"
+    async with approval_service(path, busy_timeout_ms=600_000) as service:
+        request = await service.open("shell", ARGS, "lead", "conv-1")
+        await service.decide(request.id, Decision.APPROVE, actor="web:admin", platform="web")
+        unrecorded = failure_count("approval_start_unrecorded")
+        writer = await service.store.tables.writer()
+        assert isinstance(writer, StoreWriter)
+        async with _locked_out(path):
+            earlier = asyncio.ensure_future(service.store.write(lambda tx: tx.one("SELECT 1")))
+            async with asyncio.timeout(60):
+                while not writer._in_flight:  # the earlier write waits for the lock on the writer's thread
+                    await asyncio.sleep(0)
+                with pytest.raises(
+                    ExecutionMismatch,
+                    match=r"start could not be recorded .*did not even answer the reads.* did not run",
+                ):
+                    await service.verify_execution(request.id, "shell", ARGS)
+            assert not earlier.done()  # refused while the earlier write still waits for the lock
+        await earlier
+        await service.store.write(lambda tx: tx.one("SELECT 1"))  # every group before it has returned
+        events = [e.event for e in await service.store.events(request.id)]
+        assert "execution_started" not in events
+        assert request.id in [r.id for r in await service.store.approved_not_started()]
+        assert failure_count("approval_start_unrecorded") == unrecorded + 1
 
 
 async def test_a_start_whose_commit_answer_was_lost_is_recorded_once(store_engine: Engine) -> None:

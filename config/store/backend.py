@@ -59,8 +59,8 @@ class Writer(Protocol):
     async def submit(self, op: Callable[[Tx], T], *, ride: float = 0.0, deadline: float | None = None) -> T:
         """Run ``op`` in the next group commit; its result once that commit is durable. ``ride`` > 0: in the next
         group other operations start, or alone after ``ride`` seconds (see :mod:`kazma.config.store.group_commit`).
-        ``deadline`` (the loop's time): given up past it, never to commit, while it waits for its group or (SQLite)
-        for another connection's lock; on PostgreSQL a group already sent is not given up."""
+        ``deadline`` (the loop's time): given up past it, never to commit, while it waits for its group or for another
+        connection's lock (PostgreSQL: the transaction under way is cancelled then, its other operations run again)."""
         ...
 
     def release_riders(self) -> None:

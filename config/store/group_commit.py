@@ -259,10 +259,11 @@ class GroupQueue:
         alone once ``ride`` seconds passed without one (see the module's docstring).
 
         ``deadline`` (the loop's time): past it, ``op`` is given up while it waits for its group, or while the
-        writer waits for a lock another connection holds (SQLite's writer), and its caller gets
-        :class:`WriteGivenUp`: it did not commit, and never will. Its group's other operations wait on. A
-        transaction already under way when it passes is not stopped: its caller is answered how it ended. (A
-        caller that merely stopped waiting, cancelled, leaves its write to commit whenever it can.)
+        writer waits for a lock another connection holds (SQLite's writer before its next attempt; PostgreSQL's
+        cancels the transaction under way, and runs the group's other operations again without it), and its caller
+        gets :class:`WriteGivenUp`: it did not commit, and never will. Its group's other operations wait on. A
+        commit already under way when it passes is not stopped: its caller is answered how it ended. (A caller that
+        merely stopped waiting, cancelled, leaves its write to commit whenever it can.)
         """
         if self._closed:
             raise self._closed_error()

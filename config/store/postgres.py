@@ -24,7 +24,10 @@ replicas hold while those replicas commit; inside a group of several that wait
 is bounded (``lock_timeout``), so two replicas' groups that lock rows in
 opposite orders cannot deadlock for long: the one that times out rolls back,
 letting the other commit, and runs its operations one per transaction (the
-held-up one last), where each may wait as long as it takes.
+held-up one last), where each may wait as long as it takes — but for one with
+a deadline (an approved call's start): the transaction under way is cancelled
+at it (:class:`_Cut`), the operation given up, never to run again, and the
+group's others run again without it.
 
 A group whose operations wait for no answer before the commit (presses sent on
 a guess, the audit chain's append on the head it expects, notifications) goes
@@ -44,10 +47,12 @@ lone press two thread wake-ups (see :meth:`PgWriter._send_on_loop`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -58,6 +63,7 @@ from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg_pool import AsyncConnectionPool
 
 from kazma.config.metrics import count_failure
+from kazma.config.store.errors import WriteGivenUp
 from kazma.config.store.group_commit import Deferred, GroupQueue, Job, Later, Unasking, interrupted, own_operations
 from kazma.config.store.migrations import Migration, run_migrations
 from kazma.config.store.pg_schema import PREPARED
@@ -84,6 +90,10 @@ _UNPREPARED = frozenset({"26000", "0A000", "42883"})
 # SQLSTATEs after which an operation is run again on its own: lock_not_available, deadlock_detected,
 # serialization_failure. None of them leaves anything of the transaction behind.
 _RUN_ALONE = frozenset({"55P03", "40P01", "40001"})
+# Once an attempt ran past a job's deadline, its statements are cancelled again this often until it ends: a cancel
+# that reaches the server between two statements is dropped there (PostgreSQL cancels a statement under way only),
+# and the next statement might wait for a lock as long as another session holds it.
+CUT_REPEAT = 0.02
 
 # Every NOTIFY of a transaction in one statement, in the order they were asked for. Given value by value, not as
 # arrays (psycopg dumps a list element by element in Python); past _NOTIFY_VALUES notices the text would be long.
@@ -441,6 +451,49 @@ class _LoopGroup:
         self.flushing = False  # the query is not all sent yet: a writer callback sends the rest
 
 
+class _Cut:
+    """The attempt under way on the writer's connection, cut at ``at`` (``time.monotonic()``, the earliest deadline of
+    its jobs): from then until :meth:`close`, a timer thread cancels whatever statement the connection runs.
+
+    A group already sent used to wait for another session's row lock as long as that session held it (a lone
+    operation has no ``lock_timeout``): a start with a deadline (an approved call's) then was neither refused in
+    time nor, once the lock was free, kept from committing after its caller stopped waiting. A cancel is sent only
+    while the attempt is :attr:`_live`, and returns once the server took it (libpq waits for that), so it never
+    lands on a statement of a later attempt: a cancel the server receives between statements is dropped there."""
+
+    def __init__(self, conn: psycopg.Connection[Any], at: float) -> None:
+        self._cancel = conn.pgconn.get_cancel()  # made here, by the connection's own thread
+        self._lock = threading.Lock()
+        self._live = True
+        self.fired = False  # a cancel was sent: the attempt must not commit (unless its COMMIT was already out)
+        self._timer = self._arm(at - time.monotonic())
+
+    def _arm(self, delay: float) -> threading.Timer:
+        timer = threading.Timer(max(0.0, delay), self._fire)
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def _fire(self) -> None:
+        with self._lock:
+            if not self._live:
+                return
+            if not self.fired:
+                log.warning("store.write_cut", backend="postgresql", reason="a job's deadline passed")
+            self.fired = True
+            try:
+                self._cancel.cancel()
+            except psycopg.Error as exc:  # the connection is gone: its statement ended with it
+                log.warning("store.cancel_failed", backend="postgresql", error=str(exc))
+            self._timer = self._arm(CUT_REPEAT)
+
+    def close(self) -> None:
+        """The attempt has ended: nothing is cancelled from now on."""
+        with self._lock:
+            self._live = False
+            self._timer.cancel()
+
+
 class PgWriter(GroupQueue):
     """Group-committing writer for one PostgreSQL database. Create it on the event loop that will use it."""
 
@@ -528,8 +581,9 @@ class PgWriter(GroupQueue):
             or conn.closed
             or conn.broken
             or conn.info.transaction_status != TransactionStatus.IDLE
-            or not all(type(job.op) is Unasking for job in jobs)
+            or not all(type(job.op) is Unasking and job.deadline is None for job in jobs)
         ):
+            # (A job with a deadline goes by the thread, which cuts an attempt at it: see _Cut.)
             return False
         try:
             built = self._build_batch(conn, jobs, bounded=own_operations(jobs) > 1)
@@ -796,11 +850,29 @@ class PgWriter(GroupQueue):
             self._roll_back(conn)  # what a string sent from the loop left open (nothing, usually)
             todo = list(jobs)
             while todo:
-                # A rider (a checkpoint) makes no group bounded: a lone press with one waits for locks as before.
-                failed = self._attempt(conn, todo, bounded=own_operations(todo) > 1, batch_failed=batch_failed)
+                todo = self._give_up_late(todo)
+                if not todo:
+                    return None
+                cut = self._cut_for(conn, todo)
+                try:
+                    # A rider (a checkpoint) makes no group bounded: a lone press with one waits for locks as before.
+                    failed = self._attempt(
+                        conn, todo, bounded=own_operations(todo) > 1, batch_failed=batch_failed, cut=cut
+                    )
+                except psycopg.Error:
+                    if not _was_cut(cut, conn):
+                        raise
+                    failed = todo[0], _cut_error()  # a cancel met the ROLLBACK or the COMMIT: nothing was kept
+                finally:
+                    if cut is not None:
+                        cut.close()
                 batch_failed = None
                 if failed is None:
                     break
+                if cut is not None and cut.fired:
+                    # Cut at a job's deadline, rolled back: that job is given up (next turn), the others run again.
+                    self._roll_back(conn)
+                    continue
                 job, exc = failed
                 todo = [j for j in todo if j is not job]
                 if len(jobs) > 1 and _sqlstate(exc) in _RUN_ALONE:
@@ -817,13 +889,42 @@ class PgWriter(GroupQueue):
             return self._failed(exc, len(jobs))
 
     def _commit_alone(self, job: Job[Any]) -> BaseException | None:
-        """``job`` in a transaction of its own, waiting for locks as long as it takes."""
+        """``job`` in a transaction of its own, waiting for locks as long as it takes (or until its deadline)."""
+        if not self._give_up_late([job]):
+            return None
         try:
             self.run_alone += 1
             self._run_alone(self._connection(), job)
             return None
         except psycopg.Error as exc:
             return self._failed(exc, 1)
+
+    def _cut_for(self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]]) -> _Cut | None:
+        """A cut at the earliest deadline among ``jobs``, or None when none has one."""
+        deadlines = [job.deadline for job in jobs if job.deadline is not None]
+        return _Cut(conn, min(deadlines)) if deadlines else None
+
+    def _give_up_late(self, jobs: list[Job[Any]]) -> list[Job[Any]]:
+        """``jobs`` but those whose deadline has passed: those are given up (never run again, so never committed),
+        and their callers told now, from the thread, while the others may go on waiting for a lock."""
+        now = time.monotonic()
+        late = [job for job in jobs if job.deadline is not None and job.deadline <= now]
+        if not late:
+            return jobs
+        self._give_up(late)
+        return [job for job in jobs if job.deadline is None or job.deadline > now]
+
+    def _give_up(self, late: list[Job[Any]]) -> None:
+        for job in late:
+            job.result = None
+            job.error = WriteGivenUp(
+                "the write was given up at its deadline before it could commit (it waited for a lock another"
+                " session of the database held, or for the writer busy before it): nothing of it was committed"
+            )
+        log.warning("store.write_given_up", backend="postgresql", operations=len(late), waiting_for="lock")
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for an answer
+                self._loop.call_soon_threadsafe(self._answer_given_up, late)
 
     def _failed(self, exc: psycopg.Error, operations: int) -> psycopg.Error:
         """The connection or a COMMIT failed: nobody's write is known to be kept."""
@@ -836,8 +937,23 @@ class PgWriter(GroupQueue):
 
     def _run_alone(self, conn: psycopg.Connection[Any], job: Job[Any]) -> None:
         for attempt in range(1, ALONE_ATTEMPTS + 1):
-            failed = self._attempt(conn, [job], bounded=False)
+            if not self._give_up_late([job]):
+                return
+            cut = self._cut_for(conn, [job])
+            try:
+                failed = self._attempt(conn, [job], bounded=False, cut=cut)
+            except psycopg.Error:
+                if not _was_cut(cut, conn):
+                    raise
+                failed = job, _cut_error()
+            finally:
+                if cut is not None:
+                    cut.close()
             if failed is None:
+                return
+            if cut is not None and cut.fired:
+                self._roll_back(conn)
+                self._give_up([job])  # cut at its deadline: given up, never run again
                 return
             _, exc = failed
             if _sqlstate(exc) not in _RUN_ALONE or attempt == ALONE_ATTEMPTS:
@@ -851,12 +967,14 @@ class PgWriter(GroupQueue):
         *,
         bounded: bool,
         batch_failed: bool | None = None,
+        cut: _Cut | None = None,
     ) -> tuple[Job[Any], Exception] | None:
         """One transaction for ``jobs``: None once committed, or the job that failed (all rolled back).
 
         First in pipeline mode; when anything goes wrong there, the group is rolled back and run again statement
         by statement, which tells exactly which operation failed (see :meth:`_attempt_pipelined`).
-        Raises when the connection itself fails, or the ``COMMIT`` does.
+        Raises when the connection itself fails, or the ``COMMIT`` does. Once ``cut`` fired, no way is tried again:
+        the first job is returned with the cut's error (its caller decides who was late).
         """
         if self.pipelined:
             guesses: tuple[bool, ...] = (True, False)
@@ -869,15 +987,19 @@ class PgWriter(GroupQueue):
                 committed, stale = self._attempt_batched(conn, jobs, bounded=bounded)
                 if committed:
                     return None
+                if cut is not None and cut.fired:
+                    return jobs[0], _cut_error()
                 if stale:
                     guesses = (False,)
             for guessing in guesses:  # once more, guessing nothing, when a guess was stale
-                committed, again = self._attempt_pipelined(conn, jobs, bounded=bounded, guessing=guessing)
+                committed, again = self._attempt_pipelined(conn, jobs, bounded=bounded, guessing=guessing, cut=cut)
                 if committed:
                     return None
+                if cut is not None and cut.fired:
+                    return jobs[0], _cut_error()
                 if not again:
                     break
-        return self._attempt_plain(conn, jobs, bounded=bounded)
+        return self._attempt_plain(conn, jobs, bounded=bounded, cut=cut)
 
     def _attempt_batched(
         self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool
@@ -950,7 +1072,13 @@ class PgWriter(GroupQueue):
             return None
 
     def _attempt_pipelined(
-        self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool, guessing: bool = False
+        self,
+        conn: psycopg.Connection[Any],
+        jobs: Sequence[Job[Any]],
+        *,
+        bounded: bool,
+        guessing: bool = False,
+        cut: _Cut | None = None,
     ) -> tuple[bool, bool]:
         """``jobs`` in one transaction in pipeline mode: (committed, whether to try again so because a guess was
         stale, :data:`STALE_GUESS`). Rolled back unless committed.
@@ -978,6 +1106,8 @@ class PgWriter(GroupQueue):
                         tx._resolve_laters()
                         tx._run_deferred()
                         tx._send_notices()
+                        if cut is not None and cut.fired:  # past a deadline: no COMMIT goes out
+                            raise _cut_error()
                         cursor.execute("COMMIT")
                     except Exception as exc:  # caught here, so the pipeline's end is no error psycopg logs as ignored
                         failure = exc
@@ -1014,7 +1144,7 @@ class PgWriter(GroupQueue):
             log.warning("store.rollback_failed", error=f"{type(rollback).__name__}: {rollback}")
 
     def _attempt_plain(
-        self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool
+        self, conn: psycopg.Connection[Any], jobs: Sequence[Job[Any]], *, bounded: bool, cut: _Cut | None = None
     ) -> tuple[Job[Any], Exception] | None:
         """``jobs`` in one transaction, each statement waited for: None once committed, or the job that failed."""
         with conn.cursor() as cursor:
@@ -1038,6 +1168,9 @@ class PgWriter(GroupQueue):
                 tx._resolve_laters()
                 tx._run_deferred()
                 tx._send_notices()
+                if cut is not None and cut.fired:  # past a deadline: no COMMIT goes out
+                    self._roll_back(conn)
+                    return jobs[0], _cut_error()
                 cursor.execute("COMMIT")
                 if cursor.statusmessage != "COMMIT":
                     # Aborted unseen (what ran at its end swallowed a database error): the server answered the
@@ -1051,6 +1184,16 @@ class PgWriter(GroupQueue):
                     self._roll_back(conn)
                 raise
         return None
+
+
+def _was_cut(cut: _Cut | None, conn: psycopg.Connection[Any]) -> bool:
+    """Whether an attempt that raised was cut at a deadline, on a connection still up: then it failed on the server,
+    which rolled it back (a COMMIT it refused included), so nothing of it was kept."""
+    return cut is not None and cut.fired and not conn.broken and not conn.closed
+
+
+def _cut_error() -> WriteGivenUp:
+    return WriteGivenUp("the transaction was cut at a write's deadline and rolled back: nothing of it was committed")
 
 
 def _sqlstate(exc: BaseException) -> str | None:
