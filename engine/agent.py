@@ -51,6 +51,8 @@ MAX_TOOL_OUTPUT_TO_MODEL = MAX_TOOL_OUTPUT_CHARS
 # A reply of hundreds of calls (a model looping, or told to by text it read) put a card after card in front of
 # people, each waited for in turn, for as long as every deadline together.
 MAX_CALLS_PER_REPLY = 32
+# The plan tool a step's sub-agent asks a person with: the step waits for the answer once it has returned.
+ASK_USER: Final = "ask_user"
 # An execution's ending that could not be written is written again after these pauses (seconds).
 FINISH_RETRIES = (0.05, 0.25, 1.0)
 DANGEROUS = DangerLevel.DANGEROUS
@@ -495,6 +497,15 @@ class AgentRunner:
             problem = f"arguments nested {depth} levels deep (at most {MAX_ARGUMENT_DEPTH})"
             result.tool_runs.append(ToolRun(call.name, {}, False, problem, refused=True))
             return f"Error: the call to {call.name} was not run: its {problem}. Send flatter arguments."
+        if ctx.step is not None and any(run.name == ASK_USER and run.ok for run in result.tool_runs):
+            # The step waits for the person's answer from here on, and the turn resumed with it does the rest: a
+            # call after it was still put to an approver (a card) and then refused at its start, whatever they
+            # decided; a second question was refused only after the store was read.
+            why = "your step waits for the answer to your question, and you go on from there once it comes"
+            log.info("agent.call_after_question", agent=ctx.agent.name, tool=call.name,
+                     plan=ctx.step.plan_id, step=ctx.step.index)  # fmt: skip
+            result.tool_runs.append(ToolRun(call.name, call.arguments, False, why, refused=True))
+            return f"Not run: {why}. End your turn now with one short line saying what you are waiting for."
         internal = tools.get(call.name)
         if internal is not None:
             unasked = await self._unasked(call, ctx, result, None)

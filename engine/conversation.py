@@ -36,7 +36,7 @@ from kazma.config.metrics import count_failure
 from kazma.config.outgoing import Outgoing
 from kazma.config.store.errors import store_errors
 from kazma.config.supervisor import Supervisor
-from kazma.engine.agent import AgentRunner, AgentSpec, InternalTool, StepRef, TurnResult, workspace_for
+from kazma.engine.agent import ASK_USER, AgentRunner, AgentSpec, InternalTool, StepRef, TurnResult, workspace_for
 from kazma.engine.attachments import Saved, describe, save_attachments
 from kazma.engine.executor import Action, ActionKind, AnswerVerdict, DispatchFailed, PlanExecutor, StepResult
 from kazma.engine.fence import fence_untrusted
@@ -367,7 +367,7 @@ class Conversations:
             usage=result.usage,
             execution=result.execution,
         )
-        if any(run.name == "ask_user" and run.ok for run in result.tool_runs):
+        if any(run.name == ASK_USER and run.ok for run in result.tool_runs):
             # The turn asked a person: the step waits, and the turn resumed with the answer completes it. An answer
             # given before this turn ended has resumed the step already (the same attempt): this turn's closing line
             # would have been taken as the step's result, and the next step started while the resumed one ran.

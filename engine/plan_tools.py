@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kazma.engine.agent import InternalTool, TurnContext
+from kazma.engine.agent import ASK_USER, InternalTool, TurnContext
 from kazma.engine.executor import MAX_CHOICES, PlanExecutor, RepairRefused
 from kazma.engine.plan import MAX_STEP_INPUT, PlanError, PlanOrigin, PlanSpec, StepSpec
 from kazma.engine.tools.registry import ToolResult, validation_problems
@@ -195,7 +195,7 @@ def ask_user_tool(executor: PlanExecutor) -> InternalTool:
 
     return InternalTool(
         ToolSpec(
-            "ask_user",
+            ASK_USER,
             "Ask the person who requested this work a question you cannot answer yourself. Your step pauses "
             "until they answer; then you continue with the answer.",
             AskUserArgs.model_json_schema(),

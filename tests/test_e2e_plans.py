@@ -457,3 +457,37 @@ async def test_a_lead_turn_that_fails_inside_kazma_tells_the_person(tmp_path: Pa
         assert not any("the provider broke" in t for t in texts(fake))  # the error's own text stays in the log
         fake.push_message(CHAT, ALICE, "@kazma hello again", username="alice")
         await said(fake, "Here now.")
+
+
+async def test_a_tool_called_after_ask_user_in_the_same_turn_asks_nobody_to_approve_it(tmp_path: Path) -> None:
+    # The step waits for the person's answer once ask_user returns: a write_file the same turn called after it
+    # was put to an approver all the same (a card in the chat), and once approved it was refused at its start
+    # ("its plan step was taken away"): a decision asked for a call that could never run, its ending misnamed.
+    seen: list[str] = []
+
+    def waits(messages: Sequence[Message]) -> ModelReply:
+        seen.append(str(messages[-1]["content"]))
+        return ModelReply(content="Waiting for the region.")
+
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [call("write_plan", DEPLOY_PLAN), ModelReply(content="Planned."), ModelReply(content="Noted.")],
+        "builder": [
+            call("ask_user", {"question": "Which region?"}),
+            call("write_file", {"path": "region.txt", "content": "eu"}),
+            waits,
+        ],
+    }
+    async with kazma(tmp_path, scripts) as (app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma deploy it", username="alice")
+        await fake.wait_until(
+            lambda: any(t == "[builder] Waiting for the region." or "write_file" in t for t in texts(fake)), timeout=20
+        )
+        carded = await app.service.store.pending_of("write_file")
+        for request in carded:  # (before: the turn waited on the card; denied so that it ends)
+            await app.service.cancel(request.id, reason="test over")
+        assert carded == []
+        await said(fake, "[builder] Waiting for the region.")
+        [told] = seen
+        assert "waits for the answer" in told, told
+        loaded = await last_plan(app)
+        assert loaded.steps[1].status is StepStatus.WAITING_FOR_USER
