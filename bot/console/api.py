@@ -64,8 +64,10 @@ MAX_WAIT = 60.0
 _KEY = re.compile(r"[\x21-\x7e]{1,200}")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
 # A JSON string (escapes included), and the brackets left once strings are gone: how deep a body nests,
-# found before the parser recurses into it.
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# found before the parser recurses into it. A string left open runs to the end of the body (which is then no JSON):
+# matched only when closed, every escaped quote inside an open one began another scan to the end, and 256 KiB of
+# them held the event loop (every chat and every door) for minutes.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 _JSON_BRACKET = re.compile(r"[\[\]{}]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 # ``Kazma-Wait: sync`` on a POST: the caller waits for the answer and keeps asking (GET) until it has it; the
