@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -322,6 +323,25 @@ async def test_attack_a_body_over_the_size_limit_is_a_413_in_json_that_says_so(t
         }
         assert await door.app.service.store.requests(limit=10) == []
     assert "413" in openapi_document()["paths"]["/api/v1/approvals"]["post"]["responses"]
+
+
+async def test_attack_an_unclosed_string_of_escaped_quotes_is_refused_at_once_not_after_minutes(
+    tmp_path: Path,
+) -> None:
+    """Before, the depth check's string pattern began a scan to the end of the body at every escaped quote inside
+    a string left open: 120 KB of them held the event loop (every chat, every door) for some 40 s, a body of the
+    largest size (256 KiB) for over three minutes."""
+    body = '{"tool": "deploy", "arguments": {"env": "' + '\\"' * 60_000
+    async with kazma_door(tmp_path) as door, client(door) as http:
+        # The server shares this event loop, so a client timeout could never fire while it is held: the time the
+        # answer took is the measure. A bound, not a wait: milliseconds now, about 40 s here before.
+        began = time.monotonic()
+        answer = await http.post("/api/v1/approvals", content=body, headers={"Content-Type": "application/json"})
+        took = time.monotonic() - began
+        assert answer.status_code == 400, answer.text
+        assert took < 5, f"the door held the event loop for {took:.1f} s"
+        assert "the body must be a JSON object" in answer.json()["error"]
+        assert await door.app.service.store.requests(limit=10) == []
 
 
 async def test_arguments_as_deep_as_agents_may_nest_are_accepted(tmp_path: Path) -> None:

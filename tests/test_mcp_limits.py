@@ -7,6 +7,7 @@ read from /proc/self/status (its peak reset through /proc/self/clear_refs before
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from kazma.engine.tools.mcp_tools import MCPConnection
 from tests.mcp_support import mcp_server_over_http
 
 SPY = Path(__file__).resolve().parent / "mcp_servers" / "spy.py"
+RAW_NUMBERS = Path(__file__).resolve().parent / "mcp_servers" / "raw_numbers.py"
 TEN_MB = 10_000_000
 MB = 1024 * 1024
 
@@ -102,6 +104,19 @@ async def test_an_answer_under_the_bound_is_read_and_cut_to_max_output_chars() -
     assert result.ok
     assert result.truncated
     assert result.output.startswith("x" * 1000 + "\n[… result cut at 1000 of 100000 characters …]")
+
+
+async def test_attack_an_answer_holding_numbers_json_has_no_place_for_is_shown_as_a_call_that_ran() -> None:
+    """Before, structured content holding 1e400 or NaN (which the SDK's parser reads as floats) made the answer
+    raise in canonical JSON, and the registry reported a call the server had run as one that failed unexpectedly."""
+    config = MCPServerConfig(command=sys.executable, args=[str(RAW_NUMBERS)])
+    async with _running(config) as connection:
+        result = await connection.call("measure", {})
+    assert result.ok, result.error
+    shown = json.loads(result.output)
+    assert math.isinf(shown["reading"])
+    assert math.isnan(shown["spread"])
+    assert shown["unit"] == "K"
 
 
 # --------------------------------------------------------------------------- the cutter, as a unit

@@ -127,6 +127,42 @@ async def test_attack_a_body_naming_a_member_twice_is_refused_before_the_sdk(tmp
         assert [tool["name"] for tool in listed.json()["result"]["tools"]] == ["request_approval"]
 
 
+async def test_attack_arguments_sent_as_text_naming_a_member_twice_are_refused_too(tmp_path: Path) -> None:
+    """The SDK's tools read a text given for a parameter that is not text as JSON, with Python's parser (which keeps
+    the last of a name given twice): before, arguments sent as such a text passed the door's check and the card
+    asked about env=staging while a client whose parser keeps the first meant env=prod."""
+    headers = {
+        "Authorization": f"Bearer {REQUESTER_TOKEN}",
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+    }
+    inner = '{"env":"prod","env":"staging"}'
+    call: dict[str, Any] = {
+        "jsonrpc": "2.0",
+        "id": 2,
+        "method": "tools/call",
+        "params": {
+            "name": "request_approval",
+            "arguments": {"tool": "deploy", "arguments": inner, "deadline_seconds": 1},
+        },
+    }
+    async with kazma_door(tmp_path) as door, httpx2.AsyncClient(timeout=30, trust_env=False) as http:
+        refused = await http.post(f"{door.url}/mcp", content=json.dumps(call).encode(), headers=headers)
+        opened = [request.args for request in await door.app.service.store.requests(limit=5)]
+        assert refused.status_code == 400, f"{refused.text} (opened: {opened})"
+        assert refused.json()["error"] == {
+            "code": -32600,
+            "message": "the body is ambiguous: 'env' is named twice in one object (in the text given as arguments); "
+            "send each name once",
+        }
+        assert opened == []
+        # the same text with each name once is still read as the arguments (as clients that send text rely on)
+        call["params"]["arguments"]["arguments"] = '{"env":"prod"}'
+        answered = await http.post(f"{door.url}/mcp", content=json.dumps(call).encode(), headers=headers)
+        assert answered.status_code == 200, answered.text
+        assert [request.args for request in await door.app.service.store.requests(limit=5)] == [{"env": "prod"}]
+
+
 async def test_sdk_client_reaching_kazma_by_its_public_name_gets_the_outcome(tmp_path: Path) -> None:
     """A client of ``<public_url>/mcp`` sends that name as Host (a proxy passes it on): before, the SDK's
     localhost-only DNS-rebinding check answered every such call 421 "Invalid Host header". Its headers may also

@@ -35,7 +35,7 @@ import hmac
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -64,8 +64,10 @@ MAX_WAIT = 60.0
 _KEY = re.compile(r"[\x21-\x7e]{1,200}")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
 # A JSON string (escapes included), and the brackets left once strings are gone: how deep a body nests,
-# found before the parser recurses into it.
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# found before the parser recurses into it. A string left open runs to the end of the body (which is then no JSON):
+# matched only when closed, every escaped quote inside an open one began another scan to the end, and 256 KiB of
+# them held the event loop (every chat and every door) for minutes.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 _JSON_BRACKET = re.compile(r"[\[\]{}]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 # ``Kazma-Wait: sync`` on a POST: the caller waits for the answer and keeps asking (GET) until it has it; the
@@ -454,17 +456,38 @@ def _members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return found
 
 
-def ambiguity(body: bytes) -> str | None:
+def ambiguity(body: bytes, *, read_from_text: Collection[str] = ()) -> str | None:
     """Why ``body`` (JSON naming a member twice in one object) is ambiguous, or None: for a door whose parser is
     not this module's (``/mcp``, behind the MCP SDK, which keeps the last value). A body that is not JSON at all is
-    that parser's to refuse, in its own words."""
+    that parser's to refuse, in its own words.
+
+    ``read_from_text``: the tool parameters a JSON-RPC ``tools/call`` may send as text that the SDK then reads as
+    JSON (with Python's parser, which keeps the last value too): such a text is held to the same rule."""
     try:
-        json.loads(body, object_pairs_hook=_members)
+        message = json.loads(body, object_pairs_hook=_members)
     except _Ambiguous as exc:
         return f"the body is ambiguous: {exc}; send each name once"
     except (ValueError, RecursionError):
         return None
+    for name, text in _texts_of(message, read_from_text):
+        try:
+            json.loads(text, object_pairs_hook=_members)
+        except _Ambiguous as exc:
+            return f"the body is ambiguous: {exc} (in the text given as {name[:100]}); send each name once"
+        except (ValueError, RecursionError):
+            continue  # not JSON: the SDK passes it on as text, for the tool's own validation to refuse
     return None
+
+
+def _texts_of(message: Any, names: Collection[str]) -> list[tuple[str, str]]:
+    """The text values ``message`` (a ``tools/call``) gives the tool parameters ``names``."""
+    if not isinstance(message, dict) or message.get("method") != "tools/call":
+        return []
+    params = message.get("params")
+    given = params.get("arguments") if isinstance(params, dict) else None
+    if not isinstance(given, dict):
+        return []
+    return [(name, value) for name, value in given.items() if name in names and isinstance(value, str)]
 
 
 def _no_constant(name: str) -> Any:

@@ -397,7 +397,9 @@ def _result(server: str, tool: str, result: Any, limit: int) -> ToolResult:
             parts.append(f"[{kind or 'unknown'} content from the server, not shown]")
     structured = getattr(result, "structured_content", None)
     if not parts and structured is not None:
-        parts.append(canonical_json(structured))
+        # Shown, not hashed: a server's NaN or 1e400 (its parser reads them as floats) is written as such. Canonical
+        # JSON refused them, and a call that had run was reported as one that "failed unexpectedly".
+        parts.append(json.dumps(structured, sort_keys=True, ensure_ascii=False, separators=(",", ":")))
     text = "\n".join(parts)
     truncated = len(text) > limit
     if truncated:
