@@ -13,6 +13,7 @@ import dataclasses
 import json
 import sqlite3
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -82,6 +83,31 @@ def telegram_replica(fake: FakeTelegram) -> TelegramAdapter:
         token=fake.token, api_base_url=fake.base_url, chats=[GROUP], home_chat=GROUP, admins=[ADMIN]
     )
     return TelegramAdapter(config, poll_timeout=1.0, request_timeout=5.0, limiter=ChatRateLimiter(min_interval=0))
+
+
+@asynccontextmanager
+async def two_inboxes(path: Path) -> AsyncIterator[tuple[InboundClaims, InboundClaims, set[str]]]:
+    """Replicas a and b keeping their inboxes in one store, and the set of those alive (one dies by leaving it)."""
+    first = await open_database(path, migrations=MIGRATIONS)
+    second = await open_database(path, migrations=MIGRATIONS)
+    alive = {"a", "b"}
+
+    async def live() -> set[str]:
+        return set(alive)
+
+    try:
+        yield InboundClaims(first, replica="a", live=live), InboundClaims(second, replica="b", live=live), alive
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def poller_dies(adapter: TelegramAdapter) -> None:
+    """Its poller stops on the spot: a dead replica runs none of its own stopping code."""
+    app = adapter._app
+    assert app is not None
+    assert app.updater is not None
+    await app.updater.stop()
 
 
 async def test_telegram_updates_left_unconfirmed_by_a_leader_are_handled_once_after_the_handover(
@@ -248,61 +274,49 @@ async def test_telegram_updates_a_leader_confirmed_and_never_took_in_reach_the_n
     them, and never gets to claim them (its claims hang: it is as good as dead); the new leader finds them in
     the store and handles each once."""
     fake = telegram
-    path = tmp_path / "kazma.db"
-    first, second = await open_database(path, migrations=MIGRATIONS), await open_database(path, migrations=MIGRATIONS)
-    alive = {"a", "b"}
+    async with two_inboxes(tmp_path / "kazma.db") as (kept_a, kept_b, alive):
+        dead = asyncio.Event()
 
-    async def live() -> set[str]:
-        return set(alive)
+        async def never_claims(platform: str, key: str) -> bool:
+            await dead.wait()  # it died before it could claim
+            return False
 
-    kept_a = InboundClaims(first, replica="a", live=live)
-    kept_b = InboundClaims(second, replica="b", live=live)
-    dead = asyncio.Event()
+        a, b = Replica("a", never_claims), Replica("b", kept_b.claim)
+        leader = TelegramAdapter(
+            TelegramConfig(
+                token=fake.token, api_base_url=fake.base_url, chats=[GROUP], home_chat=GROUP, admins=[ADMIN]
+            ),
+            poll_timeout=1.0,
+            request_timeout=5.0,
+            limiter=ChatRateLimiter(min_interval=0),
+            stop_grace=0.2,
+        )
+        follower = telegram_replica(fake)
+        await leader.start(dataclasses.replace(a.handlers(), inbox=kept_a, inbound_done=kept_a.done))
+        await follower.start(dataclasses.replace(b.handlers(), inbox=kept_b, inbound_done=kept_b.done), ingress=False)
+        try:
+            fake.push_message(GROUP, ADMIN, "one")
+            fake.push_message(GROUP, ADMIN, "two")
+            fake.push_callback(GROUP, CARD_MESSAGE, ADMIN, "kz1:abc:a")
+            async with asyncio.timeout(10):  # it kept them all in the store...
+                while (await kept_b.tables.one("SELECT COUNT(*) FROM inbound_claims WHERE payload IS NOT NULL"))[0] < 3:
+                    await asyncio.sleep(0.02)
+            await fake.wait_until(lambda: fake.pending_updates == 0)  # ... and Telegram will not give them again
+            assert a.inbound == []
+            assert a.presses == []
 
-    async def never_claims(platform: str, key: str) -> bool:
-        await dead.wait()  # it died before it could claim
-        return False
-
-    a, b = Replica("a", never_claims), Replica("b", kept_b.claim)
-    leader = TelegramAdapter(
-        TelegramConfig(token=fake.token, api_base_url=fake.base_url, chats=[GROUP], home_chat=GROUP, admins=[ADMIN]),
-        poll_timeout=1.0,
-        request_timeout=5.0,
-        limiter=ChatRateLimiter(min_interval=0),
-        stop_grace=0.2,
-    )
-    follower = telegram_replica(fake)
-    await leader.start(dataclasses.replace(a.handlers(), inbox=kept_a, inbound_done=kept_a.done))
-    await follower.start(dataclasses.replace(b.handlers(), inbox=kept_b, inbound_done=kept_b.done), ingress=False)
-    try:
-        fake.push_message(GROUP, ADMIN, "one")
-        fake.push_message(GROUP, ADMIN, "two")
-        fake.push_callback(GROUP, CARD_MESSAGE, ADMIN, "kz1:abc:a")
-        async with asyncio.timeout(10):  # it kept them all in the store...
-            while (await kept_b.tables.one("SELECT COUNT(*) FROM inbound_claims WHERE payload IS NOT NULL"))[0] < 3:
-                await asyncio.sleep(0.02)
-        await fake.wait_until(lambda: fake.pending_updates == 0)  # ... and Telegram will not give them again
-        assert a.inbound == []
-        assert a.presses == []
-
-        alive.discard("a")
-        # It dies: its poller stops on the spot (a dead replica runs none of its own stopping code).
-        app = leader._app
-        assert app is not None
-        assert app.updater is not None
-        await app.updater.stop()
-        await follower.start_ingress()
-        fake.push_message(GROUP, ADMIN, "three")
-        await b.wait_until(lambda: b.texts() == ["one", "two", "three"] and len(b.presses) == 1)
-        await follower.quiesce()
-        assert [p.data for p in b.presses] == ["kz1:abc:a"]
-        assert sorted(won(b)) == sorted(set(won(b)))  # each once
-    finally:
-        dead.set()
-        await leader.stop()
-        await follower.stop()
-        await first.close()
-        await second.close()
+            alive.discard("a")
+            await poller_dies(leader)
+            await follower.start_ingress()
+            fake.push_message(GROUP, ADMIN, "three")
+            await b.wait_until(lambda: b.texts() == ["one", "two", "three"] and len(b.presses) == 1)
+            await follower.quiesce()
+            assert [p.data for p in b.presses] == ["kz1:abc:a"]
+            assert sorted(won(b)) == sorted(set(won(b)))  # each once
+        finally:
+            dead.set()
+            await leader.stop()
+            await follower.stop()
 
 
 async def test_telegram_updates_a_leader_answered_without_a_press_are_not_answered_again_by_the_next_leader(
@@ -312,53 +326,39 @@ async def test_telegram_updates_a_leader_answered_without_a_press_are_not_answer
     with a refusal) were handled without a claim: they stayed in the leader's inbox as never taken in, so the
     next leader handed them over again and the group saw a second prompt and a second refusal."""
     fake = telegram
-    path = tmp_path / "kazma.db"
-    first, second = await open_database(path, migrations=MIGRATIONS), await open_database(path, migrations=MIGRATIONS)
-    alive = {"a", "b"}
+    async with two_inboxes(tmp_path / "kazma.db") as (kept_a, kept_b, alive):
+        a, b = Replica("a", kept_a.claim), Replica("b", kept_b.claim)
+        leader, follower = telegram_replica(fake), telegram_replica(fake)
+        await leader.start(dataclasses.replace(a.handlers(), inbox=kept_a, inbound_done=kept_a.done))
+        await follower.start(dataclasses.replace(b.handlers(), inbox=kept_b, inbound_done=kept_b.done), ingress=False)
 
-    async def live() -> set[str]:
-        return set(alive)
+        def prompts() -> list[int]:
+            return [m.message_id for m in fake.bot_messages(GROUP) if "reply to this message" in m.text]
 
-    kept_a = InboundClaims(first, replica="a", live=live)
-    kept_b = InboundClaims(second, replica="b", live=live)
-    a, b = Replica("a", kept_a.claim), Replica("b", kept_b.claim)
-    leader, follower = telegram_replica(fake), telegram_replica(fake)
-    await leader.start(dataclasses.replace(a.handlers(), inbox=kept_a, inbound_done=kept_a.done))
-    await follower.start(dataclasses.replace(b.handlers(), inbox=kept_b, inbound_done=kept_b.done), ingress=False)
+        def refusals() -> int:
+            return sum("only the person who pressed" in m.text for m in fake.bot_messages(GROUP))
 
-    def prompts() -> list[int]:
-        return [m.message_id for m in fake.bot_messages(GROUP) if "reply to this message" in m.text]
+        try:
+            query = fake.push_callback(GROUP, CARD_MESSAGE, ADMIN, f"kz1:{'r' * 24}:n")
+            await fake.wait_for_answer(query)
+            await fake.wait_until(lambda: len(prompts()) == 1)
+            fake.push_message(GROUP, 999, "not mine to give", reply_to=prompts()[0])
+            await fake.wait_until(lambda: refusals() == 1)
+            await leader.quiesce()
+            await fake.wait_until(lambda: fake.pending_updates == 0)  # confirmed: Telegram will not give them again
 
-    def refusals() -> int:
-        return sum("only the person who pressed" in m.text for m in fake.bot_messages(GROUP))
-
-    try:
-        query = fake.push_callback(GROUP, CARD_MESSAGE, ADMIN, f"kz1:{'r' * 24}:n")
-        await fake.wait_for_answer(query)
-        await fake.wait_until(lambda: len(prompts()) == 1)
-        fake.push_message(GROUP, 999, "not mine to give", reply_to=prompts()[0])
-        await fake.wait_until(lambda: refusals() == 1)
-        await leader.quiesce()
-        await fake.wait_until(lambda: fake.pending_updates == 0)  # confirmed: Telegram will not give them again
-
-        alive.discard("a")
-        # It dies: its poller stops on the spot (a dead replica runs none of its own stopping code).
-        app = leader._app
-        assert app is not None
-        assert app.updater is not None
-        await app.updater.stop()
-        await follower.start_ingress()
-        fake.push_message(GROUP, ADMIN, "after")
-        await b.wait_until(lambda: b.texts() == ["after"])
-        await follower.quiesce()
-        assert len(prompts()) == 1
-        assert refusals() == 1
-        assert a.presses == b.presses == []  # neither was a decision
-    finally:
-        await leader.stop()
-        await follower.stop()
-        await first.close()
-        await second.close()
+            alive.discard("a")
+            await poller_dies(leader)
+            await follower.start_ingress()
+            fake.push_message(GROUP, ADMIN, "after")
+            await b.wait_until(lambda: b.texts() == ["after"])
+            await follower.quiesce()
+            assert len(prompts()) == 1
+            assert refusals() == 1
+            assert a.presses == b.presses == []  # neither was a decision
+        finally:
+            await leader.stop()
+            await follower.stop()
 
 
 async def test_telegram_updates_no_handler_takes_in_are_not_left_in_the_inbox(
