@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kazma.adapters import bus
+from kazma.adapters import bus, kit
 from kazma.adapters.web import WebAdapter
 from kazma.bot import lifecycle
 from kazma.bot.app import App
@@ -107,3 +107,23 @@ async def test_healthz_is_503_only_when_no_platform_takes_presses_and_nobody_may
             else:
                 assert status == 503
                 assert lines[0] == "not deciding: no chat platform takes presses and nobody may decide on the console"
+
+
+async def test_telegram_polling_that_keeps_meeting_a_conflict_is_a_line_of_healthz_not_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process polling with the same token: every getUpdates answered 409 Conflict, logged and counted,
+    polled again with backoff, and /healthz said 'platform telegram: serving' while no press came in from it."""
+    monkeypatch.setattr(kit, "INBOUND_TROUBLE_AFTER", 2)
+    async with three_fakes() as fakes:
+        conflict = Fault("status", status=409, description="Conflict: terminated by other getUpdates request")
+        fakes.telegram.script("getUpdates", *[conflict] * 10_000)
+        failed = failure_count("poll", "telegram")
+        async with kazma_on(fakes, tmp_path / "k.db") as app, served(app, tmp_path) as url:
+            await until(lambda: failure_count("poll", "telegram") >= failed + 2)
+            status, lines = await healthz(url)
+            assert (status, lines[0]) == (200, "ok")  # Slack and Discord still take presses
+            assert "platform slack: serving" in lines
+            telegram = next((line for line in lines if line.startswith("platform telegram: ")), "")
+            assert telegram.startswith("platform telegram: inbound failing (getUpdates (long polling) failed "), lines
+            assert telegram.endswith("Telegram answered 409: Conflict: terminated by other getUpdates request)")
