@@ -66,6 +66,44 @@ NOT_SERVED: Final = "Kazma does not serve this chat."
 TYPING_INTERVAL: Final = 4.0  # Telegram's chat action shows for 5 s, Discord's typing for 10 s
 
 
+# Failures in a row of what brings a platform's events in before /healthz says its inbound is failing: one is a
+# moment's fault, which the library's own retry gets past.
+INBOUND_TROUBLE_AFTER: Final = 3
+
+
+class InboundStreak:
+    """The failures in a row of what brings a platform's events in while its ingress is open (Matrix's sync,
+    Telegram's ``getUpdates``, Slack's socket), for ``/healthz`` (see :class:`~kazma.adapters.contract.IngressTrouble`).
+    Each failure is logged and counted where it happens and tried again by its loop, and no monitor saw any of
+    it: after :data:`INBOUND_TROUBLE_AFTER` in a row, or one after which nothing tries again, :attr:`trouble` says
+    why, until a success."""
+
+    def __init__(self, what: str, *, retried: str = "tried again with backoff") -> None:
+        self.what = what  # "the sync": what failed, as a reader of /healthz is told it
+        self.retried = retried  # what the library does about it meanwhile
+        self._failures = 0
+        self._error = ""
+        self._final = False
+
+    def failed(self, error: object, *, final: bool = False) -> None:
+        """One more failure; ``final`` when the library gave up and nothing tries again."""
+        self._failures += 1
+        self._error = str(error)
+        self._final = self._final or final
+
+    def succeeded(self) -> None:
+        self._failures = 0
+        self._final = False
+
+    @property
+    def trouble(self) -> str | None:
+        if self._final:
+            return f"{self.what} failed and is not tried again: {self._error}"
+        if self._failures >= INBOUND_TROUBLE_AFTER:
+            return f"{self.what} failed {self._failures} times in a row, {self.retried}: {self._error}"
+        return None
+
+
 # -- the base -----------------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from kazma.approvals.hashing import UnrenderableArguments
 from kazma.approvals.rules import rule_states
 from kazma.approvals.service import ApprovalService
 from kazma.bot.api_store import IdempotencyKeys
+from kazma.bot.console.auth import console_proves
 from kazma.bot.console.services import ApprovalRecord, DashboardReads, InlineApproval, SwarmCommand
 from kazma.config.address import platform_of
 from kazma.config.models import KazmaConfig
@@ -157,8 +158,11 @@ class KazmaServices:
     @property
     def console_decides(self) -> bool:
         roster = self.config.roster
+        # A Slack, Discord or Telegram approver signed in there decides on the console as that identity: counted
+        # only as web: identities, a Kazma whose approvers all sign in with Slack answered 503 while they could.
+        proves = console_proves(self.config)
         return any(
-            platform_of(identity) == "web"
+            platform_of(identity) in proves
             for name in self.config.policy_names
             if (policy := self.config.policy(name)) is not None
             for identity in roster.deciders(policy.approvers)

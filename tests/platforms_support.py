@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,9 +173,17 @@ def adapters_for(loaded: LoadedConfig, *, request_timeout: float = 2.0) -> list[
 
 @asynccontextmanager
 async def kazma_on(
-    fakes: Fakes, store: Path, *, request_timeout: float = 2.0, approvals: str = "", extra: str = ""
+    fakes: Fakes,
+    store: Path,
+    *,
+    request_timeout: float = 2.0,
+    approvals: str = "",
+    extra: str = "",
+    edit: Callable[[str], str] | None = None,
 ) -> AsyncIterator[App]:
-    loaded = load_config_text(fakes.config_yaml(store, approvals=approvals, extra=extra), environ={})
+    """``edit``: changes the configuration's YAML text (a key inside a platform's, or web's, mapping)."""
+    text = fakes.config_yaml(store, approvals=approvals, extra=extra)
+    loaded = load_config_text(text if edit is None else edit(text), environ={})
     adapters = adapters_for(loaded, request_timeout=request_timeout)
     app = await build_app(loaded, adapters=adapters, poll_interval=0.05, workspace_root=store.parent / "ws")
     await app.start()

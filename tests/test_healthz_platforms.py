@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from kazma.adapters import bus
+from kazma.adapters import bus, kit
 from kazma.adapters.web import WebAdapter
 from kazma.bot import lifecycle
 from kazma.bot.app import App
@@ -19,7 +19,7 @@ from kazma.bot.console.server import WebServer
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
 from tests.fakes.telegram import Fault
-from tests.platforms_support import kazma_on, three_fakes
+from tests.platforms_support import SLACK_ADMIN, TG_ADMIN, kazma_on, three_fakes
 
 
 @contextlib.asynccontextmanager
@@ -77,21 +77,51 @@ async def test_a_platform_whose_start_is_being_retried_is_a_line_of_healthz_not_
             )
 
 
-@pytest.mark.parametrize("web_approver", [False, True])
+SLACK_SIGN_IN = "  slack:\n    sign_in: {client_id: '1.2', client_secret: 'shh', team_id: 'T0FAKE'}\n"
+HTTPS = "web: {port: 0, public_url: 'https://kazma.example'}"
+
+
+@pytest.mark.parametrize(
+    ("approvers", "edit", "console"),
+    [
+        pytest.param("", None, False, id="nobody-on-the-console"),
+        pytest.param("['web:alice']", None, True, id="web"),
+        # Sign in with Slack on: a Slack approver signs in to the console and decides there as slack:U…
+        pytest.param(
+            f"['slack:{SLACK_ADMIN}']", lambda text: text.replace("  slack:\n", SLACK_SIGN_IN), True, id="slack"
+        ),
+        # no sign-in with Slack: the console cannot prove them
+        pytest.param(f"['slack:{SLACK_ADMIN}']", None, False, id="slack-no-sign-in"),
+        # The Mini App (over https): Telegram signs who opened it from a card, whatever its polling does
+        pytest.param(
+            f"['telegram:{TG_ADMIN}']", lambda text: text.replace("web: {port: 0}", HTTPS), True, id="telegram"
+        ),
+        pytest.param(f"['telegram:{TG_ADMIN}']", None, False, id="telegram-no-https"),
+    ],
+)
 async def test_healthz_is_503_only_when_no_platform_takes_presses_and_nobody_may_decide_on_the_console(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, web_approver: bool
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    approvers: str,
+    edit: Callable[[str], str] | None,
+    console: bool,
 ) -> None:
     """Telegram and Slack failing at every start, Discord's gateway closed for good (4014): no press on any card
-    reached a decision, and /healthz answered "ok". With an approver on the console a decision can still be made
-    there: the platforms are lines, the status stays 200 (a load balancer taking Kazma out would stop that too)."""
+    reached a decision, and /healthz answered "ok". With an approver who can sign in to the console a decision can
+    still be made there: the platforms are lines, the status stays 200 (a load balancer taking Kazma out would stop
+    that too). Counted were only web: approvers, while one signing in with Slack, or opening the Mini App from a
+    Telegram card, decides there as well: 503 with somebody able to decide."""
     monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
     # The ingress check would open the gateway again before /healthz is read: it waits here.
     monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 3600.0)
-    approvals = ", approvers: ['web:alice']" if web_approver else ""
+    approvals = f", approvers: {approvers}" if approvers else ""
     async with three_fakes() as fakes:
         fakes.telegram.script("getMe", *[Fault("status", status=502, description="Bad Gateway")] * 10_000)
         fakes.slack.fail("auth.test", "500", times=1_000_000)
-        async with kazma_on(fakes, tmp_path / "k.db", approvals=approvals) as app, served(app, tmp_path) as url:
+        async with (
+            kazma_on(fakes, tmp_path / "k.db", approvals=approvals, edit=edit) as app,
+            served(app, tmp_path) as url,
+        ):
             lost = failure_count("ingress_lost", "discord")
             assert await fakes.discord.drop_gateway(code=4014) == 1
             await until(lambda: failure_count("ingress_lost", "discord") > lost)
@@ -102,8 +132,28 @@ async def test_healthz_is_503_only_when_no_platform_takes_presses_and_nobody_may
             assert discord.endswith("opened again with backoff")
             assert any(line.startswith("platform telegram: not started, tried ") for line in lines), lines
             assert any(line.startswith("platform slack: not started, tried ") for line in lines), lines
-            if web_approver:
+            if console:
                 assert (status, lines[0]) == (200, "ok")
             else:
                 assert status == 503
                 assert lines[0] == "not deciding: no chat platform takes presses and nobody may decide on the console"
+
+
+async def test_telegram_polling_that_keeps_meeting_a_conflict_is_a_line_of_healthz_not_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process polling with the same token: every getUpdates answered 409 Conflict, logged and counted,
+    polled again with backoff, and /healthz said 'platform telegram: serving' while no press came in from it."""
+    monkeypatch.setattr(kit, "INBOUND_TROUBLE_AFTER", 2)
+    async with three_fakes() as fakes:
+        conflict = Fault("status", status=409, description="Conflict: terminated by other getUpdates request")
+        fakes.telegram.script("getUpdates", *[conflict] * 10_000)
+        failed = failure_count("poll", "telegram")
+        async with kazma_on(fakes, tmp_path / "k.db") as app, served(app, tmp_path) as url:
+            await until(lambda: failure_count("poll", "telegram") >= failed + 2)
+            status, lines = await healthz(url)
+            assert (status, lines[0]) == (200, "ok")  # Slack and Discord still take presses
+            assert "platform slack: serving" in lines
+            telegram = next((line for line in lines if line.startswith("platform telegram: ")), "")
+            assert telegram.startswith("platform telegram: inbound failing (getUpdates (long polling) failed "), lines
+            assert telegram.endswith("Telegram answered 409: Conflict: terminated by other getUpdates request)")

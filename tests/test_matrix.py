@@ -17,6 +17,7 @@ from aiohttp import web
 from mautrix.api import Method
 from mautrix.errors import MatrixRequestError
 
+from kazma.adapters import kit
 from kazma.adapters.admission import DirectPolicy
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, ingress_trouble
 from kazma.adapters.matrix import MatrixAdapter
@@ -244,7 +245,7 @@ async def test_a_sync_that_keeps_failing_is_said_as_the_inbound_failing_until_on
 ) -> None:
     """The homeserver answered every sync with 502: each failure was logged and counted, tried again with backoff,
     and /healthz said Matrix served (nothing came in from it)."""
-    monkeypatch.setattr(matrix_adapter, "SYNC_TROUBLE_AFTER", 2, raising=False)
+    monkeypatch.setattr(kit, "INBOUND_TROUBLE_AFTER", 2)
     monkeypatch.setattr(matrix_adapter, "until_set", lambda event, seconds: until_set(event, 0.05))
     adapter = await harness.start()
     assert isinstance(adapter, MatrixAdapter)

@@ -16,9 +16,19 @@ import pytest
 import structlog
 
 from kazma.adapters.card_layout import cut_marker, outcome_line
-from kazma.adapters.contract import Attachment, CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
+from kazma.adapters.contract import (
+    Attachment,
+    CardRef,
+    Handlers,
+    Inbound,
+    PlatformAdapter,
+    PlatformError,
+    Press,
+    ingress_trouble,
+)
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.slack import SlackAdapter
+from kazma.adapters.slack import adapter as slack_adapter
 from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION, REMEMBER_ACTION
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
@@ -802,6 +812,35 @@ async def test_socket_mode_delivers_events_commands_and_presses(
 
     await adapter.stop()
     await fake.wait_for(lambda: not fake.socket_connected)
+
+
+async def test_a_socket_that_closed_and_does_not_open_again_is_said_as_the_inbound_failing_until_it_opens(
+    fake: FakeSlack, start_adapter: StartAdapter, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slack closed the socket and apps.connections.open refused the app token from then on (revoked): slack_sdk
+    tried again every ping and said so only in its own log, and /healthz said Slack served while nothing came in."""
+    monkeypatch.setattr(slack_adapter, "SOCKET_PING_SECONDS", 0.2)
+    adapter = await start_adapter(config=slack_config(fake, app_token=fake.app_token, signing_secret=""))
+    assert ingress_trouble(adapter) is None
+    fake.fail("apps.connections.open", "error", times=1_000_000, error="invalid_auth")
+    assert await fake.drop_sockets() == 1
+    async with asyncio.timeout(20):
+        while ingress_trouble(adapter) is None:
+            await asyncio.sleep(0.02)
+    trouble = ingress_trouble(adapter)  # what the bus says on /healthz: "platform slack: inbound failing (...)"
+    assert trouble is not None
+    assert trouble.startswith("Socket Mode's connection failed "), trouble
+    assert "slack_sdk opening it again every 0.2 s" in trouble
+    assert "invalid_auth" in trouble  # why, from slack_sdk's own log
+
+    fake.heal("apps.connections.open")
+    async with asyncio.timeout(20):
+        while ingress_trouble(adapter) is not None:
+            await asyncio.sleep(0.02)
+    event = fake.message_event(channel=HOME, user=ADMIN, text="over the socket opened again")
+    assert await fake.socket_send("events_api", fake.event_envelope(event)) is None
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) == 1)
+    assert recorder.inbound[0].text == "over the socket opened again"
 
 
 async def test_socket_mode_with_a_bad_app_token_fails_start(fake: FakeSlack, recorder: Recorder) -> None:

@@ -18,8 +18,17 @@ import httpx
 import pytest
 from telegram import Message
 
+from kazma.adapters import kit
 from kazma.adapters.card_layout import CardTooLarge, lay_out, outcome_line
-from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
+from kazma.adapters.contract import (
+    CardRef,
+    Handlers,
+    Inbound,
+    PlatformAdapter,
+    PlatformError,
+    Press,
+    ingress_trouble,
+)
 from kazma.adapters.deny_reason import PROMPT_EXPIRED, PROMPT_NOT_YOURS, reply_prompt
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.press_policy import PRESS_APOLOGY, PRESS_NOT_ON_MESSAGE, PRESS_PENDING
@@ -704,6 +713,66 @@ async def test_a_5xx_is_told_as_telegram_s_answer_with_its_status(
     assert caught.value.retryable is True
     # PTB's own words were the description alone ("NetworkError: Bad Gateway"), as an unreachable host's are
     assert str(caught.value) == f"telegram card_post: NetworkError: Telegram answered {status} {words}"
+
+
+# --------------------------------------------------------------------------- long polling's health
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize(
+    ("fault", "said"),
+    [
+        (Fault.server_error(502, "Bad Gateway"), "Telegram answered 502 Bad Gateway"),
+        # another process polling with the same token (a second Kazma, a developer's laptop)
+        (
+            Fault.server_error(409, "Conflict: terminated by other getUpdates request"),
+            "Telegram answered 409: Conflict: terminated by other getUpdates request",
+        ),
+    ],
+)
+async def test_polling_that_keeps_failing_is_said_as_the_inbound_failing_until_a_poll_is_answered(
+    fake: FakeTelegram, make_adapter: Factory, monkeypatch: pytest.MonkeyPatch, fault: Fault, said: str
+) -> None:
+    """Every getUpdates answered 502, or 409 Conflict: each failure was logged and counted, PTB polled again with
+    backoff, and /healthz said Telegram served while nothing came in from it."""
+    monkeypatch.setattr(kit, "INBOUND_TROUBLE_AFTER", 2)
+    bot, recorder = await make_adapter()
+    await fake.wait_for_call("getUpdates", answered=False)
+    assert ingress_trouble(bot) is None
+    failed = failure_count("poll", "telegram")
+    fake.script("getUpdates", *[fault] * 1_000)
+    fake.push_message(GROUP, ADMIN, "wakes the long poll; the next polls meet the fault")
+    await until(lambda: failure_count("poll", "telegram") >= failed + 2)
+    trouble = ingress_trouble(bot)  # what the bus says on /healthz: "platform telegram: inbound failing (...)"
+    assert trouble is not None
+    assert trouble.startswith("getUpdates (long polling) failed "), trouble
+    assert "tried again with backoff" in trouble
+    assert trouble.endswith(said), trouble
+    fake.unscript("getUpdates")
+    fake.push_message(GROUP, ADMIN, "after")
+    texts = [(await recorder.next_inbound()).text, (await recorder.next_inbound()).text]
+    assert texts == ["wakes the long poll; the next polls meet the fault", "after"]
+    assert ingress_trouble(bot) is None
+
+
+async def test_a_token_refused_on_getupdates_is_said_at_once_as_polling_not_tried_again(
+    fake: FakeTelegram, make_adapter: Factory
+) -> None:
+    """Telegram answering getUpdates 401 (the token revoked in BotFather): PTB's poller ends for good without a
+    word to its error callback, and /healthz said Telegram served, the adapter still believing it polled."""
+    bot, _ = await make_adapter()
+    await fake.wait_for_call("getUpdates", answered=False)
+    fake.script("getUpdates", Fault.server_error(401, "Unauthorized"))
+    fake.push_message(GROUP, ADMIN, "wakes the long poll")
+    await until(lambda: ingress_trouble(bot) is not None)
+    assert ingress_trouble(bot) == (
+        "getUpdates (long polling) failed and is not tried again: Telegram answered 401: Unauthorized"
+    )
 
 
 # --------------------------------------------------------------------------- plain text (dialect)

@@ -41,7 +41,7 @@ from mautrix.types import RoomCreatePreset, RoomID, UserID
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.contract import CardRef, Handlers, PlatformError, Press
 from kazma.adapters.deny_reason import PROMPT_EXPIRED, REPLY_WINDOW_SECONDS, deny_data, reason_request, reply_prompt
-from kazma.adapters.kit import KitOptions, PlatformBase, Posted
+from kazma.adapters.kit import InboundStreak, KitOptions, PlatformBase, Posted
 from kazma.adapters.matrix.client import close_client, long_poll, make_client
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE, PLATFORM, classify
 from kazma.adapters.matrix.inbound import Reaction, normalise, reaction_of, reply_target, without_reply_fallback
@@ -136,8 +136,6 @@ OTHERS_KEPT: Final = 10_000
 # forgotten first, a settled card before any other. A forgotten one is read again from the homeserver at its next
 # press (its content carries its choices): one read, the press the same.
 CHOICES_KEPT: Final = 10_000
-# Syncs failed in a row before /healthz says the inbound is failing (one failure is a moment's fault).
-SYNC_TROUBLE_AFTER: Final = 3
 
 
 @dataclass(frozen=True)
@@ -220,7 +218,7 @@ class MatrixAdapter(PlatformBase):
         self._position: SyncPosition | None = None
         self._kept = Position("")  # where the sync stands: what was taken in, kept on the homeserver or to be
         self._syncing: asyncio.Task[None] | None = None
-        self._sync_trouble: str | None = None  # why the sync keeps failing (see SYNC_TROUBLE_AFTER), for /healthz
+        self._sync_streak = InboundStreak("the sync")  # its failures in a row, for /healthz
         self._stop_sync = asyncio.Event()
         self._opening_direct = asyncio.Lock()  # two cards for one person at once open one direct room
         self._opened: dict[str, list[str]] = {}  # direct rooms this process opened, by person (see direct_chat)
@@ -234,7 +232,7 @@ class MatrixAdapter(PlatformBase):
 
     @property
     def ingress_trouble(self) -> str | None:
-        return self._sync_trouble if self._syncing is not None else None
+        return self._sync_streak.trouble if self._syncing is not None else None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -283,7 +281,7 @@ class MatrixAdapter(PlatformBase):
             except Exception as exc:  # tried again by the sync loop, before anything else
                 self.failed("sync", None, self.classify("sync", exc))
         self._stop_sync = asyncio.Event()
-        self._sync_trouble = None
+        self._sync_streak = InboundStreak("the sync")
         self._syncing = asyncio.create_task(self._sync_loop(client, kept, first), name="matrix-sync")
         log.info("matrix.syncing", user=self.user_id, since=kept.since)
 
@@ -347,8 +345,7 @@ class MatrixAdapter(PlatformBase):
                 failures += 1
                 error = self.classify("sync", exc)
                 self.failed("sync", None, error)
-                if failures >= SYNC_TROUBLE_AFTER:  # each failure logged and counted, and no monitor saw it
-                    self._sync_trouble = f"the sync failed {failures} times in a row, tried again with backoff: {error}"
+                self._sync_streak.failed(error)
                 # Backing off, and never sooner than a 429 asked (its retry_after_ms).
                 await until_set(self._stop_sync, max(min(2.0 ** min(failures, 5), 30.0), error.retry_after or 0.0))
                 continue
@@ -367,7 +364,7 @@ class MatrixAdapter(PlatformBase):
                 await asking
             return False
         batch = asking.result()
-        self._sync_trouble = None  # the homeserver answers again
+        self._sync_streak.succeeded()  # the homeserver answers again
         await self._take(await self._filled(client, batch, self._kept.since))
         return True
 

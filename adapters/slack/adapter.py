@@ -17,6 +17,7 @@ folds the ``message`` and ``app_mention`` events of one post into one).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -52,7 +53,7 @@ from kazma.adapters.deny_reason import (
     reason_request,
 )
 from kazma.adapters.ingress import Arrival, Stopped
-from kazma.adapters.kit import NOT_SERVED, KitOptions, PlatformBase, Posted
+from kazma.adapters.kit import NOT_SERVED, InboundStreak, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, download_refused, error_code
 from kazma.adapters.slack.inbound import (
@@ -94,6 +95,9 @@ log = structlog.get_logger("kazma.adapters.slack")
 # at each start, so the debug lines still come whenever debug logging is on.
 _CLIENT_LOG = logging.getLogger("slack_sdk.web.async_client.kazma")
 BOLT_APP_NAME: Final = "slack_bolt.kazma"
+# slack_sdk's Socket Mode client pings this often, and opens a socket found closed or stale again; the adapter looks
+# at the socket as often, for /healthz.
+SOCKET_PING_SECONDS: Final = 10.0
 CODE_FENCE: Final = "```"
 ZWSP: Final = "\u200b"  # after a backtick inside a code block, so no run of them closes it early
 
@@ -140,6 +144,26 @@ class _FallBack(Exception):
     def __init__(self, code: str) -> None:
         super().__init__(code)
         self.code = code
+
+
+class _SocketLog(logging.LoggerAdapter[logging.Logger]):
+    """The logger slack_sdk's Socket Mode client writes to (Bolt's app logger), keeping the last error it wrote:
+    its reconnects say why a socket does not open (apps.connections.open refused, the websocket refused) nowhere
+    else, and /healthz says it."""
+
+    last_error: str | None = None
+
+    @property
+    def level(self) -> int:  # read by Bolt on each envelope; a LoggerAdapter has none of its own
+        return self.logger.level  # a LoggerAdapter[Logger] wraps a Logger
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        if level >= logging.ERROR:
+            try:
+                self.last_error = str(msg) % args if args else str(msg)
+            except (TypeError, ValueError):  # a message that is no format string for its arguments
+                self.last_error = str(msg)
+        super().log(level, msg, *args, **kwargs)
 
 
 class _ReplayDoor(AsyncMiddleware):
@@ -216,6 +240,8 @@ class SlackAdapter(PlatformBase):
         self._customize = True  # chat:write.customize granted until Slack says otherwise
         self._runner: web.AppRunner | None = None
         self._socket: AsyncSocketModeHandler | None = None
+        self._socket_streak = self._new_streak()  # the socket found closed in a row, for /healthz
+        self._watching: asyncio.Task[None] | None = None  # looks at the socket (see _watch_socket)
         self._session: aiohttp.ClientSession | None = None
         self._events_url: str | None = None
         self.bot_user_id: str | None = None
@@ -232,6 +258,16 @@ class SlackAdapter(PlatformBase):
     @property
     def has_singleton_ingress(self) -> bool:
         return bool(self.config.app_token)  # Socket Mode; HTTP events are served by every replica
+
+    @property
+    def ingress_trouble(self) -> str | None:
+        return self._socket_streak.trouble if self.has_singleton_ingress and self.ingress_running else None
+
+    @staticmethod
+    def _new_streak() -> InboundStreak:
+        return InboundStreak(
+            "Socket Mode's connection", retried=f"slack_sdk opening it again every {SOCKET_PING_SECONDS:g} s"
+        )
 
     # -- lifecycle --------------------------------------------------------
 
@@ -257,12 +293,14 @@ class SlackAdapter(PlatformBase):
 
     async def _close_ingress(self) -> None:
         """Close the socket (its own session); acknowledged envelopes run on as tracked work."""
+        await self._stop_watching()
         if self._socket is not None:
             socket, self._socket = self._socket, None
             await socket.close_async()  # type: ignore[no-untyped-call]  # Bolt leaves it unannotated
             log.info("slack.socket_closed")
 
     async def _stop_receiving(self) -> None:
+        await self._stop_watching()
         if self._socket is not None:
             socket, self._socket = self._socket, None
             await socket.close_async()  # type: ignore[no-untyped-call]  # Bolt leaves it unannotated
@@ -324,7 +362,15 @@ class SlackAdapter(PlatformBase):
         # Socket mode's client (slack_sdk.socket_mode, its aiohttp websocket): imported only by a socket-mode start
         from slack_bolt.adapter.socket_mode.async_handler import AsyncSocketModeHandler
 
-        handler = AsyncSocketModeHandler(self.app, self.config.app_token, web_client=self.client)
+        said = _SocketLog(self.app.logger)
+        handler = AsyncSocketModeHandler(
+            self.app,
+            self.config.app_token,
+            # a Logger as slack_sdk uses one (see _SocketLog), which Bolt's annotation does not know
+            logger=said,  # type: ignore[arg-type]
+            web_client=self.client,
+            ping_interval=SOCKET_PING_SECONDS,
+        )
         handler.client.wss_uri = str(opened["url"])
         try:
             await bounded(handler.connect_async(), max(self._timeout, 1))  # type: ignore[no-untyped-call]
@@ -332,6 +378,29 @@ class SlackAdapter(PlatformBase):
             await handler.close_async()  # type: ignore[no-untyped-call]
             raise
         self._socket = handler
+        self._socket_streak = self._new_streak()
+        self._watching = asyncio.create_task(self._watch_socket(handler, said), name="kazma-slack-socket-watch")
+
+    async def _watch_socket(self, handler: AsyncSocketModeHandler, said: _SocketLog) -> None:
+        """slack_sdk opens a socket that closed (or went stale) again by itself, and says why an opening failed
+        (apps.connections.open refused, the websocket refused) only in its own log: a socket that never opened
+        again was an ingress /healthz called serving. Looked at every ping, a socket found closed
+        INBOUND_TROUBLE_AFTER times in a row is the inbound failing, until it is found open."""
+        client = handler.client
+        while True:
+            await asyncio.sleep(SOCKET_PING_SECONDS)
+            if await client.is_connected():
+                self._socket_streak.succeeded()
+                said.last_error = None  # an old reason must not explain a later closing
+                continue
+            self._socket_streak.failed(f"found closed ({said.last_error or 'slack_sdk said no error'})")
+
+    async def _stop_watching(self) -> None:
+        watching, self._watching = self._watching, None
+        if watching is not None:
+            watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watching
 
     # -- listeners --------------------------------------------------------
 

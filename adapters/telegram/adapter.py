@@ -62,7 +62,7 @@ from kazma.adapters.chat_commands import CHAT_COMMANDS
 from kazma.adapters.chat_text import Columns
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, Press
 from kazma.adapters.deny_reason import PROMPT_NO_WORDS, reason_request, reply_prompt
-from kazma.adapters.kit import KitOptions, PlatformBase, Posted
+from kazma.adapters.kit import InboundStreak, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.press_policy import PRESS_NOT_ON_MESSAGE
 from kazma.adapters.telegram.errors import PLATFORM, classify, not_modified
@@ -162,6 +162,7 @@ class TelegramAdapter(PlatformBase):
         # on a thread from here, it is ready by the time the platforms connect (the other platforms' libraries
         # import meanwhile) instead of holding the event loop while all three platforms start.
         self._tls_made = _tls_soon()
+        self._poll_streak = InboundStreak("getUpdates (long polling)")  # its failures in a row, for /healthz
 
     @property
     def bot_username(self) -> str:
@@ -174,6 +175,16 @@ class TelegramAdapter(PlatformBase):
     @property
     def has_singleton_ingress(self) -> bool:
         return self.config.mode != "webhook"
+
+    @property
+    def ingress_trouble(self) -> str | None:
+        return self._poll_streak.trouble if self.has_singleton_ingress and self.ingress_running else None
+
+    def _polled(self, failure: str | None, ended: bool) -> None:
+        if failure is None:
+            self._poll_streak.succeeded()
+        else:
+            self._poll_streak.failed(failure, final=ended)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -200,6 +211,7 @@ class TelegramAdapter(PlatformBase):
         general, polling = self._requests
         if isinstance(polling, InboxRequest):
             polling.keep = self._keep_fetched
+            polling.polled = self._polled
         base = self.config.api_base_url
         return (
             ApplicationBuilder()
@@ -265,6 +277,7 @@ class TelegramAdapter(PlatformBase):
                 if update is not None:
                     log.warning("telegram.update_taken_over", update_id=update.update_id)
                     await app.update_queue.put(update)
+        self._poll_streak = InboundStreak("getUpdates (long polling)")
         await self._updater(app).start_polling(
             timeout=timedelta(seconds=int(self.poll_timeout)),
             allowed_updates=_ALLOWED_UPDATES,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine
 from contextvars import ContextVar
+from http import HTTPStatus
 from typing import Any, Final
 
 import structlog
@@ -18,7 +19,7 @@ from kazma.adapters import call_note
 from kazma.adapters.pacing import Pacing
 from kazma.adapters.telegram.errors import PLATFORM, retry_after_seconds
 from kazma.adapters.telegram.render import ANSWER_LIMIT
-from kazma.adapters.telegram.transport import AiohttpRequest
+from kazma.adapters.telegram.transport import AiohttpRequest, described
 from kazma.config.metrics import count_failure
 
 # Calls that post into a chat: these share the chat's send budget. Answers to button presses must be quick
@@ -58,17 +59,30 @@ class InboxRequest(AiohttpRequest):
     """
 
     keep: Callable[[bytes], Awaitable[None]] | None = None
+    # Told how each getUpdates ended: None when it was answered (and kept), else why not, and whether PTB's
+    # poller gives up after it. PTB's own error callback hears neither a timeout nor a refused token.
+    polled: Callable[[str | None, bool], None] | None = None
 
     async def do_request(self, url: str, method: str, *args: Any, **kwargs: Any) -> tuple[int, bytes]:
-        status, body = await super().do_request(url, method, *args, **kwargs)
-        keep = self.keep
-        if keep is not None and status == 200 and url.endswith("/getUpdates"):
-            try:
-                await keep(body)
-            except Exception as exc:
-                count_failure("inbound_inbox", PLATFORM)
-                log.warning("telegram.inbox_failed", error=str(exc) or type(exc).__name__)
-                raise NetworkError("the fetched updates could not be kept; asking again") from exc
+        polling = url.endswith("/getUpdates")
+        try:
+            status, body = await super().do_request(url, method, *args, **kwargs)
+            keep = self.keep
+            if keep is not None and status == 200 and polling:
+                try:
+                    await keep(body)
+                except Exception as exc:
+                    count_failure("inbound_inbox", PLATFORM)
+                    log.warning("telegram.inbox_failed", error=str(exc) or type(exc).__name__)
+                    raise NetworkError("the fetched updates could not be kept; asking again") from exc
+        except Exception as exc:
+            if polling and self.polled is not None:
+                self.polled(str(exc) or type(exc).__name__, False)
+            raise
+        if polling and self.polled is not None:
+            # PTB raises InvalidToken for a 401 or a 404, and its poller ends there for good.
+            ended = status in (HTTPStatus.UNAUTHORIZED, HTTPStatus.NOT_FOUND)
+            self.polled(None if status == HTTPStatus.OK else f"Telegram answered {status}{described(body)}", ended)
         return status, body
 
 

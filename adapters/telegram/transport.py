@@ -124,7 +124,7 @@ class AiohttpRequest(BaseRequest):
                     # PTB words a 5xx by its body's description alone ("Bad Gateway"), or repeats a proxy's whole
                     # HTML page: the status, said here, is what tells a reader Telegram answered and failed.
                     status = f"{answer.status} {answer.reason or ''}".rstrip()
-                    raise NetworkError(f"Telegram answered {status}{_described(payload, answer.reason)}")
+                    raise NetworkError(f"Telegram answered {status}{described(payload, answer.reason)}")
                 return answer.status, payload
         # aiohttp's timeouts are TimeoutError too; PTB's bare "Timed out" said neither which nor how long
         except aiohttp.ConnectionTimeoutError as exc:
@@ -142,7 +142,7 @@ def _seconds(*bounds: float | None) -> str:
     return "no bound" if None in bounds else f"{sum(b for b in bounds if b is not None):g} s"
 
 
-def _described(payload: bytes, reason: str | None) -> str:
+def described(payload: bytes, reason: str | None = None) -> str:
     """What a failed answer's JSON says it was (the Bot API's ``description``), when it says more than ``reason``."""
     try:
         body = json.loads(payload)

@@ -300,6 +300,22 @@ def deciding_policies(config: KazmaConfig) -> dict[str, tuple[str, ...]]:
     return {name: tuple(found.approvers) for name in config.policy_names if (found := config.policy(name)) is not None}
 
 
+def console_proves(config: KazmaConfig) -> frozenset[str]:
+    """The platforms whose identities a person can prove at the console, and so press Approve or Deny there as
+    (see :meth:`WebAuth._grant`): ``web`` by a passkey; ``slack`` and ``discord`` with their sign-in on
+    (``platforms.<name>.sign_in``); ``telegram`` through the Mini App, which the bot's token verifies and
+    Telegram opens only over https (a card's button, while its polling may be down)."""
+    platforms = config.platforms
+    proves = {"web"}
+    if platforms.slack.sign_in.on:
+        proves.add("slack")
+    if platforms.discord.sign_in.on:
+        proves.add("discord")
+    if platforms.telegram.token and config.web.public_url.startswith("https://"):
+        proves.add("telegram")
+    return frozenset(proves)
+
+
 class WebAuth:
     def __init__(
         self,

@@ -154,6 +154,7 @@ class ConsoleServices(ApprovalsServices, Protocol):
 
     @property
     def console_decides(self) -> bool:
-        """Whether somebody may decide on the console (an approver with a ``web:`` identity): a way to decide
-        that no chat platform's state takes away."""
+        """Whether somebody may decide on the console (an approver with an identity it can prove: ``web:``, or a
+        platform's whose sign-in it offers, see :func:`~kazma.bot.console.auth.console_proves`): a way to decide
+        that no chat platform's inbound state takes away."""
         ...

@@ -988,6 +988,14 @@ class FakeSlack:
             self._notify()
         return ws
 
+    async def drop_sockets(self) -> int:
+        """Close every open Socket Mode connection, as Slack does when it moves an app's sockets or drops one;
+        how many were open."""
+        live = [ws for ws in self._sockets if not ws.closed]
+        for ws in live:
+            await ws.close()
+        return len(live)
+
     async def socket_send(
         self,
         kind: Literal["events_api", "slash_commands", "interactive"],
