@@ -51,6 +51,16 @@ log = structlog.get_logger("kazma.conversation")
 SUMMARY_LIMIT = 1500
 SWARM_UNAVAILABLE = "The /swarm commands are not available here: this process runs without the swarm engine."
 APPROVALS_UNAVAILABLE = "/approvals is not available here: this process decides no approvals."
+FILES_NOT_SAVED = (
+    "Kazma could not save the files sent with that message, so nothing was passed on. Please send them again."
+)
+# The platform refused in a way sending again does not change (Slack without files:read): most likely Kazma's setup,
+# which only the operator can change. The platform's own words (scopes, URLs) stay in the log, not in the chat.
+FILES_NOT_FETCHABLE = (
+    "Kazma could not fetch the files sent with that message, so nothing was passed on. {platform} refused to hand "
+    "them over, which sending them again will not change: it is most likely a setup problem for Kazma's operator "
+    "(Kazma's log says what to change)."
+)
 QUESTION_PREFIX: Final = "kq1"
 WORKING_EVERY: Final = 4.0  # how often the working sign is renewed while a turn runs (adapters rate-limit it)
 _QUESTION_BUTTON: Final = re.compile(r"^kq1:(?P<id>[A-Za-z0-9_-]{8,32}):(?P<choice>\d{1,2})$")
@@ -275,12 +285,10 @@ class Conversations:
             return None
         except (PlatformError, OSError) as exc:
             count_failure("attachment_save", message.platform)
-            log.warning("attachments.failed", conversation=conversation, error=str(exc))
-            await self._say(
-                message.where,
-                "Kazma could not save the files sent with that message, so nothing was passed on. Please send them "
-                "again.",
-            )
+            retryable = not isinstance(exc, PlatformError) or exc.retryable
+            log.warning("attachments.failed", conversation=conversation, error=str(exc), retryable=retryable)
+            text = FILES_NOT_SAVED if retryable else FILES_NOT_FETCHABLE.format(platform=message.platform.title())
+            await self._say(message.where, text)
             return None
         return saved
 

@@ -179,4 +179,6 @@ UNFENCED_TEXT: Mapping[str, str] = {
     "swarm/endings.py:Unsaved.over": "a task's error with Kazma's note that its ending is kept until the store "
     "answers: " + _RECORD,
     "swarm/checkpoints.py:Checkpoints.wait": _PEOPLE,
+    "swarm/service.py:SwarmService._how_ended": "how the task's row says it was ended, for the progress lines of "
+    "a run that finished after that; " + _PEOPLE,
 }

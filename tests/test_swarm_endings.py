@@ -225,6 +225,44 @@ async def test_a_result_the_store_refuses_is_kept_reported_shown_and_stored_late
         await r.reported("result is stored now")
 
 
+async def test_a_kept_result_the_row_refuses_once_the_store_answers_is_said_not_dropped(tmp_path: Path) -> None:
+    """The ending could not be written (the store taken), so it was kept and said "stored when the store
+    answers"; meanwhile another process, holding the store, cancelled the task. Once the store answered, the
+    kept ending was refused by the row and dropped without a word: the promise made was silently broken. Now
+    that is said."""
+    path = tmp_path / "s.db"
+    locker = Locker(path)
+    worker = ScriptedWorker("builder", [_answer("builder", "the script is written: build.sh")])
+    original = worker.run
+
+    async def run(prompt: str, *, context: str = "") -> WorkerResult:
+        await locker.lock()
+        return await original(prompt, context=context)
+
+    worker.run = run  # type: ignore[method-assign]
+    async with rig(path, {"builder": worker}) as r:
+        try:
+            record = await ended(r, await r.send("dispatch builder write the script"))
+            await r.reported("could not be stored")
+            assert locker.conn is not None  # the other process, holding the store, cancels the task
+            await locker.conn.execute(
+                "UPDATE swarm_tasks SET status = 'cancelled', error = 'cancelled by telegram:222' WHERE id = ?",
+                (record.id,),
+            )
+            await locker.conn.execute("COMMIT")
+            await locker.conn.close()
+            locker.conn = None  # given back, with the cancel in it
+        finally:
+            await locker.unlock()
+        said = await r.reported("was not stored")
+        assert said.startswith(f"swarm task {record.id}: its succeeded result, kept here, was not stored"), said
+        assert "ended (cancelled by telegram:222)" in said, said
+        assert not [line for line in r.reports if "result is stored now" in line]
+        row = await r.service.store.get(record.id)
+        assert row is not None
+        assert row.status is TaskStatus.CANCELLED
+
+
 # -- a shell call cut off mid-run ---------------------------------------------------------------------------
 
 

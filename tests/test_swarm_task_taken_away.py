@@ -217,3 +217,60 @@ async def test_a_swarm_task_cancelled_by_another_process_runs_none_of_its_tools_
         assert model.calls == 2
         (stopped,) = [line for line in c.lines.said if "stopped here: it was ended elsewhere" in line]
         assert "cancelled by telegram:111" in stopped, stopped
+
+
+async def test_a_swarm_task_that_finishes_after_it_was_cancelled_elsewhere_says_so_once(
+    tmp_path: Path, store_engine: Engine
+) -> None:
+    """Cancelled by another process while c's model was thinking, c's worker then answered with no further tool
+    call: the dispatch finished before c's watch read the row, its ending was refused by the row
+    (swarm.write_rejected), and c said nothing of the task. Now c says, once, that it finished after it had been
+    ended (and how), that its result was not recorded, and what it was."""
+    model = GatedModel([write("a.txt"), ModelReply(content="built the thing")], held=1)
+    async with (
+        open_store(store_engine, application_name="kazma c") as sc,
+        open_store(store_engine, application_name="kazma b") as sb,
+        swarm_on(sc, tmp_path, model, replica=None) as c,
+    ):
+        task_id = await c.service.submit(_build())
+        await _within(model.reached.wait())
+        assert await SwarmTaskStore(sb).cancel(task_id, actor="telegram:111")
+        with capture_logs() as logs:
+            model.go.set()
+            await _within(c.service.wait(task_id, WAIT))
+
+        assert [e["operation"] for e in logs if e["event"] == "swarm.write_rejected"] == ["finish"]
+        about = [line for line in c.lines.said if task_id in line]
+        assert len(about) == 2, about  # its start, and what became of it
+        late = about[-1]
+        assert "finished (succeeded) after it had been ended (cancelled by telegram:111)" in late, late
+        assert "its result was not recorded" in late, late
+        assert "built the thing" in late, late
+        assert "tools: ran: write_file" in late, late
+        record = await c.service.store.get(task_id)
+        assert record is not None
+        assert record.status is TaskStatus.CANCELLED
+
+
+async def test_a_swarm_task_that_finishes_after_the_leader_ended_it_says_so_once(tmp_path: Path, pg_dsn: str) -> None:
+    """The leader judged c gone and ended its task as interrupted ("outcome unknown") while c's model was
+    thinking; c's worker then answered with no further tool call and c, its ending refused, said nothing: what
+    the task came to was never told. Now c says it, once, with how the leader had ended it."""
+    model = GatedModel([write("a.txt"), ModelReply(content="built the thing")], held=1)
+    async with replica_c(tmp_path, pg_dsn, model) as c, replica_store(pg_dsn, "b") as sb:
+        task_id = await c.service.submit(_build())
+        await _within(model.reached.wait())
+        leader = _leader(sb)
+        try:
+            assert len(await _within(leader.recover_gone(LIVE))) == 1
+        finally:
+            await leader.close()
+        model.go.set()
+        await _within(c.service.wait(task_id, WAIT))
+
+        (late,) = [line for line in c.lines.said if "its result was not recorded" in line]
+        assert f"swarm task {task_id} finished (succeeded) after it had been ended (interrupted: " in late, late
+        assert late.endswith("built the thing (tools: ran: write_file)"), late
+        record = await c.service.store.get(task_id)
+        assert record is not None
+        assert record.status is TaskStatus.INTERRUPTED

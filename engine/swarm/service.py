@@ -591,6 +591,31 @@ class SwarmService:
             message = self._ending_message(run.task_id, status, output, result, execution)
             line = f"swarm task {run.task_id} {status.value}: {_short(output)} (tools: {execution.line()})"
             await self._say_whole(run.task_id, self._say_ending(request, line, message))
+            return
+        # Refused: ended meanwhile (a cancel heard by another process, the leader's "interrupted") and finished here
+        # before this process read the row. The row keeps that ending; without this line the work this run did
+        # would go unsaid.
+        await self._say_whole(run.task_id, self._say_late(run.task_id, status, output, execution))
+
+    async def _say_late(self, task_id: str, status: TaskStatus, output: str, execution: ExecutionSummary) -> None:
+        """A run that finished after its task was ended: how it was ended, and what the run produced, said once."""
+        how = await self._how_ended(task_id)
+        self._report(
+            f"swarm task {task_id} finished ({status.value}) after it had been {how}; its result was not recorded: "
+            f"{_short(output)} (tools: {execution.line()})"
+        )
+        await self._keep_execution(task_id, execution)
+
+    async def _how_ended(self, task_id: str) -> str:
+        """How the task's row says it was ended: ``ended (<its error or status>)``, or ``ended`` when unread."""
+        try:
+            record = await self.store.get(task_id)
+        except StoreUnavailable as exc:  # the line says it was ended, not how
+            log.warning("swarm.ending_unread", task_id=task_id, error=str(exc))
+            return "ended"
+        if record is None or not record.status.terminal:
+            return "ended"
+        return f"ended ({record.error or record.status.value})"
 
     async def _say_whole(self, task_id: str, saying: Coroutine[Any, Any, None]) -> None:
         """Say a decided ending whole: a cancel (a stop, ``/swarm cancel``) arriving meanwhile waits for it in
@@ -630,6 +655,12 @@ class SwarmService:
             self._kept_runs.pop(run.task_id, None)
             if stored:
                 self._report(f"swarm task {run.task_id}: its {status.value} result is stored now")
+            else:  # ended elsewhere while the store was away (a cancel, the leader's "interrupted"): said, not kept
+                how = await self._how_ended(run.task_id)
+                self._report(
+                    f"swarm task {run.task_id}: its {status.value} result, kept here, was not stored: the task had "
+                    f"been {how} meanwhile, which is what its record keeps"
+                )
             self._changed()
             return
 

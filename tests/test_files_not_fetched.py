@@ -1,0 +1,57 @@
+"""A file sent with a message that Kazma could not fetch: what the sender is told depends on whether sending it
+again can help (Slack's fake, a real Slack adapter and a whole Kazma app between them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kazma.config.metrics import failure_count
+from tests.fakes.slack import FILE_DOWNLOAD
+from tests.platforms_support import SLACK_ADMIN, SLACK_CHANNEL, Fakes, kazma_on, three_fakes
+
+
+async def _share(fakes: Fakes) -> str:
+    """A person shares build.log in Slack's home channel; Kazma's answer in that channel."""
+    before = {m.ts for m in fakes.slack.channel(SLACK_CHANNEL)}
+    shared = fakes.slack.add_file("build.log", b"line 1\n")
+    event = fakes.slack.file_event(channel=SLACK_CHANNEL, user=SLACK_ADMIN, text="the log", files=[shared])
+    assert fakes.slack_events_url is not None
+    assert (await fakes.slack.post_event(fakes.slack_events_url, event)).status == 200
+
+    def answers() -> list[str]:
+        return [m.text for m in fakes.slack.channel(SLACK_CHANNEL) if m.bot_id and m.ts not in before]
+
+    await fakes.slack.wait_for(lambda: bool(answers()), timeout=20)
+    (answer,) = answers()
+    return answer
+
+
+async def test_a_file_the_app_may_not_download_is_a_setup_problem_not_a_reason_to_send_it_again(
+    tmp_path: Path,
+) -> None:
+    """Without files:read Slack sends the download to its sign-in page (not retryable, the scope named to the
+    operator): the sender was told to send the file again, which can never help. Now they are told it is a
+    setup problem for the operator, and nothing of the platform's error (its URLs, its scopes) is shown."""
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db"):
+        fakes.slack.scopes = tuple(s for s in fakes.slack.scopes if s != "files:read")
+        before = failure_count("attachment_save", "slack")
+        answer = await _share(fakes)
+        assert fakes.slack.downloads, "the file was never asked for"
+    assert "send them again" not in answer.lower(), answer
+    assert "sending them again will not change" in answer, answer
+    assert "setup problem for Kazma's operator" in answer, answer
+    assert "nothing was passed on" in answer, answer
+    for internal in ("files:read", "signin", "HTTP", fakes.slack.url):
+        assert internal not in answer, answer
+    assert failure_count("attachment_save", "slack") == before + 1
+
+
+async def test_a_file_slack_could_not_serve_for_now_is_asked_for_again(tmp_path: Path) -> None:
+    """Slack answered the download 503 (retryable): sending the file again may well work, and the sender is
+    asked to."""
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db"):
+        fakes.slack.fail(FILE_DOWNLOAD, "500")
+        answer = await _share(fakes)
+    assert "send them again" in answer, answer
+    assert "operator" not in answer, answer
+    assert "503" not in answer, answer
