@@ -84,16 +84,30 @@ class CardRef:
 
 
 class PlatformError(Exception):
-    """A platform call failed. ``retryable`` tells the outbox whether trying again may help."""
+    """A platform call failed. ``retryable`` tells the outbox whether trying again may help.
+
+    ``operator_must_act``: the platform refused because of Kazma's own setup (a missing scope, a refused token,
+    an intent not enabled), which only the operator can change. Not retryable says only that the same call
+    will fail again; a file deleted before Kazma fetched it is not retryable either, yet nobody's setup is
+    wrong, and a person told "ask the operator" about it is sent the wrong way.
+    """
 
     def __init__(
-        self, platform: str, site: str, message: str, *, retryable: bool, retry_after: float | None = None
+        self,
+        platform: str,
+        site: str,
+        message: str,
+        *,
+        retryable: bool,
+        retry_after: float | None = None,
+        operator_must_act: bool = False,
     ) -> None:
         super().__init__(f"{platform} {site}: {message}")
         self.platform = platform
         self.site = site
         self.retryable = retryable
         self.retry_after = retry_after
+        self.operator_must_act = operator_must_act
 
 
 @dataclass(frozen=True)

@@ -54,12 +54,19 @@ APPROVALS_UNAVAILABLE = "/approvals is not available here: this process decides 
 FILES_NOT_SAVED = (
     "Kazma could not save the files sent with that message, so nothing was passed on. Please send them again."
 )
-# The platform refused in a way sending again does not change (Slack without files:read): most likely Kazma's setup,
-# which only the operator can change. The platform's own words (scopes, URLs) stay in the log, not in the chat.
+# The platform refused because of Kazma's setup (Slack without files:read, a refused token): only the operator can
+# change it. The platform's own words (scopes, URLs) stay in the log, not in the chat.
 FILES_NOT_FETCHABLE = (
     "Kazma could not fetch the files sent with that message, so nothing was passed on. {platform} refused to hand "
-    "them over, which sending them again will not change: it is most likely a setup problem for Kazma's operator "
-    "(Kazma's log says what to change)."
+    "them over, which sending them again will not change: it is a setup problem for Kazma's operator (Kazma's log "
+    "says what to change)."
+)
+# Refused for good, but not for Kazma's setup (a 404: deleted, or its link expired, before Kazma fetched it):
+# that copy is gone, and a new one sent again can be fetched.
+FILES_GONE = (
+    "Kazma could not fetch the files sent with that message, so nothing was passed on: {platform} no longer hands "
+    "them over (most likely they were deleted, or their link expired, before Kazma fetched them). If they are "
+    "still wanted, please send them again."
 )
 QUESTION_PREFIX: Final = "kq1"
 WORKING_EVERY: Final = 4.0  # how often the working sign is renewed while a turn runs (adapters rate-limit it)
@@ -286,9 +293,17 @@ class Conversations:
         except (PlatformError, OSError) as exc:
             count_failure("attachment_save", message.platform)
             retryable = not isinstance(exc, PlatformError) or exc.retryable
-            log.warning("attachments.failed", conversation=conversation, error=str(exc), retryable=retryable)
-            text = FILES_NOT_SAVED if retryable else FILES_NOT_FETCHABLE.format(platform=message.platform.title())
-            await self._say(message.where, text)
+            setup = isinstance(exc, PlatformError) and exc.operator_must_act
+            log.warning(
+                "attachments.failed",
+                conversation=conversation,
+                error=str(exc),
+                retryable=retryable,
+                operator_must_act=setup,
+            )
+            # Setup is said even when retryable: no resend helps until the operator changes it.
+            text = FILES_NOT_FETCHABLE if setup else FILES_NOT_SAVED if retryable else FILES_GONE
+            await self._say(message.where, text.format(platform=message.platform.title()))
             return None
         return saved
 

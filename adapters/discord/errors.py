@@ -125,12 +125,15 @@ def classify(
     if isinstance(exc, discord.HTTPException):
         # 429 only reaches us without Discord's Via header (a Cloudflare block) or after discord.py gave up.
         retryable = exc.status >= 500 or exc.status == 429
-        return PlatformError(PLATFORM, site, describe(exc), retryable=retryable)
+        # 401: the bot token refused, the operator's to replace. A 403 or 404 is about the thing asked for (a
+        # channel the bot may not see, an attachment deleted before Kazma fetched it), not Kazma's setup.
+        return PlatformError(PLATFORM, site, describe(exc), retryable=retryable, operator_must_act=exc.status == 401)
     if isinstance(exc, discord.LoginFailure | discord.PrivilegedIntentsRequired):
-        return PlatformError(PLATFORM, site, describe(exc), retryable=False)
+        return PlatformError(PLATFORM, site, describe(exc), retryable=False, operator_must_act=True)
     if isinstance(exc, discord.ConnectionClosed):
-        # 4004 bad token, 4010-4014 bad shard/intents: trying again cannot help.
-        return PlatformError(PLATFORM, site, describe(exc), retryable=exc.code not in (4004, *range(4010, 4015)))
+        # 4004 bad token, 4010-4014 bad shard/intents: trying again cannot help, the operator's setup must change.
+        setup = exc.code in (4004, *range(4010, 4015))
+        return PlatformError(PLATFORM, site, describe(exc), retryable=not setup, operator_must_act=setup)
     if isinstance(exc, aiohttp.ClientError | OSError | discord.GatewayNotFound):
         return PlatformError(PLATFORM, site, describe(exc), retryable=True)
     return PlatformError(PLATFORM, site, describe(exc), retryable=False)

@@ -780,7 +780,9 @@ class MatrixAdapter(PlatformBase):
                 headers = {"Authorization": f"Bearer {self.config.access_token}"}
                 async with client.api.session.get(url, headers=headers) as got:
                     if got.status >= 300:
-                        raise PlatformError(PLATFORM, "file_fetch", f"HTTP {got.status}", retryable=got.status >= 500)
+                        # 401: the access token refused (the operator's to fix); 404: the media is gone.
+                        raise PlatformError(PLATFORM, "file_fetch", f"HTTP {got.status}", retryable=got.status >= 500,
+                                            operator_must_act=got.status == 401)  # fmt: skip
                     return await got.content.read(limit)
 
             return await self.call("file_fetch", None, download, paced=False)

@@ -44,7 +44,7 @@ def classify(site: str, exc: BaseException, *, timeout: float | None = None) -> 
             return PlatformError(PLATFORM, site, message, retryable=True, retry_after=wait)
         if code in REFUSED_TOKEN:
             problem = f"the homeserver refused the access token ({code}): check platforms.matrix.access_token"
-            return PlatformError(PLATFORM, site, problem, retryable=False)
+            return PlatformError(PLATFORM, site, problem, retryable=False, operator_must_act=True)
         return PlatformError(PLATFORM, site, detail, retryable=status >= 500)
     if isinstance(exc, TimeoutError):
         return PlatformError(PLATFORM, site, f"no answer within {timeout or 0:g} s", retryable=True)

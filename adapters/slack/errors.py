@@ -15,6 +15,18 @@ RETRYABLE_CODES: Final = frozenset(
 )
 # What Slack answers when the token lacks chat:write.customize (username/icon_emoji).
 NO_CUSTOM_IDENTITY: Final = frozenset({"missing_scope", "not_allowed_token_type"})
+# Answers about the app's token or scopes: only the operator can change them (a new token, a reinstall).
+SETUP_CODES: Final = frozenset(
+    {
+        "missing_scope",
+        "not_allowed_token_type",
+        "not_authed",
+        "invalid_auth",
+        "token_revoked",
+        "token_expired",
+        "account_inactive",
+    }
+)
 
 
 def response_status(exc: SlackApiError) -> int | None:
@@ -71,7 +83,13 @@ def download_refused(status: int, retry_after_header: str | None, location: str 
             "scope to its sign-in page; add files:read under OAuth & Permissions → Bot Token Scopes and reinstall "
             "the app",
             retryable=False,
+            operator_must_act=True,
         )
+    if status == 401:
+        return PlatformError(
+            PLATFORM, site, "HTTP 401: Slack refused the bot token", retryable=False, operator_must_act=True
+        )
+    # 404 and the like: the file was deleted (or its link is no longer valid) before Kazma fetched it.
     return PlatformError(PLATFORM, site, f"HTTP {status}", retryable=False)
 
 
@@ -94,7 +112,7 @@ def classify(site: str, exc: BaseException, *, timeout: float | None = None) -> 
             )
         if (status is not None and status >= 500) or code in RETRYABLE_CODES:
             return PlatformError(PLATFORM, site, detail, retryable=True)
-        return PlatformError(PLATFORM, site, detail, retryable=False)
+        return PlatformError(PLATFORM, site, detail, retryable=False, operator_must_act=code in SETUP_CODES)
     if isinstance(exc, TimeoutError):
         return PlatformError(PLATFORM, site, f"no answer within {timeout or 0:g} s", retryable=True)
     if isinstance(exc, aiohttp.ClientError | OSError):

@@ -49,7 +49,8 @@ def classify(site: str, exc: BaseException, *, token: str = "") -> PlatformError
     # PTB puts the token into some messages ("The token `…` was rejected"); it must not reach logs.
     if token and token in str(error):
         text = str(error).removeprefix(f"{PLATFORM} {site}: ").replace(token, "<token>")
-        error = PlatformError(PLATFORM, site, text, retryable=error.retryable, retry_after=error.retry_after)
+        error = PlatformError(PLATFORM, site, text, retryable=error.retryable, retry_after=error.retry_after,
+                              operator_must_act=error.operator_must_act)  # fmt: skip
     return error
 
 
@@ -61,12 +62,18 @@ def _classify(site: str, exc: BaseException) -> PlatformError:
         return PlatformError(PLATFORM, site, f"flood control: {exc}", retryable=True, retry_after=seconds)
     if isinstance(exc, ChatMigrated):
         return PlatformError(
-            PLATFORM, site, f"chat migrated to {exc.new_chat_id}: update the configuration", retryable=False
+            PLATFORM,
+            site,
+            f"chat migrated to {exc.new_chat_id}: update the configuration",
+            retryable=False,
+            operator_must_act=True,
         )
     if isinstance(exc, Forbidden) and _NOT_STARTED.search(str(exc)):
         return PlatformError(PLATFORM, site, f"{NOT_STARTED_HINT} ({exc})", retryable=False)
     # BadRequest is a NetworkError subclass in PTB: the request was refused, sending it again changes nothing.
-    if isinstance(exc, BadRequest | Forbidden | InvalidToken):
+    if isinstance(exc, InvalidToken):  # the bot token refused (401): only the operator can give another
+        return PlatformError(PLATFORM, site, f"{type(exc).__name__}: {exc}", retryable=False, operator_must_act=True)
+    if isinstance(exc, BadRequest | Forbidden):
         return PlatformError(PLATFORM, site, f"{type(exc).__name__}: {exc}", retryable=False)
     if isinstance(exc, TimedOut) and str(exc) != "Timed out":  # Kazma's transport says which bound and how long
         return PlatformError(PLATFORM, site, str(exc), retryable=True)
