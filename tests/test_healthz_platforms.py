@@ -19,7 +19,7 @@ from kazma.bot.console.server import WebServer
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
 from tests.fakes.telegram import Fault
-from tests.platforms_support import SLACK_ADMIN, TG_ADMIN, kazma_on, three_fakes
+from tests.platforms_support import SLACK_ADMIN, TG_ADMIN, TG_CHAT, kazma_on, three_fakes
 
 
 @contextlib.asynccontextmanager
@@ -157,3 +157,35 @@ async def test_telegram_polling_that_keeps_meeting_a_conflict_is_a_line_of_healt
             telegram = next((line for line in lines if line.startswith("platform telegram: ")), "")
             assert telegram.startswith("platform telegram: inbound failing (getUpdates (long polling) failed "), lines
             assert telegram.endswith("Telegram answered 409: Conflict: terminated by other getUpdates request)")
+
+
+async def test_telegram_polling_ended_by_a_refused_token_is_opened_again_once_the_token_is_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telegram answering getUpdates 401 (the token refused, then good again: the operator fixed it at BotFather,
+    or Telegram's 401 was a passing fault): python-telegram-bot's poller ended for good without a word to
+    Kazma, the adapter still said it polled, so the ingress check never opened it again, and nothing came in
+    from Telegram until a restart. Now the ended poller is an ingress not open: the check opens it again (with
+    backoff while it keeps failing) and, once Telegram answers, a message sent then is answered."""
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 0.05)
+    monkeypatch.setattr(lifecycle, "INGRESS_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app, served(app, tmp_path) as url:
+        telegram = fakes.telegram
+        await telegram.wait_for_call("getUpdates", answered=False)
+        lost = failure_count("ingress_lost", "telegram")
+        telegram.script("getUpdates", *[Fault.server_error(401, "Unauthorized")] * 10_000)
+        telegram.push_message(TG_CHAT, TG_ADMIN, "wakes the long poll; the next ones meet the 401")
+
+        def refused() -> int:
+            return sum(1 for call in telegram.calls_to("getUpdates") if call.status == 401)
+
+        # opened again and refused again, more than once: before, the first 401 was the last getUpdates
+        await until(lambda: refused() >= 3)
+        assert failure_count("ingress_lost", "telegram") >= lost + 3
+        telegram.unscript("getUpdates")
+        before = len(telegram.bot_messages(TG_CHAT))
+        telegram.push_message(TG_CHAT, TG_ADMIN, "/approvals")
+        await until(lambda: any("approval" in m.text.lower() for m in telegram.bot_messages(TG_CHAT)[before:]))
+        status, lines = await healthz(url)
+        assert status == 200
+        assert "platform telegram: serving" in lines, lines

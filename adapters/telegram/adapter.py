@@ -163,6 +163,8 @@ class TelegramAdapter(PlatformBase):
         # import meanwhile) instead of holding the event loop while all three platforms start.
         self._tls_made = _tls_soon()
         self._poll_streak = InboundStreak("getUpdates (long polling)")  # its failures in a row, for /healthz
+        # Why PTB's poller ended by itself (a refused token), while the ingress is not open again; None otherwise
+        self._poll_ended: str | None = None
 
     @property
     def bot_username(self) -> str:
@@ -178,13 +180,33 @@ class TelegramAdapter(PlatformBase):
 
     @property
     def ingress_trouble(self) -> str | None:
-        return self._poll_streak.trouble if self.has_singleton_ingress and self.ingress_running else None
+        if not self.has_singleton_ingress:
+            return None
+        if self.ingress_running:
+            return self._poll_streak.trouble
+        return self._poll_ended  # why it is not open: the bus adds that it is opened again with backoff
 
     def _polled(self, failure: str | None, ended: bool) -> None:
         if failure is None:
             self._poll_streak.succeeded()
+        elif ended:
+            self._poller_ended(failure)
         else:
-            self._poll_streak.failed(failure, final=ended)
+            self._poll_streak.failed(failure)
+
+    def _poller_ended(self, failure: str) -> None:
+        """PTB's poller gives up for good after a 401 or 404 on getUpdates (InvalidToken), without a word to its
+        error callback and with its Updater still saying it runs: nothing comes in from Telegram any more. The
+        ingress is no longer running, so the ingress check (the leader's, or a process alone on its store) opens
+        it again with backoff, and polling resumes once the token is good again (fixed at BotFather, or
+        Telegram's 401 a passing fault). Before, the adapter still said it polled and only a restart helped."""
+        app = self._app
+        if not self._ingress or self._stopping or app is None or app.updater is None or not app.updater.running:
+            return  # a stop's last getUpdates (confirming what was fetched), not the poller's
+        self._ingress = False
+        self._poll_ended = f"getUpdates (long polling) ended, python-telegram-bot does not poll again: {failure}"
+        count_failure("ingress_lost", PLATFORM)
+        log.error("telegram.polling_ended", error=failure)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -277,12 +299,22 @@ class TelegramAdapter(PlatformBase):
                 if update is not None:
                     log.warning("telegram.update_taken_over", update_id=update.update_id)
                     await app.update_queue.put(update)
+        updater = self._updater(app)
+        if updater.running:
+            # The poller ended by itself (_poller_ended): PTB's stop then raises what ended it and leaves the
+            # Updater's stop signal set, so that Updater would never poll again. A new one takes its place; what
+            # the old one fetched and never confirmed comes again, and the inbound claims take it in once.
+            with contextlib.suppress(TelegramError):
+                await updater.stop()
+            app.updater = updater = Updater(bot=app.bot, update_queue=app.update_queue)
+            await updater.initialize()
         self._poll_streak = InboundStreak("getUpdates (long polling)")
-        await self._updater(app).start_polling(
+        await updater.start_polling(
             timeout=timedelta(seconds=int(self.poll_timeout)),
             allowed_updates=_ALLOWED_UPDATES,
             error_callback=self._on_poll_error,
         )
+        self._poll_ended = None
         log.info("telegram.polling", bot=self._bot_username)
 
     async def _close_ingress(self) -> None:
