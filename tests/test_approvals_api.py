@@ -17,6 +17,7 @@ from kazma.approvals.hashing import args_hash
 from kazma.bot.api_store import IdempotencyKeys
 from kazma.bot.console.api import openapi_document
 from kazma.config import failpoints
+from kazma.config.metrics import failure_count
 from tests.api_support import (
     OPERATOR_TOKEN,
     OTHER_TOKEN,
@@ -106,6 +107,30 @@ async def test_attack_a_bearer_token_that_is_not_utf8_is_a_401_never_a_500(tmp_p
             assert answer.status_code == 401, answer.text
             assert answer.json() == {"error": "an API token is required"}
         assert await door.app.service.store.requests(limit=10) == []
+
+
+async def test_attack_a_viewer_token_posting_over_and_over_leaves_one_audit_row_and_a_count(tmp_path: Path) -> None:
+    """A token without the requester role was refused with an api_refused audit row on every attempt: a read-only
+    token could grow the audit without bound. The first refusal per token per window is on record, the rest
+    counted (as refused presses are)."""
+    async with kazma_door(tmp_path) as door, client(door, VIEWER_TOKEN) as viewer, client(door) as ci:
+        before = failure_count("api_refused_unaudited", "api")
+        for _ in range(30):
+            refused = await viewer.post("/api/v1/approvals", json=DEPLOY)
+            assert refused.status_code == 403
+            assert "does not have the approval_requester role" in refused.json()["error"]
+        rows = await door.app.service.store.events(event="api_refused")
+        assert [(e.actor, e.detail) for e in rows] == [
+            ("api:dashboard", "asked for an approval without the requester role")
+        ]
+        assert failure_count("api_refused_unaudited", "api") == before + 29
+        # another token's first refusal is still on record: one token cannot hide another's
+        headers = {"Idempotency-Key": "deploy-44"}
+        assert (await ci.post("/api/v1/approvals", json=DEPLOY, headers=headers)).status_code == 201
+        other = {**DEPLOY, "reason": "release 44"}
+        assert (await ci.post("/api/v1/approvals", json=other, headers=headers)).status_code == 422
+        rows = await door.app.service.store.events(event="api_refused")
+        assert [e.actor for e in rows] == ["api:dashboard", "api:ci"]
 
 
 async def test_a_viewer_token_reads_any_request_and_changes_nothing(tmp_path: Path) -> None:

@@ -11,18 +11,28 @@ when this process stops asking (killed outright).
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import io
+import json
 import os
 import select
 import signal
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import structlog
+from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.stdio import stdio_server
+from mcp.shared.message import SessionMessage
+from mcp_types import INVALID_REQUEST, ErrorData, JSONRPCError
 
 from kazma.approvals.withdrawal import Gone
-from kazma.bot.console.mcp_tool import Asked, answer, build_server
+from kazma.bot.console.api import ambiguity
+from kazma.bot.console.mcp_door import READ_FROM_TEXT
+from kazma.bot.console.mcp_tool import Ask, Asked, answer, build_server
 
 log = structlog.get_logger("kazma.mcp_server")
 # How long a poll may fail in a row (Kazma restarting, a replica failing over) before the call gives up: less
@@ -44,14 +54,37 @@ def serve_stdio(base_url: str, token: str) -> None:
 
 async def _serve_stdio(base_url: str, token: str, wire: int) -> None:
     """Serve until the client hangs up, or until this process is interrupted (SIGINT, SIGTERM)."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {token}"}
     interrupted = asyncio.Event()
     asking: set[asyncio.Task[Any]] = set()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, interrupted.set)
+
+    ask = asker(base_url, token, wire=wire, interrupted=interrupted, asking=asking)
+    serving = asyncio.create_task(serve_checked(build_server(ask), _client_lines()))
+    stop = asyncio.create_task(interrupted.wait())
+    await asyncio.wait((serving, stop), return_when=asyncio.FIRST_COMPLETED)
+    if serving.done():  # the client hung up: every open call was cancelled and withdrew its request
+        stop.cancel()
+        serving.result()
+        return
+    serving.cancel()
+    if asking:
+        await asyncio.wait(set(asking), timeout=WITHDRAW_TIMEOUT + 1)
+    # The SDK reads stdin in a worker thread that stays blocked while the client keeps stdin open, and neither
+    # the loop nor the interpreter can end while it does. What was asked is withdrawn: leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def asker(base_url: str, token: str, *, wire: int, interrupted: asyncio.Event, asking: set[asyncio.Task[Any]]) -> Ask:
+    """How this door asks: each call is forwarded to Kazma's approvals API and polled until it is decided; a call
+    cancelled (``interrupted`` set, or the client gone: ``wire`` hung up) withdraws what it forwarded. Each call
+    in flight is in ``asking``."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"}
 
     async def ask(asked: Asked) -> dict[str, Any]:
         current = asyncio.current_task()
@@ -78,21 +111,82 @@ async def _serve_stdio(base_url: str, token: str, wire: int) -> None:
         finally:
             asking.discard(current)
 
-    serving = asyncio.create_task(build_server(ask).run_stdio_async())
-    stop = asyncio.create_task(interrupted.wait())
-    await asyncio.wait((serving, stop), return_when=asyncio.FIRST_COMPLETED)
-    if serving.done():  # the client hung up: every open call was cancelled and withdrew its request
-        stop.cancel()
-        serving.result()
-        return
-    serving.cancel()
-    if asking:
-        await asyncio.wait(set(asking), timeout=WITHDRAW_TIMEOUT + 1)
-    # The SDK reads stdin in a worker thread that stays blocked while the client keeps stdin open, and neither
-    # the loop nor the interpreter can end while it does. What was asked is withdrawn: leave now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return ask
+
+
+def _client_lines() -> anyio.AsyncFile[str]:
+    """The client's side of stdin, read from a private copy while fd 0 points at the null device.
+
+    The SDK does this itself only for a stdin it opens: what this door hands it instead is claimed the same way,
+    so a child (or a stray read) still finds EOF rather than a line of the client's."""
+    try:
+        private = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)
+    except OSError:
+        return anyio.wrap_file(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace"))
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        try:
+            os.dup2(null, 0)
+        finally:
+            os.close(null)
+    except OSError:
+        pass  # the diversion failed: the client is still read from the copy, as the SDK would
+    # closefd=False: the SDK's reader thread may still block on it as the process leaves
+    return anyio.wrap_file(
+        io.TextIOWrapper(os.fdopen(private, "rb", closefd=False), encoding="utf-8", errors="replace")
+    )
+
+
+async def serve_checked(
+    server: MCPServer[Any], lines: anyio.AsyncFile[str], out: anyio.AsyncFile[str] | None = None
+) -> None:
+    """Serve ``server`` over stdio, reading the client's ``lines`` (and answering on ``out``, by default stdout),
+    refusing a message that names one member twice before the SDK parses it.
+
+    The SDK's parser keeps the last of a name given twice, where the client's own may have acted on the first: the
+    card would show another call than the one the client meant. The ``/mcp`` door refuses such a body; this door
+    refuses such a line, with a JSON-RPC error for its request, and passes every other line on as it came."""
+    checked = _CheckedLines(lines)
+    async with stdio_server(checked, out) as (read_stream, write_stream):
+        # set before the SDK's reader task first runs (nothing awaited since it was started): no line is refused
+        # before there is somewhere to answer it
+        checked.answers = write_stream
+        # MCPServer.run_stdio_async opens stdio_server() itself, with no way to hand it the checked lines.
+        lowlevel = server._lowlevel_server
+        await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
+
+
+class _CheckedLines(anyio.AsyncFile[str]):
+    """The client's lines, less the ambiguous ones, each of which is answered with an error instead."""
+
+    def __init__(self, lines: anyio.AsyncFile[str]) -> None:
+        super().__init__(lines.wrapped)
+        self._lines = lines
+        self.answers: Any = None  # the SDK's write stream, once it is open
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        async for line in self._lines:
+            problem = ambiguity(line.encode("utf-8", "surrogatepass"), read_from_text=READ_FROM_TEXT)
+            if problem is None:
+                yield line
+            else:
+                await self._refuse(line, problem)
+
+    async def _refuse(self, line: str, problem: str) -> None:
+        # it parsed to find the name given twice: the members of the message itself, each name as often as given
+        # (an object becomes a tuple of its pairs; a batch stays a list, which the SDK does not take anyway)
+        members = json.loads(line, object_pairs_hook=tuple)
+        names = [name for name, _ in members] if isinstance(members, tuple) else []
+        log.warning("mcp.message_ambiguous", problem=problem[:200])
+        if "method" not in names or "id" not in names:
+            return  # a notification (or a response): JSON-RPC answers neither; said in the log, never forwarded
+        ids = [value for name, value in members if name == "id"]
+        # a request whose id is in doubt, or not one JSON-RPC allows, is answered as JSON-RPC says: with id null
+        request_id = (
+            ids[0] if len(ids) == 1 and isinstance(ids[0], (str, int)) and not isinstance(ids[0], bool) else None
+        )
+        refused = JSONRPCError(jsonrpc="2.0", id=request_id, error=ErrorData(code=INVALID_REQUEST, message=problem))
+        await self.answers.send(SessionMessage(refused))
 
 
 async def _poll(client: Any, found: dict[str, Any]) -> dict[str, Any]:

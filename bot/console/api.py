@@ -46,7 +46,7 @@ from aiohttp import hdrs, web
 from kazma.approvals.card import ASKED_THROUGH_API, ON_BEHALF_OF, REASON_GIVEN
 from kazma.approvals.hashing import MAX_ARGUMENT_DEPTH, args_hash, canonical_json, nesting_depth, text_hash
 from kazma.approvals.model import API_REQUESTER_PREFIX, ApprovalRequest, Status, Waits
-from kazma.approvals.service import ApprovalRefused, ApprovalService
+from kazma.approvals.service import ApprovalRefused, ApprovalService, RefusalWindow
 from kazma.approvals.store import UnreadableRequest
 from kazma.approvals.withdrawal import POLL_GRACE, Gone, by_asker
 from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, KeyReused, QuotaFull
@@ -162,6 +162,8 @@ class ApprovalsApi:
         # request id -> (the ended request as one wake-up read it, its answer's body): see _ended_answer
         self._described: dict[str, tuple[ApprovalRequest, asyncio.Future[bytes]]] = {}
         self.stopping = asyncio.Event()  # set as the web server shuts down: open long-polls answer at once
+        # per token: a token refused over and over (a viewer posting in a loop) must not fill the audit
+        self._refusals = RefusalWindow(clock=self.service.clock)
 
     @property
     def config(self) -> KazmaConfig:
@@ -178,6 +180,15 @@ class ApprovalsApi:
     async def _audit(self, request_id: str | None, event: str, caller: ApiCaller, detail: str) -> None:
         with contextlib.suppress(Exception):  # the service logs a failed audit itself; refusing is what matters
             await self.service.store.audit(request_id, event, actor=caller.actor, platform="api", detail=detail)
+
+    async def _refused(self, request_id: str | None, caller: ApiCaller, detail: str) -> None:
+        """Put a refusal on record: the first per token per window is audited (who tried what), the rest are
+        logged and counted (``kazma_failures_total{site="api_refused_unaudited"}``), as refused presses are."""
+        log.warning("api.refused", token=caller.name, request_id=request_id, reason=detail[:300])
+        if not self._refusals.first_in_window(caller.actor):
+            count_failure("api_refused_unaudited", "api")
+            return
+        await self._audit(request_id, "api_refused", caller, detail)
 
     async def create(self, request: web.Request) -> web.Response:
         caller = caller_of(self.config, request)
@@ -199,7 +210,7 @@ class ApprovalsApi:
         withdrawn when its asker goes away. None: an API caller that may come back for it until the deadline.
         """
         if REQUESTER not in caller.roles:
-            await self._audit(None, "api_refused", caller, "asked for an approval without the requester role")
+            await self._refused(None, caller, "asked for an approval without the requester role")
             raise _error(web.HTTPForbidden, f"the token {caller.name!r} does not have the {REQUESTER} role")
         tool, arguments, note_lines, deadline = _validated(body, caller, self.config)
         policy = _policy(body, self.config)
@@ -256,10 +267,10 @@ class ApprovalsApi:
                 f"the answer; {retry}",
             ) from None
         except ApprovalRefused as exc:
-            await self._audit(None, "api_refused", caller, str(exc)[:300])
+            await self._refused(None, caller, str(exc)[:300])
             raise _error(web.HTTPUnprocessableEntity, str(exc)) from None
         except KeyReused as exc:
-            await self._audit(exc.request_id, "api_refused", caller, "idempotency key reused with another body")
+            await self._refused(exc.request_id, caller, "idempotency key reused with another body")
             raise _error(web.HTTPUnprocessableEntity, _KEY_REUSED) from None
         except QuotaFull as exc:
             # Logged, not audited: a client retrying against a full quota must not fill the audit.
@@ -294,7 +305,7 @@ class ApprovalsApi:
         """A known key while no card can be shown: its request still answers (read only)."""
         request_id, first_hash = known
         if first_hash != body_hash:
-            await self._audit(request_id, "api_refused", caller, "idempotency key reused with another body")
+            await self._refused(request_id, caller, "idempotency key reused with another body")
             raise _error(web.HTTPUnprocessableEntity, _KEY_REUSED)
         existing = await self.service.store.get(request_id)
         if existing is None:

@@ -28,7 +28,7 @@ log = structlog.get_logger("kazma.mcp_server")
 _INVALID_REQUEST = -32600  # JSON-RPC 2.0's code for a message that is not a valid request
 # request_approval's parameters that are not text (kazma.bot.console.mcp_tool): the SDK reads a text sent for one
 # of them as JSON, so a name given twice in that text is as ambiguous as one in the body.
-_READ_FROM_TEXT = ("arguments", "deadline_seconds")
+READ_FROM_TEXT = ("arguments", "deadline_seconds")
 
 
 def _endpoint_class() -> type[MCPEndpoint]:
@@ -149,7 +149,7 @@ class MCPDoor:
                 text=json.dumps({"error": "/mcp offers no event stream: send JSON-RPC messages with POST"}),
                 content_type="application/json",
             )
-        problem = ambiguity(await request.read(), read_from_text=_READ_FROM_TEXT)
+        problem = ambiguity(await request.read(), read_from_text=READ_FROM_TEXT)
         if problem is not None:
             # The SDK's parser keeps the last of a name given twice, where the client's own may have acted on the
             # first: the card would show another call than the one the client meant. Refused as /api/v1 refuses

@@ -1,0 +1,118 @@
+"""`kazma mcp serve`'s lines, read in this process: one naming a member twice is refused, as /mcp refuses it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from kazma.bot.cli.mcp_stdio import asker, serve_checked
+from kazma.bot.console.mcp_tool import build_server
+from tests.api_support import REQUESTER_TOKEN, Door, kazma_door
+
+WITHIN = 30
+
+
+@dataclass
+class Client:
+    """The client's ends of the door's stdin and stdout."""
+
+    to_door: Any
+    from_door: asyncio.StreamReader  # read on the loop: a wait for an answer that never comes can time out
+
+    def send(self, message: str) -> None:
+        self.to_door.write(message + "\n")
+        self.to_door.flush()
+
+    async def receive(self) -> dict[str, Any]:
+        with anyio.fail_after(WITHIN):
+            line = await self.from_door.readline()
+        assert line, "the door closed its stdout"
+        found: dict[str, Any] = json.loads(line)
+        return found
+
+
+@asynccontextmanager
+async def stdio_door(door: Door) -> AsyncIterator[Client]:
+    """The stdio door forwarding to ``door``, serving over two pipes until the client closes its end."""
+    lines_read, lines_written = os.pipe()
+    out_read, out_written = os.pipe()
+    ask = asker(door.url, REQUESTER_TOKEN, wire=-1, interrupted=asyncio.Event(), asking=set())
+    lines = anyio.wrap_file(open(lines_read, encoding="utf-8"))  # noqa: SIM115 - closed as the door ends
+    out = anyio.wrap_file(open(out_written, "w", encoding="utf-8"))  # noqa: SIM115
+    serving = asyncio.create_task(serve_checked(build_server(ask), lines, out))
+    from_door = asyncio.StreamReader()
+    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(from_door),
+        open(out_read, "rb"),  # noqa: SIM115
+    )
+    client = Client(open(lines_written, "w", encoding="utf-8"), from_door)  # noqa: SIM115
+    try:
+        yield client
+    finally:
+        client.to_door.close()  # EOF: the door ends (a call still open is cancelled)
+        try:
+            with anyio.fail_after(WITHIN):
+                await serving
+        finally:
+            await out.aclose()
+            await lines.aclose()
+            transport.close()
+
+
+async def test_attack_a_line_naming_a_member_twice_is_refused_and_every_other_passes_in_order(tmp_path: Path) -> None:
+    """The SDK's stdio reader keeps the last of a name given twice: before, the door forwarded the call and Kazma
+    opened a request for env=staging while a client whose parser keeps the first meant env=prod."""
+    call = (
+        '{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"request_approval","arguments":'
+        '{"tool":"deploy","arguments":%s,"deadline_seconds":60}}}'
+    )
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        client.send(
+            json.dumps(
+                {
+                    "jsonrpc": "2.0",
+                    "id": 1,
+                    "method": "initialize",
+                    "params": {
+                        "protocolVersion": "2025-06-18",
+                        "capabilities": {},
+                        "clientInfo": {"name": "t", "version": "1"},
+                    },
+                }
+            )
+        )
+        assert (await client.receive())["id"] == 1
+        client.send('{"jsonrpc":"2.0","method":"notifications/initialized"}')
+        client.send(call % (2, '{"env":"prod","env":"staging"}'))
+        client.send(call % (3, json.dumps('{"env":"prod","env":"staging"}')))  # arguments as a text of JSON
+        client.send('{"jsonrpc":"2.0","id":4,"id":5,"method":"tools/list"}')
+        client.send('{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":9,"requestId":2}}')
+        client.send('{"jsonrpc":"2.0","id":6,"method":"tools/list"}')
+        answered = {}
+        for _ in range(4):
+            found = await client.receive()
+            answered[found["id"]] = found
+        named = "the body is ambiguous: {!r} is named twice in one object{}; send each name once"
+        assert answered[2]["error"] == {"code": -32600, "message": named.format("env", "")}
+        assert answered[3]["error"] == {
+            "code": -32600,
+            "message": named.format("env", " (in the text given as arguments)"),
+        }
+        assert answered[None]["error"] == {"code": -32600, "message": named.format("id", "")}
+        assert [tool["name"] for tool in answered[6]["result"]["tools"]] == ["request_approval"]
+        assert await door.app.service.store.requests(limit=5) == []
+        # the same call with each name once is forwarded, unchanged
+        client.send(call % (7, '{"env":"prod"}'))
+        await door.press("a")
+        decided = await client.receive()
+        assert decided["id"] == 7, decided
+        assert decided["result"]["structuredContent"]["outcome"] == "approved", decided
+        assert [request.args for request in await door.app.service.store.requests(limit=5)] == [{"env": "prod"}]
