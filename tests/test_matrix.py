@@ -20,6 +20,7 @@ from mautrix.errors import MatrixRequestError
 from kazma.adapters import kit
 from kazma.adapters.admission import DirectPolicy
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, ingress_trouble
+from kazma.adapters.kit import PlatformBase
 from kazma.adapters.matrix import MatrixAdapter
 from kazma.adapters.matrix import adapter as matrix_adapter
 from kazma.adapters.matrix.client import close_client, make_client
@@ -496,12 +497,9 @@ async def test_deny_with_a_reason_from_someone_whose_press_would_not_count_asks_
     assert harness.recorder.presses == []
 
 
-async def test_a_reply_to_a_reason_prompt_after_a_restart_is_still_the_reason_and_never_chat(
-    harness: MatrixHarness,
-) -> None:
-    """The prompts were kept in the process alone: after a restart (or on another replica) the presser's reply was
-    no reason, and its words (meant for the approvals record, perhaps saying why the call is dangerous) reached the
-    agents as an ordinary message while the request stayed pending. The prompt carries what it asks now."""
+async def _reason_prompted_then_restarted(harness: MatrixHarness) -> tuple[ApprovalCard, CardRef, str, PlatformBase]:
+    """A card, its reason prompt (the admin's 💬) and the adapter restarted: the card, where it is, the prompt's
+    event id and the adapter now running."""
     adapter = await harness.start()
     card = make_card({"path": "/tmp/x"})
     ref = await adapter.post_card(card)
@@ -510,7 +508,16 @@ async def test_a_reply_to_a_reason_prompt_after_a_restart_is_still_the_reason_an
     [prompt] = [e["event_id"] for e in harness._bot_events(harness.home) if e["content"].get("msgtype") == "m.notice"]
     await adapter.quiesce()
     await adapter.stop()
-    restarted = await harness.start()
+    return card, ref, prompt, await harness.start()
+
+
+async def test_a_reply_to_a_reason_prompt_after_a_restart_is_still_the_reason_and_never_chat(
+    harness: MatrixHarness,
+) -> None:
+    """The prompts were kept in the process alone: after a restart (or on another replica) the presser's reply was
+    no reason, and its words (meant for the approvals record, perhaps saying why the call is dangerous) reached the
+    agents as an ordinary message while the request stayed pending. The prompt carries what it asks now."""
+    card, ref, prompt, restarted = await _reason_prompted_then_restarted(harness)
     relates = {"m.relates_to": {"m.in_reply_to": {"event_id": prompt}}}
     await asyncio.to_thread(harness.people[harness.member].say, harness.home, "it is fine, ship it", **relates)
     await asyncio.to_thread(harness.people[harness.admin].say, harness.home, "it drops the prod table", **relates)
@@ -546,15 +553,7 @@ async def test_a_reaction_on_a_reason_prompt_after_a_restart_leaves_the_reply_th
     """Someone reacted (👀) to a reason prompt after a restart: reading the reaction remembered the prompt as one of
     the bot's own events without choices, and the prompt was then taken for a card, so the presser's reply was no
     reason but chat for the agents, and the request stayed pending."""
-    adapter = await harness.start()
-    card = make_card({"path": "/tmp/x"})
-    ref = await adapter.post_card(card)
-    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
-    await harness.wait_for_notices(harness.admin, 1)
-    [prompt] = [e["event_id"] for e in harness._bot_events(harness.home) if e["content"].get("msgtype") == "m.notice"]
-    await adapter.quiesce()
-    await adapter.stop()
-    await harness.start()
+    card, ref, prompt, _ = await _reason_prompted_then_restarted(harness)
     await asyncio.to_thread(harness.people[harness.member].react, harness.home, prompt, "👀")
     await harness.say(harness.home, harness.admin, "after the reaction")
     await texts_arrived(harness, 1)  # the reaction was read before this
