@@ -133,6 +133,29 @@ async def test_attack_a_viewer_token_posting_over_and_over_leaves_one_audit_row_
         assert [e.actor for e in rows] == ["api:dashboard", "api:ci"]
 
 
+async def test_attack_a_refusal_does_not_hide_a_key_reused_on_another_request_from_its_audit(tmp_path: Path) -> None:
+    """Refusals were audited once per token per minute, whatever they were about: a requester that reused one
+    request's idempotency key with another body, then within the minute another's (arguments swapped under a key
+    a reviewer trusts), left nothing on the second request's record. Each request's own refusals are on its record
+    (once per window); the refusals about no request still share one row per token per window."""
+    async with kazma_door(tmp_path) as door, client(door) as ci:
+        opened = {}
+        for key in ("deploy-45", "deploy-46"):
+            body = {**DEPLOY, "reason": key}
+            answer = await ci.post("/api/v1/approvals", json=body, headers={"Idempotency-Key": key})
+            assert answer.status_code == 201
+            opened[key] = answer.json()["id"]
+        before = failure_count("api_refused_unaudited", "api")
+        for key in ("deploy-45", "deploy-45", "deploy-46"):
+            swapped = {**DEPLOY, "arguments": {"env": "prod", "version": 666}, "reason": key}
+            answer = await ci.post("/api/v1/approvals", json=swapped, headers={"Idempotency-Key": key})
+            assert answer.status_code == 422
+        for key, request_id in opened.items():
+            rows = await door.app.service.store.events(request_id, event="api_refused")
+            assert [(e.actor, e.detail) for e in rows] == [("api:ci", "idempotency key reused with another body")], key
+        assert failure_count("api_refused_unaudited", "api") == before + 1  # the second try on deploy-45
+
+
 async def test_a_viewer_token_reads_any_request_and_changes_nothing(tmp_path: Path) -> None:
     """Before, a viewer could only follow requests it opened, and it may open none: it could never read anything."""
     async with kazma_door(tmp_path) as door, client(door) as ci, client(door, VIEWER_TOKEN) as viewer:

@@ -116,3 +116,40 @@ async def test_attack_a_line_naming_a_member_twice_is_refused_and_every_other_pa
         assert decided["id"] == 7, decided
         assert decided["result"]["structuredContent"]["outcome"] == "approved", decided
         assert [request.args for request in await door.app.service.store.requests(limit=5)] == [{"env": "prod"}]
+
+
+async def test_attack_a_line_naming_a_member_twice_then_not_json_is_refused_and_the_door_serves_on(
+    tmp_path: Path,
+) -> None:
+    """A line whose name given twice came before it stopped being JSON (``{"id":2,"id":3,…} x``) was found
+    ambiguous, then read again to answer it: that reading raised out of the door's reader, and the door ended, with
+    every call open on it. Such a line is answered as not JSON, and the next line is served."""
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        client.send(
+            json.dumps(
+                {
+                    "jsonrpc": "2.0",
+                    "id": 1,
+                    "method": "initialize",
+                    "params": {
+                        "protocolVersion": "2025-06-18",
+                        "capabilities": {},
+                        "clientInfo": {"name": "t", "version": "1"},
+                    },
+                }
+            )
+        )
+        assert (await client.receive())["id"] == 1
+        client.send('{"jsonrpc":"2.0","method":"notifications/initialized"}')
+        client.send('{"jsonrpc":"2.0","id":2,"id":3,"method":"tools/list"} x')
+        client.send('{"jsonrpc":"2.0","id":4,"method":"tools/list","params":{"a":1,"a":2}')  # never closed
+        client.send('{"jsonrpc":"2.0","id":6,"method":"tools/list"}')
+        refused = [await client.receive(), await client.receive()]
+        for found in refused:
+            assert found["id"] is None, found
+            assert found["error"]["code"] == -32700, found
+            assert "the line is not JSON" in found["error"]["message"], found
+            assert "is named twice in one object" in found["error"]["message"], found
+        listed = await client.receive()
+        assert listed["id"] == 6, listed
+        assert [tool["name"] for tool in listed["result"]["tools"]] == ["request_approval"]

@@ -27,7 +27,7 @@ from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.stdio import stdio_server
 from mcp.shared.message import SessionMessage
-from mcp_types import INVALID_REQUEST, ErrorData, JSONRPCError
+from mcp_types import INVALID_REQUEST, PARSE_ERROR, ErrorData, JSONRPCError
 
 from kazma.approvals.withdrawal import Gone
 from kazma.bot.console.api import ambiguity
@@ -169,13 +169,20 @@ class _CheckedLines(anyio.AsyncFile[str]):
             problem = ambiguity(line.encode("utf-8", "surrogatepass"), read_from_text=READ_FROM_TEXT)
             if problem is None:
                 yield line
-            else:
-                await self._refuse(line, problem)
+                continue
+            # the members of the message itself, each name as often as given (an object becomes a tuple of its
+            # pairs; a batch stays a list, which the SDK does not take anyway)
+            try:
+                members = json.loads(line, object_pairs_hook=tuple)
+            except (ValueError, RecursionError) as exc:
+                # The name given twice came before the line stopped being JSON (`{"id":1,"id":2} x`). Raised from
+                # here, it ended the door and every call open on it; passed on, another parser might read it.
+                log.warning("mcp.message_not_json", problem=problem[:200], error=str(exc)[:200])
+                await self._send(None, PARSE_ERROR, f"the line is not JSON ({exc}); {problem}")
+                continue
+            await self._refuse(members, problem)
 
-    async def _refuse(self, line: str, problem: str) -> None:
-        # it parsed to find the name given twice: the members of the message itself, each name as often as given
-        # (an object becomes a tuple of its pairs; a batch stays a list, which the SDK does not take anyway)
-        members = json.loads(line, object_pairs_hook=tuple)
+    async def _refuse(self, members: Any, problem: str) -> None:
         names = [name for name, _ in members] if isinstance(members, tuple) else []
         log.warning("mcp.message_ambiguous", problem=problem[:200])
         if "method" not in names or "id" not in names:
@@ -185,7 +192,10 @@ class _CheckedLines(anyio.AsyncFile[str]):
         request_id = (
             ids[0] if len(ids) == 1 and isinstance(ids[0], (str, int)) and not isinstance(ids[0], bool) else None
         )
-        refused = JSONRPCError(jsonrpc="2.0", id=request_id, error=ErrorData(code=INVALID_REQUEST, message=problem))
+        await self._send(request_id, INVALID_REQUEST, problem)
+
+    async def _send(self, request_id: str | int | None, code: int, message: str) -> None:
+        refused = JSONRPCError(jsonrpc="2.0", id=request_id, error=ErrorData(code=code, message=message))
         await self.answers.send(SessionMessage(refused))
 
 

@@ -183,9 +183,14 @@ class ApprovalsApi:
 
     async def _refused(self, request_id: str | None, caller: ApiCaller, detail: str) -> None:
         """Put a refusal on record: the first per token per window is audited (who tried what), the rest are
-        logged and counted (``kazma_failures_total{site="api_refused_unaudited"}``), as refused presses are."""
+        logged and counted (``kazma_failures_total{site="api_refused_unaudited"}``), as refused presses are.
+
+        A refusal about a request (its idempotency key reused with another body) has a window of its own per
+        request: one about nothing, or about another request, must not keep it off that request's record. Such
+        windows are bounded by the requests the token itself opened."""
         log.warning("api.refused", token=caller.name, request_id=request_id, reason=detail[:300])
-        if not self._refusals.first_in_window(caller.actor):
+        about = caller.actor if request_id is None else f"{caller.actor}\x00{request_id}"
+        if not self._refusals.first_in_window(about):
             count_failure("api_refused_unaudited", "api")
             return
         await self._audit(request_id, "api_refused", caller, detail)

@@ -827,7 +827,7 @@ class SwarmTaskStore(CallRecords):
             now = self.clock()
             # an ending that lists no workers (a failed checkpoint, a crashed run) keeps the journal's answers
             kept = result_json if status is TaskStatus.SUCCEEDED else await _with_kept(db, run.task_id, result_json)
-            return await db.run(
+            changed = await db.run(
                 "UPDATE swarm_tasks SET status = ?, result_json = ?, error = ?, updated_at = ?, finished_at = ?"  # noqa: S608
                 f" WHERE id = ? AND generation = ? AND run_id = ? AND status IN ({marks})",
                 (
@@ -842,6 +842,16 @@ class SwarmTaskStore(CallRecords):
                     *sorted(s.value for s in sources),
                 ),
             )
+            if changed:
+                return changed
+            # This very ending already there: an attempt whose commit went through with its answer lost (a
+            # connection dropped as PostgreSQL committed), tried again. Refused, it was said as the run finishing
+            # after its task was ended elsewhere, with its result "not recorded" and never delivered.
+            row = await db.one(
+                "SELECT generation, run_id, status, error, result_json FROM swarm_tasks WHERE id = ?", (run.task_id,)
+            )
+            here = row is not None and (int(row[0]), str(row[1]), str(row[2]), row[3], row[4])
+            return int(here == (run.generation, run.run_id, status.value, error, kept))
 
         done = await self._guarded("finish", run, status, sources, write, {"result": result, "error": error})
         if done:
