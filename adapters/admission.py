@@ -77,6 +77,10 @@ class FileBounds:
 
     max_bytes: int = DEFAULT_FILE_BYTES
     max_count: int = DEFAULT_FILE_COUNT
+    # The largest file the platform hands a bot (``platform`` names it), when that is less than files.max_bytes may
+    # be: a file over it passed the bound here, and its fetch was refused as if it had been deleted.
+    platform_max_bytes: int | None = None
+    platform: str = ""
 
     def problem(self, attachments: Sequence[Attachment]) -> str | None:
         """Why these files are refused (a reply for the sender), or None when they are within the bounds."""
@@ -87,7 +91,14 @@ class FileBounds:
                 f"Not saved: {len(attachments)} files were sent with one message; Kazma accepts at most "
                 f"{self.max_count} (files.max_count). Nothing was saved."
             )
+        cap = self.platform_max_bytes
         for attachment in attachments:
+            if attachment.size is not None and cap is not None and cap < self.max_bytes and attachment.size > cap:
+                return (
+                    f"Not saved: {attachment.name} is {human_size(attachment.size)}; {self.platform} hands a bot "
+                    f"files up to {human_size(cap)}, so Kazma cannot fetch it (sending it again will not change that)."
+                    " Nothing was saved."
+                )
             if attachment.size is not None and attachment.size > self.max_bytes:
                 return (
                     f"Not saved: {attachment.name} is {human_size(attachment.size)}; Kazma accepts files up to "

@@ -10,7 +10,9 @@ import pytest
 from kazma.adapters.admission import FileBounds
 from kazma.adapters.contract import Attachment, Inbound, PlatformError
 from kazma.adapters.ingress import Arrival, Check, Ingress, SignedRequests, Stopped, Verdict, files_within
+from kazma.adapters.telegram import TelegramAdapter
 from kazma.adapters.web import WebAdapter
+from kazma.config.models import TelegramConfig
 from tests.contract.harness import Recorder
 
 KIT_ORDER = ("replay_guard", "space_served", "chat_served", "claimed_here", "files_within")
@@ -64,6 +66,29 @@ async def test_files_over_the_bounds_are_refused_whole_with_a_reply() -> None:
     assert isinstance(one, Arrival)
     assert one.inbound is not None
     assert await one.inbound.attachments[0].fetch() == b"x" * 10  # bounded, still whole
+
+
+async def test_a_file_over_what_telegram_hands_a_bot_is_refused_as_such_not_fetched_and_called_gone() -> None:
+    # files.max_bytes may allow more than the 20 MB the Bot API's getFile hands a bot: such a file passed the bound,
+    # Telegram refused its fetch ("File is too big"), and the sender read that it was most likely deleted.
+    async def fetch() -> bytes:
+        raise AssertionError("a file Telegram will not hand over is not fetched")
+
+    config = TelegramConfig(token="1:x", chats=[-100], home_chat=-100)
+    adapter = TelegramAdapter(config, files=FileBounds(max_bytes=100 * 1024 * 1024))
+    door = Ingress([files_within(lambda: adapter.files)])
+    big = Attachment("build.zip", 25 * 1024 * 1024, fetch)
+    stopped = await door.admit(Arrival("x", inbound(attachments=(big,))))
+    assert isinstance(stopped, Stopped)
+    assert stopped.reply == (
+        "Not saved: build.zip is 25.0 MB; Telegram hands a bot files up to 20.0 MB, so Kazma cannot fetch it (sending"
+        " it again will not change that). Nothing was saved."
+    )
+    # under a files.max_bytes below Telegram's own limit, that bound is the one said
+    small = TelegramAdapter(config, files=FileBounds(max_bytes=10 * 1024 * 1024))
+    refused = await Ingress([files_within(lambda: small.files)]).admit(Arrival("x", inbound(attachments=(big,))))
+    assert isinstance(refused, Stopped)
+    assert "(files.max_bytes)" in (refused.reply or "")
 
 
 async def test_the_console_runs_the_door_and_a_refused_message_reaches_no_agent() -> None:

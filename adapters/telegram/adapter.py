@@ -21,6 +21,7 @@ twice. A webhook is HTTP ingress, served by every replica.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import ssl
 import threading
@@ -88,6 +89,8 @@ from kazma.config.models import TelegramConfig
 
 _NO_PREVIEW: Final = LinkPreviewOptions(is_disabled=True)
 CAPTION_LIMIT: Final = 1024  # a document's caption, in UTF-16 units after parsing
+# The Bot API's getFile hands a bot files up to 20 MB; files.max_bytes may allow more ("File is too big").
+BOT_DOWNLOAD_MAX_BYTES: Final = 20 * 1024 * 1024
 _ALLOWED_UPDATES: Final = [Update.MESSAGE, Update.CALLBACK_QUERY]
 # Of a group's 20 sends a minute, those a streamed reply's edits leave to cards and new messages: a long reply
 # grows more slowly in a busy minute instead of making the next approval card wait for the minute to pass.
@@ -148,6 +151,7 @@ class TelegramAdapter(PlatformBase):
             drafts_leave=DRAFTS_LEAVE,
         )
         super().__init__(config, pacing=Pacing(chosen, max_attempts=max_attempts), **options)
+        self.files = dataclasses.replace(self.files, platform_max_bytes=BOT_DOWNLOAD_MAX_BYTES, platform="Telegram")
         self.config: TelegramConfig = config
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
