@@ -608,7 +608,18 @@ class SwarmTaskStore(CallRecords):
         capped = "" if max_running is None else " WHERE (SELECT COUNT(*) FROM swarm_tasks WHERE status = ?) < ?"
         cap = () if max_running is None else (TaskStatus.RUNNING.value, max_running)
 
+        tries = 0
+
         async def body(db: SqlStatements) -> None:
+            nonlocal tries
+            tries += 1
+            if tries > 1:
+                # An attempt whose commit went through with its answer lost (a connection dropped as the database
+                # committed), tried again: the insert failed on the task's own id, and a task standing RUNNING was
+                # reported not admitted (its work never started, its row left for a recovery to end).
+                row = await db.one("SELECT run_id FROM swarm_tasks WHERE id = ?", (run.task_id,))
+                if row is not None and str(row[0]) == run.run_id:
+                    return
             inserted = await db.run(
                 f"INSERT INTO swarm_tasks ({_TASK_COLUMNS})"
                 f" SELECT ?, ?, ?, ?, ?, ?, NULL, NULL, '', ?, ?, ?, ?, ?, NULL{capped}",
