@@ -31,6 +31,13 @@ class Client:
         self.to_door.write(message + "\n")
         self.to_door.flush()
 
+    async def initialise(self) -> None:
+        """The MCP handshake (request id 1), answered, then told done."""
+        params = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+        self.send(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": params}))
+        assert (await self.receive())["id"] == 1
+        self.send('{"jsonrpc":"2.0","method":"notifications/initialized"}')
+
     async def receive(self) -> dict[str, Any]:
         with anyio.fail_after(WITHIN):
             line = await self.from_door.readline()
@@ -75,22 +82,7 @@ async def test_attack_a_line_naming_a_member_twice_is_refused_and_every_other_pa
         '{"tool":"deploy","arguments":%s,"deadline_seconds":60}}}'
     )
     async with kazma_door(tmp_path) as door, stdio_door(door) as client:
-        client.send(
-            json.dumps(
-                {
-                    "jsonrpc": "2.0",
-                    "id": 1,
-                    "method": "initialize",
-                    "params": {
-                        "protocolVersion": "2025-06-18",
-                        "capabilities": {},
-                        "clientInfo": {"name": "t", "version": "1"},
-                    },
-                }
-            )
-        )
-        assert (await client.receive())["id"] == 1
-        client.send('{"jsonrpc":"2.0","method":"notifications/initialized"}')
+        await client.initialise()
         client.send(call % (2, '{"env":"prod","env":"staging"}'))
         client.send(call % (3, json.dumps('{"env":"prod","env":"staging"}')))  # arguments as a text of JSON
         client.send('{"jsonrpc":"2.0","id":4,"id":5,"method":"tools/list"}')
@@ -125,22 +117,7 @@ async def test_attack_a_line_naming_a_member_twice_then_not_json_is_refused_and_
     ambiguous, then read again to answer it: that reading raised out of the door's reader, and the door ended, with
     every call open on it. Such a line is answered as not JSON, and the next line is served."""
     async with kazma_door(tmp_path) as door, stdio_door(door) as client:
-        client.send(
-            json.dumps(
-                {
-                    "jsonrpc": "2.0",
-                    "id": 1,
-                    "method": "initialize",
-                    "params": {
-                        "protocolVersion": "2025-06-18",
-                        "capabilities": {},
-                        "clientInfo": {"name": "t", "version": "1"},
-                    },
-                }
-            )
-        )
-        assert (await client.receive())["id"] == 1
-        client.send('{"jsonrpc":"2.0","method":"notifications/initialized"}')
+        await client.initialise()
         client.send('{"jsonrpc":"2.0","id":2,"id":3,"method":"tools/list"} x')
         client.send('{"jsonrpc":"2.0","id":4,"method":"tools/list","params":{"a":1,"a":2}')  # never closed
         client.send('{"jsonrpc":"2.0","id":6,"method":"tools/list"}')
