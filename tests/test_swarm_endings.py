@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kazma.approvals import ApprovalService, SafetyPolicy
 from kazma.approvals.model import Decision
@@ -42,6 +40,7 @@ from kazma.engine.tools.executions import MIGRATIONS as EXECUTIONS
 from kazma.engine.tools.executions import Ended, ExecutionRecord
 from tests.approvals_support import RecordingPublisher, approval_service
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall
+from tests.lost_commit_answer import LostCommitAnswer
 from tests.swarm_support import Locker, ScriptedWorker
 
 CONFIG = """
@@ -265,38 +264,6 @@ async def test_a_kept_result_the_row_refuses_once_the_store_answers_is_said_not_
         assert row.status is TaskStatus.CANCELLED
 
 
-class LostAck:
-    """The store's tables, whose commit of a task's ending is answered once with a transient error though it was
-    made (a connection lost as PostgreSQL committed): the store tries the ending again, and the row, already ended
-    by that very write, refuses it."""
-
-    def __init__(self, tables: Any) -> None:
-        self.tables = tables
-        self.armed = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.tables, name)
-
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[Any]:
-        ended: list[str] = []
-
-        class Seen:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(db, name)
-
-            async def run(self, sql: str, *args: Any) -> Any:
-                if sql.startswith("UPDATE swarm_tasks SET status") and "finished_at" in sql:
-                    ended.append(sql)
-                return await db.run(sql, *args)
-
-        async with self.tables.transaction() as db:
-            yield Seen()
-        if self.armed and ended:
-            self.armed = False
-            raise sqlite3.OperationalError("disk I/O error (the commit's answer was lost)")
-
-
 async def test_an_ending_whose_commit_answer_was_lost_is_said_as_stored_not_as_ended_elsewhere(tmp_path: Path) -> None:
     """The ending was committed, its answer lost (a transient error), and the store's retry refused by the row this
     very run had just ended: the run was said to have "finished (succeeded) after it had been ended (succeeded);
@@ -304,7 +271,9 @@ async def test_an_ending_whose_commit_answer_was_lost_is_said_as_stored_not_as_e
     row saying this run's own ending is the ending stored."""
     worker = ScriptedWorker("builder", [_answer("builder", "the script is written: build.sh")])
     async with rig(tmp_path / "s.db", {"builder": worker}) as r:
-        lost = LostAck(r.service.store.tables)
+        lost = LostCommitAnswer(
+            r.service.store.tables, lambda sql: sql.startswith("UPDATE swarm_tasks SET status") and "finished_at" in sql
+        )
         r.service.store.tables = lost
         lost.armed = True
         record = await ended(r, await r.send("dispatch builder write the script"))

@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import aiosqlite
 import pytest
@@ -39,6 +38,7 @@ from kazma.engine.swarm.store import (
     UnknownTask,
 )
 from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
+from tests.lost_commit_answer import LostCommitAnswer
 from tests.pg_support import PostgresServer
 from tests.store_backends import Engine, open_store, raw_rows
 
@@ -123,33 +123,14 @@ async def test_the_row_is_running_on_disk_before_the_worker_is_called(store_engi
         assert record.finished_at.tzinfo is UTC
 
 
-class _AdmitAnswerLost:
-    """The store's tables, whose commit of a task's admission is answered once with a transient error though it was
-    made (a connection lost as the database committed)."""
-
-    def __init__(self, tables: Any) -> None:
-        self.tables = tables
-        self.armed = True
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.tables, name)
-
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[Any]:
-        async with self.tables.transaction() as db:
-            yield db
-        if self.armed:
-            self.armed = False
-            raise sqlite3.OperationalError("disk I/O error (the commit's answer was lost)")
-
-
 async def test_an_admission_whose_commit_answer_was_lost_is_the_task_admitted(store_engine: Engine) -> None:
     # The store retries a write whose commit answered with a transient error; the admission's retry inserted the task
     # again, failed on its own id (an IntegrityError, not retried), and the task, standing RUNNING, was reported
     # not admitted: its work never started.
     async with opened(store_engine) as store:
-        lost = _AdmitAnswerLost(store.tables)
+        lost = LostCommitAnswer(store.tables, lambda sql: sql.startswith("INSERT INTO swarm_tasks"))
         store.tables = lost
+        lost.armed = True
         run = await admit(store)
         assert not lost.armed, "the admission's commit was not reached"
         assert status_on_disk(store_engine, run.task_id) == "running"
