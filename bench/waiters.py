@@ -86,7 +86,7 @@ async def serve(folder: Path, store: str, log_level: str) -> None:
         marks.port = yarl.URL(server.url).port
         start_gc.served()  # as `kazma run` does once it serves: what the start holds frozen (kazma.bot.start_gc)
         _mark_commits(app, marks)
-        await _serve_control(app, f"{server.url}/api/v1/approvals", marks)
+        await _serve_control(app, server, f"{server.url}/api/v1/approvals", marks)
 
 
 class Marks:
@@ -139,7 +139,7 @@ def _mark_commits(app: App, marks: Marks) -> None:
     service._ended = ended_marked  # type: ignore[method-assign,assignment]
 
 
-async def _serve_control(app: App, api: str, marks: Marks) -> None:
+async def _serve_control(app: App, server: Any, api: str, marks: Marks) -> None:
     """A control port beside Kazma: decide a request, count its waiters; prints both addresses, runs forever."""
     from kazma.approvals import Decision
 
@@ -155,7 +155,10 @@ async def _serve_control(app: App, api: str, marks: Marks) -> None:
     async def waiting(request: web.Request) -> web.Response:
         waiters = getattr(app.service, "_waiters", None)
         of = request.query.get("id")
-        if waiters is None:  # before waiters were counted: one event per request, so requests, not waiters
+        api = getattr(server, "api", None)  # the API's long-polls share one wait per request on the service
+        if api is not None:
+            count = api.polling(of)
+        elif waiters is None:  # before waiters were counted: one event per request, so requests, not waiters
             decided = getattr(app.service, "_decided", {})  # an older tree's one event per waited request
             count = len(decided) if of is None else int(of in decided)
         elif of is None:

@@ -12,20 +12,21 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
 
 from kazma.approvals import ApprovalService, Decision, Status
 from kazma.approvals.model import ApprovalRequest
-from tests.api_support import kazma_door
+from tests.api_support import Door, kazma_door
 from tests.approvals_support import ManualClock, approval_service
 from tests.store_backends import Engine
 from tests.test_bus import MemoryPlatform
 from tests.test_replication import replica
 
 HOUR = 3600.0
+T = TypeVar("T")
 ARGS = {"command": "ls -la"}
 
 
@@ -33,6 +34,13 @@ async def _until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     async with asyncio.timeout(timeout):
         while not condition():
             await asyncio.sleep(0.005)
+
+
+def _polling(door: Door, request_id: str, count: int) -> Callable[[], bool]:
+    """``count`` API long-polls of ``request_id`` are open (they share one wait on the service)."""
+    api = door.server.api
+    assert api is not None
+    return lambda: api.polling(request_id) == count
 
 
 def _waiting(service: ApprovalService, request_id: str, count: int) -> Callable[[], bool]:
@@ -93,10 +101,10 @@ async def test_many_waiters_of_one_request_read_it_once_after_its_decision(
         assert len({id(r) for r in ended}) == 1  # one object for all: one answer encoded for all (the API's)
 
 
-class _Steps(Coroutine[Any, Any, ApprovalRequest]):
+class Steps(Coroutine[Any, Any, T]):
     """A waiter's coroutine, counting each time its task runs it (a step of the task: one resumption)."""
 
-    def __init__(self, inner: Coroutine[Any, Any, ApprovalRequest], counter: list[int]) -> None:
+    def __init__(self, inner: Coroutine[Any, Any, T], counter: list[int]) -> None:
         self.inner = inner
         self.counter = counter
 
@@ -111,7 +119,7 @@ class _Steps(Coroutine[Any, Any, ApprovalRequest]):
     def close(self) -> None:
         self.inner.close()
 
-    def __await__(self) -> Generator[Any, None, ApprovalRequest]:
+    def __await__(self) -> Generator[Any, None, T]:
         raise NotImplementedError  # only ever run as a task's coroutine
 
 
@@ -124,7 +132,7 @@ async def test_a_decision_wakes_each_waiter_of_its_request_once_with_the_outcome
         request = await service.open("shell", ARGS, "api:ci", "api:ci")
         steps = [0]
         waiters = [
-            asyncio.create_task(_Steps(service.wait_request(request.id, cancel_with_waiter=False), steps))
+            asyncio.create_task(Steps(service.wait_request(request.id, cancel_with_waiter=False), steps))
             for _ in range(100)
         ]
         await _until(_waiting(service, request.id, len(waiters)))
@@ -195,7 +203,7 @@ async def test_api_long_polls_left_after_one_gave_up_are_all_answered_by_one_pre
         opened = (await http.post("/api/v1/approvals", json={"tool": "deploy", "arguments": {"env": "prod"}})).json()
         url = f"/api/v1/approvals/{opened['id']}"
         staying = [asyncio.create_task(http.get(url, params={"wait": "60"})) for _ in range(5)]
-        await _until(_waiting(door.app.service, opened["id"], 5), 30)
+        await _until(_polling(door, opened["id"], 5), 30)
         gave_up = await http.get(url, params={"wait": "0.2"})  # its own ?wait= ends first
         assert gave_up.json()["status"] == "pending"
         await door.press("a")

@@ -28,7 +28,6 @@ through them, and ``/api/v1/openapi.json`` is generated from the same models.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import hmac
@@ -50,6 +49,7 @@ from kazma.approvals.service import ApprovalRefused, ApprovalService, RefusalWin
 from kazma.approvals.store import UnreadableRequest
 from kazma.approvals.withdrawal import POLL_GRACE, Gone, by_asker
 from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, KeyReused, QuotaFull
+from kazma.bot.console.long_polls import LongPolls
 from kazma.bot.console.services import ApprovalsServices
 from kazma.config import failpoints
 from kazma.config.metrics import count_failure
@@ -159,9 +159,7 @@ class ApprovalsApi:
         self.services = services
         self.service = services.approvals
         self.keys = services.api_keys
-        # request id -> (the ended request as one wake-up read it, its answer's body): see _ended_answer
-        self._described: dict[str, tuple[ApprovalRequest, asyncio.Future[bytes]]] = {}
-        self.stopping = asyncio.Event()  # set as the web server shuts down: open long-polls answer at once
+        self._long_polls = LongPolls(self.service, self._encoded)
         # per token: a token refused over and over (a viewer posting in a loop) must not fill the audit
         self._refusals = RefusalWindow(clock=self.service.clock)
 
@@ -348,52 +346,25 @@ class ApprovalsApi:
         if not found.status.final and found.requested_by == caller.actor:
             await self.service.looked(found.id)  # the approval page says when the asker last asked
         if wait > 0 and not found.status.final:
-            # cancel_with_waiter=False: a client that stops polling withdraws nothing. The ended request is
-            # read once for every waiter of it here, not once per long-poll.
+            # One wait and one description of the ended request for every long-poll of it here (LongPolls)
             try:
-                ended = await self._ended_within(found.id, wait)
+                body = await self._long_polls.answer_within(found.id, wait)
             except TimeoutError:
                 found = await self.service.store.get(found.id) or found
             else:
-                return await self._ended_answer(ended)
+                return web.Response(body=body, headers=_JSON_HEADERS)
         return web.json_response(await describe(self.service, found))
-
-    async def _ended_within(self, request_id: str, wait: float) -> ApprovalRequest:
-        """The request once it ended; TimeoutError after ``wait`` seconds, or as soon as this web server stops: the
-        poller is answered with what is known now and asks again (a replica, or this Kazma once it is back),
-        rather than held until the shutdown timeout and then cut off without an answer."""
-        ending = asyncio.ensure_future(self.service.wait_request(request_id, cancel_with_waiter=False, within=wait))
-        stopping = asyncio.ensure_future(self.stopping.wait())
-        try:
-            await asyncio.wait((ending, stopping), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
-            if not ending.done():  # the server stops first (or this poller was cancelled): its waiter leaves
-                ending.cancel()
-        if not ending.done():
-            raise TimeoutError(f"the web server stops before {request_id} ended")
-        return ending.result()
-
-    async def _ended_answer(self, ended: ApprovalRequest) -> web.Response:
-        """The answer to every long-poll woken by one read of an ended request: described and encoded once for all
-        of them (the same object is what that read gave each), not once per waiter; each answer only copies it.
-        The first waiter's description is awaited by the others (it reads the store for an approval)."""
-        kept = self._described.get(ended.id)
-        if kept is None or kept[0] is not ended:
-            kept = (ended, asyncio.ensure_future(self._encoded(ended)))
-            self._described[ended.id] = kept
-            while len(self._described) > _DESCRIBED_KEPT:
-                del self._described[next(iter(self._described))]
-        try:
-            body = await asyncio.shield(kept[1])  # one waiter going away does not end the others' answer
-        except Exception:
-            if self._described.get(ended.id) is kept:  # a failed read is not kept for later waiters
-                del self._described[ended.id]
-            raise
-        return web.Response(body=body, headers=_JSON_HEADERS)
 
     async def _encoded(self, ended: ApprovalRequest) -> bytes:
         return json.dumps(await describe(self.service, ended)).encode()
+
+    def polling(self, request_id: str | None = None) -> int:
+        """How many long-polls of ``request_id`` (None: of any request) are open on this web server."""
+        return self._long_polls.polling(request_id)
+
+    def stop(self) -> None:
+        """The web server shuts down: every open long-poll is answered now (with what is known) and ends."""
+        self._long_polls.stop()
 
     async def withdraw(self, request: web.Request) -> web.Response:
         caller = caller_of(self.config, request)
@@ -420,7 +391,6 @@ class ApprovalsApi:
         return web.json_response(openapi_document())
 
 
-_DESCRIBED_KEPT = 256
 # What json_response says of a body, as one ready mapping (a woken long-poll's answer copies it, nothing to parse)
 _JSON_HEADERS = {hdrs.CONTENT_TYPE: "application/json; charset=utf-8"}
 _KEY_REUSED = (
@@ -726,7 +696,7 @@ def register(application: web.Application, services: ApprovalsServices) -> Appro
     application.add_routes(api.routes())
 
     async def stopping(_: web.Application) -> None:
-        api.stopping.set()  # before the server waits for open requests: each long-poll answers and ends
+        api.stop()  # before the server waits for open requests: each long-poll answers and ends
 
     application.on_shutdown.append(stopping)
     return api

@@ -33,7 +33,7 @@ from kazma.approvals.model import Decision
 from kazma.approvals.store import UnreadableRequest
 from kazma.approvals.waiting import WaitingForYou, WaitingList
 from kazma.bot.console.accounts import AccountStore
-from kazma.bot.console.api import caller_of
+from kazma.bot.console.api import ApprovalsApi, caller_of
 from kazma.bot.console.api import register as register_api
 from kazma.bot.console.auth import (
     OPERATORS_ONLY,
@@ -180,6 +180,7 @@ class WebServer:
         self._unwatch: Callable[[], None] | None = None
         self.application: web.Application | None = None  # the routes served, once started (the tests walk them)
         self.mcp: MCPDoor | None = None  # /mcp, once started
+        self.api: ApprovalsApi | None = None  # /api/v1, once started
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -272,7 +273,7 @@ class WebServer:
                 ("GET", "/static/people.js"): signin.script,
             },
         )
-        api = register_api(application, self.services)  # /api/v1: API tokens, not console logins
+        api = self.api = register_api(application, self.services)  # /api/v1: API tokens, not console logins
         self.mcp = MCPDoor(api)  # /mcp: the same tokens, through the same API; the SDK only when configured
         self.mcp.register(application)
         missing = undeclared(application.router)
