@@ -120,6 +120,12 @@ async def test_a_follower_says_what_the_leader_recorded_of_its_inbound_connectio
                 status, lines = await healthz(a_url)
                 assert (status, lines[0]) == (503, STRANDED), lines  # the same rule on the leader
 
+                # The leader's polling comes back: so does the follower's line, and its 200.
+                fakes.telegram.unscript("getUpdates")
+                await until(lambda: follower_says("telegram", f"platform telegram: {opened}"))
+                status, lines = await healthz(b_url)
+                assert (status, lines[0]) == (200, "ok"), lines
+
                 # A record of another lease session (the leader's earlier life under the same name, or rows
                 # written before it lost the lease) is unknown, not the state it names.
                 assert isinstance(a.stores.pg, PgStore)
