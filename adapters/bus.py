@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Final, Protocol
 
 import structlog
 
@@ -82,6 +82,59 @@ class PlatformHealth:
 
     def line(self) -> str:
         return f"platform {self.platform}: {self.state}"
+
+
+# The states of a platform's singleton ingress the leader records for the followers (see inbound_states).
+INBOUND_OPEN: Final = "open"
+INBOUND_FAILING: Final = "failing"
+INBOUND_NOT_OPEN: Final = "not open"
+
+
+@dataclass(frozen=True)
+class InboundState:
+    """One platform's inbound connection on the leader: open, open yet failing, or not open; since when (wall
+    clock, as the leader's ``time.time()``) and why, as the leader's own ``/healthz`` says it."""
+
+    state: str
+    detail: str
+    since: float
+
+
+@dataclass(frozen=True)
+class LeaderInbound:
+    """What a follower knows of the leader's inbound connections, for its ``/healthz``.
+
+    ``replica``: the lease holder (None: nobody leads); ``states``: what that holder recorded on the lease
+    session it holds now (None: nothing yet, or it could not be read: unknown, never taken for open)."""
+
+    replica: str | None
+    states: Mapping[str, InboundState] | None
+
+
+def _clock_time(at: float) -> str:
+    return time.strftime("%H:%M:%S UTC", time.gmtime(at))
+
+
+def _through_leader(name: str, leader: LeaderInbound | None) -> PlatformHealth:
+    """A follower's line for a platform whose inbound connection is the leader's: open only when the leader
+    holding the lease now recorded it open; a record it cannot trust (stale, missing, unread) is unknown."""
+    if leader is None:
+        return PlatformHealth(name, False, "inbound state unknown: the leader's record could not be read")
+    if leader.replica is None:
+        return PlatformHealth(name, False, "inbound connection not open: no replica leads")
+    state = None if leader.states is None else leader.states.get(name)
+    if state is None:
+        return PlatformHealth(
+            name, False, f"inbound state unknown: leader {leader.replica} has not recorded it under its lease"
+        )
+    at = _clock_time(state.since)
+    if state.state == INBOUND_OPEN:
+        return PlatformHealth(name, True, f"serving through the leader ({leader.replica}): inbound open since {at}")
+    if state.state == INBOUND_FAILING:
+        return PlatformHealth(name, False, f"leader {leader.replica}: inbound failing since {at} ({state.detail})")
+    return PlatformHealth(
+        name, False, f"leader {leader.replica}: inbound connection not open since {at} ({state.detail})"
+    )
 
 
 # A posted card whose message id could not be recorded: recorded again after these pauses (seconds).
@@ -300,13 +353,37 @@ class FanOutBus:
 
         await asyncio.gather(*(one(name, single) for name, single in targets))
 
-    def health(self) -> list[PlatformHealth]:
+    def inbound_states(self, since: Mapping[str, InboundState], now: float) -> dict[str, InboundState]:
+        """This replica's singleton ingresses, as the leader records them for the followers' ``/healthz``: each
+        started platform's state, keeping ``since`` of a state that did not change (``since`` holds the last
+        recorded), ``now`` for one that did."""
+        states: dict[str, InboundState] = {}
+        for name, adapter in self.adapters.items():
+            if name not in CHAT_PLATFORMS or (single := singleton_ingress(adapter)) is None:
+                continue
+            if name in self._started and single.ingress_running:
+                health = self._health(name, adapter)
+                state, detail = (INBOUND_OPEN if health.takes_presses else INBOUND_FAILING), health.state
+            elif name in self._started:
+                state = INBOUND_NOT_OPEN
+                detail = self._ingress_failed.get(name) or ingress_trouble(adapter) or "it closed"
+            else:
+                state, detail = INBOUND_NOT_OPEN, self._health(name, adapter).state
+            before = since.get(name)
+            states[name] = InboundState(state, detail, before.since if before and before.state == state else now)
+        return states
+
+    def health(self, leader: LeaderInbound | None = None) -> list[PlatformHealth]:
         """Each chat platform's state, for ``/healthz``: a platform whose start is being retried, that stays off,
         or whose inbound connection is closed shows its cards (or not) but no press on them reaches a decision.
-        The console (the web adapter) is not among them: it serves whatever answers ``/healthz``."""
-        return [self._health(name, adapter) for name, adapter in self.adapters.items() if name in CHAT_PLATFORMS]
+        The console (the web adapter) is not among them: it serves whatever answers ``/healthz``.
 
-    def _health(self, name: str, adapter: PlatformAdapter) -> PlatformHealth:
+        ``leader``: on a follower, what the leader recorded of its inbound connections (none given: unknown)."""
+        return [
+            self._health(name, adapter, leader) for name, adapter in self.adapters.items() if name in CHAT_PLATFORMS
+        ]
+
+    def _health(self, name: str, adapter: PlatformAdapter, leader: LeaderInbound | None = None) -> PlatformHealth:
         if name not in self._started:
             if name in self._off:
                 return PlatformHealth(
@@ -322,8 +399,8 @@ class FanOutBus:
             if trouble is not None:  # open, yet nothing comes in (Matrix's sync failing again and again)
                 return PlatformHealth(name, False, f"inbound failing ({trouble})")
             return PlatformHealth(name, True, "serving")
-        if not self._leading:  # presses reach the leader, whose ingress this is
-            return PlatformHealth(name, True, "serving (its inbound connection is the leader's)")
+        if not self._leading:  # presses reach the leader, whose ingress this is: as open as the leader recorded
+            return _through_leader(name, leader)
         why = self._ingress_failed.get(name) or trouble or "it closed"
         return PlatformHealth(name, False, f"inbound connection not open ({why}): opened again with backoff")
 
@@ -1096,7 +1173,7 @@ class NullBus:
     async def stop(self) -> None:
         return
 
-    def health(self) -> list[PlatformHealth]:
+    def health(self, leader: LeaderInbound | None = None) -> list[PlatformHealth]:
         return []
 
     def can_show_cards(self, policy: str | None = None) -> bool:

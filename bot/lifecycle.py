@@ -55,6 +55,9 @@ log = structlog.get_logger("kazma.app")
 # A leader's singleton ingress that failed to open is tried again this often; an open one is checked this often.
 INGRESS_RETRY = Backoff(base=1.0, cap=30.0)
 INGRESS_CHECK_SECONDS = 10.0
+# The leader looks this often whether a platform's inbound state changed, to record it for the followers'
+# /healthz (a look is local; the store is written only on a change).
+INBOUND_RECORD_SECONDS = 1.0
 # A long-lived loop (a sweep, the store watch, the leader's ingress) that failed is started again this soon.
 LOOP_RESTART = Backoff(base=1.0, cap=60.0)
 
@@ -189,6 +192,7 @@ class Lifecycle(ABC):
         await self._serving.wait()  # the lease may come before this replica serves
         self._recovery_due = True
         self._leader_tasks.keep(self._keep_ingress, name="kazma-leader-ingress", backoff=LOOP_RESTART)
+        self._leader_tasks.keep(self._record_inbound, name="kazma-leader-inbound", backoff=LOOP_RESTART)
         self._leader_tasks.keep(self._sweep, name="kazma-approvals-sweep", backoff=LOOP_RESTART)
         self._leader_tasks.keep(self._retention, name="kazma-swarm-retention", backoff=LOOP_RESTART)
         if self.audit_sink is not None:  # one replica streams: a new leader goes on from the stored position
@@ -216,6 +220,18 @@ class Lifecycle(ABC):
             if missing:
                 log.warning("app.ingress_retry", platforms=missing, attempt=failures)
             await asyncio.sleep(INGRESS_RETRY.delay(failures - 1) if missing else INGRESS_CHECK_SECONDS)
+
+    async def _record_inbound(self) -> None:
+        """While leading: the platforms' inbound states recorded for the followers' /healthz, on each change."""
+        replication = self.replication
+        assert replication is not None
+        while True:
+            try:
+                await replication.record_inbound()
+            except Exception as exc:  # the followers read the last record (or none) meanwhile; tried at the next look
+                count_failure("inbound_record")
+                log.warning("app.inbound_record_failed", error=str(exc))
+            await asyncio.sleep(INBOUND_RECORD_SECONDS)
 
     async def _recover_replicas(
         self, live: Collection[str], *, claims: bool = True, orphans: bool = True

@@ -19,18 +19,19 @@ from dataclasses import dataclass
 
 import structlog
 
-from kazma.adapters.bus import FanOutBus, NullBus
+from kazma.adapters.bus import FanOutBus, InboundState, LeaderInbound, NullBus
 from kazma.adapters.outbox import CARDS_CHANNEL, Outbox
 from kazma.approvals import ApprovalService
 from kazma.approvals.service import Recovery
 from kazma.approvals.store import DECIDED_CHANNEL
+from kazma.bot.leader_inbound import LeaderInboundRecord
 from kazma.config import failpoints
 from kazma.config.errors import ConfigError, Problem
 from kazma.config.metrics import count_failure
 from kazma.config.store.leader import LeaderLease, LeaseTiming, default_replica
 from kazma.config.store.pg_listen import PgListener
 from kazma.config.store.postgres import PgStore
-from kazma.config.store.replicas import lease_holder, live_replicas
+from kazma.config.store.replicas import lease_session, live_replicas
 from kazma.config.supervisor import Supervisor
 from kazma.config.waits import bounded
 
@@ -76,6 +77,9 @@ def replica_name(environ: Mapping[str, str] | None = None) -> str:
     return given
 
 
+# The leader records its inbound states when they change, and at least this often (seconds).
+INBOUND_REWRITE_SECONDS = 60.0
+
 # How long /healthz waits for the database before it says the store is unreachable.
 HEALTH_TIMEOUT = 2.0
 
@@ -88,6 +92,8 @@ class ReplicaHealth:
     store_reachable: bool
     listening: bool
     problem: str | None
+    # On a follower: what the lease holder recorded of its inbound connections (None on the leader)
+    leader_inbound: LeaderInbound | None = None
 
     @property
     def ok(self) -> bool:
@@ -144,6 +150,10 @@ class Replication:
         self._missing: dict[str, float] = {}  # a replica seen, missing from every look since this one
         self._seen: set[str] = set()
         self._stopping = False
+        self.inbound_record = LeaderInboundRecord(store)
+        self._recorded: dict[str, InboundState] = {}  # what this leader last recorded
+        self._recorded_on: int | None = None  # ... on this lease session
+        self._recorded_at = 0.0  # ... at this time
 
     @property
     def is_leader(self) -> bool:
@@ -225,17 +235,41 @@ class Replication:
             self.bus.rescan()
         return recovery
 
+    async def record_inbound(self) -> None:
+        """While leading: record each singleton ingress's state for the followers' ``/healthz`` when one changed
+        since the last record (or the lease session did: a row is trusted only on the session that wrote it)."""
+        pid = self.lease.backend_pid
+        if pid is None or not self.is_leader or not isinstance(self.bus, FanOutBus):
+            return
+        fresh = pid != self._recorded_on
+        now = time.time()
+        states = self.bus.inbound_states({} if fresh else self._recorded, now)
+        same = {n: s.state for n, s in states.items()} == {n: s.state for n, s in self._recorded.items()}
+        # Written again now and then though nothing changed: rows another replica overwrote while it still
+        # believed it led (a stall past its grace) are put right within that time, not at the next change.
+        if not fresh and same and now - self._recorded_at < INBOUND_REWRITE_SECONDS:
+            return
+        await self.inbound_record.record(self.replica, pid, states)
+        self._recorded, self._recorded_on, self._recorded_at = states, pid, now
+        log.info("replica.inbound_recorded", replica=self.replica, states={n: s.state for n, s in states.items()})
+
     async def health(self) -> ReplicaHealth:
         holder: str | None = None
         problem: str | None = None
         reachable = True
+        inbound: LeaderInbound | None = None
+        leader = self.is_leader
         try:
-            holder = await bounded(lease_holder(self.store.pool, self.lease.key), HEALTH_TIMEOUT)
+            held = await bounded(lease_session(self.store.pool, self.lease.key), HEALTH_TIMEOUT)
+            holder = None if held is None else held[0]
+            if not leader:
+                states = None if held is None else await bounded(self.inbound_record.read(*held), HEALTH_TIMEOUT)
+                inbound = LeaderInbound(holder, states or None)
         except Exception as exc:
             reachable, problem = False, str(exc).strip() or type(exc).__name__
         if problem is None and not self.listener.connected:
             problem = self.listener.problem
-        return ReplicaHealth(self.replica, self.is_leader, holder, reachable, self.listener.connected, problem)
+        return ReplicaHealth(self.replica, leader, holder, reachable, self.listener.connected, problem, inbound)
 
     # -- the lease's callbacks (run one at a time, in order) ------------------------------------
 

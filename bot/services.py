@@ -152,8 +152,8 @@ class KazmaServices:
     async def replica_health(self) -> ReplicaHealth | None:
         return None if self._replication is None else await self._replication.health()
 
-    def platform_health(self) -> list[PlatformHealth]:
-        return self._bus.health()
+    def platform_health(self, replica: ReplicaHealth | None = None) -> list[PlatformHealth]:
+        return self._bus.health(None if replica is None else replica.leader_inbound)
 
     @property
     def console_decides(self) -> bool:

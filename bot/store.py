@@ -31,6 +31,8 @@ from kazma.bot.console.sessions import MIGRATIONS as SESSIONS
 from kazma.bot.console.sessions import PG_MIGRATIONS as SESSIONS_PG
 from kazma.bot.inbound_claims import MIGRATIONS as INBOUND_CLAIMS
 from kazma.bot.inbound_claims import PG_MIGRATIONS as INBOUND_CLAIMS_PG
+from kazma.bot.leader_inbound import MIGRATIONS as LEADER_INBOUND
+from kazma.bot.leader_inbound import PG_MIGRATIONS as LEADER_INBOUND_PG
 from kazma.config import KazmaConfig
 from kazma.config.errors import ConfigError, Problem
 from kazma.config.metrics import count_failure
@@ -73,6 +75,7 @@ def all_migrations() -> list[Migration]:
         *EXECUTIONS,
         *AUDIT_SINK,
         *PEOPLE,
+        *LEADER_INBOUND,
     ]
 
 
@@ -94,6 +97,7 @@ def pg_migrations() -> list[Migration]:
         *EXECUTIONS_PG,
         *AUDIT_SINK_PG,
         *PEOPLE_PG,
+        *LEADER_INBOUND_PG,
     ]
 
 

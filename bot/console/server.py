@@ -770,7 +770,7 @@ class WebServer:
         if halted is not None:
             return web.Response(text=f"not deciding: {halted}", status=503)
         health = await self.services.replica_health()
-        platforms = self.services.platform_health()
+        platforms = self.services.platform_health(health)
         # Each platform's state: one whose start is being retried, or whose inbound connection closed, showed its
         # cards with buttons nobody's press reached while this answered a bare "ok".
         lines = [p.line() for p in platforms]

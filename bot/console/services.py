@@ -148,8 +148,9 @@ class ConsoleServices(ApprovalsServices, Protocol):
         """Who leads and whether the store answers, among replicas; None for one process on SQLite."""
         ...
 
-    def platform_health(self) -> Sequence[PlatformHealth]:
-        """Each configured chat platform's state (none configured: empty)."""
+    def platform_health(self, replica: ReplicaHealth | None = None) -> Sequence[PlatformHealth]:
+        """Each configured chat platform's state (none configured: empty); on a follower, ``replica`` carries
+        what the leader recorded of the inbound connections only it holds."""
         ...
 
     @property

@@ -20,7 +20,7 @@ _LIVE = (
     " WHERE datname = current_database() AND starts_with(application_name, %s)"
 )
 _HOLDER = (
-    "SELECT substr(a.application_name, %s) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+    "SELECT substr(a.application_name, %s), a.pid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
     " WHERE l.locktype = 'advisory' AND l.granted AND l.database = (SELECT oid FROM pg_database"
     " WHERE datname = current_database()) AND l.classid::bigint = %s AND l.objid::bigint = %s AND l.objsubid = 1"
 )
@@ -36,7 +36,14 @@ async def live_replicas(pool: AsyncConnectionPool[Any]) -> set[str]:
 
 async def lease_holder(pool: AsyncConnectionPool[Any], key: int) -> str | None:
     """The replica whose session holds the advisory lock ``key`` (a lease's), or None."""
+    held = await lease_session(pool, key)
+    return None if held is None else held[0]
+
+
+async def lease_session(pool: AsyncConnectionPool[Any], key: int) -> tuple[str, int] | None:
+    """The replica whose session holds the advisory lock ``key``, and that session's server process id (a new
+    session, even the same replica's, has another: what it recorded on an earlier one is told apart), or None."""
     async with pool.connection() as conn:
         cursor = await conn.execute(_HOLDER, (len(PREFIX) + 1, (key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF))
         row = await cursor.fetchone()
-        return None if row is None else str(row[0])
+        return None if row is None else (str(row[0]), int(row[1]))

@@ -1,0 +1,77 @@
+"""The leader's inbound connections as the followers read them: one row per platform, written by the leader.
+
+Among replicas only the leader holds the platforms' inbound connections (Telegram polling, the Discord gateway,
+Slack's socket); a follower's ``/healthz`` said "serving" for them whatever became of the leader's. The leader
+records each platform's inbound state here when it changes (never per event), with the lease session it holds
+(its server process id): a follower trusts a row only while the replica named in it holds the lease on that
+same session. A row of a leader that lost the lease, or of an earlier life of a replica of the same name, reads
+as unknown, not as open.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+from kazma.adapters.bus import InboundState
+from kazma.config.store.backend import StoreConnection, tables_of
+from kazma.config.store.database import Migration
+from kazma.config.store.pg_schema import PgMigration
+
+MIGRATIONS: Final = [
+    Migration(
+        "leader_inbound",
+        1,
+        (
+            """CREATE TABLE IF NOT EXISTS leader_inbound (
+                platform TEXT PRIMARY KEY,
+                replica TEXT NOT NULL,
+                lease_pid INTEGER NOT NULL,
+                state TEXT NOT NULL,
+                detail TEXT NOT NULL,
+                since REAL NOT NULL
+            )""",
+        ),
+    )
+]
+
+PG_MIGRATIONS: Final = [
+    PgMigration(
+        "leader_inbound",
+        1,
+        (
+            """CREATE TABLE IF NOT EXISTS leader_inbound (
+                platform text PRIMARY KEY,
+                replica text NOT NULL,
+                lease_pid bigint NOT NULL,
+                state text NOT NULL,
+                detail text NOT NULL,
+                since double precision NOT NULL
+            )""",
+        ),
+    )
+]
+
+_UPSERT: Final = (
+    "INSERT INTO leader_inbound (platform, replica, lease_pid, state, detail, since) VALUES (?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (platform) DO UPDATE SET replica = excluded.replica, lease_pid = excluded.lease_pid,"
+    " state = excluded.state, detail = excluded.detail, since = excluded.since"
+)
+
+
+class LeaderInboundRecord:
+    def __init__(self, conn: StoreConnection) -> None:
+        self.tables = tables_of(conn)
+
+    async def record(self, replica: str, lease_pid: int, states: Mapping[str, InboundState]) -> None:
+        """The leader's inbound state of every platform with a singleton ingress, in one transaction."""
+        rows = [(p, replica, lease_pid, s.state, s.detail, s.since) for p, s in sorted(states.items())]
+        await self.tables.run_many(_UPSERT, rows)  # one statement: the rows change together
+
+    async def read(self, replica: str, lease_pid: int) -> dict[str, InboundState]:
+        """What ``replica`` recorded on the lease session ``lease_pid`` (rows of another session are left out)."""
+        rows = await self.tables.all(
+            "SELECT platform, state, detail, since FROM leader_inbound WHERE replica = ? AND lease_pid = ?",
+            (replica, lease_pid),
+        )
+        return {str(p): InboundState(str(state), str(detail), float(since)) for p, state, detail, since in rows}

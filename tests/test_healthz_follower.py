@@ -1,0 +1,145 @@
+"""A follower's /healthz says what the leader recorded of the inbound connections only the leader holds.
+
+Two replicas of the whole app on one real PostgreSQL, in this process, against the platforms' wire fakes, over
+real HTTP. A follower said "serving (its inbound connection is the leader's)" for Telegram and Discord whatever
+the leader's connections did: with the leader's gateway closed and its polling failing, every follower answered
+200 "ok" to the load balancer while no press on a Telegram or Discord card came in anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from kazma.adapters import bus, kit
+from kazma.bot import lifecycle
+from kazma.bot.app import App, build_app
+from kazma.config import load_config_text
+from kazma.config.backoff import Backoff
+from kazma.config.metrics import failure_count
+from kazma.config.store import leader
+from kazma.config.store.backend import tables_of
+from kazma.config.store.leader import LeaseTiming
+from kazma.config.store.postgres import PgStore
+from tests.audit_support import AUDIT_KEY
+from tests.fakes.telegram import Fault
+from tests.platforms_support import Fakes, adapters_for, three_fakes
+from tests.test_healthz_platforms import healthz, served
+
+FAST = LeaseTiming(check_interval=0.3, check_timeout=0.3, retry_interval=0.1, server_drop_after=1.0)
+SINCE = r"\d\d:\d\d:\d\d UTC"
+STRANDED = "not deciding: no chat platform takes presses and nobody may decide on the console"
+
+
+@contextlib.asynccontextmanager
+async def replica(
+    fakes: Fakes, dsn: str, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[App]:
+    text = fakes.config_yaml(tmp_path / "unused.db")
+    text = re.sub(r"store: \{path: '[^']*'\}", f"store: {{url: '{dsn}'}}", text)
+    loaded = load_config_text(text, environ={})
+    monkeypatch.setenv("KAZMA_REPLICA", name)  # read once, while the app is built
+    app = await build_app(loaded, adapters=adapters_for(loaded), poll_interval=0.05, workspace_root=tmp_path / name)
+    await app.start()
+    try:
+        yield app
+    finally:
+        await app.stop()
+
+
+async def until(check: Callable[[], Awaitable[bool]], timeout: float = 30.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not await check():
+            await asyncio.sleep(0.05)
+
+
+def line_of(lines: list[str], platform: str) -> str:
+    return next((line for line in lines if line.startswith(f"platform {platform}: ")), "")
+
+
+async def test_a_follower_says_what_the_leader_recorded_of_its_inbound_connections_and_counts_it_for_503(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the keys' default place is beside the working directory
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)  # shared by replicas, as kazma run requires
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    monkeypatch.setattr(leader, "LeaseTiming", lambda: FAST)
+    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    monkeypatch.setattr(kit, "INBOUND_TROUBLE_AFTER", 2)
+    # The leader's ingress check would open the gateway again before /healthz is read: it waits here.
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 3600.0)
+    monkeypatch.setattr(lifecycle, "INBOUND_RECORD_SECONDS", 0.05)
+    async with three_fakes() as fakes:
+        fakes.slack.fail("auth.test", "500", times=1_000_000)  # Slack takes no press on either replica
+        async with replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a:
+            assert a.replication is not None
+            replication = a.replication
+            await until(lambda: _true(replication.is_leader))
+            async with (
+                replica(fakes, pg_dsn, "b", tmp_path, monkeypatch) as b,
+                served(a, tmp_path / "a") as a_url,
+                served(b, tmp_path / "b") as b_url,
+            ):
+                assert b.replication is not None
+                assert not b.replication.is_leader
+
+                async def follower_says(platform: str, pattern: str) -> bool:
+                    return re.fullmatch(pattern, line_of((await healthz(b_url))[1], platform)) is not None
+
+                # The leader's gateway and polling open: the follower says so, and through whom.
+                opened = r"serving through the leader \(a\): inbound open since " + SINCE
+                await until(lambda: follower_says("telegram", f"platform telegram: {opened}"))
+                await until(lambda: follower_says("discord", f"platform discord: {opened}"))
+                status, lines = await healthz(b_url)
+                assert (status, lines[0]) == (200, "ok"), lines
+                assert "lease held by a" in lines
+
+                # Discord ends the leader's gateway for good: the follower tells, with why and since when.
+                lost = failure_count("ingress_lost", "discord")
+                assert await fakes.discord.drop_gateway(code=4014) == 1  # the leader's: the follower holds none
+                await until(lambda: _true(failure_count("ingress_lost", "discord") > lost))
+                closed = rf"platform discord: leader a: inbound connection not open since {SINCE} \(.*\)"
+                await until(lambda: follower_says("discord", closed))
+                status, lines = await healthz(b_url)
+                assert "PrivilegedIntentsRequired" in line_of(lines, "discord")
+                assert (status, lines[0]) == (200, "ok"), lines  # the leader's polling still takes presses
+
+                # The leader's polling keeps failing too: no press reaches a decision through any replica, and
+                # the follower answers 503 as the leader does.
+                conflict = Fault("status", status=409, description="Conflict: terminated by other getUpdates request")
+                fakes.telegram.script("getUpdates", *[conflict] * 10_000)
+                failing = rf"platform telegram: leader a: inbound failing since {SINCE} \(.*409.*\)"
+                await until(lambda: follower_says("telegram", failing))
+                status, lines = await healthz(b_url)
+                assert (status, lines[0]) == (503, STRANDED), lines
+                status, lines = await healthz(a_url)
+                assert (status, lines[0]) == (503, STRANDED), lines  # the same rule on the leader
+
+                # The leader's polling comes back: so does the follower's line, and its 200.
+                fakes.telegram.unscript("getUpdates")
+                await until(lambda: follower_says("telegram", f"platform telegram: {opened}"))
+                status, lines = await healthz(b_url)
+                assert (status, lines[0]) == (200, "ok"), lines
+
+                # A record of another lease session (the leader's earlier life under the same name, or rows
+                # written before it lost the lease) is unknown, not the state it names.
+                assert isinstance(a.stores.pg, PgStore)
+                moved = await tables_of(a.stores.pg).run(
+                    "UPDATE leader_inbound SET state = 'open', lease_pid = lease_pid + 1"
+                )
+                assert moved == 2  # Telegram's and Discord's: Slack in HTTP mode has no singleton ingress
+                status, lines = await healthz(b_url)
+                for platform in ("telegram", "discord"):
+                    assert line_of(lines, platform) == (
+                        f"platform {platform}: inbound state unknown: leader a has not recorded it under its lease"
+                    ), lines
+                assert (status, lines[0]) == (503, STRANDED), lines
+
+
+async def _true(value: bool) -> bool:
+    return value
