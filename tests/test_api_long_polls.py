@@ -150,3 +150,20 @@ async def test_the_servers_stop_answers_every_open_long_poll_at_once_and_the_nex
             await polls.answer_within(request.id, 3600)
         await _until(lambda: _watched(service, request.id) == 0)
         assert (await service.store.get(request.id)).status.value == "pending"  # type: ignore[union-attr]
+
+
+async def test_the_servers_stop_as_a_long_polls_own_wait_runs_out_answers_every_long_poll(tmp_path: Path) -> None:
+    async with approval_service(tmp_path / "k.db", poll_interval=HOUR) as service:
+        request = await service.open("shell", ARGS, "api:ci", "api:ci")
+        polls = LongPolls(service, Described())
+        staying = [asyncio.create_task(polls.answer_within(request.id, 3600)) for _ in range(3)]
+        await _until(lambda: polls.polling(request.id) == 3)
+        expiring = asyncio.create_task(polls.answer_within(request.id, 0))
+        await asyncio.sleep(0)  # its first step: it waits, its timeout due at once
+        await asyncio.sleep(0)  # its timeout ran (it is cancelled) and it has not run since
+        assert not expiring.done()  # the turn in between: what is attacked
+        assert polls.polling(request.id) == 4
+        polls.stop()  # raised RuntimeError (an expiring timeout cannot be rescheduled), the rest left waiting
+        ended = await asyncio.wait_for(asyncio.gather(*staying, expiring, return_exceptions=True), 10)
+        assert all(isinstance(e, TimeoutError) for e in ended), ended
+        assert polls.polling() == 0

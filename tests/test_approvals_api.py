@@ -29,6 +29,7 @@ from tests.api_support import (
     kazma_door,
 )
 from tests.mcp_support import TG_ADMIN
+from tests.store_backends import Engine, rename_table
 
 DEPLOY: dict[str, Any] = {"tool": "deploy", "arguments": {"env": "prod", "version": 42}, "reason": "release 42"}
 
@@ -266,6 +267,30 @@ async def test_a_long_poll_open_when_the_server_stops_is_answered_not_cut_off(tm
         async with asyncio.timeout(10):
             while opened["id"] in door.app.service._waiters.watches:  # its shared wait on the service ends with it
                 await asyncio.sleep(0)
+
+
+async def test_long_polls_the_store_fails_under_get_a_json_error_and_the_next_poll_an_answer(tmp_path: Path) -> None:
+    """Before, each got aiohttp's text/plain 500 ("Server got itself in trouble"): nothing a client could parse."""
+    async with kazma_door(tmp_path) as door, client(door) as http, client(door, VIEWER_TOKEN) as viewer:
+        opened = (await http.post("/api/v1/approvals", json=DEPLOY)).json()
+        url = f"/api/v1/approvals/{opened['id']}"
+        assert door.server.api is not None
+        polls = [asyncio.create_task(caller.get(url, params={"wait": "0.5"})) for caller in (http, viewer, http)]
+        async with asyncio.timeout(10):
+            while door.server.api.polling(opened["id"]) < len(polls):
+                await asyncio.sleep(0.01)
+        store = Engine("sqlite", str(tmp_path / "state" / "kazma.db"))
+        await rename_table(store, "approval_requests", "approval_requests_away")  # the store fails from now on
+        try:
+            failed = await asyncio.wait_for(asyncio.gather(*polls), 10)  # their ?wait= ran out: each reads again
+        finally:
+            await rename_table(store, "approval_requests_away", "approval_requests")
+        for answer in failed:
+            assert answer.status_code == 503, answer.text
+            assert "approvals store" in answer.json()["error"]
+        again = await http.get(url, params={"wait": "0.1"})
+        assert again.status_code == 200
+        assert again.json()["status"] == "pending"
 
 
 # --------------------------------------------------------------------------- kazma approvals request --wait

@@ -79,7 +79,10 @@ class LongPolls:
         self.stopping = True
         now = asyncio.get_running_loop().time()
         for cut in self._cuts:
-            cut.reschedule(now)
+            # One whose own ?wait= ran out this very turn is answering already: rescheduling it raised RuntimeError
+            # out of the shutdown, and every long-poll after it in the set was left to its own ?wait=.
+            if not cut.expired():
+                cut.reschedule(now)
 
     async def _wait(self, request_id: str, polled: _Polled) -> None:
         try:
