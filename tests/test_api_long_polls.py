@@ -48,6 +48,13 @@ async def _until(condition: Any, timeout: float = 10.0) -> None:
             await asyncio.sleep(0.005)
 
 
+async def _open(polls: LongPolls, request_id: str, count: int, *, wait: float) -> list[asyncio.Task[bytes]]:
+    """``count`` long-polls of ``request_id``, each with ``?wait=`` ``wait``, once all of them are open."""
+    opened = [asyncio.create_task(polls.answer_within(request_id, wait)) for _ in range(count)]
+    await _until(lambda: polls.polling(request_id) == count)
+    return opened
+
+
 def _watched(service: ApprovalService, request_id: str) -> int:
     watch = service._waiters.watches.get(request_id)
     return 0 if watch is None else watch.waiters
@@ -91,8 +98,7 @@ async def test_a_long_poll_that_gives_up_leaves_the_others_answered_by_the_decis
     async with approval_service(tmp_path / "k.db", poll_interval=HOUR) as service:
         request = await service.open("shell", ARGS, "api:ci", "api:ci")
         polls = LongPolls(service, Described())
-        staying = [asyncio.create_task(polls.answer_within(request.id, 60)) for _ in range(3)]
-        await _until(lambda: polls.polling(request.id) == 3)
+        staying = await _open(polls, request.id, 3, wait=60)
         with pytest.raises(TimeoutError):
             await polls.answer_within(request.id, 0.05)  # its own ?wait= ran out first
         assert polls.polling(request.id) == 3
@@ -126,8 +132,7 @@ async def test_a_description_that_failed_reaches_every_long_poll_and_the_next_on
         described = Described()
         described.fail = RuntimeError("the store went away")
         polls = LongPolls(service, described)
-        answers = [asyncio.create_task(polls.answer_within(request.id, 60)) for _ in range(5)]
-        await _until(lambda: polls.polling(request.id) == 5)
+        answers = await _open(polls, request.id, 5, wait=60)
         await service.decide(request.id, Decision.APPROVE, actor="web:admin", platform="web")
         failed = await asyncio.wait_for(asyncio.gather(*answers, return_exceptions=True), 10)
         assert [str(f) for f in failed] == ["the store went away"] * 5
@@ -141,8 +146,7 @@ async def test_the_servers_stop_answers_every_open_long_poll_at_once_and_the_nex
     async with approval_service(tmp_path / "k.db", poll_interval=HOUR) as service:
         request = await service.open("shell", ARGS, "api:ci", "api:ci")
         polls = LongPolls(service, Described())
-        answers = [asyncio.create_task(polls.answer_within(request.id, 3600)) for _ in range(5)]
-        await _until(lambda: polls.polling(request.id) == 5)
+        answers = await _open(polls, request.id, 5, wait=3600)
         polls.stop()
         ended = await asyncio.wait_for(asyncio.gather(*answers, return_exceptions=True), 10)
         assert all(isinstance(e, TimeoutError) for e in ended), ended
@@ -156,8 +160,7 @@ async def test_the_servers_stop_as_a_long_polls_own_wait_runs_out_answers_every_
     async with approval_service(tmp_path / "k.db", poll_interval=HOUR) as service:
         request = await service.open("shell", ARGS, "api:ci", "api:ci")
         polls = LongPolls(service, Described())
-        staying = [asyncio.create_task(polls.answer_within(request.id, 3600)) for _ in range(3)]
-        await _until(lambda: polls.polling(request.id) == 3)
+        staying = await _open(polls, request.id, 3, wait=3600)
         expiring = asyncio.create_task(polls.answer_within(request.id, 0))
         await asyncio.sleep(0)  # its first step: it waits, its timeout due at once
         await asyncio.sleep(0)  # its timeout ran (it is cancelled) and it has not run since
