@@ -11,6 +11,7 @@ import pytest
 from kazma.adapters import bus
 from kazma.adapters.bus import FanOutBus
 from kazma.adapters.discord import DiscordAdapter
+from kazma.adapters.discord import adapter as discord_adapter
 from kazma.approvals.model import Decision, Status
 from kazma.bot import lifecycle
 from kazma.bot.app import App
@@ -169,6 +170,8 @@ async def test_a_gateway_discord_closed_for_good_is_opened_again_and_cards_made_
     nothing opened it again until a restart. After 4004 (and 4010-4013) discord.py had closed its whole client too:
     every card posted meanwhile was given up for good with "RuntimeError: Session is closed"."""
     monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 0.1)
+    # How seldom a 4014 is identified again is the next test's; here the fake allows the intent again at once.
+    monkeypatch.setattr(discord_adapter, "SETUP_CLOSE_RETRY", 0.0)
     caplog.set_level(logging.WARNING)
     async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
         adapter = app.bus.adapters["discord"]
@@ -264,3 +267,38 @@ async def test_a_token_reset_while_running_stops_discord_until_the_operator_acts
         assert "Approval needed" in fakes.card_text("slack")
         assert [c.platform for c in await app.service.store.cards(request.id)].count("discord") == 0
         assert app.bus.ingress_missing() == []  # nothing for the check to open: Discord is off until a restart
+
+
+async def test_a_gateway_closed_for_an_intent_is_identified_again_seldom_enough_to_keep_the_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Message Content intent switched off in the Developer Portal while Kazma ran: Discord closed the gateway
+    with 4014, and every ingress check (up to every 30 s) opened it again, each time one more IDENTIFY refused
+    with 4014: 2,880 a day, while Discord allows a bot 1,000 session starts a day and resets the token of one that
+    goes past them. Now it is opened again at most every ``SETUP_CLOSE_RETRY`` seconds, and still without a
+    restart once the operator switches the intent back on."""
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 0.01)
+    monkeypatch.setattr(lifecycle, "INGRESS_RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        adapter = app.bus.adapters["discord"]
+        assert isinstance(adapter, DiscordAdapter)
+        lost = failure_count("ingress_lost", "discord")
+        fakes.discord.message_content_intent = False
+        assert await fakes.discord.drop_gateway(code=4014) == 1
+        async with asyncio.timeout(20):
+            while failure_count("ingress_lost", "discord") == lost:
+                await asyncio.sleep(0.02)
+        tries = failure_count("ingress_start", "discord")
+        async with asyncio.timeout(20):  # many ingress checks, each of which identified again before
+            while failure_count("ingress_start", "discord") < tries + 30:
+                await asyncio.sleep(0.01)
+        assert [i for i in fakes.discord.identifies if "rejected" in i] == []
+        assert isinstance(app.bus, FanOutBus)
+        assert app.bus.ingress_missing() == ["discord"]  # not open, and opened again later
+
+        fakes.discord.message_content_intent = True  # the operator switched it back on
+        monkeypatch.setattr(discord_adapter, "SETUP_CLOSE_RETRY", 0.0)  # and the wait is over
+        async with asyncio.timeout(20):
+            while not adapter.ingress_running:
+                await asyncio.sleep(0.02)
+        assert len(fakes.discord.identifies) == 2

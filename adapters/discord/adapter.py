@@ -56,6 +56,7 @@ from kazma.adapters.discord.errors import (
     CallWitness,
     RateLimit,
     classify,
+    closed_for_a_setting,
     describe,
     rate_limit_of,
     refuses_token,
@@ -99,6 +100,10 @@ T = TypeVar("T")
 DEFAULT_API_BASE: Final = "https://discord.com/api/v10"
 DEFAULT_GATEWAY: Final = "wss://gateway.discord.gg/"
 NONCE_LENGTH: Final = 25  # Discord's limit for a message nonce
+# Discord allows a bot 1,000 gateway session starts (IDENTIFY) a day and resets the token of one that goes past
+# them. A gateway closed for a setting (an intent switched off in the portal) is refused again until the operator
+# changes it, so it is opened again at most this often: 288 a day, not the ingress check's 2,880 (every 30 s).
+SETUP_CLOSE_RETRY: Final = 300.0
 
 
 def card_nonce(request_id: str, channel: str) -> str:
@@ -212,6 +217,8 @@ class DiscordAdapter(PlatformBase):
         # the configuration, so until a restart every login, post or gateway try with it is refused again (and
         # each 401 counts towards Discord's limit of invalid requests, past which it blocks the host's address).
         self._token_refused: str | None = None
+        # When Discord last closed the gateway for a setting (``time.monotonic``); None once it serves again
+        self._setting_closed_at: float | None = None
         # A client discord.py closed is replaced by one login at a time: the ingress check and a refused call
         # (a follower's, which never opens the gateway) may both ask for it.
         self._renewing = asyncio.Lock()
@@ -416,6 +423,7 @@ class DiscordAdapter(PlatformBase):
             raise self.refuse("ingress_start", "not logged in", retryable=True)
         if self._token_refused is not None:
             raise self._token_error("ingress_start")
+        self._wait_for_the_setting()
         if client.is_closed():
             # discord.py closes its whole client (its REST session too) after a close it does not reconnect after
             # (4004, 4010-4013): that client can never connect again, so a new one logs in first.
@@ -432,6 +440,7 @@ class DiscordAdapter(PlatformBase):
         if ready in done:
             log.info("discord.ready", user_id=client.user.id if client.user else None, guilds=len(client.guilds))
             self._ended = None
+            self._setting_closed_at = None
             self._task.add_done_callback(self._gateway_ended)
             self.spawn(self._hand_over_kept(), name="kazma-discord-kept")
             return
@@ -439,10 +448,23 @@ class DiscordAdapter(PlatformBase):
         task = self._task
         failure = task.exception() if task in done and not task.cancelled() else None
         if failure is not None:
+            if closed_for_a_setting(failure):
+                self._setting_closed_at = time.monotonic()
             raise self.classify("start", failure)
         if task in done:
             raise PlatformError(PLATFORM, "start", "the gateway closed before READY", retryable=True)
         raise PlatformError(PLATFORM, "start", f"no READY within {self._start_timeout:g} s", retryable=True)
+
+    def _wait_for_the_setting(self) -> None:
+        """Refuse to IDENTIFY again within ``SETUP_CLOSE_RETRY`` of a close for a setting (see there)."""
+        if self._setting_closed_at is None:
+            return
+        left = self._setting_closed_at + SETUP_CLOSE_RETRY - time.monotonic()
+        if left > 0:
+            why = self._ended or "Discord closed the gateway for a setting"
+            message = f"{why}; opened again in {left:.0f} s (at most every {SETUP_CLOSE_RETRY:g} s: Discord resets "
+            message += "the token of a bot past 1,000 gateway starts a day)"
+            raise PlatformError(PLATFORM, "ingress_start", message, retryable=True, operator_must_act=True)
 
     def _gateway_ended(self, task: asyncio.Task[None]) -> None:
         """The gateway loop ended by itself, not by a close here (which lets go of it first): Discord closed the
@@ -455,6 +477,8 @@ class DiscordAdapter(PlatformBase):
         self._task = None
         self._ingress = False
         self._ended = describe(error) if error is not None else "the gateway loop returned"
+        if closed_for_a_setting(error):
+            self._setting_closed_at = time.monotonic()
         count_failure("ingress_lost", PLATFORM)
         log.error("discord.gateway_ended", error=self._ended, code=getattr(error, "code", None))
         if self._client is not None and self._client.is_closed():

@@ -91,6 +91,14 @@ def refuses_token(exc: BaseException) -> bool:
     return not any(part in path for part in ("/webhooks/", "/interactions/"))
 
 
+def closed_for_a_setting(exc: BaseException | None) -> bool:
+    """Whether Discord closed the gateway for a setting of the bot's (4010-4014: the shard, the API version, an
+    intent not allowed): the same IDENTIFY is refused again until the operator changes it in the portal."""
+    if isinstance(exc, discord.PrivilegedIntentsRequired):  # discord.py's 4014
+        return True
+    return isinstance(exc, discord.ConnectionClosed) and exc.code in range(4010, 4015)
+
+
 def describe(exc: BaseException) -> str:
     if isinstance(exc, discord.HTTPException):
         return f"HTTP {exc.status} (code {exc.code}): {exc.text or exc.response.reason}"
