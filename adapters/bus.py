@@ -33,6 +33,7 @@ from kazma.adapters.contract import (
     UpdatesCards,
     UrgentEdits,
     ingress_trouble,
+    setup_refused,
     singleton_ingress,
 )
 from kazma.adapters.outbox import Outbox, PostJob
@@ -330,11 +331,15 @@ class FanOutBus:
         await self._each_ingress("stop_ingress")
 
     def ingress_missing(self) -> list[str]:
-        """The started platforms whose singleton ingress is not open (after a failed start_ingress)."""
+        """The started platforms whose singleton ingress is not open (after a failed start_ingress). One that
+        refused Kazma's setup while it ran is not: opening it again could only be refused again."""
         return [
             name
             for name, adapter in self.adapters.items()
-            if name in self._started and (single := singleton_ingress(adapter)) and not single.ingress_running
+            if name in self._started
+            and (single := singleton_ingress(adapter))
+            and not single.ingress_running
+            and setup_refused(adapter) is None
         ]
 
     async def _each_ingress(self, what: str) -> None:
@@ -393,6 +398,9 @@ class FanOutBus:
                 error, tries = self._start_failed[name]
                 return PlatformHealth(name, False, f"not started, tried {tries} times and trying again ({error})")
             return PlatformHealth(name, False, "starting")
+        refused = setup_refused(adapter)
+        if refused is not None:
+            return PlatformHealth(name, False, f"off, {refused}")
         single = singleton_ingress(adapter)
         trouble = ingress_trouble(adapter)
         if single is None or single.ingress_running:

@@ -340,6 +340,23 @@ def ingress_trouble(adapter: object) -> str | None:
     return adapter.ingress_trouble if isinstance(adapter, IngressTrouble) else None
 
 
+@runtime_checkable
+class SetupRefused(Protocol):
+    """A platform that refused Kazma's own setup while it ran (Discord refusing the bot token): the same setting
+    can only be refused again, so nothing is tried with it (no login, no ingress, no post) until the operator
+    changes it and restarts Kazma, as after a start the platform refused."""
+
+    @property
+    def setup_refused(self) -> str | None:
+        """What was refused and what the operator does about it; None while nothing is."""
+        ...
+
+
+def setup_refused(adapter: object) -> str | None:
+    """What ``adapter``'s platform refused of Kazma's setup while it ran (see :class:`SetupRefused`), or None."""
+    return adapter.setup_refused if isinstance(adapter, SetupRefused) else None
+
+
 def singleton_ingress(adapter: object) -> SingletonIngress | None:
     """``adapter`` when it has an ingress only the leader may run (start it with ``ingress=``), else None."""
     if isinstance(adapter, SingletonIngress) and adapter.has_singleton_ingress:

@@ -640,6 +640,22 @@ async def test_settling_an_unknown_message_is_not_retryable(running: Running) ->
 # --------------------------------------------------------------------------- faults
 
 
+async def test_a_401_on_an_interaction_s_own_token_is_not_the_bot_token_refused(running: Running) -> None:
+    """Discord answers 401 on an interaction's or a webhook's route for that route's own token (an interaction
+    token expired): the bot's token is fine, and Discord is not taken off as it is when it refuses the bot's."""
+    fake, adapter, recorder = running.fake, running.adapter, running.recorder
+    card = make_card({"command": "x"})
+    ref = await adapter.post_card(card)
+    callback = r"/interactions/\d+/[^/]+/callback"
+    fake.inject_fault("POST", callback, "401")
+    await fake.press_button(int(ref.message_id), card.button_data(Decision.APPROVE))
+    await recorder.wait_until(lambda: recorder.presses)  # the press decides though its acknowledgement failed
+    assert (await fake.wait_for_call("POST", callback)).status == 401
+    assert adapter.setup_refused is None
+    await adapter.settle_card(ref, card, outcome_of(card, Status.APPROVED))  # the bot's token still edits
+    assert [p.status for p in fake.calls_to("PATCH", CHANNEL_PATCH)] == [200]
+
+
 async def test_server_errors_are_retryable(running: Running) -> None:
     fake, adapter = running.fake, running.adapter
     fake.inject_fault("POST", CHANNEL_POST, "503")

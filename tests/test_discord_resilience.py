@@ -8,14 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from kazma.adapters import bus
 from kazma.adapters.bus import FanOutBus
 from kazma.adapters.discord import DiscordAdapter
+from kazma.adapters.discord import adapter as discord_adapter
 from kazma.approvals.model import Decision, Status
 from kazma.bot import lifecycle
 from kazma.bot.app import App
+from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
 from tests.fakes.discord import HOME_CHANNEL_ID
-from tests.platforms_support import DISCORD_ADMIN, kazma_on, three_fakes
+from tests.platforms_support import DISCORD_ADMIN, Fakes, kazma_on, three_fakes
 
 ARGS = {"command": "make release"}
 HOME_POST = rf"/channels/{HOME_CHANNEL_ID}/messages"
@@ -167,6 +170,8 @@ async def test_a_gateway_discord_closed_for_good_is_opened_again_and_cards_made_
     nothing opened it again until a restart. After 4004 (and 4010-4013) discord.py had closed its whole client too:
     every card posted meanwhile was given up for good with "RuntimeError: Session is closed"."""
     monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 0.1)
+    # How seldom a 4014 is identified again is the next test's; here the fake allows the intent again at once.
+    monkeypatch.setattr(discord_adapter, "SETUP_CLOSE_RETRY", 0.0)
     caplog.set_level(logging.WARNING)
     async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
         adapter = app.bus.adapters["discord"]
@@ -203,3 +208,97 @@ async def test_a_request_timeout_in_discord_py_s_pause_after_a_5xx_says_discord_
         assert f"Discord answered POST /api/v10{HOME_POST} with 500" in errors[0], errors
         assert "ran out before discord.py tried again" in errors[0], errors
         assert "no answer" not in errors[0], errors
+
+
+def refused_logins(fakes: Fakes) -> int:
+    """The logins Discord refused: ``GET /users/@me`` answered 401 (discord.py's ``Client.login``)."""
+    return sum(1 for call in fakes.discord.calls_to("GET", "/users/@me") if call.status == 401)
+
+
+async def test_a_token_reset_while_running_stops_discord_until_the_operator_acts_and_cards_land_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The bot's token reset in the Developer Portal while Kazma ran: Discord closed the gateway with 4004, and the
+    new login with the same token was refused too. Every ingress check (up to every 30 s, for ever) logged in
+    again with that token, every card post on Discord asked for yet another login and was kept as retryable for
+    ever, and only /healthz's "inbound connection not open" hinted at it. Now the refusal is said once
+    (``discord.token_refused``, counted at ``token_refused``), nothing logs in with that token again, and a card's
+    Discord post fails for good saying the operator must set a new token, while the same card lands on Telegram."""
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 0.01)
+    monkeypatch.setattr(lifecycle, "INGRESS_RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    caplog.set_level(logging.INFO)
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        assert isinstance(app.bus, FanOutBus)
+        checks = 0
+        missing = app.bus.ingress_missing
+
+        def counted() -> list[str]:
+            nonlocal checks
+            checks += 1
+            return missing()
+
+        monkeypatch.setattr(app.bus, "ingress_missing", counted)
+        refused = failure_count("token_refused", "discord")
+        fakes.discord.token = "reset-in-the-developer-portal"
+        assert await fakes.discord.drop_gateway(code=4004) == 1
+        async with asyncio.timeout(20):
+            while failure_count("token_refused", "discord") == refused:
+                await asyncio.sleep(0.02)
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+        async with asyncio.timeout(20):  # the card is out on Telegram, and its Discord post given up
+            while not ("Approval needed" in fakes.card_text("telegram") and [
+                r for r in caplog.records if r.getMessage() == "bus.card_post_gave_up"
+            ]):  # fmt: skip
+                await asyncio.sleep(0.02)
+        seen = checks
+        async with asyncio.timeout(20):  # many more ingress checks, each of which logged in again before
+            while checks < seen + 50:
+                await asyncio.sleep(0.01)
+        assert refused_logins(fakes) == 1
+        assert failure_count("token_refused", "discord") == refused + 1
+        said = [r for r in caplog.records if r.getMessage() == "discord.token_refused"]
+        assert len(said) == 1
+        gave_up = [str(getattr(r, "error", "")) for r in caplog.records if r.getMessage() == "bus.card_post_gave_up"]
+        assert len(gave_up) == 1, gave_up
+        assert "refused the bot token" in gave_up[0]
+        assert "platforms.discord.token" in gave_up[0]
+        assert fakes.card_text("discord") == ""
+        assert "Approval needed" in fakes.card_text("slack")
+        assert [c.platform for c in await app.service.store.cards(request.id)].count("discord") == 0
+        assert app.bus.ingress_missing() == []  # nothing for the check to open: Discord is off until a restart
+
+
+async def test_a_gateway_closed_for_an_intent_is_identified_again_seldom_enough_to_keep_the_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Message Content intent switched off in the Developer Portal while Kazma ran: Discord closed the gateway
+    with 4014, and every ingress check (up to every 30 s) opened it again, each time one more IDENTIFY refused
+    with 4014: 2,880 a day, while Discord allows a bot 1,000 session starts a day and resets the token of one that
+    goes past them. Now it is opened again at most every ``SETUP_CLOSE_RETRY`` seconds, and still without a
+    restart once the operator switches the intent back on."""
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 0.01)
+    monkeypatch.setattr(lifecycle, "INGRESS_RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        adapter = app.bus.adapters["discord"]
+        assert isinstance(adapter, DiscordAdapter)
+        lost = failure_count("ingress_lost", "discord")
+        fakes.discord.message_content_intent = False
+        assert await fakes.discord.drop_gateway(code=4014) == 1
+        async with asyncio.timeout(20):
+            while failure_count("ingress_lost", "discord") == lost:
+                await asyncio.sleep(0.02)
+        tries = failure_count("ingress_start", "discord")
+        async with asyncio.timeout(20):  # many ingress checks, each of which identified again before
+            while failure_count("ingress_start", "discord") < tries + 30:
+                await asyncio.sleep(0.01)
+        assert [i for i in fakes.discord.identifies if "rejected" in i] == []
+        assert isinstance(app.bus, FanOutBus)
+        assert app.bus.ingress_missing() == ["discord"]  # not open, and opened again later
+
+        fakes.discord.message_content_intent = True  # the operator switched it back on
+        monkeypatch.setattr(discord_adapter, "SETUP_CLOSE_RETRY", 0.0)  # and the wait is over
+        async with asyncio.timeout(20):
+            while not adapter.ingress_running:
+                await asyncio.sleep(0.02)
+        assert len(fakes.discord.identifies) == 2

@@ -189,3 +189,47 @@ async def test_telegram_polling_ended_by_a_refused_token_is_opened_again_once_th
         status, lines = await healthz(url)
         assert status == 200
         assert "platform telegram: serving" in lines, lines
+
+
+async def test_discord_refusing_the_token_on_a_post_is_healthz_off_and_later_cards_do_not_ask_it_again(
+    tmp_path: Path,
+) -> None:
+    """The bot's token reset while Kazma ran, seen first by a card's post (a replica that does not hold the gateway
+    sees it nowhere else): Discord answered 401, the card's Discord post was given up, and /healthz still said
+    "platform discord: serving"; every later card asked Discord again with the refused token. Now /healthz says
+    Discord is off because it refused the token and what to do, and later cards are not sent to it at all, while
+    Telegram and Slack show them."""
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app, served(app, tmp_path) as url:
+        refused = failure_count("token_refused", "discord")
+        fakes.discord.token = "reset-in-the-developer-portal"
+        first = await app.service.open("shell", {"command": "make one"}, "agent:builder", "telegram:-1001")
+        await until(lambda: failure_count("token_refused", "discord") > refused)
+        posts = len(fakes.discord.calls_to("POST", r"/channels/\d+/messages"))
+        assert [c.status for c in fakes.discord.calls_to("POST", r"/channels/\d+/messages")] == [401]
+        status, lines = await healthz(url)
+        assert (status, lines[0]) == (200, "ok")  # Telegram and Slack still take presses
+        discord = next((line for line in lines if line.startswith("platform discord: ")), "")
+        assert discord.startswith("platform discord: off, Discord refused the bot token (HTTP 401"), lines
+        assert discord.endswith("put the new one in platforms.discord.token and restart Kazma")
+
+        second = await app.service.open("shell", {"command": "make two"}, "agent:builder", "telegram:-1001")
+        await until(lambda: "make two" in fakes.card_text("telegram") and "make two" in fakes.card_text("slack"))
+        assert isinstance(app.bus, bus.FanOutBus)
+        outbox = app.bus.outbox
+        await until_async(lambda: _discord_post_ended(outbox, second.id))
+        assert len(fakes.discord.calls_to("POST", r"/channels/\d+/messages")) == posts
+        assert failure_count("token_refused", "discord") == refused + 1
+        for request in (first, second):
+            assert [c.platform for c in await app.service.store.cards(request.id)].count("discord") == 0
+
+
+async def _discord_post_ended(outbox: object, request_id: str) -> bool:
+    """Whether ``request_id``'s Discord card post is no longer pending in the outbox (posted or given up)."""
+    pending = await outbox.pending()  # type: ignore[attr-defined]
+    return not [r for r, p, _, _ in pending if r == request_id and p == "discord"]
+
+
+async def until_async(predicate: Callable[[], object], timeout: float = 20.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not await predicate():  # type: ignore[misc]
+            await asyncio.sleep(0.02)

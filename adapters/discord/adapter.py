@@ -51,12 +51,15 @@ from kazma.adapters.deny_reason import (
 )
 from kazma.adapters.discord.errors import (
     CALL_WITNESS,
+    OPERATOR_FIX,
     PLATFORM,
     CallWitness,
     RateLimit,
     classify,
+    closed_for_a_setting,
     describe,
     rate_limit_of,
+    refuses_token,
     route_of,
 )
 from kazma.adapters.discord.inbound import (
@@ -97,6 +100,10 @@ T = TypeVar("T")
 DEFAULT_API_BASE: Final = "https://discord.com/api/v10"
 DEFAULT_GATEWAY: Final = "wss://gateway.discord.gg/"
 NONCE_LENGTH: Final = 25  # Discord's limit for a message nonce
+# Discord allows a bot 1,000 gateway session starts (IDENTIFY) a day and resets the token of one that goes past
+# them. A gateway closed for a setting (an intent switched off in the portal) is refused again until the operator
+# changes it, so it is opened again at most this often: 288 a day, not the ingress check's 2,880 (every 30 s).
+SETUP_CLOSE_RETRY: Final = 300.0
 
 
 def card_nonce(request_id: str, channel: str) -> str:
@@ -206,6 +213,12 @@ class DiscordAdapter(PlatformBase):
         self._client: _Client | None = None
         # Why the gateway ended for good (Discord's close code, as discord.py told it); None while it serves
         self._ended: str | None = None
+        # Discord refused the bot token while Kazma ran, and what the operator does about it: the token comes from
+        # the configuration, so until a restart every login, post or gateway try with it is refused again (and
+        # each 401 counts towards Discord's limit of invalid requests, past which it blocks the host's address).
+        self._token_refused: str | None = None
+        # When Discord last closed the gateway for a setting (``time.monotonic``); None once it serves again
+        self._setting_closed_at: float | None = None
         # A client discord.py closed is replaced by one login at a time: the ingress check and a refused call
         # (a follower's, which never opens the gateway) may both ask for it.
         self._renewing = asyncio.Lock()
@@ -240,8 +253,11 @@ class DiscordAdapter(PlatformBase):
         async def watched() -> T:
             try:
                 return await operation()
-            except BaseException:
+            except BaseException as exc:
                 self._reopen_global_lock(witness)
+                if refuses_token(exc):
+                    self._refuse_token(site, exc)
+                    raise self._token_error(site) from exc
                 raise
 
         token = CALL_WITNESS.set(witness)
@@ -312,6 +328,24 @@ class DiscordAdapter(PlatformBase):
         return self._ended
 
     @property
+    def setup_refused(self) -> str | None:
+        return self._token_refused
+
+    def _refuse_token(self, site: str, exc: BaseException) -> None:
+        """Discord refused the bot token (a 401 on a login or on a call of the bot's): said and counted once, and
+        from now on nothing is tried with it (see ``_token_refused``). A gateway closed with 4004 alone does not
+        say it: the login that follows it asks Discord's REST, and only its 401 does."""
+        if self._token_refused is not None:
+            return
+        after = f", after the gateway closed ({self._ended})" if self._ended else ""
+        self._token_refused = f"Discord refused the bot token ({describe(exc)}{after}): {OPERATOR_FIX}"
+        count_failure("token_refused", PLATFORM)
+        log.error("discord.token_refused", site=site, error=describe(exc), gateway=self._ended, fix=OPERATOR_FIX)
+
+    def _token_error(self, site: str) -> PlatformError:
+        return PlatformError(PLATFORM, site, self._token_refused or "", retryable=False, operator_must_act=True)
+
+    @property
     def has_singleton_ingress(self) -> bool:
         return True  # Discord has no HTTP ingress here: everything inbound comes over the gateway
 
@@ -319,6 +353,7 @@ class DiscordAdapter(PlatformBase):
         """Log in over REST (the bot user, the application, the command sync): enough to post and edit."""
         if not self.config.token:
             raise PlatformError(PLATFORM, "start", "no bot token configured", retryable=False)
+        self._token_refused = None  # a start is the operator's "try again"
         self._ready = asyncio.Event()
         self._point_library_at_config()
         self._client = await self._login()
@@ -336,6 +371,8 @@ class DiscordAdapter(PlatformBase):
             if isinstance(exc, TimeoutError):
                 message = f"no login within {self._start_timeout:g} s"
                 raise PlatformError(PLATFORM, "start", message, retryable=True) from exc
+            if refuses_token(exc):
+                self._refuse_token("login", exc)
             raise
         user = client.user
         log.info("discord.logged_in", user_id=user.id if user else None)
@@ -347,8 +384,8 @@ class DiscordAdapter(PlatformBase):
         no longer leads, and so never opens the gateway again, posts with the new one."""
         async with self._renewing:
             closed = self._client
-            if closed is None or not closed.is_closed():
-                return  # renewed meanwhile, or stopped
+            if closed is None or not closed.is_closed() or self._token_refused is not None:
+                return  # renewed meanwhile, stopped, or the token was refused: only the operator can help
             log.warning("discord.client_renewed", reason=self._ended)
             client = await self._login()
             if self._stopping or self._client is not closed:  # stopped while it logged in: nobody would close it
@@ -360,6 +397,8 @@ class DiscordAdapter(PlatformBase):
             self._hooks.clear()
 
     def _renew_soon(self) -> None:
+        if self._token_refused is not None:
+            return
         if self._renewal is None or self._renewal.done():
             self._renewal = self.spawn(self._renew_or_say(), name="kazma-discord-renew")
 
@@ -382,6 +421,9 @@ class DiscordAdapter(PlatformBase):
         client = self._client
         if client is None:
             raise self.refuse("ingress_start", "not logged in", retryable=True)
+        if self._token_refused is not None:
+            raise self._token_error("ingress_start")
+        self._wait_for_the_setting()
         if client.is_closed():
             # discord.py closes its whole client (its REST session too) after a close it does not reconnect after
             # (4004, 4010-4013): that client can never connect again, so a new one logs in first.
@@ -398,6 +440,7 @@ class DiscordAdapter(PlatformBase):
         if ready in done:
             log.info("discord.ready", user_id=client.user.id if client.user else None, guilds=len(client.guilds))
             self._ended = None
+            self._setting_closed_at = None
             self._task.add_done_callback(self._gateway_ended)
             self.spawn(self._hand_over_kept(), name="kazma-discord-kept")
             return
@@ -405,10 +448,23 @@ class DiscordAdapter(PlatformBase):
         task = self._task
         failure = task.exception() if task in done and not task.cancelled() else None
         if failure is not None:
+            if closed_for_a_setting(failure):
+                self._setting_closed_at = time.monotonic()
             raise self.classify("start", failure)
         if task in done:
             raise PlatformError(PLATFORM, "start", "the gateway closed before READY", retryable=True)
         raise PlatformError(PLATFORM, "start", f"no READY within {self._start_timeout:g} s", retryable=True)
+
+    def _wait_for_the_setting(self) -> None:
+        """Refuse to IDENTIFY again within ``SETUP_CLOSE_RETRY`` of a close for a setting (see there)."""
+        if self._setting_closed_at is None:
+            return
+        left = self._setting_closed_at + SETUP_CLOSE_RETRY - time.monotonic()
+        if left > 0:
+            why = self._ended or "Discord closed the gateway for a setting"
+            message = f"{why}; opened again in {left:.0f} s (at most every {SETUP_CLOSE_RETRY:g} s: Discord resets "
+            message += "the token of a bot past 1,000 gateway starts a day)"
+            raise PlatformError(PLATFORM, "ingress_start", message, retryable=True, operator_must_act=True)
 
     def _gateway_ended(self, task: asyncio.Task[None]) -> None:
         """The gateway loop ended by itself, not by a close here (which lets go of it first): Discord closed the
@@ -421,6 +477,8 @@ class DiscordAdapter(PlatformBase):
         self._task = None
         self._ingress = False
         self._ended = describe(error) if error is not None else "the gateway loop returned"
+        if closed_for_a_setting(error):
+            self._setting_closed_at = time.monotonic()
         count_failure("ingress_lost", PLATFORM)
         log.error("discord.gateway_ended", error=self._ended, code=getattr(error, "code", None))
         if self._client is not None and self._client.is_closed():
@@ -694,6 +752,10 @@ class DiscordAdapter(PlatformBase):
 
     def _connected(self, site: str) -> _Client:
         """The logged-in client: REST works with or without the gateway."""
+        if self._token_refused is not None:  # given up for good: the operator must set another token
+            error = self._token_error(site)
+            self.failed(site, None, error)
+            raise error
         client = self._client
         if client is None or client.user is None:
             raise self.refuse(site, "not connected", retryable=True)

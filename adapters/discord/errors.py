@@ -72,6 +72,33 @@ async def rate_limit_of(response: aiohttp.ClientResponse, route: str, now: float
     return RateLimit(route, 0.0, scope, now, is_global)
 
 
+# What the operator does about a token Discord refused (the words ``kazma doctor`` uses for the same 401).
+OPERATOR_FIX: Final = (
+    "Developer Portal → your application → Bot → Reset Token, put the new one in platforms.discord.token and "
+    "restart Kazma"
+)
+
+
+def refuses_token(exc: BaseException) -> bool:
+    """Whether Discord refused the bot token itself: discord.py's ``LoginFailure`` (a 401 on its login), or a 401
+    on a route the bot token authorises. Interaction and webhook routes carry their own token in the path: a 401
+    there (an interaction token expired) says nothing of the bot's."""
+    if isinstance(exc, discord.LoginFailure):
+        return True
+    if not isinstance(exc, discord.HTTPException) or exc.status != 401:
+        return False
+    path = str(getattr(getattr(exc.response, "url", None), "path", ""))
+    return not any(part in path for part in ("/webhooks/", "/interactions/"))
+
+
+def closed_for_a_setting(exc: BaseException | None) -> bool:
+    """Whether Discord closed the gateway for a setting of the bot's (4010-4014: the shard, the API version, an
+    intent not allowed): the same IDENTIFY is refused again until the operator changes it in the portal."""
+    if isinstance(exc, discord.PrivilegedIntentsRequired):  # discord.py's 4014
+        return True
+    return isinstance(exc, discord.ConnectionClosed) and exc.code in range(4010, 4015)
+
+
 def describe(exc: BaseException) -> str:
     if isinstance(exc, discord.HTTPException):
         return f"HTTP {exc.status} (code {exc.code}): {exc.text or exc.response.reason}"

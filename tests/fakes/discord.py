@@ -69,7 +69,8 @@ GATEWAY_MESSAGE_CONTENT_LIMITED = 1 << 19  # application flag: the intent is on 
 EPHEMERAL = 1 << 6
 LOADING = 1 << 7
 
-FaultKind = Literal["500", "503", "429", "429-global", "429-no-via", "hang"]
+# "401": Discord refusing an interaction's or a webhook's own token (in the route's path), not the bot's.
+FaultKind = Literal["500", "503", "429", "429-global", "429-no-via", "401", "hang"]
 
 SYNC_FLUSH_SUFFIX = b"\x00\x00\xff\xff"
 
@@ -833,6 +834,8 @@ class FakeDiscord:
                 "global": fault.kind == "429-global",
             }
             return self._json(body, 429, headers)
+        if fault.kind == "401":
+            return self._error(401, 50027, "Invalid Webhook Token")
         return self._error(int(fault.kind), 0, "Internal Server Error" if fault.kind == "500" else "Unavailable")
 
     def _authorised(self, request: web.Request, path: str) -> bool:
