@@ -17,7 +17,7 @@ import yarl
 from kazma.adapters.card_layout import cut_marker, outcome_line
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformAdapter, PlatformError, Press
 from kazma.adapters.discord import DiscordAdapter
-from kazma.adapters.discord.errors import route_of
+from kazma.adapters.discord.errors import classify, route_of
 from kazma.adapters.discord.render import ARGUMENT_MARK, ZWSP, render_card
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
@@ -654,6 +654,24 @@ async def test_a_401_on_an_interaction_s_own_token_is_not_the_bot_token_refused(
     assert adapter.setup_refused is None
     await adapter.settle_card(ref, card, outcome_of(card, Status.APPROVED))  # the bot's token still edits
     assert [p.status for p in fake.calls_to("PATCH", CHANNEL_PATCH)] == [200]
+
+
+async def test_a_401_on_a_webhooks_own_token_asks_nothing_of_the_operator(running: Running) -> None:
+    """A webhook's (or an interaction's) route carries its own token: a 401 there says nothing of the bot token,
+    and the error must not tell the conversation that the operator has to replace it. The bot's own 401 does."""
+    fake, adapter = running.fake, running.adapter
+    await adapter.send_text(str(HOME_CHANNEL_ID), "hi", agent="builder")  # the channel's webhook, made
+    webhook = await adapter._hooks.for_channel(adapter._client, HOME_CHANNEL_ID)
+    assert webhook is not None
+    fake.inject_fault("POST", r"/webhooks/\d+/[^/]+", "401")
+    with pytest.raises(discord.HTTPException) as caught:
+        await webhook.send("again", username="builder", wait=True)
+    assert caught.value.status == 401
+    assert not classify("send", caught.value).operator_must_act
+    fake.inject_fault("POST", CHANNEL_POST, "401")
+    with pytest.raises(PlatformError) as refused:
+        await adapter.send_text(str(HOME_CHANNEL_ID), "as the bot")
+    assert refused.value.operator_must_act
 
 
 async def test_server_errors_are_retryable(running: Running) -> None:

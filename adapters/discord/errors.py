@@ -152,9 +152,10 @@ def classify(
     if isinstance(exc, discord.HTTPException):
         # 429 only reaches us without Discord's Via header (a Cloudflare block) or after discord.py gave up.
         retryable = exc.status >= 500 or exc.status == 429
-        # 401: the bot token refused, the operator's to replace. A 403 or 404 is about the thing asked for (a
-        # channel the bot may not see, an attachment deleted before Kazma fetched it), not Kazma's setup.
-        return PlatformError(PLATFORM, site, describe(exc), retryable=retryable, operator_must_act=exc.status == 401)
+        # 401 on a route of the bot token: that token refused, the operator's to replace (a 401 on a webhook's or
+        # an interaction's own token is not). A 403 or 404 is about the thing asked for (a channel the bot may not
+        # see, an attachment deleted before Kazma fetched it), not Kazma's setup.
+        return PlatformError(PLATFORM, site, describe(exc), retryable=retryable, operator_must_act=refuses_token(exc))
     if isinstance(exc, discord.LoginFailure | discord.PrivilegedIntentsRequired):
         return PlatformError(PLATFORM, site, describe(exc), retryable=False, operator_must_act=True)
     if isinstance(exc, discord.ConnectionClosed):
