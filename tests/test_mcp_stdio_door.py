@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import mcp
 
-from kazma.bot.cli.mcp_stdio import asker, serve_checked
-from kazma.bot.console.mcp_tool import build_server
+from kazma.bot.cli.mcp_stdio import asker, serve_checked, wire_server
+from kazma.bot.console.mcp_tool import Asked, build_server
 from tests.api_support import REQUESTER_TOKEN, Door, kazma_door
 
 WITHIN = 30
@@ -130,3 +131,46 @@ async def test_attack_a_line_naming_a_member_twice_then_not_json_is_refused_and_
         listed = await client.receive()
         assert listed["id"] == 6, listed
         assert [tool["name"] for tool in listed["result"]["tools"]] == ["request_approval"]
+
+
+async def test_the_stdio_door_serves_the_tool_as_the_sdk_s_own_server_does() -> None:
+    """The stdio door runs its own low-level server (:func:`wire_server`) on the checked lines, built from
+    MCPServer's public calls: it used to run MCPServer's private ``_lowlevel_server``, which an SDK upgrade could
+    rename and so end the door. What it rebuilds is held to what MCPServer answers itself, message for message, so
+    an upgrade that changes what MCPServer adds (its handshake, listings, how a tool's failure is answered) shows
+    here rather than as a door that quietly answers otherwise than /mcp."""
+
+    async def ask(asked: Asked) -> dict[str, Any]:
+        if asked.tool == "crash":
+            raise RuntimeError("the asker failed")
+        return {"outcome": "approved", "asked": [asked.tool, asked.arguments, asked.reason, asked.deadline]}
+
+    async def seen(server: Any) -> list[Any]:
+        async with mcp.Client(server, mode="legacy") as client:
+            found: list[Any] = [client.server_info, client.server_capabilities, client.instructions]
+            found.append(await client.list_tools())
+            for name, arguments in (
+                ("request_approval", {"tool": "deploy", "arguments": {"env": "prod"}, "deadline_seconds": 60}),
+                ("request_approval", {"tool": "deploy"}),  # arguments missing
+                ("request_approval", {"tool": "crash", "arguments": {}}),
+                ("no_such_tool", {}),
+            ):
+                found.append(await client.call_tool(name, arguments))
+            found += [
+                await client.list_resources(),
+                await client.list_resource_templates(),
+                await client.list_prompts(),
+            ]
+            for read in (client.read_resource("file:///nothing"), client.get_prompt("nothing")):
+                try:
+                    found.append(await read)
+                except mcp.MCPError as exc:
+                    found.append((exc.error.code, exc.error.message))
+        return found
+
+    sdk_s = await seen(build_server(ask))
+    door_s = await seen(wire_server(build_server(ask)))
+    assert door_s == sdk_s
+    decided = door_s[4]
+    assert decided.structured_content == {"outcome": "approved", "asked": ["deploy", {"env": "prod"}, "", 60]}
+    assert [result.is_error for result in door_s[5:8]] == [True, True, True], door_s[5:8]

@@ -11,6 +11,7 @@ when this process stops asking (killed outright).
 from __future__ import annotations
 
 import asyncio
+import base64
 import fcntl
 import io
 import json
@@ -23,11 +24,35 @@ from typing import Any
 
 import anyio
 import structlog
-from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server import Server, ServerRequestContext
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ResourceError, ResourceNotFoundError, ToolError, UnexpectedToolError
 from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
-from mcp_types import INVALID_REQUEST, PARSE_ERROR, ErrorData, JSONRPCError
+from mcp_types import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    PARSE_ERROR,
+    BlobResourceContents,
+    CallToolRequestParams,
+    CallToolResult,
+    ErrorData,
+    GetPromptRequestParams,
+    GetPromptResult,
+    InputRequiredResult,
+    JSONRPCError,
+    ListPromptsResult,
+    ListResourcesResult,
+    ListResourceTemplatesResult,
+    ListToolsResult,
+    PaginatedRequestParams,
+    ReadResourceRequestParams,
+    ReadResourceResult,
+    TextContent,
+    TextResourceContents,
+)
 
 from kazma.approvals.withdrawal import Gone
 from kazma.bot.console.api import ambiguity
@@ -151,9 +176,101 @@ async def serve_checked(
         # set before the SDK's reader task first runs (nothing awaited since it was started): no line is refused
         # before there is somewhere to answer it
         checked.answers = write_stream
-        # MCPServer.run_stdio_async opens stdio_server() itself, with no way to hand it the checked lines.
-        lowlevel = server._lowlevel_server
+        lowlevel = wire_server(server)
         await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
+
+
+def wire_server(server: MCPServer[Any]) -> Server[Any]:
+    """A low-level server serving ``server``'s tools through its public API, to run on streams of our own.
+
+    MCPServer.run_stdio_async opens stdio_server() itself, with no way to hand it the checked lines, and the
+    low-level server it runs on is private to it (``_lowlevel_server``; the SDK's own in-memory client reaches
+    in for it, marked as a TODO to make public): an SDK upgrade could rename it and end this door. What it
+    adds is rebuilt here from public calls: its name, version and instructions, its middleware chain (the same
+    list), its listings, and a tool call answered as its own handler answers one (a ToolError, or any failure of
+    the tool, is a result with ``isError``; an MCPError stays a JSON-RPC error)."""
+
+    async def list_tools(ctx: ServerRequestContext[Any], params: PaginatedRequestParams | None) -> ListToolsResult:
+        return ListToolsResult(tools=await server.list_tools())
+
+    async def call_tool(
+        ctx: ServerRequestContext[Any], params: CallToolRequestParams
+    ) -> CallToolResult | InputRequiredResult:
+        context: Context[Any, Any] = Context(request_context=ctx, mcp_server=server, input_params=params)
+        try:
+            return await server.call_tool(params.name, params.arguments or {}, context)
+        except MCPError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, ToolError) and not isinstance(exc, UnexpectedToolError):
+                # the message only: rejected argument values are the caller's data
+                log.info("mcp.tool_refused", tool=params.name, error=str(exc)[:200])
+            else:
+                log.exception("mcp.tool_failed", tool=params.name)
+            return CallToolResult(content=[TextContent(type="text", text=str(exc))], is_error=True)
+
+    async def list_resources(
+        ctx: ServerRequestContext[Any], params: PaginatedRequestParams | None
+    ) -> ListResourcesResult:
+        return ListResourcesResult(resources=await server.list_resources())
+
+    async def list_templates(
+        ctx: ServerRequestContext[Any], params: PaginatedRequestParams | None
+    ) -> ListResourceTemplatesResult:
+        return ListResourceTemplatesResult(resource_templates=await server.list_resource_templates())
+
+    async def read_resource(
+        ctx: ServerRequestContext[Any], params: ReadResourceRequestParams
+    ) -> ReadResourceResult | InputRequiredResult:
+        context: Context[Any, Any] = Context(request_context=ctx, mcp_server=server, input_params=params)
+        try:
+            read = await server.read_resource(params.uri, context)
+        except ResourceError as exc:
+            code = INVALID_PARAMS if isinstance(exc, ResourceNotFoundError) else INTERNAL_ERROR
+            raise MCPError(code=code, message=str(exc), data={"uri": str(params.uri)}) from exc
+        if isinstance(read, InputRequiredResult):
+            return read
+        contents: list[TextResourceContents | BlobResourceContents] = []
+        for item in read:
+            if isinstance(item.content, bytes):
+                blob = base64.b64encode(item.content).decode()
+                mime = item.mime_type or "application/octet-stream"
+                contents.append(BlobResourceContents(uri=params.uri, blob=blob, mime_type=mime, _meta=item.meta))
+            else:
+                mime = item.mime_type or "text/plain"
+                contents.append(
+                    TextResourceContents(uri=params.uri, text=item.content, mime_type=mime, _meta=item.meta)
+                )
+        return ReadResourceResult(contents=contents)
+
+    async def list_prompts(ctx: ServerRequestContext[Any], params: PaginatedRequestParams | None) -> ListPromptsResult:
+        return ListPromptsResult(prompts=await server.list_prompts())
+
+    async def get_prompt(
+        ctx: ServerRequestContext[Any], params: GetPromptRequestParams
+    ) -> GetPromptResult | InputRequiredResult:
+        context: Context[Any, Any] = Context(request_context=ctx, mcp_server=server, input_params=params)
+        return await server.get_prompt(params.name, params.arguments, context)
+
+    lowlevel: Server[Any] = Server(
+        server.name,
+        version=server.version,
+        title=server.title,
+        description=server.description,
+        instructions=server.instructions,
+        website_url=server.website_url,
+        icons=server.icons,
+        on_list_tools=list_tools,
+        on_call_tool=call_tool,
+        on_list_resources=list_resources,
+        on_list_resource_templates=list_templates,
+        on_read_resource=read_resource,
+        on_list_prompts=list_prompts,
+        on_get_prompt=get_prompt,
+    )
+    # the same chain as MCPServer's (its request-state seal first), so a message meets what it meets on /mcp
+    lowlevel.middleware.extend(server.middleware)
+    return lowlevel
 
 
 class _CheckedLines(anyio.AsyncFile[str]):
