@@ -174,3 +174,30 @@ async def test_the_stdio_door_serves_the_tool_as_the_sdk_s_own_server_does() -> 
     decided = door_s[4]
     assert decided.structured_content == {"outcome": "approved", "asked": ["deploy", {"env": "prod"}, "", 60]}
     assert [result.is_error for result in door_s[5:8]] == [True, True, True], door_s[5:8]
+
+
+async def test_attack_a_line_the_sdk_cannot_read_is_answered_not_left_waiting(tmp_path: Path) -> None:
+    """The SDK's stdio reader drops a line it cannot read, saying so only in a debug log: a request in it was
+    never answered, and its caller waited for ever (a lone surrogate escape, arrays nested past the SDK's parser's
+    limit: each JSON that Python reads, or a line that is no JSON at all). Each is
+    answered now: a request whose id can be read, with an error for that id; any other line, as not JSON."""
+    call = '{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"request_approval","arguments":%s}}'
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        await client.initialise()
+        client.send(call % (2, '{"tool":"deploy","arguments":{"env":"\\ud800"}}'))
+        client.send(call % (3, '{"tool":"deploy","arguments":{"env":%s}}' % ("[" * 300 + "]" * 300)))
+        client.send('{"jsonrpc":"2.0","id":5,"method":"tools/list"')  # cut short
+        client.send("hello")
+        client.send('{"jsonrpc":"2.0","method":"notifications/progress","params":{"a":"\\udc00"}}')  # not answered
+        client.send('{"jsonrpc":"2.0","id":6,"method":"tools/list"}')
+        answered = [await client.receive() for _ in range(5)]
+        assert [found["id"] for found in answered] == [2, 3, None, None, 6], answered
+        for found, why in zip(answered[:2], ("hex escape", "recursion limit"), strict=True):
+            assert found["error"]["code"] == -32600, found
+            assert found["error"]["message"].startswith("the message cannot be read: "), found
+            assert why in found["error"]["message"], found
+        for found in answered[2:4]:
+            assert found["error"]["code"] == -32700, found
+            assert found["error"]["message"].startswith("the line is not JSON"), found
+        assert [tool["name"] for tool in answered[4]["result"]["tools"]] == ["request_approval"]
+        assert await door.app.service.store.requests(limit=5) == []

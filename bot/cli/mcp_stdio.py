@@ -52,7 +52,9 @@ from mcp_types import (
     ReadResourceResult,
     TextContent,
     TextResourceContents,
+    jsonrpc_message_adapter,
 )
+from pydantic import ValidationError
 
 from kazma.approvals.withdrawal import Gone
 from kazma.bot.console.api import ambiguity
@@ -285,7 +287,11 @@ class _CheckedLines(anyio.AsyncFile[str]):
         async for line in self._lines:
             problem = ambiguity(line.encode("utf-8", "surrogatepass"), read_from_text=READ_FROM_TEXT)
             if problem is None:
-                yield line
+                unread = None if not line.strip() else _unreadable(line)
+                if unread is None:
+                    yield line
+                else:
+                    await self._answer_unreadable(line, unread)
                 continue
             # the members of the message itself, each name as often as given (an object becomes a tuple of its
             # pairs; a batch stays a list, which the SDK does not take anyway)
@@ -299,9 +305,19 @@ class _CheckedLines(anyio.AsyncFile[str]):
                 continue
             await self._refuse(members, problem)
 
-    async def _refuse(self, members: Any, problem: str) -> None:
+    async def _answer_unreadable(self, line: str, error: str) -> None:
+        """Answer a line the SDK cannot read, which it would drop unanswered (its caller waiting for ever)."""
+        try:
+            members = json.loads(line, object_pairs_hook=tuple)
+        except (ValueError, RecursionError) as exc:
+            log.warning("mcp.message_not_json", error=str(exc)[:200])
+            await self._send(None, PARSE_ERROR, f"the line is not JSON ({exc})")
+            return
+        await self._refuse(members, f"the message cannot be read: {error}", event="mcp.message_unreadable")
+
+    async def _refuse(self, members: Any, problem: str, *, event: str = "mcp.message_ambiguous") -> None:
         names = [name for name, _ in members] if isinstance(members, tuple) else []
-        log.warning("mcp.message_ambiguous", problem=problem[:200])
+        log.warning(event, problem=problem[:200])
         if "method" not in names or "id" not in names:
             return  # a notification (or a response): JSON-RPC answers neither; said in the log, never forwarded
         ids = [value for name, value in members if name == "id"]
@@ -314,6 +330,19 @@ class _CheckedLines(anyio.AsyncFile[str]):
     async def _send(self, request_id: str | int | None, code: int, message: str) -> None:
         refused = JSONRPCError(jsonrpc="2.0", id=request_id, error=ErrorData(code=code, message=message))
         await self.answers.send(SessionMessage(refused))
+
+
+def _unreadable(line: str) -> str | None:
+    """Why the SDK's reader cannot read ``line`` (as it reads it), or None."""
+    try:
+        jsonrpc_message_adapter.validate_json(line, by_name=False)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        # the first reason only, without the values (they are the caller's data, and may be huge)
+        first = errors[0] if errors else {"msg": str(exc)}
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        return f"{first['msg']}" + (f" (at {where})" if where else "")
+    return None
 
 
 async def _poll(client: Any, found: dict[str, Any]) -> dict[str, Any]:
