@@ -201,3 +201,30 @@ async def test_attack_a_line_the_sdk_cannot_read_is_answered_not_left_waiting(tm
             assert found["error"]["message"].startswith("the line is not JSON"), found
         assert [tool["name"] for tool in answered[4]["result"]["tools"]] == ["request_approval"]
         assert await door.app.service.store.requests(limit=5) == []
+
+
+async def test_attack_arguments_json_cannot_carry_are_refused_with_a_reason(tmp_path: Path) -> None:
+    """NaN, an infinity (both read by the SDK) and a lone surrogate (in arguments sent as a text of JSON, which
+    the SDK reads with Python's parser) could not be sent on to Kazma: the call failed as "Error executing tool
+    request_approval", with a traceback on stderr and no reason. /mcp refuses them saying what and where; so does
+    this door now, before anything is sent."""
+    call = '{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"request_approval","arguments":%s}}'
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        await client.initialise()
+        client.send(call % (2, '{"tool":"deploy","arguments":{"replicas":NaN}}'))
+        client.send(call % (3, '{"tool":"deploy","arguments":{"cap":[1e999]}}'))
+        as_text = json.dumps({"tool": "deploy", "arguments": '{"env":"\\ud800"}'})  # the text holds the escape
+        client.send(call % (4, as_text))
+        answered = {}
+        for _ in range(3):
+            found = await client.receive()
+            answered[found["id"]] = found["result"]
+        for request_id, why in (
+            (2, "body.arguments.replicas is nan, not a finite number"),
+            (3, "body.arguments.cap[0] is inf, not a finite number"),
+            (4, "body.arguments.env holds a lone surrogate (\\ud800)"),
+        ):
+            result = answered[request_id]
+            assert result["isError"] is True, result
+            assert f": refused: {why}" in result["content"][0]["text"], result
+        assert await door.app.service.store.requests(limit=5) == []

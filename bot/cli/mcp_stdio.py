@@ -57,7 +57,7 @@ from mcp_types import (
 from pydantic import ValidationError
 
 from kazma.approvals.withdrawal import Gone
-from kazma.bot.console.api import ambiguity
+from kazma.bot.console.api import ambiguity, unrepresentable
 from kazma.bot.console.mcp_door import READ_FROM_TEXT
 from kazma.bot.console.mcp_tool import Ask, Asked, answer, build_server
 
@@ -118,6 +118,11 @@ def asker(base_url: str, token: str, *, wire: int, interrupted: asyncio.Event, a
         assert current is not None
         asking.add(current)
         try:
+            # What JSON cannot carry (NaN, an infinity, a lone surrogate: the SDK reads them) cannot be sent on:
+            # refused as Kazma refuses it, saying what and where, not as the tool failing with a traceback.
+            problem = unrepresentable(asked.body())
+            if problem is not None:
+                raise ToolError(f"refused: {problem}; send it as JSON can carry it")
             async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=90, trust_env=False) as client:
                 # Kazma-Wait: this process waits and keeps asking; Kazma withdraws the request if it stops.
                 opened = await client.post("/api/v1/approvals", json=asked.body(), headers={"Kazma-Wait": "sync"})
