@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import mcp
 
 from kazma.bot.cli.mcp_stdio import asker, serve_checked, wire_server
 from kazma.bot.console.mcp_tool import Asked, build_server
-from tests.api_support import REQUESTER_TOKEN, Door, kazma_door
+from tests.api_support import REPO, REQUESTER_TOKEN, Door, kazma_door
 
 WITHIN = 30
 
@@ -228,3 +229,44 @@ async def test_attack_arguments_json_cannot_carry_are_refused_with_a_reason(tmp_
             assert result["isError"] is True, result
             assert f": refused: {why}" in result["content"][0]["text"], result
         assert await door.app.service.store.requests(limit=5) == []
+
+
+async def test_attack_a_line_not_utf8_is_refused_not_put_on_a_card_with_its_bytes_replaced(tmp_path: Path) -> None:
+    """`kazma mcp serve` read stdin replacing bytes that are not UTF-8 (as the SDK's own reader does): a client
+    writing Latin-1 sent ``caf\\xe9`` and Kazma opened a request for ``caf\\ufffd``, a call nobody sent, its hash
+    another than the client's. Such a line is refused now, with the request's id, and nothing is opened. And a
+    refused line whose id is a lone surrogate (``"\\ud800"``) was answered with that id, which the SDK's writer
+    cannot encode: the door crashed (exit 1), every call open on it with it; it is answered with id null."""
+    call = (
+        b'{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"request_approval",'
+        b'"arguments":{"tool":"deploy","arguments":{"path":"/srv/caf\xe9"}}}}\n'
+    )
+    initialise = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+    async with kazma_door(tmp_path) as door:
+        env = {"PYTHONPATH": str(REPO), "KAZMA_API_TOKEN": REQUESTER_TOKEN, "PATH": os.environ.get("PATH", "")}
+        serve = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kazma.bot.cli", "mcp", "serve", "--url", door.url,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env={**env, "NO_PROXY": "127.0.0.1"},
+        )  # fmt: skip
+        assert serve.stdin is not None
+        assert serve.stdout is not None
+        try:
+            first = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": initialise}
+            serve.stdin.write(json.dumps(first).encode() + b"\n")
+            serve.stdin.write(b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n' + call)
+            serve.stdin.write(b'{"jsonrpc":"2.0","id":"\\ud800","method":"tools/list","params":{"a":1,"a":2}}\n')
+            serve.stdin.write(b'{"jsonrpc":"2.0","id":3,"method":"tools/list"}\n')
+            await serve.stdin.drain()
+            with anyio.fail_after(WITHIN):
+                answered = [json.loads(await serve.stdout.readline()) for _ in range(4)]
+            assert [found["id"] for found in answered] == [1, 2, None, 3], answered
+            assert answered[1]["error"] == {
+                "code": -32600,
+                "message": "the message cannot be read: the line is not UTF-8 (byte 0xe9 at character 140); send UTF-8",
+            }
+            assert "is named twice in one object" in answered[2]["error"]["message"], answered[2]
+            assert await door.app.service.store.requests(limit=5) == []
+        finally:
+            serve.stdin.close()
+            with anyio.fail_after(WITHIN):
+                await serve.wait()

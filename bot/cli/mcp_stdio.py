@@ -16,6 +16,7 @@ import fcntl
 import io
 import json
 import os
+import re
 import select
 import signal
 import sys
@@ -154,7 +155,7 @@ def _client_lines() -> anyio.AsyncFile[str]:
     try:
         private = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)
     except OSError:
-        return anyio.wrap_file(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace"))
+        return anyio.wrap_file(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="surrogateescape"))
     try:
         null = os.open(os.devnull, os.O_RDONLY)
         try:
@@ -165,7 +166,7 @@ def _client_lines() -> anyio.AsyncFile[str]:
         pass  # the diversion failed: the client is still read from the copy, as the SDK would
     # closefd=False: the SDK's reader thread may still block on it as the process leaves
     return anyio.wrap_file(
-        io.TextIOWrapper(os.fdopen(private, "rb", closefd=False), encoding="utf-8", errors="replace")
+        io.TextIOWrapper(os.fdopen(private, "rb", closefd=False), encoding="utf-8", errors="surrogateescape")
     )
 
 
@@ -290,6 +291,15 @@ class _CheckedLines(anyio.AsyncFile[str]):
 
     async def __aiter__(self) -> AsyncIterator[str]:
         async for line in self._lines:
+            # Bytes that are not UTF-8 are kept (surrogateescape) to be refused here: replaced, as the SDK reads
+            # them, a Latin-1 "café" went on the card as "caf\ufffd", a call the client never sent.
+            not_utf8 = _NOT_UTF8.search(line)
+            if not_utf8 is not None:
+                byte = ord(not_utf8.group()) - 0xDC00
+                await self._answer_unreadable(
+                    line, f"the line is not UTF-8 (byte 0x{byte:02x} at character {not_utf8.start()}); send UTF-8"
+                )
+                continue
             problem = ambiguity(line.encode("utf-8", "surrogatepass"), read_from_text=READ_FROM_TEXT)
             if problem is None:
                 unread = None if not line.strip() else _unreadable(line)
@@ -330,6 +340,8 @@ class _CheckedLines(anyio.AsyncFile[str]):
         request_id = (
             ids[0] if len(ids) == 1 and isinstance(ids[0], (str, int)) and not isinstance(ids[0], bool) else None
         )
+        if isinstance(request_id, str) and _SURROGATE.search(request_id):
+            request_id = None  # an id that is not Unicode text cannot be written back
         await self._send(request_id, INVALID_REQUEST, problem)
 
     async def _send(self, request_id: str | int | None, code: int, message: str) -> None:
@@ -348,6 +360,10 @@ def _unreadable(line: str) -> str | None:
         where = ".".join(str(part) for part in first.get("loc", ()))
         return f"{first['msg']}" + (f" (at {where})" if where else "")
     return None
+
+
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as surrogateescape keeps it
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 async def _poll(client: Any, found: dict[str, Any]) -> dict[str, Any]:
