@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -12,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import mcp
 
-from kazma.bot.cli.mcp_stdio import asker, serve_checked
-from kazma.bot.console.mcp_tool import build_server
-from tests.api_support import REQUESTER_TOKEN, Door, kazma_door
+from kazma.bot.cli.mcp_stdio import asker, serve_checked, wire_server
+from kazma.bot.console.mcp_tool import Asked, build_server
+from tests.api_support import REPO, REQUESTER_TOKEN, Door, kazma_door
 
 WITHIN = 30
 
@@ -130,3 +132,141 @@ async def test_attack_a_line_naming_a_member_twice_then_not_json_is_refused_and_
         listed = await client.receive()
         assert listed["id"] == 6, listed
         assert [tool["name"] for tool in listed["result"]["tools"]] == ["request_approval"]
+
+
+async def test_the_stdio_door_serves_the_tool_as_the_sdk_s_own_server_does() -> None:
+    """The stdio door runs its own low-level server (:func:`wire_server`) on the checked lines, built from
+    MCPServer's public calls: it used to run MCPServer's private ``_lowlevel_server``, which an SDK upgrade could
+    rename and so end the door. What it rebuilds is held to what MCPServer answers itself, message for message, so
+    an upgrade that changes what MCPServer adds (its handshake, listings, how a tool's failure is answered) shows
+    here rather than as a door that quietly answers otherwise than /mcp."""
+
+    async def ask(asked: Asked) -> dict[str, Any]:
+        if asked.tool == "crash":
+            raise RuntimeError("the asker failed")
+        return {"outcome": "approved", "asked": [asked.tool, asked.arguments, asked.reason, asked.deadline]}
+
+    async def seen(server: Any) -> list[Any]:
+        async with mcp.Client(server, mode="legacy") as client:
+            found: list[Any] = [client.server_info, client.server_capabilities, client.instructions]
+            found.append(await client.list_tools())
+            for name, arguments in (
+                ("request_approval", {"tool": "deploy", "arguments": {"env": "prod"}, "deadline_seconds": 60}),
+                ("request_approval", {"tool": "deploy"}),  # arguments missing
+                ("request_approval", {"tool": "crash", "arguments": {}}),
+                ("no_such_tool", {}),
+            ):
+                found.append(await client.call_tool(name, arguments))
+            found += [
+                await client.list_resources(),
+                await client.list_resource_templates(),
+                await client.list_prompts(),
+            ]
+            for read in (client.read_resource("file:///nothing"), client.get_prompt("nothing")):
+                try:
+                    found.append(await read)
+                except mcp.MCPError as exc:
+                    found.append((exc.error.code, exc.error.message))
+        return found
+
+    sdk_s = await seen(build_server(ask))
+    door_s = await seen(wire_server(build_server(ask)))
+    assert door_s == sdk_s
+    decided = door_s[4]
+    assert decided.structured_content == {"outcome": "approved", "asked": ["deploy", {"env": "prod"}, "", 60]}
+    assert [result.is_error for result in door_s[5:8]] == [True, True, True], door_s[5:8]
+
+
+async def test_attack_a_line_the_sdk_cannot_read_is_answered_not_left_waiting(tmp_path: Path) -> None:
+    """The SDK's stdio reader drops a line it cannot read, saying so only in a debug log: a request in it was
+    never answered, and its caller waited for ever (a lone surrogate escape, arrays nested past the SDK's parser's
+    limit: each JSON that Python reads, or a line that is no JSON at all). Each is
+    answered now: a request whose id can be read, with an error for that id; any other line, as not JSON."""
+    call = '{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"request_approval","arguments":%s}}'
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        await client.initialise()
+        client.send(call % (2, '{"tool":"deploy","arguments":{"env":"\\ud800"}}'))
+        client.send(call % (3, '{"tool":"deploy","arguments":{"env":%s}}' % ("[" * 300 + "]" * 300)))
+        client.send('{"jsonrpc":"2.0","id":5,"method":"tools/list"')  # cut short
+        client.send("hello")
+        client.send('{"jsonrpc":"2.0","method":"notifications/progress","params":{"a":"\\udc00"}}')  # not answered
+        client.send('{"jsonrpc":"2.0","id":6,"method":"tools/list"}')
+        answered = [await client.receive() for _ in range(5)]
+        assert [found["id"] for found in answered] == [2, 3, None, None, 6], answered
+        for found, why in zip(answered[:2], ("hex escape", "recursion limit"), strict=True):
+            assert found["error"]["code"] == -32600, found
+            assert found["error"]["message"].startswith("the message cannot be read: "), found
+            assert why in found["error"]["message"], found
+        for found in answered[2:4]:
+            assert found["error"]["code"] == -32700, found
+            assert found["error"]["message"].startswith("the line is not JSON"), found
+        assert [tool["name"] for tool in answered[4]["result"]["tools"]] == ["request_approval"]
+        assert await door.app.service.store.requests(limit=5) == []
+
+
+async def test_attack_arguments_json_cannot_carry_are_refused_with_a_reason(tmp_path: Path) -> None:
+    """NaN, an infinity (both read by the SDK) and a lone surrogate (in arguments sent as a text of JSON, which
+    the SDK reads with Python's parser) could not be sent on to Kazma: the call failed as "Error executing tool
+    request_approval", with a traceback on stderr and no reason. /mcp refuses them saying what and where; so does
+    this door now, before anything is sent."""
+    call = '{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"request_approval","arguments":%s}}'
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        await client.initialise()
+        client.send(call % (2, '{"tool":"deploy","arguments":{"replicas":NaN}}'))
+        client.send(call % (3, '{"tool":"deploy","arguments":{"cap":[1e999]}}'))
+        as_text = json.dumps({"tool": "deploy", "arguments": '{"env":"\\ud800"}'})  # the text holds the escape
+        client.send(call % (4, as_text))
+        answered = {}
+        for _ in range(3):
+            found = await client.receive()
+            answered[found["id"]] = found["result"]
+        for request_id, why in (
+            (2, "body.arguments.replicas is nan, not a finite number"),
+            (3, "body.arguments.cap[0] is inf, not a finite number"),
+            (4, "body.arguments.env holds a lone surrogate (\\ud800)"),
+        ):
+            result = answered[request_id]
+            assert result["isError"] is True, result
+            assert f": refused: {why}" in result["content"][0]["text"], result
+        assert await door.app.service.store.requests(limit=5) == []
+
+
+async def test_attack_a_line_not_utf8_is_refused_not_put_on_a_card_with_its_bytes_replaced(tmp_path: Path) -> None:
+    """`kazma mcp serve` read stdin replacing bytes that are not UTF-8 (as the SDK's own reader does): a client
+    writing Latin-1 sent ``caf\\xe9`` and Kazma opened a request for ``caf\\ufffd``, a call nobody sent, its hash
+    another than the client's. Such a line is refused now, with the request's id, and nothing is opened. And a
+    refused line whose id is a lone surrogate (``"\\ud800"``) was answered with that id, which the SDK's writer
+    cannot encode: the door crashed (exit 1), every call open on it with it; it is answered with id null."""
+    call = (
+        b'{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"request_approval",'
+        b'"arguments":{"tool":"deploy","arguments":{"path":"/srv/caf\xe9"}}}}\n'
+    )
+    initialise = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+    async with kazma_door(tmp_path) as door:
+        env = {"PYTHONPATH": str(REPO), "KAZMA_API_TOKEN": REQUESTER_TOKEN, "PATH": os.environ.get("PATH", "")}
+        serve = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kazma.bot.cli", "mcp", "serve", "--url", door.url,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env={**env, "NO_PROXY": "127.0.0.1"},
+        )  # fmt: skip
+        assert serve.stdin is not None
+        assert serve.stdout is not None
+        try:
+            first = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": initialise}
+            serve.stdin.write(json.dumps(first).encode() + b"\n")
+            serve.stdin.write(b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n' + call)
+            serve.stdin.write(b'{"jsonrpc":"2.0","id":"\\ud800","method":"tools/list","params":{"a":1,"a":2}}\n')
+            serve.stdin.write(b'{"jsonrpc":"2.0","id":3,"method":"tools/list"}\n')
+            await serve.stdin.drain()
+            with anyio.fail_after(WITHIN):
+                answered = [json.loads(await serve.stdout.readline()) for _ in range(4)]
+            assert [found["id"] for found in answered] == [1, 2, None, 3], answered
+            assert answered[1]["error"] == {
+                "code": -32600,
+                "message": "the message cannot be read: the line is not UTF-8 (byte 0xe9 at character 140); send UTF-8",
+            }
+            assert "is named twice in one object" in answered[2]["error"]["message"], answered[2]
+            assert await door.app.service.store.requests(limit=5) == []
+        finally:
+            serve.stdin.close()
+            with anyio.fail_after(WITHIN):
+                await serve.wait()

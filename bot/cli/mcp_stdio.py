@@ -11,10 +11,12 @@ when this process stops asking (killed outright).
 from __future__ import annotations
 
 import asyncio
+import base64
 import fcntl
 import io
 import json
 import os
+import re
 import select
 import signal
 import sys
@@ -23,14 +25,40 @@ from typing import Any
 
 import anyio
 import structlog
-from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server import Server, ServerRequestContext
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ResourceError, ResourceNotFoundError, ToolError, UnexpectedToolError
 from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
-from mcp_types import INVALID_REQUEST, PARSE_ERROR, ErrorData, JSONRPCError
+from mcp_types import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    PARSE_ERROR,
+    BlobResourceContents,
+    CallToolRequestParams,
+    CallToolResult,
+    ErrorData,
+    GetPromptRequestParams,
+    GetPromptResult,
+    InputRequiredResult,
+    JSONRPCError,
+    ListPromptsResult,
+    ListResourcesResult,
+    ListResourceTemplatesResult,
+    ListToolsResult,
+    PaginatedRequestParams,
+    ReadResourceRequestParams,
+    ReadResourceResult,
+    TextContent,
+    TextResourceContents,
+    jsonrpc_message_adapter,
+)
+from pydantic import ValidationError
 
 from kazma.approvals.withdrawal import Gone
-from kazma.bot.console.api import ambiguity
+from kazma.bot.console.api import ambiguity, unrepresentable
 from kazma.bot.console.mcp_door import READ_FROM_TEXT
 from kazma.bot.console.mcp_tool import Ask, Asked, answer, build_server
 
@@ -91,6 +119,11 @@ def asker(base_url: str, token: str, *, wire: int, interrupted: asyncio.Event, a
         assert current is not None
         asking.add(current)
         try:
+            # What JSON cannot carry (NaN, an infinity, a lone surrogate: the SDK reads them) cannot be sent on:
+            # refused as Kazma refuses it, saying what and where, not as the tool failing with a traceback.
+            problem = unrepresentable(asked.body())
+            if problem is not None:
+                raise ToolError(f"refused: {problem}; send it as JSON can carry it")
             async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=90, trust_env=False) as client:
                 # Kazma-Wait: this process waits and keeps asking; Kazma withdraws the request if it stops.
                 opened = await client.post("/api/v1/approvals", json=asked.body(), headers={"Kazma-Wait": "sync"})
@@ -122,7 +155,7 @@ def _client_lines() -> anyio.AsyncFile[str]:
     try:
         private = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)
     except OSError:
-        return anyio.wrap_file(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace"))
+        return anyio.wrap_file(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="surrogateescape"))
     try:
         null = os.open(os.devnull, os.O_RDONLY)
         try:
@@ -133,7 +166,7 @@ def _client_lines() -> anyio.AsyncFile[str]:
         pass  # the diversion failed: the client is still read from the copy, as the SDK would
     # closefd=False: the SDK's reader thread may still block on it as the process leaves
     return anyio.wrap_file(
-        io.TextIOWrapper(os.fdopen(private, "rb", closefd=False), encoding="utf-8", errors="replace")
+        io.TextIOWrapper(os.fdopen(private, "rb", closefd=False), encoding="utf-8", errors="surrogateescape")
     )
 
 
@@ -151,9 +184,101 @@ async def serve_checked(
         # set before the SDK's reader task first runs (nothing awaited since it was started): no line is refused
         # before there is somewhere to answer it
         checked.answers = write_stream
-        # MCPServer.run_stdio_async opens stdio_server() itself, with no way to hand it the checked lines.
-        lowlevel = server._lowlevel_server
+        lowlevel = wire_server(server)
         await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
+
+
+def wire_server(server: MCPServer[Any]) -> Server[Any]:
+    """A low-level server serving ``server``'s tools through its public API, to run on streams of our own.
+
+    MCPServer.run_stdio_async opens stdio_server() itself, with no way to hand it the checked lines, and the
+    low-level server it runs on is private to it (``_lowlevel_server``; the SDK's own in-memory client reaches
+    in for it, marked as a TODO to make public): an SDK upgrade could rename it and end this door. What it
+    adds is rebuilt here from public calls: its name, version and instructions, its middleware chain (the same
+    list), its listings, and a tool call answered as its own handler answers one (a ToolError, or any failure of
+    the tool, is a result with ``isError``; an MCPError stays a JSON-RPC error)."""
+
+    async def list_tools(ctx: ServerRequestContext[Any], params: PaginatedRequestParams | None) -> ListToolsResult:
+        return ListToolsResult(tools=await server.list_tools())
+
+    async def call_tool(
+        ctx: ServerRequestContext[Any], params: CallToolRequestParams
+    ) -> CallToolResult | InputRequiredResult:
+        context: Context[Any, Any] = Context(request_context=ctx, mcp_server=server, input_params=params)
+        try:
+            return await server.call_tool(params.name, params.arguments or {}, context)
+        except MCPError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, ToolError) and not isinstance(exc, UnexpectedToolError):
+                # the message only: rejected argument values are the caller's data
+                log.info("mcp.tool_refused", tool=params.name, error=str(exc)[:200])
+            else:
+                log.exception("mcp.tool_failed", tool=params.name)
+            return CallToolResult(content=[TextContent(type="text", text=str(exc))], is_error=True)
+
+    async def list_resources(
+        ctx: ServerRequestContext[Any], params: PaginatedRequestParams | None
+    ) -> ListResourcesResult:
+        return ListResourcesResult(resources=await server.list_resources())
+
+    async def list_templates(
+        ctx: ServerRequestContext[Any], params: PaginatedRequestParams | None
+    ) -> ListResourceTemplatesResult:
+        return ListResourceTemplatesResult(resource_templates=await server.list_resource_templates())
+
+    async def read_resource(
+        ctx: ServerRequestContext[Any], params: ReadResourceRequestParams
+    ) -> ReadResourceResult | InputRequiredResult:
+        context: Context[Any, Any] = Context(request_context=ctx, mcp_server=server, input_params=params)
+        try:
+            read = await server.read_resource(params.uri, context)
+        except ResourceError as exc:
+            code = INVALID_PARAMS if isinstance(exc, ResourceNotFoundError) else INTERNAL_ERROR
+            raise MCPError(code=code, message=str(exc), data={"uri": str(params.uri)}) from exc
+        if isinstance(read, InputRequiredResult):
+            return read
+        contents: list[TextResourceContents | BlobResourceContents] = []
+        for item in read:
+            if isinstance(item.content, bytes):
+                blob = base64.b64encode(item.content).decode()
+                mime = item.mime_type or "application/octet-stream"
+                contents.append(BlobResourceContents(uri=params.uri, blob=blob, mime_type=mime, _meta=item.meta))
+            else:
+                mime = item.mime_type or "text/plain"
+                contents.append(
+                    TextResourceContents(uri=params.uri, text=item.content, mime_type=mime, _meta=item.meta)
+                )
+        return ReadResourceResult(contents=contents)
+
+    async def list_prompts(ctx: ServerRequestContext[Any], params: PaginatedRequestParams | None) -> ListPromptsResult:
+        return ListPromptsResult(prompts=await server.list_prompts())
+
+    async def get_prompt(
+        ctx: ServerRequestContext[Any], params: GetPromptRequestParams
+    ) -> GetPromptResult | InputRequiredResult:
+        context: Context[Any, Any] = Context(request_context=ctx, mcp_server=server, input_params=params)
+        return await server.get_prompt(params.name, params.arguments, context)
+
+    lowlevel: Server[Any] = Server(
+        server.name,
+        version=server.version,
+        title=server.title,
+        description=server.description,
+        instructions=server.instructions,
+        website_url=server.website_url,
+        icons=server.icons,
+        on_list_tools=list_tools,
+        on_call_tool=call_tool,
+        on_list_resources=list_resources,
+        on_list_resource_templates=list_templates,
+        on_read_resource=read_resource,
+        on_list_prompts=list_prompts,
+        on_get_prompt=get_prompt,
+    )
+    # the same chain as MCPServer's (its request-state seal first), so a message meets what it meets on /mcp
+    lowlevel.middleware.extend(server.middleware)
+    return lowlevel
 
 
 class _CheckedLines(anyio.AsyncFile[str]):
@@ -166,9 +291,22 @@ class _CheckedLines(anyio.AsyncFile[str]):
 
     async def __aiter__(self) -> AsyncIterator[str]:
         async for line in self._lines:
+            # Bytes that are not UTF-8 are kept (surrogateescape) to be refused here: replaced, as the SDK reads
+            # them, a Latin-1 "café" went on the card as "caf\ufffd", a call the client never sent.
+            not_utf8 = _NOT_UTF8.search(line)
+            if not_utf8 is not None:
+                byte = ord(not_utf8.group()) - 0xDC00
+                await self._answer_unreadable(
+                    line, f"the line is not UTF-8 (byte 0x{byte:02x} at character {not_utf8.start()}); send UTF-8"
+                )
+                continue
             problem = ambiguity(line.encode("utf-8", "surrogatepass"), read_from_text=READ_FROM_TEXT)
             if problem is None:
-                yield line
+                unread = None if not line.strip() else _unreadable(line)
+                if unread is None:
+                    yield line
+                else:
+                    await self._answer_unreadable(line, unread)
                 continue
             # the members of the message itself, each name as often as given (an object becomes a tuple of its
             # pairs; a batch stays a list, which the SDK does not take anyway)
@@ -182,9 +320,19 @@ class _CheckedLines(anyio.AsyncFile[str]):
                 continue
             await self._refuse(members, problem)
 
-    async def _refuse(self, members: Any, problem: str) -> None:
+    async def _answer_unreadable(self, line: str, error: str) -> None:
+        """Answer a line the SDK cannot read, which it would drop unanswered (its caller waiting for ever)."""
+        try:
+            members = json.loads(line, object_pairs_hook=tuple)
+        except (ValueError, RecursionError) as exc:
+            log.warning("mcp.message_not_json", error=str(exc)[:200])
+            await self._send(None, PARSE_ERROR, f"the line is not JSON ({exc})")
+            return
+        await self._refuse(members, f"the message cannot be read: {error}", event="mcp.message_unreadable")
+
+    async def _refuse(self, members: Any, problem: str, *, event: str = "mcp.message_ambiguous") -> None:
         names = [name for name, _ in members] if isinstance(members, tuple) else []
-        log.warning("mcp.message_ambiguous", problem=problem[:200])
+        log.warning(event, problem=problem[:200])
         if "method" not in names or "id" not in names:
             return  # a notification (or a response): JSON-RPC answers neither; said in the log, never forwarded
         ids = [value for name, value in members if name == "id"]
@@ -192,11 +340,30 @@ class _CheckedLines(anyio.AsyncFile[str]):
         request_id = (
             ids[0] if len(ids) == 1 and isinstance(ids[0], (str, int)) and not isinstance(ids[0], bool) else None
         )
+        if isinstance(request_id, str) and _SURROGATE.search(request_id):
+            request_id = None  # an id that is not Unicode text cannot be written back
         await self._send(request_id, INVALID_REQUEST, problem)
 
     async def _send(self, request_id: str | int | None, code: int, message: str) -> None:
         refused = JSONRPCError(jsonrpc="2.0", id=request_id, error=ErrorData(code=code, message=message))
         await self.answers.send(SessionMessage(refused))
+
+
+def _unreadable(line: str) -> str | None:
+    """Why the SDK's reader cannot read ``line`` (as it reads it), or None."""
+    try:
+        jsonrpc_message_adapter.validate_json(line, by_name=False)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        # the first reason only, without the values (they are the caller's data, and may be huge)
+        first = errors[0] if errors else {"msg": str(exc)}
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        return f"{first['msg']}" + (f" (at {where})" if where else "")
+    return None
+
+
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as surrogateescape keeps it
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 async def _poll(client: Any, found: dict[str, Any]) -> dict[str, Any]:

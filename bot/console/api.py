@@ -538,7 +538,7 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _unrepresentable(body: dict[str, Any]) -> str | None:
+def unrepresentable(body: dict[str, Any]) -> str | None:
     """What in ``body`` JSON cannot carry faithfully (a lone surrogate, a non-finite number), or None. Walked
     without recursion: the depth is checked separately."""
     stack: list[tuple[Any, str]] = [(body, "body")]
@@ -575,7 +575,7 @@ def _validated(
     # What JSON cannot carry first (a lone surrogate reads as a bad tool name otherwise), then the model.
     from kazma.bot.console.api_models import BodyRefused, new_approval
 
-    problem = _unrepresentable(body)
+    problem = unrepresentable(body)
     if problem is not None:
         raise _error(web.HTTPBadRequest, f"{problem}; send it as JSON can carry it")
     try:
