@@ -19,6 +19,7 @@ from kazma.approvals.service import CardLocation
 from kazma.bot.store import all_migrations
 from kazma.config import load_config_text
 from kazma.config.keyring import Keyring
+from kazma.config.metrics import failure_count
 from kazma.config.store.database import open_database
 from tests.approvals_support import TEST_KEYRING, ManualClock, RecordingPublisher
 
@@ -247,3 +248,16 @@ async def test_a_rule_whose_approval_cannot_be_read_gets_the_call_a_card_and_is_
         refused = await service.store.events(rule.request_id, event="rule_refused")
         assert refused
         assert (refused[0].detail or "").startswith(f"{rule.id}: its approval {rule.request_id} cannot be read")
+
+
+async def test_a_rule_that_cannot_be_read_gets_the_call_a_card(tmp_path: Path) -> None:
+    """Before: the store's error on reading the rules came out of SafetyPolicy.check, ending the agent's turn
+    on it (the call neither asked nor refused with a reason), where opening a request fails into a verdict."""
+    async with a_store(tmp_path) as store:
+        await store.remember()
+        service = store.service()
+        # A read of the rules that fails as a store's does (the table gone stands for a store refusing the read).
+        await store.write("ALTER TABLE approval_rules RENAME TO approval_rules_away")
+        before = failure_count("approval_rule_read")
+        assert not await _checked_without_a_card(service)
+        assert failure_count("approval_rule_read") == before + 1
