@@ -18,7 +18,7 @@ from kazma.approvals.rules import Rule, RuleState, RuleStore, rule_states
 from kazma.approvals.service import CardLocation
 from kazma.bot.store import all_migrations
 from kazma.config import load_config_text
-from kazma.config.keyring import Keyring
+from kazma.config.keyring import DECISION_KEYS, Keyring
 from kazma.config.metrics import failure_count
 from kazma.config.store.database import open_database
 from tests.approvals_support import TEST_KEYRING, ManualClock, RecordingPublisher
@@ -261,3 +261,26 @@ async def test_a_rule_that_cannot_be_read_gets_the_call_a_card(tmp_path: Path) -
         before = failure_count("approval_rule_read")
         assert not await _checked_without_a_card(service)
         assert failure_count("approval_rule_read") == before + 1
+
+
+async def test_on_another_replica_a_rule_reads_the_same_and_one_sealed_with_a_key_not_held_is_refused(
+    tmp_path: Path,
+) -> None:
+    async with a_store(tmp_path) as store:
+        rule = await store.remember()
+        # Another replica: its own connection to the same store, its clock a little behind the maker's.
+        conn = await open_database(tmp_path / "kazma.db", busy_timeout_ms=5000, migrations=all_migrations())
+        try:
+            other = Store(conn, ManualClock(store.clock() - 5))
+            states, used = await _both_readings(other.service())
+            assert states[rule.id].stands
+            assert used is not None
+            assert used.id == rule.id
+            # One given other decision keys (the maker's retired there): the rule is refused, and lets nothing run.
+            elsewhere = Keyring.of(DECISION_KEYS, ("k2", "another-decision-key-" + "0" * 32))
+            states, used = await _both_readings(other.service(keyring=elsewhere))
+            assert states[rule.id].name == "refused"
+            assert states[rule.id].site == "approval_key_unknown"
+            assert used is None
+        finally:
+            await conn.close()
