@@ -71,10 +71,16 @@ class SafetyPolicy:
         rememberable = chosen is not None and chosen.single and not skip_rules
         rule = None
         if rememberable:
-            rule = await self.service.remembered(
-                tool, args, conversation, started_by=started_by, defined_since=defined_since,
-                definition_hash=definition_hash,
-            )  # fmt: skip
+            try:
+                rule = await self.service.remembered(
+                    tool, args, conversation, started_by=started_by, defined_since=defined_since,
+                    definition_hash=definition_hash,
+                )  # fmt: skip
+            except store_errors() as exc:
+                # The rules could not be read: the call is asked on a card (the safe side; an error here ended the
+                # agent's turn on it). A rule that would have let it run is lost for this call: counted.
+                count_failure("approval_rule_read")
+                log.warning("approvals.rules_unread", tool=tool, requested_by=requested_by, error=str(exc))
         if rule is not None:
             return PolicyVerdict(
                 True,

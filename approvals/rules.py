@@ -21,10 +21,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final
 
-from kazma.approvals.seal import RuleFields, SealProblem, rule_seal_problem, seal_rule
+from kazma.approvals.approval_checks import approval_problem, decided_on_record
+from kazma.approvals.model import ApprovalRequest
+from kazma.approvals.seal import FORGED, KEY_UNKNOWN, RuleFields, SealProblem, rule_seal_problem, seal_rule
 from kazma.approvals.store import UnreadableRequest
 from kazma.config.address import Address, AddressError
 from kazma.config.keyring import Keyring
+from kazma.config.limits import MAX_REMEMBER_SECONDS
 from kazma.config.store.backend import StoreConnection, Tx, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
@@ -91,6 +94,10 @@ PG_MIGRATIONS: Final = [
     ),
     PgMigration("approval_rules", 3, ("ALTER TABLE approval_rules ADD COLUMN definition_hash text",)),
 ]
+# How long after the press that approved a request its rule may have been made (the rule is written right after the
+# decision's commit; generous for a slow store and replicas' clocks) and the most any rule lasts after it.
+RULE_MADE_WITHIN: Final = 300.0
+LONGEST_RULE: Final = MAX_REMEMBER_SECONDS + RULE_MADE_WITHIN
 # The requesters whose calls consult a remembered approval before asking: agents' tool calls (the safety
 # policy). Nothing else does (the approvals API and ``/mcp`` always ask; a checkpoint is never the same call).
 CONSULTING_REQUESTERS: Final = ("agent:",)
@@ -250,16 +257,24 @@ class RuleStore:
     async def match(
         self, tool: str, args_hash: str, conversation: str, definition_hash: str | None = None
     ) -> Rule | None:
-        """The active rule for exactly this call in exactly this conversation, or None: one made for the tool's
-        definition ``definition_hash`` first (a rule for another definition, made later, must not hide it), else
-        the one that lasts longest."""
-        row = await self.tables.one(
+        """The first of :meth:`candidates`, or None."""
+        found = await self.candidates(tool, args_hash, conversation, definition_hash)
+        return found[0] if found else None
+
+    async def candidates(
+        self, tool: str, args_hash: str, conversation: str, definition_hash: str | None = None, *, limit: int = 20
+    ) -> list[Rule]:
+        """The rules in force for exactly this call in exactly this conversation, in the order a call weighs them:
+        those made for the tool's definition ``definition_hash`` first (a rule for another definition, made later,
+        must not hide one), then the longest lasting. Every one is weighed, not the first alone: one that no
+        longer stands (its maker no longer an approver, a row refused) must not hide one that does."""
+        rows = await self.tables.all(
             f"SELECT {_COLUMNS} FROM approval_rules WHERE tool = ? AND args_hash = ? AND conversation = ?"  # noqa: S608
             " AND revoked_at IS NULL AND expires_at > ?"
-            " ORDER BY CASE WHEN definition_hash = ? THEN 0 ELSE 1 END, expires_at DESC LIMIT 1",
+            f" ORDER BY CASE WHEN definition_hash = ? THEN 0 ELSE 1 END, expires_at DESC LIMIT {int(limit)}",
             (tool, args_hash, conversation, self._now(), definition_hash),
         )
-        return None if row is None else _rule(tuple(row))
+        return [_rule(tuple(row)) for row in rows]
 
     async def in_force(self, rule_id: str) -> Rule | None:
         """The rule ``rule_id`` while its row is in force (neither revoked nor expired), or None."""
@@ -292,14 +307,17 @@ def definition_text(rule: Rule) -> str:
 
 @dataclass(frozen=True)
 class RuleState:
-    """How a rule stands now, as ``kazma approvals rules list`` and the dashboard say it: ``active`` (it lets its
-    call run), ``ended`` (its row says in force, but the configuration now lets it run no more: quietly, no
-    forgery), ``refused`` (a row no "Approve for …" made as it stands: it lets nothing run), ``unchecked`` (it
-    would stand if its seal holds, which cannot be checked without the decision key), ``expired`` or ``revoked``.
-    ``why``: said for ``ended``, ``refused`` and ``unchecked``."""
+    """How a rule stands now, as ``kazma approvals rules list`` and the dashboard say it and as the service weighs
+    it before it lets a call run (:func:`rule_standing`): ``active`` (it lets its call run), ``ended`` (its row
+    says in force, but the configuration now lets it run no more: quietly, no forgery), ``refused`` (a row no
+    "Approve for …" made as it stands: it lets nothing run), ``unchecked`` (it would stand if its seal holds, which
+    cannot be checked without the decision key), ``expired`` or ``revoked``. ``why``: said for ``ended``,
+    ``refused`` and ``unchecked``. ``site``: for ``refused`` and ``unchecked``, the failure counter a call it is
+    refused for counts (a row written around Kazma, or a key not held here)."""
 
     name: str
     why: str | None = None
+    site: str | None = None
 
     @property
     def stands(self) -> bool:
@@ -313,51 +331,105 @@ def _utc(seconds: float) -> str:
 async def rule_states(
     store: ApprovalStore, rules: Sequence[Rule], *, config: KazmaConfig, keyring: Keyring | None, now: float
 ) -> list[RuleState]:
-    """How each of ``rules`` stands at ``now`` under ``config``, judged as the service judges a rule before it
-    lets a call run (see ApprovalService.remembered), short of what only a live call knows: whether an MCP tool's
-    definition now is the one the rule is bound to (its digest is shown instead). ``keyring`` None: seals cannot
-    be checked here (no usable decision key), so a rule nothing else ends is ``unchecked``, never ``active``.
-    Reads each in-force rule's approval, as the service does."""
-    remember = config.approvals.remember
-    states = []
-    for rule in rules:
-        if rule.revoked_at is not None:
-            states.append(RuleState("revoked"))
-            continue
-        if now >= rule.expires_at:
-            states.append(RuleState("expired"))
-            continue
-        problem = None if keyring is None else rule.seal_problem(keyring)
-        if problem is not None:
-            states.append(RuleState("refused", problem.detail))
-            continue
-        if not remember.enabled:
-            states.append(RuleState("ended", "approvals.remember.enabled is off: no rule is consulted"))
-            continue
-        policy = config.policy(config.policy_name_for(rule.tool))
-        if policy is None or not config.roster.may_decide(rule.created_by, rule.created_via, policy.approvers):
-            states.append(RuleState("ended", f"{rule.created_by} may no longer approve {rule.tool}"))
-            continue
-        state = await _against_its_approval(store, rule, remember.max_seconds, now)
-        if state.stands and keyring is None:
-            # A row written around Kazma would look active too: without the key nothing here says it is not.
-            state = RuleState(
-                "unchecked", "its seal cannot be checked here: no usable decision key (kazma doctor says why)"
-            )
-        states.append(state)
-    return states
+    """How each of ``rules`` stands at ``now`` under ``config``: :func:`rule_standing`, the reading the service
+    makes before it lets a call run, short of what only a live call knows (whose work it is, under
+    ``forbid_requester``; whether an MCP tool's definition now is the one the rule is bound to: its digest is
+    shown instead). ``keyring`` None: seals cannot be checked here (no usable decision key), so a rule nothing
+    else ends is ``unchecked``, never ``active``."""
+    return [(await rule_standing(store, rule, config=config, keyring=keyring, now=now))[0] for rule in rules]
 
 
-async def _against_its_approval(store: ApprovalStore, rule: Rule, max_seconds: int, now: float) -> RuleState:
-    """``rule`` (in force, its seal holding) judged by its approval's time against max_seconds now."""
+async def rule_standing(
+    store: ApprovalStore, rule: Rule, *, config: KazmaConfig, keyring: Keyring | None, now: float
+) -> tuple[RuleState, ApprovalRequest | None]:
+    """Whether ``rule`` lets its call run at ``now`` under ``config`` and, if not, why; with the approval it was
+    made from, as read (None: not read, or none). The one reading of a rule: the service's before a call runs
+    (:meth:`~kazma.approvals.service.ApprovalService.remembered`) and the listings' (:func:`rule_states`), so a
+    rule shown ended, refused, expired or revoked never lets a call run, and one shown active does, but for the
+    checks only a live call can make. ``keyring`` None: nothing sealed can be checked, so the best it says is
+    ``unchecked``."""
+    if rule.revoked_at is not None:
+        return RuleState("revoked"), None
+    if now >= rule.expires_at:
+        return RuleState("expired"), None
+    sealed = None if keyring is None else rule.seal_problem(keyring)
+    if sealed is not None:
+        return RuleState("refused", sealed.detail, sealed.site), None
+    ended = _ended_by_config(rule, config)
+    if ended is not None:
+        return RuleState("ended", ended), None
     try:
         request = await store.get(rule.request_id)
     except UnreadableRequest as exc:  # a text in its row that is not UTF-8 (written around Kazma)
-        return RuleState("refused", f"its approval {rule.request_id} cannot be read ({exc})")
-    if request is None or request.decided_at is None:
-        return RuleState("refused", f"its approval {rule.request_id} is not on record as decided")
+        return RuleState("refused", f"its approval {rule.request_id} cannot be read ({exc})", FORGED), None
+    forged = await _made_problem(store, rule, request, config, keyring)
+    if forged is not None:
+        return RuleState("refused", forged.detail, forged.site), request
+    assert request is not None  # else refused above
+    assert request.decided_at is not None
+    max_seconds = config.approvals.remember.max_seconds
     ends = request.decided_at.timestamp() + max_seconds
     if now >= ends:
-        # The same test the service makes: a rule Kazma made lasts max_seconds from its approval, as configured now.
-        return RuleState("ended", f"approvals.remember.max_seconds is {max_seconds} s now, so it ended at {_utc(ends)}")
-    return RuleState("active")
+        # A rule Kazma made lasts max_seconds from its approval, as configured now (lowered since: ended, no forgery).
+        why = f"approvals.remember.max_seconds is {max_seconds} s now, so it ended at {_utc(ends)}"
+        return RuleState("ended", why), request
+    if keyring is None:
+        # A row written around Kazma would look active too: without the key nothing here says it is not.
+        why = "its seal cannot be checked here: no usable decision key (kazma doctor says why)"
+        return RuleState("unchecked", why, KEY_UNKNOWN), request
+    return RuleState("active"), request
+
+
+def _ended_by_config(rule: Rule, config: KazmaConfig) -> str | None:
+    """Why the configuration now lets ``rule`` (sealed, in force) stand for no call, or None: a change of
+    configuration, not a forgery, so it is said and not counted."""
+    if not config.approvals.remember.enabled:
+        return "approvals.remember.enabled is off: no rule is consulted"
+    if not in_a_chat(rule.conversation):
+        return f"{rule.conversation} is no chat: no rule is consulted there"
+    name = config.policy_name_for(rule.tool)
+    policy = config.policy(name)
+    if policy is None or not config.roster.may_decide(rule.created_by, rule.created_via, policy.approvers):
+        # Who may approve this tool was narrowed since: its maker could not approve the call on a card now.
+        return f"{rule.created_by} may no longer approve {rule.tool}"
+    if not policy.single:
+        # One person's press never stands for a call its policy now gives to several people, or to a passkey.
+        return f"{rule.tool}'s policy {name} now needs more than one person's press, or a passkey"
+    return None
+
+
+async def _made_problem(
+    store: ApprovalStore, rule: Rule, request: ApprovalRequest | None, config: KazmaConfig, keyring: Keyring | None
+) -> SealProblem | None:
+    """Why ``rule``, its seal verified, is not one a person's "Approve for …" made from ``request`` (its approval,
+    as read; None: none) for its call, or None. ``keyring`` None: every check but the seals."""
+    revoked = [e for e in await store.events(rule.request_id, event="rule_revoked") if e.detail == rule.id]
+    if revoked:
+        return SealProblem(
+            f"it was revoked by {revoked[0].actor} (the audit says so), but its row says it is in force", FORGED
+        )
+    if request is None:
+        return SealProblem("it names no request", FORGED)
+    problem = approval_problem(keyring, config, request, check_seal=keyring is not None)
+    if problem is not None:
+        return SealProblem(f"its approval {request.id} does not hold: {problem.detail}", problem.site)
+    made_for = (request.tool, request.args_hash, request.conversation, request.decided_by)
+    if made_for != (rule.tool, rule.args_hash, rule.conversation, rule.created_by):
+        return SealProblem(f"its approval {request.id} was for another call, place or person", FORGED)
+    if rule.definition_hash is not None and rule.definition_hash != request.definition_hash:
+        return SealProblem(f"its approval {request.id} was for another definition of {rule.tool}", FORGED)
+    if request.decided_at is None:
+        return SealProblem(f"its approval {request.id} is not on record as decided", FORGED)
+    decided = request.decided_at.timestamp()
+    # Kazma makes a rule with the press that approved (moments after the decision) and never for longer than
+    # max_seconds can ever be. One made later, or lasting longer, is no rule Kazma made: a forgery. A genuine
+    # rule past the max_seconds configured now (lowered since) is only ended (see rule_standing).
+    if rule.created_at - decided > RULE_MADE_WITHIN or rule.expires_at - decided > LONGEST_RULE:
+        return SealProblem(
+            f"it outlives approvals.remember.max_seconds from its approval {request.id} (made "
+            f"{rule.created_at - decided:.0f} s after it, until {rule.expires_at - decided:.0f} s after it)",
+            FORGED,
+        )
+    if not await decided_on_record(store, request):  # as an approval run from its card is held to
+        return SealProblem(f"its approval {request.id} has no decided audit row (changed outside Kazma)", FORGED)
+    return None

@@ -20,6 +20,7 @@ from typing import Any, Final, NamedTuple, Protocol, cast, runtime_checkable
 
 import structlog
 
+from kazma.approvals.approval_checks import approval_problem, decided_on_record
 from kazma.approvals.card import (
     BUTTON_PREFIX,
     TOOL_DEFINITION,
@@ -44,8 +45,8 @@ from kazma.approvals.model import (
     decider_text,
 )
 from kazma.approvals.progress import Progress, progress_line, progress_of
-from kazma.approvals.rules import Rule, RuleStore, in_a_chat, rules_consulted_for
-from kazma.approvals.seal import FORGED, SealProblem, seal_problem
+from kazma.approvals.rules import Rule, RuleStore, in_a_chat, rule_standing, rules_consulted_for
+from kazma.approvals.seal import FORGED, SealProblem
 from kazma.approvals.store import (
     ApprovalStore,
     CardCheck,
@@ -67,7 +68,6 @@ from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, is_withdraw
 from kazma.config import failpoints
 from kazma.config.address import Address, AddressError
 from kazma.config.backoff import Backoff
-from kazma.config.limits import MAX_REMEMBER_SECONDS
 from kazma.config.log_gate import LevelGate
 from kazma.config.metrics import (
     APPROVALS_OPENED,
@@ -108,10 +108,6 @@ START_RECORD_WITHIN = 10.0
 REFUSAL_RECORD_WITHIN = 1.0
 _NO_PUBLISHER = object()  # no publisher was checked yet (None is a publisher's value: none)
 _CONFIG_READS_KEPT = 4096  # persons and admissions a service keeps of its configuration at most (then starts again)
-# How long after the press that approved a request its rule may have been made (the rule is written right after the
-# decision's commit; generous for a slow store and replicas' clocks) and the most any rule lasts after it.
-_RULE_MADE_WITHIN: Final = 300.0
-_LONGEST_RULE: Final = MAX_REMEMBER_SECONDS + _RULE_MADE_WITHIN
 _RECENT_KEPT = 10_000  # requests ended here, and asked after, a service remembers (the oldest go first)
 _RECORD_GRACE = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8)  # seconds, about 1.6 in all
 
@@ -739,47 +735,45 @@ class ApprovalService:
             digest = args_hash(args)
         except ValueError:
             return None
-        rule = await self.rules.match(tool, digest, conversation, definition_hash)
-        if rule is None:
-            return None
         policy = self.config.policy(self.config.policy_name_for(tool))
-        sealed = rule.seal_problem(self.store.keyring)
-        if sealed is None and (
-            policy is None or not self.config.roster.may_decide(rule.created_by, rule.created_via, policy.approvers)
-        ):
-            # Who may approve this tool was narrowed since the rule was made (a configuration change, not a
-            # forgery): its maker could not approve the call on a card now, so no rule of theirs stands for it.
-            log.info("approvals.rule_maker_not_approver", rule=rule.id, tool=tool, maker=rule.created_by)
-            return None
-        # The request the rule was made from, read once: its checks below all look at this one row.
-        request = None if sealed is not None else await self.store.get(rule.request_id)
-        forged = sealed or await self._rule_problem(rule, request, tool, digest, conversation)
-        if forged is not None:
-            # A rule row is an approval too: one the decision it names cannot account for was written
-            # outside Kazma (or sealed with a key not held here). The call gets a card instead.
-            count_failure(forged.site)
-            await self._audit_safely(rule.request_id, "rule_refused", None, None, f"{rule.id}: {forged.detail}")
-            log.error("approvals.forged_rule", rule=rule.id, request_id=rule.request_id, detail=forged.detail)
-            return None
-        assert request is not None  # else refused as a forgery above
-        assert request.decided_at is not None
-        if self.clock() >= request.decided_at.timestamp() + self.config.approvals.remember.max_seconds:
-            # approvals.remember.max_seconds was lowered since the rule was made: a configuration change, not a
-            # forgery, so not counted or audited as one; the call gets a card.
-            log.info("approvals.rule_past_max_seconds", rule=rule.id, tool=tool, request_id=rule.request_id)
-            return None
-        assert policy is not None  # the maker may decide under it (above)
-        if started_by is not None and policy.forbid_requester and self._same_person(started_by, rule.created_by):
-            log.info("approvals.rule_not_for_requester", rule=rule.id, tool=tool, started_by=started_by)
-            return None
-        if rule.definition_hash is not None:
-            if rule.definition_hash != definition_hash:
-                log.info("approvals.rule_tool_redefined", rule=rule.id, tool=tool, request_id=rule.request_id,
-                         approved=rule.definition_hash, now=definition_hash)  # fmt: skip
-                return None
-        elif defined_since is not None and request.created_at.timestamp() < defined_since:
-            log.info("approvals.rule_tool_redefined", rule=rule.id, tool=tool, request_id=rule.request_id)
-            return None
+        # Every rule in force for this call, in the order match gives: one that does not stand (its maker no longer
+        # an approver, a row refused, not for this requester or definition) must not hide one that does.
+        for rule in await self.rules.candidates(tool, digest, conversation, definition_hash):
+            # The one reading of a rule, the listings' too (rule_states): what they show is what happens here.
+            state, request = await rule_standing(
+                self.store, rule, config=self.config, keyring=self.store.keyring, now=self.clock()
+            )
+            if state.site is not None:
+                # A rule row is an approval too: one the decision it names cannot account for was written
+                # outside Kazma (or sealed with a key not held here). The call gets a card instead.
+                count_failure(state.site)
+                await self._audit_safely(rule.request_id, "rule_refused", None, None, f"{rule.id}: {state.why}")
+                log.error("approvals.forged_rule", rule=rule.id, request_id=rule.request_id, detail=state.why)
+                continue
+            if not state.stands:
+                # Ended by a change of configuration (its maker no longer an approver, max_seconds lowered, a
+                # policy of several people now), or expired meanwhile: not a forgery, so not counted or audited.
+                log.info("approvals.rule_ended", rule=rule.id, tool=tool, state=state.name, why=state.why)
+                continue
+            assert policy is not None  # it stands: its maker may decide under it
+            assert request is not None
+            if started_by is not None and policy.forbid_requester and self._same_person(started_by, rule.created_by):
+                log.info("approvals.rule_not_for_requester", rule=rule.id, tool=tool, started_by=started_by)
+                continue
+            if rule.definition_hash is not None:
+                if rule.definition_hash != definition_hash:
+                    log.info("approvals.rule_tool_redefined", rule=rule.id, tool=tool, request_id=rule.request_id,
+                             approved=rule.definition_hash, now=definition_hash)  # fmt: skip
+                    continue
+            elif defined_since is not None and request.created_at.timestamp() < defined_since:
+                log.info("approvals.rule_tool_redefined", rule=rule.id, tool=tool, request_id=rule.request_id)
+                continue
+            await self._rule_used(rule, tool, digest, conversation)
+            return rule
+        return None
+
+    async def _rule_used(self, rule: Rule, tool: str, digest: str, conversation: str) -> None:
+        """``rule`` lets this call run: audited ``rule_used`` and said in the conversation."""
         definition = "" if rule.definition_hash is None else f", tool definition {rule.definition_hash[:12]}…"
         detail = f"{rule.id} ({tool} {digest[:12]}… in {conversation}{definition}; made by {rule.created_by})"
         await self._audit_safely(
@@ -801,42 +795,6 @@ class ApprovalService:
                     f"(request {rule.request_id}); it covers this exact call here until {until}.",
                 ),
             )
-        return rule
-
-    async def _rule_problem(
-        self, rule: Rule, request: ApprovalRequest | None, tool: str, digest: str, conversation: str
-    ) -> SealProblem | None:
-        """Why ``rule``, its seal verified, is not one a person's "Approve for …" made from ``request`` (its row, as
-        read; None: none) for this call here, or None."""
-        revoked = [e for e in await self.store.events(rule.request_id, event="rule_revoked") if e.detail == rule.id]
-        if revoked:
-            return SealProblem(
-                f"it was revoked by {revoked[0].actor} (the audit says so), but its row says it is in force", FORGED
-            )
-        if request is None:
-            return SealProblem("it names no request", FORGED)
-        problem = self.approval_problem(request)
-        if problem is not None:
-            return SealProblem(f"its approval {request.id} does not hold: {problem.detail}", problem.site)
-        made_for = (request.tool, request.args_hash, request.conversation, request.decided_by)
-        if made_for != (tool, digest, conversation, rule.created_by):
-            return SealProblem(f"its approval {request.id} was for another call, place or person", FORGED)
-        if rule.definition_hash is not None and rule.definition_hash != request.definition_hash:
-            return SealProblem(f"its approval {request.id} was for another definition of {tool}", FORGED)
-        assert request.decided_at is not None  # sealed: decided
-        decided = request.decided_at.timestamp()
-        # Kazma makes a rule with the press that approved (moments after the decision) and never for longer than
-        # max_seconds can ever be. One made later, or lasting longer, is no rule Kazma made: a forgery. A genuine
-        # rule past the max_seconds configured now (lowered since) is only ended (see remembered).
-        if rule.created_at - decided > _RULE_MADE_WITHIN or rule.expires_at - decided > _LONGEST_RULE:
-            return SealProblem(
-                f"it outlives approvals.remember.max_seconds from its approval {request.id} (made "
-                f"{rule.created_at - decided:.0f} s after it, until {rule.expires_at - decided:.0f} s after it)",
-                FORGED,
-            )
-        if not await self._decided_on_record(request):  # as an approval run from its card is held to
-            return SealProblem(f"its approval {request.id} has no decided audit row (changed outside Kazma)", FORGED)
-        return None
 
     # -- deciding --------------------------------------------------------------------------------
 
@@ -1750,17 +1708,7 @@ class ApprovalService:
     def approval_problem(self, request: ApprovalRequest) -> SealProblem | None:
         """Why ``request`` is not an approval a decision path of Kazma made, or None when it is: approved,
         sealed by a key held here, the seal matching every bound field, and decided by an approver."""
-        if request.status is not Status.APPROVED:
-            return SealProblem(f"it is {request.status.value}, not approved", FORGED)
-        sealed = seal_problem(self.store.keyring, request)
-        if sealed is not None:
-            return sealed
-        policy = self.config.policy(request.policy or DEFAULT_POLICY)
-        if policy is None:
-            return SealProblem(f"its policy {request.policy} is no longer configured", FORGED)
-        if not self.config.roster.may_decide(request.decided_by or "", request.decided_via or "", policy.approvers):
-            return SealProblem(f"{request.decided_by} may not approve (not an approver now)", FORGED)
-        return None
+        return approval_problem(self.store.keyring, self.config, request)
 
     def stored_approval_problem(self, request: ApprovalRequest) -> SealProblem | None:
         """:meth:`approval_problem`, and first whether the stored call still hashes to the sealed hash: the seal
@@ -1827,13 +1775,7 @@ class ApprovalService:
     async def _decided_on_record(self, request: ApprovalRequest) -> bool:
         """The ``decided`` audit row the compare-and-set wrote with it: same identity and person, same hash, that
         outcome."""
-        return any(
-            e.actor == request.decided_by
-            and e.person == request.decided_person
-            and e.args_hash == request.args_hash
-            and (e.detail or "").split(":", 1)[0] == Status.APPROVED.value
-            for e in await self.store.events(request.id, event="decided")
-        )
+        return await decided_on_record(self.store, request)
 
     async def verify_execution(self, request_id: str, tool: str, args: Mapping[str, Any]) -> None:
         """Refuse to run anything but the exact call that was approved, by a person, on the record.

@@ -42,7 +42,7 @@ NOT_ADDRESSES: dict[tuple[str, str], str] = {
     ("approvals/checkpoints.py", 'seal.partition(":")'): "a checkpoint's seal: key id, first row, MAC",
     ("approvals/checkpoints.py", 'rest.partition(":")'): "a checkpoint's seal: key id, first row, MAC",
     ("approvals/checkpoints.py", 'entry.partition(":")'): "a key id and its key",
-    ("approvals/service.py", '(e.detail or "").split(":", 1)'): "an audit row's detail: the status, then why",
+    ("approvals/approval_checks.py", '(e.detail or "").split(":", 1)'): "an audit row's detail: the status, then why",
     ("adapters/kit.py", 'key.split(":", 1)'): "a signed request's key: its kind, then its value",
     ("adapters/telegram/adapter.py", "f\"{self._bot_id}:{u['update_id']}\""): "an update's key: bot id, update id",
     ("adapters/telegram/adapter.py", 'f"{self._bot_id}:{update.update_id}"'): "an update's key: bot id, update id",
