@@ -245,11 +245,14 @@ class Replication:
         now = time.time()
         states = self.bus.inbound_states({} if fresh else self._recorded, now)
         same = {n: s.state for n, s in states.items()} == {n: s.state for n, s in self._recorded.items()}
-        # Written again now and then though nothing changed: rows another replica overwrote while it still
-        # believed it led (a stall past its grace) are put right within that time, not at the next change.
+        # Written again now and then though nothing changed: rows lost some other way (deleted by hand, a store
+        # restored from a backup) are put right within that time, not at the next change. (Another replica's late
+        # write cannot overwrite them: rows are keyed by their lease session.)
         if not fresh and same and now - self._recorded_at < INBOUND_REWRITE_SECONDS:
             return
         await self.inbound_record.record(self.replica, pid, states)
+        if fresh:
+            await self.inbound_record.forget_ended()
         self._recorded, self._recorded_on, self._recorded_at = states, pid, now
         log.info("replica.inbound_recorded", replica=self.replica, states={n: s.state for n, s in states.items()})
 

@@ -14,11 +14,14 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from kazma.adapters import bus, kit
+from kazma.adapters.bus import InboundState
 from kazma.bot import lifecycle
 from kazma.bot.app import App, build_app
+from kazma.bot.leader_inbound import LeaderInboundRecord
 from kazma.config import load_config_text
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
@@ -29,6 +32,7 @@ from kazma.config.store.postgres import PgStore
 from tests.audit_support import AUDIT_KEY
 from tests.fakes.telegram import Fault
 from tests.platforms_support import Fakes, adapters_for, three_fakes
+from tests.store_backends import replica_store
 from tests.test_healthz_platforms import healthz, served
 
 FAST = LeaseTiming(check_interval=0.3, check_timeout=0.3, retry_interval=0.1, server_drop_after=1.0)
@@ -143,3 +147,38 @@ async def test_a_follower_says_what_the_leader_recorded_of_its_inbound_connectio
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_write_of_a_leader_that_lost_the_lease_landing_late_leaves_the_new_leaders_record_read(
+    pg_dsn: str,
+) -> None:
+    """A leader's record began while it led and landed (a slow database) after the next leader's first record:
+    keyed by platform alone, it overwrote the new leader's rows, and every follower said "inbound state unknown"
+    (503 with no other way to decide) until the new leader's next write, up to INBOUND_REWRITE_SECONDS later."""
+    async with (
+        replica_store(pg_dsn, "t") as store,
+        await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as session_a,
+        await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as session_b,
+    ):
+        record = LeaderInboundRecord(store)
+        a_pid, b_pid = session_a.info.backend_pid, session_b.info.backend_pid
+        opened = {"telegram": InboundState(bus.INBOUND_OPEN, "serving", 100.0)}
+        await record.record("a", a_pid, opened)
+        await record.record("b", b_pid, {"telegram": InboundState(bus.INBOUND_OPEN, "serving", 200.0)})
+        late = {"telegram": InboundState(bus.INBOUND_FAILING, "inbound failing (409)", 150.0)}
+        await record.record("a", a_pid, late)  # the old leader's write, landing last
+
+        assert await record.read("b", b_pid) == {"telegram": InboundState(bus.INBOUND_OPEN, "serving", 200.0)}
+        assert await record.read("a", a_pid) == late  # kept apart, and never read while b holds the lease
+
+        # The rows of a session that ended go at the next leader's first record; a live session's stay.
+        await session_a.close()
+        await until(lambda: _ended(store, a_pid))
+        assert await record.forget_ended() == 1
+        assert await record.read("a", a_pid) == {}
+        assert await record.read("b", b_pid) == {"telegram": InboundState(bus.INBOUND_OPEN, "serving", 200.0)}
+
+
+async def _ended(store: PgStore, pid: int) -> bool:
+    rows = await tables_of(store).all("SELECT 1 FROM pg_stat_activity WHERE pid = ?", (pid,))
+    return not rows
