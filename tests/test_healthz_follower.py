@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from kazma.adapters import bus, kit
 from kazma.adapters.bus import InboundState
@@ -182,3 +183,52 @@ async def test_a_write_of_a_leader_that_lost_the_lease_landing_late_leaves_the_n
 async def _ended(store: PgStore, pid: int) -> bool:
     rows = await tables_of(store).all("SELECT 1 FROM pg_stat_activity WHERE pid = ?", (pid,))
     return not rows
+
+
+async def test_a_leader_whose_store_refuses_its_records_says_so_once_and_again_when_they_land(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record task logged a warning (and counted a failure) at every look, every second, for as long as the
+    store refused the write: one run of failures is now one warning, one count, and one line when it ends."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    monkeypatch.setattr(leader, "LeaseTiming", lambda: FAST)
+    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 3600.0)  # the closed gateway stays closed
+    monkeypatch.setattr(lifecycle, "INBOUND_RECORD_SECONDS", 0.02)
+    async with three_fakes() as fakes, replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a:
+        fakes.slack.fail("auth.test", "500", times=1_000_000)
+        replication = a.replication
+        assert replication is not None
+        assert isinstance(a.stores.pg, PgStore)
+        tables = tables_of(a.stores.pg)
+
+        async def recorded(state: str) -> bool:
+            rows = await tables.all("SELECT state FROM leader_inbound WHERE platform = 'discord'")
+            return [tuple(r) for r in rows] == [(state,)]
+
+        await until(lambda: recorded(bus.INBOUND_OPEN))
+        looks = 0
+        record_inbound = replication.record_inbound
+
+        async def counted() -> None:
+            nonlocal looks
+            looks += 1
+            await record_inbound()
+
+        monkeypatch.setattr(replication, "record_inbound", counted)
+        await tables.run("ALTER TABLE leader_inbound RENAME TO leader_inbound_away")  # every write fails
+        before = failure_count("inbound_record")
+        with capture_logs() as logs:
+            assert await fakes.discord.drop_gateway(code=4014) == 1  # a change: the leader writes
+            await until(lambda: _true(failure_count("inbound_record") > before))
+            seen = looks
+            await until(lambda: _true(looks >= seen + 10))  # ten more looks, each failing
+            failed = [e for e in logs if e["event"] == "app.inbound_record_failed"]
+            assert len(failed) == 1, failed
+            assert failure_count("inbound_record") == before + 1
+            await tables.run("ALTER TABLE leader_inbound_away RENAME TO leader_inbound")
+            await until(lambda: recorded(bus.INBOUND_NOT_OPEN))
+            await until(lambda: _true(any(e["event"] == "app.inbound_record_recovered" for e in logs)))
+        assert failure_count("inbound_record") == before + 1
