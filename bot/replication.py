@@ -80,7 +80,8 @@ def replica_name(environ: Mapping[str, str] | None = None) -> str:
 # The leader records its inbound states when they change, and at least this often (seconds).
 INBOUND_REWRITE_SECONDS = 60.0
 
-# How long /healthz waits for the database before it says the store is unreachable.
+# How long /healthz waits for the database (every read it makes, together) before it says the store is
+# unreachable.
 HEALTH_TIMEOUT = 2.0
 
 
@@ -262,12 +263,18 @@ class Replication:
         reachable = True
         inbound: LeaderInbound | None = None
         leader = self.is_leader
+
+        async def read() -> tuple[tuple[str, int] | None, LeaderInbound | None]:
+            held = await lease_session(self.store.pool, self.lease.key)
+            if leader:
+                return held, None
+            states = None if held is None else await self.inbound_record.read(*held)
+            return held, LeaderInbound(None if held is None else held[0], states or None)
+
         try:
-            held = await bounded(lease_session(self.store.pool, self.lease.key), HEALTH_TIMEOUT)
+            # One wait for both reads: each bounded on its own, a slow database held /healthz twice as long.
+            held, inbound = await bounded(read(), HEALTH_TIMEOUT)
             holder = None if held is None else held[0]
-            if not leader:
-                states = None if held is None else await bounded(self.inbound_record.read(*held), HEALTH_TIMEOUT)
-                inbound = LeaderInbound(holder, states or None)
         except Exception as exc:
             reachable, problem = False, str(exc).strip() or type(exc).__name__
         if problem is None and not self.listener.connected:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from structlog.testing import capture_logs
 from kazma.adapters import bus, kit
 from kazma.adapters.bus import InboundState
 from kazma.bot import lifecycle
+from kazma.bot import replication as replication_module
 from kazma.bot.app import App, build_app
 from kazma.bot.leader_inbound import LeaderInboundRecord
 from kazma.config import load_config_text
@@ -232,3 +234,50 @@ async def test_a_leader_whose_store_refuses_its_records_says_so_once_and_again_w
             await until(lambda: recorded(bus.INBOUND_NOT_OPEN))
             await until(lambda: _true(any(e["event"] == "app.inbound_record_recovered" for e in logs)))
         assert failure_count("inbound_record") == before + 1
+
+
+async def test_a_followers_healthz_waits_for_a_slow_database_once_not_once_per_read(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower's /healthz reads the lease holder, then the holder's record, and bounded each read by
+    HEALTH_TIMEOUT: a database slow to hand out a connection, then slow on the record, held it for nearly twice
+    that before it answered "the store cannot be reached". Both reads now share the one wait."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    monkeypatch.setattr(leader, "LeaseTiming", lambda: FAST)
+    monkeypatch.setattr(replication_module, "HEALTH_TIMEOUT", 1.0)
+    holder_name = leader.LeaderLease.APPLICATION_PREFIX + "x"
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, application_name=holder_name) as x:
+        await x.execute("SELECT pg_advisory_lock(%s)", (leader.lock_key("kazma"),))  # "x" leads all along
+        await _follower_waits_once(tmp_path, pg_dsn, monkeypatch)
+
+
+async def _follower_waits_once(tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with (
+        three_fakes() as fakes,
+        replica(fakes, pg_dsn, "b", tmp_path, monkeypatch) as b,
+        await psycopg.AsyncConnection.connect(pg_dsn) as locker,
+    ):
+        replication = b.replication
+        assert replication is not None
+        health = await replication.health()
+        assert (health.holder, health.leader, health.store_reachable) == ("x", False, True)
+
+        await locker.execute("LOCK TABLE leader_inbound IN ACCESS EXCLUSIVE MODE")  # the record's read waits
+        pool = replication.store.pool
+        taken = [await pool.getconn() for _ in range(pool.max_size)]  # the holder's read waits for a connection
+
+        async def give_back() -> None:
+            await asyncio.sleep(0.7)  # the database's slowness, not a synchronisation
+            for conn in taken:
+                await pool.putconn(conn)
+
+        slow = asyncio.create_task(give_back())
+        started = time.monotonic()
+        health = await replication.health()
+        took = time.monotonic() - started
+        await slow
+        await locker.rollback()
+        assert not health.store_reachable
+        assert took < 1.5, took  # one wait of 1.0 s (and its cancelling), not 0.7 s and then 1.0 s more
