@@ -80,10 +80,15 @@ class LeaderInboundRecord:
         each, never read again); PostgreSQL only."""
         return await self.tables.run(_FORGET_ENDED)
 
-    async def read(self, replica: str, lease_pid: int) -> dict[str, InboundState]:
-        """What ``replica`` recorded on the lease session ``lease_pid`` (rows of another session are left out)."""
+    async def read(self, replica: str, lease_pid: int) -> tuple[dict[str, InboundState], bool]:
+        """What ``replica`` recorded on the lease session ``lease_pid`` (rows of another session are left out),
+        and whether it has recorded anything at all, on any session (a replica of an earlier release never does)."""
         rows = await self.tables.all(
-            "SELECT platform, state, detail, since FROM leader_inbound WHERE replica = ? AND lease_pid = ?",
-            (replica, lease_pid),
+            "SELECT platform, state, detail, since, lease_pid FROM leader_inbound WHERE replica = ?", (replica,)
         )
-        return {str(p): InboundState(str(state), str(detail), float(since)) for p, state, detail, since in rows}
+        states = {
+            str(p): InboundState(str(state), str(detail), float(since))
+            for p, state, detail, since, pid in rows
+            if int(pid) == lease_pid
+        }
+        return states, bool(rows)

@@ -268,8 +268,10 @@ class Replication:
             held = await lease_session(self.store.pool, self.lease.key)
             if leader:
                 return held, None
-            states = None if held is None else await self.inbound_record.read(*held)
-            return held, LeaderInbound(None if held is None else held[0], states or None)
+            if held is None:
+                return held, LeaderInbound(None, None)
+            states, records = await self.inbound_record.read(*held)
+            return held, LeaderInbound(held[0], states or None, records)
 
         try:
             # One wait for both reads: each bounded on its own, a slow database held /healthz twice as long.

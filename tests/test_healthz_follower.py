@@ -171,15 +171,15 @@ async def test_a_write_of_a_leader_that_lost_the_lease_landing_late_leaves_the_n
         late = {"telegram": InboundState(bus.INBOUND_FAILING, "inbound failing (409)", 150.0)}
         await record.record("a", a_pid, late)  # the old leader's write, landing last
 
-        assert await record.read("b", b_pid) == {"telegram": InboundState(bus.INBOUND_OPEN, "serving", 200.0)}
-        assert await record.read("a", a_pid) == late  # kept apart, and never read while b holds the lease
+        assert await record.read("b", b_pid) == ({"telegram": InboundState(bus.INBOUND_OPEN, "serving", 200.0)}, True)
+        assert await record.read("a", a_pid) == (late, True)  # kept apart, and never read while b holds the lease
 
         # The rows of a session that ended go at the next leader's first record; a live session's stay.
         await session_a.close()
         await until(lambda: _ended(store, a_pid))
         assert await record.forget_ended() == 1
-        assert await record.read("a", a_pid) == {}
-        assert await record.read("b", b_pid) == {"telegram": InboundState(bus.INBOUND_OPEN, "serving", 200.0)}
+        assert await record.read("a", a_pid) == ({}, False)
+        assert await record.read("b", b_pid) == ({"telegram": InboundState(bus.INBOUND_OPEN, "serving", 200.0)}, True)
 
 
 async def _ended(store: PgStore, pid: int) -> bool:
@@ -281,3 +281,31 @@ async def _follower_waits_once(tmp_path: Path, pg_dsn: str, monkeypatch: pytest.
         await locker.rollback()
         assert not health.store_reachable
         assert took < 1.5, took  # one wait of 1.0 s (and its cancelling), not 0.7 s and then 1.0 s more
+
+
+async def test_a_leader_of_the_previous_release_which_records_nothing_leaves_the_new_followers_at_200(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rolling upgrade: a replica of the previous release leads (it writes no leader_inbound row). Every new
+    follower said "inbound state unknown" for the leader's platforms and counted them down: 503 wherever no
+    other platform took presses, for as long as the old replica led, so an upgrade waiting for the new replicas
+    to be ready never went on. A holder with no row at all is now taken as the previous release's followers took it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    monkeypatch.setattr(leader, "LeaseTiming", lambda: FAST)
+    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    name = leader.LeaderLease.APPLICATION_PREFIX + "old"
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, application_name=name) as old:
+        await old.execute("SELECT pg_advisory_lock(%s)", (leader.lock_key("kazma"),))  # the previous release leads
+        async with three_fakes() as fakes:
+            fakes.slack.fail("auth.test", "500", times=1_000_000)  # Slack takes no press
+            async with replica(fakes, pg_dsn, "new", tmp_path, monkeypatch) as b, served(b, tmp_path / "b") as url:
+                status, lines = await healthz(url)
+                assert (status, lines[0]) == (200, "ok"), lines
+                assert "lease held by old" in lines
+                for platform in ("telegram", "discord"):
+                    assert line_of(lines, platform) == (
+                        f"platform {platform}: serving through the leader (old), which records no inbound state"
+                        " (a replica of an earlier release, or one that took the lease a moment ago)"
+                    ), lines
