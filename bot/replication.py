@@ -255,7 +255,8 @@ class Replication:
         if fresh:
             await self.inbound_record.forget_ended()
         self._recorded, self._recorded_on, self._recorded_at = states, pid, now
-        log.info("replica.inbound_recorded", replica=self.replica, states={n: s.state for n, s in states.items()})
+        if fresh or not same:  # the minute's rewrite of what did not change is no news: an info line a minute
+            log.info("replica.inbound_recorded", replica=self.replica, states={n: s.state for n, s in states.items()})
 
     async def health(self) -> ReplicaHealth:
         holder: str | None = None

@@ -309,3 +309,41 @@ async def test_a_leader_of_the_previous_release_which_records_nothing_leaves_the
                         f"platform {platform}: serving through the leader (old), which records no inbound state"
                         " (a replica of an earlier release, or one that took the lease a moment ago)"
                     ), lines
+
+
+async def test_the_leader_says_inbound_recorded_on_a_change_not_at_each_rewrite_of_the_same_states(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """replica.inbound_recorded (info) came with every write, the once-a-minute rewrite of unchanged states
+    included: an info line a minute on every leader for as long as it ran, saying nothing new."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    monkeypatch.setattr(leader, "LeaseTiming", lambda: FAST)
+    monkeypatch.setattr(lifecycle, "INBOUND_RECORD_SECONDS", 0.02)
+    monkeypatch.setattr(replication_module, "INBOUND_REWRITE_SECONDS", 0.0)  # every look writes again
+    async with three_fakes() as fakes, replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a:
+        replication = a.replication
+        assert replication is not None
+        assert isinstance(a.stores.pg, PgStore)
+        tables = tables_of(a.stores.pg)
+
+        async def recorded_open() -> bool:  # both singleton ingresses open: no change is due any more
+            rows = await tables.all("SELECT platform, state FROM leader_inbound ORDER BY platform")
+            return [tuple(r) for r in rows] == [("discord", bus.INBOUND_OPEN), ("telegram", bus.INBOUND_OPEN)]
+
+        await until(recorded_open)
+        looks = 0
+        record_inbound = replication.record_inbound
+
+        async def counted() -> None:
+            nonlocal looks
+            looks += 1
+            await record_inbound()
+
+        monkeypatch.setattr(replication, "record_inbound", counted)
+        with capture_logs() as logs:
+            await until(lambda: _true(looks >= 10))  # ten rewrites of the same states
+            assert [e for e in logs if e["event"] == "replica.inbound_recorded"] == []
+            assert await fakes.discord.drop_gateway(code=4014) == 1  # a change is said
+            await until(lambda: _true(any(e["event"] == "replica.inbound_recorded" for e in logs)))
