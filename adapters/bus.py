@@ -106,10 +106,13 @@ class LeaderInbound:
     """What a follower knows of the leader's inbound connections, for its ``/healthz``.
 
     ``replica``: the lease holder (None: nobody leads); ``states``: what that holder recorded on the lease
-    session it holds now (None: nothing yet, or it could not be read: unknown, never taken for open)."""
+    session it holds now (None: nothing yet, or it could not be read: unknown, never taken for open);
+    ``records``: whether that holder has any row at all, on any session (none: a replica of an earlier release,
+    which records nothing, or one that took the lease a moment ago)."""
 
     replica: str | None
     states: Mapping[str, InboundState] | None
+    records: bool = True
 
 
 def _clock_time(at: float) -> str:
@@ -124,6 +127,16 @@ def _through_leader(name: str, leader: LeaderInbound | None) -> PlatformHealth:
     if leader.replica is None:
         return PlatformHealth(name, False, "inbound connection not open: no replica leads")
     state = None if leader.states is None else leader.states.get(name)
+    if state is None and not leader.records:
+        # A leader of the previous release records nothing: counted down, every new follower answered 503 for
+        # as long as it led, and a rolling upgrade waiting for them to be ready never went on. Taken as the
+        # previous release's followers took it.
+        return PlatformHealth(
+            name,
+            True,
+            f"serving through the leader ({leader.replica}), which records no inbound state (a replica of an"
+            " earlier release, or one that took the lease a moment ago)",
+        )
     if state is None:
         return PlatformHealth(
             name, False, f"inbound state unknown: leader {leader.replica} has not recorded it under its lease"

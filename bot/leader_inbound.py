@@ -5,7 +5,9 @@ Slack's socket); a follower's ``/healthz`` said "serving" for them whatever beca
 records each platform's inbound state here when it changes (never per event), with the lease session it holds
 (its server process id): a follower trusts a row only while the replica named in it holds the lease on that
 same session. A row of a leader that lost the lease, or of an earlier life of a replica of the same name, reads
-as unknown, not as open.
+as unknown, not as open. A row is keyed by its session too: a write of a leader that lost the lease, landing after
+the new leader's (it began while the old one still led, and the database was slow), adds rows nobody reads
+instead of overwriting the new leader's, which would leave the followers' lines unknown until its next write.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ MIGRATIONS: Final = [
         1,
         (
             """CREATE TABLE IF NOT EXISTS leader_inbound (
-                platform TEXT PRIMARY KEY,
+                platform TEXT NOT NULL,
                 replica TEXT NOT NULL,
                 lease_pid INTEGER NOT NULL,
                 state TEXT NOT NULL,
                 detail TEXT NOT NULL,
-                since REAL NOT NULL
+                since REAL NOT NULL,
+                PRIMARY KEY (platform, replica, lease_pid)
             )""",
         ),
     )
@@ -41,12 +44,13 @@ PG_MIGRATIONS: Final = [
         1,
         (
             """CREATE TABLE IF NOT EXISTS leader_inbound (
-                platform text PRIMARY KEY,
+                platform text NOT NULL,
                 replica text NOT NULL,
                 lease_pid bigint NOT NULL,
                 state text NOT NULL,
                 detail text NOT NULL,
-                since double precision NOT NULL
+                since double precision NOT NULL,
+                PRIMARY KEY (platform, replica, lease_pid)
             )""",
         ),
     )
@@ -54,9 +58,12 @@ PG_MIGRATIONS: Final = [
 
 _UPSERT: Final = (
     "INSERT INTO leader_inbound (platform, replica, lease_pid, state, detail, since) VALUES (?, ?, ?, ?, ?, ?)"
-    " ON CONFLICT (platform) DO UPDATE SET replica = excluded.replica, lease_pid = excluded.lease_pid,"
-    " state = excluded.state, detail = excluded.detail, since = excluded.since"
+    " ON CONFLICT (platform, replica, lease_pid) DO UPDATE SET state = excluded.state, detail = excluded.detail,"
+    " since = excluded.since"
 )
+# Rows of sessions that ended (PostgreSQL: the leader's store): nobody holds the lease on them any more, and
+# none of them can write again. A live session's rows stay, whoever wrote last.
+_FORGET_ENDED: Final = "DELETE FROM leader_inbound WHERE lease_pid NOT IN (SELECT pid FROM pg_stat_activity)"
 
 
 class LeaderInboundRecord:
@@ -68,10 +75,20 @@ class LeaderInboundRecord:
         rows = [(p, replica, lease_pid, s.state, s.detail, s.since) for p, s in sorted(states.items())]
         await self.tables.run_many(_UPSERT, rows)  # one statement: the rows change together
 
-    async def read(self, replica: str, lease_pid: int) -> dict[str, InboundState]:
-        """What ``replica`` recorded on the lease session ``lease_pid`` (rows of another session are left out)."""
+    async def forget_ended(self) -> int:
+        """The rows of lease sessions that ended, dropped (a new leader's first record: one leadership's rows
+        each, never read again); PostgreSQL only."""
+        return await self.tables.run(_FORGET_ENDED)
+
+    async def read(self, replica: str, lease_pid: int) -> tuple[dict[str, InboundState], bool]:
+        """What ``replica`` recorded on the lease session ``lease_pid`` (rows of another session are left out),
+        and whether it has recorded anything at all, on any session (a replica of an earlier release never does)."""
         rows = await self.tables.all(
-            "SELECT platform, state, detail, since FROM leader_inbound WHERE replica = ? AND lease_pid = ?",
-            (replica, lease_pid),
+            "SELECT platform, state, detail, since, lease_pid FROM leader_inbound WHERE replica = ?", (replica,)
         )
-        return {str(p): InboundState(str(state), str(detail), float(since)) for p, state, detail, since in rows}
+        states = {
+            str(p): InboundState(str(state), str(detail), float(since))
+            for p, state, detail, since, pid in rows
+            if int(pid) == lease_pid
+        }
+        return states, bool(rows)

@@ -225,12 +225,21 @@ class Lifecycle(ABC):
         """While leading: the platforms' inbound states recorded for the followers' /healthz, on each change."""
         replication = self.replication
         assert replication is not None
+        failures = 0
         while True:
             try:
                 await replication.record_inbound()
             except Exception as exc:  # the followers read the last record (or none) meanwhile; tried at the next look
-                count_failure("inbound_record")
-                log.warning("app.inbound_record_failed", error=str(exc))
+                # Said and counted once per run of failures: a store refusing writes would otherwise log a
+                # warning every look (every second) for as long as it lasts.
+                if failures == 0:
+                    count_failure("inbound_record")
+                    log.warning("app.inbound_record_failed", error=str(exc))
+                failures += 1
+            else:
+                if failures:
+                    log.info("app.inbound_record_recovered", attempts=failures)
+                failures = 0
             await asyncio.sleep(INBOUND_RECORD_SECONDS)
 
     async def _recover_replicas(

@@ -80,7 +80,8 @@ def replica_name(environ: Mapping[str, str] | None = None) -> str:
 # The leader records its inbound states when they change, and at least this often (seconds).
 INBOUND_REWRITE_SECONDS = 60.0
 
-# How long /healthz waits for the database before it says the store is unreachable.
+# How long /healthz waits for the database (every read it makes, together) before it says the store is
+# unreachable.
 HEALTH_TIMEOUT = 2.0
 
 
@@ -245,13 +246,17 @@ class Replication:
         now = time.time()
         states = self.bus.inbound_states({} if fresh else self._recorded, now)
         same = {n: s.state for n, s in states.items()} == {n: s.state for n, s in self._recorded.items()}
-        # Written again now and then though nothing changed: rows another replica overwrote while it still
-        # believed it led (a stall past its grace) are put right within that time, not at the next change.
+        # Written again now and then though nothing changed: rows lost some other way (deleted by hand, a store
+        # restored from a backup) are put right within that time, not at the next change. (Another replica's late
+        # write cannot overwrite them: rows are keyed by their lease session.)
         if not fresh and same and now - self._recorded_at < INBOUND_REWRITE_SECONDS:
             return
         await self.inbound_record.record(self.replica, pid, states)
+        if fresh:
+            await self.inbound_record.forget_ended()
         self._recorded, self._recorded_on, self._recorded_at = states, pid, now
-        log.info("replica.inbound_recorded", replica=self.replica, states={n: s.state for n, s in states.items()})
+        if fresh or not same:  # the minute's rewrite of what did not change is no news: an info line a minute
+            log.info("replica.inbound_recorded", replica=self.replica, states={n: s.state for n, s in states.items()})
 
     async def health(self) -> ReplicaHealth:
         holder: str | None = None
@@ -259,12 +264,20 @@ class Replication:
         reachable = True
         inbound: LeaderInbound | None = None
         leader = self.is_leader
+
+        async def read() -> tuple[tuple[str, int] | None, LeaderInbound | None]:
+            held = await lease_session(self.store.pool, self.lease.key)
+            if leader:
+                return held, None
+            if held is None:
+                return held, LeaderInbound(None, None)
+            states, records = await self.inbound_record.read(*held)
+            return held, LeaderInbound(held[0], states or None, records)
+
         try:
-            held = await bounded(lease_session(self.store.pool, self.lease.key), HEALTH_TIMEOUT)
+            # One wait for both reads: each bounded on its own, a slow database held /healthz twice as long.
+            held, inbound = await bounded(read(), HEALTH_TIMEOUT)
             holder = None if held is None else held[0]
-            if not leader:
-                states = None if held is None else await bounded(self.inbound_record.read(*held), HEALTH_TIMEOUT)
-                inbound = LeaderInbound(holder, states or None)
         except Exception as exc:
             reachable, problem = False, str(exc).strip() or type(exc).__name__
         if problem is None and not self.listener.connected:

@@ -11,14 +11,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from kazma.adapters import bus, kit
+from kazma.adapters.bus import InboundState
 from kazma.bot import lifecycle
+from kazma.bot import replication as replication_module
 from kazma.bot.app import App, build_app
+from kazma.bot.leader_inbound import LeaderInboundRecord
 from kazma.config import load_config_text
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
@@ -29,6 +35,7 @@ from kazma.config.store.postgres import PgStore
 from tests.audit_support import AUDIT_KEY
 from tests.fakes.telegram import Fault
 from tests.platforms_support import Fakes, adapters_for, three_fakes
+from tests.store_backends import replica_store
 from tests.test_healthz_platforms import healthz, served
 
 FAST = LeaseTiming(check_interval=0.3, check_timeout=0.3, retry_interval=0.1, server_drop_after=1.0)
@@ -143,3 +150,200 @@ async def test_a_follower_says_what_the_leader_recorded_of_its_inbound_connectio
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_write_of_a_leader_that_lost_the_lease_landing_late_leaves_the_new_leaders_record_read(
+    pg_dsn: str,
+) -> None:
+    """A leader's record began while it led and landed (a slow database) after the next leader's first record:
+    keyed by platform alone, it overwrote the new leader's rows, and every follower said "inbound state unknown"
+    (503 with no other way to decide) until the new leader's next write, up to INBOUND_REWRITE_SECONDS later."""
+    async with (
+        replica_store(pg_dsn, "t") as store,
+        await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as session_a,
+        await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as session_b,
+    ):
+        record = LeaderInboundRecord(store)
+        a_pid, b_pid = session_a.info.backend_pid, session_b.info.backend_pid
+        opened = {"telegram": InboundState(bus.INBOUND_OPEN, "serving", 100.0)}
+        await record.record("a", a_pid, opened)
+        await record.record("b", b_pid, {"telegram": InboundState(bus.INBOUND_OPEN, "serving", 200.0)})
+        late = {"telegram": InboundState(bus.INBOUND_FAILING, "inbound failing (409)", 150.0)}
+        await record.record("a", a_pid, late)  # the old leader's write, landing last
+
+        assert await record.read("b", b_pid) == ({"telegram": InboundState(bus.INBOUND_OPEN, "serving", 200.0)}, True)
+        assert await record.read("a", a_pid) == (late, True)  # kept apart, and never read while b holds the lease
+
+        # The rows of a session that ended go at the next leader's first record; a live session's stay.
+        await session_a.close()
+        await until(lambda: _ended(store, a_pid))
+        assert await record.forget_ended() == 1
+        assert await record.read("a", a_pid) == ({}, False)
+        assert await record.read("b", b_pid) == ({"telegram": InboundState(bus.INBOUND_OPEN, "serving", 200.0)}, True)
+
+
+async def _ended(store: PgStore, pid: int) -> bool:
+    rows = await tables_of(store).all("SELECT 1 FROM pg_stat_activity WHERE pid = ?", (pid,))
+    return not rows
+
+
+async def test_a_leader_whose_store_refuses_its_records_says_so_once_and_again_when_they_land(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record task logged a warning (and counted a failure) at every look, every second, for as long as the
+    store refused the write: one run of failures is now one warning, one count, and one line when it ends."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    monkeypatch.setattr(leader, "LeaseTiming", lambda: FAST)
+    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 3600.0)  # the closed gateway stays closed
+    monkeypatch.setattr(lifecycle, "INBOUND_RECORD_SECONDS", 0.02)
+    async with three_fakes() as fakes, replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a:
+        fakes.slack.fail("auth.test", "500", times=1_000_000)
+        replication = a.replication
+        assert replication is not None
+        assert isinstance(a.stores.pg, PgStore)
+        tables = tables_of(a.stores.pg)
+
+        async def recorded(state: str) -> bool:
+            rows = await tables.all("SELECT state FROM leader_inbound WHERE platform = 'discord'")
+            return [tuple(r) for r in rows] == [(state,)]
+
+        await until(lambda: recorded(bus.INBOUND_OPEN))
+        looks = 0
+        record_inbound = replication.record_inbound
+
+        async def counted() -> None:
+            nonlocal looks
+            looks += 1
+            await record_inbound()
+
+        monkeypatch.setattr(replication, "record_inbound", counted)
+        await tables.run("ALTER TABLE leader_inbound RENAME TO leader_inbound_away")  # every write fails
+        before = failure_count("inbound_record")
+        with capture_logs() as logs:
+            assert await fakes.discord.drop_gateway(code=4014) == 1  # a change: the leader writes
+            await until(lambda: _true(failure_count("inbound_record") > before))
+            seen = looks
+            await until(lambda: _true(looks >= seen + 10))  # ten more looks, each failing
+            failed = [e for e in logs if e["event"] == "app.inbound_record_failed"]
+            assert len(failed) == 1, failed
+            assert failure_count("inbound_record") == before + 1
+            await tables.run("ALTER TABLE leader_inbound_away RENAME TO leader_inbound")
+            await until(lambda: recorded(bus.INBOUND_NOT_OPEN))
+            await until(lambda: _true(any(e["event"] == "app.inbound_record_recovered" for e in logs)))
+        assert failure_count("inbound_record") == before + 1
+
+
+async def test_a_followers_healthz_waits_for_a_slow_database_once_not_once_per_read(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower's /healthz reads the lease holder, then the holder's record, and bounded each read by
+    HEALTH_TIMEOUT: a database slow to hand out a connection, then slow on the record, held it for nearly twice
+    that before it answered "the store cannot be reached". Both reads now share the one wait."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    monkeypatch.setattr(leader, "LeaseTiming", lambda: FAST)
+    monkeypatch.setattr(replication_module, "HEALTH_TIMEOUT", 1.0)
+    holder_name = leader.LeaderLease.APPLICATION_PREFIX + "x"
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, application_name=holder_name) as x:
+        await x.execute("SELECT pg_advisory_lock(%s)", (leader.lock_key("kazma"),))  # "x" leads all along
+        await _follower_waits_once(tmp_path, pg_dsn, monkeypatch)
+
+
+async def _follower_waits_once(tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with (
+        three_fakes() as fakes,
+        replica(fakes, pg_dsn, "b", tmp_path, monkeypatch) as b,
+        await psycopg.AsyncConnection.connect(pg_dsn) as locker,
+    ):
+        replication = b.replication
+        assert replication is not None
+        health = await replication.health()
+        assert (health.holder, health.leader, health.store_reachable) == ("x", False, True)
+
+        await locker.execute("LOCK TABLE leader_inbound IN ACCESS EXCLUSIVE MODE")  # the record's read waits
+        pool = replication.store.pool
+        taken = [await pool.getconn() for _ in range(pool.max_size)]  # the holder's read waits for a connection
+
+        async def give_back() -> None:
+            await asyncio.sleep(0.7)  # the database's slowness, not a synchronisation
+            for conn in taken:
+                await pool.putconn(conn)
+
+        slow = asyncio.create_task(give_back())
+        started = time.monotonic()
+        health = await replication.health()
+        took = time.monotonic() - started
+        await slow
+        await locker.rollback()
+        assert not health.store_reachable
+        assert took < 1.5, took  # one wait of 1.0 s (and its cancelling), not 0.7 s and then 1.0 s more
+
+
+async def test_a_leader_of_the_previous_release_which_records_nothing_leaves_the_new_followers_at_200(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rolling upgrade: a replica of the previous release leads (it writes no leader_inbound row). Every new
+    follower said "inbound state unknown" for the leader's platforms and counted them down: 503 wherever no
+    other platform took presses, for as long as the old replica led, so an upgrade waiting for the new replicas
+    to be ready never went on. A holder with no row at all is now taken as the previous release's followers took it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    monkeypatch.setattr(leader, "LeaseTiming", lambda: FAST)
+    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    name = leader.LeaderLease.APPLICATION_PREFIX + "old"
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, application_name=name) as old:
+        await old.execute("SELECT pg_advisory_lock(%s)", (leader.lock_key("kazma"),))  # the previous release leads
+        async with three_fakes() as fakes:
+            fakes.slack.fail("auth.test", "500", times=1_000_000)  # Slack takes no press
+            async with replica(fakes, pg_dsn, "new", tmp_path, monkeypatch) as b, served(b, tmp_path / "b") as url:
+                status, lines = await healthz(url)
+                assert (status, lines[0]) == (200, "ok"), lines
+                assert "lease held by old" in lines
+                for platform in ("telegram", "discord"):
+                    assert line_of(lines, platform) == (
+                        f"platform {platform}: serving through the leader (old), which records no inbound state"
+                        " (a replica of an earlier release, or one that took the lease a moment ago)"
+                    ), lines
+
+
+async def test_the_leader_says_inbound_recorded_on_a_change_not_at_each_rewrite_of_the_same_states(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """replica.inbound_recorded (info) came with every write, the once-a-minute rewrite of unchanged states
+    included: an info line a minute on every leader for as long as it ran, saying nothing new."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    monkeypatch.setattr(leader, "LeaseTiming", lambda: FAST)
+    monkeypatch.setattr(lifecycle, "INBOUND_RECORD_SECONDS", 0.02)
+    monkeypatch.setattr(replication_module, "INBOUND_REWRITE_SECONDS", 0.0)  # every look writes again
+    async with three_fakes() as fakes, replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a:
+        replication = a.replication
+        assert replication is not None
+        assert isinstance(a.stores.pg, PgStore)
+        tables = tables_of(a.stores.pg)
+
+        async def recorded_open() -> bool:  # both singleton ingresses open: no change is due any more
+            rows = await tables.all("SELECT platform, state FROM leader_inbound ORDER BY platform")
+            return [tuple(r) for r in rows] == [("discord", bus.INBOUND_OPEN), ("telegram", bus.INBOUND_OPEN)]
+
+        await until(recorded_open)
+        looks = 0
+        record_inbound = replication.record_inbound
+
+        async def counted() -> None:
+            nonlocal looks
+            looks += 1
+            await record_inbound()
+
+        monkeypatch.setattr(replication, "record_inbound", counted)
+        with capture_logs() as logs:
+            await until(lambda: _true(looks >= 10))  # ten rewrites of the same states
+            assert [e for e in logs if e["event"] == "replica.inbound_recorded"] == []
+            assert await fakes.discord.drop_gateway(code=4014) == 1  # a change is said
+            await until(lambda: _true(any(e["event"] == "replica.inbound_recorded" for e in logs)))
