@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import pytest
@@ -765,6 +766,46 @@ async def test_other_api_errors_are_not_retryable(fake: FakeSlack, adapter: Slac
         await adapter.send_text(HOME, "x")
     assert info.value.retryable is False
     assert "channel_not_found" in str(info.value)
+
+
+@pytest.mark.parametrize("code", ["invalid_auth", "token_revoked", "account_inactive", "not_authed"])
+async def test_a_token_slack_refuses_while_running_fails_every_later_call_at_once_naming_the_fix(
+    fake: FakeSlack, adapter: SlackAdapter, code: str
+) -> None:
+    """Slack refused the bot token on a call (revoked, the app uninstalled): each later call asked Slack again with
+    it, and each failure said only the code. Now the first refusal turns Slack off for this process: every later
+    call fails at once, for good, with the operator's fix, and nothing more is sent with that token."""
+    fake.fail("chat.postMessage", "error", error=code)
+    before = failure_count("token_refused", "slack")
+    with pytest.raises(PlatformError) as info:
+        await adapter.send_text(HOME, "x")
+    assert (info.value.retryable, info.value.operator_must_act) == (False, True)
+    assert f"Slack refused the bot token ({code} on chat.postMessage)" in str(info.value)
+    assert "platforms.slack.bot_token" in str(adapter.setup_refused)
+    calls = len(fake.calls)
+    with pytest.raises(PlatformError) as later:
+        await adapter.post_card(make_card({"x": 1}))
+    assert (later.value.site, later.value.retryable, later.value.operator_must_act) == ("card_post", False, True)
+    assert "reinstall the app to the workspace" in str(later.value)
+    assert len(fake.calls) == calls
+    assert failure_count("token_refused", "slack") == before + 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "code"),
+    [("error", "ratelimited"), ("error", "fatal_error"), ("500", ""), ("error", "not_in_channel"),
+     ("error", "channel_not_found"), ("error", "missing_scope")],
+)  # fmt: skip
+async def test_a_refusal_that_is_not_the_tokens_leaves_slack_on(
+    fake: FakeSlack, adapter: SlackAdapter, kind: Literal["error", "500"], code: str
+) -> None:
+    """Slack's moment (rate limited, a fatal_error, a 5xx), one channel, or a scope: the next call still asks."""
+    fake.fail("chat.postMessage", kind, error=code, retry_after=0)
+    with contextlib.suppress(PlatformError):
+        await adapter.send_text(HOME, "x")
+    assert adapter.setup_refused is None
+    await adapter.send_text(HOME, "y")
+    assert [m.text for m in fake.channel(HOME)][-1] == "y"
 
 
 async def test_a_bad_token_fails_start(fake: FakeSlack, recorder: Recorder) -> None:

@@ -24,7 +24,7 @@ import logging
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Unpack
+from typing import TYPE_CHECKING, Any, Final, TypeVar, Unpack
 from urllib.parse import urlsplit
 from urllib.request import proxy_bypass
 
@@ -55,7 +55,16 @@ from kazma.adapters.deny_reason import (
 from kazma.adapters.ingress import Arrival, Stopped
 from kazma.adapters.kit import NOT_SERVED, InboundStreak, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
-from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, download_refused, error_code
+from kazma.adapters.slack.errors import (
+    NO_CUSTOM_IDENTITY,
+    OPERATOR_FIX,
+    PLATFORM,
+    classify,
+    download_refused,
+    error_code,
+    refusal,
+    refuses_token,
+)
 from kazma.adapters.slack.inbound import (
     MESSAGE_SUBTYPES,
     Seen,
@@ -87,6 +96,8 @@ from kazma.config.waits import bounded
 
 if TYPE_CHECKING:
     from slack_bolt.adapter.socket_mode.async_handler import AsyncSocketModeHandler
+
+T = TypeVar("T")
 
 log = structlog.get_logger("kazma.adapters.slack")
 # slack-sdk's client logger. slack-sdk formats every request's parameters and every answer (a card's blocks, both
@@ -245,6 +256,9 @@ class SlackAdapter(PlatformBase):
         self._session: aiohttp.ClientSession | None = None
         self._events_url: str | None = None
         self.bot_user_id: str | None = None
+        # Slack refused the bot token while Kazma ran, and what the operator does about it: the token comes from the
+        # configuration, so until a restart every call with it is refused again.
+        self._token_refused: str | None = None
         self._register()
 
     @property
@@ -263,6 +277,46 @@ class SlackAdapter(PlatformBase):
     def ingress_trouble(self) -> str | None:
         return self._socket_streak.trouble if self.has_singleton_ingress and self.ingress_running else None
 
+    @property
+    def setup_refused(self) -> str | None:
+        return self._token_refused
+
+    def _refuse_token(self, site: str, exc: BaseException) -> None:
+        """Slack refused the bot token on a call (see ``refuses_token``): said and counted once, and from now on no
+        call is made with it (see ``_token_refused``)."""
+        if self._token_refused is not None:
+            return
+        self._token_refused = f"Slack refused the bot token ({refusal(exc)}): {OPERATOR_FIX}"
+        count_failure("token_refused", PLATFORM)
+        log.error("slack.token_refused", site=site, error=refusal(exc), fix=OPERATOR_FIX)
+
+    def _token_error(self, site: str) -> PlatformError:
+        return PlatformError(PLATFORM, site, self._token_refused or "", retryable=False, operator_must_act=True)
+
+    async def call(
+        self,
+        site: str,
+        chat: str | None,
+        operation: Callable[[], Awaitable[T]],
+        *,
+        paced: bool = True,
+        wait_out_429: bool = True,
+        timeout: float | None = None,  # noqa: ASYNC109 - the kit's: per attempt
+    ) -> T:
+        """The kit's call, given up at once after Slack refused the bot token (every call carries it)."""
+        if self._token_refused is not None:
+            error = self._token_error(site)
+            self.failed(site, chat, error)
+            raise error
+        try:
+            return await super().call(site, chat, operation, paced=paced, wait_out_429=wait_out_429, timeout=timeout)
+        except PlatformError as exc:
+            cause = exc.__cause__
+            if cause is None or not refuses_token(cause):
+                raise
+            self._refuse_token(site, cause)
+            raise self._token_error(site) from exc
+
     @staticmethod
     def _new_streak() -> InboundStreak:
         return InboundStreak(
@@ -276,6 +330,7 @@ class SlackAdapter(PlatformBase):
         _CLIENT_LOG.setLevel(logging.NOTSET if parent is None else parent.getEffectiveLevel())
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout))
         self.client.session = self._card_client.session = self._session
+        self._token_refused = None  # a start is the operator's "try again"
         auth = await self.client.auth_test()
         self.bot_user_id = str(auth.get("user_id") or "") or None
         if not self.config.app_token:
@@ -515,11 +570,15 @@ class SlackAdapter(PlatformBase):
         if channel in self._titles:
             return self._titles[channel]
         title = ""
+        if self._token_refused is not None:
+            return title  # not kept: asked again once the operator set a token Slack takes
         try:
             found = await self.client.conversations_info(channel=channel)
             name = (found.get("channel") or {}).get("name")
             title = f"#{name}" if isinstance(name, str) and name else ""
         except Exception as exc:  # a name is a nicety: the message goes on without it
+            if refuses_token(exc):
+                self._refuse_token("channel_title", exc)
             count_failure("channel_title", PLATFORM)
             log.info("slack.channel_title_unknown", channel=channel, error=error_code(exc) or type(exc).__name__)
         if len(self._titles) < 10_000:
