@@ -858,12 +858,12 @@ async def test_socket_mode_delivers_events_commands_and_presses(
 async def test_a_socket_that_closed_and_does_not_open_again_is_said_as_the_inbound_failing_until_it_opens(
     fake: FakeSlack, start_adapter: StartAdapter, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Slack closed the socket and apps.connections.open refused the app token from then on (revoked): slack_sdk
-    tried again every ping and said so only in its own log, and /healthz said Slack served while nothing came in."""
+    """Slack closed the socket and apps.connections.open failed from then on (Slack's fault): slack_sdk tried again
+    every ping and said so only in its own log, and /healthz said Slack served while nothing came in."""
     monkeypatch.setattr(slack_adapter, "SOCKET_PING_SECONDS", 0.2)
     adapter = await start_adapter(config=slack_config(fake, app_token=fake.app_token, signing_secret=""))
     assert ingress_trouble(adapter) is None
-    fake.fail("apps.connections.open", "error", times=1_000_000, error="invalid_auth")
+    fake.fail("apps.connections.open", "error", times=1_000_000, error="internal_error")
     assert await fake.drop_sockets() == 1
     async with asyncio.timeout(20):
         while ingress_trouble(adapter) is None:
@@ -872,7 +872,7 @@ async def test_a_socket_that_closed_and_does_not_open_again_is_said_as_the_inbou
     assert trouble is not None
     assert trouble.startswith("Socket Mode's connection failed "), trouble
     assert "slack_sdk opening it again every 0.2 s" in trouble
-    assert "invalid_auth" in trouble  # why, from slack_sdk's own log
+    assert "internal_error" in trouble  # why, from slack_sdk's own log
 
     fake.heal("apps.connections.open")
     async with asyncio.timeout(20):
@@ -882,6 +882,44 @@ async def test_a_socket_that_closed_and_does_not_open_again_is_said_as_the_inbou
     assert await fake.socket_send("events_api", fake.event_envelope(event)) is None
     await recorder.signal.wait_until(lambda: len(recorder.inbound) == 1)
     assert recorder.inbound[0].text == "over the socket opened again"
+
+
+async def test_an_app_token_slack_refuses_while_running_is_not_asked_again_and_says_the_fix(
+    fake: FakeSlack,
+    start_adapter: StartAdapter,
+    logs: LogWatch,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The app-level token revoked while Kazma ran: Slack closed the socket and answered apps.connections.open
+    invalid_auth. slack_sdk asked again every ping (10 s) for ever, each time with two error lines of its own, and
+    /healthz said only that the socket was found closed, naming no fix. Now the refusal is said once, nothing asks
+    Slack with that token again, and the inbound trouble says which token and what to do; posting (the bot
+    token's) goes on."""
+    monkeypatch.setattr(slack_adapter, "SOCKET_PING_SECONDS", 0.05)
+    adapter = await start_adapter(config=slack_config(fake, app_token=fake.app_token, signing_secret=""))
+    before = failure_count("token_refused", "slack")
+    fake.revoke(fake.app_token, "invalid_auth")
+    assert await fake.drop_sockets() == 1
+    await logs.wait_for("slack.token_refused")
+    await asyncio.sleep(1.0)  # twenty pings: slack_sdk asked for a new socket at each before
+    assert [c.error for c in fake.calls_to("apps.connections.open")] == [None, "invalid_auth"]
+    assert failure_count("token_refused", "slack") == before + 1
+    assert len(logs.matching("slack.token_refused")) == 1
+    trouble = ingress_trouble(adapter)
+    assert trouble is not None
+    assert trouble.startswith("Socket Mode's connection failed and is not tried again: Slack refused the app-level "
+                              "token (invalid_auth on apps.connections.open)"), trouble  # fmt: skip
+    assert trouble.endswith("put it in platforms.slack.app_token and restart Kazma"), trouble
+    assert adapter.setup_refused is None  # the bot token still posts
+    await adapter.send_text(HOME, "still posting")
+    assert [m.text for m in fake.channel(HOME)][-1] == "still posting"
+    # Leading again later (a replica handed the lead back): refused at once, without asking Slack.
+    await adapter.stop_ingress()
+    with pytest.raises(PlatformError) as info:
+        await adapter.start_ingress()
+    assert (info.value.retryable, info.value.operator_must_act) == (False, True)
+    assert "platforms.slack.app_token" in str(info.value)
+    assert len(fake.calls_to("apps.connections.open")) == 2
 
 
 async def test_socket_mode_with_a_bad_app_token_fails_start(fake: FakeSlack, recorder: Recorder) -> None:

@@ -37,8 +37,10 @@ from slack_bolt.context.ack.async_ack import AsyncAck
 from slack_bolt.middleware.async_middleware import AsyncMiddleware
 from slack_bolt.request.async_request import AsyncBoltRequest
 from slack_bolt.response import BoltResponse
+from slack_sdk.errors import SlackApiError
 from slack_sdk.http_retry.builtin_async_handlers import AsyncConnectionErrorRetryHandler
 from slack_sdk.web.async_client import AsyncWebClient
+from slack_sdk.web.async_slack_response import AsyncSlackResponse
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.chat_commands import CHAT_COMMANDS
@@ -56,6 +58,7 @@ from kazma.adapters.ingress import Arrival, Stopped
 from kazma.adapters.kit import NOT_SERVED, InboundStreak, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
 from kazma.adapters.slack.errors import (
+    APP_OPERATOR_FIX,
     NO_CUSTOM_IDENTITY,
     OPERATOR_FIX,
     PLATFORM,
@@ -177,6 +180,24 @@ class _SocketLog(logging.LoggerAdapter[logging.Logger]):
         super().log(level, msg, *args, **kwargs)
 
 
+class _ConnectionsClient(AsyncWebClient):
+    """The Web API client slack_sdk's Socket Mode client asks for each socket's URL (``apps.connections.open``, with
+    the app-level token). After any refusal slack_sdk asks again at every ping, for ever, and says why only in its
+    own log: a refusal of the token itself is handed to ``refused``, which ends that."""
+
+    def __init__(self, refused: Callable[[SlackApiError], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._refused = refused
+
+    async def apps_connections_open(self, *, app_token: str, **kwargs: Any) -> AsyncSlackResponse:
+        try:
+            return await super().apps_connections_open(app_token=app_token, **kwargs)
+        except SlackApiError as exc:
+            if refuses_token(exc):
+                self._refused(exc)
+            raise
+
+
 class _ReplayDoor(AsyncMiddleware):
     """:meth:`SlackAdapter._drop_replays` as Bolt's middleware."""
 
@@ -259,6 +280,8 @@ class SlackAdapter(PlatformBase):
         # Slack refused the bot token while Kazma ran, and what the operator does about it: the token comes from the
         # configuration, so until a restart every call with it is refused again.
         self._token_refused: str | None = None
+        # The same for the app-level token (Socket Mode's): inbound only, so the bot token still posts.
+        self._app_token_refused: str | None = None
         self._register()
 
     @property
@@ -288,7 +311,28 @@ class SlackAdapter(PlatformBase):
             return
         self._token_refused = f"Slack refused the bot token ({refusal(exc)}): {OPERATOR_FIX}"
         count_failure("token_refused", PLATFORM)
-        log.error("slack.token_refused", site=site, error=refusal(exc), fix=OPERATOR_FIX)
+        log.error("slack.token_refused", refused="bot token", site=site, error=refusal(exc), fix=OPERATOR_FIX)
+
+    def _refuse_app_token(self, exc: SlackApiError) -> None:
+        """Slack refused the app-level token on ``apps.connections.open``: said and counted once, and no socket is
+        asked for with it again (slack_sdk's reconnecting is ended); the inbound trouble says what to do."""
+        if self._app_token_refused is not None:
+            return
+        self._app_token_refused = f"Slack refused the app-level token ({refusal(exc)}): {APP_OPERATOR_FIX}"
+        count_failure("token_refused", PLATFORM)
+        log.error(
+            "slack.token_refused", refused="app-level token", site="socket", error=refusal(exc), fix=APP_OPERATOR_FIX
+        )
+        socket = self._socket
+        if socket is not None:  # from slack_sdk's own reconnecting: it is ended by closing its client
+            self.spawn(self._end_socket(socket), name="kazma-slack-socket-refused")
+
+    async def _end_socket(self, socket: AsyncSocketModeHandler) -> None:
+        await self._stop_watching()
+        if self._socket is socket:
+            self._socket = None
+        self._socket_streak.failed(self._app_token_refused, final=True)
+        await socket.close_async()  # type: ignore[no-untyped-call]  # Bolt leaves it unannotated
 
     def _token_error(self, site: str) -> PlatformError:
         return PlatformError(PLATFORM, site, self._token_refused or "", retryable=False, operator_must_act=True)
@@ -330,7 +374,7 @@ class SlackAdapter(PlatformBase):
         _CLIENT_LOG.setLevel(logging.NOTSET if parent is None else parent.getEffectiveLevel())
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout))
         self.client.session = self._card_client.session = self._session
-        self._token_refused = None  # a start is the operator's "try again"
+        self._token_refused = self._app_token_refused = None  # a start is the operator's "try again"
         auth = await self.client.auth_test()
         self.bot_user_id = str(auth.get("user_id") or "") or None
         if not self.config.app_token:
@@ -411,9 +455,21 @@ class SlackAdapter(PlatformBase):
         return await to_aiohttp_response(bolt_response)
 
     async def _start_socket_mode(self) -> None:
+        if self._app_token_refused is not None:  # refused while Kazma ran: asking again can only be refused
+            raise PlatformError(
+                PLATFORM, "ingress_start", self._app_token_refused, retryable=False, operator_must_act=True
+            )
+        connections = _ConnectionsClient(
+            self._refuse_app_token,
+            base_url=self.config.api_base_url,
+            timeout=self._timeout,
+            session=self._session,
+            proxy=self.client.proxy,
+            logger=_CLIENT_LOG,
+        )
         # slack-sdk retries a failed connect forever, so a bad app token would hang
         # start; asking for the socket URL first turns it into a clear error.
-        opened = await self.client.apps_connections_open(app_token=self.config.app_token)
+        opened = await connections.apps_connections_open(app_token=self.config.app_token)
         # Socket mode's client (slack_sdk.socket_mode, its aiohttp websocket): imported only by a socket-mode start
         from slack_bolt.adapter.socket_mode.async_handler import AsyncSocketModeHandler
 
@@ -423,7 +479,7 @@ class SlackAdapter(PlatformBase):
             self.config.app_token,
             # a Logger as slack_sdk uses one (see _SocketLog), which Bolt's annotation does not know
             logger=said,  # type: ignore[arg-type]
-            web_client=self.client,
+            web_client=connections,
             ping_interval=SOCKET_PING_SECONDS,
         )
         handler.client.wss_uri = str(opened["url"])

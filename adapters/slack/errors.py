@@ -39,6 +39,11 @@ OPERATOR_FIX: Final = (
     "reinstall the app to the workspace (OAuth & Permissions → Reinstall to Workspace), put its Bot User OAuth "
     "Token (xoxb-) in platforms.slack.bot_token and restart Kazma"
 )
+# And about an app-level token Slack refused (Socket Mode's, ``connections:write``).
+APP_OPERATOR_FIX: Final = (
+    "create an app-level token with connections:write under Basic Information → App-Level Tokens, put it in "
+    "platforms.slack.app_token and restart Kazma"
+)
 
 
 def response_status(exc: SlackApiError) -> int | None:
