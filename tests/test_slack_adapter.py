@@ -791,6 +791,27 @@ async def test_a_token_slack_refuses_while_running_fails_every_later_call_at_onc
     assert failure_count("token_refused", "slack") == before + 1
 
 
+async def test_a_bot_token_refused_on_a_channels_name_turns_slack_off_and_the_message_still_arrives(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    """In HTTP mode events still come (they are signed with the signing secret, not the token): the first sign of a
+    revoked bot token may be the channel-name lookup of an arriving message. It is the same refusal, said there;
+    the message goes on without the name, and the reply is refused at once with the fix."""
+    # Bolt asks auth.test once, at the first request, and keeps its answer: a running Kazma had one long before.
+    await fake.post_event(events_url(adapter), fake.message_event(channel=OTHER, user=PERSON, text="earlier"))
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) == 1)
+    fake.revoke(fake.bot_token, "account_inactive")
+    await fake.post_event(events_url(adapter), fake.message_event(channel=HOME, user=PERSON, text="hello"))
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) == 2)
+    assert recorder.inbound[1].text == "hello"
+    assert [c.error for c in fake.calls_to("conversations.info")] == [None, "account_inactive"]
+    assert str(adapter.setup_refused).startswith("Slack refused the bot token (account_inactive on conversations.info)")
+    with pytest.raises(PlatformError) as info:
+        await adapter.send_text(HOME, "the answer")
+    assert info.value.operator_must_act
+    assert fake.calls_to("chat.postMessage") == []
+
+
 @pytest.mark.parametrize(
     ("kind", "code"),
     [("error", "ratelimited"), ("error", "fatal_error"), ("500", ""), ("error", "not_in_channel"),
