@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -233,3 +234,50 @@ async def until_async(predicate: Callable[[], object], timeout: float = 20.0) ->
     async with asyncio.timeout(timeout):
         while not await predicate():  # type: ignore[misc]
             await asyncio.sleep(0.02)
+
+
+async def test_slack_refusing_the_bot_token_while_running_is_healthz_off_said_once_and_later_cards_skip_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The app's bot token revoked while Kazma ran (Slack answers every call with it ``token_revoked``): each card's
+    Slack post was tried and given up with only "slack card_post: token_revoked", every later card asked Slack
+    again with the refused token, nothing said the token was refused or what to do, and /healthz said
+    "platform slack: serving". Now the refusal is said once (``slack.token_refused``, counted at
+    ``token_refused``), /healthz says Slack is off and how to fix it, and later cards are not sent to Slack at
+    all, while Telegram and Discord show them."""
+    caplog.set_level(logging.INFO)
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app, served(app, tmp_path) as url:
+        refused = failure_count("token_refused", "slack")
+        fakes.slack.revoke(fakes.slack.bot_token)
+        first = await app.service.open("shell", {"command": "make one"}, "agent:builder", "telegram:-1001")
+        await until(lambda: failure_count("token_refused", "slack") > refused)
+        assert [c.error for c in fakes.slack.calls_to("chat.postMessage")] == ["token_revoked"]
+        status, lines = await healthz(url)
+        assert (status, lines[0]) == (200, "ok")  # Telegram and Discord still take presses
+        slack = next((line for line in lines if line.startswith("platform slack: ")), "")
+        assert slack.startswith("platform slack: off, Slack refused the bot token (token_revoked"), lines
+        assert slack.endswith("put its Bot User OAuth Token (xoxb-) in platforms.slack.bot_token and restart Kazma")
+
+        second = await app.service.open("shell", {"command": "make two"}, "agent:builder", "telegram:-1001")
+        await until(lambda: "make two" in fakes.card_text("telegram") and "make two" in fakes.card_text("discord"))
+        assert isinstance(app.bus, bus.FanOutBus)
+        outbox = app.bus.outbox
+        await until_async(lambda: _post_ended(outbox, second.id, "slack"))
+        assert len(fakes.slack.calls_to("chat.postMessage")) == 1
+        assert failure_count("token_refused", "slack") == refused + 1
+        assert len([r for r in caplog.records if r.getMessage() == "slack.token_refused"]) == 1
+        gave_up = [
+            str(getattr(r, "error", ""))
+            for r in caplog.records
+            if r.getMessage() == "bus.card_post_gave_up" and getattr(r, "platform", "") == "slack"
+        ]
+        assert len(gave_up) == 2, gave_up
+        assert all("Slack refused the bot token" in e and "platforms.slack.bot_token" in e for e in gave_up)
+        for request in (first, second):
+            assert [c.platform for c in await app.service.store.cards(request.id)].count("slack") == 0
+
+
+async def _post_ended(outbox: object, request_id: str, platform: str) -> bool:
+    """Whether ``request_id``'s card post on ``platform`` is no longer pending in the outbox (posted or given up)."""
+    pending = await outbox.pending()  # type: ignore[attr-defined]
+    return not [r for r, p, _, _ in pending if r == request_id and p == platform]

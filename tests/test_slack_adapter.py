@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import pytest
@@ -767,6 +768,67 @@ async def test_other_api_errors_are_not_retryable(fake: FakeSlack, adapter: Slac
     assert "channel_not_found" in str(info.value)
 
 
+@pytest.mark.parametrize("code", ["invalid_auth", "token_revoked", "account_inactive", "not_authed"])
+async def test_a_token_slack_refuses_while_running_fails_every_later_call_at_once_naming_the_fix(
+    fake: FakeSlack, adapter: SlackAdapter, code: str
+) -> None:
+    """Slack refused the bot token on a call (revoked, the app uninstalled): each later call asked Slack again with
+    it, and each failure said only the code. Now the first refusal turns Slack off for this process: every later
+    call fails at once, for good, with the operator's fix, and nothing more is sent with that token."""
+    fake.fail("chat.postMessage", "error", error=code)
+    before = failure_count("token_refused", "slack")
+    with pytest.raises(PlatformError) as info:
+        await adapter.send_text(HOME, "x")
+    assert (info.value.retryable, info.value.operator_must_act) == (False, True)
+    assert f"Slack refused the bot token ({code} on chat.postMessage)" in str(info.value)
+    assert "platforms.slack.bot_token" in str(adapter.setup_refused)
+    calls = len(fake.calls)
+    with pytest.raises(PlatformError) as later:
+        await adapter.post_card(make_card({"x": 1}))
+    assert (later.value.site, later.value.retryable, later.value.operator_must_act) == ("card_post", False, True)
+    assert "reinstall the app to the workspace" in str(later.value)
+    assert len(fake.calls) == calls
+    assert failure_count("token_refused", "slack") == before + 1
+
+
+async def test_a_bot_token_refused_on_a_channels_name_turns_slack_off_and_the_message_still_arrives(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    """In HTTP mode events still come (they are signed with the signing secret, not the token): the first sign of a
+    revoked bot token may be the channel-name lookup of an arriving message. It is the same refusal, said there;
+    the message goes on without the name, and the reply is refused at once with the fix."""
+    # Bolt asks auth.test once, at the first request, and keeps its answer: a running Kazma had one long before.
+    await fake.post_event(events_url(adapter), fake.message_event(channel=OTHER, user=PERSON, text="earlier"))
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) == 1)
+    fake.revoke(fake.bot_token, "account_inactive")
+    await fake.post_event(events_url(adapter), fake.message_event(channel=HOME, user=PERSON, text="hello"))
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) == 2)
+    assert recorder.inbound[1].text == "hello"
+    assert [c.error for c in fake.calls_to("conversations.info")] == [None, "account_inactive"]
+    assert str(adapter.setup_refused).startswith("Slack refused the bot token (account_inactive on conversations.info)")
+    with pytest.raises(PlatformError) as info:
+        await adapter.send_text(HOME, "the answer")
+    assert info.value.operator_must_act
+    assert fake.calls_to("chat.postMessage") == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "code"),
+    [("error", "ratelimited"), ("error", "fatal_error"), ("500", ""), ("error", "not_in_channel"),
+     ("error", "channel_not_found"), ("error", "missing_scope")],
+)  # fmt: skip
+async def test_a_refusal_that_is_not_the_tokens_leaves_slack_on(
+    fake: FakeSlack, adapter: SlackAdapter, kind: Literal["error", "500"], code: str
+) -> None:
+    """Slack's moment (rate limited, a fatal_error, a 5xx), one channel, or a scope: the next call still asks."""
+    fake.fail("chat.postMessage", kind, error=code, retry_after=0)
+    with contextlib.suppress(PlatformError):
+        await adapter.send_text(HOME, "x")
+    assert adapter.setup_refused is None
+    await adapter.send_text(HOME, "y")
+    assert [m.text for m in fake.channel(HOME)][-1] == "y"
+
+
 async def test_a_bad_token_fails_start(fake: FakeSlack, recorder: Recorder) -> None:
     adapter = SlackAdapter(slack_config(fake, bot_token="xoxb-not-the-token"))
     with pytest.raises(PlatformError) as info:
@@ -817,12 +879,12 @@ async def test_socket_mode_delivers_events_commands_and_presses(
 async def test_a_socket_that_closed_and_does_not_open_again_is_said_as_the_inbound_failing_until_it_opens(
     fake: FakeSlack, start_adapter: StartAdapter, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Slack closed the socket and apps.connections.open refused the app token from then on (revoked): slack_sdk
-    tried again every ping and said so only in its own log, and /healthz said Slack served while nothing came in."""
+    """Slack closed the socket and apps.connections.open failed from then on (Slack's fault): slack_sdk tried again
+    every ping and said so only in its own log, and /healthz said Slack served while nothing came in."""
     monkeypatch.setattr(slack_adapter, "SOCKET_PING_SECONDS", 0.2)
     adapter = await start_adapter(config=slack_config(fake, app_token=fake.app_token, signing_secret=""))
     assert ingress_trouble(adapter) is None
-    fake.fail("apps.connections.open", "error", times=1_000_000, error="invalid_auth")
+    fake.fail("apps.connections.open", "error", times=1_000_000, error="internal_error")
     assert await fake.drop_sockets() == 1
     async with asyncio.timeout(20):
         while ingress_trouble(adapter) is None:
@@ -831,7 +893,7 @@ async def test_a_socket_that_closed_and_does_not_open_again_is_said_as_the_inbou
     assert trouble is not None
     assert trouble.startswith("Socket Mode's connection failed "), trouble
     assert "slack_sdk opening it again every 0.2 s" in trouble
-    assert "invalid_auth" in trouble  # why, from slack_sdk's own log
+    assert "internal_error" in trouble  # why, from slack_sdk's own log
 
     fake.heal("apps.connections.open")
     async with asyncio.timeout(20):
@@ -841,6 +903,44 @@ async def test_a_socket_that_closed_and_does_not_open_again_is_said_as_the_inbou
     assert await fake.socket_send("events_api", fake.event_envelope(event)) is None
     await recorder.signal.wait_until(lambda: len(recorder.inbound) == 1)
     assert recorder.inbound[0].text == "over the socket opened again"
+
+
+async def test_an_app_token_slack_refuses_while_running_is_not_asked_again_and_says_the_fix(
+    fake: FakeSlack,
+    start_adapter: StartAdapter,
+    logs: LogWatch,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The app-level token revoked while Kazma ran: Slack closed the socket and answered apps.connections.open
+    invalid_auth. slack_sdk asked again every ping (10 s) for ever, each time with two error lines of its own, and
+    /healthz said only that the socket was found closed, naming no fix. Now the refusal is said once, nothing asks
+    Slack with that token again, and the inbound trouble says which token and what to do; posting (the bot
+    token's) goes on."""
+    monkeypatch.setattr(slack_adapter, "SOCKET_PING_SECONDS", 0.05)
+    adapter = await start_adapter(config=slack_config(fake, app_token=fake.app_token, signing_secret=""))
+    before = failure_count("token_refused", "slack")
+    fake.revoke(fake.app_token, "invalid_auth")
+    assert await fake.drop_sockets() == 1
+    await logs.wait_for("slack.token_refused")
+    await asyncio.sleep(1.0)  # twenty pings: slack_sdk asked for a new socket at each before
+    assert [c.error for c in fake.calls_to("apps.connections.open")] == [None, "invalid_auth"]
+    assert failure_count("token_refused", "slack") == before + 1
+    assert len(logs.matching("slack.token_refused")) == 1
+    trouble = ingress_trouble(adapter)
+    assert trouble is not None
+    assert trouble.startswith("Socket Mode's connection failed and is not tried again: Slack refused the app-level "
+                              "token (invalid_auth on apps.connections.open)"), trouble  # fmt: skip
+    assert trouble.endswith("put it in platforms.slack.app_token and restart Kazma"), trouble
+    assert adapter.setup_refused is None  # the bot token still posts
+    await adapter.send_text(HOME, "still posting")
+    assert [m.text for m in fake.channel(HOME)][-1] == "still posting"
+    # Leading again later (a replica handed the lead back): refused at once, without asking Slack.
+    await adapter.stop_ingress()
+    with pytest.raises(PlatformError) as info:
+        await adapter.start_ingress()
+    assert (info.value.retryable, info.value.operator_must_act) == (False, True)
+    assert "platforms.slack.app_token" in str(info.value)
+    assert len(fake.calls_to("apps.connections.open")) == 2
 
 
 async def test_socket_mode_with_a_bad_app_token_fails_start(fake: FakeSlack, recorder: Recorder) -> None:

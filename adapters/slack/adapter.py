@@ -24,7 +24,7 @@ import logging
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Unpack
+from typing import TYPE_CHECKING, Any, Final, TypeVar, Unpack
 from urllib.parse import urlsplit
 from urllib.request import proxy_bypass
 
@@ -37,8 +37,10 @@ from slack_bolt.context.ack.async_ack import AsyncAck
 from slack_bolt.middleware.async_middleware import AsyncMiddleware
 from slack_bolt.request.async_request import AsyncBoltRequest
 from slack_bolt.response import BoltResponse
+from slack_sdk.errors import SlackApiError
 from slack_sdk.http_retry.builtin_async_handlers import AsyncConnectionErrorRetryHandler
 from slack_sdk.web.async_client import AsyncWebClient
+from slack_sdk.web.async_slack_response import AsyncSlackResponse
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.chat_commands import CHAT_COMMANDS
@@ -55,7 +57,17 @@ from kazma.adapters.deny_reason import (
 from kazma.adapters.ingress import Arrival, Stopped
 from kazma.adapters.kit import NOT_SERVED, InboundStreak, KitOptions, PlatformBase, Posted
 from kazma.adapters.pacing import ChatRateLimiter, Pacing
-from kazma.adapters.slack.errors import NO_CUSTOM_IDENTITY, PLATFORM, classify, download_refused, error_code
+from kazma.adapters.slack.errors import (
+    APP_OPERATOR_FIX,
+    NO_CUSTOM_IDENTITY,
+    OPERATOR_FIX,
+    PLATFORM,
+    classify,
+    download_refused,
+    error_code,
+    refusal,
+    refuses_token,
+)
 from kazma.adapters.slack.inbound import (
     MESSAGE_SUBTYPES,
     Seen,
@@ -87,6 +99,8 @@ from kazma.config.waits import bounded
 
 if TYPE_CHECKING:
     from slack_bolt.adapter.socket_mode.async_handler import AsyncSocketModeHandler
+
+T = TypeVar("T")
 
 log = structlog.get_logger("kazma.adapters.slack")
 # slack-sdk's client logger. slack-sdk formats every request's parameters and every answer (a card's blocks, both
@@ -164,6 +178,24 @@ class _SocketLog(logging.LoggerAdapter[logging.Logger]):
             except (TypeError, ValueError):  # a message that is no format string for its arguments
                 self.last_error = str(msg)
         super().log(level, msg, *args, **kwargs)
+
+
+class _ConnectionsClient(AsyncWebClient):
+    """The Web API client slack_sdk's Socket Mode client asks for each socket's URL (``apps.connections.open``, with
+    the app-level token). After any refusal slack_sdk asks again at every ping, for ever, and says why only in its
+    own log: a refusal of the token itself is handed to ``refused``, which ends that."""
+
+    def __init__(self, refused: Callable[[SlackApiError], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._refused = refused
+
+    async def apps_connections_open(self, *, app_token: str, **kwargs: Any) -> AsyncSlackResponse:
+        try:
+            return await super().apps_connections_open(app_token=app_token, **kwargs)
+        except SlackApiError as exc:
+            if refuses_token(exc):
+                self._refused(exc)
+            raise
 
 
 class _ReplayDoor(AsyncMiddleware):
@@ -245,6 +277,11 @@ class SlackAdapter(PlatformBase):
         self._session: aiohttp.ClientSession | None = None
         self._events_url: str | None = None
         self.bot_user_id: str | None = None
+        # Slack refused the bot token while Kazma ran, and what the operator does about it: the token comes from the
+        # configuration, so until a restart every call with it is refused again.
+        self._token_refused: str | None = None
+        # The same for the app-level token (Socket Mode's): inbound only, so the bot token still posts.
+        self._app_token_refused: str | None = None
         self._register()
 
     @property
@@ -263,6 +300,67 @@ class SlackAdapter(PlatformBase):
     def ingress_trouble(self) -> str | None:
         return self._socket_streak.trouble if self.has_singleton_ingress and self.ingress_running else None
 
+    @property
+    def setup_refused(self) -> str | None:
+        return self._token_refused
+
+    def _refuse_token(self, site: str, exc: BaseException) -> None:
+        """Slack refused the bot token on a call (see ``refuses_token``): said and counted once, and from now on no
+        call is made with it (see ``_token_refused``)."""
+        if self._token_refused is not None:
+            return
+        self._token_refused = f"Slack refused the bot token ({refusal(exc)}): {OPERATOR_FIX}"
+        count_failure("token_refused", PLATFORM)
+        log.error("slack.token_refused", refused="bot token", site=site, error=refusal(exc), fix=OPERATOR_FIX)
+
+    def _refuse_app_token(self, exc: SlackApiError) -> None:
+        """Slack refused the app-level token on ``apps.connections.open``: said and counted once, and no socket is
+        asked for with it again (slack_sdk's reconnecting is ended); the inbound trouble says what to do."""
+        if self._app_token_refused is not None:
+            return
+        self._app_token_refused = f"Slack refused the app-level token ({refusal(exc)}): {APP_OPERATOR_FIX}"
+        count_failure("token_refused", PLATFORM)
+        log.error(
+            "slack.token_refused", refused="app-level token", site="socket", error=refusal(exc), fix=APP_OPERATOR_FIX
+        )
+        socket = self._socket
+        if socket is not None:  # from slack_sdk's own reconnecting: it is ended by closing its client
+            self.spawn(self._end_socket(socket), name="kazma-slack-socket-refused")
+
+    async def _end_socket(self, socket: AsyncSocketModeHandler) -> None:
+        await self._stop_watching()
+        if self._socket is socket:
+            self._socket = None
+        self._socket_streak.failed(self._app_token_refused, final=True)
+        await socket.close_async()  # type: ignore[no-untyped-call]  # Bolt leaves it unannotated
+
+    def _token_error(self, site: str) -> PlatformError:
+        return PlatformError(PLATFORM, site, self._token_refused or "", retryable=False, operator_must_act=True)
+
+    async def call(
+        self,
+        site: str,
+        chat: str | None,
+        operation: Callable[[], Awaitable[T]],
+        *,
+        paced: bool = True,
+        wait_out_429: bool = True,
+        timeout: float | None = None,  # noqa: ASYNC109 - the kit's: per attempt
+    ) -> T:
+        """The kit's call, given up at once after Slack refused the bot token (every call carries it)."""
+        if self._token_refused is not None:
+            error = self._token_error(site)
+            self.failed(site, chat, error)
+            raise error
+        try:
+            return await super().call(site, chat, operation, paced=paced, wait_out_429=wait_out_429, timeout=timeout)
+        except PlatformError as exc:
+            cause = exc.__cause__
+            if cause is None or not refuses_token(cause):
+                raise
+            self._refuse_token(site, cause)
+            raise self._token_error(site) from exc
+
     @staticmethod
     def _new_streak() -> InboundStreak:
         return InboundStreak(
@@ -276,6 +374,7 @@ class SlackAdapter(PlatformBase):
         _CLIENT_LOG.setLevel(logging.NOTSET if parent is None else parent.getEffectiveLevel())
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout))
         self.client.session = self._card_client.session = self._session
+        self._token_refused = self._app_token_refused = None  # a start is the operator's "try again"
         auth = await self.client.auth_test()
         self.bot_user_id = str(auth.get("user_id") or "") or None
         if not self.config.app_token:
@@ -356,9 +455,21 @@ class SlackAdapter(PlatformBase):
         return await to_aiohttp_response(bolt_response)
 
     async def _start_socket_mode(self) -> None:
+        if self._app_token_refused is not None:  # refused while Kazma ran: asking again can only be refused
+            raise PlatformError(
+                PLATFORM, "ingress_start", self._app_token_refused, retryable=False, operator_must_act=True
+            )
+        connections = _ConnectionsClient(
+            self._refuse_app_token,
+            base_url=self.config.api_base_url,
+            timeout=self._timeout,
+            session=self._session,
+            proxy=self.client.proxy,
+            logger=_CLIENT_LOG,
+        )
         # slack-sdk retries a failed connect forever, so a bad app token would hang
         # start; asking for the socket URL first turns it into a clear error.
-        opened = await self.client.apps_connections_open(app_token=self.config.app_token)
+        opened = await connections.apps_connections_open(app_token=self.config.app_token)
         # Socket mode's client (slack_sdk.socket_mode, its aiohttp websocket): imported only by a socket-mode start
         from slack_bolt.adapter.socket_mode.async_handler import AsyncSocketModeHandler
 
@@ -368,7 +479,7 @@ class SlackAdapter(PlatformBase):
             self.config.app_token,
             # a Logger as slack_sdk uses one (see _SocketLog), which Bolt's annotation does not know
             logger=said,  # type: ignore[arg-type]
-            web_client=self.client,
+            web_client=connections,
             ping_interval=SOCKET_PING_SECONDS,
         )
         handler.client.wss_uri = str(opened["url"])
@@ -515,11 +626,15 @@ class SlackAdapter(PlatformBase):
         if channel in self._titles:
             return self._titles[channel]
         title = ""
+        if self._token_refused is not None:
+            return title  # not kept: asked again once the operator set a token Slack takes
         try:
             found = await self.client.conversations_info(channel=channel)
             name = (found.get("channel") or {}).get("name")
             title = f"#{name}" if isinstance(name, str) and name else ""
         except Exception as exc:  # a name is a nicety: the message goes on without it
+            if refuses_token(exc):
+                self._refuse_token("channel_title", exc)
             count_failure("channel_title", PLATFORM)
             log.info("slack.channel_title_unknown", channel=channel, error=error_code(exc) or type(exc).__name__)
         if len(self._titles) < 10_000:

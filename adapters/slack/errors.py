@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Final
+from urllib.parse import urlsplit
 
 import aiohttp
 from slack_sdk.errors import SlackApiError, SlackClientError
@@ -26,6 +27,22 @@ SETUP_CODES: Final = frozenset(
         "token_expired",
         "account_inactive",
     }
+)
+
+# What Slack answers a call whose token it no longer takes (revoked, expired, the app uninstalled, the workspace or
+# the bot deactivated, none sent): every later call with that token is answered the same. ``missing_scope`` and
+# ``not_allowed_token_type`` are about what a good token may do; ``ratelimited``, ``fatal_error`` and a 5xx about
+# Slack's moment; ``not_in_channel`` and ``channel_not_found`` about one channel.
+TOKEN_REFUSALS: Final = frozenset({"invalid_auth", "not_authed", "token_revoked", "token_expired", "account_inactive"})
+# What the operator does about a bot token Slack refused while Kazma ran (``kazma doctor`` says so at its check).
+OPERATOR_FIX: Final = (
+    "reinstall the app to the workspace (OAuth & Permissions → Reinstall to Workspace), put its Bot User OAuth "
+    "Token (xoxb-) in platforms.slack.bot_token and restart Kazma"
+)
+# And about an app-level token Slack refused (Socket Mode's, ``connections:write``).
+APP_OPERATOR_FIX: Final = (
+    "create an app-level token with connections:write under Basic Information → App-Level Tokens, put it in "
+    "platforms.slack.app_token and restart Kazma"
 )
 
 
@@ -95,6 +112,18 @@ def download_refused(status: int, retry_after_header: str | None, location: str 
 
 def error_code(exc: BaseException) -> str:
     return response_field(exc, "error") if isinstance(exc, SlackApiError) else ""
+
+
+def refuses_token(exc: BaseException) -> bool:
+    """Whether Slack refused the token the call carried itself (see :data:`TOKEN_REFUSALS`)."""
+    return error_code(exc) in TOKEN_REFUSALS
+
+
+def refusal(exc: BaseException) -> str:
+    """The refusal's code and the Web API method it answered: ``token_revoked on chat.postMessage``."""
+    url = str(getattr(getattr(exc, "response", None), "api_url", "") or "")
+    method = urlsplit(url).path.rsplit("/", 1)[-1]
+    return f"{error_code(exc)} on {method}" if method else error_code(exc)
 
 
 def classify(site: str, exc: BaseException, *, timeout: float | None = None) -> PlatformError:

@@ -289,6 +289,7 @@ class FakeSlack:
         self._closing = asyncio.Event()
         self._release = asyncio.Event()
         self.app_token = app_token
+        self.revoked: dict[str, str] = {}  # a token Slack no longer takes -> the error it answers a call with it
         self._tickets: set[str] = set()
         self._sockets: list[web.WebSocketResponse] = []
         self._acks: dict[str, asyncio.Future[Any]] = {}
@@ -354,6 +355,12 @@ class FakeSlack:
         drops before its answer is written (the client cannot know whether it happened).
         """
         self._faults.setdefault(method, []).append(Fault(kind, times, retry_after, error))
+
+    def revoke(self, token: str, error: str = "token_revoked") -> None:
+        """Slack no longer takes ``token`` (the bot's or the app-level one): revoked (``token_revoked``), the app
+        uninstalled or the workspace deactivated (``account_inactive``). Every call with it is answered ``error``,
+        as Slack answers it: HTTP 200 and ``ok: false``."""
+        self.revoked[token] = error
 
     def heal(self, method: str) -> None:
         """Drop the faults still scripted for ``method``: Slack answers it again."""
@@ -440,6 +447,9 @@ class FakeSlack:
         if token is None:
             record(error="not_authed")
             return web.json_response({"ok": False, "error": "not_authed"})
+        if token in self.revoked:
+            record(error=self.revoked[token])
+            return web.json_response({"ok": False, "error": self.revoked[token]})
         expected = self.app_token if method == "apps.connections.open" else self.bot_token
         if token != expected:
             record(error="invalid_auth")
