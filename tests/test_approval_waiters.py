@@ -85,6 +85,10 @@ async def test_many_waiters_of_one_request_read_it_once_after_its_decision(
         request = await service.open("shell", ARGS, "api:ci", "api:ci")
         waiters = [asyncio.create_task(service.wait_request(request.id, cancel_with_waiter=False)) for _ in range(200)]
         await _until(_waiting(service, request.id, len(waiters)))
+        watch = service._waiters.watches[request.id]
+        # All asleep on the event: their first read (shared, started with the uncounted get) is over. A decision
+        # landing while it ran would be read by it, before the commit or after: one read or none, by timing.
+        await _until(lambda: len(watch.event._waiters) == len(waiters))
         reads: list[str] = []
         get = service.store.get
 

@@ -328,11 +328,14 @@ class _CheckedLines(anyio.AsyncFile[str]):
             log.warning("mcp.message_not_json", error=str(exc)[:200])
             await self._send(None, PARSE_ERROR, f"the line is not JSON ({exc})")
             return
-        await self._refuse(members, f"the message cannot be read: {error}", event="mcp.message_unreadable")
+        await self._refuse(members, f"the message cannot be read: {error}", unreadable=True)
 
-    async def _refuse(self, members: Any, problem: str, *, event: str = "mcp.message_ambiguous") -> None:
+    async def _refuse(self, members: Any, problem: str, *, unreadable: bool = False) -> None:
         names = [name for name, _ in members] if isinstance(members, tuple) else []
-        log.warning(event, problem=problem[:200])
+        if unreadable:  # event names stay literals (tests/test_log_events.py): one for each kind of refusal
+            log.warning("mcp.message_unreadable", problem=problem[:200])
+        else:
+            log.warning("mcp.message_ambiguous", problem=problem[:200])
         if "method" not in names or "id" not in names:
             return  # a notification (or a response): JSON-RPC answers neither; said in the log, never forwarded
         ids = [value for name, value in members if name == "id"]
