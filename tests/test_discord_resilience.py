@@ -302,3 +302,22 @@ async def test_a_gateway_closed_for_an_intent_is_identified_again_seldom_enough_
             while not adapter.ingress_running:
                 await asyncio.sleep(0.02)
         assert len(fakes.discord.identifies) == 2
+
+
+async def test_attack_a_401_from_a_proxy_before_discord_does_not_take_discord_off(tmp_path: Path) -> None:
+    """A proxy between Kazma and Discord answering a card post with its own 401 sign-in page (HTML, not Discord's
+    JSON) was taken as Discord refusing the bot token: Discord went off until a restart, every later card on it
+    given up. That post fails; the next card lands on Discord."""
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        refused = failure_count("token_refused", "discord")
+        fakes.discord.inject_fault("POST", HOME_POST, "401-proxy")
+        first = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+        async with asyncio.timeout(20):
+            while not [c for c in fakes.discord.calls_to("POST", HOME_POST) if c.status == 401]:
+                await asyncio.sleep(0.02)
+        second = await app.service.open("shell", {"command": "make test"}, "agent:builder", "telegram:-1001")
+        async with asyncio.timeout(20):
+            while not [c for c in await app.service.store.cards(second.id) if c.platform == "discord"]:
+                await asyncio.sleep(0.02)
+        assert failure_count("token_refused", "discord") == refused
+        assert first.id != second.id

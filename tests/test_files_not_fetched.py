@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kazma.adapters.contract import setup_refused
 from kazma.config.metrics import failure_count
 from tests.fakes.discord import BOT_ID, HOME_CHANNEL_ID
 from tests.fakes.slack import FILE_DOWNLOAD
@@ -104,3 +105,30 @@ async def test_a_file_deleted_on_discord_before_kazma_fetched_it_is_said_gone_no
     assert "nothing was passed on" in answer, answer
     assert "404" not in answer, answer
     assert failure_count("attachment_save", "discord") == before_failures + 1
+
+
+async def test_attack_a_401_on_an_attachment_s_cdn_url_does_not_take_discord_off(tmp_path: Path) -> None:
+    """A 401 on an attachment's CDN URL (the CDN or a proxy before it refusing that URL: the bot token is never
+    sent there) was taken as Discord refusing the bot token: Discord went off until a restart, every card post
+    on it given up, and the sender was never even told the file could not be fetched. Only a 401 on Discord's
+    API says that; the file is said not fetched and Discord serves on."""
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        discord = fakes.discord
+        attachment = discord.attachment(HOME_CHANNEL_ID, "build.log", b"line 1\n")
+        discord.attachment_refusals[int(attachment["id"])] = 401
+        before = {str(m["id"]) for m in discord.channel_messages(HOME_CHANNEL_ID)}
+
+        def answers() -> list[str]:
+            return [
+                str(m.get("content") or "")
+                for m in discord.channel_messages(HOME_CHANNEL_ID)
+                if str(m["id"]) not in before and int(m["author"]["id"]) == BOT_ID
+            ]
+
+        refused = failure_count("token_refused", "discord")
+        await discord.user_message_with_files(HOME_CHANNEL_ID, "the log", [attachment])
+        await discord.wait_until(answers, timeout=20)
+        (answer,) = answers()
+        assert "nothing was passed on" in answer, answer
+        assert failure_count("token_refused", "discord") == refused
+        assert setup_refused(app.bus.adapters["discord"]) is None

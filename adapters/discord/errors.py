@@ -81,14 +81,24 @@ OPERATOR_FIX: Final = (
 
 def refuses_token(exc: BaseException) -> bool:
     """Whether Discord refused the bot token itself: discord.py's ``LoginFailure`` (a 401 on its login), or a 401
-    on a route the bot token authorises. Interaction and webhook routes carry their own token in the path: a 401
-    there (an interaction token expired) says nothing of the bot's."""
+    that Discord's API answered on a route the bot token authorises. Interaction and webhook routes carry their
+    own token in the path: a 401 there (an interaction token expired) says nothing of the bot's. Nor does a 401
+    off the API (an attachment's CDN URL, which is never sent the token) or one that is not Discord's JSON (a
+    proxy's sign-in page between Kazma and Discord): taken for the token's, each put Discord off until a restart."""
     if isinstance(exc, discord.LoginFailure):
-        return True
+        # discord.py raises it from the login's 401; one it raised without a response is its own word
+        return not isinstance(exc.__cause__, discord.HTTPException) or refuses_token(exc.__cause__)
     if not isinstance(exc, discord.HTTPException) or exc.status != 401:
         return False
-    path = str(getattr(getattr(exc.response, "url", None), "path", ""))
-    return not any(part in path for part in ("/webhooks/", "/interactions/"))
+    response = exc.response
+    api = discord.http.Route.BASE.rstrip("/")
+    url = str(getattr(response, "url", ""))
+    if not url.startswith(api + "/"):
+        return False
+    if url[len(api) :].startswith(("/webhooks/", "/interactions/")):
+        return False
+    headers = getattr(response, "headers", None) or {}
+    return str(headers.get("Content-Type", "")).startswith("application/json")
 
 
 def closed_for_a_setting(exc: BaseException | None) -> bool:

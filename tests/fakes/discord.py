@@ -70,7 +70,8 @@ EPHEMERAL = 1 << 6
 LOADING = 1 << 7
 
 # "401": Discord refusing an interaction's or a webhook's own token (in the route's path), not the bot's.
-FaultKind = Literal["500", "503", "429", "429-global", "429-no-via", "401", "hang"]
+# "401-proxy": a proxy between Kazma and Discord asking for its own sign-in (an HTML page, not Discord's JSON).
+FaultKind = Literal["500", "503", "429", "429-global", "429-no-via", "401", "401-proxy", "hang"]
 
 SYNC_FLUSH_SUFFIX = b"\x00\x00\xff\xff"
 
@@ -262,6 +263,8 @@ class FakeDiscord:
         self.overwrites: dict[int, list[Json]] = {}
         self.bot_in_guild = True  # False: the bot was never invited (or was removed): 403 Missing Access
         self.attachments: dict[int, bytes] = {}  # attachment id -> content (served under /attachments/)
+        # attachment id -> the status the CDN answers instead, with an HTML page (a proxy's or the CDN's own)
+        self.attachment_refusals: dict[int, int] = {}
         self.typing: list[tuple[int, float]] = []  # (channel id, time.monotonic()) per typing trigger
         self.calls: list[RecordedCall] = []
         self.messages: dict[int, Json] = {}
@@ -836,6 +839,8 @@ class FakeDiscord:
             return self._json(body, 429, headers)
         if fault.kind == "401":
             return self._error(401, 50027, "Invalid Webhook Token")
+        if fault.kind == "401-proxy":
+            return web.Response(status=401, text="<html><body>Sign in</body></html>", content_type="text/html")
         return self._error(int(fault.kind), 0, "Internal Server Error" if fault.kind == "500" else "Unavailable")
 
     def _authorised(self, request: web.Request, path: str) -> bool:
@@ -1162,6 +1167,9 @@ class FakeDiscord:
         return web.Response(status=204)
 
     async def _get_attachment(self, request: web.Request) -> web.Response:
+        refusal = self.attachment_refusals.get(int(request.match_info["id"]))
+        if refusal is not None:
+            return web.Response(status=refusal, text="<html><body>Unauthorized</body></html>", content_type="text/html")
         content = self.attachments.get(int(request.match_info["id"]))
         if content is None:
             return web.Response(status=404)
